@@ -1,0 +1,396 @@
+"""Run every sequence of a dataset folder, resumably, serially or spread over a Ray cluster.
+
+    OUTPUT/
+      summary.json            [{name, source, kind, status, error, frames, keyframes, fps, ..., ate_rmse, ...}]
+      summary.csv             the same rows and columns
+      <name>/                 one run directory per sequence (run.json, predictions/, trajectory_tum.txt, ...)
+      <name>/eval.json        when the sequence has ground truth
+      <name>/.complete        written last; holds the sequence's summary row
+
+A sequence whose folder has `.complete` is skipped (its row is reused with status `skipped`); a folder
+without it is the remains of a run that was killed or failed, and is deleted and redone. A sequence
+that fails is recorded with its error and the batch goes on; the summary is rewritten after every
+sequence, so a killed batch keeps what it finished.
+
+Workers hold the model once and take sequences one at a time, the shape of Ray's
+`ActorPool.map_unordered`: in-process (one worker) or one Ray actor per GPU (`--ray`). Results come
+back as rows, never as exceptions, so one bad sequence cannot stop the others.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import shutil
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from stream_recon.app.datasets import Sequence, TumFrames
+from stream_recon.app.evaluation import EvaluationError, evaluate_run
+
+logger = logging.getLogger(__name__)
+
+COMPLETE_MARKER = ".complete"
+SUMMARY_JSON = "summary.json"
+SUMMARY_CSV = "summary.csv"
+STATUSES = ("ok", "failed", "skipped")
+BASE_COLUMNS = ("name", "source", "kind", "status", "error", "frames", "keyframes", "fps", "seconds")
+EVAL_COLUMNS = (
+    "alignment",
+    "scale",
+    "matched_poses",
+    "ate_rmse",
+    "ate_mean",
+    "ate_median",
+    "rpe_trans_rmse",
+    "rpe_rot_rmse_deg",
+    "auc_5",
+    "auc_15",
+    "auc_30",
+    "depth_abs_rel",
+    "depth_delta1",
+)
+SUMMARY_COLUMNS = BASE_COLUMNS + EVAL_COLUMNS
+
+ModelLoader = Callable[[], Any]
+FrameCallback = Callable[[int, int | None], None]  # (frames done, frames expected or None)
+
+
+class BatchError(ValueError):
+    """The batch cannot start: bad output folder, no usable Ray cluster, ..."""
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """How sequences with ground truth are scored (see app.evaluation)."""
+
+    alignment: str = "sim3"
+    max_diff: float = 0.02
+
+
+# --------------------------------------------------------------------------------------------------
+# One sequence
+
+
+def run_dir_of(output_dir: Path, sequence: Sequence) -> Path:
+    return Path(output_dir) / sequence.name
+
+
+def finished_row(run_dir: Path) -> dict | None:
+    """The row a finished sequence left in its marker, or None when it has not finished."""
+    try:
+        row = json.loads((run_dir / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return row if isinstance(row, dict) else None
+
+
+def sequence_source(sequence: Sequence) -> Any:
+    """What `run_sequence` reads: the path of a video or image folder, or the TUM frame list."""
+    if sequence.kind == "tum":
+        return TumFrames(sequence.source)
+    return str(sequence.source)
+
+
+class SequenceWorker:
+    """Holds one model and processes sequences one at a time; every outcome comes back as a row.
+
+    Used directly for serial batches and wrapped as a Ray actor for distributed ones, so both paths
+    run exactly the same code on each sequence.
+    """
+
+    def __init__(
+        self, load_model: ModelLoader, run_options: Any, output_dir: str | Path, evaluation: EvalSettings
+    ):
+        self.model = load_model()
+        self.run_options = run_options
+        self.output_dir = Path(output_dir)
+        self.evaluation = evaluation
+
+    def process(self, sequence: Sequence, on_frame: FrameCallback | None = None) -> dict:
+        run_dir = run_dir_of(self.output_dir, sequence)
+        row = base_row(sequence)
+        started = time.monotonic()
+        try:
+            if run_dir.exists():
+                shutil.rmtree(run_dir)  # a partial run: its files would mix with the new ones
+            summary = self._run(sequence, run_dir, on_frame)
+        except Exception as error:  # noqa: BLE001 - any failure is this sequence's, recorded, never fatal
+            logger.debug("sequence %s failed:\n%s", sequence.name, traceback.format_exc())
+            row.update(status="failed", error=describe_error(error), seconds=time.monotonic() - started)
+            return row
+        row.update(frames=summary.frames, keyframes=summary.keyframes, fps=summary.fps)
+        if summary.status != "complete":
+            row.update(status="failed", error=summary.error or f"run ended {summary.status}")
+            row["seconds"] = time.monotonic() - started
+            return row
+        row["status"] = "ok"
+        if sequence.gt_file is not None:
+            row.update(self._evaluate(sequence, run_dir))
+        row["seconds"] = time.monotonic() - started
+        write_marker(run_dir, row)
+        return row
+
+    def _run(self, sequence: Sequence, run_dir: Path, on_frame: FrameCallback | None):
+        from stream_recon.app.pipeline import run_sequence  # the run command's own code path
+
+        return run_sequence(sequence_source(sequence), run_dir, self.run_options, model=self.model)
+
+    def _evaluate(self, sequence: Sequence, run_dir: Path) -> dict:
+        try:
+            metrics = evaluate_run(
+                run_dir,
+                sequence.gt_file,
+                alignment=self.evaluation.alignment,
+                max_diff=self.evaluation.max_diff,
+                depth_dir=sequence.depth_dir,
+            )
+        except (EvaluationError, OSError) as error:
+            # The reconstruction itself is fine and kept; only the comparison could not be made.
+            return {"error": f"evaluation: {error}"}
+        return {key: metrics[key] for key in EVAL_COLUMNS if key in metrics}
+
+
+def base_row(sequence: Sequence) -> dict:
+    row = dict.fromkeys(BASE_COLUMNS)
+    row.update(name=sequence.name, source=str(sequence.source), kind=sequence.kind)
+    return row
+
+
+def describe_error(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def write_marker(run_dir: Path, row: dict) -> None:
+    temporary = run_dir / (COMPLETE_MARKER + ".tmp")
+    temporary.write_text(json.dumps(row, indent=2) + "\n")
+    temporary.replace(run_dir / COMPLETE_MARKER)
+
+
+# --------------------------------------------------------------------------------------------------
+# Summary
+
+
+def write_summary(output_dir: Path, rows: Iterable[dict]) -> None:
+    """summary.json (rows as given, eval keys only where evaluated) and summary.csv (every column)."""
+    rows = list(rows)
+    output_dir = Path(output_dir)
+    json_rows = [
+        {key: row.get(key) for key in SUMMARY_COLUMNS if key in BASE_COLUMNS or key in row} for row in rows
+    ]
+    temporary = output_dir / (SUMMARY_JSON + ".tmp")
+    temporary.write_text(json.dumps(json_rows, indent=2) + "\n")
+    temporary.replace(output_dir / SUMMARY_JSON)
+    temporary = output_dir / (SUMMARY_CSV + ".tmp")
+    with temporary.open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=SUMMARY_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({key: "" if row.get(key) is None else row[key] for key in SUMMARY_COLUMNS})
+    temporary.replace(output_dir / SUMMARY_CSV)
+
+
+def read_summary(output_dir: Path) -> list[dict]:
+    return json.loads((Path(output_dir) / SUMMARY_JSON).read_text())
+
+
+# --------------------------------------------------------------------------------------------------
+# The batch
+
+
+def run_batch(
+    sequences: list[Sequence],
+    output_dir: str | Path,
+    run_options: Any,
+    *,
+    load_model: ModelLoader,
+    evaluation: EvalSettings = EvalSettings(),
+    ray_address: str | None = None,
+    gpus_per_task: float = 1.0,
+    console: Console | None = None,
+) -> list[dict]:
+    """Process `sequences` into OUTPUT/<name>/ and write the summary; returns the rows in sequence order.
+
+    `load_model` is called once per worker (once here, or once per Ray actor) and must be picklable
+    for Ray (a module-level function or a functools.partial of one).
+    """
+    output_dir = Path(output_dir)
+    _prepare_output_dir(output_dir)
+    console = console or Console(stderr=True)
+    rows: dict[str, dict] = {}
+    pending = []
+    for sequence in sequences:
+        previous = finished_row(run_dir_of(output_dir, sequence))
+        if previous is None:
+            pending.append(sequence)
+        else:
+            rows[sequence.name] = {**previous, "status": "skipped"}
+
+    def ordered_rows() -> list[dict]:
+        return [rows[s.name] for s in sequences if s.name in rows]
+
+    def record(row: dict) -> None:
+        rows[row["name"]] = row
+        write_summary(output_dir, ordered_rows())
+        _report(console, row)
+
+    write_summary(output_dir, ordered_rows())
+    if rows:
+        console.print(
+            f"{len(rows)} of {len(sequences)} sequences already finished in {output_dir}; skipping them"
+        )
+    if pending:
+        with _progress(console) as progress:
+            if ray_address is None:
+                _run_serial(pending, output_dir, run_options, load_model, evaluation, progress, record)
+            else:
+                _run_on_ray(
+                    pending,
+                    output_dir,
+                    run_options,
+                    load_model,
+                    evaluation,
+                    ray_address,
+                    gpus_per_task,
+                    progress,
+                    record,
+                )
+    write_summary(output_dir, ordered_rows())
+    return ordered_rows()
+
+
+def _prepare_output_dir(output_dir: Path) -> None:
+    if output_dir.exists() and not output_dir.is_dir():
+        raise BatchError(f"--output {output_dir} exists and is not a folder; choose another path")
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise BatchError(f"cannot create --output {output_dir}: {error.strerror or error}") from None
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def _report(console: Console, row: dict) -> None:
+    if row["status"] == "ok":
+        detail = f"{row['frames']} frames, {row['fps']:.1f} FPS" if row.get("fps") is not None else ""
+        if row.get("ate_rmse") is not None:
+            detail += f", ATE {row['ate_rmse']:.4f}"
+        if row.get("error"):
+            detail += f" ({row['error']})"
+        console.print(f"[green]ok[/] {row['name']}: {detail}")
+    else:
+        console.print(f"[red]failed[/] {row['name']}: {row['error']}")
+
+
+def _run_serial(pending, output_dir, run_options, load_model, evaluation, progress, record) -> None:
+    sequences_task = progress.add_task("sequences", total=len(pending))
+    worker = SequenceWorker(load_model, run_options, output_dir, evaluation)
+    for sequence in pending:
+        frames_task = progress.add_task(f"  {sequence.name}", total=None)
+
+        def on_frame(done: int, expected: int | None, task=frames_task) -> None:
+            progress.update(task, completed=done, total=expected)
+
+        row = worker.process(sequence, on_frame)
+        progress.remove_task(frames_task)
+        record(row)
+        progress.advance(sequences_task)
+
+
+# --------------------------------------------------------------------------------------------------
+# Ray
+
+
+def connect_ray(address: str):
+    """Join the Ray cluster at `address`; `auto` joins a running one or starts a local instance."""
+    try:
+        import ray
+    except ImportError:
+        raise BatchError("--ray needs Ray: pip install 'stream-recon[ray]'") from None
+    if ray.is_initialized():
+        return ray
+    if address == "auto":
+        try:
+            ray.init(address="auto", logging_level=logging.WARNING)
+        except ConnectionError:
+            ray.init(include_dashboard=False, logging_level=logging.WARNING)
+        return ray
+    try:
+        ray.init(address=address, logging_level=logging.WARNING)
+    except ConnectionError as error:
+        raise BatchError(f"cannot reach the Ray cluster at {address}: {error}") from None
+    return ray
+
+
+def plan_actors(resources: dict, gpus_per_task: float, sequences: int) -> int:
+    """How many workers the cluster can hold at once: one per `gpus_per_task` GPUs, or one per CPU."""
+    if gpus_per_task > 0:
+        gpus = resources.get("GPU", 0.0)
+        if gpus < gpus_per_task:
+            raise BatchError(
+                f"the Ray cluster has {gpus:g} GPU(s) but each sequence asks for {gpus_per_task:g}; "
+                "add GPU nodes, or pass --gpus-per-task 0 to run on CPUs"
+            )
+        capacity = int(gpus // gpus_per_task)
+    else:
+        capacity = int(resources.get("CPU", 1.0))
+    return max(1, min(capacity, sequences))
+
+
+def _run_on_ray(
+    pending, output_dir, run_options, load_model, evaluation, address, gpus_per_task, progress, record
+):
+    ray = connect_ray(address)
+    count = plan_actors(ray.cluster_resources(), gpus_per_task, len(pending))
+    actor_class = ray.remote(SequenceWorker).options(num_gpus=gpus_per_task, num_cpus=1)
+    actors = [actor_class.remote(load_model, run_options, str(output_dir), evaluation) for _ in range(count)]
+    sequences_task = progress.add_task(f"sequences on {count} Ray worker(s)", total=len(pending))
+    queue = list(reversed(pending))
+    running: dict[Any, tuple[Any, Sequence]] = {}
+
+    def submit(actor) -> None:
+        if queue:
+            sequence = queue.pop()
+            running[actor.process.remote(sequence)] = (actor, sequence)
+
+    for actor in actors:
+        submit(actor)
+    try:
+        while running:
+            done, _ = ray.wait(list(running), num_returns=1)
+            actor, sequence = running.pop(done[0])
+            try:
+                row = ray.get(done[0])
+            except Exception as error:  # noqa: BLE001 - a dead actor (crash, OOM, failed model load)
+                row = base_row(sequence)
+                row.update(status="failed", error=f"Ray worker failed: {describe_error(error)}")
+                actor = None  # a dead actor takes no more work
+            record(row)
+            progress.advance(sequences_task)
+            if actor is not None:
+                submit(actor)
+            elif not running and queue:
+                # Every worker died: what is left cannot run here, and says so in the summary.
+                while queue:
+                    sequence = queue.pop()
+                    record({**base_row(sequence), "status": "failed", "error": row["error"]})
+    finally:
+        for actor in actors:
+            ray.kill(actor)
