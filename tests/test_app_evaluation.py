@@ -372,3 +372,23 @@ def test_evaluate_run_with_tum_depth(tmp_path):
     written = json.loads((run_dir / "eval.json").read_text())
     assert written["depth_abs_rel"] == result["depth_abs_rel"]
     assert written["depth_delta1"] == result["depth_delta1"]
+
+
+def test_eval_command_prints_the_table_and_writes_eval_json(tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from stream_recon.app.commands.eval import eval_command
+
+    gt_file, _, _ = write_known_pair(tmp_path, np.random.default_rng(11), noise=0.01)
+    app = typer.Typer()
+    app.command(name="eval")(eval_command)
+    app.command(name="other")(lambda: None)  # two commands, so `eval` is spelled out as in the real CLI
+    result = CliRunner().invoke(app, ["eval", str(tmp_path), "--gt", str(gt_file), "--alignment", "se3"])
+    assert result.exit_code == 0, result.output
+    assert "ATE RMSE" in result.output and "AUC@30" in result.output
+    written = json.loads((tmp_path / "eval.json").read_text())
+    assert written["alignment"] == "se3" and written["scale"] == 1.0
+    failed = CliRunner().invoke(app, ["eval", str(tmp_path), "--gt", str(tmp_path / "missing.txt")])
+    assert failed.exit_code == 1
+    assert "missing.txt does not exist" in failed.output
