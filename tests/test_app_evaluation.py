@@ -391,4 +391,4 @@ def test_eval_command_prints_the_table_and_writes_eval_json(tmp_path):
     assert written["alignment"] == "se3" and written["scale"] == 1.0
     failed = CliRunner().invoke(app, ["eval", str(tmp_path), "--gt", str(tmp_path / "missing.txt")])
     assert failed.exit_code == 1
-    assert "missing.txt does not exist" in failed.output
+    assert "missing.txt does not exist" in " ".join(failed.output.split())
