@@ -8,7 +8,6 @@ source pixel in its colour: red = 8 * u, green = 8 * v, blue = 10 * frame_index 
 from __future__ import annotations
 
 import numpy as np
-
 from stream_recon.models.prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
 
 PLANE_Z = 4.0
@@ -47,7 +46,11 @@ def plane_frame(
     intrinsics = np.array([[focal, 0, (width - 1) / 2], [0, focal * 1.05, (height - 1) / 2], [0, 0, 1]])
     v, u = np.mgrid[0:height, 0:width].astype(np.float64)
     rays_camera = np.stack(
-        [(u - intrinsics[0, 2]) / intrinsics[0, 0], (v - intrinsics[1, 2]) / intrinsics[1, 1], np.ones_like(u)],
+        [
+            (u - intrinsics[0, 2]) / intrinsics[0, 0],
+            (v - intrinsics[1, 2]) / intrinsics[1, 1],
+            np.ones_like(u),
+        ],
         axis=-1,
     )
     # z-depth s along a ray with camera z = 1 hits the plane where centre_z + s * (R r)_z = PLANE_Z.
@@ -56,11 +59,11 @@ def plane_frame(
     depth_conf[:, :LOW_CONF_COLUMNS] = 1.0
     image = None
     if with_image:
-        image = np.stack(
-            [8 * u, 8 * v, np.full_like(u, (10 * frame_index) % 256)], axis=-1
-        ).astype(np.uint8)
+        image = np.stack([8 * u, 8 * v, np.full_like(u, (10 * frame_index) % 256)], axis=-1).astype(np.uint8)
     if frame_type is None:
-        frame_type = FRAME_SCALE if frame_index < 2 else (FRAME_NON_KEY if frame_index % 3 == 2 else FRAME_KEY)
+        frame_type = (
+            FRAME_SCALE if frame_index < 2 else (FRAME_NON_KEY if frame_index % 3 == 2 else FRAME_KEY)
+        )
     fov_h = 2 * np.arctan(height / (2 * intrinsics[1, 1]))
     fov_w = 2 * np.arctan(width / (2 * intrinsics[0, 0]))
     pose_enc = np.concatenate([centre, quat_xyzw(rotation), [fov_h, fov_w]]).astype(np.float32)

@@ -9,8 +9,6 @@ import trimesh
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from plyfile import PlyData
-from synthetic_run import CONF_HIGH, LOW_CONF_COLUMNS, PLANE_Z, STEP_X, plane_frame, quat_xyzw_to_matrix
-
 from stream_recon.app import writers
 from stream_recon.app.writers import (
     OutputDirError,
@@ -21,6 +19,7 @@ from stream_recon.app.writers import (
     prediction_path,
     read_run,
 )
+from synthetic_run import CONF_HIGH, LOW_CONF_COLUMNS, PLANE_Z, STEP_X, plane_frame, quat_xyzw_to_matrix
 
 NPZ_KEYS = {
     "frame_index",
@@ -107,7 +106,7 @@ def test_tum_trajectory_is_camera_to_world_sorted_by_frame(tmp_path):
     loaded = np.loadtxt(tmp_path / "run" / "trajectory_tum.txt")  # numpy's reader agrees
     np.testing.assert_allclose(loaded, rows)
     np.testing.assert_allclose(rows[:, 0], [f.timestamp for f in frames], atol=1e-6)
-    for row, frame in zip(rows, frames):
+    for row, frame in zip(rows, frames, strict=True):
         np.testing.assert_allclose(row[1:4], frame.c2w[:, 3], atol=1e-6)
         np.testing.assert_allclose(quat_xyzw_to_matrix(row[4:8]), frame.c2w[:, :3], atol=1e-6)
 
@@ -130,7 +129,9 @@ def test_points_are_confident_on_the_plane_and_one_per_voxel(tmp_path):
     mesh = trimesh.load(path)  # a second, independent reader
     assert isinstance(mesh, trimesh.PointCloud)
     np.testing.assert_allclose(mesh.vertices, xyz, atol=1e-6)
-    np.testing.assert_array_equal(mesh.colors[:, :3], np.stack([vertex[c] for c in ("red", "green", "blue")], 1))
+    np.testing.assert_array_equal(
+        mesh.colors[:, :3], np.stack([vertex[c] for c in ("red", "green", "blue")], 1)
+    )
 
 
 def test_run_json_says_running_until_closed_and_frames_stay_readable(tmp_path):
@@ -333,9 +334,7 @@ def test_accumulator_rejects_bad_settings():
 
 @settings(max_examples=40, deadline=None)
 @given(
-    st.lists(
-        st.tuples(st.integers(0, 5), st.floats(-2, 2), st.floats(-0.3, 0.3)), min_size=1, max_size=12
-    ),
+    st.lists(st.tuples(st.integers(0, 5), st.floats(-2, 2), st.floats(-0.3, 0.3)), min_size=1, max_size=12),
     st.integers(20, 400),
 )
 def test_accumulator_invariants_under_random_streams(events, max_points):
@@ -345,11 +344,20 @@ def test_accumulator_invariants_under_random_streams(events, max_points):
         f = plane_frame(frame_index, height=8, width=10, yaw=yaw, offset=np.array([shift, 0, 0]))
         acc.remove_frame(frame_index)
         acc.add_frame(frame_index, f.depth, f.depth_conf, f.intrinsics, f.c2w, f.image)
-        assert len(acc) <= max_points
-        assert (np.diff(acc._keys) > 0).all()
-        keys, in_range = acc._voxel_keys(acc._xyz)
+        n = len(acc)
+        assert n <= max_points
+        keys, in_range = acc._voxel_keys(acc.cloud().xyz)
         assert in_range.all()
-        np.testing.assert_array_equal(keys, acc._keys)
+        np.testing.assert_array_equal(keys, acc._keys[:n])
+        assert len(np.unique(keys)) == n  # one point per voxel
+        for level_keys, level_rows in (
+            (acc._merged_keys, acc._merged_rows),
+            (acc._recent_keys, acc._recent_rows),
+        ):
+            assert (np.diff(level_keys) > 0).all()
+            np.testing.assert_array_equal(keys[level_rows], level_keys)
+        rows = np.sort(np.concatenate([acc._merged_rows, acc._recent_rows]))
+        np.testing.assert_array_equal(rows, np.arange(n))  # every row indexed exactly once
 
 
 def test_writer_memory_stays_bounded_over_a_long_stream(tmp_path):
