@@ -20,7 +20,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -32,7 +32,7 @@ from PIL import Image
 
 from stream_recon.app.preprocess import ImageReadError, load_image, preprocess_frame, upright_rgb
 
-SourceKind = Literal["video", "folder", "webcam", "stream"]
+SourceKind = Literal["video", "folder", "webcam", "stream", "frames"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 STREAM_SCHEMES = ("rtsp", "rtsps", "rtmp", "http", "https", "udp", "tcp", "srt")
@@ -209,6 +209,13 @@ class FrameSource:
         self._thread.start()
         return self._frames()
 
+    def request_stop(self) -> None:
+        """Ask the reader to stop at the next frame; returns at once (safe in a signal handler).
+
+        Iteration then ends with `end_reason == "stopped"` after at most the frame being decoded.
+        """
+        self._stop.set()
+
     def close(self) -> None:
         """Stop the reader and release the device or file; frames still queued are discarded."""
         self._stop.set()
@@ -338,6 +345,39 @@ class _SourceOptions:
     def as_kwargs(self) -> dict:
         return {"image_width": self.image_width, "queue_size": self.queue_size,
                 "frame_timeout_s": self.frame_timeout_s}
+
+
+def frames_source(
+    frames: Iterable[tuple[np.ndarray, float]],
+    selection: FrameSelection | None = None,
+    *,
+    name: str = "frames",
+    live: bool = False,
+    length: int | None = None,
+    image_width: int | None = None,
+    frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S,
+    queue_size: int = DEFAULT_QUEUE_SIZE,
+) -> FrameSource:
+    """A source over any iterable of (rgb [H, W, 3] uint8, timestamp in seconds), e.g. a generator.
+
+    The iterable is consumed in the reader thread, one item at a time, like any other source. A
+    length is taken from `len(frames)` when the iterable has one.
+    """
+    selection = selection or FrameSelection()
+    if length is None and hasattr(frames, "__len__"):
+        length = len(frames)  # type: ignore[arg-type]
+    return FrameSource(
+        _IterableReader(frames, name),
+        kind="frames",
+        description=f"frame sequence {name}",
+        name=name,
+        selection=selection,
+        estimated_length=selection.estimate_count(length, None),
+        live=live,
+        image_width=image_width,
+        queue_size=queue_size,
+        frame_timeout_s=frame_timeout_s,
+    )
 
 
 def classify_source(spec: str | Path) -> tuple[SourceKind, str]:
@@ -684,3 +724,41 @@ class _FolderReader:
 
     def release(self) -> None:
         """Nothing is held open between frames."""
+
+
+class _IterableReader:
+    """(rgb, timestamp) pairs from any iterable, checked as they arrive."""
+
+    def __init__(self, frames: Iterable[tuple[np.ndarray, float]], label: str) -> None:
+        self._frames = iter(frames)
+        self._label = label
+        self._current: tuple[np.ndarray, float] | None = None
+        self._position = -1
+
+    def grab(self) -> bool:
+        try:
+            self._current = next(self._frames)
+        except StopIteration:
+            return False
+        self._position += 1
+        return True
+
+    def timestamp(self) -> float:
+        return float(self._current[1])
+
+    def retrieve(self) -> np.ndarray:
+        rgb = np.asarray(self._current[0])
+        if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
+            raise SourceError(
+                f"{self._label}: item {self._position} is not an RGB frame [H, W, 3] uint8 "
+                f"(got shape {rgb.shape}, dtype {rgb.dtype})"
+            )
+        return rgb
+
+    def check_complete(self, frames_grabbed: int) -> None:
+        """An iterable ends when it ends."""
+
+    def release(self) -> None:
+        close = getattr(self._frames, "close", None)  # generators: run their cleanup now
+        if close is not None:
+            close()
