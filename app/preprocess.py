@@ -1,0 +1,158 @@
+"""The reference crop rule: any picture in, a model input `[3, H, W]` float in [0, 1] out.
+
+spec/MODEL.md §1 and the `preprocess` fixture define it. With the default width 518:
+
+    1920x1080 -> 518x294      640x480 -> 518x392      480x640 (portrait) -> 518x690 -> rows 86..603 kept
+
+The width is fixed, the height follows the aspect ratio rounded to whole 14-pixel patches, and a
+portrait picture keeps only its middle `image_width` rows. Nothing is normalised here; the model
+does that itself.
+
+Every function works on uint8 until the very last step, because that is what PIL resizes in and
+the reference divides by 255 only once, after the crop. The float input is therefore always
+exactly `uint8 / 255`, which is what makes the fixture check an exact one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+PATCH_SIZE = 14
+DEFAULT_IMAGE_WIDTH = 518
+_WHITE = 255
+
+
+class ImageReadError(ValueError):
+    """A file that should be a picture could not be decoded."""
+
+
+def upright_rgb(image: Image.Image) -> Image.Image:
+    """Turn a picture as stored into the RGB picture a person sees.
+
+    EXIF orientation comes first (phones store portrait shots as landscape pixels plus a tag).
+    Transparent pixels become white: the reference composites RGBA onto opaque white and lets
+    every other mode (L, P, CMYK, ...) go through PIL's plain RGB conversion.
+    """
+    image = ImageOps.exif_transpose(image)
+    if image.mode == "RGBA":
+        white = Image.new("RGBA", image.size, (_WHITE, _WHITE, _WHITE, 255))
+        image = Image.alpha_composite(white, image)
+    return image.convert("RGB")
+
+
+def resized_size(width: int, height: int, image_width: int = DEFAULT_IMAGE_WIDTH) -> tuple[int, int]:
+    """(width, height) a picture is resized to, before any crop.
+
+    The expression mirrors the reference operation by operation (`height * (new_w / w) / 14`, then
+    Python's half-to-even `round`), so that borderline heights round the same way.
+    """
+    _check_image_width(image_width)
+    if width <= 0 or height <= 0:
+        raise ValueError(f"an image must have a positive size, got {width}x{height}")
+    num_patch_rows = round(height * (image_width / width) / PATCH_SIZE)
+    return image_width, num_patch_rows * PATCH_SIZE
+
+
+def model_input_size(width: int, height: int, image_width: int = DEFAULT_IMAGE_WIDTH) -> tuple[int, int]:
+    """(H, W) of the model input made from a `width` x `height` picture (after the portrait crop)."""
+    new_width, new_height = resized_size(width, height, image_width)
+    return min(new_height, image_width), new_width
+
+
+def preprocess_image_uint8(image: Image.Image, image_width: int = DEFAULT_IMAGE_WIDTH) -> np.ndarray:
+    """PIL picture (any mode, EXIF tag honoured) -> model input as uint8 `[3, H, W]`."""
+    rgb = upright_rgb(image)
+    target = resized_size(rgb.width, rgb.height, image_width)
+    if rgb.size != target:
+        rgb = rgb.resize(target, Image.Resampling.BICUBIC)
+    pixels = np.asarray(rgb, dtype=np.uint8)  # [H, W, 3]
+    pixels = _crop_portrait_rows(pixels, image_width)
+    return np.ascontiguousarray(pixels.transpose(2, 0, 1))  # [3, H, W]
+
+
+def preprocess_image(image: Image.Image, image_width: int = DEFAULT_IMAGE_WIDTH) -> torch.Tensor:
+    """PIL picture -> model input `[3, H, W]` float32 in [0, 1], exactly `uint8 / 255`."""
+    return to_float(preprocess_image_uint8(image, image_width))
+
+
+def load_image(path: str | Path) -> Image.Image:
+    """Open a picture file, with an error that names it when it is not one."""
+    path = Path(path)
+    try:
+        with Image.open(path) as opened:
+            opened.load()
+            # Image.open decodes lazily from an open handle; the copy (info and EXIF included)
+            # lets the `with` close the file now instead of at garbage collection.
+            return opened.copy()
+    except FileNotFoundError:
+        raise ImageReadError(f"image file not found: {path}") from None
+    except (UnidentifiedImageError, OSError, SyntaxError) as error:
+        raise ImageReadError(f"{path} is not a readable image ({error})") from None
+
+
+def preprocess_path(path: str | Path, image_width: int = DEFAULT_IMAGE_WIDTH) -> torch.Tensor:
+    """Picture file -> model input `[3, H, W]` float32."""
+    return preprocess_image(load_image(path), image_width)
+
+
+def preprocess_frame(rgb: np.ndarray, image_width: int = DEFAULT_IMAGE_WIDTH) -> torch.Tensor:
+    """Decoded RGB frame (a video frame, or a picture already made upright) -> `[3, H, W]` float32.
+
+    rgb: [H, W, 3] uint8, RGB order (OpenCV decodes BGR: convert before calling).
+    Video frames skip the reference demo's JPEG round trip on purpose: it only adds compression
+    noise, and streaming never writes frames to disk.
+    """
+    if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
+        raise ValueError(f"expected an RGB frame [H, W, 3] uint8, got shape {rgb.shape} dtype {rgb.dtype}")
+    return preprocess_image(Image.fromarray(rgb, mode="RGB"), image_width)
+
+
+def pad_batch(images: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Stack model inputs of possibly different sizes, as the reference batches them.
+
+    images: S tensors [3, H_i, W_i] -> [S, 3, max H, max W]. A smaller image is centred and the
+    border filled with white (1.0); when the rows to add are odd, the extra one goes to the bottom.
+    """
+    if not images:
+        raise ValueError("at least one image is needed to make a batch")
+    max_height = max(image.shape[1] for image in images)
+    max_width = max(image.shape[2] for image in images)
+    padded = []
+    for image in images:
+        rows, cols = max_height - image.shape[1], max_width - image.shape[2]
+        top, left = rows // 2, cols // 2
+        padding = (left, cols - left, top, rows - top)
+        padded.append(torch.nn.functional.pad(image, padding, mode="constant", value=1.0))
+    return torch.stack(padded)  # [S, 3, H, W]
+
+
+def preprocess_paths(paths: Sequence[str | Path], image_width: int = DEFAULT_IMAGE_WIDTH) -> torch.Tensor:
+    """Picture files -> one batch `[S, 3, H, W]` (white-padded when sizes differ)."""
+    return pad_batch([preprocess_path(path, image_width) for path in paths])
+
+
+def to_float(pixels: np.ndarray) -> torch.Tensor:
+    """uint8 array -> float32 tensor in [0, 1], the same single division torchvision's ToTensor does."""
+    return torch.from_numpy(pixels).to(torch.float32).div(255)
+
+
+def _crop_portrait_rows(pixels: np.ndarray, image_width: int) -> np.ndarray:
+    """[H, W, 3] -> at most `image_width` rows, taken from the middle (extra row goes to the bottom)."""
+    height = pixels.shape[0]
+    if height <= image_width:
+        return pixels
+    first_row = (height - image_width) // 2
+    return pixels[first_row : first_row + image_width]
+
+
+def _check_image_width(image_width: int) -> None:
+    if image_width <= 0 or image_width % PATCH_SIZE:
+        raise ValueError(
+            f"image width must be a positive multiple of {PATCH_SIZE} (the patch size), got {image_width}; "
+            f"try {max(PATCH_SIZE, round(image_width / PATCH_SIZE) * PATCH_SIZE)}"
+        )

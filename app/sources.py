@@ -1,0 +1,764 @@
+"""Streaming frame sources: a video file, an image folder, a webcam or a stream URL, one frame at a time.
+
+The shape is DPVO's stream loop, hardened: a reader thread decodes into a bounded queue and the
+consumer takes frames until an end marker. OpenCV and PIL release the GIL while decoding, so one
+thread overlaps decoding (and, when asked, preprocessing) with inference.
+
+    reader thread:  grab ─▶ select (start, stride, fps, max) ─▶ decode ─▶ preprocess ─▶ queue (8)
+    consumer:       for frame in source: ...   (raises the reader's error at the point it happened)
+
+Host memory stays constant: at most `queue_size` frames exist at once, whatever the length.
+`open_source` checks everything it can before returning (the file exists and decodes, the folder
+holds images of one size, the camera or URL answers within the timeout), so a bad input fails
+before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+import cv2
+import numpy as np
+import torch
+from PIL import Image
+
+from stream_recon.app.preprocess import ImageReadError, load_image, preprocess_frame, upright_rgb
+
+SourceKind = Literal["video", "folder", "webcam", "stream", "frames"]
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
+STREAM_SCHEMES = ("rtsp", "rtsps", "rtmp", "http", "https", "udp", "tcp", "srt")
+DEFAULT_QUEUE_SIZE = 8
+DEFAULT_OPEN_TIMEOUT_S = 10.0
+# A file decodes in milliseconds; a network stream may pause for its read timeout. Past these,
+# the reader is stuck and waiting longer would only turn an error into a hang.
+DEFAULT_FRAME_TIMEOUT_S = 30.0
+_EXIF_ORIENTATION = 0x0112
+_ORIENTATIONS_THAT_SWAP_AXES = {5, 6, 7, 8}
+# A container's frame count can be an estimate (duration x rate); only a clear shortfall means damage.
+_TRUNCATION_SLACK_FRAMES = 2
+
+
+class SourceError(ValueError):
+    """The source cannot be read: what is wrong with it and what to do instead."""
+
+
+class TruncatedSourceError(SourceError):
+    """A file ended before its header said it would; the frames before the damage were delivered."""
+
+    def __init__(self, message: str, frames_decoded: int, frames_expected: int) -> None:
+        super().__init__(message)
+        self.frames_decoded = frames_decoded
+        self.frames_expected = frames_expected
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One delivered frame."""
+
+    index: int  # position among the delivered frames, from 0
+    source_index: int  # position in the source (decoded frame number, file number)
+    timestamp: float  # seconds: video PTS, file order / fps, or time since a live source opened
+    rgb: np.ndarray  # [H, W, 3] uint8, RGB, upright
+    image: torch.Tensor | None = None  # [3, H', W'] float32 model input, when the source preprocesses
+
+
+@dataclass(frozen=True)
+class FrameSelection:
+    """Which source frames are delivered. Applied in this order: start, stride, fps, max_frames.
+
+    `fps` keeps the first frame at or after each tick of a 1/fps grid anchored at the first kept
+    frame, so a 25 fps video at `fps=10` keeps frames at 0, 0.12, 0.2, 0.32, 0.4 s: ten a second on
+    average, each one a real frame with its own timestamp.
+    """
+
+    start: int = 0  # first source frame to use
+    stride: int = 1  # then every stride-th source frame
+    fps: float | None = None  # then at most this many frames per second of source time
+    max_frames: int | None = None  # stop after this many delivered frames
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            raise ValueError(f"start must be >= 0, got {self.start}")
+        if self.stride < 1:
+            raise ValueError(f"stride must be >= 1, got {self.stride}")
+        if self.fps is not None and not (self.fps > 0 and math.isfinite(self.fps)):
+            raise ValueError(f"fps must be a positive number, got {self.fps}")
+        if self.max_frames is not None and self.max_frames < 1:
+            raise ValueError(f"max_frames must be >= 1, got {self.max_frames}")
+
+    def estimate_count(self, source_frames: int | None, source_fps: float | None) -> int | None:
+        """How many frames a source of `source_frames` frames at `source_fps` yields (None: unknown)."""
+        if source_frames is None:
+            return self.max_frames
+        count = math.ceil(max(0, source_frames - self.start) / self.stride)
+        if self.fps is not None and source_fps:
+            count = math.ceil(count * min(1.0, self.fps * self.stride / source_fps))
+        return count if self.max_frames is None else min(count, self.max_frames)
+
+
+class _Sampler:
+    """Applies a FrameSelection to a sequence of (source index, timestamp), frame by frame."""
+
+    # Timestamps in milliseconds carry float noise (0.12 s may read 0.11999999); a frame that sits
+    # on a tick must not slip into the previous one.
+    _TICK_EPS = 1e-6
+
+    def __init__(self, selection: FrameSelection) -> None:
+        self._selection = selection
+        self._delivered = 0
+        self._grid_origin: float | None = None
+        self._last_tick = -1
+
+    @property
+    def done(self) -> bool:
+        limit = self._selection.max_frames
+        return limit is not None and self._delivered >= limit
+
+    def accept(self, source_index: int, timestamp: float) -> bool:
+        selection = self._selection
+        if source_index < selection.start or (source_index - selection.start) % selection.stride:
+            return False
+        if selection.fps is not None:
+            if self._grid_origin is None:
+                self._grid_origin = timestamp
+            tick = math.floor((timestamp - self._grid_origin) * selection.fps + self._TICK_EPS)
+            if tick <= self._last_tick:
+                return False
+            self._last_tick = tick
+        self._delivered += 1
+        return True
+
+
+class _Reader(Protocol):
+    """What the reader thread needs from a source: cheap skipping, then decoding of the kept frames."""
+
+    def grab(self) -> bool: ...  # advance to the next frame; False at the end
+
+    def timestamp(self) -> float: ...  # of the frame just grabbed
+
+    def retrieve(self) -> np.ndarray: ...  # [H, W, 3] uint8 RGB of the frame just grabbed
+
+    def check_complete(self, frames_grabbed: int) -> None: ...  # raise when the end came too early
+
+    def release(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class _EndOfStream:
+    reason: str
+    error: BaseException | None = None
+
+
+class FrameSource:
+    """An opened source; iterate it once to receive `Frame`s. Use as a context manager.
+
+    Iteration raises the reader's error (SourceError, TruncatedSourceError, ...) after the frames
+    that came before it. `close()` stops the reader at the next frame and may be called any time.
+    """
+
+    def __init__(
+        self,
+        reader: _Reader,
+        *,
+        kind: SourceKind,
+        description: str,
+        name: str,
+        selection: FrameSelection,
+        estimated_length: int | None,
+        live: bool,
+        image_width: int | None = None,
+        queue_size: int = DEFAULT_QUEUE_SIZE,
+        frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S,
+    ) -> None:
+        self.kind = kind
+        self.description = description  # for messages: "video clip.mp4", "webcam 0", ...
+        self.name = name  # for default output folders: the file or folder stem, "webcam0", ...
+        self.selection = selection
+        self.estimated_length = estimated_length  # delivered frames, when the source's length is known
+        self.live = live  # live sources drop the oldest queued frame instead of falling behind
+        self.image_width = image_width
+        self.frames_dropped = 0
+        self.end_reason: str | None = None
+        self._reader = reader
+        self._queue: queue.Queue[Frame | _EndOfStream] = queue.Queue(maxsize=queue_size)
+        self._frame_timeout_s = frame_timeout_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._iterated = False
+
+    def __enter__(self) -> FrameSource:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[Frame]:
+        if self._iterated:
+            raise RuntimeError(f"{self.description} can be iterated only once")
+        self._iterated = True
+        self._thread = threading.Thread(target=self._read_all, name=f"reader:{self.name}", daemon=True)
+        self._thread.start()
+        return self._frames()
+
+    def request_stop(self) -> None:
+        """Ask the reader to stop at the next frame; returns at once (safe in a signal handler).
+
+        Iteration then ends with `end_reason == "stopped"` after at most the frame being decoded.
+        """
+        self._stop.set()
+
+    def close(self) -> None:
+        """Stop the reader and release the device or file; frames still queued are discarded."""
+        self._stop.set()
+        self._drain()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self._frame_timeout_s)
+        if self._thread is None:
+            self._reader.release()
+
+    def _frames(self) -> Iterator[Frame]:
+        while True:
+            try:
+                item = self._queue.get(timeout=self._frame_timeout_s)
+            except queue.Empty:
+                self.close()
+                raise SourceError(
+                    f"no frame from {self.description} for {self._frame_timeout_s:g} s: the source stalled"
+                ) from None
+            if isinstance(item, _EndOfStream):
+                self.end_reason = item.reason
+                if item.error is not None:
+                    raise item.error
+                return
+            yield item
+
+    def _read_all(self) -> None:
+        """Reader thread: every exit path leaves exactly one end marker in the queue."""
+        try:
+            end = self._read_until_end()
+        except BaseException as error:  # handed to the consumer, which re-raises it in its own thread
+            end = _EndOfStream("error", error)
+        finally:
+            self._reader.release()
+        self._put(end, is_end=True)
+
+    def _read_until_end(self) -> _EndOfStream:
+        sampler = _Sampler(self.selection)
+        frames_grabbed = 0
+        delivered = 0
+        while not self._stop.is_set():
+            if sampler.done:
+                return _EndOfStream("max_frames")
+            if not self._reader.grab():
+                self._reader.check_complete(frames_grabbed)
+                return _EndOfStream("end")
+            source_index = frames_grabbed
+            frames_grabbed += 1
+            timestamp = self._reader.timestamp()
+            if not sampler.accept(source_index, timestamp):
+                continue
+            rgb = self._reader.retrieve()
+            image = preprocess_frame(rgb, self.image_width) if self.image_width else None
+            if not self._put(Frame(delivered, source_index, timestamp, rgb, image)):
+                break
+            delivered += 1
+        return _EndOfStream("stopped")
+
+    def _put(self, item: Frame | _EndOfStream, *, is_end: bool = False) -> bool:
+        """Queue an item, waiting while the consumer is behind; False when asked to stop meanwhile."""
+        while True:
+            if self._stop.is_set():
+                if not is_end:
+                    return False
+                self._drain()  # nobody will read the frames any more, but the marker must get in
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                if self.live and not is_end:
+                    self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        # A live camera does not wait: keeping the newest frames bounds the latency instead.
+        try:
+            dropped = self._queue.get_nowait()
+        except queue.Empty:
+            return
+        if isinstance(dropped, Frame):
+            self.frames_dropped += 1
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
+
+
+# ----------------------------------------------------------------------------------------------
+# Opening
+
+
+def open_source(
+    spec: str | Path,
+    selection: FrameSelection | None = None,
+    *,
+    image_width: int | None = None,
+    open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S,
+    frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S,
+    queue_size: int = DEFAULT_QUEUE_SIZE,
+) -> FrameSource:
+    """Open a source from what the user typed: a video file, an image folder, `0`, or a URL.
+
+    `image_width`, when given, makes the reader thread also preprocess every frame (Frame.image).
+    Raises SourceError with a sentence that says what is wrong and what to do.
+    """
+    selection = selection or FrameSelection()
+    kind, location = classify_source(spec)
+    options = _SourceOptions(image_width, queue_size, frame_timeout_s)
+    if kind == "folder":
+        return _open_folder(Path(location), selection, options)
+    if kind == "video":
+        return _open_video(Path(location), selection, options)
+    if kind == "webcam":
+        return _open_webcam(int(location), selection, options)
+    return _open_stream(location, open_timeout_s, selection, options)
+
+
+@dataclass(frozen=True)
+class _SourceOptions:
+    """FrameSource settings that do not depend on the kind of source."""
+
+    image_width: int | None
+    queue_size: int
+    frame_timeout_s: float
+
+    def as_kwargs(self) -> dict:
+        return {"image_width": self.image_width, "queue_size": self.queue_size,
+                "frame_timeout_s": self.frame_timeout_s}
+
+
+def frames_source(
+    frames: Iterable[tuple[np.ndarray, float]],
+    selection: FrameSelection | None = None,
+    *,
+    name: str = "frames",
+    live: bool = False,
+    length: int | None = None,
+    image_width: int | None = None,
+    frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S,
+    queue_size: int = DEFAULT_QUEUE_SIZE,
+) -> FrameSource:
+    """A source over any iterable of (rgb [H, W, 3] uint8, timestamp in seconds), e.g. a generator.
+
+    The iterable is consumed in the reader thread, one item at a time, like any other source. A
+    length is taken from `len(frames)` when the iterable has one.
+    """
+    selection = selection or FrameSelection()
+    if length is None and hasattr(frames, "__len__"):
+        length = len(frames)  # type: ignore[arg-type]
+    return FrameSource(
+        _IterableReader(frames, name),
+        kind="frames",
+        description=f"frame sequence {name}",
+        name=name,
+        selection=selection,
+        estimated_length=selection.estimate_count(length, None),
+        live=live,
+        image_width=image_width,
+        queue_size=queue_size,
+        frame_timeout_s=frame_timeout_s,
+    )
+
+
+def classify_source(spec: str | Path) -> tuple[SourceKind, str]:
+    """What kind of source the user means, without opening it."""
+    text = str(spec).strip()
+    if not text:
+        raise SourceError("no source given: pass a video file, an image folder, a webcam index or a URL")
+    if text.isdigit():
+        return "webcam", text
+    scheme = re.match(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://", text)
+    if scheme:
+        if scheme.group(1).lower() not in STREAM_SCHEMES:
+            raise SourceError(
+                f"unsupported URL scheme {scheme.group(1)!r} in {text}: use one of {', '.join(STREAM_SCHEMES)}"
+            )
+        return "stream", text
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return "folder", str(path)
+    if not path.exists():
+        raise SourceError(f"no such file or folder: {path}")
+    if path.suffix.lower() in IMAGE_SUFFIXES:
+        raise SourceError(
+            f"{path} is a single image; pass the folder that holds the sequence ({path.parent}) instead"
+        )
+    return "video", str(path)
+
+
+def natural_sort_key(name: str) -> tuple:
+    """frame2.png before frame10.png: digit runs compare as numbers."""
+    return tuple(int(part) if part.isdigit() else part.lower() for part in re.split(r"(\d+)", name))
+
+
+def list_images(folder: Path) -> list[Path]:
+    """Picture files directly inside `folder` (hidden files skipped), in natural order."""
+    files = [
+        entry
+        for entry in folder.iterdir()
+        if entry.is_file() and not entry.name.startswith(".") and entry.suffix.lower() in IMAGE_SUFFIXES
+    ]
+    return sorted(files, key=lambda entry: natural_sort_key(entry.name))
+
+
+def _open_folder(folder: Path, selection: FrameSelection, options: _SourceOptions) -> FrameSource:
+    paths = list_images(folder)
+    if not paths:
+        raise SourceError(
+            f"folder {folder} contains no images (looked for {', '.join(IMAGE_SUFFIXES)}); "
+            "pass a folder of frames, or a video file"
+        )
+    frame_size = _check_one_size(paths)
+    fps = selection.fps
+    reader = _FolderReader(paths, frame_size, seconds_per_frame=1.0 / fps if fps else 1.0)
+    return FrameSource(
+        reader,
+        kind="folder",
+        description=f"image folder {folder}",
+        name=folder.resolve().name or "frames",
+        selection=selection,
+        # file order is the clock here, so an fps selection never drops a file: every kept file is one tick
+        estimated_length=selection.estimate_count(len(paths), None),
+        live=False,
+        **options.as_kwargs(),
+    )
+
+
+def _upright_size(path: Path) -> tuple[int, int]:
+    """(width, height) as displayed, read from the header only (no pixel decoding)."""
+    try:
+        with Image.open(path) as image:
+            width, height = image.size
+            orientation = image.getexif().get(_EXIF_ORIENTATION, 1)
+    except OSError as error:
+        raise SourceError(f"{path} is not a readable image ({error}); remove it or replace it") from None
+    return (height, width) if orientation in _ORIENTATIONS_THAT_SWAP_AXES else (width, height)
+
+
+def _check_one_size(paths: list[Path]) -> tuple[int, int]:
+    """The frame size shared by all pictures; a stream is one camera, so mixed sizes are a mistake."""
+    first_size = _upright_size(paths[0])
+    for path in paths[1:]:
+        size = _upright_size(path)
+        if size != first_size:
+            raise SourceError(
+                f"images in {path.parent} have different sizes: {paths[0].name} is "
+                f"{first_size[0]}x{first_size[1]} but {path.name} is {size[0]}x{size[1]}; "
+                "a sequence must come from one camera at one resolution"
+            )
+    return first_size
+
+
+def _open_video(path: Path, selection: FrameSelection, options: _SourceOptions) -> FrameSource:
+    if path.stat().st_size == 0:
+        raise SourceError(f"{path} is empty (0 bytes); it is not a video")
+    not_a_video = _not_a_video_message(path)
+    if not_a_video:
+        raise SourceError(not_a_video)
+    capture = cv2.VideoCapture(str(path), cv2.CAP_FFMPEG)
+    if not capture.isOpened():
+        capture.release()
+        raise SourceError(_undecodable_file_message(path))
+    frame_count = _positive_or_none(capture.get(cv2.CAP_PROP_FRAME_COUNT))
+    video_fps = _positive_or_none(capture.get(cv2.CAP_PROP_FPS))
+    reader = _CaptureReader(capture, label=str(path), clock="pts", expected_frames=frame_count)
+    reader.peek(f"{path} opened but no frame could be decoded: the video is damaged or uses a codec "
+                "this OpenCV build lacks; re-encode it (e.g. ffmpeg -i IN -c:v libx264 OUT.mp4)")
+    return FrameSource(
+        reader,
+        kind="video",
+        description=f"video {path}",
+        name=path.stem,
+        selection=selection,
+        estimated_length=selection.estimate_count(int(frame_count) if frame_count else None, video_fps),
+        live=False,
+        **options.as_kwargs(),
+    )
+
+
+def _open_webcam(index: int, selection: FrameSelection, options: _SourceOptions) -> FrameSource:
+    capture = cv2.VideoCapture(index)
+    if not capture.isOpened():
+        capture.release()
+        raise SourceError(
+            f"could not open webcam {index}: no camera at that index, or another program is using it "
+            "(list cameras with `v4l2-ctl --list-devices` on Linux)"
+        )
+    reader = _CaptureReader(capture, label=f"webcam {index}", clock="wall", expected_frames=None)
+    reader.peek(f"webcam {index} opened but sent no frame")
+    return FrameSource(
+        reader,
+        kind="webcam",
+        description=f"webcam {index}",
+        name=f"webcam{index}",
+        selection=selection,
+        estimated_length=selection.max_frames,
+        live=True,
+        **options.as_kwargs(),
+    )
+
+
+def _open_stream(
+    url: str, open_timeout_s: float, selection: FrameSelection, options: _SourceOptions
+) -> FrameSource:
+    timeout_ms = int(open_timeout_s * 1000)
+    params = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, timeout_ms, cv2.CAP_PROP_READ_TIMEOUT_MSEC, timeout_ms]
+    capture = _call_with_deadline(
+        lambda: cv2.VideoCapture(url, cv2.CAP_FFMPEG, params),
+        # FFmpeg honours the timeout; the extra margin only catches a backend that does not
+        deadline_s=open_timeout_s + 5.0,
+        on_timeout=f"could not connect to {url} within {open_timeout_s:.0f} s",
+    )
+    if not capture.isOpened():
+        capture.release()
+        raise SourceError(
+            f"could not open stream {url} (tried for up to {open_timeout_s:.0f} s): check the address, "
+            "that the camera or server is running, and that this machine can reach it"
+        )
+    frame_count = _positive_or_none(capture.get(cv2.CAP_PROP_FRAME_COUNT))
+    # A URL to a file has a length and real timestamps; a camera stream has neither.
+    live = frame_count is None
+    reader = _CaptureReader(capture, label=url, clock="wall" if live else "pts",
+                            expected_frames=None if live else frame_count)
+    reader.peek(f"stream {url} connected but sent no decodable frame within {open_timeout_s:.0f} s")
+    return FrameSource(
+        reader,
+        kind="stream",
+        description=f"stream {url}",
+        name=_stream_name(url),
+        selection=selection,
+        estimated_length=selection.estimate_count(int(frame_count) if frame_count else None, None),
+        live=live,
+        **options.as_kwargs(),
+    )
+
+
+def _stream_name(url: str) -> str:
+    tail = re.sub(r"^[a-zA-Z0-9+.-]+://", "", url).split("?")[0].rstrip("/")
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", tail).strip("_") or "stream"
+
+
+def _call_with_deadline(open_fn: Callable[[], cv2.VideoCapture], deadline_s: float, on_timeout: str):
+    result: list[cv2.VideoCapture] = []
+    opener = threading.Thread(target=lambda: result.append(open_fn()), name="stream-open", daemon=True)
+    opener.start()
+    opener.join(timeout=deadline_s)
+    if not result:
+        # the stuck opener is a daemon thread: it cannot keep the process alive
+        raise SourceError(f"{on_timeout}; the stream did not answer")
+    return result[0]
+
+
+def _not_a_video_message(path: Path) -> str | None:
+    """A message when the first bytes show the file is something else (FFmpeg would read a PNG as a
+    one-frame "video", and a text file as nothing at all); None when it may be a video."""
+    with path.open("rb") as file:
+        head = file.read(64)
+    content = _known_non_video(head)
+    if content is None:
+        return None
+    return (
+        f"{path} is not a video file (its content looks like {content}, whatever its name says); "
+        "pass a real video (mp4, mov, avi, mkv, ...) or a folder of images"
+    )
+
+
+def _undecodable_file_message(path: Path) -> str:
+    """Why OpenCV refused a file that did not look like anything else, and what to do about it."""
+    with path.open("rb") as file:
+        head = file.read(64)
+    if head[4:8] == b"ftyp":
+        return (
+            f"{path} looks like an MP4/MOV file but cannot be opened: it is truncated or damaged (its index "
+            "is missing, which happens when a recording is cut off); re-export or re-download it"
+        )
+    return (
+        f"{path} cannot be opened as a video (unknown format or damaged file); "
+        "re-encode it (e.g. ffmpeg -i IN -c:v libx264 OUT.mp4) or pass a folder of images"
+    )
+
+
+_NON_VIDEO_SIGNATURES = {
+    b"\x89PNG": "a PNG image",
+    b"\xff\xd8\xff": "a JPEG image",
+    b"GIF8": "a GIF image",
+    b"BM": "a BMP image",
+    b"%PDF": "a PDF document",
+    b"PK\x03\x04": "a ZIP archive",
+    b"\x1f\x8b": "a gzip archive",
+}
+
+
+def _known_non_video(head: bytes) -> str | None:
+    for signature, meaning in _NON_VIDEO_SIGNATURES.items():
+        if head.startswith(signature):
+            return meaning
+    if head and all(byte in b"\t\n\r" or 32 <= byte < 127 for byte in head):
+        return "text"
+    return None
+
+
+def _positive_or_none(value: float) -> float | None:
+    # OpenCV reports unknown counts as 0, -1 or a huge negative sentinel
+    return value if math.isfinite(value) and value > 0 else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Readers (used by the reader thread only, after open_source returns)
+
+
+class _CaptureReader:
+    """OpenCV capture: a video file, a webcam or a network stream."""
+
+    def __init__(
+        self,
+        capture: cv2.VideoCapture,
+        *,
+        label: str,
+        clock: Literal["pts", "wall"],
+        expected_frames: float | None,
+    ) -> None:
+        self._capture = capture
+        self._label = label
+        self._clock = clock
+        self._expected_frames = int(expected_frames) if expected_frames else None
+        self._peeked = False
+        self._opened_at = time.monotonic()
+        self._wall_timestamp = 0.0
+
+    def peek(self, failure_message: str) -> None:
+        """Decode the first frame now, so a source that opens but never yields fails at open time."""
+        if not self._capture.grab():
+            self.release()
+            raise SourceError(failure_message)
+        self._opened_at = time.monotonic()
+        self._wall_timestamp = 0.0
+        self._peeked = True
+
+    def grab(self) -> bool:
+        if self._peeked:
+            self._peeked = False
+            return True
+        grabbed = self._capture.grab()
+        self._wall_timestamp = time.monotonic() - self._opened_at
+        return grabbed
+
+    def timestamp(self) -> float:
+        if self._clock == "wall":
+            return self._wall_timestamp
+        return self._capture.get(cv2.CAP_PROP_POS_MSEC) / 1000.0
+
+    def retrieve(self) -> np.ndarray:
+        ok, bgr = self._capture.retrieve()
+        if not ok or bgr is None:
+            raise SourceError(f"{self._label}: a frame was read but could not be decoded")
+        if bgr.ndim == 2:
+            return cv2.cvtColor(bgr, cv2.COLOR_GRAY2RGB)
+        return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+
+    def check_complete(self, frames_grabbed: int) -> None:
+        expected = self._expected_frames
+        if expected is not None and frames_grabbed + _TRUNCATION_SLACK_FRAMES < expected:
+            raise TruncatedSourceError(
+                f"{self._label} stopped decoding after {frames_grabbed} of {expected} frames: the file is "
+                f"truncated or damaged; the {frames_grabbed} frames before the damage were used",
+                frames_decoded=frames_grabbed,
+                frames_expected=expected,
+            )
+
+    def release(self) -> None:
+        self._capture.release()
+
+
+class _FolderReader:
+    """A sorted list of picture files; the timestamp of file i is i x seconds_per_frame."""
+
+    def __init__(self, paths: list[Path], frame_size: tuple[int, int], seconds_per_frame: float) -> None:
+        self._paths = paths
+        self._frame_size = frame_size
+        self._seconds_per_frame = seconds_per_frame
+        self._position = -1
+
+    def grab(self) -> bool:
+        self._position += 1
+        return self._position < len(self._paths)
+
+    def timestamp(self) -> float:
+        return self._position * self._seconds_per_frame
+
+    def retrieve(self) -> np.ndarray:
+        path = self._paths[self._position]
+        try:
+            rgb = np.asarray(upright_rgb(load_image(path)), dtype=np.uint8)
+        except ImageReadError as error:
+            raise SourceError(str(error)) from None
+        if (rgb.shape[1], rgb.shape[0]) != self._frame_size:
+            raise SourceError(
+                f"{path} changed since the folder was opened: it is now {rgb.shape[1]}x{rgb.shape[0]}, "
+                f"the sequence is {self._frame_size[0]}x{self._frame_size[1]}"
+            )
+        return rgb
+
+    def check_complete(self, frames_grabbed: int) -> None:
+        """A folder cannot be truncated: missing files are simply not listed."""
+
+    def release(self) -> None:
+        """Nothing is held open between frames."""
+
+
+class _IterableReader:
+    """(rgb, timestamp) pairs from any iterable, checked as they arrive."""
+
+    def __init__(self, frames: Iterable[tuple[np.ndarray, float]], label: str) -> None:
+        self._frames = iter(frames)
+        self._label = label
+        self._current: tuple[np.ndarray, float] | None = None
+        self._position = -1
+
+    def grab(self) -> bool:
+        try:
+            self._current = next(self._frames)
+        except StopIteration:
+            return False
+        self._position += 1
+        return True
+
+    def timestamp(self) -> float:
+        return float(self._current[1])
+
+    def retrieve(self) -> np.ndarray:
+        rgb = np.asarray(self._current[0])
+        if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
+            raise SourceError(
+                f"{self._label}: item {self._position} is not an RGB frame [H, W, 3] uint8 "
+                f"(got shape {rgb.shape}, dtype {rgb.dtype})"
+            )
+        return rgb
+
+    def check_complete(self, frames_grabbed: int) -> None:
+        """An iterable ends when it ends."""
+
+    def release(self) -> None:
+        close = getattr(self._frames, "close", None)  # generators: run their cleanup now
+        if close is not None:
+            close()
