@@ -20,6 +20,8 @@ back as rows, never as exceptions, so one bad sequence cannot stop the others.
 from __future__ import annotations
 
 import csv
+import dataclasses
+import functools
 import json
 import logging
 import shutil
@@ -34,6 +36,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from stream_recon.app.datasets import Sequence, TumFrames
 from stream_recon.app.evaluation import EvaluationError, evaluate_run
+from stream_recon.app.pipeline import (
+    DEFAULT_CHECKPOINT,
+    DTYPE_NAMES,
+    RunOptions,
+    resolve_device,
+    run_sequence,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +69,6 @@ EVAL_COLUMNS = (
 SUMMARY_COLUMNS = BASE_COLUMNS + EVAL_COLUMNS
 
 ModelLoader = Callable[[], Any]
-FrameCallback = Callable[[int, int | None], None]  # (frames done, frames expected or None)
 
 
 class BatchError(ValueError):
@@ -103,30 +111,40 @@ class SequenceWorker:
     """Holds one model and processes sequences one at a time; every outcome comes back as a row.
 
     Used directly for serial batches and wrapped as a Ray actor for distributed ones, so both paths
-    run exactly the same code on each sequence.
+    run exactly the same code on each sequence. `console` receives the pipeline's per-frame progress
+    (a quiet one inside Ray actors, whose terminal nobody watches).
     """
 
     def __init__(
-        self, load_model: ModelLoader, run_options: Any, output_dir: str | Path, evaluation: EvalSettings
-    ):
+        self,
+        load_model: ModelLoader,
+        run_options: RunOptions,
+        output_dir: str | Path,
+        evaluation: EvalSettings,
+        console: Console | None = None,
+    ) -> None:
         self.model = load_model()
-        self.run_options = run_options
+        # A batch never opens the live viewer, and its resume rule (not --overwrite) decides what is redone.
+        self.run_options = dataclasses.replace(run_options, viewer=False, overwrite=False)
         self.output_dir = Path(output_dir)
         self.evaluation = evaluation
+        self.console = console or Console(quiet=True)
 
-    def process(self, sequence: Sequence, on_frame: FrameCallback | None = None) -> dict:
+    def process(self, sequence: Sequence) -> dict:
         run_dir = run_dir_of(self.output_dir, sequence)
         row = base_row(sequence)
         started = time.monotonic()
         try:
             if run_dir.exists():
                 shutil.rmtree(run_dir)  # a partial run: its files would mix with the new ones
-            summary = self._run(sequence, run_dir, on_frame)
+            summary = run_sequence(
+                sequence_source(sequence), run_dir, self.run_options, model=self.model, console=self.console
+            )
         except Exception as error:  # noqa: BLE001 - any failure is this sequence's, recorded, never fatal
             logger.debug("sequence %s failed:\n%s", sequence.name, traceback.format_exc())
             row.update(status="failed", error=describe_error(error), seconds=time.monotonic() - started)
             return row
-        row.update(frames=summary.frames, keyframes=summary.keyframes, fps=summary.fps)
+        row.update(frames=summary.frames, keyframes=summary.keyframes, fps=_finite_or_none(summary.fps))
         if summary.status != "complete":
             row.update(status="failed", error=summary.error or f"run ended {summary.status}")
             row["seconds"] = time.monotonic() - started
@@ -137,11 +155,6 @@ class SequenceWorker:
         row["seconds"] = time.monotonic() - started
         write_marker(run_dir, row)
         return row
-
-    def _run(self, sequence: Sequence, run_dir: Path, on_frame: FrameCallback | None):
-        from stream_recon.app.pipeline import run_sequence  # the run command's own code path
-
-        return run_sequence(sequence_source(sequence), run_dir, self.run_options, model=self.model)
 
     def _evaluate(self, sequence: Sequence, run_dir: Path) -> dict:
         try:
@@ -156,6 +169,22 @@ class SequenceWorker:
             # The reconstruction itself is fine and kept; only the comparison could not be made.
             return {"error": f"evaluation: {error}"}
         return {key: metrics[key] for key in EVAL_COLUMNS if key in metrics}
+
+
+def load_model_for(options: RunOptions) -> Any:
+    """The model `options` name (checkpoint, device, dtype), as `stream-recon run` would load it."""
+    import torch
+    from stream_recon.models import load_model
+
+    dtype_name = DTYPE_NAMES[options.dtype]
+    dtype = None if dtype_name is None else getattr(torch, dtype_name)
+    return load_model(
+        options.checkpoint or DEFAULT_CHECKPOINT, device=resolve_device(options.device), dtype=dtype
+    )
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    return value if value is not None and value == value and abs(value) != float("inf") else None
 
 
 def base_row(sequence: Sequence) -> dict:
@@ -206,12 +235,25 @@ def read_summary(output_dir: Path) -> list[dict]:
 # The batch
 
 
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every worker is built from; sent as is to each Ray actor."""
+
+    load_model: ModelLoader
+    run_options: RunOptions
+    output_dir: Path
+    evaluation: EvalSettings
+
+    def build(self, console: Console | None = None) -> SequenceWorker:
+        return SequenceWorker(self.load_model, self.run_options, self.output_dir, self.evaluation, console)
+
+
 def run_batch(
     sequences: list[Sequence],
     output_dir: str | Path,
-    run_options: Any,
+    run_options: RunOptions,
     *,
-    load_model: ModelLoader,
+    load_model: ModelLoader | None = None,
     evaluation: EvalSettings = EvalSettings(),
     ray_address: str | None = None,
     gpus_per_task: float = 1.0,
@@ -219,12 +261,16 @@ def run_batch(
 ) -> list[dict]:
     """Process `sequences` into OUTPUT/<name>/ and write the summary; returns the rows in sequence order.
 
-    `load_model` is called once per worker (once here, or once per Ray actor) and must be picklable
-    for Ray (a module-level function or a functools.partial of one).
+    `load_model` (default: the checkpoint, device and dtype of `run_options`) is called once per
+    worker: once here, or once per Ray actor, so for Ray it must be picklable (a module-level
+    function, a functools.partial of one, or a closure cloudpickle can carry).
     """
     output_dir = Path(output_dir)
     _prepare_output_dir(output_dir)
     console = console or Console(stderr=True)
+    spec = WorkerSpec(
+        load_model or functools.partial(load_model_for, run_options), run_options, output_dir, evaluation
+    )
     rows: dict[str, dict] = {}
     pending = []
     for sequence in sequences:
@@ -244,25 +290,11 @@ def run_batch(
 
     write_summary(output_dir, ordered_rows())
     if rows:
-        console.print(
-            f"{len(rows)} of {len(sequences)} sequences already finished in {output_dir}; skipping them"
-        )
-    if pending:
-        with _progress(console) as progress:
-            if ray_address is None:
-                _run_serial(pending, output_dir, run_options, load_model, evaluation, progress, record)
-            else:
-                _run_on_ray(
-                    pending,
-                    output_dir,
-                    run_options,
-                    load_model,
-                    evaluation,
-                    ray_address,
-                    gpus_per_task,
-                    progress,
-                    record,
-                )
+        console.print(f"{len(rows)} of {len(sequences)} sequences already finished in {output_dir}: skipped")
+    if pending and ray_address is None:
+        _run_serial(pending, spec, console, record)
+    elif pending:
+        _run_on_ray(pending, spec, ray_address, gpus_per_task, console, record)
     write_summary(output_dir, ordered_rows())
     return ordered_rows()
 
@@ -276,22 +308,13 @@ def _prepare_output_dir(output_dir: Path) -> None:
         raise BatchError(f"cannot create --output {output_dir}: {error.strerror or error}") from None
 
 
-def _progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    )
-
-
 def _report(console: Console, row: dict) -> None:
     if row["status"] == "ok":
-        detail = f"{row['frames']} frames, {row['fps']:.1f} FPS" if row.get("fps") is not None else ""
+        detail = f"{row['frames']} frames"
+        if row.get("fps") is not None:
+            detail += f", {row['fps']:.1f} FPS"
         if row.get("ate_rmse") is not None:
-            detail += f", ATE {row['ate_rmse']:.4f}"
+            detail += f", ATE RMSE {row['ate_rmse']:.4f}"
         if row.get("error"):
             detail += f" ({row['error']})"
         console.print(f"[green]ok[/] {row['name']}: {detail}")
@@ -299,19 +322,13 @@ def _report(console: Console, row: dict) -> None:
         console.print(f"[red]failed[/] {row['name']}: {row['error']}")
 
 
-def _run_serial(pending, output_dir, run_options, load_model, evaluation, progress, record) -> None:
-    sequences_task = progress.add_task("sequences", total=len(pending))
-    worker = SequenceWorker(load_model, run_options, output_dir, evaluation)
-    for sequence in pending:
-        frames_task = progress.add_task(f"  {sequence.name}", total=None)
-
-        def on_frame(done: int, expected: int | None, task=frames_task) -> None:
-            progress.update(task, completed=done, total=expected)
-
-        row = worker.process(sequence, on_frame)
-        progress.remove_task(frames_task)
-        record(row)
-        progress.advance(sequences_task)
+def _run_serial(pending: list[Sequence], spec: WorkerSpec, console: Console, record) -> None:
+    """One worker in this process; the pipeline draws each sequence's frame progress on `console`."""
+    # rich allows one live display per console, so sequences are counted in lines and frames in the bar.
+    worker = spec.build(console)
+    for number, sequence in enumerate(pending, start=1):
+        console.rule(f"sequence {number}/{len(pending)}: {sequence.name} ({sequence.describe()})")
+        record(worker.process(sequence))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -355,42 +372,58 @@ def plan_actors(resources: dict, gpus_per_task: float, sequences: int) -> int:
 
 
 def _run_on_ray(
-    pending, output_dir, run_options, load_model, evaluation, address, gpus_per_task, progress, record
-):
+    pending: list[Sequence], spec: WorkerSpec, address: str, gpus_per_task: float, console: Console, record
+) -> None:
+    """One actor per GPU share (or CPU), each holding the model; sequences handed out as actors free up.
+
+    This is ActorPool.map_unordered with one addition: each result is tied to its sequence, so a
+    worker that dies (out of memory, lost node) fails that sequence by name and the others go on.
+    """
     ray = connect_ray(address)
     count = plan_actors(ray.cluster_resources(), gpus_per_task, len(pending))
     actor_class = ray.remote(SequenceWorker).options(num_gpus=gpus_per_task, num_cpus=1)
-    actors = [actor_class.remote(load_model, run_options, str(output_dir), evaluation) for _ in range(count)]
-    sequences_task = progress.add_task(f"sequences on {count} Ray worker(s)", total=len(pending))
-    queue = list(reversed(pending))
+    actors = [
+        actor_class.remote(spec.load_model, spec.run_options, str(spec.output_dir), spec.evaluation)
+        for _ in range(count)
+    ]
+    waiting = list(reversed(pending))
     running: dict[Any, tuple[Any, Sequence]] = {}
 
     def submit(actor) -> None:
-        if queue:
-            sequence = queue.pop()
+        if waiting:
+            sequence = waiting.pop()
             running[actor.process.remote(sequence)] = (actor, sequence)
 
-    for actor in actors:
-        submit(actor)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
     try:
-        while running:
-            done, _ = ray.wait(list(running), num_returns=1)
-            actor, sequence = running.pop(done[0])
-            try:
-                row = ray.get(done[0])
-            except Exception as error:  # noqa: BLE001 - a dead actor (crash, OOM, failed model load)
-                row = base_row(sequence)
-                row.update(status="failed", error=f"Ray worker failed: {describe_error(error)}")
-                actor = None  # a dead actor takes no more work
-            record(row)
-            progress.advance(sequences_task)
-            if actor is not None:
+        with progress:
+            task = progress.add_task(f"sequences on {count} Ray worker(s)", total=len(pending))
+            for actor in actors:
                 submit(actor)
-            elif not running and queue:
-                # Every worker died: what is left cannot run here, and says so in the summary.
-                while queue:
-                    sequence = queue.pop()
-                    record({**base_row(sequence), "status": "failed", "error": row["error"]})
+            while running:
+                [finished], _ = ray.wait(list(running), num_returns=1)
+                actor, sequence = running.pop(finished)
+                try:
+                    row = ray.get(finished)
+                except Exception as error:  # noqa: BLE001 - a dead actor: crash, OOM, failed model load
+                    row = {**base_row(sequence), "status": "failed"}
+                    row["error"] = f"Ray worker failed: {describe_error(error)}"
+                    actor = None  # a dead actor takes no more work
+                record(row)
+                progress.advance(task)
+                if actor is not None:
+                    submit(actor)
+                elif not running:
+                    # Every worker has died: what is left cannot run here, and the summary says why.
+                    while waiting:
+                        record({**base_row(waiting.pop()), "status": "failed", "error": row["error"]})
+                        progress.advance(task)
     finally:
         for actor in actors:
             ray.kill(actor)

@@ -245,6 +245,7 @@ class TumFrames:
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
+        self.name = self.folder.resolve().name  # for the pipeline's messages
         listing = self.folder / TUM_FRAME_LIST
         if not listing.is_file():
             raise DatasetError(f"{self.folder} is not a TUM RGB-D sequence: {TUM_FRAME_LIST} is missing")

@@ -21,7 +21,6 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
-
 from stream_recon.app.evaluation import EvaluationError, evaluate_run
 
 RunDirArg = Annotated[Path, typer.Argument(help="Run directory written by `stream-recon run` (holds trajectory_tum.txt).")]
