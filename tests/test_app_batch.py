@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from dataset_tree import write_dataset_tree, write_image_folder
 from stream_recon.app.batch import (
     COMPLETE_MARKER,

@@ -376,9 +376,8 @@ def test_evaluate_run_with_tum_depth(tmp_path):
 
 def test_eval_command_prints_the_table_and_writes_eval_json(tmp_path):
     import typer
-    from typer.testing import CliRunner
-
     from stream_recon.app.commands.eval import eval_command
+    from typer.testing import CliRunner
 
     gt_file, _, _ = write_known_pair(tmp_path, np.random.default_rng(11), noise=0.01)
     app = typer.Typer()
