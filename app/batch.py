@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import json
 import logging
+import re
 import shutil
 import time
 import traceback
@@ -194,7 +195,8 @@ def base_row(sequence: Sequence) -> dict:
 
 
 def describe_error(error: BaseException) -> str:
-    text = str(error).strip()
+    # Ray colours its tracebacks; a summary cell should hold plain text.
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
@@ -335,25 +337,30 @@ def _run_serial(pending: list[Sequence], spec: WorkerSpec, console: Console, rec
 # Ray
 
 
-def connect_ray(address: str):
-    """Join the Ray cluster at `address`; `auto` joins a running one or starts a local instance."""
+def connect_ray(address: str) -> tuple[Any, bool]:
+    """Join the Ray cluster at `address`; `auto` joins a running one or starts a local instance.
+
+    Returns (the ray module, whether this call started Ray and so should shut it down). A Ray already
+    initialised in this process (a notebook, a test) is used as it is.
+    """
     try:
         import ray
     except ImportError:
         raise BatchError("--ray needs Ray: pip install 'stream-recon[ray]'") from None
     if ray.is_initialized():
-        return ray
+        return ray, False
     if address == "auto":
         try:
             ray.init(address="auto", logging_level=logging.WARNING)
         except ConnectionError:
-            ray.init(include_dashboard=False, logging_level=logging.WARNING)
-        return ray
+            # Nothing to join: start a private instance, reachable from this machine only.
+            ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
+        return ray, True
     try:
         ray.init(address=address, logging_level=logging.WARNING)
     except ConnectionError as error:
         raise BatchError(f"cannot reach the Ray cluster at {address}: {error}") from None
-    return ray
+    return ray, True
 
 
 def plan_actors(resources: dict, gpus_per_task: float, sequences: int) -> int:
@@ -379,7 +386,17 @@ def _run_on_ray(
     This is ActorPool.map_unordered with one addition: each result is tied to its sequence, so a
     worker that dies (out of memory, lost node) fails that sequence by name and the others go on.
     """
-    ray = connect_ray(address)
+    ray, started_here = connect_ray(address)
+    try:
+        _run_actors(ray, pending, spec, gpus_per_task, console, record)
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def _run_actors(
+    ray, pending: list[Sequence], spec: WorkerSpec, gpus_per_task: float, console: Console, record
+):
     count = plan_actors(ray.cluster_resources(), gpus_per_task, len(pending))
     actor_class = ray.remote(SequenceWorker).options(num_gpus=gpus_per_task, num_cpus=1)
     actors = [

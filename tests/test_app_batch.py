@@ -32,6 +32,10 @@ OPTIONS = RunOptions(device="cpu", image_width=56, scale_frames=4, viewer=False)
 TESTS_DIR = Path(__file__).parent
 
 
+def load_missing_model():
+    raise ValueError("checkpoint /nowhere/model.safetensors does not exist")
+
+
 def load_tiny_model():
     # Every worker builds the same weights, so serial and Ray runs can be compared number for number.
     torch.manual_seed(0)
@@ -203,8 +207,22 @@ def test_ray_batch_gives_the_serial_results(serial_run, dataset, tmp_path):
             ray_address="auto",
             gpus_per_task=0,
         )
+        # Workers that cannot even load the model fail every sequence by name instead of hanging the batch.
+        dead_rows = run_batch(
+            discover_sequences(dataset),
+            tmp_path / "dead",
+            OPTIONS,
+            load_model=load_missing_model,
+            ray_address="auto",
+            gpus_per_task=0,
+        )
     finally:
         ray.shutdown()
+    assert [row["status"] for row in dead_rows] == ["failed"] * 4
+    for row in dead_rows:
+        assert row["error"].startswith("Ray worker failed: ")
+        assert "checkpoint /nowhere/model.safetensors does not exist" in row["error"]
+        assert "\x1b[" not in row["error"]
     assert [row["status"] for row in rows] == ["ok", "ok", "ok", "failed"]
     assert read_summary(tmp_path) == rows
     for serial, distributed in zip(serial_rows, rows, strict=True):
