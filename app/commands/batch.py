@@ -20,7 +20,6 @@ from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
-
 from stream_recon.app.commands._options import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -48,10 +47,14 @@ from stream_recon.app.commands._options import (
 _BATCH = "Batch"
 
 RootArg = Annotated[
-    Path, typer.Argument(help="Dataset folder (or sequences.txt's folder, or one sequence).", show_default=False)
+    Path,
+    typer.Argument(help="Dataset folder (or sequences.txt's folder, or one sequence).", show_default=False),
 ]
 BatchOutputOpt = Annotated[
-    Path, typer.Option("--output", "-o", help="Folder for the run directories and the summary.", show_default=False)
+    Path,
+    typer.Option(
+        "--output", "-o", help="Folder for the run directories and the summary.", show_default=False
+    ),
 ]
 RayOpt = Annotated[
     Optional[str],
@@ -64,15 +67,20 @@ RayOpt = Annotated[
 ]
 GpusPerTaskOpt = Annotated[
     float,
-    typer.Option("--gpus-per-task", help="GPUs per sequence with --ray; 0 runs on CPUs.", rich_help_panel=_BATCH),
+    typer.Option(
+        "--gpus-per-task", help="GPUs per sequence with --ray; 0 runs on CPUs.", rich_help_panel=_BATCH
+    ),
 ]
 AlignmentOpt = Annotated[
     str, typer.Option("--alignment", help="Evaluation alignment: sim3 or se3.", rich_help_panel=_BATCH)
 ]
 MaxDiffOpt = Annotated[
     float,
-    typer.Option("--max-diff", help="Evaluation: largest timestamp difference (s) of a matched pose.",
-                 rich_help_panel=_BATCH),
+    typer.Option(
+        "--max-diff",
+        help="Evaluation: largest timestamp difference (s) of a matched pose.",
+        rich_help_panel=_BATCH,
+    ),
 ]
 
 
@@ -108,10 +116,23 @@ def batch(
 
     console = error_console()
     overrides = dict(
-        checkpoint=checkpoint, device=device, dtype=dtype, attention=attention, scale_frames=scale_frames,
-        window=window, keyframes=keyframes, flow_threshold=flow_threshold, max_gap=max_gap,
-        image_width=image_width, fps=fps, max_frames=max_frames, start=start, stride=stride,
-        conf_threshold=conf_threshold, voxel_size=voxel_size, viewer=False,
+        checkpoint=checkpoint,
+        device=device,
+        dtype=dtype,
+        attention=attention,
+        scale_frames=scale_frames,
+        window=window,
+        keyframes=keyframes,
+        flow_threshold=flow_threshold,
+        max_gap=max_gap,
+        image_width=image_width,
+        fps=fps,
+        max_frames=max_frames,
+        start=start,
+        stride=stride,
+        conf_threshold=conf_threshold,
+        voxel_size=voxel_size,
+        viewer=False,
     )
     if alignment not in ("sim3", "se3"):
         console.print(f"[red]error:[/red] --alignment must be sim3 or se3, not {alignment!r}")
@@ -142,8 +163,14 @@ def batch(
 
 def summary_table(rows: list[dict], title: str) -> Table:
     table = Table(title=title)
-    for column, justify in (("sequence", "left"), ("status", "left"), ("frames", "right"), ("FPS", "right"),
-                            ("ATE RMSE", "right"), ("error", "left")):
+    for column, justify in (
+        ("sequence", "left"),
+        ("status", "left"),
+        ("frames", "right"),
+        ("FPS", "right"),
+        ("ATE RMSE", "right"),
+        ("error", "left"),
+    ):
         table.add_column(column, justify=justify)
     colours = {"ok": "green", "skipped": "cyan", "failed": "red"}
     for row in rows:

@@ -23,12 +23,21 @@ from rich.console import Console
 from rich.table import Table
 from stream_recon.app.evaluation import EvaluationError, evaluate_run
 
-RunDirArg = Annotated[Path, typer.Argument(help="Run directory written by `stream-recon run` (holds trajectory_tum.txt).")]
-GtOpt = Annotated[Path, typer.Option("--gt", help="Ground-truth trajectory, TUM format (timestamp tx ty tz qx qy qz qw).")]
-AlignmentOpt = Annotated[str, typer.Option("--alignment", help="sim3 (scale too, for monocular runs) or se3.")]
-MaxDiffOpt = Annotated[float, typer.Option("--max-diff", help="Largest timestamp difference (s) for a matched pair.")]
+RunDirArg = Annotated[
+    Path, typer.Argument(help="Run directory written by `stream-recon run` (holds trajectory_tum.txt).")
+]
+GtOpt = Annotated[
+    Path, typer.Option("--gt", help="Ground-truth trajectory, TUM format (timestamp tx ty tz qx qy qz qw).")
+]
+AlignmentOpt = Annotated[
+    str, typer.Option("--alignment", help="sim3 (scale too, for monocular runs) or se3.")
+]
+MaxDiffOpt = Annotated[
+    float, typer.Option("--max-diff", help="Largest timestamp difference (s) for a matched pair.")
+]
 DepthDirOpt = Annotated[
-    Path | None, typer.Option("--depth-dir", help="Ground-truth depth: a folder with depth.txt (TUM RGB-D layout).")
+    Path | None,
+    typer.Option("--depth-dir", help="Ground-truth depth: a folder with depth.txt (TUM RGB-D layout)."),
 ]
 
 # (label, eval.json key, format); rows whose key is absent are left out.
