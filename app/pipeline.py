@@ -49,6 +49,10 @@ DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16"
                "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
 
 
+class OptionsError(ValueError):
+    """Run options that are out of range or do not fit this machine (e.g. CUDA asked for, none here)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunOptions:
     """Everything a run needs besides the source and the output folder. Defaults are the reference's.
@@ -87,7 +91,7 @@ class RunOptions:
     def __post_init__(self) -> None:
         problems = list(self._problems())
         if problems:
-            raise ValueError("; ".join(problems))
+            raise OptionsError("; ".join(problems))
 
     def _problems(self) -> Iterator[str]:
         if self.dtype not in DTYPE_NAMES:
@@ -195,12 +199,13 @@ def run_sequence(
     console = console or Console(stderr=True)
     output_dir = Path(output_dir)
     device = resolve_device(options.device)
+    check_attention(options.attention, device)
     frame_source = _as_frame_source(source, options)
     try:
         created_dir = prepare_output_dir(output_dir, overwrite=options.overwrite)
         try:
             model = model if model is not None else _load_model(options, device, console)
-            engine = _build_engine(model, options, device)
+            engine = _build_engine(model, options, device, resolve_dtype(options.dtype, device))
             writer = RunWriter(
                 output_dir,
                 _settings(options, frame_source, device),
@@ -278,6 +283,7 @@ def _stream(
 
 
 def _emit(preds: list, engine: Any, clock: _RunClock, sinks: list[Sink], source: FrameSource) -> dict:
+    clock.frames_done += len(preds)
     stats = dict(engine.stats())
     stats.update(
         clock.rates(), frames_read=clock.frames_read, frames_done=clock.frames_done,
@@ -286,7 +292,6 @@ def _emit(preds: list, engine: Any, clock: _RunClock, sinks: list[Sink], source:
     for pred in preds:
         for sink in sinks:
             sink.on_frame(pred, stats)
-    clock.frames_done += len(preds)
     return stats
 
 
@@ -347,16 +352,31 @@ def resolve_device(device: str) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} was asked for but CUDA is not available here; use --device cpu")
+            raise OptionsError(f"device {device!r} was asked for but CUDA is not available here; use --device cpu")
         index = device.partition(":")[2]
         if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
-            raise ValueError(
+            raise OptionsError(
                 f"device {device!r} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s)"
             )
         return device
     if device != "cpu":
-        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+        raise OptionsError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
     return device
+
+
+def check_attention(attention: str, device: str) -> None:
+    """FlashInfer asked for explicitly must be usable here; `auto` falls back to SDPA on its own."""
+    if attention != "flashinfer":
+        return
+    if not device.startswith("cuda"):
+        raise OptionsError(f"--attention flashinfer runs on CUDA only, but the device is {device}; use sdpa or auto")
+    try:
+        import flashinfer  # noqa: F401 - only whether it imports matters here
+    except ImportError as error:
+        raise OptionsError(
+            f"--attention flashinfer needs the flashinfer package ({error.msg}); "
+            "install it with pip install 'stream-recon[cuda]', or use --attention sdpa"
+        ) from None
 
 
 def prepare_output_dir(output_dir: Path, *, overwrite: bool) -> bool:
@@ -406,22 +426,29 @@ def _load_model(options: RunOptions, device: str, console: Console) -> Any:
     from stream_recon.models import load_model
 
     checkpoint = options.checkpoint or DEFAULT_CHECKPOINT
-    dtype = _torch_dtype(options.dtype)
+    # weights stay float32: the engine runs the transformer under autocast and the heads in fp32
     with console.status(f"loading {checkpoint} on {device}"):
-        return load_model(checkpoint, device=device, dtype=dtype)
+        return load_model(checkpoint, device=device)
 
 
-def _torch_dtype(name: str) -> Any:
+def resolve_dtype(name: str, device: str) -> Any:
+    """`auto`: bf16 on CUDA (fp16 before Ampere, which has no fast bf16), fp32 on CPU, as the reference."""
     import torch
 
     canonical = DTYPE_NAMES[name]
-    return None if canonical is None else getattr(torch, canonical)
+    if canonical is not None:
+        return getattr(torch, canonical)
+    if not device.startswith("cuda"):
+        return torch.float32
+    major, _ = torch.cuda.get_device_capability(device)
+    return torch.bfloat16 if major >= 8 else torch.float16
 
 
-def _build_engine(model: Any, options: RunOptions, device: str) -> Any:
+def _build_engine(model: Any, options: RunOptions, device: str, dtype: Any) -> Any:
     from stream_recon.models import StreamConfig, StreamingEngine
 
-    return StreamingEngine(model, StreamConfig(**options.stream_config_kwargs()), device=device)
+    config = StreamConfig(**options.stream_config_kwargs())
+    return StreamingEngine(model, config, device=device, dtype=dtype)
 
 
 def _start_viewer(options: RunOptions, console: Console) -> Any:

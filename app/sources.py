@@ -406,6 +406,21 @@ def classify_source(spec: str | Path) -> tuple[SourceKind, str]:
     return "video", str(path)
 
 
+def source_name(spec: str | Path) -> str:
+    """A short name for what the user typed, for default output folders (no file is opened).
+
+    clip.mp4 -> clip, frames/ -> frames, 0 -> webcam0, rtsp://cam.local/live -> cam.local_live
+    """
+    text = str(spec).strip()
+    if text.isdigit():
+        return f"webcam{text}"
+    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", text):
+        return _stream_name(text)
+    path = Path(text).expanduser()
+    name = path.name if path.is_dir() else path.stem
+    return name or path.resolve().name or "run"
+
+
 def natural_sort_key(name: str) -> tuple:
     """frame2.png before frame10.png: digit runs compare as numbers."""
     return tuple(int(part) if part.isdigit() else part.lower() for part in re.split(r"(\d+)", name))
@@ -435,7 +450,7 @@ def _open_folder(folder: Path, selection: FrameSelection, options: _SourceOption
         reader,
         kind="folder",
         description=f"image folder {folder}",
-        name=folder.resolve().name or "frames",
+        name=source_name(folder),
         selection=selection,
         # file order is the clock here, so an fps selection never drops a file: every kept file is one tick
         estimated_length=selection.estimate_count(len(paths), None),

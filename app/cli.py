@@ -1,0 +1,74 @@
+"""`stream-recon`: the root command only registers subcommands (one module per command in commands/).
+
+`stream-recon SOURCE` is short for `stream-recon run SOURCE`. Click takes the first positional as
+a command name, so `main` inserts `run` when the first argument is not a command or a root option.
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib import metadata
+from typing import Annotated
+
+import typer
+
+from stream_recon.app.commands.convert import convert
+from stream_recon.app.commands.download import download
+from stream_recon.app.commands.info import info
+from stream_recon.app.commands.run import run
+
+app = typer.Typer(
+    name="stream-recon",
+    help="Streaming 3D reconstruction from video: camera poses and depth, frame by frame, live in the browser.\n\n"
+    "Run [bold]stream-recon SOURCE[/bold] (a video, an image folder, a webcam index or a stream URL) "
+    "or one of the commands below.",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="rich",
+    pretty_exceptions_show_locals=False,
+)
+
+app.command(name="run", help="Reconstruct a video, image folder, webcam or stream (the default command).")(run)
+app.command(name="info", help="Versions, CUDA/GPU, attention backends, checkpoint locations.")(info)
+app.command(name="download", help="Download an official checkpoint into the Hugging Face cache.")(download)
+app.command(name="convert", help="Convert a .pt checkpoint to .safetensors.")(convert)
+
+ROOT_OPTIONS = ("-h", "--help", "--version")
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"stream-recon {metadata.version('stream-recon')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool, typer.Option("--version", help="Show the version and exit.", callback=_version_callback, is_eager=True)
+    ] = False,
+) -> None:
+    """Root options only; every action is a command."""
+
+
+def command_names() -> set[str]:
+    names = {command.name for command in app.registered_commands if command.name}
+    names |= {group.name for group in app.registered_groups if group.name}
+    return names
+
+
+def with_default_command(args: list[str]) -> list[str]:
+    """Insert `run` unless the first argument is a command or a root option (or there is none)."""
+    if not args or args[0] in command_names() or args[0] in ROOT_OPTIONS:
+        return args
+    return ["run", *args]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else list(argv)
+    app(args=with_default_command(args), prog_name="stream-recon")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Download an official checkpoint into the Hugging Face cache, where `--checkpoint NAME` finds it.
+
+Examples:
+
+    stream-recon download                      # lingbot-map-long, the default checkpoint
+    stream-recon download lingbot-map
+    HF_HOME=/data/hf stream-recon download     # another cache location (set it for runs too)
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from stream_recon.app.commands._options import EXIT_BAD_INPUT, error_console, user_errors
+
+DEFAULT_NAME = "lingbot-map-long"
+
+
+def download(
+    name: Annotated[
+        str, typer.Argument(help="Checkpoint name: lingbot-map-long or lingbot-map.")
+    ] = DEFAULT_NAME,
+) -> None:
+    """Fetch a checkpoint from Hugging Face (robbyant/lingbot-map) into the local cache."""
+    from stream_recon.models.checkpoint import KNOWN_CHECKPOINTS, download_checkpoint
+
+    console = error_console()
+    if name not in KNOWN_CHECKPOINTS:
+        console.print(f"[red]error:[/red] unknown checkpoint {name!r}; known: {', '.join(KNOWN_CHECKPOINTS)}")
+        raise typer.Exit(code=EXIT_BAD_INPUT)
+    with user_errors(console), console.status(f"downloading {name}"):
+        path = download_checkpoint(name)
+    console.print(f"[green]downloaded[/green] {name}: {path}")

@@ -1,0 +1,136 @@
+"""Show what this installation can do: versions, CUDA and GPUs, attention backends, checkpoint locations.
+
+Examples:
+
+    stream-recon info
+    stream-recon info --json > env.json        # attach to a bug report
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from importlib import metadata
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+CHECKPOINT_REPO = "robbyant/lingbot-map"
+CHECKPOINT_FILES = {"lingbot-map-long": "lingbot-map-long.pt", "lingbot-map": "lingbot-map.pt"}
+_PACKAGES = ("stream-recon", "torch", "numpy", "opencv-python-headless", "pillow", "typer", "rich", "viser",
+             "safetensors", "huggingface_hub", "flashinfer-python")
+
+
+def info(
+    as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")] = False,
+) -> None:
+    """Versions, CUDA/GPU, attention backends and where checkpoints are looked up."""
+    report = collect_info()
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    _print_report(report, Console())
+
+
+def collect_info() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": {name: _version(name) for name in _PACKAGES},
+        "cuda": _cuda_info(),
+        "attention_backends": _attention_backends(),
+        "checkpoints": _checkpoint_info(),
+    }
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cuda_info() -> dict[str, Any]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"available": False, "torch_cuda": torch.version.cuda, "devices": []}
+    devices = []
+    for index in range(torch.cuda.device_count()):
+        properties = torch.cuda.get_device_properties(index)
+        devices.append({
+            "index": index,
+            "name": properties.name,
+            "memory_gb": round(properties.total_memory / 2**30, 1),
+            "compute_capability": f"{properties.major}.{properties.minor}",
+        })
+    return {"available": True, "torch_cuda": torch.version.cuda, "devices": devices}
+
+
+def _attention_backends() -> dict[str, str]:
+    """Which backends `--attention` can use here, with the reason when one cannot."""
+    import torch
+
+    backends = {"sdpa": "available (PyTorch scaled_dot_product_attention; CPU and CUDA)"}
+    try:
+        import flashinfer  # noqa: F401 - only its presence matters here
+    except ImportError as error:
+        backends["flashinfer"] = f"not installed ({error.msg}); pip install 'stream-recon[cuda]' on a CUDA machine"
+    else:
+        backends["flashinfer"] = (
+            "available" if torch.cuda.is_available() else "installed, but needs a CUDA GPU (none found)"
+        )
+    return backends
+
+
+def _checkpoint_info() -> dict[str, Any]:
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    cached = {}
+    for name, filename in CHECKPOINT_FILES.items():
+        found = try_to_load_from_cache(CHECKPOINT_REPO, filename)
+        cached[name] = found if isinstance(found, str) else None
+    return {
+        "repository": f"https://huggingface.co/{CHECKPOINT_REPO}",
+        "hf_cache": str(constants.HF_HUB_CACHE),
+        "offline": bool(constants.HF_HUB_OFFLINE),
+        "hf_home_env": os.environ.get("HF_HOME"),
+        "cached": cached,
+    }
+
+
+def _print_report(report: dict[str, Any], console: Console) -> None:
+    console.print(f"[bold]stream-recon[/bold] {report['packages']['stream-recon'] or '(not installed)'} "
+                  f"on Python {report['python']}, {report['platform']}")
+    packages = Table("package", "version", title="Packages", title_justify="left")
+    for name, version in report["packages"].items():
+        packages.add_row(name, escape(version) if version else "[dim]not installed[/dim]")
+    console.print(packages)
+
+    cuda = report["cuda"]
+    if cuda["available"]:
+        gpus = Table("index", "GPU", "memory", "compute", title=f"CUDA {cuda['torch_cuda']}", title_justify="left")
+        for device in cuda["devices"]:
+            gpus.add_row(str(device["index"]), device["name"], f"{device['memory_gb']} GB",
+                         device["compute_capability"])
+        console.print(gpus)
+    else:
+        built = f"torch built with CUDA {cuda['torch_cuda']}" if cuda["torch_cuda"] else "CPU-only torch build"
+        console.print(f"CUDA: [yellow]not available[/yellow] ({built}); runs use the CPU")
+
+    backends = Table("backend", "status", title="Attention backends (--attention)", title_justify="left")
+    for name, status in report["attention_backends"].items():
+        backends.add_row(name, escape(status))
+    console.print(backends)
+
+    checkpoints = report["checkpoints"]
+    console.print(f"Checkpoints: names resolve through the Hugging Face cache [bold]{checkpoints['hf_cache']}[/bold]"
+                  f" (repository {checkpoints['repository']}"
+                  f"{', offline mode' if checkpoints['offline'] else ''}); a path is used as given.")
+    for name, path in checkpoints["cached"].items():
+        where = path or "[dim]not downloaded[/dim] (stream-recon download " + name + ")"
+        console.print(f"  {name}: {where}")

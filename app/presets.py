@@ -1,0 +1,79 @@
+"""Run presets: YAML files of RunOptions fields (configs/indoor.yaml, ...), overridden by CLI flags.
+
+    # configs/low-memory.yaml
+    image_width: 392
+    window: 32
+    keyframes: interval:2
+
+`--config low-memory` finds configs/low-memory.yaml; `--config path/to/mine.yaml` reads that file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from stream_recon.app.pipeline import OptionsError, RunOptions
+
+# configs/ sits beside app/ in the repository (and in an editable install)
+PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class PresetError(ValueError):
+    """A preset that cannot be found, parsed, or names options that do not exist."""
+
+
+def available_presets() -> list[str]:
+    if not PRESET_DIR.is_dir():
+        return []
+    return sorted(path.stem for path in PRESET_DIR.glob("*.yaml") if _is_run_preset(path))
+
+
+def _is_run_preset(path: Path) -> bool:
+    # configs/ also holds model presets; a run preset is a mapping of RunOptions fields only
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and set(data) <= set(RunOptions.field_names())
+
+
+def find_preset(name_or_path: str) -> Path:
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    named = PRESET_DIR / f"{name_or_path}.yaml"
+    if named.is_file() and "/" not in name_or_path:
+        return named
+    known = ", ".join(available_presets()) or "none found"
+    raise PresetError(f"no preset {name_or_path!r}: give a YAML file or one of the presets ({known})")
+
+
+def load_preset(name_or_path: str) -> dict[str, Any]:
+    """The options a preset sets, checked against RunOptions' fields."""
+    path = find_preset(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise PresetError(f"preset {path} is not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise PresetError(f"preset {path} must be a mapping of option: value, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(RunOptions.field_names()))
+    if unknown:
+        raise PresetError(
+            f"preset {path} sets unknown option(s) {', '.join(unknown)}; "
+            f"known options: {', '.join(RunOptions.field_names())}"
+        )
+    return data
+
+
+def build_options(preset: str | None, overrides: dict[str, Any]) -> RunOptions:
+    """RunOptions from defaults < preset < flags the user gave (None means "not given")."""
+    values = load_preset(preset) if preset else {}
+    values.update({key: value for key, value in overrides.items() if value is not None})
+    try:
+        return RunOptions(**values)
+    except TypeError as error:  # a value of the wrong kind, e.g. a list for window
+        raise OptionsError(f"invalid options: {error}") from None

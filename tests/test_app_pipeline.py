@@ -1,0 +1,269 @@
+"""End to end on the tiny model: real sources in, complete run directories out, and every way to stop."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import trimesh
+from plyfile import PlyData
+
+from media_helpers import (
+    frame_bgr,
+    mjpeg_server,
+    rss_bytes,
+    truncate_file,
+    write_image_folder,
+    write_video,
+)
+from stream_recon.app.pipeline import OptionsError, RunOptions, run_sequence
+from stream_recon.app.writers import OutputDirError
+from stream_recon.models import GCTStream, ModelConfig
+
+TESTS = Path(__file__).parent
+# Small inputs keep the tiny model at a few ms per frame: 160x96 frames -> 56x42 model input.
+FAST = dict(image_width=56, scale_frames=3, window=4, viewer=False)
+NPZ_KEYS = {"frame_index", "timestamp", "is_keyframe", "pose_enc", "c2w", "intrinsics", "depth", "depth_conf",
+            "image_size"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # The tiny model's ops take microseconds; with two OpenMP threads on a busy 2-core machine they
+    # wait on each other and a run gets ~15x slower.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> GCTStream:
+    torch.manual_seed(0)
+    return GCTStream(ModelConfig.tiny()).eval()
+
+
+def read_tum(path: Path) -> np.ndarray:
+    """An independent TUM reader: 8 floats per non-comment line."""
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            values = [float(value) for value in line.split()]
+            assert len(values) == 8, line
+            rows.append(values)
+    return np.array(rows)
+
+
+def check_run_dir(run_dir: Path, num_frames: int, status: str) -> dict:
+    """Everything DESIGN.md §5 promises, read back with readers that are not ours."""
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == status
+    npz_files = sorted((run_dir / "predictions").glob("*.npz"))
+    assert [path.name for path in npz_files] == [f"{index:06d}.npz" for index in range(num_frames)]
+    timestamps = []
+    for index, path in enumerate(npz_files):
+        with np.load(path) as frame:
+            assert NPZ_KEYS <= set(frame.files)
+            assert int(frame["frame_index"]) == index
+            assert frame["c2w"].shape == (3, 4) and frame["depth"].shape == tuple(frame["image_size"])
+            timestamps.append(float(frame["timestamp"]))
+            c2w = frame["c2w"]
+    tum = read_tum(run_dir / "trajectory_tum.txt")
+    assert tum.shape == (num_frames, 8)
+    np.testing.assert_allclose(tum[:, 0], timestamps, atol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(tum[:, 4:8], axis=1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(tum[-1, 1:4], c2w[:, 3], atol=1e-5)
+    ply = PlyData.read(str(run_dir / "points.ply"))
+    mesh = trimesh.load(run_dir / "points.ply")
+    assert len(mesh.vertices) == ply["vertex"].count
+    return record
+
+
+def test_video_run_writes_a_complete_run_directory(tmp_path: Path, tiny_model: GCTStream) -> None:
+    video = write_video(tmp_path / "clip.mp4", 8, fps=20)
+
+    summary = run_sequence(str(video), tmp_path / "run", RunOptions(**FAST), model=tiny_model)
+
+    assert summary.status == "complete" and summary.ok and summary.error is None
+    assert summary.frames == 8 and summary.keyframes == 8 and summary.frames_read == 8
+    assert summary.fps > 0 and summary.model_fps > 0
+    record = check_run_dir(tmp_path / "run", 8, "complete")
+    np.testing.assert_allclose(read_tum(tmp_path / "run" / "trajectory_tum.txt")[:, 0], np.arange(8) / 20, atol=1e-6)
+    assert record["settings"]["image_width"] == 56 and record["settings"]["source_kind"] == "video"
+    assert record["summary"]["frames_read"] == 8 and record["summary"]["device"] == "cpu"
+    assert record["summary"]["engine"]["frames"] == 8
+
+
+def test_image_folder_run_uses_file_order_timestamps(tmp_path: Path, tiny_model: GCTStream) -> None:
+    folder = write_image_folder(tmp_path / "seq", [f"img{index}.png" for index in range(1, 6)], width=160, height=96)
+
+    summary = run_sequence(folder, tmp_path / "run", RunOptions(fps=5, **FAST), model=tiny_model)
+
+    assert summary.status == "complete" and summary.frames == 5
+    check_run_dir(tmp_path / "run", 5, "complete")
+    np.testing.assert_allclose(read_tum(tmp_path / "run" / "trajectory_tum.txt")[:, 0], np.arange(5) / 5)
+
+
+def test_live_mjpeg_camera_run(tmp_path: Path, tiny_model: GCTStream) -> None:
+    with mjpeg_server(num_frames=1000, interval_s=0.005) as url:
+        summary = run_sequence(url, tmp_path / "run", RunOptions(max_frames=6, **FAST), model=tiny_model)
+
+    assert summary.status == "complete" and summary.end_reason == "max_frames"
+    check_run_dir(tmp_path / "run", 6, "complete")
+
+
+def test_generator_source_keeps_its_timestamps(tmp_path: Path, tiny_model: GCTStream) -> None:
+    def camera():
+        for index in range(5):
+            yield frame_bgr(index, 160, 96)[:, :, ::-1].copy(), 100.0 + 0.5 * index
+
+    summary = run_sequence(camera(), tmp_path / "run", RunOptions(**FAST), model=tiny_model)
+
+    assert summary.status == "complete"
+    check_run_dir(tmp_path / "run", 5, "complete")
+    np.testing.assert_allclose(read_tum(tmp_path / "run" / "trajectory_tum.txt")[:, 0], 100 + 0.5 * np.arange(5))
+
+
+def test_stream_shorter_than_the_scale_frames_is_flushed(tmp_path: Path, tiny_model: GCTStream) -> None:
+    video = write_video(tmp_path / "short.mp4", 2)
+
+    summary = run_sequence(str(video), tmp_path / "run", RunOptions(**FAST), model=tiny_model)
+
+    assert summary.status == "complete" and summary.frames == 2
+
+
+def test_truncated_video_keeps_the_frames_before_the_damage(tmp_path: Path, tiny_model: GCTStream) -> None:
+    video = truncate_file(write_video(tmp_path / "cut.avi", 30, fourcc="MJPG"), 0.5)
+
+    summary = run_sequence(str(video), tmp_path / "run", RunOptions(**FAST), model=tiny_model)
+
+    assert summary.status == "failed"
+    assert "truncated or damaged" in summary.error
+    assert 5 < summary.frames < 30 and summary.frames == summary.frames_read
+    record = check_run_dir(tmp_path / "run", summary.frames, "failed")
+    assert "truncated" in record["summary"]["error"]
+
+
+def test_frame_of_another_size_mid_stream_fails_and_keeps_earlier_frames(
+    tmp_path: Path, tiny_model: GCTStream
+) -> None:
+    def camera():
+        for index in range(6):
+            height = 96 if index < 4 else 160  # the camera switches resolution
+            yield np.zeros((height, 160, 3), dtype=np.uint8), float(index)
+
+    summary = run_sequence(camera(), tmp_path / "run", RunOptions(**FAST), model=tiny_model)
+
+    assert summary.status == "failed" and "size" in summary.error
+    check_run_dir(tmp_path / "run", 4, "failed")
+
+
+def test_output_dir_is_checked_before_the_model_loads(tmp_path: Path) -> None:
+    video = write_video(tmp_path / "clip.mp4", 3)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    # a checkpoint that does not exist: loading it would raise CheckpointError, so the
+    # OutputDirError proves the order
+    options = RunOptions(checkpoint=str(tmp_path / "missing.pt"), **FAST)
+
+    with pytest.raises(OutputDirError, match="exists and is not a directory"):
+        run_sequence(str(video), blocker, options)
+    with pytest.raises(OutputDirError, match="cannot write to the output directory"):
+        run_sequence(str(video), blocker / "run", options)
+
+
+def test_existing_run_needs_overwrite(tmp_path: Path, tiny_model: GCTStream) -> None:
+    video = write_video(tmp_path / "clip.mp4", 3)
+    run_sequence(str(video), tmp_path / "run", RunOptions(**FAST), model=tiny_model)
+
+    with pytest.raises(OutputDirError, match="already holds a run.*--overwrite"):
+        run_sequence(str(video), tmp_path / "run", RunOptions(**FAST), model=tiny_model)
+    summary = run_sequence(str(video), tmp_path / "run", RunOptions(overwrite=True, **FAST), model=tiny_model)
+    assert summary.status == "complete"
+
+
+def test_unusable_attention_backend_is_refused_before_anything_is_made(tmp_path: Path) -> None:
+    video = write_video(tmp_path / "clip.mp4", 3)
+
+    with pytest.raises(OptionsError, match="flashinfer runs on CUDA only"):
+        run_sequence(str(video), tmp_path / "run", RunOptions(**{**FAST, "attention": "flashinfer"}))
+
+    assert not (tmp_path / "run").exists()
+
+
+def test_options_are_validated_with_every_problem_named() -> None:
+    with pytest.raises(OptionsError, match="keyframes must be .*; image_width must be a positive multiple of 14"):
+        RunOptions(keyframes="sometimes", image_width=500)
+    with pytest.raises(OptionsError, match="CUDA is not available"):
+        run_sequence("whatever.mp4", Path("unused"), RunOptions(device="cuda"))
+
+
+def test_host_memory_stays_flat_over_a_long_video(tmp_path: Path, tiny_model: GCTStream) -> None:
+    # 60 decoded 1280x720 frames are 166 MB; the run must hold a bounded number of them
+    video = write_video(tmp_path / "long.mp4", 60, width=1280, height=720)
+    gc.collect()
+    samples: dict[int, int] = {}
+
+    class MemoryProbe:
+        def on_frame(self, pred, stats) -> None:
+            if pred.frame_index in (20, 59):
+                samples[pred.frame_index] = rss_bytes()
+
+        def close(self, status: str) -> None:
+            """Nothing to release."""
+
+    options = RunOptions(image_width=28, scale_frames=2, window=4, viewer=False)
+    summary = run_sequence(str(video), tmp_path / "run", options, model=tiny_model, extra_sinks=[MemoryProbe()])
+
+    assert summary.frames == 60
+    growth = samples[59] - samples[20]
+    assert growth < 40 * 2**20, f"host memory grew by {growth / 2**20:.0f} MB over 40 frames"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_the_run_and_keeps_every_completed_frame(tmp_path: Path, signum: int) -> None:
+    video = write_video(tmp_path / "long.mp4", 2000, fps=30)
+    run_dir = tmp_path / "run"
+    child = subprocess.Popen(
+        [sys.executable, str(TESTS / "pipeline_child.py"), str(video), str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(TESTS)},
+    )
+    try:
+        _wait_for_predictions(run_dir, at_least=5, child=child)
+        child.send_signal(signum)
+        output, _ = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+    assert child.returncode == 130, output
+    assert f"{signal.Signals(signum).name}: stopping after this frame" in output
+    record = json.loads((run_dir / "run.json").read_text())
+    frames_on_disk = len(list((run_dir / "predictions").glob("*.npz")))
+    assert 5 <= frames_on_disk < 2000
+    check_run_dir(run_dir, frames_on_disk, "interrupted")
+    assert record["summary"]["frames"] == frames_on_disk
+
+
+def _wait_for_predictions(run_dir: Path, at_least: int, child: subprocess.Popen, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise AssertionError(f"the run ended before it was interrupted:\n{child.stdout.read()}")
+        predictions = run_dir / "predictions"
+        if predictions.is_dir() and len(list(predictions.glob("*.npz"))) >= at_least:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {at_least} predictions after {timeout_s} s")
