@@ -12,8 +12,10 @@ from typing import Annotated
 
 import typer
 
+from stream_recon.app.commands.batch import batch
 from stream_recon.app.commands.convert import convert
 from stream_recon.app.commands.download import download
+from stream_recon.app.commands.eval import eval_command
 from stream_recon.app.commands.info import info
 from stream_recon.app.commands.run import run
 
@@ -33,6 +35,8 @@ app.command(name="run", help="Reconstruct a video, image folder, webcam or strea
 app.command(name="info", help="Versions, CUDA/GPU, attention backends, checkpoint locations.")(info)
 app.command(name="download", help="Download an official checkpoint into the Hugging Face cache.")(download)
 app.command(name="convert", help="Convert a .pt checkpoint to .safetensors.")(convert)
+app.command(name="batch", help="Run every sequence under a dataset folder, resumably; Ray for many GPUs.")(batch)
+app.command(name="eval", help="Score a run against ground truth: ATE, RPE, pose AUC, depth.")(eval_command)
 
 ROOT_OPTIONS = ("-h", "--help", "--version")
 

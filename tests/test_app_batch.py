@@ -250,3 +250,41 @@ def test_output_that_is_a_file_is_refused(tmp_path, dataset):
     (tmp_path / "out").write_text("not a folder")
     with pytest.raises(BatchError, match="exists and is not a folder"):
         run_batch(discover_sequences(dataset), tmp_path / "out", OPTIONS, load_model=load_tiny_model)
+
+
+def test_batch_command_rejects_bad_input_with_one_sentence(tmp_path):
+    from stream_recon.app.cli import app
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    missing = runner.invoke(app, ["batch", str(tmp_path / "nowhere"), "--output", str(tmp_path / "out")])
+    assert missing.exit_code == 2
+    assert "does not exist" in " ".join(missing.output.split()) and "Traceback" not in missing.output
+    alignment = runner.invoke(
+        app, ["batch", str(tmp_path), "-o", str(tmp_path / "out"), "--alignment", "sim2"]
+    )
+    assert alignment.exit_code == 2 and "--alignment must be sim3 or se3" in alignment.output
+
+
+def test_batch_command_reports_a_missing_checkpoint_before_any_sequence(tmp_path, dataset):
+    import stream_recon.models as models
+    from stream_recon.app.cli import app
+    from typer.testing import CliRunner
+
+    if not hasattr(models, "load_model"):
+        pytest.skip("stream_recon.models.load_model (checkpoint IO) is not on this branch yet")
+    output = tmp_path / "out"
+    arguments = [
+        "batch",
+        str(dataset),
+        "-o",
+        str(output),
+        "--device",
+        "cpu",
+        "--checkpoint",
+        str(tmp_path / "x.pt"),
+    ]
+    result = CliRunner().invoke(app, arguments)
+    assert result.exit_code == 2, result.output
+    assert "x.pt" in " ".join(result.output.split())
+    assert read_summary(output) == []
