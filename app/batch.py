@@ -76,6 +76,17 @@ class BatchError(ValueError):
     """The batch cannot start: bad output folder, no usable Ray cluster, ..."""
 
 
+class BatchInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped the batch; the summary holds everything finished before it."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        super().__init__("batch interrupted")
+        self.rows = rows
+
+
+INTERRUPTED_ERROR = "interrupted (Ctrl-C or SIGTERM); run the batch again to redo this sequence"
+
+
 @dataclass(frozen=True)
 class EvalSettings:
     """How sequences with ground truth are scored (see app.evaluation)."""
@@ -146,6 +157,9 @@ class SequenceWorker:
             row.update(status="failed", error=describe_error(error), seconds=time.monotonic() - started)
             return row
         row.update(frames=summary.frames, keyframes=summary.keyframes, fps=_finite_or_none(summary.fps))
+        if summary.status == "interrupted":
+            row.update(status="failed", error=INTERRUPTED_ERROR, seconds=time.monotonic() - started)
+            return row
         if summary.status != "complete":
             row.update(status="failed", error=summary.error or f"run ended {summary.status}")
             row["seconds"] = time.monotonic() - started
@@ -291,12 +305,18 @@ def run_batch(
         _report(console, row)
 
     write_summary(output_dir, ordered_rows())
-    if rows:
+    if rows and pending:
         console.print(f"{len(rows)} of {len(sequences)} sequences already finished in {output_dir}: skipped")
-    if pending and ray_address is None:
-        _run_serial(pending, spec, console, record)
-    elif pending:
-        _run_on_ray(pending, spec, ray_address, gpus_per_task, console, record)
+    if rows and not pending:
+        console.print(f"all {len(sequences)} sequences already finished in {output_dir}")
+    try:
+        if pending and ray_address is None:
+            _run_serial(pending, spec, console, record)
+        elif pending:
+            _run_on_ray(pending, spec, ray_address, gpus_per_task, console, record)
+    except KeyboardInterrupt:
+        write_summary(output_dir, ordered_rows())
+        raise BatchInterrupted(ordered_rows()) from None
     write_summary(output_dir, ordered_rows())
     return ordered_rows()
 
@@ -330,7 +350,11 @@ def _run_serial(pending: list[Sequence], spec: WorkerSpec, console: Console, rec
     worker = spec.build(console)
     for number, sequence in enumerate(pending, start=1):
         console.rule(f"sequence {number}/{len(pending)}: {sequence.name} ({sequence.describe()})")
-        record(worker.process(sequence))
+        row = worker.process(sequence)
+        record(row)
+        if row["error"] == INTERRUPTED_ERROR:
+            # The pipeline turned the signal into a clean stop of this sequence; the batch stops with it.
+            raise KeyboardInterrupt
 
 
 # --------------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from typing import Literal
 
 import cv2
 import numpy as np
+from stream_recon.app.sources import SourceError
 
 SequenceKind = Literal["video", "images", "tum"]
 
@@ -274,5 +275,6 @@ class TumFrames:
         for timestamp, path in self.entries:
             bgr = cv2.imread(str(path), cv2.IMREAD_COLOR)
             if bgr is None:
-                raise DatasetError(f"{path} (listed in {TUM_FRAME_LIST}) is not a readable image")
+                # A source error, so the run keeps the frames before it, as for a damaged video.
+                raise SourceError(f"{path} (listed in {TUM_FRAME_LIST}) is not a readable image")
             yield cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB), timestamp

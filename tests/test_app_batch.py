@@ -147,11 +147,30 @@ KILLABLE_BATCH = textwrap.dedent(
     torch.set_num_threads(1)
     sys.path.insert(0, {tests_dir!r})
     from test_app_batch import OPTIONS, load_tiny_model
-    from stream_recon.app.batch import run_batch
+    from stream_recon.app.batch import BatchInterrupted, run_batch
     from stream_recon.app.datasets import discover_sequences
-    run_batch(discover_sequences({root!r}), {output!r}, OPTIONS, load_model=load_tiny_model)
+    try:
+        run_batch(discover_sequences({root!r}), {output!r}, OPTIONS, load_model=load_tiny_model)
+    except BatchInterrupted:
+        sys.exit(130)
     """
 )
+
+
+def start_batch_and_wait_for(root, output, sequence_name):
+    """Start a batch in a child process; return it once `sequence_name` has written a prediction."""
+    script = KILLABLE_BATCH.format(tests_dir=str(TESTS_DIR), root=str(root), output=str(output))
+    process = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    predictions = output / sequence_name / "predictions"
+    deadline = time.monotonic() + 60
+    while not (predictions.is_dir() and any(predictions.glob("*.npz"))):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"the batch never reached {sequence_name}: {process.stderr.read().decode()}")
+        time.sleep(0.01)
+    return process
 
 
 def test_batch_killed_mid_sequence_completes_when_rerun(tmp_path):
@@ -159,20 +178,10 @@ def test_batch_killed_mid_sequence_completes_when_rerun(tmp_path):
     write_image_folder(root / "a_short", FRAMES)
     write_image_folder(root / "b_long", 120)
     output = tmp_path / "out"
-    script = KILLABLE_BATCH.format(tests_dir=str(TESTS_DIR), root=str(root), output=str(output))
-    process = subprocess.Popen(
-        [sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
     long_predictions = output / "b_long" / "predictions"
-    deadline = time.monotonic() + 60
-    try:
-        while not (long_predictions.is_dir() and any(long_predictions.glob("*.npz"))):
-            assert process.poll() is None, process.stderr.read().decode()
-            assert time.monotonic() < deadline, "the batch never reached the second sequence"
-            time.sleep(0.01)
-    finally:
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait()
+    process = start_batch_and_wait_for(root, output, "b_long")
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
     assert process.returncode == -signal.SIGKILL
     assert not (output / "b_long" / COMPLETE_MARKER).exists()
     assert [row["name"] for row in read_summary(output)] == ["a_short"]  # what finished was recorded
@@ -184,6 +193,21 @@ def test_batch_killed_mid_sequence_completes_when_rerun(tmp_path):
     ]
     assert len(list(long_predictions.glob("*.npz"))) == 120
     assert json.loads((output / "b_long" / "run.json").read_text())["status"] == "complete"
+
+
+def test_ctrl_c_stops_the_batch_after_saving_the_current_sequence(tmp_path):
+    root = tmp_path / "data"
+    write_image_folder(root / "a_long", 120)
+    write_image_folder(root / "b_next", FRAMES)
+    output = tmp_path / "out"
+    process = start_batch_and_wait_for(root, output, "a_long")
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=60) == 130, process.stderr.read().decode()
+    [row] = read_summary(output)
+    assert (row["name"], row["status"]) == ("a_long", "failed")
+    assert row["error"].startswith("interrupted") and 0 < row["frames"] < 120
+    assert json.loads((output / "a_long" / "run.json").read_text())["status"] == "interrupted"
+    assert not (output / "b_next").exists()  # the batch stopped instead of going on
 
 
 def test_ray_batch_gives_the_serial_results(serial_run, dataset, tmp_path):

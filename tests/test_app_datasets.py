@@ -12,6 +12,7 @@ from dataset_tree import (
     write_video,
 )
 from stream_recon.app.datasets import DatasetError, TumFrames, discover_sequences
+from stream_recon.app.sources import SourceError
 
 
 def test_tree_is_discovered_in_order_with_ground_truth(tmp_path):
@@ -120,7 +121,7 @@ def test_tum_frames_report_missing_and_broken_files(tmp_path):
     with pytest.raises(DatasetError, match=r"lists 1 frame\(s\) that do not exist"):
         TumFrames(folder)
     write_broken_video(victim)  # garbage bytes under a .png name
-    with pytest.raises(DatasetError, match="is not a readable image"):
+    with pytest.raises(SourceError, match="is not a readable image"):
         list(TumFrames(folder))
     (folder / "rgb.txt").write_text("1.0 rgb/a.png\nnot-a-time rgb/b.png\n")
     with pytest.raises(DatasetError, match="rgb.txt, line 2: expected 'timestamp filename'"):

@@ -23,6 +23,7 @@ from rich.table import Table
 from stream_recon.app.commands._options import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
+    EXIT_INTERRUPTED,
     AttentionOpt,
     CheckpointOpt,
     ConfigOpt,
@@ -110,7 +111,7 @@ def batch(
     max_diff: MaxDiffOpt = 0.02,
 ) -> None:
     """Run every sequence under ROOT into OUTPUT/<name>/, evaluate those with ground truth, write a summary."""
-    from stream_recon.app.batch import BatchError, EvalSettings, run_batch
+    from stream_recon.app.batch import BatchError, BatchInterrupted, EvalSettings, run_batch
     from stream_recon.app.datasets import DatasetError, discover_sequences
     from stream_recon.app.presets import build_options
 
@@ -156,6 +157,10 @@ def batch(
         except (DatasetError, BatchError) as error:
             console.print(f"[red]error:[/red] {error}")
             raise typer.Exit(code=EXIT_BAD_INPUT) from None
+        except BatchInterrupted as interrupted:
+            console.print(summary_table(interrupted.rows, title=f"{output}/summary.json (interrupted)"))
+            console.print("[yellow]batch interrupted[/yellow]: run the same command again to resume")
+            raise typer.Exit(code=EXIT_INTERRUPTED) from None
     console.print(summary_table(rows, title=f"{output}/summary.json"))
     if any(row["status"] == "failed" for row in rows):
         raise typer.Exit(code=EXIT_FAILED)
