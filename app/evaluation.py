@@ -238,9 +238,14 @@ def absolute_trajectory_errors(estimated_aligned: np.ndarray, reference: np.ndar
     return np.linalg.norm(estimated_aligned[:, :3, 3] - reference[:, :3, 3], axis=-1)
 
 
-def _relative_poses(c2w: np.ndarray, first: np.ndarray, second: np.ndarray) -> np.ndarray:
-    """T_first^-1 T_second for index arrays first, second [K] -> [K, 4, 4]."""
-    return np.linalg.inv(c2w[first]) @ c2w[second]
+def invert_rigid(c2w: np.ndarray) -> np.ndarray:
+    """Inverse of rigid transforms [..., 4, 4]: [R^T | -R^T t], exact where a general inverse rounds."""
+    rotation_t = np.swapaxes(c2w[..., :3, :3], -1, -2)
+    inverse = np.zeros_like(c2w)
+    inverse[..., :3, :3] = rotation_t
+    inverse[..., :3, 3] = -(rotation_t @ c2w[..., :3, 3:4])[..., 0]
+    inverse[..., 3, 3] = 1.0
+    return inverse
 
 
 def relative_pose_errors(
@@ -250,11 +255,9 @@ def relative_pose_errors(
 
     E_i = (Q_i^-1 Q_{i+1})^-1 (P_i^-1 P_{i+1}), Q reference, P estimate, both c2w [N, 4, 4].
     """
-    first = np.arange(len(reference) - 1)
-    second = first + 1
-    reference_relative = _relative_poses(reference, first, second)
-    estimated_relative = _relative_poses(estimated_aligned, first, second)
-    error_poses = np.linalg.inv(reference_relative) @ estimated_relative
+    reference_relative = invert_rigid(reference[:-1]) @ reference[1:]
+    estimated_relative = invert_rigid(estimated_aligned[:-1]) @ estimated_aligned[1:]
+    error_poses = invert_rigid(reference_relative) @ estimated_relative
     return np.linalg.norm(error_poses[:, :3, 3], axis=-1), rotation_angle_deg(error_poses[:, :3, :3])
 
 
@@ -276,12 +279,11 @@ def pairwise_pose_errors(estimated: np.ndarray, reference: np.ndarray) -> tuple[
     sign is what monocular methods most often flip (VGGT's convention). Returns two arrays [N(N-1)/2].
     """
     rotation_errors, translation_errors = [], []
-    count = len(reference)
-    for i in range(count - 1):
-        later = np.arange(i + 1, count)
-        first = np.full_like(later, i)
-        reference_relative = _relative_poses(reference, first, later)
-        estimated_relative = _relative_poses(estimated, first, later)
+    reference_inverse, estimated_inverse = invert_rigid(reference), invert_rigid(estimated)
+    # One camera i against all later ones at a time: memory stays O(N) while numpy does the inner loop.
+    for i in range(len(reference) - 1):
+        reference_relative = reference_inverse[i] @ reference[i + 1 :]  # [N-1-i, 4, 4]
+        estimated_relative = estimated_inverse[i] @ estimated[i + 1 :]
         rotation_errors.append(
             rotation_angle_deg(
                 np.swapaxes(reference_relative[:, :3, :3], -1, -2) @ estimated_relative[:, :3, :3]
