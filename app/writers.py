@@ -615,13 +615,19 @@ class RunWriter:
 # Reading a run back
 
 
-def _prediction_files(run_dir: Path) -> list[tuple[int, Path]]:
+def check_run_dir(run_dir: Path) -> Path:
+    """Raise RunDirError unless `run_dir` looks like a run directory; returns its predictions folder."""
     run_dir = Path(run_dir)
     predictions = run_dir / PREDICTIONS_DIR
     if not run_dir.is_dir():
         raise RunDirError(f"run directory {run_dir} does not exist")
     if not predictions.is_dir():
         raise RunDirError(f"{run_dir} is not a run directory: it has no {PREDICTIONS_DIR}/ folder")
+    return predictions
+
+
+def _prediction_files(run_dir: Path) -> list[tuple[int, Path]]:
+    predictions = check_run_dir(run_dir)
     found = []
     for path in predictions.iterdir():
         match = _PREDICTION_NAME.match(path.name)
