@@ -4,12 +4,15 @@ import re
 import cv2
 import numpy as np
 import pytest
+import torch
 import trimesh
 import typer
 from plyfile import PlyData
 from stream_recon.app.commands.export import export as export_command
 from stream_recon.app.export import ExportError, export_run
 from stream_recon.app.writers import RunDirError, RunWriter
+from stream_recon.models import GCTStream, ModelConfig, StreamConfig, StreamingEngine
+from stream_recon.models.synthetic import load_synthetic_weights
 from synthetic_run import CONF_HIGH, PLANE_Z, plane_frame, quat_xyzw_to_matrix
 from typer.testing import CliRunner
 
@@ -278,3 +281,35 @@ def test_cli_export_errors_exit_non_zero_without_traceback(cli, tmp_path):
     assert "does not exist" in outcome.output and "Traceback" not in outcome.output
     outcome = CliRunner().invoke(cli, ["export", str(tmp_path), "--format", "obj"])
     assert outcome.exit_code == 2 and "obj" in outcome.output
+
+
+def test_tiny_model_stream_to_run_directory_and_every_export(tmp_path):
+    """End to end on the real engine: tiny model with the synthetic weights, frames pushed one at a time."""
+    model = load_synthetic_weights(GCTStream(ModelConfig.tiny())).eval()
+    engine = StreamingEngine(
+        model, StreamConfig(scale_frames=2, window=4, keyframes="interval:2"), device="cpu"
+    )
+    # The untrained model's confidence sits just under 2, so keep every pixel.
+    writer = RunWriter(tmp_path / "run", {"model": "tiny"}, conf_threshold=1.0, max_points=500)
+    generator = torch.Generator().manual_seed(0)
+    for i in range(7):
+        for pred in engine.push(torch.rand(3, 28, 42, generator=generator), timestamp=0.5 * i):
+            writer.on_frame(pred, engine.stats())
+    for pred in engine.finish():
+        writer.on_frame(pred, engine.stats())
+    writer.close("complete", {"device": "cpu"})
+
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["status"] == "complete" and info["summary"]["frames"] == 7
+    assert info["summary"]["keyframes"] == engine.stats()["keyframes"]
+    assert info["summary"]["engine"]["frames"] == 7
+    rows = np.loadtxt(tmp_path / "run" / "trajectory_tum.txt")
+    np.testing.assert_allclose(rows[:, 0], 0.5 * np.arange(7))
+    assert 0 < len(PlyData.read(str(tmp_path / "run" / "points.ply"))["vertex"]) <= 500
+
+    for fmt in ("ply", "glb", "colmap", "tum"):
+        assert export_run(tmp_path / "run", fmt).num_frames == 7
+    _, images, points = parse_colmap_strictly(tmp_path / "run" / "exports" / "colmap" / "sparse" / "0")
+    assert len(images) == 7 and len(points) > 0
+    saved = cv2.imread(str(tmp_path / "run" / "exports" / "colmap" / "images" / "000006.png"))
+    assert saved.shape == (28, 42, 3)
