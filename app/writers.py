@@ -18,10 +18,12 @@ import json
 import logging
 import os
 import platform
+import queue
 import re
 import resource
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from collections.abc import Callable, Iterator
@@ -460,6 +462,13 @@ class RunWriter:
     `on_frame` writes `predictions/NNNNNN.npz` atomically; a frame index emitted again (windowed streams)
     overwrites its file, pose and points. `close` writes trajectory_tum.txt, points.ply and the final
     run.json.
+
+    With `background=True` (the default) the file writing and point accumulation run on a writer thread
+    behind a queue of `queue_size` frames, so inference does not wait for the disk (numpy and file IO
+    release the GIL). A full queue blocks `on_frame`: memory stays bounded when the disk is slower than the
+    model. `flush()` waits until every frame handed over is on disk; `close()` flushes first. An error on
+    the writer thread is raised by the next `on_frame`, `flush` or `close`. The writer holds a reference
+    to each prediction until it is written; the engine's arrays are fresh per frame, so nothing is copied.
     """
 
     def __init__(
@@ -471,6 +480,8 @@ class RunWriter:
         voxel_size: float | None = None,
         max_points: int = DEFAULT_MAX_POINTS,
         overwrite: bool = False,
+        background: bool = True,
+        queue_size: int = 8,
     ) -> None:
         self.output_dir = Path(output_dir)
         self.predictions_dir = self.output_dir / PREDICTIONS_DIR
@@ -486,12 +497,64 @@ class RunWriter:
         self._last_progress = self._start_time
         self._prepare_output_dir(overwrite)
         self._write_run_json("running", {})
+        self._worker_error: BaseException | None = None
+        self._queue: queue.Queue | None = None
+        self._worker: threading.Thread | None = None
+        if background:
+            self._queue = queue.Queue(maxsize=queue_size)
+            # Daemon: a process that dies without close() must not hang on this thread at exit.
+            self._worker = threading.Thread(target=self._drain_queue, name="run-writer", daemon=True)
+            self._worker.start()
 
     # ---- sink interface
 
     def on_frame(self, pred: FramePrediction, stats: dict) -> None:
         if self.status != "running":
             raise RuntimeError(f"RunWriter for {self.output_dir} is closed ({self.status}); no more frames")
+        self._raise_worker_error()
+        if self._queue is None:
+            self._write_frame(pred, dict(stats))
+        else:
+            self._queue.put((pred, dict(stats)))
+
+    def flush(self) -> None:
+        """Block until every frame passed to on_frame is written (no-op without a writer thread)."""
+        if self._queue is not None:
+            self._queue.join()
+        self._raise_worker_error()
+
+    def _drain_queue(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self._worker_error is None:  # after a failure, keep consuming so producers never block
+                    self._write_frame(*item)
+            except BaseException as exc:  # handed to the producer thread, never swallowed
+                self._worker_error = exc
+            finally:
+                self._queue.task_done()
+
+    def _raise_worker_error(self) -> None:
+        error = self._worker_error
+        if error is not None:
+            self._worker_error = None
+            if isinstance(error, OSError):
+                raise OutputDirError(
+                    f"writing frames to {self.predictions_dir} failed: {error.strerror or error}"
+                ) from error
+            raise error
+
+    def _stop_worker(self) -> BaseException | None:
+        if self._worker is None:
+            return None
+        self._queue.put(None)
+        self._worker.join()
+        self._worker = None
+        return self._worker_error
+
+    def _write_frame(self, pred: FramePrediction, stats: dict) -> None:
         arrays = prediction_arrays(pred)
         _atomic_write(
             prediction_path(self.output_dir, pred.frame_index), lambda f: np.savez(f, **arrays), binary=True
@@ -509,7 +572,7 @@ class RunWriter:
             arrays["c2w"],
             arrays.get("image"),
         )
-        self.last_stats = dict(stats)
+        self.last_stats = stats
         now = time.monotonic()
         if now - self._last_progress >= PROGRESS_INTERVAL_S:
             self._last_progress = now
@@ -522,7 +585,9 @@ class RunWriter:
         if self.status != "running":
             return  # already closed: the first final status stands
         self.status = status
-        errors = []
+        worker_error = self._stop_worker()  # every frame handed over is on disk after this
+        self._worker_error = None
+        errors = [] if worker_error is None else [f"frame writer: {worker_error!r}"]
         for name, write in (
             (TRAJECTORY_TUM, lambda: write_tum(self.output_dir / TRAJECTORY_TUM, self.poses)),
             (POINTS_PLY, self._write_points),
@@ -534,7 +599,9 @@ class RunWriter:
                 errors.append(f"{name}: {exc}")
         self._write_run_json(status, summary or {}, errors)
         if errors:
-            raise OutputDirError(f"could not write outputs in {self.output_dir}: {'; '.join(errors)}")
+            raise OutputDirError(f"could not write outputs in {self.output_dir}: {'; '.join(errors)}") from (
+                worker_error
+            )
 
     # ---- internals
 

@@ -249,6 +249,7 @@ def test_export_reads_an_interrupted_run_with_a_truncated_last_frame(tmp_path):
     writer = RunWriter(tmp_path / "run", {})
     for i in range(4):
         writer.on_frame(plane_frame(i), {})
+    writer.flush()
     last = tmp_path / "run" / "predictions" / "000003.npz"
     last.write_bytes(last.read_bytes()[:100])
     # No close(): the run was killed. Export still works from the npz files that are whole.

@@ -1,6 +1,8 @@
+import errno
 import json
 import logging
 import math
+import threading
 import tracemalloc
 
 import numpy as np
@@ -139,6 +141,7 @@ def test_run_json_says_running_until_closed_and_frames_stay_readable(tmp_path):
     assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "running"
     for i in range(3):
         writer.on_frame(plane_frame(i), {})
+    writer.flush()
     # The process "dies" here: nothing closes the writer.
     info = json.loads((tmp_path / "run" / "run.json").read_text())
     assert info["status"] == "running" and info["summary"]["ended_at"] is None
@@ -151,6 +154,7 @@ def test_progress_is_recorded_in_run_json_while_running(tmp_path, monkeypatch):
     writer = RunWriter(tmp_path / "run", {})
     writer.on_frame(plane_frame(0), {})
     writer.on_frame(plane_frame(1), {})
+    writer.flush()
     info = json.loads((tmp_path / "run" / "run.json").read_text())
     assert info["status"] == "running" and info["summary"]["frames"] == 2
 
@@ -200,7 +204,7 @@ def test_reemitted_frame_overwrites_file_pose_and_points(tmp_path):
 
 
 def test_crash_during_write_leaves_previous_file_and_no_temp(tmp_path, monkeypatch):
-    writer = RunWriter(tmp_path / "run", {})
+    writer = RunWriter(tmp_path / "run", {}, background=False)
     writer.on_frame(plane_frame(0), {})
     before = prediction_path(tmp_path / "run", 0).read_bytes()
 
@@ -369,7 +373,9 @@ def test_writer_memory_stays_bounded_over_a_long_stream(tmp_path):
         for i in range(frames):
             writer.on_frame(plane_frame(i, height=72, width=96, offset=np.array([0, 5.0 * i, 0])), {})
             if i == 20:
+                writer.flush()  # measure with an empty queue, at both ends
                 baseline = tracemalloc.get_traced_memory()[0]
+        writer.flush()
         growth = tracemalloc.get_traced_memory()[0] - baseline
     finally:
         tracemalloc.stop()
@@ -378,3 +384,48 @@ def test_writer_memory_stays_bounded_over_a_long_stream(tmp_path):
     # 130 frames of depth + confidence + image would be ~6 MB; poses and the cloud are well under 0.5 MB.
     assert growth < 500_000, growth
     assert len(read_run(tmp_path / "run")) == frames
+
+
+def test_writer_thread_errors_reach_the_caller(tmp_path, monkeypatch):
+    writer = RunWriter(tmp_path / "run", {})
+    writer.on_frame(plane_frame(0), {})
+    writer.flush()
+
+    def full_disk(file, **arrays):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", full_disk)
+    writer.on_frame(plane_frame(1), {})
+    with pytest.raises(
+        OutputDirError, match="writing frames to .*predictions failed: No space left on device"
+    ):
+        writer.flush()
+    writer.on_frame(plane_frame(2), {})  # fails on the writer thread again; nobody has asked yet
+    with pytest.raises(OutputDirError, match="could not write outputs .*frame writer: .*No space left"):
+        writer.close("failed")
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["status"] == "failed" and "No space left" in info["output_errors"][0]
+    assert [r["frame_index"] for r in read_run(tmp_path / "run")] == [0]
+    assert len(parse_tum_strictly(tmp_path / "run" / "trajectory_tum.txt")) == 1
+
+
+def test_a_slow_disk_blocks_on_frame_instead_of_queueing_without_bound(tmp_path, monkeypatch):
+    writer = RunWriter(tmp_path / "run", {}, queue_size=3)
+    disk_free = threading.Event()
+    real_savez = np.savez
+
+    def slow_savez(file, **arrays):
+        disk_free.wait(timeout=30)
+        real_savez(file, **arrays)
+
+    monkeypatch.setattr(np, "savez", slow_savez)
+    producer = threading.Thread(target=lambda: [writer.on_frame(plane_frame(i), {}) for i in range(8)])
+    producer.start()
+    producer.join(timeout=0.5)
+    # One frame is being written, three wait in the queue, the producer is stuck on the fifth.
+    assert producer.is_alive() and writer._queue.qsize() == 3
+    disk_free.set()
+    producer.join(timeout=30)
+    assert not producer.is_alive()
+    writer.close("complete")
+    assert [r["frame_index"] for r in read_run(tmp_path / "run")] == list(range(8))
