@@ -14,6 +14,7 @@ Conventions of the outputs:
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -269,26 +270,41 @@ def world_to_camera_qt(c2w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return rotation_to_quat_wxyz(rotation_w2c), -rotation_w2c @ c2w[:3, 3]
 
 
-def _observations(
-    cameras: list[CameraRecord], cloud: PointCloud
-) -> dict[int, list[tuple[float, float, int]]]:
-    """image row -> [(x, y, point row)]: every point's source pixel, plus one fallback per empty image.
+@dataclass(frozen=True)
+class _Observations:
+    """Where each 3D point is seen: its source pixel, plus one fallback per image that owns no point.
+
+    image_row [N] is the image (row in `cameras`) each point came from, point2d_index [N] its position in
+    that image's POINTS2D list, and by_image [I + 1] the CSR offsets into `order` (points grouped by image).
+    """
+
+    image_row: np.ndarray
+    point2d_index: np.ndarray
+    order: np.ndarray
+    by_image: np.ndarray
+    fallback: dict[int, tuple[float, float, int]]  # image row -> (x, y, point row)
+
+
+def _observations(cameras: list[CameraRecord], cloud: PointCloud) -> _Observations:
+    """Group the points by source image without a Python loop over points.
 
     Some COLMAP readers (gsplat's SceneManager) stop at the first blank line, so an image whose POINTS2D
     line would be empty gets the visible point nearest its centre instead.
     """
-    row_of_frame = {c.frame_index: row for row, c in enumerate(cameras)}
-    observations: dict[int, list[tuple[float, float, int]]] = {row: [] for row in range(len(cameras))}
-    for point, (frame, (u, v)) in enumerate(
-        zip(cloud.frame_index.tolist(), cloud.pixel.tolist(), strict=True)
-    ):
-        observations[row_of_frame[frame]].append((u + 0.5, v + 0.5, point))
-    for row, camera in enumerate(cameras):
-        if not observations[row] and len(cloud):
-            fallback = _nearest_visible_point(camera, cloud.xyz)
-            if fallback is not None:
-                observations[row].append(fallback)
-    return observations
+    frames = np.array([c.frame_index for c in cameras])  # ascending: iter_run yields frames in order
+    image_row = np.searchsorted(frames, cloud.frame_index)
+    order = np.argsort(image_row, kind="stable")
+    counts = np.bincount(image_row, minlength=len(cameras))
+    by_image = np.concatenate([[0], np.cumsum(counts)])
+    point2d_index = np.empty(len(cloud), dtype=np.int64)
+    point2d_index[order] = np.arange(len(cloud)) - by_image[image_row[order]]
+    fallback = {}
+    for row in np.flatnonzero(counts == 0).tolist():
+        if len(cloud):
+            nearest = _nearest_visible_point(cameras[row], cloud.xyz)
+            if nearest is not None:
+                fallback[row] = nearest
+    return _Observations(image_row, point2d_index, order, by_image, fallback)
 
 
 def _nearest_visible_point(camera: CameraRecord, xyz: np.ndarray) -> tuple[float, float, int] | None:
@@ -312,7 +328,7 @@ def write_colmap_text(model_dir: Path, cameras: list[CameraRecord], cloud: Point
 
     IDs start at 1: image id = row + 1 in frame order, point id = cloud row + 1. Each point's track holds
     the observation it was back-projected from (reprojection error ~0 by construction); tracks are
-    minimal, not matched across frames.
+    minimal, not matched across frames. Coordinates use %.9g, exact for the float32 they come from.
     """
     model_dir.mkdir(parents=True, exist_ok=True)
     camera_ids: dict[tuple, int] = {}
@@ -326,29 +342,8 @@ def write_colmap_text(model_dir: Path, cameras: list[CameraRecord], cloud: Point
             camera_lines.append(f"{camera_ids[key]} PINHOLE {w} {h} " + " ".join(repr(p) for p in params))
         image_camera.append(camera_ids[key])
 
-    observations = _observations(cameras, cloud)
-    tracks: list[list[tuple[int, int]]] = [[] for _ in range(len(cloud))]
-    image_lines = []
-    for row, camera in enumerate(cameras):
-        q, t = world_to_camera_qt(camera.c2w)
-        name = camera.image_name or f"{camera.frame_index:06d}.png"
-        pose = " ".join(repr(float(value)) for value in (*q, *t))
-        image_lines.append(f"{row + 1} {pose} {image_camera[row]} {name}")
-        points2d = []
-        for index, (x, y, point) in enumerate(observations[row]):
-            points2d.append(f"{x!r} {y!r} {point + 1}")
-            tracks[point].append((row + 1, index))
-        image_lines.append(" ".join(points2d))
-
-    num_observations = sum(len(track) for track in tracks)
-    mean_track = num_observations / len(cloud) if len(cloud) else 0.0
-    point_lines = [
-        " ".join(
-            [f"{i + 1} {x!r} {y!r} {z!r} {r} {g} {b} 0", *(f"{image} {index}" for image, index in tracks[i])]
-        )
-        for i, ((x, y, z), (r, g, b)) in enumerate(zip(cloud.xyz.tolist(), cloud.rgb.tolist(), strict=True))
-    ]
-
+    seen = _observations(cameras, cloud)
+    num_observations = len(cloud) + len(seen.fallback)
     _write_lines(
         model_dir / "cameras.txt",
         [
@@ -364,21 +359,63 @@ def write_colmap_text(model_dir: Path, cameras: list[CameraRecord], cloud: Point
             "# Image list with two lines of data per image:",
             "#   IMAGE_ID, QW, QX, QY, QZ, TX, TY, TZ, CAMERA_ID, NAME",
             "#   POINTS2D[] as (X, Y, POINT3D_ID)",
-            f"# Number of images: {len(cameras)}, mean observations per image: {num_observations / len(cameras):.3f}",
+            f"# Number of images: {len(cameras)}, mean observations per image: "
+            f"{num_observations / len(cameras):.3f}",
         ],
-        image_lines,
+        _image_lines(cameras, image_camera, cloud, seen),
     )
     _write_lines(
         model_dir / "points3D.txt",
         [
             "# 3D point list with one line of data per point:",
             "#   POINT3D_ID, X, Y, Z, R, G, B, ERROR, TRACK[] as (IMAGE_ID, POINT2D_IDX)",
-            f"# Number of points: {len(cloud)}, mean track length: {mean_track:.3f}",
+            f"# Number of points: {len(cloud)}, mean track length: "
+            f"{num_observations / len(cloud) if len(cloud) else 0.0:.3f}",
         ],
-        point_lines,
+        _point_lines(cloud, seen),
     )
 
 
-def _write_lines(path: Path, header: list[str], lines: list[str]) -> None:
+def _image_lines(cameras, image_camera, cloud: PointCloud, seen: _Observations) -> Iterator[str]:
+    for row, camera in enumerate(cameras):
+        q, t = world_to_camera_qt(camera.c2w)
+        name = camera.image_name or f"{camera.frame_index:06d}.png"
+        pose = " ".join(repr(float(value)) for value in (*q, *t))
+        yield f"{row + 1} {pose} {image_camera[row]} {name}"
+        points = seen.order[seen.by_image[row] : seen.by_image[row + 1]]
+        # COLMAP's first pixel centre is at (0.5, 0.5), ours at (0, 0).
+        table = np.column_stack([cloud.pixel[points] + 0.5, points + 1]).ravel().tolist()
+        line = " ".join(["%.9g %.9g %d"] * len(points)) % tuple(table)
+        if row in seen.fallback:
+            x, y, point = seen.fallback[row]
+            line = f"{x:.9g} {y:.9g} {point + 1}"
+        yield line
+
+
+def _point_lines(cloud: PointCloud, seen: _Observations, chunk: int = 65536) -> Iterator[str]:
+    extra: dict[int, str] = {}
+    for row, (_, _, point) in seen.fallback.items():
+        extra[point] = extra.get(point, "") + f" {row + 1} 0"
+    # Formatted in chunks so that only one chunk's Python objects are alive at a time.
+    for start in range(0, len(cloud), chunk):
+        stop = min(start + chunk, len(cloud))
+        ids = np.arange(start + 1, stop + 1)
+        columns = zip(
+            ids.tolist(),
+            cloud.xyz[start:stop].tolist(),
+            cloud.rgb[start:stop].tolist(),
+            (seen.image_row[start:stop] + 1).tolist(),
+            seen.point2d_index[start:stop].tolist(),
+            strict=True,
+        )
+        for point_id, (x, y, z), (r, g, b), image_id, index in columns:
+            yield f"{point_id} {x:.9g} {y:.9g} {z:.9g} {r} {g} {b} 0 {image_id} {index}" + extra.get(
+                point_id - 1, ""
+            )
+
+
+def _write_lines(path: Path, header: list[str], lines) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(header + lines) + "\n")
+        f.write("\n".join(header) + "\n")
+        for line in lines:
+            f.write(line + "\n")

@@ -22,7 +22,6 @@ import queue
 import re
 import resource
 import sys
-import tempfile
 import threading
 import time
 import zipfile
@@ -30,6 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
+from itertools import count
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +97,9 @@ class RunDirError(ValueError):
 # Atomic file writes
 
 
+_temp_counter = count()
+
+
 def _atomic_write(path: Path, write: Callable[[Any], None], *, binary: bool) -> None:
     """Write through a temp file in the same folder, then rename over `path`.
 
@@ -105,7 +108,10 @@ def _atomic_write(path: Path, write: Callable[[Any], None], *, binary: bool) -> 
     and an fsync per frame would stall the stream on slow disks.
     """
     path = Path(path)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # Not tempfile.mkstemp: its 0600 mode would survive the rename. O_EXCL with 0666 lets the umask decide,
+    # as for any other file the user creates; pid, thread and a counter keep concurrent writers apart.
+    tmp_name = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_temp_counter)}.tmp"
+    fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
             write(f)

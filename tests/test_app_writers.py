@@ -2,6 +2,8 @@ import errno
 import json
 import logging
 import math
+import os
+import stat
 import threading
 import tracemalloc
 
@@ -429,3 +431,17 @@ def test_a_slow_disk_blocks_on_frame_instead_of_queueing_without_bound(tmp_path,
     assert not producer.is_alive()
     writer.close("complete")
     assert [r["frame_index"] for r in read_run(tmp_path / "run")] == list(range(8))
+
+
+def test_outputs_get_ordinary_permissions(tmp_path):
+    old_umask = os.umask(0o022)
+    try:
+        write_run(tmp_path / "run", [plane_frame(0)])
+    finally:
+        os.umask(old_umask)
+    for path in (
+        prediction_path(tmp_path / "run", 0),
+        tmp_path / "run" / "run.json",
+        tmp_path / "run" / "points.ply",
+    ):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
