@@ -13,7 +13,6 @@ Conventions of the outputs:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
@@ -38,8 +37,6 @@ from stream_recon.app.writers import (
 )
 from trimesh.path import Path3D
 from trimesh.path.entities import Line
-
-logger = logging.getLogger(__name__)
 
 # OpenCV camera axes (y down, z forward) to glTF's (y up, z backward): a 180 degree turn about x.
 OPENCV_TO_GLTF = np.diag([1.0, -1.0, -1.0, 1.0])
@@ -85,6 +82,8 @@ class ExportResult:
     path: Path
     num_frames: int
     num_points: int
+    conf_threshold: float
+    voxel_size: float | None  # what the cloud ended with (it doubles when max_points is reached)
 
 
 @dataclass(frozen=True)
@@ -130,8 +129,11 @@ def export_run(
         build_glb_scene(contents.cameras, contents.cloud).export(str(target))
     else:
         write_colmap_text(target / "sparse" / "0", contents.cameras, contents.cloud)
-    num_points = 0 if contents.cloud is None else len(contents.cloud)
-    return ExportResult(target, len(contents.cameras), num_points)
+    if accumulator is None:
+        return ExportResult(target, len(contents.cameras), 0, conf_threshold, voxel_size)
+    return ExportResult(
+        target, len(contents.cameras), len(contents.cloud), conf_threshold, accumulator.voxel_size
+    )
 
 
 def _pick(explicit, recorded, default):

@@ -61,7 +61,7 @@ TRAJECTORY_TUM = "trajectory_tum.txt"
 POINTS_PLY = "points.ply"
 TUM_HEADER = "# timestamp tx ty tz qx qy qz qw"
 
-# Only these names are predictions; temp files (".000012.npz.tmp...") and anything else are ignored.
+# Only these names are predictions; temp files (".000012.npz.<pid>.<thread>.<n>.tmp") and the rest are ignored.
 _PREDICTION_NAME = re.compile(r"^(\d{6,})\.npz$")
 _REQUIRED_KEYS = (
     "frame_index",
@@ -208,9 +208,9 @@ class PointAccumulator:
         max_points: int = DEFAULT_MAX_POINTS,
     ) -> None:
         if max_points < 1:
-            raise ValueError(f"max_points must be at least 1, got {max_points}")
+            raise ValueError(f"max points must be at least 1, got {max_points}")
         if voxel_size is not None and not (np.isfinite(voxel_size) and voxel_size > 0):
-            raise ValueError(f"voxel_size must be a positive number or None (automatic), got {voxel_size}")
+            raise ValueError(f"voxel size must be a positive number of scene units, got {voxel_size}")
         self.conf_threshold = float(conf_threshold)
         self.max_points = int(max_points)
         self.voxel_size: float | None = None if voxel_size is None else float(voxel_size)

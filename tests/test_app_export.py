@@ -272,7 +272,7 @@ def test_cli_export_writes_and_reports(run, cli, tmp_path):
         cli, ["export", str(run_dir), "--format", "GLB", "-o", str(tmp_path / "s.glb")]
     )
     assert outcome.exit_code == 0, outcome.output
-    assert re.search(r"Wrote glb export \(7 cameras, \d+ points\) to", outcome.output)
+    assert re.search(r"Wrote glb export \(7 cameras, \d+ points, voxel 0.04\) to", outcome.output)
     assert isinstance(trimesh.load(tmp_path / "s.glb"), trimesh.Scene)
 
 
@@ -314,3 +314,19 @@ def test_tiny_model_stream_to_run_directory_and_every_export(tmp_path):
     assert len(images) == 7 and len(points) > 0
     saved = cv2.imread(str(tmp_path / "run" / "exports" / "colmap" / "images" / "000006.png"))
     assert saved.shape == (28, 42, 3)
+
+
+def test_cli_warns_when_the_threshold_leaves_no_points(run, cli):
+    run_dir, _ = run
+    outcome = CliRunner().invoke(cli, ["export", str(run_dir), "-f", "ply", "--conf-threshold", "50"])
+    assert outcome.exit_code == 0
+    assert "7 cameras, 0 points" in outcome.output and "no pixel has depth confidence >= 50" in outcome.output
+    outcome = CliRunner().invoke(cli, ["export", str(run_dir), "-f", "tum"])
+    assert outcome.exit_code == 0 and "Wrote 7 poses to" in outcome.output
+
+
+def test_cli_rejects_a_bad_voxel_size_in_one_sentence(run, cli):
+    run_dir, _ = run
+    outcome = CliRunner().invoke(cli, ["export", str(run_dir), "-f", "ply", "--voxel-size", "-1"])
+    assert outcome.exit_code == 1 and "Traceback" not in outcome.output
+    assert "voxel size must be a positive number of scene units, got -1.0" in outcome.output

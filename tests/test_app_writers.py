@@ -332,9 +332,9 @@ def test_accumulator_is_capped_by_coarsening():
 
 
 def test_accumulator_rejects_bad_settings():
-    with pytest.raises(ValueError, match="max_points must be at least 1, got 0"):
+    with pytest.raises(ValueError, match="max points must be at least 1, got 0"):
         PointAccumulator(max_points=0)
-    with pytest.raises(ValueError, match="voxel_size must be a positive number"):
+    with pytest.raises(ValueError, match="voxel size must be a positive number of scene units, got -1.0"):
         PointAccumulator(voxel_size=-1.0)
 
 

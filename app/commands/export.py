@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from stream_recon.app.export import ExportError, ExportFormat, export_run
 from stream_recon.app.writers import RunDirError
 
@@ -53,10 +54,19 @@ def export(
             voxel_size=voxel_size,
             max_points=max_points,
         )
-    except (RunDirError, ExportError) as exc:
-        console.print(f"[red]Error:[/red] {exc}")
+    except (RunDirError, ExportError, ValueError) as exc:  # bad input, said in one sentence
+        console.print(f"[red]Error:[/red] {escape(str(exc))}")
         raise typer.Exit(code=1) from None
-    what = f"{result.num_frames} cameras" + (
-        f", {result.num_points} points" if format != ExportFormat.TUM else ""
+    if format is ExportFormat.TUM:
+        console.print(f"Wrote {result.num_frames} poses to {result.path}")
+        return
+    voxel = "none" if result.voxel_size is None else f"{result.voxel_size:.4g}"
+    console.print(
+        f"Wrote {format.value} export ({result.num_frames} cameras, {result.num_points} points, "
+        f"voxel {voxel}) to {result.path}"
     )
-    console.print(f"Wrote {format.value} export ({what}) to {result.path}")
+    if result.num_points == 0:
+        console.print(
+            f"[yellow]Warning:[/yellow] no pixel has depth confidence >= {result.conf_threshold:g}; "
+            "pass a lower --conf-threshold to get points"
+        )
