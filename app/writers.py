@@ -523,6 +523,18 @@ class RunWriter:
         else:
             self._queue.put((pred, dict(stats)))
 
+    def __enter__(self) -> RunWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Close with the status the exit implies, unless the caller already closed with a summary."""
+        if exc_type is None:
+            self.close("complete")
+        elif issubclass(exc_type, KeyboardInterrupt):
+            self.close("interrupted", {"error": "interrupted by the user"})
+        else:
+            self.close("failed", {"error": f"{exc_type.__name__}: {exc}"})
+
     def flush(self) -> None:
         """Block until every frame passed to on_frame is written (no-op without a writer thread)."""
         if self._queue is not None:

@@ -1,3 +1,4 @@
+import contextlib
 import errno
 import json
 import logging
@@ -445,3 +446,28 @@ def test_outputs_get_ordinary_permissions(tmp_path):
         tmp_path / "run" / "points.ply",
     ):
         assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+
+
+@pytest.mark.parametrize(
+    ("raised", "status"),
+    [(None, "complete"), (KeyboardInterrupt, "interrupted"), (FileNotFoundError, "failed")],
+)
+def test_context_manager_closes_with_the_matching_status(tmp_path, raised, status):
+    with pytest.raises(raised) if raised else contextlib.nullcontext():
+        with RunWriter(tmp_path / "run", {}) as writer:
+            writer.on_frame(plane_frame(0), {})
+            writer.on_frame(plane_frame(1), {})
+            if raised:
+                raise raised("camera unplugged")
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["status"] == status and info["summary"]["frames"] == 2
+    assert ("camera unplugged" in info["summary"].get("error", "")) == (raised is FileNotFoundError)
+    assert len(parse_tum_strictly(tmp_path / "run" / "trajectory_tum.txt")) == 2
+
+
+def test_an_explicit_close_inside_the_block_wins(tmp_path):
+    with RunWriter(tmp_path / "run", {}) as writer:
+        writer.on_frame(plane_frame(0), {})
+        writer.close("complete", {"fps": 3.0})
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["status"] == "complete" and info["summary"]["fps"] == 3.0
