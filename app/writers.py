@@ -686,6 +686,7 @@ class RunWriter:
                 "voxel_size": self.points.voxel_size,
                 "max_points": self.points.max_points,
                 "coarsenings": self.points.num_coarsenings,
+                "dropped_out_of_range": self.points.num_out_of_range,
             },
             "engine": self.last_stats,
         }

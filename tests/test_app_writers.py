@@ -471,3 +471,12 @@ def test_an_explicit_close_inside_the_block_wins(tmp_path):
         writer.close("complete", {"fps": 3.0})
     info = json.loads((tmp_path / "run" / "run.json").read_text())
     assert info["status"] == "complete" and info["summary"]["fps"] == 3.0
+
+
+def test_points_beyond_the_voxel_key_range_are_dropped_and_counted(tmp_path):
+    near, far = plane_frame(0), plane_frame(1)
+    far.depth[:, 20:] = 1e6  # 2**20 voxels of 0.01 end at ~10 km
+    write_run(tmp_path / "run", [near, far], voxel_size=0.01)
+    points = json.loads((tmp_path / "run" / "run.json").read_text())["summary"]["points"]
+    assert points["dropped_out_of_range"] == 24 * 12
+    assert np.abs(trimesh.load(tmp_path / "run" / "points.ply").vertices).max() < 100
