@@ -18,16 +18,18 @@ import json
 import logging
 import os
 import platform
+import queue
 import re
 import resource
 import sys
-import tempfile
+import threading
 import time
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
+from itertools import count
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +61,7 @@ TRAJECTORY_TUM = "trajectory_tum.txt"
 POINTS_PLY = "points.ply"
 TUM_HEADER = "# timestamp tx ty tz qx qy qz qw"
 
-# Only these names are predictions; temp files (".000012.npz.tmp...") and anything else are ignored.
+# Only these names are predictions; temp files (".000012.npz.<pid>.<thread>.<n>.tmp") and the rest are ignored.
 _PREDICTION_NAME = re.compile(r"^(\d{6,})\.npz$")
 _REQUIRED_KEYS = (
     "frame_index",
@@ -95,6 +97,9 @@ class RunDirError(ValueError):
 # Atomic file writes
 
 
+_temp_counter = count()
+
+
 def _atomic_write(path: Path, write: Callable[[Any], None], *, binary: bool) -> None:
     """Write through a temp file in the same folder, then rename over `path`.
 
@@ -103,7 +108,10 @@ def _atomic_write(path: Path, write: Callable[[Any], None], *, binary: bool) -> 
     and an fsync per frame would stall the stream on slow disks.
     """
     path = Path(path)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # Not tempfile.mkstemp: its 0600 mode would survive the rename. O_EXCL with 0666 lets the umask decide,
+    # as for any other file the user creates; pid, thread and a counter keep concurrent writers apart.
+    tmp_name = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_temp_counter)}.tmp"
+    fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
             write(f)
@@ -200,9 +208,9 @@ class PointAccumulator:
         max_points: int = DEFAULT_MAX_POINTS,
     ) -> None:
         if max_points < 1:
-            raise ValueError(f"max_points must be at least 1, got {max_points}")
+            raise ValueError(f"max points must be at least 1, got {max_points}")
         if voxel_size is not None and not (np.isfinite(voxel_size) and voxel_size > 0):
-            raise ValueError(f"voxel_size must be a positive number or None (automatic), got {voxel_size}")
+            raise ValueError(f"voxel size must be a positive number of scene units, got {voxel_size}")
         self.conf_threshold = float(conf_threshold)
         self.max_points = int(max_points)
         self.voxel_size: float | None = None if voxel_size is None else float(voxel_size)
@@ -460,6 +468,13 @@ class RunWriter:
     `on_frame` writes `predictions/NNNNNN.npz` atomically; a frame index emitted again (windowed streams)
     overwrites its file, pose and points. `close` writes trajectory_tum.txt, points.ply and the final
     run.json.
+
+    With `background=True` (the default) the file writing and point accumulation run on a writer thread
+    behind a queue of `queue_size` frames, so inference does not wait for the disk (numpy and file IO
+    release the GIL). A full queue blocks `on_frame`: memory stays bounded when the disk is slower than the
+    model. `flush()` waits until every frame handed over is on disk; `close()` flushes first. An error on
+    the writer thread is raised by the next `on_frame`, `flush` or `close`. The writer holds a reference
+    to each prediction until it is written; the engine's arrays are fresh per frame, so nothing is copied.
     """
 
     def __init__(
@@ -471,6 +486,8 @@ class RunWriter:
         voxel_size: float | None = None,
         max_points: int = DEFAULT_MAX_POINTS,
         overwrite: bool = False,
+        background: bool = True,
+        queue_size: int = 8,
     ) -> None:
         self.output_dir = Path(output_dir)
         self.predictions_dir = self.output_dir / PREDICTIONS_DIR
@@ -486,12 +503,76 @@ class RunWriter:
         self._last_progress = self._start_time
         self._prepare_output_dir(overwrite)
         self._write_run_json("running", {})
+        self._worker_error: BaseException | None = None
+        self._queue: queue.Queue | None = None
+        self._worker: threading.Thread | None = None
+        if background:
+            self._queue = queue.Queue(maxsize=queue_size)
+            # Daemon: a process that dies without close() must not hang on this thread at exit.
+            self._worker = threading.Thread(target=self._drain_queue, name="run-writer", daemon=True)
+            self._worker.start()
 
     # ---- sink interface
 
     def on_frame(self, pred: FramePrediction, stats: dict) -> None:
         if self.status != "running":
             raise RuntimeError(f"RunWriter for {self.output_dir} is closed ({self.status}); no more frames")
+        self._raise_worker_error()
+        if self._queue is None:
+            self._write_frame(pred, dict(stats))
+        else:
+            self._queue.put((pred, dict(stats)))
+
+    def __enter__(self) -> RunWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Close with the status the exit implies, unless the caller already closed with a summary."""
+        if exc_type is None:
+            self.close("complete")
+        elif issubclass(exc_type, KeyboardInterrupt):
+            self.close("interrupted", {"error": "interrupted by the user"})
+        else:
+            self.close("failed", {"error": f"{exc_type.__name__}: {exc}"})
+
+    def flush(self) -> None:
+        """Block until every frame passed to on_frame is written (no-op without a writer thread)."""
+        if self._queue is not None:
+            self._queue.join()
+        self._raise_worker_error()
+
+    def _drain_queue(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self._worker_error is None:  # after a failure, keep consuming so producers never block
+                    self._write_frame(*item)
+            except BaseException as exc:  # handed to the producer thread, never swallowed
+                self._worker_error = exc
+            finally:
+                self._queue.task_done()
+
+    def _raise_worker_error(self) -> None:
+        error = self._worker_error
+        if error is not None:
+            self._worker_error = None
+            if isinstance(error, OSError):
+                raise OutputDirError(
+                    f"writing frames to {self.predictions_dir} failed: {error.strerror or error}"
+                ) from error
+            raise error
+
+    def _stop_worker(self) -> BaseException | None:
+        if self._worker is None:
+            return None
+        self._queue.put(None)
+        self._worker.join()
+        self._worker = None
+        return self._worker_error
+
+    def _write_frame(self, pred: FramePrediction, stats: dict) -> None:
         arrays = prediction_arrays(pred)
         _atomic_write(
             prediction_path(self.output_dir, pred.frame_index), lambda f: np.savez(f, **arrays), binary=True
@@ -509,7 +590,7 @@ class RunWriter:
             arrays["c2w"],
             arrays.get("image"),
         )
-        self.last_stats = dict(stats)
+        self.last_stats = stats
         now = time.monotonic()
         if now - self._last_progress >= PROGRESS_INTERVAL_S:
             self._last_progress = now
@@ -522,7 +603,9 @@ class RunWriter:
         if self.status != "running":
             return  # already closed: the first final status stands
         self.status = status
-        errors = []
+        worker_error = self._stop_worker()  # every frame handed over is on disk after this
+        self._worker_error = None
+        errors = [] if worker_error is None else [f"frame writer: {worker_error!r}"]
         for name, write in (
             (TRAJECTORY_TUM, lambda: write_tum(self.output_dir / TRAJECTORY_TUM, self.poses)),
             (POINTS_PLY, self._write_points),
@@ -534,7 +617,9 @@ class RunWriter:
                 errors.append(f"{name}: {exc}")
         self._write_run_json(status, summary or {}, errors)
         if errors:
-            raise OutputDirError(f"could not write outputs in {self.output_dir}: {'; '.join(errors)}")
+            raise OutputDirError(f"could not write outputs in {self.output_dir}: {'; '.join(errors)}") from (
+                worker_error
+            )
 
     # ---- internals
 
@@ -601,6 +686,7 @@ class RunWriter:
                 "voxel_size": self.points.voxel_size,
                 "max_points": self.points.max_points,
                 "coarsenings": self.points.num_coarsenings,
+                "dropped_out_of_range": self.points.num_out_of_range,
             },
             "engine": self.last_stats,
         }
@@ -615,13 +701,19 @@ class RunWriter:
 # Reading a run back
 
 
-def _prediction_files(run_dir: Path) -> list[tuple[int, Path]]:
+def check_run_dir(run_dir: Path) -> Path:
+    """Raise RunDirError unless `run_dir` looks like a run directory; returns its predictions folder."""
     run_dir = Path(run_dir)
     predictions = run_dir / PREDICTIONS_DIR
     if not run_dir.is_dir():
         raise RunDirError(f"run directory {run_dir} does not exist")
     if not predictions.is_dir():
         raise RunDirError(f"{run_dir} is not a run directory: it has no {PREDICTIONS_DIR}/ folder")
+    return predictions
+
+
+def _prediction_files(run_dir: Path) -> list[tuple[int, Path]]:
+    predictions = check_run_dir(run_dir)
     found = []
     for path in predictions.iterdir():
         match = _PREDICTION_NAME.match(path.name)

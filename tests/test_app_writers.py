@@ -1,6 +1,11 @@
+import contextlib
+import errno
 import json
 import logging
 import math
+import os
+import stat
+import threading
 import tracemalloc
 
 import numpy as np
@@ -139,6 +144,7 @@ def test_run_json_says_running_until_closed_and_frames_stay_readable(tmp_path):
     assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "running"
     for i in range(3):
         writer.on_frame(plane_frame(i), {})
+    writer.flush()
     # The process "dies" here: nothing closes the writer.
     info = json.loads((tmp_path / "run" / "run.json").read_text())
     assert info["status"] == "running" and info["summary"]["ended_at"] is None
@@ -151,6 +157,7 @@ def test_progress_is_recorded_in_run_json_while_running(tmp_path, monkeypatch):
     writer = RunWriter(tmp_path / "run", {})
     writer.on_frame(plane_frame(0), {})
     writer.on_frame(plane_frame(1), {})
+    writer.flush()
     info = json.loads((tmp_path / "run" / "run.json").read_text())
     assert info["status"] == "running" and info["summary"]["frames"] == 2
 
@@ -200,7 +207,7 @@ def test_reemitted_frame_overwrites_file_pose_and_points(tmp_path):
 
 
 def test_crash_during_write_leaves_previous_file_and_no_temp(tmp_path, monkeypatch):
-    writer = RunWriter(tmp_path / "run", {})
+    writer = RunWriter(tmp_path / "run", {}, background=False)
     writer.on_frame(plane_frame(0), {})
     before = prediction_path(tmp_path / "run", 0).read_bytes()
 
@@ -326,9 +333,9 @@ def test_accumulator_is_capped_by_coarsening():
 
 
 def test_accumulator_rejects_bad_settings():
-    with pytest.raises(ValueError, match="max_points must be at least 1, got 0"):
+    with pytest.raises(ValueError, match="max points must be at least 1, got 0"):
         PointAccumulator(max_points=0)
-    with pytest.raises(ValueError, match="voxel_size must be a positive number"):
+    with pytest.raises(ValueError, match="voxel size must be a positive number of scene units, got -1.0"):
         PointAccumulator(voxel_size=-1.0)
 
 
@@ -369,7 +376,9 @@ def test_writer_memory_stays_bounded_over_a_long_stream(tmp_path):
         for i in range(frames):
             writer.on_frame(plane_frame(i, height=72, width=96, offset=np.array([0, 5.0 * i, 0])), {})
             if i == 20:
+                writer.flush()  # measure with an empty queue, at both ends
                 baseline = tracemalloc.get_traced_memory()[0]
+        writer.flush()
         growth = tracemalloc.get_traced_memory()[0] - baseline
     finally:
         tracemalloc.stop()
@@ -378,3 +387,96 @@ def test_writer_memory_stays_bounded_over_a_long_stream(tmp_path):
     # 130 frames of depth + confidence + image would be ~6 MB; poses and the cloud are well under 0.5 MB.
     assert growth < 500_000, growth
     assert len(read_run(tmp_path / "run")) == frames
+
+
+def test_writer_thread_errors_reach_the_caller(tmp_path, monkeypatch):
+    writer = RunWriter(tmp_path / "run", {})
+    writer.on_frame(plane_frame(0), {})
+    writer.flush()
+
+    def full_disk(file, **arrays):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", full_disk)
+    writer.on_frame(plane_frame(1), {})
+    with pytest.raises(
+        OutputDirError, match="writing frames to .*predictions failed: No space left on device"
+    ):
+        writer.flush()
+    writer.on_frame(plane_frame(2), {})  # fails on the writer thread again; nobody has asked yet
+    with pytest.raises(OutputDirError, match="could not write outputs .*frame writer: .*No space left"):
+        writer.close("failed")
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["status"] == "failed" and "No space left" in info["output_errors"][0]
+    assert [r["frame_index"] for r in read_run(tmp_path / "run")] == [0]
+    assert len(parse_tum_strictly(tmp_path / "run" / "trajectory_tum.txt")) == 1
+
+
+def test_a_slow_disk_blocks_on_frame_instead_of_queueing_without_bound(tmp_path, monkeypatch):
+    writer = RunWriter(tmp_path / "run", {}, queue_size=3)
+    disk_free = threading.Event()
+    real_savez = np.savez
+
+    def slow_savez(file, **arrays):
+        disk_free.wait(timeout=30)
+        real_savez(file, **arrays)
+
+    monkeypatch.setattr(np, "savez", slow_savez)
+    producer = threading.Thread(target=lambda: [writer.on_frame(plane_frame(i), {}) for i in range(8)])
+    producer.start()
+    producer.join(timeout=0.5)
+    # One frame is being written, three wait in the queue, the producer is stuck on the fifth.
+    assert producer.is_alive() and writer._queue.qsize() == 3
+    disk_free.set()
+    producer.join(timeout=30)
+    assert not producer.is_alive()
+    writer.close("complete")
+    assert [r["frame_index"] for r in read_run(tmp_path / "run")] == list(range(8))
+
+
+def test_outputs_get_ordinary_permissions(tmp_path):
+    old_umask = os.umask(0o022)
+    try:
+        write_run(tmp_path / "run", [plane_frame(0)])
+    finally:
+        os.umask(old_umask)
+    for path in (
+        prediction_path(tmp_path / "run", 0),
+        tmp_path / "run" / "run.json",
+        tmp_path / "run" / "points.ply",
+    ):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+
+
+@pytest.mark.parametrize(
+    ("raised", "status"),
+    [(None, "complete"), (KeyboardInterrupt, "interrupted"), (FileNotFoundError, "failed")],
+)
+def test_context_manager_closes_with_the_matching_status(tmp_path, raised, status):
+    with pytest.raises(raised) if raised else contextlib.nullcontext():
+        with RunWriter(tmp_path / "run", {}) as writer:
+            writer.on_frame(plane_frame(0), {})
+            writer.on_frame(plane_frame(1), {})
+            if raised:
+                raise raised("camera unplugged")
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["status"] == status and info["summary"]["frames"] == 2
+    assert ("camera unplugged" in info["summary"].get("error", "")) == (raised is FileNotFoundError)
+    assert len(parse_tum_strictly(tmp_path / "run" / "trajectory_tum.txt")) == 2
+
+
+def test_an_explicit_close_inside_the_block_wins(tmp_path):
+    with RunWriter(tmp_path / "run", {}) as writer:
+        writer.on_frame(plane_frame(0), {})
+        writer.close("complete", {"fps": 3.0})
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["status"] == "complete" and info["summary"]["fps"] == 3.0
+
+
+def test_points_beyond_the_voxel_key_range_are_dropped_and_counted(tmp_path):
+    near, far = plane_frame(0), plane_frame(1)
+    far.depth[:, 20:] = 1e6  # 2**20 voxels of 0.01 end at ~10 km
+    write_run(tmp_path / "run", [near, far], voxel_size=0.01)
+    points = json.loads((tmp_path / "run" / "run.json").read_text())["summary"]["points"]
+    assert points["dropped_out_of_range"] == 24 * 12
+    assert np.abs(trimesh.load(tmp_path / "run" / "points.ply").vertices).max() < 100
