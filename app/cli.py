@@ -11,7 +11,6 @@ from importlib import metadata
 from typing import Annotated
 
 import typer
-
 from stream_recon.app.commands.batch import batch
 from stream_recon.app.commands.convert import convert
 from stream_recon.app.commands.download import download

@@ -28,7 +28,6 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 from rich.console import Console
-
 from stream_recon.app.preprocess import DEFAULT_IMAGE_WIDTH, PATCH_SIZE, preprocess_frame
 from stream_recon.app.progress import RunProgress
 from stream_recon.app.sources import (
@@ -198,14 +197,18 @@ def run_sequence(
     """
     console = console or Console(stderr=True)
     output_dir = Path(output_dir)
-    device = resolve_device(options.device)
-    check_attention(options.attention, device)
-    frame_source = _as_frame_source(source, options)
+    frame_source = _as_frame_source(source, options)  # first: a mistyped path fails before torch loads
     try:
+        device = resolve_device(options.device)
+        check_attention(options.attention, device)
         created_dir = prepare_output_dir(output_dir, overwrite=options.overwrite)
+        if frame_source.live:
+            frame_source.start()  # keep a camera's connection drained while the model loads
+        viewer = None
         try:
             model = model if model is not None else _load_model(options, device, console)
             engine = _build_engine(model, options, device, resolve_dtype(options.dtype, device))
+            viewer = _start_viewer(options, console)
             writer = RunWriter(
                 output_dir,
                 _settings(options, frame_source, device),
@@ -214,10 +217,11 @@ def run_sequence(
                 overwrite=True,  # prepare_output_dir already refused an existing run without --overwrite
             )
         except BaseException:
+            if viewer is not None:
+                viewer.close("failed")
             _remove_if_empty(output_dir, created_dir)
             raise
         sinks: list[Sink] = [writer, *extra_sinks]
-        viewer = _start_viewer(options, console)
         if viewer is not None:
             sinks.append(viewer)
         return _stream(frame_source, engine, writer, sinks, viewer, options, device, console)
@@ -250,7 +254,7 @@ def _stream(
                         image = frame.image
                         if image is None:  # a FrameSource opened without preprocessing
                             image = preprocess_frame(frame.rgb, options.image_width)
-                        preds = clock.time_engine(lambda: engine.push(image, timestamp=frame.timestamp))
+                        preds = clock.time_engine(engine.push, image, timestamp=frame.timestamp)
                         clock.frames_read += 1
                         progress.update(_emit(preds, engine, clock, sinks, frame_source))
                 except (SourceError, FrameError) as failure:
@@ -494,12 +498,12 @@ class _RunClock:
         self.frames_read = 0
         self.frames_done = 0
 
-    def time_engine(self, call: Any) -> Any:
+    def time_engine(self, call: Any, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
         if self.first_frame_at is None:
             self.first_frame_at = started
         try:
-            return call()
+            return call(*args, **kwargs)
         finally:
             self.model_seconds += time.perf_counter() - started
 

@@ -29,7 +29,6 @@ import cv2
 import numpy as np
 import torch
 from PIL import Image
-
 from stream_recon.app.preprocess import ImageReadError, load_image, preprocess_frame, upright_rgb
 
 SourceKind = Literal["video", "folder", "webcam", "stream", "frames"]
@@ -201,12 +200,20 @@ class FrameSource:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def start(self) -> None:
+        """Start decoding now rather than at the first `next()` (idempotent).
+
+        A live source started early keeps only the newest frames while the consumer gets ready.
+        """
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._read_all, name=f"reader:{self.name}", daemon=True)
+            self._thread.start()
+
     def __iter__(self) -> Iterator[Frame]:
         if self._iterated:
             raise RuntimeError(f"{self.description} can be iterated only once")
         self._iterated = True
-        self._thread = threading.Thread(target=self._read_all, name=f"reader:{self.name}", daemon=True)
-        self._thread.start()
+        self.start()
         return self._frames()
 
     def request_stop(self) -> None:

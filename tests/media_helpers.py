@@ -14,7 +14,6 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-
 NUM_CODE_BITS = 8
 
 

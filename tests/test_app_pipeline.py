@@ -15,8 +15,6 @@ import numpy as np
 import pytest
 import torch
 import trimesh
-from plyfile import PlyData
-
 from media_helpers import (
     frame_bgr,
     mjpeg_server,
@@ -25,6 +23,7 @@ from media_helpers import (
     write_image_folder,
     write_video,
 )
+from plyfile import PlyData
 from stream_recon.app.pipeline import OptionsError, RunOptions, run_sequence
 from stream_recon.app.writers import OutputDirError
 from stream_recon.models import GCTStream, ModelConfig
@@ -200,11 +199,13 @@ def test_unusable_attention_backend_is_refused_before_anything_is_made(tmp_path:
     assert not (tmp_path / "run").exists()
 
 
-def test_options_are_validated_with_every_problem_named() -> None:
+def test_options_are_validated_with_every_problem_named(tmp_path: Path) -> None:
     with pytest.raises(OptionsError, match="keyframes must be .*; image_width must be a positive multiple of 14"):
         RunOptions(keyframes="sometimes", image_width=500)
+    video = write_video(tmp_path / "clip.mp4", 3)
     with pytest.raises(OptionsError, match="CUDA is not available"):
-        run_sequence("whatever.mp4", Path("unused"), RunOptions(device="cuda"))
+        run_sequence(str(video), tmp_path / "run", RunOptions(device="cuda"))
+    assert not (tmp_path / "run").exists()
 
 
 def test_host_memory_stays_flat_over_a_long_video(tmp_path: Path, tiny_model: GCTStream) -> None:

@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from PIL import Image
-
 from media_helpers import (
     decoded_index,
     free_port,
@@ -25,6 +23,7 @@ from media_helpers import (
     write_noise_video,
     write_video,
 )
+from PIL import Image
 from stream_recon.app.preprocess import preprocess_path
 from stream_recon.app.sources import (
     FrameSelection,

@@ -164,7 +164,8 @@ OutputOpt = Annotated[
 
 
 def error_console() -> Console:
-    return Console(stderr=True, highlight=False)
+    # soft_wrap: an error sentence stays one line (the terminal wraps it), so paths are never split
+    return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-
 from stream_recon.app.commands._options import EXIT_BAD_INPUT, error_console, user_errors
 
 
@@ -25,13 +24,12 @@ def convert(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DESTINATION if it exists.")] = False,
 ) -> None:
     """Convert a .pt checkpoint to .safetensors (keys checked strictly on the way)."""
-    from stream_recon.models.checkpoint import convert_to_safetensors
-
     console = error_console()
     problem = _check_paths(source, destination, overwrite)
     if problem:
         console.print(f"[red]error:[/red] {problem}")
         raise typer.Exit(code=EXIT_BAD_INPUT)
+    from stream_recon.models.checkpoint import convert_to_safetensors  # torch: only once there is work
     with user_errors(console), console.status(f"converting {source}"):
         written = convert_to_safetensors(source, destination)
     console.print(f"[green]wrote[/green] {written or destination}")

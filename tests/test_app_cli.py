@@ -1,0 +1,240 @@
+"""The command line: both spellings of run, help and version, presets, and every bad input of issue 4
+as one sentence and a non-zero exit code (no traceback)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from media_helpers import silent_server, write_image_folder, write_video
+from stream_recon.app.cli import app, main, with_default_command
+from stream_recon.app.commands._options import EXIT_BAD_INPUT
+from stream_recon.app.pipeline import OptionsError, RunOptions
+from stream_recon.app.presets import PRESET_DIR, PresetError, available_presets, build_options
+from typer.testing import CliRunner
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    """Run the CLI as `stream-recon ARGS` (through the default-command rule)."""
+    return runner.invoke(app, with_default_command(list(args)))
+
+
+def assert_user_error(result, *fragments: str, code: int = EXIT_BAD_INPUT) -> None:
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    for fragment in fragments:
+        assert fragment in result.output, result.output
+
+
+# ------------------------------------------------------------------ command layout
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["clip.mp4"], ["run", "clip.mp4"]),
+        (["clip.mp4", "--fps", "5"], ["run", "clip.mp4", "--fps", "5"]),
+        (["--no-viewer", "clip.mp4"], ["run", "--no-viewer", "clip.mp4"]),
+        (["run", "clip.mp4"], ["run", "clip.mp4"]),
+        (["info"], ["info"]),
+        (["--version"], ["--version"]),
+        (["-h"], ["-h"]),
+        ([], []),
+    ],
+)
+def test_run_is_the_default_command(argv: list[str], expected: list[str]) -> None:
+    assert with_default_command(argv) == expected
+
+
+def test_version_and_help() -> None:
+    version = invoke("--version")
+    assert version.exit_code == 0 and version.output.startswith("stream-recon ")
+
+    root_help = invoke("-h")
+    assert root_help.exit_code == 0
+    for command in ("run", "info", "download", "convert"):
+        assert command in root_help.output
+
+    run_help = invoke("run", "-h")
+    assert run_help.exit_code == 0 and "--keyframes" in run_help.output and "--config" in run_help.output
+
+
+def test_installed_entry_point_takes_a_bare_source(tmp_path: Path) -> None:
+    # the real console script, as a user types it: no `run`
+    result = subprocess.run(
+        [sys.executable, "-c", "from stream_recon.app.cli import main; main()", str(tmp_path / "missing.mp4")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == EXIT_BAD_INPUT
+    assert "error: no such file or folder" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_main_accepts_an_argv_list(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([str(tmp_path / "missing.mp4"), "--no-viewer"])
+    assert exited.value.code == EXIT_BAD_INPUT
+
+
+# ------------------------------------------------------------------ bad input, one sentence each
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    assert_user_error(invoke(str(tmp_path / "nope.mp4"), "--no-viewer"), "error: no such file or folder", "nope.mp4")
+
+
+def test_non_video_named_mp4(tmp_path: Path) -> None:
+    fake = tmp_path / "movie.mp4"
+    fake.write_text("definitely not a video")
+    assert_user_error(invoke(str(fake), "--no-viewer"), "movie.mp4 is not a video file", "looks like text")
+
+
+def test_truncated_mp4_without_index(tmp_path: Path) -> None:
+    video = write_video(tmp_path / "cut.mp4", 20)
+    video.write_bytes(video.read_bytes()[:4000])
+    assert_user_error(invoke(str(video), "--no-viewer"), "cut.mp4 looks like an MP4/MOV file", "truncated")
+
+
+def test_empty_folder(tmp_path: Path) -> None:
+    (tmp_path / "frames").mkdir()
+    assert_user_error(invoke(str(tmp_path / "frames"), "--no-viewer"), "frames contains no images")
+
+
+def test_folder_of_mixed_sizes(tmp_path: Path) -> None:
+    folder = write_image_folder(tmp_path / "frames", ["a.png"], width=64, height=48)
+    write_image_folder(folder, ["b.png"], width=32, height=32)
+    assert_user_error(invoke(str(folder), "--no-viewer"), "different sizes: a.png is 64x48 but b.png is 32x32")
+
+
+def test_unreachable_stream_times_out(tmp_path: Path) -> None:
+    with silent_server() as port:
+        result = invoke(f"rtsp://127.0.0.1:{port}/cam", "--open-timeout", "1", "--no-viewer",
+                        "-o", str(tmp_path / "out"))
+    assert_user_error(result, "could not", f"rtsp://127.0.0.1:{port}/cam")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unwritable_output_directory(tmp_path: Path) -> None:
+    video = write_video(tmp_path / "clip.mp4", 3)
+    blocker = tmp_path / "taken"
+    blocker.write_text("a file where the output folder should go")
+    # the checkpoint does not exist either: the output error must come first, before any load
+    result = invoke(str(video), "--no-viewer", "-o", str(blocker / "run"), "--checkpoint", str(tmp_path / "no.pt"))
+    assert_user_error(result, "error: cannot write to the output directory", "choose a writable --output")
+
+
+def test_existing_run_is_not_overwritten(tmp_path: Path) -> None:
+    video = write_video(tmp_path / "clip.mp4", 3)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text("{}")
+    assert_user_error(invoke(str(video), "--no-viewer", "-o", str(run_dir)), "already holds a run", "--overwrite")
+
+
+def test_single_image_instead_of_folder(tmp_path: Path) -> None:
+    folder = write_image_folder(tmp_path / "frames", ["0001.png"])
+    assert_user_error(invoke(str(folder / "0001.png"), "--no-viewer"), "is a single image; pass the folder")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--keyframes", "sometimes"], "keyframes must be all, flow or interval:N"),
+        (["--image-width", "500"], "image_width must be a positive multiple of 14"),
+        (["--stride", "0"], "stride must be >= 1"),
+        (["--device", "cuda:0"], "CUDA is not available"),
+        (["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
+        (["--attention", "flashinfer", "--device", "cpu"], "flashinfer runs on CUDA only"),
+    ],
+)
+def test_bad_options_are_named(tmp_path: Path, flags: list[str], message: str) -> None:
+    video = write_video(tmp_path / "clip.mp4", 3)
+    assert_user_error(invoke(str(video), "--no-viewer", "-o", str(tmp_path / "out"), *flags), message)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_preset(tmp_path: Path) -> None:
+    video = write_video(tmp_path / "clip.mp4", 3)
+    assert_user_error(invoke(str(video), "--config", "underwater"), "no preset 'underwater'", "indoor")
+
+
+def test_preset_with_an_unknown_option(tmp_path: Path) -> None:
+    video = write_video(tmp_path / "clip.mp4", 3)
+    preset = tmp_path / "mine.yaml"
+    preset.write_text("window: 16\nwindows: 32\n")
+    assert_user_error(invoke(str(video), "--config", str(preset)), "sets unknown option(s) windows")
+
+
+# ------------------------------------------------------------------ presets
+
+
+def test_every_shipped_preset_builds_valid_options() -> None:
+    assert {"indoor", "outdoor", "low-memory"} <= set(available_presets())
+    for name in ("indoor", "outdoor", "low-memory"):
+        values = yaml.safe_load((PRESET_DIR / f"{name}.yaml").read_text())
+        options = build_options(name, {})
+        for key, value in values.items():
+            assert getattr(options, key) == value
+
+
+def test_flags_override_the_preset_and_unset_flags_do_not() -> None:
+    options = build_options("low-memory", {"window": 16, "image_width": None, "device": "cpu"})
+    assert options.window == 16  # flag wins
+    assert options.image_width == 392  # preset value kept: the flag was not given
+    assert options.keyframes == "interval:2"
+    assert options.scale_frames == RunOptions().scale_frames  # neither: the default
+
+
+def test_preset_values_are_validated(tmp_path: Path) -> None:
+    preset = tmp_path / "bad.yaml"
+    preset.write_text("window: 0\n")
+    with pytest.raises(OptionsError, match="window must be >= 1"):
+        build_options(str(preset), {})
+    preset.write_text("- a list\n")
+    with pytest.raises(PresetError, match="must be a mapping"):
+        build_options(str(preset), {})
+
+
+# ------------------------------------------------------------------ info, convert
+
+
+def test_info_reports_the_environment() -> None:
+    result = invoke("info", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["packages"]["torch"]
+    assert "sdpa" in report["attention_backends"] and "flashinfer" in report["attention_backends"]
+    assert report["checkpoints"]["repository"].endswith("robbyant/lingbot-map")
+    assert set(report["checkpoints"]["cached"]) == {"lingbot-map-long", "lingbot-map"}
+
+    human = invoke("info")
+    assert human.exit_code == 0 and "Attention backends" in human.output
+
+
+def test_convert_checks_its_paths(tmp_path: Path) -> None:
+    source = tmp_path / "model.pt"
+    assert_user_error(invoke("convert", str(source), str(tmp_path / "model.safetensors")), "checkpoint not found")
+    source.write_bytes(b"\x80\x02}q\x00.")
+    assert_user_error(invoke("convert", str(source), str(tmp_path / "model.bin")), "must end in .safetensors")
+    existing = tmp_path / "done.safetensors"
+    existing.write_bytes(b"")
+    assert_user_error(invoke("convert", str(source), str(existing)), "already exists; pass --overwrite")
+
+
+def test_default_output_names(tmp_path: Path) -> None:
+    from stream_recon.app.sources import source_name
+
+    folder = write_image_folder(tmp_path / "kitchen", ["0.png"])
+    assert source_name(str(folder)) == "kitchen"
+    assert source_name(str(folder) + "/") == "kitchen"
+    assert source_name("walk.mp4") == "walk"
+    assert source_name("0") == "webcam0"
+    assert source_name("rtsp://cam.local:554/live?x=1") == "cam.local_554_live"
