@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 from stream_recon.app.commands.convert import convert
 from stream_recon.app.commands.download import download
+from stream_recon.app.commands.export import export
 from stream_recon.app.commands.info import info
 from stream_recon.app.commands.run import run
 
@@ -31,6 +32,7 @@ app = typer.Typer(
 app.command(name="run", help="Reconstruct a video, image folder, webcam or stream (the default command).")(run)
 app.command(name="info", help="Versions, CUDA/GPU, attention backends, checkpoint locations.")(info)
 app.command(name="download", help="Download an official checkpoint into the Hugging Face cache.")(download)
+app.command(name="export", help="Export a run directory as PLY, GLB, COLMAP or TUM.")(export)
 app.command(name="convert", help="Convert a .pt checkpoint to .safetensors.")(convert)
 
 ROOT_OPTIONS = ("-h", "--help", "--version")

@@ -59,7 +59,7 @@ def test_version_and_help() -> None:
 
     root_help = invoke("-h")
     assert root_help.exit_code == 0
-    for command in ("run", "info", "download", "convert"):
+    for command in ("run", "info", "download", "convert", "export"):
         assert command in root_help.output
 
     run_help = invoke("run", "-h")
