@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import sys
 from importlib import metadata
+from types import ModuleType
 from typing import Annotated
 
 import typer
-from stream_recon.app.commands.convert import convert
-from stream_recon.app.commands.download import download
-from stream_recon.app.commands.export import export
-from stream_recon.app.commands.info import info
-from stream_recon.app.commands.run import run
+from stream_recon.app.commands import convert, download, export, info, run
 
 app = typer.Typer(
     name="stream-recon",
@@ -29,11 +26,29 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
 )
 
-app.command(name="run", help="Reconstruct a video, image folder, webcam or stream (the default command).")(run)
-app.command(name="info", help="Versions, CUDA/GPU, attention backends, checkpoint locations.")(info)
-app.command(name="download", help="Download an official checkpoint into the Hugging Face cache.")(download)
-app.command(name="export", help="Export a run directory as PLY, GLB, COLMAP or TUM.")(export)
-app.command(name="convert", help="Convert a .pt checkpoint to .safetensors.")(convert)
+
+
+def examples(module: ModuleType) -> str:
+    """The example lines of a command module's docstring, as the command's help epilog."""
+    doc = module.__doc__ or ""
+    # the aligned trailing comments would wrap in an 80-column terminal; the module doc keeps them
+    lines = [
+        line.partition("  #")[0].strip()
+        for line in doc.partition("Examples:")[2].splitlines()
+        if line.startswith("    ")
+    ]
+    return "Examples:\n\n" + "\n".join(lines) if lines else ""
+
+
+def register(module: ModuleType, name: str, help: str) -> None:
+    app.command(name=name, help=help, epilog=examples(module))(getattr(module, name))
+
+
+register(run, "run", "Reconstruct a video, image folder, webcam or stream (the default command).")
+register(info, "info", "Versions, CUDA/GPU, attention backends, checkpoint locations.")
+register(download, "download", "Download an official checkpoint into the Hugging Face cache.")
+register(export, "export", "Export a run directory as PLY, GLB, COLMAP or TUM.")
+register(convert, "convert", "Convert a .pt checkpoint to .safetensors.")
 
 ROOT_OPTIONS = ("-h", "--help", "--version")
 
