@@ -86,6 +86,7 @@ class RunOptions:
     viewer: bool = True
     host: str = "127.0.0.1"
     port: int = 8080
+    keep_viewer: bool = False  # after the run, keep serving the result until Ctrl-C
 
     def __post_init__(self) -> None:
         problems = list(self._problems())
@@ -241,6 +242,7 @@ def _stream(
 ) -> RunSummary:
     from stream_recon.models.errors import FrameError
 
+    stream_errors = (SourceError, FrameError, OutputDirError)
     clock = _RunClock()
     status: RunStatus = "complete"
     error: str | None = None
@@ -250,19 +252,22 @@ def _stream(
                 try:
                     for frame in frame_source:
                         if viewer is not None:
-                            viewer.wait_if_paused()
+                            _wait_while_paused(viewer, stop)
                         image = frame.image
                         if image is None:  # a FrameSource opened without preprocessing
                             image = preprocess_frame(frame.rgb, options.image_width)
                         preds = clock.time_engine(engine.push, image, timestamp=frame.timestamp)
                         clock.frames_read += 1
                         progress.update(_emit(preds, engine, clock, sinks, frame_source))
-                except (SourceError, FrameError) as failure:
-                    # a source or frame problem mid-stream: the frames before it are still worth keeping
+                except stream_errors as failure:
+                    # a source, frame or disk problem mid-stream: the frames before it are worth keeping
                     status, error = "failed", str(failure)
                 # what the engine still buffers (phase 1) is completed on every path but a second Ctrl-C
-                preds = clock.time_engine(engine.finish)
-                progress.update(_emit(preds, engine, clock, sinks, frame_source))
+                try:
+                    preds = clock.time_engine(engine.finish)
+                    progress.update(_emit(preds, engine, clock, sinks, frame_source))
+                except stream_errors as failure:
+                    status, error = "failed", error or str(failure)
             except KeyboardInterrupt:
                 status = "interrupted"
             except BaseException as unexpected:
@@ -270,7 +275,9 @@ def _stream(
                 raise
         if stop.requested and status == "complete":
             status = "interrupted"
-        _close_sinks(sinks, writer, status, clock, frame_source, device, error)
+        writer_error = _close_sinks(sinks, writer, status, clock, frame_source, device, error)
+    if writer_error is not None and error is None:
+        status, error = "failed", writer_error
     summary = RunSummary(
         status=status,
         frames=len(writer.poses),
@@ -283,7 +290,26 @@ def _stream(
         end_reason=frame_source.end_reason or ("stopped" if stop.requested else None),
     )
     _report(summary, console)
+    if viewer is not None and options.keep_viewer and not stop.requested:
+        _serve_until_interrupted(viewer, console)
     return summary
+
+
+def _wait_while_paused(viewer: Any, stop: _StopOnSignal) -> None:
+    # short waits, so that Ctrl-C still stops a run paused from the browser
+    while not viewer.wait_if_paused(timeout=0.2):
+        if stop.requested:
+            return
+
+
+def _serve_until_interrupted(viewer: Any, console: Console) -> None:
+    console.print(f"viewer still serving the result at [bold]{viewer.url}[/bold]; Ctrl-C to exit")
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        viewer.stop()
 
 
 def _emit(preds: list, engine: Any, clock: _RunClock, sinks: list[Sink], source: FrameSource) -> dict:
@@ -307,7 +333,8 @@ def _close_sinks(
     source: FrameSource,
     device: str,
     error: str | None,
-) -> None:
+) -> str | None:
+    """Close every sink, the writer with the run's summary. Returns the writer's error, if any."""
     summary = {
         "status": status,
         "error": error,
@@ -316,19 +343,22 @@ def _close_sinks(
         "end_reason": source.end_reason,
         "frames_read": clock.frames_read,
         "frames_dropped": source.frames_dropped,
-        "fps": clock.end_to_end_fps,
-        "model_fps": clock.model_fps,
+        **clock.rates(),
         "timings": clock.timings(),
         "peak_gpu_memory_bytes": _peak_gpu_memory(device),
     }
+    writer_error = None
     for sink in sinks:
         try:
             if sink is writer:
                 writer.close(status, summary)
             else:
                 sink.close(status)
+        except OutputDirError as failure:
+            writer_error = str(failure)
         except Exception as failure:  # noqa: BLE001 - one sink failing must not stop the others closing
             logger.warning("closing %s failed: %s", type(sink).__name__, failure)
+    return writer_error
 
 
 def _report(summary: RunSummary, console: Console) -> None:
@@ -460,7 +490,7 @@ def _start_viewer(options: RunOptions, console: Console) -> Any:
         return None
     from stream_recon.app.viewer import LiveViewer  # viser is heavy: only imported when asked for
 
-    viewer = LiveViewer(options.host, options.port)
+    viewer = LiveViewer(options.host, options.port, keep_serving=options.keep_viewer)
     console.print(f"live viewer: [bold]{viewer.url}[/bold]")
     return viewer
 

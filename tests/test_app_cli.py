@@ -59,11 +59,15 @@ def test_version_and_help() -> None:
 
     root_help = invoke("-h")
     assert root_help.exit_code == 0
-    for command in ("run", "info", "download", "convert"):
+    for command in ("run", "info", "download", "convert", "export"):
         assert command in root_help.output
 
     run_help = invoke("run", "-h")
     assert run_help.exit_code == 0 and "--keyframes" in run_help.output and "--config" in run_help.output
+    # every command shows its examples
+    for command in ("run", "info", "download", "convert", "export"):
+        shown = invoke(command, "-h").output
+        assert "Examples:" in shown and f"stream-recon {command if command != 'run' else ''}" in shown
 
 
 def test_installed_entry_point_takes_a_bare_source(tmp_path: Path) -> None:

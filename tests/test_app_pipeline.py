@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -164,6 +165,28 @@ def test_frame_of_another_size_mid_stream_fails_and_keeps_earlier_frames(
 
     assert summary.status == "failed" and "size" in summary.error
     check_run_dir(tmp_path / "run", 4, "failed")
+
+
+def test_disk_failure_mid_stream_ends_the_run_as_failed(tmp_path: Path, tiny_model: GCTStream) -> None:
+    video = write_video(tmp_path / "clip.mp4", 12)
+    run_dir = tmp_path / "run"
+
+    class DiskFails:
+        """From frame 5 on, the predictions folder is a file: every later write fails."""
+
+        def on_frame(self, pred, stats) -> None:
+            if pred.frame_index == 5:
+                shutil.rmtree(run_dir / "predictions")
+                (run_dir / "predictions").write_text("not a folder any more")
+
+        def close(self, status: str) -> None:
+            """Nothing to release."""
+
+    summary = run_sequence(str(video), run_dir, RunOptions(**FAST), model=tiny_model, extra_sinks=[DiskFails()])
+
+    assert summary.status == "failed"
+    assert "writing frames to" in summary.error and "predictions" in summary.error
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "failed"
 
 
 def test_output_dir_is_checked_before_the_model_loads(tmp_path: Path) -> None:

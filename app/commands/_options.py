@@ -147,6 +147,11 @@ ViewerOpt = Annotated[
     typer.Option("--viewer/--no-viewer", help="Open the live browser viewer. \\[default: viewer]",
                  rich_help_panel=_VIEWER, show_default=False),
 ]
+KeepViewerOpt = Annotated[
+    Optional[bool],
+    typer.Option("--keep-viewer/--no-keep-viewer", help="Keep the viewer serving the result after the run "
+                 "(Ctrl-C to exit).", rich_help_panel=_VIEWER, show_default=False),
+]
 HostOpt = Annotated[
     Optional[str],
     typer.Option("--host", help="Viewer address. \\[default: 127.0.0.1]", rich_help_panel=_VIEWER, show_default=False),

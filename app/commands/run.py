@@ -32,6 +32,7 @@ from stream_recon.app.commands._options import (
     FpsOpt,
     HostOpt,
     ImageWidthOpt,
+    KeepViewerOpt,
     KeyframesOpt,
     MaxFramesOpt,
     MaxGapOpt,
@@ -79,6 +80,7 @@ def run(
     voxel_size: VoxelSizeOpt = None,
     overwrite: OverwriteOpt = None,
     viewer: ViewerOpt = None,
+    keep_viewer: KeepViewerOpt = None,
     host: HostOpt = None,
     port: PortOpt = None,
 ) -> None:
@@ -93,7 +95,7 @@ def run(
         window=window, keyframes=keyframes, flow_threshold=flow_threshold, max_gap=max_gap,
         image_width=image_width, fps=fps, max_frames=max_frames, start=start, stride=stride,
         open_timeout_s=open_timeout, conf_threshold=conf_threshold, voxel_size=voxel_size, overwrite=overwrite,
-        viewer=viewer, host=host, port=port,
+        viewer=viewer, keep_viewer=keep_viewer, host=host, port=port,
     )
     with user_errors(console):
         options = build_options(config, overrides)
