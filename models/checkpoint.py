@@ -22,6 +22,7 @@ import pickle
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -136,7 +137,7 @@ def _corrupt_message(path: Path, error: Exception) -> str:
     size = path.stat().st_size
     return (
         f"{path} is truncated or corrupt and cannot be read ({size:,} bytes; {type(error).__name__}: "
-        f"{str(error).strip() or 'no detail'}). The official checkpoints are 4,632,303,465 bytes each. "
+        f"{str(error).strip() or 'no detail'}). The official checkpoints are about 4.6 GB each. "
         f"Delete the file and fetch it again (stream-recon download NAME, or {HF_REPO_URL})."
     )
 
@@ -170,16 +171,9 @@ def _unsafe_globals(path: Path) -> list[str]:
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         with safe_open(path, framework="pt", device="cpu") as file:
-            return {name: _aligned(file.get_tensor(name)) for name in file.keys()}
+            return {name: file.get_tensor(name) for name in file.keys()}
     except (SafetensorError, OSError, ValueError) as error:
         raise CheckpointError(_corrupt_message(path, error)) from None
-
-
-def _aligned(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor in 64-byte aligned memory. safetensors packs tensors back to back, and CPU kernels take
-    other vector paths on unaligned data, which changes results in the last bit; aligned copies make a
-    converted checkpoint give exactly the outputs of its .pt (whose tensors torch.save aligns)."""
-    return tensor if tensor.data_ptr() % _ALIGNMENT == 0 else tensor.clone()
 
 
 def _safetensors_metadata(path: Path) -> dict[str, str]:
@@ -348,7 +342,10 @@ def load_model(checkpoint: str | Path | None = None, device: str | torch.device 
         model = _load_partial(config, state_dict, report)
         warnings.warn(f"{path}: partial checkpoint load: {report.describe()}", stacklevel=2)
     _check_materialized(model)
-    model = model.to(device=torch.device(device), dtype=dtype or torch.float32)
+    device = torch.device(device)
+    model = model.to(device=device, dtype=dtype or torch.float32)
+    if device.type == "cpu":
+        _align_parameters(model)
     return model.eval().requires_grad_(False)
 
 
@@ -362,6 +359,20 @@ def _load_partial(config: ModelConfig, state_dict: Mapping[str, torch.Tensor],
     fitting = {name: state_dict[name] for name in report.loaded}
     model.load_state_dict(fitting, strict=False)
     return model
+
+
+def _align_parameters(model: torch.nn.Module) -> None:
+    """Copy parameters that sit at unaligned addresses into fresh memory.
+
+    safetensors packs tensors back to back, so most of a memory-mapped .safetensors file's tensors are
+    not 64-byte aligned; CPU kernels take other vector paths on such data and the outputs change in
+    the last bit. Aligned copies make a converted checkpoint give exactly the outputs of its .pt
+    (torch.save aligns every tensor). On a GPU the move to the device already copies.
+    """
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.data_ptr() % _ALIGNMENT:
+                parameter.data = parameter.data.clone()
 
 
 def _check_materialized(model: torch.nn.Module) -> None:
@@ -416,9 +427,20 @@ def convert_to_safetensors(src_pt: str | Path, dst: str | Path, config: ModelCon
 
 
 def checkpoint_digest(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
-    """sha256 of a file as hex, read in chunks (a 4.6 GB checkpoint never sits in memory)."""
+    """sha256 of a file as hex, read in chunks (a 4.6 GB checkpoint never sits in memory).
+
+    Hashing 4.6 GB takes seconds, so the result is remembered per process for an unchanged file
+    (same path, size and modification time): a batch of runs on one checkpoint hashes it once.
+    """
+    path = _existing_file(path).resolve()
+    stat = path.stat()
+    return _file_sha256(str(path), stat.st_size, stat.st_mtime_ns, chunk_bytes)
+
+
+@lru_cache(maxsize=16)
+def _file_sha256(path: str, size: int, mtime_ns: int, chunk_bytes: int) -> str:
     digest = hashlib.sha256()
-    with open(_existing_file(path), "rb") as file:
+    with open(path, "rb") as file:
         while chunk := file.read(chunk_bytes):
             digest.update(chunk)
     return digest.hexdigest()

@@ -132,6 +132,13 @@ def test_pt_round_trip_gives_identical_stream_outputs(tmp_path, tiny_state_dict,
     assert_same_outputs(stream_outputs(model), reference_outputs)
 
 
+def test_dtype_casts_every_parameter(tiny_pt, tiny_state_dict):
+    model = load_model(tiny_pt, config=TINY, dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    name = "aggregator.scale_token"
+    assert torch.equal(model.state_dict()[name], tiny_state_dict[name].to(torch.bfloat16))
+
+
 def test_legacy_non_zip_pt_loads_without_mmap(tmp_path, tiny_state_dict, reference_outputs):
     path = tmp_path / "legacy.pth"
     torch.save(tiny_state_dict, path, _use_new_zipfile_serialization=False)
@@ -159,6 +166,8 @@ def test_convert_records_config_and_source_digest(tmp_path, tiny_pt, tiny_state_
     assert ModelConfig.from_dict(json.loads(metadata[CONFIG_METADATA_KEY])) == TINY
     assert metadata[SOURCE_DIGEST_METADATA_KEY] == hashlib.sha256(tiny_pt.read_bytes()).hexdigest()
     assert checkpoint_digest(tiny_pt, chunk_bytes=1000) == metadata[SOURCE_DIGEST_METADATA_KEY]
+    tiny_pt.write_bytes(b"changed")  # a remembered digest must not outlive the file's contents
+    assert checkpoint_digest(tiny_pt) == hashlib.sha256(b"changed").hexdigest()
     assert list(tmp_path.glob(".*partial")) == []
 
 
