@@ -80,7 +80,7 @@ class SDPAPagedAttention:
         self._visible: VisiblePages | None = None
         self._page_ids: torch.Tensor | None = None
 
-    def plan(self, visible: VisiblePages) -> None:
+    def plan(self, visible: VisiblePages, num_queries: int) -> None:
         self._visible = visible
         self._page_ids = torch.tensor(visible.page_ids, dtype=torch.long, device=self.kv.device)
 
