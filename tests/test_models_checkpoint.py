@@ -12,6 +12,7 @@ import pytest
 import torch
 from huggingface_hub.errors import LocalEntryNotFoundError
 from safetensors import safe_open
+
 from stream_recon.models import (
     CheckpointError,
     GCTStream,
