@@ -30,13 +30,16 @@ def flashinfer_backend():
     return FlashInferPagedAttention
 
 
-@pytest.mark.parametrize("page_size, scale, window", [(37, 2, 3), (1, 1, 2), (144, 3, 4)])
-def test_flashinfer_matches_sdpa_on_random_sequences(flashinfer_backend, page_size, scale, window):
+@pytest.mark.parametrize("variant", ["fa2", "fa3"])
+@pytest.mark.parametrize("page_size, scale, window", [(37, 2, 3), (1, 1, 2), (144, 3, 4), (999, 2, 3)])
+def test_flashinfer_matches_sdpa_on_random_sequences(flashinfer_backend, variant, page_size, scale, window):
+    if variant == "fa3" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the fa3 kernels need a Hopper GPU (H100/H200)")
     generator = torch.Generator().manual_seed(page_size)
     layout = CacheLayout(patches_per_frame=page_size, specials_per_frame=6, scale_frames=scale, window_frames=window)
     cache = TwoStreamCache(layout, PagePool(4, grow_by=3))
     kv = PagedKV(2, 4, 64, page_size, torch.bfloat16, "cuda", 4)
-    fast, reference = flashinfer_backend(kv), SDPAPagedAttention(kv)
+    fast, reference = flashinfer_backend(kv, variant=variant), SDPAPagedAttention(kv)
     worst = worst_sdpa = 0.0
     for step in range(24):
         defer = step > 3 and bool(torch.rand(1, generator=generator) < 0.5)
