@@ -16,8 +16,10 @@ pytestmark = [
 ]
 
 # bf16 against the fp32 golden outputs, as max |o - g| / std(g). The reference's own bf16 path
-# differs from its fp32 path by about 0.1 sigma (depth) and 0.25 sigma (pose) (issue 3).
-BF16_TOLERANCE = {"depth": 0.5, "depth_conf": 0.5, "pose_enc": 1.0, "c2w": 1.0}
+# differs from its fp32 path by about 0.1 sigma (depth) and 0.25 sigma (pose) (issue 3). Measured
+# on an H200 (2026-11-22, docs/PERFORMANCE.md): FlashInfer bf16 vs golden 0.088 (depth), 0.100
+# (confidence), 0.145 (pose), 0.038 (c2w); FlashInfer vs SDPA, both bf16, at most 0.144 (pose).
+BF16_TOLERANCE = {"depth": 0.25, "depth_conf": 0.25, "pose_enc": 0.4, "c2w": 0.15}
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +30,17 @@ def flashinfer_backend():
     return FlashInferPagedAttention
 
 
-@pytest.mark.parametrize("page_size, scale, window", [(37, 2, 3), (1, 1, 2), (144, 3, 4)])
-def test_flashinfer_matches_sdpa_on_random_sequences(flashinfer_backend, page_size, scale, window):
+@pytest.mark.parametrize("variant", ["fa2", "fa3"])
+@pytest.mark.parametrize("page_size, scale, window", [(37, 2, 3), (1, 1, 2), (144, 3, 4), (999, 2, 3)])
+def test_flashinfer_matches_sdpa_on_random_sequences(flashinfer_backend, variant, page_size, scale, window):
+    if variant == "fa3" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the fa3 kernels need a Hopper GPU (H100/H200)")
     generator = torch.Generator().manual_seed(page_size)
     layout = CacheLayout(patches_per_frame=page_size, specials_per_frame=6, scale_frames=scale, window_frames=window)
     cache = TwoStreamCache(layout, PagePool(4, grow_by=3))
     kv = PagedKV(2, 4, 64, page_size, torch.bfloat16, "cuda", 4)
-    fast, reference = flashinfer_backend(kv), SDPAPagedAttention(kv)
-    worst = 0.0
+    fast, reference = flashinfer_backend(kv, variant=variant), SDPAPagedAttention(kv)
+    worst = worst_sdpa = 0.0
     for step in range(24):
         defer = step > 3 and bool(torch.rand(1, generator=generator) < 0.5)
         cache.append(defer_eviction=defer)
@@ -49,10 +54,16 @@ def test_flashinfer_matches_sdpa_on_random_sequences(flashinfer_backend, page_si
         fast.plan(visible, len(slots))
         reference.plan(visible, len(slots))
         for layer in range(2):
-            expected = reference.attend(layer, q.float())
+            # float32 attention over the same (bf16) pages, gathered by the SDPA backend's code
+            keys, values = kv.gather(layer, visible, reference._page_ids)
+            expected = torch.nn.functional.scaled_dot_product_attention(
+                q.float().transpose(0, 1)[None], keys.float().transpose(0, 1)[None], values.float().transpose(0, 1)[None]
+            )[0].transpose(0, 1)
             worst = max(worst, (fast.attend(layer, q).float() - expected).abs().max().item())
+            worst_sdpa = max(worst_sdpa, (reference.attend(layer, q).float() - expected).abs().max().item())
         cache.rollback() if defer and bool(torch.rand(1, generator=generator) < 0.5) else cache.commit()
-    assert worst < 2e-2, f"max |flashinfer - sdpa| = {worst}"
+    assert worst < 2e-2, f"max |flashinfer - fp32 attention| = {worst}"
+    assert worst_sdpa < 2e-2, f"max |sdpa bf16 - fp32 attention| = {worst_sdpa}"
 
 
 @pytest.fixture(scope="module")
