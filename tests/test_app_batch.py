@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from dataset_tree import write_dataset_tree, write_image_folder
+
 from stream_recon.app.batch import (
     COMPLETE_MARKER,
     SUMMARY_COLUMNS,
@@ -277,8 +278,9 @@ def test_output_that_is_a_file_is_refused(tmp_path, dataset):
 
 
 def test_batch_command_rejects_bad_input_with_one_sentence(tmp_path):
-    from stream_recon.app.cli import app
     from typer.testing import CliRunner
+
+    from stream_recon.app.cli import app
 
     runner = CliRunner()
     missing = runner.invoke(app, ["batch", str(tmp_path / "nowhere"), "--output", str(tmp_path / "out")])
@@ -291,12 +293,10 @@ def test_batch_command_rejects_bad_input_with_one_sentence(tmp_path):
 
 
 def test_batch_command_reports_a_missing_checkpoint_before_any_sequence(tmp_path, dataset):
-    import stream_recon.models as models
-    from stream_recon.app.cli import app
     from typer.testing import CliRunner
 
-    if not hasattr(models, "load_model"):
-        pytest.skip("stream_recon.models.load_model (checkpoint IO) is not on this branch yet")
+    from stream_recon.app.cli import app
+
     output = tmp_path / "out"
     arguments = [
         "batch",
@@ -310,5 +310,42 @@ def test_batch_command_reports_a_missing_checkpoint_before_any_sequence(tmp_path
     ]
     result = CliRunner().invoke(app, arguments)
     assert result.exit_code == 2, result.output
-    assert "x.pt" in " ".join(result.output.split())
+    assert "x.pt" in " ".join(result.output.split()) and "Traceback" not in result.output
     assert read_summary(output) == []
+
+
+def test_batch_command_end_to_end_matches_the_library(tmp_path, dataset, serial_run):
+    from typer.testing import CliRunner
+
+    from stream_recon.app.cli import app
+    from stream_recon.models.checkpoint import convert_to_safetensors
+
+    # The same weights as load_tiny_model, shipped the way users ship them: a .safetensors with its config.
+    torch.save(load_tiny_model().state_dict(), tmp_path / "tiny.pt")
+    checkpoint = convert_to_safetensors(
+        tmp_path / "tiny.pt", tmp_path / "tiny.safetensors", ModelConfig.tiny()
+    )
+    output = tmp_path / "out"
+    arguments = [
+        "batch",
+        str(dataset),
+        "-o",
+        str(output),
+        "--checkpoint",
+        str(checkpoint),
+        "--device",
+        "cpu",
+        "--image-width",
+        "56",
+        "--scale-frames",
+        "4",
+    ]
+    result = CliRunner().invoke(app, arguments)
+    assert result.exit_code == 1, result.output  # one sequence failed; the others are done
+    text = " ".join(result.output.split())
+    assert "summary.json" in text and "videos_zz_broken" in text
+    rows = read_summary(output)
+    assert [comparable(row) for row in rows] == [comparable(row) for row in serial_run[1]]
+    again = CliRunner().invoke(app, arguments)
+    assert [row["status"] for row in read_summary(output)] == ["skipped", "skipped", "skipped", "failed"]
+    assert again.exit_code == 1
