@@ -35,6 +35,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from stream_recon.app.datasets import Sequence, TumFrames
 from stream_recon.app.evaluation import EvaluationError, evaluate_run
 from stream_recon.app.pipeline import (
@@ -44,6 +45,7 @@ from stream_recon.app.pipeline import (
     resolve_device,
     run_sequence,
 )
+from stream_recon.app.writers import PREDICTIONS_DIR, RUN_JSON
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +150,7 @@ class SequenceWorker:
         started = time.monotonic()
         try:
             if run_dir.exists():
-                shutil.rmtree(run_dir)  # a partial run: its files would mix with the new ones
+                remove_partial_run(run_dir)  # its files would mix with the new ones
             summary = run_sequence(
                 sequence_source(sequence), run_dir, self.run_options, model=self.model, console=self.console
             )
@@ -189,6 +191,7 @@ class SequenceWorker:
 def load_model_for(options: RunOptions) -> Any:
     """The model `options` name (checkpoint, device, dtype), as `stream-recon run` would load it."""
     import torch
+
     from stream_recon.models import load_model
 
     dtype_name = DTYPE_NAMES[options.dtype]
@@ -200,6 +203,18 @@ def load_model_for(options: RunOptions) -> Any:
 
 def _finite_or_none(value: float | None) -> float | None:
     return value if value is not None and value == value and abs(value) != float("inf") else None
+
+
+def remove_partial_run(run_dir: Path) -> None:
+    """Delete what a killed or failed run left, but never a folder this program did not write."""
+    ours = (run_dir / RUN_JSON).exists() or (run_dir / PREDICTIONS_DIR).is_dir()
+    if run_dir.is_dir() and (ours or not any(run_dir.iterdir())):
+        shutil.rmtree(run_dir)
+        return
+    raise BatchError(
+        f"{run_dir} exists but is not a stream-recon run directory (no run.json or predictions/); "
+        "it is left untouched: move it away or choose another --output"
+    )
 
 
 def base_row(sequence: Sequence) -> dict:
@@ -283,6 +298,7 @@ def run_batch(
     """
     output_dir = Path(output_dir)
     _prepare_output_dir(output_dir)
+    _check_no_overlap(output_dir, sequences)
     console = console or Console(stderr=True)
     spec = WorkerSpec(
         load_model or functools.partial(load_model_for, run_options), run_options, output_dir, evaluation
@@ -319,6 +335,19 @@ def run_batch(
         raise BatchInterrupted(ordered_rows()) from None
     write_summary(output_dir, ordered_rows())
     return ordered_rows()
+
+
+def _check_no_overlap(output_dir: Path, sequences: list[Sequence]) -> None:
+    """Run directories are deleted when partial, so none may be, hold or sit inside a sequence's input."""
+    for sequence in sequences:
+        run_dir = run_dir_of(output_dir, sequence).resolve()
+        source = sequence.source.resolve()
+        if run_dir == source or run_dir in source.parents or source.is_dir() and source in run_dir.parents:
+            raise BatchError(
+                f"--output {output_dir} overlaps the input: the run directory {run_dir} of sequence "
+                f"{sequence.name} would be, contain or sit inside {source}; choose an --output outside the dataset "
+                "folders (a sibling folder, or a subfolder of ROOT that holds no sequence)"
+            )
 
 
 def _prepare_output_dir(output_dir: Path) -> None:

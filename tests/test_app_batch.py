@@ -271,6 +271,28 @@ def test_ray_plan_needs_gpus_only_when_asked():
         plan_actors({"CPU": 8.0}, 1, sequences=2)
 
 
+def test_output_overlapping_the_dataset_is_refused(tmp_path):
+    root = tmp_path / "data"
+    write_image_folder(root / "scene", FRAMES)
+    sequences = discover_sequences(root)
+    # OUTPUT/scene would be the input folder itself, and a partial run there would be deleted.
+    with pytest.raises(BatchError, match="overlaps the input"):
+        run_batch(sequences, root, OPTIONS, load_model=load_tiny_model)
+    with pytest.raises(BatchError, match="overlaps the input"):
+        run_batch(sequences, root / "scene" / "out", OPTIONS, load_model=load_tiny_model)
+    assert len(list((root / "scene").glob("*.png"))) == FRAMES
+
+
+def test_a_foreign_folder_in_the_way_is_never_deleted(tmp_path, dataset):
+    sequences = [s for s in discover_sequences(dataset) if s.kind == "images"]
+    foreign = tmp_path / sequences[0].name
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("someone's work")
+    [row] = run_batch(sequences, tmp_path, OPTIONS, load_model=load_tiny_model)
+    assert row["status"] == "failed" and "is not a stream-recon run directory" in row["error"]
+    assert (foreign / "notes.txt").read_text() == "someone's work"
+
+
 def test_output_that_is_a_file_is_refused(tmp_path, dataset):
     (tmp_path / "out").write_text("not a folder")
     with pytest.raises(BatchError, match="exists and is not a folder"):
