@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import re
 import shutil
 import time
@@ -202,7 +203,8 @@ def load_model_for(options: RunOptions) -> Any:
 
 
 def _finite_or_none(value: float | None) -> float | None:
-    return value if value is not None and value == value and abs(value) != float("inf") else None
+    # JSON has no NaN: a run that produced no frame has no rate, not a NaN one.
+    return value if value is not None and math.isfinite(value) else None
 
 
 def remove_partial_run(run_dir: Path) -> None:
