@@ -70,10 +70,6 @@ def run(args) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, build_s = build_model(device)
-    if args.compile:
-        from stream_recon.models.speed import compile_static_parts
-
-        compile_static_parts(model, mode=args.compile)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     config = StreamConfig(scale_frames=args.scale, window=args.window, keyframes=args.keyframes, attention=args.attention)
     engine = StreamingEngine(model, config, device=device, dtype=dtype)
@@ -100,7 +96,6 @@ def run(args) -> dict:
         "size": f"{args.width}x{args.height}",
         "dtype": args.dtype,
         "attention": engine.backend.name,
-        "compile": args.compile,
         "scale_frames": args.scale,
         "window": args.window,
         "steady_frames": args.frames,
@@ -128,8 +123,6 @@ def main():
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--breakdown", action="store_true")
-    parser.add_argument("--compile", nargs="?", const="max-autotune-no-cudagraphs", default=None,
-                        help="torch.compile the fixed-shape parts (models/speed.py) with this mode")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
     result = run(args)

@@ -9,4 +9,3 @@ export PYTHONPATH=/tmp/sr:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_flashinfer.py -k random 2>&1 | tail -4 | tee -a "$OUT/probe.log"
 python3 scripts/bench.py --attention flashinfer-fa3 --frames 40 --json "$OUT/bench_fa3.json" 2>&1 | grep -v Warn | tee -a "$OUT/probe.log"
 python3 scripts/bench.py --attention flashinfer --frames 40 --json "$OUT/bench_fa2.json" 2>&1 | grep -v Warn | tee -a "$OUT/probe.log"
-python3 scripts/bench.py --attention flashinfer-fa3 --frames 40 --compile --json "$OUT/bench_fa3_compiled.json" 2>&1 | grep -v Warn | tail -25 | tee -a "$OUT/probe.log"
