@@ -1,10 +1,10 @@
 """One run: a source streamed through the engine into the run directory and any other sinks.
 
-    open source ─▶ check output dir ─▶ load model ─▶ RunWriter ─▶ for each frame: engine.push ─▶ sinks
-        │               │                  │                                         │
-        SourceError     OutputDirError     CheckpointError                           SIGINT / SIGTERM /
-        (nothing made)  (before the load)  (nothing made)                            source error: stop,
-                                                                                     flush, close sinks
+    open source ─▶ check options ─▶ check output dir ─▶ load model ─▶ RunWriter ─▶ per frame: push ─▶ sinks
+        │               │                 │                  │                                  │
+        SourceError     OptionsError      OutputDirError     CheckpointError       SIGINT / SIGTERM / a source,
+        (before torch   (e.g. no CUDA)    (before the load)  (no folder left)      frame or disk error: stop,
+         is imported)                                                              flush, close the sinks
 
 Every failure before the first frame leaves nothing behind but a clear error. Once frames flow,
 every completed prediction is already on disk (the writer flushes per frame), so stopping early

@@ -40,6 +40,7 @@ DEFAULT_OPEN_TIMEOUT_S = 10.0
 # A file decodes in milliseconds; a network stream may pause for its read timeout. Past these,
 # the reader is stuck and waiting longer would only turn an error into a hang.
 DEFAULT_FRAME_TIMEOUT_S = 30.0
+_JOIN_TIMEOUT_S = 2.0
 _EXIF_ORIENTATION = 0x0112
 _ORIENTATIONS_THAT_SWAP_AXES = {5, 6, 7, 8}
 # A container's frame count can be an estimate (duration x rate); only a clear shortfall means damage.
@@ -228,7 +229,9 @@ class FrameSource:
         self._stop.set()
         self._drain()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self._frame_timeout_s)
+            # A reader stuck in a network read returns only at FFmpeg's read timeout; it is a daemon
+            # that releases its capture when it does, so the caller need not wait that long.
+            self._thread.join(timeout=_JOIN_TIMEOUT_S)
         if self._thread is None:
             self._reader.release()
 
