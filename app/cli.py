@@ -12,6 +12,7 @@ from types import ModuleType
 from typing import Annotated
 
 import typer
+
 from stream_recon.app.commands import convert, download, export, info, run
 
 app = typer.Typer(

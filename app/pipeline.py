@@ -28,6 +28,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 from rich.console import Console
+
 from stream_recon.app.preprocess import DEFAULT_IMAGE_WIDTH, PATCH_SIZE, preprocess_frame
 from stream_recon.app.progress import RunProgress
 from stream_recon.app.sources import (

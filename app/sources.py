@@ -29,6 +29,7 @@ import cv2
 import numpy as np
 import torch
 from PIL import Image
+
 from stream_recon.app.preprocess import ImageReadError, load_image, preprocess_frame, upright_rgb
 
 SourceKind = Literal["video", "folder", "webcam", "stream", "frames"]
@@ -194,6 +195,7 @@ class FrameSource:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._iterated = False
+        self._closed = False
 
     def __enter__(self) -> FrameSource:
         return self
@@ -226,6 +228,9 @@ class FrameSource:
 
     def close(self) -> None:
         """Stop the reader and release the device or file; frames still queued are discarded."""
+        if self._closed:
+            return
+        self._closed = True
         self._stop.set()
         self._drain()
         if self._thread is not None and self._thread is not threading.current_thread():

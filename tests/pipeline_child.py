@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from stream_recon.app.pipeline import RunOptions, run_sequence
 from stream_recon.models import GCTStream, ModelConfig
 

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 from media_helpers import silent_server, write_image_folder, write_video
+from typer.testing import CliRunner
+
 from stream_recon.app.cli import app, main, with_default_command
 from stream_recon.app.commands._options import EXIT_BAD_INPUT
 from stream_recon.app.pipeline import OptionsError, RunOptions
 from stream_recon.app.presets import PRESET_DIR, PresetError, available_presets, build_options
-from typer.testing import CliRunner
 
 runner = CliRunner()
 

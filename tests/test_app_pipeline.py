@@ -25,6 +25,7 @@ from media_helpers import (
     write_video,
 )
 from plyfile import PlyData
+
 from stream_recon.app.pipeline import OptionsError, RunOptions, run_sequence
 from stream_recon.app.writers import OutputDirError
 from stream_recon.models import GCTStream, ModelConfig

@@ -14,6 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from PIL import Image
+
 from stream_recon.app.preprocess import (
     ImageReadError,
     model_input_size,

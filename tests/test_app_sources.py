@@ -24,6 +24,7 @@ from media_helpers import (
     write_video,
 )
 from PIL import Image
+
 from stream_recon.app.preprocess import preprocess_path
 from stream_recon.app.sources import (
     FrameSelection,

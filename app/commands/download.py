@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+
 from stream_recon.app.commands._options import EXIT_BAD_INPUT, error_console, user_errors
 
 DEFAULT_NAME = "lingbot-map-long"
