@@ -30,8 +30,6 @@ class FlashInferPagedAttention:
             raise ValueError(f"FlashInfer needs a CUDA device, the cache is on {kv.device}")
         if kv.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"FlashInfer kernels take bf16/fp16 pages, got {kv.dtype}; use --attention sdpa for fp32")
-        if variant == "fa3" and kv.page_size & (kv.page_size - 1):
-            raise ValueError(f"the fa3 kernels need a power-of-two page size, got {kv.page_size}")
         self.kv = kv
         self.variant = variant
         self.name = f"flashinfer-{variant}"

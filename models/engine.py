@@ -9,7 +9,6 @@ no pages, no special tokens, no temporal index, no camera-head token).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 

@@ -6,8 +6,17 @@ import numpy as np
 import pytest
 import torch
 
-from stream_recon.models import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FrameError, GCTStream, ModelConfig
-from stream_recon.models import KeyframePolicy, StreamConfig, StreamingEngine
+from stream_recon.models import (
+    FRAME_KEY,
+    FRAME_NON_KEY,
+    FRAME_SCALE,
+    FrameError,
+    GCTStream,
+    KeyframePolicy,
+    ModelConfig,
+    StreamConfig,
+    StreamingEngine,
+)
 from stream_recon.models.synthetic import load_synthetic_weights
 
 
