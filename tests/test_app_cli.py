@@ -220,14 +220,15 @@ def test_preset_values_are_validated(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ info, convert
 
 
-def test_info_reports_the_environment() -> None:
+def test_info_reports_the_environment(offline_hub: Path) -> None:
     result = invoke("info", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["packages"]["torch"]
     assert "sdpa" in report["attention_backends"] and "flashinfer" in report["attention_backends"]
     assert report["checkpoints"]["repository"].endswith("robbyant/lingbot-map")
-    assert set(report["checkpoints"]["cached"]) == {"lingbot-map-long", "lingbot-map"}
+    assert report["checkpoints"]["found"] == {"lingbot-map-long": None, "lingbot-map": None}
+    assert str(offline_hub) in report["checkpoints"]["search_order"][0]
 
     human = invoke("info")
     assert human.exit_code == 0 and "Attention backends" in human.output
