@@ -456,7 +456,7 @@ def _open_folder(folder: Path, selection: FrameSelection, options: _SourceOption
     if not paths:
         raise SourceError(
             f"folder {folder} contains no images (looked for {', '.join(IMAGE_SUFFIXES)}); "
-            "pass a folder of frames, or a video file"
+            f"{_where_the_frames_may_be(folder)}"
         )
     frame_size = _check_one_size(paths)
     fps = selection.fps
@@ -472,6 +472,17 @@ def _open_folder(folder: Path, selection: FrameSelection, options: _SourceOption
         live=False,
         **options.as_kwargs(),
     )
+
+
+def _where_the_frames_may_be(folder: Path) -> str:
+    # datasets often keep frames one level down (TUM: rgb/ and depth/): name those folders
+    subfolders = sorted(
+        (entry for entry in folder.iterdir() if entry.is_dir() and list_images(entry)),
+        key=lambda entry: natural_sort_key(entry.name),
+    )
+    if subfolders:
+        return f"its subfolders {', '.join(entry.name for entry in subfolders)} do: pass one of them"
+    return "pass a folder of frames, or a video file"
 
 
 def _upright_size(path: Path) -> tuple[int, int]:

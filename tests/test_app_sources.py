@@ -244,8 +244,15 @@ def test_folder_frames_match_the_reference_crop_rule(tmp_path: Path) -> None:
 def test_empty_folder(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "readme.txt").write_text("x")
-    with pytest.raises(SourceError, match="empty contains no images"):
+    with pytest.raises(SourceError, match="empty contains no images .*pass a folder of frames"):
         open_source(tmp_path / "empty")
+
+
+def test_folder_with_frames_one_level_down_names_the_subfolders(tmp_path: Path) -> None:
+    write_image_folder(tmp_path / "tum" / "rgb", ["1.png"])
+    write_image_folder(tmp_path / "tum" / "depth", ["1.png"])
+    with pytest.raises(SourceError, match="its subfolders depth, rgb do: pass one of them"):
+        open_source(tmp_path / "tum")
 
 
 def test_folder_of_mixed_sizes_names_both_files(tmp_path: Path) -> None:
