@@ -308,6 +308,19 @@ def test_video_to_run_directory_through_the_cli(tmp_path: Path, tiny_checkpoint:
 
 
 @pytest.mark.usefixtures("one_torch_thread")
+def test_default_output_folder_is_named_after_the_source(
+    tmp_path: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = write_image_folder(tmp_path / "kitchen", [f"{index}.png" for index in range(4)], width=160, height=96)
+    monkeypatch.chdir(tmp_path)
+
+    result = invoke("run", str(folder), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS)
+
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "outputs" / "kitchen" / "run.json").read_text())["status"] == "complete"
+
+
+@pytest.mark.usefixtures("one_torch_thread")
 def test_truncated_video_exits_non_zero_after_saving_what_decoded(tmp_path: Path, tiny_checkpoint: Path) -> None:
     video = truncate_file(write_video(tmp_path / "cut.avi", 30, fourcc="MJPG"), 0.5)
     run_dir = tmp_path / "out"
