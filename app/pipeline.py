@@ -479,9 +479,9 @@ def _load_model(options: RunOptions, device: str, console: Console) -> Any:
     checkpoint = options.checkpoint or DEFAULT_CHECKPOINT
     if checkpoint in KNOWN_CHECKPOINTS and not Path(checkpoint).exists() and locate_checkpoint(checkpoint) is None:
         if not hub_offline():
+            # no spinner here: huggingface_hub draws its own progress bar
             console.print(f"{checkpoint} is not on this machine yet: downloading it once (about 4.6 GB)")
-            with console.status(f"downloading {checkpoint}"):
-                checkpoint = str(download_checkpoint(checkpoint))
+            checkpoint = str(download_checkpoint(checkpoint))
     # weights stay float32: the engine runs the transformer under autocast and the heads in fp32
     with console.status(f"loading {checkpoint} on {device}"):
         return load_model(checkpoint, device=device)

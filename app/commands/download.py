@@ -30,6 +30,7 @@ def download(
     if name not in KNOWN_CHECKPOINTS:
         console.print(f"[red]error:[/red] unknown checkpoint {name!r}; known: {', '.join(KNOWN_CHECKPOINTS)}")
         raise typer.Exit(code=EXIT_BAD_INPUT)
-    with user_errors(console), console.status(f"downloading {name}"):
+    console.print(f"downloading {name} from Hugging Face (about 4.6 GB)")
+    with user_errors(console):  # huggingface_hub draws its own progress bar
         path = download_checkpoint(name)
     console.print(f"[green]downloaded[/green] {name}: {path}")
