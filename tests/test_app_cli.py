@@ -3,6 +3,7 @@ as one sentence and a non-zero exit code (no traceback)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from media_helpers import silent_server, truncate_file, write_image_folder, write_video
+from media_helpers import mjpeg_server, silent_server, truncate_file, write_image_folder, write_video
 from typer.testing import CliRunner
 
 from stream_recon.app.cli import app, main, with_default_command
@@ -388,23 +389,30 @@ def test_convert_refuses_a_checkpoint_of_another_architecture(tmp_path: Path, ti
     assert not (tmp_path / "out.safetensors").exists()
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize(
+    ("signum", "source_kind"),
+    [(signal.SIGINT, "video"), (signal.SIGTERM, "video"), (signal.SIGINT, "live camera")],
+)
 def test_signal_through_the_cli_saves_completed_frames_and_exits_130(
-    tmp_path: Path, tiny_checkpoint: Path, signum: int
+    tmp_path: Path, tiny_checkpoint: Path, signum: int, source_kind: str
 ) -> None:
-    video = write_video(tmp_path / "long.mp4", 3000, fps=30)
     run_dir = tmp_path / "out"
-    command = [sys.executable, "-c", "from stream_recon.app.cli import main; main()", str(video),
-               "--checkpoint", str(tiny_checkpoint), "-o", str(run_dir), *FAST_FLAGS]
-    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        wait_for_predictions(run_dir, at_least=5, child=child)
-        child.send_signal(signum)
-        output, _ = child.communicate(timeout=60)
-    finally:
-        if child.poll() is None:
-            child.kill()
+    with contextlib.ExitStack() as stack:
+        if source_kind == "video":
+            source = str(write_video(tmp_path / "long.mp4", 3000, fps=30))
+        else:  # a camera never ends on its own: Ctrl-C is the only way out
+            source = stack.enter_context(mjpeg_server(num_frames=10**6, interval_s=0.01))
+        command = [sys.executable, "-c", "from stream_recon.app.cli import main; main()", source,
+                   "--checkpoint", str(tiny_checkpoint), "-o", str(run_dir), *FAST_FLAGS]
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            wait_for_predictions(run_dir, at_least=5, child=child)
+            child.send_signal(signum)
+            output, _ = child.communicate(timeout=60)
+        finally:
+            if child.poll() is None:
+                child.kill()
 
     assert child.returncode == EXIT_INTERRUPTED, output
     assert f"{signal.Signals(signum).name}: stopping after this frame" in output and "Traceback" not in output
