@@ -42,6 +42,7 @@ DEFAULT_OPEN_TIMEOUT_S = 10.0
 # the reader is stuck and waiting longer would only turn an error into a hang.
 DEFAULT_FRAME_TIMEOUT_S = 30.0
 _JOIN_TIMEOUT_S = 2.0
+_POLL_S = 0.5  # how often a waiting consumer checks that the reader still advances
 _EXIF_ORIENTATION = 0x0112
 _ORIENTATIONS_THAT_SWAP_AXES = {5, 6, 7, 8}
 # A container's frame count can be an estimate (duration x rate); only a clear shortfall means damage.
@@ -196,6 +197,7 @@ class FrameSource:
         self._thread: threading.Thread | None = None
         self._iterated = False
         self._closed = False
+        self._reader_progress_at = time.monotonic()  # last time the reader grabbed a frame
 
     def __enter__(self) -> FrameSource:
         return self
@@ -209,6 +211,7 @@ class FrameSource:
         A live source started early keeps only the newest frames while the consumer gets ready.
         """
         if self._thread is None:
+            self._reader_progress_at = time.monotonic()
             self._thread = threading.Thread(target=self._read_all, name=f"reader:{self.name}", daemon=True)
             self._thread.start()
 
@@ -243,12 +246,16 @@ class FrameSource:
     def _frames(self) -> Iterator[Frame]:
         while True:
             try:
-                item = self._queue.get(timeout=self._frame_timeout_s)
+                item = self._queue.get(timeout=min(self._frame_timeout_s, _POLL_S))
             except queue.Empty:
-                self.close()
-                raise SourceError(
-                    f"no frame from {self.description} for {self._frame_timeout_s:g} s: the source stalled"
-                ) from None
+                # Skipping (--start, --stride, --fps) can keep the queue empty for long while the
+                # reader works; only a reader that stopped advancing has stalled.
+                if time.monotonic() - self._reader_progress_at > self._frame_timeout_s:
+                    self.close()
+                    raise SourceError(
+                        f"no frame from {self.description} for {self._frame_timeout_s:g} s: the source stalled"
+                    ) from None
+                continue
             if isinstance(item, _EndOfStream):
                 self.end_reason = item.reason
                 if item.error is not None:
@@ -276,6 +283,7 @@ class FrameSource:
             if not self._reader.grab():
                 self._reader.check_complete(frames_grabbed)
                 return _EndOfStream("end")
+            self._reader_progress_at = time.monotonic()
             source_index = frames_grabbed
             frames_grabbed += 1
             timestamp = self._reader.timestamp()
@@ -297,6 +305,7 @@ class FrameSource:
                 self._drain()  # nobody will read the frames any more, but the marker must get in
             try:
                 self._queue.put(item, timeout=0.1)
+                self._reader_progress_at = time.monotonic()
                 return True
             except queue.Full:
                 if self.live and not is_end:

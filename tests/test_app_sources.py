@@ -32,6 +32,7 @@ from stream_recon.app.sources import (
     TruncatedSourceError,
     _Sampler,
     classify_source,
+    frames_source,
     natural_sort_key,
     open_source,
 )
@@ -321,6 +322,29 @@ def test_stalled_stream_becomes_an_error_not_a_hang() -> None:
             for _ in source:
                 pass
         assert time.monotonic() - started < 3
+
+
+def test_long_skip_is_not_mistaken_for_a_stall() -> None:
+    def slow_camera():
+        for index in range(30):
+            time.sleep(0.05)  # 25 skipped frames take 1.25 s, more than the frame timeout
+            yield np.zeros((8, 8, 3), dtype=np.uint8), index / 20
+
+    with frames_source(slow_camera(), FrameSelection(start=25), frame_timeout_s=0.5) as source:
+        frames = list(source)
+
+    assert [frame.source_index for frame in frames] == [25, 26, 27, 28, 29]
+
+
+def test_generator_source_checks_each_item() -> None:
+    def bad_camera():
+        yield np.zeros((8, 8, 3), dtype=np.uint8), 0.0
+        yield np.zeros((8, 8), dtype=np.float32), 0.1
+
+    with frames_source(bad_camera(), name="cam") as source, pytest.raises(
+        SourceError, match=r"cam: item 1 is not an RGB frame \[H, W, 3\] uint8"
+    ):
+        list(source)
 
 
 def test_missing_webcam() -> None:
