@@ -320,7 +320,7 @@ def _serve_until_interrupted(viewer: Any, console: Console) -> None:
 
 
 def _emit(preds: list, engine: Any, clock: _RunClock, sinks: list[Sink], source: FrameSource) -> dict:
-    clock.frames_done += len(preds)
+    clock.count_done(preds)
     stats = dict(engine.stats())
     stats.update(
         clock.rates(), frames_read=clock.frames_read, frames_done=clock.frames_done,
@@ -574,7 +574,14 @@ class _RunClock:
         self.first_frame_at: float | None = None
         self.model_seconds = 0.0
         self.frames_read = 0
-        self.frames_done = 0
+        self.frames_done = 0  # distinct frames predicted: a windowed stream re-emits some frames
+        self._highest_index = -1
+
+    def count_done(self, preds: list) -> None:
+        for pred in preds:
+            if pred.frame_index > self._highest_index:  # emissions of new frames come in index order
+                self._highest_index = pred.frame_index
+                self.frames_done += 1
 
     def time_engine(self, call: Any, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
