@@ -23,8 +23,10 @@ from media_helpers import (
     write_video,
 )
 from plyfile import PlyData
+from rich.console import Console
 
 from stream_recon.app.pipeline import OptionsError, RunOptions, run_sequence
+from stream_recon.app.progress import RunProgress
 from stream_recon.app.writers import OutputDirError
 from stream_recon.models import GCTStream, ModelConfig
 
@@ -249,3 +251,18 @@ def test_host_memory_stays_flat_over_a_long_video(tmp_path: Path, tiny_model: GC
     assert summary.frames == 60
     growth = samples[59] - samples[20]
     assert growth < 40 * 2**20, f"host memory grew by {growth / 2**20:.0f} MB over 40 frames"
+
+
+def test_progress_line_shows_rates_keyframes_cache_and_drops() -> None:
+    console = Console(record=True, width=160, force_terminal=True)
+    with RunProgress(console, "video clip.mp4", total=10) as progress:
+        progress.update({"frames_read": 3, "model_fps": 12.0, "fps": 10.5, "keyframes": 3, "cached_frames": 5,
+                         "cache_bytes": 3 * 2**20, "frames_dropped": 0})
+    bar = console.export_text().splitlines()[-1]
+    assert "3/10" in bar and "model 12.0 FPS  e2e 10.5 FPS  kf 3" in bar and "cache 5 fr 3.0 MB" in bar
+
+    console = Console(record=True, width=160, force_terminal=True)
+    with RunProgress(console, "stream http://cam", total=None) as progress:  # live: no length, no bar
+        progress.update({"frames_read": 7, "model_fps": None, "fps": None, "keyframes": 2, "frames_dropped": 4})
+    line = console.export_text().splitlines()[-1]
+    assert "7 frames" in line and "model -" in line and "dropped 4" in line and "━" not in line
