@@ -554,6 +554,8 @@ def _open_webcam(index: int, selection: FrameSelection, options: _SourceOptions)
             f"could not open webcam {index}: no camera at that index, or another program is using it "
             "(list cameras with `v4l2-ctl --list-devices` on Linux)"
         )
+    # the driver's own frame buffer only adds latency: the reader thread already decouples the model
+    capture.set(cv2.CAP_PROP_BUFFERSIZE, 1)
     reader = _CaptureReader(capture, label=f"webcam {index}", clock="wall", expected_frames=None)
     reader.peek(f"webcam {index} opened but sent no frame")
     return FrameSource(
