@@ -69,7 +69,9 @@ class Frame:
     index: int  # position among the delivered frames, from 0
     source_index: int  # position in the source (decoded frame number, file number)
     timestamp: float  # seconds: video PTS, file order / fps, or time since a live source opened
-    rgb: np.ndarray  # [H, W, 3] uint8, RGB, upright
+    # [H, W, 3] uint8, RGB, upright; None when the source preprocesses (a 4K frame is 25 MB, and the
+    # queue would hold eight of them for nothing)
+    rgb: np.ndarray | None
     image: torch.Tensor | None = None  # [3, H', W'] float32 model input, when the source preprocesses
 
 
@@ -290,8 +292,11 @@ class FrameSource:
             if not sampler.accept(source_index, timestamp):
                 continue
             rgb = self._reader.retrieve()
-            image = preprocess_frame(rgb, self.image_width) if self.image_width else None
-            if not self._put(Frame(delivered, source_index, timestamp, rgb, image)):
+            if self.image_width:
+                frame = Frame(delivered, source_index, timestamp, None, preprocess_frame(rgb, self.image_width))
+            else:
+                frame = Frame(delivered, source_index, timestamp, rgb)
+            if not self._put(frame):
                 break
             delivered += 1
         return _EndOfStream("stopped")

@@ -62,6 +62,7 @@ def test_video_frames_are_preprocessed_in_the_reader_when_asked(tmp_path: Path) 
 
     # 96 * 224 / 160 / 14 = 9.6 patch rows -> 10 -> 140 rows
     assert tuple(frames[0].image.shape) == (3, 140, 224)
+    assert frames[0].rgb is None  # the decoded frame is not kept once preprocessed
 
 
 def test_start_stride_and_max_frames_pick_source_frames(tmp_path: Path) -> None:
