@@ -42,7 +42,8 @@ DEFAULT_OPEN_TIMEOUT_S = 10.0
 # the reader is stuck and waiting longer would only turn an error into a hang.
 DEFAULT_FRAME_TIMEOUT_S = 30.0
 _JOIN_TIMEOUT_S = 2.0
-_POLL_S = 0.5  # how often a waiting consumer checks that the reader still advances
+_POLL_S = 0.5
+_MAX_SIZE_CHECKS = 200  # picture headers read when a folder is opened  # how often a waiting consumer checks that the reader still advances
 _EXIF_ORIENTATION = 0x0112
 _ORIENTATIONS_THAT_SWAP_AXES = {5, 6, 7, 8}
 # A container's frame count can be an estimate (duration x rate); only a clear shortfall means damage.
@@ -510,18 +511,28 @@ def _upright_size(path: Path) -> tuple[int, int]:
     return (height, width) if orientation in _ORIENTATIONS_THAT_SWAP_AXES else (width, height)
 
 
-def _check_one_size(paths: list[Path]) -> tuple[int, int]:
-    """The frame size shared by all pictures; a stream is one camera, so mixed sizes are a mistake."""
+def _check_one_size(paths: list[Path], max_checked: int = _MAX_SIZE_CHECKS) -> tuple[int, int]:
+    """The frame size shared by the pictures; a stream is one camera, so mixed sizes are a mistake.
+
+    Up to `max_checked` headers, spread evenly and including the last file, are read now so that a
+    mixed folder fails before the model loads; on a network drive every header would take too long
+    for 100,000 files. The reader checks every frame as it decodes it.
+    """
+    step = max(1, math.ceil((len(paths) - 1) / max(1, max_checked - 1)))
+    sample = sorted({*range(0, len(paths), step), len(paths) - 1})
     first_size = _upright_size(paths[0])
-    for path in paths[1:]:
-        size = _upright_size(path)
-        if size != first_size:
-            raise SourceError(
-                f"images in {path.parent} have different sizes: {paths[0].name} is "
-                f"{first_size[0]}x{first_size[1]} but {path.name} is {size[0]}x{size[1]}; "
-                "a sequence must come from one camera at one resolution"
-            )
+    for index in sample[1:]:
+        _check_same_size(paths[0], first_size, paths[index], _upright_size(paths[index]))
     return first_size
+
+
+def _check_same_size(first: Path, first_size: tuple[int, int], path: Path, size: tuple[int, int]) -> None:
+    if size != first_size:
+        raise SourceError(
+            f"images in {path.parent} have different sizes: {first.name} is "
+            f"{first_size[0]}x{first_size[1]} but {path.name} is {size[0]}x{size[1]}; "
+            "a sequence must come from one camera at one resolution"
+        )
 
 
 def _open_video(path: Path, selection: FrameSelection, options: _SourceOptions) -> FrameSource:
@@ -769,11 +780,7 @@ class _FolderReader:
             rgb = np.asarray(upright_rgb(load_image(path)), dtype=np.uint8)
         except ImageReadError as error:
             raise SourceError(str(error)) from None
-        if (rgb.shape[1], rgb.shape[0]) != self._frame_size:
-            raise SourceError(
-                f"{path} changed since the folder was opened: it is now {rgb.shape[1]}x{rgb.shape[0]}, "
-                f"the sequence is {self._frame_size[0]}x{self._frame_size[1]}"
-            )
+        _check_same_size(self._paths[0], self._frame_size, path, (rgb.shape[1], rgb.shape[0]))
         return rgb
 
     def check_complete(self, frames_grabbed: int) -> None:

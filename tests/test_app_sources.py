@@ -265,6 +265,26 @@ def test_folder_of_mixed_sizes_names_both_files(tmp_path: Path) -> None:
         open_source(folder)
 
 
+def test_odd_size_between_the_sampled_headers_is_caught_while_reading(tmp_path: Path) -> None:
+    from stream_recon.app.sources import _check_one_size
+
+    folder = write_image_folder(tmp_path / "seq", [f"{index}.png" for index in range(9)], width=64, height=48)
+    write_image_folder(folder, ["5.png"], width=48, height=64)  # overwrite one file in the middle
+    paths = sorted(folder.iterdir(), key=lambda path: natural_sort_key(path.name))
+    assert _check_one_size(paths, max_checked=3) == (64, 48)  # samples 0, 4, 8: misses 5.png
+
+    # the reader checks every frame: a file that differs from the first is an error when it comes up
+    folder = write_image_folder(tmp_path / "seq2", [f"{index}.png" for index in range(9)], width=64, height=48)
+    source = open_source(folder)
+    write_image_folder(folder, ["5.png"], width=48, height=64)
+    delivered = []
+    with source, pytest.raises(SourceError, match="different sizes: 0.png is 64x48 but 5.png is 48x64"):
+        for frame in source:
+            delivered.append(frame.source_index)
+
+    assert delivered == [0, 1, 2, 3, 4]
+
+
 def test_folder_error_mid_stream_comes_after_the_good_frames(tmp_path: Path) -> None:
     folder = write_image_folder(tmp_path / "seq", [f"{index}.png" for index in range(6)])
     source = open_source(folder)
