@@ -42,8 +42,8 @@ DEFAULT_OPEN_TIMEOUT_S = 10.0
 # the reader is stuck and waiting longer would only turn an error into a hang.
 DEFAULT_FRAME_TIMEOUT_S = 30.0
 _JOIN_TIMEOUT_S = 2.0
-_POLL_S = 0.5
-_MAX_SIZE_CHECKS = 200  # picture headers read when a folder is opened  # how often a waiting consumer checks that the reader still advances
+_POLL_S = 0.5  # how often a waiting consumer checks that the reader still advances
+_MAX_SIZE_CHECKS = 200  # picture headers read when a folder is opened
 _EXIF_ORIENTATION = 0x0112
 _ORIENTATIONS_THAT_SWAP_AXES = {5, 6, 7, 8}
 # A container's frame count can be an estimate (duration x rate); only a clear shortfall means damage.
