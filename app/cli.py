@@ -12,6 +12,7 @@ from types import ModuleType
 from typing import Annotated
 
 import typer
+
 from stream_recon.app.commands import batch, convert, download, export, info, run
 from stream_recon.app.commands import eval as evaluation
 
@@ -28,7 +29,6 @@ app = typer.Typer(
 )
 
 
-
 def examples(module: ModuleType) -> str:
     """The example lines of a command module's docstring, as the command's help epilog."""
     doc = module.__doc__ or ""
@@ -41,8 +41,9 @@ def examples(module: ModuleType) -> str:
     return "Examples:\n\n" + "\n".join(lines) if lines else ""
 
 
-def register(module: ModuleType, name: str, help: str) -> None:
-    app.command(name=name, help=help, epilog=examples(module))(getattr(module, name))
+def register(module: ModuleType, name: str, summary: str) -> None:
+    """Add the command `name`, the function of that name in `module`, with its examples."""
+    app.command(name=name, help=summary, epilog=examples(module))(getattr(module, name))
 
 
 register(run, "run", "Reconstruct a video, image folder, webcam or stream (the default command).")

@@ -1,10 +1,10 @@
 """One run: a source streamed through the engine into the run directory and any other sinks.
 
-    open source ─▶ check output dir ─▶ load model ─▶ RunWriter ─▶ for each frame: engine.push ─▶ sinks
-        │               │                  │                                         │
-        SourceError     OutputDirError     CheckpointError                           SIGINT / SIGTERM /
-        (nothing made)  (before the load)  (nothing made)                            source error: stop,
-                                                                                     flush, close sinks
+    open source ─▶ check options ─▶ check output dir ─▶ load model ─▶ RunWriter ─▶ per frame: push ─▶ sinks
+        │               │                 │                  │                                  │
+        SourceError     OptionsError      OutputDirError     CheckpointError       SIGINT / SIGTERM / a source,
+        (before torch   (e.g. no CUDA)    (before the load)  (no folder left)      frame or disk error: stop,
+         is imported)                                                              flush, close the sinks
 
 Every failure before the first frame leaves nothing behind but a clear error. Once frames flow,
 every completed prediction is already on disk (the writer flushes per frame), so stopping early
@@ -28,6 +28,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 from rich.console import Console
+
 from stream_recon.app.preprocess import DEFAULT_IMAGE_WIDTH, PATCH_SIZE, preprocess_frame
 from stream_recon.app.progress import RunProgress
 from stream_recon.app.sources import (
@@ -207,12 +208,15 @@ def run_sequence(
             frame_source.start()  # keep a camera's connection drained while the model loads
         viewer = None
         try:
+            # a caller's own model is described by options.checkpoint only when that is set
+            checkpoint = options.checkpoint or (DEFAULT_CHECKPOINT if model is None else None)
             model = model if model is not None else _load_model(options, device, console)
+            digest = _CheckpointDigest(checkpoint)
             engine = _build_engine(model, options, device, resolve_dtype(options.dtype, device))
             viewer = _start_viewer(options, console)
             writer = RunWriter(
                 output_dir,
-                _settings(options, frame_source, device),
+                _settings(options, frame_source, device, checkpoint),
                 conf_threshold=options.conf_threshold,
                 voxel_size=options.voxel_size,
                 overwrite=True,  # prepare_output_dir already refused an existing run without --overwrite
@@ -225,7 +229,7 @@ def run_sequence(
         sinks: list[Sink] = [writer, *extra_sinks]
         if viewer is not None:
             sinks.append(viewer)
-        return _stream(frame_source, engine, writer, sinks, viewer, options, device, console)
+        return _stream(frame_source, engine, writer, sinks, viewer, options, device, console, digest)
     finally:
         frame_source.close()
 
@@ -239,6 +243,7 @@ def _stream(
     options: RunOptions,
     device: str,
     console: Console,
+    digest: _CheckpointDigest,
 ) -> RunSummary:
     from stream_recon.models.errors import FrameError
 
@@ -271,11 +276,13 @@ def _stream(
             except KeyboardInterrupt:
                 status = "interrupted"
             except BaseException as unexpected:
-                _close_sinks(sinks, writer, "failed", clock, frame_source, device, f"internal error: {unexpected!r}")
+                _close_sinks(
+                    sinks, writer, "failed", clock, frame_source, device, f"internal error: {unexpected!r}", digest
+                )
                 raise
         if stop.requested and status == "complete":
             status = "interrupted"
-        writer_error = _close_sinks(sinks, writer, status, clock, frame_source, device, error)
+        writer_error = _close_sinks(sinks, writer, status, clock, frame_source, device, error, digest)
     if writer_error is not None and error is None:
         status, error = "failed", writer_error
     summary = RunSummary(
@@ -313,7 +320,7 @@ def _serve_until_interrupted(viewer: Any, console: Console) -> None:
 
 
 def _emit(preds: list, engine: Any, clock: _RunClock, sinks: list[Sink], source: FrameSource) -> dict:
-    clock.frames_done += len(preds)
+    clock.count_done(preds)
     stats = dict(engine.stats())
     stats.update(
         clock.rates(), frames_read=clock.frames_read, frames_done=clock.frames_done,
@@ -333,9 +340,11 @@ def _close_sinks(
     source: FrameSource,
     device: str,
     error: str | None,
+    digest: _CheckpointDigest,
 ) -> str | None:
     """Close every sink, the writer with the run's summary. Returns the writer's error, if any."""
     summary = {
+        "checkpoint_digest": digest.result(),
         "status": status,
         "error": error,
         "device": device,
@@ -457,12 +466,51 @@ def _as_frame_source(source: Any, options: RunOptions) -> FrameSource:
 
 
 def _load_model(options: RunOptions, device: str, console: Console) -> Any:
+    """Load the checkpoint; a known name not on this machine is downloaded first when the hub is reachable
+    (the first run), else CheckpointError says which command fetches it and where to put it."""
     from stream_recon.models import load_model
+    from stream_recon.models.checkpoint import (
+        KNOWN_CHECKPOINTS,
+        download_checkpoint,
+        hub_offline,
+        locate_checkpoint,
+    )
 
     checkpoint = options.checkpoint or DEFAULT_CHECKPOINT
+    if checkpoint in KNOWN_CHECKPOINTS and not Path(checkpoint).exists() and locate_checkpoint(checkpoint) is None:
+        if not hub_offline():
+            # no spinner here: huggingface_hub draws its own progress bar
+            console.print(f"{checkpoint} is not on this machine yet: downloading it once (about 4.6 GB)")
+            checkpoint = str(download_checkpoint(checkpoint))
     # weights stay float32: the engine runs the transformer under autocast and the heads in fp32
     with console.status(f"loading {checkpoint} on {device}"):
         return load_model(checkpoint, device=device)
+
+
+class _CheckpointDigest:
+    """sha256 of the checkpoint file for run.json, hashed on a thread: 4.6 GB takes seconds, which
+    the run should not wait for. A checkpoint that cannot be resolved has no digest."""
+
+    def __init__(self, checkpoint: str | None) -> None:
+        self._digest: str | None = None
+        self._thread: threading.Thread | None = None
+        if checkpoint is not None:
+            self._thread = threading.Thread(target=self._compute, args=(checkpoint,), name="digest", daemon=True)
+            self._thread.start()
+
+    def _compute(self, checkpoint: str) -> None:
+        from stream_recon.models.checkpoint import checkpoint_digest, resolve_checkpoint
+        from stream_recon.models.errors import CheckpointError
+
+        try:
+            self._digest = checkpoint_digest(resolve_checkpoint(checkpoint))
+        except (CheckpointError, OSError):
+            self._digest = None
+
+    def result(self, timeout_s: float = 60.0) -> str | None:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        return self._digest
 
 
 def resolve_dtype(name: str, device: str) -> Any:
@@ -495,13 +543,13 @@ def _start_viewer(options: RunOptions, console: Console) -> Any:
     return viewer
 
 
-def _settings(options: RunOptions, source: FrameSource, device: str) -> dict[str, Any]:
+def _settings(options: RunOptions, source: FrameSource, device: str, checkpoint: str | None) -> dict[str, Any]:
     settings = options.as_settings()
     settings.update(
         source=source.description,
         source_kind=source.kind,
         device_resolved=device,
-        checkpoint=options.checkpoint or DEFAULT_CHECKPOINT,
+        checkpoint=checkpoint or "model passed in by the caller",
     )
     return settings
 
@@ -526,7 +574,14 @@ class _RunClock:
         self.first_frame_at: float | None = None
         self.model_seconds = 0.0
         self.frames_read = 0
-        self.frames_done = 0
+        self.frames_done = 0  # distinct frames predicted: a windowed stream re-emits some frames
+        self._highest_index = -1
+
+    def count_done(self, preds: list) -> None:
+        for pred in preds:
+            if pred.frame_index > self._highest_index:  # emissions of new frames come in index order
+                self._highest_index = pred.frame_index
+                self.frames_done += 1
 
     def time_engine(self, call: Any, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()

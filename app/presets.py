@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from stream_recon.app.pipeline import OptionsError, RunOptions
 
 # configs/ sits beside app/ in the repository (and in an editable install)

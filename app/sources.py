@@ -29,6 +29,7 @@ import cv2
 import numpy as np
 import torch
 from PIL import Image
+
 from stream_recon.app.preprocess import ImageReadError, load_image, preprocess_frame, upright_rgb
 
 SourceKind = Literal["video", "folder", "webcam", "stream", "frames"]
@@ -40,6 +41,9 @@ DEFAULT_OPEN_TIMEOUT_S = 10.0
 # A file decodes in milliseconds; a network stream may pause for its read timeout. Past these,
 # the reader is stuck and waiting longer would only turn an error into a hang.
 DEFAULT_FRAME_TIMEOUT_S = 30.0
+_JOIN_TIMEOUT_S = 2.0
+_POLL_S = 0.5  # how often a waiting consumer checks that the reader still advances
+_MAX_SIZE_CHECKS = 200  # picture headers read when a folder is opened
 _EXIF_ORIENTATION = 0x0112
 _ORIENTATIONS_THAT_SWAP_AXES = {5, 6, 7, 8}
 # A container's frame count can be an estimate (duration x rate); only a clear shortfall means damage.
@@ -66,7 +70,9 @@ class Frame:
     index: int  # position among the delivered frames, from 0
     source_index: int  # position in the source (decoded frame number, file number)
     timestamp: float  # seconds: video PTS, file order / fps, or time since a live source opened
-    rgb: np.ndarray  # [H, W, 3] uint8, RGB, upright
+    # [H, W, 3] uint8, RGB, upright; None when the source preprocesses (a 4K frame is 25 MB, and the
+    # queue would hold eight of them for nothing)
+    rgb: np.ndarray | None
     image: torch.Tensor | None = None  # [3, H', W'] float32 model input, when the source preprocesses
 
 
@@ -193,6 +199,8 @@ class FrameSource:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._iterated = False
+        self._closed = False
+        self._reader_progress_at = time.monotonic()  # last time the reader grabbed a frame
 
     def __enter__(self) -> FrameSource:
         return self
@@ -206,6 +214,7 @@ class FrameSource:
         A live source started early keeps only the newest frames while the consumer gets ready.
         """
         if self._thread is None:
+            self._reader_progress_at = time.monotonic()
             self._thread = threading.Thread(target=self._read_all, name=f"reader:{self.name}", daemon=True)
             self._thread.start()
 
@@ -225,22 +234,31 @@ class FrameSource:
 
     def close(self) -> None:
         """Stop the reader and release the device or file; frames still queued are discarded."""
+        if self._closed:
+            return
+        self._closed = True
         self._stop.set()
         self._drain()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self._frame_timeout_s)
+            # A reader stuck in a network read returns only at FFmpeg's read timeout; it is a daemon
+            # that releases its capture when it does, so the caller need not wait that long.
+            self._thread.join(timeout=_JOIN_TIMEOUT_S)
         if self._thread is None:
             self._reader.release()
 
     def _frames(self) -> Iterator[Frame]:
         while True:
             try:
-                item = self._queue.get(timeout=self._frame_timeout_s)
+                item = self._queue.get(timeout=min(self._frame_timeout_s, _POLL_S))
             except queue.Empty:
-                self.close()
-                raise SourceError(
-                    f"no frame from {self.description} for {self._frame_timeout_s:g} s: the source stalled"
-                ) from None
+                # Skipping (--start, --stride, --fps) can keep the queue empty for long while the
+                # reader works; only a reader that stopped advancing has stalled.
+                if time.monotonic() - self._reader_progress_at > self._frame_timeout_s:
+                    self.close()
+                    raise SourceError(
+                        f"no frame from {self.description} for {self._frame_timeout_s:g} s: the source stalled"
+                    ) from None
+                continue
             if isinstance(item, _EndOfStream):
                 self.end_reason = item.reason
                 if item.error is not None:
@@ -268,14 +286,18 @@ class FrameSource:
             if not self._reader.grab():
                 self._reader.check_complete(frames_grabbed)
                 return _EndOfStream("end")
+            self._reader_progress_at = time.monotonic()
             source_index = frames_grabbed
             frames_grabbed += 1
             timestamp = self._reader.timestamp()
             if not sampler.accept(source_index, timestamp):
                 continue
             rgb = self._reader.retrieve()
-            image = preprocess_frame(rgb, self.image_width) if self.image_width else None
-            if not self._put(Frame(delivered, source_index, timestamp, rgb, image)):
+            if self.image_width:
+                frame = Frame(delivered, source_index, timestamp, None, preprocess_frame(rgb, self.image_width))
+            else:
+                frame = Frame(delivered, source_index, timestamp, rgb)
+            if not self._put(frame):
                 break
             delivered += 1
         return _EndOfStream("stopped")
@@ -289,6 +311,7 @@ class FrameSource:
                 self._drain()  # nobody will read the frames any more, but the marker must get in
             try:
                 self._queue.put(item, timeout=0.1)
+                self._reader_progress_at = time.monotonic()
                 return True
             except queue.Full:
                 if self.live and not is_end:
@@ -448,7 +471,7 @@ def _open_folder(folder: Path, selection: FrameSelection, options: _SourceOption
     if not paths:
         raise SourceError(
             f"folder {folder} contains no images (looked for {', '.join(IMAGE_SUFFIXES)}); "
-            "pass a folder of frames, or a video file"
+            f"{_where_the_frames_may_be(folder)}"
         )
     frame_size = _check_one_size(paths)
     fps = selection.fps
@@ -466,6 +489,17 @@ def _open_folder(folder: Path, selection: FrameSelection, options: _SourceOption
     )
 
 
+def _where_the_frames_may_be(folder: Path) -> str:
+    # datasets often keep frames one level down (TUM: rgb/ and depth/): name those folders
+    subfolders = sorted(
+        (entry for entry in folder.iterdir() if entry.is_dir() and list_images(entry)),
+        key=lambda entry: natural_sort_key(entry.name),
+    )
+    if subfolders:
+        return f"its subfolders {', '.join(entry.name for entry in subfolders)} do: pass one of them"
+    return "pass a folder of frames, or a video file"
+
+
 def _upright_size(path: Path) -> tuple[int, int]:
     """(width, height) as displayed, read from the header only (no pixel decoding)."""
     try:
@@ -477,18 +511,28 @@ def _upright_size(path: Path) -> tuple[int, int]:
     return (height, width) if orientation in _ORIENTATIONS_THAT_SWAP_AXES else (width, height)
 
 
-def _check_one_size(paths: list[Path]) -> tuple[int, int]:
-    """The frame size shared by all pictures; a stream is one camera, so mixed sizes are a mistake."""
+def _check_one_size(paths: list[Path], max_checked: int = _MAX_SIZE_CHECKS) -> tuple[int, int]:
+    """The frame size shared by the pictures; a stream is one camera, so mixed sizes are a mistake.
+
+    Up to `max_checked` headers, spread evenly and including the last file, are read now so that a
+    mixed folder fails before the model loads; on a network drive every header would take too long
+    for 100,000 files. The reader checks every frame as it decodes it.
+    """
+    step = max(1, math.ceil((len(paths) - 1) / max(1, max_checked - 1)))
+    sample = sorted({*range(0, len(paths), step), len(paths) - 1})
     first_size = _upright_size(paths[0])
-    for path in paths[1:]:
-        size = _upright_size(path)
-        if size != first_size:
-            raise SourceError(
-                f"images in {path.parent} have different sizes: {paths[0].name} is "
-                f"{first_size[0]}x{first_size[1]} but {path.name} is {size[0]}x{size[1]}; "
-                "a sequence must come from one camera at one resolution"
-            )
+    for index in sample[1:]:
+        _check_same_size(paths[0], first_size, paths[index], _upright_size(paths[index]))
     return first_size
+
+
+def _check_same_size(first: Path, first_size: tuple[int, int], path: Path, size: tuple[int, int]) -> None:
+    if size != first_size:
+        raise SourceError(
+            f"images in {path.parent} have different sizes: {first.name} is "
+            f"{first_size[0]}x{first_size[1]} but {path.name} is {size[0]}x{size[1]}; "
+            "a sequence must come from one camera at one resolution"
+        )
 
 
 def _open_video(path: Path, selection: FrameSelection, options: _SourceOptions) -> FrameSource:
@@ -526,6 +570,8 @@ def _open_webcam(index: int, selection: FrameSelection, options: _SourceOptions)
             f"could not open webcam {index}: no camera at that index, or another program is using it "
             "(list cameras with `v4l2-ctl --list-devices` on Linux)"
         )
+    # the driver's own frame buffer only adds latency: the reader thread already decouples the model
+    capture.set(cv2.CAP_PROP_BUFFERSIZE, 1)
     reader = _CaptureReader(capture, label=f"webcam {index}", clock="wall", expected_frames=None)
     reader.peek(f"webcam {index} opened but sent no frame")
     return FrameSource(
@@ -734,11 +780,7 @@ class _FolderReader:
             rgb = np.asarray(upright_rgb(load_image(path)), dtype=np.uint8)
         except ImageReadError as error:
             raise SourceError(str(error)) from None
-        if (rgb.shape[1], rgb.shape[0]) != self._frame_size:
-            raise SourceError(
-                f"{path} changed since the folder was opened: it is now {rgb.shape[1]}x{rgb.shape[0]}, "
-                f"the sequence is {self._frame_size[0]}x{self._frame_size[1]}"
-            )
+        _check_same_size(self._paths[0], self._frame_size, path, (rgb.shape[1], rgb.shape[0]))
         return rgb
 
     def check_complete(self, frames_grabbed: int) -> None:

@@ -3,19 +3,30 @@ as one sentence and a non-zero exit code (no traceback)."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 import yaml
-from media_helpers import silent_server, write_image_folder, write_video
+from media_helpers import mjpeg_server, silent_server, truncate_file, write_image_folder, write_video
+from typer.testing import CliRunner
+
 from stream_recon.app.cli import app, main, with_default_command
-from stream_recon.app.commands._options import EXIT_BAD_INPUT
+from stream_recon.app.commands._options import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED
 from stream_recon.app.pipeline import OptionsError, RunOptions
 from stream_recon.app.presets import PRESET_DIR, PresetError, available_presets, build_options
-from typer.testing import CliRunner
+from stream_recon.models import GCTStream, ModelConfig
+from stream_recon.models.checkpoint import convert_to_safetensors
 
 runner = CliRunner()
 
@@ -210,14 +221,15 @@ def test_preset_values_are_validated(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ info, convert
 
 
-def test_info_reports_the_environment() -> None:
+def test_info_reports_the_environment(offline_hub: Path) -> None:
     result = invoke("info", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["packages"]["torch"]
     assert "sdpa" in report["attention_backends"] and "flashinfer" in report["attention_backends"]
     assert report["checkpoints"]["repository"].endswith("robbyant/lingbot-map")
-    assert set(report["checkpoints"]["cached"]) == {"lingbot-map-long", "lingbot-map"}
+    assert report["checkpoints"]["found"] == {"lingbot-map-long": None, "lingbot-map": None}
+    assert str(offline_hub) in report["checkpoints"]["search_order"][0]
 
     human = invoke("info")
     assert human.exit_code == 0 and "Attention backends" in human.output
@@ -242,3 +254,184 @@ def test_default_output_names(tmp_path: Path) -> None:
     assert source_name("walk.mp4") == "walk"
     assert source_name("0") == "webcam0"
     assert source_name("rtsp://cam.local:554/live?x=1") == "cam.local_554_live"
+
+
+# ------------------------------------------------------------------ end to end with a checkpoint file
+
+
+# Small inputs keep the tiny model at a few ms per frame: 160x96 frames -> 56x42 model input.
+FAST_FLAGS = ["--no-viewer", "--image-width", "56", "--scale-frames", "3", "--window", "4"]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real .safetensors checkpoint of the tiny model, written by our own converter."""
+    folder = tmp_path_factory.mktemp("checkpoint")
+    torch.manual_seed(0)
+    torch.save(GCTStream(ModelConfig.tiny()).state_dict(), folder / "tiny.pt")
+    return convert_to_safetensors(folder / "tiny.pt", folder / "tiny.safetensors", config=ModelConfig.tiny())
+
+
+@pytest.fixture
+def one_torch_thread():
+    # the tiny model's microsecond ops crawl when two OpenMP threads contend on a busy 2-core machine
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def offline_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """No network, empty caches: what a fresh machine without the checkpoint looks like."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("STREAM_RECON_CHECKPOINTS", str(tmp_path / "checkpoints"))
+    return tmp_path / "checkpoints"
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_video_to_run_directory_through_the_cli(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    video = write_video(tmp_path / "clip.mp4", 6, fps=25)
+    run_dir = tmp_path / "out"
+
+    result = invoke(str(video), "--checkpoint", str(tiny_checkpoint), "-o", str(run_dir), *FAST_FLAGS)
+
+    assert result.exit_code == 0, result.output
+    assert "done: 6 frames" in result.output
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "complete" and record["summary"]["frames"] == 6
+    assert record["summary"]["checkpoint_digest"] == hashlib.sha256(tiny_checkpoint.read_bytes()).hexdigest()
+    assert record["settings"]["checkpoint"] == str(tiny_checkpoint)
+    assert len(list((run_dir / "predictions").glob("*.npz"))) == 6
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_default_output_folder_is_named_after_the_source(
+    tmp_path: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = write_image_folder(tmp_path / "kitchen", [f"{index}.png" for index in range(4)], width=160, height=96)
+    monkeypatch.chdir(tmp_path)
+
+    result = invoke("run", str(folder), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS)
+
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "outputs" / "kitchen" / "run.json").read_text())["status"] == "complete"
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_truncated_video_exits_non_zero_after_saving_what_decoded(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    video = truncate_file(write_video(tmp_path / "cut.avi", 30, fourcc="MJPG"), 0.5)
+    run_dir = tmp_path / "out"
+
+    result = invoke(str(video), "--checkpoint", str(tiny_checkpoint), "-o", str(run_dir), *FAST_FLAGS)
+
+    assert_user_error(result, "failed", "truncated or damaged", code=EXIT_FAILED)
+    saved = len(list((run_dir / "predictions").glob("*.npz")))
+    assert saved > 5 and f"stopped decoding after {saved} of 30 frames" in result.output
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.usefixtures("offline_hub")
+def test_first_run_offline_says_how_to_fetch_the_checkpoint(tmp_path: Path) -> None:
+    video = write_video(tmp_path / "clip.mp4", 3)
+
+    result = invoke(str(video), "--no-viewer", "-o", str(tmp_path / "out"))
+
+    assert_user_error(
+        result,
+        "checkpoint 'lingbot-map-long' is not on this machine",
+        "stream-recon download lingbot-map-long",
+        "https://huggingface.co/robbyant/lingbot-map",
+    )
+    assert not (tmp_path / "out").exists()  # nothing is left to block the next attempt
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_first_run_online_downloads_the_default_checkpoint_once(
+    tmp_path: Path, tiny_checkpoint: Path, offline_hub: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stream_recon.models import checkpoint as checkpoint_module
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    downloads = []
+
+    def fake_download(name: str) -> Path:
+        # stands in for the 4.6 GB Hugging Face download, which cannot run here
+        downloads.append(name)
+        offline_hub.mkdir(parents=True, exist_ok=True)
+        return Path(shutil.copy(tiny_checkpoint, offline_hub / f"{name}.safetensors"))
+
+    monkeypatch.setattr(checkpoint_module, "download_checkpoint", fake_download)
+    video = write_video(tmp_path / "clip.mp4", 4)
+
+    first = invoke(str(video), "-o", str(tmp_path / "first"), *FAST_FLAGS)
+    second = invoke(str(video), "-o", str(tmp_path / "second"), *FAST_FLAGS)
+
+    assert first.exit_code == 0 and second.exit_code == 0, first.output + second.output
+    assert "downloading it once" in first.output and "downloading" not in second.output
+    assert downloads == ["lingbot-map-long"]
+
+
+@pytest.mark.usefixtures("offline_hub")
+def test_download_command_offline_and_unknown_name() -> None:
+    assert_user_error(invoke("download", "lingbot-map-xl"), "unknown checkpoint 'lingbot-map-xl'", "lingbot-map-long")
+    assert_user_error(invoke("download"), "offline mode is on", "huggingface-cli download robbyant/lingbot-map")
+
+
+def test_convert_refuses_a_checkpoint_of_another_architecture(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    # the tiny model's .pt is not the official architecture the converter expects
+    source = tiny_checkpoint.with_suffix(".pt")
+    result = invoke("convert", str(source), str(tmp_path / "out.safetensors"))
+    assert_user_error(result, "error:", "missing from the checkpoint")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    ("signum", "source_kind"),
+    [(signal.SIGINT, "video"), (signal.SIGTERM, "video"), (signal.SIGINT, "live camera")],
+)
+def test_signal_through_the_cli_saves_completed_frames_and_exits_130(
+    tmp_path: Path, tiny_checkpoint: Path, signum: int, source_kind: str
+) -> None:
+    run_dir = tmp_path / "out"
+    with contextlib.ExitStack() as stack:
+        if source_kind == "video":
+            source = str(write_video(tmp_path / "long.mp4", 3000, fps=30))
+        else:  # a camera never ends on its own: Ctrl-C is the only way out
+            source = stack.enter_context(mjpeg_server(num_frames=10**6, interval_s=0.01))
+        command = [sys.executable, "-c", "from stream_recon.app.cli import main; main()", source,
+                   "--checkpoint", str(tiny_checkpoint), "-o", str(run_dir), *FAST_FLAGS]
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            wait_for_predictions(run_dir, at_least=5, child=child)
+            child.send_signal(signum)
+            output, _ = child.communicate(timeout=60)
+        finally:
+            if child.poll() is None:
+                child.kill()
+
+    assert child.returncode == EXIT_INTERRUPTED, output
+    assert f"{signal.Signals(signum).name}: stopping after this frame" in output and "Traceback" not in output
+    record = json.loads((run_dir / "run.json").read_text())
+    saved = sorted((run_dir / "predictions").glob("*.npz"))
+    assert record["status"] == "interrupted" and record["summary"]["frames"] == len(saved) >= 5
+    for path in saved:  # every completed frame is whole
+        with np.load(path) as frame:
+            assert frame["depth"].shape == tuple(frame["image_size"])
+    assert len((run_dir / "trajectory_tum.txt").read_text().splitlines()) == len(saved) + 1  # + header
+
+
+def wait_for_predictions(run_dir: Path, at_least: int, child: subprocess.Popen, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise AssertionError(f"the run ended before it was interrupted:\n{child.stdout.read()}")
+        predictions = run_dir / "predictions"
+        if predictions.is_dir() and len(list(predictions.glob("*.npz"))) >= at_least:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {at_least} predictions after {timeout_s} s")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from stream_recon.app.commands._options import EXIT_BAD_INPUT, error_console, user_errors
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+
 from stream_recon.app.commands._options import EXIT_BAD_INPUT, error_console, user_errors
 
 DEFAULT_NAME = "lingbot-map-long"
@@ -29,6 +30,7 @@ def download(
     if name not in KNOWN_CHECKPOINTS:
         console.print(f"[red]error:[/red] unknown checkpoint {name!r}; known: {', '.join(KNOWN_CHECKPOINTS)}")
         raise typer.Exit(code=EXIT_BAD_INPUT)
-    with user_errors(console), console.status(f"downloading {name}"):
+    console.print(f"downloading {name} from Hugging Face (about 4.6 GB)")
+    with user_errors(console):  # huggingface_hub draws its own progress bar
         path = download_checkpoint(name)
     console.print(f"[green]downloaded[/green] {name}: {path}")

@@ -9,7 +9,6 @@ Examples:
 from __future__ import annotations
 
 import json
-import os
 import platform
 from importlib import metadata
 from typing import Annotated, Any
@@ -19,8 +18,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-CHECKPOINT_REPO = "robbyant/lingbot-map"
-CHECKPOINT_FILES = {"lingbot-map-long": "lingbot-map-long.pt", "lingbot-map": "lingbot-map.pt"}
 _PACKAGES = ("stream-recon", "torch", "numpy", "opencv-python-headless", "pillow", "typer", "rich", "viser",
              "safetensors", "huggingface_hub", "flashinfer-python")
 
@@ -88,18 +85,22 @@ def _attention_backends() -> dict[str, str]:
 
 
 def _checkpoint_info() -> dict[str, Any]:
-    from huggingface_hub import constants, try_to_load_from_cache
+    from stream_recon.models.checkpoint import (
+        CHECKPOINT_DIR_ENV,
+        HF_REPO_URL,
+        KNOWN_CHECKPOINTS,
+        checkpoint_dir,
+        hub_cache_dir,
+        hub_offline,
+        locate_checkpoint,
+    )
 
-    cached = {}
-    for name, filename in CHECKPOINT_FILES.items():
-        found = try_to_load_from_cache(CHECKPOINT_REPO, filename)
-        cached[name] = found if isinstance(found, str) else None
+    found = {name: locate_checkpoint(name) for name in KNOWN_CHECKPOINTS}
     return {
-        "repository": f"https://huggingface.co/{CHECKPOINT_REPO}",
-        "hf_cache": str(constants.HF_HUB_CACHE),
-        "offline": bool(constants.HF_HUB_OFFLINE),
-        "hf_home_env": os.environ.get("HF_HOME"),
-        "cached": cached,
+        "repository": HF_REPO_URL,
+        "search_order": [f"{checkpoint_dir()} (${CHECKPOINT_DIR_ENV})", f"{hub_cache_dir()} (Hugging Face cache)"],
+        "offline": hub_offline(),
+        "found": {name: str(path) if path else None for name, path in found.items()},
     }
 
 
@@ -128,9 +129,11 @@ def _print_report(report: dict[str, Any], console: Console) -> None:
     console.print(backends)
 
     checkpoints = report["checkpoints"]
-    console.print(f"Checkpoints: names resolve through the Hugging Face cache [bold]{checkpoints['hf_cache']}[/bold]"
-                  f" (repository {checkpoints['repository']}"
-                  f"{', offline mode' if checkpoints['offline'] else ''}); a path is used as given.")
-    for name, path in checkpoints["cached"].items():
-        where = path or "[dim]not downloaded[/dim] (stream-recon download " + name + ")"
+    offline = ", offline mode" if checkpoints["offline"] else ""
+    console.print(f"Checkpoints: a path is used as given; a name is looked up in (first match wins){offline}:")
+    for place in checkpoints["search_order"]:
+        console.print(f"  {escape(place)}")
+    console.print(f"and otherwise downloaded from {checkpoints['repository']} on the first run.")
+    for name, path in checkpoints["found"].items():
+        where = escape(path) if path else f"[dim]not on this machine[/dim] (stream-recon download {name})"
         console.print(f"  {name}: {where}")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from stream_recon.app.commands._options import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
