@@ -27,6 +27,7 @@ from typing import Literal
 
 import cv2
 import numpy as np
+
 from stream_recon.app.sources import SourceError
 
 SequenceKind = Literal["video", "images", "tum"]

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import cv2
 import numpy as np
+
 from stream_recon.app.geometry import quat_wxyz_to_rotation, rotation_to_quat_wxyz
 
 TUM_DEPTH_FACTOR = 5000.0  # TUM RGB-D depth PNGs: uint16, 5000 units per metre

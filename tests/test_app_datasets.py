@@ -11,6 +11,7 @@ from dataset_tree import (
     write_tum_sequence,
     write_video,
 )
+
 from stream_recon.app.datasets import DatasetError, TumFrames, discover_sequences
 from stream_recon.app.sources import SourceError
 

@@ -11,6 +11,7 @@ from evo.core.trajectory import PoseTrajectory3D
 from evo.tools import file_interface
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from stream_recon.app.evaluation import (
     EvaluationError,
     Trajectory,
@@ -375,14 +376,11 @@ def test_evaluate_run_with_tum_depth(tmp_path):
 
 
 def test_eval_command_prints_the_table_and_writes_eval_json(tmp_path):
-    import typer
-    from stream_recon.app.commands.eval import eval_command
     from typer.testing import CliRunner
 
+    from stream_recon.app.cli import app
+
     gt_file, _, _ = write_known_pair(tmp_path, np.random.default_rng(11), noise=0.01)
-    app = typer.Typer()
-    app.command(name="eval")(eval_command)
-    app.command(name="other")(lambda: None)  # two commands, so `eval` is spelled out as in the real CLI
     result = CliRunner().invoke(app, ["eval", str(tmp_path), "--gt", str(gt_file), "--alignment", "se3"])
     assert result.exit_code == 0, result.output
     assert "ATE RMSE" in result.output and "AUC@30" in result.output

@@ -20,6 +20,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
+
 from stream_recon.app.commands._options import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,

@@ -21,6 +21,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+
 from stream_recon.app.evaluation import EvaluationError, evaluate_run
 
 RunDirArg = Annotated[
