@@ -5,6 +5,7 @@ from .engine import KeyframePolicy, StreamConfig, StreamingEngine
 from .errors import CheckpointError, FrameError
 from .gct import GCTStream
 from .prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
+from .windowed import WindowedEngine
 
 __all__ = [
     "CheckpointError",
@@ -18,4 +19,5 @@ __all__ = [
     "ModelConfig",
     "StreamConfig",
     "StreamingEngine",
+    "WindowedEngine",
 ]
