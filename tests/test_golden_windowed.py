@@ -58,6 +58,7 @@ def test_last_emissions_match_the_stitched_reference(model, scenario):
     errors["chunk_scales"] = np.abs(engine.chunk_scales - golden["chunk_scales"]).max()
     errors["chunk_transforms"] = relative_error(engine.chunk_transforms, golden["chunk_transforms"])
     assert engine.chunk_transforms.shape == golden["chunk_transforms"].shape
+    print(f"{scenario}: " + ", ".join(f"{key} {value:.2e}" for key, value in errors.items()))
     assert max(errors.values()) <= TOLERANCE, errors
 
     # Each frame is emitted first by the window that first predicts it, then by later windows only.
