@@ -33,6 +33,16 @@ from stream_recon.models.windowed import (
 HEIGHT, WIDTH = 28, 42  # 2 x 3 patches
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # The tiny model's tensors are too small to gain from intra-op threads; on a busy 2-core
+    # machine two threads per op only wait for each other.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
