@@ -209,6 +209,7 @@ class WindowedEngine:
         # Input frames per window when keyframes follow a fixed rule (unused for flow).
         self.window_length = scale_frames + (window_frames - scale_frames) * interval
         self.engine = StreamingEngine(model, self.config, device=device, dtype=dtype)
+        self.model, self.device = self.engine.model, self.engine.device
         self._replay: deque[tuple[torch.Tensor, float]] = deque(maxlen=overlap)
         self._tail: deque[_AlignedFrame] = deque(maxlen=overlap)
         self.reset()
@@ -258,6 +259,15 @@ class WindowedEngine:
             replay_frames=len(self._replay),
         )
         return stats
+
+    @property
+    def on_backend_ready(self):
+        """Called with the attention backend's name once the first frame sets the caches up."""
+        return self.engine.on_backend_ready
+
+    @on_backend_ready.setter
+    def on_backend_ready(self, callback) -> None:
+        self.engine.on_backend_ready = callback
 
     @property
     def chunk_scales(self) -> np.ndarray:

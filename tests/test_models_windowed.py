@@ -391,7 +391,10 @@ def test_memory_is_bounded_and_the_cache_is_reused_across_windows(model, frames)
 
 def test_reset_starts_an_identical_stream(model, frames):
     engine = WindowedEngine(model, StreamConfig(scale_frames=3, window=4), window_frames=6, overlap=3)
+    backends = []
+    engine.on_backend_ready = backends.append
     first, _ = run_live(engine, frames[:10])
+    assert backends == ["sdpa"] and engine.device == torch.device("cpu")
     engine.reset()
     assert engine.stats()["rollovers"] == 0 and engine.chunk_scales.tolist() == [1.0]
     second, _ = run_live(engine, frames[:10])
