@@ -1,5 +1,6 @@
 """The LingBot-Map (GCT) streaming model, its configuration, checkpoint IO and streaming engine."""
 
+from .checkpoint import load_model
 from .config import ModelConfig
 from .engine import KeyframePolicy, StreamConfig, StreamingEngine
 from .errors import CheckpointError, FrameError
@@ -20,4 +21,5 @@ __all__ = [
     "StreamConfig",
     "StreamingEngine",
     "WindowedEngine",
+    "load_model",
 ]
