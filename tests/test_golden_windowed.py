@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from golden_utils import GOLDEN, TOLERANCE, full_size_model, golden_frames, relative_error
+
 from stream_recon.models import StreamConfig, WindowedEngine
 
 pytestmark = pytest.mark.golden

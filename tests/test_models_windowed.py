@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from stream_recon.models import (
     FrameError,
     GCTStream,
