@@ -7,6 +7,7 @@ Every run option defaults to None, meaning "not given": the value then comes fro
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Optional
@@ -166,6 +167,16 @@ OutputOpt = Annotated[
     typer.Option("--output", "-o", help="Output folder. \\[default: outputs/<source name>]", rich_help_panel=_OUTPUT,
                  show_default=False),
 ]
+
+
+def show_engine_log(console: Console) -> None:
+    """Print the library's INFO messages (window rollovers, backend choice) above the progress line."""
+    from rich.logging import RichHandler
+
+    logger = logging.getLogger("stream_recon")
+    if not any(isinstance(handler, RichHandler) for handler in logger.handlers):
+        logger.addHandler(RichHandler(console=console, show_time=False, show_path=False, markup=False))
+    logger.setLevel(logging.INFO)
 
 
 def error_console() -> Console:

@@ -48,6 +48,7 @@ from stream_recon.app.commands._options import (
     VoxelSizeOpt,
     WindowOpt,
     error_console,
+    show_engine_log,
     user_errors,
 )
 
@@ -91,6 +92,7 @@ def run(
     from stream_recon.app.sources import source_name
 
     console = error_console()
+    show_engine_log(console)
     overrides = dict(
         checkpoint=checkpoint, device=device, dtype=dtype, attention=attention, scale_frames=scale_frames,
         window=window, keyframes=keyframes, flow_threshold=flow_threshold, max_gap=max_gap,
