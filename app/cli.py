@@ -13,7 +13,8 @@ from typing import Annotated
 
 import typer
 
-from stream_recon.app.commands import convert, download, export, info, run
+from stream_recon.app.commands import batch, convert, download, export, info, run
+from stream_recon.app.commands import eval as evaluation
 
 app = typer.Typer(
     name="stream-recon",
@@ -50,6 +51,8 @@ register(info, "info", "Versions, CUDA/GPU, attention backends, checkpoint locat
 register(download, "download", "Download an official checkpoint into the Hugging Face cache.")
 register(export, "export", "Export a run directory as PLY, GLB, COLMAP or TUM.")
 register(convert, "convert", "Convert a .pt checkpoint to .safetensors.")
+register(batch, "batch", "Run every sequence under a dataset folder, resumably; Ray spreads it over GPUs.")
+app.command(name="eval", help="Score a run against ground truth: ATE, RPE, pose AUC, depth.", epilog=examples(evaluation))(evaluation.eval_command)
 
 ROOT_OPTIONS = ("-h", "--help", "--version")
 

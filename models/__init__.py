@@ -6,6 +6,7 @@ from .engine import KeyframePolicy, StreamConfig, StreamingEngine
 from .errors import CheckpointError, FrameError
 from .gct import GCTStream
 from .prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
+from .windowed import WindowedEngine
 
 __all__ = [
     "CheckpointError",
@@ -19,5 +20,6 @@ __all__ = [
     "ModelConfig",
     "StreamConfig",
     "StreamingEngine",
+    "WindowedEngine",
     "load_model",
 ]

@@ -1,0 +1,501 @@
+"""Run every sequence of a dataset folder, resumably, serially or spread over a Ray cluster.
+
+    OUTPUT/
+      summary.json            [{name, source, kind, status, error, frames, keyframes, fps, ..., ate_rmse, ...}]
+      summary.csv             the same rows and columns
+      <name>/                 one run directory per sequence (run.json, predictions/, trajectory_tum.txt, ...)
+      <name>/eval.json        when the sequence has ground truth
+      <name>/.complete        written last; holds the sequence's summary row
+
+A sequence whose folder has `.complete` is skipped (its row is reused with status `skipped`); a folder
+without it is the remains of a run that was killed or failed, and is deleted and redone. A sequence
+that fails is recorded with its error and the batch goes on; the summary is rewritten after every
+sequence, so a killed batch keeps what it finished.
+
+Workers hold the model once and take sequences one at a time, the shape of Ray's
+`ActorPool.map_unordered`: in-process (one worker) or one Ray actor per GPU (`--ray`). Results come
+back as rows, never as exceptions, so one bad sequence cannot stop the others.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import functools
+import json
+import logging
+import math
+import re
+import shutil
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from stream_recon.app.datasets import Sequence, TumFrames
+from stream_recon.app.evaluation import EvaluationError, evaluate_run
+from stream_recon.app.pipeline import (
+    DEFAULT_CHECKPOINT,
+    DTYPE_NAMES,
+    RunOptions,
+    resolve_device,
+    run_sequence,
+)
+from stream_recon.app.writers import PREDICTIONS_DIR, RUN_JSON
+
+logger = logging.getLogger(__name__)
+
+COMPLETE_MARKER = ".complete"
+SUMMARY_JSON = "summary.json"
+SUMMARY_CSV = "summary.csv"
+STATUSES = ("ok", "failed", "skipped")
+BASE_COLUMNS = ("name", "source", "kind", "status", "error", "frames", "keyframes", "fps", "seconds")
+EVAL_COLUMNS = (
+    "alignment",
+    "scale",
+    "matched_poses",
+    "ate_rmse",
+    "ate_mean",
+    "ate_median",
+    "rpe_trans_rmse",
+    "rpe_rot_rmse_deg",
+    "auc_5",
+    "auc_15",
+    "auc_30",
+    "depth_abs_rel",
+    "depth_delta1",
+)
+SUMMARY_COLUMNS = BASE_COLUMNS + EVAL_COLUMNS
+
+ModelLoader = Callable[[], Any]
+
+
+class BatchError(ValueError):
+    """The batch cannot start: bad output folder, no usable Ray cluster, ..."""
+
+
+class BatchInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped the batch; the summary holds everything finished before it."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        super().__init__("batch interrupted")
+        self.rows = rows
+
+
+INTERRUPTED_ERROR = "interrupted (Ctrl-C or SIGTERM); run the batch again to redo this sequence"
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """How sequences with ground truth are scored (see app.evaluation)."""
+
+    alignment: str = "sim3"
+    max_diff: float = 0.02
+
+
+# --------------------------------------------------------------------------------------------------
+# One sequence
+
+
+def run_dir_of(output_dir: Path, sequence: Sequence) -> Path:
+    return Path(output_dir) / sequence.name
+
+
+def finished_row(run_dir: Path) -> dict | None:
+    """The row a finished sequence left in its marker, or None when it has not finished."""
+    try:
+        row = json.loads((run_dir / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return row if isinstance(row, dict) else None
+
+
+def sequence_source(sequence: Sequence) -> Any:
+    """What `run_sequence` reads: the path of a video or image folder, or the TUM frame list."""
+    if sequence.kind == "tum":
+        return TumFrames(sequence.source)
+    return str(sequence.source)
+
+
+class SequenceWorker:
+    """Holds one model and processes sequences one at a time; every outcome comes back as a row.
+
+    Used directly for serial batches and wrapped as a Ray actor for distributed ones, so both paths
+    run exactly the same code on each sequence. `console` receives the pipeline's per-frame progress
+    (a quiet one inside Ray actors, whose terminal nobody watches).
+    """
+
+    def __init__(
+        self,
+        load_model: ModelLoader,
+        run_options: RunOptions,
+        output_dir: str | Path,
+        evaluation: EvalSettings,
+        console: Console | None = None,
+    ) -> None:
+        self.model = load_model()
+        # A batch never opens the live viewer, and its resume rule (not --overwrite) decides what is redone.
+        self.run_options = dataclasses.replace(run_options, viewer=False, overwrite=False)
+        self.output_dir = Path(output_dir)
+        self.evaluation = evaluation
+        self.console = console or Console(quiet=True)
+
+    def process(self, sequence: Sequence) -> dict:
+        run_dir = run_dir_of(self.output_dir, sequence)
+        row = base_row(sequence)
+        started = time.monotonic()
+        try:
+            if run_dir.exists():
+                remove_partial_run(run_dir)  # its files would mix with the new ones
+            summary = run_sequence(
+                sequence_source(sequence), run_dir, self.run_options, model=self.model, console=self.console
+            )
+        except Exception as error:  # noqa: BLE001 - any failure is this sequence's, recorded, never fatal
+            logger.debug("sequence %s failed:\n%s", sequence.name, traceback.format_exc())
+            row.update(status="failed", error=describe_error(error), seconds=time.monotonic() - started)
+            return row
+        row.update(frames=summary.frames, keyframes=summary.keyframes, fps=_finite_or_none(summary.fps))
+        if summary.status == "interrupted":
+            row.update(status="failed", error=INTERRUPTED_ERROR, seconds=time.monotonic() - started)
+            return row
+        if summary.status != "complete":
+            row.update(status="failed", error=summary.error or f"run ended {summary.status}")
+            row["seconds"] = time.monotonic() - started
+            return row
+        row["status"] = "ok"
+        if sequence.gt_file is not None:
+            row.update(self._evaluate(sequence, run_dir))
+        row["seconds"] = time.monotonic() - started
+        write_marker(run_dir, row)
+        return row
+
+    def _evaluate(self, sequence: Sequence, run_dir: Path) -> dict:
+        try:
+            metrics = evaluate_run(
+                run_dir,
+                sequence.gt_file,
+                alignment=self.evaluation.alignment,
+                max_diff=self.evaluation.max_diff,
+                depth_dir=sequence.depth_dir,
+            )
+        except (EvaluationError, OSError) as error:
+            # The reconstruction itself is fine and kept; only the comparison could not be made.
+            return {"error": f"evaluation: {error}"}
+        return {key: metrics[key] for key in EVAL_COLUMNS if key in metrics}
+
+
+def load_model_for(options: RunOptions) -> Any:
+    """The model `options` name (checkpoint, device, dtype), as `stream-recon run` would load it."""
+    import torch
+
+    from stream_recon.models import load_model
+
+    dtype_name = DTYPE_NAMES[options.dtype]
+    dtype = None if dtype_name is None else getattr(torch, dtype_name)
+    return load_model(
+        options.checkpoint or DEFAULT_CHECKPOINT, device=resolve_device(options.device), dtype=dtype
+    )
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    # JSON has no NaN: a run that produced no frame has no rate, not a NaN one.
+    return value if value is not None and math.isfinite(value) else None
+
+
+def remove_partial_run(run_dir: Path) -> None:
+    """Delete what a killed or failed run left, but never a folder this program did not write."""
+    ours = (run_dir / RUN_JSON).exists() or (run_dir / PREDICTIONS_DIR).is_dir()
+    if run_dir.is_dir() and (ours or not any(run_dir.iterdir())):
+        shutil.rmtree(run_dir)
+        return
+    raise BatchError(
+        f"{run_dir} exists but is not a stream-recon run directory (no run.json or predictions/); "
+        "it is left untouched: move it away or choose another --output"
+    )
+
+
+def base_row(sequence: Sequence) -> dict:
+    row = dict.fromkeys(BASE_COLUMNS)
+    row.update(name=sequence.name, source=str(sequence.source), kind=sequence.kind)
+    return row
+
+
+def describe_error(error: BaseException) -> str:
+    # Ray colours its tracebacks; a summary cell should hold plain text.
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def write_marker(run_dir: Path, row: dict) -> None:
+    temporary = run_dir / (COMPLETE_MARKER + ".tmp")
+    temporary.write_text(json.dumps(row, indent=2) + "\n")
+    temporary.replace(run_dir / COMPLETE_MARKER)
+
+
+# --------------------------------------------------------------------------------------------------
+# Summary
+
+
+def write_summary(output_dir: Path, rows: Iterable[dict]) -> None:
+    """summary.json (rows as given, eval keys only where evaluated) and summary.csv (every column)."""
+    rows = list(rows)
+    output_dir = Path(output_dir)
+    json_rows = [
+        {key: row.get(key) for key in SUMMARY_COLUMNS if key in BASE_COLUMNS or key in row} for row in rows
+    ]
+    temporary = output_dir / (SUMMARY_JSON + ".tmp")
+    temporary.write_text(json.dumps(json_rows, indent=2) + "\n")
+    temporary.replace(output_dir / SUMMARY_JSON)
+    temporary = output_dir / (SUMMARY_CSV + ".tmp")
+    with temporary.open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=SUMMARY_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({key: "" if row.get(key) is None else row[key] for key in SUMMARY_COLUMNS})
+    temporary.replace(output_dir / SUMMARY_CSV)
+
+
+def read_summary(output_dir: Path) -> list[dict]:
+    return json.loads((Path(output_dir) / SUMMARY_JSON).read_text())
+
+
+# --------------------------------------------------------------------------------------------------
+# The batch
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every worker is built from; sent as is to each Ray actor."""
+
+    load_model: ModelLoader
+    run_options: RunOptions
+    output_dir: Path
+    evaluation: EvalSettings
+
+    def build(self, console: Console | None = None) -> SequenceWorker:
+        return SequenceWorker(self.load_model, self.run_options, self.output_dir, self.evaluation, console)
+
+
+def run_batch(
+    sequences: list[Sequence],
+    output_dir: str | Path,
+    run_options: RunOptions,
+    *,
+    load_model: ModelLoader | None = None,
+    evaluation: EvalSettings = EvalSettings(),
+    ray_address: str | None = None,
+    gpus_per_task: float = 1.0,
+    console: Console | None = None,
+) -> list[dict]:
+    """Process `sequences` into OUTPUT/<name>/ and write the summary; returns the rows in sequence order.
+
+    `load_model` (default: the checkpoint, device and dtype of `run_options`) is called once per
+    worker: once here, or once per Ray actor, so for Ray it must be picklable (a module-level
+    function, a functools.partial of one, or a closure cloudpickle can carry).
+    """
+    output_dir = Path(output_dir)
+    _prepare_output_dir(output_dir)
+    _check_no_overlap(output_dir, sequences)
+    console = console or Console(stderr=True)
+    spec = WorkerSpec(
+        load_model or functools.partial(load_model_for, run_options), run_options, output_dir, evaluation
+    )
+    rows: dict[str, dict] = {}
+    pending = []
+    for sequence in sequences:
+        previous = finished_row(run_dir_of(output_dir, sequence))
+        if previous is None:
+            pending.append(sequence)
+        else:
+            rows[sequence.name] = {**previous, "status": "skipped"}
+
+    def ordered_rows() -> list[dict]:
+        return [rows[s.name] for s in sequences if s.name in rows]
+
+    def record(row: dict) -> None:
+        rows[row["name"]] = row
+        write_summary(output_dir, ordered_rows())
+        _report(console, row)
+
+    write_summary(output_dir, ordered_rows())
+    if rows and pending:
+        console.print(f"{len(rows)} of {len(sequences)} sequences already finished in {output_dir}: skipped")
+    if rows and not pending:
+        console.print(f"all {len(sequences)} sequences already finished in {output_dir}")
+    try:
+        if pending and ray_address is None:
+            _run_serial(pending, spec, console, record)
+        elif pending:
+            _run_on_ray(pending, spec, ray_address, gpus_per_task, console, record)
+    except KeyboardInterrupt:
+        write_summary(output_dir, ordered_rows())
+        raise BatchInterrupted(ordered_rows()) from None
+    write_summary(output_dir, ordered_rows())
+    return ordered_rows()
+
+
+def _check_no_overlap(output_dir: Path, sequences: list[Sequence]) -> None:
+    """Run directories are deleted when partial, so none may be, hold or sit inside a sequence's input."""
+    for sequence in sequences:
+        run_dir = run_dir_of(output_dir, sequence).resolve()
+        source = sequence.source.resolve()
+        if run_dir == source or run_dir in source.parents or source.is_dir() and source in run_dir.parents:
+            raise BatchError(
+                f"--output {output_dir} overlaps the input: the run directory {run_dir} of sequence "
+                f"{sequence.name} would be, contain or sit inside {source}; choose an --output outside the dataset "
+                "folders (a sibling folder, or a subfolder of ROOT that holds no sequence)"
+            )
+
+
+def _prepare_output_dir(output_dir: Path) -> None:
+    if output_dir.exists() and not output_dir.is_dir():
+        raise BatchError(f"--output {output_dir} exists and is not a folder; choose another path")
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise BatchError(f"cannot create --output {output_dir}: {error.strerror or error}") from None
+
+
+def _report(console: Console, row: dict) -> None:
+    if row["status"] == "ok":
+        detail = f"{row['frames']} frames"
+        if row.get("fps") is not None:
+            detail += f", {row['fps']:.1f} FPS"
+        if row.get("ate_rmse") is not None:
+            detail += f", ATE RMSE {row['ate_rmse']:.4f}"
+        if row.get("error"):
+            detail += f" ({row['error']})"
+        console.print(f"[green]ok[/] {row['name']}: {detail}")
+    else:
+        console.print(f"[red]failed[/] {row['name']}: {row['error']}")
+
+
+def _run_serial(pending: list[Sequence], spec: WorkerSpec, console: Console, record) -> None:
+    """One worker in this process; the pipeline draws each sequence's frame progress on `console`."""
+    # rich allows one live display per console, so sequences are counted in lines and frames in the bar.
+    worker = spec.build(console)
+    for number, sequence in enumerate(pending, start=1):
+        console.rule(f"sequence {number}/{len(pending)}: {sequence.name} ({sequence.describe()})")
+        row = worker.process(sequence)
+        record(row)
+        if row["error"] == INTERRUPTED_ERROR:
+            # The pipeline turned the signal into a clean stop of this sequence; the batch stops with it.
+            raise KeyboardInterrupt
+
+
+# --------------------------------------------------------------------------------------------------
+# Ray
+
+
+def connect_ray(address: str) -> tuple[Any, bool]:
+    """Join the Ray cluster at `address`; `auto` joins a running one or starts a local instance.
+
+    Returns (the ray module, whether this call started Ray and so should shut it down). A Ray already
+    initialised in this process (a notebook, a test) is used as it is.
+    """
+    try:
+        import ray
+    except ImportError:
+        raise BatchError("--ray needs Ray: pip install 'stream-recon[ray]'") from None
+    if ray.is_initialized():
+        return ray, False
+    if address == "auto":
+        try:
+            ray.init(address="auto", logging_level=logging.WARNING)
+        except ConnectionError:
+            # Nothing to join: start a private instance, reachable from this machine only.
+            ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
+        return ray, True
+    try:
+        ray.init(address=address, logging_level=logging.WARNING)
+    except ConnectionError as error:
+        raise BatchError(f"cannot reach the Ray cluster at {address}: {error}") from None
+    return ray, True
+
+
+def plan_actors(resources: dict, gpus_per_task: float, sequences: int) -> int:
+    """How many workers the cluster can hold at once: one per `gpus_per_task` GPUs, or one per CPU."""
+    if gpus_per_task > 0:
+        gpus = resources.get("GPU", 0.0)
+        if gpus < gpus_per_task:
+            raise BatchError(
+                f"the Ray cluster has {gpus:g} GPU(s) but each sequence asks for {gpus_per_task:g}; "
+                "add GPU nodes, or pass --gpus-per-task 0 to run on CPUs"
+            )
+        capacity = int(gpus // gpus_per_task)
+    else:
+        capacity = int(resources.get("CPU", 1.0))
+    return max(1, min(capacity, sequences))
+
+
+def _run_on_ray(
+    pending: list[Sequence], spec: WorkerSpec, address: str, gpus_per_task: float, console: Console, record
+) -> None:
+    """One actor per GPU share (or CPU), each holding the model; sequences handed out as actors free up.
+
+    This is ActorPool.map_unordered with one addition: each result is tied to its sequence, so a
+    worker that dies (out of memory, lost node) fails that sequence by name and the others go on.
+    """
+    ray, started_here = connect_ray(address)
+    try:
+        _run_actors(ray, pending, spec, gpus_per_task, console, record)
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def _run_actors(
+    ray, pending: list[Sequence], spec: WorkerSpec, gpus_per_task: float, console: Console, record
+):
+    count = plan_actors(ray.cluster_resources(), gpus_per_task, len(pending))
+    actor_class = ray.remote(SequenceWorker).options(num_gpus=gpus_per_task, num_cpus=1)
+    actors = [
+        actor_class.remote(spec.load_model, spec.run_options, str(spec.output_dir), spec.evaluation)
+        for _ in range(count)
+    ]
+    waiting = list(reversed(pending))
+    running: dict[Any, tuple[Any, Sequence]] = {}
+
+    def submit(actor) -> None:
+        if waiting:
+            sequence = waiting.pop()
+            running[actor.process.remote(sequence)] = (actor, sequence)
+
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    try:
+        with progress:
+            task = progress.add_task(f"sequences on {count} Ray worker(s)", total=len(pending))
+            for actor in actors:
+                submit(actor)
+            while running:
+                [finished], _ = ray.wait(list(running), num_returns=1)
+                actor, sequence = running.pop(finished)
+                try:
+                    row = ray.get(finished)
+                except Exception as error:  # noqa: BLE001 - a dead actor: crash, OOM, failed model load
+                    row = {**base_row(sequence), "status": "failed"}
+                    row["error"] = f"Ray worker failed: {describe_error(error)}"
+                    actor = None  # a dead actor takes no more work
+                record(row)
+                progress.advance(task)
+                if actor is not None:
+                    submit(actor)
+                elif not running:
+                    # Every worker has died: what is left cannot run here, and the summary says why.
+                    while waiting:
+                        record({**base_row(waiting.pop()), "status": "failed", "error": row["error"]})
+                        progress.advance(task)
+    finally:
+        for actor in actors:
+            ray.kill(actor)

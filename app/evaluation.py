@@ -1,0 +1,544 @@
+"""Evaluate a run directory against ground truth: trajectory (ATE, RPE, pose AUC) and depth.
+
+Conventions (DESIGN.md §4): poses are camera-to-world (`c2w`) in OpenCV axes; TUM files hold
+`timestamp tx ty tz qx qy qz qw` per line, camera-to-world, as TUM RGB-D's `groundtruth.txt` does.
+
+The trajectory metrics follow the definitions that `evo` (evo_ape / evo_rpe) uses, so numbers are
+comparable with published tables:
+
+- association: each estimated pose is paired with at most one ground-truth pose and vice versa, closest
+  timestamps first, never further apart than `max_diff` seconds;
+- alignment: Umeyama's least-squares Sim(3) (or SE(3), scale fixed to 1) from the estimated positions
+  onto the ground-truth positions; the aligned estimate is `R_a R_i`, `s R_a t_i + t_a`;
+- ATE: statistics of `|| p_gt_i - (s R_a p_est_i + t_a) ||`;
+- RPE (evo's `--delta 1 --delta_unit f`): for consecutive matched poses i, i+1, the relative pose error
+  `E_i = (Q_i^-1 Q_{i+1})^-1 (P_i^-1 P_{i+1})` with Q ground truth and P the aligned estimate; the
+  translation error is `|| trans(E_i) ||`, the rotation error the angle of `rot(E_i)` in degrees.
+
+Everything here is our own code; `evo` is used only by the tests, as a reference.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+from stream_recon.app.geometry import quat_wxyz_to_rotation, rotation_to_quat_wxyz
+
+TUM_DEPTH_FACTOR = 5000.0  # TUM RGB-D depth PNGs: uint16, 5000 units per metre
+AUC_THRESHOLDS_DEG = (5, 15, 30)
+DELTA1_THRESHOLD = 1.25
+
+
+class EvaluationError(ValueError):
+    """Inputs that cannot be evaluated: malformed files, nothing to compare, degenerate motion."""
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """Timestamped camera-to-world poses. timestamps [N] seconds, c2w [N, 4, 4]."""
+
+    timestamps: np.ndarray
+    c2w: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.timestamps)
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Camera centres [N, 3]."""
+        return self.c2w[:, :3, 3]
+
+    def subset(self, indices: np.ndarray) -> Trajectory:
+        return Trajectory(self.timestamps[indices], self.c2w[indices])
+
+    def time_range(self) -> str:
+        if len(self) == 0:
+            return "no poses"
+        return f"{self.timestamps.min():.6f} .. {self.timestamps.max():.6f} s ({len(self)} poses)"
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Similarity transform x -> scale * rotation @ x + translation (estimate frame -> ground-truth frame)."""
+
+    rotation: np.ndarray  # [3, 3]
+    translation: np.ndarray  # [3]
+    scale: float
+
+    def apply_to_poses(self, c2w: np.ndarray) -> np.ndarray:
+        """c2w [N, 4, 4] -> aligned c2w [N, 4, 4]; the scale acts on positions only, as in evo."""
+        aligned = c2w.copy()
+        aligned[:, :3, :3] = self.rotation @ c2w[:, :3, :3]
+        aligned[:, :3, 3] = self.scale * c2w[:, :3, 3] @ self.rotation.T + self.translation
+        return aligned
+
+
+# --------------------------------------------------------------------------------------------------
+# TUM files
+
+
+def read_tum_trajectory(path: str | Path) -> Trajectory:
+    """Read a TUM trajectory file (`timestamp tx ty tz qx qy qz qw`, `#` comments) into c2w poses."""
+    path = Path(path)
+    if not path.is_file():
+        raise EvaluationError(f"trajectory file {path} does not exist")
+    timestamps, poses = [], []
+    for line_number, line in enumerate(path.read_text().splitlines(), start=1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        fields = text.replace(",", " ").split()
+        if len(fields) != 8:
+            raise EvaluationError(
+                f"{path}, line {line_number}: expected 8 values (timestamp tx ty tz qx qy qz qw), "
+                f"found {len(fields)}: {line.strip()!r}"
+            )
+        try:
+            values = [float(field) for field in fields]
+        except ValueError:
+            raise EvaluationError(f"{path}, line {line_number}: not a number in {line.strip()!r}") from None
+        if not all(math.isfinite(v) for v in values):
+            raise EvaluationError(f"{path}, line {line_number}: non-finite value in {line.strip()!r}")
+        qx, qy, qz, qw = values[4:]
+        if math.sqrt(qx * qx + qy * qy + qz * qz + qw * qw) < 1e-9:
+            raise EvaluationError(f"{path}, line {line_number}: zero quaternion in {line.strip()!r}")
+        pose = np.eye(4)
+        pose[:3, :3] = quat_wxyz_to_rotation(np.array([qw, qx, qy, qz]))
+        pose[:3, 3] = values[1:4]
+        timestamps.append(values[0])
+        poses.append(pose)
+    if not timestamps:
+        raise EvaluationError(f"{path} holds no poses (expected lines 'timestamp tx ty tz qx qy qz qw')")
+    return Trajectory(np.asarray(timestamps, dtype=np.float64), np.stack(poses))
+
+
+def write_tum_trajectory(path: str | Path, timestamps: np.ndarray, c2w: np.ndarray) -> None:
+    """Write poses c2w [N, 3, 4] or [N, 4, 4] at timestamps [N] as a TUM trajectory file."""
+    lines = []
+    for timestamp, pose in zip(np.asarray(timestamps, dtype=np.float64), np.asarray(c2w), strict=True):
+        qw, qx, qy, qz = rotation_to_quat_wxyz(pose[:3, :3])
+        tx, ty, tz = pose[:3, 3]
+        lines.append(f"{timestamp:.6f} {tx:.9f} {ty:.9f} {tz:.9f} {qx:.9f} {qy:.9f} {qz:.9f} {qw:.9f}")
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
+# --------------------------------------------------------------------------------------------------
+# Association and alignment
+
+
+def associate_timestamps(
+    estimated: np.ndarray, reference: np.ndarray, max_diff: float = 0.02
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pair timestamps one-to-one, closest pairs first, each pair at most `max_diff` seconds apart.
+
+    estimated [N], reference [M] -> (estimated indices [K], reference indices [K]), ordered by the
+    estimated index. Greedy by time difference (ties broken by index) so a reference stamp that lies
+    between two estimates goes to the nearer one and the other estimate may take its next neighbour.
+    """
+    estimated = np.asarray(estimated, dtype=np.float64)
+    reference = np.asarray(reference, dtype=np.float64)
+    order = np.argsort(reference, kind="stable")
+    sorted_reference = reference[order]
+    lows = np.searchsorted(sorted_reference, estimated - max_diff, side="left")
+    highs = np.searchsorted(sorted_reference, estimated + max_diff, side="right")
+    candidates = []
+    for est_index, (low, high) in enumerate(zip(lows, highs, strict=True)):
+        for sorted_index in range(low, high):
+            diff = abs(sorted_reference[sorted_index] - estimated[est_index])
+            if diff <= max_diff:
+                candidates.append((diff, est_index, int(order[sorted_index])))
+    candidates.sort()
+    used_est, used_ref, pairs = set(), set(), []
+    for _, est_index, ref_index in candidates:
+        if est_index in used_est or ref_index in used_ref:
+            continue
+        used_est.add(est_index)
+        used_ref.add(ref_index)
+        pairs.append((est_index, ref_index))
+    pairs.sort()
+    est_indices = np.array([p[0] for p in pairs], dtype=np.int64)
+    ref_indices = np.array([p[1] for p in pairs], dtype=np.int64)
+    return est_indices, ref_indices
+
+
+def umeyama_alignment(source: np.ndarray, target: np.ndarray, *, with_scale: bool = True) -> Alignment:
+    """Least-squares similarity (Umeyama 1991) mapping source points [N, 3] onto target points [N, 3].
+
+    Minimises sum_i || target_i - (s R source_i + t) ||^2 over rotations R (det +1), translations t
+    and, when `with_scale`, scales s > 0 (otherwise s = 1, i.e. SE(3)).
+    """
+    source = np.asarray(source, dtype=np.float64)
+    target = np.asarray(target, dtype=np.float64)
+    if source.shape != target.shape or source.ndim != 2 or source.shape[1] != 3:
+        raise EvaluationError(f"alignment needs two [N, 3] point sets, got {source.shape} and {target.shape}")
+    count = len(source)
+    source_mean, target_mean = source.mean(axis=0), target.mean(axis=0)
+    source_centred, target_centred = source - source_mean, target - target_mean
+    covariance = target_centred.T @ source_centred / count  # [3, 3], target x source
+    u, singular_values, vt = np.linalg.svd(covariance)
+    if np.count_nonzero(singular_values > np.finfo(np.float64).eps) < 2:
+        raise EvaluationError(
+            "cannot align the trajectories: the matched camera positions are (nearly) all on one point or "
+            "one line, so the rotation is undetermined; evaluate a sequence with more camera motion"
+        )
+    # Flip the weakest axis when the best orthogonal fit is a reflection, so R stays a rotation.
+    sign = np.ones(3)
+    if np.linalg.det(u) * np.linalg.det(vt) < 0:
+        sign[2] = -1.0
+    rotation = u @ np.diag(sign) @ vt
+    scale = 1.0
+    if with_scale:
+        source_variance = float((source_centred**2).sum() / count)
+        scale = float((singular_values * sign).sum() / source_variance)
+    translation = target_mean - scale * rotation @ source_mean
+    return Alignment(rotation=rotation, translation=translation, scale=scale)
+
+
+# --------------------------------------------------------------------------------------------------
+# Metrics
+
+
+def rotation_angle_deg(rotations: np.ndarray) -> np.ndarray:
+    """Angle of each rotation [..., 3, 3] in degrees, in [0, 180].
+
+    atan2 of the sine (from the skew part) and cosine (from the trace) stays accurate near 0 degrees,
+    where arccos of the trace alone loses half the digits.
+    """
+    trace = np.trace(rotations, axis1=-2, axis2=-1)
+    skew = np.stack(
+        [
+            rotations[..., 2, 1] - rotations[..., 1, 2],
+            rotations[..., 0, 2] - rotations[..., 2, 0],
+            rotations[..., 1, 0] - rotations[..., 0, 1],
+        ],
+        axis=-1,
+    )
+    sine = 0.5 * np.linalg.norm(skew, axis=-1)
+    cosine = 0.5 * (trace - 1.0)
+    return np.degrees(np.arctan2(sine, cosine))
+
+
+def error_statistics(errors: np.ndarray) -> dict[str, float]:
+    errors = np.asarray(errors, dtype=np.float64)
+    return {
+        "rmse": float(np.sqrt(np.mean(errors**2))),
+        "mean": float(np.mean(errors)),
+        "median": float(np.median(errors)),
+        "max": float(np.max(errors)),
+    }
+
+
+def absolute_trajectory_errors(estimated_aligned: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """Per-pose position error [N] between aligned estimated and reference c2w poses [N, 4, 4]."""
+    return np.linalg.norm(estimated_aligned[:, :3, 3] - reference[:, :3, 3], axis=-1)
+
+
+def invert_rigid(c2w: np.ndarray) -> np.ndarray:
+    """Inverse of rigid transforms [..., 4, 4]: [R^T | -R^T t], exact where a general inverse rounds."""
+    rotation_t = np.swapaxes(c2w[..., :3, :3], -1, -2)
+    inverse = np.zeros_like(c2w)
+    inverse[..., :3, :3] = rotation_t
+    inverse[..., :3, 3] = -(rotation_t @ c2w[..., :3, 3:4])[..., 0]
+    inverse[..., 3, 3] = 1.0
+    return inverse
+
+
+def relative_pose_errors(
+    estimated_aligned: np.ndarray, reference: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """RPE over consecutive poses (evo: delta 1 frame): translation errors [N-1], rotation errors [N-1] (deg).
+
+    E_i = (Q_i^-1 Q_{i+1})^-1 (P_i^-1 P_{i+1}), Q reference, P estimate, both c2w [N, 4, 4].
+    """
+    reference_relative = invert_rigid(reference[:-1]) @ reference[1:]
+    estimated_relative = invert_rigid(estimated_aligned[:-1]) @ estimated_aligned[1:]
+    error_poses = invert_rigid(reference_relative) @ estimated_relative
+    return np.linalg.norm(error_poses[:, :3, 3], axis=-1), rotation_angle_deg(error_poses[:, :3, :3])
+
+
+def _direction_angle_deg(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """Angle in degrees between vectors [K, 3] and [K, 3]; 0 where either vector has no length."""
+    norms = np.linalg.norm(first, axis=-1) * np.linalg.norm(second, axis=-1)
+    cross = np.linalg.norm(np.cross(first, second), axis=-1)
+    dot = np.einsum("kc,kc->k", first, second)
+    return np.where(norms > 1e-12, np.degrees(np.arctan2(cross, dot)), 0.0)
+
+
+def pairwise_pose_errors(estimated: np.ndarray, reference: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Relative rotation and translation-direction errors (deg) over all frame pairs i < j.
+
+    estimated, reference: c2w [N, 4, 4] (alignment-free: every quantity here is invariant to a global
+    Sim(3) of either trajectory). For each pair, the relative pose of camera j in camera i is
+    T_i^-1 T_j; the rotation error is the angle of R_ref^T R_est, the translation error the angle
+    between the two relative translation directions, folded to min(e, 180 - e) because a direction's
+    sign is what monocular methods most often flip (VGGT's convention). Returns two arrays [N(N-1)/2].
+    """
+    rotation_errors, translation_errors = [], []
+    reference_inverse, estimated_inverse = invert_rigid(reference), invert_rigid(estimated)
+    # One camera i against all later ones at a time: memory stays O(N) while numpy does the inner loop.
+    for i in range(len(reference) - 1):
+        reference_relative = reference_inverse[i] @ reference[i + 1 :]  # [N-1-i, 4, 4]
+        estimated_relative = estimated_inverse[i] @ estimated[i + 1 :]
+        rotation_errors.append(
+            rotation_angle_deg(
+                np.swapaxes(reference_relative[:, :3, :3], -1, -2) @ estimated_relative[:, :3, :3]
+            )
+        )
+        angle = _direction_angle_deg(reference_relative[:, :3, 3], estimated_relative[:, :3, 3])
+        translation_errors.append(np.minimum(angle, 180.0 - angle))
+    return np.concatenate(rotation_errors), np.concatenate(translation_errors)
+
+
+def pose_auc(rotation_errors: np.ndarray, translation_errors: np.ndarray, threshold_deg: int) -> float:
+    """VGGT-style pose AUC@threshold over frame pairs, in [0, 1].
+
+    Each pair's error is max(rotation error, translation-direction error) in degrees. With thresholds
+    k = 1, 2, ..., threshold_deg (1 degree steps), AUC = mean over k of the fraction of pairs whose
+    error is below k (the last step, k = threshold_deg, also counts errors equal to it). This is the
+    normalised cumulative histogram that VGGT's `calculate_auc_np` averages.
+    """
+    errors = np.maximum(rotation_errors, translation_errors)
+    histogram, _ = np.histogram(errors, bins=np.arange(threshold_deg + 1))
+    return float(np.mean(np.cumsum(histogram) / len(errors)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Trajectory evaluation
+
+
+def evaluate_trajectories(
+    estimated: Trajectory,
+    reference: Trajectory,
+    *,
+    alignment: str = "sim3",
+    max_diff: float = 0.02,
+) -> dict:
+    """Associate, align and score an estimated trajectory against a reference one (see module docstring)."""
+    if alignment not in ("sim3", "se3"):
+        raise EvaluationError(f"alignment must be 'sim3' or 'se3', got {alignment!r}")
+    if max_diff < 0:
+        raise EvaluationError(f"max_diff must be >= 0 seconds, got {max_diff}")
+    est_indices, ref_indices = associate_timestamps(estimated.timestamps, reference.timestamps, max_diff)
+    if len(est_indices) == 0:
+        raise EvaluationError(
+            f"no estimated pose lies within {max_diff} s of a ground-truth pose: the estimate spans "
+            f"{estimated.time_range()}, the ground truth spans {reference.time_range()}. Both must use the "
+            "same clock (for TUM, the rgb.txt timestamps); otherwise raise --max-diff"
+        )
+    if len(est_indices) < 3:
+        raise EvaluationError(
+            f"only {len(est_indices)} pose(s) matched within {max_diff} s (the estimate spans "
+            f"{estimated.time_range()}, the ground truth {reference.time_range()}); at least 3 are needed "
+            "to align and evaluate"
+        )
+    matched_est = estimated.subset(est_indices)
+    matched_ref = reference.subset(ref_indices)
+    fit = umeyama_alignment(matched_est.positions, matched_ref.positions, with_scale=alignment == "sim3")
+    aligned = fit.apply_to_poses(matched_est.c2w)
+    ate = error_statistics(absolute_trajectory_errors(aligned, matched_ref.c2w))
+    rpe_translation, rpe_rotation = relative_pose_errors(aligned, matched_ref.c2w)
+    pair_rotation, pair_translation = pairwise_pose_errors(matched_est.c2w, matched_ref.c2w)
+    result = {
+        "alignment": alignment,
+        "scale": fit.scale,
+        "rotation": fit.rotation.tolist(),
+        "translation": fit.translation.tolist(),
+        "max_diff": max_diff,
+        "matched_poses": int(len(est_indices)),
+        "estimated_poses": len(estimated),
+        "gt_poses": len(reference),
+        "ate_rmse": ate["rmse"],
+        "ate_mean": ate["mean"],
+        "ate_median": ate["median"],
+        "ate_max": ate["max"],
+    }
+    translation_stats = error_statistics(rpe_translation)
+    rotation_stats = error_statistics(rpe_rotation)
+    result.update(
+        rpe_trans_rmse=translation_stats["rmse"],
+        rpe_trans_mean=translation_stats["mean"],
+        rpe_rot_rmse_deg=rotation_stats["rmse"],
+        rpe_rot_mean_deg=rotation_stats["mean"],
+    )
+    for threshold in AUC_THRESHOLDS_DEG:
+        result[f"auc_{threshold}"] = pose_auc(pair_rotation, pair_translation, threshold)
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# Depth
+
+
+def depth_errors(predicted: np.ndarray, ground_truth: np.ndarray) -> tuple[float, float, int]:
+    """AbsRel and delta<1.25 of one frame after median scaling.
+
+    predicted, ground_truth [H, W] (same size; ground truth in metres, 0 = no measurement). The
+    prediction is scaled by median(gt) / median(pred) over pixels valid in both, as monocular depth is
+    only known up to scale. Returns (abs_rel, delta1, valid pixel count); NaNs when nothing is valid.
+    """
+    valid = (ground_truth > 0) & np.isfinite(ground_truth) & (predicted > 0) & np.isfinite(predicted)
+    count = int(valid.sum())
+    if count == 0:
+        return float("nan"), float("nan"), 0
+    gt = ground_truth[valid].astype(np.float64)
+    pred = predicted[valid].astype(np.float64)
+    pred = pred * (np.median(gt) / np.median(pred))
+    abs_rel = float(np.mean(np.abs(pred - gt) / gt))
+    delta1 = float(np.mean(np.maximum(pred / gt, gt / pred) < DELTA1_THRESHOLD))
+    return abs_rel, delta1, count
+
+
+def read_tum_depth(path: str | Path) -> np.ndarray:
+    """A TUM depth PNG (uint16, 5000 per metre) -> depth [H, W] float32 metres, 0 where missing."""
+    raw = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
+    if raw is None:
+        raise EvaluationError(f"cannot read depth image {path}")
+    if raw.ndim != 2:
+        raise EvaluationError(
+            f"depth image {path} has {raw.shape[2]} channels; expected a single-channel PNG"
+        )
+    return raw.astype(np.float32) / TUM_DEPTH_FACTOR
+
+
+def match_ground_truth_to_prediction(ground_truth: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """Bring ground-truth depth [h, w] to the prediction's (H, W) the way preprocessing maps the image.
+
+    Preprocessing resizes the frame and rounds each side to the 14-pixel grid, then centre-crops what
+    is still too long. So: when the aspect ratios differ by less than one grid cell's worth (a rounding
+    effect), resize only; otherwise centre-crop the ground truth to the prediction's aspect first.
+    Nearest-neighbour, so holes (0) stay holes and depths are never blended across edges.
+    """
+    height, width = size
+    gt_height, gt_width = ground_truth.shape
+    target_aspect, gt_aspect = width / height, gt_width / gt_height
+    if abs(target_aspect - gt_aspect) > gt_aspect * 14.0 / min(height, width):
+        if gt_aspect > target_aspect:
+            crop_width = int(round(gt_height * target_aspect))
+            start = (gt_width - crop_width) // 2
+            ground_truth = ground_truth[:, start : start + crop_width]
+        else:
+            crop_height = int(round(gt_width / target_aspect))
+            start = (gt_height - crop_height) // 2
+            ground_truth = ground_truth[start : start + crop_height]
+    return cv2.resize(ground_truth, (width, height), interpolation=cv2.INTER_NEAREST)
+
+
+def read_depth_list(depth_dir: str | Path) -> tuple[np.ndarray, list[Path]]:
+    """Ground-truth depth frames of a folder: timestamps [N] and PNG paths, sorted by time.
+
+    Uses `depth.txt` (`timestamp path` per line, paths relative to the folder) when present, as in the
+    TUM RGB-D layout; otherwise every PNG whose file name is its timestamp (`1305031102.160407.png`).
+    """
+    depth_dir = Path(depth_dir)
+    if not depth_dir.is_dir():
+        raise EvaluationError(f"depth folder {depth_dir} does not exist")
+    entries: list[tuple[float, Path]] = []
+    listing = depth_dir / "depth.txt"
+    if listing.is_file():
+        for line_number, line in enumerate(listing.read_text().splitlines(), start=1):
+            text = line.split("#", 1)[0].strip()
+            if not text:
+                continue
+            fields = text.split()
+            try:
+                entries.append((float(fields[0]), depth_dir / fields[1]))
+            except (ValueError, IndexError):
+                raise EvaluationError(
+                    f"{listing}, line {line_number}: expected 'timestamp path', found {line.strip()!r}"
+                ) from None
+    else:
+        for png in depth_dir.glob("*.png"):
+            try:
+                entries.append((float(png.stem), png))
+            except ValueError:
+                continue
+    if not entries:
+        raise EvaluationError(
+            f"no ground-truth depth in {depth_dir}: expected depth.txt or PNGs named by their timestamp"
+        )
+    entries.sort(key=lambda entry: entry[0])
+    return np.array([e[0] for e in entries]), [e[1] for e in entries]
+
+
+def evaluate_depth(predictions_dir: str | Path, depth_dir: str | Path, *, max_diff: float = 0.02) -> dict:
+    """Per-frame median-scaled depth metrics over the predictions that associate with a depth frame.
+
+    Reads `predictions/*.npz` (`timestamp`, `depth` [H, W]); averages the per-frame AbsRel and
+    delta<1.25 over frames (each frame weighs the same, whatever its valid pixel count).
+    """
+    prediction_files = sorted(Path(predictions_dir).glob("*.npz"))
+    if not prediction_files:
+        raise EvaluationError(f"no per-frame predictions (*.npz) in {predictions_dir}")
+    timestamps = []
+    for file in prediction_files:
+        with np.load(file) as data:
+            timestamps.append(float(data["timestamp"]))
+    depth_timestamps, depth_paths = read_depth_list(depth_dir)
+    pred_indices, depth_indices = associate_timestamps(np.array(timestamps), depth_timestamps, max_diff)
+    if len(pred_indices) == 0:
+        raise EvaluationError(
+            f"no prediction lies within {max_diff} s of a ground-truth depth frame: predictions span "
+            f"{min(timestamps):.6f} .. {max(timestamps):.6f} s, depth frames span "
+            f"{depth_timestamps[0]:.6f} .. {depth_timestamps[-1]:.6f} s"
+        )
+    abs_rels, delta1s = [], []
+    for pred_index, depth_index in zip(pred_indices, depth_indices, strict=True):
+        with np.load(prediction_files[pred_index]) as data:
+            predicted = np.asarray(data["depth"], dtype=np.float32)
+        ground_truth = match_ground_truth_to_prediction(
+            read_tum_depth(depth_paths[depth_index]), predicted.shape
+        )
+        abs_rel, delta1, count = depth_errors(predicted, ground_truth)
+        if count:
+            abs_rels.append(abs_rel)
+            delta1s.append(delta1)
+    if not abs_rels:
+        raise EvaluationError(f"none of the {len(pred_indices)} matched depth frames has a valid pixel")
+    return {
+        "depth_abs_rel": float(np.mean(abs_rels)),
+        "depth_delta1": float(np.mean(delta1s)),
+        "depth_frames": len(abs_rels),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Run directories
+
+
+def evaluate_run(
+    run_dir: str | Path,
+    gt_file: str | Path,
+    *,
+    alignment: str = "sim3",
+    max_diff: float = 0.02,
+    depth_dir: str | Path | None = None,
+) -> dict:
+    """Evaluate RUN_DIR/trajectory_tum.txt (and predictions/*.npz depth) and write RUN_DIR/eval.json."""
+    run_dir = Path(run_dir)
+    trajectory_file = run_dir / "trajectory_tum.txt"
+    if not trajectory_file.is_file():
+        raise EvaluationError(
+            f"{run_dir} has no trajectory_tum.txt; is it a stream-recon run directory of a finished run?"
+        )
+    result = {"run_dir": str(run_dir), "gt_file": str(gt_file)}
+    result.update(
+        evaluate_trajectories(
+            read_tum_trajectory(trajectory_file),
+            read_tum_trajectory(gt_file),
+            alignment=alignment,
+            max_diff=max_diff,
+        )
+    )
+    if depth_dir is not None:
+        result["depth_dir"] = str(depth_dir)
+        result.update(evaluate_depth(run_dir / "predictions", depth_dir, max_diff=max_diff))
+    temporary = run_dir / "eval.json.tmp"
+    temporary.write_text(json.dumps(result, indent=2) + "\n")
+    temporary.replace(run_dir / "eval.json")
+    return result

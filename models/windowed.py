@@ -1,0 +1,353 @@
+"""Windowed streaming for streams of unknown length (spec MODEL.md §14).
+
+The model was trained on up to 320 views and its temporal RoPE table stops at 1024 positions, so an
+unbounded stream is cut into windows, each an independent stream with a fresh cache. Window n+1
+starts `overlap` frames before the end of window n and predicts those frames again (they are its
+scale frames); the shared frames give a similarity (Sim(3)) that maps window n+1 onto the already
+aligned window n, hence into the first window's world frame.
+
+Windows and emissions for 14 frames, scale_frames=3, window_frames=6, overlap=3, keyframes all::
+
+    frame      0  1  2  3  4  5  6  7  8  9 10 11 12 13
+    window 0   S  S  S  K  K  K
+    window 1            S  S  S  K  K  K
+    window 2                     S  S  S  K  K  K
+    window 3                              S  S  S  K  K
+
+Every frame is emitted when it is first predicted, already in the first window's frame. A window
+n > 0 holds back its predictions of the shared frames until it has predicted all of them (its
+transform needs them); with overlap >= scale_frames that happens inside the `push` of the frame
+that opened the window, which then returns the re-predicted shared frames followed by the new one.
+The last emission of every frame_index is the reference's stitched result: the shared frames come
+from the later window.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from .engine import StreamConfig, StreamingEngine
+from .gct import GCTStream
+from .pose import decode_pose, quat_xyzw_to_rotation
+from .prediction import FramePrediction
+
+logger = logging.getLogger("stream_recon.models.windowed")
+
+TRAINED_VIEWS = 320  # views per sequence the released checkpoints were trained with
+_DEPTH_EPS = float(np.finfo(np.float32).eps)  # the reference's "depth is not zero" threshold
+_SCALE_RANGE = (1e-3, 1e3)
+
+
+# -- Sim(3) helpers (float64, numpy) -------------------------------------------------------------
+def rotation_to_quat_xyzw(rotation: np.ndarray) -> np.ndarray:
+    """[..., 3, 3] rotation -> unit quaternion [..., 4] (x, y, z, w) with w >= 0.
+
+    Each of the four components can be recovered from the diagonal; dividing by the largest one
+    keeps the result accurate for every rotation, 180-degree turns included (where w -> 0 and the
+    trace formula alone would divide by zero).
+    """
+    m = np.asarray(rotation, dtype=np.float64)
+    m00, m11, m22 = m[..., 0, 0], m[..., 1, 1], m[..., 2, 2]
+    # 4 * (w^2, x^2, y^2, z^2)
+    four_sq = np.stack([1 + m00 + m11 + m22, 1 + m00 - m11 - m22, 1 - m00 + m11 - m22, 1 - m00 - m11 + m22], -1)
+    zy, yz = m[..., 2, 1], m[..., 1, 2]
+    xz, zx = m[..., 0, 2], m[..., 2, 0]
+    yx, xy = m[..., 1, 0], m[..., 0, 1]
+    # Row i: 4 * q_i * (w, x, y, z); the component i itself is 4 q_i^2.
+    scaled = np.stack(
+        [
+            np.stack([four_sq[..., 0], zy - yz, xz - zx, yx - xy], -1),
+            np.stack([zy - yz, four_sq[..., 1], xy + yx, xz + zx], -1),
+            np.stack([xz - zx, xy + yx, four_sq[..., 2], yz + zy], -1),
+            np.stack([yx - xy, xz + zx, yz + zy, four_sq[..., 3]], -1),
+        ],
+        -2,
+    )  # [..., 4, 4]
+    best = np.argmax(four_sq, axis=-1)
+    wxyz = np.take_along_axis(scaled, best[..., None, None], axis=-2)[..., 0, :]
+    wxyz = wxyz / np.linalg.norm(wxyz, axis=-1, keepdims=True)
+    wxyz = np.where(wxyz[..., :1] < 0, -wxyz, wxyz)
+    return np.concatenate([wxyz[..., 1:], wxyz[..., :1]], -1)
+
+
+def quat_xyzw_to_matrix(quat: np.ndarray) -> np.ndarray:
+    """[..., 4] (x, y, z, w), any norm -> [..., 3, 3] float64 (the decoder's formula)."""
+    return quat_xyzw_to_rotation(torch.from_numpy(np.asarray(quat, dtype=np.float64))).numpy()
+
+
+@dataclass(frozen=True)
+class Sim3:
+    """x -> scale * rotation @ x + translation: maps one window's world frame into another's."""
+
+    scale: float
+    rotation: np.ndarray  # [3, 3]
+    translation: np.ndarray  # [3]
+
+    @classmethod
+    def identity(cls) -> Sim3:
+        return cls(1.0, np.eye(3), np.zeros(3))
+
+    @property
+    def matrix(self) -> np.ndarray:
+        """[4, 4] [R | t] without the scale, as the reference's `chunk_transforms`."""
+        out = np.eye(4)
+        out[:3, :3] = self.rotation
+        out[:3, 3] = self.translation
+        return out
+
+    def apply_to_points(self, points: np.ndarray) -> np.ndarray:
+        """[..., 3] -> [..., 3]."""
+        return self.scale * np.asarray(points, np.float64) @ self.rotation.T + self.translation
+
+    def apply_to_pose_enc(self, pose_enc: np.ndarray) -> np.ndarray:
+        """[..., 9] camera-to-world pose encodings -> the same cameras in the target frame.
+
+        The camera centre moves as a point, the orientation is left-multiplied by the rotation and
+        re-encoded as a unit quaternion with w >= 0 (as the reference does; its raw quaternions
+        are not unit), the field of view is unchanged.
+        """
+        pose_enc = np.asarray(pose_enc)
+        out = pose_enc.astype(np.float64, copy=True)
+        out[..., :3] = self.apply_to_points(pose_enc[..., :3])
+        out[..., 3:7] = rotation_to_quat_xyzw(self.rotation @ quat_xyzw_to_matrix(pose_enc[..., 3:7]))
+        return out.astype(pose_enc.dtype)
+
+
+def depth_ratio_scale(target_depth: np.ndarray, source_depth: np.ndarray) -> float:
+    """Median of target / source over all pixels where both are finite and the source is not ~0.
+
+    target_depth, source_depth [K, H, W] for the same K frames. The median is the lower middle
+    value for an even count (torch.median's rule, which the reference uses). Clamped to
+    [1e-3, 1e3]; 1.0 when no pixel qualifies.
+    """
+    target = np.asarray(target_depth, np.float64).ravel()
+    source = np.asarray(source_depth, np.float64).ravel()
+    valid = np.isfinite(target) & np.isfinite(source) & (np.abs(source) > _DEPTH_EPS)
+    if not valid.any():
+        return 1.0
+    ratios = target[valid] / source[valid]
+    middle = (ratios.size - 1) // 2
+    return float(np.clip(np.partition(ratios, middle)[middle], *_SCALE_RANGE))
+
+
+def estimate_window_alignment(target_pose_enc: np.ndarray, target_depth: np.ndarray, target_keyframe: np.ndarray,
+                              source_pose_enc: np.ndarray, source_depth: np.ndarray,
+                              source_keyframe: np.ndarray) -> Sim3:
+    """The Sim(3) taking the source window's predictions of the shared frames onto the target's.
+
+    Inputs are the K shared frames in stream order, as predicted by each window: pose_enc [K, 9],
+    depth [K, H, W], keyframe [K] bool (scale frames count as keyframes). Frames that are keyframes
+    in both windows are paired; the last pair anchors rotation and translation (the first shared
+    frame when there is no pair) and the depth of all pairs gives the scale (spec §14).
+    """
+    paired = np.flatnonzero(np.asarray(target_keyframe, bool) & np.asarray(source_keyframe, bool))
+    anchor = int(paired[-1]) if paired.size else 0
+    depth_rows = paired if paired.size else np.array([0])
+    target_rotation = quat_xyzw_to_matrix(target_pose_enc[anchor, 3:7])
+    source_rotation = quat_xyzw_to_matrix(source_pose_enc[anchor, 3:7])
+    rotation = target_rotation @ source_rotation.T
+    scale = depth_ratio_scale(np.asarray(target_depth)[depth_rows], np.asarray(source_depth)[depth_rows])
+    target_centre = np.asarray(target_pose_enc[anchor, :3], np.float64)
+    source_centre = np.asarray(source_pose_enc[anchor, :3], np.float64)
+    return Sim3(scale, rotation, target_centre - scale * rotation @ source_centre)
+
+
+# -- the engine --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _AlignedFrame:
+    """What a later window needs of a frame to align itself: its final pose and depth."""
+
+    frame_index: int
+    pose_enc: np.ndarray  # [9]
+    depth: np.ndarray  # [H, W]
+    is_keyframe: bool
+
+
+class WindowedEngine:
+    """A StreamingEngine that rolls over to a new window before the cache outgrows the model.
+
+    A window holds up to `window_frames` cached frames (scale frames + keyframes): with
+    `keyframes="interval:K"` it spans scale + (window_frames - scale) * K input frames; with
+    `"flow"` it closes after its (window_frames - scale)-th keyframe. The next window starts
+    `overlap` input frames back, which are kept in a ring of that many frames (never the stream).
+    Same interface as StreamingEngine; predictions carry `window_index`, and a frame predicted by
+    two windows is emitted twice (the later emission is final).
+    """
+
+    def __init__(self, model: GCTStream, config: StreamConfig | None = None, *, window_frames: int = TRAINED_VIEWS,
+                 overlap: int = 16, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+        self.config = config or StreamConfig()
+        policy = self.config.policy
+        scale_frames = self.config.scale_frames
+        if window_frames <= scale_frames:
+            raise ValueError(
+                f"window_frames={window_frames} must be larger than scale_frames={scale_frames}: a window needs "
+                "room for at least one streaming keyframe"
+            )
+        if window_frames > model.config.max_frames:
+            raise ValueError(
+                f"window_frames={window_frames} exceeds the model's temporal RoPE table "
+                f"({model.config.max_frames} positions); use at most {TRAINED_VIEWS}, the trained range"
+            )
+        if not 1 <= overlap < window_frames:
+            raise ValueError(
+                f"overlap={overlap} must be between 1 and window_frames - 1 = {window_frames - 1}: windows are "
+                "aligned on the frames they share"
+            )
+        if window_frames > TRAINED_VIEWS:
+            logger.warning("window_frames=%d is beyond the %d views the model was trained with; quality may degrade",
+                           window_frames, TRAINED_VIEWS)
+        self.window_frames = window_frames
+        self.overlap = overlap
+        self.dynamic_windows = policy.kind == "flow"
+        interval = policy.interval if policy.kind == "interval" else 1
+        # Input frames per window when keyframes follow a fixed rule (unused for flow).
+        self.window_length = scale_frames + (window_frames - scale_frames) * interval
+        self.engine = StreamingEngine(model, self.config, device=device, dtype=dtype)
+        self.model, self.device = self.engine.model, self.engine.device
+        self._replay: deque[tuple[torch.Tensor, float]] = deque(maxlen=overlap)
+        self._tail: deque[_AlignedFrame] = deque(maxlen=overlap)
+        self.reset()
+
+    # -- public ----------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Start a new stream: window 0, empty caches, no transforms."""
+        self.engine.reset()
+        self.num_frames = 0
+        self.window_index = 0
+        self.window_start = 0  # stream index of the current window's first frame
+        self.rollovers = 0
+        self.window_scales: list[float] = [1.0]
+        self.window_transforms: list[np.ndarray] = [Sim3.identity().matrix]
+        self._transform: Sim3 | None = Sim3.identity()
+        self._num_shared = 0  # frames the current window re-predicts from the previous one
+        self._previous_tail: list[_AlignedFrame] = []
+        self._held: list[FramePrediction] = []  # raw predictions waiting for the window's transform
+        self._outbox: list[FramePrediction] = []  # computed but not yet returned (a push that raised)
+        self._replay.clear()
+        self._tail.clear()
+
+    def push(self, image: torch.Tensor | np.ndarray, timestamp: float | None = None) -> list[FramePrediction]:
+        """Add frame [3, H, W]; returns the predictions emitted by it, oldest window first."""
+        timestamp = float(self.num_frames) if timestamp is None else float(timestamp)
+        if self._window_is_full():
+            self._roll_over()
+        self._outbox += self._receive(self.engine.push(image, timestamp))
+        self._replay.append((torch.as_tensor(image).detach().clone(), timestamp))
+        self.num_frames += 1
+        emitted, self._outbox = self._outbox, []
+        return emitted
+
+    def finish(self) -> list[FramePrediction]:
+        """End of stream: predict what the current window still buffers. Call reset() to start again."""
+        self._outbox += self._receive(self.engine.finish())
+        emitted, self._outbox = self._outbox, []
+        return emitted
+
+    def stats(self) -> dict:
+        stats = self.engine.stats()
+        stats.update(
+            frames=self.num_frames,
+            window_index=self.window_index,
+            window_start=self.window_start,
+            rollovers=self.rollovers,
+            replay_frames=len(self._replay),
+        )
+        return stats
+
+    @property
+    def on_backend_ready(self):
+        """Called with the attention backend's name once the first frame sets the caches up."""
+        return self.engine.on_backend_ready
+
+    @on_backend_ready.setter
+    def on_backend_ready(self, callback) -> None:
+        self.engine.on_backend_ready = callback
+
+    @property
+    def chunk_scales(self) -> np.ndarray:
+        """[n_windows] scale of each window's transform into the first window (the reference's name)."""
+        return np.array(self.window_scales)
+
+    @property
+    def chunk_transforms(self) -> np.ndarray:
+        """[n_windows, 4, 4] [R | t] of each window's transform into the first window; with
+        `chunk_scales` it maps x -> s R x + t (the reference's name and layout)."""
+        return np.stack(self.window_transforms)
+
+    # -- windows ---------------------------------------------------------------------------
+    def _window_is_full(self) -> bool:
+        if self.dynamic_windows:
+            return self.engine.num_keyframes >= self.window_frames
+        return self.num_frames - self.window_start >= self.window_length
+
+    def _roll_over(self) -> None:
+        """Close the current window and open the next one on its last frames."""
+        closed_start, closed_cached = self.window_start, self.engine.num_keyframes
+        shared = self.overlap
+        if self.dynamic_windows:
+            # The reference never restarts inside the closing window's scale frames.
+            shared = min(shared, self.num_frames - closed_start - self.config.scale_frames)
+        self._previous_tail = list(self._tail)[len(self._tail) - shared:]
+        self._tail.clear()
+        self.engine.reset()
+        self.window_index += 1
+        self.rollovers += 1
+        self.window_start = self.num_frames - shared
+        self._num_shared = shared
+        self._transform = None
+        self._held = []
+        logger.info(
+            "window rollover: window %d closed after frames %d-%d (%d cached); window %d starts at frame %d "
+            "and re-predicts %d frames",
+            self.window_index - 1, closed_start, self.num_frames - 1, closed_cached, self.window_index,
+            self.window_start, shared,
+        )
+        for image, timestamp in list(self._replay)[len(self._replay) - shared:]:
+            self._outbox += self._receive(self.engine.push(image, timestamp))
+
+    def _receive(self, raw_predictions: list[FramePrediction]) -> list[FramePrediction]:
+        """Window-local predictions in stream order -> emissions in the first window's frame."""
+        for raw in raw_predictions:
+            self._held.append(replace(raw, frame_index=self.window_start + raw.frame_index,
+                                      window_index=self.window_index))
+        if self._transform is None:
+            if len(self._held) < self._num_shared:
+                return []
+            self._transform = self._estimate_transform(self._held[: self._num_shared])
+        emitted = [self._align(raw) for raw in self._held]
+        self._held = []
+        return emitted
+
+    def _estimate_transform(self, shared: list[FramePrediction]) -> Sim3:
+        previous = self._previous_tail
+        assert [p.frame_index for p in previous] == [s.frame_index for s in shared]
+        transform = estimate_window_alignment(
+            np.stack([p.pose_enc for p in previous]), np.stack([p.depth for p in previous]),
+            np.array([p.is_keyframe for p in previous]),
+            np.stack([s.pose_enc for s in shared]), np.stack([s.depth for s in shared]),
+            np.array([s.is_keyframe for s in shared]),
+        )
+        self.window_scales.append(transform.scale)
+        self.window_transforms.append(transform.matrix)
+        angle = np.degrees(np.arccos(np.clip((np.trace(transform.rotation) - 1) / 2, -1, 1)))
+        logger.info("window %d aligned on %d shared frames: scale %.6f, rotation %.2f deg, translation %s",
+                    self.window_index, len(shared), transform.scale, angle, np.round(transform.translation, 4))
+        return transform
+
+    def _align(self, raw: FramePrediction) -> FramePrediction:
+        """Map one raw prediction into the first window's frame (window 0 too: its quaternions
+        come out unit-norm, as in the reference's stitched output)."""
+        transform = self._transform
+        pose_enc = transform.apply_to_pose_enc(raw.pose_enc.astype(np.float64)).astype(np.float32)
+        depth = raw.depth * np.float32(transform.scale)
+        height, width = raw.image_size
+        c2w, intrinsics = decode_pose(torch.from_numpy(pose_enc), height, width)
+        aligned = replace(raw, pose_enc=pose_enc, c2w=c2w.numpy(), intrinsics=intrinsics.numpy(), depth=depth)
+        self._tail.append(_AlignedFrame(aligned.frame_index, pose_enc, depth, aligned.is_keyframe))
+        return aligned

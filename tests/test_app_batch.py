@@ -1,0 +1,373 @@
+"""`batch` on a real dataset tree with the tiny model: summary, failures, resume, kill and rerun, Ray."""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from dataset_tree import write_dataset_tree, write_image_folder
+
+from stream_recon.app.batch import (
+    COMPLETE_MARKER,
+    SUMMARY_COLUMNS,
+    BatchError,
+    plan_actors,
+    read_summary,
+    run_batch,
+)
+from stream_recon.app.datasets import discover_sequences
+from stream_recon.app.pipeline import RunOptions
+from stream_recon.models import GCTStream, ModelConfig
+
+FRAMES = 6
+# 64 x 48 frames -> 56 x 42 model input: the tiny model runs each frame in milliseconds on CPU.
+OPTIONS = RunOptions(device="cpu", image_width=56, scale_frames=4, viewer=False)
+TESTS_DIR = Path(__file__).parent
+
+
+def load_missing_model():
+    raise ValueError("checkpoint /nowhere/model.safetensors does not exist")
+
+
+def load_tiny_model():
+    # Every worker builds the same weights, so serial and Ray runs can be compared number for number.
+    torch.manual_seed(0)
+    return GCTStream(ModelConfig.tiny()).eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # Ray workers run torch on one thread; the in-process runs do the same, so results compare exactly
+    # and a loaded 2-core CI machine does not thrash.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return write_dataset_tree(tmp_path_factory.mktemp("data"), frames=FRAMES)
+
+
+@pytest.fixture(scope="module")
+def serial_run(dataset, tmp_path_factory):
+    output = tmp_path_factory.mktemp("serial")
+    rows = run_batch(discover_sequences(dataset), output, OPTIONS, load_model=load_tiny_model)
+    return output, rows
+
+
+def comparable(row):
+    """A row without the fields that measure time."""
+    return {key: value for key, value in row.items() if key not in ("fps", "seconds", "status")}
+
+
+def test_summary_has_every_sequence_and_the_broken_one_with_its_error(serial_run):
+    output, rows = serial_run
+    assert read_summary(output) == rows
+    assert [(row["name"], row["status"]) for row in rows] == [
+        ("images_frames_a", "ok"),
+        ("tum_rgbd_dataset_synth", "ok"),
+        ("videos_clip", "ok"),
+        ("videos_zz_broken", "failed"),
+    ]
+    broken = rows[3]
+    assert "SourceError" in broken["error"] and "zz_broken.mp4" in broken["error"]
+    assert broken["frames"] is None and not (output / "videos_zz_broken" / COMPLETE_MARKER).exists()
+    for row in rows[:3]:
+        assert row["frames"] == FRAMES and row["error"] is None and row["fps"] > 0
+        run_dir = output / row["name"]
+        assert json.loads((run_dir / "run.json").read_text())["status"] == "complete"
+        assert len(list((run_dir / "predictions").glob("*.npz"))) == FRAMES
+        assert json.loads((run_dir / COMPLETE_MARKER).read_text()) == row
+
+
+def test_tum_sequence_is_evaluated_against_its_ground_truth(serial_run):
+    output, rows = serial_run
+    tum = rows[1]
+    evaluation = json.loads((output / "tum_rgbd_dataset_synth" / "eval.json").read_text())
+    assert tum["matched_poses"] == FRAMES == evaluation["matched_poses"]
+    for key in (
+        "alignment",
+        "scale",
+        "ate_rmse",
+        "rpe_trans_rmse",
+        "rpe_rot_rmse_deg",
+        "auc_30",
+        "depth_abs_rel",
+    ):
+        assert tum[key] == evaluation[key]
+    assert evaluation["depth_frames"] == FRAMES and 0 <= tum["depth_delta1"] <= 1
+    assert all("ate_rmse" not in row for row in rows if row["kind"] != "tum")
+
+
+def test_summary_csv_has_the_same_rows_and_every_column(serial_run):
+    output, rows = serial_run
+    with (output / "summary.csv").open() as file:
+        table = list(csv.DictReader(file))
+    assert list(table[0]) == list(SUMMARY_COLUMNS)
+    assert [line["name"] for line in table] == [row["name"] for row in rows]
+    assert float(table[1]["ate_rmse"]) == rows[1]["ate_rmse"]
+    assert table[0]["ate_rmse"] == "" and table[3]["frames"] == ""
+    assert table[3]["status"] == "failed" and table[3]["error"] == rows[3]["error"]
+
+
+def test_second_invocation_skips_finished_sequences(serial_run, dataset):
+    output, first_rows = serial_run
+    stamps = {row["name"]: (output / row["name"] / "run.json").stat().st_mtime_ns for row in first_rows[:3]}
+    rows = run_batch(discover_sequences(dataset), output, OPTIONS, load_model=load_tiny_model)
+    assert [row["status"] for row in rows] == ["skipped", "skipped", "skipped", "failed"]
+    for before, after in zip(first_rows[:3], rows[:3], strict=True):
+        assert comparable(before) == comparable(after)
+        assert (output / after["name"] / "run.json").stat().st_mtime_ns == stamps[after["name"]]
+    assert read_summary(output) == rows
+
+
+def test_partial_run_directory_is_redone_from_scratch(serial_run, dataset, tmp_path):
+    sequences = [s for s in discover_sequences(dataset) if s.kind == "images"]
+    partial = tmp_path / sequences[0].name
+    (partial / "predictions").mkdir(parents=True)
+    (partial / "predictions" / "000099.npz").write_bytes(b"left over from a killed run")
+    [row] = run_batch(sequences, tmp_path, OPTIONS, load_model=load_tiny_model)
+    assert row["status"] == "ok" and row["frames"] == FRAMES
+    assert not (partial / "predictions" / "000099.npz").exists()
+    assert comparable(row) == comparable(serial_run[1][0])
+
+
+KILLABLE_BATCH = textwrap.dedent(
+    """
+    import sys, torch
+    torch.set_num_threads(1)
+    sys.path.insert(0, {tests_dir!r})
+    from test_app_batch import OPTIONS, load_tiny_model
+    from stream_recon.app.batch import BatchInterrupted, run_batch
+    from stream_recon.app.datasets import discover_sequences
+    try:
+        run_batch(discover_sequences({root!r}), {output!r}, OPTIONS, load_model=load_tiny_model)
+    except BatchInterrupted:
+        sys.exit(130)
+    """
+)
+
+
+def start_batch_and_wait_for(root, output, sequence_name):
+    """Start a batch in a child process; return it once `sequence_name` has written a prediction."""
+    script = KILLABLE_BATCH.format(tests_dir=str(TESTS_DIR), root=str(root), output=str(output))
+    process = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    predictions = output / sequence_name / "predictions"
+    deadline = time.monotonic() + 60
+    while not (predictions.is_dir() and any(predictions.glob("*.npz"))):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"the batch never reached {sequence_name}: {process.stderr.read().decode()}")
+        time.sleep(0.01)
+    return process
+
+
+def test_batch_killed_mid_sequence_completes_when_rerun(tmp_path):
+    root = tmp_path / "data"
+    write_image_folder(root / "a_short", FRAMES)
+    write_image_folder(root / "b_long", 120)
+    output = tmp_path / "out"
+    long_predictions = output / "b_long" / "predictions"
+    process = start_batch_and_wait_for(root, output, "b_long")
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL
+    assert not (output / "b_long" / COMPLETE_MARKER).exists()
+    assert [row["name"] for row in read_summary(output)] == ["a_short"]  # what finished was recorded
+
+    rows = run_batch(discover_sequences(root), output, OPTIONS, load_model=load_tiny_model)
+    assert [(row["name"], row["status"], row["frames"]) for row in rows] == [
+        ("a_short", "skipped", FRAMES),
+        ("b_long", "ok", 120),
+    ]
+    assert len(list(long_predictions.glob("*.npz"))) == 120
+    assert json.loads((output / "b_long" / "run.json").read_text())["status"] == "complete"
+
+
+def test_ctrl_c_stops_the_batch_after_saving_the_current_sequence(tmp_path):
+    root = tmp_path / "data"
+    write_image_folder(root / "a_long", 120)
+    write_image_folder(root / "b_next", FRAMES)
+    output = tmp_path / "out"
+    process = start_batch_and_wait_for(root, output, "a_long")
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=60) == 130, process.stderr.read().decode()
+    [row] = read_summary(output)
+    assert (row["name"], row["status"]) == ("a_long", "failed")
+    assert row["error"].startswith("interrupted") and 0 < row["frames"] < 120
+    assert json.loads((output / "a_long" / "run.json").read_text())["status"] == "interrupted"
+    assert not (output / "b_next").exists()  # the batch stopped instead of going on
+
+
+def test_ray_batch_gives_the_serial_results(serial_run, dataset, tmp_path):
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+    serial_output, serial_rows = serial_run
+    # Workers import load_tiny_model from this file, as a real cluster imports the user's loader.
+    python_path = os.pathsep.join([str(TESTS_DIR), *sys.path])
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        logging_level="ERROR",
+        runtime_env={"env_vars": {"PYTHONPATH": python_path}},
+    )
+    try:
+        rows = run_batch(
+            discover_sequences(dataset),
+            tmp_path,
+            OPTIONS,
+            load_model=load_tiny_model,
+            ray_address="auto",
+            gpus_per_task=0,
+        )
+        # Workers that cannot even load the model fail every sequence by name instead of hanging the batch.
+        dead_rows = run_batch(
+            discover_sequences(dataset),
+            tmp_path / "dead",
+            OPTIONS,
+            load_model=load_missing_model,
+            ray_address="auto",
+            gpus_per_task=0,
+        )
+    finally:
+        ray.shutdown()
+    assert [row["status"] for row in dead_rows] == ["failed"] * 4
+    for row in dead_rows:
+        assert row["error"].startswith("Ray worker failed: ")
+        assert "checkpoint /nowhere/model.safetensors does not exist" in row["error"]
+        assert "\x1b[" not in row["error"]
+    assert [row["status"] for row in rows] == ["ok", "ok", "ok", "failed"]
+    assert read_summary(tmp_path) == rows
+    for serial, distributed in zip(serial_rows, rows, strict=True):
+        assert comparable(distributed).keys() == comparable(serial).keys()
+        for key, value in comparable(serial).items():
+            if isinstance(value, float):
+                assert distributed[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (serial["name"], key)
+            else:
+                assert distributed[key] == value, (serial["name"], key)
+        if serial["status"] == "ok":
+            ours = np.loadtxt(tmp_path / serial["name"] / "trajectory_tum.txt")
+            theirs = np.loadtxt(serial_output / serial["name"] / "trajectory_tum.txt")
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_ray_plan_needs_gpus_only_when_asked():
+    assert plan_actors({"CPU": 2.0}, 0, sequences=5) == 2
+    assert plan_actors({"CPU": 16.0, "GPU": 4.0}, 1, sequences=3) == 3
+    assert plan_actors({"CPU": 16.0, "GPU": 4.0}, 0.5, sequences=20) == 8
+    with pytest.raises(BatchError, match="has 0 GPU.*--gpus-per-task 0"):
+        plan_actors({"CPU": 8.0}, 1, sequences=2)
+
+
+def test_output_overlapping_the_dataset_is_refused(tmp_path):
+    root = tmp_path / "data"
+    write_image_folder(root / "scene", FRAMES)
+    sequences = discover_sequences(root)
+    # OUTPUT/scene would be the input folder itself, and a partial run there would be deleted.
+    with pytest.raises(BatchError, match="overlaps the input"):
+        run_batch(sequences, root, OPTIONS, load_model=load_tiny_model)
+    with pytest.raises(BatchError, match="overlaps the input"):
+        run_batch(sequences, root / "scene" / "out", OPTIONS, load_model=load_tiny_model)
+    assert len(list((root / "scene").glob("*.png"))) == FRAMES
+
+
+def test_a_foreign_folder_in_the_way_is_never_deleted(tmp_path, dataset):
+    sequences = [s for s in discover_sequences(dataset) if s.kind == "images"]
+    foreign = tmp_path / sequences[0].name
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("someone's work")
+    [row] = run_batch(sequences, tmp_path, OPTIONS, load_model=load_tiny_model)
+    assert row["status"] == "failed" and "is not a stream-recon run directory" in row["error"]
+    assert (foreign / "notes.txt").read_text() == "someone's work"
+
+
+def test_output_that_is_a_file_is_refused(tmp_path, dataset):
+    (tmp_path / "out").write_text("not a folder")
+    with pytest.raises(BatchError, match="exists and is not a folder"):
+        run_batch(discover_sequences(dataset), tmp_path / "out", OPTIONS, load_model=load_tiny_model)
+
+
+def test_batch_command_rejects_bad_input_with_one_sentence(tmp_path):
+    from typer.testing import CliRunner
+
+    from stream_recon.app.cli import app
+
+    runner = CliRunner()
+    missing = runner.invoke(app, ["batch", str(tmp_path / "nowhere"), "--output", str(tmp_path / "out")])
+    assert missing.exit_code == 2
+    assert "does not exist" in " ".join(missing.output.split()) and "Traceback" not in missing.output
+    alignment = runner.invoke(
+        app, ["batch", str(tmp_path), "-o", str(tmp_path / "out"), "--alignment", "sim2"]
+    )
+    assert alignment.exit_code == 2 and "--alignment must be sim3 or se3" in alignment.output
+
+
+def test_batch_command_reports_a_missing_checkpoint_before_any_sequence(tmp_path, dataset):
+    from typer.testing import CliRunner
+
+    from stream_recon.app.cli import app
+
+    output = tmp_path / "out"
+    arguments = [
+        "batch",
+        str(dataset),
+        "-o",
+        str(output),
+        "--device",
+        "cpu",
+        "--checkpoint",
+        str(tmp_path / "x.pt"),
+    ]
+    result = CliRunner().invoke(app, arguments)
+    assert result.exit_code == 2, result.output
+    assert "x.pt" in " ".join(result.output.split()) and "Traceback" not in result.output
+    assert read_summary(output) == []
+
+
+def test_batch_command_end_to_end_matches_the_library(tmp_path, dataset, serial_run):
+    from typer.testing import CliRunner
+
+    from stream_recon.app.cli import app
+    from stream_recon.models.checkpoint import convert_to_safetensors
+
+    # The same weights as load_tiny_model, shipped the way users ship them: a .safetensors with its config.
+    torch.save(load_tiny_model().state_dict(), tmp_path / "tiny.pt")
+    checkpoint = convert_to_safetensors(
+        tmp_path / "tiny.pt", tmp_path / "tiny.safetensors", ModelConfig.tiny()
+    )
+    output = tmp_path / "out"
+    arguments = [
+        "batch",
+        str(dataset),
+        "-o",
+        str(output),
+        "--checkpoint",
+        str(checkpoint),
+        "--device",
+        "cpu",
+        "--image-width",
+        "56",
+        "--scale-frames",
+        "4",
+    ]
+    result = CliRunner().invoke(app, arguments)
+    assert result.exit_code == 1, result.output  # one sequence failed; the others are done
+    text = " ".join(result.output.split())
+    assert "summary.json" in text and "videos_zz_broken" in text
+    rows = read_summary(output)
+    assert [comparable(row) for row in rows] == [comparable(row) for row in serial_run[1]]
+    again = CliRunner().invoke(app, arguments)
+    assert [row["status"] for row in read_summary(output)] == ["skipped", "skipped", "skipped", "failed"]
+    assert again.exit_code == 1

@@ -1,0 +1,427 @@
+"""WindowedEngine on the tiny model, and its Sim(3) helpers against float64 numpy references.
+
+The stitched result is checked against an offline version of the reference's `inference_windowed`
+written here from spec §14: every window run by its own fresh StreamingEngine, aligned with 4x4
+matrices and stitched with the later window winning.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stream_recon.models import (
+    FrameError,
+    GCTStream,
+    ModelConfig,
+    StreamConfig,
+    StreamingEngine,
+    WindowedEngine,
+)
+from stream_recon.models.synthetic import load_synthetic_weights
+from stream_recon.models.windowed import (
+    Sim3,
+    depth_ratio_scale,
+    estimate_window_alignment,
+    rotation_to_quat_xyzw,
+)
+
+HEIGHT, WIDTH = 28, 42  # 2 x 3 patches
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # The tiny model's tensors are too small to gain from intra-op threads; on a busy 2-core
+    # machine two threads per op only wait for each other.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return load_synthetic_weights(GCTStream(ModelConfig.tiny())).eval()
+
+
+@pytest.fixture(scope="module")
+def frames():
+    generator = torch.Generator().manual_seed(1)
+    return torch.rand(30, 3, HEIGHT, WIDTH, generator=generator)
+
+
+# -- numpy float64 references ------------------------------------------------------------------
+def quat_to_matrix_reference(quat_xyzw: np.ndarray) -> np.ndarray:
+    """Rodrigues' formula from the axis-angle of the normalised quaternion."""
+    x, y, z, w = np.asarray(quat_xyzw, np.float64) / np.linalg.norm(quat_xyzw)
+    angle = 2 * np.arctan2(np.linalg.norm([x, y, z]), w)
+    axis = np.array([x, y, z]) / max(np.linalg.norm([x, y, z]), 1e-300)
+    cross = np.array([[0, -axis[2], axis[1]], [axis[2], 0, -axis[0]], [-axis[1], axis[0], 0]])
+    return np.eye(3) + np.sin(angle) * cross + (1 - np.cos(angle)) * cross @ cross
+
+
+def matrix_to_quat_reference(rotation: np.ndarray) -> np.ndarray:
+    """Bar-Itzhack: the quaternion is the top eigenvector of a symmetric 4x4 built from R."""
+    (a, b, c), (d, e, f), (g, h, i) = rotation
+    k = np.array([
+        [a - e - i, d + b, g + c, h - f],
+        [d + b, e - a - i, h + f, c - g],
+        [g + c, h + f, i - a - e, d - b],
+        [h - f, c - g, d - b, a + e + i],
+    ]) / 3.0
+    values, vectors = np.linalg.eigh(k)
+    quat = vectors[:, np.argmax(values)]  # x, y, z, w
+    return quat if quat[3] >= 0 else -quat
+
+
+def random_rotations(rng: np.random.Generator, count: int) -> np.ndarray:
+    """Uniform, near identity and near 180 degrees (w ~ 0, where naive conversions break)."""
+    uniform = rng.standard_normal((count, 4))
+    small = np.concatenate([1e-4 * rng.standard_normal((count, 3)), np.ones((count, 1))], axis=1)
+    half_turn = np.concatenate([rng.standard_normal((count, 3)), 1e-6 * rng.standard_normal((count, 1))], axis=1)
+    quats = np.concatenate([uniform, small, half_turn])
+    return np.stack([quat_to_matrix_reference(q) for q in quats])
+
+
+def random_sim3(rng: np.random.Generator) -> Sim3:
+    return Sim3(float(np.exp(rng.uniform(-1, 1))), random_rotations(rng, 1)[0], rng.normal(0, 2, 3))
+
+
+def random_pose_enc(rng: np.random.Generator, count: int) -> np.ndarray:
+    """[count, 9]; quaternions of random norm, as the network produces them."""
+    quats = rng.standard_normal((count, 4)) * rng.uniform(0.3, 2.0, (count, 1))
+    fov = rng.uniform(0.5, 1.2, (count, 2))
+    return np.concatenate([rng.normal(0, 1, (count, 3)), quats, fov], axis=1)
+
+
+def sim3_matrix(transform: Sim3) -> np.ndarray:
+    out = np.eye(4)
+    out[:3, :3] = transform.scale * transform.rotation
+    out[:3, 3] = transform.translation
+    return out
+
+
+def c2w_reference(pose_enc: np.ndarray) -> np.ndarray:
+    out = np.eye(4)
+    out[:3, :3] = quat_to_matrix_reference(pose_enc[3:7])
+    out[:3, 3] = pose_enc[:3]
+    return out
+
+
+# -- Sim(3) helpers ----------------------------------------------------------------------------
+def test_rotation_to_quaternion_matches_the_eigenvector_method():
+    rotations = random_rotations(np.random.default_rng(0), 200)
+    ours = rotation_to_quat_xyzw(rotations)
+    expected = np.stack([matrix_to_quat_reference(r) for r in rotations])
+    # At exactly w = 0 both signs are valid; the sampled w is never that small.
+    np.testing.assert_allclose(ours, expected, atol=1e-9)
+    assert (ours[:, 3] >= 0).all()
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-12)
+    np.testing.assert_allclose(np.stack([quat_to_matrix_reference(q) for q in ours]), rotations, atol=1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_applying_a_sim3_to_poses_matches_4x4_composition(seed):
+    rng = np.random.default_rng(seed)
+    transform = random_sim3(rng)
+    pose_enc = random_pose_enc(rng, 5)
+    moved = transform.apply_to_pose_enc(pose_enc)
+    for before, after in zip(pose_enc, moved, strict=True):
+        expected = sim3_matrix(transform) @ c2w_reference(before)
+        np.testing.assert_allclose(after[:3], expected[:3, 3], atol=1e-9)
+        np.testing.assert_allclose(c2w_reference(after)[:3, :3], expected[:3, :3] / transform.scale, atol=1e-9)
+        assert after[6] >= 0 and abs(np.linalg.norm(after[3:7]) - 1) < 1e-12
+        np.testing.assert_array_equal(after[7:], before[7:])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 6))
+def test_alignment_recovers_a_known_similarity(seed, num_shared):
+    rng = np.random.default_rng(seed)
+    truth = random_sim3(rng)
+    source_pose = random_pose_enc(rng, num_shared)
+    source_depth = rng.uniform(0.5, 5.0, (num_shared, 4, 5))
+    keyframes = rng.random(num_shared) < 0.7
+    target_pose = truth.apply_to_pose_enc(source_pose)
+    estimate = estimate_window_alignment(target_pose, truth.scale * source_depth, keyframes,
+                                         source_pose, source_depth, np.ones(num_shared, bool))
+    assert estimate.scale == pytest.approx(truth.scale, rel=1e-12)
+    np.testing.assert_allclose(estimate.rotation, truth.rotation, atol=1e-9)
+    np.testing.assert_allclose(estimate.translation, truth.translation, atol=1e-8)
+
+
+def test_alignment_uses_only_frames_that_are_keyframes_in_both_windows():
+    rng = np.random.default_rng(3)
+    truth = random_sim3(rng)
+    source_pose = random_pose_enc(rng, 5)
+    source_depth = rng.uniform(1, 2, (5, 3, 3))
+    target_pose = truth.apply_to_pose_enc(source_pose)
+    target_depth = truth.scale * source_depth
+    # Frames 3 and 4 are not pairs (a non-keyframe in one window): their poses and depths are
+    # wrong on purpose, so using them for the anchor or the scale would show.
+    target_pose[3:] = random_pose_enc(rng, 2)
+    target_depth[3:] *= 7.0
+    target_keyframe = np.array([True, False, True, False, True])
+    source_keyframe = np.array([True, True, True, True, False])
+    estimate = estimate_window_alignment(target_pose, target_depth, target_keyframe,
+                                         source_pose, source_depth, source_keyframe)
+    assert estimate.scale == pytest.approx(truth.scale, rel=1e-12)
+    np.testing.assert_allclose(estimate.rotation, truth.rotation, atol=1e-9)
+    np.testing.assert_allclose(estimate.translation, truth.translation, atol=1e-8)
+
+    # No pair at all: the first shared frame anchors everything.
+    target_pose[1:] = random_pose_enc(rng, 4)
+    target_depth[1:] *= 3.0
+    estimate = estimate_window_alignment(target_pose, target_depth, np.array([False, True, False, True, False]),
+                                         source_pose, source_depth, np.array([True, False, True, False, True]))
+    assert estimate.scale == pytest.approx(truth.scale, rel=1e-12)
+    np.testing.assert_allclose(estimate.translation, truth.translation, atol=1e-8)
+
+
+def test_depth_ratio_scale_takes_the_lower_median_of_valid_pixels():
+    target = np.array([[2.0, 3.0, 8.0, 1.0, np.nan, 5.0]])
+    source = np.array([[1.0, 1.0, 2.0, 1.0, 1.0, 0.0]])  # ratios 2, 3, 4, 1; NaN and /0 skipped
+    assert depth_ratio_scale(target, source) == 2.0  # lower middle of 1 2 3 4, as torch.median
+    assert depth_ratio_scale(np.array([np.inf, 1.0]), np.array([1.0, np.nan])) == 1.0
+    assert depth_ratio_scale(np.array([5e4]), np.array([1.0])) == 1e3
+    assert depth_ratio_scale(np.array([1e-5]), np.array([1.0])) == 1e-3
+
+
+# -- the reference algorithm, offline ----------------------------------------------------------
+def fixed_windows(num_frames: int, scale: int, window_frames: int, interval: int, overlap: int):
+    """Spec §14: [start, start + L) every L - overlap frames, stop at the first that reaches the end."""
+    length = min(scale + (window_frames - scale) * interval, num_frames)
+    if length >= num_frames:
+        return [(0, num_frames)]
+    windows = []
+    for start in range(0, num_frames, max(length - overlap, 1)):
+        end = min(start + length, num_frames)
+        if end - start >= overlap or end == num_frames:
+            windows.append((start, end))
+        if end == num_frames:
+            return windows
+
+
+def run_window(model, config: StreamConfig, frames: torch.Tensor, stop_after_keyframes: int | None = None):
+    """One window as an independent stream; flow windows stop after enough keyframes."""
+    engine = StreamingEngine(model, config)
+    predictions = []
+    for frame in frames:
+        predictions += engine.push(frame)
+        if stop_after_keyframes is not None and engine.num_keyframes >= stop_after_keyframes:
+            break
+    return predictions + engine.finish()
+
+
+def offline_windowed(model, config: StreamConfig, frames: torch.Tensor, window_frames: int, overlap: int):
+    """Returns {frame_index: (c2w [4, 4], quat, depth, frame_type)} stitched, and the chunk scales."""
+    scale, total = config.scale_frames, len(frames)
+    windows = []  # (start, raw predictions)
+    if config.policy.kind == "flow":
+        cursor = 0
+        while cursor < total:
+            raw = run_window(model, config, frames[cursor:], stop_after_keyframes=window_frames)
+            windows.append((cursor, raw))
+            end = cursor + len(raw)
+            if end < total:
+                end = max(end - overlap, cursor + scale)
+            cursor = end
+    else:
+        interval = config.policy.interval if config.policy.kind == "interval" else 1
+        for start, end in fixed_windows(total, scale, window_frames, interval, overlap):
+            windows.append((start, run_window(model, config, frames[start:end])))
+
+    stitched, scales = {}, []
+    for n, (start, raw) in enumerate(windows):
+        if n == 0:
+            similarity = np.eye(4)
+        else:
+            shared = [p for p in raw if p.frame_index + start in stitched]
+            paired = [p for p in shared if p.is_keyframe and stitched[p.frame_index + start][3] != 2]
+            anchor = paired[-1] if paired else shared[0]
+            target_c2w = stitched[anchor.frame_index + start][0]
+            source_c2w = c2w_reference(anchor.pose_enc.astype(np.float64))
+            rotation = target_c2w[:3, :3] @ source_c2w[:3, :3].T
+            ratios = np.concatenate([
+                (stitched[p.frame_index + start][2].astype(np.float64) / p.depth.astype(np.float64)).ravel()
+                for p in (paired or shared[:1])
+            ])
+            s = np.sort(ratios)[(ratios.size - 1) // 2]
+            similarity = np.eye(4)
+            similarity[:3, :3] = s * rotation
+            similarity[:3, 3] = target_c2w[:3, 3] - s * rotation @ source_c2w[:3, 3]
+        scales.append(np.cbrt(np.linalg.det(similarity[:3, :3])))
+        for p in raw:
+            c2w = similarity @ c2w_reference(p.pose_enc.astype(np.float64))
+            c2w[:3, :3] /= scales[-1]
+            stitched[start + p.frame_index] = (c2w, matrix_to_quat_reference(c2w[:3, :3]),
+                                               p.depth * scales[-1], p.frame_type)
+    return stitched, np.array(scales)
+
+
+def run_live(engine: WindowedEngine, frames: torch.Tensor):
+    """Returns the last emission per frame and, per push, the (frame_index, window_index) emitted."""
+    final, per_push = {}, []
+    for frame in frames:
+        emitted = engine.push(frame)
+        per_push.append([(p.frame_index, p.window_index) for p in emitted])
+        final.update({p.frame_index: p for p in emitted})
+    emitted = engine.finish()
+    per_push.append([(p.frame_index, p.window_index) for p in emitted])
+    final.update({p.frame_index: p for p in emitted})
+    return final, per_push
+
+
+CASES = {
+    "all": (StreamConfig(scale_frames=3, window=4), 6, 3, 14),
+    "interval": (StreamConfig(scale_frames=2, window=3, keyframes="interval:2"), 4, 3, 17),
+    "overlap_below_scale": (StreamConfig(scale_frames=3, window=2), 5, 2, 12),
+    "flow_gap": (StreamConfig(scale_frames=2, window=3, keyframes="flow", flow_threshold=1e9, max_gap=2), 4, 2, 15),
+    "flow_mixed": (StreamConfig(scale_frames=3, window=4, keyframes="flow", flow_threshold=0.8, max_gap=3), 6, 3, 20),
+    "flow_clamped": (StreamConfig(scale_frames=2, window=2, keyframes="flow", flow_threshold=1e9, max_gap=1), 3, 2, 9),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_last_emissions_equal_the_offline_stitched_reference(model, frames, case):
+    config, window_frames, overlap, count = CASES[case]
+    engine = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap)
+    final, _ = run_live(engine, frames[:count])
+    expected, scales = offline_windowed(model, config, frames[:count], window_frames, overlap)
+
+    assert sorted(final) == sorted(expected) == list(range(count))
+    for index, (c2w, quat, depth, frame_type) in expected.items():
+        ours = final[index]
+        assert ours.frame_type == frame_type, index
+        np.testing.assert_allclose(ours.c2w, c2w[:3], atol=2e-5)
+        np.testing.assert_allclose(ours.pose_enc[3:7], quat, atol=2e-5)
+        np.testing.assert_allclose(ours.depth, depth, rtol=2e-6)
+    np.testing.assert_allclose(engine.chunk_scales, scales, rtol=1e-5)
+    assert engine.stats()["rollovers"] == len(scales) - 1 == engine.chunk_transforms.shape[0] - 1
+    np.testing.assert_array_equal(engine.chunk_transforms[0], np.eye(4))
+
+
+def test_interval_windows_and_frame_types_follow_the_reference_schedule(model, frames):
+    config = StreamConfig(scale_frames=2, window=3, keyframes="interval:2")
+    engine = WindowedEngine(model, config, window_frames=4, overlap=3)  # 2 + 2 * 2 = 6 frames a window
+    final, per_push = run_live(engine, frames[:17])
+    windows = fixed_windows(17, 2, 4, 2, 3)
+    assert windows == [(0, 6), (3, 9), (6, 12), (9, 15), (12, 17)]
+    emitted = [e for push in per_push for e in push]
+    assert emitted == [(i, n) for n, (start, end) in enumerate(windows) for i in range(start, end)]
+    # Final types: scale frames at each window's start, then every second frame a keyframe.
+    next_starts = [start for start, _ in windows[1:]] + [17]
+    for (start, _), stop in zip(windows, next_starts, strict=True):
+        for i in range(start, stop):
+            local = i - start
+            expected_type = 0 if local < 2 else (1 if (local - 2) % 2 == 0 else 2)
+            assert final[i].frame_type == expected_type, i
+
+
+@pytest.mark.parametrize("count, expected_windows", [(6, 1), (7, 2), (9, 2), (10, 3)])
+def test_a_window_opens_only_when_a_frame_falls_beyond_the_last_one(model, frames, count, expected_windows):
+    engine = WindowedEngine(model, StreamConfig(scale_frames=3, window=4), window_frames=6, overlap=3)
+    run_live(engine, frames[:count])
+    assert engine.stats()["window_index"] == expected_windows - 1 == len(fixed_windows(count, 3, 6, 1, 3)) - 1
+
+
+def test_flow_windows_close_after_their_keyframes_and_restart_overlap_frames_back(model, frames):
+    config = StreamConfig(scale_frames=3, window=4, keyframes="flow", flow_threshold=0.8, max_gap=3)
+    engine = WindowedEngine(model, config, window_frames=6, overlap=3)
+    windows: dict[int, list] = {}
+    for frame in frames:
+        for p in engine.push(frame):
+            windows.setdefault(p.window_index, []).append(p)
+    types = {n: [p.frame_type for p in ps] for n, ps in windows.items()}
+    assert len(windows) >= 3 and any(2 in t for t in types.values()), types  # decisions went both ways
+    for n in range(len(windows) - 1):
+        current, following = windows[n], windows[n + 1]
+        assert types[n][:3] == [0, 0, 0] and types[n].count(1) == 3 and types[n][-1] == 1
+        end = current[-1].frame_index + 1
+        assert following[0].frame_index == max(end - 3, current[0].frame_index + 3)
+
+
+def test_first_emission_is_live_and_overlap_frames_are_emitted_again(model, frames):
+    engine = WindowedEngine(model, StreamConfig(scale_frames=3, window=4), window_frames=6, overlap=3)
+    _, per_push = run_live(engine, frames[:14])
+    first_push = {}
+    for push_index, push in enumerate(per_push):
+        for frame_index, _ in push:
+            first_push.setdefault(frame_index, push_index)
+    # Frames 0-2 wait for the scale phase; every later frame is out in its own push.
+    assert first_push == {i: max(i, 2) for i in range(14)}
+    # The push that opens a window returns the re-predicted shared frames, then the new frame.
+    assert per_push[6] == [(3, 1), (4, 1), (5, 1), (6, 1)]
+    assert per_push[14] == []  # finish: nothing left
+
+
+def test_emissions_survive_a_bad_frame_at_a_rollover(model, frames):
+    config = StreamConfig(scale_frames=3, window=4)
+    reference = WindowedEngine(model, config, window_frames=6, overlap=3)
+    _, clean = run_live(reference, frames[:8])
+    engine = WindowedEngine(model, config, window_frames=6, overlap=3)
+    for frame in frames[:6]:
+        engine.push(frame)
+    with pytest.raises(FrameError, match="14x42"):
+        engine.push(frames[6][:, :14])  # the window is full: the rollover runs, then the frame is refused
+    assert [(p.frame_index, p.window_index) for p in engine.push(frames[6])] == clean[6]
+    assert [(p.frame_index, p.window_index) for p in engine.push(frames[7])] == clean[7]
+
+
+def test_memory_is_bounded_and_the_cache_is_reused_across_windows(model, frames):
+    engine = WindowedEngine(model, StreamConfig(scale_frames=2, window=2), window_frames=4, overlap=2)
+    for frame in frames[:4]:  # the first window, full
+        engine.push(frame)
+    kv, cache_bytes = engine.engine.kv, engine.stats()["cache_bytes"]
+    for frame in frames[4:]:
+        engine.push(frame)
+        stats = engine.stats()
+        assert stats["replay_frames"] <= 2
+        assert stats["cached_frames"] <= 4 and stats["special_pages_in_use"] <= 4
+        assert engine.engine.kv is kv and stats["cache_bytes"] == cache_bytes
+    # Windows of 4 frames that start 2 frames apart: [0, 4), [2, 6), ..., [26, 30).
+    assert stats["rollovers"] == 13 and stats["frames"] == 30
+
+
+def test_reset_starts_an_identical_stream(model, frames):
+    engine = WindowedEngine(model, StreamConfig(scale_frames=3, window=4), window_frames=6, overlap=3)
+    backends = []
+    engine.on_backend_ready = backends.append
+    first, _ = run_live(engine, frames[:10])
+    assert backends == ["sdpa"] and engine.device == torch.device("cpu")
+    engine.reset()
+    assert engine.stats()["rollovers"] == 0 and engine.chunk_scales.tolist() == [1.0]
+    second, _ = run_live(engine, frames[:10])
+    for index in first:
+        np.testing.assert_array_equal(first[index].pose_enc, second[index].pose_enc)
+        np.testing.assert_array_equal(first[index].depth, second[index].depth)
+
+
+def test_rollovers_are_logged(model, frames, caplog):
+    engine = WindowedEngine(model, StreamConfig(scale_frames=3, window=4), window_frames=6, overlap=3)
+    with caplog.at_level(logging.INFO, logger="stream_recon.models.windowed"):
+        run_live(engine, frames[:10])
+    rollovers = [r.getMessage() for r in caplog.records if "rollover" in r.getMessage()]
+    assert rollovers == [
+        "window rollover: window 0 closed after frames 0-5 (6 cached); window 1 starts at frame 3 and re-predicts 3 frames",
+        "window rollover: window 1 closed after frames 3-8 (6 cached); window 2 starts at frame 6 and re-predicts 3 frames",
+    ]
+    assert engine.stats()["window_index"] == 2 and engine.stats()["window_start"] == 6
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(window_frames=3), "window_frames=3 must be larger than scale_frames=3"),
+    (dict(window_frames=2000), "exceeds the model's temporal RoPE table"),
+    (dict(window_frames=6, overlap=0), "overlap=0 must be between 1 and window_frames - 1 = 5"),
+    (dict(window_frames=6, overlap=6), "overlap=6 must be between 1 and window_frames - 1 = 5"),
+])
+def test_bad_window_settings_are_refused(model, kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        WindowedEngine(model, StreamConfig(scale_frames=3, window=4), **kwargs)
