@@ -79,6 +79,17 @@ WindowOpt = Annotated[
     typer.Option("--window", help="Sliding window of recent frames whose patch tokens stay visible. \\[default: 64]",
                  rich_help_panel=_ENGINE, show_default=False),
 ]
+WindowFramesOpt = Annotated[
+    Optional[int],
+    typer.Option("--window-frames", help="Long streams: cached frames per window before a new window starts, "
+                 "aligned on the overlap. \\[default: 320, the trained range]", rich_help_panel=_ENGINE,
+                 show_default=False),
+]
+OverlapOpt = Annotated[
+    Optional[int],
+    typer.Option("--overlap", help="Long streams: frames two consecutive windows share. \\[default: 16]",
+                 rich_help_panel=_ENGINE, show_default=False),
+]
 KeyframesOpt = Annotated[
     Optional[str],
     typer.Option("--keyframes", help="Keyframe policy: all, interval:N or flow. \\[default: all]",
