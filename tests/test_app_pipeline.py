@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -202,7 +201,8 @@ def test_disk_failure_mid_stream_ends_the_run_as_failed(tmp_path: Path, tiny_mod
 
         def on_frame(self, pred, stats) -> None:
             if pred.frame_index == 5:
-                shutil.rmtree(run_dir / "predictions")
+                # a rename, not a delete: the writer thread may be writing into the folder right now
+                (run_dir / "predictions").rename(run_dir / "gone")
                 (run_dir / "predictions").write_text("not a folder any more")
 
         def close(self, status: str) -> None:
