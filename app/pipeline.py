@@ -44,6 +44,7 @@ from stream_recon.app.writers import PREDICTIONS_DIR, RUN_JSON, OutputDirError, 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHECKPOINT = "lingbot-map-long"
+MAX_WINDOW_FRAMES = 1024  # positions in the model's temporal RoPE table
 RunStatus = Literal["complete", "interrupted", "failed"]
 DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
                "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
@@ -69,6 +70,10 @@ class RunOptions:
     # engine
     scale_frames: int = 8
     window: int = 64
+    # long streams: a new window (fresh cache, aligned by Sim(3) on `overlap` shared frames) starts
+    # before the cache holds more than `window_frames` frames, the range the model was trained on
+    window_frames: int = 320
+    overlap: int = 16
     keyframes: str = "all"  # all | interval:N | flow
     flow_threshold: float | None = None  # None: the engine's default
     max_gap: int | None = None  # flow policy: longest run of non-keyframes; None: engine default
@@ -103,6 +108,13 @@ class RunOptions:
             yield f"scale_frames must be >= 1, got {self.scale_frames}"
         if self.window < 1:
             yield f"window must be >= 1, got {self.window}"
+        if not self.scale_frames < self.window_frames <= MAX_WINDOW_FRAMES:
+            yield (
+                f"window_frames must be more than scale_frames ({self.scale_frames}) and at most "
+                f"{MAX_WINDOW_FRAMES} (the temporal RoPE table), got {self.window_frames}"
+            )
+        if not 1 <= self.overlap < self.window_frames:
+            yield f"overlap must be between 1 and window_frames - 1 ({self.window_frames - 1}), got {self.overlap}"
         if not _is_keyframe_policy(self.keyframes):
             yield f"keyframes must be all, flow or interval:N (N >= 1), got {self.keyframes!r}"
         if self.image_width <= 0 or self.image_width % PATCH_SIZE:
@@ -527,10 +539,14 @@ def resolve_dtype(name: str, device: str) -> Any:
 
 
 def _build_engine(model: Any, options: RunOptions, device: str, dtype: Any) -> Any:
-    from stream_recon.models import StreamConfig, StreamingEngine
+    from stream_recon.models import StreamConfig
+    from stream_recon.models.windowed import WindowedEngine
 
     config = StreamConfig(**options.stream_config_kwargs())
-    return StreamingEngine(model, config, device=device, dtype=dtype)
+    # a stream shorter than one window runs exactly as a plain StreamingEngine would
+    return WindowedEngine(
+        model, config, window_frames=options.window_frames, overlap=options.overlap, device=device, dtype=dtype
+    )
 
 
 def _start_viewer(options: RunOptions, console: Console) -> Any:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -141,6 +140,32 @@ def test_stream_shorter_than_the_scale_frames_is_flushed(tmp_path: Path, tiny_mo
     assert summary.status == "complete" and summary.frames == 2
 
 
+def test_long_stream_rolls_over_to_new_windows_and_keeps_one_file_per_frame(
+    tmp_path: Path, tiny_model: GCTStream
+) -> None:
+    video = write_video(tmp_path / "long.mp4", 14, fps=20)
+    options = RunOptions(**{**FAST, "window_frames": 5, "overlap": 3})
+
+    summary = run_sequence(str(video), tmp_path / "run", options, model=tiny_model)
+
+    assert summary.status == "complete" and summary.frames == 14 and summary.frames_read == 14
+    record = check_run_dir(tmp_path / "run", 14, "complete")
+    assert record["summary"]["engine"]["rollovers"] >= 2
+    windows = []
+    for index in range(14):
+        with np.load(tmp_path / "run" / "predictions" / f"{index:06d}.npz") as frame:
+            windows.append(int(frame["window_index"]))
+    # the overlap frames were re-predicted by the later window, whose emission is the final one
+    assert windows == sorted(windows) and windows[-1] >= 2
+
+
+def test_window_options_are_checked_before_anything_runs() -> None:
+    with pytest.raises(OptionsError, match="window_frames must be more than scale_frames"):
+        RunOptions(scale_frames=8, window_frames=8)
+    with pytest.raises(OptionsError, match="overlap must be between 1 and window_frames - 1"):
+        RunOptions(window_frames=20, overlap=20)
+
+
 def test_truncated_video_keeps_the_frames_before_the_damage(tmp_path: Path, tiny_model: GCTStream) -> None:
     video = truncate_file(write_video(tmp_path / "cut.avi", 30, fourcc="MJPG"), 0.5)
 
@@ -176,7 +201,8 @@ def test_disk_failure_mid_stream_ends_the_run_as_failed(tmp_path: Path, tiny_mod
 
         def on_frame(self, pred, stats) -> None:
             if pred.frame_index == 5:
-                shutil.rmtree(run_dir / "predictions")
+                # a rename, not a delete: the writer thread may be writing into the folder right now
+                (run_dir / "predictions").rename(run_dir / "gone")
                 (run_dir / "predictions").write_text("not a folder any more")
 
         def close(self, status: str) -> None:

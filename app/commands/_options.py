@@ -7,6 +7,7 @@ Every run option defaults to None, meaning "not given": the value then comes fro
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Optional
@@ -76,6 +77,17 @@ ScaleFramesOpt = Annotated[
 WindowOpt = Annotated[
     Optional[int],
     typer.Option("--window", help="Sliding window of recent frames whose patch tokens stay visible. \\[default: 64]",
+                 rich_help_panel=_ENGINE, show_default=False),
+]
+WindowFramesOpt = Annotated[
+    Optional[int],
+    typer.Option("--window-frames", help="Long streams: cached frames per window before a new window starts, "
+                 "aligned on the overlap. \\[default: 320, the trained range]", rich_help_panel=_ENGINE,
+                 show_default=False),
+]
+OverlapOpt = Annotated[
+    Optional[int],
+    typer.Option("--overlap", help="Long streams: frames two consecutive windows share. \\[default: 16]",
                  rich_help_panel=_ENGINE, show_default=False),
 ]
 KeyframesOpt = Annotated[
@@ -166,6 +178,16 @@ OutputOpt = Annotated[
     typer.Option("--output", "-o", help="Output folder. \\[default: outputs/<source name>]", rich_help_panel=_OUTPUT,
                  show_default=False),
 ]
+
+
+def show_engine_log(console: Console) -> None:
+    """Print the library's INFO messages (window rollovers, backend choice) above the progress line."""
+    from rich.logging import RichHandler
+
+    logger = logging.getLogger("stream_recon")
+    if not any(isinstance(handler, RichHandler) for handler in logger.handlers):
+        logger.addHandler(RichHandler(console=console, show_time=False, show_path=False, markup=False))
+    logger.setLevel(logging.INFO)
 
 
 def error_console() -> Console:

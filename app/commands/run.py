@@ -39,6 +39,7 @@ from stream_recon.app.commands._options import (
     MaxGapOpt,
     OpenTimeoutOpt,
     OutputOpt,
+    OverlapOpt,
     OverwriteOpt,
     PortOpt,
     ScaleFramesOpt,
@@ -46,8 +47,10 @@ from stream_recon.app.commands._options import (
     StrideOpt,
     ViewerOpt,
     VoxelSizeOpt,
+    WindowFramesOpt,
     WindowOpt,
     error_console,
+    show_engine_log,
     user_errors,
 )
 
@@ -68,6 +71,8 @@ def run(
     attention: AttentionOpt = None,
     scale_frames: ScaleFramesOpt = None,
     window: WindowOpt = None,
+    window_frames: WindowFramesOpt = None,
+    overlap: OverlapOpt = None,
     keyframes: KeyframesOpt = None,
     flow_threshold: FlowThresholdOpt = None,
     max_gap: MaxGapOpt = None,
@@ -91,9 +96,11 @@ def run(
     from stream_recon.app.sources import source_name
 
     console = error_console()
+    show_engine_log(console)
     overrides = dict(
         checkpoint=checkpoint, device=device, dtype=dtype, attention=attention, scale_frames=scale_frames,
-        window=window, keyframes=keyframes, flow_threshold=flow_threshold, max_gap=max_gap,
+        window=window, window_frames=window_frames, overlap=overlap, keyframes=keyframes,
+        flow_threshold=flow_threshold, max_gap=max_gap,
         image_width=image_width, fps=fps, max_frames=max_frames, start=start, stride=stride,
         open_timeout_s=open_timeout, conf_threshold=conf_threshold, voxel_size=voxel_size, overwrite=overwrite,
         viewer=viewer, keep_viewer=keep_viewer, host=host, port=port,
