@@ -1,0 +1,242 @@
+"""`stream-recon view RUN_DIR`: replay a finished run in the browser, with a timeline and play/pause.
+
+Usage:
+    stream-recon view outputs/office
+    stream-recon view outputs/office --port 8090
+
+The replay reads `RUN_DIR/predictions/NNNNNN.npz` (one file per frame, the last emission of each frame
+index) and feeds them to the same `LiveViewer` the live run uses, so the scene, the caps and the GUI are
+the same. Moving the timeline to frame t shows the trajectory up to t and the newest keyframes up to t.
+
+Staying interactive on long runs. At start only the small arrays of every file are read (index, keyframe
+flag, c2w), so the timeline knows the whole trajectory. A seek loads at most `max_keyframes` keyframes from
+disk (the ones that can be on screen); every other frame up to t only contributes its pose. The viewer's
+caps bound what the browser holds whatever the run length. Measured with
+`tests/test_app_viewer.py::test_replay_of_3000_frames_stays_under_the_caps` (3,000 synthetic frames, all
+keyframes, a 120-keyframe cap): after seeking to the end, then back to the middle, then to the end, the
+viewer holds at most 120 keyframes (3 scene nodes each, plus the trajectory and the current camera) and
+at most `max_total_points` points, and each seek returns in well under the test's 10 s bound (about 1 s
+on a 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import typer
+from rich.console import Console
+from stream_recon.app.viewer import LiveViewer
+from stream_recon.models.prediction import FRAME_KEY, FRAME_NON_KEY, FramePrediction
+
+
+class RunDirError(ValueError):
+    """The run directory is missing or holds no readable predictions."""
+
+
+@dataclass(frozen=True)
+class RunIndex:
+    """What the timeline needs about every frame of a run, without its depth maps.
+
+    paths [S] npz files in frame order; frame_indices [S]; is_keyframe [S]; c2w [S, 3, 4].
+    """
+
+    paths: tuple[Path, ...]
+    frame_indices: np.ndarray
+    is_keyframe: np.ndarray
+    c2w: np.ndarray
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.paths)
+
+
+def index_run(run_dir: Path) -> RunIndex:
+    """Read the frame index, keyframe flag and pose of every prediction file in `run_dir`."""
+    predictions_dir = Path(run_dir) / "predictions"
+    if not predictions_dir.is_dir():
+        raise RunDirError(
+            f"{run_dir} is not a run directory: {predictions_dir} does not exist "
+            "(pass the --output folder of a `stream-recon` run)"
+        )
+    paths = sorted(predictions_dir.glob("*.npz"))
+    if not paths:
+        raise RunDirError(f"{predictions_dir} holds no prediction files (*.npz): the run wrote no frames")
+    frame_indices, keyframe_flags, poses = [], [], []
+    for path in paths:
+        try:
+            with np.load(path) as npz:  # NpzFile reads members lazily: the depth maps stay on disk
+                frame_indices.append(int(npz["frame_index"]))
+                keyframe_flags.append(bool(npz["is_keyframe"]))
+                poses.append(np.asarray(npz["c2w"], dtype=np.float32).reshape(3, 4))
+        except (OSError, KeyError, ValueError) as error:
+            raise RunDirError(f"cannot read {path}: {error}") from error
+    order = np.argsort(frame_indices, kind="stable")
+    return RunIndex(
+        paths=tuple(paths[i] for i in order),
+        frame_indices=np.asarray(frame_indices)[order],
+        is_keyframe=np.asarray(keyframe_flags)[order],
+        c2w=np.stack(poses)[order],
+    )
+
+
+def load_prediction(path: Path) -> FramePrediction:
+    """One prediction file -> FramePrediction (the run-directory format of DESIGN.md §5)."""
+    with np.load(path) as npz:
+        is_keyframe = bool(npz["is_keyframe"])
+        frame_type = (
+            int(npz["frame_type"]) if "frame_type" in npz else (FRAME_KEY if is_keyframe else FRAME_NON_KEY)
+        )
+        return FramePrediction(
+            frame_index=int(npz["frame_index"]),
+            timestamp=float(npz["timestamp"]),
+            frame_type=frame_type,
+            pose_enc=np.asarray(npz["pose_enc"], dtype=np.float32),
+            c2w=np.asarray(npz["c2w"], dtype=np.float32),
+            intrinsics=np.asarray(npz["intrinsics"], dtype=np.float32),
+            depth=np.asarray(npz["depth"], dtype=np.float32),
+            depth_conf=np.asarray(npz["depth_conf"], dtype=np.float32),
+            image=np.asarray(npz["image"], dtype=np.uint8) if "image" in npz else None,
+            window_index=int(npz["window_index"]) if "window_index" in npz else 0,
+        )
+
+
+class Replay:
+    """Drives a LiveViewer from a run directory: timeline slider, play/pause, playback speed."""
+
+    def __init__(self, index: RunIndex, viewer: LiveViewer, playback_fps: float = 10.0) -> None:
+        self.index = index
+        self.viewer = viewer
+        self.position = -1  # index into `index.paths` of the newest frame on screen
+        self._seek_lock = threading.Lock()
+        self._playing = threading.Event()
+        self._stopping = threading.Event()
+        self._playback_fps = playback_fps
+        self._build_gui()
+        self._player = threading.Thread(target=self._play_loop, name="replay", daemon=True)
+        self._player.start()
+
+    def seek(self, position: int) -> None:
+        """Show the run up to frame `position` (0-based, in frame order)."""
+        position = int(np.clip(position, 0, self.index.num_frames - 1))
+        with self._seek_lock:
+            if position == self.position:
+                return
+            newest_index = int(self.index.frame_indices[position])
+            if position < self.position:
+                # Poses up to `position` are already on screen; keyframes the caps dropped earlier may
+                # fit again once the newer ones are gone, so all candidates up to `position` are checked.
+                self.viewer.truncate_after(newest_index)
+                self.viewer.flush()
+                first_new = 0
+            else:
+                first_new = self.position + 1
+                new_positions = range(first_new, position + 1)
+                self.viewer.push_poses(
+                    {int(self.index.frame_indices[p]): self.index.c2w[p] for p in new_positions}
+                )
+            on_screen = self.viewer.shown_keyframes()
+            for p in self._keyframes_to_load(first_new, position):
+                if int(self.index.frame_indices[p]) not in on_screen:
+                    self.viewer.on_frame(load_prediction(self.index.paths[p]), {})
+            if not self.index.is_keyframe[position]:
+                self.viewer.on_frame(load_prediction(self.index.paths[position]), {})  # the current camera
+            self.position = position
+        if self._timeline.value != position:
+            self._timeline.value = position
+
+    def _keyframes_to_load(self, first: int, last: int) -> list[int]:
+        """Positions in [first, last] of the newest keyframes that can be on screen (oldest first)."""
+        positions = np.flatnonzero(self.index.is_keyframe[first : last + 1]) + first
+        return [int(p) for p in positions[-self.viewer.max_keyframes :]]
+
+    def play(self) -> None:
+        if self.position >= self.index.num_frames - 1:
+            self.seek(0)
+        self._playing.set()
+        self._play_button.label = "Pause"
+
+    def pause(self) -> None:
+        self._playing.clear()
+        self._play_button.label = "Play"
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._playing.set()
+        self._player.join(timeout=5)
+
+    def _play_loop(self) -> None:
+        while not self._stopping.is_set():
+            self._playing.wait()
+            if self._stopping.is_set():
+                return
+            started = time.perf_counter()
+            if self.position >= self.index.num_frames - 1:
+                self.pause()
+                continue
+            self.seek(self.position + 1)
+            self._stopping.wait(max(0.0, 1.0 / self._playback_fps - (time.perf_counter() - started)))
+
+    def _build_gui(self) -> None:
+        gui = self.viewer.server.gui
+        with gui.add_folder("Replay", order=-1):
+            self._timeline = gui.add_slider(
+                "Frame", min=0, max=max(1, self.index.num_frames - 1), step=1, initial_value=0
+            )
+            self._play_button = gui.add_button("Play")
+            speed = gui.add_slider(
+                "Frames / s", min=1.0, max=60.0, step=1.0, initial_value=self._playback_fps
+            )
+
+        @self._timeline.on_update
+        def _(event) -> None:
+            if event.client is not None:  # our own assignments during playback come back with no client
+                self.pause()
+                self.seek(int(self._timeline.value))
+
+        @self._play_button.on_click
+        def _(_event) -> None:
+            self.pause() if self._playing.is_set() else self.play()
+
+        @speed.on_update
+        def _(_event) -> None:
+            self._playback_fps = float(speed.value)
+
+
+def start_replay(run_dir: Path, host: str = "127.0.0.1", port: int = 8080, **viewer_options) -> Replay:
+    """Index `run_dir`, start a viewer and show the whole run (the timeline at its last frame)."""
+    index = index_run(run_dir)
+    viewer = LiveViewer(host, port, keep_serving=True, inference_controls=False, **viewer_options)
+    replay = Replay(index, viewer)
+    replay.seek(index.num_frames - 1)
+    return replay
+
+
+def view(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory written by `stream-recon SOURCE`.")],
+    host: Annotated[
+        str, typer.Option(help="Address to serve on; 0.0.0.0 exposes it to the network.")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to serve on (the next free one if taken).")] = 8080,
+) -> None:
+    """Replay a finished run in the browser, with a timeline."""
+    console = Console(stderr=True, soft_wrap=True)
+    try:
+        replay = start_replay(run_dir, host, port)
+    except RunDirError as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(code=2) from None
+    console.print(f"Replaying {replay.index.num_frames} frames at {replay.viewer.url} (Ctrl+C to stop)")
+    try:
+        while True:
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        replay.stop()
+        replay.viewer.close("complete")
+        replay.viewer.stop()
