@@ -1,0 +1,18 @@
+"""Two-stream paged KV cache: page bookkeeping and the attention backends that read the pages."""
+
+from .pages import CacheCapacityError, PagePool, VisiblePages
+from .paged_attention import KVStep, PagedKV, SDPAPagedAttention
+from .token_cache import TokenCache
+from .two_stream import CacheLayout, TwoStreamCache
+
+__all__ = [
+    "CacheCapacityError",
+    "CacheLayout",
+    "KVStep",
+    "PagePool",
+    "PagedKV",
+    "SDPAPagedAttention",
+    "TokenCache",
+    "TwoStreamCache",
+    "VisiblePages",
+]

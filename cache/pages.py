@@ -1,0 +1,72 @@
+"""Page-id bookkeeping for the two-stream KV cache. Pure Python: no tensors live here."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+
+class CacheCapacityError(ValueError):
+    """A request the cache cannot serve with the limits it was given."""
+
+
+class PagePool:
+    """Page ids and a free list, like vLLM's block pool without hashing or ref counts.
+
+    Ids are dense integers [0, num_pages). The pool grows instead of failing: the backend that owns
+    the physical pages reads `num_pages` before writing and enlarges its storage to match.
+    """
+
+    def __init__(self, num_pages: int, grow_by: int = 16):
+        if num_pages < 1 or grow_by < 1:
+            raise ValueError(f"a page pool needs at least one page and a positive growth step, got {num_pages}, {grow_by}")
+        self.num_pages = num_pages
+        self.grow_by = grow_by
+        self._free: deque[int] = deque(range(num_pages))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            # Grow in steps so that the storage behind the ids is re-allocated rarely.
+            self._free.extend(range(self.num_pages, self.num_pages + self.grow_by))
+            self.num_pages += self.grow_by
+        return self._free.popleft()
+
+    def free(self, page_id: int) -> None:
+        # Freed pages go to the front: the most recently used page is reused first, which keeps the
+        # set of touched pages small (and lets a rolled-back page come straight back).
+        self._free.appendleft(page_id)
+
+    def free_ids(self) -> list[int]:
+        return list(self._free)
+
+
+@dataclass(frozen=True)
+class VisiblePages:
+    """What one attention step reads, in key order: scale | window | special.
+
+    Every page is full except the last, which holds `last_page_len` tokens (FlashInfer's paged
+    layout). Patch pages hold exactly one frame's patch tokens; special pages hold the 6 special
+    tokens of consecutive frames packed back to back, so a frame's specials may straddle two pages.
+    """
+
+    page_ids: tuple[int, ...]
+    last_page_len: int
+    page_size: int
+    num_scale_pages: int
+    num_window_pages: int
+    num_special_pages: int
+    num_special_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        if not self.page_ids:
+            return 0
+        return (len(self.page_ids) - 1) * self.page_size + self.last_page_len

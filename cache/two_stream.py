@@ -1,0 +1,191 @@
+"""Bookkeeping of the two-stream paged KV cache (spec MODEL.md §5, §9.2).
+
+Stream 1, patch tokens: one page per frame. The first `scale_frames` pages are pinned (anchor
+frames); later pages form a sliding window of `window_frames` pages recycled oldest-first.
+Stream 2, special tokens: the 6 special tokens (camera, 4 registers, scale) of every frame ever
+committed, packed back to back into append-only pages: the trajectory memory.
+
+A frame is appended as *pending* (a draft): it is visible to the step that appended it, and then
+either committed or rolled back. Rollback restores the cache exactly as it was before the append,
+including any window page the append evicted, so a rejected frame leaves no trace.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .pages import PagePool, VisiblePages
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    patches_per_frame: int  # one patch page holds exactly one frame's patches
+    specials_per_frame: int = 6
+    scale_frames: int = 8
+    window_frames: int = 64
+
+    def __post_init__(self):
+        if self.patches_per_frame < 1 or self.specials_per_frame < 0:
+            raise ValueError(f"bad token counts per frame: {self.patches_per_frame} patches, {self.specials_per_frame} specials")
+        if self.scale_frames < 1 or self.window_frames < 1:
+            raise ValueError(
+                f"scale_frames and window_frames must be >= 1, got {self.scale_frames} and {self.window_frames}"
+            )
+
+    @property
+    def page_size(self) -> int:
+        return self.patches_per_frame
+
+    @property
+    def tokens_per_frame(self) -> int:
+        return self.specials_per_frame + self.patches_per_frame
+
+    @property
+    def max_patch_pages(self) -> int:
+        """Patch pages that can be in use at once: scale + window + one appended before eviction."""
+        return self.scale_frames + self.window_frames + 1
+
+
+@dataclass
+class _PendingFrame:
+    patch_page: int
+    pinned: bool  # went to the scale pages
+    specials_before: int  # special-token count before this frame
+    special_pages_before: int
+    deferred: bool  # eviction postponed to commit
+    evicted: list[int] = field(default_factory=list)  # window pages this append pushed out, oldest first
+
+
+class TwoStreamCache:
+    """Page tables of the two streams. Knows nothing about tensors, images or keyframe policies."""
+
+    def __init__(self, layout: CacheLayout, pool: PagePool | None = None):
+        self.layout = layout
+        self.pool = pool or PagePool(layout.max_patch_pages + 2)
+        self.scale_pages: list[int] = []
+        self.window_pages: deque[int] = deque()
+        self.special_pages: list[int] = []
+        self.num_special_tokens = 0
+        self.num_committed_frames = 0
+        self._pending: list[_PendingFrame] = []
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def num_pending_frames(self) -> int:
+        return len(self._pending)
+
+    @property
+    def num_patch_frames(self) -> int:
+        """Frames whose patch tokens are visible: scale + window (pending included)."""
+        return len(self.scale_pages) + len(self.window_pages)
+
+    @property
+    def num_special_frames(self) -> int:
+        return self.num_special_tokens // self.layout.specials_per_frame if self.layout.specials_per_frame else 0
+
+    def token_slots(self, frame: int = -1) -> list[int]:
+        """Flat slot ids (page_id * page_size + offset) of a pending frame's tokens, in token order:
+        its specials first, then its patches (the model's per-frame token order)."""
+        pending = self._pending[frame]
+        size = self.layout.page_size
+        first = pending.specials_before
+        specials = [
+            self.special_pages[i // size] * size + i % size
+            for i in range(first, first + self.layout.specials_per_frame)
+        ]
+        patch_base = pending.patch_page * size
+        return specials + list(range(patch_base, patch_base + size))
+
+    def visible_pages(self) -> VisiblePages:
+        """The key set of the current step, pending frames included.
+
+        ```
+        | scale pages (pinned) | window pages, oldest first | special pages (packed 6 per frame) |
+        | s0 s1 .. s7          | w0 w1 .. w63               | [f0 f0 .. f1 f1 ..] [.. fN fN  ]   |
+                                                                               last_page_len ^
+        ```
+        """
+        size = self.layout.page_size
+        page_ids = tuple(self.scale_pages) + tuple(self.window_pages) + tuple(self.special_pages)
+        if self.special_pages:
+            last_page_len = self.num_special_tokens - (len(self.special_pages) - 1) * size
+        else:
+            last_page_len = size  # the last page is a (full) patch page
+        return VisiblePages(
+            page_ids=page_ids,
+            last_page_len=last_page_len,
+            page_size=size,
+            num_scale_pages=len(self.scale_pages),
+            num_window_pages=len(self.window_pages),
+            num_special_pages=len(self.special_pages),
+            num_special_tokens=self.num_special_tokens,
+        )
+
+    # -- updates ---------------------------------------------------------------------------
+    def append(self, defer_eviction: bool = False) -> None:
+        """Add one pending frame: a patch page and 6 special slots.
+
+        Without deferral the window is trimmed right away (so the frame sees window_frames - 1 older
+        frames); with deferral it is trimmed at commit (the frame sees window_frames older frames).
+        """
+        page = self.pool.allocate()
+        pinned = len(self.scale_pages) < self.layout.scale_frames
+        pending = _PendingFrame(
+            patch_page=page,
+            pinned=pinned,
+            specials_before=self.num_special_tokens,
+            special_pages_before=len(self.special_pages),
+            deferred=defer_eviction,
+        )
+        (self.scale_pages.append if pinned else self.window_pages.append)(page)
+        self._append_specials()
+        if not defer_eviction:
+            pending.evicted = self._trim_window()
+        self._pending.append(pending)
+
+    def commit(self) -> None:
+        """Make every pending frame permanent and recycle the window pages they pushed out."""
+        for pending in self._pending:
+            for page in pending.evicted:
+                self.pool.free(page)
+        self._pending.clear()
+        for page in self._trim_window():
+            self.pool.free(page)
+        self.num_committed_frames = self.num_special_frames
+
+    def rollback(self) -> None:
+        """Undo every pending frame, newest first, as if it had never been appended."""
+        while self._pending:
+            pending = self._pending.pop()
+            for page in reversed(pending.evicted):
+                self.window_pages.appendleft(page)
+            popped = self.scale_pages.pop() if pending.pinned else self.window_pages.pop()
+            assert popped == pending.patch_page, "pending frames must be undone in reverse order"
+            self.pool.free(pending.patch_page)
+            while len(self.special_pages) > pending.special_pages_before:
+                self.pool.free(self.special_pages.pop())
+            self.num_special_tokens = pending.specials_before
+
+    def reset(self) -> None:
+        """Forget every frame; pages go back to the pool (the pool keeps its size)."""
+        self.rollback()
+        for page in [*self.scale_pages, *self.window_pages, *self.special_pages]:
+            self.pool.free(page)
+        self.scale_pages.clear()
+        self.window_pages.clear()
+        self.special_pages.clear()
+        self.num_special_tokens = 0
+        self.num_committed_frames = 0
+
+    def _append_specials(self) -> None:
+        size = self.layout.page_size
+        self.num_special_tokens += self.layout.specials_per_frame
+        while len(self.special_pages) * size < self.num_special_tokens:
+            self.special_pages.append(self.pool.allocate())
+
+    def _trim_window(self) -> list[int]:
+        evicted = []
+        while len(self.window_pages) > self.layout.window_frames:
+            evicted.append(self.window_pages.popleft())
+        return evicted

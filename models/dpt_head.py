@@ -1,0 +1,121 @@
+"""DPT depth head (spec §8): four aggregator layers fused RefineNet-style into a dense map."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+def uv_embedding(height: int, width: int, channels: int, aspect: float, device=None) -> torch.Tensor:
+    """Sin-cos embedding of a centred UV grid spanning the image diagonal -> [channels, height, width].
+
+    First half of the channels encodes x, second half y; computed in float64, returned as float32.
+    """
+    diagonal = math.sqrt(aspect * aspect + 1.0)
+    span_x, span_y = aspect / diagonal, 1.0 / diagonal
+    xs = torch.linspace(-span_x * (width - 1) / width, span_x * (width - 1) / width, width, dtype=torch.float32, device=device)
+    ys = torch.linspace(-span_y * (height - 1) / height, span_y * (height - 1) / height, height, dtype=torch.float32, device=device)
+    quarter = channels // 4
+    omega = torch.arange(quarter, dtype=torch.float64, device=device) / quarter
+    omega = 1.0 / 100.0**omega  # [C/4]
+
+    def embed(coord: torch.Tensor) -> torch.Tensor:
+        angle = coord.double()[:, None] * omega[None, :]
+        return torch.cat([angle.sin(), angle.cos()], dim=-1)  # [n, C/2]
+
+    ex = embed(xs)[None, :, :].expand(height, width, -1)
+    ey = embed(ys)[:, None, :].expand(height, width, -1)
+    return torch.cat([ex, ey], dim=-1).float().permute(2, 0, 1)
+
+
+def resize_bilinear(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    return F.interpolate(x, size=size, mode="bilinear", align_corners=True)
+
+
+class ResidualConvUnit(nn.Module):
+    def __init__(self, features: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(features, features, 3, padding=1)
+        self.conv2 = nn.Conv2d(features, features, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The trained network used an in-place ReLU on the unit's input, so the skip connection
+        # carries relu(x), not x. Reproduced on purpose (spec §8 quirk).
+        x = F.relu(x)
+        return self.conv2(F.relu(self.conv1(x))) + x
+
+
+class FusionBlock(nn.Module):
+    def __init__(self, features: int, has_skip: bool):
+        super().__init__()
+        if has_skip:
+            self.resConfUnit1 = ResidualConvUnit(features)
+        self.resConfUnit2 = ResidualConvUnit(features)
+        self.out_conv = nn.Conv2d(features, features, 1)
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor | None, size: tuple[int, int]) -> torch.Tensor:
+        if skip is not None:
+            x = x + self.resConfUnit1(skip)
+        x = self.resConfUnit2(x)
+        return self.out_conv(resize_bilinear(x, size))
+
+
+class Scratch(nn.Module):
+    def __init__(self, out_channels: tuple[int, ...], features: int):
+        super().__init__()
+        for i, channels in enumerate(out_channels, start=1):
+            setattr(self, f"layer{i}_rn", nn.Conv2d(channels, features, 3, padding=1, bias=False))
+        self.refinenet1 = FusionBlock(features, has_skip=True)
+        self.refinenet2 = FusionBlock(features, has_skip=True)
+        self.refinenet3 = FusionBlock(features, has_skip=True)
+        self.refinenet4 = FusionBlock(features, has_skip=False)
+        self.output_conv1 = nn.Conv2d(features, features // 2, 3, padding=1)
+        self.output_conv2 = nn.Sequential(
+            nn.Conv2d(features // 2, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 2, 1)
+        )
+
+
+class DPTHead(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.patch_size = c.patch_size
+        self.num_special = c.num_special_tokens
+        self.norm = nn.LayerNorm(c.head_in_dim)
+        self.projects = nn.ModuleList(nn.Conv2d(c.head_in_dim, ch, 1) for ch in c.dpt_out_channels)
+        ch = c.dpt_out_channels
+        self.resize_layers = nn.ModuleList([
+            nn.ConvTranspose2d(ch[0], ch[0], 4, stride=4),
+            nn.ConvTranspose2d(ch[1], ch[1], 2, stride=2),
+            nn.Identity(),
+            nn.Conv2d(ch[3], ch[3], 3, stride=2, padding=1),
+        ])
+        self.scratch = Scratch(c.dpt_out_channels, c.dpt_features)
+
+    def forward(self, layers: list[torch.Tensor], height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """layers: 4 x [S, P, 2C] (fp32) -> depth [S, H, W], confidence [S, H, W]."""
+        rows, cols = height // self.patch_size, width // self.patch_size
+        aspect = width / height
+        features = []
+        for k, tokens in enumerate(layers):
+            x = self.norm(tokens[:, self.num_special :])  # [S, rows * cols, 2C]
+            x = x.permute(0, 2, 1).reshape(x.shape[0], -1, rows, cols)
+            x = self.projects[k](x)
+            x = x + 0.1 * uv_embedding(rows, cols, x.shape[1], aspect, x.device)
+            features.append(self.resize_layers[k](x))
+        s = self.scratch
+        l1, l2, l3, l4 = (getattr(s, f"layer{i}_rn")(f) for i, f in enumerate(features, start=1))
+        out = s.refinenet4(l4, None, l3.shape[2:])
+        out = s.refinenet3(out, l3, l2.shape[2:])
+        out = s.refinenet2(out, l2, l1.shape[2:])
+        out = s.refinenet1(out, l1, (2 * l1.shape[2], 2 * l1.shape[3]))
+        out = s.output_conv1(out)
+        out = resize_bilinear(out, (rows * self.patch_size, cols * self.patch_size))
+        out = out + 0.1 * uv_embedding(out.shape[2], out.shape[3], out.shape[1], aspect, out.device)
+        out = s.output_conv2(out)  # [S, 2, H, W]
+        return out[:, 0].exp(), 1 + out[:, 1].exp()

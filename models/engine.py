@@ -1,0 +1,276 @@
+"""The streaming engine: frames in one at a time, final per-frame predictions out (spec §5).
+
+Phase 1 buffers the first `scale_frames` frames and predicts them together with bidirectional
+global attention; their K/V become the pinned scale pages. Phase 2 predicts one frame per step
+against scale pages + sliding window + every committed frame's special tokens. Each phase-2 frame
+is appended as a pending frame and then committed (a keyframe) or rolled back (it leaves no trace:
+no pages, no special tokens, no temporal index, no camera-head token).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from stream_recon.cache import CacheLayout, KVStep, PagedKV, SDPAPagedAttention, TokenCache, TwoStreamCache
+
+from .errors import FrameError
+from .gct import GCTStream
+from .pose import camera_motion_flow, decode_pose
+from .prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
+
+
+@dataclass(frozen=True)
+class KeyframePolicy:
+    """`all`: every frame is kept. `interval:N`: every N-th streaming frame is kept, decided before
+    the step. `flow`: decided after the step from the camera-motion flow to the last keyframe
+    (keyframe when flow > threshold pixels, or after max_gap frames without one)."""
+
+    kind: str = "all"
+    interval: int = 1
+    flow_threshold: float = 15.0
+    max_gap: int = 30
+
+    @classmethod
+    def parse(cls, text: str, flow_threshold: float = 15.0, max_gap: int = 30) -> KeyframePolicy:
+        text = text.strip().lower()
+        if text == "all":
+            return cls("all", 1, flow_threshold, max_gap)
+        if text == "flow":
+            if flow_threshold <= 0 or max_gap < 1:
+                raise ValueError(f"flow keyframes need flow_threshold > 0 and max_gap >= 1, got {flow_threshold}, {max_gap}")
+            return cls("flow", 1, flow_threshold, max_gap)
+        if text.startswith("interval:"):
+            try:
+                interval = int(text.split(":", 1)[1])
+            except ValueError:
+                interval = 0
+            if interval >= 1:
+                return cls("interval", interval, flow_threshold, max_gap)
+        raise ValueError(f"unknown keyframe policy {text!r}: use 'all', 'interval:N' (N >= 1) or 'flow'")
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    scale_frames: int = 8
+    window: int = 64  # sliding-window frames whose patch tokens stay visible, the current one included
+    keyframes: str = "all"
+    flow_threshold: float = 15.0
+    max_gap: int = 30
+    attention: str = "auto"  # auto | sdpa | flashinfer
+
+    @property
+    def policy(self) -> KeyframePolicy:
+        return KeyframePolicy.parse(self.keyframes, self.flow_threshold, self.max_gap)
+
+
+def make_attention_backend(name: str, kv: PagedKV):
+    """`auto` picks FlashInfer on CUDA when it imports, else PyTorch SDPA."""
+    if name not in ("auto", "sdpa", "flashinfer"):
+        raise ValueError(f"unknown attention backend {name!r}: use auto, sdpa or flashinfer")
+    if name == "sdpa" or (name == "auto" and kv.device.type != "cuda"):
+        return SDPAPagedAttention(kv)
+    try:
+        from stream_recon.cache.flashinfer_backend import FlashInferPagedAttention
+    except ImportError as error:
+        if name == "flashinfer":
+            raise ValueError(f"--attention flashinfer needs the flashinfer package on a CUDA machine: {error}") from None
+        return SDPAPagedAttention(kv)
+    return FlashInferPagedAttention(kv)
+
+
+class StreamingEngine:
+    def __init__(self, model: GCTStream, config: StreamConfig | None = None, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None):
+        self.model = model.eval()
+        self.config = config or StreamConfig()
+        self.policy = self.config.policy
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.dtype = dtype or torch.float32
+        self.on_backend_ready: Callable[[str], None] | None = None
+        self._image_size: tuple[int, int] | None = None
+        self._buffer: list[tuple[torch.Tensor, float]] = []
+        self.reset()
+
+    # -- public ----------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Start a new stream (new world frame, empty caches)."""
+        self._buffer = []
+        self.num_frames = 0  # frames seen, the next frame's stream index
+        self.num_keyframes = 0
+        self.time_counter = 0  # temporal RoPE index of the next committed frame
+        self._last_key_pose: torch.Tensor | None = None
+        self._last_key_index = -1
+        if self._image_size is not None:
+            self.cache.reset()
+            self.camera_cache.reset()
+
+    def push(self, image: torch.Tensor, timestamp: float | None = None) -> list[FramePrediction]:
+        """Add one frame [3, H, W] (float in [0, 1], or uint8). Returns the predictions that became
+        final: none while the scale frames are buffered, then all of them, then one per frame."""
+        image = self._check_frame(image)
+        timestamp = float(self.num_frames + len(self._buffer)) if timestamp is None else float(timestamp)
+        if self.num_frames == 0 and len(self._buffer) < self.config.scale_frames:
+            self._buffer.append((image, timestamp))
+            if len(self._buffer) < self.config.scale_frames:
+                return []
+            return self._run_scale_frames()
+        return [self._run_streaming_frame(image, timestamp)]
+
+    def finish(self) -> list[FramePrediction]:
+        """End of stream: predict frames still buffered (a stream shorter than the scale frames)."""
+        return self._run_scale_frames() if self._buffer else []
+
+    def stats(self) -> dict:
+        if self._image_size is None:
+            return {"frames": self.num_frames, "keyframes": 0, "cached_frames": 0, "patch_pages_in_use": 0,
+                    "special_pages_in_use": 0, "cache_bytes": 0}
+        return {
+            "frames": self.num_frames,
+            "keyframes": self.num_keyframes,
+            "cached_frames": self.cache.num_committed_frames,
+            "patch_frames": self.cache.num_patch_frames,
+            "patch_pages_in_use": len(self.cache.scale_pages) + len(self.cache.window_pages),
+            "special_pages_in_use": len(self.cache.special_pages),
+            "camera_tokens": self.camera_cache.num_committed,
+            "cache_bytes": self.kv.bytes_allocated + self.camera_cache.bytes_allocated,
+            "attention": self.backend.name,
+        }
+
+    # -- phases ----------------------------------------------------------------------------
+    def _run_scale_frames(self) -> list[FramePrediction]:
+        frames = [f for f, _ in self._buffer]
+        stamps = [t for _, t in self._buffer]
+        self._buffer = []
+        count = len(frames)
+        first_index = self.num_frames
+        for _ in range(count):
+            self.cache.append()
+        outputs = self._forward(torch.stack(frames), num_new=count)
+        self._commit(count)
+        self._last_key_pose = outputs["pose_enc"][-1]
+        self._last_key_index = count - 1
+        return [self._prediction(outputs, i, first_index + i, stamps[i], frames[i], FRAME_SCALE) for i in range(count)]
+
+    def _run_streaming_frame(self, image: torch.Tensor, timestamp: float) -> FramePrediction:
+        index = self.num_frames
+        policy = self.policy
+        if policy.kind == "interval":
+            keyframe = (index - self.config.scale_frames) % policy.interval == 0
+        else:
+            keyframe = policy.kind == "all"
+        decide_later = policy.kind == "flow"
+        # A frame that may be rolled back keeps the oldest window page until the decision, so it
+        # sees window_frames older frames (the reference's deferred eviction).
+        self.cache.append(defer_eviction=decide_later or not keyframe)
+        outputs = self._forward(image[None], num_new=1)
+        flow = float("nan")
+        if decide_later:
+            flow = camera_motion_flow(outputs["pose_enc"][0], self._last_key_pose, outputs["depth"][0])
+            first = index == self.config.scale_frames
+            keyframe = first or flow > policy.flow_threshold or index - self._last_key_index >= policy.max_gap
+        if keyframe:
+            self._commit(1)
+            self._last_key_pose = outputs["pose_enc"][0]
+            self._last_key_index = index
+        else:
+            self._rollback()
+        prediction = self._prediction(outputs, 0, index, timestamp, image, FRAME_KEY if keyframe else FRAME_NON_KEY)
+        prediction.flow_magnitude = flow
+        return prediction
+
+    # -- mechanics -------------------------------------------------------------------------
+    def _forward(self, images: torch.Tensor, num_new: int) -> dict[str, torch.Tensor]:
+        """Predict the pending frames; the cache already holds their (empty) pages."""
+        slots = [s for i in range(-num_new, 0) for s in self.cache.token_slots(i)]
+        self.kv.ensure_pages(self.cache.pool.num_pages)
+        self.backend.plan(self.cache.visible_pages())
+        step = KVStep(self.kv, self.backend, torch.tensor(slots, dtype=torch.long, device=self.device))
+        self.camera_cache.begin(num_new)
+        stream_index = torch.arange(self.num_frames, self.num_frames + num_new, device=self.device)
+        time_index = torch.arange(self.time_counter, self.time_counter + num_new, device=self.device)
+        with torch.inference_mode(), self._autocast():
+            return self.model.step(
+                images.to(self.device), step, self.camera_cache, stream_index, time_index, self.config.scale_frames
+            )
+
+    def _commit(self, count: int) -> None:
+        self.cache.commit()
+        self.camera_cache.commit()
+        self.time_counter += count
+        self.num_frames += count
+        self.num_keyframes += count
+
+    def _rollback(self) -> None:
+        self.cache.rollback()
+        self.camera_cache.rollback()
+        self.num_frames += 1
+
+    def _autocast(self):
+        if self.device.type == "cuda" and self.dtype != torch.float32:
+            return torch.autocast("cuda", dtype=self.dtype)
+        return torch.autocast(self.device.type, enabled=False)
+
+    def _prediction(self, outputs, row: int, index: int, timestamp: float, image: torch.Tensor,
+                    frame_type: int) -> FramePrediction:
+        height, width = self._image_size
+        pose_enc = outputs["pose_enc"][row].float()
+        c2w, intrinsics = decode_pose(pose_enc, height, width)
+        return FramePrediction(
+            frame_index=index,
+            timestamp=timestamp,
+            frame_type=frame_type,
+            pose_enc=pose_enc.cpu().numpy(),
+            c2w=c2w.cpu().numpy(),
+            intrinsics=intrinsics.cpu().numpy(),
+            depth=outputs["depth"][row].float().cpu().numpy(),
+            depth_conf=outputs["depth_conf"][row].float().cpu().numpy(),
+            image=(image.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy(),
+        )
+
+    def _check_frame(self, image) -> torch.Tensor:
+        if isinstance(image, np.ndarray):
+            image = torch.from_numpy(image)
+        if not isinstance(image, torch.Tensor):
+            raise FrameError(f"a frame must be a torch.Tensor or numpy array [3, H, W], got {type(image).__name__}")
+        if image.ndim != 3 or image.shape[0] != 3:
+            raise FrameError(f"a frame must have shape [3, H, W] (RGB, channels first), got {list(image.shape)}")
+        if image.dtype == torch.uint8:
+            image = image.float() / 255
+        elif not image.is_floating_point():
+            raise FrameError(f"a frame must be uint8 or float in [0, 1], got {image.dtype}")
+        height, width = image.shape[1:]
+        patch = self.model.config.patch_size
+        if height % patch or width % patch:
+            raise FrameError(
+                f"frame size {height}x{width} is not a multiple of the {patch}-pixel patch; preprocess it first "
+                "(stream_recon.app.preprocess)"
+            )
+        if self._image_size is None:
+            self._setup(height, width)
+        elif (height, width) != self._image_size:
+            raise FrameError(
+                f"frame {self.num_frames + len(self._buffer)} is {height}x{width} but the stream started at "
+                f"{self._image_size[0]}x{self._image_size[1]}; every frame of a stream must have one size"
+            )
+        return image.float()
+
+    def _setup(self, height: int, width: int) -> None:
+        c = self.model.config
+        self._image_size = (height, width)
+        rows, cols = c.grid(height, width)
+        layout = CacheLayout(rows * cols, c.num_special_tokens, self.config.scale_frames, self.config.window)
+        self.cache = TwoStreamCache(layout)
+        kv_dtype = self.dtype if self.device.type == "cuda" else torch.float32
+        self.kv = PagedKV(c.depth, c.num_heads, c.head_dim, layout.page_size, kv_dtype, self.device,
+                          self.cache.pool.num_pages)
+        self.backend = make_attention_backend(self.config.attention, self.kv)
+        camera = self.model.camera_head
+        self.camera_cache = TokenCache(camera.num_cache_layers, c.camera_heads, c.head_in_dim // c.camera_heads,
+                                       torch.float32, self.device)
+        if self.on_backend_ready is not None:
+            self.on_backend_ready(self.backend.name)

@@ -1,0 +1,9 @@
+"""Errors users can act on. Each message says what was wrong and what to do."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable, or does not match the model."""
+
+
+class FrameError(ValueError):
+    """A frame cannot be fed to the stream (wrong type, shape or size)."""

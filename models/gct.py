@@ -1,0 +1,40 @@
+"""The GCT streaming network: aggregator, causal camera head and DPT depth head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .aggregator import Aggregator
+from .camera_head import CameraHead
+from .config import ModelConfig
+from .dpt_head import DPTHead
+from .layers import CachedAttention
+
+
+class GCTStream(nn.Module):
+    """Parameter names match the official checkpoints (spec/checkpoint_keys.tsv)."""
+
+    def __init__(self, config: ModelConfig | None = None):
+        super().__init__()
+        self.config = config or ModelConfig()
+        self.aggregator = Aggregator(self.config)
+        self.camera_head = CameraHead(self.config)
+        self.depth_head = DPTHead(self.config)
+
+    def step(self, images: torch.Tensor, kv: CachedAttention, camera_kv: CachedAttention,
+             stream_index: torch.Tensor, time_index: torch.Tensor, num_scale_frames: int) -> dict[str, torch.Tensor]:
+        """Predict S frames that join the stream together (S > 1 only for the scale frames).
+
+        images [S, 3, H, W] in [0, 1]; kv serves the global blocks, camera_kv the camera head.
+        Returns pose_enc [S, 9], pose_enc_list (per refinement iteration), depth [S, H, W] and
+        depth_conf [S, H, W], all float32.
+        """
+        height, width = images.shape[-2:]
+        layers = self.aggregator(images, kv, stream_index, time_index, num_scale_frames)
+        # Both heads run in float32 whatever the trunk's dtype, as the reference does.
+        layers = [layer.float() for layer in layers]
+        with torch.autocast(device_type=images.device.type, enabled=False):
+            poses = self.camera_head(layers[-1][:, 0], camera_kv)
+            depth, depth_conf = self.depth_head(layers, height, width)
+        return {"pose_enc": poses[-1], "pose_enc_list": poses, "depth": depth, "depth_conf": depth_conf}

@@ -1,0 +1,86 @@
+"""Transformer building blocks shared by the DINO trunk, the aggregator and the camera head."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# A rotary embedding acting on q or k laid out [B, H, N, D].
+Rope = Callable[[torch.Tensor], torch.Tensor]
+# Attention over a cache: (layer, q, k, v) with [N, H, D] tensors -> [N, H, D].
+CachedAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class LayerScale(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int, out_dim: int | None = None):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, out_dim or dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with optional per-head QK-norm, RoPE and a KV cache."""
+
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool = False, norm_eps: float = 1e-5):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        # QK-norm: LayerNorm over each head's channels, before RoPE.
+        self.q_norm = nn.LayerNorm(self.head_dim, eps=norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=norm_eps) if qk_norm else nn.Identity()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, rope: Rope | None = None,
+                cache: CachedAttention | None = None, layer: int = 0) -> torch.Tensor:
+        """x [B, N, C] -> [B, N, C]. With `cache` (B = 1), keys come from the cache after this
+        step's K/V are written to it."""
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # [B, H, N, D]
+        q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = rope(q), rope(k)
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v)
+        else:
+            if B != 1:
+                raise ValueError(f"cached attention streams one sequence at a time, got batch {B}")
+            out = cache(layer, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1))  # [N, H, D]
+            out = out.transpose(0, 1).unsqueeze(0)
+        out = out.transpose(1, 2).reshape(B, N, C)
+        return self.proj(out)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block with LayerScale on both residual branches."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qk_norm: bool = False,
+                 norm_eps: float = 1e-5):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
+        self.attn = Attention(dim, num_heads, qk_norm=qk_norm, norm_eps=norm_eps)
+        self.ls1 = LayerScale(dim)
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio))
+        self.ls2 = LayerScale(dim)
+
+    def forward(self, x: torch.Tensor, rope: Rope | None = None,
+                cache: CachedAttention | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.ls1(self.attn(self.norm1(x), rope=rope, cache=cache, layer=layer))
+        return x + self.ls2(self.mlp(self.norm2(x)))

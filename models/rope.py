@@ -1,0 +1,107 @@
+"""Rotary position embeddings: 2D (frame blocks) and 3D temporal (global blocks).
+
+Both are applied to q and k laid out [B, H, N, D] and are pure functions of precomputed tables,
+so a step builds its tables once and every layer reuses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def patch_positions_2d(rows: int, cols: int, num_special: int, device=None) -> torch.Tensor:
+    """(y, x) per token of one frame: specials at (0, 0), patch (r, c) at (r + 1, c + 1).
+
+    -> [P, 2] int64, tokens in model order (specials, then patches row-major).
+    """
+    r, c = torch.meshgrid(torch.arange(rows, device=device), torch.arange(cols, device=device), indexing="ij")
+    patches = torch.stack([r.reshape(-1), c.reshape(-1)], dim=-1) + 1
+    specials = torch.zeros(num_special, 2, dtype=torch.long, device=device)
+    return torch.cat([specials, patches], dim=0)
+
+
+@dataclass(frozen=True)
+class Rope2D:
+    """Rotate-half RoPE per axis: channels [0, D/2) by y, [D/2, D) by x, base `frequency`.
+
+    cos_y, sin_y, cos_x, sin_x: [N, D/2] float32.
+    """
+
+    cos_y: torch.Tensor
+    sin_y: torch.Tensor
+    cos_x: torch.Tensor
+    sin_x: torch.Tensor
+
+    @classmethod
+    def build(cls, positions: torch.Tensor, head_dim: int, frequency: float) -> Rope2D:
+        axis_dim = head_dim // 2
+        # Same arithmetic as the reference table: fp32 inverse frequencies, fp32 angles.
+        exponents = torch.arange(0, axis_dim, 2, device=positions.device).float() / axis_dim
+        inv_freq = 1.0 / (frequency**exponents)  # [axis_dim / 2]
+
+        def table(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            angles = p.float()[:, None] * inv_freq[None, :]
+            angles = torch.cat([angles, angles], dim=-1)  # [N, axis_dim]
+            return angles.cos(), angles.sin()
+
+        cos_y, sin_y = table(positions[:, 0])
+        cos_x, sin_x = table(positions[:, 1])
+        return cls(cos_y, sin_y, cos_x, sin_x)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y_part, x_part = x.chunk(2, dim=-1)
+        return torch.cat([_rotate_half(y_part, self.cos_y, self.sin_y), _rotate_half(x_part, self.cos_x, self.sin_x)], dim=-1)
+
+
+def _rotate_half(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = t.shape[-1] // 2
+    rotated = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
+    return t * cos.to(t.dtype) + rotated * sin.to(t.dtype)
+
+
+def positions_3d(time_index: torch.Tensor, rows: int, cols: int, num_special: int) -> torch.Tensor:
+    """(t, h, w) per token of S frames: special s -> (t, s, s); patch (r, c) -> (t, 6 + r, 6 + c).
+
+    time_index [S] -> [S * P, 3] int64, frame-major, tokens in model order.
+    """
+    device = time_index.device
+    s = torch.arange(num_special, device=device)
+    special_hw = torch.stack([s, s], dim=-1)
+    r, c = torch.meshgrid(torch.arange(rows, device=device), torch.arange(cols, device=device), indexing="ij")
+    patch_hw = torch.stack([r.reshape(-1), c.reshape(-1)], dim=-1) + num_special
+    hw = torch.cat([special_hw, patch_hw], dim=0)  # [P, 2]
+    num_frames, tokens = time_index.shape[0], hw.shape[0]
+    t = time_index[:, None, None].expand(num_frames, tokens, 1)
+    return torch.cat([t, hw[None].expand(num_frames, tokens, 2)], dim=-1).reshape(-1, 3)
+
+
+@dataclass(frozen=True)
+class Rope3D:
+    """Interleaved-pair RoPE over (time, row, col); pair k = channels (2k, 2k + 1).
+
+    cos, sin: [N, D/2] float32 (angles and their cos/sin in float64, then cast, as the reference).
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def build(cls, positions: torch.Tensor, split: tuple[int, int, int], theta: float, max_frames: int) -> Rope3D:
+        if positions.shape[0] and int(positions[:, 0].max()) >= max_frames:
+            raise ValueError(
+                f"temporal index {int(positions[:, 0].max())} is past the model's {max_frames}-position RoPE table; "
+                "start a new window (windowed streaming) before the cache holds that many frames"
+            )
+        angles = []
+        for axis, dim in enumerate(split):
+            freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device)[: dim // 2] / dim))
+            angles.append(positions[:, axis].double()[:, None] * freqs[None, :])
+        angle = torch.cat(angles, dim=-1)  # [N, D/2] float64
+        return cls(angle.cos().float(), angle.sin().float())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).reshape(x.shape)
