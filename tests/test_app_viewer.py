@@ -411,6 +411,41 @@ def test_on_frame_never_blocks_the_inference_thread():
         live.close()
 
 
+def test_tiny_model_stream_reaches_the_browser(viewer):
+    """End to end: the tiny model through the streaming engine into the viewer and a websocket client."""
+    import torch
+    from stream_recon.models import GCTStream, ModelConfig, StreamConfig, StreamingEngine
+    from stream_recon.models.synthetic import load_synthetic_weights
+
+    model = load_synthetic_weights(GCTStream(ModelConfig.tiny())).eval()
+    engine = StreamingEngine(model, StreamConfig(scale_frames=4, keyframes="interval:2"), device="cpu")
+    mirror = SceneMirror(viewer.url)
+    emitted = []
+    try:
+        for index in range(8):
+            viewer.wait_if_paused()
+            image = torch.from_numpy(orbit_frame(index, size=(56, 70)).image).permute(2, 0, 1).float() / 255
+            for pred in engine.push(image, timestamp=index / 30):
+                viewer.on_frame(pred, engine.stats())
+                emitted.append(pred)
+        assert [p.frame_index for p in emitted] == list(range(8))
+        keyframes = [f"/keyframes/f{p.frame_index:06d}" for p in emitted if p.is_keyframe]
+        assert 4 < len(keyframes) < 8  # scale frames plus every other streaming frame
+        mirror.wait_for(lambda m: keyframe_names(m) == keyframes and "/trajectory" in m.nodes)
+        mirror.wait_for(lambda m: len(m.nodes["/trajectory"]["props"]["points"]) == 7 * 2 * 3)
+        last = emitted[-1]
+        mirror.wait_for(lambda m: np.allclose(m.nodes["/current"]["position"], last.c2w[:, 3], atol=1e-4))
+        for name, pred in zip(keyframes, [p for p in emitted if p.is_keyframe], strict=True):
+            np.testing.assert_allclose(mirror.nodes[name]["position"], pred.c2w[:, 3], atol=1e-5)
+            assert len(mirror.nodes[f"{name}/points"]["props"]["points"]) > 0
+        # The readout shows the engine's cache occupancy (markdown travels as `_markdown`).
+        mirror.wait_for(
+            lambda m: any("pages in use" in str(g["props"].get("_markdown")) for g in m.gui.values())
+        )
+    finally:
+        mirror.close()
+
+
 # ----------------------------------------------------------------------------------------- replay
 
 
@@ -443,6 +478,7 @@ def test_replay_shows_the_run_and_follows_the_timeline(tmp_path):
     mirror = SceneMirror(replay.viewer.url)
     try:
         assert replay.position == 29
+        assert replay.wait_until_loaded()
         mirror.wait_for(lambda m: len(keyframe_names(m)) == 15 and "/current" in m.nodes)
         mirror.wait_for(lambda m: len(m.nodes["/trajectory"]["props"]["points"]) == 29 * 6)
         np.testing.assert_allclose(mirror.world_points("/keyframes/f000028")[:, 2], PLANE_Z, atol=0.02)
@@ -464,18 +500,19 @@ def test_replay_of_3000_frames_stays_under_the_caps(tmp_path):
     replay = start_replay(tmp_path / "run", port=free_port(), **caps)
     try:
         timings = [time.perf_counter() - started]
+        assert replay.wait_until_loaded()
         for position in (1500, 2999):
             started = time.perf_counter()
             replay.seek(position)
-            assert replay.viewer.flush()
-            timings.append(time.perf_counter() - started)
+            timings.append(time.perf_counter() - started)  # what the timeline slider waits for
+            assert replay.wait_until_loaded()
             summary = replay.viewer.scene_summary()
             assert summary["keyframes"] <= 120 and summary["nodes"] <= 3 * 120 + 2
             assert summary["points"] <= 20_000
             assert max(replay.viewer.shown_keyframes()) == position
             assert summary["trajectory_frames"] == position + 1
-        print("replay of 3000 frames: open + seek times (s):", [round(t, 2) for t in timings])
-        assert max(timings) < 10
+        print("replay of 3000 frames: open, then seek times (s):", [round(t, 2) for t in timings])
+        assert max(timings[1:]) < 2
     finally:
         replay.stop()
         replay.viewer.close()
