@@ -47,6 +47,7 @@ THINNED_FRACTION = 4
 KEYFRAME_COLOR = (90, 90, 90)
 CURRENT_COLOR = (255, 120, 0)
 TRAJECTORY_COLOR = (255, 60, 60)
+ARRIVAL_WINDOW_S = 2.0
 
 
 def allocate_point_budget(full_counts: list[int], max_total_points: int) -> list[int]:
@@ -138,6 +139,14 @@ def thumbnail(image: np.ndarray, max_side: int) -> np.ndarray:
         return np.ascontiguousarray(image)
     size = (max(1, round(w * factor)), max(1, round(h * factor)))
     return cv2.resize(image, size, interpolation=cv2.INTER_AREA)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
+
+
+def _format_number(value: float) -> str:
+    return f"{value:.1f}" if math.isfinite(value) else "-"
 
 
 def _depth_fingerprint(pred: FramePrediction) -> int:
@@ -249,7 +258,7 @@ class LiveViewer:
         self._resume.set()
         self._closed = False
         self._drawing = False  # the viewer thread is applying a batch it took from `_pending`
-        self._arrivals: collections.deque[float] = collections.deque(maxlen=64)
+        self._arrivals: collections.deque[float] = collections.deque(maxlen=512)
 
         # Scene state, touched only by the viewer thread.
         self._keyframes: dict[int, _Keyframe] = {}
@@ -440,9 +449,15 @@ class LiveViewer:
         self._update_readouts(pending.stats, fps)
 
     def _arrival_fps(self) -> float:
-        if len(self._arrivals) < 2 or self._arrivals[-1] == self._arrivals[0]:
+        """Frames per second over the last ARRIVAL_WINDOW_S seconds of `on_frame` calls.
+
+        The denominator is at least one second: phase 1 hands over its scale frames in one burst, which
+        would otherwise read as thousands of frames per second."""
+        now = time.perf_counter()
+        recent = [t for t in self._arrivals if now - t <= ARRIVAL_WINDOW_S]
+        if not recent:
             return float("nan")
-        return (len(self._arrivals) - 1) / (self._arrivals[-1] - self._arrivals[0])
+        return len(recent) / max(1.0, min(ARRIVAL_WINDOW_S, now - self._arrivals[0]))
 
     def _truncate(self, frame_index: int) -> None:
         for index in [i for i in self._keyframes if i > frame_index]:
@@ -605,17 +620,22 @@ class LiveViewer:
             self._move_clients_to(self._current_c2w)
 
     def _update_readouts(self, stats: dict, arrival_fps: float) -> None:
-        fps = stats.get("fps", arrival_fps)
+        """FPS and cache occupancy from the run loop's stats; any key may be missing or None."""
+        fps = stats.get("fps") if _is_number(stats.get("fps")) else arrival_fps
+        line = f"frame **{self._current_index}**, FPS **{_format_number(fps)}**"
+        if _is_number(stats.get("model_fps")):
+            line += f" (model {_format_number(stats['model_fps'])})"
         lines = [
-            f"frame **{self._current_index}**, FPS **{fps:.1f}**",
+            line,
             f"keyframes on screen {len(self._keyframes)}, points {self.scene_summary()['points']:,}",
         ]
-        if "cached_frames" in stats:
-            lines.append(f"cache: {stats['cached_frames']} frames cached")
-        pages = [f"{k.replace('_pages_in_use', '')} {stats[k]}" for k in stats if k.endswith("_pages_in_use")]
+        if _is_number(stats.get("cached_frames")):
+            lines.append(f"cache: {stats['cached_frames']} frames")
+        pages = [f"{key.removesuffix('_pages_in_use')} {value}" for key, value in stats.items()
+                 if key.endswith("_pages_in_use") and _is_number(value)]  # fmt: skip
         if pages:
             lines.append("pages in use: " + ", ".join(pages))
-        if "cache_bytes" in stats:
+        if _is_number(stats.get("cache_bytes")):
             lines.append(f"cache memory {stats['cache_bytes'] / 2**20:.1f} MiB")
         self._readout.content = "  \n".join(lines)
 

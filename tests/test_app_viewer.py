@@ -234,8 +234,8 @@ def test_scene_arrives_and_updates_over_websocket(viewer):
     for index in range(8):
         viewer.on_frame(orbit_frame(index), {"frames": index + 1, "cached_frames": index + 1})
     first = SceneMirror(viewer.url)  # joins mid-stream
-    for index in range(8, 14):
-        viewer.on_frame(orbit_frame(index), {"frames": index + 1, "cached_frames": index + 1})
+    for index in range(8, 14):  # the run loop's stats: end-to-end FPS unknown so far (None)
+        viewer.on_frame(orbit_frame(index), {"frames": index + 1, "fps": None, "model_fps": 12.5})
     keyframes = [i for i in range(14) if orbit_frame(i).is_keyframe]  # 0-3 scale frames, then even ones
     expected = [f"/keyframes/f{i:06d}" for i in keyframes]
     try:
@@ -245,6 +245,9 @@ def test_scene_arrives_and_updates_over_websocket(viewer):
         first.wait_for(lambda m: len(m.nodes["/trajectory"]["props"]["points"]) == 13 * 2 * 3)
         first.wait_for(
             lambda m: np.allclose(m.nodes["/current"]["position"], orbit_frame(13).c2w[:, 3], atol=1e-4)
+        )
+        first.wait_for(
+            lambda m: any("(model 12.5)" in str(g["props"].get("_markdown")) for g in m.gui.values())
         )
         for name in expected:
             assert first.nodes[f"{name}/frustum"]["type"] == "CameraFrustumMessage"
