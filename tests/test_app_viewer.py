@@ -106,6 +106,7 @@ class SceneMirror:
         self.replay_done = False
         self.error: Exception | None = None
         self.camera_look_at: tuple | None = None
+        self.num_messages = 0
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._socket = None
@@ -144,6 +145,7 @@ class SceneMirror:
         with self._lock:
             for message in payload["messages"]:
                 self._apply(_resolve_arrays(message, buffers))
+                self.num_messages += 1
 
     def _apply(self, message: dict) -> None:
         kind, name = message["type"], message.get("name")
@@ -305,6 +307,11 @@ def test_binds_loopback_and_moves_to_the_next_free_port():
                 pass
         finally:
             live.close()
+    unset = LiveViewer(host=None, port=None)  # options left unset must not mean "every interface"
+    try:
+        assert unset.server.get_host() == "127.0.0.1" and unset.port >= 8080
+    finally:
+        unset.close()
 
 
 def test_pause_and_follow_from_the_browser(viewer):
@@ -342,17 +349,38 @@ def test_pause_and_follow_from_the_browser(viewer):
 
 
 def test_caps_thin_then_remove_the_oldest_keyframes():
-    live = LiveViewer(port=free_port(), max_points_per_keyframe=200, max_total_points=1500, max_keyframes=12)
+    live = LiveViewer(
+        port=free_port(), max_points_per_keyframe=200, max_total_points=1500, max_keyframes=12, update_hz=20.0
+    )
+    watcher = SceneMirror(live.url)
     try:
-        for index in range(40):
-            live.on_frame(orbit_frame(index, frame_type=FRAME_KEY), {})
-        assert live.flush()
+        for start in range(0, 40, 5):  # in batches, so that keyframes are thinned and removed over time
+            for index in range(start, start + 5):
+                live.on_frame(orbit_frame(index, frame_type=FRAME_KEY), {})
+            assert live.flush()
         summary = live.scene_summary()
         assert summary["points"] <= 1500 and summary["keyframes"] <= 12
         shown = sorted(live.shown_keyframes())
         assert shown[-1] == 39 and shown == list(range(shown[0], 40))  # the newest ones survive
         assert summary["trajectory_frames"] == 40  # removed keyframes keep their place in the trajectory
+
+        # What the browser holds: the newest cloud whole, the oldest thinned to a quarter (both after
+        # the 10 % confidence filter), nothing older than the cap.
+        expected = [f"/keyframes/f{i:06d}" for i in shown]
+        watcher.wait_for(lambda m: keyframe_names(m) == expected)
+        sizes = [len(watcher.nodes[f"{name}/points"]["props"]["points"]) // 3 for name in expected]
+        assert sizes[-1] == 180 and sizes[0] == 45 and sum(sizes) <= 1500
+
+        # A late browser gets the current scene, not the history of thinned and removed keyframes.
+        late = SceneMirror(live.url)
+        try:
+            late.wait_for(lambda m: m.replay_done)
+            assert keyframe_names(late) == expected
+            assert late.num_messages < 8 * len(late.nodes) + 60  # a few per node, plus the GUI
+        finally:
+            late.close()
     finally:
+        watcher.close()
         live.close()
 
 
