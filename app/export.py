@@ -1,0 +1,423 @@
+"""Export a finished (or interrupted) run directory: PLY cloud, GLB scene, COLMAP text model, TUM trajectory.
+
+Everything is rebuilt from `predictions/*.npz` in one streaming pass (one frame in memory at a time), so
+the confidence threshold and voxel size can differ from the ones the run used.
+
+Conventions of the outputs:
+- PLY, TUM, COLMAP keep the run's world frame (OpenCV axes, the model's scale).
+- GLB follows glTF (y up, cameras looking down -z): the world is turned 180 degrees about x, so the first
+  camera sits upright in any glTF viewer. Each camera is a node whose transform is its pose.
+- COLMAP puts pixel centres at +0.5 (its convention; ours is integer centres), so cx, cy and every 2D
+  point are shifted by half a pixel. Poses are world-to-camera, quaternion (qw qx qy qz).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import cv2
+import numpy as np
+import trimesh
+from stream_recon.app.geometry import rotation_to_quat_wxyz
+from stream_recon.app.writers import (
+    DEFAULT_CONF_THRESHOLD,
+    DEFAULT_MAX_POINTS,
+    PointAccumulator,
+    PointCloud,
+    PoseRecord,
+    RunDirError,
+    check_run_dir,
+    iter_run,
+    read_run_info,
+    write_ply,
+    write_tum,
+)
+from trimesh.path import Path3D
+from trimesh.path.entities import Line
+
+# OpenCV camera axes (y down, z forward) to glTF's (y up, z backward): a 180 degree turn about x.
+OPENCV_TO_GLTF = np.diag([1.0, -1.0, -1.0, 1.0])
+# Frustum depth as a fraction of the median scene depth: visible, but not covering the cloud.
+FRUSTUM_DEPTH_FRACTION = 0.1
+
+
+class ExportFormat(str, Enum):
+    PLY = "ply"
+    GLB = "glb"
+    COLMAP = "colmap"
+    TUM = "tum"
+
+
+DEFAULT_OUTPUT_NAMES = {
+    ExportFormat.PLY: "points.ply",
+    ExportFormat.GLB: "scene.glb",
+    ExportFormat.COLMAP: "colmap",
+    ExportFormat.TUM: "trajectory_tum.txt",
+}
+
+
+class ExportError(ValueError):
+    """An export cannot be written where it was asked to go."""
+
+
+@dataclass(frozen=True)
+class CameraRecord:
+    """One frame's camera, kept for the whole run (a few hundred bytes each)."""
+
+    frame_index: int
+    timestamp: float
+    c2w: np.ndarray  # [3, 4]
+    intrinsics: np.ndarray  # [3, 3] pixels, integer pixel centres
+    image_size: tuple[int, int]  # (H, W)
+    is_keyframe: bool
+    median_depth: float  # of the confident pixels, nan when none
+    image_name: str | None  # file written under images/ (COLMAP), when the frame carried its image
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    path: Path
+    num_frames: int
+    num_points: int
+    conf_threshold: float
+    voxel_size: float | None  # what the cloud ended with (it doubles when max_points is reached)
+
+
+@dataclass(frozen=True)
+class _RunContents:
+    cameras: list[CameraRecord]
+    cloud: PointCloud | None
+
+
+def export_run(
+    run_dir: Path,
+    fmt: ExportFormat | str,
+    output: Path | None = None,
+    *,
+    conf_threshold: float | None = None,
+    voxel_size: float | None = None,
+    max_points: int | None = None,
+) -> ExportResult:
+    """Write one export of `run_dir`; options left as None take the run's own values (run.json)."""
+    fmt = ExportFormat(fmt)
+    run_dir = Path(run_dir)
+    check_run_dir(run_dir)  # before anything is created under it
+    recorded = read_run_info(run_dir).get("summary", {}).get("points", {})
+    conf_threshold = _pick(conf_threshold, recorded.get("conf_threshold"), DEFAULT_CONF_THRESHOLD)
+    voxel_size = _pick(voxel_size, recorded.get("voxel_size"), None)
+    max_points = _pick(max_points, recorded.get("max_points"), DEFAULT_MAX_POINTS)
+    target = _output_path(run_dir, fmt, output)
+
+    images_dir = target / "images" if fmt is ExportFormat.COLMAP else None
+    accumulator = None
+    if fmt is not ExportFormat.TUM:
+        accumulator = PointAccumulator(
+            conf_threshold=conf_threshold, voxel_size=voxel_size, max_points=max_points
+        )
+    contents = _read_contents(run_dir, accumulator, images_dir)
+
+    if fmt is ExportFormat.TUM:
+        write_tum(
+            target, {c.frame_index: PoseRecord(c.timestamp, c.c2w, c.is_keyframe) for c in contents.cameras}
+        )
+    elif fmt is ExportFormat.PLY:
+        write_ply(target, contents.cloud.xyz, contents.cloud.rgb)
+    elif fmt is ExportFormat.GLB:
+        build_glb_scene(contents.cameras, contents.cloud).export(str(target))
+    else:
+        write_colmap_text(target / "sparse" / "0", contents.cameras, contents.cloud)
+    if accumulator is None:
+        return ExportResult(target, len(contents.cameras), 0, conf_threshold, voxel_size)
+    return ExportResult(
+        target, len(contents.cameras), len(contents.cloud), conf_threshold, accumulator.voxel_size
+    )
+
+
+def _pick(explicit, recorded, default):
+    if explicit is not None:
+        return explicit
+    return recorded if recorded is not None else default
+
+
+def _output_path(run_dir: Path, fmt: ExportFormat, output: Path | None) -> Path:
+    name = DEFAULT_OUTPUT_NAMES[fmt]
+    target = run_dir / "exports" / name if output is None else Path(output)
+    if fmt is not ExportFormat.COLMAP and target.is_dir():
+        target = target / name
+    folder = target if fmt is ExportFormat.COLMAP else target.parent
+    try:
+        if fmt is ExportFormat.COLMAP and target.exists() and not target.is_dir():
+            raise ExportError(
+                f"COLMAP export goes to a directory, but {target} is a file; choose another --output"
+            )
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ExportError(
+            f"cannot create {folder}: {exc.strerror or exc}; choose a writable --output"
+        ) from None
+    return target
+
+
+def _read_contents(
+    run_dir: Path, accumulator: PointAccumulator | None, images_dir: Path | None
+) -> _RunContents:
+    """One pass over the npz files: cameras, the cloud, and (for COLMAP) the images as PNG."""
+    if images_dir is not None:
+        images_dir.mkdir(parents=True, exist_ok=True)
+    cameras = []
+    for record in iter_run(run_dir):
+        depth, conf = record["depth"], record["depth_conf"]
+        confident = depth[(conf >= (accumulator.conf_threshold if accumulator else 0)) & (depth > 0)]
+        image_name = None
+        if images_dir is not None and record["image"] is not None:
+            image_name = f"{record['frame_index']:06d}.png"
+            if not cv2.imwrite(
+                str(images_dir / image_name), cv2.cvtColor(record["image"], cv2.COLOR_RGB2BGR)
+            ):
+                raise ExportError(f"could not write {images_dir / image_name}")
+        cameras.append(
+            CameraRecord(
+                frame_index=record["frame_index"],
+                timestamp=record["timestamp"],
+                c2w=record["c2w"].astype(np.float64),
+                intrinsics=record["intrinsics"].astype(np.float64),
+                image_size=(int(record["image_size"][0]), int(record["image_size"][1])),
+                is_keyframe=record["is_keyframe"],
+                median_depth=float(np.median(confident)) if confident.size else float("nan"),
+                image_name=image_name,
+            )
+        )
+        if accumulator is not None:
+            accumulator.add_frame(
+                record["frame_index"], depth, conf, record["intrinsics"], record["c2w"], record["image"]
+            )
+    if not cameras:
+        raise RunDirError(f"{run_dir} has no readable predictions to export")
+    return _RunContents(cameras, None if accumulator is None else accumulator.cloud())
+
+
+# --------------------------------------------------------------------------------------------------
+# GLB
+
+
+def frustum_lines(intrinsics: np.ndarray, image_size: tuple[int, int], depth: float) -> Path3D:
+    """Camera-local wireframe: apex at the origin, the image rectangle at z = depth (OpenCV axes).
+
+    Eight segments: four from the apex to the image corners, four around the image; plus a short tick
+    above the top edge's centre that shows which way is up.
+    """
+    h, w = image_size
+    fx, fy, cx, cy = intrinsics[0, 0], intrinsics[1, 1], intrinsics[0, 2], intrinsics[1, 2]
+    # Pixel centres are integers, so the image edges are half a pixel outside them.
+    corners_uv = np.array([[-0.5, -0.5], [w - 0.5, -0.5], [w - 0.5, h - 0.5], [-0.5, h - 0.5]])
+    corners = np.column_stack(
+        [(corners_uv[:, 0] - cx) / fx * depth, (corners_uv[:, 1] - cy) / fy * depth, np.full(4, depth)]
+    )
+    top_mid = (corners[0] + corners[1]) / 2
+    up_tick = top_mid - np.array([0.0, 0.15 * (corners[3, 1] - corners[0, 1]), 0.0])
+    vertices = np.vstack([np.zeros(3), corners, top_mid, up_tick])
+    entities = [Line([0, k]) for k in range(1, 5)] + [Line([1, 2, 3, 4, 1]), Line([5, 6])]
+    return Path3D(entities=entities, vertices=vertices)
+
+
+def build_glb_scene(cameras: list[CameraRecord], cloud: PointCloud) -> trimesh.Scene:
+    """Point cloud ("points"), one frustum node per camera ("camera_NNNNNN") and the trajectory line."""
+    scene = trimesh.Scene()
+    flip = OPENCV_TO_GLTF[:3, :3]
+    if len(cloud):
+        colors = np.column_stack([cloud.rgb, np.full(len(cloud), 255, dtype=np.uint8)])
+        scene.add_geometry(
+            trimesh.PointCloud(cloud.xyz @ flip, colors=colors), node_name="points", geom_name="points"
+        )
+    depths = np.array([c.median_depth for c in cameras])
+    scene_depth = float(np.nanmedian(depths)) if np.isfinite(depths).any() else 1.0
+    frustum_depth = FRUSTUM_DEPTH_FRACTION * scene_depth
+    for camera in cameras:
+        pose = np.eye(4)
+        pose[:3] = camera.c2w
+        name = f"camera_{camera.frame_index:06d}"
+        scene.add_geometry(
+            frustum_lines(camera.intrinsics, camera.image_size, frustum_depth),
+            node_name=name,
+            geom_name=name,
+            transform=OPENCV_TO_GLTF @ pose,
+        )
+    if len(cameras) > 1:
+        centres = np.array([c.c2w[:, 3] for c in cameras]) @ flip
+        trajectory = Path3D(entities=[Line(np.arange(len(centres)))], vertices=centres)
+        scene.add_geometry(trajectory, node_name="trajectory", geom_name="trajectory")
+    return scene
+
+
+# --------------------------------------------------------------------------------------------------
+# COLMAP text model
+
+
+def colmap_pinhole(intrinsics: np.ndarray) -> tuple[float, float, float, float]:
+    """fx, fy, cx, cy with COLMAP's half-pixel shift (its first pixel's centre is at 0.5)."""
+    return (
+        float(intrinsics[0, 0]),
+        float(intrinsics[1, 1]),
+        float(intrinsics[0, 2]) + 0.5,
+        float(intrinsics[1, 2]) + 0.5,
+    )
+
+
+def world_to_camera_qt(c2w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """c2w [3, 4] -> (quaternion (qw, qx, qy, qz) of R_w2c, t_w2c [3]), as COLMAP's images.txt wants."""
+    rotation_w2c = c2w[:3, :3].T
+    return rotation_to_quat_wxyz(rotation_w2c), -rotation_w2c @ c2w[:3, 3]
+
+
+@dataclass(frozen=True)
+class _Observations:
+    """Where each 3D point is seen: its source pixel, plus one fallback per image that owns no point.
+
+    image_row [N] is the image (row in `cameras`) each point came from, point2d_index [N] its position in
+    that image's POINTS2D list, and by_image [I + 1] the CSR offsets into `order` (points grouped by image).
+    """
+
+    image_row: np.ndarray
+    point2d_index: np.ndarray
+    order: np.ndarray
+    by_image: np.ndarray
+    fallback: dict[int, tuple[float, float, int]]  # image row -> (x, y, point row)
+
+
+def _observations(cameras: list[CameraRecord], cloud: PointCloud) -> _Observations:
+    """Group the points by source image without a Python loop over points.
+
+    Some COLMAP readers (gsplat's SceneManager) stop at the first blank line, so an image whose POINTS2D
+    line would be empty gets the visible point nearest its centre instead.
+    """
+    frames = np.array([c.frame_index for c in cameras])  # ascending: iter_run yields frames in order
+    image_row = np.searchsorted(frames, cloud.frame_index)
+    order = np.argsort(image_row, kind="stable")
+    counts = np.bincount(image_row, minlength=len(cameras))
+    by_image = np.concatenate([[0], np.cumsum(counts)])
+    point2d_index = np.empty(len(cloud), dtype=np.int64)
+    point2d_index[order] = np.arange(len(cloud)) - by_image[image_row[order]]
+    fallback = {}
+    for row in np.flatnonzero(counts == 0).tolist():
+        if len(cloud):
+            nearest = _nearest_visible_point(cameras[row], cloud.xyz)
+            if nearest is not None:
+                fallback[row] = nearest
+    return _Observations(image_row, point2d_index, order, by_image, fallback)
+
+
+def _nearest_visible_point(camera: CameraRecord, xyz: np.ndarray) -> tuple[float, float, int] | None:
+    rotation_w2c = np.ascontiguousarray(camera.c2w[:3, :3].T)
+    local = (xyz - camera.c2w[:3, 3]) @ rotation_w2c.T  # [N, 3] camera frame
+    fx, fy, cx, cy = colmap_pinhole(camera.intrinsics)
+    h, w = camera.image_size
+    with np.errstate(divide="ignore", invalid="ignore"):
+        x = fx * local[:, 0] / local[:, 2] + cx
+        y = fy * local[:, 1] / local[:, 2] + cy
+    inside = (local[:, 2] > 0) & (x >= 0) & (x < w) & (y >= 0) & (y < h)
+    if not inside.any():
+        return None
+    candidates = np.flatnonzero(inside)
+    best = candidates[np.argmin((x[candidates] - w / 2) ** 2 + (y[candidates] - h / 2) ** 2)]
+    return float(x[best]), float(y[best]), int(best)
+
+
+def write_colmap_text(model_dir: Path, cameras: list[CameraRecord], cloud: PointCloud) -> None:
+    """cameras.txt (one PINHOLE per distinct intrinsics), images.txt, points3D.txt in `model_dir`.
+
+    IDs start at 1: image id = row + 1 in frame order, point id = cloud row + 1. Each point's track holds
+    the observation it was back-projected from (reprojection error ~0 by construction); tracks are
+    minimal, not matched across frames. Coordinates use %.9g, exact for the float32 they come from.
+    """
+    model_dir.mkdir(parents=True, exist_ok=True)
+    camera_ids: dict[tuple, int] = {}
+    camera_lines = []
+    image_camera = []
+    for camera in cameras:
+        key = (camera.image_size, colmap_pinhole(camera.intrinsics))
+        if key not in camera_ids:
+            camera_ids[key] = len(camera_ids) + 1
+            (h, w), params = key
+            camera_lines.append(f"{camera_ids[key]} PINHOLE {w} {h} " + " ".join(repr(p) for p in params))
+        image_camera.append(camera_ids[key])
+
+    seen = _observations(cameras, cloud)
+    num_observations = len(cloud) + len(seen.fallback)
+    _write_lines(
+        model_dir / "cameras.txt",
+        [
+            "# Camera list with one line of data per camera:",
+            "#   CAMERA_ID, MODEL, WIDTH, HEIGHT, PARAMS[]",
+            f"# Number of cameras: {len(camera_lines)}",
+        ],
+        camera_lines,
+    )
+    _write_lines(
+        model_dir / "images.txt",
+        [
+            "# Image list with two lines of data per image:",
+            "#   IMAGE_ID, QW, QX, QY, QZ, TX, TY, TZ, CAMERA_ID, NAME",
+            "#   POINTS2D[] as (X, Y, POINT3D_ID)",
+            f"# Number of images: {len(cameras)}, mean observations per image: "
+            f"{num_observations / len(cameras):.3f}",
+        ],
+        _image_lines(cameras, image_camera, cloud, seen),
+    )
+    _write_lines(
+        model_dir / "points3D.txt",
+        [
+            "# 3D point list with one line of data per point:",
+            "#   POINT3D_ID, X, Y, Z, R, G, B, ERROR, TRACK[] as (IMAGE_ID, POINT2D_IDX)",
+            f"# Number of points: {len(cloud)}, mean track length: "
+            f"{num_observations / len(cloud) if len(cloud) else 0.0:.3f}",
+        ],
+        _point_lines(cloud, seen),
+    )
+
+
+def _image_lines(cameras, image_camera, cloud: PointCloud, seen: _Observations) -> Iterator[str]:
+    for row, camera in enumerate(cameras):
+        q, t = world_to_camera_qt(camera.c2w)
+        name = camera.image_name or f"{camera.frame_index:06d}.png"
+        pose = " ".join(repr(float(value)) for value in (*q, *t))
+        yield f"{row + 1} {pose} {image_camera[row]} {name}"
+        points = seen.order[seen.by_image[row] : seen.by_image[row + 1]]
+        # COLMAP's first pixel centre is at (0.5, 0.5), ours at (0, 0).
+        table = np.column_stack([cloud.pixel[points] + 0.5, points + 1]).ravel().tolist()
+        line = " ".join(["%.9g %.9g %d"] * len(points)) % tuple(table)
+        if row in seen.fallback:
+            x, y, point = seen.fallback[row]
+            line = f"{x:.9g} {y:.9g} {point + 1}"
+        yield line
+
+
+def _point_lines(cloud: PointCloud, seen: _Observations, chunk: int = 65536) -> Iterator[str]:
+    extra: dict[int, str] = {}
+    for row, (_, _, point) in seen.fallback.items():
+        extra[point] = extra.get(point, "") + f" {row + 1} 0"
+    # Formatted in chunks so that only one chunk's Python objects are alive at a time.
+    for start in range(0, len(cloud), chunk):
+        stop = min(start + chunk, len(cloud))
+        ids = np.arange(start + 1, stop + 1)
+        columns = zip(
+            ids.tolist(),
+            cloud.xyz[start:stop].tolist(),
+            cloud.rgb[start:stop].tolist(),
+            (seen.image_row[start:stop] + 1).tolist(),
+            seen.point2d_index[start:stop].tolist(),
+            strict=True,
+        )
+        for point_id, (x, y, z), (r, g, b), image_id, index in columns:
+            yield f"{point_id} {x:.9g} {y:.9g} {z:.9g} {r} {g} {b} 0 {image_id} {index}" + extra.get(
+                point_id - 1, ""
+            )
+
+
+def _write_lines(path: Path, header: list[str], lines) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(header) + "\n")
+        for line in lines:
+            f.write(line + "\n")

@@ -1,0 +1,332 @@
+import json
+import re
+
+import cv2
+import numpy as np
+import pytest
+import torch
+import trimesh
+import typer
+from plyfile import PlyData
+from stream_recon.app.commands.export import export as export_command
+from stream_recon.app.export import ExportError, export_run
+from stream_recon.app.writers import RunDirError, RunWriter
+from stream_recon.models import GCTStream, ModelConfig, StreamConfig, StreamingEngine
+from stream_recon.models.synthetic import load_synthetic_weights
+from synthetic_run import CONF_HIGH, PLANE_Z, plane_frame, quat_xyzw_to_matrix
+from typer.testing import CliRunner
+
+OPENCV_TO_GLTF = np.diag([1.0, -1.0, -1.0])
+
+
+def make_run(run_dir, frames, **kwargs):
+    writer = RunWriter(run_dir, {"source": "synthetic"}, **kwargs)
+    for frame in frames:
+        writer.on_frame(frame, {})
+    writer.close("complete")
+    return frames
+
+
+@pytest.fixture
+def run(tmp_path):
+    frames = [plane_frame(i) for i in range(6)]
+    # One frame with a different focal length: COLMAP needs a second camera.
+    frames.append(plane_frame(6, focal=36.0))
+    make_run(tmp_path / "run", frames, voxel_size=0.04)
+    return tmp_path / "run", frames
+
+
+def read_ply_points(path):
+    vertex = PlyData.read(str(path))["vertex"]
+    xyz = np.stack([vertex["x"], vertex["y"], vertex["z"]], axis=1)
+    rgb = np.stack([vertex["red"], vertex["green"], vertex["blue"]], axis=1)
+    return xyz, rgb
+
+
+def test_ply_export_uses_the_run_settings_by_default(run):
+    run_dir, _ = run
+    result = export_run(run_dir, "ply")
+    assert result.path == run_dir / "exports" / "points.ply"
+    xyz, rgb = read_ply_points(result.path)
+    original_xyz, original_rgb = read_ply_points(run_dir / "points.ply")
+    np.testing.assert_array_equal(np.sort(xyz, axis=0), np.sort(original_xyz, axis=0))
+    assert result.num_points == len(xyz) > 0 and result.num_frames == 7
+    np.testing.assert_allclose(xyz[:, 2], PLANE_Z, atol=1e-4)
+    cloud = trimesh.load(result.path)
+    assert isinstance(cloud, trimesh.PointCloud) and len(cloud.vertices) == len(xyz)
+
+
+def test_ply_export_threshold_and_voxel_overrides(run, tmp_path):
+    run_dir, _ = run
+    coarse = export_run(run_dir, "ply", tmp_path / "coarse.ply", voxel_size=0.2)
+    fine = export_run(run_dir, "ply", tmp_path / "fine.ply", voxel_size=0.02)
+    assert 0 < coarse.num_points < fine.num_points
+    xyz, _ = read_ply_points(tmp_path / "coarse.ply")
+    assert len(np.unique(np.floor(xyz.astype(np.float64) / 0.2), axis=0)) == len(xyz)
+    strict = export_run(run_dir, "ply", tmp_path / "none.ply", conf_threshold=CONF_HIGH + 1)
+    assert strict.num_points == 0 and len(PlyData.read(str(tmp_path / "none.ply"))["vertex"]) == 0
+
+
+def test_export_into_an_existing_directory_uses_the_default_name(run, tmp_path):
+    run_dir, _ = run
+    (tmp_path / "out").mkdir()
+    assert export_run(run_dir, "tum", tmp_path / "out").path == tmp_path / "out" / "trajectory_tum.txt"
+
+
+def test_tum_export_matches_the_poses(run, tmp_path):
+    run_dir, frames = run
+    result = export_run(run_dir, "tum", tmp_path / "traj.txt")
+    rows = np.loadtxt(result.path)
+    assert rows.shape == (7, 8)
+    assert result.path.read_text() == (run_dir / "trajectory_tum.txt").read_text()
+    for row, frame in zip(rows, frames, strict=True):
+        assert row[0] == pytest.approx(frame.timestamp, abs=1e-6)
+        np.testing.assert_allclose(row[1:4], frame.c2w[:, 3], atol=1e-6)
+        np.testing.assert_allclose(quat_xyzw_to_matrix(row[4:]), frame.c2w[:, :3], atol=1e-6)
+
+
+def test_glb_holds_the_cloud_and_one_frustum_per_camera(run, tmp_path):
+    run_dir, frames = run
+    result = export_run(run_dir, "glb", tmp_path / "scene.glb")
+    scene = trimesh.load(result.path)
+    assert isinstance(scene, trimesh.Scene)
+
+    points = scene.geometry["points"]
+    assert isinstance(points, trimesh.PointCloud)
+    xyz, rgb = read_ply_points(export_run(run_dir, "ply", tmp_path / "same.ply").path)
+    np.testing.assert_allclose(points.vertices, xyz @ OPENCV_TO_GLTF, atol=1e-5)
+    np.testing.assert_array_equal(points.colors[:, :3], rgb)
+    # glTF is y-up: the plane in front of the cameras (OpenCV +z) is now at -z.
+    np.testing.assert_allclose(points.vertices[:, 2], -PLANE_Z, atol=1e-4)
+
+    for frame in frames:
+        name = f"camera_{frame.frame_index:06d}"
+        transform, geometry_name = scene.graph[name]
+        frustum = scene.geometry[geometry_name]
+        assert isinstance(frustum, trimesh.path.Path3D)
+        expected = np.eye(4)
+        expected[:3] = frame.c2w
+        np.testing.assert_allclose(transform, np.diag([1.0, -1, -1, 1]) @ expected, atol=1e-6)
+        world = trimesh.transform_points(frustum.vertices, transform)
+        # The apex is the camera centre; the image plane lies in front of the camera.
+        centre = frame.c2w[:, 3] @ OPENCV_TO_GLTF
+        assert np.isclose(np.linalg.norm(world - centre, axis=1), 0, atol=1e-6).any()
+        assert frustum.vertices[:, 2].max() > 0
+    assert "trajectory" in scene.geometry
+
+
+def parse_colmap_strictly(model_dir):
+    """The text-model rules that COLMAP's and gsplat's readers rely on."""
+    cameras = {}
+    for line in (model_dir / "cameras.txt").read_text().splitlines():
+        if line.startswith("#"):
+            continue
+        fields = line.split()
+        assert fields[1] == "PINHOLE" and len(fields) == 8, line
+        cameras[int(fields[0])] = (int(fields[2]), int(fields[3]), *map(float, fields[4:]))
+
+    lines = [line for line in (model_dir / "images.txt").read_text().splitlines() if not line.startswith("#")]
+    assert len(lines) % 2 == 0
+    images = {}
+    for header, points_line in zip(lines[0::2], lines[1::2], strict=True):
+        fields = header.split()
+        assert len(fields) == 10 and int(fields[8]) in cameras, header
+        quaternion = np.array(list(map(float, fields[1:5])))
+        assert np.isclose(np.linalg.norm(quaternion), 1.0)
+        # gsplat's reader stops at the first blank line, so no image may have an empty POINTS2D line.
+        assert points_line.strip(), f"image {fields[0]} has no 2D points"
+        values = points_line.split()
+        assert len(values) % 3 == 0
+        observations = [
+            (float(values[i]), float(values[i + 1]), int(values[i + 2])) for i in range(0, len(values), 3)
+        ]
+        images[int(fields[0])] = (
+            quaternion,
+            np.array(list(map(float, fields[5:8]))),
+            int(fields[8]),
+            fields[9],
+            observations,
+        )
+
+    points = {}
+    for line in (model_dir / "points3D.txt").read_text().splitlines():
+        if line.startswith("#"):
+            continue
+        fields = line.split()
+        assert len(fields) >= 10 and (len(fields) - 8) % 2 == 0, line
+        assert all(0 <= int(c) <= 255 for c in fields[4:7])
+        track = [(int(fields[i]), int(fields[i + 1])) for i in range(8, len(fields), 2)]
+        points[int(fields[0])] = (np.array(list(map(float, fields[1:4]))), track)
+    # Every track entry points at an observation that points back at the same 3D point.
+    for point_id, (_, track) in points.items():
+        for image_id, index in track:
+            assert images[image_id][4][index][2] == point_id
+    return cameras, images, points
+
+
+def test_colmap_model_round_trips_through_a_strict_parser(run, tmp_path):
+    run_dir, frames = run
+    result = export_run(run_dir, "colmap", tmp_path / "colmap")
+    cameras, images, points = parse_colmap_strictly(result.path / "sparse" / "0")
+    assert len(cameras) == 2 and len(images) == 7 and len(points) == result.num_points
+    for image_id, frame in enumerate(frames, 1):
+        quaternion_wxyz, translation, camera_id, name, observations = images[image_id]
+        assert name == f"{frame.frame_index:06d}.png"
+        rotation_w2c = quat_xyzw_to_matrix(np.roll(quaternion_wxyz, -1))
+        np.testing.assert_allclose(rotation_w2c, frame.c2w[:, :3].T, atol=1e-6)
+        np.testing.assert_allclose(translation, -frame.c2w[:, :3].T @ frame.c2w[:, 3], atol=1e-6)
+        w, h, fx, fy, cx, cy = cameras[camera_id]
+        assert (w, h) == (32, 24) and fx == pytest.approx(frame.intrinsics[0, 0])
+        for x, y, point_id in observations:
+            local = rotation_w2c @ points[point_id][0] + translation
+            np.testing.assert_allclose(
+                [fx * local[0] / local[2] + cx, fy * local[1] / local[2] + cy], [x, y], atol=2e-3
+            )
+        saved = cv2.cvtColor(cv2.imread(str(result.path / "images" / name)), cv2.COLOR_BGR2RGB)
+        np.testing.assert_array_equal(saved, frame.image)
+
+
+def test_colmap_model_reads_back_with_pycolmap(run, tmp_path):
+    pycolmap = pytest.importorskip("pycolmap", reason="pycolmap is not installed (pip install pycolmap)")
+    run_dir, frames = run
+    result = export_run(run_dir, "colmap", tmp_path / "colmap")
+    model = pycolmap.Reconstruction(str(result.path / "sparse" / "0"))
+    assert len(model.cameras) == 2 and len(model.images) == 7 and len(model.points3D) == result.num_points
+    for image_id, frame in enumerate(frames, 1):
+        image = model.images[image_id]
+        np.testing.assert_allclose(image.projection_center(), frame.c2w[:, 3], atol=1e-5)
+        camera = model.cameras[image.camera_id]
+        assert camera.model.name == "PINHOLE"
+        # COLMAP's first pixel centre is at (0.5, 0.5); ours at (0, 0).
+        np.testing.assert_allclose(camera.params[2:], frame.intrinsics[:2, 2] + 0.5, atol=1e-6)
+        observed = [p for p in image.points2D if p.has_point3D()]
+        assert observed
+        for point2d in observed[::25]:
+            projected = image.project_point(model.points3D[point2d.point3D_id].xyz)
+            np.testing.assert_allclose(projected, point2d.xy, atol=2e-3)
+
+
+def test_colmap_gives_every_image_an_observation(tmp_path):
+    # Frame 1 repeats frame 0's view, so all of its voxels are taken: it owns no point, and the export
+    # falls back to the visible point nearest its centre.
+    frames = [plane_frame(0, yaw=0.0), plane_frame(1, yaw=0.0, offset=np.array([-0.1, 0, 0]))]
+    make_run(tmp_path / "run", frames, voxel_size=0.04)
+    result = export_run(tmp_path / "run", "colmap")
+    assert result.path == tmp_path / "run" / "exports" / "colmap"
+    _, images, points = parse_colmap_strictly(result.path / "sparse" / "0")
+    (x, y, point_id), *rest = images[2][4]
+    assert rest == []
+    assert abs(x - 16) < 2 and abs(y - 12) < 2
+    assert (2, 0) in points[point_id][1]
+
+
+def test_colmap_export_without_images_writes_no_image_folder(tmp_path):
+    make_run(tmp_path / "run", [plane_frame(i, with_image=False) for i in range(2)])
+    result = export_run(tmp_path / "run", "colmap")
+    assert list((result.path / "images").iterdir()) == []
+    _, images, _ = parse_colmap_strictly(result.path / "sparse" / "0")
+    assert [images[i][3] for i in (1, 2)] == ["000000.png", "000001.png"]
+
+
+def test_export_errors_are_specific(run, tmp_path):
+    run_dir, _ = run
+    with pytest.raises(RunDirError, match="does not exist"):
+        export_run(tmp_path / "missing", "ply")
+    (tmp_path / "empty" / "predictions").mkdir(parents=True)
+    with pytest.raises(RunDirError, match="has no readable predictions"):
+        export_run(tmp_path / "empty", "ply")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ExportError, match="COLMAP export goes to a directory"):
+        export_run(run_dir, "colmap", blocker)
+    with pytest.raises(ExportError, match="cannot create .*file"):
+        export_run(run_dir, "ply", blocker / "sub" / "points.ply")
+    with pytest.raises(ValueError, match="'obj' is not a valid ExportFormat"):
+        export_run(run_dir, "obj")
+
+
+def test_export_reads_an_interrupted_run_with_a_truncated_last_frame(tmp_path):
+    writer = RunWriter(tmp_path / "run", {})
+    for i in range(4):
+        writer.on_frame(plane_frame(i), {})
+    writer.flush()
+    last = tmp_path / "run" / "predictions" / "000003.npz"
+    last.write_bytes(last.read_bytes()[:100])
+    # No close(): the run was killed. Export still works from the npz files that are whole.
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "running"
+    rows = np.loadtxt(export_run(tmp_path / "run", "tum").path)
+    assert rows.shape == (3, 8)
+
+
+@pytest.fixture
+def cli():
+    app = typer.Typer()
+    app.command()(export_command)
+    app.command("noop")(lambda: None)  # a second command, so typer keeps `export` as a subcommand
+    return app
+
+
+def test_cli_export_writes_and_reports(run, cli, tmp_path):
+    run_dir, _ = run
+    outcome = CliRunner().invoke(
+        cli, ["export", str(run_dir), "--format", "GLB", "-o", str(tmp_path / "s.glb")]
+    )
+    assert outcome.exit_code == 0, outcome.output
+    assert re.search(r"Wrote glb export \(7 cameras, \d+ points, voxel 0.04\) to", outcome.output)
+    assert isinstance(trimesh.load(tmp_path / "s.glb"), trimesh.Scene)
+
+
+def test_cli_export_errors_exit_non_zero_without_traceback(cli, tmp_path):
+    outcome = CliRunner().invoke(cli, ["export", str(tmp_path / "missing"), "--format", "ply"])
+    assert outcome.exit_code == 1
+    assert "does not exist" in outcome.output and "Traceback" not in outcome.output
+    outcome = CliRunner().invoke(cli, ["export", str(tmp_path), "--format", "obj"])
+    assert outcome.exit_code == 2 and "obj" in outcome.output
+
+
+def test_tiny_model_stream_to_run_directory_and_every_export(tmp_path):
+    """End to end on the real engine: tiny model with the synthetic weights, frames pushed one at a time."""
+    model = load_synthetic_weights(GCTStream(ModelConfig.tiny())).eval()
+    engine = StreamingEngine(
+        model, StreamConfig(scale_frames=2, window=4, keyframes="interval:2"), device="cpu"
+    )
+    # The untrained model's confidence sits just under 2, so keep every pixel.
+    writer = RunWriter(tmp_path / "run", {"model": "tiny"}, conf_threshold=1.0, max_points=500)
+    generator = torch.Generator().manual_seed(0)
+    for i in range(7):
+        for pred in engine.push(torch.rand(3, 28, 42, generator=generator), timestamp=0.5 * i):
+            writer.on_frame(pred, engine.stats())
+    for pred in engine.finish():
+        writer.on_frame(pred, engine.stats())
+    writer.close("complete", {"device": "cpu"})
+
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["status"] == "complete" and info["summary"]["frames"] == 7
+    assert info["summary"]["keyframes"] == engine.stats()["keyframes"]
+    assert info["summary"]["engine"]["frames"] == 7
+    rows = np.loadtxt(tmp_path / "run" / "trajectory_tum.txt")
+    np.testing.assert_allclose(rows[:, 0], 0.5 * np.arange(7))
+    assert 0 < len(PlyData.read(str(tmp_path / "run" / "points.ply"))["vertex"]) <= 500
+
+    for fmt in ("ply", "glb", "colmap", "tum"):
+        assert export_run(tmp_path / "run", fmt).num_frames == 7
+    _, images, points = parse_colmap_strictly(tmp_path / "run" / "exports" / "colmap" / "sparse" / "0")
+    assert len(images) == 7 and len(points) > 0
+    saved = cv2.imread(str(tmp_path / "run" / "exports" / "colmap" / "images" / "000006.png"))
+    assert saved.shape == (28, 42, 3)
+
+
+def test_cli_warns_when_the_threshold_leaves_no_points(run, cli):
+    run_dir, _ = run
+    outcome = CliRunner().invoke(cli, ["export", str(run_dir), "-f", "ply", "--conf-threshold", "50"])
+    assert outcome.exit_code == 0
+    assert "7 cameras, 0 points" in outcome.output and "no pixel has depth confidence >= 50" in outcome.output
+    outcome = CliRunner().invoke(cli, ["export", str(run_dir), "-f", "tum"])
+    assert outcome.exit_code == 0 and "Wrote 7 poses to" in outcome.output
+
+
+def test_cli_rejects_a_bad_voxel_size_in_one_sentence(run, cli):
+    run_dir, _ = run
+    outcome = CliRunner().invoke(cli, ["export", str(run_dir), "-f", "ply", "--voxel-size", "-1"])
+    assert outcome.exit_code == 1 and "Traceback" not in outcome.output
+    assert "voxel size must be a positive number of scene units, got -1.0" in outcome.output

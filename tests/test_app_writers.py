@@ -1,0 +1,482 @@
+import contextlib
+import errno
+import json
+import logging
+import math
+import os
+import stat
+import threading
+import tracemalloc
+
+import numpy as np
+import pytest
+import trimesh
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from plyfile import PlyData
+from stream_recon.app import writers
+from stream_recon.app.writers import (
+    OutputDirError,
+    PointAccumulator,
+    RunDirError,
+    RunWriter,
+    iter_run,
+    prediction_path,
+    read_run,
+)
+from synthetic_run import CONF_HIGH, LOW_CONF_COLUMNS, PLANE_Z, STEP_X, plane_frame, quat_xyzw_to_matrix
+
+NPZ_KEYS = {
+    "frame_index",
+    "timestamp",
+    "is_keyframe",
+    "frame_type",
+    "pose_enc",
+    "c2w",
+    "intrinsics",
+    "depth",
+    "depth_conf",
+    "image_size",
+    "window_index",
+}
+
+
+def write_run(run_dir, frames, *, status="complete", **kwargs):
+    writer = RunWriter(run_dir, {"source": "synthetic", "checkpoint_digest": "sha256:abc123"}, **kwargs)
+    for i, frame in enumerate(frames):
+        writer.on_frame(frame, {"frames": i + 1, "cache_bytes": 1024 * (i + 1)})
+    writer.close(status, {"device": "cpu", "fps": 12.5})
+    return writer
+
+
+def parse_tum_strictly(path):
+    """Independent TUM reader: '#' comments, otherwise exactly 8 finite floats per row."""
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.startswith("#"):
+            continue
+        fields = line.split(" ")
+        assert len(fields) == 8, f"line {number}: {len(fields)} fields"
+        values = [float(field) for field in fields]
+        assert all(math.isfinite(value) for value in values), f"line {number}"
+        rows.append(values)
+    return np.array(rows)
+
+
+def test_complete_run_directory(tmp_path):
+    frames = [plane_frame(i) for i in range(7)]
+    write_run(tmp_path / "run", frames)
+
+    names = sorted(p.name for p in (tmp_path / "run" / "predictions").iterdir())
+    assert names == [f"{i:06d}.npz" for i in range(7)]
+    with np.load(prediction_path(tmp_path / "run", 3)) as data:
+        assert set(data.files) == NPZ_KEYS | {"image"}
+        assert data["pose_enc"].shape == (9,) and data["c2w"].shape == (3, 4)
+        assert data["intrinsics"].shape == (3, 3) and data["depth"].shape == (24, 32)
+        assert data["depth_conf"].shape == (24, 32) and data["image"].shape == (24, 32, 3)
+        assert data["image"].dtype == np.uint8
+        assert data["image_size"].tolist() == [24, 32]
+        assert int(data["frame_index"]) == 3 and float(data["timestamp"]) == frames[3].timestamp
+        np.testing.assert_array_equal(data["depth"], frames[3].depth)
+        np.testing.assert_array_equal(data["c2w"], frames[3].c2w)
+
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["status"] == "complete"
+    assert info["settings"]["source"] == "synthetic"
+    summary = info["summary"]
+    assert summary["frames"] == 7
+    assert summary["keyframes"] == sum(f.is_keyframe for f in frames) == 5
+    assert summary["checkpoint_digest"] == "sha256:abc123"
+    assert summary["device"] == "cpu" and summary["fps"] == 12.5
+    assert set(summary["versions"]) == {"python", "torch", "numpy", "stream-recon"}
+    assert summary["started_at"] <= summary["ended_at"]
+    assert summary["peak_host_memory_bytes"] > 0
+    assert summary["engine"] == {"frames": 7, "cache_bytes": 7 * 1024}
+
+
+def test_frames_without_image_are_written_without_the_key(tmp_path):
+    write_run(tmp_path / "run", [plane_frame(i, with_image=False) for i in range(2)])
+    with np.load(prediction_path(tmp_path / "run", 1)) as data:
+        assert set(data.files) == NPZ_KEYS
+    cloud = PlyData.read(str(tmp_path / "run" / "points.ply"))["vertex"]
+    assert len(cloud) > 0 and (cloud["red"] == 200).all()
+
+
+def test_tum_trajectory_is_camera_to_world_sorted_by_frame(tmp_path):
+    frames = [plane_frame(i) for i in range(6)]
+    # Emitted out of order (as a windowed stream may): the file is still sorted by frame index.
+    write_run(tmp_path / "run", [frames[i] for i in (0, 1, 4, 2, 5, 3)])
+
+    rows = parse_tum_strictly(tmp_path / "run" / "trajectory_tum.txt")
+    loaded = np.loadtxt(tmp_path / "run" / "trajectory_tum.txt")  # numpy's reader agrees
+    np.testing.assert_allclose(loaded, rows)
+    np.testing.assert_allclose(rows[:, 0], [f.timestamp for f in frames], atol=1e-6)
+    for row, frame in zip(rows, frames, strict=True):
+        np.testing.assert_allclose(row[1:4], frame.c2w[:, 3], atol=1e-6)
+        np.testing.assert_allclose(quat_xyzw_to_matrix(row[4:8]), frame.c2w[:, :3], atol=1e-6)
+
+
+def test_points_are_confident_on_the_plane_and_one_per_voxel(tmp_path):
+    voxel = 0.05
+    write_run(tmp_path / "run", [plane_frame(i) for i in range(5)], voxel_size=voxel)
+    path = tmp_path / "run" / "points.ply"
+
+    ply = PlyData.read(str(path))
+    assert not ply.text and ply.byte_order == "<"
+    vertex = ply["vertex"]
+    xyz = np.stack([vertex["x"], vertex["y"], vertex["z"]], axis=1)
+    np.testing.assert_allclose(xyz[:, 2], PLANE_Z, atol=1e-4)
+    # Red encodes the source column: the low-confidence columns never make it into the cloud.
+    assert vertex["red"].min() >= 8 * LOW_CONF_COLUMNS
+    cells = np.floor(xyz.astype(np.float64) / voxel).astype(np.int64)
+    assert len(np.unique(cells, axis=0)) == len(xyz)
+
+    mesh = trimesh.load(path)  # a second, independent reader
+    assert isinstance(mesh, trimesh.PointCloud)
+    np.testing.assert_allclose(mesh.vertices, xyz, atol=1e-6)
+    np.testing.assert_array_equal(
+        mesh.colors[:, :3], np.stack([vertex[c] for c in ("red", "green", "blue")], 1)
+    )
+
+
+def test_run_json_says_running_until_closed_and_frames_stay_readable(tmp_path):
+    writer = RunWriter(tmp_path / "run", {"source": "live"})
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "running"
+    for i in range(3):
+        writer.on_frame(plane_frame(i), {})
+    writer.flush()
+    # The process "dies" here: nothing closes the writer.
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["status"] == "running" and info["summary"]["ended_at"] is None
+    assert [r["frame_index"] for r in read_run(tmp_path / "run")] == [0, 1, 2]
+    assert not (tmp_path / "run" / "trajectory_tum.txt").exists()
+
+
+def test_progress_is_recorded_in_run_json_while_running(tmp_path, monkeypatch):
+    monkeypatch.setattr(writers, "PROGRESS_INTERVAL_S", 0.0)
+    writer = RunWriter(tmp_path / "run", {})
+    writer.on_frame(plane_frame(0), {})
+    writer.on_frame(plane_frame(1), {})
+    writer.flush()
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["status"] == "running" and info["summary"]["frames"] == 2
+
+
+@pytest.mark.parametrize("status", ["interrupted", "failed"])
+def test_interrupted_and_failed_runs_still_write_outputs(tmp_path, status):
+    write_run(tmp_path / "run", [plane_frame(i) for i in range(3)], status=status)
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == status
+    assert len(parse_tum_strictly(tmp_path / "run" / "trajectory_tum.txt")) == 3
+    assert len(PlyData.read(str(tmp_path / "run" / "points.ply"))["vertex"]) > 0
+
+
+def test_close_checks_status_and_keeps_the_first_final_status(tmp_path):
+    writer = RunWriter(tmp_path / "run", {})
+    with pytest.raises(ValueError, match="status must be one of complete, interrupted, failed; got 'done'"):
+        writer.close("done")
+    writer.close("interrupted")
+    writer.close("complete")
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "interrupted"
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.on_frame(plane_frame(0), {})
+
+
+def test_empty_run_writes_empty_trajectory_and_cloud(tmp_path):
+    write_run(tmp_path / "run", [])
+    assert parse_tum_strictly(tmp_path / "run" / "trajectory_tum.txt").shape == (0,)
+    assert len(PlyData.read(str(tmp_path / "run" / "points.ply"))["vertex"]) == 0
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["summary"]["frames"] == 0
+
+
+def test_reemitted_frame_overwrites_file_pose_and_points(tmp_path):
+    shifted = np.array([0.0, 50.0, 0.0])
+    frames = [plane_frame(i) for i in range(4)]
+    frames.append(plane_frame(2, offset=shifted, window_index=1))
+    writer = write_run(tmp_path / "run", frames, voxel_size=0.05)
+
+    records = read_run(tmp_path / "run")
+    assert [r["frame_index"] for r in records] == [0, 1, 2, 3]
+    assert records[2]["window_index"] == 1
+    np.testing.assert_allclose(records[2]["c2w"][:, 3], [2 * STEP_X, 50.0, 0.0], atol=1e-6)
+    rows = parse_tum_strictly(tmp_path / "run" / "trajectory_tum.txt")
+    np.testing.assert_allclose(rows[:, 2], [0.0, 0.0, 50.0, 0.0], atol=1e-6)
+    cloud = writer.points.cloud()
+    from_frame_2 = cloud.xyz[cloud.frame_index == 2]
+    assert len(from_frame_2) > 0 and (from_frame_2[:, 1] > 40).all()
+    assert (cloud.xyz[cloud.frame_index != 2][:, 1] < 10).all()
+
+
+def test_crash_during_write_leaves_previous_file_and_no_temp(tmp_path, monkeypatch):
+    writer = RunWriter(tmp_path / "run", {}, background=False)
+    writer.on_frame(plane_frame(0), {})
+    before = prediction_path(tmp_path / "run", 0).read_bytes()
+
+    def dying_savez(file, **arrays):
+        file.write(b"PK\x03\x04 half a zip")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "savez", dying_savez)
+    with pytest.raises(KeyboardInterrupt):
+        writer.on_frame(plane_frame(0, offset=np.array([1.0, 0, 0])), {})
+    with pytest.raises(KeyboardInterrupt):
+        writer.on_frame(plane_frame(1), {})
+    assert prediction_path(tmp_path / "run", 0).read_bytes() == before
+    assert sorted(p.name for p in (tmp_path / "run" / "predictions").iterdir()) == ["000000.npz"]
+
+
+def test_read_run_ignores_leftover_temp_files(tmp_path, caplog):
+    write_run(tmp_path / "run", [plane_frame(i) for i in range(3)])
+    # What a process killed between mkstemp and os.replace leaves behind.
+    (tmp_path / "run" / "predictions" / ".000003.npz.k2j4_x.tmp").write_bytes(b"PK\x03\x04 partial")
+    with caplog.at_level(logging.WARNING):
+        assert [r["frame_index"] for r in read_run(tmp_path / "run")] == [0, 1, 2]
+    assert caplog.records == []
+
+
+def test_read_run_skips_a_truncated_last_file_with_a_warning(tmp_path, caplog):
+    write_run(tmp_path / "run", [plane_frame(i) for i in range(4)])
+    last = prediction_path(tmp_path / "run", 3)
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    with caplog.at_level(logging.WARNING, logger="stream_recon.app.writers"):
+        records = read_run(tmp_path / "run")
+    assert [r["frame_index"] for r in records] == [0, 1, 2]
+    assert "skipping frame 3" in caplog.text and "000003.npz" in caplog.text
+
+
+def test_read_run_skips_an_npz_without_the_required_keys(tmp_path, caplog):
+    write_run(tmp_path / "run", [plane_frame(0)])
+    np.savez(prediction_path(tmp_path / "run", 1), depth=np.zeros((2, 2)))
+    with caplog.at_level(logging.WARNING, logger="stream_recon.app.writers"):
+        records = list(iter_run(tmp_path / "run"))
+    assert [r["frame_index"] for r in records] == [0]
+    assert "lacks frame_index" in caplog.text
+
+
+def test_read_run_round_trips_types(tmp_path):
+    frame = plane_frame(5)
+    write_run(tmp_path / "run", [frame])
+    (record,) = read_run(tmp_path / "run")
+    assert record["frame_index"] == 5 and isinstance(record["frame_index"], int)
+    assert record["is_keyframe"] is frame.is_keyframe
+    assert record["timestamp"] == pytest.approx(frame.timestamp)
+    np.testing.assert_array_equal(record["image"], frame.image)
+
+
+def test_read_run_on_a_missing_or_foreign_directory(tmp_path):
+    with pytest.raises(RunDirError, match="does not exist"):
+        read_run(tmp_path / "nope")
+    with pytest.raises(RunDirError, match="has no predictions/ folder"):
+        read_run(tmp_path)
+
+
+def test_unwritable_output_dir_fails_at_construction(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OutputDirError, match=r"cannot create or write the output directory .*a_file/run"):
+        RunWriter(blocker / "run", {})
+    with pytest.raises(OutputDirError, match="exists and is not a directory"):
+        RunWriter(blocker, {})
+    assert blocker.read_text() == "not a directory"
+
+
+def test_existing_run_is_not_mixed_with_a_new_one(tmp_path):
+    write_run(tmp_path / "run", [plane_frame(i) for i in range(5)])
+    with pytest.raises(OutputDirError, match="already holds a run .* pass --overwrite"):
+        RunWriter(tmp_path / "run", {})
+    assert len(read_run(tmp_path / "run")) == 5  # the refusal deleted nothing
+    write_run(tmp_path / "run", [plane_frame(i) for i in range(2)], overwrite=True)
+    assert [r["frame_index"] for r in read_run(tmp_path / "run")] == [0, 1]
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["summary"]["frames"] == 2
+
+
+def test_accumulator_points_reproject_onto_their_source_pixels():
+    acc = PointAccumulator(voxel_size=0.02)
+    frames = [plane_frame(i) for i in range(3)]
+    for f in frames:
+        acc.add_frame(f.frame_index, f.depth, f.depth_conf, f.intrinsics, f.c2w, f.image)
+    cloud = acc.cloud()
+    assert len(cloud) > 0 and set(np.unique(cloud.frame_index)) == {0, 1, 2}
+    for f in frames:
+        mine = cloud.frame_index == f.frame_index
+        rotation, centre = f.c2w[:, :3].astype(np.float64), f.c2w[:, 3].astype(np.float64)
+        camera = (cloud.xyz[mine] - centre) @ rotation  # world -> camera: R^T (x - c)
+        uv = camera @ f.intrinsics.T.astype(np.float64)
+        np.testing.assert_allclose(uv[:, :2] / uv[:, 2:], cloud.pixel[mine], atol=2e-3)
+        np.testing.assert_array_equal(cloud.rgb[mine][:, 0], 8 * cloud.pixel[mine][:, 0])
+
+
+def test_accumulator_automatic_voxel_follows_the_first_frame_depth():
+    acc = PointAccumulator()
+    f = plane_frame(0, yaw=0.0)
+    acc.add_frame(0, f.depth, f.depth_conf, f.intrinsics, f.c2w, f.image)
+    assert acc.voxel_size == pytest.approx(float(np.median(f.depth)) / 200)
+
+
+def test_accumulator_ignores_frames_without_confident_pixels():
+    acc = PointAccumulator(conf_threshold=CONF_HIGH + 1)
+    f = plane_frame(0)
+    acc.add_frame(0, f.depth, f.depth_conf, f.intrinsics, f.c2w, f.image)
+    assert len(acc) == 0 and acc.voxel_size is None
+
+
+def test_accumulator_is_capped_by_coarsening():
+    acc = PointAccumulator(voxel_size=0.001, max_points=300)
+    for i in range(60):
+        f = plane_frame(i, offset=np.array([0.0, 3.0 * i, 0.0]))  # no two frames overlap
+        acc.add_frame(i, f.depth, f.depth_conf, f.intrinsics, f.c2w, f.image)
+        assert len(acc) <= 300
+    assert acc.num_coarsenings > 0 and acc.voxel_size == pytest.approx(0.001 * 2**acc.num_coarsenings)
+    cells = np.floor(acc.cloud().xyz.astype(np.float64) / acc.voxel_size).astype(np.int64)
+    assert len(np.unique(cells, axis=0)) == len(acc)
+    # Coarsening thins old frames too, but keeps some of them: memory is bounded, history is not dropped.
+    assert len(np.unique(acc.cloud().frame_index)) > 30
+
+
+def test_accumulator_rejects_bad_settings():
+    with pytest.raises(ValueError, match="max points must be at least 1, got 0"):
+        PointAccumulator(max_points=0)
+    with pytest.raises(ValueError, match="voxel size must be a positive number of scene units, got -1.0"):
+        PointAccumulator(voxel_size=-1.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.floats(-2, 2), st.floats(-0.3, 0.3)), min_size=1, max_size=12),
+    st.integers(20, 400),
+)
+def test_accumulator_invariants_under_random_streams(events, max_points):
+    """Any mix of new frames and re-emissions: capped, one point per voxel, keys sorted and consistent."""
+    acc = PointAccumulator(voxel_size=0.01, max_points=max_points)
+    for frame_index, shift, yaw in events:
+        f = plane_frame(frame_index, height=8, width=10, yaw=yaw, offset=np.array([shift, 0, 0]))
+        acc.remove_frame(frame_index)
+        acc.add_frame(frame_index, f.depth, f.depth_conf, f.intrinsics, f.c2w, f.image)
+        n = len(acc)
+        assert n <= max_points
+        keys, in_range = acc._voxel_keys(acc.cloud().xyz)
+        assert in_range.all()
+        np.testing.assert_array_equal(keys, acc._keys[:n])
+        assert len(np.unique(keys)) == n  # one point per voxel
+        for level_keys, level_rows in (
+            (acc._merged_keys, acc._merged_rows),
+            (acc._recent_keys, acc._recent_rows),
+        ):
+            assert (np.diff(level_keys) > 0).all()
+            np.testing.assert_array_equal(keys[level_rows], level_keys)
+        rows = np.sort(np.concatenate([acc._merged_rows, acc._recent_rows]))
+        np.testing.assert_array_equal(rows, np.arange(n))  # every row indexed exactly once
+
+
+def test_writer_memory_stays_bounded_over_a_long_stream(tmp_path):
+    """The writer holds poses and the capped cloud, never the depth maps (~50 KB per frame here)."""
+    writer = RunWriter(tmp_path / "run", {}, voxel_size=0.001, max_points=2000)
+    frames = 150
+    tracemalloc.start()
+    try:
+        for i in range(frames):
+            writer.on_frame(plane_frame(i, height=72, width=96, offset=np.array([0, 5.0 * i, 0])), {})
+            if i == 20:
+                writer.flush()  # measure with an empty queue, at both ends
+                baseline = tracemalloc.get_traced_memory()[0]
+        writer.flush()
+        growth = tracemalloc.get_traced_memory()[0] - baseline
+    finally:
+        tracemalloc.stop()
+    writer.close("complete")
+    assert len(writer.points) <= 2000
+    # 130 frames of depth + confidence + image would be ~6 MB; poses and the cloud are well under 0.5 MB.
+    assert growth < 500_000, growth
+    assert len(read_run(tmp_path / "run")) == frames
+
+
+def test_writer_thread_errors_reach_the_caller(tmp_path, monkeypatch):
+    writer = RunWriter(tmp_path / "run", {})
+    writer.on_frame(plane_frame(0), {})
+    writer.flush()
+
+    def full_disk(file, **arrays):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", full_disk)
+    writer.on_frame(plane_frame(1), {})
+    with pytest.raises(
+        OutputDirError, match="writing frames to .*predictions failed: No space left on device"
+    ):
+        writer.flush()
+    writer.on_frame(plane_frame(2), {})  # fails on the writer thread again; nobody has asked yet
+    with pytest.raises(OutputDirError, match="could not write outputs .*frame writer: .*No space left"):
+        writer.close("failed")
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["status"] == "failed" and "No space left" in info["output_errors"][0]
+    assert [r["frame_index"] for r in read_run(tmp_path / "run")] == [0]
+    assert len(parse_tum_strictly(tmp_path / "run" / "trajectory_tum.txt")) == 1
+
+
+def test_a_slow_disk_blocks_on_frame_instead_of_queueing_without_bound(tmp_path, monkeypatch):
+    writer = RunWriter(tmp_path / "run", {}, queue_size=3)
+    disk_free = threading.Event()
+    real_savez = np.savez
+
+    def slow_savez(file, **arrays):
+        disk_free.wait(timeout=30)
+        real_savez(file, **arrays)
+
+    monkeypatch.setattr(np, "savez", slow_savez)
+    producer = threading.Thread(target=lambda: [writer.on_frame(plane_frame(i), {}) for i in range(8)])
+    producer.start()
+    producer.join(timeout=0.5)
+    # One frame is being written, three wait in the queue, the producer is stuck on the fifth.
+    assert producer.is_alive() and writer._queue.qsize() == 3
+    disk_free.set()
+    producer.join(timeout=30)
+    assert not producer.is_alive()
+    writer.close("complete")
+    assert [r["frame_index"] for r in read_run(tmp_path / "run")] == list(range(8))
+
+
+def test_outputs_get_ordinary_permissions(tmp_path):
+    old_umask = os.umask(0o022)
+    try:
+        write_run(tmp_path / "run", [plane_frame(0)])
+    finally:
+        os.umask(old_umask)
+    for path in (
+        prediction_path(tmp_path / "run", 0),
+        tmp_path / "run" / "run.json",
+        tmp_path / "run" / "points.ply",
+    ):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+
+
+@pytest.mark.parametrize(
+    ("raised", "status"),
+    [(None, "complete"), (KeyboardInterrupt, "interrupted"), (FileNotFoundError, "failed")],
+)
+def test_context_manager_closes_with_the_matching_status(tmp_path, raised, status):
+    with pytest.raises(raised) if raised else contextlib.nullcontext():
+        with RunWriter(tmp_path / "run", {}) as writer:
+            writer.on_frame(plane_frame(0), {})
+            writer.on_frame(plane_frame(1), {})
+            if raised:
+                raise raised("camera unplugged")
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["status"] == status and info["summary"]["frames"] == 2
+    assert ("camera unplugged" in info["summary"].get("error", "")) == (raised is FileNotFoundError)
+    assert len(parse_tum_strictly(tmp_path / "run" / "trajectory_tum.txt")) == 2
+
+
+def test_an_explicit_close_inside_the_block_wins(tmp_path):
+    with RunWriter(tmp_path / "run", {}) as writer:
+        writer.on_frame(plane_frame(0), {})
+        writer.close("complete", {"fps": 3.0})
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["status"] == "complete" and info["summary"]["fps"] == 3.0
+
+
+def test_points_beyond_the_voxel_key_range_are_dropped_and_counted(tmp_path):
+    near, far = plane_frame(0), plane_frame(1)
+    far.depth[:, 20:] = 1e6  # 2**20 voxels of 0.01 end at ~10 km
+    write_run(tmp_path / "run", [near, far], voxel_size=0.01)
+    points = json.loads((tmp_path / "run" / "run.json").read_text())["summary"]["points"]
+    assert points["dropped_out_of_range"] == 24 * 12
+    assert np.abs(trimesh.load(tmp_path / "run" / "points.ply").vertices).max() < 100

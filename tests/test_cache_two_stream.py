@@ -1,0 +1,186 @@
+"""The two-stream cache bookkeeping against a dense reference (hypothesis), plus worked examples."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stream_recon.cache import CacheLayout, PagePool, TwoStreamCache
+
+
+class DenseReference:
+    """What the visible key set must be, computed from the list of live frames alone."""
+
+    def __init__(self, layout: CacheLayout):
+        self.layout = layout
+        self.committed: list[int] = []
+        self.pending: list[int] = []
+        self.pending_deferred = False
+
+    @property
+    def live(self) -> list[int]:
+        return self.committed + self.pending
+
+    def visible_patch_frames(self) -> list[int]:
+        scale = self.live[: self.layout.scale_frames]
+        # A deferred pending frame keeps the oldest window frame visible until the decision.
+        limit = self.layout.window_frames + (1 if self.pending_deferred else 0)
+        window = self.live[self.layout.scale_frames :][-limit:]
+        return scale + window
+
+    def visible_tokens(self) -> list[tuple[int, int]]:
+        """(frame, token) in key order: scale patches, window patches, then every live frame's specials."""
+        specials = self.layout.specials_per_frame
+        patches = [(f, specials + j) for f in self.visible_patch_frames() for j in range(self.layout.patches_per_frame)]
+        return patches + [(f, s) for f in self.live for s in range(specials)]
+
+    def commit(self):
+        self.committed += self.pending
+        self.pending, self.pending_deferred = [], False
+        # Eviction at commit is permanent: forget frames that left the window for good.
+        scale = self.layout.scale_frames
+        window = self.committed[scale:][-self.layout.window_frames :]
+        self.evicted_forever = len(self.committed) - scale - len(window) if len(self.committed) > scale else 0
+
+
+class Harness:
+    """Drives the real cache and writes frame labels into a fake page store through its slots."""
+
+    def __init__(self, layout: CacheLayout, initial_pages: int):
+        self.layout = layout
+        self.cache = TwoStreamCache(layout, PagePool(initial_pages, grow_by=2))
+        self.reference = DenseReference(layout)
+        self.store: dict[int, tuple[int, int]] = {}
+        self.next_frame = 0
+
+    def append(self, defer: bool):
+        frame = self.next_frame
+        self.next_frame += 1
+        self.cache.append(defer_eviction=defer)
+        for token, slot in enumerate(self.cache.token_slots(-1)):
+            self.store[slot] = (frame, token)
+        self.reference.pending.append(frame)
+        self.reference.pending_deferred = defer
+
+    def commit(self):
+        self.cache.commit()
+        self.reference.commit()
+
+    def rollback(self):
+        self.cache.rollback()
+        self.reference.pending, self.reference.pending_deferred = [], False
+
+    def read_visible(self) -> list[tuple[int, int]]:
+        visible = self.cache.visible_pages()
+        size = visible.page_size
+        slots = [page * size + offset for page in visible.page_ids for offset in range(size)][: visible.num_tokens]
+        return [self.store[slot] for slot in slots]
+
+    def check(self):
+        cache, reference = self.cache, self.reference
+        assert self.read_visible() == reference.visible_tokens()
+        specials = len(reference.live) * self.layout.specials_per_frame
+        special_pages = math.ceil(specials / self.layout.page_size)
+        assert len(cache.special_pages) == special_pages
+        assert cache.num_patch_frames == len(reference.visible_patch_frames())
+        held = len(set(cache.scale_pages) | set(cache.window_pages) | set(cache.special_pages))
+        # Pages pushed out of the window by a pending frame stay allocated until it is committed.
+        pending_evicted = sum(len(p.evicted) for p in cache._pending)
+        assert held == len(cache.scale_pages) + len(cache.window_pages) + len(cache.special_pages)
+        assert cache.pool.num_used == held + pending_evicted, "leaked or double-used pages"
+        free = cache.pool.free_ids()
+        assert len(set(free)) == len(free)
+        assert not set(free) & (set(cache.scale_pages) | set(cache.window_pages) | set(cache.special_pages))
+
+
+@st.composite
+def layouts(draw):
+    return CacheLayout(
+        patches_per_frame=draw(st.sampled_from([1, 2, 3, 5, 7])),
+        specials_per_frame=draw(st.integers(0, 7)),
+        scale_frames=draw(st.integers(1, 3)),
+        window_frames=draw(st.integers(1, 4)),
+    )
+
+
+# One op per step, in the engine's patterns: a decided keyframe (append, commit), a frame that is
+# decided later or known to be dropped (deferred append, then commit or rollback), or a rejected
+# non-deferred append.
+OPS = st.sampled_from(["key", "defer_commit", "defer_rollback", "append_rollback"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(layout=layouts(), scale_batch=st.integers(1, 3), ops=st.lists(OPS, max_size=25), initial=st.integers(1, 4))
+def test_cache_matches_dense_reference(layout, scale_batch, ops, initial):
+    h = Harness(layout, initial)
+    for _ in range(scale_batch):  # phase 1: several frames pending together
+        h.append(defer=False)
+        h.check()
+    h.commit()
+    h.check()
+    for op in ops:
+        h.append(defer=op.startswith("defer"))
+        h.check()
+        (h.commit if op in ("key", "defer_commit") else h.rollback)()
+        h.check()
+
+
+@settings(max_examples=100, deadline=None)
+@given(layout=layouts(), ops=st.lists(OPS, min_size=1, max_size=20))
+def test_rollback_restores_everything(layout, ops):
+    h = Harness(layout, 2)
+    h.append(defer=False)
+    h.commit()
+    for op in ops:
+        before = (list(h.cache.scale_pages), list(h.cache.window_pages), list(h.cache.special_pages),
+                  h.cache.num_special_tokens, sorted(h.cache.pool.free_ids()), h.cache.pool.num_pages)
+        h.append(defer=op.startswith("defer"))
+        h.rollback()
+        after = (list(h.cache.scale_pages), list(h.cache.window_pages), list(h.cache.special_pages),
+                 h.cache.num_special_tokens, sorted(h.cache.pool.free_ids()), h.cache.pool.num_pages)
+        # The pool may have grown, but every page the append took is free again.
+        assert after[:4] == before[:4]
+        assert set(before[4]) <= set(after[4])
+        assert set(after[4]) - set(before[4]) == set(range(before[5], after[5]))
+        h.append(defer=False)
+        h.commit()
+
+
+def test_worked_example_window_and_specials():
+    # page_size 3, 2 specials per frame, 1 scale frame, window 2.
+    layout = CacheLayout(patches_per_frame=3, specials_per_frame=2, scale_frames=1, window_frames=2)
+    cache = TwoStreamCache(layout, PagePool(4, grow_by=1))
+    for _ in range(4):
+        cache.append()
+        cache.commit()
+    # frames f0..f3: scale [f0], window [f2 f3] (f1 evicted), specials f0 f0 f1 | f1 f2 f2 | f3 f3
+    visible = cache.visible_pages()
+    assert visible.num_scale_pages == 1 and visible.num_window_pages == 2
+    assert visible.num_special_pages == 3 and visible.last_page_len == 2
+    assert visible.num_tokens == 3 * 3 + 8
+    assert cache.num_committed_frames == 4
+
+
+def test_page_pool_grows_instead_of_failing():
+    pool = PagePool(1, grow_by=3)
+    assert [pool.allocate() for _ in range(5)] == [0, 1, 2, 3, 4]
+    assert pool.num_pages == 7 and pool.num_free == 2
+
+
+def test_special_pool_never_runs_out_over_a_long_stream():
+    layout = CacheLayout(patches_per_frame=5, specials_per_frame=6, scale_frames=2, window_frames=3)
+    cache = TwoStreamCache(layout)
+    for _ in range(3000):
+        cache.append()
+        cache.commit()
+    assert cache.num_committed_frames == 3000
+    assert len(cache.special_pages) == math.ceil(3000 * 6 / 5)
+    assert cache.num_patch_frames == 5
+
+
+def test_layout_rejects_nonsense():
+    with pytest.raises(ValueError, match="scale_frames and window_frames must be >= 1"):
+        CacheLayout(patches_per_frame=4, window_frames=0)
