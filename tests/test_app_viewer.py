@@ -26,9 +26,10 @@ import viser
 import websockets
 import websockets.sync.client
 import zstandard
-from stream_recon.app.commands.view import RunDirError, index_run, start_replay, view
+from stream_recon.app.commands.view import index_run, start_replay, view
 from stream_recon.app.geometry import quat_wxyz_to_rotation
 from stream_recon.app.viewer import LiveViewer, allocate_point_budget, sample_keyframe_points
+from stream_recon.app.writers import RunDirError, prediction_arrays
 from stream_recon.models.prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
 from typer import Typer
 from typer.testing import CliRunner
@@ -486,21 +487,7 @@ def write_run(run_dir: Path, num_frames: int, *, size=(42, 56), every_other_keyf
     for index in range(num_frames):
         frame_type = FRAME_NON_KEY if every_other_keyframe and index % 2 else FRAME_KEY
         pred = orbit_frame(index, size=size, frame_type=frame_type, angle=0.002 * index)
-        np.savez(
-            predictions / f"{index:06d}.npz",
-            frame_index=index,
-            timestamp=pred.timestamp,
-            is_keyframe=pred.is_keyframe,
-            frame_type=pred.frame_type,
-            pose_enc=pred.pose_enc,
-            c2w=pred.c2w,
-            intrinsics=pred.intrinsics,
-            depth=pred.depth,
-            depth_conf=pred.depth_conf,
-            image_size=np.array(pred.image_size),
-            image=pred.image,
-            window_index=0,
-        )
+        np.savez(predictions / f"{index:06d}.npz", **prediction_arrays(pred))  # the writers' format
 
 
 def test_replay_shows_the_run_and_follows_the_timeline(tmp_path):
@@ -557,7 +544,8 @@ def test_view_command_rejects_a_folder_without_predictions(tmp_path):
     assert result.exit_code == 2
     assert "is not a run directory" in result.output and "Traceback" not in result.output
     (tmp_path / "predictions").mkdir()
-    with pytest.raises(RunDirError, match="holds no prediction files"):
+    (tmp_path / "predictions" / "000000.npz").write_bytes(b"not an npz")  # a run killed mid-write
+    with pytest.raises(RunDirError, match="holds no readable prediction files"):
         index_run(tmp_path)
 
 

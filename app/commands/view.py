@@ -26,8 +26,11 @@ websocket client joining late received the whole scene (904 nodes with viser's o
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -36,11 +39,14 @@ import numpy as np
 import typer
 from rich.console import Console
 from stream_recon.app.viewer import LiveViewer
-from stream_recon.models.prediction import FRAME_KEY, FRAME_NON_KEY, FramePrediction
+from stream_recon.app.writers import RunDirError, check_run_dir, load_prediction
+from stream_recon.models.prediction import FramePrediction
+
+logger = logging.getLogger(__name__)
 
 
-class RunDirError(ValueError):
-    """The run directory is missing or holds no readable predictions."""
+# Only these names are predictions; the writer's temporary files are not.
+PREDICTION_NAME = re.compile(r"^\d{6,}\.npz$")
 
 
 @dataclass(frozen=True)
@@ -61,53 +67,51 @@ class RunIndex:
 
 
 def index_run(run_dir: Path) -> RunIndex:
-    """Read the frame index, keyframe flag and pose of every prediction file in `run_dir`."""
-    predictions_dir = Path(run_dir) / "predictions"
-    if not predictions_dir.is_dir():
-        raise RunDirError(
-            f"{run_dir} is not a run directory: {predictions_dir} does not exist "
-            "(pass the --output folder of a `stream-recon` run)"
-        )
-    paths = sorted(predictions_dir.glob("*.npz"))
-    if not paths:
-        raise RunDirError(f"{predictions_dir} holds no prediction files (*.npz): the run wrote no frames")
-    frame_indices, keyframe_flags, poses = [], [], []
+    """Read the frame index, keyframe flag and pose of every prediction file in `run_dir`.
+
+    Unreadable files (the last one of a killed run, say) are skipped with a warning, as `iter_run` does.
+    """
+    predictions_dir = check_run_dir(run_dir)
+    paths = sorted(p for p in predictions_dir.iterdir() if PREDICTION_NAME.match(p.name))
+    frame_indices, keyframe_flags, poses, readable = [], [], [], []
     for path in paths:
         try:
-            with np.load(path) as npz:  # NpzFile reads members lazily: the depth maps stay on disk
-                frame_indices.append(int(npz["frame_index"]))
-                keyframe_flags.append(bool(npz["is_keyframe"]))
-                poses.append(np.asarray(npz["c2w"], dtype=np.float32).reshape(3, 4))
-        except (OSError, KeyError, ValueError) as error:
-            raise RunDirError(f"cannot read {path}: {error}") from error
+            with np.load(path, allow_pickle=False) as npz:  # members are read lazily: depth stays on disk
+                frame_index, is_keyframe = int(npz["frame_index"]), bool(npz["is_keyframe"])
+                c2w = np.asarray(npz["c2w"], dtype=np.float32).reshape(3, 4)
+        except (OSError, KeyError, ValueError, zipfile.BadZipFile, EOFError) as error:
+            logger.warning("skipping %s: %s", path, error)
+            continue
+        frame_indices.append(frame_index)
+        keyframe_flags.append(is_keyframe)
+        poses.append(c2w)
+        readable.append(path)
+    if not readable:
+        raise RunDirError(f"{predictions_dir} holds no readable prediction files (NNNNNN.npz)")
     order = np.argsort(frame_indices, kind="stable")
     return RunIndex(
-        paths=tuple(paths[i] for i in order),
+        paths=tuple(readable[i] for i in order),
         frame_indices=np.asarray(frame_indices)[order],
         is_keyframe=np.asarray(keyframe_flags)[order],
         c2w=np.stack(poses)[order],
     )
 
 
-def load_prediction(path: Path) -> FramePrediction:
-    """One prediction file -> FramePrediction (the run-directory format of DESIGN.md §5)."""
-    with np.load(path) as npz:
-        is_keyframe = bool(npz["is_keyframe"])
-        frame_type = (
-            int(npz["frame_type"]) if "frame_type" in npz else (FRAME_KEY if is_keyframe else FRAME_NON_KEY)
-        )
-        return FramePrediction(
-            frame_index=int(npz["frame_index"]),
-            timestamp=float(npz["timestamp"]),
-            frame_type=frame_type,
-            pose_enc=np.asarray(npz["pose_enc"], dtype=np.float32),
-            c2w=np.asarray(npz["c2w"], dtype=np.float32),
-            intrinsics=np.asarray(npz["intrinsics"], dtype=np.float32),
-            depth=np.asarray(npz["depth"], dtype=np.float32),
-            depth_conf=np.asarray(npz["depth_conf"], dtype=np.float32),
-            image=np.asarray(npz["image"], dtype=np.uint8) if "image" in npz else None,
-            window_index=int(npz["window_index"]) if "window_index" in npz else 0,
-        )
+def load_frame(path: Path) -> FramePrediction:
+    """One prediction file (DESIGN.md §5, read by the writers' `load_prediction`) as a FramePrediction."""
+    record = load_prediction(path)
+    return FramePrediction(
+        frame_index=record["frame_index"],
+        timestamp=record["timestamp"],
+        frame_type=record["frame_type"],
+        pose_enc=np.asarray(record["pose_enc"], dtype=np.float32),
+        c2w=np.asarray(record["c2w"], dtype=np.float32),
+        intrinsics=np.asarray(record["intrinsics"], dtype=np.float32),
+        depth=np.asarray(record["depth"], dtype=np.float32),
+        depth_conf=np.asarray(record["depth_conf"], dtype=np.float32),
+        image=None if record["image"] is None else np.asarray(record["image"], dtype=np.uint8),
+        window_index=record["window_index"],
+    )
 
 
 class Replay:
@@ -156,7 +160,7 @@ class Replay:
                     {int(self.index.frame_indices[p]): self.index.c2w[p] for p in new_positions}
                 )
             # The frame at the timeline position goes first: it is the current camera.
-            self.viewer.on_frame(load_prediction(self.index.paths[position]), {})
+            self.viewer.on_frame(load_frame(self.index.paths[position]), {})
             self._to_load = self._keyframes_to_load(first_new, position - 1)
             self.position = position
             self._loader_idle.clear()
@@ -189,7 +193,11 @@ class Replay:
                 # overflows, and this loader would overflow it with the newest keyframes first.
                 while self.viewer.num_pending > 8 and not self._stopping.is_set():
                     time.sleep(0.005)
-                prediction = load_prediction(self.index.paths[p])
+                try:
+                    prediction = load_frame(self.index.paths[p])
+                except (OSError, ValueError) as error:  # damaged or removed since indexing: leave it out
+                    logger.warning("skipping %s: %s", self.index.paths[p], error)
+                    continue
                 with self._seek_lock:  # a seek in between may have truncated past this frame
                     if self._generation != generation:
                         break
