@@ -349,6 +349,39 @@ def test_pause_and_follow_from_the_browser(viewer):
         mirror.close()
 
 
+def test_point_and_keyframe_controls_from_the_browser(viewer):
+    for index in range(6):
+        viewer.on_frame(orbit_frame(index, frame_type=FRAME_KEY), {})
+    mirror = SceneMirror(viewer.url)
+    try:
+        names = [f"/keyframes/f{i:06d}" for i in range(6)]
+        mirror.wait_for(lambda m: keyframe_names(m) == names)
+
+        def cloud_sizes(m: SceneMirror) -> list[int]:
+            return [len(m.nodes[f"{name}/points"]["props"]["points"]) // 3 for name in names]
+
+        assert cloud_sizes(mirror) == [540] * 6  # 600 per keyframe, 10 % dropped by confidence
+        mirror.set_gui("Points / keyframe", 500)
+        mirror.wait_for(lambda m: cloud_sizes(m) == [450] * 6)
+        mirror.set_gui("Drop low conf. %", 50.0)
+        mirror.wait_for(lambda m: cloud_sizes(m) == [250] * 6)
+        mirror.set_gui("Point size x", 2.0)
+        size = mirror.nodes[f"{names[0]}/points"]["props"]["point_size"]
+        mirror.wait_for(lambda m: m.nodes[f"{names[0]}/points"]["props"]["point_size"] > 1.9 * size)
+
+        mirror.set_gui("Last N", 2)
+        mirror.set_gui("Show all", False)
+        mirror.wait_for(lambda m: [m.nodes[name]["visible"] for name in names] == [False] * 4 + [True] * 2)
+        mirror.set_gui("Show all", True)
+        mirror.wait_for(lambda m: all(m.nodes[name]["visible"] for name in names))
+
+        mirror.camera_look_at = None
+        mirror.set_gui("Reset view", True)
+        mirror.wait_for(lambda m: m.camera_look_at is not None)
+    finally:
+        mirror.close()
+
+
 def test_caps_thin_then_remove_the_oldest_keyframes():
     live = LiveViewer(
         port=free_port(), max_points_per_keyframe=200, max_total_points=1500, max_keyframes=12, update_hz=20.0
