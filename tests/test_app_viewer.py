@@ -17,6 +17,7 @@ import socket
 import subprocess
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import msgspec
@@ -106,6 +107,7 @@ class SceneMirror:
         self.gui: dict[str, dict] = {}  # uuid -> message
         self.replay_done = False
         self.error: Exception | None = None
+        self.error_trace = ""
         self.camera_look_at: tuple | None = None
         self.num_messages = 0
         self._lock = threading.Lock()
@@ -131,6 +133,7 @@ class SceneMirror:
                         self._apply_frame(raw)
                     except Exception as error:  # surfaced by wait_for, instead of a silent timeout
                         self.error = error
+                        self.error_trace = traceback.format_exc()
                         raise
 
     def _apply_frame(self, raw: bytes) -> None:
@@ -177,7 +180,7 @@ class SceneMirror:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.error is not None:
-                raise AssertionError(f"the websocket client failed: {self.error!r}") from self.error
+                raise AssertionError(f"the websocket client failed:\n{self.error_trace}") from self.error
             with self._lock:
                 if predicate(self):
                     return
