@@ -161,6 +161,12 @@ def _depth_fingerprint(pred: FramePrediction) -> int:
     return zlib.crc32(np.ascontiguousarray(pred.intrinsics, dtype=np.float32).tobytes(), crc)
 
 
+def _field_of_view(pred: FramePrediction) -> tuple[float, float]:
+    """(vertical field of view in radians, width / height) of the model input, for a viser frustum."""
+    h, w = pred.image_size
+    return 2 * math.atan2(h / 2, float(pred.intrinsics[1, 1])), w / h
+
+
 def _pose(c2w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """c2w [3, 4] -> (wxyz [4], position [3]) for a viser node whose children live in camera axes."""
     c2w = np.asarray(c2w, dtype=np.float64)
@@ -174,12 +180,9 @@ class _Keyframe:
     frame_index: int
     sample: KeyframeSample
     fingerprint: int
-    fov_y: float
-    aspect: float
-    thumb: np.ndarray | None
     parent: Any  # viser.FrameHandle
+    frustum: Any  # viser.CameraFrustumHandle
     cloud: Any = None  # viser.PointCloudHandle
-    frustum: Any = None  # viser.CameraFrustumHandle
     shown_count: int = 0  # prefix of `sample` currently on screen (before the confidence filter)
     shown_settings: tuple = ()  # (confidence %, budget) the cloud was built with
 
@@ -321,6 +324,10 @@ class LiveViewer:
         if not self.keep_serving:
             self.stop()
 
+    def set_status(self, text: str) -> None:
+        """The status line at the top of the GUI panel (markdown)."""
+        self._status.content = text
+
     def stop(self) -> None:
         """Stop the web server (after `close`, when the viewer was kept serving)."""
         self.server.stop()
@@ -391,7 +398,8 @@ class LiveViewer:
 
     @property
     def num_pending(self) -> int:
-        """Frames queued by `on_frame` and not yet drawn (bounded by `max_pending`)."""
+        """Frames queued and not yet drawn: at most `max_pending` predictions, plus the poses of any
+        frames that overflowed (a few floats each)."""
         with self._lock:
             return len(self._pending.predictions) + len(self._pending.poses)
 
@@ -508,33 +516,29 @@ class LiveViewer:
         if self._scene_scale is None and sample.num_points:
             self._scene_scale = float(np.median(sample.points[:, 2].astype(np.float32)))
             self._reset_view()
-        h, w = pred.image_size
-        fy = float(pred.intrinsics[1, 1])
         wxyz, position = _pose(pred.c2w)
         name = f"/keyframes/f{pred.frame_index:06d}"
         parent = self.server.scene.add_frame(name, show_axes=False, wxyz=wxyz, position=position)
-        keyframe = _Keyframe(
-            frame_index=pred.frame_index,
-            sample=sample,
-            fingerprint=_depth_fingerprint(pred) if fingerprint is None else fingerprint,
-            fov_y=2 * math.atan2(h / 2, fy),
-            aspect=w / h,
-            thumb=self._thumbnail(pred),
-            parent=parent,
-        )
-        keyframe.frustum = self.server.scene.add_camera_frustum(
+        fov_y, aspect = _field_of_view(pred)
+        frustum = self.server.scene.add_camera_frustum(
             f"{name}/frustum",
-            fov=keyframe.fov_y,
-            aspect=keyframe.aspect,
+            fov=fov_y,
+            aspect=aspect,
             scale=self._frustum_scale(),
             thickness=1.5,
             thickness_units="screen",
             color=KEYFRAME_COLOR,
-            image=keyframe.thumb,
+            image=self._thumbnail(pred),
             format="jpeg",
             jpeg_quality=70,
         )
-        self._keyframes[pred.frame_index] = keyframe
+        self._keyframes[pred.frame_index] = _Keyframe(
+            frame_index=pred.frame_index,
+            sample=sample,
+            fingerprint=_depth_fingerprint(pred) if fingerprint is None else fingerprint,
+            parent=parent,
+            frustum=frustum,
+        )
 
     def _remove_keyframe(self, index: int) -> None:
         keyframe = self._keyframes.pop(index)
@@ -605,14 +609,13 @@ class LiveViewer:
         self._current_c2w = np.asarray(pred.c2w, dtype=np.float64)
         wxyz, position = _pose(pred.c2w)
         thumb = self._thumbnail(pred)
-        h, w = pred.image_size
-        fov_y = 2 * math.atan2(h / 2, float(pred.intrinsics[1, 1]))
+        fov_y, aspect = _field_of_view(pred)
         with self.server.atomic():
             if self._current is None:
                 self._current = self.server.scene.add_camera_frustum(
                     "/current",
                     fov=fov_y,
-                    aspect=w / h,
+                    aspect=aspect,
                     scale=1.6 * self._frustum_scale(),
                     thickness=4.0,
                     thickness_units="screen",

@@ -133,6 +133,7 @@ class Replay:
         self._loader_idle = threading.Event()
         self._loader_idle.set()
         self._build_gui()
+        viewer.set_status(f"**replay** of {index.num_frames} frames")
         self._threads = [
             threading.Thread(target=self._play_loop, name="replay-player", daemon=True),
             threading.Thread(target=self._load_loop, name="replay-loader", daemon=True),
