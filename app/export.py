@@ -21,6 +21,9 @@ from pathlib import Path
 import cv2
 import numpy as np
 import trimesh
+from trimesh.path import Path3D
+from trimesh.path.entities import Line
+
 from stream_recon.app.geometry import rotation_to_quat_wxyz
 from stream_recon.app.writers import (
     DEFAULT_CONF_THRESHOLD,
@@ -35,8 +38,6 @@ from stream_recon.app.writers import (
     write_ply,
     write_tum,
 )
-from trimesh.path import Path3D
-from trimesh.path.entities import Line
 
 # OpenCV camera axes (y down, z forward) to glTF's (y up, z backward): a 180 degree turn about x.
 OPENCV_TO_GLTF = np.diag([1.0, -1.0, -1.0, 1.0])

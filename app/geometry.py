@@ -26,7 +26,8 @@ def depth_to_camera_points(depth: np.ndarray, intrinsics: np.ndarray) -> np.ndar
 
 def transform_points(c2w: np.ndarray, points: np.ndarray) -> np.ndarray:
     """Apply [R | t] (shape [3, 4]) to points [..., 3]."""
-    return points @ c2w[:3, :3].T + c2w[:3, 3]
+    # A contiguous R^T keeps the matrix product on the fast BLAS path for [N, 3] inputs.
+    return points @ np.ascontiguousarray(c2w[:3, :3].T) + c2w[:3, 3]
 
 
 def depth_to_world_points(depth: np.ndarray, intrinsics: np.ndarray, c2w: np.ndarray) -> np.ndarray:

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 from plyfile import PlyData, PlyElement
+
 from stream_recon.app.geometry import rotation_to_quat_wxyz
 from stream_recon.models.prediction import FramePrediction
 

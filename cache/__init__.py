@@ -1,7 +1,7 @@
 """Two-stream paged KV cache: page bookkeeping and the attention backends that read the pages."""
 
-from .pages import CacheCapacityError, PagePool, VisiblePages
 from .paged_attention import KVStep, PagedKV, SDPAPagedAttention
+from .pages import CacheCapacityError, PagePool, VisiblePages
 from .token_cache import TokenCache
 from .two_stream import CacheLayout, TwoStreamCache
 

@@ -80,17 +80,18 @@ class SDPAPagedAttention:
         self._visible: VisiblePages | None = None
         self._page_ids: torch.Tensor | None = None
 
-    def plan(self, visible: VisiblePages) -> None:
+    def plan(self, visible: VisiblePages, num_queries: int) -> None:
         self._visible = visible
         self._page_ids = torch.tensor(visible.page_ids, dtype=torch.long, device=self.kv.device)
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D] -> [T, H, D] over the planned visible set."""
+        """q [T, H, D] -> [T, H, D] over the planned visible set, in the page dtype (a bf16 cache
+        attends in bf16, as FlashInfer does; an fp32 cache in fp32)."""
         keys, values = self.kv.gather(layer, self._visible, self._page_ids)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
-            keys.to(q.dtype).transpose(0, 1).unsqueeze(0),  # [1, H, N, D]
-            values.to(q.dtype).transpose(0, 1).unsqueeze(0),
+            q.to(keys.dtype).transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
+            keys.transpose(0, 1).unsqueeze(0),  # [1, H, N, D]
+            values.transpose(0, 1).unsqueeze(0),
         )
         return out[0].transpose(0, 1)  # [T, H, D]
 

@@ -1,5 +1,6 @@
 """The LingBot-Map (GCT) streaming model, its configuration, checkpoint IO and streaming engine."""
 
+from .checkpoint import load_model
 from .config import ModelConfig
 from .engine import KeyframePolicy, StreamConfig, StreamingEngine
 from .errors import CheckpointError, FrameError
@@ -18,4 +19,5 @@ __all__ = [
     "ModelConfig",
     "StreamConfig",
     "StreamingEngine",
+    "load_model",
 ]

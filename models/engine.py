@@ -9,7 +9,6 @@ no pages, no special tokens, no temporal index, no camera-head token).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,26 +60,38 @@ class StreamConfig:
     keyframes: str = "all"
     flow_threshold: float = 15.0
     max_gap: int = 30
-    attention: str = "auto"  # auto | sdpa | flashinfer
+    attention: str = "auto"  # auto | sdpa | flashinfer | flashinfer-fa2 | flashinfer-fa3
 
     @property
     def policy(self) -> KeyframePolicy:
         return KeyframePolicy.parse(self.keyframes, self.flow_threshold, self.max_gap)
 
 
+ATTENTION_BACKENDS = ("auto", "sdpa", "flashinfer", "flashinfer-fa2", "flashinfer-fa3")
+
+
 def make_attention_backend(name: str, kv: PagedKV):
-    """`auto` picks FlashInfer on CUDA when it imports, else PyTorch SDPA."""
-    if name not in ("auto", "sdpa", "flashinfer"):
-        raise ValueError(f"unknown attention backend {name!r}: use auto, sdpa or flashinfer")
-    if name == "sdpa" or (name == "auto" and kv.device.type != "cuda"):
+    """`auto` picks FlashInfer (fa2) for bf16/fp16 pages on CUDA when it imports, else PyTorch SDPA.
+
+    FlashInfer has no fp32 kernels, so fp32 runs (the golden-parity mode) always use SDPA.
+    """
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
+    wants_flashinfer = name.startswith("flashinfer")
+    usable = kv.device.type == "cuda" and kv.dtype in (torch.bfloat16, torch.float16)
+    if name == "sdpa" or (name == "auto" and not usable):
         return SDPAPagedAttention(kv)
+    if wants_flashinfer and not usable:
+        raise ValueError(
+            f"--attention {name} needs bf16/fp16 on a CUDA device (got {kv.dtype} on {kv.device}); use --attention sdpa"
+        )
     try:
         from stream_recon.cache.flashinfer_backend import FlashInferPagedAttention
     except ImportError as error:
-        if name == "flashinfer":
-            raise ValueError(f"--attention flashinfer needs the flashinfer package on a CUDA machine: {error}") from None
+        if wants_flashinfer:
+            raise ValueError(f"--attention {name} needs the flashinfer package (pip install 'stream-recon[cuda]'): {error}") from None
         return SDPAPagedAttention(kv)
-    return FlashInferPagedAttention(kv)
+    return FlashInferPagedAttention(kv, variant="fa3" if name == "flashinfer-fa3" else "fa2")
 
 
 class StreamingEngine:
@@ -91,6 +102,9 @@ class StreamingEngine:
         self.policy = self.config.policy
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.dtype = dtype or torch.float32
+        if self.device.type == "cuda" and self.dtype != torch.float32:
+            # The transformer runs in bf16/fp16 and the heads in fp32, as the reference does.
+            self.model.aggregator.to(self.dtype)
         self.on_backend_ready: Callable[[str], None] | None = None
         self._image_size: tuple[int, int] | None = None
         self._buffer: list[tuple[torch.Tensor, float]] = []
@@ -185,10 +199,25 @@ class StreamingEngine:
 
     # -- mechanics -------------------------------------------------------------------------
     def _forward(self, images: torch.Tensor, num_new: int) -> dict[str, torch.Tensor]:
-        """Predict the pending frames; the cache already holds their (empty) pages."""
+        """Predict the pending frames; the cache already holds their (empty) pages. On any error
+        the pending frames are rolled back, so the stream stays usable."""
+        try:
+            return self._forward_pending(images, num_new)
+        except BaseException:
+            self.cache.rollback()
+            self.camera_cache.rollback()
+            raise
+
+    def _forward_pending(self, images: torch.Tensor, num_new: int) -> dict[str, torch.Tensor]:
+        limit = self.model.config.max_frames
+        if self.time_counter + num_new > limit:
+            raise ValueError(
+                f"temporal index {self.time_counter + num_new - 1} is past the model's {limit}-position RoPE table; "
+                "use windowed streaming (WindowedEngine) so that each window starts a fresh cache"
+            )
         slots = [s for i in range(-num_new, 0) for s in self.cache.token_slots(i)]
         self.kv.ensure_pages(self.cache.pool.num_pages)
-        self.backend.plan(self.cache.visible_pages())
+        self.backend.plan(self.cache.visible_pages(), len(slots))
         step = KVStep(self.kv, self.backend, torch.tensor(slots, dtype=torch.long, device=self.device))
         self.camera_cache.begin(num_new)
         stream_index = torch.arange(self.num_frames, self.num_frames + num_new, device=self.device)

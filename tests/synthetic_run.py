@@ -8,6 +8,7 @@ source pixel in its colour: red = 8 * u, green = 8 * v, blue = 10 * frame_index 
 from __future__ import annotations
 
 import numpy as np
+
 from stream_recon.models.prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
 
 PLANE_Z = 4.0

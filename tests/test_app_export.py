@@ -8,13 +8,14 @@ import torch
 import trimesh
 import typer
 from plyfile import PlyData
+from synthetic_run import CONF_HIGH, PLANE_Z, plane_frame, quat_xyzw_to_matrix
+from typer.testing import CliRunner
+
 from stream_recon.app.commands.export import export as export_command
 from stream_recon.app.export import ExportError, export_run
 from stream_recon.app.writers import RunDirError, RunWriter
 from stream_recon.models import GCTStream, ModelConfig, StreamConfig, StreamingEngine
 from stream_recon.models.synthetic import load_synthetic_weights
-from synthetic_run import CONF_HIGH, PLANE_Z, plane_frame, quat_xyzw_to_matrix
-from typer.testing import CliRunner
 
 OPENCV_TO_GLTF = np.diag([1.0, -1.0, -1.0])
 

@@ -14,6 +14,8 @@ import trimesh
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from plyfile import PlyData
+from synthetic_run import CONF_HIGH, LOW_CONF_COLUMNS, PLANE_Z, STEP_X, plane_frame, quat_xyzw_to_matrix
+
 from stream_recon.app import writers
 from stream_recon.app.writers import (
     OutputDirError,
@@ -24,7 +26,6 @@ from stream_recon.app.writers import (
     prediction_path,
     read_run,
 )
-from synthetic_run import CONF_HIGH, LOW_CONF_COLUMNS, PLANE_Z, STEP_X, plane_frame, quat_xyzw_to_matrix
 
 NPZ_KEYS = {
     "frame_index",

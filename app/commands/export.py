@@ -16,6 +16,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
+
 from stream_recon.app.export import ExportError, ExportFormat, export_run
 from stream_recon.app.writers import RunDirError
 

@@ -1,0 +1,58 @@
+"""FlashInfer paged-prefill backend over the same pages as the SDPA backend (CUDA only).
+
+One `BatchPrefillWithPagedKVCacheWrapper` per engine: `plan` once per frame step from the
+visible page table (scale | window | special), then `run` per global layer on that layer's pages.
+Pages are NHD: kv_pages [num_pages, 2, page_size, H, D] in bf16/fp16 (FlashInfer has no fp32
+kernels). RoPE is applied before K is cached, so the kernel runs with pos_encoding_mode "NONE",
+and without a causal mask (every visible key is attended to).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .paged_attention import PagedKV
+from .pages import VisiblePages
+
+try:
+    import flashinfer
+except ImportError as error:  # re-raised with advice by the engine's backend choice
+    raise ImportError(f"flashinfer is not importable ({error}); install the 'cuda' extra") from error
+
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+class FlashInferPagedAttention:
+    name = "flashinfer"
+
+    def __init__(self, kv: PagedKV, variant: str = "fa2"):
+        if kv.device.type != "cuda":
+            raise ValueError(f"FlashInfer needs a CUDA device, the cache is on {kv.device}")
+        if kv.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"FlashInfer kernels take bf16/fp16 pages, got {kv.dtype}; use --attention sdpa for fp32")
+        self.kv = kv
+        self.variant = variant
+        self.name = f"flashinfer-{variant}"
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=kv.device)
+        self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD", backend=variant)
+
+    def plan(self, visible: VisiblePages, num_queries: int) -> None:
+        device = self.kv.device
+        self._wrapper.plan(
+            torch.tensor([0, num_queries], dtype=torch.int32, device=device),
+            torch.tensor([0, len(visible.page_ids)], dtype=torch.int32, device=device),
+            torch.tensor(visible.page_ids, dtype=torch.int32, device=device),
+            torch.tensor([visible.last_page_len], dtype=torch.int32, device=device),
+            num_qo_heads=self.kv.num_heads,
+            num_kv_heads=self.kv.num_heads,
+            head_dim_qk=self.kv.head_dim,
+            page_size=self.kv.page_size,
+            causal=False,
+            pos_encoding_mode="NONE",
+            q_data_type=self.kv.dtype,
+            kv_data_type=self.kv.dtype,
+        )
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D] -> [T, H, D] in the page dtype."""
+        return self._wrapper.run(q.to(self.kv.dtype).contiguous(), self.kv.kv_pages[layer])

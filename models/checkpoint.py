@@ -1,0 +1,562 @@
+"""Checkpoint IO: read, check, load, convert and locate LingBot-Map checkpoints.
+
+Two file formats are read:
+
+- the official `.pt` / `.pth` files (a bare state dict, or `{"model": state_dict}`), always with
+  `torch.load(weights_only=True)`: a file that needs arbitrary unpickling is refused, never executed;
+- our `.safetensors` files, which carry the `ModelConfig` as JSON in their metadata, so a converted
+  checkpoint needs no preset to rebuild its architecture.
+
+Checkpoint keys stay the official ones (spec/checkpoint_keys.tsv); the model's parameter names are
+those names, so no key conversion is needed. The names `lingbot-map-long` and `lingbot-map` resolve
+through our checkpoint folder and the Hugging Face cache (repo `robbyant/lingbot-map`); nothing is
+downloaded unless `download_checkpoint` is called.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from huggingface_hub import constants as hf_constants
+from huggingface_hub import hf_hub_download, try_to_load_from_cache
+from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .config import ModelConfig
+from .errors import CheckpointError
+from .gct import GCTStream
+
+HF_REPO_ID = "robbyant/lingbot-map"
+HF_REPO_URL = f"https://huggingface.co/{HF_REPO_ID}"
+KNOWN_CHECKPOINTS = {"lingbot-map-long": "lingbot-map-long.pt", "lingbot-map": "lingbot-map.pt"}
+DEFAULT_CHECKPOINT = "lingbot-map-long"
+
+CHECKPOINT_DIR_ENV = "STREAM_RECON_CHECKPOINTS"
+DEFAULT_CHECKPOINT_DIR = "~/.cache/stream-recon/checkpoints"
+
+# safetensors metadata keys (values must be strings)
+CONFIG_METADATA_KEY = "stream_recon.model_config"
+SOURCE_DIGEST_METADATA_KEY = "stream_recon.source_sha256"
+SOURCE_NAME_METADATA_KEY = "stream_recon.source_name"
+
+TORCH_SUFFIXES = (".pt", ".pth")
+SAFETENSORS_SUFFIX = ".safetensors"
+NAMES_SHOWN = 20  # longer name lists in error messages end with "... and N more"
+
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default (zip) format; only this one can be memory-mapped
+_ALIGNMENT = 64  # bytes; torch.save and torch's CPU allocator both align tensors to this
+_PICKLE_PROTO = b"\x80"  # the legacy torch.save format starts with a protocol >= 2 pickle
+
+Shape = tuple[int, ...]
+
+
+# -- reading ---------------------------------------------------------------------------------------
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """Tensors of a `.pt` / `.pth` (bare or `{"model": ...}`) or `.safetensors` checkpoint, on the CPU.
+
+    `.pt` files in the zip format are memory-mapped, so a 4.6 GB checkpoint costs no RAM until its
+    tensors are touched. Raises CheckpointError for a missing, truncated or unsafe file, or one that
+    does not hold a state dict of tensors.
+    """
+    path = _existing_file(path)
+    if path.suffix == SAFETENSORS_SUFFIX:
+        contents = _read_safetensors(path)
+    elif path.suffix in TORCH_SUFFIXES:
+        contents = _read_torch_file(path)
+    else:
+        raise CheckpointError(
+            f"{path}: unsupported checkpoint type {path.suffix or '(no extension)'!r}; "
+            f"expected {', '.join(TORCH_SUFFIXES)} or {SAFETENSORS_SUFFIX}. Rename the file if it is one of those."
+        )
+    return _as_state_dict(contents, path)
+
+
+def checkpoint_config(path: str | Path) -> ModelConfig | None:
+    """The ModelConfig stored in a `.safetensors` file's metadata; None for `.pt` files and for
+    safetensors files written by other tools (they carry no config)."""
+    path = _existing_file(path)
+    if path.suffix != SAFETENSORS_SUFFIX:
+        return None
+    metadata = _safetensors_metadata(path)
+    if CONFIG_METADATA_KEY not in metadata:
+        return None
+    try:
+        return ModelConfig.from_dict(json.loads(metadata[CONFIG_METADATA_KEY]))
+    except (ValueError, TypeError) as error:  # json.JSONDecodeError is a ValueError
+        raise CheckpointError(
+            f"{path}: the model config in its metadata ({CONFIG_METADATA_KEY}) is invalid: {error}. "
+            "Pass the model config explicitly, or convert the .pt file again with this version."
+        ) from None
+
+
+def _existing_file(path: str | Path) -> Path:
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a folder; pass the checkpoint file inside it (.pt or .safetensors)")
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint file not found: {path}. Check the path, or pass a known name "
+            f"({', '.join(KNOWN_CHECKPOINTS)}) to use a downloaded official checkpoint."
+        )
+    return path
+
+
+def _read_torch_file(path: Path):
+    with open(path, "rb") as file:
+        magic = file.read(4)
+    if not magic:
+        raise CheckpointError(f"{path} is empty (0 bytes): the download or copy did not finish; fetch it again")
+    zip_format = magic == _ZIP_MAGIC
+    if not zip_format and not magic.startswith(_PICKLE_PROTO):
+        raise CheckpointError(
+            f"{path} is not a PyTorch checkpoint (it starts with neither a zip nor a pickle header); "
+            "it may be another format with a .pt name, or a download error page saved to disk"
+        )
+    try:
+        return torch.load(path, map_location="cpu", mmap=zip_format, weights_only=True)
+    except pickle.UnpicklingError as error:
+        if "weights only load failed" in str(error).lower():
+            raise CheckpointError(_unsafe_pickle_message(path)) from None
+        raise CheckpointError(_corrupt_message(path, error)) from None
+    except (RuntimeError, OSError, EOFError, KeyError, ValueError, IndexError) as error:
+        raise CheckpointError(_corrupt_message(path, error)) from None
+
+
+def _corrupt_message(path: Path, error: Exception) -> str:
+    size = path.stat().st_size
+    return (
+        f"{path} is truncated or corrupt and cannot be read ({size:,} bytes; {type(error).__name__}: "
+        f"{str(error).strip() or 'no detail'}). The official checkpoints are about 4.6 GB each. "
+        f"Delete the file and fetch it again (stream-recon download NAME, or {HF_REPO_URL})."
+    )
+
+
+def _unsafe_pickle_message(path: Path) -> str:
+    found = _unsafe_globals(path)
+    what = f" ({', '.join(found)})" if found else ""
+    cleaned = path.with_name(f"{path.stem}.tensors.pt")
+    return (
+        f"{path} contains arbitrary Python objects{what}, not only tensors. It will not be loaded: "
+        "unpickling such objects can run any code, so stream-recon reads .pt files with weights_only=True "
+        "only. If you trust where the file came from, convert it once to a plain state dict in a separate "
+        "Python session:\n"
+        f"    python -c \"import torch; c = torch.load('{path}', weights_only=False); sd = c.get('model', c); "
+        f"torch.save({{k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}}, '{cleaned}')\"\n"
+        f"then use {cleaned} (or `stream-recon convert {cleaned} {cleaned.with_suffix(SAFETENSORS_SUFFIX)}`)."
+    )
+
+
+def _unsafe_globals(path: Path) -> list[str]:
+    """Names of the classes/functions a pickle would import, read without executing it (torch >= 2.5)."""
+    find = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
+    if find is None:
+        return []
+    try:
+        return list(find(path))
+    except Exception:  # only decorates the message; the refusal stands whatever this finds
+        return []
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        with safe_open(path, framework="pt", device="cpu") as file:
+            return {name: file.get_tensor(name) for name in file.keys()}
+    except (SafetensorError, OSError, ValueError) as error:
+        raise CheckpointError(_corrupt_message(path, error)) from None
+
+
+def _safetensors_metadata(path: Path) -> dict[str, str]:
+    try:
+        with safe_open(path, framework="pt", device="cpu") as file:
+            return file.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as error:
+        raise CheckpointError(_corrupt_message(path, error)) from None
+
+
+def _as_state_dict(contents, path: Path) -> dict[str, torch.Tensor]:
+    """Unwrap `{"model": state_dict}` and check that what is left maps names to tensors."""
+    if isinstance(contents, Mapping) and isinstance(contents.get("model"), Mapping):
+        contents = contents["model"]
+    if not isinstance(contents, Mapping):
+        raise CheckpointError(
+            f"{path} holds a {type(contents).__name__}, not a state dict (a mapping from parameter names to "
+            "tensors, or {'model': state_dict}). Save the weights with torch.save(model.state_dict(), path)."
+        )
+    bad_names = [repr(name) for name in contents if not isinstance(name, str)]
+    if bad_names:
+        raise CheckpointError(
+            f"{path}: a state dict's keys are parameter names (strings); found {len(bad_names)} other keys: "
+            f"{_listing(bad_names)}"
+        )
+    not_tensors = [f"{name} ({type(value).__name__})" for name, value in contents.items()
+                   if not isinstance(value, torch.Tensor)]
+    if not_tensors:
+        raise CheckpointError(
+            f"{path} has {len(not_tensors)} entries that are not tensors: {_listing(not_tensors)}. A state dict "
+            "maps parameter names to tensors only; save the model weights alone "
+            "(torch.save(model.state_dict(), path) or {'model': model.state_dict()})."
+        )
+    if not contents:
+        raise CheckpointError(f"{path} holds an empty state dict (no tensors); it is not a model checkpoint")
+    return dict(contents)
+
+
+def _listing(items: list[str], limit: int = NAMES_SHOWN) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... and {len(items) - limit} more" if len(items) > limit else "")
+
+
+# -- checking --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StateDictReport:
+    """How a checkpoint's tensors line up with a model's parameters, by name.
+
+    missing: (name, model shape) of parameters the checkpoint lacks.
+    unexpected: (name, checkpoint shape) of tensors the model has no parameter for.
+    mismatched: (name, checkpoint shape, model shape) of tensors with the wrong shape.
+    wrong_dtype: (name, checkpoint dtype) of integer or boolean tensors where the model has floats.
+    loaded: names whose tensor fits (these are the ones a partial load uses).
+    """
+
+    loaded: tuple[str, ...]
+    missing: tuple[tuple[str, Shape], ...] = ()
+    unexpected: tuple[tuple[str, Shape], ...] = ()
+    mismatched: tuple[tuple[str, Shape, Shape], ...] = ()
+    wrong_dtype: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def is_complete(self) -> bool:
+        return not (self.missing or self.unexpected or self.mismatched or self.wrong_dtype)
+
+    def summary(self) -> str:
+        counts = [(len(self.missing), "missing"), (len(self.unexpected), "unexpected"),
+                  (len(self.mismatched), "with the wrong shape"), (len(self.wrong_dtype), "with a non-float dtype")]
+        problems = ", ".join(f"{count} {what}" for count, what in counts if count)
+        return f"{len(self.loaded)} tensors match" + (f"; {problems}" if problems else "")
+
+    def describe(self, limit: int = NAMES_SHOWN) -> str:
+        """The summary, then each problem by name with its shapes, `limit` names per kind."""
+        sections = [
+            ("missing from the checkpoint (name, model shape)",
+             [f"{name} {_shape(shape)}" for name, shape in self.missing]),
+            ("unexpected in the checkpoint (name, checkpoint shape)",
+             [f"{name} {_shape(shape)}" for name, shape in self.unexpected]),
+            ("wrong shape (name: checkpoint shape -> model shape)",
+             [f"{name}: {_shape(found)} -> {_shape(wanted)}" for name, found, wanted in self.mismatched]),
+            ("not floating point (name: checkpoint dtype)",
+             [f"{name}: {dtype}" for name, dtype in self.wrong_dtype]),
+        ]
+        lines = [self.summary()]
+        for title, entries in sections:
+            if entries:
+                lines.append(f"{title}:")
+                lines += [f"  {entry}" for entry in entries[:limit]]
+                if len(entries) > limit:
+                    lines.append(f"  ... and {len(entries) - limit} more")
+        return "\n".join(lines)
+
+
+def _shape(shape: Shape) -> str:
+    return "[" + ", ".join(str(size) for size in shape) + "]"
+
+
+def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor],
+                     allow_partial: bool = False, source: str | Path | None = None) -> StateDictReport:
+    """Compare a state dict with `model.state_dict()` by name, shape and dtype kind.
+
+    Works on a model built under torch.device("meta") (only shapes are read). Raises one
+    CheckpointError listing every problem unless `allow_partial`, in which case the report says what
+    a partial load would skip. `source` names the checkpoint in the message.
+    """
+    expected = model.state_dict()
+    loaded, missing, mismatched, wrong_dtype = [], [], [], []
+    for name, wanted in expected.items():
+        found = state_dict.get(name)
+        if found is None:
+            missing.append((name, tuple(wanted.shape)))
+        elif found.shape != wanted.shape:
+            mismatched.append((name, tuple(found.shape), tuple(wanted.shape)))
+        elif wanted.is_floating_point() and not found.is_floating_point():
+            wrong_dtype.append((name, str(found.dtype).removeprefix("torch.")))
+        else:
+            loaded.append(name)
+    unexpected = [(name, tuple(tensor.shape)) for name, tensor in state_dict.items() if name not in expected]
+    report = StateDictReport(tuple(loaded), tuple(missing), tuple(unexpected), tuple(mismatched), tuple(wrong_dtype))
+    if not report.is_complete and not allow_partial:
+        raise CheckpointError(_mismatch_message(report, model, source))
+    return report
+
+
+def _mismatch_message(report: StateDictReport, model: torch.nn.Module, source: str | Path | None) -> str:
+    where = f"{source}: " if source is not None else ""
+    config = getattr(model, "config", None)
+    hint = ""
+    if not report.loaded:
+        hint = "No tensor matches at all: is this a LingBot-Map checkpoint? "
+    elif report.mismatched and config is not None:
+        hint = ("Shapes differ, so the checkpoint was made for another model configuration; a .pt file is "
+                "loaded with the official configuration unless you pass config=. ")
+    return (
+        f"{where}the checkpoint does not match the model: {report.describe()}\n"
+        f"{hint}Use the checkpoint made for this model, or, to run anyway with only the matching tensors "
+        "loaded (the rest keep their random initialisation), pass allow_partial=True (CLI: --allow-partial)."
+    )
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+def load_model(checkpoint: str | Path | None = None, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = None, config: ModelConfig | None = None,
+               allow_partial: bool = False) -> GCTStream:
+    """Build a GCTStream and load a checkpoint into it, ready for inference (eval, no grad).
+
+    checkpoint: a file (.pt/.pth/.safetensors), a known name (`lingbot-map-long`, `lingbot-map`)
+    found on this machine, or None for `lingbot-map-long`. config: the architecture; None takes it
+    from a .safetensors file's metadata, else the official preset. dtype: None keeps float32 (the
+    engine casts what it needs). allow_partial: load only the tensors that fit and warn, instead of
+    raising on a mismatch.
+    """
+    path = resolve_checkpoint(DEFAULT_CHECKPOINT if checkpoint is None else checkpoint)
+    config = config or checkpoint_config(path) or ModelConfig()
+    state_dict = read_state_dict(path)
+    # Meta construction allocates nothing and skips random init; the checkpoint's (memory-mapped)
+    # tensors then become the parameters themselves.
+    with torch.device("meta"):
+        model = GCTStream(config)
+    report = check_state_dict(model, state_dict, allow_partial=allow_partial, source=path)
+    if report.is_complete:
+        model.load_state_dict(state_dict, strict=True, assign=True)
+    else:
+        model = _load_partial(config, state_dict, report)
+        warnings.warn(f"{path}: partial checkpoint load: {report.describe()}", stacklevel=2)
+    _check_materialized(model)
+    device = torch.device(device)
+    model = model.to(device=device, dtype=dtype or torch.float32)
+    if device.type == "cpu":
+        _align_parameters(model)
+    return model.eval().requires_grad_(False)
+
+
+def _load_partial(config: ModelConfig, state_dict: Mapping[str, torch.Tensor],
+                  report: StateDictReport) -> GCTStream:
+    """A model with the checkpoint's fitting tensors and its own seeded init for the rest, so a
+    partial load gives the same model every time (the official demo loads with strict=False too)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = GCTStream(config)
+    fitting = {name: state_dict[name] for name in report.loaded}
+    model.load_state_dict(fitting, strict=False)
+    return model
+
+
+def _align_parameters(model: torch.nn.Module) -> None:
+    """Copy parameters that sit at unaligned addresses into fresh memory.
+
+    safetensors packs tensors back to back, so most of a memory-mapped .safetensors file's tensors are
+    not 64-byte aligned; CPU kernels take other vector paths on such data and the outputs change in
+    the last bit. Aligned copies make a converted checkpoint give exactly the outputs of its .pt
+    (torch.save aligns every tensor). On a GPU the move to the device already copies.
+    """
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.data_ptr() % _ALIGNMENT:
+                parameter.data = parameter.data.clone()
+
+
+def _check_materialized(model: torch.nn.Module) -> None:
+    """Meta + assign is complete only because the model has no buffers and keeps no tensor attributes
+    made at construction; fail loudly if a later change breaks that, rather than at the first frame."""
+    left_on_meta = [name for name, tensor in model.state_dict(keep_vars=True).items() if tensor.is_meta]
+    left_on_meta += [name for name, buffer in model.named_buffers() if buffer.is_meta]
+    for module_name, module in model.named_modules():
+        left_on_meta += [f"{module_name}.{attribute}" for attribute, value in vars(module).items()
+                         if isinstance(value, torch.Tensor) and value.is_meta]
+    if left_on_meta:
+        raise RuntimeError(
+            "internal error: tensors left on the meta device after loading (a buffer or tensor attribute "
+            f"the checkpoint does not carry): {_listing(sorted(set(left_on_meta)))}"
+        )
+
+
+# -- converting ------------------------------------------------------------------------------------
+
+def convert_to_safetensors(src_pt: str | Path, dst: str | Path, config: ModelConfig | None = None) -> Path:
+    """Write a checkpoint as .safetensors with its model config and the source's sha256 in the metadata.
+
+    The tensors are checked strictly against the config's model first, so only a loadable file is
+    written. The file appears under `dst` only when complete. Returns `dst`.
+    """
+    src, dst = _existing_file(src_pt), Path(dst).expanduser()
+    if dst.suffix != SAFETENSORS_SUFFIX:
+        raise CheckpointError(f"the converted file must end in {SAFETENSORS_SUFFIX}, got {dst.name}")
+    if dst.exists() and dst.resolve() == src.resolve():
+        raise CheckpointError(f"{dst} is the source file itself; choose another destination")
+    config = config or checkpoint_config(src) or ModelConfig()
+    state_dict = read_state_dict(src)
+    with torch.device("meta"):
+        model = GCTStream(config)
+    check_state_dict(model, state_dict, source=src)
+    metadata = {
+        "format": "pt",
+        CONFIG_METADATA_KEY: config.to_json(),
+        SOURCE_DIGEST_METADATA_KEY: checkpoint_digest(src),
+        SOURCE_NAME_METADATA_KEY: src.name,
+    }
+    tensors = {name: state_dict[name].contiguous() for name in model.state_dict()}
+    partial = dst.with_name(f".{dst.name}.partial")
+    try:
+        save_file(tensors, partial, metadata=metadata)
+        os.replace(partial, dst)
+    except OSError as error:
+        raise CheckpointError(f"cannot write {dst}: {error}. Check free disk space and permissions.") from None
+    finally:
+        partial.unlink(missing_ok=True)
+    return dst
+
+
+def checkpoint_digest(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
+    """sha256 of a file as hex, read in chunks (a 4.6 GB checkpoint never sits in memory).
+
+    Hashing 4.6 GB takes seconds, so the result is remembered per process for an unchanged file
+    (same path, size and modification time): a batch of runs on one checkpoint hashes it once.
+    """
+    path = _existing_file(path).resolve()
+    stat = path.stat()
+    return _file_sha256(str(path), stat.st_size, stat.st_mtime_ns, chunk_bytes)
+
+
+@lru_cache(maxsize=16)
+def _file_sha256(path: str, size: int, mtime_ns: int, chunk_bytes: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# -- locating --------------------------------------------------------------------------------------
+
+def checkpoint_dir() -> Path:
+    """Our own checkpoint folder: $STREAM_RECON_CHECKPOINTS, else ~/.cache/stream-recon/checkpoints."""
+    return Path(os.environ.get(CHECKPOINT_DIR_ENV) or DEFAULT_CHECKPOINT_DIR).expanduser()
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache. huggingface_hub reads its environment once, at import; reading it
+    here on every call lets a caller (or a test) that sets HF_HUB_CACHE / HF_HOME later be obeyed."""
+    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(variable):
+            return Path(os.path.expandvars(os.environ[variable])).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.path.expandvars(os.environ["HF_HOME"])).expanduser() / "hub"
+    return Path(hf_constants.HF_HUB_CACHE)
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE, read now (see hub_cache_dir for why not huggingface_hub's import-time value)."""
+    value = os.environ.get("HF_HUB_OFFLINE")
+    if value is None:
+        return bool(hf_constants.HF_HUB_OFFLINE)
+    return value.strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def locate_checkpoint(name: str) -> Path | None:
+    """Where the known checkpoint `name` is on this machine, or None. Looks in checkpoint_dir() for
+    `<name>.safetensors` (a converted copy) then the official file name, then in the hub cache."""
+    filename = _known_filename(name)
+    own = checkpoint_dir()
+    for candidate in (own / f"{name}{SAFETENSORS_SUFFIX}", own / filename):
+        if candidate.is_file():
+            return candidate
+    cached = try_to_load_from_cache(HF_REPO_ID, filename, cache_dir=hub_cache_dir())
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def resolve_checkpoint(name_or_path: str | Path) -> Path:
+    """The checkpoint file for a path or a known name. Downloads nothing: a known name that is not on
+    this machine raises CheckpointError saying how to fetch it and where to put it."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    name = str(name_or_path)
+    if name in KNOWN_CHECKPOINTS:
+        found = locate_checkpoint(name)
+        if found is None:
+            raise CheckpointError(_not_on_this_machine_message(name))
+        return found
+    if path.is_dir() or path.suffix in (*TORCH_SUFFIXES, SAFETENSORS_SUFFIX) or os.sep in name:
+        return _existing_file(path)  # raises, naming the path
+    raise CheckpointError(
+        f"unknown checkpoint {name!r}: it is neither a file nor a known name. "
+        f"Known names: {', '.join(KNOWN_CHECKPOINTS)}; or pass the path of a .pt or .safetensors file."
+    )
+
+
+def download_checkpoint(name: str = DEFAULT_CHECKPOINT) -> Path:
+    """Fetch a known checkpoint from the Hugging Face hub into its cache (a no-op when it is already
+    there) and return its path."""
+    filename = _known_filename(name)
+    if hub_offline():
+        raise CheckpointError(
+            f"cannot download {name!r}: Hugging Face offline mode is on (HF_HUB_OFFLINE). Unset it on a "
+            f"machine with network access, or fetch the file elsewhere. {_fetch_instructions(name)}"
+        )
+    try:
+        return Path(hf_hub_download(HF_REPO_ID, filename, cache_dir=hub_cache_dir()))
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as error:
+        raise CheckpointError(
+            f"cannot download {name!r} from {HF_REPO_URL}: the hub is not reachable ({error}). "
+            f"Check the network or a proxy, or fetch the file elsewhere. {_fetch_instructions(name)}"
+        ) from None
+    except HfHubHTTPError as error:
+        raise CheckpointError(
+            f"downloading {name!r} from {HF_REPO_URL} failed: {error}. Try again later, or fetch the file "
+            f"elsewhere. {_fetch_instructions(name)}"
+        ) from None
+    except OSError as error:
+        raise CheckpointError(
+            f"downloading {name!r} into {hub_cache_dir()} failed: {error}. The file is about 4.6 GB: check "
+            "free disk space and permissions, or set HF_HOME to another folder."
+        ) from None
+
+
+def _known_filename(name: str) -> str:
+    try:
+        return KNOWN_CHECKPOINTS[name]
+    except KeyError:
+        raise CheckpointError(
+            f"unknown checkpoint name {name!r}; known: {', '.join(KNOWN_CHECKPOINTS)}"
+        ) from None
+
+
+def _not_on_this_machine_message(name: str) -> str:
+    offline = " Hugging Face offline mode is on (HF_HUB_OFFLINE), so it cannot be fetched now." if hub_offline() else ""
+    return (
+        f"checkpoint {name!r} is not on this machine (looked in {checkpoint_dir()} and in the Hugging Face "
+        f"cache {hub_cache_dir()}).{offline} {_fetch_instructions(name)}"
+    )
+
+
+def _fetch_instructions(name: str) -> str:
+    filename = KNOWN_CHECKPOINTS[name]
+    return (
+        "Fetch it (about 4.6 GB) with\n"
+        f"    stream-recon download {name}\n"
+        "or the equivalent\n"
+        f"    huggingface-cli download {HF_REPO_ID} {filename}\n"
+        f"(`hf download {HF_REPO_ID} {filename}` with newer huggingface_hub), "
+        f"or download {filename} from {HF_REPO_URL} and put it in {checkpoint_dir()}/ "
+        f"(or set {CHECKPOINT_DIR_ENV} to its folder), or pass its path as the checkpoint."
+    )

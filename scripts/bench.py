@@ -1,0 +1,144 @@
+"""Streaming throughput of the full pipeline on random (synthetic) weights.
+
+    python scripts/bench.py --height 378 --width 518 --frames 100 --attention flashinfer
+    python scripts/bench.py --breakdown          # per-stage times (CUDA events around each part)
+
+Every frame's poses and depth are copied to the host, as a user's run does. The first
+scale + window frames fill the cache and are timed apart; the steady state is the rest.
+Prints a table and writes JSON (--json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+
+import torch
+
+from stream_recon.models import GCTStream, ModelConfig, StreamConfig, StreamingEngine
+from stream_recon.models.synthetic import load_synthetic_weights
+
+
+def build_model(device: str) -> tuple[GCTStream, float]:
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = GCTStream(ModelConfig())
+    model = load_synthetic_weights(model.to_empty(device="cpu")).to(device).eval()
+    return model, time.perf_counter() - start
+
+
+class StageTimer:
+    """CUDA events around the model's parts, summed per frame step."""
+
+    STAGES = {"dino": "aggregator.patch_embed", "frame_blocks": "aggregator.frame_blocks",
+              "global_blocks": "aggregator.global_blocks", "camera_head": "camera_head", "dpt_head": "depth_head"}
+
+    def __init__(self, model: GCTStream):
+        self.events = defaultdict(list)
+        for stage, path in self.STAGES.items():
+            module = model.get_submodule(path)
+            children = list(module) if isinstance(module, torch.nn.ModuleList) else [module]
+            for child in children:
+                child.register_forward_pre_hook(self._start(stage))
+                child.register_forward_hook(self._stop(stage))
+
+    def _start(self, stage):
+        def hook(module, inputs):
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.events[stage].append([event, None])
+        return hook
+
+    def _stop(self, stage):
+        def hook(module, inputs, output):
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.events[stage][-1][1] = event
+        return hook
+
+    def reset(self):
+        self.events.clear()
+
+    def totals_ms(self) -> dict[str, float]:
+        torch.cuda.synchronize()
+        return {stage: sum(a.elapsed_time(b) for a, b in pairs) for stage, pairs in self.events.items()}
+
+
+def run(args) -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = True
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, build_s = build_model(device)
+    if args.compile:
+        from stream_recon.models.speed import compile_static_parts
+
+        compile_static_parts(model, mode=args.compile)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    config = StreamConfig(scale_frames=args.scale, window=args.window, keyframes=args.keyframes, attention=args.attention)
+    engine = StreamingEngine(model, config, device=device, dtype=dtype)
+    timer = StageTimer(model) if args.breakdown and device == "cuda" else None
+    frames = [torch.rand(3, args.height, args.width, device=device) for _ in range(4)]
+    fill = args.scale + args.window
+    times = []
+    cold_start = time.perf_counter()
+    for i in range(fill + args.frames):
+        if i == fill and timer is not None:
+            timer.reset()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.push(frames[i % len(frames)])  # predictions arrive on the host (numpy)
+        times.append(time.perf_counter() - start)
+        if i == args.scale:
+            cold_start = time.perf_counter() - cold_start
+    steady = sorted(times[fill:])
+    median = steady[len(steady) // 2]
+    result = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "size": f"{args.width}x{args.height}",
+        "dtype": args.dtype,
+        "attention": engine.backend.name,
+        "compile": args.compile,
+        "scale_frames": args.scale,
+        "window": args.window,
+        "steady_frames": args.frames,
+        "ms_per_frame_median": 1000 * median,
+        "ms_per_frame_mean": 1000 * sum(steady) / len(steady),
+        "fps": 1.0 / median,
+        "first_steps_s": cold_start,
+        "model_build_s": build_s,
+        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        "cache_bytes": engine.stats()["cache_bytes"],
+    }
+    if timer is not None:
+        result["stage_ms_per_frame"] = {k: v / args.frames for k, v in timer.totals_ms().items()}
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--height", type=int, default=378)
+    parser.add_argument("--width", type=int, default=518)
+    parser.add_argument("--frames", type=int, default=50, help="steady-state frames timed after the window is full")
+    parser.add_argument("--scale", type=int, default=8)
+    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--keyframes", default="all")
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--breakdown", action="store_true")
+    parser.add_argument("--compile", nargs="?", const="max-autotune-no-cudagraphs", default=None,
+                        help="torch.compile the fixed-shape parts (models/speed.py) with this mode")
+    parser.add_argument("--json", help="write the result here")
+    args = parser.parse_args()
+    result = run(args)
+    for key, value in result.items():
+        print(f"{key:>22}: {value:.3f}" if isinstance(value, float) else f"{key:>22}: {value}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

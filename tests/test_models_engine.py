@@ -1,0 +1,190 @@
+"""Streaming engine paths on the tiny model (fast): phases, policies, rollback, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from stream_recon.models import (
+    FRAME_KEY,
+    FRAME_NON_KEY,
+    FRAME_SCALE,
+    FrameError,
+    GCTStream,
+    KeyframePolicy,
+    ModelConfig,
+    StreamConfig,
+    StreamingEngine,
+)
+from stream_recon.models.synthetic import load_synthetic_weights
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    return load_synthetic_weights(GCTStream(ModelConfig.tiny())).eval()
+
+
+def frames(count: int, height: int = 42, width: int = 56, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.rand(3, height, width, generator=generator) for _ in range(count)]
+
+
+def run(model, config: StreamConfig, images) -> tuple[list, StreamingEngine]:
+    engine = StreamingEngine(model, config)
+    predictions = []
+    for i, image in enumerate(images):
+        predictions += engine.push(image, timestamp=0.5 * i)
+    predictions += engine.finish()
+    return predictions, engine
+
+
+def test_phases_and_outputs(tiny_model):
+    predictions, engine = run(tiny_model, StreamConfig(scale_frames=3, window=2), frames(9))
+    assert [p.frame_index for p in predictions] == list(range(9))
+    assert [p.frame_type for p in predictions] == [FRAME_SCALE] * 3 + [FRAME_KEY] * 6
+    assert [p.timestamp for p in predictions] == [0.5 * i for i in range(9)]
+    p = predictions[4]
+    assert p.pose_enc.shape == (9,) and p.c2w.shape == (3, 4) and p.intrinsics.shape == (3, 3)
+    assert p.depth.shape == (42, 56) and p.depth_conf.shape == (42, 56) and p.image.shape == (42, 56, 3)
+    assert p.image_size == (42, 56) and np.isfinite(p.depth).all() and (p.depth_conf >= 1).all()
+    stats = engine.stats()
+    assert stats["cached_frames"] == 9 and stats["patch_frames"] == 5 and stats["camera_tokens"] == 9
+
+
+def test_scale_frames_are_returned_together(tiny_model):
+    engine = StreamingEngine(tiny_model, StreamConfig(scale_frames=3, window=2))
+    images = frames(4)
+    assert engine.push(images[0]) == [] and engine.push(images[1]) == []
+    assert [p.frame_index for p in engine.push(images[2])] == [0, 1, 2]
+    assert [p.frame_index for p in engine.push(images[3])] == [3]
+
+
+def test_short_stream_is_flushed_by_finish(tiny_model):
+    predictions, _ = run(tiny_model, StreamConfig(scale_frames=4, window=2), frames(2))
+    assert [p.frame_type for p in predictions] == [FRAME_SCALE, FRAME_SCALE]
+
+
+def test_rolled_back_frames_leave_no_trace(tiny_model):
+    """With interval:2, every keyframe's output equals a stream that never saw the non-keyframes."""
+    images = frames(11, seed=1)
+    config = StreamConfig(scale_frames=3, window=2, keyframes="interval:2")
+    with_drops, engine = run(tiny_model, config, images)
+    kept = [images[i] for i in range(11) if i < 3 or (i - 3) % 2 == 0]
+    only_keyframes, _ = run(tiny_model, StreamConfig(scale_frames=3, window=2), kept)
+    keyframes = [p for p in with_drops if p.frame_type != FRAME_NON_KEY]
+    assert [p.frame_type for p in with_drops][3:] == [FRAME_KEY, FRAME_NON_KEY] * 4
+    for ours, reference in zip(keyframes, only_keyframes, strict=True):
+        np.testing.assert_allclose(ours.pose_enc, reference.pose_enc, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(ours.depth, reference.depth, rtol=0, atol=1e-6)
+    assert engine.stats()["cached_frames"] == len(kept)
+    assert engine.stats()["camera_tokens"] == len(kept)
+
+
+class DenseCache:
+    """A readable, list-based model of the visible set (spec §5.3), used to check the paged one."""
+
+    def __init__(self, scale_frames: int, window: int, specials: int):
+        self.scale, self.window, self.specials = scale_frames, window, specials
+        self.frames: dict[int, list] = {}  # layer -> list of (k, v) per committed frame
+        self.num_new = 0
+
+    def __call__(self, layer, q, k, v):
+        committed = self.frames.setdefault(layer, [])
+        per_frame = k.shape[0] // self.num_new
+        new = [(k[i * per_frame:(i + 1) * per_frame], v[i * per_frame:(i + 1) * per_frame]) for i in range(self.num_new)]
+        every = committed + new
+        scale, rest = every[: self.scale], every[self.scale:][-self.window:]
+        keys = [f[0][self.specials:] for f in scale + rest] + [f[0][: self.specials] for f in every]
+        values = [f[1][self.specials:] for f in scale + rest] + [f[1][: self.specials] for f in every]
+        keys, values = torch.cat(keys), torch.cat(values)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+        )
+        committed += new
+        return out[0].transpose(0, 1)
+
+
+def test_paged_cache_equals_dense_visible_set(tiny_model):
+    """The paged SDPA backend attends over exactly the spec's key set (scale + window + all specials)."""
+    from stream_recon.cache import TokenCache
+
+    images = frames(10, seed=2)
+    paged, _ = run(tiny_model, StreamConfig(scale_frames=2, window=3), images)
+    config = tiny_model.config
+    dense = DenseCache(2, 3, config.num_special_tokens)
+    camera = TokenCache(tiny_model.camera_head.num_cache_layers, config.camera_heads,
+                        config.head_in_dim // config.camera_heads, torch.float32, "cpu")
+    batches = [torch.stack(images[:2])] + [image[None] for image in images[2:]]
+    start = 0
+    with torch.inference_mode():
+        for batch in batches:
+            n = batch.shape[0]
+            dense.num_new = n
+            camera.begin(n)
+            out = tiny_model.step(batch, dense, camera, torch.arange(start, start + n), torch.arange(start, start + n), 2)
+            camera.commit()
+            for i in range(n):
+                np.testing.assert_allclose(paged[start + i].depth, out["depth"][i].numpy(), rtol=0, atol=2e-6)
+                np.testing.assert_allclose(paged[start + i].pose_enc, out["pose_enc"][i].numpy(), rtol=0, atol=2e-6)
+            start += n
+
+
+def test_flow_policy_decides_and_reports_flow(tiny_model):
+    predictions, engine = run(tiny_model, StreamConfig(scale_frames=3, window=2, keyframes="flow",
+                                                       flow_threshold=1e9, max_gap=3), frames(12, seed=3))
+    types = [p.frame_type for p in predictions]
+    # Threshold never reached: keyframes come from the first-frame rule and the gap limit alone.
+    assert types == [0, 0, 0, 1, 2, 2, 1, 2, 2, 1, 2, 2]
+    assert all(np.isfinite(p.flow_magnitude) for p in predictions[3:])
+    assert engine.stats()["cached_frames"] == 6
+
+
+@pytest.mark.parametrize("text, expected", [("all", ("all", 1)), ("interval:3", ("interval", 3)), ("FLOW", ("flow", 1))])
+def test_policy_parsing(text, expected):
+    policy = KeyframePolicy.parse(text)
+    assert (policy.kind, policy.interval) == expected
+
+
+@pytest.mark.parametrize("text", ["interval:0", "interval:x", "sometimes", ""])
+def test_policy_parsing_rejects(text):
+    with pytest.raises(ValueError, match="keyframe policy"):
+        KeyframePolicy.parse(text)
+
+
+def test_bad_frames_are_named(tiny_model):
+    engine = StreamingEngine(tiny_model, StreamConfig(scale_frames=2, window=2))
+    with pytest.raises(FrameError, match="torch.Tensor or numpy array"):
+        engine.push("frame.png")
+    with pytest.raises(FrameError, match=r"shape \[3, H, W\]"):
+        engine.push(torch.rand(42, 56, 3))
+    with pytest.raises(FrameError, match="uint8 or float"):
+        engine.push(torch.ones(3, 42, 56, dtype=torch.int32))
+    with pytest.raises(FrameError, match="not a multiple of the 14-pixel patch"):
+        engine.push(torch.rand(3, 40, 56))
+    engine.push(torch.rand(3, 42, 56))
+    engine.push(torch.rand(3, 42, 56))
+    with pytest.raises(FrameError, match="frame 2 is 56x56 but the stream started at 42x56"):
+        engine.push(torch.rand(3, 56, 56))
+    # The stream goes on after a rejected frame.
+    assert len(engine.push(torch.rand(3, 42, 56))) == 1
+
+
+def test_uint8_frames_are_accepted(tiny_model):
+    image = (torch.rand(3, 42, 56) * 255).to(torch.uint8)
+    a, _ = run(tiny_model, StreamConfig(scale_frames=1, window=2), [image])
+    b, _ = run(tiny_model, StreamConfig(scale_frames=1, window=2), [image.float() / 255])
+    np.testing.assert_array_equal(a[0].depth, b[0].depth)
+
+
+def test_temporal_limit_is_a_clear_error():
+    config = ModelConfig.from_dict({**ModelConfig.tiny().to_dict(), "max_frames": 4})
+    model = load_synthetic_weights(GCTStream(config)).eval()
+    engine = StreamingEngine(model, StreamConfig(scale_frames=2, window=2))
+    for image in frames(4):
+        engine.push(image)
+    with pytest.raises(ValueError, match="past the model's 4-position RoPE table"):
+        engine.push(frames(1)[0])
+    # Nothing of the refused frame stays behind.
+    assert engine.cache.num_pending_frames == 0 and engine.stats()["cached_frames"] == 4
