@@ -43,6 +43,7 @@ from typing import Any
 import cv2
 import numpy as np
 import viser
+
 from stream_recon.app.geometry import rotation_to_quat_wxyz
 from stream_recon.models.prediction import FramePrediction
 

@@ -27,13 +27,14 @@ import viser
 import websockets
 import websockets.sync.client
 import zstandard
+from typer import Typer
+from typer.testing import CliRunner
+
 from stream_recon.app.commands.view import index_run, start_replay, view
 from stream_recon.app.geometry import quat_wxyz_to_rotation
 from stream_recon.app.viewer import LiveViewer, allocate_point_budget, sample_keyframe_points
 from stream_recon.app.writers import RunDirError, prediction_arrays
 from stream_recon.models.prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
-from typer import Typer
-from typer.testing import CliRunner
 
 PLANE_Z = 3.0
 ARTIFACTS = Path(__file__).parent / "artifacts"
@@ -482,6 +483,7 @@ def test_on_frame_never_blocks_the_inference_thread():
 def test_tiny_model_stream_reaches_the_browser(viewer):
     """End to end: the tiny model through the streaming engine into the viewer and a websocket client."""
     import torch
+
     from stream_recon.models import GCTStream, ModelConfig, StreamConfig, StreamingEngine
     from stream_recon.models.synthetic import load_synthetic_weights
 

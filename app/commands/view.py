@@ -38,6 +38,7 @@ from typing import Annotated
 import numpy as np
 import typer
 from rich.console import Console
+
 from stream_recon.app.viewer import LiveViewer
 from stream_recon.app.writers import RunDirError, check_run_dir, load_prediction
 from stream_recon.models.prediction import FramePrediction
