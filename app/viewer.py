@@ -1,0 +1,774 @@
+"""Live browser viewer (viser): watch the reconstruction grow while the stream runs.
+
+Two threads meet here. The inference thread calls `on_frame`, which only drops the prediction into a
+pending map keyed by frame index (a re-emitted frame overwrites its earlier emission) and returns. A
+viewer thread wakes at most `update_hz` times a second, takes everything pending and turns it into scene
+changes inside one `server.atomic()` block. viser's message buffer then coalesces repeated updates of a
+node and keeps the current scene for browsers that join late, because nodes are updated through their
+handles instead of being re-added.
+
+Scene tree (world = the model's frame, OpenCV axes, so the scene's up direction is -y):
+
+    /keyframes/f000123           posed parent: position + wxyz of keyframe 123's c2w (T_world_camera)
+    /keyframes/f000123/points    its point cloud in its own camera frame, float16, coloured by the frame
+    /keyframes/f000123/frustum   its frustum with a thumbnail of the frame
+    /trajectory                  every camera centre seen so far, in frame order, as one line-segment node
+    /current                     the newest camera, highlighted
+
+Because points live in their camera's frame, a pose correction (windowed streams re-emit frames aligned
+into the first window) moves one parent node and never re-sends points unless the depth itself changed.
+
+Caps that keep the browser smooth over long runs: at most `max_points_per_keyframe` points per cloud, at
+most `max_keyframes` keyframe nodes, at most `max_total_points` points in total. Over the total, the oldest
+keyframes are first thinned to a quarter of their points, then removed (see `allocate_point_budget`).
+
+Cost, measured on a 2-core CPU shared with other jobs (load average 8-11), frames at the model's input
+size (378 x 518), every frame a keyframe, default caps: 1000 `on_frame` calls take about 4 ms in all,
+with no browser or with one that never reads. The viewer thread spends about 15 ms per keyframe (half in
+viser creating scene nodes, a quarter in sampling points), i.e. about half of one core at 30 keyframes
+per second; `scene_summary()["busy_seconds"]` reports it for any run.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import cv2
+import numpy as np
+import viser
+
+from stream_recon.app.geometry import rotation_to_quat_wxyz
+from stream_recon.models.prediction import FramePrediction
+
+logger = logging.getLogger(__name__)
+
+# An old keyframe over the total-point cap keeps this share of its points before it is removed.
+THINNED_FRACTION = 4
+KEYFRAME_COLOR = (90, 90, 90)
+CURRENT_COLOR = (255, 120, 0)
+TRAJECTORY_COLOR = (255, 60, 60)
+ARRIVAL_WINDOW_S = 2.0
+
+
+def allocate_point_budget(full_counts: list[int], max_total_points: int) -> list[int]:
+    """Points to show per keyframe, oldest first, so that the sum stays within `max_total_points`.
+
+    Each keyframe has two levels, full and thinned (full // THINNED_FRACTION, at least 1), and 0 means
+    removed.
+    Only two levels, so that a keyframe is re-sent at most once (smaller) before it disappears. Older
+    keyframes are thinned first, then removed oldest first; the newest keyframe always stays whole.
+
+        full_counts = [8, 8, 8, 8], max_total_points = 20  ->  [2, 2, 8, 8]
+        full_counts = [8, 8, 8, 8], max_total_points = 12  ->  [0, 2, 2, 8]
+    """
+    counts = list(full_counts)
+    excess = sum(counts) - max_total_points
+    older = range(len(counts) - 1)
+    for i in older:
+        if excess <= 0:
+            return counts
+        thinned = max(1, counts[i] // THINNED_FRACTION)
+        excess -= counts[i] - thinned
+        counts[i] = thinned
+    for i in older:
+        if excess <= 0:
+            break
+        excess -= counts[i]
+        counts[i] = 0
+    return counts
+
+
+@dataclass(frozen=True)
+class KeyframeSample:
+    """A keyframe's points, drawn once in random order so that any prefix is a uniform subsample.
+
+    points [N, 3] float16 in the keyframe's camera frame; colors [N, 3] uint8; confidence [N] float32.
+    """
+
+    points: np.ndarray
+    colors: np.ndarray
+    confidence: np.ndarray
+
+    @property
+    def num_points(self) -> int:
+        return int(self.points.shape[0])
+
+
+def sample_keyframe_points(pred: FramePrediction, max_points: int) -> KeyframeSample:
+    """Back-project up to `max_points` random valid pixels of a keyframe into its own camera frame.
+
+    Same pixel convention as `app.geometry.depth_to_camera_points` (u = column, v = row, no half-pixel
+    shift), but only for the sampled pixels: a full back-projection costs ~20x more at 518 x 378.
+    """
+    depth = np.asarray(pred.depth, dtype=np.float32)
+    valid = np.flatnonzero(np.isfinite(depth) & (depth > 0))
+    # Seeded by the frame index, so the same frame always shows the same points (stable re-emissions).
+    rng = np.random.default_rng(pred.frame_index)
+    if valid.size > max_points:
+        chosen = rng.choice(valid, size=max_points, replace=False)
+    else:
+        chosen = rng.permutation(valid)
+    h, w = depth.shape
+    v, u = np.divmod(chosen, w)
+    z = depth.reshape(-1)[chosen]
+    k = np.asarray(pred.intrinsics, dtype=np.float64)
+    x = (u - k[0, 2]) * z / k[0, 0]
+    y = (v - k[1, 2]) * z / k[1, 1]
+    points = np.stack([x, y, z], axis=-1).astype(np.float16)  # [N, 3]
+    colors = _pixel_colors(pred, depth)[v, u]  # [N, 3]
+    confidence = np.asarray(pred.depth_conf, dtype=np.float32).reshape(-1)[chosen]
+    return KeyframeSample(points, np.ascontiguousarray(colors), confidence)
+
+
+def _pixel_colors(pred: FramePrediction, depth: np.ndarray) -> np.ndarray:
+    """[H, W, 3] uint8: the frame itself, or a depth colour map when the prediction carries no image."""
+    if pred.image is not None and pred.image.shape[:2] == depth.shape:
+        return np.asarray(pred.image, dtype=np.uint8)
+    finite = depth[np.isfinite(depth) & (depth > 0)]
+    near, far = np.percentile(finite, [2, 98]) if finite.size else (0.0, 1.0)
+    scaled = np.clip((depth - near) / max(far - near, 1e-6), 0, 1)
+    gray = (255 * (1 - np.nan_to_num(scaled))).astype(np.uint8)
+    return cv2.cvtColor(cv2.applyColorMap(gray, cv2.COLORMAP_TURBO), cv2.COLOR_BGR2RGB)
+
+
+def thumbnail(image: np.ndarray, max_side: int) -> np.ndarray:
+    """Shrink [H, W, 3] uint8 so its longer side is at most `max_side` pixels."""
+    h, w = image.shape[:2]
+    factor = max_side / max(h, w)
+    if factor >= 1:
+        return np.ascontiguousarray(image)
+    size = (max(1, round(w * factor)), max(1, round(h * factor)))
+    return cv2.resize(image, size, interpolation=cv2.INTER_AREA)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
+
+
+def _format_number(value: float) -> str:
+    return f"{value:.1f}" if math.isfinite(value) else "-"
+
+
+def _depth_fingerprint(pred: FramePrediction) -> int:
+    """Cheap identity of a prediction's geometry, to tell a pure pose correction from new depth."""
+    crc = zlib.crc32(np.ascontiguousarray(pred.depth, dtype=np.float32).tobytes())
+    return zlib.crc32(np.ascontiguousarray(pred.intrinsics, dtype=np.float32).tobytes(), crc)
+
+
+def _field_of_view(pred: FramePrediction) -> tuple[float, float]:
+    """(vertical field of view in radians, width / height) of the model input, for a viser frustum."""
+    h, w = pred.image_size
+    return 2 * math.atan2(h / 2, float(pred.intrinsics[1, 1])), w / h
+
+
+def _pose(c2w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """c2w [3, 4] -> (wxyz [4], position [3]) for a viser node whose children live in camera axes."""
+    c2w = np.asarray(c2w, dtype=np.float64)
+    return rotation_to_quat_wxyz(c2w[:3, :3]), c2w[:3, 3].copy()
+
+
+@dataclass
+class _Keyframe:
+    """Server-side record of one keyframe on screen."""
+
+    frame_index: int
+    sample: KeyframeSample
+    fingerprint: int
+    parent: Any  # viser.FrameHandle
+    frustum: Any  # viser.CameraFrustumHandle
+    cloud: Any = None  # viser.PointCloudHandle
+    shown_count: int = 0  # prefix of `sample` currently on screen (before the confidence filter)
+    shown_settings: tuple = ()  # (confidence %, budget) the cloud was built with
+
+
+@dataclass
+class _Pending:
+    """What `on_frame` and the GUI hand to the viewer thread; guarded by LiveViewer._lock."""
+
+    predictions: dict[int, FramePrediction] = field(default_factory=dict)
+    poses: dict[int, np.ndarray] = field(default_factory=dict)  # frame index -> c2w [3, 4]
+    truncate_after: int | None = None
+    stats: dict = field(default_factory=dict)
+    rebuild_clouds: bool = False
+
+
+class LiveViewer:
+    """A viser server showing the stream as it is reconstructed; a sink for the run loop.
+
+    Usage (the run loop):
+
+        viewer = LiveViewer(port=8080)
+        print(viewer.url)
+        for ...:
+            viewer.wait_if_paused()
+            for pred in engine.push(image, timestamp=t):
+                viewer.on_frame(pred, engine.stats())
+        viewer.close("complete")
+    """
+
+    def __init__(
+        self,
+        host: str | None = "127.0.0.1",
+        port: int | None = 8080,
+        *,
+        max_points_per_keyframe: int = 20_000,
+        max_total_points: int = 2_000_000,
+        max_keyframes: int = 300,
+        points_per_keyframe: int | None = None,
+        confidence_drop_percent: float = 10.0,
+        update_hz: float = 4.0,
+        thumbnail_px: int = 96,  # longer side of the frustum thumbnails; 0 for none
+        max_pending: int = 256,
+        keep_serving: bool = False,
+        inference_controls: bool = True,
+        label: str = "stream-recon",
+    ) -> None:
+        if max_points_per_keyframe < 1 or max_total_points < max_points_per_keyframe:
+            raise ValueError(
+                f"viewer caps are inconsistent: max_points_per_keyframe={max_points_per_keyframe} must be "
+                f">= 1 and <= max_total_points={max_total_points}"
+            )
+        self.max_points_per_keyframe = max_points_per_keyframe
+        self.max_total_points = max_total_points
+        self.max_keyframes = max_keyframes
+        self.update_hz = update_hz
+        self.thumbnail_px = thumbnail_px
+        self.max_pending = max_pending
+        self.keep_serving = keep_serving
+
+        # viser binds 0.0.0.0 unless told otherwise (and websockets reads host=None as every interface),
+        # so "not given" means loopback here. viser walks to the next free port when one is taken.
+        host = host or "127.0.0.1"
+        port = 8080 if port is None else port
+        self.server = viser.ViserServer(host=host, port=port, label=label, verbose=False)
+        self.host = host
+        self.port = self.server.get_port()
+        self.url = f"http://{host}:{self.port}"
+        self.server.scene.set_up_direction("-y")
+
+        # Display settings: written by GUI callbacks (viser's thread pool), read by the viewer thread.
+        self._points_per_keyframe = min(
+            points_per_keyframe or max_points_per_keyframe, max_points_per_keyframe
+        )
+        self._confidence_drop_percent = float(confidence_drop_percent)
+        self._point_size_factor = 1.0
+        self._show_all = True
+        self._last_n = min(50, max_keyframes)
+        self._follow = False
+
+        self._lock = threading.Lock()
+        self._pending = _Pending()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._resume = threading.Event()
+        self._resume.set()
+        self._closed = False
+        self._drawing = False  # the viewer thread is applying a batch it took from `_pending`
+        self._arrivals: collections.deque[float] = collections.deque(maxlen=512)
+
+        # Scene state, touched only by the viewer thread.
+        self._keyframes: dict[int, _Keyframe] = {}
+        self._centres: dict[int, np.ndarray] = {}
+        self._evicted_up_to = -1  # keyframes at or below this index were dropped by the caps
+        self._scene_scale: float | None = None
+        self._trajectory = None
+        self._current = None
+        self._current_index = -1
+        self._current_c2w: np.ndarray | None = None
+        self._num_updates = 0
+        self._busy_seconds = 0.0  # wall time the viewer thread spent drawing: its share of the run
+
+        self._build_gui(inference_controls)
+        self._thread = threading.Thread(target=self._run, name="viewer", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------------------------------- sink API
+
+    def on_frame(self, pred: FramePrediction, stats: dict) -> None:
+        """Queue one prediction for display; O(1), never waits for the browser or the viewer thread."""
+        if self._closed:
+            return
+        with self._lock:
+            pending = self._pending
+            pending.predictions[pred.frame_index] = pred  # a re-emission replaces the earlier one
+            if len(pending.predictions) > self.max_pending:
+                # The viewer fell far behind: keep only the pose of the oldest pending frame, so the
+                # trajectory stays whole while memory stays bounded.
+                oldest = next(iter(pending.predictions))
+                pending.poses[oldest] = np.array(pending.predictions.pop(oldest).c2w, dtype=np.float32)
+            pending.stats = dict(stats)
+            self._arrivals.append(time.perf_counter())
+        self._wake.set()
+
+    def close(self, status: str = "complete") -> None:
+        """Show the last state, stop the viewer thread and, unless `keep_serving`, the server."""
+        if self._closed:
+            return
+        self._closed = True
+        self._resume.set()  # a paused run must not hang at exit
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+        try:
+            self._status.content = f"**run {status}**"
+            if self._pause_button is not None:
+                self._pause_button.disabled = True
+        except RuntimeError:
+            pass
+        if not self.keep_serving:
+            self.stop()
+
+    def set_status(self, text: str) -> None:
+        """The status line at the top of the GUI panel (markdown)."""
+        self._status.content = text
+
+    def stop(self) -> None:
+        """Stop the web server (after `close`, when the viewer was kept serving)."""
+        self.server.stop()
+
+    def __enter__(self) -> LiveViewer:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close("complete" if exc_type is None else "failed")
+
+    # ---------------------------------------------------------------------------- run-loop controls
+
+    @property
+    def paused(self) -> bool:
+        return not self._resume.is_set()
+
+    def set_paused(self, paused: bool) -> None:
+        if paused and not self._closed:
+            self._resume.clear()
+        else:
+            self._resume.set()
+        if self._pause_button is not None:
+            self._pause_button.label = "Resume inference" if paused else "Pause inference"
+
+    def wait_if_paused(self, timeout: float | None = None) -> bool:
+        """Block the calling (inference) thread while the browser has paused the run.
+
+        Returns False when `timeout` ran out while still paused."""
+        return self._resume.wait(timeout)
+
+    # ------------------------------------------------------------------------------- replay controls
+
+    def push_poses(self, c2w_by_frame: dict[int, np.ndarray]) -> None:
+        """Queue camera poses only (no points), e.g. a replay's trajectory up to the timeline position."""
+        with self._lock:
+            self._pending.poses.update(c2w_by_frame)
+        self._wake.set()
+
+    def truncate_after(self, frame_index: int) -> None:
+        """Forget every frame after `frame_index` (a replay's timeline moved back); queued like a frame."""
+        with self._lock:
+            pending = self._pending
+            for index in [i for i in pending.predictions if i > frame_index]:
+                del pending.predictions[index]
+            for index in [i for i in pending.poses if i > frame_index]:
+                del pending.poses[index]
+            previous = pending.truncate_after
+            pending.truncate_after = frame_index if previous is None else min(previous, frame_index)
+        self._wake.set()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until everything queued so far is on the scene (tests, replay seeks)."""
+        target = self._num_updates + 1
+        self._wake.set()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                idle = self._pending_is_empty() and not self._drawing
+            if idle and self._num_updates >= target:
+                return True
+            self._wake.set()
+            time.sleep(0.01)
+        return False
+
+    def shown_keyframes(self) -> set[int]:
+        """Frame indices of the keyframes on screen (as of the last viewer update)."""
+        return set(list(self._keyframes))
+
+    @property
+    def num_pending(self) -> int:
+        """Frames queued and not yet drawn: at most `max_pending` predictions, plus the poses of any
+        frames that overflowed (a few floats each)."""
+        with self._lock:
+            return len(self._pending.predictions) + len(self._pending.poses)
+
+    def scene_summary(self) -> dict:
+        """What is on screen (keyframes, scene nodes this viewer owns, points, trajectory length) and the
+        viewer thread's cost (updates drawn, seconds spent drawing them)."""
+        keyframes = list(self._keyframes.values())  # a copy: the viewer thread may be adding to it
+        clouds = [kf.cloud for kf in keyframes if kf.cloud is not None]
+        return {
+            "keyframes": len(keyframes),
+            "nodes": 3 * len(keyframes) + (self._trajectory is not None) + (self._current is not None),
+            "points": int(sum(c.points.shape[0] for c in clouds)),
+            "trajectory_frames": len(self._centres),
+            "current_frame": self._current_index,
+            "updates": self._num_updates,
+            "busy_seconds": round(self._busy_seconds, 3),
+        }
+
+    # ------------------------------------------------------------------------------------- internals
+
+    def _pending_is_empty(self) -> bool:
+        p = self._pending
+        return not (p.predictions or p.poses or p.truncate_after is not None or p.rebuild_clouds)
+
+    def _request_rebuild(self) -> None:
+        with self._lock:
+            self._pending.rebuild_clouds = True
+        self._wake.set()
+
+    def _run(self) -> None:
+        period = 1.0 / self.update_hz
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            started = time.perf_counter()
+            try:
+                self._apply_pending()
+            except Exception:
+                # A drawing error must never take the run down with it; the next frame redraws.
+                logger.exception("viewer update failed")
+            with self._lock:
+                self._drawing = False
+            self._num_updates += 1
+            self._busy_seconds += time.perf_counter() - started
+            with self._lock:
+                done = self._stopping.is_set() and self._pending_is_empty()
+            if done:
+                return
+            # Coalesce: whatever arrives during the rest of the period goes out in the next update.
+            self._stopping.wait(max(0.0, period - (time.perf_counter() - started)))
+
+    def _apply_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, _Pending(stats=self._pending.stats)
+            self._drawing = True
+            fps = self._arrival_fps()
+        with self.server.atomic():
+            if pending.truncate_after is not None:
+                self._truncate(pending.truncate_after)
+            for index, c2w in pending.poses.items():
+                self._centres[index] = np.asarray(c2w, dtype=np.float32)[:3, 3]
+            for index in sorted(pending.predictions):
+                self._apply_prediction(pending.predictions[index])
+            self._enforce_caps(rebuild_all=pending.rebuild_clouds)
+            self._apply_visibility()
+            self._update_trajectory()
+        if pending.predictions:
+            self._update_current(pending.predictions[max(pending.predictions)])
+        self._update_readouts(pending.stats, fps)
+
+    def _arrival_fps(self) -> float:
+        """Frames per second over the last ARRIVAL_WINDOW_S seconds of `on_frame` calls.
+
+        The denominator is at least one second: phase 1 hands over its scale frames in one burst, which
+        would otherwise read as thousands of frames per second."""
+        now = time.perf_counter()
+        recent = [t for t in self._arrivals if now - t <= ARRIVAL_WINDOW_S]
+        if not recent:
+            return float("nan")
+        return len(recent) / max(1.0, min(ARRIVAL_WINDOW_S, now - self._arrivals[0]))
+
+    def _truncate(self, frame_index: int) -> None:
+        for index in [i for i in self._keyframes if i > frame_index]:
+            self._remove_keyframe(index)
+        for index in [i for i in self._centres if i > frame_index]:
+            del self._centres[index]
+        # Keyframes dropped by the caps may fit again once the newer ones are gone.
+        self._evicted_up_to = -1
+        if self._current_index > frame_index:
+            self._current_index = -1
+
+    def _apply_prediction(self, pred: FramePrediction) -> None:
+        index = pred.frame_index
+        self._centres[index] = np.asarray(pred.c2w, dtype=np.float32)[:3, 3]
+        existing = self._keyframes.get(index)
+        if not pred.is_keyframe:
+            if existing is not None:  # re-emitted as a non-keyframe: it no longer belongs in the map
+                self._remove_keyframe(index)
+            return
+        if existing is None:
+            if index > self._evicted_up_to:
+                self._add_keyframe(pred)
+            return
+        wxyz, position = _pose(pred.c2w)
+        existing.parent.wxyz = wxyz
+        existing.parent.position = position
+        fingerprint = _depth_fingerprint(pred)
+        if fingerprint != existing.fingerprint:
+            self._remove_keyframe(index)
+            self._add_keyframe(pred, fingerprint)
+
+    def _add_keyframe(self, pred: FramePrediction, fingerprint: int | None = None) -> None:
+        sample = sample_keyframe_points(pred, self.max_points_per_keyframe)
+        if self._scene_scale is None and sample.num_points:
+            self._scene_scale = float(np.median(sample.points[:, 2].astype(np.float32)))
+            self._reset_view()
+        wxyz, position = _pose(pred.c2w)
+        name = f"/keyframes/f{pred.frame_index:06d}"
+        parent = self.server.scene.add_frame(name, show_axes=False, wxyz=wxyz, position=position)
+        fov_y, aspect = _field_of_view(pred)
+        frustum = self.server.scene.add_camera_frustum(
+            f"{name}/frustum",
+            fov=fov_y,
+            aspect=aspect,
+            scale=self._frustum_scale(),
+            thickness=1.5,
+            thickness_units="screen",
+            color=KEYFRAME_COLOR,
+            image=self._thumbnail(pred),
+            format="jpeg",
+            jpeg_quality=70,
+        )
+        self._keyframes[pred.frame_index] = _Keyframe(
+            frame_index=pred.frame_index,
+            sample=sample,
+            fingerprint=_depth_fingerprint(pred) if fingerprint is None else fingerprint,
+            parent=parent,
+            frustum=frustum,
+        )
+
+    def _remove_keyframe(self, index: int) -> None:
+        keyframe = self._keyframes.pop(index)
+        keyframe.parent.remove()  # takes the cloud and the frustum with it
+
+    def _enforce_caps(self, rebuild_all: bool) -> None:
+        order = sorted(self._keyframes)  # oldest first: frame order, not arrival order
+        for index in order[: max(0, len(order) - self.max_keyframes)]:
+            self._evicted_up_to = max(self._evicted_up_to, index)
+            self._remove_keyframe(index)
+        order = sorted(self._keyframes)
+        budget = self._points_per_keyframe
+        full = [min(budget, self._keyframes[i].sample.num_points) for i in order]
+        counts = allocate_point_budget(full, self.max_total_points)
+        settings = (self._confidence_drop_percent, budget)
+        for index, count in zip(order, counts, strict=True):
+            keyframe = self._keyframes[index]
+            if count == 0:
+                self._evicted_up_to = max(self._evicted_up_to, index)
+                self._remove_keyframe(index)
+            elif rebuild_all or count != keyframe.shown_count or settings != keyframe.shown_settings:
+                self._show_cloud(keyframe, count)
+            elif keyframe.cloud is not None:
+                keyframe.cloud.point_size = self._point_size()
+
+    def _show_cloud(self, keyframe: _Keyframe, count: int) -> None:
+        points = keyframe.sample.points[:count]
+        colors = keyframe.sample.colors[:count]
+        confidence = keyframe.sample.confidence[:count]
+        if self._confidence_drop_percent > 0 and count > 1:
+            keep = confidence >= np.percentile(confidence, self._confidence_drop_percent)
+            points, colors = points[keep], colors[keep]
+        # Same-name re-add replaces the node (and its buffered create message) in one step; assigning
+        # points and colours separately would briefly pair arrays of different lengths on the client.
+        keyframe.cloud = self.server.scene.add_point_cloud(
+            f"{keyframe.parent.name}/points",
+            points=points,
+            colors=colors,
+            point_size=self._point_size(),
+            point_shape="square",
+            precision="float16",
+            point_shading="flat",
+        )
+        keyframe.shown_count = count
+        keyframe.shown_settings = (self._confidence_drop_percent, self._points_per_keyframe)
+
+    def _apply_visibility(self) -> None:
+        newest_first = sorted(self._keyframes, reverse=True)
+        for rank, index in enumerate(newest_first):
+            self._keyframes[index].parent.visible = self._show_all or rank < self._last_n
+
+    def _update_trajectory(self) -> None:
+        if len(self._centres) < 2:
+            return
+        centres = np.stack([self._centres[i] for i in sorted(self._centres)])  # [S, 3]
+        segments = np.stack([centres[:-1], centres[1:]], axis=1)  # [S - 1, 2, 3]
+        if self._trajectory is None:
+            self._trajectory = self.server.scene.add_line_segments(
+                "/trajectory", segments, colors=TRAJECTORY_COLOR, thickness=2.0, thickness_units="screen"
+            )
+        else:
+            self._trajectory.points = segments
+
+    def _update_current(self, pred: FramePrediction) -> None:
+        if pred.frame_index < self._current_index:
+            return
+        self._current_index = pred.frame_index
+        self._current_c2w = np.asarray(pred.c2w, dtype=np.float64)
+        wxyz, position = _pose(pred.c2w)
+        thumb = self._thumbnail(pred)
+        fov_y, aspect = _field_of_view(pred)
+        with self.server.atomic():
+            if self._current is None:
+                self._current = self.server.scene.add_camera_frustum(
+                    "/current",
+                    fov=fov_y,
+                    aspect=aspect,
+                    scale=1.6 * self._frustum_scale(),
+                    thickness=4.0,
+                    thickness_units="screen",
+                    color=CURRENT_COLOR,
+                    image=thumb,
+                    format="jpeg",
+                    jpeg_quality=70,
+                    wxyz=wxyz,
+                    position=position,
+                )
+            else:
+                self._current.wxyz = wxyz
+                self._current.position = position
+                if thumb is not None:
+                    self._current.image = thumb
+        if pred.image is not None:
+            self._frame_image.image = thumbnail(pred.image, 320)
+        if self._follow:
+            self._move_clients_to(self._current_c2w)
+
+    def _update_readouts(self, stats: dict, arrival_fps: float) -> None:
+        """FPS and cache occupancy from the run loop's stats; any key may be missing or None."""
+        fps = stats.get("fps") if _is_number(stats.get("fps")) else arrival_fps
+        line = f"frame **{self._current_index}**, FPS **{_format_number(fps)}**"
+        if _is_number(stats.get("model_fps")):
+            line += f" (model {_format_number(stats['model_fps'])})"
+        lines = [
+            line,
+            f"keyframes on screen {len(self._keyframes)}, points {self.scene_summary()['points']:,}",
+        ]
+        if _is_number(stats.get("cached_frames")):
+            lines.append(f"cache: {stats['cached_frames']} frames")
+        pages = [f"{key.removesuffix('_pages_in_use')} {value}" for key, value in stats.items()
+                 if key.endswith("_pages_in_use") and _is_number(value)]  # fmt: skip
+        if pages:
+            lines.append("pages in use: " + ", ".join(pages))
+        if _is_number(stats.get("cache_bytes")):
+            lines.append(f"cache memory {stats['cache_bytes'] / 2**20:.1f} MiB")
+        self._readout.content = "  \n".join(lines)
+
+    def _thumbnail(self, pred: FramePrediction) -> np.ndarray | None:
+        if pred.image is None or self.thumbnail_px <= 0:
+            return None
+        return thumbnail(pred.image, self.thumbnail_px)
+
+    def _frustum_scale(self) -> float:
+        return 0.08 * (self._scene_scale or 1.0)
+
+    def _point_size(self) -> float:
+        # About the spacing of 20k points sampled from a 518 x 378 frame, at the median depth.
+        return 0.006 * (self._scene_scale or 1.0) * self._point_size_factor
+
+    # ------------------------------------------------------------------------------------------- GUI
+
+    def _build_gui(self, inference_controls: bool) -> None:
+        gui = self.server.gui
+        self._pause_button = None
+        with gui.add_folder("Run"):
+            self._status = gui.add_markdown("**waiting for frames**")
+            if inference_controls:
+                self._status.content = "**running**"
+                self._pause_button = gui.add_button("Pause inference")
+
+                @self._pause_button.on_click
+                def _(_event) -> None:
+                    self.set_paused(not self.paused)
+                    self._status.content = "**paused**" if self.paused else "**running**"
+
+            self._readout = gui.add_markdown("frame -")
+            self._frame_image = gui.add_image(np.zeros((24, 32, 3), np.uint8), label="current frame")
+
+        with gui.add_folder("Points"):
+            confidence = gui.add_slider(
+                "Drop low conf. %", min=0.0, max=95.0, step=5.0, initial_value=self._confidence_drop_percent
+            )
+            size = gui.add_slider("Point size x", min=0.1, max=5.0, step=0.1, initial_value=1.0)
+            low = min(500, self.max_points_per_keyframe)
+            budget = gui.add_slider(
+                "Points / keyframe",
+                min=low,
+                max=self.max_points_per_keyframe,
+                step=max(1, (self.max_points_per_keyframe - low) // 40),
+                initial_value=self._points_per_keyframe,
+            )
+
+            @confidence.on_update
+            def _(_event) -> None:
+                self._confidence_drop_percent = float(confidence.value)
+                self._request_rebuild()
+
+            @size.on_update
+            def _(_event) -> None:
+                # A size change is a cheap property update on every cloud, not a re-send of points.
+                self._point_size_factor = float(size.value)
+                self._wake.set()
+
+            @budget.on_update
+            def _(_event) -> None:
+                self._points_per_keyframe = int(budget.value)
+                self._request_rebuild()
+
+        with gui.add_folder("Keyframes"):
+            show_all = gui.add_checkbox("Show all", initial_value=True)
+            last_n = gui.add_slider(
+                "Last N", min=1, max=max(2, self.max_keyframes), step=1, initial_value=self._last_n
+            )
+
+            @show_all.on_update
+            def _(_event) -> None:
+                self._show_all = bool(show_all.value)
+                self._wake.set()
+
+            @last_n.on_update
+            def _(_event) -> None:
+                self._last_n = int(last_n.value)
+                self._wake.set()
+
+        with gui.add_folder("Camera"):
+            follow = gui.add_checkbox("Follow current camera", initial_value=False)
+            reset = gui.add_button("Reset view")
+
+            @follow.on_update
+            def _(_event) -> None:
+                self._follow = bool(follow.value)
+
+            @reset.on_click
+            def _(_event) -> None:
+                self._reset_view()
+
+    def _reset_view(self) -> None:
+        """Look at the start of the reconstruction from behind and above the first camera."""
+        scale = self._scene_scale or 1.0
+        position = np.array([0.0, -0.8, -1.2]) * scale  # OpenCV world: -y is up, +z is forward
+        look_at = np.array([0.0, 0.0, 1.0]) * scale
+        self.server.initial_camera.position = position
+        self.server.initial_camera.look_at = look_at
+        self._move_clients(position, look_at, np.array([0.0, -1.0, 0.0]))
+
+    def _move_clients_to(self, c2w: np.ndarray) -> None:
+        """Put every browser's camera a little behind and above the current camera, looking along it."""
+        scale = self._scene_scale or 1.0
+        rotation, centre = c2w[:3, :3], c2w[:3, 3]
+        forward, down = rotation[:, 2], rotation[:, 1]
+        position = centre - 0.5 * scale * forward - 0.2 * scale * down
+        self._move_clients(position, centre + scale * forward, -down)
+
+    def _move_clients(self, position: np.ndarray, look_at: np.ndarray, up: np.ndarray) -> None:
+        for client in self.server.get_clients().values():
+            try:
+                with client.atomic():
+                    client.camera.position = position
+                    client.camera.look_at = look_at
+                    client.camera.up_direction = up
+            except (AssertionError, ValueError):
+                continue  # this browser has not reported its camera yet

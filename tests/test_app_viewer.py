@@ -1,0 +1,630 @@
+"""The live viewer and the replay command, checked through real servers on 127.0.0.1.
+
+A websocket client that speaks viser's wire protocol (below, `SceneMirror`) keeps its own copy of the
+scene, as a browser would; a headless Chromium renders the page and a screenshot is checked for points.
+The synthetic stream is a camera orbiting a textured plane (world z = PLANE_Z), so every point the viewer
+sends can be checked against the plane after applying its parent node's pose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import viser
+import websockets
+import websockets.sync.client
+import zstandard
+from typer import Typer
+from typer.testing import CliRunner
+
+from stream_recon.app.commands.view import index_run, start_replay, view
+from stream_recon.app.geometry import quat_wxyz_to_rotation
+from stream_recon.app.viewer import LiveViewer, allocate_point_budget, sample_keyframe_points
+from stream_recon.app.writers import RunDirError, prediction_arrays
+from stream_recon.models.prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
+
+PLANE_Z = 3.0
+ARTIFACTS = Path(__file__).parent / "artifacts"
+
+
+# ----------------------------------------------------------------------------------- synthetic stream
+
+
+def look_at_c2w(centre: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """c2w [3, 4] of an OpenCV camera at `centre` looking at `target`, with world -y as up."""
+    forward = (target - centre) / np.linalg.norm(target - centre)
+    right = np.cross(forward, np.array([0.0, -1.0, 0.0]))
+    right /= np.linalg.norm(right)
+    down = np.cross(forward, right)
+    return np.concatenate([np.stack([right, down, forward], axis=1), centre[:, None]], axis=1)
+
+
+def orbit_frame(index: int, *, size=(42, 56), frame_type: int | None = None, angle: float | None = None):
+    """Frame `index` of a camera orbiting the plane's centre; depth is the exact ray-plane distance."""
+    h, w = size
+    angle = 0.05 * index if angle is None else angle
+    target = np.array([0.0, 0.0, PLANE_Z])
+    centre = target + 3.0 * np.array([math.sin(angle), -0.2, -math.cos(angle)])
+    c2w = look_at_c2w(centre, target)
+    intrinsics = np.array([[0.9 * w, 0, w / 2], [0, 0.9 * w, h / 2], [0, 0, 1.0]])
+    v, u = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    rays_camera = np.stack(
+        [(u - w / 2) / intrinsics[0, 0], (v - h / 2) / intrinsics[1, 1], np.ones((h, w))], -1
+    )
+    rays_world = rays_camera @ c2w[:, :3].T  # [H, W, 3], camera z-component 1
+    depth = (PLANE_Z - centre[2]) / rays_world[..., 2]  # z-depth, since the camera-frame ray has z = 1
+    hit = centre + depth[..., None] * rays_world
+    checker = ((np.floor(hit[..., 0] * 4) + np.floor(hit[..., 1] * 4)) % 2).astype(bool)
+    image = np.where(checker[..., None], np.array([230, 40, 40]), np.array([40, 200, 60])).astype(np.uint8)
+    if frame_type is None:
+        frame_type = FRAME_SCALE if index < 4 else (FRAME_KEY if index % 2 == 0 else FRAME_NON_KEY)
+    return FramePrediction(
+        frame_index=index,
+        timestamp=index / 30,
+        frame_type=frame_type,
+        pose_enc=np.zeros(9, np.float32),
+        c2w=c2w.astype(np.float32),
+        intrinsics=intrinsics.astype(np.float32),
+        depth=depth.astype(np.float32),
+        depth_conf=(1.0 + np.random.default_rng(index).random((h, w))).astype(np.float32),
+        image=image,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# -------------------------------------------------------------------------- viser protocol client
+
+
+class SceneMirror:
+    """A websocket client that applies viser's scene messages to its own copy of the scene.
+
+    Server frames: [u64 msgpack size][u64 zstd size][zstd(msgpack)][binary buffers, 8-byte aligned]; the
+    msgpack holds {"messages": [...], "binaryBufferLengths": [...]} and arrays appear in messages as
+    {"__binary_index": i, "dtype": ...} placeholders (viser/infra/_infra.py, `_message_producer`).
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url.replace("http://", "ws://")
+        self.nodes: dict[str, dict] = {}
+        self.creates: dict[str, int] = {}  # name -> how many create messages arrived
+        self.gui: dict[str, dict] = {}  # uuid -> message
+        self.replay_done = False
+        self.error: Exception | None = None
+        self.error_trace = ""
+        self.camera_look_at: tuple | None = None
+        self.num_messages = 0
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._socket = None
+        self._thread = threading.Thread(
+            target=self._loop.run_until_complete, args=(self._listen(),), daemon=True
+        )
+        self._thread.start()
+
+    async def _listen(self) -> None:
+        subprotocol = f"viser-v{viser.__version__}"
+        async with websockets.connect(self.url, subprotocols=[subprotocol], max_size=None) as socket_:
+            self._socket = socket_
+            # A browser reports its camera first; viser counts a client as connected from then on.
+            camera = {"type": "ViewerCameraMessage", "wxyz": [1.0, 0.0, 0.0, 0.0], "position": [0.0, 0.0, -3.0],
+                      "fov": 1.2, "near": 0.01, "far": 100.0, "image_height": 480, "image_width": 640,
+                      "look_at": [0.0, 0.0, 0.0], "up_direction": [0.0, -1.0, 0.0]}  # fmt: skip
+            await socket_.send(msgspec.msgpack.encode(camera))
+            with contextlib.suppress(websockets.ConnectionClosed):
+                async for raw in socket_:
+                    try:
+                        self._apply_frame(raw)
+                    except Exception as error:  # surfaced by wait_for, instead of a silent timeout
+                        self.error = error
+                        self.error_trace = traceback.format_exc()
+                        raise
+
+    def _apply_frame(self, raw: bytes) -> None:
+        size, compressed = int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:16], "little")
+        payload = msgspec.msgpack.decode(
+            zstandard.ZstdDecompressor().decompress(raw[16 : 16 + compressed], max_output_size=size)
+        )
+        buffers, offset = [], 16 + compressed
+        for length in payload["binaryBufferLengths"]:
+            offset += (8 - offset % 8) % 8
+            buffers.append(raw[offset : offset + length])
+            offset += length
+        with self._lock:
+            for message in payload["messages"]:
+                self._apply(_resolve_arrays(message, buffers))
+                self.num_messages += 1
+
+    def _apply(self, message: dict) -> None:
+        kind, name = message["type"], message.get("name")
+        if kind == "ReplayDoneMessage":
+            self.replay_done = True
+        elif kind.startswith("Gui") and "props" in message:
+            self.gui[message["uuid"]] = message
+        elif kind == "GuiUpdateMessage" and message["uuid"] in self.gui:
+            self.gui[message["uuid"]]["props"].update(message["updates"])
+        elif kind == "SetCameraLookAtMessage" and not message.get("initial"):  # initial: new browsers only
+            self.camera_look_at = tuple(message["look_at"])
+        elif kind == "RemoveSceneNodeMessage":
+            self.nodes.pop(name, None)
+        elif "props" in message and name is not None:
+            self.nodes[name] = {"type": kind, "props": message["props"], "position": (0.0, 0.0, 0.0),
+                                "wxyz": (1.0, 0.0, 0.0, 0.0), "visible": True}  # fmt: skip
+            self.creates[name] = self.creates.get(name, 0) + 1
+        elif kind == "SetPositionMessage" and name in self.nodes:
+            self.nodes[name]["position"] = tuple(message["position"])
+        elif kind == "SetOrientationMessage" and name in self.nodes:
+            self.nodes[name]["wxyz"] = tuple(message["wxyz"])
+        elif kind == "SetSceneNodeVisibilityMessage" and name in self.nodes:
+            self.nodes[name]["visible"] = message["visible"]
+        elif kind == "SceneNodeUpdateMessage" and name in self.nodes:
+            self.nodes[name]["props"].update(message["updates"])
+
+    def wait_for(self, predicate, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.error is not None:
+                raise AssertionError(f"the websocket client failed:\n{self.error_trace}") from self.error
+            with self._lock:
+                if predicate(self):
+                    return
+            time.sleep(0.02)
+        with self._lock:
+            names = sorted(self.nodes)
+        raise AssertionError(
+            f"scene never reached the expected state; nodes: {names[:20]} ...; camera look-at {self.camera_look_at}"
+        )
+
+    def set_gui(self, label: str, value) -> None:
+        """Press a button or set an input as a browser does: a GuiUpdateMessage from client to server."""
+        uuid = next(u for u, m in self.gui.items() if m["props"].get("label") == label)
+        message = msgspec.msgpack.encode(
+            {"type": "GuiUpdateMessage", "uuid": uuid, "updates": {"value": value}}
+        )
+        asyncio.run_coroutine_threadsafe(self._socket.send(message), self._loop).result(timeout=5)
+
+    def world_points(self, keyframe: str) -> np.ndarray:
+        """[N, 3] points of `keyframe`'s cloud mapped to the world through its parent's pose."""
+        parent, cloud = self.nodes[keyframe], self.nodes[f"{keyframe}/points"]
+        local = np.asarray(cloud["props"]["points"], dtype=np.float32).reshape(-1, 3)
+        return local @ quat_wxyz_to_rotation(parent["wxyz"]).T + np.asarray(parent["position"])
+
+    def close(self) -> None:
+        if self._socket is not None and self._thread.is_alive():
+            # The listener's loop ends with the connection, so the close future itself never resolves.
+            asyncio.run_coroutine_threadsafe(self._socket.close(), self._loop)
+        self._thread.join(timeout=10)
+
+
+def _resolve_arrays(value, buffers):
+    if isinstance(value, dict):
+        if "__binary_index" in value and "dtype" in value:
+            return np.frombuffer(buffers[value["__binary_index"]], dtype=np.dtype(value["dtype"]))
+        return {k: _resolve_arrays(v, buffers) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_resolve_arrays(v, buffers) for v in value]
+    return value
+
+
+def keyframe_names(mirror: SceneMirror) -> list[str]:
+    return sorted(n for n in mirror.nodes if n.startswith("/keyframes/f") and n.count("/") == 2)
+
+
+@pytest.fixture
+def viewer():
+    live = LiveViewer(port=free_port(), max_points_per_keyframe=600, update_hz=20.0)
+    yield live
+    live.close("complete")
+
+
+# ----------------------------------------------------------------------------------------- tests
+
+
+def test_scene_arrives_and_updates_over_websocket(viewer):
+    for index in range(8):
+        viewer.on_frame(orbit_frame(index), {"frames": index + 1, "cached_frames": index + 1})
+    first = SceneMirror(viewer.url)  # joins mid-stream
+    for index in range(8, 14):  # the run loop's stats: end-to-end FPS unknown so far (None)
+        viewer.on_frame(orbit_frame(index), {"frames": index + 1, "fps": None, "model_fps": 12.5})
+    keyframes = [i for i in range(14) if orbit_frame(i).is_keyframe]  # 0-3 scale frames, then even ones
+    expected = [f"/keyframes/f{i:06d}" for i in keyframes]
+    try:
+        first.wait_for(
+            lambda m: keyframe_names(m) == expected and "/trajectory" in m.nodes and "/current" in m.nodes
+        )
+        first.wait_for(lambda m: len(m.nodes["/trajectory"]["props"]["points"]) == 13 * 2 * 3)
+        first.wait_for(
+            lambda m: np.allclose(m.nodes["/current"]["position"], orbit_frame(13).c2w[:, 3], atol=1e-4)
+        )
+        first.wait_for(
+            lambda m: any("(model 12.5)" in str(g["props"].get("_markdown")) for g in m.gui.values())
+        )
+        for name in expected:
+            assert first.nodes[f"{name}/frustum"]["type"] == "CameraFrustumMessage"
+            assert first.nodes[f"{name}/frustum"]["props"]["_image_data"]  # the thumbnail
+            cloud = first.nodes[f"{name}/points"]["props"]
+            assert cloud["points"].dtype == np.float16 and 400 < len(cloud["points"]) // 3 <= 600
+            # Every point, through its parent's pose, lies on the plane the synthetic depth came from.
+            np.testing.assert_allclose(first.world_points(name)[:, 2], PLANE_Z, atol=0.02)
+            assert len(np.unique(np.asarray(cloud["colors"]).reshape(-1, 3), axis=0)) == 2  # checkerboard
+
+        # A re-emitted keyframe with a corrected pose moves its parent node and re-sends no points.
+        moved = orbit_frame(6)
+        moved.c2w = moved.c2w.copy()
+        moved.c2w[:, 3] += np.array([0.5, 0.0, 0.0], np.float32)
+        viewer.on_frame(moved, {})
+        first.wait_for(
+            lambda m: np.allclose(m.nodes["/keyframes/f000006"]["position"], moved.c2w[:, 3], atol=1e-4)
+        )
+        assert first.creates["/keyframes/f000006/points"] == 1
+        first.wait_for(
+            lambda m: np.isclose(m.nodes["/trajectory"]["props"]["points"], moved.c2w[0, 3], atol=1e-4).any()
+        )
+        # A re-emission with new depth re-sends that keyframe's points.
+        deeper = orbit_frame(8)
+        deeper.depth = deeper.depth * 1.1
+        viewer.on_frame(deeper, {})
+        first.wait_for(lambda m: m.creates.get("/keyframes/f000008/points", 0) >= 2)
+
+        # A browser that joins late gets the whole current scene from viser's buffer.
+        viewer.flush()
+        late = SceneMirror(viewer.url)
+        try:
+            late.wait_for(lambda m: m.replay_done)
+            assert keyframe_names(late) == expected
+            for name in expected:
+                assert late.nodes[name]["position"] == first.nodes[name]["position"]
+                np.testing.assert_array_equal(late.nodes[f"{name}/points"]["props"]["points"],
+                                              first.nodes[f"{name}/points"]["props"]["points"])  # fmt: skip
+        finally:
+            late.close()
+    finally:
+        first.close()
+
+
+def test_binds_loopback_and_moves_to_the_next_free_port():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        live = LiveViewer(port=port)
+        try:
+            assert live.server.get_host() == "127.0.0.1"
+            assert live.port != port and live.url == f"http://127.0.0.1:{live.port}"
+            with socket.create_connection(("127.0.0.1", live.port), timeout=2):
+                pass
+        finally:
+            live.close()
+    unset = LiveViewer(host=None, port=None)  # options left unset must not mean "every interface"
+    try:
+        assert unset.server.get_host() == "127.0.0.1" and unset.port >= 8080
+    finally:
+        unset.close()
+
+
+def test_pause_and_follow_from_the_browser(viewer):
+    mirror = SceneMirror(viewer.url)
+    try:
+        mirror.wait_for(lambda m: m.replay_done)
+        assert viewer.wait_if_paused(timeout=0.01)
+        mirror.set_gui("Pause inference", True)
+        deadline = time.monotonic() + 5
+        while not viewer.paused and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert viewer.paused and not viewer.wait_if_paused(timeout=0.05)
+        mirror.wait_for(lambda m: any(g["props"].get("label") == "Resume inference" for g in m.gui.values()))
+
+        # "Follow current camera" moves the browser's camera to look along the newest frame.
+        mirror.set_gui("Follow current camera", True)
+        time.sleep(0.2)
+        pred = orbit_frame(3)
+        viewer.on_frame(pred, {})
+
+        def looks_along_the_frame(m: SceneMirror) -> bool:
+            if m.camera_look_at is None:
+                return False
+            offset = np.asarray(m.camera_look_at) - pred.c2w[:, 3]  # the median depth ahead, about 3
+            return 2.5 < np.linalg.norm(offset) < 3.5 and offset @ pred.c2w[:, 2] > 0.99 * np.linalg.norm(
+                offset
+            )
+
+        mirror.wait_for(looks_along_the_frame)
+
+        viewer.close("interrupted")  # closing never leaves the run loop stuck in a pause
+        assert viewer.wait_if_paused(timeout=0.01)
+    finally:
+        mirror.close()
+
+
+def test_point_and_keyframe_controls_from_the_browser(viewer):
+    for index in range(6):
+        viewer.on_frame(orbit_frame(index, frame_type=FRAME_KEY), {})
+    mirror = SceneMirror(viewer.url)
+    try:
+        names = [f"/keyframes/f{i:06d}" for i in range(6)]
+        mirror.wait_for(lambda m: keyframe_names(m) == names)
+
+        def cloud_sizes(m: SceneMirror) -> list[int]:
+            return [len(m.nodes[f"{name}/points"]["props"]["points"]) // 3 for name in names]
+
+        assert cloud_sizes(mirror) == [540] * 6  # 600 per keyframe, 10 % dropped by confidence
+        mirror.set_gui("Points / keyframe", 500)
+        mirror.wait_for(lambda m: cloud_sizes(m) == [450] * 6)
+        mirror.set_gui("Drop low conf. %", 50.0)
+        mirror.wait_for(lambda m: cloud_sizes(m) == [250] * 6)
+        mirror.set_gui("Point size x", 2.0)
+        size = mirror.nodes[f"{names[0]}/points"]["props"]["point_size"]
+        mirror.wait_for(lambda m: m.nodes[f"{names[0]}/points"]["props"]["point_size"] > 1.9 * size)
+
+        mirror.set_gui("Last N", 2)
+        mirror.set_gui("Show all", False)
+        mirror.wait_for(lambda m: [m.nodes[name]["visible"] for name in names] == [False] * 4 + [True] * 2)
+        mirror.set_gui("Show all", True)
+        mirror.wait_for(lambda m: all(m.nodes[name]["visible"] for name in names))
+
+        mirror.camera_look_at = None
+        mirror.set_gui("Reset view", True)
+        mirror.wait_for(lambda m: m.camera_look_at is not None)
+    finally:
+        mirror.close()
+
+
+def test_caps_thin_then_remove_the_oldest_keyframes():
+    live = LiveViewer(
+        port=free_port(), max_points_per_keyframe=200, max_total_points=1500, max_keyframes=12, update_hz=20.0
+    )
+    watcher = SceneMirror(live.url)
+    try:
+        for start in range(0, 40, 5):  # in batches, so that keyframes are thinned and removed over time
+            for index in range(start, start + 5):
+                live.on_frame(orbit_frame(index, frame_type=FRAME_KEY), {})
+            assert live.flush()
+        summary = live.scene_summary()
+        assert summary["points"] <= 1500 and summary["keyframes"] <= 12
+        shown = sorted(live.shown_keyframes())
+        assert shown[-1] == 39 and shown == list(range(shown[0], 40))  # the newest ones survive
+        assert summary["trajectory_frames"] == 40  # removed keyframes keep their place in the trajectory
+
+        # What the browser holds: the newest cloud whole, the oldest thinned to a quarter (both after
+        # the 10 % confidence filter), nothing older than the cap.
+        expected = [f"/keyframes/f{i:06d}" for i in shown]
+        watcher.wait_for(lambda m: keyframe_names(m) == expected)
+        sizes = [len(watcher.nodes[f"{name}/points"]["props"]["points"]) // 3 for name in expected]
+        assert sizes[-1] == 180 and sizes[0] == 45 and sum(sizes) <= 1500
+
+        # A late browser gets the current scene, not the history of thinned and removed keyframes.
+        late = SceneMirror(live.url)
+        try:
+            late.wait_for(lambda m: m.replay_done)
+            assert keyframe_names(late) == expected
+            assert late.num_messages < 8 * len(late.nodes) + 60  # a few per node, plus the GUI
+        finally:
+            late.close()
+    finally:
+        watcher.close()
+        live.close()
+
+
+def test_allocate_point_budget_examples():
+    assert allocate_point_budget([8, 8, 8, 8], 32) == [8, 8, 8, 8]
+    assert allocate_point_budget([8, 8, 8, 8], 20) == [2, 2, 8, 8]
+    assert allocate_point_budget([8, 8, 8, 8], 12) == [0, 2, 2, 8]
+    assert allocate_point_budget([8, 8, 8, 8], 7) == [0, 0, 0, 8]
+    assert allocate_point_budget([], 5) == []
+
+
+def test_allocate_point_budget_properties():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        full = [int(c) for c in rng.integers(1, 400, size=rng.integers(1, 30))]
+        cap = int(rng.integers(max(full), 4000))
+        counts = allocate_point_budget(full, cap)
+        assert sum(counts) <= cap
+        assert all(c in (f, max(1, f // 4), 0) for c, f in zip(counts, full, strict=True))
+        removed = [c == 0 for c in counts]
+        assert removed == sorted(removed, reverse=True)  # only the oldest are removed
+        assert counts[-1] == full[-1]  # the newest keyframe is always whole (cap >= its size)
+        if any(removed):  # removal starts only once every older keyframe is thinned
+            assert all(c == max(1, f // 4) for c, f in zip(counts[:-1], full[:-1], strict=True) if c)
+
+
+def test_keyframe_sample_is_a_stable_uniform_prefix():
+    pred = orbit_frame(5)
+    sample = sample_keyframe_points(pred, 300)
+    again = sample_keyframe_points(pred, 300)
+    np.testing.assert_array_equal(sample.points, again.points)
+    assert sample.points.dtype == np.float16 and sample.num_points == 300
+    np.testing.assert_allclose(sample.points[:, 2].astype(np.float32), sample.points[:, 2], rtol=1e-3)
+
+
+def test_on_frame_never_blocks_the_inference_thread():
+    big = orbit_frame(0, size=(378, 518), frame_type=FRAME_KEY)  # full model-input size
+    live = LiveViewer(port=free_port(), update_hz=2.0, max_pending=64)
+    # A browser that connects and then never reads: the server's sends back up, not the caller's.
+    stalled = websockets.sync.client.connect(
+        live.url.replace("http", "ws"), subprotocols=[f"viser-v{viser.__version__}"]
+    )
+    try:
+        for phase in ("absent browser", "stalled browser"):
+            started = time.perf_counter()
+            for index in range(1000):
+                pred = FramePrediction(
+                    **{**big.__dict__, "frame_index": index + (1000 if phase[0] == "s" else 0)}
+                )
+                live.on_frame(pred, {"frames": index})
+            elapsed = time.perf_counter() - started
+            print(f"1000 on_frame calls with a {phase}: {elapsed * 1000:.1f} ms")
+            assert elapsed < 0.5, f"on_frame took {elapsed:.2f} s for 1000 frames with a {phase}"
+            assert live.num_pending <= 64 + 2000  # frames beyond max_pending are kept as poses only
+            with live._lock:
+                assert len(live._pending.predictions) <= 64
+    finally:
+        stalled.close()
+        live.close()
+
+
+def test_tiny_model_stream_reaches_the_browser(viewer):
+    """End to end: the tiny model through the streaming engine into the viewer and a websocket client."""
+    import torch
+
+    from stream_recon.models import GCTStream, ModelConfig, StreamConfig, StreamingEngine
+    from stream_recon.models.synthetic import load_synthetic_weights
+
+    model = load_synthetic_weights(GCTStream(ModelConfig.tiny())).eval()
+    engine = StreamingEngine(model, StreamConfig(scale_frames=4, keyframes="interval:2"), device="cpu")
+    mirror = SceneMirror(viewer.url)
+    emitted = []
+    try:
+        for index in range(8):
+            viewer.wait_if_paused()
+            image = torch.from_numpy(orbit_frame(index, size=(56, 70)).image).permute(2, 0, 1).float() / 255
+            for pred in engine.push(image, timestamp=index / 30):
+                viewer.on_frame(pred, engine.stats())
+                emitted.append(pred)
+        assert [p.frame_index for p in emitted] == list(range(8))
+        keyframes = [f"/keyframes/f{p.frame_index:06d}" for p in emitted if p.is_keyframe]
+        assert 4 < len(keyframes) < 8  # scale frames plus every other streaming frame
+        mirror.wait_for(lambda m: keyframe_names(m) == keyframes and "/trajectory" in m.nodes)
+        mirror.wait_for(lambda m: len(m.nodes["/trajectory"]["props"]["points"]) == 7 * 2 * 3)
+        last = emitted[-1]
+        mirror.wait_for(lambda m: np.allclose(m.nodes["/current"]["position"], last.c2w[:, 3], atol=1e-4))
+        for name, pred in zip(keyframes, [p for p in emitted if p.is_keyframe], strict=True):
+            np.testing.assert_allclose(mirror.nodes[name]["position"], pred.c2w[:, 3], atol=1e-5)
+            assert len(mirror.nodes[f"{name}/points"]["props"]["points"]) > 0
+        # The readout shows the engine's cache occupancy (markdown travels as `_markdown`).
+        mirror.wait_for(
+            lambda m: any("pages in use" in str(g["props"].get("_markdown")) for g in m.gui.values())
+        )
+    finally:
+        mirror.close()
+
+
+# ----------------------------------------------------------------------------------------- replay
+
+
+def write_run(run_dir: Path, num_frames: int, *, size=(42, 56), every_other_keyframe=False) -> None:
+    predictions = run_dir / "predictions"
+    predictions.mkdir(parents=True)
+    for index in range(num_frames):
+        frame_type = FRAME_NON_KEY if every_other_keyframe and index % 2 else FRAME_KEY
+        if index % 10 == 0:  # a slowly turning camera: fresh geometry every tenth frame is close enough
+            pred = orbit_frame(index, size=size, frame_type=frame_type, angle=0.002 * index)
+        pred.frame_index, pred.frame_type = index, frame_type
+        np.savez(predictions / f"{index:06d}.npz", **prediction_arrays(pred))  # the writers' format
+
+
+def test_replay_shows_the_run_and_follows_the_timeline(tmp_path):
+    write_run(tmp_path / "run", 30, every_other_keyframe=True)
+    replay = start_replay(tmp_path / "run", port=free_port(), max_points_per_keyframe=300)
+    mirror = SceneMirror(replay.viewer.url)
+    try:
+        assert replay.position == 29
+        assert replay.wait_until_loaded()
+        mirror.wait_for(lambda m: len(keyframe_names(m)) == 15 and "/current" in m.nodes)
+        mirror.wait_for(lambda m: len(m.nodes["/trajectory"]["props"]["points"]) == 29 * 6)
+        np.testing.assert_allclose(mirror.world_points("/keyframes/f000028")[:, 2], PLANE_Z, atol=0.02)
+        replay.seek(9)  # the timeline moves back: later frames leave the scene
+        mirror.wait_for(lambda m: keyframe_names(m) == [f"/keyframes/f{i:06d}" for i in range(0, 10, 2)])
+        mirror.wait_for(lambda m: len(m.nodes["/trajectory"]["props"]["points"]) == 9 * 6)
+        replay.play()
+        mirror.wait_for(lambda m: len(keyframe_names(m)) == 15, timeout=15)
+    finally:
+        mirror.close()
+        replay.stop()
+        replay.viewer.close()
+
+
+def test_replay_of_3000_frames_stays_under_the_caps(tmp_path):
+    write_run(tmp_path / "run", 3000, size=(28, 28))
+    caps = {"max_points_per_keyframe": 400, "max_total_points": 20_000, "max_keyframes": 120}
+    started = time.perf_counter()
+    replay = start_replay(tmp_path / "run", port=free_port(), **caps)
+    try:
+        timings = [time.perf_counter() - started]
+        assert replay.wait_until_loaded()
+        for position in (1500, 2999):
+            started = time.perf_counter()
+            replay.seek(position)
+            timings.append(time.perf_counter() - started)  # what the timeline slider waits for
+            assert replay.wait_until_loaded()
+            summary = replay.viewer.scene_summary()
+            assert summary["keyframes"] <= 120 and summary["nodes"] <= 3 * 120 + 2
+            assert summary["points"] <= 20_000
+            assert max(replay.viewer.shown_keyframes()) == position
+            assert summary["trajectory_frames"] == position + 1
+        print("replay of 3000 frames: open, then seek times (s):", [round(t, 2) for t in timings])
+        assert max(timings[1:]) < 2
+    finally:
+        replay.stop()
+        replay.viewer.close()
+
+
+def test_view_command_rejects_a_folder_without_predictions(tmp_path):
+    app = Typer()
+    app.command(name="view")(view)
+    app.command(name="other")(lambda: None)  # two commands, so `view` stays a subcommand as in the CLI
+    result = CliRunner().invoke(app, ["view", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "is not a run directory" in result.output and "Traceback" not in result.output
+    (tmp_path / "predictions").mkdir()
+    (tmp_path / "predictions" / "000000.npz").write_bytes(b"not an npz")  # a run killed mid-write
+    with pytest.raises(RunDirError, match="holds no readable prediction files"):
+        index_run(tmp_path)
+
+
+# ------------------------------------------------------------------------------- headless browser
+
+
+def test_browser_renders_the_points(tmp_path):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)")
+    # No thumbnails on the frustums, so that the green in the picture can only come from points.
+    viewer = LiveViewer(port=free_port(), max_points_per_keyframe=1500, thumbnail_px=0)
+    for index in range(10):
+        viewer.on_frame(orbit_frame(index, size=(84, 112), frame_type=FRAME_KEY), {"frames": index + 1})
+    assert viewer.flush()
+    ARTIFACTS.mkdir(exist_ok=True)
+    screenshot = ARTIFACTS / "viewer_screenshot.png"
+    screenshot.unlink(missing_ok=True)
+    # SwiftShader (software WebGL) stands in for the GPU; the virtual-time budget lets the page load,
+    # connect, receive the scene and draw before the screenshot is taken.
+    command = [
+        chromium, "--headless", "--no-sandbox", "--disable-gpu", "--use-angle=swiftshader",
+        "--enable-unsafe-swiftshader", "--disable-quic", "--no-first-run", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'chromium'}",
+        "--window-size=1024,768", "--virtual-time-budget=8000", f"--screenshot={screenshot}", viewer.url,
+    ]  # fmt: skip
+    try:
+        subprocess.run(command, capture_output=True, timeout=60, env={**os.environ, "HOME": str(tmp_path)})
+    finally:
+        viewer.close()
+    print(f"viewer screenshot: {screenshot}")
+    assert screenshot.exists(), "chromium wrote no screenshot"
+    import cv2
+
+    image = cv2.imread(str(screenshot))[..., ::-1]  # RGB
+    h, w = image.shape[:2]
+    centre = image[h // 4 : 3 * h // 4, w // 6 : w // 2 + w // 6].reshape(-1, 3).astype(int)
+    # Green cells of the checkerboard; the background is white, frustums grey and orange, the path red.
+    green = (centre[:, 1] > centre[:, 0] + 40) & (centre[:, 1] > centre[:, 2] + 40)
+    background = centre.min(axis=1) > 235
+    print(f"green pixels {green.sum()}, non-background {(~background).sum()} of {len(centre)} in the centre")
+    assert green.sum() > 1000
