@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from stream_recon.app.commands import batch, convert, download, export, info, run
+from stream_recon.app.commands import batch, convert, download, export, info, run, view
 from stream_recon.app.commands import eval as evaluation
 
 app = typer.Typer(
@@ -50,6 +50,7 @@ register(run, "run", "Reconstruct a video, image folder, webcam or stream (the d
 register(info, "info", "Versions, CUDA/GPU, attention backends, checkpoint locations.")
 register(download, "download", "Download an official checkpoint into the Hugging Face cache.")
 register(export, "export", "Export a run directory as PLY, GLB, COLMAP or TUM.")
+register(view, "view", "Replay a finished run in the browser, with a timeline.")
 register(convert, "convert", "Convert a .pt checkpoint to .safetensors.")
 register(batch, "batch", "Run every sequence under a dataset folder, resumably; Ray spreads it over GPUs.")
 app.command(name="eval", help="Score a run against ground truth: ATE, RPE, pose AUC, depth.", epilog=examples(evaluation))(evaluation.eval_command)

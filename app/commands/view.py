@@ -1,6 +1,6 @@
 """`stream-recon view RUN_DIR`: replay a finished run in the browser, with a timeline and play/pause.
 
-Usage:
+Examples:
     stream-recon view outputs/office
     stream-recon view outputs/office --port 8090
 
