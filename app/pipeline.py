@@ -44,6 +44,8 @@ from stream_recon.app.writers import PREDICTIONS_DIR, RUN_JSON, OutputDirError, 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHECKPOINT = "lingbot-map-long"
+# models.engine.ATTENTION_BACKENDS, repeated so that options are checked before torch is imported.
+ATTENTION_CHOICES = ("auto", "sdpa", "flashinfer", "flashinfer-fa2", "flashinfer-fa3")
 MAX_WINDOW_FRAMES = 1024  # positions in the model's temporal RoPE table
 RunStatus = Literal["complete", "interrupted", "failed"]
 DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
@@ -66,7 +68,7 @@ class RunOptions:
     checkpoint: str | None = None  # path or known name; None: lingbot-map-long
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 transformer on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
-    attention: str = "auto"  # auto | sdpa | flashinfer
+    attention: str = "auto"  # one of ATTENTION_CHOICES
     # engine
     scale_frames: int = 8
     window: int = 64
@@ -102,8 +104,8 @@ class RunOptions:
     def _problems(self) -> Iterator[str]:
         if self.dtype not in DTYPE_NAMES:
             yield f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}"
-        if self.attention not in ("auto", "sdpa", "flashinfer"):
-            yield f"attention must be auto, sdpa or flashinfer, got {self.attention!r}"
+        if self.attention not in ATTENTION_CHOICES:
+            yield f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {self.attention!r}"
         if self.scale_frames < 1:
             yield f"scale_frames must be >= 1, got {self.scale_frames}"
         if self.window < 1:
@@ -224,7 +226,7 @@ def run_sequence(
             checkpoint = options.checkpoint or (DEFAULT_CHECKPOINT if model is None else None)
             model = model if model is not None else _load_model(options, device, console)
             digest = _CheckpointDigest(checkpoint)
-            engine = _build_engine(model, options, device, resolve_dtype(options.dtype, device))
+            engine = _build_engine(model, options, device, resolve_dtype(options.dtype, device), console)
             viewer = _start_viewer(options, console)
             writer = RunWriter(
                 output_dir,
@@ -421,7 +423,7 @@ def resolve_device(device: str) -> str:
 
 def check_attention(attention: str, device: str) -> None:
     """FlashInfer asked for explicitly must be usable here; `auto` falls back to SDPA on its own."""
-    if attention != "flashinfer":
+    if not attention.startswith("flashinfer"):
         return
     if not device.startswith("cuda"):
         raise OptionsError(f"--attention flashinfer runs on CUDA only, but the device is {device}; use sdpa or auto")
@@ -538,15 +540,29 @@ def resolve_dtype(name: str, device: str) -> Any:
     return torch.bfloat16 if major >= 8 else torch.float16
 
 
-def _build_engine(model: Any, options: RunOptions, device: str, dtype: Any) -> Any:
+def _build_engine(model: Any, options: RunOptions, device: str, dtype: Any, console: Console) -> Any:
     from stream_recon.models import StreamConfig
     from stream_recon.models.windowed import WindowedEngine
 
     config = StreamConfig(**options.stream_config_kwargs())
     # a stream shorter than one window runs exactly as a plain StreamingEngine would
-    return WindowedEngine(
+    engine = WindowedEngine(
         model, config, window_frames=options.window_frames, overlap=options.overlap, device=device, dtype=dtype
     )
+    engine.on_backend_ready = lambda name: _announce_backend(name, console)
+    return engine
+
+
+def _announce_backend(name: str, console: Console) -> None:
+    """The first FlashInfer call compiles its kernels: say so, rather than stall silently."""
+    if name.startswith("flashinfer"):
+        seconds = "about 90 s" if name.endswith("fa3") else "about 30 s"
+        console.print(
+            f"attention: {name}; its kernels compile on first use on this machine ({seconds}, once: they are "
+            "cached in ~/.cache/flashinfer)"
+        )
+    else:
+        console.print(f"attention: {name}")
 
 
 def _start_viewer(options: RunOptions, console: Console) -> Any:

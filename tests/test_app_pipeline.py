@@ -292,3 +292,23 @@ def test_progress_line_shows_rates_keyframes_cache_and_drops() -> None:
         progress.update({"frames_read": 7, "model_fps": None, "fps": None, "keyframes": 2, "frames_dropped": 4})
     line = console.export_text().splitlines()[-1]
     assert "7 frames" in line and "model -" in line and "dropped 4" in line and "━" not in line
+
+
+def test_attention_choices_match_the_engine():
+    from stream_recon.app.pipeline import ATTENTION_CHOICES
+    from stream_recon.models.engine import ATTENTION_BACKENDS
+
+    assert ATTENTION_CHOICES == ATTENTION_BACKENDS
+
+
+def test_flashinfer_compile_is_announced():
+    from rich.console import Console
+
+    from stream_recon.app.pipeline import _announce_backend
+
+    console = Console(record=True, width=200)
+    _announce_backend("flashinfer-fa2", console)
+    _announce_backend("sdpa", console)
+    text = console.export_text()
+    assert "kernels compile on first use" in text and "about 30 s" in text
+    assert "attention: sdpa" in text

@@ -63,7 +63,8 @@ AttentionOpt = Annotated[
     Optional[str],
     typer.Option(
         "--attention",
-        help="Attention backend: auto (FlashInfer on CUDA when installed, else SDPA), sdpa, flashinfer. "
+        help="Attention backend: auto (FlashInfer on CUDA when installed, else SDPA), sdpa, flashinfer "
+        "(= flashinfer-fa2), flashinfer-fa3 (Hopper). "
         "\\[default: auto]",
         rich_help_panel=_MODEL,
         show_default=False,
