@@ -21,10 +21,10 @@ from stream_recon.models import GCTStream, ModelConfig, StreamConfig, StreamingE
 from stream_recon.models.synthetic import load_synthetic_weights
 
 
-def build_model(device: str) -> tuple[GCTStream, float]:
+def build_model(device: str, preset: str) -> tuple[GCTStream, float]:
     start = time.perf_counter()
     with torch.device("meta"):
-        model = GCTStream(ModelConfig())
+        model = GCTStream(ModelConfig.from_name(preset))
     model = load_synthetic_weights(model.to_empty(device="cpu")).to(device).eval()
     return model, time.perf_counter() - start
 
@@ -69,13 +69,19 @@ class StageTimer:
 def run(args) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, build_s = build_model(device)
+    model, build_s = build_model(device, args.model)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     config = StreamConfig(scale_frames=args.scale, window=args.window, keyframes=args.keyframes, attention=args.attention)
     engine = StreamingEngine(model, config, device=device, dtype=dtype)
     timer = StageTimer(model) if args.breakdown and device == "cuda" else None
     frames = [torch.rand(3, args.height, args.width, device=device) for _ in range(4)]
     fill = args.scale + args.window
+    viewer = None
+    if args.viewer:
+        from stream_recon.app.viewer import LiveViewer
+
+        viewer = LiveViewer(host="127.0.0.1", port=8765)
+    viewer_on: list[bool] = []
     times = []
     cold_start = time.perf_counter()
     for i in range(fill + args.frames):
@@ -84,8 +90,16 @@ def run(args) -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        engine.push(frames[i % len(frames)])  # predictions arrive on the host (numpy)
+        predictions = engine.push(frames[i % len(frames)])  # predictions arrive on the host (numpy)
+        # With --viewer, steady-state frames alternate in blocks of 10 between feeding the live
+        # viewer and not, so both medians come from the same minutes of this (noisy) machine.
+        feed = viewer is not None and (i < fill or ((i - fill) // 10) % 2 == 1)
+        if feed:
+            stats = engine.stats()
+            for prediction in predictions:
+                viewer.on_frame(prediction, stats)
         times.append(time.perf_counter() - start)
+        viewer_on.append(feed)
         if i == args.scale:
             cold_start = time.perf_counter() - cold_start
     steady = sorted(times[fill:])
@@ -107,6 +121,14 @@ def run(args) -> dict:
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
         "cache_bytes": engine.stats()["cache_bytes"],
     }
+    if viewer is not None:
+        with_viewer = sorted(t for t, on in zip(times[fill:], viewer_on[fill:], strict=True) if on)
+        without = sorted(t for t, on in zip(times[fill:], viewer_on[fill:], strict=True) if not on)
+        result["ms_per_frame_median_with_viewer"] = 1000 * with_viewer[len(with_viewer) // 2]
+        result["ms_per_frame_median_without_viewer"] = 1000 * without[len(without) // 2]
+        result["viewer_slowdown"] = with_viewer[len(with_viewer) // 2] / without[len(without) // 2] - 1
+        result["viewer_busy_seconds"] = viewer.scene_summary()["busy_seconds"]
+        viewer.close("complete")
     if timer is not None:
         result["stage_ms_per_frame"] = {k: v / args.frames for k, v in timer.totals_ms().items()}
     return result
@@ -114,6 +136,7 @@ def run(args) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="lingbot-map", help="model preset (tiny: a smoke test of the script)")
     parser.add_argument("--height", type=int, default=378)
     parser.add_argument("--width", type=int, default=518)
     parser.add_argument("--frames", type=int, default=50, help="steady-state frames timed after the window is full")
@@ -123,6 +146,8 @@ def main():
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--breakdown", action="store_true")
+    parser.add_argument("--viewer", action="store_true",
+                        help="feed a live viewer (no browser) in alternating blocks of 10 frames and compare")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
     result = run(args)

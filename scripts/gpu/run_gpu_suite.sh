@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One GPU-machine session: install the carried FlashInfer wheels, expose the three folders as
-# stream_recon.* without pip, run the GPU tests, then the benchmarks. Writes logs under $OUT.
+# One GPU-machine session: install the carried wheels (.whl: FlashInfer, pytest, viser and their
+# needs), expose the three folders as stream_recon.* without pip, run the GPU tests, then the
+# benchmark with the live viewer attached in alternating blocks. Writes logs under $OUT.
 #   (on the GPU machine, from the repository root)  bash scripts/gpu/run_gpu_suite.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -13,6 +14,5 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$OUT/gpu.txt"
 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_flashinfer.py ${GPU_TESTS_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log"
-for attention in ${BENCH_ATTENTION:-flashinfer sdpa}; do
-  python3 scripts/bench.py --attention "$attention" --frames ${BENCH_FRAMES:-40} --breakdown --json "$OUT/bench_$attention.json" 2>&1 | tee -a "$OUT/bench.log"
-done
+python3 scripts/bench.py --attention ${BENCH_ATTENTION:-flashinfer} --frames ${BENCH_FRAMES:-80} --viewer \
+  --json "$OUT/bench_viewer.json" 2>&1 | grep -v Warn | tee -a "$OUT/bench.log"
