@@ -39,13 +39,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from stream_recon.app.datasets import Sequence, TumFrames
 from stream_recon.app.evaluation import EvaluationError, evaluate_run
-from stream_recon.app.pipeline import (
-    DEFAULT_CHECKPOINT,
-    DTYPE_NAMES,
-    RunOptions,
-    resolve_device,
-    run_sequence,
-)
+from stream_recon.app.pipeline import RunOptions, load_model_for, run_sequence
 from stream_recon.app.writers import PREDICTIONS_DIR, RUN_JSON
 
 logger = logging.getLogger(__name__)
@@ -187,19 +181,6 @@ class SequenceWorker:
             # The reconstruction itself is fine and kept; only the comparison could not be made.
             return {"error": f"evaluation: {error}"}
         return {key: metrics[key] for key in EVAL_COLUMNS if key in metrics}
-
-
-def load_model_for(options: RunOptions) -> Any:
-    """The model `options` name (checkpoint, device, dtype), as `stream-recon run` would load it."""
-    import torch
-
-    from stream_recon.models import load_model
-
-    dtype_name = DTYPE_NAMES[options.dtype]
-    dtype = None if dtype_name is None else getattr(torch, dtype_name)
-    return load_model(
-        options.checkpoint or DEFAULT_CHECKPOINT, device=resolve_device(options.device), dtype=dtype
-    )
 
 
 def _finite_or_none(value: float | None) -> float | None:

@@ -224,7 +224,7 @@ def run_sequence(
         try:
             # a caller's own model is described by options.checkpoint only when that is set
             checkpoint = options.checkpoint or (DEFAULT_CHECKPOINT if model is None else None)
-            model = model if model is not None else _load_model(options, device, console)
+            model = model if model is not None else load_model_for(options, device, console)
             digest = _CheckpointDigest(checkpoint)
             engine = _build_engine(model, options, device, resolve_dtype(options.dtype, device), console)
             viewer = _start_viewer(options, console)
@@ -479,8 +479,10 @@ def _as_frame_source(source: Any, options: RunOptions) -> FrameSource:
     return frames_source(source, options.selection(), name=str(name), image_width=options.image_width)
 
 
-def _load_model(options: RunOptions, device: str, console: Console) -> Any:
-    """Load the checkpoint; a known name not on this machine is downloaded first when the hub is reachable
+def load_model_for(options: RunOptions, device: str | None = None, console: Console | None = None) -> Any:
+    """The model `options` name, as every command loads it (`run`, and `batch` once per worker).
+
+    Load the checkpoint; a known name not on this machine is downloaded first when the hub is reachable
     (the first run), else CheckpointError says which command fetches it and where to put it."""
     from stream_recon.models import load_model
     from stream_recon.models.checkpoint import (
@@ -490,6 +492,8 @@ def _load_model(options: RunOptions, device: str, console: Console) -> Any:
         locate_checkpoint,
     )
 
+    device = device or resolve_device(options.device)
+    console = console or Console(stderr=True)
     checkpoint = options.checkpoint or DEFAULT_CHECKPOINT
     if checkpoint in KNOWN_CHECKPOINTS and not Path(checkpoint).exists() and locate_checkpoint(checkpoint) is None:
         if not hub_offline():
