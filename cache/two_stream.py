@@ -80,10 +80,6 @@ class TwoStreamCache:
         """Frames whose patch tokens are visible: scale + window (pending included)."""
         return len(self.scale_pages) + len(self.window_pages)
 
-    @property
-    def num_special_frames(self) -> int:
-        return self.num_special_tokens // self.layout.specials_per_frame if self.layout.specials_per_frame else 0
-
     def token_slots(self, frame: int = -1) -> list[int]:
         """Flat slot ids (page_id * page_size + offset) of a pending frame's tokens, in token order:
         its specials first, then its patches (the model's per-frame token order)."""
@@ -149,10 +145,10 @@ class TwoStreamCache:
         for pending in self._pending:
             for page in pending.evicted:
                 self.pool.free(page)
+        self.num_committed_frames += len(self._pending)
         self._pending.clear()
         for page in self._trim_window():
             self.pool.free(page)
-        self.num_committed_frames = self.num_special_frames
 
     def rollback(self) -> None:
         """Undo every pending frame, newest first, as if it had never been appended."""

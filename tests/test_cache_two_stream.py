@@ -40,10 +40,6 @@ class DenseReference:
     def commit(self):
         self.committed += self.pending
         self.pending, self.pending_deferred = [], False
-        # Eviction at commit is permanent: forget frames that left the window for good.
-        scale = self.layout.scale_frames
-        window = self.committed[scale:][-self.layout.window_frames :]
-        self.evicted_forever = len(self.committed) - scale - len(window) if len(self.committed) > scale else 0
 
 
 class Harness:
@@ -86,6 +82,7 @@ class Harness:
         special_pages = math.ceil(specials / self.layout.page_size)
         assert len(cache.special_pages) == special_pages
         assert cache.num_patch_frames == len(reference.visible_patch_frames())
+        assert cache.num_committed_frames == len(reference.committed)
         held = len(set(cache.scale_pages) | set(cache.window_pages) | set(cache.special_pages))
         # Pages pushed out of the window by a pending frame stay allocated until it is committed.
         pending_evicted = sum(len(p.evicted) for p in cache._pending)
