@@ -140,9 +140,9 @@ class StreamingEngine:
         return self._run_scale_frames() if self._buffer else []
 
     def stats(self) -> dict:
-        if self._image_size is None:
-            return {"frames": self.num_frames, "keyframes": 0, "cached_frames": 0, "patch_pages_in_use": 0,
-                    "special_pages_in_use": 0, "cache_bytes": 0}
+        if self._image_size is None:  # no frame yet: same keys, nothing allocated
+            return {"frames": 0, "keyframes": 0, "cached_frames": 0, "patch_frames": 0, "patch_pages_in_use": 0,
+                    "special_pages_in_use": 0, "camera_tokens": 0, "cache_bytes": 0, "attention": None}
         return {
             "frames": self.num_frames,
             "keyframes": self.num_keyframes,

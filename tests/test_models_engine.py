@@ -188,3 +188,10 @@ def test_temporal_limit_is_a_clear_error():
         engine.push(frames(1)[0])
     # Nothing of the refused frame stays behind.
     assert engine.cache.num_pending_frames == 0 and engine.stats()["cached_frames"] == 4
+
+
+def test_stats_have_the_same_keys_before_the_first_frame(tiny_model):
+    engine = StreamingEngine(tiny_model, StreamConfig(scale_frames=1, window=2))
+    before = engine.stats()
+    engine.push(frames(1)[0])
+    assert set(before) == set(engine.stats())
