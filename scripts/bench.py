@@ -2,6 +2,7 @@
 
     python scripts/bench.py --height 378 --width 518 --frames 100 --attention flashinfer
     python scripts/bench.py --breakdown          # per-stage times (CUDA events around each part)
+    python scripts/bench.py --reference .reference/lingbot-map   # and the official code, same process
 
 Every frame's poses and depth are copied to the host, as a user's run does. The first
 scale + window frames fill the cache and are timed apart; the steady state is the rest.
@@ -11,7 +12,10 @@ Prints a table and writes JSON (--json).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
+import sys
 import time
 from collections import defaultdict
 
@@ -134,6 +138,68 @@ def run(args) -> dict:
     return result
 
 
+def run_reference(args) -> dict:
+    """The official implementation from a checkout of Robbyant/lingbot-map, with the settings of its
+    own profiler (gct_profile.py): random weights, bf16 autocast, FlashInfer, torch.compile
+    reduce-overhead on the fixed-shape blocks, its warm-up passes, a sync after every frame.
+
+    Its timing covers model.forward only (outputs stay on the GPU), ours includes the host copy.
+    """
+    sys.path.insert(0, str(args.reference))
+    import gct_profile  # the reference's own builder, compile choices and timing loop
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    total = args.scale + args.window + args.frames
+    dtype = torch.bfloat16
+    start = time.perf_counter()
+    model = gct_profile.load_model("flashinfer", img_size=518, sliding_window=args.window, max_frame_num=total + 100,
+                                   camera_num_iterations=4, device="cuda")
+    if args.reference_fa3:
+        model.aggregator.kv_cache_fa3 = True
+    images = torch.randn(1, total, 3, args.height, args.width, device="cuda")
+    autocast = torch.autocast("cuda", dtype=dtype)
+
+    def rehearse(passes: int) -> None:  # gct_profile.main's warm-up: scale frames + 10 streaming frames
+        for _ in range(passes):
+            model.clean_kv_cache()
+            torch.compiler.cudagraph_mark_step_begin()
+            with torch.no_grad(), autocast:
+                model.forward(images[:, :8].to(dtype), num_frame_for_scale=8, num_frame_per_block=8, causal_inference=True)
+            for i in range(10):
+                torch.compiler.cudagraph_mark_step_begin()
+                with torch.no_grad(), autocast:
+                    model.forward(images[:, 8 + i : 9 + i].to(dtype), num_frame_for_scale=8, num_frame_per_block=1,
+                                  causal_inference=True)
+        torch.cuda.synchronize()
+
+    rehearse(1)
+    gct_profile.compile_model(model)
+    rehearse(3)
+    cold_start = time.perf_counter() - start
+    with contextlib.redirect_stdout(sys.stderr):
+        per_frame_ms, scale, phase1_ms = gct_profile.profile_streaming(model, images, total, dtype)
+    steady = sorted(per_frame_ms[args.window :])
+    result = {
+        "ms_per_frame_median": steady[len(steady) // 2],
+        "ms_per_frame_mean": sum(steady) / len(steady),
+        "fps": 1000.0 / steady[len(steady) // 2],
+        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "cold_start_s": cold_start,
+        "attention": "flashinfer-fa3" if args.reference_fa3 else "flashinfer-fa2",
+        "commit": _git_head(args.reference),
+    }
+    model = None  # free the reference before anything else runs
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def _git_head(path) -> str | None:
+    head = __import__("pathlib").Path(path) / ".git"
+    return head.read_text().strip() if head.is_file() else None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="lingbot-map", help="model preset (tiny: a smoke test of the script)")
@@ -148,9 +214,18 @@ def main():
     parser.add_argument("--breakdown", action="store_true")
     parser.add_argument("--viewer", action="store_true",
                         help="feed a live viewer (no browser) in alternating blocks of 10 frames and compare")
+    parser.add_argument("--reference", help="checkout of Robbyant/lingbot-map: time it too, in this process")
+    parser.add_argument("--reference-fa3", action="store_true", help="the reference with its --fa3 kernels")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
     result = run(args)
+    if args.reference:
+        result["reference"] = run_reference(args)
+        ours, theirs = result, result["reference"]
+        print(f"{'':>22}  {'ours':>10}  {'reference':>10}")
+        for key in ("ms_per_frame_median", "fps", "peak_gpu_gib"):
+            print(f"{key:>22}  {ours[key]:10.2f}  {theirs[key]:10.2f}")
+        result["speedup_vs_reference"] = theirs["ms_per_frame_median"] / ours["ms_per_frame_median"]
     for key, value in result.items():
         print(f"{key:>22}: {value:.3f}" if isinstance(value, float) else f"{key:>22}: {value}")
     if args.json:
