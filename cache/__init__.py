@@ -1,5 +1,7 @@
 """Two-stream paged KV cache: page bookkeeping and the attention backends that read the pages."""
 
+from .contiguous import ContiguousTwoStreamCache, SlotMove, VisibleRange
+from .dense_attention import ContiguousKV, DenseAttention
 from .paged_attention import KVStep, PagedKV, SDPAPagedAttention
 from .pages import CacheCapacityError, PagePool, VisiblePages
 from .token_cache import TokenCache
@@ -8,11 +10,16 @@ from .two_stream import CacheLayout, TwoStreamCache
 __all__ = [
     "CacheCapacityError",
     "CacheLayout",
+    "ContiguousKV",
+    "ContiguousTwoStreamCache",
+    "DenseAttention",
     "KVStep",
     "PagePool",
     "PagedKV",
     "SDPAPagedAttention",
+    "SlotMove",
     "TokenCache",
     "TwoStreamCache",
     "VisiblePages",
+    "VisibleRange",
 ]

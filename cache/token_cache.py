@@ -3,12 +3,15 @@
 The camera head attends over the camera token of every committed frame (never evicted) plus the
 current frame(s). Pending entries are visible to the step that wrote them and are dropped on
 rollback, like the patch and special pages of the aggregator cache.
+
+Where this step writes is held in a device tensor, and attention runs over the whole capacity
+with a length mask, so a step has static shapes and can be replayed as a CUDA graph; `version`
+changes whenever the storage is re-allocated (a recorded graph is then stale).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 class TokenCache:
@@ -21,6 +24,8 @@ class TokenCache:
         self.device = torch.device(device)
         self.num_committed = 0
         self.num_pending = 0
+        self.version = 0
+        self._start = torch.zeros((), dtype=torch.long, device=self.device)  # first pending position
         self._keys = [self._empty(capacity) for _ in range(num_layers)]  # [capacity, H, D] each
         self._values = [self._empty(capacity) for _ in range(num_layers)]
 
@@ -48,17 +53,21 @@ class TokenCache:
                     grown = self._empty(new_capacity)
                     grown[: old.shape[0]] = old
                     store[i] = grown
+            self.version += 1
+        self._start.fill_(self.num_committed)
         self.num_pending = num_tokens
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q, k, v [T, H, D] -> [T, H, D]; keys = committed tokens + this step's tokens."""
-        start, end = self.num_committed, self.num_committed + self.num_pending
-        self._keys[layer][start:end] = k.to(self.dtype)
-        self._values[layer][start:end] = v.to(self.dtype)
-        keys = self._keys[layer][:end].transpose(0, 1).unsqueeze(0)  # [1, H, N, D]
-        values = self._values[layer][:end].transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.to(q.dtype), values.to(q.dtype))
-        return out[0].transpose(0, 1)
+        count = k.shape[0]
+        positions = self._start + torch.arange(count, device=self.device)
+        keys, values = self._keys[layer], self._values[layer]
+        keys.index_copy_(0, positions, k.to(self.dtype))
+        values.index_copy_(0, positions, v.to(self.dtype))
+        scores = torch.einsum("thd,nhd->htn", q, keys.to(q.dtype)) * self.head_dim**-0.5  # [H, T, capacity]
+        beyond = torch.arange(self.capacity, device=self.device) >= self._start + count
+        weights = scores.masked_fill(beyond, float("-inf")).softmax(dim=-1)
+        return torch.einsum("htn,nhd->thd", weights, values.to(q.dtype))
 
     def commit(self) -> None:
         self.num_committed += self.num_pending

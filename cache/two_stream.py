@@ -118,6 +118,13 @@ class TwoStreamCache:
             num_special_tokens=self.num_special_tokens,
         )
 
+    def visible(self) -> VisiblePages:
+        return self.visible_pages()
+
+    def take_moves(self) -> list:
+        """Data copies the storage must make: none, pages never move in this layout."""
+        return []
+
     # -- updates ---------------------------------------------------------------------------
     def append(self, defer_eviction: bool = False) -> None:
         """Add one pending frame: a patch page and 6 special slots.

@@ -53,10 +53,9 @@ class Aggregator(nn.Module):
         c = self.config
         num_frames, _, height, width = images.shape
         rows, cols = c.grid(height, width)
-        # Constants, not buffers: a model built on the meta device must not carry uninitialised state.
-        mean = torch.tensor(_IMAGE_MEAN, dtype=images.dtype, device=images.device).view(1, 3, 1, 1)
-        std = torch.tensor(_IMAGE_STD, dtype=images.dtype, device=images.device).view(1, 3, 1, 1)
-        x = (images - mean) / std
+        # Python constants, not buffers (a model built on the meta device must not carry uninitialised
+        # state) and not host tensors (copying one to the GPU inside a captured CUDA graph is illegal).
+        x = torch.stack([(images[:, i] - m) / s for i, (m, s) in enumerate(zip(_IMAGE_MEAN, _IMAGE_STD, strict=True))], 1)
         patches = self.patch_embed(x)  # [S, rows * cols, C]
         specials = self.special_tokens(stream_index, num_scale_frames).to(patches.dtype)
         tokens = torch.cat([specials, patches], dim=1)  # [S, P, C]
@@ -66,7 +65,7 @@ class Aggregator(nn.Module):
             patch_positions_2d(rows, cols, c.num_special_tokens, images.device), c.head_dim, c.rope2d_frequency
         )
         global_rope = Rope3D.build(
-            positions_3d(time_index, rows, cols, c.num_special_tokens), c.rope3d_split, c.rope3d_theta, c.max_frames
+            positions_3d(time_index, rows, cols, c.num_special_tokens), c.rope3d_split, c.rope3d_theta
         )
         outputs = []
         for i in range(c.depth):

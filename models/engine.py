@@ -9,16 +9,28 @@ no pages, no special tokens, no temporal index, no camera-head token).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from stream_recon.cache import CacheLayout, KVStep, PagedKV, SDPAPagedAttention, TokenCache, TwoStreamCache
+from stream_recon.cache import (
+    CacheLayout,
+    ContiguousKV,
+    ContiguousTwoStreamCache,
+    DenseAttention,
+    KVStep,
+    PagedKV,
+    SDPAPagedAttention,
+    TokenCache,
+    TwoStreamCache,
+)
 
 from .errors import FrameError
 from .gct import GCTStream
+from .graphs import GraphedStep
 from .pose import camera_motion_flow, decode_pose
 from .prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
 
@@ -60,26 +72,38 @@ class StreamConfig:
     keyframes: str = "all"
     flow_threshold: float = 15.0
     max_gap: int = 30
-    attention: str = "auto"  # auto | sdpa | flashinfer | flashinfer-fa2 | flashinfer-fa3
+    attention: str = "auto"  # auto | dense | sdpa | flashinfer | flashinfer-fa2 | flashinfer-fa3
+    cuda_graphs: bool = True  # replay streaming steps as CUDA graphs (CUDA only; outputs are identical)
 
     @property
     def policy(self) -> KeyframePolicy:
         return KeyframePolicy.parse(self.keyframes, self.flow_threshold, self.max_gap)
 
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "flashinfer", "flashinfer-fa2", "flashinfer-fa3")
+ATTENTION_BACKENDS = ("auto", "dense", "sdpa", "flashinfer", "flashinfer-fa2", "flashinfer-fa3")
+
+
+def resolve_attention(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """`auto`: the contiguous layout with dense attention (cuDNN's fused kernel) for bf16/fp16 on
+    CUDA, the fastest measured there; the paged cache with PyTorch SDPA otherwise (the float32
+    golden-parity path)."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
+    if name != "auto":
+        return name
+    return "dense" if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) else "sdpa"
 
 
 def make_attention_backend(name: str, kv: PagedKV):
-    """`auto` picks FlashInfer (fa2) for bf16/fp16 pages on CUDA when it imports, else PyTorch SDPA.
+    """A backend over paged storage: PyTorch SDPA, or FlashInfer's paged prefill (fa2 / fa3).
 
-    FlashInfer has no fp32 kernels, so fp32 runs (the golden-parity mode) always use SDPA.
+    FlashInfer has no fp32 kernels, so fp32 runs always use SDPA.
     """
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
+    if name not in ATTENTION_BACKENDS or name in ("auto", "dense"):
+        raise ValueError(f"{name!r} is not a paged attention backend")
     wants_flashinfer = name.startswith("flashinfer")
     usable = kv.device.type == "cuda" and kv.dtype in (torch.bfloat16, torch.float16)
-    if name == "sdpa" or (name == "auto" and not usable):
+    if name == "sdpa":
         return SDPAPagedAttention(kv)
     if wants_flashinfer and not usable:
         raise ValueError(
@@ -108,6 +132,8 @@ class StreamingEngine:
         self.on_backend_ready: Callable[[str], None] | None = None
         self._image_size: tuple[int, int] | None = None
         self._buffer: list[tuple[torch.Tensor, float]] = []
+        self._graph: GraphedStep | None = None
+        self._graphs_failed = False
         self.reset()
 
     # -- public ----------------------------------------------------------------------------
@@ -142,17 +168,19 @@ class StreamingEngine:
     def stats(self) -> dict:
         if self._image_size is None:  # no frame yet: same keys, nothing allocated
             return {"frames": 0, "keyframes": 0, "cached_frames": 0, "patch_frames": 0, "patch_pages_in_use": 0,
-                    "special_pages_in_use": 0, "camera_tokens": 0, "cache_bytes": 0, "attention": None}
+                    "special_pages_in_use": 0, "camera_tokens": 0, "cache_bytes": 0, "attention": None,
+                    "cuda_graphs": False}
         return {
             "frames": self.num_frames,
             "keyframes": self.num_keyframes,
             "cached_frames": self.cache.num_committed_frames,
             "patch_frames": self.cache.num_patch_frames,
-            "patch_pages_in_use": len(self.cache.scale_pages) + len(self.cache.window_pages),
-            "special_pages_in_use": len(self.cache.special_pages),
+            "patch_pages_in_use": self.cache.num_patch_frames,  # one page (slot) per frame
+            "special_pages_in_use": -(-self.cache.num_special_tokens // self.cache.layout.page_size),
             "camera_tokens": self.camera_cache.num_committed,
             "cache_bytes": self.kv.bytes_allocated + self.camera_cache.bytes_allocated,
             "attention": self.backend.name,
+            "cuda_graphs": self._graph is not None,
         }
 
     # -- phases ----------------------------------------------------------------------------
@@ -164,6 +192,7 @@ class StreamingEngine:
         first_index = self.num_frames
         for _ in range(count):
             self.cache.append()
+        self._apply_moves()
         outputs = self._forward(torch.stack(frames), num_new=count)
         self._commit(count)
         self._last_key_pose = outputs["pose_enc"][-1]
@@ -181,6 +210,7 @@ class StreamingEngine:
         # A frame that may be rolled back keeps the oldest window page until the decision, so it
         # sees window_frames older frames (the reference's deferred eviction).
         self.cache.append(defer_eviction=decide_later or not keyframe)
+        self._apply_moves()
         outputs = self._forward(image[None], num_new=1)
         flow = float("nan")
         if decide_later:
@@ -189,7 +219,7 @@ class StreamingEngine:
             keyframe = first or flow > policy.flow_threshold or index - self._last_key_index >= policy.max_gap
         if keyframe:
             self._commit(1)
-            self._last_key_pose = outputs["pose_enc"][0]
+            self._last_key_pose = outputs["pose_enc"][0].clone()
             self._last_key_index = index
         else:
             self._rollback()
@@ -205,6 +235,7 @@ class StreamingEngine:
             return self._forward_pending(images, num_new)
         except BaseException:
             self.cache.rollback()
+            self._apply_moves()
             self.camera_cache.rollback()
             raise
 
@@ -215,20 +246,49 @@ class StreamingEngine:
                 f"temporal index {self.time_counter + num_new - 1} is past the model's {limit}-position RoPE table; "
                 "use windowed streaming (WindowedEngine) so that each window starts a fresh cache"
             )
-        slots = [s for i in range(-num_new, 0) for s in self.cache.token_slots(i)]
-        self.kv.ensure_pages(self.cache.pool.num_pages)
-        self.backend.plan(self.cache.visible_pages(), len(slots))
-        step = KVStep(self.kv, self.backend, torch.tensor(slots, dtype=torch.long, device=self.device))
+        slots = torch.tensor([s for i in range(-num_new, 0) for s in self.cache.token_slots(i)], dtype=torch.long)
+        if isinstance(self.kv, PagedKV) and self.kv.ensure_pages(self.cache.pool.num_pages):
+            self._graph = None  # the pages moved: a recorded graph points at the old ones
+        self.backend.plan(self.cache.visible(), len(slots))
         self.camera_cache.begin(num_new)
+        if self._graph is not None and self._graph.camera_version != self.camera_cache.version:
+            self._graph = None
+        if self._graph is not None and num_new == 1:
+            self._graph.load(images, slots, self.num_frames, self.time_counter)
+            return self._graph.replay()
+        step = KVStep(self.kv, self.backend, slots.to(self.device))
         stream_index = torch.arange(self.num_frames, self.num_frames + num_new, device=self.device)
         time_index = torch.arange(self.time_counter, self.time_counter + num_new, device=self.device)
         with torch.inference_mode(), self._autocast():
-            return self.model.step(
+            outputs = self.model.step(
                 images.to(self.device), step, self.camera_cache, stream_index, time_index, self.config.scale_frames
             )
+        if num_new == 1 and self.config.cuda_graphs and self.device.type == "cuda" and not self._graphs_failed:
+            self._record_graph(images, slots)
+        return outputs
+
+    def _record_graph(self, images: torch.Tensor, slots: torch.Tensor) -> None:
+        """After an eager streaming step: record it for the next frames (nothing runs again)."""
+        autocast_dtype = self.dtype if self.dtype != torch.float32 else None
+        graph = GraphedStep(self.model, self.kv, self.backend, self.camera_cache, tuple(images.shape[1:]),
+                            len(slots), self.config.scale_frames, autocast_dtype)
+        graph.load(images, slots, self.num_frames, self.time_counter)
+        try:
+            graph.record()
+        except RuntimeError as error:  # the frame's outputs are fine; later frames run eagerly
+            warnings.warn(f"CUDA graph capture failed, streaming without graphs: {error}", stacklevel=2)
+            self._graphs_failed = True
+            return
+        self._graph = graph
+
+    def _apply_moves(self) -> None:
+        moves = self.cache.take_moves()
+        if moves:
+            self.kv.apply_moves(moves, self.cache)
 
     def _commit(self, count: int) -> None:
         self.cache.commit()
+        self._apply_moves()
         self.camera_cache.commit()
         self.time_counter += count
         self.num_frames += count
@@ -236,6 +296,7 @@ class StreamingEngine:
 
     def _rollback(self) -> None:
         self.cache.rollback()
+        self._apply_moves()
         self.camera_cache.rollback()
         self.num_frames += 1
 
@@ -293,13 +354,21 @@ class StreamingEngine:
         self._image_size = (height, width)
         rows, cols = c.grid(height, width)
         layout = CacheLayout(rows * cols, c.num_special_tokens, self.config.scale_frames, self.config.window)
-        self.cache = TwoStreamCache(layout)
         kv_dtype = self.dtype if self.device.type == "cuda" else torch.float32
-        self.kv = PagedKV(c.depth, c.num_heads, c.head_dim, layout.page_size, kv_dtype, self.device,
-                          self.cache.pool.num_pages)
-        self.backend = make_attention_backend(self.config.attention, self.kv)
+        attention = resolve_attention(self.config.attention, self.device, kv_dtype)
+        if attention == "dense":
+            self.cache = ContiguousTwoStreamCache(layout, c.max_frames)
+            self.kv = ContiguousKV(c.depth, c.num_heads, c.head_dim, self.cache.capacity_tokens, kv_dtype, self.device)
+            self.backend = DenseAttention(self.kv)
+        else:
+            self.cache = TwoStreamCache(layout)
+            self.kv = PagedKV(c.depth, c.num_heads, c.head_dim, layout.page_size, kv_dtype, self.device,
+                              self.cache.pool.num_pages)
+            self.backend = make_attention_backend(attention, self.kv)
         camera = self.model.camera_head
+        # Room for every camera token the temporal RoPE range allows: the storage never moves, so a
+        # recorded CUDA graph stays valid for the whole stream.
         self.camera_cache = TokenCache(camera.num_cache_layers, c.camera_heads, c.head_in_dim // c.camera_heads,
-                                       torch.float32, self.device)
+                                       torch.float32, self.device, capacity=c.max_frames)
         if self.on_backend_ready is not None:
             self.on_backend_ready(self.backend.name)

@@ -82,18 +82,15 @@ class Rope3D:
     """Interleaved-pair RoPE over (time, row, col); pair k = channels (2k, 2k + 1).
 
     cos, sin: [N, D/2] float32 (angles and their cos/sin in float64, then cast, as the reference).
+    Temporal positions must be below the model's `max_frames` (the trained table); the engine checks, since
+    reading a device tensor here would stall the stream (and break CUDA-graph capture).
     """
 
     cos: torch.Tensor
     sin: torch.Tensor
 
     @classmethod
-    def build(cls, positions: torch.Tensor, split: tuple[int, int, int], theta: float, max_frames: int) -> Rope3D:
-        if positions.shape[0] and int(positions[:, 0].max()) >= max_frames:
-            raise ValueError(
-                f"temporal index {int(positions[:, 0].max())} is past the model's {max_frames}-position RoPE table; "
-                "start a new window (windowed streaming) before the cache holds that many frames"
-            )
+    def build(cls, positions: torch.Tensor, split: tuple[int, int, int], theta: float) -> Rope3D:
         angles = []
         for axis, dim in enumerate(split):
             freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device)[: dim // 2] / dim))

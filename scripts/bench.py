@@ -75,7 +75,8 @@ def run(args) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, build_s = build_model(device, args.model)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    config = StreamConfig(scale_frames=args.scale, window=args.window, keyframes=args.keyframes, attention=args.attention)
+    config = StreamConfig(scale_frames=args.scale, window=args.window, keyframes=args.keyframes, attention=args.attention,
+                          cuda_graphs=not args.no_graphs and not args.breakdown)
     engine = StreamingEngine(model, config, device=device, dtype=dtype)
     timer = StageTimer(model) if args.breakdown and device == "cuda" else None
     frames = [torch.rand(3, args.height, args.width, device=device) for _ in range(4)]
@@ -88,9 +89,12 @@ def run(args) -> dict:
     viewer_on: list[bool] = []
     times = []
     cold_start = time.perf_counter()
+    attention_events = []
     for i in range(fill + args.frames):
         if i == fill and timer is not None:
             timer.reset()
+        if i == fill and engine._graph is not None:  # time the eager attention calls between graph segments
+            engine._graph.attention_events = attention_events
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -133,6 +137,10 @@ def run(args) -> dict:
         result["viewer_slowdown"] = with_viewer[len(with_viewer) // 2] / without[len(without) // 2] - 1
         result["viewer_busy_seconds"] = viewer.scene_summary()["busy_seconds"]
         viewer.close("complete")
+    result["cuda_graphs"] = engine.stats()["cuda_graphs"]
+    if attention_events:
+        torch.cuda.synchronize()
+        result["global_attention_ms_per_frame"] = sum(a.elapsed_time(b) for a, b in attention_events) / args.frames
     if timer is not None:
         result["stage_ms_per_frame"] = {k: v / args.frames for k, v in timer.totals_ms().items()}
     return result
@@ -148,6 +156,7 @@ def run_reference(args) -> dict:
     sys.path.insert(0, str(args.reference))
     import gct_profile  # the reference's own builder, compile choices and timing loop
 
+    gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     total = args.scale + args.window + args.frames
@@ -211,7 +220,8 @@ def main():
     parser.add_argument("--keyframes", default="all")
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    parser.add_argument("--breakdown", action="store_true")
+    parser.add_argument("--breakdown", action="store_true", help="per-stage times (runs eagerly: hooks do not fire in graphs)")
+    parser.add_argument("--no-graphs", action="store_true", help="eager streaming steps (no CUDA-graph replay)")
     parser.add_argument("--viewer", action="store_true",
                         help="feed a live viewer (no browser) in alternating blocks of 10 frames and compare")
     parser.add_argument("--reference", help="checkout of Robbyant/lingbot-map: time it too, in this process")

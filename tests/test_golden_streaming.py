@@ -5,6 +5,8 @@ Full-size model (1.16 B parameters): slow on a 2-core machine, about a minute an
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -106,9 +108,11 @@ def test_phase1_intermediates(all_keyframes_run):
         assert err <= TOLERANCE, f"{key}: error {err:.2e}"
 
 
-@pytest.mark.parametrize("scenario", ["interval_2", "flow"])
-def test_keyframe_policies(scenario):
-    predictions, states, _ = run_scenario(SCENARIOS[scenario])
+@pytest.mark.parametrize(("scenario", "attention"), [("interval_2", "sdpa"), ("flow", "sdpa"), ("flow", "dense")])
+def test_keyframe_policies(scenario, attention):
+    """`dense` runs the contiguous cache layout (moves, spare slot, rollback) against the same fixture."""
+    config = dataclasses.replace(SCENARIOS[scenario], attention=attention)
+    predictions, states, _ = run_scenario(config)
     golden = np.load(GOLDEN / scenario / "outputs.npz")
     check_outputs(predictions, golden)
     check_cache_states(states, golden)

@@ -66,13 +66,6 @@ def test_flashinfer_matches_sdpa_on_random_sequences(flashinfer_backend, variant
     assert worst_sdpa < 2e-2, f"max |sdpa bf16 - fp32 attention| = {worst_sdpa}"
 
 
-@pytest.fixture(scope="module")
-def gpu_model():
-    from golden_utils import full_size_model
-
-    return full_size_model().cuda()
-
-
 SCENARIOS = {
     "all_keyframes": dict(keyframes="all"),
     "interval_2": dict(keyframes="interval:2"),
@@ -80,11 +73,11 @@ SCENARIOS = {
 }
 
 
-def stream(model, dtype, attention, **policy):
+def stream(model, dtype, attention, **options):
     from stream_recon.models import StreamConfig, StreamingEngine
 
     model.aggregator.float()  # each run starts from the fp32 weights
-    engine = StreamingEngine(model, StreamConfig(scale_frames=3, window=4, attention=attention, **policy),
+    engine = StreamingEngine(model, StreamConfig(scale_frames=3, window=4, attention=attention, **options),
                              device="cuda", dtype=dtype)
     predictions = []
     for frame in golden_frames():

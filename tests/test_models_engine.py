@@ -66,13 +66,14 @@ def test_short_stream_is_flushed_by_finish(tiny_model):
     assert [p.frame_type for p in predictions] == [FRAME_SCALE, FRAME_SCALE]
 
 
-def test_rolled_back_frames_leave_no_trace(tiny_model):
+@pytest.mark.parametrize("attention", ["sdpa", "dense"])
+def test_rolled_back_frames_leave_no_trace(tiny_model, attention):
     """With interval:2, every keyframe's output equals a stream that never saw the non-keyframes."""
     images = frames(11, seed=1)
-    config = StreamConfig(scale_frames=3, window=2, keyframes="interval:2")
+    config = StreamConfig(scale_frames=3, window=2, keyframes="interval:2", attention=attention)
     with_drops, engine = run(tiny_model, config, images)
     kept = [images[i] for i in range(11) if i < 3 or (i - 3) % 2 == 0]
-    only_keyframes, _ = run(tiny_model, StreamConfig(scale_frames=3, window=2), kept)
+    only_keyframes, _ = run(tiny_model, StreamConfig(scale_frames=3, window=2, attention=attention), kept)
     keyframes = [p for p in with_drops if p.frame_type != FRAME_NON_KEY]
     assert [p.frame_type for p in with_drops][3:] == [FRAME_KEY, FRAME_NON_KEY] * 4
     for ours, reference in zip(keyframes, only_keyframes, strict=True):
@@ -106,12 +107,13 @@ class DenseCache:
         return out[0].transpose(0, 1)
 
 
-def test_paged_cache_equals_dense_visible_set(tiny_model):
-    """The paged SDPA backend attends over exactly the spec's key set (scale + window + all specials)."""
+@pytest.mark.parametrize("attention", ["sdpa", "dense"])
+def test_cache_layouts_equal_dense_visible_set(tiny_model, attention):
+    """Both cache layouts attend over exactly the spec's key set (scale + window + all specials)."""
     from stream_recon.cache import TokenCache
 
     images = frames(10, seed=2)
-    paged, _ = run(tiny_model, StreamConfig(scale_frames=2, window=3), images)
+    paged, _ = run(tiny_model, StreamConfig(scale_frames=2, window=3, attention=attention), images)
     config = tiny_model.config
     dense = DenseCache(2, 3, config.num_special_tokens)
     camera = TokenCache(tiny_model.camera_head.num_cache_layers, config.camera_heads,
@@ -131,9 +133,10 @@ def test_paged_cache_equals_dense_visible_set(tiny_model):
             start += n
 
 
-def test_flow_policy_decides_and_reports_flow(tiny_model):
-    predictions, engine = run(tiny_model, StreamConfig(scale_frames=3, window=2, keyframes="flow",
-                                                       flow_threshold=1e9, max_gap=3), frames(12, seed=3))
+@pytest.mark.parametrize("attention", ["sdpa", "dense"])
+def test_flow_policy_decides_and_reports_flow(tiny_model, attention):
+    predictions, engine = run(tiny_model, StreamConfig(scale_frames=3, window=2, keyframes="flow", flow_threshold=1e9,
+                                                       max_gap=3, attention=attention), frames(12, seed=3))
     types = [p.frame_type for p in predictions]
     # Threshold never reached: keyframes come from the first-frame rule and the gap limit alone.
     assert types == [0, 0, 0, 1, 2, 2, 1, 2, 2, 1, 2, 2]

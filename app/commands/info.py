@@ -72,7 +72,11 @@ def _attention_backends() -> dict[str, str]:
     """Which backends `--attention` can use here, with the reason when one cannot."""
     import torch
 
-    backends = {"sdpa": "available (PyTorch scaled_dot_product_attention; CPU and CUDA)"}
+    backends = {
+        "dense": "available (contiguous cache, PyTorch SDPA reading keys in place; cuDNN fused attention on CUDA; "
+                 "the default on CUDA)",
+        "sdpa": "available (paged cache, PyTorch scaled_dot_product_attention; CPU and CUDA; the default on CPU)",
+    }
     try:
         import flashinfer  # noqa: F401 - only its presence matters here
     except ImportError as error:

@@ -1,0 +1,67 @@
+"""Attention over the contiguous two-stream layout: the visible keys are read in place.
+
+Storage: one tensor for every global layer, store [L, 2, capacity, H, D] (index 0 = K, 1 = V), so
+that a slot move is one copy for all layers. Each step's keys are the token range [start, end) of
+its layer (ContiguousTwoStreamCache.visible), so PyTorch's scaled_dot_product_attention reads
+them without a gather; on Hopper in bf16 it dispatches to cuDNN's fused attention, the fastest
+kernel measured for this shape (docs/PERFORMANCE.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .contiguous import ContiguousTwoStreamCache, SlotMove, VisibleRange
+
+
+class ContiguousKV:
+    def __init__(self, num_layers: int, num_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.store = torch.zeros(num_layers, 2, capacity, num_heads, head_dim, dtype=dtype, device=self.device)
+
+    @property
+    def bytes_allocated(self) -> int:
+        return self.store.numel() * self.store.element_size()
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """slots [T] store positions; k, v [T, H, D]."""
+        self.store[layer, 0, slots] = k.to(self.dtype)
+        self.store[layer, 1, slots] = v.to(self.dtype)
+
+    def apply_moves(self, moves: list[SlotMove], cache: ContiguousTwoStreamCache) -> None:
+        for move in moves:
+            source, target = cache.slot_tokens(move.source), cache.slot_tokens(move.target)
+            self.store[:, :, target.start : target.stop] = self.store[:, :, source.start : source.stop]
+
+    def keys_values(self, layer: int, visible: VisibleRange) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [N, H, D] of the visible keys and values (no copy)."""
+        return (self.store[layer, 0, visible.start : visible.end], self.store[layer, 1, visible.start : visible.end])
+
+
+class DenseAttention:
+    """Unmasked SDPA over the visible range, in the store's dtype."""
+
+    name = "dense"
+
+    def __init__(self, kv: ContiguousKV):
+        self.kv = kv
+        self._visible: VisibleRange | None = None
+
+    def plan(self, visible: VisibleRange, num_queries: int) -> None:
+        self._visible = visible
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D] -> [T, H, D]."""
+        keys, values = self.kv.keys_values(layer, self._visible)
+        out = F.scaled_dot_product_attention(
+            q.to(keys.dtype).transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
+            keys.transpose(0, 1).unsqueeze(0),  # [1, H, N, D], strided view
+            values.transpose(0, 1).unsqueeze(0),
+        )
+        return out[0].transpose(0, 1)

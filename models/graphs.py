@@ -1,0 +1,114 @@
+"""One streaming frame's model step replayed as CUDA graphs, split at the global-attention calls.
+
+A frame step launches a few thousand small kernels whose launch cost, not their arithmetic, sets
+the frame time. Recording them once and replaying removes that cost. The key set of the global
+attention changes size from frame to frame (special tokens accumulate), so the attention itself
+runs eagerly between graph segments, on the same stream; everything else (DINO, frame blocks,
+the projections, K/V writes, RoPE, both heads) is inside the graphs:
+
+    graph 0 | attention layer 0 | graph 1 | attention layer 1 | ... | attention layer 23 | graph 24
+
+Inputs are copied into static tensors before a replay; where this step writes its K/V (token
+slots) and its camera token (TokenCache's device-side start) are static tensors too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .gct import GCTStream
+
+
+class _SplitAtAttention:
+    """The cache callable during recording: writes K/V inside the current segment, then closes it,
+    runs the attention eagerly (its result is a placeholder until replay) and opens the next."""
+
+    def __init__(self, runner: GraphedStep):
+        self.runner = runner
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        r = self.runner
+        r.kv.write(layer, r.slots, k, v)
+        query = q.to(r.kv.dtype).contiguous()
+        r.graphs[-1].capture_end()
+        output = r.backend.attend(layer, query).contiguous()  # allocated outside the graph pool: stays put
+        r.splits.append((layer, query, output))
+        r.graphs.append(torch.cuda.CUDAGraph())
+        r.graphs[-1].capture_begin(pool=r.pool)
+        return output
+
+
+class GraphedStep:
+    """Records `model.step` for one frame of a fixed size and replays it.
+
+    `kv` and `backend` are the engine's cache storage and attention backend (any of them); the
+    backend must be planned for the frame before `replay`, as for an eager step.
+    """
+
+    def __init__(self, model: GCTStream, kv, backend, camera_cache, image_shape: tuple[int, int, int],
+                 tokens_per_frame: int, num_scale_frames: int, autocast_dtype: torch.dtype | None):
+        device = kv.device
+        self.model, self.kv, self.backend, self.camera_cache = model, kv, backend, camera_cache
+        self.num_scale_frames = num_scale_frames
+        self.autocast_dtype = autocast_dtype
+        self.images = torch.zeros(1, *image_shape, device=device)
+        self.slots = torch.zeros(tokens_per_frame, dtype=torch.long, device=device)
+        self.stream_index = torch.zeros(1, dtype=torch.long, device=device)
+        self.time_index = torch.zeros(1, dtype=torch.long, device=device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.splits: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, query, output) per attention
+        self.outputs: dict[str, torch.Tensor] | None = None
+        self.camera_version = camera_cache.version
+        self.attention_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None  # set a list to time
+
+    def load(self, images: torch.Tensor, slots: torch.Tensor, stream_index: int, time_index: int) -> None:
+        """Copy one step's inputs into the static tensors. images [1, 3, H, W]; slots [T]."""
+        self.images.copy_(images, non_blocking=True)
+        self.slots.copy_(slots, non_blocking=True)
+        self.stream_index.fill_(stream_index)
+        self.time_index.fill_(time_index)
+
+    def record(self) -> None:
+        """Capture the step (nothing executes). The engine runs the frame eagerly first, which also
+        performs the lazy initialisation (cuBLAS/cuDNN handles) that capture must not see."""
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.inference_mode(), self._autocast():
+            self.graphs = [torch.cuda.CUDAGraph()]
+            self.graphs[0].capture_begin(pool=self.pool)
+            try:
+                outputs = self.model.step(self.images, _SplitAtAttention(self), self.camera_cache,
+                                          self.stream_index, self.time_index, self.num_scale_frames)
+            finally:
+                self.graphs[-1].capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        self.outputs = {"pose_enc": outputs["pose_enc"], "depth": outputs["depth"], "depth_conf": outputs["depth_conf"]}
+
+    def replay(self) -> dict[str, torch.Tensor]:
+        """Run the recorded step on the loaded inputs. Returns fresh copies of the outputs
+        (pose_enc [1, 9], depth [1, H, W], depth_conf [1, H, W]), safe to keep across steps."""
+        with torch.inference_mode():
+            for graph, (layer, query, output) in zip(self.graphs, self.splits, strict=False):
+                graph.replay()
+                if self.attention_events is None:
+                    output.copy_(self.backend.attend(layer, query))
+                else:
+                    self._timed_attend(layer, query, output)
+            self.graphs[-1].replay()
+            return {name: tensor.clone() for name, tensor in self.outputs.items()}
+
+    def _timed_attend(self, layer: int, query: torch.Tensor, output: torch.Tensor) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        output.copy_(self.backend.attend(layer, query))
+        end.record()
+        self.attention_events.append((start, end))
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return torch.autocast("cuda", enabled=False)
+        # No weight-cast cache: a cached cast made during capture would be freed after it.
+        return torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)

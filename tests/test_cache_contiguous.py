@@ -1,0 +1,114 @@
+"""The contiguous layout against the same dense reference as the paged cache (hypothesis).
+
+A fake store holds a (frame, token) label per position; the harness writes through token_slots,
+performs the cache's moves, and reads the visible range. Key order does not matter to attention,
+so the visible multiset must equal the reference's, with nothing outside the range counted.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_cache_two_stream import OPS, DenseReference, layouts
+
+from stream_recon.cache import CacheLayout
+from stream_recon.cache.contiguous import ContiguousTwoStreamCache
+
+
+class Harness:
+    def __init__(self, layout: CacheLayout, max_frames: int = 200):
+        self.layout = layout
+        self.cache = ContiguousTwoStreamCache(layout, max_frames)
+        self.reference = DenseReference(layout)
+        self.store: dict[int, tuple[int, int]] = {}
+        self.next_frame = 0
+
+    def apply_moves(self):
+        for move in self.cache.take_moves():
+            source, target = self.cache.slot_tokens(move.source), self.cache.slot_tokens(move.target)
+            for s, t in zip(source, target, strict=True):
+                if s in self.store:
+                    self.store[t] = self.store[s]
+
+    def append(self, defer: bool):
+        frame = self.next_frame
+        self.next_frame += 1
+        self.cache.append(defer_eviction=defer)
+        self.apply_moves()  # before the step writes (a backup must not see the new frame)
+        for token, slot in enumerate(self.cache.token_slots(-1)):
+            self.store[slot] = (frame, token)
+        self.reference.pending.append(frame)
+        self.reference.pending_deferred = defer
+
+    def commit(self):
+        self.cache.commit()
+        self.apply_moves()
+        self.reference.commit()
+
+    def rollback(self):
+        self.cache.rollback()
+        self.apply_moves()
+        self.reference.pending, self.reference.pending_deferred = [], False
+
+    def check(self):
+        visible = self.cache.visible()
+        assert 0 <= visible.start <= visible.end <= self.cache.capacity_tokens
+        keys = sorted(self.store[i] for i in range(visible.start, visible.end))
+        assert keys == sorted(self.reference.visible_tokens())
+        assert self.cache.num_patch_frames == len(self.reference.visible_patch_frames())
+        assert self.cache.num_committed_frames == len(self.reference.committed)
+        assert self.cache.num_special_tokens == len(self.reference.live) * self.layout.specials_per_frame
+
+
+@settings(max_examples=300, deadline=None)
+@given(layout=layouts(), data=st.data(), ops=st.lists(OPS, max_size=25))
+def test_contiguous_cache_matches_dense_reference(layout, data, ops):
+    # Phase 1 appends up to scale_frames frames together (the contiguous cache's restriction).
+    scale_batch = data.draw(st.integers(1, layout.scale_frames))
+    h = Harness(layout)
+    for _ in range(scale_batch):
+        h.append(defer=False)
+        h.check()
+    h.commit()
+    h.check()
+    for op in ops:
+        h.append(defer=op.startswith("defer"))
+        h.check()
+        (h.commit if op in ("key", "defer_commit") else h.rollback)()
+        h.check()
+
+
+def test_moves_keep_the_window_compact():
+    layout = CacheLayout(patches_per_frame=2, specials_per_frame=1, scale_frames=1, window_frames=2)
+    cache = ContiguousTwoStreamCache(layout, max_frames=10)
+    for _ in range(3):  # scale f0, window f1 f2
+        cache.append()
+        cache.commit()
+    assert cache.take_moves() == []
+    cache.append(defer_eviction=True)  # f3 takes the spare slot: 1 + 3 patch frames visible
+    assert cache.token_slots(-1)[-2:] == list(cache.slot_tokens(cache.spare_slot))
+    assert cache.visible().num_tokens == 4 * 1 + 4 * 2
+    cache.commit()  # f1 leaves; f3 moves from the spare into f1's slot
+    [move] = cache.take_moves()
+    assert (move.source, move.target) == (cache.spare_slot, 1)
+    assert cache.visible().num_tokens == 4 * 1 + 3 * 2
+
+
+def test_capacity_error_names_the_remedy():
+    layout = CacheLayout(patches_per_frame=2, specials_per_frame=1, scale_frames=1, window_frames=2)
+    cache = ContiguousTwoStreamCache(layout, max_frames=3)
+    for _ in range(3):
+        cache.append()
+        cache.commit()
+    with pytest.raises(ValueError, match="windowed streaming"):
+        cache.append()
+
+
+def test_scale_and_window_frames_cannot_share_a_step():
+    layout = CacheLayout(patches_per_frame=2, specials_per_frame=1, scale_frames=1, window_frames=2)
+    cache = ContiguousTwoStreamCache(layout, max_frames=10)
+    cache.append()
+    with pytest.raises(ValueError, match="scale frames"):
+        cache.append()
+    assert cache.num_special_tokens == 1 and cache.num_pending_frames == 1  # the refused append changed nothing

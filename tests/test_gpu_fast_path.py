@@ -1,0 +1,69 @@
+"""The fast streaming path on the GPU: the contiguous cache with dense (cuDNN) attention and the
+CUDA-graph replay of streaming steps, against the golden fixtures and against the eager paged
+path. Skipped on machines without CUDA."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from golden_utils import GOLDEN
+from test_gpu_flashinfer import BF16_TOLERANCE, SCENARIOS, errors, stream
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+KEYS = ("pose_enc", "depth", "depth_conf", "c2w")
+
+
+def as_golden(predictions) -> dict[str, np.ndarray]:
+    return {k: np.stack([getattr(p, k) for p in predictions]) for k in KEYS}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_dense_graphed_path_agrees_with_golden_and_the_paged_path(gpu_model, scenario):
+    golden = np.load(GOLDEN / scenario / "outputs.npz")
+    fast, engine = stream(gpu_model, torch.bfloat16, "dense", **SCENARIOS[scenario])
+    assert engine.backend.name == "dense" and engine.stats()["cuda_graphs"]
+    paged, _ = stream(gpu_model, torch.bfloat16, "sdpa", cuda_graphs=False, **SCENARIOS[scenario])
+    fast_errors, between = errors(fast, golden), errors(fast, as_golden(paged))
+    print(f"{scenario}: dense+graphs vs golden {fast_errors}; vs paged sdpa eager {between}")
+    assert [p.frame_type for p in fast] == [p.frame_type for p in paged]
+    for key, limit in BF16_TOLERANCE.items():
+        assert fast_errors[key] <= limit, f"{key}: {fast_errors[key]:.3f} sigma"
+        assert between[key] <= limit, f"{key}: {between[key]:.3f} sigma"
+
+
+@pytest.mark.parametrize("attention", ["dense", "sdpa"])
+def test_graph_replay_equals_the_eager_step(gpu_model, attention):
+    """Same kernels, same order: replaying the recorded step changes nothing but the launch cost."""
+    policy = SCENARIOS["flow"]  # deferred frames, rollbacks and commits all go through replays
+    graphed, engine = stream(gpu_model, torch.bfloat16, attention, **policy)
+    assert engine.stats()["cuda_graphs"]
+    eager, eager_engine = stream(gpu_model, torch.bfloat16, attention, cuda_graphs=False, **policy)
+    assert not eager_engine.stats()["cuda_graphs"]
+    difference = errors(graphed, as_golden(eager))
+    print(f"{attention}: graphs vs eager {difference}")
+    assert [p.frame_type for p in graphed] == [p.frame_type for p in eager]
+    assert max(difference.values()) <= 1e-2
+
+
+def test_contiguous_store_stays_put_over_2000_frames():
+    from stream_recon.models import GCTStream, ModelConfig, StreamConfig, StreamingEngine
+    from stream_recon.models.synthetic import load_synthetic_weights
+
+    config = ModelConfig.from_dict({**ModelConfig.tiny().to_dict(), "max_frames": 2100})
+    model = load_synthetic_weights(GCTStream(config)).cuda().eval()
+    engine = StreamingEngine(model, StreamConfig(scale_frames=8, window=64, keyframes="flow", flow_threshold=0.5),
+                             device="cuda", dtype=torch.bfloat16)
+    image = torch.rand(3, 126, 224, device="cuda")
+    memory = {}
+    for i in range(2000):
+        engine.push(image if i % 3 else torch.rand(3, 126, 224, device="cuda"))
+        if i + 1 in (500, 2000):
+            memory[i + 1] = torch.cuda.memory_allocated()
+    stats = engine.stats()
+    assert stats["cuda_graphs"] and stats["patch_frames"] <= 72
+    assert memory[2000] - memory[500] <= 8 * 1024 * 1024  # all storage is allocated up front
