@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CHECKPOINT = "lingbot-map-long"
 # models.engine.ATTENTION_BACKENDS, repeated so that options are checked before torch is imported.
-ATTENTION_CHOICES = ("auto", "dense", "sdpa", "flashinfer", "flashinfer-fa2", "flashinfer-fa3")
+ATTENTION_CHOICES = ("auto", "dense", "dense-flashinfer", "sdpa", "flashinfer", "flashinfer-fa2", "flashinfer-fa3")
 MAX_WINDOW_FRAMES = 1024  # positions in the model's temporal RoPE table
 RunStatus = Literal["complete", "interrupted", "failed"]
 DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
@@ -423,16 +423,16 @@ def resolve_device(device: str) -> str:
 
 def check_attention(attention: str, device: str) -> None:
     """FlashInfer asked for explicitly must be usable here; `auto` falls back to SDPA on its own."""
-    if not attention.startswith("flashinfer"):
+    if "flashinfer" not in attention:
         return
     if not device.startswith("cuda"):
-        raise OptionsError(f"--attention flashinfer runs on CUDA only, but the device is {device}; use sdpa or auto")
+        raise OptionsError(f"--attention {attention} runs on CUDA only, but the device is {device}; use sdpa or auto")
     try:
         import flashinfer  # noqa: F401 - only whether it imports matters here
     except ImportError as error:
         raise OptionsError(
-            f"--attention flashinfer needs the flashinfer package ({error.msg}); "
-            "install it with pip install 'stream-recon[cuda]', or use --attention sdpa"
+            f"--attention {attention} needs the flashinfer package ({error.msg}); "
+            "install it with pip install 'stream-recon[cuda]', or use --attention auto"
         ) from None
 
 

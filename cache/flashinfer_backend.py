@@ -56,3 +56,35 @@ class FlashInferPagedAttention:
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D] in the page dtype."""
         return self._wrapper.run(q.to(self.kv.dtype).contiguous(), self.kv.kv_pages[layer])
+
+
+class FlashInferRangeAttention:
+    """FlashInfer's ragged prefill over the contiguous layout's visible range (one sequence whose
+    keys are tokens [start, end) of each layer's store, read in place)."""
+
+    def __init__(self, kv, variant: str = "fa3"):
+        if kv.device.type != "cuda" or kv.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"FlashInfer needs bf16/fp16 on a CUDA device, got {kv.dtype} on {kv.device}")
+        self.kv = kv
+        self.name = f"dense-flashinfer-{variant}"
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=kv.device)
+        self._wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self._workspace, kv_layout="NHD", backend=variant)
+        self._visible = None
+
+    def plan(self, visible, num_queries: int) -> None:
+        device = self.kv.device
+        self._visible = visible
+        self._wrapper.plan(
+            torch.tensor([0, num_queries], dtype=torch.int32, device=device),
+            torch.tensor([0, visible.num_tokens], dtype=torch.int32, device=device),
+            num_qo_heads=self.kv.num_heads,
+            num_kv_heads=self.kv.num_heads,
+            head_dim_qk=self.kv.head_dim,
+            causal=False,
+            q_data_type=self.kv.dtype,
+            kv_data_type=self.kv.dtype,
+        )
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        keys, values = self.kv.keys_values(layer, self._visible)
+        return self._wrapper.run(q.to(self.kv.dtype).contiguous(), keys, values)

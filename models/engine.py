@@ -30,7 +30,7 @@ from stream_recon.cache import (
 
 from .errors import FrameError
 from .gct import GCTStream
-from .graphs import GraphedStep
+from .graphs import GraphedStep, compile_blocks
 from .pose import camera_motion_flow, decode_pose
 from .prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
 
@@ -74,13 +74,14 @@ class StreamConfig:
     max_gap: int = 30
     attention: str = "auto"  # auto | dense | sdpa | flashinfer | flashinfer-fa2 | flashinfer-fa3
     cuda_graphs: bool = True  # replay streaming steps as CUDA graphs (CUDA only; outputs are identical)
+    compile: bool = False  # fuse the transformer blocks with torch.compile (CUDA only; slower first frames)
 
     @property
     def policy(self) -> KeyframePolicy:
         return KeyframePolicy.parse(self.keyframes, self.flow_threshold, self.max_gap)
 
 
-ATTENTION_BACKENDS = ("auto", "dense", "sdpa", "flashinfer", "flashinfer-fa2", "flashinfer-fa3")
+ATTENTION_BACKENDS = ("auto", "dense", "dense-flashinfer", "sdpa", "flashinfer", "flashinfer-fa2", "flashinfer-fa3")
 
 
 def resolve_attention(name: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -99,7 +100,7 @@ def make_attention_backend(name: str, kv: PagedKV):
 
     FlashInfer has no fp32 kernels, so fp32 runs always use SDPA.
     """
-    if name not in ATTENTION_BACKENDS or name in ("auto", "dense"):
+    if name not in ATTENTION_BACKENDS or name in ("auto", "dense", "dense-flashinfer"):
         raise ValueError(f"{name!r} is not a paged attention backend")
     wants_flashinfer = name.startswith("flashinfer")
     usable = kv.device.type == "cuda" and kv.dtype in (torch.bfloat16, torch.float16)
@@ -118,6 +119,20 @@ def make_attention_backend(name: str, kv: PagedKV):
     return FlashInferPagedAttention(kv, variant="fa3" if name == "flashinfer-fa3" else "fa2")
 
 
+def make_range_backend(name: str, kv: ContiguousKV):
+    """A backend over the contiguous layout: PyTorch SDPA (cuDNN on CUDA), or FlashInfer's ragged
+    prefill (fa3 on Hopper, fa2 elsewhere)."""
+    if name == "dense":
+        return DenseAttention(kv)
+    if kv.device.type != "cuda" or kv.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"--attention {name} needs bf16/fp16 on a CUDA device (got {kv.dtype} on {kv.device}); use dense")
+    try:
+        from stream_recon.cache.flashinfer_backend import FlashInferRangeAttention
+    except ImportError as error:
+        raise ValueError(f"--attention {name} needs the flashinfer package (pip install 'stream-recon[cuda]'): {error}") from None
+    return FlashInferRangeAttention(kv, variant="fa3" if torch.cuda.get_device_capability(kv.device)[0] == 9 else "fa2")
+
+
 class StreamingEngine:
     def __init__(self, model: GCTStream, config: StreamConfig | None = None, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None):
@@ -129,6 +144,8 @@ class StreamingEngine:
         if self.device.type == "cuda" and self.dtype != torch.float32:
             # The transformer runs in bf16/fp16 and the heads in fp32, as the reference does.
             self.model.aggregator.to(self.dtype)
+        if self.config.compile and self.device.type == "cuda":
+            compile_blocks(self.model)
         self.on_backend_ready: Callable[[str], None] | None = None
         self._image_size: tuple[int, int] | None = None
         self._buffer: list[tuple[torch.Tensor, float]] = []
@@ -356,10 +373,10 @@ class StreamingEngine:
         layout = CacheLayout(rows * cols, c.num_special_tokens, self.config.scale_frames, self.config.window)
         kv_dtype = self.dtype if self.device.type == "cuda" else torch.float32
         attention = resolve_attention(self.config.attention, self.device, kv_dtype)
-        if attention == "dense":
+        if attention.startswith("dense"):
             self.cache = ContiguousTwoStreamCache(layout, c.max_frames)
             self.kv = ContiguousKV(c.depth, c.num_heads, c.head_dim, self.cache.capacity_tokens, kv_dtype, self.device)
-            self.backend = DenseAttention(self.kv)
+            self.backend = make_range_backend(attention, self.kv)
         else:
             self.cache = TwoStreamCache(layout)
             self.kv = PagedKV(c.depth, c.num_heads, c.head_dim, layout.page_size, kv_dtype, self.device,

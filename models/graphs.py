@@ -112,3 +112,22 @@ class GraphedStep:
             return torch.autocast("cuda", enabled=False)
         # No weight-cast cache: a cached cast made during capture would be freed after it.
         return torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)
+
+
+def compile_blocks(model: torch.nn.Module) -> int:
+    """Fuse the two halves of every transformer block (around its attention) with TorchInductor.
+
+    The blocks of one kind share one compiled graph (modules are inputs, not constants), and the
+    attention call between the halves stays eager, so any cache backend still serves it.
+    Returns the number of blocks compiled.
+    """
+    from .layers import Block
+
+    dynamo = torch._dynamo.config
+    # Block kinds x input shapes (scale frames, streaming frame) exceed the default of 8.
+    dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for block in blocks:
+        block.attention_inputs = torch.compile(block.attention_inputs, dynamic=False)
+        block.attention_outputs = torch.compile(block.attention_outputs, dynamic=False)
+    return len(blocks)

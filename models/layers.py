@@ -46,16 +46,22 @@ class Attention(nn.Module):
         self.k_norm = nn.LayerNorm(self.head_dim, eps=norm_eps) if qk_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, rope: Rope | None = None,
-                cache: CachedAttention | None = None, layer: int = 0) -> torch.Tensor:
-        """x [B, N, C] -> [B, N, C]. With `cache` (B = 1), keys come from the cache after this
-        step's K/V are written to it."""
+    def heads(self, x: torch.Tensor, rope: Rope | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, N, C] -> q, k, v [B, H, N, D], QK-normed and rotated."""
         B, N, C = x.shape
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)  # [B, H, N, D]
+        q, k, v = qkv.unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = rope(q), rope(k)
+        return q, k, v
+
+    @staticmethod
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: CachedAttention | None = None,
+               layer: int = 0) -> torch.Tensor:
+        """[B, H, N, D] each -> [B, N, H * D]. With `cache` (B = 1), keys come from the cache after
+        this step's K/V are written to it."""
+        B, H, N, D = q.shape
         if cache is None:
             out = F.scaled_dot_product_attention(q, k, v)
         else:
@@ -63,8 +69,12 @@ class Attention(nn.Module):
                 raise ValueError(f"cached attention streams one sequence at a time, got batch {B}")
             out = cache(layer, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1))  # [N, H, D]
             out = out.transpose(0, 1).unsqueeze(0)
-        out = out.transpose(1, 2).reshape(B, N, C)
-        return self.proj(out)
+        return out.transpose(1, 2).reshape(B, N, H * D)
+
+    def forward(self, x: torch.Tensor, rope: Rope | None = None,
+                cache: CachedAttention | None = None, layer: int = 0) -> torch.Tensor:
+        """x [B, N, C] -> [B, N, C]."""
+        return self.proj(self.attend(*self.heads(x, rope), cache=cache, layer=layer))
 
 
 class Block(nn.Module):
@@ -82,5 +92,15 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope | None = None,
                 cache: CachedAttention | None = None, layer: int = 0) -> torch.Tensor:
-        x = x + self.ls1(self.attn(self.norm1(x), rope=rope, cache=cache, layer=layer))
+        q, k, v = self.attention_inputs(x, rope)
+        return self.attention_outputs(x, self.attn.attend(q, k, v, cache=cache, layer=layer))
+
+    # The two halves around the attention call: free of cache access and of Python state, so that
+    # they can be compiled (fused) on their own while the attention stays whatever backend it is.
+    def attention_inputs(self, x: torch.Tensor, rope: Rope | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.attn.heads(self.norm1(x), rope)
+
+    def attention_outputs(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """x [B, N, C] residual stream, attended [B, N, C] (before the output projection)."""
+        x = x + self.ls1(self.attn.proj(attended))
         return x + self.ls2(self.mlp(self.norm2(x)))
