@@ -3,14 +3,16 @@
 Storage: one tensor for every global layer, store [L, 2, capacity, H, D] (index 0 = K, 1 = V), so
 that a slot move is one copy for all layers. Each step's keys are the token range [start, end) of
 its layer (ContiguousTwoStreamCache.visible), so PyTorch's scaled_dot_product_attention reads
-them without a gather; on Hopper in bf16 it dispatches to cuDNN's fused attention, the fastest
-kernel measured for this shape (docs/PERFORMANCE.md).
+them without a gather. On CUDA the cuDNN kernel is excluded: it is the fastest on a fixed shape,
+but builds a new execution plan for every new key count (85 ms, measured), and the key count
+changes every frame. FlashInfer's ragged prefill (flashinfer_backend.py) reads the same range.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .contiguous import ContiguousTwoStreamCache, SlotMove, VisibleRange
 
@@ -59,9 +61,13 @@ class DenseAttention:
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D]."""
         keys, values = self.kv.keys_values(layer, self._visible)
-        out = F.scaled_dot_product_attention(
-            q.to(keys.dtype).transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
-            keys.transpose(0, 1).unsqueeze(0),  # [1, H, N, D], strided view
-            values.transpose(0, 1).unsqueeze(0),
-        )
+        with sdpa_kernel(_NO_PLAN_BUILDING_BACKENDS):
+            out = F.scaled_dot_product_attention(
+                q.to(keys.dtype).transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
+                keys.transpose(0, 1).unsqueeze(0),  # [1, H, N, D], strided view
+                values.transpose(0, 1).unsqueeze(0),
+            )
         return out[0].transpose(0, 1)
+
+
+_NO_PLAN_BUILDING_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

@@ -96,6 +96,13 @@ class DPTHead(nn.Module):
             nn.Conv2d(ch[3], ch[3], 3, stride=2, padding=1),
         ])
         self.scratch = Scratch(c.dpt_out_channels, c.dpt_features)
+        self._uv_tables: dict[tuple, torch.Tensor] = {}  # constant per input size: built once, not per frame
+
+    def uv_table(self, height: int, width: int, channels: int, aspect: float, device) -> torch.Tensor:
+        key = (height, width, channels, aspect, str(device))
+        if key not in self._uv_tables:
+            self._uv_tables[key] = uv_embedding(height, width, channels, aspect, device)
+        return self._uv_tables[key]
 
     def forward(self, layers: list[torch.Tensor], height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """layers: 4 x [S, P, 2C] (fp32) -> depth [S, H, W], confidence [S, H, W]."""
@@ -106,7 +113,7 @@ class DPTHead(nn.Module):
             x = self.norm(tokens[:, self.num_special :])  # [S, rows * cols, 2C]
             x = x.permute(0, 2, 1).reshape(x.shape[0], -1, rows, cols)
             x = self.projects[k](x)
-            x = x + 0.1 * uv_embedding(rows, cols, x.shape[1], aspect, x.device)
+            x = x + 0.1 * self.uv_table(rows, cols, x.shape[1], aspect, x.device).to(x.dtype)
             features.append(self.resize_layers[k](x))
         s = self.scratch
         l1, l2, l3, l4 = (getattr(s, f"layer{i}_rn")(f) for i, f in enumerate(features, start=1))
@@ -116,6 +123,6 @@ class DPTHead(nn.Module):
         out = s.refinenet1(out, l1, (2 * l1.shape[2], 2 * l1.shape[3]))
         out = s.output_conv1(out)
         out = resize_bilinear(out, (rows * self.patch_size, cols * self.patch_size))
-        out = out + 0.1 * uv_embedding(out.shape[2], out.shape[3], out.shape[1], aspect, out.device)
-        out = s.output_conv2(out)  # [S, 2, H, W]
+        out = out + 0.1 * self.uv_table(out.shape[2], out.shape[3], out.shape[1], aspect, out.device).to(out.dtype)
+        out = s.output_conv2(out).float()  # [S, 2, H, W]; the activations in float32 whatever the head's dtype
         return out[:, 0].exp(), 1 + out[:, 1].exp()

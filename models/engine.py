@@ -75,6 +75,7 @@ class StreamConfig:
     attention: str = "auto"  # auto | dense | sdpa | flashinfer | flashinfer-fa2 | flashinfer-fa3
     cuda_graphs: bool = True  # replay streaming steps as CUDA graphs (CUDA only; outputs are identical)
     compile: bool = False  # fuse the transformer blocks with torch.compile (CUDA only; slower first frames)
+    low_precision_heads: bool = False  # camera and depth heads in the trunk's dtype (CUDA only; float32 otherwise)
 
     @property
     def policy(self) -> KeyframePolicy:
@@ -85,14 +86,20 @@ ATTENTION_BACKENDS = ("auto", "dense", "dense-flashinfer", "sdpa", "flashinfer",
 
 
 def resolve_attention(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """`auto`: the contiguous layout with dense attention (cuDNN's fused kernel) for bf16/fp16 on
-    CUDA, the fastest measured there; the paged cache with PyTorch SDPA otherwise (the float32
-    golden-parity path)."""
+    """`auto`: for bf16/fp16 on CUDA the contiguous layout, read by FlashInfer's ragged prefill when
+    it is installed (the fastest measured, docs/PERFORMANCE.md) or by PyTorch's flash kernel; the
+    paged cache with PyTorch SDPA otherwise (the float32 golden-parity path)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
     if name != "auto":
         return name
-    return "dense" if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) else "sdpa"
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return "sdpa"
+    try:
+        import flashinfer  # noqa: F401 - only whether it imports matters here
+    except ImportError:
+        return "dense"
+    return "dense-flashinfer"
 
 
 def make_attention_backend(name: str, kv: PagedKV):
@@ -144,6 +151,11 @@ class StreamingEngine:
         if self.device.type == "cuda" and self.dtype != torch.float32:
             # The transformer runs in bf16/fp16 and the heads in fp32, as the reference does.
             self.model.aggregator.to(self.dtype)
+        self.head_dtype = torch.float32
+        if self.config.low_precision_heads and self.device.type == "cuda" and self.dtype != torch.float32:
+            self.head_dtype = self.dtype
+            self.model.camera_head.to(self.dtype)
+            self.model.depth_head.to(self.dtype)
         if self.config.compile and self.device.type == "cuda":
             compile_blocks(self.model)
         self.on_backend_ready: Callable[[str], None] | None = None
@@ -278,7 +290,8 @@ class StreamingEngine:
         time_index = torch.arange(self.time_counter, self.time_counter + num_new, device=self.device)
         with torch.inference_mode(), self._autocast():
             outputs = self.model.step(
-                images.to(self.device), step, self.camera_cache, stream_index, time_index, self.config.scale_frames
+                images.to(self.device), step, self.camera_cache, stream_index, time_index, self.config.scale_frames,
+                self.head_dtype,
             )
         if num_new == 1 and self.config.cuda_graphs and self.device.type == "cuda" and not self._graphs_failed:
             self._record_graph(images, slots)
@@ -288,7 +301,7 @@ class StreamingEngine:
         """After an eager streaming step: record it for the next frames (nothing runs again)."""
         autocast_dtype = self.dtype if self.dtype != torch.float32 else None
         graph = GraphedStep(self.model, self.kv, self.backend, self.camera_cache, tuple(images.shape[1:]),
-                            len(slots), self.config.scale_frames, autocast_dtype)
+                            len(slots), self.config.scale_frames, autocast_dtype, self.head_dtype)
         graph.load(images, slots, self.num_frames, self.time_counter)
         try:
             graph.record()

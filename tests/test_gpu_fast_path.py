@@ -22,14 +22,17 @@ def as_golden(predictions) -> dict[str, np.ndarray]:
     return {k: np.stack([getattr(p, k) for p in predictions]) for k in KEYS}
 
 
+@pytest.mark.parametrize("attention", ["dense", "dense-flashinfer"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_dense_graphed_path_agrees_with_golden_and_the_paged_path(gpu_model, scenario):
+def test_contiguous_graphed_path_agrees_with_golden_and_the_paged_path(gpu_model, scenario, attention):
+    if attention == "dense-flashinfer":
+        pytest.importorskip("flashinfer", reason="flashinfer is not installed")
     golden = np.load(GOLDEN / scenario / "outputs.npz")
-    fast, engine = stream(gpu_model, torch.bfloat16, "dense", **SCENARIOS[scenario])
-    assert engine.backend.name == "dense" and engine.stats()["cuda_graphs"]
+    fast, engine = stream(gpu_model, torch.bfloat16, attention, **SCENARIOS[scenario])
+    assert engine.backend.name.startswith(attention) and engine.stats()["cuda_graphs"]
     paged, _ = stream(gpu_model, torch.bfloat16, "sdpa", cuda_graphs=False, **SCENARIOS[scenario])
     fast_errors, between = errors(fast, golden), errors(fast, as_golden(paged))
-    print(f"{scenario}: dense+graphs vs golden {fast_errors}; vs paged sdpa eager {between}")
+    print(f"{scenario} {engine.backend.name}: graphs vs golden {fast_errors}; vs paged sdpa eager {between}")
     assert [p.frame_type for p in fast] == [p.frame_type for p in paged]
     for key, limit in BF16_TOLERANCE.items():
         assert fast_errors[key] <= limit, f"{key}: {fast_errors[key]:.3f} sigma"
@@ -67,3 +70,20 @@ def test_contiguous_store_stays_put_over_2000_frames():
     stats = engine.stats()
     assert stats["cuda_graphs"] and stats["patch_frames"] <= 72
     assert memory[2000] - memory[500] <= 8 * 1024 * 1024  # all storage is allocated up front
+
+
+@pytest.mark.parametrize("scenario", ["all_keyframes", "flow"])
+def test_fastest_configuration_stays_within_the_bf16_tolerance(gpu_model, scenario):
+    """auto attention, compiled blocks, CUDA graphs and bf16 heads: the benchmark's settings."""
+    import copy
+
+    model = copy.deepcopy(gpu_model)  # compiling patches the blocks: keep the shared model eager
+    golden = np.load(GOLDEN / scenario / "outputs.npz")
+    fast, engine = stream(model, torch.bfloat16, "auto", compile=True, low_precision_heads=True, **SCENARIOS[scenario])
+    measured = errors(fast, golden)
+    print(f"{scenario} {engine.backend.name} compiled, bf16 heads: vs golden {measured}")
+    assert engine.stats()["cuda_graphs"]
+    if scenario != "flow":
+        assert [p.frame_type for p in fast] == golden["frame_type"].tolist()
+    for key, limit in BF16_TOLERANCE.items():
+        assert measured[key] <= limit, f"{key}: {measured[key]:.3f} sigma"

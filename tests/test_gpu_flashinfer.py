@@ -76,13 +76,13 @@ SCENARIOS = {
 def stream(model, dtype, attention, **options):
     from stream_recon.models import StreamConfig, StreamingEngine
 
-    model.aggregator.float()  # each run starts from the fp32 weights
+    model.float()  # each run starts from the fp32 weights
     engine = StreamingEngine(model, StreamConfig(scale_frames=3, window=4, attention=attention, **options),
                              device="cuda", dtype=dtype)
     predictions = []
     for frame in golden_frames():
         predictions += engine.push(frame.cuda())
-    model.aggregator.float()
+    model.float()
     return predictions, engine
 
 
