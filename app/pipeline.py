@@ -69,6 +69,7 @@ class RunOptions:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 transformer on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
     attention: str = "auto"  # one of ATTENTION_CHOICES
+    compile: bool = True  # torch.compile the transformer blocks (CUDA only)
     # engine
     scale_frames: int = 8
     window: int = 64
@@ -144,7 +145,8 @@ class RunOptions:
     def stream_config_kwargs(self) -> dict[str, Any]:
         """StreamConfig arguments; unset optional values are left to the engine's defaults."""
         kwargs: dict[str, Any] = dict(
-            scale_frames=self.scale_frames, window=self.window, keyframes=self.keyframes, attention=self.attention
+            scale_frames=self.scale_frames, window=self.window, keyframes=self.keyframes, attention=self.attention,
+            compile=self.compile,
         )
         if self.flow_threshold is not None:
             kwargs["flow_threshold"] = self.flow_threshold

@@ -74,8 +74,7 @@ class StreamConfig:
     max_gap: int = 30
     attention: str = "auto"  # auto | dense | sdpa | flashinfer | flashinfer-fa2 | flashinfer-fa3
     cuda_graphs: bool = True  # replay streaming steps as CUDA graphs (CUDA only; outputs are identical)
-    compile: bool = False  # fuse the transformer blocks with torch.compile (CUDA only; slower first frames)
-    low_precision_heads: bool = False  # camera and depth heads in the trunk's dtype (CUDA only; float32 otherwise)
+    compile: bool = True  # fuse the transformer blocks with torch.compile (CUDA only; slower first frames)
 
     @property
     def policy(self) -> KeyframePolicy:
@@ -151,11 +150,6 @@ class StreamingEngine:
         if self.device.type == "cuda" and self.dtype != torch.float32:
             # The transformer runs in bf16/fp16 and the heads in fp32, as the reference does.
             self.model.aggregator.to(self.dtype)
-        self.head_dtype = torch.float32
-        if self.config.low_precision_heads and self.device.type == "cuda" and self.dtype != torch.float32:
-            self.head_dtype = self.dtype
-            self.model.camera_head.to(self.dtype)
-            self.model.depth_head.to(self.dtype)
         if self.config.compile and self.device.type == "cuda":
             compile_blocks(self.model)
         self.on_backend_ready: Callable[[str], None] | None = None
@@ -290,8 +284,7 @@ class StreamingEngine:
         time_index = torch.arange(self.time_counter, self.time_counter + num_new, device=self.device)
         with torch.inference_mode(), self._autocast():
             outputs = self.model.step(
-                images.to(self.device), step, self.camera_cache, stream_index, time_index, self.config.scale_frames,
-                self.head_dtype,
+                images.to(self.device), step, self.camera_cache, stream_index, time_index, self.config.scale_frames
             )
         if num_new == 1 and self.config.cuda_graphs and self.device.type == "cuda" and not self._graphs_failed:
             self._record_graph(images, slots)
@@ -301,7 +294,7 @@ class StreamingEngine:
         """After an eager streaming step: record it for the next frames (nothing runs again)."""
         autocast_dtype = self.dtype if self.dtype != torch.float32 else None
         graph = GraphedStep(self.model, self.kv, self.backend, self.camera_cache, tuple(images.shape[1:]),
-                            len(slots), self.config.scale_frames, autocast_dtype, self.head_dtype)
+                            len(slots), self.config.scale_frames, autocast_dtype)
         graph.load(images, slots, self.num_frames, self.time_counter)
         try:
             graph.record()

@@ -23,23 +23,19 @@ class GCTStream(nn.Module):
         self.depth_head = DPTHead(self.config)
 
     def step(self, images: torch.Tensor, kv: CachedAttention, camera_kv: CachedAttention,
-             stream_index: torch.Tensor, time_index: torch.Tensor, num_scale_frames: int,
-             head_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+             stream_index: torch.Tensor, time_index: torch.Tensor, num_scale_frames: int) -> dict[str, torch.Tensor]:
         """Predict S frames that join the stream together (S > 1 only for the scale frames).
 
         images [S, 3, H, W] in [0, 1]; kv serves the global blocks, camera_kv the camera head.
         Returns pose_enc [S, 9], pose_enc_list (per refinement iteration), depth [S, H, W] and
-        depth_conf [S, H, W], all float32. The heads run in float32 as the reference's do, or under
-        autocast to `head_dtype` (their weights cast to it once by the caller, the fast GPU mode).
+        depth_conf [S, H, W], all float32.
         """
         height, width = images.shape[-2:]
         layers = self.aggregator(images, kv, stream_index, time_index, num_scale_frames)
-        if head_dtype == torch.float32:
-            layers = [layer.float() for layer in layers]
-            precision = torch.autocast(device_type=images.device.type, enabled=False)
-        else:
-            precision = torch.autocast(device_type=images.device.type, dtype=head_dtype, cache_enabled=False)
-        with precision:
-            poses = [pose.float() for pose in self.camera_head(layers[-1][:, 0], camera_kv)]
+        # Both heads run in float32 whatever the trunk's dtype, as the reference does. (bf16 heads
+        # were measured: no faster inside CUDA graphs, and twice the pose error; docs/PERFORMANCE.md.)
+        layers = [layer.float() for layer in layers]
+        with torch.autocast(device_type=images.device.type, enabled=False):
+            poses = self.camera_head(layers[-1][:, 0], camera_kv)
             depth, depth_conf = self.depth_head(layers, height, width)
         return {"pose_enc": poses[-1], "pose_enc_list": poses, "depth": depth, "depth_conf": depth_conf}

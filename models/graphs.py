@@ -46,13 +46,11 @@ class GraphedStep:
     """
 
     def __init__(self, model: GCTStream, kv, backend, camera_cache, image_shape: tuple[int, int, int],
-                 tokens_per_frame: int, num_scale_frames: int, autocast_dtype: torch.dtype | None,
-                 head_dtype: torch.dtype = torch.float32):
+                 tokens_per_frame: int, num_scale_frames: int, autocast_dtype: torch.dtype | None):
         device = kv.device
         self.model, self.kv, self.backend, self.camera_cache = model, kv, backend, camera_cache
         self.num_scale_frames = num_scale_frames
         self.autocast_dtype = autocast_dtype
-        self.head_dtype = head_dtype
         self.images = torch.zeros(1, *image_shape, device=device)
         self.slots = torch.zeros(tokens_per_frame, dtype=torch.long, device=device)
         self.stream_index = torch.zeros(1, dtype=torch.long, device=device)
@@ -82,7 +80,7 @@ class GraphedStep:
             self.graphs[0].capture_begin(pool=self.pool)
             try:
                 outputs = self.model.step(self.images, _SplitAtAttention(self), self.camera_cache,
-                                          self.stream_index, self.time_index, self.num_scale_frames, self.head_dtype)
+                                          self.stream_index, self.time_index, self.num_scale_frames)
             finally:
                 self.graphs[-1].capture_end()
         torch.cuda.current_stream().wait_stream(stream)

@@ -76,8 +76,7 @@ def run(args) -> dict:
     model, build_s = build_model(device, args.model)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     config = StreamConfig(scale_frames=args.scale, window=args.window, keyframes=args.keyframes, attention=args.attention,
-                          cuda_graphs=not args.no_graphs and not args.breakdown, compile=args.compile,
-                          low_precision_heads=args.low_precision_heads)
+                          cuda_graphs=not args.no_graphs and not args.breakdown, compile=not args.no_compile)
     engine = StreamingEngine(model, config, device=device, dtype=dtype)
     timer = StageTimer(model) if args.breakdown and device == "cuda" else None
     frames = [torch.rand(3, args.height, args.width, device=device) for _ in range(4)]
@@ -224,8 +223,7 @@ def main():
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--breakdown", action="store_true", help="per-stage times (runs eagerly: hooks do not fire in graphs)")
     parser.add_argument("--no-graphs", action="store_true", help="eager streaming steps (no CUDA-graph replay)")
-    parser.add_argument("--compile", action="store_true", help="fuse the transformer blocks with torch.compile")
-    parser.add_argument("--low-precision-heads", action="store_true", help="camera and depth heads in bf16")
+    parser.add_argument("--no-compile", action="store_true", help="eager transformer blocks (no torch.compile)")
     parser.add_argument("--viewer", action="store_true",
                         help="feed a live viewer (no browser) in alternating blocks of 10 frames and compare")
     parser.add_argument("--reference", help="checkout of Robbyant/lingbot-map: time it too, in this process")

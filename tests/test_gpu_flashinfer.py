@@ -77,6 +77,7 @@ def stream(model, dtype, attention, **options):
     from stream_recon.models import StreamConfig, StreamingEngine
 
     model.float()  # each run starts from the fp32 weights
+    options.setdefault("compile", False)  # compiling patches the (shared) model's blocks
     engine = StreamingEngine(model, StreamConfig(scale_frames=3, window=4, attention=attention, **options),
                              device="cuda", dtype=dtype)
     predictions = []

@@ -25,6 +25,7 @@ from stream_recon.app.commands._options import (
     EXIT_INTERRUPTED,
     AttentionOpt,
     CheckpointOpt,
+    CompileOpt,
     ConfigOpt,
     ConfThresholdOpt,
     DeviceOpt,
@@ -69,6 +70,7 @@ def run(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     attention: AttentionOpt = None,
+    compile: CompileOpt = None,
     scale_frames: ScaleFramesOpt = None,
     window: WindowOpt = None,
     window_frames: WindowFramesOpt = None,
@@ -98,8 +100,8 @@ def run(
     console = error_console()
     show_engine_log(console)
     overrides = dict(
-        checkpoint=checkpoint, device=device, dtype=dtype, attention=attention, scale_frames=scale_frames,
-        window=window, window_frames=window_frames, overlap=overlap, keyframes=keyframes,
+        checkpoint=checkpoint, device=device, dtype=dtype, attention=attention, compile=compile,
+        scale_frames=scale_frames, window=window, window_frames=window_frames, overlap=overlap, keyframes=keyframes,
         flow_threshold=flow_threshold, max_gap=max_gap,
         image_width=image_width, fps=fps, max_frames=max_frames, start=start, stride=stride,
         open_timeout_s=open_timeout, conf_threshold=conf_threshold, voxel_size=voxel_size, overwrite=overwrite,
