@@ -10,7 +10,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 mkdir -p /tmp/sr/stream_recon
 for d in app models cache; do ln -sfn "$PWD/$d" /tmp/sr/stream_recon/$d; done
 export PYTHONPATH=/tmp/sr:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-python3 scripts/gpu/probe_dense_kernels.py 2>&1 | grep -v Warn | tee "$OUT/probe.log"
+[ -n "${PROBE:-}" ] && python3 scripts/gpu/probe_dense_kernels.py 2>&1 | grep -v Warn | tee "$OUT/probe.log"
 bench() { local name=$1; shift; echo "== $name: $*" | tee -a "$OUT/bench.log"
   python3 scripts/bench.py --frames ${BENCH_FRAMES:-80} "$@" --json "$OUT/$name.json" 2>&1 | grep -v Warn \
     | grep -E "ours|reference|ms_per_frame|fps|peak|cold_start|attention|graphs|speedup|Error|error" | tee -a "$OUT/bench.log"; }
