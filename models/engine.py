@@ -156,7 +156,6 @@ class StreamingEngine:
         self._image_size: tuple[int, int] | None = None
         self._buffer: list[tuple[torch.Tensor, float]] = []
         self._graph: GraphedStep | None = None
-        self._graph_pool = None
         self._graphs_failed = False
         self.reset()
 
@@ -295,8 +294,7 @@ class StreamingEngine:
         """After an eager streaming step: record it for the next frames (nothing runs again)."""
         autocast_dtype = self.dtype if self.dtype != torch.float32 else None
         graph = GraphedStep(self.model, self.kv, self.backend, self.camera_cache, tuple(images.shape[1:]),
-                            len(slots), self.config.scale_frames, autocast_dtype, pool=self._graph_pool)
-        self._graph_pool = graph.pool
+                            len(slots), self.config.scale_frames, autocast_dtype)
         graph.load(images, slots, self.num_frames, self.time_counter)
         try:
             graph.record()

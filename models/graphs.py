@@ -46,7 +46,7 @@ class GraphedStep:
     """
 
     def __init__(self, model: GCTStream, kv, backend, camera_cache, image_shape: tuple[int, int, int],
-                 tokens_per_frame: int, num_scale_frames: int, autocast_dtype: torch.dtype | None, pool=None):
+                 tokens_per_frame: int, num_scale_frames: int, autocast_dtype: torch.dtype | None):
         device = kv.device
         self.model, self.kv, self.backend, self.camera_cache = model, kv, backend, camera_cache
         self.num_scale_frames = num_scale_frames
@@ -55,8 +55,7 @@ class GraphedStep:
         self.slots = torch.zeros(tokens_per_frame, dtype=torch.long, device=device)
         self.stream_index = torch.zeros(1, dtype=torch.long, device=device)
         self.time_index = torch.zeros(1, dtype=torch.long, device=device)
-        # A re-recording (the paged pool grew) passes the previous pool, so it reuses that memory.
-        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle()
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.splits: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, query, output) per attention
         self.outputs: dict[str, torch.Tensor] | None = None
