@@ -9,7 +9,6 @@ no pages, no special tokens, no temporal index, no camera-head token).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -156,7 +155,6 @@ class StreamingEngine:
         self._image_size: tuple[int, int] | None = None
         self._buffer: list[tuple[torch.Tensor, float]] = []
         self._graph: GraphedStep | None = None
-        self._graphs_failed = False
         self.reset()
 
     # -- public ----------------------------------------------------------------------------
@@ -286,7 +284,7 @@ class StreamingEngine:
             outputs = self.model.step(
                 images.to(self.device), step, self.camera_cache, stream_index, time_index, self.config.scale_frames
             )
-        if num_new == 1 and self.config.cuda_graphs and self.device.type == "cuda" and not self._graphs_failed:
+        if num_new == 1 and self.config.cuda_graphs and self.device.type == "cuda":
             self._record_graph(images, slots)
         return outputs
 
@@ -298,10 +296,10 @@ class StreamingEngine:
         graph.load(images, slots, self.num_frames, self.time_counter)
         try:
             graph.record()
-        except RuntimeError as error:  # the frame's outputs are fine; later frames run eagerly
-            warnings.warn(f"CUDA graph capture failed, streaming without graphs: {error}", stacklevel=2)
-            self._graphs_failed = True
-            return
+        except RuntimeError as error:
+            # A failed capture can leave CUDA state (RNG offsets, allocator pools) unusable for this
+            # process, so it is not papered over.
+            raise RuntimeError(f"CUDA graph capture failed: {error}; stream with StreamConfig(cuda_graphs=False)") from error
         self._graph = graph
 
     def _apply_moves(self) -> None:
