@@ -72,7 +72,7 @@ class StreamConfig:
     flow_threshold: float = 15.0
     max_gap: int = 30
     attention: str = "auto"  # auto | dense | sdpa | flashinfer | flashinfer-fa2 | flashinfer-fa3
-    cuda_graphs: bool = True  # replay streaming steps as CUDA graphs (CUDA only; outputs are identical)
+    cuda_graphs: bool = True  # replay streaming steps as CUDA graphs (CUDA, contiguous layout; outputs identical)
     compile: bool = True  # fuse the transformer blocks with torch.compile (CUDA only; slower first frames)
 
     @property
@@ -284,7 +284,9 @@ class StreamingEngine:
             outputs = self.model.step(
                 images.to(self.device), step, self.camera_cache, stream_index, time_index, self.config.scale_frames
             )
-        if num_new == 1 and self.config.cuda_graphs and self.device.type == "cuda":
+        # Graph replay serves the contiguous layout only: on the paged layout it leaked ~75 KB of GPU
+        # memory per frame (measured, cause not found; docs/PERFORMANCE.md), so paged steps stay eager.
+        if num_new == 1 and self.config.cuda_graphs and self.device.type == "cuda" and isinstance(self.kv, ContiguousKV):
             self._record_graph(images, slots)
         return outputs
 
