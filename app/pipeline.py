@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CHECKPOINT = "lingbot-map-long"
 # models.engine.ATTENTION_BACKENDS, repeated so that options are checked before torch is imported.
-ATTENTION_CHOICES = ("auto", "dense", "dense-flashinfer", "sdpa", "flashinfer", "flashinfer-fa2", "flashinfer-fa3")
+ATTENTION_CHOICES = ("auto", "dense", "dense-flashinfer", "dense-cudnn", "sdpa", "flashinfer", "flashinfer-fa2", "flashinfer-fa3")
 MAX_WINDOW_FRAMES = 1024  # positions in the model's temporal RoPE table
 RunStatus = Literal["complete", "interrupted", "failed"]
 DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",

@@ -1,7 +1,7 @@
 """Two-stream paged KV cache: page bookkeeping and the attention backends that read the pages."""
 
 from .contiguous import ContiguousTwoStreamCache, SlotMove, VisibleRange
-from .dense_attention import ContiguousKV, DenseAttention
+from .dense_attention import ContiguousKV, DenseAttention, SplitCudnnAttention, merge_partial_attention
 from .paged_attention import KVStep, PagedKV, SDPAPagedAttention
 from .pages import CacheCapacityError, PagePool, VisiblePages
 from .token_cache import TokenCache
@@ -18,8 +18,10 @@ __all__ = [
     "PagedKV",
     "SDPAPagedAttention",
     "SlotMove",
+    "SplitCudnnAttention",
     "TokenCache",
     "TwoStreamCache",
     "VisiblePages",
     "VisibleRange",
+    "merge_partial_attention",
 ]

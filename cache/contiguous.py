@@ -31,10 +31,12 @@ from .two_stream import CacheLayout
 
 @dataclass(frozen=True)
 class VisibleRange:
-    """The key set of one step: tokens [start, end) of every layer's store."""
+    """The key set of one step: tokens [start, end) of every layer's store; special tokens are
+    [start, patch_start), patch tokens [patch_start, end)."""
 
     start: int
     end: int
+    patch_start: int
 
     @property
     def num_tokens(self) -> int:
@@ -104,7 +106,7 @@ class ContiguousTwoStreamCache:
     def visible(self) -> VisibleRange:
         start = self.special_capacity - self.num_special_tokens
         end = self.special_capacity + self.num_patch_frames * self.layout.patches_per_frame
-        return VisibleRange(start, end)
+        return VisibleRange(start, end, self.special_capacity)
 
     def token_slots(self, frame: int = -1) -> list[int]:
         """Store positions of a pending frame's tokens in model order (specials, then patches)."""

@@ -71,3 +71,57 @@ class DenseAttention:
 
 
 _NO_PLAN_BUILDING_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+class SplitCudnnAttention:
+    """cuDNN's fused attention on the patch keys, PyTorch's flash kernel on the special keys, and
+    the two partial results merged by their log-sum-exps (exact up to rounding).
+
+    cuDNN is the fastest kernel measured for this shape but plans per key count; the patch keys
+    take only two counts once the window is full (with and without the deferred frame), while the
+    special keys change every frame and go to the kernel without plans. Until the window is full,
+    the whole range goes to the flash kernel. CUDA, bf16/fp16 only.
+    """
+
+    name = "dense-cudnn"
+
+    def __init__(self, kv: ContiguousKV, full_patch_tokens: tuple[int, ...]):
+        self.kv = kv
+        self.full_patch_tokens = full_patch_tokens  # patch-token counts that take the cuDNN path
+        self._visible: VisibleRange | None = None
+
+    def plan(self, visible: VisibleRange, num_queries: int) -> None:
+        self._visible = visible
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D] -> [T, H, D]."""
+        visible = self._visible
+        store = self.kv.store[layer]
+        query = q.to(store.dtype).transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+
+        def keys(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return store[0, start:end].transpose(0, 1).unsqueeze(0), store[1, start:end].transpose(0, 1).unsqueeze(0)
+
+        if visible.end - visible.patch_start not in self.full_patch_tokens or visible.start == visible.patch_start:
+            out = torch.ops.aten._scaled_dot_product_flash_attention(query, *keys(visible.start, visible.end))[0]
+            return out[0].transpose(0, 1)
+        patch_out, patch_lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            query, *keys(visible.patch_start, visible.end), None, True)[:2]
+        special_out, special_lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            query, *keys(visible.start, visible.patch_start))[:2]
+        out = merge_partial_attention(patch_out, patch_lse, special_out, special_lse)
+        return out[0].transpose(0, 1)
+
+
+def merge_partial_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                            lse_b: torch.Tensor) -> torch.Tensor:
+    """Softmax attention over keys A and B from its two halves. out_* [B, H, T, D]; lse_* the
+    natural-log sum of exp(scores) per query, any shape holding B*H*T values."""
+    shape = out_a.shape[:3]
+    compute = torch.promote_types(out_a.dtype, torch.float32)  # bf16 halves merge in float32
+    lse_a, lse_b = lse_a.reshape(shape).to(compute), lse_b.reshape(shape).to(compute)
+    top = torch.maximum(lse_a, lse_b)
+    weight_a, weight_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    total = weight_a + weight_b
+    merged = out_a.to(compute) * (weight_a / total)[..., None] + out_b.to(compute) * (weight_b / total)[..., None]
+    return merged.to(out_a.dtype)

@@ -23,6 +23,7 @@ from stream_recon.cache import (
     KVStep,
     PagedKV,
     SDPAPagedAttention,
+    SplitCudnnAttention,
     TokenCache,
     TwoStreamCache,
 )
@@ -80,7 +81,7 @@ class StreamConfig:
         return KeyframePolicy.parse(self.keyframes, self.flow_threshold, self.max_gap)
 
 
-ATTENTION_BACKENDS = ("auto", "dense", "dense-flashinfer", "sdpa", "flashinfer", "flashinfer-fa2", "flashinfer-fa3")
+ATTENTION_BACKENDS = ("auto", "dense", "dense-flashinfer", "dense-cudnn", "sdpa", "flashinfer", "flashinfer-fa2", "flashinfer-fa3")
 
 
 def resolve_attention(name: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -105,7 +106,7 @@ def make_attention_backend(name: str, kv: PagedKV):
 
     FlashInfer has no fp32 kernels, so fp32 runs always use SDPA.
     """
-    if name not in ATTENTION_BACKENDS or name in ("auto", "dense", "dense-flashinfer"):
+    if name not in ATTENTION_BACKENDS or name.startswith("dense") or name == "auto":
         raise ValueError(f"{name!r} is not a paged attention backend")
     wants_flashinfer = name.startswith("flashinfer")
     usable = kv.device.type == "cuda" and kv.dtype in (torch.bfloat16, torch.float16)
@@ -124,13 +125,17 @@ def make_attention_backend(name: str, kv: PagedKV):
     return FlashInferPagedAttention(kv, variant="fa3" if name == "flashinfer-fa3" else "fa2")
 
 
-def make_range_backend(name: str, kv: ContiguousKV):
-    """A backend over the contiguous layout: PyTorch SDPA (cuDNN on CUDA), or FlashInfer's ragged
-    prefill (fa3 on Hopper, fa2 elsewhere)."""
+def make_range_backend(name: str, kv: ContiguousKV, cache: ContiguousTwoStreamCache):
+    """A backend over the contiguous layout: PyTorch SDPA, cuDNN + flash merged (dense-cudnn), or
+    FlashInfer's ragged prefill (fa3 on Hopper, fa2 elsewhere)."""
     if name == "dense":
         return DenseAttention(kv)
     if kv.device.type != "cuda" or kv.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"--attention {name} needs bf16/fp16 on a CUDA device (got {kv.dtype} on {kv.device}); use dense")
+    if name == "dense-cudnn":
+        layout = cache.layout
+        full = (layout.scale_frames + layout.window_frames) * layout.patches_per_frame
+        return SplitCudnnAttention(kv, (full, full + layout.patches_per_frame))
     try:
         from stream_recon.cache.flashinfer_backend import FlashInferRangeAttention
     except ImportError as error:
@@ -382,7 +387,7 @@ class StreamingEngine:
         if attention.startswith("dense"):
             self.cache = ContiguousTwoStreamCache(layout, c.max_frames)
             self.kv = ContiguousKV(c.depth, c.num_heads, c.head_dim, self.cache.capacity_tokens, kv_dtype, self.device)
-            self.backend = make_range_backend(attention, self.kv)
+            self.backend = make_range_backend(attention, self.kv, self.cache)
         else:
             self.cache = TwoStreamCache(layout)
             self.kv = PagedKV(c.depth, c.num_heads, c.head_dim, layout.page_size, kv_dtype, self.device,

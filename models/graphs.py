@@ -60,7 +60,8 @@ class GraphedStep:
         self.splits: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, query, output) per attention
         self.outputs: dict[str, torch.Tensor] | None = None
         self.camera_version = camera_cache.version
-        self.attention_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None  # set a list to time
+        # Set to a list to time each replay: (part, start, end) events, part "graph" or "attention".
+        self.timing_events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] | None = None
 
     def load(self, images: torch.Tensor, slots: torch.Tensor, stream_index: int, time_index: int) -> None:
         """Copy one step's inputs into the static tensors. images [1, 3, H, W]; slots [T]."""
@@ -92,20 +93,21 @@ class GraphedStep:
         (pose_enc [1, 9], depth [1, H, W], depth_conf [1, H, W]), safe to keep across steps."""
         with torch.inference_mode():
             for graph, (layer, query, output) in zip(self.graphs, self.splits, strict=False):
-                graph.replay()
-                if self.attention_events is None:
-                    output.copy_(self.backend.attend(layer, query))
-                else:
-                    self._timed_attend(layer, query, output)
-            self.graphs[-1].replay()
+                self._timed("graph", graph.replay)
+                self._timed("attention", lambda layer=layer, query=query, output=output: output.copy_(
+                    self.backend.attend(layer, query)))
+            self._timed("graph", self.graphs[-1].replay)
             return {name: tensor.clone() for name, tensor in self.outputs.items()}
 
-    def _timed_attend(self, layer: int, query: torch.Tensor, output: torch.Tensor) -> None:
+    def _timed(self, part: str, run) -> None:
+        if self.timing_events is None:
+            run()
+            return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        output.copy_(self.backend.attend(layer, query))
+        run()
         end.record()
-        self.attention_events.append((start, end))
+        self.timing_events.append((part, start, end))
 
     def _autocast(self):
         if self.autocast_dtype is None:

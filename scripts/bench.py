@@ -70,6 +70,24 @@ class StageTimer:
         return {stage: sum(a.elapsed_time(b) for a, b in pairs) for stage, pairs in self.events.items()}
 
 
+def graph_parts(events, frames: int) -> dict[str, float]:
+    """Per-frame ms of a replayed step's parts: the first graph (DINO trunk, frame block 0, global
+    block 0 up to its attention), the 24 global attentions, the 23 middle graphs (global block i's
+    projection and MLP, frame block i+1, global block i+1 up to attention) and the last graph
+    (global block 23's projection and MLP, camera head, DPT head, output copies)."""
+    torch.cuda.synchronize()
+    per_step = len(events) // frames
+    parts = {"first_graph": 0.0, "global_attention": 0.0, "middle_graphs": 0.0, "last_graph": 0.0}
+    for index, (part, start, end) in enumerate(events):
+        position = index % per_step
+        if part == "attention":
+            key = "global_attention"
+        else:
+            key = "first_graph" if position == 0 else "last_graph" if position == per_step - 1 else "middle_graphs"
+        parts[key] += start.elapsed_time(end) / frames
+    return parts
+
+
 def run(args) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -89,12 +107,12 @@ def run(args) -> dict:
     viewer_on: list[bool] = []
     times = []
     cold_start = time.perf_counter()
-    attention_events = []
+    timing_events = []
     for i in range(fill + args.frames):
         if i == fill and timer is not None:
             timer.reset()
-        if i == fill and engine._graph is not None:  # time the eager attention calls between graph segments
-            engine._graph.attention_events = attention_events
+        if i == fill and engine._graph is not None:  # time the graph segments and the attention calls between
+            engine._graph.timing_events = timing_events
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -139,9 +157,8 @@ def run(args) -> dict:
         result["viewer_busy_seconds"] = viewer.scene_summary()["busy_seconds"]
         viewer.close("complete")
     result["cuda_graphs"] = engine.stats()["cuda_graphs"]
-    if attention_events:
-        torch.cuda.synchronize()
-        result["global_attention_ms_per_frame"] = sum(a.elapsed_time(b) for a, b in attention_events) / args.frames
+    if timing_events:
+        result["graph_parts_ms_per_frame"] = graph_parts(timing_events, args.frames)
     if timer is not None:
         result["stage_ms_per_frame"] = {k: v / args.frames for k, v in timer.totals_ms().items()}
     return result

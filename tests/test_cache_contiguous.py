@@ -112,3 +112,22 @@ def test_scale_and_window_frames_cannot_share_a_step():
     with pytest.raises(ValueError, match="scale frames"):
         cache.append()
     assert cache.num_special_tokens == 1 and cache.num_pending_frames == 1  # the refused append changed nothing
+
+
+def test_partial_attentions_merge_into_the_full_one():
+    import torch
+
+    from stream_recon.cache import merge_partial_attention
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 3, 5, 8, generator=generator, dtype=torch.float64) for _ in range(3))
+    k, v = torch.cat([k, 3 * torch.randn(1, 3, 7, 8, generator=generator, dtype=torch.float64)], 2), torch.cat(
+        [v, torch.randn(1, 3, 7, 8, generator=generator, dtype=torch.float64)], 2)
+
+    def partial(keys, values):
+        scores = q @ keys.transpose(-1, -2) / 8**0.5
+        return torch.softmax(scores, -1) @ values, torch.logsumexp(scores, -1)
+
+    merged = merge_partial_attention(*partial(k[:, :, :4], v[:, :, :4]), *partial(k[:, :, 4:], v[:, :, 4:]))
+    full = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(merged, full, rtol=0, atol=1e-12)

@@ -22,7 +22,7 @@ def as_golden(predictions) -> dict[str, np.ndarray]:
     return {k: np.stack([getattr(p, k) for p in predictions]) for k in KEYS}
 
 
-@pytest.mark.parametrize("attention", ["dense", "dense-flashinfer"])
+@pytest.mark.parametrize("attention", ["dense", "dense-flashinfer", "dense-cudnn"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_contiguous_graphed_path_agrees_with_golden_and_the_paged_path(gpu_model, scenario, attention):
     if attention == "dense-flashinfer":
@@ -40,7 +40,7 @@ def test_contiguous_graphed_path_agrees_with_golden_and_the_paged_path(gpu_model
         assert between[key] <= limit, f"{key}: {between[key]:.3f} sigma"
 
 
-@pytest.mark.parametrize("attention", ["dense", "dense-flashinfer"])
+@pytest.mark.parametrize("attention", ["dense", "dense-flashinfer", "dense-cudnn"])
 def test_graph_replay_equals_the_eager_step(gpu_model, attention):
     """Same kernels, same order: replaying the recorded step changes nothing but the launch cost."""
     if attention == "dense-flashinfer":
