@@ -85,15 +85,18 @@ ATTENTION_BACKENDS = ("auto", "dense", "dense-flashinfer", "dense-cudnn", "sdpa"
 
 
 def resolve_attention(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """`auto`: for bf16/fp16 on CUDA the contiguous layout, read by FlashInfer's ragged prefill when
-    it is installed (the fastest measured, docs/PERFORMANCE.md) or by PyTorch's flash kernel; the
-    paged cache with PyTorch SDPA otherwise (the float32 golden-parity path)."""
+    """`auto` for bf16/fp16 on CUDA: the contiguous layout, read by cuDNN + flash (dense-cudnn) on
+    Hopper or newer, the fastest measured (docs/PERFORMANCE.md); elsewhere by FlashInfer's ragged
+    prefill when it is installed, else by PyTorch's flash kernel. On CPU or in float32: the paged
+    cache with PyTorch SDPA (the golden-parity path)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
     if name != "auto":
         return name
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return "sdpa"
+    if torch.cuda.get_device_capability(device)[0] >= 9:
+        return "dense-cudnn"
     try:
         import flashinfer  # noqa: F401 - only whether it imports matters here
     except ImportError:

@@ -73,8 +73,11 @@ def _attention_backends() -> dict[str, str]:
     import torch
 
     backends = {
-        "dense": "available (contiguous cache, PyTorch SDPA reading keys in place; cuDNN fused attention on CUDA; "
-                 "the default on CUDA)",
+        "dense": "available (contiguous cache, PyTorch SDPA reading keys in place; CPU and CUDA)",
+        "dense-cudnn": (
+            "available (contiguous cache, cuDNN fused attention + flash; the default on Hopper GPUs)"
+            if torch.cuda.is_available() else "needs a CUDA GPU (none found)"
+        ),
         "sdpa": "available (paged cache, PyTorch scaled_dot_product_attention; CPU and CUDA; the default on CPU)",
     }
     try:
