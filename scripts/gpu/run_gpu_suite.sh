@@ -14,5 +14,5 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$OUT/gpu.txt"
 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_flashinfer.py tests/test_gpu_fast_path.py ${GPU_TESTS_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log"
-python3 scripts/bench.py --attention ${BENCH_ATTENTION:-flashinfer} --frames ${BENCH_FRAMES:-80} --viewer \
+python3 scripts/bench.py --attention ${BENCH_ATTENTION:-auto} --frames ${BENCH_FRAMES:-80} --viewer \
   --json "$OUT/bench_viewer.json" 2>&1 | grep -v Warn | tee -a "$OUT/bench.log"
