@@ -85,9 +85,14 @@ class SplitCudnnAttention:
 
     name = "dense-cudnn"
 
-    def __init__(self, kv: ContiguousKV, full_patch_tokens: tuple[int, ...]):
+    def __init__(self, kv: ContiguousKV, full_patch_tokens: tuple[int, ...], fixed_shape_kernel=None,
+                 any_shape_kernel=None):
+        """Kernels take q, k, v [1, H, *, D] and return (out [1, H, T, D], logsumexp); the defaults
+        are cuDNN (fixed shapes) and PyTorch's flash kernel (any shape), both CUDA-only."""
         self.kv = kv
-        self.full_patch_tokens = full_patch_tokens  # patch-token counts that take the cuDNN path
+        self.full_patch_tokens = full_patch_tokens  # patch-token counts that take the fixed-shape kernel
+        self.fixed_shape_kernel = fixed_shape_kernel or _cudnn_with_lse
+        self.any_shape_kernel = any_shape_kernel or _flash_with_lse
         self._visible: VisibleRange | None = None
 
     def plan(self, visible: VisibleRange, num_queries: int) -> None:
@@ -103,14 +108,20 @@ class SplitCudnnAttention:
             return store[0, start:end].transpose(0, 1).unsqueeze(0), store[1, start:end].transpose(0, 1).unsqueeze(0)
 
         if visible.end - visible.patch_start not in self.full_patch_tokens or visible.start == visible.patch_start:
-            out = torch.ops.aten._scaled_dot_product_flash_attention(query, *keys(visible.start, visible.end))[0]
+            out = self.any_shape_kernel(query, *keys(visible.start, visible.end))[0]
             return out[0].transpose(0, 1)
-        patch_out, patch_lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            query, *keys(visible.patch_start, visible.end), None, True)[:2]
-        special_out, special_lse = torch.ops.aten._scaled_dot_product_flash_attention(
-            query, *keys(visible.start, visible.patch_start))[:2]
+        patch_out, patch_lse = self.fixed_shape_kernel(query, *keys(visible.patch_start, visible.end))
+        special_out, special_lse = self.any_shape_kernel(query, *keys(visible.start, visible.patch_start))
         out = merge_partial_attention(patch_out, patch_lse, special_out, special_lse)
         return out[0].transpose(0, 1)
+
+
+def _cudnn_with_lse(q, k, v):
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)[:2]
+
+
+def _flash_with_lse(q, k, v):
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[:2]
 
 
 def merge_partial_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
