@@ -425,3 +425,22 @@ def test_rollovers_are_logged(model, frames, caplog):
 def test_bad_window_settings_are_refused(model, kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         WindowedEngine(model, StreamConfig(scale_frames=3, window=4), **kwargs)
+
+
+@pytest.mark.parametrize("case", ["flow_mixed", "interval"])
+def test_contiguous_layout_gives_the_paged_results_across_windows(model, frames, case):
+    """Window rollovers reset the contiguous cache (specials, slots, spare) as they do the paged one."""
+    import dataclasses
+
+    config, window_frames, overlap, count = CASES[case]
+    runs = {}
+    for attention in ("sdpa", "dense"):
+        engine = WindowedEngine(model, dataclasses.replace(config, attention=attention), window_frames=window_frames,
+                                overlap=overlap)
+        runs[attention] = (run_live(engine, frames[:count])[0], engine.stats()["rollovers"])
+    (paged, paged_rollovers), (dense, dense_rollovers) = runs["sdpa"], runs["dense"]
+    assert dense_rollovers == paged_rollovers >= 1
+    for index, ours in dense.items():
+        assert ours.frame_type == paged[index].frame_type
+        np.testing.assert_allclose(ours.c2w, paged[index].c2w, atol=2e-5)
+        np.testing.assert_allclose(ours.depth, paged[index].depth, rtol=2e-5)
