@@ -88,6 +88,15 @@ def graph_parts(events, frames: int) -> dict[str, float]:
     return parts
 
 
+def attention_flops(engine: StreamingEngine) -> float:
+    """FLOPs of one frame's global attention at the final key count: 2 matmuls x 2 FLOP per MAC."""
+    c = engine.model.config
+    height, width = engine._image_size
+    rows, cols = c.grid(height, width)
+    queries = rows * cols + c.num_special_tokens
+    return 4.0 * queries * engine.cache.visible().num_tokens * c.embed_dim * c.depth
+
+
 def run(args) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -158,7 +167,9 @@ def run(args) -> dict:
         viewer.close("complete")
     result["cuda_graphs"] = engine.stats()["cuda_graphs"]
     if timing_events:
-        result["graph_parts_ms_per_frame"] = graph_parts(timing_events, args.frames)
+        parts = graph_parts(timing_events, args.frames)
+        result["graph_parts_ms_per_frame"] = parts
+        result["global_attention_tflops"] = attention_flops(engine) / parts["global_attention"] / 1e9
     if timer is not None:
         result["stage_ms_per_frame"] = {k: v / args.frames for k, v in timer.totals_ms().items()}
     return result
