@@ -424,11 +424,13 @@ def resolve_device(device: str) -> str:
 
 
 def check_attention(attention: str, device: str) -> None:
-    """FlashInfer asked for explicitly must be usable here; `auto` falls back to SDPA on its own."""
-    if "flashinfer" not in attention:
+    """A CUDA-only backend asked for explicitly must be usable here; `auto` picks a usable one itself."""
+    if "flashinfer" not in attention and attention != "dense-cudnn":
         return
     if not device.startswith("cuda"):
         raise OptionsError(f"--attention {attention} runs on CUDA only, but the device is {device}; use sdpa or auto")
+    if attention == "dense-cudnn":
+        return
     try:
         import flashinfer  # noqa: F401 - only whether it imports matters here
     except ImportError as error:
