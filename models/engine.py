@@ -397,9 +397,10 @@ class StreamingEngine:
                               self.cache.pool.num_pages)
             self.backend = make_attention_backend(attention, self.kv)
         camera = self.model.camera_head
-        # Room for every camera token the temporal RoPE range allows: the storage never moves, so a
-        # recorded CUDA graph stays valid for the whole stream.
+        # On CUDA, room for every camera token the temporal RoPE range allows: the storage never
+        # moves, so a recorded CUDA graph stays valid for the whole stream. Elsewhere it grows.
+        capacity = c.max_frames if self.device.type == "cuda" else 64
         self.camera_cache = TokenCache(camera.num_cache_layers, c.camera_heads, c.head_in_dim // c.camera_heads,
-                                       torch.float32, self.device, capacity=c.max_frames)
+                                       torch.float32, self.device, capacity=capacity)
         if self.on_backend_ready is not None:
             self.on_backend_ready(self.backend.name)
