@@ -3,13 +3,7 @@
 # pipeline against the official one in one process, then FlashInfer's JIT-heavy candidates.
 #   (on the GPU machine, from the repository root, with .whl and .reference carried)
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-mkdir -p /tmp/sr/stream_recon
-for d in app models cache; do ln -sfn "$PWD/$d" /tmp/sr/stream_recon/$d; done
-export PYTHONPATH=/tmp/sr:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+source scripts/gpu/env.sh
 python3 scripts/bench_attention.py --groups torch --json "$OUT/attention_torch.json" 2>&1 | grep -v Warn | tee "$OUT/probe.log"
 python3 scripts/bench.py --attention ${BENCH_ATTENTION:-flashinfer} --frames ${BENCH_FRAMES:-100} \
   --reference .reference/lingbot-map --json "$OUT/bench_reference.json" 2>&1 | grep -v Warn | tee -a "$OUT/probe.log"
