@@ -55,7 +55,9 @@ class SlotMove:
 class _PendingWindowFrame:
     slot: int
     deferred: bool
-    evicted: tuple[int, int] | None = None  # (frame id, slot) pushed out by a non-deferred append
+    # A non-deferred append at a full window took the oldest frame's slot; that frame waits in the
+    # spare slot until the commit.
+    replaced_oldest: bool = False
 
 
 class ContiguousTwoStreamCache:
@@ -86,6 +88,10 @@ class ContiguousTwoStreamCache:
     @property
     def num_pending_frames(self) -> int:
         return self._num_pending_scale + (1 if self._pending_window else 0)
+
+    @property
+    def num_committed_frames(self) -> int:
+        return self._num_special_frames - self.num_pending_frames
 
     @property
     def num_scale_frames(self) -> int:
@@ -141,32 +147,29 @@ class ContiguousTwoStreamCache:
             self._append_window_frame(defer_eviction)
 
     def _append_window_frame(self, deferred: bool) -> None:
-        frame = self._next_frame_id
-        self._next_frame_id += 1
         full = len(self._window) >= self.layout.window_frames
         if not full:
             slot = self._window_base + len(self._window)
-            self._window.append((frame, slot))
+            self._window.append(slot)
             self._pending_window = _PendingWindowFrame(slot, deferred)
         elif deferred:  # the window grows by one until the decision: the new frame takes the spare
-            self._window.append((frame, self.spare_slot))
+            self._window.append(self.spare_slot)
             self._pending_window = _PendingWindowFrame(self.spare_slot, deferred)
         else:  # evict now; the oldest frame's data waits in the spare in case of a rollback
-            oldest, slot = self._window.popleft()
+            slot = self._window.popleft()
             self._moves.append(SlotMove(slot, self.spare_slot))
-            self._window.append((frame, slot))
-            self._pending_window = _PendingWindowFrame(slot, deferred, evicted=(oldest, slot))
+            self._window.append(slot)
+            self._pending_window = _PendingWindowFrame(slot, deferred, replaced_oldest=True)
 
     def commit(self) -> None:
         pending = self._pending_window
         if pending is not None and pending.deferred and len(self._window) > self.layout.window_frames:
             # Evict the oldest and move the new frame (in the spare) into its slot: compact again.
-            _, hole = self._window.popleft()
-            frame, slot = self._window.pop()
+            hole = self._window.popleft()
+            slot = self._window.pop()
             assert slot == self.spare_slot
             self._moves.append(SlotMove(self.spare_slot, hole))
-            self._window.append((frame, hole))
-        self._num_committed += self.num_pending_frames
+            self._window.append(hole)
         self._num_pending_scale = 0
         self._pending_window = None
 
@@ -174,10 +177,9 @@ class ContiguousTwoStreamCache:
         pending = self._pending_window
         if pending is not None:
             self._window.pop()
-            if pending.evicted is not None:
-                oldest, slot = pending.evicted
-                self._moves.append(SlotMove(self.spare_slot, slot))
-                self._window.appendleft((oldest, slot))
+            if pending.replaced_oldest:
+                self._moves.append(SlotMove(self.spare_slot, pending.slot))
+                self._window.appendleft(pending.slot)
         self._num_special_frames -= self.num_pending_frames
         self._num_scale -= self._num_pending_scale
         self._num_pending_scale = 0
@@ -187,15 +189,9 @@ class ContiguousTwoStreamCache:
         self._num_scale = 0
         self._num_pending_scale = 0
         self._num_special_frames = 0
-        self._num_committed = 0
-        self._window: deque[tuple[int, int]] = deque()  # (frame id, slot), oldest first
+        self._window: deque[int] = deque()  # slots of the window frames, oldest first
         self._pending_window: _PendingWindowFrame | None = None
-        self._next_frame_id = 0
         self._moves: list[SlotMove] = []
-
-    @property
-    def num_committed_frames(self) -> int:
-        return self._num_committed
 
     # -- internals -------------------------------------------------------------------------
     @property
