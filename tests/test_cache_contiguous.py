@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cache_two_stream import OPS, DenseReference, layouts
+from test_cache_two_stream import OPS, DenseReference, drive, layouts
 
 from stream_recon.cache import CacheLayout
 from stream_recon.cache.contiguous import ContiguousTwoStreamCache
@@ -66,17 +66,7 @@ class Harness:
 def test_contiguous_cache_matches_dense_reference(layout, data, ops):
     # Phase 1 appends up to scale_frames frames together (the contiguous cache's restriction).
     scale_batch = data.draw(st.integers(1, layout.scale_frames))
-    h = Harness(layout)
-    for _ in range(scale_batch):
-        h.append(defer=False)
-        h.check()
-    h.commit()
-    h.check()
-    for op in ops:
-        h.append(defer=op.startswith("defer"))
-        h.check()
-        (h.commit if op in ("key", "defer_commit") else h.rollback)()
-        h.check()
+    drive(Harness(layout), scale_batch, ops)
 
 
 def test_moves_keep_the_window_compact():
@@ -159,9 +149,7 @@ def test_split_attention_equals_dense_attention_through_a_stream():
     generator = torch.Generator().manual_seed(1)
     for step in range(14):
         cache.append(defer_eviction=step % 3 == 1)
-        for move in cache.take_moves():
-            source, target = cache.slot_tokens(move.source), cache.slot_tokens(move.target)
-            kv.store[:, :, target.start : target.stop] = kv.store[:, :, source.start : source.stop]
+        kv.apply_moves(cache.take_moves(), cache)
         slots = torch.tensor(cache.token_slots(-1))
         kv.write(0, slots, *(torch.randn(len(slots), 2, 4, generator=generator, dtype=torch.float64) for _ in range(2)))
         q = torch.randn(len(slots), 2, 4, generator=generator, dtype=torch.float64)
@@ -169,7 +157,5 @@ def test_split_attention_equals_dense_attention_through_a_stream():
         dense.plan(cache.visible(), len(slots))
         torch.testing.assert_close(split.attend(0, q), dense.attend(0, q), rtol=0, atol=1e-12)
         (cache.rollback if step % 3 == 1 and step % 2 else cache.commit)()
-        for move in cache.take_moves():
-            source, target = cache.slot_tokens(move.source), cache.slot_tokens(move.target)
-            kv.store[:, :, target.start : target.stop] = kv.store[:, :, source.start : source.stop]
+        kv.apply_moves(cache.take_moves(), cache)
     assert set(fixed_calls) == {full, full + layout.patches_per_frame}  # both full-window shapes, nothing else

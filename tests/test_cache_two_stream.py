@@ -112,8 +112,13 @@ OPS = st.sampled_from(["key", "defer_commit", "defer_rollback", "append_rollback
 @settings(max_examples=300, deadline=None)
 @given(layout=layouts(), scale_batch=st.integers(1, 3), ops=st.lists(OPS, max_size=25), initial=st.integers(1, 4))
 def test_cache_matches_dense_reference(layout, scale_batch, ops, initial):
-    h = Harness(layout, initial)
-    for _ in range(scale_batch):  # phase 1: several frames pending together
+    drive(Harness(layout, initial), scale_batch, ops)
+
+
+def drive(h, scale_batch: int, ops: list[str]) -> None:
+    """Phase 1 (several frames pending together), then one op per streaming frame, checking the
+    harness against its reference after every change."""
+    for _ in range(scale_batch):
         h.append(defer=False)
         h.check()
     h.commit()
