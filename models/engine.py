@@ -111,21 +111,11 @@ def make_attention_backend(name: str, kv: PagedKV):
     """
     if name not in ATTENTION_BACKENDS or name.startswith("dense") or name == "auto":
         raise ValueError(f"{name!r} is not a paged attention backend")
-    wants_flashinfer = name.startswith("flashinfer")
-    usable = kv.device.type == "cuda" and kv.dtype in (torch.bfloat16, torch.float16)
     if name == "sdpa":
         return SDPAPagedAttention(kv)
-    if wants_flashinfer and not usable:
-        raise ValueError(
-            f"--attention {name} needs bf16/fp16 on a CUDA device (got {kv.dtype} on {kv.device}); use --attention sdpa"
-        )
-    try:
-        from stream_recon.cache.flashinfer_backend import FlashInferPagedAttention
-    except ImportError as error:
-        if wants_flashinfer:
-            raise ValueError(f"--attention {name} needs the flashinfer package (pip install 'stream-recon[cuda]'): {error}") from None
-        return SDPAPagedAttention(kv)
-    return FlashInferPagedAttention(kv, variant="fa3" if name == "flashinfer-fa3" else "fa2")
+    _require_cuda_half_precision(name, kv, instead="sdpa")
+    variant = "fa3" if name == "flashinfer-fa3" else "fa2"
+    return _flashinfer_backends(name).FlashInferPagedAttention(kv, variant=variant)
 
 
 def make_range_backend(name: str, kv: ContiguousKV, cache: ContiguousTwoStreamCache):
@@ -133,17 +123,28 @@ def make_range_backend(name: str, kv: ContiguousKV, cache: ContiguousTwoStreamCa
     FlashInfer's ragged prefill (fa3 on Hopper, fa2 elsewhere)."""
     if name == "dense":
         return DenseAttention(kv)
-    if kv.device.type != "cuda" or kv.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"--attention {name} needs bf16/fp16 on a CUDA device (got {kv.dtype} on {kv.device}); use dense")
+    _require_cuda_half_precision(name, kv, instead="dense")
     if name == "dense-cudnn":
         layout = cache.layout
         full = (layout.scale_frames + layout.window_frames) * layout.patches_per_frame
         return SplitCudnnAttention(kv, (full, full + layout.patches_per_frame))
+    variant = "fa3" if torch.cuda.get_device_capability(kv.device)[0] == 9 else "fa2"
+    return _flashinfer_backends(name).FlashInferRangeAttention(kv, variant=variant)
+
+
+def _require_cuda_half_precision(name: str, kv, instead: str) -> None:
+    if kv.device.type != "cuda" or kv.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"--attention {name} needs bf16/fp16 on a CUDA device (got {kv.dtype} on {kv.device}); use --attention {instead}"
+        )
+
+
+def _flashinfer_backends(name: str):
     try:
-        from stream_recon.cache.flashinfer_backend import FlashInferRangeAttention
+        from stream_recon.cache import flashinfer_backend
     except ImportError as error:
         raise ValueError(f"--attention {name} needs the flashinfer package (pip install 'stream-recon[cuda]'): {error}") from None
-    return FlashInferRangeAttention(kv, variant="fa3" if torch.cuda.get_device_capability(kv.device)[0] == 9 else "fa2")
+    return flashinfer_backend
 
 
 class StreamingEngine:
@@ -276,8 +277,8 @@ class StreamingEngine:
                 "use windowed streaming (WindowedEngine) so that each window starts a fresh cache"
             )
         slots = torch.tensor([s for i in range(-num_new, 0) for s in self.cache.token_slots(i)], dtype=torch.long)
-        if isinstance(self.kv, PagedKV) and self.kv.ensure_pages(self.cache.pool.num_pages):
-            self._graph = None  # the pages moved: a recorded graph points at the old ones
+        if isinstance(self.kv, PagedKV):  # (graphs are never recorded over pages, which may move)
+            self.kv.ensure_pages(self.cache.pool.num_pages)
         self.backend.plan(self.cache.visible(), len(slots))
         self.camera_cache.begin(num_new)
         if self._graph is not None and self._graph.camera_version != self.camera_cache.version:
