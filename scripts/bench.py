@@ -225,17 +225,11 @@ def run_reference(args) -> dict:
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
         "cold_start_s": cold_start,
         "attention": "flashinfer-fa3" if args.reference_fa3 else "flashinfer-fa2",
-        "commit": _git_head(args.reference),
     }
     model = None  # free the reference before anything else runs
     gc.collect()
     torch.cuda.empty_cache()
     return result
-
-
-def _git_head(path) -> str | None:
-    head = __import__("pathlib").Path(path) / ".git"
-    return head.read_text().strip() if head.is_file() else None
 
 
 def main():
