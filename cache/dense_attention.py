@@ -41,9 +41,9 @@ class ContiguousKV:
             source, target = cache.slot_tokens(move.source), cache.slot_tokens(move.target)
             self.store[:, :, target.start : target.stop] = self.store[:, :, source.start : source.stop]
 
-    def keys_values(self, layer: int, visible: VisibleRange) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views [N, H, D] of the visible keys and values (no copy)."""
-        return (self.store[layer, 0, visible.start : visible.end], self.store[layer, 1, visible.start : visible.end])
+    def keys_values(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [N, H, D] of the keys and values at store positions [start, end) (no copy)."""
+        return self.store[layer, 0, start:end], self.store[layer, 1, start:end]
 
 
 class DenseAttention:
@@ -60,7 +60,7 @@ class DenseAttention:
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D]."""
-        keys, values = self.kv.keys_values(layer, self._visible)
+        keys, values = self.kv.keys_values(layer, self._visible.start, self._visible.end)
         with sdpa_kernel(_NO_PLAN_BUILDING_BACKENDS):
             out = F.scaled_dot_product_attention(
                 q.to(keys.dtype).transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
@@ -101,11 +101,10 @@ class SplitCudnnAttention:
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D]."""
         visible = self._visible
-        store = self.kv.store[layer]
-        query = q.to(store.dtype).transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+        query = q.to(self.kv.dtype).transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
 
-        def keys(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return store[0, start:end].transpose(0, 1).unsqueeze(0), store[1, start:end].transpose(0, 1).unsqueeze(0)
+        def keys(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:  # [1, H, N, D] views
+            return tuple(t.transpose(0, 1).unsqueeze(0) for t in self.kv.keys_values(layer, start, end))
 
         if visible.end - visible.patch_start not in self.full_patch_tokens or visible.start == visible.patch_start:
             out = self.any_shape_kernel(query, *keys(visible.start, visible.end))[0]

@@ -86,5 +86,5 @@ class FlashInferRangeAttention:
         )
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        keys, values = self.kv.keys_values(layer, self._visible)
+        keys, values = self.kv.keys_values(layer, self._visible.start, self._visible.end)
         return self._wrapper.run(q.to(self.kv.dtype).contiguous(), keys, values)
