@@ -1,0 +1,146 @@
+"""Where a replayed streaming step's GPU time goes, kernel by kernel (GPU machine).
+
+    python3 scripts/gpu/profile_step.py --frames 4 --out $OUT/profile
+
+Streams synthetic frames through the default engine (graphs, compile) until the window is full,
+then records the kernels of `--frames` steps with torch.profiler. Writes:
+  kernels.json   every kernel of the profiled steps in launch order: [name, start_us, duration_us]
+  summary.txt    per kernel name: calls and microseconds per frame, the largest first
+and prints the summary's head. The heads probe (`--heads`) times the DPT head alone, replayed as a
+CUDA graph, in its variants (float32 with and without TF32, channels-last, compiled, bf16),
+with each variant's difference from the float32 result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import build_model  # noqa: E402
+
+from stream_recon.models import StreamConfig, StreamingEngine  # noqa: E402
+
+
+def profile_stream(args) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model, _ = build_model("cuda", "lingbot-map")
+    engine = StreamingEngine(model, StreamConfig(scale_frames=8, window=64, attention=args.attention,
+                                                 compile=not args.no_compile), device="cuda", dtype=torch.bfloat16)
+    frames = [torch.rand(3, args.height, args.width, device="cuda") for _ in range(4)]
+    for i in range(72 + args.warmup):
+        engine.push(frames[i % 4])
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for i in range(args.frames):
+            engine.push(frames[i % 4])
+        torch.cuda.synchronize()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    kernels = sorted((e["ts"], e["name"], e["dur"]) for e in events if e.get("cat") == "kernel")
+    t0 = kernels[0][0]
+    (out / "kernels.json").write_text(json.dumps([[n, round(ts - t0, 2), d] for ts, n, d in kernels]))
+    trace.unlink()
+    totals, calls = defaultdict(float), defaultdict(int)
+    for _, name, duration in kernels:
+        totals[name] += duration / args.frames
+        calls[name] += 1
+    lines = [f"{len(kernels) / args.frames:.0f} kernels per frame, {sum(totals.values()) / 1000:.2f} ms of kernel time per frame"]
+    for name, us in sorted(totals.items(), key=lambda item: -item[1]):
+        lines.append(f"{us:9.1f} us  {calls[name] / args.frames:6.1f}x  {name[:160]}")
+    (out / "summary.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:45]))
+
+
+def time_graph(fn, inputs, repeats: int = 50) -> tuple[float, object]:
+    """Capture fn(*inputs) once, replay it; milliseconds per replay and the output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn(*inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = fn(*inputs)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats, output
+
+
+def probe_heads(args) -> None:
+    import copy
+
+    model, _ = build_model("cuda", "lingbot-map")
+    head = model.depth_head
+    rows, cols = args.height // 14, args.width // 14
+    torch.manual_seed(0)
+    layers = [torch.randn(1, rows * cols + 6, 2048, device="cuda") for _ in range(4)]
+    print(f"cudnn.allow_tf32={torch.backends.cudnn.allow_tf32} matmul.allow_tf32={torch.backends.cuda.matmul.allow_tf32}")
+
+    def run(module, dtype=torch.float32):
+        def fn(*xs):
+            with torch.inference_mode():
+                return module([x.to(dtype) for x in xs], args.height, args.width)
+        return fn
+
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    exact_ms, (exact_depth, _) = time_graph(run(head), layers)
+    exact_depth = exact_depth.clone()
+    print(f"dpt fp32 no tf32: {exact_ms:.3f} ms")
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+    def report(label, fn):
+        try:
+            ms, (depth, _) = time_graph(fn, layers)
+            error = ((depth.float() - exact_depth).abs().max() / exact_depth.std()).item()
+            print(f"dpt {label}: {ms:.3f} ms, max diff {error:.2e} sigma")
+        except Exception as error:  # a probe: report and go on
+            print(f"dpt {label}: failed: {type(error).__name__}: {str(error)[:300]}")
+
+    report("fp32 tf32", run(head))
+    last = copy.deepcopy(head).to(memory_format=torch.channels_last)
+    report("fp32 tf32 channels-last", run(last))
+    report("compiled fp32 tf32", run(torch.compile(head.forward, dynamic=False)))
+    report("compiled channels-last", run(torch.compile(last.forward, dynamic=False)))
+    half = copy.deepcopy(head).to(torch.bfloat16)
+    report("bf16 weights", run(half, torch.bfloat16))
+    half_last = copy.deepcopy(half).to(memory_format=torch.channels_last)
+    report("bf16 channels-last", run(half_last, torch.bfloat16))
+    report("bf16 compiled channels-last", run(torch.compile(half_last.forward, dynamic=False), torch.bfloat16))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--frames", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=12)
+    parser.add_argument("--height", type=int, default=378)
+    parser.add_argument("--width", type=int, default=518)
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--heads", action="store_true", help="probe the DPT head's variants instead")
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/out") + "/profile")
+    args = parser.parse_args()
+    probe_heads(args) if args.heads else profile_stream(args)
+
+
+if __name__ == "__main__":
+    main()
