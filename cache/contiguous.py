@@ -114,13 +114,17 @@ class ContiguousTwoStreamCache:
         end = self.special_capacity + self.num_patch_frames * self.layout.patches_per_frame
         return VisibleRange(start, end, self.special_capacity)
 
-    def token_slots(self, frame: int = -1) -> list[int]:
-        """Store positions of a pending frame's tokens in model order (specials, then patches)."""
-        pending = self._pending_order()
-        index, slot = pending[frame]
+    def token_ranges(self, frame: int = -1) -> tuple[range, range]:
+        """Store positions of a pending frame's special tokens and of its patch tokens: two ranges."""
+        index, slot = self._pending_order()[frame]
         specials = self.layout.specials_per_frame
         first = self.special_capacity - (index + 1) * specials
-        return list(range(first, first + specials)) + list(self.slot_tokens(slot))
+        return range(first, first + specials), self.slot_tokens(slot)
+
+    def token_slots(self, frame: int = -1) -> list[int]:
+        """Store positions of a pending frame's tokens in model order (specials, then patches)."""
+        specials, patches = self.token_ranges(frame)
+        return list(specials) + list(patches)
 
     def take_moves(self) -> list[SlotMove]:
         """Copies the store must make now, in order, before this step writes its K/V."""

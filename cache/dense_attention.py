@@ -93,6 +93,11 @@ class SplitCudnnAttention:
         self.full_patch_tokens = full_patch_tokens  # patch-token counts that take the fixed-shape kernel
         self.fixed_shape_kernel = fixed_shape_kernel or _cudnn_with_lse
         self.any_shape_kernel = any_shape_kernel or _flash_with_lse
+        # On CUDA the merge's dozen elementwise kernels become one (its shapes are fixed per stream).
+        on_cuda = kv.device.type == "cuda"
+        self.merge = torch.compile(merge_into_tokens, dynamic=False) if on_cuda else merge_into_tokens
+        # The special keys' kernel runs on a side stream, beside the patch keys' kernel (CUDA).
+        self.side_stream = torch.cuda.Stream(kv.device) if on_cuda else None
         self._visible: VisibleRange | None = None
 
     def plan(self, visible: VisibleRange, num_queries: int) -> None:
@@ -109,10 +114,18 @@ class SplitCudnnAttention:
         if visible.end - visible.patch_start not in self.full_patch_tokens or visible.start == visible.patch_start:
             out = self.any_shape_kernel(query, *keys(visible.start, visible.end))[0]
             return out[0].transpose(0, 1)
+        side = self.side_stream
+        if side is None:
+            special_out, special_lse = self.any_shape_kernel(query, *keys(visible.start, visible.patch_start))
+        else:
+            main = torch.cuda.current_stream(self.kv.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                special_out, special_lse = self.any_shape_kernel(query, *keys(visible.start, visible.patch_start))
         patch_out, patch_lse = self.fixed_shape_kernel(query, *keys(visible.patch_start, visible.end))
-        special_out, special_lse = self.any_shape_kernel(query, *keys(visible.start, visible.patch_start))
-        out = merge_partial_attention(patch_out, patch_lse, special_out, special_lse)
-        return out[0].transpose(0, 1)
+        if side is not None:
+            main.wait_stream(side)
+        return self.merge(patch_out, patch_lse, special_out, special_lse)
 
 
 def _cudnn_with_lse(q, k, v):
@@ -135,3 +148,9 @@ def merge_partial_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: tor
     total = weight_a + weight_b
     merged = out_a.to(compute) * (weight_a / total)[..., None] + out_b.to(compute) * (weight_b / total)[..., None]
     return merged.to(out_a.dtype)
+
+
+def merge_into_tokens(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                      lse_b: torch.Tensor) -> torch.Tensor:
+    """merge_partial_attention for one sequence (B = 1), laid out per token: [T, H, D] contiguous."""
+    return merge_partial_attention(out_a, lse_a, out_b, lse_b)[0].transpose(0, 1).contiguous()

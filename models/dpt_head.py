@@ -108,12 +108,28 @@ class DPTHead(nn.Module):
         """layers: 4 x [S, P, 2C] (fp32) -> depth [S, H, W], confidence [S, H, W]."""
         rows, cols = height // self.patch_size, width // self.patch_size
         aspect = width / height
+        device = layers[0].device
+        grid_tables = [self.uv_table(rows, cols, project.out_channels, aspect, device) for project in self.projects]
+        image_channels = self.scratch.output_conv1.out_channels
+        image_table = self.uv_table(rows * self.patch_size, cols * self.patch_size, image_channels, aspect, device)
+        return self.decode(layers, grid_tables, image_table)
+
+    def decode(self, layers: list[torch.Tensor], grid_tables: list[torch.Tensor],
+               image_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The convolutional part: a pure function of tensors, so that it can be compiled.
+
+        layers 4 x [S, P, 2C]; grid_tables 4 x [C_k, rows, cols] and image_table [F/2, H, W] (H, W rounded down to the
+        patch grid), the
+        UV embeddings added after each projection and after the last upsampling.
+        """
+        rows, cols = grid_tables[0].shape[1:]
         features = []
         for k, tokens in enumerate(layers):
             x = self.norm(tokens[:, self.num_special :])  # [S, rows * cols, 2C]
+            # A view with channels-last strides, which the channels-last convolutions read as is.
             x = x.permute(0, 2, 1).reshape(x.shape[0], -1, rows, cols)
             x = self.projects[k](x)
-            x = x + 0.1 * self.uv_table(rows, cols, x.shape[1], aspect, x.device).to(x.dtype)
+            x = x + 0.1 * grid_tables[k].to(x.dtype)
             features.append(self.resize_layers[k](x))
         s = self.scratch
         l1, l2, l3, l4 = (getattr(s, f"layer{i}_rn")(f) for i, f in enumerate(features, start=1))
@@ -122,7 +138,7 @@ class DPTHead(nn.Module):
         out = s.refinenet2(out, l2, l1.shape[2:])
         out = s.refinenet1(out, l1, (2 * l1.shape[2], 2 * l1.shape[3]))
         out = s.output_conv1(out)
-        out = resize_bilinear(out, (rows * self.patch_size, cols * self.patch_size))
-        out = out + 0.1 * self.uv_table(out.shape[2], out.shape[3], out.shape[1], aspect, out.device).to(out.dtype)
+        out = resize_bilinear(out, tuple(image_table.shape[1:]))
+        out = out + 0.1 * image_table.to(out.dtype)
         out = s.output_conv2(out).float()  # [S, 2, H, W]; the activations in float32 whatever the head's dtype
         return out[:, 0].exp(), 1 + out[:, 1].exp()

@@ -30,7 +30,7 @@ from stream_recon.cache import (
 
 from .errors import FrameError
 from .gct import GCTStream
-from .graphs import GraphedStep, compile_blocks
+from .graphs import GraphedStep, compile_blocks, compile_depth_head
 from .pose import camera_motion_flow, decode_pose
 from .prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
 
@@ -158,8 +158,12 @@ class StreamingEngine:
         if self.device.type == "cuda" and self.dtype != torch.float32:
             # The transformer runs in bf16/fp16 and the heads in fp32, as the reference does.
             self.model.aggregator.to(self.dtype)
+        if self.device.type == "cuda":
+            # cuDNN's NHWC convolutions: the DPT head's inputs are channels-last views already.
+            self.model.depth_head.to(memory_format=torch.channels_last)
         if self.config.compile and self.device.type == "cuda":
             compile_blocks(self.model)
+            compile_depth_head(self.model)
         self.on_backend_ready: Callable[[str], None] | None = None
         self._image_size: tuple[int, int] | None = None
         self._buffer: list[tuple[torch.Tensor, float]] = []
@@ -223,11 +227,13 @@ class StreamingEngine:
         for _ in range(count):
             self.cache.append()
         self._apply_moves()
-        outputs = self._forward(torch.stack(frames), num_new=count)
+        images = torch.stack(frames)
+        outputs = self._forward(images, num_new=count)
+        host = self._to_host(outputs, images)
         self._commit(count)
         self._last_key_pose = outputs["pose_enc"][-1]
         self._last_key_index = count - 1
-        return [self._prediction(outputs, i, first_index + i, stamps[i], frames[i], FRAME_SCALE) for i in range(count)]
+        return [self._prediction(host, i, first_index + i, stamps[i], FRAME_SCALE) for i in range(count)]
 
     def _run_streaming_frame(self, image: torch.Tensor, timestamp: float) -> FramePrediction:
         index = self.num_frames
@@ -242,6 +248,7 @@ class StreamingEngine:
         self.cache.append(defer_eviction=decide_later or not keyframe)
         self._apply_moves()
         outputs = self._forward(image[None], num_new=1)
+        host = self._to_host(outputs, image[None])
         flow = float("nan")
         if decide_later:
             flow = camera_motion_flow(outputs["pose_enc"][0], self._last_key_pose, outputs["depth"][0])
@@ -253,7 +260,7 @@ class StreamingEngine:
             self._last_key_index = index
         else:
             self._rollback()
-        prediction = self._prediction(outputs, 0, index, timestamp, image, FRAME_KEY if keyframe else FRAME_NON_KEY)
+        prediction = self._prediction(host, 0, index, timestamp, FRAME_KEY if keyframe else FRAME_NON_KEY)
         prediction.flow_magnitude = flow
         return prediction
 
@@ -276,16 +283,16 @@ class StreamingEngine:
                 f"temporal index {self.time_counter + num_new - 1} is past the model's {limit}-position RoPE table; "
                 "use windowed streaming (WindowedEngine) so that each window starts a fresh cache"
             )
-        slots = torch.tensor([s for i in range(-num_new, 0) for s in self.cache.token_slots(i)], dtype=torch.long)
         if isinstance(self.kv, PagedKV):  # (graphs are never recorded over pages, which may move)
             self.kv.ensure_pages(self.cache.pool.num_pages)
-        self.backend.plan(self.cache.visible(), len(slots))
+        self.backend.plan(self.cache.visible(), num_new * self.cache.layout.tokens_per_frame)
         self.camera_cache.begin(num_new)
         if self._graph is not None and self._graph.camera_version != self.camera_cache.version:
             self._graph = None
         if self._graph is not None and num_new == 1:
-            self._graph.load(images, slots, self.num_frames, self.time_counter)
+            self._graph.load(images, self.cache.token_ranges(-1), self.num_frames, self.time_counter)
             return self._graph.replay()
+        slots = torch.tensor([s for i in range(-num_new, 0) for s in self.cache.token_slots(i)], dtype=torch.long)
         step = KVStep(self.kv, self.backend, slots.to(self.device))
         stream_index = torch.arange(self.num_frames, self.num_frames + num_new, device=self.device)
         time_index = torch.arange(self.time_counter, self.time_counter + num_new, device=self.device)
@@ -296,15 +303,17 @@ class StreamingEngine:
         # Graph replay serves the contiguous layout only: on the paged layout it leaked ~75 KB of GPU
         # memory per frame (measured, cause not found; docs/PERFORMANCE.md), so paged steps stay eager.
         if num_new == 1 and self.config.cuda_graphs and self.device.type == "cuda" and isinstance(self.kv, ContiguousKV):
-            self._record_graph(images, slots)
+            self._record_graph(images)
         return outputs
 
-    def _record_graph(self, images: torch.Tensor, slots: torch.Tensor) -> None:
+    def _record_graph(self, images: torch.Tensor) -> None:
         """After an eager streaming step: record it for the next frames (nothing runs again)."""
         autocast_dtype = self.dtype if self.dtype != torch.float32 else None
+        layout = self.cache.layout
         graph = GraphedStep(self.model, self.kv, self.backend, self.camera_cache, tuple(images.shape[1:]),
-                            len(slots), self.config.scale_frames, autocast_dtype)
-        graph.load(images, slots, self.num_frames, self.time_counter)
+                            (layout.specials_per_frame, layout.patches_per_frame), self.config.scale_frames,
+                            autocast_dtype)
+        graph.load(images, self.cache.token_ranges(-1), self.num_frames, self.time_counter)
         try:
             graph.record()
         except RuntimeError as error:
@@ -337,21 +346,43 @@ class StreamingEngine:
             return torch.autocast("cuda", dtype=self.dtype)
         return torch.autocast(self.device.type, enabled=False)
 
-    def _prediction(self, outputs, row: int, index: int, timestamp: float, image: torch.Tensor,
-                    frame_type: int) -> FramePrediction:
+    def _to_host(self, outputs: dict[str, torch.Tensor], images: torch.Tensor) -> dict[str, np.ndarray]:
+        """All of a step's per-frame results on the host, [S, ...] each, with one synchronisation:
+        the cameras are decoded and the images quantised on the device, everything is packed into
+        one float32 and one uint8 buffer, and both are copied at once (through pinned memory on CUDA)."""
         height, width = self._image_size
-        pose_enc = outputs["pose_enc"][row].float()
+        pose_enc = outputs["pose_enc"].float()  # [S, 9]
         c2w, intrinsics = decode_pose(pose_enc, height, width)
+        fields = {"pose_enc": pose_enc, "c2w": c2w, "intrinsics": intrinsics,
+                  "depth": outputs["depth"].float(), "depth_conf": outputs["depth_conf"].float()}
+        packed = torch.cat([t.reshape(len(pose_enc), -1) for t in fields.values()], dim=1)  # [S, 30 + 2HW]
+        rgb = (images.to(self.device).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)  # [S, H, W, 3]
+        if self.device.type == "cuda":
+            staged = torch.empty(packed.shape, pin_memory=True), torch.empty(rgb.shape, dtype=torch.uint8, pin_memory=True)
+            staged[0].copy_(packed, non_blocking=True)
+            staged[1].copy_(rgb, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+            packed, rgb = staged
+        flat, host = packed.numpy().copy(), {"image": rgb.numpy().copy()}  # own memory: staging is reused
+        start = 0
+        for name, tensor in fields.items():
+            size = tensor[0].numel()
+            host[name] = flat[:, start : start + size].reshape(tensor.shape)
+            start += size
+        return host
+
+    def _prediction(self, host: dict[str, np.ndarray], row: int, index: int, timestamp: float,
+                    frame_type: int) -> FramePrediction:
         return FramePrediction(
             frame_index=index,
             timestamp=timestamp,
             frame_type=frame_type,
-            pose_enc=pose_enc.cpu().numpy(),
-            c2w=c2w.cpu().numpy(),
-            intrinsics=intrinsics.cpu().numpy(),
-            depth=outputs["depth"][row].float().cpu().numpy(),
-            depth_conf=outputs["depth_conf"][row].float().cpu().numpy(),
-            image=(image.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy(),
+            pose_enc=host["pose_enc"][row],
+            c2w=host["c2w"][row],
+            intrinsics=host["intrinsics"][row],
+            depth=host["depth"][row],
+            depth_conf=host["depth_conf"][row],
+            image=host["image"][row],
         )
 
     def _check_frame(self, image) -> torch.Tensor:

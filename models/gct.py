@@ -21,6 +21,23 @@ class GCTStream(nn.Module):
         self.aggregator = Aggregator(self.config)
         self.camera_head = CameraHead(self.config)
         self.depth_head = DPTHead(self.config)
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def _run_heads(self, on_cuda: bool, camera, depth):
+        """Both heads' results. On CUDA the camera head runs on a side stream while the DPT head runs
+        on the current one: the camera head is bound by reading its weights (16 one-token blocks in
+        float32), the DPT head by convolution arithmetic, so the two overlap well. The results are
+        the same either way: no kernel is shared and each head's kernels keep their order."""
+        if not on_cuda:
+            return camera(), depth()
+        main = torch.cuda.current_stream()
+        side = self._side_streams.setdefault(main.device, torch.cuda.Stream(main.device))
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            poses = camera()
+        depth_maps = depth()
+        main.wait_stream(side)
+        return poses, depth_maps
 
     def step(self, images: torch.Tensor, kv: CachedAttention, camera_kv: CachedAttention,
              stream_index: torch.Tensor, time_index: torch.Tensor, num_scale_frames: int) -> dict[str, torch.Tensor]:
@@ -36,6 +53,8 @@ class GCTStream(nn.Module):
         # were measured: no faster inside CUDA graphs, and twice the pose error; docs/PERFORMANCE.md.)
         layers = [layer.float() for layer in layers]
         with torch.autocast(device_type=images.device.type, enabled=False):
-            poses = self.camera_head(layers[-1][:, 0], camera_kv)
-            depth, depth_conf = self.depth_head(layers, height, width)
+            poses, (depth, depth_conf) = self._run_heads(
+                images.is_cuda,
+                lambda: self.camera_head(layers[-1][:, 0], camera_kv), lambda: self.depth_head(layers, height, width)
+            )
         return {"pose_enc": poses[-1], "pose_enc_list": poses, "depth": depth, "depth_conf": depth_conf}

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -36,7 +37,17 @@ def profile_stream(args) -> None:
     frames = [torch.rand(3, args.height, args.width, device="cuda") for _ in range(4)]
     for i in range(72 + args.warmup):
         engine.push(frames[i % 4])
+        if i == 72 and args.no_overlap_specials:
+            engine.backend.side_stream = None
     torch.cuda.synchronize()
+    times = []
+    for i in range(args.timed):
+        start = time.perf_counter()
+        engine.push(frames[i % 4])
+        times.append(time.perf_counter() - start)
+    times.sort()
+    print(f"{engine.backend.name}: {1000 * times[len(times) // 2]:.2f} ms per frame (median of {args.timed}), "
+          f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
     activities = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for i in range(args.frames):
@@ -136,6 +147,9 @@ def main():
     parser.add_argument("--width", type=int, default=518)
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--timed", type=int, default=40, help="frames timed (no profiler) before the profile")
+    parser.add_argument("--no-overlap-specials", action="store_true",
+                        help="dense-cudnn: the special keys' kernel on the main stream")
     parser.add_argument("--heads", action="store_true", help="probe the DPT head's variants instead")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/out") + "/profile")
     args = parser.parse_args()
