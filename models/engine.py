@@ -343,7 +343,9 @@ class StreamingEngine:
 
     def _autocast(self):
         if self.device.type == "cuda" and self.dtype != torch.float32:
-            return torch.autocast("cuda", dtype=self.dtype)
+            # No weight-cast cache (the transformer's weights are in self.dtype already), as in a
+            # recorded step: compiled blocks then see one autocast state and compile once.
+            return torch.autocast("cuda", dtype=self.dtype, cache_enabled=False)
         return torch.autocast(self.device.type, enabled=False)
 
     def _to_host(self, outputs: dict[str, torch.Tensor], images: torch.Tensor) -> dict[str, np.ndarray]:

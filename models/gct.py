@@ -11,6 +11,9 @@ from .config import ModelConfig
 from .dpt_head import DPTHead
 from .layers import CachedAttention
 
+# The camera head's stream, one per device (kept off the module so that it deep-copies).
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
 
 class GCTStream(nn.Module):
     """Parameter names match the official checkpoints (spec/checkpoint_keys.tsv)."""
@@ -21,7 +24,6 @@ class GCTStream(nn.Module):
         self.aggregator = Aggregator(self.config)
         self.camera_head = CameraHead(self.config)
         self.depth_head = DPTHead(self.config)
-        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def _run_heads(self, on_cuda: bool, camera, depth):
         """Both heads' results. On CUDA the camera head runs on a side stream while the DPT head runs
@@ -31,7 +33,9 @@ class GCTStream(nn.Module):
         if not on_cuda:
             return camera(), depth()
         main = torch.cuda.current_stream()
-        side = self._side_streams.setdefault(main.device, torch.cuda.Stream(main.device))
+        if main.device not in _SIDE_STREAMS:
+            _SIDE_STREAMS[main.device] = torch.cuda.Stream(main.device)
+        side = _SIDE_STREAMS[main.device]
         side.wait_stream(main)
         with torch.cuda.stream(side):
             poses = camera()

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from stream_recon.cache import KVStep
+
 from .gct import GCTStream
 
 
@@ -78,24 +80,35 @@ class GraphedStep:
         self.images.copy_(images, non_blocking=True)
 
     def record(self) -> None:
-        """Capture the step (nothing executes). The engine runs the frame eagerly first, which also
-        performs the lazy initialisation (cuBLAS/cuDNN handles) that capture must not see."""
+        """Capture the step (nothing executes for good). The engine runs the frame eagerly first,
+        which performs the lazy initialisation (cuBLAS/cuDNN handles) that capture must not see.
+        One more eager run in the capture's own context (stream, autocast settings) follows, so
+        that a compiled function which recompiles for that context does so outside the capture;
+        it writes the same K/V and camera token to the same places as the engine's eager run."""
         torch.cuda.synchronize()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode(), self._autocast():
+            self._step(KVStep(self.kv, self.backend, self._slots()))
+            stream.synchronize()
             self.graphs = [torch.cuda.CUDAGraph()]
             self.graphs[0].capture_begin(pool=self.pool)
             try:
-                starts = torch.where(self._is_special, self.scalars[2], self.scalars[3])
-                self.slots = starts + self._token_offsets
-                outputs = self.model.step(self.images, _SplitAtAttention(self), self.camera_cache,
-                                          self.scalars[0:1], self.scalars[1:2], self.num_scale_frames)
+                self.slots = self._slots()
+                outputs = self._step(_SplitAtAttention(self))
             finally:
                 self.graphs[-1].capture_end()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         self.outputs = {"pose_enc": outputs["pose_enc"], "depth": outputs["depth"], "depth_conf": outputs["depth_conf"]}
+
+    def _slots(self) -> torch.Tensor:
+        """[T] store positions of this step's tokens, from the two first positions in `scalars`."""
+        return torch.where(self._is_special, self.scalars[2], self.scalars[3]) + self._token_offsets
+
+    def _step(self, attention) -> dict[str, torch.Tensor]:
+        return self.model.step(self.images, attention, self.camera_cache, self.scalars[0:1], self.scalars[1:2],
+                               self.num_scale_frames)
 
     def replay(self) -> dict[str, torch.Tensor]:
         """Run the recorded step on the loaded inputs. Returns fresh copies of the outputs
