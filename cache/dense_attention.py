@@ -33,8 +33,8 @@ class ContiguousKV:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots [T] store positions; k, v [T, H, D]."""
-        self.store[layer, 0, slots] = k.to(self.dtype)
-        self.store[layer, 1, slots] = v.to(self.dtype)
+        self.store[layer, 0].index_copy_(0, slots, k.to(self.dtype))
+        self.store[layer, 1].index_copy_(0, slots, v.to(self.dtype))
 
     def apply_moves(self, moves: list[SlotMove], cache: ContiguousTwoStreamCache) -> None:
         for move in moves:

@@ -34,7 +34,8 @@ class GCTStream(nn.Module):
             return camera(), depth()
         main = torch.cuda.current_stream()
         if main.device not in _SIDE_STREAMS:
-            _SIDE_STREAMS[main.device] = torch.cuda.Stream(main.device)
+            # High priority: the camera head is the longer of the two, so its kernels go first.
+            _SIDE_STREAMS[main.device] = torch.cuda.Stream(main.device, priority=-1)
         side = _SIDE_STREAMS[main.device]
         side.wait_stream(main)
         with torch.cuda.stream(side):

@@ -54,7 +54,9 @@ class Attention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = rope(q), rope(k)
-        return q, k, v
+        # Under autocast the norms and RoPE run in float32 and the attention kernels take v's dtype;
+        # casting here (where a compiled block fuses it) rounds at the same point as the kernel would.
+        return q.to(v.dtype), k.to(v.dtype), v
 
     @staticmethod
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: CachedAttention | None = None,

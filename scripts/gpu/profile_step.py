@@ -46,8 +46,8 @@ def profile_stream(args) -> None:
         engine.push(frames[i % 4])
         times.append(time.perf_counter() - start)
     times.sort()
-    print(f"{engine.backend.name}: {1000 * times[len(times) // 2]:.2f} ms per frame (median of {args.timed}), "
-          f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+    timing = (f"{engine.backend.name}: {1000 * times[len(times) // 2]:.2f} ms per frame (median of {args.timed}), "
+              f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
     activities = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for i in range(args.frames):
@@ -69,8 +69,9 @@ def profile_stream(args) -> None:
     lines = [f"{len(kernels) / args.frames:.0f} kernels per frame, {sum(totals.values()) / 1000:.2f} ms of kernel time per frame"]
     for name, us in sorted(totals.items(), key=lambda item: -item[1]):
         lines.append(f"{us:9.1f} us  {calls[name] / args.frames:6.1f}x  {name[:160]}")
-    (out / "summary.txt").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[:45]))
+    (out / "summary.txt").write_text(timing + "\n" + "\n".join(lines) + "\n")
+    print("\n".join(lines[:25]))
+    print(timing)
 
 
 def time_graph(fn, inputs, repeats: int = 50) -> tuple[float, object]:
