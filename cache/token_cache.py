@@ -12,7 +12,6 @@ changes whenever the storage is re-allocated (a recorded graph is then stale).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 class TokenCache:
@@ -65,13 +64,10 @@ class TokenCache:
         keys, values = self._keys[layer], self._values[layer]
         keys.index_copy_(0, positions, k.to(self.dtype))
         values.index_copy_(0, positions, v.to(self.dtype))
-        live = torch.arange(self.capacity, device=self.device) < self._start + count  # [capacity]
-        # One fused kernel over the whole capacity, the tokens past the live ones masked out.
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys.to(q.dtype).transpose(0, 1)[None], values.to(q.dtype).transpose(0, 1)[None],
-            attn_mask=live[None],  # [1, capacity]: the same keys for every query
-        )  # [1, H, T, D]
-        return out[0].transpose(0, 1)
+        scores = torch.einsum("thd,nhd->htn", q, keys.to(q.dtype)) * self.head_dim**-0.5  # [H, T, capacity]
+        beyond = torch.arange(self.capacity, device=self.device) >= self._start + count
+        weights = scores.masked_fill(beyond, float("-inf")).softmax(dim=-1)
+        return torch.einsum("htn,nhd->thd", weights, values.to(q.dtype))
 
     def commit(self) -> None:
         self.num_committed += self.num_pending

@@ -168,6 +168,7 @@ class StreamingEngine:
         self._image_size: tuple[int, int] | None = None
         self._buffer: list[tuple[torch.Tensor, float]] = []
         self._graph: GraphedStep | None = None
+        self._host_buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.reset()
 
     # -- public ----------------------------------------------------------------------------
@@ -360,7 +361,7 @@ class StreamingEngine:
         packed = torch.cat([t.reshape(len(pose_enc), -1) for t in fields.values()], dim=1)  # [S, 30 + 2HW]
         rgb = (images.to(self.device).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)  # [S, H, W, 3]
         if self.device.type == "cuda":
-            staged = torch.empty(packed.shape, pin_memory=True), torch.empty(rgb.shape, dtype=torch.uint8, pin_memory=True)
+            staged = self._staging(packed.shape, rgb.shape)
             staged[0].copy_(packed, non_blocking=True)
             staged[1].copy_(rgb, non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()
@@ -372,6 +373,15 @@ class StreamingEngine:
             host[name] = flat[:, start : start + size].reshape(tensor.shape)
             start += size
         return host
+
+    def _staging(self, float_shape, rgb_shape) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pinned host buffers for one step's packed outputs, kept per shape. Reused only after the
+        synchronisation in `_to_host`, and copied out of before the next step."""
+        key = (tuple(float_shape), tuple(rgb_shape))
+        if key not in self._host_buffers:
+            self._host_buffers[key] = (torch.empty(float_shape, pin_memory=True),
+                                       torch.empty(rgb_shape, dtype=torch.uint8, pin_memory=True))
+        return self._host_buffers[key]
 
     def _prediction(self, host: dict[str, np.ndarray], row: int, index: int, timestamp: float,
                     frame_type: int) -> FramePrediction:

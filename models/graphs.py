@@ -58,6 +58,8 @@ class GraphedStep:
         # One host-to-device copy per step: stream index, temporal index, first special-token
         # position, first patch-token position. The token positions are expanded on the device.
         self.scalars = torch.zeros(4, dtype=torch.long, device=device)
+        self._host_scalars = torch.zeros(4, dtype=torch.long, pin_memory=True)
+        self._scalars_copied = torch.cuda.Event()
         specials, patches = token_counts
         self._token_offsets = torch.cat([torch.arange(specials), torch.arange(patches)]).to(device)
         self._is_special = (torch.arange(specials + patches) < specials).to(device)
@@ -74,9 +76,10 @@ class GraphedStep:
         """Copy one step's inputs into the static tensors. images [1, 3, H, W]; token_ranges: the
         store positions of the frame's special tokens and patch tokens."""
         specials, patches = token_ranges
-        scalars = torch.tensor([stream_index, time_index, specials.start, patches.start], dtype=torch.long,
-                               pin_memory=True)
-        self.scalars.copy_(scalars, non_blocking=True)
+        self._scalars_copied.synchronize()  # the pinned buffer is free again once its last copy ran
+        self._host_scalars.numpy()[:] = (stream_index, time_index, specials.start, patches.start)
+        self.scalars.copy_(self._host_scalars, non_blocking=True)
+        self._scalars_copied.record()
         self.images.copy_(images, non_blocking=True)
 
     def record(self) -> None:

@@ -40,6 +40,7 @@ def profile_stream(args) -> None:
         if i == 72 and args.no_overlap_specials:
             engine.backend.side_stream = None
     torch.cuda.synchronize()
+    host = host_timers(engine)
     times = []
     for i in range(args.timed):
         start = time.perf_counter()
@@ -48,6 +49,8 @@ def profile_stream(args) -> None:
     times.sort()
     timing = (f"{engine.backend.name}: {1000 * times[len(times) // 2]:.2f} ms per frame (median of {args.timed}), "
               f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+    timing += "\nhost time per frame (us): " + ", ".join(f"{name} {1e6 * total / args.timed:.0f}" for name, total in host.items())
+    host.clear()
     activities = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for i in range(args.frames):
@@ -72,6 +75,35 @@ def profile_stream(args) -> None:
     (out / "summary.txt").write_text(timing + "\n" + "\n".join(lines) + "\n")
     print("\n".join(lines[:25]))
     print(timing)
+
+
+def host_timers(engine) -> dict[str, float]:
+    """Wall time spent in the engine's host-side steps (seconds, summed), by wrapping them."""
+    totals: dict[str, float] = defaultdict(float)
+
+    def wrap(owner, name: str, label: str):
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                totals[label] += time.perf_counter() - start
+        setattr(owner, name, timed)
+
+    wrap(engine, "push", "push")
+    wrap(engine, "_check_frame", "check_frame")
+    wrap(engine.cache, "append", "cache.append")
+    wrap(engine, "_apply_moves", "apply_moves")
+    wrap(engine.backend, "plan", "plan")
+    wrap(engine.camera_cache, "begin", "camera.begin")
+    wrap(engine._graph, "load", "graph.load")
+    wrap(engine._graph, "replay", "graph.replay (launches)")
+    wrap(engine, "_to_host", "to_host (incl. the wait)")
+    wrap(engine, "_commit", "commit")
+    wrap(engine, "_prediction", "prediction")
+    return totals
 
 
 def time_graph(fn, inputs, repeats: int = 50) -> tuple[float, object]:
