@@ -16,7 +16,7 @@ import torch
 
 class TokenCache:
     def __init__(self, num_layers: int, num_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str, capacity: int = 64):
+                 device: torch.device | str, capacity: int = 64, compile: bool = False):
         self.num_layers = num_layers
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -26,6 +26,8 @@ class TokenCache:
         self.num_pending = 0
         self.version = 0
         self._start = torch.zeros((), dtype=torch.long, device=self.device)  # first pending position
+        # compile: the masked attention's small kernels (its shapes are fixed) fused into a few.
+        self._attend = torch.compile(attend_over_capacity, dynamic=False) if compile else attend_over_capacity
         self._keys = [self._empty(capacity) for _ in range(num_layers)]  # [capacity, H, D] each
         self._values = [self._empty(capacity) for _ in range(num_layers)]
 
@@ -64,10 +66,7 @@ class TokenCache:
         keys, values = self._keys[layer], self._values[layer]
         keys.index_copy_(0, positions, k.to(self.dtype))
         values.index_copy_(0, positions, v.to(self.dtype))
-        scores = torch.einsum("thd,nhd->htn", q, keys.to(q.dtype)) * self.head_dim**-0.5  # [H, T, capacity]
-        beyond = torch.arange(self.capacity, device=self.device) >= self._start + count
-        weights = scores.masked_fill(beyond, float("-inf")).softmax(dim=-1)
-        return torch.einsum("htn,nhd->thd", weights, values.to(q.dtype))
+        return self._attend(q, keys.to(q.dtype), values.to(q.dtype), self._start + count)
 
     def commit(self) -> None:
         self.num_committed += self.num_pending
@@ -79,3 +78,12 @@ class TokenCache:
     def reset(self) -> None:
         self.num_committed = 0
         self.num_pending = 0
+
+
+def attend_over_capacity(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, live_end: torch.Tensor) -> torch.Tensor:
+    """q [T, H, D] against keys, values [capacity, H, D] of which positions >= live_end (a 0-d
+    device tensor) are masked out -> [T, H, D]."""
+    scores = torch.einsum("thd,nhd->htn", q, keys) * q.shape[-1] ** -0.5  # [H, T, capacity]
+    beyond = torch.arange(keys.shape[0], device=keys.device) >= live_end
+    weights = scores.masked_fill(beyond, float("-inf")).softmax(dim=-1)
+    return torch.einsum("htn,nhd->thd", weights, values)

@@ -46,12 +46,22 @@ class CameraHead(nn.Module):
         poses = []
         for i in range(self.num_iterations):
             pose_in = self.empty_pose_tokens.expand(1, tokens.shape[1], -1) if raw is None else raw
-            shift, scale, gate = self.poseLN_modulation(self.embed_pose(pose_in)).chunk(3, dim=-1)
-            x = gate * (self.adaln_norm(tokens) * (1 + scale) + shift) + tokens
+            x = self.condition(tokens, pose_in)
             for j, block in enumerate(self.trunk):
                 x = block(x, cache=cache, layer=i * self.depth + j)
-            delta = self.pose_branch(self.trunk_norm(x))
-            # The next iteration is conditioned on the raw (pre-activation) running sum.
-            raw = delta if raw is None else raw + delta
-            poses.append(activate_pose(raw)[0])
+            raw, pose = self.refine(x, raw)
+            poses.append(pose[0])
         return poses
+
+    # The parts of an iteration around the trunk: pure tensor functions, so that they can be compiled.
+    def condition(self, tokens: torch.Tensor, pose_in: torch.Tensor) -> torch.Tensor:
+        """The trunk's input: camera tokens [1, S, 2C] modulated (adaLN) by the pose so far [1, S, 9]."""
+        shift, scale, gate = self.poseLN_modulation(self.embed_pose(pose_in)).chunk(3, dim=-1)
+        return gate * (self.adaln_norm(tokens) * (1 + scale) + shift) + tokens
+
+    def refine(self, x: torch.Tensor, raw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Trunk output [1, S, 2C] -> (raw running pose sum, activated pose), each [1, S, 9]. The next
+        iteration is conditioned on the raw (pre-activation) sum."""
+        delta = self.pose_branch(self.trunk_norm(x))
+        raw = delta if raw is None else raw + delta
+        return raw, activate_pose(raw)

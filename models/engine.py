@@ -30,7 +30,7 @@ from stream_recon.cache import (
 
 from .errors import FrameError
 from .gct import GCTStream
-from .graphs import GraphedStep, compile_blocks, compile_depth_head
+from .graphs import GraphedStep, compile_blocks, compile_camera_head, compile_depth_head
 from .pose import camera_motion_flow, decode_pose
 from .prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
 
@@ -118,7 +118,7 @@ def make_attention_backend(name: str, kv: PagedKV):
     return _flashinfer_backends(name).FlashInferPagedAttention(kv, variant=variant)
 
 
-def make_range_backend(name: str, kv: ContiguousKV, cache: ContiguousTwoStreamCache):
+def make_range_backend(name: str, kv: ContiguousKV, cache: ContiguousTwoStreamCache, compile: bool = False):
     """A backend over the contiguous layout: PyTorch SDPA, cuDNN + flash merged (dense-cudnn), or
     FlashInfer's ragged prefill (fa3 on Hopper, fa2 elsewhere)."""
     if name == "dense":
@@ -127,7 +127,7 @@ def make_range_backend(name: str, kv: ContiguousKV, cache: ContiguousTwoStreamCa
     if name == "dense-cudnn":
         layout = cache.layout
         full = (layout.scale_frames + layout.window_frames) * layout.patches_per_frame
-        return SplitCudnnAttention(kv, (full, full + layout.patches_per_frame))
+        return SplitCudnnAttention(kv, (full, full + layout.patches_per_frame), compile=compile)
     variant = "fa3" if torch.cuda.get_device_capability(kv.device)[0] == 9 else "fa2"
     return _flashinfer_backends(name).FlashInferRangeAttention(kv, variant=variant)
 
@@ -161,9 +161,11 @@ class StreamingEngine:
         if self.device.type == "cuda":
             # cuDNN's NHWC convolutions: the DPT head's inputs are channels-last views already.
             self.model.depth_head.to(memory_format=torch.channels_last)
-        if self.config.compile and self.device.type == "cuda":
+        self._compiles = self.config.compile and self.device.type == "cuda"
+        if self._compiles:
             compile_blocks(self.model)
             compile_depth_head(self.model)
+            compile_camera_head(self.model)
         self.on_backend_ready: Callable[[str], None] | None = None
         self._image_size: tuple[int, int] | None = None
         self._buffer: list[tuple[torch.Tensor, float]] = []
@@ -434,7 +436,7 @@ class StreamingEngine:
         if attention.startswith("dense"):
             self.cache = ContiguousTwoStreamCache(layout, c.max_frames)
             self.kv = ContiguousKV(c.depth, c.num_heads, c.head_dim, self.cache.capacity_tokens, kv_dtype, self.device)
-            self.backend = make_range_backend(attention, self.kv, self.cache)
+            self.backend = make_range_backend(attention, self.kv, self.cache, compile=self._compiles)
         else:
             self.cache = TwoStreamCache(layout)
             self.kv = PagedKV(c.depth, c.num_heads, c.head_dim, layout.page_size, kv_dtype, self.device,
@@ -445,6 +447,6 @@ class StreamingEngine:
         # moves, so a recorded CUDA graph stays valid for the whole stream. Elsewhere it grows.
         capacity = c.max_frames if self.device.type == "cuda" else 64
         self.camera_cache = TokenCache(camera.num_cache_layers, c.camera_heads, c.head_in_dim // c.camera_heads,
-                                       torch.float32, self.device, capacity=capacity)
+                                       torch.float32, self.device, capacity=capacity, compile=self._compiles)
         if self.on_backend_ready is not None:
             self.on_backend_ready(self.backend.name)

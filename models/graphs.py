@@ -172,3 +172,12 @@ def compile_depth_head(model: torch.nn.Module) -> None:
     head = model.depth_head
     if "decode" not in head.__dict__:  # not compiled yet by an earlier engine on this model
         head.decode = torch.compile(head.decode, dynamic=False)
+
+
+def compile_camera_head(model: torch.nn.Module) -> None:
+    """Fuse the camera head's per-iteration conditioning and pose refinement (its trunk blocks are
+    compiled by `compile_blocks`): fewer small kernels on the step's longest path, the camera head."""
+    head = model.camera_head
+    for name in ("condition", "refine"):
+        if name not in head.__dict__:  # not compiled yet by an earlier engine on this model
+            setattr(head, name, torch.compile(getattr(head, name), dynamic=False))
