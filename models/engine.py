@@ -75,10 +75,25 @@ class StreamConfig:
     attention: str = "auto"  # auto | dense | sdpa | flashinfer | flashinfer-fa2 | flashinfer-fa3
     cuda_graphs: bool = True  # replay streaming steps as CUDA graphs (CUDA, contiguous layout; outputs identical)
     compile: bool = True  # fuse the transformer blocks with torch.compile (CUDA only; slower first frames)
+    # With CUDA graphs and keyframes decided before the step (all, interval:N): a frame's heads and
+    # its copy to the host run beside the next frame's aggregator, and push() returns the previous
+    # frame's prediction (finish() returns the last one). Off: every push returns its own frame.
+    pipeline: bool = True
 
     @property
     def policy(self) -> KeyframePolicy:
         return KeyframePolicy.parse(self.keyframes, self.flow_threshold, self.max_gap)
+
+
+@dataclass
+class _InFlight:
+    """A pipelined frame: its heads and host copy are enqueued; `staged` completes with its event."""
+
+    index: int
+    timestamp: float
+    frame_type: int
+    staged: tuple  # (packed host buffer, rgb host buffer, event after both copies)
+    rgb: torch.Tensor  # the device image the copy reads: kept alive until the copy ran
 
 
 ATTENTION_BACKENDS = ("auto", "dense", "dense-flashinfer", "dense-cudnn", "sdpa", "flashinfer", "flashinfer-fa2", "flashinfer-fa3")
@@ -171,11 +186,16 @@ class StreamingEngine:
         self._buffer: list[tuple[torch.Tensor, float]] = []
         self._graph: GraphedStep | None = None
         self._host_buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._in_flight: _InFlight | None = None  # a pipelined frame whose heads may still be running
+        self._ready: list[FramePrediction] = []  # predictions finished by reset(), returned next
+        self._heads_stream: torch.cuda.Stream | None = None
         self.reset()
 
     # -- public ----------------------------------------------------------------------------
     def reset(self) -> None:
-        """Start a new stream (new world frame, empty caches)."""
+        """Start a new stream (new world frame, empty caches). A prediction still in flight is
+        completed and returned first by the next push or finish."""
+        self._ready += self._drain()
         self._buffer = []
         self.num_frames = 0  # frames seen, the next frame's stream index
         self.num_keyframes = 0
@@ -188,19 +208,33 @@ class StreamingEngine:
 
     def push(self, image: torch.Tensor, timestamp: float | None = None) -> list[FramePrediction]:
         """Add one frame [3, H, W] (float in [0, 1], or uint8). Returns the predictions that became
-        final: none while the scale frames are buffered, then all of them, then one per frame."""
+        final, oldest first: none while the scale frames are buffered, then all of them, then one
+        per frame (pipelined streaming: the previous frame's)."""
         image = self._check_frame(image)
         timestamp = float(self.num_frames + len(self._buffer)) if timestamp is None else float(timestamp)
-        if self.num_frames == 0 and len(self._buffer) < self.config.scale_frames:
-            self._buffer.append((image, timestamp))
-            if len(self._buffer) < self.config.scale_frames:
-                return []
-            return self._run_scale_frames()
-        return [self._run_streaming_frame(image, timestamp)]
+        finished, self._ready = self._ready, []  # completed by reset(): older than anything below
+        try:
+            if self.num_frames == 0 and len(self._buffer) < self.config.scale_frames:
+                self._buffer.append((image, timestamp))
+                if len(self._buffer) < self.config.scale_frames:
+                    return finished
+                return finished + self._run_scale_frames()
+            return finished + self._run_streaming_frame(image, timestamp)
+        except BaseException:
+            self._ready = finished + self._ready  # nothing computed is lost
+            raise
 
     def finish(self) -> list[FramePrediction]:
-        """End of stream: predict frames still buffered (a stream shorter than the scale frames)."""
-        return self._run_scale_frames() if self._buffer else []
+        """End of stream: the predictions still in flight (pipelined streaming), then the frames
+        still buffered (a stream shorter than the scale frames)."""
+        ready, self._ready = self._ready + self._drain(), []
+        if not self._buffer:
+            return ready
+        try:
+            return ready + self._run_scale_frames()
+        except BaseException:
+            self._ready = ready  # nothing computed is lost
+            raise
 
     def stats(self) -> dict:
         if self._image_size is None:  # no frame yet: same keys, nothing allocated
@@ -238,7 +272,7 @@ class StreamingEngine:
         self._last_key_index = count - 1
         return [self._prediction(host, i, first_index + i, stamps[i], FRAME_SCALE) for i in range(count)]
 
-    def _run_streaming_frame(self, image: torch.Tensor, timestamp: float) -> FramePrediction:
+    def _run_streaming_frame(self, image: torch.Tensor, timestamp: float) -> list[FramePrediction]:
         index = self.num_frames
         policy = self.policy
         if policy.kind == "interval":
@@ -250,6 +284,9 @@ class StreamingEngine:
         # sees window_frames older frames (the reference's deferred eviction).
         self.cache.append(defer_eviction=decide_later or not keyframe)
         self._apply_moves()
+        if self.config.pipeline and not decide_later and self._graph_ready():
+            return self._pipelined_frame(image, index, timestamp, FRAME_KEY if keyframe else FRAME_NON_KEY)
+        ready = self._drain()
         outputs = self._forward(image[None], num_new=1)
         host = self._to_host(outputs, image[None])
         flow = float("nan")
@@ -265,7 +302,46 @@ class StreamingEngine:
             self._rollback()
         prediction = self._prediction(host, 0, index, timestamp, FRAME_KEY if keyframe else FRAME_NON_KEY)
         prediction.flow_magnitude = flow
-        return prediction
+        return ready + [prediction]
+
+    def _pipelined_frame(self, image: torch.Tensor, index: int, timestamp: float, frame_type: int) -> list[FramePrediction]:
+        """Enqueue this frame's aggregator, collect the previous frame, then enqueue this frame's
+        heads and host copy on the heads stream: they run beside the next frame's aggregator."""
+        graph, heads = self._graph, self._heads_stream
+        try:
+            self.backend.plan(self.cache.visible(), self.cache.layout.tokens_per_frame)
+            heads.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(heads):  # after the previous frame's heads, which read the position
+                self.camera_cache.begin(1)
+            graph.load(image[None], self.cache.token_ranges(-1), self.num_frames, self.time_counter)
+            rgb = self._quantize(image[None].to(self.device))
+            graph.replay_aggregator()
+        except BaseException:
+            self.cache.rollback()
+            self._apply_moves()
+            self.camera_cache.rollback()
+            raise
+        ready = self._drain()  # the staging buffers are free once the previous frame is copied out
+        with torch.cuda.stream(heads):
+            staged = self._stage(graph.replay_heads()["packed"], rgb)
+        self._in_flight = _InFlight(index, timestamp, frame_type, staged, rgb)
+        if frame_type == FRAME_KEY:
+            self._commit(1)
+            self._last_key_index = index
+        else:
+            self._rollback()
+        return ready
+
+    def _graph_ready(self) -> bool:
+        return self._graph is not None and self._graph.camera_version == self.camera_cache.version
+
+    def _drain(self) -> list[FramePrediction]:
+        """The frame in flight, once its copy to the host has completed (waits for it)."""
+        if self._in_flight is None:
+            return []
+        flight, self._in_flight = self._in_flight, None
+        host = self._unstage(flight.staged)
+        return [self._prediction(host, 0, flight.index, flight.timestamp, flight.frame_type)]
 
     # -- mechanics -------------------------------------------------------------------------
     def _forward(self, images: torch.Tensor, num_new: int) -> dict[str, torch.Tensor]:
@@ -290,7 +366,7 @@ class StreamingEngine:
             self.kv.ensure_pages(self.cache.pool.num_pages)
         self.backend.plan(self.cache.visible(), num_new * self.cache.layout.tokens_per_frame)
         self.camera_cache.begin(num_new)
-        if self._graph is not None and self._graph.camera_version != self.camera_cache.version:
+        if self._graph is not None and not self._graph_ready():
             self._graph = None
         if self._graph is not None and num_new == 1:
             self._graph.load(images, self.cache.token_ranges(-1), self.num_frames, self.time_counter)
@@ -315,7 +391,7 @@ class StreamingEngine:
         layout = self.cache.layout
         graph = GraphedStep(self.model, self.kv, self.backend, self.camera_cache, tuple(images.shape[1:]),
                             (layout.specials_per_frame, layout.patches_per_frame), self.config.scale_frames,
-                            autocast_dtype)
+                            autocast_dtype, pack=self._pack)
         graph.load(images, self.cache.token_ranges(-1), self.num_frames, self.time_counter)
         try:
             graph.record()
@@ -351,34 +427,61 @@ class StreamingEngine:
             return torch.autocast("cuda", dtype=self.dtype, cache_enabled=False)
         return torch.autocast(self.device.type, enabled=False)
 
+    # Packed layout of a step's float outputs per frame: name -> values per frame, in this order.
+    def _packed_fields(self) -> dict[str, tuple[int, ...]]:
+        height, width = self._image_size
+        return {"pose_enc": (9,), "c2w": (3, 4), "intrinsics": (3, 3), "depth": (height, width),
+                "depth_conf": (height, width)}
+
+    def _pack(self, outputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A step's outputs as one float32 tensor [S, 30 + 2HW]: cameras decoded on the device."""
+        height, width = self._image_size
+        pose_enc = outputs["pose_enc"].float()  # [S, 9]
+        c2w, intrinsics = decode_pose(pose_enc, height, width)
+        fields = (pose_enc, c2w, intrinsics, outputs["depth"].float(), outputs["depth_conf"].float())
+        return torch.cat([t.reshape(len(pose_enc), -1) for t in fields], dim=1)
+
+    @staticmethod
+    def _quantize(images: torch.Tensor) -> torch.Tensor:
+        """[S, 3, H, W] floats in [0, 1] -> [S, H, W, 3] uint8."""
+        return (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+
     def _to_host(self, outputs: dict[str, torch.Tensor], images: torch.Tensor) -> dict[str, np.ndarray]:
         """All of a step's per-frame results on the host, [S, ...] each, with one synchronisation:
         the cameras are decoded and the images quantised on the device, everything is packed into
         one float32 and one uint8 buffer, and both are copied at once (through pinned memory on CUDA)."""
-        height, width = self._image_size
-        pose_enc = outputs["pose_enc"].float()  # [S, 9]
-        c2w, intrinsics = decode_pose(pose_enc, height, width)
-        fields = {"pose_enc": pose_enc, "c2w": c2w, "intrinsics": intrinsics,
-                  "depth": outputs["depth"].float(), "depth_conf": outputs["depth_conf"].float()}
-        packed = torch.cat([t.reshape(len(pose_enc), -1) for t in fields.values()], dim=1)  # [S, 30 + 2HW]
-        rgb = (images.to(self.device).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)  # [S, H, W, 3]
-        if self.device.type == "cuda":
-            staged = self._staging(packed.shape, rgb.shape)
-            staged[0].copy_(packed, non_blocking=True)
-            staged[1].copy_(rgb, non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()
-            packed, rgb = staged
-        flat, host = packed.numpy().copy(), {"image": rgb.numpy().copy()}  # own memory: staging is reused
+        packed = outputs["packed"] if "packed" in outputs else self._pack(outputs)
+        rgb = self._quantize(images.to(self.device))
+        if self.device.type != "cuda":
+            return self._unpack(packed.numpy(), rgb.numpy())
+        return self._unstage(self._stage(packed, rgb))
+
+    def _stage(self, packed: torch.Tensor, rgb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
+        """Enqueue both copies to pinned host buffers on the current stream; the event follows them."""
+        staged = self._staging(packed.shape, rgb.shape)
+        staged[0].copy_(packed, non_blocking=True)
+        staged[1].copy_(rgb, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return staged[0], staged[1], copied
+
+    def _unstage(self, staged: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]) -> dict[str, np.ndarray]:
+        packed, rgb, copied = staged
+        copied.synchronize()
+        return self._unpack(packed.numpy(), rgb.numpy())
+
+    def _unpack(self, packed: np.ndarray, rgb: np.ndarray) -> dict[str, np.ndarray]:
+        flat, host = packed.copy(), {"image": rgb.copy()}  # own memory: the staging buffers are reused
         start = 0
-        for name, tensor in fields.items():
-            size = tensor[0].numel()
-            host[name] = flat[:, start : start + size].reshape(tensor.shape)
+        for name, shape in self._packed_fields().items():
+            size = int(np.prod(shape))
+            host[name] = flat[:, start : start + size].reshape(len(flat), *shape)
             start += size
         return host
 
     def _staging(self, float_shape, rgb_shape) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pinned host buffers for one step's packed outputs, kept per shape. Reused only after the
-        synchronisation in `_to_host`, and copied out of before the next step."""
+        """Pinned host buffers for one step's packed outputs, kept per shape. A step stages its
+        outputs only after the previous step's were copied out of them (`_unstage`)."""
         key = (tuple(float_shape), tuple(rgb_shape))
         if key not in self._host_buffers:
             self._host_buffers[key] = (torch.empty(float_shape, pin_memory=True),
@@ -448,5 +551,7 @@ class StreamingEngine:
         capacity = c.max_frames if self.device.type == "cuda" else 64
         self.camera_cache = TokenCache(camera.num_cache_layers, c.camera_heads, c.head_in_dim // c.camera_heads,
                                        torch.float32, self.device, capacity=capacity, compile=self._compiles)
+        if self.device.type == "cuda":
+            self._heads_stream = torch.cuda.Stream(self.device)
         if self.on_backend_ready is not None:
             self.on_backend_ready(self.backend.name)

@@ -52,14 +52,18 @@ class GCTStream(nn.Module):
         Returns pose_enc [S, 9], pose_enc_list (per refinement iteration), depth [S, H, W] and
         depth_conf [S, H, W], all float32.
         """
-        height, width = images.shape[-2:]
         layers = self.aggregator(images, kv, stream_index, time_index, num_scale_frames)
+        return self.predict(layers, camera_kv, *images.shape[-2:])
+
+    def predict(self, layers: list[torch.Tensor], camera_kv: CachedAttention, height: int,
+                width: int) -> dict[str, torch.Tensor]:
+        """Both heads on the aggregator's 4 output layers ([S, P, 2C] each); the outputs of `step`."""
         # Both heads run in float32 whatever the trunk's dtype, as the reference does. (bf16 heads
         # were measured: no faster inside CUDA graphs, and twice the pose error; docs/PERFORMANCE.md.)
         layers = [layer.float() for layer in layers]
-        with torch.autocast(device_type=images.device.type, enabled=False):
+        with torch.autocast(device_type=layers[0].device.type, enabled=False):
             poses, (depth, depth_conf) = self._run_heads(
-                images.is_cuda,
+                layers[0].is_cuda,
                 lambda: self.camera_head(layers[-1][:, 0], camera_kv), lambda: self.depth_head(layers, height, width)
             )
         return {"pose_enc": poses[-1], "pose_enc_list": poses, "depth": depth, "depth_conf": depth_conf}

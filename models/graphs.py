@@ -6,10 +6,12 @@ attention changes size from frame to frame (special tokens accumulate), so the a
 runs eagerly between graph segments, on the same stream; everything else (DINO, frame blocks,
 the projections, K/V writes, RoPE, both heads) is inside the graphs:
 
-    graph 0 | attention layer 0 | graph 1 | attention layer 1 | ... | attention layer 23 | graph 24
+    graph 0 | attention layer 0 | graph 1 | ... | attention layer 23 | graph 24 || heads graph
 
 Inputs are copied into static tensors before a replay; where this step writes its K/V (token
-slots) and its camera token (TokenCache's device-side start) are static tensors too.
+slots) and its camera token (TokenCache's device-side start) are static tensors too. The heads are
+a graph of their own, so that the engine can run a frame's heads (and its copy to the host) on a
+second stream while the next frame's aggregator runs.
 """
 
 from __future__ import annotations
@@ -41,19 +43,25 @@ class _SplitAtAttention:
 
 
 class GraphedStep:
-    """Records `model.step` for one frame of a fixed size and replays it.
+    """Records `model.step` for one frame of a fixed size and replays it, in two parts: the
+    aggregator (segments split at the global attentions) and the heads (one graph, with its own
+    memory pool, so that a frame's heads may run on another stream beside the next frame's
+    aggregator). The aggregator's four output layers are handed over in buffers of their own.
 
     `kv` and `backend` are the engine's cache storage and attention backend (any of them); the
-    backend must be planned for the frame before `replay`, as for an eager step. A frame's K/V go
-    to two store ranges (its special tokens, its patch tokens), `token_counts` long each.
+    backend must be planned for the frame before a replay, as for an eager step. A frame's K/V go
+    to two store ranges (its special tokens, its patch tokens), `token_counts` long each. `pack`
+    maps the heads' outputs to the tensor the caller copies to the host; it is recorded too.
     """
 
     def __init__(self, model: GCTStream, kv, backend, camera_cache, image_shape: tuple[int, int, int],
-                 token_counts: tuple[int, int], num_scale_frames: int, autocast_dtype: torch.dtype | None):
+                 token_counts: tuple[int, int], num_scale_frames: int, autocast_dtype: torch.dtype | None,
+                 pack):
         device = kv.device
         self.model, self.kv, self.backend, self.camera_cache = model, kv, backend, camera_cache
         self.num_scale_frames = num_scale_frames
         self.autocast_dtype = autocast_dtype
+        self.pack = pack
         self.images = torch.zeros(1, *image_shape, device=device)
         # One host-to-device copy per step: stream index, temporal index, first special-token
         # position, first patch-token position. The token positions are expanded on the device.
@@ -64,12 +72,15 @@ class GraphedStep:
         self._token_offsets = torch.cat([torch.arange(specials), torch.arange(patches)]).to(device)
         self._is_special = (torch.arange(specials + patches) < specials).to(device)
         self.slots: torch.Tensor | None = None  # [T] store positions, computed inside the graph
-        self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.pool, self.heads_pool = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
+        self.graphs: list[torch.cuda.CUDAGraph] = []  # aggregator segments
+        self.heads_graph: torch.cuda.CUDAGraph | None = None
         self.splits: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, query, output) per attention
-        self.outputs: dict[str, torch.Tensor] | None = None
+        self.handoff: list[torch.Tensor] = []  # the 4 output layers, read by the heads graph
+        self.outputs: dict[str, torch.Tensor] | None = None  # static: overwritten by each heads replay
+        self.aggregated, self.heads_done = torch.cuda.Event(), torch.cuda.Event()
         self.camera_version = camera_cache.version
-        # Set to a list to time each replay: (part, start, end) events, part "graph" or "attention".
+        # Set to a list to time each replay: (part, start, end) events, part "graph", "attention" or "heads".
         self.timing_events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] | None = None
 
     def load(self, images: torch.Tensor, token_ranges: tuple[range, range], stream_index: int, time_index: int) -> None:
@@ -92,37 +103,60 @@ class GraphedStep:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode(), self._autocast():
-            self._step(KVStep(self.kv, self.backend, self._slots()))
+            height, width = self.images.shape[-2:]
+            layers = self._aggregate(KVStep(self.kv, self.backend, self._slots()))
+            self.pack(self.model.predict(layers, self.camera_cache, height, width))
+            self.handoff = [torch.empty_like(layer) for layer in layers]
             stream.synchronize()
             self.graphs = [torch.cuda.CUDAGraph()]
             self.graphs[0].capture_begin(pool=self.pool)
             try:
                 self.slots = self._slots()
-                outputs = self._step(_SplitAtAttention(self))
+                for buffer, layer in zip(self.handoff, self._aggregate(_SplitAtAttention(self)), strict=True):
+                    buffer.copy_(layer)
             finally:
                 self.graphs[-1].capture_end()
+            self.heads_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.heads_graph, pool=self.heads_pool, stream=stream):
+                outputs = self.model.predict(self.handoff, self.camera_cache, height, width)
+                self.outputs = {"pose_enc": outputs["pose_enc"], "depth": outputs["depth"],
+                                "depth_conf": outputs["depth_conf"], "packed": self.pack(outputs)}
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        self.outputs = {"pose_enc": outputs["pose_enc"], "depth": outputs["depth"], "depth_conf": outputs["depth_conf"]}
 
     def _slots(self) -> torch.Tensor:
         """[T] store positions of this step's tokens, from the two first positions in `scalars`."""
         return torch.where(self._is_special, self.scalars[2], self.scalars[3]) + self._token_offsets
 
-    def _step(self, attention) -> dict[str, torch.Tensor]:
-        return self.model.step(self.images, attention, self.camera_cache, self.scalars[0:1], self.scalars[1:2],
-                               self.num_scale_frames)
+    def _aggregate(self, attention) -> list[torch.Tensor]:
+        return self.model.aggregator(self.images, attention, self.scalars[0:1], self.scalars[1:2], self.num_scale_frames)
 
-    def replay(self) -> dict[str, torch.Tensor]:
-        """Run the recorded step on the loaded inputs. Returns fresh copies of the outputs
-        (pose_enc [1, 9], depth [1, H, W], depth_conf [1, H, W]), safe to keep across steps."""
+    def replay_aggregator(self) -> None:
+        """Enqueue the aggregator on the current stream; `aggregated` is recorded after it. Its
+        last segment refills the hand-over buffers, so it waits for the previous heads replay."""
         with torch.inference_mode():
             for graph, (layer, query, output) in zip(self.graphs, self.splits, strict=False):
                 self._timed("graph", graph.replay)
                 self._timed("attention", lambda layer=layer, query=query, output=output: output.copy_(
                     self.backend.attend(layer, query)))
+            torch.cuda.current_stream().wait_event(self.heads_done)
             self._timed("graph", self.graphs[-1].replay)
-            return {name: tensor.clone() for name, tensor in self.outputs.items()}
+            self.aggregated.record()
+
+    def replay_heads(self) -> dict[str, torch.Tensor]:
+        """Enqueue the heads on the current stream, after the last aggregator replay. Returns the
+        static outputs (pose_enc [1, 9], depth and depth_conf [1, H, W], packed [1, N]): read or
+        copy them before the next heads replay."""
+        stream = torch.cuda.current_stream()
+        stream.wait_event(self.aggregated)
+        self._timed("heads", self.heads_graph.replay)
+        self.heads_done.record(stream)
+        return self.outputs
+
+    def replay(self) -> dict[str, torch.Tensor]:
+        """The whole step on the current stream (outputs as for `replay_heads`)."""
+        self.replay_aggregator()
+        return self.replay_heads()
 
     def _timed(self, part: str, run) -> None:
         if self.timing_events is None:

@@ -289,6 +289,9 @@ class WindowedEngine:
     def _roll_over(self) -> None:
         """Close the current window and open the next one on its last frames."""
         closed_start, closed_cached = self.window_start, self.engine.num_keyframes
+        # The closing window's last frame may still be in flight (pipelined streaming): it belongs
+        # to this window's emissions and to the tail the next window is aligned on.
+        self._outbox += self._receive(self.engine.finish())
         shared = self.overlap
         if self.dynamic_windows:
             # The reference never restarts inside the closing window's scale frames.

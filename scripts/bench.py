@@ -72,18 +72,18 @@ class StageTimer:
 
 def graph_parts(events, frames: int) -> dict[str, float]:
     """Per-frame ms of a replayed step's parts: the first graph (DINO trunk, frame block 0, global
-    block 0 up to its attention), the 24 global attentions, the 23 middle graphs (global block i's
-    projection and MLP, frame block i+1, global block i+1 up to attention) and the last graph
-    (global block 23's projection and MLP, camera head, DPT head, output copies)."""
+    block 0 up to its attention), the 24 global attentions, the 23 middle graphs and the last
+    aggregator graph (global block i's projection and MLP, frame block i+1, global block i+1 up to
+    attention), and the heads graph (camera and DPT heads, output packing). With pipelining the
+    heads run on their own stream beside the next frame's aggregator, so the parts overlap."""
     torch.cuda.synchronize()
     per_step = len(events) // frames
-    parts = {"first_graph": 0.0, "global_attention": 0.0, "middle_graphs": 0.0, "last_graph": 0.0}
+    parts = {"first_graph": 0.0, "global_attention": 0.0, "middle_graphs": 0.0, "heads": 0.0}
     for index, (part, start, end) in enumerate(events):
-        position = index % per_step
-        if part == "attention":
-            key = "global_attention"
+        if part in ("attention", "heads"):
+            key = "global_attention" if part == "attention" else "heads"
         else:
-            key = "first_graph" if position == 0 else "last_graph" if position == per_step - 1 else "middle_graphs"
+            key = "first_graph" if index % per_step == 0 else "middle_graphs"
         parts[key] += start.elapsed_time(end) / frames
     return parts
 
@@ -103,7 +103,8 @@ def run(args) -> dict:
     model, build_s = build_model(device, args.model)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     config = StreamConfig(scale_frames=args.scale, window=args.window, keyframes=args.keyframes, attention=args.attention,
-                          cuda_graphs=not args.no_graphs and not args.breakdown, compile=not args.no_compile)
+                          cuda_graphs=not args.no_graphs and not args.breakdown, compile=not args.no_compile,
+                          pipeline=not args.no_pipeline)
     engine = StreamingEngine(model, config, device=device, dtype=dtype)
     timer = StageTimer(model) if args.breakdown and device == "cuda" else None
     frames = [torch.rand(3, args.height, args.width, device=device) for _ in range(4)]
@@ -137,6 +138,7 @@ def run(args) -> dict:
         viewer_on.append(feed)
         if i == args.scale:
             cold_start = time.perf_counter() - cold_start
+    engine.finish()  # pipelined streaming hands the last frame over here (not timed)
     steady = sorted(times[fill:])
     median = steady[len(steady) // 2]
     result = {
@@ -246,6 +248,8 @@ def main():
     parser.add_argument("--breakdown", action="store_true", help="per-stage times (runs eagerly: hooks do not fire in graphs)")
     parser.add_argument("--no-graphs", action="store_true", help="eager streaming steps (no CUDA-graph replay)")
     parser.add_argument("--no-compile", action="store_true", help="eager transformer blocks (no torch.compile)")
+    parser.add_argument("--no-pipeline", action="store_true",
+                        help="every push returns its own frame (no overlap of a frame's heads with the next frame)")
     parser.add_argument("--viewer", action="store_true",
                         help="feed a live viewer (no browser) in alternating blocks of 10 frames and compare")
     parser.add_argument("--reference", help="checkout of Robbyant/lingbot-map: time it too, in this process")

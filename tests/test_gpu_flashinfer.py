@@ -83,6 +83,7 @@ def stream(model, dtype, attention, **options):
     predictions = []
     for frame in golden_frames():
         predictions += engine.push(frame.cuda())
+    predictions += engine.finish()  # pipelined streaming hands the last frame over here
     model.float()
     return predictions, engine
 

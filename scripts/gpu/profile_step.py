@@ -99,8 +99,9 @@ def host_timers(engine) -> dict[str, float]:
     wrap(engine.backend, "plan", "plan")
     wrap(engine.camera_cache, "begin", "camera.begin")
     wrap(engine._graph, "load", "graph.load")
-    wrap(engine._graph, "replay", "graph.replay (launches)")
-    wrap(engine, "_to_host", "to_host (incl. the wait)")
+    wrap(engine._graph, "replay_aggregator", "graph.replay_aggregator (launches)")
+    wrap(engine._graph, "replay_heads", "graph.replay_heads (launches)")
+    wrap(engine, "_drain", "drain (incl. the wait)")
     wrap(engine, "_commit", "commit")
     wrap(engine, "_prediction", "prediction")
     return totals
