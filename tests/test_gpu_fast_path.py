@@ -95,8 +95,8 @@ def test_fastest_configuration_stays_within_the_bf16_tolerance(gpu_model, scenar
 @pytest.mark.parametrize("scenario", ["all_keyframes", "interval_2"])
 def test_pipelined_streaming_equals_the_synchronous_one(gpu_model, scenario):
     """A frame's heads beside the next frame's aggregator: same predictions, one push later."""
-    piped, engine = stream(gpu_model, torch.bfloat16, "dense-cudnn", **SCENARIOS[scenario])
-    assert engine.config.pipeline and engine.stats()["cuda_graphs"]
+    piped, engine = stream(gpu_model, torch.bfloat16, "dense-cudnn", pipeline=True, **SCENARIOS[scenario])
+    assert engine.stats()["cuda_graphs"]
     synchronous, _ = stream(gpu_model, torch.bfloat16, "dense-cudnn", pipeline=False, **SCENARIOS[scenario])
     assert [p.frame_index for p in piped] == [p.frame_index for p in synchronous] == list(range(len(piped)))
     assert [p.frame_type for p in piped] == [p.frame_type for p in synchronous]
@@ -109,7 +109,8 @@ def test_pipelined_push_returns_the_previous_frame_and_finish_the_last():
     from stream_recon.models.synthetic import load_synthetic_weights
 
     model = load_synthetic_weights(GCTStream(ModelConfig.tiny())).cuda().eval()
-    engine = StreamingEngine(model, StreamConfig(scale_frames=2, window=3), device="cuda", dtype=torch.bfloat16)
+    engine = StreamingEngine(model, StreamConfig(scale_frames=2, window=3, pipeline=True), device="cuda",
+                             dtype=torch.bfloat16)
     frames = [torch.rand(3, 126, 224, device="cuda") for _ in range(8)]
     returned = [[p.frame_index for p in engine.push(frame)] for frame in frames]
     # scale frames together, the first streaming frame (recorded) at once, then one push late
