@@ -10,19 +10,15 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cache_two_stream import OPS, DenseReference, drive, layouts
+from test_cache_two_stream import OPS, LabelHarness, drive, layouts
 
 from stream_recon.cache import CacheLayout
 from stream_recon.cache.contiguous import ContiguousTwoStreamCache
 
 
-class Harness:
+class Harness(LabelHarness):
     def __init__(self, layout: CacheLayout, max_frames: int = 200):
-        self.layout = layout
-        self.cache = ContiguousTwoStreamCache(layout, max_frames)
-        self.reference = DenseReference(layout)
-        self.store: dict[int, tuple[int, int]] = {}
-        self.next_frame = 0
+        super().__init__(layout, ContiguousTwoStreamCache(layout, max_frames))
 
     def apply_moves(self):
         for move in self.cache.take_moves():
@@ -30,26 +26,6 @@ class Harness:
             for s, t in zip(source, target, strict=True):
                 if s in self.store:
                     self.store[t] = self.store[s]
-
-    def append(self, defer: bool):
-        frame = self.next_frame
-        self.next_frame += 1
-        self.cache.append(defer_eviction=defer)
-        self.apply_moves()  # before the step writes (a backup must not see the new frame)
-        for token, slot in enumerate(self.cache.token_slots(-1)):
-            self.store[slot] = (frame, token)
-        self.reference.pending.append(frame)
-        self.reference.pending_deferred = defer
-
-    def commit(self):
-        self.cache.commit()
-        self.apply_moves()
-        self.reference.commit()
-
-    def rollback(self):
-        self.cache.rollback()
-        self.apply_moves()
-        self.reference.pending, self.reference.pending_deferred = [], False
 
     def check(self):
         visible = self.cache.visible()

@@ -42,20 +42,25 @@ class DenseReference:
         self.pending, self.pending_deferred = [], False
 
 
-class Harness:
-    """Drives the real cache and writes frame labels into a fake page store through its slots."""
+class LabelHarness:
+    """Drives a real cache beside the dense reference and writes (frame, token) labels into a fake
+    store through the cache's token slots. Layouts whose data moves override `apply_moves`."""
 
-    def __init__(self, layout: CacheLayout, initial_pages: int):
+    def __init__(self, layout: CacheLayout, cache):
         self.layout = layout
-        self.cache = TwoStreamCache(layout, PagePool(initial_pages, grow_by=2))
+        self.cache = cache
         self.reference = DenseReference(layout)
         self.store: dict[int, tuple[int, int]] = {}
         self.next_frame = 0
+
+    def apply_moves(self):
+        pass
 
     def append(self, defer: bool):
         frame = self.next_frame
         self.next_frame += 1
         self.cache.append(defer_eviction=defer)
+        self.apply_moves()  # before the step writes (a backup must not see the new frame)
         for token, slot in enumerate(self.cache.token_slots(-1)):
             self.store[slot] = (frame, token)
         self.reference.pending.append(frame)
@@ -63,11 +68,20 @@ class Harness:
 
     def commit(self):
         self.cache.commit()
+        self.apply_moves()
         self.reference.commit()
 
     def rollback(self):
         self.cache.rollback()
+        self.apply_moves()
         self.reference.pending, self.reference.pending_deferred = [], False
+
+
+class Harness(LabelHarness):
+    """The paged layout: pages never move; the check also audits the page pool."""
+
+    def __init__(self, layout: CacheLayout, initial_pages: int):
+        super().__init__(layout, TwoStreamCache(layout, PagePool(initial_pages, grow_by=2)))
 
     def read_visible(self) -> list[tuple[int, int]]:
         visible = self.cache.visible_pages()
