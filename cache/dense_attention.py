@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .contiguous import ContiguousTwoStreamCache, SlotMove, VisibleRange
+from .streams import run_beside
 
 
 class ContiguousKV:
@@ -114,17 +115,11 @@ class SplitCudnnAttention:
         if visible.end - visible.patch_start not in self.full_patch_tokens or visible.start == visible.patch_start:
             out = self.any_shape_kernel(query, *keys(visible.start, visible.end))[0]
             return out[0].transpose(0, 1)
-        side = self.side_stream
-        if side is None:
-            special_out, special_lse = self.any_shape_kernel(query, *keys(visible.start, visible.patch_start))
-        else:
-            main = torch.cuda.current_stream(self.kv.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                special_out, special_lse = self.any_shape_kernel(query, *keys(visible.start, visible.patch_start))
-        patch_out, patch_lse = self.fixed_shape_kernel(query, *keys(visible.patch_start, visible.end))
-        if side is not None:
-            main.wait_stream(side)
+        (special_out, special_lse), (patch_out, patch_lse) = run_beside(
+            self.side_stream,
+            lambda: self.any_shape_kernel(query, *keys(visible.start, visible.patch_start)),
+            lambda: self.fixed_shape_kernel(query, *keys(visible.patch_start, visible.end)),
+        )
         return self.merge(patch_out, patch_lse, special_out, special_lse)
 
 

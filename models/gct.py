@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from stream_recon.cache import run_beside
+
 from .aggregator import Aggregator
 from .camera_head import CameraHead
 from .config import ModelConfig
@@ -28,21 +30,15 @@ class GCTStream(nn.Module):
     def _run_heads(self, on_cuda: bool, camera, depth):
         """Both heads' results. On CUDA the camera head runs on a side stream while the DPT head runs
         on the current one: the camera head is bound by reading its weights (16 one-token blocks in
-        float32), the DPT head by convolution arithmetic, so the two overlap well. The results are
-        the same either way: no kernel is shared and each head's kernels keep their order."""
-        if not on_cuda:
-            return camera(), depth()
-        main = torch.cuda.current_stream()
-        if main.device not in _SIDE_STREAMS:
-            # High priority: the camera head is the longer of the two, so its kernels go first.
-            _SIDE_STREAMS[main.device] = torch.cuda.Stream(main.device, priority=-1)
-        side = _SIDE_STREAMS[main.device]
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            poses = camera()
-        depth_maps = depth()
-        main.wait_stream(side)
-        return poses, depth_maps
+        float32), the DPT head by convolution arithmetic, so the two overlap well."""
+        side = None
+        if on_cuda:
+            device = torch.cuda.current_stream().device
+            if device not in _SIDE_STREAMS:
+                # High priority: the camera head is the longer of the two, so its kernels go first.
+                _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
+            side = _SIDE_STREAMS[device]
+        return run_beside(side, camera, depth)
 
     def step(self, images: torch.Tensor, kv: CachedAttention, camera_kv: CachedAttention,
              stream_index: torch.Tensor, time_index: torch.Tensor, num_scale_frames: int) -> dict[str, torch.Tensor]:
