@@ -310,17 +310,13 @@ class StreamingEngine:
         heads and host copy on the heads stream: they run beside the next frame's aggregator."""
         graph, heads = self._graph, self._heads_stream
         try:
-            self.backend.plan(self.cache.visible(), self.cache.layout.tokens_per_frame)
-            heads.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(heads):  # after the previous frame's heads, which read the position
-                self.camera_cache.begin(1)
+            # The camera position is set after the previous frame's heads, which read it.
+            self._prepare_step(1, camera_stream=heads)
             graph.load(image[None], self.cache.token_ranges(-1), self.num_frames, self.time_counter)
             rgb = self._quantize(image[None].to(self.device))
             graph.replay_aggregator()
         except BaseException:
-            self.cache.rollback()
-            self._apply_moves()
-            self.camera_cache.rollback()
+            self._undo_pending()
             raise
         ready = self._drain()  # the staging buffers are free once the previous frame is copied out
         with torch.cuda.stream(heads):
@@ -351,12 +347,12 @@ class StreamingEngine:
         try:
             return self._forward_pending(images, num_new)
         except BaseException:
-            self.cache.rollback()
-            self._apply_moves()
-            self.camera_cache.rollback()
+            self._undo_pending()
             raise
 
-    def _forward_pending(self, images: torch.Tensor, num_new: int) -> dict[str, torch.Tensor]:
+    def _prepare_step(self, num_new: int, camera_stream: torch.cuda.Stream | None = None) -> None:
+        """Checks and plans a step over the pending frames; `camera_stream`: where the camera
+        cache's write position is set (after what that stream already holds)."""
         limit = self.model.config.max_frames
         if self.time_counter + num_new > limit:
             raise ValueError(
@@ -366,7 +362,13 @@ class StreamingEngine:
         if isinstance(self.kv, PagedKV):  # (graphs are never recorded over pages, which may move)
             self.kv.ensure_pages(self.cache.pool.num_pages)
         self.backend.plan(self.cache.visible(), num_new * self.cache.layout.tokens_per_frame)
-        self.camera_cache.begin(num_new)
+        if camera_stream is not None:
+            camera_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(camera_stream):  # (no stream: the current one)
+            self.camera_cache.begin(num_new)
+
+    def _forward_pending(self, images: torch.Tensor, num_new: int) -> dict[str, torch.Tensor]:
+        self._prepare_step(num_new)
         if self._graph is not None and not self._graph_ready():
             self._graph = None
         if self._graph is not None and num_new == 1:
@@ -416,10 +418,14 @@ class StreamingEngine:
         self.num_keyframes += count
 
     def _rollback(self) -> None:
+        self._undo_pending()
+        self.num_frames += 1
+
+    def _undo_pending(self) -> None:
+        """Drop the pending frames from both caches, data moves included."""
         self.cache.rollback()
         self._apply_moves()
         self.camera_cache.rollback()
-        self.num_frames += 1
 
     def _autocast(self):
         if self.device.type == "cuda" and self.dtype != torch.float32:
