@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CHECKPOINT = "lingbot-map-long"
 # models.engine.ATTENTION_BACKENDS, repeated so that options are checked before torch is imported.
-ATTENTION_CHOICES = ("auto", "dense", "dense-flashinfer", "dense-cudnn", "sdpa", "flashinfer", "flashinfer-fa2", "flashinfer-fa3")
+ATTENTION_CHOICES = ("auto", "dense", "dense-triton", "dense-flashinfer", "dense-cudnn", "sdpa", "flashinfer",
+                     "flashinfer-fa2", "flashinfer-fa3")
 MAX_WINDOW_FRAMES = 1024  # positions in the model's temporal RoPE table
 RunStatus = Literal["complete", "interrupted", "failed"]
 DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
@@ -425,11 +426,20 @@ def resolve_device(device: str) -> str:
 
 def check_attention(attention: str, device: str) -> None:
     """A CUDA-only backend asked for explicitly must be usable here; `auto` picks a usable one itself."""
-    if "flashinfer" not in attention and attention != "dense-cudnn":
+    if "flashinfer" not in attention and attention not in ("dense-cudnn", "dense-triton"):
         return
     if not device.startswith("cuda"):
         raise OptionsError(f"--attention {attention} runs on CUDA only, but the device is {device}; use sdpa or auto")
     if attention == "dense-cudnn":
+        return
+    if attention == "dense-triton":
+        try:
+            import triton  # noqa: F401 - only whether it imports matters here
+        except ImportError as error:
+            raise OptionsError(
+                f"--attention dense-triton needs the triton package ({error.msg}), which CUDA builds of torch "
+                "bring along; use --attention auto"
+            ) from None
         return
     try:
         import flashinfer  # noqa: F401 - only whether it imports matters here

@@ -97,7 +97,8 @@ class _InFlight:
     rgb: torch.Tensor  # the device image the copy reads: kept alive until the copy ran
 
 
-ATTENTION_BACKENDS = ("auto", "dense", "dense-flashinfer", "dense-cudnn", "sdpa", "flashinfer", "flashinfer-fa2", "flashinfer-fa3")
+ATTENTION_BACKENDS = ("auto", "dense", "dense-triton", "dense-flashinfer", "dense-cudnn", "sdpa", "flashinfer",
+                      "flashinfer-fa2", "flashinfer-fa3")
 
 
 def resolve_attention(name: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -135,11 +136,17 @@ def make_attention_backend(name: str, kv: PagedKV):
 
 
 def make_range_backend(name: str, kv: ContiguousKV, cache: ContiguousTwoStreamCache, compile: bool = False):
-    """A backend over the contiguous layout: PyTorch SDPA, cuDNN + flash merged (dense-cudnn), or
-    FlashInfer's ragged prefill (fa3 on Hopper, fa2 elsewhere)."""
+    """A backend over the contiguous layout: PyTorch SDPA, our Triton range kernel (dense-triton),
+    cuDNN + flash merged (dense-cudnn), or FlashInfer's ragged prefill (fa3 on Hopper, fa2 elsewhere)."""
     if name == "dense":
         return DenseAttention(kv)
     _require_cuda_half_precision(name, kv, instead="dense")
+    if name == "dense-triton":
+        try:
+            from stream_recon.cache.triton_attention import TritonRangeAttention
+        except ImportError as error:
+            raise ValueError(f"--attention dense-triton needs the triton package (it comes with CUDA builds of torch): {error}") from None
+        return TritonRangeAttention(kv)
     if name == "dense-cudnn":
         layout = cache.layout
         full = (layout.scale_frames + layout.window_frames) * layout.patches_per_frame

@@ -1,12 +1,15 @@
-"""One streaming frame's model step replayed as CUDA graphs, split at the global-attention calls.
+"""One streaming frame's model step replayed as CUDA graphs.
 
 A frame step launches a few thousand small kernels whose launch cost, not their arithmetic, sets
 the frame time. Recording them once and replaying removes that cost. The key set of the global
-attention changes size from frame to frame (special tokens accumulate), so the attention itself
-runs eagerly between graph segments, on the same stream; everything else (DINO, frame blocks,
-the projections, K/V writes, RoPE, both heads) is inside the graphs:
+attention changes size from frame to frame (special tokens accumulate). A backend that reads its
+plan from device memory (`reads_plan_on_device`, the Triton range kernel) is recorded with the
+rest; any other backend's attention runs eagerly between graph segments, on the same stream,
+with everything else (DINO, frame blocks, the projections, K/V writes, RoPE, both heads) inside
+the graphs:
 
-    graph 0 | attention layer 0 | graph 1 | ... | attention layer 23 | graph 24 || heads graph
+    aggregator graph | hand-over graph || heads graph                         (attention in the graph)
+    graph 0 | attention layer 0 | graph 1 | ... | attention layer 23 | graph 24 | hand-over || heads
 
 Inputs are copied into static tensors before a replay; where this step writes its K/V (token
 slots) and its camera token (TokenCache's device-side start) are static tensors too. The heads are
@@ -74,13 +77,15 @@ class GraphedStep:
         self.slots: torch.Tensor | None = None  # [T] store positions, computed inside the graph
         self.pool, self.heads_pool = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
         self.graphs: list[torch.cuda.CUDAGraph] = []  # aggregator segments
+        self.handoff_graph: torch.cuda.CUDAGraph | None = None
         self.heads_graph: torch.cuda.CUDAGraph | None = None
         self.splits: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, query, output) per attention
         self.handoff: list[torch.Tensor] = []  # the 4 output layers, read by the heads graph
         self.outputs: dict[str, torch.Tensor] | None = None  # static: overwritten by each heads replay
         self.aggregated, self.heads_done = torch.cuda.Event(), torch.cuda.Event()
         self.camera_version = camera_cache.version
-        # Set to a list to time each replay: (part, start, end) events, part "graph", "attention" or "heads".
+        # Set to a list to time each replay: (part, start, end) events, part "graph", "attention",
+        # "handoff" or "heads".
         self.timing_events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] | None = None
 
     def load(self, images: torch.Tensor, token_ranges: tuple[range, range], stream_index: int, time_index: int) -> None:
@@ -112,10 +117,20 @@ class GraphedStep:
             self.graphs[0].capture_begin(pool=self.pool)
             try:
                 self.slots = self._slots()
-                for buffer, layer in zip(self.handoff, self._aggregate(_SplitAtAttention(self)), strict=True):
-                    buffer.copy_(layer)
+                in_graph = getattr(self.backend, "reads_plan_on_device", False)
+                attention = KVStep(self.kv, self.backend, self.slots) if in_graph else _SplitAtAttention(self)
+                layers = self._aggregate(attention)
             finally:
                 self.graphs[-1].capture_end()
+            # The hand-over is a graph of its own: in a pipelined stream it alone waits for the
+            # previous frame's heads, which read the buffers.
+            self.handoff_graph = torch.cuda.CUDAGraph()
+            self.handoff_graph.capture_begin(pool=self.pool)
+            try:
+                for buffer, layer in zip(self.handoff, layers, strict=True):
+                    buffer.copy_(layer)
+            finally:
+                self.handoff_graph.capture_end()
             self.heads_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.heads_graph, pool=self.heads_pool, stream=stream):
                 outputs = self.model.predict(self.handoff, self.camera_cache, height, width)
@@ -132,15 +147,16 @@ class GraphedStep:
         return self.model.aggregator(self.images, attention, self.scalars[0:1], self.scalars[1:2], self.num_scale_frames)
 
     def replay_aggregator(self) -> None:
-        """Enqueue the aggregator on the current stream; `aggregated` is recorded after it. Its
-        last segment refills the hand-over buffers, so it waits for the previous heads replay."""
+        """Enqueue the aggregator on the current stream; `aggregated` is recorded after it. The
+        hand-over buffers are refilled last, after the previous heads replay has read them."""
         with torch.inference_mode():
             for graph, (layer, query, output) in zip(self.graphs, self.splits, strict=False):
                 self._timed("graph", graph.replay)
                 self._timed("attention", lambda layer=layer, query=query, output=output: output.copy_(
                     self.backend.attend(layer, query)))
-            torch.cuda.current_stream().wait_event(self.heads_done)
             self._timed("graph", self.graphs[-1].replay)
+            torch.cuda.current_stream().wait_event(self.heads_done)
+            self._timed("handoff", self.handoff_graph.replay)
             self.aggregated.record()
 
     def replay_heads(self) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# A rotary embedding acting on q or k laid out [B, H, N, D].
+# A rotary embedding acting on q or k laid out [B, N, H, D] (token-major).
 Rope = Callable[[torch.Tensor], torch.Tensor]
 # Attention over a cache: (layer, q, k, v) with [N, H, D] tensors -> [N, H, D].
 CachedAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -47,16 +47,17 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def heads(self, x: torch.Tensor, rope: Rope | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, N, C] -> q, k, v [B, H, N, D], QK-normed and rotated."""
+        """x [B, N, C] -> q, k, v [B, H, N, D], QK-normed and rotated: transposed views of token-major
+        [B, N, H, D] tensors, the layout a KV cache stores and attention kernels read as they are,
+        so that neither path makes a transposing copy."""
         B, N, C = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).unbind(2)  # [B, N, H, D]
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = rope(q), rope(k)
         # Under autocast the norms and RoPE run in float32 and the attention kernels take v's dtype;
         # casting here (where a compiled block fuses it) rounds at the same point as the kernel would.
-        return q.to(v.dtype), k.to(v.dtype), v
+        return q.to(v.dtype).transpose(1, 2), k.to(v.dtype).transpose(1, 2), v.transpose(1, 2)
 
     @staticmethod
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: CachedAttention | None = None,

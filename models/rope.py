@@ -1,7 +1,8 @@
 """Rotary position embeddings: 2D (frame blocks) and 3D temporal (global blocks).
 
-Both are applied to q and k laid out [B, H, N, D] and are pure functions of precomputed tables,
-so a step builds its tables once and every layer reuses them.
+Both are applied to q and k laid out token-major, [B, N, H, D], and are pure functions of
+precomputed tables [N, D/2] (shared by the heads), so a step builds its tables once and every
+layer reuses them.
 """
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ class Rope2D:
         return cls(cos_y, sin_y, cos_x, sin_x)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, N, H, D] -> the same, rotated."""
         y_part, x_part = x.chunk(2, dim=-1)
-        return torch.cat([_rotate_half(y_part, self.cos_y, self.sin_y), _rotate_half(x_part, self.cos_x, self.sin_x)], dim=-1)
+        return torch.cat([_rotate_half(y_part, self.cos_y[:, None], self.sin_y[:, None]),
+                          _rotate_half(x_part, self.cos_x[:, None], self.sin_x[:, None])], dim=-1)
 
 
 def _rotate_half(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -99,6 +102,7 @@ class Rope3D:
         return cls(angle.cos().float(), angle.sin().float())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
+        """x [B, N, H, D] -> the same, rotated."""
+        cos, sin = self.cos[:, None].to(x.dtype), self.sin[:, None].to(x.dtype)
         x1, x2 = x[..., 0::2], x[..., 1::2]
         return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).reshape(x.shape)

@@ -74,16 +74,16 @@ def graph_parts(events, frames: int) -> dict[str, float]:
     """Per-frame ms of a replayed step's parts: the first graph (DINO trunk, frame block 0, global
     block 0 up to its attention), the 24 global attentions, the 23 middle graphs and the last
     aggregator graph (global block i's projection and MLP, frame block i+1, global block i+1 up to
-    attention), and the heads graph (camera and DPT heads, output packing). With pipelining the
-    heads run on their own stream beside the next frame's aggregator, so the parts overlap."""
+    attention), the hand-over copy, and the heads graph (camera and DPT heads, output packing).
+    With an attention recorded in the graph (dense-triton) the first graph is the whole aggregator.
+    With pipelining the heads run on their own stream beside the next frame's aggregator, so the
+    parts overlap."""
     torch.cuda.synchronize()
     per_step = len(events) // frames
-    parts = {"first_graph": 0.0, "global_attention": 0.0, "middle_graphs": 0.0, "heads": 0.0}
+    parts = {"first_graph": 0.0, "global_attention": 0.0, "middle_graphs": 0.0, "handoff": 0.0, "heads": 0.0}
+    named = {"attention": "global_attention", "handoff": "handoff", "heads": "heads"}
     for index, (part, start, end) in enumerate(events):
-        if part in ("attention", "heads"):
-            key = "global_attention" if part == "attention" else "heads"
-        else:
-            key = "first_graph" if index % per_step == 0 else "middle_graphs"
+        key = named.get(part) or ("first_graph" if index % per_step == 0 else "middle_graphs")
         parts[key] += start.elapsed_time(end) / frames
     return parts
 
@@ -179,7 +179,8 @@ def run(args) -> dict:
     if timing_events:
         parts = graph_parts(timing_events, args.frames)
         result["graph_parts_ms_per_frame"] = parts
-        result["global_attention_tflops"] = attention_flops(engine) / parts["global_attention"] / 1e9
+        if parts["global_attention"]:  # (inside the graph otherwise: see scripts/gpu/profile_step.py)
+            result["global_attention_tflops"] = attention_flops(engine) / parts["global_attention"] / 1e9
     if timer is not None:
         result["stage_ms_per_frame"] = {k: v / args.frames for k, v in timer.totals_ms().items()}
     return result

@@ -169,6 +169,7 @@ def test_single_image_instead_of_folder(tmp_path: Path) -> None:
         (["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
         (["--attention", "flashinfer", "--device", "cpu"], "flashinfer runs on CUDA only"),
         (["--attention", "dense-cudnn", "--device", "cpu"], "dense-cudnn runs on CUDA only"),
+        (["--attention", "dense-triton", "--device", "cpu"], "dense-triton runs on CUDA only"),
     ],
 )
 def test_bad_options_are_named(tmp_path: Path, flags: list[str], message: str) -> None:

@@ -22,7 +22,7 @@ def as_golden(predictions) -> dict[str, np.ndarray]:
     return {k: np.stack([getattr(p, k) for p in predictions]) for k in KEYS}
 
 
-@pytest.mark.parametrize("attention", ["dense", "dense-flashinfer", "dense-cudnn"])
+@pytest.mark.parametrize("attention", ["dense", "dense-triton", "dense-flashinfer", "dense-cudnn"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_contiguous_graphed_path_agrees_with_golden_and_the_paged_path(gpu_model, scenario, attention):
     if attention == "dense-flashinfer":
@@ -40,7 +40,7 @@ def test_contiguous_graphed_path_agrees_with_golden_and_the_paged_path(gpu_model
         assert between[key] <= limit, f"{key}: {between[key]:.3f} sigma"
 
 
-@pytest.mark.parametrize("attention", ["dense", "dense-flashinfer", "dense-cudnn"])
+@pytest.mark.parametrize("attention", ["dense", "dense-triton", "dense-flashinfer", "dense-cudnn"])
 def test_graph_replay_equals_the_eager_step(gpu_model, attention):
     """Same kernels, same order: replaying the recorded step changes nothing but the launch cost."""
     if attention == "dense-flashinfer":
@@ -92,12 +92,13 @@ def test_fastest_configuration_stays_within_the_bf16_tolerance(gpu_model, scenar
         assert measured[key] <= limit, f"{key}: {measured[key]:.3f} sigma"
 
 
-@pytest.mark.parametrize("scenario", ["all_keyframes", "interval_2"])
-def test_pipelined_streaming_equals_the_synchronous_one(gpu_model, scenario):
+@pytest.mark.parametrize(("scenario", "attention"), [("all_keyframes", "dense-cudnn"), ("interval_2", "dense-cudnn"),
+                                                     ("all_keyframes", "dense-triton"), ("interval_2", "dense-triton")])
+def test_pipelined_streaming_equals_the_synchronous_one(gpu_model, scenario, attention):
     """A frame's heads beside the next frame's aggregator: same predictions, one push later."""
-    piped, engine = stream(gpu_model, torch.bfloat16, "dense-cudnn", pipeline=True, **SCENARIOS[scenario])
+    piped, engine = stream(gpu_model, torch.bfloat16, attention, pipeline=True, **SCENARIOS[scenario])
     assert engine.stats()["cuda_graphs"]
-    synchronous, _ = stream(gpu_model, torch.bfloat16, "dense-cudnn", pipeline=False, **SCENARIOS[scenario])
+    synchronous, _ = stream(gpu_model, torch.bfloat16, attention, pipeline=False, **SCENARIOS[scenario])
     assert [p.frame_index for p in piped] == [p.frame_index for p in synchronous] == list(range(len(piped)))
     assert [p.frame_type for p in piped] == [p.frame_type for p in synchronous]
     assert max(errors(piped, as_golden(synchronous)).values()) == 0.0

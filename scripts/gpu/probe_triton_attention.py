@@ -1,0 +1,259 @@
+"""Can a Triton kernel beat cuDNN on the global attention's shape (1005 queries, ~72,000 keys, 16
+heads of 64, bf16, keys read in place from the token-major store)?
+
+At head dim 64 the softmax's exponentials cost as much as the two matrix products, so besides the
+plain kernel this tries exponentials two at a time in half precision (`ex2.approx.f16x2`). The key
+range comes from device memory, as it would inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+H, D, T = 16, 64, 1005
+SPECIALS, PATCHES = 6 * 152, 72 * 999
+
+
+@triton.jit
+def _exp2_f16x2(x):
+    return tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [x], dtype=tl.float16, is_pure=True,
+                                     pack=2)
+
+
+@triton.jit
+def _attend(q, k, v, m_i, l_i, acc, qk_scale, EXP: tl.constexpr, ONES: tl.constexpr):
+    s = tl.dot(q, k)  # [M, N] fp32
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    x = s * qk_scale - m_new[:, None]
+    alpha = tl.math.exp2(m_i - m_new)
+    if EXP == 0:  # fp32 exponentials, P rounded to bf16 for the second product
+        p = tl.math.exp2(x)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    elif EXP == 1:  # f16x2 exponentials, P converted to bf16
+        p = _exp2_f16x2(x.to(tl.float16))
+        l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    else:  # f16x2 exponentials, V converted to fp16, row sums on the tensor cores
+        p = _exp2_f16x2(x.to(tl.float16))
+        pv = tl.dot(p, v.to(tl.float16))
+        l_i = l_i * alpha + tl.max(tl.dot(p, ONES), 1)
+        acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
+def attention_kernel(Q, K, V, Out, LSE, key_range, stride_qt, stride_kt, stride_ot, num_queries, qk_scale,
+                     HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, EXP: tl.constexpr):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    start = tl.load(key_range)
+    end = tl.load(key_range + 1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + offs_m[:, None] * stride_qt + head * HEAD_DIM + offs_d[None, :],
+                mask=offs_m[:, None] < num_queries, other=0.0)
+    k_ptrs = K + head * HEAD_DIM + (start + offs_n)[None, :].to(tl.int64) * stride_kt + offs_d[:, None]  # [D, N]
+    v_ptrs = V + head * HEAD_DIM + (start + offs_n)[:, None].to(tl.int64) * stride_kt + offs_d[None, :]  # [N, D]
+    ONES = tl.full([BLOCK_N, 16], 1.0, tl.float16)
+    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    num_keys = end - start
+    full = num_keys // BLOCK_N * BLOCK_N
+    for n in range(0, full, BLOCK_N):
+        k = tl.load(k_ptrs + n * stride_kt)
+        v = tl.load(v_ptrs + n * stride_kt)
+        m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, qk_scale, EXP, ONES)
+    if full < num_keys:
+        inside = (full + offs_n) < num_keys
+        k = tl.load(k_ptrs + full * stride_kt, mask=inside[None, :], other=0.0)
+        v = tl.load(v_ptrs + full * stride_kt, mask=inside[:, None], other=0.0)
+        # -inf scores for the keys past the end: the bias makes their weights exactly zero
+        s = tl.dot(q, k)
+        s = tl.where(inside[None, :], s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    rows = offs_m < num_queries
+    tl.store(Out + offs_m[:, None] * stride_ot + head * HEAD_DIM + offs_d[None, :], acc.to(Out.dtype.element_ty),
+             mask=rows[:, None])
+    tl.store(LSE + head * num_queries + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=rows)
+
+
+@triton.jit
+def attention_kernel_tma(Q, k_desc, v_desc, Out, key_range, stride_qt, stride_ot, num_queries, qk_scale,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr):
+    """Keys and values through tensor-memory-accelerator descriptors of the [capacity, H * D] store."""
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    start = tl.load(key_range)
+    end = tl.load(key_range + 1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + offs_m[:, None] * stride_qt + head * HEAD_DIM + offs_d[None, :],
+                mask=offs_m[:, None] < num_queries, other=0.0)
+    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    num_keys = end - start
+    full = num_keys // BLOCK_N * BLOCK_N
+    for n in tl.range(0, full, BLOCK_N, warp_specialize=WS):
+        k = k_desc.load([start + n, head * HEAD_DIM])
+        v = v_desc.load([start + n, head * HEAD_DIM])
+        s = tl.dot(q, tl.trans(k))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    if full < num_keys:
+        inside = (full + offs_n) < num_keys
+        k = k_desc.load([start + full, head * HEAD_DIM])
+        v = v_desc.load([start + full, head * HEAD_DIM])
+        v = tl.where(inside[:, None], v, 0.0)
+        s = tl.where(inside[None, :], tl.dot(q, tl.trans(k)), -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    acc = acc / l_i[:, None]
+    rows = offs_m < num_queries
+    tl.store(Out + offs_m[:, None] * stride_ot + head * HEAD_DIM + offs_d[None, :], acc.to(Out.dtype.element_ty),
+             mask=rows[:, None])
+
+
+def triton_attention_tma(q, store_k, store_v, key_range, config):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block_m, block_n, warps, stages, ws = config
+    out = torch.empty_like(q)
+    flat_k, flat_v = store_k.flatten(1), store_v.flatten(1)  # [capacity, H * D]
+    k_desc = TensorDescriptor(flat_k, list(flat_k.shape), list(flat_k.stride()), [block_n, D])
+    v_desc = TensorDescriptor(flat_v, list(flat_v.shape), list(flat_v.stride()), [block_n, D])
+    grid = (triton.cdiv(q.shape[0], block_m), H)
+    attention_kernel_tma[grid](q, k_desc, v_desc, out, key_range, q.stride(0), out.stride(0), q.shape[0],
+                               D ** -0.5 * 1.4426950408889634, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
+                               WS=ws, num_warps=warps, num_stages=stages)
+    return out, None
+
+
+def triton_attention(q, store_k, store_v, key_range, config):
+    """q [T, H, D]; store_* [capacity, H, D]; key_range int32 [2] on the device."""
+    out = torch.empty_like(q)
+    lse = torch.empty(H, q.shape[0], device=q.device, dtype=torch.float32)
+    block_m, block_n, warps, stages, exp = config
+    grid = (triton.cdiv(q.shape[0], block_m), H)
+    attention_kernel[grid](q, store_k, store_v, out, lse, key_range, q.stride(0), store_k.stride(0), out.stride(0),
+                           q.shape[0], D ** -0.5 * 1.4426950408889634, HEAD_DIM=D, NUM_HEADS=H, BLOCK_M=block_m,
+                           BLOCK_N=block_n, EXP=exp, num_warps=warps, num_stages=stages)
+    return out, lse
+
+
+def timed_ms(fn, repeats):
+    fn()
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--sweep", choices=["exp", "loads"], default="loads",
+                        help="exp: fp32 vs f16x2 exponentials; loads: pointer vs TMA loads, key block sizes")
+    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp"), "triton_attention.json"))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    dev = "cuda"
+    capacity = SPECIALS + PATCHES + 4096
+    store = torch.randn(2, capacity, H, D, device=dev, dtype=torch.bfloat16)
+    store_k, store_v = store[0], store[1]
+    q = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16) * 2
+    start, end = 4096, 4096 + SPECIALS + PATCHES
+    flops = 4 * T * (end - start) * H * D
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None], store_k[start:end].float().transpose(0, 1)[None],
+        store_v[start:end].float().transpose(0, 1)[None])[0].transpose(0, 1)
+    results = {"triton": triton.__version__, "torch": torch.__version__, "device": torch.cuda.get_device_name()}
+
+    def cudnn_patches():
+        return torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q.transpose(0, 1)[None], store_k[start + SPECIALS:end].transpose(0, 1)[None],
+            store_v[start + SPECIALS:end].transpose(0, 1)[None], None, True)[:2]
+
+    cudnn_ms = timed_ms(cudnn_patches, args.repeats)
+    results["cudnn_patches_ms"] = cudnn_ms
+    print(f"cuDNN, patch keys only ({PATCHES}): {cudnn_ms * 1000:.1f} us, "
+          f"{4 * T * PATCHES * H * D / cudnn_ms / 1e9:.0f} TFLOP/s", flush=True)
+    key_range = torch.tensor([start, end], device=dev, dtype=torch.int32)
+    rows = []
+    if args.sweep == "exp":  # pointer loads; exponentials in fp32 (0) or f16x2 (1, 2)
+        configs = [("ptr", c) for c in itertools.product((128, 64), (64, 128), (4, 8), (2, 3, 4), (0, 1, 2))
+                   if not (c[0] == 64 and c[2] == 8)]
+    else:  # fp32 exponentials: pointer loads vs TMA descriptors (+ warp specialization), larger key blocks
+        configs = [("ptr", c + (0,)) for c in itertools.product((64,), (128, 256), (4,), (2, 3, 4))]
+        configs += [("ptr", c + (0,)) for c in itertools.product((128,), (128, 256), (8,), (3, 4))]
+        configs += [("tma", c) for c in itertools.product((64,), (64, 128, 256), (4,), (2, 3, 4), (False, True))]
+        configs += [("tma", c) for c in itertools.product((128,), (128,), (8,), (2, 3), (False, True))]
+    for kind, config in configs:
+        block_m, block_n, warps, stages, variant = config
+        run = triton_attention if kind == "ptr" else triton_attention_tma
+        try:
+            out, lse = run(q, store_k, store_v, key_range, config)
+            torch.cuda.synchronize()
+            err = (out.float() - expected).abs().max().item()
+            ms = timed_ms(lambda run=run, config=config: run(q, store_k, store_v, key_range, config), args.repeats)
+        except Exception as error:  # a configuration that does not compile or fit is skipped
+            print(f"{kind} {config}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+            continue
+        row = {"kind": kind, "block_m": block_m, "block_n": block_n, "warps": warps, "stages": stages,
+               "variant": variant, "us": ms * 1000, "tflops": flops / ms / 1e9, "max_err": err}
+        rows.append(row)
+        print(f"{kind} {config}: {ms * 1000:.1f} us, {row['tflops']:.0f} TFLOP/s (all {end - start} keys), "
+              f"max err {err:.2e}", flush=True)
+    rows.sort(key=lambda r: r["us"])
+    results["configs"] = rows
+    if rows:
+        best = rows[0]
+        config = (best["block_m"], best["block_n"], best["warps"], best["stages"], best["variant"])
+        run = triton_attention if best["kind"] == "ptr" else triton_attention_tma
+        out, lse = run(q, store_k, store_v, key_range, config)
+        if lse is not None:
+            scores = (q.float().transpose(0, 1) @ store_k[start:end].float().permute(1, 2, 0)) / math.sqrt(D)
+            results["best_lse_err"] = (lse - torch.logsumexp(scores, -1)).abs().max().item()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run(q, store_k, store_v, key_range, config)
+        results["best_in_graph_us"] = timed_ms(graph.replay, args.repeats) * 1000
+        print(f"best {best['kind']} {config}: in a graph {results['best_in_graph_us']:.1f} us")
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=1)
+    time.sleep(0)
+
+
+if __name__ == "__main__":
+    main()
