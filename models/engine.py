@@ -77,9 +77,9 @@ class StreamConfig:
     compile: bool = True  # fuse the transformer blocks with torch.compile (CUDA only; slower first frames)
     # With CUDA graphs and keyframes decided before the step (all, interval:N): a frame's heads and
     # its copy to the host run beside the next frame's aggregator, and push() returns the previous
-    # frame's prediction (finish() returns the last one). Off: every push returns its own frame.
-    # Opt-in until its speed is measured (its outputs are tested equal to the synchronous path's).
-    pipeline: bool = False
+    # frame's prediction (finish() returns the last one); 1.2-1.4 ms per frame faster on an H100
+    # (docs/PERFORMANCE.md), outputs identical. Off: every push returns its own frame.
+    pipeline: bool = True
 
     @property
     def policy(self) -> KeyframePolicy:
@@ -102,10 +102,11 @@ ATTENTION_BACKENDS = ("auto", "dense", "dense-triton", "dense-flashinfer", "dens
 
 
 def resolve_attention(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """`auto` for bf16/fp16 on CUDA: the contiguous layout, read by cuDNN + flash (dense-cudnn) on
-    Hopper or newer, the fastest measured (docs/PERFORMANCE.md); elsewhere by FlashInfer's ragged
-    prefill when it is installed, else by PyTorch's flash kernel. On CPU or in float32: the paged
-    cache with PyTorch SDPA (the golden-parity path)."""
+    """`auto` for bf16/fp16 on CUDA: the contiguous layout, read on Hopper or newer by our Triton
+    range kernel (dense-triton; cuDNN + flash, dense-cudnn, without triton), the fastest measured
+    (docs/PERFORMANCE.md); elsewhere by FlashInfer's ragged prefill when it is installed, else by
+    PyTorch's flash kernel. On CPU or in float32: the paged cache with PyTorch SDPA (the
+    golden-parity path)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
     if name != "auto":
@@ -113,7 +114,11 @@ def resolve_attention(name: str, device: torch.device, dtype: torch.dtype) -> st
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return "sdpa"
     if torch.cuda.get_device_capability(device)[0] >= 9:
-        return "dense-cudnn"
+        try:
+            import triton  # noqa: F401 - only whether it imports matters here
+        except ImportError:
+            return "dense-cudnn"
+        return "dense-triton"
     try:
         import flashinfer  # noqa: F401 - only whether it imports matters here
     except ImportError:
@@ -179,8 +184,11 @@ class StreamingEngine:
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.dtype = dtype or torch.float32
         if self.device.type == "cuda" and self.dtype != torch.float32:
-            # The transformer runs in bf16/fp16 and the heads in fp32, as the reference does.
+            # The transformer runs in bf16/fp16 and the camera head in fp32, as the reference does.
+            # The DPT head runs in bf16/fp16 too: a third faster, within the golden tolerance
+            # (docs/PERFORMANCE.md; the reference keeps it in fp32).
             self.model.aggregator.to(self.dtype)
+            self.model.depth_head.to(self.dtype)
         if self.device.type == "cuda":
             # cuDNN's NHWC convolutions: the DPT head's inputs are channels-last views already.
             self.model.depth_head.to(memory_format=torch.channels_last)

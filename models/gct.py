@@ -54,12 +54,15 @@ class GCTStream(nn.Module):
     def predict(self, layers: list[torch.Tensor], camera_kv: CachedAttention, height: int,
                 width: int) -> dict[str, torch.Tensor]:
         """Both heads on the aggregator's 4 output layers ([S, P, 2C] each); the outputs of `step`."""
-        # Both heads run in float32 whatever the trunk's dtype, as the reference does. (bf16 heads
-        # were measured: no faster inside CUDA graphs, and twice the pose error; docs/PERFORMANCE.md.)
-        layers = [layer.float() for layer in layers]
-        with torch.autocast(device_type=layers[0].device.type, enabled=False):
+        # The camera head runs in float32 whatever the trunk's dtype, as the reference does (in bf16
+        # its pose error doubled). The DPT head runs in its weights' dtype: float32 unless the engine
+        # gave it the trunk's half precision (docs/PERFORMANCE.md: 1.5 -> 1.0 ms on an H100).
+        camera_tokens = layers[-1][:, 0].float()
+        depth_dtype = self.depth_head.norm.weight.dtype
+        depth_layers = [layer.to(depth_dtype) for layer in layers]
+        with torch.autocast(device_type=camera_tokens.device.type, enabled=False):
             poses, (depth, depth_conf) = self._run_heads(
-                layers[0].is_cuda,
-                lambda: self.camera_head(layers[-1][:, 0], camera_kv), lambda: self.depth_head(layers, height, width)
+                camera_tokens.is_cuda,
+                lambda: self.camera_head(camera_tokens, camera_kv), lambda: self.depth_head(depth_layers, height, width)
             )
         return {"pose_enc": poses[-1], "pose_enc_list": poses, "depth": depth, "depth_conf": depth_conf}

@@ -63,9 +63,9 @@ AttentionOpt = Annotated[
     Optional[str],
     typer.Option(
         "--attention",
-        help="Attention backend: auto (CUDA: dense-cudnn on Hopper, else dense-flashinfer if installed, else "
-        "dense; CPU: sdpa), dense, dense-cudnn, dense-flashinfer (contiguous cache), sdpa, flashinfer "
-        "(= flashinfer-fa2), flashinfer-fa3 (paged cache). \\[default: auto]",
+        help="Attention backend: auto (CUDA: dense-triton on Hopper, else dense-flashinfer if installed, else "
+        "dense; CPU: sdpa), dense, dense-triton, dense-cudnn, dense-flashinfer (contiguous cache), sdpa, "
+        "flashinfer (= flashinfer-fa2), flashinfer-fa3 (paged cache). \\[default: auto]",
         rich_help_panel=_MODEL,
         show_default=False,
     ),

@@ -68,14 +68,25 @@ def _cuda_info() -> dict[str, Any]:
     return {"available": True, "torch_cuda": torch.version.cuda, "devices": devices}
 
 
+def _dense_triton_status(torch) -> str:
+    try:
+        import triton  # noqa: F401 - only its presence matters here
+    except ImportError as error:
+        return f"not installed ({error.msg}); CUDA builds of torch bring triton along"
+    if not torch.cuda.is_available():
+        return "installed, but needs a CUDA GPU (none found)"
+    return "available (contiguous cache, one Triton kernel over the whole key range; the default on Hopper GPUs)"
+
+
 def _attention_backends() -> dict[str, str]:
     """Which backends `--attention` can use here, with the reason when one cannot."""
     import torch
 
     backends = {
         "dense": "available (contiguous cache, PyTorch SDPA reading keys in place; CPU and CUDA)",
+        "dense-triton": _dense_triton_status(torch),
         "dense-cudnn": (
-            "available (contiguous cache, cuDNN fused attention + flash; the default on Hopper GPUs)"
+            "available (contiguous cache, cuDNN fused attention + flash; the default on Hopper GPUs without triton)"
             if torch.cuda.is_available() else "needs a CUDA GPU (none found)"
         ),
         "sdpa": "available (paged cache, PyTorch scaled_dot_product_attention; CPU and CUDA; the default on CPU)",

@@ -141,6 +141,85 @@ def attention_kernel_tma(Q, k_desc, v_desc, Out, key_range, stride_qt, stride_ot
              mask=rows[:, None])
 
 
+@triton.jit
+def _fold(s, v, m_i, l_i, acc, qk_scale, LAZY: tl.constexpr):
+    m_blk = tl.max(s, 1) * qk_scale
+    if LAZY:  # keep a stale maximum until some row grows past it by 2^8 (exact: l and acc share it)
+        m_new = tl.maximum(m_i, m_blk)
+        if tl.max(m_new - m_i, 0) > 8.0:
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        p = tl.math.exp2(s * qk_scale - m_i[:, None])
+        l_i = l_i + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        return m_i, l_i, acc
+    m_new = tl.maximum(m_i, m_blk)
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
+def attention_kernel_tma2(Q, k_desc, v_desc, Out, key_range, stride_qt, stride_ot, num_queries, qk_scale,
+                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PIPE: tl.constexpr,
+                          LAZY: tl.constexpr):
+    """PIPE: the next block's q @ k is issued before this block's softmax (FlashAttention-3's
+    intra-warpgroup overlap, written by hand). LAZY: rescale only when the maximum grows a lot."""
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    start = tl.load(key_range)
+    end = tl.load(key_range + 1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    col = head * HEAD_DIM
+    q = tl.load(Q + offs_m[:, None] * stride_qt + col + offs_d[None, :], mask=offs_m[:, None] < num_queries, other=0.0)
+    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    num_keys = end - start
+    full = num_keys // BLOCK_N * BLOCK_N
+    if PIPE:
+        if full > 0:
+            s = tl.dot(q, tl.trans(k_desc.load([start, col])))
+            for n in range(BLOCK_N, full, BLOCK_N):
+                s_next = tl.dot(q, tl.trans(k_desc.load([start + n, col])))
+                m_i, l_i, acc = _fold(s, v_desc.load([start + n - BLOCK_N, col]), m_i, l_i, acc, qk_scale, LAZY)
+                s = s_next
+            m_i, l_i, acc = _fold(s, v_desc.load([start + full - BLOCK_N, col]), m_i, l_i, acc, qk_scale, LAZY)
+    else:
+        for n in range(0, full, BLOCK_N):
+            s = tl.dot(q, tl.trans(k_desc.load([start + n, col])))
+            m_i, l_i, acc = _fold(s, v_desc.load([start + n, col]), m_i, l_i, acc, qk_scale, LAZY)
+    if full < num_keys:
+        inside = (full + offs_n) < num_keys
+        s = tl.where(inside[None, :], tl.dot(q, tl.trans(k_desc.load([start + full, col]))), -float("inf"))
+        v = tl.where(inside[:, None], v_desc.load([start + full, col]), 0.0)
+        m_i, l_i, acc = _fold(s, v, m_i, l_i, acc, qk_scale, False)
+    acc = acc / l_i[:, None]
+    rows = offs_m < num_queries
+    tl.store(Out + offs_m[:, None] * stride_ot + col + offs_d[None, :], acc.to(Out.dtype.element_ty), mask=rows[:, None])
+
+
+def triton_attention_tma2(q, store_k, store_v, key_range, config):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block_m, block_n, warps, stages, (pipe, lazy) = config
+    out = torch.empty_like(q)
+    flat_k, flat_v = store_k.flatten(1), store_v.flatten(1)
+    k_desc = TensorDescriptor(flat_k, list(flat_k.shape), list(flat_k.stride()), [block_n, D])
+    v_desc = TensorDescriptor(flat_v, list(flat_v.shape), list(flat_v.stride()), [block_n, D])
+    grid = (triton.cdiv(q.shape[0], block_m), H)
+    attention_kernel_tma2[grid](q, k_desc, v_desc, out, key_range, q.stride(0), out.stride(0), q.shape[0],
+                                D ** -0.5 * 1.4426950408889634, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
+                                PIPE=pipe, LAZY=lazy, num_warps=warps, num_stages=stages)
+    return out, None
+
+
 def triton_attention_tma(q, store_k, store_v, key_range, config):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -183,8 +262,9 @@ def timed_ms(fn, repeats):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--sweep", choices=["exp", "loads"], default="loads",
-                        help="exp: fp32 vs f16x2 exponentials; loads: pointer vs TMA loads, key block sizes")
+    parser.add_argument("--sweep", choices=["exp", "loads", "overlap"], default="loads",
+                        help="exp: fp32 vs f16x2 exponentials; loads: pointer vs TMA loads, key block sizes; "
+                        "overlap: next block's q @ k issued early, lazy rescaling")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp"), "triton_attention.json"))
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -214,6 +294,10 @@ def main() -> None:
     if args.sweep == "exp":  # pointer loads; exponentials in fp32 (0) or f16x2 (1, 2)
         configs = [("ptr", c) for c in itertools.product((128, 64), (64, 128), (4, 8), (2, 3, 4), (0, 1, 2))
                    if not (c[0] == 64 and c[2] == 8)]
+    elif args.sweep == "overlap":  # TMA loads: q @ k of the next block issued early, lazy rescaling
+        configs = [("tma2", c) for c in itertools.product((64,), (128, 64), (4,), (2, 3),
+                                                          ((False, False), (True, False), (False, True), (True, True)))]
+        configs += [("tma2", c) for c in itertools.product((128,), (128,), (8,), (2, 3), ((True, False), (True, True)))]
     else:  # fp32 exponentials: pointer loads vs TMA descriptors (+ warp specialization), larger key blocks
         configs = [("ptr", c + (0,)) for c in itertools.product((64,), (128, 256), (4,), (2, 3, 4))]
         configs += [("ptr", c + (0,)) for c in itertools.product((128,), (128, 256), (8,), (3, 4))]
@@ -221,7 +305,7 @@ def main() -> None:
         configs += [("tma", c) for c in itertools.product((128,), (128,), (8,), (2, 3), (False, True))]
     for kind, config in configs:
         block_m, block_n, warps, stages, variant = config
-        run = triton_attention if kind == "ptr" else triton_attention_tma
+        run = {"ptr": triton_attention, "tma": triton_attention_tma, "tma2": triton_attention_tma2}[kind]
         try:
             out, lse = run(q, store_k, store_v, key_range, config)
             torch.cuda.synchronize()
@@ -240,7 +324,7 @@ def main() -> None:
     if rows:
         best = rows[0]
         config = (best["block_m"], best["block_n"], best["warps"], best["stages"], best["variant"])
-        run = triton_attention if best["kind"] == "ptr" else triton_attention_tma
+        run = {"ptr": triton_attention, "tma": triton_attention_tma, "tma2": triton_attention_tma2}[best["kind"]]
         out, lse = run(q, store_k, store_v, key_range, config)
         if lse is not None:
             scores = (q.float().transpose(0, 1) @ store_k[start:end].float().permute(1, 2, 0)) / math.sqrt(D)

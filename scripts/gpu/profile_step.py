@@ -32,8 +32,10 @@ from stream_recon.models import StreamConfig, StreamingEngine  # noqa: E402
 def profile_stream(args) -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     model, _ = build_model("cuda", "lingbot-map")
+    # Synchronous steps: each frame's kernels in launch order, not interleaved with the next frame's.
     engine = StreamingEngine(model, StreamConfig(scale_frames=8, window=64, attention=args.attention,
-                                                 compile=not args.no_compile), device="cuda", dtype=torch.bfloat16)
+                                                 compile=not args.no_compile, pipeline=False),
+                             device="cuda", dtype=torch.bfloat16)
     frames = [torch.rand(3, args.height, args.width, device="cuda") for _ in range(4)]
     for i in range(72 + args.warmup):
         engine.push(frames[i % 4])
