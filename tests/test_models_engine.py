@@ -198,3 +198,21 @@ def test_stats_have_the_same_keys_before_the_first_frame(tiny_model):
     before = engine.stats()
     engine.push(frames(1)[0])
     assert set(before) == set(engine.stats())
+
+
+def test_auto_attention_choice(monkeypatch):
+    """`auto`: the golden-parity path on CPU or in float32; on CUDA the contiguous layout, read by
+    the Triton range kernel on Hopper and newer. (No GPU here: the capability query is patched.)"""
+    from stream_recon.models.engine import resolve_attention
+
+    cuda = torch.device("cuda")
+    assert resolve_attention("auto", torch.device("cpu"), torch.bfloat16) == "sdpa"
+    assert resolve_attention("auto", cuda, torch.float32) == "sdpa"
+    assert resolve_attention("dense-cudnn", cuda, torch.bfloat16) == "dense-cudnn"  # explicit names stay
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        resolve_attention("triton", cuda, torch.bfloat16)
+    pytest.importorskip("triton")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve_attention("auto", cuda, torch.bfloat16) == "dense-triton"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert resolve_attention("auto", cuda, torch.float16) in ("dense-flashinfer", "dense")
