@@ -19,6 +19,9 @@ second stream while the next frame's aggregator runs.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import torch
 
 from stream_recon.cache import KVStep
@@ -113,31 +116,36 @@ class GraphedStep:
             self.pack(self.model.predict(layers, self.camera_cache, height, width))
             self.handoff = [torch.empty_like(layer) for layer in layers]
             stream.synchronize()
-            self.graphs = [torch.cuda.CUDAGraph()]
-            self.graphs[0].capture_begin(pool=self.pool)
-            try:
-                self.slots = self._slots()
-                in_graph = getattr(self.backend, "reads_plan_on_device", False)
-                attention = KVStep(self.kv, self.backend, self.slots) if in_graph else _SplitAtAttention(self)
-                layers = self._aggregate(attention)
-            finally:
-                self.graphs[-1].capture_end()
-            # The hand-over is a graph of its own: in a pipelined stream it alone waits for the
-            # previous frame's heads, which read the buffers.
-            self.handoff_graph = torch.cuda.CUDAGraph()
-            self.handoff_graph.capture_begin(pool=self.pool)
-            try:
-                for buffer, layer in zip(self.handoff, layers, strict=True):
-                    buffer.copy_(layer)
-            finally:
-                self.handoff_graph.capture_end()
-            self.heads_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.heads_graph, pool=self.heads_pool, stream=stream):
-                outputs = self.model.predict(self.handoff, self.camera_cache, height, width)
-                self.outputs = {"pose_enc": outputs["pose_enc"], "depth": outputs["depth"],
-                                "depth_conf": outputs["depth_conf"], "packed": self.pack(outputs)}
+            with _collector_paused():
+                self._capture(stream, height, width)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
+
+    def _capture(self, stream: torch.cuda.Stream, height: int, width: int) -> None:
+        """The aggregator segments, the hand-over and the heads, each a graph (inside `record`)."""
+        self.graphs = [torch.cuda.CUDAGraph()]
+        self.graphs[0].capture_begin(pool=self.pool)
+        try:
+            self.slots = self._slots()
+            in_graph = getattr(self.backend, "reads_plan_on_device", False)
+            attention = KVStep(self.kv, self.backend, self.slots) if in_graph else _SplitAtAttention(self)
+            layers = self._aggregate(attention)
+        finally:
+            self.graphs[-1].capture_end()
+        # The hand-over is a graph of its own: in a pipelined stream it alone waits for the
+        # previous frame's heads, which read the buffers.
+        self.handoff_graph = torch.cuda.CUDAGraph()
+        self.handoff_graph.capture_begin(pool=self.pool)
+        try:
+            for buffer, layer in zip(self.handoff, layers, strict=True):
+                buffer.copy_(layer)
+        finally:
+            self.handoff_graph.capture_end()
+        self.heads_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.heads_graph, pool=self.heads_pool, stream=stream):
+            outputs = self.model.predict(self.handoff, self.camera_cache, height, width)
+            self.outputs = {"pose_enc": outputs["pose_enc"], "depth": outputs["depth"],
+                            "depth_conf": outputs["depth_conf"], "packed": self.pack(outputs)}
 
     def _slots(self) -> torch.Tensor:
         """[T] store positions of this step's tokens, from the two first positions in `scalars`."""
@@ -189,6 +197,22 @@ class GraphedStep:
             return torch.autocast("cuda", enabled=False)
         # No weight-cast cache: a cached cast made during capture would be freed after it.
         return torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cycle collector, run inside a capture, can free objects of earlier streams (graphs,
+    pinned buffers, library modules) whose CUDA calls are illegal while a stream captures, which
+    invalidates the capture. torch.cuda.graph collects before its capture for that reason; the
+    segments here are captured by hand, so the collector runs first and then waits."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def compile_blocks(model: torch.nn.Module) -> int:

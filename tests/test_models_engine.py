@@ -216,3 +216,26 @@ def test_auto_attention_choice(monkeypatch):
     assert resolve_attention("auto", cuda, torch.bfloat16) == "dense-triton"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert resolve_attention("auto", cuda, torch.float16) in ("dense-flashinfer", "dense")
+
+
+def test_graph_recording_pauses_the_cycle_collector_and_restores_it():
+    """A collection inside a CUDA-graph capture can free objects whose CUDA calls invalidate it;
+    the recording collects first, pauses the collector, and restores it even when capture fails."""
+    import gc
+
+    from stream_recon.models.graphs import _collector_paused
+
+    assert gc.isenabled()
+    with _collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), _collector_paused():
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _collector_paused():
+            pass
+        assert not gc.isenabled()  # a collector the caller had paused stays paused
+    finally:
+        gc.enable()
