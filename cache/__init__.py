@@ -4,7 +4,7 @@ from .contiguous import ContiguousTwoStreamCache, SlotMove, VisibleRange
 from .dense_attention import ContiguousKV, DenseAttention, SplitCudnnAttention, merge_partial_attention
 from .paged_attention import KVStep, PagedKV, SDPAPagedAttention
 from .pages import CacheCapacityError, PagePool, VisiblePages
-from .streams import run_beside
+from .streams import DeviceValues, run_beside
 from .token_cache import TokenCache
 from .two_stream import CacheLayout, TwoStreamCache
 
@@ -13,6 +13,7 @@ __all__ = [
     "CacheLayout",
     "ContiguousKV",
     "ContiguousTwoStreamCache",
+    "DeviceValues",
     "DenseAttention",
     "KVStep",
     "PagePool",

@@ -21,6 +21,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .contiguous import VisibleRange
+from .streams import DeviceValues
 
 # The probe's fastest configuration on an H100 (64 query rows per program: 256 programs for the
 # 16 heads of a 1,005-token frame, two per SM; keys and values through TMA descriptors).
@@ -103,20 +104,12 @@ class TritonRangeAttention:
 
     def __init__(self, kv):
         self.kv = kv
-        on_cuda = kv.device.type == "cuda"
-        self.key_range = torch.zeros(2, dtype=torch.int32, device=kv.device)
-        self._host_range = torch.zeros(2, dtype=torch.int32, pin_memory=on_cuda)
-        self._copied = torch.cuda.Event() if on_cuda else None
+        self._key_range = DeviceValues(2, torch.int32, kv.device)
 
     def plan(self, visible: VisibleRange, num_queries: int) -> None:
-        if self._copied is not None:
-            self._copied.synchronize()  # the pinned buffer is free once its last copy ran
-        self._host_range[0], self._host_range[1] = visible.start, visible.end
-        self.key_range.copy_(self._host_range, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        self._key_range.set(visible.start, visible.end)
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D], in the store's dtype."""
         store = self.kv.store[layer]  # [2, capacity, H, D]
-        return attend_range(q.to(self.kv.dtype).contiguous(), store[0], store[1], self.key_range)
+        return attend_range(q.to(self.kv.dtype).contiguous(), store[0], store[1], self._key_range.values)

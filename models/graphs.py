@@ -24,7 +24,7 @@ import gc
 
 import torch
 
-from stream_recon.cache import KVStep
+from stream_recon.cache import DeviceValues, KVStep
 
 from .gct import GCTStream
 
@@ -71,9 +71,8 @@ class GraphedStep:
         self.images = torch.zeros(1, *image_shape, device=device)
         # One host-to-device copy per step: stream index, temporal index, first special-token
         # position, first patch-token position. The token positions are expanded on the device.
-        self.scalars = torch.zeros(4, dtype=torch.long, device=device)
-        self._host_scalars = torch.zeros(4, dtype=torch.long, pin_memory=True)
-        self._scalars_copied = torch.cuda.Event()
+        self._scalar_upload = DeviceValues(4, torch.long, device)
+        self.scalars = self._scalar_upload.values
         specials, patches = token_counts
         self._token_offsets = torch.cat([torch.arange(specials), torch.arange(patches)]).to(device)
         self._is_special = (torch.arange(specials + patches) < specials).to(device)
@@ -95,10 +94,7 @@ class GraphedStep:
         """Copy one step's inputs into the static tensors. images [1, 3, H, W]; token_ranges: the
         store positions of the frame's special tokens and patch tokens."""
         specials, patches = token_ranges
-        self._scalars_copied.synchronize()  # the pinned buffer is free again once its last copy ran
-        self._host_scalars.numpy()[:] = (stream_index, time_index, specials.start, patches.start)
-        self.scalars.copy_(self._host_scalars, non_blocking=True)
-        self._scalars_copied.record()
+        self._scalar_upload.set(stream_index, time_index, specials.start, patches.start)
         self.images.copy_(images, non_blocking=True)
 
     def record(self) -> None:
@@ -135,12 +131,9 @@ class GraphedStep:
         # The hand-over is a graph of its own: in a pipelined stream it alone waits for the
         # previous frame's heads, which read the buffers.
         self.handoff_graph = torch.cuda.CUDAGraph()
-        self.handoff_graph.capture_begin(pool=self.pool)
-        try:
+        with torch.cuda.graph(self.handoff_graph, pool=self.pool, stream=stream):
             for buffer, layer in zip(self.handoff, layers, strict=True):
                 buffer.copy_(layer)
-        finally:
-            self.handoff_graph.capture_end()
         self.heads_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.heads_graph, pool=self.heads_pool, stream=stream):
             outputs = self.model.predict(self.handoff, self.camera_cache, height, width)
