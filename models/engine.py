@@ -80,6 +80,9 @@ class StreamConfig:
     # frame's prediction (finish() returns the last one); 1.2-1.4 ms per frame faster on an H100
     # (docs/PERFORMANCE.md), outputs identical. Off: every push returns its own frame.
     pipeline: bool = True
+    # CUDA, bf16/fp16, triton installed: the camera head's large layers read float16 weights with
+    # float32 arithmetic (models/few_token_linear.py; half its weight traffic). Off: float32 weights.
+    half_camera_weights: bool = True
 
     @property
     def policy(self) -> KeyframePolicy:
@@ -160,6 +163,17 @@ def make_range_backend(name: str, kv: ContiguousKV, cache: ContiguousTwoStreamCa
     return _flashinfer_backends(name).FlashInferRangeAttention(kv, variant=variant)
 
 
+def _store_camera_weights_in_half(model: GCTStream) -> int:
+    """The camera head keeps float32 arithmetic but reads float16 weights (half the bytes of its
+    weight-bound one-token layers) where triton is there to run the kernel; returns the number of
+    layers converted (0 without triton: the float32 layers stay)."""
+    try:
+        from .few_token_linear import store_weights_in_half
+    except ImportError:
+        return 0
+    return store_weights_in_half(model.camera_head)
+
+
 def _require_cuda_half_precision(name: str, kv, instead: str) -> None:
     if kv.device.type != "cuda" or kv.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(
@@ -189,6 +203,8 @@ class StreamingEngine:
             # (docs/PERFORMANCE.md; the reference keeps it in fp32).
             self.model.aggregator.to(self.dtype)
             self.model.depth_head.to(self.dtype)
+            if self.config.half_camera_weights:
+                _store_camera_weights_in_half(self.model)
         if self.device.type == "cuda":
             # cuDNN's NHWC convolutions: the DPT head's inputs are channels-last views already.
             self.model.depth_head.to(memory_format=torch.channels_last)

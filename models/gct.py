@@ -54,8 +54,9 @@ class GCTStream(nn.Module):
     def predict(self, layers: list[torch.Tensor], camera_kv: CachedAttention, height: int,
                 width: int) -> dict[str, torch.Tensor]:
         """Both heads on the aggregator's 4 output layers ([S, P, 2C] each); the outputs of `step`."""
-        # The camera head runs in float32 whatever the trunk's dtype, as the reference does (in bf16
-        # its pose error doubled). The DPT head runs in its weights' dtype: float32 unless the engine
+        # The camera head computes in float32 whatever the trunk's dtype, as the reference does (in
+        # bf16 its pose error doubled); on CUDA the engine stores its large weights in float16
+        # (few_token_linear). The DPT head runs in its weights' dtype: float32 unless the engine
         # gave it the trunk's half precision (docs/PERFORMANCE.md: 1.5 -> 1.0 ms on an H100).
         camera_tokens = layers[-1][:, 0].float()
         depth_dtype = self.depth_head.norm.weight.dtype

@@ -27,10 +27,11 @@ class Mlp(nn.Module):
     def __init__(self, dim: int, hidden: int, out_dim: int | None = None):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()  # a module, so that a fused fc1 can take it over (few_token_linear)
         self.fc2 = nn.Linear(hidden, out_dim or dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
+        return self.fc2(self.act(self.fc1(x)))
 
 
 class Attention(nn.Module):

@@ -104,7 +104,7 @@ def run(args) -> dict:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     config = StreamConfig(scale_frames=args.scale, window=args.window, keyframes=args.keyframes, attention=args.attention,
                           cuda_graphs=not args.no_graphs and not args.breakdown, compile=not args.no_compile,
-                          pipeline=not args.no_pipeline)
+                          pipeline=not args.no_pipeline, half_camera_weights=not args.fp32_camera_weights)
     engine = StreamingEngine(model, config, device=device, dtype=dtype)
     timer = StageTimer(model) if args.breakdown and device == "cuda" else None
     frames = [torch.rand(3, args.height, args.width, device=device) for _ in range(4)]
@@ -259,6 +259,8 @@ def main():
     parser.add_argument("--no-compile", action="store_true", help="eager transformer blocks (no torch.compile)")
     parser.add_argument("--no-pipeline", action="store_true",
                         help="StreamConfig(pipeline=False): each frame's heads before the next frame's aggregator")
+    parser.add_argument("--fp32-camera-weights", action="store_true",
+                        help="StreamConfig(half_camera_weights=False): the camera head reads float32 weights")
     parser.add_argument("--viewer", action="store_true",
                         help="feed a live viewer (no browser) in alternating blocks of 10 frames and compare")
     parser.add_argument("--reference", help="checkout of Robbyant/lingbot-map: time it too, in this process")
