@@ -29,6 +29,7 @@ from stream_recon.cache import (
 )
 
 from .errors import FrameError
+from .fused_gelu import fuse_mlp_gelu
 from .gct import GCTStream
 from .graphs import GraphedStep, compile_blocks, compile_camera_head, compile_depth_head
 from .pose import camera_motion_flow, decode_pose
@@ -200,9 +201,11 @@ class StreamingEngine:
         if self.device.type == "cuda" and self.dtype != torch.float32:
             # The transformer runs in bf16/fp16 and the camera head in fp32, as the reference does.
             # The DPT head runs in bf16/fp16 too: a third faster, within the golden tolerance
-            # (docs/PERFORMANCE.md; the reference keeps it in fp32).
+            # (docs/PERFORMANCE.md; the reference keeps it in fp32); so do the MLPs' GELUs, inside
+            # their first layer's cuBLASLt epilogue.
             self.model.aggregator.to(self.dtype)
             self.model.depth_head.to(self.dtype)
+            fuse_mlp_gelu(self.model.aggregator)  # GELU in the product's epilogue (models/fused_gelu.py)
             if self.config.half_camera_weights:
                 _store_camera_weights_in_half(self.model)
         if self.device.type == "cuda":

@@ -141,3 +141,24 @@ def test_windowed_rollovers_with_pipelining_emit_what_they_emit_without():
     for a, b in zip(piped, synchronous, strict=True):
         np.testing.assert_array_equal(a.c2w, b.c2w)
         np.testing.assert_array_equal(a.depth, b.depth)
+
+
+def test_fused_mlp_gelu_is_as_close_to_float32_as_the_separate_bf16_gelu():
+    """cuBLASLt's epilogue (tanh-form GELU) against the separate bf16 layers (erf form), both against
+    a float32 erf reference at the streaming shape."""
+    import torch.nn.functional as F
+
+    from stream_recon.models.fused_gelu import GeluLinear
+
+    torch.manual_seed(0)
+    layer = GeluLinear(1024, 4096).cuda().bfloat16()
+    x = torch.randn(1005, 1024, device="cuda", dtype=torch.bfloat16)
+    weight, bias = layer.weight, layer.bias
+    exact = F.gelu(F.linear(x.float(), weight.float(), bias.float()))
+    fused = layer(x).float()
+    separate = F.gelu(F.linear(x, weight, bias)).float()
+    tanh = F.gelu(F.linear(x.float(), weight.float(), bias.float()), approximate="tanh")
+    fused_error, separate_error = (fused - exact).abs().max().item(), (separate - exact).abs().max().item()
+    print(f"fused {fused_error:.2e}, separate {separate_error:.2e}, fused vs fp32 tanh form "
+          f"{(fused - tanh).abs().max().item():.2e}")
+    assert fused_error <= 1.1 * separate_error

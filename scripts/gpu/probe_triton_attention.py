@@ -98,8 +98,76 @@ def attention_kernel(Q, K, V, Out, LSE, key_range, stride_qt, stride_kt, stride_
     tl.store(LSE + head * num_queries + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=rows)
 
 
+# 2^x for x <= 0 on the FMA and integer pipes instead of the special-function unit (MUFU), whose
+# exponentials (one per score) bound attention at head dim 64: round x to j (adding 1.5 * 2^23 leaves
+# j in the low mantissa bits), 2^(x - j) by a degree-3 polynomial on [-0.5, 0.5] (relative error
+# 7.5e-5, far below P's bf16 rounding), then j added to the exponent field. Inputs below -125
+# (masked keys' -inf) give 2^-125 instead of 0, a difference P's bf16 rounding and the zeroed values
+# absorb. (Clamped at -125 so that the exponent field stays positive.)
+_POLY_EXP2 = """{{
+.reg .f32 r, t, j, f, p;
+.reg .b32 tb, pb;
+max.ftz.f32 r, {x}, 0fC2FA0000;
+add.rn.ftz.f32 t, r, 0f4B400000;
+sub.rn.ftz.f32 j, t, 0f4B400000;
+sub.rn.ftz.f32 f, r, j;
+fma.rn.ftz.f32 p, f, 0f3D61FBB0, 0f3E786F0F;
+fma.rn.ftz.f32 p, p, f, 0f3F31798D;
+fma.rn.ftz.f32 p, p, f, 0f3F7FFB49;
+mov.b32 tb, t;
+shl.b32 tb, tb, 23;
+mov.b32 pb, p;
+add.s32 {y}, pb, tb;
+}}"""
+
+
+def _mixed_exp2_asm(pack: int, polynomial: int) -> str:
+    """Inline PTX for `pack` consecutive elements: the first pack - polynomial on the MUFU, the rest
+    by the polynomial."""
+    lines = []
+    for i in range(pack):
+        x, y = f"${pack + i}", f"${i}"
+        lines.append(f"ex2.approx.ftz.f32 {y}, {x};" if i < pack - polynomial else _POLY_EXP2.format(x=x, y=y))
+    return "\n".join(lines)
+
+
 @triton.jit
-def _fold(s, v, m_i, l_i, acc, qk_scale, LAZY: tl.constexpr):
+def _exp2_mixed(x, POLY: tl.constexpr):
+    """POLY 1: one element in two by the polynomial; 2: one in four; 3: three in four; 4: none (the
+    inline-assembly control)."""
+    if POLY == 4:
+        return tl.inline_asm_elementwise(MIXED_0_OF_2, "=r,=r,r,r", [x], dtype=tl.float32, is_pure=True, pack=2)
+    if POLY == 1:
+        return tl.inline_asm_elementwise(MIXED_1_OF_2, "=r,=r,r,r", [x], dtype=tl.float32, is_pure=True, pack=2)
+    elif POLY == 2:
+        return tl.inline_asm_elementwise(MIXED_1_OF_4, "=r,=r,=r,=r,r,r,r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise(MIXED_3_OF_4, "=r,=r,=r,=r,r,r,r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=4)
+
+
+MIXED_0_OF_2 = tl.constexpr(_mixed_exp2_asm(2, 0))
+MIXED_1_OF_2 = tl.constexpr(_mixed_exp2_asm(2, 1))
+MIXED_1_OF_4 = tl.constexpr(_mixed_exp2_asm(4, 1))
+MIXED_3_OF_4 = tl.constexpr(_mixed_exp2_asm(4, 3))
+
+
+@triton.jit
+def _fold_mixed(s, v, m_i, l_i, acc, qk_scale, POLY: tl.constexpr):
+    """The product kernel's block update with part of the exponentials on the FMA pipes."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    p = _exp2_mixed(s * qk_scale - m_new[:, None], POLY)
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _fold(s, v, m_i, l_i, acc, qk_scale, LAZY: tl.constexpr, POLY: tl.constexpr = 0):
+    if POLY:
+        return _fold_mixed(s, v, m_i, l_i, acc, qk_scale, POLY)
     if LAZY:  # keep a stale maximum until some row grows past it by 2^8 (exact: l and acc share it)
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         if tl.max(m_new - m_i, 0) > 8.0:
@@ -117,7 +185,7 @@ def _fold(s, v, m_i, l_i, acc, qk_scale, LAZY: tl.constexpr):
 @triton.jit
 def attention_kernel_tma(Q, k_desc, v_desc, Out, key_range, stride_qt, stride_ot, num_queries, qk_scale,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr,
-                         PIPE: tl.constexpr, LAZY: tl.constexpr):
+                         PIPE: tl.constexpr, LAZY: tl.constexpr, POLY: tl.constexpr):
     """Keys and values through tensor-memory-accelerator descriptors of the [capacity, H * D] store.
     WS: warp specialisation of the key loop. PIPE: the next block's q @ k is issued before this
     block's softmax (FlashAttention-3's intra-warpgroup overlap, written by hand). LAZY: rescale
@@ -147,7 +215,7 @@ def attention_kernel_tma(Q, k_desc, v_desc, Out, key_range, stride_qt, stride_ot
     else:
         for n in tl.range(0, full, BLOCK_N, warp_specialize=WS):
             s = tl.dot(q, tl.trans(k_desc.load([start + n, col])))
-            m_i, l_i, acc = _fold(s, v_desc.load([start + n, col]), m_i, l_i, acc, qk_scale, LAZY)
+            m_i, l_i, acc = _fold(s, v_desc.load([start + n, col]), m_i, l_i, acc, qk_scale, LAZY, POLY)
     if full < num_keys:
         inside = (full + offs_n) < num_keys
         s = tl.where(inside[None, :], tl.dot(q, tl.trans(k_desc.load([start + full, col]))), -float("inf"))
@@ -159,15 +227,16 @@ def attention_kernel_tma(Q, k_desc, v_desc, Out, key_range, stride_qt, stride_ot
 
 
 def triton_attention_tma(q, store_k, store_v, key_range, config):
-    """config: (block_m, block_n, warps, stages, (warp_specialize, early q @ k, lazy rescaling))."""
-    block_m, block_n, warps, stages, (ws, pipe, lazy) = config
+    """config: (block_m, block_n, warps, stages, (warp_specialize, early q @ k, lazy rescaling[, poly]))."""
+    block_m, block_n, warps, stages, flags = config
+    ws, pipe, lazy, poly = (*flags, 0)[:4]
     out = torch.empty_like(q)
     flat = [t.flatten(1) for t in (store_k, store_v)]  # [capacity, H * D] views
     k_desc, v_desc = (TensorDescriptor(t, list(t.shape), list(t.stride()), [block_n, D]) for t in flat)
     grid = (triton.cdiv(q.shape[0], block_m), H)
-    attention_kernel_tma[grid](q, k_desc, v_desc, out, key_range, q.stride(0), out.stride(0), q.shape[0],
+    LAST_COMPILED["tma"] = attention_kernel_tma[grid](q, k_desc, v_desc, out, key_range, q.stride(0), out.stride(0), q.shape[0],
                                D ** -0.5 * LOG2_E, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, WS=ws, PIPE=pipe,
-                               LAZY=lazy, num_warps=warps, num_stages=stages)
+                               LAZY=lazy, POLY=poly, num_warps=warps, num_stages=stages)
     return out, None
 
 
@@ -184,14 +253,16 @@ def triton_attention(q, store_k, store_v, key_range, config):
 
 
 RUNNERS = {"ptr": triton_attention, "tma": triton_attention_tma}
+LAST_COMPILED: dict = {}  # the last compiled kernel per runner, for its PTX
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--sweep", choices=["exp", "loads", "overlap"], default="loads",
+    parser.add_argument("--sweep", choices=["exp", "loads", "overlap", "poly"], default="loads",
                         help="exp: fp32 vs f16x2 exponentials; loads: pointer vs TMA loads, key block sizes; "
-                        "overlap: next block's q @ k issued early, lazy rescaling")
+                        "overlap: next block's q @ k issued early, lazy rescaling; poly: exponentials partly by "
+                        "a polynomial on the FMA pipes")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp"), "triton_attention.json"))
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -221,6 +292,9 @@ def main() -> None:
     if args.sweep == "exp":  # pointer loads; exponentials in fp32 (0) or f16x2 (1, 2)
         configs = [("ptr", c) for c in itertools.product((128, 64), (64, 128), (4, 8), (2, 3, 4), (0, 1, 2))
                    if not (c[0] == 64 and c[2] == 8)]
+    elif args.sweep == "poly":  # TMA loads; none, 1/4, 1/2 or 3/4 of the exponentials by the polynomial
+        flags = [(False, False, False, poly) for poly in (0, 4, 2, 1, 3)]
+        configs = [("tma", c) for c in itertools.product((64,), (128,), (4,), (3,), flags)]
     elif args.sweep == "overlap":  # TMA loads: q @ k of the next block issued early, lazy rescaling
         flags = [(False, pipe, lazy) for pipe, lazy in itertools.product((False, True), (False, True))]
         configs = [("tma", c) for c in itertools.product((64,), (128, 64), (4,), (2, 3), flags)]
@@ -242,6 +316,9 @@ def main() -> None:
         except Exception as error:  # a configuration that does not compile or fit is skipped
             print(f"{kind} {config}: {type(error).__name__}: {str(error)[:200]}", flush=True)
             continue
+        if kind in LAST_COMPILED:  # which exponential instructions the kernel's PTX has
+            ptx = LAST_COMPILED[kind].asm["ptx"]
+            print("  ptx:", {op: ptx.count(op) for op in ("ex2.approx.f32", "ex2.approx.ftz.f32", "fma.rn", "cvt.rn.bf16x2")})
         row = {"kind": kind, "block_m": block_m, "block_n": block_n, "warps": warps, "stages": stages,
                "variant": variant, "us": ms * 1000, "tflops": flops / ms / 1e9, "max_err": err}
         rows.append(row)
