@@ -8,6 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+try:  # the fused QK-norm + RoPE kernel for CUDA; without triton the unfused path serves every case
+    from . import qk_norm_rope
+except ImportError:
+    qk_norm_rope = None
+
 # A rotary embedding acting on q or k laid out [B, N, H, D] (token-major).
 Rope = Callable[[torch.Tensor], torch.Tensor]
 # Attention over a cache: (layer, q, k, v) with [N, H, D] tensors -> [N, H, D].
@@ -52,7 +57,11 @@ class Attention(nn.Module):
         [B, N, H, D] tensors, the layout a KV cache stores and attention kernels read as they are,
         so that neither path makes a transposing copy."""
         B, N, C = x.shape
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).unbind(2)  # [B, N, H, D]
+        qkv = self.qkv(x)
+        q, k, v = qkv.reshape(B, N, 3, self.num_heads, self.head_dim).unbind(2)  # [B, N, H, D]
+        if qk_norm_rope is not None and qk_norm_rope.applies(qkv, self.q_norm, self.k_norm, rope):
+            q, k = qk_norm_rope.qk_norm_rope(qkv, self.num_heads, self.q_norm, self.k_norm, rope)
+            return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = rope(q), rope(k)

@@ -3,11 +3,16 @@
 Both are applied to q and k laid out token-major, [B, N, H, D], and are pure functions of
 precomputed tables [N, D/2] (shared by the heads), so a step builds its tables once and every
 layer reuses them.
+
+Both are also one linear map, out[d] = x[d] * cos_full[n, d] + x[partner(d)] * sin_signed[n, d],
+with partner(d) = d +- pair_offset (pairs of channels pair_offset apart, in blocks of 2 * pair_offset).
+Each rope builds that expanded form with its tables, so that one fused kernel (qk_norm_rope.py)
+serves both kinds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +39,21 @@ class Rope2D:
     sin_y: torch.Tensor
     cos_x: torch.Tensor
     sin_x: torch.Tensor
+    cos_full: torch.Tensor = field(init=False, repr=False)  # [N, D] float32
+    sin_signed: torch.Tensor = field(init=False, repr=False)  # [N, D] float32
+
+    def __post_init__(self):
+        quarter = self.cos_y.shape[-1] // 2  # rotate-half within each axis half: partner d +- D/4
+
+        def signed(sin: torch.Tensor) -> torch.Tensor:
+            return torch.cat([-sin[:, :quarter], sin[:, quarter:]], dim=-1)
+
+        object.__setattr__(self, "cos_full", torch.cat([self.cos_y, self.cos_x], dim=-1))
+        object.__setattr__(self, "sin_signed", torch.cat([signed(self.sin_y), signed(self.sin_x)], dim=-1))
+
+    @property
+    def pair_offset(self) -> int:
+        return self.cos_y.shape[-1] // 2
 
     @classmethod
     def build(cls, positions: torch.Tensor, head_dim: int, frequency: float) -> Rope2D:
@@ -91,6 +111,16 @@ class Rope3D:
 
     cos: torch.Tensor
     sin: torch.Tensor
+    cos_full: torch.Tensor = field(init=False, repr=False)  # [N, D] float32
+    sin_signed: torch.Tensor = field(init=False, repr=False)  # [N, D] float32
+
+    def __post_init__(self):
+        object.__setattr__(self, "cos_full", self.cos.repeat_interleave(2, dim=-1))
+        object.__setattr__(self, "sin_signed", torch.stack([-self.sin, self.sin], dim=-1).flatten(-2))
+
+    @property
+    def pair_offset(self) -> int:
+        return 1
 
     @classmethod
     def build(cls, positions: torch.Tensor, split: tuple[int, int, int], theta: float) -> Rope3D:
@@ -106,3 +136,15 @@ class Rope3D:
         cos, sin = self.cos[:, None].to(x.dtype), self.sin[:, None].to(x.dtype)
         x1, x2 = x[..., 0::2], x[..., 1::2]
         return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).reshape(x.shape)
+
+
+def pair_partners(head_dim: int, pair_offset: int, device=None) -> torch.Tensor:
+    """partner(d) of the expanded form: [D] int64."""
+    d = torch.arange(head_dim, device=device)
+    return d + torch.where((d // pair_offset) % 2 == 0, pair_offset, -pair_offset)
+
+
+def rotate_expanded(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor, pair_offset: int) -> torch.Tensor:
+    """x [B, N, H, D] float32, tables [N, D] -> what Rope2D / Rope3D compute, bit for bit."""
+    partners = pair_partners(x.shape[-1], pair_offset, x.device)
+    return x * cos_full[:, None] + x[..., partners] * sin_signed[:, None]
