@@ -17,4 +17,7 @@ def gpu_model():
     """The full-size model on deterministic weights, on the GPU (the GPU tests share one copy)."""
     from golden_utils import full_size_model
 
-    return full_size_model().cuda()
+    model = full_size_model().cuda()
+    # A bf16 engine converts the model in place (lossy); the helpers restore these before each run.
+    model.fp32_state = {name: value.detach().cpu().clone() for name, value in model.state_dict().items()}
+    return model

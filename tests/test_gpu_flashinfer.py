@@ -76,7 +76,9 @@ SCENARIOS = {
 def stream(model, dtype, attention, **options):
     from stream_recon.models import StreamConfig, StreamingEngine
 
-    model.float()  # each run starts from the fp32 weights
+    model.float()  # each run starts from the fp32 weights (an earlier bf16 engine rounded them)
+    if hasattr(model, "fp32_state"):
+        model.load_state_dict(model.fp32_state)
     options.setdefault("compile", False)  # compiling patches the (shared) model's blocks
     engine = StreamingEngine(model, StreamConfig(scale_frames=3, window=4, attention=attention, **options),
                              device="cuda", dtype=dtype)
