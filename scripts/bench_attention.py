@@ -30,6 +30,30 @@ def time_ms(fn, repeats: int = 30) -> float:
     return start.elapsed_time(end) / repeats
 
 
+def graph_time_us(calls, replays: int = 30) -> float:
+    """Mean microseconds of one call when all `calls` are captured into one CUDA graph and replayed
+    (after a warm-up on a side stream: kernel compilation, cuBLAS algorithm choice)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * len(calls))
+
+
 def contiguous_candidates(q, keys, values, reference, workspace, groups: set[str]) -> dict:
     """Kernels that read the visible keys in place from one contiguous buffer per layer, where the
     visible set is the slot range [start, end) of a larger store (a compact cache layout)."""

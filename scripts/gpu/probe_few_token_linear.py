@@ -13,39 +13,21 @@ import argparse
 import functools
 import itertools
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from stream_recon.models.few_token_linear import few_token_linear
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_attention import graph_time_us  # noqa: E402
+
 # (name, outputs, inputs) of the camera head's layers at the checkpoints' width (2C = 2048).
 SHAPES = [("qkv", 6144, 2048), ("proj", 2048, 2048), ("fc1", 8192, 2048), ("fc2", 2048, 8192),
           ("modulation", 6144, 2048)]
 COPIES = 12  # > 50 MB of L2 for every shape
-
-
-def graph_time_us(calls, replays: int = 20) -> float:
-    """Mean time of one call, all `calls` captured into one graph and replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:  # warm-up (compiles Triton kernels, picks cuBLAS algorithms)
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * len(calls))
 
 
 def probe_shape(outputs: int, inputs: int, tokens: int, configs) -> dict:

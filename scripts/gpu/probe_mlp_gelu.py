@@ -15,12 +15,17 @@ import argparse
 import functools
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_attention import graph_time_us  # noqa: E402
 
 COPIES = 8
 
@@ -53,28 +58,6 @@ def linear_gelu(a, weight, bias, config):
     _linear_gelu_kernel[grid](a_desc, w_desc, o_desc, bias, a.shape[0], weight.shape[0], a.shape[1],
                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out
-
-
-def graph_time_us(calls, replays: int = 30) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * len(calls))
 
 
 def main() -> None:

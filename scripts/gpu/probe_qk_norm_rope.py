@@ -15,12 +15,17 @@ import copy
 import itertools
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from stream_recon.models import qk_norm_rope
 from stream_recon.models.rope import Rope2D, Rope3D, patch_positions_2d, positions_3d
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_attention import graph_time_us  # noqa: E402
 
 TOKENS, HEADS, HEAD_DIM, COPIES = 1005, 16, 64, 8
 ROWS, COLS, SPECIALS = 37, 27, 6  # 518 x 378 frames: 6 + 37 * 27 = 1005 tokens
@@ -31,28 +36,6 @@ def unfused(qkv, q_norm, k_norm, rope):
     q, k, v = qkv.reshape(*qkv.shape[:2], 3, HEADS, HEAD_DIM).unbind(2)
     q, k = rope(q_norm(q)), rope(k_norm(k))
     return q.to(v.dtype), k.to(v.dtype)
-
-
-def graph_time_us(calls, replays: int = 50) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:  # compiles and warms up outside the capture
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * len(calls))
 
 
 def main() -> None:
