@@ -69,12 +69,17 @@ def few_token_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
     return out.reshape(*x.shape[:-1], num_outputs)
 
 
+def _widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """The same layer as a plain product in x's dtype (the weights widened)."""
+    y = F.linear(x, weight.to(x.dtype), bias.to(x.dtype))
+    return F.gelu(y) if gelu else y
+
+
 @torch.library.custom_op("stream_recon::few_token_linear", mutates_args=())
 def _few_token_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, gelu: bool) -> torch.Tensor:
     # An operator, so that torch.compile keeps the kernel whole and fuses around it.
-    if not x.is_cuda:  # the same arithmetic on the CPU: weights widened, float32 products
-        y = F.linear(x, weight.float(), bias)
-        return F.gelu(y) if gelu else y
+    if not x.is_cuda:  # the same arithmetic on the CPU: float32 products of the widened weights
+        return _widened_linear(x, weight, bias, gelu)
     return few_token_linear(x, weight, bias, gelu)
 
 
@@ -99,8 +104,7 @@ class HalfWeightLinear(nn.Module):
         if self.weight.dtype == torch.float16 and self.bias.dtype == x.dtype == torch.float32:
             return _few_token_linear_op(x, self.weight, self.bias, self.gelu)
         # After a dtype change of the whole model (model.float(), model.to(...)): a plain layer.
-        y = F.linear(x, self.weight.to(x.dtype), self.bias.to(x.dtype))
-        return F.gelu(y) if self.gelu else y
+        return _widened_linear(x, self.weight, self.bias, self.gelu)
 
     def half_weights(self) -> None:
         self.weight.data = self.weight.data.to(torch.float16).contiguous()
