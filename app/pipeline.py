@@ -40,13 +40,12 @@ from stream_recon.app.sources import (
     open_source,
 )
 from stream_recon.app.writers import PREDICTIONS_DIR, RUN_JSON, OutputDirError, RunWriter
+from stream_recon.cache import backends
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHECKPOINT = "lingbot-map-long"
-# models.engine.ATTENTION_BACKENDS, repeated so that options are checked before torch is imported.
-ATTENTION_CHOICES = ("auto", "dense", "dense-triton", "dense-flashinfer", "dense-cudnn", "sdpa", "flashinfer",
-                     "flashinfer-fa2", "flashinfer-fa3")
+ATTENTION_CHOICES = backends.names()
 MAX_WINDOW_FRAMES = 1024  # positions in the model's temporal RoPE table
 RunStatus = Literal["complete", "interrupted", "failed"]
 DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
@@ -147,7 +146,6 @@ class RunOptions:
         """StreamConfig arguments; unset optional values are left to the engine's defaults."""
         kwargs: dict[str, Any] = dict(
             scale_frames=self.scale_frames, window=self.window, keyframes=self.keyframes, attention=self.attention,
-            compile=self.compile,
         )
         if self.flow_threshold is not None:
             kwargs["flow_threshold"] = self.flow_threshold
@@ -219,7 +217,8 @@ def run_sequence(
     frame_source = _as_frame_source(source, options)  # first: a mistyped path fails before torch loads
     try:
         device = resolve_device(options.device)
-        check_attention(options.attention, device)
+        dtype = resolve_dtype(options.dtype, device)
+        check_attention(options.attention, device, dtype)
         created_dir = prepare_output_dir(output_dir, overwrite=options.overwrite)
         if frame_source.live:
             frame_source.start()  # keep a camera's connection drained while the model loads
@@ -229,7 +228,7 @@ def run_sequence(
             checkpoint = options.checkpoint or (DEFAULT_CHECKPOINT if model is None else None)
             model = model if model is not None else load_model_for(options, device, console)
             digest = _CheckpointDigest(checkpoint)
-            engine = _build_engine(model, options, device, resolve_dtype(options.dtype, device), console)
+            engine = _build_engine(model, options, device, dtype, console)
             viewer = _start_viewer(options, console)
             writer = RunWriter(
                 output_dir,
@@ -424,30 +423,13 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def check_attention(attention: str, device: str) -> None:
-    """A CUDA-only backend asked for explicitly must be usable here; `auto` picks a usable one itself."""
-    if "flashinfer" not in attention and attention not in ("dense-cudnn", "dense-triton"):
-        return
-    if not device.startswith("cuda"):
-        raise OptionsError(f"--attention {attention} runs on CUDA only, but the device is {device}; use sdpa or auto")
-    if attention == "dense-cudnn":
-        return
-    if attention == "dense-triton":
-        try:
-            import triton  # noqa: F401 - only whether it imports matters here
-        except ImportError as error:
-            raise OptionsError(
-                f"--attention dense-triton needs the triton package ({error.msg}), which CUDA builds of torch "
-                "bring along; use --attention auto"
-            ) from None
-        return
+def check_attention(attention: str, device: str, dtype: Any) -> None:
+    """The attention backend must be able to run on this device in this precision (`auto` always
+    can); the backend table (stream_recon.cache.backends) says why not and what to use instead."""
     try:
-        import flashinfer  # noqa: F401 - only whether it imports matters here
-    except ImportError as error:
-        raise OptionsError(
-            f"--attention {attention} needs the flashinfer package ({error.msg}); "
-            "install it with pip install 'stream-recon[cuda]', or use --attention auto"
-        ) from None
+        backends.resolve(attention, device, dtype)
+    except ValueError as error:
+        raise OptionsError(str(error)) from None
 
 
 def prepare_output_dir(output_dir: Path, *, overwrite: bool) -> bool:
@@ -514,9 +496,22 @@ def load_model_for(options: RunOptions, device: str | None = None, console: Cons
             # no spinner here: huggingface_hub draws its own progress bar
             console.print(f"{checkpoint} is not on this machine yet: downloading it once (about 4.6 GB)")
             checkpoint = str(download_checkpoint(checkpoint))
-    # weights stay float32: the engine runs the transformer under autocast and the heads in fp32
+    # Read (memory-mapped) on the host; preparing puts each weight on the device once, in the
+    # precision the run uses, so a bf16 run never holds a float32 copy of the transformer there.
     with console.status(f"loading {checkpoint} on {device}"):
-        return load_model(checkpoint, device=device)
+        return _prepared(load_model(checkpoint, device="cpu"), options, device)
+
+
+def _prepared(model: Any, options: RunOptions, device: str) -> Any:
+    """`model` made ready for this run's device and precision, once (a prepared model as it is)."""
+    from stream_recon.models import prepare_for_inference
+
+    if getattr(model, "inference_spec", None) is not None:
+        return model
+    try:
+        return prepare_for_inference(model, device, resolve_dtype(options.dtype, device), compile=options.compile)
+    except ValueError as error:
+        raise OptionsError(str(error)) from None
 
 
 class _CheckpointDigest:
@@ -565,7 +560,8 @@ def _build_engine(model: Any, options: RunOptions, device: str, dtype: Any, cons
     config = StreamConfig(**options.stream_config_kwargs())
     # a stream shorter than one window runs exactly as a plain StreamingEngine would
     engine = WindowedEngine(
-        model, config, window_frames=options.window_frames, overlap=options.overlap, device=device, dtype=dtype
+        _prepared(model, options, device), config, window_frames=options.window_frames, overlap=options.overlap,
+        device=device, dtype=dtype,
     )
     engine.on_backend_ready = lambda name: _announce_backend(name, console)
     return engine

@@ -1,30 +1,41 @@
-"""Two-stream paged KV cache: page bookkeeping and the attention backends that read the pages."""
+"""The two-stream KV cache: bookkeeping of two layouts (paged, dense), their storage, the attention
+backends that read them (one table: backends.py), and the camera head's token cache."""
 
-from .contiguous import ContiguousTwoStreamCache, SlotMove, VisibleRange
-from .dense_attention import ContiguousKV, DenseAttention, SplitCudnnAttention, merge_partial_attention
-from .paged_attention import KVStep, PagedKV, SDPAPagedAttention
-from .pages import CacheCapacityError, PagePool, VisiblePages
+from . import backends
+from .backends import BackendSpec
+from .dense import DenseTwoStreamCache, SlotMove, VisibleRange
+from .dense_attention import DenseAttention, DenseKV, SplitCudnnAttention, merge_partial_attention
+from .kv_cache import AttentionBackend, CacheStep, DenseKVCache, KVCache, PagedKVCache
+from .layout import CacheCapacityError, CacheLayout
+from .paged import PagedTwoStreamCache
+from .paged_attention import PagedKV, SDPAPagedAttention
+from .pages import PagePool, VisiblePages
 from .streams import DeviceValues, run_beside
 from .token_cache import TokenCache
-from .two_stream import CacheLayout, TwoStreamCache
 
 __all__ = [
+    "AttentionBackend",
+    "BackendSpec",
     "CacheCapacityError",
     "CacheLayout",
-    "ContiguousKV",
-    "ContiguousTwoStreamCache",
-    "DeviceValues",
+    "CacheStep",
     "DenseAttention",
-    "KVStep",
+    "DenseKV",
+    "DenseKVCache",
+    "DenseTwoStreamCache",
+    "DeviceValues",
+    "KVCache",
     "PagePool",
     "PagedKV",
+    "PagedKVCache",
+    "PagedTwoStreamCache",
     "SDPAPagedAttention",
     "SlotMove",
     "SplitCudnnAttention",
     "TokenCache",
-    "TwoStreamCache",
     "VisiblePages",
     "VisibleRange",
+    "backends",
     "merge_partial_attention",
     "run_beside",
 ]

@@ -2,7 +2,7 @@
 
 Storage: one tensor for every global layer, store [L, 2, capacity, H, D] (index 0 = K, 1 = V), so
 that a slot move is one copy for all layers. Each step's keys are the token range [start, end) of
-its layer (ContiguousTwoStreamCache.visible), so PyTorch's scaled_dot_product_attention reads
+its layer (DenseTwoStreamCache.visible), so PyTorch's scaled_dot_product_attention reads
 them without a gather. On CUDA the cuDNN kernel is excluded: it is the fastest on a fixed shape,
 but builds a new execution plan for every new key count (85 ms, measured), and the key count
 changes every frame. FlashInfer's ragged prefill (flashinfer_backend.py) reads the same range.
@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .contiguous import ContiguousTwoStreamCache, SlotMove, VisibleRange
+from .dense import DenseTwoStreamCache, SlotMove, VisibleRange
 from .streams import run_beside
 
 
-class ContiguousKV:
+class DenseKV:
     def __init__(self, num_layers: int, num_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  device: torch.device | str):
         self.num_layers = num_layers
@@ -37,7 +37,7 @@ class ContiguousKV:
         self.store[layer, 0].index_copy_(0, slots, k.to(self.dtype))
         self.store[layer, 1].index_copy_(0, slots, v.to(self.dtype))
 
-    def apply_moves(self, moves: list[SlotMove], cache: ContiguousTwoStreamCache) -> None:
+    def apply_moves(self, moves: list[SlotMove], cache: DenseTwoStreamCache) -> None:
         for move in moves:
             source, target = cache.slot_tokens(move.source), cache.slot_tokens(move.target)
             self.store[:, :, target.start : target.stop] = self.store[:, :, source.start : source.stop]
@@ -52,7 +52,7 @@ class DenseAttention:
 
     name = "dense"
 
-    def __init__(self, kv: ContiguousKV):
+    def __init__(self, kv: DenseKV):
         self.kv = kv
         self._visible: VisibleRange | None = None
 
@@ -86,7 +86,7 @@ class SplitCudnnAttention:
 
     name = "dense-cudnn"
 
-    def __init__(self, kv: ContiguousKV, full_patch_tokens: tuple[int, ...], fixed_shape_kernel=None,
+    def __init__(self, kv: DenseKV, full_patch_tokens: tuple[int, ...], fixed_shape_kernel=None,
                  any_shape_kernel=None, compile: bool = False):
         """Kernels take q, k, v [1, H, *, D] and return (out [1, H, T, D], logsumexp); the defaults
         are cuDNN (fixed shapes) and PyTorch's flash kernel (any shape), both CUDA-only."""

@@ -94,21 +94,3 @@ class SDPAPagedAttention:
             values.transpose(0, 1).unsqueeze(0),
         )
         return out[0].transpose(0, 1)  # [T, H, D]
-
-
-class KVStep:
-    """The handle one model step receives: write this step's K/V, then attend over the planned set.
-
-    The model calls `step(layer, q, k, v)` in each global layer and never learns which backend
-    serves it.
-    """
-
-    def __init__(self, kv: PagedKV, backend, slots: torch.Tensor):
-        self.kv = kv
-        self.backend = backend
-        self.slots = slots
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q, k, v [T, H, D] (RoPE already applied) -> attention output [T, H, D]."""
-        self.kv.write(layer, self.slots, k, v)
-        return self.backend.attend(layer, q)

@@ -6,10 +6,6 @@ from collections import deque
 from dataclasses import dataclass
 
 
-class CacheCapacityError(ValueError):
-    """A request the cache cannot serve with the limits it was given."""
-
-
 class PagePool:
     """Page ids and a free list, like vLLM's block pool without hashing or ref counts.
 

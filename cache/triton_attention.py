@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .contiguous import VisibleRange
+from .dense import VisibleRange
 from .streams import DeviceValues
 
 # The probe's fastest configuration on an H100 (64 query rows per program: 256 programs for the
@@ -93,7 +93,7 @@ def attend_range(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_
 
 
 class TritonRangeAttention:
-    """Unmasked attention over the visible range of a ContiguousKV, its bounds kept on the device.
+    """Unmasked attention over the visible range of a DenseKV, its bounds kept on the device.
 
     `plan` copies the range to the device on the current stream (through a pinned buffer on CUDA),
     so a step enqueued after it, replayed or not, reads this frame's range.

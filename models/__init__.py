@@ -6,6 +6,7 @@ from .engine import KeyframePolicy, StreamConfig, StreamingEngine
 from .errors import CheckpointError, FrameError
 from .gct import GCTStream
 from .prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
+from .prepare import InferenceSpec, prepare_for_inference
 from .windowed import WindowedEngine
 
 __all__ = [
@@ -16,10 +17,12 @@ __all__ = [
     "FramePrediction",
     "FrameError",
     "GCTStream",
+    "InferenceSpec",
     "KeyframePolicy",
     "ModelConfig",
     "StreamConfig",
     "StreamingEngine",
     "WindowedEngine",
     "load_model",
+    "prepare_for_inference",
 ]

@@ -50,19 +50,32 @@ class Aggregator(nn.Module):
         special-token variants); time_index [S] temporal RoPE index of each frame.
         Returns the 4 output layers, each [S, P, 2C] (frame-block output | global-block output).
         """
-        c = self.config
-        num_frames, _, height, width = images.shape
-        rows, cols = c.grid(height, width)
+        tokens = self.embed(images, stream_index, num_scale_frames)
+        rows, cols = self.config.grid(*images.shape[-2:])
+        return self.blocks(tokens, cache, time_index, rows, cols)
+
+    def embed(self, images: torch.Tensor, stream_index: torch.Tensor, num_scale_frames: int) -> torch.Tensor:
+        """The part that reads no cache: DINO patch tokens after the special tokens.
+
+        images [S, 3, H, W] in [0, 1] -> tokens [S, P, C], P = 6 specials + rows * cols patches. A
+        streaming engine may run this for the next frame before it knows whether the current one
+        stays in the cache (flow keyframes).
+        """
         # Python constants, not buffers (a model built on the meta device must not carry uninitialised
         # state) and not host tensors (copying one to the GPU inside a captured CUDA graph is illegal).
         x = torch.stack([(images[:, i] - m) / s for i, (m, s) in enumerate(zip(_IMAGE_MEAN, _IMAGE_STD, strict=True))], 1)
         patches = self.patch_embed(x)  # [S, rows * cols, C]
         specials = self.special_tokens(stream_index, num_scale_frames).to(patches.dtype)
-        tokens = torch.cat([specials, patches], dim=1)  # [S, P, C]
-        tokens_per_frame = tokens.shape[1]
+        return torch.cat([specials, patches], dim=1)  # [S, P, C]
 
+    def blocks(self, tokens: torch.Tensor, cache: CachedAttention, time_index: torch.Tensor, rows: int,
+               cols: int) -> list[torch.Tensor]:
+        """Alternating frame and global blocks over tokens [S, P, C] of a rows x cols patch grid;
+        the global blocks attend through `cache`. Returns the 4 output layers [S, P, 2C]."""
+        c = self.config
+        num_frames, tokens_per_frame = tokens.shape[:2]
         frame_rope = Rope2D.build(
-            patch_positions_2d(rows, cols, c.num_special_tokens, images.device), c.head_dim, c.rope2d_frequency
+            patch_positions_2d(rows, cols, c.num_special_tokens, tokens.device), c.head_dim, c.rope2d_frequency
         )
         global_rope = Rope3D.build(
             positions_3d(time_index, rows, cols, c.num_special_tokens), c.rope3d_split, c.rope3d_theta

@@ -8,9 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:  # the fused QK-norm + RoPE kernel for CUDA; without triton the unfused path serves every case
+from stream_recon.cache.backends import importable
+
+# The fused QK-norm + RoPE kernel for CUDA; without triton the unfused path serves every case.
+if importable("triton"):
     from . import qk_norm_rope
-except ImportError:
+else:
     qk_norm_rope = None
 
 # A rotary embedding acting on q or k laid out [B, N, H, D] (token-major).

@@ -8,6 +8,7 @@ image of H x W with the principal point at (W/2, H/2) and integer pixel coordina
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -41,39 +42,30 @@ def decode_pose(pose_enc: torch.Tensor, height: int, width: int) -> tuple[torch.
     return c2w, intrinsics
 
 
-def invert_c2w(c2w: torch.Tensor) -> torch.Tensor:
-    """[..., 3, 4] rigid transform -> its inverse [..., 3, 4] (R^T, -R^T t)."""
-    rotation_t = c2w[..., :3, :3].transpose(-1, -2)
-    return torch.cat([rotation_t, -rotation_t @ c2w[..., :3, 3:]], dim=-1)
-
-
-def camera_motion_flow(pose_enc: torch.Tensor, reference_pose_enc: torch.Tensor, depth: torch.Tensor,
-                       stride: int = 8) -> float:
+def camera_motion_flow(c2w: np.ndarray, intrinsics: np.ndarray, depth: np.ndarray, reference_c2w: np.ndarray,
+                       reference_intrinsics: np.ndarray, stride: int = 8) -> float:
     """Mean pixel motion between a frame and a reference keyframe induced by the frame's own
-    depth and both predicted poses.
+    depth and both predicted cameras (host arrays: the engine decides keyframes from the
+    predictions it has already copied out, so the decision needs no extra device work).
 
-    pose_enc, reference_pose_enc [9]; depth [H, W]. Pixels on a stride-8 grid are lifted with the
-    frame's depth, moved into the reference camera and projected; the result is the mean distance
-    to where they started, over pixels in front of both cameras (0 when none are).
+    c2w [3, 4], intrinsics [3, 3], depth [H, W] of the frame; the reference's c2w and intrinsics.
+    Pixels on a stride-8 grid are lifted with the frame's depth, moved into the reference camera
+    and projected; the result is the mean distance to where they started, over pixels in front of
+    both cameras (0 when none are). Float64 throughout.
     """
     height, width = depth.shape
-    c2w, intrinsics = decode_pose(pose_enc, height, width)
-    ref_c2w, ref_intrinsics = decode_pose(reference_pose_enc, height, width)
-    d = depth[::stride, ::stride]
-    v = torch.arange(0, height, stride, dtype=depth.dtype, device=depth.device)
-    u = torch.arange(0, width, stride, dtype=depth.dtype, device=depth.device)
-    vv, uu = torch.meshgrid(v, u, indexing="ij")
-    pixels = torch.stack([uu, vv, torch.ones_like(uu)], dim=-1)  # [h, w, 3]
-    rays = torch.einsum("ij,hwj->hwi", torch.inverse(intrinsics), pixels)
-    cam_points = rays * d[..., None]
-    world = cam_points @ c2w[:, :3].T + c2w[:, 3]
-    ref_w2c = invert_c2w(ref_c2w)
-    ref_points = world @ ref_w2c[:, :3].T + ref_w2c[:, 3]
-    z = ref_points[..., 2:3].clamp(min=1e-6)
-    projected = (ref_points / z) @ ref_intrinsics.T
-    flow = (projected[..., :2] - torch.stack([uu, vv], dim=-1)).norm(dim=-1)
-    valid = (d > 1e-6) & (ref_points[..., 2] > 1e-6)
-    count = valid.float().sum()
-    if count < 1:
-        return 0.0
-    return float((flow * valid.float()).sum() / count)
+    d = np.asarray(depth, np.float64)[::stride, ::stride]
+    v, u = np.meshgrid(np.arange(0, height, stride, dtype=np.float64), np.arange(0, width, stride, dtype=np.float64),
+                       indexing="ij")
+    k = np.asarray(intrinsics, np.float64)
+    camera = np.stack([(u - k[0, 2]) / k[0, 0] * d, (v - k[1, 2]) / k[1, 1] * d, d], axis=-1)  # [h, w, 3]
+    c2w, reference_c2w = np.asarray(c2w, np.float64), np.asarray(reference_c2w, np.float64)
+    world = camera @ c2w[:, :3].T + c2w[:, 3]
+    in_reference = (world - reference_c2w[:, 3]) @ reference_c2w[:, :3]  # R^T (x - t), row-wise
+    z = np.maximum(in_reference[..., 2], 1e-6)
+    k_ref = np.asarray(reference_intrinsics, np.float64)
+    projected_u = k_ref[0, 0] * in_reference[..., 0] / z + k_ref[0, 2]
+    projected_v = k_ref[1, 1] * in_reference[..., 1] / z + k_ref[1, 2]
+    flow = np.hypot(projected_u - u, projected_v - v)
+    valid = (d > 1e-6) & (in_reference[..., 2] > 1e-6)
+    return float(flow[valid].mean()) if valid.any() else 0.0

@@ -283,6 +283,10 @@ class WindowedEngine:
     # -- windows ---------------------------------------------------------------------------
     def _window_is_full(self) -> bool:
         if self.dynamic_windows:
+            if self.engine.num_keyframes + 1 >= self.window_frames:
+                # A pipelined engine may still hold the last frame's decision: the window closes
+                # where the reference closes it, so make that decision now (once per window).
+                self.engine.settle()
             return self.engine.num_keyframes >= self.window_frames
         return self.num_frames - self.window_start >= self.window_length
 

@@ -21,15 +21,16 @@ from collections import defaultdict
 
 import torch
 
-from stream_recon.models import GCTStream, ModelConfig, StreamConfig, StreamingEngine
+from stream_recon.models import GCTStream, ModelConfig, StreamConfig, StreamingEngine, prepare_for_inference
 from stream_recon.models.synthetic import load_synthetic_weights
 
 
-def build_model(device: str, preset: str) -> tuple[GCTStream, float]:
+def build_model(preset: str) -> tuple[GCTStream, float]:
+    """The model on the host with synthetic weights, as a checkpoint load leaves it."""
     start = time.perf_counter()
     with torch.device("meta"):
         model = GCTStream(ModelConfig.from_name(preset))
-    model = load_synthetic_weights(model.to_empty(device="cpu")).to(device).eval()
+    model = load_synthetic_weights(model.to_empty(device="cpu")).eval()
     return model, time.perf_counter() - start
 
 
@@ -71,19 +72,24 @@ class StageTimer:
 
 
 def graph_parts(events, frames: int) -> dict[str, float]:
-    """Per-frame ms of a replayed step's parts: the first graph (DINO trunk, frame block 0, global
-    block 0 up to its attention), the 24 global attentions, the 23 middle graphs and the last
-    aggregator graph (global block i's projection and MLP, frame block i+1, global block i+1 up to
-    attention), the hand-over copy, and the heads graph (camera and DPT heads, output packing).
-    With an attention recorded in the graph (dense-triton) the first graph is the whole aggregator.
-    With pipelining the heads run on their own stream beside the next frame's aggregator, so the
-    parts overlap."""
+    """Per-frame ms of a replayed step's parts: the embedding graph (DINO trunk, special tokens),
+    the first blocks graph (frame block 0, global block 0 up to its attention), the 24 global
+    attentions, the 23 middle graphs and the last blocks graph (global block i's projection and
+    MLP, frame block i+1, global block i+1 up to attention), the hand-over copy, and the heads
+    graph (camera and DPT heads, output packing). With an attention recorded in the graph
+    (dense-triton) the first blocks graph is all the blocks. With pipelining the heads run on their
+    own stream beside the next frame's blocks, so the parts overlap."""
     torch.cuda.synchronize()
-    per_step = len(events) // frames
-    parts = {"first_graph": 0.0, "global_attention": 0.0, "middle_graphs": 0.0, "handoff": 0.0, "heads": 0.0}
-    named = {"attention": "global_attention", "handoff": "handoff", "heads": "heads"}
-    for index, (part, start, end) in enumerate(events):
-        key = named.get(part) or ("first_graph" if index % per_step == 0 else "middle_graphs")
+    parts = {"embed": 0.0, "first_graph": 0.0, "global_attention": 0.0, "middle_graphs": 0.0, "handoff": 0.0,
+             "heads": 0.0}
+    named = {"embed": "embed", "attention": "global_attention", "handoff": "handoff", "heads": "heads"}
+    first_of_step = True
+    for part, start, end in events:
+        if part == "embed":
+            first_of_step = True
+        key = named.get(part)
+        if key is None:
+            key, first_of_step = ("first_graph" if first_of_step else "middle_graphs"), False
         parts[key] += start.elapsed_time(end) / frames
     return parts
 
@@ -94,18 +100,22 @@ def attention_flops(engine: StreamingEngine) -> float:
     height, width = engine._image_size
     rows, cols = c.grid(height, width)
     queries = rows * cols + c.num_special_tokens
-    return 4.0 * queries * engine.cache.visible().num_tokens * c.embed_dim * c.depth
+    return 4.0 * queries * engine.cache.num_visible_tokens * c.embed_dim * c.depth
 
 
 def run(args) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, build_s = build_model(device, args.model)
+    loaded, build_s = build_model(args.model)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    start = time.perf_counter()
+    model = prepare_for_inference(loaded, device, dtype, compile=not args.no_compile,
+                                  half_camera_weights=not args.fp32_camera_weights)
+    build_s += time.perf_counter() - start
+    del loaded
     config = StreamConfig(scale_frames=args.scale, window=args.window, keyframes=args.keyframes, attention=args.attention,
-                          cuda_graphs=not args.no_graphs and not args.breakdown, compile=not args.no_compile,
-                          pipeline=not args.no_pipeline, half_camera_weights=not args.fp32_camera_weights)
-    engine = StreamingEngine(model, config, device=device, dtype=dtype)
+                          cuda_graphs=not args.no_graphs and not args.breakdown, pipeline=not args.no_pipeline)
+    engine = StreamingEngine(model, config)
     timer = StageTimer(model) if args.breakdown and device == "cuda" else None
     frames = [torch.rand(3, args.height, args.width, device=device) for _ in range(4)]
     fill = args.scale + args.window
@@ -121,8 +131,9 @@ def run(args) -> dict:
     for i in range(fill + args.frames):
         if i == fill and timer is not None:
             timer.reset()
-        if i == fill and engine._graph is not None:  # time the graph segments and the attention calls between
-            engine._graph.timing_events = timing_events
+        recorded = getattr(engine.runner, "recorded", None)
+        if i == fill and recorded is not None:  # time the graph segments and the attention calls between
+            recorded.timing_events = timing_events
         if device == "cuda" and i <= fill:  # the steady state is not synchronised from outside: a
             torch.cuda.synchronize()  # pipelined push returns before its frame's work is done
         if i == fill:
@@ -153,7 +164,7 @@ def run(args) -> dict:
         "torch": torch.__version__,
         "size": f"{args.width}x{args.height}",
         "dtype": args.dtype,
-        "attention": engine.backend.name,
+        "attention": engine.stats()["attention"],
         "scale_frames": args.scale,
         "window": args.window,
         "steady_frames": args.frames,
@@ -258,9 +269,9 @@ def main():
     parser.add_argument("--no-graphs", action="store_true", help="eager streaming steps (no CUDA-graph replay)")
     parser.add_argument("--no-compile", action="store_true", help="eager transformer blocks (no torch.compile)")
     parser.add_argument("--no-pipeline", action="store_true",
-                        help="StreamConfig(pipeline=False): each frame's heads before the next frame's aggregator")
+                        help="StreamConfig(pipeline=False): each frame's heads before the next frame's blocks")
     parser.add_argument("--fp32-camera-weights", action="store_true",
-                        help="StreamConfig(half_camera_weights=False): the camera head reads float32 weights")
+                        help="prepare_for_inference(half_camera_weights=False): the camera head reads float32 weights")
     parser.add_argument("--viewer", action="store_true",
                         help="feed a live viewer (no browser) in alternating blocks of 10 frames and compare")
     parser.add_argument("--reference", help="checkout of Robbyant/lingbot-map: time it too, in this process")

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from stream_recon.models import GCTStream, ModelConfig, StreamConfig
+from stream_recon.models import GCTStream, ModelConfig, StreamConfig, prepare_for_inference
 from stream_recon.models.synthetic import load_synthetic_weights
 from stream_recon.models.windowed import WindowedEngine
 
@@ -53,10 +53,10 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device("meta"):
         model = GCTStream(ModelConfig())
-    model = load_synthetic_weights(model.to_empty(device="cpu")).to(device).eval()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = prepare_for_inference(load_synthetic_weights(model.to_empty(device="cpu")).eval(), device, dtype)
     config = StreamConfig(keyframes=args.keyframes, flow_threshold=args.flow_threshold, attention=args.attention)
-    engine = WindowedEngine(model, config, window_frames=args.window_frames, overlap=args.overlap, device=device,
-                            dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    engine = WindowedEngine(model, config, window_frames=args.window_frames, overlap=args.overlap)
     big = texture(args.height * 2, args.width * 2, device)
     samples, emitted, start = [], 0, time.perf_counter()
     for i in range(args.frames):
@@ -87,7 +87,7 @@ def main():
         "emitted": emitted,
         "seconds": time.perf_counter() - start,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "attention": engine.engine.backend.name,
+        "attention": engine.stats()["attention"],
         "window_frames": args.window_frames,
         "overlap": args.overlap,
         "keyframes": args.keyframes,

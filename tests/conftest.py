@@ -14,10 +14,8 @@ torch.backends.cudnn.allow_tf32 = False
 
 @pytest.fixture(scope="session")
 def gpu_model():
-    """The full-size model on deterministic weights, on the GPU (the GPU tests share one copy)."""
+    """The full-size model on deterministic weights as loaded (float32, on the host): each GPU test
+    prepares its own copy for the device and precision it runs (prepare_for_inference)."""
     from golden_utils import full_size_model
 
-    model = full_size_model().cuda()
-    # A bf16 engine converts the model in place (lossy); the helpers restore these before each run.
-    model.fp32_state = {name: value.detach().cpu().clone() for name, value in model.state_dict().items()}
-    return model
+    return full_size_model()

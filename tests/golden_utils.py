@@ -41,3 +41,11 @@ def full_size_model():
     model = model.to_empty(device="cpu")
     load_synthetic_weights(model)
     return model.eval()
+
+
+@lru_cache(maxsize=1)
+def prepared_full_size_model():
+    """full_size_model() prepared for streaming on the CPU in float32 (it shares the weights)."""
+    from stream_recon.models import prepare_for_inference
+
+    return prepare_for_inference(full_size_model(), "cpu", torch.float32)

@@ -167,9 +167,9 @@ def test_single_image_instead_of_folder(tmp_path: Path) -> None:
         (["--stride", "0"], "stride must be >= 1"),
         (["--device", "cuda:0"], "CUDA is not available"),
         (["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
-        (["--attention", "flashinfer", "--device", "cpu"], "flashinfer runs on CUDA only"),
-        (["--attention", "dense-cudnn", "--device", "cpu"], "dense-cudnn runs on CUDA only"),
-        (["--attention", "dense-triton", "--device", "cpu"], "dense-triton runs on CUDA only"),
+        (["--attention", "flashinfer", "--device", "cpu"], "flashinfer needs bf16/fp16 on a CUDA device"),
+        (["--attention", "dense-cudnn", "--device", "cpu"], "dense-cudnn needs bf16/fp16 on a CUDA device"),
+        (["--attention", "dense-triton", "--device", "cpu"], "dense-triton needs bf16/fp16 on a CUDA device"),
     ],
 )
 def test_bad_options_are_named(tmp_path: Path, flags: list[str], message: str) -> None:

@@ -484,11 +484,11 @@ def test_tiny_model_stream_reaches_the_browser(viewer):
     """End to end: the tiny model through the streaming engine into the viewer and a websocket client."""
     import torch
 
-    from stream_recon.models import GCTStream, ModelConfig, StreamConfig, StreamingEngine
+    from stream_recon.models import GCTStream, ModelConfig, StreamConfig, StreamingEngine, prepare_for_inference
     from stream_recon.models.synthetic import load_synthetic_weights
 
-    model = load_synthetic_weights(GCTStream(ModelConfig.tiny())).eval()
-    engine = StreamingEngine(model, StreamConfig(scale_frames=4, keyframes="interval:2"), device="cpu")
+    model = prepare_for_inference(load_synthetic_weights(GCTStream(ModelConfig.tiny())).eval(), "cpu")
+    engine = StreamingEngine(model, StreamConfig(scale_frames=4, keyframes="interval:2"))
     mirror = SceneMirror(viewer.url)
     emitted = []
     try:

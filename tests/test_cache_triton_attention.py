@@ -18,14 +18,14 @@ CASES = [(5, 9, 3, "float16"), (40, 40 + 256, 64, "float16"), (7, 7 + 300, 70, "
 SCRIPT = textwrap.dedent("""
     import sys, torch
     import torch.nn.functional as F
-    from stream_recon.cache import ContiguousKV, VisibleRange
+    from stream_recon.cache import DenseKV, VisibleRange
     from stream_recon.cache.triton_attention import TritonRangeAttention
 
     torch.manual_seed(0)
     worst = []
     for start, end, queries, dtype in eval(sys.argv[1]):
         dtype = getattr(torch, dtype)
-        kv = ContiguousKV(num_layers=2, num_heads=2, head_dim=32, capacity=320, dtype=dtype, device="cpu")
+        kv = DenseKV(num_layers=2, num_heads=2, head_dim=32, capacity=320, dtype=dtype, device="cpu")
         kv.store.copy_(torch.randn_like(kv.store, dtype=torch.float32) * 2)
         backend = TritonRangeAttention(kv)
         backend.plan(VisibleRange(start, end, start), queries)

@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from golden_utils import GOLDEN, TOLERANCE, full_size_model, golden_frames, relative_error
+from golden_utils import GOLDEN, TOLERANCE, golden_frames, prepared_full_size_model, relative_error
 
 from stream_recon.models import StreamConfig, StreamingEngine
 
@@ -37,7 +37,7 @@ class Capture:
 
 def run_scenario(config: StreamConfig, capture: bool = False):
     torch.use_deterministic_algorithms(True)
-    model = full_size_model()
+    model = prepared_full_size_model()
     captures = {}
     if capture:
         captures = {

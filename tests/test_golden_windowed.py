@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from golden_utils import GOLDEN, TOLERANCE, full_size_model, golden_frames, relative_error
+from golden_utils import GOLDEN, TOLERANCE, golden_frames, prepared_full_size_model, relative_error
 
 from stream_recon.models import StreamConfig, WindowedEngine
 
@@ -26,7 +26,7 @@ SCENARIOS = {
 
 @pytest.fixture(scope="module")
 def model():
-    return full_size_model()
+    return prepared_full_size_model()
 
 
 def run_windowed(model, config: StreamConfig) -> tuple[WindowedEngine, dict[int, object], list[tuple[int, int]]]:

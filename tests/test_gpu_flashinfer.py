@@ -8,7 +8,7 @@ import pytest
 import torch
 from golden_utils import GOLDEN, TOLERANCE, golden_frames, relative_error
 
-from stream_recon.cache import CacheLayout, PagedKV, PagePool, SDPAPagedAttention, TwoStreamCache
+from stream_recon.cache import CacheLayout, PagedKV, PagedTwoStreamCache, PagePool, SDPAPagedAttention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,7 +37,7 @@ def test_flashinfer_matches_sdpa_on_random_sequences(flashinfer_backend, variant
         pytest.skip("the fa3 kernels need a Hopper GPU (H100/H200)")
     generator = torch.Generator().manual_seed(page_size)
     layout = CacheLayout(patches_per_frame=page_size, specials_per_frame=6, scale_frames=scale, window_frames=window)
-    cache = TwoStreamCache(layout, PagePool(4, grow_by=3))
+    cache = PagedTwoStreamCache(layout, PagePool(4, grow_by=3))
     kv = PagedKV(2, 4, 64, page_size, torch.bfloat16, "cuda", 4)
     fast, reference = flashinfer_backend(kv, variant=variant), SDPAPagedAttention(kv)
     worst = worst_sdpa = 0.0
@@ -73,20 +73,17 @@ SCENARIOS = {
 }
 
 
-def stream(model, dtype, attention, **options):
-    from stream_recon.models import StreamConfig, StreamingEngine
+def stream(model, dtype, attention, compile=False, **options):
+    """Stream the golden frames on the GPU through a model prepared for `dtype` from the loaded
+    (float32, CPU) `model`, which stays as it is."""
+    from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
 
-    model.float()  # each run starts from the fp32 weights (an earlier bf16 engine rounded them)
-    if hasattr(model, "fp32_state"):
-        model.load_state_dict(model.fp32_state)
-    options.setdefault("compile", False)  # compiling patches the (shared) model's blocks
-    engine = StreamingEngine(model, StreamConfig(scale_frames=3, window=4, attention=attention, **options),
-                             device="cuda", dtype=dtype)
+    prepared = prepare_for_inference(model, "cuda", dtype, compile=compile)
+    engine = StreamingEngine(prepared, StreamConfig(scale_frames=3, window=4, attention=attention, **options))
     predictions = []
     for frame in golden_frames():
         predictions += engine.push(frame.cuda())
     predictions += engine.finish()  # pipelined streaming hands the last frame over here
-    model.float()
     return predictions, engine
 
 
@@ -100,7 +97,7 @@ def errors(predictions, golden) -> dict[str, float]:
 def test_fp32_cuda_path_matches_golden(gpu_model):
     torch.backends.cuda.matmul.allow_tf32 = False
     predictions, engine = stream(gpu_model, torch.float32, "sdpa", keyframes="all")
-    assert engine.backend.name == "sdpa"
+    assert engine.stats()["attention"] == "sdpa"
     measured = errors(predictions, np.load(GOLDEN / "all_keyframes" / "outputs.npz"))
     print("fp32 cuda sdpa vs golden", measured)
     assert max(measured.values()) <= TOLERANCE
@@ -110,7 +107,7 @@ def test_fp32_cuda_path_matches_golden(gpu_model):
 def test_bf16_backends_agree_with_golden_and_each_other(flashinfer_backend, gpu_model, scenario):
     golden = np.load(GOLDEN / scenario / "outputs.npz")
     fast, engine = stream(gpu_model, torch.bfloat16, "flashinfer", **SCENARIOS[scenario])
-    assert engine.backend.name == "flashinfer-fa2"
+    assert engine.stats()["attention"] == "flashinfer-fa2"
     sdpa, _ = stream(gpu_model, torch.bfloat16, "sdpa", **SCENARIOS[scenario])
     fast_errors, sdpa_errors = errors(fast, golden), errors(sdpa, golden)
     between = errors(fast, {k: np.stack([getattr(p, k) for p in sdpa]) for k in ("pose_enc", "depth", "depth_conf", "c2w")})
@@ -124,13 +121,18 @@ def test_bf16_backends_agree_with_golden_and_each_other(flashinfer_backend, gpu_
 
 
 def test_page_accounting_over_2000_frames(flashinfer_backend):
-    from stream_recon.models import GCTStream, ModelConfig, StreamConfig, StreamingEngine
+    from stream_recon.models import (
+        GCTStream,
+        ModelConfig,
+        StreamConfig,
+        StreamingEngine,
+        prepare_for_inference,
+    )
     from stream_recon.models.synthetic import load_synthetic_weights
 
     config = ModelConfig.from_dict({**ModelConfig.tiny().to_dict(), "max_frames": 2100})
-    model = load_synthetic_weights(GCTStream(config)).cuda().eval()
-    engine = StreamingEngine(model, StreamConfig(scale_frames=8, window=64, attention="flashinfer"),
-                             device="cuda", dtype=torch.bfloat16)
+    model = prepare_for_inference(load_synthetic_weights(GCTStream(config)).eval(), "cuda", torch.bfloat16)
+    engine = StreamingEngine(model, StreamConfig(scale_frames=8, window=64, attention="flashinfer"))
     image = torch.rand(3, 126, 224, device="cuda")
     memory = {}
     for i in range(2000):

@@ -20,6 +20,7 @@ from stream_recon.models import (
     StreamConfig,
     StreamingEngine,
     load_model,
+    prepare_for_inference,
 )
 from stream_recon.models import checkpoint as ckpt
 from stream_recon.models.checkpoint import (
@@ -87,7 +88,7 @@ def stream_outputs(model: GCTStream) -> list[tuple]:
     """Per-frame outputs of a short stream (2 scale frames, then one frame per step) on fixed frames."""
     generator = torch.Generator().manual_seed(1)
     frames = torch.rand(4, 3, 28, 42, generator=generator)
-    engine = StreamingEngine(model, StreamConfig(scale_frames=2, window=4), device="cpu")
+    engine = StreamingEngine(prepare_for_inference(model, "cpu"), StreamConfig(scale_frames=2, window=4))
     predictions = [pred for index, frame in enumerate(frames) for pred in engine.push(frame, timestamp=index)]
     predictions += engine.finish()
     return [(p.frame_index, p.pose_enc, p.depth, p.depth_conf) for p in predictions]

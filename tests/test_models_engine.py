@@ -16,6 +16,7 @@ from stream_recon.models import (
     ModelConfig,
     StreamConfig,
     StreamingEngine,
+    prepare_for_inference,
 )
 from stream_recon.models.synthetic import load_synthetic_weights
 
@@ -23,7 +24,7 @@ from stream_recon.models.synthetic import load_synthetic_weights
 @pytest.fixture(scope="module")
 def tiny_model():
     torch.manual_seed(0)
-    return load_synthetic_weights(GCTStream(ModelConfig.tiny())).eval()
+    return prepare_for_inference(load_synthetic_weights(GCTStream(ModelConfig.tiny())).eval())
 
 
 def frames(count: int, height: int = 42, width: int = 56, seed: int = 0) -> list[torch.Tensor]:
@@ -183,7 +184,7 @@ def test_uint8_frames_are_accepted(tiny_model):
 
 def test_temporal_limit_is_a_clear_error():
     config = ModelConfig.from_dict({**ModelConfig.tiny().to_dict(), "max_frames": 4})
-    model = load_synthetic_weights(GCTStream(config)).eval()
+    model = prepare_for_inference(load_synthetic_weights(GCTStream(config)).eval())
     engine = StreamingEngine(model, StreamConfig(scale_frames=2, window=2))
     for image in frames(4):
         engine.push(image)
@@ -198,24 +199,6 @@ def test_stats_have_the_same_keys_before_the_first_frame(tiny_model):
     before = engine.stats()
     engine.push(frames(1)[0])
     assert set(before) == set(engine.stats())
-
-
-def test_auto_attention_choice(monkeypatch):
-    """`auto`: the golden-parity path on CPU or in float32; on CUDA the contiguous layout, read by
-    the Triton range kernel on Hopper and newer. (No GPU here: the capability query is patched.)"""
-    from stream_recon.models.engine import resolve_attention
-
-    cuda = torch.device("cuda")
-    assert resolve_attention("auto", torch.device("cpu"), torch.bfloat16) == "sdpa"
-    assert resolve_attention("auto", cuda, torch.float32) == "sdpa"
-    assert resolve_attention("dense-cudnn", cuda, torch.bfloat16) == "dense-cudnn"  # explicit names stay
-    with pytest.raises(ValueError, match="unknown attention backend"):
-        resolve_attention("triton", cuda, torch.bfloat16)
-    pytest.importorskip("triton")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert resolve_attention("auto", cuda, torch.bfloat16) == "dense-triton"
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert resolve_attention("auto", cuda, torch.float16) in ("dense-flashinfer", "dense")
 
 
 def test_graph_recording_pauses_the_cycle_collector_and_restores_it():

@@ -22,6 +22,7 @@ from stream_recon.models import (
     StreamConfig,
     StreamingEngine,
     WindowedEngine,
+    prepare_for_inference,
 )
 from stream_recon.models.synthetic import load_synthetic_weights
 from stream_recon.models.windowed import (
@@ -47,7 +48,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    return load_synthetic_weights(GCTStream(ModelConfig.tiny())).eval()
+    return prepare_for_inference(load_synthetic_weights(GCTStream(ModelConfig.tiny())).eval())
 
 
 @pytest.fixture(scope="module")
@@ -379,13 +380,13 @@ def test_memory_is_bounded_and_the_cache_is_reused_across_windows(model, frames)
     engine = WindowedEngine(model, StreamConfig(scale_frames=2, window=2), window_frames=4, overlap=2)
     for frame in frames[:4]:  # the first window, full
         engine.push(frame)
-    kv, cache_bytes = engine.engine.kv, engine.stats()["cache_bytes"]
+    cache, cache_bytes = engine.engine.cache, engine.stats()["cache_bytes"]
     for frame in frames[4:]:
         engine.push(frame)
         stats = engine.stats()
         assert stats["replay_frames"] <= 2
         assert stats["cached_frames"] <= 4 and stats["special_pages_in_use"] <= 4
-        assert engine.engine.kv is kv and stats["cache_bytes"] == cache_bytes
+        assert engine.engine.cache is cache and stats["cache_bytes"] == cache_bytes
     # Windows of 4 frames that start 2 frames apart: [0, 4), [2, 6), ..., [26, 30).
     assert stats["rollovers"] == 13 and stats["frames"] == 30
 

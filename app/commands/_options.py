@@ -15,6 +15,8 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from stream_recon.cache import backends
+
 _MODEL = "Model"
 _ENGINE = "Streaming engine"
 _SOURCE = "Source"
@@ -63,9 +65,9 @@ AttentionOpt = Annotated[
     Optional[str],
     typer.Option(
         "--attention",
-        help="Attention backend: auto (CUDA: dense-triton on Hopper, else dense-flashinfer if installed, else "
-        "dense; CPU: sdpa), dense, dense-triton, dense-cudnn, dense-flashinfer (contiguous cache), sdpa, "
-        "flashinfer (= flashinfer-fa2), flashinfer-fa3 (paged cache). \\[default: auto]",
+        help=f"Attention backend: auto ({backends.AUTO_SUMMARY}), or one of "
+        f"{', '.join(backends.names()[1:])}; `stream-recon info` says what each is and whether it runs here. "
+        "\\[default: auto]",
         rich_help_panel=_MODEL,
         show_default=False,
     ),

@@ -68,38 +68,21 @@ def _cuda_info() -> dict[str, Any]:
     return {"available": True, "torch_cuda": torch.version.cuda, "devices": devices}
 
 
-def _dense_triton_status(torch) -> str:
-    try:
-        import triton  # noqa: F401 - only its presence matters here
-    except ImportError as error:
-        return f"not installed ({error.msg}); CUDA builds of torch bring triton along"
-    if not torch.cuda.is_available():
-        return "installed, but needs a CUDA GPU (none found)"
-    return "available (contiguous cache, one Triton kernel over the whole key range; the default on Hopper GPUs)"
-
-
 def _attention_backends() -> dict[str, str]:
-    """Which backends `--attention` can use here, with the reason when one cannot."""
+    """Every row of the backend table, available here or why not: on this machine's GPU in bf16
+    when it has one (the default run), else on the CPU in float32."""
     import torch
 
-    backends = {
-        "dense": "available (contiguous cache, PyTorch SDPA reading keys in place; CPU and CUDA)",
-        "dense-triton": _dense_triton_status(torch),
-        "dense-cudnn": (
-            "available (contiguous cache, cuDNN fused attention + flash; the default on Hopper GPUs without triton)"
-            if torch.cuda.is_available() else "needs a CUDA GPU (none found)"
-        ),
-        "sdpa": "available (paged cache, PyTorch scaled_dot_product_attention; CPU and CUDA; the default on CPU)",
-    }
-    try:
-        import flashinfer  # noqa: F401 - only its presence matters here
-    except ImportError as error:
-        backends["flashinfer"] = f"not installed ({error.msg}); pip install 'stream-recon[cuda]' on a CUDA machine"
-    else:
-        backends["flashinfer"] = (
-            "available" if torch.cuda.is_available() else "installed, but needs a CUDA GPU (none found)"
-        )
-    return backends
+    from stream_recon.cache import backends
+
+    device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+    chosen = backends.resolve("auto", device, dtype).name
+    report = {"auto": f"{chosen} here ({backends.AUTO_SUMMARY})"}
+    for name in backends.names()[1:]:
+        spec = backends.spec(name)
+        reason = backends.unavailable_reason(name, device, dtype)
+        report[name] = f"available ({spec.layout} layout: {spec.summary})" if reason is None else f"not here: {reason}"
+    return report
 
 
 def _checkpoint_info() -> dict[str, Any]:

@@ -10,15 +10,15 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cache_two_stream import OPS, LabelHarness, drive, layouts
+from test_cache_paged import OPS, LabelHarness, drive, layouts
 
 from stream_recon.cache import CacheLayout
-from stream_recon.cache.contiguous import ContiguousTwoStreamCache
+from stream_recon.cache.dense import DenseTwoStreamCache
 
 
 class Harness(LabelHarness):
     def __init__(self, layout: CacheLayout, max_frames: int = 200):
-        super().__init__(layout, ContiguousTwoStreamCache(layout, max_frames))
+        super().__init__(layout, DenseTwoStreamCache(layout, max_frames))
 
     def apply_moves(self):
         for move in self.cache.take_moves():
@@ -47,7 +47,7 @@ def test_contiguous_cache_matches_dense_reference(layout, data, ops):
 
 def test_moves_keep_the_window_compact():
     layout = CacheLayout(patches_per_frame=2, specials_per_frame=1, scale_frames=1, window_frames=2)
-    cache = ContiguousTwoStreamCache(layout, max_frames=10)
+    cache = DenseTwoStreamCache(layout, max_frames=10)
     for _ in range(3):  # scale f0, window f1 f2
         cache.append()
         cache.commit()
@@ -63,7 +63,7 @@ def test_moves_keep_the_window_compact():
 
 def test_capacity_error_names_the_remedy():
     layout = CacheLayout(patches_per_frame=2, specials_per_frame=1, scale_frames=1, window_frames=2)
-    cache = ContiguousTwoStreamCache(layout, max_frames=3)
+    cache = DenseTwoStreamCache(layout, max_frames=3)
     for _ in range(3):
         cache.append()
         cache.commit()
@@ -73,7 +73,7 @@ def test_capacity_error_names_the_remedy():
 
 def test_scale_and_window_frames_cannot_share_a_step():
     layout = CacheLayout(patches_per_frame=2, specials_per_frame=1, scale_frames=1, window_frames=2)
-    cache = ContiguousTwoStreamCache(layout, max_frames=10)
+    cache = DenseTwoStreamCache(layout, max_frames=10)
     cache.append()
     with pytest.raises(ValueError, match="scale frames"):
         cache.append()
@@ -104,15 +104,15 @@ def test_split_attention_equals_dense_attention_through_a_stream():
     taken, the merge) on the CPU, with exact float64 kernels standing in for cuDNN and flash."""
     import torch
 
-    from stream_recon.cache import ContiguousKV, DenseAttention, SplitCudnnAttention
+    from stream_recon.cache import DenseAttention, DenseKV, SplitCudnnAttention
 
     def exact(q, k, v):
         scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
         return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
 
     layout = CacheLayout(patches_per_frame=3, specials_per_frame=2, scale_frames=2, window_frames=3)
-    cache = ContiguousTwoStreamCache(layout, max_frames=40)
-    kv = ContiguousKV(1, 2, 4, cache.capacity_tokens, torch.float64, "cpu")
+    cache = DenseTwoStreamCache(layout, max_frames=40)
+    kv = DenseKV(1, 2, 4, cache.capacity_tokens, torch.float64, "cpu")
     full = (layout.scale_frames + layout.window_frames) * layout.patches_per_frame
     fixed_calls = []
 

@@ -1,14 +1,12 @@
 """Where a replayed streaming step's GPU time goes, kernel by kernel (GPU machine).
 
-    python3 scripts/gpu/profile_step.py --frames 4 --out $OUT/profile
+    python3 scripts/profile_step.py --frames 4 --out $OUT/profile
 
 Streams synthetic frames through the default engine (graphs, compile) until the window is full,
 then records the kernels of `--frames` steps with torch.profiler. Writes:
   kernels.json   every kernel of the profiled steps in launch order: [name, start_us, duration_us]
   summary.txt    per kernel name: calls and microseconds per frame, the largest first
-and prints the summary's head. The heads probe (`--heads`) times the DPT head alone, replayed as a
-CUDA graph, in its variants (float32 with and without TF32, channels-last, compiled, bf16),
-with each variant's difference from the float32 result.
+and prints the summary's head.
 """
 
 from __future__ import annotations
@@ -23,24 +21,23 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import build_model  # noqa: E402
 
-from stream_recon.models import StreamConfig, StreamingEngine  # noqa: E402
+from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference  # noqa: E402
 
 
 def profile_stream(args) -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
-    model, _ = build_model("cuda", "lingbot-map")
+    loaded, _ = build_model("lingbot-map")
+    model = prepare_for_inference(loaded, "cuda", torch.bfloat16, compile=not args.no_compile)
     # Synchronous steps: each frame's kernels in launch order, not interleaved with the next frame's.
-    engine = StreamingEngine(model, StreamConfig(scale_frames=8, window=64, attention=args.attention,
-                                                 compile=not args.no_compile, pipeline=False),
-                             device="cuda", dtype=torch.bfloat16)
+    engine = StreamingEngine(model, StreamConfig(scale_frames=8, window=64, attention=args.attention, pipeline=False))
     frames = [torch.rand(3, args.height, args.width, device="cuda") for _ in range(4)]
     for i in range(72 + args.warmup):
         engine.push(frames[i % 4])
         if i == 72 and args.no_overlap_specials:
-            engine.backend.side_stream = None
+            engine.cache.backend.side_stream = None
     torch.cuda.synchronize()
     host = host_timers(engine)
     times = []
@@ -49,7 +46,7 @@ def profile_stream(args) -> None:
         engine.push(frames[i % 4])
         times.append(time.perf_counter() - start)
     times.sort()
-    timing = (f"{engine.backend.name}: {1000 * times[len(times) // 2]:.2f} ms per frame (median of {args.timed}), "
+    timing = (f"{engine.stats()['attention']}: {1000 * times[len(times) // 2]:.2f} ms per frame (median of {args.timed}), "
               f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
     timing += "\nhost time per frame (us): " + ", ".join(f"{name} {1e6 * total / args.timed:.0f}" for name, total in host.items())
     host.clear()
@@ -94,18 +91,19 @@ def host_timers(engine) -> dict[str, float]:
                 totals[label] += time.perf_counter() - start
         setattr(owner, name, timed)
 
+    recorded = engine.runner.recorded
     wrap(engine, "push", "push")
     wrap(engine, "_check_frame", "check_frame")
-    wrap(engine.cache, "append", "cache.append")
-    wrap(engine, "_apply_moves", "apply_moves")
-    wrap(engine.backend, "plan", "plan")
+    wrap(engine.cache, "append", "cache.append (with moves)")
+    wrap(engine.cache, "plan", "plan")
     wrap(engine.camera_cache, "begin", "camera.begin")
-    wrap(engine._graph, "load", "graph.load")
-    wrap(engine._graph, "replay_aggregator", "graph.replay_aggregator (launches)")
-    wrap(engine._graph, "replay_heads", "graph.replay_heads (launches)")
-    wrap(engine, "_drain", "drain (incl. the wait)")
+    wrap(recorded, "load_frame", "graph.load_frame")
+    wrap(recorded, "replay_embed", "graph.replay_embed (launches)")
+    wrap(recorded, "load_position", "graph.load_position")
+    wrap(recorded, "replay_blocks", "graph.replay_blocks (launches)")
+    wrap(recorded, "replay_heads", "graph.replay_heads (launches)")
+    wrap(engine, "_deliver", "deliver (incl. the wait)")
     wrap(engine, "_commit", "commit")
-    wrap(engine, "_prediction", "prediction")
     return totals
 
 
@@ -131,50 +129,6 @@ def time_graph(fn, inputs, repeats: int = 50) -> tuple[float, object]:
     return start.elapsed_time(end) / repeats, output
 
 
-def probe_heads(args) -> None:
-    import copy
-
-    model, _ = build_model("cuda", "lingbot-map")
-    head = model.depth_head
-    rows, cols = args.height // 14, args.width // 14
-    torch.manual_seed(0)
-    layers = [torch.randn(1, rows * cols + 6, 2048, device="cuda") for _ in range(4)]
-    print(f"cudnn.allow_tf32={torch.backends.cudnn.allow_tf32} matmul.allow_tf32={torch.backends.cuda.matmul.allow_tf32}")
-
-    def run(module, dtype=torch.float32):
-        def fn(*xs):
-            with torch.inference_mode():
-                return module([x.to(dtype) for x in xs], args.height, args.width)
-        return fn
-
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    exact_ms, (exact_depth, _) = time_graph(run(head), layers)
-    exact_depth = exact_depth.clone()
-    print(f"dpt fp32 no tf32: {exact_ms:.3f} ms")
-    torch.backends.cudnn.allow_tf32 = True
-    torch.backends.cuda.matmul.allow_tf32 = True
-
-    def report(label, fn):
-        try:
-            ms, (depth, _) = time_graph(fn, layers)
-            error = ((depth.float() - exact_depth).abs().max() / exact_depth.std()).item()
-            print(f"dpt {label}: {ms:.3f} ms, max diff {error:.2e} sigma")
-        except Exception as error:  # a probe: report and go on
-            print(f"dpt {label}: failed: {type(error).__name__}: {str(error)[:300]}")
-
-    report("fp32 tf32", run(head))
-    last = copy.deepcopy(head).to(memory_format=torch.channels_last)
-    report("fp32 tf32 channels-last", run(last))
-    report("compiled fp32 tf32", run(torch.compile(head.forward, dynamic=False)))
-    report("compiled channels-last", run(torch.compile(last.forward, dynamic=False)))
-    half = copy.deepcopy(head).to(torch.bfloat16)
-    report("bf16 weights", run(half, torch.bfloat16))
-    half_last = copy.deepcopy(half).to(memory_format=torch.channels_last)
-    report("bf16 channels-last", run(half_last, torch.bfloat16))
-    report("bf16 compiled channels-last", run(torch.compile(half_last.forward, dynamic=False), torch.bfloat16))
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frames", type=int, default=4)
@@ -186,10 +140,9 @@ def main():
     parser.add_argument("--timed", type=int, default=40, help="frames timed (no profiler) before the profile")
     parser.add_argument("--no-overlap-specials", action="store_true",
                         help="dense-cudnn: the special keys' kernel on the main stream")
-    parser.add_argument("--heads", action="store_true", help="probe the DPT head's variants instead")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/out") + "/profile")
     args = parser.parse_args()
-    probe_heads(args) if args.heads else profile_stream(args)
+    profile_stream(args)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Bookkeeping of the two-stream paged KV cache (spec MODEL.md §5, §9.2).
+"""Bookkeeping of the paged layout of the two-stream KV cache (spec MODEL.md §5, §9.2).
 
 Stream 1, patch tokens: one page per frame. The first `scale_frames` pages are pinned (anchor
 frames); later pages form a sliding window of `window_frames` pages recycled oldest-first.
@@ -15,36 +15,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from .layout import CacheLayout
 from .pages import PagePool, VisiblePages
-
-
-@dataclass(frozen=True)
-class CacheLayout:
-    patches_per_frame: int  # one patch page holds exactly one frame's patches
-    specials_per_frame: int = 6
-    scale_frames: int = 8
-    window_frames: int = 64
-
-    def __post_init__(self):
-        if self.patches_per_frame < 1 or self.specials_per_frame < 0:
-            raise ValueError(f"bad token counts per frame: {self.patches_per_frame} patches, {self.specials_per_frame} specials")
-        if self.scale_frames < 1 or self.window_frames < 1:
-            raise ValueError(
-                f"scale_frames and window_frames must be >= 1, got {self.scale_frames} and {self.window_frames}"
-            )
-
-    @property
-    def page_size(self) -> int:
-        return self.patches_per_frame
-
-    @property
-    def tokens_per_frame(self) -> int:
-        return self.specials_per_frame + self.patches_per_frame
-
-    @property
-    def max_patch_pages(self) -> int:
-        """Patch pages that can be in use at once: scale + window + one appended before eviction."""
-        return self.scale_frames + self.window_frames + 1
 
 
 @dataclass
@@ -57,7 +29,7 @@ class _PendingFrame:
     evicted: list[int] = field(default_factory=list)  # window pages this append pushed out, oldest first
 
 
-class TwoStreamCache:
+class PagedTwoStreamCache:
     """Page tables of the two streams. Knows nothing about tensors, images or keyframe policies."""
 
     def __init__(self, layout: CacheLayout, pool: PagePool | None = None):
@@ -117,13 +89,6 @@ class TwoStreamCache:
             num_special_pages=len(self.special_pages),
             num_special_tokens=self.num_special_tokens,
         )
-
-    def visible(self) -> VisiblePages:
-        return self.visible_pages()
-
-    def take_moves(self) -> list:
-        """Data copies the storage must make: none, pages never move in this layout."""
-        return []
 
     # -- updates ---------------------------------------------------------------------------
     def append(self, defer_eviction: bool = False) -> None:

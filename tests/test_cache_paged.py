@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream_recon.cache import CacheLayout, PagePool, TwoStreamCache
+from stream_recon.cache import CacheLayout, PagedTwoStreamCache, PagePool
 
 
 class DenseReference:
@@ -81,7 +81,7 @@ class Harness(LabelHarness):
     """The paged layout: pages never move; the check also audits the page pool."""
 
     def __init__(self, layout: CacheLayout, initial_pages: int):
-        super().__init__(layout, TwoStreamCache(layout, PagePool(initial_pages, grow_by=2)))
+        super().__init__(layout, PagedTwoStreamCache(layout, PagePool(initial_pages, grow_by=2)))
 
     def read_visible(self) -> list[tuple[int, int]]:
         visible = self.cache.visible_pages()
@@ -168,7 +168,7 @@ def test_rollback_restores_everything(layout, ops):
 def test_worked_example_window_and_specials():
     # page_size 3, 2 specials per frame, 1 scale frame, window 2.
     layout = CacheLayout(patches_per_frame=3, specials_per_frame=2, scale_frames=1, window_frames=2)
-    cache = TwoStreamCache(layout, PagePool(4, grow_by=1))
+    cache = PagedTwoStreamCache(layout, PagePool(4, grow_by=1))
     for _ in range(4):
         cache.append()
         cache.commit()
@@ -188,7 +188,7 @@ def test_page_pool_grows_instead_of_failing():
 
 def test_special_pool_never_runs_out_over_a_long_stream():
     layout = CacheLayout(patches_per_frame=5, specials_per_frame=6, scale_frames=2, window_frames=3)
-    cache = TwoStreamCache(layout)
+    cache = PagedTwoStreamCache(layout)
     for _ in range(3000):
         cache.append()
         cache.commit()

@@ -1,4 +1,4 @@
-"""Bookkeeping of the two-stream cache laid out so that the visible keys are ONE slot range.
+"""Bookkeeping of the dense layout: the two streams placed so that the visible keys are ONE range.
 
 The paged layout (two_stream.py) lets any page hold any frame, so a kernel must follow a page
 table. Here the same two streams are placed so that every step's key set is the contiguous token
@@ -25,8 +25,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from .pages import CacheCapacityError
-from .two_stream import CacheLayout
+from .layout import CacheCapacityError, CacheLayout
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,7 @@ class _PendingWindowFrame:
     replaced_oldest: bool = False
 
 
-class ContiguousTwoStreamCache:
+class DenseTwoStreamCache:
     def __init__(self, layout: CacheLayout, max_frames: int):
         """`max_frames`: the most frames whose special tokens can be live at once (the model's
         temporal RoPE range bounds it)."""
@@ -127,22 +126,23 @@ class ContiguousTwoStreamCache:
         return list(specials) + list(patches)
 
     def take_moves(self) -> list[SlotMove]:
-        """Copies the store must make now, in order, before this step writes its K/V."""
+        """Copies the store must make now, in order, before this step writes its K/V (the paged
+        layout has no such method: its pages never move)."""
         moves, self._moves = self._moves, []
         return moves
 
     # -- updates ---------------------------------------------------------------------------
     def append(self, defer_eviction: bool = False) -> None:
-        """Add one pending frame (see TwoStreamCache.append for the eviction semantics)."""
+        """Add one pending frame (see PagedTwoStreamCache.append for the eviction semantics)."""
         if self._pending_window is not None:
-            raise ValueError("the contiguous cache takes one pending window frame per step; commit or roll back first")
+            raise ValueError("the dense layout takes one pending window frame per step; commit or roll back first")
         if self._num_special_frames >= self.max_frames:
             raise CacheCapacityError(
                 f"the cache holds special tokens for {self.max_frames} frames; start a new window (windowed streaming)"
             )
         pinned = self._num_scale < self.layout.scale_frames
         if not pinned and self._num_pending_scale:
-            raise ValueError("a step that appends scale frames cannot also append window frames in the contiguous cache")
+            raise ValueError("a step that appends scale frames cannot also append window frames in the dense layout")
         self._num_special_frames += 1
         if pinned:
             self._num_scale += 1

@@ -3,7 +3,7 @@
 # official implementation in one process, then the same pipeline without CUDA graphs.
 #   (on the GPU machine, from the repository root, with .whl and .reference carried)
 set -uo pipefail
-source scripts/gpu/env.sh
+source scripts/device/env.sh
 python3 -m pytest -q -s -p no:cacheprovider ${FAST_TESTS:-tests/test_gpu_fast_path.py} 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^\s*$" | tail -40
 python3 scripts/bench.py --frames ${BENCH_FRAMES:-100} ${BENCH_ARGS:-} --reference .reference/lingbot-map \
   --json "$OUT/bench_reference.json" 2>&1 | grep -v Warn | tee "$OUT/bench.log"

@@ -1,0 +1,171 @@
+"""A model made ready for streaming once, explicitly, where it is loaded (gpt-fast's loader).
+
+`prepare_for_inference` returns a NEW model for one device and precision; the model it is given is
+left exactly as it was, so one loaded checkpoint can serve a float32 and a bf16 engine in any
+order. What preparing does, and why each step belongs here rather than in the engine:
+
+- placement and precision: on CUDA in bf16/fp16 the transformer and the DPT head take the half
+  precision; the camera head stays float32, as the reference computes it (in bf16 its pose error
+  doubled, docs/PERFORMANCE.md);
+- fusions that replace modules: the MLPs' GELU inside the first layer's cuBLASLt epilogue
+  (fused_gelu.py), the camera head's large layers reading float16-stored weights with float32
+  arithmetic (few_token_linear.py; needs triton);
+- channels-last DPT convolutions (cuDNN's NHWC kernels);
+- torch.compile of the blocks' halves and both heads' pure parts (CUDA).
+
+The engine takes only prepared models (`inference_spec`), and refuses one prepared for another
+device or precision, so nothing downstream ever converts a model it was handed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from stream_recon.cache import backends
+
+from .fused_gelu import fuse_mlp_gelu
+from .gct import GCTStream
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class InferenceSpec:
+    """How a model was prepared (`model.inference_spec`)."""
+
+    device: torch.device
+    dtype: torch.dtype  # the transformer's (and DPT head's) precision; the camera head is float32
+    compiled: bool  # blocks and heads fused by torch.compile
+    half_camera_weights: bool  # the camera head's large layers read float16 weights
+
+    @property
+    def half_precision(self) -> bool:
+        return self.dtype in HALF_DTYPES
+
+
+def prepare_for_inference(model: GCTStream, device: str | torch.device | None = None,
+                          dtype: torch.dtype = torch.float32, *, compile: bool | None = None,
+                          half_camera_weights: bool = True) -> GCTStream:
+    """A new GCTStream ready to stream on `device` in `dtype`, sharing no module with `model`.
+
+    device: None keeps the model's. dtype: float32 anywhere; bf16/fp16 on CUDA only. compile:
+    None compiles on CUDA (the first frames then take longer, later ones less), never on the CPU.
+    half_camera_weights: on CUDA in bf16/fp16 with triton, store the camera head's large weights in
+    float16 (its arithmetic stays float32). Weights that need no conversion are shared with
+    `model` (no copy); nothing writes to them.
+    """
+    if getattr(model, "inference_spec", None) is not None:
+        raise ValueError("this model is already prepared for inference; prepare the model as loaded "
+                         "(a prepared model's weights may be rounded or fused)")
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    if dtype not in (torch.float32, *HALF_DTYPES):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    on_cuda = device.type == "cuda"
+    if dtype in HALF_DTYPES and not on_cuda:
+        raise ValueError(f"{_name(dtype)} runs need a CUDA device (got {device}); use float32 on the CPU")
+    half = dtype in HALF_DTYPES
+    prepared = _placed_copy(model, device, dtype if half else torch.float32)
+    half_camera = False
+    if half:
+        fuse_mlp_gelu(prepared.aggregator)
+        if half_camera_weights and backends.importable("triton"):
+            from .few_token_linear import store_weights_in_half
+
+            half_camera = store_weights_in_half(prepared.camera_head) > 0
+    if on_cuda:
+        # cuDNN's NHWC convolutions: the DPT head's inputs are channels-last views already.
+        prepared.depth_head.to(memory_format=torch.channels_last)
+    compiled = on_cuda if compile is None else (compile and on_cuda)
+    if compiled:
+        compile_blocks(prepared)
+        compile_depth_head(prepared)
+        compile_camera_head(prepared)
+    prepared.inference_spec = InferenceSpec(device, dtype, compiled, half_camera)
+    return prepared
+
+
+def require_prepared(model: GCTStream, device: torch.device | None = None,
+                     dtype: torch.dtype | None = None) -> InferenceSpec:
+    """The model's InferenceSpec; a clear error for an unprepared model or one prepared for another
+    device or precision than the caller asks for."""
+    spec = getattr(model, "inference_spec", None)
+    if spec is None:
+        raise ValueError("the engine takes a prepared model: call stream_recon.models.prepare_for_inference("
+                         "model, device, dtype) once after loading it")
+    if dtype is not None and dtype != spec.dtype:
+        raise ValueError(f"the model was prepared for {_name(spec.dtype)}, not {_name(dtype)}; prepare the loaded "
+                         f"model again with dtype={_name(dtype)}")
+    if device is not None and torch.device(device) != spec.device and not _same_device(torch.device(device), spec.device):
+        raise ValueError(f"the model was prepared for {spec.device}, not {device}; prepare the loaded model for it")
+    return spec
+
+
+def _placed_copy(model: GCTStream, device: torch.device, half_dtype: torch.dtype) -> GCTStream:
+    """A new module tree with `model`'s weights on `device`: the transformer and the DPT head in
+    `half_dtype`, the rest float32 (as loaded)."""
+    with torch.device("meta"):
+        prepared = GCTStream(model.config)
+    in_half = ("aggregator.", "depth_head.")
+    state = {
+        name: value.to(device=device, dtype=half_dtype if name.startswith(in_half) else value.dtype)
+        for name, value in model.state_dict().items()
+    }
+    prepared.load_state_dict(state, strict=True, assign=True)
+    return prepared.eval().requires_grad_(False)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """cuda and cuda:0 name the same device when the current device is 0."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    current = torch.cuda.current_device()
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# -- torch.compile ---------------------------------------------------------------------------------
+def compile_blocks(model: torch.nn.Module) -> int:
+    """Fuse the two halves of every transformer block (around its attention) with TorchInductor.
+
+    The blocks of one kind share one compiled graph (modules are inputs, not constants), and the
+    attention call between the halves stays eager, so any cache backend still serves it.
+    Returns the number of blocks compiled.
+    """
+    from .layers import Block
+
+    dynamo = torch._dynamo.config
+    # Block kinds x input shapes (scale frames, streaming frame) exceed the default of 8.
+    dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for block in blocks:
+        _compile_methods(block, ("attention_inputs", "attention_outputs"))
+    return len(blocks)
+
+
+def compile_depth_head(model: torch.nn.Module) -> None:
+    """Fuse the DPT head's convolutional part (`DPTHead.decode`) with TorchInductor.
+
+    Its ~30 convolutions stay cuDNN's; the ReLUs, residual sums, bilinear resizes and UV additions
+    between them (full-resolution float32 tensors) become a few fused kernels. Measured on an H100
+    at 518x378: 3.0 ms eager, 1.5 ms compiled with channels-last weights (docs/PERFORMANCE.md).
+    """
+    _compile_methods(model.depth_head, ("decode",))
+
+
+def compile_camera_head(model: torch.nn.Module) -> None:
+    """Fuse the camera head's per-iteration conditioning and pose refinement (its trunk blocks are
+    compiled by `compile_blocks`): fewer small kernels on the step's longest path, the camera head."""
+    _compile_methods(model.camera_head, ("condition", "refine"))
+
+
+def _compile_methods(module: torch.nn.Module, names: tuple[str, ...]) -> None:
+    """Replace each named method of `module` (a freshly prepared one) by its compiled version."""
+    for name in names:
+        setattr(module, name, torch.compile(getattr(module, name), dynamic=False))

@@ -1,0 +1,168 @@
+"""How one engine step runs on the device: eagerly, replayed as CUDA graphs, or pipelined.
+
+The engine decides what the cache holds (append, commit, roll back); a step runner turns one
+planned step into outputs on their way to the host (`Staged`). A streaming step has two parts,
+so that the next frame's embedding can run before the current frame's keyframe decision:
+
+    begin(frame, stream index)   what reads no cache: the upload and, replayed, DINO
+    finish(temporal index)       the blocks over the cache, both heads, the copy to the host
+
+`lag` is how many frames a runner leaves in flight: 0, or 1 when a frame's heads and host copy
+run on a second stream beside the next frame's blocks (pipelined). The engine picks one runner
+for the stream, once (`choose_runner`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stream_recon.cache import KVCache, TokenCache
+
+from .gct import GCTStream
+from .graphs import RecordedStep
+from .staging import FrameUpload, HostStaging, Staged, pack_outputs
+
+
+class EagerRunner:
+    """Every step op by op on the current stream (the CPU, paged caches, or graphs turned off)."""
+
+    lag = 0
+
+    def __init__(self, model: GCTStream, cache: KVCache, camera_cache: TokenCache, image_size: tuple[int, int],
+                 scale_frames: int):
+        spec = model.inference_spec
+        self.model, self.cache, self.camera_cache = model, cache, camera_cache
+        self.image_size = image_size
+        self.scale_frames = scale_frames
+        self.device = spec.device
+        self.autocast_dtype = spec.dtype if spec.half_precision else None
+        self.staging = HostStaging(self.device)
+        self.upload = FrameUpload(self.device)
+        self._frame: tuple[torch.Tensor, torch.Tensor, int] | None = None  # images, rgb, stream index
+
+    @property
+    def records(self) -> bool:
+        """Whether streaming steps replay a recorded CUDA graph."""
+        return False
+
+    def run_scale_frames(self, images: torch.Tensor, time_index: int) -> Staged:
+        """The scale frames [S, 3, H, W] together (stream indices from 0), eagerly."""
+        self.begin(images, 0)
+        return self.finish(time_index)
+
+    def begin(self, images: torch.Tensor, stream_index: int) -> None:
+        self._frame = (*self.upload.send(images), stream_index)
+
+    def finish(self, time_index: int) -> Staged:
+        images, rgb, stream_index = self._frame
+        self._frame = None
+        self._prepare(len(images))
+        outputs = self._eager_step(images, stream_index, time_index)
+        return self.staging.send(pack_outputs(outputs, *self.image_size), rgb, *self.image_size)
+
+    def _prepare(self, num_new: int, camera_stream: torch.cuda.Stream | None = None) -> None:
+        """Plan the attention and open the camera cache's step; `camera_stream`: where the camera
+        cache's write position is set (after what that stream already holds)."""
+        self.cache.plan(num_new * self.cache.layout.tokens_per_frame)
+        if camera_stream is not None:
+            camera_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(camera_stream):  # (no stream: the current one)
+            self.camera_cache.begin(num_new)
+
+    def _eager_step(self, images: torch.Tensor, stream_index: int, time_index: int) -> dict[str, torch.Tensor]:
+        count = len(images)
+        stream = torch.arange(stream_index, stream_index + count, device=self.device)
+        time = torch.arange(time_index, time_index + count, device=self.device)
+        with torch.inference_mode(), self._autocast():
+            return self.model.step(images, self.cache.step(self.cache.pending_slots()), self.camera_cache, stream, time,
+                                   self.scale_frames)
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return torch.autocast(self.device.type, enabled=False)
+        # No weight-cast cache (the transformer's weights are in this dtype already), as in a
+        # recorded step: compiled blocks then see one autocast state and compile once.
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, cache_enabled=False)
+
+
+class GraphRunner(EagerRunner):
+    """Streaming steps replayed as CUDA graphs (a dense cache on CUDA): the first streaming frame
+    runs eagerly and is recorded, the next ones replay it. Scale frames stay eager."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.recorded: RecordedStep | None = None
+
+    @property
+    def records(self) -> bool:
+        return self.recorded is not None
+
+    def begin(self, images: torch.Tensor, stream_index: int) -> None:
+        super().begin(images, stream_index)
+        if self._replays(len(images)):
+            self.recorded.load_frame(self._frame[0], stream_index)
+            self.recorded.replay_embed()
+
+    def finish(self, time_index: int) -> Staged:
+        images, rgb, stream_index = self._frame
+        if not self._replays(len(images)):
+            staged = super().finish(time_index)
+            if len(images) == 1:
+                self._record(images, stream_index, time_index)
+            return staged
+        self._frame = None
+        self._prepare(1, camera_stream=self._heads_stream)
+        self.recorded.load_position(time_index, self.cache.token_ranges())
+        self.recorded.replay_blocks()
+        with torch.cuda.stream(self._heads_stream):
+            packed = self.recorded.replay_heads()["packed"]
+            return self.staging.send(packed, rgb, *self.image_size)
+
+    @property
+    def _heads_stream(self) -> torch.cuda.Stream | None:
+        return None  # the heads run on the current stream, after the blocks
+
+    def _replays(self, num_frames: int) -> bool:
+        return num_frames == 1 and self.recorded is not None and self.recorded.is_current
+
+    def _record(self, images: torch.Tensor, stream_index: int, time_index: int) -> None:
+        """After an eager streaming step: record it for the next frames (nothing runs again)."""
+        height, width = self.image_size
+        recorded = RecordedStep(self.model, self.cache, self.camera_cache, tuple(images.shape[1:]),
+                                self.scale_frames, self.autocast_dtype,
+                                pack=lambda outputs: pack_outputs(outputs, height, width))
+        recorded.load_frame(images, stream_index)
+        recorded.load_position(time_index, self.cache.token_ranges())
+        try:
+            recorded.record()
+        except RuntimeError as error:
+            # A failed capture can leave CUDA state (RNG offsets, allocator pools) unusable for this
+            # process, so it is not papered over.
+            raise RuntimeError(f"CUDA graph capture failed: {error}; stream with StreamConfig(cuda_graphs=False)") from error
+        self.recorded = recorded
+
+
+class PipelinedRunner(GraphRunner):
+    """A frame's heads and its copy to the host run on a second stream, beside the next frame's
+    blocks: the engine collects a frame one push later (`lag` 1)."""
+
+    lag = 1
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._side = torch.cuda.Stream(self.device)
+
+    @property
+    def _heads_stream(self) -> torch.cuda.Stream:
+        return self._side
+
+
+def choose_runner(model: GCTStream, cache: KVCache, camera_cache: TokenCache, image_size: tuple[int, int],
+                  scale_frames: int, *, cuda_graphs: bool, pipeline: bool) -> EagerRunner:
+    """Graphs where the cache's storage stays put on CUDA; pipelined when asked as well."""
+    on_cuda = model.inference_spec.device.type == "cuda"
+    if not (on_cuda and cuda_graphs and cache.records_steps):
+        runner = EagerRunner
+    else:
+        runner = PipelinedRunner if pipeline else GraphRunner
+    return runner(model, cache, camera_cache, image_size, scale_frames)

@@ -1,0 +1,86 @@
+"""The backend table: names, what `auto` picks, why a backend cannot run, and building each layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stream_recon.cache import DenseKVCache, PagedKVCache, backends
+from stream_recon.cache.layout import CacheLayout
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+@pytest.fixture
+def gpu_like(monkeypatch):
+    """A CUDA device of a chosen capability, with chosen packages importable (no GPU here)."""
+
+    def configure(capability: int, packages: tuple[str, ...]):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability, 0))
+        monkeypatch.setattr(backends, "importable", lambda package: package in packages)
+
+    return configure
+
+
+def test_every_name_is_one_row_and_auto_comes_first():
+    names = backends.names()
+    assert names[0] == "auto" and len(set(names)) == len(names)
+    assert {backends.spec(name).layout for name in names[1:]} == {"paged", "dense"}
+    assert all(backends.spec(name).summary for name in names[1:])
+
+
+def test_auto_is_the_parity_path_on_the_cpu_or_in_float32():
+    assert backends.resolve("auto", CPU, torch.float32).name == "sdpa"
+    assert backends.resolve("auto", CPU, torch.bfloat16).name == "sdpa"
+    assert backends.resolve("auto", CUDA, torch.float32).name == "sdpa"
+
+
+@pytest.mark.parametrize(("capability", "packages", "expected"), [
+    (9, ("triton", "flashinfer"), "dense-triton"),
+    (9, ("flashinfer",), "dense-cudnn"),  # Hopper without triton
+    (8, ("triton", "flashinfer"), "dense-flashinfer"),  # Triton's TMA kernel needs Hopper; cuDNN is not preferred
+    (8, (), "dense"),
+])
+def test_auto_on_cuda_takes_the_first_available_in_order(gpu_like, capability, packages, expected):
+    gpu_like(capability, packages)
+    assert backends.resolve("auto", CUDA, torch.bfloat16).name == expected
+
+
+def test_an_explicit_backend_that_cannot_run_says_why_and_what_instead(gpu_like):
+    with pytest.raises(ValueError, match="unknown attention backend 'triton'"):
+        backends.resolve("triton", CUDA, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"needs bf16/fp16 on a CUDA device \(got float32 on cpu\); use --attention "
+                                         r"auto or dense"):
+        backends.resolve("dense-triton", CPU, torch.float32)
+    gpu_like(8, ())
+    with pytest.raises(ValueError, match=r"needs the flashinfer package \(pip install .*\); use --attention auto or sdpa"):
+        backends.resolve("flashinfer", CUDA, torch.bfloat16)
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        gpu_like(8, ("triton",))
+        backends.resolve("dense-triton", CUDA, torch.bfloat16)
+    assert backends.resolve("dense-cudnn", CUDA, torch.float16).name == "dense-cudnn"  # explicit names stay
+
+
+def test_importable_is_asked_once_per_package():
+    backends.importable.cache_clear()
+    assert backends.importable("json") and not backends.importable("no_such_package_here")
+    assert backends.importable.cache_info().currsize == 2
+
+
+@pytest.mark.parametrize(("name", "kind"), [("sdpa", PagedKVCache), ("dense", DenseKVCache)])
+def test_build_gives_the_layout_of_the_row(name, kind):
+    layout = CacheLayout(patches_per_frame=4, specials_per_frame=2, scale_frames=2, window_frames=3)
+    cache = backends.build(backends.spec(name), layout, num_layers=2, num_heads=2, head_dim=8, max_frames=16,
+                           dtype=torch.float32, device=CPU)
+    assert isinstance(cache, kind) and cache.layout_name == backends.spec(name).layout
+    assert cache.backend_name == name and cache.records_steps == (kind is DenseKVCache)
+    for _ in range(2):
+        cache.append()
+    cache.plan(2 * layout.tokens_per_frame)
+    slots = cache.pending_slots()
+    assert slots.shape == (2 * layout.tokens_per_frame,) and len(set(slots.tolist())) == len(slots)
+    q = torch.randn(len(slots), 2, 8)
+    out = cache.step(slots)(0, q, torch.randn_like(q), torch.randn_like(q))
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    cache.commit()
+    assert cache.num_committed_frames == 2 and cache.num_visible_tokens == 2 * layout.tokens_per_frame

@@ -1,0 +1,72 @@
+"""Preparing a model for inference: once, explicitly, never converting the model it is given."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from stream_recon.models import (
+    GCTStream,
+    ModelConfig,
+    StreamConfig,
+    StreamingEngine,
+    load_model,
+    prepare_for_inference,
+)
+from stream_recon.models.synthetic import load_synthetic_weights
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    """A tiny model loaded from a real checkpoint file, as a user's model is."""
+    path = tmp_path_factory.mktemp("checkpoint") / "tiny.pt"
+    torch.manual_seed(0)
+    torch.save(load_synthetic_weights(GCTStream(ModelConfig.tiny())).state_dict(), path)
+    return load_model(path, config=ModelConfig.tiny())
+
+
+def stream(model, frames):
+    engine = StreamingEngine(model, StreamConfig(scale_frames=2, window=2, keyframes="interval:2"))
+    return [p for frame in frames for p in engine.push(frame)] + engine.finish()
+
+
+def frames(count=6):
+    generator = torch.Generator().manual_seed(4)
+    return [torch.rand(3, 28, 42, generator=generator) for _ in range(count)]
+
+
+def test_preparing_leaves_the_given_model_as_it_was(loaded):
+    before = {name: value.clone() for name, value in loaded.state_dict().items()}
+    modules = [type(module) for module in loaded.modules()]
+    prepared = prepare_for_inference(loaded, "cpu", torch.float32)
+    stream(prepared, frames())
+    assert prepared is not loaded and not hasattr(loaded, "inference_spec")
+    assert [type(module) for module in loaded.modules()] == modules
+    assert all(torch.equal(value, before[name]) for name, value in loaded.state_dict().items())
+    assert not any(a is b for a, b in zip(prepared.modules(), loaded.modules(), strict=True))
+
+
+def test_two_preparations_of_one_model_stream_identically(loaded):
+    first, second = (stream(prepare_for_inference(loaded), frames()) for _ in range(2))
+    assert [p.frame_type for p in first] == [p.frame_type for p in second]
+    for a, b in zip(first, second, strict=True):
+        np.testing.assert_array_equal(a.depth, b.depth)
+        np.testing.assert_array_equal(a.pose_enc, b.pose_enc)
+
+
+def test_the_engine_takes_only_a_model_prepared_for_its_device_and_precision(loaded):
+    with pytest.raises(ValueError, match=r"takes a prepared model: call .*prepare_for_inference"):
+        StreamingEngine(loaded, StreamConfig())
+    prepared = prepare_for_inference(loaded)
+    assert prepared.inference_spec.device == torch.device("cpu") and prepared.inference_spec.dtype == torch.float32
+    assert not prepared.inference_spec.compiled  # never on the CPU
+    with pytest.raises(ValueError, match="prepared for float32, not bfloat16"):
+        StreamingEngine(prepared, StreamConfig(), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="already prepared"):
+        prepare_for_inference(prepared)
+
+
+def test_half_precision_is_refused_on_the_cpu(loaded):
+    with pytest.raises(ValueError, match="bfloat16 runs need a CUDA device"):
+        prepare_for_inference(loaded, "cpu", torch.bfloat16)
