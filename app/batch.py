@@ -38,7 +38,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from stream_recon.app.datasets import Sequence, TumFrames
-from stream_recon.app.evaluation import EvaluationError, evaluate_run
+from stream_recon.app.evaluation import DEFAULT_MAX_DIFF, EvaluationError, evaluate_run
 from stream_recon.app.pipeline import RunOptions, load_model_for, run_sequence
 from stream_recon.app.writers import PREDICTIONS_DIR, RUN_JSON
 
@@ -89,7 +89,7 @@ class EvalSettings:
     """How sequences with ground truth are scored (see app.evaluation)."""
 
     alignment: str = "sim3"
-    max_diff: float = 0.02
+    max_diff: float = DEFAULT_MAX_DIFF  # evo's; depth frames keep evaluate_run's own DEPTH_MAX_DIFF
 
 
 # --------------------------------------------------------------------------------------------------

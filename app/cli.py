@@ -53,7 +53,12 @@ register(export, "export", "Export a run directory as PLY, GLB, COLMAP or TUM.")
 register(view, "view", "Replay a finished run in the browser, with a timeline.")
 register(convert, "convert", "Convert a .pt checkpoint to .safetensors.")
 register(batch, "batch", "Run every sequence under a dataset folder, resumably; Ray spreads it over GPUs.")
-app.command(name="eval", help="Score a run against ground truth: ATE, RPE, pose AUC, depth.", epilog=examples(evaluation))(evaluation.eval_command)
+app.command(
+    name="eval",
+    help="Score a run against ground truth: ATE and RPE as evo_ape / evo_rpe -as print them "
+    "(-a with --alignment se3), pose AUC, depth.",
+    epilog=examples(evaluation),
+)(evaluation.eval_command)
 
 ROOT_OPTIONS = ("-h", "--help", "--version")
 

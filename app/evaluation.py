@@ -3,17 +3,24 @@
 Conventions (DESIGN.md §4): poses are camera-to-world (`c2w`) in OpenCV axes; TUM files hold
 `timestamp tx ty tz qx qy qz qw` per line, camera-to-world, as TUM RGB-D's `groundtruth.txt` does.
 
-The trajectory metrics follow the definitions that `evo` (evo_ape / evo_rpe) uses, so numbers are
-comparable with published tables:
+The trajectory metrics reproduce what `evo_ape tum GT EST -a` / `-as` and
+`evo_rpe tum GT EST -a` / `-as` (also with `-r angle_deg`) print, with evo's defaults, so numbers are
+comparable with published tables, which are evo's:
 
-- association: each estimated pose is paired with at most one ground-truth pose and vice versa, closest
-  timestamps first, never further apart than `max_diff` seconds;
-- alignment: Umeyama's least-squares Sim(3) (or SE(3), scale fixed to 1) from the estimated positions
+- association (evo's `--t_max_diff 0.01`, nearest-time sync): the trajectory with fewer poses (the
+  estimate when both have as many) keeps, in its own order, each pose whose nearest timestamp in the
+  other trajectory is at most `max_diff` seconds away, paired with that pose. A pose of the longer
+  trajectory may serve several pairs; nothing else is paired;
+- alignment (`-a`: SE(3), `-as`: Sim(3)): Umeyama's least squares from the matched estimated positions
   onto the ground-truth positions; the aligned estimate is `R_a R_i`, `s R_a t_i + t_a`;
-- ATE: statistics of `|| p_gt_i - (s R_a p_est_i + t_a) ||`;
-- RPE (evo's `--delta 1 --delta_unit f`): for consecutive matched poses i, i+1, the relative pose error
+- ATE (evo_ape, translation part): `|| p_gt_i - (s R_a p_est_i + t_a) ||` per matched pose;
+- RPE (evo_rpe, `--delta 1 --delta_unit f`, on the aligned estimate; with a delta of one frame, consecutive
+  and `--all_pairs` give the same pairs): for consecutive matched poses i, i+1,
   `E_i = (Q_i^-1 Q_{i+1})^-1 (P_i^-1 P_{i+1})` with Q ground truth and P the aligned estimate; the
-  translation error is `|| trans(E_i) ||`, the rotation error the angle of `rot(E_i)` in degrees.
+  translation error is `|| trans(E_i) ||`, the rotation error (`-r angle_deg`) the angle of `rot(E_i)` in
+  degrees;
+- each error series is summarised by evo's seven statistics: rmse, mean, median, std (population), min,
+  max, sse.
 
 Everything here is our own code; `evo` is used only by the tests, as a reference.
 """
@@ -32,6 +39,13 @@ from stream_recon.app.geometry import quat_wxyz_to_rotation, rotation_to_quat_wx
 
 TUM_DEPTH_FACTOR = 5000.0  # TUM RGB-D depth PNGs: uint16, 5000 units per metre
 AUC_THRESHOLDS_DEG = (5, 15, 30)
+DEFAULT_MAX_DIFF = 0.01  # evo's --t_max_diff: TUM ground truth runs at 100 Hz, so a frame's pose is within 5 ms
+# Depth frames are not the RGB frames: TUM's cameras stamp them up to ~20 ms apart, which is why TUM's
+# associate.py pairs RGB and depth within 0.02 s.
+DEPTH_MAX_DIFF = 0.02
+STATISTICS = ("rmse", "mean", "median", "std", "min", "max", "sse")  # what evo_ape / evo_rpe print
+# The evo-equivalent error series in eval.json: (key prefix, unit suffix; "" for ground-truth length units).
+ERROR_METRICS = (("ate", ""), ("rpe_trans", ""), ("rpe_rot", "deg"))
 DELTA1_THRESHOLD = 1.25
 
 
@@ -132,39 +146,55 @@ def write_tum_trajectory(path: str | Path, timestamps: np.ndarray, c2w: np.ndarr
 # Association and alignment
 
 
-def associate_timestamps(
-    estimated: np.ndarray, reference: np.ndarray, max_diff: float = 0.02
-) -> tuple[np.ndarray, np.ndarray]:
-    """Pair timestamps one-to-one, closest pairs first, each pair at most `max_diff` seconds apart.
+def nearest_stamps(queries: np.ndarray, stamps: np.ndarray, max_diff: float) -> tuple[np.ndarray, np.ndarray]:
+    """For each query time [Q], its nearest stamp [M] when that is at most `max_diff` seconds away.
 
-    estimated [N], reference [M] -> (estimated indices [K], reference indices [K]), ordered by the
-    estimated index. Greedy by time difference (ties broken by index) so a reference stamp that lies
-    between two estimates goes to the nearer one and the other estimate may take its next neighbour.
+    Returns (query indices [K], stamp indices [K]) in query order; queries without a stamp in reach are
+    left out. Ties and boundaries follow evo's `matching_time_indices`, so the same pairs come out: on
+    sorted stamps, a query exactly halfway between two stamps takes the earlier one; on unsorted stamps,
+    the first of the nearest.
     """
-    estimated = np.asarray(estimated, dtype=np.float64)
-    reference = np.asarray(reference, dtype=np.float64)
-    order = np.argsort(reference, kind="stable")
-    sorted_reference = reference[order]
-    lows = np.searchsorted(sorted_reference, estimated - max_diff, side="left")
-    highs = np.searchsorted(sorted_reference, estimated + max_diff, side="right")
-    candidates = []
-    for est_index, (low, high) in enumerate(zip(lows, highs, strict=True)):
-        for sorted_index in range(low, high):
-            diff = abs(sorted_reference[sorted_index] - estimated[est_index])
-            if diff <= max_diff:
-                candidates.append((diff, est_index, int(order[sorted_index])))
-    candidates.sort()
-    used_est, used_ref, pairs = set(), set(), []
-    for _, est_index, ref_index in candidates:
-        if est_index in used_est or ref_index in used_ref:
-            continue
-        used_est.add(est_index)
-        used_ref.add(ref_index)
-        pairs.append((est_index, ref_index))
-    pairs.sort()
-    est_indices = np.array([p[0] for p in pairs], dtype=np.int64)
-    ref_indices = np.array([p[1] for p in pairs], dtype=np.int64)
-    return est_indices, ref_indices
+    queries = np.asarray(queries, dtype=np.float64)
+    stamps = np.asarray(stamps, dtype=np.float64)
+    if len(queries) == 0 or len(stamps) == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    if np.all(np.diff(stamps) >= 0):
+        # The first stamp after each query, or the last stamp when none is after it.
+        after = np.minimum(np.searchsorted(stamps, queries, side="right"), len(stamps) - 1)
+        before = np.maximum(after - 1, 0)
+        gap_after = stamps[after] - queries  # negative only past the last stamp, where `after` is the nearest
+        gap_before = np.where(after > 0, queries - stamps[before], np.inf)
+        take_after = (gap_after <= max_diff) & (gap_after < gap_before)
+        take_before = ~take_after & (gap_before <= max_diff) & (gap_before <= gap_after)
+        in_reach = (queries >= stamps[0] - max_diff) & (queries <= stamps[-1] + max_diff)
+        keep = in_reach & (take_after | take_before)
+        nearest = np.where(take_after, after, before)
+    else:
+        nearest = np.array([np.argmin(np.abs(stamps - query)) for query in queries], dtype=np.int64)
+        keep = np.abs(stamps[nearest] - queries) <= max_diff
+    return np.flatnonzero(keep).astype(np.int64), nearest[keep].astype(np.int64)
+
+
+def associate_timestamps(
+    estimated: np.ndarray, reference: np.ndarray, max_diff: float = DEFAULT_MAX_DIFF
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pair estimated [N] and reference [M] timestamps as evo's nearest-time synchronisation does.
+
+    The side with fewer stamps (the estimate when N == M) is searched in the other: each of its stamps,
+    in its own order, is paired with its nearest stamp on the other side when that is at most `max_diff`
+    seconds away. Searching from the shorter side loses none of its poses to a denser neighbour; a stamp
+    of the longer side may be used by more than one pair. Returns (estimated indices [K], reference
+    indices [K]), in the order of the shorter side.
+    """
+    if len(estimated) <= len(reference):
+        return nearest_stamps(estimated, reference, max_diff)
+    reference_indices, estimated_indices = nearest_stamps(reference, estimated, max_diff)
+    return estimated_indices, reference_indices
+
+
+def check_max_diff(max_diff: float) -> None:
+    if not max_diff >= 0:  # also refuses NaN, which would silently match nothing
+        raise EvaluationError(f"the largest timestamp difference must be >= 0 seconds, got {max_diff}")
 
 
 def umeyama_alignment(source: np.ndarray, target: np.ndarray, *, with_scale: bool = True) -> Alignment:
@@ -225,13 +255,25 @@ def rotation_angle_deg(rotations: np.ndarray) -> np.ndarray:
 
 
 def error_statistics(errors: np.ndarray) -> dict[str, float]:
+    """evo's summary of an error series [N]: rmse, mean, median, std (population), min, max, sse."""
     errors = np.asarray(errors, dtype=np.float64)
+    squared = errors**2
     return {
-        "rmse": float(np.sqrt(np.mean(errors**2))),
+        "rmse": float(np.sqrt(np.mean(squared))),
         "mean": float(np.mean(errors)),
         "median": float(np.median(errors)),
+        "std": float(np.std(errors)),
+        "min": float(np.min(errors)),
         "max": float(np.max(errors)),
+        "sse": float(np.sum(squared)),
     }
+
+
+def statistic_key(metric: str, statistic: str, unit: str = "") -> str:
+    """The eval.json key of one statistic: ate_rmse, rpe_rot_rmse_deg; an sse is in the squared unit."""
+    if not unit:
+        return f"{metric}_{statistic}"
+    return f"{metric}_{statistic}_{unit}{'2' if statistic == 'sse' else ''}"
 
 
 def absolute_trajectory_errors(estimated_aligned: np.ndarray, reference: np.ndarray) -> np.ndarray:
@@ -317,13 +359,12 @@ def evaluate_trajectories(
     reference: Trajectory,
     *,
     alignment: str = "sim3",
-    max_diff: float = 0.02,
+    max_diff: float = DEFAULT_MAX_DIFF,
 ) -> dict:
     """Associate, align and score an estimated trajectory against a reference one (see module docstring)."""
     if alignment not in ("sim3", "se3"):
         raise EvaluationError(f"alignment must be 'sim3' or 'se3', got {alignment!r}")
-    if max_diff < 0:
-        raise EvaluationError(f"max_diff must be >= 0 seconds, got {max_diff}")
+    check_max_diff(max_diff)
     est_indices, ref_indices = associate_timestamps(estimated.timestamps, reference.timestamps, max_diff)
     if len(est_indices) == 0:
         raise EvaluationError(
@@ -341,7 +382,6 @@ def evaluate_trajectories(
     matched_ref = reference.subset(ref_indices)
     fit = umeyama_alignment(matched_est.positions, matched_ref.positions, with_scale=alignment == "sim3")
     aligned = fit.apply_to_poses(matched_est.c2w)
-    ate = error_statistics(absolute_trajectory_errors(aligned, matched_ref.c2w))
     rpe_translation, rpe_rotation = relative_pose_errors(aligned, matched_ref.c2w)
     pair_rotation, pair_translation = pairwise_pose_errors(matched_est.c2w, matched_ref.c2w)
     result = {
@@ -353,19 +393,16 @@ def evaluate_trajectories(
         "matched_poses": int(len(est_indices)),
         "estimated_poses": len(estimated),
         "gt_poses": len(reference),
-        "ate_rmse": ate["rmse"],
-        "ate_mean": ate["mean"],
-        "ate_median": ate["median"],
-        "ate_max": ate["max"],
+        "rpe_pairs": len(rpe_translation),
     }
-    translation_stats = error_statistics(rpe_translation)
-    rotation_stats = error_statistics(rpe_rotation)
-    result.update(
-        rpe_trans_rmse=translation_stats["rmse"],
-        rpe_trans_mean=translation_stats["mean"],
-        rpe_rot_rmse_deg=rotation_stats["rmse"],
-        rpe_rot_mean_deg=rotation_stats["mean"],
-    )
+    error_series = {
+        "ate": absolute_trajectory_errors(aligned, matched_ref.c2w),
+        "rpe_trans": rpe_translation,
+        "rpe_rot": rpe_rotation,
+    }
+    for metric, unit in ERROR_METRICS:
+        for statistic, value in error_statistics(error_series[metric]).items():
+            result[statistic_key(metric, statistic, unit)] = value
     for threshold in AUC_THRESHOLDS_DEG:
         result[f"auc_{threshold}"] = pose_auc(pair_rotation, pair_translation, threshold)
     return result
@@ -466,12 +503,16 @@ def read_depth_list(depth_dir: str | Path) -> tuple[np.ndarray, list[Path]]:
     return np.array([e[0] for e in entries]), [e[1] for e in entries]
 
 
-def evaluate_depth(predictions_dir: str | Path, depth_dir: str | Path, *, max_diff: float = 0.02) -> dict:
+def evaluate_depth(
+    predictions_dir: str | Path, depth_dir: str | Path, *, max_diff: float = DEPTH_MAX_DIFF
+) -> dict:
     """Per-frame median-scaled depth metrics over the predictions that associate with a depth frame.
 
-    Reads `predictions/*.npz` (`timestamp`, `depth` [H, W]); averages the per-frame AbsRel and
+    Predictions and depth frames are paired by `associate_timestamps` (the trajectory rule), within
+    `max_diff` seconds. Reads `predictions/*.npz` (`timestamp`, `depth` [H, W]); averages the per-frame AbsRel and
     delta<1.25 over frames (each frame weighs the same, whatever its valid pixel count).
     """
+    check_max_diff(max_diff)
     prediction_files = sorted(Path(predictions_dir).glob("*.npz"))
     if not prediction_files:
         raise EvaluationError(f"no per-frame predictions (*.npz) in {predictions_dir}")
@@ -516,10 +557,14 @@ def evaluate_run(
     gt_file: str | Path,
     *,
     alignment: str = "sim3",
-    max_diff: float = 0.02,
+    max_diff: float = DEFAULT_MAX_DIFF,
     depth_dir: str | Path | None = None,
+    depth_max_diff: float = DEPTH_MAX_DIFF,
 ) -> dict:
-    """Evaluate RUN_DIR/trajectory_tum.txt (and predictions/*.npz depth) and write RUN_DIR/eval.json."""
+    """Evaluate RUN_DIR/trajectory_tum.txt (and predictions/*.npz depth) and write RUN_DIR/eval.json.
+
+    `max_diff` pairs estimated with ground-truth poses, `depth_max_diff` predictions with depth frames.
+    """
     run_dir = Path(run_dir)
     trajectory_file = run_dir / "trajectory_tum.txt"
     if not trajectory_file.is_file():
@@ -536,8 +581,8 @@ def evaluate_run(
         )
     )
     if depth_dir is not None:
-        result["depth_dir"] = str(depth_dir)
-        result.update(evaluate_depth(run_dir / "predictions", depth_dir, max_diff=max_diff))
+        result.update(depth_dir=str(depth_dir), depth_max_diff=depth_max_diff)
+        result.update(evaluate_depth(run_dir / "predictions", depth_dir, max_diff=depth_max_diff))
     temporary = run_dir / "eval.json.tmp"
     temporary.write_text(json.dumps(result, indent=2) + "\n")
     temporary.replace(run_dir / "eval.json")

@@ -9,10 +9,13 @@ import pytest
 from evo.core import metrics, sync
 from evo.core.trajectory import PoseTrajectory3D
 from evo.tools import file_interface
+from evo_data import evo_data_dir
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stream_recon.app.evaluation import (
+    ERROR_METRICS,
+    STATISTICS,
     EvaluationError,
     Trajectory,
     associate_timestamps,
@@ -23,9 +26,13 @@ from stream_recon.app.evaluation import (
     pairwise_pose_errors,
     pose_auc,
     read_tum_trajectory,
+    statistic_key,
     umeyama_alignment,
     write_tum_trajectory,
 )
+from stream_recon.app.geometry import rotation_to_quat_wxyz
+from stream_recon.app.writers import RunWriter
+from stream_recon.models.prediction import FRAME_KEY, FramePrediction
 
 
 def random_rotation(rng, max_angle=np.pi):
@@ -62,40 +69,45 @@ def perturb(rng, c2w, position_noise, angle_noise):
     return noisy
 
 
-def evo_metrics(reference_traj, estimated_traj, *, correct_scale, max_diff):
-    """What evo_ape / evo_rpe report: associate, Umeyama-align the estimate, then APE and RPE (delta 1 f)."""
+def evo_metrics(reference_traj, estimated_traj, *, correct_scale, max_diff=0.01):
+    """What evo_ape / evo_rpe print with -a (-as when correct_scale), under eval.json's keys.
+
+    The same steps as evo's command line: nearest-time sync with --t_max_diff, Umeyama alignment of the
+    estimate, then APE (translation part) and RPE (translation part; angle_deg) with delta 1 frame.
+    """
     reference_traj, estimated_traj = sync.associate_trajectories(
         reference_traj, estimated_traj, max_diff=max_diff
     )
     estimated_traj = copy.deepcopy(estimated_traj)
     rotation, translation, scale = estimated_traj.align(reference_traj, correct_scale=correct_scale)
-    ape = metrics.APE(metrics.PoseRelation.translation_part)
-    ape.process_data((reference_traj, estimated_traj))
     results = {
         "matched_poses": reference_traj.num_poses,
         "scale": scale,
         "rotation": rotation,
         "translation": translation,
     }
-    for statistic in ("rmse", "mean", "median", "max"):
-        results[f"ate_{statistic}"] = ape.get_statistic(metrics.StatisticsType[statistic])
-    for relation, key in (
-        (metrics.PoseRelation.translation_part, "rpe_trans"),
-        (metrics.PoseRelation.rotation_angle_deg, "rpe_rot"),
-    ):
-        rpe = metrics.RPE(relation, delta=1, delta_unit=metrics.Unit.frames, all_pairs=False)
-        rpe.process_data((reference_traj, estimated_traj))
-        results[f"{key}_rmse"] = rpe.get_statistic(metrics.StatisticsType.rmse)
-        results[f"{key}_mean"] = rpe.get_statistic(metrics.StatisticsType.mean)
+    evo_metric_objects = {
+        "ate": metrics.APE(metrics.PoseRelation.translation_part),
+        "rpe_trans": metrics.RPE(metrics.PoseRelation.translation_part, delta=1, delta_unit=metrics.Unit.frames),
+        "rpe_rot": metrics.RPE(metrics.PoseRelation.rotation_angle_deg, delta=1, delta_unit=metrics.Unit.frames),
+    }
+    for metric, unit in ERROR_METRICS:
+        evo_metric = evo_metric_objects[metric]
+        evo_metric.process_data((reference_traj, estimated_traj))
+        for statistic, value in evo_metric.get_all_statistics().items():
+            results[statistic_key(metric, statistic, unit)] = value
+    results["rpe_pairs"] = len(evo_metric_objects["rpe_trans"].error)
     return results
 
 
 def assert_matches_evo(ours, theirs):
+    """Every statistic evo prints, to 1e-6 (relative, or absolute for values below 1), and the pose count."""
     assert ours["matched_poses"] == theirs["matched_poses"]
-    for key in ("ate_rmse", "ate_mean", "ate_median", "ate_max", "rpe_trans_rmse", "rpe_trans_mean", "scale"):
-        assert ours[key] == pytest.approx(theirs[key], abs=1e-6, rel=1e-9), key
-    assert ours["rpe_rot_rmse_deg"] == pytest.approx(theirs["rpe_rot_rmse"], abs=1e-6)
-    assert ours["rpe_rot_mean_deg"] == pytest.approx(theirs["rpe_rot_mean"], abs=1e-6)
+    assert ours["rpe_pairs"] == theirs["rpe_pairs"]
+    statistic_keys = [statistic_key(m, s, u) for m, u in ERROR_METRICS for s in STATISTICS]
+    assert len(statistic_keys) == 21 and set(statistic_keys) <= theirs.keys()
+    for key in [*statistic_keys, "scale"]:
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-6, abs=1e-6), key
     np.testing.assert_allclose(ours["rotation"], theirs["rotation"], atol=1e-6)
     np.testing.assert_allclose(ours["translation"], theirs["translation"], atol=1e-6)
 
@@ -208,44 +220,67 @@ def test_collinear_positions_cannot_be_aligned():
         umeyama_alignment(line, line)
 
 
-@settings(max_examples=100, deadline=None, derandomize=True)
+def evo_association(estimated_stamps, reference_stamps, max_diff):
+    """evo's pairing, read back from trajectories whose x coordinate is each pose's index."""
+
+    def indexed(stamps):
+        count = len(stamps)
+        positions = np.zeros((count, 3))
+        positions[:, 0] = np.arange(count)
+        quaternions = np.tile([1.0, 0.0, 0.0, 0.0], (count, 1))
+        return PoseTrajectory3D(positions_xyz=positions, orientations_quat_wxyz=quaternions, timestamps=stamps)
+
+    reference_synced, estimated_synced = sync.associate_trajectories(
+        indexed(np.asarray(reference_stamps, dtype=np.float64)),
+        indexed(np.asarray(estimated_stamps, dtype=np.float64)),
+        max_diff=max_diff,
+    )
+    as_indices = lambda trajectory: trajectory.positions_xyz[:, 0].astype(int).tolist()  # noqa: E731
+    return as_indices(estimated_synced), as_indices(reference_synced)
+
+
+# Stamps on a 5 ms grid, so exact repeats and stamps halfway between two others occur often.
+grid_stamps = st.lists(st.integers(0, 60).map(lambda k: 1305031102.0 + 0.005 * k), min_size=1, max_size=25)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
 @given(
-    st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=30),
-    st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=30),
-    st.floats(0, 0.5),
+    grid_stamps,
+    grid_stamps,
+    st.sampled_from([0.0, 0.005, 0.01, 0.02]) | st.floats(0, 0.1),
+    st.booleans(),
+    st.booleans(),
 )
-def test_association_is_one_to_one_and_within_max_diff(estimated, reference, max_diff):
+def test_association_equals_evo(estimated, reference, max_diff, sort_estimated, sort_reference):
+    estimated = sorted(estimated) if sort_estimated else estimated
+    reference = sorted(reference) if sort_reference else reference
+    try:
+        theirs = evo_association(estimated, reference, max_diff)
+    except sync.SyncException:  # evo refuses to pair nothing; we return empty pairs
+        theirs = ([], [])
     est_indices, ref_indices = associate_timestamps(np.array(estimated), np.array(reference), max_diff)
-    assert len(set(est_indices.tolist())) == len(est_indices)
-    assert len(set(ref_indices.tolist())) == len(ref_indices)
-    assert list(est_indices) == sorted(est_indices)
-    differences = (
-        np.abs(np.array(estimated)[est_indices] - np.array(reference)[ref_indices])
-        if len(est_indices)
-        else []
-    )
-    assert np.all(np.asarray(differences) <= max_diff)
-    # Maximal: no unmatched pair is left that could still be matched.
-    free_est = set(range(len(estimated))) - set(est_indices.tolist())
-    free_ref = set(range(len(reference))) - set(ref_indices.tolist())
-    assert not any(abs(estimated[i] - reference[j]) <= max_diff for i in free_est for j in free_ref)
+    assert (est_indices.tolist(), ref_indices.tolist()) == theirs
 
 
-def test_association_agrees_with_evo_on_jittered_stamps():
-    rng = np.random.default_rng(1)
-    reference = np.arange(200) / 30.0
-    estimated = reference[::3] + rng.uniform(-0.01, 0.01, size=67)
-    ours = associate_timestamps(estimated, reference, 0.02)
-    theirs = sync.matching_time_indices(estimated, reference, 0.02)
-    assert ours[0].tolist() == theirs[0] and ours[1].tolist() == theirs[1]
-
-
-def test_one_to_one_gives_a_shared_neighbour_to_the_closer_estimate():
-    # 0.01 is within reach of both 0.0 and 0.011; the closer one takes it, and 0.0 stays unmatched.
+def test_the_shorter_trajectory_is_searched_and_may_share_a_neighbour():
+    # Two estimates, three ground-truth poses: each estimate takes its nearest ground-truth stamp, and
+    # both take the same one (0.005 is 5 and 6 ms away); 0.5 and 1.0 are nobody's nearest.
+    est_indices, ref_indices = associate_timestamps(np.array([0.0, 0.011]), np.array([0.005, 0.5, 1.0]), 0.01)
+    assert est_indices.tolist() == [0, 1] and ref_indices.tolist() == [0, 0]
+    # Four estimates, two ground-truth poses: now the ground truth is searched, in its own order.
     est_indices, ref_indices = associate_timestamps(
-        np.array([0.0, 0.011, 0.04]), np.array([0.01, 0.035]), 0.02
+        np.array([0.0, 0.004, 0.3, 0.6]), np.array([0.6, 0.003]), 0.01
     )
-    assert est_indices.tolist() == [1, 2] and ref_indices.tolist() == [0, 1]
+    assert est_indices.tolist() == [3, 1] and ref_indices.tolist() == [0, 1]
+
+
+def test_equal_lengths_search_the_estimate_and_halfway_takes_the_earlier_stamp():
+    # 0.5 lies exactly halfway between 0.25 and 0.75 (all exact in binary): the earlier one wins.
+    est_indices, ref_indices = associate_timestamps(np.array([0.5, 2.0]), np.array([0.25, 0.75]), 0.25)
+    assert est_indices.tolist() == [0] and ref_indices.tolist() == [0]
+    # With as many poses on each side the estimate is the searched side: 0.0 and 0.004 both pick 0.003.
+    est_indices, ref_indices = associate_timestamps(np.array([0.0, 0.004]), np.array([0.003, 0.5]), 0.01)
+    assert est_indices.tolist() == [0, 1] and ref_indices.tolist() == [0, 0]
 
 
 def test_nothing_associates_names_both_time_ranges(tmp_path):
@@ -383,9 +418,108 @@ def test_eval_command_prints_the_table_and_writes_eval_json(tmp_path):
     gt_file, _, _ = write_known_pair(tmp_path, np.random.default_rng(11), noise=0.01)
     result = CliRunner().invoke(app, ["eval", str(tmp_path), "--gt", str(gt_file), "--alignment", "se3"])
     assert result.exit_code == 0, result.output
-    assert "ATE RMSE" in result.output and "AUC@30" in result.output
+    assert "ATE (m)" in result.output and "RPE rot (deg)" in result.output and "AUC@30" in result.output
     written = json.loads((tmp_path / "eval.json").read_text())
     assert written["alignment"] == "se3" and written["scale"] == 1.0
     failed = CliRunner().invoke(app, ["eval", str(tmp_path), "--gt", str(tmp_path / "missing.txt")])
     assert failed.exit_code == 1
     assert "missing.txt does not exist" in " ".join(failed.output.split())
+
+
+# --------------------------------------------------------------------------------------------------
+# Real TUM trajectories (evo's own test data): equal to evo, statistic by statistic
+
+# (ground truth, estimate, alignment): monocular keyframes need Sim(3) (evo -as), RGB-D SLAM is metric (-a).
+REAL_PAIRS = [
+    ("freiburg1_xyz-rgbdslam.txt", "freiburg1_xyz-ORB_kf_mono.txt", "sim3"),  # issue 15's pair
+    ("freiburg1_xyz-groundtruth.txt", "freiburg1_xyz-ORB_kf_mono.txt", "sim3"),
+    ("fr2_desk_groundtruth.txt", "fr2_desk_ORB_kf_mono.txt", "sim3"),
+    ("freiburg1_xyz-groundtruth.txt", "freiburg1_xyz-rgbdslam.txt", "se3"),
+    ("fr2_desk_groundtruth.txt", "fr2_desk_ORB.txt", "se3"),
+    # The estimate has more poses than the ground truth, so the ground truth is the searched side.
+    ("freiburg1_xyz-ORB_kf_mono.txt", "freiburg1_xyz-rgbdslam.txt", "sim3"),
+]
+
+
+@pytest.fixture(scope="module")
+def evo_data():
+    return evo_data_dir()
+
+
+def evo_on_files(gt_file, est_file, alignment, max_diff=0.01):
+    return evo_metrics(
+        file_interface.read_tum_trajectory_file(str(gt_file)),
+        file_interface.read_tum_trajectory_file(str(est_file)),
+        correct_scale=alignment == "sim3",
+        max_diff=max_diff,
+    )
+
+
+@pytest.mark.parametrize(("gt_name", "est_name", "alignment"), REAL_PAIRS)
+def test_real_trajectories_equal_evo(evo_data, gt_name, est_name, alignment):
+    gt_file, est_file = evo_data / gt_name, evo_data / est_name
+    ours = evaluate_trajectories(read_tum_trajectory(est_file), read_tum_trajectory(gt_file), alignment=alignment)
+    assert ours["max_diff"] == 0.01
+    assert_matches_evo(ours, evo_on_files(gt_file, est_file, alignment))
+
+
+def test_issue_15_pair_gives_evos_published_numbers(evo_data):
+    # What `evo_ape tum freiburg1_xyz-rgbdslam.txt freiburg1_xyz-ORB_kf_mono.txt -as` prints.
+    ours = evaluate_trajectories(
+        read_tum_trajectory(evo_data / "freiburg1_xyz-ORB_kf_mono.txt"),
+        read_tum_trajectory(evo_data / "freiburg1_xyz-rgbdslam.txt"),
+    )
+    assert ours["matched_poses"] == 29 and ours["estimated_poses"] == 32
+    assert f"{ours['ate_rmse']:.6f}" == "0.014075"
+
+
+@pytest.mark.parametrize("max_diff", [0.003, 0.005, 0.02, 0.1])
+def test_max_diff_changes_the_pairing_as_in_evo(evo_data, max_diff):
+    gt_file, est_file = evo_data / "fr2_desk_groundtruth.txt", evo_data / "fr2_desk_ORB_kf_mono.txt"
+    ours = evaluate_trajectories(
+        read_tum_trajectory(est_file), read_tum_trajectory(gt_file), alignment="sim3", max_diff=max_diff
+    )
+    assert ours["max_diff"] == max_diff
+    assert_matches_evo(ours, evo_on_files(gt_file, est_file, "sim3", max_diff))
+
+
+def write_run_of_trajectory(run_dir, trajectory):
+    """A run directory, written by the project's RunWriter, whose frames carry a real trajectory."""
+    writer = RunWriter(run_dir, {"source": "real TUM trajectory"}, background=False)
+    intrinsics = np.array([[2.0, 0.0, 0.5], [0.0, 2.0, 0.5], [0.0, 0.0, 1.0]], dtype=np.float32)
+    for index, (timestamp, c2w) in enumerate(zip(trajectory.timestamps, trajectory.c2w, strict=True)):
+        qw, qx, qy, qz = rotation_to_quat_wxyz(c2w[:3, :3])
+        frame = FramePrediction(
+            frame_index=index,
+            timestamp=float(timestamp),
+            frame_type=FRAME_KEY,
+            pose_enc=np.array([*c2w[:3, 3], qx, qy, qz, qw, 1.0, 1.0], dtype=np.float32),
+            c2w=c2w[:3].astype(np.float32),
+            intrinsics=intrinsics,
+            depth=np.ones((2, 2), dtype=np.float32),
+            depth_conf=np.full((2, 2), 5.0, dtype=np.float32),
+        )
+        writer.on_frame(frame, {})
+    writer.close("complete")
+
+
+@pytest.mark.parametrize(
+    ("gt_name", "est_name", "alignment"),
+    [REAL_PAIRS[0], ("freiburg1_xyz-groundtruth.txt", "freiburg1_xyz-rgbdslam.txt", "se3")],
+)
+def test_eval_command_on_a_run_of_a_real_trajectory_equals_evo(tmp_path, evo_data, gt_name, est_name, alignment):
+    from typer.testing import CliRunner
+
+    from stream_recon.app.cli import app
+
+    gt_file, est_file = evo_data / gt_name, evo_data / est_name
+    run_dir = tmp_path / "run"
+    write_run_of_trajectory(run_dir, read_tum_trajectory(est_file))
+    result = CliRunner().invoke(app, ["eval", str(run_dir), "--gt", str(gt_file), "--alignment", alignment])
+    assert result.exit_code == 0, result.output
+    written = json.loads((run_dir / "eval.json").read_text())
+    assert written["max_diff"] == 0.01 and written["alignment"] == alignment
+    # The run stores poses in float32, so evo is run on the trajectory the run wrote; the timestamps
+    # survive unchanged, so the pairing is the one of the original files.
+    assert_matches_evo(written, evo_on_files(gt_file, run_dir / "trajectory_tum.txt", alignment))
+    assert written["matched_poses"] == evo_on_files(gt_file, est_file, alignment)["matched_poses"]

@@ -45,6 +45,7 @@ from stream_recon.app.commands._options import (
     error_console,
     user_errors,
 )
+from stream_recon.app.evaluation import DEFAULT_MAX_DIFF
 
 _BATCH = "Batch"
 
@@ -80,7 +81,8 @@ MaxDiffOpt = Annotated[
     float,
     typer.Option(
         "--max-diff",
-        help="Evaluation: largest timestamp difference (s) of a matched pose.",
+        min=0.0,
+        help="Evaluation: largest timestamp difference (s) of a matched pose (evo's --t_max_diff).",
         rich_help_panel=_BATCH,
     ),
 ]
@@ -109,7 +111,7 @@ def batch(
     ray: RayOpt = None,
     gpus_per_task: GpusPerTaskOpt = 1.0,
     alignment: AlignmentOpt = "sim3",
-    max_diff: MaxDiffOpt = 0.02,
+    max_diff: MaxDiffOpt = DEFAULT_MAX_DIFF,
 ) -> None:
     """Run every sequence under ROOT into OUTPUT/<name>/, evaluate those with ground truth, write a summary."""
     from stream_recon.app.batch import BatchError, BatchInterrupted, EvalSettings, run_batch

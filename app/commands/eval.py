@@ -3,14 +3,23 @@
 Examples:
 
     stream-recon eval outputs/fr1_xyz --gt data/rgbd_dataset_freiburg1_xyz/groundtruth.txt
-    stream-recon eval outputs/fr1_xyz --gt gt.txt --alignment se3 --max-diff 0.01
+    stream-recon eval outputs/fr1_xyz --gt gt.txt --alignment se3 --max-diff 0.02
     stream-recon eval outputs/fr1_xyz --gt data/fr1_xyz/groundtruth.txt --depth-dir data/fr1_xyz
 
-Trajectory: timestamps are associated one-to-one within --max-diff seconds, the estimate is aligned
-to the ground truth (Umeyama Sim(3), or SE(3)), then ATE, RPE (consecutive matched poses, evo's
-`--delta 1 --delta_unit f`) and pose AUC@5/15/30 are computed. Depth (with --depth-dir, a TUM folder
-with depth.txt or PNGs named by timestamp, 5000 units per metre): AbsRel and delta<1.25 after
-per-frame median scaling. Results are printed and written to RUN_DIR/eval.json.
+What equals evo (to 1e-6; the tests check it on real TUM trajectories): `matched_poses` and every
+statistic (rmse, mean, median, std, min, max, sse) of
+- ate_*: `evo_ape tum GT RUN_DIR/trajectory_tum.txt -as` (`-a` with --alignment se3);
+- rpe_trans_*: `evo_rpe tum GT RUN_DIR/trajectory_tum.txt -as`;
+- rpe_rot_*_deg: `evo_rpe tum GT RUN_DIR/trajectory_tum.txt -as -r angle_deg`.
+That is evo's association (each pose of the shorter trajectory takes its nearest stamp in the other,
+at most --max-diff seconds away; the default 0.01 s is evo's --t_max_diff), Umeyama alignment of the
+estimate onto the ground truth (Sim(3), or SE(3)) before both ATE and RPE, and RPE over consecutive
+matched poses (evo's --delta 1 --delta_unit f).
+
+Ours alone: pose AUC@5/15/30 (VGGT style, alignment-free, over all pairs of matched poses) and, with
+--depth-dir (a TUM folder with depth.txt or PNGs named by timestamp, 5000 units per metre), AbsRel
+and delta<1.25 after per-frame median scaling, each prediction paired with its nearest depth frame
+within --depth-max-diff seconds. Results are printed and written to RUN_DIR/eval.json.
 """
 
 from __future__ import annotations
@@ -22,7 +31,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from stream_recon.app.evaluation import EvaluationError, evaluate_run
+from stream_recon.app.evaluation import (
+    DEFAULT_MAX_DIFF,
+    DEPTH_MAX_DIFF,
+    ERROR_METRICS,
+    STATISTICS,
+    EvaluationError,
+    evaluate_run,
+    statistic_key,
+)
 
 RunDirArg = Annotated[
     Path, typer.Argument(help="Run directory written by `stream-recon run` (holds trajectory_tum.txt).")
@@ -31,27 +48,32 @@ GtOpt = Annotated[
     Path, typer.Option("--gt", help="Ground-truth trajectory, TUM format (timestamp tx ty tz qx qy qz qw).")
 ]
 AlignmentOpt = Annotated[
-    str, typer.Option("--alignment", help="sim3 (scale too, for monocular runs) or se3.")
+    str, typer.Option("--alignment", help="sim3 (evo's -as; scale too, for monocular runs) or se3 (-a).")
 ]
 MaxDiffOpt = Annotated[
-    float, typer.Option("--max-diff", help="Largest timestamp difference (s) for a matched pair.")
+    float,
+    typer.Option(
+        "--max-diff",
+        min=0.0,
+        help="Largest timestamp difference (s) of an estimated and a ground-truth pose (evo's --t_max_diff).",
+    ),
 ]
 DepthDirOpt = Annotated[
     Path | None,
     typer.Option("--depth-dir", help="Ground-truth depth: a folder with depth.txt (TUM RGB-D layout)."),
 ]
+DepthMaxDiffOpt = Annotated[
+    float,
+    typer.Option(
+        "--depth-max-diff", min=0.0, help="Largest timestamp difference (s) of a prediction and a depth frame."
+    ),
+]
 
 # (label, eval.json key, format); rows whose key is absent are left out.
-TABLE_ROWS = (
+SUMMARY_ROWS = (
     ("alignment", "alignment", "{}"),
     ("scale", "scale", "{:.6g}"),
     ("matched poses", "matched_poses", "{}"),
-    ("ATE RMSE", "ate_rmse", "{:.6f}"),
-    ("ATE mean", "ate_mean", "{:.6f}"),
-    ("ATE median", "ate_median", "{:.6f}"),
-    ("ATE max", "ate_max", "{:.6f}"),
-    ("RPE trans RMSE", "rpe_trans_rmse", "{:.6f}"),
-    ("RPE rot RMSE (deg)", "rpe_rot_rmse_deg", "{:.4f}"),
     ("AUC@5", "auc_5", "{:.4f}"),
     ("AUC@15", "auc_15", "{:.4f}"),
     ("AUC@30", "auc_30", "{:.4f}"),
@@ -59,15 +81,28 @@ TABLE_ROWS = (
     ("depth delta<1.25", "depth_delta1", "{:.4f}"),
     ("depth frames", "depth_frames", "{}"),
 )
+ERROR_LABELS = {"ate": "ATE (m)", "rpe_trans": "RPE trans (m)", "rpe_rot": "RPE rot (deg)"}
 
 
 def results_table(results: dict, title: str) -> Table:
     table = Table(title=title)
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for label, key, template in TABLE_ROWS:
+    for label, key, template in SUMMARY_ROWS:
         if key in results:
             table.add_row(label, template.format(results[key]))
+    return table
+
+
+def errors_table(results: dict) -> Table:
+    """ATE and RPE, one column each, one row per statistic evo prints (an sse of degrees is in deg^2)."""
+    table = Table(title="trajectory errors, as evo_ape / evo_rpe print them")
+    table.add_column("statistic")
+    for metric, _ in ERROR_METRICS:
+        table.add_column(ERROR_LABELS[metric], justify="right")
+    for statistic in STATISTICS:
+        values = [results[statistic_key(metric, statistic, unit)] for metric, unit in ERROR_METRICS]
+        table.add_row(statistic, *(f"{value:.6f}" for value in values))
     return table
 
 
@@ -75,18 +110,27 @@ def eval_command(
     run_dir: RunDirArg,
     gt: GtOpt,
     alignment: AlignmentOpt = "sim3",
-    max_diff: MaxDiffOpt = 0.02,
+    max_diff: MaxDiffOpt = DEFAULT_MAX_DIFF,
     depth_dir: DepthDirOpt = None,
+    depth_max_diff: DepthMaxDiffOpt = DEPTH_MAX_DIFF,
 ) -> None:
-    """Evaluate a run against a ground-truth trajectory (and depth); writes RUN_DIR/eval.json."""
+    """Evaluate a run against a ground-truth trajectory (and depth), as evo does; writes RUN_DIR/eval.json."""
     console = Console()
     if alignment not in ("sim3", "se3"):
         console.print(f"[red]error:[/] --alignment must be sim3 or se3, not {alignment!r}")
         raise typer.Exit(code=2)
     try:
-        results = evaluate_run(run_dir, gt, alignment=alignment, max_diff=max_diff, depth_dir=depth_dir)
+        results = evaluate_run(
+            run_dir,
+            gt,
+            alignment=alignment,
+            max_diff=max_diff,
+            depth_dir=depth_dir,
+            depth_max_diff=depth_max_diff,
+        )
     except EvaluationError as error:
         console.print(f"[red]error:[/] {error}")
         raise typer.Exit(code=1) from None
     console.print(results_table(results, title=f"{run_dir} vs {gt}"))
+    console.print(errors_table(results))
     console.print(f"written {Path(run_dir) / 'eval.json'}")
