@@ -413,6 +413,7 @@ def test_download_command_without_the_hub_says_where_to_put_the_file(no_hub: str
     assert time.monotonic() - start < 10
     expected = "offline mode is on (HF_HUB_OFFLINE)" if no_hub == "offline mode" else "cannot be reached"
     assert_user_error(result, "cannot download 'lingbot-map-long'", expected)
+    assert ("downloading lingbot-map-long" in result.output) == (no_hub != "offline mode")
     assert_says_where_to_put_the_checkpoint(result.output, offline_hub)
 
 
