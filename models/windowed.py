@@ -104,18 +104,35 @@ class Sim3:
         """[..., 3] -> [..., 3]."""
         return self.scale * np.asarray(points, np.float64) @ self.rotation.T + self.translation
 
+    @property
+    def is_identity(self) -> bool:
+        return self.scale == 1.0 and np.array_equal(self.rotation, np.eye(3)) and not self.translation.any()
+
     def apply_to_pose_enc(self, pose_enc: np.ndarray) -> np.ndarray:
         """[..., 9] camera-to-world pose encodings -> the same cameras in the target frame.
 
-        The camera centre moves as a point, the orientation is left-multiplied by the rotation and
-        re-encoded as a unit quaternion with w >= 0 (as the reference does; its raw quaternions
-        are not unit), the field of view is unchanged.
+        The camera centre moves as a point; the orientation is left-multiplied by the rotation as
+        a quaternion product with the rotation's unit quaternion, so the result keeps the model's
+        quaternion norm (the model's quaternions are not unit; the decoder divides by |q|^2) and
+        its rotation is R @ R(q); the field of view is unchanged. (The reference re-encodes a unit
+        quaternion with w >= 0 instead: the same cameras, another encoding.)
         """
         pose_enc = np.asarray(pose_enc)
         out = pose_enc.astype(np.float64, copy=True)
         out[..., :3] = self.apply_to_points(pose_enc[..., :3])
-        out[..., 3:7] = rotation_to_quat_xyzw(self.rotation @ quat_xyzw_to_matrix(pose_enc[..., 3:7]))
+        out[..., 3:7] = quat_xyzw_product(rotation_to_quat_xyzw(self.rotation), out[..., 3:7])
         return out.astype(pose_enc.dtype)
+
+
+def quat_xyzw_product(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """Hamilton product first * second of (x, y, z, w) quaternions [..., 4] (broadcast): the
+    rotation of the product is R(first) @ R(second), and |product| = |first| |second|."""
+    x1, y1, z1, w1 = np.moveaxis(np.asarray(first, np.float64), -1, 0)
+    x2, y2, z2, w2 = np.moveaxis(np.asarray(second, np.float64), -1, 0)
+    return np.stack([w1 * x2 + x1 * w2 + y1 * z2 - z1 * y2,
+                     w1 * y2 - x1 * z2 + y1 * w2 + z1 * x2,
+                     w1 * z2 + x1 * y2 - y1 * x2 + z1 * w2,
+                     w1 * w2 - x1 * x2 - y1 * y2 - z1 * z2], axis=-1)
 
 
 def depth_ratio_scale(target_depth: np.ndarray, source_depth: np.ndarray) -> float:
@@ -348,13 +365,16 @@ class WindowedEngine:
         return transform
 
     def _align(self, raw: FramePrediction) -> FramePrediction:
-        """Map one raw prediction into the first window's frame (window 0 too: its quaternions
-        come out unit-norm, as in the reference's stitched output)."""
+        """Map one raw prediction into the first window's frame. The first window's predictions
+        pass unchanged (their pose_enc is the model's own); later windows' cameras are moved by
+        the window's Sim(3), their quaternions keeping the model's norm (Sim3.apply_to_pose_enc)."""
         transform = self._transform
-        pose_enc = transform.apply_to_pose_enc(raw.pose_enc.astype(np.float64)).astype(np.float32)
-        depth = raw.depth * np.float32(transform.scale)
-        height, width = raw.image_size
-        c2w, intrinsics = decode_pose(torch.from_numpy(pose_enc), height, width)
-        aligned = replace(raw, pose_enc=pose_enc, c2w=c2w.numpy(), intrinsics=intrinsics.numpy(), depth=depth)
-        self._tail.append(_AlignedFrame(aligned.frame_index, pose_enc, depth, aligned.is_keyframe))
+        aligned = raw
+        if not transform.is_identity:
+            pose_enc = transform.apply_to_pose_enc(raw.pose_enc.astype(np.float64)).astype(np.float32)
+            height, width = raw.image_size
+            c2w, intrinsics = decode_pose(torch.from_numpy(pose_enc), height, width)
+            aligned = replace(raw, pose_enc=pose_enc, c2w=c2w.numpy(), intrinsics=intrinsics.numpy(),
+                              depth=raw.depth * np.float32(transform.scale))
+        self._tail.append(_AlignedFrame(aligned.frame_index, aligned.pose_enc, aligned.depth, aligned.is_keyframe))
         return aligned

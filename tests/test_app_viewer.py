@@ -484,7 +484,13 @@ def test_tiny_model_stream_reaches_the_browser(viewer):
     """End to end: the tiny model through the streaming engine into the viewer and a websocket client."""
     import torch
 
-    from stream_recon.models import GCTStream, ModelConfig, StreamConfig, StreamingEngine, prepare_for_inference
+    from stream_recon.models import (
+        GCTStream,
+        ModelConfig,
+        StreamConfig,
+        StreamingEngine,
+        prepare_for_inference,
+    )
     from stream_recon.models.synthetic import load_synthetic_weights
 
     model = prepare_for_inference(load_synthetic_weights(GCTStream(ModelConfig.tiny())).eval(), "cpu")

@@ -198,3 +198,21 @@ def test_one_loaded_checkpoint_serves_a_float32_and_a_bf16_engine_in_either_orde
     assert all(torch.equal(value, before[name]) for name, value in loaded.state_dict().items())
     with pytest.raises(ValueError, match="prepared for bfloat16, not float32"):
         StreamingEngine(prepared["bfloat16"], StreamConfig(), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_cli_on_the_gpu_writes_the_official_outputs(golden_checkpoint, golden_frame_folder, tmp_path, dtype):
+    """`stream-recon` as a user runs it, default settings but the precision: float32 within the
+    float32 tolerance (no TF32 anywhere, whatever PyTorch's process-wide defaults say), bf16 within
+    the fixtures' bf16 tolerances (issue 15)."""
+    from golden_utils import TOLERANCE, compare_run_with_golden, run_cli_on_golden_frames
+
+    defaults = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = True  # PyTorch's default (conftest turns it off for the engine tests)
+    try:
+        run_dir = run_cli_on_golden_frames(golden_checkpoint, golden_frame_folder, tmp_path / dtype, "all_keyframes",
+                                           "--device", "cuda", "--dtype", dtype)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = defaults
+    limits = {key: TOLERANCE for key in ("pose_enc", "c2w", "intrinsics", "depth", "depth_conf")}
+    compare_run_with_golden(run_dir, "all_keyframes", limits if dtype == "float32" else BF16_TOLERANCE)
