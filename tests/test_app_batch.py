@@ -24,7 +24,7 @@ from stream_recon.app.batch import (
     run_batch,
 )
 from stream_recon.app.datasets import discover_sequences
-from stream_recon.app.pipeline import RunOptions
+from stream_recon.app.options import RunOptions
 from stream_recon.models import GCTStream, ModelConfig
 
 FRAMES = 6

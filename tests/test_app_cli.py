@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from stream_recon.app.cli import app, main, with_default_command
 from stream_recon.app.commands._options import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED
-from stream_recon.app.pipeline import OptionsError, RunOptions
+from stream_recon.app.options import OptionsError, RunOptions
 from stream_recon.app.presets import PRESET_DIR, PresetError, available_presets, build_options
 from stream_recon.models import GCTStream, ModelConfig
 from stream_recon.models.checkpoint import convert_to_safetensors

@@ -24,8 +24,8 @@ from stream_recon.app.evaluation import (
     pose_auc,
     read_tum_trajectory,
     umeyama_alignment,
-    write_tum_trajectory,
 )
+from stream_recon.app.rundir import write_tum
 
 
 def random_rotation(rng, max_angle=np.pi):
@@ -139,8 +139,8 @@ def write_known_pair(tmp_path, rng, *, noise):
     estimated = perturb(rng, estimated, position_noise=noise, angle_noise=noise)
     estimated_stamps = stamps[::2] + rng.uniform(-0.004, 0.004, size=60)
     gt_file, est_file = tmp_path / "groundtruth.txt", tmp_path / "trajectory_tum.txt"
-    write_tum_trajectory(gt_file, stamps, reference)
-    write_tum_trajectory(est_file, estimated_stamps, estimated)
+    write_tum(gt_file, stamps, reference)
+    write_tum(est_file, estimated_stamps, estimated)
     gt_file.write_text("# timestamp tx ty tz qx qy qz qw\n" + gt_file.read_text())
     return gt_file, est_file, (rotation, translation, scale)
 
@@ -250,8 +250,8 @@ def test_one_to_one_gives_a_shared_neighbour_to_the_closer_estimate():
 
 def test_nothing_associates_names_both_time_ranges(tmp_path):
     poses = random_walk_c2w(np.random.default_rng(0), 5)
-    write_tum_trajectory(tmp_path / "trajectory_tum.txt", np.arange(5.0), poses)
-    write_tum_trajectory(tmp_path / "gt.txt", 100 + np.arange(5.0), poses)
+    write_tum(tmp_path / "trajectory_tum.txt", np.arange(5.0), poses)
+    write_tum(tmp_path / "gt.txt", 100 + np.arange(5.0), poses)
     with pytest.raises(EvaluationError) as error:
         evaluate_run(tmp_path, tmp_path / "gt.txt")
     message = str(error.value)
@@ -262,8 +262,8 @@ def test_nothing_associates_names_both_time_ranges(tmp_path):
 
 def test_fewer_than_three_matches_is_an_error(tmp_path):
     poses = random_walk_c2w(np.random.default_rng(0), 5)
-    write_tum_trajectory(tmp_path / "trajectory_tum.txt", np.arange(5.0), poses)
-    write_tum_trajectory(tmp_path / "gt.txt", np.arange(3.0, 8.0), poses)
+    write_tum(tmp_path / "trajectory_tum.txt", np.arange(5.0), poses)
+    write_tum(tmp_path / "gt.txt", np.arange(3.0, 8.0), poses)
     with pytest.raises(EvaluationError, match="only 2 pose"):
         evaluate_run(tmp_path, tmp_path / "gt.txt")
 
@@ -342,8 +342,8 @@ def write_run_with_depth(tmp_path, rng):
     (depth_dir / "depth").mkdir(parents=True)
     poses = random_walk_c2w(rng, 6)
     stamps = 10.0 + np.arange(6) / 30.0
-    write_tum_trajectory(run_dir / "trajectory_tum.txt", stamps, poses)
-    write_tum_trajectory(tmp_path / "gt.txt", stamps, poses)
+    write_tum(run_dir / "trajectory_tum.txt", stamps, poses)
+    write_tum(tmp_path / "gt.txt", stamps, poses)
     listing = []
     for index, stamp in enumerate(stamps):
         depth_m = rng.uniform(0.5, 4.0, size=(24, 32)).astype(np.float32)

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from stream_recon.app.commands.export import export as export_command
 from stream_recon.app.export import ExportError, export_run
-from stream_recon.app.writers import RunDirError, RunWriter
+from stream_recon.app.rundir import RunDirError
+from stream_recon.app.writers import RunWriter
 from stream_recon.models import GCTStream, ModelConfig, StreamConfig, StreamingEngine
 from stream_recon.models.synthetic import load_synthetic_weights
 

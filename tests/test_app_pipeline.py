@@ -24,15 +24,14 @@ from media_helpers import (
 from plyfile import PlyData
 from rich.console import Console
 
-from stream_recon.app.pipeline import OptionsError, RunOptions, run_sequence
+from stream_recon.app.options import OptionsError, RunOptions
+from stream_recon.app.pipeline import run_sequence
 from stream_recon.app.progress import RunProgress
-from stream_recon.app.writers import OutputDirError
+from stream_recon.app.rundir import PREDICTION_FIELDS, OutputDirError
 from stream_recon.models import GCTStream, ModelConfig
 
 # Small inputs keep the tiny model at a few ms per frame: 160x96 frames -> 56x42 model input.
 FAST = dict(image_width=56, scale_frames=3, window=4, viewer=False)
-NPZ_KEYS = {"frame_index", "timestamp", "is_keyframe", "pose_enc", "c2w", "intrinsics", "depth", "depth_conf",
-            "image_size"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -71,7 +70,7 @@ def check_run_dir(run_dir: Path, num_frames: int, status: str) -> dict:
     timestamps = []
     for index, path in enumerate(npz_files):
         with np.load(path) as frame:
-            assert NPZ_KEYS <= set(frame.files)
+            assert set(PREDICTION_FIELDS) <= set(frame.files)
             assert int(frame["frame_index"]) == index
             assert frame["c2w"].shape == (3, 4) and frame["depth"].shape == tuple(frame["image_size"])
             timestamps.append(float(frame["timestamp"]))
@@ -295,7 +294,7 @@ def test_progress_line_shows_rates_keyframes_cache_and_drops() -> None:
 
 
 def test_attention_choices_match_the_engine():
-    from stream_recon.app.pipeline import ATTENTION_CHOICES
+    from stream_recon.app.options import ATTENTION_CHOICES
     from stream_recon.models.engine import ATTENTION_BACKENDS
 
     assert ATTENTION_CHOICES == ATTENTION_BACKENDS
@@ -304,11 +303,11 @@ def test_attention_choices_match_the_engine():
 def test_flashinfer_compile_is_announced():
     from rich.console import Console
 
-    from stream_recon.app.pipeline import _announce_backend
+    from stream_recon.app.loading import announce_backend
 
     console = Console(record=True, width=200)
-    _announce_backend("flashinfer-fa2", console)
-    _announce_backend("sdpa", console)
+    announce_backend("flashinfer-fa2", console)
+    announce_backend("sdpa", console)
     text = console.export_text()
     assert "kernels compile on first use" in text and "about 30 s" in text
     assert "attention: sdpa" in text

@@ -31,9 +31,9 @@ from typer import Typer
 from typer.testing import CliRunner
 
 from stream_recon.app.commands.view import index_run, start_replay, view
-from stream_recon.app.geometry import quat_wxyz_to_rotation
+from stream_recon.app.rundir import RunDirError, prediction_arrays
 from stream_recon.app.viewer import LiveViewer, allocate_point_budget, sample_keyframe_points
-from stream_recon.app.writers import RunDirError, prediction_arrays
+from stream_recon.models.pose import quat_xyzw_to_rotation
 from stream_recon.models.prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
 
 PLANE_Z = 3.0
@@ -204,7 +204,7 @@ class SceneMirror:
         """[N, 3] points of `keyframe`'s cloud mapped to the world through its parent's pose."""
         parent, cloud = self.nodes[keyframe], self.nodes[f"{keyframe}/points"]
         local = np.asarray(cloud["props"]["points"], dtype=np.float32).reshape(-1, 3)
-        return local @ quat_wxyz_to_rotation(parent["wxyz"]).T + np.asarray(parent["position"])
+        return local @ quat_xyzw_to_rotation(np.roll(parent["wxyz"], -1)).T + np.asarray(parent["position"])
 
     def close(self) -> None:
         if self._socket is not None and self._thread.is_alive():

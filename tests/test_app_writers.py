@@ -17,29 +17,18 @@ from plyfile import PlyData
 from synthetic_run import CONF_HIGH, LOW_CONF_COLUMNS, PLANE_Z, STEP_X, plane_frame, quat_xyzw_to_matrix
 
 from stream_recon.app import writers
-from stream_recon.app.writers import (
+from stream_recon.app.pointcloud import PointAccumulator
+from stream_recon.app.rundir import (
+    PREDICTION_FIELDS,
     OutputDirError,
-    PointAccumulator,
     RunDirError,
-    RunWriter,
     iter_run,
     prediction_path,
     read_run,
 )
+from stream_recon.app.writers import RunWriter
 
-NPZ_KEYS = {
-    "frame_index",
-    "timestamp",
-    "is_keyframe",
-    "frame_type",
-    "pose_enc",
-    "c2w",
-    "intrinsics",
-    "depth",
-    "depth_conf",
-    "image_size",
-    "window_index",
-}
+NPZ_KEYS = set(PREDICTION_FIELDS)
 
 
 def write_run(run_dir, frames, *, status="complete", **kwargs):
@@ -273,7 +262,7 @@ def test_read_run_on_a_missing_or_foreign_directory(tmp_path):
 def test_unwritable_output_dir_fails_at_construction(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    with pytest.raises(OutputDirError, match=r"cannot create or write the output directory .*a_file/run"):
+    with pytest.raises(OutputDirError, match=r"cannot write to the output directory .*a_file/run"):
         RunWriter(blocker / "run", {})
     with pytest.raises(OutputDirError, match="exists and is not a directory"):
         RunWriter(blocker, {})

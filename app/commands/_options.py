@@ -212,10 +212,10 @@ def user_errors(console: Console | None = None) -> Iterator[None]:
 
     Anything else is a bug and keeps its traceback.
     """
-    from stream_recon.app.pipeline import OptionsError
+    from stream_recon.app.options import OptionsError
     from stream_recon.app.presets import PresetError
+    from stream_recon.app.rundir import OutputDirError
     from stream_recon.app.sources import SourceError
-    from stream_recon.app.writers import OutputDirError
     from stream_recon.models.errors import CheckpointError, FrameError
 
     console = console or error_console()
