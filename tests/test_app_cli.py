@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import build_tiny_model
 from media_helpers import mjpeg_server, silent_server, truncate_file, write_image_folder, write_video
 from typer.testing import CliRunner
 
@@ -25,7 +26,7 @@ from stream_recon.app.cli import app, main, with_default_command
 from stream_recon.app.commands._options import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED
 from stream_recon.app.options import OptionsError, RunOptions
 from stream_recon.app.presets import PRESET_DIR, PresetError, available_presets, build_options
-from stream_recon.models import GCTStream, ModelConfig
+from stream_recon.models import ModelConfig
 from stream_recon.models.checkpoint import convert_to_safetensors
 
 runner = CliRunner()
@@ -269,18 +270,8 @@ FAST_FLAGS = ["--no-viewer", "--image-width", "56", "--scale-frames", "3", "--wi
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real .safetensors checkpoint of the tiny model, written by our own converter."""
     folder = tmp_path_factory.mktemp("checkpoint")
-    torch.manual_seed(0)
-    torch.save(GCTStream(ModelConfig.tiny()).state_dict(), folder / "tiny.pt")
+    torch.save(build_tiny_model().state_dict(), folder / "tiny.pt")
     return convert_to_safetensors(folder / "tiny.pt", folder / "tiny.safetensors", config=ModelConfig.tiny())
-
-
-@pytest.fixture
-def one_torch_thread():
-    # the tiny model's microsecond ops crawl when two OpenMP threads contend on a busy 2-core machine
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture

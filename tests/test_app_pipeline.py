@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import trimesh
 from media_helpers import (
     frame_bgr,
@@ -28,26 +27,14 @@ from stream_recon.app.options import OptionsError, RunOptions
 from stream_recon.app.pipeline import run_sequence
 from stream_recon.app.progress import RunProgress
 from stream_recon.app.rundir import PREDICTION_FIELDS, OutputDirError
-from stream_recon.models import GCTStream, ModelConfig
+from stream_recon.models import GCTStream
 
 # Small inputs keep the tiny model at a few ms per frame: 160x96 frames -> 56x42 model input.
-FAST = dict(image_width=56, scale_frames=3, window=4, viewer=False)
+# The synthetic weights' confidence sits just under 2, so points.ply keeps every pixel.
+FAST = dict(image_width=56, scale_frames=3, window=4, viewer=False, conf_threshold=1.0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # The tiny model's ops take microseconds; with two OpenMP threads on a busy 2-core machine they
-    # wait on each other and a run gets ~15x slower.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> GCTStream:
-    torch.manual_seed(0)
-    return GCTStream(ModelConfig.tiny()).eval()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def read_tum(path: Path) -> np.ndarray:
