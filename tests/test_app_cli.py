@@ -65,6 +65,12 @@ def test_run_is_the_default_command(argv: list[str], expected: list[str]) -> Non
     assert with_default_command(argv) == expected
 
 
+def test_every_run_option_has_a_flag() -> None:
+    from stream_recon.app.commands._options import RUN_OPTION_FLAGS
+
+    assert set(RUN_OPTION_FLAGS) == set(RunOptions.field_names())
+
+
 def test_version_and_help() -> None:
     version = invoke("--version")
     assert version.exit_code == 0 and version.output.startswith("stream-recon ")
@@ -166,6 +172,9 @@ def test_single_image_instead_of_folder(tmp_path: Path) -> None:
         (["--keyframes", "sometimes"], "keyframes must be all, flow or interval:N"),
         (["--image-width", "500"], "image_width must be a positive multiple of 14"),
         (["--stride", "0"], "stride must be >= 1"),
+        (["--open-timeout", "0"], "open_timeout_s must be > 0"),  # a flag spelled unlike its field
+        (["--window-frames", "4", "--scale-frames", "4"], "window_frames must be more than scale_frames"),
+        (["--port", "70000"], "port must be between 1 and 65535"),
         (["--device", "cuda:0"], "CUDA is not available"),
         (["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
         (["--attention", "flashinfer", "--device", "cpu"], "flashinfer runs on CUDA only"),

@@ -10,12 +10,15 @@ import contextlib
 import functools
 import inspect
 import logging
+import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
+
+from stream_recon.app.options import RunOptions
 
 _MODEL = "Model"
 _ENGINE = "Streaming engine"
@@ -27,6 +30,7 @@ _VIEWER = "Live viewer"
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+
 
 def _optional_flag(kind: type, *names: str, help: str, panel: str | None = None) -> Any:
     """An option that is None when not given, so that a preset or RunOptions' default applies."""
@@ -41,102 +45,71 @@ OutputOpt = _optional_flag(
     Path, "--output", "-o", help="Output folder. \\[default: outputs/<source name>]", panel=_OUTPUT
 )
 
-# The flag of every RunOptions field, in --help order; `takes_run_options` gives them to a command.
-RUN_OPTION_FLAGS: dict[str, Any] = {
-    "checkpoint": _optional_flag(
-        str, "--checkpoint", "-c",
-        help="Checkpoint path (.pt or .safetensors) or name (lingbot-map-long, lingbot-map). "
+# The help of every RunOptions field's flag, by panel, in --help order. The flag itself is the field's
+# name with dashes (`--scale-frames`), a boolean's with its `--no-` pair, and its type the field's.
+_RUN_OPTION_HELP: dict[str, dict[str, str]] = {
+    _MODEL: {
+        "checkpoint": "Checkpoint path (.pt or .safetensors) or name (lingbot-map-long, lingbot-map). "
         "\\[default: lingbot-map-long]",
-        panel=_MODEL,
-    ),
-    "device": _optional_flag(str, "--device", help="auto, cpu, cuda or cuda:N. \\[default: auto]", panel=_MODEL),
-    "dtype": _optional_flag(
-        str, "--dtype",
-        help="Transformer precision: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16. \\[default: auto]",
-        panel=_MODEL,
-    ),
-    "attention": _optional_flag(
-        str, "--attention",
-        help="Attention backend: auto (CUDA: dense-triton on Hopper, else dense-flashinfer if installed, else "
-        "dense; CPU: sdpa), dense, dense-triton, dense-cudnn, dense-flashinfer (contiguous cache), sdpa, "
+        "device": "auto, cpu, cuda or cuda:N. \\[default: auto]",
+        "dtype": "Transformer precision: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16. "
+        "\\[default: auto]",
+        "attention": "Attention backend: auto (CUDA: dense-triton on Hopper, else dense-flashinfer if installed, "
+        "else dense; CPU: sdpa), dense, dense-triton, dense-cudnn, dense-flashinfer (contiguous cache), sdpa, "
         "flashinfer (= flashinfer-fa2), flashinfer-fa3 (paged cache). \\[default: auto]",
-        panel=_MODEL,
-    ),
-    "compile": _optional_flag(
-        bool, "--compile/--no-compile",
-        help="Fuse the transformer blocks with torch.compile (CUDA only): about 20% faster per frame; the first "
-        "run on a machine compiles for a minute or two, later runs read the cache. \\[default: compile]",
-        panel=_MODEL,
-    ),
-    "scale_frames": _optional_flag(
-        int, "--scale-frames", help="Frames processed together at the start and kept forever. \\[default: 8]",
-        panel=_ENGINE,
-    ),
-    "window": _optional_flag(
-        int, "--window", help="Sliding window of recent frames whose patch tokens stay visible. \\[default: 64]",
-        panel=_ENGINE,
-    ),
-    "window_frames": _optional_flag(
-        int, "--window-frames",
-        help="Long streams: cached frames per window before a new window starts, aligned on the overlap. "
-        "\\[default: 320, the trained range]",
-        panel=_ENGINE,
-    ),
-    "overlap": _optional_flag(
-        int, "--overlap", help="Long streams: frames two consecutive windows share. \\[default: 16]", panel=_ENGINE
-    ),
-    "keyframes": _optional_flag(
-        str, "--keyframes", help="Keyframe policy: all, interval:N or flow. \\[default: all]", panel=_ENGINE
-    ),
-    "flow_threshold": _optional_flag(
-        float, "--flow-threshold", help="flow policy: mean flow in pixels that makes a keyframe. \\[default: 15]",
-        panel=_ENGINE,
-    ),
-    "max_gap": _optional_flag(
-        int, "--max-gap", help="flow policy: most frames in a row without a keyframe. \\[default: 30]",
-        panel=_ENGINE,
-    ),
-    "image_width": _optional_flag(
-        int, "--image-width", help="Model input width in pixels, a multiple of 14. \\[default: 518]", panel=_ENGINE
-    ),
-    "fps": _optional_flag(
-        float, "--fps",
-        help="Use at most this many frames per second of video (by timestamp). For an image folder: "
-        "the rate its timestamps assume.",
-        panel=_SOURCE,
-    ),
-    "max_frames": _optional_flag(int, "--max-frames", help="Stop after this many frames.", panel=_SOURCE),
-    "start": _optional_flag(
-        int, "--start", help="First source frame to use (0-based). \\[default: 0]", panel=_SOURCE
-    ),
-    "stride": _optional_flag(int, "--stride", help="Use every N-th source frame. \\[default: 1]", panel=_SOURCE),
-    "open_timeout_s": _optional_flag(
-        float, "--open-timeout", help="Seconds to wait for a stream URL to connect. \\[default: 10]", panel=_SOURCE
-    ),
-    "conf_threshold": _optional_flag(
-        float, "--conf-threshold",
-        help="Keep points with depth confidence at least this in points.ply. \\[default: 2]",
-        panel=_OUTPUT,
-    ),
-    "voxel_size": _optional_flag(
-        float, "--voxel-size", help="Voxel size for points.ply, in model units. \\[default: automatic]",
-        panel=_OUTPUT,
-    ),
-    "overwrite": _optional_flag(
-        bool, "--overwrite/--no-overwrite", help="Replace a run already in the output folder.", panel=_OUTPUT
-    ),
-    "viewer": _optional_flag(
-        bool, "--viewer/--no-viewer", help="Open the live browser viewer. \\[default: viewer]", panel=_VIEWER
-    ),
-    "keep_viewer": _optional_flag(
-        bool, "--keep-viewer/--no-keep-viewer",
-        help="Keep the viewer serving the result after the run (Ctrl-C to exit).",
-        panel=_VIEWER,
-    ),
-    "host": _optional_flag(str, "--host", help="Viewer address. \\[default: 127.0.0.1]", panel=_VIEWER),
-    "port": _optional_flag(
-        int, "--port", help="Viewer port (the next free one is used if taken). \\[default: 8080]", panel=_VIEWER
-    ),
+        "compile": "Fuse the transformer blocks with torch.compile (CUDA only): about 20% faster per frame; the "
+        "first run on a machine compiles for a minute or two, later runs read the cache. \\[default: compile]",
+    },
+    _ENGINE: {
+        "scale_frames": "Frames processed together at the start and kept forever. \\[default: 8]",
+        "window": "Sliding window of recent frames whose patch tokens stay visible. \\[default: 64]",
+        "window_frames": "Long streams: cached frames per window before a new window starts, aligned on the "
+        "overlap. \\[default: 320, the trained range]",
+        "overlap": "Long streams: frames two consecutive windows share. \\[default: 16]",
+        "keyframes": "Keyframe policy: all, interval:N or flow. \\[default: all]",
+        "flow_threshold": "flow policy: mean flow in pixels that makes a keyframe. \\[default: 15]",
+        "max_gap": "flow policy: most frames in a row without a keyframe. \\[default: 30]",
+        "image_width": "Model input width in pixels, a multiple of 14. \\[default: 518]",
+    },
+    _SOURCE: {
+        "fps": "Use at most this many frames per second of video (by timestamp). For an image folder: the rate "
+        "its timestamps assume.",
+        "max_frames": "Stop after this many frames.",
+        "start": "First source frame to use (0-based). \\[default: 0]",
+        "stride": "Use every N-th source frame. \\[default: 1]",
+        "open_timeout_s": "Seconds to wait for a stream URL to connect. \\[default: 10]",
+    },
+    _OUTPUT: {
+        "conf_threshold": "Keep points with depth confidence at least this in points.ply. \\[default: 2]",
+        "voxel_size": "Voxel size for points.ply, in model units. \\[default: automatic]",
+        "overwrite": "Replace a run already in the output folder.",
+    },
+    _VIEWER: {
+        "viewer": "Open the live browser viewer. \\[default: viewer]",
+        "keep_viewer": "Keep the viewer serving the result after the run (Ctrl-C to exit).",
+        "host": "Viewer address. \\[default: 127.0.0.1]",
+        "port": "Viewer port (the next free one is used if taken). \\[default: 8080]",
+    },
+}
+# Flags spelled otherwise than the field's name.
+_FLAG_NAMES = {"checkpoint": ("--checkpoint", "-c"), "open_timeout_s": ("--open-timeout",)}
+
+
+def _run_option_flag(field: str, help: str, panel: str) -> Any:
+    """The flag of one RunOptions field: named after it, of its type (`float | None` -> float)."""
+    annotation = typing.get_type_hints(RunOptions)[field]
+    kind = next(arg for arg in (typing.get_args(annotation) or (annotation,)) if arg is not type(None))
+    names = _FLAG_NAMES.get(field, (f"--{field.replace('_', '-')}",))
+    if kind is bool:
+        names = (f"{names[0]}/--no-{names[0].removeprefix('--')}", *names[1:])
+    return _optional_flag(kind, *names, help=help, panel=panel)
+
+
+# The flag of every RunOptions field; `takes_run_options` gives them to a command.
+RUN_OPTION_FLAGS: dict[str, Any] = {
+    field: _run_option_flag(field, help, panel)
+    for panel, helps in _RUN_OPTION_HELP.items()
+    for field, help in helps.items()
 }
 
 
