@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from stream_recon.app.pipeline import OptionsError, RunOptions
+from stream_recon.app.options import OptionsError, RunOptions
 
 # configs/ sits beside app/ in the repository (and in an editable install)
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"

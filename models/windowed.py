@@ -33,7 +33,7 @@ import torch
 
 from .engine import StreamConfig, StreamingEngine
 from .gct import GCTStream
-from .pose import decode_pose, quat_xyzw_to_rotation
+from .pose import decode_pose, quat_xyzw_product, quat_xyzw_to_rotation, rotation_to_quat_xyzw
 from .prediction import FramePrediction
 
 logger = logging.getLogger("stream_recon.models.windowed")
@@ -44,42 +44,6 @@ _SCALE_RANGE = (1e-3, 1e3)
 
 
 # -- Sim(3) helpers (float64, numpy) -------------------------------------------------------------
-def rotation_to_quat_xyzw(rotation: np.ndarray) -> np.ndarray:
-    """[..., 3, 3] rotation -> unit quaternion [..., 4] (x, y, z, w) with w >= 0.
-
-    Each of the four components can be recovered from the diagonal; dividing by the largest one
-    keeps the result accurate for every rotation, 180-degree turns included (where w -> 0 and the
-    trace formula alone would divide by zero).
-    """
-    m = np.asarray(rotation, dtype=np.float64)
-    m00, m11, m22 = m[..., 0, 0], m[..., 1, 1], m[..., 2, 2]
-    # 4 * (w^2, x^2, y^2, z^2)
-    four_sq = np.stack([1 + m00 + m11 + m22, 1 + m00 - m11 - m22, 1 - m00 + m11 - m22, 1 - m00 - m11 + m22], -1)
-    zy, yz = m[..., 2, 1], m[..., 1, 2]
-    xz, zx = m[..., 0, 2], m[..., 2, 0]
-    yx, xy = m[..., 1, 0], m[..., 0, 1]
-    # Row i: 4 * q_i * (w, x, y, z); the component i itself is 4 q_i^2.
-    scaled = np.stack(
-        [
-            np.stack([four_sq[..., 0], zy - yz, xz - zx, yx - xy], -1),
-            np.stack([zy - yz, four_sq[..., 1], xy + yx, xz + zx], -1),
-            np.stack([xz - zx, xy + yx, four_sq[..., 2], yz + zy], -1),
-            np.stack([yx - xy, xz + zx, yz + zy, four_sq[..., 3]], -1),
-        ],
-        -2,
-    )  # [..., 4, 4]
-    best = np.argmax(four_sq, axis=-1)
-    wxyz = np.take_along_axis(scaled, best[..., None, None], axis=-2)[..., 0, :]
-    wxyz = wxyz / np.linalg.norm(wxyz, axis=-1, keepdims=True)
-    wxyz = np.where(wxyz[..., :1] < 0, -wxyz, wxyz)
-    return np.concatenate([wxyz[..., 1:], wxyz[..., :1]], -1)
-
-
-def quat_xyzw_to_matrix(quat: np.ndarray) -> np.ndarray:
-    """[..., 4] (x, y, z, w), any norm -> [..., 3, 3] float64 (the decoder's formula)."""
-    return quat_xyzw_to_rotation(torch.from_numpy(np.asarray(quat, dtype=np.float64))).numpy()
-
-
 @dataclass(frozen=True)
 class Sim3:
     """x -> scale * rotation @ x + translation: maps one window's world frame into another's."""
@@ -124,17 +88,6 @@ class Sim3:
         return out.astype(pose_enc.dtype)
 
 
-def quat_xyzw_product(first: np.ndarray, second: np.ndarray) -> np.ndarray:
-    """Hamilton product first * second of (x, y, z, w) quaternions [..., 4] (broadcast): the
-    rotation of the product is R(first) @ R(second), and |product| = |first| |second|."""
-    x1, y1, z1, w1 = np.moveaxis(np.asarray(first, np.float64), -1, 0)
-    x2, y2, z2, w2 = np.moveaxis(np.asarray(second, np.float64), -1, 0)
-    return np.stack([w1 * x2 + x1 * w2 + y1 * z2 - z1 * y2,
-                     w1 * y2 - x1 * z2 + y1 * w2 + z1 * x2,
-                     w1 * z2 + x1 * y2 - y1 * x2 + z1 * w2,
-                     w1 * w2 - x1 * x2 - y1 * y2 - z1 * z2], axis=-1)
-
-
 def depth_ratio_scale(target_depth: np.ndarray, source_depth: np.ndarray) -> float:
     """Median of target / source over all pixels where both are finite and the source is not ~0.
 
@@ -165,8 +118,8 @@ def estimate_window_alignment(target_pose_enc: np.ndarray, target_depth: np.ndar
     paired = np.flatnonzero(np.asarray(target_keyframe, bool) & np.asarray(source_keyframe, bool))
     anchor = int(paired[-1]) if paired.size else 0
     depth_rows = paired if paired.size else np.array([0])
-    target_rotation = quat_xyzw_to_matrix(target_pose_enc[anchor, 3:7])
-    source_rotation = quat_xyzw_to_matrix(source_pose_enc[anchor, 3:7])
+    target_rotation = quat_xyzw_to_rotation(target_pose_enc[anchor, 3:7])
+    source_rotation = quat_xyzw_to_rotation(source_pose_enc[anchor, 3:7])
     rotation = target_rotation @ source_rotation.T
     scale = depth_ratio_scale(np.asarray(target_depth)[depth_rows], np.asarray(source_depth)[depth_rows])
     target_centre = np.asarray(target_pose_enc[anchor, :3], np.float64)

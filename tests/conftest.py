@@ -1,3 +1,15 @@
+"""Shared test fixtures.
+
+For a test that runs the tiny model:
+
+    pytestmark = pytest.mark.usefixtures("one_torch_thread")   # the module's torch on one thread
+
+    def test_something(tiny_model): ...                         # ModelConfig.tiny(), synthetic weights
+    def test_streaming(prepared_tiny_model): ...                # the same, ready for StreamingEngine
+
+and `build_tiny_model()` where a plain function is needed (a Ray worker's loader, a checkpoint to save).
+"""
+
 import sys
 from pathlib import Path
 
@@ -6,6 +18,9 @@ import numpy as np
 import pytest
 import torch
 
+from stream_recon.models import GCTStream, ModelConfig, prepare_for_inference
+from stream_recon.models.synthetic import load_synthetic_weights
+
 # Golden helpers live beside the tests.
 sys.path.insert(0, str(Path(__file__).parent))
 from golden_utils import GOLDEN, full_size_model  # noqa: E402
@@ -13,6 +28,38 @@ from golden_utils import GOLDEN, full_size_model  # noqa: E402
 # Float32 everywhere: TF32 would break the golden tolerance (fixtures README §5).
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
+
+
+def build_tiny_model(config: ModelConfig | None = None) -> GCTStream:
+    """The tiny model (`config`, default ModelConfig.tiny()) with the deterministic synthetic weights, in
+    eval mode on the CPU: every caller, process and Ray worker gets the same numbers."""
+    return load_synthetic_weights(GCTStream(config or ModelConfig.tiny())).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> GCTStream:
+    """One tiny model per test module (see build_tiny_model)."""
+    return build_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def prepared_tiny_model(tiny_model) -> GCTStream:
+    """tiny_model prepared for streaming on the CPU in float32 (it shares the weights)."""
+    return prepare_for_inference(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Torch on one intra-op thread for the rest of the module, then back to what it was.
+
+    The tiny model's ops take microseconds: two OpenMP threads on a busy 2-core machine only wait on
+    each other and a run gets ~15x slower. One thread also matches Ray workers, which run torch on one
+    thread, so in-process and distributed results compare number for number.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

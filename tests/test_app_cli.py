@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import build_tiny_model
 from media_helpers import (
     free_port,
     mjpeg_server,
@@ -30,9 +31,9 @@ from typer.testing import CliRunner
 
 from stream_recon.app.cli import app, main, with_default_command
 from stream_recon.app.commands._options import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED
-from stream_recon.app.pipeline import OptionsError, RunOptions
+from stream_recon.app.options import OptionsError, RunOptions
 from stream_recon.app.presets import PRESET_DIR, PresetError, available_presets, build_options
-from stream_recon.models import GCTStream, ModelConfig
+from stream_recon.models import ModelConfig
 from stream_recon.models.checkpoint import convert_to_safetensors
 
 runner = CliRunner()
@@ -69,6 +70,12 @@ def assert_user_error(result, *fragments: str, code: int = EXIT_BAD_INPUT) -> No
 )
 def test_run_is_the_default_command(argv: list[str], expected: list[str]) -> None:
     assert with_default_command(argv) == expected
+
+
+def test_every_run_option_has_a_flag() -> None:
+    from stream_recon.app.commands._options import RUN_OPTION_FLAGS
+
+    assert set(RUN_OPTION_FLAGS) == set(RunOptions.field_names())
 
 
 def test_version_and_help() -> None:
@@ -172,6 +179,9 @@ def test_single_image_instead_of_folder(tmp_path: Path) -> None:
         (["--keyframes", "sometimes"], "keyframes must be all, flow or interval:N"),
         (["--image-width", "500"], "image_width must be a positive multiple of 14"),
         (["--stride", "0"], "stride must be >= 1"),
+        (["--open-timeout", "0"], "open_timeout_s must be > 0"),  # a flag spelled unlike its field
+        (["--window-frames", "4", "--scale-frames", "4"], "window_frames must be more than scale_frames"),
+        (["--port", "70000"], "port must be between 1 and 65535"),
         (["--device", "cuda:0"], "CUDA is not available"),
         (["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
         (["--attention", "flashinfer", "--device", "cpu"], "flashinfer needs bf16/fp16 on a CUDA device"),
@@ -276,18 +286,8 @@ FAST_FLAGS = ["--no-viewer", "--image-width", "56", "--scale-frames", "3", "--wi
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real .safetensors checkpoint of the tiny model, written by our own converter."""
     folder = tmp_path_factory.mktemp("checkpoint")
-    torch.manual_seed(0)
-    torch.save(GCTStream(ModelConfig.tiny()).state_dict(), folder / "tiny.pt")
+    torch.save(build_tiny_model().state_dict(), folder / "tiny.pt")
     return convert_to_safetensors(folder / "tiny.pt", folder / "tiny.safetensors", config=ModelConfig.tiny())
-
-
-@pytest.fixture
-def one_torch_thread():
-    # the tiny model's microsecond ops crawl when two OpenMP threads contend on a busy 2-core machine
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture

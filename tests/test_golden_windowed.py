@@ -13,7 +13,7 @@ from golden_utils import GOLDEN, TOLERANCE, golden_frames, prepared_full_size_mo
 
 from stream_recon.models import StreamConfig, WindowedEngine
 
-pytestmark = pytest.mark.golden
+pytestmark = [pytest.mark.golden, pytest.mark.slow]
 
 # Both scenarios: inference_windowed(window_size=6, overlap_size=3, num_scale_frames=3) on a model
 # with a 4-frame sliding window; `flow` adds flow_threshold=43.0, max_non_keyframe_gap=3.

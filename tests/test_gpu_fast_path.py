@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import build_tiny_model
 from golden_utils import GOLDEN, golden_frames
 from test_gpu_flashinfer import BF16_TOLERANCE, SCENARIOS, errors, stream
 
@@ -58,16 +59,14 @@ def test_graph_replay_equals_the_eager_step(gpu_model, attention):
 
 def test_contiguous_store_stays_put_over_2000_frames():
     from stream_recon.models import (
-        GCTStream,
         ModelConfig,
         StreamConfig,
         StreamingEngine,
         prepare_for_inference,
     )
-    from stream_recon.models.synthetic import load_synthetic_weights
 
     config = ModelConfig.from_dict({**ModelConfig.tiny().to_dict(), "max_frames": 2100})
-    model = prepare_for_inference(load_synthetic_weights(GCTStream(config)).eval(), "cuda", torch.bfloat16)
+    model = prepare_for_inference(build_tiny_model(config), "cuda", torch.bfloat16)
     engine = StreamingEngine(model, StreamConfig(scale_frames=8, window=64, keyframes="flow", flow_threshold=0.5))
     image = torch.rand(3, 126, 224, device="cuda")
     memory = {}
@@ -111,15 +110,12 @@ def test_pipelined_streaming_equals_the_synchronous_one(gpu_model, scenario, att
 
 def test_pipelined_push_returns_the_previous_frame_and_finish_the_last():
     from stream_recon.models import (
-        GCTStream,
-        ModelConfig,
         StreamConfig,
         StreamingEngine,
         prepare_for_inference,
     )
-    from stream_recon.models.synthetic import load_synthetic_weights
 
-    model = prepare_for_inference(load_synthetic_weights(GCTStream(ModelConfig.tiny())).eval(), "cuda", torch.bfloat16)
+    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
     engine = StreamingEngine(model, StreamConfig(scale_frames=2, window=3, pipeline=True))
     frames = [torch.rand(3, 126, 224, device="cuda") for _ in range(8)]
     returned = [[p.frame_index for p in engine.push(frame)] for frame in frames]
@@ -131,11 +127,10 @@ def test_pipelined_push_returns_the_previous_frame_and_finish_the_last():
 
 
 def test_windowed_rollovers_with_pipelining_emit_what_they_emit_without():
-    from stream_recon.models import GCTStream, ModelConfig, StreamConfig, prepare_for_inference
-    from stream_recon.models.synthetic import load_synthetic_weights
+    from stream_recon.models import StreamConfig, prepare_for_inference
     from stream_recon.models.windowed import WindowedEngine
 
-    model = prepare_for_inference(load_synthetic_weights(GCTStream(ModelConfig.tiny())).eval(), "cuda", torch.bfloat16)
+    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
     frames = [torch.rand(3, 126, 224, generator=generator).cuda() for _ in range(40)]
     runs = {}

@@ -67,12 +67,6 @@ def isolated_caches(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def tiny_model() -> GCTStream:
-    torch.manual_seed(0)
-    return GCTStream(TINY).eval()
-
-
-@pytest.fixture(scope="module")
 def tiny_state_dict(tiny_model) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for name, tensor in tiny_model.state_dict().items()}
 

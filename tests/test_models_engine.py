@@ -5,26 +5,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import build_tiny_model
 
 from stream_recon.models import (
     FRAME_KEY,
     FRAME_NON_KEY,
     FRAME_SCALE,
     FrameError,
-    GCTStream,
     KeyframePolicy,
     ModelConfig,
     StreamConfig,
     StreamingEngine,
     prepare_for_inference,
 )
-from stream_recon.models.synthetic import load_synthetic_weights
 
-
-@pytest.fixture(scope="module")
-def tiny_model():
-    torch.manual_seed(0)
-    return prepare_for_inference(load_synthetic_weights(GCTStream(ModelConfig.tiny())).eval())
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def frames(count: int, height: int = 42, width: int = 56, seed: int = 0) -> list[torch.Tensor]:
@@ -41,8 +36,8 @@ def run(model, config: StreamConfig, images) -> tuple[list, StreamingEngine]:
     return predictions, engine
 
 
-def test_phases_and_outputs(tiny_model):
-    predictions, engine = run(tiny_model, StreamConfig(scale_frames=3, window=2), frames(9))
+def test_phases_and_outputs(prepared_tiny_model):
+    predictions, engine = run(prepared_tiny_model, StreamConfig(scale_frames=3, window=2), frames(9))
     assert [p.frame_index for p in predictions] == list(range(9))
     assert [p.frame_type for p in predictions] == [FRAME_SCALE] * 3 + [FRAME_KEY] * 6
     assert [p.timestamp for p in predictions] == [0.5 * i for i in range(9)]
@@ -54,27 +49,27 @@ def test_phases_and_outputs(tiny_model):
     assert stats["cached_frames"] == 9 and stats["patch_frames"] == 5 and stats["camera_tokens"] == 9
 
 
-def test_scale_frames_are_returned_together(tiny_model):
-    engine = StreamingEngine(tiny_model, StreamConfig(scale_frames=3, window=2))
+def test_scale_frames_are_returned_together(prepared_tiny_model):
+    engine = StreamingEngine(prepared_tiny_model, StreamConfig(scale_frames=3, window=2))
     images = frames(4)
     assert engine.push(images[0]) == [] and engine.push(images[1]) == []
     assert [p.frame_index for p in engine.push(images[2])] == [0, 1, 2]
     assert [p.frame_index for p in engine.push(images[3])] == [3]
 
 
-def test_short_stream_is_flushed_by_finish(tiny_model):
-    predictions, _ = run(tiny_model, StreamConfig(scale_frames=4, window=2), frames(2))
+def test_short_stream_is_flushed_by_finish(prepared_tiny_model):
+    predictions, _ = run(prepared_tiny_model, StreamConfig(scale_frames=4, window=2), frames(2))
     assert [p.frame_type for p in predictions] == [FRAME_SCALE, FRAME_SCALE]
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "dense"])
-def test_rolled_back_frames_leave_no_trace(tiny_model, attention):
+def test_rolled_back_frames_leave_no_trace(prepared_tiny_model, attention):
     """With interval:2, every keyframe's output equals a stream that never saw the non-keyframes."""
     images = frames(11, seed=1)
     config = StreamConfig(scale_frames=3, window=2, keyframes="interval:2", attention=attention)
-    with_drops, engine = run(tiny_model, config, images)
+    with_drops, engine = run(prepared_tiny_model, config, images)
     kept = [images[i] for i in range(11) if i < 3 or (i - 3) % 2 == 0]
-    only_keyframes, _ = run(tiny_model, StreamConfig(scale_frames=3, window=2, attention=attention), kept)
+    only_keyframes, _ = run(prepared_tiny_model, StreamConfig(scale_frames=3, window=2, attention=attention), kept)
     keyframes = [p for p in with_drops if p.frame_type != FRAME_NON_KEY]
     assert [p.frame_type for p in with_drops][3:] == [FRAME_KEY, FRAME_NON_KEY] * 4
     for ours, reference in zip(keyframes, only_keyframes, strict=True):
@@ -109,15 +104,15 @@ class DenseCache:
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "dense"])
-def test_cache_layouts_equal_dense_visible_set(tiny_model, attention):
+def test_cache_layouts_equal_dense_visible_set(prepared_tiny_model, attention):
     """Both cache layouts attend over exactly the spec's key set (scale + window + all specials)."""
     from stream_recon.cache import TokenCache
 
     images = frames(10, seed=2)
-    paged, _ = run(tiny_model, StreamConfig(scale_frames=2, window=3, attention=attention), images)
-    config = tiny_model.config
+    paged, _ = run(prepared_tiny_model, StreamConfig(scale_frames=2, window=3, attention=attention), images)
+    config = prepared_tiny_model.config
     dense = DenseCache(2, 3, config.num_special_tokens)
-    camera = TokenCache(tiny_model.camera_head.num_cache_layers, config.camera_heads,
+    camera = TokenCache(prepared_tiny_model.camera_head.num_cache_layers, config.camera_heads,
                         config.head_in_dim // config.camera_heads, torch.float32, "cpu")
     batches = [torch.stack(images[:2])] + [image[None] for image in images[2:]]
     start = 0
@@ -126,7 +121,7 @@ def test_cache_layouts_equal_dense_visible_set(tiny_model, attention):
             n = batch.shape[0]
             dense.num_new = n
             camera.begin(n)
-            out = tiny_model.step(batch, dense, camera, torch.arange(start, start + n), torch.arange(start, start + n), 2)
+            out = prepared_tiny_model.step(batch, dense, camera, torch.arange(start, start + n), torch.arange(start, start + n), 2)
             camera.commit()
             for i in range(n):
                 np.testing.assert_allclose(paged[start + i].depth, out["depth"][i].numpy(), rtol=0, atol=2e-6)
@@ -135,8 +130,8 @@ def test_cache_layouts_equal_dense_visible_set(tiny_model, attention):
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "dense"])
-def test_flow_policy_decides_and_reports_flow(tiny_model, attention):
-    predictions, engine = run(tiny_model, StreamConfig(scale_frames=3, window=2, keyframes="flow", flow_threshold=1e9,
+def test_flow_policy_decides_and_reports_flow(prepared_tiny_model, attention):
+    predictions, engine = run(prepared_tiny_model, StreamConfig(scale_frames=3, window=2, keyframes="flow", flow_threshold=1e9,
                                                        max_gap=3, attention=attention), frames(12, seed=3))
     types = [p.frame_type for p in predictions]
     # Threshold never reached: keyframes come from the first-frame rule and the gap limit alone.
@@ -157,8 +152,8 @@ def test_policy_parsing_rejects(text):
         KeyframePolicy.parse(text)
 
 
-def test_bad_frames_are_named(tiny_model):
-    engine = StreamingEngine(tiny_model, StreamConfig(scale_frames=2, window=2))
+def test_bad_frames_are_named(prepared_tiny_model):
+    engine = StreamingEngine(prepared_tiny_model, StreamConfig(scale_frames=2, window=2))
     with pytest.raises(FrameError, match="torch.Tensor or numpy array"):
         engine.push("frame.png")
     with pytest.raises(FrameError, match=r"shape \[3, H, W\]"):
@@ -175,16 +170,16 @@ def test_bad_frames_are_named(tiny_model):
     assert len(engine.push(torch.rand(3, 42, 56))) == 1
 
 
-def test_uint8_frames_are_accepted(tiny_model):
+def test_uint8_frames_are_accepted(prepared_tiny_model):
     image = (torch.rand(3, 42, 56) * 255).to(torch.uint8)
-    a, _ = run(tiny_model, StreamConfig(scale_frames=1, window=2), [image])
-    b, _ = run(tiny_model, StreamConfig(scale_frames=1, window=2), [image.float() / 255])
+    a, _ = run(prepared_tiny_model, StreamConfig(scale_frames=1, window=2), [image])
+    b, _ = run(prepared_tiny_model, StreamConfig(scale_frames=1, window=2), [image.float() / 255])
     np.testing.assert_array_equal(a[0].depth, b[0].depth)
 
 
 def test_temporal_limit_is_a_clear_error():
     config = ModelConfig.from_dict({**ModelConfig.tiny().to_dict(), "max_frames": 4})
-    model = prepare_for_inference(load_synthetic_weights(GCTStream(config)).eval())
+    model = prepare_for_inference(build_tiny_model(config))
     engine = StreamingEngine(model, StreamConfig(scale_frames=2, window=2))
     for image in frames(4):
         engine.push(image)
@@ -194,8 +189,8 @@ def test_temporal_limit_is_a_clear_error():
     assert engine.cache.num_pending_frames == 0 and engine.stats()["cached_frames"] == 4
 
 
-def test_stats_have_the_same_keys_before_the_first_frame(tiny_model):
-    engine = StreamingEngine(tiny_model, StreamConfig(scale_frames=1, window=2))
+def test_stats_have_the_same_keys_before_the_first_frame(prepared_tiny_model):
+    engine = StreamingEngine(prepared_tiny_model, StreamConfig(scale_frames=1, window=2))
     before = engine.stats()
     engine.push(frames(1)[0])
     assert set(before) == set(engine.stats())

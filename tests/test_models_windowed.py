@@ -17,14 +17,10 @@ from hypothesis import strategies as st
 
 from stream_recon.models import (
     FrameError,
-    GCTStream,
-    ModelConfig,
     StreamConfig,
     StreamingEngine,
     WindowedEngine,
-    prepare_for_inference,
 )
-from stream_recon.models.synthetic import load_synthetic_weights
 from stream_recon.models.windowed import (
     Sim3,
     depth_ratio_scale,
@@ -35,20 +31,12 @@ from stream_recon.models.windowed import (
 HEIGHT, WIDTH = 28, 42  # 2 x 3 patches
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The tiny model's tensors are too small to gain from intra-op threads; on a busy 2-core
-    # machine two threads per op only wait for each other.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return prepare_for_inference(load_synthetic_weights(GCTStream(ModelConfig.tiny())).eval())
+def model(prepared_tiny_model):
+    return prepared_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -16,48 +16,26 @@ current frame and saves everything done so far; a second Ctrl-C skips the final 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from stream_recon.app.commands._options import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
-    AttentionOpt,
-    CheckpointOpt,
-    CompileOpt,
+    RUN_OPTION_FLAGS,
     ConfigOpt,
-    ConfThresholdOpt,
-    DeviceOpt,
-    DtypeOpt,
-    FlowThresholdOpt,
-    FpsOpt,
-    HostOpt,
-    ImageWidthOpt,
-    KeepViewerOpt,
-    KeyframesOpt,
-    MaxFramesOpt,
-    MaxGapOpt,
-    OpenTimeoutOpt,
     OutputOpt,
-    OverlapOpt,
-    OverwriteOpt,
-    PortOpt,
-    ScaleFramesOpt,
-    StartOpt,
-    StrideOpt,
-    ViewerOpt,
-    VoxelSizeOpt,
-    WindowFramesOpt,
-    WindowOpt,
     error_console,
     show_engine_log,
+    takes_run_options,
     user_errors,
 )
 
 DEFAULT_OUTPUT_ROOT = Path("outputs")
 
 
+@takes_run_options(*RUN_OPTION_FLAGS)
 def run(
     source: Annotated[
         str,
@@ -66,31 +44,8 @@ def run(
     ],
     output: OutputOpt = None,
     config: ConfigOpt = None,
-    checkpoint: CheckpointOpt = None,
-    device: DeviceOpt = None,
-    dtype: DtypeOpt = None,
-    attention: AttentionOpt = None,
-    compile: CompileOpt = None,
-    scale_frames: ScaleFramesOpt = None,
-    window: WindowOpt = None,
-    window_frames: WindowFramesOpt = None,
-    overlap: OverlapOpt = None,
-    keyframes: KeyframesOpt = None,
-    flow_threshold: FlowThresholdOpt = None,
-    max_gap: MaxGapOpt = None,
-    image_width: ImageWidthOpt = None,
-    fps: FpsOpt = None,
-    max_frames: MaxFramesOpt = None,
-    start: StartOpt = None,
-    stride: StrideOpt = None,
-    open_timeout: OpenTimeoutOpt = None,
-    conf_threshold: ConfThresholdOpt = None,
-    voxel_size: VoxelSizeOpt = None,
-    overwrite: OverwriteOpt = None,
-    viewer: ViewerOpt = None,
-    keep_viewer: KeepViewerOpt = None,
-    host: HostOpt = None,
-    port: PortOpt = None,
+    *,
+    overrides: dict[str, Any],
 ) -> None:
     """Reconstruct SOURCE frame by frame: poses and depth on disk as they come, live in the browser."""
     from stream_recon.app.pipeline import run_sequence
@@ -99,14 +54,6 @@ def run(
 
     console = error_console()
     show_engine_log(console)
-    overrides = dict(
-        checkpoint=checkpoint, device=device, dtype=dtype, attention=attention, compile=compile,
-        scale_frames=scale_frames, window=window, window_frames=window_frames, overlap=overlap, keyframes=keyframes,
-        flow_threshold=flow_threshold, max_gap=max_gap,
-        image_width=image_width, fps=fps, max_frames=max_frames, start=start, stride=stride,
-        open_timeout_s=open_timeout, conf_threshold=conf_threshold, voxel_size=voxel_size, overwrite=overwrite,
-        viewer=viewer, keep_viewer=keep_viewer, host=host, port=port,
-    )
     with user_errors(console):
         options = build_options(config, overrides)
         output_dir = output if output is not None else DEFAULT_OUTPUT_ROOT / source_name(source)
