@@ -2,6 +2,7 @@
 
 `stream-recon SOURCE` is short for `stream-recon run SOURCE`. Click takes the first positional as
 a command name, so `main` inserts `run` when the first argument is not a command or a root option.
+`stream-recon` alone is `stream-recon run`, which reconstructs the bundled sample.
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ def command_names() -> set[str]:
 
 
 def with_default_command(args: list[str]) -> list[str]:
-    """Insert `run` unless the first argument is a command or a root option (or there is none)."""
-    if not args or args[0] in command_names() or args[0] in ROOT_OPTIONS:
+    """Insert `run` unless the first argument is a command or a root option."""
+    if args and (args[0] in command_names() or args[0] in ROOT_OPTIONS):
         return args
     return ["run", *args]
 
