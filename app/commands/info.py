@@ -94,7 +94,10 @@ def _attention_backends() -> dict[str, str]:
     try:
         import flashinfer  # noqa: F401 - only its presence matters here
     except ImportError as error:
-        backends["flashinfer"] = f"not installed ({error.msg}); pip install 'stream-recon[cuda]' on a CUDA machine"
+        backends["flashinfer"] = (
+            f"not installed ({error.msg}); on a CUDA machine: scripts/setup-env cuda in a checkout, "
+            "else pip install 'stream-recon[cuda]' where stream-recon is installed"
+        )
     else:
         backends["flashinfer"] = (
             "available" if torch.cuda.is_available() else "installed, but needs a CUDA GPU (none found)"
