@@ -28,7 +28,7 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 # How to get a package a backend needs, said once.
 INSTALL_HINTS = {
     "triton": "it comes with CUDA builds of torch",
-    "flashinfer": "pip install 'stream-recon[cuda]'",
+    "flashinfer": "on a CUDA machine: scripts/setup-env cuda in a checkout, else pip install 'stream-recon[cuda]'",
 }
 
 # factory(storage, layout, compile, device) -> backend

@@ -65,7 +65,7 @@ def assert_user_error(result, *fragments: str, code: int = EXIT_BAD_INPUT) -> No
         (["info"], ["info"]),
         (["--version"], ["--version"]),
         (["-h"], ["-h"]),
-        ([], []),
+        ([], ["run"]),
     ],
 )
 def test_run_is_the_default_command(argv: list[str], expected: list[str]) -> None:
@@ -328,6 +328,31 @@ def test_default_output_folder_is_named_after_the_source(
 
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "outputs" / "kitchen" / "run.json").read_text())["status"] == "complete"
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_no_source_runs_the_bundled_sample_and_a_rerun_replaces_it(
+    tmp_path: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        result = invoke("--checkpoint", str(tiny_checkpoint), *FAST_FLAGS)
+
+        assert result.exit_code == 0, result.output
+        assert "bundled sample (14 frames" in result.output and "outputs/sample/" in result.output
+    record = json.loads((tmp_path / "outputs" / "sample" / "run.json").read_text())
+    assert record["status"] == "complete" and record["summary"]["frames"] == 14
+
+
+def test_the_sample_never_replaces_a_run_in_a_folder_the_user_named(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    run_dir = tmp_path / "mine"
+    (run_dir / "predictions").mkdir(parents=True)
+    (run_dir / "run.json").write_text("{}")
+
+    result = invoke("--checkpoint", str(tiny_checkpoint), "-o", str(run_dir), *FAST_FLAGS)
+
+    assert_user_error(result, "already holds a run", "--overwrite")
+    assert (run_dir / "run.json").read_text() == "{}"
 
 
 @pytest.mark.usefixtures("one_torch_thread")
