@@ -67,7 +67,11 @@ def run_cli_on_golden_frames(checkpoint: Path, frames: Path, output: Path, scena
     args = [str(frames), "--output", str(output), "--checkpoint", str(checkpoint), "--scale-frames", "3",
             "--window", "4", "--image-width", "224", "--no-viewer", *SCENARIO_OPTIONS[scenario], *extra]
     result = CliRunner().invoke(app, with_default_command(args))
-    assert result.exit_code == 0, result.output
+    if result.exit_code != 0:
+        import traceback
+
+        trace = "".join(traceback.format_exception(*result.exc_info)) if result.exc_info else ""
+        raise AssertionError(f"exit {result.exit_code}: {result.output}\n{getattr(result, 'stderr', '')}\n{trace}")
     return output
 
 

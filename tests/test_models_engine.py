@@ -18,6 +18,7 @@ from stream_recon.models import (
     StreamingEngine,
     prepare_for_inference,
 )
+from stream_recon.models.steps import EagerRunner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -217,3 +218,37 @@ def test_graph_recording_pauses_the_cycle_collector_and_restores_it():
         assert not gc.isenabled()  # a collector the caller had paused stays paused
     finally:
         gc.enable()
+
+
+class LaggedEagerRunner(EagerRunner):
+    """An eager runner whose frames the engine collects one push late, as it does a pipelined one's
+    (PipelinedRunner needs CUDA): the engine's delivery and late-decision logic on the CPU."""
+
+    lag = 1
+
+
+@pytest.mark.parametrize("keyframes", ["all", "interval:2", "flow"])
+def test_a_runner_that_holds_a_frame_gives_the_same_stream_one_push_late(prepared_tiny_model, monkeypatch,
+                                                                         keyframes):
+    from stream_recon.models import engine as engine_module
+
+    # flow: the tiny model's flows are all small, so the gap rule makes both decisions happen
+    config = StreamConfig(scale_frames=3, window=2, keyframes=keyframes, flow_threshold=1e9, max_gap=3)
+    images = frames(12, seed=5)
+    synchronous, _ = run(prepared_tiny_model, config, images)
+    monkeypatch.setattr(engine_module, "choose_runner", lambda *args, **kwargs: LaggedEagerRunner(*args[:5]))
+    engine = StreamingEngine(prepared_tiny_model, config)
+    per_push = [engine.push(image, timestamp=0.5 * i) for i, image in enumerate(images)]
+    tail = engine.finish()
+    assert [[p.frame_index for p in push] for push in per_push[2:5]] == [[0, 1, 2], [], [3]]
+    assert [p.frame_index for p in tail] == [11]
+    lagged = [p for push in per_push for p in push] + tail
+    assert [p.frame_index for p in lagged] == list(range(12)) == [p.frame_index for p in synchronous]
+    assert [p.frame_type for p in lagged] == [p.frame_type for p in synchronous]
+    if keyframes == "flow":
+        assert set([p.frame_type for p in lagged][3:]) == {FRAME_KEY, FRAME_NON_KEY}  # both decisions occur
+    for ours, reference in zip(lagged, synchronous, strict=True):
+        np.testing.assert_array_equal(ours.depth, reference.depth)
+        np.testing.assert_array_equal(ours.pose_enc, reference.pose_enc)
+        assert ours.flow_magnitude == reference.flow_magnitude or np.isnan(reference.flow_magnitude)
+    assert engine.stats()["cached_frames"] == sum(p.is_keyframe for p in synchronous)
