@@ -8,7 +8,7 @@ set -uo pipefail
 source scripts/device/env.sh
 other=${OTHER:?name the other checkout in OTHER}
 mkdir -p /tmp/sr-other/stream_recon
-for d in app models cache; do ln -sfn "$PWD/$other/$d" /tmp/sr-other/stream_recon/$d; done
+for d in app models cache configs; do [ -e "$PWD/$other/$d" ] && ln -sfn "$PWD/$other/$d" /tmp/sr-other/stream_recon/$d; done
 for round in $(seq 1 ${ROUNDS:-2}); do
   for side in this other; do
     if [ $side = this ]; then path=/tmp/sr script=scripts/bench.py; else path=/tmp/sr-other script=$other/scripts/bench.py; fi

@@ -1,10 +1,10 @@
 # Sourced by the GPU-machine scripts: install the carried wheels (.whl: FlashInfer, pytest, viser
-# and their needs) into /tmp/site, expose app/ models/ cache/ as stream_recon.* without pip, and
+# and their needs) into /tmp/site, expose app/ models/ cache/ configs/ as stream_recon.* without pip, and
 # record the GPU under $OUT. Run from the repository root.
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 mkdir -p /tmp/sr/stream_recon
-for d in app models cache; do ln -sfn "$PWD/$d" /tmp/sr/stream_recon/$d; done
+for d in app models cache configs; do ln -sfn "$PWD/$d" /tmp/sr/stream_recon/$d; done
 export PYTHONPATH=/tmp/sr:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
