@@ -33,6 +33,7 @@ from stream_recon.app.preprocess import DEFAULT_IMAGE_WIDTH, PATCH_SIZE, preproc
 from stream_recon.app.progress import RunProgress
 from stream_recon.app.sources import (
     DEFAULT_OPEN_TIMEOUT_S,
+    DEFAULT_RECONNECT_S,
     FrameSelection,
     FrameSource,
     SourceError,
@@ -88,6 +89,7 @@ class RunOptions:
     start: int = 0
     stride: int = 1
     open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S
+    reconnect_s: float = DEFAULT_RECONNECT_S  # a live source that drops is retried this long; 0: never
     # outputs
     conf_threshold: float = 2.0
     voxel_size: float | None = None  # None: automatic, relative to the first frame's depth
@@ -129,6 +131,8 @@ class RunOptions:
             yield f"max_gap must be >= 1, got {self.max_gap}"
         if self.open_timeout_s <= 0:
             yield f"open_timeout_s must be > 0, got {self.open_timeout_s}"
+        if not self.reconnect_s >= 0:
+            yield f"reconnect_s must be >= 0 (0: never reconnect), got {self.reconnect_s}"
         if not 0 < self.port < 65536:
             yield f"port must be between 1 and 65535, got {self.port}"
         try:
@@ -369,6 +373,9 @@ def _close_sinks(
         "end_reason": source.end_reason,
         "frames_read": clock.frames_read,
         "frames_dropped": source.frames_dropped,
+        "reconnects": source.reconnects,
+        "reconnect_attempts": source.reconnect_attempts,
+        "disconnected_s": round(source.disconnected_s, 3),
         **clock.rates(),
         "timings": clock.timings(),
         "peak_gpu_memory_bytes": _peak_gpu_memory(device),
@@ -487,7 +494,8 @@ def _as_frame_source(source: Any, options: RunOptions) -> FrameSource:
         return source
     if isinstance(source, (str, Path)):
         return open_source(
-            source, options.selection(), image_width=options.image_width, open_timeout_s=options.open_timeout_s
+            source, options.selection(), image_width=options.image_width, open_timeout_s=options.open_timeout_s,
+            reconnect_s=options.reconnect_s,
         )
     name = getattr(source, "name", None) or type(source).__name__
     return frames_source(source, options.selection(), name=str(name), image_width=options.image_width)

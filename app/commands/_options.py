@@ -150,6 +150,12 @@ OpenTimeoutOpt = Annotated[
     typer.Option("--open-timeout", help="Seconds to wait for a stream URL to connect. \\[default: 10]",
                  rich_help_panel=_SOURCE, show_default=False),
 ]
+ReconnectOpt = Annotated[
+    Optional[float],
+    typer.Option("--reconnect", help="Seconds to keep reconnecting, with back-off, to a live camera or stream "
+                 "that drops mid-run (0: a drop ends the run). \\[default: 30]", rich_help_panel=_SOURCE,
+                 show_default=False),
+]
 ConfThresholdOpt = Annotated[
     Optional[float],
     typer.Option("--conf-threshold", help="Keep points with depth confidence at least this in points.ply. "

@@ -43,6 +43,7 @@ from stream_recon.app.commands._options import (
     OverlapOpt,
     OverwriteOpt,
     PortOpt,
+    ReconnectOpt,
     ScaleFramesOpt,
     StartOpt,
     StrideOpt,
@@ -84,6 +85,7 @@ def run(
     start: StartOpt = None,
     stride: StrideOpt = None,
     open_timeout: OpenTimeoutOpt = None,
+    reconnect: ReconnectOpt = None,
     conf_threshold: ConfThresholdOpt = None,
     voxel_size: VoxelSizeOpt = None,
     overwrite: OverwriteOpt = None,
@@ -104,7 +106,8 @@ def run(
         scale_frames=scale_frames, window=window, window_frames=window_frames, overlap=overlap, keyframes=keyframes,
         flow_threshold=flow_threshold, max_gap=max_gap,
         image_width=image_width, fps=fps, max_frames=max_frames, start=start, stride=stride,
-        open_timeout_s=open_timeout, conf_threshold=conf_threshold, voxel_size=voxel_size, overwrite=overwrite,
+        open_timeout_s=open_timeout, reconnect_s=reconnect, conf_threshold=conf_threshold, voxel_size=voxel_size,
+        overwrite=overwrite,
         viewer=viewer, keep_viewer=keep_viewer, host=host, port=port,
     )
     with user_errors(console):
