@@ -1,5 +1,6 @@
 import json
 import re
+from pathlib import Path
 
 import cv2
 import numpy as np
@@ -277,12 +278,30 @@ def test_cli_export_writes_and_reports(run, cli, tmp_path):
     assert isinstance(trimesh.load(tmp_path / "s.glb"), trimesh.Scene)
 
 
-def test_cli_export_errors_exit_non_zero_without_traceback(cli, tmp_path):
+def test_cli_export_errors_exit_2_without_traceback(cli, tmp_path):
     outcome = CliRunner().invoke(cli, ["export", str(tmp_path / "missing"), "--format", "ply"])
-    assert outcome.exit_code == 1
+    assert outcome.exit_code == 2 and outcome.output.startswith("error: ")
     assert "does not exist" in outcome.output and "Traceback" not in outcome.output
     outcome = CliRunner().invoke(cli, ["export", str(tmp_path), "--format", "obj"])
     assert outcome.exit_code == 2 and "obj" in outcome.output
+
+
+# sysfs lets nobody, root included, create a file: a place that cannot be written, wherever tests run as
+SYSFS = Path("/sys/kernel")
+
+
+@pytest.mark.parametrize("fmt", ["ply", "glb", "tum", "colmap", "nerfstudio"])
+def test_cli_export_to_a_place_that_cannot_be_written_is_one_line_and_exit_2(run, cli, fmt):
+    if not SYSFS.is_dir():
+        pytest.skip("needs Linux's sysfs (/sys), where no file can be created")
+    run_dir, _ = run
+    target = SYSFS / f"stream-recon-export.{fmt}"
+    outcome = CliRunner().invoke(cli, ["export", str(run_dir), "-f", fmt, "-o", str(target)])
+    assert outcome.exit_code == 2, outcome.output
+    assert isinstance(outcome.exception, SystemExit) and "Traceback" not in outcome.output
+    lines = outcome.output.strip().splitlines()
+    assert len(lines) == 1 and re.match(rf"error: cannot (write|create) {re.escape(str(target))}", lines[0])
+    assert lines[0].endswith("; choose a writable --output")
 
 
 def test_tiny_model_stream_to_run_directory_and_every_export(tmp_path):
@@ -329,5 +348,5 @@ def test_cli_warns_when_the_threshold_leaves_no_points(run, cli):
 def test_cli_rejects_a_bad_voxel_size_in_one_sentence(run, cli):
     run_dir, _ = run
     outcome = CliRunner().invoke(cli, ["export", str(run_dir), "-f", "ply", "--voxel-size", "-1"])
-    assert outcome.exit_code == 1 and "Traceback" not in outcome.output
+    assert outcome.exit_code == 2 and "Traceback" not in outcome.output
     assert "voxel size must be a positive number of scene units, got -1.0" in outcome.output
