@@ -4,6 +4,7 @@ and stream servers run as processes of their own (tests/rtsp_camera.py, tests/ht
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import select
 import socket
@@ -191,6 +192,7 @@ class ServerProcess:
         self._command = command
         self._ready_timeout_s = ready_timeout_s
         self._process: subprocess.Popen | None = None
+        self.killed_at = math.nan  # time.monotonic() of the last kill
 
     def __enter__(self) -> ServerProcess:
         return self
@@ -218,6 +220,7 @@ class ServerProcess:
         """SIGKILL, as a crash or a power cut would: the server says goodbye to nobody."""
         if self._process is not None:
             self._process.kill()
+            self.killed_at = time.monotonic()
             self._process.wait(timeout=10)
             self._process.stdout.close()
             self._log.close()

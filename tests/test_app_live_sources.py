@@ -11,6 +11,7 @@ Frames carry their clip index as stripes (media_helpers.frame_bgr), so order and
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -88,13 +89,15 @@ def camera(request: pytest.FixtureRequest, clip: Path) -> Iterator[tuple[ServerP
         yield server, server.start() + path
 
 
-def read_while(source: FrameSource, keep_going: Callable[[list[Frame]], bool]) -> list[Frame]:
-    frames: list[Frame] = []
+def read_killing_the_server(source: FrameSource, server: ServerProcess, kill_after: int, frames: list[Frame]) -> None:
+    """Read `source` to its end into `frames`, killing the server once `kill_after` frames have arrived.
+
+    An error of the source propagates, with the frames before it already in `frames`.
+    """
     for frame in source:
         frames.append(frame)
-        if not keep_going(frames):
-            break
-    return frames
+        if len(frames) == kill_after:
+            server.kill()
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float) -> None:
@@ -114,7 +117,7 @@ def codes(frames: list[Frame]) -> list[int]:
 def test_live_camera_delivers_the_clip_in_order(camera: tuple[ServerProcess, str]) -> None:
     _, url = camera
     with open_source(url, open_timeout_s=5) as source:
-        frames = read_while(source, lambda frames: len(frames) < 30)
+        frames = list(itertools.islice(source, 30))
 
     assert source.kind == "stream" and source.live and source.estimated_length is None
     assert codes(frames) == list(range(30))
@@ -167,12 +170,8 @@ def test_camera_gone_for_good_ends_with_one_error_after_the_back_off(camera: tup
 
     frames: list[Frame] = []
     with source, pytest.raises(SourceError) as raised:
-        for frame in source:
-            frames.append(frame)
-            if len(frames) == 10:
-                server.kill()
-                killed_at = time.monotonic()
-    waited_s = time.monotonic() - killed_at
+        read_killing_the_server(source, server, 10, frames)
+    waited_s = time.monotonic() - server.killed_at
 
     assert f"stream {url} dropped and did not come back within 2 s" in str(raised.value)
     assert "--reconnect SECONDS" in str(raised.value)
@@ -189,10 +188,7 @@ def test_with_reconnect_off_a_drop_is_the_end_of_the_stream(clip: Path) -> None:
         url = server.start() + path
         frames: list[Frame] = []
         with open_source(url, open_timeout_s=5, reconnect_s=0) as source:
-            for frame in source:
-                frames.append(frame)
-                if len(frames) == 10:
-                    server.kill()
+            read_killing_the_server(source, server, 10, frames)
 
     assert len(frames) >= 10 and codes(frames) == list(range(len(frames)))
     assert source.end_reason == "end" and source.reconnect_attempts == 0
@@ -221,10 +217,7 @@ def test_file_url_cut_mid_file_keeps_the_frames_before_and_is_not_reconnected(cl
         source = open_source(url, open_timeout_s=5)
         frames: list[Frame] = []
         with source, pytest.raises(TruncatedSourceError) as raised:
-            for frame in source:
-                frames.append(frame)
-                if len(frames) == 10:
-                    server.kill()
+            read_killing_the_server(source, server, 10, frames)
 
     assert codes(frames) == list(range(len(frames))) and 10 <= len(frames) < CLIP_FRAMES
     assert f"stopped decoding after {len(frames)} of {CLIP_FRAMES} frames" in str(raised.value)
