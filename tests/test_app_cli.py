@@ -165,6 +165,7 @@ def test_single_image_instead_of_folder(tmp_path: Path) -> None:
         (["--keyframes", "sometimes"], "keyframes must be all, flow or interval:N"),
         (["--image-width", "500"], "image_width must be a positive multiple of 14"),
         (["--stride", "0"], "stride must be >= 1"),
+        (["--reconnect", "-1"], "reconnect_s must be >= 0 (0: never reconnect), got -1.0"),
         (["--device", "cuda:0"], "CUDA is not available"),
         (["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
         (["--attention", "flashinfer", "--device", "cpu"], "flashinfer runs on CUDA only"),
