@@ -1,18 +1,24 @@
-"""Export a finished (or interrupted) run directory: PLY cloud, GLB scene, COLMAP text model, TUM trajectory.
+"""Export a finished (or interrupted) run directory: PLY cloud, GLB scene, COLMAP text model, TUM trajectory,
+nerfstudio dataset.
 
 Everything is rebuilt from `predictions/*.npz` in one streaming pass (one frame in memory at a time), so
 the confidence threshold and voxel size can differ from the ones the run used.
 
 Conventions of the outputs:
-- PLY, TUM, COLMAP keep the run's world frame (OpenCV axes, the model's scale).
+- PLY, TUM, COLMAP, nerfstudio keep the run's world frame (OpenCV axes, the model's scale).
 - GLB follows glTF (y up, cameras looking down -z): the world is turned 180 degrees about x, so the first
   camera sits upright in any glTF viewer. Each camera is a node whose transform is its pose.
-- COLMAP puts pixel centres at +0.5 (its convention; ours is integer centres), so cx, cy and every 2D
-  point are shifted by half a pixel. Poses are world-to-camera, quaternion (qw qx qy qz).
+- COLMAP and nerfstudio put pixel centres at +0.5 (their convention; ours is integer centres), so cx, cy
+  and every 2D point are shifted by half a pixel. COLMAP poses are world-to-camera, quaternion
+  (qw qx qy qz).
+- nerfstudio's transform_matrix is camera-to-world with OpenGL camera axes (x right, y up, z backward):
+  our c2w with its y and z columns negated. Its points.ply (for Gaussian-splatting initialisation)
+  is in the same world frame, which `applied_transform` (identity) declares.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
@@ -42,7 +48,7 @@ from stream_recon.app.rundir import (
 )
 from stream_recon.models.pose import rotation_to_quat_xyzw
 
-# OpenCV camera axes (y down, z forward) to glTF's (y up, z backward): a 180 degree turn about x.
+# OpenCV camera axes (y down, z forward) to glTF's and OpenGL's (y up, z backward): a half turn about x.
 OPENCV_TO_GLTF = np.diag([1.0, -1.0, -1.0, 1.0])
 # Frustum depth as a fraction of the median scene depth: visible, but not covering the cloud.
 FRUSTUM_DEPTH_FRACTION = 0.1
@@ -53,6 +59,7 @@ class ExportFormat(str, Enum):
     GLB = "glb"
     COLMAP = "colmap"
     TUM = "tum"
+    NERFSTUDIO = "nerfstudio"
 
 
 DEFAULT_OUTPUT_NAMES = {
@@ -60,7 +67,10 @@ DEFAULT_OUTPUT_NAMES = {
     ExportFormat.GLB: "scene.glb",
     ExportFormat.COLMAP: "colmap",
     ExportFormat.TUM: TRAJECTORY_TUM,
+    ExportFormat.NERFSTUDIO: "nerfstudio",
 }
+# Formats written as a folder (a model or dataset plus images/), the others as one file.
+FOLDER_FORMATS = (ExportFormat.COLMAP, ExportFormat.NERFSTUDIO)
 
 
 class ExportError(ValueError):
@@ -78,7 +88,7 @@ class CameraRecord:
     image_size: tuple[int, int]  # (H, W)
     is_keyframe: bool
     median_depth: float  # of the confident pixels, nan when none
-    image_name: str | None  # file written under images/ (COLMAP), when the frame carried its image
+    image_name: str | None  # file written under images/ (COLMAP, nerfstudio), when the frame carried its image
 
 
 @dataclass(frozen=True)
@@ -115,27 +125,37 @@ def export_run(
     max_points = _pick(max_points, recorded.get("max_points"), DEFAULT_MAX_POINTS)
     target = _output_path(run_dir, fmt, output)
 
-    images_dir = target / "images" if fmt is ExportFormat.COLMAP else None
+    images_dir = target / "images" if fmt in FOLDER_FORMATS else None
     accumulator = None
     if fmt is not ExportFormat.TUM:
         accumulator = PointAccumulator(
             conf_threshold=conf_threshold, voxel_size=voxel_size, max_points=max_points
         )
-    contents = _read_contents(run_dir, accumulator, images_dir)
+    try:
+        contents = _read_contents(
+            run_dir, accumulator, images_dir, images_required=fmt is ExportFormat.NERFSTUDIO
+        )
+        _write_export(fmt, target, contents)
+    except OSError as exc:  # the folder could be made but not written (read-only, full, no permission)
+        raise ExportError(f"cannot write {target}: {exc.strerror or exc}; choose a writable --output") from None
+    if accumulator is None:
+        return ExportResult(target, len(contents.cameras), 0, conf_threshold, voxel_size)
+    return ExportResult(
+        target, len(contents.cameras), len(contents.cloud), conf_threshold, accumulator.voxel_size
+    )
 
+
+def _write_export(fmt: ExportFormat, target: Path, contents: _RunContents) -> None:
     if fmt is ExportFormat.TUM:
         write_tum(target, [c.timestamp for c in contents.cameras], np.array([c.c2w for c in contents.cameras]))
     elif fmt is ExportFormat.PLY:
         write_ply(target, contents.cloud.xyz, contents.cloud.rgb)
     elif fmt is ExportFormat.GLB:
         build_glb_scene(contents.cameras, contents.cloud).export(str(target))
-    else:
+    elif fmt is ExportFormat.COLMAP:
         write_colmap_text(target / "sparse" / "0", contents.cameras, contents.cloud)
-    if accumulator is None:
-        return ExportResult(target, len(contents.cameras), 0, conf_threshold, voxel_size)
-    return ExportResult(
-        target, len(contents.cameras), len(contents.cloud), conf_threshold, accumulator.voxel_size
-    )
+    else:
+        write_nerfstudio(target, contents.cameras, contents.cloud)
 
 
 def _pick(explicit, recorded, default):
@@ -147,13 +167,15 @@ def _pick(explicit, recorded, default):
 def _output_path(run_dir: Path, fmt: ExportFormat, output: Path | None) -> Path:
     name = DEFAULT_OUTPUT_NAMES[fmt]
     target = run_dir / "exports" / name if output is None else Path(output)
-    if fmt is not ExportFormat.COLMAP and target.is_dir():
+    is_folder = fmt in FOLDER_FORMATS
+    if not is_folder and target.is_dir():
         target = target / name
-    folder = target if fmt is ExportFormat.COLMAP else target.parent
+    folder = target if is_folder else target.parent
     try:
-        if fmt is ExportFormat.COLMAP and target.exists() and not target.is_dir():
+        if is_folder and target.exists() and not target.is_dir():
+            label = "COLMAP" if fmt is ExportFormat.COLMAP else "nerfstudio"
             raise ExportError(
-                f"COLMAP export goes to a directory, but {target} is a file; choose another --output"
+                f"{label} export goes to a directory, but {target} is a file; choose another --output"
             )
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -164,15 +186,20 @@ def _output_path(run_dir: Path, fmt: ExportFormat, output: Path | None) -> Path:
 
 
 def _read_contents(
-    run_dir: Path, accumulator: PointAccumulator | None, images_dir: Path | None
+    run_dir: Path, accumulator: PointAccumulator | None, images_dir: Path | None, *, images_required: bool = False
 ) -> _RunContents:
-    """One pass over the npz files: cameras, the cloud, and (for COLMAP) the images as PNG."""
+    """One pass over the npz files: cameras, the cloud, and (COLMAP, nerfstudio) the images as PNG."""
     if images_dir is not None:
         images_dir.mkdir(parents=True, exist_ok=True)
     cameras = []
     for record in iter_run(run_dir):
         depth, conf = record["depth"], record["depth_conf"]
         confident = depth[(conf >= (accumulator.conf_threshold if accumulator else 0)) & (depth > 0)]
+        if images_required and record["image"] is None:
+            raise ExportError(
+                f"frame {record['frame_index']} of {run_dir} was saved without its image, and nerfstudio "
+                "trains on the images; export this run as colmap, ply, glb or tum, or run the sequence again"
+            )
         image_name = None
         if images_dir is not None and record["image"] is not None:
             image_name = f"{record['frame_index']:06d}.png"
@@ -259,7 +286,10 @@ def build_glb_scene(cameras: list[CameraRecord], cloud: PointCloud) -> trimesh.S
 
 
 def colmap_pinhole(intrinsics: np.ndarray) -> tuple[float, float, float, float]:
-    """fx, fy, cx, cy with COLMAP's half-pixel shift (its first pixel's centre is at 0.5)."""
+    """fx, fy, cx, cy with COLMAP's half-pixel shift (its first pixel's centre is at 0.5).
+
+    nerfstudio shares the convention (its rays start from pixel coordinates + 0.5).
+    """
     return (
         float(intrinsics[0, 0]),
         float(intrinsics[1, 1]),
@@ -423,3 +453,38 @@ def _write_lines(path: Path, header: list[str], lines) -> None:
         f.write("\n".join(header) + "\n")
         for line in lines:
             f.write(line + "\n")
+
+
+# --------------------------------------------------------------------------------------------------
+# nerfstudio dataset
+
+
+def write_nerfstudio(folder: Path, cameras: list[CameraRecord], cloud: PointCloud) -> None:
+    """transforms.json and points.ply in `folder`, next to the images/ already written there.
+
+    transforms.json follows nerfstudio's dataparser: per-frame intrinsics (fl_x, fl_y, cx, cy, w, h;
+    pinhole, so no distortion terms), file_path relative to the folder, transform_matrix camera-to-world
+    [4, 4] in OpenGL camera axes, and ply_file_path for the points that seed Gaussian splatting.
+    nerfstudio re-centres, orients and scales the poses itself and applies the same to those points.
+    """
+    frames = []
+    for camera in cameras:
+        fx, fy, cx, cy = colmap_pinhole(camera.intrinsics)
+        c2w_opengl = np.eye(4)
+        c2w_opengl[:3] = camera.c2w
+        c2w_opengl = c2w_opengl @ OPENCV_TO_GLTF  # y and z columns negated: same centre, OpenGL axes
+        h, w = camera.image_size
+        frames.append({
+            "file_path": f"images/{camera.image_name}",
+            "transform_matrix": c2w_opengl.tolist(),
+            "fl_x": fx, "fl_y": fy, "cx": cx, "cy": cy, "w": w, "h": h,
+        })
+    transforms = {
+        "camera_model": "OPENCV",
+        # the points are in the poses' frame: nothing was applied to one and not the other
+        "applied_transform": np.eye(4)[:3].tolist(),
+        "ply_file_path": "points.ply",
+        "frames": frames,
+    }
+    write_ply(folder / "points.ply", cloud.xyz, cloud.rgb)
+    (folder / "transforms.json").write_text(json.dumps(transforms, indent=2) + "\n", encoding="utf-8")

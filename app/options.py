@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stream_recon.app.preprocess import DEFAULT_IMAGE_WIDTH, PATCH_SIZE
-from stream_recon.app.sources import DEFAULT_OPEN_TIMEOUT_S, FrameSelection
+from stream_recon.app.sources import DEFAULT_OPEN_TIMEOUT_S, DEFAULT_RECONNECT_S, FrameSelection
 from stream_recon.cache import backends
 from stream_recon.models.engine import KeyframePolicy
 
@@ -58,6 +58,7 @@ class RunOptions:
     start: int = 0
     stride: int = 1
     open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S
+    reconnect_s: float = DEFAULT_RECONNECT_S  # a live source that drops is retried this long; 0: never
     # outputs
     conf_threshold: float = 2.0
     voxel_size: float | None = None  # None: automatic, relative to the first frame's depth
@@ -99,6 +100,8 @@ class RunOptions:
             yield f"max_gap must be >= 1, got {self.max_gap}"
         if self.open_timeout_s <= 0:
             yield f"open_timeout_s must be > 0, got {self.open_timeout_s}"
+        if not self.reconnect_s >= 0:
+            yield f"reconnect_s must be >= 0 (0: never reconnect), got {self.reconnect_s}"
         if not 0 < self.port < 65536:
             yield f"port must be between 1 and 65535, got {self.port}"
         try:

@@ -245,6 +245,9 @@ def _close_sinks(
         "end_reason": source.end_reason,
         "frames_read": clock.frames_read,
         "frames_dropped": source.frames_dropped,
+        "reconnects": source.reconnects,
+        "reconnect_attempts": source.reconnect_attempts,
+        "disconnected_s": round(source.disconnected_s, 3),
         **clock.rates(),
         "timings": clock.timings(),
         "peak_gpu_memory_bytes": _peak_gpu_memory(device),
@@ -285,7 +288,8 @@ def _as_frame_source(source: Any, options: RunOptions) -> FrameSource:
         return source
     if isinstance(source, (str, Path)):
         return open_source(
-            source, options.selection(), image_width=options.image_width, open_timeout_s=options.open_timeout_s
+            source, options.selection(), image_width=options.image_width, open_timeout_s=options.open_timeout_s,
+            reconnect_s=options.reconnect_s,
         )
     name = getattr(source, "name", None) or type(source).__name__
     return frames_source(source, options.selection(), name=str(name), image_width=options.image_width)

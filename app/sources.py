@@ -11,10 +11,21 @@ Host memory stays constant: at most `queue_size` frames exist at once, whatever 
 `open_source` checks everything it can before returning (the file exists and decodes, the folder
 holds images of one size, the camera or URL answers within the timeout), so a bad input fails
 before any model is loaded.
+
+A live source (a webcam, a camera stream) that drops mid-run is reopened with exponential back-off,
+the way an IP camera's viewer does after a network hiccup:
+
+    frames ... drop ─ 0.25 s ─ try ─ 0.5 s ─ try ─ 1 s ─ try ─ ... (4 s apart) ─ try: frames again
+                   └───────────── at most `reconnect_s`, then SourceError ─────────────┘
+
+The frames delivered before the drop stay delivered; frames keep their index and their wall-clock
+timestamps stay increasing across the gap. A URL to a file (it has a length) is not live: when it
+stops, that is its end, and a shortfall against its length is a TruncatedSourceError.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import re
@@ -41,6 +52,10 @@ DEFAULT_OPEN_TIMEOUT_S = 10.0
 # A file decodes in milliseconds; a network stream may pause for its read timeout. Past these,
 # the reader is stuck and waiting longer would only turn an error into a hang.
 DEFAULT_FRAME_TIMEOUT_S = 30.0
+# A camera rebooting or a Wi-Fi roam takes seconds to tens of seconds; past this, the camera is gone.
+DEFAULT_RECONNECT_S = 30.0
+_FIRST_RETRY_DELAY_S = 0.25
+_MAX_RETRY_DELAY_S = 4.0
 _JOIN_TIMEOUT_S = 2.0
 _POLL_S = 0.5  # how often a waiting consumer checks that the reader still advances
 _MAX_SIZE_CHECKS = 200  # picture headers read when a folder is opened
@@ -48,6 +63,8 @@ _EXIF_ORIENTATION = 0x0112
 _ORIENTATIONS_THAT_SWAP_AXES = {5, 6, 7, 8}
 # A container's frame count can be an estimate (duration x rate); only a clear shortfall means damage.
 _TRUNCATION_SLACK_FRAMES = 2
+
+logger = logging.getLogger(__name__)
 
 
 class SourceError(ValueError):
@@ -154,6 +171,10 @@ class _Reader(Protocol):
 
     def check_complete(self, frames_grabbed: int) -> None: ...  # raise when the end came too early
 
+    # Live sources only: open the device or URL again within timeout_s and grab its first frame;
+    # False when it does not answer (yet).
+    def reconnect(self, timeout_s: float) -> bool: ...
+
     def release(self) -> None: ...
 
 
@@ -183,6 +204,7 @@ class FrameSource:
         image_width: int | None = None,
         queue_size: int = DEFAULT_QUEUE_SIZE,
         frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S,
+        reconnect_s: float = 0.0,
     ) -> None:
         self.kind = kind
         self.description = description  # for messages: "video clip.mp4", "webcam 0", ...
@@ -193,6 +215,11 @@ class FrameSource:
         self.image_width = image_width
         self.frames_dropped = 0
         self.end_reason: str | None = None
+        # a live source that stops is reopened for up to this many seconds (0: its stop is its end)
+        self.reconnect_s = reconnect_s if live else 0.0
+        self.reconnects = 0  # drops that were followed by frames again
+        self.reconnect_attempts = 0  # opens tried after drops, successful or not
+        self.disconnected_s = 0.0  # total time between a drop and the next frame (or giving up)
         self._reader = reader
         self._queue: queue.Queue[Frame | _EndOfStream] = queue.Queue(maxsize=queue_size)
         self._frame_timeout_s = frame_timeout_s
@@ -201,6 +228,7 @@ class FrameSource:
         self._iterated = False
         self._closed = False
         self._reader_progress_at = time.monotonic()  # last time the reader grabbed a frame
+        self._reconnecting = False  # the reader's back-off has its own bound: not a stall
 
     def __enter__(self) -> FrameSource:
         return self
@@ -253,7 +281,8 @@ class FrameSource:
             except queue.Empty:
                 # Skipping (--start, --stride, --fps) can keep the queue empty for long while the
                 # reader works; only a reader that stopped advancing has stalled.
-                if time.monotonic() - self._reader_progress_at > self._frame_timeout_s:
+                stalled_s = time.monotonic() - self._reader_progress_at
+                if stalled_s > self._frame_timeout_s and not self._reconnecting:
                     self.close()
                     raise SourceError(
                         f"no frame from {self.description} for {self._frame_timeout_s:g} s: the source stalled"
@@ -284,6 +313,10 @@ class FrameSource:
             if sampler.done:
                 return _EndOfStream("max_frames")
             if not self._reader.grab():
+                if self.reconnect_s > 0 and not self._stop.is_set():
+                    if self._reconnect(delivered):
+                        continue
+                    break  # stopped while reconnecting
                 self._reader.check_complete(frames_grabbed)
                 return _EndOfStream("end")
             self._reader_progress_at = time.monotonic()
@@ -301,6 +334,43 @@ class FrameSource:
                 break
             delivered += 1
         return _EndOfStream("stopped")
+
+    def _reconnect(self, delivered: int) -> bool:
+        """Reopen a live source that dropped, backing off exponentially: True once it sends frames
+        again, False when a stop is requested meanwhile; SourceError when `reconnect_s` runs out.
+
+        Attempts come 0.25, 0.5, 1, 2, 4, 4, ... s after the previous one ended; one that would come
+        after the deadline is not made.
+        """
+        dropped_at = time.monotonic()
+        deadline = dropped_at + self.reconnect_s
+        logger.warning("%s dropped after %d frames; reconnecting for up to %g s", self.description, delivered,
+                       self.reconnect_s)
+        self._reconnecting = True
+        try:
+            delay = _FIRST_RETRY_DELAY_S
+            while True:
+                remaining = deadline - time.monotonic()
+                if delay >= remaining:
+                    if self._stop.wait(max(0.0, remaining)):
+                        return False
+                    raise SourceError(
+                        f"{self.description} dropped and did not come back within {self.reconnect_s:g} s "
+                        f"({self.reconnect_attempts} reconnection attempts); the {delivered} frames before the "
+                        "drop were kept. Check the camera or server, or allow longer with --reconnect SECONDS"
+                    )
+                if self._stop.wait(delay):
+                    return False
+                self.reconnect_attempts += 1
+                if self._reader.reconnect(timeout_s=deadline - time.monotonic()):
+                    self.reconnects += 1
+                    logger.warning("%s is back after %.1f s", self.description, time.monotonic() - dropped_at)
+                    return True
+                delay = min(2 * delay, _MAX_RETRY_DELAY_S)
+        finally:
+            self.disconnected_s += time.monotonic() - dropped_at
+            self._reader_progress_at = time.monotonic()
+            self._reconnecting = False
 
     def _put(self, item: Frame | _EndOfStream, *, is_end: bool = False) -> bool:
         """Queue an item, waiting while the consumer is behind; False when asked to stop meanwhile."""
@@ -346,15 +416,17 @@ def open_source(
     open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S,
     frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S,
     queue_size: int = DEFAULT_QUEUE_SIZE,
+    reconnect_s: float = DEFAULT_RECONNECT_S,
 ) -> FrameSource:
     """Open a source from what the user typed: a video file, an image folder, `0`, or a URL.
 
     `image_width`, when given, makes the reader thread also preprocess every frame (Frame.image).
+    `reconnect_s` bounds how long a live source that drops is reopened (0: a drop ends the stream).
     Raises SourceError with a sentence that says what is wrong and what to do.
     """
     selection = selection or FrameSelection()
     kind, location = classify_source(spec)
-    options = _SourceOptions(image_width, queue_size, frame_timeout_s)
+    options = _SourceOptions(image_width, queue_size, frame_timeout_s, reconnect_s)
     if kind == "folder":
         return _open_folder(Path(location), selection, options)
     if kind == "video":
@@ -371,10 +443,11 @@ class _SourceOptions:
     image_width: int | None
     queue_size: int
     frame_timeout_s: float
+    reconnect_s: float  # used by live sources only
 
     def as_kwargs(self) -> dict:
         return {"image_width": self.image_width, "queue_size": self.queue_size,
-                "frame_timeout_s": self.frame_timeout_s}
+                "frame_timeout_s": self.frame_timeout_s, "reconnect_s": self.reconnect_s}
 
 
 def frames_source(
@@ -563,16 +636,15 @@ def _open_video(path: Path, selection: FrameSelection, options: _SourceOptions) 
 
 
 def _open_webcam(index: int, selection: FrameSelection, options: _SourceOptions) -> FrameSource:
-    capture = cv2.VideoCapture(index)
+    capture = _webcam_capture(index)
     if not capture.isOpened():
         capture.release()
         raise SourceError(
             f"could not open webcam {index}: no camera at that index, or another program is using it "
             "(list cameras with `v4l2-ctl --list-devices` on Linux)"
         )
-    # the driver's own frame buffer only adds latency: the reader thread already decouples the model
-    capture.set(cv2.CAP_PROP_BUFFERSIZE, 1)
-    reader = _CaptureReader(capture, label=f"webcam {index}", clock="wall", expected_frames=None)
+    reader = _CaptureReader(capture, label=f"webcam {index}", clock="wall", expected_frames=None,
+                            reopen=lambda _timeout_s: _webcam_capture(index))
     reader.peek(f"webcam {index} opened but sent no frame")
     return FrameSource(
         reader,
@@ -586,17 +658,30 @@ def _open_webcam(index: int, selection: FrameSelection, options: _SourceOptions)
     )
 
 
-def _open_stream(
-    url: str, open_timeout_s: float, selection: FrameSelection, options: _SourceOptions
-) -> FrameSource:
-    timeout_ms = int(open_timeout_s * 1000)
-    params = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, timeout_ms, cv2.CAP_PROP_READ_TIMEOUT_MSEC, timeout_ms]
-    capture = _call_with_deadline(
+def _webcam_capture(index: int) -> cv2.VideoCapture:
+    capture = cv2.VideoCapture(index)
+    if capture.isOpened():
+        # the driver's own frame buffer only adds latency: the reader thread already decouples the model
+        capture.set(cv2.CAP_PROP_BUFFERSIZE, 1)
+    return capture
+
+
+def _stream_capture(url: str, open_timeout_s: float, read_timeout_s: float) -> cv2.VideoCapture:
+    """An FFmpeg capture of `url`, opened or not; SourceError if the backend ignores the timeout."""
+    params = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, int(open_timeout_s * 1000),
+              cv2.CAP_PROP_READ_TIMEOUT_MSEC, int(read_timeout_s * 1000)]
+    return _call_with_deadline(
         lambda: cv2.VideoCapture(url, cv2.CAP_FFMPEG, params),
         # FFmpeg honours the timeout; the extra margin only catches a backend that does not
         deadline_s=open_timeout_s + 5.0,
         on_timeout=f"could not connect to {url} within {open_timeout_s:.0f} s",
     )
+
+
+def _open_stream(
+    url: str, open_timeout_s: float, selection: FrameSelection, options: _SourceOptions
+) -> FrameSource:
+    capture = _stream_capture(url, open_timeout_s, read_timeout_s=open_timeout_s)
     if not capture.isOpened():
         capture.release()
         raise SourceError(
@@ -606,8 +691,16 @@ def _open_stream(
     frame_count = _positive_or_none(capture.get(cv2.CAP_PROP_FRAME_COUNT))
     # A URL to a file has a length and real timestamps; a camera stream has neither.
     live = frame_count is None
-    reader = _CaptureReader(capture, label=url, clock="wall" if live else "pts",
-                            expected_frames=None if live else frame_count)
+    if live:
+        # A reconnection waits no longer than what is left of the back-off; once connected, a frame
+        # may take as long to arrive as at the first connection.
+        reader = _CaptureReader(
+            capture, label=url, clock="wall", expected_frames=None,
+            reopen=lambda timeout_s: _stream_capture(url, min(timeout_s, open_timeout_s), open_timeout_s),
+        )
+    else:
+        reader = _CaptureReader(capture, label=url, clock="pts", expected_frames=frame_count,
+                                shortfall_cause="the connection dropped or the file is truncated")
     reader.peek(f"stream {url} connected but sent no decodable frame within {open_timeout_s:.0f} s")
     return FrameSource(
         reader,
@@ -705,8 +798,12 @@ class _CaptureReader:
         label: str,
         clock: Literal["pts", "wall"],
         expected_frames: float | None,
+        reopen: Callable[[float], cv2.VideoCapture] | None = None,  # timeout_s -> a new capture
+        shortfall_cause: str = "the file is truncated or damaged",
     ) -> None:
         self._capture = capture
+        self._reopen = reopen
+        self._shortfall_cause = shortfall_cause
         self._label = label
         self._clock = clock
         self._expected_frames = int(expected_frames) if expected_frames else None
@@ -748,11 +845,28 @@ class _CaptureReader:
         expected = self._expected_frames
         if expected is not None and frames_grabbed + _TRUNCATION_SLACK_FRAMES < expected:
             raise TruncatedSourceError(
-                f"{self._label} stopped decoding after {frames_grabbed} of {expected} frames: the file is "
-                f"truncated or damaged; the {frames_grabbed} frames before the damage were used",
+                f"{self._label} stopped decoding after {frames_grabbed} of {expected} frames: "
+                f"{self._shortfall_cause}; the {frames_grabbed} frames before the damage were used",
                 frames_decoded=frames_grabbed,
                 frames_expected=expected,
             )
+
+    def reconnect(self, timeout_s: float) -> bool:
+        if self._reopen is None:
+            return False
+        self._capture.release()
+        try:
+            capture = self._reopen(timeout_s)
+        except SourceError:  # the opener hung past its deadline: as good as no answer
+            return False
+        if not capture.isOpened() or not capture.grab():
+            capture.release()
+            return False
+        self._capture = capture
+        # the clock keeps running from the first connection, so timestamps stay increasing
+        self._wall_timestamp = time.monotonic() - self._opened_at
+        self._peeked = True
+        return True
 
     def release(self) -> None:
         self._capture.release()
@@ -785,6 +899,10 @@ class _FolderReader:
 
     def check_complete(self, frames_grabbed: int) -> None:
         """A folder cannot be truncated: missing files are simply not listed."""
+
+    def reconnect(self, timeout_s: float) -> bool:
+        """A folder is not live."""
+        return False
 
     def release(self) -> None:
         """Nothing is held open between frames."""
@@ -821,6 +939,10 @@ class _IterableReader:
 
     def check_complete(self, frames_grabbed: int) -> None:
         """An iterable ends when it ends."""
+
+    def reconnect(self, timeout_s: float) -> bool:
+        """An iterator that ended cannot be restarted."""
+        return False
 
     def release(self) -> None:
         close = getattr(self._frames, "close", None)  # generators: run their cleanup now

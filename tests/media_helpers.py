@@ -1,10 +1,15 @@
-"""Real media for the app tests: videos encoded by OpenCV, image folders, a local MJPEG HTTP camera."""
+"""Real media for the app tests: videos encoded by OpenCV, image folders, local MJPEG HTTP cameras,
+and stream servers run as processes of their own (tests/rtsp_camera.py, tests/http_camera.py)."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import select
 import socket
+import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -79,6 +84,15 @@ def rss_bytes() -> int:
     return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
+MJPEG_CONTENT_TYPE = "multipart/x-mixed-replace; boundary=frame"
+
+
+def mjpeg_part(jpeg: bytes) -> bytes:
+    """One picture of a multipart/x-mixed-replace stream: boundary, headers, the JPEG bytes."""
+    header = f"--frame\r\nContent-Type: image/jpeg\r\nContent-Length: {len(jpeg)}\r\n\r\n"
+    return header.encode() + jpeg + b"\r\n"
+
+
 class _MjpegHandler(BaseHTTPRequestHandler):
     """multipart/x-mixed-replace JPEG stream, the protocol of most IP cameras' HTTP mode."""
 
@@ -90,17 +104,15 @@ class _MjpegHandler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self.send_response(200)
-        self.send_header("Content-Type", "multipart/x-mixed-replace; boundary=frame")
+        self.send_header("Content-Type", MJPEG_CONTENT_TYPE)
         self.end_headers()
         for index in range(self.num_frames):
             if index == self.stall_after:
                 self.released.wait(timeout=60)
                 return
             _, jpeg = cv2.imencode(".jpg", frame_bgr(index, self.width, self.height))
-            part = jpeg.tobytes()
-            header = f"--frame\r\nContent-Type: image/jpeg\r\nContent-Length: {len(part)}\r\n\r\n"
             try:
-                self.wfile.write(header.encode() + part + b"\r\n")
+                self.wfile.write(mjpeg_part(jpeg.tobytes()))
                 self.wfile.flush()
             except (BrokenPipeError, ConnectionResetError):
                 return
@@ -167,3 +179,49 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+class ServerProcess:
+    """A stream server in a process of its own, on one 127.0.0.1 port, that a test kills and restarts.
+
+    `command` must print a line `ready URL` once the server accepts connections (tests/rtsp_camera.py
+    and tests/http_camera.py do). Leaving the `with` block kills the process, whatever happened.
+    """
+
+    def __init__(self, command: list[str], ready_timeout_s: float = 30.0) -> None:
+        self._command = command
+        self._ready_timeout_s = ready_timeout_s
+        self._process: subprocess.Popen | None = None
+        self.killed_at = math.nan  # time.monotonic() of the last kill
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.kill()
+
+    def start(self) -> str:
+        """Start the server and wait until it serves; returns its base URL."""
+        assert self._process is None, "the server is already running"
+        # a file, not a pipe, for the server's log: a full pipe would block a chatty server mid-stream
+        log = tempfile.TemporaryFile(mode="w+")
+        process = subprocess.Popen(self._command, stdout=subprocess.PIPE, stderr=log, text=True)
+        self._process, self._log = process, log
+        ready, _, _ = select.select([process.stdout], [], [], self._ready_timeout_s)
+        line = process.stdout.readline() if ready else ""
+        if not line.startswith("ready "):
+            log.seek(0)
+            message = f"{' '.join(self._command)} did not start: {line}{log.read()}"
+            self.kill()
+            raise RuntimeError(message)
+        return line.split()[1]
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash or a power cut would: the server says goodbye to nobody."""
+        if self._process is not None:
+            self._process.kill()
+            self.killed_at = time.monotonic()
+            self._process.wait(timeout=10)
+            self._process.stdout.close()
+            self._log.close()
+            self._process = None

@@ -182,6 +182,7 @@ def test_single_image_instead_of_folder(tmp_path: Path) -> None:
         (["--open-timeout", "0"], "open_timeout_s must be > 0"),  # a flag spelled unlike its field
         (["--window-frames", "4", "--scale-frames", "4"], "window_frames must be more than scale_frames"),
         (["--port", "70000"], "port must be between 1 and 65535"),
+        (["--reconnect", "-1"], "reconnect_s must be >= 0 (0: never reconnect), got -1.0"),
         (["--device", "cuda:0"], "CUDA is not available"),
         (["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
         (["--attention", "flashinfer", "--device", "cpu"], "flashinfer needs bf16/fp16 on a CUDA device"),

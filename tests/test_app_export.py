@@ -1,5 +1,6 @@
 import json
 import re
+from pathlib import Path
 
 import cv2
 import numpy as np
@@ -229,6 +230,96 @@ def test_colmap_export_without_images_writes_no_image_folder(tmp_path):
     assert [images[i][3] for i in (1, 2)] == ["000000.png", "000001.png"]
 
 
+# nerfstudio's camera model, written from its documentation ("data conventions") and
+# nerfstudio/cameras/cameras.py: pixel (row, col) has its centre at (col + 0.5, row + 0.5), and a camera
+# looks down its -z axis with +y up (OpenGL), transform_matrix taking camera to world coordinates.
+NERFSTUDIO_CAMERA_MODELS = {"SIMPLE_PINHOLE", "PINHOLE", "SIMPLE_RADIAL", "RADIAL", "OPENCV"}
+
+
+def nerfstudio_project(frame: dict, points: np.ndarray) -> np.ndarray:
+    """World points [N, 3] -> nerfstudio pixel coordinates (x, y) [N, 2] in one frame of transforms.json."""
+    c2w = np.array(frame["transform_matrix"])
+    local = (points - c2w[:3, 3]) @ c2w[:3, :3]  # [N, 3] camera frame, OpenGL axes
+    forward = -local[:, 2]
+    return np.column_stack([
+        frame["fl_x"] * local[:, 0] / forward + frame["cx"],
+        -frame["fl_y"] * local[:, 1] / forward + frame["cy"],
+    ])
+
+
+def test_nerfstudio_export_follows_nerfstudios_conventions(run, tmp_path):
+    run_dir, frames = run
+    result = export_run(run_dir, "nerfstudio", tmp_path / "ns")
+    assert result.path == tmp_path / "ns" and result.num_frames == 7
+    meta = json.loads((result.path / "transforms.json").read_text())
+
+    assert meta["camera_model"] in NERFSTUDIO_CAMERA_MODELS
+    np.testing.assert_array_equal(meta["applied_transform"], np.eye(4)[:3])
+    assert len(meta["frames"]) == 7
+    for frame, entry in zip(frames, meta["frames"], strict=True):
+        image_path = result.path / entry["file_path"]
+        assert not Path(entry["file_path"]).is_absolute() and image_path.is_file()
+        saved = cv2.cvtColor(cv2.imread(str(image_path)), cv2.COLOR_BGR2RGB)
+        np.testing.assert_array_equal(saved, frame.image)
+        assert (entry["w"], entry["h"]) == (32, 24) == (saved.shape[1], saved.shape[0])
+        assert entry["fl_x"] == pytest.approx(frame.intrinsics[0, 0])
+        assert (entry["cx"], entry["cy"]) == pytest.approx(tuple(frame.intrinsics[:2, 2] + 0.5))
+        c2w = np.array(entry["transform_matrix"])
+        np.testing.assert_array_equal(c2w[3], [0, 0, 0, 1])
+        np.testing.assert_allclose(c2w[:3, 3], frame.c2w[:, 3], atol=1e-6)  # the same world frame
+        np.testing.assert_allclose(c2w[:3, :3].T @ c2w[:3, :3], np.eye(3), atol=1e-6)
+        assert np.linalg.det(c2w[:3, :3]) == pytest.approx(1.0)
+        # the camera looks at the plane in front of it (world +z): OpenGL's -z axis points there
+        assert (c2w[:3, :3] @ [0, 0, -1])[2] > 0.99
+
+    # Gaussian-splatting seeds: each point, projected by nerfstudio's model, lands on the centre of the pixel
+    # it was back-projected from (the synthetic image spells that pixel in its colour).
+    xyz, rgb = read_ply_points(result.path / meta["ply_file_path"])
+    np.testing.assert_array_equal(np.sort(xyz, axis=0), np.sort(read_ply_points(run_dir / "points.ply")[0], axis=0))
+    frame_of_point = rgb[:, 2].astype(int) // 10
+    for row, entry in enumerate(meta["frames"]):
+        mine = frame_of_point == row
+        expected = rgb[mine, :2].astype(np.float64) / 8 + 0.5
+        np.testing.assert_allclose(nerfstudio_project(entry, xyz[mine].astype(np.float64)), expected, atol=2e-3)
+    assert len(xyz) == result.num_points > 0
+
+
+def test_nerfstudio_export_loads_with_nerfstudios_own_dataparser(run, tmp_path):
+    dataparser = pytest.importorskip(
+        "nerfstudio.data.dataparsers.nerfstudio_dataparser", reason="nerfstudio is not installed (pip install nerfstudio)"
+    )
+    run_dir, frames = run
+    result = export_run(run_dir, "nerfstudio", tmp_path / "ns")
+    # nerfstudio's defaults (orient "up", centre on the poses, scale into the unit box) except that every
+    # frame goes to training and images are read at full size; splatfacto loads the points, as here
+    config = dataparser.NerfstudioDataParserConfig(
+        data=result.path, eval_mode="all", downscale_factor=1, load_3D_points=True
+    )
+    outputs = config.setup().get_dataparser_outputs(split="train")
+
+    assert [path.name for path in outputs.image_filenames] == [f"{f.frame_index:06d}.png" for f in frames]
+    cameras = outputs.cameras
+    assert cameras.width.flatten().tolist() == [32] * 7 and cameras.height.flatten().tolist() == [24] * 7
+    torch.testing.assert_close(cameras.fx.flatten(), torch.tensor([f.intrinsics[0, 0] for f in frames]))
+    points = outputs.metadata["points3D_xyz"]  # moved with the poses by nerfstudio's transform and scale
+    _, rgb = read_ply_points(result.path / "points.ply")
+    assert len(points) == len(rgb) == result.num_points
+    # the ray nerfstudio casts through each point's source pixel passes through the point
+    frame_of_point = torch.from_numpy(rgb[:, 2].astype(np.int64) // 10)
+    coords = torch.from_numpy(rgb[:, [1, 0]].astype(np.float32) / 8 + 0.5)  # (row, col) pixel centres
+    rays = cameras.generate_rays(camera_indices=frame_of_point[:, None], coords=coords)
+    to_point = points - rays.origins
+    along = (to_point * rays.directions).sum(-1)
+    off_ray = torch.linalg.norm(to_point - along[:, None] * rays.directions, dim=-1)
+    assert (along > 0).all() and off_ray.max() < 1e-3 * along.max()
+
+
+def test_nerfstudio_export_needs_the_images(tmp_path):
+    make_run(tmp_path / "run", [plane_frame(0), plane_frame(1, with_image=False)])
+    with pytest.raises(ExportError, match="frame 1 of .*run was saved without its image, and nerfstudio trains"):
+        export_run(tmp_path / "run", "nerfstudio")
+
+
 def test_export_errors_are_specific(run, tmp_path):
     run_dir, _ = run
     with pytest.raises(RunDirError, match="does not exist"):
@@ -240,6 +331,8 @@ def test_export_errors_are_specific(run, tmp_path):
     blocker.write_text("x")
     with pytest.raises(ExportError, match="COLMAP export goes to a directory"):
         export_run(run_dir, "colmap", blocker)
+    with pytest.raises(ExportError, match="nerfstudio export goes to a directory"):
+        export_run(run_dir, "nerfstudio", blocker)
     with pytest.raises(ExportError, match="cannot create .*file"):
         export_run(run_dir, "ply", blocker / "sub" / "points.ply")
     with pytest.raises(ValueError, match="'obj' is not a valid ExportFormat"):
@@ -277,12 +370,30 @@ def test_cli_export_writes_and_reports(run, cli, tmp_path):
     assert isinstance(trimesh.load(tmp_path / "s.glb"), trimesh.Scene)
 
 
-def test_cli_export_errors_exit_non_zero_without_traceback(cli, tmp_path):
+def test_cli_export_errors_exit_2_without_traceback(cli, tmp_path):
     outcome = CliRunner().invoke(cli, ["export", str(tmp_path / "missing"), "--format", "ply"])
-    assert outcome.exit_code == 1
+    assert outcome.exit_code == 2 and outcome.output.startswith("error: ")
     assert "does not exist" in outcome.output and "Traceback" not in outcome.output
     outcome = CliRunner().invoke(cli, ["export", str(tmp_path), "--format", "obj"])
     assert outcome.exit_code == 2 and "obj" in outcome.output
+
+
+# sysfs lets nobody, root included, create a file: a place that cannot be written, wherever tests run as
+SYSFS = Path("/sys/kernel")
+
+
+@pytest.mark.parametrize("fmt", ["ply", "glb", "tum", "colmap", "nerfstudio"])
+def test_cli_export_to_a_place_that_cannot_be_written_is_one_line_and_exit_2(run, cli, fmt):
+    if not SYSFS.is_dir():
+        pytest.skip("needs Linux's sysfs (/sys), where no file can be created")
+    run_dir, _ = run
+    target = SYSFS / f"stream-recon-export.{fmt}"
+    outcome = CliRunner().invoke(cli, ["export", str(run_dir), "-f", fmt, "-o", str(target)])
+    assert outcome.exit_code == 2, outcome.output
+    assert isinstance(outcome.exception, SystemExit) and "Traceback" not in outcome.output
+    lines = outcome.output.strip().splitlines()
+    assert len(lines) == 1 and re.match(rf"error: cannot (write|create) {re.escape(str(target))}", lines[0])
+    assert lines[0].endswith("; choose a writable --output")
 
 
 def test_tiny_model_stream_to_run_directory_and_every_export(tmp_path, tiny_model):
@@ -307,7 +418,7 @@ def test_tiny_model_stream_to_run_directory_and_every_export(tmp_path, tiny_mode
     np.testing.assert_allclose(rows[:, 0], 0.5 * np.arange(7))
     assert 0 < len(PlyData.read(str(tmp_path / "run" / "points.ply"))["vertex"]) <= 500
 
-    for fmt in ("ply", "glb", "colmap", "tum"):
+    for fmt in ("ply", "glb", "colmap", "tum", "nerfstudio"):
         assert export_run(tmp_path / "run", fmt).num_frames == 7
     _, images, points = parse_colmap_strictly(tmp_path / "run" / "exports" / "colmap" / "sparse" / "0")
     assert len(images) == 7 and len(points) > 0
@@ -327,5 +438,5 @@ def test_cli_warns_when_the_threshold_leaves_no_points(run, cli):
 def test_cli_rejects_a_bad_voxel_size_in_one_sentence(run, cli):
     run_dir, _ = run
     outcome = CliRunner().invoke(cli, ["export", str(run_dir), "-f", "ply", "--voxel-size", "-1"])
-    assert outcome.exit_code == 1 and "Traceback" not in outcome.output
+    assert outcome.exit_code == 2 and "Traceback" not in outcome.output
     assert "voxel size must be a positive number of scene units, got -1.0" in outcome.output

@@ -79,6 +79,8 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         "start": "First source frame to use (0-based). \\[default: 0]",
         "stride": "Use every N-th source frame. \\[default: 1]",
         "open_timeout_s": "Seconds to wait for a stream URL to connect. \\[default: 10]",
+        "reconnect_s": "Live cameras and streams: seconds to keep reconnecting (with back-off) after a drop before "
+        "the run ends as failed; 0 makes a drop the end of the stream. \\[default: 30]",
     },
     _OUTPUT: {
         "conf_threshold": "Keep points with depth confidence at least this in points.ply. \\[default: 2]",
@@ -93,7 +95,8 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
     },
 }
 # Flags spelled otherwise than the field's name.
-_FLAG_NAMES = {"checkpoint": ("--checkpoint", "-c"), "open_timeout_s": ("--open-timeout",)}
+_FLAG_NAMES = {"checkpoint": ("--checkpoint", "-c"), "open_timeout_s": ("--open-timeout",),
+               "reconnect_s": ("--reconnect",)}
 
 
 def _run_option_flag(field: str, help: str, panel: str) -> Any:

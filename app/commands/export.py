@@ -1,10 +1,12 @@
-"""`stream-recon export`: turn a run directory into a PLY cloud, a GLB scene, a COLMAP model or a TUM file.
+"""`stream-recon export`: turn a run directory into a PLY cloud, a GLB scene, a COLMAP model, a TUM file
+or a nerfstudio dataset.
 
 Examples:
     stream-recon export outputs/kitchen --format ply
     stream-recon export outputs/kitchen --format glb --output kitchen.glb
     stream-recon export outputs/kitchen --format colmap --output kitchen_colmap/   # sparse/0 + images/
     stream-recon export outputs/kitchen --format tum --output kitchen_tum.txt
+    stream-recon export outputs/kitchen --format nerfstudio -o kitchen_ns/   # then: ns-train splatfacto --data kitchen_ns
     stream-recon export outputs/kitchen --format ply --conf-threshold 3 --voxel-size 0.01
 """
 
@@ -17,6 +19,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from stream_recon.app.commands._options import EXIT_BAD_INPUT
 from stream_recon.app.export import ExportError, ExportFormat, export_run
 from stream_recon.app.rundir import RunDirError
 
@@ -29,7 +32,8 @@ def export(
     output: Annotated[
         Optional[Path],
         typer.Option(
-            "--output", "-o", help="File (ply, glb, tum) or directory (colmap). Default: RUN_DIR/exports/."
+            "--output", "-o",
+            help="File (ply, glb, tum) or directory (colmap, nerfstudio). Default: RUN_DIR/exports/.",
         ),
     ] = None,
     conf_threshold: Annotated[
@@ -44,7 +48,8 @@ def export(
         Optional[int], typer.Option(min=1, help="Cap on exported points; the voxel grows to respect it.")
     ] = None,
 ) -> None:
-    """Export a run as a point cloud (ply), a scene with cameras (glb), a COLMAP text model or a TUM trajectory."""
+    """Export a run as a point cloud (ply), a scene with cameras (glb), a COLMAP text model, a TUM trajectory or
+    a nerfstudio dataset (transforms.json, images, points.ply)."""
     console = Console(stderr=True, soft_wrap=True)  # paths in messages stay on one line
     try:
         result = export_run(
@@ -56,8 +61,8 @@ def export(
             max_points=max_points,
         )
     except (RunDirError, ExportError, ValueError) as exc:  # bad input, said in one sentence
-        console.print(f"[red]Error:[/red] {escape(str(exc))}")
-        raise typer.Exit(code=1) from None
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        raise typer.Exit(code=EXIT_BAD_INPUT) from None
     if format is ExportFormat.TUM:
         console.print(f"Wrote {result.num_frames} poses to {result.path}")
         return
