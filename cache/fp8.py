@@ -58,6 +58,12 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(codes: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes [..., D] e4m3, exponents [...] int8 -> values [..., D] in `dtype` (exact for
-    float32 and bf16 while 2^e * code stays in their normal range)."""
-    return (codes.float() * exponent_scale(exponents)[..., None]).to(dtype)
+    """codes [..., D] e4m3, exponents [...] int8 -> values [..., D] in `dtype`, exact in bf16,
+    float32 and float64 (2^e * code needs 4 significant bits and float32's exponent range).
+
+    Computed in `dtype` itself, so that a dequantised copy of a layer's keys takes no more than its
+    own bytes; fp16, whose range is narrower, goes through float32."""
+    compute = torch.float32 if dtype == torch.float16 else dtype
+    values = codes.to(compute)
+    values *= exponent_scale(exponents).to(compute)[..., None]
+    return values.to(dtype)

@@ -25,6 +25,7 @@ estimate beside torch's measured peak, which is how they are checked on a GPU.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -120,6 +121,21 @@ class MemoryPlan:
 def gib(num_bytes: int) -> str:
     """A byte count for people: GiB with two decimals, MiB below one GiB."""
     return f"{num_bytes / GIB:.2f} GiB" if num_bytes >= GIB else f"{num_bytes / 2**20:.1f} MiB"
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
+          "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
+
+
+def parse_memory_size(text: str) -> int:
+    """Bytes from a size as people write it: `8GiB`, `7.5G` (binary), `8GB` (decimal), `8192MiB`,
+    or a plain number of bytes. Raises ValueError naming the accepted forms."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", text)
+    unit = match and match.group(2).lower()
+    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"cannot read {text!r} as a memory size: use a positive number with GiB, MiB, GB, MB (or G, "
+                         "M: binary), e.g. 8GiB")
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def weight_bytes(model: GCTStream) -> int:
