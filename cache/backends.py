@@ -52,6 +52,9 @@ class BackendSpec:
     # (per layer, a dequantised copy of the visible keys and values in the model's dtype: [N, H, D]
     # each, transient), or "" (it cannot: the paged layout stores the model's dtype only).
     fp8_reads: str = ""
+    # It reads the visible keys through a per-layer copy of them (the SDPA reference's page gather),
+    # which memory plans count like fp8's dequantised copies.
+    gathers: bool = False
 
 
 # -- factories (imports of optional packages happen only here, when a backend is built) --------
@@ -93,7 +96,7 @@ def _dense_flashinfer(storage, layout, compile, device):
 
 
 BACKENDS: tuple[BackendSpec, ...] = (
-    BackendSpec(name="sdpa", layout="paged", factory=_sdpa, cuda_half_only=False,
+    BackendSpec(name="sdpa", layout="paged", factory=_sdpa, cuda_half_only=False, gathers=True,
                 summary="PyTorch SDPA over the gathered pages: the golden-parity reference, any device and dtype"),
     BackendSpec(name="flashinfer", layout="paged", factory=_flashinfer_paged("fa2"), needs=("flashinfer",),
                 summary="FlashInfer paged prefill (fa2) over the page table"),

@@ -9,7 +9,7 @@ What a run holds, and where each number comes from (MemoryEstimate's fields):
 | camera_cache | the camera head's float32 K/V, one token per cached frame | exact |
 | activations | the largest step: the scale frames together, or one streaming frame | shapes x constants below |
 | graph_pools | intermediates the recorded CUDA graphs keep for their replays | a multiple of one streaming step |
-| attention_copies | backends that read an fp8 store through a dequantised copy: one layer's visible K and V | exact |
+| attention_copies | backends that read through a copy (an fp8 store dequantised, pages gathered): one layer's visible K and V | exact |
 | workspace | cuBLAS/cuDNN workspaces, staging buffers, the allocator's rounding | a fixed margin |
 
 `plan_memory` picks, in this order, the first setting whose estimate fits the budget: the settings
@@ -18,9 +18,10 @@ results within the fp8 accuracy limits); then the longest shorter window down to
 changes results: fewer frames' patches are visible, so the plan says so). Nothing fitting is a
 MemoryBudgetError that names the numbers and the smallest budget that would do.
 
-The activation constants come from a trace of live tensor bytes through `GCTStream.step` (bf16,
-frames of 518x280 to 518x518, 1 and 8 frames); `scripts/bench.py --gpu-memory` prints the
-estimate beside torch's measured peak, which is how they are checked on a GPU.
+The activation constants come from traces of live tensor bytes through `GCTStream.step` on the
+meta device (scripts/trace_step_memory.py: bf16, frames of 518x280 to 518x518, 1 and 8 frames);
+`scripts/bench.py --gpu-memory` prints the estimate beside torch's measured peak, which is how
+they are checked on a GPU.
 """
 
 from __future__ import annotations
@@ -238,7 +239,7 @@ class _Estimator:
         streaming = self._step_bytes(1, first=False)
         records = self.device.type == "cuda" and self.config.cuda_graphs and backend.layout == "dense"
         copies = 0
-        if stored == fp8.E4M3 and backend.fp8_reads == "copy":
+        if backend.gathers or (stored == fp8.E4M3 and backend.fp8_reads == "copy"):
             visible = c.num_special_tokens * self.cached_frames + layout.max_patch_pages * self.patches
             copies = 2 * visible * c.embed_dim * self._element_size
         return MemoryEstimate(

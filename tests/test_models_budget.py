@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_models_engine import DenseCache, frames
+from test_models_engine import assert_streams_like_the_visible_set_model, frames
 
 from stream_recon.cache import TokenCache, fp8
 from stream_recon.models import (
@@ -149,7 +149,8 @@ def test_budget_estimate_counts_the_cache_the_engine_allocates(tiny_model, atten
                                                             c.head_in_dim // c.camera_heads, 40, torch.float32)
     assert estimate.weights == sum(p.numel() * p.element_size() for p in tiny_model.parameters())
     assert estimate.graph_pools == 0  # no CUDA graphs on the CPU
-    assert (estimate.attention_copies > 0) == (kv_cache == "fp8")  # SDPA reads a dequantised copy
+    # the dense SDPA reads a dequantised copy of an fp8 store; the paged one gathers its pages
+    assert (estimate.attention_copies > 0) == (kv_cache == "fp8" or attention == "sdpa")
 
 
 def test_budget_paged_pool_stops_at_its_limit_with_a_clear_error(tiny_model):
@@ -212,28 +213,8 @@ def test_fp8_cache_streams_as_attention_over_the_dequantised_keys(tiny_model):
     engine = StreamingEngine(tiny_model, StreamConfig(scale_frames=2, window=3, kv_cache="fp8"))
     streamed = [p for image in images for p in engine.push(image)] + engine.finish()
     assert engine.stats()["kv_cache"] == "fp8" and engine.stats()["attention"] == "dense"
-    config = tiny_model.config
-    reference = DenseCache(2, 3, config.num_special_tokens)
-
-    def quantized_reference(layer, q, k, v):
-        return reference(layer, q, *(fp8.dequantize(*fp8.quantize(x), x.dtype) for x in (k, v)))
-
-    camera = TokenCache(tiny_model.camera_head.num_cache_layers, config.camera_heads,
-                        config.head_in_dim // config.camera_heads, torch.float32, "cpu")
-    batches = [torch.stack(images[:2])] + [image[None] for image in images[2:]]
-    start = 0
-    with torch.inference_mode():
-        for batch in batches:
-            n = batch.shape[0]
-            reference.num_new = n
-            camera.begin(n)
-            out = tiny_model.step(batch, quantized_reference, camera, torch.arange(start, start + n),
-                                  torch.arange(start, start + n), 2)
-            camera.commit()
-            for i in range(n):
-                np.testing.assert_allclose(streamed[start + i].depth, out["depth"][i].numpy(), rtol=0, atol=2e-6)
-                np.testing.assert_allclose(streamed[start + i].pose_enc, out["pose_enc"][i].numpy(), rtol=0, atol=2e-6)
-            start += n
+    assert_streams_like_the_visible_set_model(tiny_model, streamed, images, scale_frames=2, window=3,
+                                              transform_kv=lambda x: fp8.dequantize(*fp8.quantize(x), x.dtype))
 
 
 def test_fp8_cache_stays_close_to_the_float32_cache_and_keeps_flow_decisions(tiny_model):
