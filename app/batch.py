@@ -24,7 +24,6 @@ import dataclasses
 import functools
 import json
 import logging
-import math
 import re
 import shutil
 import time
@@ -37,10 +36,13 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from stream_recon.app.clock import finite_or_none
 from stream_recon.app.datasets import Sequence, TumFrames
 from stream_recon.app.evaluation import DEFAULT_MAX_DIFF, EvaluationError, evaluate_run
-from stream_recon.app.pipeline import RunOptions, load_model_for, run_sequence
-from stream_recon.app.writers import PREDICTIONS_DIR, RUN_JSON
+from stream_recon.app.loading import load_model_for
+from stream_recon.app.options import RunOptions
+from stream_recon.app.pipeline import run_sequence
+from stream_recon.app.rundir import PREDICTIONS_DIR, holds_run
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +155,7 @@ class SequenceWorker:
             logger.debug("sequence %s failed:\n%s", sequence.name, traceback.format_exc())
             row.update(status="failed", error=describe_error(error), seconds=time.monotonic() - started)
             return row
-        row.update(frames=summary.frames, keyframes=summary.keyframes, fps=_finite_or_none(summary.fps))
+        row.update(frames=summary.frames, keyframes=summary.keyframes, fps=finite_or_none(summary.fps))
         if summary.status == "interrupted":
             row.update(status="failed", error=INTERRUPTED_ERROR, seconds=time.monotonic() - started)
             return row
@@ -183,14 +185,10 @@ class SequenceWorker:
         return {key: metrics[key] for key in EVAL_COLUMNS if key in metrics}
 
 
-def _finite_or_none(value: float | None) -> float | None:
-    # JSON has no NaN: a run that produced no frame has no rate, not a NaN one.
-    return value if value is not None and math.isfinite(value) else None
-
-
 def remove_partial_run(run_dir: Path) -> None:
     """Delete what a killed or failed run left, but never a folder this program did not write."""
-    ours = (run_dir / RUN_JSON).exists() or (run_dir / PREDICTIONS_DIR).is_dir()
+    # a run killed before its first file still has its predictions/ folder
+    ours = holds_run(run_dir) or (run_dir / PREDICTIONS_DIR).is_dir()
     if run_dir.is_dir() and (ours or not any(run_dir.iterdir())):
         shutil.rmtree(run_dir)
         return

@@ -2,6 +2,7 @@
 
 `stream-recon SOURCE` is short for `stream-recon run SOURCE`. Click takes the first positional as
 a command name, so `main` inserts `run` when the first argument is not a command or a root option.
+`stream-recon` alone is `stream-recon run`, which reconstructs the bundled sample.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ app = typer.Typer(
     name="stream-recon",
     help="Streaming 3D reconstruction from video: camera poses and depth, frame by frame, live in the browser.\n\n"
     "Run [bold]stream-recon SOURCE[/bold] (a video, an image folder, a webcam index or a stream URL) "
-    "or one of the commands below.",
+    "or one of the commands below. [bold]stream-recon[/bold] alone reconstructs a bundled 14-frame sample.",
     context_settings={"help_option_names": ["-h", "--help"]},
     no_args_is_help=True,
     add_completion=False,
@@ -85,8 +86,8 @@ def command_names() -> set[str]:
 
 
 def with_default_command(args: list[str]) -> list[str]:
-    """Insert `run` unless the first argument is a command or a root option (or there is none)."""
-    if not args or args[0] in command_names() or args[0] in ROOT_OPTIONS:
+    """Insert `run` unless the first argument is a command or a root option."""
+    if args and (args[0] in command_names() or args[0] in ROOT_OPTIONS):
         return args
     return ["run", *args]
 

@@ -28,6 +28,7 @@ from typing import Literal
 import cv2
 import numpy as np
 
+from stream_recon.app.rundir import TumFileError, read_tum_list
 from stream_recon.app.sources import SourceError
 
 SequenceKind = Literal["video", "images", "tum"]
@@ -218,25 +219,6 @@ def _read_manifest(root: Path) -> list[Sequence]:
 # TUM RGB-D frame lists
 
 
-def read_timestamped_list(path: Path) -> list[tuple[float, Path]]:
-    """A TUM list file (`timestamp filename` per line, `#` comments) -> [(timestamp, absolute path)]."""
-    entries = []
-    for line_number, line in enumerate(path.read_text().splitlines(), start=1):
-        text = line.split("#", 1)[0].strip()
-        if not text:
-            continue
-        fields = text.split()
-        try:
-            timestamp = float(fields[0])
-            relative = fields[1]
-        except (ValueError, IndexError):
-            raise DatasetError(
-                f"{path}, line {line_number}: expected 'timestamp filename', found {line.strip()!r}"
-            ) from None
-        entries.append((timestamp, path.parent / relative))
-    return entries
-
-
 class TumFrames:
     """The frames of a TUM RGB-D sequence in rgb.txt order: iterate to get (rgb [H, W, 3] uint8, timestamp).
 
@@ -251,7 +233,10 @@ class TumFrames:
         listing = self.folder / TUM_FRAME_LIST
         if not listing.is_file():
             raise DatasetError(f"{self.folder} is not a TUM RGB-D sequence: {TUM_FRAME_LIST} is missing")
-        self.entries = read_timestamped_list(listing)
+        try:
+            self.entries = read_tum_list(listing)
+        except TumFileError as error:
+            raise DatasetError(str(error)) from None
         if not self.entries:
             raise DatasetError(f"{listing} lists no frames")
         missing = [path for _, path in self.entries if not path.is_file()]

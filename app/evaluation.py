@@ -27,15 +27,23 @@ Everything here is our own code; `evo` is used only by the tests, as a reference
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import cv2
 import numpy as np
 
-from stream_recon.app.geometry import quat_wxyz_to_rotation, rotation_to_quat_wxyz
+from stream_recon.app.rundir import (
+    EVAL_JSON,
+    PREDICTIONS_DIR,
+    TRAJECTORY_TUM,
+    RunDirError,
+    TumFileError,
+    prediction_files,
+    read_tum,
+    read_tum_list,
+    write_json_atomic,
+)
 
 TUM_DEPTH_FACTOR = 5000.0  # TUM RGB-D depth PNGs: uint16, 5000 units per metre
 AUC_THRESHOLDS_DEG = (5, 15, 30)
@@ -99,47 +107,10 @@ class Alignment:
 
 def read_tum_trajectory(path: str | Path) -> Trajectory:
     """Read a TUM trajectory file (`timestamp tx ty tz qx qy qz qw`, `#` comments) into c2w poses."""
-    path = Path(path)
-    if not path.is_file():
-        raise EvaluationError(f"trajectory file {path} does not exist")
-    timestamps, poses = [], []
-    for line_number, line in enumerate(path.read_text().splitlines(), start=1):
-        text = line.split("#", 1)[0].strip()
-        if not text:
-            continue
-        fields = text.replace(",", " ").split()
-        if len(fields) != 8:
-            raise EvaluationError(
-                f"{path}, line {line_number}: expected 8 values (timestamp tx ty tz qx qy qz qw), "
-                f"found {len(fields)}: {line.strip()!r}"
-            )
-        try:
-            values = [float(field) for field in fields]
-        except ValueError:
-            raise EvaluationError(f"{path}, line {line_number}: not a number in {line.strip()!r}") from None
-        if not all(math.isfinite(v) for v in values):
-            raise EvaluationError(f"{path}, line {line_number}: non-finite value in {line.strip()!r}")
-        qx, qy, qz, qw = values[4:]
-        if math.sqrt(qx * qx + qy * qy + qz * qz + qw * qw) < 1e-9:
-            raise EvaluationError(f"{path}, line {line_number}: zero quaternion in {line.strip()!r}")
-        pose = np.eye(4)
-        pose[:3, :3] = quat_wxyz_to_rotation(np.array([qw, qx, qy, qz]))
-        pose[:3, 3] = values[1:4]
-        timestamps.append(values[0])
-        poses.append(pose)
-    if not timestamps:
-        raise EvaluationError(f"{path} holds no poses (expected lines 'timestamp tx ty tz qx qy qz qw')")
-    return Trajectory(np.asarray(timestamps, dtype=np.float64), np.stack(poses))
-
-
-def write_tum_trajectory(path: str | Path, timestamps: np.ndarray, c2w: np.ndarray) -> None:
-    """Write poses c2w [N, 3, 4] or [N, 4, 4] at timestamps [N] as a TUM trajectory file."""
-    lines = []
-    for timestamp, pose in zip(np.asarray(timestamps, dtype=np.float64), np.asarray(c2w), strict=True):
-        qw, qx, qy, qz = rotation_to_quat_wxyz(pose[:3, :3])
-        tx, ty, tz = pose[:3, 3]
-        lines.append(f"{timestamp:.6f} {tx:.9f} {ty:.9f} {tz:.9f} {qx:.9f} {qy:.9f} {qz:.9f} {qw:.9f}")
-    Path(path).write_text("\n".join(lines) + "\n")
+    try:
+        return Trajectory(*read_tum(Path(path)))
+    except TumFileError as error:
+        raise EvaluationError(str(error)) from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -478,17 +449,10 @@ def read_depth_list(depth_dir: str | Path) -> tuple[np.ndarray, list[Path]]:
     entries: list[tuple[float, Path]] = []
     listing = depth_dir / "depth.txt"
     if listing.is_file():
-        for line_number, line in enumerate(listing.read_text().splitlines(), start=1):
-            text = line.split("#", 1)[0].strip()
-            if not text:
-                continue
-            fields = text.split()
-            try:
-                entries.append((float(fields[0]), depth_dir / fields[1]))
-            except (ValueError, IndexError):
-                raise EvaluationError(
-                    f"{listing}, line {line_number}: expected 'timestamp path', found {line.strip()!r}"
-                ) from None
+        try:
+            entries = read_tum_list(listing)
+        except TumFileError as error:
+            raise EvaluationError(str(error)) from None
     else:
         for png in depth_dir.glob("*.png"):
             try:
@@ -503,21 +467,22 @@ def read_depth_list(depth_dir: str | Path) -> tuple[np.ndarray, list[Path]]:
     return np.array([e[0] for e in entries]), [e[1] for e in entries]
 
 
-def evaluate_depth(
-    predictions_dir: str | Path, depth_dir: str | Path, *, max_diff: float = DEPTH_MAX_DIFF
-) -> dict:
+def evaluate_depth(run_dir: str | Path, depth_dir: str | Path, *, max_diff: float = DEPTH_MAX_DIFF) -> dict:
     """Per-frame median-scaled depth metrics over the predictions that associate with a depth frame.
 
     Predictions and depth frames are paired by `associate_timestamps` (the trajectory rule), within
-    `max_diff` seconds. Reads `predictions/*.npz` (`timestamp`, `depth` [H, W]); averages the per-frame AbsRel and
-    delta<1.25 over frames (each frame weighs the same, whatever its valid pixel count).
+    `max_diff` seconds. Reads the run's `predictions/*.npz` (`timestamp`, `depth` [H, W]); averages the
+    per-frame AbsRel and delta<1.25 over frames (each frame weighs the same, whatever its valid pixel count).
     """
     check_max_diff(max_diff)
-    prediction_files = sorted(Path(predictions_dir).glob("*.npz"))
-    if not prediction_files:
-        raise EvaluationError(f"no per-frame predictions (*.npz) in {predictions_dir}")
+    try:
+        paths = [path for _, path in prediction_files(Path(run_dir))]
+    except RunDirError as error:
+        raise EvaluationError(str(error)) from None
+    if not paths:
+        raise EvaluationError(f"no per-frame predictions (*.npz) in {Path(run_dir) / PREDICTIONS_DIR}")
     timestamps = []
-    for file in prediction_files:
+    for file in paths:
         with np.load(file) as data:
             timestamps.append(float(data["timestamp"]))
     depth_timestamps, depth_paths = read_depth_list(depth_dir)
@@ -530,7 +495,7 @@ def evaluate_depth(
         )
     abs_rels, delta1s = [], []
     for pred_index, depth_index in zip(pred_indices, depth_indices, strict=True):
-        with np.load(prediction_files[pred_index]) as data:
+        with np.load(paths[pred_index]) as data:
             predicted = np.asarray(data["depth"], dtype=np.float32)
         ground_truth = match_ground_truth_to_prediction(
             read_tum_depth(depth_paths[depth_index]), predicted.shape
@@ -566,10 +531,10 @@ def evaluate_run(
     `max_diff` pairs estimated with ground-truth poses, `depth_max_diff` predictions with depth frames.
     """
     run_dir = Path(run_dir)
-    trajectory_file = run_dir / "trajectory_tum.txt"
+    trajectory_file = run_dir / TRAJECTORY_TUM
     if not trajectory_file.is_file():
         raise EvaluationError(
-            f"{run_dir} has no trajectory_tum.txt; is it a stream-recon run directory of a finished run?"
+            f"{run_dir} has no {TRAJECTORY_TUM}; is it a stream-recon run directory of a finished run?"
         )
     result = {"run_dir": str(run_dir), "gt_file": str(gt_file)}
     result.update(
@@ -582,8 +547,6 @@ def evaluate_run(
     )
     if depth_dir is not None:
         result.update(depth_dir=str(depth_dir), depth_max_diff=depth_max_diff)
-        result.update(evaluate_depth(run_dir / "predictions", depth_dir, max_diff=depth_max_diff))
-    temporary = run_dir / "eval.json.tmp"
-    temporary.write_text(json.dumps(result, indent=2) + "\n")
-    temporary.replace(run_dir / "eval.json")
+        result.update(evaluate_depth(run_dir, depth_dir, max_diff=depth_max_diff))
+    write_json_atomic(run_dir / EVAL_JSON, result)
     return result

@@ -24,20 +24,23 @@ import trimesh
 from trimesh.path import Path3D
 from trimesh.path.entities import Line
 
-from stream_recon.app.geometry import rotation_to_quat_wxyz
-from stream_recon.app.writers import (
+from stream_recon.app.pointcloud import (
     DEFAULT_CONF_THRESHOLD,
     DEFAULT_MAX_POINTS,
     PointAccumulator,
     PointCloud,
-    PoseRecord,
+    write_ply,
+)
+from stream_recon.app.rundir import (
+    POINTS_PLY,
+    TRAJECTORY_TUM,
     RunDirError,
     check_run_dir,
     iter_run,
     read_run_info,
-    write_ply,
     write_tum,
 )
+from stream_recon.models.pose import rotation_to_quat_xyzw
 
 # OpenCV camera axes (y down, z forward) to glTF's (y up, z backward): a 180 degree turn about x.
 OPENCV_TO_GLTF = np.diag([1.0, -1.0, -1.0, 1.0])
@@ -53,10 +56,10 @@ class ExportFormat(str, Enum):
 
 
 DEFAULT_OUTPUT_NAMES = {
-    ExportFormat.PLY: "points.ply",
+    ExportFormat.PLY: POINTS_PLY,
     ExportFormat.GLB: "scene.glb",
     ExportFormat.COLMAP: "colmap",
-    ExportFormat.TUM: "trajectory_tum.txt",
+    ExportFormat.TUM: TRAJECTORY_TUM,
 }
 
 
@@ -121,9 +124,7 @@ def export_run(
     contents = _read_contents(run_dir, accumulator, images_dir)
 
     if fmt is ExportFormat.TUM:
-        write_tum(
-            target, {c.frame_index: PoseRecord(c.timestamp, c.c2w, c.is_keyframe) for c in contents.cameras}
-        )
+        write_tum(target, [c.timestamp for c in contents.cameras], np.array([c.c2w for c in contents.cameras]))
     elif fmt is ExportFormat.PLY:
         write_ply(target, contents.cloud.xyz, contents.cloud.rgb)
     elif fmt is ExportFormat.GLB:
@@ -270,7 +271,7 @@ def colmap_pinhole(intrinsics: np.ndarray) -> tuple[float, float, float, float]:
 def world_to_camera_qt(c2w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """c2w [3, 4] -> (quaternion (qw, qx, qy, qz) of R_w2c, t_w2c [3]), as COLMAP's images.txt wants."""
     rotation_w2c = c2w[:3, :3].T
-    return rotation_to_quat_wxyz(rotation_w2c), -rotation_w2c @ c2w[:3, 3]
+    return np.roll(rotation_to_quat_xyzw(rotation_w2c), 1), -rotation_w2c @ c2w[:3, 3]
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,13 @@
 """One run: a source streamed through the engine into the run directory and any other sinks.
 
+Its parts have their own homes: options (app.options), the output folder (app.rundir), the model and
+engine (app.loading), the clock (app.clock), Ctrl-C and SIGTERM (app.stopping), the files (app.writers).
+
     open source ─▶ check options ─▶ check output dir ─▶ load model ─▶ RunWriter ─▶ per frame: push ─▶ sinks
         │               │                 │                  │                                  │
         SourceError     OptionsError      OutputDirError     CheckpointError       SIGINT / SIGTERM / a source,
-        (before torch   (e.g. no CUDA)    (before the load)  (no folder left)      frame or disk error: stop,
-         is imported)                                                              flush, close the sinks
+        (before the     (e.g. no CUDA)    (before the load)  (no folder left)      frame or disk error: stop,
+         model loads)                                                              flush, close the sinks
 
 Every failure before the first frame leaves nothing behind but a clear error. Once frames flow,
 every completed prediction is already on disk (the writer flushes per frame), so stopping early
@@ -13,15 +16,9 @@ only has to flush what the engine still buffers and write run.json with how the 
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
-import math
-import signal
-import tempfile
 import threading
-import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -29,139 +26,19 @@ from typing import Any, Literal, Protocol
 import numpy as np
 from rich.console import Console
 
-from stream_recon.app.preprocess import DEFAULT_IMAGE_WIDTH, PATCH_SIZE, preprocess_frame
+from stream_recon.app.clock import RunClock
+from stream_recon.app.loading import DEFAULT_CHECKPOINT, CheckpointDigest, build_engine, load_model_for
+from stream_recon.app.options import RunOptions, check_attention, resolve_device, resolve_dtype
+from stream_recon.app.preprocess import preprocess_frame
 from stream_recon.app.progress import RunProgress
-from stream_recon.app.sources import (
-    DEFAULT_OPEN_TIMEOUT_S,
-    FrameSelection,
-    FrameSource,
-    SourceError,
-    frames_source,
-    open_source,
-)
-from stream_recon.app.writers import PREDICTIONS_DIR, RUN_JSON, OutputDirError, RunWriter
-from stream_recon.cache import backends
+from stream_recon.app.rundir import OutputDirError, prepare_output_dir, remove_if_empty
+from stream_recon.app.sources import FrameSource, SourceError, frames_source, open_source
+from stream_recon.app.stopping import StopOnSignal
+from stream_recon.app.writers import RunWriter
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CHECKPOINT = "lingbot-map-long"
-ATTENTION_CHOICES = backends.names()
-MAX_WINDOW_FRAMES = 1024  # positions in the model's temporal RoPE table
 RunStatus = Literal["complete", "interrupted", "failed"]
-DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
-               "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
-
-
-class OptionsError(ValueError):
-    """Run options that are out of range or do not fit this machine (e.g. CUDA asked for, none here)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunOptions:
-    """Everything a run needs besides the source and the output folder. Defaults are the reference's.
-
-    The CLI, presets (configs/*.yaml) and the batch runner all build one of these; field names are
-    the preset keys.
-    """
-
-    # model
-    checkpoint: str | None = None  # path or known name; None: lingbot-map-long
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (bf16 transformer on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
-    attention: str = "auto"  # one of ATTENTION_CHOICES
-    compile: bool = True  # torch.compile the transformer blocks (CUDA only)
-    # engine
-    scale_frames: int = 8
-    window: int = 64
-    # long streams: a new window (fresh cache, aligned by Sim(3) on `overlap` shared frames) starts
-    # before the cache holds more than `window_frames` frames, the range the model was trained on
-    window_frames: int = 320
-    overlap: int = 16
-    keyframes: str = "all"  # all | interval:N | flow
-    flow_threshold: float | None = None  # None: the engine's default
-    max_gap: int | None = None  # flow policy: longest run of non-keyframes; None: engine default
-    image_width: int = DEFAULT_IMAGE_WIDTH
-    # source
-    fps: float | None = None
-    max_frames: int | None = None
-    start: int = 0
-    stride: int = 1
-    open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S
-    # outputs
-    conf_threshold: float = 2.0
-    voxel_size: float | None = None  # None: automatic, relative to the first frame's depth
-    overwrite: bool = False
-    # live viewer
-    viewer: bool = True
-    host: str = "127.0.0.1"
-    port: int = 8080
-    keep_viewer: bool = False  # after the run, keep serving the result until Ctrl-C
-
-    def __post_init__(self) -> None:
-        problems = list(self._problems())
-        if problems:
-            raise OptionsError("; ".join(problems))
-
-    def _problems(self) -> Iterator[str]:
-        if self.dtype not in DTYPE_NAMES:
-            yield f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}"
-        if self.attention not in ATTENTION_CHOICES:
-            yield f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {self.attention!r}"
-        if self.scale_frames < 1:
-            yield f"scale_frames must be >= 1, got {self.scale_frames}"
-        if self.window < 1:
-            yield f"window must be >= 1, got {self.window}"
-        if not self.scale_frames < self.window_frames <= MAX_WINDOW_FRAMES:
-            yield (
-                f"window_frames must be more than scale_frames ({self.scale_frames}) and at most "
-                f"{MAX_WINDOW_FRAMES} (the temporal RoPE table), got {self.window_frames}"
-            )
-        if not 1 <= self.overlap < self.window_frames:
-            yield f"overlap must be between 1 and window_frames - 1 ({self.window_frames - 1}), got {self.overlap}"
-        if not _is_keyframe_policy(self.keyframes):
-            yield f"keyframes must be all, flow or interval:N (N >= 1), got {self.keyframes!r}"
-        if self.image_width <= 0 or self.image_width % PATCH_SIZE:
-            yield f"image_width must be a positive multiple of {PATCH_SIZE}, got {self.image_width}"
-        if self.flow_threshold is not None and not self.flow_threshold > 0:
-            yield f"flow_threshold must be > 0, got {self.flow_threshold}"
-        if self.max_gap is not None and self.max_gap < 1:
-            yield f"max_gap must be >= 1, got {self.max_gap}"
-        if self.open_timeout_s <= 0:
-            yield f"open_timeout_s must be > 0, got {self.open_timeout_s}"
-        if not 0 < self.port < 65536:
-            yield f"port must be between 1 and 65535, got {self.port}"
-        try:
-            self.selection()
-        except ValueError as error:
-            yield str(error)
-
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(field.name for field in dataclasses.fields(cls))
-
-    def selection(self) -> FrameSelection:
-        return FrameSelection(start=self.start, stride=self.stride, fps=self.fps, max_frames=self.max_frames)
-
-    def stream_config_kwargs(self) -> dict[str, Any]:
-        """StreamConfig arguments; unset optional values are left to the engine's defaults."""
-        kwargs: dict[str, Any] = dict(
-            scale_frames=self.scale_frames, window=self.window, keyframes=self.keyframes, attention=self.attention,
-        )
-        if self.flow_threshold is not None:
-            kwargs["flow_threshold"] = self.flow_threshold
-        if self.max_gap is not None:
-            kwargs["max_gap"] = self.max_gap
-        return kwargs
-
-    def as_settings(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def _is_keyframe_policy(text: str) -> bool:
-    if text in ("all", "flow"):
-        return True
-    name, _, interval = text.partition(":")
-    return name == "interval" and interval.isdigit() and int(interval) >= 1
 
 
 @dataclass(frozen=True)
@@ -214,7 +91,7 @@ def run_sequence(
     """
     console = console or Console(stderr=True)
     output_dir = Path(output_dir)
-    frame_source = _as_frame_source(source, options)  # first: a mistyped path fails before torch loads
+    frame_source = _as_frame_source(source, options)  # first: a mistyped path fails before the model loads
     try:
         device = resolve_device(options.device)
         dtype = resolve_dtype(options.dtype, device)
@@ -227,8 +104,8 @@ def run_sequence(
             # a caller's own model is described by options.checkpoint only when that is set
             checkpoint = options.checkpoint or (DEFAULT_CHECKPOINT if model is None else None)
             model = model if model is not None else load_model_for(options, device, console)
-            digest = _CheckpointDigest(checkpoint)
-            engine = _build_engine(model, options, device, dtype, console)
+            digest = CheckpointDigest(checkpoint)
+            engine = build_engine(model, options, device, dtype, console)
             viewer = _start_viewer(options, console)
             writer = RunWriter(
                 output_dir,
@@ -240,7 +117,7 @@ def run_sequence(
         except BaseException:
             if viewer is not None:
                 viewer.close("failed")
-            _remove_if_empty(output_dir, created_dir)
+            remove_if_empty(output_dir, created_dir)
             raise
         sinks: list[Sink] = [writer, *extra_sinks]
         if viewer is not None:
@@ -259,15 +136,15 @@ def _stream(
     options: RunOptions,
     device: str,
     console: Console,
-    digest: _CheckpointDigest,
+    digest: CheckpointDigest,
 ) -> RunSummary:
     from stream_recon.models.errors import FrameError
 
     stream_errors = (SourceError, FrameError, OutputDirError)
-    clock = _RunClock()
+    clock = RunClock()
     status: RunStatus = "complete"
     error: str | None = None
-    with _StopOnSignal(frame_source.request_stop, console) as stop:
+    with StopOnSignal(frame_source.request_stop, console) as stop:
         with RunProgress(console, frame_source.description, frame_source.estimated_length) as progress:
             try:
                 try:
@@ -318,7 +195,7 @@ def _stream(
     return summary
 
 
-def _wait_while_paused(viewer: Any, stop: _StopOnSignal) -> None:
+def _wait_while_paused(viewer: Any, stop: StopOnSignal) -> None:
     # short waits, so that Ctrl-C still stops a run paused from the browser
     while not viewer.wait_if_paused(timeout=0.2):
         if stop.requested:
@@ -335,7 +212,7 @@ def _serve_until_interrupted(viewer: Any, console: Console) -> None:
         viewer.stop()
 
 
-def _emit(preds: list, engine: Any, clock: _RunClock, sinks: list[Sink], source: FrameSource) -> dict:
+def _emit(preds: list, engine: Any, clock: RunClock, sinks: list[Sink], source: FrameSource) -> dict:
     clock.count_done(preds)
     stats = dict(engine.stats())
     stats.update(
@@ -352,11 +229,11 @@ def _close_sinks(
     sinks: list[Sink],
     writer: RunWriter,
     status: RunStatus,
-    clock: _RunClock,
+    clock: RunClock,
     source: FrameSource,
     device: str,
     error: str | None,
-    digest: _CheckpointDigest,
+    digest: CheckpointDigest,
 ) -> str | None:
     """Close every sink, the writer with the run's summary. Returns the writer's error, if any."""
     summary = {
@@ -403,67 +280,6 @@ def _report(summary: RunSummary, console: Console) -> None:
 # Setup
 
 
-def resolve_device(device: str) -> str:
-    """`auto` -> cuda when available, else cpu. An unavailable CUDA is an error, not a silent CPU run."""
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise OptionsError(f"device {device!r} was asked for but CUDA is not available here; use --device cpu")
-        index = device.partition(":")[2]
-        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
-            raise OptionsError(
-                f"device {device!r} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s)"
-            )
-        return device
-    if device != "cpu":
-        raise OptionsError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
-    return device
-
-
-def check_attention(attention: str, device: str, dtype: Any) -> None:
-    """The attention backend must be able to run on this device in this precision (`auto` always
-    can); the backend table (stream_recon.cache.backends) says why not and what to use instead."""
-    try:
-        backends.resolve(attention, device, dtype)
-    except ValueError as error:
-        raise OptionsError(str(error)) from None
-
-
-def prepare_output_dir(output_dir: Path, *, overwrite: bool) -> bool:
-    """Make sure `output_dir` can take a run, before any model is loaded. Returns True if created here."""
-    if output_dir.exists() and not output_dir.is_dir():
-        raise OutputDirError(f"output path {output_dir} exists and is not a directory; choose another --output")
-    predictions = output_dir / PREDICTIONS_DIR
-    holds_run = (output_dir / RUN_JSON).exists() or (predictions.is_dir() and any(predictions.glob("*.npz")))
-    if holds_run and not overwrite:
-        raise OutputDirError(
-            f"output directory {output_dir} already holds a run; choose another --output or pass --overwrite"
-        )
-    created = not output_dir.exists()
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=output_dir):
-            pass
-    except OSError as error:
-        raise OutputDirError(
-            f"cannot write to the output directory {output_dir}: {error.strerror or error}; "
-            "choose a writable --output"
-        ) from None
-    return created
-
-
-def _remove_if_empty(output_dir: Path, created: bool) -> None:
-    # A run that never started should not leave a folder that blocks the next attempt.
-    if created:
-        with contextlib.suppress(OSError):
-            for child in (output_dir / "predictions", output_dir):
-                if child.is_dir() and not any(child.iterdir()):
-                    child.rmdir()
-
-
 def _as_frame_source(source: Any, options: RunOptions) -> FrameSource:
     if isinstance(source, FrameSource):
         return source
@@ -473,110 +289,6 @@ def _as_frame_source(source: Any, options: RunOptions) -> FrameSource:
         )
     name = getattr(source, "name", None) or type(source).__name__
     return frames_source(source, options.selection(), name=str(name), image_width=options.image_width)
-
-
-def load_model_for(options: RunOptions, device: str | None = None, console: Console | None = None) -> Any:
-    """The model `options` name, as every command loads it (`run`, and `batch` once per worker).
-
-    Load the checkpoint; a known name not on this machine is downloaded first when the hub is reachable
-    (the first run), else CheckpointError says which command fetches it and where to put it."""
-    from stream_recon.models import load_model
-    from stream_recon.models.checkpoint import (
-        KNOWN_CHECKPOINTS,
-        download_checkpoint,
-        hub_offline,
-        locate_checkpoint,
-    )
-
-    device = device or resolve_device(options.device)
-    console = console or Console(stderr=True)
-    checkpoint = options.checkpoint or DEFAULT_CHECKPOINT
-    if checkpoint in KNOWN_CHECKPOINTS and not Path(checkpoint).exists() and locate_checkpoint(checkpoint) is None:
-        if not hub_offline():
-            # no spinner here: huggingface_hub draws its own progress bar
-            console.print(f"{checkpoint} is not on this machine yet: downloading it once (about 4.6 GB)")
-            checkpoint = str(download_checkpoint(checkpoint))
-    # Read (memory-mapped) on the host; preparing puts each weight on the device once, in the
-    # precision the run uses, so a bf16 run never holds a float32 copy of the transformer there.
-    with console.status(f"loading {checkpoint} on {device}"):
-        return _prepared(load_model(checkpoint, device="cpu"), options, device)
-
-
-def _prepared(model: Any, options: RunOptions, device: str) -> Any:
-    """`model` made ready for this run's device and precision, once (a prepared model as it is)."""
-    from stream_recon.models import prepare_for_inference
-
-    if getattr(model, "inference_spec", None) is not None:
-        return model
-    try:
-        return prepare_for_inference(model, device, resolve_dtype(options.dtype, device), compile=options.compile)
-    except ValueError as error:
-        raise OptionsError(str(error)) from None
-
-
-class _CheckpointDigest:
-    """sha256 of the checkpoint file for run.json, hashed on a thread: 4.6 GB takes seconds, which
-    the run should not wait for. A checkpoint that cannot be resolved has no digest."""
-
-    def __init__(self, checkpoint: str | None) -> None:
-        self._digest: str | None = None
-        self._thread: threading.Thread | None = None
-        if checkpoint is not None:
-            self._thread = threading.Thread(target=self._compute, args=(checkpoint,), name="digest", daemon=True)
-            self._thread.start()
-
-    def _compute(self, checkpoint: str) -> None:
-        from stream_recon.models.checkpoint import checkpoint_digest, resolve_checkpoint
-        from stream_recon.models.errors import CheckpointError
-
-        try:
-            self._digest = checkpoint_digest(resolve_checkpoint(checkpoint))
-        except (CheckpointError, OSError):
-            self._digest = None
-
-    def result(self, timeout_s: float = 60.0) -> str | None:
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-        return self._digest
-
-
-def resolve_dtype(name: str, device: str) -> Any:
-    """`auto`: bf16 on CUDA (fp16 before Ampere, which has no fast bf16), fp32 on CPU, as the reference."""
-    import torch
-
-    canonical = DTYPE_NAMES[name]
-    if canonical is not None:
-        return getattr(torch, canonical)
-    if not device.startswith("cuda"):
-        return torch.float32
-    major, _ = torch.cuda.get_device_capability(device)
-    return torch.bfloat16 if major >= 8 else torch.float16
-
-
-def _build_engine(model: Any, options: RunOptions, device: str, dtype: Any, console: Console) -> Any:
-    from stream_recon.models import StreamConfig
-    from stream_recon.models.windowed import WindowedEngine
-
-    config = StreamConfig(**options.stream_config_kwargs())
-    # a stream shorter than one window runs exactly as a plain StreamingEngine would
-    engine = WindowedEngine(
-        _prepared(model, options, device), config, window_frames=options.window_frames, overlap=options.overlap,
-        device=device, dtype=dtype,
-    )
-    engine.on_backend_ready = lambda name: _announce_backend(name, console)
-    return engine
-
-
-def _announce_backend(name: str, console: Console) -> None:
-    """The first FlashInfer call compiles its kernels: say so, rather than stall silently."""
-    if name.startswith("flashinfer"):
-        seconds = "about 90 s" if name.endswith("fa3") else "about 30 s"
-        console.print(
-            f"attention: {name}; its kernels compile on first use on this machine ({seconds}, once: they are "
-            "cached in ~/.cache/flashinfer)"
-        )
-    else:
-        console.print(f"attention: {name}")
 
 
 def _start_viewer(options: RunOptions, console: Console) -> Any:
@@ -606,101 +318,3 @@ def _peak_gpu_memory(device: str) -> int | None:
     import torch
 
     return int(torch.cuda.max_memory_allocated(device))
-
-
-# ----------------------------------------------------------------------------------------------
-# Timing and signals
-
-
-class _RunClock:
-    """Frame counts and the two rates the user cares about: the model's and the whole pipeline's."""
-
-    def __init__(self) -> None:
-        self.started = time.perf_counter()
-        self.first_frame_at: float | None = None
-        self.model_seconds = 0.0
-        self.frames_read = 0
-        self.frames_done = 0  # distinct frames predicted: a windowed stream re-emits some frames
-        self._highest_index = -1
-
-    def count_done(self, preds: list) -> None:
-        for pred in preds:
-            if pred.frame_index > self._highest_index:  # emissions of new frames come in index order
-                self._highest_index = pred.frame_index
-                self.frames_done += 1
-
-    def time_engine(self, call: Any, *args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        if self.first_frame_at is None:
-            self.first_frame_at = started
-        try:
-            return call(*args, **kwargs)
-        finally:
-            self.model_seconds += time.perf_counter() - started
-
-    @property
-    def model_fps(self) -> float:
-        return self.frames_done / self.model_seconds if self.model_seconds > 0 else float("nan")
-
-    @property
-    def end_to_end_fps(self) -> float:
-        if self.first_frame_at is None:
-            return float("nan")
-        elapsed = time.perf_counter() - self.first_frame_at
-        return self.frames_done / elapsed if elapsed > 0 else float("nan")
-
-    def rates(self) -> dict[str, float]:
-        return {"model_fps": _finite_or_none(self.model_fps), "fps": _finite_or_none(self.end_to_end_fps)}
-
-    def timings(self) -> dict[str, float | None]:
-        first = None if self.first_frame_at is None else self.first_frame_at - self.started
-        return {
-            "total_s": round(time.perf_counter() - self.started, 3),
-            "until_first_frame_s": None if first is None else round(first, 3),
-            "model_s": round(self.model_seconds, 3),
-        }
-
-
-def _finite_or_none(value: float) -> float | None:
-    return value if math.isfinite(value) else None
-
-
-class _StopOnSignal:
-    """First SIGINT/SIGTERM: finish the current frame, flush, save. Second: stop flushing, save.
-    Any further one is ignored, so the files being written are not cut off.
-
-    Handlers can only be installed from the main thread; elsewhere (a batch worker thread) the
-    caller's own handling applies and this does nothing.
-    """
-
-    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self, on_first: Any, console: Console) -> None:
-        self._on_first = on_first
-        self._console = console
-        self._previous: dict[int, Any] = {}
-        self.count = 0
-
-    @property
-    def requested(self) -> bool:
-        return self.count > 0
-
-    def __enter__(self) -> _StopOnSignal:
-        if threading.current_thread() is threading.main_thread():
-            for signum in self._SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        self.count += 1
-        name = signal.Signals(signum).name
-        if self.count == 1:
-            self._on_first()
-            self._console.print(f"[yellow]{name}: stopping after this frame and saving (again: stop now)[/yellow]")
-        elif self.count == 2:
-            self._console.print(f"[yellow]{name}: stopping now; writing the files of the frames done[/yellow]")
-            raise KeyboardInterrupt

@@ -6,19 +6,24 @@
     keyframes: interval:2
 
 `--config low-memory` finds configs/low-memory.yaml; `--config path/to/mine.yaml` reads that file.
+The named presets are the package data of stream_recon.configs (configs/ in the repository), read
+through importlib.resources so that a wheel finds them as well as a checkout.
 """
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from stream_recon.app.pipeline import OptionsError, RunOptions
+from stream_recon.app.options import OptionsError, RunOptions
 
-# configs/ sits beside app/ in the repository (and in an editable install)
-PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
+PRESET_DIR = resources.files("stream_recon.configs")
 
 
 class PresetError(ValueError):
@@ -26,12 +31,11 @@ class PresetError(ValueError):
 
 
 def available_presets() -> list[str]:
-    if not PRESET_DIR.is_dir():
-        return []
-    return sorted(path.stem for path in PRESET_DIR.glob("*.yaml") if _is_run_preset(path))
+    presets = (path for path in PRESET_DIR.iterdir() if path.name.endswith(".yaml") and _is_run_preset(path))
+    return sorted(path.name.removesuffix(".yaml") for path in presets)
 
 
-def _is_run_preset(path: Path) -> bool:
+def _is_run_preset(path: Traversable) -> bool:
     # configs/ also holds model presets; a run preset is a mapping of RunOptions fields only
     try:
         data = yaml.safe_load(path.read_text())
@@ -40,12 +44,12 @@ def _is_run_preset(path: Path) -> bool:
     return isinstance(data, dict) and set(data) <= set(RunOptions.field_names())
 
 
-def find_preset(name_or_path: str) -> Path:
+def find_preset(name_or_path: str) -> Path | Traversable:
     path = Path(name_or_path).expanduser()
     if path.is_file():
         return path
-    named = PRESET_DIR / f"{name_or_path}.yaml"
-    if named.is_file() and "/" not in name_or_path:
+    named = PRESET_DIR.joinpath(f"{name_or_path}.yaml")
+    if "/" not in name_or_path and named.is_file():
         return named
     known = ", ".join(available_presets()) or "none found"
     raise PresetError(f"no preset {name_or_path!r}: give a YAML file or one of the presets ({known})")
@@ -69,9 +73,15 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
     return data
 
 
-def build_options(preset: str | None, overrides: dict[str, Any]) -> RunOptions:
-    """RunOptions from defaults < preset < flags the user gave (None means "not given")."""
-    values = load_preset(preset) if preset else {}
+def build_options(
+    preset: str | None, overrides: dict[str, Any], defaults: dict[str, Any] | None = None
+) -> RunOptions:
+    """RunOptions from defaults < preset < flags the user gave (None means "not given").
+
+    defaults: the caller's own defaults over RunOptions' (the bundled sample's), still below the preset.
+    """
+    values = dict(defaults or {})
+    values.update(load_preset(preset) if preset else {})
     values.update({key: value for key, value in overrides.items() if value is not None})
     try:
         return RunOptions(**values)

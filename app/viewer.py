@@ -44,7 +44,7 @@ import cv2
 import numpy as np
 import viser
 
-from stream_recon.app.geometry import rotation_to_quat_wxyz
+from stream_recon.models.pose import rotation_to_quat_xyzw
 from stream_recon.models.prediction import FramePrediction
 
 logger = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ def _field_of_view(pred: FramePrediction) -> tuple[float, float]:
 def _pose(c2w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """c2w [3, 4] -> (wxyz [4], position [3]) for a viser node whose children live in camera axes."""
     c2w = np.asarray(c2w, dtype=np.float64)
-    return rotation_to_quat_wxyz(c2w[:3, :3]), c2w[:3, 3].copy()
+    return np.roll(rotation_to_quat_xyzw(c2w[:3, :3]), 1), c2w[:3, 3].copy()
 
 
 @dataclass

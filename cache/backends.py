@@ -31,7 +31,7 @@ PRECISION_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16:
 # How to get a package a backend needs, said once.
 INSTALL_HINTS = {
     "triton": "it comes with CUDA builds of torch",
-    "flashinfer": "pip install 'stream-recon[cuda]'",
+    "flashinfer": "on a CUDA machine: scripts/setup-env cuda in a checkout, else pip install 'stream-recon[cuda]'",
 }
 
 # factory(storage, layout, compile, device) -> backend

@@ -17,17 +17,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import pickle
+import stat
 import warnings
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 from huggingface_hub import constants as hf_constants
-from huggingface_hub import hf_hub_download, try_to_load_from_cache
+from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -54,8 +57,17 @@ SAFETENSORS_SUFFIX = ".safetensors"
 NAMES_SHOWN = 20  # longer name lists in error messages end with "... and N more"
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default (zip) format; only this one can be memory-mapped
-_ALIGNMENT = 64  # bytes; torch.save and torch's CPU allocator both align tensors to this
 _PICKLE_PROTO = b"\x80"  # the legacy torch.save format starts with a protocol >= 2 pickle
+
+# safetensors maps the whole file each time it is opened, and the pages read through a mapping stay in the
+# process's resident set until it is closed; opening the file again for every piece of this size bounds
+# what a load holds beside the tensors' own memory (opening costs about a millisecond).
+READ_PIECE_BYTES = 16 << 20
+
+# No trained weight comes near float16's largest value: the model also runs in float16 (GPUs before Ampere,
+# the camera head's weights on every GPU), where such a value is inf. Bytes overwritten by random data or
+# text read back as float32 are mostly far beyond it (and random bytes hold NaN and inf as well).
+LARGEST_WEIGHT = float(torch.finfo(torch.float16).max)  # 65504
 
 Shape = tuple[int, ...]
 
@@ -169,11 +181,39 @@ def _unsafe_globals(path: Path) -> list[str]:
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Views into the memory-mapped file: its data is read only where it is touched."""
     try:
         with safe_open(path, framework="pt", device="cpu") as file:
             return {name: file.get_tensor(name) for name in file.keys()}
     except (SafetensorError, OSError, ValueError) as error:
         raise CheckpointError(_corrupt_message(path, error)) from None
+
+
+def _load_safetensors(path: Path, names: Iterable[str], device: torch.device) -> dict[str, torch.Tensor]:
+    """The tensors `names` (best in the file's order: one sequential read) of a .safetensors file, each in
+    memory of its own: on a CUDA device straight from the file, elsewhere on the CPU.
+
+    The file is opened again for every READ_PIECE_BYTES of tensors, so the host holds at most that much
+    of the mapped file beside the copies (one open for all: a 4.6 GB checkpoint twice over). The CPU
+    copies are also 64-byte aligned, unlike the file's tensors, which safetensors packs back to back: CPU
+    kernels take other vector paths on unaligned data, so the outputs would differ in the last bit from
+    those of the same weights read from a .pt (torch.save aligns every tensor).
+    """
+    read_on = str(device) if device.type == "cuda" else "cpu"
+    remaining = deque(names)
+    tensors = {}
+    try:
+        while remaining:
+            with safe_open(path, framework="pt", device=read_on) as file:
+                piece_bytes = 0
+                while remaining and piece_bytes < READ_PIECE_BYTES:
+                    name = remaining.popleft()
+                    tensor = file.get_tensor(name)
+                    tensors[name] = tensor.clone() if read_on == "cpu" else tensor
+                    piece_bytes += tensor.nbytes
+    except (SafetensorError, OSError, ValueError) as error:
+        raise CheckpointError(_corrupt_message(path, error)) from None
+    return tensors
 
 
 def _safetensors_metadata(path: Path) -> dict[str, str]:
@@ -315,6 +355,34 @@ def _mismatch_message(report: StateDictReport, model: torch.nn.Module, source: s
     )
 
 
+def check_weight_values(tensors: Mapping[str, torch.Tensor], source: str | Path) -> None:
+    """Raise CheckpointError naming every tensor (all on one device) that holds NaN, inf, or a value
+    beyond ±LARGEST_WEIGHT.
+
+    A file whose data bytes were damaged (on disk, or in a download) reads like any other, and the model
+    then predicts NaN for every frame. One aminmax per tensor reads its data once, with no temporary
+    the size of the tensor, and propagates NaN; one copy to the host brings every result back. The
+    1.16 B float32 weights take about half a second on one CPU core.
+    """
+    checked = [(name, tensor) for name, tensor in tensors.items() if tensor.is_floating_point() and tensor.numel()]
+    if not checked:
+        return
+    extremes = torch.stack([torch.stack(torch.aminmax(tensor)).float() for _, tensor in checked]).tolist()  # [T, 2]
+    bad = [f"{name} ({_value_range(low, high)})" for (name, _), (low, high) in zip(checked, extremes, strict=True)
+           if not -LARGEST_WEIGHT <= low <= high <= LARGEST_WEIGHT]  # False for NaN
+    if bad:
+        raise CheckpointError(
+            f"{source}: {len(bad)} of {len(checked)} tensors hold NaN, infinite or impossibly large values "
+            f"(beyond ±{LARGEST_WEIGHT:g}, the float16 range): {_listing(bad)}. The file is damaged (an "
+            "interrupted or corrupted download or copy, or a disk error) and would make every prediction NaN. "
+            f"Delete {Path(source).resolve()} and fetch it again ({HF_REPO_URL} for the official checkpoints)."
+        )
+
+
+def _value_range(low: float, high: float) -> str:
+    return "NaN" if math.isnan(low) or math.isnan(high) else f"values from {low:.3g} to {high:.3g}"
+
+
 # -- loading ---------------------------------------------------------------------------------------
 
 def load_model(checkpoint: str | Path | None = None, device: str | torch.device = "cpu",
@@ -327,25 +395,35 @@ def load_model(checkpoint: str | Path | None = None, device: str | torch.device 
     from a .safetensors file's metadata, else the official preset. dtype: None keeps float32 (the
     engine casts what it needs). allow_partial: load only the tensors that fit and warn, instead of
     raising on a mismatch.
+
+    Raises CheckpointError for a file that cannot be read, does not match the model, or holds damaged
+    weights (check_weight_values). A .pt's tensors stay memory-mapped on the CPU; a .safetensors file's
+    are read a piece at a time into memory of their own, on the GPU straight from the file.
     """
     path = resolve_checkpoint(DEFAULT_CHECKPOINT if checkpoint is None else checkpoint)
     config = config or checkpoint_config(path) or ModelConfig()
-    state_dict = read_state_dict(path)
-    # Meta construction allocates nothing and skips random init; the checkpoint's (memory-mapped)
-    # tensors then become the parameters themselves.
+    device = torch.device(device)
+    # Meta construction allocates nothing and skips random init; the checkpoint's tensors then become
+    # the parameters themselves (memory-mapped from a .pt, read to the device from a .safetensors).
     with torch.device("meta"):
         model = GCTStream(config)
-    report = check_state_dict(model, state_dict, allow_partial=allow_partial, source=path)
+    if path.suffix == SAFETENSORS_SUFFIX:
+        mapped = read_state_dict(path)  # views into the mapped file: its data is not read yet
+        report = check_state_dict(model, mapped, allow_partial=allow_partial, source=path)
+        in_file_order = sorted(report.loaded, key=lambda name: mapped[name].data_ptr())
+        del mapped
+        state_dict = _load_safetensors(path, in_file_order, device)
+    else:
+        state_dict = read_state_dict(path)
+        report = check_state_dict(model, state_dict, allow_partial=allow_partial, source=path)
     if report.is_complete:
         model.load_state_dict(state_dict, strict=True, assign=True)
     else:
         model = _load_partial(config, state_dict, report)
         warnings.warn(f"{path}: partial checkpoint load: {report.describe()}", stacklevel=2)
     _check_materialized(model)
-    device = torch.device(device)
     model = model.to(device=device, dtype=dtype or torch.float32)
-    if device.type == "cpu":
-        _align_parameters(model)
+    check_weight_values(dict(model.named_parameters()), source=path)
     return model.eval().requires_grad_(False)
 
 
@@ -359,20 +437,6 @@ def _load_partial(config: ModelConfig, state_dict: Mapping[str, torch.Tensor],
     fitting = {name: state_dict[name] for name in report.loaded}
     model.load_state_dict(fitting, strict=False)
     return model
-
-
-def _align_parameters(model: torch.nn.Module) -> None:
-    """Copy parameters that sit at unaligned addresses into fresh memory.
-
-    safetensors packs tensors back to back, so most of a memory-mapped .safetensors file's tensors are
-    not 64-byte aligned; CPU kernels take other vector paths on such data and the outputs change in
-    the last bit. Aligned copies make a converted checkpoint give exactly the outputs of its .pt
-    (torch.save aligns every tensor). On a GPU the move to the device already copies.
-    """
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.data_ptr() % _ALIGNMENT:
-                parameter.data = parameter.data.clone()
 
 
 def _check_materialized(model: torch.nn.Module) -> None:
@@ -417,13 +481,28 @@ def convert_to_safetensors(src_pt: str | Path, dst: str | Path, config: ModelCon
     tensors = {name: state_dict[name].contiguous() for name in model.state_dict()}
     partial = dst.with_name(f".{dst.name}.partial")
     try:
+        mode = _mode_of_a_new_file(partial)
         save_file(tensors, partial, metadata=metadata)
+        # safetensors writes through a private temporary file (0600) that replaces ours; give the result
+        # the mode any new file gets, so a checkpoint in a shared folder is readable as the umask allows
+        os.chmod(partial, mode)
         os.replace(partial, dst)
     except OSError as error:
         raise CheckpointError(f"cannot write {dst}: {error}. Check free disk space and permissions.") from None
     finally:
         partial.unlink(missing_ok=True)
     return dst
+
+
+def _mode_of_a_new_file(path: Path) -> int:
+    """The permission bits a file created at `path` gets (0o666 less the umask, or a folder's default ACL),
+    learned by creating it: the umask can only be read by setting it, which races with other threads."""
+    path.unlink(missing_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        return stat.S_IMODE(os.fstat(descriptor).st_mode)
+    finally:
+        os.close(descriptor)
 
 
 def checkpoint_digest(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
@@ -506,30 +585,56 @@ def resolve_checkpoint(name_or_path: str | Path) -> Path:
 
 def download_checkpoint(name: str = DEFAULT_CHECKPOINT) -> Path:
     """Fetch a known checkpoint from the Hugging Face hub into its cache (a no-op when it is already
-    there) and return its path."""
+    there) and return its path. Fails at once when offline mode is on or the hub cannot be reached."""
     filename = _known_filename(name)
     if hub_offline():
         raise CheckpointError(
-            f"cannot download {name!r}: Hugging Face offline mode is on (HF_HUB_OFFLINE). Unset it on a "
-            f"machine with network access, or fetch the file elsewhere. {_fetch_instructions(name)}"
+            f"cannot download {name!r}: Hugging Face offline mode is on (HF_HUB_OFFLINE); unset it if this "
+            f"machine has network access. {_fetch_by_hand(name)}"
         )
+    endpoint = hub_endpoint()
+    _check_hub_answers(name, endpoint)
     try:
-        return Path(hf_hub_download(HF_REPO_ID, filename, cache_dir=hub_cache_dir()))
+        return Path(hf_hub_download(HF_REPO_ID, filename, cache_dir=hub_cache_dir(), endpoint=endpoint))
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as error:
-        raise CheckpointError(
-            f"cannot download {name!r} from {HF_REPO_URL}: the hub is not reachable ({error}). "
-            f"Check the network or a proxy, or fetch the file elsewhere. {_fetch_instructions(name)}"
-        ) from None
+        raise CheckpointError(_unreachable_message(name, endpoint, error)) from None
     except HfHubHTTPError as error:
         raise CheckpointError(
-            f"downloading {name!r} from {HF_REPO_URL} failed: {error}. Try again later, or fetch the file "
-            f"elsewhere. {_fetch_instructions(name)}"
+            f"downloading {name!r} from {HF_REPO_URL} failed: {error}. Try again later. {_fetch_by_hand(name)}"
         ) from None
     except OSError as error:
         raise CheckpointError(
             f"downloading {name!r} into {hub_cache_dir()} failed: {error}. The file is about 4.6 GB: check "
             "free disk space and permissions, or set HF_HOME to another folder."
         ) from None
+
+
+def hub_endpoint() -> str:
+    """HF_ENDPOINT, read now (see hub_cache_dir), else huggingface_hub's default (https://huggingface.co)."""
+    return (os.environ.get("HF_ENDPOINT") or hf_constants.ENDPOINT).rstrip("/")
+
+
+def _check_hub_answers(name: str, endpoint: str) -> None:
+    """Ask the hub for the file's metadata once, without retries.
+
+    When a file is not cached, hf_hub_download retries a refused or timed-out connection with back-off
+    for about 25 s before it gives up; one request tells an unreachable hub apart at once.
+    """
+    url = hf_hub_url(HF_REPO_ID, KNOWN_CHECKPOINTS[name], endpoint=endpoint)
+    try:
+        get_hf_file_metadata(url, timeout=hf_constants.HF_HUB_ETAG_TIMEOUT)
+    except HfHubHTTPError:
+        return  # the hub answered: hf_hub_download reports what it said (not found, gated, busy)
+    except Exception as error:  # transport errors are requests' or httpx's, by huggingface_hub version
+        raise CheckpointError(_unreachable_message(name, endpoint, error)) from None
+
+
+def _unreachable_message(name: str, endpoint: str, error: Exception) -> str:
+    return (
+        f"cannot download {name!r}: the Hugging Face hub at {endpoint} cannot be reached "
+        f"({type(error).__name__}: {str(error).strip() or 'no detail'}). {_fetch_by_hand(name)} If this machine "
+        "should reach the hub, check its network and proxy settings (HTTPS_PROXY, HF_ENDPOINT)."
+    )
 
 
 def _known_filename(name: str) -> str:
@@ -542,21 +647,25 @@ def _known_filename(name: str) -> str:
 
 
 def _not_on_this_machine_message(name: str) -> str:
-    offline = " Hugging Face offline mode is on (HF_HUB_OFFLINE), so it cannot be fetched now." if hub_offline() else ""
+    looked = (f"checkpoint {name!r} is not on this machine (looked in {checkpoint_dir()} and in the Hugging Face "
+              f"cache {hub_cache_dir()})")
+    if hub_offline():
+        return (f"{looked}, and Hugging Face offline mode is on (HF_HUB_OFFLINE), so it is not downloaded. "
+                f"{_fetch_by_hand(name)} If this machine has network access, unset HF_HUB_OFFLINE.")
+    return (f"{looked}. Fetch it with `stream-recon download {name}` (or `hf download {HF_REPO_ID} "
+            f"{KNOWN_CHECKPOINTS[name]}`). {_fetch_by_hand(name)}")
+
+
+def _fetch_by_hand(name: str) -> str:
+    """How to get the file without this machine downloading it (so never the download command, which
+    fails where the hub cannot be reached)."""
     return (
-        f"checkpoint {name!r} is not on this machine (looked in {checkpoint_dir()} and in the Hugging Face "
-        f"cache {hub_cache_dir()}).{offline} {_fetch_instructions(name)}"
+        f"To fetch it by hand, download {_file_url(KNOWN_CHECKPOINTS[name])} (about 4.6 GB) on a machine with "
+        f"network access and put it in {checkpoint_dir()}/ here (or set {CHECKPOINT_DIR_ENV} to the folder "
+        "that holds it), or pass the file's path as the checkpoint."
     )
 
 
-def _fetch_instructions(name: str) -> str:
-    filename = KNOWN_CHECKPOINTS[name]
-    return (
-        "Fetch it (about 4.6 GB) with\n"
-        f"    stream-recon download {name}\n"
-        "or the equivalent\n"
-        f"    huggingface-cli download {HF_REPO_ID} {filename}\n"
-        f"(`hf download {HF_REPO_ID} {filename}` with newer huggingface_hub), "
-        f"or download {filename} from {HF_REPO_URL} and put it in {checkpoint_dir()}/ "
-        f"(or set {CHECKPOINT_DIR_ENV} to its folder), or pass its path as the checkpoint."
-    )
+def _file_url(filename: str) -> str:
+    """The file's direct download address on huggingface.co (a browser or curl fetches it)."""
+    return f"{HF_REPO_URL}/resolve/main/{filename}"

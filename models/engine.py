@@ -162,7 +162,7 @@ class StreamingEngine:
         completed and returned first by the next push or finish."""
         self._ready += self._deliver(keep=0)
         self._buffer = []
-        self.num_frames = 0  # frames seen, the next frame's stream index
+        self.num_frames = 0  # frames submitted (decided or not): the next frame's stream index
         self.num_keyframes = 0
         self.time_counter = 0  # temporal RoPE index of the next committed frame
         self._last_keyframe: _LastKeyframe | None = None
@@ -242,6 +242,7 @@ class StreamingEngine:
             self._undo_pending()
             raise
         self._commit(count)
+        self.num_frames += count
         host = self.runner.staging.receive(staged)
         predictions = [self._prediction(host, i, first_index + i, stamps[i], FRAME_SCALE) for i in range(count)]
         self._last_keyframe = _LastKeyframe(first_index + count - 1, host["c2w"][-1], host["intrinsics"][-1])
@@ -265,6 +266,7 @@ class StreamingEngine:
             raise
         flight = _InFlight(index, timestamp, staged, keyframe)
         self._in_flight.append(flight)
+        self.num_frames += 1
         if keyframe is not None:
             self._settle(flight, keyframe)
         return ready + self._deliver(keep=self.runner.lag)
@@ -300,12 +302,11 @@ class StreamingEngine:
         return camera_motion_flow(host["c2w"][0], host["intrinsics"][0], host["depth"][0], key.c2w, key.intrinsics)
 
     def _settle(self, flight: _InFlight, keyframe: bool) -> None:
-        """Commit a keyframe or roll a non-keyframe back; either way the stream moves on one frame."""
+        """Commit a keyframe or roll a non-keyframe back."""
         if keyframe:
             self._commit(1)
         else:
             self._undo_pending()
-            self.num_frames += 1
 
     def _check_temporal_range(self, num_new: int) -> None:
         limit = self.model.config.max_frames
@@ -319,7 +320,6 @@ class StreamingEngine:
         self.cache.commit()
         self.camera_cache.commit()
         self.time_counter += count
-        self.num_frames += count
         self.num_keyframes += count
 
     def _undo_pending(self) -> None:

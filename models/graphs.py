@@ -29,6 +29,7 @@ import torch
 from stream_recon.cache import DenseKVCache, DeviceValues
 
 from .gct import GCTStream
+from .prepare import float32_exact
 
 
 class _SplitAtAttention:
@@ -210,7 +211,7 @@ class RecordedStep:
 
     def _autocast(self):
         if self.autocast_dtype is None:
-            return torch.autocast("cuda", enabled=False)
+            return float32_exact()
         # No weight-cast cache: a cached cast made during capture would be freed after it.
         return torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)
 

@@ -12,8 +12,14 @@ import numpy as np
 import torch
 
 
-def quat_xyzw_to_rotation(quat: torch.Tensor) -> torch.Tensor:
-    """[..., 4] (x, y, z, w), any norm -> [..., 3, 3]."""
+def quat_xyzw_to_rotation(quat: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+    """[..., 4] (x, y, z, w), any norm -> [..., 3, 3].
+
+    A numpy quaternion gives a float64 numpy rotation through the same formula, so that the app's
+    files (TUM trajectories, viewer poses) and the decoder agree on what a quaternion means.
+    """
+    if isinstance(quat, np.ndarray):
+        return quat_xyzw_to_rotation(torch.from_numpy(quat.astype(np.float64))).numpy()
     i, j, k, r = quat.unbind(-1)
     two_s = 2.0 / (quat * quat).sum(-1)
     rotation = torch.stack(
@@ -25,6 +31,48 @@ def quat_xyzw_to_rotation(quat: torch.Tensor) -> torch.Tensor:
         -1,
     )
     return rotation.reshape(quat.shape[:-1] + (3, 3))
+
+
+def rotation_to_quat_xyzw(rotation: np.ndarray) -> np.ndarray:
+    """[..., 3, 3] rotation -> unit quaternion [..., 4] (x, y, z, w) with w >= 0, float64 numpy.
+
+    Each of the four components can be recovered from the diagonal; dividing by the largest one
+    keeps the result accurate for every rotation, 180-degree turns included (where w -> 0 and the
+    trace formula alone would divide by zero). wxyz users (viser, COLMAP) roll the result by one.
+    """
+    m = np.asarray(rotation, dtype=np.float64)
+    m00, m11, m22 = m[..., 0, 0], m[..., 1, 1], m[..., 2, 2]
+    # 4 * (w^2, x^2, y^2, z^2)
+    four_sq = np.stack([1 + m00 + m11 + m22, 1 + m00 - m11 - m22, 1 - m00 + m11 - m22, 1 - m00 - m11 + m22], -1)
+    zy, yz = m[..., 2, 1], m[..., 1, 2]
+    xz, zx = m[..., 0, 2], m[..., 2, 0]
+    yx, xy = m[..., 1, 0], m[..., 0, 1]
+    # Row i: 4 * q_i * (w, x, y, z); the component i itself is 4 q_i^2.
+    scaled = np.stack(
+        [
+            np.stack([four_sq[..., 0], zy - yz, xz - zx, yx - xy], -1),
+            np.stack([zy - yz, four_sq[..., 1], xy + yx, xz + zx], -1),
+            np.stack([xz - zx, xy + yx, four_sq[..., 2], yz + zy], -1),
+            np.stack([yx - xy, xz + zx, yz + zy, four_sq[..., 3]], -1),
+        ],
+        -2,
+    )  # [..., 4, 4]
+    best = np.argmax(four_sq, axis=-1)
+    wxyz = np.take_along_axis(scaled, best[..., None, None], axis=-2)[..., 0, :]
+    wxyz = wxyz / np.linalg.norm(wxyz, axis=-1, keepdims=True)
+    wxyz = np.where(wxyz[..., :1] < 0, -wxyz, wxyz)
+    return np.concatenate([wxyz[..., 1:], wxyz[..., :1]], -1)
+
+
+def quat_xyzw_product(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """Hamilton product first * second of (x, y, z, w) quaternions [..., 4] (broadcast): the
+    rotation of the product is R(first) @ R(second), and |product| = |first| |second|."""
+    x1, y1, z1, w1 = np.moveaxis(np.asarray(first, np.float64), -1, 0)
+    x2, y2, z2, w2 = np.moveaxis(np.asarray(second, np.float64), -1, 0)
+    return np.stack([w1 * x2 + x1 * w2 + y1 * z2 - z1 * y2,
+                     w1 * y2 - x1 * z2 + y1 * w2 + z1 * x2,
+                     w1 * z2 + x1 * y2 - y1 * x2 + z1 * w2,
+                     w1 * w2 - x1 * x2 - y1 * y2 - z1 * z2], axis=-1)
 
 
 def decode_pose(pose_enc: torch.Tensor, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ device or precision, so nothing downstream ever converts a model it was handed.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +129,21 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+@contextlib.contextmanager
+def float32_exact():
+    """A float32 CUDA step in float32: no autocast, and no TF32 in matrix products or cuDNN's
+    convolutions (PyTorch lets cuDNN use TF32 by default, which put the patch embedding 7.8e-3 sigma
+    off the reference's float32 depth). Scoped to the step, so that bf16 runs in the same process
+    keep their settings."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        with torch.autocast("cuda", enabled=False):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
 # -- torch.compile ---------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from stream_recon.cache import KVCache, TokenCache
 
 from .gct import GCTStream
 from .graphs import RecordedStep
+from .prepare import float32_exact
 from .staging import FrameUpload, HostStaging, Staged, pack_outputs
 
 
@@ -79,7 +80,7 @@ class EagerRunner:
 
     def _autocast(self):
         if self.autocast_dtype is None:
-            return torch.autocast(self.device.type, enabled=False)
+            return float32_exact() if self.device.type == "cuda" else torch.autocast(self.device.type, enabled=False)
         # No weight-cast cache (the transformer's weights are in this dtype already), as in a
         # recorded step: compiled blocks then see one autocast state and compile once.
         return torch.autocast(self.device.type, dtype=self.autocast_dtype, cache_enabled=False)

@@ -33,7 +33,7 @@ import torch
 
 from .engine import StreamConfig, StreamingEngine
 from .gct import GCTStream
-from .pose import decode_pose, quat_xyzw_to_rotation
+from .pose import decode_pose, quat_xyzw_product, quat_xyzw_to_rotation, rotation_to_quat_xyzw
 from .prediction import FramePrediction
 
 logger = logging.getLogger("stream_recon.models.windowed")
@@ -44,42 +44,6 @@ _SCALE_RANGE = (1e-3, 1e3)
 
 
 # -- Sim(3) helpers (float64, numpy) -------------------------------------------------------------
-def rotation_to_quat_xyzw(rotation: np.ndarray) -> np.ndarray:
-    """[..., 3, 3] rotation -> unit quaternion [..., 4] (x, y, z, w) with w >= 0.
-
-    Each of the four components can be recovered from the diagonal; dividing by the largest one
-    keeps the result accurate for every rotation, 180-degree turns included (where w -> 0 and the
-    trace formula alone would divide by zero).
-    """
-    m = np.asarray(rotation, dtype=np.float64)
-    m00, m11, m22 = m[..., 0, 0], m[..., 1, 1], m[..., 2, 2]
-    # 4 * (w^2, x^2, y^2, z^2)
-    four_sq = np.stack([1 + m00 + m11 + m22, 1 + m00 - m11 - m22, 1 - m00 + m11 - m22, 1 - m00 - m11 + m22], -1)
-    zy, yz = m[..., 2, 1], m[..., 1, 2]
-    xz, zx = m[..., 0, 2], m[..., 2, 0]
-    yx, xy = m[..., 1, 0], m[..., 0, 1]
-    # Row i: 4 * q_i * (w, x, y, z); the component i itself is 4 q_i^2.
-    scaled = np.stack(
-        [
-            np.stack([four_sq[..., 0], zy - yz, xz - zx, yx - xy], -1),
-            np.stack([zy - yz, four_sq[..., 1], xy + yx, xz + zx], -1),
-            np.stack([xz - zx, xy + yx, four_sq[..., 2], yz + zy], -1),
-            np.stack([yx - xy, xz + zx, yz + zy, four_sq[..., 3]], -1),
-        ],
-        -2,
-    )  # [..., 4, 4]
-    best = np.argmax(four_sq, axis=-1)
-    wxyz = np.take_along_axis(scaled, best[..., None, None], axis=-2)[..., 0, :]
-    wxyz = wxyz / np.linalg.norm(wxyz, axis=-1, keepdims=True)
-    wxyz = np.where(wxyz[..., :1] < 0, -wxyz, wxyz)
-    return np.concatenate([wxyz[..., 1:], wxyz[..., :1]], -1)
-
-
-def quat_xyzw_to_matrix(quat: np.ndarray) -> np.ndarray:
-    """[..., 4] (x, y, z, w), any norm -> [..., 3, 3] float64 (the decoder's formula)."""
-    return quat_xyzw_to_rotation(torch.from_numpy(np.asarray(quat, dtype=np.float64))).numpy()
-
-
 @dataclass(frozen=True)
 class Sim3:
     """x -> scale * rotation @ x + translation: maps one window's world frame into another's."""
@@ -104,17 +68,23 @@ class Sim3:
         """[..., 3] -> [..., 3]."""
         return self.scale * np.asarray(points, np.float64) @ self.rotation.T + self.translation
 
+    @property
+    def is_identity(self) -> bool:
+        return self.scale == 1.0 and np.array_equal(self.rotation, np.eye(3)) and not self.translation.any()
+
     def apply_to_pose_enc(self, pose_enc: np.ndarray) -> np.ndarray:
         """[..., 9] camera-to-world pose encodings -> the same cameras in the target frame.
 
-        The camera centre moves as a point, the orientation is left-multiplied by the rotation and
-        re-encoded as a unit quaternion with w >= 0 (as the reference does; its raw quaternions
-        are not unit), the field of view is unchanged.
+        The camera centre moves as a point; the orientation is left-multiplied by the rotation as
+        a quaternion product with the rotation's unit quaternion, so the result keeps the model's
+        quaternion norm (the model's quaternions are not unit; the decoder divides by |q|^2) and
+        its rotation is R @ R(q); the field of view is unchanged. (The reference re-encodes a unit
+        quaternion with w >= 0 instead: the same cameras, another encoding.)
         """
         pose_enc = np.asarray(pose_enc)
         out = pose_enc.astype(np.float64, copy=True)
         out[..., :3] = self.apply_to_points(pose_enc[..., :3])
-        out[..., 3:7] = rotation_to_quat_xyzw(self.rotation @ quat_xyzw_to_matrix(pose_enc[..., 3:7]))
+        out[..., 3:7] = quat_xyzw_product(rotation_to_quat_xyzw(self.rotation), out[..., 3:7])
         return out.astype(pose_enc.dtype)
 
 
@@ -148,8 +118,8 @@ def estimate_window_alignment(target_pose_enc: np.ndarray, target_depth: np.ndar
     paired = np.flatnonzero(np.asarray(target_keyframe, bool) & np.asarray(source_keyframe, bool))
     anchor = int(paired[-1]) if paired.size else 0
     depth_rows = paired if paired.size else np.array([0])
-    target_rotation = quat_xyzw_to_matrix(target_pose_enc[anchor, 3:7])
-    source_rotation = quat_xyzw_to_matrix(source_pose_enc[anchor, 3:7])
+    target_rotation = quat_xyzw_to_rotation(target_pose_enc[anchor, 3:7])
+    source_rotation = quat_xyzw_to_rotation(source_pose_enc[anchor, 3:7])
     rotation = target_rotation @ source_rotation.T
     scale = depth_ratio_scale(np.asarray(target_depth)[depth_rows], np.asarray(source_depth)[depth_rows])
     target_centre = np.asarray(target_pose_enc[anchor, :3], np.float64)
@@ -366,13 +336,16 @@ class WindowedEngine:
         return transform
 
     def _align(self, raw: FramePrediction) -> FramePrediction:
-        """Map one raw prediction into the first window's frame (window 0 too: its quaternions
-        come out unit-norm, as in the reference's stitched output)."""
+        """Map one raw prediction into the first window's frame. The first window's predictions
+        pass unchanged (their pose_enc is the model's own); later windows' cameras are moved by
+        the window's Sim(3), their quaternions keeping the model's norm (Sim3.apply_to_pose_enc)."""
         transform = self._transform
-        pose_enc = transform.apply_to_pose_enc(raw.pose_enc.astype(np.float64)).astype(np.float32)
-        depth = raw.depth * np.float32(transform.scale)
-        height, width = raw.image_size
-        c2w, intrinsics = decode_pose(torch.from_numpy(pose_enc), height, width)
-        aligned = replace(raw, pose_enc=pose_enc, c2w=c2w.numpy(), intrinsics=intrinsics.numpy(), depth=depth)
-        self._tail.append(_AlignedFrame(aligned.frame_index, pose_enc, depth, aligned.is_keyframe))
+        aligned = raw
+        if not transform.is_identity:
+            pose_enc = transform.apply_to_pose_enc(raw.pose_enc.astype(np.float64)).astype(np.float32)
+            height, width = raw.image_size
+            c2w, intrinsics = decode_pose(torch.from_numpy(pose_enc), height, width)
+            aligned = replace(raw, pose_enc=pose_enc, c2w=c2w.numpy(), intrinsics=intrinsics.numpy(),
+                              depth=raw.depth * np.float32(transform.scale))
+        self._tail.append(_AlignedFrame(aligned.frame_index, aligned.pose_enc, aligned.depth, aligned.is_keyframe))
         return aligned

@@ -1,21 +1,88 @@
+"""Shared test fixtures.
+
+For a test that runs the tiny model:
+
+    pytestmark = pytest.mark.usefixtures("one_torch_thread")   # the module's torch on one thread
+
+    def test_something(tiny_model): ...                         # ModelConfig.tiny(), synthetic weights
+    def test_streaming(prepared_tiny_model): ...                # the same, ready for StreamingEngine
+
+and `build_tiny_model()` where a plain function is needed (a Ray worker's loader, a checkpoint to save).
+"""
+
 import sys
 from pathlib import Path
 
+import cv2
+import numpy as np
 import pytest
 import torch
 
+from stream_recon.models import GCTStream, ModelConfig, prepare_for_inference
+from stream_recon.models.synthetic import load_synthetic_weights
+
 # Golden helpers live beside the tests.
 sys.path.insert(0, str(Path(__file__).parent))
+from golden_utils import GOLDEN, full_size_model  # noqa: E402
 
 # Float32 everywhere: TF32 would break the golden tolerance (fixtures README §5).
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
 
+def build_tiny_model(config: ModelConfig | None = None) -> GCTStream:
+    """The tiny model (`config`, default ModelConfig.tiny()) with the deterministic synthetic weights, in
+    eval mode on the CPU: every caller, process and Ray worker gets the same numbers."""
+    return load_synthetic_weights(GCTStream(config or ModelConfig.tiny())).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> GCTStream:
+    """One tiny model per test module (see build_tiny_model)."""
+    return build_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def prepared_tiny_model(tiny_model) -> GCTStream:
+    """tiny_model prepared for streaming on the CPU in float32 (it shares the weights)."""
+    return prepare_for_inference(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Torch on one intra-op thread for the rest of the module, then back to what it was.
+
+    The tiny model's ops take microseconds: two OpenMP threads on a busy 2-core machine only wait on
+    each other and a run gets ~15x slower. One thread also matches Ray workers, which run torch on one
+    thread, so in-process and distributed results compare number for number.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def gpu_model():
     """The full-size model on deterministic weights as loaded (float32, on the host): each GPU test
     prepares its own copy for the device and precision it runs (prepare_for_inference)."""
-    from golden_utils import full_size_model
-
     return full_size_model()
+
+
+@pytest.fixture(scope="session")
+def golden_checkpoint(tmp_path_factory) -> Path:
+    """The fixtures' weights as an official-format .pt file (a bare state dict)."""
+    path = tmp_path_factory.mktemp("checkpoint") / "synthetic-lingbot-map.pt"
+    torch.save(full_size_model().state_dict(), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def golden_frame_folder(tmp_path_factory) -> Path:
+    """The 14 golden inputs as PNG files: at width 224 the preprocessing is the identity (fixtures §2)."""
+    folder = tmp_path_factory.mktemp("golden_frames")
+    images = np.load(GOLDEN / "inputs" / "preprocessed.npz")["images_u8"]  # [14, 3, H, W] RGB
+    for index, image in enumerate(images):
+        cv2.imwrite(str(folder / f"{index:06d}.png"), cv2.cvtColor(image.transpose(1, 2, 0), cv2.COLOR_RGB2BGR))
+    return folder
+

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from typer.testing import CliRunner
+
+from stream_recon.app.cli import app, with_default_command
 
 GOLDEN = Path(__file__).parent / "golden"
 TOLERANCE = 1e-3  # fixtures README §5: max |ours - golden| / std(golden)
@@ -49,3 +52,44 @@ def prepared_full_size_model():
     from stream_recon.models import prepare_for_inference
 
     return prepare_for_inference(full_size_model(), "cpu", torch.float32)
+
+
+# -- the CLI on the golden frames (tests/test_golden_cli.py, and the GPU suite) --------------------
+SCENARIO_OPTIONS = {
+    "all_keyframes": ["--keyframes", "all"],
+    "interval_2": ["--keyframes", "interval:2"],
+    "flow": ["--keyframes", "flow", "--flow-threshold", "43", "--max-gap", "3"],
+}
+FLOAT_KEYS = ("pose_enc", "c2w", "intrinsics", "depth", "depth_conf")
+
+
+def run_cli_on_golden_frames(checkpoint: Path, frames: Path, output: Path, scenario: str, *extra: str) -> Path:
+    args = [str(frames), "--output", str(output), "--checkpoint", str(checkpoint), "--scale-frames", "3",
+            "--window", "4", "--image-width", "224", "--no-viewer", *SCENARIO_OPTIONS[scenario], *extra]
+    result = CliRunner().invoke(app, with_default_command(args))
+    if result.exit_code != 0:
+        import traceback
+
+        trace = "".join(traceback.format_exception(*result.exc_info)) if result.exc_info else ""
+        raise AssertionError(f"exit {result.exit_code}: {result.output}\n{getattr(result, 'stderr', '')}\n{trace}")
+    return output
+
+
+def compare_run_with_golden(run_dir: Path, scenario: str, limits: dict[str, float] | None = None) -> dict[str, float]:
+    """Max error per key (fixtures §5 metric) of the run's npz files against the golden outputs;
+    asserts the keyframe flags exactly and each error within `limits` (default: float32's 1e-3)."""
+    golden = np.load(GOLDEN / scenario / "outputs.npz")
+    files = sorted((run_dir / "predictions").glob("*.npz"))
+    assert [int(path.stem) for path in files] == list(range(14))
+    ours = [dict(np.load(path)) for path in files]
+    assert [bool(p["is_keyframe"]) for p in ours] == golden["is_keyframe"].tolist()
+    assert [int(p["frame_type"]) for p in ours] == golden["frame_type"].tolist()
+    errors = {"pose_enc": float(relative_error(np.stack([p["pose_enc"] for p in ours]), golden["pose_enc"],
+                                               axis=0).max())}
+    for key in FLOAT_KEYS[1:]:
+        errors[key] = float(relative_error(np.stack([p[key] for p in ours]), golden[key]))
+    limits = limits or dict.fromkeys(FLOAT_KEYS, TOLERANCE)
+    print(f"{run_dir.name} vs golden {scenario}: {errors}")
+    for key, limit in limits.items():
+        assert errors[key] <= limit, f"{key}: {errors[key]:.2e} sigma > {limit}"
+    return errors

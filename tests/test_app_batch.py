@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import build_tiny_model
 from dataset_tree import write_dataset_tree, write_image_folder
 
 from stream_recon.app.batch import (
@@ -24,8 +25,8 @@ from stream_recon.app.batch import (
     run_batch,
 )
 from stream_recon.app.datasets import discover_sequences
-from stream_recon.app.pipeline import RunOptions
-from stream_recon.models import GCTStream, ModelConfig
+from stream_recon.app.options import RunOptions
+from stream_recon.models import ModelConfig
 
 FRAMES = 6
 # 64 x 48 frames -> 56 x 42 model input: the tiny model runs each frame in milliseconds on CPU.
@@ -37,20 +38,8 @@ def load_missing_model():
     raise ValueError("checkpoint /nowhere/model.safetensors does not exist")
 
 
-def load_tiny_model():
-    # Every worker builds the same weights, so serial and Ray runs can be compared number for number.
-    torch.manual_seed(0)
-    return GCTStream(ModelConfig.tiny()).eval()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Ray workers run torch on one thread; the in-process runs do the same, so results compare exactly
-    # and a loaded 2-core CI machine does not thrash.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Ray workers run torch on one thread; the in-process runs do the same, so results compare exactly.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +50,7 @@ def dataset(tmp_path_factory):
 @pytest.fixture(scope="module")
 def serial_run(dataset, tmp_path_factory):
     output = tmp_path_factory.mktemp("serial")
-    rows = run_batch(discover_sequences(dataset), output, OPTIONS, load_model=load_tiny_model)
+    rows = run_batch(discover_sequences(dataset), output, OPTIONS, load_model=build_tiny_model)
     return output, rows
 
 
@@ -123,7 +112,7 @@ def test_summary_csv_has_the_same_rows_and_every_column(serial_run):
 def test_second_invocation_skips_finished_sequences(serial_run, dataset):
     output, first_rows = serial_run
     stamps = {row["name"]: (output / row["name"] / "run.json").stat().st_mtime_ns for row in first_rows[:3]}
-    rows = run_batch(discover_sequences(dataset), output, OPTIONS, load_model=load_tiny_model)
+    rows = run_batch(discover_sequences(dataset), output, OPTIONS, load_model=build_tiny_model)
     assert [row["status"] for row in rows] == ["skipped", "skipped", "skipped", "failed"]
     for before, after in zip(first_rows[:3], rows[:3], strict=True):
         assert comparable(before) == comparable(after)
@@ -136,7 +125,7 @@ def test_partial_run_directory_is_redone_from_scratch(serial_run, dataset, tmp_p
     partial = tmp_path / sequences[0].name
     (partial / "predictions").mkdir(parents=True)
     (partial / "predictions" / "000099.npz").write_bytes(b"left over from a killed run")
-    [row] = run_batch(sequences, tmp_path, OPTIONS, load_model=load_tiny_model)
+    [row] = run_batch(sequences, tmp_path, OPTIONS, load_model=build_tiny_model)
     assert row["status"] == "ok" and row["frames"] == FRAMES
     assert not (partial / "predictions" / "000099.npz").exists()
     assert comparable(row) == comparable(serial_run[1][0])
@@ -147,11 +136,12 @@ KILLABLE_BATCH = textwrap.dedent(
     import sys, torch
     torch.set_num_threads(1)
     sys.path.insert(0, {tests_dir!r})
-    from test_app_batch import OPTIONS, load_tiny_model
+    from conftest import build_tiny_model
+    from test_app_batch import OPTIONS
     from stream_recon.app.batch import BatchInterrupted, run_batch
     from stream_recon.app.datasets import discover_sequences
     try:
-        run_batch(discover_sequences({root!r}), {output!r}, OPTIONS, load_model=load_tiny_model)
+        run_batch(discover_sequences({root!r}), {output!r}, OPTIONS, load_model=build_tiny_model)
     except BatchInterrupted:
         sys.exit(130)
     """
@@ -187,7 +177,7 @@ def test_batch_killed_mid_sequence_completes_when_rerun(tmp_path):
     assert not (output / "b_long" / COMPLETE_MARKER).exists()
     assert [row["name"] for row in read_summary(output)] == ["a_short"]  # what finished was recorded
 
-    rows = run_batch(discover_sequences(root), output, OPTIONS, load_model=load_tiny_model)
+    rows = run_batch(discover_sequences(root), output, OPTIONS, load_model=build_tiny_model)
     assert [(row["name"], row["status"], row["frames"]) for row in rows] == [
         ("a_short", "skipped", FRAMES),
         ("b_long", "ok", 120),
@@ -211,10 +201,11 @@ def test_ctrl_c_stops_the_batch_after_saving_the_current_sequence(tmp_path):
     assert not (output / "b_next").exists()  # the batch stopped instead of going on
 
 
+@pytest.mark.slow  # starts a Ray instance: tens of seconds on a busy machine
 def test_ray_batch_gives_the_serial_results(serial_run, dataset, tmp_path):
     ray = pytest.importorskip("ray", reason="the ray extra is not installed")
     serial_output, serial_rows = serial_run
-    # Workers import load_tiny_model from this file, as a real cluster imports the user's loader.
+    # Workers import build_tiny_model from tests/conftest.py, as a real cluster imports the user's loader.
     python_path = os.pathsep.join([str(TESTS_DIR), *sys.path])
     ray.init(
         num_cpus=2,
@@ -228,7 +219,7 @@ def test_ray_batch_gives_the_serial_results(serial_run, dataset, tmp_path):
             discover_sequences(dataset),
             tmp_path,
             OPTIONS,
-            load_model=load_tiny_model,
+            load_model=build_tiny_model,
             ray_address="auto",
             gpus_per_task=0,
         )
@@ -277,9 +268,9 @@ def test_output_overlapping_the_dataset_is_refused(tmp_path):
     sequences = discover_sequences(root)
     # OUTPUT/scene would be the input folder itself, and a partial run there would be deleted.
     with pytest.raises(BatchError, match="overlaps the input"):
-        run_batch(sequences, root, OPTIONS, load_model=load_tiny_model)
+        run_batch(sequences, root, OPTIONS, load_model=build_tiny_model)
     with pytest.raises(BatchError, match="overlaps the input"):
-        run_batch(sequences, root / "scene" / "out", OPTIONS, load_model=load_tiny_model)
+        run_batch(sequences, root / "scene" / "out", OPTIONS, load_model=build_tiny_model)
     assert len(list((root / "scene").glob("*.png"))) == FRAMES
 
 
@@ -288,7 +279,7 @@ def test_a_foreign_folder_in_the_way_is_never_deleted(tmp_path, dataset):
     foreign = tmp_path / sequences[0].name
     foreign.mkdir()
     (foreign / "notes.txt").write_text("someone's work")
-    [row] = run_batch(sequences, tmp_path, OPTIONS, load_model=load_tiny_model)
+    [row] = run_batch(sequences, tmp_path, OPTIONS, load_model=build_tiny_model)
     assert row["status"] == "failed" and "is not a stream-recon run directory" in row["error"]
     assert (foreign / "notes.txt").read_text() == "someone's work"
 
@@ -296,7 +287,7 @@ def test_a_foreign_folder_in_the_way_is_never_deleted(tmp_path, dataset):
 def test_output_that_is_a_file_is_refused(tmp_path, dataset):
     (tmp_path / "out").write_text("not a folder")
     with pytest.raises(BatchError, match="exists and is not a folder"):
-        run_batch(discover_sequences(dataset), tmp_path / "out", OPTIONS, load_model=load_tiny_model)
+        run_batch(discover_sequences(dataset), tmp_path / "out", OPTIONS, load_model=build_tiny_model)
 
 
 def test_batch_command_rejects_bad_input_with_one_sentence(tmp_path):
@@ -312,6 +303,9 @@ def test_batch_command_rejects_bad_input_with_one_sentence(tmp_path):
         app, ["batch", str(tmp_path), "-o", str(tmp_path / "out"), "--alignment", "sim2"]
     )
     assert alignment.exit_code == 2 and "--alignment must be sim3 or se3" in alignment.output
+    # run options reach RunOptions through the same flags as `run`
+    window = runner.invoke(app, ["batch", str(tmp_path), "-o", str(tmp_path / "out"), "--window-frames", "4"])
+    assert window.exit_code == 2 and "window_frames must be more than scale_frames" in window.output
 
 
 def test_batch_command_reports_a_missing_checkpoint_before_any_sequence(tmp_path, dataset):
@@ -320,16 +314,7 @@ def test_batch_command_reports_a_missing_checkpoint_before_any_sequence(tmp_path
     from stream_recon.app.cli import app
 
     output = tmp_path / "out"
-    arguments = [
-        "batch",
-        str(dataset),
-        "-o",
-        str(output),
-        "--device",
-        "cpu",
-        "--checkpoint",
-        str(tmp_path / "x.pt"),
-    ]
+    arguments = ["batch", str(dataset), "-o", str(output), "--device", "cpu", "--checkpoint", str(tmp_path / "x.pt")]
     result = CliRunner().invoke(app, arguments)
     assert result.exit_code == 2, result.output
     assert "x.pt" in " ".join(result.output.split()) and "Traceback" not in result.output
@@ -342,26 +327,14 @@ def test_batch_command_end_to_end_matches_the_library(tmp_path, dataset, serial_
     from stream_recon.app.cli import app
     from stream_recon.models.checkpoint import convert_to_safetensors
 
-    # The same weights as load_tiny_model, shipped the way users ship them: a .safetensors with its config.
-    torch.save(load_tiny_model().state_dict(), tmp_path / "tiny.pt")
+    # The same weights as build_tiny_model, shipped the way users ship them: a .safetensors with its config.
+    torch.save(build_tiny_model().state_dict(), tmp_path / "tiny.pt")
     checkpoint = convert_to_safetensors(
         tmp_path / "tiny.pt", tmp_path / "tiny.safetensors", ModelConfig.tiny()
     )
     output = tmp_path / "out"
-    arguments = [
-        "batch",
-        str(dataset),
-        "-o",
-        str(output),
-        "--checkpoint",
-        str(checkpoint),
-        "--device",
-        "cpu",
-        "--image-width",
-        "56",
-        "--scale-frames",
-        "4",
-    ]
+    arguments = ["batch", str(dataset), "-o", str(output), "--checkpoint", str(checkpoint), "--device", "cpu",
+                 "--image-width", "56", "--scale-frames", "4"]
     result = CliRunner().invoke(app, arguments)
     assert result.exit_code == 1, result.output  # one sequence failed; the others are done
     text = " ".join(result.output.split())

@@ -18,14 +18,22 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from media_helpers import mjpeg_server, silent_server, truncate_file, write_image_folder, write_video
+from conftest import build_tiny_model
+from media_helpers import (
+    free_port,
+    mjpeg_server,
+    silent_server,
+    truncate_file,
+    write_image_folder,
+    write_video,
+)
 from typer.testing import CliRunner
 
 from stream_recon.app.cli import app, main, with_default_command
 from stream_recon.app.commands._options import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED
-from stream_recon.app.pipeline import OptionsError, RunOptions
+from stream_recon.app.options import OptionsError, RunOptions
 from stream_recon.app.presets import PRESET_DIR, PresetError, available_presets, build_options
-from stream_recon.models import GCTStream, ModelConfig
+from stream_recon.models import ModelConfig
 from stream_recon.models.checkpoint import convert_to_safetensors
 
 runner = CliRunner()
@@ -57,11 +65,17 @@ def assert_user_error(result, *fragments: str, code: int = EXIT_BAD_INPUT) -> No
         (["info"], ["info"]),
         (["--version"], ["--version"]),
         (["-h"], ["-h"]),
-        ([], []),
+        ([], ["run"]),
     ],
 )
 def test_run_is_the_default_command(argv: list[str], expected: list[str]) -> None:
     assert with_default_command(argv) == expected
+
+
+def test_every_run_option_has_a_flag() -> None:
+    from stream_recon.app.commands._options import RUN_OPTION_FLAGS
+
+    assert set(RUN_OPTION_FLAGS) == set(RunOptions.field_names())
 
 
 def test_version_and_help() -> None:
@@ -165,6 +179,9 @@ def test_single_image_instead_of_folder(tmp_path: Path) -> None:
         (["--keyframes", "sometimes"], "keyframes must be all, flow or interval:N"),
         (["--image-width", "500"], "image_width must be a positive multiple of 14"),
         (["--stride", "0"], "stride must be >= 1"),
+        (["--open-timeout", "0"], "open_timeout_s must be > 0"),  # a flag spelled unlike its field
+        (["--window-frames", "4", "--scale-frames", "4"], "window_frames must be more than scale_frames"),
+        (["--port", "70000"], "port must be between 1 and 65535"),
         (["--device", "cuda:0"], "CUDA is not available"),
         (["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
         (["--attention", "flashinfer", "--device", "cpu"], "flashinfer needs bf16/fp16 on a CUDA device"),
@@ -269,18 +286,8 @@ FAST_FLAGS = ["--no-viewer", "--image-width", "56", "--scale-frames", "3", "--wi
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real .safetensors checkpoint of the tiny model, written by our own converter."""
     folder = tmp_path_factory.mktemp("checkpoint")
-    torch.manual_seed(0)
-    torch.save(GCTStream(ModelConfig.tiny()).state_dict(), folder / "tiny.pt")
+    torch.save(build_tiny_model().state_dict(), folder / "tiny.pt")
     return convert_to_safetensors(folder / "tiny.pt", folder / "tiny.safetensors", config=ModelConfig.tiny())
-
-
-@pytest.fixture
-def one_torch_thread():
-    # the tiny model's microsecond ops crawl when two OpenMP threads contend on a busy 2-core machine
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture
@@ -324,6 +331,31 @@ def test_default_output_folder_is_named_after_the_source(
 
 
 @pytest.mark.usefixtures("one_torch_thread")
+def test_no_source_runs_the_bundled_sample_and_a_rerun_replaces_it(
+    tmp_path: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        result = invoke("--checkpoint", str(tiny_checkpoint), *FAST_FLAGS)
+
+        assert result.exit_code == 0, result.output
+        assert "bundled sample (14 frames" in result.output and "outputs/sample/" in result.output
+    record = json.loads((tmp_path / "outputs" / "sample" / "run.json").read_text())
+    assert record["status"] == "complete" and record["summary"]["frames"] == 14
+
+
+def test_the_sample_never_replaces_a_run_in_a_folder_the_user_named(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    run_dir = tmp_path / "mine"
+    (run_dir / "predictions").mkdir(parents=True)
+    (run_dir / "run.json").write_text("{}")
+
+    result = invoke("--checkpoint", str(tiny_checkpoint), "-o", str(run_dir), *FAST_FLAGS)
+
+    assert_user_error(result, "already holds a run", "--overwrite")
+    assert (run_dir / "run.json").read_text() == "{}"
+
+
+@pytest.mark.usefixtures("one_torch_thread")
 def test_truncated_video_exits_non_zero_after_saving_what_decoded(tmp_path: Path, tiny_checkpoint: Path) -> None:
     video = truncate_file(write_video(tmp_path / "cut.avi", 30, fourcc="MJPG"), 0.5)
     run_dir = tmp_path / "out"
@@ -336,18 +368,35 @@ def test_truncated_video_exits_non_zero_after_saving_what_decoded(tmp_path: Path
     assert json.loads((run_dir / "run.json").read_text())["status"] == "failed"
 
 
-@pytest.mark.usefixtures("offline_hub")
-def test_first_run_offline_says_how_to_fetch_the_checkpoint(tmp_path: Path) -> None:
+def assert_says_where_to_put_the_checkpoint(output: str, folder: Path) -> None:
+    """The file's URL for another machine and the folder to put it in, and not the download command, which
+    cannot work here either."""
+    assert "https://huggingface.co/robbyant/lingbot-map/resolve/main/lingbot-map-long.pt" in output
+    assert f"put it in {folder}/" in output
+    assert "stream-recon download" not in output
+
+
+@pytest.fixture(params=["offline mode", "hub refusing connections"])
+def no_hub(request: pytest.FixtureRequest, offline_hub: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """HF_HUB_OFFLINE=1, or a hub address on 127.0.0.1 where nothing listens (refused at once)."""
+    if request.param == "hub refusing connections":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    return request.param
+
+
+def test_first_run_without_the_hub_says_where_to_put_the_checkpoint(tmp_path: Path, no_hub: str,
+                                                                    offline_hub: Path) -> None:
+    # issue 18: without the hub, 25-30 s of retries, then advice to run the download that had just failed
     video = write_video(tmp_path / "clip.mp4", 3)
 
+    start = time.monotonic()
     result = invoke(str(video), "--no-viewer", "-o", str(tmp_path / "out"))
 
-    assert_user_error(
-        result,
-        "checkpoint 'lingbot-map-long' is not on this machine",
-        "stream-recon download lingbot-map-long",
-        "https://huggingface.co/robbyant/lingbot-map",
-    )
+    assert time.monotonic() - start < 10
+    expected = "offline mode is on" if no_hub == "offline mode" else "the Hugging Face hub at http://127.0.0.1:"
+    assert_user_error(result, "lingbot-map-long", expected)
+    assert_says_where_to_put_the_checkpoint(result.output, offline_hub)
     assert not (tmp_path / "out").exists()  # nothing is left to block the next attempt
 
 
@@ -378,9 +427,40 @@ def test_first_run_online_downloads_the_default_checkpoint_once(
 
 
 @pytest.mark.usefixtures("offline_hub")
-def test_download_command_offline_and_unknown_name() -> None:
+def test_download_command_unknown_name() -> None:
     assert_user_error(invoke("download", "lingbot-map-xl"), "unknown checkpoint 'lingbot-map-xl'", "lingbot-map-long")
-    assert_user_error(invoke("download"), "offline mode is on", "huggingface-cli download robbyant/lingbot-map")
+
+
+def test_download_command_without_the_hub_says_where_to_put_the_file(no_hub: str, offline_hub: Path) -> None:
+    start = time.monotonic()
+    result = invoke("download")
+
+    assert time.monotonic() - start < 10
+    expected = "offline mode is on (HF_HUB_OFFLINE)" if no_hub == "offline mode" else "cannot be reached"
+    assert_user_error(result, "cannot download 'lingbot-map-long'", expected)
+    assert ("downloading lingbot-map-long" in result.output) == (no_hub != "offline mode")
+    assert_says_where_to_put_the_checkpoint(result.output, offline_hub)
+
+
+def test_corrupted_checkpoint_is_refused_before_the_run(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    # issue 18, defect 1: 64 KiB of random bytes over the data loaded, and the run ended "complete", all NaN
+    from safetensors import safe_open
+
+    damaged = Path(shutil.copy(tiny_checkpoint, tmp_path / "damaged.safetensors"))
+    name = "camera_head.trunk.0.mlp.fc1.weight"
+    with safe_open(damaged, framework="pt") as file:
+        tensor_bytes = file.get_tensor(name).numpy().tobytes()
+    data = bytearray(damaged.read_bytes())
+    middle = data.find(tensor_bytes) + len(tensor_bytes) // 2
+    data[middle:middle + (64 << 10)] = np.random.default_rng(0).bytes(64 << 10)
+    damaged.write_bytes(bytes(data))
+    video = write_video(tmp_path / "clip.mp4", 3)
+
+    result = invoke(str(video), "--checkpoint", str(damaged), "-o", str(tmp_path / "out"), *FAST_FLAGS)
+
+    assert_user_error(result, f"error: {damaged}: 1 of ", f"{name} (NaN)", f"Delete {damaged} and fetch it again")
+    assert len([line for line in result.output.splitlines() if line.strip()]) == 1, result.output
+    assert not (tmp_path / "out").exists()
 
 
 def test_convert_refuses_a_checkpoint_of_another_architecture(tmp_path: Path, tiny_checkpoint: Path) -> None:

@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 from stream_recon.app.commands.export import export as export_command
 from stream_recon.app.export import ExportError, export_run
-from stream_recon.app.writers import RunDirError, RunWriter
-from stream_recon.models import GCTStream, ModelConfig, StreamConfig, StreamingEngine, prepare_for_inference
-from stream_recon.models.synthetic import load_synthetic_weights
+from stream_recon.app.rundir import RunDirError
+from stream_recon.app.writers import RunWriter
+from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
 
 OPENCV_TO_GLTF = np.diag([1.0, -1.0, -1.0])
 
@@ -285,10 +285,10 @@ def test_cli_export_errors_exit_non_zero_without_traceback(cli, tmp_path):
     assert outcome.exit_code == 2 and "obj" in outcome.output
 
 
-def test_tiny_model_stream_to_run_directory_and_every_export(tmp_path):
+def test_tiny_model_stream_to_run_directory_and_every_export(tmp_path, tiny_model):
     """End to end on the real engine: tiny model with the synthetic weights, frames pushed one at a time."""
-    model = prepare_for_inference(load_synthetic_weights(GCTStream(ModelConfig.tiny())).eval(), "cpu")
-    engine = StreamingEngine(model, StreamConfig(scale_frames=2, window=4, keyframes="interval:2"))
+    engine = StreamingEngine(prepare_for_inference(tiny_model), StreamConfig(scale_frames=2, window=4,
+                                                                              keyframes="interval:2"))
     # The untrained model's confidence sits just under 2, so keep every pixel.
     writer = RunWriter(tmp_path / "run", {"model": "tiny"}, conf_threshold=1.0, max_points=500)
     generator = torch.Generator().manual_seed(0)

@@ -1,25 +1,6 @@
 import numpy as np
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from stream_recon.app.geometry import (
-    depth_to_camera_points,
-    depth_to_world_points,
-    quat_wxyz_to_rotation,
-    rotation_to_quat_wxyz,
-)
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.floats(-1, 1), min_size=4, max_size=4).filter(lambda v: np.linalg.norm(v) > 1e-3))
-def test_quaternion_round_trip(values):
-    q = np.asarray(values) / np.linalg.norm(values)
-    q = q if q[0] >= 0 else -q
-    rotation = quat_wxyz_to_rotation(q)
-    np.testing.assert_allclose(rotation @ rotation.T, np.eye(3), atol=1e-12)
-    back = rotation_to_quat_wxyz(rotation)
-    # q and -q are the same rotation; w >= 0 picks one, except on the w = 0 great circle.
-    assert np.allclose(back, q, atol=1e-9) or np.allclose(back, -q, atol=1e-9)
+from stream_recon.app.geometry import depth_to_camera_points, depth_to_world_points
 
 
 def test_back_projection_reprojects_to_the_pixel():

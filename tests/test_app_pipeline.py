@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import trimesh
 from media_helpers import (
     frame_bgr,
@@ -24,31 +23,18 @@ from media_helpers import (
 from plyfile import PlyData
 from rich.console import Console
 
-from stream_recon.app.pipeline import OptionsError, RunOptions, run_sequence
+from stream_recon.app.options import OptionsError, RunOptions
+from stream_recon.app.pipeline import run_sequence
 from stream_recon.app.progress import RunProgress
-from stream_recon.app.writers import OutputDirError
-from stream_recon.models import GCTStream, ModelConfig
+from stream_recon.app.rundir import PREDICTION_FIELDS, OutputDirError
+from stream_recon.models import GCTStream
 
 # Small inputs keep the tiny model at a few ms per frame: 160x96 frames -> 56x42 model input.
-FAST = dict(image_width=56, scale_frames=3, window=4, viewer=False)
-NPZ_KEYS = {"frame_index", "timestamp", "is_keyframe", "pose_enc", "c2w", "intrinsics", "depth", "depth_conf",
-            "image_size"}
+# The synthetic weights' confidence sits just under 2, so points.ply keeps every pixel.
+FAST = dict(image_width=56, scale_frames=3, window=4, viewer=False, conf_threshold=1.0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # The tiny model's ops take microseconds; with two OpenMP threads on a busy 2-core machine they
-    # wait on each other and a run gets ~15x slower.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> GCTStream:
-    torch.manual_seed(0)
-    return GCTStream(ModelConfig.tiny()).eval()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def read_tum(path: Path) -> np.ndarray:
@@ -71,7 +57,7 @@ def check_run_dir(run_dir: Path, num_frames: int, status: str) -> dict:
     timestamps = []
     for index, path in enumerate(npz_files):
         with np.load(path) as frame:
-            assert NPZ_KEYS <= set(frame.files)
+            assert set(PREDICTION_FIELDS) <= set(frame.files)
             assert int(frame["frame_index"]) == index
             assert frame["c2w"].shape == (3, 4) and frame["depth"].shape == tuple(frame["image_size"])
             timestamps.append(float(frame["timestamp"]))
@@ -297,11 +283,11 @@ def test_progress_line_shows_rates_keyframes_cache_and_drops() -> None:
 def test_flashinfer_compile_is_announced():
     from rich.console import Console
 
-    from stream_recon.app.pipeline import _announce_backend
+    from stream_recon.app.loading import announce_backend
 
     console = Console(record=True, width=200)
-    _announce_backend("flashinfer-fa2", console)
-    _announce_backend("sdpa", console)
+    announce_backend("flashinfer-fa2", console)
+    announce_backend("sdpa", console)
     text = console.export_text()
     assert "kernels compile on first use" in text and "about 30 s" in text
     assert "attention: sdpa" in text

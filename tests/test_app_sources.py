@@ -320,29 +320,33 @@ def test_live_source_stops_at_max_frames() -> None:
     assert source.end_reason == "max_frames"
 
 
-def test_unreachable_stream_fails_in_bounded_time() -> None:
+# The time bounds below are the open and frame timeouts themselves, said in the errors; pytest-timeout
+# only turns a hang (a timeout not honoured) into a failure, far above what any of these takes.
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_stream_fails_after_its_open_timeout() -> None:
     with silent_server() as port:
-        started = time.monotonic()
-        with pytest.raises(SourceError, match=r"could not (open stream|connect to) http://127.0.0.1"):
+        with pytest.raises(SourceError, match=r"could not (open stream|connect to) http://127.0.0.1.* 1 s"):
             open_source(f"http://127.0.0.1:{port}/live", open_timeout_s=1.0)
-        assert time.monotonic() - started < 8
 
 
-def test_refused_stream_fails_fast() -> None:
-    started = time.monotonic()
+@pytest.mark.timeout(30)
+def test_refused_stream_fails_without_waiting_for_the_open_timeout() -> None:
+    # a refused connection is known at once: waiting out these 120 s would trip the test's timeout
     with pytest.raises(SourceError, match="check the address"):
-        open_source(f"rtsp://127.0.0.1:{free_port()}/cam", open_timeout_s=2.0)
-    assert time.monotonic() - started < 4
+        open_source(f"rtsp://127.0.0.1:{free_port()}/cam", open_timeout_s=120.0)
 
 
+@pytest.mark.timeout(60)
 def test_stalled_stream_becomes_an_error_not_a_hang() -> None:
     with mjpeg_server(stall_after=3) as url:
         source = open_source(url, open_timeout_s=5.0, frame_timeout_s=0.5)
-        started = time.monotonic()
+        frames = []
         with source, pytest.raises(SourceError, match="for 0.5 s: the source stalled"):
-            for _ in source:
-                pass
-        assert time.monotonic() - started < 3
+            for frame in source:
+                frames.append(frame)
+    assert len(frames) == 3  # everything the camera sent before it stalled
 
 
 def test_long_skip_is_not_mistaken_for_a_stall() -> None:

@@ -6,6 +6,7 @@ import math
 import os
 import stat
 import threading
+import time
 import tracemalloc
 
 import numpy as np
@@ -17,29 +18,18 @@ from plyfile import PlyData
 from synthetic_run import CONF_HIGH, LOW_CONF_COLUMNS, PLANE_Z, STEP_X, plane_frame, quat_xyzw_to_matrix
 
 from stream_recon.app import writers
-from stream_recon.app.writers import (
+from stream_recon.app.pointcloud import PointAccumulator
+from stream_recon.app.rundir import (
+    PREDICTION_FIELDS,
     OutputDirError,
-    PointAccumulator,
     RunDirError,
-    RunWriter,
     iter_run,
     prediction_path,
     read_run,
 )
+from stream_recon.app.writers import RunWriter
 
-NPZ_KEYS = {
-    "frame_index",
-    "timestamp",
-    "is_keyframe",
-    "frame_type",
-    "pose_enc",
-    "c2w",
-    "intrinsics",
-    "depth",
-    "depth_conf",
-    "image_size",
-    "window_index",
-}
+NPZ_KEYS = set(PREDICTION_FIELDS)
 
 
 def write_run(run_dir, frames, *, status="complete", **kwargs):
@@ -273,7 +263,7 @@ def test_read_run_on_a_missing_or_foreign_directory(tmp_path):
 def test_unwritable_output_dir_fails_at_construction(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    with pytest.raises(OutputDirError, match=r"cannot create or write the output directory .*a_file/run"):
+    with pytest.raises(OutputDirError, match=r"cannot write to the output directory .*a_file/run"):
         RunWriter(blocker / "run", {})
     with pytest.raises(OutputDirError, match="exists and is not a directory"):
         RunWriter(blocker, {})
@@ -413,6 +403,14 @@ def test_writer_thread_errors_reach_the_caller(tmp_path, monkeypatch):
     assert len(parse_tum_strictly(tmp_path / "run" / "trajectory_tum.txt")) == 1
 
 
+def wait_until(condition, timeout_s: float = 30.0) -> None:
+    """Poll `condition` until it holds; a generous timeout only turns a hang into a failure."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
 def test_a_slow_disk_blocks_on_frame_instead_of_queueing_without_bound(tmp_path, monkeypatch):
     writer = RunWriter(tmp_path / "run", {}, queue_size=3)
     disk_free = threading.Event()
@@ -423,11 +421,20 @@ def test_a_slow_disk_blocks_on_frame_instead_of_queueing_without_bound(tmp_path,
         real_savez(file, **arrays)
 
     monkeypatch.setattr(np, "savez", slow_savez)
-    producer = threading.Thread(target=lambda: [writer.on_frame(plane_frame(i), {}) for i in range(8)])
+    handed_over = []
+
+    def produce() -> None:
+        for i in range(8):
+            writer.on_frame(plane_frame(i), {})
+            handed_over.append(i)
+
+    producer = threading.Thread(target=produce, daemon=True)
     producer.start()
-    producer.join(timeout=0.5)
-    # One frame is being written, three wait in the queue, the producer is stuck on the fifth.
-    assert producer.is_alive() and writer._queue.qsize() == 3
+    # One frame is being written and three wait in the queue: on_frame has returned four times...
+    wait_until(lambda: len(handed_over) == 4 and writer._queue.full())
+    producer.join(timeout=0.2)
+    # ...and the fifth call waits for the disk instead of queueing more.
+    assert producer.is_alive() and handed_over == [0, 1, 2, 3] and writer._queue.qsize() == 3
     disk_free.set()
     producer.join(timeout=30)
     assert not producer.is_alive()

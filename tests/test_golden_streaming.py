@@ -14,7 +14,7 @@ from golden_utils import GOLDEN, TOLERANCE, golden_frames, prepared_full_size_mo
 
 from stream_recon.models import StreamConfig, StreamingEngine
 
-pytestmark = pytest.mark.golden
+pytestmark = [pytest.mark.golden, pytest.mark.slow]
 
 SCENARIOS = {
     "all_keyframes": StreamConfig(scale_frames=3, window=4, keyframes="all"),

@@ -13,7 +13,7 @@ from golden_utils import GOLDEN, TOLERANCE, golden_frames, prepared_full_size_mo
 
 from stream_recon.models import StreamConfig, WindowedEngine
 
-pytestmark = pytest.mark.golden
+pytestmark = [pytest.mark.golden, pytest.mark.slow]
 
 # Both scenarios: inference_windowed(window_size=6, overlap_size=3, num_scale_frames=3) on a model
 # with a 4-frame sliding window; `flow` adds flow_threshold=43.0, max_non_keyframe_gap=3.
@@ -43,6 +43,14 @@ def run_windowed(model, config: StreamConfig) -> tuple[WindowedEngine, dict[int,
     return engine, final, order
 
 
+def unit_quaternions(pose_enc: np.ndarray) -> np.ndarray:
+    """pose_enc [N, 9] with each quaternion divided by its norm and signed so that w >= 0."""
+    out = pose_enc.astype(np.float64, copy=True)
+    quat = out[:, 3:7] / np.linalg.norm(out[:, 3:7], axis=1, keepdims=True)
+    out[:, 3:7] = np.where(quat[:, 3:4] < 0, -quat, quat)
+    return out
+
+
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_last_emissions_match_the_stitched_reference(model, scenario):
     golden = np.load(GOLDEN / "windowed" / f"{scenario}.npz")
@@ -53,7 +61,9 @@ def test_last_emissions_match_the_stitched_reference(model, scenario):
             for key in ("pose_enc", "depth", "depth_conf", "c2w", "intrinsics")}
     np.testing.assert_array_equal([final[i].frame_type for i in range(14)], golden["frame_type"])
     np.testing.assert_array_equal([final[i].is_keyframe for i in range(14)], golden["is_keyframe"])
-    errors = {"pose_enc": relative_error(ours["pose_enc"], golden["pose_enc"], axis=0).max()}
+    # The reference re-encodes every stitched quaternion as a unit one with w >= 0; ours keep the
+    # model's norm (Sim3.apply_to_pose_enc): compared in the reference's encoding.
+    errors = {"pose_enc": relative_error(unit_quaternions(ours["pose_enc"]), golden["pose_enc"], axis=0).max()}
     for key in ("depth", "depth_conf", "c2w", "intrinsics"):
         errors[key] = relative_error(ours[key], golden[key])
     errors["chunk_scales"] = np.abs(engine.chunk_scales - golden["chunk_scales"]).max()

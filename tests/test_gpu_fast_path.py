@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import build_tiny_model
 from golden_utils import GOLDEN, golden_frames
 from test_gpu_flashinfer import BF16_TOLERANCE, SCENARIOS, errors, stream
 
@@ -58,16 +59,14 @@ def test_graph_replay_equals_the_eager_step(gpu_model, attention):
 
 def test_contiguous_store_stays_put_over_2000_frames():
     from stream_recon.models import (
-        GCTStream,
         ModelConfig,
         StreamConfig,
         StreamingEngine,
         prepare_for_inference,
     )
-    from stream_recon.models.synthetic import load_synthetic_weights
 
     config = ModelConfig.from_dict({**ModelConfig.tiny().to_dict(), "max_frames": 2100})
-    model = prepare_for_inference(load_synthetic_weights(GCTStream(config)).eval(), "cuda", torch.bfloat16)
+    model = prepare_for_inference(build_tiny_model(config), "cuda", torch.bfloat16)
     engine = StreamingEngine(model, StreamConfig(scale_frames=8, window=64, keyframes="flow", flow_threshold=0.5))
     image = torch.rand(3, 126, 224, device="cuda")
     memory = {}
@@ -75,6 +74,7 @@ def test_contiguous_store_stays_put_over_2000_frames():
         engine.push(image if i % 3 else torch.rand(3, 126, 224, device="cuda"))
         if i + 1 in (500, 2000):
             memory[i + 1] = torch.cuda.memory_allocated()
+    engine.settle()  # pipelined flow keeps the last frame's decision pending: make it
     stats = engine.stats()
     assert stats["cuda_graphs"] and stats["patch_frames"] <= 72
     assert memory[2000] - memory[500] <= 8 * 1024 * 1024  # all storage is allocated up front
@@ -111,15 +111,12 @@ def test_pipelined_streaming_equals_the_synchronous_one(gpu_model, scenario, att
 
 def test_pipelined_push_returns_the_previous_frame_and_finish_the_last():
     from stream_recon.models import (
-        GCTStream,
-        ModelConfig,
         StreamConfig,
         StreamingEngine,
         prepare_for_inference,
     )
-    from stream_recon.models.synthetic import load_synthetic_weights
 
-    model = prepare_for_inference(load_synthetic_weights(GCTStream(ModelConfig.tiny())).eval(), "cuda", torch.bfloat16)
+    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
     engine = StreamingEngine(model, StreamConfig(scale_frames=2, window=3, pipeline=True))
     frames = [torch.rand(3, 126, 224, device="cuda") for _ in range(8)]
     returned = [[p.frame_index for p in engine.push(frame)] for frame in frames]
@@ -131,11 +128,10 @@ def test_pipelined_push_returns_the_previous_frame_and_finish_the_last():
 
 
 def test_windowed_rollovers_with_pipelining_emit_what_they_emit_without():
-    from stream_recon.models import GCTStream, ModelConfig, StreamConfig, prepare_for_inference
-    from stream_recon.models.synthetic import load_synthetic_weights
+    from stream_recon.models import StreamConfig, prepare_for_inference
     from stream_recon.models.windowed import WindowedEngine
 
-    model = prepare_for_inference(load_synthetic_weights(GCTStream(ModelConfig.tiny())).eval(), "cuda", torch.bfloat16)
+    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
     frames = [torch.rand(3, 126, 224, generator=generator).cuda() for _ in range(40)]
     runs = {}
@@ -198,3 +194,21 @@ def test_one_loaded_checkpoint_serves_a_float32_and_a_bf16_engine_in_either_orde
     assert all(torch.equal(value, before[name]) for name, value in loaded.state_dict().items())
     with pytest.raises(ValueError, match="prepared for bfloat16, not float32"):
         StreamingEngine(prepared["bfloat16"], StreamConfig(), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_cli_on_the_gpu_writes_the_official_outputs(golden_checkpoint, golden_frame_folder, tmp_path, dtype):
+    """`stream-recon` as a user runs it, default settings but the precision: float32 within the
+    float32 tolerance (no TF32 anywhere, whatever PyTorch's process-wide defaults say), bf16 within
+    the fixtures' bf16 tolerances (issue 15)."""
+    from golden_utils import TOLERANCE, compare_run_with_golden, run_cli_on_golden_frames
+
+    defaults = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = True  # PyTorch's default (conftest turns it off for the engine tests)
+    try:
+        run_dir = run_cli_on_golden_frames(golden_checkpoint, golden_frame_folder, tmp_path / dtype, "all_keyframes",
+                                           "--device", "cuda", "--dtype", dtype)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = defaults
+    limits = {key: TOLERANCE for key in ("pose_enc", "c2w", "intrinsics", "depth", "depth_conf")}
+    compare_run_with_golden(run_dir, "all_keyframes", limits if dtype == "float32" else BF16_TOLERANCE)

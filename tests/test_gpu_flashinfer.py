@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import build_tiny_model
 from golden_utils import GOLDEN, TOLERANCE, golden_frames, relative_error
 
 from stream_recon.cache import CacheLayout, PagedKV, PagedTwoStreamCache, PagePool, SDPAPagedAttention
@@ -122,16 +123,14 @@ def test_bf16_backends_agree_with_golden_and_each_other(flashinfer_backend, gpu_
 
 def test_page_accounting_over_2000_frames(flashinfer_backend):
     from stream_recon.models import (
-        GCTStream,
         ModelConfig,
         StreamConfig,
         StreamingEngine,
         prepare_for_inference,
     )
-    from stream_recon.models.synthetic import load_synthetic_weights
 
     config = ModelConfig.from_dict({**ModelConfig.tiny().to_dict(), "max_frames": 2100})
-    model = prepare_for_inference(load_synthetic_weights(GCTStream(config)).eval(), "cuda", torch.bfloat16)
+    model = prepare_for_inference(build_tiny_model(config), "cuda", torch.bfloat16)
     engine = StreamingEngine(model, StreamConfig(scale_frames=8, window=64, attention="flashinfer"))
     image = torch.rand(3, 126, 224, device="cuda")
     memory = {}

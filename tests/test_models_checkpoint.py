@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
+import stat
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from huggingface_hub.errors import LocalEntryNotFoundError
+from media_helpers import free_port
 from safetensors import safe_open
 
 from stream_recon.models import (
@@ -59,12 +64,6 @@ def isolated_caches(tmp_path, monkeypatch):
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-hub"))
     monkeypatch.setenv("STREAM_RECON_CHECKPOINTS", str(tmp_path / "own-checkpoints"))
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> GCTStream:
-    torch.manual_seed(0)
-    return GCTStream(TINY).eval()
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +157,64 @@ def test_safetensors_round_trip_restores_config_from_metadata(tmp_path, tiny_pt,
     assert_same_outputs(stream_outputs(model), reference_outputs)
 
 
+def resident_bytes_of(path: Path) -> int:
+    """Bytes of `path` mapped into this process and resident in memory (the Rss of its mappings)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):  # a mapping's first line ends with its file's path
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_safetensors_load_holds_a_bounded_piece_of_the_file_beside_the_parameters(tmp_path, tiny_pt, monkeypatch,
+                                                                                   reference_outputs):
+    # issue 18, defect 9: the whole file stayed mapped, its pages resident, beside aligned copies of its
+    # tensors: host memory peaked at twice the checkpoint. Now each open of the file reads one piece.
+    converted = convert_to_safetensors(tiny_pt, tmp_path / "tiny.safetensors", config=TINY)
+    piece_bytes = 1 << 20
+    monkeypatch.setattr(ckpt, "READ_PIECE_BYTES", piece_bytes)
+    opens = []  # per open of the file: [bytes of the tensors taken from it, bytes of it resident at its close]
+
+    class MeasuredSafeOpen:
+        """safetensors' own reader, measured."""
+
+        def __init__(self, *args, **kwargs):
+            self.file = safe_open(*args, **kwargs)
+            opens.append([0, 0])
+
+        def __enter__(self):
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            opens[-1][1] = resident_bytes_of(converted)
+            return self.file.__exit__(*exc)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+        def get_tensor(self, name):
+            tensor = self.file.get_tensor(name)
+            opens[-1][0] += tensor.nbytes
+            return tensor
+
+    monkeypatch.setattr(ckpt, "safe_open", MeasuredSafeOpen)
+    model = load_model(converted)
+    largest = max(p.nbytes for p in model.parameters())
+    total = sum(p.nbytes for p in model.parameters())
+    # the check of names and shapes takes views of every tensor (their data untouched) in one open
+    pieces = [(taken, resident) for taken, resident in opens if 0 < taken < total]
+    assert sum(taken for taken, _ in pieces) == total and max(taken for taken, _ in pieces) <= piece_bytes + largest
+    page_faults_map_more = 2 * (2 << 20)  # a fault maps pages around it: up to a 2 MiB folio at either end
+    assert max(resident for _, resident in pieces) <= piece_bytes + largest + page_faults_map_more, opens
+    assert resident_bytes_of(converted) == 0 and str(converted) not in Path("/proc/self/maps").read_text()
+    for parameter in model.parameters():  # memory of its own, 64-byte aligned like a .pt's tensors
+        assert parameter.untyped_storage().nbytes() == parameter.nbytes and parameter.data_ptr() % 64 == 0
+    assert_same_outputs(stream_outputs(model), reference_outputs)
+
+
 def test_convert_records_config_and_source_digest(tmp_path, tiny_pt, tiny_state_dict):
     converted = convert_to_safetensors(tiny_pt, tmp_path / "tiny.safetensors", config=TINY)
     with safe_open(converted, framework="pt") as file:
@@ -171,6 +228,17 @@ def test_convert_records_config_and_source_digest(tmp_path, tiny_pt, tiny_state_
     tiny_pt.write_bytes(b"changed")  # a remembered digest must not outlive the file's contents
     assert checkpoint_digest(tiny_pt) == hashlib.sha256(b"changed").hexdigest()
     assert list(tmp_path.glob(".*partial")) == []
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_converted_file_mode_follows_the_umask(tmp_path, tiny_pt, umask):
+    # issue 18, defect 8: the file came out 0600 whatever the umask, so a shared checkpoint was unreadable
+    previous = os.umask(umask)
+    try:
+        converted = convert_to_safetensors(tiny_pt, tmp_path / "tiny.safetensors", config=TINY)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(converted.stat().st_mode) == 0o666 & ~umask
 
 
 def test_convert_refuses_a_checkpoint_of_another_model_and_writes_nothing(tmp_path, tiny_pt):
@@ -314,6 +382,65 @@ def test_not_a_state_dict(tmp_path):
         read_state_dict(path)
 
 
+def overwrite_tensor_bytes(path: Path, tensor: torch.Tensor, new_bytes: bytes) -> None:
+    """Overwrite the middle of `tensor`'s data in a checkpoint file, as a damaged disk or download would."""
+    data = bytearray(path.read_bytes())
+    start = bytes(data).find(tensor.numpy().tobytes())
+    assert start >= 0, "the tensor's bytes are stored as they are in memory"
+    middle = start + (tensor.nbytes - len(new_bytes)) // 2
+    data[middle:middle + len(new_bytes)] = new_bytes
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_corrupted_data_bytes_are_refused_naming_the_tensor(tmp_path, tiny_pt, tiny_state_dict, suffix):
+    # issue 18, defect 1: 64 KiB of random bytes over a tensor's data loaded, and every output was NaN
+    path = tiny_pt if suffix == ".pt" else convert_to_safetensors(tiny_pt, tmp_path / "tiny.safetensors", config=TINY)
+    name = "camera_head.trunk.0.mlp.fc1.weight"  # 1 MiB, the tiny model's largest tensor
+    overwrite_tensor_bytes(path, tiny_state_dict[name], np.random.default_rng(0).bytes(64 << 10))
+    with pytest.raises(CheckpointError) as error:
+        load_model(path, config=TINY)
+    message = str(error.value)
+    assert message.startswith(f"{path}: 1 of {len(tiny_state_dict)} tensors hold NaN, infinite or impossibly large")
+    assert f"{name} (NaN)" in message
+    assert f"Delete {path.resolve()} and fetch it again" in message and HF_REPO_URL in message
+
+
+def test_text_over_the_data_is_refused_although_every_value_is_finite(tmp_path, tiny_pt, tiny_state_dict):
+    # ASCII read as float32 is finite (exponent bits from a printable byte) but mostly far beyond any weight
+    name = "aggregator.frame_blocks.0.attn.qkv.weight"
+    text = b"<html><body>502 Bad Gateway</body></html>" * 100
+    assert np.isfinite(np.frombuffer(text, dtype=np.float32)).all()
+    overwrite_tensor_bytes(tiny_pt, tiny_state_dict[name], text)
+    with pytest.raises(CheckpointError, match=rf"{name} \(values from -?[0-9.e+-]+ to [0-9.e+]+\)"):
+        load_model(tiny_pt, config=TINY)
+
+
+@pytest.mark.parametrize(("value", "loads"), [(65504.0, True), (-65504.0, True), (65600.0, False),
+                                                (float("-inf"), False), (float("nan"), False)])
+def test_weight_bound_is_the_float16_range(tmp_path, tiny_state_dict, value, loads):
+    edited = dict(tiny_state_dict)
+    edited["aggregator.scale_token"] = edited["aggregator.scale_token"].clone()
+    edited["aggregator.scale_token"][0, 0, 0, 3] = value
+    path = tmp_path / "edited.pt"
+    torch.save(edited, path)
+    if loads:
+        assert load_model(path, config=TINY).aggregator.scale_token[0, 0, 0, 3] == value
+    else:
+        with pytest.raises(CheckpointError, match=r": 1 of \d+ tensors .*aggregator\.scale_token \("):
+            load_model(path, config=TINY)
+
+
+def test_weight_check_names_every_bad_tensor_and_skips_empty_ones():
+    tensors = {"a": torch.tensor([1.0, float("inf")]), "b": torch.zeros(0), "c": torch.ones(3, dtype=torch.bfloat16),
+               "d": torch.tensor([float("nan"), 2.0], dtype=torch.float16), "e": torch.tensor([-1e30, 0.5])}
+    with pytest.raises(CheckpointError) as error:
+        ckpt.check_weight_values(tensors, source="x.pt")
+    assert str(error.value).startswith("x.pt: 3 of 4 tensors hold NaN, infinite or impossibly large values")
+    assert "a (values from 1 to inf), d (NaN), e (values from -1e+30 to 0.5)" in str(error.value)
+    ckpt.check_weight_values({"c": tensors["c"], "b": tensors["b"]}, source="x.pt")
+
+
 # -- partial loads -------------------------------------------------------------------------------------
 
 def test_allow_partial_loads_what_fits_and_reports_the_rest(tmp_path, tiny_model, tiny_state_dict):
@@ -407,16 +534,31 @@ def test_own_checkpoint_folder_is_searched_first_and_prefers_a_converted_copy(tm
     assert load_model("lingbot-map").config == TINY
 
 
-def test_offline_and_not_cached_says_what_to_download_and_where(tmp_path, monkeypatch):
+def assert_says_how_to_fetch_by_hand(message: str, tmp_path: Path, name: str = "lingbot-map-long") -> None:
+    """The file's URL for another machine and the folder to put it in here; never the download command,
+    which cannot work without the hub."""
+    assert f"{HF_REPO_URL}/resolve/main/{KNOWN_CHECKPOINTS[name]}" in message
+    assert f"put it in {tmp_path / 'own-checkpoints'}/" in message
+    assert "stream-recon download" not in message and "huggingface-cli" not in message
+
+
+def test_offline_and_not_cached_says_where_to_put_the_file(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(CheckpointError) as error:
         load_model("lingbot-map-long")
     message = str(error.value)
-    assert "'lingbot-map-long' is not on this machine" in message and "offline mode is on" in message
-    assert "stream-recon download lingbot-map-long" in message
-    assert f"huggingface-cli download {HF_REPO_ID} lingbot-map-long.pt" in message
-    assert HF_REPO_URL in message
-    assert str(tmp_path / "own-checkpoints") in message and str(tmp_path / "hf-hub") in message
+    assert message.startswith("checkpoint 'lingbot-map-long' is not on this machine (looked in "
+                              f"{tmp_path / 'own-checkpoints'} and in the Hugging Face cache {tmp_path / 'hf-hub'})")
+    assert "offline mode is on (HF_HUB_OFFLINE)" in message
+    assert_says_how_to_fetch_by_hand(message, tmp_path)
+
+
+def test_not_cached_and_online_names_the_download_command(tmp_path):
+    with pytest.raises(CheckpointError) as error:
+        resolve_checkpoint("lingbot-map")  # resolving never downloads; nothing has failed yet
+    message = str(error.value)
+    assert "stream-recon download lingbot-map" in message
+    assert f"{HF_REPO_URL}/resolve/main/lingbot-map.pt" in message and str(tmp_path / "own-checkpoints") in message
 
 
 def test_unknown_names_list_the_known_ones(tmp_path):
@@ -433,32 +575,52 @@ def test_unknown_names_list_the_known_ones(tmp_path):
 def test_download_fills_the_hub_cache_where_resolve_finds_it(tmp_path, monkeypatch, tiny_pt):
     calls = []
 
-    def fake_hf_hub_download(repo_id, filename, *, cache_dir):
-        calls.append((repo_id, filename, Path(cache_dir)))
+    def fake_hf_hub_download(repo_id, filename, *, cache_dir, endpoint):
+        calls.append((repo_id, filename, Path(cache_dir), endpoint))
         return str(make_hub_cache(Path(cache_dir), filename, tiny_pt))
 
+    probed = []
+    monkeypatch.setattr(ckpt, "get_hf_file_metadata", lambda url, timeout: probed.append(url))
     monkeypatch.setattr(ckpt, "hf_hub_download", fake_hf_hub_download)
     path = download_checkpoint("lingbot-map")
-    assert calls == [(HF_REPO_ID, KNOWN_CHECKPOINTS["lingbot-map"], tmp_path / "hf-hub")]
+    assert calls == [(HF_REPO_ID, KNOWN_CHECKPOINTS["lingbot-map"], tmp_path / "hf-hub", "https://huggingface.co")]
+    assert probed == [f"{HF_REPO_URL}/resolve/main/lingbot-map.pt"]
     assert resolve_checkpoint("lingbot-map") == path
     assert path.read_bytes() == tiny_pt.read_bytes()
 
 
-def test_download_offline_or_unreachable_explains_how_to_fetch(monkeypatch):
-    def unreachable(repo_id, filename, *, cache_dir):
-        raise LocalEntryNotFoundError("connection refused and no cached copy")
-
-    monkeypatch.setattr(ckpt, "hf_hub_download", unreachable)
-    with pytest.raises(CheckpointError, match="hub is not reachable") as error:
+def test_download_with_the_hub_refusing_connections_fails_at_once(tmp_path, monkeypatch):
+    # issue 18: huggingface_hub retried for 25-30 s, then the message suggested the command that had failed
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    start = time.monotonic()
+    with pytest.raises(CheckpointError) as error:
         download_checkpoint("lingbot-map-long")
-    assert "huggingface-cli download robbyant/lingbot-map lingbot-map-long.pt" in str(error.value)
+    assert time.monotonic() - start < 10
+    message = str(error.value)
+    assert message.startswith(f"cannot download 'lingbot-map-long': the Hugging Face hub at {endpoint} cannot be "
+                              "reached (")
+    assert_says_how_to_fetch_by_hand(message, tmp_path)
 
+
+def test_download_offline_touches_no_network_and_says_where_to_put_the_file(tmp_path, monkeypatch):
     def must_not_run(*args, **kwargs):
         raise AssertionError("offline mode must not try the network")
 
     monkeypatch.setattr(ckpt, "hf_hub_download", must_not_run)
+    monkeypatch.setattr(ckpt, "get_hf_file_metadata", must_not_run)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(CheckpointError, match="offline mode is on") as error:
-        download_checkpoint("lingbot-map-long")
-    assert HF_REPO_URL in str(error.value)
+        download_checkpoint("lingbot-map")
+    assert_says_how_to_fetch_by_hand(str(error.value), tmp_path, "lingbot-map")
 
+
+def test_download_failing_after_the_hub_answered_says_where_to_put_the_file(tmp_path, monkeypatch):
+    def lost_connection(repo_id, filename, *, cache_dir, endpoint):
+        raise LocalEntryNotFoundError("connection lost and no cached copy")
+
+    monkeypatch.setattr(ckpt, "get_hf_file_metadata", lambda url, timeout: None)
+    monkeypatch.setattr(ckpt, "hf_hub_download", lost_connection)
+    with pytest.raises(CheckpointError, match="cannot be reached") as error:
+        download_checkpoint("lingbot-map-long")
+    assert_says_how_to_fetch_by_hand(str(error.value), tmp_path)

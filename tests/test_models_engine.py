@@ -5,26 +5,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import build_tiny_model
 
 from stream_recon.models import (
     FRAME_KEY,
     FRAME_NON_KEY,
     FRAME_SCALE,
     FrameError,
-    GCTStream,
     KeyframePolicy,
     ModelConfig,
     StreamConfig,
     StreamingEngine,
     prepare_for_inference,
 )
-from stream_recon.models.synthetic import load_synthetic_weights
+from stream_recon.models.steps import EagerRunner
 
-
-@pytest.fixture(scope="module")
-def tiny_model():
-    torch.manual_seed(0)
-    return prepare_for_inference(load_synthetic_weights(GCTStream(ModelConfig.tiny())).eval())
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def frames(count: int, height: int = 42, width: int = 56, seed: int = 0) -> list[torch.Tensor]:
@@ -41,8 +37,8 @@ def run(model, config: StreamConfig, images) -> tuple[list, StreamingEngine]:
     return predictions, engine
 
 
-def test_phases_and_outputs(tiny_model):
-    predictions, engine = run(tiny_model, StreamConfig(scale_frames=3, window=2), frames(9))
+def test_phases_and_outputs(prepared_tiny_model):
+    predictions, engine = run(prepared_tiny_model, StreamConfig(scale_frames=3, window=2), frames(9))
     assert [p.frame_index for p in predictions] == list(range(9))
     assert [p.frame_type for p in predictions] == [FRAME_SCALE] * 3 + [FRAME_KEY] * 6
     assert [p.timestamp for p in predictions] == [0.5 * i for i in range(9)]
@@ -54,27 +50,27 @@ def test_phases_and_outputs(tiny_model):
     assert stats["cached_frames"] == 9 and stats["patch_frames"] == 5 and stats["camera_tokens"] == 9
 
 
-def test_scale_frames_are_returned_together(tiny_model):
-    engine = StreamingEngine(tiny_model, StreamConfig(scale_frames=3, window=2))
+def test_scale_frames_are_returned_together(prepared_tiny_model):
+    engine = StreamingEngine(prepared_tiny_model, StreamConfig(scale_frames=3, window=2))
     images = frames(4)
     assert engine.push(images[0]) == [] and engine.push(images[1]) == []
     assert [p.frame_index for p in engine.push(images[2])] == [0, 1, 2]
     assert [p.frame_index for p in engine.push(images[3])] == [3]
 
 
-def test_short_stream_is_flushed_by_finish(tiny_model):
-    predictions, _ = run(tiny_model, StreamConfig(scale_frames=4, window=2), frames(2))
+def test_short_stream_is_flushed_by_finish(prepared_tiny_model):
+    predictions, _ = run(prepared_tiny_model, StreamConfig(scale_frames=4, window=2), frames(2))
     assert [p.frame_type for p in predictions] == [FRAME_SCALE, FRAME_SCALE]
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "dense"])
-def test_rolled_back_frames_leave_no_trace(tiny_model, attention):
+def test_rolled_back_frames_leave_no_trace(prepared_tiny_model, attention):
     """With interval:2, every keyframe's output equals a stream that never saw the non-keyframes."""
     images = frames(11, seed=1)
     config = StreamConfig(scale_frames=3, window=2, keyframes="interval:2", attention=attention)
-    with_drops, engine = run(tiny_model, config, images)
+    with_drops, engine = run(prepared_tiny_model, config, images)
     kept = [images[i] for i in range(11) if i < 3 or (i - 3) % 2 == 0]
-    only_keyframes, _ = run(tiny_model, StreamConfig(scale_frames=3, window=2, attention=attention), kept)
+    only_keyframes, _ = run(prepared_tiny_model, StreamConfig(scale_frames=3, window=2, attention=attention), kept)
     keyframes = [p for p in with_drops if p.frame_type != FRAME_NON_KEY]
     assert [p.frame_type for p in with_drops][3:] == [FRAME_KEY, FRAME_NON_KEY] * 4
     for ours, reference in zip(keyframes, only_keyframes, strict=True):
@@ -137,16 +133,16 @@ def assert_streams_like_the_visible_set_model(model, predictions, images, scale_
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "dense"])
-def test_cache_layouts_equal_dense_visible_set(tiny_model, attention):
+def test_cache_layouts_equal_dense_visible_set(prepared_tiny_model, attention):
     """Both cache layouts attend over exactly the spec's key set (scale + window + all specials)."""
     images = frames(10, seed=2)
-    streamed, _ = run(tiny_model, StreamConfig(scale_frames=2, window=3, attention=attention), images)
-    assert_streams_like_the_visible_set_model(tiny_model, streamed, images, scale_frames=2, window=3)
+    streamed, _ = run(prepared_tiny_model, StreamConfig(scale_frames=2, window=3, attention=attention), images)
+    assert_streams_like_the_visible_set_model(prepared_tiny_model, streamed, images, scale_frames=2, window=3)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "dense"])
-def test_flow_policy_decides_and_reports_flow(tiny_model, attention):
-    predictions, engine = run(tiny_model, StreamConfig(scale_frames=3, window=2, keyframes="flow", flow_threshold=1e9,
+def test_flow_policy_decides_and_reports_flow(prepared_tiny_model, attention):
+    predictions, engine = run(prepared_tiny_model, StreamConfig(scale_frames=3, window=2, keyframes="flow", flow_threshold=1e9,
                                                        max_gap=3, attention=attention), frames(12, seed=3))
     types = [p.frame_type for p in predictions]
     # Threshold never reached: keyframes come from the first-frame rule and the gap limit alone.
@@ -167,8 +163,8 @@ def test_policy_parsing_rejects(text):
         KeyframePolicy.parse(text)
 
 
-def test_bad_frames_are_named(tiny_model):
-    engine = StreamingEngine(tiny_model, StreamConfig(scale_frames=2, window=2))
+def test_bad_frames_are_named(prepared_tiny_model):
+    engine = StreamingEngine(prepared_tiny_model, StreamConfig(scale_frames=2, window=2))
     with pytest.raises(FrameError, match="torch.Tensor or numpy array"):
         engine.push("frame.png")
     with pytest.raises(FrameError, match=r"shape \[3, H, W\]"):
@@ -185,16 +181,16 @@ def test_bad_frames_are_named(tiny_model):
     assert len(engine.push(torch.rand(3, 42, 56))) == 1
 
 
-def test_uint8_frames_are_accepted(tiny_model):
+def test_uint8_frames_are_accepted(prepared_tiny_model):
     image = (torch.rand(3, 42, 56) * 255).to(torch.uint8)
-    a, _ = run(tiny_model, StreamConfig(scale_frames=1, window=2), [image])
-    b, _ = run(tiny_model, StreamConfig(scale_frames=1, window=2), [image.float() / 255])
+    a, _ = run(prepared_tiny_model, StreamConfig(scale_frames=1, window=2), [image])
+    b, _ = run(prepared_tiny_model, StreamConfig(scale_frames=1, window=2), [image.float() / 255])
     np.testing.assert_array_equal(a[0].depth, b[0].depth)
 
 
 def test_temporal_limit_is_a_clear_error():
     config = ModelConfig.from_dict({**ModelConfig.tiny().to_dict(), "max_frames": 4})
-    model = prepare_for_inference(load_synthetic_weights(GCTStream(config)).eval())
+    model = prepare_for_inference(build_tiny_model(config))
     engine = StreamingEngine(model, StreamConfig(scale_frames=2, window=2))
     for image in frames(4):
         engine.push(image)
@@ -204,8 +200,8 @@ def test_temporal_limit_is_a_clear_error():
     assert engine.cache.num_pending_frames == 0 and engine.stats()["cached_frames"] == 4
 
 
-def test_stats_have_the_same_keys_before_the_first_frame(tiny_model):
-    engine = StreamingEngine(tiny_model, StreamConfig(scale_frames=1, window=2))
+def test_stats_have_the_same_keys_before_the_first_frame(prepared_tiny_model):
+    engine = StreamingEngine(prepared_tiny_model, StreamConfig(scale_frames=1, window=2))
     before = engine.stats()
     engine.push(frames(1)[0])
     assert set(before) == set(engine.stats())
@@ -232,3 +228,37 @@ def test_graph_recording_pauses_the_cycle_collector_and_restores_it():
         assert not gc.isenabled()  # a collector the caller had paused stays paused
     finally:
         gc.enable()
+
+
+class LaggedEagerRunner(EagerRunner):
+    """An eager runner whose frames the engine collects one push late, as it does a pipelined one's
+    (PipelinedRunner needs CUDA): the engine's delivery and late-decision logic on the CPU."""
+
+    lag = 1
+
+
+@pytest.mark.parametrize("keyframes", ["all", "interval:2", "flow"])
+def test_a_runner_that_holds_a_frame_gives_the_same_stream_one_push_late(prepared_tiny_model, monkeypatch,
+                                                                         keyframes):
+    from stream_recon.models import engine as engine_module
+
+    # flow: the tiny model's flows are all small, so the gap rule makes both decisions happen
+    config = StreamConfig(scale_frames=3, window=2, keyframes=keyframes, flow_threshold=1e9, max_gap=3)
+    images = frames(12, seed=5)
+    synchronous, _ = run(prepared_tiny_model, config, images)
+    monkeypatch.setattr(engine_module, "choose_runner", lambda *args, **kwargs: LaggedEagerRunner(*args[:5]))
+    engine = StreamingEngine(prepared_tiny_model, config)
+    per_push = [engine.push(image, timestamp=0.5 * i) for i, image in enumerate(images)]
+    tail = engine.finish()
+    assert [[p.frame_index for p in push] for push in per_push[2:5]] == [[0, 1, 2], [], [3]]
+    assert [p.frame_index for p in tail] == [11]
+    lagged = [p for push in per_push for p in push] + tail
+    assert [p.frame_index for p in lagged] == list(range(12)) == [p.frame_index for p in synchronous]
+    assert [p.frame_type for p in lagged] == [p.frame_type for p in synchronous]
+    if keyframes == "flow":
+        assert set([p.frame_type for p in lagged][3:]) == {FRAME_KEY, FRAME_NON_KEY}  # both decisions occur
+    for ours, reference in zip(lagged, synchronous, strict=True):
+        np.testing.assert_array_equal(ours.depth, reference.depth)
+        np.testing.assert_array_equal(ours.pose_enc, reference.pose_enc)
+        assert ours.flow_magnitude == reference.flow_magnitude or np.isnan(reference.flow_magnitude)
+    assert engine.stats()["cached_frames"] == sum(p.is_keyframe for p in synchronous)

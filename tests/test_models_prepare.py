@@ -5,16 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import build_tiny_model
 
 from stream_recon.models import (
-    GCTStream,
     ModelConfig,
     StreamConfig,
     StreamingEngine,
     load_model,
     prepare_for_inference,
 )
-from stream_recon.models.synthetic import load_synthetic_weights
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +21,7 @@ def loaded(tmp_path_factory):
     """A tiny model loaded from a real checkpoint file, as a user's model is."""
     path = tmp_path_factory.mktemp("checkpoint") / "tiny.pt"
     torch.manual_seed(0)
-    torch.save(load_synthetic_weights(GCTStream(ModelConfig.tiny())).state_dict(), path)
+    torch.save(build_tiny_model().state_dict(), path)
     return load_model(path, config=ModelConfig.tiny())
 
 

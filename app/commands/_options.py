@@ -1,4 +1,4 @@
-"""Options shared by `run`, `batch` and `view`, declared once, and the error boundary of every command.
+"""Options shared by `run` and `batch`, declared once, and the error boundary of every command.
 
 Every run option defaults to None, meaning "not given": the value then comes from the preset
 (`--config`) or RunOptions' default, so that a preset never silently beats a flag the user typed.
@@ -7,14 +7,18 @@ Every run option defaults to None, meaning "not given": the value then comes fro
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
-from collections.abc import Iterator
+import typing
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
 
+from stream_recon.app.options import RunOptions
 from stream_recon.cache import backends
 
 _MODEL = "Model"
@@ -28,169 +32,118 @@ EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 
-ConfigOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--config",
-        help="Run preset: a name from configs/ (indoor, outdoor, low-memory) or a YAML file. Flags override it.",
-        show_default=False,
-    ),
-]
-CheckpointOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--checkpoint",
-        "-c",
-        help="Checkpoint path (.pt or .safetensors) or name (lingbot-map-long, lingbot-map). "
+
+def _optional_flag(kind: type, *names: str, help: str, panel: str | None = None) -> Any:
+    """An option that is None when not given, so that a preset or RunOptions' default applies."""
+    return Annotated[Optional[kind], typer.Option(*names, help=help, rich_help_panel=panel, show_default=False)]
+
+
+ConfigOpt = _optional_flag(
+    str, "--config",
+    help="Run preset: a name from configs/ (indoor, outdoor, low-memory) or a YAML file. Flags override it.",
+)
+OutputOpt = _optional_flag(
+    Path, "--output", "-o", help="Output folder. \\[default: outputs/<source name>]", panel=_OUTPUT
+)
+
+# The help of every RunOptions field's flag, by panel, in --help order. The flag itself is the field's
+# name with dashes (`--scale-frames`), a boolean's with its `--no-` pair, and its type the field's.
+_RUN_OPTION_HELP: dict[str, dict[str, str]] = {
+    _MODEL: {
+        "checkpoint": "Checkpoint path (.pt or .safetensors) or name (lingbot-map-long, lingbot-map). "
         "\\[default: lingbot-map-long]",
-        rich_help_panel=_MODEL,
-        show_default=False,
-    ),
-]
-DeviceOpt = Annotated[
-    Optional[str],
-    typer.Option("--device", help="auto, cpu, cuda or cuda:N. \\[default: auto]", rich_help_panel=_MODEL,
-                 show_default=False),
-]
-DtypeOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--dtype",
-        help="Transformer precision: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16. \\[default: auto]",
-        rich_help_panel=_MODEL,
-        show_default=False,
-    ),
-]
-AttentionOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--attention",
-        help=f"Attention backend: auto ({backends.AUTO_SUMMARY}), or one of "
+        "device": "auto, cpu, cuda or cuda:N. \\[default: auto]",
+        "dtype": "Transformer precision: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16. "
+        "\\[default: auto]",
+        "attention": f"Attention backend: auto ({backends.AUTO_SUMMARY}), or one of "
         f"{', '.join(backends.names()[1:])}; `stream-recon info` says what each is and whether it runs here. "
         "\\[default: auto]",
-        rich_help_panel=_MODEL,
-        show_default=False,
-    ),
-]
-CompileOpt = Annotated[
-    Optional[bool],
-    typer.Option(
-        "--compile/--no-compile",
-        help="Fuse the transformer blocks with torch.compile (CUDA only): about 20% faster per frame; the first "
-        "run on a machine compiles for a minute or two, later runs read the cache. \\[default: compile]",
-        rich_help_panel=_MODEL,
-        show_default=False,
-    ),
-]
-ScaleFramesOpt = Annotated[
-    Optional[int],
-    typer.Option("--scale-frames", help="Frames processed together at the start and kept forever. \\[default: 8]",
-                 rich_help_panel=_ENGINE, show_default=False),
-]
-WindowOpt = Annotated[
-    Optional[int],
-    typer.Option("--window", help="Sliding window of recent frames whose patch tokens stay visible. \\[default: 64]",
-                 rich_help_panel=_ENGINE, show_default=False),
-]
-WindowFramesOpt = Annotated[
-    Optional[int],
-    typer.Option("--window-frames", help="Long streams: cached frames per window before a new window starts, "
-                 "aligned on the overlap. \\[default: 320, the trained range]", rich_help_panel=_ENGINE,
-                 show_default=False),
-]
-OverlapOpt = Annotated[
-    Optional[int],
-    typer.Option("--overlap", help="Long streams: frames two consecutive windows share. \\[default: 16]",
-                 rich_help_panel=_ENGINE, show_default=False),
-]
-KeyframesOpt = Annotated[
-    Optional[str],
-    typer.Option("--keyframes", help="Keyframe policy: all, interval:N or flow. \\[default: all]",
-                 rich_help_panel=_ENGINE, show_default=False),
-]
-FlowThresholdOpt = Annotated[
-    Optional[float],
-    typer.Option("--flow-threshold", help="flow policy: mean flow in pixels that makes a keyframe. \\[default: 15]",
-                 rich_help_panel=_ENGINE, show_default=False),
-]
-MaxGapOpt = Annotated[
-    Optional[int],
-    typer.Option("--max-gap", help="flow policy: most frames in a row without a keyframe. \\[default: 30]",
-                 rich_help_panel=_ENGINE, show_default=False),
-]
-ImageWidthOpt = Annotated[
-    Optional[int],
-    typer.Option("--image-width", help="Model input width in pixels, a multiple of 14. \\[default: 518]",
-                 rich_help_panel=_ENGINE, show_default=False),
-]
-FpsOpt = Annotated[
-    Optional[float],
-    typer.Option(
-        "--fps",
-        help="Use at most this many frames per second of video (by timestamp). For an image folder: "
-        "the rate its timestamps assume.",
-        rich_help_panel=_SOURCE,
-        show_default=False,
-    ),
-]
-MaxFramesOpt = Annotated[
-    Optional[int],
-    typer.Option("--max-frames", help="Stop after this many frames.", rich_help_panel=_SOURCE, show_default=False),
-]
-StartOpt = Annotated[
-    Optional[int],
-    typer.Option("--start", help="First source frame to use (0-based). \\[default: 0]", rich_help_panel=_SOURCE,
-                 show_default=False),
-]
-StrideOpt = Annotated[
-    Optional[int],
-    typer.Option("--stride", help="Use every N-th source frame. \\[default: 1]", rich_help_panel=_SOURCE,
-                 show_default=False),
-]
-OpenTimeoutOpt = Annotated[
-    Optional[float],
-    typer.Option("--open-timeout", help="Seconds to wait for a stream URL to connect. \\[default: 10]",
-                 rich_help_panel=_SOURCE, show_default=False),
-]
-ConfThresholdOpt = Annotated[
-    Optional[float],
-    typer.Option("--conf-threshold", help="Keep points with depth confidence at least this in points.ply. "
-                 "\\[default: 2]", rich_help_panel=_OUTPUT, show_default=False),
-]
-VoxelSizeOpt = Annotated[
-    Optional[float],
-    typer.Option("--voxel-size", help="Voxel size for points.ply, in model units. \\[default: automatic]",
-                 rich_help_panel=_OUTPUT, show_default=False),
-]
-OverwriteOpt = Annotated[
-    Optional[bool],
-    typer.Option("--overwrite/--no-overwrite", help="Replace a run already in the output folder.",
-                 rich_help_panel=_OUTPUT, show_default=False),
-]
-ViewerOpt = Annotated[
-    Optional[bool],
-    typer.Option("--viewer/--no-viewer", help="Open the live browser viewer. \\[default: viewer]",
-                 rich_help_panel=_VIEWER, show_default=False),
-]
-KeepViewerOpt = Annotated[
-    Optional[bool],
-    typer.Option("--keep-viewer/--no-keep-viewer", help="Keep the viewer serving the result after the run "
-                 "(Ctrl-C to exit).", rich_help_panel=_VIEWER, show_default=False),
-]
-HostOpt = Annotated[
-    Optional[str],
-    typer.Option("--host", help="Viewer address. \\[default: 127.0.0.1]", rich_help_panel=_VIEWER, show_default=False),
-]
-PortOpt = Annotated[
-    Optional[int],
-    typer.Option("--port", help="Viewer port (the next free one is used if taken). \\[default: 8080]",
-                 rich_help_panel=_VIEWER, show_default=False),
-]
-OutputOpt = Annotated[
-    Optional[Path],
-    typer.Option("--output", "-o", help="Output folder. \\[default: outputs/<source name>]", rich_help_panel=_OUTPUT,
-                 show_default=False),
-]
+        "compile": "Fuse the transformer blocks with torch.compile (CUDA only): about 20% faster per frame; the "
+        "first run on a machine compiles for a minute or two, later runs read the cache. \\[default: compile]",
+    },
+    _ENGINE: {
+        "scale_frames": "Frames processed together at the start and kept forever. \\[default: 8]",
+        "window": "Sliding window of recent frames whose patch tokens stay visible. \\[default: 64]",
+        "window_frames": "Long streams: cached frames per window before a new window starts, aligned on the "
+        "overlap. \\[default: 320, the trained range]",
+        "overlap": "Long streams: frames two consecutive windows share. \\[default: 16]",
+        "keyframes": "Keyframe policy: all, interval:N or flow. \\[default: all]",
+        "flow_threshold": "flow policy: mean flow in pixels that makes a keyframe. \\[default: 15]",
+        "max_gap": "flow policy: most frames in a row without a keyframe. \\[default: 30]",
+        "image_width": "Model input width in pixels, a multiple of 14. \\[default: 518]",
+    },
+    _SOURCE: {
+        "fps": "Use at most this many frames per second of video (by timestamp). For an image folder: the rate "
+        "its timestamps assume.",
+        "max_frames": "Stop after this many frames.",
+        "start": "First source frame to use (0-based). \\[default: 0]",
+        "stride": "Use every N-th source frame. \\[default: 1]",
+        "open_timeout_s": "Seconds to wait for a stream URL to connect. \\[default: 10]",
+    },
+    _OUTPUT: {
+        "conf_threshold": "Keep points with depth confidence at least this in points.ply. \\[default: 2]",
+        "voxel_size": "Voxel size for points.ply, in model units. \\[default: automatic]",
+        "overwrite": "Replace a run already in the output folder.",
+    },
+    _VIEWER: {
+        "viewer": "Open the live browser viewer. \\[default: viewer]",
+        "keep_viewer": "Keep the viewer serving the result after the run (Ctrl-C to exit).",
+        "host": "Viewer address. \\[default: 127.0.0.1]",
+        "port": "Viewer port (the next free one is used if taken). \\[default: 8080]",
+    },
+}
+# Flags spelled otherwise than the field's name.
+_FLAG_NAMES = {"checkpoint": ("--checkpoint", "-c"), "open_timeout_s": ("--open-timeout",)}
+
+
+def _run_option_flag(field: str, help: str, panel: str) -> Any:
+    """The flag of one RunOptions field: named after it, of its type (`float | None` -> float)."""
+    annotation = typing.get_type_hints(RunOptions)[field]
+    kind = next(arg for arg in (typing.get_args(annotation) or (annotation,)) if arg is not type(None))
+    names = _FLAG_NAMES.get(field, (f"--{field.replace('_', '-')}",))
+    if kind is bool:
+        names = (f"{names[0]}/--no-{names[0].removeprefix('--')}", *names[1:])
+    return _optional_flag(kind, *names, help=help, panel=panel)
+
+
+# The flag of every RunOptions field; `takes_run_options` gives them to a command.
+RUN_OPTION_FLAGS: dict[str, Any] = {
+    field: _run_option_flag(field, help, panel)
+    for panel, helps in _RUN_OPTION_HELP.items()
+    for field, help in helps.items()
+}
+
+
+def takes_run_options(*fields: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command the flags of these RunOptions fields (RUN_OPTION_FLAGS), after its own parameters.
+
+    The command declares one parameter `overrides` instead, and is called with
+    overrides = {field: the value typed, or None when the flag was not given}: exactly what
+    `presets.build_options` takes. Each flag is spelled, documented and tied to its field once.
+    """
+    unknown = [field for field in fields if field not in RUN_OPTION_FLAGS]
+    if unknown:
+        raise ValueError(f"no flag for {', '.join(unknown)}; RunOptions fields with one: {', '.join(RUN_OPTION_FLAGS)}")
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        signature = inspect.signature(command, eval_str=True)
+        own = [parameter for name, parameter in signature.parameters.items() if name != "overrides"]
+        flags = [
+            inspect.Parameter(field, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=RUN_OPTION_FLAGS[field])
+            for field in fields
+        ]
+
+        @functools.wraps(command)
+        def with_run_options(*args: Any, **kwargs: Any) -> None:
+            overrides = {field: kwargs.pop(field, None) for field in fields}
+            command(*args, **kwargs, overrides=overrides)
+
+        # typer reads the parameters from the signature and their types from the annotations
+        with_run_options.__signature__ = signature.replace(parameters=[*own, *flags])
+        with_run_options.__annotations__ = {parameter.name: parameter.annotation for parameter in (*own, *flags)}
+        return with_run_options
+
+    return decorate
 
 
 def show_engine_log(console: Console) -> None:
@@ -214,10 +167,10 @@ def user_errors(console: Console | None = None) -> Iterator[None]:
 
     Anything else is a bug and keeps its traceback.
     """
-    from stream_recon.app.pipeline import OptionsError
+    from stream_recon.app.options import OptionsError
     from stream_recon.app.presets import PresetError
+    from stream_recon.app.rundir import OutputDirError
     from stream_recon.app.sources import SourceError
-    from stream_recon.app.writers import OutputDirError
     from stream_recon.models.errors import CheckpointError, FrameError
 
     console = console or error_console()

@@ -16,7 +16,7 @@ ones redone. Exit code 1 when any sequence failed (the others are still done).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.table import Table
@@ -25,24 +25,10 @@ from stream_recon.app.commands._options import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
-    AttentionOpt,
-    CheckpointOpt,
+    RUN_OPTION_FLAGS,
     ConfigOpt,
-    ConfThresholdOpt,
-    DeviceOpt,
-    DtypeOpt,
-    FlowThresholdOpt,
-    FpsOpt,
-    ImageWidthOpt,
-    KeyframesOpt,
-    MaxFramesOpt,
-    MaxGapOpt,
-    ScaleFramesOpt,
-    StartOpt,
-    StrideOpt,
-    VoxelSizeOpt,
-    WindowOpt,
     error_console,
+    takes_run_options,
     user_errors,
 )
 from stream_recon.app.evaluation import DEFAULT_MAX_DIFF
@@ -88,30 +74,22 @@ MaxDiffOpt = Annotated[
 ]
 
 
+# A batch never opens the viewer, reads files rather than streams, and its resume rule (not
+# --overwrite) decides what is redone: those run options are not offered.
+NOT_FOR_BATCH = ("open_timeout_s", "overwrite", "viewer", "keep_viewer", "host", "port")
+
+
+@takes_run_options(*(field for field in RUN_OPTION_FLAGS if field not in NOT_FOR_BATCH))
 def batch(
     root: RootArg,
     output: BatchOutputOpt,
     config: ConfigOpt = None,
-    checkpoint: CheckpointOpt = None,
-    device: DeviceOpt = None,
-    dtype: DtypeOpt = None,
-    attention: AttentionOpt = None,
-    scale_frames: ScaleFramesOpt = None,
-    window: WindowOpt = None,
-    keyframes: KeyframesOpt = None,
-    flow_threshold: FlowThresholdOpt = None,
-    max_gap: MaxGapOpt = None,
-    image_width: ImageWidthOpt = None,
-    fps: FpsOpt = None,
-    max_frames: MaxFramesOpt = None,
-    start: StartOpt = None,
-    stride: StrideOpt = None,
-    conf_threshold: ConfThresholdOpt = None,
-    voxel_size: VoxelSizeOpt = None,
     ray: RayOpt = None,
     gpus_per_task: GpusPerTaskOpt = 1.0,
     alignment: AlignmentOpt = "sim3",
     max_diff: MaxDiffOpt = DEFAULT_MAX_DIFF,
+    *,
+    overrides: dict[str, Any],
 ) -> None:
     """Run every sequence under ROOT into OUTPUT/<name>/, evaluate those with ground truth, write a summary."""
     from stream_recon.app.batch import BatchError, BatchInterrupted, EvalSettings, run_batch
@@ -119,25 +97,6 @@ def batch(
     from stream_recon.app.presets import build_options
 
     console = error_console()
-    overrides = dict(
-        checkpoint=checkpoint,
-        device=device,
-        dtype=dtype,
-        attention=attention,
-        scale_frames=scale_frames,
-        window=window,
-        keyframes=keyframes,
-        flow_threshold=flow_threshold,
-        max_gap=max_gap,
-        image_width=image_width,
-        fps=fps,
-        max_frames=max_frames,
-        start=start,
-        stride=stride,
-        conf_threshold=conf_threshold,
-        voxel_size=voxel_size,
-        viewer=False,
-    )
     if alignment not in ("sim3", "se3"):
         console.print(f"[red]error:[/red] --alignment must be sim3 or se3, not {alignment!r}")
         raise typer.Exit(code=EXIT_BAD_INPUT)
@@ -146,7 +105,7 @@ def batch(
         raise typer.Exit(code=EXIT_BAD_INPUT)
     with user_errors(console):
         try:
-            options = build_options(config, overrides)
+            options = build_options(config, {**overrides, "viewer": False})
             sequences = discover_sequences(root, exclude=(output,))
             rows = run_batch(
                 sequences,

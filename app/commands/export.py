@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from stream_recon.app.export import ExportError, ExportFormat, export_run
-from stream_recon.app.writers import RunDirError
+from stream_recon.app.rundir import RunDirError
 
 
 def export(

@@ -2,6 +2,7 @@
 
 Examples:
 
+    stream-recon                                           # the bundled sample: 14 frames, outputs/sample/
     stream-recon clip.mp4                                  # same as `stream-recon run clip.mp4`
     stream-recon frames/ --fps 10 --no-viewer -o out/frames
     stream-recon 0 --config indoor                         # webcam 0, indoor preset; Ctrl-C to stop
@@ -11,86 +12,53 @@ Examples:
 Outputs (in --output, default outputs/<source name>/): predictions/NNNNNN.npz per frame as it
 completes, then trajectory_tum.txt, points.ply and run.json. Ctrl-C (or SIGTERM) stops after the
 current frame and saves everything done so far; a second Ctrl-C skips the final flush.
+
+Without a SOURCE it runs the bundled sample (frames 0-13 of the official example scene
+`courthouse`, 224x126, package data of stream_recon.app) so that a first run needs nothing but the
+checkpoint. It replaces the previous sample run in outputs/sample/ unless --output or --no-overwrite
+is given, and from a terminal the viewer keeps serving the result until Ctrl-C.
 """
 
 from __future__ import annotations
 
+import sys
+from importlib import resources
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
+from rich.console import Console
 
 from stream_recon.app.commands._options import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
-    AttentionOpt,
-    CheckpointOpt,
-    CompileOpt,
+    RUN_OPTION_FLAGS,
     ConfigOpt,
-    ConfThresholdOpt,
-    DeviceOpt,
-    DtypeOpt,
-    FlowThresholdOpt,
-    FpsOpt,
-    HostOpt,
-    ImageWidthOpt,
-    KeepViewerOpt,
-    KeyframesOpt,
-    MaxFramesOpt,
-    MaxGapOpt,
-    OpenTimeoutOpt,
     OutputOpt,
-    OverlapOpt,
-    OverwriteOpt,
-    PortOpt,
-    ScaleFramesOpt,
-    StartOpt,
-    StrideOpt,
-    ViewerOpt,
-    VoxelSizeOpt,
-    WindowFramesOpt,
-    WindowOpt,
     error_console,
     show_engine_log,
+    takes_run_options,
     user_errors,
 )
 
+if TYPE_CHECKING:
+    from stream_recon.app.pipeline import RunOptions
+
 DEFAULT_OUTPUT_ROOT = Path("outputs")
+SAMPLE_DIR = resources.files("stream_recon.app").joinpath("sample")
 
 
+@takes_run_options(*RUN_OPTION_FLAGS)
 def run(
     source: Annotated[
-        str,
-        typer.Argument(help="Video file, image folder, webcam index (0) or stream URL (rtsp://, http://).",
-                       show_default=False),
-    ],
+        Optional[str],
+        typer.Argument(help="Video file, image folder, webcam index (0) or stream URL (rtsp://, http://). "
+                       "\\[default: the bundled 14-frame sample]", show_default=False),
+    ] = None,
     output: OutputOpt = None,
     config: ConfigOpt = None,
-    checkpoint: CheckpointOpt = None,
-    device: DeviceOpt = None,
-    dtype: DtypeOpt = None,
-    attention: AttentionOpt = None,
-    compile: CompileOpt = None,
-    scale_frames: ScaleFramesOpt = None,
-    window: WindowOpt = None,
-    window_frames: WindowFramesOpt = None,
-    overlap: OverlapOpt = None,
-    keyframes: KeyframesOpt = None,
-    flow_threshold: FlowThresholdOpt = None,
-    max_gap: MaxGapOpt = None,
-    image_width: ImageWidthOpt = None,
-    fps: FpsOpt = None,
-    max_frames: MaxFramesOpt = None,
-    start: StartOpt = None,
-    stride: StrideOpt = None,
-    open_timeout: OpenTimeoutOpt = None,
-    conf_threshold: ConfThresholdOpt = None,
-    voxel_size: VoxelSizeOpt = None,
-    overwrite: OverwriteOpt = None,
-    viewer: ViewerOpt = None,
-    keep_viewer: KeepViewerOpt = None,
-    host: HostOpt = None,
-    port: PortOpt = None,
+    *,
+    overrides: dict[str, Any],
 ) -> None:
     """Reconstruct SOURCE frame by frame: poses and depth on disk as they come, live in the browser."""
     from stream_recon.app.pipeline import run_sequence
@@ -99,19 +67,31 @@ def run(
 
     console = error_console()
     show_engine_log(console)
-    overrides = dict(
-        checkpoint=checkpoint, device=device, dtype=dtype, attention=attention, compile=compile,
-        scale_frames=scale_frames, window=window, window_frames=window_frames, overlap=overlap, keyframes=keyframes,
-        flow_threshold=flow_threshold, max_gap=max_gap,
-        image_width=image_width, fps=fps, max_frames=max_frames, start=start, stride=stride,
-        open_timeout_s=open_timeout, conf_threshold=conf_threshold, voxel_size=voxel_size, overwrite=overwrite,
-        viewer=viewer, keep_viewer=keep_viewer, host=host, port=port,
-    )
     with user_errors(console):
-        options = build_options(config, overrides)
+        defaults = None
+        if source is None:
+            source, defaults = str(SAMPLE_DIR), sample_defaults(output_given=output is not None)
+        options = build_options(config, overrides, defaults)
         output_dir = output if output is not None else DEFAULT_OUTPUT_ROOT / source_name(source)
+        if defaults is not None:
+            announce_sample(output_dir, options, console)
         summary = run_sequence(source, output_dir, options, console=console)
     if summary.status == "interrupted":
         raise typer.Exit(code=EXIT_INTERRUPTED)
     if summary.status == "failed":
         raise typer.Exit(code=EXIT_FAILED)
+
+
+def sample_defaults(*, output_given: bool) -> dict[str, Any]:
+    """Defaults for a first look. Re-running the sample replaces its last result (never a folder the
+    user named). From a terminal the viewer stays up after the last frame: a GPU streams all 14 in
+    about a second, too fast to watch."""
+    return {"overwrite": not output_given, "keep_viewer": sys.stdin.isatty()}
+
+
+def announce_sample(output_dir: Path, options: RunOptions, console: Console) -> None:
+    frames = sum(1 for entry in SAMPLE_DIR.iterdir() if entry.name.endswith(".png"))
+    console.print(f"no SOURCE given: reconstructing the bundled sample ({frames} frames of the official "
+                  f"example scene courthouse) into {output_dir}/; `stream-recon -h` shows how to run your own")
+    if options.viewer and options.keep_viewer:
+        console.print("the viewer keeps serving the result after the last frame; Ctrl-C to exit")

@@ -27,7 +27,6 @@ websocket client joining late received the whole scene (904 nodes with viser's o
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 import zipfile
@@ -39,15 +38,11 @@ import numpy as np
 import typer
 from rich.console import Console
 
+from stream_recon.app.rundir import PREDICTIONS_DIR, RunDirError, load_prediction, prediction_files
 from stream_recon.app.viewer import LiveViewer
-from stream_recon.app.writers import RunDirError, check_run_dir, load_prediction
 from stream_recon.models.prediction import FramePrediction
 
 logger = logging.getLogger(__name__)
-
-
-# Only these names are predictions; the writer's temporary files are not.
-PREDICTION_NAME = re.compile(r"^\d{6,}\.npz$")
 
 
 @dataclass(frozen=True)
@@ -72,8 +67,7 @@ def index_run(run_dir: Path) -> RunIndex:
 
     Unreadable files (the last one of a killed run, say) are skipped with a warning, as `iter_run` does.
     """
-    predictions_dir = check_run_dir(run_dir)
-    paths = sorted(p for p in predictions_dir.iterdir() if PREDICTION_NAME.match(p.name))
+    paths = [path for _, path in prediction_files(run_dir)]
     frame_indices, keyframe_flags, poses, readable = [], [], [], []
     for path in paths:
         try:
@@ -88,7 +82,7 @@ def index_run(run_dir: Path) -> RunIndex:
         poses.append(c2w)
         readable.append(path)
     if not readable:
-        raise RunDirError(f"{predictions_dir} holds no readable prediction files (NNNNNN.npz)")
+        raise RunDirError(f"{Path(run_dir) / PREDICTIONS_DIR} holds no readable prediction files (NNNNNN.npz)")
     order = np.argsort(frame_indices, kind="stable")
     return RunIndex(
         paths=tuple(readable[i] for i in order),
@@ -99,7 +93,7 @@ def index_run(run_dir: Path) -> RunIndex:
 
 
 def load_frame(path: Path) -> FramePrediction:
-    """One prediction file (DESIGN.md §5, read by the writers' `load_prediction`) as a FramePrediction."""
+    """One prediction file (DESIGN.md §5, read by rundir's `load_prediction`) as a FramePrediction."""
     record = load_prediction(path)
     return FramePrediction(
         frame_index=record["frame_index"],

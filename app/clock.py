@@ -1,0 +1,61 @@
+"""A run's clock: frame counts and the two rates the user cares about, the model's and the whole pipeline's."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+
+class RunClock:
+    """Counts frames read and predicted, and the time spent inside the engine and since the first frame."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.first_frame_at: float | None = None
+        self.model_seconds = 0.0
+        self.frames_read = 0
+        self.frames_done = 0  # distinct frames predicted: a windowed stream re-emits some frames
+        self._highest_index = -1
+
+    def count_done(self, preds: list) -> None:
+        for pred in preds:
+            if pred.frame_index > self._highest_index:  # emissions of new frames come in index order
+                self._highest_index = pred.frame_index
+                self.frames_done += 1
+
+    def time_engine(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        if self.first_frame_at is None:
+            self.first_frame_at = started
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.model_seconds += time.perf_counter() - started
+
+    @property
+    def model_fps(self) -> float:
+        return self.frames_done / self.model_seconds if self.model_seconds > 0 else float("nan")
+
+    @property
+    def end_to_end_fps(self) -> float:
+        if self.first_frame_at is None:
+            return float("nan")
+        elapsed = time.perf_counter() - self.first_frame_at
+        return self.frames_done / elapsed if elapsed > 0 else float("nan")
+
+    def rates(self) -> dict[str, float | None]:
+        return {"model_fps": finite_or_none(self.model_fps), "fps": finite_or_none(self.end_to_end_fps)}
+
+    def timings(self) -> dict[str, float | None]:
+        first = None if self.first_frame_at is None else self.first_frame_at - self.started
+        return {
+            "total_s": round(time.perf_counter() - self.started, 3),
+            "until_first_frame_s": None if first is None else round(first, 3),
+            "model_s": round(self.model_seconds, 3),
+        }
+
+
+def finite_or_none(value: float | None) -> float | None:
+    # JSON has no NaN: a run that produced no frame has no rate, not a NaN one.
+    return value if value is not None and math.isfinite(value) else None

@@ -1,0 +1,108 @@
+"""The model and engine a run uses: the checkpoint loaded (downloaded on first use), its digest, the engine.
+
+Every command that reconstructs goes through here: `run` once per run, `batch` once per worker.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from stream_recon.app.options import OptionsError, RunOptions, resolve_device, resolve_dtype
+
+DEFAULT_CHECKPOINT = "lingbot-map-long"
+
+
+def load_model_for(options: RunOptions, device: str | None = None, console: Console | None = None) -> Any:
+    """The model `options` name, as every command loads it (`run`, and `batch` once per worker).
+
+    Load the checkpoint; a known name not on this machine is downloaded first when the hub is reachable
+    (the first run), else CheckpointError says which command fetches it and where to put it."""
+    from stream_recon.models import load_model
+    from stream_recon.models.checkpoint import (
+        KNOWN_CHECKPOINTS,
+        download_checkpoint,
+        hub_offline,
+        locate_checkpoint,
+    )
+
+    device = device or resolve_device(options.device)
+    console = console or Console(stderr=True)
+    checkpoint = options.checkpoint or DEFAULT_CHECKPOINT
+    if checkpoint in KNOWN_CHECKPOINTS and not Path(checkpoint).exists() and locate_checkpoint(checkpoint) is None:
+        if not hub_offline():
+            # no spinner here: huggingface_hub draws its own progress bar
+            console.print(f"{checkpoint} is not on this machine yet: downloading it once (about 4.6 GB)")
+            checkpoint = str(download_checkpoint(checkpoint))
+    # Read on the host; preparing puts each weight on the device once, in the precision the run
+    # uses, so a bf16 run never holds a float32 copy of the transformer there.
+    with console.status(f"loading {checkpoint} on {device}"):
+        return prepared_for_run(load_model(checkpoint, device="cpu"), options, device)
+
+
+def prepared_for_run(model: Any, options: RunOptions, device: str) -> Any:
+    """`model` made ready for this run's device and precision, once (a prepared model as it is)."""
+    from stream_recon.models import prepare_for_inference
+
+    if getattr(model, "inference_spec", None) is not None:
+        return model
+    try:
+        return prepare_for_inference(model, device, resolve_dtype(options.dtype, device), compile=options.compile)
+    except ValueError as error:
+        raise OptionsError(str(error)) from None
+
+
+class CheckpointDigest:
+    """sha256 of the checkpoint file for run.json, hashed on a thread: 4.6 GB takes seconds, which
+    the run should not wait for. A checkpoint that cannot be resolved has no digest."""
+
+    def __init__(self, checkpoint: str | None) -> None:
+        self._digest: str | None = None
+        self._thread: threading.Thread | None = None
+        if checkpoint is not None:
+            self._thread = threading.Thread(target=self._compute, args=(checkpoint,), name="digest", daemon=True)
+            self._thread.start()
+
+    def _compute(self, checkpoint: str) -> None:
+        from stream_recon.models.checkpoint import checkpoint_digest, resolve_checkpoint
+        from stream_recon.models.errors import CheckpointError
+
+        try:
+            self._digest = checkpoint_digest(resolve_checkpoint(checkpoint))
+        except (CheckpointError, OSError):
+            self._digest = None
+
+    def result(self, timeout_s: float = 60.0) -> str | None:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        return self._digest
+
+
+def build_engine(model: Any, options: RunOptions, device: str, dtype: Any, console: Console) -> Any:
+    """The streaming engine of a run around `model` (a windowed one, for streams of any length)."""
+    from stream_recon.models import StreamConfig
+    from stream_recon.models.windowed import WindowedEngine
+
+    config = StreamConfig(**options.stream_config_kwargs())
+    # a stream shorter than one window runs exactly as a plain StreamingEngine would
+    engine = WindowedEngine(
+        prepared_for_run(model, options, device), config, window_frames=options.window_frames,
+        overlap=options.overlap, device=device, dtype=dtype,
+    )
+    engine.on_backend_ready = lambda name: announce_backend(name, console)
+    return engine
+
+
+def announce_backend(name: str, console: Console) -> None:
+    """The first FlashInfer call compiles its kernels: say so, rather than stall silently."""
+    if name.startswith("flashinfer"):
+        seconds = "about 90 s" if name.endswith("fa3") else "about 30 s"
+        console.print(
+            f"attention: {name}; its kernels compile on first use on this machine ({seconds}, once: they are "
+            "cached in ~/.cache/flashinfer)"
+        )
+    else:
+        console.print(f"attention: {name}")

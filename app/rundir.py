@@ -1,0 +1,375 @@
+"""The run directory: its file names, the per-frame npz schema, when a folder holds a run, and reading one back.
+
+Layout (DESIGN.md §5)::
+
+    RUN_DIR/
+      run.json                  status running -> complete | interrupted | failed, settings, summary
+      predictions/000000.npz    one per frame, written atomically as the frame becomes final
+      trajectory_tum.txt        timestamp tx ty tz qx qy qz qw (camera-to-world), written at close
+      points.ply                confidence-filtered, voxel-downsampled cloud, written at close
+      eval.json                 `stream-recon eval` (and batch) scores, when evaluated
+
+The TUM text formats live here too: the run's trajectory, a ground-truth trajectory and the `rgb.txt` /
+`depth.txt` frame lists of a TUM RGB-D sequence are read by one reader each and written by one writer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+import threading
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stream_recon.models.pose import quat_xyzw_to_rotation, rotation_to_quat_xyzw
+from stream_recon.models.prediction import FramePrediction
+
+logger = logging.getLogger(__name__)
+
+RUN_FORMAT = "stream-recon-run/1"
+RUN_STATUSES = ("running", "complete", "interrupted", "failed")
+FINAL_STATUSES = ("complete", "interrupted", "failed")
+
+PREDICTIONS_DIR = "predictions"
+RUN_JSON = "run.json"
+TRAJECTORY_TUM = "trajectory_tum.txt"
+POINTS_PLY = "points.ply"
+EVAL_JSON = "eval.json"
+TUM_HEADER = "# timestamp tx ty tz qx qy qz qw"
+
+# Only these names are predictions; temp files (".000012.npz.<pid>.<thread>.<n>.tmp") and the rest are ignored.
+_PREDICTION_NAME = re.compile(r"^(\d{6,})\.npz$")
+
+
+class OutputDirError(ValueError):
+    """The output directory cannot be created, written, or already holds another run."""
+
+
+class RunDirError(ValueError):
+    """A run directory to read is missing or holds no predictions."""
+
+
+class TumFileError(ValueError):
+    """A TUM text file (trajectory or frame list) that is missing or malformed; says which line."""
+
+
+# --------------------------------------------------------------------------------------------------
+# The npz schema of one frame
+
+
+@dataclass(frozen=True)
+class NpzField:
+    """One array of a prediction file: its dtype and shape ("H", "W": the model input's size)."""
+
+    dtype: type
+    shape: tuple[int | str, ...]
+
+    @property
+    def is_scalar(self) -> bool:
+        return self.shape == ()
+
+    def array(self, value: Any) -> np.ndarray:
+        array = np.asarray(value, dtype=self.dtype)
+        if all(isinstance(size, int) for size in self.shape):
+            array = array.reshape(self.shape)
+        return array
+
+
+# DESIGN.md §5. Every one of these is in every file; scalars are read back as Python values.
+PREDICTION_FIELDS: dict[str, NpzField] = {
+    "frame_index": NpzField(np.int64, ()),
+    "timestamp": NpzField(np.float64, ()),
+    "is_keyframe": NpzField(np.bool_, ()),
+    "frame_type": NpzField(np.int64, ()),
+    "pose_enc": NpzField(np.float32, (9,)),
+    "c2w": NpzField(np.float32, (3, 4)),
+    "intrinsics": NpzField(np.float32, (3, 3)),
+    "depth": NpzField(np.float32, ("H", "W")),
+    "depth_conf": NpzField(np.float32, ("H", "W")),
+    "image_size": NpzField(np.int64, (2,)),
+    "window_index": NpzField(np.int64, ()),
+}
+# The model input, written only when the prediction carries it; read back as None when absent.
+IMAGE_FIELD = NpzField(np.uint8, ("H", "W", 3))
+
+
+def prediction_arrays(pred: FramePrediction) -> dict[str, np.ndarray]:
+    """The npz payload of one frame, plus `image` when the prediction carries it."""
+    arrays = {key: field.array(getattr(pred, key)) for key, field in PREDICTION_FIELDS.items()}
+    if pred.image is not None:
+        arrays["image"] = IMAGE_FIELD.array(pred.image)
+    return arrays
+
+
+def prediction_path(run_dir: Path, frame_index: int) -> Path:
+    return Path(run_dir) / PREDICTIONS_DIR / f"{frame_index:06d}.npz"
+
+
+# --------------------------------------------------------------------------------------------------
+# Atomic file writes
+
+
+_temp_counter = count()
+
+
+def atomic_write(path: Path, write: Callable[[Any], None], *, binary: bool) -> None:
+    """Write through a temp file in the same folder, then rename over `path`.
+
+    os.replace within one filesystem is atomic, so a reader (or a process killed mid-write) sees the old
+    file or the new one, never half of one. No fsync: this guards against a killed process, not power loss,
+    and an fsync per frame would stall the stream on slow disks.
+    """
+    path = Path(path)
+    # Not tempfile.mkstemp: its 0600 mode would survive the rename. O_EXCL with 0666 lets the umask decide,
+    # as for any other file the user creates; pid, thread and a counter keep concurrent writers apart.
+    tmp_name = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_temp_counter)}.tmp"
+    fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
+            write(f)
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    text = json.dumps(data, indent=2, default=_json_default) + "\n"
+    atomic_write(path, lambda f: f.write(text), binary=False)
+
+
+def _json_default(value: Any) -> Any:
+    # Settings carry Paths, numpy scalars and small arrays; everything else is written as its repr.
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return repr(value)
+
+
+# --------------------------------------------------------------------------------------------------
+# Does a folder hold a run? (checked before a model loads, and again by the writer)
+
+
+def run_files(output_dir: Path) -> list[Path]:
+    """The files of a run already in `output_dir`: what a new run there would replace."""
+    output_dir = Path(output_dir)
+    found = [path for path in (output_dir / name for name in (RUN_JSON, TRAJECTORY_TUM, POINTS_PLY)) if path.exists()]
+    predictions = output_dir / PREDICTIONS_DIR
+    if predictions.is_dir():
+        found += [path for path in predictions.iterdir() if _PREDICTION_NAME.match(path.name)]
+    return found
+
+
+def holds_run(output_dir: Path) -> bool:
+    return bool(run_files(output_dir))
+
+
+def prepare_output_dir(output_dir: Path, *, overwrite: bool) -> bool:
+    """Make sure `output_dir` can take a run. Returns True if it was created here.
+
+    Refuses a folder that holds a run unless `overwrite`; the run's old files are left for the writer
+    to remove, so that a run that never starts destroys nothing.
+    """
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise OutputDirError(f"output path {output_dir} exists and is not a directory; choose another --output")
+    previous = run_files(output_dir)
+    if previous and not overwrite:
+        raise OutputDirError(
+            f"output directory {output_dir} already holds a run ({len(previous)} files such as "
+            f"{previous[0].name}); choose another --output or pass --overwrite to replace it"
+        )
+    created = not output_dir.exists()
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=output_dir):
+            pass
+    except OSError as error:
+        raise OutputDirError(
+            f"cannot write to the output directory {output_dir}: {error.strerror or error}; "
+            "choose a writable --output"
+        ) from None
+    return created
+
+
+def remove_if_empty(output_dir: Path, created: bool) -> None:
+    """Remove a folder this run created and left empty: a run that never started should not leave a
+    folder that blocks the next attempt."""
+    if created:
+        with contextlib.suppress(OSError):
+            for child in (Path(output_dir) / PREDICTIONS_DIR, Path(output_dir)):
+                if child.is_dir() and not any(child.iterdir()):
+                    child.rmdir()
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading a run back
+
+
+def check_run_dir(run_dir: Path) -> Path:
+    """Raise RunDirError unless `run_dir` looks like a run directory; returns its predictions folder."""
+    run_dir = Path(run_dir)
+    predictions = run_dir / PREDICTIONS_DIR
+    if not run_dir.is_dir():
+        raise RunDirError(f"run directory {run_dir} does not exist")
+    if not predictions.is_dir():
+        raise RunDirError(f"{run_dir} is not a run directory: it has no {PREDICTIONS_DIR}/ folder")
+    return predictions
+
+
+def prediction_files(run_dir: Path) -> list[tuple[int, Path]]:
+    """(frame index, path) of every prediction file of a run, in frame order."""
+    predictions = check_run_dir(run_dir)
+    found = []
+    for path in predictions.iterdir():
+        match = _PREDICTION_NAME.match(path.name)
+        if match:
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def load_prediction(path: Path) -> dict[str, Any]:
+    """One npz as a dict: scalars as Python values, arrays as numpy; `image` is None when absent.
+
+    Raises ValueError (or OSError) when the file is truncated, not an npz, or lacks a key.
+    """
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            missing = [key for key in PREDICTION_FIELDS if key not in data.files]
+            if missing:
+                raise ValueError(f"{path.name} lacks {', '.join(missing)}")
+            record: dict[str, Any] = {key: data[key] for key in data.files}
+    except (zipfile.BadZipFile, EOFError) as exc:
+        raise ValueError(f"{path.name} is truncated or not an npz file ({exc})") from None
+    for key, field in PREDICTION_FIELDS.items():
+        if field.is_scalar:
+            record[key] = record[key].item()
+    record.setdefault("image", None)
+    return record
+
+
+def iter_run(run_dir: Path) -> Iterator[dict[str, Any]]:
+    """Yield the predictions of a run in frame order, one npz in memory at a time.
+
+    A file that cannot be read (typically the last one of a run killed by the OS mid-write on a filesystem
+    without atomic rename, or one damaged afterwards) is skipped with a warning instead of failing the
+    whole run.
+    """
+    for frame_index, path in prediction_files(run_dir):
+        try:
+            record = load_prediction(path)
+        except FileNotFoundError:
+            logger.warning("skipping frame %d: %s disappeared while reading", frame_index, path)
+            continue
+        except (OSError, ValueError) as exc:
+            logger.warning("skipping frame %d: cannot read %s: %s", frame_index, path, exc)
+            continue
+        yield record
+
+
+def read_run(run_dir: Path) -> list[dict[str, Any]]:
+    """All predictions of a run (see iter_run); holds every depth map in memory, so prefer iter_run."""
+    return list(iter_run(run_dir))
+
+
+def read_run_info(run_dir: Path) -> dict[str, Any]:
+    """run.json as a dict, or {} when it is missing or unreadable (the predictions are still usable)."""
+    path = Path(run_dir) / RUN_JSON
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        logger.warning("ignoring %s: %s", path, exc)
+        return {}
+
+
+# --------------------------------------------------------------------------------------------------
+# TUM text files
+
+
+def write_tum(path: Path, timestamps: np.ndarray, c2w: np.ndarray) -> None:
+    """Poses c2w [N, 3, 4] or [N, 4, 4] at timestamps [N] as a TUM trajectory, atomically.
+
+    A header line, then `timestamp tx ty tz qx qy qz qw` per pose, camera-to-world, w >= 0: timestamps
+    to the microsecond, the rest to 9 significant digits (exact for the float32 poses of a run).
+    """
+    timestamps = np.asarray(timestamps, dtype=np.float64).reshape(-1)
+    lines = [TUM_HEADER]
+    if len(timestamps):
+        c2w = np.asarray(c2w, dtype=np.float64)
+        quats = rotation_to_quat_xyzw(c2w[:, :3, :3])
+        for timestamp, position, quat in zip(timestamps, c2w[:, :3, 3], quats, strict=True):
+            lines.append(f"{timestamp:.6f} " + " ".join(f"{value:.9g}" for value in (*position, *quat)))
+    text = "\n".join(lines) + "\n"
+    atomic_write(Path(path), lambda f: f.write(text), binary=False)
+
+
+def read_tum(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """A TUM trajectory (`timestamp tx ty tz qx qy qz qw` per line, `#` comments, commas allowed) ->
+    timestamps [N] seconds and camera-to-world poses c2w [N, 4, 4], both float64."""
+    path = Path(path)
+    if not path.is_file():
+        raise TumFileError(f"trajectory file {path} does not exist")
+    rows = []
+    for line_number, text, line in _data_lines(path):
+        fields = text.replace(",", " ").split()
+        where = f"{path}, line {line_number}"
+        if len(fields) != 8:
+            raise TumFileError(
+                f"{where}: expected 8 values (timestamp tx ty tz qx qy qz qw), found {len(fields)}: {line!r}"
+            )
+        try:
+            values = [float(field) for field in fields]
+        except ValueError:
+            raise TumFileError(f"{where}: not a number in {line!r}") from None
+        if not all(math.isfinite(value) for value in values):
+            raise TumFileError(f"{where}: non-finite value in {line!r}")
+        if math.hypot(*values[4:]) < 1e-9:
+            raise TumFileError(f"{where}: zero quaternion in {line!r}")
+        rows.append(values)
+    if not rows:
+        raise TumFileError(f"{path} holds no poses (expected lines 'timestamp tx ty tz qx qy qz qw')")
+    table = np.asarray(rows, dtype=np.float64)  # [N, 8]
+    c2w = np.tile(np.eye(4), (len(table), 1, 1))
+    c2w[:, :3, :3] = quat_xyzw_to_rotation(table[:, 4:8])
+    c2w[:, :3, 3] = table[:, 1:4]
+    return table[:, 0], c2w
+
+
+def read_tum_list(path: Path) -> list[tuple[float, Path]]:
+    """A TUM RGB-D list (rgb.txt, depth.txt: `timestamp filename` per line, `#` comments) ->
+    [(timestamp, path)], each path relative to the list's folder."""
+    path = Path(path)
+    entries = []
+    for line_number, text, line in _data_lines(path):
+        fields = text.split()
+        try:
+            entries.append((float(fields[0]), path.parent / fields[1]))
+        except (ValueError, IndexError):
+            raise TumFileError(
+                f"{path}, line {line_number}: expected 'timestamp filename', found {line!r}"
+            ) from None
+    return entries
+
+
+def _data_lines(path: Path) -> Iterator[tuple[int, str, str]]:
+    """(line number, text before any `#`, the whole line stripped) of each line that holds data."""
+    for line_number, line in enumerate(path.read_text().splitlines(), start=1):
+        text = line.split("#", 1)[0].strip()
+        if text:
+            yield line_number, text, line.strip()

@@ -1,0 +1,43 @@
+"""The one rotation <-> quaternion pair (models.pose), used by the decoder, the windowed engine and the app's files."""
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stream_recon.models.pose import quat_xyzw_to_rotation, rotation_to_quat_xyzw
+
+unit_quaternions = st.lists(st.floats(-1, 1), min_size=4, max_size=4).filter(lambda v: np.linalg.norm(v) > 1e-3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(unit_quaternions)
+def test_quaternion_round_trip(values):
+    q = np.asarray(values) / np.linalg.norm(values)
+    q = q if q[3] >= 0 else -q
+    rotation = quat_xyzw_to_rotation(q)
+    assert rotation.dtype == np.float64
+    np.testing.assert_allclose(rotation @ rotation.T, np.eye(3), atol=1e-12)
+    np.testing.assert_allclose(np.linalg.det(rotation), 1.0, atol=1e-12)
+    back = rotation_to_quat_xyzw(rotation)
+    # q and -q are the same rotation; w >= 0 picks one, except on the w = 0 great circle.
+    assert np.allclose(back, q, atol=1e-9) or np.allclose(back, -q, atol=1e-9)
+
+
+def test_numpy_and_torch_inputs_give_the_same_rotation_and_batches_match_single_calls():
+    quats = np.random.default_rng(0).normal(size=(5, 7, 4))  # any norm
+    batched = quat_xyzw_to_rotation(quats)
+    assert batched.shape == (5, 7, 3, 3)
+    np.testing.assert_array_equal(batched, quat_xyzw_to_rotation(torch.from_numpy(quats)).numpy())
+    quat_back = rotation_to_quat_xyzw(batched)
+    assert quat_back.shape == (5, 7, 4) and (quat_back[..., 3] >= 0).all()
+    np.testing.assert_array_equal(quat_back[2, 3], rotation_to_quat_xyzw(batched[2, 3]))
+
+
+def test_half_turns_keep_their_axis():
+    # w = 0: the trace formula alone would divide by zero here.
+    for axis in np.eye(3):
+        rotation = 2 * np.outer(axis, axis) - np.eye(3)  # 180 degrees about `axis`
+        quat = rotation_to_quat_xyzw(rotation)
+        np.testing.assert_allclose(np.abs(quat), [*axis, 0.0], atol=1e-12)
+        np.testing.assert_allclose(quat_xyzw_to_rotation(quat), rotation, atol=1e-12)
