@@ -1,7 +1,7 @@
 """The two-stream KV cache: bookkeeping of two layouts (paged, dense), their storage, the attention
 backends that read them (one table: backends.py), and the camera head's token cache."""
 
-from . import backends
+from . import backends, fp8
 from .backends import BackendSpec
 from .dense import DenseTwoStreamCache, SlotMove, VisibleRange
 from .dense_attention import DenseAttention, DenseKV, SplitCudnnAttention, merge_partial_attention
@@ -36,6 +36,7 @@ __all__ = [
     "VisiblePages",
     "VisibleRange",
     "backends",
+    "fp8",
     "merge_partial_attention",
     "run_beside",
 ]

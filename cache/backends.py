@@ -9,22 +9,25 @@ Layouts (kv_cache.py): `paged` (any page holds any frame; a kernel follows the p
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 
+from . import fp8
 from .dense import DenseTwoStreamCache
 from .dense_attention import DenseAttention, DenseKV, SplitCudnnAttention
 from .kv_cache import AttentionBackend, DenseKVCache, KVCache, PagedKVCache
 from .layout import CacheLayout
+from .packages import importable
 from .paged import PagedTwoStreamCache
 from .paged_attention import PagedKV, SDPAPagedAttention
+from .pages import PagePool
 
 AUTO = "auto"
+FP8 = "fp8"
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+PRECISION_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", fp8.E4M3: FP8}
 # How to get a package a backend needs, said once.
 INSTALL_HINTS = {
     "triton": "it comes with CUDA builds of torch",
@@ -45,6 +48,13 @@ class BackendSpec:
     cuda_half_only: bool = True  # runs on CUDA in bf16/fp16 only
     min_capability: int = 0  # CUDA compute capability (major) it needs
     auto_min_capability: int = 0  # `auto` considers it from this capability on
+    # How it reads an fp8 (e4m3) store: "kernel" (8-bit blocks, scaled inside the kernel), "copy"
+    # (per layer, a dequantised copy of the visible keys and values in the model's dtype: [N, H, D]
+    # each, transient), or "" (it cannot: the paged layout stores the model's dtype only).
+    fp8_reads: str = ""
+    # It reads the visible keys through a per-layer copy of them (the SDPA reference's page gather),
+    # which memory plans count like fp8's dequantised copies.
+    gathers: bool = False
 
 
 # -- factories (imports of optional packages happen only here, when a backend is built) --------
@@ -86,7 +96,7 @@ def _dense_flashinfer(storage, layout, compile, device):
 
 
 BACKENDS: tuple[BackendSpec, ...] = (
-    BackendSpec(name="sdpa", layout="paged", factory=_sdpa, cuda_half_only=False,
+    BackendSpec(name="sdpa", layout="paged", factory=_sdpa, cuda_half_only=False, gathers=True,
                 summary="PyTorch SDPA over the gathered pages: the golden-parity reference, any device and dtype"),
     BackendSpec(name="flashinfer", layout="paged", factory=_flashinfer_paged("fa2"), needs=("flashinfer",),
                 summary="FlashInfer paged prefill (fa2) over the page table"),
@@ -94,14 +104,15 @@ BACKENDS: tuple[BackendSpec, ...] = (
                 summary="the same as flashinfer"),
     BackendSpec(name="flashinfer-fa3", layout="paged", factory=_flashinfer_paged("fa3"), needs=("flashinfer",),
                 min_capability=9, summary="FlashInfer paged prefill, Hopper's fa3 kernels"),
-    BackendSpec(name="dense", layout="dense", factory=_dense_sdpa, cuda_half_only=False,
+    BackendSpec(name="dense", layout="dense", factory=_dense_sdpa, cuda_half_only=False, fp8_reads="copy",
                 summary="PyTorch's flash/efficient SDPA over the visible range, read in place"),
     BackendSpec(name="dense-triton", layout="dense", factory=_dense_triton, needs=("triton",), min_capability=9,
+                fp8_reads="kernel",
                 summary="our Triton range kernel (TMA loads) reading its bounds on the device: the whole step one CUDA graph"),
     # cuDNN beat FlashInfer on Hopper only (docs/PERFORMANCE.md); elsewhere FlashInfer comes first.
-    BackendSpec(name="dense-cudnn", layout="dense", factory=_dense_cudnn, auto_min_capability=9,
+    BackendSpec(name="dense-cudnn", layout="dense", factory=_dense_cudnn, auto_min_capability=9, fp8_reads="copy",
                 summary="cuDNN on the patch keys + flash on the special keys, merged by log-sum-exp"),
-    BackendSpec(name="dense-flashinfer", layout="dense", factory=_dense_flashinfer, needs=("flashinfer",),
+    BackendSpec(name="dense-flashinfer", layout="dense", factory=_dense_flashinfer, needs=("flashinfer",), fp8_reads="copy",
                 summary="FlashInfer ragged prefill over the visible range (fa3 on Hopper, fa2 elsewhere)"),
 )
 _BY_NAME = {spec.name: spec for spec in BACKENDS}
@@ -117,27 +128,38 @@ def names() -> tuple[str, ...]:
     return (AUTO, *_BY_NAME)
 
 
-@cache
-def importable(package: str) -> bool:
-    """Whether `package` imports here (asked once per process; the one place that asks)."""
-    try:
-        importlib.import_module(package)
-    except ImportError:
-        return False
-    return True
-
-
 def spec(name: str) -> BackendSpec:
     if name not in _BY_NAME:
         raise ValueError(f"unknown attention backend {name!r}: use one of {', '.join(names())}")
     return _BY_NAME[name]
 
 
-def unavailable_reason(name: str, device: torch.device | str, dtype: torch.dtype) -> str | None:
-    """Why backend `name` cannot run on `device` in `dtype` (one sentence), or None when it can."""
+def store_dtype(kv_cache: str, dtype: torch.dtype) -> torch.dtype:
+    """The precision a cache stores K/V in, for the model precision `dtype`: `auto` (or the name of
+    `dtype` itself) stores them in `dtype`; `fp8` in float8_e4m3fn with a power-of-two scale per
+    token and head (fp8.py), half of bf16's bytes."""
+    if kv_cache == FP8:
+        return fp8.E4M3
+    if kv_cache in (AUTO, precision_name(dtype)):
+        return dtype
+    raise ValueError(f"unknown K/V cache precision {kv_cache!r} for a {precision_name(dtype)} model: use "
+                     f"{AUTO} ({precision_name(dtype)}) or {FP8}")
+
+
+def precision_name(dtype: torch.dtype) -> str:
+    """bf16, fp16, fp32 or fp8: the names --dtype and --kv-cache use."""
+    return PRECISION_NAMES.get(dtype, _dtype_name(dtype))
+
+
+def unavailable_reason(name: str, device: torch.device | str, dtype: torch.dtype,
+                       stored: torch.dtype | None = None) -> str | None:
+    """Why backend `name` cannot run on `device` in `dtype` over K/V stored in `stored` (None: in
+    `dtype`), in one sentence, or None when it can."""
     backend, device = spec(name), torch.device(device)
     if backend.cuda_half_only and (device.type != "cuda" or dtype not in HALF_DTYPES):
         return f"--attention {name} needs bf16/fp16 on a CUDA device (got {_dtype_name(dtype)} on {device})"
+    if stored == fp8.E4M3 and not backend.fp8_reads:
+        return f"--attention {name} cannot read an fp8 K/V cache (the {backend.layout} layout stores the model's dtype)"
     for package in backend.needs:
         if not importable(package):
             return f"--attention {name} needs the {package} package ({INSTALL_HINTS.get(package, 'pip install it')})"
@@ -146,44 +168,65 @@ def unavailable_reason(name: str, device: torch.device | str, dtype: torch.dtype
     return None
 
 
-def resolve(name: str, device: torch.device | str, dtype: torch.dtype) -> BackendSpec:
-    """The backend `name` stands for on this device and dtype (`auto`: the fastest available one).
-    Raises ValueError with what to use instead when an explicitly named backend cannot run here."""
+def resolve(name: str, device: torch.device | str, dtype: torch.dtype, stored: torch.dtype | None = None) -> BackendSpec:
+    """The backend `name` stands for on this device and dtype, over K/V stored in `stored` (None:
+    in `dtype`; `auto`: the fastest available one). Raises ValueError with what to use instead when
+    an explicitly named backend cannot run here."""
     device = torch.device(device)
     if name == AUTO:
-        return _BY_NAME[_auto_choice(device, dtype)]
-    reason = unavailable_reason(name, device, dtype)
+        return _BY_NAME[_auto_choice(device, dtype, stored)]
+    reason = unavailable_reason(name, device, dtype, stored)
     if reason is not None:
-        fallback = "sdpa" if spec(name).layout == "paged" else "dense"
+        fallback = "sdpa" if spec(name).layout == "paged" and stored != fp8.E4M3 else "dense"
         raise ValueError(f"{reason}; use --attention auto or {fallback}")
     return _BY_NAME[name]
 
 
-def _auto_choice(device: torch.device, dtype: torch.dtype) -> str:
+def _auto_choice(device: torch.device, dtype: torch.dtype, stored: torch.dtype | None) -> str:
     if device.type != "cuda" or dtype not in HALF_DTYPES:
-        return "sdpa"
+        # the golden-parity path; over fp8 keys the dense layout's SDPA (the paged one has no fp8)
+        return "dense" if stored == fp8.E4M3 else "sdpa"
     capability = torch.cuda.get_device_capability(device)[0]
     for name in AUTO_ORDER:
-        if capability >= _BY_NAME[name].auto_min_capability and unavailable_reason(name, device, dtype) is None:
+        if capability >= _BY_NAME[name].auto_min_capability and unavailable_reason(name, device, dtype, stored) is None:
             return name
     return "dense"
 
 
 def build(backend: BackendSpec, layout: CacheLayout, *, num_layers: int, num_heads: int, head_dim: int,
-          max_frames: int, dtype: torch.dtype, device: torch.device | str, compile: bool = False) -> KVCache:
+          max_frames: int, dtype: torch.dtype, device: torch.device | str, compile: bool = False,
+          stored: torch.dtype | None = None) -> KVCache:
     """A cache of `backend`'s layout, its storage allocated, served by `backend`.
 
     max_frames: the most frames whose special tokens can be live at once (the model's temporal
-    RoPE range); the dense layout allocates for all of them up front, the paged one grows.
+    RoPE range, or a window's); the dense layout allocates for all of them up front, the paged one
+    grows up to them and no further. dtype: the precision attention computes in; stored: the one
+    K/V are stored in (None: dtype; float8_e4m3fn: fp8, dense layout only).
     """
     device = torch.device(device)
+    if stored not in (None, dtype) and not backend.fp8_reads:
+        raise ValueError(unavailable_reason(backend.name, device, dtype, stored))
     if backend.layout == "dense":
         bookkeeping = DenseTwoStreamCache(layout, max_frames)
-        storage = DenseKV(num_layers, num_heads, head_dim, bookkeeping.capacity_tokens, dtype, device)
+        storage = DenseKV(num_layers, num_heads, head_dim, bookkeeping.capacity_tokens, dtype, device, stored)
         return DenseKVCache(bookkeeping, storage, backend.factory(storage, layout, compile, device))
-    bookkeeping = PagedTwoStreamCache(layout)
+    pool = PagePool(layout.max_patch_pages + 2, max_pages=PagedTwoStreamCache.pages_needed(layout, max_frames))
+    bookkeeping = PagedTwoStreamCache(layout, pool)
     storage = PagedKV(num_layers, num_heads, head_dim, layout.page_size, dtype, device, bookkeeping.pool.num_pages)
     return PagedKVCache(bookkeeping, storage, backend.factory(storage, layout, compile, device))
+
+
+def cache_bytes(backend: BackendSpec, layout: CacheLayout, *, num_layers: int, num_heads: int, head_dim: int,
+                max_frames: int, dtype: torch.dtype, stored: torch.dtype | None = None) -> int:
+    """The most bytes the cache `build` makes with these arguments ever holds: all of it up front
+    (dense), or once grown to its limit (paged; the growth's transient copy of one layer included)."""
+    stored = stored or dtype
+    if backend.layout == "dense":
+        capacity = DenseTwoStreamCache(layout, max_frames).capacity_tokens
+        return DenseKV.bytes_needed(num_layers, num_heads, head_dim, capacity, stored)
+    pages = PagedTwoStreamCache.pages_needed(layout, max_frames)
+    per_layer = PagedKV.bytes_needed(1, num_heads, head_dim, layout.page_size, pages, stored)
+    return (num_layers + 1) * per_layer
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -1,7 +1,8 @@
 """Attention over the contiguous two-stream layout: the visible keys are read in place.
 
 Storage: one tensor for every global layer, store [L, 2, capacity, H, D] (index 0 = K, 1 = V), so
-that a slot move is one copy for all layers. Each step's keys are the token range [start, end) of
+that a slot move is one copy for all layers; in bf16/fp16/fp32, or in fp8 (e4m3) with a scale per
+token and head (fp8.py). Each step's keys are the token range [start, end) of
 its layer (DenseTwoStreamCache.visible), so PyTorch's scaled_dot_product_attention reads
 them without a gather. On CUDA the cuDNN kernel is excluded: it is the fastest on a fixed shape,
 but builds a new execution plan for every new key count (85 ms, measured), and the key count
@@ -14,37 +15,93 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from . import fp8
 from .dense import DenseTwoStreamCache, SlotMove, VisibleRange
+from .packages import importable
 from .streams import run_beside
 
 
 class DenseKV:
+    """The store of every global layer's keys and values, read in place by the dense backends.
+
+    store [L, 2, capacity, H, D] in `store_dtype`; `dtype` is the precision attention computes in
+    (the model's). With store_dtype float8_e4m3fn (fp8.py) each token's head vector has a
+    power-of-two scale: exponents [L, 2, H, capacity] int8, head-major so that a kernel reads one
+    head's scales of a key block as one row. Writes quantise, slot moves carry the exponents with
+    the codes, and `keys_values` hands out dequantised copies in `dtype`.
+    """
+
     def __init__(self, num_layers: int, num_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, store_dtype: torch.dtype | None = None):
         self.num_layers = num_layers
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.store_dtype = store_dtype or dtype
+        if self.store_dtype not in (dtype, fp8.E4M3):
+            raise ValueError(f"a dense store holds {dtype} or float8_e4m3fn, not {self.store_dtype}")
         self.device = torch.device(device)
-        self.store = torch.zeros(num_layers, 2, capacity, num_heads, head_dim, dtype=dtype, device=self.device)
+        self.store = torch.zeros(num_layers, 2, capacity, num_heads, head_dim, dtype=self.store_dtype, device=self.device)
+        self.exponents = None
+        if self.quantized:
+            self.exponents = torch.zeros(num_layers, 2, num_heads, capacity, dtype=torch.int8, device=self.device)
+        # The quantising write as one Triton kernel per layer on CUDA (many small kernels otherwise).
+        self._write_kernel = None
+        if self.quantized and self.device.type == "cuda" and importable("triton"):
+            from .triton_quantize import write_quantized
+
+            self._write_kernel = write_quantized
+
+    @property
+    def quantized(self) -> bool:
+        return self.store_dtype == fp8.E4M3
+
+    @property
+    def capacity(self) -> int:
+        return self.store.shape[2]
+
+    @staticmethod
+    def bytes_needed(num_layers: int, num_heads: int, head_dim: int, capacity: int, store_dtype: torch.dtype) -> int:
+        """Bytes a store of this shape allocates (codes and, for fp8, exponents)."""
+        values = num_layers * 2 * capacity * num_heads * head_dim
+        if store_dtype == fp8.E4M3:
+            return values + num_layers * 2 * num_heads * capacity  # one byte each, plus one per head vector
+        return values * torch.empty((), dtype=store_dtype).element_size()
 
     @property
     def bytes_allocated(self) -> int:
-        return self.store.numel() * self.store.element_size()
+        tensors = [self.store] if self.exponents is None else [self.store, self.exponents]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots [T] store positions; k, v [T, H, D]."""
-        self.store[layer, 0].index_copy_(0, slots, k.to(self.dtype))
-        self.store[layer, 1].index_copy_(0, slots, v.to(self.dtype))
+        if not self.quantized:
+            self.store[layer, 0].index_copy_(0, slots, k.to(self.dtype))
+            self.store[layer, 1].index_copy_(0, slots, v.to(self.dtype))
+        elif self._write_kernel is not None:
+            self._write_kernel(self.store[layer], self.exponents[layer], slots, k, v)
+        else:
+            for which, x in enumerate((k, v)):
+                codes, exponents = fp8.quantize(x)  # [T, H, D], [T, H]
+                # (index_copy_ has no float8 kernel on the CPU: the codes are copied as bytes)
+                self.store[layer, which].view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
+                self.exponents[layer, which].index_copy_(1, slots, exponents.transpose(0, 1))
 
     def apply_moves(self, moves: list[SlotMove], cache: DenseTwoStreamCache) -> None:
         for move in moves:
             source, target = cache.slot_tokens(move.source), cache.slot_tokens(move.target)
             self.store[:, :, target.start : target.stop] = self.store[:, :, source.start : source.stop]
+            if self.exponents is not None:
+                self.exponents[..., target.start : target.stop] = self.exponents[..., source.start : source.stop]
 
     def keys_values(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views [N, H, D] of the keys and values at store positions [start, end) (no copy)."""
-        return self.store[layer, 0, start:end], self.store[layer, 1, start:end]
+        """The keys and values at store positions [start, end), [N, H, D] each in `dtype`: views
+        (no copy), or for an fp8 store dequantised copies."""
+        keys, values = self.store[layer, 0, start:end], self.store[layer, 1, start:end]
+        if not self.quantized:
+            return keys, values
+        exponents = self.exponents[layer, :, :, start:end].transpose(1, 2)  # [2, N, H]
+        return fp8.dequantize(keys, exponents[0], self.dtype), fp8.dequantize(values, exponents[1], self.dtype)
 
 
 class DenseAttention:

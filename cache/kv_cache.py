@@ -77,7 +77,13 @@ class KVCache(ABC):
 
     @property
     def dtype(self) -> torch.dtype:
+        """The precision attention computes in (queries are cast to it)."""
         return self.storage.dtype
+
+    @property
+    def store_dtype(self) -> torch.dtype:
+        """The precision K/V are stored in: `dtype`, or float8_e4m3fn (a dense fp8 store)."""
+        return self.storage.store_dtype
 
     @property
     def bytes_allocated(self) -> int:

@@ -42,6 +42,12 @@ class PagedTwoStreamCache:
         self.num_committed_frames = 0
         self._pending: list[_PendingFrame] = []
 
+    @staticmethod
+    def pages_needed(layout: CacheLayout, max_frames: int) -> int:
+        """Pages a stream whose live frames never exceed `max_frames` can hold at once: every patch
+        page that can be in use (scale, window, one pending) and the special tokens of them all."""
+        return layout.max_patch_pages + -(-layout.specials_per_frame * max_frames // layout.page_size)
+
     # -- queries ---------------------------------------------------------------------------
     @property
     def num_pending_frames(self) -> int:
@@ -96,7 +102,11 @@ class PagedTwoStreamCache:
 
         Without deferral the window is trimmed right away (so the frame sees window_frames - 1 older
         frames); with deferral it is trimmed at commit (the frame sees window_frames older frames).
+        A pool at its limit raises CacheCapacityError before anything changes.
         """
+        size = self.layout.page_size
+        new_special_pages = -(-(self.num_special_tokens + self.layout.specials_per_frame) // size) - len(self.special_pages)
+        self.pool.require(1 + new_special_pages)
         page = self.pool.allocate()
         pinned = len(self.scale_pages) < self.layout.scale_frames
         pending = _PendingFrame(

@@ -35,6 +35,17 @@ class PagedKV:
         return self.kv_pages[0].shape[0]
 
     @property
+    def store_dtype(self) -> torch.dtype:
+        """What K/V are stored in: always the compute dtype here (fp8 is the dense store's)."""
+        return self.dtype
+
+    @staticmethod
+    def bytes_needed(num_layers: int, num_heads: int, head_dim: int, page_size: int, num_pages: int,
+                     dtype: torch.dtype) -> int:
+        """Bytes `num_pages` pages of every layer take."""
+        return num_layers * num_pages * 2 * page_size * num_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
     def bytes_allocated(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kv_pages)
 

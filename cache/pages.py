@@ -5,19 +5,25 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from .layout import CacheCapacityError
+
 
 class PagePool:
     """Page ids and a free list, like vLLM's block pool without hashing or ref counts.
 
     Ids are dense integers [0, num_pages). The pool grows instead of failing: the backend that owns
-    the physical pages reads `num_pages` before writing and enlarges its storage to match.
+    the physical pages reads `num_pages` before writing and enlarges its storage to match. With
+    `max_pages` it grows up to that many pages and no further (a memory budget's limit).
     """
 
-    def __init__(self, num_pages: int, grow_by: int = 16):
+    def __init__(self, num_pages: int, grow_by: int = 16, max_pages: int | None = None):
         if num_pages < 1 or grow_by < 1:
             raise ValueError(f"a page pool needs at least one page and a positive growth step, got {num_pages}, {grow_by}")
+        if max_pages is not None:
+            num_pages = min(num_pages, max_pages)
         self.num_pages = num_pages
         self.grow_by = grow_by
+        self.max_pages = max_pages
         self._free: deque[int] = deque(range(num_pages))
 
     @property
@@ -28,11 +34,20 @@ class PagePool:
     def num_used(self) -> int:
         return self.num_pages - len(self._free)
 
+    def require(self, count: int) -> None:
+        """Raise CacheCapacityError unless `count` more pages can be handed out (growing if need
+        be), so that a caller can check before it changes anything."""
+        if self.max_pages is not None and count > self.num_free + self.max_pages - self.num_pages:
+            raise CacheCapacityError(f"the K/V cache needs {count} more pages but is at its limit of {self.max_pages}; "
+                                     "start a new window (windowed streaming)")
+
     def allocate(self) -> int:
         if not self._free:
+            self.require(1)
             # Grow in steps so that the storage behind the ids is re-allocated rarely.
-            self._free.extend(range(self.num_pages, self.num_pages + self.grow_by))
-            self.num_pages += self.grow_by
+            grow = self.grow_by if self.max_pages is None else min(self.grow_by, self.max_pages - self.num_pages)
+            self._free.extend(range(self.num_pages, self.num_pages + grow))
+            self.num_pages += grow
         return self._free.popleft()
 
     def free(self, page_id: int) -> None:

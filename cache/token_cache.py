@@ -42,6 +42,11 @@ class TokenCache:
     def bytes_allocated(self) -> int:
         return 2 * sum(t.numel() * t.element_size() for t in self._keys)
 
+    @staticmethod
+    def bytes_needed(num_layers: int, num_heads: int, head_dim: int, capacity: int, dtype: torch.dtype) -> int:
+        """Bytes a cache of `capacity` tokens takes (keys and values of every layer)."""
+        return 2 * num_layers * capacity * num_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
     def begin(self, num_tokens: int) -> None:
         """Open a step that adds `num_tokens` pending tokens per layer."""
         if self.num_pending:

@@ -3,8 +3,9 @@
 from .checkpoint import load_model
 from .config import ModelConfig
 from .engine import KeyframePolicy, StreamConfig, StreamingEngine
-from .errors import CheckpointError, FrameError
+from .errors import CheckpointError, FrameError, MemoryBudgetError
 from .gct import GCTStream
+from .memory import MemoryEstimate, MemoryPlan, estimate_memory, plan_memory
 from .prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
 from .prepare import InferenceSpec, prepare_for_inference
 from .windowed import WindowedEngine
@@ -19,10 +20,15 @@ __all__ = [
     "GCTStream",
     "InferenceSpec",
     "KeyframePolicy",
+    "MemoryBudgetError",
+    "MemoryEstimate",
+    "MemoryPlan",
     "ModelConfig",
     "StreamConfig",
     "StreamingEngine",
     "WindowedEngine",
+    "estimate_memory",
     "load_model",
+    "plan_memory",
     "prepare_for_inference",
 ]

@@ -112,7 +112,14 @@ class DPTHead(nn.Module):
         grid_tables = [self.uv_table(rows, cols, project.out_channels, aspect, device) for project in self.projects]
         image_channels = self.scratch.output_conv1.out_channels
         image_table = self.uv_table(rows * self.patch_size, cols * self.patch_size, image_channels, aspect, device)
-        return self.decode(layers, grid_tables, image_table)
+        # Frame by frame: a frame's full-resolution activations are a step's largest tensors (~170 MB
+        # at 518x378 in bf16), and the scale frames' step would hold S times that beside a full
+        # K/V cache (models/memory.py). One frame's shapes also serve every step (one compilation).
+        frames = [self.decode([layer[i : i + 1] for layer in layers], grid_tables, image_table)
+                  for i in range(layers[0].shape[0])]
+        if len(frames) == 1:
+            return frames[0]
+        return torch.cat([depth for depth, _ in frames]), torch.cat([conf for _, conf in frames])
 
     def decode(self, layers: list[torch.Tensor], grid_tables: list[torch.Tensor],
                image_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,8 +17,9 @@ import torch
 
 from stream_recon.cache import CacheLayout, KVCache, TokenCache, backends
 
-from .errors import FrameError
+from .errors import FrameError, MemoryBudgetError
 from .gct import GCTStream
+from .memory import MemoryPlan, plan_memory
 from .pose import camera_motion_flow
 from .prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
 from .prepare import require_prepared
@@ -81,10 +82,24 @@ class StreamConfig:
     # keyframes the next frame's embedding also runs before the decision. Outputs identical;
     # docs/PERFORMANCE.md has the gain. Off: every push returns its own frame.
     pipeline: bool = True
+    # K/V cache precision: `auto` (the model's: bf16 on a GPU, fp32 on the CPU) or `fp8` (e4m3 with
+    # a scale per token and head, half of bf16's bytes; dense attention backends only).
+    kv_cache: str = "auto"
+    # Bytes of device memory the stream may take (weights, caches, activations). Before the first
+    # frame the engine plans the K/V precision (with `auto`) and, only if it must, a shorter window
+    # to fit (models/memory.py; `memory_plan`), or raises MemoryBudgetError. None: no budget.
+    gpu_memory: int | None = None
+    # The most frames whose special tokens the cache holds at once; the dense cache allocates for
+    # all of them. None: the model's temporal range (max_frames). WindowedEngine sets its window.
+    max_cached_frames: int | None = None
 
     @property
     def policy(self) -> KeyframePolicy:
         return KeyframePolicy.parse(self.keyframes, self.flow_threshold, self.max_gap)
+
+    def cached_frames(self, model_max_frames: int) -> int:
+        """The most frames the cache holds at once, for a model of `model_max_frames` positions."""
+        return self.max_cached_frames or model_max_frames
 
 
 @dataclass
@@ -120,10 +135,18 @@ class StreamingEngine:
         self.config = config or StreamConfig()
         self.policy = self.config.policy
         self.device, self.dtype = inference.device, inference.dtype
-        # The attention is checked now, before the first frame: a backend that cannot run here is
-        # an error at construction, not at frame 0.
-        self.backend_spec = backends.resolve(self.config.attention, self.device, self._kv_dtype)
+        # The attention and the cache precision are checked now, before the first frame: a backend
+        # that cannot run here (or read the cache asked for) is an error at construction, not at frame 0.
+        self.backend_spec = self._resolve_backend()
+        if self.config.gpu_memory is not None and self.config.gpu_memory <= 0:
+            raise MemoryBudgetError(f"gpu_memory must be a positive number of bytes, got {self.config.gpu_memory}")
+        if not self.config.scale_frames < self._cached_frames <= model.config.max_frames:
+            raise ValueError(f"max_cached_frames={self.config.max_cached_frames} must be more than scale_frames "
+                             f"({self.config.scale_frames}) and at most the model's {model.config.max_frames}")
         self.on_backend_ready: Callable[[str], None] | None = None
+        # With a budget: the plan made before the first frame, and who is told about it.
+        self.memory_plan: MemoryPlan | None = None
+        self.on_memory_plan: Callable[[MemoryPlan], None] | None = None
         self._image_size: tuple[int, int] | None = None
         self.cache: KVCache | None = None
         self.camera_cache: TokenCache | None = None
@@ -186,7 +209,7 @@ class StreamingEngine:
         if self.cache is None:  # no frame yet: same keys, nothing allocated
             return {"frames": 0, "keyframes": 0, "cached_frames": 0, "patch_frames": 0, "patch_pages_in_use": 0,
                     "special_pages_in_use": 0, "camera_tokens": 0, "cache_bytes": 0, "attention": None,
-                    "cuda_graphs": False}
+                    "kv_cache": None, "cuda_graphs": False}
         return {
             "frames": self.num_frames,
             "keyframes": self.num_keyframes,
@@ -197,6 +220,7 @@ class StreamingEngine:
             "camera_tokens": self.camera_cache.num_committed,
             "cache_bytes": self.cache.bytes_allocated + self.camera_cache.bytes_allocated,
             "attention": self.cache.backend_name,
+            "kv_cache": backends.precision_name(self.cache.store_dtype),
             "cuda_graphs": self.runner.records,
         }
 
@@ -348,19 +372,42 @@ class StreamingEngine:
     def _kv_dtype(self) -> torch.dtype:
         return self.dtype if self.device.type == "cuda" else torch.float32
 
+    @property
+    def _kv_store_dtype(self) -> torch.dtype:
+        return backends.store_dtype(self.config.kv_cache, self._kv_dtype)
+
+    @property
+    def _cached_frames(self) -> int:
+        return self.config.cached_frames(self.model.config.max_frames)
+
+    def _resolve_backend(self) -> backends.BackendSpec:
+        return backends.resolve(self.config.attention, self.device, self._kv_dtype, self._kv_store_dtype)
+
+    def _plan_memory(self, height: int, width: int) -> None:
+        """Fit the budget before anything is allocated: the plan's precision and window replace the
+        config's (the window only when nothing else fits; the plan says so)."""
+        plan = plan_memory(self.model, self.config, (height, width), self.config.gpu_memory)
+        self.config = plan.apply(self.config)
+        self.backend_spec = self._resolve_backend()
+        self.memory_plan = plan
+        if self.on_memory_plan is not None:
+            self.on_memory_plan(plan)
+
     def _setup(self, height: int, width: int) -> None:
         c = self.model.config
+        if self.config.gpu_memory is not None and self.memory_plan is None:
+            self._plan_memory(height, width)
         self._image_size = (height, width)
         rows, cols = c.grid(height, width)
         layout = CacheLayout(rows * cols, c.num_special_tokens, self.config.scale_frames, self.config.window)
         compiled = self.model.inference_spec.compiled
         self.cache = backends.build(self.backend_spec, layout, num_layers=c.depth, num_heads=c.num_heads,
-                                    head_dim=c.head_dim, max_frames=c.max_frames, dtype=self._kv_dtype,
-                                    device=self.device, compile=compiled)
+                                    head_dim=c.head_dim, max_frames=self._cached_frames, dtype=self._kv_dtype,
+                                    device=self.device, compile=compiled, stored=self._kv_store_dtype)
         camera = self.model.camera_head
-        # On CUDA, room for every camera token the temporal RoPE range allows: the storage never
-        # moves, so a recorded CUDA graph stays valid for the whole stream. Elsewhere it grows.
-        capacity = c.max_frames if self.device.type == "cuda" else 64
+        # On CUDA, room for every camera token the cache can hold: the storage never moves, so a
+        # recorded CUDA graph stays valid for the whole stream. Elsewhere it grows.
+        capacity = self._cached_frames if self.device.type == "cuda" else 64
         self.camera_cache = TokenCache(camera.num_cache_layers, c.camera_heads, c.head_in_dim // c.camera_heads,
                                        torch.float32, self.device, capacity=capacity, compile=compiled)
         self.runner = choose_runner(self.model, self.cache, self.camera_cache, (height, width),

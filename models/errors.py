@@ -7,3 +7,7 @@ class CheckpointError(ValueError):
 
 class FrameError(ValueError):
     """A frame cannot be fed to the stream (wrong type, shape or size)."""
+
+
+class MemoryBudgetError(ValueError):
+    """A run that no allowed setting fits into the GPU memory budget it was given."""

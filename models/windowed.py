@@ -178,7 +178,11 @@ class WindowedEngine:
         interval = policy.interval if policy.kind == "interval" else 1
         # Input frames per window when keyframes follow a fixed rule (unused for flow).
         self.window_length = scale_frames + (window_frames - scale_frames) * interval
-        self.engine = StreamingEngine(model, self.config, device=device, dtype=dtype)
+        # A window's cache holds its cached frames and one pending frame: the dense cache allocates
+        # for that many (not the model's whole temporal range), which the memory plan counts.
+        cached = min(window_frames + 1, model.config.max_frames)
+        self.engine = StreamingEngine(model, replace(self.config, max_cached_frames=cached), device=device,
+                                      dtype=dtype)
         self.model, self.device = self.engine.model, self.engine.device
         self._replay: deque[tuple[torch.Tensor, float]] = deque(maxlen=overlap)
         self._tail: deque[_AlignedFrame] = deque(maxlen=overlap)
@@ -238,6 +242,20 @@ class WindowedEngine:
     @on_backend_ready.setter
     def on_backend_ready(self, callback) -> None:
         self.engine.on_backend_ready = callback
+
+    @property
+    def on_memory_plan(self):
+        """Called with the MemoryPlan (StreamConfig.gpu_memory) before the first frame is stepped."""
+        return self.engine.on_memory_plan
+
+    @on_memory_plan.setter
+    def on_memory_plan(self, callback) -> None:
+        self.engine.on_memory_plan = callback
+
+    @property
+    def memory_plan(self):
+        """The plan made for StreamConfig.gpu_memory (None before the first frame or without a budget)."""
+        return self.engine.memory_plan
 
     @property
     def chunk_scales(self) -> np.ndarray:

@@ -3,6 +3,8 @@
     python scripts/bench.py --height 378 --width 518 --frames 100 --attention flashinfer
     python scripts/bench.py --breakdown          # per-stage times (CUDA events around each part)
     python scripts/bench.py --reference .reference/lingbot-map   # and the official code, same process
+    python scripts/bench.py --kv-cache fp8        # the fp8 K/V cache
+    python scripts/bench.py --gpu-memory 8GiB     # plan for a budget, cap the process at it, print both peaks
 
 Every frame's poses and depth are copied to the host, as a user's run does. The first
 scale + window frames fill the cache and are timed apart; the steady state is the rest.
@@ -22,6 +24,7 @@ from collections import defaultdict
 import torch
 
 from stream_recon.models import GCTStream, ModelConfig, StreamConfig, StreamingEngine, prepare_for_inference
+from stream_recon.models.memory import estimate_memory, parse_memory_size
 from stream_recon.models.synthetic import load_synthetic_weights
 
 
@@ -113,9 +116,16 @@ def run(args) -> dict:
                                   half_camera_weights=not args.fp32_camera_weights)
     build_s += time.perf_counter() - start
     del loaded
+    budget = parse_memory_size(args.gpu_memory) if args.gpu_memory else None
     config = StreamConfig(scale_frames=args.scale, window=args.window, keyframes=args.keyframes, attention=args.attention,
-                          cuda_graphs=not args.no_graphs and not args.breakdown, pipeline=not args.no_pipeline)
+                          cuda_graphs=not args.no_graphs and not args.breakdown, pipeline=not args.no_pipeline,
+                          kv_cache=args.kv_cache, gpu_memory=budget)
+    if budget is not None and device == "cuda":
+        # Hold the process to the budget, as an 8 GB card would: an under-estimate is then an
+        # out-of-memory error here rather than a peak quietly above the plan.
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / torch.cuda.get_device_properties(0).total_memory))
     engine = StreamingEngine(model, config)
+    engine.on_memory_plan = lambda plan: print(plan.describe(), flush=True)
     timer = StageTimer(model) if args.breakdown and device == "cuda" else None
     frames = [torch.rand(3, args.height, args.width, device=device) for _ in range(4)]
     fill = args.scale + args.window
@@ -176,8 +186,15 @@ def run(args) -> dict:
         "cold_start_s": build_s + cold_start,  # model build, phase 1 and the first streaming frame (compile, capture)
         "model_build_s": build_s,
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if device == "cuda" else None,
         "cache_bytes": engine.stats()["cache_bytes"],
+        "kv_cache": engine.stats()["kv_cache"],
+        # what models/memory.py expects for the settings that ran (the constants' check)
+        "estimate_gib": estimate_memory(model, engine.config, (args.height, args.width)).to_dict(),
     }
+    result["estimate_gib"] = {part: value / 2**30 for part, value in result["estimate_gib"].items()}
+    if engine.memory_plan is not None:
+        result["memory_plan"] = engine.memory_plan.to_dict()
     if viewer is not None:
         with_viewer = sorted(t for t, on in zip(times[fill:], viewer_on[fill:], strict=True) if on)
         without = sorted(t for t, on in zip(times[fill:], viewer_on[fill:], strict=True) if not on)
@@ -274,6 +291,10 @@ def main():
                         help="prepare_for_inference(half_camera_weights=False): the camera head reads float32 weights")
     parser.add_argument("--viewer", action="store_true",
                         help="feed a live viewer (no browser) in alternating blocks of 10 frames and compare")
+    parser.add_argument("--kv-cache", default="auto", choices=["auto", "fp8"],
+                        help="K/V cache precision (StreamConfig.kv_cache): auto = the model's, fp8 = e4m3 with scales")
+    parser.add_argument("--gpu-memory", help="a budget such as 8GiB: StreamConfig.gpu_memory plans the cache for it, "
+                        "and the process is capped at it (torch.cuda.set_per_process_memory_fraction)")
     parser.add_argument("--reference", help="checkout of Robbyant/lingbot-map: time it too, in this process")
     parser.add_argument("--reference-fa3", action="store_true", help="the reference with its --fa3 kernels")
     parser.add_argument("--json", help="write the result here")

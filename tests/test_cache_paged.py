@@ -200,3 +200,39 @@ def test_special_pool_never_runs_out_over_a_long_stream():
 def test_layout_rejects_nonsense():
     with pytest.raises(ValueError, match="scale_frames and window_frames must be >= 1"):
         CacheLayout(patches_per_frame=4, window_frames=0)
+
+
+def test_budget_page_pool_grows_up_to_its_limit_and_no_further():
+    from stream_recon.cache import CacheCapacityError
+
+    pool = PagePool(2, grow_by=3, max_pages=4)
+    assert [pool.allocate() for _ in range(4)] == [0, 1, 2, 3]
+    assert pool.num_pages == 4  # the second growth step was cut to the limit
+    with pytest.raises(CacheCapacityError, match="needs 1 more pages but is at its limit of 4; start a new window"):
+        pool.allocate()
+    pool.free(2)
+    pool.require(1)
+    assert pool.allocate() == 2
+
+
+def test_budget_paged_append_at_the_limit_changes_nothing():
+    from stream_recon.cache import CacheCapacityError
+
+    # page_size 3, 2 specials per frame, 1 scale frame, window 1: at most 3 patch pages in use
+    layout = CacheLayout(patches_per_frame=3, specials_per_frame=2, scale_frames=1, window_frames=1)
+    limit = PagedTwoStreamCache.pages_needed(layout, max_frames=3)
+    assert limit == 3 + 2  # 3 patch pages + ceil(3 frames x 2 specials / 3)
+    cache = PagedTwoStreamCache(layout, PagePool(1, grow_by=1, max_pages=limit))
+    for _ in range(3):  # frames f0..f2: scale [f0], window [f2], specials f0 f0 f1 | f1 f2 f2
+        cache.append(defer_eviction=True)
+        cache.commit()
+    # f2 pending kept f1's page until its commit: the pool reached its limit and f1's page is free
+    assert cache.pool.num_pages == limit and cache.pool.num_free == 1
+    before = (list(cache.scale_pages), list(cache.window_pages), list(cache.special_pages), cache.num_special_tokens,
+              sorted(cache.pool.free_ids()), cache.pool.num_pages)
+    # f3 needs a patch page and a third special page: 6 pages, one over the limit
+    with pytest.raises(CacheCapacityError, match="needs 2 more pages but is at its limit of 5"):
+        cache.append(defer_eviction=True)
+    after = (list(cache.scale_pages), list(cache.window_pages), list(cache.special_pages), cache.num_special_tokens,
+             sorted(cache.pool.free_ids()), cache.pool.num_pages)
+    assert after == before and cache.num_pending_frames == 0 and cache.num_committed_frames == 3

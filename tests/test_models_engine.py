@@ -104,30 +104,40 @@ class DenseCache:
         return out[0].transpose(0, 1)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "dense"])
-def test_cache_layouts_equal_dense_visible_set(prepared_tiny_model, attention):
-    """Both cache layouts attend over exactly the spec's key set (scale + window + all specials)."""
+def assert_streams_like_the_visible_set_model(model, predictions, images, scale_frames: int, window: int,
+                                              transform_kv=None) -> None:
+    """The streamed predictions (every frame a keyframe) equal the model stepped over DenseCache,
+    the list-based model of the spec's key set; `transform_kv` is applied to every K and V first."""
     from stream_recon.cache import TokenCache
 
-    images = frames(10, seed=2)
-    paged, _ = run(prepared_tiny_model, StreamConfig(scale_frames=2, window=3, attention=attention), images)
-    config = prepared_tiny_model.config
-    dense = DenseCache(2, 3, config.num_special_tokens)
-    camera = TokenCache(prepared_tiny_model.camera_head.num_cache_layers, config.camera_heads,
+    config = model.config
+    dense = DenseCache(scale_frames, window, config.num_special_tokens)
+    attention = dense if transform_kv is None else (
+        lambda layer, q, k, v: dense(layer, q, transform_kv(k), transform_kv(v)))
+    camera = TokenCache(model.camera_head.num_cache_layers, config.camera_heads,
                         config.head_in_dim // config.camera_heads, torch.float32, "cpu")
-    batches = [torch.stack(images[:2])] + [image[None] for image in images[2:]]
+    batches = [torch.stack(images[:scale_frames])] + [image[None] for image in images[scale_frames:]]
     start = 0
     with torch.inference_mode():
         for batch in batches:
             n = batch.shape[0]
             dense.num_new = n
             camera.begin(n)
-            out = prepared_tiny_model.step(batch, dense, camera, torch.arange(start, start + n), torch.arange(start, start + n), 2)
+            indices = torch.arange(start, start + n)
+            out = model.step(batch, attention, camera, indices, indices, scale_frames)
             camera.commit()
             for i in range(n):
-                np.testing.assert_allclose(paged[start + i].depth, out["depth"][i].numpy(), rtol=0, atol=2e-6)
-                np.testing.assert_allclose(paged[start + i].pose_enc, out["pose_enc"][i].numpy(), rtol=0, atol=2e-6)
+                np.testing.assert_allclose(predictions[start + i].depth, out["depth"][i].numpy(), rtol=0, atol=2e-6)
+                np.testing.assert_allclose(predictions[start + i].pose_enc, out["pose_enc"][i].numpy(), rtol=0, atol=2e-6)
             start += n
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "dense"])
+def test_cache_layouts_equal_dense_visible_set(prepared_tiny_model, attention):
+    """Both cache layouts attend over exactly the spec's key set (scale + window + all specials)."""
+    images = frames(10, seed=2)
+    streamed, _ = run(prepared_tiny_model, StreamConfig(scale_frames=2, window=3, attention=attention), images)
+    assert_streams_like_the_visible_set_model(prepared_tiny_model, streamed, images, scale_frames=2, window=3)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "dense"])

@@ -1,0 +1,79 @@
+"""The fp8 store's write (fp8.py's rule) as one Triton kernel per layer: a step's K and V quantised
+straight into their store positions.
+
+In PyTorch the same write is about a dozen small kernels per tensor (absolute value, maximum, the
+exponent's bit arithmetic, scaling, clamping, the cast, two scattered copies); inside a replayed
+step their launches would cost more than the work, 24 layers times K and V per frame. Here each
+program takes one token's K or V, all heads, and writes its codes and exponents. The integer
+arithmetic is fp8.scale_exponents' and the cast rounds to nearest-even and saturates like
+PyTorch's, so both paths store identical bytes (tests/test_cache_fp8.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import fp8
+
+# (a kernel reads module constants only as constexpr)
+E4M3_MAX, MIN_EXPONENT, MAX_EXPONENT = (tl.constexpr(x) for x in (fp8.E4M3_MAX, fp8.MIN_EXPONENT, fp8.MAX_EXPONENT))
+
+
+@triton.jit
+def _quantize_write_kernel(K, V, stride_k_token, stride_k_head, stride_v_token, stride_v_head, slots, codes,
+                           exponents, capacity, num_heads, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Program (t, which): token t's K (which = 0) or V (1), [num_heads, HEAD_DIM], into codes
+    [2, capacity, num_heads, HEAD_DIM] and exponents [2, num_heads, capacity] at position slots[t]."""
+    token, which = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(slots + token).to(tl.int64)
+    heads = tl.arange(0, HEADS)
+    dims = tl.arange(0, HEAD_DIM)
+    live = heads < num_heads
+    if which == 0:
+        x = tl.load(K + token * stride_k_token + heads[:, None] * stride_k_head + dims[None, :], mask=live[:, None],
+                    other=0.0)
+    else:
+        x = tl.load(V + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :], mask=live[:, None],
+                    other=0.0)
+    x = x.to(tl.float32)
+    bits = tl.max(tl.abs(x), 1).to(tl.int32, bitcast=True)  # [HEADS] amax bits
+    # amax = m * 2^E, 448 = 1.75 * 2^8: e = E - 8, plus one when m > 1.75 (mantissa bits 0x600000)
+    exponent = (bits >> 23) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    exponent = tl.minimum(tl.maximum(exponent, MIN_EXPONENT), MAX_EXPONENT)
+    inverse = ((127 - exponent) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
+    y = tl.minimum(tl.maximum(x * inverse[:, None], -E4M3_MAX), E4M3_MAX)
+    # Round to e4m3's grid (3 mantissa bits; steps of 2^-9 below 2^-6) by adding and removing
+    # 1.5 * 2^(binade + 20): float32 addition rounds to nearest-even there. The cast below is then
+    # exact, the same on the GPU as in Triton's interpreter (whose own fp8 rounding drops carries).
+    # Magnitudes are rounded and the sign put back, so that -0 stays -0 as in PyTorch's cast.
+    bits = y.to(tl.int32, bitcast=True)
+    binade = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    magic = (((binade + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    rounded = (tl.abs(y) + magic) - magic
+    y = tl.where(bits < 0, -rounded, rounded)
+    row = num_heads * HEAD_DIM
+    tl.store(codes + (which * capacity + slot) * row + heads[:, None] * HEAD_DIM + dims[None, :],
+             y.to(codes.dtype.element_ty), mask=live[:, None])
+    tl.store(exponents + (which * num_heads + heads) * capacity + slot, exponent.to(tl.int8), mask=live)
+
+
+def write_quantized(codes: torch.Tensor, exponents: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+    """Quantise k, v [T, H, D] (any float dtype, D contiguous) into one layer's codes
+    [2, capacity, H, D] (float8_e4m3fn, contiguous) and exponents [2, H, capacity] (int8,
+    contiguous) at store positions slots [T]."""
+    num_tokens, num_heads, head_dim = k.shape
+    if v.shape != k.shape or codes.shape[2:] != (num_heads, head_dim) or exponents.shape[1] != num_heads:
+        raise ValueError(f"k/v {list(k.shape)}/{list(v.shape)} do not fit a store of {list(codes.shape)}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or not (codes.is_contiguous() and exponents.is_contiguous()):
+        raise ValueError("write_quantized needs D-contiguous k and v and a contiguous store")
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"write_quantized needs a power-of-two head dim, got {head_dim}")
+    if num_tokens == 0:
+        return
+    _quantize_write_kernel[(num_tokens, 2)](
+        k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), slots, codes, exponents, codes.shape[1], num_heads,
+        HEADS=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim,
+    )

@@ -1,0 +1,273 @@
+"""Device memory of a streaming run: an estimate from its settings and shapes, and a plan that fits a budget.
+
+What a run holds, and where each number comes from (MemoryEstimate's fields):
+
+| part | what | how it is known |
+|---|---|---|
+| weights | every parameter and buffer of the prepared model on its device | measured |
+| kv_cache | the global layers' K/V store: allocated once, up front (dense), or grown to its page limit (paged) | exact (cache.backends.cache_bytes) |
+| camera_cache | the camera head's float32 K/V, one token per cached frame | exact |
+| activations | the largest step: the scale frames together, or one streaming frame | shapes x constants below |
+| graph_pools | intermediates the recorded CUDA graphs keep for their replays | a multiple of one streaming step |
+| attention_copies | backends that read through a copy (an fp8 store dequantised, pages gathered): one layer's visible K and V | exact |
+| workspace | cuBLAS/cuDNN workspaces, staging buffers, the allocator's rounding | a fixed margin |
+
+`plan_memory` picks, in this order, the first setting whose estimate fits the budget: the settings
+as asked; the fp8 K/V cache (when the precision was left to `auto`: half the cache's bytes,
+results within the fp8 accuracy limits); then the longest shorter window down to MIN_WINDOW (this
+changes results: fewer frames' patches are visible, so the plan says so). Nothing fitting is a
+MemoryBudgetError that names the numbers and the smallest budget that would do.
+
+The activation constants come from traces of live tensor bytes through `GCTStream.step` on the
+meta device (scripts/trace_step_memory.py: bf16, frames of 518x280 to 518x518, 1 and 8 frames);
+`scripts/bench.py --gpu-memory` prints the estimate beside torch's measured peak, which is how
+they are checked on a GPU.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from stream_recon.cache import CacheLayout, TokenCache, backends, fp8
+
+from .errors import MemoryBudgetError
+from .gct import GCTStream
+
+if TYPE_CHECKING:
+    from .engine import StreamConfig
+
+GIB = 2**30
+# Elements alive at the aggregator's peak (DINO trunk, blocks, RoPE tables, the 4 output layers),
+# per token x channel of the frames stepped together.
+AGGREGATOR_ELEMENTS_PER_TOKEN_CHANNEL = 27
+# The 4 output layers [S, P, 2C] that the heads read, per token x channel.
+HEAD_INPUT_ELEMENTS_PER_TOKEN_CHANNEL = 8
+# The DPT head's peak for one frame (it decodes frame by frame), in its dtype, per pixel; its UV
+# tables are built in float64 on the first step of a frame size.
+DPT_ELEMENTS_PER_PIXEL = 455
+UV_TABLE_BYTES_PER_PIXEL = 665
+# Recorded CUDA graphs keep about one streaming step's intermediates in their private pools.
+GRAPH_POOL_STEPS = 1.0
+WORKSPACE_BYTES = 384 * 2**20
+# The shortest window a plan falls back to: below it reconstructions degrade too much to be worth
+# the run; a budget that needs less is an error instead.
+MIN_WINDOW = 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Bytes of device memory, by part (see the module docstring)."""
+
+    weights: int
+    kv_cache: int
+    camera_cache: int
+    activations: int
+    graph_pools: int
+    attention_copies: int
+    workspace: int
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.kv_cache + self.camera_cache + self.activations + self.graph_pools
+                + self.attention_copies + self.workspace)
+
+    def to_dict(self) -> dict[str, int]:
+        return {**{name: getattr(self, name) for name in self.__dataclass_fields__}, "total": self.total}
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{name.replace('_', ' ')} {gib(getattr(self, name))}" for name in self.__dataclass_fields__)
+        return f"{gib(self.total)} ({parts})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryPlan:
+    """The settings chosen for a budget, what they are estimated to take, and why they differ from
+    the settings asked for (`reasons`, one sentence each)."""
+
+    budget: int
+    kv_cache: str  # the K/V precision chosen: bf16, fp16, fp32 or fp8
+    window: int
+    estimate: MemoryEstimate
+    asked_kv_cache: str
+    asked_window: int
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def changes_results(self) -> bool:
+        """Whether the plan changes results beyond the K/V precision (a shorter window)."""
+        return self.window != self.asked_window
+
+    def apply(self, config: StreamConfig) -> StreamConfig:
+        """`config` with the plan's K/V precision and window."""
+        return replace(config, kv_cache=self.kv_cache, window=self.window)
+
+    def describe(self) -> str:
+        """One line for the console: the choice, why, and the estimate."""
+        line = (f"memory plan for {gib(self.budget)}: {self.kv_cache} K/V cache, window {self.window}; "
+                f"estimated peak {self.estimate.describe()}")
+        return " ".join([line, *self.reasons])
+
+    def to_dict(self) -> dict:
+        """For run.json."""
+        return {"budget": self.budget, "kv_cache": self.kv_cache, "window": self.window,
+                "asked": {"kv_cache": self.asked_kv_cache, "window": self.asked_window},
+                "changes_results": self.changes_results, "reasons": list(self.reasons),
+                "estimate": self.estimate.to_dict()}
+
+
+def gib(num_bytes: int) -> str:
+    """A byte count for people: GiB with two decimals, MiB below one GiB."""
+    return f"{num_bytes / GIB:.2f} GiB" if num_bytes >= GIB else f"{num_bytes / 2**20:.1f} MiB"
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
+          "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
+
+
+def parse_memory_size(text: str) -> int:
+    """Bytes from a size as people write it: `8GiB`, `7.5G` (binary), `8GB` (decimal), `8192MiB`,
+    or a plain number of bytes. Raises ValueError naming the accepted forms."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", text)
+    unit = match and match.group(2).lower()
+    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"cannot read {text!r} as a memory size: use a positive number with GiB, MiB, GB, MB (or G, "
+                         "M: binary), e.g. 8GiB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def weight_bytes(model: GCTStream) -> int:
+    """Bytes of the model's parameters and buffers on its (prepared) device, each storage once."""
+    device = model.inference_spec.device
+    storages = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.device.type == device.type:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def estimate_memory(model: GCTStream, config: StreamConfig, image_size: tuple[int, int]) -> MemoryEstimate:
+    """Device bytes a StreamingEngine over `model` (prepared) with `config` takes at its peak for
+    frames of image_size (height, width), preprocessed."""
+    return _Estimator(model, config, image_size).estimate(config.kv_cache, config.window)
+
+
+def plan_memory(model: GCTStream, config: StreamConfig, image_size: tuple[int, int], budget: int) -> MemoryPlan:
+    """The settings (K/V precision, window) under which a StreamingEngine over `model` with
+    `config` fits `budget` bytes of device memory, for frames of image_size (height, width).
+
+    Tries the settings as asked; then, if `config.kv_cache` is `auto` and the attention backend
+    reads fp8, the fp8 cache; then the longest window from `config.window - 1` down to MIN_WINDOW
+    (at the precision tried last). Raises MemoryBudgetError when none fits.
+    """
+    if budget <= 0:
+        raise MemoryBudgetError(f"a GPU memory budget must be positive, got {budget} bytes")
+    estimator = _Estimator(model, config, image_size)
+    asked = estimator.precision(config.kv_cache)
+    precisions = [asked]
+    if config.kv_cache == backends.AUTO and asked != backends.FP8 and estimator.reads(backends.FP8):
+        precisions.append(backends.FP8)
+    for precision in precisions:
+        estimate = estimator.estimate(precision, config.window)
+        if estimate.total <= budget:
+            reasons = () if precision == asked else (
+                f"The {asked} cache would need {gib(estimator.estimate(asked, config.window).total)}.",)
+            return MemoryPlan(budget=budget, kv_cache=precision, window=config.window, estimate=estimate,
+                              asked_kv_cache=asked, asked_window=config.window, reasons=reasons)
+    precision = precisions[-1]
+    for window in range(config.window - 1, MIN_WINDOW - 1, -1):
+        estimate = estimator.estimate(precision, window)
+        if estimate.total <= budget:
+            full = estimator.estimate(precision, config.window).total
+            reason = (f"Warning: the window was shortened from {config.window} to {window} frames to fit (the "
+                      f"{precision} cache at window {config.window} would need {gib(full)}); results change: each "
+                      "frame sees fewer recent frames.")
+            return MemoryPlan(budget=budget, kv_cache=precision, window=window, estimate=estimate,
+                              asked_kv_cache=asked, asked_window=config.window, reasons=(reason,))
+    smallest = estimator.estimate(precision, min(MIN_WINDOW, config.window))
+    height, width = image_size
+    raise MemoryBudgetError(
+        f"a GPU memory budget of {gib(budget)} cannot hold this run at {width}x{height}: the smallest setting "
+        f"allowed ({precision} K/V cache, window {min(MIN_WINDOW, config.window)}) needs {smallest.describe()}; "
+        f"give it at least {gib(smallest.total)} (--gpu-memory) or lower the resolution"
+    )
+
+
+class _Estimator:
+    """The estimate's fixed inputs for one model, config and frame size; `estimate` varies the
+    K/V precision and the window."""
+
+    def __init__(self, model: GCTStream, config: StreamConfig, image_size: tuple[int, int]):
+        spec = model.inference_spec
+        self.model_config, self.config = model.config, config
+        self.device, self.dtype = spec.device, spec.dtype
+        self.weights = weight_bytes(model)
+        self.height, self.width = image_size
+        rows, cols = model.config.grid(self.height, self.width)
+        self.patches = rows * cols
+        self.tokens_per_frame = self.patches + model.config.num_special_tokens
+        self.cached_frames = config.cached_frames(model.config.max_frames)
+        camera = model.camera_head
+        self.camera_cache = TokenCache.bytes_needed(
+            camera.num_cache_layers, model.config.camera_heads,
+            model.config.head_in_dim // model.config.camera_heads, self.cached_frames, torch.float32)
+
+    def precision(self, kv_cache: str) -> str:
+        """The precision name `kv_cache` stands for with this model (`auto`: the model's)."""
+        return backends.precision_name(backends.store_dtype(kv_cache, self.dtype))
+
+    def reads(self, precision: str) -> bool:
+        """Whether the attention asked for can read a cache of `precision`."""
+        try:
+            self._backend(precision)
+        except ValueError:
+            return False
+        return True
+
+    def estimate(self, kv_cache: str, window: int) -> MemoryEstimate:
+        c = self.model_config
+        stored = backends.store_dtype(kv_cache, self.dtype)
+        backend = self._backend(kv_cache)
+        layout = CacheLayout(self.patches, c.num_special_tokens, self.config.scale_frames, window)
+        kv_bytes = backends.cache_bytes(backend, layout, num_layers=c.depth, num_heads=c.num_heads,
+                                        head_dim=c.head_dim, max_frames=self.cached_frames, dtype=self.dtype,
+                                        stored=stored)
+        streaming = self._step_bytes(1, first=False)
+        records = self.device.type == "cuda" and self.config.cuda_graphs and backend.layout == "dense"
+        copies = 0
+        if backend.gathers or (stored == fp8.E4M3 and backend.fp8_reads == "copy"):
+            visible = c.num_special_tokens * self.cached_frames + layout.max_patch_pages * self.patches
+            copies = 2 * visible * c.embed_dim * self._element_size
+        return MemoryEstimate(
+            weights=self.weights,
+            kv_cache=kv_bytes,
+            camera_cache=self.camera_cache,
+            activations=max(self._step_bytes(self.config.scale_frames, first=True), streaming),
+            graph_pools=int(GRAPH_POOL_STEPS * streaming) if records else 0,
+            attention_copies=copies,
+            workspace=WORKSPACE_BYTES,
+        )
+
+    def _backend(self, kv_cache: str) -> backends.BackendSpec:
+        stored = backends.store_dtype(kv_cache, self.dtype)
+        return backends.resolve(self.config.attention, self.device, self.dtype, stored)
+
+    @property
+    def _element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def _step_bytes(self, num_frames: int, first: bool) -> int:
+        """The activation peak of a step of `num_frames` frames: the aggregator's, or the heads'
+        (their input layers plus one frame of the DPT head), whichever is larger."""
+        token_channels = num_frames * self.tokens_per_frame * self.model_config.embed_dim
+        pixels = self.height * self.width
+        size = self._element_size
+        aggregator = AGGREGATOR_ELEMENTS_PER_TOKEN_CHANNEL * token_channels * size
+        heads = HEAD_INPUT_ELEMENTS_PER_TOKEN_CHANNEL * token_channels * size + DPT_ELEMENTS_PER_PIXEL * pixels * size
+        if first:
+            heads += UV_TABLE_BYTES_PER_PIXEL * pixels
+        return max(aggregator, heads)
