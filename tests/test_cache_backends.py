@@ -53,7 +53,7 @@ def test_an_explicit_backend_that_cannot_run_says_why_and_what_instead(gpu_like)
                                          r"auto or dense"):
         backends.resolve("dense-triton", CPU, torch.float32)
     gpu_like(8, ())
-    with pytest.raises(ValueError, match=r"needs the flashinfer package \(pip install .*\); use --attention auto or sdpa"):
+    with pytest.raises(ValueError, match=r"needs the flashinfer package \(on a CUDA machine: .*\); use --attention auto or sdpa"):
         backends.resolve("flashinfer", CUDA, torch.bfloat16)
     with pytest.raises(ValueError, match="compute capability 9.0"):
         gpu_like(8, ("triton",))
