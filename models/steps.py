@@ -47,9 +47,12 @@ class EagerRunner:
         return False
 
     def run_scale_frames(self, images: torch.Tensor, time_index: int) -> Staged:
-        """The scale frames [S, 3, H, W] together (stream indices from 0), eagerly."""
-        self.begin(images, 0)
-        return self.finish(time_index)
+        """The scale frames [S, 3, H, W] together (stream indices from 0), eagerly and uncompiled: they
+        run once per window, so compiling their shapes would only delay the first prediction (by tens
+        of seconds on a fresh process) for little gain; the streaming shapes are the ones compiled."""
+        with torch.compiler.set_stance("force_eager"):
+            self.begin(images, 0)
+            return self.finish(time_index)
 
     def begin(self, images: torch.Tensor, stream_index: int) -> None:
         self._frame = (*self.upload.send(images), stream_index)
