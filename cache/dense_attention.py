@@ -1,4 +1,4 @@
-"""Attention over the contiguous two-stream layout: the visible keys are read in place.
+"""Storage of the dense layout, and the attention backends that read its visible range in place.
 
 Storage: one tensor for every global layer, store [L, 2, capacity, H, D] (index 0 = K, 1 = V), so
 that a slot move is one copy for all layers; in bf16/fp16/fp32, or in fp8 (e4m3) with a scale per

@@ -59,7 +59,7 @@ class FlashInferPagedAttention:
 
 
 class FlashInferRangeAttention:
-    """FlashInfer's ragged prefill over the contiguous layout's visible range (one sequence whose
+    """FlashInfer's ragged prefill over the dense layout's visible range (one sequence whose
     keys are tokens [start, end) of each layer's store, read in place)."""
 
     def __init__(self, kv, variant: str = "fa3"):

@@ -1,4 +1,4 @@
-"""Attention over the contiguous layout's visible range with one Triton kernel (dense-triton).
+"""Attention over the dense layout's visible range with one Triton kernel (dense-triton).
 
 The split backend (dense_attention.SplitCudnnAttention) sends the patch keys to cuDNN, whose plan
 is built per key count, and the growing special keys to a second kernel, then merges the two; it

@@ -1,4 +1,4 @@
-"""The contiguous layout against the same dense reference as the paged cache (hypothesis).
+"""The dense layout against the same dense reference as the paged cache (hypothesis).
 
 A fake store holds a (frame, token) label per position; the harness writes through token_slots,
 performs the cache's moves, and reads the visible range. Key order does not matter to attention,
@@ -40,7 +40,7 @@ class Harness(LabelHarness):
 @settings(max_examples=300, deadline=None)
 @given(layout=layouts(), data=st.data(), ops=st.lists(OPS, max_size=25))
 def test_contiguous_cache_matches_dense_reference(layout, data, ops):
-    # Phase 1 appends up to scale_frames frames together (the contiguous cache's restriction).
+    # Phase 1 appends up to scale_frames frames together (the dense layout's restriction).
     scale_batch = data.draw(st.integers(1, layout.scale_frames))
     drive(Harness(layout), scale_batch, ops)
 

@@ -110,7 +110,7 @@ def test_phase1_intermediates(all_keyframes_run):
 
 @pytest.mark.parametrize(("scenario", "attention"), [("interval_2", "sdpa"), ("flow", "sdpa"), ("flow", "dense")])
 def test_keyframe_policies(scenario, attention):
-    """`dense` runs the contiguous cache layout (moves, spare slot, rollback) against the same fixture."""
+    """`dense` runs the dense cache layout (moves, spare slot, rollback) against the same fixture."""
     config = dataclasses.replace(SCENARIOS[scenario], attention=attention)
     predictions, states, _ = run_scenario(config)
     golden = np.load(GOLDEN / scenario / "outputs.npz")

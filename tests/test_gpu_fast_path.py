@@ -1,4 +1,4 @@
-"""The fast streaming path on the GPU: the contiguous cache with dense (cuDNN) attention and the
+"""The fast streaming path on the GPU: the dense cache layout with its attention backends and the
 CUDA-graph replay of streaming steps, against the golden fixtures and against the eager paged
 path. Skipped on machines without CUDA."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import build_tiny_model
 from golden_utils import GOLDEN, golden_frames
-from test_gpu_flashinfer import BF16_TOLERANCE, SCENARIOS, errors, stream
+from test_gpu_flashinfer import BF16_TOLERANCE, SCENARIOS, errors, long_stream_tiny_model, stream
 
 pytestmark = [
     pytest.mark.gpu,
@@ -58,16 +58,10 @@ def test_graph_replay_equals_the_eager_step(gpu_model, attention):
 
 
 def test_contiguous_store_stays_put_over_2000_frames():
-    from stream_recon.models import (
-        ModelConfig,
-        StreamConfig,
-        StreamingEngine,
-        prepare_for_inference,
-    )
+    from stream_recon.models import StreamConfig, StreamingEngine
 
-    config = ModelConfig.from_dict({**ModelConfig.tiny().to_dict(), "max_frames": 2100})
-    model = prepare_for_inference(build_tiny_model(config), "cuda", torch.bfloat16)
-    engine = StreamingEngine(model, StreamConfig(scale_frames=8, window=64, keyframes="flow", flow_threshold=0.5))
+    engine = StreamingEngine(long_stream_tiny_model(),
+                             StreamConfig(scale_frames=8, window=64, keyframes="flow", flow_threshold=0.5))
     image = torch.rand(3, 126, 224, device="cuda")
     memory = {}
     for i in range(2000):

@@ -121,17 +121,18 @@ def test_bf16_backends_agree_with_golden_and_each_other(flashinfer_backend, gpu_
         assert between[key] <= limit, f"{key}: {between[key]:.3f} sigma"
 
 
-def test_page_accounting_over_2000_frames(flashinfer_backend):
-    from stream_recon.models import (
-        ModelConfig,
-        StreamConfig,
-        StreamingEngine,
-        prepare_for_inference,
-    )
+def long_stream_tiny_model():
+    """The tiny model with room for 2,100 temporal positions, prepared for bf16 on the GPU."""
+    from stream_recon.models import ModelConfig, prepare_for_inference
 
     config = ModelConfig.from_dict({**ModelConfig.tiny().to_dict(), "max_frames": 2100})
-    model = prepare_for_inference(build_tiny_model(config), "cuda", torch.bfloat16)
-    engine = StreamingEngine(model, StreamConfig(scale_frames=8, window=64, attention="flashinfer"))
+    return prepare_for_inference(build_tiny_model(config), "cuda", torch.bfloat16)
+
+
+def test_page_accounting_over_2000_frames(flashinfer_backend):
+    from stream_recon.models import StreamConfig, StreamingEngine
+
+    engine = StreamingEngine(long_stream_tiny_model(), StreamConfig(scale_frames=8, window=64, attention="flashinfer"))
     image = torch.rand(3, 126, 224, device="cuda")
     memory = {}
     for i in range(2000):

@@ -420,7 +420,7 @@ def test_bad_window_settings_are_refused(model, kwargs, message):
 
 @pytest.mark.parametrize("case", ["flow_mixed", "interval"])
 def test_contiguous_layout_gives_the_paged_results_across_windows(model, frames, case):
-    """Window rollovers reset the contiguous cache (specials, slots, spare) as they do the paged one."""
+    """Window rollovers reset the dense cache (specials, slots, spare) as they do the paged one."""
     import dataclasses
 
     config, window_frames, overlap, count = CASES[case]
