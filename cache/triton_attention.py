@@ -156,21 +156,41 @@ class TritonRangeAttention:
     """Unmasked attention over the visible range of a DenseKV, its bounds kept on the device.
 
     `plan` copies the range to the device on the current stream (through a pinned buffer on CUDA),
-    so a step enqueued after it, replayed or not, reads this frame's range.
+    so a step enqueued after it, replayed or not, reads this frame's range. An fp8 store is read
+    one of two ways (`fp8_read`): "kernel", the range kernel converting each block in registers,
+    or "scratch", each layer's range dequantised to bf16 into one reused buffer first and read by
+    the bf16 kernel (docs/PERFORMANCE.md compares them).
     """
 
     name = "dense-triton"
     reads_plan_on_device = True  # a recorded step may include the attention itself
+    fp8_read = "scratch"
 
     def __init__(self, kv):
         self.kv = kv
         self._key_range = DeviceValues(2, torch.int32, kv.device)
+        self._scratch: torch.Tensor | None = None  # [2, capacity, H, D] in the compute dtype
+        self._scratch_range = DeviceValues(2, torch.int32, kv.device)
 
     def plan(self, visible: VisibleRange, num_queries: int) -> None:
         self._key_range.set(visible.start, visible.end)
+        if self._reads_scratch:
+            self._scratch_range.set(0, visible.end - visible.start)
+
+    @property
+    def _reads_scratch(self) -> bool:
+        return self.kv.quantized and self.fp8_read == "scratch"
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D], in the store's dtype."""
+        query = q.to(self.kv.dtype).contiguous()
         store = self.kv.store[layer]  # [2, capacity, H, D]
+        if self._reads_scratch:
+            from .triton_quantize import dequantize_range
+
+            if self._scratch is None:
+                self._scratch = torch.empty(store.shape, dtype=self.kv.dtype, device=store.device)
+            dequantize_range(store, self.kv.exponents[layer], self._key_range.values, self._scratch)
+            return attend_range(query, self._scratch[0], self._scratch[1], self._scratch_range.values)
         exponents = self.kv.exponents[layer] if self.kv.quantized else (None, None)  # [2, H, capacity]
-        return attend_range(q.to(self.kv.dtype).contiguous(), store[0], store[1], self._key_range.values, *exponents)
+        return attend_range(query, store[0], store[1], self._key_range.values, *exponents)

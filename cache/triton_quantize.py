@@ -77,3 +77,42 @@ def write_quantized(codes: torch.Tensor, exponents: torch.Tensor, slots: torch.T
         k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), slots, codes, exponents, codes.shape[1], num_heads,
         HEADS=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim,
     )
+
+
+@triton.jit
+def _dequantize_range_kernel(codes, exponents, key_range, out, capacity, out_capacity, num_heads,
+                             HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Program (b, which): store positions [start + b * BLOCK_T, ...) of K (0) or V (1), all heads,
+    as values code * 2^e in out [2, out_capacity, num_heads, HEAD_DIM] from position b * BLOCK_T.
+    The range [start, end) is read from key_range on the device; programs past it do nothing."""
+    block, which = tl.program_id(0), tl.program_id(1)
+    start, end = tl.load(key_range), tl.load(key_range + 1)
+    first = block * BLOCK_T
+    if first < end - start:
+        tokens = first + tl.arange(0, BLOCK_T)
+        heads = tl.arange(0, HEADS)
+        dims = tl.arange(0, HEAD_DIM)
+        live = (tokens < end - start)[:, None] & (heads < num_heads)[None, :]  # [T, H]
+        row = num_heads * HEAD_DIM
+        source = (which * capacity + start + tokens).to(tl.int64)
+        x = tl.load(codes + source[:, None, None] * row + heads[None, :, None] * HEAD_DIM + dims[None, None, :],
+                    mask=live[:, :, None], other=0.0)
+        e = tl.load(exponents + (which * num_heads + heads[None, :]) * capacity + start + tokens[:, None], mask=live,
+                    other=0)
+        scale = ((e.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)  # 2^e, exact
+        y = x.to(tl.float32) * scale[:, :, None]
+        target = (which * out_capacity + tokens).to(tl.int64)
+        tl.store(out + target[:, None, None] * row + heads[None, :, None] * HEAD_DIM + dims[None, None, :],
+                 y.to(out.dtype.element_ty), mask=live[:, :, None])
+
+
+def dequantize_range(codes: torch.Tensor, exponents: torch.Tensor, key_range: torch.Tensor, out: torch.Tensor) -> None:
+    """One layer's store positions [key_range[0], key_range[1]) (int32 [2] on the device) of codes
+    [2, capacity, H, D] e4m3 and exponents [2, H, capacity] int8 as values in out [2, N, H, D]
+    (bf16 or fp16) from position 0; N must hold the range. Exact: code * 2^e needs 4 significant
+    bits. The grid covers all of `out`, so a CUDA graph may record the call for any range."""
+    _, capacity, num_heads, head_dim = codes.shape
+    block = 16
+    grid = (triton.cdiv(out.shape[1], block), 2)
+    _dequantize_range_kernel[grid](codes, exponents, key_range, out, capacity, out.shape[1], num_heads,
+                                   HEADS=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim, BLOCK_T=block)

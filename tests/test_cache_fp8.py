@@ -240,7 +240,8 @@ ATTENTION_SCRIPT = textwrap.dedent("""
 
     torch.manual_seed(0)
     worst = []
-    for start, end, queries in eval(sys.argv[1]):
+    for start, end, queries, read in eval(sys.argv[1]):
+        TritonRangeAttention.fp8_read = read
         kv = DenseKV(num_layers=2, num_heads=2, head_dim=32, capacity=320, dtype=torch.float32, device="cpu",
                      store_dtype=torch.float8_e4m3fn)
         for layer in range(2):  # K/V whose magnitudes differ per token, as the model's do
@@ -251,15 +252,18 @@ ATTENTION_SCRIPT = textwrap.dedent("""
         q = torch.randn(queries, 2, 32) * 2
         out = backend.attend(1, q)
         keys, values = kv.keys_values(1, start, end)  # dequantised: the values the kernel stands for
-        # the kernel multiplies q.k in fp16 (q rounded to it; the e4m3 keys are exact there)
-        expected = F.scaled_dot_product_attention(q.half().float().transpose(0, 1)[None],
+        # reading fp8 blocks, the kernel multiplies q.k in fp16 (q rounded to it; the e4m3 keys are exact
+        # there); reading the dequantised scratch, in the store's compute dtype (float32 here)
+        expected = F.scaled_dot_product_attention((q.half().float() if read == "kernel" else q).transpose(0, 1)[None],
             keys.float().transpose(0, 1)[None], values.float().transpose(0, 1)[None])[0].transpose(0, 1)
         assert out.shape == q.shape and out.dtype == torch.float32
         worst.append(((out - expected).abs().max() / expected.abs().max()).item())
     print(" ".join(f"{w:.3e}" for w in worst))
 """)
 # Key ranges around the kernel's 128-key blocks and query counts around its 64-row blocks.
-ATTENTION_CASES = [(5, 9, 3), (40, 40 + 256, 64), (7, 7 + 300, 70), (0, 129, 130)]
+# Both ways of reading the store: fp8 blocks in the range kernel, or a dequantised scratch buffer.
+ATTENTION_CASES = [(*case, read) for case in [(5, 9, 3), (40, 40 + 256, 64), (7, 7 + 300, 70), (0, 129, 130)]
+                   for read in ("kernel", "scratch")]
 
 
 def test_fp8_range_kernel_matches_sdpa_over_the_dequantised_keys():
@@ -267,7 +271,7 @@ def test_fp8_range_kernel_matches_sdpa_over_the_dequantised_keys():
     errors = [float(x) for x in interpret(ATTENTION_SCRIPT, ATTENTION_CASES).split()]
     assert len(errors) == len(ATTENTION_CASES)
     for case, error in zip(ATTENTION_CASES, errors, strict=True):
-        assert error <= 1e-5, f"keys [{case[0]}, {case[1]}), {case[2]} queries: relative error {error:.2e}"
+        assert error <= 1e-5, f"keys [{case[0]}, {case[1]}), {case[2]} queries, {case[3]}: relative error {error:.2e}"
 
 
 def test_fp8_range_kernel_refuses_missing_or_misshapen_exponents():
