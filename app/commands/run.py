@@ -31,7 +31,6 @@ from rich.console import Console
 
 from stream_recon.app.commands._options import (
     EXIT_FAILED,
-    EXIT_INTERRUPTED,
     RUN_OPTION_FLAGS,
     ConfigOpt,
     OutputOpt,
@@ -64,6 +63,7 @@ def run(
     from stream_recon.app.pipeline import run_sequence
     from stream_recon.app.presets import build_options
     from stream_recon.app.sources import source_name
+    from stream_recon.app.stopping import interrupted_exit_code
 
     console = error_console()
     show_engine_log(console)
@@ -77,7 +77,7 @@ def run(
             announce_sample(output_dir, options, console)
         summary = run_sequence(source, output_dir, options, console=console)
     if summary.status == "interrupted":
-        raise typer.Exit(code=EXIT_INTERRUPTED)
+        raise typer.Exit(code=interrupted_exit_code(summary.stop_signal))
     if summary.status == "failed":
         raise typer.Exit(code=EXIT_FAILED)
 
