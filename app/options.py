@@ -51,6 +51,7 @@ class RunOptions:
     dtype: str = "auto"  # auto (bf16 transformer on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
     attention: str = "auto"  # one of ATTENTION_CHOICES
     compile: bool = True  # torch.compile the transformer blocks (CUDA only)
+    memory_check: bool = True  # refuse a CPU run whose memory estimate exceeds what is available (app.resources)
     # engine
     scale_frames: int = 8
     window: int = 64

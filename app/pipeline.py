@@ -33,6 +33,7 @@ from stream_recon.app.loading import (
     CheckpointDigest,
     build_engine,
     load_model_for,
+    model_config_for,
     prepared_for_run,
 )
 from stream_recon.app.options import (
@@ -44,6 +45,7 @@ from stream_recon.app.options import (
 )
 from stream_recon.app.preprocess import preprocess_frame
 from stream_recon.app.progress import RunProgress
+from stream_recon.app.resources import check_cpu_run
 from stream_recon.app.rundir import OutputDirError, prepare_output_dir, remove_if_empty
 from stream_recon.app.sources import FrameSource, SourceError, frames_source, open_source
 from stream_recon.app.stopping import StopOnSignal, signal_name
@@ -114,6 +116,9 @@ def run_sequence(
         _check_selection(frame_source, options)
         if options.viewer:
             check_viewer_address(options.host, options.port)
+        config = model_config_for(options, model)
+        if device == "cpu" and config is not None:  # a GPU's memory is the engine's to budget (models/)
+            check_cpu_run(options, config, frame_source.frame_size, frame_source.estimated_length, console)
         created_dir = prepare_output_dir(output_dir, overwrite=options.overwrite)
         if frame_source.live:
             frame_source.start()  # keep a camera's connection drained while the model loads

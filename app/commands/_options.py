@@ -64,6 +64,8 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         "\\[default: auto]",
         "compile": "Fuse the transformer blocks with torch.compile (CUDA only): about 20% faster per frame; the "
         "first run on a machine compiles for a minute or two, later runs read the cache. \\[default: compile]",
+        "memory_check": "CPU runs: refuse settings whose memory estimate exceeds the available memory, naming smaller "
+        "ones that fit. \\[default: memory-check]",
     },
     _ENGINE: {
         "scale_frames": "Frames processed together at the start and kept forever. \\[default: 8]",

@@ -13,6 +13,10 @@ Outputs (in --output, default outputs/<source name>/): predictions/NNNNNN.npz pe
 completes, then trajectory_tum.txt, points.ply and run.json. Ctrl-C (or SIGTERM) stops after the
 current frame and saves everything done so far; a second Ctrl-C skips the final flush.
 
+Exit codes: 0 done; 1 the run failed part-way (a damaged video, a camera gone, NaN predictions, a
+full disk, or no frame at all; what was computed is kept and run.json says why); 2 bad input or
+options, nothing ran; 130 Ctrl-C; 143 SIGTERM.
+
 Without a SOURCE it runs the bundled sample (frames 0-13 of the official example scene
 `courthouse`, 224x126, package data of stream_recon.app) so that a first run needs nothing but the
 checkpoint. It replaces the previous sample run in outputs/sample/ unless --output or --no-overwrite
