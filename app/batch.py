@@ -438,7 +438,7 @@ def connect_ray(address: str) -> tuple[Any, bool]:
     try:
         import ray
     except ImportError:
-        raise BatchError("--ray needs Ray: pip install 'stream-recon[ray]'") from None
+        raise BatchError("--ray needs Ray: run scripts/setup-env ray in the checkout (or pip install 'stream-recon[ray]' where the wheel is installed)") from None
     if ray.is_initialized():
         return ray, False
     if address == "auto":
