@@ -118,7 +118,8 @@ def run_sequence(
             check_viewer_address(options.host, options.port)
         config = model_config_for(options, model)
         if device == "cpu" and config is not None:  # a GPU's memory is the engine's to budget (models/)
-            check_cpu_run(options, config, frame_source.frame_size, frame_source.estimated_length, console)
+            check_cpu_run(options, config, frame_source.frame_size, frame_source.estimated_length, console,
+                          model_loaded=model is not None)
         created_dir = prepare_output_dir(output_dir, overwrite=options.overwrite)
         if frame_source.live:
             frame_source.start()  # keep a camera's connection drained while the model loads
@@ -325,8 +326,9 @@ def _rate(fps: float) -> str:
 
 def _no_frames_message(source: FrameSource, options: RunOptions) -> str:
     """A run that ended without one frame is a failure, whatever the reason: say which selection was asked."""
-    selected = [f"--{name} {value}" for name, value in (("start", options.start), ("stride", options.stride),
-                                                          ("fps", options.fps)) if value not in (None, 0, 1)]
+    defaults = RunOptions()
+    selected = [f"--{name} {getattr(options, name)}" for name in ("start", "stride", "fps")
+                if getattr(options, name) != getattr(defaults, name)]
     asked = f" with {' '.join(selected)}" if selected else ""
     return f"{source.description} delivered no frame{asked}; nothing was reconstructed"
 

@@ -105,14 +105,18 @@ class MemoryEstimate:
         return self.weights_bytes + self.cache_bytes + self.activation_bytes
 
     def describe(self) -> str:
+        weights = f"weights {_gb(self.weights_bytes)}" if self.weights_bytes else "beside the weights already loaded"
         return (
-            f"about {_gb(self.total_bytes)} (weights {_gb(self.weights_bytes)}, KV cache {_gb(self.cache_bytes)} "
-            f"for {self.cache_pages} pages of {self.tokens_per_page} tokens, activations {_gb(self.activation_bytes)})"
+            f"about {_gb(self.total_bytes)} ({weights}, KV cache {_gb(self.cache_bytes)} for {self.cache_pages} "
+            f"pages of {self.tokens_per_page} tokens, activations {_gb(self.activation_bytes)})"
         )
 
 
-def estimate_host_memory(model: ModelShape, run: RunShape) -> MemoryEstimate:
-    """Host memory of a float32 CPU run with the paged cache (the module docstring has the terms)."""
+def estimate_host_memory(model: ModelShape, run: RunShape, *, count_weights: bool = True) -> MemoryEstimate:
+    """Host memory of a float32 CPU run with the paged cache (the module docstring has the terms).
+
+    count_weights: False when the model is in memory already (a batch worker's), so that the memory
+    still available is compared with what the run adds."""
     patches = run.patches(model.patch_size)
     patch_pages = run.scale_frames + run.window + 1  # the scale frames, the window, the frame being decided
     frames = run.window_frames if run.frames is None else min(run.frames, run.window_frames)
@@ -122,7 +126,8 @@ def estimate_host_memory(model: ModelShape, run: RunShape) -> MemoryEstimate:
         pages += POOL_GROWTH_PAGES * math.ceil((special_pages - SPARE_PAGES) / POOL_GROWTH_PAGES)
     cache = pages * patches * model.depth * 2 * model.embed_dim * FLOAT32_BYTES
     activations = ACTIVATION_BYTES_PER_PIXEL * run.pixels * run.scale_frames + ACTIVATION_FIXED_BYTES
-    return MemoryEstimate(model.num_params * FLOAT32_BYTES, cache, activations, pages, patches)
+    weights = model.num_params * FLOAT32_BYTES if count_weights else 0
+    return MemoryEstimate(weights, cache, activations, pages, patches)
 
 
 @dataclass(frozen=True)
@@ -155,15 +160,15 @@ SMALLER_SETTINGS: tuple[dict[str, int], ...] = (
 )
 
 
-def plan_memory(model: ModelShape, run: RunShape, available_bytes: int) -> MemoryPlan:
+def plan_memory(model: ModelShape, run: RunShape, available_bytes: int, *, count_weights: bool = True) -> MemoryPlan:
     """Does `run` fit in `available_bytes`? If not, the first of SMALLER_SETTINGS (only those that shrink
     what the user chose) whose estimate fits."""
-    estimate = estimate_host_memory(model, run)
+    estimate = estimate_host_memory(model, run, count_weights=count_weights)
     plan = MemoryPlan(estimate, available_bytes)
     if plan.fits:
         return plan
     for settings, smaller_run in _smaller_runs(run):
-        smaller_estimate = estimate_host_memory(model, smaller_run)
+        smaller_estimate = estimate_host_memory(model, smaller_run, count_weights=count_weights)
         if smaller_estimate.total_bytes <= available_bytes:
             return replace(plan, smaller=settings, smaller_estimate=smaller_estimate)
     return plan
@@ -293,9 +298,10 @@ def model_shape(config: Any) -> ModelShape:
 
 
 def check_cpu_run(options: Any, config: Any, frame_size: tuple[int, int] | None, frames: int | None,
-                  console: Any) -> None:
+                  console: Any, *, model_loaded: bool = False) -> None:
     """Before a CPU run's model loads: refuse settings that cannot fit in memory (OptionsError naming
-    smaller ones), warn when the memory is tight and when the run will be slow."""
+    smaller ones), warn when the memory is tight and when the run will be slow. model_loaded: the
+    weights are in memory already (a model passed in), so only what the run adds is compared."""
     from stream_recon.app.options import OptionsError
 
     model = model_shape(config)
@@ -304,7 +310,7 @@ def check_cpu_run(options: Any, config: Any, frame_size: tuple[int, int] | None,
                    frames=frames)
     available = available_memory_bytes()
     if options.memory_check and available is not None:
-        plan = plan_memory(model, run, available)
+        plan = plan_memory(model, run, available, count_weights=not model_loaded)
         if not plan.fits:
             raise OptionsError(refusal_message(plan))
         if plan.tight:
