@@ -68,9 +68,9 @@ def test_a_run_that_does_not_fit_is_refused_with_smaller_settings_that_do() -> N
 
 def test_a_model_already_loaded_is_not_counted_again() -> None:
     # a batch worker holds the model: the memory still available is compared with what the run adds
-    loaded = plan_memory(FULL, SAMPLE, available_bytes=int(16 * GB), count_weights=False)
+    loaded = plan_memory(FULL, SAMPLE, available_bytes=int(17 * GB), count_weights=False)
     assert loaded.fits and loaded.estimate.weights_bytes == 0
-    assert not plan_memory(FULL, SAMPLE, available_bytes=int(16 * GB)).fits
+    assert not plan_memory(FULL, SAMPLE, available_bytes=int(17 * GB)).fits
     assert "beside the weights already loaded" in loaded.estimate.describe()
 
 
