@@ -5,12 +5,19 @@
       summary.csv             the same rows and columns
       <name>/                 one run directory per sequence (run.json, predictions/, trajectory_tum.txt, ...)
       <name>/eval.json        when the sequence has ground truth
-      <name>/.complete        written last; holds the sequence's summary row
+      <name>/.complete        written last; holds the sequence's summary row and the settings it ran with
 
 A sequence whose folder has `.complete` is skipped (its row is reused with status `skipped`); a folder
 without it is the remains of a run that was killed or failed, and is deleted and redone. A sequence
 that fails is recorded with its error and the batch goes on; the summary is rewritten after every
 sequence, so a killed batch keeps what it finished.
+
+A finished sequence is skipped only if it ran with the settings that change results
+(options.RESULT_FIELDS: --image-width, --scale-frames, --keyframes, the checkpoint, ...). Otherwise
+the batch refuses to start, naming what changed, and `--overwrite` redoes those sequences. A refusal
+rather than a silent rerun, because the old results may have taken hours of GPU time and the user
+may only have mistyped a flag; `--overwrite` replaces only what ran with other settings (sequences
+finished with these settings are still skipped), so an interrupted `--overwrite` batch resumes.
 
 Workers hold the model once and take sequences one at a time, the shape of Ray's
 `ActorPool.map_unordered`: in-process (one worker) or one Ray actor per GPU (`--ray`). Results come
@@ -40,13 +47,13 @@ from stream_recon.app.clock import finite_or_none
 from stream_recon.app.datasets import Sequence, TumFrames
 from stream_recon.app.evaluation import DEFAULT_MAX_DIFF, EvaluationError, evaluate_run
 from stream_recon.app.loading import load_model_for
-from stream_recon.app.options import RunOptions
+from stream_recon.app.options import RunOptions, changed_settings
 from stream_recon.app.pipeline import run_sequence
-from stream_recon.app.rundir import PREDICTIONS_DIR, holds_run
+from stream_recon.app.rundir import BATCH_MARKER, PREDICTIONS_DIR, RUN_JSON, holds_run
 
 logger = logging.getLogger(__name__)
 
-COMPLETE_MARKER = ".complete"
+COMPLETE_MARKER = BATCH_MARKER
 SUMMARY_JSON = "summary.json"
 SUMMARY_CSV = "summary.csv"
 STATUSES = ("ok", "failed", "skipped")
@@ -78,9 +85,18 @@ class BatchError(ValueError):
 class BatchInterrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM stopped the batch; the summary holds everything finished before it."""
 
-    def __init__(self, rows: list[dict]) -> None:
+    def __init__(self, rows: list[dict], signum: int | None = None) -> None:
         super().__init__("batch interrupted")
         self.rows = rows
+        self.signum = signum  # the signal that stopped the sequence running then (None: Ctrl-C elsewhere)
+
+
+class SequenceStopped(KeyboardInterrupt):
+    """A signal stopped the sequence being run; the batch stops after recording it."""
+
+    def __init__(self, signum: int | None) -> None:
+        super().__init__("sequence stopped")
+        self.signum = signum
 
 
 INTERRUPTED_ERROR = "interrupted (Ctrl-C or SIGTERM); run the batch again to redo this sequence"
@@ -104,11 +120,29 @@ def run_dir_of(output_dir: Path, sequence: Sequence) -> Path:
 
 def finished_row(run_dir: Path) -> dict | None:
     """The row a finished sequence left in its marker, or None when it has not finished."""
+    marker = _read_marker(run_dir)
+    return None if marker is None else {key: value for key, value in marker.items() if key != "settings"}
+
+
+def finished_settings(run_dir: Path) -> dict:
+    """The result settings a finished sequence ran with: its marker's, or (markers written before they
+    held them) the options recorded in its run.json."""
+    marker = _read_marker(run_dir) or {}
+    if isinstance(marker.get("settings"), dict):
+        return marker["settings"]
     try:
-        row = json.loads((run_dir / COMPLETE_MARKER).read_text())
+        settings = json.loads((run_dir / RUN_JSON).read_text()).get("settings", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return settings if isinstance(settings, dict) else {}
+
+
+def _read_marker(run_dir: Path) -> dict | None:
+    try:
+        marker = json.loads((run_dir / COMPLETE_MARKER).read_text())
     except (OSError, ValueError):
         return None
-    return row if isinstance(row, dict) else None
+    return marker if isinstance(marker, dict) else None
 
 
 def sequence_source(sequence: Sequence) -> Any:
@@ -140,6 +174,7 @@ class SequenceWorker:
         self.output_dir = Path(output_dir)
         self.evaluation = evaluation
         self.console = console or Console(quiet=True)
+        self.stop_signal: int | None = None  # the signal that stopped the last sequence, if one did
 
     def process(self, sequence: Sequence) -> dict:
         run_dir = run_dir_of(self.output_dir, sequence)
@@ -157,6 +192,7 @@ class SequenceWorker:
             return row
         row.update(frames=summary.frames, keyframes=summary.keyframes, fps=finite_or_none(summary.fps))
         if summary.status == "interrupted":
+            self.stop_signal = summary.stop_signal
             row.update(status="failed", error=INTERRUPTED_ERROR, seconds=time.monotonic() - started)
             return row
         if summary.status != "complete":
@@ -167,7 +203,7 @@ class SequenceWorker:
         if sequence.gt_file is not None:
             row.update(self._evaluate(sequence, run_dir))
         row["seconds"] = time.monotonic() - started
-        write_marker(run_dir, row)
+        write_marker(run_dir, row, self.run_options.result_settings())
         return row
 
     def _evaluate(self, sequence: Sequence, run_dir: Path) -> dict:
@@ -210,9 +246,10 @@ def describe_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def write_marker(run_dir: Path, row: dict) -> None:
+def write_marker(run_dir: Path, row: dict, settings: dict) -> None:
+    """The sequence's row and the result settings it ran with; written last, so it marks a finished run."""
     temporary = run_dir / (COMPLETE_MARKER + ".tmp")
-    temporary.write_text(json.dumps(row, indent=2) + "\n")
+    temporary.write_text(json.dumps({**row, "settings": settings}, indent=2) + "\n")
     temporary.replace(run_dir / COMPLETE_MARKER)
 
 
@@ -269,9 +306,13 @@ def run_batch(
     evaluation: EvalSettings = EvalSettings(),
     ray_address: str | None = None,
     gpus_per_task: float = 1.0,
+    overwrite: bool = False,
     console: Console | None = None,
 ) -> list[dict]:
     """Process `sequences` into OUTPUT/<name>/ and write the summary; returns the rows in sequence order.
+
+    A sequence finished with other result settings is an error (BatchError, before any model loads)
+    unless `overwrite`, which redoes it; one finished with these settings is skipped either way.
 
     `load_model` (default: the checkpoint, device and dtype of `run_options`) is called once per
     worker: once here, or once per Ray actor, so for Ray it must be picklable (a module-level
@@ -286,12 +327,19 @@ def run_batch(
     )
     rows: dict[str, dict] = {}
     pending = []
+    outdated: dict[str, list[str]] = {}  # sequence name -> what changed
     for sequence in sequences:
-        previous = finished_row(run_dir_of(output_dir, sequence))
-        if previous is None:
+        run_dir = run_dir_of(output_dir, sequence)
+        previous = finished_row(run_dir)
+        changes = [] if previous is None else changed_settings(finished_settings(run_dir), run_options.result_settings())
+        if previous is None or changes:
             pending.append(sequence)
+            if changes:
+                outdated[sequence.name] = changes
         else:
             rows[sequence.name] = {**previous, "status": "skipped"}
+    if outdated and not overwrite:
+        raise BatchError(_outdated_message(output_dir, outdated, len(sequences)))
 
     def ordered_rows() -> list[dict]:
         return [rows[s.name] for s in sequences if s.name in rows]
@@ -311,11 +359,21 @@ def run_batch(
             _run_serial(pending, spec, console, record)
         elif pending:
             _run_on_ray(pending, spec, ray_address, gpus_per_task, console, record)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         write_summary(output_dir, ordered_rows())
-        raise BatchInterrupted(ordered_rows()) from None
+        raise BatchInterrupted(ordered_rows(), getattr(interrupt, "signum", None)) from None
     write_summary(output_dir, ordered_rows())
     return ordered_rows()
+
+
+def _outdated_message(output_dir: Path, outdated: dict[str, list[str]], total: int) -> str:
+    names = list(outdated)
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (
+        f"{len(names)} of {total} sequences in {output_dir} were finished with other settings "
+        f"({shown}: {', '.join(outdated[names[0]])}); pass --overwrite to redo them with these settings, "
+        "or choose another --output"
+    )
 
 
 def _check_no_overlap(output_dir: Path, sequences: list[Sequence]) -> None:
@@ -364,7 +422,7 @@ def _run_serial(pending: list[Sequence], spec: WorkerSpec, console: Console, rec
         record(row)
         if row["error"] == INTERRUPTED_ERROR:
             # The pipeline turned the signal into a clean stop of this sequence; the batch stops with it.
-            raise KeyboardInterrupt
+            raise SequenceStopped(worker.stop_signal)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -380,7 +438,7 @@ def connect_ray(address: str) -> tuple[Any, bool]:
     try:
         import ray
     except ImportError:
-        raise BatchError("--ray needs Ray: pip install 'stream-recon[ray]'") from None
+        raise BatchError("--ray needs Ray: run scripts/setup-env ray in the checkout (or pip install 'stream-recon[ray]' where the wheel is installed)") from None
     if ray.is_initialized():
         return ray, False
     if address == "auto":

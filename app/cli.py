@@ -10,15 +10,53 @@ from __future__ import annotations
 import sys
 from importlib import metadata
 from types import ModuleType
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
+from typer.core import TyperGroup
 
 from stream_recon.app.commands import batch, convert, download, export, info, run, view
 from stream_recon.app.commands import eval as evaluation
+from stream_recon.app.commands._options import EXIT_BAD_INPUT, EXIT_FAILED, error_console
+
+
+class OneLineUsageErrors(TyperGroup):
+    """Usage errors (an unknown option, a value of the wrong type, a missing argument) as every other
+    bad input is reported: one line `error: ...` and exit code 2, instead of typer's boxed panel."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        try:
+            result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except typer.TyperException as error:  # click's exceptions (typer vendors click) derive from it
+            if not standalone_mode:
+                raise
+            if type(error).__name__ != "NoArgsIsHelpError":  # that one has printed the help already
+                error_console().print(f"[red]error:[/red] {escape(usage_error_line(error))}")
+            sys.exit(EXIT_BAD_INPUT)  # click's exceptions are all about what was typed
+        except typer.Abort:  # end of input at a prompt: nothing to report but the exit code
+            if not standalone_mode:
+                raise
+            sys.exit(EXIT_FAILED)
+        if not standalone_mode:
+            return result
+        # without standalone mode an Exit comes back as its code, a command's own return as None
+        sys.exit(result if isinstance(result, int) else 0)
+
+
+def usage_error_line(error: typer.TyperException) -> str:
+    """Click's message on one line, and where the usage is explained."""
+    message = " ".join(error.format_message().split()).rstrip(".")
+    context = getattr(error, "ctx", None)  # usage errors know the command they are about
+    if context is not None:
+        message += f"; `{context.command_path} -h` shows the usage"
+    return message
+
 
 app = typer.Typer(
     name="stream-recon",
+    cls=OneLineUsageErrors,
     help="Streaming 3D reconstruction from video: camera poses and depth, frame by frame, live in the browser.\n\n"
     "Run [bold]stream-recon SOURCE[/bold] (a video, an image folder, a webcam index or a stream URL) "
     "or one of the commands below. [bold]stream-recon[/bold] alone reconstructs a bundled 14-frame sample.",

@@ -1,4 +1,13 @@
-"""A run's clock: frame counts and the two rates the user cares about, the model's and the whole pipeline's."""
+"""A run's clock: frame counts and the two rates the user cares about, the model's and the whole pipeline's.
+
+    started ── model load ──▶ model_loaded() ── first push ──▶ ... frames ... ──▶ stop()
+    |<------- model_load_s ------->|
+    |<------------- until_first_frame_s ------------>|<------ end-to-end FPS ------>|
+    |<-------------------------------- total_s -------------------------------------->|
+
+The rates are taken once, when the run stops, so that everything that reports them (run.json, the
+final line, a batch's summary) reports the same number.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +17,26 @@ from typing import Any
 
 
 class RunClock:
-    """Counts frames read and predicted, and the time spent inside the engine and since the first frame."""
+    """Counts frames read and predicted, and the time spent loading, inside the engine and since the first frame."""
 
     def __init__(self) -> None:
         self.started = time.perf_counter()
+        self.loaded_at: float | None = None
         self.first_frame_at: float | None = None
+        self.stopped_at: float | None = None
         self.model_seconds = 0.0
         self.frames_read = 0
         self.frames_done = 0  # distinct frames predicted: a windowed stream re-emits some frames
         self._highest_index = -1
+
+    def model_loaded(self) -> None:
+        """The model and engine are ready: what came before is the load time."""
+        self.loaded_at = time.perf_counter()
+
+    def stop(self) -> None:
+        """Freeze the end-to-end clock (idempotent): the run's rates are final from here on."""
+        if self.stopped_at is None:
+            self.stopped_at = time.perf_counter()
 
     def count_done(self, preds: list) -> None:
         for pred in preds:
@@ -33,6 +53,9 @@ class RunClock:
         finally:
             self.model_seconds += time.perf_counter() - started
 
+    def _now(self) -> float:
+        return self.stopped_at if self.stopped_at is not None else time.perf_counter()
+
     @property
     def model_fps(self) -> float:
         return self.frames_done / self.model_seconds if self.model_seconds > 0 else float("nan")
@@ -41,19 +64,22 @@ class RunClock:
     def end_to_end_fps(self) -> float:
         if self.first_frame_at is None:
             return float("nan")
-        elapsed = time.perf_counter() - self.first_frame_at
+        elapsed = self._now() - self.first_frame_at
         return self.frames_done / elapsed if elapsed > 0 else float("nan")
 
     def rates(self) -> dict[str, float | None]:
         return {"model_fps": finite_or_none(self.model_fps), "fps": finite_or_none(self.end_to_end_fps)}
 
     def timings(self) -> dict[str, float | None]:
-        first = None if self.first_frame_at is None else self.first_frame_at - self.started
         return {
-            "total_s": round(time.perf_counter() - self.started, 3),
-            "until_first_frame_s": None if first is None else round(first, 3),
+            "total_s": round(self._now() - self.started, 3),
+            "model_load_s": self._since_start(self.loaded_at),
+            "until_first_frame_s": self._since_start(self.first_frame_at),
             "model_s": round(self.model_seconds, 3),
         }
+
+    def _since_start(self, moment: float | None) -> float | None:
+        return None if moment is None else round(moment - self.started, 3)
 
 
 def finite_or_none(value: float | None) -> float | None:

@@ -38,6 +38,7 @@ from stream_recon.app.pointcloud import (
     write_ply,
 )
 from stream_recon.app.rundir import (
+    EXPORTS_DIR,
     POINTS_PLY,
     TRAJECTORY_TUM,
     RunDirError,
@@ -166,7 +167,7 @@ def _pick(explicit, recorded, default):
 
 def _output_path(run_dir: Path, fmt: ExportFormat, output: Path | None) -> Path:
     name = DEFAULT_OUTPUT_NAMES[fmt]
-    target = run_dir / "exports" / name if output is None else Path(output)
+    target = run_dir / EXPORTS_DIR / name if output is None else Path(output)
     is_folder = fmt in FOLDER_FORMATS
     if not is_folder and target.is_dir():
         target = target / name

@@ -43,6 +43,21 @@ def load_model_for(options: RunOptions, device: str | None = None, console: Cons
         return prepared_for_run(load_model(checkpoint, device="cpu"), options, device)
 
 
+def model_config_for(options: RunOptions, model: Any = None) -> Any:
+    """The ModelConfig a run will use, known before any weight is read: the given model's (None if it
+    has none), the one a .safetensors file carries, else the official architecture (every .pt and
+    known name has it)."""
+    from stream_recon.models import ModelConfig
+    from stream_recon.models.checkpoint import checkpoint_config
+
+    if model is not None:
+        return getattr(model, "config", None)
+    path = Path(options.checkpoint) if options.checkpoint else None
+    if path is not None and path.suffix == ".safetensors" and path.is_file():
+        return checkpoint_config(path) or ModelConfig()
+    return ModelConfig()
+
+
 def prepared_for_run(model: Any, options: RunOptions, device: str) -> Any:
     """`model` made ready for this run's device and precision, once (a prepared model as it is)."""
     from stream_recon.models import prepare_for_inference

@@ -8,6 +8,8 @@ OptionsError that names every problem at once, before anything is loaded.
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +23,14 @@ ATTENTION_CHOICES = backends.names()  # the backend table (stream_recon.cache.ba
 MAX_WINDOW_FRAMES = 1024  # positions in the model's temporal RoPE table
 DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
                "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
+
+
+# The fields whose value changes what a run writes (predictions, cloud), as opposed to where, how fast
+# or how visibly it runs: a batch compares them to decide whether a finished sequence still stands.
+RESULT_FIELDS = (
+    "checkpoint", "dtype", "scale_frames", "window", "window_frames", "overlap", "keyframes", "flow_threshold",
+    "max_gap", "image_width", "fps", "max_frames", "start", "stride", "conf_threshold", "voxel_size",
+)
 
 
 class OptionsError(ValueError):
@@ -41,6 +51,7 @@ class RunOptions:
     dtype: str = "auto"  # auto (bf16 transformer on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
     attention: str = "auto"  # one of ATTENTION_CHOICES
     compile: bool = True  # torch.compile the transformer blocks (CUDA only)
+    memory_check: bool = True  # refuse a CPU run whose memory estimate exceeds what is available (app.resources)
     # engine
     scale_frames: int = 8
     window: int = 64
@@ -75,6 +86,10 @@ class RunOptions:
             raise OptionsError("; ".join(problems))
 
     def _problems(self) -> Iterator[str]:
+        wrong_types = list(_type_problems(self))
+        if wrong_types:  # the range checks below would compare a string with a number
+            yield from wrong_types
+            return
         if self.dtype not in DTYPE_NAMES:
             yield f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}"
         if self.attention not in ATTENTION_CHOICES:
@@ -94,14 +109,15 @@ class RunOptions:
             yield f"keyframes must be all, flow or interval:N (N >= 1), got {self.keyframes!r}"
         if self.image_width <= 0 or self.image_width % PATCH_SIZE:
             yield f"image_width must be a positive multiple of {PATCH_SIZE}, got {self.image_width}"
-        if self.flow_threshold is not None and not self.flow_threshold > 0:
-            yield f"flow_threshold must be > 0, got {self.flow_threshold}"
+        if self.flow_threshold is not None and not _positive(self.flow_threshold):
+            yield f"flow_threshold must be a number > 0, got {self.flow_threshold}"
         if self.max_gap is not None and self.max_gap < 1:
             yield f"max_gap must be >= 1, got {self.max_gap}"
-        if self.open_timeout_s <= 0:
-            yield f"open_timeout_s must be > 0, got {self.open_timeout_s}"
-        if not self.reconnect_s >= 0:
+        if not _positive(self.open_timeout_s):
+            yield f"open_timeout_s must be a number > 0, got {self.open_timeout_s}"
+        if not (math.isfinite(self.reconnect_s) and self.reconnect_s >= 0):
             yield f"reconnect_s must be >= 0 (0: never reconnect), got {self.reconnect_s}"
+        yield from point_cloud_problems(self.conf_threshold, self.voxel_size)
         if not 0 < self.port < 65536:
             yield f"port must be between 1 and 65535, got {self.port}"
         try:
@@ -129,6 +145,63 @@ class RunOptions:
 
     def as_settings(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def result_settings(self) -> dict[str, Any]:
+        """The options that change a run's results (RESULT_FIELDS), as given."""
+        return {name: getattr(self, name) for name in RESULT_FIELDS}
+
+
+def changed_settings(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """`name old -> new` for each result setting that differs (a setting `before` lacks counts as its default)."""
+    defaults = RunOptions().result_settings()
+    changes = []
+    for name, value in now.items():
+        old = before.get(name, defaults.get(name))
+        if old != value:
+            changes.append(f"{name} {old} -> {value}")
+    return changes
+
+
+def point_cloud_problems(conf_threshold: float | None, voxel_size: float | None) -> Iterator[str]:
+    """What is wrong with a point cloud's filter (a run's, or an export's; None: not given).
+
+    Confidence is 1 + exp(logit), always above 1: a threshold of 1 keeps every pixel, and one below
+    1 would only look stricter than it is, so it is refused rather than read as 1.
+    """
+    if conf_threshold is not None and not (math.isfinite(conf_threshold) and conf_threshold >= 1):
+        yield f"conf_threshold must be a number >= 1 (confidence is 1 + exp(logit); 1 keeps every pixel), got {conf_threshold}"
+    if voxel_size is not None and not _positive(voxel_size):
+        yield f"voxel_size must be a number > 0 in scene units (leave it out for the automatic size), got {voxel_size}"
+
+
+def _positive(value: float) -> bool:
+    """A finite number above zero (NaN and infinity are not sizes or durations)."""
+    return math.isfinite(value) and value > 0
+
+
+def _type_problems(options: RunOptions) -> Iterator[str]:
+    """Values of the wrong kind, as a preset file can hold them (`window: "64"`, `fps: [10]`)."""
+    hints = typing.get_type_hints(RunOptions)
+    for field in dataclasses.fields(options):
+        value = getattr(options, field.name)
+        kinds = typing.get_args(hints[field.name]) or (hints[field.name],)
+        if value is None and type(None) in kinds:
+            continue
+        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            continue  # `fps: 10` in YAML is a float option's int
+        if not any(kind is not type(None) and _is_of(value, kind) for kind in kinds):
+            wanted = " or ".join(_KIND_NAMES[kind] for kind in kinds)
+            yield f"{field.name} must be {wanted}, got {value!r}"
+
+
+# bool is an int in Python; an option that takes a number does not take true/false
+_KIND_NAMES = {int: "an integer", float: "a number", str: "text", bool: "true or false", type(None): "unset"}
+
+
+def _is_of(value: Any, kind: type) -> bool:
+    if kind in (int, float) and isinstance(value, bool):
+        return False
+    return isinstance(value, kind)
 
 
 def _is_keyframe_policy(text: str) -> bool:
@@ -177,10 +250,28 @@ def resolve_dtype(name: str, device: str) -> Any:
     return torch.bfloat16 if major >= 8 else torch.float16
 
 
-def check_attention(attention: str, device: str, dtype: Any) -> None:
+def check_attention(attention: str, device: str, dtype: Any) -> str:
     """The attention backend must be able to run on this device in this precision (`auto` always
-    can); the backend table (stream_recon.cache.backends) says why not and what to use instead."""
+    can); the backend table (stream_recon.cache.backends) says why not and what to use instead.
+    Returns the name of the backend the run will use."""
     try:
-        backends.resolve(attention, device, dtype)
+        return backends.resolve(attention, device, dtype).name
     except ValueError as error:
         raise OptionsError(str(error)) from None
+
+
+def check_viewer_address(host: str, port: int) -> None:
+    """The viewer's address must be one of this machine's (checked before the model loads; viser
+    would only fail after it). A port in use is fine: the viewer takes the next free one."""
+    import socket
+
+    try:
+        family, kind, protocol, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, protocol) as probe:
+            probe.bind(address)
+    except OSError as error:
+        reason = getattr(error, "strerror", None) or error
+        raise OptionsError(
+            f"the viewer cannot serve on {host}:{port} ({reason}): use --host 127.0.0.1 (this machine only), "
+            "an address of this machine, or --no-viewer"
+        ) from None

@@ -25,15 +25,30 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 
 from stream_recon.app.clock import RunClock
-from stream_recon.app.loading import DEFAULT_CHECKPOINT, CheckpointDigest, build_engine, load_model_for
-from stream_recon.app.options import RunOptions, check_attention, resolve_device, resolve_dtype
+from stream_recon.app.loading import (
+    DEFAULT_CHECKPOINT,
+    CheckpointDigest,
+    build_engine,
+    load_model_for,
+    model_config_for,
+    prepared_for_run,
+)
+from stream_recon.app.options import (
+    RunOptions,
+    check_attention,
+    check_viewer_address,
+    resolve_device,
+    resolve_dtype,
+)
 from stream_recon.app.preprocess import preprocess_frame
 from stream_recon.app.progress import RunProgress
+from stream_recon.app.resources import check_cpu_run
 from stream_recon.app.rundir import OutputDirError, prepare_output_dir, remove_if_empty
 from stream_recon.app.sources import FrameSource, SourceError, frames_source, open_source
-from stream_recon.app.stopping import StopOnSignal
+from stream_recon.app.stopping import StopOnSignal, signal_name
 from stream_recon.app.writers import RunWriter
 
 logger = logging.getLogger(__name__)
@@ -54,6 +69,7 @@ class RunSummary:
     model_fps: float = float("nan")  # frames / time spent inside the engine
     frames_read: int = 0
     end_reason: str | None = None  # end | max_frames | stopped | error
+    stop_signal: int | None = None  # the signal that stopped an interrupted run (SIGINT, SIGTERM)
 
     @property
     def ok(self) -> bool:
@@ -90,12 +106,20 @@ def run_sequence(
     kept and RunSummary.error says why. Ctrl-C or SIGTERM ends it as "interrupted" the same way.
     """
     console = console or Console(stderr=True)
+    clock = RunClock()  # from here: the model load is part of the run's timings
     output_dir = Path(output_dir)
     frame_source = _as_frame_source(source, options)  # first: a mistyped path fails before the model loads
     try:
         device = resolve_device(options.device)
         dtype = resolve_dtype(options.dtype, device)
-        check_attention(options.attention, device, dtype)
+        attention = check_attention(options.attention, device, dtype)
+        _check_selection(frame_source, options)
+        if options.viewer:
+            check_viewer_address(options.host, options.port)
+        config = model_config_for(options, model)
+        if device == "cpu" and config is not None:  # a GPU's memory is the engine's to budget (models/)
+            check_cpu_run(options, config, frame_source.frame_size, frame_source.estimated_length, console,
+                          model_loaded=model is not None)
         created_dir = prepare_output_dir(output_dir, overwrite=options.overwrite)
         if frame_source.live:
             frame_source.start()  # keep a camera's connection drained while the model loads
@@ -104,12 +128,16 @@ def run_sequence(
             # a caller's own model is described by options.checkpoint only when that is set
             checkpoint = options.checkpoint or (DEFAULT_CHECKPOINT if model is None else None)
             model = model if model is not None else load_model_for(options, device, console)
+            model = prepared_for_run(model, options, device)
             digest = CheckpointDigest(checkpoint)
             engine = build_engine(model, options, device, dtype, console)
+            clock.model_loaded()
             viewer = _start_viewer(options, console)
+            used = {"device": device, "dtype": str(dtype).removeprefix("torch."), "attention": attention,
+                    "compile": bool(model.inference_spec.compiled)}
             writer = RunWriter(
                 output_dir,
-                _settings(options, frame_source, device, checkpoint),
+                _settings(options, frame_source, used, checkpoint),
                 conf_threshold=options.conf_threshold,
                 voxel_size=options.voxel_size,
                 overwrite=True,  # prepare_output_dir already refused an existing run without --overwrite
@@ -119,10 +147,11 @@ def run_sequence(
                 viewer.close("failed")
             remove_if_empty(output_dir, created_dir)
             raise
-        sinks: list[Sink] = [writer, *extra_sinks]
+        # the finiteness check comes first: a frame that fails it reaches no other sink
+        sinks: list[Sink] = [FiniteCheck(half_precision=used["dtype"] != "float32"), writer, *extra_sinks]
         if viewer is not None:
             sinks.append(viewer)
-        return _stream(frame_source, engine, writer, sinks, viewer, options, device, console, digest)
+        return _stream(frame_source, engine, writer, sinks, viewer, options, device, console, digest, clock)
     finally:
         frame_source.close()
 
@@ -137,11 +166,11 @@ def _stream(
     device: str,
     console: Console,
     digest: CheckpointDigest,
+    clock: RunClock,
 ) -> RunSummary:
     from stream_recon.models.errors import FrameError
 
-    stream_errors = (SourceError, FrameError, OutputDirError)
-    clock = RunClock()
+    stream_errors = (SourceError, FrameError, OutputDirError, NonFinitePrediction)
     status: RunStatus = "complete"
     error: str | None = None
     with StopOnSignal(frame_source.request_stop, console) as stop:
@@ -170,12 +199,17 @@ def _stream(
                 status = "interrupted"
             except BaseException as unexpected:
                 _close_sinks(
-                    sinks, writer, "failed", clock, frame_source, device, f"internal error: {unexpected!r}", digest
+                    sinks, writer, "failed", clock, frame_source, engine, f"internal error: {unexpected!r}", digest,
+                    stop.signum,
                 )
                 raise
         if stop.requested and status == "complete":
             status = "interrupted"
-        writer_error = _close_sinks(sinks, writer, status, clock, frame_source, device, error, digest)
+        if status == "complete" and clock.frames_done == 0:
+            status, error = "failed", _no_frames_message(frame_source, options)
+        writer_error = _close_sinks(
+            sinks, writer, status, clock, frame_source, engine, error, digest, stop.signum
+        )
     if writer_error is not None and error is None:
         status, error = "failed", writer_error
     summary = RunSummary(
@@ -188,6 +222,7 @@ def _stream(
         model_fps=clock.model_fps,
         frames_read=clock.frames_read,
         end_reason=frame_source.end_reason or ("stopped" if stop.requested else None),
+        stop_signal=stop.signum,
     )
     _report(summary, console)
     if viewer is not None and options.keep_viewer and not stop.requested:
@@ -231,18 +266,22 @@ def _close_sinks(
     status: RunStatus,
     clock: RunClock,
     source: FrameSource,
-    device: str,
+    engine: Any,
     error: str | None,
     digest: CheckpointDigest,
+    stop_signal: int | None,
 ) -> str | None:
-    """Close every sink, the writer with the run's summary. Returns the writer's error, if any."""
+    """Close every sink, the writer with the run's summary. Returns the writer's error, if any.
+
+    The summary holds each value once: status, settings (device, source) and versions are the
+    writer's; the rates and timings are the clock's, frozen here.
+    """
+    clock.stop()
     summary = {
         "checkpoint_digest": digest.result(),
-        "status": status,
         "error": error,
-        "device": device,
-        "source": source.description,
         "end_reason": source.end_reason,
+        "stop_signal": signal_name(stop_signal),
         "frames_read": clock.frames_read,
         "frames_dropped": source.frames_dropped,
         "reconnects": source.reconnects,
@@ -250,7 +289,8 @@ def _close_sinks(
         "disconnected_s": round(source.disconnected_s, 3),
         **clock.rates(),
         "timings": clock.timings(),
-        "peak_gpu_memory_bytes": _peak_gpu_memory(device),
+        "engine": engine.stats(),
+        "peak_gpu_memory_bytes": _peak_gpu_memory(writer.settings.get("device", "cpu")),
     }
     writer_error = None
     for sink in sinks:
@@ -268,15 +308,74 @@ def _close_sinks(
 
 def _report(summary: RunSummary, console: Console) -> None:
     line = (
-        f"{summary.frames} frames ({summary.keyframes} keyframes) at {summary.fps:.1f} FPS end to end, "
-        f"{summary.model_fps:.1f} FPS in the model -> {summary.output_dir}"
+        f"{plural(summary.frames, 'frame')} ({plural(summary.keyframes, 'keyframe')}) at "
+        f"{_rate(summary.fps)} end to end, {_rate(summary.model_fps)} in the model -> {summary.output_dir}"
     )
     if summary.status == "complete":
         console.print(f"[green]done[/green]: {line}")
     elif summary.status == "interrupted":
         console.print(f"[yellow]interrupted[/yellow]: {line}")
-    else:
-        console.print(f"[red]failed[/red]: {summary.error}\n  kept {line}")
+    else:  # the reason on one line, as every error is given; what was kept below it
+        console.print(f"[red]error:[/red] {escape(summary.error or 'the run failed')}")
+        console.print(f"[red]failed[/red], kept {line}")
+
+
+def _rate(fps: float) -> str:
+    return f"{fps:.1f} FPS" if np.isfinite(fps) else "- FPS"
+
+
+def _no_frames_message(source: FrameSource, options: RunOptions) -> str:
+    """A run that ended without one frame is a failure, whatever the reason: say which selection was asked."""
+    defaults = RunOptions()
+    selected = [f"--{name} {getattr(options, name)}" for name in ("start", "stride", "fps")
+                if getattr(options, name) != getattr(defaults, name)]
+    asked = f" with {' '.join(selected)}" if selected else ""
+    return f"{source.description} delivered no frame{asked}; nothing was reconstructed"
+
+
+class NonFinitePrediction(ValueError):
+    """The model predicted NaN or infinity for a frame: that frame and everything after it would be garbage."""
+
+
+class FiniteCheck:
+    """The first sink: a frame whose pose or depth is not finite stops the run before any sink sees it.
+
+    NaN needs no bad checkpoint (those are refused at load): a model passed in by a caller, or half
+    precision overflowing on an unusual input, produce it too, and it would poison the cache, so every
+    later frame would be NaN as well. The predictions are on the host already; one sum per array is
+    the whole cost (NaN and infinity survive a sum). Once tripped, it refuses every later frame too,
+    so nothing after the bad frame is written.
+    """
+
+    def __init__(self, *, half_precision: bool) -> None:
+        self.half_precision = half_precision
+        self.failure: NonFinitePrediction | None = None
+
+    def on_frame(self, pred: Any, stats: dict) -> None:
+        if self.failure is None:
+            bad = [name for name, values in (("pose", pred.pose_enc), ("camera", pred.c2w), ("depth", pred.depth))
+                   if not np.isfinite(np.sum(values))]
+            if bad:
+                self.failure = NonFinitePrediction(self._message(pred.frame_index, " and ".join(bad)))
+        if self.failure is not None:
+            raise self.failure
+
+    def close(self, status: str) -> None:
+        pass
+
+    def _message(self, frame_index: int, what: str) -> str:
+        advice = (
+            "try --dtype float32 (half precision overflowed)" if self.half_precision
+            else "the model's weights or this input make it diverge: check the checkpoint and the frames"
+        )
+        return (
+            f"frame {frame_index}: the model predicted NaN or infinity ({what}); stopped there, keeping "
+            f"{plural(frame_index, 'frame')} before it; {advice}"
+        )
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,12 +404,23 @@ def _start_viewer(options: RunOptions, console: Console) -> Any:
     return viewer
 
 
-def _settings(options: RunOptions, source: FrameSource, device: str, checkpoint: str | None) -> dict[str, Any]:
+def _check_selection(source: FrameSource, options: RunOptions) -> None:
+    """A selection that takes no frame of a source whose length is known is refused before the model loads."""
+    if source.estimated_length == 0:
+        raise SourceError(
+            f"--start {options.start} is past the end of {source.description}: no frame is left to reconstruct; "
+            "use a smaller --start"
+        )
+
+
+def _settings(options: RunOptions, source: FrameSource, used: dict[str, Any], checkpoint: str | None) -> dict[str, Any]:
+    """The options as the run used them: `auto` device, precision and attention resolved, compile as
+    applied (never on the CPU), one value per key."""
     settings = options.as_settings()
     settings.update(
+        used,
         source=source.description,
         source_kind=source.kind,
-        device_resolved=device,
         checkpoint=checkpoint or "model passed in by the caller",
     )
     return settings

@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import tempfile
 import threading
 import zipfile
@@ -46,6 +47,8 @@ RUN_JSON = "run.json"
 TRAJECTORY_TUM = "trajectory_tum.txt"
 POINTS_PLY = "points.ply"
 EVAL_JSON = "eval.json"
+EXPORTS_DIR = "exports"  # `stream-recon export` writes here unless told otherwise
+BATCH_MARKER = ".complete"  # `batch` marks a finished sequence's run directory with it
 TUM_HEADER = "# timestamp tx ty tz qx qy qz qw"
 
 # Only these names are predictions; temp files (".000012.npz.<pid>.<thread>.<n>.tmp") and the rest are ignored.
@@ -172,6 +175,20 @@ def run_files(output_dir: Path) -> list[Path]:
     if predictions.is_dir():
         found += [path for path in predictions.iterdir() if _PREDICTION_NAME.match(path.name)]
     return found
+
+
+def remove_run(output_dir: Path) -> None:
+    """Delete what a run in `output_dir` wrote and what was derived from it (eval.json, exports/, a batch's
+    marker), so that a replacing run leaves nothing of the old one beside its own files. Other files
+    in the folder are the user's and stay. Raises OSError."""
+    output_dir = Path(output_dir)
+    for path in run_files(output_dir):
+        path.unlink()
+    for name in (EVAL_JSON, BATCH_MARKER):
+        (output_dir / name).unlink(missing_ok=True)
+    exports = output_dir / EXPORTS_DIR
+    if exports.is_dir() and not exports.is_symlink():
+        shutil.rmtree(exports)
 
 
 def holds_run(output_dir: Path) -> bool:
@@ -368,8 +385,24 @@ def read_tum_list(path: Path) -> list[tuple[float, Path]]:
 
 
 def _data_lines(path: Path) -> Iterator[tuple[int, str, str]]:
-    """(line number, text before any `#`, the whole line stripped) of each line that holds data."""
-    for line_number, line in enumerate(path.read_text().splitlines(), start=1):
+    """(line number, text before any `#`, the whole line stripped) of each line that holds data.
+
+    Raises TumFileError for a file that is missing, unreadable or not text (an image or an archive
+    given by mistake), naming the file and what was expected.
+    """
+    try:
+        content = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise TumFileError(
+            f"{path} is not a text file (byte {error.start} is not UTF-8 text); expected a TUM text file "
+            "with one 'timestamp ...' line per entry"
+        ) from None
+    except OSError as error:
+        raise TumFileError(f"cannot read {path}: {error.strerror or error}") from None
+    if "\x00" in content:  # UTF-8 decodes some binary files; text never holds NUL
+        raise TumFileError(f"{path} is not a text file (it holds NUL bytes); expected a TUM text file")
+    for line_number, line in enumerate(content.splitlines(), start=1):
         text = line.split("#", 1)[0].strip()
         if text:
             yield line_number, text, line.strip()
+

@@ -205,12 +205,14 @@ class FrameSource:
         queue_size: int = DEFAULT_QUEUE_SIZE,
         frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S,
         reconnect_s: float = 0.0,
+        frame_size: tuple[int, int] | None = None,
     ) -> None:
         self.kind = kind
         self.description = description  # for messages: "video clip.mp4", "webcam 0", ...
         self.name = name  # for default output folders: the file or folder stem, "webcam0", ...
         self.selection = selection
         self.estimated_length = estimated_length  # delivered frames, when the source's length is known
+        self.frame_size = frame_size  # (width, height) of the source's frames when known before reading
         self.live = live  # live sources drop the oldest queued frame instead of falling behind
         self.image_width = image_width
         self.frames_dropped = 0
@@ -558,6 +560,7 @@ def _open_folder(folder: Path, selection: FrameSelection, options: _SourceOption
         # file order is the clock here, so an fps selection never drops a file: every kept file is one tick
         estimated_length=selection.estimate_count(len(paths), None),
         live=False,
+        frame_size=frame_size,
         **options.as_kwargs(),
     )
 
@@ -631,6 +634,7 @@ def _open_video(path: Path, selection: FrameSelection, options: _SourceOptions) 
         selection=selection,
         estimated_length=selection.estimate_count(int(frame_count) if frame_count else None, video_fps),
         live=False,
+        frame_size=_capture_size(capture),
         **options.as_kwargs(),
     )
 
@@ -654,6 +658,7 @@ def _open_webcam(index: int, selection: FrameSelection, options: _SourceOptions)
         selection=selection,
         estimated_length=selection.max_frames,
         live=True,
+        frame_size=_capture_size(capture),
         **options.as_kwargs(),
     )
 
@@ -710,8 +715,16 @@ def _open_stream(
         selection=selection,
         estimated_length=selection.estimate_count(int(frame_count) if frame_count else None, None),
         live=live,
+        frame_size=_capture_size(capture),
         **options.as_kwargs(),
     )
+
+
+def _capture_size(capture: cv2.VideoCapture) -> tuple[int, int] | None:
+    """(width, height) an opened capture reports, or None when it reports none."""
+    width = _positive_or_none(capture.get(cv2.CAP_PROP_FRAME_WIDTH))
+    height = _positive_or_none(capture.get(cv2.CAP_PROP_FRAME_HEIGHT))
+    return (int(width), int(height)) if width and height else None
 
 
 def _stream_name(url: str) -> str:

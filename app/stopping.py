@@ -1,4 +1,9 @@
-"""Stopping a run cleanly: Ctrl-C and SIGTERM become "finish this frame, flush, save"."""
+"""Stopping a run cleanly: Ctrl-C and SIGTERM become "finish this frame, flush, save".
+
+A stopped run exits as a signal's default action would have been reported by a shell, 128 + the
+signal's number: 130 for Ctrl-C (SIGINT), 143 for SIGTERM, so that a supervisor (systemd, a batch
+scheduler, `timeout`) sees the signal it sent.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ class StopOnSignal:
         self._console = console
         self._previous: dict[int, Any] = {}
         self.count = 0
+        self.signum: int | None = None  # the first signal received
 
     @property
     def requested(self) -> bool:
@@ -41,6 +47,7 @@ class StopOnSignal:
 
     def _handle(self, signum: int, frame: object) -> None:
         self.count += 1
+        self.signum = self.signum or signum
         name = signal.Signals(signum).name
         if self.count == 1:
             self._on_first()
@@ -48,3 +55,12 @@ class StopOnSignal:
         elif self.count == 2:
             self._console.print(f"[yellow]{name}: stopping now; writing the files of the frames done[/yellow]")
             raise KeyboardInterrupt
+
+
+def interrupted_exit_code(signum: int | None) -> int:
+    """The exit code of a run stopped by `signum` (None: Ctrl-C, as Python reports a KeyboardInterrupt)."""
+    return 128 + (signum or signal.SIGINT)
+
+
+def signal_name(signum: int | None) -> str | None:
+    return None if signum is None else signal.Signals(signum).name

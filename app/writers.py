@@ -42,7 +42,7 @@ from stream_recon.app.rundir import (
     prediction_arrays,
     prediction_path,
     prepare_output_dir,
-    run_files,
+    remove_run,
     write_json_atomic,
     write_tum,
 )
@@ -253,8 +253,7 @@ class RunWriter:
         prepare_output_dir(self.output_dir, overwrite=overwrite)
         try:
             self.predictions_dir.mkdir(exist_ok=True)
-            for path in run_files(self.output_dir):
-                path.unlink()
+            remove_run(self.output_dir)
         except OSError as exc:
             raise OutputDirError(
                 f"cannot write to the output directory {self.output_dir}: {exc.strerror or exc}; "

@@ -1,6 +1,7 @@
 """`batch` on a real dataset tree with the tiny model: summary, failures, resume, kill and rerun, Ray."""
 
 import csv
+import dataclasses
 import json
 import os
 import signal
@@ -20,6 +21,8 @@ from stream_recon.app.batch import (
     COMPLETE_MARKER,
     SUMMARY_COLUMNS,
     BatchError,
+    finished_row,
+    finished_settings,
     plan_actors,
     read_summary,
     run_batch,
@@ -76,7 +79,8 @@ def test_summary_has_every_sequence_and_the_broken_one_with_its_error(serial_run
         run_dir = output / row["name"]
         assert json.loads((run_dir / "run.json").read_text())["status"] == "complete"
         assert len(list((run_dir / "predictions").glob("*.npz"))) == FRAMES
-        assert json.loads((run_dir / COMPLETE_MARKER).read_text()) == row
+        assert finished_row(run_dir) == row
+        assert finished_settings(run_dir) == OPTIONS.result_settings()
 
 
 def test_tum_sequence_is_evaluated_against_its_ground_truth(serial_run):
@@ -129,6 +133,70 @@ def test_partial_run_directory_is_redone_from_scratch(serial_run, dataset, tmp_p
     assert row["status"] == "ok" and row["frames"] == FRAMES
     assert not (partial / "predictions" / "000099.npz").exists()
     assert comparable(row) == comparable(serial_run[1][0])
+
+
+def test_rerun_with_other_settings_is_refused_before_the_model_loads(tmp_path):
+    # issue 18, defect 6: a rerun with --image-width or --scale-frames changed reported every sequence
+    # "skipped" and kept the old results
+    root = tmp_path / "data"
+    write_image_folder(root / "a", FRAMES)
+    write_image_folder(root / "b", FRAMES)
+    output = tmp_path / "out"
+    run_batch(discover_sequences(root), output, OPTIONS, load_model=build_tiny_model)
+    before = {name: (output / name / "run.json").read_bytes() for name in ("a", "b")}
+    wider = dataclasses.replace(OPTIONS, image_width=70, scale_frames=3)
+
+    # a loader that fails: the refusal must come before any model would load
+    with pytest.raises(BatchError) as refused:
+        run_batch(discover_sequences(root), output, wider, load_model=load_missing_model)
+
+    assert str(refused.value) == (
+        f"2 of 2 sequences in {output} were finished with other settings (a, b: scale_frames 4 -> 3, "
+        "image_width 56 -> 70); pass --overwrite to redo them with these settings, or choose another --output"
+    )
+    assert {name: (output / name / "run.json").read_bytes() for name in ("a", "b")} == before
+
+
+def test_overwrite_redoes_only_the_sequences_finished_with_other_settings(tmp_path):
+    root = tmp_path / "data"
+    write_image_folder(root / "a", FRAMES)
+    write_image_folder(root / "b", FRAMES)
+    output = tmp_path / "out"
+    wider = dataclasses.replace(OPTIONS, image_width=70)
+    run_batch(discover_sequences(root)[:1], output, OPTIONS, load_model=build_tiny_model)  # a: old settings
+    run_batch(discover_sequences(root)[1:], output, wider, load_model=build_tiny_model)  # b: the new ones
+    (output / "a" / "eval.json").write_text("{}")  # derived from the old run: goes with it
+
+    rows = run_batch(discover_sequences(root), output, wider, load_model=build_tiny_model, overwrite=True)
+
+    assert [(row["name"], row["status"]) for row in rows] == [("a", "ok"), ("b", "skipped")]
+    with np.load(output / "a" / "predictions" / "000000.npz") as frame:
+        assert frame["depth"].shape[1] == 70  # redone at the new width
+    assert not (output / "a" / "eval.json").exists()
+    assert finished_settings(output / "a") == wider.result_settings()
+    again = run_batch(discover_sequences(root), output, wider, load_model=load_missing_model)
+    assert [row["status"] for row in again] == ["skipped", "skipped"]
+
+
+def test_batch_command_names_the_flag_when_settings_changed(tmp_path):
+    from typer.testing import CliRunner
+
+    from stream_recon.app.cli import app
+
+    root = tmp_path / "data"
+    write_image_folder(root / "a", FRAMES)
+    output = tmp_path / "out"
+    run_batch(discover_sequences(root), output, OPTIONS, load_model=build_tiny_model)
+    # the checkpoint does not exist: the settings are compared before it would be loaded
+    arguments = ["batch", str(root), "-o", str(output), "--device", "cpu", "--image-width", "42", "--scale-frames",
+                 "4", "--checkpoint", str(tmp_path / "none.safetensors")]
+
+    result = CliRunner().invoke(app, arguments)
+
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: 1 of 1 sequences in ") and len(result.output.strip().splitlines()) == 1
+    assert "checkpoint None -> " in result.output and "image_width 56 -> 42" in result.output
+    assert "pass --overwrite to redo them" in result.output
 
 
 KILLABLE_BATCH = textwrap.dedent(

@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -30,7 +31,7 @@ from media_helpers import (
 from typer.testing import CliRunner
 
 from stream_recon.app.cli import app, main, with_default_command
-from stream_recon.app.commands._options import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED
+from stream_recon.app.commands._options import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED
 from stream_recon.app.options import OptionsError, RunOptions
 from stream_recon.app.presets import PRESET_DIR, PresetError, available_presets, build_options
 from stream_recon.models import ModelConfig
@@ -179,10 +180,24 @@ def test_single_image_instead_of_folder(tmp_path: Path) -> None:
         (["--keyframes", "sometimes"], "keyframes must be all, flow or interval:N"),
         (["--image-width", "500"], "image_width must be a positive multiple of 14"),
         (["--stride", "0"], "stride must be >= 1"),
-        (["--open-timeout", "0"], "open_timeout_s must be > 0"),  # a flag spelled unlike its field
+        (["--open-timeout", "0"], "open_timeout_s must be a number > 0"),  # a flag spelled unlike its field
         (["--window-frames", "4", "--scale-frames", "4"], "window_frames must be more than scale_frames"),
         (["--port", "70000"], "port must be between 1 and 65535"),
         (["--reconnect", "-1"], "reconnect_s must be >= 0 (0: never reconnect), got -1.0"),
+        # issue 18, defect 2: a writers.py traceback and exit 1 for these, and -1 accepted silently
+        (["--voxel-size", "-1"], "voxel_size must be a number > 0 in scene units"),
+        (["--voxel-size", "0"], "voxel_size must be a number > 0 in scene units"),
+        (["--voxel-size", "nan"], "voxel_size must be a number > 0 in scene units"),
+        (["--voxel-size", "inf"], "voxel_size must be a number > 0 in scene units"),
+        (["--conf-threshold", "-1"], "conf_threshold must be a number >= 1 (confidence is 1 + exp(logit)"),
+        (["--conf-threshold", "nan"], "conf_threshold must be a number >= 1"),
+        (["--fps", "0"], "fps must be a positive number"),
+        (["--fps", "inf"], "fps must be a positive number"),
+        (["--max-frames", "0"], "max_frames must be >= 1"),
+        (["--start", "-1"], "start must be >= 0"),
+        (["--flow-threshold", "inf"], "flow_threshold must be a number > 0"),
+        (["--open-timeout", "nan"], "open_timeout_s must be a number > 0"),
+        (["--no-viewer", "--host", "203.0.113.7", "--viewer"], "the viewer cannot serve on 203.0.113.7:8080"),
         (["--device", "cuda:0"], "CUDA is not available"),
         (["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
         (["--attention", "flashinfer", "--device", "cpu"], "flashinfer needs bf16/fp16 on a CUDA device"),
@@ -192,8 +207,44 @@ def test_single_image_instead_of_folder(tmp_path: Path) -> None:
 )
 def test_bad_options_are_named(tmp_path: Path, flags: list[str], message: str) -> None:
     video = write_video(tmp_path / "clip.mp4", 3)
-    assert_user_error(invoke(str(video), "--no-viewer", "-o", str(tmp_path / "out"), *flags), message)
+    # the checkpoint does not exist: every option is checked before a model would load
+    result = invoke(str(video), "--no-viewer", "-o", str(tmp_path / "out"), "--checkpoint", str(tmp_path / "no.pt"),
+                    *flags)
+    assert_user_error(result, message)
+    assert result.output.startswith("error: ") and len(result.output.strip().splitlines()) == 1, result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_start_past_the_end_of_the_source_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    # issue 18, defect 5: the model loaded, "done: 0 frames", exit 0 and an empty run folder marked complete
+    video = write_video(tmp_path / "clip.mp4", 5)
+    result = invoke(str(video), "--start", "5", "--no-viewer", "-o", str(tmp_path / "out"),
+                    "--checkpoint", str(tmp_path / "no.pt"))
+    assert_user_error(result, f"error: --start 5 is past the end of video {video}", "use a smaller --start")
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["clip.mp4", "--voxel-sise", "1"], "error: No such option: --voxel-sise"),
+        (["run", "clip.mp4", "--fps", "fast"], "error: Invalid value for '--fps'"),
+        (["view"], "error: Missing argument 'run_dir'; `stream-recon view -h` shows the usage"),
+        (["view", "run", "--port", "70000"], "error: Invalid value for '--port'"),
+        (["export", "run"], "error: Missing option '--format'"),
+        (["eval", "run"], "error: Missing option '--gt'"),
+        (["batch", "data"], "error: Missing option '--output'"),
+        (["download", "a", "b"], "error: Got unexpected extra argument(s) (b)"),
+        (["convert", "a.pt"], "error: Missing argument 'destination'"),
+        (["info", "--yaml"], "error: No such option: --yaml"),
+    ],
+)
+def test_usage_errors_of_every_command_are_one_line_and_exit_2(argv: list[str], message: str) -> None:
+    # typer's own errors were a boxed panel under the usage text; now they read like every other bad input
+    result = invoke(*argv)
+    assert_user_error(result, message)
+    assert len(result.output.strip().splitlines()) == 1, result.output
 
 
 def test_unknown_preset(tmp_path: Path) -> None:
@@ -369,6 +420,71 @@ def test_truncated_video_exits_non_zero_after_saving_what_decoded(tmp_path: Path
     assert json.loads((run_dir / "run.json").read_text())["status"] == "failed"
 
 
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_model_that_overflows_ends_the_run_as_failed_with_the_frame_named(tmp_path: Path) -> None:
+    # issue 18, defect 1: NaN or infinity predictions made a run "complete" with exit 0. The weights here
+    # pass the load checks (every value finite and below float16's maximum); the depth head's last bias
+    # of 100 makes exp() overflow to infinity, as half precision can overflow on an unusual input.
+    state = build_tiny_model().state_dict()
+    state["depth_head.scratch.output_conv2.2.bias"][0] = 100.0
+    torch.save(state, tmp_path / "overflow.pt")
+    checkpoint = convert_to_safetensors(tmp_path / "overflow.pt", tmp_path / "overflow.safetensors",
+                                        config=ModelConfig.tiny())
+    video = write_video(tmp_path / "clip.mp4", 6)
+
+    result = invoke(str(video), "--checkpoint", str(checkpoint), "-o", str(tmp_path / "out"), *FAST_FLAGS)
+
+    assert_user_error(result, code=EXIT_FAILED)
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: frame 0: the model predicted NaN or infinity (depth); stopped there, keeping 0 frames before it; "
+        "the model's weights or this input make it diverge: check the checkpoint and the frames"
+    ], result.output
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["status"] == "failed"
+    assert not list((tmp_path / "out" / "predictions").glob("*.npz"))
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_one_frame_is_one_frame(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    video = write_video(tmp_path / "clip.mp4", 1)
+    result = invoke(str(video), "--checkpoint", str(tiny_checkpoint), "-o", str(tmp_path / "out"), *FAST_FLAGS)
+    assert result.exit_code == 0, result.output
+    assert "done: 1 frame (1 keyframe) at" in result.output
+
+
+def test_progress_is_logged_when_stderr_is_a_file(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    # issue 18: with stderr redirected (nohup, CI) nothing was printed between the start and the end
+    log = tmp_path / "run.log"
+    video = write_video(tmp_path / "long.mp4", 3000, fps=30)
+    run_dir = tmp_path / "out"
+    command = [sys.executable, "-c", "from stream_recon.app.cli import main; main()", str(video),
+               "--checkpoint", str(tiny_checkpoint), "-o", str(run_dir), *FAST_FLAGS]
+    # one line a second instead of every 10 s, so that the test sees several in a few seconds
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "STREAM_RECON_PROGRESS_INTERVAL": "1"}
+    with log.open("w") as stderr:
+        child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=environment)
+        try:
+            deadline = time.monotonic() + 90
+            while log.read_text().count("progress: ") < 4 and time.monotonic() < deadline and child.poll() is None:
+                time.sleep(0.1)
+            child.send_signal(signal.SIGINT)
+            child.wait(timeout=60)
+        finally:
+            if child.poll() is None:
+                child.kill()
+
+    lines = [line for line in log.read_text().splitlines() if line.startswith("progress: ")]
+    assert len(lines) >= 4, log.read_text()
+    assert all(len(line) > 80 for line in lines)  # never cut at a terminal's width
+    assert "━" not in log.read_text()  # no redrawn bar in a file
+    last = lines[-1]
+    assert re.match(rf"progress: video {re.escape(str(video))}: \d+/3000 frames \(\d+%\), model [\d.]+ FPS, "
+                    r"e2e [\d.]+ FPS, \d+ keyframes, cache \d+ frames \+ \d+ in the trajectory \([\d.]+ [KMG]?B\), "
+                    r"elapsed 0:00:0\d, ETA \d+:\d\d:\d\d$", last), last
+    elapsed = [int(line.split("elapsed 0:00:")[1][:2]) for line in lines]
+    assert all(0 < later - earlier <= 2 for earlier, later in zip(elapsed, elapsed[1:], strict=False)), elapsed
+
+
 def assert_says_where_to_put_the_checkpoint(output: str, folder: Path) -> None:
     """The file's URL for another machine and the folder to put it in, and not the download command, which
     cannot work here either."""
@@ -476,7 +592,7 @@ def test_convert_refuses_a_checkpoint_of_another_architecture(tmp_path: Path, ti
     ("signum", "source_kind"),
     [(signal.SIGINT, "video"), (signal.SIGTERM, "video"), (signal.SIGINT, "live camera")],
 )
-def test_signal_through_the_cli_saves_completed_frames_and_exits_130(
+def test_signal_through_the_cli_saves_completed_frames_and_exits_128_plus_the_signal(
     tmp_path: Path, tiny_checkpoint: Path, signum: int, source_kind: str
 ) -> None:
     run_dir = tmp_path / "out"
@@ -497,7 +613,8 @@ def test_signal_through_the_cli_saves_completed_frames_and_exits_130(
             if child.poll() is None:
                 child.kill()
 
-    assert child.returncode == EXIT_INTERRUPTED, output
+    # issue 18: SIGTERM exited 130 like Ctrl-C; a supervisor that sent SIGTERM expects 143
+    assert child.returncode == (EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_TERMINATED), output
     assert f"{signal.Signals(signum).name}: stopping after this frame" in output and "Traceback" not in output
     record = json.loads((run_dir / "run.json").read_text())
     saved = sorted((run_dir / "predictions").glob("*.npz"))

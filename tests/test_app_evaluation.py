@@ -409,8 +409,26 @@ def test_eval_command_prints_the_table_and_writes_eval_json(tmp_path):
     written = json.loads((tmp_path / "eval.json").read_text())
     assert written["alignment"] == "se3" and written["scale"] == 1.0
     failed = CliRunner().invoke(app, ["eval", str(tmp_path), "--gt", str(tmp_path / "missing.txt")])
-    assert failed.exit_code == 1
+    assert failed.exit_code == 2  # bad input, as for every command
     assert "missing.txt does not exist" in " ".join(failed.output.split())
+
+
+@pytest.mark.parametrize("content", [bytes(range(256)) * 4, b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", b"1.0 0 0 0\x00"])
+def test_eval_of_a_binary_ground_truth_file_is_one_line_and_exit_2(tmp_path, content):
+    # issue 18, defect 4: `eval RUN --gt <a binary file>` ended in a UnicodeDecodeError traceback
+    from typer.testing import CliRunner
+
+    from stream_recon.app.cli import app
+
+    write_known_pair(tmp_path, np.random.default_rng(11), noise=0.01)
+    binary = tmp_path / "groundtruth.png"
+    binary.write_bytes(content)
+    result = CliRunner().invoke(app, ["eval", str(tmp_path), "--gt", str(binary)])
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {binary} is not a text file"), result.output
+    assert not (tmp_path / "eval.json").exists()
 
 
 # --------------------------------------------------------------------------------------------------

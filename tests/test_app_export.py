@@ -366,7 +366,7 @@ def test_cli_export_writes_and_reports(run, cli, tmp_path):
         cli, ["export", str(run_dir), "--format", "GLB", "-o", str(tmp_path / "s.glb")]
     )
     assert outcome.exit_code == 0, outcome.output
-    assert re.search(r"Wrote glb export \(7 cameras, \d+ points, voxel 0.04\) to", outcome.output)
+    assert re.search(r"wrote glb export \(7 cameras, \d+ points, voxel 0.04\) to", outcome.output)
     assert isinstance(trimesh.load(tmp_path / "s.glb"), trimesh.Scene)
 
 
@@ -432,11 +432,20 @@ def test_cli_warns_when_the_threshold_leaves_no_points(run, cli):
     assert outcome.exit_code == 0
     assert "7 cameras, 0 points" in outcome.output and "no pixel has depth confidence >= 50" in outcome.output
     outcome = CliRunner().invoke(cli, ["export", str(run_dir), "-f", "tum"])
-    assert outcome.exit_code == 0 and "Wrote 7 poses to" in outcome.output
+    assert outcome.exit_code == 0 and "wrote 7 poses to" in outcome.output
 
 
-def test_cli_rejects_a_bad_voxel_size_in_one_sentence(run, cli):
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--voxel-size", "-1"], "voxel_size must be a number > 0 in scene units"),
+        (["--voxel-size", "nan"], "voxel_size must be a number > 0 in scene units"),
+        (["--conf-threshold", "-1"], "conf_threshold must be a number >= 1"),  # was accepted silently
+    ],
+)
+def test_cli_rejects_a_bad_voxel_size_or_threshold_in_one_sentence(run, cli, flags, message):
     run_dir, _ = run
-    outcome = CliRunner().invoke(cli, ["export", str(run_dir), "-f", "ply", "--voxel-size", "-1"])
+    outcome = CliRunner().invoke(cli, ["export", str(run_dir), "-f", "ply", *flags])
     assert outcome.exit_code == 2 and "Traceback" not in outcome.output
-    assert "voxel size must be a positive number of scene units, got -1.0" in outcome.output
+    assert outcome.output.startswith(f"error: {message}") and len(outcome.output.strip().splitlines()) == 1
+    assert not (run_dir / "exports").exists()

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import trimesh
+from conftest import build_tiny_model
 from media_helpers import (
     frame_bgr,
     mjpeg_server,
@@ -27,7 +29,8 @@ from stream_recon.app.options import OptionsError, RunOptions
 from stream_recon.app.pipeline import run_sequence
 from stream_recon.app.progress import RunProgress
 from stream_recon.app.rundir import PREDICTION_FIELDS, OutputDirError
-from stream_recon.models import GCTStream
+from stream_recon.app.sources import SourceError
+from stream_recon.models import GCTStream, prepare_for_inference
 
 # Small inputs keep the tiny model at a few ms per frame: 160x96 frames -> 56x42 model input.
 # The synthetic weights' confidence sits just under 2, so points.ply keeps every pixel.
@@ -84,8 +87,27 @@ def test_video_run_writes_a_complete_run_directory(tmp_path: Path, tiny_model: G
     record = check_run_dir(tmp_path / "run", 8, "complete")
     np.testing.assert_allclose(read_tum(tmp_path / "run" / "trajectory_tum.txt")[:, 0], np.arange(8) / 20, atol=1e-6)
     assert record["settings"]["image_width"] == 56 and record["settings"]["source_kind"] == "video"
-    assert record["summary"]["frames_read"] == 8 and record["summary"]["device"] == "cpu"
+    assert record["summary"]["frames_read"] == 8
     assert record["summary"]["engine"]["frames"] == 8
+
+
+def test_run_json_holds_each_value_once_as_the_run_used_it(tmp_path: Path, tiny_model: GCTStream) -> None:
+    # issue 18: status, fps, model_fps and frames_read were recorded twice (two different fps), compile
+    # true on the CPU, `auto` beside the resolved device, and the model load missing from the timings
+    video = write_video(tmp_path / "clip.mp4", 5, fps=20)
+
+    summary = run_sequence(str(video), tmp_path / "run", RunOptions(**FAST), model=tiny_model)
+
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    settings, recorded = record["settings"], record["summary"]
+    assert (settings["device"], settings["dtype"], settings["attention"], settings["compile"]) == (
+        "cpu", "float32", "sdpa", False)
+    assert "device_resolved" not in settings
+    assert not {"status", "device", "source"} & set(recorded)  # top level and settings hold them
+    assert not {"fps", "model_fps", "frames_read", "frames_done", "frames_dropped"} & set(recorded["engine"])
+    assert recorded["fps"] == summary.fps and recorded["model_fps"] == summary.model_fps
+    timings = recorded["timings"]
+    assert 0 <= timings["model_load_s"] <= timings["until_first_frame_s"] <= timings["total_s"]
 
 
 def test_image_folder_run_uses_file_order_timestamps(tmp_path: Path, tiny_model: GCTStream) -> None:
@@ -225,6 +247,92 @@ def test_existing_run_needs_overwrite(tmp_path: Path, tiny_model: GCTStream) -> 
     assert summary.status == "complete"
 
 
+def test_overwrite_removes_the_old_runs_exports_and_evaluation(tmp_path: Path, tiny_model: GCTStream) -> None:
+    # issue 18, defect 7: --overwrite removed the old predictions but left exports/scene.glb and eval.json
+    from stream_recon.app.export import export_run
+
+    run_dir = tmp_path / "run"
+    run_sequence(str(write_video(tmp_path / "old.mp4", 6)), run_dir, RunOptions(**FAST), model=tiny_model)
+    export_run(run_dir, "glb")
+    (run_dir / "eval.json").write_text("{}")
+    (run_dir / "notes.txt").write_text("the user's own file")
+
+    summary = run_sequence(str(write_video(tmp_path / "new.mp4", 4)), run_dir, RunOptions(overwrite=True, **FAST),
+                           model=tiny_model)
+
+    assert summary.status == "complete"
+    check_run_dir(run_dir, 4, "complete")  # frames 4 and 5 of the old run are gone too
+    assert not (run_dir / "exports").exists() and not (run_dir / "eval.json").exists()
+    assert (run_dir / "notes.txt").read_text() == "the user's own file"
+
+
+def nan_model() -> GCTStream:
+    """A tiny model whose patch embedding is NaN: every prediction it makes is NaN."""
+    model = build_tiny_model()
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    return model
+
+
+def test_non_finite_predictions_end_the_run_as_failed(tmp_path: Path) -> None:
+    # issue 18, defect 1: a model passed in with NaN weights made an all-NaN run that ended "complete"
+    video = write_video(tmp_path / "clip.mp4", 6)
+
+    summary = run_sequence(str(video), tmp_path / "run", RunOptions(**FAST), model=nan_model())
+
+    assert summary.status == "failed" and summary.frames == 0
+    assert summary.error.startswith("frame 0: the model predicted NaN or infinity (pose and camera and depth)")
+    assert "check the checkpoint" in summary.error
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["status"] == "failed" and record["summary"]["error"] == summary.error
+    assert not list((tmp_path / "run" / "predictions").glob("*.npz"))
+
+
+def test_non_finite_prediction_mid_run_keeps_the_frames_before_it(tmp_path: Path) -> None:
+    # NaN can start mid-stream (half precision overflowing on one input): what came before is good
+    model = prepare_for_inference(build_tiny_model())  # its own weights: this test poisons them
+
+    class PoisonAfterFrame4:
+        def on_frame(self, pred, stats) -> None:
+            if pred.frame_index == 4:
+                with torch.no_grad():
+                    next(model.parameters()).fill_(float("nan"))
+
+        def close(self, status: str) -> None:
+            """Nothing to release."""
+
+    summary = run_sequence(str(write_video(tmp_path / "clip.mp4", 10)), tmp_path / "run", RunOptions(**FAST),
+                           model=model, extra_sinks=[PoisonAfterFrame4()])
+
+    assert summary.status == "failed" and summary.error.startswith("frame 5: the model predicted NaN")
+    assert "keeping 5 frames before it" in summary.error
+    check_run_dir(tmp_path / "run", 5, "failed")  # frames 0-4, whole and finite; nothing after frame 4
+    for path in sorted((tmp_path / "run" / "predictions").glob("*.npz")):
+        with np.load(path) as frame:
+            assert np.isfinite(frame["depth"]).all() and np.isfinite(frame["c2w"]).all()
+
+
+def test_start_past_the_end_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    # issue 18, defect 5: the model loaded, "done: 0 frames", exit 0, an empty run folder marked complete
+    folder = write_image_folder(tmp_path / "seq", [f"{index}.png" for index in range(5)], width=160, height=96)
+    # a checkpoint that does not exist: loading it would raise CheckpointError, so the SourceError proves the order
+    options = RunOptions(start=5, checkpoint=str(tmp_path / "missing.pt"), **FAST)
+
+    with pytest.raises(SourceError, match=r"--start 5 is past the end of image folder .*seq: no frame is left"):
+        run_sequence(folder, tmp_path / "run", options)
+
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_source_that_delivers_no_frame_is_a_failed_run(tmp_path: Path, tiny_model: GCTStream) -> None:
+    # a source whose length is not known up front (a generator, a camera) can still deliver nothing
+    summary = run_sequence(iter([]), tmp_path / "run", RunOptions(**FAST), model=tiny_model)
+
+    assert summary.status == "failed" and summary.frames == 0
+    assert summary.error == "frame sequence list_iterator delivered no frame; nothing was reconstructed"
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "failed"
+
+
 def test_unusable_attention_backend_is_refused_before_anything_is_made(tmp_path: Path) -> None:
     video = write_video(tmp_path / "clip.mp4", 3)
 
@@ -268,10 +376,11 @@ def test_host_memory_stays_flat_over_a_long_video(tmp_path: Path, tiny_model: GC
 def test_progress_line_shows_rates_keyframes_cache_and_drops() -> None:
     console = Console(record=True, width=160, force_terminal=True)
     with RunProgress(console, "video clip.mp4", total=10) as progress:
-        progress.update({"frames_read": 3, "model_fps": 12.0, "fps": 10.5, "keyframes": 3, "cached_frames": 5,
-                         "cache_bytes": 3 * 2**20, "frames_dropped": 0})
+        progress.update({"frames_read": 3, "model_fps": 12.0, "fps": 10.5, "keyframes": 3, "cached_frames": 40,
+                         "patch_frames": 7, "cache_bytes": 3 * 2**20, "frames_dropped": 0})
     bar = console.export_text().splitlines()[-1]
-    assert "3/10" in bar and "model 12.0 FPS  e2e 10.5 FPS  kf 3" in bar and "cache 5 fr 3.0 MB" in bar
+    # issue 18: "cache 40 fr" with --window 4 counted the trajectory's frames as cached frames
+    assert "3/10" in bar and "model 12.0 FPS  e2e 10.5 FPS  kf 3" in bar and "cache 7 fr + 40 traj 3.0 MB" in bar
 
     console = Console(record=True, width=160, force_terminal=True)
     with RunProgress(console, "stream http://cam", total=None) as progress:  # live: no length, no bar

@@ -13,10 +13,11 @@ import logging
 import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from stream_recon.app.options import RunOptions
 from stream_recon.cache import backends
@@ -27,10 +28,13 @@ _SOURCE = "Source"
 _OUTPUT = "Outputs"
 _VIEWER = "Live viewer"
 
-# exit codes: bad input or options (nothing ran), a run that failed part-way, an interrupted run
+# Exit codes, the same for every command: a run that failed part-way (what it computed is kept), bad
+# input or options (nothing ran; one line `error: ...`), a run stopped by Ctrl-C or by SIGTERM
+# (128 + the signal's number, as a shell reports a process the signal ended: app.stopping).
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 
 
 def _optional_flag(kind: type, *names: str, help: str, panel: str | None = None) -> Any:
@@ -60,6 +64,8 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         "\\[default: auto]",
         "compile": "Fuse the transformer blocks with torch.compile (CUDA only): about 20% faster per frame; the "
         "first run on a machine compiles for a minute or two, later runs read the cache. \\[default: compile]",
+        "memory_check": "CPU runs: refuse settings whose memory estimate exceeds the available memory, naming smaller "
+        "ones that fit. \\[default: memory-check]",
     },
     _ENGINE: {
         "scale_frames": "Frames processed together at the start and kept forever. \\[default: 8]",
@@ -164,21 +170,28 @@ def error_console() -> Console:
     return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-@contextlib.contextmanager
-def user_errors(console: Console | None = None) -> Iterator[None]:
-    """Turn the errors a user can fix into one red sentence and an exit code, without a traceback.
+def bad_input(console: Console, message: str) -> NoReturn:
+    """Say what was wrong in one line and exit with the bad-input code."""
+    console.print(f"[red]error:[/red] {escape(message)}")
+    raise typer.Exit(code=EXIT_BAD_INPUT)
 
-    Anything else is a bug and keeps its traceback.
+
+@contextlib.contextmanager
+def user_errors(console: Console | None = None, *more: type[Exception]) -> Iterator[None]:
+    """Turn the errors a user can fix into one line `error: ...` and exit code 2, without a traceback.
+
+    more: a command's own kinds of bad input (ExportError, EvaluationError, ...), besides the ones
+    every command can meet. Anything else is a bug and keeps its traceback.
     """
     from stream_recon.app.options import OptionsError
     from stream_recon.app.presets import PresetError
-    from stream_recon.app.rundir import OutputDirError
+    from stream_recon.app.rundir import OutputDirError, RunDirError, TumFileError
     from stream_recon.app.sources import SourceError
     from stream_recon.models.errors import CheckpointError, FrameError
 
     console = console or error_console()
     try:
         yield
-    except (SourceError, OutputDirError, CheckpointError, FrameError, PresetError, OptionsError) as error:
-        console.print(f"[red]error:[/red] {error}")
-        raise typer.Exit(code=EXIT_BAD_INPUT) from None
+    except (SourceError, OutputDirError, RunDirError, TumFileError, CheckpointError, FrameError, PresetError,
+            OptionsError, *more) as error:
+        bad_input(console, str(error))

@@ -10,7 +10,11 @@ Examples:
 Sequences: each video file, each folder of images, each TUM RGB-D folder (rgb.txt + groundtruth.txt),
 or the list in ROOT/sequences.txt (`path [name]` per line). Writes OUTPUT/<name>/ per sequence and
 OUTPUT/summary.json + summary.csv. Run it again to resume: finished sequences are skipped, partial
-ones redone. Exit code 1 when any sequence failed (the others are still done).
+ones redone. A rerun with settings that change results (--image-width, --scale-frames, --keyframes,
+...) stops before loading the model and names what changed; --overwrite redoes the sequences that
+ran with other settings. Exit code 1 when any sequence failed (the others are still done).
+
+    stream-recon batch data/tum --output out/tum --image-width 392 --overwrite   # redo with a new width
 """
 
 from __future__ import annotations
@@ -22,11 +26,10 @@ import typer
 from rich.table import Table
 
 from stream_recon.app.commands._options import (
-    EXIT_BAD_INPUT,
     EXIT_FAILED,
-    EXIT_INTERRUPTED,
     RUN_OPTION_FLAGS,
     ConfigOpt,
+    bad_input,
     error_console,
     takes_run_options,
     user_errors,
@@ -63,6 +66,15 @@ GpusPerTaskOpt = Annotated[
 AlignmentOpt = Annotated[
     str, typer.Option("--alignment", help="Evaluation alignment: sim3 or se3.", rich_help_panel=_BATCH)
 ]
+OverwriteOpt = Annotated[
+    bool,
+    typer.Option(
+        "--overwrite",
+        help="Redo the sequences finished with other settings (without it the batch refuses to mix them); "
+        "sequences finished with these settings are still skipped.",
+        rich_help_panel=_BATCH,
+    ),
+]
 MaxDiffOpt = Annotated[
     float,
     typer.Option(
@@ -74,8 +86,8 @@ MaxDiffOpt = Annotated[
 ]
 
 
-# A batch never opens the viewer, reads files rather than streams, and its resume rule (not
-# --overwrite) decides what is redone: those run options are not offered.
+# A batch never opens the viewer, reads files rather than streams, and has its own --overwrite
+# (OverwriteOpt): those run options are not offered.
 NOT_FOR_BATCH = ("open_timeout_s", "overwrite", "viewer", "keep_viewer", "host", "port")
 
 
@@ -88,6 +100,7 @@ def batch(
     gpus_per_task: GpusPerTaskOpt = 1.0,
     alignment: AlignmentOpt = "sim3",
     max_diff: MaxDiffOpt = DEFAULT_MAX_DIFF,
+    overwrite: OverwriteOpt = False,
     *,
     overrides: dict[str, Any],
 ) -> None:
@@ -95,15 +108,14 @@ def batch(
     from stream_recon.app.batch import BatchError, BatchInterrupted, EvalSettings, run_batch
     from stream_recon.app.datasets import DatasetError, discover_sequences
     from stream_recon.app.presets import build_options
+    from stream_recon.app.stopping import interrupted_exit_code
 
     console = error_console()
     if alignment not in ("sim3", "se3"):
-        console.print(f"[red]error:[/red] --alignment must be sim3 or se3, not {alignment!r}")
-        raise typer.Exit(code=EXIT_BAD_INPUT)
+        bad_input(console, f"--alignment must be sim3 or se3, not {alignment!r}")
     if gpus_per_task < 0:
-        console.print(f"[red]error:[/red] --gpus-per-task must be >= 0, not {gpus_per_task}")
-        raise typer.Exit(code=EXIT_BAD_INPUT)
-    with user_errors(console):
+        bad_input(console, f"--gpus-per-task must be >= 0, not {gpus_per_task}")
+    with user_errors(console, DatasetError, BatchError):
         try:
             options = build_options(config, {**overrides, "viewer": False})
             sequences = discover_sequences(root, exclude=(output,))
@@ -114,15 +126,13 @@ def batch(
                 evaluation=EvalSettings(alignment=alignment, max_diff=max_diff),
                 ray_address=ray,
                 gpus_per_task=gpus_per_task,
+                overwrite=overwrite,
                 console=console,
             )
-        except (DatasetError, BatchError) as error:
-            console.print(f"[red]error:[/red] {error}")
-            raise typer.Exit(code=EXIT_BAD_INPUT) from None
         except BatchInterrupted as interrupted:
             console.print(summary_table(interrupted.rows, title=f"{output}/summary.json (interrupted)"))
             console.print("[yellow]batch interrupted[/yellow]: run the same command again to resume")
-            raise typer.Exit(code=EXIT_INTERRUPTED) from None
+            raise typer.Exit(code=interrupted_exit_code(interrupted.signum)) from None
     console.print(summary_table(rows, title=f"{output}/summary.json"))
     if any(row["status"] == "failed" for row in rows):
         raise typer.Exit(code=EXIT_FAILED)

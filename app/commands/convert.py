@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from stream_recon.app.commands._options import EXIT_BAD_INPUT, error_console, user_errors
+from stream_recon.app.commands._options import bad_input, error_console, user_errors
 
 
 def convert(
@@ -28,8 +28,7 @@ def convert(
     console = error_console()
     problem = _check_paths(source, destination, overwrite)
     if problem:
-        console.print(f"[red]error:[/red] {problem}")
-        raise typer.Exit(code=EXIT_BAD_INPUT)
+        bad_input(console, problem)
     from stream_recon.models.checkpoint import convert_to_safetensors  # torch: only once there is work
     with user_errors(console), console.status(f"converting {source}"):
         written = convert_to_safetensors(source, destination)

@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from stream_recon.app.commands._options import EXIT_BAD_INPUT, error_console, user_errors
+from stream_recon.app.commands._options import bad_input, error_console, user_errors
 
 DEFAULT_NAME = "lingbot-map-long"
 
@@ -31,8 +31,7 @@ def download(
 
     console = error_console()
     if name not in KNOWN_CHECKPOINTS:
-        console.print(f"[red]error:[/red] unknown checkpoint {name!r}; known: {', '.join(KNOWN_CHECKPOINTS)}")
-        raise typer.Exit(code=EXIT_BAD_INPUT)
+        bad_input(console, f"unknown checkpoint {name!r}; known: {', '.join(KNOWN_CHECKPOINTS)}")
     if not hub_offline():  # offline, the error alone says what to do instead
         console.print(f"downloading {name} from Hugging Face (about 4.6 GB)")
     with user_errors(console):  # huggingface_hub draws its own progress bar

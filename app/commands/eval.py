@@ -31,6 +31,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from stream_recon.app.commands._options import bad_input, error_console, user_errors
 from stream_recon.app.evaluation import (
     DEFAULT_MAX_DIFF,
     DEPTH_MAX_DIFF,
@@ -115,11 +116,10 @@ def eval_command(
     depth_max_diff: DepthMaxDiffOpt = DEPTH_MAX_DIFF,
 ) -> None:
     """Evaluate a run against a ground-truth trajectory (and depth), as evo does; writes RUN_DIR/eval.json."""
-    console = Console()
+    errors = error_console()
     if alignment not in ("sim3", "se3"):
-        console.print(f"[red]error:[/] --alignment must be sim3 or se3, not {alignment!r}")
-        raise typer.Exit(code=2)
-    try:
+        bad_input(errors, f"--alignment must be sim3 or se3, not {alignment!r}")
+    with user_errors(errors, EvaluationError):
         results = evaluate_run(
             run_dir,
             gt,
@@ -128,9 +128,7 @@ def eval_command(
             depth_dir=depth_dir,
             depth_max_diff=depth_max_diff,
         )
-    except EvaluationError as error:
-        console.print(f"[red]error:[/] {error}")
-        raise typer.Exit(code=1) from None
+    console = Console()  # the results are the command's output: stdout, for a pipe or a file
     console.print(results_table(results, title=f"{run_dir} vs {gt}"))
     console.print(errors_table(results))
     console.print(f"written {Path(run_dir) / 'eval.json'}")

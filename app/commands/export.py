@@ -16,12 +16,10 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 
-from stream_recon.app.commands._options import EXIT_BAD_INPUT
+from stream_recon.app.commands._options import bad_input, error_console, user_errors
 from stream_recon.app.export import ExportError, ExportFormat, export_run
-from stream_recon.app.rundir import RunDirError
+from stream_recon.app.options import point_cloud_problems
 
 
 def export(
@@ -50,8 +48,11 @@ def export(
 ) -> None:
     """Export a run as a point cloud (ply), a scene with cameras (glb), a COLMAP text model, a TUM trajectory or
     a nerfstudio dataset (transforms.json, images, points.ply)."""
-    console = Console(stderr=True, soft_wrap=True)  # paths in messages stay on one line
-    try:
+    console = error_console()
+    for problem in point_cloud_problems(conf_threshold, voxel_size):
+        bad_input(console, problem)
+    # a ValueError here is a damaged run directory read back, said in one sentence
+    with user_errors(console, ExportError, ValueError):
         result = export_run(
             run_dir,
             format,
@@ -60,19 +61,16 @@ def export(
             voxel_size=voxel_size,
             max_points=max_points,
         )
-    except (RunDirError, ExportError, ValueError) as exc:  # bad input, said in one sentence
-        console.print(f"[red]error:[/red] {escape(str(exc))}")
-        raise typer.Exit(code=EXIT_BAD_INPUT) from None
     if format is ExportFormat.TUM:
-        console.print(f"Wrote {result.num_frames} poses to {result.path}")
+        console.print(f"wrote {result.num_frames} poses to {result.path}")
         return
     voxel = "none" if result.voxel_size is None else f"{result.voxel_size:.4g}"
     console.print(
-        f"Wrote {format.value} export ({result.num_frames} cameras, {result.num_points} points, "
+        f"wrote {format.value} export ({result.num_frames} cameras, {result.num_points} points, "
         f"voxel {voxel}) to {result.path}"
     )
     if result.num_points == 0:
         console.print(
-            f"[yellow]Warning:[/yellow] no pixel has depth confidence >= {result.conf_threshold:g}; "
+            f"[yellow]warning:[/yellow] no pixel has depth confidence >= {result.conf_threshold:g}; "
             "pass a lower --conf-threshold to get points"
         )

@@ -13,6 +13,10 @@ Outputs (in --output, default outputs/<source name>/): predictions/NNNNNN.npz pe
 completes, then trajectory_tum.txt, points.ply and run.json. Ctrl-C (or SIGTERM) stops after the
 current frame and saves everything done so far; a second Ctrl-C skips the final flush.
 
+Exit codes: 0 done; 1 the run failed part-way (a damaged video, a camera gone, NaN predictions, a
+full disk, or no frame at all; what was computed is kept and run.json says why); 2 bad input or
+options, nothing ran; 130 Ctrl-C; 143 SIGTERM.
+
 Without a SOURCE it runs the bundled sample (frames 0-13 of the official example scene
 `courthouse`, 224x126, package data of stream_recon.app) so that a first run needs nothing but the
 checkpoint. It replaces the previous sample run in outputs/sample/ unless --output or --no-overwrite
@@ -31,7 +35,6 @@ from rich.console import Console
 
 from stream_recon.app.commands._options import (
     EXIT_FAILED,
-    EXIT_INTERRUPTED,
     RUN_OPTION_FLAGS,
     ConfigOpt,
     OutputOpt,
@@ -64,6 +67,7 @@ def run(
     from stream_recon.app.pipeline import run_sequence
     from stream_recon.app.presets import build_options
     from stream_recon.app.sources import source_name
+    from stream_recon.app.stopping import interrupted_exit_code
 
     console = error_console()
     show_engine_log(console)
@@ -77,7 +81,7 @@ def run(
             announce_sample(output_dir, options, console)
         summary = run_sequence(source, output_dir, options, console=console)
     if summary.status == "interrupted":
-        raise typer.Exit(code=EXIT_INTERRUPTED)
+        raise typer.Exit(code=interrupted_exit_code(summary.stop_signal))
     if summary.status == "failed":
         raise typer.Exit(code=EXIT_FAILED)
 

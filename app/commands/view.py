@@ -36,8 +36,9 @@ from typing import Annotated
 
 import numpy as np
 import typer
-from rich.console import Console
 
+from stream_recon.app.commands._options import error_console, user_errors
+from stream_recon.app.options import check_viewer_address
 from stream_recon.app.rundir import PREDICTIONS_DIR, RunDirError, load_prediction, prediction_files
 from stream_recon.app.viewer import LiveViewer
 from stream_recon.models.prediction import FramePrediction
@@ -271,15 +272,13 @@ def view(
     host: Annotated[
         str, typer.Option(help="Address to serve on; 0.0.0.0 exposes it to the network.")
     ] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to serve on (the next free one if taken).")] = 8080,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to serve on (the next free one if taken).")] = 8080,
 ) -> None:
     """Replay a finished run in the browser, with a timeline."""
-    console = Console(stderr=True, soft_wrap=True)
-    try:
+    console = error_console()
+    with user_errors(console):
+        check_viewer_address(host, port)
         replay = start_replay(run_dir, host, port)
-    except RunDirError as error:
-        console.print(f"[red]error:[/red] {error}")
-        raise typer.Exit(code=2) from None
     console.print(f"Replaying {replay.index.num_frames} frames at {replay.viewer.url} (Ctrl+C to stop)")
     try:
         while True:

@@ -1,0 +1,338 @@
+"""Will a run fit this machine, and how slow will it be? Estimated from the settings before the model loads.
+
+Pure functions first (numbers in, numbers or a decision out, nothing read from the machine), then
+the few that read the machine (available memory, the CPU's matrix throughput) and the pre-run check
+that ties them to a RunOptions.
+
+Host memory of a CPU run, as the code allocates it (measured, see below)::
+
+    weights      parameters x 4 bytes                               (the full model: 1.16 G -> 4.6 GB)
+    KV cache     pages x P patch tokens x L layers x 2 (K, V) x C x 4 bytes
+                 pages = scale + window + 1 patch pages + 2, allocated at the first frame (the paged
+                 cache does not grow with the stream), grown 16 at a time when the special tokens (6 a
+                 frame, packed) need more than the 2 spare pages
+    activations  ACTIVATION_BYTES_PER_PIXEL x H x W x scale frames (phase 1 runs them together)
+                 + ACTIVATION_FIXED_BYTES
+
+At the defaults on a 4:3 source (518 x 392 input, P = 1036): 4.6 + 15.3 + 3.2 = 23 GB; on 16:9
+(518 x 294): 4.6 + 11.5 + 2.7 = 18.8 GB, the 17.5 GiB peak issue 18 measured.
+
+Calibration (2-core CPU, 2026-11): the full width model with 2 DINO and 4 aggregator blocks (same
+activations per layer, same heads, a fraction of the weights), peak RSS over the model's own:
+518 x 392 with 2 and 4 scale frames, 392 x 294 with 8: 0.36, 0.35 and 0.18 GB per scale frame beyond
+the cache, i.e. 1.5-1.75 KB per input pixel per frame, 0.3 GB fixed. The cache term matched
+`cache_bytes` in run.json to the byte.
+
+Time per frame: FLOPs from the shapes (every linear layer 2 x params x tokens, attention 4 x queries x
+keys x C, the DPT head's convolutions) over the CPU's float32 matmul throughput, measured in 0.1 s at
+the start of the run; the same shallow model ran at 0.83 of that throughput.
+
+The GPU side (a memory budget for the device, an FP8 cache) extends `estimate_host_memory` with the
+device's own terms; `plan_memory` takes any estimate and an amount available.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from stream_recon.app.preprocess import model_input_size
+
+GB = 1e9
+FLOAT32_BYTES = 4
+ACTIVATION_BYTES_PER_PIXEL = 1750  # per input pixel per frame processed together (calibrated above)
+ACTIVATION_FIXED_BYTES = int(0.3 * GB)
+SPARE_PAGES = 2  # the paged cache's pool starts this many pages beyond the patch pages (cache/paged.py) ...
+POOL_GROWTH_PAGES = 16  # ... and grows by this many when the special tokens need more (cache/pages.py)
+MATMUL_EFFICIENCY = 0.8  # the model's share of the measured matmul throughput
+WARN_SECONDS_PER_FRAME = 1.0  # a CPU run slower than this is announced
+WARN_MEMORY_SHARE = 0.85  # an estimate above this share of the available memory is announced
+FAST_ANYWHERE_FLOPS = 10e9  # a frame this cheap takes well under a second on any CPU: no need to measure it
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """What memory and compute depend on in the model (from its ModelConfig and parameter count)."""
+
+    num_params: int
+    depth: int = 24  # aggregator blocks of each kind; every global one caches K/V
+    dino_depth: int = 24
+    embed_dim: int = 1024
+    num_special_tokens: int = 6
+    dino_extra_tokens: int = 5  # class token + registers
+    patch_size: int = 14
+    dpt_features: int = 256
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunShape:
+    """The settings that size a run: the source's frame size, the input width, the cache's frame counts."""
+
+    source_size: tuple[int, int]  # (width, height) of the source's frames
+    image_width: int = 518
+    scale_frames: int = 8
+    window: int = 64
+    window_frames: int = 320  # frames whose special tokens a window can hold
+    frames: int | None = None  # the stream's length when known; None: long
+
+    @property
+    def input_size(self) -> tuple[int, int]:
+        """(H, W) of the model input (app.preprocess's crop rule)."""
+        return model_input_size(*self.source_size, self.image_width)
+
+    def patches(self, patch_size: int) -> int:
+        height, width = self.input_size
+        return (height // patch_size) * (width // patch_size)
+
+    @property
+    def pixels(self) -> int:
+        height, width = self.input_size
+        return height * width
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights_bytes: int
+    cache_bytes: int
+    activation_bytes: int
+    cache_pages: int
+    tokens_per_page: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.cache_bytes + self.activation_bytes
+
+    def describe(self) -> str:
+        weights = f"weights {_gb(self.weights_bytes)}" if self.weights_bytes else "beside the weights already loaded"
+        return (
+            f"about {_gb(self.total_bytes)} ({weights}, KV cache {_gb(self.cache_bytes)} for {self.cache_pages} "
+            f"pages of {self.tokens_per_page} tokens, activations {_gb(self.activation_bytes)})"
+        )
+
+
+def estimate_host_memory(model: ModelShape, run: RunShape, *, count_weights: bool = True) -> MemoryEstimate:
+    """Host memory of a float32 CPU run with the paged cache (the module docstring has the terms).
+
+    count_weights: False when the model is in memory already (a batch worker's), so that the memory
+    still available is compared with what the run adds."""
+    patches = run.patches(model.patch_size)
+    patch_pages = run.scale_frames + run.window + 1  # the scale frames, the window, the frame being decided
+    frames = run.window_frames if run.frames is None else min(run.frames, run.window_frames)
+    special_pages = math.ceil(model.num_special_tokens * frames / patches)  # 6 tokens a frame, packed
+    pages = patch_pages + SPARE_PAGES
+    if special_pages > SPARE_PAGES:
+        pages += POOL_GROWTH_PAGES * math.ceil((special_pages - SPARE_PAGES) / POOL_GROWTH_PAGES)
+    cache = pages * patches * model.depth * 2 * model.embed_dim * FLOAT32_BYTES
+    activations = ACTIVATION_BYTES_PER_PIXEL * run.pixels * run.scale_frames + ACTIVATION_FIXED_BYTES
+    weights = model.num_params * FLOAT32_BYTES if count_weights else 0
+    return MemoryEstimate(weights, cache, activations, pages, patches)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Whether a run fits; if not, the first smaller settings that do (flag -> value) and their estimate."""
+
+    estimate: MemoryEstimate
+    available_bytes: int
+    smaller: dict[str, int] | None = None
+    smaller_estimate: MemoryEstimate | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate.total_bytes <= self.available_bytes
+
+    @property
+    def tight(self) -> bool:
+        return self.estimate.total_bytes > WARN_MEMORY_SHARE * self.available_bytes
+
+
+# Smaller settings to suggest, in order of preference: the window first (cache only), then the
+# input width (cache and activations), then fewer scale frames (activations).
+SMALLER_SETTINGS: tuple[dict[str, int], ...] = (
+    {"window": 32},
+    {"image_width": 392, "window": 32},
+    {"image_width": 392, "window": 16},
+    {"image_width": 308, "window": 16},
+    {"image_width": 224, "window": 16, "scale_frames": 4},
+    {"image_width": 224, "window": 8, "scale_frames": 4},
+)
+
+
+def plan_memory(model: ModelShape, run: RunShape, available_bytes: int, *, count_weights: bool = True) -> MemoryPlan:
+    """Does `run` fit in `available_bytes`? If not, the first of SMALLER_SETTINGS (only those that shrink
+    what the user chose) whose estimate fits."""
+    estimate = estimate_host_memory(model, run, count_weights=count_weights)
+    plan = MemoryPlan(estimate, available_bytes)
+    if plan.fits:
+        return plan
+    for settings, smaller_run in _smaller_runs(run):
+        smaller_estimate = estimate_host_memory(model, smaller_run, count_weights=count_weights)
+        if smaller_estimate.total_bytes <= available_bytes:
+            return replace(plan, smaller=settings, smaller_estimate=smaller_estimate)
+    return plan
+
+
+def _smaller_runs(run: RunShape) -> Iterator[tuple[dict[str, int], RunShape]]:
+    for settings in SMALLER_SETTINGS:
+        if any(value > getattr(run, name) for name, value in settings.items()):
+            continue  # never suggest more than the user asked for
+        smaller = replace(run, **settings)
+        if smaller != run:
+            yield {name: value for name, value in settings.items() if value != getattr(run, name)}, smaller
+
+
+def refusal_message(plan: MemoryPlan) -> str:
+    """One line: what the run needs, what there is, and what to run instead."""
+    needs = f"these settings need {plan.estimate.describe()} but {_gb(plan.available_bytes)} is available"
+    if plan.smaller is None:
+        instead = "no smaller settings fit either: free memory or use a GPU (--device cuda)"
+    else:
+        instead = f"{flags(plan.smaller)} needs about {_gb(plan.smaller_estimate.total_bytes)}"
+    return f"{needs}; {instead} (--no-memory-check runs anyway)"
+
+
+def flags(settings: dict[str, Any]) -> str:
+    return " ".join(f"--{name.replace('_', '-')} {value}" for name, value in settings.items())
+
+
+# --------------------------------------------------------------------------------------------------
+# Time
+
+
+def frame_flops(model: ModelShape, run: RunShape, cached_frames: int) -> float:
+    """FLOPs of one streaming frame whose global attention reads `cached_frames` frames' patches."""
+    patches = run.patches(model.patch_size)
+    tokens = patches + model.num_special_tokens
+    dino_tokens = patches + model.dino_extra_tokens
+    channels = model.embed_dim
+    block = 24 * channels**2  # per token: qkv 3C^2 + out C^2 + MLP 8C^2 multiply-adds, 2 FLOPs each
+    linear = block * (model.dino_depth * dino_tokens + 2 * model.depth * tokens)
+    own_attention = 4 * channels * (model.dino_depth * dino_tokens**2 + model.depth * tokens**2)
+    keys = cached_frames * patches + model.num_special_tokens * (cached_frames + 1)
+    global_attention = 4 * channels * model.depth * tokens * keys
+    return linear + own_attention + global_attention + _dpt_flops(model, run)
+
+
+def _dpt_flops(model: ModelShape, run: RunShape) -> float:
+    """The depth head's convolutions: five 3x3 at 4x the patch grid, one at 8x, one at full resolution."""
+    pixels = run.pixels
+    features = model.dpt_features
+    at_4x = pixels * 16 / model.patch_size**2
+    at_8x = pixels * 64 / model.patch_size**2
+    return 18 * (5 * features**2 * at_4x + features * features // 2 * at_8x + features // 2 * 32 * pixels)
+
+
+def seconds_per_frame(model: ModelShape, run: RunShape, flops_per_second: float) -> tuple[float, float]:
+    """(first streaming frame, last or steady frame) on a device doing `flops_per_second` on matmuls.
+
+    The global attention reads more frames as the window fills: a stream of `run.frames` frames
+    (None: long) ends with scale + min(window, the streaming frames) frames cached."""
+    rate = flops_per_second * MATMUL_EFFICIENCY
+    frames = run.frames
+    streaming = run.window if frames is None else max(1, min(run.window, frames - run.scale_frames))
+    first = frame_flops(model, run, run.scale_frames + 1) / rate
+    last = frame_flops(model, run, run.scale_frames + streaming) / rate
+    return first, last
+
+
+def _gb(count: float) -> str:
+    return f"{count / GB:.1f} GB"
+
+
+# --------------------------------------------------------------------------------------------------
+# This machine, and the check before a run
+
+
+UNKNOWN_SOURCE_SIZE = (640, 480)  # a source that does not say its frame size is assumed 4:3, as most cameras
+# For a CPU user, what to try first: a third of the cache and half the activations of the defaults.
+QUICKER_CPU_SETTINGS = {"image_width": 392, "window": 16}
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the run can take without swapping (MemAvailable), or None where it cannot be read."""
+    try:
+        import psutil
+    except ImportError:
+        pass
+    else:
+        return int(psutil.virtual_memory().available)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def matmul_flops_per_second(size: int = 1024, repeats: int = 3) -> float:
+    """float32 matrix-multiply throughput of this CPU with torch's threads (about 0.1 s)."""
+    import time
+
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)  # the first call pays for thread start-up and kernel choice
+    started = time.perf_counter()
+    for _ in range(repeats):
+        torch.mm(a, b)
+    return 2 * size**3 * repeats / (time.perf_counter() - started)
+
+
+def model_shape(config: Any) -> ModelShape:
+    """The ModelShape of a ModelConfig; its parameters are counted on the meta device (no memory)."""
+    import torch
+
+    from stream_recon.models import GCTStream
+
+    with torch.device("meta"):
+        num_params = sum(parameter.numel() for parameter in GCTStream(config).parameters())
+    return ModelShape(
+        num_params=num_params, depth=config.depth, dino_depth=config.dino_depth, embed_dim=config.embed_dim,
+        num_special_tokens=config.num_special_tokens, dino_extra_tokens=1 + config.dino_registers,
+        patch_size=config.patch_size, dpt_features=config.dpt_features,
+    )
+
+
+def check_cpu_run(options: Any, config: Any, frame_size: tuple[int, int] | None, frames: int | None,
+                  console: Any, *, model_loaded: bool = False) -> None:
+    """Before a CPU run's model loads: refuse settings that cannot fit in memory (OptionsError naming
+    smaller ones), warn when the memory is tight and when the run will be slow. model_loaded: the
+    weights are in memory already (a model passed in), so only what the run adds is compared."""
+    from stream_recon.app.options import OptionsError
+
+    model = model_shape(config)
+    run = RunShape(source_size=frame_size or UNKNOWN_SOURCE_SIZE, image_width=options.image_width,
+                   scale_frames=options.scale_frames, window=options.window, window_frames=options.window_frames,
+                   frames=frames)
+    available = available_memory_bytes()
+    if options.memory_check and available is not None:
+        plan = plan_memory(model, run, available, count_weights=not model_loaded)
+        if not plan.fits:
+            raise OptionsError(refusal_message(plan))
+        if plan.tight:
+            console.print(f"[yellow]warning:[/yellow] these settings need {plan.estimate.describe()}, close to the "
+                          f"{_gb(available)} available; {flags(QUICKER_CPU_SETTINGS)} needs less")
+    if frame_flops(model, run, run.scale_frames + run.window) < FAST_ANYWHERE_FLOPS:
+        return  # the tiny test model, say
+    rate = matmul_flops_per_second()
+    if seconds_per_frame(model, run, rate)[1] >= WARN_SECONDS_PER_FRAME:
+        console.print(f"[yellow]warning:[/yellow] {slow_cpu_message(model, run, rate)}")
+
+
+def slow_cpu_message(model: ModelShape, run: RunShape, flops_per_second: float) -> str:
+    """How slow a CPU run will be, and what to do about it."""
+    first, last = seconds_per_frame(model, run, flops_per_second)
+    fills = run.frames is None or run.frames - run.scale_frames >= run.window
+    later = f"once the {run.window}-frame window is full" if fills else f"by the last of the {run.frames} frames"
+    text = (f"a CPU run is slow: about {first:.0f} s per frame at the start and {last:.0f} s {later} (this CPU "
+            f"multiplies float32 matrices at {flops_per_second / 1e9:.0f} GFLOP/s); a CUDA GPU runs the model at "
+            "25-40 frames per second")
+    quicker = {name: value for name, value in QUICKER_CPU_SETTINGS.items() if value < getattr(run, name)}
+    if quicker:
+        quick_first, quick_last = seconds_per_frame(model, replace(run, **quicker), flops_per_second)
+        text += f"; {flags(quicker)} takes about {quick_first:.0f}-{quick_last:.0f} s per frame"
+    return text

@@ -1,0 +1,119 @@
+"""Memory and time estimates before a CPU run (app.resources): the numbers against the issue's measurement
+and a real run's cache, the refusal with smaller settings that fit, the slow-CPU warning, and the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from media_helpers import write_video
+from typer.testing import CliRunner
+
+from stream_recon.app.cli import app, with_default_command
+from stream_recon.app.resources import (
+    GB,
+    RunShape,
+    estimate_host_memory,
+    model_shape,
+    plan_memory,
+    refusal_message,
+    seconds_per_frame,
+    slow_cpu_message,
+)
+from stream_recon.models import ModelConfig, StreamConfig, StreamingEngine
+
+FULL = model_shape(ModelConfig())
+SAMPLE = RunShape(source_size=(224, 126))  # the bundled sample, 16:9: 518 x 294 at the default width
+
+
+def test_the_full_model_is_4_6_gb_of_float32_weights() -> None:
+    assert FULL.num_params * 4 == pytest.approx(4.63e9, rel=0.01)
+
+
+def test_default_settings_on_a_16_9_source_need_what_issue_18_measured() -> None:
+    # issue 18: 17.5 GiB peak RSS for 12 frames at the default settings on a CPU
+    estimate = estimate_host_memory(FULL, replace(SAMPLE, frames=12))
+    assert estimate.tokens_per_page == 37 * 21 and estimate.cache_pages == 8 + 64 + 1 + 2
+    assert estimate.cache_bytes == 75 * 777 * 24 * 2 * 1024 * 4  # 11.5 GB: the paged cache is allocated up front
+    assert estimate.total_bytes == pytest.approx(17.5 * 2**30, rel=0.1)
+    # a long stream's special tokens outgrow the two spare pages: the pool grows by 16
+    assert estimate_host_memory(FULL, SAMPLE).cache_pages == 75 + 16
+
+
+@pytest.mark.parametrize(("frames", "source_size", "window"), [(7, (160, 96), 4), (40, (160, 96), 4), (12, (90, 160), 6)])
+def test_the_cache_estimate_is_the_cache_the_engine_allocates(prepared_tiny_model, frames, source_size, window) -> None:
+    # the paged cache allocates its patch pages at the first frame and grows for the special tokens
+    run = RunShape(source_size=source_size, image_width=56, scale_frames=3, window=window, frames=frames)
+    engine = StreamingEngine(prepared_tiny_model, StreamConfig(scale_frames=3, window=window))
+    height, width = run.input_size
+    for _ in range(frames):
+        engine.push(torch.rand(3, height, width))
+    engine.finish()
+    assert estimate_host_memory(model_shape(prepared_tiny_model.config), run).cache_bytes == engine.cache.bytes_allocated
+
+
+def test_a_run_that_does_not_fit_is_refused_with_smaller_settings_that_do() -> None:
+    plan = plan_memory(FULL, SAMPLE, available_bytes=int(12 * GB))
+
+    assert not plan.fits and plan.smaller == {"image_width": 392, "window": 32}
+    assert plan.smaller_estimate.total_bytes <= 12 * GB
+    assert refusal_message(plan) == (
+        "these settings need about 21.0 GB (weights 4.6 GB, KV cache 13.9 GB for 91 pages of 777 tokens, "
+        "activations 2.4 GB) but 12.0 GB is available; --image-width 392 --window 32 needs about 11.4 GB "
+        "(--no-memory-check runs anyway)"
+    )
+
+
+def test_a_model_already_loaded_is_not_counted_again() -> None:
+    # a batch worker holds the model: the memory still available is compared with what the run adds
+    loaded = plan_memory(FULL, SAMPLE, available_bytes=int(17 * GB), count_weights=False)
+    assert loaded.fits and loaded.estimate.weights_bytes == 0
+    assert not plan_memory(FULL, SAMPLE, available_bytes=int(17 * GB)).fits
+    assert "beside the weights already loaded" in loaded.estimate.describe()
+
+
+def test_suggestions_never_ask_for_more_than_the_user_chose() -> None:
+    small = replace(SAMPLE, image_width=308, window=8)
+    plan = plan_memory(FULL, small, available_bytes=int(6.5 * GB))
+    assert not plan.fits and plan.smaller == {"image_width": 224, "scale_frames": 4}  # the window stays at 8
+    assert plan_memory(FULL, small, available_bytes=int(1 * GB)).smaller is None
+    assert "no smaller settings fit either" in refusal_message(plan_memory(FULL, small, int(1 * GB)))
+    assert plan_memory(FULL, SAMPLE, available_bytes=int(64 * GB)).fits
+
+
+def test_time_per_frame_grows_as_the_window_fills() -> None:
+    first, full = seconds_per_frame(FULL, SAMPLE, flops_per_second=100e9)
+    assert 5 < first < full  # the full window's attention reads 72 frames instead of 9
+    _, by_frame_14 = seconds_per_frame(FULL, replace(SAMPLE, frames=14), 100e9)
+    assert first < by_frame_14 < full
+    assert seconds_per_frame(FULL, SAMPLE, 200e9)[1] == pytest.approx(full / 2)
+
+
+def test_slow_cpu_warning_says_how_slow_and_what_to_try() -> None:
+    message = slow_cpu_message(FULL, SAMPLE, 100e9)
+    first, full = seconds_per_frame(FULL, SAMPLE, 100e9)
+    assert message.startswith(f"a CPU run is slow: about {first:.0f} s per frame at the start and {full:.0f} s "
+                              "once the 64-frame window is full (this CPU multiplies float32 matrices at 100 GFLOP/s)")
+    assert "; --image-width 392 --window 16 takes about" in message
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, with_default_command(list(args)))
+
+
+def test_cli_refuses_settings_that_cannot_fit_before_the_model_loads(tmp_path: Path) -> None:
+    video = write_video(tmp_path / "clip.mp4", 3)
+    # a .pt that does not exist: the official architecture, and loading it would fail with another error
+    huge = [str(video), "--device", "cpu", "--no-viewer", "-o", str(tmp_path / "out"), "--checkpoint",
+            str(tmp_path / "missing.pt"), "--image-width", "2800", "--window", "900", "--window-frames", "1000"]
+
+    refused = invoke(*huge)
+
+    assert refused.exit_code == 2, refused.output
+    assert refused.output.startswith("error: these settings need about ") and "is available; " in refused.output
+    assert refused.output.rstrip().endswith("(--no-memory-check runs anyway)")
+    assert len(refused.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    anyway = invoke(*huge, "--no-memory-check")
+    assert anyway.exit_code == 2 and "missing.pt" in anyway.output and "these settings need" not in anyway.output
