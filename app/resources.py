@@ -28,7 +28,7 @@ keys x C, the DPT head's convolutions) over the CPU's float32 matmul throughput,
 the start of the run; the same shallow model ran at 0.83 of that throughput.
 
 The GPU side (a memory budget for the device, an FP8 cache) extends `estimate_host_memory` with the
-device's own terms; `plan_memory` takes any estimate and an amount available.
+device's own terms; The device side is models/memory.py (the plan the engine keeps for `--gpu-memory`).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class RunShape:
 
 
 @dataclass(frozen=True)
-class MemoryEstimate:
+class HostMemoryEstimate:
     weights_bytes: int
     cache_bytes: int
     activation_bytes: int
@@ -112,7 +112,7 @@ class MemoryEstimate:
         )
 
 
-def estimate_host_memory(model: ModelShape, run: RunShape, *, count_weights: bool = True) -> MemoryEstimate:
+def estimate_host_memory(model: ModelShape, run: RunShape, *, count_weights: bool = True) -> HostMemoryEstimate:
     """Host memory of a float32 CPU run with the paged cache (the module docstring has the terms).
 
     count_weights: False when the model is in memory already (a batch worker's), so that the memory
@@ -127,17 +127,17 @@ def estimate_host_memory(model: ModelShape, run: RunShape, *, count_weights: boo
     cache = pages * patches * model.depth * 2 * model.embed_dim * FLOAT32_BYTES
     activations = ACTIVATION_BYTES_PER_PIXEL * run.pixels * run.scale_frames + ACTIVATION_FIXED_BYTES
     weights = model.num_params * FLOAT32_BYTES if count_weights else 0
-    return MemoryEstimate(weights, cache, activations, pages, patches)
+    return HostMemoryEstimate(weights, cache, activations, pages, patches)
 
 
 @dataclass(frozen=True)
-class MemoryPlan:
+class HostMemoryPlan:
     """Whether a run fits; if not, the first smaller settings that do (flag -> value) and their estimate."""
 
-    estimate: MemoryEstimate
+    estimate: HostMemoryEstimate
     available_bytes: int
     smaller: dict[str, int] | None = None
-    smaller_estimate: MemoryEstimate | None = None
+    smaller_estimate: HostMemoryEstimate | None = None
 
     @property
     def fits(self) -> bool:
@@ -160,11 +160,11 @@ SMALLER_SETTINGS: tuple[dict[str, int], ...] = (
 )
 
 
-def plan_memory(model: ModelShape, run: RunShape, available_bytes: int, *, count_weights: bool = True) -> MemoryPlan:
+def plan_host_memory(model: ModelShape, run: RunShape, available_bytes: int, *, count_weights: bool = True) -> HostMemoryPlan:
     """Does `run` fit in `available_bytes`? If not, the first of SMALLER_SETTINGS (only those that shrink
     what the user chose) whose estimate fits."""
     estimate = estimate_host_memory(model, run, count_weights=count_weights)
-    plan = MemoryPlan(estimate, available_bytes)
+    plan = HostMemoryPlan(estimate, available_bytes)
     if plan.fits:
         return plan
     for settings, smaller_run in _smaller_runs(run):
@@ -183,7 +183,7 @@ def _smaller_runs(run: RunShape) -> Iterator[tuple[dict[str, int], RunShape]]:
             yield {name: value for name, value in settings.items() if value != getattr(run, name)}, smaller
 
 
-def refusal_message(plan: MemoryPlan) -> str:
+def refusal_message(plan: HostMemoryPlan) -> str:
     """One line: what the run needs, what there is, and what to run instead."""
     needs = f"these settings need {plan.estimate.describe()} but {_gb(plan.available_bytes)} is available"
     if plan.smaller is None:
@@ -310,7 +310,7 @@ def check_cpu_run(options: Any, config: Any, frame_size: tuple[int, int] | None,
                    frames=frames)
     available = available_memory_bytes()
     if options.memory_check and available is not None:
-        plan = plan_memory(model, run, available, count_weights=not model_loaded)
+        plan = plan_host_memory(model, run, available, count_weights=not model_loaded)
         if not plan.fits:
             raise OptionsError(refusal_message(plan))
         if plan.tight:

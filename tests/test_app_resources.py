@@ -17,7 +17,7 @@ from stream_recon.app.resources import (
     RunShape,
     estimate_host_memory,
     model_shape,
-    plan_memory,
+    plan_host_memory,
     refusal_message,
     seconds_per_frame,
     slow_cpu_message,
@@ -55,7 +55,7 @@ def test_the_cache_estimate_is_the_cache_the_engine_allocates(prepared_tiny_mode
 
 
 def test_a_run_that_does_not_fit_is_refused_with_smaller_settings_that_do() -> None:
-    plan = plan_memory(FULL, SAMPLE, available_bytes=int(12 * GB))
+    plan = plan_host_memory(FULL, SAMPLE, available_bytes=int(12 * GB))
 
     assert not plan.fits and plan.smaller == {"image_width": 392, "window": 32}
     assert plan.smaller_estimate.total_bytes <= 12 * GB
@@ -68,19 +68,19 @@ def test_a_run_that_does_not_fit_is_refused_with_smaller_settings_that_do() -> N
 
 def test_a_model_already_loaded_is_not_counted_again() -> None:
     # a batch worker holds the model: the memory still available is compared with what the run adds
-    loaded = plan_memory(FULL, SAMPLE, available_bytes=int(17 * GB), count_weights=False)
+    loaded = plan_host_memory(FULL, SAMPLE, available_bytes=int(17 * GB), count_weights=False)
     assert loaded.fits and loaded.estimate.weights_bytes == 0
-    assert not plan_memory(FULL, SAMPLE, available_bytes=int(17 * GB)).fits
+    assert not plan_host_memory(FULL, SAMPLE, available_bytes=int(17 * GB)).fits
     assert "beside the weights already loaded" in loaded.estimate.describe()
 
 
 def test_suggestions_never_ask_for_more_than_the_user_chose() -> None:
     small = replace(SAMPLE, image_width=308, window=8)
-    plan = plan_memory(FULL, small, available_bytes=int(6.5 * GB))
+    plan = plan_host_memory(FULL, small, available_bytes=int(6.5 * GB))
     assert not plan.fits and plan.smaller == {"image_width": 224, "scale_frames": 4}  # the window stays at 8
-    assert plan_memory(FULL, small, available_bytes=int(1 * GB)).smaller is None
-    assert "no smaller settings fit either" in refusal_message(plan_memory(FULL, small, int(1 * GB)))
-    assert plan_memory(FULL, SAMPLE, available_bytes=int(64 * GB)).fits
+    assert plan_host_memory(FULL, small, available_bytes=int(1 * GB)).smaller is None
+    assert "no smaller settings fit either" in refusal_message(plan_host_memory(FULL, small, int(1 * GB)))
+    assert plan_host_memory(FULL, SAMPLE, available_bytes=int(64 * GB)).fits
 
 
 def test_time_per_frame_grows_as_the_window_fills() -> None:
