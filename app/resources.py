@@ -27,8 +27,8 @@ Time per frame: FLOPs from the shapes (every linear layer 2 x params x tokens, a
 keys x C, the DPT head's convolutions) over the CPU's float32 matmul throughput, measured in 0.1 s at
 the start of the run; the same shallow model ran at 0.83 of that throughput.
 
-The GPU side (a memory budget for the device, an FP8 cache) extends `estimate_host_memory` with the
-device's own terms; The device side is models/memory.py (the plan the engine keeps for `--gpu-memory`).
+The device's memory (a GPU budget, the FP8 cache) is models/memory.py's: the plan the engine keeps
+for `--gpu-memory`, made from the prepared model before its first frame.
 """
 
 from __future__ import annotations
