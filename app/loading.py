@@ -108,7 +108,31 @@ def build_engine(model: Any, options: RunOptions, device: str, dtype: Any, conso
         overlap=options.overlap, device=device, dtype=dtype,
     )
     engine.on_backend_ready = lambda name: announce_backend(name, console)
+    engine.on_memory_plan = lambda plan: announce_memory_plan(plan, console)
     return engine
+
+
+def check_gpu_memory(engine: Any, options: RunOptions, frame_size: tuple[int, int] | None) -> None:
+    """With --gpu-memory and a source whose frame size is known: the plan the engine will make at its
+    first frame, made now, so that a budget nothing fits is refused before anything is written
+    (the engine still plans, and refuses, for sources that only know their size once read)."""
+    from stream_recon.app.preprocess import model_input_size
+    from stream_recon.models import MemoryBudgetError
+    from stream_recon.models.memory import plan_memory
+
+    config = engine.engine.config
+    if config.gpu_memory is None or frame_size is None:
+        return
+    try:
+        plan_memory(engine.model, config, model_input_size(*frame_size, options.image_width), config.gpu_memory)
+    except MemoryBudgetError as error:
+        raise OptionsError(str(error)) from None
+
+
+def announce_memory_plan(plan: Any, console: Console) -> None:
+    """What the budget made of the run, before its first frame; a warning when results change."""
+    style = "yellow" if plan.changes_results else "default"
+    console.print(f"[{style}]{plan.describe()}[/{style}]", highlight=False)
 
 
 def announce_backend(name: str, console: Console) -> None:

@@ -18,8 +18,10 @@ from stream_recon.app.preprocess import DEFAULT_IMAGE_WIDTH, PATCH_SIZE
 from stream_recon.app.sources import DEFAULT_OPEN_TIMEOUT_S, DEFAULT_RECONNECT_S, FrameSelection
 from stream_recon.cache import backends
 from stream_recon.models.engine import KeyframePolicy
+from stream_recon.models.memory import parse_memory_size
 
-ATTENTION_CHOICES = backends.names()  # the backend table (stream_recon.cache.backends)
+ATTENTION_CHOICES = backends.names()
+KV_CACHE_CHOICES = ("auto", "fp8")  # auto: the model's precision (stream_recon.cache.backends.store_dtype)
 MAX_WINDOW_FRAMES = 1024  # positions in the model's temporal RoPE table
 DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
                "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
@@ -28,8 +30,8 @@ DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16"
 # The fields whose value changes what a run writes (predictions, cloud), as opposed to where, how fast
 # or how visibly it runs: a batch compares them to decide whether a finished sequence still stands.
 RESULT_FIELDS = (
-    "checkpoint", "dtype", "scale_frames", "window", "window_frames", "overlap", "keyframes", "flow_threshold",
-    "max_gap", "image_width", "fps", "max_frames", "start", "stride", "conf_threshold", "voxel_size",
+    "checkpoint", "dtype", "kv_cache", "gpu_memory", "scale_frames", "window", "window_frames", "overlap",
+    "keyframes", "flow_threshold", "max_gap", "image_width", "fps", "max_frames", "start", "stride", "conf_threshold", "voxel_size",
 )
 
 
@@ -52,6 +54,8 @@ class RunOptions:
     attention: str = "auto"  # one of ATTENTION_CHOICES
     compile: bool = True  # torch.compile the transformer blocks (CUDA only)
     memory_check: bool = True  # refuse a CPU run whose memory estimate exceeds what is available (app.resources)
+    kv_cache: str = "auto"  # K/V cache precision: auto (the model's) | fp8 (e4m3, dense attention backends)
+    gpu_memory: str | None = None  # a device-memory budget such as "8GiB": the engine plans to fit it (models.memory)
     # engine
     scale_frames: int = 8
     window: int = 64
@@ -118,6 +122,13 @@ class RunOptions:
         if not (math.isfinite(self.reconnect_s) and self.reconnect_s >= 0):
             yield f"reconnect_s must be >= 0 (0: never reconnect), got {self.reconnect_s}"
         yield from point_cloud_problems(self.conf_threshold, self.voxel_size)
+        if self.kv_cache not in KV_CACHE_CHOICES:
+            yield f"kv_cache must be one of {', '.join(KV_CACHE_CHOICES)}, got {self.kv_cache!r}"
+        if self.gpu_memory is not None:
+            try:
+                parse_memory_size(self.gpu_memory)
+            except ValueError as error:
+                yield f"gpu_memory: {error}"
         if not 0 < self.port < 65536:
             yield f"port must be between 1 and 65535, got {self.port}"
         try:
@@ -141,6 +152,9 @@ class RunOptions:
             kwargs["flow_threshold"] = self.flow_threshold
         if self.max_gap is not None:
             kwargs["max_gap"] = self.max_gap
+        kwargs["kv_cache"] = self.kv_cache
+        if self.gpu_memory is not None:
+            kwargs["gpu_memory"] = parse_memory_size(self.gpu_memory)
         return kwargs
 
     def as_settings(self) -> dict[str, Any]:
@@ -250,12 +264,12 @@ def resolve_dtype(name: str, device: str) -> Any:
     return torch.bfloat16 if major >= 8 else torch.float16
 
 
-def check_attention(attention: str, device: str, dtype: Any) -> str:
-    """The attention backend must be able to run on this device in this precision (`auto` always
-    can); the backend table (stream_recon.cache.backends) says why not and what to use instead.
-    Returns the name of the backend the run will use."""
+def check_attention(attention: str, device: str, dtype: Any, kv_cache: str = "auto") -> str:
+    """The attention backend must be able to run on this device in this precision, over a cache
+    stored as `kv_cache` asks (`auto` always can); the backend table (stream_recon.cache.backends)
+    says why not and what to use instead. Returns the name of the backend the run will use."""
     try:
-        return backends.resolve(attention, device, dtype).name
+        return backends.resolve(attention, device, dtype, backends.store_dtype(kv_cache, dtype)).name
     except ValueError as error:
         raise OptionsError(str(error)) from None
 

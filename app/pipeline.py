@@ -32,6 +32,7 @@ from stream_recon.app.loading import (
     DEFAULT_CHECKPOINT,
     CheckpointDigest,
     build_engine,
+    check_gpu_memory,
     load_model_for,
     model_config_for,
     prepared_for_run,
@@ -112,7 +113,7 @@ def run_sequence(
     try:
         device = resolve_device(options.device)
         dtype = resolve_dtype(options.dtype, device)
-        attention = check_attention(options.attention, device, dtype)
+        attention = check_attention(options.attention, device, dtype, options.kv_cache)
         _check_selection(frame_source, options)
         if options.viewer:
             check_viewer_address(options.host, options.port)
@@ -131,6 +132,7 @@ def run_sequence(
             model = prepared_for_run(model, options, device)
             digest = CheckpointDigest(checkpoint)
             engine = build_engine(model, options, device, dtype, console)
+            check_gpu_memory(engine, options, frame_source.frame_size)
             clock.model_loaded()
             viewer = _start_viewer(options, console)
             used = {"device": device, "dtype": str(dtype).removeprefix("torch."), "attention": attention,

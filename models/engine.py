@@ -209,7 +209,7 @@ class StreamingEngine:
         if self.cache is None:  # no frame yet: same keys, nothing allocated
             return {"frames": 0, "keyframes": 0, "cached_frames": 0, "patch_frames": 0, "patch_pages_in_use": 0,
                     "special_pages_in_use": 0, "camera_tokens": 0, "cache_bytes": 0, "attention": None,
-                    "kv_cache": None, "cuda_graphs": False}
+                    "kv_cache": None, "cuda_graphs": False, "memory_plan": None}
         return {
             "frames": self.num_frames,
             "keyframes": self.num_keyframes,
@@ -222,6 +222,7 @@ class StreamingEngine:
             "attention": self.cache.backend_name,
             "kv_cache": backends.precision_name(self.cache.store_dtype),
             "cuda_graphs": self.runner.records,
+            "memory_plan": self.memory_plan.to_dict() if self.memory_plan is not None else None,
         }
 
     # -- phases ----------------------------------------------------------------------------

@@ -370,6 +370,39 @@ def test_video_to_run_directory_through_the_cli(tmp_path: Path, tiny_checkpoint:
 
 
 @pytest.mark.usefixtures("one_torch_thread")
+def test_a_gpu_memory_budget_is_planned_said_and_recorded(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    """--gpu-memory: the engine's plan before the first frame, printed, and in run.json (issue 17)."""
+    video = write_video(tmp_path / "clip.mp4", 5, fps=25)
+    run_dir = tmp_path / "out"
+
+    result = invoke(str(video), "--checkpoint", str(tiny_checkpoint), "-o", str(run_dir), "--gpu-memory", "4GiB",
+                    "--attention", "dense", *FAST_FLAGS)
+
+    assert result.exit_code == 0, result.output
+    assert "memory plan for 4.00 GiB" in result.output
+    plan = json.loads((run_dir / "run.json").read_text())["summary"]["engine"]["memory_plan"]
+    assert plan["budget"] == 4 * 2**30 and plan["window"] == 4 and not plan["changes_results"]
+    assert plan["estimate"]["total"] <= plan["budget"]
+
+
+def test_a_gpu_memory_budget_nothing_fits_is_refused_before_anything_is_written(tmp_path: Path,
+                                                                               tiny_checkpoint: Path) -> None:
+    video = write_video(tmp_path / "clip.mp4", 5, fps=25)
+    result = invoke(str(video), "--checkpoint", str(tiny_checkpoint), "-o", str(tmp_path / "out"), "--gpu-memory",
+                    "1MiB", *FAST_FLAGS)
+    assert_user_error(result, "error:", "budget")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_fp8_cache_needs_a_backend_that_reads_it(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    video = write_video(tmp_path / "clip.mp4", 3, fps=25)
+    result = invoke(str(video), "--checkpoint", str(tiny_checkpoint), "-o", str(tmp_path / "out"), "--kv-cache", "fp8",
+                    "--attention", "sdpa", *FAST_FLAGS)
+    assert_user_error(result, "error:", "fp8")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.usefixtures("one_torch_thread")
 def test_default_output_folder_is_named_after_the_source(
     tmp_path: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

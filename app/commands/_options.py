@@ -66,6 +66,11 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         "first run on a machine compiles for a minute or two, later runs read the cache. \\[default: compile]",
         "memory_check": "CPU runs: refuse settings whose memory estimate exceeds the available memory, naming smaller "
         "ones that fit. \\[default: memory-check]",
+        "kv_cache": "K/V cache precision: auto (the model's: bf16 on a GPU) or fp8 (e4m3 with a scale per token "
+        "and head: half the bytes; dense attention backends). \\[default: auto]",
+        "gpu_memory": "Device-memory budget, e.g. 8GiB: before the first frame the run is planned to fit it (the fp8 "
+        "cache, then a shorter window, said and recorded in run.json), or refused with the smallest budget that "
+        "fits. \\[default: none]",
     },
     _ENGINE: {
         "scale_frames": "Frames processed together at the start and kept forever. \\[default: 8]",
