@@ -29,7 +29,7 @@ from rich.console import Console
 from stream_recon.app.clock import RunClock
 from stream_recon.app.loading import DEFAULT_CHECKPOINT, CheckpointDigest, build_engine, load_model_for
 from stream_recon.app.options import RunOptions, check_attention, resolve_device, resolve_dtype
-from stream_recon.app.preprocess import preprocess_frame
+from stream_recon.app.preprocess import preprocess_frame_uint8
 from stream_recon.app.progress import RunProgress
 from stream_recon.app.rundir import OutputDirError, prepare_output_dir, remove_if_empty
 from stream_recon.app.sources import FrameSource, SourceError, frames_source, open_source
@@ -153,7 +153,7 @@ def _stream(
                             _wait_while_paused(viewer, stop)
                         image = frame.image
                         if image is None:  # a FrameSource opened without preprocessing
-                            image = preprocess_frame(frame.rgb, options.image_width)
+                            image = preprocess_frame_uint8(frame.rgb, options.image_width)
                         preds = clock.time_engine(engine.push, image, timestamp=frame.timestamp)
                         clock.frames_read += 1
                         progress.update(_emit(preds, engine, clock, sinks, frame_source))
