@@ -113,6 +113,7 @@ def run_sequence(
                 conf_threshold=options.conf_threshold,
                 voxel_size=options.voxel_size,
                 overwrite=True,  # prepare_output_dir already refused an existing run without --overwrite
+                outputs=options.prediction_outputs(),
             )
         except BaseException:
             if viewer is not None:

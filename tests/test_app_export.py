@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from stream_recon.app.commands.export import export as export_command
 from stream_recon.app.export import ExportError, export_run
-from stream_recon.app.rundir import RunDirError
+from stream_recon.app.rundir import PredictionOutputs, RunDirError
 from stream_recon.app.writers import RunWriter
 from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
 
@@ -34,7 +34,8 @@ def run(tmp_path):
     frames = [plane_frame(i) for i in range(6)]
     # One frame with a different focal length: COLMAP needs a second camera.
     frames.append(plane_frame(6, focal=36.0))
-    make_run(tmp_path / "run", frames, voxel_size=0.04)
+    # depth as computed, so that points land on the plane exactly (float16 storage: tested below)
+    make_run(tmp_path / "run", frames, voxel_size=0.04, outputs=PredictionOutputs(depth="float32"))
     return tmp_path / "run", frames
 
 
