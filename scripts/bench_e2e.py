@@ -1,7 +1,7 @@
 """The speed a user gets: `stream-recon VIDEO` (app.pipeline.run_sequence) on a real video file, every
 output written, beside the engine's own rate measured in the same process.
 
-    python scripts/bench_e2e.py                          # a 1,000-frame 640x480 video made from app/sample
+    python scripts/bench_e2e.py                          # a 1,000-frame 640x468 video made from app/sample
     python scripts/bench_e2e.py clip.mp4 --keyframes flow --viewer --client
     python scripts/bench_e2e.py --model tiny --device cpu --frames 40 --json out.json   # smoke test (CPU)
     python scripts/bench_e2e.py --stand-in-ms 25 --viewer --client   # no model: the product path's own cost
@@ -72,7 +72,7 @@ def peak_rss_bytes() -> int:
 # ---------------------------------------------------------------------------------------- the video
 
 
-def make_video(path: Path, num_frames: int, width: int = 640, height: int = 480, fps: float = 30.0) -> Path:
+def make_video(path: Path, num_frames: int, width: int, height: int, fps: float = 30.0) -> Path:
     """A video of `num_frames` frames from the repository's sample frames: the 14 frames played forwards
     and backwards (ping-pong), each held for 4 output frames while a crop window pans slowly over it, so
     that consecutive frames differ by a few pixels of real image motion."""
@@ -113,8 +113,10 @@ class DeliveryRecorder:
 
     def __init__(self) -> None:
         self.deliveries = Deliveries()
+        self.image_size: tuple[int, int] | None = None
 
     def on_frame(self, pred: Any, stats: dict) -> None:
+        self.image_size = self.image_size or tuple(pred.depth.shape)
         d = self.deliveries
         d.times.append(time.perf_counter())
         d.frames.append(int(pred.frame_index))
@@ -274,6 +276,11 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
+def steady_from(options: Any) -> int:
+    """The first steady-state frame: once the window is full, or half way through a shorter run."""
+    return min(options.scale_frames + options.window, max(options.scale_frames, (options.max_frames or 0) // 2))
+
+
 def interval_stats(times: list[float], frames: list[int], windows: list[int], rollovers: list[int],
                    steady_from: int) -> dict[str, Any]:
     """Intervals between first emissions of consecutive new frames, from frame `steady_from` on."""
@@ -287,7 +294,8 @@ def interval_stats(times: list[float], frames: list[int], windows: list[int], ro
         rolled = rollovers[after] != rollovers[before] or windows[after] != windows[before]
         intervals.append((1000 * (times[after] - times[before]), frame, rolled))
     if not intervals:
-        return {"steady_frames": len(steady)}
+        nan = float("nan")
+        return {"steady_frames": len(steady), "steady_fps": nan, "p50_ms": nan, "p99_ms": nan, "longest_stall_ms": nan}
     ms = [value for value, _, _ in intervals]
     p50 = percentile(ms, 50)
     longest = max(intervals)
@@ -333,7 +341,7 @@ def run_options(args: argparse.Namespace, port: int) -> Any:
     from stream_recon.app.options import RunOptions
 
     extra = {}
-    for name in ("save_depth", "save_images", "save_frames"):  # output options, when this tree has them
+    for name in ("save_depth", "save_images", "save_predictions"):  # the run's output options
         value = getattr(args, name)
         if value is not None:
             extra[name] = value
@@ -350,14 +358,15 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
     from rich.console import Console
 
     from stream_recon.app import pipeline
+    from stream_recon.app.preprocess import model_input_size
 
     engines: list[TimedEngine] = []
     real_build_engine = pipeline.build_engine
 
     def build_timed_engine(model_: Any, options_: Any, device_: str, dtype: Any, console: Any) -> TimedEngine:
         if args.stand_in_ms:
-            height = round(480 * options_.image_width / 640 / 14) * 14  # the 640x480 video's model input
-            engine = StandInEngine(args.stand_in_ms / 1000, height, options_.image_width, options_.scale_frames)
+            height, width = model_input_size(*video_size(video), options_.image_width)
+            engine = StandInEngine(args.stand_in_ms / 1000, height, width, options_.scale_frames)
         else:
             engine = real_build_engine(model_, options_, device_, dtype, console)
         engines.append(TimedEngine(engine))
@@ -389,12 +398,13 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
     timed = engines[0]
     outside = timed.outside_ms(skip=options.scale_frames)
     result = {
+        "model_input": "x".join(str(side) for side in reversed(recorder.image_size or ())),
         "frames": summary.frames,
         "keyframes": summary.keyframes,
         "run_s": ended - started,
         "first_prediction_s": d.times[0] - started if d.times else float("nan"),
         "first_prediction_at": d.times[0] if d.times else float("nan"),
-        **interval_stats(d.times, d.frames, d.windows, d.rollovers, options.scale_frames + options.window),
+        **interval_stats(d.times, d.frames, d.windows, d.rollovers, steady_from(options)),
         "main_thread_outside_engine_ms_p50": percentile(outside, 50),
         "main_thread_outside_engine_ms_mean": float(np.mean(outside)) if outside else float("nan"),
         "main_thread_outside_engine_ms_p99": percentile(outside, 99),
@@ -442,7 +452,7 @@ def engine_run(args: argparse.Namespace, video: Path, options: Any, model: Any, 
     for pred in engine.finish():
         recorder.on_frame(pred, engine.stats())
     d = recorder.deliveries
-    stats = interval_stats(d.times, d.frames, d.windows, d.rollovers, options.scale_frames + options.window)
+    stats = interval_stats(d.times, d.frames, d.windows, d.rollovers, steady_from(options))
     return {"engine_" + key if not key.startswith("engine") else key: value for key, value in stats.items()} | {
         "engine_first_prediction_s": d.times[0] - started if d.times else float("nan"),
         "engine_frames": len(frames),
@@ -453,6 +463,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("video", nargs="?", help="a video file; default: one made from app/sample (--frames long)")
     parser.add_argument("--frames", type=int, default=1000, help="frames to run (and to make)")
+    parser.add_argument("--video-size", default="640x468",
+                        help="WxH of the made video; 640x468 becomes the engine bench's 518x378 (640x480: 518x392)")
     parser.add_argument("--model", default="lingbot-map", help="model preset with synthetic weights (tiny: smoke test)")
     parser.add_argument("--checkpoint", help="a real checkpoint instead of synthetic weights")
     parser.add_argument("--stand-in-ms", type=float, default=0.0,
@@ -461,7 +473,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--image-width", type=int, default=518, help="518: 640x480 becomes 518x378")
+    parser.add_argument("--image-width", type=int, default=518, help="model input width")
     parser.add_argument("--scale", type=int, default=8)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--window-frames", type=int, default=320)
@@ -472,7 +484,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0, help="viewer port (0: a free one)")
     parser.add_argument("--save-depth", default=None, help="output option: float32 | float16")
     parser.add_argument("--save-images", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--save-frames", default=None, help="output option: all | keyframes")
+    parser.add_argument("--save-predictions", default=None, help="output option: all | keyframes")
     parser.add_argument("--no-engine-run", action="store_true", help="skip the engine-only measurement")
     parser.add_argument("--output", help="run directory (kept); default: a temporary one, removed")
     parser.add_argument("--keep-output", action="store_true")
@@ -486,11 +498,13 @@ def main() -> None:
     from stream_recon.app.options import resolve_device, resolve_dtype
 
     torch.backends.cuda.matmul.allow_tf32 = True
-    video = Path(args.video) if args.video else Path(args.video_dir) / f"bench_e2e_{args.frames}_640x480.mp4"
+    width, height = (int(side) for side in args.video_size.split("x"))
+    video = Path(args.video) if args.video else Path(args.video_dir) / f"bench_e2e_{args.frames}_{width}x{height}.mp4"
     if not video.exists():
         made_at = time.perf_counter()
-        make_video(video, args.frames)
-        print(f"made {video} ({args.frames} frames, 640x480) in {time.perf_counter() - made_at:.1f} s", file=sys.stderr)
+        make_video(video, args.frames, width, height)
+        print(f"made {video} ({args.frames} frames, {width}x{height}) in {time.perf_counter() - made_at:.1f} s",
+              file=sys.stderr)
     port = args.port or free_port()
     options = run_options(args, port)
     device = resolve_device(options.device)
@@ -514,7 +528,28 @@ def main() -> None:
         result["product_over_engine"] = result.get("steady_fps", float("nan")) / result["engine_fps"]
     print_table(result)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1, default=float) + "\n")
+        Path(args.json).write_text(json.dumps(without_nan(result), indent=1) + "\n")
+
+
+def without_nan(value: Any) -> Any:
+    """JSON has no NaN: a measurement that could not be made is null."""
+    if isinstance(value, dict):
+        return {key: without_nan(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [without_nan(item) for item in value]
+    if isinstance(value, (float, np.floating)):
+        return float(value) if np.isfinite(value) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+def video_size(path: Path) -> tuple[int, int]:
+    capture = cv2.VideoCapture(str(path))
+    try:
+        return int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)), int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT))
+    finally:
+        capture.release()
 
 
 def free_port() -> int:
@@ -527,7 +562,7 @@ def free_port() -> int:
 
 def print_table(result: dict[str, Any]) -> None:
     rows = [
-        ("device", result["device"]), ("engine", result["engine"]),
+        ("device", result["device"]), ("engine", result["engine"]), ("model input", result["model_input"]),
         ("frames (keyframes)", f"{result['frames']} ({result['keyframes']})"),
         ("steady FPS: product / engine", f"{result.get('steady_fps', float('nan')):.2f} / "
                                          f"{result.get('engine_fps', float('nan')):.2f}"),

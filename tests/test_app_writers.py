@@ -18,7 +18,7 @@ from plyfile import PlyData
 from synthetic_run import CONF_HIGH, LOW_CONF_COLUMNS, PLANE_Z, STEP_X, plane_frame, quat_xyzw_to_matrix
 
 from stream_recon.app import writers
-from stream_recon.app.pointcloud import PointAccumulator
+from stream_recon.app.pointcloud import PointAccumulator, _back_project_pixels
 from stream_recon.app.rundir import (
     PREDICTION_FIELDS,
     OutputDirError,
@@ -382,6 +382,26 @@ def test_accumulator_automatic_voxel_follows_the_first_frame_depth():
     f = plane_frame(0, yaw=0.0)
     acc.add_frame(0, f.depth, f.depth_conf, f.intrinsics, f.c2w, f.image)
     assert acc.voxel_size == pytest.approx(float(np.median(f.depth)) / 200)
+
+
+def test_accumulator_samples_pixels_about_one_voxel_apart_and_misses_no_voxel_there():
+    # the model's input size and a 60-degree lens: the automatic voxel is ~2.2 pixels at the median depth
+    frame = plane_frame(0, height=378, width=518, focal=448.0, yaw=0.0)
+    acc = PointAccumulator()
+    acc.add_frame(0, frame.depth, frame.depth_conf, frame.intrinsics, frame.c2w, frame.image)
+    assert acc.pixel_step(frame.intrinsics) == 2
+    # every confident pixel's voxel, as a step of 1 would fill them
+    v, u = np.nonzero(frame.depth_conf >= acc.conf_threshold)
+    every, _ = acc._voxel_keys(_back_project_pixels(u, v, frame.depth[v, u], frame.intrinsics, frame.c2w))
+    sampled = set(acc._keys[: len(acc)].tolist())
+    assert sampled <= set(every.tolist())
+    assert len(sampled) >= 0.95 * len(set(every.tolist()))  # the border voxels of the sampled grid differ
+    # a voxel smaller than a pixel samples every pixel; coarsening doubles the step
+    fine = PointAccumulator(voxel_size=0.001)
+    fine.add_frame(0, frame.depth, frame.depth_conf, frame.intrinsics, frame.c2w, frame.image)
+    assert fine.pixel_step(frame.intrinsics) == 1
+    acc.voxel_size *= 2
+    assert acc.pixel_step(frame.intrinsics) == 4
 
 
 def test_accumulator_ignores_frames_without_confident_pixels():
