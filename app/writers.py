@@ -9,6 +9,7 @@ accumulator, never the depth maps; everything else is already on disk.
 
 from __future__ import annotations
 
+import errno
 import logging
 import platform
 import queue
@@ -192,10 +193,19 @@ class RunWriter:
         if error is not None:
             self._worker_error = None
             if isinstance(error, OSError):
-                raise OutputDirError(
-                    f"writing frames to {self.predictions_dir} failed: {error.strerror or error}"
-                ) from error
+                raise OutputDirError(self._write_error_message(error)) from error
             raise error
+
+    def _write_error_message(self, error: OSError) -> str:
+        message = f"writing frames to {self.predictions_dir} failed: {error.strerror or error}"
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            last = f", the last frame {max(self.poses)}" if self.poses else ""
+            message += (
+                f"; the disk is full. Every frame written before it ({len(self.poses)} frames{last}) is kept; "
+                "free some space or choose another --output, and save less per frame with --no-save-images "
+                "or --save-predictions keyframes (and --save-depth float16 if float32 was asked for)"
+            )
+        return message
 
     def _stop_worker(self) -> BaseException | None:
         if self._worker is None:
