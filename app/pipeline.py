@@ -311,6 +311,7 @@ def _settings(options: RunOptions, source: FrameSource, device: str, checkpoint:
     settings.update(
         source=source.description,
         source_kind=source.kind,
+        source_location=source.location,  # export reads frames back from it when they were not saved
         device_resolved=device,
         checkpoint=checkpoint or "model passed in by the caller",
     )

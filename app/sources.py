@@ -231,6 +231,7 @@ class FrameSource:
     ) -> None:
         self.kind = kind
         self.description = description  # for messages: "video clip.mp4", "webcam 0", ...
+        self.location: str | None = None  # what open_source opened: an absolute path, a URL, a webcam index
         self.name = name  # for default output folders: the file or folder stem, "webcam0", ...
         self.selection = selection
         self.estimated_length = estimated_length  # delivered frames, when the source's length is known
@@ -463,12 +464,15 @@ def open_source(
     kind, location = classify_source(spec)
     options = _SourceOptions(image_width, queue_size, frame_timeout_s, reconnect_s)
     if kind == "folder":
-        return _open_folder(Path(location), selection, options)
-    if kind == "video":
-        return _open_video(Path(location), selection, options)
-    if kind == "webcam":
-        return _open_webcam(int(location), selection, options)
-    return _open_stream(location, open_timeout_s, selection, options)
+        source = _open_folder(Path(location), selection, options)
+    elif kind == "video":
+        source = _open_video(Path(location), selection, options)
+    elif kind == "webcam":
+        source = _open_webcam(int(location), selection, options)
+    else:
+        source = _open_stream(location, open_timeout_s, selection, options)
+    source.location = str(Path(location).resolve()) if kind in ("folder", "video") else location
+    return source
 
 
 @dataclass(frozen=True)
