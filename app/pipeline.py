@@ -16,9 +16,11 @@ only has to flush what the engine still buffers and write run.json with how the 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -145,7 +147,7 @@ def _stream(
     clock = RunClock()
     status: RunStatus = "complete"
     error: str | None = None
-    with StopOnSignal(frame_source.request_stop, console) as stop:
+    with _long_lived_objects_frozen(), StopOnSignal(frame_source.request_stop, console) as stop:
         with RunProgress(console, frame_source.description, frame_source.estimated_length) as progress:
             try:
                 try:
@@ -194,6 +196,23 @@ def _stream(
     if viewer is not None and options.keep_viewer and not stop.requested:
         _serve_until_interrupted(viewer, console)
     return summary
+
+
+@contextlib.contextmanager
+def _long_lived_objects_frozen() -> Iterator[None]:
+    """Keep what exists before the stream (the model, the engine, the viewer's scene) out of the cyclic
+    garbage collector's full collections while frames flow.
+
+    Every few hundred frames a full collection walks every object of the process, holding the GIL: 30 to
+    80 ms with the viewer's scene alone (scripts/bench_e2e.py), more with a model's modules, a stall of the
+    stream each time. Frozen objects are skipped; the freeze ends with the stream, so that a process that
+    runs many sequences (batch) reclaims each run's cycles.
+    """
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _wait_while_paused(viewer: Any, stop: StopOnSignal) -> None:

@@ -372,12 +372,19 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
         engines.append(TimedEngine(engine))
         return engines[-1]
 
+    viewers: list[Any] = []
+    real_start_viewer = pipeline._start_viewer
+
+    def start_kept_viewer(*args_: Any) -> Any:
+        viewers.append(real_start_viewer(*args_))
+        return viewers[-1]
+
     recorder = DeliveryRecorder()
     # The progress line is drawn as on a terminal (its cost is part of the run), into /dev/null.
     console = Console(file=open(os.devnull, "w"), force_terminal=True, width=160)  # noqa: SIM115
     client = SceneClient(options.port) if args.viewer and args.client else None
     output_dir = Path(args.output) if args.output else Path(tempfile.mkdtemp(prefix="bench_e2e_"))
-    pipeline.build_engine = build_timed_engine
+    pipeline.build_engine, pipeline._start_viewer = build_timed_engine, start_kept_viewer
     try:
         rss_before = rss_bytes()
         started = time.perf_counter()
@@ -385,7 +392,7 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
                                         console=console)
         ended = time.perf_counter()
     finally:
-        pipeline.build_engine = real_build_engine
+        pipeline.build_engine, pipeline._start_viewer = real_build_engine, real_start_viewer
         if client is not None:
             client.close()
     d = recorder.deliveries
@@ -419,6 +426,9 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
         "run_json_model_fps": run_json["summary"].get("model_fps"),
         "output_dir": str(output_dir),
     }
+    if viewers and viewers[0] is not None:
+        scene = viewers[0].scene_summary()  # the viewer thread's own time, off the main thread
+        result["viewer"] = {**scene, "busy_ms_per_frame": 1000 * scene["busy_seconds"] / max(1, summary.frames)}
     if client is not None:
         result["client"] = {"connected_after_s": None if client.connected_at is None else client.connected_at - started,
                             "bytes": client.bytes_received, "messages": client.messages, "error": client.error}
@@ -459,6 +469,57 @@ def engine_run(args: argparse.Namespace, video: Path, options: Any, model: Any, 
     }
 
 
+def sink_costs(video: Path, options: Any, frames: int = 120) -> dict[str, float]:
+    """Median ms per frame of each thing done per frame besides the engine, one at a time on one thread, at
+    the video's model input size: what each thread's share of one core is at a given frame rate."""
+    from stream_recon.app.pointcloud import PointAccumulator
+    from stream_recon.app.preprocess import model_input_size, preprocess_frame_uint8
+    from stream_recon.app.rundir import atomic_write, prediction_arrays
+    from stream_recon.app.viewer import LiveViewer
+
+    def median_ms(call: Any, items: list) -> float:
+        times = []
+        for item in items:
+            start = time.perf_counter()
+            call(item)
+            times.append(time.perf_counter() - start)
+        return 1000 * float(np.median(times[len(times) // 4:]))  # past the first quarter: warm
+
+    height, width = model_input_size(*video_size(video), options.image_width)
+    stand_in = StandInEngine(0.0, height, width, 1)
+    preds = [stand_in._prediction(index, float(index)) for index in range(frames)]
+    capture, decoded, decode_s = cv2.VideoCapture(str(video)), [], []
+    while len(decoded) < min(frames, 60):
+        start = time.perf_counter()
+        if not capture.grab():
+            break
+        decoded.append(cv2.cvtColor(capture.retrieve()[1], cv2.COLOR_BGR2RGB))
+        decode_s.append(time.perf_counter() - start)
+    capture.release()
+    accumulator = PointAccumulator()
+    outputs = options.prediction_outputs()
+    with tempfile.TemporaryDirectory() as folder:
+        def write_npz(pred: Any) -> None:
+            stored = outputs.stored(prediction_arrays(pred))
+            atomic_write(Path(folder) / f"{pred.frame_index:06d}.npz", lambda f: np.savez(f, **stored), binary=True)
+
+        costs = {
+            "decode_ms": 1000 * float(np.median(decode_s)),
+            "preprocess_ms": median_ms(lambda rgb: preprocess_frame_uint8(rgb, options.image_width), decoded),
+            "npz_write_ms": median_ms(write_npz, preds),
+            "point_cloud_ms": median_ms(lambda p: accumulator.add_frame(
+                p.frame_index, p.depth, p.depth_conf, p.intrinsics, p.c2w, p.image), preds),
+        }
+    viewer = LiveViewer(port=free_port(), update_hz=1000.0)
+    try:
+        costs["viewer_on_frame_ms"] = median_ms(lambda p: viewer.on_frame(p, {}), preds)
+        viewer.flush(timeout=60)
+        costs["viewer_thread_ms"] = 1000 * viewer.scene_summary()["busy_seconds"] / len(preds)
+    finally:
+        viewer.close("complete")
+    return costs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("video", nargs="?", help="a video file; default: one made from app/sample (--frames long)")
@@ -486,6 +547,8 @@ def main() -> None:
     parser.add_argument("--save-images", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--save-predictions", default=None, help="output option: all | keyframes")
     parser.add_argument("--no-engine-run", action="store_true", help="skip the engine-only measurement")
+    parser.add_argument("--sink-costs", action="store_true",
+                        help="also time each per-frame part alone (decode, preprocess, npz, point cloud, viewer)")
     parser.add_argument("--output", help="run directory (kept); default: a temporary one, removed")
     parser.add_argument("--keep-output", action="store_true")
     parser.add_argument("--video-dir", default=tempfile.gettempdir(), help="where a made video is kept for reuse")
@@ -526,6 +589,8 @@ def main() -> None:
         result.update(engine_run(args, video, options, model, device, dtype))
         result["engine_fps"] = result.get("engine_steady_fps", float("nan"))
         result["product_over_engine"] = result.get("steady_fps", float("nan")) / result["engine_fps"]
+    if args.sink_costs:
+        result["sink_costs_ms"] = sink_costs(video, options)
     print_table(result)
     if args.json:
         Path(args.json).write_text(json.dumps(without_nan(result), indent=1) + "\n")
@@ -580,6 +645,10 @@ def print_table(result: dict[str, Any]) -> None:
         ("host RSS GB (peak)", f"{result['host_rss_gb']:.2f} ({result['peak_host_rss_gb']:.2f})"),
         ("bytes per frame", f"{result['bytes_per_frame']:,.0f}"),
     ]
+    for name, value in result.get("sink_costs_ms", {}).items():
+        rows.append((f"alone, ms per frame: {name.removesuffix('_ms')}", f"{value:.3f}"))
+    if "viewer" in result:
+        rows.append(("viewer thread busy ms per frame", f"{result['viewer']['busy_ms_per_frame']:.2f}"))
     if "client" in result:
         rows.append(("viewer client: bytes, messages", f"{result['client']['bytes']:,}, {result['client']['messages']}"))
     width = max(len(name) for name, _ in rows)

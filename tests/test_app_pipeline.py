@@ -228,6 +228,25 @@ def test_a_disk_that_fills_mid_run_ends_it_clearly_and_keeps_every_frame_written
     assert not list((tmp_path / "run" / "predictions").glob(".*.tmp"))  # no half-written file left behind
 
 
+def test_objects_from_before_the_stream_are_kept_out_of_full_collections_while_it_runs(
+    tmp_path: Path, tiny_model: GCTStream
+) -> None:
+    video = write_video(tmp_path / "clip.mp4", 6)
+    frozen_while_streaming: list[int] = []
+
+    class FreezeProbe:
+        def on_frame(self, pred, stats) -> None:
+            frozen_while_streaming.append(gc.get_freeze_count())
+
+        def close(self, status: str) -> None:
+            """Nothing to release."""
+
+    run_sequence(str(video), tmp_path / "run", RunOptions(**FAST), model=tiny_model, extra_sinks=[FreezeProbe()])
+
+    assert len(frozen_while_streaming) == 6 and min(frozen_while_streaming) > 1000  # the model's objects, at least
+    assert gc.get_freeze_count() == 0  # and collectable again afterwards
+
+
 def test_output_dir_is_checked_before_the_model_loads(tmp_path: Path) -> None:
     video = write_video(tmp_path / "clip.mp4", 3)
     blocker = tmp_path / "a_file"
