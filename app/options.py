@@ -64,9 +64,10 @@ class RunOptions:
     conf_threshold: float = 2.0
     voxel_size: float | None = None  # None: automatic, relative to the first frame's depth
     overwrite: bool = False
-    save_depth: str = "float16"  # float16 | float32: depth and confidence in predictions/*.npz
-    save_images: bool = True  # the model input image in each predictions/*.npz
-    save_predictions: str = "all"  # all | keyframes: which frames get a predictions/*.npz
+    # what each predictions/*.npz holds and which frames get one; defaults: rundir.PredictionOutputs'
+    save_depth: str = PredictionOutputs.depth  # float16 | float32: depth and confidence
+    save_images: bool = PredictionOutputs.images  # the model input image
+    save_predictions: str = PredictionOutputs.frames  # all | keyframes
     # live viewer
     viewer: bool = True
     host: str = "127.0.0.1"

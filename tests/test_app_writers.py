@@ -18,6 +18,7 @@ from plyfile import PlyData
 from synthetic_run import CONF_HIGH, LOW_CONF_COLUMNS, PLANE_Z, STEP_X, plane_frame, quat_xyzw_to_matrix
 
 from stream_recon.app import writers
+from stream_recon.app.options import OptionsError, RunOptions
 from stream_recon.app.pointcloud import PointAccumulator, _back_project_pixels
 from stream_recon.app.rundir import (
     PREDICTION_FIELDS,
@@ -170,6 +171,12 @@ def test_output_options_are_checked():
         PredictionOutputs(depth="float8")
     with pytest.raises(ValueError, match="save_predictions must be one of all, keyframes, got 'some'"):
         PredictionOutputs(frames="some")
+    # as run options (flags, presets), with every other problem named at once, before anything runs
+    with pytest.raises(OptionsError, match="stride must be >= 1, got 0; save_depth must be one of float16, float32"):
+        RunOptions(save_depth="half", stride=0)
+    options = RunOptions(save_depth="float32", save_images=False, save_predictions="keyframes")
+    assert options.prediction_outputs() == PredictionOutputs(depth="float32", images=False, frames="keyframes")
+    assert RunOptions().prediction_outputs() == PredictionOutputs()  # one default, in one place
 
 
 def test_tum_trajectory_is_camera_to_world_sorted_by_frame(tmp_path):
