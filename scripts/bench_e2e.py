@@ -585,7 +585,14 @@ def main() -> None:
     result.update(product_run(args, video, options, model, device))
     result["first_prediction_from_process_start_s"] = time.time() - (time.perf_counter() - result.pop(
         "first_prediction_at")) - process_started
+    if device.startswith("cuda"):
+        result["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if not args.no_engine_run:
+        import gc
+
+        gc.collect()  # the product run's engine and its cache, before the engine run makes its own
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
         result.update(engine_run(args, video, options, model, device, dtype))
         result["engine_fps"] = result.get("engine_steady_fps", float("nan"))
         result["product_over_engine"] = result.get("steady_fps", float("nan")) / result["engine_fps"]
