@@ -125,7 +125,7 @@ def prediction_arrays(pred: FramePrediction) -> dict[str, np.ndarray]:
 class PredictionOutputs:
     """What a run writes per frame: RunOptions' save_depth, save_images and save_predictions.
 
-    Bytes of one 518x378 frame: float32 with the image 2.24 MB; float16 with the image 1.37 MB;
+    Bytes of one 518x378 frame: float32 with the image 2.16 MB; float16 with the image 1.37 MB;
     float16 without it 0.79 MB. The image is the model input (the source holds it too, resized).
     """
 
