@@ -2,7 +2,8 @@
 nerfstudio dataset.
 
 Everything is rebuilt from `predictions/*.npz` in one streaming pass (one frame in memory at a time), so
-the confidence threshold and voxel size can differ from the ones the run used.
+the confidence threshold and voxel size can differ from the ones the run used. A run saved without its
+images (`--no-save-images`) gets them back from its source, a video or folder read again in step.
 
 Conventions of the outputs:
 - PLY, TUM, COLMAP, nerfstudio keep the run's world frame (OpenCV axes, the model's scale).
@@ -37,6 +38,7 @@ from stream_recon.app.pointcloud import (
     PointCloud,
     write_ply,
 )
+from stream_recon.app.preprocess import ImageReadError
 from stream_recon.app.rundir import (
     EXPORTS_DIR,
     POINTS_PLY,
@@ -47,6 +49,7 @@ from stream_recon.app.rundir import (
     read_run_info,
     write_tum,
 )
+from stream_recon.app.sources import FrameSelection, SourceError, open_source
 from stream_recon.models.pose import rotation_to_quat_xyzw
 
 # OpenCV camera axes (y down, z forward) to glTF's and OpenGL's (y up, z backward): a half turn about x.
@@ -132,13 +135,19 @@ def export_run(
         accumulator = PointAccumulator(
             conf_threshold=conf_threshold, voxel_size=voxel_size, max_points=max_points
         )
+    settings = read_run_info(run_dir).get("settings", {})
+    source_images = SourceImages(settings) if fmt is not ExportFormat.TUM and settings.get("save_images") is False else None
     try:
         contents = _read_contents(
-            run_dir, accumulator, images_dir, images_required=fmt is ExportFormat.NERFSTUDIO
+            run_dir, accumulator, images_dir, images_required=fmt is ExportFormat.NERFSTUDIO,
+            source_images=source_images,
         )
         _write_export(fmt, target, contents)
     except OSError as exc:  # the folder could be made but not written (read-only, full, no permission)
         raise ExportError(f"cannot write {target}: {exc.strerror or exc}; choose a writable --output") from None
+    finally:
+        if source_images is not None:
+            source_images.close()
     if accumulator is None:
         return ExportResult(target, len(contents.cameras), 0, conf_threshold, voxel_size)
     return ExportResult(
@@ -187,7 +196,8 @@ def _output_path(run_dir: Path, fmt: ExportFormat, output: Path | None) -> Path:
 
 
 def _read_contents(
-    run_dir: Path, accumulator: PointAccumulator | None, images_dir: Path | None, *, images_required: bool = False
+    run_dir: Path, accumulator: PointAccumulator | None, images_dir: Path | None, *, images_required: bool = False,
+    source_images: SourceImages | None = None,
 ) -> _RunContents:
     """One pass over the npz files: cameras, the cloud, and (COLMAP, nerfstudio) the images as PNG."""
     if images_dir is not None:
@@ -196,10 +206,14 @@ def _read_contents(
     for record in iter_run(run_dir):
         depth, conf = record["depth"], record["depth_conf"]
         confident = depth[(conf >= (accumulator.conf_threshold if accumulator else 0)) & (depth > 0)]
+        if record["image"] is None and source_images is not None:
+            record["image"] = source_images.image(record["frame_index"], tuple(record["image_size"]))
         if images_required and record["image"] is None:
+            from_source = f" ({source_images.unavailable})" if source_images and source_images.unavailable else ""
             raise ExportError(
-                f"frame {record['frame_index']} of {run_dir} was saved without its image, and nerfstudio "
-                "trains on the images; export this run as colmap, ply, glb or tum, or run the sequence again"
+                f"frame {record['frame_index']} of {run_dir} was saved without its image{from_source}, and "
+                "nerfstudio trains on the images; export this run as colmap, ply, glb or tum, or run the sequence "
+                "again with --save-images"
             )
         image_name = None
         if images_dir is not None and record["image"] is not None:
@@ -227,6 +241,61 @@ def _read_contents(
     if not cameras:
         raise RunDirError(f"{run_dir} has no readable predictions to export")
     return _RunContents(cameras, None if accumulator is None else accumulator.cloud())
+
+
+class SourceImages:
+    """The model inputs of a run saved without them, read back from its source.
+
+    run.json's settings name the source (a video file or an image folder: a camera cannot be read
+    twice), the frames the run took from it and the input width; the same frames through the same
+    preprocessing are the same images, frame i of the run being the i-th frame delivered. The export
+    asks for frames in increasing order, so the source is read once, forwards.
+    """
+
+    def __init__(self, settings: dict) -> None:
+        self._settings = settings
+        self._source = None
+        self._frames: Iterator | None = None
+        location, kind = settings.get("source_location"), settings.get("source_kind")
+        self.unavailable: str | None = None  # why no image can come from the source
+        if kind not in ("video", "folder") or not location:
+            self.unavailable = f"its source, {settings.get('source', 'not recorded')}, cannot be read again"
+        elif not Path(location).exists():
+            self.unavailable = f"its source {location} no longer exists"
+
+    def image(self, frame_index: int, size: tuple[int, int]) -> np.ndarray | None:
+        """Frame `frame_index`'s model input [H, W, 3] uint8 (H, W = size), or None (see `unavailable`)."""
+        if self.unavailable is not None:
+            return None
+        try:
+            for frame in self._read():
+                if frame.index == frame_index:
+                    image = frame.image.permute(1, 2, 0).numpy()
+                    if image.shape[:2] == size:
+                        return image
+                    self.unavailable = f"its source {self._settings['source_location']} gives {image.shape[1]}x" \
+                        f"{image.shape[0]} images now, the run had {size[1]}x{size[0]}: it changed"
+                    return None
+                if frame.index > frame_index:
+                    break
+        except (SourceError, ImageReadError) as error:
+            self.unavailable = f"its source cannot be read again: {error}"
+            return None
+        self.unavailable = f"its source {self._settings['source_location']} has no frame {frame_index} any more"
+        return None
+
+    def _read(self) -> Iterator:
+        if self._frames is None:
+            settings = self._settings
+            selection = FrameSelection(start=settings.get("start", 0), stride=settings.get("stride", 1),
+                                       fps=settings.get("fps"), max_frames=settings.get("max_frames"))
+            self._source = open_source(settings["source_location"], selection, image_width=settings["image_width"])
+            self._frames = iter(self._source)
+        return self._frames
+
+    def close(self) -> None:
+        if self._source is not None:
+            self._source.close()
 
 
 # --------------------------------------------------------------------------------------------------

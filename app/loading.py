@@ -120,9 +120,9 @@ def check_gpu_memory(engine: Any, options: RunOptions, frame_size: tuple[int, in
     from stream_recon.models import MemoryBudgetError
     from stream_recon.models.memory import plan_memory
 
-    config = engine.engine.config
-    if config.gpu_memory is None or frame_size is None:
+    if options.gpu_memory is None or frame_size is None:
         return
+    config = engine.engine.config
     try:
         plan_memory(engine.model, config, model_input_size(*frame_size, options.image_width), config.gpu_memory)
     except MemoryBudgetError as error:

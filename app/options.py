@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stream_recon.app.preprocess import DEFAULT_IMAGE_WIDTH, PATCH_SIZE
+from stream_recon.app.rundir import PredictionOutputs
 from stream_recon.app.sources import DEFAULT_OPEN_TIMEOUT_S, DEFAULT_RECONNECT_S, FrameSelection
 from stream_recon.cache import backends
 from stream_recon.models.engine import KeyframePolicy
@@ -78,6 +79,10 @@ class RunOptions:
     conf_threshold: float = 2.0
     voxel_size: float | None = None  # None: automatic, relative to the first frame's depth
     overwrite: bool = False
+    # what each predictions/*.npz holds and which frames get one; defaults: rundir.PredictionOutputs'
+    save_depth: str = PredictionOutputs.depth  # float16 | float32: depth and confidence
+    save_images: bool = PredictionOutputs.images  # the model input image
+    save_predictions: str = PredictionOutputs.frames  # all | keyframes
     # live viewer
     viewer: bool = True
     host: str = "127.0.0.1"
@@ -131,14 +136,18 @@ class RunOptions:
                 yield f"gpu_memory: {error}"
         if not 0 < self.port < 65536:
             yield f"port must be between 1 and 65535, got {self.port}"
-        try:
-            self.selection()
-        except ValueError as error:
-            yield str(error)
+        for check in (self.selection, self.prediction_outputs):
+            try:
+                check()
+            except ValueError as error:
+                yield str(error)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(field.name for field in dataclasses.fields(cls))
+
+    def prediction_outputs(self) -> PredictionOutputs:
+        return PredictionOutputs(depth=self.save_depth, images=self.save_images, frames=self.save_predictions)
 
     def selection(self) -> FrameSelection:
         return FrameSelection(start=self.start, stride=self.stride, fps=self.fps, max_frames=self.max_frames)

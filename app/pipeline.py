@@ -16,9 +16,11 @@ only has to flush what the engine still buffers and write run.json with how the 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -44,7 +46,7 @@ from stream_recon.app.options import (
     resolve_device,
     resolve_dtype,
 )
-from stream_recon.app.preprocess import preprocess_frame
+from stream_recon.app.preprocess import preprocess_frame_uint8
 from stream_recon.app.progress import RunProgress
 from stream_recon.app.resources import check_cpu_run
 from stream_recon.app.rundir import OutputDirError, prepare_output_dir, remove_if_empty
@@ -143,6 +145,7 @@ def run_sequence(
                 conf_threshold=options.conf_threshold,
                 voxel_size=options.voxel_size,
                 overwrite=True,  # prepare_output_dir already refused an existing run without --overwrite
+                outputs=options.prediction_outputs(),
             )
         except BaseException:
             if viewer is not None:
@@ -175,7 +178,7 @@ def _stream(
     stream_errors = (SourceError, FrameError, OutputDirError, NonFinitePrediction)
     status: RunStatus = "complete"
     error: str | None = None
-    with StopOnSignal(frame_source.request_stop, console) as stop:
+    with _long_lived_objects_frozen(), StopOnSignal(frame_source.request_stop, console) as stop:
         with RunProgress(console, frame_source.description, frame_source.estimated_length) as progress:
             try:
                 try:
@@ -184,7 +187,7 @@ def _stream(
                             _wait_while_paused(viewer, stop)
                         image = frame.image
                         if image is None:  # a FrameSource opened without preprocessing
-                            image = preprocess_frame(frame.rgb, options.image_width)
+                            image = preprocess_frame_uint8(frame.rgb, options.image_width)
                         preds = clock.time_engine(engine.push, image, timestamp=frame.timestamp)
                         clock.frames_read += 1
                         progress.update(_emit(preds, engine, clock, sinks, frame_source))
@@ -230,6 +233,23 @@ def _stream(
     if viewer is not None and options.keep_viewer and not stop.requested:
         _serve_until_interrupted(viewer, console)
     return summary
+
+
+@contextlib.contextmanager
+def _long_lived_objects_frozen() -> Iterator[None]:
+    """Keep what exists before the stream (the model, the engine, the viewer's scene) out of the cyclic
+    garbage collector's full collections while frames flow.
+
+    Every few hundred frames a full collection walks every object of the process, holding the GIL: 30 to
+    80 ms with the viewer's scene alone (scripts/bench_e2e.py), more with a model's modules, a stall of the
+    stream each time. Frozen objects are skipped; the freeze ends with the stream, so that a process that
+    runs many sequences (batch) reclaims each run's cycles.
+    """
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _wait_while_paused(viewer: Any, stop: StopOnSignal) -> None:
@@ -423,6 +443,7 @@ def _settings(options: RunOptions, source: FrameSource, used: dict[str, Any], ch
         used,
         source=source.description,
         source_kind=source.kind,
+        source_location=source.location,  # export reads frames back from it when they were not saved
         checkpoint=checkpoint or "model passed in by the caller",
     )
     return settings

@@ -100,16 +100,29 @@ def preprocess_path(path: str | Path, image_width: int = DEFAULT_IMAGE_WIDTH) ->
     return preprocess_image(load_image(path), image_width)
 
 
-def preprocess_frame(rgb: np.ndarray, image_width: int = DEFAULT_IMAGE_WIDTH) -> torch.Tensor:
-    """Decoded RGB frame (a video frame, or a picture already made upright) -> `[3, H, W]` float32.
+def preprocess_frame_uint8(rgb: np.ndarray, image_width: int = DEFAULT_IMAGE_WIDTH) -> np.ndarray:
+    """Decoded RGB frame (a video frame, or a picture already made upright) -> model input uint8 `[3, H, W]`.
 
-    rgb: [H, W, 3] uint8, RGB order (OpenCV decodes BGR: convert before calling).
+    rgb: [H, W, 3] uint8, RGB order (OpenCV decodes BGR: convert before calling). The same pixels as
+    `preprocess_image_uint8` (a frame has no EXIF tag and is RGB already, so it skips that function's
+    conversions: three copies of a full-size frame). PIL resizes without holding the GIL, so frames can be
+    preprocessed on several threads at once (app.sources does).
     Video frames skip the reference demo's JPEG round trip on purpose: it only adds compression
     noise, and streaming never writes frames to disk.
     """
     if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
         raise ValueError(f"expected an RGB frame [H, W, 3] uint8, got shape {rgb.shape} dtype {rgb.dtype}")
-    return preprocess_image(Image.fromarray(rgb, mode="RGB"), image_width)
+    height, width = rgb.shape[:2]
+    target = resized_size(width, height, image_width)
+    if target != (width, height):
+        rgb = np.asarray(Image.fromarray(rgb, mode="RGB").resize(target, Image.Resampling.BICUBIC))
+    pixels = _crop_portrait_rows(rgb, image_width)
+    return np.ascontiguousarray(pixels.transpose(2, 0, 1))  # [3, H, W]
+
+
+def preprocess_frame(rgb: np.ndarray, image_width: int = DEFAULT_IMAGE_WIDTH) -> torch.Tensor:
+    """Decoded RGB frame [H, W, 3] uint8 -> `[3, H, W]` float32 in [0, 1], exactly `uint8 / 255`."""
+    return to_float(preprocess_frame_uint8(rgb, image_width))
 
 
 def pad_batch(images: Sequence[torch.Tensor]) -> torch.Tensor:

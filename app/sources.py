@@ -1,13 +1,17 @@
 """Streaming frame sources: a video file, an image folder, a webcam or a stream URL, one frame at a time.
 
 The shape is DPVO's stream loop, hardened: a reader thread decodes into a bounded queue and the
-consumer takes frames until an end marker. OpenCV and PIL release the GIL while decoding, so one
-thread overlaps decoding (and, when asked, preprocessing) with inference.
+consumer takes frames until an end marker. OpenCV and PIL release the GIL while decoding and resizing,
+so the reader overlaps decoding with inference, and, when asked for model inputs, a few preprocessing
+threads resize frames side by side (a 4K frame takes ~50 ms to resize: one thread would cap the stream
+at 20 FPS). The queue holds each frame's pending result in reading order, so frames come out in order.
 
-    reader thread:  grab ─▶ select (start, stride, fps, max) ─▶ decode ─▶ preprocess ─▶ queue (8)
-    consumer:       for frame in source: ...   (raises the reader's error at the point it happened)
+    reader thread:   grab ─▶ select (start, stride, fps, max) ─▶ decode ─┬─▶ queue (8) ─▶ consumer
+    preprocessing:                                  resize, crop (uint8) ◀┘  (waits for a frame's result)
+    consumer:        for frame in source: ...   (raises the reader's error at the point it happened)
 
-Host memory stays constant: at most `queue_size` frames exist at once, whatever the length.
+Host memory stays constant: at most `queue_size` frames exist at once, whatever the length. Model
+inputs stay uint8 ([3, H, W], a quarter of the float bytes): the engine converts them on the device.
 `open_source` checks everything it can before returning (the file exists and decodes, the folder
 holds images of one size, the camera or URL answers within the timeout), so a bad input fails
 before any model is loaded.
@@ -27,11 +31,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
 import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -41,13 +47,16 @@ import numpy as np
 import torch
 from PIL import Image
 
-from stream_recon.app.preprocess import ImageReadError, load_image, preprocess_frame, upright_rgb
+from stream_recon.app.preprocess import ImageReadError, load_image, preprocess_frame_uint8, upright_rgb
 
 SourceKind = Literal["video", "folder", "webcam", "stream", "frames"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 STREAM_SCHEMES = ("rtsp", "rtsps", "rtmp", "http", "https", "udp", "tcp", "srt")
 DEFAULT_QUEUE_SIZE = 8
+# Threads that resize frames into model inputs. One keeps up with 640x480 at ~200 FPS; four keep a
+# 4K video above 40 FPS where the cores exist.
+PREPROCESS_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
 DEFAULT_OPEN_TIMEOUT_S = 10.0
 # A file decodes in milliseconds; a network stream may pause for its read timeout. Past these,
 # the reader is stuck and waiting longer would only turn an error into a hang.
@@ -90,7 +99,20 @@ class Frame:
     # [H, W, 3] uint8, RGB, upright; None when the source preprocesses (a 4K frame is 25 MB, and the
     # queue would hold eight of them for nothing)
     rgb: np.ndarray | None
-    image: torch.Tensor | None = None  # [3, H', W'] float32 model input, when the source preprocesses
+    image: torch.Tensor | None = None  # [3, H', W'] uint8 model input, when the source preprocesses
+
+
+@dataclass(frozen=True)
+class _Preprocessing:
+    """A frame in the queue whose model input is still being made on a preprocessing thread."""
+
+    index: int
+    source_index: int
+    timestamp: float
+    image: Future  # -> [3, H', W'] uint8 array
+
+    def result(self) -> Frame:
+        return Frame(self.index, self.source_index, self.timestamp, None, torch.from_numpy(self.image.result()))
 
 
 @dataclass(frozen=True)
@@ -206,9 +228,11 @@ class FrameSource:
         frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S,
         reconnect_s: float = 0.0,
         frame_size: tuple[int, int] | None = None,
+        preprocess_workers: int = PREPROCESS_WORKERS,
     ) -> None:
         self.kind = kind
         self.description = description  # for messages: "video clip.mp4", "webcam 0", ...
+        self.location: str | None = None  # what open_source opened: an absolute path, a URL, a webcam index
         self.name = name  # for default output folders: the file or folder stem, "webcam0", ...
         self.selection = selection
         self.estimated_length = estimated_length  # delivered frames, when the source's length is known
@@ -223,7 +247,10 @@ class FrameSource:
         self.reconnect_attempts = 0  # opens tried after drops, successful or not
         self.disconnected_s = 0.0  # total time between a drop and the next frame (or giving up)
         self._reader = reader
-        self._queue: queue.Queue[Frame | _EndOfStream] = queue.Queue(maxsize=queue_size)
+        self._queue: queue.Queue[Frame | _Preprocessing | _EndOfStream] = queue.Queue(maxsize=queue_size)
+        self._preprocessing: ThreadPoolExecutor | None = None
+        if image_width:
+            self._preprocessing = ThreadPoolExecutor(preprocess_workers, thread_name_prefix=f"preprocess:{name}")
         self._frame_timeout_s = frame_timeout_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -275,6 +302,8 @@ class FrameSource:
             self._thread.join(timeout=_JOIN_TIMEOUT_S)
         if self._thread is None:
             self._reader.release()
+        if self._preprocessing is not None:
+            self._preprocessing.shutdown(wait=False, cancel_futures=True)
 
     def _frames(self) -> Iterator[Frame]:
         while True:
@@ -295,7 +324,7 @@ class FrameSource:
                 if item.error is not None:
                     raise item.error
                 return
-            yield item
+            yield item.result() if isinstance(item, _Preprocessing) else item
 
     def _read_all(self) -> None:
         """Reader thread: every exit path leaves exactly one end marker in the queue."""
@@ -328,11 +357,14 @@ class FrameSource:
             if not sampler.accept(source_index, timestamp):
                 continue
             rgb = self._reader.retrieve()
-            if self.image_width:
-                frame = Frame(delivered, source_index, timestamp, None, preprocess_frame(rgb, self.image_width))
+            if self._preprocessing is not None:
+                image = self._preprocessing.submit(preprocess_frame_uint8, rgb, self.image_width)
+                frame = _Preprocessing(delivered, source_index, timestamp, image)
             else:
                 frame = Frame(delivered, source_index, timestamp, rgb)
             if not self._put(frame):
+                if isinstance(frame, _Preprocessing):
+                    frame.image.cancel()
                 break
             delivered += 1
         return _EndOfStream("stopped")
@@ -374,7 +406,7 @@ class FrameSource:
             self._reader_progress_at = time.monotonic()
             self._reconnecting = False
 
-    def _put(self, item: Frame | _EndOfStream, *, is_end: bool = False) -> bool:
+    def _put(self, item: Frame | _Preprocessing | _EndOfStream, *, is_end: bool = False) -> bool:
         """Queue an item, waiting while the consumer is behind; False when asked to stop meanwhile."""
         while True:
             if self._stop.is_set():
@@ -395,15 +427,19 @@ class FrameSource:
             dropped = self._queue.get_nowait()
         except queue.Empty:
             return
-        if isinstance(dropped, Frame):
+        if isinstance(dropped, _Preprocessing):
+            dropped.image.cancel()
+        if isinstance(dropped, (Frame, _Preprocessing)):
             self.frames_dropped += 1
 
     def _drain(self) -> None:
         while True:
             try:
-                self._queue.get_nowait()
+                item = self._queue.get_nowait()
             except queue.Empty:
                 return
+            if isinstance(item, _Preprocessing):
+                item.image.cancel()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -430,12 +466,15 @@ def open_source(
     kind, location = classify_source(spec)
     options = _SourceOptions(image_width, queue_size, frame_timeout_s, reconnect_s)
     if kind == "folder":
-        return _open_folder(Path(location), selection, options)
-    if kind == "video":
-        return _open_video(Path(location), selection, options)
-    if kind == "webcam":
-        return _open_webcam(int(location), selection, options)
-    return _open_stream(location, open_timeout_s, selection, options)
+        source = _open_folder(Path(location), selection, options)
+    elif kind == "video":
+        source = _open_video(Path(location), selection, options)
+    elif kind == "webcam":
+        source = _open_webcam(int(location), selection, options)
+    else:
+        source = _open_stream(location, open_timeout_s, selection, options)
+    source.location = str(Path(location).resolve()) if kind in ("folder", "video") else location
+    return source
 
 
 @dataclass(frozen=True)
@@ -462,6 +501,7 @@ def frames_source(
     image_width: int | None = None,
     frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S,
     queue_size: int = DEFAULT_QUEUE_SIZE,
+    preprocess_workers: int = PREPROCESS_WORKERS,
 ) -> FrameSource:
     """A source over any iterable of (rgb [H, W, 3] uint8, timestamp in seconds), e.g. a generator.
 
@@ -482,6 +522,7 @@ def frames_source(
         image_width=image_width,
         queue_size=queue_size,
         frame_timeout_s=frame_timeout_s,
+        preprocess_workers=preprocess_workers,
     )
 
 

@@ -9,6 +9,7 @@ accumulator, never the depth maps; everything else is already on disk.
 
 from __future__ import annotations
 
+import errno
 import logging
 import platform
 import queue
@@ -38,6 +39,7 @@ from stream_recon.app.rundir import (
     RUN_JSON,
     TRAJECTORY_TUM,
     OutputDirError,
+    PredictionOutputs,
     atomic_write,
     prediction_arrays,
     prediction_path,
@@ -98,7 +100,11 @@ class RunWriter:
     With `background=True` (the default) the file writing and point accumulation run on a writer thread
     behind a queue of `queue_size` frames, so inference does not wait for the disk (numpy and file IO
     release the GIL). A full queue blocks `on_frame`: memory stays bounded when the disk is slower than the
-    model. `flush()` waits until every frame handed over is on disk; `close()` flushes first. An error on
+    model, and no frame is ever dropped. 32 frames (at most ~70 MB at 518x378) absorb the burst of frames a
+    window rollover re-emits (16 by default) without holding inference up.
+
+    `outputs` says what each npz holds and which frames get one (PredictionOutputs); the cloud is built
+    from what is saved, as `export` rebuilds it. `flush()` waits until every frame handed over is on disk; `close()` flushes first. An error on
     the writer thread is raised by the next `on_frame`, `flush` or `close`. The writer holds a reference
     to each prediction until it is written; the engine's arrays are fresh per frame, so nothing is copied.
     """
@@ -113,11 +119,13 @@ class RunWriter:
         max_points: int = DEFAULT_MAX_POINTS,
         overwrite: bool = False,
         background: bool = True,
-        queue_size: int = 8,
+        queue_size: int = 32,
+        outputs: PredictionOutputs = PredictionOutputs(),
     ) -> None:
         self.output_dir = Path(output_dir)
         self.predictions_dir = self.output_dir / PREDICTIONS_DIR
         self.settings = dict(settings)
+        self.outputs = outputs
         self.points = PointAccumulator(
             conf_threshold=conf_threshold, voxel_size=voxel_size, max_points=max_points
         )
@@ -185,10 +193,19 @@ class RunWriter:
         if error is not None:
             self._worker_error = None
             if isinstance(error, OSError):
-                raise OutputDirError(
-                    f"writing frames to {self.predictions_dir} failed: {error.strerror or error}"
-                ) from error
+                raise OutputDirError(self._write_error_message(error)) from error
             raise error
+
+    def _write_error_message(self, error: OSError) -> str:
+        message = f"writing frames to {self.predictions_dir} failed: {error.strerror or error}"
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            last = f", the last frame {max(self.poses)}" if self.poses else ""
+            message += (
+                f"; the disk is full. Every frame written before it ({len(self.poses)} frames{last}) is kept; "
+                "free some space or choose another --output, and save less per frame with --no-save-images "
+                "or --save-predictions keyframes (and --save-depth float16 if float32 was asked for)"
+            )
+        return message
 
     def _stop_worker(self) -> BaseException | None:
         if self._worker is None:
@@ -200,22 +217,30 @@ class RunWriter:
 
     def _write_frame(self, pred: FramePrediction, stats: dict) -> None:
         arrays = prediction_arrays(pred)
-        atomic_write(
-            prediction_path(self.output_dir, pred.frame_index), lambda f: np.savez(f, **arrays), binary=True
-        )
+        path = prediction_path(self.output_dir, pred.frame_index)
+        stored = None
+        if self.outputs.writes(pred):
+            stored = self.outputs.stored(arrays)
+            atomic_write(path, lambda f: np.savez(f, **stored), binary=True)
+        else:
+            path.unlink(missing_ok=True)  # re-emitted as a non-keyframe: the earlier emission is not final
+        # only now that the file is on disk: the trajectory never names a frame whose write failed
         if pred.frame_index in self.poses:
-            self.points.remove_frame(pred.frame_index)
+            self.points.remove_frame(pred.frame_index)  # a re-emission replaces the frame's points
         self.poses[pred.frame_index] = PoseRecord(
             float(pred.timestamp), arrays["c2w"].astype(np.float64), bool(pred.is_keyframe)
         )
-        self.points.add_frame(
-            pred.frame_index,
-            arrays["depth"],
-            arrays["depth_conf"],
-            arrays["intrinsics"],
-            arrays["c2w"],
-            arrays.get("image"),
-        )
+        if stored is not None:
+            # The cloud is built from the saved values, so that `export` rebuilds points.ply from the files;
+            # colours come from the image even when it is not saved.
+            self.points.add_frame(
+                pred.frame_index,
+                stored["depth"].astype(np.float32, copy=False),
+                stored["depth_conf"].astype(np.float32, copy=False),
+                arrays["intrinsics"],
+                arrays["c2w"],
+                arrays.get("image"),
+            )
         self.last_stats = stats
         now = time.monotonic()
         if now - self._last_progress >= PROGRESS_INTERVAL_S:

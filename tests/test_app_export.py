@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from stream_recon.app.commands.export import export as export_command
 from stream_recon.app.export import ExportError, export_run
-from stream_recon.app.rundir import RunDirError
+from stream_recon.app.rundir import PredictionOutputs, RunDirError, read_run
 from stream_recon.app.writers import RunWriter
 from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
 
@@ -34,7 +34,8 @@ def run(tmp_path):
     frames = [plane_frame(i) for i in range(6)]
     # One frame with a different focal length: COLMAP needs a second camera.
     frames.append(plane_frame(6, focal=36.0))
-    make_run(tmp_path / "run", frames, voxel_size=0.04)
+    # depth as computed, so that points land on the plane exactly (float16 storage: tested below)
+    make_run(tmp_path / "run", frames, voxel_size=0.04, outputs=PredictionOutputs(depth="float32"))
     return tmp_path / "run", frames
 
 
@@ -449,3 +450,68 @@ def test_cli_rejects_a_bad_voxel_size_or_threshold_in_one_sentence(run, cli, fla
     assert outcome.exit_code == 2 and "Traceback" not in outcome.output
     assert outcome.output.startswith(f"error: {message}") and len(outcome.output.strip().splitlines()) == 1
     assert not (run_dir / "exports").exists()
+
+
+# ------------------------------------------------------------------------------- smaller run outputs
+
+
+def run_video(tmp_path, tiny_model, name, **outputs):
+    """A tiny-model run on a real video (12 frames 160x96, one keyframe in three after the scale frames)."""
+    from media_helpers import write_video
+
+    from stream_recon.app.options import RunOptions
+    from stream_recon.app.pipeline import run_sequence
+
+    video = tmp_path / "clip.mp4"
+    if not video.exists():
+        write_video(video, 12, width=160, height=96)
+    options = RunOptions(image_width=56, scale_frames=3, window=4, viewer=False, conf_threshold=1.0,
+                         keyframes="interval:3", **outputs)
+    summary = run_sequence(str(video), tmp_path / name, options, model=tiny_model)
+    assert summary.status == "complete"
+    return tmp_path / name, video
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_run_saved_without_images_gets_them_back_from_its_video(tmp_path, tiny_model):
+    full, _ = run_video(tmp_path, tiny_model, "full", save_depth="float32")
+    small, video = run_video(tmp_path, tiny_model, "small", save_images=False, save_predictions="keyframes")
+
+    small_files = sorted(path.name for path in (small / "predictions").glob("*.npz"))
+    keyframes = [f"{r['frame_index']:06d}.npz" for r in read_run(full) if r["is_keyframe"]]
+    assert small_files == keyframes and len(keyframes) < 12  # the non-keyframes have no file
+    assert len(np.loadtxt(small / "trajectory_tum.txt")) == 12  # but every pose
+    for fmt in ("colmap", "nerfstudio", "ply"):
+        export_run(small, fmt)
+    export_run(full, "colmap")
+    for name in small_files:  # the same model inputs as the run that saved them
+        from_source = cv2.imread(str(small / "exports" / "colmap" / "images" / name.replace(".npz", ".png")))
+        saved = cv2.imread(str(full / "exports" / "colmap" / "images" / name.replace(".npz", ".png")))
+        np.testing.assert_array_equal(from_source, saved)
+    transforms = json.loads((small / "exports" / "nerfstudio" / "transforms.json").read_text())
+    assert len(transforms["frames"]) == len(small_files)
+    # the export's cloud is the run's own (geometry from the float16 files; colours from the images)
+    np.testing.assert_array_equal(*(np.sort(read_ply_points(small / p)[1], axis=0)
+                                    for p in ("points.ply", "exports/points.ply")))
+
+    video.unlink()  # a source that is gone: colmap writes the model without images, nerfstudio refuses
+    export_run(small, "colmap", tmp_path / "colmap_without")
+    assert list((tmp_path / "colmap_without" / "images").iterdir()) == []
+    with pytest.raises(ExportError, match=r"saved without its image \(its source .*clip.mp4 no longer exists\)"):
+        export_run(small, "nerfstudio", tmp_path / "ns")
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_float16_run_reads_back_within_its_bound_everywhere(tmp_path, tiny_model):
+    exact, _ = run_video(tmp_path, tiny_model, "exact", save_depth="float32")
+    half, _ = run_video(tmp_path, tiny_model, "half")  # the default
+
+    for ours, reference in zip(read_run(half), read_run(exact), strict=True):
+        for key in ("depth", "depth_conf"):
+            assert ours[key].dtype == np.float32
+            np.testing.assert_allclose(ours[key], reference[key], rtol=2.0**-11, atol=0)
+        np.testing.assert_array_equal(ours["c2w"], reference["c2w"])
+        np.testing.assert_array_equal(ours["image"], reference["image"])
+    ours, reference = export_run(half, "glb"), export_run(exact, "glb")
+    assert ours.num_frames == reference.num_frames == 12
+    assert abs(ours.num_points - reference.num_points) <= 0.02 * reference.num_points

@@ -5,6 +5,7 @@ Interruption by SIGINT and SIGTERM is tested through the real CLI, in test_app_c
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
 from pathlib import Path
@@ -221,6 +222,51 @@ def test_disk_failure_mid_stream_ends_the_run_as_failed(tmp_path: Path, tiny_mod
     assert summary.status == "failed"
     assert "writing frames to" in summary.error and "predictions" in summary.error
     assert json.loads((run_dir / "run.json").read_text())["status"] == "failed"
+
+
+def test_a_disk_that_fills_mid_run_ends_it_clearly_and_keeps_every_frame_written(
+    tmp_path: Path, tiny_model: GCTStream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A real full disk needs a filesystem of its own (mounting one needs privileges this test does not
+    # have): from the 7th frame on, writing a frame fails as a full disk makes it fail.
+    real_savez, calls = np.savez, []
+
+    def savez_until_full(file, **arrays):
+        calls.append(1)
+        if len(calls) > 6:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_savez(file, **arrays)
+
+    monkeypatch.setattr(np, "savez", savez_until_full)
+    video = write_video(tmp_path / "clip.mp4", 20)
+
+    summary = run_sequence(str(video), tmp_path / "run", RunOptions(**FAST), model=tiny_model)
+
+    assert summary.status == "failed" and summary.frames == 6
+    assert "No space left on device; the disk is full. Every frame written before it (6 frames, the last frame 5) is kept" \
+        in summary.error and "--no-save-images" in summary.error
+    record = check_run_dir(tmp_path / "run", 6, "failed")  # frames 0-5, their trajectory, run.json, points.ply
+    assert "disk is full" in record["summary"]["error"]
+    assert not list((tmp_path / "run" / "predictions").glob(".*.tmp"))  # no half-written file left behind
+
+
+def test_objects_from_before_the_stream_are_kept_out_of_full_collections_while_it_runs(
+    tmp_path: Path, tiny_model: GCTStream
+) -> None:
+    video = write_video(tmp_path / "clip.mp4", 6)
+    frozen_while_streaming: list[int] = []
+
+    class FreezeProbe:
+        def on_frame(self, pred, stats) -> None:
+            frozen_while_streaming.append(gc.get_freeze_count())
+
+        def close(self, status: str) -> None:
+            """Nothing to release."""
+
+    run_sequence(str(video), tmp_path / "run", RunOptions(**FAST), model=tiny_model, extra_sinks=[FreezeProbe()])
+
+    assert len(frozen_while_streaming) == 6 and min(frozen_while_streaming) > 1000  # the model's objects, at least
+    assert gc.get_freeze_count() == 0  # and collectable again afterwards
 
 
 def test_output_dir_is_checked_before_the_model_loads(tmp_path: Path) -> None:

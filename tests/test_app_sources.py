@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from media_helpers import (
@@ -25,7 +26,7 @@ from media_helpers import (
 )
 from PIL import Image
 
-from stream_recon.app.preprocess import preprocess_path
+from stream_recon.app.preprocess import preprocess_path, to_float
 from stream_recon.app.sources import (
     FrameSelection,
     SourceError,
@@ -193,6 +194,54 @@ def test_host_memory_stays_flat_over_a_long_video(tmp_path: Path) -> None:
     assert growth < 40 * 2**20, f"host memory grew by {growth / 2**20:.0f} MB while streaming"
 
 
+def test_preprocessing_threads_deliver_model_inputs_in_reading_order() -> None:
+    # Every third frame is large and slow to resize, so three threads finish frames out of order; each
+    # frame is one flat colour (its index), which a resize keeps.
+    def camera():
+        for index in range(24):
+            width = 1400 if index % 3 == 0 else 70
+            yield np.full((width * 3 // 4, width, 3), index, dtype=np.uint8), 0.5 * index
+
+    with frames_source(camera(), image_width=56, preprocess_workers=3) as source:
+        frames = list(source)
+
+    assert [frame.index for frame in frames] == list(range(24))
+    assert [frame.timestamp for frame in frames] == [0.5 * index for index in range(24)]
+    for index, frame in enumerate(frames):
+        assert frame.rgb is None and frame.image.dtype == torch.uint8 and tuple(frame.image.shape) == (3, 42, 56)
+        assert (frame.image == index).all()
+
+
+def test_a_slow_consumer_holds_the_reader_back_to_one_queue_of_frames() -> None:
+    pulled: list[int] = []
+
+    def camera():
+        for index in range(60):
+            pulled.append(index)
+            yield np.full((48, 64, 3), index, dtype=np.uint8), float(index)
+
+    with frames_source(camera(), image_width=56, queue_size=4, preprocess_workers=2) as source:
+        frames = iter(source)
+        first = next(frames)
+        settled = wait_until_unchanged(lambda: len(pulled))
+        # one frame delivered, four queued (done or being resized), one the reader holds while it waits
+        assert settled <= 1 + 4 + 1
+        rest = list(frames)
+
+    assert [frame.index for frame in (first, *rest)] == list(range(60))
+    assert [int(frame.image[0, 0, 0]) for frame in (first, *rest)] == list(range(60))
+
+
+def wait_until_unchanged(read, quiet_s: float = 0.3, limit_s: float = 10.0):
+    """The value of `read()` once it has stopped changing for `quiet_s` (a reader thread that blocked)."""
+    value, since, deadline = read(), time.monotonic(), time.monotonic() + limit_s
+    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
+        time.sleep(0.02)
+        if read() != value:
+            value, since = read(), time.monotonic()
+    return value
+
+
 def test_close_stops_the_reader_thread_early(tmp_path: Path) -> None:
     video = write_video(tmp_path / "clip.mp4", 200)
     source = open_source(video)
@@ -239,8 +288,8 @@ def test_folder_frames_match_the_reference_crop_rule(tmp_path: Path) -> None:
         frames = list(source)
 
     for index, frame in enumerate(frames):
-        assert frame.image is not None
-        assert frame.image.equal(preprocess_path(folder / f"{index}.png", image_width=112))
+        assert frame.image is not None and frame.image.dtype == torch.uint8  # the engine makes it float
+        assert to_float(frame.image.numpy()).equal(preprocess_path(folder / f"{index}.png", image_width=112))
 
 
 def test_empty_folder(tmp_path: Path) -> None:

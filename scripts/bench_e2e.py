@@ -1,0 +1,690 @@
+"""The speed a user gets: `stream-recon VIDEO` (app.pipeline.run_sequence) on a real video file, every
+output written, beside the engine's own rate measured in the same process.
+
+    python scripts/bench_e2e.py                          # a 1,000-frame 640x468 video made from app/sample
+    python scripts/bench_e2e.py clip.mp4 --keyframes flow --viewer --client
+    python scripts/bench_e2e.py --model tiny --device cpu --frames 40 --json out.json   # smoke test (CPU)
+    python scripts/bench_e2e.py --stand-in-ms 25 --viewer --client   # no model: the product path's own cost
+
+One process, in this order: make (or open) the video; build the model (synthetic weights as scripts/bench.py
+builds them, or --checkpoint); run run_sequence on the video into a temporary run directory, with an extra
+sink that records when each prediction is delivered; then time the engine alone on the same frames,
+decoded and preprocessed beforehand, with the same options.
+
+Frame interval: the time between deliveries of consecutive new frames to the sinks. Steady state: the
+frames after the first scale + window frames. A stall: an interval over STALL_FACTOR x the median; the
+longest one is reported with its frame and whether a window rollover happened there. Main-thread time
+besides the engine: between the return of one `engine.push` and the next call (reading the next frame,
+the sinks' on_frame, the progress line), measured by a thin wrapper around the engine.
+
+--stand-in-ms replaces the model by a stand-in engine (StandInEngine below, not a model) that returns
+full-size predictions of a synthetic scene at a fixed rate, waiting the way a GPU-bound push waits (without
+the GIL); it measures what the sinks, the source and the loop cost around an engine of that speed.
+
+Prints a table and writes JSON (--json) with at least: steady_fps, engine_fps, p50_ms, p99_ms,
+first_prediction_s, longest_stall_ms, bytes_per_frame, host_rss_gb.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import resource
+import sys
+import tempfile
+import threading
+import time
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROCESS_IMPORTED_AT = time.time()
+
+import cv2  # noqa: E402
+import numpy as np  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE_FRAMES = REPO / "app" / "sample"
+STALL_FACTOR = 3.0
+
+
+def process_start_time() -> float:
+    """Unix time this process started (Linux: /proc); the time this script was imported elsewhere."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - uptime_s + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return PROCESS_IMPORTED_AT
+
+
+def rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ---------------------------------------------------------------------------------------- the video
+
+
+def make_video(path: Path, num_frames: int, width: int, height: int, fps: float = 30.0) -> Path:
+    """A video of `num_frames` frames from the repository's sample frames: the 14 frames played forwards
+    and backwards (ping-pong), each held for 4 output frames while a crop window pans slowly over it, so
+    that consecutive frames differ by a few pixels of real image motion."""
+    sources = [cv2.imread(str(p)) for p in sorted(SAMPLE_FRAMES.glob("*.png"))]
+    margin = 48  # pixels the crop window can move in each direction
+    canvas_w, canvas_h = width + 2 * margin, height + 2 * margin
+    canvases = [cv2.resize(frame, (canvas_w, canvas_h), interpolation=cv2.INTER_CUBIC) for frame in sources]
+    cycle = list(range(len(canvases))) + list(range(len(canvases) - 2, 0, -1))  # 0..13..1
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+    if not writer.isOpened():
+        raise RuntimeError(f"OpenCV cannot write an mp4v video to {path}")
+    for index in range(num_frames):
+        canvas = canvases[cycle[(index // 4) % len(cycle)]]
+        angle = 2 * np.pi * index / 240
+        x = int(round(margin + margin * np.cos(angle)))
+        y = int(round(margin + margin * np.sin(angle)))
+        writer.write(canvas[y : y + height, x : x + width])
+    writer.release()
+    return path
+
+
+# ---------------------------------------------------------------------------------- measuring sinks
+
+
+@dataclass
+class Deliveries:
+    """What reached the sinks: (time, frame index, window index) per emission, and the run's stats."""
+
+    times: list[float] = field(default_factory=list)
+    frames: list[int] = field(default_factory=list)
+    windows: list[int] = field(default_factory=list)
+    rollovers: list[int] = field(default_factory=list)  # engine's rollover count at each emission
+    rss: list[int] = field(default_factory=list)
+
+
+class DeliveryRecorder:
+    """An extra sink: when each prediction reaches the sinks (it is called after the run's own writer)."""
+
+    def __init__(self) -> None:
+        self.deliveries = Deliveries()
+        self.image_size: tuple[int, int] | None = None
+
+    def on_frame(self, pred: Any, stats: dict) -> None:
+        self.image_size = self.image_size or tuple(pred.depth.shape)
+        d = self.deliveries
+        d.times.append(time.perf_counter())
+        d.frames.append(int(pred.frame_index))
+        d.windows.append(int(getattr(pred, "window_index", 0)))
+        d.rollovers.append(int(stats.get("rollovers") or 0))
+        if len(d.frames) % 25 == 1:
+            d.rss.append(rss_bytes())
+
+    def close(self, status: str) -> None:
+        """Nothing to release."""
+
+
+class TimedEngine:
+    """Wraps an engine: records when each push starts and returns, so that the main thread's time
+    besides the engine (between a return and the next call) can be told apart."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.calls: list[tuple[float, float]] = []
+
+    def push(self, image: Any, timestamp: float | None = None) -> list:
+        start = time.perf_counter()
+        try:
+            return self._engine.push(image, timestamp=timestamp)
+        finally:
+            self.calls.append((start, time.perf_counter()))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def outside_ms(self, skip: int) -> list[float]:
+        """ms between the return of push i and the call of push i + 1, for i >= skip."""
+        return [1000 * (self.calls[i + 1][0] - self.calls[i][1]) for i in range(skip, len(self.calls) - 1)]
+
+
+class StandInModel:
+    """What run_sequence is handed with --stand-in-ms: a model already prepared (so nothing loads or
+    converts it) whose engine the bench replaces by StandInEngine."""
+
+    config = None
+    inference_spec = types.SimpleNamespace(compiled=False)
+
+
+class StandInEngine:
+    """Not a model: full-size predictions of a synthetic scene, one per push after the scale frames, at
+    `period_s` per frame, the way a pipelined GPU engine paces them.
+
+    The "GPU" finishes frame k at F_k = max(F_{k-1}, submitted_k) + period; push(k) returns frame k-1's
+    prediction at F_{k-1}, sleeping until then (as a device synchronisation waits, without the GIL).
+    The scene: a bumpy surface facing a camera that slides sideways, so each frame shows a little
+    new ground, as a real video does.
+    """
+
+    def __init__(self, period_s: float, height: int, width: int, scale_frames: int) -> None:
+        from stream_recon.models.prediction import FRAME_KEY, FRAME_SCALE
+
+        self.period_s, self.scale_frames = period_s, scale_frames
+        self._types = (FRAME_SCALE, FRAME_KEY)
+        rng = np.random.default_rng(0)
+        v, u = np.mgrid[0:height, 0:width].astype(np.float32)
+        self._depth = (3.0 + 0.2 * np.sin(u / 23.0) * np.cos(v / 17.0)).astype(np.float32)
+        self._conf = (1.5 + 3.0 * rng.random((height, width))).astype(np.float32)
+        self._image = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+        focal = 0.9 * width
+        self._intrinsics = np.array([[focal, 0, width / 2], [0, focal, height / 2], [0, 0, 1]], np.float32)
+        self._done_at = 0.0  # F of the last frame submitted
+        self._held: list[tuple[int, float]] = []  # frames submitted, not yet returned
+        self.num_frames = 0
+
+    def push(self, image: Any, timestamp: float | None = None) -> list:
+        now = time.perf_counter()
+        index, self.num_frames = self.num_frames, self.num_frames + 1
+        timestamp = float(index) if timestamp is None else float(timestamp)
+        if index < self.scale_frames:
+            self._held.append((index, timestamp))
+            if index < self.scale_frames - 1:
+                return []
+            self._wait(now + self.scale_frames * self.period_s)
+            held, self._held = self._held, []
+            self._done_at = time.perf_counter()
+            return [self._prediction(i, t) for i, t in held]
+        ready_at = self._done_at
+        self._done_at = max(self._done_at, now) + self.period_s
+        held, self._held = self._held, [(index, timestamp)]
+        self._wait(ready_at)
+        return [self._prediction(i, t) for i, t in held]
+
+    def finish(self) -> list:
+        self._wait(self._done_at)
+        held, self._held = self._held, []
+        return [self._prediction(i, t) for i, t in held]
+
+    def stats(self) -> dict:
+        return {"frames": self.num_frames, "keyframes": self.num_frames, "cached_frames": 0, "cache_bytes": 0,
+                "attention": "stand-in", "cuda_graphs": False}
+
+    @staticmethod
+    def _wait(until: float) -> None:
+        remaining = until - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+
+    def _prediction(self, index: int, timestamp: float) -> Any:
+        from stream_recon.models.prediction import FramePrediction
+
+        c2w = np.eye(4, dtype=np.float32)[:3].copy()
+        c2w[0, 3] = 0.004 * index  # a few pixels of motion per frame at depth 3
+        return FramePrediction(  # fresh arrays per frame, as the engine's copy from the pinned buffers
+            frame_index=index, timestamp=timestamp, frame_type=self._types[index >= self.scale_frames],
+            pose_enc=np.zeros(9, np.float32), c2w=c2w, intrinsics=self._intrinsics.copy(),
+            depth=self._depth.copy(), depth_conf=self._conf.copy(), image=self._image.copy(),
+        )
+
+
+class SceneClient:
+    """A websocket client on the live viewer, in a thread: it connects as a browser does (its camera
+    first, so viser counts it as a client) and receives every scene message, counting bytes. It does not
+    decode the messages: a browser does that in its own process."""
+
+    def __init__(self, port: int) -> None:
+        self.url = f"ws://127.0.0.1:{port}"
+        self.connected_at: float | None = None
+        self.bytes_received = 0
+        self.messages = 0
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._listen()), name="scene-client", daemon=True)
+        self._thread.start()
+
+    async def _listen(self) -> None:
+        import msgspec
+        import viser
+        import websockets
+
+        camera = {"type": "ViewerCameraMessage", "wxyz": [1.0, 0.0, 0.0, 0.0], "position": [0.0, 0.0, -3.0],
+                  "fov": 1.2, "near": 0.01, "far": 100.0, "image_height": 480, "image_width": 640,
+                  "look_at": [0.0, 0.0, 0.0], "up_direction": [0.0, -1.0, 0.0]}
+        while not self._stop.is_set():  # the server starts once the run has its model: retry until then
+            try:
+                async with websockets.connect(self.url, subprotocols=[f"viser-v{viser.__version__}"],
+                                              max_size=None) as socket:
+                    self.connected_at = time.perf_counter()
+                    await socket.send(msgspec.msgpack.encode(camera))
+                    async for raw in socket:
+                        self.bytes_received += len(raw)
+                        self.messages += 1
+                return
+            except (OSError, websockets.InvalidHandshake, websockets.InvalidURI):
+                await asyncio.sleep(0.02)
+            except websockets.ConnectionClosed:
+                return
+            except Exception as error:  # noqa: BLE001 - reported in the result, not raised in a thread
+                self.error = repr(error)
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+# --------------------------------------------------------------------------------------- statistics
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def steady_from(options: Any) -> int:
+    """The first steady-state frame: once the window is full, or half way through a shorter run."""
+    return min(options.scale_frames + options.window, max(options.scale_frames, (options.max_frames or 0) // 2))
+
+
+def interval_stats(times: list[float], frames: list[int], windows: list[int], rollovers: list[int],
+                   steady_from: int) -> dict[str, Any]:
+    """Intervals between first emissions of consecutive new frames, from frame `steady_from` on."""
+    first_seen: dict[int, int] = {}
+    for position, frame in enumerate(frames):
+        first_seen.setdefault(frame, position)
+    new = sorted(first_seen.items())  # (frame, position) in frame order
+    steady = [(frame, pos) for frame, pos in new if frame >= steady_from]
+    intervals = []  # (ms, frame it ended with, a rollover happened in it)
+    for (_, before), (frame, after) in zip(steady, steady[1:], strict=False):
+        rolled = rollovers[after] != rollovers[before] or windows[after] != windows[before]
+        intervals.append((1000 * (times[after] - times[before]), frame, rolled))
+    if not intervals:
+        nan = float("nan")
+        return {"steady_frames": len(steady), "steady_fps": nan, "p50_ms": nan, "p99_ms": nan, "longest_stall_ms": nan}
+    ms = [value for value, _, _ in intervals]
+    p50 = percentile(ms, 50)
+    longest = max(intervals)
+    stalls = [{"ms": round(value, 1), "frame": frame, "rollover": rolled}
+              for value, frame, rolled in intervals if value > STALL_FACTOR * p50]
+    span = times[steady[-1][1]] - times[steady[0][1]]
+    return {
+        "steady_frames": len(steady),
+        "steady_fps": len(intervals) / span if span > 0 else float("nan"),
+        "p50_ms": p50,
+        "p90_ms": percentile(ms, 90),
+        "p99_ms": percentile(ms, 99),
+        "mean_ms": float(np.mean(ms)),
+        "longest_stall_ms": longest[0],
+        "longest_stall_frame": longest[1],
+        "longest_stall_at_rollover": longest[2],
+        "stalls": stalls[:50],
+        "num_stalls": len(stalls),
+        "re_emissions": len(frames) - len(first_seen),
+    }
+
+
+# ------------------------------------------------------------------------------------------ the runs
+
+
+def build_model(args: argparse.Namespace, options: Any, device: str) -> tuple[Any, float]:
+    """The model as run_sequence receives it: prepared for the device, synthetic weights or a checkpoint."""
+    from stream_recon.app.loading import load_model_for, prepared_for_run
+
+    start = time.perf_counter()
+    if args.checkpoint:
+        model = load_model_for(options, device)
+    else:
+        sys.path.insert(0, str(REPO / "scripts"))
+        from bench import build_model as build_synthetic  # scripts/bench.py: the same model, same weights
+
+        model, _ = build_synthetic(args.model)
+        model = prepared_for_run(model, options, device)
+    return model, time.perf_counter() - start
+
+
+def run_options(args: argparse.Namespace, port: int) -> Any:
+    from stream_recon.app.options import RunOptions
+
+    extra = {}
+    for name in ("save_depth", "save_images", "save_predictions"):  # the run's output options
+        value = getattr(args, name)
+        if value is not None:
+            extra[name] = value
+    return RunOptions(
+        checkpoint=args.checkpoint, device=args.device, dtype=args.dtype, attention=args.attention,
+        compile=not args.no_compile, scale_frames=args.scale, window=args.window, window_frames=args.window_frames,
+        overlap=args.overlap, keyframes=args.keyframes, image_width=args.image_width, max_frames=args.frames,
+        viewer=args.viewer, port=port, overwrite=True, **extra,
+    )
+
+
+def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any, device: str) -> dict[str, Any]:
+    """run_sequence on the video, as `stream-recon VIDEO` runs it, with a recorder and (maybe) a client."""
+    from rich.console import Console
+
+    from stream_recon.app import pipeline
+    from stream_recon.app.preprocess import model_input_size
+
+    engines: list[TimedEngine] = []
+    real_build_engine = pipeline.build_engine
+
+    def build_timed_engine(model_: Any, options_: Any, device_: str, dtype: Any, console: Any) -> TimedEngine:
+        if args.stand_in_ms:
+            height, width = model_input_size(*video_size(video), options_.image_width)
+            engine = StandInEngine(args.stand_in_ms / 1000, height, width, options_.scale_frames)
+        else:
+            engine = real_build_engine(model_, options_, device_, dtype, console)
+        engines.append(TimedEngine(engine))
+        return engines[-1]
+
+    viewers: list[Any] = []
+    real_start_viewer = pipeline._start_viewer
+    clients: list[SceneClient] = []
+    client_wait_s = 0.0
+
+    def start_kept_viewer(*args_: Any) -> Any:
+        """The run's viewer; with --client, a client connected to it before the first frame is read (the
+        wait is taken off the first-prediction latency: a browser would be open already)."""
+        nonlocal client_wait_s
+        viewers.append(real_start_viewer(*args_))
+        if viewers[-1] is not None and args.client:
+            waiting_since = time.perf_counter()
+            clients.append(SceneClient(viewers[-1].port))
+            while not viewers[-1].server.get_clients() and time.perf_counter() - waiting_since < 30:
+                if clients[-1].error is not None:
+                    raise RuntimeError(f"the websocket client failed: {clients[-1].error}")
+                time.sleep(0.01)
+            client_wait_s = time.perf_counter() - waiting_since
+        return viewers[-1]
+
+    recorder = DeliveryRecorder()
+    # The progress line is drawn as on a terminal (its cost is part of the run), into /dev/null.
+    console = Console(file=open(os.devnull, "w"), force_terminal=True, width=160)  # noqa: SIM115
+    output_dir = Path(args.output) if args.output else Path(tempfile.mkdtemp(prefix="bench_e2e_"))
+    pipeline.build_engine, pipeline._start_viewer = build_timed_engine, start_kept_viewer
+    try:
+        rss_before = rss_bytes()
+        started = time.perf_counter()
+        summary = pipeline.run_sequence(str(video), output_dir, options, model=model, extra_sinks=[recorder],
+                                        console=console)
+        ended = time.perf_counter()
+    finally:
+        pipeline.build_engine, pipeline._start_viewer = real_build_engine, real_start_viewer
+        for client in clients:
+            client.close()
+    d = recorder.deliveries
+    if summary.status != "complete":
+        raise RuntimeError(f"the run ended {summary.status}: {summary.error}")
+    npz = list((output_dir / "predictions").glob("*.npz"))
+    npz_bytes = sum(path.stat().st_size for path in npz)
+    all_bytes = sum(path.stat().st_size for path in output_dir.rglob("*") if path.is_file())
+    run_json = json.loads((output_dir / "run.json").read_text())
+    timed = engines[0]
+    outside = timed.outside_ms(skip=options.scale_frames)
+    result = {
+        "model_input": "x".join(str(side) for side in reversed(recorder.image_size or ())),
+        "frames": summary.frames,
+        "keyframes": summary.keyframes,
+        "run_s": ended - started,
+        "first_prediction_s": d.times[0] - started - client_wait_s if d.times else float("nan"),
+        "first_prediction_at": d.times[0] - client_wait_s if d.times else float("nan"),
+        **interval_stats(d.times, d.frames, d.windows, d.rollovers, steady_from(options)),
+        "main_thread_outside_engine_ms_p50": percentile(outside, 50),
+        "main_thread_outside_engine_ms_mean": float(np.mean(outside)) if outside else float("nan"),
+        "main_thread_outside_engine_ms_p99": percentile(outside, 99),
+        "engine_push_ms_p50": percentile([1000 * (b - a) for a, b in timed.calls[options.scale_frames:]], 50),
+        "host_rss_gb": max(d.rss, default=rss_bytes()) / 2**30,
+        "host_rss_before_run_gb": rss_before / 2**30,
+        "peak_host_rss_gb": peak_rss_bytes() / 2**30,
+        "bytes_per_frame": npz_bytes / max(1, len(npz)),
+        "output_bytes": all_bytes,
+        "rollovers": run_json["summary"].get("engine", {}).get("rollovers"),
+        "run_json_fps": run_json["summary"].get("fps"),
+        "run_json_model_fps": run_json["summary"].get("model_fps"),
+        "output_dir": str(output_dir),
+    }
+    if viewers and viewers[0] is not None:
+        scene = viewers[0].scene_summary()  # the viewer thread's own time, off the main thread
+        result["viewer"] = {**scene, "busy_ms_per_frame": 1000 * scene["busy_seconds"] / max(1, summary.frames)}
+    if clients:
+        client = clients[0]
+        result["client"] = {"wait_for_connection_s": client_wait_s, "bytes": client.bytes_received,
+                            "messages": client.messages, "error": client.error}
+    if not args.output and not args.keep_output:
+        import shutil
+
+        shutil.rmtree(output_dir, ignore_errors=True)
+    return result
+
+
+def engine_run(args: argparse.Namespace, video: Path, options: Any, model: Any, device: str, dtype: Any) -> dict:
+    """The engine alone on the same frames (decoded and preprocessed first), with the same options:
+    `engine.push` in a tight loop, predictions on the host, nothing written."""
+    from rich.console import Console
+
+    from stream_recon.app.loading import build_engine
+    from stream_recon.app.sources import open_source
+
+    with open_source(str(video), options.selection(), image_width=options.image_width) as source:
+        frames = [(frame.image, frame.timestamp) for frame in source]
+    if args.stand_in_ms:
+        height, width = frames[0][0].shape[-2:]
+        engine = StandInEngine(args.stand_in_ms / 1000, height, width, options.scale_frames)
+    else:
+        engine = build_engine(model, options, device, dtype, Console(file=open(os.devnull, "w")))  # noqa: SIM115
+    recorder = DeliveryRecorder()
+    started = time.perf_counter()
+    for image, timestamp in frames:
+        for pred in engine.push(image, timestamp=timestamp):
+            recorder.on_frame(pred, engine.stats())
+    for pred in engine.finish():
+        recorder.on_frame(pred, engine.stats())
+    d = recorder.deliveries
+    stats = interval_stats(d.times, d.frames, d.windows, d.rollovers, steady_from(options))
+    return {"engine_" + key if not key.startswith("engine") else key: value for key, value in stats.items()} | {
+        "engine_first_prediction_s": d.times[0] - started if d.times else float("nan"),
+        "engine_frames": len(frames),
+    }
+
+
+def sink_costs(video: Path, options: Any, frames: int = 120) -> dict[str, float]:
+    """Median ms per frame of each thing done per frame besides the engine, one at a time on one thread, at
+    the video's model input size: what each thread's share of one core is at a given frame rate."""
+    from stream_recon.app.pointcloud import PointAccumulator
+    from stream_recon.app.preprocess import model_input_size, preprocess_frame_uint8
+    from stream_recon.app.rundir import atomic_write, prediction_arrays
+    from stream_recon.app.viewer import LiveViewer
+
+    def median_ms(call: Any, items: list) -> float:
+        times = []
+        for item in items:
+            start = time.perf_counter()
+            call(item)
+            times.append(time.perf_counter() - start)
+        return 1000 * float(np.median(times[len(times) // 4:]))  # past the first quarter: warm
+
+    height, width = model_input_size(*video_size(video), options.image_width)
+    stand_in = StandInEngine(0.0, height, width, 1)
+    preds = [stand_in._prediction(index, float(index)) for index in range(frames)]
+    capture, decoded, decode_s = cv2.VideoCapture(str(video)), [], []
+    while len(decoded) < min(frames, 60):
+        start = time.perf_counter()
+        if not capture.grab():
+            break
+        decoded.append(cv2.cvtColor(capture.retrieve()[1], cv2.COLOR_BGR2RGB))
+        decode_s.append(time.perf_counter() - start)
+    capture.release()
+    accumulator = PointAccumulator()
+    outputs = options.prediction_outputs()
+    with tempfile.TemporaryDirectory() as folder:
+        def write_npz(pred: Any) -> None:
+            stored = outputs.stored(prediction_arrays(pred))
+            atomic_write(Path(folder) / f"{pred.frame_index:06d}.npz", lambda f: np.savez(f, **stored), binary=True)
+
+        costs = {
+            "decode_ms": 1000 * float(np.median(decode_s)),
+            "preprocess_ms": median_ms(lambda rgb: preprocess_frame_uint8(rgb, options.image_width), decoded),
+            "npz_write_ms": median_ms(write_npz, preds),
+            "point_cloud_ms": median_ms(lambda p: accumulator.add_frame(
+                p.frame_index, p.depth, p.depth_conf, p.intrinsics, p.c2w, p.image), preds),
+        }
+    viewer = LiveViewer(port=free_port(), update_hz=1000.0)
+    try:
+        costs["viewer_on_frame_ms"] = median_ms(lambda p: viewer.on_frame(p, {}), preds)
+        viewer.flush(timeout=60)
+        costs["viewer_thread_ms"] = 1000 * viewer.scene_summary()["busy_seconds"] / len(preds)
+    finally:
+        viewer.close("complete")
+    return costs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("video", nargs="?", help="a video file; default: one made from app/sample (--frames long)")
+    parser.add_argument("--frames", type=int, default=1000, help="frames to run (and to make)")
+    parser.add_argument("--video-size", default="640x468",
+                        help="WxH of the made video; 640x468 becomes the engine bench's 518x378 (640x480: 518x392)")
+    parser.add_argument("--model", default="lingbot-map", help="model preset with synthetic weights (tiny: smoke test)")
+    parser.add_argument("--checkpoint", help="a real checkpoint instead of synthetic weights")
+    parser.add_argument("--stand-in-ms", type=float, default=0.0,
+                        help="no model: a stand-in engine that delivers full-size predictions every this many ms")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--image-width", type=int, default=518, help="model input width")
+    parser.add_argument("--scale", type=int, default=8)
+    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--window-frames", type=int, default=320)
+    parser.add_argument("--overlap", type=int, default=16)
+    parser.add_argument("--keyframes", default="all")
+    parser.add_argument("--viewer", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--client", action="store_true", help="with --viewer: a websocket client receives the scene")
+    parser.add_argument("--port", type=int, default=0, help="viewer port (0: a free one)")
+    parser.add_argument("--save-depth", default=None, help="output option: float32 | float16")
+    parser.add_argument("--save-images", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--save-predictions", default=None, help="output option: all | keyframes")
+    parser.add_argument("--no-engine-run", action="store_true", help="skip the engine-only measurement")
+    parser.add_argument("--sink-costs", action="store_true",
+                        help="also time each per-frame part alone (decode, preprocess, npz, point cloud, viewer)")
+    parser.add_argument("--output", help="run directory (kept); default: a temporary one, removed")
+    parser.add_argument("--keep-output", action="store_true")
+    parser.add_argument("--video-dir", default=tempfile.gettempdir(), help="where a made video is kept for reuse")
+    parser.add_argument("--json", help="write the result here")
+    args = parser.parse_args()
+    process_started = process_start_time()
+
+    import torch
+
+    from stream_recon.app.options import resolve_device, resolve_dtype
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    width, height = (int(side) for side in args.video_size.split("x"))
+    video = Path(args.video) if args.video else Path(args.video_dir) / f"bench_e2e_{args.frames}_{width}x{height}.mp4"
+    if not video.exists():
+        made_at = time.perf_counter()
+        make_video(video, args.frames, width, height)
+        print(f"made {video} ({args.frames} frames, {width}x{height}) in {time.perf_counter() - made_at:.1f} s",
+              file=sys.stderr)
+    port = args.port or free_port()
+    options = run_options(args, port)
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device)
+    # the stand-in needs no model; run_sequence only needs to be told not to load one
+    model, load_s = (StandInModel(), 0.0) if args.stand_in_ms else build_model(args, options, device)
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)",
+        "torch": torch.__version__,
+        "engine": f"stand-in, {args.stand_in_ms:g} ms per frame" if args.stand_in_ms else args.model,
+        "video": str(video),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "video_dir")},
+        "model_load_s": load_s,
+    }
+    result.update(product_run(args, video, options, model, device))
+    result["first_prediction_from_process_start_s"] = time.time() - (time.perf_counter() - result.pop(
+        "first_prediction_at")) - process_started
+    if device.startswith("cuda"):
+        result["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if not args.no_engine_run:
+        import gc
+
+        gc.collect()  # the product run's engine and its cache, before the engine run makes its own
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        result.update(engine_run(args, video, options, model, device, dtype))
+        result["engine_fps"] = result.get("engine_steady_fps", float("nan"))
+        result["product_over_engine"] = result.get("steady_fps", float("nan")) / result["engine_fps"]
+    if args.sink_costs:
+        result["sink_costs_ms"] = sink_costs(video, options)
+    print_table(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(without_nan(result), indent=1) + "\n")
+
+
+def without_nan(value: Any) -> Any:
+    """JSON has no NaN: a measurement that could not be made is null."""
+    if isinstance(value, dict):
+        return {key: without_nan(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [without_nan(item) for item in value]
+    if isinstance(value, (float, np.floating)):
+        return float(value) if np.isfinite(value) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+def video_size(path: Path) -> tuple[int, int]:
+    capture = cv2.VideoCapture(str(path))
+    try:
+        return int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)), int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT))
+    finally:
+        capture.release()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def print_table(result: dict[str, Any]) -> None:
+    rows = [
+        ("device", result["device"]), ("engine", result["engine"]), ("model input", result["model_input"]),
+        ("frames (keyframes)", f"{result['frames']} ({result['keyframes']})"),
+        ("steady FPS: product / engine", f"{result.get('steady_fps', float('nan')):.2f} / "
+                                         f"{result.get('engine_fps', float('nan')):.2f}"),
+        ("interval p50 / p99 ms: product", f"{result.get('p50_ms', float('nan')):.2f} / {result.get('p99_ms', float('nan')):.2f}"),
+        ("interval p50 / p99 ms: engine", f"{result.get('engine_p50_ms', float('nan')):.2f} / "
+                                          f"{result.get('engine_p99_ms', float('nan')):.2f}"),
+        ("longest stall ms (frame, rollover)", f"{result.get('longest_stall_ms', float('nan')):.1f} "
+         f"({result.get('longest_stall_frame')}, {result.get('longest_stall_at_rollover')})"),
+        ("stalls > 3x median", result.get("num_stalls")),
+        ("main thread outside engine ms p50 / mean", f"{result['main_thread_outside_engine_ms_p50']:.2f} / "
+                                                     f"{result['main_thread_outside_engine_ms_mean']:.2f}"),
+        ("first prediction s: run / process", f"{result['first_prediction_s']:.2f} / "
+                                              f"{result['first_prediction_from_process_start_s']:.2f}"),
+        ("model load s", f"{result['model_load_s']:.1f}"),
+        ("host RSS GB (peak)", f"{result['host_rss_gb']:.2f} ({result['peak_host_rss_gb']:.2f})"),
+        ("bytes per frame", f"{result['bytes_per_frame']:,.0f}"),
+    ]
+    for name, value in result.get("sink_costs_ms", {}).items():
+        rows.append((f"alone, ms per frame: {name.removesuffix('_ms')}", f"{value:.3f}"))
+    if "viewer" in result:
+        rows.append(("viewer thread busy ms per frame", f"{result['viewer']['busy_ms_per_frame']:.2f}"))
+    if "client" in result:
+        rows.append(("viewer client: bytes, messages", f"{result['client']['bytes']:,}, {result['client']['messages']}"))
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:>{width}}  {value}")
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()

@@ -1,0 +1,59 @@
+"""scripts/bench_e2e.py runs end to end on the CPU (its smoke test): a video made from the sample frames,
+run_sequence with the live viewer and a websocket client, window rollovers, the engine alone, the JSON.
+
+Numbers are not checked against any speed (that is for scripts, not tests), only that each was measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+REQUIRED_KEYS = ("steady_fps", "engine_fps", "p50_ms", "p99_ms", "first_prediction_s", "longest_stall_ms",
+                 "bytes_per_frame", "host_rss_gb")
+
+
+def run_bench(tmp_path: Path, *args: str) -> dict:
+    result_file = tmp_path / "result.json"
+    command = [sys.executable, str(REPO / "scripts" / "bench_e2e.py"), "--device", "cpu", "--frames", "24",
+               "--image-width", "112", "--scale", "2", "--window", "4", "--video-dir", str(tmp_path),
+               "--json", str(result_file), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "steady FPS: product / engine" in done.stdout  # the table
+    return json.loads(result_file.read_text())
+
+
+def test_tiny_model_with_viewer_client_and_rollovers(tmp_path: Path) -> None:
+    result = run_bench(tmp_path, "--model", "tiny", "--viewer", "--client", "--window-frames", "8", "--overlap", "3",
+                       "--save-predictions", "keyframes", "--no-save-images")
+
+    for key in REQUIRED_KEYS:
+        assert isinstance(result[key], (int, float)) and result[key] > 0, key
+    assert result["frames"] == 24 and result["engine_frames"] == 24
+    assert result["model_input"] == "112x84"
+    assert result["rollovers"] >= 2 and result["re_emissions"] > 0  # frames a later window re-predicted
+    assert result["p99_ms"] >= result["p50_ms"] and result["longest_stall_ms"] >= result["p99_ms"]
+    assert result["first_prediction_from_process_start_s"] > result["first_prediction_s"]
+    assert result["client"]["error"] is None and result["client"]["bytes"] > 0  # the scene reached it
+    assert result["settings"]["save_images"] is False
+    # no image: depth and confidence in float16 (and the fixed fields) are all a frame costs
+    assert result["bytes_per_frame"] < 2 * 2 * 112 * 84 + 4000
+
+
+@pytest.mark.parametrize("viewer", ["--no-viewer", "--viewer"])
+def test_stand_in_engine_measures_the_product_path_alone(tmp_path: Path, viewer: str) -> None:
+    result = run_bench(tmp_path, "--stand-in-ms", "20", viewer)
+
+    assert result["engine"] == "stand-in, 20 ms per frame"
+    for key in REQUIRED_KEYS:
+        assert isinstance(result[key], (int, float)) and result[key] > 0, key
+    assert result["frames"] == result["keyframes"] == 24
+    assert result["main_thread_outside_engine_ms_p50"] >= 0
