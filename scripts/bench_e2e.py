@@ -350,7 +350,7 @@ def run_options(args: argparse.Namespace, port: int) -> Any:
     from stream_recon.app.options import RunOptions
 
     extra = {}
-    for name in ("save_depth", "save_images", "save_predictions"):  # the run's output options
+    for name in ("save_depth", "save_images", "save_predictions", "flow_threshold", "max_gap", "gpu_memory"):
         value = getattr(args, name)
         if value is not None:
             extra[name] = value
@@ -358,7 +358,7 @@ def run_options(args: argparse.Namespace, port: int) -> Any:
         checkpoint=args.checkpoint, device=args.device, dtype=args.dtype, attention=args.attention,
         compile=not args.no_compile, scale_frames=args.scale, window=args.window, window_frames=args.window_frames,
         overlap=args.overlap, keyframes=args.keyframes, image_width=args.image_width, max_frames=args.frames,
-        viewer=args.viewer, port=port, overwrite=True, **extra,
+        kv_cache=args.kv_cache, viewer=args.viewer, port=port, overwrite=True, **extra,
     )
 
 
@@ -562,6 +562,12 @@ def main() -> None:
     parser.add_argument("--window-frames", type=int, default=320)
     parser.add_argument("--overlap", type=int, default=16)
     parser.add_argument("--keyframes", default="all")
+    parser.add_argument("--flow-threshold", type=float, default=None, help="flow keyframes: the threshold in pixels")
+    parser.add_argument("--max-gap", type=int, default=None, help="flow keyframes: most frames between keyframes")
+    parser.add_argument("--kv-cache", default="auto", help="auto | fp8")
+    parser.add_argument("--gpu-memory", default=None,
+                        help="a budget such as 8GiB: the run plans for it (--gpu-memory) and the process is capped at it "
+                        "(torch.cuda.set_per_process_memory_fraction), as on a GPU of that size")
     parser.add_argument("--viewer", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--client", action="store_true", help="with --viewer: a websocket client receives the scene")
     parser.add_argument("--port", type=int, default=0, help="viewer port (0: a free one)")
@@ -593,6 +599,11 @@ def main() -> None:
     port = args.port or free_port()
     options = run_options(args, port)
     device = resolve_device(options.device)
+    if args.gpu_memory and device.startswith("cuda"):
+        from stream_recon.models.memory import parse_memory_size
+
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(parse_memory_size(args.gpu_memory) / total, device)
     dtype = resolve_dtype(options.dtype, device)
     # the stand-in needs no model; run_sequence only needs to be told not to load one
     model, load_s = (StandInModel(), 0.0) if args.stand_in_ms else build_model(args, options, device)
