@@ -416,12 +416,17 @@ def _as_frame_source(source: Any, options: RunOptions) -> FrameSource:
     return frames_source(source, options.selection(), name=str(name), image_width=options.image_width)
 
 
+LIVE_CLOUDS_PER_SECOND = 8.0
+
+
 def _start_viewer(options: RunOptions, console: Console) -> Any:
     if not options.viewer:
         return None
     from stream_recon.app.viewer import LiveViewer  # viser is heavy: only imported when asked for
 
-    viewer = LiveViewer(options.host, options.port, keep_serving=options.keep_viewer)
+    # A live run draws at most LIVE_CLOUDS_PER_SECOND new keyframe clouds a second (LiveViewer says why).
+    viewer = LiveViewer(options.host, options.port, keep_serving=options.keep_viewer,
+                        max_new_clouds_per_second=LIVE_CLOUDS_PER_SECOND)
     console.print(f"live viewer: [bold]{viewer.url}[/bold]")
     return viewer
 

@@ -224,6 +224,7 @@ class LiveViewer:
         points_per_keyframe: int | None = None,
         confidence_drop_percent: float = 10.0,
         update_hz: float = 4.0,
+        max_new_clouds_per_second: float | None = None,
         thumbnail_px: int = 96,  # longer side of the frustum thumbnails; 0 for none
         max_pending: int = 256,
         keep_serving: bool = False,
@@ -239,6 +240,15 @@ class LiveViewer:
         self.max_total_points = max_total_points
         self.max_keyframes = max_keyframes
         self.update_hz = update_hz
+        # New keyframe clouds the scene takes per second, on average (bursts up to one second's worth;
+        # None: every keyframe). A live run sets it: with every frame a keyframe at 40 FPS, a cloud per
+        # keyframe kept the viewer thread busy 29 ms per frame with a browser connected
+        # (scripts/bench_e2e.py on an H100), Python work that competes with the stream's for the
+        # interpreter. Frames 25 ms apart show nearly the same points; the skipped ones still extend
+        # the trajectory, and points.ply keeps every frame.
+        self.max_new_clouds_per_second = max_new_clouds_per_second
+        self._cloud_tokens = max_new_clouds_per_second or 0.0
+        self._tokens_at = time.perf_counter()
         self.thumbnail_px = thumbnail_px
         self.max_pending = max_pending
         self.keep_serving = keep_serving
@@ -462,8 +472,9 @@ class LiveViewer:
                 self._truncate(pending.truncate_after)
             for index, c2w in pending.poses.items():
                 self._centres[index] = np.asarray(c2w, dtype=np.float32)[:3, 3]
+            drawn = self._new_clouds_allowed(pending.predictions)
             for index in sorted(pending.predictions):
-                self._apply_prediction(pending.predictions[index])
+                self._apply_prediction(pending.predictions[index], draw_cloud=index in drawn)
             self._enforce_caps(rebuild_all=pending.rebuild_clouds)
             self._apply_visibility()
             self._update_trajectory()
@@ -492,7 +503,24 @@ class LiveViewer:
         if self._current_index > frame_index:
             self._current_index = -1
 
-    def _apply_prediction(self, pred: FramePrediction) -> None:
+    def _new_clouds_allowed(self, predictions: dict[int, FramePrediction]) -> set[int]:
+        """Which of these new keyframes get a cloud: all while the token bucket holds enough, else as
+        many as it holds, spread evenly over them and always the newest."""
+        rate = self.max_new_clouds_per_second
+        if rate is None:
+            return set(predictions)
+        now = time.perf_counter()
+        self._cloud_tokens = min(rate, self._cloud_tokens + (now - self._tokens_at) * rate)
+        self._tokens_at = now
+        new = [i for i in sorted(predictions) if predictions[i].is_keyframe and i not in self._keyframes
+               and i > self._evicted_up_to]
+        allowed = int(self._cloud_tokens)
+        if len(new) > allowed:
+            new = [new[round(k)] for k in np.linspace(len(new) - 1, 0, allowed)] if allowed else []
+        self._cloud_tokens -= len(new)
+        return set(new)
+
+    def _apply_prediction(self, pred: FramePrediction, draw_cloud: bool = True) -> None:
         index = pred.frame_index
         self._centres[index] = np.asarray(pred.c2w, dtype=np.float32)[:3, 3]
         existing = self._keyframes.get(index)
@@ -501,7 +529,7 @@ class LiveViewer:
                 self._remove_keyframe(index)
             return
         if existing is None:
-            if index > self._evicted_up_to:
+            if index > self._evicted_up_to and draw_cloud:
                 self._add_keyframe(pred)
             return
         wxyz, position = _pose(pred.c2w)

@@ -469,10 +469,10 @@ def test_on_frame_never_waits_for_the_viewer_thread_or_the_browser():
     drawing, release = threading.Event(), threading.Event()
     apply_prediction = live._apply_prediction
 
-    def held_apply_prediction(pred):
+    def held_apply_prediction(pred, **options):
         drawing.set()
         release.wait()
-        apply_prediction(pred)
+        apply_prediction(pred, **options)
 
     live._apply_prediction = held_apply_prediction
 
@@ -645,3 +645,24 @@ def test_browser_renders_the_points(tmp_path):
     background = centre.min(axis=1) > 235
     print(f"green pixels {green.sum()}, non-background {(~background).sum()} of {len(centre)} in the centre")
     assert green.sum() > 1000
+
+
+def test_a_live_viewer_draws_at_most_its_cloud_rate_and_always_the_newest_keyframe():
+    """At 40 keyframes a second (keyframes `all`), the live viewer adds clouds for a bounded number
+    of them, spread over the stream; the rest extend the trajectory only."""
+    live = LiveViewer(port=free_port(), update_hz=20.0, max_new_clouds_per_second=4.0)
+    try:
+        started = time.perf_counter()
+        for index in range(40):  # one second of a 40 FPS stream
+            live.on_frame(orbit_frame(index, frame_type=FRAME_KEY), {})
+            time.sleep(max(0.0, started + (index + 1) / 40 - time.perf_counter()))
+        assert live.flush()
+        elapsed = time.perf_counter() - started
+        shown = sorted(live.shown_keyframes())
+        assert 39 in shown  # the newest is drawn
+        assert len(shown) <= 4 * (1 + elapsed) + 1  # the initial bucket and a second's refill, at most
+        assert len(shown) >= 2 and shown[0] < 20  # spread over the stream, not only its end
+        assert live.scene_summary()["keyframes"] == len(shown)
+    finally:
+        live.close("complete")
+        live.stop()
