@@ -48,10 +48,10 @@ class BackendSpec:
     cuda_half_only: bool = True  # runs on CUDA in bf16/fp16 only
     min_capability: int = 0  # CUDA compute capability (major) it needs
     auto_min_capability: int = 0  # `auto` considers it from this capability on
-    # How it reads an fp8 (e4m3) store: "kernel" (8-bit blocks, scaled inside the kernel), "copy"
-    # (per layer, a dequantised copy of the visible keys and values in the model's dtype: [N, H, D]
-    # each, transient), or "" (it cannot: the paged layout stores the model's dtype only).
-    fp8_reads: str = ""
+    # It reads an fp8 (e4m3) store, through a per-layer dequantised copy of the visible keys and
+    # values in the model's dtype ([N, H, D] each: a transient one, or dense-triton's reused buffer).
+    # The paged layout stores the model's dtype only.
+    reads_fp8: bool = False
     # It reads the visible keys through a per-layer copy of them (the SDPA reference's page gather),
     # which memory plans count like fp8's dequantised copies.
     gathers: bool = False
@@ -104,15 +104,15 @@ BACKENDS: tuple[BackendSpec, ...] = (
                 summary="the same as flashinfer"),
     BackendSpec(name="flashinfer-fa3", layout="paged", factory=_flashinfer_paged("fa3"), needs=("flashinfer",),
                 min_capability=9, summary="FlashInfer paged prefill, Hopper's fa3 kernels"),
-    BackendSpec(name="dense", layout="dense", factory=_dense_sdpa, cuda_half_only=False, fp8_reads="copy",
+    BackendSpec(name="dense", layout="dense", factory=_dense_sdpa, cuda_half_only=False, reads_fp8=True,
                 summary="PyTorch's flash/efficient SDPA over the visible range, read in place"),
     BackendSpec(name="dense-triton", layout="dense", factory=_dense_triton, needs=("triton",), min_capability=9,
-                fp8_reads="kernel",
+                reads_fp8=True,
                 summary="our Triton range kernel (TMA loads) reading its bounds on the device: the whole step one CUDA graph"),
     # cuDNN beat FlashInfer on Hopper only (docs/PERFORMANCE.md); elsewhere FlashInfer comes first.
-    BackendSpec(name="dense-cudnn", layout="dense", factory=_dense_cudnn, auto_min_capability=9, fp8_reads="copy",
+    BackendSpec(name="dense-cudnn", layout="dense", factory=_dense_cudnn, auto_min_capability=9, reads_fp8=True,
                 summary="cuDNN on the patch keys + flash on the special keys, merged by log-sum-exp"),
-    BackendSpec(name="dense-flashinfer", layout="dense", factory=_dense_flashinfer, needs=("flashinfer",), fp8_reads="copy",
+    BackendSpec(name="dense-flashinfer", layout="dense", factory=_dense_flashinfer, needs=("flashinfer",), reads_fp8=True,
                 summary="FlashInfer ragged prefill over the visible range (fa3 on Hopper, fa2 elsewhere)"),
 )
 _BY_NAME = {spec.name: spec for spec in BACKENDS}
@@ -158,7 +158,7 @@ def unavailable_reason(name: str, device: torch.device | str, dtype: torch.dtype
     backend, device = spec(name), torch.device(device)
     if backend.cuda_half_only and (device.type != "cuda" or dtype not in HALF_DTYPES):
         return f"--attention {name} needs bf16/fp16 on a CUDA device (got {_dtype_name(dtype)} on {device})"
-    if stored == fp8.E4M3 and not backend.fp8_reads:
+    if stored == fp8.E4M3 and not backend.reads_fp8:
         return f"--attention {name} cannot read an fp8 K/V cache (the {backend.layout} layout stores the model's dtype)"
     for package in backend.needs:
         if not importable(package):
@@ -204,7 +204,7 @@ def build(backend: BackendSpec, layout: CacheLayout, *, num_layers: int, num_hea
     K/V are stored in (None: dtype; float8_e4m3fn: fp8, dense layout only).
     """
     device = torch.device(device)
-    if stored not in (None, dtype) and not backend.fp8_reads:
+    if stored not in (None, dtype) and not backend.reads_fp8:
         raise ValueError(unavailable_reason(backend.name, device, dtype, stored))
     if backend.layout == "dense":
         bookkeeping = DenseTwoStreamCache(layout, max_frames)

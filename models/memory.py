@@ -239,7 +239,7 @@ class _Estimator:
         streaming = self._step_bytes(1, first=False)
         records = self.device.type == "cuda" and self.config.cuda_graphs and backend.layout == "dense"
         copies = 0
-        if backend.gathers or (stored == fp8.E4M3 and backend.fp8_reads == "copy"):
+        if backend.gathers or (stored == fp8.E4M3 and backend.reads_fp8):
             visible = c.num_special_tokens * self.cached_frames + layout.max_patch_pages * self.patches
             copies = 2 * visible * c.embed_dim * self._element_size
         return MemoryEstimate(

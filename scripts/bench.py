@@ -107,10 +107,6 @@ def attention_flops(engine: StreamingEngine) -> float:
 
 
 def run(args) -> dict:
-    if args.fp8_read:
-        from stream_recon.cache.triton_attention import TritonRangeAttention
-
-        TritonRangeAttention.fp8_read = args.fp8_read
     torch.backends.cuda.matmul.allow_tf32 = True
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded, build_s = build_model(args.model)
@@ -297,9 +293,6 @@ def main():
                         help="feed a live viewer (no browser) in alternating blocks of 10 frames and compare")
     parser.add_argument("--kv-cache", default="auto", choices=["auto", "fp8"],
                         help="K/V cache precision (StreamConfig.kv_cache): auto = the model's, fp8 = e4m3 with scales")
-    parser.add_argument("--fp8-read", choices=["kernel", "scratch"],
-                        help="dense-triton over an fp8 cache: convert blocks in the kernel, or dequantise each layer's "
-                        "range into a bf16 buffer first (TritonRangeAttention.fp8_read)")
     parser.add_argument("--gpu-memory", help="a budget such as 8GiB: StreamConfig.gpu_memory plans the cache for it, "
                         "and the process is capped at it (torch.cuda.set_per_process_memory_fraction)")
     parser.add_argument("--reference", help="checkout of Robbyant/lingbot-map: time it too, in this process")

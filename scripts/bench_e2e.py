@@ -602,8 +602,9 @@ def main() -> None:
     if args.gpu_memory and device.startswith("cuda"):
         from stream_recon.models.memory import parse_memory_size
 
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(parse_memory_size(args.gpu_memory) / total, device)
+        index = torch.device(device).index or 0
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(parse_memory_size(args.gpu_memory) / total, index)
     dtype = resolve_dtype(options.dtype, device)
     # the stand-in needs no model; run_sequence only needs to be told not to load one
     model, load_s = (StandInModel(), 0.0) if args.stand_in_ms else build_model(args, options, device)

@@ -175,9 +175,8 @@ def test_fp8_precision_names():
 
 
 def test_fp8_is_read_by_the_dense_backends_only():
-    assert {name for name in backends.names()[1:] if backends.spec(name).fp8_reads} == {
+    assert {name for name in backends.names()[1:] if backends.spec(name).reads_fp8} == {
         "dense", "dense-triton", "dense-cudnn", "dense-flashinfer"}
-    assert backends.spec("dense-triton").fp8_reads == "kernel"
     # auto on the CPU: the dense layout's SDPA, which reads fp8 (the paged parity path cannot)
     assert backends.resolve("auto", CPU, torch.float32, E4M3).name == "dense"
     assert backends.resolve("auto", CPU, torch.float32).name == "sdpa"
@@ -240,8 +239,7 @@ ATTENTION_SCRIPT = textwrap.dedent("""
 
     torch.manual_seed(0)
     worst = []
-    for start, end, queries, read in eval(sys.argv[1]):
-        TritonRangeAttention.fp8_read = read
+    for start, end, queries in eval(sys.argv[1]):
         kv = DenseKV(num_layers=2, num_heads=2, head_dim=32, capacity=320, dtype=torch.float32, device="cpu",
                      store_dtype=torch.float8_e4m3fn)
         for layer in range(2):  # K/V whose magnitudes differ per token, as the model's do
@@ -252,18 +250,15 @@ ATTENTION_SCRIPT = textwrap.dedent("""
         q = torch.randn(queries, 2, 32) * 2
         out = backend.attend(1, q)
         keys, values = kv.keys_values(1, start, end)  # dequantised: the values the kernel stands for
-        # reading fp8 blocks, the kernel multiplies q.k in fp16 (q rounded to it; the e4m3 keys are exact
-        # there); reading the dequantised scratch, in the store's compute dtype (float32 here)
-        expected = F.scaled_dot_product_attention((q.half().float() if read == "kernel" else q).transpose(0, 1)[None],
+        # the kernel reads the dequantised buffer, in the store's compute dtype (float32 here)
+        expected = F.scaled_dot_product_attention(q.transpose(0, 1)[None],
             keys.float().transpose(0, 1)[None], values.float().transpose(0, 1)[None])[0].transpose(0, 1)
         assert out.shape == q.shape and out.dtype == torch.float32
         worst.append(((out - expected).abs().max() / expected.abs().max()).item())
     print(" ".join(f"{w:.3e}" for w in worst))
 """)
 # Key ranges around the kernel's 128-key blocks and query counts around its 64-row blocks.
-# Both ways of reading the store: fp8 blocks in the range kernel, or a dequantised scratch buffer.
-ATTENTION_CASES = [(*case, read) for case in [(5, 9, 3), (40, 40 + 256, 64), (7, 7 + 300, 70), (0, 129, 130)]
-                   for read in ("kernel", "scratch")]
+ATTENTION_CASES = [(5, 9, 3), (40, 40 + 256, 64), (7, 7 + 300, 70), (0, 129, 130)]
 
 
 def test_fp8_range_kernel_matches_sdpa_over_the_dequantised_keys():
@@ -271,16 +266,4 @@ def test_fp8_range_kernel_matches_sdpa_over_the_dequantised_keys():
     errors = [float(x) for x in interpret(ATTENTION_SCRIPT, ATTENTION_CASES).split()]
     assert len(errors) == len(ATTENTION_CASES)
     for case, error in zip(ATTENTION_CASES, errors, strict=True):
-        assert error <= 1e-5, f"keys [{case[0]}, {case[1]}), {case[2]} queries, {case[3]}: relative error {error:.2e}"
-
-
-def test_fp8_range_kernel_refuses_missing_or_misshapen_exponents():
-    pytest.importorskip("triton", reason="triton is not installed")
-    from stream_recon.cache.triton_attention import attend_range
-
-    q, store = torch.zeros(4, 2, 32), torch.zeros(10, 2, 32, dtype=E4M3)
-    key_range = torch.tensor([0, 10], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"exponents \[2, 10\] for both"):
-        attend_range(q, store, store, key_range, torch.zeros(2, 10, dtype=torch.int8))
-    with pytest.raises(ValueError, match=r"exponents \[2, 10\] for both"):
-        attend_range(q, store, store, key_range, torch.zeros(2, 9, dtype=torch.int8), torch.zeros(2, 9, dtype=torch.int8))
+        assert error <= 1e-5, f"keys [{case[0]}, {case[1]}), {case[2]} queries: relative error {error:.2e}"

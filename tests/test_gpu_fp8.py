@@ -94,11 +94,12 @@ def test_fp8_range_kernel_matches_sdpa_over_the_dequantised_keys(start, end, que
     )[0].transpose(0, 1)
     worst = (outputs["fp8"] - expected).abs().max().item()
     between = (outputs["fp8"] - outputs["bf16"]).abs().max().item()
-    print(f"keys [{start}, {end}), {queries} queries: fp8 kernel vs fp32 SDPA {worst:.2e}, vs the bf16 kernel over the "
+    print(f"keys [{start}, {end}), {queries} queries: fp8 store vs fp32 SDPA {worst:.2e}, vs the bf16 store of the "
           f"same values {between:.2e}")
     scale = expected.abs().max().item()
-    # P and the output are rounded to bf16 (2^-8 relative); bf16 kernels land within 1% of the largest output
-    assert worst <= 1e-2 * scale and between <= 1e-2 * scale
+    # P and the output are rounded to bf16 (2^-8 relative); bf16 kernels land within 1% of the largest output.
+    # The fp8 store is read through its exact bf16 dequantisation by the same kernel: the same bits.
+    assert worst <= 1e-2 * scale and between == 0
 
 
 @pytest.mark.parametrize("attention", ["dense-triton", "dense"])
