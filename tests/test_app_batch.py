@@ -232,6 +232,7 @@ def start_batch_and_wait_for(root, output, sequence_name):
     return process
 
 
+@pytest.mark.slow  # two batch processes
 def test_batch_killed_mid_sequence_completes_when_rerun(tmp_path):
     root = tmp_path / "data"
     write_image_folder(root / "a_short", FRAMES)

@@ -485,6 +485,7 @@ def test_one_frame_is_one_frame(tmp_path: Path, tiny_checkpoint: Path) -> None:
     assert "done: 1 frame (1 keyframe) at" in result.output
 
 
+@pytest.mark.slow  # a CLI process for over 10 s of progress
 def test_progress_is_logged_when_stderr_is_a_file(tmp_path: Path, tiny_checkpoint: Path) -> None:
     # issue 18: with stderr redirected (nohup, CI) nothing was printed between the start and the end
     log = tmp_path / "run.log"
@@ -621,6 +622,7 @@ def test_convert_refuses_a_checkpoint_of_another_architecture(tmp_path: Path, ti
     assert not (tmp_path / "out.safetensors").exists()
 
 
+@pytest.mark.slow  # CLI processes signalled mid-run: ~4 s each
 @pytest.mark.parametrize(
     ("signum", "source_kind"),
     [(signal.SIGINT, "video"), (signal.SIGTERM, "video"), (signal.SIGINT, "live camera")],

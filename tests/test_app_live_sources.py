@@ -29,6 +29,8 @@ from stream_recon.app.pipeline import RunOptions, run_sequence
 from stream_recon.app.sources import Frame, FrameSource, SourceError, TruncatedSourceError, open_source
 from stream_recon.models import GCTStream, ModelConfig
 
+pytestmark = pytest.mark.slow  # real server processes, reconnect back-offs: ~30 s for the module
+
 TESTS = Path(__file__).parent
 CLIP_FRAMES = 100  # 5 s at 20 fps, looped by the servers
 CLIP_FPS = 20

@@ -609,6 +609,7 @@ def test_view_command_rejects_a_folder_without_predictions(tmp_path):
 # ------------------------------------------------------------------------------- headless browser
 
 
+@pytest.mark.slow  # a headless browser: several seconds
 def test_browser_renders_the_points(tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
@@ -620,6 +621,22 @@ def test_browser_renders_the_points(tmp_path):
     assert viewer.flush()
     ARTIFACTS.mkdir(exist_ok=True)
     screenshot = ARTIFACTS / "viewer_screenshot.png"
+    try:
+        # Headless rendering under load sometimes shoots before the scene arrived: one longer try more.
+        for budget_ms in (8000, 20000):
+            green = _green_pixels_in_a_screenshot(chromium, viewer.url, screenshot, tmp_path, budget_ms)
+            if green > 1000:
+                break
+    finally:
+        viewer.close()
+    print(f"viewer screenshot: {screenshot}; green pixels {green} in the centre")
+    assert green > 1000
+
+
+def _green_pixels_in_a_screenshot(chromium: str, url: str, screenshot: Path, tmp_path: Path, budget_ms: int) -> int:
+    """Green pixels in the centre of a headless Chromium screenshot of `url` (0 if none was written)."""
+    import cv2
+
     screenshot.unlink(missing_ok=True)
     # SwiftShader (software WebGL) stands in for the GPU; the virtual-time budget lets the page load,
     # connect, receive the scene and draw before the screenshot is taken.
@@ -627,24 +644,16 @@ def test_browser_renders_the_points(tmp_path):
         chromium, "--headless", "--no-sandbox", "--disable-gpu", "--use-angle=swiftshader",
         "--enable-unsafe-swiftshader", "--disable-quic", "--no-first-run", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'chromium'}",
-        "--window-size=1024,768", "--virtual-time-budget=8000", f"--screenshot={screenshot}", viewer.url,
+        "--window-size=1024,768", f"--virtual-time-budget={budget_ms}", f"--screenshot={screenshot}", url,
     ]  # fmt: skip
-    try:
-        subprocess.run(command, capture_output=True, timeout=60, env={**os.environ, "HOME": str(tmp_path)})
-    finally:
-        viewer.close()
-    print(f"viewer screenshot: {screenshot}")
-    assert screenshot.exists(), "chromium wrote no screenshot"
-    import cv2
-
+    subprocess.run(command, capture_output=True, timeout=90, env={**os.environ, "HOME": str(tmp_path)})
+    if not screenshot.exists():
+        return 0
     image = cv2.imread(str(screenshot))[..., ::-1]  # RGB
     h, w = image.shape[:2]
     centre = image[h // 4 : 3 * h // 4, w // 6 : w // 2 + w // 6].reshape(-1, 3).astype(int)
     # Green cells of the checkerboard; the background is white, frustums grey and orange, the path red.
-    green = (centre[:, 1] > centre[:, 0] + 40) & (centre[:, 1] > centre[:, 2] + 40)
-    background = centre.min(axis=1) > 235
-    print(f"green pixels {green.sum()}, non-background {(~background).sum()} of {len(centre)} in the centre")
-    assert green.sum() > 1000
+    return int(((centre[:, 1] > centre[:, 0] + 40) & (centre[:, 1] > centre[:, 2] + 40)).sum())
 
 
 def test_a_live_viewer_draws_at_most_its_cloud_rate_and_always_the_newest_keyframe():

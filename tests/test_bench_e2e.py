@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the bench's own runs: ~10 s
+
 REPO = Path(__file__).resolve().parent.parent
 REQUIRED_KEYS = ("steady_fps", "engine_fps", "p50_ms", "p99_ms", "first_prediction_s", "longest_stall_ms",
                  "bytes_per_frame", "host_rss_gb")
