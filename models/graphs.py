@@ -29,7 +29,7 @@ import torch
 from stream_recon.cache import DenseKVCache, DeviceValues
 
 from .gct import GCTStream
-from .prepare import float32_exact
+from .prepare import step_precision
 
 
 class _SplitAtAttention:
@@ -210,10 +210,7 @@ class RecordedStep:
         self.timing_events.append((part, start, end))
 
     def _autocast(self):
-        if self.autocast_dtype is None:
-            return float32_exact()
-        # No weight-cast cache: a cached cast made during capture would be freed after it.
-        return torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)
+        return step_precision("cuda", self.autocast_dtype)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stream_recon.cache.backends import importable
+from stream_recon.cache.packages import importable
 
 # The fused QK-norm + RoPE kernel for CUDA; without triton the unfused path serves every case.
 if importable("triton"):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stream_recon.cache import backends
+from stream_recon.cache.packages import importable
 
 from .fused_gelu import fuse_mlp_gelu
 from .gct import GCTStream
@@ -71,7 +71,7 @@ def prepare_for_inference(model: GCTStream, device: str | torch.device | None = 
     half_camera = False
     if half:
         fuse_mlp_gelu(prepared.aggregator)
-        if half_camera_weights and backends.importable("triton"):
+        if half_camera_weights and importable("triton"):
             from .few_token_linear import store_weights_in_half
 
             half_camera = store_weights_in_half(prepared.camera_head) > 0
@@ -144,6 +144,16 @@ def float32_exact():
             yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+def step_precision(device_type: str, autocast_dtype: torch.dtype | None):
+    """The precision context of one step, eager or recorded: exact float32 (autocast_dtype None;
+    float32_exact on CUDA), or autocast to bf16/fp16 without its weight-cast cache: the
+    transformer's weights are in that dtype already, compiled blocks then see one autocast state
+    and compile once, and a cast cached during a graph capture would be freed after it."""
+    if autocast_dtype is None:
+        return float32_exact() if device_type == "cuda" else torch.autocast(device_type, enabled=False)
+    return torch.autocast(device_type, dtype=autocast_dtype, cache_enabled=False)
 
 
 # -- torch.compile ---------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from stream_recon.cache import KVCache, TokenCache
 
 from .gct import GCTStream
 from .graphs import RecordedStep
-from .prepare import float32_exact
+from .prepare import step_precision
 from .staging import FrameUpload, HostStaging, Staged, pack_outputs
 
 
@@ -82,11 +82,7 @@ class EagerRunner:
                                    self.scale_frames)
 
     def _autocast(self):
-        if self.autocast_dtype is None:
-            return float32_exact() if self.device.type == "cuda" else torch.autocast(self.device.type, enabled=False)
-        # No weight-cast cache (the transformer's weights are in this dtype already), as in a
-        # recorded step: compiled blocks then see one autocast state and compile once.
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype, cache_enabled=False)
+        return step_precision(self.device.type, self.autocast_dtype)
 
 
 class GraphRunner(EagerRunner):
