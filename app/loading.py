@@ -96,8 +96,10 @@ class CheckpointDigest:
         return self._digest
 
 
-def build_engine(model: Any, options: RunOptions, device: str, dtype: Any, console: Console) -> Any:
-    """The streaming engine of a run around `model` (a windowed one, for streams of any length)."""
+def build_engine(model: Any, options: RunOptions, device: str, dtype: Any, console: Console,
+                 lookahead: bool | None = None) -> Any:
+    """The streaming engine of a run around `model` (a windowed one, for streams of any length);
+    `lookahead`: WindowedEngine's (None: where it helps and fits)."""
     from stream_recon.models import StreamConfig
     from stream_recon.models.windowed import WindowedEngine
 
@@ -105,7 +107,7 @@ def build_engine(model: Any, options: RunOptions, device: str, dtype: Any, conso
     # a stream shorter than one window runs exactly as a plain StreamingEngine would
     engine = WindowedEngine(
         prepared_for_run(model, options, device), config, window_frames=options.window_frames,
-        overlap=options.overlap, device=device, dtype=dtype,
+        overlap=options.overlap, device=device, dtype=dtype, lookahead=lookahead,
     )
     engine.on_backend_ready = lambda name: announce_backend(name, console)
     engine.on_memory_plan = lambda plan: announce_memory_plan(plan, console)

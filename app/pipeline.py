@@ -156,7 +156,10 @@ def run_sequence(
         sinks: list[Sink] = [FiniteCheck(half_precision=used["dtype"] != "float32"), writer, *extra_sinks]
         if viewer is not None:
             sinks.append(viewer)
-        return _stream(frame_source, engine, writer, sinks, viewer, options, device, console, digest, clock)
+        try:
+            return _stream(frame_source, engine, writer, sinks, viewer, options, device, console, digest, clock)
+        finally:
+            engine.close()  # the next window's worker thread, when the engine has one
     finally:
         frame_source.close()
 

@@ -205,6 +205,11 @@ class StreamingEngine:
         afterwards `num_keyframes` counts it. Its prediction stays for the next push or finish."""
         self._ready += self._deliver(keep=0, settle_only=True)
 
+    @property
+    def image_size(self) -> tuple[int, int] | None:
+        """(height, width) of the stream's frames, once the first one arrived."""
+        return self._image_size
+
     def stats(self) -> dict:
         if self.cache is None:  # no frame yet: same keys, nothing allocated
             return {"frames": 0, "keyframes": 0, "cached_frames": 0, "patch_frames": 0, "patch_pages_in_use": 0,

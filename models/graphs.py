@@ -31,6 +31,10 @@ from stream_recon.cache import DenseKVCache, DeviceValues
 from .gct import GCTStream
 from .prepare import step_precision
 
+# Only the capturing thread is barred from calls that are illegal during a capture: a window's
+# spare engine (models/lookahead.py) records its graph on a worker thread while the stream goes on.
+CAPTURE_MODE = "thread_local"
+
 
 class _SplitAtAttention:
     """The cache callable during recording: writes K/V inside the current segment, then closes it,
@@ -47,7 +51,7 @@ class _SplitAtAttention:
         output = r.cache.attend(layer, query).contiguous()  # allocated outside the graph pool: stays put
         r.splits.append((layer, query, output))
         r.graphs.append(torch.cuda.CUDAGraph())
-        r.graphs[-1].capture_begin(pool=r.pool)
+        r.graphs[-1].capture_begin(pool=r.pool, capture_error_mode=CAPTURE_MODE)
         return output
 
 
@@ -137,10 +141,10 @@ class RecordedStep:
     def _capture(self, stream: torch.cuda.Stream, height: int, width: int) -> None:
         """The embedding, the block segments, the hand-over and the heads, each a graph (inside `record`)."""
         self.embed_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.embed_graph, pool=self.pool, stream=stream):
+        with torch.cuda.graph(self.embed_graph, pool=self.pool, stream=stream, capture_error_mode=CAPTURE_MODE):
             self.tokens = self._embed()
         self.graphs = [torch.cuda.CUDAGraph()]
-        self.graphs[0].capture_begin(pool=self.pool)
+        self.graphs[0].capture_begin(pool=self.pool, capture_error_mode=CAPTURE_MODE)
         try:
             self.slots = self._slots()
             attention = self.cache.step(self.slots) if self.cache.records_attention else _SplitAtAttention(self)
@@ -150,11 +154,11 @@ class RecordedStep:
         # The hand-over is a graph of its own: in a pipelined stream it alone waits for the
         # previous frame's heads, which read the buffers.
         self.handoff_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.handoff_graph, pool=self.pool, stream=stream):
+        with torch.cuda.graph(self.handoff_graph, pool=self.pool, stream=stream, capture_error_mode=CAPTURE_MODE):
             for buffer, layer in zip(self.handoff, layers, strict=True):
                 buffer.copy_(layer)
         self.heads_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.heads_graph, pool=self.heads_pool, stream=stream):
+        with torch.cuda.graph(self.heads_graph, pool=self.heads_pool, stream=stream, capture_error_mode=CAPTURE_MODE):
             outputs = self.model.predict(self.handoff, self.camera_cache, height, width)
             self.outputs = {"pose_enc": outputs["pose_enc"], "depth": outputs["depth"],
                             "depth_conf": outputs["depth_conf"], "packed": self.pack(outputs)}

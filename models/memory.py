@@ -75,6 +75,13 @@ class MemoryEstimate:
         return (self.weights + self.kv_cache + self.camera_cache + self.activations + self.graph_pools
                 + self.attention_copies + self.workspace)
 
+    @property
+    def another_engine(self) -> int:
+        """What a second engine over the same model adds (a window's spare, models/lookahead.py):
+        all but the shared weights and workspace. Its activations count too: it steps on a stream
+        of its own, whose memory the allocator does not share with the first engine's."""
+        return self.total - self.weights - self.workspace
+
     def to_dict(self) -> dict[str, int]:
         return {**{name: getattr(self, name) for name in self.__dataclass_fields__}, "total": self.total}
 

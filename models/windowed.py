@@ -33,6 +33,8 @@ import torch
 
 from .engine import StreamConfig, StreamingEngine
 from .gct import GCTStream
+from .lookahead import SpareEngine
+from .memory import estimate_memory, gib
 from .pose import decode_pose, quat_xyzw_product, quat_xyzw_to_rotation, rotation_to_quat_xyzw
 from .prediction import FramePrediction
 
@@ -147,10 +149,17 @@ class WindowedEngine:
     `overlap` input frames back, which are kept in a ring of that many frames (never the stream).
     Same interface as StreamingEngine; predictions carry `window_index`, and a frame predicted by
     two windows is emitted twice (the later emission is final).
+
+    `lookahead`: predict the next window's shared frames beside the stream on a spare engine
+    (models/lookahead.py), so that a rollover pauses it far less. None: where it helps and fits (a
+    CUDA device, steps replayed as graphs, windows that close at a known frame, room for a second
+    engine); True: also elsewhere (no gain on a CPU; for tests); False: never. Results are the
+    same either way, push by push.
     """
 
     def __init__(self, model: GCTStream, config: StreamConfig | None = None, *, window_frames: int = TRAINED_VIEWS,
-                 overlap: int = 16, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+                 overlap: int = 16, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+                 lookahead: bool | None = None):
         self.config = config or StreamConfig()
         policy = self.config.policy
         scale_frames = self.config.scale_frames
@@ -184,6 +193,12 @@ class WindowedEngine:
         self.engine = StreamingEngine(model, replace(self.config, max_cached_frames=cached), device=device,
                                       dtype=dtype)
         self.model, self.device = self.engine.model, self.engine.device
+        if lookahead and self.dynamic_windows:
+            raise ValueError("lookahead needs windows that close at a known frame: keyframes 'all' or 'interval:N', "
+                             "not 'flow'")
+        self.lookahead = lookahead
+        self._spare: SpareEngine | None = None
+        self._warmup: list[tuple[torch.Tensor, float]] = []  # the first frames, to warm a spare on
         self._replay: deque[tuple[torch.Tensor, float]] = deque(maxlen=overlap)
         self._tail: deque[_AlignedFrame] = deque(maxlen=overlap)
         self.reset()
@@ -192,6 +207,9 @@ class WindowedEngine:
     def reset(self) -> None:
         """Start a new stream: window 0, empty caches, no transforms."""
         self.engine.reset()
+        if self._spare is not None:
+            self._spare.discard()
+        self._ahead_from: int | None = None  # the stream index from which the spare takes frames
         self.num_frames = 0
         self.window_index = 0
         self.window_start = 0  # stream index of the current window's first frame
@@ -212,7 +230,9 @@ class WindowedEngine:
         if self._window_is_full():
             self._roll_over()
         self._outbox += self._receive(self.engine.push(image, timestamp))
-        self._replay.append((torch.as_tensor(image).detach().clone(), timestamp))
+        frame = (torch.as_tensor(image).detach().clone(), timestamp)
+        self._replay.append(frame)
+        self._look_ahead(frame)
         self.num_frames += 1
         emitted, self._outbox = self._outbox, []
         return emitted
@@ -220,8 +240,16 @@ class WindowedEngine:
     def finish(self) -> list[FramePrediction]:
         """End of stream: predict what the current window still buffers. Call reset() to start again."""
         self._outbox += self._receive(self.engine.finish())
+        if self._ahead_from is not None:  # the stream ended before the window it was for
+            self._spare.discard()
+            self._ahead_from = None
         emitted, self._outbox = self._outbox, []
         return emitted
+
+    def close(self) -> None:
+        """Stop the spare engine's worker thread (when there is one)."""
+        if self._spare is not None:
+            self._spare.close()
 
     def stats(self) -> dict:
         stats = self.engine.stats()
@@ -231,7 +259,10 @@ class WindowedEngine:
             window_start=self.window_start,
             rollovers=self.rollovers,
             replay_frames=len(self._replay),
+            lookahead=self._spare is not None,
         )
+        if self._spare is not None:
+            stats["cache_bytes"] += self._spare.engine.stats()["cache_bytes"]
         return stats
 
     @property
@@ -255,7 +286,7 @@ class WindowedEngine:
     @property
     def memory_plan(self):
         """The plan made for StreamConfig.gpu_memory (None before the first frame or without a budget)."""
-        return self.engine.memory_plan
+        return self.engine.memory_plan  # a spare engine carries the same plan
 
     @property
     def chunk_scales(self) -> np.ndarray:
@@ -290,7 +321,11 @@ class WindowedEngine:
             shared = min(shared, self.num_frames - closed_start - self.config.scale_frames)
         self._previous_tail = list(self._tail)[len(self._tail) - shared:]
         self._tail.clear()
-        self.engine.reset()
+        ahead = self._collect_lookahead(shared)
+        if ahead is None:
+            self.engine.reset()
+        else:
+            self.engine = self._spare.swap(self.engine)
         self.window_index += 1
         self.rollovers += 1
         self.window_start = self.num_frames - shared
@@ -303,8 +338,79 @@ class WindowedEngine:
             self.window_index - 1, closed_start, self.num_frames - 1, closed_cached, self.window_index,
             self.window_start, shared,
         )
+        if ahead is not None:  # predicted beside the stream already
+            self._outbox += self._receive(ahead)
+            return
         for image, timestamp in list(self._replay)[len(self._replay) - shared:]:
             self._outbox += self._receive(self.engine.push(image, timestamp))
+
+    # -- the next window, ahead ------------------------------------------------------------
+    def _look_ahead(self, frame: tuple[torch.Tensor, float]) -> None:
+        """After frame `num_frames` went to the current window: warm a spare on the stream's first
+        frames (once), and hand each frame the next window will share to the spare."""
+        if self.dynamic_windows or self.lookahead is False:
+            return
+        index = self.num_frames
+        if self._spare is None:
+            warm_frames = self.config.scale_frames + 1  # the scale step and a recorded streaming step
+            if index < warm_frames:
+                self._warmup.append(frame)
+            if index == warm_frames - 1:
+                if self._wants_spare():
+                    self._spare = SpareEngine(StreamingEngine(self.model, replace(self.engine.config, gpu_memory=None),
+                                                              device=self.device, dtype=self.engine.dtype))
+                    self._spare.engine.memory_plan = self.engine.memory_plan
+                    self._spare.warm(self._warmup)
+                self._warmup = []
+            return
+        if index == self.window_start + self.window_length - self.overlap:
+            self._ahead_from = index
+        if self._ahead_from is not None:
+            self._spare.push(*frame)
+
+    def _collect_lookahead(self, shared: int) -> list[FramePrediction] | None:
+        """At a rollover: the spare's predictions of the `shared` frames, or None when it does not
+        hold exactly them (or failed: then it is dropped and the rollover happens in place)."""
+        ahead_from, self._ahead_from = self._ahead_from, None
+        if ahead_from is None:
+            return None
+        if ahead_from != self.num_frames - shared:
+            self._spare.discard()
+            return None
+        try:
+            return self._spare.collect()
+        except Exception as error:  # e.g. out of memory on the worker: go on without a spare
+            logger.warning("the next window's lookahead failed (%s: %s); rollovers now pause the stream",
+                           type(error).__name__, error)
+            self._spare.close()
+            self._spare = None
+            self.lookahead = False
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return None
+
+    def _wants_spare(self) -> bool:
+        """Whether to run a spare engine: as asked, or (auto) on CUDA, with steps replayed as graphs,
+        when a second engine fits beside the first (in the budget, or in the free device memory)."""
+        if self.lookahead is not None or self.device.type != "cuda":
+            return bool(self.lookahead)
+        engine = self.engine
+        if not engine.runner.records:  # steps launched op by op: a spare would contend for the interpreter
+            logger.info("next window ahead of rollovers: off (steps are not replayed as CUDA graphs)")
+            return False
+        estimate = estimate_memory(self.model, engine.config, engine.image_size)
+        needed = estimate.another_engine
+        if engine.config.gpu_memory is not None:
+            room = engine.config.gpu_memory - engine.memory_plan.estimate.total
+        else:  # free on the device, and what the allocator holds unused; minus a margin for the rest
+            free, _ = torch.cuda.mem_get_info(self.device)
+            unused = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            room = free + unused - estimate.workspace
+        fits = needed <= room
+        logger.info("next window ahead of rollovers: %s (a second engine's cache, graphs and activations: %s; "
+                    "room %s)",
+                    "on" if fits else "off, rollovers pause the stream", gib(needed), gib(max(room, 0)))
+        return fits
 
     def _receive(self, raw_predictions: list[FramePrediction]) -> list[FramePrediction]:
         """Window-local predictions in stream order -> emissions in the first window's frame."""

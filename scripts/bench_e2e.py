@@ -50,6 +50,7 @@ import numpy as np  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_FRAMES = REPO / "app" / "sample"
 STALL_FACTOR = 3.0
+LOOKAHEAD = {"auto": None, "on": True, "off": False}  # --lookahead: WindowedEngine's lookahead
 
 
 def process_start_time() -> float:
@@ -214,6 +215,9 @@ class StandInEngine:
         return {"frames": self.num_frames, "keyframes": self.num_frames, "cached_frames": 0, "cache_bytes": 0,
                 "attention": "stand-in", "cuda_graphs": False}
 
+    def close(self) -> None:
+        """Nothing runs beside it."""
+
     @staticmethod
     def _wait(until: float) -> None:
         remaining = until - time.perf_counter()
@@ -377,7 +381,7 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
             height, width = model_input_size(*video_size(video), options_.image_width)
             engine = StandInEngine(args.stand_in_ms / 1000, height, width, options_.scale_frames)
         else:
-            engine = real_build_engine(model_, options_, device_, dtype, console)
+            engine = real_build_engine(model_, options_, device_, dtype, console, lookahead=LOOKAHEAD[args.lookahead])
         engines.append(TimedEngine(engine))
         return engines[-1]
 
@@ -475,7 +479,8 @@ def engine_run(args: argparse.Namespace, video: Path, options: Any, model: Any, 
         height, width = frames[0][0].shape[-2:]
         engine = StandInEngine(args.stand_in_ms / 1000, height, width, options.scale_frames)
     else:
-        engine = build_engine(model, options, device, dtype, Console(file=open(os.devnull, "w")))  # noqa: SIM115
+        engine = build_engine(model, options, device, dtype, Console(file=open(os.devnull, "w")),  # noqa: SIM115
+                              lookahead=LOOKAHEAD[args.lookahead])
     recorder = DeliveryRecorder()
     started = time.perf_counter()
     for image, timestamp in frames:
@@ -483,6 +488,7 @@ def engine_run(args: argparse.Namespace, video: Path, options: Any, model: Any, 
             recorder.on_frame(pred, engine.stats())
     for pred in engine.finish():
         recorder.on_frame(pred, engine.stats())
+    engine.close()
     d = recorder.deliveries
     stats = interval_stats(d.times, d.frames, d.windows, d.rollovers, steady_from(options))
     return {"engine_" + key if not key.startswith("engine") else key: value for key, value in stats.items()} | {
@@ -568,6 +574,8 @@ def main() -> None:
     parser.add_argument("--gpu-memory", default=None,
                         help="a budget such as 8GiB: the run plans for it (--gpu-memory) and the process is capped at it "
                         "(torch.cuda.set_per_process_memory_fraction), as on a GPU of that size")
+    parser.add_argument("--lookahead", choices=sorted(LOOKAHEAD), default="auto",
+                        help="the next window predicted beside the stream (WindowedEngine's lookahead)")
     parser.add_argument("--viewer", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--client", action="store_true", help="with --viewer: a websocket client receives the scene")
     parser.add_argument("--port", type=int, default=0, help="viewer port (0: a free one)")

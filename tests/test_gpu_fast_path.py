@@ -4,6 +4,8 @@ path. Skipped on machines without CUDA."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -206,3 +208,51 @@ def test_the_cli_on_the_gpu_writes_the_official_outputs(golden_checkpoint, golde
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = defaults
     limits = {key: TOLERANCE for key in ("pose_enc", "c2w", "intrinsics", "depth", "depth_conf")}
     compare_run_with_golden(run_dir, "all_keyframes", limits if dtype == "float32" else BF16_TOLERANCE)
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_a_spare_engine_ahead_of_rollovers_on_its_own_stream_emits_what_rollovers_in_place_emit(pipeline):
+    """The next window predicted on a worker thread and a CUDA stream of its own, its graph recorded
+    while the stream runs: the same emissions, bit for bit, as rollovers done in place."""
+    from stream_recon.models import StreamConfig, prepare_for_inference
+    from stream_recon.models.windowed import WindowedEngine
+
+    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    frames = [(255 * torch.rand(3, 126, 224, generator=generator)).to(torch.uint8) for _ in range(60)]
+    runs = {}
+    for lookahead in (False, True):
+        engine = WindowedEngine(model, StreamConfig(scale_frames=2, window=4, pipeline=pipeline), window_frames=14,
+                                overlap=5, lookahead=lookahead)
+        pushes = [engine.push(frame) for frame in frames]
+        runs[lookahead] = (pushes + [engine.finish()], engine.stats())
+        if lookahead:
+            spare = engine._spare.engine
+            assert engine.engine.runner.records and spare.runner.records  # both recorded, once
+        engine.close()
+    (ahead, ahead_stats), (in_place, in_place_stats) = runs[True], runs[False]
+    assert ahead_stats["lookahead"] and ahead_stats["rollovers"] == in_place_stats["rollovers"] >= 3
+    assert [[(p.frame_index, p.window_index) for p in push] for push in ahead] == \
+        [[(p.frame_index, p.window_index) for p in push] for push in in_place]
+    for a, b in zip([p for push in ahead for p in push], [p for push in in_place for p in push], strict=True):
+        for key in ("pose_enc", "c2w", "depth", "depth_conf"):
+            np.testing.assert_array_equal(getattr(a, key), getattr(b, key))
+
+
+def test_lookahead_is_on_by_default_on_cuda_when_a_second_cache_fits():
+    from stream_recon.models import StreamConfig, prepare_for_inference
+    from stream_recon.models.windowed import WindowedEngine
+
+    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
+    from stream_recon.models.memory import estimate_memory
+
+    frames = [torch.zeros(3, 126, 224, dtype=torch.uint8) for _ in range(5)]
+    config = StreamConfig(scale_frames=2, window=4, max_cached_frames=15)
+    one = estimate_memory(model, config, (126, 224))
+    second = one.another_engine
+    for budget, expected in ((None, True), (one.total + second // 2, False), (one.total + second, True)):
+        engine = WindowedEngine(model, dataclasses.replace(config, gpu_memory=budget), window_frames=14, overlap=5)
+        for frame in frames:
+            engine.push(frame)
+        assert engine.stats()["lookahead"] is expected, budget
+        engine.close()

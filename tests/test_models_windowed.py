@@ -456,3 +456,48 @@ def test_the_first_window_emits_the_models_own_outputs_and_later_ones_keep_its_q
     for ours in (p for p in emitted if p.window_index == 1):
         norm = np.linalg.norm(raw_second[ours.frame_index].pose_enc[3:7])
         assert abs(np.linalg.norm(ours.pose_enc[3:7]) - norm) <= 1e-6 * norm
+
+
+@pytest.mark.parametrize("case", ["all", "interval", "overlap_below_scale"])
+def test_a_spare_engine_ahead_of_rollovers_emits_what_a_rollover_in_place_emits(model, frames, case):
+    """The next window predicted beside the stream (lookahead, on a worker thread) gives the same
+    emissions, push by push, with the same values; a reset and a second stream too."""
+    config, window_frames, overlap, count = CASES[case]
+    count = min(len(frames), 3 * count)
+    runs = {}
+    for lookahead in (False, True):
+        engine = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap, lookahead=lookahead)
+        first = run_live(engine, frames[:count])
+        engine.reset()
+        second = run_live(engine, frames[1:count])
+        runs[lookahead] = (first, second, engine.stats())
+        engine.close()
+    (in_place, stats_in_place), (ahead, stats_ahead) = [((r[0], r[1]), r[2]) for r in (runs[False], runs[True])]
+    assert stats_ahead["lookahead"] and not stats_in_place["lookahead"]
+    assert stats_ahead["rollovers"] == stats_in_place["rollovers"] >= 2
+    for (final_ahead, pushes_ahead), (final_in_place, pushes_in_place) in zip(ahead, in_place, strict=True):
+        assert pushes_ahead == pushes_in_place
+        for index, ours in final_ahead.items():
+            theirs = final_in_place[index]
+            assert (ours.window_index, ours.frame_type) == (theirs.window_index, theirs.frame_type)
+            for key in ("pose_enc", "c2w", "depth", "depth_conf"):
+                np.testing.assert_array_equal(getattr(ours, key), getattr(theirs, key))
+
+
+def test_a_stream_that_ends_during_the_lookahead_leaves_the_next_stream_clean(model, frames):
+    config, window_frames, overlap, _ = CASES["all"]
+    engine = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap, lookahead=True)
+    run_live(engine, frames[:5])  # window 0 is 0-5; the spare took frame 3 and 4 for window 1
+    engine.reset()
+    final, pushes = run_live(engine, frames[:12])
+    reference = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap, lookahead=False)
+    expected, expected_pushes = run_live(reference, frames[:12])
+    assert pushes == expected_pushes
+    for index, ours in final.items():
+        np.testing.assert_array_equal(ours.depth, expected[index].depth)
+    engine.close()
+
+
+def test_lookahead_is_refused_for_flow_windows(model):
+    with pytest.raises(ValueError, match="lookahead needs windows that close at a known frame"):
+        WindowedEngine(model, CASES["flow_mixed"][0], window_frames=6, overlap=3, lookahead=True)

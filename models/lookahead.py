@@ -1,0 +1,107 @@
+"""The next window, begun before the current one closes, so that a rollover pauses the stream far less.
+
+At a rollover the new window predicts its shared frames again (models/windowed.py): one scale step
+over the first `scale_frames` of them, then one step per remaining frame, about 16 frames of work
+at the defaults. Done at the rollover, that work stops the stream for a quarter of a second or more.
+When the window closes at a frame known in advance (keyframes `all` or `interval:N`), a second
+engine, the spare, takes each shared frame as it arrives instead: on a worker thread and a CUDA
+stream of its own, beside the current window's frames. At the rollover the two engines swap roles
+and the stream goes on with the next frame.
+
+The spare runs the same model steps on the same frames in the same order as a rollover in place,
+so what it predicts is the same. It needs a cache and recorded graphs of its own: it is warmed once
+on the stream's first frames (its graph is recorded then, never at a rollover), and it costs a
+second engine's memory (WindowedEngine decides whether there is room).
+
+What it cannot hide: the spare's work can start only once the next window's scale frames have
+arrived, `overlap - scale_frames + 1` frames before the rollover, and a GPU already busy with the
+stream shares itself between the two. What does not fit in those frames' time waits at the rollover
+(docs/PERFORMANCE.md has the numbers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .engine import StreamingEngine
+from .prediction import FramePrediction
+
+
+class SpareEngine:
+    """A StreamingEngine driven from a worker thread, on its own CUDA stream, until it is handed over."""
+
+    def __init__(self, engine: StreamingEngine, priority: int = 0):
+        self.engine = engine
+        # priority: CUDA stream priority of the spare's work (0 as the default stream; lower is more urgent)
+        self._stream = torch.cuda.Stream(engine.device, priority=priority) if engine.device.type == "cuda" else None
+        self.job_times: list[tuple[str, float, float]] = []  # (job, start, end), perf_counter seconds
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-recon-next-window")
+        self._jobs: list[Future] = []
+
+    def warm(self, frames: list[tuple[torch.Tensor, float]]) -> None:
+        """Run the first frames of a stream through the spare and forget them: its first streaming
+        step compiles and records its graph, which then never happens at a rollover."""
+        self._submit(self._warm, frames)
+
+    def push(self, image: torch.Tensor, timestamp: float) -> None:
+        """Queue a frame; its prediction comes back from `collect`."""
+        self._submit(self.engine.push, image, timestamp)
+
+    def collect(self) -> list[FramePrediction]:
+        """Wait for every queued frame; the predictions their pushes returned, oldest first. The
+        current stream then waits for the spare's device work. Raises the first error of a job."""
+        jobs, self._jobs = self._jobs, []
+        results, errors = [], []
+        for job in jobs:
+            try:
+                results += job.result() or []
+            except Exception as error:  # the others still run to completion before the error surfaces
+                errors.append(error)
+        if self._stream is not None:
+            torch.cuda.current_stream(self.engine.device).wait_stream(self._stream)
+        if errors:
+            raise errors[0]
+        return results
+
+    def discard(self) -> None:
+        """Wait for what was queued and start the spare afresh, its predictions dropped."""
+        try:
+            self.collect()
+        finally:
+            self.engine.finish()
+            self.engine.reset()
+
+    def swap(self, closed: StreamingEngine) -> StreamingEngine:
+        """After `collect`: hand the spare's engine over (to be driven from the calling thread) and
+        keep `closed`, reset, as the next spare."""
+        opened, self.engine = self.engine, closed
+        closed.reset()
+        if self._stream is not None:
+            # The new spare's first job must come after what the closed window left on the device.
+            self._stream.wait_stream(torch.cuda.current_stream(closed.device))
+        return opened
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+    def _submit(self, function, *args) -> None:
+        self._jobs.append(self._worker.submit(self._on_stream, function, *args))
+
+    def _on_stream(self, function, *args):
+        started = time.perf_counter()
+        try:
+            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+                return function(*args)
+        finally:
+            self.job_times.append((function.__name__, started, time.perf_counter()))
+            del self.job_times[:-64]
+
+    def _warm(self, frames: list[tuple[torch.Tensor, float]]) -> None:
+        for image, timestamp in frames:
+            self.engine.push(image, timestamp)
+        self.engine.finish()
+        self.engine.reset()
