@@ -136,6 +136,7 @@ class PointAccumulator:
         self._merged_rows = np.empty(0, dtype=np.int64)
         self._recent_keys = np.empty(0, dtype=np.int64)
         self._recent_rows = np.empty(0, dtype=np.int64)
+        self._merged_rows_below = 0  # every row the merged level indexes is below this
 
     def __len__(self) -> int:
         return self._count
@@ -225,17 +226,42 @@ class PointAccumulator:
     def remove_frame(self, frame_index: int) -> None:
         """Drop the points a frame contributed (before its re-emission is added).
 
-        The rows are compacted in place and both levels filtered, which keeps them sorted: no re-sort,
-        so the frames a window rollover re-emits cost a few passes over the cloud each.
+        A frame's rows are contiguous (appended together; removals and coarsening keep the order), so
+        the rows after them move down and only index entries that point at or past them change. The
+        16 frames a window rollover re-emits are the newest: their rows are near the end and their
+        keys in the recent level, so the large merged level is left alone and a removal costs about
+        the frame's own size, not the cloud's (a pass over millions of rows per frame held the writer,
+        and through its full queue the stream, after every rollover).
         """
         n = self._count
-        keep = self._frame[:n] != frame_index
-        if keep.all():
+        rows = np.flatnonzero(self._frame[:n] == frame_index)
+        if len(rows) == 0:
             return
+        first, end = int(rows[0]), int(rows[-1]) + 1
+        if end - first != len(rows):  # not contiguous (never expected): the general pass
+            self._remove_rows(self._frame[:n] != frame_index)
+            return
+        count = end - first
+        for name in ("_keys", "_xyz", "_rgb", "_frame", "_pixel"):
+            array = getattr(self, name)
+            array[first: n - count] = array[end:n].copy()
+        self._count = n - count
+        for level in ("_merged", "_recent"):
+            keys, level_rows = getattr(self, f"{level}_keys"), getattr(self, f"{level}_rows")
+            if level == "_merged" and self._merged_rows_below <= first:
+                continue  # every row it indexes comes before the frame's
+            kept = (level_rows < first) | (level_rows >= end)
+            level_rows = level_rows[kept]
+            level_rows[level_rows >= end] -= count
+            setattr(self, f"{level}_keys", keys[kept])
+            setattr(self, f"{level}_rows", level_rows)
+
+    def _remove_rows(self, keep: np.ndarray) -> None:
+        """Keep the rows where keep [count] is True, in order; both levels filtered and re-indexed."""
         new_row = np.cumsum(keep) - 1  # [n] where each kept row moves to
         for name in ("_keys", "_xyz", "_rgb", "_frame", "_pixel"):
             array = getattr(self, name)
-            kept = array[:n][keep]
+            kept = array[: self._count][keep]
             array[: len(kept)] = kept
         self._count = len(kept)
         for level in ("_merged", "_recent"):
@@ -312,6 +338,7 @@ class PointAccumulator:
         rows = np.concatenate([self._merged_rows, self._recent_rows])
         order = np.argsort(keys, kind="stable")
         self._merged_keys, self._merged_rows = keys[order], rows[order]
+        self._merged_rows_below = self._count
         self._recent_keys = np.empty(0, dtype=np.int64)
         self._recent_rows = np.empty(0, dtype=np.int64)
 
@@ -331,6 +358,7 @@ class PointAccumulator:
         self._count = len(rows)
         order = np.argsort(self._keys, kind="stable")
         self._merged_keys, self._merged_rows = self._keys[order], order.astype(np.int64)
+        self._merged_rows_below = self._count
         self._recent_keys = np.empty(0, dtype=np.int64)
         self._recent_rows = np.empty(0, dtype=np.int64)
 

@@ -466,6 +466,31 @@ def test_accumulator_invariants_under_random_streams(events, max_points):
         np.testing.assert_array_equal(rows, np.arange(n))  # every row indexed exactly once
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 7), st.floats(-2, 2), st.floats(-0.3, 0.3)), min_size=1, max_size=16),
+    st.integers(20, 400),
+)
+def test_removing_a_frames_contiguous_rows_equals_the_general_pass(events, max_points):
+    """The fast removal (shift the rows after the frame's, touch only index entries at or past them)
+    leaves exactly what filtering every row does, through merges and coarsenings."""
+    fast = PointAccumulator(voxel_size=0.01, max_points=max_points)
+    general = PointAccumulator(voxel_size=0.01, max_points=max_points)
+    fast._MIN_RECENT = general._MIN_RECENT = 8  # merges happen within a few frames
+    for frame_index, shift, yaw in events:
+        f = plane_frame(frame_index, height=8, width=10, yaw=yaw, offset=np.array([shift, 0, 0]))
+        fast.remove_frame(frame_index)
+        general._remove_rows(general._frame[: len(general)] != frame_index)
+        for acc in (fast, general):
+            acc.add_frame(frame_index, f.depth, f.depth_conf, f.intrinsics, f.c2w, f.image)
+        n = len(fast)
+        assert n == len(general)
+        for name in ("_keys", "_xyz", "_rgb", "_frame", "_pixel"):
+            np.testing.assert_array_equal(getattr(fast, name)[:n], getattr(general, name)[:n])
+        for name in ("_merged_keys", "_merged_rows", "_recent_keys", "_recent_rows"):
+            np.testing.assert_array_equal(getattr(fast, name), getattr(general, name))
+
+
 def test_writer_memory_stays_bounded_over_a_long_stream(tmp_path):
     """The writer holds poses and the capped cloud, never the depth maps (~50 KB per frame here)."""
     writer = RunWriter(tmp_path / "run", {}, voxel_size=0.001, max_points=2000)
