@@ -210,6 +210,13 @@ class StreamingEngine:
         """(height, width) of the stream's frames, once the first one arrived."""
         return self._image_size
 
+    @property
+    def cache_bytes(self) -> int:
+        """Device bytes the K/V and camera caches hold (0 before the first frame)."""
+        if self.cache is None:
+            return 0
+        return self.cache.bytes_allocated + self.camera_cache.bytes_allocated
+
     def stats(self) -> dict:
         if self.cache is None:  # no frame yet: same keys, nothing allocated
             return {"frames": 0, "keyframes": 0, "cached_frames": 0, "patch_frames": 0, "patch_pages_in_use": 0,
@@ -223,7 +230,7 @@ class StreamingEngine:
             "patch_pages_in_use": self.cache.num_patch_frames,  # one page (slot) per frame
             "special_pages_in_use": -(-self.cache.num_special_tokens // self.cache.layout.page_size),
             "camera_tokens": self.camera_cache.num_committed,
-            "cache_bytes": self.cache.bytes_allocated + self.camera_cache.bytes_allocated,
+            "cache_bytes": self.cache_bytes,
             "attention": self.cache.backend_name,
             "kv_cache": backends.precision_name(self.cache.store_dtype),
             "cuda_graphs": self.runner.records,

@@ -261,8 +261,8 @@ class WindowedEngine:
             replay_frames=len(self._replay),
             lookahead=self._spare is not None,
         )
-        if self._spare is not None:
-            stats["cache_bytes"] += self._spare.engine.stats()["cache_bytes"]
+        if self._spare is not None:  # read only: the spare's worker may be stepping it
+            stats["cache_bytes"] += self._spare.engine.cache_bytes
         return stats
 
     @property
