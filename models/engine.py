@@ -206,6 +206,11 @@ class StreamingEngine:
         self._ready += self._deliver(keep=0, settle_only=True)
 
     @property
+    def frames_received(self) -> int:
+        """Frames pushed since the stream started, the scale frames still buffered included."""
+        return self.num_frames + len(self._buffer)
+
+    @property
     def image_size(self) -> tuple[int, int] | None:
         """(height, width) of the stream's frames, once the first one arrived."""
         return self._image_size
