@@ -46,12 +46,12 @@ class SpareEngine:
         self.job_times: list[tuple[str, float, float]] = []  # (job, start, end), perf_counter seconds
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-recon-next-window")
         self._jobs: list[Future] = []
-        # Pacing, shared with the worker under `_turn`: the device ms the current turn grants, what the
-        # worker issued in it, whether it has issued nothing yet (a turn always lets one stage through),
-        # whether the worker waits for a turn, and whether everything runs without turns (collect).
+        # Pacing, shared with the worker under `_turn`: the device ms the worker may still issue (each
+        # turn adds its budget; what a turn overdraws, up to a budget, or leaves, up to a quarter
+        # budget, carries to the next), whether the turn has let a stage through yet, whether the
+        # worker waits for a turn, and whether everything runs without turns (collect).
         self._turn = threading.Condition()
-        self._allowance = 0.0
-        self._spent = 0.0
+        self._credit = 0.0
         self._fresh = False
         self._waiting = False
         self._draining = False
@@ -78,10 +78,14 @@ class SpareEngine:
         self._submit(self.engine.push, stream, True, image, timestamp)
 
     def advance(self, budget_ms: float) -> None:
-        """Give the spare a turn: it issues queued work worth about `budget_ms` of device time (at
-        least one stage), and this returns when it waits for the next turn or has nothing left."""
+        """Give the spare a turn: it issues queued work worth about `budget_ms` of device time, and
+        this returns when it waits for the next turn or has nothing left. A turn's first stage always
+        goes, the next ones when at least half of them fits in the credit: turns average `budget_ms`
+        and overrun it by at most half a stage (what a turn overran, the next one issues less)."""
         with self._turn:
-            self._allowance, self._spent, self._fresh, self._waiting = budget_ms, 0.0, True, False
+            self._credit = min(max(self._credit, -budget_ms) + budget_ms, 1.25 * budget_ms)
+            self._fresh = True  # a turn lets at least one stage through
+            self._waiting = False
             self._turn.notify_all()
             self._turn.wait_for(lambda: self._waiting or self._unfinished == 0)
 
@@ -108,7 +112,7 @@ class SpareEngine:
                     errors.append(error)
         finally:
             with self._turn:
-                self._draining, self._allowance, self._fresh = False, 0.0, False
+                self._draining, self._credit, self._fresh = False, 0.0, False
         if self._own_stream is not None:
             torch.cuda.current_stream(self.engine.device).wait_stream(self._own_stream)
         if errors:
@@ -168,16 +172,21 @@ class SpareEngine:
         self._begin_stage((kind, index + 1), paced)
 
     def _begin_stage(self, stage: StageKey, paced: bool) -> None:
-        """Wait for a turn with room for this stage (paced jobs), then mark its start."""
-        self._read_timings()
+        """Wait for a turn with room for this stage (paced jobs), then mark its start. Inside a CUDA
+        graph capture neither: reading an event or waiting there would break the capture."""
+        capturing = is_capturing()
+        if not capturing:
+            self._read_timings()
         cost = self.stage_costs.get(stage, 0.0)
         with self._turn:
-            while paced and not self._draining and not self._fresh and self._spent + cost > self._allowance:
+            while (paced and not capturing and not self._draining and not self._fresh
+                   and (self._credit <= 0 or cost / 2 > self._credit)):
                 self._waiting = True
                 self._turn.notify_all()
                 self._turn.wait_for(lambda: not self._waiting)
-            self._fresh = False
-            self._spent += cost
+            if paced:
+                self._credit -= cost
+                self._fresh = False
         self._stage, self._stage_start = stage, self._marker()
 
     def _end_stage(self) -> None:

@@ -42,11 +42,12 @@ logger = logging.getLogger("stream_recon.models.windowed")
 
 TRAINED_VIEWS = 320  # views per sequence the released checkpoints were trained with
 # Device time the next window's lookahead may add to a frame (ms): on an H100 a frame of a full
-# window takes ~25 ms, so a frame with a turn of the spare stays under 50 ms (docs/PERFORMANCE.md).
-LOOKAHEAD_BUDGET_MS = 20.0
-# Frames a closed window may go on predicting while the next one catches up beside the stream: at the
-# budget above a flow window's rollover (nothing of the next window done beforehand) needs ~20.
-MAX_SWITCH_DELAY = 32
+# window takes ~25 ms, so a frame with a turn of the spare (at most ~1.2 budgets) stays under 50 ms.
+LOOKAHEAD_BUDGET_MS = 18.0
+# Frames a closed window may go on predicting while the next one catches up beside the stream. At the
+# budget above the spare gains ~6 ms a frame on a stream of ~12 ms new-window frames, and a flow
+# window's rollover (nothing of the next window done beforehand) starts ~180 ms behind.
+MAX_SWITCH_DELAY = 48
 _DEPTH_EPS = float(np.finfo(np.float32).eps)  # the reference's "depth is not zero" threshold
 _SCALE_RANGE = (1e-3, 1e3)
 

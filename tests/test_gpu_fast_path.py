@@ -233,6 +233,7 @@ def test_a_spare_engine_paced_beside_the_stream_gives_what_rollovers_in_place_gi
             spare = engine._spare.engine
             assert engine.engine.runner.records and spare.runner.records  # both recorded, once
             assert engine._spare.stage_costs  # timed on the device
+            assert engine.lookahead is True  # never fell back to rollovers in place
         engine.close()
     (ahead, ahead_stats), (in_place, in_place_stats) = runs[True], runs[False]
     assert ahead_stats["lookahead"] and ahead_stats["rollovers"] == in_place_stats["rollovers"] >= 3

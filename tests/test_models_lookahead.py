@@ -54,8 +54,9 @@ def test_a_tiny_budget_issues_one_stage_a_turn_and_a_large_one_everything(model,
     while not spare.idle:
         spare.advance(1e-9)
         turns += 1
-    # the buffered scale frames one each, the scale step stage by stage, the streaming step stage by stage
-    assert turns == (SCALE_FRAMES - 1) + scale_stages + stages_of_a_step(model, 1)
+    # the buffered scale frames one each, the scale step stage by stage, the streaming step stage by
+    # stage (its embedding one more)
+    assert turns == (SCALE_FRAMES - 1) + scale_stages + stages_of_a_step(model, 1) + 1
     paced = spare.collect()
 
     spare.engine.reset()

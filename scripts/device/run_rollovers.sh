@@ -6,6 +6,10 @@ set -uo pipefail
 source scripts/device/env.sh >/dev/null
 timeout "${TEST_S:-170}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fast_path.py -k "${TESTS_K:-spare or lookahead}" \
   2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|FAILED|^E " | tail -30
+if [ -n "${BUDGETS:-}" ]; then  # the engine alone around rollovers, at these lookahead budgets
+  timeout "${ROLLOVER_S:-150}" python3 scripts/bench_rollover.py --budgets $BUDGETS 2>&1 | grep -v Warn | tail -24 \
+    | tee "$OUT/rollover.log"
+fi
 e2e() { local name=$1; shift; echo "== $name: $*" | tee -a "$OUT/e2e.log"
   timeout "${E2E_S:-200}" python3 scripts/bench_e2e.py --video-dir /tmp "$@" --json "$OUT/e2e_$name.json" 2>&1 \
     | grep -v Warn | tail -22 | tee -a "$OUT/e2e.log"; }
