@@ -64,12 +64,14 @@ class SpareEngine:
 
     # -- the calling thread ----------------------------------------------------------------
     def warm(self, frames: list[tuple[torch.Tensor, float]]) -> None:
-        """Run the first frames of a stream through the spare and forget them, on its own CUDA stream
-        and without turns: its first streaming step records its graph (never at a rollover), the next
-        one replays it, and every stage is timed once."""
+        """Run the first frames of a stream through the spare and forget them, in turns like the
+        frames of a lookahead: its first streaming step records its graph (never at a rollover), the
+        next one replays it, and every stage is timed once on its own (what the first rollover's
+        turns are planned with; timed beside the stream they would count the stream's work too)."""
+        stream = torch.cuda.current_stream(self.engine.device) if self._own_stream is not None else None
         for image, timestamp in frames:
-            self._submit(self._warm_push, self._own_stream, False, image, timestamp)
-        self._submit(self._forget, self._own_stream, False)
+            self._submit(self._warm_push, stream, True, image, timestamp)
+        self._submit(self._forget, stream, True)
 
     def push(self, image: torch.Tensor, timestamp: float) -> None:
         """Queue a frame, to be issued on the caller's current CUDA stream in the turns `advance`

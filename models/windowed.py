@@ -445,14 +445,15 @@ class WindowedEngine:
                     self._spare.engine.memory_plan = self.engine.memory_plan
                     self._spare.warm(self._warmup)
                     self._replay = deque(self._replay, maxlen=self.overlap + self.max_switch_delay)
+                    self._give_turn()
                 self._warmup = []
             return
         if not self.dynamic_windows and index == self.window_start + self.window_length - self.overlap:
             self._ahead_from = index
         if self._ahead_from is not None:
             self._spare.push(*frame)
-            if self._turn_given_at != index:
-                self._give_turn()
+        if self._turn_given_at != index and not self._spare.idle:  # a lookahead, or the warm-up
+            self._give_turn()
 
     def _give_turn(self) -> None:
         """The spare's share of this frame's time (one per frame)."""
