@@ -97,9 +97,9 @@ class CheckpointDigest:
 
 
 def build_engine(model: Any, options: RunOptions, device: str, dtype: Any, console: Console,
-                 lookahead: bool | None = None, lookahead_budget_ms: float | None = None) -> Any:
+                 lookahead: bool | None = None) -> Any:
     """The streaming engine of a run around `model` (a windowed one, for streams of any length);
-    `lookahead`, `lookahead_budget_ms`: WindowedEngine's (None: its defaults)."""
+    `lookahead`: WindowedEngine's (None: where it helps and fits)."""
     from stream_recon.models import StreamConfig
     from stream_recon.models.windowed import WindowedEngine
 
@@ -108,7 +108,6 @@ def build_engine(model: Any, options: RunOptions, device: str, dtype: Any, conso
     engine = WindowedEngine(
         prepared_for_run(model, options, device), config, window_frames=options.window_frames,
         overlap=options.overlap, device=device, dtype=dtype, lookahead=lookahead,
-        **({} if lookahead_budget_ms is None else {"lookahead_budget_ms": lookahead_budget_ms}),
     )
     engine.on_backend_ready = lambda name: announce_backend(name, console)
     engine.on_memory_plan = lambda plan: announce_memory_plan(plan, console)

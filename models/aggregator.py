@@ -8,7 +8,6 @@ from torch import nn
 from .config import ModelConfig
 from .dino import DinoTrunk
 from .layers import Block, CachedAttention
-from .pacing import stage_boundary
 from .rope import Rope2D, Rope3D, patch_positions_2d, positions_3d
 
 _IMAGE_MEAN = (0.485, 0.456, 0.406)
@@ -90,5 +89,4 @@ class Aggregator(nn.Module):
             tokens = tokens.reshape(num_frames, tokens_per_frame, -1)
             if i in c.output_layers:
                 outputs.append(torch.cat([frame_out, tokens], dim=-1))
-            stage_boundary()  # a long step may be spread over time here (models/pacing.py)
         return outputs

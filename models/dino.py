@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .layers import Block
-from .pacing import stage_boundary
 
 
 class PatchConv(nn.Module):
@@ -68,6 +67,5 @@ class DinoTrunk(nn.Module):
         x = torch.cat([x[:, :1], self.register_tokens.expand(n, -1, -1), x[:, 1:]], dim=1)
         for block in self.blocks:
             x = block(x)
-            stage_boundary()  # a long step may be spread over time here (models/pacing.py)
         x = self.norm(x)
         return x[:, 1 + self.num_registers :]

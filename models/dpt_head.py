@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .pacing import stage_boundary
 
 
 def uv_embedding(height: int, width: int, channels: int, aspect: float, device=None) -> torch.Tensor:
@@ -116,11 +115,8 @@ class DPTHead(nn.Module):
         # Frame by frame: a frame's full-resolution activations are a step's largest tensors (~170 MB
         # at 518x378 in bf16), and the scale frames' step would hold S times that beside a full
         # K/V cache (models/memory.py). One frame's shapes also serve every step (one compilation).
-        frames = []
-        for i in range(layers[0].shape[0]):
-            if i:
-                stage_boundary()  # a scale step's heads are S such stages (models/pacing.py)
-            frames.append(self.decode([layer[i : i + 1] for layer in layers], grid_tables, image_table))
+        frames = [self.decode([layer[i : i + 1] for layer in layers], grid_tables, image_table)
+                  for i in range(layers[0].shape[0])]
         if len(frames) == 1:
             return frames[0]
         return torch.cat([depth for depth, _ in frames]), torch.cat([conf for _, conf in frames])

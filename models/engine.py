@@ -20,7 +20,6 @@ from stream_recon.cache import CacheLayout, KVCache, TokenCache, backends
 from .errors import FrameError, MemoryBudgetError
 from .gct import GCTStream
 from .memory import MemoryPlan, plan_memory
-from .pacing import stage_boundary
 from .pose import camera_motion_flow
 from .prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
 from .prepare import require_prepared
@@ -207,11 +206,6 @@ class StreamingEngine:
         self._ready += self._deliver(keep=0, settle_only=True)
 
     @property
-    def frames_received(self) -> int:
-        """Frames pushed since the stream started, the scale frames still buffered included."""
-        return self.num_frames + len(self._buffer)
-
-    @property
     def image_size(self) -> tuple[int, int] | None:
         """(height, width) of the stream's frames, once the first one arrived."""
         return self._image_size
@@ -272,7 +266,6 @@ class StreamingEngine:
         pending, append this one, finish its step, and deliver what the runner no longer holds."""
         index = self.num_frames
         self.runner.begin(image[None], index)
-        stage_boundary()  # the embedding, then the rest: stages of a step spread over time (models/pacing.py)
         ready = self._deliver(keep=0, settle_only=True)  # a pending flow decision, made now
         self._check_temporal_range(1)
         keyframe = self.policy.decided_before(index, self.config.scale_frames)

@@ -41,13 +41,6 @@ from .prediction import FramePrediction
 logger = logging.getLogger("stream_recon.models.windowed")
 
 TRAINED_VIEWS = 320  # views per sequence the released checkpoints were trained with
-# Device time the next window's lookahead may add to a frame (ms): on an H100 a frame of a full
-# window takes ~25 ms, so a frame with a turn of the spare (at most ~1.2 budgets) stays under 50 ms.
-LOOKAHEAD_BUDGET_MS = 18.0
-# Frames a closed window may go on predicting while the next one catches up beside the stream. At the
-# budget above the spare gains ~6 ms a frame on a stream of ~12 ms new-window frames, and a flow
-# window's rollover (nothing of the next window done beforehand) starts ~180 ms behind.
-MAX_SWITCH_DELAY = 48
 _DEPTH_EPS = float(np.finfo(np.float32).eps)  # the reference's "depth is not zero" threshold
 _SCALE_RANGE = (1e-3, 1e3)
 
@@ -147,14 +140,6 @@ class _AlignedFrame:
     is_keyframe: bool
 
 
-@dataclass(frozen=True)
-class _Closing:
-    """A window past its end, predicting new frames until the spare engine has caught up."""
-
-    end: int  # stream index of the first frame past the window
-    shared: int  # frames the next window shares with it
-
-
 class WindowedEngine:
     """A StreamingEngine that rolls over to a new window before the cache outgrows the model.
 
@@ -165,21 +150,16 @@ class WindowedEngine:
     Same interface as StreamingEngine; predictions carry `window_index`, and a frame predicted by
     two windows is emitted twice (the later emission is final).
 
-    `lookahead`: predict the next window beside the stream on a spare engine, a budget of
-    `lookahead_budget_ms` of device time after each frame (models/lookahead.py), so that a rollover
-    does not pause the stream. With keyframes `all` or `interval:N` the spare starts when the next
-    window's first frame arrives, `overlap` frames before the rollover; with `flow` (the closing frame
-    is known only when it comes) at the rollover. Until the spare has caught up, the closing window
-    goes on predicting the new frames (at most `MAX_SWITCH_DELAY`): those provisional emissions are
-    emitted again by the new window, like its shared frames, and the last emission of every frame is
-    the one a rollover in place gives. None: where it helps and fits (a CUDA device, steps replayed
-    as graphs, room for a second engine); True: also elsewhere (no gain on a CPU; for tests); False:
-    never.
+    `lookahead`: predict the next window's shared frames beside the stream on a spare engine
+    (models/lookahead.py), so that a rollover pauses it far less. None: where it helps and fits (a
+    CUDA device, steps replayed as graphs, windows that close at a known frame, room for a second
+    engine); True: also elsewhere (no gain on a CPU; for tests); False: never. Results are the
+    same either way, push by push.
     """
 
     def __init__(self, model: GCTStream, config: StreamConfig | None = None, *, window_frames: int = TRAINED_VIEWS,
                  overlap: int = 16, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 lookahead: bool | None = None, lookahead_budget_ms: float = LOOKAHEAD_BUDGET_MS):
+                 lookahead: bool | None = None):
         self.config = config or StreamConfig()
         policy = self.config.policy
         scale_frames = self.config.scale_frames
@@ -207,27 +187,18 @@ class WindowedEngine:
         interval = policy.interval if policy.kind == "interval" else 1
         # Input frames per window when keyframes follow a fixed rule (unused for flow).
         self.window_length = scale_frames + (window_frames - scale_frames) * interval
-        if lookahead_budget_ms <= 0:
-            raise ValueError(f"lookahead_budget_ms={lookahead_budget_ms} must be positive")
-        # A window's cache holds its cached frames and one pending frame, and with a lookahead the
-        # frames it predicts past its end until the next window takes over: the dense cache
-        # allocates for that many (not the model's whole temporal range), which the memory plan counts.
-        # The switch must also come before the next window could itself close or begin its own
-        # lookahead: fixed windows leave it window_length - 2 * overlap frames, flow windows reach
-        # at most overlap + delay keyframes by then.
-        room = window_frames - overlap - 1 if self.dynamic_windows else self.window_length - 2 * overlap
-        self.max_switch_delay = 0 if lookahead is False else max(
-            0, min(MAX_SWITCH_DELAY, model.config.max_frames - window_frames - 1, room))
-        cached = min(window_frames + 1 + self.max_switch_delay, model.config.max_frames)
+        # A window's cache holds its cached frames and one pending frame: the dense cache allocates
+        # for that many (not the model's whole temporal range), which the memory plan counts.
+        cached = min(window_frames + 1, model.config.max_frames)
         self.engine = StreamingEngine(model, replace(self.config, max_cached_frames=cached), device=device,
                                       dtype=dtype)
         self.model, self.device = self.engine.model, self.engine.device
+        if lookahead and self.dynamic_windows:
+            raise ValueError("lookahead needs windows that close at a known frame: keyframes 'all' or 'interval:N', "
+                             "not 'flow'")
         self.lookahead = lookahead
-        self.lookahead_budget_ms = lookahead_budget_ms
         self._spare: SpareEngine | None = None
         self._warmup: list[tuple[torch.Tensor, float]] = []  # the first frames, to warm a spare on
-        # The frames a new window may have to predict in place: its shared frames (and, with a spare
-        # engine, the frames the closing window predicted past its end, should the spare fail).
         self._replay: deque[tuple[torch.Tensor, float]] = deque(maxlen=overlap)
         self._tail: deque[_AlignedFrame] = deque(maxlen=overlap)
         self.reset()
@@ -239,9 +210,6 @@ class WindowedEngine:
         if self._spare is not None:
             self._spare.discard()
         self._ahead_from: int | None = None  # the stream index from which the spare takes frames
-        self._closing: _Closing | None = None  # a closed window still predicting while the spare catches up
-        self._turn_given_at: int | None = None  # the frame whose push last gave the spare a turn
-        self.switch_delays: list[int] = []  # per rollover, frames the closing window predicted past its end
         self.num_frames = 0
         self.window_index = 0
         self.window_start = 0  # stream index of the current window's first frame
@@ -259,10 +227,8 @@ class WindowedEngine:
     def push(self, image: torch.Tensor | np.ndarray, timestamp: float | None = None) -> list[FramePrediction]:
         """Add frame [3, H, W]; returns the predictions emitted by it, oldest window first."""
         timestamp = float(self.num_frames) if timestamp is None else float(timestamp)
-        if self._closing is None and self._window_is_full():
-            self._close_window()
-        if self._closing is not None and (self._spare.idle or self._delay >= self.max_switch_delay):
-            self._switch()
+        if self._window_is_full():
+            self._roll_over()
         self._outbox += self._receive(self.engine.push(image, timestamp))
         frame = (torch.as_tensor(image).detach().clone(), timestamp)
         self._replay.append(frame)
@@ -273,8 +239,6 @@ class WindowedEngine:
 
     def finish(self) -> list[FramePrediction]:
         """End of stream: predict what the current window still buffers. Call reset() to start again."""
-        if self._closing is not None:  # the next window has begun: it predicts the last frames
-            self._switch()
         self._outbox += self._receive(self.engine.finish())
         if self._ahead_from is not None:  # the stream ended before the window it was for
             self._spare.discard()
@@ -296,7 +260,6 @@ class WindowedEngine:
             rollovers=self.rollovers,
             replay_frames=len(self._replay),
             lookahead=self._spare is not None,
-            switch_delays=list(self.switch_delays),
         )
         if self._spare is not None:  # read only: the spare's worker may be stepping it
             stats["cache_bytes"] += self._spare.engine.cache_bytes
@@ -346,9 +309,8 @@ class WindowedEngine:
             return self.engine.num_keyframes >= self.window_frames
         return self.num_frames - self.window_start >= self.window_length
 
-    def _close_window(self) -> None:
-        """The current window is full: its last frames open the next one, predicted beside the
-        stream by the spare when there is one (the switch comes later), else in place now."""
+    def _roll_over(self) -> None:
+        """Close the current window and open the next one on its last frames."""
         closed_start, closed_cached = self.window_start, self.engine.num_keyframes
         # The closing window's last frame may still be in flight (pipelined streaming): it belongs
         # to this window's emissions and to the tail the next window is aligned on.
@@ -358,84 +320,39 @@ class WindowedEngine:
             # The reference never restarts inside the closing window's scale frames.
             shared = min(shared, self.num_frames - closed_start - self.config.scale_frames)
         self._previous_tail = list(self._tail)[len(self._tail) - shared:]
-        opens_at = self.num_frames - shared
-        logger.info(
-            "window rollover: window %d closed after frames %d-%d (%d cached); window %d starts at frame %d "
-            "and re-predicts %d frames",
-            self.window_index, closed_start, self.num_frames - 1, closed_cached, self.window_index + 1, opens_at,
-            shared,
-        )
-        if self._ahead_from is None and self.dynamic_windows and self._spare is not None:
-            self._ahead_from = opens_at  # flow windows: the spare starts now, on the shared frames
-            for image, timestamp in list(self._replay)[len(self._replay) - shared:]:
-                self._spare.push(image, timestamp)
-            self._give_turn()
-        if self._ahead_from == opens_at:  # the switch comes once the spare has caught up
-            self._closing = _Closing(end=self.num_frames, shared=shared)
-            return
-        if self._ahead_from is not None:  # the spare took other frames (cannot happen with fixed windows)
-            self._spare.discard()
-            self._ahead_from = None
-        self._roll_over_in_place(opens_at, shared)
-
-    @property
-    def _delay(self) -> int:
-        """Frames the closing window has predicted past its end."""
-        return self.num_frames - self._closing.end
-
-    def _switch(self) -> None:
-        """The spare has the next window up to the last frame (or the delay ran out): it becomes the
-        current engine, and its predictions of the shared and delayed frames are emitted."""
-        closing, self._closing = self._closing, None
-        self._ahead_from = None
-        opens_at = closing.end - closing.shared
-        self._outbox += self._receive(self.engine.finish())  # the closing window's last provisional frame
-        self.switch_delays.append(self.num_frames - closing.end)
-        try:
-            ahead = self._spare.collect()
-        except Exception as error:  # e.g. out of memory on the worker: go on without a spare
-            logger.warning("the next window's lookahead failed (%s: %s); rollovers now pause the stream",
-                           type(error).__name__, error)
-            self._spare.close()
-            self._spare = None
-            self.lookahead = False
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            self._roll_over_in_place(opens_at, closing.shared)
-            return
-        self.engine = self._spare.swap(self.engine)
-        self._open_window(opens_at, closing.shared)
-        if self.num_frames > closing.end:
-            logger.info("window %d took over at frame %d, predicted beside the stream (window %d predicted %d "
-                        "frames past its end meanwhile)", self.window_index, self.num_frames, self.window_index - 1,
-                        self.num_frames - closing.end)
-        self._outbox += self._receive(ahead)
-
-    def _roll_over_in_place(self, opens_at: int, shared: int) -> None:
-        """Open the next window on this engine, re-predicting its frames so far now."""
-        self.engine.reset()
-        self._open_window(opens_at, shared)
-        for image, timestamp in list(self._replay)[len(self._replay) - (self.num_frames - opens_at):]:
-            self._outbox += self._receive(self.engine.push(image, timestamp))
-
-    def _open_window(self, opens_at: int, shared: int) -> None:
+        self._tail.clear()
+        ahead = self._collect_lookahead(shared)
+        if ahead is None:
+            self.engine.reset()
+        else:
+            self.engine = self._spare.swap(self.engine)
         self.window_index += 1
         self.rollovers += 1
-        self.window_start = opens_at
+        self.window_start = self.num_frames - shared
         self._num_shared = shared
         self._transform = None
         self._held = []
-        self._tail.clear()  # the closed window's provisional frames past its end included
+        logger.info(
+            "window rollover: window %d closed after frames %d-%d (%d cached); window %d starts at frame %d "
+            "and re-predicts %d frames",
+            self.window_index - 1, closed_start, self.num_frames - 1, closed_cached, self.window_index,
+            self.window_start, shared,
+        )
+        if ahead is not None:  # predicted beside the stream already
+            self._outbox += self._receive(ahead)
+            return
+        for image, timestamp in list(self._replay)[len(self._replay) - shared:]:
+            self._outbox += self._receive(self.engine.push(image, timestamp))
 
     # -- the next window, ahead ------------------------------------------------------------
     def _look_ahead(self, frame: tuple[torch.Tensor, float]) -> None:
         """After frame `num_frames` went to the current window: warm a spare on the stream's first
-        frames (once); hand each frame the next window will have to the spare and give it a turn."""
-        if self.lookahead is False:
+        frames (once), and hand each frame the next window will share to the spare."""
+        if self.dynamic_windows or self.lookahead is False:
             return
         index = self.num_frames
         if self._spare is None:
-            warm_frames = self.config.scale_frames + 2  # the scale step, a recorded and a replayed streaming step
+            warm_frames = self.config.scale_frames + 1  # the scale step and a recorded streaming step
             if index < warm_frames:
                 self._warmup.append(frame)
             if index == warm_frames - 1:
@@ -444,21 +361,33 @@ class WindowedEngine:
                                                               device=self.device, dtype=self.engine.dtype))
                     self._spare.engine.memory_plan = self.engine.memory_plan
                     self._spare.warm(self._warmup)
-                    self._replay = deque(self._replay, maxlen=self.overlap + self.max_switch_delay)
-                    self._give_turn()
                 self._warmup = []
             return
-        if not self.dynamic_windows and index == self.window_start + self.window_length - self.overlap:
+        if index == self.window_start + self.window_length - self.overlap:
             self._ahead_from = index
         if self._ahead_from is not None:
             self._spare.push(*frame)
-        if self._turn_given_at != index and not self._spare.idle:  # a lookahead, or the warm-up
-            self._give_turn()
 
-    def _give_turn(self) -> None:
-        """The spare's share of this frame's time (one per frame)."""
-        self._turn_given_at = self.num_frames
-        self._spare.advance(self.lookahead_budget_ms)
+    def _collect_lookahead(self, shared: int) -> list[FramePrediction] | None:
+        """At a rollover: the spare's predictions of the `shared` frames, or None when it does not
+        hold exactly them (or failed: then it is dropped and the rollover happens in place)."""
+        ahead_from, self._ahead_from = self._ahead_from, None
+        if ahead_from is None:
+            return None
+        if ahead_from != self.num_frames - shared:
+            self._spare.discard()
+            return None
+        try:
+            return self._spare.collect()
+        except Exception as error:  # e.g. out of memory on the worker: go on without a spare
+            logger.warning("the next window's lookahead failed (%s: %s); rollovers now pause the stream",
+                           type(error).__name__, error)
+            self._spare.close()
+            self._spare = None
+            self.lookahead = False
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return None
 
     def _wants_spare(self) -> bool:
         """Whether to run a spare engine: as asked, or (auto) on CUDA, with steps replayed as graphs,

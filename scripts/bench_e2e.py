@@ -311,12 +311,6 @@ def interval_stats(times: list[float], frames: list[int], windows: list[int], ro
         return {"steady_frames": len(steady), "steady_fps": nan, "p50_ms": nan, "p99_ms": nan, "longest_stall_ms": nan}
     ms = [value for value, _, _ in intervals]
     p50 = percentile(ms, 50)
-    # Around each rollover (the switch may come some frames after the window closed): the longest
-    # interval and the mean from 24 frames before it to 40 after.
-    switches = [frame for _, frame, rolled in intervals if rolled]
-    around = [{"frame": switch, "longest_ms": round(max(near), 1), "mean_ms": round(float(np.mean(near)), 1)}
-              for switch in switches
-              if (near := [value for value, frame, _ in intervals if switch - 24 <= frame <= switch + 40])]
     longest = max(intervals)
     stalls = [{"ms": round(value, 1), "frame": frame, "rollover": rolled}
               for value, frame, rolled in intervals if value > STALL_FACTOR * p50]
@@ -331,7 +325,6 @@ def interval_stats(times: list[float], frames: list[int], windows: list[int], ro
         "longest_stall_ms": longest[0],
         "longest_stall_frame": longest[1],
         "longest_stall_at_rollover": longest[2],
-        "around_rollovers": around,
         "stalls": stalls[:50],
         "num_stalls": len(stalls),
         "re_emissions": len(frames) - len(first_seen),
@@ -388,8 +381,7 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
             height, width = model_input_size(*video_size(video), options_.image_width)
             engine = StandInEngine(args.stand_in_ms / 1000, height, width, options_.scale_frames)
         else:
-            engine = real_build_engine(model_, options_, device_, dtype, console, lookahead=LOOKAHEAD[args.lookahead],
-                                       lookahead_budget_ms=args.lookahead_budget_ms)
+            engine = real_build_engine(model_, options_, device_, dtype, console, lookahead=LOOKAHEAD[args.lookahead])
         engines.append(TimedEngine(engine))
         return engines[-1]
 
@@ -455,7 +447,6 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
         "bytes_per_frame": npz_bytes / max(1, len(npz)),
         "output_bytes": all_bytes,
         "rollovers": run_json["summary"].get("engine", {}).get("rollovers"),
-        "switch_delays": timed.stats().get("switch_delays"),
         "run_json_fps": run_json["summary"].get("fps"),
         "run_json_model_fps": run_json["summary"].get("model_fps"),
         "output_dir": str(output_dir),
@@ -489,7 +480,7 @@ def engine_run(args: argparse.Namespace, video: Path, options: Any, model: Any, 
         engine = StandInEngine(args.stand_in_ms / 1000, height, width, options.scale_frames)
     else:
         engine = build_engine(model, options, device, dtype, Console(file=open(os.devnull, "w")),  # noqa: SIM115
-                              lookahead=LOOKAHEAD[args.lookahead], lookahead_budget_ms=args.lookahead_budget_ms)
+                              lookahead=LOOKAHEAD[args.lookahead])
     recorder = DeliveryRecorder()
     started = time.perf_counter()
     for image, timestamp in frames:
@@ -585,8 +576,6 @@ def main() -> None:
                         "(torch.cuda.set_per_process_memory_fraction), as on a GPU of that size")
     parser.add_argument("--lookahead", choices=sorted(LOOKAHEAD), default="auto",
                         help="the next window predicted beside the stream (WindowedEngine's lookahead)")
-    parser.add_argument("--lookahead-budget-ms", type=float, default=None,
-                        help="device ms a frame gives the lookahead (default: WindowedEngine's)")
     parser.add_argument("--viewer", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--client", action="store_true", help="with --viewer: a websocket client receives the scene")
     parser.add_argument("--port", type=int, default=0, help="viewer port (0: a free one)")

@@ -210,13 +210,10 @@ def test_the_cli_on_the_gpu_writes_the_official_outputs(golden_checkpoint, golde
     compare_run_with_golden(run_dir, "all_keyframes", limits if dtype == "float32" else BF16_TOLERANCE)
 
 
-@pytest.mark.parametrize("pipeline, budget_ms", [(True, 1e6), (False, 1e6), (True, 0.05)])
-def test_a_spare_engine_paced_beside_the_stream_gives_what_rollovers_in_place_give(pipeline, budget_ms):
-    """The next window predicted on a worker thread, warmed (its graph recorded) on a CUDA stream of
-    its own while the stream runs, then paced on the stream's: the same final emission for every
-    frame, bit for bit, as rollovers done in place. With a large budget a frame the spare keeps up
-    (the same emissions push by push); with a tiny one the closing window predicts frames past its
-    end until the spare has caught up, and they are emitted again by the new window."""
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_a_spare_engine_ahead_of_rollovers_on_its_own_stream_emits_what_rollovers_in_place_emit(pipeline):
+    """The next window predicted on a worker thread and a CUDA stream of its own, its graph recorded
+    while the stream runs: the same emissions, bit for bit, as rollovers done in place."""
     from stream_recon.models import StreamConfig, prepare_for_inference
     from stream_recon.models.windowed import WindowedEngine
 
@@ -226,28 +223,18 @@ def test_a_spare_engine_paced_beside_the_stream_gives_what_rollovers_in_place_gi
     runs = {}
     for lookahead in (False, True):
         engine = WindowedEngine(model, StreamConfig(scale_frames=2, window=4, pipeline=pipeline), window_frames=14,
-                                overlap=5, lookahead=lookahead, lookahead_budget_ms=budget_ms)
+                                overlap=5, lookahead=lookahead)
         pushes = [engine.push(frame) for frame in frames]
         runs[lookahead] = (pushes + [engine.finish()], engine.stats())
         if lookahead:
             spare = engine._spare.engine
             assert engine.engine.runner.records and spare.runner.records  # both recorded, once
-            assert engine._spare.stage_costs  # timed on the device
-            assert engine.lookahead is True  # never fell back to rollovers in place
         engine.close()
     (ahead, ahead_stats), (in_place, in_place_stats) = runs[True], runs[False]
     assert ahead_stats["lookahead"] and ahead_stats["rollovers"] == in_place_stats["rollovers"] >= 3
-    if budget_ms > 1:
-        assert [[(p.frame_index, p.window_index) for p in push] for push in ahead] == \
-            [[(p.frame_index, p.window_index) for p in push] for push in in_place]
-    else:
-        assert max(ahead_stats["switch_delays"]) > 0
-    final_ahead = {p.frame_index: p for push in ahead for p in push}
-    final_in_place = {p.frame_index: p for push in in_place for p in push}
-    assert final_ahead.keys() == final_in_place.keys()
-    for index, a in final_ahead.items():
-        b = final_in_place[index]
-        assert a.window_index == b.window_index
+    assert [[(p.frame_index, p.window_index) for p in push] for push in ahead] == \
+        [[(p.frame_index, p.window_index) for p in push] for push in in_place]
+    for a, b in zip([p for push in ahead for p in push], [p for push in in_place for p in push], strict=True):
         for key in ("pose_enc", "c2w", "depth", "depth_conf"):
             np.testing.assert_array_equal(getattr(a, key), getattr(b, key))
 
@@ -260,9 +247,8 @@ def test_lookahead_is_on_by_default_on_cuda_when_a_second_cache_fits():
     from stream_recon.models.memory import estimate_memory
 
     frames = [torch.zeros(3, 126, 224, dtype=torch.uint8) for _ in range(5)]
-    config = StreamConfig(scale_frames=2, window=4)
-    sized = WindowedEngine(model, config, window_frames=14, overlap=5).engine.config  # as the window sizes its cache
-    one = estimate_memory(model, sized, (126, 224))
+    config = StreamConfig(scale_frames=2, window=4, max_cached_frames=15)
+    one = estimate_memory(model, config, (126, 224))
     second = one.another_engine
     for budget, expected in ((None, True), (one.total + second // 2, False), (one.total + second, True)):
         engine = WindowedEngine(model, dataclasses.replace(config, gpu_memory=budget), window_frames=14, overlap=5)

@@ -458,56 +458,30 @@ def test_the_first_window_emits_the_models_own_outputs_and_later_ones_keep_its_q
         assert abs(np.linalg.norm(ours.pose_enc[3:7]) - norm) <= 1e-6 * norm
 
 
-def assert_provisional_emissions_are_emitted_again(pushes_ahead, pushes_in_place):
-    """With a lookahead, a push emits what the rollover in place emits there, or frames the closing
-    window predicted past its end (provisional), each emitted again later by a newer window."""
-    ahead = [pair for push in pushes_ahead for pair in push]
-    in_place = [pair for push in pushes_in_place for pair in push]
-    extra = [pair for pair in ahead if pair not in in_place]
-    assert [pair for pair in ahead if pair in in_place] == in_place  # in the same order
-    for position, (frame, window) in enumerate(ahead):
-        if (frame, window) in extra:
-            assert any(f == frame and w > window for f, w in ahead[position + 1:])
-    return extra
-
-
-@pytest.mark.parametrize("budget_ms", [1e6, 1e-6])
-@pytest.mark.parametrize("case", ["all", "interval", "overlap_below_scale", "flow_mixed", "flow_gap", "flow_clamped"])
-def test_a_spare_engine_ahead_of_rollovers_gives_the_results_of_rollovers_in_place(model, frames, case, budget_ms):
+@pytest.mark.parametrize("case", ["all", "interval", "overlap_below_scale"])
+def test_a_spare_engine_ahead_of_rollovers_emits_what_a_rollover_in_place_emits(model, frames, case):
     """The next window predicted beside the stream (lookahead, on a worker thread) gives the same
-    final emission for every frame, with the same values; a reset and a second stream too. With a
-    large budget per frame the spare keeps up and the emissions are the same push by push; with a
-    tiny one (one stage a frame) the closing window predicts frames past its end meanwhile."""
+    emissions, push by push, with the same values; a reset and a second stream too."""
     config, window_frames, overlap, count = CASES[case]
     count = min(len(frames), 3 * count)
     runs = {}
     for lookahead in (False, True):
-        engine = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap, lookahead=lookahead,
-                                lookahead_budget_ms=budget_ms)
+        engine = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap, lookahead=lookahead)
         first = run_live(engine, frames[:count])
-        delays = engine.stats()["switch_delays"]
         engine.reset()
         second = run_live(engine, frames[1:count])
-        runs[lookahead] = (first, second, engine.stats(), delays)
+        runs[lookahead] = (first, second, engine.stats())
         engine.close()
-    (*in_place, stats_in_place, _), (*ahead, stats_ahead, delays) = runs[False], runs[True]
+    (in_place, stats_in_place), (ahead, stats_ahead) = [((r[0], r[1]), r[2]) for r in (runs[False], runs[True])]
     assert stats_ahead["lookahead"] and not stats_in_place["lookahead"]
-    assert stats_ahead["rollovers"] == stats_in_place["rollovers"] >= 1
-    assert delays  # the spare opened at least one window
-    extra = []
+    assert stats_ahead["rollovers"] == stats_in_place["rollovers"] >= 2
     for (final_ahead, pushes_ahead), (final_in_place, pushes_in_place) in zip(ahead, in_place, strict=True):
-        extra += assert_provisional_emissions_are_emitted_again(pushes_ahead, pushes_in_place)
-        if budget_ms > 1:
-            assert pushes_ahead == pushes_in_place
-        assert final_ahead.keys() == final_in_place.keys()
+        assert pushes_ahead == pushes_in_place
         for index, ours in final_ahead.items():
             theirs = final_in_place[index]
             assert (ours.window_index, ours.frame_type) == (theirs.window_index, theirs.frame_type)
             for key in ("pose_enc", "c2w", "depth", "depth_conf"):
                 np.testing.assert_array_equal(getattr(ours, key), getattr(theirs, key))
-    room = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap).max_switch_delay
-    if budget_ms < 1 and room and overlap > config.scale_frames:  # a scale step to do beside the stream
-        assert max(delays) > 0 and extra
 
 
 def test_a_stream_that_ends_during_the_lookahead_leaves_the_next_stream_clean(model, frames):
@@ -522,3 +496,8 @@ def test_a_stream_that_ends_during_the_lookahead_leaves_the_next_stream_clean(mo
     for index, ours in final.items():
         np.testing.assert_array_equal(ours.depth, expected[index].depth)
     engine.close()
+
+
+def test_lookahead_is_refused_for_flow_windows(model):
+    with pytest.raises(ValueError, match="lookahead needs windows that close at a known frame"):
+        WindowedEngine(model, CASES["flow_mixed"][0], window_frames=6, overlap=3, lookahead=True)
