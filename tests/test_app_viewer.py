@@ -124,10 +124,7 @@ class SceneMirror:
         async with websockets.connect(self.url, subprotocols=[subprotocol], max_size=None) as socket_:
             self._socket = socket_
             # A browser reports its camera first; viser counts a client as connected from then on.
-            camera = {"type": "ViewerCameraMessage", "wxyz": [1.0, 0.0, 0.0, 0.0], "position": [0.0, 0.0, -3.0],
-                      "fov": 1.2, "near": 0.01, "far": 100.0, "image_height": 480, "image_width": 640,
-                      "look_at": [0.0, 0.0, 0.0], "up_direction": [0.0, -1.0, 0.0]}  # fmt: skip
-            await socket_.send(msgspec.msgpack.encode(camera))
+            await socket_.send(_camera_message(position=(0.0, 0.0, -3.0)))
             with contextlib.suppress(websockets.ConnectionClosed):
                 async for raw in socket_:
                     try:
@@ -200,6 +197,11 @@ class SceneMirror:
         )
         asyncio.run_coroutine_threadsafe(self._socket.send(message), self._loop).result(timeout=5)
 
+    def report_camera(self, position: tuple[float, float, float]) -> None:
+        """Orbit the camera as a user does: the browser reports its new pose (looking at the origin)."""
+        message = _camera_message(position)
+        asyncio.run_coroutine_threadsafe(self._socket.send(message), self._loop).result(timeout=5)
+
     def world_points(self, keyframe: str) -> np.ndarray:
         """[N, 3] points of `keyframe`'s cloud mapped to the world through its parent's pose."""
         parent, cloud = self.nodes[keyframe], self.nodes[f"{keyframe}/points"]
@@ -211,6 +213,13 @@ class SceneMirror:
             # The listener's loop ends with the connection, so the close future itself never resolves.
             asyncio.run_coroutine_threadsafe(self._socket.close(), self._loop)
         self._thread.join(timeout=10)
+
+
+def _camera_message(position: tuple[float, float, float]) -> bytes:
+    camera = {"type": "ViewerCameraMessage", "wxyz": [1.0, 0.0, 0.0, 0.0], "position": list(position),
+              "fov": 1.2, "near": 0.01, "far": 100.0, "image_height": 480, "image_width": 640,
+              "look_at": [0.0, 0.0, 0.0], "up_direction": [0.0, -1.0, 0.0]}  # fmt: skip
+    return msgspec.msgpack.encode(camera)
 
 
 def _resolve_arrays(value, buffers):
@@ -383,9 +392,17 @@ def test_point_and_keyframe_controls_from_the_browser(viewer):
         mirror.set_gui("Show all", True)
         mirror.wait_for(lambda m: all(m.nodes[name]["visible"] for name in names))
 
-        mirror.camera_look_at = None
+        # The first keyframe already put the camera at the reset view (the viewer thread may do that after
+        # this client connected); the user orbits away first, or "Reset view" would rightly send nothing.
+        orbited = (5.0, -1.0, -4.0)
+        mirror.report_camera(orbited)
+        deadline = time.monotonic() + 30
+        while not any(np.allclose(c.camera.position, orbited) for c in viewer.server.get_clients().values()):
+            assert time.monotonic() < deadline, "the server never saw the orbited camera"
+            time.sleep(0.01)
+        start = (0.0, 0.0, viewer._scene_scale)  # the reset view looks at the start of the reconstruction
         mirror.set_gui("Reset view", True)
-        mirror.wait_for(lambda m: m.camera_look_at is not None)
+        mirror.wait_for(lambda m: m.camera_look_at is not None and np.allclose(m.camera_look_at, start))
     finally:
         mirror.close()
 
