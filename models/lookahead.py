@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -41,6 +41,8 @@ class SpareEngine:
         self.job_times: list[tuple[str, float, float]] = []  # (job, start, end), perf_counter seconds
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-recon-next-window")
         self._jobs: list[Future] = []
+        self._frames = 0  # frames pushed since the spare was last emptied
+        self._scale_job: Future | None = None  # the push that runs the scale step, once queued
 
     def warm(self, frames: list[tuple[torch.Tensor, float]]) -> None:
         """Run the first frames of a stream through the spare and forget them: its first streaming
@@ -50,11 +52,38 @@ class SpareEngine:
     def push(self, image: torch.Tensor, timestamp: float) -> None:
         """Queue a frame; its prediction comes back from `collect`."""
         self._submit(self.engine.push, image, timestamp)
+        self._frames += 1
+        if self._frames == self.engine.config.scale_frames:
+            self._scale_job = self._jobs[-1]
+
+    def catch_up(self, behind: int) -> None:
+        """Wait until at most `behind` queued frames are still unpredicted, once the scale step is done.
+
+        While the spare's scale step runs, the GPU shares itself between it and the stream (both
+        slow down, about evenly); afterwards the stream and the spare's one-frame steps would go on
+        at the same pace, the spare as many frames behind as the scale step left it, and all of that
+        would wait at the rollover. Holding the stream back here instead spreads that backlog over the
+        frames before the rollover (docs/PERFORMANCE.md, ninth session).
+        """
+        if self._scale_job is None or not self._scale_job.done():
+            return
+        waiting = self._jobs[: max(len(self._jobs) - behind, 0)]
+        if waiting:
+            wait(waiting)  # errors surface in collect
+
+    def take_ready(self) -> list[FramePrediction]:
+        """The predictions of the oldest queued frames whose jobs have finished, without waiting; they
+        are not returned again by `collect`. A failed job stays queued (its error surfaces there)."""
+        results = []
+        while self._jobs and self._jobs[0].done() and self._jobs[0].exception() is None:
+            results += self._jobs.pop(0).result() or []
+        return results
 
     def collect(self) -> list[FramePrediction]:
         """Wait for every queued frame; the predictions their pushes returned, oldest first. The
         current stream then waits for the spare's device work. Raises the first error of a job."""
         jobs, self._jobs = self._jobs, []
+        self._frames, self._scale_job = 0, None
         results, errors = [], []
         for job in jobs:
             try:

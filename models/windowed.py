@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -43,6 +44,9 @@ logger = logging.getLogger("stream_recon.models.windowed")
 TRAINED_VIEWS = 320  # views per sequence the released checkpoints were trained with
 _DEPTH_EPS = float(np.finfo(np.float32).eps)  # the reference's "depth is not zero" threshold
 _SCALE_RANGE = (1e-3, 1e3)
+# Once its scale step is done, the spare engine may be this many queued frames behind when the stream
+# takes a frame: more, and the stream waits for it (SpareEngine.catch_up).
+SPARE_BEHIND = 1
 
 
 # -- Sim(3) helpers (float64, numpy) -------------------------------------------------------------
@@ -90,40 +94,58 @@ class Sim3:
         return out.astype(pose_enc.dtype)
 
 
+def depth_ratios(target_depth: np.ndarray, source_depth: np.ndarray) -> np.ndarray:
+    """target / source [N] at the pixels where both are finite and the source is not ~0.
+
+    One frame's (or several frames') depth as predicted by two windows, any shape. The division is
+    float32, as the reference divides (float32 tensors), so every ratio is the reference's to the bit.
+    """
+    target = np.asarray(target_depth, np.float32).ravel()
+    source = np.asarray(source_depth, np.float32).ravel()
+    valid = np.isfinite(target) & np.isfinite(source) & (np.abs(source) > _DEPTH_EPS)
+    return target[valid] / source[valid]
+
+
+def median_ratio_scale(ratios: Sequence[np.ndarray]) -> float:
+    """The lower middle value of all the ratios of several frames (torch.median's rule, which the
+    reference uses), clamped to [1e-3, 1e3]; 1.0 when there is none."""
+    ratios = [r for r in ratios if r.size]
+    if not ratios:
+        return 1.0
+    values = np.concatenate(ratios) if len(ratios) > 1 else ratios[0].copy()
+    middle = (values.size - 1) // 2
+    return float(np.clip(np.partition(values, middle)[middle], *_SCALE_RANGE))
+
+
 def depth_ratio_scale(target_depth: np.ndarray, source_depth: np.ndarray) -> float:
     """Median of target / source over all pixels where both are finite and the source is not ~0.
 
-    target_depth, source_depth [K, H, W] for the same K frames. The median is the lower middle
-    value for an even count (torch.median's rule, which the reference uses). Clamped to
-    [1e-3, 1e3]; 1.0 when no pixel qualifies.
+    target_depth, source_depth [K, H, W] for the same K frames (spec §14's scale).
     """
-    target = np.asarray(target_depth, np.float64).ravel()
-    source = np.asarray(source_depth, np.float64).ravel()
-    valid = np.isfinite(target) & np.isfinite(source) & (np.abs(source) > _DEPTH_EPS)
-    if not valid.any():
-        return 1.0
-    ratios = target[valid] / source[valid]
-    middle = (ratios.size - 1) // 2
-    return float(np.clip(np.partition(ratios, middle)[middle], *_SCALE_RANGE))
+    return median_ratio_scale([depth_ratios(target_depth, source_depth)])
 
 
-def estimate_window_alignment(target_pose_enc: np.ndarray, target_depth: np.ndarray, target_keyframe: np.ndarray,
-                              source_pose_enc: np.ndarray, source_depth: np.ndarray,
-                              source_keyframe: np.ndarray) -> Sim3:
+def estimate_window_alignment(target_pose_enc: np.ndarray, target_depth: Sequence[np.ndarray],
+                              target_keyframe: np.ndarray, source_pose_enc: np.ndarray,
+                              source_depth: Sequence[np.ndarray], source_keyframe: np.ndarray,
+                              ratios: Mapping[int, np.ndarray] | None = None) -> Sim3:
     """The Sim(3) taking the source window's predictions of the shared frames onto the target's.
 
     Inputs are the K shared frames in stream order, as predicted by each window: pose_enc [K, 9],
-    depth [K, H, W], keyframe [K] bool (scale frames count as keyframes). Frames that are keyframes
+    depth K x [H, W], keyframe [K] bool (scale frames count as keyframes). Frames that are keyframes
     in both windows are paired; the last pair anchors rotation and translation (the first shared
-    frame when there is no pair) and the depth of all pairs gives the scale (spec §14).
+    frame when there is no pair) and the depth of all pairs gives the scale (spec §14). `ratios`:
+    depth_ratios of some frames already computed, by position in the K.
     """
     paired = np.flatnonzero(np.asarray(target_keyframe, bool) & np.asarray(source_keyframe, bool))
     anchor = int(paired[-1]) if paired.size else 0
     depth_rows = paired if paired.size else np.array([0])
+    ratios = ratios or {}
+    scale = median_ratio_scale([ratios[k] if k in ratios else depth_ratios(target_depth[k], source_depth[k])
+                                for k in depth_rows.tolist()])
     target_rotation = quat_xyzw_to_rotation(target_pose_enc[anchor, 3:7])
     source_rotation = quat_xyzw_to_rotation(source_pose_enc[anchor, 3:7])
     rotation = target_rotation @ source_rotation.T
-    scale = depth_ratio_scale(np.asarray(target_depth)[depth_rows], np.asarray(source_depth)[depth_rows])
     target_centre = np.asarray(target_pose_enc[anchor, :3], np.float64)
     source_centre = np.asarray(source_pose_enc[anchor, :3], np.float64)
     return Sim3(scale, rotation, target_centre - scale * rotation @ source_centre)
@@ -210,6 +232,8 @@ class WindowedEngine:
         if self._spare is not None:
             self._spare.discard()
         self._ahead_from: int | None = None  # the stream index from which the spare takes frames
+        self._ahead_ready: list[FramePrediction] = []  # the spare's predictions taken before the rollover
+        self._early_ratios: dict[int, np.ndarray] = {}  # frame index -> its depth_ratios, for the next transform
         self.num_frames = 0
         self.window_index = 0
         self.window_start = 0  # stream index of the current window's first frame
@@ -229,10 +253,13 @@ class WindowedEngine:
         timestamp = float(self.num_frames) if timestamp is None else float(timestamp)
         if self._window_is_full():
             self._roll_over()
+        if self._ahead_from is not None:
+            self._spare.catch_up(SPARE_BEHIND)
         self._outbox += self._receive(self.engine.push(image, timestamp))
         frame = (torch.as_tensor(image).detach().clone(), timestamp)
         self._replay.append(frame)
         self._look_ahead(frame)
+        self._take_ahead()
         self.num_frames += 1
         emitted, self._outbox = self._outbox, []
         return emitted
@@ -243,6 +270,7 @@ class WindowedEngine:
         if self._ahead_from is not None:  # the stream ended before the window it was for
             self._spare.discard()
             self._ahead_from = None
+            self._ahead_ready, self._early_ratios = [], {}
         emitted, self._outbox = self._outbox, []
         return emitted
 
@@ -368,23 +396,43 @@ class WindowedEngine:
         if self._ahead_from is not None:
             self._spare.push(*frame)
 
+    def _take_ahead(self) -> None:
+        """While the spare is ahead: take what it has predicted so far (never waiting), and compute the
+        depth ratios of each shared frame both windows have predicted as keyframes, so that the
+        transform at the rollover has little left to do (a median over ~3 million pixels at the
+        defaults: tens of ms at once, a fraction of a ms per frame spread out)."""
+        if self._ahead_from is None:
+            return
+        self._ahead_ready += self._spare.take_ready()
+        tail = {aligned.frame_index: aligned for aligned in self._tail}
+        for raw in self._ahead_ready:
+            index = self._ahead_from + raw.frame_index
+            previous = tail.get(index)
+            if index in self._early_ratios or previous is None:
+                continue
+            if raw.is_keyframe and previous.is_keyframe:
+                self._early_ratios[index] = depth_ratios(previous.depth, raw.depth)
+
     def _collect_lookahead(self, shared: int) -> list[FramePrediction] | None:
         """At a rollover: the spare's predictions of the `shared` frames, or None when it does not
         hold exactly them (or failed: then it is dropped and the rollover happens in place)."""
         ahead_from, self._ahead_from = self._ahead_from, None
+        ready, self._ahead_ready = self._ahead_ready, []
         if ahead_from is None:
             return None
         if ahead_from != self.num_frames - shared:
             self._spare.discard()
+            self._early_ratios = {}
             return None
         try:
-            return self._spare.collect()
+            return ready + self._spare.collect()
         except Exception as error:  # e.g. out of memory on the worker: go on without a spare
             logger.warning("the next window's lookahead failed (%s: %s); rollovers now pause the stream",
                            type(error).__name__, error)
             self._spare.close()
             self._spare = None
             self.lookahead = False
+            self._early_ratios = {}
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             return None
@@ -428,12 +476,15 @@ class WindowedEngine:
     def _estimate_transform(self, shared: list[FramePrediction]) -> Sim3:
         previous = self._previous_tail
         assert [p.frame_index for p in previous] == [s.frame_index for s in shared]
+        ratios = {k: self._early_ratios[s.frame_index] for k, s in enumerate(shared)
+                  if s.frame_index in self._early_ratios}
         transform = estimate_window_alignment(
-            np.stack([p.pose_enc for p in previous]), np.stack([p.depth for p in previous]),
+            np.stack([p.pose_enc for p in previous]), [p.depth for p in previous],
             np.array([p.is_keyframe for p in previous]),
-            np.stack([s.pose_enc for s in shared]), np.stack([s.depth for s in shared]),
-            np.array([s.is_keyframe for s in shared]),
+            np.stack([s.pose_enc for s in shared]), [s.depth for s in shared],
+            np.array([s.is_keyframe for s in shared]), ratios,
         )
+        self._early_ratios = {}
         self.window_scales.append(transform.scale)
         self.window_transforms.append(transform.matrix)
         angle = np.degrees(np.arccos(np.clip((np.trace(transform.rotation) - 1) / 2, -1, 1)))

@@ -1,0 +1,112 @@
+"""Where the time goes at a window rollover, on the product path (GPU machine).
+
+    python3 scripts/trace_rollover.py [--spare-behind N] [bench_e2e options, e.g. --frames 700 --viewer --client]
+
+Runs scripts/bench_e2e.py in this process with timers wrapped around the rollover's parts (closing
+the window, collecting the spare's work, aligning, emitting to the sinks) and CUDA events around every
+engine step, main stream and spare alike. Prints, for each rollover of the product run, the spans from
+a few frames before it to a few after, in ms from the rollover's start: host spans on the main thread,
+the spare's jobs on its worker, and when each step's device work began and ended.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_e2e  # noqa: E402
+
+from stream_recon.app import pipeline  # noqa: E402
+from stream_recon.models import windowed  # noqa: E402
+from stream_recon.models.engine import StreamingEngine  # noqa: E402
+from stream_recon.models.lookahead import SpareEngine  # noqa: E402
+from stream_recon.models.windowed import WindowedEngine  # noqa: E402
+
+SPANS: list[tuple[str, str, float, float]] = []  # (what, thread, start, end), perf_counter seconds
+DEVICE: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event]] = []  # (what, thread, begin, end)
+ROLLOVERS: list[float] = []
+PHASE = {"product": False}
+CUDA = torch.cuda.is_available()
+
+
+def timed(owner, name: str, label: str | None = None, device: bool = False) -> None:
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        if not PHASE["product"]:
+            return original(*args, **kwargs)
+        thread = threading.current_thread().name
+        what = label or name
+        if name == "_roll_over":
+            ROLLOVERS.append(time.perf_counter())
+        if device and CUDA:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            SPANS.append((what, thread, start, time.perf_counter()))
+            if device and CUDA:
+                end.record()
+                DEVICE.append((what, thread, begin, end))
+
+    setattr(owner, name, wrapper)
+
+
+def install() -> None:
+    timed(WindowedEngine, "_roll_over", "rollover")
+    timed(WindowedEngine, "_estimate_transform", "align: estimate")
+    timed(WindowedEngine, "_receive", "receive")
+    timed(SpareEngine, "collect", "spare collect")
+    timed(StreamingEngine, "push", "step", device=True)
+    timed(StreamingEngine, "finish", "finish", device=True)
+    timed(pipeline, "_emit", "sinks")
+    real_run = pipeline.run_sequence
+
+    def product(*args, **kwargs):
+        PHASE["product"] = True
+        base = torch.cuda.Event(enable_timing=True) if CUDA else None
+        if CUDA:
+            base.record()
+        base_time = time.perf_counter()
+        try:
+            return real_run(*args, **kwargs)
+        finally:
+            PHASE["product"] = False
+            if CUDA:
+                torch.cuda.synchronize()
+            report(base, base_time)
+
+    pipeline.run_sequence = product
+
+
+def report(base: torch.cuda.Event, base_time: float) -> None:
+    # Device times as perf_counter seconds: the base event was recorded (and the GPU idle) at base_time.
+    device = [] if base is None else [(what, thread, base_time + base.elapsed_time(b) / 1000, base_time + base.elapsed_time(e) / 1000)
+              for what, thread, b, e in DEVICE]
+    for number, at in enumerate(ROLLOVERS):
+        print(f"== rollover {number} (ms from its start; host spans, then [gpu] device spans)")
+        rows = [(s, e, f"{thread[:14]:<14} {what}") for what, thread, s, e in SPANS]
+        rows += [(s, e, f"{thread[:14]:<14} [gpu] {what}") for what, thread, s, e in device]
+        for start, end, label in sorted(rows):
+            if -0.35 < start - at < 0.25:
+                print(f"   {1000 * (start - at):8.1f} {1000 * (end - at):8.1f} {1000 * (end - start):7.1f}  {label}")
+
+
+if __name__ == "__main__":
+    arguments = sys.argv[1:]
+    if "--spare-behind" in arguments:  # models.windowed.SPARE_BEHIND, for this run
+        at = arguments.index("--spare-behind")
+        windowed.SPARE_BEHIND = int(arguments[at + 1])
+        del arguments[at : at + 2]
+    install()
+    sys.argv = ["bench_e2e.py", *arguments]
+    bench_e2e.main()
