@@ -22,10 +22,12 @@ from stream_recon.models import (
     WindowedEngine,
 )
 from stream_recon.models.windowed import (
+    FrameRatios,
     Sim3,
     depth_ratio_scale,
     depth_ratios,
     estimate_window_alignment,
+    median_ratio_scale,
     rotation_to_quat_xyzw,
 )
 
@@ -187,13 +189,36 @@ def test_depth_ratios_computed_ahead_give_the_same_alignment():
     args = (truth.apply_to_pose_enc(source_pose), list(target_depth), keyframes, source_pose, list(source_depth),
             np.ones(4, bool))
     at_once = estimate_window_alignment(*args)
-    ahead = {k: depth_ratios(target_depth[k], source_depth[k]) for k in (0, 3)}
+    ahead = {k: FrameRatios.of(target_depth[k], source_depth[k]) for k in (0, 3)}
     with_ahead = estimate_window_alignment(*args, ratios=ahead)
     assert with_ahead.scale == at_once.scale
     np.testing.assert_array_equal(with_ahead.translation, at_once.translation)
-    assert estimate_window_alignment(*args, ratios={k: 2 * r for k, r in ahead.items()}).scale != at_once.scale
+    doubled = {k: FrameRatios.of(2 * target_depth[k], source_depth[k]) for k in (0, 3)}
+    assert estimate_window_alignment(*args, ratios=doubled).scale != at_once.scale
     # float32 division, as the reference's tensors divide
     assert depth_ratios(target_depth, source_depth).dtype == np.float32
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 5), st.sampled_from(["spread", "ties", "signs"]))
+def test_the_bucketed_median_is_the_lower_median_of_all_frames(seed, num_frames, kind):
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(0, 400, num_frames)
+    if kind == "spread":  # ratios over many orders of magnitude
+        targets = [np.exp(rng.normal(0, 3, n)) for n in sizes]
+    elif kind == "ties":  # few distinct values: many in one bucket
+        targets = [rng.choice([0.5, 1.0, 1.0000001, 2.0], n) for n in sizes]
+    else:  # both signs, zeros, infinities and NaN among them
+        targets = [rng.choice([-3.0, -0.0, 0.0, 1e-30, 2.5, np.inf, -np.inf, np.nan], n) * rng.uniform(1, 2, n)
+                   for n in sizes]
+    frames = [(t.astype(np.float32), rng.uniform(0.5, 2.0, t.size).astype(np.float32)) for t in targets]
+    everything = np.concatenate([depth_ratios(t, s) for t, s in frames])
+    if everything.size == 0:
+        expected = 1.0
+    else:
+        lower_middle = np.sort(everything)[(everything.size - 1) // 2]
+        expected = float(np.clip(lower_middle, np.float32(1e-3), np.float32(1e3)))
+    assert median_ratio_scale([FrameRatios.of(t, s) for t, s in frames]) == expected
 
 
 def test_depth_ratio_scale_takes_the_lower_median_of_valid_pixels():
