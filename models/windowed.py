@@ -250,7 +250,8 @@ class WindowedEngine:
         self.lookahead = lookahead
         self._spare: SpareEngine | None = None
         self._warmup: list[tuple[torch.Tensor, float]] = []  # the first frames, to warm a spare on
-        self._replay: deque[tuple[torch.Tensor, float]] = deque(maxlen=overlap)
+        # the shared frames, and one more: a rollover beside the stream hands the spare the next frame too
+        self._replay: deque[tuple[torch.Tensor, float]] = deque(maxlen=overlap + 1)
         self._tail: deque[_AlignedFrame] = deque(maxlen=overlap)
         self.reset()
 
@@ -261,12 +262,14 @@ class WindowedEngine:
         if self._spare is not None:
             self._spare.discard()
         self._ahead_from: int | None = None  # the stream index from which the spare takes frames
+        self._switch_pending = False  # a window closed; the spare, holding the next, takes over at the next call
         self._ahead_ready: list[FramePrediction] = []  # the spare's predictions taken before the rollover
         self._early_ratios: dict[int, FrameRatios] = {}  # frame index -> its ratios, for the next transform
         self.num_frames = 0
         self.window_index = 0
         self.window_start = 0  # stream index of the current window's first frame
         self.rollovers = 0
+        self.rollovers_ahead = 0  # of them, those whose new window the spare had predicted already
         self.window_scales: list[float] = [1.0]
         self.window_transforms: list[np.ndarray] = [Sim3.identity().matrix]
         self._transform: Sim3 | None = Sim3.identity()
@@ -280,12 +283,17 @@ class WindowedEngine:
     def push(self, image: torch.Tensor | np.ndarray, timestamp: float | None = None) -> list[FramePrediction]:
         """Add frame [3, H, W]; returns the predictions emitted by it, oldest window first."""
         timestamp = float(self.num_frames) if timestamp is None else float(timestamp)
+        frame = (torch.as_tensor(image).detach().clone(), timestamp)
+        if self._switch_pending:
+            self._switch_to_spare()
         if self._window_is_full():
             self._roll_over()
-        if self._ahead_from is not None:
-            self._spare.catch_up(SPARE_BEHIND)
-        self._outbox += self._receive(self.engine.push(image, timestamp))
-        frame = (torch.as_tensor(image).detach().clone(), timestamp)
+        if self._switch_pending:  # the window closed at this frame; the spare, holding the next, takes it
+            self._spare.push(*frame)
+        else:
+            if self._ahead_from is not None:
+                self._spare.catch_up(SPARE_BEHIND)
+            self._outbox += self._receive(self.engine.push(image, timestamp))
         self._replay.append(frame)
         self._look_ahead(frame)
         self._take_ahead()
@@ -295,6 +303,8 @@ class WindowedEngine:
 
     def finish(self) -> list[FramePrediction]:
         """End of stream: predict what the current window still buffers. Call reset() to start again."""
+        if self._switch_pending:
+            self._switch_to_spare()
         self._outbox += self._receive(self.engine.finish())
         if self._ahead_from is not None:  # the stream ended before the window it was for
             self._spare.discard()
@@ -315,6 +325,7 @@ class WindowedEngine:
             window_index=self.window_index,
             window_start=self.window_start,
             rollovers=self.rollovers,
+            rollovers_ahead=self.rollovers_ahead,
             replay_frames=len(self._replay),
             lookahead=self._spare is not None,
         )
@@ -367,7 +378,13 @@ class WindowedEngine:
         return self.num_frames - self.window_start >= self.window_length
 
     def _roll_over(self) -> None:
-        """Close the current window and open the next one on its last frames."""
+        """Close the current window and open the next one on its last frames.
+
+        In place, the new window predicts the shared frames now. With the spare holding them already,
+        this call only closes the window (its last frame is emitted at once) and hands the frame being
+        pushed to the spare; the spare takes over at the next call (`_switch_to_spare`), by which time
+        its last shared frame is predicted too, so the pause is split between two frame intervals.
+        """
         closed_start, closed_cached = self.window_start, self.engine.num_keyframes
         # The closing window's last frame may still be in flight (pipelined streaming): it belongs
         # to this window's emissions and to the tail the next window is aligned on.
@@ -378,11 +395,9 @@ class WindowedEngine:
             shared = min(shared, self.num_frames - closed_start - self.config.scale_frames)
         self._previous_tail = list(self._tail)[len(self._tail) - shared:]
         self._tail.clear()
-        ahead = self._collect_lookahead(shared)
-        if ahead is None:
+        self._switch_pending = self._spare_holds(shared)
+        if not self._switch_pending:
             self.engine.reset()
-        else:
-            self.engine = self._spare.swap(self.engine)
         self.window_index += 1
         self.rollovers += 1
         self.window_start = self.num_frames - shared
@@ -391,22 +406,25 @@ class WindowedEngine:
         self._held = []
         logger.info(
             "window rollover: window %d closed after frames %d-%d (%d cached); window %d starts at frame %d "
-            "and re-predicts %d frames",
+            "and re-predicts %d frames%s",
             self.window_index - 1, closed_start, self.num_frames - 1, closed_cached, self.window_index,
-            self.window_start, shared,
+            self.window_start, shared, " (predicted ahead)" if self._switch_pending else "",
         )
-        if ahead is not None:  # predicted beside the stream already
-            self._outbox += self._receive(ahead)
-            return
-        for image, timestamp in list(self._replay)[len(self._replay) - shared:]:
+        if not self._switch_pending:
+            self._replay_in_place()
+
+    def _replay_in_place(self) -> None:
+        """The current window's frames so far, through its engine (freshly reset)."""
+        frames = list(self._replay)[len(self._replay) - (self.num_frames - self.window_start):]
+        for image, timestamp in frames:
             self._outbox += self._receive(self.engine.push(image, timestamp))
 
     # -- the next window, ahead ------------------------------------------------------------
     def _look_ahead(self, frame: tuple[torch.Tensor, float]) -> None:
         """After frame `num_frames` went to the current window: warm a spare on the stream's first
         frames (once), and hand each frame the next window will share to the spare."""
-        if self.dynamic_windows or self.lookahead is False:
-            return
+        if self.dynamic_windows or self.lookahead is False or self._switch_pending:
+            return  # (a window this short that the next lookahead would start now gets none: the spare is busy)
         index = self.num_frames
         if self._spare is None:
             warm_frames = self.config.scale_frames + 1  # the scale step and a recorded streaming step
@@ -442,19 +460,26 @@ class WindowedEngine:
             if raw.is_keyframe and previous.is_keyframe:
                 self._early_ratios[index] = FrameRatios.of(previous.depth, raw.depth)
 
-    def _collect_lookahead(self, shared: int) -> list[FramePrediction] | None:
-        """At a rollover: the spare's predictions of the `shared` frames, or None when it does not
-        hold exactly them (or failed: then it is dropped and the rollover happens in place)."""
+    def _spare_holds(self, shared: int) -> bool:
+        """At a rollover: whether the spare took exactly the `shared` frames (if it took others, they
+        are dropped)."""
         ahead_from, self._ahead_from = self._ahead_from, None
-        ready, self._ahead_ready = self._ahead_ready, []
         if ahead_from is None:
-            return None
+            return False
         if ahead_from != self.num_frames - shared:
             self._spare.discard()
-            self._early_ratios = {}
-            return None
+            self._ahead_ready, self._early_ratios = [], {}
+            return False
+        return True
+
+    def _switch_to_spare(self) -> None:
+        """The second half of a rollover beside the stream: the spare's predictions of the new window's
+        frames so far, and its engine as the current one. If the spare failed, the rollover happens in
+        place instead, and later ones too."""
+        self._switch_pending = False
+        ready, self._ahead_ready = self._ahead_ready, []
         try:
-            return ready + self._spare.collect()
+            predictions = ready + self._spare.collect()
         except Exception as error:  # e.g. out of memory on the worker: go on without a spare
             logger.warning("the next window's lookahead failed (%s: %s); rollovers now pause the stream",
                            type(error).__name__, error)
@@ -464,7 +489,12 @@ class WindowedEngine:
             self._early_ratios = {}
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            return None
+            self.engine.reset()
+            self._replay_in_place()
+            return
+        self.engine = self._spare.swap(self.engine)
+        self.rollovers_ahead += 1
+        self._outbox += self._receive(predictions)
 
     def _wants_spare(self) -> bool:
         """Whether to run a spare engine: as asked, or (auto) on CUDA, with steps replayed as graphs,

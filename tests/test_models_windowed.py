@@ -422,7 +422,7 @@ def test_memory_is_bounded_and_the_cache_is_reused_across_windows(model, frames)
     for frame in frames[4:]:
         engine.push(frame)
         stats = engine.stats()
-        assert stats["replay_frames"] <= 2
+        assert stats["replay_frames"] <= 3  # the overlap and the frame a rollover hands the spare
         assert stats["cached_frames"] <= 4 and stats["special_pages_in_use"] <= 4
         assert engine.engine.cache is cache and stats["cache_bytes"] == cache_bytes
     # Windows of 4 frames that start 2 frames apart: [0, 4), [2, 6), ..., [26, 30).
@@ -509,7 +509,9 @@ def test_the_first_window_emits_the_models_own_outputs_and_later_ones_keep_its_q
 @pytest.mark.parametrize("case", ["all", "interval", "overlap_below_scale"])
 def test_a_spare_engine_ahead_of_rollovers_emits_what_a_rollover_in_place_emits(model, frames, case):
     """The next window predicted beside the stream (lookahead, on a worker thread) gives the same
-    emissions, push by push, with the same values; a reset and a second stream too."""
+    emissions in the same order, with the same values; a reset and a second stream too. At a
+    rollover the lookahead emits the closing window's last frame at once and the new window's
+    frames one push later (a rollover in place emits them together)."""
     config, window_frames, overlap, count = CASES[case]
     count = min(len(frames), 3 * count)
     runs = {}
@@ -523,8 +525,13 @@ def test_a_spare_engine_ahead_of_rollovers_emits_what_a_rollover_in_place_emits(
     (in_place, stats_in_place), (ahead, stats_ahead) = [((r[0], r[1]), r[2]) for r in (runs[False], runs[True])]
     assert stats_ahead["lookahead"] and not stats_in_place["lookahead"]
     assert stats_ahead["rollovers"] == stats_in_place["rollovers"] >= 2
+    assert stats_ahead["rollovers_ahead"] >= 1 and stats_in_place["rollovers_ahead"] == 0
     for (final_ahead, pushes_ahead), (final_in_place, pushes_in_place) in zip(ahead, in_place, strict=True):
-        assert pushes_ahead == pushes_in_place
+        assert sum(pushes_ahead, []) == sum(pushes_in_place, [])
+        when_ahead = [push for push, emitted in enumerate(pushes_ahead) for _ in emitted]
+        when_in_place = [push for push, emitted in enumerate(pushes_in_place) for _ in emitted]
+        assert all(0 <= a - b <= 1 for a, b in zip(when_ahead, when_in_place, strict=True))  # at most a push late
+        assert when_ahead != when_in_place  # and some were: the rollovers beside the stream
         for index, ours in final_ahead.items():
             theirs = final_in_place[index]
             assert (ours.window_index, ours.frame_type) == (theirs.window_index, theirs.frame_type)
@@ -540,7 +547,7 @@ def test_a_stream_that_ends_during_the_lookahead_leaves_the_next_stream_clean(mo
     final, pushes = run_live(engine, frames[:12])
     reference = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap, lookahead=False)
     expected, expected_pushes = run_live(reference, frames[:12])
-    assert pushes == expected_pushes
+    assert sum(pushes, []) == sum(expected_pushes, [])
     for index, ours in final.items():
         np.testing.assert_array_equal(ours.depth, expected[index].depth)
     engine.close()
