@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import sys
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -181,7 +182,7 @@ def _stream(
     stream_errors = (SourceError, FrameError, OutputDirError, NonFinitePrediction)
     status: RunStatus = "complete"
     error: str | None = None
-    with _long_lived_objects_frozen(), StopOnSignal(frame_source.request_stop, console) as stop:
+    with _long_lived_objects_frozen(), _gil_handed_back_sooner(), StopOnSignal(frame_source.request_stop, console) as stop:
         with RunProgress(console, frame_source.description, frame_source.estimated_length) as progress:
             try:
                 try:
@@ -253,6 +254,28 @@ def _long_lived_objects_frozen() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+GIL_SWITCH_INTERVAL_S = 0.0005  # Python's default is 0.005
+
+
+@contextlib.contextmanager
+def _gil_handed_back_sooner() -> Iterator[None]:
+    """While frames flow, make a thread that holds the GIL give it up after 0.5 ms instead of 5 ms when
+    another waits for it.
+
+    The stream's thread lets the GIL go at every CUDA wait and every large numpy operation, and the
+    viewer's and the writer's threads (and the next window's worker) take it meanwhile; each time, the
+    stream's thread then waited up to 5 ms to get it back. At a window rollover, whose alignment is a
+    few dozen numpy calls, that made 3 ms of work take 20-80 ms on the GPU machine (docs/PERFORMANCE.md,
+    ninth session).
+    """
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
 
 
 def _wait_while_paused(viewer: Any, stop: StopOnSignal) -> None:

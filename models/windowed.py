@@ -141,7 +141,10 @@ def median_ratio_scale(frames: Sequence[FrameRatios]) -> float:
     rank = (int(below[-1]) - 1) // 2  # 0-based rank of the lower median among all values
     bucket = int(np.searchsorted(below, rank, side="right"))
     rank -= int(below[bucket - 1]) if bucket else 0
-    candidates = np.concatenate([frame.values[frame.bucket == bucket] for frame in frames])
+    # few large numpy calls rather than two per frame: each call lets the GIL go, and getting it back
+    # can cost more than the call when other threads are busy
+    values = np.concatenate([frame.values for frame in frames])
+    candidates = values[np.concatenate([frame.bucket for frame in frames]) == bucket]
     median = np.partition(candidates, rank)[rank]
     return float(np.clip(median, np.float32(_SCALE_RANGE[0]), np.float32(_SCALE_RANGE[1])))
 

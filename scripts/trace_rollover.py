@@ -44,6 +44,8 @@ def timed(owner, name: str, label: str | None = None, device: bool = False) -> N
             return original(*args, **kwargs)
         thread = threading.current_thread().name
         what = label or name
+        if name == "_estimate_transform":  # how many shared frames had their ratios made beforehand
+            what = f"{what} ({len(args[0]._early_ratios)} of {len(args[1])} ratios ahead)"
         if name == "_roll_over":
             ROLLOVERS.append(time.perf_counter())
         if device and CUDA:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import gc
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,7 @@ from plyfile import PlyData
 from rich.console import Console
 
 from stream_recon.app.options import OptionsError, RunOptions
-from stream_recon.app.pipeline import run_sequence
+from stream_recon.app.pipeline import GIL_SWITCH_INTERVAL_S, run_sequence
 from stream_recon.app.progress import RunProgress
 from stream_recon.app.rundir import PREDICTION_FIELDS, OutputDirError
 from stream_recon.app.sources import SourceError
@@ -267,6 +268,25 @@ def test_objects_from_before_the_stream_are_kept_out_of_full_collections_while_i
 
     assert len(frozen_while_streaming) == 6 and min(frozen_while_streaming) > 1000  # the model's objects, at least
     assert gc.get_freeze_count() == 0  # and collectable again afterwards
+
+
+def test_the_gil_is_handed_back_sooner_while_frames_flow(tmp_path: Path, tiny_model: GCTStream) -> None:
+    video = write_video(tmp_path / "clip.mp4", 4)
+    before = sys.getswitchinterval()
+    seen: list[float] = []
+
+    class SwitchIntervalProbe:
+        def on_frame(self, pred, stats) -> None:
+            seen.append(sys.getswitchinterval())
+
+        def close(self, status: str) -> None:
+            """Nothing to release."""
+
+    run_sequence(str(video), tmp_path / "run", RunOptions(**FAST), model=tiny_model,
+                 extra_sinks=[SwitchIntervalProbe()])
+
+    assert seen == [GIL_SWITCH_INTERVAL_S] * 4 and GIL_SWITCH_INTERVAL_S < before
+    assert sys.getswitchinterval() == before  # the process's own setting again afterwards
 
 
 def test_output_dir_is_checked_before_the_model_loads(tmp_path: Path) -> None:
