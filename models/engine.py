@@ -414,15 +414,18 @@ class StreamingEngine:
         rows, cols = c.grid(height, width)
         layout = CacheLayout(rows * cols, c.num_special_tokens, self.config.scale_frames, self.config.window)
         compiled = self.model.inference_spec.compiled
-        self.cache = backends.build(self.backend_spec, layout, num_layers=c.depth, num_heads=c.num_heads,
-                                    head_dim=c.head_dim, max_frames=self._cached_frames, dtype=self._kv_dtype,
-                                    device=self.device, compile=compiled, stored=self._kv_store_dtype)
+        cache = backends.build(self.backend_spec, layout, num_layers=c.depth, num_heads=c.num_heads,
+                               head_dim=c.head_dim, max_frames=self._cached_frames, dtype=self._kv_dtype,
+                               device=self.device, compile=compiled, stored=self._kv_store_dtype)
         camera = self.model.camera_head
         # On CUDA, room for every camera token the cache can hold: the storage never moves, so a
         # recorded CUDA graph stays valid for the whole stream. Elsewhere it grows.
         capacity = self._cached_frames if self.device.type == "cuda" else 64
+        # The camera cache first: another thread (a spare engine's owner) may read `cache_bytes`
+        # while a worker sets this engine up, and takes `cache is None` for "nothing yet".
         self.camera_cache = TokenCache(camera.num_cache_layers, c.camera_heads, c.head_in_dim // c.camera_heads,
                                        torch.float32, self.device, capacity=capacity, compile=compiled)
+        self.cache = cache
         self.runner = choose_runner(self.model, self.cache, self.camera_cache, (height, width),
                                     self.config.scale_frames, cuda_graphs=self.config.cuda_graphs,
                                     pipeline=self.config.pipeline)

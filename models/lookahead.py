@@ -57,7 +57,8 @@ class SpareEngine:
             self._scale_job = self._jobs[-1]
 
     def catch_up(self, behind: int) -> None:
-        """Wait until at most `behind` queued frames are still unpredicted, once the scale step is done.
+        """Once the scale step is done and more than `behind` queued frames are unpredicted, wait for the
+        oldest of them.
 
         While the spare's scale step runs, the GPU shares itself between it and the stream (both
         slow down, about evenly); afterwards the stream and the spare's one-frame steps would go on
@@ -67,9 +68,9 @@ class SpareEngine:
         """
         if self._scale_job is None or not self._scale_job.done():
             return
-        waiting = self._jobs[: max(len(self._jobs) - behind, 0)]
-        if waiting:
-            wait(waiting)  # errors surface in collect
+        unfinished = [job for job in self._jobs if not job.done()]
+        if len(unfinished) > behind:
+            wait(unfinished[:1])  # one frame of the spare's per frame of the stream, at most; errors surface in collect
 
     def take_ready(self) -> list[FramePrediction]:
         """The predictions of the oldest queued frames whose jobs have finished, without waiting; they
@@ -78,6 +79,13 @@ class SpareEngine:
         while self._jobs and self._jobs[0].done() and self._jobs[0].exception() is None:
             results += self._jobs.pop(0).result() or []
         return results
+
+    def take_next(self) -> list[FramePrediction] | None:
+        """Wait for the oldest queued frame's job and take its predictions; None when nothing is queued
+        or when that job failed (its error surfaces in `collect`)."""
+        if not self._jobs or self._jobs[0].exception() is not None:
+            return None
+        return self._jobs.pop(0).result() or []
 
     def collect(self) -> list[FramePrediction]:
         """Wait for every queued frame; the predictions their pushes returned, oldest first. The

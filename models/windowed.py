@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -447,16 +447,20 @@ class WindowedEngine:
             self._spare.push(*frame)
 
     def _take_ahead(self) -> None:
-        """While the spare is ahead: take what it has predicted so far (never waiting), and compute the
-        depth ratios of each shared frame both windows have predicted as keyframes, so that the
-        transform at the rollover has little left to do (a median over ~3 million pixels at the
-        defaults: tens of ms at once, a fraction of a ms per frame spread out)."""
+        """While the spare is ahead: take what it has predicted so far (never waiting), and make the
+        depth ratios of the shared frames both windows have predicted, so that the transform at the
+        rollover has little left to do."""
         if self._ahead_from is None:
             return
         self._ahead_ready += self._spare.take_ready()
-        tail = {aligned.frame_index: aligned for aligned in self._tail}
+        self._make_ratios_ahead(self._ahead_from, self._tail)
+
+    def _make_ratios_ahead(self, start: int, tail: Iterable[_AlignedFrame]) -> None:
+        """FrameRatios of each frame in the spare's predictions (its window starts at stream index
+        `start`) that the closing window has emitted too (`tail`), both as keyframes (the pairs)."""
+        tail = {aligned.frame_index: aligned for aligned in tail}
         for raw in self._ahead_ready:
-            index = self._ahead_from + raw.frame_index
+            index = start + raw.frame_index
             previous = tail.get(index)
             if index in self._early_ratios or previous is None:
                 continue
@@ -480,16 +484,19 @@ class WindowedEngine:
         frames so far, and its engine as the current one. If the spare failed, the rollover happens in
         place instead, and later ones too."""
         self._switch_pending = False
-        ready, self._ahead_ready = self._ahead_ready, []
         try:
-            predictions = ready + self._spare.collect()
+            # The spare's last frames are still on the GPU: make each one's ratios while waiting for the next.
+            while (taken := self._spare.take_next()) is not None:
+                self._ahead_ready += taken
+                self._make_ratios_ahead(self.window_start, self._previous_tail)
+            predictions, self._ahead_ready = self._ahead_ready + self._spare.collect(), []
         except Exception as error:  # e.g. out of memory on the worker: go on without a spare
             logger.warning("the next window's lookahead failed (%s: %s); rollovers now pause the stream",
                            type(error).__name__, error)
             self._spare.close()
             self._spare = None
             self.lookahead = False
-            self._early_ratios = {}
+            self._ahead_ready, self._early_ratios = [], {}
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self.engine.reset()
@@ -531,7 +538,7 @@ class WindowedEngine:
             if len(self._held) < self._num_shared:
                 return []
             self._transform = self._estimate_transform(self._held[: self._num_shared])
-        emitted = [self._align(raw) for raw in self._held]
+        emitted = self._align(self._held)
         self._held = []
         return emitted
 
@@ -554,17 +561,20 @@ class WindowedEngine:
                     self.window_index, len(shared), transform.scale, angle, np.round(transform.translation, 4))
         return transform
 
-    def _align(self, raw: FramePrediction) -> FramePrediction:
-        """Map one raw prediction into the first window's frame. The first window's predictions
-        pass unchanged (their pose_enc is the model's own); later windows' cameras are moved by
-        the window's Sim(3), their quaternions keeping the model's norm (Sim3.apply_to_pose_enc)."""
+    def _align(self, raws: list[FramePrediction]) -> list[FramePrediction]:
+        """Map raw predictions into the first window's frame. The first window's predictions pass
+        unchanged (their pose_enc is the model's own); later windows' cameras are moved by the
+        window's Sim(3), their quaternions keeping the model's norm (Sim3.apply_to_pose_enc). All at
+        once: a rollover aligns ~17 frames while the stream waits."""
         transform = self._transform
-        aligned = raw
-        if not transform.is_identity:
-            pose_enc = transform.apply_to_pose_enc(raw.pose_enc.astype(np.float64)).astype(np.float32)
-            height, width = raw.image_size
+        aligned = raws
+        if raws and not transform.is_identity:
+            pose_enc = transform.apply_to_pose_enc(np.stack([raw.pose_enc for raw in raws]).astype(np.float64))
+            pose_enc = pose_enc.astype(np.float32)
+            height, width = raws[0].image_size  # one stream, one frame size
             c2w, intrinsics = decode_pose(torch.from_numpy(pose_enc), height, width)
-            aligned = replace(raw, pose_enc=pose_enc, c2w=c2w.numpy(), intrinsics=intrinsics.numpy(),
-                              depth=raw.depth * np.float32(transform.scale))
-        self._tail.append(_AlignedFrame(aligned.frame_index, aligned.pose_enc, aligned.depth, aligned.is_keyframe))
+            c2w, intrinsics, scale = c2w.numpy(), intrinsics.numpy(), np.float32(transform.scale)
+            aligned = [replace(raw, pose_enc=pose_enc[k], c2w=c2w[k], intrinsics=intrinsics[k], depth=raw.depth * scale)
+                       for k, raw in enumerate(raws)]
+        self._tail.extend(_AlignedFrame(a.frame_index, a.pose_enc, a.depth, a.is_keyframe) for a in aligned)
         return aligned
