@@ -58,7 +58,7 @@ class SpareEngine:
 
     def catch_up(self, behind: int) -> None:
         """Once the scale step is done and more than `behind` queued frames are unpredicted, wait for the
-        oldest of them.
+        oldest two of them (or one, down to `behind`).
 
         While the spare's scale step runs, the GPU shares itself between it and the stream (both
         slow down, about evenly); afterwards the stream and the spare's one-frame steps would go on
@@ -69,8 +69,10 @@ class SpareEngine:
         if self._scale_job is None or not self._scale_job.done():
             return
         unfinished = [job for job in self._jobs if not job.done()]
+        # Two of the spare's frames per frame of the stream at most: one is the frame the stream just
+        # gave it, the other takes the backlog down by one. (Errors surface in collect.)
         if len(unfinished) > behind:
-            wait(unfinished[:1])  # one frame of the spare's per frame of the stream, at most; errors surface in collect
+            wait(unfinished[: min(2, len(unfinished) - behind)])
 
     def take_ready(self) -> list[FramePrediction]:
         """The predictions of the oldest queued frames whose jobs have finished, without waiting; they

@@ -108,17 +108,17 @@ def depth_ratios(target_depth: np.ndarray, source_depth: np.ndarray) -> np.ndarr
 
 @dataclass(frozen=True)
 class FrameRatios:
-    """One frame's depth ratios, with what a median over many frames needs of them made beforehand.
+    """One frame's depth ratios, arranged beforehand so that a median over many frames is quick.
 
     The median of ~3 million ratios (16 frames at the defaults) took 20-80 ms at a rollover on the
-    GPU machine's host. Bucketed by the top 16 bits of an order-preserving key, a frame's values
-    are counted once, when they are known; the median then needs the summed counts, to find its
-    bucket, and a selection among the few values in that bucket.
+    GPU machine's host, where the stream waits for it. Here each frame's values are bucketed by the
+    top 16 bits of an order-preserving key and laid out bucket by bucket, when the frame is known;
+    the median then sums the frames' counts to find its bucket and selects among that bucket's
+    values alone (a slice of each frame).
     """
 
-    values: np.ndarray  # [N] float32
-    bucket: np.ndarray  # [N] uint16: the top 16 bits of each value's order key
-    counts: np.ndarray  # [65536] values per bucket
+    by_bucket: np.ndarray  # [N] float32: the frame's ratios, bucket by bucket (ascending keys)
+    ends: np.ndarray  # [65536] int64: by_bucket[ends[b - 1]:ends[b]] are bucket b's values
 
     @classmethod
     def of(cls, target_depth: np.ndarray, source_depth: np.ndarray) -> FrameRatios:
@@ -128,23 +128,37 @@ class FrameRatios:
         # flipped (larger magnitude, smaller key), non-negatives get the sign bit set.
         keys = np.where(bits >> 31 == 1, ~bits, bits | np.uint32(0x80000000))
         bucket = (keys >> 16).astype(np.uint16)
-        return cls(values, bucket, np.bincount(bucket, minlength=1 << 16))
+        order = np.argsort(bucket, kind="stable")  # a radix sort for 16-bit keys
+        return cls(values[order], np.cumsum(np.bincount(bucket, minlength=1 << 16)))
+
+    @property
+    def size(self) -> int:
+        return self.by_bucket.size
+
+    def bucket(self, index: int) -> np.ndarray:
+        return self.by_bucket[self.ends[index - 1] if index else 0 : self.ends[index]]
 
 
-def median_ratio_scale(frames: Sequence[FrameRatios]) -> float:
+def median_ratio_scale(frames: Sequence[FrameRatios | np.ndarray]) -> float:
     """The lower middle value of all the frames' ratios (torch.median's rule, which the reference
-    uses), clamped to [1e-3, 1e3] as float32 like the reference's; 1.0 when there is none."""
-    frames = [frame for frame in frames if frame.values.size]
+    uses), clamped to [1e-3, 1e3] as float32 like the reference's; 1.0 when there is none.
+
+    Each frame is a FrameRatios, or its depth_ratios as they are: with every frame a FrameRatios the
+    selection reads only the median's bucket; otherwise it partitions all the values (what arranging
+    them would cost first, when none is arranged yet).
+    """
+    frames = [frame for frame in frames if frame.size]
     if not frames:
         return 1.0
-    below = np.cumsum(np.sum([frame.counts for frame in frames], axis=0))
-    rank = (int(below[-1]) - 1) // 2  # 0-based rank of the lower median among all values
-    bucket = int(np.searchsorted(below, rank, side="right"))
-    rank -= int(below[bucket - 1]) if bucket else 0
-    # few large numpy calls rather than two per frame: each call lets the GIL go, and getting it back
-    # can cost more than the call when other threads are busy
-    values = np.concatenate([frame.values for frame in frames])
-    candidates = values[np.concatenate([frame.bucket for frame in frames]) == bucket]
+    if all(isinstance(frame, FrameRatios) for frame in frames):
+        below = np.sum([frame.ends for frame in frames], axis=0)  # [65536] values in buckets <= b, all frames
+        rank = (int(below[-1]) - 1) // 2  # 0-based rank of the lower median among all values
+        bucket = int(np.searchsorted(below, rank, side="right"))
+        rank -= int(below[bucket - 1]) if bucket else 0
+        candidates = np.concatenate([frame.bucket(bucket) for frame in frames])
+    else:
+        candidates = np.concatenate([frame.by_bucket if isinstance(frame, FrameRatios) else frame for frame in frames])
+        rank = (candidates.size - 1) // 2
     median = np.partition(candidates, rank)[rank]
     return float(np.clip(median, np.float32(_SCALE_RANGE[0]), np.float32(_SCALE_RANGE[1])))
 
@@ -154,7 +168,7 @@ def depth_ratio_scale(target_depth: np.ndarray, source_depth: np.ndarray) -> flo
 
     target_depth, source_depth [K, H, W] for the same K frames (spec §14's scale).
     """
-    return median_ratio_scale([FrameRatios.of(target_depth, source_depth)])
+    return median_ratio_scale([depth_ratios(target_depth, source_depth)])
 
 
 def estimate_window_alignment(target_pose_enc: np.ndarray, target_depth: Sequence[np.ndarray],
@@ -173,7 +187,7 @@ def estimate_window_alignment(target_pose_enc: np.ndarray, target_depth: Sequenc
     anchor = int(paired[-1]) if paired.size else 0
     depth_rows = paired if paired.size else np.array([0])
     ratios = ratios or {}
-    scale = median_ratio_scale([ratios[k] if k in ratios else FrameRatios.of(target_depth[k], source_depth[k])
+    scale = median_ratio_scale([ratios[k] if k in ratios else depth_ratios(target_depth[k], source_depth[k])
                                 for k in depth_rows.tolist()])
     target_rotation = quat_xyzw_to_rotation(target_pose_enc[anchor, 3:7])
     source_rotation = quat_xyzw_to_rotation(source_pose_enc[anchor, 3:7])

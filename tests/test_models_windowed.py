@@ -218,7 +218,10 @@ def test_the_bucketed_median_is_the_lower_median_of_all_frames(seed, num_frames,
     else:
         lower_middle = np.sort(everything)[(everything.size - 1) // 2]
         expected = float(np.clip(lower_middle, np.float32(1e-3), np.float32(1e3)))
-    assert median_ratio_scale([FrameRatios.of(t, s) for t, s in frames]) == expected
+    assert median_ratio_scale([FrameRatios.of(t, s) for t, s in frames]) == expected  # arranged beforehand
+    assert median_ratio_scale([depth_ratios(t, s) for t, s in frames]) == expected  # as they are
+    mixed = [FrameRatios.of(t, s) if k % 2 else depth_ratios(t, s) for k, (t, s) in enumerate(frames)]
+    assert median_ratio_scale(mixed) == expected
 
 
 def test_depth_ratio_scale_takes_the_lower_median_of_valid_pixels():
