@@ -556,6 +556,38 @@ def test_a_stream_that_ends_during_the_lookahead_leaves_the_next_stream_clean(mo
     engine.close()
 
 
+def test_a_spare_catches_up_two_frames_at_a_time_and_hands_over_its_predictions_in_order(model, frames):
+    from stream_recon.models.lookahead import SpareEngine
+
+    config = StreamConfig(scale_frames=3, window=4)
+    expected = []
+    plain = StreamingEngine(model, config)
+    for frame in frames[:9]:
+        expected += plain.push(frame)
+    expected += plain.finish()
+
+    spare = SpareEngine(StreamingEngine(model, config))
+    try:
+        for index in range(3):
+            spare.push(frames[index], float(index))
+        spare._scale_job.result()  # the scale step is done: from now on the stream may wait
+        for index in range(3, 9):
+            spare.push(frames[index], float(index))
+        unfinished = sum(not job.done() for job in spare._jobs)
+        spare.catch_up(behind=1)
+        assert sum(not job.done() for job in spare._jobs) <= max(1, unfinished - 2)
+        taken = spare.take_ready()  # never waits
+        while (next_taken := spare.take_next()) is not None:
+            taken += next_taken
+        taken += spare.collect() + spare.engine.finish()
+    finally:
+        spare.close()
+    assert [p.frame_index for p in taken] == [p.frame_index for p in expected] == list(range(9))
+    for ours, theirs in zip(taken, expected, strict=True):
+        assert ours.timestamp == theirs.timestamp
+        np.testing.assert_array_equal(ours.depth, theirs.depth)
+
+
 def test_lookahead_is_refused_for_flow_windows(model):
     with pytest.raises(ValueError, match="lookahead needs windows that close at a known frame"):
         WindowedEngine(model, CASES["flow_mixed"][0], window_frames=6, overlap=3, lookahead=True)
