@@ -66,6 +66,8 @@ def timed(owner, name: str, label: str | None = None, device: bool = False) -> N
 def install() -> None:
     timed(WindowedEngine, "_roll_over", "rollover")
     timed(WindowedEngine, "_estimate_transform", "align: estimate")
+    timed(windowed, "estimate_window_alignment", "align: sim3")
+    timed(windowed, "median_ratio_scale", "align: median")
     timed(WindowedEngine, "_receive", "receive")
     timed(SpareEngine, "collect", "spare collect")
     timed(StreamingEngine, "push", "step", device=True)

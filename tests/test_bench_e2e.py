@@ -59,3 +59,17 @@ def test_stand_in_engine_measures_the_product_path_alone(tmp_path: Path, viewer:
         assert isinstance(result[key], (int, float)) and result[key] > 0, key
     assert result["frames"] == result["keyframes"] == 24
     assert result["main_thread_outside_engine_ms_p50"] >= 0
+
+
+def test_rollover_trace_names_each_part_of_every_rollover(tmp_path: Path) -> None:
+    command = [sys.executable, str(REPO / "scripts" / "trace_rollover.py"), "--spare-behind", "2", "--device", "cpu",
+               "--model", "tiny", "--frames", "20", "--image-width", "112", "--scale", "2", "--window", "4",
+               "--window-frames", "8", "--overlap", "3", "--video-dir", str(tmp_path), "--no-engine-run"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    sections = done.stdout.split("== rollover ")[1:]
+    assert len(sections) >= 2  # windows of 8 frames, 5 apart: rollovers at frames 8 and 13 (and 18)
+    for section in sections:
+        for part in ("rollover", "finish", "align: estimate (0 of 3 ratios ahead)", "align: median", "sinks"):
+            assert part in section, (part, section[:2000])
