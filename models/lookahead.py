@@ -5,8 +5,8 @@ over the first `scale_frames` of them, then one step per remaining frame, about 
 at the defaults. Done at the rollover, that work stops the stream for a quarter of a second or more.
 When the window closes at a frame known in advance (keyframes `all` or `interval:N`), a second
 engine, the spare, takes each shared frame as it arrives instead: on a worker thread and a CUDA
-stream of its own, beside the current window's frames. At the rollover the two engines swap roles
-and the stream goes on with the next frame.
+stream of its own, beside the current window's frames. At the rollover the spare takes the next
+frame too, and at the push after it the two engines swap roles (models/windowed.py, `_roll_over`).
 
 The spare runs the same model steps on the same frames in the same order as a rollover in place,
 so what it predicts is the same. It needs a cache and recorded graphs of its own: it is warmed once
@@ -50,7 +50,7 @@ class SpareEngine:
         self._submit(self._warm, frames)
 
     def push(self, image: torch.Tensor, timestamp: float) -> None:
-        """Queue a frame; its prediction comes back from `collect`."""
+        """Queue a frame; its prediction comes back from `take_ready`, `take_next` or `collect`."""
         self._submit(self.engine.push, image, timestamp)
         self._frames += 1
         if self._frames == self.engine.config.scale_frames:
