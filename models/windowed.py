@@ -217,15 +217,16 @@ class WindowedEngine:
     A window holds up to `window_frames` cached frames (scale frames + keyframes): with
     `keyframes="interval:K"` it spans scale + (window_frames - scale) * K input frames; with
     `"flow"` it closes after its (window_frames - scale)-th keyframe. The next window starts
-    `overlap` input frames back, which are kept in a ring of that many frames (never the stream).
+    `overlap` input frames back, which are kept in a ring of that many frames and one more (never
+    the stream).
     Same interface as StreamingEngine; predictions carry `window_index`, and a frame predicted by
     two windows is emitted twice (the later emission is final).
 
     `lookahead`: predict the next window's shared frames beside the stream on a spare engine
     (models/lookahead.py), so that a rollover pauses it far less. None: where it helps and fits (a
     CUDA device, steps replayed as graphs, windows that close at a known frame, room for a second
-    engine); True: also elsewhere (no gain on a CPU; for tests); False: never. Results are the
-    same either way, push by push.
+    engine); True: also elsewhere (no gain on a CPU; for tests); False: never. The emissions are the
+    same either way, in the same order; with the spare, a new window's come one push later.
     """
 
     def __init__(self, model: GCTStream, config: StreamConfig | None = None, *, window_frames: int = TRAINED_VIEWS,
@@ -327,9 +328,7 @@ class WindowedEngine:
             self._switch_to_spare()
         self._outbox += self._receive(self.engine.finish())
         if self._ahead_from is not None:  # the stream ended before the window it was for
-            self._spare.discard()
-            self._ahead_from = None
-            self._ahead_ready, self._early_ratios = [], {}
+            self._drop_lookahead()
         emitted, self._outbox = self._outbox, []
         return emitted
 
@@ -487,14 +486,19 @@ class WindowedEngine:
     def _spare_holds(self, shared: int) -> bool:
         """At a rollover: whether the spare took exactly the `shared` frames (if it took others, they
         are dropped)."""
-        ahead_from, self._ahead_from = self._ahead_from, None
-        if ahead_from is None:
+        if self._ahead_from is None:
             return False
-        if ahead_from != self.num_frames - shared:
-            self._spare.discard()
-            self._ahead_ready, self._early_ratios = [], {}
+        if self._ahead_from != self.num_frames - shared:
+            self._drop_lookahead()
             return False
+        self._ahead_from = None
         return True
+
+    def _drop_lookahead(self) -> None:
+        """Forget what the spare took for a window that does not come as it expected."""
+        self._spare.discard()
+        self._ahead_from = None
+        self._ahead_ready, self._early_ratios = [], {}
 
     def _switch_to_spare(self) -> None:
         """The second half of a rollover beside the stream: the spare's predictions of the new window's
