@@ -170,20 +170,28 @@ class StreamingEngine:
             self.cache.reset()
             self.camera_cache.reset()
 
-    def push(self, image: torch.Tensor | np.ndarray, timestamp: float | None = None) -> list[FramePrediction]:
+    def push(self, image: torch.Tensor | np.ndarray, timestamp: float | None = None, *,
+             cached: bool = True) -> list[FramePrediction]:
         """Add one frame [3, H, W] (uint8, or float in [0, 1]). Returns the predictions that became
         ready, oldest first: none while the scale frames are buffered, then all of them, then one
-        per frame (one frame late with a pipelined runner)."""
-        image = self._check_frame(image)
+        per frame (one frame late with a pipelined runner).
+
+        `cached=False` (a streaming frame only): predict the frame against the cache as it is and
+        leave no trace, whatever the keyframe policy says (a non-keyframe decided before its step).
+        WindowedEngine predicts frames so on a closed window while the next one catches up."""
+        image = self.check_frame(image)
         timestamp = float(self.num_frames + len(self._buffer)) if timestamp is None else float(timestamp)
         finished, self._ready = self._ready, []  # completed by reset(): older than anything below
         try:
             if self.num_frames == 0 and len(self._buffer) < self.config.scale_frames:
+                if not cached:
+                    raise ValueError("only a streaming frame can be predicted without caching it; the scale frames "
+                                     "are the cache's anchor")
                 self._buffer.append((image, timestamp))
                 if len(self._buffer) < self.config.scale_frames:
                     return finished
                 return finished + self._run_scale_frames()
-            return finished + self._run_streaming_frame(image, timestamp)
+            return finished + self._run_streaming_frame(image, timestamp, cached)
         except BaseException:
             self._ready = finished + self._ready  # nothing computed is lost
             raise
@@ -261,14 +269,14 @@ class StreamingEngine:
         self._last_keyframe = _LastKeyframe(first_index + count - 1, host["c2w"][-1], host["intrinsics"][-1])
         return predictions
 
-    def _run_streaming_frame(self, image: torch.Tensor, timestamp: float) -> list[FramePrediction]:
+    def _run_streaming_frame(self, image: torch.Tensor, timestamp: float, cached: bool) -> list[FramePrediction]:
         """Begin the frame (what reads no cache), settle the frame before it if its decision was
         pending, append this one, finish its step, and deliver what the runner no longer holds."""
         index = self.num_frames
         self.runner.begin(image[None], index)
         ready = self._deliver(keep=0, settle_only=True)  # a pending flow decision, made now
         self._check_temporal_range(1)
-        keyframe = self.policy.decided_before(index, self.config.scale_frames)
+        keyframe = self.policy.decided_before(index, self.config.scale_frames) if cached else False
         # A frame that may be rolled back keeps the oldest window frame until the decision, so it
         # sees window_frames older frames (the reference's deferred eviction).
         self.cache.append(defer_eviction=keyframe is not True)
@@ -355,8 +363,9 @@ class StreamingEngine:
         )
 
     # -- input and setup -------------------------------------------------------------------
-    def _check_frame(self, image) -> torch.Tensor:
-        """The frame as a [3, H, W] tensor, uint8 or float (converted on the device)."""
+    def check_frame(self, image) -> torch.Tensor:
+        """The frame as a [3, H, W] tensor, uint8 or float (converted on the device); FrameError if it
+        cannot be one of this stream's frames. The stream's first frame sets its size (and caches)."""
         if isinstance(image, np.ndarray):
             image = torch.from_numpy(image)
         if not isinstance(image, torch.Tensor):

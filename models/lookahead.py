@@ -41,8 +41,6 @@ class SpareEngine:
         self.job_times: list[tuple[str, float, float]] = []  # (job, start, end), perf_counter seconds
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-recon-next-window")
         self._jobs: list[Future] = []
-        self._frames = 0  # frames pushed since the spare was last emptied
-        self._scale_job: Future | None = None  # the push that runs the scale step, once queued
 
     def warm(self, frames: list[tuple[torch.Tensor, float]]) -> None:
         """Run the first frames of a stream through the spare and forget them: its first streaming
@@ -52,27 +50,21 @@ class SpareEngine:
     def push(self, image: torch.Tensor, timestamp: float) -> None:
         """Queue a frame; its prediction comes back from `take_ready`, `take_next` or `collect`."""
         self._submit(self.engine.push, image, timestamp)
-        self._frames += 1
-        if self._frames == self.engine.config.scale_frames:
-            self._scale_job = self._jobs[-1]
 
-    def catch_up(self, behind: int) -> None:
-        """Once the scale step is done and more than `behind` queued frames are unpredicted, wait for the
-        oldest two of them (or one, down to `behind`).
+    @property
+    def backlog(self) -> int:
+        """Queued frames whose jobs have not finished yet."""
+        return sum(not job.done() for job in self._jobs)
 
-        While the spare's scale step runs, the GPU shares itself between it and the stream (both
-        slow down, about evenly); afterwards the stream and the spare's one-frame steps would go on
-        at the same pace, the spare as many frames behind as the scale step left it, and all of that
-        would wait at the rollover. Holding the stream back here instead spreads that backlog over the
-        frames before the rollover (docs/PERFORMANCE.md, ninth session).
-        """
-        if self._scale_job is None or not self._scale_job.done():
-            return
+    def wait_until(self, deadline: float) -> None:
+        """Wait for the queued jobs until `deadline` (time.perf_counter seconds) at the latest.
+
+        The stream's thread calls this while the spare is behind: time it spends here is device time
+        the spare gets alone (WindowedEngine paces the stream so; docs/PERFORMANCE.md, tenth session)."""
         unfinished = [job for job in self._jobs if not job.done()]
-        # Two of the spare's frames per frame of the stream at most: one is the frame the stream just
-        # gave it, the other takes the backlog down by one. (Errors surface in collect.)
-        if len(unfinished) > behind:
-            wait(unfinished[: min(2, len(unfinished) - behind)])
+        timeout = deadline - time.perf_counter()
+        if unfinished and timeout > 0:
+            wait(unfinished, timeout=timeout)
 
     def take_ready(self) -> list[FramePrediction]:
         """The predictions of the oldest queued frames whose jobs have finished, without waiting; they
@@ -93,7 +85,6 @@ class SpareEngine:
         """Wait for every queued frame; the predictions their pushes returned, oldest first. The
         current stream then waits for the spare's device work. Raises the first error of a job."""
         jobs, self._jobs = self._jobs, []
-        self._frames, self._scale_job = 0, None
         results, errors = [], []
         for job in jobs:
             try:

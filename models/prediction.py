@@ -22,7 +22,9 @@ class FramePrediction:
 
     Windowed streams (long runs) may emit the same `frame_index` twice: once when first
     predicted and again, aligned into the first window's frame, when a later window re-predicts
-    it. Sinks overwrite by `frame_index`; the last emission is final.
+    it. Sinks overwrite by `frame_index`; the last emission is final. While a new window catches up
+    after a rollover, the closed window predicts the new frames once more without caching them
+    (`provisional`): the new window emits each of them again shortly after.
     """
 
     frame_index: int  # position in the stream, from 0
@@ -36,6 +38,7 @@ class FramePrediction:
     image: np.ndarray | None = None  # [H, W, 3] uint8 RGB, the model input the outputs refer to
     window_index: int = 0  # which window of a windowed stream produced this emission
     flow_magnitude: float = float("nan")  # flow keyframe policy: mean flow (px) to the last keyframe
+    provisional: bool = False  # a closed window's prediction, emitted again (final) by the next window
 
     @property
     def is_keyframe(self) -> bool:

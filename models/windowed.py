@@ -27,9 +27,11 @@ from the later window.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -47,9 +49,15 @@ logger = logging.getLogger("stream_recon.models.windowed")
 TRAINED_VIEWS = 320  # views per sequence the released checkpoints were trained with
 _DEPTH_EPS = float(np.finfo(np.float32).eps)  # the reference's "depth is not zero" threshold
 _SCALE_RANGE = (1e-3, 1e3)
-# Once its scale step is done, the spare engine may be this many queued frames behind when the stream
-# takes a frame: more, and the stream waits for it (SpareEngine.catch_up).
-SPARE_BEHIND = 1
+# While the spare has work for the next window, a push of the stream lasts up to PACE times its usual
+# push: the spare has the device alone for the rest (docs/PERFORMANCE.md, tenth session).
+PACE = 1.8
+# The stream's CUDA stream, once there is a spare (whose stream has the default priority, 0): lower
+# numbers are more urgent.
+MAIN_STREAM_PRIORITY = -1
+# The most frames a closed window predicts provisionally while the next one catches up; then the
+# stream waits for the spare.
+MAX_PROVISIONAL = 48
 
 
 # -- Sim(3) helpers (float64, numpy) -------------------------------------------------------------
@@ -211,22 +219,33 @@ class _AlignedFrame:
     is_keyframe: bool
 
 
+@dataclass(frozen=True)
+class _ClosedWindow:
+    """A window after its rollover, while the next one catches up on the spare: it still predicts the
+    new frames (uncached, in its own world frame) so that the stream need not wait."""
+
+    start: int  # stream index of its first frame
+    index: int
+    transform: Sim3
+
+
 class WindowedEngine:
     """A StreamingEngine that rolls over to a new window before the cache outgrows the model.
 
     A window holds up to `window_frames` cached frames (scale frames + keyframes): with
     `keyframes="interval:K"` it spans scale + (window_frames - scale) * K input frames; with
     `"flow"` it closes after its (window_frames - scale)-th keyframe. The next window starts
-    `overlap` input frames back, which are kept in a ring of that many frames and one more (never
-    the stream).
+    `overlap` input frames back, which are kept in a ring (never the stream).
     Same interface as StreamingEngine; predictions carry `window_index`, and a frame predicted by
     two windows is emitted twice (the later emission is final).
 
-    `lookahead`: predict the next window's shared frames beside the stream on a spare engine
-    (models/lookahead.py), so that a rollover pauses it far less. None: where it helps and fits (a
-    CUDA device, steps replayed as graphs, windows that close at a known frame, room for a second
-    engine); True: also elsewhere (no gain on a CPU; for tests); False: never. The emissions are the
-    same either way, in the same order; with the spare, a new window's come one push later.
+    `lookahead`: predict the next window on a spare engine beside the stream (models/lookahead.py),
+    so that a rollover does not stop it. None: where it helps and fits (a CUDA device, steps replayed
+    as graphs, room for a second engine); True: also elsewhere (no gain on a CPU; for tests); False:
+    never. With the spare, the stream goes on through a rollover: until the spare has caught up, the
+    closed window predicts each new frame once more without caching it (`provisional` emissions) and
+    the new window emits it again a few pushes later. The last emission of every frame, and the order
+    of the final ones, are the same either way.
     """
 
     def __init__(self, model: GCTStream, config: StreamConfig | None = None, *, window_frames: int = TRAINED_VIEWS,
@@ -265,15 +284,20 @@ class WindowedEngine:
         self.engine = StreamingEngine(model, replace(self.config, max_cached_frames=cached), device=device,
                                       dtype=dtype)
         self.model, self.device = self.engine.model, self.engine.device
-        if lookahead and self.dynamic_windows:
-            raise ValueError("lookahead needs windows that close at a known frame: keyframes 'all' or 'interval:N', "
-                             "not 'flow'")
         self.lookahead = lookahead
         self._spare: SpareEngine | None = None
+        self._main_stream: torch.cuda.Stream | None = None  # the stream's device work, once there is a spare
         self._warmup: list[tuple[torch.Tensor, float]] = []  # the first frames, to warm a spare on
-        # the shared frames, and one more: a rollover beside the stream hands the spare the next frame too
+        # Frames a closed window may predict while the next catches up. Its cache has room for one
+        # uncached frame unless the window spans the model's whole temporal range; and the new window
+        # must not be able to fill up before it takes over (overlap + these + 1 frames < window_frames).
+        room = window_frames - overlap - 1 if window_frames < model.config.max_frames else 0
+        self._provisional_room = max(0, min(MAX_PROVISIONAL, room))
+        # The shared frames and the one a rollover hands the spare (with a spare: and those it may be
+        # behind, so that a failed spare can be replaced by a rollover in place).
         self._replay: deque[tuple[torch.Tensor, float]] = deque(maxlen=overlap + 1)
         self._tail: deque[_AlignedFrame] = deque(maxlen=overlap)
+        self._push_seconds: deque[float] = deque(maxlen=32)  # the stream's own pushes, for pacing
         self.reset()
 
     # -- public ----------------------------------------------------------------------------
@@ -283,14 +307,18 @@ class WindowedEngine:
         if self._spare is not None:
             self._spare.discard()
         self._ahead_from: int | None = None  # the stream index from which the spare takes frames
-        self._switch_pending = False  # a window closed; the spare, holding the next, takes over at the next call
-        self._ahead_ready: list[FramePrediction] = []  # the spare's predictions taken before the rollover
+        self._catching_up = False  # a window closed; the spare holds the next and is more than a frame behind
+        self._switch_pending = False  # the spare, a frame behind at most, takes over at the next call
+        self._closed: _ClosedWindow | None = None  # the closed window, until then
+        self._provisional_count = 0  # frames the closed window predicted since its rollover
+        self._ahead_ready: list[FramePrediction] = []  # the spare's predictions, taken before they are received
         self._early_ratios: dict[int, FrameRatios] = {}  # frame index -> its ratios, for the next transform
         self.num_frames = 0
         self.window_index = 0
         self.window_start = 0  # stream index of the current window's first frame
         self.rollovers = 0
-        self.rollovers_ahead = 0  # of them, those whose new window the spare had predicted already
+        self.rollovers_ahead = 0  # of them, those whose new window the spare predicted
+        self.provisional_frames = 0  # frames predicted by a closed window while the next caught up
         self.window_scales: list[float] = [1.0]
         self.window_transforms: list[np.ndarray] = [Sim3.identity().matrix]
         self._transform: Sim3 | None = Sim3.identity()
@@ -303,32 +331,39 @@ class WindowedEngine:
 
     def push(self, image: torch.Tensor | np.ndarray, timestamp: float | None = None) -> list[FramePrediction]:
         """Add frame [3, H, W]; returns the predictions emitted by it, oldest window first."""
+        started = time.perf_counter()
         timestamp = float(self.num_frames) if timestamp is None else float(timestamp)
+        self.engine.check_frame(image)  # a bad frame is refused before it changes anything
         frame = (torch.as_tensor(image).detach().clone(), timestamp)
-        if self._switch_pending:
-            self._switch_to_spare()
-        if self._window_is_full():
-            self._roll_over()
-        if self._switch_pending:  # the window closed at this frame; the spare, holding the next, takes it
-            self._spare.push(*frame)
-        else:
-            if self._ahead_from is not None:
-                self._spare.catch_up(SPARE_BEHIND)
-            self._outbox += self._receive(self.engine.push(image, timestamp))
-        self._replay.append(frame)
-        self._look_ahead(frame)
-        self._take_ahead()
-        self.num_frames += 1
+        with self._on_main_stream():
+            if self._switch_pending:
+                self._switch_to_spare()
+            if self._window_is_full():
+                self._roll_over()
+            if self._catching_up:
+                self._push_beside_spare(frame)
+            elif self._switch_pending:  # the spare is a frame behind at most: it takes this one alone
+                self._spare.push(*frame)
+            else:
+                self._outbox += self._receive(self.engine.push(image, timestamp))
+            self._replay.append(frame)
+            self._look_ahead(frame)
+            self._take_ahead()
+            self.num_frames += 1
+            self._pace(started)
         emitted, self._outbox = self._outbox, []
         return emitted
 
     def finish(self) -> list[FramePrediction]:
         """End of stream: predict what the current window still buffers. Call reset() to start again."""
-        if self._switch_pending:
-            self._switch_to_spare()
-        self._outbox += self._receive(self.engine.finish())
-        if self._ahead_from is not None:  # the stream ended before the window it was for
-            self._drop_lookahead()
+        with self._on_main_stream():
+            if self._catching_up:
+                self._stop_provisional()
+            if self._switch_pending:
+                self._switch_to_spare()
+            self._outbox += self._receive(self.engine.finish())
+            if self._ahead_from is not None:  # the stream ended before the window it was for
+                self._drop_lookahead()
         emitted, self._outbox = self._outbox, []
         return emitted
 
@@ -345,6 +380,7 @@ class WindowedEngine:
             window_start=self.window_start,
             rollovers=self.rollovers,
             rollovers_ahead=self.rollovers_ahead,
+            provisional_frames=self.provisional_frames,
             replay_frames=len(self._replay),
             lookahead=self._spare is not None,
         )
@@ -388,6 +424,8 @@ class WindowedEngine:
 
     # -- windows ---------------------------------------------------------------------------
     def _window_is_full(self) -> bool:
+        if self._catching_up:  # the closed window is; the next (on the spare) cannot be yet
+            return False
         if self.dynamic_windows:
             if self.engine.num_keyframes + 1 >= self.window_frames:
                 # A pipelined engine may still hold the last frame's decision: the window closes
@@ -399,23 +437,27 @@ class WindowedEngine:
     def _roll_over(self) -> None:
         """Close the current window and open the next one on its last frames.
 
-        In place, the new window predicts the shared frames now. With the spare holding them already,
-        this call only closes the window (its last frame is emitted at once) and hands the frame being
-        pushed to the spare; the spare takes over at the next call (`_switch_to_spare`), by which time
-        its last shared frame is predicted too, so the pause is split between two frame intervals.
+        In place, the new window predicts the shared frames now. With a spare, the spare holds them
+        (taken ahead, or handed over now), the closed window predicts this frame provisionally, and
+        the spare takes over once it has caught up (`_push_beside_spare`).
         """
-        closed_start, closed_cached = self.window_start, self.engine.num_keyframes
+        closed_cached = self.engine.num_keyframes
         # The closing window's last frame may still be in flight (pipelined streaming): it belongs
         # to this window's emissions and to the tail the next window is aligned on.
         self._outbox += self._receive(self.engine.finish())
+        closed = _ClosedWindow(self.window_start, self.window_index, self._transform)
         shared = self.overlap
         if self.dynamic_windows:
             # The reference never restarts inside the closing window's scale frames.
-            shared = min(shared, self.num_frames - closed_start - self.config.scale_frames)
+            shared = min(shared, self.num_frames - closed.start - self.config.scale_frames)
         self._previous_tail = list(self._tail)[len(self._tail) - shared:]
         self._tail.clear()
-        self._switch_pending = self._spare_holds(shared)
-        if not self._switch_pending:
+        beside = self._spare_takes_window(shared)
+        if beside:
+            self._closed, self._provisional_count = closed, 0
+            self._catching_up = self._provisional_room > 0
+            self._switch_pending = not self._catching_up
+        else:
             self.engine.reset()
         self.window_index += 1
         self.rollovers += 1
@@ -426,10 +468,10 @@ class WindowedEngine:
         logger.info(
             "window rollover: window %d closed after frames %d-%d (%d cached); window %d starts at frame %d "
             "and re-predicts %d frames%s",
-            self.window_index - 1, closed_start, self.num_frames - 1, closed_cached, self.window_index,
-            self.window_start, shared, " (predicted ahead)" if self._switch_pending else "",
+            closed.index, closed.start, self.num_frames - 1, closed_cached, self.window_index,
+            self.window_start, shared, " (on the spare engine)" if beside else "",
         )
-        if not self._switch_pending:
+        if not beside:
             self._replay_in_place()
 
     def _replay_in_place(self) -> None:
@@ -438,12 +480,13 @@ class WindowedEngine:
         for image, timestamp in frames:
             self._outbox += self._receive(self.engine.push(image, timestamp))
 
-    # -- the next window, ahead ------------------------------------------------------------
+    # -- the next window, on the spare -----------------------------------------------------
     def _look_ahead(self, frame: tuple[torch.Tensor, float]) -> None:
         """After frame `num_frames` went to the current window: warm a spare on the stream's first
-        frames (once), and hand each frame the next window will share to the spare."""
-        if self.dynamic_windows or self.lookahead is False or self._switch_pending:
-            return  # (a window this short that the next lookahead would start now gets none: the spare is busy)
+        frames (once), and, when windows close at a known frame, hand the spare each frame the next
+        window will share as it comes."""
+        if self.lookahead is False or self._catching_up or self._switch_pending:
+            return  # (a window this short that the next lookahead would start now gets it at its rollover)
         index = self.num_frames
         if self._spare is None:
             warm_frames = self.config.scale_frames + 1  # the scale step and a recorded streaming step
@@ -451,48 +494,87 @@ class WindowedEngine:
                 self._warmup.append(frame)
             if index == warm_frames - 1:
                 if self._wants_spare():
-                    self._spare = SpareEngine(StreamingEngine(self.model, replace(self.engine.config, gpu_memory=None),
-                                                              device=self.device, dtype=self.engine.dtype))
-                    self._spare.engine.memory_plan = self.engine.memory_plan
-                    self._spare.warm(self._warmup)
+                    self._start_spare()
                 self._warmup = []
+            return
+        if self.dynamic_windows:  # a flow window's end is known when it comes: the spare takes its frames then
             return
         if index == self.window_start + self.window_length - self.overlap:
             self._ahead_from = index
         if self._ahead_from is not None:
             self._spare.push(*frame)
 
-    def _take_ahead(self) -> None:
-        """While the spare is ahead: take what it has predicted so far (never waiting), and make the
-        depth ratios of the shared frames both windows have predicted, so that the transform at the
-        rollover has little left to do."""
-        if self._ahead_from is None:
-            return
-        self._ahead_ready += self._spare.take_ready()
-        self._make_ratios_ahead(self._ahead_from, self._tail)
+    def _start_spare(self) -> None:
+        self._spare = SpareEngine(StreamingEngine(self.model, replace(self.engine.config, gpu_memory=None),
+                                                  device=self.device, dtype=self.engine.dtype))
+        self._spare.engine.memory_plan = self.engine.memory_plan
+        self._spare.warm(self._warmup)
+        if self.device.type == "cuda":
+            self._main_stream = torch.cuda.Stream(self.device, priority=MAIN_STREAM_PRIORITY)
+        self._replay = deque(self._replay, maxlen=self.overlap + 1 + self._provisional_room)
 
-    def _make_ratios_ahead(self, start: int, tail: Iterable[_AlignedFrame]) -> None:
-        """FrameRatios of each frame in the spare's predictions (its window starts at stream index
+    def _spare_takes_window(self, shared: int) -> bool:
+        """At a rollover: whether the spare holds the new window's `shared` frames, taken ahead or
+        handed over now (frames it took for another window are dropped first)."""
+        if self._spare is None:
+            return False
+        if self._ahead_from is not None and self._ahead_from == self.num_frames - shared:
+            self._ahead_from = None
+            return True
+        if self._ahead_from is not None:
+            self._drop_lookahead()
+        for image, timestamp in list(self._replay)[len(self._replay) - shared:]:
+            self._spare.push(image, timestamp)
+        return True
+
+    def _push_beside_spare(self, frame: tuple[torch.Tensor, float]) -> None:
+        """After a rollover, while the spare catches up: it takes the frame, and the closed window
+        predicts it now, uncached, so the stream need not wait. Once the spare is a frame behind (or
+        the closed window may go on no longer) it takes the frames alone, and over at the next push."""
+        if self._provisional_count and (self._spare.backlog <= 1
+                                        or self._provisional_count >= self._provisional_room):
+            self._stop_provisional()
+            self._spare.push(*frame)
+            return
+        self._spare.push(*frame)
+        self._outbox += self._provisional(self.engine.push(*frame, cached=False))
+        self._provisional_count += 1
+        self.provisional_frames += 1
+
+    def _stop_provisional(self) -> None:
+        """The closed window's last provisional prediction, and the spare takes over at the next push."""
+        self._outbox += self._provisional(self.engine.finish())
+        self._catching_up, self._switch_pending = False, True
+
+    def _provisional(self, raws: list[FramePrediction]) -> list[FramePrediction]:
+        """The closed window's uncached predictions, in the first window's frame like its own."""
+        closed = self._closed
+        return self._aligned([replace(raw, frame_index=closed.start + raw.frame_index, window_index=closed.index,
+                                      provisional=True) for raw in raws], closed.transform)
+
+    def _take_ahead(self) -> None:
+        """Take what the spare has predicted so far (never waiting). Before the rollover: keep it, and
+        make the depth ratios of the frames both windows predicted, so that the transform has little
+        left to do. After it (from the push after the one that closed the window): receive it."""
+        if self._ahead_from is not None:
+            self._ahead_ready += self._spare.take_ready()
+            self._make_ratios(self._ahead_ready, self._ahead_from, self._tail)
+        elif (self._catching_up or self._switch_pending) and self.num_frames > self.window_start + self._num_shared:
+            taken, self._ahead_ready = self._ahead_ready + self._spare.take_ready(), []
+            self._make_ratios(taken, self.window_start, self._previous_tail)
+            self._outbox += self._receive(taken)
+
+    def _make_ratios(self, raws: list[FramePrediction], start: int, tail: Iterable[_AlignedFrame]) -> None:
+        """FrameRatios of each of the spare's predictions `raws` (its window starts at stream index
         `start`) that the closing window has emitted too (`tail`), both as keyframes (the pairs)."""
         tail = {aligned.frame_index: aligned for aligned in tail}
-        for raw in self._ahead_ready:
+        for raw in raws:
             index = start + raw.frame_index
             previous = tail.get(index)
             if index in self._early_ratios or previous is None:
                 continue
             if raw.is_keyframe and previous.is_keyframe:
                 self._early_ratios[index] = FrameRatios.of(previous.depth, raw.depth)
-
-    def _spare_holds(self, shared: int) -> bool:
-        """At a rollover: whether the spare took exactly the `shared` frames (if it took others, they
-        are dropped)."""
-        if self._ahead_from is None:
-            return False
-        if self._ahead_from != self.num_frames - shared:
-            self._drop_lookahead()
-            return False
-        self._ahead_from = None
-        return True
 
     def _drop_lookahead(self) -> None:
         """Forget what the spare took for a window that does not come as it expected."""
@@ -501,31 +583,66 @@ class WindowedEngine:
         self._ahead_ready, self._early_ratios = [], {}
 
     def _switch_to_spare(self) -> None:
-        """The second half of a rollover beside the stream: the spare's predictions of the new window's
-        frames so far, and its engine as the current one. If the spare failed, the rollover happens in
-        place instead, and later ones too."""
+        """The spare's predictions of the new window so far, and its engine as the current one. If the
+        spare failed, the rollover happens in place instead, and later ones too."""
         self._switch_pending = False
         try:
             # The spare's last frames are still on the GPU: make each one's ratios while waiting for the next.
             while (taken := self._spare.take_next()) is not None:
+                self._make_ratios(taken, self.window_start, self._previous_tail)
                 self._ahead_ready += taken
-                self._make_ratios_ahead(self.window_start, self._previous_tail)
             predictions, self._ahead_ready = self._ahead_ready + self._spare.collect(), []
         except Exception as error:  # e.g. out of memory on the worker: go on without a spare
             logger.warning("the next window's lookahead failed (%s: %s); rollovers now pause the stream",
                            type(error).__name__, error)
             self._spare.close()
-            self._spare = None
+            self._spare, self._closed = None, None
             self.lookahead = False
             self._ahead_ready, self._early_ratios = [], {}
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+            self._forget_alignment()
             self.engine.reset()
             self._replay_in_place()
             return
         self.engine = self._spare.swap(self.engine)
+        self._closed = None
         self.rollovers_ahead += 1
         self._outbox += self._receive(predictions)
+
+    def _forget_alignment(self) -> None:
+        """The current window as if none of its frames were received (its frames are predicted again)."""
+        if self._transform is not None:
+            self.window_scales.pop()
+            self.window_transforms.pop()
+        self._transform, self._held = None, []
+        self._tail.clear()
+
+    def _pace(self, started: float) -> None:
+        """While the spare has work for the next window, hold the stream until PACE times its usual
+        push has passed since this one `started` (or the spare is done): the spare then has the
+        device alone for a while after each frame. Otherwise, note how long the push took."""
+        elapsed = time.perf_counter() - started
+        if self._ahead_from is None and not self._catching_up and not self._switch_pending:
+            self._push_seconds.append(elapsed)
+        elif self._push_seconds:
+            self._spare.wait_until(started + PACE * float(np.median(self._push_seconds)))
+
+    @contextlib.contextmanager
+    def _on_main_stream(self) -> Iterator[None]:
+        """The stream's device work, once there is a spare, on a CUDA stream of higher priority than
+        the spare's: the spare gets what the stream leaves of the GPU instead of slowing it down."""
+        stream = self._main_stream
+        if stream is None:
+            yield
+            return
+        caller = torch.cuda.current_stream(self.device)
+        stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            caller.wait_stream(stream)
 
     def _wants_spare(self) -> bool:
         """Whether to run a spare engine: as asked, or (auto) on CUDA, with steps replayed as graphs,
@@ -559,8 +676,9 @@ class WindowedEngine:
             if len(self._held) < self._num_shared:
                 return []
             self._transform = self._estimate_transform(self._held[: self._num_shared])
-        emitted = self._align(self._held)
+        emitted = self._aligned(self._held, self._transform)
         self._held = []
+        self._tail.extend(_AlignedFrame(a.frame_index, a.pose_enc, a.depth, a.is_keyframe) for a in emitted)
         return emitted
 
     def _estimate_transform(self, shared: list[FramePrediction]) -> Sim3:
@@ -582,20 +700,18 @@ class WindowedEngine:
                     self.window_index, len(shared), transform.scale, angle, np.round(transform.translation, 4))
         return transform
 
-    def _align(self, raws: list[FramePrediction]) -> list[FramePrediction]:
-        """Map raw predictions into the first window's frame. The first window's predictions pass
+    @staticmethod
+    def _aligned(raws: list[FramePrediction], transform: Sim3) -> list[FramePrediction]:
+        """Raw predictions mapped into the first window's frame. The first window's predictions pass
         unchanged (their pose_enc is the model's own); later windows' cameras are moved by the
         window's Sim(3), their quaternions keeping the model's norm (Sim3.apply_to_pose_enc). All at
-        once: a rollover aligns ~17 frames while the stream waits."""
-        transform = self._transform
-        aligned = raws
-        if raws and not transform.is_identity:
-            pose_enc = transform.apply_to_pose_enc(np.stack([raw.pose_enc for raw in raws]).astype(np.float64))
-            pose_enc = pose_enc.astype(np.float32)
-            height, width = raws[0].image_size  # one stream, one frame size
-            c2w, intrinsics = decode_pose(torch.from_numpy(pose_enc), height, width)
-            c2w, intrinsics, scale = c2w.numpy(), intrinsics.numpy(), np.float32(transform.scale)
-            aligned = [replace(raw, pose_enc=pose_enc[k], c2w=c2w[k], intrinsics=intrinsics[k], depth=raw.depth * scale)
-                       for k, raw in enumerate(raws)]
-        self._tail.extend(_AlignedFrame(a.frame_index, a.pose_enc, a.depth, a.is_keyframe) for a in aligned)
-        return aligned
+        once: a rollover aligns ~17 frames in one push."""
+        if not raws or transform.is_identity:
+            return raws
+        pose_enc = transform.apply_to_pose_enc(np.stack([raw.pose_enc for raw in raws]).astype(np.float64))
+        pose_enc = pose_enc.astype(np.float32)
+        height, width = raws[0].image_size  # one stream, one frame size
+        c2w, intrinsics = decode_pose(torch.from_numpy(pose_enc), height, width)
+        c2w, intrinsics, scale = c2w.numpy(), intrinsics.numpy(), np.float32(transform.scale)
+        return [replace(raw, pose_enc=pose_enc[k], c2w=c2w[k], intrinsics=intrinsics[k], depth=raw.depth * scale)
+                for k, raw in enumerate(raws)]

@@ -93,7 +93,7 @@ def host_timers(engine) -> dict[str, float]:
 
     recorded = engine.runner.recorded
     wrap(engine, "push", "push")
-    wrap(engine, "_check_frame", "check_frame")
+    wrap(engine, "check_frame", "check_frame")
     wrap(engine.cache, "append", "cache.append (with moves)")
     wrap(engine.cache, "plan", "plan")
     wrap(engine.camera_cache, "begin", "camera.begin")

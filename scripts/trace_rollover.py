@@ -1,10 +1,11 @@
 """Where the time goes at a window rollover, on the product path (GPU machine).
 
-    python3 scripts/trace_rollover.py [--spare-behind N] [bench_e2e options, e.g. --frames 700 --viewer --client]
+    python3 scripts/trace_rollover.py [--pace X] [--main-priority P] [--trace-after S] [bench_e2e options, e.g. --frames 700 --viewer --client]
 
 Runs scripts/bench_e2e.py in this process with timers wrapped around the rollover's parts (closing
-the window, collecting the spare's work, aligning, emitting to the sinks) and CUDA events around every
-engine step, main stream and spare alike. Prints, for each rollover of the product run, the spans from
+the window, provisional frames beside the catching-up spare, pacing, the switch, aligning, emitting
+to the sinks) and CUDA events around every engine step, main stream and spare alike. `--pace` and
+`--main-priority` set models.windowed's PACE and MAIN_STREAM_PRIORITY for the run. Prints, for each rollover of the product run, the spans from
 a few frames before it to a few after, in ms from the rollover's start: host spans on the main thread,
 the spare's jobs on its worker, and when each step's device work began and ended.
 """
@@ -32,6 +33,7 @@ SPANS: list[tuple[str, str, float, float]] = []  # (what, thread, start, end), p
 DEVICE: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event]] = []  # (what, thread, begin, end)
 ROLLOVERS: list[float] = []
 PHASE = {"product": False}
+TRACE_AFTER_S = 0.25  # how long after each rollover's start spans are printed (--trace-after)
 CUDA = torch.cuda.is_available()
 
 
@@ -70,6 +72,9 @@ def install() -> None:
     timed(windowed, "median_ratio_scale", "align: median")
     timed(WindowedEngine, "_receive", "receive")
     timed(SpareEngine, "collect", "spare collect")
+    timed(WindowedEngine, "_push_beside_spare", "beside the spare")
+    timed(WindowedEngine, "_switch_to_spare", "switch")
+    timed(WindowedEngine, "_pace", "pace")
     timed(StreamingEngine, "push", "step", device=True)
     timed(StreamingEngine, "finish", "finish", device=True)
     timed(pipeline, "_emit", "sinks")
@@ -101,16 +106,21 @@ def report(base: torch.cuda.Event, base_time: float) -> None:
         rows = [(s, e, f"{thread[:14]:<14} {what}") for what, thread, s, e in SPANS]
         rows += [(s, e, f"{thread[:14]:<14} [gpu] {what}") for what, thread, s, e in device]
         for start, end, label in sorted(rows):
-            if -0.35 < start - at < 0.25:
+            if -0.35 < start - at < TRACE_AFTER_S:
                 print(f"   {1000 * (start - at):8.1f} {1000 * (end - at):8.1f} {1000 * (end - start):7.1f}  {label}")
 
 
 if __name__ == "__main__":
     arguments = sys.argv[1:]
-    if "--spare-behind" in arguments:  # models.windowed.SPARE_BEHIND, for this run
-        at = arguments.index("--spare-behind")
-        windowed.SPARE_BEHIND = int(arguments[at + 1])
+    if "--trace-after" in arguments:
+        at = arguments.index("--trace-after")
+        TRACE_AFTER_S = float(arguments[at + 1])
         del arguments[at : at + 2]
+    for option, constant, kind in (("--pace", "PACE", float), ("--main-priority", "MAIN_STREAM_PRIORITY", int)):
+        if option in arguments:  # models.windowed's constant, for this run
+            at = arguments.index(option)
+            setattr(windowed, constant, kind(arguments[at + 1]))
+            del arguments[at : at + 2]
     install()
     sys.argv = ["bench_e2e.py", *arguments]
     bench_e2e.main()

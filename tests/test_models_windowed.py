@@ -8,6 +8,8 @@ matrices and stitched with the later window winning.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ from stream_recon.models import (
     StreamingEngine,
     WindowedEngine,
 )
+from stream_recon.models.prediction import FRAME_NON_KEY
 from stream_recon.models.windowed import (
     FrameRatios,
     Sim3,
@@ -509,37 +512,131 @@ def test_the_first_window_emits_the_models_own_outputs_and_later_ones_keep_its_q
         assert abs(np.linalg.norm(ours.pose_enc[3:7]) - norm) <= 1e-6 * norm
 
 
-@pytest.mark.parametrize("case", ["all", "interval", "overlap_below_scale"])
-def test_a_spare_engine_ahead_of_rollovers_emits_what_a_rollover_in_place_emits(model, frames, case):
-    """The next window predicted beside the stream (lookahead, on a worker thread) gives the same
-    emissions in the same order, with the same values; a reset and a second stream too. At a
-    rollover the lookahead emits the closing window's last frame at once and the new window's
-    frames one push later (a rollover in place emits them together)."""
+def run_live_marked(engine: WindowedEngine, frames: torch.Tensor):
+    """run_live, with each push's emissions as (frame_index, window_index, provisional)."""
+    final, per_push = {}, []
+    for emitted in [engine.push(frame) for frame in frames] + [engine.finish()]:
+        per_push.append([(p.frame_index, p.window_index, p.provisional) for p in emitted])
+        final.update({p.frame_index: p for p in emitted})
+    return final, per_push
+
+
+def check_beside_the_stream(with_spare, in_place) -> None:
+    """The emissions of a run with a spare against a run with rollovers in place (run_live_marked's):
+    the same final emissions in the same order, the same last emission of every frame, and no frame
+    first emitted later than in place but for the push a rollover beside the spare defers."""
+    (final, pushes), (final_in_place, pushes_in_place) = with_spare, in_place
+    finals = [(f, w) for push in pushes for f, w, provisional in push if not provisional]
+    assert finals == [(f, w) for push in pushes_in_place for f, w, _ in push]
+    first_push, first_push_in_place, provisional_windows = {}, {}, {}
+    for where, runs in ((first_push, pushes), (first_push_in_place, pushes_in_place)):
+        for index, push in enumerate(runs):
+            for frame, _, _ in push:
+                where.setdefault(frame, index)
+    for index, push in enumerate(pushes):
+        for frame, window, provisional in push:
+            if provisional:  # before any final emission of the frame, from an earlier window than the final one
+                assert frame not in {f for p in pushes[:index + 1] for f, _, prov in p if not prov}
+                provisional_windows[frame] = window
+    assert all(window < final[frame].window_index for frame, window in provisional_windows.items())
+    assert all(first_push[frame] <= first_push_in_place[frame] + 1 for frame in first_push_in_place)
+    for index, ours in final.items():
+        theirs = final_in_place[index]
+        assert not ours.provisional
+        assert (ours.window_index, ours.frame_type) == (theirs.window_index, theirs.frame_type)
+        for key in ("pose_enc", "c2w", "depth", "depth_conf"):
+            np.testing.assert_array_equal(getattr(ours, key), getattr(theirs, key))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_spare_engine_beside_the_stream_ends_with_what_rollovers_in_place_emit(model, frames, case):
+    """The next window predicted on a spare (on a worker thread; ahead of the rollover when windows
+    close at a known frame, from the rollover for flow windows): the same final emissions in the same
+    order and values as rollovers in place, a reset and a second stream too; provisional emissions of
+    the closed window in between, each before the frame's final one."""
     config, window_frames, overlap, count = CASES[case]
     count = min(len(frames), 3 * count)
     runs = {}
     for lookahead in (False, True):
         engine = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap, lookahead=lookahead)
-        first = run_live(engine, frames[:count])
+        first = run_live_marked(engine, frames[:count])
         engine.reset()
-        second = run_live(engine, frames[1:count])
+        second = run_live_marked(engine, frames[1:count])
         runs[lookahead] = (first, second, engine.stats())
         engine.close()
-    (in_place, stats_in_place), (ahead, stats_ahead) = [((r[0], r[1]), r[2]) for r in (runs[False], runs[True])]
-    assert stats_ahead["lookahead"] and not stats_in_place["lookahead"]
-    assert stats_ahead["rollovers"] == stats_in_place["rollovers"] >= 2
-    assert stats_ahead["rollovers_ahead"] >= 1 and stats_in_place["rollovers_ahead"] == 0
-    for (final_ahead, pushes_ahead), (final_in_place, pushes_in_place) in zip(ahead, in_place, strict=True):
-        assert sum(pushes_ahead, []) == sum(pushes_in_place, [])
-        when_ahead = [push for push, emitted in enumerate(pushes_ahead) for _ in emitted]
-        when_in_place = [push for push, emitted in enumerate(pushes_in_place) for _ in emitted]
-        assert all(0 <= a - b <= 1 for a, b in zip(when_ahead, when_in_place, strict=True))  # at most a push late
-        assert when_ahead != when_in_place  # and some were: the rollovers beside the stream
-        for index, ours in final_ahead.items():
-            theirs = final_in_place[index]
-            assert (ours.window_index, ours.frame_type) == (theirs.window_index, theirs.frame_type)
-            for key in ("pose_enc", "c2w", "depth", "depth_conf"):
-                np.testing.assert_array_equal(getattr(ours, key), getattr(theirs, key))
+    (*in_place, stats_in_place), (*beside, stats_beside) = runs[False], runs[True]
+    assert stats_beside["lookahead"] and not stats_in_place["lookahead"]
+    assert stats_beside["rollovers"] == stats_in_place["rollovers"] >= 2
+    assert stats_beside["rollovers_ahead"] >= 1 and stats_in_place["rollovers_ahead"] == 0
+    assert stats_in_place["provisional_frames"] == 0
+    if window_frames - overlap - 1 > 0:  # room for provisional frames: the rollover's own frame at least
+        assert stats_beside["provisional_frames"] >= 1
+    for with_spare, without in zip(beside, in_place, strict=True):
+        check_beside_the_stream(with_spare, without)
+
+
+class SpareGate:
+    """Holds the spare's worker thread at its next step until opened (StreamingEngine.push patched)."""
+
+    def __init__(self, monkeypatch):
+        self.open = threading.Event()
+        self.open.set()
+        push = StreamingEngine.push
+
+        def gated_push(engine, *args, **kwargs):
+            if threading.current_thread().name.startswith("stream-recon-next-window"):
+                assert self.open.wait(timeout=60), "the gate was never opened"
+            return push(engine, *args, **kwargs)
+
+        monkeypatch.setattr(StreamingEngine, "push", gated_push)
+
+
+def test_the_closed_window_predicts_new_frames_until_the_spare_has_caught_up(model, frames, monkeypatch):
+    """A spare held back at a rollover: the stream goes on, each new frame predicted provisionally by
+    the closed window (uncached, aligned as its own frames), until the spare is a frame behind; then
+    the engines swap and the new window's emissions, the same as in place, follow."""
+    config, window_frames, overlap = StreamConfig(scale_frames=3, window=4), 10, 3
+    reference = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap, lookahead=False)
+    in_place = run_live_marked(reference, frames[:16])
+    gate = SpareGate(monkeypatch)
+    engine = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap, lookahead=True)
+    pushes = [engine.push(frame) for frame in frames[:7]]  # frames 7, 8, 9 go to the spare as they come
+    engine._spare.wait_until(time.perf_counter() + 60)
+    gate.open.clear()
+    for frame in frames[7:13]:  # window 0 closes at frame 10 (10 frames); the spare holds window 1 from 7
+        pushes.append(engine.push(frame))
+    assert engine.stats()["provisional_frames"] == 3  # frames 10, 11, 12; the spare not a frame further
+    provisional = [p for push in pushes[10:] for p in push if p.provisional]
+    assert [(p.frame_index, p.window_index) for p in provisional] == [(10, 0), (11, 0), (12, 0)]
+    for prediction in provisional:
+        assert prediction.frame_type == FRAME_NON_KEY and np.isfinite(prediction.depth).all()
+    gate.open.set()
+    engine._spare.wait_until(time.perf_counter() + 60)
+    pushes += [engine.push(frame) for frame in frames[13:16]] + [engine.finish()]
+    marked = [[(p.frame_index, p.window_index, p.provisional) for p in push] for push in pushes]
+    final = {p.frame_index: p for push in pushes for p in push}
+    check_beside_the_stream((final, marked), in_place)
+    assert engine.stats()["provisional_frames"] == 3  # the spare had caught up at frame 13
+    assert engine.stats()["rollovers_ahead"] == engine.stats()["rollovers"] == 1
+    engine.close()
+
+
+def test_a_closed_window_predicts_at_most_its_room_and_the_stream_then_waits(model, frames, monkeypatch):
+    config, window_frames, overlap = StreamConfig(scale_frames=3, window=4), 8, 3  # room: 8 - 3 - 1 frames
+    reference = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap, lookahead=False)
+    in_place = run_live_marked(reference, frames[:16])
+    gate = SpareGate(monkeypatch)
+    engine = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap, lookahead=True)
+    pushes = [engine.push(frame) for frame in frames[:5]]
+    engine._spare.wait_until(time.perf_counter() + 60)
+    gate.open.clear()
+    pushes += [engine.push(frame) for frame in frames[5:13]]  # window 0 closes at frame 8
+    assert engine.stats()["provisional_frames"] == 4  # frames 8-11; frame 12 went to the spare alone
+    threading.Timer(0.2, gate.open.set).start()  # the next push waits for the spare
+    pushes += [engine.push(frame) for frame in frames[13:16]] + [engine.finish()]
+    marked = [[(p.frame_index, p.window_index, p.provisional) for p in push] for push in pushes]
+    check_beside_the_stream(({p.frame_index: p for push in pushes for p in push}, marked), in_place)
+    engine.close()
 
 
 def test_a_stream_that_ends_during_the_lookahead_leaves_the_next_stream_clean(model, frames):
@@ -547,16 +644,13 @@ def test_a_stream_that_ends_during_the_lookahead_leaves_the_next_stream_clean(mo
     engine = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap, lookahead=True)
     run_live(engine, frames[:5])  # window 0 is 0-5; the spare took frame 3 and 4 for window 1
     engine.reset()
-    final, pushes = run_live(engine, frames[:12])
+    second = run_live_marked(engine, frames[:12])
     reference = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap, lookahead=False)
-    expected, expected_pushes = run_live(reference, frames[:12])
-    assert sum(pushes, []) == sum(expected_pushes, [])
-    for index, ours in final.items():
-        np.testing.assert_array_equal(ours.depth, expected[index].depth)
+    check_beside_the_stream(second, run_live_marked(reference, frames[:12]))
     engine.close()
 
 
-def test_a_spare_catches_up_two_frames_at_a_time_and_hands_over_its_predictions_in_order(model, frames):
+def test_a_spare_hands_over_its_predictions_in_order(model, frames):
     from stream_recon.models.lookahead import SpareEngine
 
     config = StreamConfig(scale_frames=3, window=4)
@@ -568,14 +662,11 @@ def test_a_spare_catches_up_two_frames_at_a_time_and_hands_over_its_predictions_
 
     spare = SpareEngine(StreamingEngine(model, config))
     try:
-        for index in range(3):
+        for index in range(9):
             spare.push(frames[index], float(index))
-        spare._scale_job.result()  # the scale step is done: from now on the stream may wait
-        for index in range(3, 9):
-            spare.push(frames[index], float(index))
-        unfinished = sum(not job.done() for job in spare._jobs)
-        spare.catch_up(behind=1)
-        assert sum(not job.done() for job in spare._jobs) <= max(1, unfinished - 2)
+        spare.wait_until(time.perf_counter() - 1)  # a deadline passed: no wait
+        spare.wait_until(time.perf_counter() + 60)
+        assert spare.backlog == 0
         taken = spare.take_ready()  # never waits
         while (next_taken := spare.take_next()) is not None:
             taken += next_taken
@@ -586,8 +677,3 @@ def test_a_spare_catches_up_two_frames_at_a_time_and_hands_over_its_predictions_
     for ours, theirs in zip(taken, expected, strict=True):
         assert ours.timestamp == theirs.timestamp
         np.testing.assert_array_equal(ours.depth, theirs.depth)
-
-
-def test_lookahead_is_refused_for_flow_windows(model):
-    with pytest.raises(ValueError, match="lookahead needs windows that close at a known frame"):
-        WindowedEngine(model, CASES["flow_mixed"][0], window_frames=6, overlap=3, lookahead=True)

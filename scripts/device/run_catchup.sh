@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Issue 16, rollovers beside the stream (tenth session), one call: the lookahead's GPU tests, the e2e
+# bench for keyframes all and flow (1,000 frames, viewer and a client), then rollover traces of flow
+# with the stream's CUDA stream at a higher priority than the spare's and at the same. At most 8 files
+# under $OUT.   (GPU machine, repository root, .whl carried)  bash scripts/device/run_catchup.sh
+set -uo pipefail
+source scripts/device/env.sh
+[ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fast_path.py -k "spare or lookahead" 2>&1 \
+  | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|^E " | tail -20
+e2e() { local name=$1; shift; echo "== $name: $*" | tee -a "$OUT/e2e.log"
+  python3 scripts/bench_e2e.py --video-dir /tmp "$@" --json "$OUT/e2e_$name.json" 2>&1 | grep -v Warn | tail -22 \
+    | tee -a "$OUT/e2e.log"; }
+FLOW="--keyframes flow --flow-threshold 1e9 --max-gap 3"
+e2e all --frames 1000 --viewer --client
+e2e flow --frames 1000 $FLOW --viewer --client
+trace() { local name=$1; shift; echo "== trace $name: $*" | tee -a "$OUT/e2e.log"
+  timeout 200 python3 scripts/trace_rollover.py --video-dir /tmp --viewer --client --no-engine-run "$@" \
+    --json "/tmp/trace_$name.json" 2>&1 | grep -v Warn > "$OUT/trace_$name.log"
+  grep -E "stall|steady FPS" "$OUT/trace_$name.log" | tee -a "$OUT/e2e.log"; }
+trace flow --frames 1000 $FLOW --trace-after 1.5
+trace flow_same_priority --frames 1000 $FLOW --trace-after 1.5 --main-priority 0
