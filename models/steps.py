@@ -150,11 +150,22 @@ class PipelinedRunner(GraphRunner):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._side = torch.cuda.Stream(self.device)
+        self._sides: dict[int, torch.cuda.Stream] = {}  # by priority
+        self._side: torch.cuda.Stream | None = None  # the last frame's
 
     @property
     def _heads_stream(self) -> torch.cuda.Stream:
-        return self._side
+        """A side stream of the current stream's priority, so that a stream given precedence over
+        another engine's (WindowedEngine's, beside a spare) keeps it for its heads too. The heads'
+        outputs are static: a frame's heads on another side stream wait for the last frame's."""
+        priority = torch.cuda.current_stream(self.device).priority
+        side = self._sides.get(priority)
+        if side is None:
+            side = self._sides[priority] = torch.cuda.Stream(self.device, priority=priority)
+        if self._side is not None and side is not self._side:
+            side.wait_stream(self._side)
+        self._side = side
+        return side
 
 
 def choose_runner(model: GCTStream, cache: KVCache, camera_cache: TokenCache, image_size: tuple[int, int],

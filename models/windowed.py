@@ -51,10 +51,13 @@ _DEPTH_EPS = float(np.finfo(np.float32).eps)  # the reference's "depth is not ze
 _SCALE_RANGE = (1e-3, 1e3)
 # While the spare has work for the next window, a push of the stream lasts up to PACE times its usual
 # push: the spare has the device alone for the rest (docs/PERFORMANCE.md, tenth session).
-PACE = 1.8
+PACE = 1.6
 # The stream's CUDA stream, once there is a spare (whose stream has the default priority, 0): lower
 # numbers are more urgent.
 MAIN_STREAM_PRIORITY = -1
+# FrameRatios made per push at most while the next window is predicted beside the stream (3-5 ms each
+# on the GPU machine's host; a spare's scale step returns 8 frames at once).
+RATIOS_PER_PUSH = 2
 # The most frames a closed window predicts provisionally while the next one catches up; then the
 # stream waits for the spare.
 MAX_PROVISIONAL = 48
@@ -150,19 +153,21 @@ class FrameRatios:
         return self.by_bucket[self.ends[index - 1] if index else 0 : self.ends[index]]
 
 
-def median_ratio_scale(frames: Sequence[FrameRatios | np.ndarray]) -> float:
+def median_ratio_scale(frames: Sequence[FrameRatios | np.ndarray], counts: np.ndarray | None = None) -> float:
     """The lower middle value of all the frames' ratios (torch.median's rule, which the reference
     uses), clamped to [1e-3, 1e3] as float32 like the reference's; 1.0 when there is none.
 
     Each frame is a FrameRatios, or its depth_ratios as they are: with every frame a FrameRatios the
     selection reads only the median's bucket; otherwise it partitions all the values (what arranging
-    them would cost first, when none is arranged yet).
+    them would cost first, when none is arranged yet). `counts`: the sum of the FrameRatios' `ends`,
+    when kept as they were made (summing 16 of them took 5-15 ms at a rollover).
     """
     frames = [frame for frame in frames if frame.size]
     if not frames:
         return 1.0
     if all(isinstance(frame, FrameRatios) for frame in frames):
-        below = np.sum([frame.ends for frame in frames], axis=0)  # [65536] values in buckets <= b, all frames
+        # [65536] values in buckets <= b, all frames
+        below = counts if counts is not None else np.sum([frame.ends for frame in frames], axis=0)
         rank = (int(below[-1]) - 1) // 2  # 0-based rank of the lower median among all values
         bucket = int(np.searchsorted(below, rank, side="right"))
         rank -= int(below[bucket - 1]) if bucket else 0
@@ -185,21 +190,24 @@ def depth_ratio_scale(target_depth: np.ndarray, source_depth: np.ndarray) -> flo
 def estimate_window_alignment(target_pose_enc: np.ndarray, target_depth: Sequence[np.ndarray],
                               target_keyframe: np.ndarray, source_pose_enc: np.ndarray,
                               source_depth: Sequence[np.ndarray], source_keyframe: np.ndarray,
-                              ratios: Mapping[int, FrameRatios] | None = None) -> Sim3:
+                              ratios: Mapping[int, FrameRatios] | None = None,
+                              ratio_counts: np.ndarray | None = None) -> Sim3:
     """The Sim(3) taking the source window's predictions of the shared frames onto the target's.
 
     Inputs are the K shared frames in stream order, as predicted by each window: pose_enc [K, 9],
     depth K x [H, W], keyframe [K] bool (scale frames count as keyframes). Frames that are keyframes
     in both windows are paired; the last pair anchors rotation and translation (the first shared
     frame when there is no pair) and the depth of all pairs gives the scale (spec §14). `ratios`:
-    the FrameRatios of some frames made beforehand, by position in the K.
+    the FrameRatios of some frames made beforehand, by position in the K; `ratio_counts`: the sum of
+    their `ends`, used when they are exactly the pairs.
     """
     paired = np.flatnonzero(np.asarray(target_keyframe, bool) & np.asarray(source_keyframe, bool))
     anchor = int(paired[-1]) if paired.size else 0
     depth_rows = paired if paired.size else np.array([0])
     ratios = ratios or {}
+    exact = set(ratios) == set(depth_rows.tolist())
     scale = median_ratio_scale([ratios[k] if k in ratios else depth_ratios(target_depth[k], source_depth[k])
-                                for k in depth_rows.tolist()])
+                                for k in depth_rows.tolist()], ratio_counts if exact else None)
     target_rotation = quat_xyzw_to_rotation(target_pose_enc[anchor, 3:7])
     source_rotation = quat_xyzw_to_rotation(source_pose_enc[anchor, 3:7])
     rotation = target_rotation @ source_rotation.T
@@ -313,6 +321,7 @@ class WindowedEngine:
         self._provisional_count = 0  # frames the closed window predicted since its rollover
         self._ahead_ready: list[FramePrediction] = []  # the spare's predictions, taken before they are received
         self._early_ratios: dict[int, FrameRatios] = {}  # frame index -> its ratios, for the next transform
+        self._early_counts: np.ndarray | None = None  # the sum of their `ends`
         self.num_frames = 0
         self.window_index = 0
         self.window_start = 0  # stream index of the current window's first frame
@@ -558,39 +567,52 @@ class WindowedEngine:
         left to do. After it (from the push after the one that closed the window): receive it."""
         if self._ahead_from is not None:
             self._ahead_ready += self._spare.take_ready()
-            self._make_ratios(self._ahead_ready, self._ahead_from, self._tail)
+            self._make_ratios(self._ahead_ready, self._ahead_from, self._tail, RATIOS_PER_PUSH)
         elif (self._catching_up or self._switch_pending) and self.num_frames > self.window_start + self._num_shared:
-            taken, self._ahead_ready = self._ahead_ready + self._spare.take_ready(), []
-            self._make_ratios(taken, self.window_start, self._previous_tail)
+            self._ahead_ready += self._spare.take_ready()
+            if self._transform is None:
+                missing = self._make_ratios(self._ahead_ready, self.window_start, self._previous_tail, RATIOS_PER_PUSH)
+                if missing or len(self._ahead_ready) < self._num_shared:
+                    return  # the transform waits for its ratios, a few made per push
+            taken, self._ahead_ready = self._ahead_ready, []
             self._outbox += self._receive(taken)
 
-    def _make_ratios(self, raws: list[FramePrediction], start: int, tail: Iterable[_AlignedFrame]) -> None:
+    def _make_ratios(self, raws: list[FramePrediction], start: int, tail: Iterable[_AlignedFrame],
+                     limit: int | None = None) -> int:
         """FrameRatios of each of the spare's predictions `raws` (its window starts at stream index
-        `start`) that the closing window has emitted too (`tail`), both as keyframes (the pairs)."""
+        `start`) that the closing window has emitted too (`tail`), both as keyframes (the pairs); at most
+        `limit` new ones. Returns how many pairs in `raws` are still without."""
         tail = {aligned.frame_index: aligned for aligned in tail}
+        missing = 0
         for raw in raws:
             index = start + raw.frame_index
             previous = tail.get(index)
-            if index in self._early_ratios or previous is None:
+            if index in self._early_ratios or previous is None or not (raw.is_keyframe and previous.is_keyframe):
                 continue
-            if raw.is_keyframe and previous.is_keyframe:
-                self._early_ratios[index] = FrameRatios.of(previous.depth, raw.depth)
+            if limit is not None and limit <= 0:
+                missing += 1
+                continue
+            ratios = self._early_ratios[index] = FrameRatios.of(previous.depth, raw.depth)
+            self._early_counts = ratios.ends if self._early_counts is None else self._early_counts + ratios.ends
+            limit = None if limit is None else limit - 1
+        return missing
 
     def _drop_lookahead(self) -> None:
         """Forget what the spare took for a window that does not come as it expected."""
         self._spare.discard()
         self._ahead_from = None
-        self._ahead_ready, self._early_ratios = [], {}
+        self._ahead_ready, self._early_ratios, self._early_counts = [], {}, None
 
     def _switch_to_spare(self) -> None:
         """The spare's predictions of the new window so far, and its engine as the current one. If the
         spare failed, the rollover happens in place instead, and later ones too."""
         self._switch_pending = False
         try:
-            # The spare's last frames are still on the GPU: make each one's ratios while waiting for the next.
+            # The spare's last frames are still on the GPU: make the ratios left while waiting for the next.
             while (taken := self._spare.take_next()) is not None:
-                self._make_ratios(taken, self.window_start, self._previous_tail)
                 self._ahead_ready += taken
+                if self._transform is None:
+                    self._make_ratios(self._ahead_ready, self.window_start, self._previous_tail)
             predictions, self._ahead_ready = self._ahead_ready + self._spare.collect(), []
         except Exception as error:  # e.g. out of memory on the worker: go on without a spare
             logger.warning("the next window's lookahead failed (%s: %s); rollovers now pause the stream",
@@ -598,7 +620,7 @@ class WindowedEngine:
             self._spare.close()
             self._spare, self._closed = None, None
             self.lookahead = False
-            self._ahead_ready, self._early_ratios = [], {}
+            self._ahead_ready, self._early_ratios, self._early_counts = [], {}, None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self._forget_alignment()
@@ -686,13 +708,14 @@ class WindowedEngine:
         assert [p.frame_index for p in previous] == [s.frame_index for s in shared]
         ratios = {k: self._early_ratios[s.frame_index] for k, s in enumerate(shared)
                   if s.frame_index in self._early_ratios}
+        counts = self._early_counts if len(ratios) == len(self._early_ratios) else None
         transform = estimate_window_alignment(
             np.stack([p.pose_enc for p in previous]), [p.depth for p in previous],
             np.array([p.is_keyframe for p in previous]),
             np.stack([s.pose_enc for s in shared]), [s.depth for s in shared],
-            np.array([s.is_keyframe for s in shared]), ratios,
+            np.array([s.is_keyframe for s in shared]), ratios, counts,
         )
-        self._early_ratios = {}
+        self._early_ratios, self._early_counts = {}, None
         self.window_scales.append(transform.scale)
         self.window_transforms.append(transform.matrix)
         angle = np.degrees(np.arccos(np.clip((np.trace(transform.rotation) - 1) / 2, -1, 1)))

@@ -13,7 +13,10 @@ decoded and preprocessed beforehand, with the same options.
 
 Frame interval: the time between deliveries of consecutive new frames to the sinks. Steady state: the
 frames after the first scale + window frames. A stall: an interval over STALL_FACTOR x the median; the
-longest one is reported with its frame and whether a window rollover happened there. Main-thread time
+longest one is reported with its frame and whether a window rollover happened there. At a rollover:
+the longest interval in the frames a rollover's work can reach (`rollover_regions`: from the overlap
+before it, where a spare starts the next window, to the frames the closed window predicted
+provisionally after it). Main-thread time
 besides the engine: between the return of one `engine.push` and the next call (reading the next frame,
 the sinks' on_frame, the progress line), measured by a thin wrapper around the engine.
 
@@ -107,6 +110,7 @@ class Deliveries:
     frames: list[int] = field(default_factory=list)
     windows: list[int] = field(default_factory=list)
     rollovers: list[int] = field(default_factory=list)  # engine's rollover count at each emission
+    provisional: list[bool] = field(default_factory=list)  # a closed window's emission, emitted again later
     rss: list[int] = field(default_factory=list)
 
 
@@ -124,6 +128,7 @@ class DeliveryRecorder:
         d.frames.append(int(pred.frame_index))
         d.windows.append(int(getattr(pred, "window_index", 0)))
         d.rollovers.append(int(stats.get("rollovers") or 0))
+        d.provisional.append(bool(getattr(pred, "provisional", False)))
         if len(d.frames) % 25 == 1:
             d.rss.append(rss_bytes())
 
@@ -294,9 +299,29 @@ def steady_from(options: Any) -> int:
     return min(options.scale_frames + options.window, max(options.scale_frames, (options.max_frames or 0) // 2))
 
 
-def interval_stats(times: list[float], frames: list[int], windows: list[int], rollovers: list[int],
-                   steady_from: int) -> dict[str, Any]:
+def rollover_regions(d: Deliveries, overlap: int) -> list[tuple[int, int]]:
+    """Frame ranges [first, last] whose intervals a window rollover's work can lengthen: from `overlap`
+    frames before the first frame delivered after it (a spare engine starts the next window there) to
+    two frames past the run of frames first emitted provisionally (while the spare caught up)."""
+    first_provisional = set()
+    seen = set()
+    for frame, provisional in zip(d.frames, d.provisional or [False] * len(d.frames), strict=True):
+        if frame not in seen and provisional:
+            first_provisional.add(frame)
+        seen.add(frame)
+    regions = []
+    for position in range(1, len(d.rollovers)):
+        if d.rollovers[position] > d.rollovers[position - 1]:
+            at = last = d.frames[position]
+            while last + 1 in first_provisional or last in first_provisional:
+                last += 1
+            regions.append((at - overlap - 1, last + 2))
+    return regions
+
+
+def interval_stats(d: Deliveries, steady_from: int, overlap: int) -> dict[str, Any]:
     """Intervals between first emissions of consecutive new frames, from frame `steady_from` on."""
+    times, frames, windows, rollovers = d.times, d.frames, d.windows, d.rollovers
     first_seen: dict[int, int] = {}
     for position, frame in enumerate(frames):
         first_seen.setdefault(frame, position)
@@ -314,6 +339,9 @@ def interval_stats(times: list[float], frames: list[int], windows: list[int], ro
     longest = max(intervals)
     stalls = [{"ms": round(value, 1), "frame": frame, "rollover": rolled}
               for value, frame, rolled in intervals if value > STALL_FACTOR * p50]
+    regions = rollover_regions(d, overlap)
+    at_rollovers = [(value, frame) for value, frame, _ in intervals if any(a <= frame <= b for a, b in regions)]
+    rollover_longest = max(at_rollovers, default=(float("nan"), None))
     span = times[steady[-1][1]] - times[steady[0][1]]
     return {
         "steady_frames": len(steady),
@@ -325,6 +353,9 @@ def interval_stats(times: list[float], frames: list[int], windows: list[int], ro
         "longest_stall_ms": longest[0],
         "longest_stall_frame": longest[1],
         "longest_stall_at_rollover": longest[2],
+        "rollover_regions": regions,
+        "rollover_longest_ms": rollover_longest[0],
+        "rollover_longest_frame": rollover_longest[1],
         "stalls": stalls[:50],
         "num_stalls": len(stalls),
         "re_emissions": len(frames) - len(first_seen),
@@ -436,7 +467,7 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
         "run_s": ended - started,
         "first_prediction_s": d.times[0] - started - client_wait_s if d.times else float("nan"),
         "first_prediction_at": d.times[0] - client_wait_s if d.times else float("nan"),
-        **interval_stats(d.times, d.frames, d.windows, d.rollovers, steady_from(options)),
+        **interval_stats(d, steady_from(options), options.overlap),
         "main_thread_outside_engine_ms_p50": percentile(outside, 50),
         "main_thread_outside_engine_ms_mean": float(np.mean(outside)) if outside else float("nan"),
         "main_thread_outside_engine_ms_p99": percentile(outside, 99),
@@ -492,7 +523,7 @@ def engine_run(args: argparse.Namespace, video: Path, options: Any, model: Any, 
         recorder.on_frame(pred, engine.stats())
     engine.close()
     d = recorder.deliveries
-    stats = interval_stats(d.times, d.frames, d.windows, d.rollovers, steady_from(options))
+    stats = interval_stats(d, steady_from(options), options.overlap)
     return {"engine_" + key if not key.startswith("engine") else key: value for key, value in stats.items()} | {
         "engine_first_prediction_s": d.times[0] - started if d.times else float("nan"),
         "engine_frames": len(frames),
@@ -687,6 +718,10 @@ def print_table(result: dict[str, Any]) -> None:
                                           f"{result.get('engine_p99_ms', float('nan')):.2f}"),
         ("longest stall ms (frame, rollover)", f"{result.get('longest_stall_ms', float('nan')):.1f} "
          f"({result.get('longest_stall_frame')}, {result.get('longest_stall_at_rollover')})"),
+        ("longest interval at a rollover ms (frame): product", f"{result.get('rollover_longest_ms', float('nan')):.1f} "
+         f"({result.get('rollover_longest_frame')})"),
+        ("longest interval at a rollover ms (frame): engine", f"{result.get('engine_rollover_longest_ms', float('nan')):.1f} "
+         f"({result.get('engine_rollover_longest_frame')})"),
         ("stalls > 3x median", result.get("num_stalls")),
         ("main thread outside engine ms p50 / mean", f"{result['main_thread_outside_engine_ms_p50']:.2f} / "
                                                      f"{result['main_thread_outside_engine_ms_mean']:.2f}"),

@@ -1,6 +1,6 @@
 """Where the time goes at a window rollover, on the product path (GPU machine).
 
-    python3 scripts/trace_rollover.py [--pace X] [--main-priority P] [--trace-after S] [bench_e2e options, e.g. --frames 700 --viewer --client]
+    python3 scripts/trace_rollover.py [--pace X] [--main-priority P] [--trace-before S] [--trace-after S] [bench_e2e options, e.g. --frames 700 --viewer --client]
 
 Runs scripts/bench_e2e.py in this process with timers wrapped around the rollover's parts (closing
 the window, provisional frames beside the catching-up spare, pacing, the switch, aligning, emitting
@@ -33,7 +33,7 @@ SPANS: list[tuple[str, str, float, float]] = []  # (what, thread, start, end), p
 DEVICE: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event]] = []  # (what, thread, begin, end)
 ROLLOVERS: list[float] = []
 PHASE = {"product": False}
-TRACE_AFTER_S = 0.25  # how long after each rollover's start spans are printed (--trace-after)
+TRACE_BEFORE_S, TRACE_AFTER_S = 0.35, 0.25  # spans printed around each rollover's start (--trace-before/-after)
 CUDA = torch.cuda.is_available()
 
 
@@ -106,16 +106,17 @@ def report(base: torch.cuda.Event, base_time: float) -> None:
         rows = [(s, e, f"{thread[:14]:<14} {what}") for what, thread, s, e in SPANS]
         rows += [(s, e, f"{thread[:14]:<14} [gpu] {what}") for what, thread, s, e in device]
         for start, end, label in sorted(rows):
-            if -0.35 < start - at < TRACE_AFTER_S:
+            if -TRACE_BEFORE_S < start - at < TRACE_AFTER_S:
                 print(f"   {1000 * (start - at):8.1f} {1000 * (end - at):8.1f} {1000 * (end - start):7.1f}  {label}")
 
 
 if __name__ == "__main__":
     arguments = sys.argv[1:]
-    if "--trace-after" in arguments:
-        at = arguments.index("--trace-after")
-        TRACE_AFTER_S = float(arguments[at + 1])
-        del arguments[at : at + 2]
+    for option in ("--trace-before", "--trace-after"):
+        if option in arguments:
+            at = arguments.index(option)
+            globals()[f"TRACE_{option[8:].upper()}_S"] = float(arguments[at + 1])
+            del arguments[at : at + 2]
     for option, constant, kind in (("--pace", "PACE", float), ("--main-priority", "MAIN_STREAM_PRIORITY", int)):
         if option in arguments:  # models.windowed's constant, for this run
             at = arguments.index(option)

@@ -42,6 +42,7 @@ def test_tiny_model_with_viewer_client_and_rollovers(tmp_path: Path) -> None:
     assert result["frames"] == 24 and result["engine_frames"] == 24
     assert result["model_input"] == "112x84"
     assert result["rollovers"] >= 2 and result["re_emissions"] > 0  # frames a later window re-predicted
+    assert len(result["rollover_regions"]) == result["rollovers"] and result["rollover_longest_ms"] > 0
     assert result["p99_ms"] >= result["p50_ms"] and result["longest_stall_ms"] >= result["p99_ms"]
     assert result["first_prediction_from_process_start_s"] > result["first_prediction_s"]
     assert result["client"]["error"] is None and result["client"]["bytes"] > 0  # the scene reached it
@@ -73,3 +74,32 @@ def test_rollover_trace_names_each_part_of_every_rollover(tmp_path: Path) -> Non
     for section in sections:
         for part in ("rollover", "finish", "align: estimate (0 of 3 ratios ahead)", "align: median", "sinks"):
             assert part in section, (part, section[:2000])
+
+
+def test_a_rollover_region_runs_from_the_overlap_before_it_to_past_the_provisional_frames() -> None:
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_e2e import Deliveries, interval_stats
+
+    # Frames 0-29, one emission each 25 ms; a rollover counted at frame 20's delivery, frames 20-22 first
+    # emitted provisionally (and again after 23), one slow interval at frame 24 and one far from it at 5.
+    d = Deliveries()
+    clock = 0.0
+    for frame in range(30):
+        clock += 0.060 if frame in (5, 24) else 0.025
+        d.times.append(clock)
+        d.frames.append(frame)
+        d.windows.append(0 if frame < 20 else 1)
+        d.rollovers.append(0 if frame < 20 else 1)
+        d.provisional.append(20 <= frame <= 22)
+        if frame == 23:
+            for again in (20, 21, 22):
+                d.times.append(clock)
+                d.frames.append(again)
+                d.windows.append(1)
+                d.rollovers.append(1)
+                d.provisional.append(False)
+    stats = interval_stats(d, steady_from=0, overlap=4)
+    assert stats["rollover_regions"] == [(15, 25)]
+    assert round(stats["rollover_longest_ms"]) == 60 and stats["rollover_longest_frame"] == 24
+    assert stats["longest_stall_ms"] >= stats["rollover_longest_ms"]
+    assert stats["re_emissions"] == 3

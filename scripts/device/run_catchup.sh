@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 16, rollovers beside the stream (tenth session), one call: the lookahead's GPU tests, the e2e
-# bench for keyframes all and flow (1,000 frames, viewer and a client), then rollover traces of flow
-# with the stream's CUDA stream at a higher priority than the spare's and at the same. At most 8 files
-# under $OUT.   (GPU machine, repository root, .whl carried)  bash scripts/device/run_catchup.sh
+# bench for keyframes all and flow (1,000 frames, viewer and a client), then rollover traces of both
+# (extra options go to the traces, e.g. --pace 1.8 or --main-priority 0). At most 8 files under $OUT.
+#   (GPU machine, repository root, .whl carried)  bash scripts/device/run_catchup.sh [trace options]
 set -uo pipefail
 source scripts/device/env.sh
 [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fast_path.py -k "spare or lookahead" 2>&1 \
@@ -17,5 +17,5 @@ trace() { local name=$1; shift; echo "== trace $name: $*" | tee -a "$OUT/e2e.log
   timeout 200 python3 scripts/trace_rollover.py --video-dir /tmp --viewer --client --no-engine-run "$@" \
     --json "/tmp/trace_$name.json" 2>&1 | grep -v Warn > "$OUT/trace_$name.log"
   grep -E "stall|steady FPS" "$OUT/trace_$name.log" | tee -a "$OUT/e2e.log"; }
-trace flow --frames 1000 $FLOW --trace-after 1.5
-trace flow_same_priority --frames 1000 $FLOW --trace-after 1.5 --main-priority 0
+trace all --frames 700 --trace-before 0.6 --trace-after 0.5 "$@"
+trace flow --frames 1000 $FLOW --trace-after 1.5 "$@"
