@@ -51,13 +51,10 @@ _DEPTH_EPS = float(np.finfo(np.float32).eps)  # the reference's "depth is not ze
 _SCALE_RANGE = (1e-3, 1e3)
 # While the spare has work for the next window, a push of the stream lasts up to PACE times its usual
 # push: the spare has the device alone for the rest (docs/PERFORMANCE.md, tenth session).
-PACE = 1.6
+PACE = 1.5
 # The stream's CUDA stream, once there is a spare (whose stream has the default priority, 0): lower
 # numbers are more urgent.
 MAIN_STREAM_PRIORITY = -1
-# FrameRatios made per push at most while the next window is predicted beside the stream (3-5 ms each
-# on the GPU machine's host; a spare's scale step returns 8 frames at once).
-RATIOS_PER_PUSH = 2
 # The most frames a closed window predicts provisionally while the next one catches up; then the
 # stream waits for the spare.
 MAX_PROVISIONAL = 48
@@ -122,60 +119,67 @@ def depth_ratios(target_depth: np.ndarray, source_depth: np.ndarray) -> np.ndarr
 
 @dataclass(frozen=True)
 class FrameRatios:
-    """One frame's depth ratios, arranged beforehand so that a median over many frames is quick.
+    """One frame's depth ratios, sorted when the frame is known, so that a median over many frames is
+    quick: a bisection that reads a few values of each frame instead of all of them.
 
-    The median of ~3 million ratios (16 frames at the defaults) took 20-80 ms at a rollover on the
-    GPU machine's host, where the stream waits for it. Here each frame's values are bucketed by the
-    top 16 bits of an order-preserving key and laid out bucket by bucket, when the frame is known;
-    the median then sums the frames' counts to find its bucket and selects among that bucket's
-    values alone (a slice of each frame).
+    The median of ~3 million ratios (16 frames at the defaults) took 15-80 ms at a rollover on the GPU
+    machine's host, where the stream waits for it; sorting one frame's 200k ratios takes ~0.6 ms.
     """
 
-    by_bucket: np.ndarray  # [N] float32: the frame's ratios, bucket by bucket (ascending keys)
-    ends: np.ndarray  # [65536] int64: by_bucket[ends[b - 1]:ends[b]] are bucket b's values
+    values: np.ndarray  # [N] float32, ascending (finite or infinite, never NaN)
 
     @classmethod
     def of(cls, target_depth: np.ndarray, source_depth: np.ndarray) -> FrameRatios:
-        values = depth_ratios(target_depth, source_depth)
-        bits = values.view(np.uint32)
-        # IEEE float32 bits -> unsigned keys in the order of the values: negatives have every bit
-        # flipped (larger magnitude, smaller key), non-negatives get the sign bit set.
-        keys = np.where(bits >> 31 == 1, ~bits, bits | np.uint32(0x80000000))
-        bucket = (keys >> 16).astype(np.uint16)
-        order = np.argsort(bucket, kind="stable")  # a radix sort for 16-bit keys
-        return cls(values[order], np.cumsum(np.bincount(bucket, minlength=1 << 16)))
+        return cls(np.sort(depth_ratios(target_depth, source_depth)))
 
     @property
     def size(self) -> int:
-        return self.by_bucket.size
-
-    def bucket(self, index: int) -> np.ndarray:
-        return self.by_bucket[self.ends[index - 1] if index else 0 : self.ends[index]]
+        return self.values.size
 
 
-def median_ratio_scale(frames: Sequence[FrameRatios | np.ndarray], counts: np.ndarray | None = None) -> float:
+def _order_key(value: np.float32) -> int:
+    """float32 -> an unsigned 32-bit key in the order of the values: negatives have every bit flipped
+    (larger magnitude, smaller key), non-negatives get the sign bit set."""
+    bits = int(np.float32(value).view(np.uint32))
+    return bits ^ 0xFFFFFFFF if bits >> 31 else bits | 0x80000000
+
+
+def _value_of_key(key: int) -> np.float32:
+    bits = key & 0x7FFFFFFF if key >> 31 else key ^ 0xFFFFFFFF
+    return np.uint32(bits).view(np.float32)
+
+
+def _kth_of_sorted(arrays: list[np.ndarray], rank: int) -> np.float32:
+    """The `rank`-th smallest value (from 0) of the union of ascending float32 arrays: the smallest
+    value with more than `rank` values at or below it, bisected over the order keys (32 steps)."""
+    low, high = _order_key(min(a[0] for a in arrays)), _order_key(max(a[-1] for a in arrays))
+    while low < high:  # (keys between two non-NaN values are never NaN)
+        middle = (low + high) // 2
+        value = _value_of_key(middle)
+        if sum(int(np.searchsorted(a, value, side="right")) for a in arrays) > rank:
+            high = middle
+        else:
+            low = middle + 1
+    return _value_of_key(low)
+
+
+def median_ratio_scale(frames: Sequence[FrameRatios | np.ndarray]) -> float:
     """The lower middle value of all the frames' ratios (torch.median's rule, which the reference
     uses), clamped to [1e-3, 1e3] as float32 like the reference's; 1.0 when there is none.
 
     Each frame is a FrameRatios, or its depth_ratios as they are: with every frame a FrameRatios the
-    selection reads only the median's bucket; otherwise it partitions all the values (what arranging
-    them would cost first, when none is arranged yet). `counts`: the sum of the FrameRatios' `ends`,
-    when kept as they were made (summing 16 of them took 5-15 ms at a rollover).
+    median is bisected over the sorted frames; otherwise all the values are partitioned (what sorting
+    them would cost first, when none is sorted yet).
     """
     frames = [frame for frame in frames if frame.size]
     if not frames:
         return 1.0
+    rank = (sum(frame.size for frame in frames) - 1) // 2  # 0-based rank of the lower median
     if all(isinstance(frame, FrameRatios) for frame in frames):
-        # [65536] values in buckets <= b, all frames
-        below = counts if counts is not None else np.sum([frame.ends for frame in frames], axis=0)
-        rank = (int(below[-1]) - 1) // 2  # 0-based rank of the lower median among all values
-        bucket = int(np.searchsorted(below, rank, side="right"))
-        rank -= int(below[bucket - 1]) if bucket else 0
-        candidates = np.concatenate([frame.bucket(bucket) for frame in frames])
+        median = _kth_of_sorted([frame.values for frame in frames], rank)
     else:
-        candidates = np.concatenate([frame.by_bucket if isinstance(frame, FrameRatios) else frame for frame in frames])
-        rank = (candidates.size - 1) // 2
-    median = np.partition(candidates, rank)[rank]
+        candidates = np.concatenate([frame.values if isinstance(frame, FrameRatios) else frame for frame in frames])
+        median = np.partition(candidates, rank)[rank]
     return float(np.clip(median, np.float32(_SCALE_RANGE[0]), np.float32(_SCALE_RANGE[1])))
 
 
@@ -190,24 +194,21 @@ def depth_ratio_scale(target_depth: np.ndarray, source_depth: np.ndarray) -> flo
 def estimate_window_alignment(target_pose_enc: np.ndarray, target_depth: Sequence[np.ndarray],
                               target_keyframe: np.ndarray, source_pose_enc: np.ndarray,
                               source_depth: Sequence[np.ndarray], source_keyframe: np.ndarray,
-                              ratios: Mapping[int, FrameRatios] | None = None,
-                              ratio_counts: np.ndarray | None = None) -> Sim3:
+                              ratios: Mapping[int, FrameRatios] | None = None) -> Sim3:
     """The Sim(3) taking the source window's predictions of the shared frames onto the target's.
 
     Inputs are the K shared frames in stream order, as predicted by each window: pose_enc [K, 9],
     depth K x [H, W], keyframe [K] bool (scale frames count as keyframes). Frames that are keyframes
     in both windows are paired; the last pair anchors rotation and translation (the first shared
     frame when there is no pair) and the depth of all pairs gives the scale (spec §14). `ratios`:
-    the FrameRatios of some frames made beforehand, by position in the K; `ratio_counts`: the sum of
-    their `ends`, used when they are exactly the pairs.
+    the FrameRatios of some frames made beforehand, by position in the K.
     """
     paired = np.flatnonzero(np.asarray(target_keyframe, bool) & np.asarray(source_keyframe, bool))
     anchor = int(paired[-1]) if paired.size else 0
     depth_rows = paired if paired.size else np.array([0])
     ratios = ratios or {}
-    exact = set(ratios) == set(depth_rows.tolist())
     scale = median_ratio_scale([ratios[k] if k in ratios else depth_ratios(target_depth[k], source_depth[k])
-                                for k in depth_rows.tolist()], ratio_counts if exact else None)
+                                for k in depth_rows.tolist()])
     target_rotation = quat_xyzw_to_rotation(target_pose_enc[anchor, 3:7])
     source_rotation = quat_xyzw_to_rotation(source_pose_enc[anchor, 3:7])
     rotation = target_rotation @ source_rotation.T
@@ -321,7 +322,6 @@ class WindowedEngine:
         self._provisional_count = 0  # frames the closed window predicted since its rollover
         self._ahead_ready: list[FramePrediction] = []  # the spare's predictions, taken before they are received
         self._early_ratios: dict[int, FrameRatios] = {}  # frame index -> its ratios, for the next transform
-        self._early_counts: np.ndarray | None = None  # the sum of their `ends`
         self.num_frames = 0
         self.window_index = 0
         self.window_start = 0  # stream index of the current window's first frame
@@ -562,20 +562,27 @@ class WindowedEngine:
                                       provisional=True) for raw in raws], closed.transform)
 
     def _take_ahead(self) -> None:
-        """Take what the spare has predicted so far (never waiting). Before the rollover: keep it, and
-        make the depth ratios of the frames both windows predicted, so that the transform has little
-        left to do. After it (from the push after the one that closed the window): receive it."""
+        """Take what the spare has predicted so far (never waiting). Before the rollover: keep it (its
+        depth ratios are made while the stream is paced). After it (from the push after the one that
+        closed the window): receive it, once the transform's ratios are made."""
         if self._ahead_from is not None:
             self._ahead_ready += self._spare.take_ready()
-            self._make_ratios(self._ahead_ready, self._ahead_from, self._tail, RATIOS_PER_PUSH)
         elif (self._catching_up or self._switch_pending) and self.num_frames > self.window_start + self._num_shared:
             self._ahead_ready += self._spare.take_ready()
             if self._transform is None:
-                missing = self._make_ratios(self._ahead_ready, self.window_start, self._previous_tail, RATIOS_PER_PUSH)
-                if missing or len(self._ahead_ready) < self._num_shared:
-                    return  # the transform waits for its ratios, a few made per push
+                if len(self._ahead_ready) < self._num_shared or self._make_ratios(*self._ratios_to_make(), limit=0):
+                    return  # the transform waits for its ratios, made while the stream is paced
             taken, self._ahead_ready = self._ahead_ready, []
             self._outbox += self._receive(taken)
+
+    def _ratios_to_make(self) -> tuple[list[FramePrediction], int, Iterable[_AlignedFrame]] | None:
+        """The spare's predictions whose depth ratios the next transform needs, the stream index of their
+        window's first frame and the frames they pair with; None when no transform waits for any."""
+        if self._ahead_from is not None:
+            return self._ahead_ready, self._ahead_from, self._tail
+        if (self._catching_up or self._switch_pending) and self._transform is None:
+            return self._ahead_ready, self.window_start, self._previous_tail
+        return None
 
     def _make_ratios(self, raws: list[FramePrediction], start: int, tail: Iterable[_AlignedFrame],
                      limit: int | None = None) -> int:
@@ -592,8 +599,7 @@ class WindowedEngine:
             if limit is not None and limit <= 0:
                 missing += 1
                 continue
-            ratios = self._early_ratios[index] = FrameRatios.of(previous.depth, raw.depth)
-            self._early_counts = ratios.ends if self._early_counts is None else self._early_counts + ratios.ends
+            self._early_ratios[index] = FrameRatios.of(previous.depth, raw.depth)
             limit = None if limit is None else limit - 1
         return missing
 
@@ -601,7 +607,7 @@ class WindowedEngine:
         """Forget what the spare took for a window that does not come as it expected."""
         self._spare.discard()
         self._ahead_from = None
-        self._ahead_ready, self._early_ratios, self._early_counts = [], {}, None
+        self._ahead_ready, self._early_ratios = [], {}
 
     def _switch_to_spare(self) -> None:
         """The spare's predictions of the new window so far, and its engine as the current one. If the
@@ -620,7 +626,7 @@ class WindowedEngine:
             self._spare.close()
             self._spare, self._closed = None, None
             self.lookahead = False
-            self._ahead_ready, self._early_ratios, self._early_counts = [], {}, None
+            self._ahead_ready, self._early_ratios = [], {}
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self._forget_alignment()
@@ -643,12 +649,17 @@ class WindowedEngine:
     def _pace(self, started: float) -> None:
         """While the spare has work for the next window, hold the stream until PACE times its usual
         push has passed since this one `started` (or the spare is done): the spare then has the
-        device alone for a while after each frame. Otherwise, note how long the push took."""
+        device alone for a while after each frame, and the stream's thread makes the depth ratios the
+        next transform needs meanwhile. Otherwise, note how long the push took."""
         elapsed = time.perf_counter() - started
         if self._ahead_from is None and not self._catching_up and not self._switch_pending:
             self._push_seconds.append(elapsed)
         elif self._push_seconds:
-            self._spare.wait_until(started + PACE * float(np.median(self._push_seconds)))
+            deadline = started + PACE * float(np.median(self._push_seconds))
+            to_make = self._ratios_to_make()  # host work that waits for the transform, done in the meantime
+            while to_make is not None and time.perf_counter() < deadline and self._make_ratios(*to_make, limit=1):
+                pass
+            self._spare.wait_until(deadline)
 
     @contextlib.contextmanager
     def _on_main_stream(self) -> Iterator[None]:
@@ -708,14 +719,13 @@ class WindowedEngine:
         assert [p.frame_index for p in previous] == [s.frame_index for s in shared]
         ratios = {k: self._early_ratios[s.frame_index] for k, s in enumerate(shared)
                   if s.frame_index in self._early_ratios}
-        counts = self._early_counts if len(ratios) == len(self._early_ratios) else None
         transform = estimate_window_alignment(
             np.stack([p.pose_enc for p in previous]), [p.depth for p in previous],
             np.array([p.is_keyframe for p in previous]),
             np.stack([s.pose_enc for s in shared]), [s.depth for s in shared],
-            np.array([s.is_keyframe for s in shared]), ratios, counts,
+            np.array([s.is_keyframe for s in shared]), ratios,
         )
-        self._early_ratios, self._early_counts = {}, None
+        self._early_ratios = {}
         self.window_scales.append(transform.scale)
         self.window_transforms.append(transform.matrix)
         angle = np.degrees(np.arccos(np.clip((np.trace(transform.rotation) - 1) / 2, -1, 1)))
