@@ -51,7 +51,7 @@ _DEPTH_EPS = float(np.finfo(np.float32).eps)  # the reference's "depth is not ze
 _SCALE_RANGE = (1e-3, 1e3)
 # While the spare has work for the next window, a push of the stream lasts up to PACE times its usual
 # push: the spare has the device alone for the rest (docs/PERFORMANCE.md, tenth session).
-PACE = 1.5
+PACE = 1.6
 # The stream's CUDA stream, once there is a spare (whose stream has the default priority, 0): lower
 # numbers are more urgent.
 MAIN_STREAM_PRIORITY = -1
