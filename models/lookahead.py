@@ -1,22 +1,20 @@
-"""The next window, begun before the current one closes, so that a rollover pauses the stream far less.
+"""The next window, predicted beside the stream, so that a rollover does not stop it.
 
 At a rollover the new window predicts its shared frames again (models/windowed.py): one scale step
-over the first `scale_frames` of them, then one step per remaining frame, about 16 frames of work
-at the defaults. Done at the rollover, that work stops the stream for a quarter of a second or more.
-When the window closes at a frame known in advance (keyframes `all` or `interval:N`), a second
-engine, the spare, takes each shared frame as it arrives instead: on a worker thread and a CUDA
-stream of its own, beside the current window's frames. At the rollover the spare takes the next
-frame too, and at the push after it the two engines swap roles (models/windowed.py, `_roll_over`).
+over the first `scale_frames` of them, then one step per remaining frame, about 16 frames and 180 ms
+of GPU work at the defaults. Done at the rollover, that work stops the stream for a quarter of a
+second or more. Instead a second engine, the spare, takes those frames on a worker thread and a CUDA
+stream of its own, beside the current window's frames: each shared frame as it arrives when the
+window closes at a frame known in advance (keyframes `all` or `interval:N`), all of them at the
+rollover when it does not (flow). WindowedEngine keeps the stream going meanwhile (`_pace`, and
+provisional predictions from the closed window after the rollover) and swaps the two engines once
+the spare is a frame behind.
 
 The spare runs the same model steps on the same frames in the same order as a rollover in place,
 so what it predicts is the same. It needs a cache and recorded graphs of its own: it is warmed once
 on the stream's first frames (its graph is recorded then, never at a rollover), and it costs a
-second engine's memory (WindowedEngine decides whether there is room).
-
-What it cannot hide: the spare's work can start only once the next window's scale frames have
-arrived, `overlap - scale_frames + 1` frames before the rollover, and a GPU already busy with the
-stream shares itself between the two. What does not fit in those frames' time waits at the rollover
-(docs/PERFORMANCE.md has the numbers).
+second engine's memory (WindowedEngine decides whether there is room). Its CUDA stream has the
+default priority; the stream's has a higher one, so the spare gets what the stream leaves.
 """
 
 from __future__ import annotations

@@ -18,9 +18,10 @@ Every frame is emitted when it is first predicted, already in the first window's
 n > 0 holds back its predictions of the shared frames until it has predicted all of them (its
 transform needs them); with overlap >= scale_frames that happens inside the `push` of the frame
 that opened the window, which then returns the re-predicted shared frames followed by the new one.
-With the lookahead (a spare engine that predicted the shared frames beside the stream), that push
-returns only the closing window's last frame, and the next push returns the rest: the same
-emissions in the same order, the pause split between two frame intervals.
+With the lookahead (a spare engine that predicts the new window beside the stream,
+models/lookahead.py), the stream does not wait: until the spare has caught up, the closed window
+predicts each new frame once more without caching it and emits it (`provisional`), and the spare's
+predictions follow a few pushes later, the same final emissions in the same order as in place.
 The last emission of every frame_index is the reference's stitched result: the shared frames come
 from the later window.
 """
