@@ -111,14 +111,14 @@ class GraphRunner(EagerRunner):
                 self._record(images, stream_index, time_index)
             return staged
         self._frame = None
-        self._prepare(1, camera_stream=self._heads_stream)
+        heads_stream = self._heads_stream()
+        self._prepare(1, camera_stream=heads_stream)
         self.recorded.load_position(time_index, self.cache.token_ranges())
         self.recorded.replay_blocks()
-        with torch.cuda.stream(self._heads_stream):
+        with torch.cuda.stream(heads_stream):
             packed = self.recorded.replay_heads()["packed"]
             return self.staging.send(packed, rgb, *self.image_size)
 
-    @property
     def _heads_stream(self) -> torch.cuda.Stream | None:
         return None  # the heads run on the current stream, after the blocks
 
@@ -153,7 +153,6 @@ class PipelinedRunner(GraphRunner):
         self._sides: dict[int, torch.cuda.Stream] = {}  # by priority
         self._side: torch.cuda.Stream | None = None  # the last frame's
 
-    @property
     def _heads_stream(self) -> torch.cuda.Stream:
         """A side stream of the current stream's priority, so that a stream given precedence over
         another engine's (WindowedEngine's, beside a spare) keeps it for its heads too. The heads'

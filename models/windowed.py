@@ -317,9 +317,10 @@ class WindowedEngine:
         if self._spare is not None:
             self._spare.discard()
         self._ahead_from: int | None = None  # the stream index from which the spare takes frames
-        self._catching_up = False  # a window closed; the spare holds the next and is more than a frame behind
-        self._switch_pending = False  # the spare, a frame behind at most, takes over at the next call
-        self._closed: _ClosedWindow | None = None  # the closed window, until then
+        # A window closed beside the spare, which holds the next one: the closed window until the spare
+        # takes over, and whether the closed window still predicts new frames (the spare is behind).
+        self._closed: _ClosedWindow | None = None
+        self._catching_up = False
         self._provisional_count = 0  # frames the closed window predicted since its rollover
         self._ahead_ready: list[FramePrediction] = []  # the spare's predictions, taken before they are received
         self._early_ratios: dict[int, FrameRatios] = {}  # frame index -> its ratios, for the next transform
@@ -433,6 +434,11 @@ class WindowedEngine:
         return np.stack(self.window_transforms)
 
     # -- windows ---------------------------------------------------------------------------
+    @property
+    def _switch_pending(self) -> bool:
+        """The spare, holding the new window and a frame behind at most, takes over at the next call."""
+        return self._closed is not None and not self._catching_up
+
     def _window_is_full(self) -> bool:
         if self._catching_up:  # the closed window is; the next (on the spare) cannot be yet
             return False
@@ -465,8 +471,7 @@ class WindowedEngine:
         beside = self._spare_takes_window(shared)
         if beside:
             self._closed, self._provisional_count = closed, 0
-            self._catching_up = self._provisional_room > 0
-            self._switch_pending = not self._catching_up
+            self._catching_up = self._provisional_room > 0  # else the spare takes over at the next call
         else:
             self.engine.reset()
         self.window_index += 1
@@ -495,7 +500,7 @@ class WindowedEngine:
         """After frame `num_frames` went to the current window: warm a spare on the stream's first
         frames (once), and, when windows close at a known frame, hand the spare each frame the next
         window will share as it comes."""
-        if self.lookahead is False or self._catching_up or self._switch_pending:
+        if self.lookahead is False or self._closed is not None:
             return  # (a window this short that the next lookahead would start now gets it at its rollover)
         index = self.num_frames
         if self._spare is None:
@@ -554,7 +559,7 @@ class WindowedEngine:
     def _stop_provisional(self) -> None:
         """The closed window's last provisional prediction, and the spare takes over at the next push."""
         self._outbox += self._provisional(self.engine.finish())
-        self._catching_up, self._switch_pending = False, True
+        self._catching_up = False
 
     def _provisional(self, raws: list[FramePrediction]) -> list[FramePrediction]:
         """The closed window's uncached predictions, in the first window's frame like its own."""
@@ -568,7 +573,7 @@ class WindowedEngine:
         closed the window): receive it, once the transform's ratios are made."""
         if self._ahead_from is not None:
             self._ahead_ready += self._spare.take_ready()
-        elif (self._catching_up or self._switch_pending) and self.num_frames > self.window_start + self._num_shared:
+        elif self._closed is not None and self.num_frames > self.window_start + self._num_shared:
             self._ahead_ready += self._spare.take_ready()
             if self._transform is None:
                 if len(self._ahead_ready) < self._num_shared or self._make_ratios(*self._ratios_to_make(), limit=0):
@@ -581,7 +586,7 @@ class WindowedEngine:
         window's first frame and the frames they pair with; None when no transform waits for any."""
         if self._ahead_from is not None:
             return self._ahead_ready, self._ahead_from, self._tail
-        if (self._catching_up or self._switch_pending) and self._transform is None:
+        if self._closed is not None and self._transform is None:
             return self._ahead_ready, self.window_start, self._previous_tail
         return None
 
@@ -613,7 +618,7 @@ class WindowedEngine:
     def _switch_to_spare(self) -> None:
         """The spare's predictions of the new window so far, and its engine as the current one. If the
         spare failed, the rollover happens in place instead, and later ones too."""
-        self._switch_pending = False
+        self._closed = None
         try:
             # The spare's last frames are still on the GPU: make the ratios left while waiting for the next.
             while (taken := self._spare.take_next()) is not None:
@@ -625,7 +630,7 @@ class WindowedEngine:
             logger.warning("the next window's lookahead failed (%s: %s); rollovers now pause the stream",
                            type(error).__name__, error)
             self._spare.close()
-            self._spare, self._closed = None, None
+            self._spare = None
             self.lookahead = False
             self._ahead_ready, self._early_ratios = [], {}
             if self.device.type == "cuda":
@@ -635,7 +640,6 @@ class WindowedEngine:
             self._replay_in_place()
             return
         self.engine = self._spare.swap(self.engine)
-        self._closed = None
         self.rollovers_ahead += 1
         self._outbox += self._receive(predictions)
 
@@ -653,7 +657,7 @@ class WindowedEngine:
         device alone for a while after each frame, and the stream's thread makes the depth ratios the
         next transform needs meanwhile. Otherwise, note how long the push took."""
         elapsed = time.perf_counter() - started
-        if self._ahead_from is None and not self._catching_up and not self._switch_pending:
+        if self._ahead_from is None and self._closed is None:
             self._push_seconds.append(elapsed)
         elif self._push_seconds:
             deadline = started + PACE * float(np.median(self._push_seconds))

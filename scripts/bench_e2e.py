@@ -305,7 +305,7 @@ def rollover_regions(d: Deliveries, overlap: int) -> list[tuple[int, int]]:
     two frames past the run of frames first emitted provisionally (while the spare caught up)."""
     first_provisional = set()
     seen = set()
-    for frame, provisional in zip(d.frames, d.provisional or [False] * len(d.frames), strict=True):
+    for frame, provisional in zip(d.frames, d.provisional, strict=True):
         if frame not in seen and provisional:
             first_provisional.add(frame)
         seen.add(frame)
