@@ -44,6 +44,7 @@ from stream_recon.app.rundir import (
     read_tum_list,
     write_json_atomic,
 )
+from stream_recon.models.similarity import AlignmentError, Sim3, umeyama
 
 TUM_DEPTH_FACTOR = 5000.0  # TUM RGB-D depth PNGs: uint16, 5000 units per metre
 AUC_THRESHOLDS_DEG = (5, 15, 30)
@@ -83,22 +84,6 @@ class Trajectory:
         if len(self) == 0:
             return "no poses"
         return f"{self.timestamps.min():.6f} .. {self.timestamps.max():.6f} s ({len(self)} poses)"
-
-
-@dataclass(frozen=True)
-class Alignment:
-    """Similarity transform x -> scale * rotation @ x + translation (estimate frame -> ground-truth frame)."""
-
-    rotation: np.ndarray  # [3, 3]
-    translation: np.ndarray  # [3]
-    scale: float
-
-    def apply_to_poses(self, c2w: np.ndarray) -> np.ndarray:
-        """c2w [N, 4, 4] -> aligned c2w [N, 4, 4]; the scale acts on positions only, as in evo."""
-        aligned = c2w.copy()
-        aligned[:, :3, :3] = self.rotation @ c2w[:, :3, :3]
-        aligned[:, :3, 3] = self.scale * c2w[:, :3, 3] @ self.rotation.T + self.translation
-        return aligned
 
 
 # --------------------------------------------------------------------------------------------------
@@ -168,41 +153,16 @@ def check_max_diff(max_diff: float) -> None:
         raise EvaluationError(f"the largest timestamp difference must be >= 0 seconds, got {max_diff}")
 
 
-def umeyama_alignment(source: np.ndarray, target: np.ndarray, *, with_scale: bool = True) -> Alignment:
-    """Least-squares similarity (Umeyama 1991) mapping source points [N, 3] onto target points [N, 3].
-
-    Minimises sum_i || target_i - (s R source_i + t) ||^2 over rotations R (det +1), translations t
-    and, when `with_scale`, scales s > 0 (otherwise s = 1, i.e. SE(3)).
-    """
-    source = np.asarray(source, dtype=np.float64)
-    target = np.asarray(target, dtype=np.float64)
-    if source.shape != target.shape or source.ndim != 2 or source.shape[1] != 3:
-        raise EvaluationError(f"alignment needs two [N, 3] point sets, got {source.shape} and {target.shape}")
-    count = len(source)
-    source_mean, target_mean = source.mean(axis=0), target.mean(axis=0)
-    source_centred, target_centred = source - source_mean, target - target_mean
-    covariance = target_centred.T @ source_centred / count  # [3, 3], target x source
-    u, singular_values, vt = np.linalg.svd(covariance)
-    if np.count_nonzero(singular_values > np.finfo(np.float64).eps) < 2:
+def umeyama_alignment(source: np.ndarray, target: np.ndarray, *, with_scale: bool = True) -> Sim3:
+    """The least-squares similarity (SE(3) without `with_scale`) mapping estimated positions [N, 3] onto
+    the ground truth's [N, 3], as evo aligns (models/similarity.py's `umeyama`)."""
+    try:
+        return umeyama(source, target, with_scale=with_scale)
+    except AlignmentError as error:
         raise EvaluationError(
-            "cannot align the trajectories: the matched camera positions are (nearly) all on one point or "
-            "one line, so the rotation is undetermined; evaluate a sequence with more camera motion"
-        )
-    # Flip the weakest axis when the best orthogonal fit is a reflection, so R stays a rotation.
-    sign = np.ones(3)
-    if np.linalg.det(u) * np.linalg.det(vt) < 0:
-        sign[2] = -1.0
-    rotation = u @ np.diag(sign) @ vt
-    scale = 1.0
-    if with_scale:
-        source_variance = float((source_centred**2).sum() / count)
-        scale = float((singular_values * sign).sum() / source_variance)
-    translation = target_mean - scale * rotation @ source_mean
-    return Alignment(rotation=rotation, translation=translation, scale=scale)
-
-
-# --------------------------------------------------------------------------------------------------
-# Metrics
+            f"cannot align the trajectories: {error} (the matched camera positions); evaluate a sequence with "
+            "more camera motion"
+        ) from None
 
 
 def rotation_angle_deg(rotations: np.ndarray) -> np.ndarray:

@@ -32,7 +32,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -42,14 +42,13 @@ from .engine import StreamConfig, StreamingEngine
 from .gct import GCTStream
 from .lookahead import SpareEngine
 from .memory import estimate_memory, gib
-from .pose import decode_pose, quat_xyzw_product, quat_xyzw_to_rotation, rotation_to_quat_xyzw
+from .pose import decode_pose
 from .prediction import FramePrediction
+from .similarity import FrameRatios, Sim3, estimate_chunk_alignment
 
 logger = logging.getLogger("stream_recon.models.windowed")
 
 TRAINED_VIEWS = 320  # views per sequence the released checkpoints were trained with
-_DEPTH_EPS = float(np.finfo(np.float32).eps)  # the reference's "depth is not zero" threshold
-_SCALE_RANGE = (1e-3, 1e3)
 # While the spare has work for the next window, a push of the stream lasts up to PACE times its usual
 # push: the spare has the device alone for the rest (docs/PERFORMANCE.md, tenth session).
 PACE = 1.6
@@ -59,163 +58,6 @@ MAIN_STREAM_PRIORITY = -1
 # The most frames a closed window predicts provisionally while the next one catches up; then the
 # stream waits for the spare.
 MAX_PROVISIONAL = 48
-
-
-# -- Sim(3) helpers (float64, numpy) -------------------------------------------------------------
-@dataclass(frozen=True)
-class Sim3:
-    """x -> scale * rotation @ x + translation: maps one window's world frame into another's."""
-
-    scale: float
-    rotation: np.ndarray  # [3, 3]
-    translation: np.ndarray  # [3]
-
-    @classmethod
-    def identity(cls) -> Sim3:
-        return cls(1.0, np.eye(3), np.zeros(3))
-
-    @property
-    def matrix(self) -> np.ndarray:
-        """[4, 4] [R | t] without the scale, as the reference's `chunk_transforms`."""
-        out = np.eye(4)
-        out[:3, :3] = self.rotation
-        out[:3, 3] = self.translation
-        return out
-
-    def apply_to_points(self, points: np.ndarray) -> np.ndarray:
-        """[..., 3] -> [..., 3]."""
-        return self.scale * np.asarray(points, np.float64) @ self.rotation.T + self.translation
-
-    @property
-    def is_identity(self) -> bool:
-        return self.scale == 1.0 and np.array_equal(self.rotation, np.eye(3)) and not self.translation.any()
-
-    def apply_to_pose_enc(self, pose_enc: np.ndarray) -> np.ndarray:
-        """[..., 9] camera-to-world pose encodings -> the same cameras in the target frame.
-
-        The camera centre moves as a point; the orientation is left-multiplied by the rotation as
-        a quaternion product with the rotation's unit quaternion, so the result keeps the model's
-        quaternion norm (the model's quaternions are not unit; the decoder divides by |q|^2) and
-        its rotation is R @ R(q); the field of view is unchanged. (The reference re-encodes a unit
-        quaternion with w >= 0 instead: the same cameras, another encoding.)
-        """
-        pose_enc = np.asarray(pose_enc)
-        out = pose_enc.astype(np.float64, copy=True)
-        out[..., :3] = self.apply_to_points(pose_enc[..., :3])
-        out[..., 3:7] = quat_xyzw_product(rotation_to_quat_xyzw(self.rotation), out[..., 3:7])
-        return out.astype(pose_enc.dtype)
-
-
-def depth_ratios(target_depth: np.ndarray, source_depth: np.ndarray) -> np.ndarray:
-    """target / source [N] at the pixels where both are finite and the source is not ~0.
-
-    One frame's (or several frames') depth as predicted by two windows, any shape. The division is
-    float32, as the reference divides (float32 tensors), so every ratio is the reference's to the bit.
-    """
-    target = np.asarray(target_depth, np.float32).ravel()
-    source = np.asarray(source_depth, np.float32).ravel()
-    valid = np.isfinite(target) & np.isfinite(source) & (np.abs(source) > _DEPTH_EPS)
-    return target[valid] / source[valid]
-
-
-@dataclass(frozen=True)
-class FrameRatios:
-    """One frame's depth ratios, sorted when the frame is known, so that a median over many frames is
-    quick: a bisection that reads a few values of each frame instead of all of them.
-
-    The median of ~3 million ratios (16 frames at the defaults) took 15-80 ms at a rollover on the GPU
-    machine's host, where the stream waits for it; sorting one frame's 200k ratios takes ~0.6 ms.
-    """
-
-    values: np.ndarray  # [N] float32, ascending (finite or infinite, never NaN)
-
-    @classmethod
-    def of(cls, target_depth: np.ndarray, source_depth: np.ndarray) -> FrameRatios:
-        return cls(np.sort(depth_ratios(target_depth, source_depth)))
-
-    @property
-    def size(self) -> int:
-        return self.values.size
-
-
-def _order_key(value: np.float32) -> int:
-    """float32 -> an unsigned 32-bit key in the order of the values: negatives have every bit flipped
-    (larger magnitude, smaller key), non-negatives get the sign bit set."""
-    bits = int(np.float32(value).view(np.uint32))
-    return bits ^ 0xFFFFFFFF if bits >> 31 else bits | 0x80000000
-
-
-def _value_of_key(key: int) -> np.float32:
-    bits = key & 0x7FFFFFFF if key >> 31 else key ^ 0xFFFFFFFF
-    return np.uint32(bits).view(np.float32)
-
-
-def _kth_of_sorted(arrays: list[np.ndarray], rank: int) -> np.float32:
-    """The `rank`-th smallest value (from 0) of the union of ascending float32 arrays: the smallest
-    value with more than `rank` values at or below it, bisected over the order keys (32 steps)."""
-    low, high = _order_key(min(a[0] for a in arrays)), _order_key(max(a[-1] for a in arrays))
-    while low < high:  # (keys between two non-NaN values are never NaN)
-        middle = (low + high) // 2
-        value = _value_of_key(middle)
-        if sum(int(np.searchsorted(a, value, side="right")) for a in arrays) > rank:
-            high = middle
-        else:
-            low = middle + 1
-    return _value_of_key(low)
-
-
-def median_ratio_scale(frames: Sequence[FrameRatios | np.ndarray]) -> float:
-    """The lower middle value of all the frames' ratios (torch.median's rule, which the reference
-    uses), clamped to [1e-3, 1e3] as float32 like the reference's; 1.0 when there is none.
-
-    Each frame is a FrameRatios, or its depth_ratios as they are: with every frame a FrameRatios the
-    median is bisected over the sorted frames; otherwise all the values are partitioned (what sorting
-    them would cost first, when none is sorted yet).
-    """
-    frames = [frame for frame in frames if frame.size]
-    if not frames:
-        return 1.0
-    rank = (sum(frame.size for frame in frames) - 1) // 2  # 0-based rank of the lower median
-    if all(isinstance(frame, FrameRatios) for frame in frames):
-        median = _kth_of_sorted([frame.values for frame in frames], rank)
-    else:
-        candidates = np.concatenate([frame.values if isinstance(frame, FrameRatios) else frame for frame in frames])
-        median = np.partition(candidates, rank)[rank]
-    return float(np.clip(median, np.float32(_SCALE_RANGE[0]), np.float32(_SCALE_RANGE[1])))
-
-
-def depth_ratio_scale(target_depth: np.ndarray, source_depth: np.ndarray) -> float:
-    """Median of target / source over all pixels where both are finite and the source is not ~0.
-
-    target_depth, source_depth [K, H, W] for the same K frames (spec §14's scale).
-    """
-    return median_ratio_scale([depth_ratios(target_depth, source_depth)])
-
-
-def estimate_window_alignment(target_pose_enc: np.ndarray, target_depth: Sequence[np.ndarray],
-                              target_keyframe: np.ndarray, source_pose_enc: np.ndarray,
-                              source_depth: Sequence[np.ndarray], source_keyframe: np.ndarray,
-                              ratios: Mapping[int, FrameRatios] | None = None) -> Sim3:
-    """The Sim(3) taking the source window's predictions of the shared frames onto the target's.
-
-    Inputs are the K shared frames in stream order, as predicted by each window: pose_enc [K, 9],
-    depth K x [H, W], keyframe [K] bool (scale frames count as keyframes). Frames that are keyframes
-    in both windows are paired; the last pair anchors rotation and translation (the first shared
-    frame when there is no pair) and the depth of all pairs gives the scale (spec §14). `ratios`:
-    the FrameRatios of some frames made beforehand, by position in the K.
-    """
-    paired = np.flatnonzero(np.asarray(target_keyframe, bool) & np.asarray(source_keyframe, bool))
-    anchor = int(paired[-1]) if paired.size else 0
-    depth_rows = paired if paired.size else np.array([0])
-    ratios = ratios or {}
-    scale = median_ratio_scale([ratios[k] if k in ratios else depth_ratios(target_depth[k], source_depth[k])
-                                for k in depth_rows.tolist()])
-    target_rotation = quat_xyzw_to_rotation(target_pose_enc[anchor, 3:7])
-    source_rotation = quat_xyzw_to_rotation(source_pose_enc[anchor, 3:7])
-    rotation = target_rotation @ source_rotation.T
-    target_centre = np.asarray(target_pose_enc[anchor, :3], np.float64)
-    source_centre = np.asarray(source_pose_enc[anchor, :3], np.float64)
-    return Sim3(scale, rotation, target_centre - scale * rotation @ source_centre)
 
 
 # -- the engine --------------------------------------------------------------------------------
@@ -724,7 +566,7 @@ class WindowedEngine:
         assert [p.frame_index for p in previous] == [s.frame_index for s in shared]
         ratios = {k: self._early_ratios[s.frame_index] for k, s in enumerate(shared)
                   if s.frame_index in self._early_ratios}
-        transform = estimate_window_alignment(
+        transform = estimate_chunk_alignment(
             np.stack([p.pose_enc for p in previous]), [p.depth for p in previous],
             np.array([p.is_keyframe for p in previous]),
             np.stack([s.pose_enc for s in shared]), [s.depth for s in shared],

@@ -68,7 +68,7 @@ def timed(owner, name: str, label: str | None = None, device: bool = False) -> N
 def install() -> None:
     timed(WindowedEngine, "_roll_over", "rollover")
     timed(WindowedEngine, "_estimate_transform", "align: estimate")
-    timed(windowed, "estimate_window_alignment", "align: sim3")
+    timed(windowed, "estimate_chunk_alignment", "align: sim3")
     timed(windowed, "median_ratio_scale", "align: median")
     timed(WindowedEngine, "_receive", "receive")
     timed(SpareEngine, "collect", "spare collect")

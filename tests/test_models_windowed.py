@@ -24,14 +24,14 @@ from stream_recon.models import (
     WindowedEngine,
 )
 from stream_recon.models.prediction import FRAME_NON_KEY
-from stream_recon.models.windowed import (
+from stream_recon.models.pose import rotation_to_quat_xyzw
+from stream_recon.models.similarity import (
     FrameRatios,
     Sim3,
     depth_ratio_scale,
     depth_ratios,
-    estimate_window_alignment,
+    estimate_chunk_alignment,
     median_ratio_scale,
-    rotation_to_quat_xyzw,
 )
 
 HEIGHT, WIDTH = 28, 42  # 2 x 3 patches
@@ -145,7 +145,7 @@ def test_alignment_recovers_a_known_similarity(seed, num_shared):
     source_depth = rng.uniform(0.5, 5.0, (num_shared, 4, 5))
     keyframes = rng.random(num_shared) < 0.7
     target_pose = truth.apply_to_pose_enc(source_pose)
-    estimate = estimate_window_alignment(target_pose, truth.scale * source_depth, keyframes,
+    estimate = estimate_chunk_alignment(target_pose, truth.scale * source_depth, keyframes,
                                          source_pose, source_depth, np.ones(num_shared, bool))
     assert estimate.scale == pytest.approx(truth.scale, rel=1e-6)  # float32 ratios, as the reference
     np.testing.assert_allclose(estimate.rotation, truth.rotation, atol=1e-9)
@@ -165,7 +165,7 @@ def test_alignment_uses_only_frames_that_are_keyframes_in_both_windows():
     target_depth[3:] *= 7.0
     target_keyframe = np.array([True, False, True, False, True])
     source_keyframe = np.array([True, True, True, True, False])
-    estimate = estimate_window_alignment(target_pose, target_depth, target_keyframe,
+    estimate = estimate_chunk_alignment(target_pose, target_depth, target_keyframe,
                                          source_pose, source_depth, source_keyframe)
     assert estimate.scale == pytest.approx(truth.scale, rel=1e-6)  # float32 ratios, as the reference
     np.testing.assert_allclose(estimate.rotation, truth.rotation, atol=1e-9)
@@ -174,7 +174,7 @@ def test_alignment_uses_only_frames_that_are_keyframes_in_both_windows():
     # No pair at all: the first shared frame anchors everything.
     target_pose[1:] = random_pose_enc(rng, 4)
     target_depth[1:] *= 3.0
-    estimate = estimate_window_alignment(target_pose, target_depth, np.array([False, True, False, True, False]),
+    estimate = estimate_chunk_alignment(target_pose, target_depth, np.array([False, True, False, True, False]),
                                          source_pose, source_depth, np.array([True, False, True, False, True]))
     assert estimate.scale == pytest.approx(truth.scale, rel=1e-6)  # float32 ratios, as the reference
     np.testing.assert_allclose(estimate.translation, truth.translation, atol=1e-8)
@@ -191,14 +191,14 @@ def test_depth_ratios_computed_ahead_give_the_same_alignment():
     keyframes = np.array([True, True, False, True])
     args = (truth.apply_to_pose_enc(source_pose), list(target_depth), keyframes, source_pose, list(source_depth),
             np.ones(4, bool))
-    at_once = estimate_window_alignment(*args)
+    at_once = estimate_chunk_alignment(*args)
     ahead = {k: FrameRatios.of(target_depth[k], source_depth[k]) for k in (0, 3)}
-    with_ahead = estimate_window_alignment(*args, ratios=ahead)
+    with_ahead = estimate_chunk_alignment(*args, ratios=ahead)
     assert with_ahead.scale == at_once.scale
-    assert estimate_window_alignment(*args, ratios={0: ahead[0]}).scale == at_once.scale  # some made ahead
+    assert estimate_chunk_alignment(*args, ratios={0: ahead[0]}).scale == at_once.scale  # some made ahead
     np.testing.assert_array_equal(with_ahead.translation, at_once.translation)
     doubled = {k: FrameRatios.of(2 * target_depth[k], source_depth[k]) for k in (0, 3)}
-    assert estimate_window_alignment(*args, ratios=doubled).scale != at_once.scale
+    assert estimate_chunk_alignment(*args, ratios=doubled).scale != at_once.scale
     # float32 division, as the reference's tensors divide
     assert depth_ratios(target_depth, source_depth).dtype == np.float32
 
