@@ -26,7 +26,7 @@ class RunClock:
         self.stopped_at: float | None = None
         self.model_seconds = 0.0
         self.frames_read = 0
-        self.frames_done = 0  # distinct frames predicted: a windowed stream re-emits some frames
+        self.frames_done = 0  # distinct frames predicted: a chunked stream re-emits some frames
         self._highest_index = -1
 
     def model_loaded(self) -> None:

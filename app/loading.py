@@ -98,15 +98,15 @@ class CheckpointDigest:
 
 def build_engine(model: Any, options: RunOptions, device: str, dtype: Any, console: Console,
                  lookahead: bool | None = None) -> Any:
-    """The streaming engine of a run around `model` (a windowed one, for streams of any length);
-    `lookahead`: WindowedEngine's (None: where it helps and fits)."""
+    """The streaming engine of a run around `model` (a chunked one, for streams of any length);
+    `lookahead`: ChunkedEngine's (None: where it helps and fits)."""
     from stream_recon.models import StreamConfig
-    from stream_recon.models.windowed import WindowedEngine
+    from stream_recon.models.chunked import ChunkedEngine
 
     config = StreamConfig(**options.stream_config_kwargs())
-    # a stream shorter than one window runs exactly as a plain StreamingEngine would
-    engine = WindowedEngine(
-        prepared_for_run(model, options, device), config, window_frames=options.window_frames,
+    # a stream shorter than one chunk runs exactly as a plain StreamingEngine would
+    engine = ChunkedEngine(
+        prepared_for_run(model, options, device), config, chunk_frames=options.chunk_frames,
         overlap=options.overlap, device=device, dtype=dtype, lookahead=lookahead,
     )
     engine.on_backend_ready = lambda name: announce_backend(name, console)

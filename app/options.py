@@ -23,7 +23,7 @@ from stream_recon.models.memory import parse_memory_size
 
 ATTENTION_CHOICES = backends.names()
 KV_CACHE_CHOICES = ("auto", "fp8")  # auto: the model's precision (stream_recon.cache.backends.store_dtype)
-MAX_WINDOW_FRAMES = 1024  # positions in the model's temporal RoPE table
+MAX_CHUNK_FRAMES = 1024  # positions in the model's temporal RoPE table
 DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
                "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
 
@@ -31,7 +31,7 @@ DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16"
 # The fields whose value changes what a run writes (predictions, cloud), as opposed to where, how fast
 # or how visibly it runs: a batch compares them to decide whether a finished sequence still stands.
 RESULT_FIELDS = (
-    "checkpoint", "dtype", "kv_cache", "gpu_memory", "scale_frames", "window", "window_frames", "overlap",
+    "checkpoint", "dtype", "kv_cache", "gpu_memory", "scale_frames", "window", "chunk_frames", "overlap",
     "keyframes", "flow_threshold", "max_gap", "image_width", "fps", "max_frames", "start", "stride", "conf_threshold", "voxel_size",
 )
 
@@ -60,9 +60,9 @@ class RunOptions:
     # engine
     scale_frames: int = 8
     window: int = 64
-    # long streams: a new window (fresh cache, aligned by Sim(3) on `overlap` shared frames) starts
-    # before the cache holds more than `window_frames` frames, the range the model was trained on
-    window_frames: int = 320
+    # long streams: a new chunk (fresh cache, aligned by Sim(3) on `overlap` shared frames) starts
+    # before the cache holds more than `chunk_frames` frames, the range the model was trained on
+    chunk_frames: int = 320
     overlap: int = 16
     keyframes: str = "all"  # all | interval:N | flow
     flow_threshold: float | None = None  # None: the engine's default
@@ -107,13 +107,13 @@ class RunOptions:
             yield f"scale_frames must be >= 1, got {self.scale_frames}"
         if self.window < 1:
             yield f"window must be >= 1, got {self.window}"
-        if not self.scale_frames < self.window_frames <= MAX_WINDOW_FRAMES:
+        if not self.scale_frames < self.chunk_frames <= MAX_CHUNK_FRAMES:
             yield (
-                f"window_frames must be more than scale_frames ({self.scale_frames}) and at most "
-                f"{MAX_WINDOW_FRAMES} (the temporal RoPE table), got {self.window_frames}"
+                f"chunk_frames must be more than scale_frames ({self.scale_frames}) and at most "
+                f"{MAX_CHUNK_FRAMES} (the temporal RoPE table), got {self.chunk_frames}"
             )
-        if not 1 <= self.overlap < self.window_frames:
-            yield f"overlap must be between 1 and window_frames - 1 ({self.window_frames - 1}), got {self.overlap}"
+        if not 1 <= self.overlap < self.chunk_frames:
+            yield f"overlap must be between 1 and chunk_frames - 1 ({self.chunk_frames - 1}), got {self.overlap}"
         if not _is_keyframe_policy(self.keyframes):
             yield f"keyframes must be all, flow or interval:N (N >= 1), got {self.keyframes!r}"
         if self.image_width <= 0 or self.image_width % PATCH_SIZE:
@@ -174,9 +174,19 @@ class RunOptions:
         return {name: getattr(self, name) for name in RESULT_FIELDS}
 
 
+# Options under an earlier name, as presets and the settings of earlier runs may spell them.
+RENAMED_OPTIONS = {"window_frames": "chunk_frames"}
+
+
+def current_names(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with every option under its current name (RENAMED_OPTIONS)."""
+    return {RENAMED_OPTIONS.get(name, name): value for name, value in values.items()}
+
+
 def changed_settings(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """`name old -> new` for each result setting that differs (a setting `before` lacks counts as its default)."""
     defaults = RunOptions().result_settings()
+    before = current_names(before)
     changes = []
     for name, value in now.items():
         old = before.get(name, defaults.get(name))

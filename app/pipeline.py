@@ -160,7 +160,7 @@ def run_sequence(
         try:
             return _stream(frame_source, engine, writer, sinks, viewer, options, device, console, digest, clock)
         finally:
-            engine.close()  # the next window's worker thread, when the engine has one
+            engine.close()  # the next chunk's worker thread, when the engine has one
     finally:
         frame_source.close()
 
@@ -265,8 +265,8 @@ def _gil_handed_back_sooner() -> Iterator[None]:
     another waits for it.
 
     The stream's thread lets the GIL go at every CUDA wait and every large numpy operation, and the
-    viewer's and the writer's threads (and the next window's worker) take it meanwhile; each time, the
-    stream's thread then waited up to 5 ms to get it back. At a window rollover, whose alignment is a
+    viewer's and the writer's threads (and the next chunk's worker) take it meanwhile; each time, the
+    stream's thread then waited up to 5 ms to get it back. At a chunk rollover, whose alignment is a
     few dozen numpy calls, that made 3 ms of work take 20-80 ms on the GPU machine (docs/PERFORMANCE.md,
     ninth session).
     """

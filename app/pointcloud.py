@@ -228,7 +228,7 @@ class PointAccumulator:
 
         A frame's rows are contiguous (appended together; removals and coarsening keep the order), so
         the rows after them move down and only index entries that point at or past them change. The
-        16 frames a window rollover re-emits are the newest: their rows are near the end and their
+        16 frames a chunk rollover re-emits are the newest: their rows are near the end and their
         keys in the recent level, so the large merged level is left alone and a removal costs about
         the frame's own size, not the cloud's (a pass over millions of rows per frame held the writer,
         and through its full queue the stream, after every rollover).

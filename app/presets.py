@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from stream_recon.app.options import OptionsError, RunOptions
+from stream_recon.app.options import OptionsError, RunOptions, current_names
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -64,6 +64,7 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
         raise PresetError(f"preset {path} is not valid YAML: {error}") from None
     if not isinstance(data, dict):
         raise PresetError(f"preset {path} must be a mapping of option: value, got {type(data).__name__}")
+    data = current_names(data)
     unknown = sorted(set(data) - set(RunOptions.field_names()))
     if unknown:
         raise PresetError(

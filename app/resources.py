@@ -74,7 +74,7 @@ class RunShape:
     image_width: int = 518
     scale_frames: int = 8
     window: int = 64
-    window_frames: int = 320  # frames whose special tokens a window can hold
+    chunk_frames: int = 320  # frames whose special tokens a chunk can hold
     frames: int | None = None  # the stream's length when known; None: long
 
     @property
@@ -119,7 +119,7 @@ def estimate_host_memory(model: ModelShape, run: RunShape, *, count_weights: boo
     still available is compared with what the run adds."""
     patches = run.patches(model.patch_size)
     patch_pages = run.scale_frames + run.window + 1  # the scale frames, the window, the frame being decided
-    frames = run.window_frames if run.frames is None else min(run.frames, run.window_frames)
+    frames = run.chunk_frames if run.frames is None else min(run.frames, run.chunk_frames)
     special_pages = math.ceil(model.num_special_tokens * frames / patches)  # 6 tokens a frame, packed
     pages = patch_pages + SPARE_PAGES
     if special_pages > SPARE_PAGES:
@@ -306,7 +306,7 @@ def check_cpu_run(options: Any, config: Any, frame_size: tuple[int, int] | None,
 
     model = model_shape(config)
     run = RunShape(source_size=frame_size or UNKNOWN_SOURCE_SIZE, image_width=options.image_width,
-                   scale_frames=options.scale_frames, window=options.window, window_frames=options.window_frames,
+                   scale_frames=options.scale_frames, window=options.window, chunk_frames=options.chunk_frames,
                    frames=frames)
     available = available_memory_bytes()
     if options.memory_check and available is not None:

@@ -101,8 +101,10 @@ PREDICTION_FIELDS: dict[str, NpzField] = {
     "depth": NpzField(np.float32, ("H", "W")),
     "depth_conf": NpzField(np.float32, ("H", "W")),
     "image_size": NpzField(np.int64, (2,)),
-    "window_index": NpzField(np.int64, ()),
+    "chunk_index": NpzField(np.int64, ()),
 }
+# Keys runs written before a rename may carry, read under their current name.
+RENAMED_FIELDS = {"window_index": "chunk_index"}
 # The model input, written only when the prediction carries it; read back as None when absent.
 IMAGE_FIELD = NpzField(np.uint8, ("H", "W", 3))
 
@@ -308,10 +310,10 @@ def load_prediction(path: Path) -> dict[str, Any]:
     """
     try:
         with np.load(path, allow_pickle=False) as data:
-            missing = [key for key in PREDICTION_FIELDS if key not in data.files]
+            record: dict[str, Any] = {RENAMED_FIELDS.get(key, key): data[key] for key in data.files}
+            missing = [key for key in PREDICTION_FIELDS if key not in record]
             if missing:
                 raise ValueError(f"{path.name} lacks {', '.join(missing)}")
-            record: dict[str, Any] = {key: data[key] for key in data.files}
     except (zipfile.BadZipFile, EOFError) as exc:
         raise ValueError(f"{path.name} is truncated or not an npz file ({exc})") from None
     for key, field in PREDICTION_FIELDS.items():

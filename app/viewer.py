@@ -15,8 +15,8 @@ Scene tree (world = the model's frame, OpenCV axes, so the scene's up direction 
     /trajectory                  every camera centre seen so far, in frame order, as one line-segment node
     /current                     the newest camera, highlighted
 
-Because points live in their camera's frame, a pose correction (windowed streams re-emit frames aligned
-into the first window) moves one parent node and never re-sends points unless the depth itself changed.
+Because points live in their camera's frame, a pose correction (chunked streams re-emit frames aligned
+into chunk 0's frame) moves one parent node and never re-sends points unless the depth itself changed.
 
 Caps that keep the browser smooth over long runs: at most `max_points_per_keyframe` points per cloud, at
 most `max_keyframes` keyframe nodes, at most `max_total_points` points in total. Over the total, the oldest

@@ -93,7 +93,7 @@ class RunWriter:
     run.json with status "running", so an unwritable directory fails in a second rather than after a
     checkpoint load, and a killed run is recognisable afterwards.
 
-    `on_frame` writes `predictions/NNNNNN.npz` atomically; a frame index emitted again (windowed streams)
+    `on_frame` writes `predictions/NNNNNN.npz` atomically; a frame index emitted again (chunked streams)
     overwrites its file, pose and points. `close` writes trajectory_tum.txt, points.ply and the final
     run.json.
 
@@ -101,7 +101,7 @@ class RunWriter:
     behind a queue of `queue_size` frames, so inference does not wait for the disk (numpy and file IO
     release the GIL). A full queue blocks `on_frame`: memory stays bounded when the disk is slower than the
     model, and no frame is ever dropped. 32 frames (at most ~70 MB at 518x378) absorb the burst of frames a
-    window rollover re-emits (16 by default) without holding inference up.
+    chunk rollover re-emits (16 by default) without holding inference up.
 
     `outputs` says what each npz holds and which frames get one (PredictionOutputs); the cloud is built
     from what is saved, as `export` rebuilds it. `flush()` waits until every frame handed over is on disk; `close()` flushes first. An error on

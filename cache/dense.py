@@ -138,7 +138,7 @@ class DenseTwoStreamCache:
             raise ValueError("the dense layout takes one pending window frame per step; commit or roll back first")
         if self._num_special_frames >= self.max_frames:
             raise CacheCapacityError(
-                f"the cache holds special tokens for {self.max_frames} frames; start a new window (windowed streaming)"
+                f"the cache holds special tokens for {self.max_frames} frames; start a fresh cache (chunked streaming)"
             )
         pinned = self._num_scale < self.layout.scale_frames
         if not pinned and self._num_pending_scale:

@@ -39,7 +39,7 @@ class PagePool:
         be), so that a caller can check before it changes anything."""
         if self.max_pages is not None and count > self.num_free + self.max_pages - self.num_pages:
             raise CacheCapacityError(f"the K/V cache needs {count} more pages but is at its limit of {self.max_pages}; "
-                                     "start a new window (windowed streaming)")
+                                     "start a fresh cache (chunked streaming)")
 
     def allocate(self) -> int:
         if not self._free:

@@ -1,6 +1,7 @@
 """The LingBot-Map (GCT) streaming model, its configuration, checkpoint IO and streaming engine."""
 
 from .checkpoint import load_model
+from .chunked import ChunkedEngine
 from .config import ModelConfig
 from .engine import KeyframePolicy, StreamConfig, StreamingEngine
 from .errors import CheckpointError, FrameError, MemoryBudgetError
@@ -8,7 +9,6 @@ from .gct import GCTStream
 from .memory import MemoryEstimate, MemoryPlan, estimate_memory, plan_memory
 from .prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
 from .prepare import InferenceSpec, prepare_for_inference
-from .windowed import WindowedEngine
 
 __all__ = [
     "CheckpointError",
@@ -26,7 +26,7 @@ __all__ = [
     "ModelConfig",
     "StreamConfig",
     "StreamingEngine",
-    "WindowedEngine",
+    "ChunkedEngine",
     "estimate_memory",
     "load_model",
     "plan_memory",

@@ -90,7 +90,7 @@ class StreamConfig:
     # to fit (models/memory.py; `memory_plan`), or raises MemoryBudgetError. None: no budget.
     gpu_memory: int | None = None
     # The most frames whose special tokens the cache holds at once; the dense cache allocates for
-    # all of them. None: the model's temporal range (max_frames). WindowedEngine sets its window.
+    # all of them. None: the model's temporal range (max_frames). ChunkedEngine sets its chunk's.
     max_cached_frames: int | None = None
 
     @property
@@ -178,7 +178,7 @@ class StreamingEngine:
 
         `cached=False` (a streaming frame only): predict the frame against the cache as it is and
         leave no trace, whatever the keyframe policy says (a non-keyframe decided before its step).
-        WindowedEngine predicts frames so on a closed window while the next one catches up."""
+        ChunkedEngine predicts frames so on a closed chunk while the next one catches up."""
         image = self.check_frame(image)
         timestamp = float(self.num_frames + len(self._buffer)) if timestamp is None else float(timestamp)
         finished, self._ready = self._ready, []  # completed by reset(): older than anything below
@@ -334,7 +334,7 @@ class StreamingEngine:
         if self.time_counter + num_new > limit:
             raise ValueError(
                 f"temporal index {self.time_counter + num_new - 1} is past the model's {limit}-position RoPE table; "
-                "use windowed streaming (WindowedEngine) so that each window starts a fresh cache"
+                "use chunked streaming (ChunkedEngine) so that each chunk starts a fresh cache"
             )
 
     def _commit(self, count: int) -> None:

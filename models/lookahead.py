@@ -1,20 +1,12 @@
-"""The next window, predicted beside the stream, so that a rollover does not stop it.
+"""The spare engine: the next chunk predicted beside the stream, so that a rollover does not stop it.
 
-At a rollover the new window predicts its shared frames again (models/windowed.py): one scale step
-over the first `scale_frames` of them, then one step per remaining frame, about 16 frames and 180 ms
-of GPU work at the defaults. Done at the rollover, that work stops the stream for a quarter of a
-second or more. Instead a second engine, the spare, takes those frames on a worker thread and a CUDA
-stream of its own, beside the current window's frames: each shared frame as it arrives when the
-window closes at a frame known in advance (keyframes `all` or `interval:N`), all of them at the
-rollover when it does not (flow). WindowedEngine keeps the stream going meanwhile (`_pace`, and
-provisional predictions from the closed window after the rollover) and swaps the two engines once
-the spare is a frame behind.
-
-The spare runs the same model steps on the same frames in the same order as a rollover in place,
-so what it predicts is the same. It needs a cache and recorded graphs of its own: it is warmed once
-on the stream's first frames (its graph is recorded then, never at a rollover), and it costs a
-second engine's memory (WindowedEngine decides whether there is room). Its CUDA stream has the
-default priority; the stream's has a higher one, so the spare gets what the stream leaves.
+A second StreamingEngine driven from a worker thread, on a CUDA stream of its own, takes the next
+chunk's shared frames (models/rollover.py says when) while the current chunk goes on. It runs the
+same model steps on the same frames in the same order as a rollover in place, so what it predicts
+is the same. It needs a cache and recorded graphs of its own: it is warmed once on the stream's
+first frames (its graph is recorded then, never at a rollover), and it costs a second engine's
+memory (ChunkedEngine decides whether there is room). Its CUDA stream has the default priority;
+the stream's has a higher one, so the spare gets what the stream leaves.
 """
 
 from __future__ import annotations
@@ -37,7 +29,7 @@ class SpareEngine:
         # priority: CUDA stream priority of the spare's work (0 as the default stream; lower is more urgent)
         self._stream = torch.cuda.Stream(engine.device, priority=priority) if engine.device.type == "cuda" else None
         self.job_times: list[tuple[str, float, float]] = []  # (job, start, end), perf_counter seconds
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-recon-next-window")
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-recon-next-chunk")
         self._jobs: list[Future] = []
 
     def warm(self, frames: list[tuple[torch.Tensor, float]]) -> None:
@@ -58,7 +50,7 @@ class SpareEngine:
         """Wait for the queued jobs until `deadline` (time.perf_counter seconds) at the latest.
 
         The stream's thread calls this while the spare is behind: time it spends here is device time
-        the spare gets alone (WindowedEngine paces the stream so; docs/PERFORMANCE.md, tenth session)."""
+        the spare gets alone (Rollover.pace paces the stream so)."""
         unfinished = [job for job in self._jobs if not job.done()]
         timeout = deadline - time.perf_counter()
         if unfinished and timeout > 0:
@@ -109,7 +101,7 @@ class SpareEngine:
         opened, self.engine = self.engine, closed
         closed.reset()
         if self._stream is not None:
-            # The new spare's first job must come after what the closed window left on the device.
+            # The new spare's first job must come after what the closed chunk left on the device.
             self._stream.wait_stream(torch.cuda.current_stream(closed.device))
         return opened
 

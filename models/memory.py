@@ -77,7 +77,7 @@ class MemoryEstimate:
 
     @property
     def another_engine(self) -> int:
-        """What a second engine over the same model adds (a window's spare, models/lookahead.py):
+        """What a second engine over the same model adds (a chunk's spare, models/lookahead.py):
         all but the shared weights and workspace. Its activations count too: it steps on a stream
         of its own, whose memory the allocator does not share with the first engine's."""
         return self.total - self.weights - self.workspace

@@ -20,11 +20,11 @@ class FramePrediction:
     coordinates, so its last column is the camera centre. The world is the model's own frame
     (first frame at the origin up to the model's accuracy), in the model's unknown scale.
 
-    Windowed streams (long runs) may emit the same `frame_index` twice: once when first
-    predicted and again, aligned into the first window's frame, when a later window re-predicts
-    it. Sinks overwrite by `frame_index`; the last emission is final. While a new window catches up
-    after a rollover, the closed window predicts the new frames once more without caching them
-    (`provisional`): the new window emits each of them again shortly after.
+    Chunked streams (long runs) may emit the same `frame_index` twice: once when first
+    predicted and again, aligned into chunk 0's frame, when a later chunk re-predicts it. Sinks
+    overwrite by `frame_index`; the last emission is final. While a new chunk catches up after a
+    rollover, the closed chunk predicts the new frames once more without caching them
+    (`provisional`): the new chunk emits each of them again shortly after.
     """
 
     frame_index: int  # position in the stream, from 0
@@ -36,9 +36,9 @@ class FramePrediction:
     depth: np.ndarray  # [H, W] z-depth along the optical axis
     depth_conf: np.ndarray  # [H, W] confidence, >= 1
     image: np.ndarray | None = None  # [H, W, 3] uint8 RGB, the model input the outputs refer to
-    window_index: int = 0  # which window of a windowed stream produced this emission
+    chunk_index: int = 0  # which chunk of a chunked stream produced this emission
     flow_magnitude: float = float("nan")  # flow keyframe policy: mean flow (px) to the last keyframe
-    provisional: bool = False  # a closed window's prediction, emitted again (final) by the next window
+    provisional: bool = False  # a closed chunk's prediction, emitted again (final) by the next chunk
 
     @property
     def is_keyframe(self) -> bool:

@@ -48,7 +48,7 @@ class EagerRunner:
 
     def run_scale_frames(self, images: torch.Tensor, time_index: int) -> Staged:
         """The scale frames [S, 3, H, W] together (stream indices from 0), eagerly and uncompiled: they
-        run once per window, so compiling their shapes would only delay the first prediction (by tens
+        run once per chunk, so compiling their shapes would only delay the first prediction (by tens
         of seconds on a fresh process) for little gain; the streaming shapes are the ones compiled."""
         with torch.compiler.set_stance("force_eager"):
             self.begin(images, 0)
@@ -155,7 +155,7 @@ class PipelinedRunner(GraphRunner):
 
     def _heads_stream(self) -> torch.cuda.Stream:
         """A side stream of the current stream's priority, so that a stream given precedence over
-        another engine's (WindowedEngine's, beside a spare) keeps it for its heads too. The heads'
+        another engine's (ChunkedEngine's, beside a spare) keeps it for its heads too. The heads'
         outputs are static: a frame's heads on another side stream wait for the last frame's."""
         priority = torch.cuda.current_stream(self.device).priority
         side = self._sides.get(priority)

@@ -13,9 +13,9 @@ decoded and preprocessed beforehand, with the same options.
 
 Frame interval: the time between deliveries of consecutive new frames to the sinks. Steady state: the
 frames after the first scale + window frames. A stall: an interval over STALL_FACTOR x the median; the
-longest one is reported with its frame and whether a window rollover happened there. At a rollover:
+longest one is reported with its frame and whether a chunk rollover happened there. At a rollover:
 the longest interval in the frames a rollover's work can reach (`rollover_regions`: from the overlap
-before it, where a spare starts the next window, to the frames the closed window predicted
+before it, where a spare starts the next chunk, to the frames the closed chunk predicted
 provisionally after it). Main-thread time
 besides the engine: between the return of one `engine.push` and the next call (reading the next frame,
 the sinks' on_frame, the progress line), measured by a thin wrapper around the engine.
@@ -53,7 +53,7 @@ import numpy as np  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_FRAMES = REPO / "app" / "sample"
 STALL_FACTOR = 3.0
-LOOKAHEAD = {"auto": None, "on": True, "off": False}  # --lookahead: WindowedEngine's lookahead
+LOOKAHEAD = {"auto": None, "on": True, "off": False}  # --lookahead: ChunkedEngine's lookahead
 
 
 def process_start_time() -> float:
@@ -104,13 +104,13 @@ def make_video(path: Path, num_frames: int, width: int, height: int, fps: float 
 
 @dataclass
 class Deliveries:
-    """What reached the sinks: (time, frame index, window index) per emission, and the run's stats."""
+    """What reached the sinks: (time, frame index, chunk index) per emission, and the run's stats."""
 
     times: list[float] = field(default_factory=list)
     frames: list[int] = field(default_factory=list)
-    windows: list[int] = field(default_factory=list)
+    chunks: list[int] = field(default_factory=list)
     rollovers: list[int] = field(default_factory=list)  # engine's rollover count at each emission
-    provisional: list[bool] = field(default_factory=list)  # a closed window's emission, emitted again later
+    provisional: list[bool] = field(default_factory=list)  # a closed chunk's emission, emitted again later
     rss: list[int] = field(default_factory=list)
 
 
@@ -126,7 +126,7 @@ class DeliveryRecorder:
         d = self.deliveries
         d.times.append(time.perf_counter())
         d.frames.append(int(pred.frame_index))
-        d.windows.append(int(getattr(pred, "window_index", 0)))
+        d.chunks.append(int(getattr(pred, "chunk_index", 0)))
         d.rollovers.append(int(stats.get("rollovers") or 0))
         d.provisional.append(bool(getattr(pred, "provisional", False)))
         if len(d.frames) % 25 == 1:
@@ -300,8 +300,8 @@ def steady_from(options: Any) -> int:
 
 
 def rollover_regions(d: Deliveries, overlap: int) -> list[tuple[int, int]]:
-    """Frame ranges [first, last] whose intervals a window rollover's work can lengthen: from `overlap`
-    frames before the first frame delivered after it (a spare engine starts the next window there) to
+    """Frame ranges [first, last] whose intervals a chunk rollover's work can lengthen: from `overlap`
+    frames before the first frame delivered after it (a spare engine starts the next chunk there) to
     two frames past the run of frames first emitted provisionally (while the spare caught up)."""
     first_provisional = set()
     seen = set()
@@ -321,7 +321,7 @@ def rollover_regions(d: Deliveries, overlap: int) -> list[tuple[int, int]]:
 
 def interval_stats(d: Deliveries, steady_from: int, overlap: int) -> dict[str, Any]:
     """Intervals between first emissions of consecutive new frames, from frame `steady_from` on."""
-    times, frames, windows, rollovers = d.times, d.frames, d.windows, d.rollovers
+    times, frames, chunks, rollovers = d.times, d.frames, d.chunks, d.rollovers
     first_seen: dict[int, int] = {}
     for position, frame in enumerate(frames):
         first_seen.setdefault(frame, position)
@@ -329,7 +329,7 @@ def interval_stats(d: Deliveries, steady_from: int, overlap: int) -> dict[str, A
     steady = [(frame, pos) for frame, pos in new if frame >= steady_from]
     intervals = []  # (ms, frame it ended with, a rollover happened in it)
     for (_, before), (frame, after) in zip(steady, steady[1:], strict=False):
-        rolled = rollovers[after] != rollovers[before] or windows[after] != windows[before]
+        rolled = rollovers[after] != rollovers[before] or chunks[after] != chunks[before]
         intervals.append((1000 * (times[after] - times[before]), frame, rolled))
     if not intervals:
         nan = float("nan")
@@ -391,7 +391,7 @@ def run_options(args: argparse.Namespace, port: int) -> Any:
             extra[name] = value
     return RunOptions(
         checkpoint=args.checkpoint, device=args.device, dtype=args.dtype, attention=args.attention,
-        compile=not args.no_compile, scale_frames=args.scale, window=args.window, window_frames=args.window_frames,
+        compile=not args.no_compile, scale_frames=args.scale, window=args.window, chunk_frames=args.chunk_frames,
         overlap=args.overlap, keyframes=args.keyframes, image_width=args.image_width, max_frames=args.frames,
         kv_cache=args.kv_cache, viewer=args.viewer, port=port, overwrite=True, **extra,
     )
@@ -598,7 +598,7 @@ def main() -> None:
     parser.add_argument("--image-width", type=int, default=518, help="model input width")
     parser.add_argument("--scale", type=int, default=8)
     parser.add_argument("--window", type=int, default=64)
-    parser.add_argument("--window-frames", type=int, default=320)
+    parser.add_argument("--chunk-frames", type=int, default=320)
     parser.add_argument("--overlap", type=int, default=16)
     parser.add_argument("--keyframes", default="all")
     parser.add_argument("--flow-threshold", type=float, default=None, help="flow keyframes: the threshold in pixels")
@@ -608,7 +608,7 @@ def main() -> None:
                         help="a budget such as 8GiB: the run plans for it (--gpu-memory) and the process is capped at it "
                         "(torch.cuda.set_per_process_memory_fraction), as on a GPU of that size")
     parser.add_argument("--lookahead", choices=sorted(LOOKAHEAD), default="auto",
-                        help="the next window predicted beside the stream (WindowedEngine's lookahead)")
+                        help="the next chunk predicted beside the stream (ChunkedEngine's lookahead)")
     parser.add_argument("--viewer", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--client", action="store_true", help="with --viewer: a websocket client receives the scene")
     parser.add_argument("--port", type=int, default=0, help="viewer port (0: a free one)")

@@ -1,10 +1,10 @@
-"""Frame intervals around window rollovers, with and without the next window's lookahead (GPU machine).
+"""Frame intervals around chunk rollovers, with and without the next chunk's lookahead (GPU machine).
 
-    python3 scripts/bench_rollover.py [--frames 420 --window-frames 120]
+    python3 scripts/bench_rollover.py [--frames 420 --chunk-frames 120]
 
-The engine alone (WindowedEngine, graphs, pipelined, keyframes all) on synthetic frames, windows
+The engine alone (ChunkedEngine, graphs, pipelined, keyframes all) on synthetic frames, chunks
 shortened so that a short run has several rollovers (the cache is as full as at the defaults once
-window_frames > scale + window). Prints, per variant, the intervals between consecutive new frames
+chunk_frames > scale + window). Prints, per variant, the intervals between consecutive new frames
 from 12 frames before each rollover to 3 after, the longest, the steady FPS, and the spare's jobs.
 """
 
@@ -22,12 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import build_model  # noqa: E402
 
 from stream_recon.models import StreamConfig, prepare_for_inference  # noqa: E402
+from stream_recon.models.chunked import ChunkedEngine  # noqa: E402
 from stream_recon.models.lookahead import SpareEngine  # noqa: E402
-from stream_recon.models.windowed import WindowedEngine  # noqa: E402
 
 
 def run(model, frames, args, lookahead: bool, priority: int) -> dict:
-    engine = WindowedEngine(model, StreamConfig(scale_frames=8, window=64), window_frames=args.window_frames,
+    engine = ChunkedEngine(model, StreamConfig(scale_frames=8, window=64), chunk_frames=args.chunk_frames,
                             overlap=args.overlap, lookahead=lookahead)
     spare_init = SpareEngine.__init__
     SpareEngine.__init__ = lambda self, e, priority_=priority: spare_init(self, e, priority=priority_)
@@ -41,8 +41,8 @@ def run(model, frames, args, lookahead: bool, priority: int) -> dict:
                 first_seen.setdefault(prediction.frame_index, time.perf_counter())
             if engine.rollovers != rollovers:
                 rollover_frames.append(engine.num_frames - 1)
-                if engine._spare is not None:
-                    jobs.append(list(engine._spare.job_times))
+                if engine._rollover is not None:
+                    jobs.append(list(engine._rollover.spare.job_times))
         for prediction in engine.finish():
             first_seen.setdefault(prediction.frame_index, time.perf_counter())
     finally:
@@ -60,7 +60,7 @@ def run(model, frames, args, lookahead: bool, priority: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frames", type=int, default=420)
-    parser.add_argument("--window-frames", type=int, default=120)
+    parser.add_argument("--chunk-frames", type=int, default=120)
     parser.add_argument("--overlap", type=int, default=16)
     args = parser.parse_args()
     loaded, _ = build_model("lingbot-map")

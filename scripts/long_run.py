@@ -1,10 +1,10 @@
-"""An unbounded-stream soak run: N frames through the windowed engine, memory and pages logged.
+"""An unbounded-stream soak run: N frames through the chunked engine, memory and pages logged.
 
     python scripts/long_run.py --frames 10000 --json long_run.json
 
 Random (synthetic) weights, synthetic frames: views of a fixed smooth texture drifting by a few
 pixels per frame. Every 100 frames it records the cache's pages in use, GPU memory (allocated and
-reserved) and host memory (RSS); each window rollover is logged. Predictions are consumed and
+reserved) and host memory (RSS); each chunk rollover is logged. Predictions are consumed and
 dropped, as a sink that writes them would.
 """
 
@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from stream_recon.models import GCTStream, ModelConfig, StreamConfig, prepare_for_inference
+from stream_recon.models.chunked import ChunkedEngine
 from stream_recon.models.synthetic import load_synthetic_weights
-from stream_recon.models.windowed import WindowedEngine
 
 
 def host_rss_mib() -> float:
@@ -44,7 +44,7 @@ def main():
     parser.add_argument("--width", type=int, default=518)
     parser.add_argument("--keyframes", default="flow")
     parser.add_argument("--flow-threshold", type=float, default=15.0)
-    parser.add_argument("--window-frames", type=int, default=320)
+    parser.add_argument("--chunk-frames", type=int, default=320)
     parser.add_argument("--overlap", type=int, default=16)
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--json")
@@ -56,7 +56,7 @@ def main():
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = prepare_for_inference(load_synthetic_weights(model.to_empty(device="cpu")).eval(), device, dtype)
     config = StreamConfig(keyframes=args.keyframes, flow_threshold=args.flow_threshold, attention=args.attention)
-    engine = WindowedEngine(model, config, window_frames=args.window_frames, overlap=args.overlap)
+    engine = ChunkedEngine(model, config, chunk_frames=args.chunk_frames, overlap=args.overlap)
     big = texture(args.height * 2, args.width * 2, device)
     samples, emitted, start = [], 0, time.perf_counter()
     for i in range(args.frames):
@@ -70,7 +70,7 @@ def main():
             samples.append({
                 "frame": i + 1,
                 "seconds": time.perf_counter() - start,
-                "window_index": stats["window_index"],
+                "chunk_index": stats["chunk_index"],
                 "rollovers": stats["rollovers"],
                 "cached_frames": stats["cached_frames"],
                 "patch_pages_in_use": stats["patch_pages_in_use"],
@@ -88,7 +88,7 @@ def main():
         "seconds": time.perf_counter() - start,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "attention": engine.stats()["attention"],
-        "window_frames": args.window_frames,
+        "chunk_frames": args.chunk_frames,
         "overlap": args.overlap,
         "keyframes": args.keyframes,
         "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None,

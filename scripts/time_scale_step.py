@@ -1,10 +1,10 @@
-"""What a window's scale step costs on the GPU (GPU machine): eager (as streams run it) against
+"""What a chunk's scale step costs on the GPU (GPU machine): eager (as streams run it) against
 compiled, host issue time against device time.
 
     python3 scripts/time_scale_step.py [--repeats 5]
 
-The scale step (the first `scale_frames` frames together) runs once per window; at a rollover the
-next window's scale step is most of what its lookahead has to fit beside the stream (issue 16).
+The scale step (the first `scale_frames` frames together) runs once per chunk; at a rollover the
+next chunk's scale step is most of what its lookahead has to fit beside the stream.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Where the time goes at a window rollover, on the product path (GPU machine).
+"""Where the time goes at a chunk rollover, on the product path (GPU machine).
 
     python3 scripts/trace_rollover.py [--pace X] [--main-priority P] [--trace-before S] [--trace-after S] [bench_e2e options, e.g. --frames 700 --viewer --client]
 
 Runs scripts/bench_e2e.py in this process with timers wrapped around the rollover's parts (closing
-the window, provisional frames beside the catching-up spare, pacing, the switch, aligning, emitting
+the chunk, provisional frames beside the catching-up spare, pacing, the switch, aligning, emitting
 to the sinks) and CUDA events around every engine step, main stream and spare alike. `--pace` and
-`--main-priority` set models.windowed's PACE and MAIN_STREAM_PRIORITY for the run. Prints, for each rollover of the product run, the spans from
+`--main-priority` set models.rollover's PACE and MAIN_STREAM_PRIORITY for the run. Prints, for each rollover of the product run, the spans from
 a few frames before it to a few after, in ms from the rollover's start: host spans on the main thread,
 the spare's jobs on its worker, and when each step's device work began and ended.
 """
@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_e2e  # noqa: E402
 
 from stream_recon.app import pipeline  # noqa: E402
-from stream_recon.models import windowed  # noqa: E402
+from stream_recon.models import chunks, rollover, similarity  # noqa: E402
+from stream_recon.models.chunked import ChunkedEngine  # noqa: E402
 from stream_recon.models.engine import StreamingEngine  # noqa: E402
 from stream_recon.models.lookahead import SpareEngine  # noqa: E402
-from stream_recon.models.windowed import WindowedEngine  # noqa: E402
 
 SPANS: list[tuple[str, str, float, float]] = []  # (what, thread, start, end), perf_counter seconds
 DEVICE: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event]] = []  # (what, thread, begin, end)
@@ -66,15 +66,16 @@ def timed(owner, name: str, label: str | None = None, device: bool = False) -> N
 
 
 def install() -> None:
-    timed(WindowedEngine, "_roll_over", "rollover")
-    timed(WindowedEngine, "_estimate_transform", "align: estimate")
-    timed(windowed, "estimate_chunk_alignment", "align: sim3")
-    timed(windowed, "median_ratio_scale", "align: median")
-    timed(WindowedEngine, "_receive", "receive")
+    timed(ChunkedEngine, "_roll_over", "rollover")
+    timed(chunks.ChunkAlignment, "_estimate_transform", "align: estimate")
+    timed(chunks, "estimate_chunk_alignment", "align: sim3")
+    timed(similarity, "median_ratio_scale", "align: median")
+    timed(chunks, "aligned", "align: apply")
+    timed(chunks.ChunkAlignment, "receive", "receive")
     timed(SpareEngine, "collect", "spare collect")
-    timed(WindowedEngine, "_push_beside_spare", "beside the spare")
-    timed(WindowedEngine, "_switch_to_spare", "switch")
-    timed(WindowedEngine, "_pace", "pace")
+    timed(rollover.Rollover, "push_beside", "beside the spare")
+    timed(ChunkedEngine, "_switch_to_spare", "switch")
+    timed(rollover.Rollover, "pace", "pace")
     timed(StreamingEngine, "push", "step", device=True)
     timed(StreamingEngine, "finish", "finish", device=True)
     timed(pipeline, "_emit", "sinks")
@@ -118,9 +119,9 @@ if __name__ == "__main__":
             globals()[f"TRACE_{option[8:].upper()}_S"] = float(arguments[at + 1])
             del arguments[at : at + 2]
     for option, constant, kind in (("--pace", "PACE", float), ("--main-priority", "MAIN_STREAM_PRIORITY", int)):
-        if option in arguments:  # models.windowed's constant, for this run
+        if option in arguments:  # models.rollover's constant, for this run
             at = arguments.index(option)
-            setattr(windowed, constant, kind(arguments[at + 1]))
+            setattr(rollover, constant, kind(arguments[at + 1]))
             del arguments[at : at + 2]
     install()
     sys.argv = ["bench_e2e.py", *arguments]

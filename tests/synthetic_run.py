@@ -38,7 +38,7 @@ def plane_frame(
     offset: np.ndarray | None = None,
     with_image: bool = True,
     frame_type: int | None = None,
-    window_index: int = 0,
+    chunk_index: int = 0,
 ) -> FramePrediction:
     """One frame of the plane scene; the camera centre is (STEP_X * i, 0, 0) + offset."""
     yaw = 0.02 * np.sin(frame_index) if yaw is None else yaw
@@ -78,7 +78,7 @@ def plane_frame(
         depth=depth.astype(np.float32),
         depth_conf=depth_conf,
         image=image,
-        window_index=window_index,
+        chunk_index=chunk_index,
     )
 
 

@@ -181,7 +181,7 @@ def test_single_image_instead_of_folder(tmp_path: Path) -> None:
         (["--image-width", "500"], "image_width must be a positive multiple of 14"),
         (["--stride", "0"], "stride must be >= 1"),
         (["--open-timeout", "0"], "open_timeout_s must be a number > 0"),  # a flag spelled unlike its field
-        (["--window-frames", "4", "--scale-frames", "4"], "window_frames must be more than scale_frames"),
+        (["--chunk-frames", "4", "--scale-frames", "4"], "chunk_frames must be more than scale_frames"),
         (["--port", "70000"], "port must be between 1 and 65535"),
         (["--reconnect", "-1"], "reconnect_s must be >= 0 (0: never reconnect), got -1.0"),
         # issue 18, defect 2: a writers.py traceback and exit 1 for these, and -1 accepted silently

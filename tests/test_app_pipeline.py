@@ -154,7 +154,7 @@ def test_long_stream_rolls_over_to_new_windows_and_keeps_one_file_per_frame(
     tmp_path: Path, tiny_model: GCTStream
 ) -> None:
     video = write_video(tmp_path / "long.mp4", 14, fps=20)
-    options = RunOptions(**{**FAST, "window_frames": 5, "overlap": 3})
+    options = RunOptions(**{**FAST, "chunk_frames": 5, "overlap": 3})
 
     summary = run_sequence(str(video), tmp_path / "run", options, model=tiny_model)
 
@@ -164,16 +164,16 @@ def test_long_stream_rolls_over_to_new_windows_and_keeps_one_file_per_frame(
     windows = []
     for index in range(14):
         with np.load(tmp_path / "run" / "predictions" / f"{index:06d}.npz") as frame:
-            windows.append(int(frame["window_index"]))
+            windows.append(int(frame["chunk_index"]))
     # the overlap frames were re-predicted by the later window, whose emission is the final one
     assert windows == sorted(windows) and windows[-1] >= 2
 
 
 def test_window_options_are_checked_before_anything_runs() -> None:
-    with pytest.raises(OptionsError, match="window_frames must be more than scale_frames"):
-        RunOptions(scale_frames=8, window_frames=8)
-    with pytest.raises(OptionsError, match="overlap must be between 1 and window_frames - 1"):
-        RunOptions(window_frames=20, overlap=20)
+    with pytest.raises(OptionsError, match="chunk_frames must be more than scale_frames"):
+        RunOptions(scale_frames=8, chunk_frames=8)
+    with pytest.raises(OptionsError, match="overlap must be between 1 and chunk_frames - 1"):
+        RunOptions(chunk_frames=20, overlap=20)
 
 
 def test_truncated_video_keeps_the_frames_before_the_damage(tmp_path: Path, tiny_model: GCTStream) -> None:

@@ -107,7 +107,7 @@ def test_cli_refuses_settings_that_cannot_fit_before_the_model_loads(tmp_path: P
     video = write_video(tmp_path / "clip.mp4", 3)
     # a .pt that does not exist: the official architecture, and loading it would fail with another error
     huge = [str(video), "--device", "cpu", "--no-viewer", "-o", str(tmp_path / "out"), "--checkpoint",
-            str(tmp_path / "missing.pt"), "--image-width", "2800", "--window", "900", "--window-frames", "1000"]
+            str(tmp_path / "missing.pt"), "--image-width", "2800", "--window", "900", "--chunk-frames", "1000"]
 
     refused = invoke(*huge)
 

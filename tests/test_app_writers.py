@@ -270,12 +270,12 @@ def test_empty_run_writes_empty_trajectory_and_cloud(tmp_path):
 def test_reemitted_frame_overwrites_file_pose_and_points(tmp_path):
     shifted = np.array([0.0, 50.0, 0.0])
     frames = [plane_frame(i) for i in range(4)]
-    frames.append(plane_frame(2, offset=shifted, window_index=1))
+    frames.append(plane_frame(2, offset=shifted, chunk_index=1))
     writer = write_run(tmp_path / "run", frames, voxel_size=0.05)
 
     records = read_run(tmp_path / "run")
     assert [r["frame_index"] for r in records] == [0, 1, 2, 3]
-    assert records[2]["window_index"] == 1
+    assert records[2]["chunk_index"] == 1
     np.testing.assert_allclose(records[2]["c2w"][:, 3], [2 * STEP_X, 50.0, 0.0], atol=1e-6)
     rows = parse_tum_strictly(tmp_path / "run" / "trajectory_tum.txt")
     np.testing.assert_allclose(rows[:, 2], [0.0, 0.0, 50.0, 0.0], atol=1e-6)

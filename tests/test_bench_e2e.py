@@ -34,7 +34,7 @@ def run_bench(tmp_path: Path, *args: str) -> dict:
 
 
 def test_tiny_model_with_viewer_client_and_rollovers(tmp_path: Path) -> None:
-    result = run_bench(tmp_path, "--model", "tiny", "--viewer", "--client", "--window-frames", "8", "--overlap", "3",
+    result = run_bench(tmp_path, "--model", "tiny", "--viewer", "--client", "--chunk-frames", "8", "--overlap", "3",
                        "--save-predictions", "keyframes", "--no-save-images")
 
     for key in REQUIRED_KEYS:
@@ -65,12 +65,12 @@ def test_stand_in_engine_measures_the_product_path_alone(tmp_path: Path, viewer:
 def test_rollover_trace_names_each_part_of_every_rollover(tmp_path: Path) -> None:
     command = [sys.executable, str(REPO / "scripts" / "trace_rollover.py"), "--pace", "1.5", "--device", "cpu",
                "--model", "tiny", "--frames", "20", "--image-width", "112", "--scale", "2", "--window", "4",
-               "--window-frames", "8", "--overlap", "3", "--video-dir", str(tmp_path), "--no-engine-run"]
+               "--chunk-frames", "8", "--overlap", "3", "--video-dir", str(tmp_path), "--no-engine-run"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     sections = done.stdout.split("== rollover ")[1:]
-    assert len(sections) >= 2  # windows of 8 frames, 5 apart: rollovers at frames 8 and 13 (and 18)
+    assert len(sections) >= 2  # chunks of 8 frames, 5 apart: rollovers at frames 8 and 13 (and 18)
     for section in sections:
         for part in ("rollover", "finish", "align: estimate (0 of 3 ratios ahead)", "align: median", "sinks"):
             assert part in section, (part, section[:2000])
@@ -88,14 +88,14 @@ def test_a_rollover_region_runs_from_the_overlap_before_it_to_past_the_provision
         clock += 0.060 if frame in (5, 24) else 0.025
         d.times.append(clock)
         d.frames.append(frame)
-        d.windows.append(0 if frame < 20 else 1)
+        d.chunks.append(0 if frame < 20 else 1)
         d.rollovers.append(0 if frame < 20 else 1)
         d.provisional.append(20 <= frame <= 22)
         if frame == 23:
             for again in (20, 21, 22):
                 d.times.append(clock)
                 d.frames.append(again)
-                d.windows.append(1)
+                d.chunks.append(1)
                 d.rollovers.append(1)
                 d.provisional.append(False)
     stats = interval_stats(d, steady_from=0, overlap=4)

@@ -67,7 +67,7 @@ def test_capacity_error_names_the_remedy():
     for _ in range(3):
         cache.append()
         cache.commit()
-    with pytest.raises(ValueError, match="windowed streaming"):
+    with pytest.raises(ValueError, match="chunked streaming"):
         cache.append()
 
 

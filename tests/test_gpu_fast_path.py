@@ -125,20 +125,20 @@ def test_pipelined_push_returns_the_previous_frame_and_finish_the_last():
 
 def test_windowed_rollovers_with_pipelining_emit_what_they_emit_without():
     from stream_recon.models import StreamConfig, prepare_for_inference
-    from stream_recon.models.windowed import WindowedEngine
+    from stream_recon.models.chunked import ChunkedEngine
 
     model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
     frames = [torch.rand(3, 126, 224, generator=generator).cuda() for _ in range(40)]
     runs = {}
     for pipeline in (True, False):
-        engine = WindowedEngine(model, StreamConfig(scale_frames=2, window=4, pipeline=pipeline), window_frames=12,
+        engine = ChunkedEngine(model, StreamConfig(scale_frames=2, window=4, pipeline=pipeline), chunk_frames=12,
                                 overlap=4)
         emitted = [p for frame in frames for p in engine.push(frame)] + engine.finish()
         runs[pipeline] = emitted
         assert engine.rollovers >= 2
     piped, synchronous = runs[True], runs[False]
-    assert [(p.frame_index, p.window_index) for p in piped] == [(p.frame_index, p.window_index) for p in synchronous]
+    assert [(p.frame_index, p.chunk_index) for p in piped] == [(p.frame_index, p.chunk_index) for p in synchronous]
     for a, b in zip(piped, synchronous, strict=True):
         np.testing.assert_array_equal(a.c2w, b.c2w)
         np.testing.assert_array_equal(a.depth, b.depth)
@@ -217,7 +217,7 @@ def test_a_spare_engine_on_its_own_stream_ends_with_what_rollovers_in_place_emit
     closed window while the spare catches up: the same final emissions, bit for bit and in the same
     order, as rollovers done in place; every provisional one before its frame's final one."""
     from stream_recon.models import StreamConfig, prepare_for_inference
-    from stream_recon.models.windowed import WindowedEngine
+    from stream_recon.models.chunked import ChunkedEngine
 
     model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
@@ -226,7 +226,7 @@ def test_a_spare_engine_on_its_own_stream_ends_with_what_rollovers_in_place_emit
                           max_gap=2)
     runs = {}
     for lookahead in (False, True):
-        engine = WindowedEngine(model, config, window_frames=14, overlap=5, lookahead=lookahead)
+        engine = ChunkedEngine(model, config, chunk_frames=14, overlap=5, lookahead=lookahead)
         pushes = [engine.push(frame) for frame in frames]
         runs[lookahead] = (pushes + [engine.finish()], engine.stats())
         if lookahead:
@@ -238,8 +238,8 @@ def test_a_spare_engine_on_its_own_stream_ends_with_what_rollovers_in_place_emit
     assert beside_stats["lookahead"] and beside_stats["rollovers"] == in_place_stats["rollovers"] >= 2
     assert beside_stats["rollovers_ahead"] == beside_stats["rollovers"] <= beside_stats["provisional_frames"]
     finals = [p for push in beside for p in push if not p.provisional]
-    assert [(p.frame_index, p.window_index) for p in finals] == \
-        [(p.frame_index, p.window_index) for push in in_place for p in push]
+    assert [(p.frame_index, p.chunk_index) for p in finals] == \
+        [(p.frame_index, p.chunk_index) for push in in_place for p in push]
     for a, b in zip(finals, [p for push in in_place for p in push], strict=True):
         for key in ("pose_enc", "c2w", "depth", "depth_conf"):
             np.testing.assert_array_equal(getattr(a, key), getattr(b, key))
@@ -253,7 +253,7 @@ def test_a_spare_engine_on_its_own_stream_ends_with_what_rollovers_in_place_emit
 
 def test_lookahead_is_on_by_default_on_cuda_when_a_second_cache_fits():
     from stream_recon.models import StreamConfig, prepare_for_inference
-    from stream_recon.models.windowed import WindowedEngine
+    from stream_recon.models.chunked import ChunkedEngine
 
     model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
     from stream_recon.models.memory import estimate_memory
@@ -263,7 +263,7 @@ def test_lookahead_is_on_by_default_on_cuda_when_a_second_cache_fits():
     one = estimate_memory(model, config, (126, 224))
     second = one.another_engine
     for budget, expected in ((None, True), (one.total + second // 2, False), (one.total + second, True)):
-        engine = WindowedEngine(model, dataclasses.replace(config, gpu_memory=budget), window_frames=14, overlap=5)
+        engine = ChunkedEngine(model, dataclasses.replace(config, gpu_memory=budget), chunk_frames=14, overlap=5)
         for frame in frames:
             engine.push(frame)
         assert engine.stats()["lookahead"] is expected, budget

@@ -16,10 +16,10 @@ from test_models_engine import assert_streams_like_the_visible_set_model, frames
 
 from stream_recon.cache import TokenCache, fp8
 from stream_recon.models import (
+    ChunkedEngine,
     MemoryBudgetError,
     StreamConfig,
     StreamingEngine,
-    WindowedEngine,
     estimate_memory,
     plan_memory,
 )
@@ -150,7 +150,7 @@ def test_budget_paged_pool_stops_at_its_limit_with_a_clear_error(prepared_tiny_m
     engine = StreamingEngine(prepared_tiny_model, StreamConfig(scale_frames=2, window=3, attention="sdpa", max_cached_frames=5))
     images = frames(12)
     pushed = 0
-    with pytest.raises(CacheCapacityError, match=r"needs \d+ more pages but is at its limit of \d+; start a new window"):
+    with pytest.raises(CacheCapacityError, match=r"needs \d+ more pages but is at its limit of \d+; start a fresh cache"):
         for image in images:
             engine.push(image)
             pushed += 1
@@ -181,7 +181,7 @@ def test_budget_engine_plans_before_the_first_frame_and_streams_the_plan(prepare
 
 def test_budget_windowed_cache_holds_one_window_and_plans_for_it(prepared_tiny_model):
     config = StreamConfig(scale_frames=2, window=3, keyframes="interval:2", attention="dense", gpu_memory=2**40)
-    engine = WindowedEngine(prepared_tiny_model, config, window_frames=6, overlap=2)
+    engine = ChunkedEngine(prepared_tiny_model, config, chunk_frames=6, overlap=2)
     told = []
     engine.on_memory_plan = told.append
     predictions = [p for image in frames(30) for p in engine.push(image)] + engine.finish()

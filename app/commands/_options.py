@@ -75,9 +75,9 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
     _ENGINE: {
         "scale_frames": "Frames processed together at the start and kept forever. \\[default: 8]",
         "window": "Sliding window of recent frames whose patch tokens stay visible. \\[default: 64]",
-        "window_frames": "Long streams: cached frames per window before a new window starts, aligned on the "
+        "chunk_frames": "Long streams: cached frames per chunk before a new chunk starts (a fresh cache), aligned on the "
         "overlap. \\[default: 320, the trained range]",
-        "overlap": "Long streams: frames two consecutive windows share. \\[default: 16]",
+        "overlap": "Long streams: frames two consecutive chunks share. \\[default: 16]",
         "keyframes": "Keyframe policy: all, interval:N or flow. \\[default: all]",
         "flow_threshold": "flow policy: mean flow in pixels that makes a keyframe. \\[default: 15]",
         "max_gap": "flow policy: most frames in a row without a keyframe. \\[default: 30]",
@@ -113,7 +113,7 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
 }
 # Flags spelled otherwise than the field's name.
 _FLAG_NAMES = {"checkpoint": ("--checkpoint", "-c"), "open_timeout_s": ("--open-timeout",),
-               "reconnect_s": ("--reconnect",)}
+               "reconnect_s": ("--reconnect",), "chunk_frames": ("--chunk-frames", "--window-frames")}
 
 
 def _run_option_flag(field: str, help: str, panel: str) -> Any:
@@ -167,7 +167,7 @@ def takes_run_options(*fields: str) -> Callable[[Callable[..., None]], Callable[
 
 
 def show_engine_log(console: Console) -> None:
-    """Print the library's INFO messages (window rollovers, backend choice) above the progress line."""
+    """Print the library's INFO messages (chunk rollovers, backend choice) above the progress line."""
     from rich.logging import RichHandler
 
     logger = logging.getLogger("stream_recon")

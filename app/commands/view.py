@@ -106,7 +106,7 @@ def load_frame(path: Path) -> FramePrediction:
         depth=np.asarray(record["depth"], dtype=np.float32),
         depth_conf=np.asarray(record["depth_conf"], dtype=np.float32),
         image=None if record["image"] is None else np.asarray(record["image"], dtype=np.uint8),
-        window_index=record["window_index"],
+        chunk_index=record["chunk_index"],
     )
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from golden_utils import GOLDEN, TOLERANCE, golden_frames, prepared_full_size_model, relative_error
 
-from stream_recon.models import StreamConfig, WindowedEngine
+from stream_recon.models import ChunkedEngine, StreamConfig
 
 pytestmark = [pytest.mark.golden, pytest.mark.slow]
 
@@ -29,17 +29,17 @@ def model():
     return prepared_full_size_model()
 
 
-def run_windowed(model, config: StreamConfig) -> tuple[WindowedEngine, dict[int, object], list[tuple[int, int]]]:
-    engine = WindowedEngine(model, config, window_frames=6, overlap=3)
+def run_windowed(model, config: StreamConfig) -> tuple[ChunkedEngine, dict[int, object], list[tuple[int, int]]]:
+    engine = ChunkedEngine(model, config, chunk_frames=6, overlap=3)
     final, order = {}, []
     frames = golden_frames()
     for index, frame in enumerate(frames):
         for prediction in engine.push(frame, timestamp=index / 10):
             final[prediction.frame_index] = prediction
-            order.append((prediction.frame_index, prediction.window_index))
+            order.append((prediction.frame_index, prediction.chunk_index))
     for prediction in engine.finish():
         final[prediction.frame_index] = prediction
-        order.append((prediction.frame_index, prediction.window_index))
+        order.append((prediction.frame_index, prediction.chunk_index))
     return engine, final, order
 
 
@@ -74,7 +74,7 @@ def test_last_emissions_match_the_stitched_reference(model, scenario):
 
     # Each frame is emitted first by the window that first predicts it, then by later windows only.
     windows_per_frame = {}
-    for frame_index, window_index in order:
-        windows_per_frame.setdefault(frame_index, []).append(window_index)
+    for frame_index, chunk_index in order:
+        windows_per_frame.setdefault(frame_index, []).append(chunk_index)
     assert all(ws == sorted(set(ws)) for ws in windows_per_frame.values())
     assert engine.stats()["rollovers"] == len(golden["chunk_scales"]) - 1

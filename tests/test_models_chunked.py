@@ -1,4 +1,4 @@
-"""WindowedEngine on the tiny model, and its Sim(3) helpers against float64 numpy references.
+"""ChunkedEngine on the tiny model, and its Sim(3) helpers against float64 numpy references.
 
 The stitched result is checked against an offline version of the reference's `inference_windowed`
 written here from spec §14: every window run by its own fresh StreamingEngine, aligned with 4x4
@@ -18,13 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stream_recon.models import (
+    ChunkedEngine,
     FrameError,
     StreamConfig,
     StreamingEngine,
-    WindowedEngine,
 )
-from stream_recon.models.prediction import FRAME_NON_KEY
 from stream_recon.models.pose import rotation_to_quat_xyzw
+from stream_recon.models.prediction import FRAME_NON_KEY
 from stream_recon.models.similarity import (
     FrameRatios,
     Sim3,
@@ -241,9 +241,9 @@ def test_depth_ratio_scale_takes_the_lower_median_of_valid_pixels():
 
 
 # -- the reference algorithm, offline ----------------------------------------------------------
-def fixed_windows(num_frames: int, scale: int, window_frames: int, interval: int, overlap: int):
+def fixed_windows(num_frames: int, scale: int, chunk_frames: int, interval: int, overlap: int):
     """Spec §14: [start, start + L) every L - overlap frames, stop at the first that reaches the end."""
-    length = min(scale + (window_frames - scale) * interval, num_frames)
+    length = min(scale + (chunk_frames - scale) * interval, num_frames)
     if length >= num_frames:
         return [(0, num_frames)]
     windows = []
@@ -266,14 +266,14 @@ def run_window(model, config: StreamConfig, frames: torch.Tensor, stop_after_key
     return predictions + engine.finish()
 
 
-def offline_windowed(model, config: StreamConfig, frames: torch.Tensor, window_frames: int, overlap: int):
+def offline_windowed(model, config: StreamConfig, frames: torch.Tensor, chunk_frames: int, overlap: int):
     """Returns {frame_index: (c2w [4, 4], quat, depth, frame_type)} stitched, and the chunk scales."""
     scale, total = config.scale_frames, len(frames)
     windows = []  # (start, raw predictions)
     if config.policy.kind == "flow":
         cursor = 0
         while cursor < total:
-            raw = run_window(model, config, frames[cursor:], stop_after_keyframes=window_frames)
+            raw = run_window(model, config, frames[cursor:], stop_after_keyframes=chunk_frames)
             windows.append((cursor, raw))
             end = cursor + len(raw)
             if end < total:
@@ -281,7 +281,7 @@ def offline_windowed(model, config: StreamConfig, frames: torch.Tensor, window_f
             cursor = end
     else:
         interval = config.policy.interval if config.policy.kind == "interval" else 1
-        for start, end in fixed_windows(total, scale, window_frames, interval, overlap):
+        for start, end in fixed_windows(total, scale, chunk_frames, interval, overlap):
             windows.append((start, run_window(model, config, frames[start:end])))
 
     stitched, scales = {}, []
@@ -312,15 +312,15 @@ def offline_windowed(model, config: StreamConfig, frames: torch.Tensor, window_f
     return stitched, np.array(scales)
 
 
-def run_live(engine: WindowedEngine, frames: torch.Tensor):
-    """Returns the last emission per frame and, per push, the (frame_index, window_index) emitted."""
+def run_live(engine: ChunkedEngine, frames: torch.Tensor):
+    """Returns the last emission per frame and, per push, the (frame_index, chunk_index) emitted."""
     final, per_push = {}, []
     for frame in frames:
         emitted = engine.push(frame)
-        per_push.append([(p.frame_index, p.window_index) for p in emitted])
+        per_push.append([(p.frame_index, p.chunk_index) for p in emitted])
         final.update({p.frame_index: p for p in emitted})
     emitted = engine.finish()
-    per_push.append([(p.frame_index, p.window_index) for p in emitted])
+    per_push.append([(p.frame_index, p.chunk_index) for p in emitted])
     final.update({p.frame_index: p for p in emitted})
     return final, per_push
 
@@ -337,10 +337,10 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_last_emissions_equal_the_offline_stitched_reference(model, frames, case):
-    config, window_frames, overlap, count = CASES[case]
-    engine = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap)
+    config, chunk_frames, overlap, count = CASES[case]
+    engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap)
     final, _ = run_live(engine, frames[:count])
-    expected, scales = offline_windowed(model, config, frames[:count], window_frames, overlap)
+    expected, scales = offline_windowed(model, config, frames[:count], chunk_frames, overlap)
 
     assert sorted(final) == sorted(expected) == list(range(count))
     for index, (c2w, quat, depth, frame_type) in expected.items():
@@ -358,7 +358,7 @@ def test_last_emissions_equal_the_offline_stitched_reference(model, frames, case
 
 def test_interval_windows_and_frame_types_follow_the_reference_schedule(model, frames):
     config = StreamConfig(scale_frames=2, window=3, keyframes="interval:2")
-    engine = WindowedEngine(model, config, window_frames=4, overlap=3)  # 2 + 2 * 2 = 6 frames a window
+    engine = ChunkedEngine(model, config, chunk_frames=4, overlap=3)  # 2 + 2 * 2 = 6 frames a window
     final, per_push = run_live(engine, frames[:17])
     windows = fixed_windows(17, 2, 4, 2, 3)
     assert windows == [(0, 6), (3, 9), (6, 12), (9, 15), (12, 17)]
@@ -375,18 +375,18 @@ def test_interval_windows_and_frame_types_follow_the_reference_schedule(model, f
 
 @pytest.mark.parametrize("count, expected_windows", [(6, 1), (7, 2), (9, 2), (10, 3)])
 def test_a_window_opens_only_when_a_frame_falls_beyond_the_last_one(model, frames, count, expected_windows):
-    engine = WindowedEngine(model, StreamConfig(scale_frames=3, window=4), window_frames=6, overlap=3)
+    engine = ChunkedEngine(model, StreamConfig(scale_frames=3, window=4), chunk_frames=6, overlap=3)
     run_live(engine, frames[:count])
-    assert engine.stats()["window_index"] == expected_windows - 1 == len(fixed_windows(count, 3, 6, 1, 3)) - 1
+    assert engine.stats()["chunk_index"] == expected_windows - 1 == len(fixed_windows(count, 3, 6, 1, 3)) - 1
 
 
 def test_flow_windows_close_after_their_keyframes_and_restart_overlap_frames_back(model, frames):
     config = StreamConfig(scale_frames=3, window=4, keyframes="flow", flow_threshold=0.8, max_gap=3)
-    engine = WindowedEngine(model, config, window_frames=6, overlap=3)
+    engine = ChunkedEngine(model, config, chunk_frames=6, overlap=3)
     windows: dict[int, list] = {}
     for frame in frames:
         for p in engine.push(frame):
-            windows.setdefault(p.window_index, []).append(p)
+            windows.setdefault(p.chunk_index, []).append(p)
     types = {n: [p.frame_type for p in ps] for n, ps in windows.items()}
     assert len(windows) >= 3 and any(2 in t for t in types.values()), types  # decisions went both ways
     for n in range(len(windows) - 1):
@@ -397,7 +397,7 @@ def test_flow_windows_close_after_their_keyframes_and_restart_overlap_frames_bac
 
 
 def test_first_emission_is_live_and_overlap_frames_are_emitted_again(model, frames):
-    engine = WindowedEngine(model, StreamConfig(scale_frames=3, window=4), window_frames=6, overlap=3)
+    engine = ChunkedEngine(model, StreamConfig(scale_frames=3, window=4), chunk_frames=6, overlap=3)
     _, per_push = run_live(engine, frames[:14])
     first_push = {}
     for push_index, push in enumerate(per_push):
@@ -412,19 +412,19 @@ def test_first_emission_is_live_and_overlap_frames_are_emitted_again(model, fram
 
 def test_emissions_survive_a_bad_frame_at_a_rollover(model, frames):
     config = StreamConfig(scale_frames=3, window=4)
-    reference = WindowedEngine(model, config, window_frames=6, overlap=3)
+    reference = ChunkedEngine(model, config, chunk_frames=6, overlap=3)
     _, clean = run_live(reference, frames[:8])
-    engine = WindowedEngine(model, config, window_frames=6, overlap=3)
+    engine = ChunkedEngine(model, config, chunk_frames=6, overlap=3)
     for frame in frames[:6]:
         engine.push(frame)
     with pytest.raises(FrameError, match="14x42"):
         engine.push(frames[6][:, :14])  # the window is full: the rollover runs, then the frame is refused
-    assert [(p.frame_index, p.window_index) for p in engine.push(frames[6])] == clean[6]
-    assert [(p.frame_index, p.window_index) for p in engine.push(frames[7])] == clean[7]
+    assert [(p.frame_index, p.chunk_index) for p in engine.push(frames[6])] == clean[6]
+    assert [(p.frame_index, p.chunk_index) for p in engine.push(frames[7])] == clean[7]
 
 
 def test_memory_is_bounded_and_the_cache_is_reused_across_windows(model, frames):
-    engine = WindowedEngine(model, StreamConfig(scale_frames=2, window=2), window_frames=4, overlap=2)
+    engine = ChunkedEngine(model, StreamConfig(scale_frames=2, window=2), chunk_frames=4, overlap=2)
     for frame in frames[:4]:  # the first window, full
         engine.push(frame)
     cache, cache_bytes = engine.engine.cache, engine.stats()["cache_bytes"]
@@ -439,7 +439,7 @@ def test_memory_is_bounded_and_the_cache_is_reused_across_windows(model, frames)
 
 
 def test_reset_starts_an_identical_stream(model, frames):
-    engine = WindowedEngine(model, StreamConfig(scale_frames=3, window=4), window_frames=6, overlap=3)
+    engine = ChunkedEngine(model, StreamConfig(scale_frames=3, window=4), chunk_frames=6, overlap=3)
     backends = []
     engine.on_backend_ready = backends.append
     first, _ = run_live(engine, frames[:10])
@@ -453,26 +453,26 @@ def test_reset_starts_an_identical_stream(model, frames):
 
 
 def test_rollovers_are_logged(model, frames, caplog):
-    engine = WindowedEngine(model, StreamConfig(scale_frames=3, window=4), window_frames=6, overlap=3)
-    with caplog.at_level(logging.INFO, logger="stream_recon.models.windowed"):
+    engine = ChunkedEngine(model, StreamConfig(scale_frames=3, window=4), chunk_frames=6, overlap=3)
+    with caplog.at_level(logging.INFO, logger="stream_recon.models.chunked"):
         run_live(engine, frames[:10])
     rollovers = [r.getMessage() for r in caplog.records if "rollover" in r.getMessage()]
     assert rollovers == [
-        "window rollover: window 0 closed after frames 0-5 (6 cached); window 1 starts at frame 3 and re-predicts 3 frames",
-        "window rollover: window 1 closed after frames 3-8 (6 cached); window 2 starts at frame 6 and re-predicts 3 frames",
+        "chunk rollover: chunk 0 closed after frames 0-5 (6 cached); chunk 1 starts at frame 3 and re-predicts 3 frames",
+        "chunk rollover: chunk 1 closed after frames 3-8 (6 cached); chunk 2 starts at frame 6 and re-predicts 3 frames",
     ]
-    assert engine.stats()["window_index"] == 2 and engine.stats()["window_start"] == 6
+    assert engine.stats()["chunk_index"] == 2 and engine.stats()["chunk_start"] == 6
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(window_frames=3), "window_frames=3 must be larger than scale_frames=3"),
-    (dict(window_frames=2000), "exceeds the model's temporal RoPE table"),
-    (dict(window_frames=6, overlap=0), "overlap=0 must be between 1 and window_frames - 1 = 5"),
-    (dict(window_frames=6, overlap=6), "overlap=6 must be between 1 and window_frames - 1 = 5"),
+    (dict(chunk_frames=3), "chunk_frames=3 must be larger than scale_frames=3"),
+    (dict(chunk_frames=2000), "exceeds the model's temporal RoPE table"),
+    (dict(chunk_frames=6, overlap=0), "overlap=0 must be between 1 and chunk_frames - 1 = 5"),
+    (dict(chunk_frames=6, overlap=6), "overlap=6 must be between 1 and chunk_frames - 1 = 5"),
 ])
-def test_bad_window_settings_are_refused(model, kwargs, message):
+def test_bad_chunk_settings_are_refused(model, kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        WindowedEngine(model, StreamConfig(scale_frames=3, window=4), **kwargs)
+        ChunkedEngine(model, StreamConfig(scale_frames=3, window=4), **kwargs)
 
 
 @pytest.mark.parametrize("case", ["flow_mixed", "interval"])
@@ -480,10 +480,10 @@ def test_contiguous_layout_gives_the_paged_results_across_windows(model, frames,
     """Window rollovers reset the dense cache (specials, slots, spare) as they do the paged one."""
     import dataclasses
 
-    config, window_frames, overlap, count = CASES[case]
+    config, chunk_frames, overlap, count = CASES[case]
     runs = {}
     for attention in ("sdpa", "dense"):
-        engine = WindowedEngine(model, dataclasses.replace(config, attention=attention), window_frames=window_frames,
+        engine = ChunkedEngine(model, dataclasses.replace(config, attention=attention), chunk_frames=chunk_frames,
                                 overlap=overlap)
         runs[attention] = (run_live(engine, frames[:count])[0], engine.stats()["rollovers"])
     (paged, paged_rollovers), (dense, dense_rollovers) = runs["sdpa"], runs["dense"]
@@ -498,11 +498,11 @@ def test_the_first_window_emits_the_models_own_outputs_and_later_ones_keep_its_q
     """pose_enc in a run is the model's where no alignment applies; an aligned window's quaternion
     keeps the norm the model gave it (issue 15)."""
     config = StreamConfig(scale_frames=3, window=4)
-    engine = WindowedEngine(model, config, window_frames=6, overlap=3)
+    engine = ChunkedEngine(model, config, chunk_frames=6, overlap=3)
     emitted = [p for frame in frames[:12] for p in engine.push(frame)] + engine.finish()
     plain = StreamingEngine(model, config)
     raw = [p for frame in frames[:6] for p in plain.push(frame)] + plain.finish()
-    first_window = [p for p in emitted if p.window_index == 0]
+    first_window = [p for p in emitted if p.chunk_index == 0]
     assert [p.frame_index for p in first_window] == list(range(6))
     for ours, reference in zip(first_window, raw, strict=True):
         for key in ("pose_enc", "c2w", "intrinsics", "depth", "depth_conf"):
@@ -510,16 +510,16 @@ def test_the_first_window_emits_the_models_own_outputs_and_later_ones_keep_its_q
     second = StreamingEngine(model, config)
     raw_second = {p.frame_index + 3: p for frame in frames[3:9] for p in second.push(frame)}
     raw_second.update({p.frame_index + 3: p for p in second.finish()})
-    for ours in (p for p in emitted if p.window_index == 1):
+    for ours in (p for p in emitted if p.chunk_index == 1):
         norm = np.linalg.norm(raw_second[ours.frame_index].pose_enc[3:7])
         assert abs(np.linalg.norm(ours.pose_enc[3:7]) - norm) <= 1e-6 * norm
 
 
-def run_live_marked(engine: WindowedEngine, frames: torch.Tensor):
-    """run_live, with each push's emissions as (frame_index, window_index, provisional)."""
+def run_live_marked(engine: ChunkedEngine, frames: torch.Tensor):
+    """run_live, with each push's emissions as (frame_index, chunk_index, provisional)."""
     final, per_push = {}, []
     for emitted in [engine.push(frame) for frame in frames] + [engine.finish()]:
-        per_push.append([(p.frame_index, p.window_index, p.provisional) for p in emitted])
+        per_push.append([(p.frame_index, p.chunk_index, p.provisional) for p in emitted])
         final.update({p.frame_index: p for p in emitted})
     return final, per_push
 
@@ -541,12 +541,12 @@ def check_beside_the_stream(with_spare, in_place) -> None:
             if provisional:  # before any final emission of the frame, from an earlier window than the final one
                 assert frame not in {f for p in pushes[:index + 1] for f, _, prov in p if not prov}
                 provisional_windows[frame] = window
-    assert all(window < final[frame].window_index for frame, window in provisional_windows.items())
+    assert all(window < final[frame].chunk_index for frame, window in provisional_windows.items())
     assert all(first_push[frame] <= first_push_in_place[frame] + 1 for frame in first_push_in_place)
     for index, ours in final.items():
         theirs = final_in_place[index]
         assert not ours.provisional
-        assert (ours.window_index, ours.frame_type) == (theirs.window_index, theirs.frame_type)
+        assert (ours.chunk_index, ours.frame_type) == (theirs.chunk_index, theirs.frame_type)
         for key in ("pose_enc", "c2w", "depth", "depth_conf"):
             np.testing.assert_array_equal(getattr(ours, key), getattr(theirs, key))
 
@@ -557,11 +557,11 @@ def test_a_spare_engine_beside_the_stream_ends_with_what_rollovers_in_place_emit
     close at a known frame, from the rollover for flow windows): the same final emissions in the same
     order and values as rollovers in place, a reset and a second stream too; provisional emissions of
     the closed window in between, each before the frame's final one."""
-    config, window_frames, overlap, count = CASES[case]
+    config, chunk_frames, overlap, count = CASES[case]
     count = min(len(frames), 3 * count)
     runs = {}
     for lookahead in (False, True):
-        engine = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap, lookahead=lookahead)
+        engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=lookahead)
         first = run_live_marked(engine, frames[:count])
         engine.reset()
         second = run_live_marked(engine, frames[1:count])
@@ -572,7 +572,7 @@ def test_a_spare_engine_beside_the_stream_ends_with_what_rollovers_in_place_emit
     assert stats_beside["rollovers"] == stats_in_place["rollovers"] >= 2
     assert stats_beside["rollovers_ahead"] >= 1 and stats_in_place["rollovers_ahead"] == 0
     assert stats_in_place["provisional_frames"] == 0
-    if window_frames - overlap - 1 > 0:  # room for provisional frames: the rollover's own frame at least
+    if chunk_frames - overlap - 1 > 0:  # room for provisional frames: the rollover's own frame at least
         assert stats_beside["provisional_frames"] >= 1
     for with_spare, without in zip(beside, in_place, strict=True):
         check_beside_the_stream(with_spare, without)
@@ -587,7 +587,7 @@ class SpareGate:
         push = StreamingEngine.push
 
         def gated_push(engine, *args, **kwargs):
-            if threading.current_thread().name.startswith("stream-recon-next-window"):
+            if threading.current_thread().name.startswith("stream-recon-next-chunk"):
                 assert self.open.wait(timeout=60), "the gate was never opened"
             return push(engine, *args, **kwargs)
 
@@ -598,25 +598,25 @@ def test_the_closed_window_predicts_new_frames_until_the_spare_has_caught_up(mod
     """A spare held back at a rollover: the stream goes on, each new frame predicted provisionally by
     the closed window (uncached, aligned as its own frames), until the spare is a frame behind; then
     the engines swap and the new window's emissions, the same as in place, follow."""
-    config, window_frames, overlap = StreamConfig(scale_frames=3, window=4), 10, 3
-    reference = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap, lookahead=False)
+    config, chunk_frames, overlap = StreamConfig(scale_frames=3, window=4), 10, 3
+    reference = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=False)
     in_place = run_live_marked(reference, frames[:16])
     gate = SpareGate(monkeypatch)
-    engine = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap, lookahead=True)
+    engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=True)
     pushes = [engine.push(frame) for frame in frames[:7]]  # frames 7, 8, 9 go to the spare as they come
-    engine._spare.wait_until(time.perf_counter() + 60)
+    engine._rollover.spare.wait_until(time.perf_counter() + 60)
     gate.open.clear()
     for frame in frames[7:13]:  # window 0 closes at frame 10 (10 frames); the spare holds window 1 from 7
         pushes.append(engine.push(frame))
     assert engine.stats()["provisional_frames"] == 3  # frames 10, 11, 12; the spare not a frame further
     provisional = [p for push in pushes[10:] for p in push if p.provisional]
-    assert [(p.frame_index, p.window_index) for p in provisional] == [(10, 0), (11, 0), (12, 0)]
+    assert [(p.frame_index, p.chunk_index) for p in provisional] == [(10, 0), (11, 0), (12, 0)]
     for prediction in provisional:
         assert prediction.frame_type == FRAME_NON_KEY and np.isfinite(prediction.depth).all()
     gate.open.set()
-    engine._spare.wait_until(time.perf_counter() + 60)
+    engine._rollover.spare.wait_until(time.perf_counter() + 60)
     pushes += [engine.push(frame) for frame in frames[13:16]] + [engine.finish()]
-    marked = [[(p.frame_index, p.window_index, p.provisional) for p in push] for push in pushes]
+    marked = [[(p.frame_index, p.chunk_index, p.provisional) for p in push] for push in pushes]
     final = {p.frame_index: p for push in pushes for p in push}
     check_beside_the_stream((final, marked), in_place)
     assert engine.stats()["provisional_frames"] == 3  # the spare had caught up at frame 13
@@ -625,30 +625,30 @@ def test_the_closed_window_predicts_new_frames_until_the_spare_has_caught_up(mod
 
 
 def test_a_closed_window_predicts_at_most_its_room_and_the_stream_then_waits(model, frames, monkeypatch):
-    config, window_frames, overlap = StreamConfig(scale_frames=3, window=4), 8, 3  # room: 8 - 3 - 1 frames
-    reference = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap, lookahead=False)
+    config, chunk_frames, overlap = StreamConfig(scale_frames=3, window=4), 8, 3  # room: 8 - 3 - 1 frames
+    reference = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=False)
     in_place = run_live_marked(reference, frames[:16])
     gate = SpareGate(monkeypatch)
-    engine = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap, lookahead=True)
+    engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=True)
     pushes = [engine.push(frame) for frame in frames[:5]]
-    engine._spare.wait_until(time.perf_counter() + 60)
+    engine._rollover.spare.wait_until(time.perf_counter() + 60)
     gate.open.clear()
     pushes += [engine.push(frame) for frame in frames[5:13]]  # window 0 closes at frame 8
     assert engine.stats()["provisional_frames"] == 4  # frames 8-11; frame 12 went to the spare alone
     threading.Timer(0.2, gate.open.set).start()  # the next push waits for the spare
     pushes += [engine.push(frame) for frame in frames[13:16]] + [engine.finish()]
-    marked = [[(p.frame_index, p.window_index, p.provisional) for p in push] for push in pushes]
+    marked = [[(p.frame_index, p.chunk_index, p.provisional) for p in push] for push in pushes]
     check_beside_the_stream(({p.frame_index: p for push in pushes for p in push}, marked), in_place)
     engine.close()
 
 
 def test_a_stream_that_ends_during_the_lookahead_leaves_the_next_stream_clean(model, frames):
-    config, window_frames, overlap, _ = CASES["all"]
-    engine = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap, lookahead=True)
+    config, chunk_frames, overlap, _ = CASES["all"]
+    engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=True)
     run_live(engine, frames[:5])  # window 0 is 0-5; the spare took frame 3 and 4 for window 1
     engine.reset()
     second = run_live_marked(engine, frames[:12])
-    reference = WindowedEngine(model, config, window_frames=window_frames, overlap=overlap, lookahead=False)
+    reference = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=False)
     check_beside_the_stream(second, run_live_marked(reference, frames[:12]))
     engine.close()
 

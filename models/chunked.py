@@ -1,0 +1,362 @@
+"""Chunked streaming for streams of unknown length (spec MODEL.md §14).
+
+The model was trained on up to 320 views and its temporal RoPE table stops at 1024 positions, so an
+unbounded stream is cut into chunks, each an independent stream with a fresh cache (models/chunks.py
+says how their predictions land in one world frame).
+
+Chunks and emissions for 14 frames, scale_frames=3, chunk_frames=6, overlap=3, keyframes all::
+
+    frame      0  1  2  3  4  5  6  7  8  9 10 11 12 13
+    chunk 0    S  S  S  K  K  K
+    chunk 1             S  S  S  K  K  K
+    chunk 2                      S  S  S  K  K  K
+    chunk 3                               S  S  S  K  K
+
+Every frame is emitted when it is first predicted, already in chunk 0's frame. A chunk n > 0 holds
+back its predictions of the shared frames until it has predicted all of them (its transform needs
+them); with overlap >= scale_frames that happens inside the `push` of the frame that opened the
+chunk, which then returns the re-predicted shared frames followed by the new one. With a spare
+engine (models/rollover.py), the stream does not wait: until the spare has caught up, the closed
+chunk predicts each new frame once more without caching it and emits it (`provisional`), and the
+spare's predictions follow a few pushes later, the same final emissions in the same order as in
+place. The last emission of every frame_index is the reference's stitched result: the shared frames
+come from the later chunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import deque
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from .chunks import TRAINED_VIEWS, ChunkAlignment
+from .engine import StreamConfig, StreamingEngine
+from .gct import GCTStream
+from .lookahead import SpareEngine
+from .memory import estimate_memory, gib
+from .prediction import FramePrediction
+from .rollover import MAX_PROVISIONAL, Phase, Rollover
+
+logger = logging.getLogger("stream_recon.models.chunked")
+
+
+class ChunkedEngine:
+    """A StreamingEngine that rolls over to a new chunk before the cache outgrows the model.
+
+    A chunk holds up to `chunk_frames` cached frames (scale frames + keyframes): with
+    `keyframes="interval:K"` it spans scale + (chunk_frames - scale) * K input frames; with
+    `"flow"` it closes after its (chunk_frames - scale)-th keyframe. The next chunk starts
+    `overlap` input frames back, which are kept in a ring (never the stream).
+    Same interface as StreamingEngine; predictions carry `chunk_index`, and a frame predicted by
+    two chunks is emitted twice (the later emission is final).
+
+    `lookahead`: predict the next chunk on a spare engine beside the stream (models/rollover.py),
+    so that a rollover does not stop it. None: where it helps and fits (a CUDA device, steps replayed
+    as graphs, room for a second engine); True: also elsewhere (no gain on a CPU; for tests); False:
+    never. The last emission of every frame, and the order of the final ones, are the same either way.
+    """
+
+    def __init__(self, model: GCTStream, config: StreamConfig | None = None, *, chunk_frames: int = TRAINED_VIEWS,
+                 overlap: int = 16, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+                 lookahead: bool | None = None):
+        self.config = config or StreamConfig()
+        check_chunking(chunk_frames, overlap, self.config.scale_frames, model.config.max_frames)
+        self.chunk_frames = chunk_frames
+        self.overlap = overlap
+        policy = self.config.policy
+        self.closes_on_keyframes = policy.kind == "flow"  # a chunk's end is known only when it comes
+        interval = policy.interval if policy.kind == "interval" else 1
+        # Input frames per chunk when keyframes follow a fixed rule (unused for flow).
+        self.chunk_length = self.config.scale_frames + (chunk_frames - self.config.scale_frames) * interval
+        # A chunk's cache holds its cached frames and one pending frame: the dense cache allocates
+        # for that many (not the model's whole temporal range), which the memory plan counts.
+        cached = min(chunk_frames + 1, model.config.max_frames)
+        self.engine = StreamingEngine(model, replace(self.config, max_cached_frames=cached), device=device,
+                                      dtype=dtype)
+        self.model, self.device = self.engine.model, self.engine.device
+        self.lookahead = lookahead
+        self._rollover: Rollover | None = None  # the spare engine and the rollover's phases, once started
+        self._warmup: list[tuple[torch.Tensor, float]] = []  # the first frames, to warm a spare on
+        # Frames a closed chunk may predict while the next catches up. Its cache has room for one
+        # uncached frame unless the chunk spans the model's whole temporal range; and the new chunk
+        # must not be able to fill up before it takes over (overlap + these + 1 frames < chunk_frames).
+        room = chunk_frames - overlap - 1 if chunk_frames < model.config.max_frames else 0
+        self._provisional_room = max(0, min(MAX_PROVISIONAL, room))
+        # The shared frames and the one a rollover hands the spare (with a spare: and those it may be
+        # behind, so that a failed spare can be replaced by a rollover in place).
+        self._replay: deque[tuple[torch.Tensor, float]] = deque(maxlen=overlap + 1)
+        self.alignment = ChunkAlignment(overlap)
+        self.reset()
+
+    # -- public ----------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Start a new stream: chunk 0, empty caches, no transforms."""
+        self.engine.reset()
+        if self._rollover is not None:
+            self._rollover.reset()
+        self.alignment.reset()
+        self.num_frames = 0
+        self.rollovers = 0
+        self.rollovers_ahead = 0  # of them, those whose next chunk the spare predicted
+        self.provisional_frames = 0  # frames predicted by a closed chunk while the next caught up
+        self._outbox: list[FramePrediction] = []  # computed but not yet returned (a push that raised)
+        self._replay.clear()
+
+    def push(self, image: torch.Tensor | np.ndarray, timestamp: float | None = None) -> list[FramePrediction]:
+        """Add frame [3, H, W]; returns the predictions emitted by it, oldest chunk first."""
+        started = time.perf_counter()
+        timestamp = float(self.num_frames) if timestamp is None else float(timestamp)
+        self.engine.check_frame(image)  # a bad frame is refused before it changes anything
+        frame = (torch.as_tensor(image).detach().clone(), timestamp)
+        with self._on_main_stream():
+            if self._phase is Phase.SWITCH_PENDING:
+                self._switch_to_spare()
+            if self._chunk_is_full():
+                self._roll_over()
+            self._predict(frame)
+            self._replay.append(frame)
+            self._look_ahead(frame)
+            if self._rollover is not None:
+                self._outbox += self._rollover.take_ready(self.num_frames)
+            self.num_frames += 1
+            if self._rollover is not None:
+                self._rollover.pace(started)
+        emitted, self._outbox = self._outbox, []
+        return emitted
+
+    def finish(self) -> list[FramePrediction]:
+        """End of stream: predict what the current chunk still buffers. Call reset() to start again."""
+        with self._on_main_stream():
+            if self._phase is Phase.CATCHING_UP:
+                self._outbox += self._rollover.stop_provisional(self.engine)
+            if self._phase is Phase.SWITCH_PENDING:
+                self._switch_to_spare()
+            self._outbox += self.alignment.receive(self.engine.finish())
+            if self._phase is Phase.AHEAD:  # the stream ended before the chunk it was for
+                self._rollover.drop_ahead()
+        emitted, self._outbox = self._outbox, []
+        return emitted
+
+    def close(self) -> None:
+        """Stop the spare engine's worker thread (when there is one)."""
+        if self._rollover is not None:
+            self._rollover.close()
+
+    def stats(self) -> dict:
+        stats = self.engine.stats()
+        stats.update(
+            frames=self.num_frames,
+            chunk_index=self.alignment.index,
+            chunk_start=self.alignment.start,
+            rollovers=self.rollovers,
+            rollovers_ahead=self.rollovers_ahead,
+            provisional_frames=self.provisional_frames,
+            replay_frames=len(self._replay),
+            lookahead=self._rollover is not None,
+            rollover_phase=self._phase.value,
+        )
+        if self._rollover is not None:  # read only: the spare's worker may be stepping it
+            stats["cache_bytes"] += self._rollover.spare.engine.cache_bytes
+        return stats
+
+    @property
+    def on_backend_ready(self):
+        """Called with the attention backend's name once the first frame sets the caches up."""
+        return self.engine.on_backend_ready
+
+    @on_backend_ready.setter
+    def on_backend_ready(self, callback) -> None:
+        self.engine.on_backend_ready = callback
+
+    @property
+    def on_memory_plan(self):
+        """Called with the MemoryPlan (StreamConfig.gpu_memory) before the first frame is stepped."""
+        return self.engine.on_memory_plan
+
+    @on_memory_plan.setter
+    def on_memory_plan(self, callback) -> None:
+        self.engine.on_memory_plan = callback
+
+    @property
+    def memory_plan(self):
+        """The plan made for StreamConfig.gpu_memory (None before the first frame or without a budget)."""
+        return self.engine.memory_plan  # a spare engine carries the same plan
+
+    @property
+    def chunk_scales(self) -> np.ndarray:
+        """[n_chunks] scale of each chunk's transform into chunk 0 (the reference's name)."""
+        return np.array([transform.scale for transform in self.alignment.transforms])
+
+    @property
+    def chunk_transforms(self) -> np.ndarray:
+        """[n_chunks, 4, 4] [R | t] of each chunk's transform into chunk 0; with `chunk_scales` it maps
+        x -> s R x + t (the reference's name and layout)."""
+        return np.stack([transform.matrix for transform in self.alignment.transforms])
+
+    # -- chunks ----------------------------------------------------------------------------
+    @property
+    def _phase(self) -> Phase:
+        return Phase.STEADY if self._rollover is None else self._rollover.phase
+
+    def _predict(self, frame: tuple[torch.Tensor, float]) -> None:
+        """The frame to whichever engine takes it in this phase."""
+        phase = self._phase
+        if phase is Phase.CATCHING_UP:
+            self._outbox += self._rollover.push_beside(self.engine, frame)
+            self.provisional_frames += self._phase is Phase.CATCHING_UP  # (else it went to the spare alone)
+        elif phase is Phase.SWITCH_PENDING:  # the spare is a frame behind at most: it takes this one alone
+            self._rollover.spare.push(*frame)
+        else:
+            self._outbox += self.alignment.receive(self.engine.push(*frame))
+
+    def _chunk_is_full(self) -> bool:
+        if self._phase is Phase.CATCHING_UP:  # the closed chunk is; the next (on the spare) cannot be yet
+            return False
+        if self.closes_on_keyframes:
+            if self.engine.num_keyframes + 1 >= self.chunk_frames:
+                # A pipelined engine may still hold the last frame's decision: the chunk closes
+                # where the reference closes it, so make that decision now (once per chunk).
+                self.engine.settle()
+            return self.engine.num_keyframes >= self.chunk_frames
+        return self.num_frames - self.alignment.start >= self.chunk_length
+
+    def _roll_over(self) -> None:
+        """Close the current chunk and open the next one on its last frames.
+
+        In place, the new chunk predicts the shared frames now. With a spare, the spare holds them
+        (taken ahead, or handed over now), the closed chunk predicts this frame provisionally, and
+        the spare takes over once it has caught up (models/rollover.py).
+        """
+        closed_cached = self.engine.num_keyframes
+        # The closing chunk's last frame may still be in flight (pipelined streaming): it belongs
+        # to this chunk's emissions and to the tail the next chunk is aligned on.
+        self._outbox += self.alignment.receive(self.engine.finish())
+        closed = self.alignment.closed()
+        shared = self.overlap
+        if self.closes_on_keyframes:
+            # The reference never restarts inside the closing chunk's scale frames.
+            shared = min(shared, self.num_frames - closed.start - self.config.scale_frames)
+        first_shared = self.num_frames - shared
+        self.alignment.open_next(first_shared, shared)
+        self.rollovers += 1
+        beside = self._rollover is not None
+        if beside:
+            self._rollover.begin(closed, first_shared, list(self._replay)[len(self._replay) - shared:])
+        else:
+            self.engine.reset()
+        logger.info(
+            "chunk rollover: chunk %d closed after frames %d-%d (%d cached); chunk %d starts at frame %d "
+            "and re-predicts %d frames%s",
+            closed.index, closed.start, self.num_frames - 1, closed_cached, self.alignment.index,
+            first_shared, shared, " (on the spare engine)" if beside else "",
+        )
+        if not beside:
+            self._replay_in_place()
+
+    def _replay_in_place(self) -> None:
+        """The current chunk's frames so far, through its engine (freshly reset)."""
+        frames = list(self._replay)[len(self._replay) - (self.num_frames - self.alignment.start):]
+        for image, timestamp in frames:
+            self._outbox += self.alignment.receive(self.engine.push(image, timestamp))
+
+    # -- the next chunk, on the spare --------------------------------------------------------
+    def _look_ahead(self, frame: tuple[torch.Tensor, float]) -> None:
+        """After frame `num_frames` went to the current chunk: warm a spare on the stream's first
+        frames (once), and, when chunks close at a known frame, hand the spare each frame the next
+        chunk will share as it comes."""
+        if self.lookahead is False or self._phase in (Phase.CATCHING_UP, Phase.SWITCH_PENDING):
+            return  # (a chunk this short that the next lookahead would start now gets it at its rollover)
+        index = self.num_frames
+        if self._rollover is None:
+            warm_frames = self.config.scale_frames + 1  # the scale step and a recorded streaming step
+            if index < warm_frames:
+                self._warmup.append(frame)
+            if index == warm_frames - 1:
+                if self._wants_spare():
+                    self._start_spare()
+                self._warmup = []
+            return
+        if not self.closes_on_keyframes:  # a flow chunk's end is known when it comes: the spare takes its frames then
+            self._rollover.take_ahead(index, frame, self.alignment.start + self.chunk_length - self.overlap)
+
+    def _start_spare(self) -> None:
+        spare = SpareEngine(StreamingEngine(self.model, replace(self.engine.config, gpu_memory=None),
+                                            device=self.device, dtype=self.engine.dtype))
+        spare.engine.memory_plan = self.engine.memory_plan
+        spare.warm(self._warmup)
+        self._rollover = Rollover(spare, self.alignment, self._provisional_room)
+        self._replay = deque(self._replay, maxlen=self.overlap + 1 + self._provisional_room)
+
+    def _switch_to_spare(self) -> None:
+        """The spare's predictions of the new chunk so far, and its engine as the current one. If the
+        spare failed, the rollover happens in place instead, and later ones too."""
+        try:
+            self.engine, received = self._rollover.switch(self.engine)
+        except Exception as error:  # e.g. out of memory on the worker: go on without a spare
+            logger.warning("the next chunk's lookahead failed (%s: %s); rollovers now pause the stream",
+                           type(error).__name__, error)
+            self._rollover.close()
+            self._rollover = None
+            self.lookahead = False
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.alignment.forget()
+            self.engine.reset()
+            self._replay_in_place()
+            return
+        self.rollovers_ahead += 1
+        self._outbox += received
+
+    def _on_main_stream(self):
+        """The stream's device work, once there is a spare, on a CUDA stream of higher priority."""
+        return contextlib.nullcontext() if self._rollover is None else self._rollover.on_main_stream()
+
+    def _wants_spare(self) -> bool:
+        """Whether to run a spare engine: as asked, or (auto) on CUDA, with steps replayed as graphs,
+        when a second engine fits beside the first (in the budget, or in the free device memory)."""
+        if self.lookahead is not None or self.device.type != "cuda":
+            return bool(self.lookahead)
+        engine = self.engine
+        if not engine.runner.records:  # steps launched op by op: a spare would contend for the interpreter
+            logger.info("next chunk ahead of rollovers: off (steps are not replayed as CUDA graphs)")
+            return False
+        estimate = estimate_memory(self.model, engine.config, engine.image_size)
+        needed = estimate.another_engine
+        if engine.config.gpu_memory is not None:
+            room = engine.config.gpu_memory - engine.memory_plan.estimate.total
+        else:  # free on the device, and what the allocator holds unused; minus a margin for the rest
+            free, _ = torch.cuda.mem_get_info(self.device)
+            unused = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            room = free + unused - estimate.workspace
+        fits = needed <= room
+        logger.info("next chunk ahead of rollovers: %s (a second engine's cache, graphs and activations: %s; "
+                    "room %s)",
+                    "on" if fits else "off, rollovers pause the stream", gib(needed), gib(max(room, 0)))
+        return fits
+
+
+def check_chunking(chunk_frames: int, overlap: int, scale_frames: int, max_frames: int) -> None:
+    """Refuse chunk settings the model cannot stream (ValueError, naming the settings)."""
+    if chunk_frames <= scale_frames:
+        raise ValueError(
+            f"chunk_frames={chunk_frames} must be larger than scale_frames={scale_frames}: a chunk needs "
+            "room for at least one streaming keyframe"
+        )
+    if chunk_frames > max_frames:
+        raise ValueError(
+            f"chunk_frames={chunk_frames} exceeds the model's temporal RoPE table "
+            f"({max_frames} positions); use at most {TRAINED_VIEWS}, the trained range"
+        )
+    if not 1 <= overlap < chunk_frames:
+        raise ValueError(
+            f"overlap={overlap} must be between 1 and chunk_frames - 1 = {chunk_frames - 1}: chunks are "
+            "aligned on the frames they share"
+        )
+    if chunk_frames > TRAINED_VIEWS:
+        logger.warning("chunk_frames=%d is beyond the %d views the model was trained with; quality may degrade",
+                       chunk_frames, TRAINED_VIEWS)

@@ -1,0 +1,253 @@
+"""The rollover to the next chunk beside the stream: its phases, and the one object that owns them.
+
+At a rollover the next chunk predicts its shared frames again: one scale step over the first
+`scale_frames`, then one step per remaining frame, about 16 frames and 180 ms of GPU work at the
+defaults. Done in place, that stops the stream for a quarter of a second or more. With a spare
+engine (models/lookahead.py) the work happens beside the stream instead, in four phases:
+
+    STEADY ──(chunk end known: its shared frames begin)──▶ AHEAD
+      │  ▲                                                  │
+      │  └────────(the stream ended, or the chunk closed    │
+      │            elsewhere than expected: dropped)────────┤
+      │                                                     │ rollover
+      └──(rollover: the spare takes the shared frames now)──┤
+                                                            ▼
+                        CATCHING_UP ──(spare a frame behind, or no room left)──▶ SWITCH_PENDING
+                        (skipped when the closed chunk has no provisional room)        │
+                                                                                       │ next push
+    STEADY ◀──────────────(engines swapped; or the spare failed: rollover in place)───┘
+
+Every transition goes through `Rollover._enter`, which refuses any other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from .chunks import AlignedFrame, ChunkAlignment, ClosedChunk
+from .engine import StreamingEngine
+from .lookahead import SpareEngine
+from .prediction import FramePrediction
+
+logger = logging.getLogger("stream_recon.models.rollover")
+
+# While the spare has work for the next chunk, a push of the stream lasts up to PACE times its usual
+# push: the spare has the device alone for the rest. 1.5 left the spare too little device time (46
+# provisional frames at a flow rollover on the H100, docs/PERFORMANCE.md); 1.6 keeps it a frame behind.
+PACE = 1.6
+# The stream's CUDA stream, once there is a spare (whose stream has the default priority, 0): lower
+# numbers are more urgent.
+MAIN_STREAM_PRIORITY = -1
+# The most frames a closed chunk predicts provisionally while the next one catches up; then the
+# stream waits for the spare.
+MAX_PROVISIONAL = 48
+
+
+class Phase(enum.Enum):
+    """Where the rollover to the next chunk stands.
+
+    STEADY: the current chunk predicts every frame; the spare is idle and empty, nothing closed.
+    AHEAD: the current chunk predicts every frame, and the spare has also taken every frame since
+        `ahead_from`, the first frame the next chunk will share (chunks that close at a known frame).
+    CATCHING_UP: the current chunk is closed (`closed`); the spare holds the next chunk and is more
+        than a frame behind; the closed chunk predicts each new frame provisionally, uncached, so the
+        stream need not wait, and the spare takes it too.
+    SWITCH_PENDING: the closed chunk has stopped predicting; the spare is at most a frame behind and
+        takes frames alone; at the next push or at the end it becomes the current engine.
+    """
+
+    STEADY = "steady"
+    AHEAD = "ahead"
+    CATCHING_UP = "catching up"
+    SWITCH_PENDING = "switch pending"
+
+
+_TRANSITIONS = {
+    Phase.STEADY: {Phase.AHEAD, Phase.CATCHING_UP, Phase.SWITCH_PENDING},
+    Phase.AHEAD: {Phase.STEADY, Phase.CATCHING_UP, Phase.SWITCH_PENDING},
+    Phase.CATCHING_UP: {Phase.SWITCH_PENDING},
+    Phase.SWITCH_PENDING: {Phase.STEADY},
+}
+
+
+class Rollover:
+    """The spare engine and the phases of a rollover beside the stream (module docstring).
+
+    It holds what only exists between a chunk's shared frames and the switch: the spare's predictions
+    taken but not yet received (`ready`), the closed chunk, how many frames it predicted
+    provisionally; and the pacing that gives the spare device time. The chunk bookkeeping is the
+    ChunkAlignment it shares with ChunkedEngine; the current engine is handed in where it is needed.
+    """
+
+    def __init__(self, spare: SpareEngine, alignment: ChunkAlignment, provisional_room: int):
+        self.spare = spare
+        self.alignment = alignment
+        self.provisional_room = provisional_room  # frames a closed chunk may predict while the next catches up
+        device = spare.engine.device
+        # The stream's device work on a CUDA stream of higher priority than the spare's.
+        self.main_stream = torch.cuda.Stream(device, priority=MAIN_STREAM_PRIORITY) if device.type == "cuda" else None
+        self._push_seconds: deque[float] = deque(maxlen=32)  # the stream's own pushes, for pacing
+        self._clear()
+
+    def reset(self) -> None:
+        """STEADY, the spare empty (what it was given is dropped), the counters at zero."""
+        self.spare.discard()
+        self._clear()
+
+    def _clear(self) -> None:
+        self.phase = Phase.STEADY
+        self.ahead_from: int | None = None
+        self.closed: ClosedChunk | None = None
+        self.provisional_count = 0  # frames the closed chunk predicted since its rollover
+        self.ready: list[FramePrediction] = []  # the spare's predictions, taken before they are received
+
+    def _enter(self, phase: Phase) -> None:
+        if phase not in _TRANSITIONS[self.phase]:
+            raise RuntimeError(f"rollover: no transition from {self.phase.value} to {phase.value}")
+        self.phase = phase
+
+    @property
+    def spare_has_work(self) -> bool:
+        """The spare predicts the next chunk (the stream is paced)."""
+        return self.phase is not Phase.STEADY
+
+    # -- STEADY / AHEAD ----------------------------------------------------------------------
+    def take_ahead(self, index: int, frame: tuple[torch.Tensor, float], first_shared: int) -> None:
+        """Frame `index` went to the current chunk, whose shared frames begin at `first_shared`: from
+        there on the spare takes each frame too."""
+        if self.phase is Phase.STEADY and index == first_shared:
+            self._enter(Phase.AHEAD)
+            self.ahead_from = index
+        if self.phase is Phase.AHEAD:
+            self.spare.push(*frame)
+
+    def drop_ahead(self) -> None:
+        """AHEAD -> STEADY: forget what the spare took for a chunk that does not come as it expected."""
+        self.spare.discard()
+        self._enter(Phase.STEADY)
+        self.ahead_from = None
+        self.ready, self.alignment.early_ratios = [], {}
+
+    # -- the rollover --------------------------------------------------------------------------
+    def begin(self, closed: ClosedChunk, first_shared: int, replay: list[tuple[torch.Tensor, float]]) -> None:
+        """At a rollover: the spare holds the next chunk's shared frames from stream index
+        `first_shared`, taken ahead or handed over now (`replay`: the last frames of the stream, those
+        among them); the closed chunk predicts new frames until the spare has caught up."""
+        if self.phase is Phase.AHEAD and self.ahead_from != first_shared:
+            self.drop_ahead()
+        if self.phase is Phase.STEADY:
+            for frame in replay:
+                self.spare.push(*frame)
+        self.ahead_from = None
+        self.closed, self.provisional_count = closed, 0
+        # Without room for provisional frames the spare takes over at the next call.
+        self._enter(Phase.CATCHING_UP if self.provisional_room > 0 else Phase.SWITCH_PENDING)
+
+    def push_beside(self, engine: StreamingEngine, frame: tuple[torch.Tensor, float]) -> list[FramePrediction]:
+        """CATCHING_UP: the spare takes the frame, and the closed chunk (`engine`) predicts it now,
+        uncached. Once the spare is a frame behind (or the closed chunk may go on no longer) the spare
+        takes the frames alone (SWITCH_PENDING), and over at the next push."""
+        if self.provisional_count and (self.spare.backlog <= 1 or self.provisional_count >= self.provisional_room):
+            emitted = self.stop_provisional(engine)
+            self.spare.push(*frame)
+            return emitted
+        self.spare.push(*frame)
+        emitted = self.alignment.provisional(self.closed, engine.push(*frame, cached=False))
+        self.provisional_count += 1
+        return emitted
+
+    def stop_provisional(self, engine: StreamingEngine) -> list[FramePrediction]:
+        """CATCHING_UP -> SWITCH_PENDING: the closed chunk's last provisional prediction."""
+        emitted = self.alignment.provisional(self.closed, engine.finish())
+        self._enter(Phase.SWITCH_PENDING)
+        return emitted
+
+    def take_ready(self, num_frames: int) -> list[FramePrediction]:
+        """Take what the spare has predicted so far (never waiting). AHEAD: keep it (its depth ratios are
+        made while the stream is paced). After the rollover (from the push after the one that closed
+        the chunk): the emissions, once the transform's ratios are made."""
+        alignment = self.alignment
+        if self.phase is Phase.AHEAD:
+            self.ready += self.spare.take_ready()
+        elif self.closed is not None and num_frames > alignment.start + alignment.num_shared:
+            self.ready += self.spare.take_ready()
+            if alignment.transform is None:
+                if len(self.ready) < alignment.num_shared or alignment.make_ratios(*self._ratios_to_make(), limit=0):
+                    return []  # the transform waits for its ratios, made while the stream is paced
+            taken, self.ready = self.ready, []
+            return alignment.receive(taken)
+        return []
+
+    def switch(self, engine: StreamingEngine) -> tuple[StreamingEngine, list[FramePrediction]]:
+        """SWITCH_PENDING -> STEADY: the spare's engine becomes the current one (`engine`, reset,
+        the next spare) and its predictions of the next chunk so far are received. Raises what the
+        spare raised, in STEADY with the spare emptied: the caller then rolls over in place."""
+        self.closed = None
+        self._enter(Phase.STEADY)
+        try:
+            # The spare's last frames are still on the GPU: make the ratios left while waiting for the next.
+            while (taken := self.spare.take_next()) is not None:
+                self.ready += taken
+                if self.alignment.transform is None:
+                    self.alignment.make_ratios(self.ready, self.alignment.start, self.alignment.previous_tail)
+            predictions, self.ready = self.ready + self.spare.collect(), []
+        except Exception:
+            self.ready, self.alignment.early_ratios = [], {}
+            raise
+        opened = self.spare.swap(engine)
+        return opened, self.alignment.receive(predictions)
+
+    # -- pacing ----------------------------------------------------------------------------------
+    def _ratios_to_make(self) -> tuple[list[FramePrediction], int, Iterable[AlignedFrame]] | None:
+        """The spare's predictions whose depth ratios the next transform needs, the stream index of their
+        chunk's first frame and the frames they pair with; None when no transform waits for any."""
+        alignment = self.alignment
+        if self.phase is Phase.AHEAD:
+            return self.ready, self.ahead_from, alignment.tail
+        if self.closed is not None and alignment.transform is None:
+            return self.ready, alignment.start, alignment.previous_tail
+        return None
+
+    def pace(self, started: float) -> None:
+        """While the spare has work for the next chunk, hold the stream until PACE times its usual push
+        has passed since this one `started` (or the spare is done): the spare then has the device
+        alone for a while after each frame, and the stream's thread makes the depth ratios the next
+        transform needs meanwhile. Otherwise, note how long the push took."""
+        elapsed = time.perf_counter() - started
+        if not self.spare_has_work:
+            self._push_seconds.append(elapsed)
+        elif self._push_seconds:
+            deadline = started + PACE * float(np.median(self._push_seconds))
+            to_make = self._ratios_to_make()  # host work that waits for the transform, done in the meantime
+            while to_make is not None and time.perf_counter() < deadline and self.alignment.make_ratios(*to_make,
+                                                                                                      limit=1):
+                pass
+            self.spare.wait_until(deadline)
+
+    @contextlib.contextmanager
+    def on_main_stream(self) -> Iterator[None]:
+        """The stream's device work on a CUDA stream of higher priority than the spare's: the spare gets
+        what the stream leaves of the GPU instead of slowing it down."""
+        stream = self.main_stream
+        if stream is None:
+            yield
+            return
+        device = self.spare.engine.device
+        caller = torch.cuda.current_stream(device)
+        stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            caller.wait_stream(stream)
+
+    def close(self) -> None:
+        self.spare.close()
