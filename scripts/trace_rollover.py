@@ -47,7 +47,7 @@ def timed(owner, name: str, label: str | None = None, device: bool = False) -> N
         thread = threading.current_thread().name
         what = label or name
         if name == "_estimate_transform":  # how many shared frames had their ratios made beforehand
-            what = f"{what} ({len(args[0]._early_ratios)} of {len(args[1])} ratios ahead)"
+            what = f"{what} ({len(args[0].early_ratios)} of {len(args[1])} ratios ahead)"
         if name == "_roll_over":
             ROLLOVERS.append(time.perf_counter())
         if device and CUDA:
