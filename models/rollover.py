@@ -98,7 +98,7 @@ class Rollover:
         self._clear()
 
     def reset(self) -> None:
-        """STEADY, the spare empty (what it was given is dropped), the counters at zero."""
+        """STEADY, the spare empty (what it was given is dropped), nothing closed or taken ahead."""
         self.spare.discard()
         self._clear()
 

@@ -680,3 +680,63 @@ def test_a_spare_hands_over_its_predictions_in_order(model, frames):
     for ours, theirs in zip(taken, expected, strict=True):
         assert ours.timestamp == theirs.timestamp
         np.testing.assert_array_equal(ours.depth, theirs.depth)
+
+
+def rollover_invariants_hold(rollover) -> bool:
+    """Each phase's invariants (models/rollover.py, Phase's docstring), read off the Rollover."""
+    from stream_recon.models.rollover import Phase
+
+    phase = rollover.phase
+    if phase is Phase.STEADY:
+        return rollover.closed is None and rollover.ahead_from is None and not rollover.ready
+    if phase is Phase.AHEAD:
+        return rollover.closed is None and rollover.ahead_from is not None
+    # CATCHING_UP and SWITCH_PENDING: a closed chunk, nothing taken ahead for another one
+    return rollover.closed is not None and rollover.ahead_from is None
+
+
+PHASE_CASES = {  # chunks long enough that the spare, warmed on the first frames, can work ahead
+    "all": (StreamConfig(scale_frames=3, window=4), 10, 3, 16),
+    "interval": CASES["interval"],
+    "flow_mixed": CASES["flow_mixed"],
+}
+
+
+@pytest.mark.parametrize("case", list(PHASE_CASES))
+def test_every_push_leaves_the_rollover_in_a_phase_whose_invariants_hold(model, frames, case):
+    from stream_recon.models.rollover import Phase
+
+    config, chunk_frames, overlap, count = PHASE_CASES[case]
+    engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=True)
+    seen = set()
+    try:
+        for frame in frames[:count]:
+            engine.push(frame)
+            if engine._rollover is not None:
+                assert rollover_invariants_hold(engine._rollover), engine._rollover.phase
+                seen.add(engine._rollover.phase)
+                assert engine.stats()["rollover_phase"] == engine._rollover.phase.value
+        engine.finish()
+        assert engine._rollover.phase is Phase.STEADY and rollover_invariants_hold(engine._rollover)
+    finally:
+        engine.close()
+    # keyframes all/interval close at a known frame: the spare works ahead; flow only from the rollover
+    assert (Phase.AHEAD in seen) == (case != "flow_mixed")
+    assert Phase.SWITCH_PENDING in seen or Phase.CATCHING_UP in seen
+
+
+def test_a_transition_outside_the_table_is_refused(model):
+    from stream_recon.models.chunks import ChunkAlignment
+    from stream_recon.models.lookahead import SpareEngine
+    from stream_recon.models.rollover import Phase, Rollover
+
+    rollover = Rollover(SpareEngine(StreamingEngine(model, StreamConfig(scale_frames=3, window=4))),
+                        ChunkAlignment(overlap=3), provisional_room=2)
+    try:
+        with pytest.raises(RuntimeError, match="no transition from steady to steady"):
+            rollover._enter(Phase.STEADY)
+        rollover._enter(Phase.CATCHING_UP)
+        with pytest.raises(RuntimeError, match="from catching up to ahead"):
+            rollover._enter(Phase.AHEAD)
+    finally:
+        rollover.close()
