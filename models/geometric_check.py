@@ -80,11 +80,13 @@ class GeometricCheckConfig:
     ransac_threshold_px: float = 1.0  # epipolar distance; SIFT on 518 x 294 frames locates to ~0.5 px
     ransac_confidence: float = 0.999
     ransac_max_iterations: int = 2000
-    # Passing: on the fixture, no pair of non-overlapping views reached more than 11 essential-matrix
-    # inliers (13 fundamental), the loop's strongest pairs 44-93; 20 sits between them.
+    # Passing (scripts/loop_check_survey.py): of the fixture's 733 non-overlapping pairs two chunks
+    # apart, none reached more than 10 essential-matrix inliers (12 fundamental); its 27 overlapping
+    # pairs have a median of 24 (25), the loop's best 88 (89). 20 lies between: 15 (17) of them pass.
     min_inliers: int = 20
-    # The fixture's overlapping pairs kept >= 37% of their matches as inliers; a pair whose matches
-    # are mostly repeated texture that a loose model half-fits stays below 30%.
+    # Not what separates the fixture's pairs (with >= 10 inliers, both kinds kept >= 45% of their
+    # matches): it stops a pair with many matches of which a minority agree (repeated texture) from
+    # passing on its count alone.
     min_inlier_ratio: float = 0.3
     seed: int = 0  # RANSAC's random state: the same pair always gives the same answer
 
