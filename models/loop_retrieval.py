@@ -67,8 +67,9 @@ def gradient_grid_descriptor(image: np.ndarray) -> np.ndarray:
     The image is resized to 128 x 72 and its Sobel gradients binned into 8 unsigned orientations per
     cell of a 4 x 4 grid, weighted by magnitude. Square-rooting the histograms (as RootSIFT) keeps a
     few strong edges from dominating; subtracting the vector's mean before L2 normalisation makes the
-    cosine a correlation, so two unrelated views score near 0 instead of the ~0.9 that any two
-    non-negative histograms share. A frame without gradients (flat) gives the zero vector.
+    cosine a correlation, spread over [-1, 1] instead of crowded near 1 as any two non-negative
+    histograms are (fixture: unrelated pairs median 0.45, the loop 0.51-0.77; uncentred, unrelated
+    pairs reached 0.95). A frame without gradients (flat) gives the zero vector.
     """
     grey = image if image.ndim == 2 else cv2.cvtColor(image, cv2.COLOR_RGB2GRAY)
     grey = cv2.resize(grey.astype(np.float32) / 255.0, GRID_IMAGE_SIZE, interpolation=cv2.INTER_AREA)
