@@ -92,6 +92,9 @@ class StreamConfig:
     # The most frames whose special tokens the cache holds at once; the dense cache allocates for
     # all of them. None: the model's temporal range (max_frames). ChunkedEngine sets its chunk's.
     max_cached_frames: int | None = None
+    # Each prediction also carries a global descriptor of its frame (GeM of its DINO patch tokens,
+    # [1024] for the released models) for loop retrieval; off, the steps are exactly as without.
+    descriptors: bool = False
 
     @property
     def policy(self) -> KeyframePolicy:
@@ -360,6 +363,7 @@ class StreamingEngine:
             depth=host["depth"][row],
             depth_conf=host["depth_conf"][row],
             image=host["image"][row],
+            descriptor=host["descriptor"][row] if "descriptor" in host else None,
         )
 
     # -- input and setup -------------------------------------------------------------------
@@ -437,6 +441,6 @@ class StreamingEngine:
         self.cache = cache
         self.runner = choose_runner(self.model, self.cache, self.camera_cache, (height, width),
                                     self.config.scale_frames, cuda_graphs=self.config.cuda_graphs,
-                                    pipeline=self.config.pipeline)
+                                    pipeline=self.config.pipeline, descriptors=self.config.descriptors)
         if self.on_backend_ready is not None:
             self.on_backend_ready(self.cache.backend_name)

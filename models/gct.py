@@ -12,6 +12,7 @@ from .camera_head import CameraHead
 from .config import ModelConfig
 from .dpt_head import DPTHead
 from .layers import CachedAttention
+from .loop_retrieval import gem_descriptor
 
 # The camera head's stream, one per device (kept off the module so that it deep-copies).
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -41,15 +42,25 @@ class GCTStream(nn.Module):
         return run_beside(side, camera, depth)
 
     def step(self, images: torch.Tensor, kv: CachedAttention, camera_kv: CachedAttention,
-             stream_index: torch.Tensor, time_index: torch.Tensor, num_scale_frames: int) -> dict[str, torch.Tensor]:
+             stream_index: torch.Tensor, time_index: torch.Tensor, num_scale_frames: int,
+             descriptors: bool = False) -> dict[str, torch.Tensor]:
         """Predict S frames that join the stream together (S > 1 only for the scale frames).
 
         images [S, 3, H, W] in [0, 1]; kv serves the global blocks, camera_kv the camera head.
         Returns pose_enc [S, 9], pose_enc_list (per refinement iteration), depth [S, H, W] and
-        depth_conf [S, H, W], all float32.
+        depth_conf [S, H, W], all float32; with `descriptors` also descriptor [S, C] (`descriptor`).
         """
-        layers = self.aggregator(images, kv, stream_index, time_index, num_scale_frames)
-        return self.predict(layers, camera_kv, *images.shape[-2:])
+        tokens = self.aggregator.embed(images, stream_index, num_scale_frames)
+        layers = self.aggregator.blocks(tokens, kv, time_index, *self.config.grid(*images.shape[-2:]))
+        outputs = self.predict(layers, camera_kv, *images.shape[-2:])
+        if descriptors:
+            outputs["descriptor"] = self.descriptor(tokens)
+        return outputs
+
+    def descriptor(self, tokens: torch.Tensor) -> torch.Tensor:
+        """A global descriptor per frame for loop retrieval: GeM of its DINO patch tokens (the embedding's
+        output [S, P, C], special tokens first), unit length, [S, C] float32 (models/loop_retrieval.py)."""
+        return gem_descriptor(tokens[:, self.config.num_special_tokens:])
 
     def predict(self, layers: list[torch.Tensor], camera_kv: CachedAttention, height: int,
                 width: int) -> dict[str, torch.Tensor]:

@@ -69,12 +69,13 @@ class RecordedStep:
     """
 
     def __init__(self, model: GCTStream, cache: DenseKVCache, camera_cache, image_shape: tuple[int, int, int],
-                 num_scale_frames: int, autocast_dtype: torch.dtype | None, pack):
+                 num_scale_frames: int, autocast_dtype: torch.dtype | None, pack, descriptors: bool = False):
         device = cache.device
         self.model, self.cache, self.camera_cache = model, cache, camera_cache
         self.num_scale_frames = num_scale_frames
         self.autocast_dtype = autocast_dtype
         self.pack = pack
+        self.descriptors = descriptors  # the frame's retrieval descriptor, computed in the hand-over
         self.images = torch.zeros(1, *image_shape, device=device)
         self.grid = model.config.grid(*image_shape[1:])
         # One host-to-device copy per part: the stream index for the embedding; the temporal index
@@ -94,7 +95,7 @@ class RecordedStep:
         self.handoff_graph: torch.cuda.CUDAGraph | None = None
         self.heads_graph: torch.cuda.CUDAGraph | None = None
         self.splits: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, query, output) per attention
-        self.handoff: list[torch.Tensor] = []  # the 4 output layers, read by the heads graph
+        self.handoff: list[torch.Tensor] = []  # the 4 output layers (and the descriptor), read by the heads graph
         self.outputs: dict[str, torch.Tensor] | None = None  # static: overwritten by each heads replay
         self.aggregated, self.heads_done = torch.cuda.Event(), torch.cuda.Event()
         self.camera_version = camera_cache.version
@@ -129,8 +130,9 @@ class RecordedStep:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode(), self._autocast():
             height, width = self.images.shape[-2:]
-            layers = self._blocks(self._embed(), self.cache.step(self._slots()))
-            self.pack(self.model.predict(layers, self.camera_cache, height, width))
+            tokens = self._embed()
+            layers = self._blocks(tokens, self.cache.step(self._slots())) + self._descriptor(tokens)
+            self.pack(self._predict(layers, height, width))
             self.handoff = [torch.empty_like(layer) for layer in layers]
             stream.synchronize()
             with _collector_paused():
@@ -152,16 +154,29 @@ class RecordedStep:
         finally:
             self.graphs[-1].capture_end()
         # The hand-over is a graph of its own: in a pipelined stream it alone waits for the
-        # previous frame's heads, which read the buffers.
+        # previous frame's heads, which read the buffers. The descriptor is made here, from the
+        # embedding's output, which the next frame's embedding overwrites before these heads run.
         self.handoff_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.handoff_graph, pool=self.pool, stream=stream, capture_error_mode=CAPTURE_MODE):
-            for buffer, layer in zip(self.handoff, layers, strict=True):
+            for buffer, layer in zip(self.handoff, layers + self._descriptor(self.tokens), strict=True):
                 buffer.copy_(layer)
         self.heads_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.heads_graph, pool=self.heads_pool, stream=stream, capture_error_mode=CAPTURE_MODE):
-            outputs = self.model.predict(self.handoff, self.camera_cache, height, width)
+            outputs = self._predict(self.handoff, height, width)
             self.outputs = {"pose_enc": outputs["pose_enc"], "depth": outputs["depth"],
                             "depth_conf": outputs["depth_conf"], "packed": self.pack(outputs)}
+
+    def _descriptor(self, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """[the frame's descriptor [1, C]] when asked for, else []: it travels after the output layers."""
+        return [self.model.descriptor(tokens)] if self.descriptors else []
+
+    def _predict(self, handed_over: list[torch.Tensor], height: int, width: int) -> dict[str, torch.Tensor]:
+        """Both heads on the 4 output layers; the descriptor, when handed over after them, joins the outputs."""
+        num_layers = len(self.model.config.output_layers)
+        outputs = self.model.predict(handed_over[:num_layers], self.camera_cache, height, width)
+        if self.descriptors:
+            outputs["descriptor"] = handed_over[num_layers]
+        return outputs
 
     def _slots(self) -> torch.Tensor:
         """[T] store positions of this step's tokens, from the two first positions uploaded."""

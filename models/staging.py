@@ -16,25 +16,31 @@ import torch
 from .pose import decode_pose
 
 
-def packed_fields(height: int, width: int) -> dict[str, tuple[int, ...]]:
-    """The packed layout of one frame's float outputs: name -> shape, in this order."""
-    return {"pose_enc": (9,), "c2w": (3, 4), "intrinsics": (3, 3), "depth": (height, width),
-            "depth_conf": (height, width)}
+def packed_fields(height: int, width: int, descriptor_dim: int = 0) -> dict[str, tuple[int, ...]]:
+    """The packed layout of one frame's float outputs: name -> shape, in this order (the loop-retrieval
+    descriptor last, when the step computes one)."""
+    fields = {"pose_enc": (9,), "c2w": (3, 4), "intrinsics": (3, 3), "depth": (height, width),
+              "depth_conf": (height, width)}
+    return {**fields, "descriptor": (descriptor_dim,)} if descriptor_dim else fields
 
 
 def pack_outputs(outputs: dict[str, torch.Tensor], height: int, width: int) -> torch.Tensor:
-    """A step's outputs (pose_enc [S, 9], depth and depth_conf [S, H, W]) as one float32 tensor
-    [S, 30 + 2HW] in `packed_fields` order, the cameras decoded on the device."""
+    """A step's outputs (pose_enc [S, 9], depth and depth_conf [S, H, W], descriptor [S, C] if any) as
+    one float32 tensor [S, 30 + 2HW (+ C)] in `packed_fields` order, the cameras decoded on the device."""
     pose_enc = outputs["pose_enc"].float()
     c2w, intrinsics = decode_pose(pose_enc, height, width)
     fields = (pose_enc, c2w, intrinsics, outputs["depth"].float(), outputs["depth_conf"].float())
+    if "descriptor" in outputs:
+        fields += (outputs["descriptor"].float(),)
     return torch.cat([t.reshape(len(pose_enc), -1) for t in fields], dim=1)
 
 
 def unpack_outputs(packed: np.ndarray, height: int, width: int) -> dict[str, np.ndarray]:
-    """[S, N] float32 -> name -> [S, *shape] arrays (views of `packed`)."""
+    """[S, N] float32 -> name -> [S, *shape] arrays (views of `packed`); a descriptor is whatever follows
+    the per-pixel fields."""
     unpacked, start = {}, 0
-    for name, shape in packed_fields(height, width).items():
+    descriptor_dim = packed.shape[1] - sum(int(np.prod(shape)) for shape in packed_fields(height, width).values())
+    for name, shape in packed_fields(height, width, descriptor_dim).items():
         size = int(np.prod(shape))
         unpacked[name] = packed[:, start : start + size].reshape(len(packed), *shape)
         start += size

@@ -30,11 +30,12 @@ class EagerRunner:
     lag = 0
 
     def __init__(self, model: GCTStream, cache: KVCache, camera_cache: TokenCache, image_size: tuple[int, int],
-                 scale_frames: int):
+                 scale_frames: int, descriptors: bool = False):
         spec = model.inference_spec
         self.model, self.cache, self.camera_cache = model, cache, camera_cache
         self.image_size = image_size
         self.scale_frames = scale_frames
+        self.descriptors = descriptors  # each step also computes its frames' retrieval descriptors
         self.device = spec.device
         self.autocast_dtype = spec.dtype if spec.half_precision else None
         self.staging = HostStaging(self.device)
@@ -79,7 +80,7 @@ class EagerRunner:
         time = torch.arange(time_index, time_index + count, device=self.device)
         with torch.inference_mode(), self._autocast():
             return self.model.step(images, self.cache.step(self.cache.pending_slots()), self.camera_cache, stream, time,
-                                   self.scale_frames)
+                                   self.scale_frames, descriptors=self.descriptors)
 
     def _autocast(self):
         return step_precision(self.device.type, self.autocast_dtype)
@@ -130,7 +131,7 @@ class GraphRunner(EagerRunner):
         height, width = self.image_size
         recorded = RecordedStep(self.model, self.cache, self.camera_cache, tuple(images.shape[1:]),
                                 self.scale_frames, self.autocast_dtype,
-                                pack=lambda outputs: pack_outputs(outputs, height, width))
+                                pack=lambda outputs: pack_outputs(outputs, height, width), descriptors=self.descriptors)
         recorded.load_frame(images, stream_index)
         recorded.load_position(time_index, self.cache.token_ranges())
         try:
@@ -168,11 +169,11 @@ class PipelinedRunner(GraphRunner):
 
 
 def choose_runner(model: GCTStream, cache: KVCache, camera_cache: TokenCache, image_size: tuple[int, int],
-                  scale_frames: int, *, cuda_graphs: bool, pipeline: bool) -> EagerRunner:
+                  scale_frames: int, *, cuda_graphs: bool, pipeline: bool, descriptors: bool = False) -> EagerRunner:
     """Graphs where the cache's storage stays put on CUDA; pipelined when asked as well."""
     on_cuda = model.inference_spec.device.type == "cuda"
     if not (on_cuda and cuda_graphs and cache.records_steps):
         runner = EagerRunner
     else:
         runner = PipelinedRunner if pipeline else GraphRunner
-    return runner(model, cache, camera_cache, image_size, scale_frames)
+    return runner(model, cache, camera_cache, image_size, scale_frames, descriptors)

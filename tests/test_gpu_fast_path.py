@@ -123,7 +123,7 @@ def test_pipelined_push_returns_the_previous_frame_and_finish_the_last():
     assert [p.frame_index for p in engine.finish()] == [0]  # the new stream's one buffered frame
 
 
-def test_windowed_rollovers_with_pipelining_emit_what_they_emit_without():
+def test_chunk_rollovers_with_pipelining_emit_what_they_emit_without():
     from stream_recon.models import StreamConfig, prepare_for_inference
     from stream_recon.models.chunked import ChunkedEngine
 
@@ -142,6 +142,32 @@ def test_windowed_rollovers_with_pipelining_emit_what_they_emit_without():
     for a, b in zip(piped, synchronous, strict=True):
         np.testing.assert_array_equal(a.c2w, b.c2w)
         np.testing.assert_array_equal(a.depth, b.depth)
+
+
+@pytest.mark.parametrize("keyframes", ["all", "flow"])
+def test_descriptors_from_recorded_pipelined_steps_equal_the_eager_ones_and_change_nothing_else(keyframes):
+    """The descriptor is made in the hand-over graph from the embedding's output, which the next frame's
+    embedding overwrites before the heads run (pipelined, flow): it must still be the frame's own."""
+    from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
+
+    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
+    generator = torch.Generator().manual_seed(1)
+    frames = [torch.rand(3, 126, 224, generator=generator).cuda() for _ in range(12)]
+
+    def stream(**settings):
+        engine = StreamingEngine(model, StreamConfig(scale_frames=2, window=4, keyframes=keyframes,
+                                                     flow_threshold=0.5, **settings))
+        return [p for frame in frames for p in engine.push(frame)] + engine.finish()
+
+    plain, described = stream(), stream(descriptors=True)
+    eager = stream(descriptors=True, cuda_graphs=False, pipeline=False)
+    for ours, theirs, reference in zip(described, plain, eager, strict=True):
+        assert ours.frame_index == theirs.frame_index == reference.frame_index and theirs.descriptor is None
+        np.testing.assert_array_equal(ours.c2w, theirs.c2w)
+        np.testing.assert_array_equal(ours.depth, theirs.depth)
+        # the recorded embedding against the eager one: the same kernels, bf16 rounding at most
+        np.testing.assert_allclose(ours.descriptor, reference.descriptor, atol=2e-3)
+    assert len({p.descriptor.tobytes() for p in described}) == len(frames)  # each frame its own
 
 
 def test_fused_mlp_gelu_is_as_close_to_float32_as_the_separate_bf16_gelu():

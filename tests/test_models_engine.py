@@ -262,3 +262,29 @@ def test_a_runner_that_holds_a_frame_gives_the_same_stream_one_push_late(prepare
         np.testing.assert_array_equal(ours.pose_enc, reference.pose_enc)
         assert ours.flow_magnitude == reference.flow_magnitude or np.isnan(reference.flow_magnitude)
     assert engine.stats()["cached_frames"] == sum(p.is_keyframe for p in synchronous)
+
+
+@pytest.mark.parametrize("keyframes", ["all", "flow"])
+def test_descriptors_come_with_each_prediction_and_change_nothing_else(prepared_tiny_model, keyframes):
+    """StreamConfig(descriptors=True): every prediction carries GeM of its frame's DINO patch tokens (unit
+    length), and every other output is what the stream gives without them, bit for bit."""
+    from stream_recon.models.loop_retrieval import gem_descriptor
+
+    config = StreamConfig(scale_frames=3, window=2, keyframes=keyframes, flow_threshold=0.5)
+    images = frames(8)
+    plain, _ = run(prepared_tiny_model, config, images)
+    described, _ = run(prepared_tiny_model, StreamConfig(**{**config.__dict__, "descriptors": True}), images)
+    assert [p.frame_index for p in described] == [p.frame_index for p in plain]
+    for ours, theirs in zip(described, plain, strict=True):
+        assert theirs.descriptor is None
+        for name in ("pose_enc", "c2w", "intrinsics", "depth", "depth_conf", "image"):
+            np.testing.assert_array_equal(getattr(ours, name), getattr(theirs, name))
+        assert ours.frame_type == theirs.frame_type
+    model = prepared_tiny_model
+    with torch.inference_mode():
+        tokens = model.aggregator.embed(torch.stack(images), torch.arange(8), 3)
+    expected = gem_descriptor(tokens[:, model.config.num_special_tokens:]).numpy()
+    got = np.stack([p.descriptor for p in described])
+    assert got.shape == (8, model.config.embed_dim)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, rtol=1e-5)
