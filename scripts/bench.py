@@ -100,7 +100,7 @@ def graph_parts(events, frames: int) -> dict[str, float]:
 def attention_flops(engine: StreamingEngine) -> float:
     """FLOPs of one frame's global attention at the final key count: 2 matmuls x 2 FLOP per MAC."""
     c = engine.model.config
-    height, width = engine._image_size
+    height, width = engine.image_size
     rows, cols = c.grid(height, width)
     queries = rows * cols + c.num_special_tokens
     return 4.0 * queries * engine.cache.num_visible_tokens * c.embed_dim * c.depth
