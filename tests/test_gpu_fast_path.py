@@ -11,19 +11,12 @@ import pytest
 import torch
 from conftest import build_tiny_model
 from golden_utils import GOLDEN, golden_frames
-from test_gpu_flashinfer import BF16_TOLERANCE, SCENARIOS, errors, long_stream_tiny_model, stream
+from gpu_golden import BF16_TOLERANCE, SCENARIOS, as_golden, errors, long_stream_tiny_model, stream
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-KEYS = ("pose_enc", "depth", "depth_conf", "c2w")
-
-
-def as_golden(predictions) -> dict[str, np.ndarray]:
-    return {k: np.stack([getattr(p, k) for p in predictions]) for k in KEYS}
-
 
 @pytest.mark.parametrize("attention", ["dense", "dense-triton", "dense-flashinfer", "dense-cudnn"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))

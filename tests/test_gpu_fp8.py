@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import torch
 from golden_utils import GOLDEN
-from test_gpu_fast_path import as_golden
-from test_gpu_flashinfer import SCENARIOS, errors, stream
+from gpu_golden import SCENARIOS, as_golden, errors, stream
 
 from stream_recon.cache import DenseKV, VisibleRange, fp8
 
