@@ -112,7 +112,8 @@ def test_budget_page_pool_grows_up_to_its_limit_and_no_further():
     pool = PagePool(2, grow_by=3, max_pages=4)
     assert [pool.allocate() for _ in range(4)] == [0, 1, 2, 3]
     assert pool.num_pages == 4  # the second growth step was cut to the limit
-    with pytest.raises(CacheCapacityError, match="needs 1 more pages but is at its limit of 4; start a new window"):
+    advice = r"needs 1 more pages but is at its limit of 4; start a fresh cache \(chunked streaming\)"
+    with pytest.raises(CacheCapacityError, match=advice):
         pool.allocate()
     pool.free(2)
     pool.require(1)
