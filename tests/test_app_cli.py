@@ -334,14 +334,6 @@ def test_default_output_names(tmp_path: Path) -> None:
 FAST_FLAGS = ["--no-viewer", "--image-width", "56", "--scale-frames", "3", "--window", "4"]
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real .safetensors checkpoint of the tiny model, written by our own converter."""
-    folder = tmp_path_factory.mktemp("checkpoint")
-    torch.save(build_tiny_model().state_dict(), folder / "tiny.pt")
-    return convert_to_safetensors(folder / "tiny.pt", folder / "tiny.safetensors", config=ModelConfig.tiny())
-
-
 @pytest.fixture
 def offline_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """No network, empty caches: what a fresh machine without the checkpoint looks like."""
