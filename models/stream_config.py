@@ -27,7 +27,8 @@ class KeyframePolicy:
     max_gap: int = MAX_GAP
 
     @classmethod
-    def parse(cls, text: str, flow_threshold: float = FLOW_THRESHOLD, max_gap: int = MAX_GAP) -> KeyframePolicy:
+    def parse(cls, text: str, flow_threshold: float = FLOW_THRESHOLD,
+              max_gap: int = MAX_GAP) -> KeyframePolicy:
         text = text.strip().lower()
         if text == "all":
             return cls("all", 1, flow_threshold, max_gap)
