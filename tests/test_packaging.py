@@ -1,4 +1,4 @@
-"""The wheel, installed alone (issue 18): built from this checkout and installed into a fresh venv that
+"""The wheel, installed alone: built from this checkout and installed into a fresh venv that
 sees nothing of the repository, it runs `-h`, `info` and a `--config indoor` run of the bundled sample.
 
 Rather than download torch and the rest a second time, the fresh venv sees the installed
