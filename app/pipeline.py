@@ -268,7 +268,7 @@ def _gil_handed_back_sooner() -> Iterator[None]:
     viewer's and the writer's threads (and the next chunk's worker) take it meanwhile; each time, the
     stream's thread then waited up to 5 ms to get it back. At a chunk rollover, whose alignment is a
     few dozen numpy calls, that made 3 ms of work take 20-80 ms on the GPU machine (docs/PERFORMANCE.md,
-    ninth session).
+    'what a rollover spends, measured and cut').
     """
     previous = sys.getswitchinterval()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)

@@ -15,7 +15,7 @@ Host memory of a CPU run, as the code allocates it (measured, see below)::
                  + ACTIVATION_FIXED_BYTES
 
 At the defaults on a 4:3 source (518 x 392 input, P = 1036): 4.6 + 15.3 + 3.2 = 23 GB; on 16:9
-(518 x 294): 4.6 + 11.5 + 2.7 = 18.8 GB, the 17.5 GiB peak issue 18 measured.
+(518 x 294): 4.6 + 11.5 + 2.7 = 18.8 GB, the 17.5 GiB peak measured for 12 frames at the defaults.
 
 Calibration (2-core CPU, 2026-11): the full width model with 2 DINO and 4 aggregator blocks (same
 activations per layer, same heads, a fraction of the weights), peak RSS over the model's own:

@@ -26,6 +26,8 @@ from .pages import PagePool
 
 AUTO = "auto"
 FP8 = "fp8"
+# The half precisions: backends that run only in them (below), and in models/ the fused GELU and
+# prepare_for_inference, which import this one definition (models import the cache, never the reverse).
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 PRECISION_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", fp8.E4M3: FP8}
 # How to get a package a backend needs, said once.

@@ -97,10 +97,6 @@ class DenseTwoStreamCache:
         return self._num_scale
 
     @property
-    def num_window_frames(self) -> int:
-        return len(self._window)
-
-    @property
     def num_patch_frames(self) -> int:
         return self._num_scale + len(self._window)
 

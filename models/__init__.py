@@ -3,12 +3,13 @@
 from .checkpoint import load_model
 from .chunked import ChunkedEngine
 from .config import ModelConfig
-from .engine import KeyframePolicy, StreamConfig, StreamingEngine
+from .engine import StreamingEngine
 from .errors import CheckpointError, FrameError, MemoryBudgetError
 from .gct import GCTStream
 from .memory import MemoryEstimate, MemoryPlan, estimate_memory, plan_memory
 from .prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
 from .prepare import InferenceSpec, prepare_for_inference
+from .stream_config import KeyframePolicy, StreamConfig
 
 __all__ = [
     "CheckpointError",

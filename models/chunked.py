@@ -35,12 +35,13 @@ import numpy as np
 import torch
 
 from .chunks import TRAINED_VIEWS, ChunkAlignment
-from .engine import StreamConfig, StreamingEngine
+from .engine import StreamingEngine
 from .gct import GCTStream
 from .lookahead import SpareEngine
 from .memory import estimate_memory, gib
 from .prediction import FramePrediction
 from .rollover import MAX_PROVISIONAL, Phase, Rollover
+from .stream_config import StreamConfig
 
 logger = logging.getLogger("stream_recon.models.chunked")
 

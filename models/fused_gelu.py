@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-HALF_DTYPES = (torch.bfloat16, torch.float16)
+from stream_recon.cache.backends import HALF_DTYPES
 
 
 @torch.library.custom_op("stream_recon::linear_gelu_epilogue", mutates_args=())

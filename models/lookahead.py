@@ -24,11 +24,9 @@ from .prediction import FramePrediction
 class SpareEngine:
     """A StreamingEngine driven from a worker thread, on its own CUDA stream, until it is handed over."""
 
-    def __init__(self, engine: StreamingEngine, priority: int = 0):
+    def __init__(self, engine: StreamingEngine):
         self.engine = engine
-        # priority: CUDA stream priority of the spare's work (0 as the default stream; lower is more urgent)
-        self._stream = torch.cuda.Stream(engine.device, priority=priority) if engine.device.type == "cuda" else None
-        self.job_times: list[tuple[str, float, float]] = []  # (job, start, end), perf_counter seconds
+        self._stream = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-recon-next-chunk")
         self._jobs: list[Future] = []
 
@@ -112,13 +110,8 @@ class SpareEngine:
         self._jobs.append(self._worker.submit(self._on_stream, function, *args))
 
     def _on_stream(self, function, *args):
-        started = time.perf_counter()
-        try:
-            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-                return function(*args)
-        finally:
-            self.job_times.append((function.__name__, started, time.perf_counter()))
-            del self.job_times[:-64]
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            return function(*args)
 
     def _warm(self, frames: list[tuple[torch.Tensor, float]]) -> None:
         for image, timestamp in frames:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,9 +35,7 @@ from stream_recon.cache import CacheLayout, TokenCache, backends, fp8
 
 from .errors import MemoryBudgetError
 from .gct import GCTStream
-
-if TYPE_CHECKING:
-    from .engine import StreamConfig
+from .stream_config import StreamConfig
 
 GIB = 2**30
 # Elements alive at the aggregator's peak (DINO trunk, blocks, RoPE tables, the 4 output layers),

@@ -24,12 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
+from stream_recon.cache.backends import HALF_DTYPES
 from stream_recon.cache.packages import importable
 
 from .fused_gelu import fuse_mlp_gelu
 from .gct import GCTStream
-
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)

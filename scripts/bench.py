@@ -100,7 +100,7 @@ def graph_parts(events, frames: int) -> dict[str, float]:
 def attention_flops(engine: StreamingEngine) -> float:
     """FLOPs of one frame's global attention at the final key count: 2 matmuls x 2 FLOP per MAC."""
     c = engine.model.config
-    height, width = engine._image_size
+    height, width = engine.image_size
     rows, cols = c.grid(height, width)
     queries = rows * cols + c.num_special_tokens
     return 4.0 * queries * engine.cache.num_visible_tokens * c.embed_dim * c.depth
@@ -207,7 +207,7 @@ def run(args) -> dict:
     if timing_events:
         parts = graph_parts(timing_events, args.frames)
         result["graph_parts_ms_per_frame"] = parts
-        if parts["global_attention"]:  # (inside the graph otherwise: see scripts/gpu/profile_step.py)
+        if parts["global_attention"]:  # (inside the graph otherwise: see scripts/profile_step.py)
             result["global_attention_tflops"] = attention_flops(engine) / parts["global_attention"] / 1e9
     if timer is not None:
         result["stage_ms_per_frame"] = {k: v / args.frames for k, v in timer.totals_ms().items()}

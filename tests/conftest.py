@@ -6,6 +6,7 @@ For a test that runs the tiny model:
 
     def test_something(tiny_model): ...                         # ModelConfig.tiny(), synthetic weights
     def test_streaming(prepared_tiny_model): ...                # the same, ready for StreamingEngine
+    def test_cli(tiny_checkpoint): ...                          # the same weights as a .safetensors file
 
 and `build_tiny_model()` where a plain function is needed (a Ray worker's loader, a checkpoint to save).
 """
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from stream_recon.models import GCTStream, ModelConfig, prepare_for_inference
+from stream_recon.models.checkpoint import convert_to_safetensors
 from stream_recon.models.synthetic import load_synthetic_weights
 
 # Golden helpers live beside the tests.
@@ -46,6 +48,15 @@ def tiny_model() -> GCTStream:
 def prepared_tiny_model(tiny_model) -> GCTStream:
     """tiny_model prepared for streaming on the CPU in float32 (it shares the weights)."""
     return prepare_for_inference(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's weights (build_tiny_model) as a .safetensors checkpoint carrying its config,
+    written by our own converter; the official-format tiny.pt it was converted from lies beside it."""
+    folder = tmp_path_factory.mktemp("checkpoint")
+    torch.save(build_tiny_model().state_dict(), folder / "tiny.pt")
+    return convert_to_safetensors(folder / "tiny.pt", folder / "tiny.safetensors", config=ModelConfig.tiny())
 
 
 @pytest.fixture(scope="module")

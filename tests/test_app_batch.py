@@ -136,8 +136,8 @@ def test_partial_run_directory_is_redone_from_scratch(serial_run, dataset, tmp_p
 
 
 def test_rerun_with_other_settings_is_refused_before_the_model_loads(tmp_path):
-    # issue 18, defect 6: a rerun with --image-width or --scale-frames changed reported every sequence
-    # "skipped" and kept the old results
+    # A rerun with --image-width or --scale-frames changed must be refused, not report every sequence
+    # "skipped" and keep the old results
     root = tmp_path / "data"
     write_image_folder(root / "a", FRAMES)
     write_image_folder(root / "b", FRAMES)

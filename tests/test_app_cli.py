@@ -1,5 +1,5 @@
-"""The command line: both spellings of run, help and version, presets, and every bad input of issue 4
-as one sentence and a non-zero exit code (no traceback)."""
+"""The command line: both spellings of run, help and version, presets, and every bad input as one
+sentence and a non-zero exit code (no traceback)."""
 
 from __future__ import annotations
 
@@ -184,7 +184,7 @@ def test_single_image_instead_of_folder(tmp_path: Path) -> None:
         (["--chunk-frames", "4", "--scale-frames", "4"], "chunk_frames must be more than scale_frames"),
         (["--port", "70000"], "port must be between 1 and 65535"),
         (["--reconnect", "-1"], "reconnect_s must be >= 0 (0: never reconnect), got -1.0"),
-        # issue 18, defect 2: a writers.py traceback and exit 1 for these, and -1 accepted silently
+        # Refused up front: not a writers.py traceback and exit 1, nor -1 accepted silently
         (["--voxel-size", "-1"], "voxel_size must be a number > 0 in scene units"),
         (["--voxel-size", "0"], "voxel_size must be a number > 0 in scene units"),
         (["--voxel-size", "nan"], "voxel_size must be a number > 0 in scene units"),
@@ -216,7 +216,7 @@ def test_bad_options_are_named(tmp_path: Path, flags: list[str], message: str) -
 
 
 def test_start_past_the_end_of_the_source_is_refused_before_the_model_loads(tmp_path: Path) -> None:
-    # issue 18, defect 5: the model loaded, "done: 0 frames", exit 0 and an empty run folder marked complete
+    # Refused before the model loads: not "done: 0 frames", exit 0 and an empty run folder marked complete
     video = write_video(tmp_path / "clip.mp4", 5)
     result = invoke(str(video), "--start", "5", "--no-viewer", "-o", str(tmp_path / "out"),
                     "--checkpoint", str(tmp_path / "no.pt"))
@@ -241,7 +241,7 @@ def test_start_past_the_end_of_the_source_is_refused_before_the_model_loads(tmp_
     ],
 )
 def test_usage_errors_of_every_command_are_one_line_and_exit_2(argv: list[str], message: str) -> None:
-    # typer's own errors were a boxed panel under the usage text; now they read like every other bad input
+    # typer's own usage errors read like every other bad input: one line, no boxed panel
     result = invoke(*argv)
     assert_user_error(result, message)
     assert len(result.output.strip().splitlines()) == 1, result.output
@@ -334,14 +334,6 @@ def test_default_output_names(tmp_path: Path) -> None:
 FAST_FLAGS = ["--no-viewer", "--image-width", "56", "--scale-frames", "3", "--window", "4"]
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real .safetensors checkpoint of the tiny model, written by our own converter."""
-    folder = tmp_path_factory.mktemp("checkpoint")
-    torch.save(build_tiny_model().state_dict(), folder / "tiny.pt")
-    return convert_to_safetensors(folder / "tiny.pt", folder / "tiny.safetensors", config=ModelConfig.tiny())
-
-
 @pytest.fixture
 def offline_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """No network, empty caches: what a fresh machine without the checkpoint looks like."""
@@ -371,7 +363,7 @@ def test_video_to_run_directory_through_the_cli(tmp_path: Path, tiny_checkpoint:
 
 @pytest.mark.usefixtures("one_torch_thread")
 def test_a_gpu_memory_budget_is_planned_said_and_recorded(tmp_path: Path, tiny_checkpoint: Path) -> None:
-    """--gpu-memory: the engine's plan before the first frame, printed, and in run.json (issue 17)."""
+    """--gpu-memory: the engine's plan before the first frame, printed, and in run.json."""
     video = write_video(tmp_path / "clip.mp4", 5, fps=25)
     run_dir = tmp_path / "out"
 
@@ -455,7 +447,7 @@ def test_truncated_video_exits_non_zero_after_saving_what_decoded(tmp_path: Path
 
 @pytest.mark.usefixtures("one_torch_thread")
 def test_a_model_that_overflows_ends_the_run_as_failed_with_the_frame_named(tmp_path: Path) -> None:
-    # issue 18, defect 1: NaN or infinity predictions made a run "complete" with exit 0. The weights here
+    # NaN or infinity predictions must fail the run, not end it "complete" with exit 0. The weights here
     # pass the load checks (every value finite and below float16's maximum); the depth head's last bias
     # of 100 makes exp() overflow to infinity, as half precision can overflow on an unusual input.
     state = build_tiny_model().state_dict()
@@ -487,7 +479,7 @@ def test_one_frame_is_one_frame(tmp_path: Path, tiny_checkpoint: Path) -> None:
 
 @pytest.mark.slow  # a CLI process for over 10 s of progress
 def test_progress_is_logged_when_stderr_is_a_file(tmp_path: Path, tiny_checkpoint: Path) -> None:
-    # issue 18: with stderr redirected (nohup, CI) nothing was printed between the start and the end
+    # With stderr redirected (nohup, CI), progress must still be printed between the start and the end
     log = tmp_path / "run.log"
     video = write_video(tmp_path / "long.mp4", 3000, fps=30)
     run_dir = tmp_path / "out"
@@ -538,7 +530,7 @@ def no_hub(request: pytest.FixtureRequest, offline_hub: Path, monkeypatch: pytes
 
 def test_first_run_without_the_hub_says_where_to_put_the_checkpoint(tmp_path: Path, no_hub: str,
                                                                     offline_hub: Path) -> None:
-    # issue 18: without the hub, 25-30 s of retries, then advice to run the download that had just failed
+    # Without the hub: at once, not after 25-30 s of retries, and not advice to run the download that failed
     video = write_video(tmp_path / "clip.mp4", 3)
 
     start = time.monotonic()
@@ -594,7 +586,7 @@ def test_download_command_without_the_hub_says_where_to_put_the_file(no_hub: str
 
 
 def test_corrupted_checkpoint_is_refused_before_the_run(tmp_path: Path, tiny_checkpoint: Path) -> None:
-    # issue 18, defect 1: 64 KiB of random bytes over the data loaded, and the run ended "complete", all NaN
+    # 64 KiB of random bytes over the data must be refused at the load, not make a "complete" run, all NaN
     from safetensors import safe_open
 
     damaged = Path(shutil.copy(tiny_checkpoint, tmp_path / "damaged.safetensors"))
@@ -648,7 +640,7 @@ def test_signal_through_the_cli_saves_completed_frames_and_exits_128_plus_the_si
             if child.poll() is None:
                 child.kill()
 
-    # issue 18: SIGTERM exited 130 like Ctrl-C; a supervisor that sent SIGTERM expects 143
+    # SIGTERM exits 143, not 130 like Ctrl-C: a supervisor that sent SIGTERM expects 143
     assert child.returncode == (EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_TERMINATED), output
     assert f"{signal.Signals(signum).name}: stopping after this frame" in output and "Traceback" not in output
     record = json.loads((run_dir / "run.json").read_text())

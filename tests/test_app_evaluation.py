@@ -415,7 +415,7 @@ def test_eval_command_prints_the_table_and_writes_eval_json(tmp_path):
 
 @pytest.mark.parametrize("content", [bytes(range(256)) * 4, b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", b"1.0 0 0 0\x00"])
 def test_eval_of_a_binary_ground_truth_file_is_one_line_and_exit_2(tmp_path, content):
-    # issue 18, defect 4: `eval RUN --gt <a binary file>` ended in a UnicodeDecodeError traceback
+    # `eval RUN --gt <a binary file>` must give one line and exit 2, not a UnicodeDecodeError traceback
     from typer.testing import CliRunner
 
     from stream_recon.app.cli import app
@@ -436,7 +436,7 @@ def test_eval_of_a_binary_ground_truth_file_is_one_line_and_exit_2(tmp_path, con
 
 # (ground truth, estimate, alignment): monocular keyframes need Sim(3) (evo -as), RGB-D SLAM is metric (-a).
 REAL_PAIRS = [
-    ("freiburg1_xyz-rgbdslam.txt", "freiburg1_xyz-ORB_kf_mono.txt", "sim3"),  # issue 15's pair
+    ("freiburg1_xyz-rgbdslam.txt", "freiburg1_xyz-ORB_kf_mono.txt", "sim3"),  # printed by evo_ape: below
     ("freiburg1_xyz-groundtruth.txt", "freiburg1_xyz-ORB_kf_mono.txt", "sim3"),
     ("fr2_desk_groundtruth.txt", "fr2_desk_ORB_kf_mono.txt", "sim3"),
     ("freiburg1_xyz-groundtruth.txt", "freiburg1_xyz-rgbdslam.txt", "se3"),
@@ -468,7 +468,7 @@ def test_real_trajectories_equal_evo(evo_data, gt_name, est_name, alignment):
     assert_matches_evo(ours, evo_on_files(gt_file, est_file, alignment))
 
 
-def test_issue_15_pair_gives_evos_published_numbers(evo_data):
+def test_rgbdslam_against_orb_keyframes_gives_evos_published_numbers(evo_data):
     # What `evo_ape tum freiburg1_xyz-rgbdslam.txt freiburg1_xyz-ORB_kf_mono.txt -as` prints.
     ours = evaluate_trajectories(
         read_tum_trajectory(evo_data / "freiburg1_xyz-ORB_kf_mono.txt"),

@@ -22,12 +22,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from media_helpers import ServerProcess, decoded_index, free_port, write_video
 
 from stream_recon.app.pipeline import RunOptions, run_sequence
 from stream_recon.app.sources import Frame, FrameSource, SourceError, TruncatedSourceError, open_source
-from stream_recon.models import GCTStream, ModelConfig
+from stream_recon.models import GCTStream
 
 pytestmark = pytest.mark.slow  # real server processes, reconnect back-offs: ~30 s for the module
 
@@ -230,15 +229,6 @@ def test_file_url_cut_mid_file_keeps_the_frames_before_and_is_not_reconnected(cl
 # ------------------------------------------------------------------ a whole run
 
 
-@pytest.fixture(scope="module")
-def tiny_model() -> Iterator[GCTStream]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model's ops are too small to share two cores
-    torch.manual_seed(0)
-    yield GCTStream(ModelConfig.tiny()).eval()
-    torch.set_num_threads(previous)
-
-
 class _RestartCamera:
     """A sink that kills the camera once the run has written `after` frames, then starts it again."""
 
@@ -261,6 +251,7 @@ class _RestartCamera:
 FAST = dict(image_width=56, scale_frames=3, window=4, viewer=False, open_timeout_s=5.0)
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("restart", [True, False], ids=["camera-back", "camera-gone"])
 def test_run_over_a_camera_that_drops(tmp_path: Path, clip: Path, tiny_model: GCTStream, restart: bool) -> None:
     server, path = http_camera(clip)

@@ -94,8 +94,8 @@ def test_video_run_writes_a_complete_run_directory(tmp_path: Path, tiny_model: G
 
 
 def test_run_json_holds_each_value_once_as_the_run_used_it(tmp_path: Path, tiny_model: GCTStream) -> None:
-    # issue 18: status, fps, model_fps and frames_read were recorded twice (two different fps), compile
-    # true on the CPU, `auto` beside the resolved device, and the model load missing from the timings
+    # Each of status, fps, model_fps and frames_read once (one fps), compile as it ran (false on the
+    # CPU), one device as resolved (not `auto` beside it), and the model load among the timings.
     video = write_video(tmp_path / "clip.mp4", 5, fps=20)
 
     summary = run_sequence(str(video), tmp_path / "run", RunOptions(**FAST), model=tiny_model)
@@ -314,7 +314,7 @@ def test_existing_run_needs_overwrite(tmp_path: Path, tiny_model: GCTStream) -> 
 
 
 def test_overwrite_removes_the_old_runs_exports_and_evaluation(tmp_path: Path, tiny_model: GCTStream) -> None:
-    # issue 18, defect 7: --overwrite removed the old predictions but left exports/scene.glb and eval.json
+    # --overwrite must remove the old run's exports (exports/scene.glb) and eval.json with its predictions
     from stream_recon.app.export import export_run
 
     run_dir = tmp_path / "run"
@@ -341,7 +341,7 @@ def nan_model() -> GCTStream:
 
 
 def test_non_finite_predictions_end_the_run_as_failed(tmp_path: Path) -> None:
-    # issue 18, defect 1: a model passed in with NaN weights made an all-NaN run that ended "complete"
+    # A model passed in with NaN weights makes all-NaN predictions: the run must end "failed", not "complete"
     video = write_video(tmp_path / "clip.mp4", 6)
 
     summary = run_sequence(str(video), tmp_path / "run", RunOptions(**FAST), model=nan_model())
@@ -379,7 +379,7 @@ def test_non_finite_prediction_mid_run_keeps_the_frames_before_it(tmp_path: Path
 
 
 def test_start_past_the_end_is_refused_before_the_model_loads(tmp_path: Path) -> None:
-    # issue 18, defect 5: the model loaded, "done: 0 frames", exit 0, an empty run folder marked complete
+    # Refused before the model loads: not "done: 0 frames", exit 0 and an empty run folder marked complete
     folder = write_image_folder(tmp_path / "seq", [f"{index}.png" for index in range(5)], width=160, height=96)
     # a checkpoint that does not exist: loading it would raise CheckpointError, so the SourceError proves the order
     options = RunOptions(start=5, checkpoint=str(tmp_path / "missing.pt"), **FAST)
@@ -445,7 +445,7 @@ def test_progress_line_shows_rates_keyframes_cache_and_drops() -> None:
         progress.update({"frames_read": 3, "model_fps": 12.0, "fps": 10.5, "keyframes": 3, "cached_frames": 40,
                          "patch_frames": 7, "cache_bytes": 3 * 2**20, "frames_dropped": 0})
     bar = console.export_text().splitlines()[-1]
-    # issue 18: "cache 40 fr" with --window 4 counted the trajectory's frames as cached frames
+    # The cached patch frames (7 with --window 4) apart from the trajectory's frames (40): not "cache 40 fr"
     assert "3/10" in bar and "model 12.0 FPS  e2e 10.5 FPS  kf 3" in bar and "cache 7 fr + 40 traj 3.0 MB" in bar
 
     console = Console(record=True, width=160, force_terminal=True)

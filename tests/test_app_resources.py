@@ -1,4 +1,4 @@
-"""Memory and time estimates before a CPU run (app.resources): the numbers against the issue's measurement
+"""Memory and time estimates before a CPU run (app.resources): the numbers against a measured peak
 and a real run's cache, the refusal with smaller settings that fit, the slow-CPU warning, and the CLI."""
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def test_the_full_model_is_4_6_gb_of_float32_weights() -> None:
     assert FULL.num_params * 4 == pytest.approx(4.63e9, rel=0.01)
 
 
-def test_default_settings_on_a_16_9_source_need_what_issue_18_measured() -> None:
-    # issue 18: 17.5 GiB peak RSS for 12 frames at the default settings on a CPU
+def test_default_settings_on_a_16_9_source_need_the_measured_peak() -> None:
+    # Measured: 17.5 GiB peak RSS for 12 frames at the default settings on a CPU
     estimate = estimate_host_memory(FULL, replace(SAMPLE, frames=12))
     assert estimate.tokens_per_page == 37 * 21 and estimate.cache_pages == 8 + 64 + 1 + 2
     assert estimate.cache_bytes == 75 * 777 * 24 * 2 * 1024 * 4  # 11.5 GB: the paged cache is allocated up front

@@ -27,6 +27,7 @@ import viser
 import websockets
 import websockets.sync.client
 import zstandard
+from media_helpers import free_port
 from typer import Typer
 from typer.testing import CliRunner
 
@@ -82,12 +83,6 @@ def orbit_frame(index: int, *, size=(42, 56), frame_type: int | None = None, ang
         depth_conf=(1.0 + np.random.default_rng(index).random((h, w))).astype(np.float32),
         image=image,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # -------------------------------------------------------------------------- viser protocol client

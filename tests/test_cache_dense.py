@@ -8,9 +8,9 @@ so the visible multiset must equal the reference's, with nothing outside the ran
 from __future__ import annotations
 
 import pytest
+from cache_reference import OPS, LabelHarness, drive, layouts
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cache_paged import OPS, LabelHarness, drive, layouts
 
 from stream_recon.cache import CacheLayout
 from stream_recon.cache.dense import DenseTwoStreamCache

@@ -10,9 +10,9 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from cache_reference import OPS, layouts
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cache_paged import OPS, layouts
 from triton_interpreter import interpret
 
 from stream_recon.cache import CacheLayout, DenseKV, DenseTwoStreamCache, backends, fp8

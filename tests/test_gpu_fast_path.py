@@ -11,19 +11,12 @@ import pytest
 import torch
 from conftest import build_tiny_model
 from golden_utils import GOLDEN, golden_frames
-from test_gpu_flashinfer import BF16_TOLERANCE, SCENARIOS, errors, long_stream_tiny_model, stream
+from gpu_golden import BF16_TOLERANCE, SCENARIOS, as_golden, errors, long_stream_tiny_model, stream
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-KEYS = ("pose_enc", "depth", "depth_conf", "c2w")
-
-
-def as_golden(predictions) -> dict[str, np.ndarray]:
-    return {k: np.stack([getattr(p, k) for p in predictions]) for k in KEYS}
-
 
 @pytest.mark.parametrize("attention", ["dense", "dense-triton", "dense-flashinfer", "dense-cudnn"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
@@ -194,7 +187,7 @@ def test_fused_mlp_gelu_is_as_close_to_float32_as_the_separate_bf16_gelu():
 @pytest.mark.parametrize("order", [("float32", "bfloat16"), ("bfloat16", "float32")])
 def test_one_loaded_checkpoint_serves_a_float32_and_a_bf16_engine_in_either_order(gpu_model, tmp_path, order):
     """Preparing never converts the loaded model: both precisions keep golden parity, whichever
-    engine is built and run first (issue 14's acceptance test, through a real checkpoint file)."""
+    engine is built and run first (through a real checkpoint file)."""
     from golden_utils import TOLERANCE
 
     from stream_recon.models import StreamConfig, StreamingEngine, load_model, prepare_for_inference
@@ -222,7 +215,7 @@ def test_one_loaded_checkpoint_serves_a_float32_and_a_bf16_engine_in_either_orde
 def test_the_cli_on_the_gpu_writes_the_official_outputs(golden_checkpoint, golden_frame_folder, tmp_path, dtype):
     """`stream-recon` as a user runs it, default settings but the precision: float32 within the
     float32 tolerance (no TF32 anywhere, whatever PyTorch's process-wide defaults say), bf16 within
-    the fixtures' bf16 tolerances (issue 15)."""
+    the fixtures' bf16 tolerances."""
     from golden_utils import TOLERANCE, compare_run_with_golden, run_cli_on_golden_frames
 
     defaults = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import build_tiny_model
-from golden_utils import GOLDEN, TOLERANCE, golden_frames, relative_error
+from golden_utils import GOLDEN, TOLERANCE
+from gpu_golden import BF16_TOLERANCE, SCENARIOS, as_golden, errors, long_stream_tiny_model, stream
 
 from stream_recon.cache import CacheLayout, PagedKV, PagedTwoStreamCache, PagePool, SDPAPagedAttention
 
@@ -15,12 +15,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the FlashInfer kernels run on NVIDIA GPUs only)"),
 ]
-
-# bf16 against the fp32 golden outputs, as max |o - g| / std(g). The reference's own bf16 path
-# differs from its fp32 path by about 0.1 sigma (depth) and 0.25 sigma (pose) (issue 3). Measured
-# on an H200 (2026-11-22, docs/PERFORMANCE.md): FlashInfer bf16 vs golden 0.088 (depth), 0.100
-# (confidence), 0.145 (pose), 0.038 (c2w); FlashInfer vs SDPA, both bf16, at most 0.144 (pose).
-BF16_TOLERANCE = {"depth": 0.25, "depth_conf": 0.25, "pose_enc": 0.4, "c2w": 0.15}
 
 
 @pytest.fixture(scope="module")
@@ -67,34 +61,6 @@ def test_flashinfer_matches_sdpa_on_random_sequences(flashinfer_backend, variant
     assert worst_sdpa < 2e-2, f"max |sdpa bf16 - fp32 attention| = {worst_sdpa}"
 
 
-SCENARIOS = {
-    "all_keyframes": dict(keyframes="all"),
-    "interval_2": dict(keyframes="interval:2"),
-    "flow": dict(keyframes="flow", flow_threshold=43.0, max_gap=3),
-}
-
-
-def stream(model, dtype, attention, compile=False, **options):
-    """Stream the golden frames on the GPU through a model prepared for `dtype` from the loaded
-    (float32, CPU) `model`, which stays as it is."""
-    from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
-
-    prepared = prepare_for_inference(model, "cuda", dtype, compile=compile)
-    engine = StreamingEngine(prepared, StreamConfig(scale_frames=3, window=4, attention=attention, **options))
-    predictions = []
-    for frame in golden_frames():
-        predictions += engine.push(frame.cuda())
-    predictions += engine.finish()  # pipelined streaming hands the last frame over here
-    return predictions, engine
-
-
-def errors(predictions, golden) -> dict[str, float]:
-    out = {"pose_enc": float(relative_error(np.stack([p.pose_enc for p in predictions]), golden["pose_enc"], axis=0).max())}
-    for key in ("depth", "depth_conf", "c2w"):
-        out[key] = float(relative_error(np.stack([getattr(p, key) for p in predictions]), golden[key]))
-    return out
-
-
 def test_fp32_cuda_path_matches_golden(gpu_model):
     torch.backends.cuda.matmul.allow_tf32 = False
     predictions, engine = stream(gpu_model, torch.float32, "sdpa", keyframes="all")
@@ -111,7 +77,7 @@ def test_bf16_backends_agree_with_golden_and_each_other(flashinfer_backend, gpu_
     assert engine.stats()["attention"] == "flashinfer-fa2"
     sdpa, _ = stream(gpu_model, torch.bfloat16, "sdpa", **SCENARIOS[scenario])
     fast_errors, sdpa_errors = errors(fast, golden), errors(sdpa, golden)
-    between = errors(fast, {k: np.stack([getattr(p, k) for p in sdpa]) for k in ("pose_enc", "depth", "depth_conf", "c2w")})
+    between = errors(fast, as_golden(sdpa))
     print(f"{scenario}: flashinfer vs golden {fast_errors}; sdpa-bf16 vs golden {sdpa_errors}; flashinfer vs sdpa {between}")
     assert [p.frame_type for p in fast] == [p.frame_type for p in sdpa]
     if scenario != "flow":
@@ -119,14 +85,6 @@ def test_bf16_backends_agree_with_golden_and_each_other(flashinfer_backend, gpu_
     for key, limit in BF16_TOLERANCE.items():
         assert fast_errors[key] <= limit, f"{key}: {fast_errors[key]:.3f} sigma"
         assert between[key] <= limit, f"{key}: {between[key]:.3f} sigma"
-
-
-def long_stream_tiny_model():
-    """The tiny model with room for 2,100 temporal positions, prepared for bf16 on the GPU."""
-    from stream_recon.models import ModelConfig, prepare_for_inference
-
-    config = ModelConfig.from_dict({**ModelConfig.tiny().to_dict(), "max_frames": 2100})
-    return prepare_for_inference(build_tiny_model(config), "cuda", torch.bfloat16)
 
 
 def test_page_accounting_over_2000_frames(flashinfer_backend):

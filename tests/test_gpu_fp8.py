@@ -1,5 +1,5 @@
 """The fp8 K/V cache and the memory budget on the GPU: the write and range kernels against PyTorch,
-the full model over an fp8 cache against the float32 golden outputs (issue 17's limits), and a
+the full model over an fp8 cache against the float32 golden outputs (FP8_TOLERANCE), and a
 budgeted run whose peak stays within its plan. Skipped on machines without CUDA.
 
     pytest -q tests/test_gpu_fp8.py -s -k "not budget"   # -s prints the measured errors
@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import torch
 from golden_utils import GOLDEN
-from test_gpu_fast_path import as_golden
-from test_gpu_flashinfer import SCENARIOS, errors, stream
+from gpu_golden import SCENARIOS, as_golden, errors, stream
 
 from stream_recon.cache import DenseKV, VisibleRange, fp8
 
@@ -25,7 +24,7 @@ pytestmark = [
 ]
 
 E4M3 = torch.float8_e4m3fn
-# Issue 17: fp8-cache outputs against the float32 golden ones, max |o - g| / std(g).
+# The fp8 cache's accuracy limits: its outputs against the float32 golden ones, max |o - g| / std(g).
 FP8_TOLERANCE = {"depth": 0.25, "depth_conf": 0.25, "pose_enc": 0.5}
 
 
@@ -126,7 +125,7 @@ def test_fp8_cache_meets_the_issue_limits_against_golden(gpu_model, scenario, at
 
 
 def test_budget_run_peaks_within_its_plan(gpu_model):
-    """The issue's setting on the full model: 518x392 frames (a 640x480 video), scale 8, window 64,
+    """The 8 GiB setting on the full model: 518x392 frames (a 640x480 video), scale 8, window 64,
     an 8 GiB budget that the process is held to: the plan takes the fp8 cache, nothing runs out of
     memory, and the measured peak stays under the plan's estimate and 7.5 GiB."""
     from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference

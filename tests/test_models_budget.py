@@ -10,9 +10,9 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from engine_helpers import assert_streams_like_the_visible_set_model, frames
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_models_engine import assert_streams_like_the_visible_set_model, frames
 
 from stream_recon.cache import TokenCache, fp8
 from stream_recon.models import (

@@ -170,8 +170,8 @@ def resident_bytes_of(path: Path) -> int:
 
 def test_safetensors_load_holds_a_bounded_piece_of_the_file_beside_the_parameters(tmp_path, tiny_pt, monkeypatch,
                                                                                    reference_outputs):
-    # issue 18, defect 9: the whole file stayed mapped, its pages resident, beside aligned copies of its
-    # tensors: host memory peaked at twice the checkpoint. Now each open of the file reads one piece.
+    # Keeping the whole file mapped, its pages resident, beside aligned copies of its tensors would peak
+    # host memory at twice the checkpoint: each open of the file reads one piece.
     converted = convert_to_safetensors(tiny_pt, tmp_path / "tiny.safetensors", config=TINY)
     piece_bytes = 1 << 20
     monkeypatch.setattr(ckpt, "READ_PIECE_BYTES", piece_bytes)
@@ -232,7 +232,7 @@ def test_convert_records_config_and_source_digest(tmp_path, tiny_pt, tiny_state_
 
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
 def test_converted_file_mode_follows_the_umask(tmp_path, tiny_pt, umask):
-    # issue 18, defect 8: the file came out 0600 whatever the umask, so a shared checkpoint was unreadable
+    # Not 0600 whatever the umask: a shared checkpoint must be readable by the others the umask allows
     previous = os.umask(umask)
     try:
         converted = convert_to_safetensors(tiny_pt, tmp_path / "tiny.safetensors", config=TINY)
@@ -394,7 +394,7 @@ def overwrite_tensor_bytes(path: Path, tensor: torch.Tensor, new_bytes: bytes) -
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
 def test_corrupted_data_bytes_are_refused_naming_the_tensor(tmp_path, tiny_pt, tiny_state_dict, suffix):
-    # issue 18, defect 1: 64 KiB of random bytes over a tensor's data loaded, and every output was NaN
+    # 64 KiB of random bytes over a tensor's data must be refused at the load, not make every output NaN
     path = tiny_pt if suffix == ".pt" else convert_to_safetensors(tiny_pt, tmp_path / "tiny.safetensors", config=TINY)
     name = "camera_head.trunk.0.mlp.fc1.weight"  # 1 MiB, the tiny model's largest tensor
     overwrite_tensor_bytes(path, tiny_state_dict[name], np.random.default_rng(0).bytes(64 << 10))
@@ -590,7 +590,7 @@ def test_download_fills_the_hub_cache_where_resolve_finds_it(tmp_path, monkeypat
 
 
 def test_download_with_the_hub_refusing_connections_fails_at_once(tmp_path, monkeypatch):
-    # issue 18: huggingface_hub retried for 25-30 s, then the message suggested the command that had failed
+    # At once, not after huggingface_hub's 25-30 s of retries, and without suggesting the command that failed
     endpoint = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
     start = time.monotonic()

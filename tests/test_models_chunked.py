@@ -496,7 +496,7 @@ def test_contiguous_layout_gives_the_paged_results_across_windows(model, frames,
 
 def test_the_first_window_emits_the_models_own_outputs_and_later_ones_keep_its_quaternion_norm(model, frames):
     """pose_enc in a run is the model's where no alignment applies; an aligned window's quaternion
-    keeps the norm the model gave it (issue 15)."""
+    keeps the norm the model gave it."""
     config = StreamConfig(scale_frames=3, window=4)
     engine = ChunkedEngine(model, config, chunk_frames=6, overlap=3)
     emitted = [p for frame in frames[:12] for p in engine.push(frame)] + engine.finish()

@@ -1,4 +1,4 @@
-"""The wheel, installed alone (issue 18): built from this checkout and installed into a fresh venv that
+"""The wheel, installed alone: built from this checkout and installed into a fresh venv that
 sees nothing of the repository, it runs `-h`, `info` and a `--config indoor` run of the bundled sample.
 
 Rather than download torch and the rest a second time, the fresh venv sees the installed
@@ -22,10 +22,6 @@ import pytest
 import torch
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
-
-from stream_recon.models import GCTStream, ModelConfig
-from stream_recon.models.checkpoint import convert_to_safetensors
-from stream_recon.models.synthetic import load_synthetic_weights
 
 pytestmark = pytest.mark.slow
 
@@ -101,18 +97,6 @@ def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", wheel])
     run([sys.executable, "-m", "pip", "--python", python, "check"])
     return venv / "bin"
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model on the deterministic synthetic weights, as .safetensors carrying its config."""
-    folder = tmp_path_factory.mktemp("tiny")
-    with torch.device("meta"):
-        model = GCTStream(ModelConfig.tiny())
-    model = model.to_empty(device="cpu")
-    load_synthetic_weights(model)
-    torch.save(model.state_dict(), folder / "tiny.pt")
-    return convert_to_safetensors(folder / "tiny.pt", folder / "tiny.safetensors", config=ModelConfig.tiny())
 
 
 @pytest.fixture

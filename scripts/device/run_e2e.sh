@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Product-path measurements on the GPU machine (issue 16): what `stream-recon VIDEO` delivers, beside
+# Product-path measurements on the GPU machine: what `stream-recon VIDEO` delivers, beside
 # the engine's own rate, in one call. JSON and logs under $OUT.
 #   (GPU machine, repository root, .whl carried)  bash scripts/device/run_e2e.sh [extra bench_e2e options]
 set -uo pipefail

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One GPU-machine session (environment: env.sh): the GPU tests, then the benchmark with the live
+# One call on the GPU machine (environment: env.sh): the GPU tests, then the benchmark with the live
 # viewer attached in alternating blocks. Writes logs under $OUT.
-#   (on the GPU machine, from the repository root)  bash scripts/gpu/run_gpu_suite.sh
+#   (on the GPU machine, from the repository root)  bash scripts/device/run_gpu_suite.sh
 set -uo pipefail
 source scripts/device/env.sh
 python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$OUT/gpu.txt"
