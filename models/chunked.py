@@ -34,7 +34,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from .chunks import TRAINED_VIEWS, ChunkAlignment
+from .chunks import TRAINED_VIEWS, ChunkAlignment, ChunkLink
 from .engine import StreamingEngine
 from .gct import GCTStream
 from .lookahead import SpareEngine
@@ -198,6 +198,11 @@ class ChunkedEngine:
         """[n_chunks, 4, 4] [R | t] of each chunk's transform into chunk 0; with `chunk_scales` it maps
         x -> s R x + t (the reference's name and layout)."""
         return np.stack([transform.matrix for transform in self.alignment.transforms])
+
+    @property
+    def chunk_links(self) -> list[ChunkLink]:
+        """How each chunk after the first was hung on the one before (the odometry of a pose graph)."""
+        return list(self.alignment.links)
 
     # -- chunks ----------------------------------------------------------------------------
     @property

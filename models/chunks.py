@@ -25,7 +25,7 @@ import torch
 
 from .pose import decode_pose
 from .prediction import FramePrediction
-from .similarity import FrameRatios, Sim3, estimate_chunk_alignment
+from .similarity import FrameRatios, Sim3, estimate_chunk_alignment, overlap_sigmas
 
 logger = logging.getLogger("stream_recon.models.chunks")
 
@@ -40,6 +40,17 @@ class AlignedFrame:
     pose_enc: np.ndarray  # [9]
     depth: np.ndarray  # [H, W]
     is_keyframe: bool
+
+
+@dataclass(frozen=True)
+class ChunkLink:
+    """How chunk `index` was hung on chunk `index - 1` at its rollover: an odometry edge of the pose graph
+    over chunks (models/pose_graph.py)."""
+
+    index: int
+    previous_from_next: Sim3  # chunk `index` coordinates -> chunk `index - 1` coordinates
+    sigmas: np.ndarray  # [7] how well the shared frames agreed (similarity.overlap_sigmas)
+    num_shared: int
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,7 @@ class ChunkAlignment:
         self.start = 0  # stream index of the current chunk's first frame
         self.transform: Sim3 | None = Sim3.identity()
         self.transforms: list[Sim3] = [Sim3.identity()]
+        self.links: list[ChunkLink] = []  # one per chunk after the first, once its transform is known
         self.num_shared = 0  # frames the current chunk re-predicts from the previous one
         self.previous_tail: list[AlignedFrame] = []
         self.held: list[FramePrediction] = []  # raw predictions waiting for the chunk's transform
@@ -96,6 +108,7 @@ class ChunkAlignment:
         """The current chunk as if none of its frames were received (its frames are predicted again)."""
         if self.transform is not None:
             self.transforms.pop()
+            self.links.pop()
         self.transform, self.held = None, []
         self.tail.clear()
 
@@ -149,6 +162,10 @@ class ChunkAlignment:
         )
         self.early_ratios = {}
         self.transforms.append(transform)
+        previous_pose_enc = np.stack([p.pose_enc for p in previous])
+        self.links.append(ChunkLink(self.index, self.transforms[-2].inverse() @ transform,
+                                    overlap_sigmas(previous_pose_enc, np.stack([s.pose_enc for s in shared]), transform),
+                                    len(shared)))
         logger.info("chunk %d aligned on %d shared frames: scale %.6f, rotation %.2f deg, translation %s",
                     self.index, len(shared), transform.scale, transform.rotation_deg,
                     np.round(transform.translation, 4))

@@ -26,6 +26,10 @@ from .pose import quat_xyzw_product, quat_xyzw_to_rotation, rotation_to_quat_xyz
 
 _DEPTH_EPS = float(np.finfo(np.float32).eps)  # the reference's "depth is not zero" threshold
 _SCALE_RANGE = (1e-3, 1e3)  # the reference clamps a chunk's depth-ratio scale to this range
+# The least disagreement an overlap is credited with, per tangent component: 1e-3 rad (0.06 degrees) of
+# rotation, 1e-3 of the overlap's extent in translation and 1e-3 in log scale, about the model's own
+# frame-to-frame noise on a still camera; without a floor a 1-frame overlap would be an infinitely sure edge.
+MIN_OVERLAP_SIGMA = 1e-3
 
 
 class AlignmentError(ValueError):
@@ -289,3 +293,44 @@ def estimate_chunk_alignment(target_pose_enc: np.ndarray, target_depth: Sequence
     target_centre = np.asarray(target_pose_enc[anchor, :3], np.float64)
     source_centre = np.asarray(source_pose_enc[anchor, :3], np.float64)
     return Sim3(scale, rotation, target_centre - scale * rotation @ source_centre)
+
+
+def overlap_sigmas(target_pose_enc: np.ndarray, source_pose_enc: np.ndarray, transform: Sim3) -> np.ndarray:
+    """How well two chunks' predictions of their shared frames agree once `transform` maps the source's
+    onto the target's: the standard deviations [7] of a pose-graph edge's tangent error, in its order
+    (rotation x, y, z in rad; translation x, y, z in source units; log scale).
+
+    pose_enc [K, 9] each, camera-to-world, the same K frames. Rotation: the RMS, per axis, of each frame's
+    residual rotation R_target^T (R R_source) as an axis-angle vector. Translation: the RMS, per axis, of
+    the camera centres' residuals, in source units (divided by the scale). Log scale: the translation
+    residual relative to the overlap's extent (the centres' RMS distance from their mean). Each at least
+    MIN_OVERLAP_SIGMA (relative to the extent for translation).
+    """
+    target = np.asarray(target_pose_enc, np.float64)
+    source = np.asarray(source_pose_enc, np.float64)
+    target_rotation = quat_xyzw_to_rotation(target[:, 3:7])
+    mapped_rotation = transform.rotation @ quat_xyzw_to_rotation(source[:, 3:7])
+    residual_rotation = np.einsum("kji,kjl->kil", target_rotation, mapped_rotation)  # R_t^T R R_s, [K, 3, 3]
+    rotation_sigma = np.sqrt(np.mean(_rotation_vectors(residual_rotation) ** 2, axis=0))
+    centres = target[:, :3]
+    residual_centres = (transform.apply_to_points(source[:, :3]) - centres) / transform.scale
+    translation_sigma = np.sqrt(np.mean(residual_centres**2, axis=0))
+    extent = float(np.sqrt(np.mean(np.sum((centres - centres.mean(axis=0)) ** 2, axis=1)))) / transform.scale
+    extent = extent if extent > 0 else 1.0  # a still camera: translation in absolute units
+    log_scale_sigma = float(np.linalg.norm(translation_sigma)) / extent
+    sigmas = np.concatenate([np.maximum(rotation_sigma, MIN_OVERLAP_SIGMA),
+                             np.maximum(translation_sigma, MIN_OVERLAP_SIGMA * extent),
+                             [max(log_scale_sigma, MIN_OVERLAP_SIGMA)]])
+    return sigmas
+
+
+def _rotation_vectors(rotations: np.ndarray) -> np.ndarray:
+    """[..., 3, 3] rotations -> [..., 3] axis-angle vectors (angle in rad times the unit axis)."""
+    cos_angle = np.clip((np.trace(rotations, axis1=-2, axis2=-1) - 1) / 2, -1.0, 1.0)
+    angle = np.arccos(cos_angle)
+    skew = np.stack([rotations[..., 2, 1] - rotations[..., 1, 2], rotations[..., 0, 2] - rotations[..., 2, 0],
+                     rotations[..., 1, 0] - rotations[..., 0, 1]], axis=-1)
+    sin_angle = np.sin(angle)
+    # angle / (2 sin angle) -> 1/2 as the angle -> 0 (the skew part is then 2 x the vector)
+    factor = np.where(sin_angle > 1e-8, angle / (2 * np.where(sin_angle > 1e-8, sin_angle, 1.0)), 0.5)
+    return skew * factor[..., None]

@@ -740,3 +740,55 @@ def test_a_transition_outside_the_table_is_refused(model):
             rollover._enter(Phase.AHEAD)
     finally:
         rollover.close()
+
+
+def test_chunk_links_compose_to_the_chunk_transforms_and_say_how_well_the_overlap_agreed(model, frames):
+    from stream_recon.models.similarity import MIN_OVERLAP_SIGMA
+
+    config, chunk_frames, overlap, count = CASES["all"]
+    engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap)
+    run_live(engine, frames[:count])
+    links = engine.chunk_links
+    assert [link.index for link in links] == list(range(1, engine.stats()["rollovers"] + 1))
+    world_from_chunk = Sim3.identity()
+    for link, matrix, scale in zip(links, engine.chunk_transforms[1:], engine.chunk_scales[1:], strict=True):
+        world_from_chunk = world_from_chunk @ link.previous_from_next
+        np.testing.assert_allclose(world_from_chunk.rotation, matrix[:3, :3], atol=1e-9)
+        np.testing.assert_allclose(world_from_chunk.translation, matrix[:3, 3], atol=1e-9)
+        assert world_from_chunk.scale == pytest.approx(scale, rel=1e-12)
+        assert link.num_shared == overlap and link.sigmas.shape == (7,)
+        assert np.all(np.isfinite(link.sigmas)) and np.all(link.sigmas > 0)
+        assert np.all(link.sigmas[[0, 1, 2, 6]] >= MIN_OVERLAP_SIGMA)  # rotation and log scale: the floors at least
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_overlap_sigmas_measure_the_disagreement_of_the_shared_frames(seed):
+    from stream_recon.models.similarity import MIN_OVERLAP_SIGMA, overlap_sigmas
+
+    rng = np.random.default_rng(seed)
+    truth = random_sim3(rng)
+    source_rotations = random_rotations(rng, 67)  # uniform, near identity and near a half turn: 201
+    count = len(source_rotations)
+    source = np.zeros((count, 9))
+    source[:, :3] = rng.normal(0, 1, (count, 3))
+    source[:, 3:7] = np.stack([rotation_to_quat_xyzw(r) for r in source_rotations])
+    target = truth.apply_to_pose_enc(source)
+    exact = overlap_sigmas(target, source, truth)
+    np.testing.assert_allclose(exact[:3], MIN_OVERLAP_SIGMA)  # agreement: the floors
+    noise_rad, noise_units = 0.01, 0.05
+    noisy = target.copy()
+    noisy[:, :3] += rng.normal(0, noise_units * truth.scale, (count, 3))  # in target units
+    for k in range(count):
+        axis_angle = rng.normal(0, noise_rad, 3)
+        angle = np.linalg.norm(axis_angle)
+        quaternion = np.concatenate([np.sin(angle / 2) * axis_angle / angle, [np.cos(angle / 2)]])
+        noisy[k, 3:7] = quat_product_xyzw(noisy[k, 3:7], quaternion)  # R_target @ R(noise)
+    sigmas = overlap_sigmas(noisy, source, truth)
+    np.testing.assert_allclose(sigmas[:3], noise_rad, rtol=0.25)
+    np.testing.assert_allclose(sigmas[3:6], noise_units, rtol=0.25)
+
+
+def quat_product_xyzw(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    from stream_recon.models.pose import quat_xyzw_product
+
+    return quat_xyzw_product(first, second)
