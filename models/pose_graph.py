@@ -19,18 +19,22 @@ Conventions (docs/loop_closure.md says more):
 
 The optimiser is GTSAM's (Similarity3, Levenberg-Marquardt, GncOptimizer). GTSAM's Similarity3(R, t, s)
 maps x -> s (R x + t), where our Sim3 maps x -> s R x + t: the conversions below divide or multiply the
-translation by the scale. GTSAM holds the GIL while it optimises, so `PoseGraphWorker` optimises in a
+translation by the scale. GTSAM holds the GIL through each iteration, so `PoseGraphWorker` optimises in a
 child process by default and never stalls the caller's thread.
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import os
+import pickle
+import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
 import gtsam
 import numpy as np
@@ -300,49 +304,85 @@ class PoseGraphWorkerError(RuntimeError):
     """An optimisation on the worker failed; the original error is the cause."""
 
 
-def _serve(connection: Any, settings: PoseGraphSettings) -> None:
-    """The child process: optimise each graph received, send back its result (or the error as text)."""
-    while True:
-        try:
-            graph = connection.recv()
-        except EOFError:  # the parent closed its end
-            return
-        try:
-            reply: PoseGraphResult | str = optimize(graph, settings)
-        except Exception as error:  # (sent as text: GTSAM's exceptions need not pickle)
-            reply = f"{type(error).__name__}: {error}"
-        connection.send(reply)
+def _write_message(stream: BinaryIO, message: object) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(struct.pack("<Q", len(data)) + data)
+    stream.flush()
+
+
+def _read_message(stream: BinaryIO) -> Any:
+    """The next message, or raises EOFError when the other end has closed."""
+    header = stream.read(8)
+    if len(header) < 8:
+        raise EOFError
+    (size,) = struct.unpack("<Q", header)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError
+    return pickle.loads(data)
+
+
+def serve(requests_fd: int, replies_fd: int) -> None:
+    """The child process of a SubprocessSolver: read (graph, settings), optimise, reply with the result (or
+    the error as text: GTSAM's exceptions need not pickle), until the parent closes its end."""
+    with os.fdopen(requests_fd, "rb") as requests, os.fdopen(replies_fd, "wb") as replies:
+        while True:
+            try:
+                graph, settings = _read_message(requests)
+            except EOFError:
+                return
+            try:
+                reply: PoseGraphResult | str = optimize(graph, settings)
+            except Exception as error:
+                reply = f"{type(error).__name__}: {error}"
+            _write_message(replies, reply)
 
 
 class SubprocessSolver:
-    """`optimize` in a child process of its own (started on first use), so that GTSAM, which keeps the
-    GIL while it works, never stalls the caller's threads. Spawned, not forked: the parent may hold CUDA."""
+    """`optimize` in a child process of its own, started on first use.
+
+    GTSAM keeps the GIL through each Levenberg-Marquardt iteration (tens of ms at a few hundred chunks, a
+    second at 10,000), which the caller's threads would wait out; a process of its own costs them nothing.
+    The child is a fresh interpreter (`python -c`, neither forked, which a CUDA parent must not, nor
+    multiprocessing's spawn, which re-runs the caller's main script); graphs and results go through two
+    pipes, pickled. Its start imports the package: seconds, once.
+    """
 
     def __init__(self, settings: PoseGraphSettings = PoseGraphSettings()) -> None:
         self._settings = settings
-        self._process: Any = None
-        self._connection: Any = None
+        self._process: subprocess.Popen | None = None
+        self._requests: BinaryIO | None = None
+        self._replies: BinaryIO | None = None
+
+    def _start(self) -> None:
+        child_reads, parent_writes = os.pipe()
+        parent_reads, child_writes = os.pipe()
+        command = f"from stream_recon.models.pose_graph import serve; serve({child_reads}, {child_writes})"
+        self._process = subprocess.Popen([sys.executable, "-c", command], pass_fds=(child_reads, child_writes),
+                                         stdin=subprocess.DEVNULL)
+        os.close(child_reads)
+        os.close(child_writes)
+        self._requests, self._replies = os.fdopen(parent_writes, "wb"), os.fdopen(parent_reads, "rb")
 
     def __call__(self, graph: PoseGraph) -> PoseGraphResult:
         if self._process is None:
-            context = multiprocessing.get_context("spawn")
-            self._connection, child_end = context.Pipe()
-            self._process = context.Process(target=_serve, args=(child_end, self._settings), daemon=True,
-                                            name="pose-graph-solver")
-            self._process.start()
-            child_end.close()
-        self._connection.send(graph)
-        reply = self._connection.recv()  # waits without the GIL
+            self._start()
+        try:
+            _write_message(self._requests, (graph, self._settings))
+            reply = _read_message(self._replies)  # (file reads wait without the GIL)
+        except (EOFError, OSError, ValueError) as error:
+            raise RuntimeError(f"the pose-graph process ended (exit status {self._process.poll()})") from error
         if isinstance(reply, str):
-            raise RuntimeError(f"the pose-graph process failed: {reply}")
+            raise RuntimeError(f"the pose-graph optimisation failed: {reply}")
         return reply
 
     def close(self) -> None:
         """End the child process now, even in the middle of an optimisation."""
         if self._process is not None:
-            self._connection.close()
             self._process.terminate()
-            self._process.join(timeout=5)
+            self._process.wait(timeout=10)
+            self._requests.close()
+            self._replies.close()
 
 
 @dataclass(frozen=True)
@@ -433,5 +473,5 @@ class PoseGraphWorker:
 __all__ = [
     "LoopEdge", "LoopVerdict", "OdometryEdge", "PoseGraph", "PoseGraphResult", "PoseGraphSettings",
     "PoseGraphWorker", "PoseGraphWorkerError", "SolvedGraph", "SubprocessSolver", "as_sigmas", "from_gtsam",
-    "open_chain", "optimize", "to_gtsam",
+    "open_chain", "optimize", "serve", "to_gtsam",
 ]
