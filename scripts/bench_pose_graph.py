@@ -7,8 +7,8 @@
 Real trajectories (tests/loop_scenarios.py, the same set-up as tests/test_models_pose_graph.py): KITTI 00
 and TUM fr1_xyz from evo's sdist (tests/evo_data.py fetches it, or STREAM_RECON_EVO_DATA names it), cut into
 chunks of 320 frames (16 shared), odometry with ~1 degree / 2 % / 1 % of path noise, a loop at every revisit,
-20 % false loops; several seeds. Timings: synthetic chunk chains (a random walk, a loop per ten chunks, 20 %
-of loops false) solved by `optimize` (GNC and the check) and by plain Levenberg-Marquardt in GTSAM, and,
+20 % false loops; several seeds. Timings: synthetic chunk chains (a random walk, a loop per ten chunks to a chunk
+up to 50 before it, 20 % of loops false) solved by `optimize` (GNC and the check) and by plain Levenberg-Marquardt in GTSAM, and,
 with --pypose, by pypose's dense Levenberg-Marquardt.
 """
 
@@ -90,8 +90,8 @@ def no_revisit_stretch(kitti: np.ndarray, seeds: int) -> None:
 # -- timings on synthetic chains -------------------------------------------------------------------
 def synthetic_graph(num_chunks: int, seed: int) -> tuple[PoseGraph, tuple[Sim3, ...]]:
     """A random walk of chunks (250 units of path each, turning ~20 degrees, each at a scale of its own in
-    [0.5, 2]), odometry and loops with the real-trajectory noise, a true loop per ten chunks between random
-    chunks and 20 % of loops false."""
+    [0.5, 2]), odometry and loops with the real-trajectory noise, a true loop per ten chunks (to a chunk 2
+    to 50 before it) and 20 % of loops false (between any two chunks)."""
     rng = np.random.default_rng(seed)
     rotation, position, truth = np.eye(3), np.zeros(3), []
     for _ in range(num_chunks):
@@ -105,7 +105,12 @@ def synthetic_graph(num_chunks: int, seed: int) -> tuple[PoseGraph, tuple[Sim3, 
         graph = graph.with_odometry(OdometryEdge(perturbed(truth[k].inverse() @ truth[k + 1], sigmas, rng), sigmas))
     true_loops = max(1, num_chunks // 10)
     for n in range(true_loops + max(1, true_loops // 4)):
-        first, second = (int(k) for k in rng.choice(num_chunks, 2, replace=False))
+        if n < true_loops:  # a place passed up to 50 chunks before (an open chain of 10,000 chunks drifts
+            # by ~100 degrees end to end: a loop across all of it is beyond any local optimiser's reach)
+            first = int(rng.integers(0, num_chunks - 2))
+            second = int(min(num_chunks - 1, first + rng.integers(2, 51)))
+        else:
+            first, second = (int(k) for k in rng.choice(num_chunks, 2, replace=False))
         sigmas = LOOP_NOISE.sigmas(250.0 / truth[second].scale)
         measured = truth[first].inverse() @ truth[second]
         if n >= true_loops:  # false: a wrong place, ~hundreds of units off
@@ -187,7 +192,7 @@ def timings(sizes: list[int], with_pypose: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=40, help="seeds a real trajectory (default 40)")
+    parser.add_argument("--seeds", type=int, default=40, help="seeds a real trajectory (default 40; 0: timings only)")
     parser.add_argument("--sizes", type=int, nargs="*", default=[100, 10_000], help="chunks of the timed graphs")
     parser.add_argument("--pypose", action="store_true", help="also time pypose's LM (needs pypose installed)")
     args = parser.parse_args()
@@ -198,6 +203,8 @@ def main() -> None:
     except pytest.skip.Exception as reason:
         sys.exit(f"no real trajectories: {reason}")
     kitti = read_kitti_poses(data / "KITTI_00_gt.txt")
+    if args.seeds == 0:
+        return timings(args.sizes, args.pypose)
     real_trajectory("KITTI 00", kitti, args.seeds, revisit=5.0, false_distance=50.0)
     real_trajectory("TUM fr1_xyz", read_tum_poses(data / "freiburg1_xyz-groundtruth.txt"), max(1, args.seeds // 4),
                     revisit=0.05, false_distance=0.2)
