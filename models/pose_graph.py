@@ -295,7 +295,8 @@ def optimize(graph: PoseGraph, settings: PoseGraphSettings = PoseGraphSettings()
         if accepted:
             poses = _anchored(estimate, graph.num_chunks)
     chi2 = _loop_chi2(graph.loops, poses)
-    verdicts = tuple(LoopVerdict(loop.loop_id, i in accepted, float(weights[i]), chi2[i])
+    kept = set(accepted)
+    verdicts = tuple(LoopVerdict(loop.loop_id, i in kept, float(weights[i]), chi2[i])
                      for i, loop in enumerate(graph.loops))
     return PoseGraphResult(
         world_from_chunk=poses,

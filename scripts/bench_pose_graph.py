@@ -122,8 +122,9 @@ def synthetic_graph(num_chunks: int, seed: int) -> tuple[PoseGraph, tuple[Sim3, 
 
 
 def plain_lm_seconds(graph: PoseGraph) -> tuple[float, int]:
-    """GTSAM's Levenberg-Marquardt over all edges, no robustness: the floor of what a solve costs."""
-    factors = pose_graph._factor_graph(graph, graph.loops)
+    """GTSAM's Levenberg-Marquardt over the odometry and the true loops, no robustness: the floor of what a
+    solve costs (with the false loops too it stalls at once on a long chain)."""
+    factors = pose_graph._factor_graph(graph, [loop for loop in graph.loops if loop.loop_id.startswith("true")])
     values = pose_graph._values(open_chain(graph.odometry))
     start = time.perf_counter()
     optimizer = gtsam.LevenbergMarquardtOptimizer(factors, values, gtsam.LevenbergMarquardtParams())
@@ -183,11 +184,11 @@ def timings(sizes: list[int], with_pypose: bool) -> None:
         print(f"{size} chunks, {len(graph.loops)} loops ({len(false)} false): optimize {result.seconds:.3f} s "
               f"({result.iterations} LM iterations, {sum(not v.accepted for v in false)}/{len(false)} false rejected, "
               f"{sum(v.accepted for v in result.loops if v not in false)}/{len(graph.loops) - len(false)} true "
-              f"accepted); GTSAM LM alone {lm_seconds:.3f} s ({lm_iterations} iterations)")
+              f"accepted); GTSAM LM, true loops only: {lm_seconds:.3f} s ({lm_iterations} iterations)")
         if with_pypose:
             outcome = pypose_lm_seconds(graph)
             text = outcome if isinstance(outcome, str) else f"{outcome[0]:.3f} s ({outcome[1]} steps)"
-            print(f"  pypose LM: {text}")
+            print(f"  pypose LM, all loops: {text}")
 
 
 def main() -> None:

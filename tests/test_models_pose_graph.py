@@ -347,7 +347,6 @@ def mean_wake_up_gap(busy: threading.Thread) -> float:
     return float(np.mean(gaps))
 
 
-@pytest.mark.slow
 def test_the_subprocess_solver_gives_the_same_result_and_leaves_the_callers_thread_running() -> None:
     """GTSAM holds the GIL through each Levenberg-Marquardt iteration (~10-40 ms at 600 chunks here): in a
     thread of this process the caller waits that long for each wake-up; with the child process it does not."""
