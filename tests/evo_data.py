@@ -1,7 +1,8 @@
-"""Real TUM trajectories for the evo-equivalence tests, taken from evo's source distribution on PyPI.
+"""Real trajectories for the tests, taken from evo's source distribution on PyPI.
 
-evo's sdist ships real trajectories of TUM RGB-D sequences in `evo-<version>/test/data/` (ground truth,
-ORB-SLAM keyframes, RGB-D SLAM). They are not ours to commit, so the tests read them from the folder
+evo's sdist ships real trajectories in `evo-<version>/test/data/`: TUM RGB-D sequences (ground truth,
+ORB-SLAM keyframes, RGB-D SLAM) for the evo-equivalence tests, and KITTI odometry sequence 00's ground
+truth (4,541 poses, a car that drives past the same places several times) for the pose graph's tests. They are not ours to commit, so the tests read them from the folder
 named by STREAM_RECON_EVO_DATA (.ci/run downloads the sdist and sets it). Without that variable the files
 are fetched once with `pip download` into a user cache; when neither works the tests skip and say why.
 """
@@ -28,6 +29,7 @@ REAL_TRAJECTORIES = (
     "fr2_desk_groundtruth.txt",
     "fr2_desk_ORB.txt",
     "fr2_desk_ORB_kf_mono.txt",
+    "KITTI_00_gt.txt",  # KITTI's pose format: a row-major [3, 4] camera-to-world a line
 )
 
 
@@ -77,7 +79,7 @@ def evo_data_dir() -> Path:
         reason = _download_into(cache)
         if reason:
             pytest.skip(
-                f"real TUM trajectories unavailable: {EVO_DATA_ENV} is not set and {reason}; set it to the "
+                f"real trajectories unavailable: {EVO_DATA_ENV} is not set and {reason}; set it to the "
                 f"test/data folder of evo-{EVO_SDIST_VERSION}.tar.gz from PyPI (.ci/run does)"
             )
     return cache

@@ -1,0 +1,217 @@
+"""The pose graph's figures: drift corrected and false loops rejected on real trajectories, and solve times.
+
+    .venv/bin/python scripts/bench_pose_graph.py                  # everything (the 10,000-chunk solves: minutes)
+    .venv/bin/python scripts/bench_pose_graph.py --sizes 100      # real trajectories and 100 chunks only
+    .venv/bin/python scripts/bench_pose_graph.py --pypose         # also pypose's Levenberg-Marquardt, to compare
+
+Real trajectories (tests/loop_scenarios.py, the same set-up as tests/test_models_pose_graph.py): KITTI 00
+and TUM fr1_xyz from evo's sdist (tests/evo_data.py fetches it, or STREAM_RECON_EVO_DATA names it), cut into
+chunks of 320 frames (16 shared), odometry with ~1 degree / 2 % / 1 % of path noise, a loop at every revisit,
+20 % false loops; several seeds. Timings: synthetic chunk chains (a random walk, a loop per ten chunks to a chunk
+up to 50 before it, 20 % of loops false) solved by `optimize` (GNC and the check) and by plain Levenberg-Marquardt in GTSAM, and,
+with --pypose, by pypose's dense Levenberg-Marquardt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import gtsam
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+from evo_data import evo_data_dir  # noqa: E402
+from loop_scenarios import (  # noqa: E402
+    LOOP_NOISE,
+    ODOMETRY_NOISE,
+    chunk_ranges,
+    make_scenario,
+    perturbed,
+    read_kitti_poses,
+    read_tum_poses,
+    revisits,
+)
+
+from stream_recon.models import pose_graph  # noqa: E402
+from stream_recon.models.pose_graph import LoopEdge, OdometryEdge, PoseGraph, open_chain, optimize  # noqa: E402
+from stream_recon.models.similarity import Sim3  # noqa: E402
+
+KITTI_NO_REVISITS = slice(620, 3240)  # as in tests/test_models_pose_graph.py
+
+
+def real_trajectory(name: str, truth: np.ndarray, seeds: int, revisit: float, false_distance: float) -> None:
+    ratios, opens, corrected, times = [], [], [], []
+    false_rejected = false_total = true_accepted = true_total = 0
+    for seed in range(seeds):
+        scenario = make_scenario(truth, seed, revisit_radius=revisit, false_min_distance=false_distance)
+        result = optimize(scenario.graph)
+        accepted = set(result.accepted_ids)
+        opens.append(scenario.ate(open_chain(scenario.graph.odometry)))
+        corrected.append(scenario.ate(result.world_from_chunk))
+        ratios.append(corrected[-1] / opens[-1])
+        times.append(result.seconds)
+        false_rejected += len(scenario.false_loops - accepted)
+        false_total += len(scenario.false_loops)
+        true_accepted += len(scenario.true_loops & accepted)
+        true_total += len(scenario.true_loops)
+    chunks = scenario.graph.num_chunks
+    print(f"{name}: {len(truth)} frames, {chunks} chunks, {len(scenario.true_loops)} true and "
+          f"{len(scenario.false_loops)} false loops a seed, {seeds} seeds")
+    print(f"  Sim(3) ATE open chain: mean {np.mean(opens):.4g}, corrected: mean {np.mean(corrected):.4g}")
+    print(f"  corrected / open: mean {np.mean(ratios):.3f}, median {np.median(ratios):.3f}, "
+          f"min {np.min(ratios):.3f}, max {np.max(ratios):.3f}, seeds above 0.25: {np.sum(np.array(ratios) > 0.25)}")
+    print(f"  false loops rejected {false_rejected}/{false_total}, true loops accepted {true_accepted}/{true_total}")
+    print(f"  optimize: median {1e3 * statistics.median(times):.1f} ms, max {1e3 * max(times):.1f} ms")
+
+
+def no_revisit_stretch(kitti: np.ndarray, seeds: int) -> None:
+    stretch = kitti[KITTI_NO_REVISITS]
+    ranges = chunk_ranges(len(stretch))
+    assert revisits(stretch, ranges, 20.0) == {}
+    offered = sum(len(range(a + 2, len(ranges))) for a in range(len(ranges)))
+    accepted = identical = 0
+    for seed in range(seeds):
+        scenario = make_scenario(stretch, seed, revisit_radius=5.0, false_min_distance=50.0, false_loops=offered)
+        result = optimize(scenario.graph)
+        accepted += len(result.accepted_ids)
+        chain = open_chain(scenario.graph.odometry)
+        identical += all(np.array_equal(a.scaled_matrix, b.scaled_matrix) and a.scale == b.scale
+                         for a, b in zip(result.world_from_chunk, chain, strict=True))
+    print(f"KITTI 00 frames {KITTI_NO_REVISITS.start}-{KITTI_NO_REVISITS.stop} (no revisits, {len(ranges)} chunks), "
+          f"{offered} false loops a seed, {seeds} seeds: {accepted} accepted, open chain bit-identical in "
+          f"{identical}/{seeds}")
+
+
+# -- timings on synthetic chains -------------------------------------------------------------------
+def synthetic_graph(num_chunks: int, seed: int) -> tuple[PoseGraph, tuple[Sim3, ...]]:
+    """A random walk of chunks (250 units of path each, turning ~20 degrees, each at a scale of its own in
+    [0.5, 2]), odometry and loops with the real-trajectory noise, a true loop per ten chunks (to a chunk 2
+    to 50 before it) and 20 % of loops false (between any two chunks)."""
+    rng = np.random.default_rng(seed)
+    rotation, position, truth = np.eye(3), np.zeros(3), []
+    for _ in range(num_chunks):
+        truth.append(Sim3(float(np.exp(rng.uniform(np.log(0.5), np.log(2.0)))), rotation, position))
+        turn = pose_graph.from_gtsam(gtsam.Similarity3.Expmap(np.concatenate([rng.normal(0, 0.2, 3), np.zeros(4)])))
+        position = position + rotation @ np.array([250.0, 0, 0])
+        rotation = rotation @ turn.rotation
+    graph = PoseGraph()
+    for k in range(num_chunks - 1):
+        sigmas = ODOMETRY_NOISE.sigmas(250.0 / truth[k + 1].scale)
+        graph = graph.with_odometry(OdometryEdge(perturbed(truth[k].inverse() @ truth[k + 1], sigmas, rng), sigmas))
+    true_loops = max(1, num_chunks // 10)
+    for n in range(true_loops + max(1, true_loops // 4)):
+        if n < true_loops:  # a place passed up to 50 chunks before (an open chain of 10,000 chunks drifts
+            # by ~100 degrees end to end: a loop across all of it is beyond any local optimiser's reach)
+            first = int(rng.integers(0, num_chunks - 2))
+            second = int(min(num_chunks - 1, first + rng.integers(2, 51)))
+        else:
+            first, second = (int(k) for k in rng.choice(num_chunks, 2, replace=False))
+        sigmas = LOOP_NOISE.sigmas(250.0 / truth[second].scale)
+        measured = truth[first].inverse() @ truth[second]
+        if n >= true_loops:  # false: a wrong place, ~hundreds of units off
+            measured = measured @ pose_graph.from_gtsam(gtsam.Similarity3.Expmap(
+                np.concatenate([rng.normal(0, 0.5, 3), rng.normal(0, 300, 3), [0.0]])))
+        graph = graph.with_loop(LoopEdge(f"{'true' if n < true_loops else 'false'}-{n}", first, second,
+                                         perturbed(measured, sigmas, rng), sigmas))
+    return graph, tuple(truth)
+
+
+def plain_lm_seconds(graph: PoseGraph) -> tuple[float, int]:
+    """GTSAM's Levenberg-Marquardt over the odometry and the true loops, no robustness: the floor of what a
+    solve costs (with the false loops too it stalls at once on a long chain)."""
+    factors = pose_graph._factor_graph(graph, [loop for loop in graph.loops if loop.loop_id.startswith("true")])
+    values = pose_graph._values(open_chain(graph.odometry))
+    start = time.perf_counter()
+    optimizer = gtsam.LevenbergMarquardtOptimizer(factors, values, gtsam.LevenbergMarquardtParams())
+    optimizer.optimize()
+    return time.perf_counter() - start, optimizer.iterations()
+
+
+def pypose_lm_seconds(graph: PoseGraph, max_steps: int = 20) -> tuple[float, int] | str:
+    """pypose 0.9.5's Levenberg-Marquardt over all edges (dense Jacobian on the CPU; its sparse mode needs
+    the `bae` backend and CUDA). Our tangent [rotation, translation, log s] is pypose's [translation,
+    rotation, log s]: the sigmas are reordered."""
+    try:
+        import pypose as pp
+        import torch
+    except ImportError:
+        return "not installed (pip install pypose==0.9.5)"
+    edges = [(k, k + 1, edge.previous_from_next, edge.sigmas) for k, edge in enumerate(graph.odometry)]
+    edges += [(loop.first, loop.second, loop.first_from_second, loop.sigmas) for loop in graph.loops]
+    jacobian_bytes = 8 * 7 * len(edges) * 7 * (graph.num_chunks - 1)
+    if jacobian_bytes > 4e9:
+        return f"not run: its dense Jacobian would take {jacobian_bytes / 1e9:.0f} GB"
+
+    def lie(transform: Sim3) -> torch.Tensor:  # pypose's Sim3 layout: t (3), quaternion xyzw (4), s
+        quat = gtsam.Rot3(transform.rotation).toQuaternion()
+        return torch.tensor([*transform.translation, quat.x(), quat.y(), quat.z(), quat.w(), transform.scale],
+                            dtype=torch.float64)
+
+    chain = open_chain(graph.odometry)
+    index = torch.tensor([[a, b] for a, b, _, _ in edges])
+    measured = pp.Sim3(torch.stack([lie(z) for _, _, z, _ in edges]))
+    weights = torch.tensor(np.array([1 / np.concatenate([s[3:6], s[0:3], s[6:]]) for *_, s in edges]))
+
+    class Chain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("root", pp.Sim3(lie(chain[0])[None]))
+            self.nodes = pp.Parameter(pp.Sim3(torch.stack([lie(pose) for pose in chain[1:]])))
+
+        def forward(self, pairs: torch.Tensor) -> torch.Tensor:
+            nodes = torch.cat([self.root, self.nodes])
+            return (measured.Inv() @ nodes[pairs[:, 0]].Inv() @ nodes[pairs[:, 1]]).Log().tensor() * weights
+
+    model = Chain()
+    optimizer = pp.optim.LM(model, strategy=pp.optim.strategy.TrustRegion())
+    start, losses = time.perf_counter(), [float("inf")]
+    while len(losses) <= max_steps and losses[-1] - (loss := float(optimizer.step(input=(index,)))) >= 1e-5 * loss:
+        losses.append(loss)
+    return time.perf_counter() - start, len(losses)
+
+
+def timings(sizes: list[int], with_pypose: bool) -> None:
+    for size in sizes:
+        graph, _ = synthetic_graph(size, seed=0)
+        result = optimize(graph)
+        false = [verdict for verdict in result.loops if str(verdict.loop_id).startswith("false")]
+        lm_seconds, lm_iterations = plain_lm_seconds(graph)
+        print(f"{size} chunks, {len(graph.loops)} loops ({len(false)} false): optimize {result.seconds:.3f} s "
+              f"({result.iterations} LM iterations, {sum(not v.accepted for v in false)}/{len(false)} false rejected, "
+              f"{sum(v.accepted for v in result.loops if v not in false)}/{len(graph.loops) - len(false)} true "
+              f"accepted); GTSAM LM, true loops only: {lm_seconds:.3f} s ({lm_iterations} iterations)")
+        if with_pypose:
+            outcome = pypose_lm_seconds(graph)
+            text = outcome if isinstance(outcome, str) else f"{outcome[0]:.3f} s ({outcome[1]} steps)"
+            print(f"  pypose LM, all loops: {text}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=40, help="seeds a real trajectory (default 40; 0: timings only)")
+    parser.add_argument("--sizes", type=int, nargs="*", default=[100, 10_000], help="chunks of the timed graphs")
+    parser.add_argument("--pypose", action="store_true", help="also time pypose's LM (needs pypose installed)")
+    args = parser.parse_args()
+    import pytest  # evo_data_dir skips through pytest when the data cannot be had
+
+    try:
+        data = evo_data_dir()
+    except pytest.skip.Exception as reason:
+        sys.exit(f"no real trajectories: {reason}")
+    kitti = read_kitti_poses(data / "KITTI_00_gt.txt")
+    if args.seeds == 0:
+        return timings(args.sizes, args.pypose)
+    real_trajectory("KITTI 00", kitti, args.seeds, revisit=5.0, false_distance=50.0)
+    real_trajectory("TUM fr1_xyz", read_tum_poses(data / "freiburg1_xyz-groundtruth.txt"), max(1, args.seeds // 4),
+                    revisit=0.05, false_distance=0.2)
+    no_revisit_stretch(kitti, max(1, args.seeds // 4))
+    timings(args.sizes, args.pypose)
+
+
+if __name__ == "__main__":
+    main()
