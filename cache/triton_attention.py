@@ -15,23 +15,24 @@ conversions costing more than the exponentials they save at head dim 64.
 Schedule. The work is a set of tiles, 64 queries of one head against every visible key, all of
 one cost. One program per tile runs in waves of as many programs as the GPU holds at once (2 per
 SM on an H100: 264). At 518x378 a frame is 1,005 tokens, 16 query blocks x 16 heads = 256 tiles:
-one wave. At 518x392 it is 1,042 tokens, 17 x 16 = 272 tiles: a second wave of 8 tiles took as
-long as the first (25.0 -> 40.6 ms per frame). So the tiles that fill whole waves still run one
-program each (`whole_tiles`), and the leftover tiles, fewer than a wave, are cut into `splits`
-equal chunks of the key range (`split_tiles` x `splits` pieces, one program each). A piece writes
-its unnormalised output, row maxima and row sums; a second, small kernel merges a tile's pieces.
-At 272 tiles that is 264 whole tiles and 8 tiles in 33 pieces: 1.03 tile times instead of 2.
-
-Tiles are numbered head-major (a head's query blocks consecutive) and pieces chunk-major, so the
-programs running at the same time read the same keys of the same head: each head's keys and
-values (about 19 MB at 75,000 keys) then come from device memory once per chunk, while the other
-query blocks of that head find them in L2. Pieces that each covered a different key stretch would
-need every piece's keys from device memory, several times the bandwidth of the tensor cores'
-work here.
+one wave. At 518x392 it is 1,042 tokens, 17 x 16 = 272 tiles: a second wave of 8 tiles took about
+as long as the first (per layer 703 -> 1,320 us; per frame 25.3 -> 40.4 ms). So the tiles that fill
+whole waves still run one program each (`whole_tiles`), and the leftover tiles, fewer than a wave,
+are cut into `splits` equal chunks of the key range (`split_tiles` x `splits` pieces, one program
+each; schedule_tiles picks the count). A piece writes its unnormalised output, row maxima and row
+sums; a second, small kernel merges a tile's pieces, all pieces of a few rows at once. At 272 tiles:
+264 whole tiles and 8 tiles in 32-33 pieces, 744 us per layer (27.3 ms per frame). Measured
+against the other answers (docs/PERFORMANCE.md, 2026-11-23): 128-query tiles (8 warps) were
+slower everywhere and took a second wave at 1,042 tokens too (873 us at 1,005, 1,797 at 1,042);
+launching the tiles query block first, so that every head's partial last block comes last,
+changes nothing by itself (a tile costs the same whatever its rows); with the leftover cut, that
+order was up to 11% slower than head-major (954 against 855 us at 1,116 tokens): pieces of one
+head's tiles running together read the same keys through L2.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -80,6 +81,7 @@ class TileSchedule:
         return self.whole_tiles + self.num_pieces
 
 
+@functools.lru_cache(maxsize=256)  # (called per launch; a frame size asks the same few questions)
 def schedule_tiles(num_tiles: int, slots: int, num_key_blocks: int) -> TileSchedule:
     """The schedule of `num_tiles` equal tiles of `num_key_blocks` key blocks each on `slots`
     resident programs: whole waves of whole tiles, then the leftover (num_tiles mod slots) cut into

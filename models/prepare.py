@@ -10,8 +10,9 @@ order. What preparing does, and why each step belongs here rather than in the en
 - fusions that replace modules: the MLPs' GELU inside the first layer's cuBLASLt epilogue
   (fused_gelu.py), the camera head's large layers reading float16-stored weights with float32
   arithmetic (few_token_linear.py; needs triton);
-- the DINO and frame blocks' attention through the Triton range kernel on Hopper or newer in
-  bf16/fp16 (cache/triton_attention.py, `attend_frame`: one wave for frames of up to 1,584 tokens);
+- the DINO and frame blocks' attention through `attend_frame` on Hopper or newer in bf16/fp16
+  (cache/triton_attention.py): cuDNN while a frame's tiles fit one wave, the Triton range kernel at
+  three programs per SM past it (frames over 1,024 tokens);
 - channels-last DPT convolutions (cuDNN's NHWC kernels);
 - torch.compile of the blocks' halves and both heads' pure parts (CUDA).
 
@@ -162,10 +163,10 @@ def step_precision(device_type: str, autocast_dtype: torch.dtype | None):
 
 def use_range_kernel_for_frames(module: torch.nn.Module) -> int:
     """The attention of every block under `module` that attends without a cache (DINO, frame
-    blocks) through the Triton range kernel (its tensor-memory loads need Hopper or newer).
-    cuDNN's kernel, SDPA's choice there, runs a frame's 64-query tiles 264 at a time on an H100: from
-    1,042 tokens on (518x392), a second wave took each call from 17 to 30 us (docs/PERFORMANCE.md).
-    Returns the number of attention modules changed."""
+    blocks) through `attend_frame` (the range kernel's tensor-memory loads need Hopper or newer).
+    cuDNN's kernel, SDPA's choice, runs a frame's 64-query tiles 264 at a time on an H100: from
+    1,042 tokens on (518x392) a second wave took each call from 16 to 30 us, where the range kernel
+    at three programs per SM takes 23 (docs/PERFORMANCE.md). Returns the number of modules changed."""
     from stream_recon.cache.triton_attention import attend_frame
 
     from .layers import Attention

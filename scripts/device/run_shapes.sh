@@ -4,7 +4,9 @@
 # (TESTS, TEST_K) or, without tests, the attention probe; then the engine per size and variant
 # (scripts/bench_shapes.py, for DEADLINE seconds); then, in the time left before LIMIT_S, the
 # attention probe at PROBE_HEIGHTS (after tests).
-#   (GPU machine, repository root, .whl carried; tests/golden for the tests)
+#   (GPU machine, repository root, .whl carried; tests/golden for the tests; for the `previous`
+#    variant, the range kernel of the commit to compare with in cache/triton_attention_previous.py:
+#    git show COMMIT:cache/triton_attention.py > cache/triton_attention_previous.py, not committed)
 #   HEIGHTS=378,392,518 PROFILE=378,392 TESTS="tests/test_gpu_fp8.py" TEST_K=range bash scripts/device/run_shapes.sh
 set -uo pipefail
 source scripts/device/env.sh
