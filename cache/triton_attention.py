@@ -11,9 +11,30 @@ graph. On an H100 at the streaming shape (1,005 queries, 72,840 keys, 16 heads o
 tensor memory accelerator (pointer loads: 717 us) and 64-row query blocks (128 rows: 745 us).
 Exponentials stay float32: the probe's half-precision `ex2.f16x2` variants were slower, their
 conversions costing more than the exponentials they save at head dim 64.
+
+Schedule. The work is a set of tiles, 64 queries of one head against every visible key, all of
+one cost. One program per tile runs in waves of as many programs as the GPU holds at once (2 per
+SM on an H100: 264). At 518x378 a frame is 1,005 tokens, 16 query blocks x 16 heads = 256 tiles:
+one wave. At 518x392 it is 1,042 tokens, 17 x 16 = 272 tiles: a second wave of 8 tiles took about
+as long as the first (per layer 703 -> 1,320 us; per frame 25.3 -> 40.4 ms). So the tiles that fill
+whole waves still run one program each (`whole_tiles`), and the leftover tiles, fewer than a wave,
+are cut into `splits` equal chunks of the key range (`split_tiles` x `splits` pieces, one program
+each; schedule_tiles picks the count). A piece writes its unnormalised output, row maxima and row
+sums; a second, small kernel merges a tile's pieces, all pieces of a few rows at once. At 272 tiles:
+264 whole tiles and 8 tiles in 32-33 pieces, 744 us per layer (27.3 ms per frame). Measured
+against the other answers (docs/PERFORMANCE.md, 2026-11-23): 128-query tiles (8 warps) were
+slower everywhere and took a second wave at 1,042 tokens too (873 us at 1,005, 1,797 at 1,042);
+launching the tiles query block first, so that every head's partial last block comes last,
+changes nothing by itself (a tile costs the same whatever its rows); with the leftover cut, that
+order was up to 11% slower than head-major (954 against 855 us at 1,116 tokens): pieces of one
+head's tiles running together read the same keys through L2.
 """
 
 from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -28,6 +49,90 @@ from .triton_quantize import dequantize_range
 # 16 heads of a 1,005-token frame, two per SM; keys and values through TMA descriptors).
 BLOCK_QUERIES, BLOCK_KEYS, NUM_WARPS, NUM_STAGES = 64, 128, 4, 3
 LOG2_E = 1.4426950408889634
+# What a round of pieces costs beyond its share of the keys, in key blocks: its programs' start,
+# the pipeline's fill and drain, the partial outputs and the merge. Fitted on an H100 (2026-11-23,
+# docs/PERFORMANCE.md): each round of pieces added 15-20 us to a layer of 590-650 key blocks
+# (about 1.3 us a block), so 12 blocks. It keeps short key ranges (a frame's own 8-11 blocks)
+# whole, where a second wave of pieces would cost as much as the wave of whole tiles.
+ROUND_COST_BLOCKS = 12
+# Pieces in flight at most, per resident program: the partial outputs stay under 4 x 264 x 17 KB
+# (18 MB) on an H100.
+MAX_PIECES_PER_SLOT = 4
+# Chunks per tile at most: the merge holds one row's pieces at once, 128 x 64 floats over 4 warps.
+MAX_SPLITS = 128
+
+
+@dataclass(frozen=True)
+class TileSchedule:
+    """How the tiles of one call map to programs. Tiles [0, whole_tiles) take one program each
+    over all keys; tiles [whole_tiles, whole_tiles + split_tiles) take `splits` programs each,
+    one per key chunk, merged afterwards. splits == 1 exactly when split_tiles == 0."""
+
+    whole_tiles: int
+    split_tiles: int
+    splits: int
+
+    @property
+    def num_pieces(self) -> int:
+        return self.split_tiles * self.splits
+
+    @property
+    def num_programs(self) -> int:
+        return self.whole_tiles + self.num_pieces
+
+
+@functools.lru_cache(maxsize=256)  # (called per launch; a frame size asks the same few questions)
+def schedule_tiles(num_tiles: int, slots: int, num_key_blocks: int) -> TileSchedule:
+    """The schedule of `num_tiles` equal tiles of `num_key_blocks` key blocks each on `slots`
+    resident programs: whole waves of whole tiles, then the leftover (num_tiles mod slots) cut into
+    the number of key chunks that finishes it soonest. A leftover of `r` tiles in `s` chunks runs
+    in ceil(r*s / slots) rounds of ceil(num_key_blocks / s) blocks plus ROUND_COST_BLOCKS each;
+    uncut it takes num_key_blocks.
+
+    Example, 264 slots and 600 key blocks: 272 tiles -> 264 whole + 8 in 32 chunks (1.05 tile
+    times, not 2); 352 tiles -> 264 whole + 88 in 3 chunks (1.35); 256 tiles stay whole (one wave).
+    """
+    if num_tiles < 1 or slots < 1 or num_key_blocks < 1:
+        raise ValueError(f"need a tile, a slot and a key block, got {num_tiles}, {slots} and {num_key_blocks}")
+    leftover = num_tiles % slots
+    if leftover == 0:
+        return TileSchedule(num_tiles, 0, 1)
+
+    def leftover_blocks(splits: int) -> int:
+        if splits == 1:
+            return num_key_blocks
+        return math.ceil(leftover * splits / slots) * (math.ceil(num_key_blocks / splits) + ROUND_COST_BLOCKS)
+
+    most = min(num_key_blocks, MAX_SPLITS, max(1, MAX_PIECES_PER_SLOT * slots // leftover))
+    splits = min(range(1, most + 1), key=lambda s: (leftover_blocks(s), s))
+    if splits == 1:
+        return TileSchedule(num_tiles, 0, 1)
+    return TileSchedule(num_tiles - leftover, leftover, splits)
+
+
+_resident_programs: dict[tuple, int] = {}
+
+
+def resident_programs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_stages: int = NUM_STAGES) -> int:
+    """How many programs of the range kernel, compiled for these arguments, the GPU runs at once:
+    per SM, the fewest its shared memory, registers and threads allow, times the SMs."""
+    key = (q.device.index, q.dtype, keys.dtype, q.shape[-1], num_stages)
+    if key not in _resident_programs:
+        kernel = _compiled_range_kernel(q, keys, values, num_stages)
+        kernel._init_handles()  # loads the binary, which reports the registers per thread
+        properties = torch.cuda.get_device_properties(q.device)
+        num_warps = kernel.metadata.num_warps
+        # CUDA reserves 1 KB of shared memory per block; registers are handed out per warp, 256 at a time
+        by_shared = properties.shared_memory_per_multiprocessor // (kernel.metadata.shared + 1024)
+        registers_per_warp = -(-kernel.n_regs * 32 // 256) * 256
+        by_registers = getattr(properties, "regs_per_multiprocessor", 65536) // (registers_per_warp * num_warps)
+        by_threads = properties.max_threads_per_multi_processor // (num_warps * 32)
+        per_sm = min(by_shared, by_registers, by_threads)
+        if per_sm < 1:
+            raise RuntimeError(f"the range kernel does not fit an SM of {properties.name}: "
+                               f"{kernel.metadata.shared} B shared, {kernel.n_regs} registers per thread")
+        _resident_programs[key] = per_sm * properties.multi_processor_count
+    return _resident_programs[key]
 
 
 @triton.jit
@@ -43,54 +148,214 @@ def _fold_block(s, v, m_i, l_i, acc, qk_scale):
 
 
 @triton.jit
-def _range_attention_kernel(Q, keys, values, Out, key_range, stride_q, stride_o, num_queries, qk_scale,
-                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: BLOCK_M queries of one head against keys [start, end) of that head. `keys` and
-    `values` are descriptors of the [capacity, heads * HEAD_DIM] store, BLOCK_N rows by HEAD_DIM."""
-    block, head = tl.program_id(0), tl.program_id(1)
-    start, end = tl.load(key_range), tl.load(key_range + 1)
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + rows[:, None] * stride_q + head * HEAD_DIM + dims[None, :], mask=rows[:, None] < num_queries,
-                other=0.0)
-    column = head * HEAD_DIM
+def _attend_key_blocks(q, keys, values, column, start, num_keys, first, stop, qk_scale,
+                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """q [BLOCK_M, HEAD_DIM] against key blocks [first, stop) of the range (block b: keys
+    start + b * BLOCK_N onwards, column `column` of the store). Returns the running max (scaled,
+    base 2), the sum and the unnormalised output; -inf, 0 and 0 for an empty interval."""
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    num_keys = end - start
-    whole = num_keys // BLOCK_N * BLOCK_N
-    for offset in range(0, whole, BLOCK_N):
-        s = tl.dot(q, tl.trans(keys.load([start + offset, column])))
-        m_i, l_i, acc = _fold_block(s, values.load([start + offset, column]), m_i, l_i, acc, qk_scale)
-    if whole < num_keys:  # the last, partial block: its rows past the end belong to other tokens
-        inside = whole + cols < num_keys
-        s = tl.where(inside[None, :], tl.dot(q, tl.trans(keys.load([start + whole, column]))), -float("inf"))
-        v = tl.where(inside[:, None], values.load([start + whole, column]), 0.0)
+    last = num_keys // BLOCK_N  # the partial last block's index, if the range has one
+    for block in range(first, tl.minimum(stop, last)):
+        offset = start + block * BLOCK_N
+        s = tl.dot(q, tl.trans(keys.load([offset, column])))
+        m_i, l_i, acc = _fold_block(s, values.load([offset, column]), m_i, l_i, acc, qk_scale)
+    if (first <= last) & (last < stop):  # (last < stop only when the range ends in a partial block)
+        inside = last * BLOCK_N + tl.arange(0, BLOCK_N) < num_keys  # its rows past the end belong to other tokens
+        offset = start + last * BLOCK_N
+        s = tl.where(inside[None, :], tl.dot(q, tl.trans(keys.load([offset, column]))), -float("inf"))
+        v = tl.where(inside[:, None], values.load([offset, column]), 0.0)
         m_i, l_i, acc = _fold_block(s, v, m_i, l_i, acc, qk_scale)
-    out = acc / l_i[:, None]
-    tl.store(Out + rows[:, None] * stride_o + head * HEAD_DIM + dims[None, :], out.to(Out.dtype.element_ty),
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _tile_rows(tile, num_query_blocks, num_heads, TAILS_LAST: tl.constexpr):
+    """A tile's head and query block. Head-major by default; TAILS_LAST numbers the tiles query
+    block first, so that every head's last (partial) block comes last."""
+    if TAILS_LAST:
+        return tile % num_heads, tile // num_heads
+    return tile // num_query_blocks, tile % num_query_blocks
+
+
+# (the schedule's numbers change with the frame size: one compiled kernel serves them all)
+@triton.jit(do_not_specialize=["whole_tiles", "split_tiles", "splits"])
+def _range_attention_kernel(Q, keys, values, Out, partial_out, partial_stats, key_range, first_key, end_key,
+                            stride_q, stride_o, num_queries, num_heads, qk_scale, whole_tiles, split_tiles, splits,
+                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            RANGE_IN_MEMORY: tl.constexpr, TAILS_LAST: tl.constexpr):
+    """One program: a whole tile (program < whole_tiles) or one piece of a split tile. A tile is
+    BLOCK_M queries of one head against keys [start, end) of that head (read from key_range with
+    RANGE_IN_MEMORY, else [first_key, end_key)); a piece, against one of `splits` equal chunks of
+    those keys' blocks. `keys` and `values` are descriptors of the [capacity, heads * HEAD_DIM]
+    store, BLOCK_N rows by HEAD_DIM. Pieces write partial_out [pieces, BLOCK_M, HEAD_DIM]
+    (unnormalised) and partial_stats [2, pieces, BLOCK_M] (row maxima, scaled base 2, and row
+    sums), piece = chunk * split_tiles + (tile - whole_tiles)."""
+    program = tl.program_id(0)
+    if RANGE_IN_MEMORY:
+        start, end = tl.load(key_range), tl.load(key_range + 1)
+    else:
+        start, end = first_key, end_key
+    num_keys = end - start
+    num_key_blocks = tl.cdiv(num_keys, BLOCK_N)
+    piece = program - whole_tiles
+    tile, first, stop = program, num_key_blocks * 0, num_key_blocks
+    if program >= whole_tiles:
+        chunk = piece // split_tiles
+        tile = whole_tiles + piece % split_tiles
+        first, stop = chunk * num_key_blocks // splits, (chunk + 1) * num_key_blocks // splits
+    num_query_blocks = tl.cdiv(num_queries, BLOCK_M)
+    head, query_block = _tile_rows(tile, num_query_blocks, num_heads, TAILS_LAST)
+    rows = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + rows[:, None] * stride_q + head * HEAD_DIM + dims[None, :], mask=rows[:, None] < num_queries,
+                other=0.0)
+    m_i, l_i, acc = _attend_key_blocks(q, keys, values, head * HEAD_DIM, start, num_keys, first, stop, qk_scale,
+                                       HEAD_DIM, BLOCK_M, BLOCK_N)
+    if program < whole_tiles:
+        out = acc / l_i[:, None]
+        tl.store(Out + rows[:, None] * stride_o + head * HEAD_DIM + dims[None, :], out.to(Out.dtype.element_ty),
+                 mask=rows[:, None] < num_queries)
+    else:
+        lines = tl.arange(0, BLOCK_M)
+        tl.store(partial_out + (piece * BLOCK_M + lines[:, None]) * HEAD_DIM + dims[None, :], acc)
+        tl.store(partial_stats + piece * BLOCK_M + lines, m_i)
+        tl.store(partial_stats + (split_tiles * splits + piece) * BLOCK_M + lines, l_i)
+
+
+@triton.jit(do_not_specialize=["whole_tiles", "split_tiles", "splits"])
+def _merge_pieces_kernel(partial_out, partial_stats, Out, stride_o, num_queries, num_heads, whole_tiles, split_tiles,
+                         splits, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+                         PIECES: tl.constexpr, TAILS_LAST: tl.constexpr):
+    """Program (i, g): rows [g * ROWS, (g + 1) * ROWS) of split tile i, its `splits` pieces
+    (PIECES, a power of two, at least `splits`) loaded at once and merged: each weighted by
+    2^(its max - the largest max), divided by the weighted sum. A piece without keys (max -inf)
+    weighs 0; the last chunk always has keys, so the largest max is finite."""
+    index, group = tl.program_id(0), tl.program_id(1)
+    chunks = tl.arange(0, PIECES)
+    lines = group * ROWS + tl.arange(0, ROWS)
+    dims = tl.arange(0, HEAD_DIM)
+    piece = chunks * split_tiles + index  # [PIECES]
+    present = chunks < splits
+    stats = piece[:, None] * BLOCK_M + lines[None, :]  # [PIECES, ROWS]
+    maxima = tl.load(partial_stats + stats, mask=present[:, None], other=-float("inf"))
+    sums = tl.load(partial_stats + split_tiles * splits * BLOCK_M + stats, mask=present[:, None], other=0.0)
+    outs = tl.load(partial_out + stats[:, :, None] * HEAD_DIM + dims[None, None, :], mask=present[:, None, None],
+                   other=0.0)  # [PIECES, ROWS, HEAD_DIM]
+    weights = tl.math.exp2(maxima - tl.max(maxima, 0)[None, :])
+    merged = tl.sum(weights[:, :, None] * outs, 0) / tl.sum(weights * sums, 0)[:, None]
+    head, query_block = _tile_rows(whole_tiles + index, tl.cdiv(num_queries, BLOCK_M), num_heads, TAILS_LAST)
+    rows = query_block * BLOCK_M + lines
+    tl.store(Out + rows[:, None] * stride_o + head * HEAD_DIM + dims[None, :], merged.to(Out.dtype.element_ty),
              mask=rows[:, None] < num_queries)
 
 
-def attend_range(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_range: torch.Tensor) -> torch.Tensor:
+KeyRange = torch.Tensor | tuple[int, int]
+
+
+def attend_range(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_range: KeyRange, *,
+                 slots: int | None = None, num_stages: int = NUM_STAGES) -> torch.Tensor:
     """Softmax attention of q [T, H, D] over keys/values [capacity, H, D] at positions
-    [key_range[0], key_range[1]) (int32 [2], on q's device; read by the kernel, so a CUDA graph
-    may record the call). Returns [T, H, D] in q's dtype. keys and values: contiguous per token
-    (the store's layout); the range must hold at least one key."""
+    [key_range[0], key_range[1]): an int32 [2] tensor on q's device (read by the kernel, so a CUDA
+    graph may record the call while the range changes) or two ints. Returns [T, H, D] in q's
+    dtype, contiguous. q, keys and values: each token's heads side by side ([*, H, D] with strides
+    (any, D, 1)); the range must hold at least one key. slots: the programs the device runs at
+    once, which the schedule fills (None: measured from the compiled kernel on CUDA; one per tile
+    elsewhere, where nothing runs side by side). num_stages: key blocks in flight per program."""
+    num_queries, num_heads, head_dim = q.shape
+    if slots is None:
+        num_tiles = triton.cdiv(num_queries, BLOCK_QUERIES) * num_heads
+        slots = resident_programs(q, keys, values, num_stages) if q.is_cuda else num_tiles
+    return attend_range_scheduled(q, keys, values, key_range, slots, num_stages=num_stages)
+
+
+def attend_range_scheduled(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_range: KeyRange,
+                           slots: int, *, schedule: TileSchedule | None = None, block_queries: int = BLOCK_QUERIES,
+                           num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
+                           tails_last: bool = False) -> torch.Tensor:
+    """attend_range on `slots` resident programs; `schedule` (default: schedule_tiles's for the
+    store's capacity, which stands for the key count: that one may live on the device), the query
+    block, the warps and the tile order can be forced, for measurements."""
     num_queries, num_heads, head_dim = q.shape
     if keys.shape[1:] != (num_heads, head_dim) or values.shape != keys.shape:
         raise ValueError(f"keys/values {list(keys.shape)}/{list(values.shape)} do not match queries {list(q.shape)}")
-    if q.stride(-1) != 1 or not (keys.is_contiguous() and values.is_contiguous()):
-        raise ValueError("attend_range needs head-contiguous queries and contiguous [tokens, heads, dim] keys and values")
+    if any(t.stride(-1) != 1 or t.stride(-2) != head_dim for t in (keys, values)) or q.stride(-1) != 1:
+        raise ValueError("attend_range needs head-contiguous queries and [tokens, heads, dim] keys and values "
+                         "with each token's heads side by side")
+    num_tiles = triton.cdiv(num_queries, block_queries) * num_heads
+    if schedule is None:
+        schedule = schedule_tiles(num_tiles, slots, triton.cdiv(keys.shape[0], BLOCK_KEYS))
+    if schedule.whole_tiles + schedule.split_tiles != num_tiles:
+        raise ValueError(f"the schedule covers {schedule.whole_tiles + schedule.split_tiles} tiles, not {num_tiles}")
     out = torch.empty(num_queries, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    flat = [t.flatten(1) for t in (keys, values)]  # [capacity, H * D] views
-    descriptors = [TensorDescriptor(t, list(t.shape), list(t.stride()), [BLOCK_KEYS, head_dim]) for t in flat]
-    grid = (triton.cdiv(num_queries, BLOCK_QUERIES), num_heads)
-    _range_attention_kernel[grid](q, *descriptors, out, key_range, q.stride(0), out.stride(0), num_queries,
-                                  head_dim**-0.5 * LOG2_E, HEAD_DIM=head_dim, BLOCK_M=BLOCK_QUERIES,
-                                  BLOCK_N=BLOCK_KEYS, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    # [pieces, M, D] unnormalised outputs, [2, pieces, M] row maxima and sums (one element when unused)
+    partial_out = torch.empty(max(1, schedule.num_pieces * block_queries * head_dim), dtype=torch.float32, device=q.device)
+    partial_stats = torch.empty(max(1, 2 * schedule.num_pieces * block_queries), dtype=torch.float32, device=q.device)
+    in_memory = isinstance(key_range, torch.Tensor)
+    bounds = (key_range, 0, 0) if in_memory else (out, *key_range)  # (the pointer unused without RANGE_IN_MEMORY)
+    _range_attention_kernel[(schedule.num_programs,)](
+        q, *_descriptors(keys, values, head_dim), out, partial_out, partial_stats, *bounds, q.stride(0), out.stride(0),
+        num_queries, num_heads, head_dim**-0.5 * LOG2_E, schedule.whole_tiles, schedule.split_tiles, schedule.splits,
+        HEAD_DIM=head_dim, BLOCK_M=block_queries, BLOCK_N=BLOCK_KEYS, RANGE_IN_MEMORY=in_memory, TAILS_LAST=tails_last,
+        num_warps=num_warps, num_stages=num_stages)
+    if schedule.split_tiles:
+        pieces = triton.next_power_of_2(schedule.splits)
+        rows = max(1, min(block_queries, MERGE_VALUES_PER_ROW_GROUP // pieces))  # a [pieces, rows, D] block per program
+        _merge_pieces_kernel[(schedule.split_tiles, block_queries // rows)](
+            partial_out, partial_stats, out, out.stride(0), num_queries, num_heads, schedule.whole_tiles,
+            schedule.split_tiles, schedule.splits, HEAD_DIM=head_dim, BLOCK_M=block_queries, ROWS=rows, PIECES=pieces,
+            TAILS_LAST=tails_last, num_warps=4)
     return out
+
+
+# The merge loads all pieces of a few rows at once (one memory latency, not one per piece): 128
+# (piece, row) pairs of 64 values, 64 registers per thread of 4 warps.
+MERGE_VALUES_PER_ROW_GROUP = 128
+
+
+def attend_frame(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Unmasked attention of one sequence over itself, q, k, v [1, H, N, D] (transposed views of
+    token-major [1, N, H, D] tensors, as Attention.heads makes them) -> [1, H, N, D], the same kind
+    of view. Several sequences (B > 1) go to PyTorch's SDPA, and so does a frame whose tiles of 64
+    queries fit one wave of the range kernel's resident programs (264 on an H100).
+
+    The DINO and frame blocks' keys are the frame's own 8-11 blocks of 128. cuDNN's kernel (SDPA's
+    choice there) runs 64-query tiles, 264 at once on an H100: 16 us per call at 1,005 tokens, but
+    a second wave took it to 30 us at 1,042 (518x392, 48 calls per frame). The tiles are too short
+    to cut into pieces cheaply (ROUND_COST_BLOCKS), so past one wave the range kernel runs them
+    with two key blocks in flight instead of three, which shrinks a program's shared memory enough
+    for three per SM (396 at once: one wave up to 1,584 tokens): 23 us at 1,042 tokens. Within one
+    wave cuDNN stays, faster than that (16 against 20 us at 1,005 tokens)."""
+    num_heads, num_tokens = q.shape[1:3]
+    if q.shape[0] != 1 or (q.is_cuda and math.ceil(num_tokens / BLOCK_QUERIES) * num_heads
+                           <= resident_programs(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1))):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    out = attend_range(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), (0, num_tokens),
+                       num_stages=FRAME_NUM_STAGES)  # [N, H, D]
+    return out.transpose(0, 1)[None]
+
+
+# key blocks in flight for a frame past one wave (see attend_frame)
+FRAME_NUM_STAGES = 2
+
+
+def _descriptors(keys: torch.Tensor, values: torch.Tensor, head_dim: int) -> list[TensorDescriptor]:
+    flat = [t.flatten(1) for t in (keys, values)]  # [capacity, H * D] views
+    return [TensorDescriptor(t, list(t.shape), list(t.stride()), [BLOCK_KEYS, head_dim]) for t in flat]
+
+
+def _compiled_range_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_stages: int = NUM_STAGES):
+    """The range kernel as `attend_range` launches it for these arguments, compiled, not run (its
+    resources decide the schedule; the schedule's numbers are not specialised on, so any do)."""
+    num_queries, num_heads, head_dim = q.shape
+    num_tiles = triton.cdiv(num_queries, BLOCK_QUERIES) * num_heads
+    unused = torch.empty(1, dtype=torch.float32, device=q.device)
+    key_range = torch.empty(2, dtype=torch.int32, device=q.device)
+    return _range_attention_kernel.warmup(
+        q, *_descriptors(keys, values, head_dim), q, unused, unused, key_range, 0, 0, q.stride(0), q.stride(0),
+        num_queries, num_heads, 1.0, num_tiles, 0, 1, HEAD_DIM=head_dim, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS,
+        RANGE_IN_MEMORY=True, TAILS_LAST=False, num_warps=NUM_WARPS, num_stages=num_stages, grid=(1,))
 
 
 class TritonRangeAttention:

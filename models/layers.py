@@ -20,6 +20,8 @@ else:
 Rope = Callable[[torch.Tensor], torch.Tensor]
 # Attention over a cache: (layer, q, k, v) with [N, H, D] tensors -> [N, H, D].
 CachedAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# Unmasked attention of each sequence over itself: q, k, v [B, H, N, D] -> [B, H, N, D].
+SelfAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class LayerScale(nn.Module):
@@ -54,6 +56,9 @@ class Attention(nn.Module):
         self.q_norm = nn.LayerNorm(self.head_dim, eps=norm_eps) if qk_norm else nn.Identity()
         self.k_norm = nn.LayerNorm(self.head_dim, eps=norm_eps) if qk_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim)
+        # Without a cache (DINO and frame blocks): PyTorch's SDPA, unless a prepared model put
+        # another kernel here (prepare.py, use_range_kernel_for_frames).
+        self.self_attention: SelfAttention = F.scaled_dot_product_attention
 
     def heads(self, x: torch.Tensor, rope: Rope | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, N, C] -> q, k, v [B, H, N, D], QK-normed and rotated: transposed views of token-major
@@ -72,14 +77,13 @@ class Attention(nn.Module):
         # casting here (where a compiled block fuses it) rounds at the same point as the kernel would.
         return q.to(v.dtype).transpose(1, 2), k.to(v.dtype).transpose(1, 2), v.transpose(1, 2)
 
-    @staticmethod
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: CachedAttention | None = None,
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: CachedAttention | None = None,
                layer: int = 0) -> torch.Tensor:
         """[B, H, N, D] each -> [B, N, H * D]. With `cache` (B = 1), keys come from the cache after
         this step's K/V are written to it."""
         B, H, N, D = q.shape
         if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v)
+            out = self.self_attention(q, k, v)
         else:
             if B != 1:
                 raise ValueError(f"cached attention streams one sequence at a time, got batch {B}")

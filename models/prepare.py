@@ -10,6 +10,9 @@ order. What preparing does, and why each step belongs here rather than in the en
 - fusions that replace modules: the MLPs' GELU inside the first layer's cuBLASLt epilogue
   (fused_gelu.py), the camera head's large layers reading float16-stored weights with float32
   arithmetic (few_token_linear.py; needs triton);
+- the DINO and frame blocks' attention through `attend_frame` on Hopper or newer in bf16/fp16
+  (cache/triton_attention.py): cuDNN while a frame's tiles fit one wave, the Triton range kernel at
+  three programs per SM past it (frames over 1,024 tokens);
 - channels-last DPT convolutions (cuDNN's NHWC kernels);
 - torch.compile of the blocks' halves and both heads' pure parts (CUDA).
 
@@ -74,6 +77,8 @@ def prepare_for_inference(model: GCTStream, device: str | torch.device | None = 
             from .few_token_linear import store_weights_in_half
 
             half_camera = store_weights_in_half(prepared.camera_head) > 0
+    if half and on_cuda and importable("triton") and torch.cuda.get_device_capability(device)[0] >= 9:
+        use_range_kernel_for_frames(prepared.aggregator)
     if on_cuda:
         # cuDNN's NHWC convolutions: the DPT head's inputs are channels-last views already.
         prepared.depth_head.to(memory_format=torch.channels_last)
@@ -153,6 +158,22 @@ def step_precision(device_type: str, autocast_dtype: torch.dtype | None):
     if autocast_dtype is None:
         return float32_exact() if device_type == "cuda" else torch.autocast(device_type, enabled=False)
     return torch.autocast(device_type, dtype=autocast_dtype, cache_enabled=False)
+
+
+def use_range_kernel_for_frames(module: torch.nn.Module) -> int:
+    """The attention of every block under `module` that attends without a cache (DINO, frame
+    blocks) through `attend_frame` (the range kernel's tensor-memory loads need Hopper or newer).
+    cuDNN's kernel, SDPA's choice, runs a frame's 64-query tiles 264 at a time on an H100: from
+    1,042 tokens on (518x392) a second wave took each call from 16 to 30 us, where the range kernel
+    at three programs per SM takes 23 (docs/PERFORMANCE.md). Returns the number of modules changed."""
+    from stream_recon.cache.triton_attention import attend_frame
+
+    from .layers import Attention
+
+    modules = [m for m in module.modules() if isinstance(m, Attention)]
+    for attention in modules:
+        attention.self_attention = attend_frame
+    return len(modules)
 
 
 # -- torch.compile ---------------------------------------------------------------------------------

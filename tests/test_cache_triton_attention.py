@@ -4,6 +4,7 @@ The GPU runs it in tests/test_gpu_fast_path.py against the golden fixtures."""
 
 from __future__ import annotations
 
+import math
 import textwrap
 
 import pytest
@@ -60,3 +61,119 @@ def test_mismatched_layouts_are_refused():
     with pytest.raises(ValueError, match="head-contiguous"):
         store = torch.zeros(10, 32, 2).transpose(1, 2)  # [10, 2, 32] with the heads innermost
         attend_range(q, store, store, torch.tensor([0, 10], dtype=torch.int32))
+
+
+# The schedule on few slots, so that small cases take every path: whole waves, a leftover cut into
+# key chunks (one round of pieces, or several), chunks past the last key block (no keys at all),
+# a chunk holding only the partial last block, and the tails-last tile order.
+# (queries, heads, start, end, slots, forced schedule (whole, split, splits) or None, tails_last, dtype)
+SCHEDULE_CASES = [
+    (130, 3, 3, 3 + 3000, 4, None, False, "float32"),  # 9 tiles of 24 key blocks: 8 whole + 1 in 4 chunks
+    (65, 2, 0, 385, 3, (3, 1, 3), False, "float16"),  # 4 tiles: 3 whole + 1 in 3 chunks
+    (64, 4, 11, 11 + 512, 8, (0, 4, 2), False, "float32"),  # no whole wave: all 4 tiles in 2 chunks
+    (127, 2, 2, 2 + 640, 5, (0, 4, 5), True, "float32"),  # 4 tiles in 5 chunks: 20 pieces, 4 rounds
+    (63, 3, 9, 9 + 100, 1, (0, 3, 3), False, "float32"),  # one key block in 3 chunks: two are empty
+    (129, 2, 1, 1 + 129, 1, (4, 2, 2), True, "float16"),  # chunk 1: only the partial block's one key
+]
+
+SCHEDULE_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    import torch.nn.functional as F
+    from stream_recon.cache.triton_attention import TileSchedule, attend_range_scheduled, schedule_tiles
+
+    torch.manual_seed(1)
+    worst = []
+    for queries, heads, start, end, slots, forced, tails_last, dtype in eval(sys.argv[1]):
+        dtype = getattr(torch, dtype)
+        store = (torch.randn(2, end + 5, heads, 32) * 2).to(dtype)
+        q = (torch.randn(queries, heads, 32) * 2).to(dtype)
+        if forced is None:
+            tiles = -(-queries // 64) * heads
+            assert schedule_tiles(tiles, slots, -(-(end + 5) // 128)).splits > 1  # (the case cuts tiles)
+        schedule = TileSchedule(*forced) if forced else None
+        out = attend_range_scheduled(q, store[0], store[1], torch.tensor([start, end], dtype=torch.int32), slots,
+                                     schedule=schedule, tails_last=tails_last)
+        keys, values = (store[i, start:end].float().transpose(0, 1)[None] for i in (0, 1))
+        expected = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys, values)[0].transpose(0, 1)
+        assert out.shape == q.shape and out.dtype == dtype
+        worst.append((out.float() - expected).abs().max().item())
+    print(" ".join(f"{w:.3e}" for w in worst))
+""")
+
+
+def test_scheduled_pieces_merge_to_sdpa_over_the_same_keys():
+    errors = [float(x) for x in interpret(SCHEDULE_SCRIPT, SCHEDULE_CASES).split()]
+    assert len(errors) == len(SCHEDULE_CASES)
+    for case, error in zip(SCHEDULE_CASES, errors, strict=True):
+        limit = 5e-3 if case[-1] == "float16" else 1e-5
+        assert error <= limit, f"{case}: max error {error:.2e}"
+
+
+# A frame's attention over itself (attend_frame): q, k, v as Attention.heads makes them, transposed
+# views of one token-major qkv tensor, the key range given as two ints. (tokens, heads, dtype)
+FRAME_CASES = [(70, 2, "float32"), (129, 3, "float16"), (64, 1, "float32")]
+
+FRAME_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    import torch.nn.functional as F
+    from stream_recon.cache.triton_attention import attend_frame
+
+    torch.manual_seed(2)
+    worst = []
+    for tokens, heads, dtype in eval(sys.argv[1]):
+        dtype = getattr(torch, dtype)
+        qkv = (torch.randn(1, tokens, 3, heads, 32) * 2).to(dtype)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # [1, H, N, D], token stride 3 * H * D
+        out = attend_frame(q, k, v)
+        expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        assert out.shape == q.shape and out.dtype == dtype
+        worst.append((out.float() - expected).abs().max().item())
+    batched = torch.randn(2, 3, 5, 32)  # several sequences: PyTorch's SDPA
+    torch.testing.assert_close(attend_frame(batched, batched, batched), F.scaled_dot_product_attention(batched, batched, batched))
+    print(" ".join(f"{w:.3e}" for w in worst))
+""")
+
+
+def test_frame_attention_matches_sdpa_on_strided_views():
+    errors = [float(x) for x in interpret(FRAME_SCRIPT, FRAME_CASES).split()]
+    assert len(errors) == len(FRAME_CASES)
+    for case, error in zip(FRAME_CASES, errors, strict=True):
+        limit = 5e-3 if case[-1] == "float16" else 1e-5
+        assert error <= limit, f"{case}: max error {error:.2e}"
+
+
+def test_schedule_fills_waves_with_whole_tiles_and_cuts_the_leftover():
+    from stream_recon.cache.triton_attention import TileSchedule, schedule_tiles
+
+    # the H100's 264 slots (2 per SM) at 518 wide, ~600 key blocks: 1,005 / 1,042 / 1,375 tokens, 16 heads
+    assert schedule_tiles(256, 264, 600) == TileSchedule(256, 0, 1)  # one wave, nothing to balance
+    assert schedule_tiles(272, 264, 600) == TileSchedule(264, 8, 32)  # 8 leftover tiles: 256 pieces of 19 blocks
+    assert schedule_tiles(352, 264, 600) == TileSchedule(264, 88, 3)
+    assert schedule_tiles(528, 264, 600) == TileSchedule(528, 0, 1)  # two whole waves
+    assert schedule_tiles(192, 264, 600) == TileSchedule(0, 192, 4)  # 768 pieces in 3 rounds: 0.81 tile times, not 1
+    # a frame's own 9 key blocks: pieces would cost more than a second wave of whole tiles
+    assert schedule_tiles(272, 264, 9) == TileSchedule(272, 0, 1)
+
+
+@pytest.mark.parametrize("slots", [1, 3, 8, 132, 264])
+@pytest.mark.parametrize("num_key_blocks", [1, 9, 600])
+def test_schedule_covers_every_tile_once_and_is_never_slower_than_whole_tiles(slots, num_key_blocks):
+    from stream_recon.cache.triton_attention import (
+        MAX_PIECES_PER_SLOT,
+        MAX_SPLITS,
+        ROUND_COST_BLOCKS,
+        schedule_tiles,
+    )
+
+    for num_tiles in range(1, 3 * slots + 2):
+        schedule = schedule_tiles(num_tiles, slots, num_key_blocks)
+        assert schedule.whole_tiles + schedule.split_tiles == num_tiles
+        assert (schedule.splits == 1) == (schedule.split_tiles == 0)
+        assert schedule.num_pieces <= MAX_PIECES_PER_SLOT * slots and schedule.splits <= min(num_key_blocks, MAX_SPLITS)
+        whole_waves = math.ceil(num_tiles / slots) * num_key_blocks  # in key blocks
+        if schedule.split_tiles:
+            assert schedule.whole_tiles % slots == 0
+            rounds = math.ceil(schedule.num_pieces / slots)
+            cost = schedule.whole_tiles // slots * num_key_blocks
+            cost += rounds * (math.ceil(num_key_blocks / schedule.splits) + ROUND_COST_BLOCKS)
+            assert cost < whole_waves

@@ -163,6 +163,34 @@ def test_descriptors_from_recorded_pipelined_steps_equal_the_eager_ones_and_chan
     assert len({p.descriptor.tobytes() for p in described}) == len(frames)  # each frame its own
 
 
+@pytest.mark.parametrize("tokens", [1005, 1042, 1375])  # 518x378, x392, x518: 256, 272 and 352 tiles of 64
+def test_range_kernel_past_one_wave_matches_sdpa(tokens):
+    """The global attention at the streaming shape (72 frames of keys) with the H100's schedule
+    (one wave of whole tiles; whole tiles and pieces merged after them), and a frame's attention
+    over itself (cuDNN within one wave, the range kernel on strided views past it), against SDPA
+    in float32 over the same bf16 inputs."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the range kernel's tensor-memory loads need Hopper or newer")
+    from stream_recon.cache.triton_attention import attend_frame, attend_range
+
+    torch.manual_seed(tokens)
+    num_keys = 72 * (tokens - 6) + 912
+    store = torch.randn(2, num_keys + 200, 16, 64, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(tokens, 16, 64, device="cuda", dtype=torch.bfloat16)
+    start = 100
+    out = attend_range(q, store[0], store[1], torch.tensor([start, start + num_keys], dtype=torch.int32, device="cuda"))
+    keys, values = (store[i, start : start + num_keys].float().transpose(0, 1)[None] for i in (0, 1))
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys, values)
+    global_error = ((out.float().transpose(0, 1)[None] - expected).norm() / expected.norm()).item()
+    qkv = torch.randn(1, tokens, 3, 16, 64, device="cuda", dtype=torch.bfloat16)
+    frame = [t.transpose(1, 2) for t in qkv.unbind(2)]  # [1, H, N, D] views, as Attention.heads makes them
+    expected = torch.nn.functional.scaled_dot_product_attention(*(t.float() for t in frame))
+    frame_error = ((attend_frame(*frame).float() - expected).norm() / expected.norm()).item()
+    print(f"{tokens} tokens: global {global_error:.2e}, frame {frame_error:.2e} (relative)")
+    # bf16 operands: P and the output rounded to bf16 (2^-8 relative)
+    assert global_error <= 1e-2 and frame_error <= 1e-2
+
+
 def test_fused_mlp_gelu_is_as_close_to_float32_as_the_separate_bf16_gelu():
     """cuBLASLt's epilogue (tanh-form GELU) against the separate bf16 layers (erf form), both against
     a float32 erf reference at the streaming shape."""

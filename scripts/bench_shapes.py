@@ -1,0 +1,219 @@
+"""Engine time per frame across input sizes, in one measuring process (GPU machine).
+
+    python3 scripts/bench_shapes.py --heights 280:518:14 --compile-workers 4 --json $OUT/shapes.json
+    python3 scripts/bench_shapes.py --heights 378,392 --variants previous,frames --profile 378,392
+
+Each size is measured as scripts/bench.py measures it (scale 8, window 64, bf16, keyframes all,
+pipelined, CUDA graphs, compiled blocks and heads, every output copied to the host): the median
+time of a push over the steady-state frames after the window is full, one engine per size and
+variant on one model, so that neighbouring sizes compare on the same minutes of one machine.
+
+Variants, measured back to back per size: `previous` (the range kernel before the balanced
+schedule, cache/triton_attention_previous.py where the device script puts the previous commit's
+module, and SDPA (cuDNN) for the frame attention: the engine before this change), `balanced` (the
+balanced schedule, SDPA for the frame attention) and `frames` (the balanced schedule, and the
+frame attention through the range kernel: the defaults).
+
+torch.compile compiles the blocks and heads once per input size (~40 s a size on a fresh
+machine). --compile-workers N starts N helper processes that stream a few frames at each size
+first, so that the measuring process finds Inductor's on-disk caches warm and measures on a quiet
+machine; it builds its own model meanwhile. --profile: per-kernel GPU time of a few steps at these
+heights (torch.profiler), per variant, to find which kernels change from one size to the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import build_model  # noqa: E402
+
+from stream_recon.cache import triton_attention  # noqa: E402
+from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference  # noqa: E402
+from stream_recon.models.layers import Attention  # noqa: E402
+
+SCALE, WINDOW = 8, 64
+ATTEND_RANGE = triton_attention.attend_range
+
+
+def use_variant(model, variant: str) -> None:
+    """Point the global attention's kernel and the blocks' frame attention at `variant`'s."""
+    if variant == "previous":
+        from stream_recon.cache import triton_attention_previous
+
+        triton_attention.attend_range = triton_attention_previous.attend_range
+    else:
+        triton_attention.attend_range = ATTEND_RANGE
+    frame_attention = triton_attention.attend_frame if variant == "frames" else F.scaled_dot_product_attention
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.self_attention = frame_attention
+
+
+def parse_heights(text: str) -> list[int]:
+    if ":" in text:
+        first, last, step = map(int, text.split(":"))
+        return list(range(first, last + 1, step))
+    return [int(h) for h in text.split(",") if h]
+
+
+def prepared_model():
+    torch.backends.cuda.matmul.allow_tf32 = True
+    loaded, _ = build_model("lingbot-map")
+    return prepare_for_inference(loaded, "cuda", torch.bfloat16, compile=True)
+
+
+def new_engine(model) -> StreamingEngine:
+    return StreamingEngine(model, StreamConfig(scale_frames=SCALE, window=WINDOW, keyframes="all"))
+
+
+def release(engine) -> None:
+    engine.finish()
+    del engine
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def compile_sizes(model, heights: list[int], width: int) -> None:
+    """Stream to the first recorded streaming step at each size (compiles every streaming shape)."""
+    for height in heights:
+        start = time.perf_counter()
+        engine = new_engine(model)
+        frames = [torch.rand(3, height, width, device="cuda") for _ in range(2)]
+        for i in range(SCALE + 3):
+            engine.push(frames[i % 2])
+        release(engine)
+        print(f"compiled 518x{height} in {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def measure(model, height: int, width: int, steady: int, profile: bool) -> dict:
+    """bench.py's measurement: fill the window (synchronised), then the median push time; with
+    `profile`, the kernels of a few more steps."""
+    start = time.perf_counter()
+    engine = new_engine(model)
+    frames = [torch.rand(3, height, width, device="cuda") for _ in range(4)]
+    fill = SCALE + WINDOW
+    times = []
+    for i in range(fill + steady):
+        if i <= fill:
+            torch.cuda.synchronize()
+        if i == fill:
+            steady_start = time.perf_counter()
+        begin = time.perf_counter()
+        engine.push(frames[i % len(frames)])
+        times.append(time.perf_counter() - begin)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - steady_start) / steady
+    ordered = sorted(times[fill:])
+    result = {"ms_per_frame_median": 1000 * ordered[len(ordered) // 2], "ms_per_frame_wall": 1000 * wall,
+              "ms_per_frame_mean": 1000 * sum(ordered) / len(ordered), "keys": engine.cache.num_visible_tokens,
+              "attention": engine.stats()["attention"]}
+    if profile:
+        result["kernels_us"] = profile_kernels(engine, frames)
+    release(engine)
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def profile_kernels(engine, frames, steps: int = 6) -> dict[str, float]:
+    """Microseconds per frame of each kernel name over `steps` pipelined steps."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for i in range(steps):
+            engine.push(frames[i % len(frames)])
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.json"
+        profiler.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    totals = defaultdict(float)
+    for event in events:
+        if event.get("cat") == "kernel":
+            totals[event["name"]] += event["dur"] / steps
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heights", default="280:518:14", help="first:last:step, or a comma list")
+    parser.add_argument("--width", type=int, default=518)
+    parser.add_argument("--frames", type=int, default=40, help="steady-state frames timed per size and variant")
+    parser.add_argument("--variants", default="previous,balanced,frames")
+    parser.add_argument("--profile", default="", help="heights whose kernels are profiled too (comma list)")
+    parser.add_argument("--compile-workers", type=int, default=0)
+    parser.add_argument("--compile-only", action="store_true", help="(a helper process: compile these sizes, exit)")
+    parser.add_argument("--share", default="0/1", help="with --compile-only: i/n, every n-th size from the i-th")
+    parser.add_argument("--more", default="", help="VARIANT@HEIGHTS: measure this variant too at these heights "
+                        "(e.g. balanced@378,392)")
+    parser.add_argument("--deadline-s", type=float, default=1e9, help="measure no new size after this many seconds")
+    parser.add_argument("--wait-for", help="build the model, then wait for this file to exist before measuring "
+                        "(the device script creates it once the GPU is free); the deadline counts from then")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    began = time.perf_counter()
+    heights = parse_heights(args.heights)
+    if args.compile_only:
+        index, count = map(int, args.share.split("/"))
+        compile_sizes(prepared_model(), heights[index::count], args.width)
+        return
+    helpers = []
+    for index in range(args.compile_workers):
+        share = heights[index :: args.compile_workers]
+        if share:
+            command = [sys.executable, __file__, "--compile-only", "--width", str(args.width),
+                       "--heights", ",".join(map(str, share))]
+            helpers.append(subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "4"}))
+    model = prepared_model()
+    for helper in helpers:
+        helper.wait()
+    if args.wait_for:
+        while not os.path.exists(args.wait_for):
+            time.sleep(1)
+        began = time.perf_counter()
+    print(f"model ready, sizes compiled: {time.perf_counter() - began:.0f} s", flush=True)
+    profiled = set(parse_heights(args.profile)) if args.profile else set()
+    variants = args.variants.split(",")
+    more = [(spec.split("@")[0], set(parse_heights(spec.split("@")[1]))) for spec in args.more.split() if spec]
+    results = []
+    for height in heights:
+        if time.perf_counter() - began > args.deadline_s:
+            print(f"deadline: 518x{height} and after not measured", flush=True)
+            break
+        row = {"height": height, "width": args.width}
+        for variant in variants + [v for v, at in more if height in at]:
+            use_variant(model, variant)
+            result = measure(model, height, args.width, args.frames, profile=height in profiled)
+            row[variant] = result
+            print(f"518x{height} {variant}: {result['ms_per_frame_median']:.2f} ms/frame (wall {result['ms_per_frame_wall']:.2f}, "
+                  f"{result['keys']} keys, {result['seconds']:.0f} s)", flush=True)
+        use_variant(model, "frames")
+        results.append(row)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": results}, f,
+                          indent=1)
+    print("height  tokens  " + "  ".join(f"{v:>9}" for v in variants) + "  step(last)")
+    previous = None
+    for row in sorted(results, key=lambda r: r["height"]):  # (measured in the order given)
+        tokens = (row["height"] // 14) * (args.width // 14) + 6
+        values = [row[v]["ms_per_frame_median"] for v in variants]
+        step = f"{100 * (values[-1] / previous - 1):+.1f}%" if previous else ""
+        print(f"{row['height']:6d}  {tokens:6d}  " + "  ".join(f"{x:9.2f}" for x in values) + f"  {step}")
+        previous = values[-1]
+
+
+if __name__ == "__main__":
+    main()
