@@ -277,9 +277,9 @@ def test_a_spare_engine_on_its_own_stream_ends_with_what_rollovers_in_place_emit
         pushes = [engine.push(frame) for frame in frames]
         runs[lookahead] = (pushes + [engine.finish()], engine.stats())
         if lookahead:
-            spare = engine._spare.engine
+            spare = engine._rollover.spare.engine
             assert engine.engine.runner.records and spare.runner.records  # both recorded, once
-            assert engine._main_stream.priority < torch.cuda.current_stream().priority
+            assert engine._rollover.main_stream.priority < torch.cuda.current_stream().priority
         engine.close()
     (beside, beside_stats), (in_place, in_place_stats) = runs[True], runs[False]
     assert beside_stats["lookahead"] and beside_stats["rollovers"] == in_place_stats["rollovers"] >= 2
