@@ -45,7 +45,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from stream_recon.app.clock import finite_or_none
 from stream_recon.app.datasets import Sequence, TumFrames
-from stream_recon.app.evaluation import DEFAULT_MAX_DIFF, EvaluationError, evaluate_run
+from stream_recon.app.evaluation import (
+    DEFAULT_MAX_DIFF,
+    EvaluationError,
+    evaluate_run,
+    evaluation_path,
+    write_evaluation,
+)
 from stream_recon.app.loading import load_model_for
 from stream_recon.app.options import RunOptions, changed_settings
 from stream_recon.app.pipeline import run_sequence
@@ -215,6 +221,7 @@ class SequenceWorker:
                 max_diff=self.evaluation.max_diff,
                 depth_dir=sequence.depth_dir,
             )
+            write_evaluation(metrics, evaluation_path(run_dir))
         except (EvaluationError, OSError) as error:
             # The reconstruction itself is fine and kept; only the comparison could not be made.
             return {"error": f"evaluation: {error}"}

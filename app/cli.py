@@ -18,7 +18,9 @@ from typer.core import TyperGroup
 
 from stream_recon.app.commands import batch, convert, download, export, info, run, view
 from stream_recon.app.commands import eval as evaluation
-from stream_recon.app.commands._options import EXIT_BAD_INPUT, EXIT_FAILED, error_console
+from stream_recon.app.commands._options import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, error_console
+from stream_recon.app.export_formats import format_summary
+from stream_recon.app.stopping import PromptInterrupt
 
 
 class OneLineUsageErrors(TyperGroup):
@@ -88,7 +90,7 @@ def register(module: ModuleType, name: str, summary: str) -> None:
 register(run, "run", "Reconstruct a video, image folder, webcam or stream (the default command).")
 register(info, "info", "Versions, CUDA/GPU, attention backends, checkpoint locations.")
 register(download, "download", "Download an official checkpoint into the Hugging Face cache.")
-register(export, "export", "Export a run directory as PLY, GLB, COLMAP or TUM.")
+register(export, "export", f"Export a run directory as {format_summary()}.")
 register(view, "view", "Replay a finished run in the browser, with a timeline.")
 register(convert, "convert", "Convert a .pt checkpoint to .safetensors.")
 register(batch, "batch", "Run every sequence under a dataset folder, resumably; Ray spreads it over GPUs.")
@@ -132,7 +134,14 @@ def with_default_command(args: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
-    app(args=with_default_command(args), prog_name="stream-recon")
+    # Every command's heavy libraries are imported when it runs (commands/*): Ctrl-C must stop it there too
+    with PromptInterrupt() as interrupt:
+        try:
+            app(args=with_default_command(args), prog_name="stream-recon")
+        except KeyboardInterrupt:  # one that came before typer's own handling, or after it
+            sys.exit(EXIT_INTERRUPTED)
+        finally:
+            interrupt.honoured()
 
 
 if __name__ == "__main__":

@@ -118,7 +118,7 @@ def check_gpu_memory(engine: Any, options: RunOptions, frame_size: tuple[int, in
     """With --gpu-memory and a source whose frame size is known: the plan the engine will make at its
     first frame, made now, so that a budget nothing fits is refused before anything is written
     (the engine still plans, and refuses, for sources that only know their size once read)."""
-    from stream_recon.app.preprocess import model_input_size
+    from stream_recon.app.input_size import model_input_size
     from stream_recon.models import MemoryBudgetError
     from stream_recon.models.memory import plan_memory
 

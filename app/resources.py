@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from stream_recon.app.preprocess import model_input_size
+from stream_recon.app.input_size import model_input_size
 
 GB = 1e9
 FLOAT32_BYTES = 4

@@ -48,6 +48,7 @@ import torch
 from PIL import Image
 
 from stream_recon.app.preprocess import ImageReadError, load_image, preprocess_frame_uint8, upright_rgb
+from stream_recon.app.source_settings import DEFAULT_OPEN_TIMEOUT_S, DEFAULT_RECONNECT_S, FrameSelection
 
 SourceKind = Literal["video", "folder", "webcam", "stream", "frames"]
 
@@ -57,12 +58,9 @@ DEFAULT_QUEUE_SIZE = 8
 # Threads that resize frames into model inputs. One keeps up with 640x480 at ~200 FPS; four keep a
 # 4K video above 40 FPS where the cores exist.
 PREPROCESS_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
-DEFAULT_OPEN_TIMEOUT_S = 10.0
 # A file decodes in milliseconds; a network stream may pause for its read timeout. Past these,
 # the reader is stuck and waiting longer would only turn an error into a hang.
 DEFAULT_FRAME_TIMEOUT_S = 30.0
-# A camera rebooting or a Wi-Fi roam takes seconds to tens of seconds; past this, the camera is gone.
-DEFAULT_RECONNECT_S = 30.0
 _FIRST_RETRY_DELAY_S = 0.25
 _MAX_RETRY_DELAY_S = 4.0
 _JOIN_TIMEOUT_S = 2.0
@@ -113,40 +111,6 @@ class _Preprocessing:
 
     def result(self) -> Frame:
         return Frame(self.index, self.source_index, self.timestamp, None, torch.from_numpy(self.image.result()))
-
-
-@dataclass(frozen=True)
-class FrameSelection:
-    """Which source frames are delivered. Applied in this order: start, stride, fps, max_frames.
-
-    `fps` keeps the first frame at or after each tick of a 1/fps grid anchored at the first kept
-    frame, so a 25 fps video at `fps=10` keeps frames at 0, 0.12, 0.2, 0.32, 0.4 s: ten a second on
-    average, each one a real frame with its own timestamp.
-    """
-
-    start: int = 0  # first source frame to use
-    stride: int = 1  # then every stride-th source frame
-    fps: float | None = None  # then at most this many frames per second of source time
-    max_frames: int | None = None  # stop after this many delivered frames
-
-    def __post_init__(self) -> None:
-        if self.start < 0:
-            raise ValueError(f"start must be >= 0, got {self.start}")
-        if self.stride < 1:
-            raise ValueError(f"stride must be >= 1, got {self.stride}")
-        if self.fps is not None and not (self.fps > 0 and math.isfinite(self.fps)):
-            raise ValueError(f"fps must be a positive number, got {self.fps}")
-        if self.max_frames is not None and self.max_frames < 1:
-            raise ValueError(f"max_frames must be >= 1, got {self.max_frames}")
-
-    def estimate_count(self, source_frames: int | None, source_fps: float | None) -> int | None:
-        """How many frames a source of `source_frames` frames at `source_fps` yields (None: unknown)."""
-        if source_frames is None:
-            return self.max_frames
-        count = math.ceil(max(0, source_frames - self.start) / self.stride)
-        if self.fps is not None and source_fps:
-            count = math.ceil(count * min(1.0, self.fps * self.stride / source_fps))
-        return count if self.max_frames is None else min(count, self.max_frames)
 
 
 class _Sampler:

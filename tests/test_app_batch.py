@@ -374,7 +374,7 @@ def test_batch_command_rejects_bad_input_with_one_sentence(tmp_path):
     assert alignment.exit_code == 2 and "--alignment must be sim3 or se3" in alignment.output
     # run options reach RunOptions through the same flags as `run`
     window = runner.invoke(app, ["batch", str(tmp_path), "-o", str(tmp_path / "out"), "--window-frames", "4"])
-    assert window.exit_code == 2 and "window_frames must be more than scale_frames" in window.output
+    assert window.exit_code == 2 and "must be less than --window-frames" in window.output
 
 
 def test_batch_command_reports_a_missing_checkpoint_before_any_sequence(tmp_path, dataset):

@@ -177,29 +177,29 @@ def test_single_image_instead_of_folder(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--keyframes", "sometimes"], "keyframes must be all, flow or interval:N"),
-        (["--image-width", "500"], "image_width must be a positive multiple of 14"),
-        (["--stride", "0"], "stride must be >= 1"),
-        (["--open-timeout", "0"], "open_timeout_s must be a number > 0"),  # a flag spelled unlike its field
-        (["--window-frames", "4", "--scale-frames", "4"], "window_frames must be more than scale_frames"),
-        (["--port", "70000"], "port must be between 1 and 65535"),
-        (["--reconnect", "-1"], "reconnect_s must be >= 0 (0: never reconnect), got -1.0"),
+        (["--keyframes", "sometimes"], "--keyframes must be all, flow or interval:N"),
+        (["--image-width", "500"], "--image-width must be a positive multiple of 14"),
+        (["--stride", "0"], "--stride must be >= 1"),
+        (["--open-timeout", "0"], "--open-timeout must be a number of seconds > 0"),  # spelled unlike its field
+        (["--window-frames", "4", "--scale-frames", "4"], "--scale-frames (4) must be less than --window-frames (4)"),
+        (["--port", "70000"], "--port must be between 1 and 65535"),
+        (["--reconnect", "-1"], "--reconnect must be a number of seconds >= 0 (0: never reconnect), got -1.0"),
         # issue 18, defect 2: a writers.py traceback and exit 1 for these, and -1 accepted silently
-        (["--voxel-size", "-1"], "voxel_size must be a number > 0 in scene units"),
-        (["--voxel-size", "0"], "voxel_size must be a number > 0 in scene units"),
-        (["--voxel-size", "nan"], "voxel_size must be a number > 0 in scene units"),
-        (["--voxel-size", "inf"], "voxel_size must be a number > 0 in scene units"),
-        (["--conf-threshold", "-1"], "conf_threshold must be a number >= 1 (confidence is 1 + exp(logit)"),
-        (["--conf-threshold", "nan"], "conf_threshold must be a number >= 1"),
-        (["--fps", "0"], "fps must be a positive number"),
-        (["--fps", "inf"], "fps must be a positive number"),
-        (["--max-frames", "0"], "max_frames must be >= 1"),
-        (["--start", "-1"], "start must be >= 0"),
-        (["--flow-threshold", "inf"], "flow_threshold must be a number > 0"),
-        (["--open-timeout", "nan"], "open_timeout_s must be a number > 0"),
+        (["--voxel-size", "-1"], "--voxel-size must be a number > 0 in scene units"),
+        (["--voxel-size", "0"], "--voxel-size must be a number > 0 in scene units"),
+        (["--voxel-size", "nan"], "--voxel-size must be a number > 0 in scene units"),
+        (["--voxel-size", "inf"], "--voxel-size must be a number > 0 in scene units"),
+        (["--conf-threshold", "-1"], "--conf-threshold must be a number >= 1 (confidence is 1 + exp(logit)"),
+        (["--conf-threshold", "nan"], "--conf-threshold must be a number >= 1"),
+        (["--fps", "0"], "--fps must be a positive number"),
+        (["--fps", "inf"], "--fps must be a positive number"),
+        (["--max-frames", "0"], "--max-frames must be >= 1"),
+        (["--start", "-1"], "--start must be >= 0"),
+        (["--flow-threshold", "inf"], "--flow-threshold must be a number > 0"),
+        (["--open-timeout", "nan"], "--open-timeout must be a number of seconds > 0"),
         (["--no-viewer", "--host", "203.0.113.7", "--viewer"], "the viewer cannot serve on 203.0.113.7:8080"),
         (["--device", "cuda:0"], "CUDA is not available"),
-        (["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
+        (["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N"),
         (["--attention", "flashinfer", "--device", "cpu"], "flashinfer needs bf16/fp16 on a CUDA device"),
         (["--attention", "dense-cudnn", "--device", "cpu"], "dense-cudnn needs bf16/fp16 on a CUDA device"),
         (["--attention", "dense-triton", "--device", "cpu"], "dense-triton needs bf16/fp16 on a CUDA device"),
@@ -282,7 +282,7 @@ def test_flags_override_the_preset_and_unset_flags_do_not() -> None:
 def test_preset_values_are_validated(tmp_path: Path) -> None:
     preset = tmp_path / "bad.yaml"
     preset.write_text("window: 0\n")
-    with pytest.raises(OptionsError, match="window must be >= 1"):
+    with pytest.raises(OptionsError, match="--window must be >= 1"):
         build_options(str(preset), {})
     preset.write_text("- a list\n")
     with pytest.raises(PresetError, match="must be a mapping"):

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from stream_recon.app.commands.export import export as export_command
 from stream_recon.app.export import ExportError, export_run
-from stream_recon.app.rundir import PredictionOutputs, RunDirError, read_run
+from stream_recon.app.npz_schema import PredictionOutputs
+from stream_recon.app.rundir import RunDirError, read_run
 from stream_recon.app.writers import RunWriter
 from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
 
@@ -223,12 +224,16 @@ def test_colmap_gives_every_image_an_observation(tmp_path):
     assert (2, 0) in points[point_id][1]
 
 
-def test_colmap_export_without_images_writes_no_image_folder(tmp_path):
+def test_colmap_export_without_images_is_refused_and_leaves_nothing(tmp_path):
+    # a COLMAP model names its images: written without them (an empty images/), it was a model of nothing
     make_run(tmp_path / "run", [plane_frame(i, with_image=False) for i in range(2)])
-    result = export_run(tmp_path / "run", "colmap")
-    assert list((result.path / "images").iterdir()) == []
-    _, images, _ = parse_colmap_strictly(result.path / "sparse" / "0")
-    assert [images[i][3] for i in (1, 2)] == ["000000.png", "000001.png"]
+    with pytest.raises(ExportError, match="frame 0 of .*run was saved without its image, and a COLMAP export "
+                                          "needs the images; export this run as ply, glb, tum"):
+        export_run(tmp_path / "run", "colmap")
+    assert not (tmp_path / "run" / "exports").exists()
+    result = export_run(tmp_path / "run", "ply")  # a format that only takes colours from them: said, grey
+    assert "frame 0 of" in result.grey_points and "saved without its image" in result.grey_points
+    assert (read_ply_points(result.path)[1] == 200).all()  # the accumulator's grey
 
 
 # nerfstudio's camera model, written from its documentation ("data conventions") and
@@ -317,8 +322,11 @@ def test_nerfstudio_export_loads_with_nerfstudios_own_dataparser(run, tmp_path):
 
 def test_nerfstudio_export_needs_the_images(tmp_path):
     make_run(tmp_path / "run", [plane_frame(0), plane_frame(1, with_image=False)])
-    with pytest.raises(ExportError, match="frame 1 of .*run was saved without its image, and nerfstudio trains"):
+    with pytest.raises(ExportError, match="frame 1 of .*run was saved without its image, and a nerfstudio export "
+                                          "needs the images"):
         export_run(tmp_path / "run", "nerfstudio")
+    # frame 0's image was written before frame 1 was found wanting: taken back, nothing is left
+    assert not (tmp_path / "run" / "exports").exists()
 
 
 def test_export_errors_are_specific(run, tmp_path):
@@ -439,9 +447,9 @@ def test_cli_warns_when_the_threshold_leaves_no_points(run, cli):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--voxel-size", "-1"], "voxel_size must be a number > 0 in scene units"),
-        (["--voxel-size", "nan"], "voxel_size must be a number > 0 in scene units"),
-        (["--conf-threshold", "-1"], "conf_threshold must be a number >= 1"),  # was accepted silently
+        (["--voxel-size", "-1"], "--voxel-size must be a number > 0 in scene units"),
+        (["--voxel-size", "nan"], "--voxel-size must be a number > 0 in scene units"),
+        (["--conf-threshold", "-1"], "--conf-threshold must be a number >= 1"),  # was accepted silently
     ],
 )
 def test_cli_rejects_a_bad_voxel_size_or_threshold_in_one_sentence(run, cli, flags, message):
@@ -494,11 +502,15 @@ def test_a_run_saved_without_images_gets_them_back_from_its_video(tmp_path, tiny
     np.testing.assert_array_equal(*(np.sort(read_ply_points(small / p)[1], axis=0)
                                     for p in ("points.ply", "exports/points.ply")))
 
-    video.unlink()  # a source that is gone: colmap writes the model without images, nerfstudio refuses
-    export_run(small, "colmap", tmp_path / "colmap_without")
-    assert list((tmp_path / "colmap_without" / "images").iterdir()) == []
-    with pytest.raises(ExportError, match=r"saved without its image \(its source .*clip.mp4 no longer exists\)"):
-        export_run(small, "nerfstudio", tmp_path / "ns")
+    video.unlink()  # a source that is gone: the formats that need images refuse before writing anything ...
+    for fmt in ("colmap", "nerfstudio"):
+        with pytest.raises(ExportError, match=r"saved without its images \(--no-save-images\), and its source "
+                                              r".*clip.mp4 no longer exists; a \w+ export needs the images"):
+            export_run(small, fmt, tmp_path / fmt)
+        assert not (tmp_path / fmt).exists()
+    grey = export_run(small, "ply", tmp_path / "grey.ply")  # ... and the others say their points are grey
+    assert "clip.mp4 no longer exists: the points are grey" in grey.grey_points
+    assert (read_ply_points(grey.path)[1] == 200).all()
 
 
 @pytest.mark.usefixtures("one_torch_thread")

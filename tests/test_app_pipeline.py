@@ -27,10 +27,11 @@ from media_helpers import (
 from plyfile import PlyData
 from rich.console import Console
 
+from stream_recon.app.npz_schema import PREDICTION_FIELDS
 from stream_recon.app.options import OptionsError, RunOptions
 from stream_recon.app.pipeline import GIL_SWITCH_INTERVAL_S, run_sequence
 from stream_recon.app.progress import RunProgress
-from stream_recon.app.rundir import PREDICTION_FIELDS, OutputDirError
+from stream_recon.app.rundir import OutputDirError
 from stream_recon.app.sources import SourceError
 from stream_recon.models import GCTStream, prepare_for_inference
 
@@ -170,9 +171,9 @@ def test_long_stream_rolls_over_to_new_windows_and_keeps_one_file_per_frame(
 
 
 def test_window_options_are_checked_before_anything_runs() -> None:
-    with pytest.raises(OptionsError, match="window_frames must be more than scale_frames"):
+    with pytest.raises(OptionsError, match=r"--scale-frames \(\d+\) must be less than --window-frames"):
         RunOptions(scale_frames=8, window_frames=8)
-    with pytest.raises(OptionsError, match="overlap must be between 1 and window_frames - 1"):
+    with pytest.raises(OptionsError, match="--overlap must be between 1 and --window-frames - 1"):
         RunOptions(window_frames=20, overlap=20)
 
 
@@ -409,7 +410,7 @@ def test_unusable_attention_backend_is_refused_before_anything_is_made(tmp_path:
 
 
 def test_options_are_validated_with_every_problem_named(tmp_path: Path) -> None:
-    with pytest.raises(OptionsError, match="keyframes must be .*; image_width must be a positive multiple of 14"):
+    with pytest.raises(OptionsError, match="--image-width must be a positive multiple of 14.*; --keyframes must be "):
         RunOptions(keyframes="sometimes", image_width=500)
     video = write_video(tmp_path / "clip.mp4", 3)
     with pytest.raises(OptionsError, match="CUDA is not available"):

@@ -30,8 +30,10 @@ import zstandard
 from typer import Typer
 from typer.testing import CliRunner
 
-from stream_recon.app.commands.view import index_run, start_replay, view
-from stream_recon.app.rundir import RunDirError, prediction_arrays
+from stream_recon.app.commands.view import view
+from stream_recon.app.npz_schema import prediction_arrays
+from stream_recon.app.replay import index_run, start_replay
+from stream_recon.app.rundir import RunDirError
 from stream_recon.app.viewer import LiveViewer, allocate_point_budget, sample_keyframe_points
 from stream_recon.models.pose import quat_xyzw_to_rotation
 from stream_recon.models.prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction

@@ -18,12 +18,11 @@ from plyfile import PlyData
 from synthetic_run import CONF_HIGH, LOW_CONF_COLUMNS, PLANE_Z, STEP_X, plane_frame, quat_xyzw_to_matrix
 
 from stream_recon.app import writers
+from stream_recon.app.npz_schema import PREDICTION_FIELDS, PredictionOutputs
 from stream_recon.app.options import OptionsError, RunOptions
 from stream_recon.app.pointcloud import PointAccumulator, _back_project_pixels
 from stream_recon.app.rundir import (
-    PREDICTION_FIELDS,
     OutputDirError,
-    PredictionOutputs,
     RunDirError,
     iter_run,
     load_prediction,
@@ -167,12 +166,12 @@ def test_keyframes_only_run_keeps_every_pose_and_removes_a_demoted_frame(tmp_pat
 
 
 def test_output_options_are_checked():
-    with pytest.raises(ValueError, match="save_depth must be one of float16, float32, got 'float8'"):
+    with pytest.raises(ValueError, match="--save-depth must be one of float16, float32, got 'float8'"):
         PredictionOutputs(depth="float8")
-    with pytest.raises(ValueError, match="save_predictions must be one of all, keyframes, got 'some'"):
+    with pytest.raises(ValueError, match="--save-predictions must be one of all, keyframes, got 'some'"):
         PredictionOutputs(frames="some")
     # as run options (flags, presets), with every other problem named at once, before anything runs
-    with pytest.raises(OptionsError, match="stride must be >= 1, got 0; save_depth must be one of float16, float32"):
+    with pytest.raises(OptionsError, match="--stride must be >= 1, got 0; --save-depth must be one of float16, float32"):
         RunOptions(save_depth="half", stride=0)
     options = RunOptions(save_depth="float32", save_images=False, save_predictions="keyframes")
     assert options.prediction_outputs() == PredictionOutputs(depth="float32", images=False, frames="keyframes")

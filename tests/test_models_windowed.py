@@ -23,8 +23,8 @@ from stream_recon.models import (
     StreamingEngine,
     WindowedEngine,
 )
-from stream_recon.models.prediction import FRAME_NON_KEY
 from stream_recon.models.pose import rotation_to_quat_xyzw
+from stream_recon.models.prediction import FRAME_NON_KEY
 from stream_recon.models.similarity import (
     FrameRatios,
     Sim3,

@@ -19,8 +19,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from stream_recon.app.options import RunOptions
-from stream_recon.cache import backends
+from stream_recon.app.options import FLAG_NAMES, RunOptions
 
 _MODEL = "Model"
 _ENGINE = "Streaming engine"
@@ -59,9 +58,9 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         "device": "auto, cpu, cuda or cuda:N. \\[default: auto]",
         "dtype": "Transformer precision: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16. "
         "\\[default: auto]",
-        "attention": f"Attention backend: auto ({backends.AUTO_SUMMARY}), or one of "
-        f"{', '.join(backends.names()[1:])}; `stream-recon info` says what each is and whether it runs here. "
-        "\\[default: auto]",
+        # the backend table imports torch: `stream-recon info` lists it, and a wrong name is refused with the list
+        "attention": "Attention backend: auto (the fastest that runs here) or a backend's name; `stream-recon info` "
+        "lists them, what each is and whether it runs here. \\[default: auto]",
         "compile": "Fuse the transformer blocks with torch.compile (CUDA only): about 20% faster per frame; the "
         "first run on a machine compiles for a minute or two, later runs read the cache. \\[default: compile]",
         "memory_check": "CPU runs: refuse settings whose memory estimate exceeds the available memory, naming smaller "
@@ -111,16 +110,13 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         "port": "Viewer port (the next free one is used if taken). \\[default: 8080]",
     },
 }
-# Flags spelled otherwise than the field's name.
-_FLAG_NAMES = {"checkpoint": ("--checkpoint", "-c"), "open_timeout_s": ("--open-timeout",),
-               "reconnect_s": ("--reconnect",)}
 
 
 def _run_option_flag(field: str, help: str, panel: str) -> Any:
     """The flag of one RunOptions field: named after it, of its type (`float | None` -> float)."""
     annotation = typing.get_type_hints(RunOptions)[field]
     kind = next(arg for arg in (typing.get_args(annotation) or (annotation,)) if arg is not type(None))
-    names = _FLAG_NAMES.get(field, (f"--{field.replace('_', '-')}",))
+    names = FLAG_NAMES.get(field, (f"--{field.replace('_', '-')}",))
     if kind is bool:
         names = (f"{names[0]}/--no-{names[0].removeprefix('--')}", *names[1:])
     return _optional_flag(kind, *names, help=help, panel=panel)
