@@ -18,7 +18,13 @@ from typer.core import TyperGroup
 
 from stream_recon.app.commands import batch, convert, download, export, info, run, view
 from stream_recon.app.commands import eval as evaluation
-from stream_recon.app.commands._options import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, error_console
+from stream_recon.app.commands._options import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    error_console,
+    set_verbosity,
+)
 from stream_recon.app.export_formats import format_summary
 from stream_recon.app.stopping import PromptInterrupt
 
@@ -101,7 +107,8 @@ app.command(
     epilog=examples(evaluation),
 )(evaluation.eval_command)
 
-ROOT_OPTIONS = ("-h", "--help", "--version")
+ROOT_OPTIONS = ("-h", "--help", "--version", "--verbose")
+VERBOSE = "--verbose"
 
 
 def _version_callback(value: bool) -> None:
@@ -115,8 +122,14 @@ def root(
     version: Annotated[
         bool, typer.Option("--version", help="Show the version and exit.", callback=_version_callback, is_eager=True)
     ] = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(VERBOSE, help="Show the libraries' own messages (OpenCV, FFmpeg, warnings) and every detail of "
+                     "an error; anywhere on the line: stream-recon clip.mp4 --verbose."),
+    ] = False,
 ) -> None:
     """Root options only; every action is a command."""
+    set_verbosity(verbose)
 
 
 def command_names() -> set[str]:
@@ -126,10 +139,14 @@ def command_names() -> set[str]:
 
 
 def with_default_command(args: list[str]) -> list[str]:
-    """Insert `run` unless the first argument is a command or a root option."""
-    if args and (args[0] in command_names() or args[0] in ROOT_OPTIONS):
-        return args
-    return ["run", *args]
+    """Insert `run` unless the first argument is a command or a root option. --verbose may come anywhere
+    before a `--`: it is moved to the front, where the root takes it for every command."""
+    end = args.index("--") if "--" in args else len(args)
+    verbose = VERBOSE in args[:end]
+    args = [arg for arg in args[:end] if arg != VERBOSE] + args[end:]
+    if not (args and (args[0] in command_names() or args[0] in ROOT_OPTIONS)):
+        args = ["run", *args]
+    return [VERBOSE, *args] if verbose else args
 
 
 def main(argv: list[str] | None = None) -> None:

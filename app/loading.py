@@ -21,7 +21,7 @@ def load_model_for(options: RunOptions, device: str | None = None, console: Cons
 
     Load the checkpoint; a known name not on this machine is downloaded first when the hub is reachable
     (the first run), else CheckpointError says which command fetches it and where to put it."""
-    from stream_recon.models import load_model
+    from stream_recon.models import CheckpointError, load_model
     from stream_recon.models.checkpoint import (
         KNOWN_CHECKPOINTS,
         download_checkpoint,
@@ -40,21 +40,50 @@ def load_model_for(options: RunOptions, device: str | None = None, console: Cons
     # Read on the host; preparing puts each weight on the device once, in the precision the run
     # uses, so a bf16 run never holds a float32 copy of the transformer there.
     with console.status(f"loading {checkpoint} on {device}"):
-        return prepared_for_run(load_model(checkpoint, device="cpu"), options, device)
+        try:
+            loaded = load_model(checkpoint, device="cpu")
+        except CheckpointError as error:
+            raise CheckpointError(checkpoint_advice(str(error))) from None
+        except OSError as error:  # no permission to read it, an I/O error
+            raise CheckpointError(
+                f"cannot read the checkpoint {error.filename or checkpoint}: {error.strerror or error}; "
+                "check its permissions, or pass another --checkpoint"
+            ) from None
+        return prepared_for_run(loaded, options, device)
+
+
+def checkpoint_advice(message: str) -> str:
+    """A checkpoint error as the CLI gives it. The model's loader advises its Python arguments
+    (`allow_partial=True`), which the CLI does not offer: that advice is replaced by what a user of the CLI
+    can do. The first line stays the headline; the rest (the tensors by name) are details for --verbose."""
+    lines = message.strip().splitlines()
+    if not any("allow_partial" in line for line in lines):
+        return message
+    headline = lines[0].rstrip(".")
+    details = [line for line in lines[1:] if "allow_partial" not in line]
+    advice = ("; pass the checkpoint made for this model: a .pt file is read with the official configuration, "
+              "a .safetensors file with the one it carries (`stream-recon convert` writes one)")
+    return "\n".join([headline + advice, *details])
 
 
 def model_config_for(options: RunOptions, model: Any = None) -> Any:
     """The ModelConfig a run will use, known before any weight is read: the given model's (None if it
     has none), the one a .safetensors file carries, else the official architecture (every .pt and
     known name has it)."""
-    from stream_recon.models import ModelConfig
+    from stream_recon.models import CheckpointError, ModelConfig
     from stream_recon.models.checkpoint import checkpoint_config
 
     if model is not None:
         return getattr(model, "config", None)
     path = Path(options.checkpoint) if options.checkpoint else None
     if path is not None and path.suffix == ".safetensors" and path.is_file():
-        return checkpoint_config(path) or ModelConfig()
+        try:
+            return checkpoint_config(path) or ModelConfig()
+        except OSError as error:
+            raise CheckpointError(
+                f"cannot read the checkpoint {path}: {error.strerror or error}; check its permissions, or pass "
+                "another --checkpoint"
+            ) from None
     return ModelConfig()
 
 

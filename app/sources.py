@@ -29,13 +29,16 @@ stops, that is its end, and a shortfall against its length is a TruncatedSourceE
 
 from __future__ import annotations
 
+import http.client
 import logging
 import math
 import os
 import queue
 import re
+import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,6 +50,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from stream_recon.app.input_size import input_size_problem
 from stream_recon.app.preprocess import ImageReadError, load_image, preprocess_frame_uint8, upright_rgb
 from stream_recon.app.source_settings import DEFAULT_OPEN_TIMEOUT_S, DEFAULT_RECONNECT_S, FrameSelection
 
@@ -429,15 +433,27 @@ def open_source(
     selection = selection or FrameSelection()
     kind, location = classify_source(spec)
     options = _SourceOptions(image_width, queue_size, frame_timeout_s, reconnect_s)
-    if kind == "folder":
-        source = _open_folder(Path(location), selection, options)
-    elif kind == "video":
-        source = _open_video(Path(location), selection, options)
-    elif kind == "webcam":
-        source = _open_webcam(int(location), selection, options)
-    else:
-        source = _open_stream(location, open_timeout_s, selection, options)
+    try:
+        if kind == "folder":
+            source = _open_folder(Path(location), selection, options)
+        elif kind == "video":
+            source = _open_video(Path(location), selection, options)
+        elif kind == "webcam":
+            source = _open_webcam(int(location), selection, options)
+        else:
+            source = _open_stream(location, open_timeout_s, selection, options)
+    except OSError as error:  # no permission to read it, a file gone meanwhile, an I/O error
+        what = "folder" if kind == "folder" else "file"
+        raise SourceError(
+            f"cannot read the {what} {error.filename or location}: {error.strerror or error}; "
+            "check its permissions or choose another source"
+        ) from None
     source.location = str(Path(location).resolve()) if kind in ("folder", "video") else location
+    if image_width and source.frame_size is not None:
+        problem = input_size_problem(*source.frame_size, image_width)
+        if problem is not None:
+            source.close()
+            raise SourceError(f"{source.description}: {problem}")
     return source
 
 
@@ -495,7 +511,7 @@ def classify_source(spec: str | Path) -> tuple[SourceKind, str]:
     text = str(spec).strip()
     if not text:
         raise SourceError("no source given: pass a video file, an image folder, a webcam index or a URL")
-    if text.isdigit():
+    if text.isdigit() and not Path(text).exists():  # a folder or file named 2024 is that folder or file
         return "webcam", text
     scheme = re.match(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://", text)
     if scheme:
@@ -522,7 +538,7 @@ def source_name(spec: str | Path) -> str:
     clip.mp4 -> clip, frames/ -> frames, 0 -> webcam0, rtsp://cam.local/live -> cam.local_live
     """
     text = str(spec).strip()
-    if text.isdigit():
+    if text.isdigit() and not Path(text).exists():
         return f"webcam{text}"
     if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", text):
         return _stream_name(text)
@@ -691,11 +707,12 @@ def _stream_capture(url: str, open_timeout_s: float, read_timeout_s: float) -> c
 def _open_stream(
     url: str, open_timeout_s: float, selection: FrameSelection, options: _SourceOptions
 ) -> FrameSource:
+    started = time.monotonic()
     capture = _stream_capture(url, open_timeout_s, read_timeout_s=open_timeout_s)
     if not capture.isOpened():
         capture.release()
         raise SourceError(
-            f"could not open stream {url} (tried for up to {open_timeout_s:.0f} s): check the address, "
+            f"could not open stream {url}: {_stream_failure(url, started, open_timeout_s)}; check the address, "
             "that the camera or server is running, and that this machine can reach it"
         )
     frame_count = _positive_or_none(capture.get(cv2.CAP_PROP_FRAME_COUNT))
@@ -711,7 +728,8 @@ def _open_stream(
     else:
         reader = _CaptureReader(capture, label=url, clock="pts", expected_frames=frame_count,
                                 shortfall_cause="the connection dropped or the file is truncated")
-    reader.peek(f"stream {url} connected but sent no decodable frame within {open_timeout_s:.0f} s")
+    reader.peek(lambda: f"stream {url} connected but sent no decodable frame: "
+                        f"{_stream_failure(url, started, open_timeout_s)}")
     return FrameSource(
         reader,
         kind="stream",
@@ -723,6 +741,79 @@ def _open_stream(
         frame_size=_capture_size(capture),
         **options.as_kwargs(),
     )
+
+
+# The port a scheme's server listens on when the URL names none.
+_DEFAULT_PORTS = {"rtsp": 554, "rtsps": 322, "http": 80, "https": 443, "rtmp": 1935}
+
+
+def _stream_failure(url: str, started: float, timeout_s: float) -> str:
+    """Why a stream URL gave no frame, for its error message. OpenCV says only that it failed; asking the
+    server ourselves finds the reason (the name does not resolve, the connection is refused, the server
+    answers an error status), and the time it took says whether it failed at once or timed out."""
+    elapsed = time.monotonic() - started
+    reason = _ask_stream_server(url, min(timeout_s, 5.0))
+    if reason is not None:
+        return f"{reason} (after {elapsed:.1f} s)"
+    if elapsed >= 0.9 * timeout_s:
+        return f"nothing decodable arrived within {timeout_s:g} s"
+    return f"the stream ended after {elapsed:.1f} s without a frame OpenCV's FFmpeg could decode (--verbose shows its log)"
+
+
+def _ask_stream_server(url: str, timeout_s: float) -> str | None:
+    """The server's side of a failed stream, in words, or None when it seems to serve (the stream's
+    content is then what fails). Speaks HTTP(S) and RTSP; for other schemes only connects."""
+    parts = urllib.parse.urlsplit(url)
+    scheme, host = parts.scheme.lower(), parts.hostname
+    try:
+        port = parts.port or _DEFAULT_PORTS.get(scheme)
+    except ValueError:
+        return f"its port is not a number ({parts.netloc})"
+    if host is None or port is None:
+        return None
+    address = f"{host}:{port}"
+    try:
+        if scheme in ("http", "https"):
+            return _http_status(parts, host, port, timeout_s)
+        with socket.create_connection((host, port), timeout=timeout_s) as connection:
+            if scheme != "rtsp":
+                return None
+            connection.settimeout(timeout_s)
+            connection.sendall(f"DESCRIBE {url} RTSP/1.0\r\nCSeq: 1\r\nAccept: application/sdp\r\n\r\n".encode())
+            status = connection.makefile("rb").readline(256).decode("latin-1").strip()
+        return _status_problem(status, address)
+    except socket.gaierror as error:
+        return f"the host name {host} does not resolve ({error.strerror})"
+    except ConnectionRefusedError:
+        return f"{address} refused the connection (no server listens there)"
+    except TimeoutError:
+        return f"{address} did not answer within {timeout_s:g} s"
+    except (OSError, http.client.HTTPException) as error:
+        return f"talking to {address} failed: {getattr(error, 'strerror', None) or error or type(error).__name__}"
+
+
+def _http_status(parts: urllib.parse.SplitResult, host: str, port: int, timeout_s: float) -> str | None:
+    kind = http.client.HTTPSConnection if parts.scheme.lower() == "https" else http.client.HTTPConnection
+    connection = kind(host, port, timeout=timeout_s)
+    try:
+        connection.request("GET", urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, "")))
+        response = connection.getresponse()  # the status and headers only: a live stream never ends
+        status = f"HTTP/{response.version / 10:.1f} {response.status} {response.reason}"
+        return _status_problem(status, f"{host}:{port}")
+    except http.client.RemoteDisconnected:
+        return f"{host}:{port} closed the connection without answering"
+    finally:
+        connection.close()
+
+
+def _status_problem(status: str, address: str) -> str | None:
+    """An answer's status line as a reason, or None for a success (2xx)."""
+    if not status:
+        return f"{address} closed the connection without answering"
+    fields = status.split(" ", 2)
+    if len(fields) >= 2 and fields[1].isdigit() and fields[1].startswith("2"):
+        return None
+    return f"the server answered {status!r}"
 
 
 def _capture_size(capture: cv2.VideoCapture) -> tuple[int, int] | None:
@@ -829,11 +920,12 @@ class _CaptureReader:
         self._opened_at = time.monotonic()
         self._wall_timestamp = 0.0
 
-    def peek(self, failure_message: str) -> None:
-        """Decode the first frame now, so a source that opens but never yields fails at open time."""
+    def peek(self, failure_message: str | Callable[[], str]) -> None:
+        """Decode the first frame now, so a source that opens but never yields fails at open time.
+        failure_message: the error, or a function that finds out what it is (only called on failure)."""
         if not self._capture.grab():
             self.release()
-            raise SourceError(failure_message)
+            raise SourceError(failure_message if isinstance(failure_message, str) else failure_message())
         self._opened_at = time.monotonic()
         self._wall_timestamp = 0.0
         self._peeked = True

@@ -10,7 +10,9 @@ import contextlib
 import functools
 import inspect
 import logging
+import os
 import typing
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, Optional
@@ -172,6 +174,36 @@ def show_engine_log(console: Console) -> None:
     logger.setLevel(logging.INFO)
 
 
+_verbose = False
+
+
+def set_verbosity(verbose: bool) -> None:
+    """--verbose (any command): the libraries' own messages on stderr and every line of an error's details.
+
+    Without it, OpenCV's log (`[ WARN:0@0.1] global cap.cpp:212 ...`), FFmpeg's (`[mpeg4 @ 0x...] header
+    damaged`, `[tcp @ 0x...] Connection refused`) and Python warnings stay quiet, so that a bad input is the
+    one `error:` line. OpenCV reads its level when it loads and FFmpeg's at its first capture, both after
+    this (commands import them when they run); a level the user set in the environment is kept.
+    """
+    global _verbose
+    _verbose = verbose
+    if not verbose:
+        os.environ.setdefault("OPENCV_LOG_LEVEL", "SILENT")
+        os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", "-8")  # AV_LOG_QUIET
+        warnings.simplefilter("ignore")
+
+
+def error_line(message: str) -> str:
+    """An error as one line: a library's multi-line details (a checkpoint's tensors, a YAML parser's
+    context) are shown with --verbose only."""
+    headline, _, details = message.strip().partition("\n")
+    if not details.strip():
+        return headline
+    if _verbose:
+        return message.strip()
+    return f"{headline.rstrip('.:; ')} (--verbose shows the details)"
+
+
 def error_console() -> Console:
     # soft_wrap: an error sentence stays one line (the terminal wraps it), so paths are never split
     return Console(stderr=True, highlight=False, soft_wrap=True)
@@ -179,7 +211,7 @@ def error_console() -> Console:
 
 def bad_input(console: Console, message: str) -> NoReturn:
     """Say what was wrong in one line and exit with the bad-input code."""
-    console.print(f"[red]error:[/red] {escape(message)}")
+    console.print(f"[red]error:[/red] {escape(error_line(message))}")
     raise typer.Exit(code=EXIT_BAD_INPUT)
 
 
@@ -192,13 +224,13 @@ def user_errors(console: Console | None = None, *more: type[Exception]) -> Itera
     """
     from stream_recon.app.options import OptionsError
     from stream_recon.app.presets import PresetError
-    from stream_recon.app.rundir import OutputDirError, RunDirError, TumFileError
+    from stream_recon.app.rundir import OutputDirError, OutputPathError, RunDirError, TumFileError
     from stream_recon.app.sources import SourceError
     from stream_recon.models.errors import CheckpointError, FrameError
 
     console = console or error_console()
     try:
         yield
-    except (SourceError, OutputDirError, RunDirError, TumFileError, CheckpointError, FrameError, PresetError,
-            OptionsError, *more) as error:
+    except (SourceError, OutputDirError, OutputPathError, RunDirError, TumFileError, CheckpointError, FrameError,
+            PresetError, OptionsError, *more) as error:
         bad_input(console, str(error))
