@@ -5,9 +5,26 @@ a command name, so `main` inserts `run` when the first argument is not a command
 `stream-recon` alone is `stream-recon run`, which reconstructs the bundled sample.
 """
 
+# ruff: noqa: E402 - the handler below must be in place before the other imports run
+
 from __future__ import annotations
 
+import signal
 import sys
+import threading
+
+
+def _exit_interrupted(signum: int, frame: object) -> None:
+    sys.exit(130)  # 128 + SIGINT, as app.stopping's PromptInterrupt exits later on
+
+
+# Ctrl-C while the CLI itself loads (typer, rich, numpy: a few hundred ms on a busy machine) exits 130
+# quietly, as a shell reports it, instead of printing a KeyboardInterrupt traceback; main() then hands
+# Ctrl-C to PromptInterrupt. Importing this module from elsewhere (tests) leaves the handler as it was.
+_handler_before_import = None
+if threading.current_thread() is threading.main_thread():
+    _handler_before_import = signal.signal(signal.SIGINT, _exit_interrupted)
+
 from importlib import metadata
 from types import ModuleType
 from typing import Annotated, Any
@@ -27,6 +44,9 @@ from stream_recon.app.commands._options import (
 )
 from stream_recon.app.export_formats import format_summary
 from stream_recon.app.stopping import PromptInterrupt
+
+if _handler_before_import is not None:
+    signal.signal(signal.SIGINT, _handler_before_import)
 
 
 class OneLineUsageErrors(TyperGroup):

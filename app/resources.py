@@ -297,13 +297,19 @@ def model_shape(config: Any) -> ModelShape:
     )
 
 
+_said_slow = False  # the slow-CPU warning, once a process: a batch runs many sequences on one CPU
+
+
 def check_cpu_run(options: Any, config: Any, frame_size: tuple[int, int] | None, frames: int | None,
-                  console: Any, *, model_loaded: bool = False) -> None:
+                  *, model_loaded: bool = False) -> list[str]:
     """Before a CPU run's model loads: refuse settings that cannot fit in memory (OptionsError naming
-    smaller ones), warn when the memory is tight and when the run will be slow. model_loaded: the
-    weights are in memory already (a model passed in), so only what the run adds is compared."""
+    smaller ones). Returns the warnings to give once every refusal has had its turn: the memory is
+    tight, the run will be slow (once a process). model_loaded: the weights are in memory already (a
+    model passed in), so only what the run adds is compared."""
+    global _said_slow
     from stream_recon.app.options import OptionsError
 
+    warnings = []
     model = model_shape(config)
     run = RunShape(source_size=frame_size or UNKNOWN_SOURCE_SIZE, image_width=options.image_width,
                    scale_frames=options.scale_frames, window=options.window, window_frames=options.window_frames,
@@ -314,13 +320,15 @@ def check_cpu_run(options: Any, config: Any, frame_size: tuple[int, int] | None,
         if not plan.fits:
             raise OptionsError(refusal_message(plan))
         if plan.tight:
-            console.print(f"[yellow]warning:[/yellow] these settings need {plan.estimate.describe()}, close to the "
-                          f"{_gb(available)} available; {flags(QUICKER_CPU_SETTINGS)} needs less")
-    if frame_flops(model, run, run.scale_frames + run.window) < FAST_ANYWHERE_FLOPS:
-        return  # the tiny test model, say
+            warnings.append(f"these settings need {plan.estimate.describe()}, close to the {_gb(available)} "
+                            f"available; {flags(QUICKER_CPU_SETTINGS)} needs less")
+    if _said_slow or frame_flops(model, run, run.scale_frames + run.window) < FAST_ANYWHERE_FLOPS:
+        return warnings  # said already, or a frame this cheap (the tiny test model, say)
     rate = matmul_flops_per_second()
     if seconds_per_frame(model, run, rate)[1] >= WARN_SECONDS_PER_FRAME:
-        console.print(f"[yellow]warning:[/yellow] {slow_cpu_message(model, run, rate)}")
+        warnings.append(slow_cpu_message(model, run, rate))
+        _said_slow = True
+    return warnings
 
 
 def slow_cpu_message(model: ModelShape, run: RunShape, flops_per_second: float) -> str:

@@ -145,6 +145,8 @@ def wait_for_stop_signal() -> int:
     stopped (`view`, a run's viewer kept serving) exits with interrupted_exit_code() of it, 130 or 143."""
     received: list[int] = []
     arrived = threading.Event()
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        arrived.wait()
 
     def receive(signum: int, frame: object) -> None:
         received.append(signum)

@@ -86,7 +86,8 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
     },
     _SOURCE: {
         "fps": "Use at most this many frames per second of video (by timestamp). For an image folder: the rate "
-        "its timestamps assume.",
+        "its timestamps assume (without it, frames are 1 s apart: give the camera's rate for evaluations and "
+        "exports that read timestamps).",
         "max_frames": "Stop after this many frames.",
         "start": "First source frame to use (0-based). \\[default: 0]",
         "stride": "Use every N-th source frame. \\[default: 1]",
@@ -107,7 +108,8 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
     },
     _VIEWER: {
         "viewer": "Open the live browser viewer. \\[default: viewer]",
-        "keep_viewer": "Keep the viewer serving the result after the run (Ctrl-C to exit).",
+        "keep_viewer": "Keep the viewer serving the result after the run, until Ctrl-C. \\[default: keep-viewer "
+        "on a terminal]",
         "host": "Viewer address. \\[default: 127.0.0.1]",
         "port": "Viewer port (the next free one is used if taken). \\[default: 8080]",
     },
