@@ -383,9 +383,11 @@ def run_batch(
             rows[sequence.name] = {**previous, "status": "skipped"}
     if outdated and not overwrite:
         raise BatchError(_outdated_message(output_dir, outdated, len(sequences)))
-    # Ray is joined and asked for its resources before anything is written: a refusal leaves nothing
+    # Ray is joined and asked for its resources, or the model loaded, before anything is written: a
+    # refusal (no GPU in the cluster, a missing checkpoint) leaves nothing behind
     ray_session = _RaySession.join(ray_address, gpus_per_task, len(pending)) if pending and ray_address else None
     try:
+        worker = spec.build(console) if pending and ray_session is None else None
         _prepare_output_dir(output_dir)
     except BaseException:
         if ray_session is not None:
@@ -411,7 +413,7 @@ def run_batch(
                 _run_actors(ray_session.ray, ray_session.actors, pending, spec, console, record,
                             ray_session.gpus_per_task)
         elif pending:
-            _run_serial(pending, spec, console, record)
+            _run_serial(pending, worker, console, record)
     except KeyboardInterrupt as interrupt:
         write_summary(output_dir, ordered_rows())
         raise BatchInterrupted(ordered_rows(), getattr(interrupt, "signum", None)) from None
@@ -463,10 +465,9 @@ def _report(console: Console, row: dict) -> None:
         console.print(f"[red]failed[/] {row['name']}: {row['error']}")
 
 
-def _run_serial(pending: list[Sequence], spec: WorkerSpec, console: Console, record) -> None:
+def _run_serial(pending: list[Sequence], worker: SequenceWorker, console: Console, record) -> None:
     """One worker in this process; the pipeline draws each sequence's frame progress on `console`."""
     # rich allows one live display per console, so sequences are counted in lines and frames in the bar.
-    worker = spec.build(console)
     for number, sequence in enumerate(pending, start=1):
         console.rule(f"sequence {number}/{len(pending)}: {sequence.name} ({sequence.describe()})")
         row = worker.process(sequence)

@@ -227,9 +227,11 @@ class ExportTarget:
         fmt = self.fmt
         if path.is_dir():
             path = path / name
-        elif not path.suffix:
-            path = path.with_name(path.name + fmt.suffix)
-        elif not fmt.accepts_suffix(path.suffix):
+        try:
+            path = file_to_write(path)  # a symlink's target, which is what gets written
+        except OutputPathError as error:
+            raise ExportError(str(error)) from None
+        if path.suffix and not fmt.accepts_suffix(path.suffix):
             owner = next((other for other in ExportFormat if other.accepts_suffix(path.suffix)), None)
             whose = f", the {owner.label} format's suffix," if owner else ""
             instead = f", or use --format {owner.value}" if owner else ""
@@ -237,10 +239,8 @@ class ExportTarget:
                 f"--output {path} ends in {path.suffix}{whose} but --format {fmt.value} writes a {fmt.label} file: "
                 f"name it {path.with_suffix(fmt.suffix).name}{instead}"
             )
-        try:
-            path = file_to_write(path)
-        except OutputPathError as error:
-            raise ExportError(str(error)) from None
+        if not path.suffix and not path.exists():  # a new name: the format's suffix is added
+            path = path.with_name(path.name + fmt.suffix)
         if path.exists() and not overwrite:
             raise ExportError(f"{path} already exists; pass --overwrite to replace it, or choose another --output")
         return path

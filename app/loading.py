@@ -70,21 +70,31 @@ def model_config_for(options: RunOptions, model: Any = None) -> Any:
     """The ModelConfig a run will use, known before any weight is read: the given model's (None if it
     has none), the one a .safetensors file carries, else the official architecture (every .pt and
     known name has it)."""
-    from stream_recon.models import CheckpointError, ModelConfig
+    from stream_recon.models import ModelConfig
     from stream_recon.models.checkpoint import checkpoint_config
 
     if model is not None:
         return getattr(model, "config", None)
     path = Path(options.checkpoint) if options.checkpoint else None
-    if path is not None and path.suffix == ".safetensors" and path.is_file():
-        try:
+    if path is not None and path.is_file():
+        check_readable(path)
+        if path.suffix == ".safetensors":
             return checkpoint_config(path) or ModelConfig()
-        except OSError as error:
-            raise CheckpointError(
-                f"cannot read the checkpoint {path}: {error.strerror or error}; check its permissions, or pass "
-                "another --checkpoint"
-            ) from None
     return ModelConfig()
+
+
+def check_readable(checkpoint: Path) -> None:
+    """A checkpoint file this process may not read is said so (the loader would call it damaged)."""
+    from stream_recon.models import CheckpointError
+
+    try:
+        with open(checkpoint, "rb"):
+            pass
+    except OSError as error:
+        raise CheckpointError(
+            f"cannot read the checkpoint {checkpoint}: {error.strerror or error}; check its permissions, or pass "
+            "another --checkpoint"
+        ) from None
 
 
 def prepared_for_run(model: Any, options: RunOptions, device: str) -> Any:

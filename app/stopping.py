@@ -17,7 +17,6 @@ Three phases, one handler each:
 
 from __future__ import annotations
 
-import _thread
 import signal
 import threading
 from typing import TYPE_CHECKING, Any
@@ -73,7 +72,9 @@ class PromptInterrupt:
         while not self._honoured.wait(REDELIVERY_INTERVAL_S):
             if signal.getsignal(signal.SIGINT) != self._raise:
                 return  # StopOnSignal owns Ctrl-C now and has taken the pending one as its first
-            _thread.interrupt_main(signal.SIGINT)
+            # a real signal, not _thread.interrupt_main: that one waits for a blocking call (a sleep, a read)
+            # to return before it is raised
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
 
 _active: PromptInterrupt | None = None  # the CLI's, while it runs

@@ -8,6 +8,8 @@ from __future__ import annotations
 import errno
 import gc
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -467,3 +469,38 @@ def test_flashinfer_compile_is_announced():
     text = console.export_text()
     assert "kernels compile on first use" in text and "about 30 s" in text
     assert "attention: sdpa" in text
+
+
+class SignalAtFrame:
+    """A sink that sends this process `signum` when frame `index` arrives: a Ctrl-C at that moment."""
+
+    def __init__(self, index: int, signum: int = signal.SIGINT) -> None:
+        self.index, self.signum = index, signum
+
+    def on_frame(self, pred, stats: dict) -> None:
+        if pred.frame_index == self.index:
+            os.kill(os.getpid(), self.signum)
+
+    def close(self, status: str) -> None:
+        pass
+
+
+def test_a_ctrl_c_after_the_sources_last_frame_leaves_a_complete_run(tmp_path: Path, tiny_model: GCTStream) -> None:
+    # a batch sequence interrupted after all its frames were written was redone
+    video = write_video(tmp_path / "clip.mp4", 6)
+
+    summary = run_sequence(str(video), tmp_path / "run", RunOptions(**FAST), model=tiny_model,
+                           extra_sinks=[SignalAtFrame(5)])
+
+    assert (summary.status, summary.frames, summary.stop_signal) == ("complete", 6, signal.SIGINT)
+    assert summary.ended_by_signal == signal.SIGINT  # the CLI still exits 130: the signal was seen
+    check_run_dir(tmp_path / "run", 6, "complete")
+
+
+def test_a_ctrl_c_mid_stream_still_interrupts_the_run(tmp_path: Path, tiny_model: GCTStream) -> None:
+    frames = ((frame_bgr(index, 160, 96)[..., ::-1].copy(), index / 10) for index in range(10_000))
+
+    summary = run_sequence(frames, tmp_path / "run", RunOptions(**FAST), model=tiny_model,
+                           extra_sinks=[SignalAtFrame(5)])
+
+    assert summary.status == "interrupted" and 6 <= summary.frames < 10_000

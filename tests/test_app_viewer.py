@@ -13,8 +13,10 @@ import contextlib
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -694,3 +696,23 @@ def test_a_live_viewer_draws_at_most_its_cloud_rate_and_always_the_newest_keyfra
     finally:
         live.close("complete")
         live.stop()
+
+
+@pytest.mark.slow  # two viewer processes
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_view_stopped_by_a_signal_exits_128_plus_it(tmp_path, signum, code):
+    # `view RUN`, then Ctrl-C: exit 0
+    write_run(tmp_path / "run", 6)
+    command = [sys.executable, "-c", "from stream_recon.app.cli import main; main()", "view", str(tmp_path / "run"),
+               "--port", str(free_port())]
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        for line in child.stderr:  # until it serves
+            if line.startswith("Replaying 6 frames at http://127.0.0.1:") or time.monotonic() > deadline:
+                break
+        child.send_signal(signum)
+        assert child.wait(timeout=30) == code
+    finally:
+        if child.poll() is None:
+            child.kill()

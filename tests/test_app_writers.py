@@ -23,11 +23,13 @@ from stream_recon.app.options import OptionsError, RunOptions
 from stream_recon.app.pointcloud import PointAccumulator, _back_project_pixels
 from stream_recon.app.rundir import (
     OutputDirError,
+    OutputPathError,
     RunDirError,
     iter_run,
     load_prediction,
     prediction_path,
     read_run,
+    write_json_atomic,
 )
 from stream_recon.app.writers import RunWriter
 from stream_recon.models.prediction import FRAME_NON_KEY
@@ -620,3 +622,23 @@ def test_points_beyond_the_voxel_key_range_are_dropped_and_counted(tmp_path):
     points = json.loads((tmp_path / "run" / "run.json").read_text())["summary"]["points"]
     assert points["dropped_out_of_range"] == 24 * 12
     assert np.abs(trimesh.load(tmp_path / "run" / "points.ply").vertices).max() < 100
+
+
+def test_atomic_writes_follow_a_symlink_and_never_replace_a_fifo(tmp_path):
+    # the atomic rename replaced whatever the path was: a symlink, a FIFO, as root even /dev/full
+    target = tmp_path / "elsewhere.json"
+    target.write_text("{}")
+    link = tmp_path / "run.json"
+    link.symlink_to(target)
+    fifo = tmp_path / "eval.json"
+    os.mkfifo(fifo)
+
+    write_json_atomic(link, {"status": "complete"})
+    with pytest.raises(OutputPathError, match=r"eval.json is a FIFO \(named pipe\), not a regular file; nothing"):
+        write_json_atomic(fifo, {"ate_rmse": 0.1})
+    with pytest.raises(OutputPathError, match="is a folder, not a regular file"):
+        write_json_atomic(tmp_path, {})
+
+    assert link.is_symlink() and json.loads(target.read_text()) == {"status": "complete"}
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["elsewhere.json", "eval.json", "run.json"]  # no temp
