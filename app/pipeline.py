@@ -471,7 +471,7 @@ def _start_viewer(options: RunOptions, console: Console) -> Any:
 
     # A live run draws at most LIVE_CLOUDS_PER_SECOND new keyframe clouds a second (LiveViewer says why).
     viewer = LiveViewer(options.host, options.port, keep_serving=options.keep_viewer,
-                        max_new_clouds_per_second=LIVE_CLOUDS_PER_SECOND)
+                        max_new_clouds_per_second=LIVE_CLOUDS_PER_SECOND, min_confidence=options.conf_threshold)
     console.print(f"live viewer: [bold]{viewer.url}[/bold]")
     return viewer
 

@@ -31,7 +31,13 @@ from pathlib import Path
 
 import numpy as np
 
-from stream_recon.app.rundir import PREDICTIONS_DIR, RunDirError, load_prediction, prediction_files
+from stream_recon.app.rundir import (
+    PREDICTIONS_DIR,
+    RunDirError,
+    load_prediction,
+    prediction_files,
+    read_run_info,
+)
 from stream_recon.app.viewer import LiveViewer
 from stream_recon.models.prediction import FramePrediction
 
@@ -121,7 +127,9 @@ class Replay:
         self._loader_idle = threading.Event()
         self._loader_idle.set()
         self._build_gui()
-        viewer.set_status(f"**replay** of {index.num_frames} frames")
+        first, last = int(index.frame_indices[0]), int(index.frame_indices[-1])
+        saved = "" if last - first + 1 == index.num_frames else f" (frames {first}-{last}; the others have no file)"
+        viewer.set_status(f"**replay** of {index.num_frames} frames{saved}")
         self._threads = [
             threading.Thread(target=self._play_loop, name="replay-player", daemon=True),
             threading.Thread(target=self._load_loop, name="replay-loader", daemon=True),
@@ -154,8 +162,13 @@ class Replay:
             self.position = position
             self._loader_idle.clear()
             self._load_requested.set()
-        if self._timeline.value != position:
-            self._timeline.value = position
+        frame_index = int(self.index.frame_indices[position])
+        if self._timeline.value != frame_index:
+            self._timeline.value = frame_index
+
+    def position_of(self, frame_index: int) -> int:
+        """The position of the newest saved frame at or before `frame_index` (a timeline value)."""
+        return max(0, int(np.searchsorted(self.index.frame_indices, frame_index, side="right")) - 1)
 
     def wait_until_loaded(self, timeout: float = 60.0) -> bool:
         """Wait until the keyframes of the last seek are loaded and drawn (tests, measurements)."""
@@ -227,9 +240,10 @@ class Replay:
     def _build_gui(self) -> None:
         gui = self.viewer.server.gui
         with gui.add_folder("Replay", order=-1):
-            self._timeline = gui.add_slider(
-                "Frame", min=0, max=max(1, self.index.num_frames - 1), step=1, initial_value=0
-            )
+            # the slider counts the run's frame indices (those of run.json, the progress and the files), not
+            # positions among the saved files: a run saved with --save-predictions keyframes has gaps
+            first, last = int(self.index.frame_indices[0]), int(self.index.frame_indices[-1])
+            self._timeline = gui.add_slider("Frame", min=first, max=max(first + 1, last), step=1, initial_value=first)
             self._play_button = gui.add_button("Play")
             speed = gui.add_slider(
                 "Frames / s", min=1.0, max=60.0, step=1.0, initial_value=self._playback_fps
@@ -239,7 +253,7 @@ class Replay:
         def _(event) -> None:
             if event.client is not None:  # our own assignments during playback come back with no client
                 self.pause()
-                self.seek(int(self._timeline.value))
+                self.seek(self.position_of(int(self._timeline.value)))
 
         @self._play_button.on_click
         def _(_event) -> None:
@@ -251,8 +265,12 @@ class Replay:
 
 
 def start_replay(run_dir: Path, host: str = "127.0.0.1", port: int = 8080, **viewer_options) -> Replay:
-    """Index `run_dir`, start a viewer and show the whole run (the timeline at its last frame)."""
+    """Index `run_dir`, start a viewer and show the whole run (the timeline at its last frame). Points are
+    shown with the run's own confidence threshold (run.json) unless viewer_options say otherwise."""
     index = index_run(run_dir)
+    recorded = read_run_info(run_dir).get("summary", {}).get("points", {}).get("conf_threshold")
+    if isinstance(recorded, (int, float)):
+        viewer_options.setdefault("min_confidence", float(recorded))
     viewer = LiveViewer(host, port, keep_serving=True, inference_controls=False, **viewer_options)
     replay = Replay(index, viewer)
     replay.seek(index.num_frames - 1)
