@@ -8,14 +8,16 @@ Host memory of a CPU run, as the code allocates it (measured, see below)::
 
     weights      parameters x 4 bytes                               (the full model: 1.16 G -> 4.6 GB)
     KV cache     pages x P patch tokens x L layers x 2 (K, V) x C x 4 bytes
-                 pages = scale + window + 1 patch pages + 2, allocated at the first frame (the paged
-                 cache does not grow with the stream), grown 16 at a time when the special tokens (6 a
-                 frame, packed) need more than the 2 spare pages
-    activations  ACTIVATION_BYTES_PER_PIXEL x H x W x scale frames (phase 1 runs them together)
+                 the pool starts with scale + 1 patch pages + 2 for the special tokens (6 a frame,
+                 packed) and grows 16 pages at a time as frames come, up to scale + window + 1 patch
+                 pages and the special pages of `window_frames` frames (cache/backends.py)
+    activations  ACTIVATION_BYTES_PER_PIXEL x H x W x the scale frames processed together (phase 1)
                  + ACTIVATION_FIXED_BYTES
 
-At the defaults on a 4:3 source (518 x 392 input, P = 1036): 4.6 + 15.3 + 3.2 = 23 GB; on 16:9
-(518 x 294): 4.6 + 11.5 + 2.7 = 18.8 GB, the 17.5 GiB peak issue 18 measured.
+At the defaults on a 4:3 source (518 x 392 input, P = 1036), a long stream: 4.6 + 15.3 + 3.1 = 23 GB;
+on 16:9 (518 x 294): 4.6 + 11.6 + 2.4 = 18.7 GB. 12 frames of the bundled sample: 4.6 + 4.1 + 2.4 =
+11.2 GB; 3 frames: 7.4 GB (17.5 GiB and 21 GB were measured when the pool held the whole window from
+the first frame).
 
 Calibration (2-core CPU, 2026-11): the full width model with 2 DINO and 4 aggregator blocks (same
 activations per layer, same heads, a fraction of the weights), peak RSS over the model's own:
@@ -44,8 +46,8 @@ GB = 1e9
 FLOAT32_BYTES = 4
 ACTIVATION_BYTES_PER_PIXEL = 1750  # per input pixel per frame processed together (calibrated above)
 ACTIVATION_FIXED_BYTES = int(0.3 * GB)
-SPARE_PAGES = 2  # the paged cache's pool starts this many pages beyond the patch pages (cache/paged.py) ...
-POOL_GROWTH_PAGES = 16  # ... and grows by this many when the special tokens need more (cache/pages.py)
+SPARE_PAGES = 2  # the paged cache's pool starts this many pages beyond the scale frames' (cache/backends.py) ...
+POOL_GROWTH_PAGES = 16  # ... and grows by this many when the frames need more (cache/pages.py)
 MATMUL_EFFICIENCY = 0.8  # the model's share of the measured matmul throughput
 WARN_SECONDS_PER_FRAME = 1.0  # a CPU run slower than this is announced
 WARN_MEMORY_SHARE = 0.85  # an estimate above this share of the available memory is announced
@@ -118,14 +120,18 @@ def estimate_host_memory(model: ModelShape, run: RunShape, *, count_weights: boo
     count_weights: False when the model is in memory already (a batch worker's), so that the memory
     still available is compared with what the run adds."""
     patches = run.patches(model.patch_size)
-    patch_pages = run.scale_frames + run.window + 1  # the scale frames, the window, the frame being decided
+    most_patch_pages = run.scale_frames + run.window + 1  # the scale frames, the window, the frame being decided
     frames = run.window_frames if run.frames is None else min(run.frames, run.window_frames)
-    special_pages = math.ceil(model.num_special_tokens * frames / patches)  # 6 tokens a frame, packed
-    pages = patch_pages + SPARE_PAGES
-    if special_pages > SPARE_PAGES:
-        pages += POOL_GROWTH_PAGES * math.ceil((special_pages - SPARE_PAGES) / POOL_GROWTH_PAGES)
+    # what the pool holds at once: every frame's patch page until the window is full, and then the one being
+    # decided besides, and the special tokens of every frame of the window (6 a frame, packed)
+    in_use = min(frames, most_patch_pages) + math.ceil(model.num_special_tokens * frames / patches)
+    most_pages = most_patch_pages + math.ceil(model.num_special_tokens * run.window_frames / patches)
+    pages = run.scale_frames + 1 + SPARE_PAGES  # what the pool starts with (cache/backends.py)
+    if in_use > pages:
+        pages = min(most_pages, pages + POOL_GROWTH_PAGES * math.ceil((in_use - pages) / POOL_GROWTH_PAGES))
     cache = pages * patches * model.depth * 2 * model.embed_dim * FLOAT32_BYTES
-    activations = ACTIVATION_BYTES_PER_PIXEL * run.pixels * run.scale_frames + ACTIVATION_FIXED_BYTES
+    together = run.scale_frames if run.frames is None else min(run.frames, run.scale_frames)
+    activations = ACTIVATION_BYTES_PER_PIXEL * run.pixels * together + ACTIVATION_FIXED_BYTES
     weights = model.num_params * FLOAT32_BYTES if count_weights else 0
     return HostMemoryEstimate(weights, cache, activations, pages, patches)
 
