@@ -195,9 +195,10 @@ def prepare_output_dir(output_dir: Path, *, overwrite: bool) -> Path | None:
     """Make sure `output_dir` can take a run. Returns the outermost folder created here (`output_dir` or
     a parent of it; None when it existed), for remove_if_empty.
 
-    Refuses a folder that holds a run unless `overwrite`, and a folder that holds other files whatever
-    `overwrite` says (a run would mix its files in with them); the run's old files are left for the
-    writer to remove, so that a run that never starts destroys nothing.
+    Refuses a folder that holds a run unless `overwrite`, and a folder that holds no run but other files
+    whatever `overwrite` says (a run would mix its files in with them; files a user put beside a run stay
+    when it is replaced); the run's old files are left for the writer to remove, so that a run that
+    never starts destroys nothing.
     """
     output_dir = Path(output_dir)
     if output_dir.exists() and not output_dir.is_dir():
@@ -208,7 +209,7 @@ def prepare_output_dir(output_dir: Path, *, overwrite: bool) -> Path | None:
             f"output directory {output_dir} already holds a run ({len(previous)} files such as "
             f"{previous[0].name}); choose another --output or pass --overwrite to replace it"
         )
-    foreign = foreign_entries(output_dir)
+    foreign = [] if previous else foreign_entries(output_dir)
     if foreign:
         raise OutputDirError(
             f"output directory {output_dir} is not empty and holds no run ({len(foreign)} entries such as "
