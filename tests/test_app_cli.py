@@ -758,8 +758,8 @@ def test_a_ctrl_c_a_library_swallows_is_raised_again_until_the_program_stops() -
 @pytest.mark.slow  # a calibration run, then one process per moment
 def test_ctrl_c_from_the_start_to_the_first_frame_exits_130_at_once(tmp_path: Path, tiny_checkpoint: Path) -> None:
     # 4 of 4 times a Ctrl-C 1.5-2.2 s after the start was lost and the run went on to exit 0
-    folder = write_image_folder(tmp_path / "frames", [f"{index}.png" for index in range(6)], width=160, height=96)
-    command = [sys.executable, "-c", "from stream_recon.app.cli import main; main()", str(folder),
+    video = write_video(tmp_path / "long.mp4", 600, fps=30)  # never read to its end before the signal
+    command = [sys.executable, "-c", "from stream_recon.app.cli import main; main()", str(video),
                "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     started = time.monotonic()
