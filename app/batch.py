@@ -45,8 +45,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from stream_recon.app.clock import finite_or_none
 from stream_recon.app.datasets import Sequence, TumFrames
-from stream_recon.app.evaluation import DEFAULT_MAX_DIFF, EvaluationError, evaluate_run
-from stream_recon.app.loading import load_model_for
+from stream_recon.app.evaluation import (
+    DEFAULT_MAX_DIFF,
+    EvaluationError,
+    evaluate_run,
+    evaluation_path,
+    write_evaluation,
+)
+from stream_recon.app.loading import DEFAULT_CHECKPOINT, CheckpointDigest, load_model_for
 from stream_recon.app.options import RunOptions, changed_settings
 from stream_recon.app.pipeline import run_sequence
 from stream_recon.app.rundir import BATCH_MARKER, PREDICTIONS_DIR, RUN_JSON, holds_run
@@ -137,6 +143,39 @@ def finished_settings(run_dir: Path) -> dict:
     return settings if isinstance(settings, dict) else {}
 
 
+class _SameCheckpoint:
+    """Whether a finished run used the checkpoint file this batch names, however the path is spelled
+    (absolute here, relative there): the sha256 its run.json recorded against this file's (hashed once)."""
+
+    def __init__(self, checkpoint: str | None) -> None:
+        self._checkpoint = checkpoint
+        self._digest: str | None = None
+        self._hashed = False
+
+    def __call__(self, run_dir: Path) -> bool:
+        try:
+            recorded = json.loads((run_dir / RUN_JSON).read_text()).get("summary", {}).get("checkpoint_digest")
+        except (OSError, ValueError, AttributeError):
+            return False
+        return recorded is not None and recorded == self._digest_now()
+
+    def _digest_now(self) -> str | None:
+        if not self._hashed:
+            self._hashed = True
+            self._digest = CheckpointDigest(self._checkpoint or DEFAULT_CHECKPOINT).result()
+        return self._digest
+
+
+def result_changes(run_dir: Path, run_options: RunOptions, same_checkpoint: Callable[[Path], bool]) -> list[str]:
+    """What a finished sequence ran with otherwise than these options, in the settings that change results
+    (`name old -> new`); a checkpoint named by another path to the same file is no change."""
+    before = finished_settings(run_dir)
+    changes = changed_settings(before, run_options.result_settings())
+    if any(change.startswith("checkpoint ") for change in changes) and same_checkpoint(run_dir):
+        changes = [change for change in changes if not change.startswith("checkpoint ")]
+    return changes
+
+
 def _read_marker(run_dir: Path) -> dict | None:
     try:
         marker = json.loads((run_dir / COMPLETE_MARKER).read_text())
@@ -191,8 +230,9 @@ class SequenceWorker:
             row.update(status="failed", error=describe_error(error), seconds=time.monotonic() - started)
             return row
         row.update(frames=summary.frames, keyframes=summary.keyframes, fps=finite_or_none(summary.fps))
+        # a signal that came after the last frame leaves a complete run: recorded as done, then the batch stops
+        self.stop_signal = summary.stop_signal
         if summary.status == "interrupted":
-            self.stop_signal = summary.stop_signal
             row.update(status="failed", error=INTERRUPTED_ERROR, seconds=time.monotonic() - started)
             return row
         if summary.status != "complete":
@@ -215,6 +255,7 @@ class SequenceWorker:
                 max_diff=self.evaluation.max_diff,
                 depth_dir=sequence.depth_dir,
             )
+            write_evaluation(metrics, evaluation_path(run_dir))
         except (EvaluationError, OSError) as error:
             # The reconstruction itself is fine and kept; only the comparison could not be made.
             return {"error": f"evaluation: {error}"}
@@ -319,7 +360,8 @@ def run_batch(
     function, a functools.partial of one, or a closure cloudpickle can carry).
     """
     output_dir = Path(output_dir)
-    _prepare_output_dir(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise BatchError(f"--output {output_dir} exists and is not a folder; choose another path")
     _check_no_overlap(output_dir, sequences)
     console = console or Console(stderr=True)
     spec = WorkerSpec(
@@ -328,10 +370,11 @@ def run_batch(
     rows: dict[str, dict] = {}
     pending = []
     outdated: dict[str, list[str]] = {}  # sequence name -> what changed
+    same_checkpoint = _SameCheckpoint(run_options.checkpoint)
     for sequence in sequences:
         run_dir = run_dir_of(output_dir, sequence)
         previous = finished_row(run_dir)
-        changes = [] if previous is None else changed_settings(finished_settings(run_dir), run_options.result_settings())
+        changes = [] if previous is None else result_changes(run_dir, run_options, same_checkpoint)
         if previous is None or changes:
             pending.append(sequence)
             if changes:
@@ -340,6 +383,16 @@ def run_batch(
             rows[sequence.name] = {**previous, "status": "skipped"}
     if outdated and not overwrite:
         raise BatchError(_outdated_message(output_dir, outdated, len(sequences)))
+    # Ray is joined and asked for its resources, or the model loaded, before anything is written: a
+    # refusal (no GPU in the cluster, a missing checkpoint) leaves nothing behind
+    ray_session = _RaySession.join(ray_address, gpus_per_task, len(pending)) if pending and ray_address else None
+    try:
+        worker = spec.build(console) if pending and ray_session is None else None
+        _prepare_output_dir(output_dir)
+    except BaseException:
+        if ray_session is not None:
+            ray_session.close()
+        raise
 
     def ordered_rows() -> list[dict]:
         return [rows[s.name] for s in sequences if s.name in rows]
@@ -355,10 +408,12 @@ def run_batch(
     if rows and not pending:
         console.print(f"all {len(sequences)} sequences already finished in {output_dir}")
     try:
-        if pending and ray_address is None:
-            _run_serial(pending, spec, console, record)
+        if ray_session is not None:
+            with ray_session:
+                _run_actors(ray_session.ray, ray_session.actors, pending, spec, console, record,
+                            ray_session.gpus_per_task)
         elif pending:
-            _run_on_ray(pending, spec, ray_address, gpus_per_task, console, record)
+            _run_serial(pending, worker, console, record)
     except KeyboardInterrupt as interrupt:
         write_summary(output_dir, ordered_rows())
         raise BatchInterrupted(ordered_rows(), getattr(interrupt, "signum", None)) from None
@@ -390,8 +445,6 @@ def _check_no_overlap(output_dir: Path, sequences: list[Sequence]) -> None:
 
 
 def _prepare_output_dir(output_dir: Path) -> None:
-    if output_dir.exists() and not output_dir.is_dir():
-        raise BatchError(f"--output {output_dir} exists and is not a folder; choose another path")
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -412,15 +465,14 @@ def _report(console: Console, row: dict) -> None:
         console.print(f"[red]failed[/] {row['name']}: {row['error']}")
 
 
-def _run_serial(pending: list[Sequence], spec: WorkerSpec, console: Console, record) -> None:
+def _run_serial(pending: list[Sequence], worker: SequenceWorker, console: Console, record) -> None:
     """One worker in this process; the pipeline draws each sequence's frame progress on `console`."""
     # rich allows one live display per console, so sequences are counted in lines and frames in the bar.
-    worker = spec.build(console)
     for number, sequence in enumerate(pending, start=1):
         console.rule(f"sequence {number}/{len(pending)}: {sequence.name} ({sequence.describe()})")
         row = worker.process(sequence)
         record(row)
-        if row["error"] == INTERRUPTED_ERROR:
+        if worker.stop_signal is not None:
             # The pipeline turned the signal into a clean stop of this sequence; the batch stops with it.
             raise SequenceStopped(worker.stop_signal)
 
@@ -470,26 +522,47 @@ def plan_actors(resources: dict, gpus_per_task: float, sequences: int) -> int:
     return max(1, min(capacity, sequences))
 
 
-def _run_on_ray(
-    pending: list[Sequence], spec: WorkerSpec, address: str, gpus_per_task: float, console: Console, record
-) -> None:
+class _RaySession:
+    """The Ray cluster a batch runs on, joined and sized before the batch writes anything: a cluster
+    without the GPUs the batch asks for is refused with nothing left behind."""
+
+    def __init__(self, ray: Any, started_here: bool, gpus_per_task: float, actors: int) -> None:
+        self.ray = ray
+        self.started_here = started_here
+        self.gpus_per_task = gpus_per_task
+        self.actors = actors
+
+    @classmethod
+    def join(cls, address: str, gpus_per_task: float, sequences: int) -> _RaySession:
+        ray, started_here = connect_ray(address)
+        try:
+            actors = plan_actors(ray.cluster_resources(), gpus_per_task, sequences)
+        except BaseException:
+            if started_here:
+                ray.shutdown()
+            raise
+        return cls(ray, started_here, gpus_per_task, actors)
+
+    def __enter__(self) -> _RaySession:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.started_here:
+            self.ray.shutdown()
+            self.started_here = False
+
+
+def _run_actors(
+    ray, count: int, pending: list[Sequence], spec: WorkerSpec, console: Console, record, gpus_per_task: float
+):
     """One actor per GPU share (or CPU), each holding the model; sequences handed out as actors free up.
 
     This is ActorPool.map_unordered with one addition: each result is tied to its sequence, so a
     worker that dies (out of memory, lost node) fails that sequence by name and the others go on.
     """
-    ray, started_here = connect_ray(address)
-    try:
-        _run_actors(ray, pending, spec, gpus_per_task, console, record)
-    finally:
-        if started_here:
-            ray.shutdown()
-
-
-def _run_actors(
-    ray, pending: list[Sequence], spec: WorkerSpec, gpus_per_task: float, console: Console, record
-):
-    count = plan_actors(ray.cluster_resources(), gpus_per_task, len(pending))
     actor_class = ray.remote(SequenceWorker).options(num_gpus=gpus_per_task, num_cpus=1)
     actors = [
         actor_class.remote(spec.load_model, spec.run_options, str(spec.output_dir), spec.evaluation)

@@ -5,9 +5,26 @@ a command name, so `main` inserts `run` when the first argument is not a command
 `stream-recon` alone is `stream-recon run`, which reconstructs the bundled sample.
 """
 
+# ruff: noqa: E402 - the handler below must be in place before the other imports run
+
 from __future__ import annotations
 
+import signal
 import sys
+import threading
+
+
+def _exit_interrupted(signum: int, frame: object) -> None:
+    sys.exit(130)  # 128 + SIGINT, as app.stopping's PromptInterrupt exits later on
+
+
+# Ctrl-C while the CLI itself loads (typer, rich, numpy: a few hundred ms on a busy machine) exits 130
+# quietly, as a shell reports it, instead of printing a KeyboardInterrupt traceback; main() then hands
+# Ctrl-C to PromptInterrupt. Importing this module from elsewhere (tests) leaves the handler as it was.
+_handler_before_import = None
+if threading.current_thread() is threading.main_thread():
+    _handler_before_import = signal.signal(signal.SIGINT, _exit_interrupted)
+
 from importlib import metadata
 from types import ModuleType
 from typing import Annotated, Any
@@ -18,7 +35,18 @@ from typer.core import TyperGroup
 
 from stream_recon.app.commands import batch, convert, download, export, info, run, view
 from stream_recon.app.commands import eval as evaluation
-from stream_recon.app.commands._options import EXIT_BAD_INPUT, EXIT_FAILED, error_console
+from stream_recon.app.commands._options import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    error_console,
+    set_verbosity,
+)
+from stream_recon.app.export_formats import format_summary
+from stream_recon.app.stopping import PromptInterrupt
+
+if _handler_before_import is not None:
+    signal.signal(signal.SIGINT, _handler_before_import)
 
 
 class OneLineUsageErrors(TyperGroup):
@@ -88,7 +116,7 @@ def register(module: ModuleType, name: str, summary: str) -> None:
 register(run, "run", "Reconstruct a video, image folder, webcam or stream (the default command).")
 register(info, "info", "Versions, CUDA/GPU, attention backends, checkpoint locations.")
 register(download, "download", "Download an official checkpoint into the Hugging Face cache.")
-register(export, "export", "Export a run directory as PLY, GLB, COLMAP or TUM.")
+register(export, "export", f"Export a run directory as {format_summary()}.")
 register(view, "view", "Replay a finished run in the browser, with a timeline.")
 register(convert, "convert", "Convert a .pt checkpoint to .safetensors.")
 register(batch, "batch", "Run every sequence under a dataset folder, resumably; Ray spreads it over GPUs.")
@@ -99,7 +127,8 @@ app.command(
     epilog=examples(evaluation),
 )(evaluation.eval_command)
 
-ROOT_OPTIONS = ("-h", "--help", "--version")
+ROOT_OPTIONS = ("-h", "--help", "--version", "--verbose")
+VERBOSE = "--verbose"
 
 
 def _version_callback(value: bool) -> None:
@@ -113,8 +142,14 @@ def root(
     version: Annotated[
         bool, typer.Option("--version", help="Show the version and exit.", callback=_version_callback, is_eager=True)
     ] = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(VERBOSE, help="Show the libraries' own messages (OpenCV, FFmpeg, warnings) and every detail of "
+                     "an error; anywhere on the line: stream-recon clip.mp4 --verbose."),
+    ] = False,
 ) -> None:
     """Root options only; every action is a command."""
+    set_verbosity(verbose)
 
 
 def command_names() -> set[str]:
@@ -124,15 +159,26 @@ def command_names() -> set[str]:
 
 
 def with_default_command(args: list[str]) -> list[str]:
-    """Insert `run` unless the first argument is a command or a root option."""
-    if args and (args[0] in command_names() or args[0] in ROOT_OPTIONS):
-        return args
-    return ["run", *args]
+    """Insert `run` unless the first argument is a command or a root option. --verbose may come anywhere
+    before a `--`: it is moved to the front, where the root takes it for every command."""
+    end = args.index("--") if "--" in args else len(args)
+    verbose = VERBOSE in args[:end]
+    args = [arg for arg in args[:end] if arg != VERBOSE] + args[end:]
+    if not (args and (args[0] in command_names() or args[0] in ROOT_OPTIONS)):
+        args = ["run", *args]
+    return [VERBOSE, *args] if verbose else args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
-    app(args=with_default_command(args), prog_name="stream-recon")
+    # Every command's heavy libraries are imported when it runs (commands/*): Ctrl-C must stop it there too
+    with PromptInterrupt() as interrupt:
+        try:
+            app(args=with_default_command(args), prog_name="stream-recon")
+        except KeyboardInterrupt:  # one that came before typer's own handling, or after it
+            sys.exit(EXIT_INTERRUPTED)
+        finally:
+            interrupt.honoured()
 
 
 if __name__ == "__main__":

@@ -36,12 +36,12 @@ import numpy as np
 from stream_recon.app.rundir import (
     EVAL_JSON,
     PREDICTIONS_DIR,
-    TRAJECTORY_TUM,
     RunDirError,
     TumFileError,
     prediction_files,
     read_tum,
     read_tum_list,
+    run_trajectory,
     write_json_atomic,
 )
 from stream_recon.models.similarity import AlignmentError, Sim3, umeyama
@@ -486,27 +486,31 @@ def evaluate_run(
     depth_dir: str | Path | None = None,
     depth_max_diff: float = DEPTH_MAX_DIFF,
 ) -> dict:
-    """Evaluate RUN_DIR/trajectory_tum.txt (and predictions/*.npz depth) and write RUN_DIR/eval.json.
+    """Evaluate a run's trajectory (and predictions/*.npz depth); write_evaluation stores the result.
 
-    `max_diff` pairs estimated with ground-truth poses, `depth_max_diff` predictions with depth frames.
+    The trajectory is trajectory_tum.txt, or, for a run killed before writing it, the poses in its npz
+    files (rundir.run_trajectory). `max_diff` pairs estimated with ground-truth poses, `depth_max_diff`
+    predictions with depth frames.
     """
     run_dir = Path(run_dir)
-    trajectory_file = run_dir / TRAJECTORY_TUM
-    if not trajectory_file.is_file():
-        raise EvaluationError(
-            f"{run_dir} has no {TRAJECTORY_TUM}; is it a stream-recon run directory of a finished run?"
-        )
+    gt = read_tum_trajectory(gt_file)  # first: a wrong --gt is the likelier mistake, and cheap to find
+    try:
+        estimate = Trajectory(*run_trajectory(run_dir))
+    except TumFileError as error:
+        raise EvaluationError(str(error)) from None
     result = {"run_dir": str(run_dir), "gt_file": str(gt_file)}
-    result.update(
-        evaluate_trajectories(
-            read_tum_trajectory(trajectory_file),
-            read_tum_trajectory(gt_file),
-            alignment=alignment,
-            max_diff=max_diff,
-        )
-    )
+    result.update(evaluate_trajectories(estimate, gt, alignment=alignment, max_diff=max_diff))
     if depth_dir is not None:
         result.update(depth_dir=str(depth_dir), depth_max_diff=depth_max_diff)
         result.update(evaluate_depth(run_dir, depth_dir, max_diff=depth_max_diff))
-    write_json_atomic(run_dir / EVAL_JSON, result)
     return result
+
+
+def evaluation_path(run_dir: str | Path) -> Path:
+    """Where a run's evaluation is kept unless told otherwise: RUN_DIR/eval.json."""
+    return Path(run_dir) / EVAL_JSON
+
+
+def write_evaluation(result: dict, path: str | Path) -> None:
+    """Store an evaluation (atomically; a symlink is written through, a FIFO or device refused). Raises OSError."""
+    write_json_atomic(Path(path), result)

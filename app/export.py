@@ -19,10 +19,11 @@ Conventions of the outputs:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 
 import cv2
@@ -31,6 +32,8 @@ import trimesh
 from trimesh.path import Path3D
 from trimesh.path.entities import Line
 
+from stream_recon.app.export_formats import DEFAULT_OUTPUT_NAMES, FOLDER_CONTENTS, ExportFormat
+from stream_recon.app.input_size import model_input_size, resized_size
 from stream_recon.app.pointcloud import (
     DEFAULT_CONF_THRESHOLD,
     DEFAULT_MAX_POINTS,
@@ -38,18 +41,23 @@ from stream_recon.app.pointcloud import (
     PointCloud,
     write_ply,
 )
-from stream_recon.app.preprocess import ImageReadError
+from stream_recon.app.preprocess import ImageReadError, preprocess_frame_uint8
 from stream_recon.app.rundir import (
     EXPORTS_DIR,
-    POINTS_PLY,
-    TRAJECTORY_TUM,
+    OutputPathError,
     RunDirError,
+    atomic_write,
     check_run_dir,
+    file_to_write,
     iter_run,
+    outermost_missing,
     read_run_info,
+    remove_if_empty,
+    run_trajectory,
     write_tum,
 )
-from stream_recon.app.sources import FrameSelection, SourceError, open_source
+from stream_recon.app.source_settings import FrameSelection
+from stream_recon.app.sources import SourceError, open_source
 from stream_recon.models.pose import rotation_to_quat_xyzw
 
 # OpenCV camera axes (y down, z forward) to glTF's and OpenGL's (y up, z backward): a half turn about x.
@@ -58,27 +66,31 @@ OPENCV_TO_GLTF = np.diag([1.0, -1.0, -1.0, 1.0])
 FRUSTUM_DEPTH_FRACTION = 0.1
 
 
-class ExportFormat(str, Enum):
-    PLY = "ply"
-    GLB = "glb"
-    COLMAP = "colmap"
-    TUM = "tum"
-    NERFSTUDIO = "nerfstudio"
-
-
-DEFAULT_OUTPUT_NAMES = {
-    ExportFormat.PLY: POINTS_PLY,
-    ExportFormat.GLB: "scene.glb",
-    ExportFormat.COLMAP: "colmap",
-    ExportFormat.TUM: TRAJECTORY_TUM,
-    ExportFormat.NERFSTUDIO: "nerfstudio",
-}
-# Formats written as a folder (a model or dataset plus images/), the others as one file.
-FOLDER_FORMATS = (ExportFormat.COLMAP, ExportFormat.NERFSTUDIO)
-
-
 class ExportError(ValueError):
-    """An export cannot be written where it was asked to go."""
+    """An export cannot be written where it was asked to go, or not from what the run kept."""
+
+
+@dataclass(frozen=True)
+class PixelScale:
+    """How a model-input pixel maps into the image written beside a camera (the source frame at full
+    resolution): u' = (u + 0.5) sx - 0.5, v' = (v + row_offset + 0.5) sy - 0.5 (integer pixel centres).
+    The identity when the model input itself is written."""
+
+    sx: float = 1.0
+    sy: float = 1.0
+    row_offset: float = 0.0  # rows the portrait crop cut from the top of the resized picture
+
+    def intrinsics(self, intrinsics: np.ndarray) -> np.ndarray:
+        scaled = np.array(intrinsics, dtype=np.float64)
+        scaled[0, 0] *= self.sx
+        scaled[1, 1] *= self.sy
+        scaled[0, 2] = (scaled[0, 2] + 0.5) * self.sx - 0.5
+        scaled[1, 2] = (scaled[1, 2] + self.row_offset + 0.5) * self.sy - 0.5
+        return scaled
+
+    def pixels(self, uv: np.ndarray) -> np.ndarray:
+        """Model-input pixels [N, 2] (u, v) -> pixels of the written image, integer centres."""
+        return (np.asarray(uv, dtype=np.float64) + [0.5, self.row_offset + 0.5]) * [self.sx, self.sy] - 0.5
 
 
 @dataclass(frozen=True)
@@ -88,11 +100,12 @@ class CameraRecord:
     frame_index: int
     timestamp: float
     c2w: np.ndarray  # [3, 4]
-    intrinsics: np.ndarray  # [3, 3] pixels, integer pixel centres
-    image_size: tuple[int, int]  # (H, W)
+    intrinsics: np.ndarray  # [3, 3] pixels of the written image (the model input's without one), integer centres
+    image_size: tuple[int, int]  # (H, W) of the written image
     is_keyframe: bool
     median_depth: float  # of the confident pixels, nan when none
     image_name: str | None  # file written under images/ (COLMAP, nerfstudio), when the frame carried its image
+    pixel_scale: PixelScale = PixelScale()  # model-input pixels -> the written image's
 
 
 @dataclass(frozen=True)
@@ -102,6 +115,7 @@ class ExportResult:
     num_points: int
     conf_threshold: float
     voxel_size: float | None  # what the cloud ended with (it doubles when max_points is reached)
+    grey_points: str | None = None  # why the points have no colours (no image was saved or can be read back)
 
 
 @dataclass(frozen=True)
@@ -118,50 +132,60 @@ def export_run(
     conf_threshold: float | None = None,
     voxel_size: float | None = None,
     max_points: int | None = None,
+    overwrite: bool = False,
+    full_resolution: bool = False,
 ) -> ExportResult:
-    """Write one export of `run_dir`; options left as None take the run's own values (run.json)."""
+    """Write one export of `run_dir`; options left as None take the run's own values (run.json).
+
+    An existing output is replaced only with `overwrite` (a folder only when it holds an earlier export of
+    the same format); `full_resolution` (COLMAP, nerfstudio) writes the source frames at their own size,
+    read back from the run's video or folder, with the intrinsics scaled to them. Nothing is left behind
+    when an export fails.
+    """
     fmt = ExportFormat(fmt)
     run_dir = Path(run_dir)
     check_run_dir(run_dir)  # before anything is created under it
-    recorded = read_run_info(run_dir).get("summary", {}).get("points", {})
+    info = read_run_info(run_dir)
+    recorded = info.get("summary", {}).get("points", {})
     conf_threshold = _pick(conf_threshold, recorded.get("conf_threshold"), DEFAULT_CONF_THRESHOLD)
     voxel_size = _pick(voxel_size, recorded.get("voxel_size"), None)
     max_points = _pick(max_points, recorded.get("max_points"), DEFAULT_MAX_POINTS)
-    target = _output_path(run_dir, fmt, output)
-
-    images_dir = target / "images" if fmt in FOLDER_FORMATS else None
-    accumulator = None
-    if fmt is not ExportFormat.TUM:
-        accumulator = PointAccumulator(
-            conf_threshold=conf_threshold, voxel_size=voxel_size, max_points=max_points
-        )
-    settings = read_run_info(run_dir).get("settings", {})
-    source_images = SourceImages(settings) if fmt is not ExportFormat.TUM and settings.get("save_images") is False else None
+    images = _image_supply(run_dir, info.get("settings", {}), fmt, full_resolution)
+    target = ExportTarget(run_dir, fmt, output, overwrite=overwrite)
     try:
-        contents = _read_contents(
-            run_dir, accumulator, images_dir, images_required=fmt is ExportFormat.NERFSTUDIO,
-            source_images=source_images,
-        )
-        _write_export(fmt, target, contents)
-    except OSError as exc:  # the folder could be made but not written (read-only, full, no permission)
-        raise ExportError(f"cannot write {target}: {exc.strerror or exc}; choose a writable --output") from None
+        result = _export(run_dir, fmt, target.path, images, conf_threshold, voxel_size, max_points)
+    except BaseException as error:
+        target.discard()
+        if isinstance(error, OSError):  # the folder could be made but not written (read-only, full, no permission)
+            raise ExportError(
+                f"cannot write {target.path}: {error.strerror or error}; choose a writable --output"
+            ) from None
+        raise
     finally:
-        if source_images is not None:
-            source_images.close()
-    if accumulator is None:
-        return ExportResult(target, len(contents.cameras), 0, conf_threshold, voxel_size)
-    return ExportResult(
-        target, len(contents.cameras), len(contents.cloud), conf_threshold, accumulator.voxel_size
-    )
+        if images.source is not None:
+            images.source.close()
+    return result
+
+
+def _export(run_dir: Path, fmt: ExportFormat, target: Path, images: _ImageSupply, conf_threshold: float,
+            voxel_size: float | None, max_points: int) -> ExportResult:
+    if fmt is ExportFormat.TUM:  # the run's whole trajectory, also the frames saved without an npz
+        timestamps, c2w = run_trajectory(run_dir)
+        write_tum(target, timestamps, c2w)
+        return ExportResult(target, len(timestamps), 0, conf_threshold, voxel_size)
+    accumulator = PointAccumulator(conf_threshold=conf_threshold, voxel_size=voxel_size, max_points=max_points)
+    contents = _read_contents(run_dir, accumulator, target / "images" if fmt.is_folder else None, images)
+    _write_export(fmt, target, contents)
+    return ExportResult(target, len(contents.cameras), len(contents.cloud), conf_threshold,
+                        accumulator.voxel_size, images.grey_reason)
 
 
 def _write_export(fmt: ExportFormat, target: Path, contents: _RunContents) -> None:
-    if fmt is ExportFormat.TUM:
-        write_tum(target, [c.timestamp for c in contents.cameras], np.array([c.c2w for c in contents.cameras]))
-    elif fmt is ExportFormat.PLY:
+    if fmt is ExportFormat.PLY:
         write_ply(target, contents.cloud.xyz, contents.cloud.rgb)
     elif fmt is ExportFormat.GLB:
-        build_glb_scene(contents.cameras, contents.cloud).export(str(target))
+        glb = build_glb_scene(contents.cameras, contents.cloud).export(file_type="glb")
+        atomic_write(target, lambda f: f.write(glb), binary=True)
     elif fmt is ExportFormat.COLMAP:
         write_colmap_text(target / "sparse" / "0", contents.cameras, contents.cloud)
     else:
@@ -174,77 +198,180 @@ def _pick(explicit, recorded, default):
     return recorded if recorded is not None else default
 
 
-def _output_path(run_dir: Path, fmt: ExportFormat, output: Path | None) -> Path:
-    name = DEFAULT_OUTPUT_NAMES[fmt]
-    target = run_dir / EXPORTS_DIR / name if output is None else Path(output)
-    is_folder = fmt in FOLDER_FORMATS
-    if not is_folder and target.is_dir():
-        target = target / name
-    folder = target if is_folder else target.parent
-    try:
-        if is_folder and target.exists() and not target.is_dir():
-            label = "COLMAP" if fmt is ExportFormat.COLMAP else "nerfstudio"
+class ExportTarget:
+    """Where an export goes, checked before anything is read, and what it created there (discard()
+    removes it again when the export fails).
+
+    A file format: RUN_DIR/exports/<name> by default; an existing folder gets <name> inside it; a name
+    without a suffix gets the format's (scene -> scene.glb); a name with another suffix is refused, so a
+    GLB is never named .ply; a symlink is written through to its target; a FIFO, a device or a socket is
+    refused, never replaced. A folder format: a new or empty folder, or (with overwrite) one that holds an
+    earlier export of the same format and nothing else. An existing export is replaced only with
+    overwrite, as `run` replaces a run only with --overwrite.
+    """
+
+    def __init__(self, run_dir: Path, fmt: ExportFormat, output: Path | None, *, overwrite: bool) -> None:
+        self.fmt = fmt
+        name = DEFAULT_OUTPUT_NAMES[fmt]
+        path = Path(run_dir) / EXPORTS_DIR / name if output is None else Path(output)
+        self.path = self._folder(path, overwrite) if fmt.is_folder else self._file(path, name, overwrite)
+        folder = self.path if fmt.is_folder else self.path.parent
+        self._created = outermost_missing(folder)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ExportError(f"cannot create {folder}: {exc.strerror or exc}; choose a writable --output") from None
+        self._replaced_file_existed = not fmt.is_folder and self.path.exists()
+
+    def _file(self, path: Path, name: str, overwrite: bool) -> Path:
+        fmt = self.fmt
+        if path.is_dir():
+            path = path / name
+        try:
+            path = file_to_write(path)  # a symlink's target, which is what gets written
+        except OutputPathError as error:
+            raise ExportError(str(error)) from None
+        if path.suffix and not fmt.accepts_suffix(path.suffix):
+            owner = next((other for other in ExportFormat if other.accepts_suffix(path.suffix)), None)
+            whose = f", the {owner.label} format's suffix," if owner else ""
+            instead = f", or use --format {owner.value}" if owner else ""
             raise ExportError(
-                f"{label} export goes to a directory, but {target} is a file; choose another --output"
+                f"--output {path} ends in {path.suffix}{whose} but --format {fmt.value} writes a {fmt.label} file: "
+                f"name it {path.with_suffix(fmt.suffix).name}{instead}"
             )
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
+        if not path.suffix and not path.exists():  # a new name: the format's suffix is added
+            path = path.with_name(path.name + fmt.suffix)
+        if path.exists() and not overwrite:
+            raise ExportError(f"{path} already exists; pass --overwrite to replace it, or choose another --output")
+        return path
+
+    def _folder(self, path: Path, overwrite: bool) -> Path:
+        fmt = self.fmt
+        if path.is_symlink():
+            path = path.resolve()
+        if path.exists() and not path.is_dir():
+            raise ExportError(f"{fmt.label} export goes to a directory, but {path} is a file; choose another --output")
+        entries = sorted(path.iterdir()) if path.is_dir() else []
+        others = [entry for entry in entries if entry.name not in FOLDER_CONTENTS[fmt]]
+        if others:
+            raise ExportError(
+                f"{path} is not empty ({len(entries)} entries such as {others[0].name}): a {fmt.label} export "
+                f"writes {' and '.join(FOLDER_CONTENTS[fmt])} into its folder and would mix them with other "
+                "files; choose a new or empty --output"
+            )
+        if entries and not overwrite:
+            raise ExportError(
+                f"{path} already holds a {fmt.label} export; pass --overwrite to replace it, or choose another --output"
+            )
+        for entry in entries:  # an earlier export of this format, replaced
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        return path
+
+    def discard(self) -> None:
+        """Remove what this export wrote: the folder format's contents, a new file, the folders it made."""
+        with contextlib.suppress(OSError):
+            if self.fmt.is_folder:
+                for name in FOLDER_CONTENTS[self.fmt]:
+                    entry = self.path / name
+                    shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink(missing_ok=True)
+            elif not self._replaced_file_existed:
+                self.path.unlink(missing_ok=True)
+        folder = self.path if self.fmt.is_folder else self.path.parent
+        remove_if_empty(folder, self._created)
+
+
+@dataclass
+class _ImageSupply:
+    """Where the frames' images come from: the npz files, or (saved without them, or at full resolution)
+    the run's source read again. grey_reason: why the points will have no colour (None: they will)."""
+
+    fmt: ExportFormat
+    source: SourceImages | None = None
+    grey_reason: str | None = None
+
+
+def _image_supply(run_dir: Path, settings: dict, fmt: ExportFormat, full_resolution: bool) -> _ImageSupply:
+    """Decided before anything is written: a format that needs the images (COLMAP, nerfstudio) is refused
+    when there are none to be had; the others are exported with grey points and say so."""
+    if full_resolution and not fmt.needs_images:
         raise ExportError(
-            f"cannot create {folder}: {exc.strerror or exc}; choose a writable --output"
-        ) from None
-    return target
+            f"--full-resolution writes the source frames beside a COLMAP model or a nerfstudio dataset; a {fmt.label} "
+            "export has no images"
+        )
+    if fmt is ExportFormat.TUM:
+        return _ImageSupply(fmt)
+    supply = _ImageSupply(fmt)
+    if full_resolution or settings.get("save_images") is False:
+        supply.source = SourceImages(settings, full_resolution=full_resolution)
+        if supply.source.unavailable is not None:
+            why = ("--full-resolution reads the frames again from the run's source"
+                   if full_resolution else f"{run_dir} was saved without its images (--no-save-images)")
+            if fmt.needs_images:
+                raise ExportError(
+                    f"{why}, and {supply.source.unavailable}; a {fmt.label} export needs the images: put the source "
+                    f"back where it was, or export as {_formats_without_images()}"
+                )
+            supply.grey_reason = f"{why}, and {supply.source.unavailable}: the points are grey"
+    return supply
 
 
-def _read_contents(
-    run_dir: Path, accumulator: PointAccumulator | None, images_dir: Path | None, *, images_required: bool = False,
-    source_images: SourceImages | None = None,
-) -> _RunContents:
+def _formats_without_images() -> str:
+    return ", ".join(fmt.value for fmt in ExportFormat if not fmt.needs_images)
+
+
+def _read_contents(run_dir: Path, accumulator: PointAccumulator, images_dir: Path | None,
+                   images: _ImageSupply) -> _RunContents:
     """One pass over the npz files: cameras, the cloud, and (COLMAP, nerfstudio) the images as PNG."""
     if images_dir is not None:
         images_dir.mkdir(parents=True, exist_ok=True)
     cameras = []
     for record in iter_run(run_dir):
         depth, conf = record["depth"], record["depth_conf"]
-        confident = depth[(conf >= (accumulator.conf_threshold if accumulator else 0)) & (depth > 0)]
-        if record["image"] is None and source_images is not None:
-            record["image"] = source_images.image(record["frame_index"], tuple(record["image_size"]))
-        if images_required and record["image"] is None:
-            from_source = f" ({source_images.unavailable})" if source_images and source_images.unavailable else ""
+        confident = depth[(conf >= accumulator.conf_threshold) & (depth > 0)]
+        model_size = tuple(int(size) for size in record["image_size"])
+        written, scale = record["image"], PixelScale()
+        if images.source is not None:
+            written, scale, model_image = images.source.images(record["frame_index"], model_size)
+            if record["image"] is None:
+                record["image"] = model_image
+        if record["image"] is None and images.grey_reason is None:
+            unavailable = f" ({images.source.unavailable})" if images.source and images.source.unavailable else ""
+            images.grey_reason = (f"frame {record['frame_index']} of {run_dir} was saved without its image{unavailable}: "
+                                  "its points are grey")
+        if images_dir is not None and written is None:
+            unavailable = images.source.unavailable if images.source is not None else None
             raise ExportError(
-                f"frame {record['frame_index']} of {run_dir} was saved without its image{from_source}, and "
-                "nerfstudio trains on the images; export this run as colmap, ply, glb or tum, or run the sequence "
-                "again with --save-images"
+                f"frame {record['frame_index']} of {run_dir} was saved without its image"
+                f"{f' ({unavailable})' if unavailable else ''}, and a {images.fmt.label} export needs the images; "
+                f"export this run as {_formats_without_images()}, or run the sequence again with --save-images"
             )
         image_name = None
-        if images_dir is not None and record["image"] is not None:
+        if images_dir is not None:
             image_name = f"{record['frame_index']:06d}.png"
-            if not cv2.imwrite(
-                str(images_dir / image_name), cv2.cvtColor(record["image"], cv2.COLOR_RGB2BGR)
-            ):
+            if not cv2.imwrite(str(images_dir / image_name), cv2.cvtColor(written, cv2.COLOR_RGB2BGR)):
                 raise ExportError(f"could not write {images_dir / image_name}")
         cameras.append(
             CameraRecord(
                 frame_index=record["frame_index"],
                 timestamp=record["timestamp"],
                 c2w=record["c2w"].astype(np.float64),
-                intrinsics=record["intrinsics"].astype(np.float64),
-                image_size=(int(record["image_size"][0]), int(record["image_size"][1])),
+                intrinsics=scale.intrinsics(record["intrinsics"]),
+                image_size=model_size if written is None else tuple(written.shape[:2]),
                 is_keyframe=record["is_keyframe"],
                 median_depth=float(np.median(confident)) if confident.size else float("nan"),
                 image_name=image_name,
+                pixel_scale=scale,
             )
         )
-        if accumulator is not None:
-            accumulator.add_frame(
-                record["frame_index"], depth, conf, record["intrinsics"], record["c2w"], record["image"]
-            )
+        accumulator.add_frame(record["frame_index"], depth, conf, record["intrinsics"], record["c2w"], record["image"])
     if not cameras:
         raise RunDirError(f"{run_dir} has no readable predictions to export")
-    return _RunContents(cameras, None if accumulator is None else accumulator.cloud())
+    return _RunContents(cameras, accumulator.cloud())
 
 
 class SourceImages:
-    """The model inputs of a run saved without them, read back from its source.
+    """The frames of a run read back from its source: for a run saved without its model inputs, or for an
+    export at the source's full resolution.
 
     run.json's settings name the source (a video file or an image folder: a camera cannot be read
     twice), the frames the run took from it and the input width; the same frames through the same
@@ -252,8 +379,9 @@ class SourceImages:
     asks for frames in increasing order, so the source is read once, forwards.
     """
 
-    def __init__(self, settings: dict) -> None:
+    def __init__(self, settings: dict, *, full_resolution: bool = False) -> None:
         self._settings = settings
+        self._full_resolution = full_resolution
         self._source = None
         self._frames: Iterator | None = None
         location, kind = settings.get("source_location"), settings.get("source_kind")
@@ -263,19 +391,33 @@ class SourceImages:
         elif not Path(location).exists():
             self.unavailable = f"its source {location} no longer exists"
 
-    def image(self, frame_index: int, size: tuple[int, int]) -> np.ndarray | None:
-        """Frame `frame_index`'s model input [H, W, 3] uint8 (H, W = size), or None (see `unavailable`)."""
+    def images(self, frame_index: int, model_size: tuple[int, int]) -> tuple[np.ndarray | None, PixelScale, np.ndarray | None]:
+        """Frame `frame_index` as (the image to write, how model pixels map into it, the model input
+        [H, W, 3] uint8 of size `model_size`); Nones when it cannot be had (see `unavailable`)."""
+        rgb = self._frame(frame_index)
+        if rgb is None:
+            return None, PixelScale(), None
+        image_width = self._settings["image_width"]
+        height, width = rgb.shape[:2]
+        if model_input_size(width, height, image_width) != model_size:
+            self.unavailable = (f"its source {self._settings['source_location']} gives {width}x{height} frames now, "
+                                f"which do not make the run's {model_size[1]}x{model_size[0]} inputs: it changed")
+            return None, PixelScale(), None
+        model_image = preprocess_frame_uint8(rgb, image_width).transpose(1, 2, 0)
+        if not self._full_resolution:
+            return model_image, PixelScale(), model_image
+        resized_width, resized_height = resized_size(width, height, image_width)
+        scale = PixelScale(width / resized_width, height / resized_height,
+                           max(0, (resized_height - image_width) // 2))
+        return rgb, scale, model_image
+
+    def _frame(self, frame_index: int) -> np.ndarray | None:
         if self.unavailable is not None:
             return None
         try:
             for frame in self._read():
                 if frame.index == frame_index:
-                    image = frame.image.permute(1, 2, 0).numpy()
-                    if image.shape[:2] == size:
-                        return image
-                    self.unavailable = f"its source {self._settings['source_location']} gives {image.shape[1]}x" \
-                        f"{image.shape[0]} images now, the run had {size[1]}x{size[0]}: it changed"
-                    return None
+                    return frame.rgb
                 if frame.index > frame_index:
                     break
         except (SourceError, ImageReadError) as error:
@@ -289,7 +431,7 @@ class SourceImages:
             settings = self._settings
             selection = FrameSelection(start=settings.get("start", 0), stride=settings.get("stride", 1),
                                        fps=settings.get("fps"), max_frames=settings.get("max_frames"))
-            self._source = open_source(settings["source_location"], selection, image_width=settings["image_width"])
+            self._source = open_source(settings["source_location"], selection)  # full frames: resized here
             self._frames = iter(self._source)
         return self._frames
 
@@ -488,7 +630,7 @@ def _image_lines(cameras, image_camera, cloud: PointCloud, seen: _Observations) 
         yield f"{row + 1} {pose} {image_camera[row]} {name}"
         points = seen.order[seen.by_image[row] : seen.by_image[row + 1]]
         # COLMAP's first pixel centre is at (0.5, 0.5), ours at (0, 0).
-        table = np.column_stack([cloud.pixel[points] + 0.5, points + 1]).ravel().tolist()
+        table = np.column_stack([camera.pixel_scale.pixels(cloud.pixel[points]) + 0.5, points + 1]).ravel().tolist()
         line = " ".join(["%.9g %.9g %d"] * len(points)) % tuple(table)
         if row in seen.fallback:
             x, y, point = seen.fallback[row]

@@ -21,7 +21,7 @@ def load_model_for(options: RunOptions, device: str | None = None, console: Cons
 
     Load the checkpoint; a known name not on this machine is downloaded first when the hub is reachable
     (the first run), else CheckpointError says which command fetches it and where to put it."""
-    from stream_recon.models import load_model
+    from stream_recon.models import CheckpointError, load_model
     from stream_recon.models.checkpoint import (
         KNOWN_CHECKPOINTS,
         download_checkpoint,
@@ -40,7 +40,30 @@ def load_model_for(options: RunOptions, device: str | None = None, console: Cons
     # Read on the host; preparing puts each weight on the device once, in the precision the run
     # uses, so a bf16 run never holds a float32 copy of the transformer there.
     with console.status(f"loading {checkpoint} on {device}"):
-        return prepared_for_run(load_model(checkpoint, device="cpu"), options, device)
+        try:
+            loaded = load_model(checkpoint, device="cpu")
+        except CheckpointError as error:
+            raise CheckpointError(checkpoint_advice(str(error))) from None
+        except OSError as error:  # no permission to read it, an I/O error
+            raise CheckpointError(
+                f"cannot read the checkpoint {error.filename or checkpoint}: {error.strerror or error}; "
+                "check its permissions, or pass another --checkpoint"
+            ) from None
+        return prepared_for_run(loaded, options, device)
+
+
+def checkpoint_advice(message: str) -> str:
+    """A checkpoint error as the CLI gives it. The model's loader advises its Python arguments
+    (`allow_partial=True`), which the CLI does not offer: that advice is replaced by what a user of the CLI
+    can do. The first line stays the headline; the rest (the tensors by name) are details for --verbose."""
+    lines = message.strip().splitlines()
+    if not any("allow_partial" in line for line in lines):
+        return message
+    headline = lines[0].rstrip(".")
+    details = [line for line in lines[1:] if "allow_partial" not in line]
+    advice = ("; pass the checkpoint made for this model: a .pt file is read with the official configuration, "
+              "a .safetensors file with the one it carries (`stream-recon convert` writes one)")
+    return "\n".join([headline + advice, *details])
 
 
 def model_config_for(options: RunOptions, model: Any = None) -> Any:
@@ -53,9 +76,25 @@ def model_config_for(options: RunOptions, model: Any = None) -> Any:
     if model is not None:
         return getattr(model, "config", None)
     path = Path(options.checkpoint) if options.checkpoint else None
-    if path is not None and path.suffix == ".safetensors" and path.is_file():
-        return checkpoint_config(path) or ModelConfig()
+    if path is not None and path.is_file():
+        check_readable(path)
+        if path.suffix == ".safetensors":
+            return checkpoint_config(path) or ModelConfig()
     return ModelConfig()
+
+
+def check_readable(checkpoint: Path) -> None:
+    """A checkpoint file this process may not read is said so (the loader would call it damaged)."""
+    from stream_recon.models import CheckpointError
+
+    try:
+        with open(checkpoint, "rb"):
+            pass
+    except OSError as error:
+        raise CheckpointError(
+            f"cannot read the checkpoint {checkpoint}: {error.strerror or error}; check its permissions, or pass "
+            "another --checkpoint"
+        ) from None
 
 
 def prepared_for_run(model: Any, options: RunOptions, device: str) -> Any:
@@ -118,7 +157,7 @@ def check_gpu_memory(engine: Any, options: RunOptions, frame_size: tuple[int, in
     """With --gpu-memory and a source whose frame size is known: the plan the engine will make at its
     first frame, made now, so that a budget nothing fits is refused before anything is written
     (the engine still plans, and refuses, for sources that only know their size once read)."""
-    from stream_recon.app.preprocess import model_input_size
+    from stream_recon.app.input_size import model_input_size
     from stream_recon.models import MemoryBudgetError
     from stream_recon.models.memory import plan_memory
 

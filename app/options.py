@@ -14,14 +14,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from stream_recon.app.preprocess import DEFAULT_IMAGE_WIDTH, PATCH_SIZE
-from stream_recon.app.rundir import PredictionOutputs
-from stream_recon.app.sources import DEFAULT_OPEN_TIMEOUT_S, DEFAULT_RECONNECT_S, FrameSelection
-from stream_recon.cache import backends
-from stream_recon.models.engine import KeyframePolicy
-from stream_recon.models.memory import parse_memory_size
+from stream_recon.app.input_size import DEFAULT_IMAGE_WIDTH, PATCH_SIZE
+from stream_recon.app.npz_schema import PredictionOutputs
+from stream_recon.app.source_settings import DEFAULT_OPEN_TIMEOUT_S, DEFAULT_RECONNECT_S, FrameSelection
 
-ATTENTION_CHOICES = backends.names()
 KV_CACHE_CHOICES = ("auto", "fp8")  # auto: the model's precision (stream_recon.cache.backends.store_dtype)
 MAX_CHUNK_FRAMES = 1024  # positions in the model's temporal RoPE table
 DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
@@ -34,6 +30,16 @@ RESULT_FIELDS = (
     "checkpoint", "dtype", "kv_cache", "gpu_memory", "scale_frames", "window", "chunk_frames", "overlap",
     "keyframes", "flow_threshold", "max_gap", "image_width", "fps", "max_frames", "start", "stride", "conf_threshold", "voxel_size",
 )
+
+
+# Flags spelled otherwise than their field's name with dashes (`scale_frames` is --scale-frames).
+FLAG_NAMES = {"checkpoint": ("--checkpoint", "-c"), "open_timeout_s": ("--open-timeout",),
+              "reconnect_s": ("--reconnect",), "chunk_frames": ("--chunk-frames", "--window-frames")}
+
+
+def flag(field: str) -> str:
+    """The flag of a RunOptions field, as messages name it: what the user typed, not the field."""
+    return FLAG_NAMES.get(field, (f"--{field.replace('_', '-')}",))[0]
 
 
 class OptionsError(ValueError):
@@ -52,7 +58,7 @@ class RunOptions:
     checkpoint: str | None = None  # path or known name; None: lingbot-map-long
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 transformer on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
-    attention: str = "auto"  # one of ATTENTION_CHOICES
+    attention: str = "auto"  # a name of the backend table (stream_recon.cache.backends)
     compile: bool = True  # torch.compile the transformer blocks (CUDA only)
     memory_check: bool = True  # refuse a CPU run whose memory estimate exceeds what is available (app.resources)
     kv_cache: str = "auto"  # K/V cache precision: auto (the model's) | fp8 (e4m3, dense attention backends)
@@ -100,47 +106,45 @@ class RunOptions:
             yield from wrong_types
             return
         if self.dtype not in DTYPE_NAMES:
-            yield f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}"
-        if self.attention not in ATTENTION_CHOICES:
-            yield f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {self.attention!r}"
+            yield f"--dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}"
         if self.scale_frames < 1:
-            yield f"scale_frames must be >= 1, got {self.scale_frames}"
+            yield f"--scale-frames must be >= 1, got {self.scale_frames}"
         if self.window < 1:
-            yield f"window must be >= 1, got {self.window}"
-        if not self.scale_frames < self.chunk_frames <= MAX_CHUNK_FRAMES:
+            yield f"--window must be >= 1, got {self.window}"
+        if self.scale_frames >= self.chunk_frames:
             yield (
-                f"chunk_frames must be more than scale_frames ({self.scale_frames}) and at most "
-                f"{MAX_CHUNK_FRAMES} (the temporal RoPE table), got {self.chunk_frames}"
+                f"--scale-frames ({self.scale_frames}) must be less than --chunk-frames ({self.chunk_frames}): "
+                "the scale frames stay in the cache of every chunk; lower --scale-frames or raise --chunk-frames "
+                f"(at most {MAX_CHUNK_FRAMES})"
             )
-        if not 1 <= self.overlap < self.chunk_frames:
-            yield f"overlap must be between 1 and chunk_frames - 1 ({self.chunk_frames - 1}), got {self.overlap}"
-        if not _is_keyframe_policy(self.keyframes):
-            yield f"keyframes must be all, flow or interval:N (N >= 1), got {self.keyframes!r}"
+        elif self.chunk_frames > MAX_CHUNK_FRAMES:
+            yield (
+                f"--chunk-frames must be at most {MAX_CHUNK_FRAMES} (the model's temporal position table), "
+                f"got {self.chunk_frames}"
+            )
+        elif not 1 <= self.overlap < self.chunk_frames:
+            yield f"--overlap must be between 1 and --chunk-frames - 1 ({self.chunk_frames - 1}), got {self.overlap}"
         if self.image_width <= 0 or self.image_width % PATCH_SIZE:
-            yield f"image_width must be a positive multiple of {PATCH_SIZE}, got {self.image_width}"
+            yield f"--image-width must be a positive multiple of {PATCH_SIZE}, got {self.image_width}"
         if self.flow_threshold is not None and not _positive(self.flow_threshold):
-            yield f"flow_threshold must be a number > 0, got {self.flow_threshold}"
+            yield f"--flow-threshold must be a number > 0, got {self.flow_threshold}"
         if self.max_gap is not None and self.max_gap < 1:
-            yield f"max_gap must be >= 1, got {self.max_gap}"
+            yield f"--max-gap must be >= 1, got {self.max_gap}"
         if not _positive(self.open_timeout_s):
-            yield f"open_timeout_s must be a number > 0, got {self.open_timeout_s}"
+            yield f"--open-timeout must be a number of seconds > 0, got {self.open_timeout_s}"
         if not (math.isfinite(self.reconnect_s) and self.reconnect_s >= 0):
-            yield f"reconnect_s must be >= 0 (0: never reconnect), got {self.reconnect_s}"
+            yield f"--reconnect must be a number of seconds >= 0 (0: never reconnect), got {self.reconnect_s}"
         yield from point_cloud_problems(self.conf_threshold, self.voxel_size)
         if self.kv_cache not in KV_CACHE_CHOICES:
-            yield f"kv_cache must be one of {', '.join(KV_CACHE_CHOICES)}, got {self.kv_cache!r}"
-        if self.gpu_memory is not None:
-            try:
-                parse_memory_size(self.gpu_memory)
-            except ValueError as error:
-                yield f"gpu_memory: {error}"
+            yield f"--kv-cache must be one of {', '.join(KV_CACHE_CHOICES)}, got {self.kv_cache!r}"
         if not 0 < self.port < 65536:
-            yield f"port must be between 1 and 65535, got {self.port}"
+            yield f"--port must be between 1 and 65535, got {self.port}"
         for check in (self.selection, self.prediction_outputs):
             try:
                 check()
             except ValueError as error:
                 yield str(error)
+        yield from _engine_problems(self)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -163,6 +167,8 @@ class RunOptions:
             kwargs["max_gap"] = self.max_gap
         kwargs["kv_cache"] = self.kv_cache
         if self.gpu_memory is not None:
+            from stream_recon.models.memory import parse_memory_size  # torch: see _engine_problems
+
             kwargs["gpu_memory"] = parse_memory_size(self.gpu_memory)
         return kwargs
 
@@ -202,9 +208,9 @@ def point_cloud_problems(conf_threshold: float | None, voxel_size: float | None)
     1 would only look stricter than it is, so it is refused rather than read as 1.
     """
     if conf_threshold is not None and not (math.isfinite(conf_threshold) and conf_threshold >= 1):
-        yield f"conf_threshold must be a number >= 1 (confidence is 1 + exp(logit); 1 keeps every pixel), got {conf_threshold}"
+        yield f"--conf-threshold must be a number >= 1 (confidence is 1 + exp(logit); 1 keeps every pixel), got {conf_threshold}"
     if voxel_size is not None and not _positive(voxel_size):
-        yield f"voxel_size must be a number > 0 in scene units (leave it out for the automatic size), got {voxel_size}"
+        yield f"--voxel-size must be a number > 0 in scene units (leave it out for the automatic size), got {voxel_size}"
 
 
 def _positive(value: float) -> bool:
@@ -224,7 +230,7 @@ def _type_problems(options: RunOptions) -> Iterator[str]:
             continue  # `fps: 10` in YAML is a float option's int
         if not any(kind is not type(None) and _is_of(value, kind) for kind in kinds):
             wanted = " or ".join(_KIND_NAMES[kind] for kind in kinds)
-            yield f"{field.name} must be {wanted}, got {value!r}"
+            yield f"{flag(field.name)} ({field.name} in a preset) must be {wanted}, got {value!r}"
 
 
 # bool is an int in Python; an option that takes a number does not take true/false
@@ -237,13 +243,25 @@ def _is_of(value: Any, kind: type) -> bool:
     return isinstance(value, kind)
 
 
-def _is_keyframe_policy(text: str) -> bool:
-    """Whether the engine would accept `text` as its keyframe policy (its own parser decides)."""
+def _engine_problems(options: RunOptions) -> Iterator[str]:
+    """What the engine's own tables refuse: the attention backend's name, the keyframe policy, the memory
+    budget's spelling. Those tables live with the model and import torch, so they are read when options
+    are checked (a command that runs), never when the flags are only listed (`-h`)."""
+    from stream_recon.cache import backends
+    from stream_recon.models.engine import KeyframePolicy
+    from stream_recon.models.memory import parse_memory_size
+
+    if options.attention not in backends.names():
+        yield f"--attention must be one of {', '.join(backends.names())}, got {options.attention!r}"
     try:
-        KeyframePolicy.parse(text)
+        KeyframePolicy.parse(options.keyframes)
     except ValueError:
-        return False
-    return True
+        yield f"--keyframes must be all, flow or interval:N (N >= 1), got {options.keyframes!r}"
+    if options.gpu_memory is not None:
+        try:
+            parse_memory_size(options.gpu_memory)
+        except ValueError as error:
+            yield f"--gpu-memory: {error}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,7 +284,7 @@ def resolve_device(device: str) -> str:
             )
         return device
     if device != "cpu":
-        raise OptionsError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+        raise OptionsError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}")
     return device
 
 
@@ -287,15 +305,18 @@ def check_attention(attention: str, device: str, dtype: Any, kv_cache: str = "au
     """The attention backend must be able to run on this device in this precision, over a cache
     stored as `kv_cache` asks (`auto` always can); the backend table (stream_recon.cache.backends)
     says why not and what to use instead. Returns the name of the backend the run will use."""
+    from stream_recon.cache import backends
+
     try:
         return backends.resolve(attention, device, dtype, backends.store_dtype(kv_cache, dtype)).name
     except ValueError as error:
         raise OptionsError(str(error)) from None
 
 
-def check_viewer_address(host: str, port: int) -> None:
+def check_viewer_address(host: str, port: int, *, optional: bool = True) -> None:
     """The viewer's address must be one of this machine's (checked before the model loads; viser
-    would only fail after it). A port in use is fine: the viewer takes the next free one."""
+    would only fail after it). A port in use is fine: the viewer takes the next free one.
+    optional: the command can run without its viewer (`run --no-viewer`; `view` cannot)."""
     import socket
 
     try:
@@ -304,7 +325,8 @@ def check_viewer_address(host: str, port: int) -> None:
             probe.bind(address)
     except OSError as error:
         reason = getattr(error, "strerror", None) or error
+        alternatives = "an address of this machine, or --no-viewer" if optional else "or an address of this machine"
         raise OptionsError(
             f"the viewer cannot serve on {host}:{port} ({reason}): use --host 127.0.0.1 (this machine only), "
-            "an address of this machine, or --no-viewer"
+            f"{alternatives}"
         ) from None

@@ -17,10 +17,10 @@ only has to flush what the engine still buffers and write run.json with how the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import sys
-import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,9 +50,9 @@ from stream_recon.app.options import (
 from stream_recon.app.preprocess import preprocess_frame_uint8
 from stream_recon.app.progress import RunProgress
 from stream_recon.app.resources import check_cpu_run
-from stream_recon.app.rundir import OutputDirError, prepare_output_dir, remove_if_empty
+from stream_recon.app.rundir import OutputDirError, prepare_output_dir, remove_if_empty, remove_run
 from stream_recon.app.sources import FrameSource, SourceError, frames_source, open_source
-from stream_recon.app.stopping import StopOnSignal, signal_name
+from stream_recon.app.stopping import StopOnSignal, signal_name, wait_for_stop_signal
 from stream_recon.app.writers import RunWriter
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,12 @@ class RunSummary:
     frames_read: int = 0
     end_reason: str | None = None  # end | max_frames | stopped | error
     stop_signal: int | None = None  # the signal that stopped an interrupted run (SIGINT, SIGTERM)
+    viewer_closed_by: int | None = None  # the signal that closed a viewer kept serving after the run
+
+    @property
+    def ended_by_signal(self) -> int | None:
+        """The signal the process should report in its exit code (128 + it), if one ended it."""
+        return self.stop_signal or self.viewer_closed_by
 
     @property
     def ok(self) -> bool:
@@ -121,9 +127,13 @@ def run_sequence(
         if options.viewer:
             check_viewer_address(options.host, options.port)
         config = model_config_for(options, model)
+        warnings = []  # given once every refusal has had its turn, so that a refused run shows only its error
         if device == "cpu" and config is not None:  # a GPU's memory is the engine's to budget (models/)
-            check_cpu_run(options, config, frame_source.frame_size, frame_source.estimated_length, console,
-                          model_loaded=model is not None)
+            warnings += check_cpu_run(options, config, frame_source.frame_size, frame_source.estimated_length,
+                                      model_loaded=model is not None)
+        if device == "cpu" and options.gpu_memory is not None:
+            warnings.append(f"--gpu-memory {options.gpu_memory} budgets a GPU's memory and does nothing on the CPU, "
+                            "where the memory check applies instead (--no-memory-check turns it off)")
         created_dir = prepare_output_dir(output_dir, overwrite=options.overwrite)
         if frame_source.live:
             frame_source.start()  # keep a camera's connection drained while the model loads
@@ -136,6 +146,8 @@ def run_sequence(
             digest = CheckpointDigest(checkpoint)
             engine = build_engine(model, options, device, dtype, console)
             check_gpu_memory(engine, options, frame_source.frame_size)
+            for warning in warnings:
+                console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
             clock.model_loaded()
             viewer = _start_viewer(options, console)
             used = {"device": device, "dtype": str(dtype).removeprefix("torch."), "attention": attention,
@@ -158,9 +170,19 @@ def run_sequence(
         if viewer is not None:
             sinks.append(viewer)
         try:
-            return _stream(frame_source, engine, writer, sinks, viewer, options, device, console, digest, clock)
+            summary = _stream(frame_source, engine, writer, sinks, viewer, options, console, digest, clock)
         finally:
             engine.close()  # the next chunk's worker thread, when the engine has one
+        if summary.status == "interrupted" and summary.frames == 0:
+            # stopped before its first frame: nothing was computed, so nothing is kept (not even run.json)
+            remove_run(output_dir)
+            remove_if_empty(output_dir, created_dir)
+        _report(summary, console)
+        if viewer is not None and options.keep_viewer and summary.stop_signal is None:
+            summary = dataclasses.replace(summary, viewer_closed_by=_serve_until_stopped(viewer, console))
+        elif viewer is not None and summary.frames:
+            console.print(f"the live viewer has closed; `stream-recon view {output_dir}` replays the run")
+        return summary
     finally:
         frame_source.close()
 
@@ -172,7 +194,6 @@ def _stream(
     sinks: list[Sink],
     viewer: Any,
     options: RunOptions,
-    device: str,
     console: Console,
     digest: CheckpointDigest,
     clock: RunClock,
@@ -212,8 +233,8 @@ def _stream(
                     stop.signum,
                 )
                 raise
-        if stop.requested and status == "complete":
-            status = "interrupted"
+        if stop.requested and status == "complete" and frame_source.end_reason not in ("end", "max_frames"):
+            status = "interrupted"  # a signal after the source's last frame stops nothing: the run is complete
         if status == "complete" and clock.frames_done == 0:
             status, error = "failed", _no_frames_message(frame_source, options)
         writer_error = _close_sinks(
@@ -233,9 +254,6 @@ def _stream(
         end_reason=frame_source.end_reason or ("stopped" if stop.requested else None),
         stop_signal=stop.signum,
     )
-    _report(summary, console)
-    if viewer is not None and options.keep_viewer and not stop.requested:
-        _serve_until_interrupted(viewer, console)
     return summary
 
 
@@ -285,12 +303,11 @@ def _wait_while_paused(viewer: Any, stop: StopOnSignal) -> None:
             return
 
 
-def _serve_until_interrupted(viewer: Any, console: Console) -> None:
+def _serve_until_stopped(viewer: Any, console: Console) -> int:
+    """Keep the viewer up after the run until Ctrl-C or SIGTERM; returns which came."""
     console.print(f"viewer still serving the result at [bold]{viewer.url}[/bold]; Ctrl-C to exit")
     try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        pass
+        return wait_for_stop_signal()
     finally:
         viewer.stop()
 
@@ -361,6 +378,8 @@ def _report(summary: RunSummary, console: Console) -> None:
     )
     if summary.status == "complete":
         console.print(f"[green]done[/green]: {line}")
+    elif summary.status == "interrupted" and summary.frames == 0:
+        console.print(f"[yellow]interrupted[/yellow] before the first frame: nothing was written to {summary.output_dir}")
     elif summary.status == "interrupted":
         console.print(f"[yellow]interrupted[/yellow]: {line}")
     else:  # the reason on one line, as every error is given; what was kept below it
@@ -452,7 +471,7 @@ def _start_viewer(options: RunOptions, console: Console) -> Any:
 
     # A live run draws at most LIVE_CLOUDS_PER_SECOND new keyframe clouds a second (LiveViewer says why).
     viewer = LiveViewer(options.host, options.port, keep_serving=options.keep_viewer,
-                        max_new_clouds_per_second=LIVE_CLOUDS_PER_SECOND)
+                        max_new_clouds_per_second=LIVE_CLOUDS_PER_SECOND, min_confidence=options.conf_threshold)
     console.print(f"live viewer: [bold]{viewer.url}[/bold]")
     return viewer
 

@@ -5,8 +5,8 @@ spec/MODEL.md §1 and the `preprocess` fixture define it. With the default width
     1920x1080 -> 518x294      640x480 -> 518x392      480x640 (portrait) -> 518x690 -> rows 86..603 kept
 
 The width is fixed, the height follows the aspect ratio rounded to whole 14-pixel patches, and a
-portrait picture keeps only its middle `image_width` rows. Nothing is normalised here; the model
-does that itself.
+portrait picture keeps only its middle `image_width` rows (the sizes alone: app.input_size). Nothing
+is normalised here; the model does that itself.
 
 Every function works on uint8 until the very last step, because that is what PIL resizes in and
 the reference divides by 255 only once, after the crop. The float input is therefore always
@@ -22,8 +22,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-PATCH_SIZE = 14
-DEFAULT_IMAGE_WIDTH = 518
+from stream_recon.app.input_size import DEFAULT_IMAGE_WIDTH, resized_size
+from stream_recon.app.input_size import model_input_size as model_input_size  # its home before input_size
+
 _WHITE = 255
 
 
@@ -43,25 +44,6 @@ def upright_rgb(image: Image.Image) -> Image.Image:
         white = Image.new("RGBA", image.size, (_WHITE, _WHITE, _WHITE, 255))
         image = Image.alpha_composite(white, image)
     return image.convert("RGB")
-
-
-def resized_size(width: int, height: int, image_width: int = DEFAULT_IMAGE_WIDTH) -> tuple[int, int]:
-    """(width, height) a picture is resized to, before any crop.
-
-    The expression mirrors the reference operation by operation (`height * (new_w / w) / 14`, then
-    Python's half-to-even `round`), so that borderline heights round the same way.
-    """
-    _check_image_width(image_width)
-    if width <= 0 or height <= 0:
-        raise ValueError(f"an image must have a positive size, got {width}x{height}")
-    num_patch_rows = round(height * (image_width / width) / PATCH_SIZE)
-    return image_width, num_patch_rows * PATCH_SIZE
-
-
-def model_input_size(width: int, height: int, image_width: int = DEFAULT_IMAGE_WIDTH) -> tuple[int, int]:
-    """(H, W) of the model input made from a `width` x `height` picture (after the portrait crop)."""
-    new_width, new_height = resized_size(width, height, image_width)
-    return min(new_height, image_width), new_width
 
 
 def preprocess_image_uint8(image: Image.Image, image_width: int = DEFAULT_IMAGE_WIDTH) -> np.ndarray:
@@ -161,11 +143,3 @@ def _crop_portrait_rows(pixels: np.ndarray, image_width: int) -> np.ndarray:
         return pixels
     first_row = (height - image_width) // 2
     return pixels[first_row : first_row + image_width]
-
-
-def _check_image_width(image_width: int) -> None:
-    if image_width <= 0 or image_width % PATCH_SIZE:
-        raise ValueError(
-            f"image width must be a positive multiple of {PATCH_SIZE} (the patch size), got {image_width}; "
-            f"try {max(PATCH_SIZE, round(image_width / PATCH_SIZE) * PATCH_SIZE)}"
-        )

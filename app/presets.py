@@ -61,7 +61,10 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as error:
-        raise PresetError(f"preset {path} is not valid YAML: {error}") from None
+        raise PresetError(f"preset {path} is not valid YAML: {_yaml_problem(error)}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        reason = getattr(error, "strerror", None) or "it is not text"
+        raise PresetError(f"cannot read the preset {path}: {reason}; check the file, or pass another --config") from None
     if not isinstance(data, dict):
         raise PresetError(f"preset {path} must be a mapping of option: value, got {type(data).__name__}")
     data = current_names(data)
@@ -72,6 +75,14 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
             f"known options: {', '.join(RunOptions.field_names())}"
         )
     return data
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """The parser's complaint on one line: where (line, column) and what, without its quoted context."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}"
 
 
 def build_options(

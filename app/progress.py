@@ -1,18 +1,18 @@
-"""Live progress of a run: frames, both frame rates, keyframes, cache, ETA.
+"""Live progress of a run: frames, ETA, frame rate, keyframes, cache memory.
 
-On a terminal, a rich progress bar redrawn in place::
+On a terminal, a rich progress bar redrawn in place, what matters first so that an 80-column terminal
+keeps the count and the ETA (the source's name comes last and is the part shortened)::
 
-    clip.mp4 ━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━  412/1200  model 38.2 FPS  e2e 35.9 FPS  kf 412  cache 72 fr + 412 traj 1.9 GB  0:00:22
+    412/1200  0:00:22 left ━━━━━━━━━━━━━━━━━━  35.9 FPS  412 kf  cache 1.9 GB  video clip.mp4
 
 Anywhere else (nohup, CI, a batch's log file) a redrawn bar would print nothing until the end, so a
 plain line goes out every PROGRESS_INTERVAL_S seconds (STREAM_RECON_PROGRESS_INTERVAL overrides it),
 from a timer thread: a frame that takes longer than the interval (a CPU run) still shows the run is alive::
 
-    progress: video clip.mp4: 412/1200 frames (34%), model 38.2 FPS, e2e 35.9 FPS, 412 keyframes, cache 72 frames + 412 in the trajectory (1.9 GB), elapsed 0:00:12, ETA 0:00:22
+    progress: 412/1200 frames (34%), ETA 0:00:22, 35.9 FPS (model 38.2), 412 keyframes, attention cache 72 frames 1.9 GB, elapsed 0:00:12: video clip.mp4
 
-"cache" counts what attention reads: the frames whose patch tokens are cached (the scale frames and
-the window) and the frames whose few camera tokens form the trajectory memory (every keyframe of the
-current window).
+The cache is what attention reads: the frames whose patch tokens it keeps (the scale frames and the
+window) and its size in memory. The frames whose few camera tokens it also keeps are in run.json.
 
 The bar needs a length; live sources (webcam, RTSP) have none, so they get a spinner and counts only.
 """
@@ -36,6 +36,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.table import Column
 
 PROGRESS_INTERVAL_S = 10.0
 PROGRESS_INTERVAL_ENV = "STREAM_RECON_PROGRESS_INTERVAL"
@@ -77,20 +78,22 @@ def progress_interval_s() -> float:
 
 
 class _Bar:
-    """A rich progress bar on a terminal."""
+    """A rich progress bar on a terminal: count, time, bar, rate, keyframes, cache, then the source's name,
+    which alone is shortened when the terminal is narrow."""
 
     def __init__(self, console: Console, description: str, total: int | None) -> None:
-        columns: list[Any] = [TextColumn("[bold]{task.description}")]
+        columns: list[Any] = []
         if total is not None:
-            columns += [BarColumn(), MofNCompleteColumn()]
+            columns += [MofNCompleteColumn(), TimeRemainingColumn(compact=True), TextColumn("left"),
+                        BarColumn(bar_width=16)]
         else:
-            columns += [SpinnerColumn(), TextColumn("{task.completed} frames")]
-        columns += [TextColumn("{task.fields[rates]}"), TextColumn("{task.fields[cache]}")]
-        columns += [TimeRemainingColumn()] if total is not None else [TimeElapsedColumn()]
+            columns += [TextColumn("{task.completed} frames"), TimeElapsedColumn(), SpinnerColumn()]
+        columns += [TextColumn("{task.fields[rates]}"), TextColumn("{task.fields[cache]}"),
+                    TextColumn("[bold]{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis",
+                                                                              ratio=1))]
         # transient=False: the last line stays on screen as a record of the run
-        self._progress = Progress(*columns, console=console, transient=False)
-        self._task = self._progress.add_task(escape(_short(description)), total=total, rates="", cache="")
-
+        self._progress = Progress(*columns, console=console, transient=False, expand=True)
+        self._task = self._progress.add_task(escape(description), total=total, rates="", cache="")
     def start(self) -> None:
         self._progress.start()
 
@@ -143,52 +146,45 @@ class _PlainLines:
 
 
 def progress_line(description: str, total: int | None, stats: dict, elapsed_s: float) -> str:
-    """The plain progress line: what a log reader needs, in words."""
+    """The plain progress line: what a log reader needs, in words, the count and the ETA first."""
     read = stats.get("frames_read", 0)
-    frames = f"{read}/{total} frames ({100 * read // total}%)" if total else f"{read} frames"
-    parts = [frames]
-    if stats.get("model_fps") is not None or stats.get("fps") is not None:
-        parts.append(f"model {_fps(stats.get('model_fps'))}, e2e {_fps(stats.get('fps'))}")
+    parts = [f"{read}/{total} frames ({100 * read // total}%)" if total else f"{read} frames"]
+    fps = stats.get("fps")
+    if total and fps:
+        parts.append(f"ETA {_clock(max(0, total - read) / fps)}")
+    if stats.get("model_fps") is not None or fps is not None:
+        parts.append(f"{_fps(fps)} (model {_fps(stats.get('model_fps'), unit='')})")
     if "keyframes" in stats:
         parts.append(f"{stats['keyframes']} keyframes")
     if stats.get("frames_dropped"):
         parts.append(f"{stats['frames_dropped']} dropped")
     if stats.get("patch_frames") is not None:
-        parts.append(
-            f"cache {stats['patch_frames']} frames + {stats.get('cached_frames', '-')} in the trajectory "
-            f"({_bytes(stats.get('cache_bytes'))})"
-        )
+        parts.append(f"attention cache {stats['patch_frames']} frames {_bytes(stats.get('cache_bytes'))}")
     if not read:
         parts.append("waiting for the first frame")
     parts.append(f"elapsed {_clock(elapsed_s)}")
-    fps = stats.get("fps")
-    if total and fps:
-        parts.append(f"ETA {_clock(max(0, total - read) / fps)}")
-    return f"progress: {description}: " + ", ".join(parts)
+    return "progress: " + ", ".join(parts) + f": {description}"
 
 
 def format_rates(stats: dict) -> str:
+    """The bar's rate: frames per second end to end, the keyframes, frames a live source dropped."""
     dropped = stats.get("frames_dropped") or 0
-    text = f"model {_fps(stats.get('model_fps'))}  e2e {_fps(stats.get('fps'))}  kf {stats.get('keyframes', '-')}"
-    return text + (f"  [yellow]dropped {dropped}[/yellow]" if dropped else "")
+    text = f"{_fps(stats.get('fps'))}  {stats.get('keyframes', '-')} kf"
+    return text + (f"  [yellow]{dropped} dropped[/yellow]" if dropped else "")
 
 
 def format_cache(stats: dict) -> str:
-    """Frames with patch tokens in the cache (scale + window), frames in the trajectory memory, bytes."""
-    patch_frames = stats.get("patch_frames")
-    trajectory = stats.get("cached_frames")
+    """The memory attention's cache takes (its frame counts are in the plain line and run.json)."""
     size = stats.get("cache_bytes")
-    if patch_frames is None and size is None:
-        return ""
-    return f"cache {_or_dash(patch_frames)} fr + {_or_dash(trajectory)} traj {_bytes(size)}"
+    return "" if size is None else f"cache {_bytes(size)}"
 
 
 def _or_dash(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def _fps(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f} FPS"
+def _fps(value: float | None, unit: str = " FPS") -> str:
+    return "-" if value is None else f"{value:.1f}{unit}"
 
 
 def _clock(seconds: float) -> str:
@@ -205,5 +201,3 @@ def _bytes(count: int | None) -> str:
     return f"{count:.1f} GB"
 
 
-def _short(description: str, width: int = 40) -> str:
-    return description if len(description) <= width else "…" + description[-(width - 1) :]

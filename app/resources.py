@@ -8,14 +8,16 @@ Host memory of a CPU run, as the code allocates it (measured, see below)::
 
     weights      parameters x 4 bytes                               (the full model: 1.16 G -> 4.6 GB)
     KV cache     pages x P patch tokens x L layers x 2 (K, V) x C x 4 bytes
-                 pages = scale + window + 1 patch pages + 2, allocated at the first frame (the paged
-                 cache does not grow with the stream), grown 16 at a time when the special tokens (6 a
-                 frame, packed) need more than the 2 spare pages
-    activations  ACTIVATION_BYTES_PER_PIXEL x H x W x scale frames (phase 1 runs them together)
+                 the pool starts with scale + 1 patch pages + 2 for the special tokens (6 a frame,
+                 packed) and grows 16 pages at a time as frames come, up to scale + window + 1 patch
+                 pages and the special pages of `chunk_frames` frames (cache/backends.py)
+    activations  ACTIVATION_BYTES_PER_PIXEL x H x W x the scale frames processed together (phase 1)
                  + ACTIVATION_FIXED_BYTES
 
-At the defaults on a 4:3 source (518 x 392 input, P = 1036): 4.6 + 15.3 + 3.2 = 23 GB; on 16:9
-(518 x 294): 4.6 + 11.5 + 2.7 = 18.8 GB, the 17.5 GiB peak measured for 12 frames at the defaults.
+At the defaults on a 4:3 source (518 x 392 input, P = 1036), a long stream: 4.6 + 15.3 + 3.1 = 23 GB;
+on 16:9 (518 x 294): 4.6 + 11.6 + 2.4 = 18.7 GB. 12 frames of the bundled sample: 4.6 + 4.1 + 2.4 =
+11.2 GB; 3 frames: 7.4 GB (17.5 GiB and 21 GB were measured when the pool held the whole window from
+the first frame).
 
 Calibration (2-core CPU, 2026-11): the full width model with 2 DINO and 4 aggregator blocks (same
 activations per layer, same heads, a fraction of the weights), peak RSS over the model's own:
@@ -38,14 +40,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from stream_recon.app.preprocess import model_input_size
+from stream_recon.app.input_size import model_input_size
 
 GB = 1e9
 FLOAT32_BYTES = 4
 ACTIVATION_BYTES_PER_PIXEL = 1750  # per input pixel per frame processed together (calibrated above)
 ACTIVATION_FIXED_BYTES = int(0.3 * GB)
-SPARE_PAGES = 2  # the paged cache's pool starts this many pages beyond the patch pages (cache/paged.py) ...
-POOL_GROWTH_PAGES = 16  # ... and grows by this many when the special tokens need more (cache/pages.py)
+SPARE_PAGES = 2  # the paged cache's pool starts this many pages beyond the scale frames' (cache/backends.py) ...
+POOL_GROWTH_PAGES = 16  # ... and grows by this many when the frames need more (cache/pages.py)
 MATMUL_EFFICIENCY = 0.8  # the model's share of the measured matmul throughput
 WARN_SECONDS_PER_FRAME = 1.0  # a CPU run slower than this is announced
 WARN_MEMORY_SHARE = 0.85  # an estimate above this share of the available memory is announced
@@ -118,14 +120,18 @@ def estimate_host_memory(model: ModelShape, run: RunShape, *, count_weights: boo
     count_weights: False when the model is in memory already (a batch worker's), so that the memory
     still available is compared with what the run adds."""
     patches = run.patches(model.patch_size)
-    patch_pages = run.scale_frames + run.window + 1  # the scale frames, the window, the frame being decided
+    most_patch_pages = run.scale_frames + run.window + 1  # the scale frames, the window, the frame being decided
     frames = run.chunk_frames if run.frames is None else min(run.frames, run.chunk_frames)
-    special_pages = math.ceil(model.num_special_tokens * frames / patches)  # 6 tokens a frame, packed
-    pages = patch_pages + SPARE_PAGES
-    if special_pages > SPARE_PAGES:
-        pages += POOL_GROWTH_PAGES * math.ceil((special_pages - SPARE_PAGES) / POOL_GROWTH_PAGES)
+    # what the pool holds at once: every frame's patch page until the window is full, and then the one being
+    # decided besides, and the special tokens of every frame of the window (6 a frame, packed)
+    in_use = min(frames, most_patch_pages) + math.ceil(model.num_special_tokens * frames / patches)
+    most_pages = most_patch_pages + math.ceil(model.num_special_tokens * run.chunk_frames / patches)
+    pages = run.scale_frames + 1 + SPARE_PAGES  # what the pool starts with (cache/backends.py)
+    if in_use > pages:
+        pages = min(most_pages, pages + POOL_GROWTH_PAGES * math.ceil((in_use - pages) / POOL_GROWTH_PAGES))
     cache = pages * patches * model.depth * 2 * model.embed_dim * FLOAT32_BYTES
-    activations = ACTIVATION_BYTES_PER_PIXEL * run.pixels * run.scale_frames + ACTIVATION_FIXED_BYTES
+    together = run.scale_frames if run.frames is None else min(run.frames, run.scale_frames)
+    activations = ACTIVATION_BYTES_PER_PIXEL * run.pixels * together + ACTIVATION_FIXED_BYTES
     weights = model.num_params * FLOAT32_BYTES if count_weights else 0
     return HostMemoryEstimate(weights, cache, activations, pages, patches)
 
@@ -297,13 +303,19 @@ def model_shape(config: Any) -> ModelShape:
     )
 
 
+_said_slow = False  # the slow-CPU warning, once a process: a batch runs many sequences on one CPU
+
+
 def check_cpu_run(options: Any, config: Any, frame_size: tuple[int, int] | None, frames: int | None,
-                  console: Any, *, model_loaded: bool = False) -> None:
+                  *, model_loaded: bool = False) -> list[str]:
     """Before a CPU run's model loads: refuse settings that cannot fit in memory (OptionsError naming
-    smaller ones), warn when the memory is tight and when the run will be slow. model_loaded: the
-    weights are in memory already (a model passed in), so only what the run adds is compared."""
+    smaller ones). Returns the warnings to give once every refusal has had its turn: the memory is
+    tight, the run will be slow (once a process). model_loaded: the weights are in memory already (a
+    model passed in), so only what the run adds is compared."""
+    global _said_slow
     from stream_recon.app.options import OptionsError
 
+    warnings = []
     model = model_shape(config)
     run = RunShape(source_size=frame_size or UNKNOWN_SOURCE_SIZE, image_width=options.image_width,
                    scale_frames=options.scale_frames, window=options.window, chunk_frames=options.chunk_frames,
@@ -314,13 +326,15 @@ def check_cpu_run(options: Any, config: Any, frame_size: tuple[int, int] | None,
         if not plan.fits:
             raise OptionsError(refusal_message(plan))
         if plan.tight:
-            console.print(f"[yellow]warning:[/yellow] these settings need {plan.estimate.describe()}, close to the "
-                          f"{_gb(available)} available; {flags(QUICKER_CPU_SETTINGS)} needs less")
-    if frame_flops(model, run, run.scale_frames + run.window) < FAST_ANYWHERE_FLOPS:
-        return  # the tiny test model, say
+            warnings.append(f"these settings need {plan.estimate.describe()}, close to the {_gb(available)} "
+                            f"available; {flags(QUICKER_CPU_SETTINGS)} needs less")
+    if _said_slow or frame_flops(model, run, run.scale_frames + run.window) < FAST_ANYWHERE_FLOPS:
+        return warnings  # said already, or a frame this cheap (the tiny test model, say)
     rate = matmul_flops_per_second()
     if seconds_per_frame(model, run, rate)[1] >= WARN_SECONDS_PER_FRAME:
-        console.print(f"[yellow]warning:[/yellow] {slow_cpu_message(model, run, rate)}")
+        warnings.append(slow_cpu_message(model, run, rate))
+        _said_slow = True
+    return warnings
 
 
 def slow_cpu_message(model: ModelShape, run: RunShape, flops_per_second: float) -> str:

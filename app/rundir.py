@@ -22,19 +22,20 @@ import math
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 import zipfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from stream_recon.app.npz_schema import HALVABLE_FIELDS, PREDICTION_FIELDS, RENAMED_FIELDS
+from stream_recon.app.npz_schema import prediction_arrays as prediction_arrays  # scripts import it from here
 from stream_recon.models.pose import quat_xyzw_to_rotation, rotation_to_quat_xyzw
-from stream_recon.models.prediction import FramePrediction
 
 logger = logging.getLogger(__name__)
 
@@ -67,97 +68,6 @@ class TumFileError(ValueError):
     """A TUM text file (trajectory or frame list) that is missing or malformed; says which line."""
 
 
-# --------------------------------------------------------------------------------------------------
-# The npz schema of one frame
-
-
-@dataclass(frozen=True)
-class NpzField:
-    """One array of a prediction file: its dtype and shape ("H", "W": the model input's size)."""
-
-    dtype: type
-    shape: tuple[int | str, ...]
-
-    @property
-    def is_scalar(self) -> bool:
-        return self.shape == ()
-
-    def array(self, value: Any) -> np.ndarray:
-        array = np.asarray(value, dtype=self.dtype)
-        if all(isinstance(size, int) for size in self.shape):
-            array = array.reshape(self.shape)
-        return array
-
-
-# DESIGN.md §5. Every one of these is in every file; scalars are read back as Python values.
-PREDICTION_FIELDS: dict[str, NpzField] = {
-    "frame_index": NpzField(np.int64, ()),
-    "timestamp": NpzField(np.float64, ()),
-    "is_keyframe": NpzField(np.bool_, ()),
-    "frame_type": NpzField(np.int64, ()),
-    "pose_enc": NpzField(np.float32, (9,)),
-    "c2w": NpzField(np.float32, (3, 4)),
-    "intrinsics": NpzField(np.float32, (3, 3)),
-    "depth": NpzField(np.float32, ("H", "W")),
-    "depth_conf": NpzField(np.float32, ("H", "W")),
-    "image_size": NpzField(np.int64, (2,)),
-    "chunk_index": NpzField(np.int64, ()),
-}
-# Keys runs written before a rename may carry, read under their current name.
-RENAMED_FIELDS = {"window_index": "chunk_index"}
-# The model input, written only when the prediction carries it; read back as None when absent.
-IMAGE_FIELD = NpzField(np.uint8, ("H", "W", 3))
-
-# The per-pixel floats may be stored in half precision (`--save-depth float16`): half their bytes
-# (0.78 MB instead of 1.57 MB a frame at 518x378), a relative error of at most 2**-11 = 0.049% for
-# values in float16's normal range (6.1e-5 .. 65504), larger values stored as 65504. Readers get
-# float32 either way.
-HALVABLE_FIELDS = ("depth", "depth_conf")
-DEPTH_STORAGE = {"float16": np.float16, "float32": np.float32}
-SAVE_PREDICTIONS = ("all", "keyframes")
-_FLOAT16_MAX = float(np.finfo(np.float16).max)
-
-
-def prediction_arrays(pred: FramePrediction) -> dict[str, np.ndarray]:
-    """The npz payload of one frame at full precision, plus `image` when the prediction carries it."""
-    arrays = {key: field.array(getattr(pred, key)) for key, field in PREDICTION_FIELDS.items()}
-    if pred.image is not None:
-        arrays["image"] = IMAGE_FIELD.array(pred.image)
-    return arrays
-
-
-@dataclass(frozen=True)
-class PredictionOutputs:
-    """What a run writes per frame: RunOptions' save_depth, save_images and save_predictions.
-
-    Bytes of one 518x378 frame: float32 with the image 2.16 MB; float16 with the image 1.37 MB;
-    float16 without it 0.79 MB. The image is the model input (the source holds it too, resized).
-    """
-
-    depth: str = "float16"  # float16 | float32: depth and depth_conf on disk
-    images: bool = True  # the model input [H, W, 3] uint8, when the prediction carries it
-    frames: str = "all"  # all | keyframes: which frames get an npz (every pose is in trajectory_tum.txt)
-
-    def __post_init__(self) -> None:
-        if self.depth not in DEPTH_STORAGE:
-            raise ValueError(f"save_depth must be one of {', '.join(DEPTH_STORAGE)}, got {self.depth!r}")
-        if self.frames not in SAVE_PREDICTIONS:
-            raise ValueError(f"save_predictions must be one of {', '.join(SAVE_PREDICTIONS)}, got {self.frames!r}")
-
-    def writes(self, pred: FramePrediction) -> bool:
-        return self.frames == "all" or pred.is_keyframe
-
-    def stored(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """prediction_arrays' payload as this run stores it."""
-        stored = dict(arrays)
-        if not self.images:
-            stored.pop("image", None)
-        if self.depth == "float16":
-            for key in HALVABLE_FIELDS:
-                stored[key] = np.clip(arrays[key], -_FLOAT16_MAX, _FLOAT16_MAX).astype(np.float16)
-        return stored
-
-
 def prediction_path(run_dir: Path, frame_index: int) -> Path:
     return Path(run_dir) / PREDICTIONS_DIR / f"{frame_index:06d}.npz"
 
@@ -169,14 +79,43 @@ def prediction_path(run_dir: Path, frame_index: int) -> Path:
 _temp_counter = count()
 
 
+class OutputPathError(OSError):
+    """A file to write whose path is taken by something that is not a regular file (a FIFO, a device, a
+    socket, a folder): writing would replace it, so nothing is written."""
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def file_to_write(path: Path) -> Path:
+    """The file that writing `path` replaces: `path` itself, or the file a symlink there points to (written
+    through, the link kept). Raises OutputPathError when that is not a regular file (or nothing yet)."""
+    path = Path(path)
+    if path.is_symlink():
+        path = path.resolve()
+    try:
+        mode = path.stat().st_mode
+    except OSError:  # nothing there yet (or nothing that can be looked at: the write itself will say)
+        return path
+    if stat.S_ISREG(mode):
+        return path
+    kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+    raise OutputPathError(f"{path} is {kind}, not a regular file; nothing was written to it: choose a file path")
+
+
 def atomic_write(path: Path, write: Callable[[Any], None], *, binary: bool) -> None:
     """Write through a temp file in the same folder, then rename over `path`.
 
     os.replace within one filesystem is atomic, so a reader (or a process killed mid-write) sees the old
     file or the new one, never half of one. No fsync: this guards against a killed process, not power loss,
     and an fsync per frame would stall the stream on slow disks.
+
+    The rename replaces whatever is at `path`, so what is there is looked at first (file_to_write): a
+    symlink is written through (the temp file goes beside its target), and a FIFO or a device is refused
+    rather than replaced by a regular file.
     """
-    path = Path(path)
+    path = file_to_write(path)
     # Not tempfile.mkstemp: its 0600 mode would survive the rename. O_EXCL with 0666 lets the umask decide,
     # as for any other file the user creates; pid, thread and a counter keep concurrent writers apart.
     tmp_name = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_temp_counter)}.tmp"
@@ -238,11 +177,28 @@ def holds_run(output_dir: Path) -> bool:
     return bool(run_files(output_dir))
 
 
-def prepare_output_dir(output_dir: Path, *, overwrite: bool) -> bool:
-    """Make sure `output_dir` can take a run. Returns True if it was created here.
+# What a run directory holds besides the run's own files (run_files): a folder holding only these (or
+# hidden files) is not someone else's folder.
+_RUN_DIR_NAMES = {PREDICTIONS_DIR, RUN_JSON, TRAJECTORY_TUM, POINTS_PLY, EVAL_JSON, EXPORTS_DIR, BATCH_MARKER}
 
-    Refuses a folder that holds a run unless `overwrite`; the run's old files are left for the writer
-    to remove, so that a run that never starts destroys nothing.
+
+def foreign_entries(output_dir: Path) -> list[Path]:
+    """What a folder holds that no run wrote (hidden files aside): a run there would mix its files in."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    return sorted(entry for entry in output_dir.iterdir()
+                  if entry.name not in _RUN_DIR_NAMES and not entry.name.startswith("."))
+
+
+def prepare_output_dir(output_dir: Path, *, overwrite: bool) -> Path | None:
+    """Make sure `output_dir` can take a run. Returns the outermost folder created here (`output_dir` or
+    a parent of it; None when it existed), for remove_if_empty.
+
+    Refuses a folder that holds a run unless `overwrite`, and a folder that holds no run but other files
+    whatever `overwrite` says (a run would mix its files in with them; files a user put beside a run stay
+    when it is replaced); the run's old files are left for the writer to remove, so that a run that
+    never starts destroys nothing.
     """
     output_dir = Path(output_dir)
     if output_dir.exists() and not output_dir.is_dir():
@@ -253,12 +209,19 @@ def prepare_output_dir(output_dir: Path, *, overwrite: bool) -> bool:
             f"output directory {output_dir} already holds a run ({len(previous)} files such as "
             f"{previous[0].name}); choose another --output or pass --overwrite to replace it"
         )
-    created = not output_dir.exists()
+    foreign = [] if previous else foreign_entries(output_dir)
+    if foreign:
+        raise OutputDirError(
+            f"output directory {output_dir} is not empty and holds no run ({len(foreign)} entries such as "
+            f"{foreign[0].name}): a run would mix its files in with them; choose a new or empty --output"
+        )
+    created = outermost_missing(output_dir)
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=output_dir):
             pass
     except OSError as error:
+        remove_if_empty(output_dir, created)
         raise OutputDirError(
             f"cannot write to the output directory {output_dir}: {error.strerror or error}; "
             "choose a writable --output"
@@ -266,14 +229,27 @@ def prepare_output_dir(output_dir: Path, *, overwrite: bool) -> bool:
     return created
 
 
-def remove_if_empty(output_dir: Path, created: bool) -> None:
-    """Remove a folder this run created and left empty: a run that never started should not leave a
-    folder that blocks the next attempt."""
-    if created:
+def outermost_missing(path: Path) -> Path | None:
+    missing = None
+    for folder in (path, *path.parents):
+        if folder.exists() or folder.is_symlink():
+            break
+        missing = folder
+    return missing
+
+
+def remove_if_empty(output_dir: Path, created: Path | None) -> None:
+    """Remove the folders a run created (`created`: the outermost, from prepare_output_dir) that it left
+    empty: a run that never started leaves nothing behind, not even an empty outputs/."""
+    if created is None:
+        return
+    output_dir = Path(output_dir)
+    folders = [output_dir / PREDICTIONS_DIR, output_dir]
+    folders += [parent for parent in output_dir.parents if parent == created or created in parent.parents]
+    for folder in folders:
         with contextlib.suppress(OSError):
-            for child in (Path(output_dir) / PREDICTIONS_DIR, Path(output_dir)):
-                if child.is_dir() and not any(child.iterdir()):
-                    child.rmdir()
+            if folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir()):
+                folder.rmdir()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -284,8 +260,12 @@ def check_run_dir(run_dir: Path) -> Path:
     """Raise RunDirError unless `run_dir` looks like a run directory; returns its predictions folder."""
     run_dir = Path(run_dir)
     predictions = run_dir / PREDICTIONS_DIR
-    if not run_dir.is_dir():
+    if not run_dir.exists():
         raise RunDirError(f"run directory {run_dir} does not exist")
+    if not run_dir.is_dir():
+        raise RunDirError(
+            f"{run_dir} is a file, not a run directory: give the folder a run wrote (it holds {PREDICTIONS_DIR}/)"
+        )
     if not predictions.is_dir():
         raise RunDirError(f"{run_dir} is not a run directory: it has no {PREDICTIONS_DIR}/ folder")
     return predictions
@@ -349,6 +329,32 @@ def read_run(run_dir: Path) -> list[dict[str, Any]]:
     return list(iter_run(run_dir))
 
 
+def run_trajectory(run_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Every pose of a run: timestamps [N] and c2w [N, 4, 4], float64, in frame order.
+
+    trajectory_tum.txt when the run wrote it (at its end: every frame, also those saved without an npz,
+    --save-predictions keyframes); otherwise, for a run killed before its end, the poses in its npz files.
+    """
+    run_dir = Path(run_dir)
+    trajectory = run_dir / TRAJECTORY_TUM
+    if trajectory.is_file():
+        return read_tum(trajectory)
+    stamps, poses = [], []
+    for frame_index, path in prediction_files(run_dir):
+        try:
+            with np.load(path, allow_pickle=False) as data:  # members are read lazily: depth stays on disk
+                stamps.append(float(data["timestamp"]))
+                pose = np.eye(4)
+                pose[:3] = np.asarray(data["c2w"], dtype=np.float64).reshape(3, 4)
+        except (OSError, KeyError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+            logger.warning("skipping frame %d: cannot read %s: %s", frame_index, path, exc)
+            continue
+        poses.append(pose)
+    if not poses:
+        raise RunDirError(f"{run_dir} has neither {TRAJECTORY_TUM} nor a readable prediction file: no pose to read")
+    return np.asarray(stamps), np.stack(poses)
+
+
 def read_run_info(run_dir: Path) -> dict[str, Any]:
     """run.json as a dict, or {} when it is missing or unreadable (the predictions are still usable)."""
     path = Path(run_dir) / RUN_JSON
@@ -386,8 +392,14 @@ def read_tum(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """A TUM trajectory (`timestamp tx ty tz qx qy qz qw` per line, `#` comments, commas allowed) ->
     timestamps [N] seconds and camera-to-world poses c2w [N, 4, 4], both float64."""
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        inside = next((path / name for name in ("groundtruth.txt", TRAJECTORY_TUM) if (path / name).is_file()), None)
+        hint = f" such as {inside}" if inside else " (timestamp tx ty tz qx qy qz qw per line)"
+        raise TumFileError(f"{path} is a folder, not a trajectory file: give a TUM trajectory file{hint}")
+    if not path.exists():
         raise TumFileError(f"trajectory file {path} does not exist")
+    if not path.is_file():  # a FIFO or a device would block the read or never end
+        raise TumFileError(f"{path} is not a regular file; give a TUM trajectory file")
     rows = []
     for line_number, text, line in _data_lines(path):
         fields = text.replace(",", " ").split()

@@ -29,13 +29,16 @@ stops, that is its end, and a shortfall against its length is a TruncatedSourceE
 
 from __future__ import annotations
 
+import http.client
 import logging
 import math
 import os
 import queue
 import re
+import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,7 +50,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from stream_recon.app.input_size import input_size_problem
 from stream_recon.app.preprocess import ImageReadError, load_image, preprocess_frame_uint8, upright_rgb
+from stream_recon.app.source_settings import DEFAULT_OPEN_TIMEOUT_S, DEFAULT_RECONNECT_S, FrameSelection
 
 SourceKind = Literal["video", "folder", "webcam", "stream", "frames"]
 
@@ -57,12 +62,9 @@ DEFAULT_QUEUE_SIZE = 8
 # Threads that resize frames into model inputs. One keeps up with 640x480 at ~200 FPS; four keep a
 # 4K video above 40 FPS where the cores exist.
 PREPROCESS_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
-DEFAULT_OPEN_TIMEOUT_S = 10.0
 # A file decodes in milliseconds; a network stream may pause for its read timeout. Past these,
 # the reader is stuck and waiting longer would only turn an error into a hang.
 DEFAULT_FRAME_TIMEOUT_S = 30.0
-# A camera rebooting or a Wi-Fi roam takes seconds to tens of seconds; past this, the camera is gone.
-DEFAULT_RECONNECT_S = 30.0
 _FIRST_RETRY_DELAY_S = 0.25
 _MAX_RETRY_DELAY_S = 4.0
 _JOIN_TIMEOUT_S = 2.0
@@ -113,40 +115,6 @@ class _Preprocessing:
 
     def result(self) -> Frame:
         return Frame(self.index, self.source_index, self.timestamp, None, torch.from_numpy(self.image.result()))
-
-
-@dataclass(frozen=True)
-class FrameSelection:
-    """Which source frames are delivered. Applied in this order: start, stride, fps, max_frames.
-
-    `fps` keeps the first frame at or after each tick of a 1/fps grid anchored at the first kept
-    frame, so a 25 fps video at `fps=10` keeps frames at 0, 0.12, 0.2, 0.32, 0.4 s: ten a second on
-    average, each one a real frame with its own timestamp.
-    """
-
-    start: int = 0  # first source frame to use
-    stride: int = 1  # then every stride-th source frame
-    fps: float | None = None  # then at most this many frames per second of source time
-    max_frames: int | None = None  # stop after this many delivered frames
-
-    def __post_init__(self) -> None:
-        if self.start < 0:
-            raise ValueError(f"start must be >= 0, got {self.start}")
-        if self.stride < 1:
-            raise ValueError(f"stride must be >= 1, got {self.stride}")
-        if self.fps is not None and not (self.fps > 0 and math.isfinite(self.fps)):
-            raise ValueError(f"fps must be a positive number, got {self.fps}")
-        if self.max_frames is not None and self.max_frames < 1:
-            raise ValueError(f"max_frames must be >= 1, got {self.max_frames}")
-
-    def estimate_count(self, source_frames: int | None, source_fps: float | None) -> int | None:
-        """How many frames a source of `source_frames` frames at `source_fps` yields (None: unknown)."""
-        if source_frames is None:
-            return self.max_frames
-        count = math.ceil(max(0, source_frames - self.start) / self.stride)
-        if self.fps is not None and source_fps:
-            count = math.ceil(count * min(1.0, self.fps * self.stride / source_fps))
-        return count if self.max_frames is None else min(count, self.max_frames)
 
 
 class _Sampler:
@@ -465,15 +433,27 @@ def open_source(
     selection = selection or FrameSelection()
     kind, location = classify_source(spec)
     options = _SourceOptions(image_width, queue_size, frame_timeout_s, reconnect_s)
-    if kind == "folder":
-        source = _open_folder(Path(location), selection, options)
-    elif kind == "video":
-        source = _open_video(Path(location), selection, options)
-    elif kind == "webcam":
-        source = _open_webcam(int(location), selection, options)
-    else:
-        source = _open_stream(location, open_timeout_s, selection, options)
+    try:
+        if kind == "folder":
+            source = _open_folder(Path(location), selection, options)
+        elif kind == "video":
+            source = _open_video(Path(location), selection, options)
+        elif kind == "webcam":
+            source = _open_webcam(int(location), selection, options)
+        else:
+            source = _open_stream(location, open_timeout_s, selection, options)
+    except OSError as error:  # no permission to read it, a file gone meanwhile, an I/O error
+        what = "folder" if kind == "folder" else "file"
+        raise SourceError(
+            f"cannot read the {what} {error.filename or location}: {error.strerror or error}; "
+            "check its permissions or choose another source"
+        ) from None
     source.location = str(Path(location).resolve()) if kind in ("folder", "video") else location
+    if image_width and source.frame_size is not None:
+        problem = input_size_problem(*source.frame_size, image_width)
+        if problem is not None:
+            source.close()
+            raise SourceError(f"{source.description}: {problem}")
     return source
 
 
@@ -531,7 +511,7 @@ def classify_source(spec: str | Path) -> tuple[SourceKind, str]:
     text = str(spec).strip()
     if not text:
         raise SourceError("no source given: pass a video file, an image folder, a webcam index or a URL")
-    if text.isdigit():
+    if text.isdigit() and not Path(text).exists():  # a folder or file named 2024 is that folder or file
         return "webcam", text
     scheme = re.match(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://", text)
     if scheme:
@@ -558,7 +538,7 @@ def source_name(spec: str | Path) -> str:
     clip.mp4 -> clip, frames/ -> frames, 0 -> webcam0, rtsp://cam.local/live -> cam.local_live
     """
     text = str(spec).strip()
-    if text.isdigit():
+    if text.isdigit() and not Path(text).exists():
         return f"webcam{text}"
     if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", text):
         return _stream_name(text)
@@ -727,11 +707,12 @@ def _stream_capture(url: str, open_timeout_s: float, read_timeout_s: float) -> c
 def _open_stream(
     url: str, open_timeout_s: float, selection: FrameSelection, options: _SourceOptions
 ) -> FrameSource:
+    started = time.monotonic()
     capture = _stream_capture(url, open_timeout_s, read_timeout_s=open_timeout_s)
     if not capture.isOpened():
         capture.release()
         raise SourceError(
-            f"could not open stream {url} (tried for up to {open_timeout_s:.0f} s): check the address, "
+            f"could not open stream {url}: {_stream_failure(url, started, open_timeout_s)}; check the address, "
             "that the camera or server is running, and that this machine can reach it"
         )
     frame_count = _positive_or_none(capture.get(cv2.CAP_PROP_FRAME_COUNT))
@@ -747,7 +728,8 @@ def _open_stream(
     else:
         reader = _CaptureReader(capture, label=url, clock="pts", expected_frames=frame_count,
                                 shortfall_cause="the connection dropped or the file is truncated")
-    reader.peek(f"stream {url} connected but sent no decodable frame within {open_timeout_s:.0f} s")
+    reader.peek(lambda: f"stream {url} connected but sent no decodable frame: "
+                        f"{_stream_failure(url, started, open_timeout_s)}")
     return FrameSource(
         reader,
         kind="stream",
@@ -759,6 +741,79 @@ def _open_stream(
         frame_size=_capture_size(capture),
         **options.as_kwargs(),
     )
+
+
+# The port a scheme's server listens on when the URL names none.
+_DEFAULT_PORTS = {"rtsp": 554, "rtsps": 322, "http": 80, "https": 443, "rtmp": 1935}
+
+
+def _stream_failure(url: str, started: float, timeout_s: float) -> str:
+    """Why a stream URL gave no frame, for its error message. OpenCV says only that it failed; asking the
+    server ourselves finds the reason (the name does not resolve, the connection is refused, the server
+    answers an error status), and the time it took says whether it failed at once or timed out."""
+    elapsed = time.monotonic() - started
+    reason = _ask_stream_server(url, min(timeout_s, 5.0))
+    if reason is not None:
+        return f"{reason} (after {elapsed:.1f} s)"
+    if elapsed >= 0.9 * timeout_s:
+        return f"nothing decodable arrived within {timeout_s:g} s"
+    return f"the stream ended after {elapsed:.1f} s without a frame OpenCV's FFmpeg could decode (--verbose shows its log)"
+
+
+def _ask_stream_server(url: str, timeout_s: float) -> str | None:
+    """The server's side of a failed stream, in words, or None when it seems to serve (the stream's
+    content is then what fails). Speaks HTTP(S) and RTSP; for other schemes only connects."""
+    parts = urllib.parse.urlsplit(url)
+    scheme, host = parts.scheme.lower(), parts.hostname
+    try:
+        port = parts.port or _DEFAULT_PORTS.get(scheme)
+    except ValueError:
+        return f"its port is not a number ({parts.netloc})"
+    if host is None or port is None:
+        return None
+    address = f"{host}:{port}"
+    try:
+        if scheme in ("http", "https"):
+            return _http_status(parts, host, port, timeout_s)
+        with socket.create_connection((host, port), timeout=timeout_s) as connection:
+            if scheme != "rtsp":
+                return None
+            connection.settimeout(timeout_s)
+            connection.sendall(f"DESCRIBE {url} RTSP/1.0\r\nCSeq: 1\r\nAccept: application/sdp\r\n\r\n".encode())
+            status = connection.makefile("rb").readline(256).decode("latin-1").strip()
+        return _status_problem(status, address)
+    except socket.gaierror as error:
+        return f"the host name {host} does not resolve ({error.strerror})"
+    except ConnectionRefusedError:
+        return f"{address} refused the connection (no server listens there)"
+    except TimeoutError:
+        return f"{address} did not answer within {timeout_s:g} s"
+    except (OSError, http.client.HTTPException) as error:
+        return f"talking to {address} failed: {getattr(error, 'strerror', None) or error or type(error).__name__}"
+
+
+def _http_status(parts: urllib.parse.SplitResult, host: str, port: int, timeout_s: float) -> str | None:
+    kind = http.client.HTTPSConnection if parts.scheme.lower() == "https" else http.client.HTTPConnection
+    connection = kind(host, port, timeout=timeout_s)
+    try:
+        connection.request("GET", urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, "")))
+        response = connection.getresponse()  # the status and headers only: a live stream never ends
+        status = f"HTTP/{response.version / 10:.1f} {response.status} {response.reason}"
+        return _status_problem(status, f"{host}:{port}")
+    except http.client.RemoteDisconnected:
+        return f"{host}:{port} closed the connection without answering"
+    finally:
+        connection.close()
+
+
+def _status_problem(status: str, address: str) -> str | None:
+    """An answer's status line as a reason, or None for a success (2xx)."""
+    if not status:
+        return f"{address} closed the connection without answering"
+    fields = status.split(" ", 2)
+    if len(fields) >= 2 and fields[1].isdigit() and fields[1].startswith("2"):
+        return None
+    return f"the server answered {status!r}"
 
 
 def _capture_size(capture: cv2.VideoCapture) -> tuple[int, int] | None:
@@ -865,11 +920,12 @@ class _CaptureReader:
         self._opened_at = time.monotonic()
         self._wall_timestamp = 0.0
 
-    def peek(self, failure_message: str) -> None:
-        """Decode the first frame now, so a source that opens but never yields fails at open time."""
+    def peek(self, failure_message: str | Callable[[], str]) -> None:
+        """Decode the first frame now, so a source that opens but never yields fails at open time.
+        failure_message: the error, or a function that finds out what it is (only called on failure)."""
         if not self._capture.grab():
             self.release()
-            raise SourceError(failure_message)
+            raise SourceError(failure_message if isinstance(failure_message, str) else failure_message())
         self._opened_at = time.monotonic()
         self._wall_timestamp = 0.0
         self._peeked = True

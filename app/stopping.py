@@ -1,17 +1,88 @@
-"""Stopping a run cleanly: Ctrl-C and SIGTERM become "finish this frame, flush, save".
+"""Stopping cleanly: Ctrl-C and SIGTERM become "finish this frame, flush, save" during a run, and end
+every command at once before and after one.
 
-A stopped run exits as a signal's default action would have been reported by a shell, 128 + the
+A stopped command exits as a signal's default action would have been reported by a shell, 128 + the
 signal's number: 130 for Ctrl-C (SIGINT), 143 for SIGTERM, so that a supervisor (systemd, a batch
 scheduler, `timeout`) sees the signal it sent.
+
+Three phases, one handler each:
+- from the start of the CLI until a run's stream (imports, checks, the model load): PromptInterrupt.
+  Ctrl-C raises KeyboardInterrupt as Python's own handler does, and raises it again every half second
+  until the program has stopped, because a library can swallow one: an import inside
+  `except BaseException` (trimesh's optional imports are written so) loses a KeyboardInterrupt that
+  lands in it, and the run went on as if Ctrl-C had never been pressed;
+- while frames stream: StopOnSignal (finish the frame, flush, save);
+- a viewer serving until it is stopped (`view`, a run kept on screen): wait_for_stop_signal.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
+if TYPE_CHECKING:
+    from rich.console import Console
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+REDELIVERY_INTERVAL_S = 0.5
+
+
+class PromptInterrupt:
+    """Ctrl-C ends the program promptly even where a library swallows a KeyboardInterrupt (module doc).
+
+    The first SIGINT raises KeyboardInterrupt and starts a thread that raises it in the main thread again
+    every REDELIVERY_INTERVAL_S until `honoured()` (the CLI is exiting) or until another handler owns
+    SIGINT (a run's StopOnSignal, which then treats the pending Ctrl-C as its first). Main thread only.
+    """
+
+    def __init__(self) -> None:
+        self._previous: Any = None
+        self._requested = threading.Event()
+        self._honoured = threading.Event()
+
+    def __enter__(self) -> PromptInterrupt:
+        global _active
+        self._previous = signal.signal(signal.SIGINT, self._raise)
+        _active = self
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        global _active
+        self.honoured()
+        _active = None
+        if signal.getsignal(signal.SIGINT) == self._raise:
+            signal.signal(signal.SIGINT, self._previous)
+
+    @property
+    def pending(self) -> bool:
+        """A Ctrl-C came and the program has not stopped for it (a library swallowed it)."""
+        return self._requested.is_set() and not self._honoured.is_set()
+
+    def honoured(self) -> None:
+        self._honoured.set()
+
+    def _raise(self, signum: int, frame: object) -> None:
+        if not self._requested.is_set():
+            self._requested.set()
+            threading.Thread(target=self._redeliver, name="interrupt-redelivery", daemon=True).start()
+        raise KeyboardInterrupt
+
+    def _redeliver(self) -> None:
+        while not self._honoured.wait(REDELIVERY_INTERVAL_S):
+            if signal.getsignal(signal.SIGINT) != self._raise:
+                return  # StopOnSignal owns Ctrl-C now and has taken the pending one as its first
+            # a real signal, not _thread.interrupt_main: that one waits for a blocking call (a sleep, a read)
+            # to return before it is raised
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+
+_active: PromptInterrupt | None = None  # the CLI's, while it runs
+
+
+def swallowed_interrupt() -> bool:
+    """Whether a Ctrl-C is still owed a stop (see PromptInterrupt.pending)."""
+    return _active is not None and _active.pending
 
 
 class StopOnSignal:
@@ -22,7 +93,7 @@ class StopOnSignal:
     caller's own handling applies and this does nothing.
     """
 
-    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    _SIGNALS = STOP_SIGNALS
 
     def __init__(self, on_first: Any, console: Console) -> None:
         self._on_first = on_first
@@ -39,6 +110,10 @@ class StopOnSignal:
         if threading.current_thread() is threading.main_thread():
             for signum in self._SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
+            if swallowed_interrupt():  # Ctrl-C before the stream, lost in a library: stop before the first frame
+                _active.honoured()
+                self.count, self.signum = 1, signal.SIGINT
+                self._on_first()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -64,3 +139,25 @@ def interrupted_exit_code(signum: int | None) -> int:
 
 def signal_name(signum: int | None) -> str | None:
     return None if signum is None else signal.Signals(signum).name
+
+
+def wait_for_stop_signal() -> int:
+    """Block until SIGINT or SIGTERM arrives (main thread); returns which. A server that runs until it is
+    stopped (`view`, a run's viewer kept serving) exits with interrupted_exit_code() of it, 130 or 143."""
+    received: list[int] = []
+    arrived = threading.Event()
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        arrived.wait()
+
+    def receive(signum: int, frame: object) -> None:
+        received.append(signum)
+        arrived.set()
+
+    previous = {signum: signal.signal(signum, receive) for signum in STOP_SIGNALS}
+    try:
+        while not arrived.wait(0.5):
+            pass
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return received[0]

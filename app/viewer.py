@@ -138,6 +138,9 @@ def _pixel_colors(pred: FramePrediction, depth: np.ndarray) -> np.ndarray:
     return cv2.cvtColor(cv2.applyColorMap(gray, cv2.COLORMAP_TURBO), cv2.COLOR_BGR2RGB)
 
 
+MAX_CONFIDENCE_SLIDER = 10.0  # confidences above this are rare: a point that confident is kept anyway
+
+
 def thumbnail(image: np.ndarray, max_side: int) -> np.ndarray:
     """Shrink [H, W, 3] uint8 so its longer side is at most `max_side` pixels."""
     h, w = image.shape[:2]
@@ -222,7 +225,7 @@ class LiveViewer:
         max_total_points: int = 2_000_000,
         max_keyframes: int = 300,
         points_per_keyframe: int | None = None,
-        confidence_drop_percent: float = 10.0,
+        min_confidence: float = 1.0,  # as --conf-threshold: confidence is 1 + exp(logit), so 1 keeps every point
         update_hz: float = 4.0,
         max_new_clouds_per_second: float | None = None,
         thumbnail_px: int = 96,  # longer side of the frustum thumbnails; 0 for none
@@ -267,7 +270,7 @@ class LiveViewer:
         self._points_per_keyframe = min(
             points_per_keyframe or max_points_per_keyframe, max_points_per_keyframe
         )
-        self._confidence_drop_percent = float(confidence_drop_percent)
+        self._min_confidence = float(min_confidence)
         self._point_size_factor = 1.0
         self._show_all = True
         self._last_n = min(50, max_keyframes)
@@ -582,7 +585,7 @@ class LiveViewer:
         budget = self._points_per_keyframe
         full = [min(budget, self._keyframes[i].sample.num_points) for i in order]
         counts = allocate_point_budget(full, self.max_total_points)
-        settings = (self._confidence_drop_percent, budget)
+        settings = (self._min_confidence, budget)
         for index, count in zip(order, counts, strict=True):
             keyframe = self._keyframes[index]
             if count == 0:
@@ -597,8 +600,8 @@ class LiveViewer:
         points = keyframe.sample.points[:count]
         colors = keyframe.sample.colors[:count]
         confidence = keyframe.sample.confidence[:count]
-        if self._confidence_drop_percent > 0 and count > 1:
-            keep = confidence >= np.percentile(confidence, self._confidence_drop_percent)
+        if self._min_confidence > 1.0:  # the rule of --conf-threshold and points.ply, not a percentile
+            keep = confidence >= self._min_confidence
             points, colors = points[keep], colors[keep]
         # Same-name re-add replaces the node (and its buffered create message) in one step; assigning
         # points and colours separately would briefly pair arrays of different lengths on the client.
@@ -612,7 +615,7 @@ class LiveViewer:
             point_shading="flat",
         )
         keyframe.shown_count = count
-        keyframe.shown_settings = (self._confidence_drop_percent, self._points_per_keyframe)
+        keyframe.shown_settings = (self._min_confidence, self._points_per_keyframe)
 
     def _apply_visibility(self) -> None:
         newest_first = sorted(self._keyframes, reverse=True)
@@ -662,27 +665,27 @@ class LiveViewer:
                     self._current.image = thumb
         if pred.image is not None:
             self._frame_image.image = thumbnail(pred.image, 320)
+        # a frame saved without its image (--no-save-images) shows none, rather than a stale or black one
+        self._frame_image.visible = pred.image is not None
         if self._follow:
             self._move_clients_to(self._current_c2w)
 
     def _update_readouts(self, stats: dict, arrival_fps: float) -> None:
-        """FPS and cache occupancy from the run loop's stats; any key may be missing or None."""
-        fps = stats.get("fps") if _is_number(stats.get("fps")) else arrival_fps
-        line = f"frame **{self._current_index}**, FPS **{_format_number(fps)}**"
-        if _is_number(stats.get("model_fps")):
-            line += f" (model {_format_number(stats['model_fps'])})"
+        """The frame on screen, and for a live run its rates and cache, from the run loop's stats (any key
+        may be missing or None). A replay passes no stats: it has no frame rate of its own to show."""
+        line = f"frame **{self._current_index}**"
+        if "fps" in stats:  # a live run: the run loop's rate, or the frames' arrival rate until it has one
+            fps = stats["fps"] if _is_number(stats["fps"]) else arrival_fps
+            line += f", FPS **{_format_number(fps)}**"
+            if _is_number(stats.get("model_fps")):
+                line += f" (model {_format_number(stats['model_fps'])})"
         lines = [
             line,
             f"keyframes on screen {len(self._keyframes)}, points {self.scene_summary()['points']:,}",
         ]
-        if _is_number(stats.get("cached_frames")):
-            lines.append(f"cache: {stats['cached_frames']} frames")
-        pages = [f"{key.removesuffix('_pages_in_use')} {value}" for key, value in stats.items()
-                 if key.endswith("_pages_in_use") and _is_number(value)]  # fmt: skip
-        if pages:
-            lines.append("pages in use: " + ", ".join(pages))
-        if _is_number(stats.get("cache_bytes")):
-            lines.append(f"cache memory {stats['cache_bytes'] / 2**20:.1f} MiB")
+        if _is_number(stats.get("patch_frames")):  # the frames attention reads in full: scale + window
+            memory = f", {stats['cache_bytes'] / 2**20:.1f} MiB" if _is_number(stats.get("cache_bytes")) else ""
+            lines.append(f"attention cache: {stats['patch_frames']} frames{memory}")
         self._readout.content = "  \n".join(lines)
 
     def _thumbnail(self, pred: FramePrediction) -> np.ndarray | None:
@@ -714,11 +717,13 @@ class LiveViewer:
                     self._status.content = "**paused**" if self.paused else "**running**"
 
             self._readout = gui.add_markdown("frame -")
-            self._frame_image = gui.add_image(np.zeros((24, 32, 3), np.uint8), label="current frame")
+            self._frame_image = gui.add_image(np.zeros((24, 32, 3), np.uint8), label="current frame", visible=False)
 
         with gui.add_folder("Points"):
             confidence = gui.add_slider(
-                "Drop low conf. %", min=0.0, max=95.0, step=5.0, initial_value=self._confidence_drop_percent
+                "Min. confidence", min=1.0, max=max(MAX_CONFIDENCE_SLIDER, self._min_confidence), step=0.1,
+                initial_value=self._min_confidence, hint="Points whose depth confidence is below this are hidden, as "
+                "--conf-threshold leaves them out of points.ply (confidence is 1 + exp(logit): 1 keeps all)."
             )
             size = gui.add_slider("Point size x", min=0.1, max=5.0, step=0.1, initial_value=1.0)
             low = min(500, self.max_points_per_keyframe)
@@ -732,7 +737,7 @@ class LiveViewer:
 
             @confidence.on_update
             def _(_event) -> None:
-                self._confidence_drop_percent = float(confidence.value)
+                self._min_confidence = float(confidence.value)
                 self._request_rebuild()
 
             @size.on_update

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from stream_recon.app.npz_schema import PredictionOutputs, prediction_arrays
 from stream_recon.app.pointcloud import (
     DEFAULT_CONF_THRESHOLD,
     DEFAULT_MAX_POINTS,
@@ -39,9 +40,7 @@ from stream_recon.app.rundir import (
     RUN_JSON,
     TRAJECTORY_TUM,
     OutputDirError,
-    PredictionOutputs,
     atomic_write,
-    prediction_arrays,
     prediction_path,
     prepare_output_dir,
     remove_run,

@@ -374,7 +374,7 @@ def test_batch_command_rejects_bad_input_with_one_sentence(tmp_path):
     assert alignment.exit_code == 2 and "--alignment must be sim3 or se3" in alignment.output
     # run options reach RunOptions through the same flags as `run`
     window = runner.invoke(app, ["batch", str(tmp_path), "-o", str(tmp_path / "out"), "--chunk-frames", "4"])
-    assert window.exit_code == 2 and "chunk_frames must be more than scale_frames" in window.output
+    assert window.exit_code == 2 and "must be less than --chunk-frames" in window.output
 
 
 def test_batch_command_reports_a_missing_checkpoint_before_any_sequence(tmp_path, dataset):
@@ -387,7 +387,7 @@ def test_batch_command_reports_a_missing_checkpoint_before_any_sequence(tmp_path
     result = CliRunner().invoke(app, arguments)
     assert result.exit_code == 2, result.output
     assert "x.pt" in " ".join(result.output.split()) and "Traceback" not in result.output
-    assert read_summary(output) == []
+    assert not output.exists()  # refused before anything was written: no empty summary is left
 
 
 def test_batch_command_end_to_end_matches_the_library(tmp_path, dataset, serial_run):
@@ -413,3 +413,43 @@ def test_batch_command_end_to_end_matches_the_library(tmp_path, dataset, serial_
     again = CliRunner().invoke(app, arguments)
     assert [row["status"] for row in read_summary(output)] == ["skipped", "skipped", "skipped", "failed"]
     assert again.exit_code == 1
+
+
+def test_the_same_checkpoint_by_another_path_is_not_other_settings(tmp_path, monkeypatch):
+    # --checkpoint /abs/rule.pt, then from another folder --checkpoint rel/rule.pt: refused as "other settings"
+    from typer.testing import CliRunner
+
+    from stream_recon.app.cli import app
+    from stream_recon.models.checkpoint import convert_to_safetensors
+
+    models = tmp_path / "models"
+    models.mkdir()
+    torch.save(build_tiny_model().state_dict(), models / "tiny.pt")
+    checkpoint = convert_to_safetensors(models / "tiny.pt", models / "tiny.safetensors", ModelConfig.tiny())
+    root, output = write_image_folder(tmp_path / "data" / "a", FRAMES).parent, tmp_path / "out"
+    arguments = ["batch", str(root), "-o", str(output), "--device", "cpu", "--image-width", "56", "--scale-frames", "4"]
+
+    first = CliRunner().invoke(app, [*arguments, "--checkpoint", str(checkpoint)])
+    monkeypatch.chdir(tmp_path)
+    again = CliRunner().invoke(app, [*arguments, "--checkpoint", "models/tiny.safetensors"])
+
+    assert first.exit_code == 0 and again.exit_code == 0, (first.output, again.output)
+    assert [row["status"] for row in read_summary(output)] == ["skipped"]
+    other = CliRunner().invoke(app, [*arguments, "--checkpoint", "models/tiny.pt"])  # another file: a change
+    assert other.exit_code == 2 and f"checkpoint {checkpoint} -> models/tiny.pt" in " ".join(other.output.split())
+
+
+@pytest.mark.slow  # starts a Ray instance: tens of seconds on a busy machine
+def test_a_ray_batch_refused_for_want_of_gpus_leaves_nothing(tmp_path):
+    # `batch --ray auto` without a GPU: summary.json [] and summary.csv were left
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    from typer.testing import CliRunner
+
+    from stream_recon.app.cli import app
+
+    root, output = write_image_folder(tmp_path / "data" / "a", FRAMES).parent, tmp_path / "out"
+    result = CliRunner().invoke(app, ["batch", str(root), "-o", str(output), "--ray", "auto", "--device", "cpu",
+                                      "--checkpoint", str(tmp_path / "none.safetensors")])
+    assert result.exit_code == 2, result.output
+    assert "GPU(s) but each sequence asks for 1; add GPU nodes, or pass --gpus-per-task 0" in result.output
+    assert not output.exists()

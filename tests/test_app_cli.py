@@ -10,9 +10,15 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
+import textwrap
+import threading
 import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -177,29 +183,29 @@ def test_single_image_instead_of_folder(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--keyframes", "sometimes"], "keyframes must be all, flow or interval:N"),
-        (["--image-width", "500"], "image_width must be a positive multiple of 14"),
-        (["--stride", "0"], "stride must be >= 1"),
-        (["--open-timeout", "0"], "open_timeout_s must be a number > 0"),  # a flag spelled unlike its field
-        (["--chunk-frames", "4", "--scale-frames", "4"], "chunk_frames must be more than scale_frames"),
-        (["--port", "70000"], "port must be between 1 and 65535"),
-        (["--reconnect", "-1"], "reconnect_s must be >= 0 (0: never reconnect), got -1.0"),
-        # Refused up front: not a writers.py traceback and exit 1, nor -1 accepted silently
-        (["--voxel-size", "-1"], "voxel_size must be a number > 0 in scene units"),
-        (["--voxel-size", "0"], "voxel_size must be a number > 0 in scene units"),
-        (["--voxel-size", "nan"], "voxel_size must be a number > 0 in scene units"),
-        (["--voxel-size", "inf"], "voxel_size must be a number > 0 in scene units"),
-        (["--conf-threshold", "-1"], "conf_threshold must be a number >= 1 (confidence is 1 + exp(logit)"),
-        (["--conf-threshold", "nan"], "conf_threshold must be a number >= 1"),
-        (["--fps", "0"], "fps must be a positive number"),
-        (["--fps", "inf"], "fps must be a positive number"),
-        (["--max-frames", "0"], "max_frames must be >= 1"),
-        (["--start", "-1"], "start must be >= 0"),
-        (["--flow-threshold", "inf"], "flow_threshold must be a number > 0"),
-        (["--open-timeout", "nan"], "open_timeout_s must be a number > 0"),
+        (["--keyframes", "sometimes"], "--keyframes must be all, flow or interval:N"),
+        (["--image-width", "500"], "--image-width must be a positive multiple of 14"),
+        (["--stride", "0"], "--stride must be >= 1"),
+        (["--open-timeout", "0"], "--open-timeout must be a number of seconds > 0"),  # spelled unlike its field
+        (["--chunk-frames", "4", "--scale-frames", "4"], "--scale-frames (4) must be less than --chunk-frames (4)"),
+        (["--port", "70000"], "--port must be between 1 and 65535"),
+        (["--reconnect", "-1"], "--reconnect must be a number of seconds >= 0 (0: never reconnect), got -1.0"),
+        # refused up front: not a writers.py traceback and exit 1, nor -1 accepted silently
+        (["--voxel-size", "-1"], "--voxel-size must be a number > 0 in scene units"),
+        (["--voxel-size", "0"], "--voxel-size must be a number > 0 in scene units"),
+        (["--voxel-size", "nan"], "--voxel-size must be a number > 0 in scene units"),
+        (["--voxel-size", "inf"], "--voxel-size must be a number > 0 in scene units"),
+        (["--conf-threshold", "-1"], "--conf-threshold must be a number >= 1 (confidence is 1 + exp(logit)"),
+        (["--conf-threshold", "nan"], "--conf-threshold must be a number >= 1"),
+        (["--fps", "0"], "--fps must be a positive number"),
+        (["--fps", "inf"], "--fps must be a positive number"),
+        (["--max-frames", "0"], "--max-frames must be >= 1"),
+        (["--start", "-1"], "--start must be >= 0"),
+        (["--flow-threshold", "inf"], "--flow-threshold must be a number > 0"),
+        (["--open-timeout", "nan"], "--open-timeout must be a number of seconds > 0"),
         (["--no-viewer", "--host", "203.0.113.7", "--viewer"], "the viewer cannot serve on 203.0.113.7:8080"),
         (["--device", "cuda:0"], "CUDA is not available"),
-        (["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
+        (["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N"),
         (["--attention", "flashinfer", "--device", "cpu"], "flashinfer needs bf16/fp16 on a CUDA device"),
         (["--attention", "dense-cudnn", "--device", "cpu"], "dense-cudnn needs bf16/fp16 on a CUDA device"),
         (["--attention", "dense-triton", "--device", "cpu"], "dense-triton needs bf16/fp16 on a CUDA device"),
@@ -282,7 +288,7 @@ def test_flags_override_the_preset_and_unset_flags_do_not() -> None:
 def test_preset_values_are_validated(tmp_path: Path) -> None:
     preset = tmp_path / "bad.yaml"
     preset.write_text("window: 0\n")
-    with pytest.raises(OptionsError, match="window must be >= 1"):
+    with pytest.raises(OptionsError, match="--window must be >= 1"):
         build_options(str(preset), {})
     preset.write_text("- a list\n")
     with pytest.raises(PresetError, match="must be a mapping"):
@@ -504,9 +510,9 @@ def test_progress_is_logged_when_stderr_is_a_file(tmp_path: Path, tiny_checkpoin
     assert all(len(line) > 80 for line in lines)  # never cut at a terminal's width
     assert "━" not in log.read_text()  # no redrawn bar in a file
     last = lines[-1]
-    assert re.match(rf"progress: video {re.escape(str(video))}: \d+/3000 frames \(\d+%\), model [\d.]+ FPS, "
-                    r"e2e [\d.]+ FPS, \d+ keyframes, cache \d+ frames \+ \d+ in the trajectory \([\d.]+ [KMG]?B\), "
-                    r"elapsed 0:00:0\d, ETA \d+:\d\d:\d\d$", last), last
+    assert re.match(r"progress: \d+/3000 frames \(\d+%\), ETA \d+:\d\d:\d\d, [\d.]+ FPS \(model [\d.]+\), \d+ keyframes, "
+                    r"attention cache \d+ frames [\d.]+ [KMG]?B, "
+                    rf"elapsed 0:00:0\d: video {re.escape(str(video))}$", last), last
     elapsed = [int(line.split("elapsed 0:00:")[1][:2]) for line in lines]
     assert all(0 < later - earlier <= 2 for earlier, later in zip(elapsed, elapsed[1:], strict=False)), elapsed
 
@@ -580,7 +586,8 @@ def test_download_command_without_the_hub_says_where_to_put_the_file(no_hub: str
 
     assert time.monotonic() - start < 10
     expected = "offline mode is on (HF_HUB_OFFLINE)" if no_hub == "offline mode" else "cannot be reached"
-    assert_user_error(result, "cannot download 'lingbot-map-long'", expected)
+    # the network, not what was typed: exit 1 (a run that failed), not 2 (bad input)
+    assert_user_error(result, "cannot download 'lingbot-map-long'", expected, code=EXIT_FAILED)
     assert ("downloading lingbot-map-long" in result.output) == (no_hub != "offline mode")
     assert_says_where_to_put_the_checkpoint(result.output, offline_hub)
 
@@ -610,7 +617,9 @@ def test_convert_refuses_a_checkpoint_of_another_architecture(tmp_path: Path, ti
     # the tiny model's .pt is not the official architecture the converter expects
     source = tiny_checkpoint.with_suffix(".pt")
     result = invoke("convert", str(source), str(tmp_path / "out.safetensors"))
-    assert_user_error(result, "error:", "missing from the checkpoint")
+    assert_user_error(result, "error:", "the checkpoint does not match the model", "1056 missing",
+                      "pass the checkpoint made for this model", "(--verbose shows the details)")
+    assert "allow" not in result.output and len(result.output.splitlines()) == 1, result.output
     assert not (tmp_path / "out.safetensors").exists()
 
 
@@ -662,3 +671,395 @@ def wait_for_predictions(run_dir: Path, at_least: int, child: subprocess.Popen, 
             return
         time.sleep(0.05)
     raise AssertionError(f"fewer than {at_least} predictions after {timeout_s} s")
+
+
+# ------------------------------------------------------------------ a new user's first hour, through the CLI
+
+
+def cli_process(*args: str, cwd: Path | None = None, prefix: tuple[str, ...] = (), env: dict | None = None,
+                timeout: float = 120) -> subprocess.CompletedProcess:
+    """`stream-recon ARGS` in a process of its own: what goes to the terminal, OpenCV's and FFmpeg's own
+    lines included (they write to file descriptor 2, which CliRunner does not see)."""
+    command = [*prefix, sys.executable, "-c", "from stream_recon.app.cli import main; main()", *args]
+    # the library log levels an in-process CLI of an earlier test put in this process's environment
+    inherited = {key: value for key, value in os.environ.items() if key not in QUIET_LIBRARY_LOGS}
+    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=timeout,
+                          env={**inherited, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+QUIET_LIBRARY_LOGS = ("OPENCV_LOG_LEVEL", "OPENCV_FFMPEG_LOGLEVEL")
+
+
+def lines_of(result: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+
+
+HEAVY_LIBRARIES = ("torch", "trimesh", "scipy", "viser", "cv2")
+HELP_REQUESTS = [["-h"], ["run", "-h"], ["export", "-h"], ["view", "-h"], ["eval", "-h"], ["batch", "-h"],
+                 ["convert", "-h"], ["download", "-h"], ["info", "-h"]]
+
+
+def test_help_loads_none_of_the_heavy_libraries() -> None:
+    # -h took 2.8-3.2 s because torch, trimesh and scipy loaded for every command
+    script = textwrap.dedent(f"""
+        import json, sys
+        from stream_recon.app.cli import main
+        loaded = {{}}
+        for argv in {HELP_REQUESTS!r}:
+            try:
+                main(argv)
+            except SystemExit as exit:
+                assert exit.code == 0, (argv, exit.code)
+            loaded[" ".join(argv)] = [name for name in {HEAVY_LIBRARIES!r} if name in sys.modules]
+        print(json.dumps(loaded), file=sys.stderr)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    loaded = json.loads(result.stderr.strip().splitlines()[-1])
+    assert loaded == {" ".join(argv): [] for argv in HELP_REQUESTS}
+
+
+def test_root_help_lists_every_export_format() -> None:
+    result = invoke("-h")
+    assert result.exit_code == 0
+    assert "PLY, GLB, COLMAP, TUM or nerfstudio" in " ".join(result.output.split())
+
+
+def test_a_ctrl_c_a_library_swallows_is_raised_again_until_the_program_stops() -> None:
+    # what a dependency's `try: import x / except BaseException: pass` does to a Ctrl-C landing in it
+    script = textwrap.dedent("""
+        import os, signal, time
+        from stream_recon.app.stopping import PromptInterrupt
+        with PromptInterrupt():
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+            except BaseException:
+                pass
+            started = time.monotonic()
+            try:
+                time.sleep(10)
+            except KeyboardInterrupt:
+                print(f"raised again after {time.monotonic() - started:.2f} s")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert float(re.search(r"raised again after ([\d.]+) s", result.stdout).group(1)) < 2.0
+
+
+@pytest.mark.slow  # a calibration run, then one process per moment
+def test_ctrl_c_from_the_start_to_the_first_frame_exits_130_at_once(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    # 4 of 4 times a Ctrl-C 1.5-2.2 s after the start was lost and the run went on to exit 0
+    video = write_video(tmp_path / "long.mp4", 600, fps=30)  # never read to its end before the signal
+    command = [sys.executable, "-c", "from stream_recon.app.cli import main; main()", str(video),
+               "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    started = time.monotonic()
+    calibration = subprocess.Popen([*command, "-o", str(tmp_path / "calibration")], stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, env=env)
+    wait_for_predictions(tmp_path / "calibration", at_least=1, child=calibration)
+    first_frame_s = time.monotonic() - started  # this machine's time from the start to the first frame
+    calibration.kill()
+    calibration.communicate()
+    # Python's own start-up (before any code of ours runs) takes the first ~0.1 s
+    for moment in sorted({max(0.15, fraction * first_frame_s) for fraction in (0.1, 0.25, 0.4, 0.55, 0.7, 0.85)}):
+        run_dir = tmp_path / f"at_{moment:.2f}"
+        child = subprocess.Popen([*command, "-o", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True, env=env)
+        time.sleep(moment)
+        signalled = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        output, _ = child.communicate(timeout=60)
+        stopped_after = time.monotonic() - signalled
+        assert child.returncode == EXIT_INTERRUPTED, f"at {moment:.2f} s: {child.returncode}\n{output}"
+        assert "Traceback" not in output and "done:" not in output, output
+        assert stopped_after < 5, f"at {moment:.2f} s it took {stopped_after:.1f} s to stop"
+        if run_dir.exists():  # the stream had begun: what was computed is kept and marked
+            assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
+
+
+def test_the_sample_never_replaces_a_run_of_the_users_own_sample_folder(
+    tmp_path: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `stream-recon sample` (a folder of the user's), then `stream-recon`: the user's run was replaced
+    monkeypatch.chdir(tmp_path)
+    write_image_folder(tmp_path / "sample", ["0.png", "1.png"], width=160, height=96)
+    mine = invoke("sample", "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS)
+    assert mine.exit_code == 0, mine.output
+
+    result = invoke("--checkpoint", str(tiny_checkpoint), *FAST_FLAGS)
+
+    assert_user_error(result, "outputs/sample already holds a run", "--overwrite")
+    record = json.loads((tmp_path / "outputs" / "sample" / "run.json").read_text())
+    assert record["summary"]["frames"] == 2 and record["settings"]["source_location"] == str(tmp_path / "sample")
+
+
+def test_a_folder_named_like_a_webcam_index_is_that_folder(
+    tmp_path: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `stream-recon 2024` with a folder 2024 of images: "could not open webcam 2024"
+    monkeypatch.chdir(tmp_path)
+    write_image_folder(tmp_path / "2024", ["a.png", "b.png", "c.png"], width=160, height=96)
+
+    result = invoke("2024", "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS)
+
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "outputs" / "2024" / "run.json").read_text())
+    assert record["settings"]["source_kind"] == "folder" and record["summary"]["frames"] == 3
+
+
+@pytest.mark.parametrize("memory_check", ["--memory-check", "--no-memory-check"])
+def test_frames_too_wide_for_one_patch_row_are_refused_naming_the_aspect_ratio(
+    tmp_path: Path, tiny_checkpoint: Path, memory_check: str
+) -> None:
+    # 4000x100 images: a ZeroDivisionError traceback; with --no-memory-check a ValueError and a run dir of 0 frames
+    folder = write_image_folder(tmp_path / "strips", ["0.png", "1.png", "2.png"], width=4000, height=100)
+
+    result = invoke(str(folder), "--checkpoint", str(tiny_checkpoint), "--no-viewer", "--image-width", "224",
+                    "-o", str(tmp_path / "out"), memory_check)
+
+    assert_user_error(result, "4000x100, an aspect ratio of 40:1", "less than one 14-pixel patch row",
+                      "at least 126 high")
+    assert len(result.output.splitlines()) == 1, result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_of_another_shape_is_advised_only_what_exists(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    # the error advised --allow-partial, which does not exist
+    folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png"], width=160, height=96)
+    other_shape = tiny_checkpoint.with_suffix(".pt")  # read with the official configuration: shapes differ
+
+    for verbose in ((), ("--verbose",)):
+        result = invoke(str(folder), "--checkpoint", str(other_shape), "-o", str(tmp_path / "out"), *FAST_FLAGS,
+                        *verbose)
+        assert_user_error(result, "the checkpoint does not match the model", "pass the checkpoint made for this model")
+        assert "allow" not in result.output, result.output
+        assert not (tmp_path / "out").exists()
+    assert len(result.output.splitlines()) > 3  # --verbose: the tensors by name
+
+
+def test_paths_that_exist_are_named_for_what_they_are(tmp_path: Path) -> None:
+    # "... does not exist" for paths that exist; `view --host` advised --no-viewer, which view lacks
+    run_dir = tmp_path / "run"
+    (run_dir / "predictions").mkdir(parents=True)
+    (run_dir / "trajectory_tum.txt").write_text("# timestamp tx ty tz qx qy qz qw\n0 0 0 0 0 0 0 1\n")
+    gt_folder = tmp_path / "tum_sequence"
+    gt_folder.mkdir()
+    (gt_folder / "groundtruth.txt").write_text("0 0 0 0 0 0 0 1\n")
+
+    assert_user_error(invoke("eval", str(run_dir), "--gt", str(gt_folder)),
+                      f"{gt_folder} is a folder, not a trajectory file", f"such as {gt_folder / 'groundtruth.txt'}")
+    assert_user_error(invoke("view", str(run_dir / "trajectory_tum.txt")), "is a file, not a run directory")
+    unreachable = invoke("view", str(run_dir), "--host", "203.0.113.7")  # TEST-NET-3: not this machine's
+    assert_user_error(unreachable, "the viewer cannot serve on 203.0.113.7:8080", "--host 127.0.0.1")
+    assert "--no-viewer" not in unreachable.output
+
+
+class _FailingHttpHandler(BaseHTTPRequestHandler):
+    """A camera server that fails every request at once."""
+
+    def do_GET(self) -> None:
+        self.send_response(500)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        """Keep test output clean."""
+
+
+def test_a_stream_whose_server_fails_at_once_is_refused_with_the_real_reason(tmp_path: Path) -> None:
+    # "sent no decodable frame within 10 s" after 3 s, for a server that had answered an error at once
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FailingHttpHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/camera.mjpg"
+        started = time.monotonic()
+        result = invoke(url, "--no-viewer", "-o", str(tmp_path / "out"))
+        elapsed = time.monotonic() - started
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert_user_error(result, f"could not open stream {url}", "the server answered 'HTTP/1.0 500 Internal Server Error'")
+    assert "within" not in result.output and elapsed < 8, (elapsed, result.output)
+    refused = invoke(f"rtsp://127.0.0.1:{free_port()}/cam", "--no-viewer", "-o", str(tmp_path / "out"))
+    assert_user_error(refused, "refused the connection (no server listens there)")
+
+
+def damaged_video(path: Path) -> Path:
+    """An MPEG-4 video whose middle is overwritten with noise: FFmpeg complains about its headers."""
+    write_video(path, 40, fourcc="mp4v")
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 4096] = np.random.default_rng(1).bytes(4096)
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.slow  # five CLI processes
+def test_bad_inputs_are_one_line_without_the_libraries_own_log(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    # bad checkpoints, YAML errors, a webcam, a URL: up to ~25 lines, OpenCV's and FFmpeg's before `error:`
+    folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png"], width=160, height=96)
+    not_a_checkpoint = tmp_path / "notes.pt"
+    not_a_checkpoint.write_text("not a checkpoint")
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("window: [1\nscale_frames: 3\n")
+    out = ["-o", str(tmp_path / "out"), "--no-viewer"]
+    cases = {
+        "checkpoint": [str(folder), "--checkpoint", str(tiny_checkpoint.with_suffix(".pt")), *out],
+        "text as a checkpoint": [str(folder), "--checkpoint", str(not_a_checkpoint), *out],
+        "yaml": [str(folder), "--config", str(bad_yaml), *out],
+        "webcam": ["7", *out],
+        "url": [f"rtsp://127.0.0.1:{free_port()}/cam", *out],
+    }
+    for name, args in cases.items():
+        result = cli_process(*args)
+        assert result.returncode == EXIT_BAD_INPUT, (name, result.stderr)
+        assert len(lines_of(result)) == 1 and lines_of(result)[0].startswith("error: "), (name, lines_of(result))
+    assert "line 2, column" in cli_process(*cases["yaml"]).stderr
+    verbose = cli_process(*cases["url"], "--verbose")
+    assert "Connection refused" in verbose.stderr and "[tcp @" in verbose.stderr  # FFmpeg's own line, on request
+
+    damaged = cli_process(str(damaged_video(tmp_path / "damaged.avi")), "--checkpoint", str(tiny_checkpoint),
+                          *FAST_FLAGS, "-o", str(tmp_path / "damaged_run"))
+    assert not [line for line in lines_of(damaged) if re.match(r"\[\S+ @ 0x", line) or "[ WARN" in line], damaged.stderr
+
+
+@pytest.fixture
+def unprivileged(tmp_path: Path) -> Iterator[tuple[tuple[str, ...], Path]]:
+    """(a command prefix that runs a process without the power to read or write any file, a folder that
+    process can use). As root that is `setpriv` to the user nobody (root reads files of mode 000); as
+    anyone else the process runs as is. The folder is outside pytest's tmp_path, which only its owner
+    can enter."""
+    prefix: tuple[str, ...] = ()
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root without setpriv: no way to make a file unreadable to the CLI")
+        prefix = (setpriv, "--reuid=nobody", "--regid=nogroup", "--clear-groups")
+        if subprocess.run([*prefix, sys.executable, "-c", "import stream_recon.app.cli"], capture_output=True,
+                          timeout=60).returncode != 0:
+            pytest.skip("setpriv cannot run this Python as nobody here")
+    folder = Path(tempfile.mkdtemp(prefix="stream-recon-unprivileged-"))
+    folder.chmod(0o777)
+    try:
+        yield prefix, folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def write_trajectory_pair(run_dir: Path, gt_file: Path, frames: int = 12) -> None:
+    """A run directory's trajectory_tum.txt and a ground truth it matches up to a similarity and noise."""
+    from stream_recon.app.rundir import write_tum
+
+    rng = np.random.default_rng(3)
+    timestamps = np.arange(frames) * 0.1
+    c2w = np.tile(np.eye(4), (frames, 1, 1))
+    c2w[:, :3, 3] = np.column_stack([np.cos(timestamps), np.sin(timestamps), 0.2 * timestamps])
+    (run_dir / "predictions").mkdir(parents=True)
+    write_tum(run_dir / "trajectory_tum.txt", timestamps, c2w)
+    c2w[:, :3, 3] = 2.0 * c2w[:, :3, 3] + rng.normal(scale=0.01, size=(frames, 3))
+    write_tum(gt_file, timestamps, c2w)
+
+
+def test_eval_of_a_run_that_cannot_be_written_prints_the_metrics_first(unprivileged) -> None:
+    # a run on a read-only mount: a 51-line traceback (EROFS on .eval.json.*.tmp), the metrics never shown
+    prefix, folder = unprivileged
+    run_dir, gt = folder / "run", folder / "groundtruth.txt"
+    write_trajectory_pair(run_dir, gt)
+    run_dir.chmod(0o555)  # the CLI cannot write in it (with setpriv: not root any more)
+
+    result = cli_process("eval", str(run_dir), "--gt", str(gt), prefix=prefix, env={"HOME": str(folder)})
+
+    assert result.returncode == EXIT_FAILED, result.stderr
+    assert "ATE (m)" in result.stdout and "matched poses" in result.stdout  # the metrics, first
+    assert result.stderr.strip().splitlines() == [
+        f"error: could not write {run_dir / 'eval.json'}: Permission denied; -o FILE writes them elsewhere"
+    ]
+    elsewhere = cli_process("eval", str(run_dir), "--gt", str(gt), "-o", str(folder / "eval.json"), prefix=prefix,
+                            env={"HOME": str(folder)})
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert json.loads((folder / "eval.json").read_text())["matched_poses"] == 12
+
+
+def test_unreadable_inputs_are_one_line_and_exit_2(unprivileged, tiny_checkpoint: Path) -> None:
+    # an unreadable video, folder or --checkpoint: PermissionError tracebacks, exit 1
+    prefix, folder = unprivileged
+    video = write_video(folder / "clip.mp4", 3)
+    frames = write_image_folder(folder / "frames", ["0.png", "1.png"], width=160, height=96)
+    readable_frames = write_image_folder(folder / "readable", ["0.png", "1.png"], width=160, height=96)
+    checkpoints = [Path(shutil.copy(tiny_checkpoint, folder / "tiny.safetensors")),
+                   Path(shutil.copy(tiny_checkpoint.with_suffix(".pt"), folder / "tiny.pt"))]
+    preset = folder / "mine.yaml"
+    preset.write_text("window: 4\n")
+    for path in (video, frames, *checkpoints, preset):
+        path.chmod(0)
+    out = ["-o", str(folder / "out"), "--no-viewer"]
+    cases = {
+        "video": ([str(video), *out], f"cannot read the file {video}: Permission denied"),
+        "folder": ([str(frames), *out], f"cannot read the folder {frames}: Permission denied"),
+        "safetensors": ([str(readable_frames), "--checkpoint", str(checkpoints[0]), *out],
+                        f"cannot read the checkpoint {checkpoints[0]}: Permission denied"),
+        "pt": ([str(readable_frames), "--checkpoint", str(checkpoints[1]), *FAST_FLAGS, *out],
+               f"cannot read the checkpoint {checkpoints[1]}: Permission denied"),
+        "preset": ([str(readable_frames), "--config", str(preset), *out],
+                   f"cannot read the preset {preset}: Permission denied"),
+    }
+    for name, (args, message) in cases.items():
+        result = cli_process(*args, prefix=prefix, env={"HOME": str(folder)})
+        assert result.returncode == EXIT_BAD_INPUT, (name, result.stderr)
+        assert lines_of(result) == [line for line in lines_of(result) if line.startswith("error: ")], (name, result.stderr)
+        assert len(lines_of(result)) == 1 and message in result.stderr, (name, result.stderr)
+        assert not (folder / "out").exists(), name
+
+
+def test_eval_refuses_to_write_its_results_into_a_fifo(tmp_path: Path) -> None:
+    run_dir, gt = tmp_path / "run", tmp_path / "groundtruth.txt"
+    write_trajectory_pair(run_dir, gt)
+    fifo = tmp_path / "results"
+    os.mkfifo(fifo)
+
+    result = invoke("eval", str(run_dir), "--gt", str(gt), "-o", str(fifo))
+
+    assert_user_error(result, f"{fifo} is a FIFO (named pipe), not a regular file")
+    assert stat.S_ISFIFO(fifo.lstat().st_mode) and not (run_dir / "eval.json").exists()
+
+
+def test_a_refused_run_leaves_no_folder_it_created(tmp_path: Path, offline_hub: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # offline, `stream-recon` alone left an empty outputs/
+    monkeypatch.chdir(tmp_path)
+    result = invoke("--no-viewer")
+    assert_user_error(result, "lingbot-map-long")
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_a_run_never_mixes_its_files_into_a_folder_that_holds_others(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    # `run -o` into a non-empty folder that is not a run mixed its files in with the user's
+    folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png"], width=160, height=96)
+    for overwrite in ((), ("--overwrite",)):
+        result = invoke(str(folder), "--checkpoint", str(tiny_checkpoint), "-o", str(folder), *FAST_FLAGS, *overwrite)
+        assert_user_error(result, f"output directory {folder} is not empty and holds no run (2 entries such as 0.png)",
+                          "choose a new or empty --output")
+    assert sorted(path.name for path in folder.iterdir()) == ["0.png", "1.png"]
+
+
+def test_warnings_come_after_every_refusal_and_gpu_memory_on_the_cpu_is_said_to_do_nothing(
+    tmp_path: Path, tiny_checkpoint: Path
+) -> None:
+    # --gpu-memory was silently ignored on the CPU; the slow-CPU warning came before option refusals
+    folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png", "2.png"], width=160, height=96)
+    args = [str(folder), "--checkpoint", str(tiny_checkpoint), "--device", "cpu", "--gpu-memory", "8GiB", *FAST_FLAGS]
+    done = invoke(*args, "-o", str(tmp_path / "run"))
+    assert done.exit_code == 0, done.output
+    assert "warning: --gpu-memory 8GiB budgets a GPU's memory and does nothing on the CPU" in done.output
+
+    refused = invoke(*args, "-o", str(tmp_path / "run"))  # a run is there already
+    assert_user_error(refused, "already holds a run")
+    assert refused.output.splitlines() == [line for line in refused.output.splitlines() if line.startswith("error:")]
+
+
+def test_an_image_folders_timestamps_are_said_in_the_help() -> None:
+    # an image folder gets 1 s timestamps unless --fps is given, and -h did not say so
+    result = invoke("run", "-h")
+    assert "without it, frames are 1 s apart" in " ".join(result.output.replace("│", " ").split())

@@ -22,14 +22,16 @@ from stream_recon.app.evaluation import (
     depth_errors,
     evaluate_run,
     evaluate_trajectories,
+    evaluation_path,
     match_ground_truth_to_prediction,
     pairwise_pose_errors,
     pose_auc,
     read_tum_trajectory,
     statistic_key,
     umeyama_alignment,
+    write_evaluation,
 )
-from stream_recon.app.rundir import write_tum
+from stream_recon.app.rundir import read_tum, write_tum
 from stream_recon.app.writers import RunWriter
 from stream_recon.models.pose import rotation_to_quat_xyzw
 from stream_recon.models.prediction import FRAME_KEY, FramePrediction
@@ -173,6 +175,7 @@ def test_tum_files_match_evo_and_alignment_recovers_the_transform(tmp_path):
     assert ours["scale"] == pytest.approx(scale, rel=0.05)
     np.testing.assert_allclose(ours["rotation"], rotation, atol=0.05)
     np.testing.assert_allclose(ours["translation"], translation, atol=0.05)
+    write_evaluation(ours, evaluation_path(tmp_path))
     written = json.loads((tmp_path / "eval.json").read_text())
     assert written == json.loads(json.dumps(ours))  # every metric, as exact as JSON keeps floats
     assert "depth_abs_rel" not in written
@@ -392,6 +395,7 @@ def test_evaluate_run_with_tum_depth(tmp_path):
     assert result["depth_abs_rel"] == pytest.approx(1.0 / valid_pixels, rel=1e-5)
     assert result["depth_delta1"] == pytest.approx(1.0 - 1.0 / valid_pixels)
     assert result["depth_frames"] == 6
+    write_evaluation(result, evaluation_path(run_dir))
     written = json.loads((run_dir / "eval.json").read_text())
     assert written["depth_abs_rel"] == result["depth_abs_rel"]
     assert written["depth_delta1"] == result["depth_delta1"]
@@ -411,6 +415,36 @@ def test_eval_command_prints_the_table_and_writes_eval_json(tmp_path):
     failed = CliRunner().invoke(app, ["eval", str(tmp_path), "--gt", str(tmp_path / "missing.txt")])
     assert failed.exit_code == 2  # bad input, as for every command
     assert "missing.txt does not exist" in " ".join(failed.output.split())
+
+
+def test_a_run_killed_before_its_trajectory_file_is_evaluated_from_its_npz_files(tmp_path):
+    # eval refused a killed run without trajectory_tum.txt although the poses are in the npz files
+    from typer.testing import CliRunner
+
+    from stream_recon.app.cli import app
+
+    (tmp_path / "gt").mkdir()
+    gt_file, est_file, _ = write_known_pair(tmp_path / "gt", np.random.default_rng(11), noise=0.01)
+    stamps, c2w = read_tum(est_file)
+    writer = RunWriter(tmp_path / "killed", {})
+    for index, (stamp, pose) in enumerate(zip(stamps, c2w, strict=True)):
+        writer.on_frame(FramePrediction(
+            frame_index=index, timestamp=float(stamp), frame_type=FRAME_KEY, pose_enc=np.zeros(9, np.float32),
+            c2w=pose[:3].astype(np.float32), intrinsics=np.eye(3, dtype=np.float32),
+            depth=np.ones((2, 2), np.float32), depth_conf=np.full((2, 2), 5.0, np.float32),
+        ), {})
+    writer.flush()  # and never closed: no trajectory_tum.txt, run.json still says running
+    assert not (tmp_path / "killed" / "trajectory_tum.txt").exists()
+
+    result = CliRunner().invoke(app, ["eval", str(tmp_path / "killed"), "--gt", str(gt_file)])
+
+    assert result.exit_code == 0, result.output
+    from_files = json.loads((tmp_path / "killed" / "eval.json").read_text())
+    (tmp_path / "finished" / "predictions").mkdir(parents=True)
+    write_tum(tmp_path / "finished" / "trajectory_tum.txt", stamps, c2w)
+    finished = evaluate_run(tmp_path / "finished", gt_file)
+    assert from_files["matched_poses"] == finished["matched_poses"] == len(stamps)
+    assert from_files["ate_rmse"] == pytest.approx(finished["ate_rmse"], rel=1e-5)  # float32 poses in the npz
 
 
 @pytest.mark.parametrize("content", [bytes(range(256)) * 4, b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", b"1.0 0 0 0\x00"])

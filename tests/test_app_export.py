@@ -1,5 +1,7 @@
 import json
+import os
 import re
+import stat
 from pathlib import Path
 
 import cv2
@@ -14,7 +16,8 @@ from typer.testing import CliRunner
 
 from stream_recon.app.commands.export import export as export_command
 from stream_recon.app.export import ExportError, export_run
-from stream_recon.app.rundir import PredictionOutputs, RunDirError, read_run
+from stream_recon.app.npz_schema import PredictionOutputs
+from stream_recon.app.rundir import RunDirError, read_run
 from stream_recon.app.writers import RunWriter
 from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
 
@@ -223,12 +226,16 @@ def test_colmap_gives_every_image_an_observation(tmp_path):
     assert (2, 0) in points[point_id][1]
 
 
-def test_colmap_export_without_images_writes_no_image_folder(tmp_path):
+def test_colmap_export_without_images_is_refused_and_leaves_nothing(tmp_path):
+    # a COLMAP model names its images: written without them (an empty images/), it was a model of nothing
     make_run(tmp_path / "run", [plane_frame(i, with_image=False) for i in range(2)])
-    result = export_run(tmp_path / "run", "colmap")
-    assert list((result.path / "images").iterdir()) == []
-    _, images, _ = parse_colmap_strictly(result.path / "sparse" / "0")
-    assert [images[i][3] for i in (1, 2)] == ["000000.png", "000001.png"]
+    with pytest.raises(ExportError, match="frame 0 of .*run was saved without its image, and a COLMAP export "
+                                          "needs the images; export this run as ply, glb, tum"):
+        export_run(tmp_path / "run", "colmap")
+    assert not (tmp_path / "run" / "exports").exists()
+    result = export_run(tmp_path / "run", "ply")  # a format that only takes colours from them: said, grey
+    assert "frame 0 of" in result.grey_points and "saved without its image" in result.grey_points
+    assert (read_ply_points(result.path)[1] == 200).all()  # the accumulator's grey
 
 
 # nerfstudio's camera model, written from its documentation ("data conventions") and
@@ -317,8 +324,11 @@ def test_nerfstudio_export_loads_with_nerfstudios_own_dataparser(run, tmp_path):
 
 def test_nerfstudio_export_needs_the_images(tmp_path):
     make_run(tmp_path / "run", [plane_frame(0), plane_frame(1, with_image=False)])
-    with pytest.raises(ExportError, match="frame 1 of .*run was saved without its image, and nerfstudio trains"):
+    with pytest.raises(ExportError, match="frame 1 of .*run was saved without its image, and a nerfstudio export "
+                                          "needs the images"):
         export_run(tmp_path / "run", "nerfstudio")
+    # frame 0's image was written before frame 1 was found wanting: taken back, nothing is left
+    assert not (tmp_path / "run" / "exports").exists()
 
 
 def test_export_errors_are_specific(run, tmp_path):
@@ -439,9 +449,9 @@ def test_cli_warns_when_the_threshold_leaves_no_points(run, cli):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--voxel-size", "-1"], "voxel_size must be a number > 0 in scene units"),
-        (["--voxel-size", "nan"], "voxel_size must be a number > 0 in scene units"),
-        (["--conf-threshold", "-1"], "conf_threshold must be a number >= 1"),  # was accepted silently
+        (["--voxel-size", "-1"], "--voxel-size must be a number > 0 in scene units"),
+        (["--voxel-size", "nan"], "--voxel-size must be a number > 0 in scene units"),
+        (["--conf-threshold", "-1"], "--conf-threshold must be a number >= 1"),  # was accepted silently
     ],
 )
 def test_cli_rejects_a_bad_voxel_size_or_threshold_in_one_sentence(run, cli, flags, message):
@@ -494,11 +504,15 @@ def test_a_run_saved_without_images_gets_them_back_from_its_video(tmp_path, tiny
     np.testing.assert_array_equal(*(np.sort(read_ply_points(small / p)[1], axis=0)
                                     for p in ("points.ply", "exports/points.ply")))
 
-    video.unlink()  # a source that is gone: colmap writes the model without images, nerfstudio refuses
-    export_run(small, "colmap", tmp_path / "colmap_without")
-    assert list((tmp_path / "colmap_without" / "images").iterdir()) == []
-    with pytest.raises(ExportError, match=r"saved without its image \(its source .*clip.mp4 no longer exists\)"):
-        export_run(small, "nerfstudio", tmp_path / "ns")
+    video.unlink()  # a source that is gone: the formats that need images refuse before writing anything ...
+    for fmt in ("colmap", "nerfstudio"):
+        with pytest.raises(ExportError, match=r"saved without its images \(--no-save-images\), and its source "
+                                              r".*clip.mp4 no longer exists; a \w+ export needs the images"):
+            export_run(small, fmt, tmp_path / fmt)
+        assert not (tmp_path / fmt).exists()
+    grey = export_run(small, "ply", tmp_path / "grey.ply")  # ... and the others say their points are grey
+    assert "clip.mp4 no longer exists: the points are grey" in grey.grey_points
+    assert (read_ply_points(grey.path)[1] == 200).all()
 
 
 @pytest.mark.usefixtures("one_torch_thread")
@@ -515,3 +529,134 @@ def test_float16_run_reads_back_within_its_bound_everywhere(tmp_path, tiny_model
     ours, reference = export_run(half, "glb"), export_run(exact, "glb")
     assert ours.num_frames == reference.num_frames == 12
     assert abs(ours.num_points - reference.num_points) <= 0.02 * reference.num_points
+
+
+# ------------------------------------------------------------------------------- where an export goes
+
+
+def test_an_export_writes_through_a_symlink_and_never_replaces_a_fifo(run, cli, tmp_path):
+    # -o l (a symlink) and -o f (a FIFO): exit 0, both replaced by regular files, the link's target untouched
+    run_dir, frames = run
+    target = tmp_path / "target.txt"
+    target.write_text("old")
+    link = tmp_path / "l"
+    link.symlink_to(target)
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+
+    through_link = CliRunner().invoke(cli, ["export", str(run_dir), "--format", "tum", "-o", str(link), "--overwrite"])
+
+    assert through_link.exit_code == 0, through_link.output
+    assert link.is_symlink() and link.resolve() == target
+    assert len(np.loadtxt(target)) == len(frames)  # the poses went to the link's target
+    for fmt in ("tum", "ply", "glb"):
+        into_fifo = CliRunner().invoke(cli, ["export", str(run_dir), "--format", fmt, "-o", str(fifo), "--overwrite"])
+        assert into_fifo.exit_code == 2, into_fifo.output
+        assert f"{fifo} is a FIFO (named pipe), not a regular file" in into_fifo.output
+        assert stat.S_ISFIFO(fifo.lstat().st_mode)  # still the FIFO it was
+
+
+def test_an_export_adds_its_suffix_and_never_writes_under_another(run, cli, tmp_path):
+    # `-o out/noext` with glb: "unsupported export format"; `--format glb -o x.ply`: a GLB named .ply
+    run_dir, _ = run
+    added = CliRunner().invoke(cli, ["export", str(run_dir), "-f", "glb", "-o", str(tmp_path / "out" / "noext")])
+    assert added.exit_code == 0, added.output
+    assert (tmp_path / "out" / "noext.glb").read_bytes()[:4] == b"glTF"
+    assert f"to {tmp_path / 'out' / 'noext.glb'}" in " ".join(added.output.split())
+
+    other = CliRunner().invoke(cli, ["export", str(run_dir), "-f", "glb", "-o", str(tmp_path / "x.ply")])
+    assert other.exit_code == 2
+    assert "ends in .ply, the PLY format's suffix, but --format glb writes a GLB file: name it x.glb, or use " \
+           "--format ply" in " ".join(other.output.split())
+    assert not (tmp_path / "x.ply").exists()
+    assert export_run(run_dir, "tum", tmp_path / "poses").path == tmp_path / "poses.txt"
+
+
+def test_an_export_replaces_only_with_overwrite_and_never_mixes_into_a_folder(run, tmp_path):
+    # export overwrote silently (colmap wrote images/ and sparse/ into a source image folder) where run
+    # needs --overwrite
+    run_dir, _ = run
+    first = export_run(run_dir, "ply")
+    with pytest.raises(ExportError, match="points.ply already exists; pass --overwrite"):
+        export_run(run_dir, "ply")
+    assert export_run(run_dir, "ply", overwrite=True).path == first.path
+
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    (photos / "IMG_0001.jpg").write_bytes(b"a photo")
+    for overwrite in (False, True):
+        with pytest.raises(ExportError, match=r"photos is not empty \(1 entries such as IMG_0001.jpg\): a COLMAP "
+                                              r"export writes images and sparse into its folder"):
+            export_run(run_dir, "colmap", photos, overwrite=overwrite)
+    assert sorted(path.name for path in photos.iterdir()) == ["IMG_0001.jpg"]
+
+    export_run(run_dir, "colmap", tmp_path / "model")
+    with pytest.raises(ExportError, match="already holds a COLMAP export; pass --overwrite"):
+        export_run(run_dir, "colmap", tmp_path / "model")
+    (tmp_path / "model" / "images" / "stale.png").write_bytes(b"from an earlier export")
+    export_run(run_dir, "colmap", tmp_path / "model", overwrite=True)
+    assert not (tmp_path / "model" / "images" / "stale.png").exists()  # replaced, not mixed
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_full_resolution_exports_carry_the_source_frames_with_scaled_intrinsics(tmp_path, tiny_model):
+    # COLMAP and nerfstudio carried the model inputs (518x294 by default), too small for splatting
+    run_dir, video = run_video(tmp_path, tiny_model, "run")  # 160x96 frames, 56x28 model inputs
+    model = export_run(run_dir, "colmap", tmp_path / "model")
+    full = export_run(run_dir, "colmap", tmp_path / "full", full_resolution=True)
+
+    capture = cv2.VideoCapture(str(video))
+    for index in range(12):
+        ok, source_bgr = capture.read()
+        assert ok
+        written = cv2.imread(str(tmp_path / "full" / "images" / f"{index:06d}.png"))
+        np.testing.assert_array_equal(written, source_bgr)  # the decoded frame itself, 160x96
+        assert cv2.imread(str(tmp_path / "model" / "images" / f"{index:06d}.png")).shape == (28, 56, 3)
+    capture.release()
+    # every observation still projects onto its own pixel through the scaled camera
+    cameras, images, points = parse_colmap_strictly(full.path / "sparse" / "0")
+    small_cameras, _, _ = parse_colmap_strictly(model.path / "sparse" / "0")
+    assert len(observations_of(images)) > 0
+    for camera_id, (width, height, *params) in cameras.items():
+        small_width, small_height, *small_params = small_cameras[camera_id]
+        assert (width, height) == (160, 96) and (small_width, small_height) == (56, 28)
+        # COLMAP's pixel centres are at +0.5: a scale of the image is a scale of every parameter
+        np.testing.assert_allclose(params, np.multiply(small_params, [160 / 56, 96 / 28, 160 / 56, 96 / 28]))
+    for qvec, tvec, camera_id, _, observations in images.values():
+        rotation = quat_xyzw_to_matrix(np.roll(qvec, -1))
+        _, _, fx, fy, cx, cy = cameras[camera_id]
+        for x, y, point_id in observations:
+            local = rotation @ points[point_id][0] + tvec
+            projected = np.array([fx * local[0] / local[2] + cx, fy * local[1] / local[2] + cy])
+            np.testing.assert_allclose(projected, [x, y], atol=2e-3 * 160 / 56)
+    with pytest.raises(ExportError, match="--full-resolution writes the source frames beside a COLMAP model"):
+        export_run(run_dir, "ply", tmp_path / "cloud.ply", full_resolution=True)
+    video.unlink()
+    with pytest.raises(ExportError, match="--full-resolution reads the frames again from the run's source, and its "
+                                          "source .*clip.mp4 no longer exists"):
+        export_run(run_dir, "nerfstudio", tmp_path / "ns", full_resolution=True)
+    assert not (tmp_path / "ns").exists()
+
+
+def observations_of(images: dict) -> list:
+    return [observation for image in images.values() for observation in image[4]]
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_tum_export_has_every_pose_of_the_run(tmp_path, tiny_model):
+    # after --save-predictions keyframes, `export --format tum` wrote only the keyframes
+    run_dir, _ = run_video(tmp_path, tiny_model, "keyframes", save_predictions="keyframes")
+    assert len(list((run_dir / "predictions").glob("*.npz"))) < 12
+    exported = np.loadtxt(export_run(run_dir, "tum", tmp_path / "poses.txt").path)
+    np.testing.assert_array_equal(exported, np.loadtxt(run_dir / "trajectory_tum.txt"))
+    assert len(exported) == 12
+
+
+def test_cli_says_when_an_export_has_grey_points_and_refuses_a_model_without_images(cli, tmp_path):
+    # --no-save-images and the source moved: `export --format colmap` said "wrote colmap export", every point grey
+    make_run(tmp_path / "run", [plane_frame(i, with_image=False) for i in range(2)])
+    cloud = CliRunner().invoke(cli, ["export", str(tmp_path / "run"), "-f", "ply"])
+    assert cloud.exit_code == 0, cloud.output
+    assert "warning: frame 0 of" in cloud.output and "saved without its image: its points are grey" in cloud.output
+    model = CliRunner().invoke(cli, ["export", str(tmp_path / "run"), "-f", "colmap"])
+    assert model.exit_code == 2 and "a COLMAP export needs the images" in " ".join(model.output.split())

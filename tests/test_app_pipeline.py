@@ -8,7 +8,11 @@ from __future__ import annotations
 import errno
 import gc
 import json
+import os
+import re
+import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,10 +31,11 @@ from media_helpers import (
 from plyfile import PlyData
 from rich.console import Console
 
+from stream_recon.app.npz_schema import PREDICTION_FIELDS
 from stream_recon.app.options import OptionsError, RunOptions
 from stream_recon.app.pipeline import GIL_SWITCH_INTERVAL_S, run_sequence
 from stream_recon.app.progress import RunProgress
-from stream_recon.app.rundir import PREDICTION_FIELDS, OutputDirError
+from stream_recon.app.rundir import OutputDirError
 from stream_recon.app.sources import SourceError
 from stream_recon.models import GCTStream, prepare_for_inference
 
@@ -170,9 +175,9 @@ def test_long_stream_rolls_over_to_new_windows_and_keeps_one_file_per_frame(
 
 
 def test_window_options_are_checked_before_anything_runs() -> None:
-    with pytest.raises(OptionsError, match="chunk_frames must be more than scale_frames"):
+    with pytest.raises(OptionsError, match=r"--scale-frames \(\d+\) must be less than --chunk-frames"):
         RunOptions(scale_frames=8, chunk_frames=8)
-    with pytest.raises(OptionsError, match="overlap must be between 1 and chunk_frames - 1"):
+    with pytest.raises(OptionsError, match="--overlap must be between 1 and --chunk-frames - 1"):
         RunOptions(chunk_frames=20, overlap=20)
 
 
@@ -409,7 +414,7 @@ def test_unusable_attention_backend_is_refused_before_anything_is_made(tmp_path:
 
 
 def test_options_are_validated_with_every_problem_named(tmp_path: Path) -> None:
-    with pytest.raises(OptionsError, match="keyframes must be .*; image_width must be a positive multiple of 14"):
+    with pytest.raises(OptionsError, match="--image-width must be a positive multiple of 14.*; --keyframes must be "):
         RunOptions(keyframes="sometimes", image_width=500)
     video = write_video(tmp_path / "clip.mp4", 3)
     with pytest.raises(OptionsError, match="CUDA is not available"):
@@ -439,20 +444,26 @@ def test_host_memory_stays_flat_over_a_long_video(tmp_path: Path, tiny_model: GC
     assert growth < 40 * 2**20, f"host memory grew by {growth / 2**20:.0f} MB over 40 frames"
 
 
-def test_progress_line_shows_rates_keyframes_cache_and_drops() -> None:
-    console = Console(record=True, width=160, force_terminal=True)
-    with RunProgress(console, "video clip.mp4", total=10) as progress:
-        progress.update({"frames_read": 3, "model_fps": 12.0, "fps": 10.5, "keyframes": 3, "cached_frames": 40,
-                         "patch_frames": 7, "cache_bytes": 3 * 2**20, "frames_dropped": 0})
-    bar = console.export_text().splitlines()[-1]
-    # The cached patch frames (7 with --window 4) apart from the trajectory's frames (40): not "cache 40 fr"
-    assert "3/10" in bar and "model 12.0 FPS  e2e 10.5 FPS  kf 3" in bar and "cache 7 fr + 40 traj 3.0 MB" in bar
+@pytest.mark.parametrize("width", [80, 100, 160])
+def test_progress_bar_keeps_the_count_the_eta_and_the_rate_on_a_narrow_terminal(width: int) -> None:
+    # on an 80- or 100-column terminal the bar, the frame count and the ETA were lost
+    console = Console(record=True, width=width, force_terminal=True)
+    with RunProgress(console, f"video {'/long/folder' * 6}/clip.mp4", total=1200) as progress:
+        for read in range(410, 413):
+            progress.update({"frames_read": read, "model_fps": 38.2, "fps": 35.9, "keyframes": read,
+                             "cached_frames": 300, "patch_frames": 72, "cache_bytes": 1.9 * 2**30, "frames_dropped": 0})
+            time.sleep(0.2)  # the ETA needs a rate of progress
+    text = console.export_text()
+    last = text[text.rindex(" 412/1200 "):][:width]  # the final redraw, one terminal line
+    assert re.match(r" 412/1200 \d\d:\d\d left [━╸╺]+ 35.9 FPS  412 kf cache 1.9 GB video /", last), last
+    assert last.rstrip().endswith("…" if width < 160 else "/clip.mp4"), last  # only the source's name is shortened
 
-    console = Console(record=True, width=160, force_terminal=True)
+    console = Console(record=True, width=80, force_terminal=True)
     with RunProgress(console, "stream http://cam", total=None) as progress:  # live: no length, no bar
         progress.update({"frames_read": 7, "model_fps": None, "fps": None, "keyframes": 2, "frames_dropped": 4})
-    line = console.export_text().splitlines()[-1]
-    assert "7 frames" in line and "model -" in line and "dropped 4" in line and "━" not in line
+    text = console.export_text()
+    line = text[text.rindex("7 frames"):]
+    assert re.match(r"7 frames 0:00:0\d . -  2 kf  4 dropped", line) and "━" not in line, line
 
 
 def test_flashinfer_compile_is_announced():
@@ -466,3 +477,38 @@ def test_flashinfer_compile_is_announced():
     text = console.export_text()
     assert "kernels compile on first use" in text and "about 30 s" in text
     assert "attention: sdpa" in text
+
+
+class SignalAtFrame:
+    """A sink that sends this process `signum` when frame `index` arrives: a Ctrl-C at that moment."""
+
+    def __init__(self, index: int, signum: int = signal.SIGINT) -> None:
+        self.index, self.signum = index, signum
+
+    def on_frame(self, pred, stats: dict) -> None:
+        if pred.frame_index == self.index:
+            os.kill(os.getpid(), self.signum)
+
+    def close(self, status: str) -> None:
+        pass
+
+
+def test_a_ctrl_c_after_the_sources_last_frame_leaves_a_complete_run(tmp_path: Path, tiny_model: GCTStream) -> None:
+    # a batch sequence interrupted after all its frames were written was redone
+    video = write_video(tmp_path / "clip.mp4", 6)
+
+    summary = run_sequence(str(video), tmp_path / "run", RunOptions(**FAST), model=tiny_model,
+                           extra_sinks=[SignalAtFrame(5)])
+
+    assert (summary.status, summary.frames, summary.stop_signal) == ("complete", 6, signal.SIGINT)
+    assert summary.ended_by_signal == signal.SIGINT  # the CLI still exits 130: the signal was seen
+    check_run_dir(tmp_path / "run", 6, "complete")
+
+
+def test_a_ctrl_c_mid_stream_still_interrupts_the_run(tmp_path: Path, tiny_model: GCTStream) -> None:
+    frames = ((frame_bgr(index, 160, 96)[..., ::-1].copy(), index / 10) for index in range(10_000))
+
+    summary = run_sequence(frames, tmp_path / "run", RunOptions(**FAST), model=tiny_model,
+                           extra_sinks=[SignalAtFrame(5)])
+
+    assert summary.status == "interrupted" and 6 <= summary.frames < 10_000

@@ -6,6 +6,7 @@ back the fixture's uint8 tensor bit for bit.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -15,15 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from stream_recon.app.input_size import input_size_problem, model_input_size, resized_size
 from stream_recon.app.preprocess import (
     ImageReadError,
-    model_input_size,
     pad_batch,
     preprocess_frame,
     preprocess_image,
     preprocess_path,
     preprocess_paths,
-    resized_size,
 )
 
 GOLDEN = Path(__file__).parent / "golden" / "preprocess"
@@ -99,6 +99,14 @@ def test_height_rounds_half_to_even_on_the_patch_count() -> None:
 @settings(deadline=None)  # a busy CI machine must not turn a slow example into a failure
 @given(st.integers(1, 4000), st.integers(1, 4000), st.sampled_from([224, 364, 518]))
 def test_model_input_is_patch_aligned_and_never_taller_than_wide(width: int, height: int, image_width: int) -> None:
+    problem = input_size_problem(width, height, image_width)
+    if problem is not None:  # less than one patch row: refused, with the smallest height that works
+        smallest = int(re.search(r"at least (\d+) high", problem).group(1))
+        with pytest.raises(ValueError, match="less than one 14-pixel patch row"):
+            model_input_size(width, height, image_width)
+        assert input_size_problem(width, smallest, image_width) is None
+        assert input_size_problem(width, smallest - 1, image_width) is not None
+        return
     out_h, out_w = model_input_size(width, height, image_width)
     assert out_w == image_width
     assert out_h % 14 == 0 and out_h <= image_width

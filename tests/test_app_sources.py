@@ -113,11 +113,11 @@ def test_fps_keeps_at_most_one_frame_per_tick_and_one_in_every_tick(
 
 
 def test_selection_rejects_nonsense() -> None:
-    with pytest.raises(ValueError, match="stride must be >= 1"):
+    with pytest.raises(ValueError, match="--stride must be >= 1"):
         FrameSelection(stride=0)
-    with pytest.raises(ValueError, match="fps must be a positive number"):
+    with pytest.raises(ValueError, match="--fps must be a positive number"):
         FrameSelection(fps=0)
-    with pytest.raises(ValueError, match="max_frames must be >= 1"):
+    with pytest.raises(ValueError, match="--max-frames must be >= 1"):
         FrameSelection(max_frames=0)
 
 

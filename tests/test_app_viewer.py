@@ -13,8 +13,10 @@ import contextlib
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -31,8 +33,10 @@ from media_helpers import free_port
 from typer import Typer
 from typer.testing import CliRunner
 
-from stream_recon.app.commands.view import index_run, start_replay, view
-from stream_recon.app.rundir import RunDirError, prediction_arrays
+from stream_recon.app.commands.view import view
+from stream_recon.app.npz_schema import prediction_arrays
+from stream_recon.app.replay import index_run, start_replay
+from stream_recon.app.rundir import RunDirError
 from stream_recon.app.viewer import LiveViewer, allocate_point_budget, sample_keyframe_points
 from stream_recon.models.pose import quat_xyzw_to_rotation
 from stream_recon.models.prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
@@ -371,12 +375,16 @@ def test_point_and_keyframe_controls_from_the_browser(viewer):
             return [len(m.nodes[f"{name}/points"]["props"]["points"]) // 3 if f"{name}/points" in m.nodes else -1
                     for name in names]
 
-        # 600 per keyframe, 10 % dropped by confidence (the clouds may arrive after their parents)
-        mirror.wait_for(lambda m: cloud_sizes(m) == [540] * 6)
+        # 600 per keyframe, none hidden: a minimum confidence of 1 keeps every point, as --conf-threshold 1
+        mirror.wait_for(lambda m: cloud_sizes(m) == [600] * 6)
         mirror.set_gui("Points / keyframe", 500)
-        mirror.wait_for(lambda m: cloud_sizes(m) == [450] * 6)
-        mirror.set_gui("Drop low conf. %", 50.0)
-        mirror.wait_for(lambda m: cloud_sizes(m) == [250] * 6)
+        mirror.wait_for(lambda m: cloud_sizes(m) == [500] * 6)
+        # "Drop low conf. %" was a percentile, unlike --conf-threshold: now the same rule as the flag's
+        mirror.set_gui("Min. confidence", 1.5)
+        confident = [int((sample_keyframe_points(orbit_frame(i, frame_type=FRAME_KEY), 600).confidence[:500] >= 1.5)
+                         .sum()) for i in range(6)]
+        assert all(100 < count < 400 for count in confident)
+        mirror.wait_for(lambda m: cloud_sizes(m) == confident)
         mirror.set_gui("Point size x", 2.0)
         size = mirror.nodes[f"{names[0]}/points"]["props"]["point_size"]
         mirror.wait_for(lambda m: m.nodes[f"{names[0]}/points"]["props"]["point_size"] > 1.9 * size)
@@ -418,12 +426,12 @@ def test_caps_thin_then_remove_the_oldest_keyframes():
         assert shown[-1] == 39 and shown == list(range(shown[0], 40))  # the newest ones survive
         assert summary["trajectory_frames"] == 40  # removed keyframes keep their place in the trajectory
 
-        # What the browser holds: the newest cloud whole, the oldest thinned to a quarter (both after
-        # the 10 % confidence filter), nothing older than the cap.
+        # What the browser holds: the newest cloud whole, the oldest thinned to a quarter, nothing older
+        # than the cap.
         expected = [f"/keyframes/f{i:06d}" for i in shown]
         watcher.wait_for(lambda m: keyframe_names(m) == expected)
         sizes = [len(watcher.nodes[f"{name}/points"]["props"]["points"]) // 3 for name in expected]
-        assert sizes[-1] == 180 and sizes[0] == 45 and sum(sizes) <= 1500
+        assert sizes[-1] == 200 and sizes[0] == 50 and sum(sizes) <= 1500
 
         # A late browser gets the current scene, not the history of thinned and removed keyframes.
         late = SceneMirror(live.url)
@@ -537,10 +545,11 @@ def test_tiny_model_stream_reaches_the_browser(viewer, tiny_model):
         for name, pred in zip(keyframes, [p for p in emitted if p.is_keyframe], strict=True):
             np.testing.assert_allclose(mirror.nodes[name]["position"], pred.c2w[:, 3], atol=1e-5)
             assert len(mirror.nodes[f"{name}/points"]["props"]["points"]) > 0
-        # The readout shows the engine's cache occupancy (markdown travels as `_markdown`).
-        mirror.wait_for(
-            lambda m: any("pages in use" in str(g["props"].get("_markdown")) for g in m.gui.values())
-        )
+        # The readout shows the frames attention reads in full, as the engine counts them (markdown
+        # travels as `_markdown`): "cache: 7 frames" was shown with 5 patch frames held
+        patch_frames = engine.stats()["patch_frames"]
+        mirror.wait_for(lambda m: any(f"attention cache: {patch_frames} frames" in str(g["props"].get("_markdown"))
+                                      for g in m.gui.values()))
     finally:
         mirror.close()
 
@@ -687,3 +696,57 @@ def test_a_live_viewer_draws_at_most_its_cloud_rate_and_always_the_newest_keyfra
     finally:
         live.close("complete")
         live.stop()
+
+
+@pytest.mark.slow  # two viewer processes
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_view_stopped_by_a_signal_exits_128_plus_it(tmp_path, signum, code):
+    # `view RUN`, then Ctrl-C: exit 0
+    write_run(tmp_path / "run", 6)
+    command = [sys.executable, "-c", "from stream_recon.app.cli import main; main()", "view", str(tmp_path / "run"),
+               "--port", str(free_port())]
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        for line in child.stderr:  # until it serves
+            if line.startswith("Replaying 6 frames at http://127.0.0.1:") or time.monotonic() > deadline:
+                break
+        child.send_signal(signum)
+        assert child.wait(timeout=30) == code
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+
+def readout(mirror: SceneMirror) -> str:
+    return " ".join(str(g["props"].get("_markdown")) for g in mirror.gui.values() if "_markdown" in g["props"])
+
+
+def test_replay_timeline_counts_frame_indices_and_shows_no_missing_image(tmp_path):
+    # the slider showed positions (0-3 beside "frame 4"), a run without images a black thumbnail, a replay
+    # "FPS 20.0"
+    predictions = tmp_path / "run" / "predictions"
+    predictions.mkdir(parents=True)
+    for index in (0, 2, 4, 6):  # --save-predictions keyframes --no-save-images: every other frame, no image
+        pred = orbit_frame(index, frame_type=FRAME_KEY)
+        pred.image = None
+        np.savez(predictions / f"{index:06d}.npz", **prediction_arrays(pred))
+    replay = start_replay(tmp_path / "run", port=free_port())
+    mirror = SceneMirror(replay.viewer.url)
+    try:
+        def timeline(m: SceneMirror) -> tuple:
+            props = next(g for g in m.gui.values() if g["props"].get("label") == "Frame")["props"]
+            return props["min"], props["max"], props["value"]
+
+        mirror.wait_for(lambda m: "frame **6**" in readout(m) and timeline(m) == (0, 6, 6))
+        mirror.set_gui("Frame", 5)  # between two saved frames: the newest one before it
+        mirror.wait_for(lambda m: "frame **4**" in readout(m) and timeline(m) == (0, 6, 4))
+        assert replay.position == 2
+        assert "FPS" not in readout(mirror) and "frames 0-6" in readout(mirror)
+        image = next(g for g in mirror.gui.values() if g["props"].get("label") == "current frame")
+        assert image["props"]["visible"] is False
+    finally:
+        mirror.close()
+        replay.stop()
+        replay.viewer.close()
+

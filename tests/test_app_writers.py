@@ -18,17 +18,18 @@ from plyfile import PlyData
 from synthetic_run import CONF_HIGH, LOW_CONF_COLUMNS, PLANE_Z, STEP_X, plane_frame, quat_xyzw_to_matrix
 
 from stream_recon.app import writers
+from stream_recon.app.npz_schema import PREDICTION_FIELDS, PredictionOutputs
 from stream_recon.app.options import OptionsError, RunOptions
 from stream_recon.app.pointcloud import PointAccumulator, _back_project_pixels
 from stream_recon.app.rundir import (
-    PREDICTION_FIELDS,
     OutputDirError,
-    PredictionOutputs,
+    OutputPathError,
     RunDirError,
     iter_run,
     load_prediction,
     prediction_path,
     read_run,
+    write_json_atomic,
 )
 from stream_recon.app.writers import RunWriter
 from stream_recon.models.prediction import FRAME_NON_KEY
@@ -167,12 +168,12 @@ def test_keyframes_only_run_keeps_every_pose_and_removes_a_demoted_frame(tmp_pat
 
 
 def test_output_options_are_checked():
-    with pytest.raises(ValueError, match="save_depth must be one of float16, float32, got 'float8'"):
+    with pytest.raises(ValueError, match="--save-depth must be one of float16, float32, got 'float8'"):
         PredictionOutputs(depth="float8")
-    with pytest.raises(ValueError, match="save_predictions must be one of all, keyframes, got 'some'"):
+    with pytest.raises(ValueError, match="--save-predictions must be one of all, keyframes, got 'some'"):
         PredictionOutputs(frames="some")
     # as run options (flags, presets), with every other problem named at once, before anything runs
-    with pytest.raises(OptionsError, match="stride must be >= 1, got 0; save_depth must be one of float16, float32"):
+    with pytest.raises(OptionsError, match="--stride must be >= 1, got 0; --save-depth must be one of float16, float32"):
         RunOptions(save_depth="half", stride=0)
     options = RunOptions(save_depth="float32", save_images=False, save_predictions="keyframes")
     assert options.prediction_outputs() == PredictionOutputs(depth="float32", images=False, frames="keyframes")
@@ -621,3 +622,23 @@ def test_points_beyond_the_voxel_key_range_are_dropped_and_counted(tmp_path):
     points = json.loads((tmp_path / "run" / "run.json").read_text())["summary"]["points"]
     assert points["dropped_out_of_range"] == 24 * 12
     assert np.abs(trimesh.load(tmp_path / "run" / "points.ply").vertices).max() < 100
+
+
+def test_atomic_writes_follow_a_symlink_and_never_replace_a_fifo(tmp_path):
+    # the atomic rename replaced whatever the path was: a symlink, a FIFO, as root even /dev/full
+    target = tmp_path / "elsewhere.json"
+    target.write_text("{}")
+    link = tmp_path / "run.json"
+    link.symlink_to(target)
+    fifo = tmp_path / "eval.json"
+    os.mkfifo(fifo)
+
+    write_json_atomic(link, {"status": "complete"})
+    with pytest.raises(OutputPathError, match=r"eval.json is a FIFO \(named pipe\), not a regular file; nothing"):
+        write_json_atomic(fifo, {"ate_rmse": 0.1})
+    with pytest.raises(OutputPathError, match="is a folder, not a regular file"):
+        write_json_atomic(tmp_path, {})
+
+    assert link.is_symlink() and json.loads(target.read_text()) == {"status": "complete"}
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["elsewhere.json", "eval.json", "run.json"]  # no temp

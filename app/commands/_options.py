@@ -10,7 +10,9 @@ import contextlib
 import functools
 import inspect
 import logging
+import os
 import typing
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, Optional
@@ -19,8 +21,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from stream_recon.app.options import RunOptions
-from stream_recon.cache import backends
+from stream_recon.app.options import FLAG_NAMES, RunOptions
 
 _MODEL = "Model"
 _ENGINE = "Streaming engine"
@@ -59,9 +60,9 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         "device": "auto, cpu, cuda or cuda:N. \\[default: auto]",
         "dtype": "Transformer precision: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16. "
         "\\[default: auto]",
-        "attention": f"Attention backend: auto ({backends.AUTO_SUMMARY}), or one of "
-        f"{', '.join(backends.names()[1:])}; `stream-recon info` says what each is and whether it runs here. "
-        "\\[default: auto]",
+        # the backend table imports torch: `stream-recon info` lists it, and a wrong name is refused with the list
+        "attention": "Attention backend: auto (the fastest that runs here) or a backend's name; `stream-recon info` "
+        "lists them, what each is and whether it runs here. \\[default: auto]",
         "compile": "Fuse the transformer blocks with torch.compile (CUDA only): about 20% faster per frame; the "
         "first run on a machine compiles for a minute or two, later runs read the cache. \\[default: compile]",
         "memory_check": "CPU runs: refuse settings whose memory estimate exceeds the available memory, naming smaller "
@@ -85,7 +86,8 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
     },
     _SOURCE: {
         "fps": "Use at most this many frames per second of video (by timestamp). For an image folder: the rate "
-        "its timestamps assume.",
+        "its timestamps assume (without it, frames are 1 s apart: give the camera's rate for evaluations and "
+        "exports that read timestamps).",
         "max_frames": "Stop after this many frames.",
         "start": "First source frame to use (0-based). \\[default: 0]",
         "stride": "Use every N-th source frame. \\[default: 1]",
@@ -106,21 +108,19 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
     },
     _VIEWER: {
         "viewer": "Open the live browser viewer. \\[default: viewer]",
-        "keep_viewer": "Keep the viewer serving the result after the run (Ctrl-C to exit).",
+        "keep_viewer": "Keep the viewer serving the result after the run, until Ctrl-C. \\[default: keep-viewer "
+        "on a terminal]",
         "host": "Viewer address. \\[default: 127.0.0.1]",
         "port": "Viewer port (the next free one is used if taken). \\[default: 8080]",
     },
 }
-# Flags spelled otherwise than the field's name.
-_FLAG_NAMES = {"checkpoint": ("--checkpoint", "-c"), "open_timeout_s": ("--open-timeout",),
-               "reconnect_s": ("--reconnect",), "chunk_frames": ("--chunk-frames", "--window-frames")}
 
 
 def _run_option_flag(field: str, help: str, panel: str) -> Any:
     """The flag of one RunOptions field: named after it, of its type (`float | None` -> float)."""
     annotation = typing.get_type_hints(RunOptions)[field]
     kind = next(arg for arg in (typing.get_args(annotation) or (annotation,)) if arg is not type(None))
-    names = _FLAG_NAMES.get(field, (f"--{field.replace('_', '-')}",))
+    names = FLAG_NAMES.get(field, (f"--{field.replace('_', '-')}",))
     if kind is bool:
         names = (f"{names[0]}/--no-{names[0].removeprefix('--')}", *names[1:])
     return _optional_flag(kind, *names, help=help, panel=panel)
@@ -176,6 +176,36 @@ def show_engine_log(console: Console) -> None:
     logger.setLevel(logging.INFO)
 
 
+_verbose = False
+
+
+def set_verbosity(verbose: bool) -> None:
+    """--verbose (any command): the libraries' own messages on stderr and every line of an error's details.
+
+    Without it, OpenCV's log (`[ WARN:0@0.1] global cap.cpp:212 ...`), FFmpeg's (`[mpeg4 @ 0x...] header
+    damaged`, `[tcp @ 0x...] Connection refused`) and Python warnings stay quiet, so that a bad input is the
+    one `error:` line. OpenCV reads its level when it loads and FFmpeg's at its first capture, both after
+    this (commands import them when they run); a level the user set in the environment is kept.
+    """
+    global _verbose
+    _verbose = verbose
+    if not verbose:
+        os.environ.setdefault("OPENCV_LOG_LEVEL", "SILENT")
+        os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", "-8")  # AV_LOG_QUIET
+        warnings.simplefilter("ignore")
+
+
+def error_line(message: str) -> str:
+    """An error as one line: a library's multi-line details (a checkpoint's tensors, a YAML parser's
+    context) are shown with --verbose only."""
+    headline, _, details = message.strip().partition("\n")
+    if not details.strip():
+        return headline
+    if _verbose:
+        return message.strip()
+    return f"{headline.rstrip('.:; ')} (--verbose shows the details)"
+
+
 def error_console() -> Console:
     # soft_wrap: an error sentence stays one line (the terminal wraps it), so paths are never split
     return Console(stderr=True, highlight=False, soft_wrap=True)
@@ -183,7 +213,7 @@ def error_console() -> Console:
 
 def bad_input(console: Console, message: str) -> NoReturn:
     """Say what was wrong in one line and exit with the bad-input code."""
-    console.print(f"[red]error:[/red] {escape(message)}")
+    console.print(f"[red]error:[/red] {escape(error_line(message))}")
     raise typer.Exit(code=EXIT_BAD_INPUT)
 
 
@@ -196,13 +226,13 @@ def user_errors(console: Console | None = None, *more: type[Exception]) -> Itera
     """
     from stream_recon.app.options import OptionsError
     from stream_recon.app.presets import PresetError
-    from stream_recon.app.rundir import OutputDirError, RunDirError, TumFileError
+    from stream_recon.app.rundir import OutputDirError, OutputPathError, RunDirError, TumFileError
     from stream_recon.app.sources import SourceError
     from stream_recon.models.errors import CheckpointError, FrameError
 
     console = console or error_console()
     try:
         yield
-    except (SourceError, OutputDirError, RunDirError, TumFileError, CheckpointError, FrameError, PresetError,
-            OptionsError, *more) as error:
+    except (SourceError, OutputDirError, OutputPathError, RunDirError, TumFileError, CheckpointError, FrameError,
+            PresetError, OptionsError, *more) as error:
         bad_input(console, str(error))

@@ -34,7 +34,6 @@ from stream_recon.app.commands._options import (
     takes_run_options,
     user_errors,
 )
-from stream_recon.app.evaluation import DEFAULT_MAX_DIFF
 
 _BATCH = "Batch"
 
@@ -76,12 +75,14 @@ OverwriteOpt = Annotated[
     ),
 ]
 MaxDiffOpt = Annotated[
-    float,
+    Optional[float],
     typer.Option(
         "--max-diff",
         min=0.0,
-        help="Evaluation: largest timestamp difference (s) of a matched pose (evo's --t_max_diff).",
+        help="Evaluation: largest timestamp difference (s) of a matched pose (evo's --t_max_diff). "
+        "\\[default: 0.01]",
         rich_help_panel=_BATCH,
+        show_default=False,
     ),
 ]
 
@@ -99,7 +100,7 @@ def batch(
     ray: RayOpt = None,
     gpus_per_task: GpusPerTaskOpt = 1.0,
     alignment: AlignmentOpt = "sim3",
-    max_diff: MaxDiffOpt = DEFAULT_MAX_DIFF,
+    max_diff: MaxDiffOpt = None,
     overwrite: OverwriteOpt = False,
     *,
     overrides: dict[str, Any],
@@ -107,6 +108,7 @@ def batch(
     """Run every sequence under ROOT into OUTPUT/<name>/, evaluate those with ground truth, write a summary."""
     from stream_recon.app.batch import BatchError, BatchInterrupted, EvalSettings, run_batch
     from stream_recon.app.datasets import DatasetError, discover_sequences
+    from stream_recon.app.evaluation import DEFAULT_MAX_DIFF
     from stream_recon.app.presets import build_options
     from stream_recon.app.stopping import interrupted_exit_code
 
@@ -123,7 +125,7 @@ def batch(
                 sequences,
                 output,
                 options,
-                evaluation=EvalSettings(alignment=alignment, max_diff=max_diff),
+                evaluation=EvalSettings(alignment=alignment, max_diff=DEFAULT_MAX_DIFF if max_diff is None else max_diff),
                 ray_address=ray,
                 gpus_per_task=gpus_per_task,
                 overwrite=overwrite,

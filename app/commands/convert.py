@@ -29,9 +29,15 @@ def convert(
     problem = _check_paths(source, destination, overwrite)
     if problem:
         bad_input(console, problem)
+    from stream_recon.app.loading import checkpoint_advice
     from stream_recon.models.checkpoint import convert_to_safetensors  # torch: only once there is work
+    from stream_recon.models.errors import CheckpointError
+
     with user_errors(console), console.status(f"converting {source}"):
-        written = convert_to_safetensors(source, destination)
+        try:
+            written = convert_to_safetensors(source, destination)
+        except CheckpointError as error:
+            raise CheckpointError(checkpoint_advice(str(error))) from None
     console.print(f"[green]wrote[/green] {written or destination}")
 
 

@@ -8,6 +8,9 @@ Examples:
 
 Without the hub (offline mode, or no network) it fails at once, naming the file's URL to fetch on
 another machine and the folder to put it in here.
+
+Exit codes: 0 downloaded; 1 the download failed (no network, the hub offline, a full disk); 2 an unknown
+name; 130 Ctrl-C; 143 SIGTERM.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
-from stream_recon.app.commands._options import bad_input, error_console, user_errors
+from stream_recon.app.commands._options import EXIT_FAILED, bad_input, error_console, error_line
 
 DEFAULT_NAME = "lingbot-map-long"
 
@@ -34,6 +38,12 @@ def download(
         bad_input(console, f"unknown checkpoint {name!r}; known: {', '.join(KNOWN_CHECKPOINTS)}")
     if not hub_offline():  # offline, the error alone says what to do instead
         console.print(f"downloading {name} from Hugging Face (about 4.6 GB)")
-    with user_errors(console):  # huggingface_hub draws its own progress bar
+    from stream_recon.models.errors import CheckpointError
+
+    try:  # huggingface_hub draws its own progress bar
         path = download_checkpoint(name)
+    except (CheckpointError, OSError) as error:  # the network or the disk failed, not what was typed
+        reason = str(error) if isinstance(error, CheckpointError) else f"writing it failed: {error.strerror or error}"
+        console.print(f"[red]error:[/red] {escape(error_line(reason))}")
+        raise typer.Exit(code=EXIT_FAILED) from None
     console.print(f"[green]downloaded[/green] {name}: {path}")

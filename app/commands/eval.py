@@ -19,31 +19,26 @@ matched poses (evo's --delta 1 --delta_unit f).
 Ours alone: pose AUC@5/15/30 (VGGT style, alignment-free, over all pairs of matched poses) and, with
 --depth-dir (a TUM folder with depth.txt or PNGs named by timestamp, 5000 units per metre), AbsRel
 and delta<1.25 after per-frame median scaling, each prediction paired with its nearest depth frame
-within --depth-max-diff seconds. Results are printed and written to RUN_DIR/eval.json.
+within --depth-max-diff seconds. Results are printed and written to RUN_DIR/eval.json (-o: elsewhere).
+
+Exit codes: 0 evaluated and written; 1 evaluated and printed, but the results file could not be written
+(a read-only run directory: pass -o); 2 bad input, nothing computed; 130 Ctrl-C; 143 SIGTERM.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from stream_recon.app.commands._options import bad_input, error_console, user_errors
-from stream_recon.app.evaluation import (
-    DEFAULT_MAX_DIFF,
-    DEPTH_MAX_DIFF,
-    ERROR_METRICS,
-    STATISTICS,
-    EvaluationError,
-    evaluate_run,
-    statistic_key,
-)
+from stream_recon.app.commands._options import EXIT_FAILED, bad_input, error_console, user_errors
 
 RunDirArg = Annotated[
-    Path, typer.Argument(help="Run directory written by `stream-recon run` (holds trajectory_tum.txt).")
+    Path, typer.Argument(help="Run directory written by `stream-recon run` (trajectory_tum.txt, or the npz files "
+                         "of a run killed before writing it).")
 ]
 GtOpt = Annotated[
     Path, typer.Option("--gt", help="Ground-truth trajectory, TUM format (timestamp tx ty tz qx qy qz qw).")
@@ -51,23 +46,33 @@ GtOpt = Annotated[
 AlignmentOpt = Annotated[
     str, typer.Option("--alignment", help="sim3 (evo's -as; scale too, for monocular runs) or se3 (-a).")
 ]
+# The defaults are app.evaluation's (DEFAULT_MAX_DIFF, DEPTH_MAX_DIFF), applied when the flag is not given.
 MaxDiffOpt = Annotated[
-    float,
+    Optional[float],
     typer.Option(
         "--max-diff",
         min=0.0,
-        help="Largest timestamp difference (s) of an estimated and a ground-truth pose (evo's --t_max_diff).",
+        help="Largest timestamp difference (s) of an estimated and a ground-truth pose (evo's --t_max_diff). "
+        "\\[default: 0.01]",
+        show_default=False,
     ),
 ]
 DepthDirOpt = Annotated[
-    Path | None,
+    Optional[Path],
     typer.Option("--depth-dir", help="Ground-truth depth: a folder with depth.txt (TUM RGB-D layout)."),
 ]
 DepthMaxDiffOpt = Annotated[
-    float,
+    Optional[float],
     typer.Option(
-        "--depth-max-diff", min=0.0, help="Largest timestamp difference (s) of a prediction and a depth frame."
+        "--depth-max-diff", min=0.0,
+        help="Largest timestamp difference (s) of a prediction and a depth frame. \\[default: 0.02]",
+        show_default=False,
     ),
+]
+EvalOutputOpt = Annotated[
+    Optional[Path],
+    typer.Option("--output", "-o", help="Where to write the results as JSON. \\[default: RUN_DIR/eval.json]",
+                 show_default=False),
 ]
 
 # (label, eval.json key, format); rows whose key is absent are left out.
@@ -97,6 +102,8 @@ def results_table(results: dict, title: str) -> Table:
 
 def errors_table(results: dict) -> Table:
     """ATE and RPE, one column each, one row per statistic evo prints (an sse of degrees is in deg^2)."""
+    from stream_recon.app.evaluation import ERROR_METRICS, STATISTICS, statistic_key
+
     table = Table(title="trajectory errors, as evo_ape / evo_rpe print them")
     table.add_column("statistic")
     for metric, _ in ERROR_METRICS:
@@ -111,24 +118,42 @@ def eval_command(
     run_dir: RunDirArg,
     gt: GtOpt,
     alignment: AlignmentOpt = "sim3",
-    max_diff: MaxDiffOpt = DEFAULT_MAX_DIFF,
+    max_diff: MaxDiffOpt = None,
     depth_dir: DepthDirOpt = None,
-    depth_max_diff: DepthMaxDiffOpt = DEPTH_MAX_DIFF,
+    depth_max_diff: DepthMaxDiffOpt = None,
+    output: EvalOutputOpt = None,
 ) -> None:
     """Evaluate a run against a ground-truth trajectory (and depth), as evo does; writes RUN_DIR/eval.json."""
+    from stream_recon.app.evaluation import (
+        DEFAULT_MAX_DIFF,
+        DEPTH_MAX_DIFF,
+        EvaluationError,
+        evaluate_run,
+        evaluation_path,
+        write_evaluation,
+    )
+    from stream_recon.app.rundir import file_to_write
+
     errors = error_console()
     if alignment not in ("sim3", "se3"):
         bad_input(errors, f"--alignment must be sim3 or se3, not {alignment!r}")
     with user_errors(errors, EvaluationError):
+        target = file_to_write(output if output is not None else evaluation_path(run_dir))  # a FIFO: refused now
         results = evaluate_run(
             run_dir,
             gt,
             alignment=alignment,
-            max_diff=max_diff,
+            max_diff=DEFAULT_MAX_DIFF if max_diff is None else max_diff,
             depth_dir=depth_dir,
-            depth_max_diff=depth_max_diff,
+            depth_max_diff=DEPTH_MAX_DIFF if depth_max_diff is None else depth_max_diff,
         )
     console = Console()  # the results are the command's output: stdout, for a pipe or a file
     console.print(results_table(results, title=f"{run_dir} vs {gt}"))
     console.print(errors_table(results))
-    console.print(f"written {Path(run_dir) / 'eval.json'}")
+    try:
+        write_evaluation(results, target)
+    except OSError as error:  # a read-only run directory, a full disk: the results above still stand
+        elsewhere = "" if output is not None else "; -o FILE writes them elsewhere"
+        errors.print(f"[red]error:[/red] could not write {target}: {error.strerror or error}{elsewhere}")
+        raise typer.Exit(code=EXIT_FAILED) from None
+    console.print(f"written {target}")

@@ -7,7 +7,11 @@ Examples:
     stream-recon export outputs/kitchen --format colmap --output kitchen_colmap/   # sparse/0 + images/
     stream-recon export outputs/kitchen --format tum --output kitchen_tum.txt
     stream-recon export outputs/kitchen --format nerfstudio -o kitchen_ns/   # then: ns-train splatfacto --data kitchen_ns
-    stream-recon export outputs/kitchen --format ply --conf-threshold 3 --voxel-size 0.01
+    stream-recon export outputs/kitchen --format nerfstudio -o kitchen_full/ --full-resolution   # source frames
+    stream-recon export outputs/kitchen --format ply --conf-threshold 3 --voxel-size 0.01 --overwrite
+
+An export never replaces anything without --overwrite, and never writes into a folder that holds other
+files. Exit codes: 0 written; 2 bad input (nothing is left behind); 130 Ctrl-C; 143 SIGTERM.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Annotated, Optional
 import typer
 
 from stream_recon.app.commands._options import bad_input, error_console, user_errors
-from stream_recon.app.export import ExportError, ExportFormat, export_run
+from stream_recon.app.export_formats import ExportFormat
 from stream_recon.app.options import point_cloud_problems
 
 
@@ -31,7 +35,8 @@ def export(
         Optional[Path],
         typer.Option(
             "--output", "-o",
-            help="File (ply, glb, tum) or directory (colmap, nerfstudio). Default: RUN_DIR/exports/.",
+            help="File (ply, glb, tum: the suffix is added when missing) or new or empty directory (colmap, "
+            "nerfstudio). Default: RUN_DIR/exports/.",
         ),
     ] = None,
     conf_threshold: Annotated[
@@ -45,9 +50,23 @@ def export(
     max_points: Annotated[
         Optional[int], typer.Option(min=1, help="Cap on exported points; the voxel grows to respect it.")
     ] = None,
+    full_resolution: Annotated[
+        bool,
+        typer.Option(
+            "--full-resolution",
+            help="colmap, nerfstudio: write the source frames at their own resolution (read again from the run's "
+            "video or image folder), with the intrinsics scaled to them, instead of the model inputs (518 pixels "
+            "wide by default): what Gaussian splatting and COLMAP's dense steps want.",
+        ),
+    ] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace an earlier export at --output (as `run --overwrite` does).")
+    ] = False,
 ) -> None:
     """Export a run as a point cloud (ply), a scene with cameras (glb), a COLMAP text model, a TUM trajectory or
     a nerfstudio dataset (transforms.json, images, points.ply)."""
+    from stream_recon.app.export import ExportError, export_run
+
     console = error_console()
     for problem in point_cloud_problems(conf_threshold, voxel_size):
         bad_input(console, problem)
@@ -60,6 +79,8 @@ def export(
             conf_threshold=conf_threshold,
             voxel_size=voxel_size,
             max_points=max_points,
+            overwrite=overwrite,
+            full_resolution=full_resolution,
         )
     if format is ExportFormat.TUM:
         console.print(f"wrote {result.num_frames} poses to {result.path}")
@@ -69,6 +90,8 @@ def export(
         f"wrote {format.value} export ({result.num_frames} cameras, {result.num_points} points, "
         f"voxel {voxel}) to {result.path}"
     )
+    if result.grey_points is not None:
+        console.print(f"[yellow]warning:[/yellow] {result.grey_points}")
     if result.num_points == 0:
         console.print(
             f"[yellow]warning:[/yellow] no pixel has depth confidence >= {result.conf_threshold:g}; "

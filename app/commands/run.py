@@ -9,18 +9,21 @@ Examples:
     stream-recon rtsp://192.168.1.20:554/stream --max-frames 2000
     stream-recon clip.mp4 --checkpoint lingbot-map.pt --keyframes flow --flow-threshold 20
 
-Outputs (in --output, default outputs/<source name>/): predictions/NNNNNN.npz per frame as it
-completes, then trajectory_tum.txt, points.ply and run.json. Ctrl-C (or SIGTERM) stops after the
-current frame and saves everything done so far; a second Ctrl-C skips the final flush.
+Outputs (in --output, default outputs/<source name>/, a new or empty folder or one holding a run to
+replace with --overwrite): predictions/NNNNNN.npz per frame as it completes, then trajectory_tum.txt,
+points.ply and run.json. Ctrl-C (or SIGTERM) stops after the current frame and saves everything done
+so far (before the first frame: nothing is left); a second Ctrl-C skips the final flush. From a
+terminal the live viewer keeps serving the result after the last frame until Ctrl-C; otherwise (or
+with --no-keep-viewer) it closes, and the last line names the `view` command that replays the run.
 
 Exit codes: 0 done; 1 the run failed part-way (a damaged video, a camera gone, NaN predictions, a
 full disk, or no frame at all; what was computed is kept and run.json says why); 2 bad input or
-options, nothing ran; 130 Ctrl-C; 143 SIGTERM.
+options, nothing ran; 130 Ctrl-C (also when it closes the viewer kept serving the result); 143 SIGTERM.
 
 Without a SOURCE it runs the bundled sample (frames 0-13 of the official example scene
 `courthouse`, 224x126, package data of stream_recon.app) so that a first run needs nothing but the
-checkpoint. It replaces the previous sample run in outputs/sample/ unless --output or --no-overwrite
-is given, and from a terminal the viewer keeps serving the result until Ctrl-C.
+checkpoint. It replaces an earlier run of the sample in outputs/sample/ (never a run of anything else
+there) unless --output or --no-overwrite is given.
 """
 
 from __future__ import annotations
@@ -72,25 +75,36 @@ def run(
     console = error_console()
     show_engine_log(console)
     with user_errors(console):
-        defaults = None
-        if source is None:
-            source, defaults = str(SAMPLE_DIR), sample_defaults(output_given=output is not None)
-        options = build_options(config, overrides, defaults)
+        is_sample = source is None
+        if is_sample:
+            source = str(SAMPLE_DIR)
         output_dir = output if output is not None else DEFAULT_OUTPUT_ROOT / source_name(source)
-        if defaults is not None:
+        defaults = {"keep_viewer": on_a_terminal()}
+        if is_sample:
+            defaults["overwrite"] = output is None and holds_sample_run(output_dir)
+        options = build_options(config, overrides, defaults)
+        if is_sample:
             announce_sample(output_dir, options, console)
         summary = run_sequence(source, output_dir, options, console=console)
-    if summary.status == "interrupted":
-        raise typer.Exit(code=interrupted_exit_code(summary.stop_signal))
     if summary.status == "failed":
         raise typer.Exit(code=EXIT_FAILED)
+    if summary.ended_by_signal is not None:  # stopped, or its viewer closed, by Ctrl-C or SIGTERM
+        raise typer.Exit(code=interrupted_exit_code(summary.ended_by_signal))
 
 
-def sample_defaults(*, output_given: bool) -> dict[str, Any]:
-    """Defaults for a first look. Re-running the sample replaces its last result (never a folder the
-    user named). From a terminal the viewer stays up after the last frame: a GPU streams all 14 in
-    about a second, too fast to watch."""
-    return {"overwrite": not output_given, "keep_viewer": sys.stdin.isatty()}
+def on_a_terminal() -> bool:
+    """A person at a terminal: the viewer then keeps serving the result after the last frame (a GPU
+    streams the 14 sample frames in about a second, too fast to watch), until Ctrl-C."""
+    return sys.stdin.isatty() and sys.stderr.isatty()
+
+
+def holds_sample_run(output_dir: Path) -> bool:
+    """Whether `output_dir` holds a run of the bundled sample, which a new sample run replaces; a run of
+    anything else there (the user's own folder named `sample`) is refused as any existing run is."""
+    from stream_recon.app.rundir import read_run_info
+
+    location = read_run_info(output_dir).get("settings", {}).get("source_location")
+    return location is not None and Path(location) == Path(str(SAMPLE_DIR)).resolve()
 
 
 def announce_sample(output_dir: Path, options: RunOptions, console: Console) -> None:
