@@ -50,12 +50,12 @@ class GCTStream(nn.Module):
         Returns pose_enc [S, 9], pose_enc_list (per refinement iteration), depth [S, H, W] and
         depth_conf [S, H, W], all float32; with `descriptors` also descriptor [S, C] (`descriptor`).
         """
-        tokens = self.aggregator.embed(images, stream_index, num_scale_frames)
+        if not descriptors:
+            layers = self.aggregator(images, kv, stream_index, time_index, num_scale_frames)
+            return self.predict(layers, camera_kv, *images.shape[-2:])
+        tokens = self.aggregator.embed(images, stream_index, num_scale_frames)  # the aggregator's two parts
         layers = self.aggregator.blocks(tokens, kv, time_index, *self.config.grid(*images.shape[-2:]))
-        outputs = self.predict(layers, camera_kv, *images.shape[-2:])
-        if descriptors:
-            outputs["descriptor"] = self.descriptor(tokens)
-        return outputs
+        return {**self.predict(layers, camera_kv, *images.shape[-2:]), "descriptor": self.descriptor(tokens)}
 
     def descriptor(self, tokens: torch.Tensor) -> torch.Tensor:
         """A global descriptor per frame for loop retrieval: GeM of its DINO patch tokens (the embedding's
