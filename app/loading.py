@@ -13,8 +13,6 @@ from rich.console import Console
 
 from stream_recon.app.options import OptionsError, RunOptions, resolve_device, resolve_dtype
 
-DEFAULT_CHECKPOINT = "lingbot-map-long"
-
 
 def load_model_for(options: RunOptions, device: str | None = None, console: Console | None = None) -> Any:
     """The model `options` name, as every command loads it (`run`, and `batch` once per worker).
@@ -23,6 +21,7 @@ def load_model_for(options: RunOptions, device: str | None = None, console: Cons
     (the first run), else CheckpointError says which command fetches it and where to put it."""
     from stream_recon.models import CheckpointError, load_model
     from stream_recon.models.checkpoint import (
+        DEFAULT_CHECKPOINT,
         KNOWN_CHECKPOINTS,
         download_checkpoint,
         hub_offline,
