@@ -38,7 +38,7 @@ from .chunks import TRAINED_VIEWS, ChunkAlignment, ChunkLink
 from .engine import StreamingEngine
 from .gct import GCTStream
 from .lookahead import SpareEngine
-from .memory import estimate_memory, gib
+from .memory import estimate_memory, format_bytes
 from .prediction import FramePrediction
 from .rollover import MAX_PROVISIONAL, Phase, Rollover
 from .stream_config import StreamConfig
@@ -342,7 +342,7 @@ class ChunkedEngine:
         fits = needed <= room
         logger.info("next chunk ahead of rollovers: %s (a second engine's cache, graphs and activations: %s; "
                     "room %s)",
-                    "on" if fits else "off, rollovers pause the stream", gib(needed), gib(max(room, 0)))
+                    "on" if fits else "off, rollovers pause the stream", format_bytes(needed), format_bytes(max(room, 0)))
         return fits
 
 

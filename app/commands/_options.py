@@ -102,7 +102,7 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         "save_depth": "Precision of depth and confidence in predictions/*.npz: float16 (half the bytes, relative "
         "error at most 0.05%) or float32 (the model's output exactly). \\[default: float16]",
         "save_images": "Keep the model input image in each predictions/*.npz (colours for exports and replays; "
-        "0.59 MB a frame at 518x378). \\[default: save-images]",
+        "0.56 MiB a frame at 518x378). \\[default: save-images]",
         "save_predictions": "Which frames get a predictions/*.npz: all, or keyframes (every frame's pose stays in "
         "trajectory_tum.txt; points.ply, like every export, is built from the saved frames). \\[default: all]",
     },
