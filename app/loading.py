@@ -162,7 +162,7 @@ def check_gpu_memory(engine: Any, options: RunOptions, frame_size: tuple[int, in
 
     if options.gpu_memory is None or frame_size is None:
         return
-    config = engine.engine.config
+    config = engine.stream_config
     try:
         plan_memory(engine.model, config, model_input_size(*frame_size, options.image_width), config.gpu_memory)
     except MemoryBudgetError as error:
