@@ -63,7 +63,6 @@ logger = logging.getLogger(__name__)
 COMPLETE_MARKER = BATCH_MARKER
 SUMMARY_JSON = "summary.json"
 SUMMARY_CSV = "summary.csv"
-STATUSES = ("ok", "failed", "skipped")
 BASE_COLUMNS = ("name", "source", "kind", "status", "error", "frames", "keyframes", "fps", "seconds")
 EVAL_COLUMNS = (
     "alignment",
