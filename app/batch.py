@@ -52,17 +52,17 @@ from stream_recon.app.evaluation import (
     evaluation_path,
     write_evaluation,
 )
-from stream_recon.app.loading import DEFAULT_CHECKPOINT, CheckpointDigest, load_model_for
+from stream_recon.app.loading import CheckpointDigest, load_model_for
 from stream_recon.app.options import RunOptions, changed_settings
 from stream_recon.app.pipeline import run_sequence
 from stream_recon.app.rundir import BATCH_MARKER, PREDICTIONS_DIR, RUN_JSON, holds_run
+from stream_recon.models.checkpoint import DEFAULT_CHECKPOINT
 
 logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = BATCH_MARKER
 SUMMARY_JSON = "summary.json"
 SUMMARY_CSV = "summary.csv"
-STATUSES = ("ok", "failed", "skipped")
 BASE_COLUMNS = ("name", "source", "kind", "status", "error", "frames", "keyframes", "fps", "seconds")
 EVAL_COLUMNS = (
     "alignment",

@@ -29,7 +29,7 @@ import cv2
 import numpy as np
 
 from stream_recon.app.rundir import TumFileError, read_tum_list
-from stream_recon.app.sources import SourceError
+from stream_recon.app.sources import IMAGE_SUFFIXES, SourceError
 
 SequenceKind = Literal["video", "images", "tum"]
 
@@ -37,7 +37,6 @@ MANIFEST_NAME = "sequences.txt"
 TUM_FRAME_LIST = "rgb.txt"
 TUM_GROUND_TRUTH = "groundtruth.txt"
 TUM_DEPTH_LIST = "depth.txt"
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 VIDEO_SUFFIXES = (
     ".mp4",
     ".mov",

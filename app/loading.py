@@ -13,8 +13,6 @@ from rich.console import Console
 
 from stream_recon.app.options import OptionsError, RunOptions, resolve_device, resolve_dtype
 
-DEFAULT_CHECKPOINT = "lingbot-map-long"
-
 
 def load_model_for(options: RunOptions, device: str | None = None, console: Console | None = None) -> Any:
     """The model `options` name, as every command loads it (`run`, and `batch` once per worker).
@@ -23,6 +21,7 @@ def load_model_for(options: RunOptions, device: str | None = None, console: Cons
     (the first run), else CheckpointError says which command fetches it and where to put it."""
     from stream_recon.models import CheckpointError, load_model
     from stream_recon.models.checkpoint import (
+        DEFAULT_CHECKPOINT,
         KNOWN_CHECKPOINTS,
         download_checkpoint,
         hub_offline,
@@ -35,7 +34,7 @@ def load_model_for(options: RunOptions, device: str | None = None, console: Cons
     if checkpoint in KNOWN_CHECKPOINTS and not Path(checkpoint).exists() and locate_checkpoint(checkpoint) is None:
         if not hub_offline():
             # no spinner here: huggingface_hub draws its own progress bar
-            console.print(f"{checkpoint} is not on this machine yet: downloading it once (about 4.6 GB)")
+            console.print(f"{checkpoint} is not on this machine yet: downloading it once (about 4.3 GiB)")
             checkpoint = str(download_checkpoint(checkpoint))
     # Read on the host; preparing puts each weight on the device once, in the precision the run
     # uses, so a bf16 run never holds a float32 copy of the transformer there.
@@ -163,7 +162,7 @@ def check_gpu_memory(engine: Any, options: RunOptions, frame_size: tuple[int, in
 
     if options.gpu_memory is None or frame_size is None:
         return
-    config = engine.engine.config
+    config = engine.stream_config
     try:
         plan_memory(engine.model, config, model_input_size(*frame_size, options.image_width), config.gpu_memory)
     except MemoryBudgetError as error:

@@ -32,7 +32,6 @@ from rich.markup import escape
 
 from stream_recon.app.clock import RunClock
 from stream_recon.app.loading import (
-    DEFAULT_CHECKPOINT,
     CheckpointDigest,
     build_engine,
     check_gpu_memory,
@@ -54,6 +53,7 @@ from stream_recon.app.rundir import OutputDirError, prepare_output_dir, remove_i
 from stream_recon.app.sources import FrameSource, SourceError, frames_source, open_source
 from stream_recon.app.stopping import StopOnSignal, signal_name, wait_for_stop_signal
 from stream_recon.app.writers import RunWriter
+from stream_recon.models.checkpoint import DEFAULT_CHECKPOINT
 
 logger = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ import numpy as np
 from plyfile import PlyData, PlyElement
 
 from stream_recon.app.rundir import atomic_write
+from stream_recon.models.pose import back_project
 
 # depth_conf is 1 + exp(logit): 2.0 keeps the pixels whose logit is positive, i.e. the model is more
 # sure than not.
@@ -50,19 +51,16 @@ class PointCloud:
 def _back_project_pixels(
     u: np.ndarray, v: np.ndarray, z: np.ndarray, intrinsics: np.ndarray, c2w: np.ndarray
 ) -> np.ndarray:
-    """Pixels (u [M], v [M]) at z-depth z [M] -> world points [M, 3] float32 through K^-1, then c2w.
+    """Pixels (u [M], v [M]) at z-depth z [M] -> world points [M, 3] float32 through K^-1
+    (models.pose.back_project), then c2w.
 
-    Written as nine multiply-adds rather than a [M, 3] @ [3, 3] matmul: BLAS runs that shape on all
-    threads and, on a busy machine, takes tens of ms instead of one. The result is a [3, M] array seen
-    as [M, 3], so that every pass runs over contiguous memory (a 518 x 378 frame in ~1 ms).
+    The camera-to-world step is nine multiply-adds rather than a [M, 3] @ [3, 3] matmul: BLAS runs
+    that shape on all threads and, on a busy machine, takes tens of ms instead of one. The result is a
+    [3, M] array seen as [M, 3], so that every pass runs over contiguous memory (a 518 x 378 frame in
+    ~1 ms).
     """
     z = np.asarray(z, dtype=np.float32)
-    x = u.astype(np.float32)
-    x -= np.float32(intrinsics[0, 2])
-    x *= z / np.float32(intrinsics[0, 0])
-    y = v.astype(np.float32)
-    y -= np.float32(intrinsics[1, 2])
-    y *= z / np.float32(intrinsics[1, 1])
+    x, y = back_project(u, v, z, intrinsics, np.float32)
     c2w = np.asarray(c2w, dtype=np.float32)
     world = np.empty((3, len(z)), dtype=np.float32)  # [3, M]
     term = np.empty(len(z), dtype=np.float32)

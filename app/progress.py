@@ -3,13 +3,13 @@
 On a terminal, a rich progress bar redrawn in place, what matters first so that an 80-column terminal
 keeps the count and the ETA (the source's name comes last and is the part shortened)::
 
-    412/1200  0:00:22 left ━━━━━━━━━━━━━━━━━━  35.9 FPS  412 kf  cache 1.9 GB  video clip.mp4
+    412/1200  0:00:22 left ━━━━━━━━━━━━━━━━━━  35.9 FPS  412 kf  cache 1.90 GiB  video clip.mp4
 
 Anywhere else (nohup, CI, a batch's log file) a redrawn bar would print nothing until the end, so a
 plain line goes out every PROGRESS_INTERVAL_S seconds (STREAM_RECON_PROGRESS_INTERVAL overrides it),
 from a timer thread: a frame that takes longer than the interval (a CPU run) still shows the run is alive::
 
-    progress: 412/1200 frames (34%), ETA 0:00:22, 35.9 FPS (model 38.2), 412 keyframes, attention cache 72 frames 1.9 GB, elapsed 0:00:12: video clip.mp4
+    progress: 412/1200 frames (34%), ETA 0:00:22, 35.9 FPS (model 38.2), 412 keyframes, attention cache 72 frames 1.90 GiB, elapsed 0:00:12: video clip.mp4
 
 The cache is what attention reads: the frames whose patch tokens it keeps (the scale frames and the
 window) and its size in memory. The frames whose few camera tokens it also keeps are in run.json.
@@ -37,6 +37,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Column
+
+from stream_recon.models.memory import format_bytes
 
 PROGRESS_INTERVAL_S = 10.0
 PROGRESS_INTERVAL_ENV = "STREAM_RECON_PROGRESS_INTERVAL"
@@ -192,12 +194,6 @@ def _clock(seconds: float) -> str:
 
 
 def _bytes(count: int | None) -> str:
-    if count is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB"):
-        if count < 1024 or unit == "GB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.1f} GB"
+    return "-" if count is None else format_bytes(count)
 
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stream_recon.app.input_size import model_input_size
+from stream_recon.models.memory import format_bytes
 
 GB = 1e9
 FLOAT32_BYTES = 4
@@ -107,10 +108,10 @@ class HostMemoryEstimate:
         return self.weights_bytes + self.cache_bytes + self.activation_bytes
 
     def describe(self) -> str:
-        weights = f"weights {_gb(self.weights_bytes)}" if self.weights_bytes else "beside the weights already loaded"
+        weights = f"weights {format_bytes(self.weights_bytes)}" if self.weights_bytes else "beside the weights already loaded"
         return (
-            f"about {_gb(self.total_bytes)} ({weights}, KV cache {_gb(self.cache_bytes)} for {self.cache_pages} "
-            f"pages of {self.tokens_per_page} tokens, activations {_gb(self.activation_bytes)})"
+            f"about {format_bytes(self.total_bytes)} ({weights}, KV cache {format_bytes(self.cache_bytes)} for {self.cache_pages} "
+            f"pages of {self.tokens_per_page} tokens, activations {format_bytes(self.activation_bytes)})"
         )
 
 
@@ -191,11 +192,11 @@ def _smaller_runs(run: RunShape) -> Iterator[tuple[dict[str, int], RunShape]]:
 
 def refusal_message(plan: HostMemoryPlan) -> str:
     """One line: what the run needs, what there is, and what to run instead."""
-    needs = f"these settings need {plan.estimate.describe()} but {_gb(plan.available_bytes)} is available"
+    needs = f"these settings need {plan.estimate.describe()} but {format_bytes(plan.available_bytes)} is available"
     if plan.smaller is None:
         instead = "no smaller settings fit either: free memory or use a GPU (--device cuda)"
     else:
-        instead = f"{flags(plan.smaller)} needs about {_gb(plan.smaller_estimate.total_bytes)}"
+        instead = f"{flags(plan.smaller)} needs about {format_bytes(plan.smaller_estimate.total_bytes)}"
     return f"{needs}; {instead} (--no-memory-check runs anyway)"
 
 
@@ -241,10 +242,6 @@ def seconds_per_frame(model: ModelShape, run: RunShape, flops_per_second: float)
     first = frame_flops(model, run, run.scale_frames + 1) / rate
     last = frame_flops(model, run, run.scale_frames + streaming) / rate
     return first, last
-
-
-def _gb(count: float) -> str:
-    return f"{count / GB:.1f} GB"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -326,7 +323,7 @@ def check_cpu_run(options: Any, config: Any, frame_size: tuple[int, int] | None,
         if not plan.fits:
             raise OptionsError(refusal_message(plan))
         if plan.tight:
-            warnings.append(f"these settings need {plan.estimate.describe()}, close to the {_gb(available)} "
+            warnings.append(f"these settings need {plan.estimate.describe()}, close to the {format_bytes(available)} "
                             f"available; {flags(QUICKER_CPU_SETTINGS)} needs less")
     if _said_slow or frame_flops(model, run, run.scale_frames + run.window) < FAST_ANYWHERE_FLOPS:
         return warnings  # said already, or a frame this cheap (the tiny test model, say)

@@ -40,7 +40,6 @@ from stream_recon.models.pose import quat_xyzw_to_rotation, rotation_to_quat_xyz
 logger = logging.getLogger(__name__)
 
 RUN_FORMAT = "stream-recon-run/1"
-RUN_STATUSES = ("running", "complete", "interrupted", "failed")
 FINAL_STATUSES = ("complete", "interrupted", "failed")
 
 PREDICTIONS_DIR = "predictions"

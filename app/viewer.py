@@ -44,7 +44,7 @@ import cv2
 import numpy as np
 import viser
 
-from stream_recon.models.pose import rotation_to_quat_xyzw
+from stream_recon.models.pose import back_project, rotation_to_quat_xyzw
 from stream_recon.models.prediction import FramePrediction
 
 logger = logging.getLogger(__name__)
@@ -104,8 +104,8 @@ class KeyframeSample:
 def sample_keyframe_points(pred: FramePrediction, max_points: int) -> KeyframeSample:
     """Back-project up to `max_points` random valid pixels of a keyframe into its own camera frame.
 
-    Same pixel convention as `app.geometry.depth_to_camera_points` (u = column, v = row, no half-pixel
-    shift), but only for the sampled pixels: a full back-projection costs ~20x more at 518 x 378.
+    Only the sampled pixels are lifted (models.pose.back_project, in float64 before the float16 the
+    viewer sends): a full back-projection costs ~20x more at 518 x 378.
     """
     depth = np.asarray(pred.depth, dtype=np.float32)
     valid = np.flatnonzero(np.isfinite(depth) & (depth > 0))
@@ -118,9 +118,7 @@ def sample_keyframe_points(pred: FramePrediction, max_points: int) -> KeyframeSa
     h, w = depth.shape
     v, u = np.divmod(chosen, w)
     z = depth.reshape(-1)[chosen]
-    k = np.asarray(pred.intrinsics, dtype=np.float64)
-    x = (u - k[0, 2]) * z / k[0, 0]
-    y = (v - k[1, 2]) * z / k[1, 1]
+    x, y = back_project(u, v, z, pred.intrinsics, np.float64)
     points = np.stack([x, y, z], axis=-1).astype(np.float16)  # [N, 3]
     colors = _pixel_colors(pred, depth)[v, u]  # [N, 3]
     confidence = np.asarray(pred.depth_conf, dtype=np.float32).reshape(-1)[chosen]

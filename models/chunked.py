@@ -38,7 +38,7 @@ from .chunks import TRAINED_VIEWS, ChunkAlignment, ChunkLink
 from .engine import StreamingEngine
 from .gct import GCTStream
 from .lookahead import SpareEngine
-from .memory import estimate_memory, gib
+from .memory import estimate_memory, format_bytes
 from .prediction import FramePrediction
 from .rollover import MAX_PROVISIONAL, Phase, Rollover
 from .stream_config import StreamConfig
@@ -77,8 +77,8 @@ class ChunkedEngine:
         # A chunk's cache holds its cached frames and one pending frame: the dense cache allocates
         # for that many (not the model's whole temporal range), which the memory plan counts.
         cached = min(chunk_frames + 1, model.config.max_frames)
-        self.engine = StreamingEngine(model, replace(self.config, max_cached_frames=cached), device=device,
-                                      dtype=dtype)
+        self._chunk_config = replace(self.config, max_cached_frames=cached)
+        self.engine = StreamingEngine(model, self._chunk_config, device=device, dtype=dtype)
         self.model, self.device = self.engine.model, self.engine.device
         self.lookahead = lookahead
         self._rollover: Rollover | None = None  # the spare engine and the rollover's phases, once started
@@ -182,6 +182,13 @@ class ChunkedEngine:
     @on_memory_plan.setter
     def on_memory_plan(self, callback) -> None:
         self.engine.on_memory_plan = callback
+
+    @property
+    def stream_config(self) -> StreamConfig:
+        """The StreamConfig each chunk's engine runs with: `config` with the cache sized for one chunk
+        (max_cached_frames), which is what a memory plan for this stream must be made from."""
+        # kept, not read from self.engine: a spare that takes over was built without the budget
+        return self._chunk_config
 
     @property
     def memory_plan(self):
@@ -342,7 +349,7 @@ class ChunkedEngine:
         fits = needed <= room
         logger.info("next chunk ahead of rollovers: %s (a second engine's cache, graphs and activations: %s; "
                     "room %s)",
-                    "on" if fits else "off, rollovers pause the stream", gib(needed), gib(max(room, 0)))
+                    "on" if fits else "off, rollovers pause the stream", format_bytes(needed), format_bytes(max(room, 0)))
         return fits
 
 

@@ -83,8 +83,8 @@ class MemoryEstimate:
         return {**{name: getattr(self, name) for name in self.__dataclass_fields__}, "total": self.total}
 
     def describe(self) -> str:
-        parts = ", ".join(f"{name.replace('_', ' ')} {gib(getattr(self, name))}" for name in self.__dataclass_fields__)
-        return f"{gib(self.total)} ({parts})"
+        parts = ", ".join(f"{name.replace('_', ' ')} {format_bytes(getattr(self, name))}" for name in self.__dataclass_fields__)
+        return f"{format_bytes(self.total)} ({parts})"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,7 +111,7 @@ class MemoryPlan:
 
     def describe(self) -> str:
         """One line for the console: the choice, why, and the estimate."""
-        line = (f"memory plan for {gib(self.budget)}: {self.kv_cache} K/V cache, window {self.window}; "
+        line = (f"memory plan for {format_bytes(self.budget)}: {self.kv_cache} K/V cache, window {self.window}; "
                 f"estimated peak {self.estimate.describe()}")
         return " ".join([line, *self.reasons])
 
@@ -123,9 +123,17 @@ class MemoryPlan:
                 "estimate": self.estimate.to_dict()}
 
 
-def gib(num_bytes: int) -> str:
-    """A byte count for people: GiB with two decimals, MiB below one GiB."""
-    return f"{num_bytes / GIB:.2f} GiB" if num_bytes >= GIB else f"{num_bytes / 2**20:.1f} MiB"
+def format_bytes(num_bytes: float) -> str:
+    """A byte count for people, the one way every command shows a size: binary units (what GPU and
+    host memory are counted in, and what `--gpu-memory 8GiB` reads), GiB with two decimals, MiB or
+    KiB with one below that, whole bytes under one KiB."""
+    if num_bytes >= GIB:
+        return f"{num_bytes / GIB:.2f} GiB"
+    if num_bytes >= 2**20:
+        return f"{num_bytes / 2**20:.1f} MiB"
+    if num_bytes >= 2**10:
+        return f"{num_bytes / 2**10:.1f} KiB"
+    return f"{num_bytes:.0f} B"
 
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
@@ -179,7 +187,7 @@ def plan_memory(model: GCTStream, config: StreamConfig, image_size: tuple[int, i
         estimate = estimator.estimate(precision, config.window)
         if estimate.total <= budget:
             reasons = () if precision == asked else (
-                f"The {asked} cache would need {gib(estimator.estimate(asked, config.window).total)}.",)
+                f"The {asked} cache would need {format_bytes(estimator.estimate(asked, config.window).total)}.",)
             return MemoryPlan(budget=budget, kv_cache=precision, window=config.window, estimate=estimate,
                               asked_kv_cache=asked, asked_window=config.window, reasons=reasons)
     precision = precisions[-1]
@@ -188,16 +196,16 @@ def plan_memory(model: GCTStream, config: StreamConfig, image_size: tuple[int, i
         if estimate.total <= budget:
             full = estimator.estimate(precision, config.window).total
             reason = (f"Warning: the window was shortened from {config.window} to {window} frames to fit (the "
-                      f"{precision} cache at window {config.window} would need {gib(full)}); results change: each "
+                      f"{precision} cache at window {config.window} would need {format_bytes(full)}); results change: each "
                       "frame sees fewer recent frames.")
             return MemoryPlan(budget=budget, kv_cache=precision, window=window, estimate=estimate,
                               asked_kv_cache=asked, asked_window=config.window, reasons=(reason,))
     smallest = estimator.estimate(precision, min(MIN_WINDOW, config.window))
     height, width = image_size
     raise MemoryBudgetError(
-        f"a GPU memory budget of {gib(budget)} cannot hold this run at {width}x{height}: the smallest setting "
+        f"a GPU memory budget of {format_bytes(budget)} cannot hold this run at {width}x{height}: the smallest setting "
         f"allowed ({precision} K/V cache, window {min(MIN_WINDOW, config.window)}) needs {smallest.describe()}; "
-        f"give it at least {gib(smallest.total)} (--gpu-memory) or lower the resolution"
+        f"give it at least {format_bytes(smallest.total)} (--gpu-memory) or lower the resolution"
     )
 
 

@@ -90,6 +90,26 @@ def decode_pose(pose_enc: torch.Tensor, height: int, width: int) -> tuple[torch.
     return c2w, intrinsics
 
 
+def back_project(u: np.ndarray, v: np.ndarray, z: np.ndarray, intrinsics: np.ndarray,
+                 dtype: type[np.floating] = np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """Camera coordinates (x, y) of the pixels at column u, row v and z-depth z (arrays of one shape),
+    in `dtype`; the point is (x, y, z) in OpenCV camera axes (x right, y down, z forward).
+
+    The package's one back-projection, so that the point cloud, the viewer and the keyframe flow agree
+    on the pixel convention: integer pixel coordinates, no half-pixel shift, x = (u - cx) * (z / fx).
+    x and y come back as two new arrays rather than stacked: the point cloud lays them out as [3, M]
+    for speed, the others stack them as [..., 3].
+    """
+    z = np.asarray(z, dtype)
+    x = np.asarray(u).astype(dtype)  # astype copies: the updates below stay off the caller's array
+    x -= dtype(intrinsics[0, 2])
+    x *= z / dtype(intrinsics[0, 0])
+    y = np.asarray(v).astype(dtype)
+    y -= dtype(intrinsics[1, 2])
+    y *= z / dtype(intrinsics[1, 1])
+    return x, y
+
+
 def camera_motion_flow(c2w: np.ndarray, intrinsics: np.ndarray, depth: np.ndarray, reference_c2w: np.ndarray,
                        reference_intrinsics: np.ndarray, stride: int = 8) -> float:
     """Mean pixel motion between a frame and a reference keyframe induced by the frame's own
@@ -105,8 +125,7 @@ def camera_motion_flow(c2w: np.ndarray, intrinsics: np.ndarray, depth: np.ndarra
     d = np.asarray(depth, np.float64)[::stride, ::stride]
     v, u = np.meshgrid(np.arange(0, height, stride, dtype=np.float64), np.arange(0, width, stride, dtype=np.float64),
                        indexing="ij")
-    k = np.asarray(intrinsics, np.float64)
-    camera = np.stack([(u - k[0, 2]) / k[0, 0] * d, (v - k[1, 2]) / k[1, 1] * d, d], axis=-1)  # [h, w, 3]
+    camera = np.stack([*back_project(u, v, d, intrinsics, np.float64), d], axis=-1)  # [h, w, 3]
     c2w, reference_c2w = np.asarray(c2w, np.float64), np.asarray(reference_c2w, np.float64)
     world = camera @ c2w[:, :3].T + c2w[:, 3]
     in_reference = (world - reference_c2w[:, 3]) @ reference_c2w[:, :3]  # R^T (x - t), row-wise

@@ -83,7 +83,7 @@ def plane_frame(
 
 
 def quat_xyzw_to_matrix(q) -> np.ndarray:
-    """Independent of stream_recon.app.geometry: Hamilton quaternion (x, y, z, w) -> rotation [3, 3]."""
+    """Independent of stream_recon.models.pose: Hamilton quaternion (x, y, z, w) -> rotation [3, 3]."""
     x, y, z, w = np.asarray(q, dtype=np.float64) / np.linalg.norm(q)
     return np.array(
         [

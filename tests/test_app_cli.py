@@ -511,7 +511,7 @@ def test_progress_is_logged_when_stderr_is_a_file(tmp_path: Path, tiny_checkpoin
     assert "━" not in log.read_text()  # no redrawn bar in a file
     last = lines[-1]
     assert re.match(r"progress: \d+/3000 frames \(\d+%\), ETA \d+:\d\d:\d\d, [\d.]+ FPS \(model [\d.]+\), \d+ keyframes, "
-                    r"attention cache \d+ frames [\d.]+ [KMG]?B, "
+                    r"attention cache \d+ frames [\d.]+ (?:[KMG]i)?B, "
                     rf"elapsed 0:00:0\d: video {re.escape(str(video))}$", last), last
     elapsed = [int(line.split("elapsed 0:00:")[1][:2]) for line in lines]
     assert all(0 < later - earlier <= 2 for earlier, later in zip(elapsed, elapsed[1:], strict=False)), elapsed

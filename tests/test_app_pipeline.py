@@ -455,7 +455,7 @@ def test_progress_bar_keeps_the_count_the_eta_and_the_rate_on_a_narrow_terminal(
             time.sleep(0.2)  # the ETA needs a rate of progress
     text = console.export_text()
     last = text[text.rindex(" 412/1200 "):][:width]  # the final redraw, one terminal line
-    assert re.match(r" 412/1200 \d\d:\d\d left [━╸╺]+ 35.9 FPS  412 kf cache 1.9 GB video /", last), last
+    assert re.match(r" 412/1200 \d\d:\d\d left [━╸╺]+ 35.9 FPS  412 kf cache 1.90 GiB video /", last), last
     assert last.rstrip().endswith("…" if width < 160 else "/clip.mp4"), last  # only the source's name is shortened
 
     console = Console(record=True, width=80, force_terminal=True)

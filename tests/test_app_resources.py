@@ -60,8 +60,8 @@ def test_a_run_that_does_not_fit_is_refused_with_smaller_settings_that_do() -> N
     assert not plan.fits and plan.smaller == {"image_width": 392, "window": 32}
     assert plan.smaller_estimate.total_bytes <= 12 * GB
     assert refusal_message(plan) == (
-        "these settings need about 18.7 GB (weights 4.6 GB, KV cache 11.6 GB for 76 pages of 777 tokens, "
-        "activations 2.4 GB) but 12.0 GB is available; --image-width 392 --window 32 needs about 10.2 GB "
+        "these settings need about 17.39 GiB (weights 4.31 GiB, KV cache 10.81 GiB for 76 pages of 777 tokens, "
+        "activations 2.27 GiB) but 11.18 GiB is available; --image-width 392 --window 32 needs about 9.51 GiB "
         "(--no-memory-check runs anyway)"
     )
 

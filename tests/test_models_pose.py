@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream_recon.models.pose import quat_xyzw_to_rotation, rotation_to_quat_xyzw
+from stream_recon.models.pose import back_project, quat_xyzw_to_rotation, rotation_to_quat_xyzw
 
 unit_quaternions = st.lists(st.floats(-1, 1), min_size=4, max_size=4).filter(lambda v: np.linalg.norm(v) > 1e-3)
 
@@ -41,3 +41,20 @@ def test_half_turns_keep_their_axis():
         quat = rotation_to_quat_xyzw(rotation)
         np.testing.assert_allclose(np.abs(quat), [*axis, 0.0], atol=1e-12)
         np.testing.assert_allclose(quat_xyzw_to_rotation(quat), rotation, atol=1e-12)
+
+
+def test_back_projection_reprojects_to_the_pixel_and_keeps_the_depth():
+    v, u = np.mgrid[0:6, 0:8]
+    z = np.full((6, 8), 2.0, dtype=np.float32)
+    z[3, 5] = 4.0
+    intrinsics = np.array([[10.0, 0, 4.0], [0, 12.0, 3.0], [0, 0, 1]])
+    for dtype in (np.float32, np.float64):
+        x, y = back_project(u, v, z, intrinsics, dtype)
+        assert x.dtype == y.dtype == dtype
+        points = np.stack([x, y, z], axis=-1)
+        projected = points @ intrinsics.T
+        uv = projected[..., :2] / projected[..., 2:]
+        np.testing.assert_allclose(uv[..., 0], u, atol=1e-5)  # integer pixels, no half-pixel shift
+        np.testing.assert_allclose(uv[..., 1], v, atol=1e-5)
+        assert points[3, 5, 2] == 4.0
+    assert u.dtype.kind == "i" and u[0, 1] == 1  # the caller's pixel arrays are left as they were

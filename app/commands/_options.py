@@ -38,9 +38,35 @@ EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 
 
-def _optional_flag(kind: type, *names: str, help: str, panel: str | None = None) -> Any:
+def _optional_flag(kind: type, *names: str, help: str, panel: str | None = None, **limits: Any) -> Any:
     """An option that is None when not given, so that a preset or RunOptions' default applies."""
-    return Annotated[Optional[kind], typer.Option(*names, help=help, rich_help_panel=panel, show_default=False)]
+    return Annotated[Optional[kind], typer.Option(*names, help=help, rich_help_panel=panel, show_default=False,
+                                                  **limits)]
+
+
+# The evaluation flags of `eval` and of `batch` (which shows them in its own panel). Their
+# defaults are app.evaluation's (DEFAULT_MAX_DIFF), applied when the flag is not given.
+ALIGNMENTS = ("sim3", "se3")
+
+
+def evaluation_flags(panel: str | None = None) -> tuple[Any, Any]:
+    """(--alignment, --max-diff) as the evaluating commands declare them; `panel`: their help panel."""
+    alignment = Annotated[str, typer.Option(
+        "--alignment", help="Evaluation alignment: sim3 (evo's -as; scale too, for monocular runs) or se3 (-a).",
+        rich_help_panel=panel,
+    )]
+    max_diff = _optional_flag(
+        float, "--max-diff", min=0.0, panel=panel,
+        help="Evaluation: largest timestamp difference (s) of an estimated and a ground-truth pose "
+        "(evo's --t_max_diff). \\[default: 0.01]",
+    )
+    return alignment, max_diff
+
+
+def check_alignment(console: Console, alignment: str) -> None:
+    """Refuse an --alignment the evaluation does not know, before any work starts."""
+    if alignment not in ALIGNMENTS:
+        bad_input(console, f"--alignment must be {' or '.join(ALIGNMENTS)}, not {alignment!r}")
 
 
 ConfigOpt = _optional_flag(
@@ -102,7 +128,7 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         "save_depth": "Precision of depth and confidence in predictions/*.npz: float16 (half the bytes, relative "
         "error at most 0.05%) or float32 (the model's output exactly). \\[default: float16]",
         "save_images": "Keep the model input image in each predictions/*.npz (colours for exports and replays; "
-        "0.59 MB a frame at 518x378). \\[default: save-images]",
+        "0.56 MiB a frame at 518x378). \\[default: save-images]",
         "save_predictions": "Which frames get a predictions/*.npz: all, or keyframes (every frame's pose stays in "
         "trajectory_tum.txt; points.ply, like every export, is built from the saved frames). \\[default: all]",
     },

@@ -30,7 +30,9 @@ from stream_recon.app.commands._options import (
     RUN_OPTION_FLAGS,
     ConfigOpt,
     bad_input,
+    check_alignment,
     error_console,
+    evaluation_flags,
     takes_run_options,
     user_errors,
 )
@@ -62,9 +64,6 @@ GpusPerTaskOpt = Annotated[
         "--gpus-per-task", help="GPUs per sequence with --ray; 0 runs on CPUs.", rich_help_panel=_BATCH
     ),
 ]
-AlignmentOpt = Annotated[
-    str, typer.Option("--alignment", help="Evaluation alignment: sim3 or se3.", rich_help_panel=_BATCH)
-]
 OverwriteOpt = Annotated[
     bool,
     typer.Option(
@@ -74,17 +73,7 @@ OverwriteOpt = Annotated[
         rich_help_panel=_BATCH,
     ),
 ]
-MaxDiffOpt = Annotated[
-    Optional[float],
-    typer.Option(
-        "--max-diff",
-        min=0.0,
-        help="Evaluation: largest timestamp difference (s) of a matched pose (evo's --t_max_diff). "
-        "\\[default: 0.01]",
-        rich_help_panel=_BATCH,
-        show_default=False,
-    ),
-]
+AlignmentOpt, MaxDiffOpt = evaluation_flags(_BATCH)
 
 
 # A batch never opens the viewer, reads files rather than streams, and has its own --overwrite
@@ -113,8 +102,7 @@ def batch(
     from stream_recon.app.stopping import interrupted_exit_code
 
     console = error_console()
-    if alignment not in ("sim3", "se3"):
-        bad_input(console, f"--alignment must be sim3 or se3, not {alignment!r}")
+    check_alignment(console, alignment)
     if gpus_per_task < 0:
         bad_input(console, f"--gpus-per-task must be >= 0, not {gpus_per_task}")
     with user_errors(console, DatasetError, BatchError):

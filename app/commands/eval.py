@@ -34,7 +34,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from stream_recon.app.commands._options import EXIT_FAILED, bad_input, error_console, user_errors
+from stream_recon.app.commands._options import (
+    EXIT_FAILED,
+    check_alignment,
+    error_console,
+    evaluation_flags,
+    user_errors,
+)
 
 RunDirArg = Annotated[
     Path, typer.Argument(help="Run directory written by `stream-recon run` (trajectory_tum.txt, or the npz files "
@@ -43,20 +49,8 @@ RunDirArg = Annotated[
 GtOpt = Annotated[
     Path, typer.Option("--gt", help="Ground-truth trajectory, TUM format (timestamp tx ty tz qx qy qz qw).")
 ]
-AlignmentOpt = Annotated[
-    str, typer.Option("--alignment", help="sim3 (evo's -as; scale too, for monocular runs) or se3 (-a).")
-]
-# The defaults are app.evaluation's (DEFAULT_MAX_DIFF, DEPTH_MAX_DIFF), applied when the flag is not given.
-MaxDiffOpt = Annotated[
-    Optional[float],
-    typer.Option(
-        "--max-diff",
-        min=0.0,
-        help="Largest timestamp difference (s) of an estimated and a ground-truth pose (evo's --t_max_diff). "
-        "\\[default: 0.01]",
-        show_default=False,
-    ),
-]
+AlignmentOpt, MaxDiffOpt = evaluation_flags()
+# The default is app.evaluation's DEPTH_MAX_DIFF, applied when the flag is not given.
 DepthDirOpt = Annotated[
     Optional[Path],
     typer.Option("--depth-dir", help="Ground-truth depth: a folder with depth.txt (TUM RGB-D layout)."),
@@ -135,8 +129,7 @@ def eval_command(
     from stream_recon.app.rundir import file_to_write
 
     errors = error_console()
-    if alignment not in ("sim3", "se3"):
-        bad_input(errors, f"--alignment must be sim3 or se3, not {alignment!r}")
+    check_alignment(errors, alignment)
     with user_errors(errors, EvaluationError):
         target = file_to_write(output if output is not None else evaluation_path(run_dir))  # a FIFO: refused now
         results = evaluate_run(
