@@ -305,9 +305,9 @@ def _wait_while_paused(viewer: Any, stop: StopOnSignal) -> None:
 
 def _serve_until_stopped(viewer: Any, console: Console) -> int:
     """Keep the viewer up after the run until Ctrl-C or SIGTERM; returns which came."""
-    console.print(f"viewer still serving the result at [bold]{viewer.url}[/bold]; Ctrl-C to exit")
+    announce = f"viewer still serving the result at [bold]{viewer.url}[/bold]; Ctrl-C to exit"
     try:
-        return wait_for_stop_signal()
+        return wait_for_stop_signal(on_ready=lambda: console.print(announce))
     finally:
         viewer.stop()
 

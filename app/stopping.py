@@ -22,6 +22,8 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from rich.console import Console
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -141,9 +143,11 @@ def signal_name(signum: int | None) -> str | None:
     return None if signum is None else signal.Signals(signum).name
 
 
-def wait_for_stop_signal() -> int:
+def wait_for_stop_signal(on_ready: Callable[[], None] | None = None) -> int:
     """Block until SIGINT or SIGTERM arrives (main thread); returns which. A server that runs until it is
-    stopped (`view`, a run's viewer kept serving) exits with interrupted_exit_code() of it, 130 or 143."""
+    stopped (`view`, a run's viewer kept serving) exits with interrupted_exit_code() of it, 130 or 143.
+    `on_ready` runs once both signals are ours: a line that says "serving, Ctrl+C to stop" printed before
+    would let a signal sent on reading it end the process with the default disposition (-15, not 143)."""
     received: list[int] = []
     arrived = threading.Event()
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
@@ -155,6 +159,8 @@ def wait_for_stop_signal() -> int:
 
     previous = {signum: signal.signal(signum, receive) for signum in STOP_SIGNALS}
     try:
+        if on_ready is not None:
+            on_ready()
         while not arrived.wait(0.5):
             pass
     finally:

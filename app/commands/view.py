@@ -36,9 +36,9 @@ def view(
         check_run_dir(run_dir)
         check_viewer_address(host, port, optional=False)
         replay = start_replay(run_dir, host, port)
-    console.print(f"Replaying {replay.index.num_frames} frames at {replay.viewer.url} (Ctrl+C to stop)")
+    announce = f"Replaying {replay.index.num_frames} frames at {replay.viewer.url} (Ctrl+C to stop)"
     try:
-        signum = wait_for_stop_signal()
+        signum = wait_for_stop_signal(on_ready=lambda: console.print(announce))
     finally:
         replay.stop()
         replay.viewer.close("complete")
