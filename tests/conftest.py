@@ -11,6 +11,7 @@ For a test that runs the tiny model:
 and `build_tiny_model()` where a plain function is needed (a Ray worker's loader, a checkpoint to save).
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -97,3 +98,13 @@ def golden_frame_folder(tmp_path_factory) -> Path:
         cv2.imwrite(str(folder / f"{index:06d}.png"), cv2.cvtColor(image.transpose(1, 2, 0), cv2.COLOR_RGB2BGR))
     return folder
 
+
+
+def symlink_and_fifo(folder: Path, target: str, link: str, fifo: str, content: str) -> tuple[Path, Path, Path]:
+    """In `folder`: a regular file `target` holding `content`, a symlink `link` to it and a FIFO `fifo`: the
+    special paths an output must write through (the link) or refuse (the FIFO), never replace."""
+    target_path, link_path, fifo_path = folder / target, folder / link, folder / fifo
+    target_path.write_text(content)
+    link_path.symlink_to(target_path)
+    os.mkfifo(fifo_path)
+    return target_path, link_path, fifo_path

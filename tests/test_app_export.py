@@ -1,5 +1,4 @@
 import json
-import os
 import re
 import stat
 from pathlib import Path
@@ -10,6 +9,7 @@ import pytest
 import torch
 import trimesh
 import typer
+from conftest import symlink_and_fifo
 from plyfile import PlyData
 from synthetic_run import CONF_HIGH, PLANE_Z, plane_frame, quat_xyzw_to_matrix
 from typer.testing import CliRunner
@@ -537,12 +537,7 @@ def test_float16_run_reads_back_within_its_bound_everywhere(tmp_path, tiny_model
 def test_an_export_writes_through_a_symlink_and_never_replaces_a_fifo(run, cli, tmp_path):
     # -o l (a symlink) and -o f (a FIFO): exit 0, both replaced by regular files, the link's target untouched
     run_dir, frames = run
-    target = tmp_path / "target.txt"
-    target.write_text("old")
-    link = tmp_path / "l"
-    link.symlink_to(target)
-    fifo = tmp_path / "f"
-    os.mkfifo(fifo)
+    target, link, fifo = symlink_and_fifo(tmp_path, "target.txt", "l", "f", "old")
 
     through_link = CliRunner().invoke(cli, ["export", str(run_dir), "--format", "tum", "-o", str(link), "--overwrite"])
 

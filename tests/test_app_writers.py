@@ -12,6 +12,7 @@ import tracemalloc
 import numpy as np
 import pytest
 import trimesh
+from conftest import symlink_and_fifo
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from plyfile import PlyData
@@ -626,12 +627,7 @@ def test_points_beyond_the_voxel_key_range_are_dropped_and_counted(tmp_path):
 
 def test_atomic_writes_follow_a_symlink_and_never_replace_a_fifo(tmp_path):
     # the atomic rename replaced whatever the path was: a symlink, a FIFO, as root even /dev/full
-    target = tmp_path / "elsewhere.json"
-    target.write_text("{}")
-    link = tmp_path / "run.json"
-    link.symlink_to(target)
-    fifo = tmp_path / "eval.json"
-    os.mkfifo(fifo)
+    target, link, fifo = symlink_and_fifo(tmp_path, "elsewhere.json", "run.json", "eval.json", "{}")
 
     write_json_atomic(link, {"status": "complete"})
     with pytest.raises(OutputPathError, match=r"eval.json is a FIFO \(named pipe\), not a regular file; nothing"):
