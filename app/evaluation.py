@@ -44,7 +44,7 @@ from stream_recon.app.rundir import (
     run_trajectory,
     write_json_atomic,
 )
-from stream_recon.models.similarity import AlignmentError, Sim3, umeyama
+from stream_recon.models.similarity import AlignmentError, Sim3, rotation_angles, umeyama
 
 TUM_DEPTH_FACTOR = 5000.0  # TUM RGB-D depth PNGs: uint16, 5000 units per metre
 AUC_THRESHOLDS_DEG = (5, 15, 30)
@@ -166,23 +166,8 @@ def umeyama_alignment(source: np.ndarray, target: np.ndarray, *, with_scale: boo
 
 
 def rotation_angle_deg(rotations: np.ndarray) -> np.ndarray:
-    """Angle of each rotation [..., 3, 3] in degrees, in [0, 180].
-
-    atan2 of the sine (from the skew part) and cosine (from the trace) stays accurate near 0 degrees,
-    where arccos of the trace alone loses half the digits.
-    """
-    trace = np.trace(rotations, axis1=-2, axis2=-1)
-    skew = np.stack(
-        [
-            rotations[..., 2, 1] - rotations[..., 1, 2],
-            rotations[..., 0, 2] - rotations[..., 2, 0],
-            rotations[..., 1, 0] - rotations[..., 0, 1],
-        ],
-        axis=-1,
-    )
-    sine = 0.5 * np.linalg.norm(skew, axis=-1)
-    cosine = 0.5 * (trace - 1.0)
-    return np.degrees(np.arctan2(sine, cosine))
+    """Angle of each rotation [..., 3, 3] in degrees, in [0, 180] (models/similarity.py's rotation_angles)."""
+    return np.degrees(rotation_angles(rotations))
 
 
 def error_statistics(errors: np.ndarray) -> dict[str, float]:

@@ -77,7 +77,7 @@ class Sim3:
     @property
     def rotation_deg(self) -> float:
         """The rotation's angle in degrees."""
-        return float(np.degrees(np.arccos(np.clip((np.trace(self.rotation) - 1) / 2, -1.0, 1.0))))
+        return float(np.degrees(rotation_angles(self.rotation)))
 
     def __matmul__(self, other: Sim3) -> Sim3:
         """(self @ other)(x) = self(other(x))."""
@@ -324,13 +324,27 @@ def overlap_sigmas(target_pose_enc: np.ndarray, source_pose_enc: np.ndarray, tra
     return sigmas
 
 
+def _skew_parts(rotations: np.ndarray) -> np.ndarray:
+    """[..., 3, 3] -> [..., 3]: R - R^T's off-diagonal entries, 2 sin(angle) times the unit axis."""
+    return np.stack([rotations[..., 2, 1] - rotations[..., 1, 2], rotations[..., 0, 2] - rotations[..., 2, 0],
+                     rotations[..., 1, 0] - rotations[..., 0, 1]], axis=-1)
+
+
+def rotation_angles(rotations: np.ndarray) -> np.ndarray:
+    """Angle of each rotation [..., 3, 3] in rad, in [0, pi].
+
+    atan2 of the sine (from the skew part) and cosine (from the trace) stays accurate near 0,
+    where arccos of the trace alone loses half the digits.
+    """
+    sine = 0.5 * np.linalg.norm(_skew_parts(rotations), axis=-1)
+    cosine = 0.5 * (np.trace(rotations, axis1=-2, axis2=-1) - 1.0)
+    return np.arctan2(sine, cosine)
+
+
 def _rotation_vectors(rotations: np.ndarray) -> np.ndarray:
     """[..., 3, 3] rotations -> [..., 3] axis-angle vectors (angle in rad times the unit axis)."""
-    cos_angle = np.clip((np.trace(rotations, axis1=-2, axis2=-1) - 1) / 2, -1.0, 1.0)
-    angle = np.arccos(cos_angle)
-    skew = np.stack([rotations[..., 2, 1] - rotations[..., 1, 2], rotations[..., 0, 2] - rotations[..., 2, 0],
-                     rotations[..., 1, 0] - rotations[..., 0, 1]], axis=-1)
+    angle = rotation_angles(rotations)
     sin_angle = np.sin(angle)
     # angle / (2 sin angle) -> 1/2 as the angle -> 0 (the skew part is then 2 x the vector)
     factor = np.where(sin_angle > 1e-8, angle / (2 * np.where(sin_angle > 1e-8, sin_angle, 1.0)), 0.5)
-    return skew * factor[..., None]
+    return _skew_parts(rotations) * factor[..., None]
