@@ -154,18 +154,16 @@ class ChunkAlignment:
         assert [p.frame_index for p in previous] == [s.frame_index for s in shared]
         ratios = {k: self.early_ratios[s.frame_index] for k, s in enumerate(shared)
                   if s.frame_index in self.early_ratios}
+        previous_pose_enc = np.stack([p.pose_enc for p in previous])  # [K, 9] each
+        shared_pose_enc = np.stack([s.pose_enc for s in shared])
         transform = estimate_chunk_alignment(
-            np.stack([p.pose_enc for p in previous]), [p.depth for p in previous],
-            np.array([p.is_keyframe for p in previous]),
-            np.stack([s.pose_enc for s in shared]), [s.depth for s in shared],
-            np.array([s.is_keyframe for s in shared]), ratios,
+            previous_pose_enc, [p.depth for p in previous], np.array([p.is_keyframe for p in previous]),
+            shared_pose_enc, [s.depth for s in shared], np.array([s.is_keyframe for s in shared]), ratios,
         )
         self.early_ratios = {}
         self.transforms.append(transform)
-        previous_pose_enc = np.stack([p.pose_enc for p in previous])
         self.links.append(ChunkLink(self.index, self.transforms[-2].inverse() @ transform,
-                                    overlap_sigmas(previous_pose_enc, np.stack([s.pose_enc for s in shared]), transform),
-                                    len(shared)))
+                                    overlap_sigmas(previous_pose_enc, shared_pose_enc, transform), len(shared)))
         logger.info("chunk %d aligned on %d shared frames: scale %.6f, rotation %.2f deg, translation %s",
                     self.index, len(shared), transform.scale, transform.rotation_deg,
                     np.round(transform.translation, 4))
