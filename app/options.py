@@ -18,7 +18,10 @@ from stream_recon.app.input_size import DEFAULT_IMAGE_WIDTH, PATCH_SIZE
 from stream_recon.app.npz_schema import PredictionOutputs
 from stream_recon.app.source_settings import DEFAULT_OPEN_TIMEOUT_S, DEFAULT_RECONNECT_S, FrameSelection
 
-KV_CACHE_CHOICES = ("auto", "fp8")  # auto: the model's precision (stream_recon.cache.backends.store_dtype)
+KV_CACHE_CHOICES = ("auto", "fp8")
+# auto: on for a stream long enough to have chunks two apart (a loop needs them), when the pose graph's
+# library is installed; on: the same, and a missing library is an error; off: never.
+LOOP_CLOSURE_CHOICES = ("auto", "on", "off")  # auto: the model's precision (stream_recon.cache.backends.store_dtype)
 MAX_CHUNK_FRAMES = 1024  # positions in the model's temporal RoPE table
 DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
                "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
@@ -28,7 +31,7 @@ DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16"
 # or how visibly it runs: a batch compares them to decide whether a finished sequence still stands.
 RESULT_FIELDS = (
     "checkpoint", "dtype", "kv_cache", "gpu_memory", "scale_frames", "window", "chunk_frames", "overlap",
-    "keyframes", "flow_threshold", "max_gap", "image_width", "fps", "max_frames", "start", "stride", "conf_threshold", "voxel_size",
+    "keyframes", "flow_threshold", "max_gap", "loop_closure", "image_width", "fps", "max_frames", "start", "stride", "conf_threshold", "voxel_size",
 )
 
 
@@ -73,6 +76,7 @@ class RunOptions:
     keyframes: str = "all"  # all | interval:N | flow
     flow_threshold: float | None = None  # None: the engine's default
     max_gap: int | None = None  # flow policy: longest run of non-keyframes; None: engine default
+    loop_closure: str = "auto"  # auto | on | off: the pose graph over chunks corrects drift at revisits
     image_width: int = DEFAULT_IMAGE_WIDTH
     # source
     fps: float | None = None
@@ -135,6 +139,8 @@ class RunOptions:
         if not (math.isfinite(self.reconnect_s) and self.reconnect_s >= 0):
             yield f"--reconnect must be a number of seconds >= 0 (0: never reconnect), got {self.reconnect_s}"
         yield from point_cloud_problems(self.conf_threshold, self.voxel_size)
+        if self.loop_closure not in LOOP_CLOSURE_CHOICES:
+            yield f"--loop-closure must be one of {', '.join(LOOP_CLOSURE_CHOICES)}, got {self.loop_closure!r}"
         if self.kv_cache not in KV_CACHE_CHOICES:
             yield f"--kv-cache must be one of {', '.join(KV_CACHE_CHOICES)}, got {self.kv_cache!r}"
         if not 0 < self.port < 65536:

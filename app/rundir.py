@@ -45,6 +45,9 @@ FINAL_STATUSES = ("complete", "interrupted", "failed")
 PREDICTIONS_DIR = "predictions"
 RUN_JSON = "run.json"
 TRAJECTORY_TUM = "trajectory_tum.txt"
+# Written when loop closure moved any chunk: the trajectory as the open chain of chunks placed it, before
+# the correction (trajectory_tum.txt, the npz files and points.ply are corrected).
+TRAJECTORY_OPEN_TUM = "trajectory_open_tum.txt"
 POINTS_PLY = "points.ply"
 EVAL_JSON = "eval.json"
 EXPORTS_DIR = "exports"  # `stream-recon export` writes here unless told otherwise
@@ -151,7 +154,8 @@ def _json_default(value: Any) -> Any:
 def run_files(output_dir: Path) -> list[Path]:
     """The files of a run already in `output_dir`: what a new run there would replace."""
     output_dir = Path(output_dir)
-    found = [path for path in (output_dir / name for name in (RUN_JSON, TRAJECTORY_TUM, POINTS_PLY)) if path.exists()]
+    found = [path for path in (output_dir / name for name in (RUN_JSON, TRAJECTORY_TUM, TRAJECTORY_OPEN_TUM, POINTS_PLY))
+             if path.exists()]
     predictions = output_dir / PREDICTIONS_DIR
     if predictions.is_dir():
         found += [path for path in predictions.iterdir() if _PREDICTION_NAME.match(path.name)]
@@ -178,7 +182,8 @@ def holds_run(output_dir: Path) -> bool:
 
 # What a run directory holds besides the run's own files (run_files): a folder holding only these (or
 # hidden files) is not someone else's folder.
-_RUN_DIR_NAMES = {PREDICTIONS_DIR, RUN_JSON, TRAJECTORY_TUM, POINTS_PLY, EVAL_JSON, EXPORTS_DIR, BATCH_MARKER}
+_RUN_DIR_NAMES = {PREDICTIONS_DIR, RUN_JSON, TRAJECTORY_TUM, TRAJECTORY_OPEN_TUM, POINTS_PLY, EVAL_JSON, EXPORTS_DIR,
+                  BATCH_MARKER}
 
 
 def foreign_entries(output_dir: Path) -> list[Path]:

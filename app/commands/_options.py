@@ -105,6 +105,10 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         "chunk_frames": "Long streams: cached frames per chunk before a new chunk starts (a fresh cache), aligned on the "
         "overlap. \\[default: 320, the trained range]",
         "overlap": "Long streams: frames two consecutive chunks share. \\[default: 16]",
+        "loop_closure": "Long streams: when the camera returns to a place seen two or more chunks earlier, correct "
+        "the drift between them (a pose graph over chunks; the uncorrected trajectory is kept as "
+        "trajectory_open_tum.txt): auto (on when the stream has chunks and gtsam is installed), on, or off. "
+        "\\[default: auto]",
         "keyframes": "Keyframe policy: all, interval:N or flow. \\[default: all]",
         "flow_threshold": "flow policy: mean flow in pixels that makes a keyframe. \\[default: 15]",
         "max_gap": "flow policy: most frames in a row without a keyframe. \\[default: 30]",
