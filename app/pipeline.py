@@ -39,6 +39,7 @@ from stream_recon.app.loading import (
     model_config_for,
     prepared_for_run,
 )
+from stream_recon.app.loops import LoopClosureSink, loop_closure_wanted
 from stream_recon.app.options import (
     RunOptions,
     check_attention,
@@ -124,6 +125,7 @@ def run_sequence(
         dtype = resolve_dtype(options.dtype, device)
         attention = check_attention(options.attention, device, dtype, options.kv_cache)
         _check_selection(frame_source, options)
+        closes_loops, loop_closure_reason = loop_closure_wanted(options, frame_source.estimated_length)
         if options.viewer:
             check_viewer_address(options.host, options.port)
         config = model_config_for(options, model)
@@ -167,6 +169,7 @@ def run_sequence(
             raise
         # the finiteness check comes first: a frame that fails it reaches no other sink
         sinks: list[Sink] = [FiniteCheck(half_precision=used["dtype"] != "float32"), writer, *extra_sinks]
+        sinks.append(LoopClosureSink(engine, viewer, enabled=closes_loops, reason=loop_closure_reason))
         if viewer is not None:
             sinks.append(viewer)
         try:
@@ -342,6 +345,8 @@ def _close_sinks(
     writer's; the rates and timings are the clock's, frozen here.
     """
     clock.stop()
+    loops = next((sink for sink in sinks if isinstance(sink, LoopClosureSink)), None)
+    corrections = None if loops is None else loops.finish(status)
     summary = {
         "checkpoint_digest": digest.result(),
         "error": error,
@@ -357,11 +362,13 @@ def _close_sinks(
         "engine": engine.stats(),
         "peak_gpu_memory_bytes": _peak_gpu_memory(writer.settings.get("device", "cpu")),
     }
+    if loops is not None:
+        summary["loop_closure"] = loops.summary()
     writer_error = None
     for sink in sinks:
         try:
             if sink is writer:
-                writer.close(status, summary)
+                writer.close(status, summary, corrections)
             else:
                 sink.close(status)
         except OutputDirError as failure:

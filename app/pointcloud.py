@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from plyfile import PlyData, PlyElement
@@ -273,6 +274,24 @@ class PointAccumulator:
         return PointCloud(
             self._xyz[:n].copy(), self._rgb[:n].copy(), self._frame[:n].copy(), self._pixel[:n].copy()
         )
+
+    def moved_cloud(self, moves: list[tuple[np.ndarray, Any]]) -> PointCloud:
+        """The cloud with the points of each group of frames moved: `moves` holds (frame indices [F], a
+        Sim3) pairs; other frames' points stay. Then one point per voxel again, the earliest frame's
+        (two chunks that disagreed before a loop closure may agree after it)."""
+        cloud = self.cloud()
+        xyz = cloud.xyz.astype(np.float64)
+        for frames, move in moves:
+            rows = np.isin(cloud.frame_index, frames)
+            xyz[rows] = move.apply_to_points(xyz[rows])
+        xyz = xyz.astype(np.float32)
+        if self.voxel_size is None or not len(xyz):
+            return PointCloud(xyz, cloud.rgb, cloud.frame_index, cloud.pixel)
+        keys, in_range = self._voxel_keys(xyz)
+        order = np.argsort(cloud.frame_index, kind="stable")
+        _, first = _first_of_each(keys[order][in_range[order]])
+        rows = np.sort(order[in_range[order]][first])
+        return PointCloud(xyz[rows], cloud.rgb[rows], cloud.frame_index[rows], cloud.pixel[rows])
 
     def _voxel_keys(self, xyz: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """xyz [M, 3] -> keys [M] int64 and in_range [M] bool (keys of out-of-range points are 0).

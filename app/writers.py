@@ -17,7 +17,7 @@ import resource
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -38,6 +38,7 @@ from stream_recon.app.rundir import (
     PREDICTIONS_DIR,
     RUN_FORMAT,
     RUN_JSON,
+    TRAJECTORY_OPEN_TUM,
     TRAJECTORY_TUM,
     OutputDirError,
     atomic_write,
@@ -47,7 +48,9 @@ from stream_recon.app.rundir import (
     write_json_atomic,
     write_tum,
 )
+from stream_recon.models.loop_closure import ChunkCorrections
 from stream_recon.models.prediction import FramePrediction
+from stream_recon.models.similarity import Sim3
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +65,18 @@ class PoseRecord:
     timestamp: float
     c2w: np.ndarray  # [3, 4]
     is_keyframe: bool
+    chunk_index: int = 0  # the chunk whose emission is final: a loop closure's correction moves it
+
+
+def corrected_prediction_file(path: Path, move: Sim3) -> dict[str, np.ndarray]:
+    """The arrays of one npz with the frame moved by a loop closure's Sim(3): its camera (c2w and pose_enc)
+    moved, its depth scaled (so that back-projection lands on the moved points), each in its stored dtype."""
+    with np.load(path, allow_pickle=False) as stored:
+        arrays = {key: stored[key] for key in stored.files}
+    arrays["c2w"] = move.apply_to_poses(arrays["c2w"]).astype(arrays["c2w"].dtype)
+    arrays["pose_enc"] = move.apply_to_pose_enc(arrays["pose_enc"])
+    arrays["depth"] = (arrays["depth"].astype(np.float32) * np.float32(move.scale)).astype(arrays["depth"].dtype)
+    return arrays
 
 
 def software_versions() -> dict[str, str]:
@@ -227,7 +242,7 @@ class RunWriter:
         if pred.frame_index in self.poses:
             self.points.remove_frame(pred.frame_index)  # a re-emission replaces the frame's points
         self.poses[pred.frame_index] = PoseRecord(
-            float(pred.timestamp), arrays["c2w"].astype(np.float64), bool(pred.is_keyframe)
+            float(pred.timestamp), arrays["c2w"].astype(np.float64), bool(pred.is_keyframe), int(pred.chunk_index)
         )
         if stored is not None:
             # The cloud is built from the saved values, so that `export` rebuilds points.ply from the files;
@@ -246,8 +261,13 @@ class RunWriter:
             self._last_progress = now
             self._write_run_json("running", {})
 
-    def close(self, status: str, summary: dict | None = None) -> None:
-        """Write trajectory, cloud and the final run.json. status: complete | interrupted | failed."""
+    def close(self, status: str, summary: dict | None = None, corrections: ChunkCorrections | None = None) -> None:
+        """Write trajectory, cloud and the final run.json. status: complete | interrupted | failed.
+
+        `corrections` (loop closure's, models.loop_closure): when they move any chunk, the uncorrected
+        trajectory goes to trajectory_open_tum.txt, and the npz files, trajectory_tum.txt and points.ply
+        hold the corrected poses. Without (or when they move nothing) every file is as the stream made it.
+        """
         if status not in FINAL_STATUSES:
             raise ValueError(f"status must be one of {', '.join(FINAL_STATUSES)}; got {status!r}")
         if self.status != "running":
@@ -256,10 +276,12 @@ class RunWriter:
         worker_error = self._stop_worker()  # every frame handed over is on disk after this
         self._worker_error = None
         errors = [] if worker_error is None else [f"frame writer: {worker_error!r}"]
-        for name, write in (
-            (TRAJECTORY_TUM, self._write_trajectory),
-            (POINTS_PLY, self._write_points),
-        ):
+        moves = [] if corrections is None else self._chunk_moves(corrections)
+        writes = [(TRAJECTORY_TUM, self._write_trajectory), (POINTS_PLY, lambda: self._write_points(moves))]
+        if moves:
+            writes[:0] = [(TRAJECTORY_OPEN_TUM, lambda: self._write_trajectory(TRAJECTORY_OPEN_TUM)),
+                          (PREDICTIONS_DIR, lambda: self._correct_predictions(moves))]
+        for name, write in writes:
             try:
                 write()
             except OSError as exc:
@@ -284,14 +306,34 @@ class RunWriter:
                 "choose a writable --output"
             ) from None
 
-    def _write_trajectory(self) -> None:
+    def _write_trajectory(self, name: str = TRAJECTORY_TUM) -> None:
         frames = sorted(self.poses)
         c2w = np.array([self.poses[i].c2w for i in frames]).reshape(-1, 3, 4)
-        write_tum(self.output_dir / TRAJECTORY_TUM, [self.poses[i].timestamp for i in frames], c2w)
+        write_tum(self.output_dir / name, [self.poses[i].timestamp for i in frames], c2w)
 
-    def _write_points(self) -> None:
-        cloud = self.points.cloud()
+    def _write_points(self, moves: list[tuple[np.ndarray, Sim3]]) -> None:
+        cloud = self.points.moved_cloud(moves) if moves else self.points.cloud()
         write_ply(self.output_dir / POINTS_PLY, cloud.xyz, cloud.rgb)
+
+    def _chunk_moves(self, corrections: ChunkCorrections) -> list[tuple[np.ndarray, Sim3]]:
+        """(frames [F], Sim3) for each chunk that the corrections move, by the chunk of each frame's final
+        emission."""
+        by_chunk: dict[int, list[int]] = {}
+        for frame, pose in self.poses.items():
+            by_chunk.setdefault(pose.chunk_index, []).append(frame)
+        moves = [(np.array(frames), corrections.for_chunk(chunk)) for chunk, frames in sorted(by_chunk.items())]
+        return [(frames, move) for frames, move in moves if not move.is_identity]
+
+    def _correct_predictions(self, moves: list[tuple[np.ndarray, Sim3]]) -> None:
+        """Move each corrected frame's pose (self.poses and its npz: c2w, pose_enc, depth scaled)."""
+        for frames, move in moves:
+            for frame in frames.tolist():
+                record = self.poses[frame]
+                self.poses[frame] = replace(record, c2w=move.apply_to_poses(record.c2w))
+                path = prediction_path(self.output_dir, frame)
+                if path.exists():
+                    corrected = corrected_prediction_file(path, move)
+                    atomic_write(path, lambda f, arrays=corrected: np.savez(f, **arrays), binary=True)
 
     def _write_run_json(self, status: str, summary: dict, errors: list[str] | None = None) -> None:
         elapsed = time.monotonic() - self._start_time

@@ -9,7 +9,7 @@ with that model. Nothing here reads model weights, so the check runs on any pict
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import cv2
 import numpy as np
@@ -100,6 +100,10 @@ class GeometricCheck:
     inlier_ratio: float  # inliers / matches (0 without matches)
     geometry: str  # ESSENTIAL, FUNDAMENTAL, or NOT_FITTED (fewer matches than min_inliers: cannot pass)
     passed: bool
+    # [inliers, 2] int64 (keypoint index in a, in b): the matches the fitted geometry kept, for whoever
+    # turns a passed pair into a 3D alignment
+    inlier_matches: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64), compare=False,
+                                       repr=False)
 
 
 def check_pair(a: ImageFeatures, b: ImageFeatures, intrinsics_a: np.ndarray | None = None,
@@ -119,10 +123,11 @@ def check_pair(a: ImageFeatures, b: ImageFeatures, intrinsics_a: np.ndarray | No
     else:
         geometry = FUNDAMENTAL
         _, mask = cv2.findFundamentalMat(points_a, points_b, _usac(config))
-    inliers = 0 if mask is None else int(np.count_nonzero(mask))
+    kept = np.zeros((0, 2), np.int64) if mask is None else matches[np.asarray(mask).ravel() != 0]
+    inliers = len(kept)
     ratio = inliers / len(matches)
     passed = inliers >= config.min_inliers and ratio >= config.min_inlier_ratio
-    return GeometricCheck(len(matches), inliers, ratio, geometry, passed)
+    return GeometricCheck(len(matches), inliers, ratio, geometry, passed, kept)
 
 
 def _usac(config: GeometricCheckConfig) -> cv2.UsacParams:

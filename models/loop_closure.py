@@ -1,4 +1,5 @@
-"""Loop closure beside a chunked stream: what the stream's consumers see of it.
+"""Loop closure beside a chunked stream: what the stream's consumers see of it (NumPy only; the closer
+that makes them, with OpenCV and GTSAM, is models/loop_closer.py).
 
 `ChunkCorrections` is what a solved pose graph means for the outputs: for each chunk, the Sim(3) that
 moves its emitted predictions (chunk 0's coordinates as the open chain placed them) to where the

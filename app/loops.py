@@ -1,0 +1,108 @@
+"""Loop closure in a run: whether it runs (`--loop-closure`), and the sink that feeds it and hands its
+corrections on.
+
+The loop closer itself (models/loop_closure.py) works beside the stream; this sink gives it each chunk's
+odometry and every emission, passes each new solve to the live viewer, and at the end of the run waits
+for the last solve so that the writer can correct the run directory. A failure of loop closure never
+fails the run: it is logged, recorded in run.json, and the open chain stands.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Any
+
+from stream_recon.app.options import OptionsError, RunOptions
+
+logger = logging.getLogger(__name__)
+
+# How long the end of a run waits for loop detection to go through its queue and for the last solve.
+FINISH_TIMEOUT_S = 120.0
+
+
+def loop_closure_wanted(options: RunOptions, estimated_length: int | None) -> tuple[bool, str]:
+    """Whether a run closes loops, and why (for run.json). `on` without the pose graph's library is an
+    OptionsError; `auto` is on unless the library is missing or the source is known to end before its
+    third chunk (a loop joins chunks two or more apart: chunk 2 starts no earlier than frame
+    2 * (chunk_frames - overlap))."""
+    if options.loop_closure == "off":
+        return False, "off (--loop-closure off)"
+    if importlib.util.find_spec("gtsam") is None:
+        if options.loop_closure == "on":
+            raise OptionsError("--loop-closure on needs gtsam, the pose graph's library: pip install gtsam "
+                               "(or --loop-closure off)")
+        return False, "off (gtsam is not installed)"
+    third_chunk = 2 * (options.chunk_frames - options.overlap)
+    if options.loop_closure == "auto" and estimated_length is not None and estimated_length <= third_chunk:
+        return False, f"off (auto: {estimated_length} frames never reach a third chunk, at frame {third_chunk})"
+    return True, "on" if options.loop_closure == "on" else "on (auto)"
+
+
+class LoopClosureSink:
+    """Feeds a LoopCloser from the stream: a chunk's odometry before its first emission, then every
+    emission; new corrections go to the viewer (if any) as they come. Disabled, it only records why
+    (`reason`) for run.json."""
+
+    def __init__(self, engine: Any, viewer: Any = None, *, enabled: bool, reason: str) -> None:
+        if enabled and not hasattr(engine, "chunk_links"):
+            enabled, reason = False, "off (the engine streams no chunks)"
+        self.closer = None
+        if enabled:
+            from stream_recon.models.loop_closer import LoopCloser
+
+            self.closer = LoopCloser()
+        self.engine = engine
+        self.viewer = viewer
+        self.reason = reason
+        self.error: str | None = None
+        self._links = 0
+
+    def on_frame(self, pred: Any, stats: dict) -> None:
+        if self.closer is None or self.error is not None:
+            return
+        try:
+            links = self.engine.chunk_links
+            for link in links[self._links:]:
+                self.closer.add_link(link)
+            self._links = len(links)
+            self.closer.add_prediction(pred)
+            self._show(self.closer.take_corrections())
+        except Exception as failure:  # noqa: BLE001 - loop closure is an improvement, never a reason to stop
+            self._fail(failure)
+
+    def close(self, status: str) -> None:
+        if self.closer is not None:
+            self.closer.close()
+
+    def finish(self, status: str) -> Any:
+        """The final ChunkCorrections (None after a failure): a complete or failed run waits for detection
+        and the last solve; an interrupted one takes what is solved already."""
+        if self.closer is None or self.error is not None:
+            return None
+        try:
+            if status == "interrupted":
+                self.closer.take_corrections()
+                corrections = self.closer.corrections
+            else:
+                corrections = self.closer.finish(FINISH_TIMEOUT_S)
+        except Exception as failure:  # noqa: BLE001 - see on_frame
+            self._fail(failure)
+            return None
+        self._show(corrections, force=True)
+        return corrections
+
+    def summary(self) -> dict[str, Any]:
+        summary = {"mode": self.reason, "error": self.error}
+        if self.closer is not None and self.error is None:
+            summary.update(self.closer.summary())
+        return summary
+
+    def _show(self, corrections: Any, force: bool = False) -> None:
+        if corrections is not None and self.viewer is not None and (force or not corrections.is_identity):
+            self.viewer.apply_corrections(corrections)
+
+    def _fail(self, failure: Exception) -> None:
+        self.error = f"{type(failure).__name__}: {failure}"
+        logger.warning("loop closure stopped (%s); the run goes on with the open chain of chunks", self.error)
+        self.closer.close()
