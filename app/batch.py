@@ -1,7 +1,8 @@
 """Run every sequence of a dataset folder, resumably, serially or spread over a Ray cluster.
 
     OUTPUT/
-      summary.json            [{name, source, kind, status, error, frames, keyframes, fps, ..., ate_rmse, ...}]
+      summary.json            [{name, source, kind, status, error, frames, keyframes, fps, ..., ate_rmse,
+                               open_chain_ate_rmse, ...}]
       summary.csv             the same rows and columns
       <name>/                 one run directory per sequence (run.json, predictions/, trajectory_tum.txt, ...)
       <name>/eval.json        when the sequence has ground truth
@@ -11,6 +12,10 @@ A sequence whose folder has `.complete` is skipped (its row is reused with statu
 without it is the remains of a run that was killed or failed, and is deleted and redone. A sequence
 that fails is recorded with its error and the batch goes on; the summary is rewritten after every
 sequence, so a killed batch keeps what it finished.
+
+A row carries the loops the run's pose graph used (`loops_accepted`) when its run.json reports loop
+closure, and, for a run that loop closure corrected and that has ground truth, the ATE RMSE of its open
+chain (`open_chain_ate_rmse`, eval.json's open_chain) beside the corrected one (`ate_rmse`).
 
 A finished sequence is skipped only if it ran with the settings that change results
 (options.RESULT_FIELDS: --image-width, --scale-frames, --keyframes, the checkpoint, ...). Otherwise
@@ -47,6 +52,7 @@ from stream_recon.app.clock import finite_or_none
 from stream_recon.app.datasets import Sequence, TumFrames
 from stream_recon.app.evaluation import (
     DEFAULT_MAX_DIFF,
+    OPEN_CHAIN,
     EvaluationError,
     evaluate_run,
     evaluation_path,
@@ -55,7 +61,7 @@ from stream_recon.app.evaluation import (
 from stream_recon.app.loading import CheckpointDigest, load_model_for
 from stream_recon.app.options import RunOptions, changed_settings
 from stream_recon.app.pipeline import run_sequence
-from stream_recon.app.rundir import BATCH_MARKER, PREDICTIONS_DIR, RUN_JSON, holds_run
+from stream_recon.app.rundir import BATCH_MARKER, PREDICTIONS_DIR, RUN_JSON, holds_run, run_accepted_loops
 from stream_recon.models.checkpoint import DEFAULT_CHECKPOINT
 
 logger = logging.getLogger(__name__)
@@ -64,11 +70,14 @@ COMPLETE_MARKER = BATCH_MARKER
 SUMMARY_JSON = "summary.json"
 SUMMARY_CSV = "summary.csv"
 BASE_COLUMNS = ("name", "source", "kind", "status", "error", "frames", "keyframes", "fps", "seconds")
+LOOP_COLUMNS = ("loops_accepted",)  # run.json's summary.loop_closure.accepted, when the run reports it
+OPEN_CHAIN_ATE_RMSE = f"{OPEN_CHAIN}_ate_rmse"  # eval.json's open_chain.ate_rmse: ATE before loop closure
 EVAL_COLUMNS = (
     "alignment",
     "scale",
     "matched_poses",
     "ate_rmse",
+    OPEN_CHAIN_ATE_RMSE,
     "ate_mean",
     "ate_median",
     "rpe_trans_rmse",
@@ -79,7 +88,7 @@ EVAL_COLUMNS = (
     "depth_abs_rel",
     "depth_delta1",
 )
-SUMMARY_COLUMNS = BASE_COLUMNS + EVAL_COLUMNS
+SUMMARY_COLUMNS = BASE_COLUMNS + LOOP_COLUMNS + EVAL_COLUMNS
 
 ModelLoader = Callable[[], Any]
 
@@ -240,6 +249,9 @@ class SequenceWorker:
             row["seconds"] = time.monotonic() - started
             return row
         row["status"] = "ok"
+        loops_accepted = run_accepted_loops(run_dir)
+        if loops_accepted is not None:
+            row["loops_accepted"] = loops_accepted
         if sequence.gt_file is not None:
             row.update(self._evaluate(sequence, run_dir))
         row["seconds"] = time.monotonic() - started
@@ -259,7 +271,15 @@ class SequenceWorker:
         except (EvaluationError, OSError) as error:
             # The reconstruction itself is fine and kept; only the comparison could not be made.
             return {"error": f"evaluation: {error}"}
-        return {key: metrics[key] for key in EVAL_COLUMNS if key in metrics}
+        return evaluation_row(metrics)
+
+
+def evaluation_row(metrics: dict) -> dict:
+    """The summary columns of an evaluation (EVAL_COLUMNS that it holds), the open chain's ATE among them."""
+    row = {key: metrics[key] for key in EVAL_COLUMNS if key in metrics}
+    if OPEN_CHAIN in metrics:
+        row[OPEN_CHAIN_ATE_RMSE] = metrics[OPEN_CHAIN]["ate_rmse"]
+    return row
 
 
 def remove_partial_run(run_dir: Path) -> None:
@@ -319,6 +339,26 @@ def write_summary(output_dir: Path, rows: Iterable[dict]) -> None:
 
 def read_summary(output_dir: Path) -> list[dict]:
     return json.loads((Path(output_dir) / SUMMARY_JSON).read_text())
+
+
+@dataclass(frozen=True)
+class OpenChainMeans:
+    """Mean ATE RMSE with and without loop closure's correction, over the sequences that have both."""
+
+    sequences: int
+    ate_rmse: float
+    open_chain_ate_rmse: float
+
+
+def open_chain_means(rows: Iterable[dict]) -> OpenChainMeans | None:
+    """The means over the rows with both ATEs (the same sequences on both sides, so they compare);
+    None when no row has an open chain."""
+    pairs = [(row["ate_rmse"], row[OPEN_CHAIN_ATE_RMSE]) for row in rows
+             if row.get("ate_rmse") is not None and row.get(OPEN_CHAIN_ATE_RMSE) is not None]
+    if not pairs:
+        return None
+    corrected, open_chain = zip(*pairs, strict=True)
+    return OpenChainMeans(len(pairs), sum(corrected) / len(pairs), sum(open_chain) / len(pairs))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -456,8 +496,12 @@ def _report(console: Console, row: dict) -> None:
         detail = f"{row['frames']} frames"
         if row.get("fps") is not None:
             detail += f", {row['fps']:.1f} FPS"
+        if row.get("loops_accepted") is not None:
+            detail += f", {row['loops_accepted']} loops accepted"
         if row.get("ate_rmse") is not None:
             detail += f", ATE RMSE {row['ate_rmse']:.4f}"
+        if row.get(OPEN_CHAIN_ATE_RMSE) is not None:
+            detail += f" (open chain {row[OPEN_CHAIN_ATE_RMSE]:.4f})"
         if row.get("error"):
             detail += f" ({row['error']})"
         console.print(f"[green]ok[/] {row['name']}: {detail}")

@@ -41,6 +41,7 @@ from stream_recon.app.rundir import (
     prediction_files,
     read_tum,
     read_tum_list,
+    run_open_trajectory,
     run_trajectory,
     write_json_atomic,
 )
@@ -56,6 +57,9 @@ STATISTICS = ("rmse", "mean", "median", "std", "min", "max", "sse")  # what evo_
 # The evo-equivalent error series in eval.json: (key prefix, unit suffix; "" for ground-truth length units).
 ERROR_METRICS = (("ate", ""), ("rpe_trans", ""), ("rpe_rot", "deg"))
 DELTA1_THRESHOLD = 1.25
+# eval.json's key for the open chain's metrics (rundir.TRAJECTORY_OPEN_TUM, the poses before loop closure
+# corrected them), scored as the run's trajectory is; absent when the run has no open chain.
+OPEN_CHAIN = "open_chain"
 
 
 class EvaluationError(ValueError):
@@ -475,12 +479,15 @@ def evaluate_run(
 
     The trajectory is trajectory_tum.txt, or, for a run killed before writing it, the poses in its npz
     files (rundir.run_trajectory). `max_diff` pairs estimated with ground-truth poses, `depth_max_diff`
-    predictions with depth frames.
+    predictions with depth frames. When loop closure corrected the run, its open chain
+    (trajectory_open_tum.txt) is scored the same way, aligned on its own, under OPEN_CHAIN: the
+    trajectory metrics' keys, values equal to evaluating that file alone.
     """
     run_dir = Path(run_dir)
     gt = read_tum_trajectory(gt_file)  # first: a wrong --gt is the likelier mistake, and cheap to find
     try:
         estimate = Trajectory(*run_trajectory(run_dir))
+        open_chain = run_open_trajectory(run_dir)
     except TumFileError as error:
         raise EvaluationError(str(error)) from None
     result = {"run_dir": str(run_dir), "gt_file": str(gt_file)}
@@ -488,6 +495,10 @@ def evaluate_run(
     if depth_dir is not None:
         result.update(depth_dir=str(depth_dir), depth_max_diff=depth_max_diff)
         result.update(evaluate_depth(run_dir, depth_dir, max_diff=depth_max_diff))
+    if open_chain is not None:
+        result[OPEN_CHAIN] = evaluate_trajectories(
+            Trajectory(*open_chain), gt, alignment=alignment, max_diff=max_diff
+        )
     return result
 
 

@@ -6,6 +6,7 @@ Layout (DESIGN.md §5)::
       run.json                  status running -> complete | interrupted | failed, settings, summary
       predictions/000000.npz    one per frame, written atomically as the frame becomes final
       trajectory_tum.txt        timestamp tx ty tz qx qy qz qw (camera-to-world), written at close
+      trajectory_open_tum.txt   the same before loop closure corrected it, when a correction moved anything
       points.ply                confidence-filtered, voxel-downsampled cloud, written at close
       eval.json                 `stream-recon eval` (and batch) scores, when evaluated
 
@@ -357,6 +358,26 @@ def run_trajectory(run_dir: Path) -> tuple[np.ndarray, np.ndarray]:
     if not poses:
         raise RunDirError(f"{run_dir} has neither {TRAJECTORY_TUM} nor a readable prediction file: no pose to read")
     return np.asarray(stamps), np.stack(poses)
+
+
+def run_open_trajectory(run_dir: Path) -> tuple[np.ndarray, np.ndarray] | None:
+    """The open chain's poses (TRAJECTORY_OPEN_TUM: where the chunks lay before loop closure corrected
+    them): timestamps [N] and c2w [N, 4, 4], float64; None when the run has no such file (no correction
+    moved anything). Raises TumFileError for a file that is there but unreadable."""
+    path = Path(run_dir) / TRAJECTORY_OPEN_TUM
+    if not (path.exists() or path.is_symlink()):
+        return None
+    return read_tum(path)
+
+
+def run_accepted_loops(run_dir: Path) -> int | None:
+    """How many loops the run's pose graph used (run.json's summary.loop_closure.accepted); None when
+    run.json does not say (a run without loop closure, or one written before it existed)."""
+    info = read_run_info(run_dir)
+    summary = info.get("summary") if isinstance(info, dict) else None
+    loop_closure = summary.get("loop_closure") if isinstance(summary, dict) else None
+    accepted = loop_closure.get("accepted") if isinstance(loop_closure, dict) else None
+    return accepted if isinstance(accepted, int) and not isinstance(accepted, bool) else None
 
 
 def read_run_info(run_dir: Path) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import build_tiny_model
-from dataset_tree import write_dataset_tree, write_image_folder
+from dataset_tree import write_dataset_tree, write_image_folder, write_tum_sequence
 
 from stream_recon.app.batch import (
     COMPLETE_MARKER,
@@ -28,7 +28,14 @@ from stream_recon.app.batch import (
     run_batch,
 )
 from stream_recon.app.datasets import discover_sequences
-from stream_recon.app.options import RunOptions
+from stream_recon.app.options import RunOptions, changed_settings
+from stream_recon.app.rundir import (
+    TRAJECTORY_OPEN_TUM,
+    TRAJECTORY_TUM,
+    read_tum,
+    write_json_atomic,
+    write_tum,
+)
 from stream_recon.models import ModelConfig
 
 FRAMES = 6
@@ -453,3 +460,92 @@ def test_a_ray_batch_refused_for_want_of_gpus_leaves_nothing(tmp_path):
     assert result.exit_code == 2, result.output
     assert "GPU(s) but each sequence asks for 1; add GPU nodes, or pass --gpus-per-task 0" in result.output
     assert not output.exists()
+
+
+def with_loop_closure_outputs(run_sequence, corrected_sequence):
+    """run_sequence, then, for `corrected_sequence`, the files a run that loop closure corrected leaves:
+    the open chain (its trajectory with a drift that grows along it) and run.json's loop_closure summary.
+    The tiny model's 6-frame streams never close a loop, so the correction's outputs are written here."""
+
+    def run_and_correct(source, output_dir, options, **kwargs):
+        summary = run_sequence(source, output_dir, options, **kwargs)
+        run_dir = Path(output_dir)
+        if run_dir.name == corrected_sequence:
+            stamps, c2w = read_tum(run_dir / TRAJECTORY_TUM)
+            c2w[:, :3, 3] += np.arange(len(c2w))[:, None] * np.array([0.3, 0.0, 0.1])
+            write_tum(run_dir / TRAJECTORY_OPEN_TUM, stamps, c2w)
+            info = json.loads((run_dir / "run.json").read_text())
+            info["summary"]["loop_closure"] = {"mode": "on", "loops": [], "accepted": 2, "rejected": 1}
+            write_json_atomic(run_dir / "run.json", info)
+        return summary
+
+    return run_and_correct
+
+
+def table_rows(output, title):
+    """The body rows of the rich table printed under `title`, as lists of stripped cells."""
+    table = output.split(title, 1)[1]
+    return [[cell.strip() for cell in line.split("│")[1:-1]] for line in table.splitlines() if "│" in line]
+
+
+def test_batch_summary_shows_the_ate_with_and_without_loop_closure(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import stream_recon.app.batch as batch_module
+    from stream_recon.app.cli import app
+    from stream_recon.models.checkpoint import convert_to_safetensors
+
+    monkeypatch.setattr(batch_module, "run_sequence", with_loop_closure_outputs(batch_module.run_sequence, "a"))
+    torch.save(build_tiny_model().state_dict(), tmp_path / "tiny.pt")
+    checkpoint = convert_to_safetensors(tmp_path / "tiny.pt", tmp_path / "tiny.safetensors", ModelConfig.tiny())
+    root, output = tmp_path / "data", tmp_path / "out"
+    write_tum_sequence(root / "a", FRAMES)
+    write_tum_sequence(root / "b", FRAMES)
+    arguments = ["batch", str(root), "-o", str(output), "--checkpoint", str(checkpoint), "--device", "cpu",
+                 "--image-width", "56", "--scale-frames", "4"]
+
+    first = CliRunner().invoke(app, arguments, env={"COLUMNS": "200"})
+    again = CliRunner().invoke(app, arguments, env={"COLUMNS": "200"})  # skipped: the rows from the markers
+
+    assert first.exit_code == 0 and again.exit_code == 0, (first.output, again.output)
+    evaluation = {name: json.loads((output / name / "eval.json").read_text()) for name in ("a", "b")}
+    corrected, open_chain = evaluation["a"]["ate_rmse"], evaluation["a"]["open_chain"]["ate_rmse"]
+    assert "open_chain" not in evaluation["b"]
+    # b's run.json reports loop closure only once runs do; its row says what run.json says
+    b_loops = json.loads((output / "b" / "run.json").read_text())["summary"].get("loop_closure", {}).get("accepted")
+    rows = read_summary(output)
+    assert [(row["name"], row.get("loops_accepted"), row.get("open_chain_ate_rmse")) for row in rows] == [
+        ("a", 2, open_chain), ("b", b_loops, None)]
+    assert [row["ate_rmse"] for row in rows] == [corrected, evaluation["b"]["ate_rmse"]]
+    with (output / "summary.csv").open() as file:
+        table = list(csv.DictReader(file))
+    assert float(table[0]["open_chain_ate_rmse"]) == open_chain and table[1]["open_chain_ate_rmse"] == ""
+    assert table[0]["loops_accepted"] == "2" and table[1]["loops_accepted"] == ("" if b_loops is None else str(b_loops))
+    for result, status in ((first, "ok"), (again, "skipped")):
+        printed = table_rows(result.output, "summary.json")
+        assert [row[:2] + row[4:7] for row in printed] == [
+            ["a", status, "2", f"{corrected:.4f}", f"{open_chain:.4f}"],
+            ["b", status, table[1]["loops_accepted"], f"{evaluation['b']['ate_rmse']:.4f}", "-"],
+            ["mean of 1 with an open chain", "", "", f"{corrected:.4f}", f"{open_chain:.4f}"],
+        ]
+
+
+def test_loop_closure_is_a_setting_that_changes_results(tmp_path):
+    from typer.testing import CliRunner
+
+    from stream_recon.app.cli import app
+
+    root = tmp_path / "data"
+    write_image_folder(root / "a", FRAMES)
+    output = tmp_path / "out"
+    run_batch(discover_sequences(root), output, OPTIONS, load_model=build_tiny_model)
+    assert finished_settings(output / "a")["loop_closure"] == "auto"
+    arguments = ["batch", str(root), "-o", str(output), "--device", "cpu", "--image-width", "56", "--scale-frames",
+                 "4", "--checkpoint", str(tmp_path / "none.safetensors"), "--loop-closure", "off"]
+
+    result = CliRunner().invoke(app, arguments)
+
+    assert result.exit_code == 2, result.output
+    assert "loop_closure auto -> off" in result.output and "pass --overwrite to redo them" in result.output
+    assert changed_settings(OPTIONS.result_settings(), dataclasses.replace(OPTIONS, loop_closure="on")
+                            .result_settings()) == ["loop_closure auto -> on"]

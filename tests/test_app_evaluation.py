@@ -2,6 +2,7 @@
 
 import copy
 import json
+import shutil
 
 import cv2
 import numpy as np
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from stream_recon.app.evaluation import (
     ERROR_METRICS,
+    OPEN_CHAIN,
     STATISTICS,
     EvaluationError,
     Trajectory,
@@ -31,7 +33,7 @@ from stream_recon.app.evaluation import (
     umeyama_alignment,
     write_evaluation,
 )
-from stream_recon.app.rundir import read_tum, write_tum
+from stream_recon.app.rundir import TRAJECTORY_OPEN_TUM, TRAJECTORY_TUM, read_tum, write_tum
 from stream_recon.app.writers import RunWriter
 from stream_recon.models.pose import rotation_to_quat_xyzw
 from stream_recon.models.prediction import FRAME_KEY, FramePrediction
@@ -562,3 +564,92 @@ def test_eval_command_on_a_run_of_a_real_trajectory_equals_evo(tmp_path, evo_dat
     # survive unchanged, so the pairing is the one of the original files.
     assert_matches_evo(written, evo_on_files(gt_file, run_dir / "trajectory_tum.txt", alignment))
     assert written["matched_poses"] == evo_on_files(gt_file, est_file, alignment)["matched_poses"]
+
+
+# --------------------------------------------------------------------------------------------------
+# A run that loop closure corrected: its open chain is scored beside it
+
+# What eval.json holds for a trajectory without depth: the keys older readers know, and nothing else.
+TRAJECTORY_KEYS = {
+    "run_dir", "gt_file", "alignment", "scale", "rotation", "translation", "max_diff", "matched_poses",
+    "estimated_poses", "gt_poses", "rpe_pairs", "auc_5", "auc_15", "auc_30",
+    *(statistic_key(metric, statistic, unit) for metric, unit in ERROR_METRICS for statistic in STATISTICS),
+}
+
+
+def drifted(c2w, metres_per_pose):
+    """The poses with a drift that grows along the trajectory, as an open chain of chunks accumulates."""
+    moved = c2w.copy()
+    moved[:, :3, 3] += np.arange(len(c2w))[:, None] * np.array([metres_per_pose, 0.0, 0.5 * metres_per_pose])
+    return moved
+
+
+def run_dir_holding(run_dir, trajectory_file):
+    """A run directory whose only trajectory is a copy of this file, byte for byte."""
+    run_dir.mkdir()
+    shutil.copyfile(trajectory_file, run_dir / TRAJECTORY_TUM)
+    return run_dir
+
+
+def trajectory_metrics(result):
+    return {key: value for key, value in result.items() if key not in ("run_dir", "gt_file")}
+
+
+def test_a_corrected_run_is_scored_beside_its_open_chain(tmp_path):
+    from typer.testing import CliRunner
+
+    from stream_recon.app.cli import app
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    gt_file, est_file, _ = write_known_pair(run_dir, np.random.default_rng(13), noise=0.005)
+    stamps, corrected = read_tum(est_file)
+    open_chain = drifted(corrected, metres_per_pose=0.01)
+    write_tum(run_dir / TRAJECTORY_OPEN_TUM, stamps, open_chain)
+
+    result = CliRunner().invoke(app, ["eval", str(run_dir), "--gt", str(gt_file), "--max-diff", "0.02"])
+
+    assert result.exit_code == 0, result.output
+    written = json.loads((run_dir / "eval.json").read_text())
+    corrected_alone = evaluate_run(run_dir_holding(tmp_path / "corrected", est_file), gt_file, max_diff=0.02)
+    open_alone = evaluate_run(run_dir_holding(tmp_path / "open", run_dir / TRAJECTORY_OPEN_TUM), gt_file, max_diff=0.02)
+    assert set(written) == TRAJECTORY_KEYS | {OPEN_CHAIN}
+    assert trajectory_metrics(written) == {**json.loads(json.dumps(trajectory_metrics(corrected_alone))),
+                                           OPEN_CHAIN: json.loads(json.dumps(trajectory_metrics(open_alone)))}
+    assert written[OPEN_CHAIN]["max_diff"] == 0.02 and written[OPEN_CHAIN]["alignment"] == "sim3"
+    assert written["ate_rmse"] < 0.1 * written[OPEN_CHAIN]["ate_rmse"]
+    comparison = result.output.split("ATE (m): corrected vs open chain")[1]
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in comparison.splitlines() if "│" in line]
+    assert "┃ statistic ┃ corrected ┃ open chain ┃" in comparison
+    assert rows[0] == ["rmse", f"{written['ate_rmse']:.6f}", f"{written[OPEN_CHAIN]['ate_rmse']:.6f}"]
+
+
+def test_a_run_without_an_open_chain_keeps_eval_json_as_it_was(tmp_path):
+    from typer.testing import CliRunner
+
+    from stream_recon.app.cli import app
+
+    gt_file, _, _ = write_known_pair(tmp_path, np.random.default_rng(13), noise=0.005)
+
+    result = CliRunner().invoke(app, ["eval", str(tmp_path), "--gt", str(gt_file)])
+
+    assert result.exit_code == 0, result.output
+    written = json.loads((tmp_path / "eval.json").read_text())
+    assert set(written) == TRAJECTORY_KEYS  # no "open_chain" key at all
+    assert written == json.loads(json.dumps(evaluate_run(tmp_path, gt_file)))
+    assert "open chain" not in result.output
+
+
+def test_an_unreadable_open_chain_is_bad_input_naming_the_file(tmp_path):
+    from typer.testing import CliRunner
+
+    from stream_recon.app.cli import app
+
+    gt_file, _, _ = write_known_pair(tmp_path, np.random.default_rng(13), noise=0.005)
+    (tmp_path / TRAJECTORY_OPEN_TUM).write_text("1.0 0 0 0 0 0 0\n")
+
+    result = CliRunner().invoke(app, ["eval", str(tmp_path), "--gt", str(gt_file)])
+
+    assert result.exit_code == 2, result.output
+    assert f"{tmp_path / TRAJECTORY_OPEN_TUM}, line 1: expected 8 values" in " ".join(result.output.split())
+    assert not (tmp_path / "eval.json").exists()

@@ -13,6 +13,9 @@ OUTPUT/summary.json + summary.csv. Run it again to resume: finished sequences ar
 ones redone. A rerun with settings that change results (--image-width, --scale-frames, --keyframes,
 ...) stops before loading the model and names what changed; --overwrite redoes the sequences that
 ran with other settings. Exit code 1 when any sequence failed (the others are still done).
+The summary table shows the loops each run accepted (when its run.json reports loop closure) and, for
+a run that loop closure corrected, the ATE RMSE of its open chain (before the correction) beside the
+corrected one ("-": no open chain), with their means over the sequences that have both.
 
     stream-recon batch data/tum --output out/tum --image-width 392 --overwrite   # redo with a new width
 """
@@ -129,28 +132,40 @@ def batch(
 
 
 def summary_table(rows: list[dict], title: str) -> Table:
+    from stream_recon.app.batch import OPEN_CHAIN_ATE_RMSE, open_chain_means
+
     table = Table(title=title)
     for column, justify in (
         ("sequence", "left"),
         ("status", "left"),
         ("frames", "right"),
         ("FPS", "right"),
+        ("loops", "right"),
         ("ATE RMSE", "right"),
+        ("ATE open chain", "right"),
         ("error", "left"),
     ):
         table.add_column(column, justify=justify)
     colours = {"ok": "green", "skipped": "cyan", "failed": "red"}
     for row in rows:
+        evaluated = row.get("ate_rmse") is not None
         table.add_row(
             row["name"],
             f"[{colours[row['status']]}]{row['status']}[/]",
             _cell(row.get("frames")),
             _cell(row.get("fps"), "{:.1f}"),
+            _cell(row.get("loops_accepted")),
             _cell(row.get("ate_rmse"), "{:.4f}"),
+            _cell(row.get(OPEN_CHAIN_ATE_RMSE), "{:.4f}", missing="-" if evaluated else ""),
             row.get("error") or "",
         )
+    means = open_chain_means(rows)
+    if means is not None:
+        table.add_section()
+        table.add_row(f"mean of {means.sequences} with an open chain", "", "", "", "",
+                      f"{means.ate_rmse:.4f}", f"{means.open_chain_ate_rmse:.4f}", "")
     return table
 
 
-def _cell(value, template: str = "{}") -> str:
-    return "" if value is None else template.format(value)
+def _cell(value, template: str = "{}", missing: str = "") -> str:
+    return missing if value is None else template.format(value)

@@ -21,6 +21,11 @@ Ours alone: pose AUC@5/15/30 (VGGT style, alignment-free, over all pairs of matc
 and delta<1.25 after per-frame median scaling, each prediction paired with its nearest depth frame
 within --depth-max-diff seconds. Results are printed and written to RUN_DIR/eval.json (-o: elsewhere).
 
+A run that loop closure corrected also holds its open chain (trajectory_open_tum.txt, the poses before
+the correction): it is scored the same way, aligned on its own, under eval.json's "open_chain" (the same
+keys as the run's trajectory metrics), and the ATE of both is printed side by side. Without that file
+eval.json has no "open_chain" key.
+
 Exit codes: 0 evaluated and written; 1 evaluated and printed, but the results file could not be written
 (a read-only run directory: pass -o); 2 bad input, nothing computed; 130 Ctrl-C; 143 SIGTERM.
 """
@@ -108,6 +113,20 @@ def errors_table(results: dict) -> Table:
     return table
 
 
+def open_chain_table(results: dict) -> Table:
+    """ATE of the corrected trajectory beside the open chain's, one row per statistic evo prints."""
+    from stream_recon.app.evaluation import OPEN_CHAIN, STATISTICS, statistic_key
+
+    table = Table(title="ATE (m): corrected vs open chain")
+    table.add_column("statistic")
+    table.add_column("corrected", justify="right")
+    table.add_column("open chain", justify="right")
+    for statistic in STATISTICS:
+        key = statistic_key("ate", statistic)
+        table.add_row(statistic, f"{results[key]:.6f}", f"{results[OPEN_CHAIN][key]:.6f}")
+    return table
+
+
 def eval_command(
     run_dir: RunDirArg,
     gt: GtOpt,
@@ -121,6 +140,7 @@ def eval_command(
     from stream_recon.app.evaluation import (
         DEFAULT_MAX_DIFF,
         DEPTH_MAX_DIFF,
+        OPEN_CHAIN,
         EvaluationError,
         evaluate_run,
         evaluation_path,
@@ -143,6 +163,8 @@ def eval_command(
     console = Console()  # the results are the command's output: stdout, for a pipe or a file
     console.print(results_table(results, title=f"{run_dir} vs {gt}"))
     console.print(errors_table(results))
+    if OPEN_CHAIN in results:
+        console.print(open_chain_table(results))
     try:
         write_evaluation(results, target)
     except OSError as error:  # a read-only run directory, a full disk: the results above still stand
