@@ -358,6 +358,9 @@ def interval_stats(d: Deliveries, steady_from: int, overlap: int) -> dict[str, A
         "rollover_longest_frame": rollover_longest[1],
         "stalls": stalls[:50],
         "num_stalls": len(stalls),
+        # the loop-closure acceptance's bound: no frame interval above twice the median
+        "over_2x_median": [{"ms": round(value, 1), "frame": frame, "rollover": rolled}
+                           for value, frame, rolled in intervals if value > 2 * p50][:50],
         "re_emissions": len(frames) - len(first_seen),
     }
 
@@ -393,7 +396,8 @@ def run_options(args: argparse.Namespace, port: int) -> Any:
         checkpoint=args.checkpoint, device=args.device, dtype=args.dtype, attention=args.attention,
         compile=not args.no_compile, scale_frames=args.scale, window=args.window, chunk_frames=args.chunk_frames,
         overlap=args.overlap, keyframes=args.keyframes, image_width=args.image_width, max_frames=args.frames,
-        kv_cache=args.kv_cache, viewer=args.viewer, port=port, overwrite=True, **extra,
+        kv_cache=args.kv_cache, viewer=args.viewer, port=port, overwrite=True,
+        loop_closure=getattr(args, "loop_closure", "auto"), **extra,
     )
 
 
@@ -482,6 +486,7 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
         "provisional_frames": run_json["summary"].get("engine", {}).get("provisional_frames"),
         "run_json_fps": run_json["summary"].get("fps"),
         "run_json_model_fps": run_json["summary"].get("model_fps"),
+        "loop_closure": run_json["summary"].get("loop_closure"),
         "output_dir": str(output_dir),
     }
     if viewers and viewers[0] is not None:
@@ -609,6 +614,7 @@ def main() -> None:
                         "(torch.cuda.set_per_process_memory_fraction), as on a GPU of that size")
     parser.add_argument("--lookahead", choices=sorted(LOOKAHEAD), default="auto",
                         help="the next chunk predicted beside the stream (ChunkedEngine's lookahead)")
+    parser.add_argument("--loop-closure", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--viewer", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--client", action="store_true", help="with --viewer: a websocket client receives the scene")
     parser.add_argument("--port", type=int, default=0, help="viewer port (0: a free one)")

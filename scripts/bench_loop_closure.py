@@ -1,0 +1,100 @@
+"""What loop closure costs the stream: `stream-recon VIDEO` (run_sequence, every output written) on the same
+video with --loop-closure off and on, in one process.
+
+    python scripts/bench_loop_closure.py --frames 3000                 # GPU: the acceptance measurement
+    python scripts/bench_loop_closure.py --model tiny --device cpu --frames 48 --chunk-frames 12 --overlap 4
+
+The video is scripts/bench_e2e.py's (the sample frames played forwards and backwards while a crop pans),
+so the camera keeps returning to places it has seen: every chunk from the third on has loop candidates,
+which is loop closure's heaviest case. Order: a short warm-up run (every step compiled and recorded),
+then the measured runs alternating off, on (`--pairs` times). Per run: steady FPS, p50 / p99, frame
+intervals over twice the median (and whether a rollover was in them), and for `on` what run.json says
+of loop closure (keyframes indexed and skipped, loops accepted and rejected, milliseconds per call of
+each stage). Prints a table; --json writes everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+import bench_e2e  # noqa: E402
+
+
+def measured_run(args: argparse.Namespace, video: Path, mode: str, frames: int, model: Any, device: str) -> dict:
+    run_args = argparse.Namespace(**{**vars(args), "loop_closure": mode, "frames": frames})
+    options = bench_e2e.run_options(run_args, bench_e2e.free_port())
+    result = bench_e2e.product_run(run_args, video, options, model, device)
+    keep = ("steady_fps", "p50_ms", "p99_ms", "longest_stall_ms", "longest_stall_frame", "longest_stall_at_rollover",
+            "over_2x_median", "rollovers", "frames", "keyframes", "run_json_fps", "loop_closure")
+    return {"mode": mode, **{key: result.get(key) for key in keep}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--frames", type=int, default=3000)
+    parser.add_argument("--warmup-frames", type=int, default=120)
+    parser.add_argument("--pairs", type=int, default=1, help="off/on pairs to run")
+    parser.add_argument("--video-size", default="640x468")
+    parser.add_argument("--model", default="lingbot-map")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--chunk-frames", type=int, default=320)
+    parser.add_argument("--overlap", type=int, default=16)
+    parser.add_argument("--keyframes", default="all")
+    parser.add_argument("--video-dir", default=tempfile.gettempdir())
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    defaults = dict(checkpoint=None, dtype="auto", attention="auto", no_compile=False, image_width=518, scale=8,
+                    window=64, kv_cache="auto", viewer=False, client=False, lookahead="auto", output=None,
+                    keep_output=False, stand_in_ms=0.0, save_depth=None, save_images=None, save_predictions=None,
+                    flow_threshold=None, max_gap=None, gpu_memory=None)
+    args = argparse.Namespace(**{**defaults, **vars(args)})
+
+    import torch
+
+    from stream_recon.app.options import resolve_device
+
+    width, height = (int(side) for side in args.video_size.split("x"))
+    video = Path(args.video_dir) / f"bench_e2e_{args.frames}_{width}x{height}.mp4"
+    if not video.exists():
+        bench_e2e.make_video(video, args.frames, width, height)
+    options = bench_e2e.run_options(args, bench_e2e.free_port())
+    device = resolve_device(options.device)
+    model, load_s = bench_e2e.build_model(args, options, device)
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+        "settings": vars(args), "model_load_s": load_s,
+        "warmup": measured_run(args, video, "off", args.warmup_frames, model, device), "runs": [],
+    }
+    for _ in range(args.pairs):
+        for mode in ("off", "on"):
+            result["runs"].append(measured_run(args, video, mode, args.frames, model, device))
+            print_run(result["runs"][-1])
+    off = [run["steady_fps"] for run in result["runs"] if run["mode"] == "off"]
+    on = [run["steady_fps"] for run in result["runs"] if run["mode"] == "on"]
+    result["on_over_off"] = sum(on) / sum(off)
+    print(f"steady FPS with loop closure / without: {result['on_over_off']:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(bench_e2e.without_nan(result), indent=1) + "\n")
+
+
+def print_run(run: dict) -> None:
+    loops = run.get("loop_closure") or {}
+    over = run["over_2x_median"] or []
+    print(f"{run['mode']:>3}: {run['steady_fps']:.1f} FPS steady, p50 {run['p50_ms']:.1f} ms, p99 {run['p99_ms']:.1f} ms, "
+          f"{len(over)} intervals > 2x median ({sum(not o['rollover'] for o in over)} away from rollovers), "
+          f"longest {run['longest_stall_ms']:.0f} ms at frame {run['longest_stall_frame']}; "
+          f"loop closure: {loops.get('mode')}, {loops.get('accepted', '-')} accepted, "
+          f"{loops.get('rejected', '-')} rejected, {loops.get('keyframes_indexed', '-')} keyframes indexed, "
+          f"{loops.get('keyframes_skipped', '-')} skipped; costs {loops.get('costs_ms')}")
+
+
+if __name__ == "__main__":
+    main()
