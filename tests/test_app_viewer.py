@@ -202,10 +202,15 @@ class SceneMirror:
         asyncio.run_coroutine_threadsafe(self._socket.send(message), self._loop).result(timeout=5)
 
     def world_points(self, keyframe: str) -> np.ndarray:
-        """[N, 3] points of `keyframe`'s cloud mapped to the world through its parent's pose."""
-        parent, cloud = self.nodes[keyframe], self.nodes[f"{keyframe}/points"]
-        local = np.asarray(cloud["props"]["points"], dtype=np.float32).reshape(-1, 3)
-        return local @ quat_xyzw_to_rotation(np.roll(parent["wxyz"], -1)).T + np.asarray(parent["position"])
+        """[N, 3] points of `keyframe`'s cloud mapped to the world through the poses of its ancestors."""
+        points = np.asarray(self.nodes[f"{keyframe}/points"]["props"]["points"], dtype=np.float64).reshape(-1, 3)
+        parts = keyframe.split("/")
+        for depth in range(len(parts), 1, -1):  # the keyframe's parent node first, then its chunk's, ...
+            node = self.nodes.get("/".join(parts[:depth]))
+            if node is not None:
+                rotation = quat_xyzw_to_rotation(np.roll(np.asarray(node["wxyz"], np.float64), -1))
+                points = points @ rotation.T + np.asarray(node["position"])
+        return points
 
     def close(self) -> None:
         if self._socket is not None and self._thread.is_alive():
@@ -232,7 +237,9 @@ def _resolve_arrays(value, buffers):
 
 
 def keyframe_names(mirror: SceneMirror) -> list[str]:
-    return sorted(n for n in mirror.nodes if n.startswith("/keyframes/f") and n.count("/") == 2)
+    """The keyframes' parent nodes (/chunks/C/fNNNNNN), in name order."""
+    return sorted(n for n in mirror.nodes if n.startswith("/chunks/") and n.count("/") == 3
+                  and n.rsplit("/", 1)[1].startswith("f"))
 
 
 @pytest.fixture
@@ -252,7 +259,7 @@ def test_scene_arrives_and_updates_over_websocket(viewer):
     for index in range(8, 14):  # the run loop's stats: end-to-end FPS unknown so far (None)
         viewer.on_frame(orbit_frame(index), {"frames": index + 1, "fps": None, "model_fps": 12.5})
     keyframes = [i for i in range(14) if orbit_frame(i).is_keyframe]  # 0-3 scale frames, then even ones
-    expected = [f"/keyframes/f{i:06d}" for i in keyframes]
+    expected = [f"/chunks/0/f{i:06d}" for i in keyframes]
     try:
         first.wait_for(
             lambda m: keyframe_names(m) == expected and "/trajectory" in m.nodes and "/current" in m.nodes
@@ -279,9 +286,9 @@ def test_scene_arrives_and_updates_over_websocket(viewer):
         moved.c2w[:, 3] += np.array([0.5, 0.0, 0.0], np.float32)
         viewer.on_frame(moved, {})
         first.wait_for(
-            lambda m: np.allclose(m.nodes["/keyframes/f000006"]["position"], moved.c2w[:, 3], atol=1e-4)
+            lambda m: np.allclose(m.nodes["/chunks/0/f000006"]["position"], moved.c2w[:, 3], atol=1e-4)
         )
-        assert first.creates["/keyframes/f000006/points"] == 1
+        assert first.creates["/chunks/0/f000006/points"] == 1
         first.wait_for(
             lambda m: np.isclose(m.nodes["/trajectory"]["props"]["points"], moved.c2w[0, 3], atol=1e-4).any()
         )
@@ -289,7 +296,7 @@ def test_scene_arrives_and_updates_over_websocket(viewer):
         deeper = orbit_frame(8)
         deeper.depth = deeper.depth * 1.1
         viewer.on_frame(deeper, {})
-        first.wait_for(lambda m: m.creates.get("/keyframes/f000008/points", 0) >= 2)
+        first.wait_for(lambda m: m.creates.get("/chunks/0/f000008/points", 0) >= 2)
 
         # A browser that joins late gets the whole current scene from viser's buffer.
         viewer.flush()
@@ -368,7 +375,7 @@ def test_point_and_keyframe_controls_from_the_browser(viewer):
         viewer.on_frame(orbit_frame(index, frame_type=FRAME_KEY), {})
     mirror = SceneMirror(viewer.url)
     try:
-        names = [f"/keyframes/f{i:06d}" for i in range(6)]
+        names = [f"/chunks/0/f{i:06d}" for i in range(6)]
         mirror.wait_for(lambda m: keyframe_names(m) == names)
 
         def cloud_sizes(m: SceneMirror) -> list[int]:  # -1: a cloud not (yet) in the scene
@@ -428,7 +435,7 @@ def test_caps_thin_then_remove_the_oldest_keyframes():
 
         # What the browser holds: the newest cloud whole, the oldest thinned to a quarter, nothing older
         # than the cap.
-        expected = [f"/keyframes/f{i:06d}" for i in shown]
+        expected = [f"/chunks/0/f{i:06d}" for i in shown]
         watcher.wait_for(lambda m: keyframe_names(m) == expected)
         sizes = [len(watcher.nodes[f"{name}/points"]["props"]["points"]) // 3 for name in expected]
         assert sizes[-1] == 200 and sizes[0] == 50 and sum(sizes) <= 1500
@@ -536,7 +543,7 @@ def test_tiny_model_stream_reaches_the_browser(viewer, tiny_model):
                 viewer.on_frame(pred, engine.stats())
                 emitted.append(pred)
         assert [p.frame_index for p in emitted] == list(range(8))
-        keyframes = [f"/keyframes/f{p.frame_index:06d}" for p in emitted if p.is_keyframe]
+        keyframes = [f"/chunks/0/f{p.frame_index:06d}" for p in emitted if p.is_keyframe]
         assert 4 < len(keyframes) < 8  # scale frames plus every other streaming frame
         mirror.wait_for(lambda m: keyframe_names(m) == keyframes and "/trajectory" in m.nodes)
         mirror.wait_for(lambda m: len(m.nodes["/trajectory"]["props"]["points"]) == 7 * 2 * 3)
@@ -577,9 +584,9 @@ def test_replay_shows_the_run_and_follows_the_timeline(tmp_path):
         assert replay.wait_until_loaded()
         mirror.wait_for(lambda m: len(keyframe_names(m)) == 15 and "/current" in m.nodes)
         mirror.wait_for(lambda m: len(m.nodes["/trajectory"]["props"]["points"]) == 29 * 6)
-        np.testing.assert_allclose(mirror.world_points("/keyframes/f000028")[:, 2], PLANE_Z, atol=0.02)
+        np.testing.assert_allclose(mirror.world_points("/chunks/0/f000028")[:, 2], PLANE_Z, atol=0.02)
         replay.seek(9)  # the timeline moves back: later frames leave the scene
-        mirror.wait_for(lambda m: keyframe_names(m) == [f"/keyframes/f{i:06d}" for i in range(0, 10, 2)])
+        mirror.wait_for(lambda m: keyframe_names(m) == [f"/chunks/0/f{i:06d}" for i in range(0, 10, 2)])
         mirror.wait_for(lambda m: len(m.nodes["/trajectory"]["props"]["points"]) == 9 * 6)
         replay.play()
         mirror.wait_for(lambda m: len(keyframe_names(m)) == 15, timeout=15)
@@ -604,7 +611,8 @@ def test_replay_of_3000_frames_stays_under_the_caps(tmp_path):
             timings.append(time.perf_counter() - started)  # what the timeline slider waits for
             assert replay.wait_until_loaded()
             summary = replay.viewer.scene_summary()
-            assert summary["keyframes"] <= 120 and summary["nodes"] <= 3 * 120 + 2
+            # 3 nodes per keyframe, the chunk's node, the trajectory and the current camera
+            assert summary["keyframes"] <= 120 and summary["nodes"] <= 3 * 120 + 3
             assert summary["points"] <= 20_000
             assert max(replay.viewer.shown_keyframes()) == position
             assert summary["trajectory_frames"] == position + 1
