@@ -779,13 +779,13 @@ class LiveViewer:
         if np.array_equal(segments, self._loop_segments):
             return
         self._loop_segments = segments
-        if self._loop_edges is not None:
-            self._loop_edges.remove()
-            self._loop_edges = None
-        if pairs:
+        if pairs:  # a same-name re-add replaces the node, its colours sized to the new segments
             self._loop_edges = self.server.scene.add_line_segments(
                 "/loops", segments, colors=LOOP_COLOR, thickness=3.0, thickness_units="screen"
             )
+        elif self._loop_edges is not None:
+            self._loop_edges.remove()
+            self._loop_edges = None
 
     def _place_current(self) -> None:
         """Put the current camera where the last applied correction moves it."""
