@@ -4,6 +4,10 @@ The replay reads `RUN_DIR/predictions/NNNNNN.npz` (one file per frame, the last 
 index) and feeds them to the same `LiveViewer` the live run uses, so the scene, the caps and the GUI are
 the same. Moving the timeline to frame t shows the trajectory up to t and the newest keyframes up to t.
 
+The files hold the corrected world when loop closure moved the chunks (the writer applies the
+corrections), so the map needs no move; the accepted loops that run.json lists are drawn between their
+two cameras, each once the timeline has reached both.
+
 Staying interactive on long runs. At start only the small arrays of every file are read (index, keyframe
 flag, c2w), so the timeline knows the whole trajectory at once. A seek truncates or extends the scene,
 draws the frame at the timeline position and returns; a loader thread then brings in the keyframes that
@@ -22,12 +26,14 @@ websocket client joining late received the whole scene (904 nodes with viser's o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -39,6 +45,7 @@ from stream_recon.app.rundir import (
     read_run_info,
 )
 from stream_recon.app.viewer import LiveViewer
+from stream_recon.models.loop_closure import ChunkCorrections, LoopRecord
 from stream_recon.models.prediction import FramePrediction
 
 logger = logging.getLogger(__name__)
@@ -89,6 +96,21 @@ def index_run(run_dir: Path) -> RunIndex:
         is_keyframe=np.asarray(keyframe_flags)[order],
         c2w=np.stack(poses)[order],
     )
+
+
+def recorded_loops(run_info: dict[str, Any]) -> tuple[LoopRecord, ...]:
+    """The loops run.json lists (`summary.loop_closure.loops`, each a LoopRecord.as_json); none for a run
+    without the key (loop closure off, or written before it existed). An entry missing a field is skipped
+    with a warning."""
+    closure = (run_info.get("summary") or {}).get("loop_closure") or {}
+    fields = {field.name for field in dataclasses.fields(LoopRecord)}
+    loops = []
+    for entry in closure.get("loops") or []:
+        try:
+            loops.append(LoopRecord(**{key: value for key, value in entry.items() if key in fields}))
+        except (AttributeError, TypeError) as error:
+            logger.warning("skipping a loop in run.json: %s", error)
+    return tuple(loops)
 
 
 def load_frame(path: Path) -> FramePrediction:
@@ -266,12 +288,17 @@ class Replay:
 
 def start_replay(run_dir: Path, host: str = "127.0.0.1", port: int = 8080, **viewer_options) -> Replay:
     """Index `run_dir`, start a viewer and show the whole run (the timeline at its last frame). Points are
-    shown with the run's own confidence threshold (run.json) unless viewer_options say otherwise."""
+    shown with the run's own confidence threshold (run.json) unless viewer_options say otherwise, and the
+    accepted loops run.json lists are drawn."""
     index = index_run(run_dir)
-    recorded = read_run_info(run_dir).get("summary", {}).get("points", {}).get("conf_threshold")
+    run_info = read_run_info(run_dir)
+    recorded = run_info.get("summary", {}).get("points", {}).get("conf_threshold")
     if isinstance(recorded, (int, float)):
         viewer_options.setdefault("min_confidence", float(recorded))
     viewer = LiveViewer(host, port, keep_serving=True, inference_controls=False, **viewer_options)
+    loops = recorded_loops(run_info)
+    if loops:  # no chunk moves: the files are corrected already
+        viewer.apply_corrections(ChunkCorrections(by_chunk={}, loops=loops))
     replay = Replay(index, viewer)
     replay.seek(index.num_frames - 1)
     return replay

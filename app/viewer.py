@@ -9,14 +9,20 @@ handles instead of being re-added.
 
 Scene tree (world = the model's frame, OpenCV axes, so the scene's up direction is -y):
 
-    /keyframes/f000123           posed parent: position + wxyz of keyframe 123's c2w (T_world_camera)
-    /keyframes/f000123/points    its point cloud in its own camera frame, float16, coloured by the frame
-    /keyframes/f000123/frustum   its frustum with a thumbnail of the frame
+    /chunks/2                    chunk 2's node: the rotation and translation of its loop-closure correction
+    /chunks/2/f000123            posed parent: position + wxyz of keyframe 123's c2w (T_world_camera)
+    /chunks/2/f000123/points     its point cloud in its own camera frame, float16, coloured by the frame
+    /chunks/2/f000123/frustum    its frustum with a thumbnail of the frame
     /trajectory                  every camera centre seen so far, in frame order, as one line-segment node
     /current                     the newest camera, highlighted
+    /loops                       one segment per accepted loop, between its two cameras
 
 Because points live in their camera's frame, a pose correction (chunked streams re-emit frames aligned
 into chunk 0's frame) moves one parent node and never re-sends points unless the depth itself changed.
+A keyframe hangs under the node of the chunk that emitted it last, in the open chain's coordinates, so
+a loop closure (`apply_corrections`) moves one node per chunk. viser's nodes carry no scale, so a chunk
+whose correction scales it holds its keyframes' positions and points multiplied by that scale; the
+trajectory, the current camera and the loop segments live in the corrected world itself.
 
 Caps that keep the browser smooth over long runs: at most `max_points_per_keyframe` points per cloud, at
 most `max_keyframes` keyframe nodes, at most `max_total_points` points in total. Over the total, the oldest
@@ -44,8 +50,10 @@ import cv2
 import numpy as np
 import viser
 
+from stream_recon.models.loop_closure import ChunkCorrections
 from stream_recon.models.pose import back_project, rotation_to_quat_xyzw
 from stream_recon.models.prediction import FramePrediction
+from stream_recon.models.similarity import Sim3
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +62,10 @@ THINNED_FRACTION = 4
 KEYFRAME_COLOR = (90, 90, 90)
 CURRENT_COLOR = (255, 120, 0)
 TRAJECTORY_COLOR = (255, 60, 60)
+LOOP_COLOR = (0, 170, 255)
+# A chunk scale within 1e-4 of 1 is drawn unscaled: 0.1 mm at 1 m, far below the points' spacing, and
+# not worth re-sending every cloud of the chunk.
+SCALE_TOLERANCE = 1e-4
 ARRIVAL_WINDOW_S = 2.0
 
 
@@ -175,18 +187,52 @@ def _pose(c2w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.roll(rotation_to_quat_xyzw(c2w[:3, :3]), 1), c2w[:3, 3].copy()
 
 
+def _rigid_pose(transform: Sim3) -> tuple[np.ndarray, np.ndarray]:
+    """A Sim3's rotation and translation as a viser node's (wxyz [4], position [3])."""
+    wxyz = np.roll(rotation_to_quat_xyzw(np.asarray(transform.rotation, np.float64)), 1)
+    return wxyz, np.asarray(transform.translation, np.float64).copy()
+
+
+def _node_scale(transform: Sim3) -> float:
+    """The factor between a chunk node's local coordinates and the chain's: the correction's scale, or 1
+    within SCALE_TOLERANCE."""
+    return float(transform.scale) if abs(transform.scale - 1.0) > SCALE_TOLERANCE else 1.0
+
+
+def _keyframe_name(chunk_index: int, frame_index: int) -> str:
+    return f"/chunks/{chunk_index}/f{frame_index:06d}"
+
+
+@dataclass(frozen=True)
+class _ChainCentre:
+    """A camera centre [3] as its latest emission placed it in the open chain, and the emitting chunk."""
+
+    chunk_index: int
+    centre: np.ndarray
+
+
+@dataclass
+class _ChunkNode:
+    """Server-side record of one chunk's node."""
+
+    handle: Any  # viser.FrameHandle at the rotation and translation of the chunk's correction
+    scale: float = 1.0  # its children's coordinates are this times the chain's (`_node_scale`)
+
+
 @dataclass
 class _Keyframe:
     """Server-side record of one keyframe on screen."""
 
     frame_index: int
+    chunk_index: int
+    centre: np.ndarray  # [3] its camera centre in the open chain
     sample: KeyframeSample
     fingerprint: int
     parent: Any  # viser.FrameHandle
     frustum: Any  # viser.CameraFrustumHandle
     cloud: Any = None  # viser.PointCloudHandle
     shown_count: int = 0  # prefix of `sample` currently on screen (before the confidence filter)
-    shown_settings: tuple = ()  # (confidence %, budget) the cloud was built with
+    shown_settings: tuple = ()  # (min. confidence, budget, chunk scale) the cloud was built with
 
 
 @dataclass
@@ -194,7 +240,8 @@ class _Pending:
     """What `on_frame` and the GUI hand to the viewer thread; guarded by LiveViewer._lock."""
 
     predictions: dict[int, FramePrediction] = field(default_factory=dict)
-    poses: dict[int, np.ndarray] = field(default_factory=dict)  # frame index -> c2w [3, 4]
+    poses: dict[int, _ChainCentre] = field(default_factory=dict)  # frame index -> its camera centre
+    corrections: ChunkCorrections | None = None  # the newest handed over
     truncate_after: int | None = None
     stats: dict = field(default_factory=dict)
     rebuild_clouds: bool = False
@@ -286,13 +333,19 @@ class LiveViewer:
 
         # Scene state, touched only by the viewer thread.
         self._keyframes: dict[int, _Keyframe] = {}
-        self._centres: dict[int, np.ndarray] = {}
+        self._centres: dict[int, _ChainCentre] = {}  # every frame seen, keyframe or not
+        self._chunks: dict[int, _ChunkNode] = {}
+        self._corrections = ChunkCorrections(by_chunk={}, version=-1)  # the last applied; -1: none yet
+        self._loop_edges = None
+        self._loop_segments = np.zeros((0, 2, 3), np.float32)
         self._evicted_up_to = -1  # keyframes at or below this index were dropped by the caps
         self._scene_scale: float | None = None
         self._trajectory = None
         self._current = None
         self._current_index = -1
-        self._current_c2w: np.ndarray | None = None
+        self._current_chunk = 0
+        self._current_chain_c2w: np.ndarray | None = None  # as emitted, in the open chain
+        self._current_c2w: np.ndarray | None = None  # corrected
         self._num_updates = 0
         self._busy_seconds = 0.0  # wall time the viewer thread spent drawing: its share of the run
 
@@ -312,8 +365,10 @@ class LiveViewer:
             if len(pending.predictions) > self.max_pending:
                 # The viewer fell far behind: keep only the pose of the oldest pending frame, so the
                 # trajectory stays whole while memory stays bounded.
-                oldest = next(iter(pending.predictions))
-                pending.poses[oldest] = np.array(pending.predictions.pop(oldest).c2w, dtype=np.float32)
+                oldest = pending.predictions.pop(next(iter(pending.predictions)))
+                pending.poses[oldest.frame_index] = _ChainCentre(
+                    oldest.chunk_index, np.array(oldest.c2w, dtype=np.float32)[:3, 3]
+                )
             pending.stats = dict(stats)
             self._arrivals.append(time.perf_counter())
         self._wake.set()
@@ -372,10 +427,26 @@ class LiveViewer:
 
     # ------------------------------------------------------------------------------- replay controls
 
-    def push_poses(self, c2w_by_frame: dict[int, np.ndarray]) -> None:
-        """Queue camera poses only (no points), e.g. a replay's trajectory up to the timeline position."""
+    def push_poses(self, c2w_by_frame: dict[int, np.ndarray], chunk_index: int = 0) -> None:
+        """Queue camera poses only (no points), e.g. a replay's trajectory up to the timeline position;
+        a correction moves them as chunk `chunk_index`'s emissions."""
+        centres = {
+            index: _ChainCentre(chunk_index, np.array(c2w, dtype=np.float32)[:3, 3])
+            for index, c2w in c2w_by_frame.items()
+        }
         with self._lock:
-            self._pending.poses.update(c2w_by_frame)
+            self._pending.poses.update(centres)
+        self._wake.set()
+
+    def apply_corrections(self, corrections: ChunkCorrections) -> None:
+        """Queue a solved pose graph: each chunk's node moves by its correction, and the accepted loops
+        are drawn. One whose version is not newer than the last applied or queued one is ignored."""
+        if self._closed:
+            return
+        with self._lock:
+            queued = self._pending.corrections
+            if queued is None or corrections.version > queued.version:
+                self._pending.corrections = corrections
         self._wake.set()
 
     def truncate_after(self, frame_index: int) -> None:
@@ -420,9 +491,11 @@ class LiveViewer:
         viewer thread's cost (updates drawn, seconds spent drawing them)."""
         keyframes = list(self._keyframes.values())  # a copy: the viewer thread may be adding to it
         clouds = [kf.cloud for kf in keyframes if kf.cloud is not None]
+        own_nodes = 3 * len(keyframes) + len(self._chunks)
+        own_nodes += sum(node is not None for node in (self._trajectory, self._current, self._loop_edges))
         return {
             "keyframes": len(keyframes),
-            "nodes": 3 * len(keyframes) + (self._trajectory is not None) + (self._current is not None),
+            "nodes": own_nodes,
             "points": int(sum(c.points.shape[0] for c in clouds)),
             "trajectory_frames": len(self._centres),
             "current_frame": self._current_index,
@@ -434,7 +507,10 @@ class LiveViewer:
 
     def _pending_is_empty(self) -> bool:
         p = self._pending
-        return not (p.predictions or p.poses or p.truncate_after is not None or p.rebuild_clouds)
+        return not (
+            p.predictions or p.poses or p.corrections is not None or p.truncate_after is not None
+            or p.rebuild_clouds
+        )
 
     def _request_rebuild(self) -> None:
         with self._lock:
@@ -471,16 +547,20 @@ class LiveViewer:
         with self.server.atomic():
             if pending.truncate_after is not None:
                 self._truncate(pending.truncate_after)
-            for index, c2w in pending.poses.items():
-                self._centres[index] = np.asarray(c2w, dtype=np.float32)[:3, 3]
+            self._centres.update(pending.poses)
+            if pending.corrections is not None:
+                self._apply_corrections(pending.corrections)
             drawn = self._new_clouds_allowed(pending.predictions)
             for index in sorted(pending.predictions):
                 self._apply_prediction(pending.predictions[index], draw_cloud=index in drawn)
             self._enforce_caps(rebuild_all=pending.rebuild_clouds)
             self._apply_visibility()
             self._update_trajectory()
+            self._update_loop_edges()
         if pending.predictions:
             self._update_current(pending.predictions[max(pending.predictions)])
+        elif pending.corrections is not None:
+            self._place_current()
         self._update_readouts(pending.stats, fps)
 
     def _arrival_fps(self) -> float:
@@ -521,9 +601,38 @@ class LiveViewer:
         self._cloud_tokens -= len(new)
         return set(new)
 
+    def _apply_corrections(self, corrections: ChunkCorrections) -> None:
+        if corrections.version <= self._corrections.version:
+            return
+        self._corrections = corrections
+        for chunk_index, node in self._chunks.items():
+            self._place_chunk(chunk_index, node)
+
+    def _place_chunk(self, chunk_index: int, node: _ChunkNode) -> None:
+        """Pose the chunk's node by its correction; a new scale moves its keyframes' parents here and
+        re-sends their clouds in `_enforce_caps` (their settings no longer match)."""
+        transform = self._corrections.for_chunk(chunk_index)
+        node.handle.wxyz, node.handle.position = _rigid_pose(transform)
+        scale = _node_scale(transform)
+        if scale == node.scale:
+            return
+        node.scale = scale
+        for keyframe in self._keyframes.values():
+            if keyframe.chunk_index == chunk_index:
+                keyframe.parent.position = scale * keyframe.centre.astype(np.float64)
+
+    def _chunk_node(self, chunk_index: int) -> _ChunkNode:
+        node = self._chunks.get(chunk_index)
+        if node is None:
+            node = _ChunkNode(self.server.scene.add_frame(f"/chunks/{chunk_index}", show_axes=False))
+            self._chunks[chunk_index] = node
+            if not self._corrections.is_identity:
+                self._place_chunk(chunk_index, node)
+        return node
+
     def _apply_prediction(self, pred: FramePrediction, draw_cloud: bool = True) -> None:
         index = pred.frame_index
-        self._centres[index] = np.asarray(pred.c2w, dtype=np.float32)[:3, 3]
+        self._centres[index] = _ChainCentre(pred.chunk_index, np.asarray(pred.c2w, dtype=np.float32)[:3, 3])
         existing = self._keyframes.get(index)
         if not pred.is_keyframe:
             if existing is not None:  # re-emitted as a non-keyframe: it no longer belongs in the map
@@ -533,13 +642,15 @@ class LiveViewer:
             if index > self._evicted_up_to and draw_cloud:
                 self._add_keyframe(pred)
             return
-        wxyz, position = _pose(pred.c2w)
-        existing.parent.wxyz = wxyz
-        existing.parent.position = position
         fingerprint = _depth_fingerprint(pred)
-        if fingerprint != existing.fingerprint:
-            self._remove_keyframe(index)
+        if fingerprint != existing.fingerprint or pred.chunk_index != existing.chunk_index:
+            self._remove_keyframe(index)  # new depth, or the node of the chunk that emitted it now
             self._add_keyframe(pred, fingerprint)
+            return
+        wxyz, position = _pose(pred.c2w)
+        existing.centre = position.astype(np.float32)
+        existing.parent.wxyz = wxyz
+        existing.parent.position = self._chunks[existing.chunk_index].scale * position
 
     def _add_keyframe(self, pred: FramePrediction, fingerprint: int | None = None) -> None:
         sample = sample_keyframe_points(pred, self.max_points_per_keyframe)
@@ -547,8 +658,9 @@ class LiveViewer:
             self._scene_scale = float(np.median(sample.points[:, 2].astype(np.float32)))
             self._reset_view()
         wxyz, position = _pose(pred.c2w)
-        name = f"/keyframes/f{pred.frame_index:06d}"
-        parent = self.server.scene.add_frame(name, show_axes=False, wxyz=wxyz, position=position)
+        chunk = self._chunk_node(pred.chunk_index)
+        name = _keyframe_name(pred.chunk_index, pred.frame_index)
+        parent = self.server.scene.add_frame(name, show_axes=False, wxyz=wxyz, position=chunk.scale * position)
         fov_y, aspect = _field_of_view(pred)
         frustum = self.server.scene.add_camera_frustum(
             f"{name}/frustum",
@@ -564,6 +676,8 @@ class LiveViewer:
         )
         self._keyframes[pred.frame_index] = _Keyframe(
             frame_index=pred.frame_index,
+            chunk_index=pred.chunk_index,
+            centre=position.astype(np.float32),
             sample=sample,
             fingerprint=_depth_fingerprint(pred) if fingerprint is None else fingerprint,
             parent=parent,
@@ -583,16 +697,22 @@ class LiveViewer:
         budget = self._points_per_keyframe
         full = [min(budget, self._keyframes[i].sample.num_points) for i in order]
         counts = allocate_point_budget(full, self.max_total_points)
-        settings = (self._min_confidence, budget)
         for index, count in zip(order, counts, strict=True):
             keyframe = self._keyframes[index]
             if count == 0:
                 self._evicted_up_to = max(self._evicted_up_to, index)
                 self._remove_keyframe(index)
-            elif rebuild_all or count != keyframe.shown_count or settings != keyframe.shown_settings:
+            elif rebuild_all or count != keyframe.shown_count or self._settings_changed(keyframe):
                 self._show_cloud(keyframe, count)
             elif keyframe.cloud is not None:
                 keyframe.cloud.point_size = self._point_size()
+
+    def _cloud_settings(self, keyframe: _Keyframe) -> tuple:
+        """What a keyframe's cloud is built from besides its sample: a change re-sends it."""
+        return self._min_confidence, self._points_per_keyframe, self._chunks[keyframe.chunk_index].scale
+
+    def _settings_changed(self, keyframe: _Keyframe) -> bool:
+        return self._cloud_settings(keyframe) != keyframe.shown_settings
 
     def _show_cloud(self, keyframe: _Keyframe, count: int) -> None:
         points = keyframe.sample.points[:count]
@@ -601,6 +721,9 @@ class LiveViewer:
         if self._min_confidence > 1.0:  # the rule of --conf-threshold and points.ply, not a percentile
             keep = confidence >= self._min_confidence
             points, colors = points[keep], colors[keep]
+        scale = self._chunks[keyframe.chunk_index].scale
+        if scale != 1.0:
+            points = (scale * points.astype(np.float32)).astype(np.float16)
         # Same-name re-add replaces the node (and its buffered create message) in one step; assigning
         # points and colours separately would briefly pair arrays of different lengths on the client.
         keyframe.cloud = self.server.scene.add_point_cloud(
@@ -613,17 +736,28 @@ class LiveViewer:
             point_shading="flat",
         )
         keyframe.shown_count = count
-        keyframe.shown_settings = (self._min_confidence, self._points_per_keyframe)
+        keyframe.shown_settings = self._cloud_settings(keyframe)
 
     def _apply_visibility(self) -> None:
         newest_first = sorted(self._keyframes, reverse=True)
         for rank, index in enumerate(newest_first):
             self._keyframes[index].parent.visible = self._show_all or rank < self._last_n
 
+    def _corrected_centres(self, indices: list[int]) -> np.ndarray:
+        """[S, 3] float32: the camera centres of these frames, each moved by its chunk's correction."""
+        centres = np.stack([self._centres[i].centre for i in indices]).astype(np.float64)
+        if self._corrections.is_identity:
+            return centres.astype(np.float32)
+        chunks = np.array([self._centres[i].chunk_index for i in indices])
+        for chunk_index in np.unique(chunks):
+            moved = chunks == chunk_index
+            centres[moved] = self._corrections.for_chunk(int(chunk_index)).apply_to_points(centres[moved])
+        return centres.astype(np.float32)
+
     def _update_trajectory(self) -> None:
         if len(self._centres) < 2:
             return
-        centres = np.stack([self._centres[i] for i in sorted(self._centres)])  # [S, 3]
+        centres = self._corrected_centres(sorted(self._centres))  # [S, 3]
         segments = np.stack([centres[:-1], centres[1:]], axis=1)  # [S - 1, 2, 3]
         if self._trajectory is None:
             self._trajectory = self.server.scene.add_line_segments(
@@ -632,12 +766,44 @@ class LiveViewer:
         else:
             self._trajectory.points = segments
 
+    def _update_loop_edges(self) -> None:
+        """One segment per accepted loop whose two frames this viewer has seen, between their corrected
+        camera centres; re-sent only when they change."""
+        pairs = [(loop.query_frame, loop.candidate_frame) for loop in self._corrections.accepted_loops
+                 if loop.query_frame in self._centres and loop.candidate_frame in self._centres]
+        if pairs:
+            ends = self._corrected_centres([frame for pair in pairs for frame in pair])
+            segments = ends.reshape(len(pairs), 2, 3)
+        else:
+            segments = np.zeros((0, 2, 3), np.float32)
+        if np.array_equal(segments, self._loop_segments):
+            return
+        self._loop_segments = segments
+        if pairs:  # a same-name re-add replaces the node, its colours sized to the new segments
+            self._loop_edges = self.server.scene.add_line_segments(
+                "/loops", segments, colors=LOOP_COLOR, thickness=3.0, thickness_units="screen"
+            )
+        elif self._loop_edges is not None:
+            self._loop_edges.remove()
+            self._loop_edges = None
+
+    def _place_current(self) -> None:
+        """Put the current camera where the last applied correction moves it."""
+        if self._current is None or self._current_chain_c2w is None:
+            return
+        self._current_c2w = self._corrections.corrected_c2w(self._current_chunk, self._current_chain_c2w)
+        self._current.wxyz, self._current.position = _pose(self._current_c2w)
+        if self._follow:
+            self._move_clients_to(self._current_c2w)
+
     def _update_current(self, pred: FramePrediction) -> None:
         if pred.frame_index < self._current_index:
             return
         self._current_index = pred.frame_index
-        self._current_c2w = np.asarray(pred.c2w, dtype=np.float64)
-        wxyz, position = _pose(pred.c2w)
+        self._current_chunk = pred.chunk_index
+        self._current_chain_c2w = np.asarray(pred.c2w, dtype=np.float64)
+        self._current_c2w = self._corrections.corrected_c2w(pred.chunk_index, self._current_chain_c2w)
+        wxyz, position = _pose(self._current_c2w)
         thumb = self._thumbnail(pred)
         fov_y, aspect = _field_of_view(pred)
         with self.server.atomic():
@@ -684,6 +850,8 @@ class LiveViewer:
         if _is_number(stats.get("patch_frames")):  # the frames attention reads in full: scale + window
             memory = f", {stats['cache_bytes'] / 2**20:.1f} MiB" if _is_number(stats.get("cache_bytes")) else ""
             lines.append(f"attention cache: {stats['patch_frames']} frames{memory}")
+        if self._corrections.loops:
+            lines.append(f"loops: {len(self._corrections.accepted_loops)} accepted")
         self._readout.content = "  \n".join(lines)
 
     def _thumbnail(self, pred: FramePrediction) -> np.ndarray | None:
