@@ -49,9 +49,9 @@ class LoopClosureSink:
             enabled, reason = False, "off (the engine streams no chunks)"
         self.closer = None
         if enabled:
-            from stream_recon.models.loop_closer import LoopCloser
+            from stream_recon.models.loop_closer import LoopCloserProcess
 
-            self.closer = LoopCloser()
+            self.closer = LoopCloserProcess()
         self.engine = engine
         self.viewer = viewer
         self.reason = reason

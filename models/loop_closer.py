@@ -10,7 +10,10 @@ solved by a worker in a child process. What comes out is models/loop_closure.py'
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,13 +27,23 @@ from .geometric_check import extract_features
 from .loop_closure import ChunkCorrections, LoopRecord
 from .loop_detection import CheckedCandidate, LoopDetectionConfig, LoopDetector
 from .loop_retrieval import gradient_grid_descriptor
-from .pose_graph import LoopEdge, OdometryEdge, PoseGraph, PoseGraphWorker, SolvedGraph
+from .pose_graph import (
+    LoopEdge,
+    OdometryEdge,
+    PoseGraph,
+    PoseGraphWorker,
+    SolvedGraph,
+    optimize,
+    read_message,
+    write_message,
+)
 from .prediction import FramePrediction
 from .similarity import AlignmentError, Sim3, irls_umeyama, umeyama
 
 GRADIENT_GRID_DIM = 128  # gradient_grid_descriptor's length
 
 
+@dataclass(frozen=True)
 class LoopClosureConfig:
     detection: LoopDetectionConfig = LoopDetectionConfig()
     # Depth behind a keypoint counts when its confidence is at least this (points.ply's rule: the model
@@ -67,6 +80,11 @@ class _Keyframe:
     intrinsics: np.ndarray  # [3, 3]
     c2w: np.ndarray  # [3, 4] as emitted (the open chain's world)
     descriptor: np.ndarray | None  # the model's, when the stream computed it
+
+
+def keyframe_of(pred: FramePrediction) -> _Keyframe:
+    return _Keyframe(pred.frame_index, pred.chunk_index, pred.image, pred.depth, pred.depth_conf,
+                     pred.intrinsics, pred.c2w, pred.descriptor)
 
 
 @dataclass(frozen=True)
@@ -213,10 +231,12 @@ class LoopCloser:
         if pred.chunk_index >= len(self._chain):
             raise ValueError(f"frame {pred.frame_index} of chunk {pred.chunk_index} came before that chunk's link")
         self._seen.add(pred.frame_index)
-        keyframe = _Keyframe(pred.frame_index, pred.chunk_index, pred.image, pred.depth, pred.depth_conf,
-                             pred.intrinsics, pred.c2w, pred.descriptor)
+        return self.add_keyframe(keyframe_of(pred))
+
+    def add_keyframe(self, keyframe: _Keyframe, *, wait: bool = False) -> bool:
+        """Queue a keyframe for detection; without `wait`, a full queue skips it (counted). True if queued."""
         try:
-            self._queue.put_nowait(keyframe)
+            self._queue.put(keyframe, block=wait)
         except queue.Full:
             self.keyframes_skipped += 1
             return False
@@ -392,3 +412,160 @@ class _Timings:
         return {stage: {"calls": len(values), "mean": round(float(np.mean(values)), 3),
                         "max": round(float(np.max(values)), 3)}
                 for stage, values in list(self._calls.items())}
+
+
+# -- the loop closer in a process of its own ----------------------------------------------------------
+def serve(requests_fd: int, replies_fd: int, queue_keyframes: int) -> None:
+    """The child process of a LoopCloserProcess: a LoopCloser (the pose graph solved in this process) fed
+    from the parent's messages ("link", ChunkLink), ("keyframe", _Keyframe), ("finish", timeout); replies
+    ("corrections", ChunkCorrections with the accepted loops only, small) after each new solve, and at
+    "finish" ("finished", corrections, summary) or ("error", text)."""
+    config = LoopClosureConfig(queue_keyframes=queue_keyframes)
+    closer = LoopCloser(config, PoseGraphWorker(solve=optimize))
+    with os.fdopen(requests_fd, "rb") as requests, os.fdopen(replies_fd, "wb") as replies:
+        try:
+            while True:
+                try:
+                    kind, payload = read_message(requests)
+                except EOFError:
+                    return
+                if kind == "link":
+                    closer.add_link(payload)
+                elif kind == "keyframe":
+                    closer.add_keyframe(payload, wait=True)  # a full queue holds the pipe: the parent skips
+                elif kind == "finish":
+                    corrections = closer.finish(payload)
+                    write_message(replies, ("finished", corrections, closer.summary()))
+                    return
+                fresh = closer.take_corrections()
+                if fresh is not None:
+                    write_message(replies, ("corrections", replace(fresh, loops=fresh.accepted_loops)))
+        except Exception as error:  # the parent reports it; loop closure ends, the stream goes on
+            write_message(replies, ("error", f"{type(error).__name__}: {error}"))
+        finally:
+            closer.close()
+
+
+class LoopCloserProcess:
+    """LoopCloser's interface, with the loop closer in a child process: detection (SIFT, matching, RANSAC,
+    the 3D fit) and the pose graph then never hold this process's GIL, and never share its interpreter
+    with the stream. Measured on an H100 machine with the closer on a thread of the stream's process, the
+    stream lost 13% of its steady FPS (39.9 -> 34.7) and had 50 frame intervals over twice the median
+    instead of 11 (docs/PERFORMANCE.md).
+
+    The stream's thread hands keyframes to a bounded queue (a full queue skips the keyframe, counted); a
+    feeder thread pickles them into the pipe (a keyframe is ~1.6 MB at 518 x 378); a reader thread takes
+    the child's corrections. The child is a fresh interpreter (`python -c`), as for SubprocessSolver.
+    """
+
+    def __init__(self, config: LoopClosureConfig = LoopClosureConfig()) -> None:
+        self.config = config
+        self.keyframes_skipped = 0
+        self._seen: set[int] = set()
+        self._outbox: queue.Queue[tuple[str, Any] | None] = queue.Queue(maxsize=config.queue_keyframes)
+        self._lock = threading.Lock()
+        self._corrections = ChunkCorrections({})
+        self._handed_version = 0
+        self._finished: tuple[ChunkCorrections, dict[str, Any]] | None = None
+        self._error: str | None = None
+        self._done = threading.Event()
+        child_reads, parent_writes = os.pipe()
+        parent_reads, child_writes = os.pipe()
+        command = (f"from stream_recon.models.loop_closer import serve; "
+                   f"serve({child_reads}, {child_writes}, {config.queue_keyframes})")
+        self._process = subprocess.Popen([sys.executable, "-c", command], pass_fds=(child_reads, child_writes),
+                                         stdin=subprocess.DEVNULL)
+        os.close(child_reads)
+        os.close(child_writes)
+        self._requests, self._replies = os.fdopen(parent_writes, "wb"), os.fdopen(parent_reads, "rb")
+        self._feeder = threading.Thread(target=self._feed, name="loop-closure-feeder", daemon=True)
+        self._reader = threading.Thread(target=self._read, name="loop-closure-reader", daemon=True)
+        self._feeder.start()
+        self._reader.start()
+
+    # -- the stream's side: as LoopCloser's ------------------------------------------------------
+    def add_link(self, link: ChunkLink) -> None:
+        self._outbox.put(("link", link))  # one per chunk: waits rather than lose the odometry
+
+    def add_prediction(self, pred: FramePrediction) -> bool:
+        if not pred.is_keyframe or pred.provisional or pred.frame_index in self._seen or pred.image is None:
+            return False
+        self._seen.add(pred.frame_index)
+        try:
+            self._outbox.put_nowait(("keyframe", keyframe_of(pred)))
+        except queue.Full:
+            self.keyframes_skipped += 1
+            return False
+        return True
+
+    def take_corrections(self) -> ChunkCorrections | None:
+        self._raise_error()
+        with self._lock:
+            if self._corrections.version == self._handed_version:
+                return None
+            self._handed_version = self._corrections.version
+            return self._corrections
+
+    def finish(self, timeout: float = 60.0) -> ChunkCorrections:
+        """Send every queued keyframe, let the child detect on them and solve, and take its final word."""
+        self._outbox.put(("finish", timeout))
+        if not self._done.wait(2 * timeout + 30):
+            raise RuntimeError(f"loop closure did not finish within {2 * timeout + 30:.0f} s")
+        self._raise_error()
+        corrections, _ = self._finished
+        with self._lock:
+            self._corrections = corrections
+        return corrections
+
+    @property
+    def corrections(self) -> ChunkCorrections:
+        with self._lock:
+            return self._corrections
+
+    def summary(self) -> dict[str, Any]:
+        summary = dict(self._finished[1]) if self._finished is not None else {}
+        summary["keyframes_skipped"] = summary.get("keyframes_skipped", 0) + self.keyframes_skipped
+        return summary
+
+    def close(self) -> None:
+        with contextlib.suppress(queue.Full):
+            self._outbox.put_nowait(None)
+        if self._process.poll() is None:
+            self._process.terminate()
+            self._process.wait(timeout=10)
+
+    # -- threads ----------------------------------------------------------------------------------
+    def _feed(self) -> None:
+        try:
+            while (message := self._outbox.get()) is not None:
+                write_message(self._requests, message)
+                if message[0] == "finish":
+                    return
+        except (OSError, ValueError) as error:
+            self._fail(f"the loop-closure process stopped taking keyframes ({error})")
+
+    def _read(self) -> None:
+        try:
+            while True:
+                kind, *payload = read_message(self._replies)
+                if kind == "corrections":
+                    with self._lock:
+                        self._corrections = payload[0]
+                elif kind == "finished":
+                    self._finished = (payload[0], payload[1])
+                    self._done.set()
+                    return
+                else:
+                    self._fail(payload[0])
+                    return
+        except (EOFError, OSError, ValueError):
+            self._fail(f"the loop-closure process ended (exit status {self._process.poll()})")
+
+    def _fail(self, message: str) -> None:
+        if self._error is None:
+            self._error = message
+        self._done.set()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"loop closure failed: {self._error}")

@@ -313,13 +313,14 @@ class PoseGraphWorkerError(RuntimeError):
     """An optimisation on the worker failed; the original error is the cause."""
 
 
-def _write_message(stream: BinaryIO, message: object) -> None:
+def write_message(stream: BinaryIO, message: object) -> None:
+    """One pickled message to a child process's pipe (a length, then the pickle), flushed."""
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     stream.write(struct.pack("<Q", len(data)) + data)
     stream.flush()
 
 
-def _read_message(stream: BinaryIO) -> Any:
+def read_message(stream: BinaryIO) -> Any:
     """The next message, or raises EOFError when the other end has closed."""
     header = stream.read(8)
     if len(header) < 8:
@@ -337,14 +338,14 @@ def serve(requests_fd: int, replies_fd: int) -> None:
     with os.fdopen(requests_fd, "rb") as requests, os.fdopen(replies_fd, "wb") as replies:
         while True:
             try:
-                graph, settings = _read_message(requests)
+                graph, settings = read_message(requests)
             except EOFError:
                 return
             try:
                 reply: PoseGraphResult | str = optimize(graph, settings)
             except Exception as error:
                 reply = f"{type(error).__name__}: {error}"
-            _write_message(replies, reply)
+            write_message(replies, reply)
 
 
 class SubprocessSolver:
@@ -377,8 +378,8 @@ class SubprocessSolver:
         if self._process is None:
             self._start()
         try:
-            _write_message(self._requests, (graph, self._settings))
-            reply = _read_message(self._replies)  # (file reads wait without the GIL)
+            write_message(self._requests, (graph, self._settings))
+            reply = read_message(self._replies)  # (file reads wait without the GIL)
         except (EOFError, OSError, ValueError) as error:
             raise RuntimeError(f"the pose-graph process ended (exit status {self._process.poll()})") from error
         if isinstance(reply, str):
@@ -482,5 +483,5 @@ class PoseGraphWorker:
 __all__ = [
     "LoopEdge", "LoopVerdict", "OdometryEdge", "PoseGraph", "PoseGraphResult", "PoseGraphSettings",
     "PoseGraphWorker", "PoseGraphWorkerError", "SolvedGraph", "SubprocessSolver", "as_sigmas", "from_gtsam",
-    "open_chain", "optimize", "serve", "to_gtsam",
+    "open_chain", "optimize", "read_message", "serve", "to_gtsam", "write_message",
 ]

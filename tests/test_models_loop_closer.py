@@ -1,0 +1,107 @@
+"""The loop closer on the `loop` fixture's real images (tests/loop_standin.py drifts the reference chunk by
+chunk), on a thread and in a child process, and its 3D verification on its own."""
+
+from __future__ import annotations
+
+import cv2
+import numpy as np
+import pytest
+from loop_standin import LoopSceneEngine, load_loop_scene, trajectory_error
+
+pytest.importorskip("gtsam")
+
+from stream_recon.models.loop_closer import (  # noqa: E402
+    LoopCloser,
+    LoopCloserProcess,
+    LoopClosureConfig,
+    _KeyframePoints,
+    align_loop,
+)
+from stream_recon.models.pose_graph import PoseGraphWorker, optimize  # noqa: E402
+from stream_recon.models.similarity import Sim3  # noqa: E402
+
+# every keyframe of the 69-frame stream waits for detection: the outcome does not depend on timing
+ALL_KEYFRAMES = LoopClosureConfig(queue_keyframes=100)
+
+
+def stream_through(closer, seed: int = 0) -> tuple[dict, LoopSceneEngine]:
+    scene = load_loop_scene()
+    engine = LoopSceneEngine(scene, seed=seed)
+    final, links_sent = {}, 0
+    for frame in scene.frames:
+        image = cv2.cvtColor(cv2.imread(str(scene.image_path(frame))), cv2.COLOR_BGR2RGB).transpose(2, 0, 1)
+        predictions = engine.push(image)
+        for link in engine.chunk_links[links_sent:]:  # a chunk's odometry before its first emission
+            closer.add_link(link)
+        links_sent = len(engine.chunk_links)
+        for prediction in predictions:
+            closer.add_prediction(prediction)
+            final[prediction.frame_index] = prediction
+    return final, engine
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_the_walk_back_to_its_start_is_closed_and_the_drift_corrected(seed: int) -> None:
+    closer = LoopCloser(ALL_KEYFRAMES, PoseGraphWorker(solve=optimize))
+    try:
+        final, engine = stream_through(closer, seed)
+        corrections = closer.finish()
+    finally:
+        closer.close()
+    reference = load_loop_scene().c2w
+    open_c2w = np.stack([final[i].c2w for i in range(len(final))])
+    corrected = np.stack([corrections.corrected_c2w(final[i].chunk_index, final[i].c2w) for i in range(len(final))])
+    assert trajectory_error(corrected, reference) < 0.5 * trajectory_error(open_c2w, reference)
+    accepted = corrections.accepted_loops
+    assert accepted and all(loop.query_chunk - loop.candidate_chunk >= 2 for loop in accepted)
+    assert all(loop.candidate_frame <= 10 and loop.query_frame >= 60 for loop in accepted)
+
+
+def test_the_child_process_closes_the_same_loops_as_the_thread() -> None:
+    in_thread = LoopCloser(ALL_KEYFRAMES, PoseGraphWorker(solve=optimize))
+    in_child = LoopCloserProcess(ALL_KEYFRAMES)
+    try:
+        stream_through(in_thread)
+        stream_through(in_child)
+        thread_result, child_result = in_thread.finish(), in_child.finish()
+    finally:
+        in_thread.close()
+        in_child.close()
+    assert [loop.loop_id for loop in child_result.accepted_loops] == [
+        loop.loop_id for loop in thread_result.accepted_loops]
+    assert sorted(child_result.by_chunk) == sorted(thread_result.by_chunk)
+    for chunk, move in thread_result.by_chunk.items():
+        np.testing.assert_allclose(child_result.by_chunk[chunk].scaled_matrix, move.scaled_matrix, atol=1e-9)
+    summary = in_child.summary()
+    assert summary["accepted"] == len(thread_result.accepted_loops) and summary["keyframes_indexed"] == 69
+
+
+def keyframe_points(points: np.ndarray) -> _KeyframePoints:
+    return _KeyframePoints(points, median_depth=float(np.median(np.linalg.norm(points, axis=1))))
+
+
+def test_verification_fits_points_that_agree_and_refuses_those_that_do_not() -> None:
+    rng = np.random.default_rng(0)
+    earlier = rng.uniform([-2, -1, 3], [2, 1, 6], size=(40, 3))
+    move = Sim3(1.1, cv2.Rodrigues(np.array([0.0, 0.05, 0.0]))[0], np.array([0.2, 0.0, -0.1]))
+    query = move.inverse().apply_to_points(earlier) + rng.normal(0, 0.002, size=earlier.shape)
+    matches = np.stack([np.arange(40), np.arange(40)], axis=1)
+    fit = align_loop(keyframe_points(query), keyframe_points(earlier), matches, LoopClosureConfig())
+    assert fit.passed and fit.agreeing == 40
+    np.testing.assert_allclose(fit.earlier_from_query.scaled_matrix, move.scaled_matrix, atol=5e-3)
+    assert np.all(np.isfinite(fit.sigmas_world)) and np.all(fit.sigmas_world > 0)
+
+    shuffled = rng.permutation(40)  # the same points, matched wrongly: nothing agrees
+    wrong = align_loop(keyframe_points(query[shuffled]), keyframe_points(earlier), matches, LoopClosureConfig())
+    assert not wrong.passed
+
+    few = align_loop(keyframe_points(query), keyframe_points(earlier), matches[:8], LoopClosureConfig())
+    assert not few.passed and few.points == 8  # fewer than min_agreeing_points
+
+    unsure = query.copy()
+    unsure[:30] = np.nan  # depth not confident there
+    assert not align_loop(keyframe_points(unsure), keyframe_points(earlier), matches, LoopClosureConfig()).passed
+
+    far = Sim3(3.0, np.eye(3), np.zeros(3))  # agrees, but at a scale no drift explains
+    scaled = far.inverse().apply_to_points(earlier)
+    assert not align_loop(keyframe_points(scaled), keyframe_points(earlier), matches, LoopClosureConfig()).passed
