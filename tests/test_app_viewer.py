@@ -925,3 +925,65 @@ def test_replay_timeline_counts_frame_indices_and_shows_no_missing_image(tmp_pat
         replay.stop()
         replay.viewer.close()
 
+
+
+def test_a_run_that_closes_a_loop_moves_the_chunk_nodes_a_client_sees(tmp_path, monkeypatch):
+    """The real run loop on the `loop` fixture (tests/loop_standin.py stands in for the model): the final
+    correction reaches a connected client before the viewer closes, as the run directory has it."""
+    pytest.importorskip("gtsam")
+    from loop_standin import LoopSceneEngine, load_loop_scene, registered_frames_folder
+
+    from stream_recon.app import pipeline
+    from stream_recon.app.options import RunOptions
+    from stream_recon.app.rundir import TRAJECTORY_OPEN_TUM, TRAJECTORY_TUM, read_tum
+
+    scene = load_loop_scene()
+    engines, mirrors = [], []
+    monkeypatch.setattr(pipeline, "build_engine", lambda *_a, **_k: engines.append(
+        LoopSceneEngine(scene, period_s=0.12)) or engines[-1])
+    start_viewer = pipeline._start_viewer
+
+    def start_viewer_with_a_client(*args):
+        viewer = start_viewer(*args)
+        mirrors.append(SceneMirror(viewer.url))
+        return viewer
+
+    monkeypatch.setattr(pipeline, "_start_viewer", start_viewer_with_a_client)
+
+    class WaitForTheLoops:
+        """Closed after the loop closer's final word went to the viewer, before the viewer closes."""
+
+        def on_frame(self, pred, stats):
+            pass
+
+        def close(self, status):
+            mirrors[0].wait_for(lambda m: "/loops" in m.nodes and "/chunks/4" in m.nodes
+                                and not is_posed(m, "/chunks/4", Sim3.identity()), timeout=30)
+
+    options = RunOptions(device="cpu", chunk_frames=20, overlap=4, loop_closure="on", fps=10.0, port=free_port())
+    try:
+        summary = pipeline.run_sequence(registered_frames_folder(scene, tmp_path / "frames"), tmp_path / "run",
+                                        options, model=_StandInModel(), extra_sinks=[WaitForTheLoops()])
+        assert summary.ok, summary.error
+        # chunk 4's node is where the run directory says chunk 4 moved: open -> corrected, its frames 64-68
+        _, open_chain = read_tum(tmp_path / "run" / TRAJECTORY_OPEN_TUM)
+        _, corrected = read_tum(tmp_path / "run" / TRAJECTORY_TUM)
+        first, last = 64, 68
+        rotation = corrected[first, :3, :3] @ open_chain[first, :3, :3].T
+        scale = (np.linalg.norm(corrected[last, :3, 3] - corrected[first, :3, 3])
+                 / np.linalg.norm(open_chain[last, :3, 3] - open_chain[first, :3, 3]))
+        translation = corrected[first, :3, 3] - scale * rotation @ open_chain[first, :3, 3]
+        pose = node_pose(mirrors[0], "/chunks/4")
+        np.testing.assert_allclose(pose.rotation, rotation, atol=1e-4)
+        np.testing.assert_allclose(pose.translation, translation, atol=1e-3)
+        assert is_posed(mirrors[0], "/chunks/0", Sim3.identity())
+    finally:
+        for mirror in mirrors:
+            mirror.close()
+
+
+class _StandInModel:
+    """What run_sequence is handed when build_engine is replaced: nothing to load or prepare."""
+
+    config = None
+    inference_spec = type("Spec", (), {"compiled": False})()
