@@ -18,10 +18,10 @@ from stream_recon.app.input_size import DEFAULT_IMAGE_WIDTH, PATCH_SIZE
 from stream_recon.app.npz_schema import PredictionOutputs
 from stream_recon.app.source_settings import DEFAULT_OPEN_TIMEOUT_S, DEFAULT_RECONNECT_S, FrameSelection
 
-KV_CACHE_CHOICES = ("auto", "fp8")
-# auto: on for a stream long enough to have chunks two apart (a loop needs them), when the pose graph's
-# library is installed; on: the same, and a missing library is an error; off: never.
-LOOP_CLOSURE_CHOICES = ("auto", "on", "off")  # auto: the model's precision (stream_recon.cache.backends.store_dtype)
+KV_CACHE_CHOICES = ("auto", "fp8")  # auto: the model's precision (stream_recon.cache.backends.store_dtype)
+# auto: on when the pose graph's library is installed and the stream can reach a third chunk (a loop joins
+# chunks two or more apart; app.loops); on: the same, and a missing library is an error; off: never.
+LOOP_CLOSURE_CHOICES = ("auto", "on", "off")
 MAX_CHUNK_FRAMES = 1024  # positions in the model's temporal RoPE table
 DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
                "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
