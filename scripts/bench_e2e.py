@@ -591,7 +591,9 @@ def main() -> None:
     parser.add_argument("video", nargs="?", help="a video file; default: one made from app/sample (--frames long)")
     parser.add_argument("--frames", type=int, default=1000, help="frames to run (and to make)")
     parser.add_argument("--video-size", default="640x468",
-                        help="WxH of the made video; 640x468 becomes the engine bench's 518x378 (640x480: 518x392)")
+                        help="WxH of the made video; 640x468 becomes the engine bench's 518x378 (640x480: 518x392); "
+                        "several, comma-separated (1280x720,640x468,640x480,720x1280), run one after another in "
+                        "this process, each followed by a row of the shape table")
     parser.add_argument("--model", default="lingbot-map", help="model preset with synthetic weights (tiny: smoke test)")
     parser.add_argument("--checkpoint", help="a real checkpoint instead of synthetic weights")
     parser.add_argument("--stand-in-ms", type=float, default=0.0,
@@ -636,13 +638,6 @@ def main() -> None:
     from stream_recon.app.options import resolve_device, resolve_dtype
 
     torch.backends.cuda.matmul.allow_tf32 = True
-    width, height = (int(side) for side in args.video_size.split("x"))
-    video = Path(args.video) if args.video else Path(args.video_dir) / f"bench_e2e_{args.frames}_{width}x{height}.mp4"
-    if not video.exists():
-        made_at = time.perf_counter()
-        make_video(video, args.frames, width, height)
-        print(f"made {video} ({args.frames} frames, {width}x{height}) in {time.perf_counter() - made_at:.1f} s",
-              file=sys.stderr)
     port = args.port or free_port()
     options = run_options(args, port)
     device = resolve_device(options.device)
@@ -653,17 +648,51 @@ def main() -> None:
         total = torch.cuda.get_device_properties(index).total_memory
         torch.cuda.set_per_process_memory_fraction(parse_memory_size(args.gpu_memory) / total, index)
     dtype = resolve_dtype(options.dtype, device)
+    sizes = args.video_size.split(",")
+    videos = [Path(args.video)] if args.video else [bench_video(args, size) for size in sizes]
     # the stand-in needs no model; run_sequence only needs to be told not to load one
     model, load_s = (StandInModel(), 0.0) if args.stand_in_ms else build_model(args, options, device)
-    result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)",
-        "torch": torch.__version__,
-        "engine": f"stand-in, {args.stand_in_ms:g} ms per frame" if args.stand_in_ms else args.model,
-        "video": str(video),
-        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "video_dir")},
-        "model_load_s": load_s,
-    }
-    result.update(product_run(args, video, options, model, device))
+    results = []
+    for video in videos:
+        result: dict[str, Any] = {
+            "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)",
+            "torch": torch.__version__,
+            "engine": f"stand-in, {args.stand_in_ms:g} ms per frame" if args.stand_in_ms else args.model,
+            "video": str(video),
+            "settings": {k: v for k, v in vars(args).items() if k not in ("json", "video_dir")},
+            "model_load_s": load_s,
+        }
+        result.update(measure_video(args, video, options, model, device, dtype, process_started))
+        print_table(result)
+        results.append(result)
+    if len(results) > 1:
+        print_shape_rows(results)
+    if args.json:
+        payload = results[0] if len(results) == 1 else {"rows": results}
+        Path(args.json).write_text(json.dumps(without_nan(payload), indent=1) + "\n")
+
+
+def bench_video(args: argparse.Namespace, size: str) -> Path:
+    """The made video of `size` (WxH), made once and kept in --video-dir."""
+    width, height = (int(side) for side in size.split("x"))
+    video = Path(args.video_dir) / f"bench_e2e_{args.frames}_{width}x{height}.mp4"
+    if not video.exists():
+        made_at = time.perf_counter()
+        make_video(video, args.frames, width, height)
+        print(f"made {video} ({args.frames} frames, {width}x{height}) in {time.perf_counter() - made_at:.1f} s",
+              file=sys.stderr)
+    return video
+
+
+def measure_video(args: argparse.Namespace, video: Path, options: Any, model: Any, device: str, dtype: Any,
+                  process_started: float) -> dict[str, Any]:
+    """The product run on one video (the first of a process pays for compiling its input size: the whole
+    run's FPS says so), then the engine alone on the same frames."""
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+    result = product_run(args, video, options, model, device)
     result["first_prediction_from_process_start_s"] = time.time() - (time.perf_counter() - result.pop(
         "first_prediction_at")) - process_started
     if device.startswith("cuda"):
@@ -679,9 +708,18 @@ def main() -> None:
         result["product_over_engine"] = result.get("steady_fps", float("nan")) / result["engine_fps"]
     if args.sink_costs:
         result["sink_costs_ms"] = sink_costs(video, options)
-    print_table(result)
-    if args.json:
-        Path(args.json).write_text(json.dumps(without_nan(result), indent=1) + "\n")
+    return result
+
+
+def print_shape_rows(results: list[dict[str, Any]]) -> None:
+    """One line per video: the rows of the shape table (README, docs/PERFORMANCE.md)."""
+    print("\nvideo -> model input | steady FPS | p50 / p99 ms | whole-run FPS (run.json) | engine FPS | peak GPU GiB")
+    for r in results:
+        size = Path(r["video"]).stem.rsplit("_", 1)[-1]
+        print(f"{size} -> {r['model_input']} | {r.get('steady_fps', float('nan')):.1f} | "
+              f"{r.get('p50_ms', float('nan')):.1f} / {r.get('p99_ms', float('nan')):.1f} | "
+              f"{r.get('run_json_fps') or float('nan'):.1f} | {r.get('engine_fps', float('nan')):.1f} | "
+              f"{r.get('peak_gpu_gib', float('nan')):.1f}")
 
 
 def without_nan(value: Any) -> Any:

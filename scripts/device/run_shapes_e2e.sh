@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The product path on every shape users bring, one process: 1,000-frame videos at 1280x720 (landscape
+# phone), 640x468 (the benchmark's), 640x480 (TUM, webcams) and 720x1280 (portrait phone), every output
+# written, the viewer on with a client. Each row's whole-run FPS includes compiling its input size.
+#   (GPU machine, repository root, .whl carried)  bash scripts/device/run_shapes_e2e.sh [bench_e2e options]
+set -uo pipefail
+source scripts/device/env.sh
+python3 scripts/bench_e2e.py --video-dir /tmp --frames 1000 --video-size 1280x720,640x468,640x480,720x1280 \
+  --viewer --client --no-engine-run --json "$OUT/shapes_e2e.json" "$@" 2>&1 | grep -v Warn | tail -8
