@@ -18,7 +18,7 @@ from stream_recon.app.input_size import DEFAULT_IMAGE_WIDTH, PATCH_SIZE
 from stream_recon.app.npz_schema import PredictionOutputs
 from stream_recon.app.source_settings import DEFAULT_OPEN_TIMEOUT_S, DEFAULT_RECONNECT_S, FrameSelection
 
-KV_CACHE_CHOICES = ("auto", "fp8")  # auto: the model's precision (stream_recon.cache.backends.store_dtype)
+KV_CACHE_CHOICES = ("auto", "fp8")  # auto: the model's precision (models.attention_backends.resolve_backend)
 # auto: on when the pose graph's library is installed and the stream can reach a third chunk (a loop joins
 # chunks two or more apart; app.loops); on: the same, and a missing library is an error; off: never.
 LOOP_CLOSURE_CHOICES = ("auto", "on", "off")
@@ -58,10 +58,10 @@ class RunOptions:
     """
 
     # model
-    checkpoint: str | None = None  # path or known name; None: lingbot-map-long
+    checkpoint: str | None = None  # path or known name; None: models.checkpoint_names.DEFAULT_CHECKPOINT
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 transformer on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
-    attention: str = "auto"  # a name of the backend table (stream_recon.cache.backends)
+    attention: str = "auto"  # a name of the backend table (models.attention_backends.backend_names)
     compile: bool = True  # torch.compile the transformer blocks (CUDA only)
     memory_check: bool = True  # refuse a CPU run whose memory estimate exceeds what is available (app.resources)
     kv_cache: str = "auto"  # K/V cache precision: auto (the model's) | fp8 (e4m3, dense attention backends)
@@ -143,8 +143,9 @@ class RunOptions:
             yield f"--loop-closure must be one of {', '.join(LOOP_CLOSURE_CHOICES)}, got {self.loop_closure!r}"
         if self.kv_cache not in KV_CACHE_CHOICES:
             yield f"--kv-cache must be one of {', '.join(KV_CACHE_CHOICES)}, got {self.kv_cache!r}"
-        if not 0 < self.port < 65536:
-            yield f"--port must be between 1 and 65535, got {self.port}"
+        port_problem = viewer_port_problem(self.port)
+        if port_problem:
+            yield port_problem
         for check in (self.selection, self.prediction_outputs):
             try:
                 check()
@@ -253,12 +254,12 @@ def _engine_problems(options: RunOptions) -> Iterator[str]:
     """What the engine's own tables refuse: the attention backend's name, the keyframe policy, the memory
     budget's spelling. Those tables live with the model and import torch, so they are read when options
     are checked (a command that runs), never when the flags are only listed (`-h`)."""
-    from stream_recon.cache import backends
+    from stream_recon.models.attention_backends import backend_names
     from stream_recon.models.engine import KeyframePolicy
     from stream_recon.models.memory import parse_memory_size
 
-    if options.attention not in backends.names():
-        yield f"--attention must be one of {', '.join(backends.names())}, got {options.attention!r}"
+    if options.attention not in backend_names():
+        yield f"--attention must be one of {', '.join(backend_names())}, got {options.attention!r}"
     try:
         KeyframePolicy.parse(options.keyframes)
     except ValueError:
@@ -309,21 +310,30 @@ def resolve_dtype(name: str, device: str) -> Any:
 
 def check_attention(attention: str, device: str, dtype: Any, kv_cache: str = "auto") -> str:
     """The attention backend must be able to run on this device in this precision, over a cache
-    stored as `kv_cache` asks (`auto` always can); the backend table (stream_recon.cache.backends)
+    stored as `kv_cache` asks (`auto` always can); the backend table (models.attention_backends)
     says why not and what to use instead. Returns the name of the backend the run will use."""
-    from stream_recon.cache import backends
+    from stream_recon.models.attention_backends import resolve_backend
 
     try:
-        return backends.resolve(attention, device, dtype, backends.store_dtype(kv_cache, dtype)).name
+        return resolve_backend(attention, device, dtype, kv_cache)
     except ValueError as error:
         raise OptionsError(str(error)) from None
 
 
+def viewer_port_problem(port: int) -> str | None:
+    """What is wrong with a viewer's --port (`run`'s, `view`'s), or None."""
+    return None if 0 < port < 65536 else f"--port must be between 1 and 65535, got {port}"
+
+
 def check_viewer_address(host: str, port: int, *, optional: bool = True) -> None:
     """The viewer's address must be one of this machine's (checked before the model loads; viser
-    would only fail after it). A port in use is fine: the viewer takes the next free one.
-    optional: the command can run without its viewer (`run --no-viewer`; `view` cannot)."""
+    would only fail after it), its port one there is. A port in use is fine: the viewer takes the
+    next free one. optional: the command can run without its viewer (`run --no-viewer`; `view` cannot)."""
     import socket
+
+    port_problem = viewer_port_problem(port)
+    if port_problem:
+        raise OptionsError(port_problem)
 
     try:
         family, kind, protocol, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]

@@ -1,6 +1,7 @@
 """Every attention backend in one table: its layout, what it needs, how `auto` chooses, how to build it.
 
-The CLI's choices and help, `stream-recon info`, option checks and the engine all read this table.
+The engine reads this table, and the CLI's option checks and `stream-recon info` through
+models/attention_backends.py (the app never imports the cache).
 Adding a backend is one row here (plus its module and tests): see docs/ARCHITECTURE.md.
 
 Layouts (kv_cache.py): `paged` (any page holds any frame; a kernel follows the page table) and

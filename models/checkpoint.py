@@ -35,14 +35,13 @@ from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, Offl
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .checkpoint_names import DEFAULT_CHECKPOINT, KNOWN_CHECKPOINTS
 from .config import ModelConfig
 from .errors import CheckpointError
 from .gct import GCTStream
 
 HF_REPO_ID = "robbyant/lingbot-map"
 HF_REPO_URL = f"https://huggingface.co/{HF_REPO_ID}"
-KNOWN_CHECKPOINTS = {"lingbot-map-long": "lingbot-map-long.pt", "lingbot-map": "lingbot-map.pt"}
-DEFAULT_CHECKPOINT = "lingbot-map-long"
 
 CHECKPOINT_DIR_ENV = "STREAM_RECON_CHECKPOINTS"
 DEFAULT_CHECKPOINT_DIR = "~/.cache/stream-recon/checkpoints"

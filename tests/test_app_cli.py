@@ -4,6 +4,7 @@ sentence and a non-zero exit code (no traceback)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -17,6 +18,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import typing
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -38,7 +40,7 @@ from typer.testing import CliRunner
 
 from stream_recon.app.cli import app, main, with_default_command
 from stream_recon.app.commands._options import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED
-from stream_recon.app.options import OptionsError, RunOptions
+from stream_recon.app.options import OptionsError, RunOptions, flag
 from stream_recon.app.presets import PRESET_DIR, PresetError, available_presets, build_options
 from stream_recon.models import ModelConfig
 from stream_recon.models.checkpoint import convert_to_safetensors
@@ -83,6 +85,45 @@ def test_every_run_option_has_a_flag() -> None:
     from stream_recon.app.commands._options import RUN_OPTION_FLAGS
 
     assert set(RUN_OPTION_FLAGS) == set(RunOptions.field_names())
+
+
+def shown_defaults() -> dict[str, str | None]:
+    """What `[default: ...]` each run flag's help shows (None: none), as typer is given it."""
+    from stream_recon.app.commands._options import RUN_OPTION_FLAGS
+
+    shown = {}
+    for field, annotated in RUN_OPTION_FLAGS.items():
+        option = typing.get_args(annotated)[1]  # Annotated[Optional[kind], typer.Option(...)]
+        match = re.search(r"\\\[default: ([^\]]*)\]", option.help)
+        shown[field] = match.group(1) if match else None
+    return shown
+
+
+def test_every_run_option_shows_its_default() -> None:
+    from stream_recon.models.checkpoint_names import DEFAULT_CHECKPOINT
+    from stream_recon.models.stream_config import FLOW_THRESHOLD, MAX_GAP
+
+    shown = shown_defaults()
+    chosen_by_run = {"overwrite", "keep_viewer"}  # app.commands.run decides them when the flag is not given
+    for field in dataclasses.fields(RunOptions):
+        if field.default is None or field.name in chosen_by_run:
+            continue
+        value = shown[field.name].partition(",")[0]  # `320, the trained range`: the value, then a note
+        if isinstance(field.default, bool):
+            assert value == flag(field.name).removeprefix("--" if field.default else "--no-"), field.name
+        elif isinstance(field.default, int):
+            assert int(value) == field.default, field.name
+        elif isinstance(field.default, float):
+            assert float(value) == field.default, field.name
+        else:
+            assert value == field.default, field.name
+    # a None that stands for a value owned elsewhere shows that value
+    assert shown["checkpoint"] == DEFAULT_CHECKPOINT
+    assert float(shown["flow_threshold"]) == FLOW_THRESHOLD and int(shown["max_gap"]) == MAX_GAP
+    assert shown["keep_viewer"].startswith("keep-viewer on a terminal")
+    assert shown["overwrite"].startswith("no-overwrite")
+    # and no default where None means no limit
+    assert shown["fps"] is None and shown["max_frames"] is None
 
 
 def test_version_and_help() -> None:
@@ -237,7 +278,6 @@ def test_start_past_the_end_of_the_source_is_refused_before_the_model_loads(tmp_
         (["clip.mp4", "--voxel-sise", "1"], "error: No such option: --voxel-sise"),
         (["run", "clip.mp4", "--fps", "fast"], "error: Invalid value for '--fps'"),
         (["view"], "error: Missing argument 'run_dir'; `stream-recon view -h` shows the usage"),
-        (["view", "run", "--port", "70000"], "error: Invalid value for '--port'"),
         (["export", "run"], "error: Missing option '--format'"),
         (["eval", "run"], "error: Missing option '--gt'"),
         (["batch", "data"], "error: Missing option '--output'"),
@@ -719,6 +759,14 @@ def test_help_loads_none_of_the_heavy_libraries() -> None:
     assert loaded == {" ".join(argv): [] for argv in HELP_REQUESTS}
 
 
+def test_the_app_reaches_the_cache_only_through_the_models() -> None:
+    # app -> models -> cache: what the app needs of the backend table is models.attention_backends
+    app_dir = Path(__file__).resolve().parents[1] / "app"
+    importing = [str(path.relative_to(app_dir)) for path in sorted(app_dir.rglob("*.py"))
+                 if re.search(r"^\s*(from|import) stream_recon\.cache\b", path.read_text(), re.MULTILINE)]
+    assert importing == []
+
+
 def test_root_help_lists_every_export_format() -> None:
     result = invoke("-h")
     assert result.exit_code == 0
@@ -853,6 +901,8 @@ def test_paths_that_exist_are_named_for_what_they_are(tmp_path: Path) -> None:
     unreachable = invoke("view", str(run_dir), "--host", "203.0.113.7")  # TEST-NET-3: not this machine's
     assert_user_error(unreachable, "the viewer cannot serve on 203.0.113.7:8080", "--host 127.0.0.1")
     assert "--no-viewer" not in unreachable.output
+    # view's --port is run's: the same range, the same message
+    assert_user_error(invoke("view", str(run_dir), "--port", "70000"), "--port must be between 1 and 65535, got 70000")
 
 
 class _FailingHttpHandler(BaseHTTPRequestHandler):

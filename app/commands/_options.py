@@ -7,6 +7,7 @@ Every run option defaults to None, meaning "not given": the value then comes fro
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -21,7 +22,10 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from stream_recon.app.input_size import PATCH_SIZE
 from stream_recon.app.options import FLAG_NAMES, RunOptions
+from stream_recon.models.checkpoint_names import DEFAULT_CHECKPOINT, KNOWN_CHECKPOINTS
+from stream_recon.models.stream_config import FLOW_THRESHOLD, MAX_GAP
 
 _MODEL = "Model"
 _ENGINE = "Streaming engine"
@@ -77,86 +81,128 @@ OutputOpt = _optional_flag(
     Path, "--output", "-o", help="Output folder. \\[default: outputs/<source name>]", panel=_OUTPUT
 )
 
-# The help of every RunOptions field's flag, by panel, in --help order. The flag itself is the field's
-# name with dashes (`--scale-frames`), a boolean's with its `--no-` pair, and its type the field's.
+# The help of every RunOptions field's flag, by panel, in --help order, without its default: `[default: ...]`
+# is added from the field's default (_shown_default). The flag itself is the field's name with dashes
+# (`--scale-frames`), a boolean's with its `--no-` pair, and its type the field's.
 _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
     _MODEL: {
-        "checkpoint": "Checkpoint path (.pt or .safetensors) or name (lingbot-map-long, lingbot-map). "
-        "\\[default: lingbot-map-long]",
-        "device": "auto, cpu, cuda or cuda:N. \\[default: auto]",
-        "dtype": "Transformer precision: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16. "
-        "\\[default: auto]",
+        "checkpoint": f"Checkpoint path (.pt or .safetensors) or name ({', '.join(KNOWN_CHECKPOINTS)}).",
+        "device": "auto, cpu, cuda or cuda:N.",
+        "dtype": "Transformer precision: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16.",
         # the backend table imports torch: `stream-recon info` lists it, and a wrong name is refused with the list
         "attention": "Attention backend: auto (the fastest that runs here) or a backend's name; `stream-recon info` "
-        "lists them, what each is and whether it runs here. \\[default: auto]",
+        "lists them, what each is and whether it runs here.",
         "compile": "Fuse the transformer blocks with torch.compile (CUDA only): about 20% faster per frame; the "
-        "first run on a machine compiles for a minute or two, later runs read the cache. \\[default: compile]",
+        "first run on a machine compiles for a minute or two, later runs read the cache.",
         "memory_check": "CPU runs: refuse settings whose memory estimate exceeds the available memory, naming smaller "
-        "ones that fit. \\[default: memory-check]",
+        "ones that fit.",
         "kv_cache": "K/V cache precision: auto (the model's: bf16 on a GPU) or fp8 (e4m3 with a scale per token "
-        "and head: half the bytes; dense attention backends). \\[default: auto]",
+        "and head: half the bytes; dense attention backends).",
         "gpu_memory": "Device-memory budget, e.g. 8GiB: before the first frame the run is planned to fit it (the fp8 "
         "cache, then a shorter window, said and recorded in run.json), or refused with the smallest budget that "
-        "fits. \\[default: none]",
+        "fits.",
     },
     _ENGINE: {
-        "scale_frames": "Frames processed together at the start and kept forever. \\[default: 8]",
-        "window": "Sliding window of recent frames whose patch tokens stay visible. \\[default: 64]",
+        "scale_frames": "Frames processed together at the start and kept forever.",
+        "window": "Sliding window of recent frames whose patch tokens stay visible.",
         "chunk_frames": "Long streams: cached frames per chunk before a new chunk starts (a fresh cache), aligned on the "
-        "overlap. \\[default: 320, the trained range]",
-        "overlap": "Long streams: frames two consecutive chunks share. \\[default: 16]",
+        "overlap.",
+        "overlap": "Long streams: frames two consecutive chunks share.",
         "loop_closure": "Long streams: when the camera returns to a place seen two or more chunks earlier, correct "
         "the drift between them (a pose graph over chunks; the uncorrected trajectory is kept as "
-        "trajectory_open_tum.txt): auto (on when the stream has chunks and gtsam is installed), on, or off. "
-        "\\[default: auto]",
-        "keyframes": "Keyframe policy: all, interval:N or flow. \\[default: all]",
-        "flow_threshold": "flow policy: mean flow in pixels that makes a keyframe. \\[default: 15]",
-        "max_gap": "flow policy: most frames in a row without a keyframe. \\[default: 30]",
-        "image_width": "Model input width in pixels, a multiple of 14. \\[default: 518]",
+        "trajectory_open_tum.txt): auto (on when the stream has chunks and gtsam is installed), on, or off.",
+        "keyframes": "Keyframe policy: all, interval:N or flow.",
+        "flow_threshold": "flow policy: mean flow in pixels that makes a keyframe.",
+        "max_gap": "flow policy: most frames in a row without a keyframe.",
+        "image_width": f"Model input width in pixels, a multiple of {PATCH_SIZE}.",
     },
     _SOURCE: {
         "fps": "Use at most this many frames per second of video (by timestamp). For an image folder: the rate "
         "its timestamps assume (without it, frames are 1 s apart: give the camera's rate for evaluations and "
         "exports that read timestamps).",
         "max_frames": "Stop after this many frames.",
-        "start": "First source frame to use (0-based). \\[default: 0]",
-        "stride": "Use every N-th source frame. \\[default: 1]",
-        "open_timeout_s": "Seconds to wait for a stream URL to connect. \\[default: 10]",
+        "start": "First source frame to use (0-based).",
+        "stride": "Use every N-th source frame.",
+        "open_timeout_s": "Seconds to wait for a stream URL to connect.",
         "reconnect_s": "Live cameras and streams: seconds to keep reconnecting (with back-off) after a drop before "
-        "the run ends as failed; 0 makes a drop the end of the stream. \\[default: 30]",
+        "the run ends as failed; 0 makes a drop the end of the stream.",
     },
     _OUTPUT: {
-        "conf_threshold": "Keep points with depth confidence at least this in points.ply. \\[default: 2]",
-        "voxel_size": "Voxel size for points.ply, in model units. \\[default: automatic]",
+        "conf_threshold": "Keep points with depth confidence at least this in points.ply.",
+        "voxel_size": "Voxel size for points.ply, in model units.",
         "overwrite": "Replace a run already in the output folder.",
         "save_depth": "Precision of depth and confidence in predictions/*.npz: float16 (half the bytes, relative "
-        "error at most 0.05%) or float32 (the model's output exactly). \\[default: float16]",
+        "error at most 0.05%) or float32 (the model's output exactly).",
         "save_images": "Keep the model input image in each predictions/*.npz (colours for exports and replays; "
-        "0.56 MiB a frame at 518x378). \\[default: save-images]",
+        "0.56 MiB a frame at 518x378).",
         "save_predictions": "Which frames get a predictions/*.npz: all, or keyframes (every frame's pose stays in "
-        "trajectory_tum.txt; points.ply, like every export, is built from the saved frames). \\[default: all]",
+        "trajectory_tum.txt; points.ply, like every export, is built from the saved frames).",
     },
     _VIEWER: {
-        "viewer": "Open the live browser viewer. \\[default: viewer]",
-        "keep_viewer": "Keep the viewer serving the result after the run, until Ctrl-C. \\[default: keep-viewer "
-        "on a terminal]",
-        "host": "Viewer address. \\[default: 127.0.0.1]",
-        "port": "Viewer port (the next free one is used if taken). \\[default: 8080]",
+        "viewer": "Open the live browser viewer.",
+        "keep_viewer": "Keep the viewer serving the result after the run, until Ctrl-C.",
+        "host": "Address the viewer serves on; 0.0.0.0 exposes it to the network.",
+        "port": "Port the viewer serves on (the next free one if taken).",
     },
 }
+
+
+def _as_typed(value: Any) -> str:
+    """A value as a user would type it: 15 for 15.0, 0.01 as it is."""
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+# The defaults --help words otherwise than as the field's value: a None that stands for a value owned
+# elsewhere (read from its owner), or a value `run` chooses when the flag is not given (app.commands.run).
+# A field with a None default and no wording here shows none (--fps, --max-frames: no limit).
+_DEFAULT_WORDING: dict[str, str] = {
+    "checkpoint": DEFAULT_CHECKPOINT,
+    "gpu_memory": "none",
+    "chunk_frames": f"{RunOptions.chunk_frames}, the trained range",
+    "flow_threshold": _as_typed(FLOW_THRESHOLD),
+    "max_gap": _as_typed(MAX_GAP),
+    "voxel_size": "automatic",
+    "overwrite": "no-overwrite; a run of the bundled sample replaces its earlier run in outputs/sample/",
+    "keep_viewer": "keep-viewer on a terminal, else no-keep-viewer",
+}
+
+
+_FIELD_DEFAULTS = {field.name: field.default for field in dataclasses.fields(RunOptions)}
+
+
+def _flag_names(field: str, kind: type) -> tuple[str, ...]:
+    names = FLAG_NAMES.get(field, (f"--{field.replace('_', '-')}",))
+    if kind is bool:
+        return (f"{names[0]}/--no-{names[0].removeprefix('--')}", *names[1:])
+    return names
+
+
+def _shown_default(field: str, kind: type) -> str | None:
+    """A field's default as --help shows it: a boolean as the flag that gives it (`viewer`, `no-viewer`),
+    a number as typed (2, not 2.0); None when there is none to show."""
+    if field in _DEFAULT_WORDING:
+        return _DEFAULT_WORDING[field]
+    default = _FIELD_DEFAULTS[field]
+    if default is None:
+        return None
+    if kind is bool:
+        on, off = _flag_names(field, bool)[0].split("/")
+        return (on if default else off).removeprefix("--")
+    return _as_typed(default)
 
 
 def _run_option_flag(field: str, help: str, panel: str) -> Any:
     """The flag of one RunOptions field: named after it, of its type (`float | None` -> float)."""
     annotation = typing.get_type_hints(RunOptions)[field]
     kind = next(arg for arg in (typing.get_args(annotation) or (annotation,)) if arg is not type(None))
-    names = FLAG_NAMES.get(field, (f"--{field.replace('_', '-')}",))
-    if kind is bool:
-        names = (f"{names[0]}/--no-{names[0].removeprefix('--')}", *names[1:])
-    return _optional_flag(kind, *names, help=help, panel=panel)
+    default = _shown_default(field, kind)
+    if default is not None:
+        help = f"{help} \\[default: {escape(default)}]"
+    return _optional_flag(kind, *_flag_names(field, kind), help=help, panel=panel)
 
 
-# The flag of every RunOptions field; `takes_run_options` gives them to a command.
+# The flag of every RunOptions field; `takes_run_options` gives them to a command, and `view` takes the
+# viewer's address (--host, --port) from here too.
 RUN_OPTION_FLAGS: dict[str, Any] = {
     field: _run_option_flag(field, help, panel)
     for panel, helps in _RUN_OPTION_HELP.items()

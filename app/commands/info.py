@@ -73,15 +73,14 @@ def _attention_backends() -> dict[str, str]:
     when it has one (the default run), else on the CPU in float32."""
     import torch
 
-    from stream_recon.cache import backends
+    from stream_recon.models.attention_backends import AUTO_SUMMARY, backend_statuses, resolve_backend
 
     device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
-    chosen = backends.resolve("auto", device, dtype).name
-    report = {"auto": f"{chosen} here ({backends.AUTO_SUMMARY})"}
-    for name in backends.names()[1:]:
-        spec = backends.spec(name)
-        reason = backends.unavailable_reason(name, device, dtype)
-        report[name] = f"available ({spec.layout} layout: {spec.summary})" if reason is None else f"not here: {reason}"
+    report = {"auto": f"{resolve_backend('auto', device, dtype)} here ({AUTO_SUMMARY})"}
+    for backend in backend_statuses(device, dtype):
+        reason = backend.unavailable_reason
+        report[backend.name] = (f"available ({backend.layout} layout: {backend.summary})" if reason is None
+                                else f"not here: {reason}")
     return report
 
 

@@ -15,15 +15,18 @@ from typing import Annotated
 
 import typer
 
-from stream_recon.app.commands._options import error_console, user_errors
+from stream_recon.app.commands._options import RUN_OPTION_FLAGS, error_console, user_errors
+from stream_recon.app.options import RunOptions
+
+# run's --host and --port: the same help, defaults and checks
+HostOpt = RUN_OPTION_FLAGS["host"]
+PortOpt = RUN_OPTION_FLAGS["port"]
 
 
 def view(
     run_dir: Annotated[Path, typer.Argument(help="Run directory written by `stream-recon SOURCE`.")],
-    host: Annotated[
-        str, typer.Option(help="Address to serve on; 0.0.0.0 exposes it to the network.")
-    ] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to serve on (the next free one if taken).")] = 8080,
+    host: HostOpt = None,
+    port: PortOpt = None,
 ) -> None:
     """Replay a finished run in the browser, with a timeline. Ctrl-C (exit code 130) or SIGTERM (143) stops it."""
     from stream_recon.app.options import check_viewer_address
@@ -31,6 +34,8 @@ def view(
     from stream_recon.app.rundir import check_run_dir
     from stream_recon.app.stopping import interrupted_exit_code, wait_for_stop_signal
 
+    host = RunOptions.host if host is None else host
+    port = RunOptions.port if port is None else port
     console = error_console()
     with user_errors(console):
         check_run_dir(run_dir)

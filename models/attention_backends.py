@@ -1,0 +1,45 @@
+"""The attention backends as the app sees them: the names --attention takes, whether each runs here, and
+the one a run will use. The app reads the backend table (stream_recon.cache.backends) only through
+these, so that the cache stays behind the model (app -> models -> cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from stream_recon.cache import backends
+
+AUTO_SUMMARY = backends.AUTO_SUMMARY  # what `auto` chooses, in one line
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """One row of the backend table on a device and precision."""
+
+    name: str
+    layout: str  # paged | dense
+    summary: str
+    unavailable_reason: str | None  # why it cannot run there, in one sentence; None: it can
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every name --attention accepts, `auto` first."""
+    return backends.names()
+
+
+def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, kv_cache: str = "auto") -> str:
+    """The name of the backend that `name` stands for on `device` in `dtype`, over a K/V cache stored as
+    `kv_cache` asks (auto: in `dtype`; fp8). Raises ValueError saying what to use instead when `name`, or
+    `kv_cache`, cannot be used there."""
+    return backends.resolve(name, device, dtype, backends.store_dtype(kv_cache, dtype)).name
+
+
+def backend_statuses(device: torch.device | str, dtype: torch.dtype) -> tuple[BackendStatus, ...]:
+    """Every backend of the table (`auto` aside), and whether it runs on `device` in `dtype`."""
+    return tuple(
+        BackendStatus(name=spec.name, layout=spec.layout, summary=spec.summary,
+                      unavailable_reason=backends.unavailable_reason(spec.name, device, dtype))
+        for spec in backends.BACKENDS
+    )

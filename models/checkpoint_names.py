@@ -1,0 +1,8 @@
+"""The official checkpoints' names and the one a run uses by default, in a module free of torch and
+huggingface_hub: `stream-recon -h` shows them (checkpoint.py resolves and downloads them)."""
+
+from __future__ import annotations
+
+# name -> file in the Hugging Face repository (checkpoint.HF_REPO_ID)
+KNOWN_CHECKPOINTS = {"lingbot-map-long": "lingbot-map-long.pt", "lingbot-map": "lingbot-map.pt"}
+DEFAULT_CHECKPOINT = "lingbot-map-long"
