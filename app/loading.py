@@ -15,7 +15,8 @@ from stream_recon.app.options import OptionsError, RunOptions, resolve_device, r
 
 
 def load_model_for(options: RunOptions, device: str | None = None, console: Console | None = None) -> Any:
-    """The model `options` name, as every command loads it (`run`, and `batch` once per worker).
+    """The model `options` name, prepared for the run's device and precision, as every command loads it
+    (`run`, and `batch` once per worker).
 
     Load the checkpoint; a known name not on this machine is downloaded first when the hub is reachable
     (the first run), else CheckpointError says which command fetches it and where to put it."""
@@ -97,7 +98,8 @@ def check_readable(checkpoint: Path) -> None:
 
 
 def prepared_for_run(model: Any, options: RunOptions, device: str) -> Any:
-    """`model` made ready for this run's device and precision, once (a prepared model as it is)."""
+    """`model` made ready for this run's device and precision: a new model (`model` is left as it is),
+    or a model prepared already, as it is."""
     from stream_recon.models import prepare_for_inference
 
     if getattr(model, "inference_spec", None) is not None:
@@ -136,15 +138,15 @@ class CheckpointDigest:
 
 def build_engine(model: Any, options: RunOptions, device: str, dtype: Any, console: Console,
                  lookahead: bool | None = None) -> Any:
-    """The streaming engine of a run around `model` (a chunked one, for streams of any length);
-    `lookahead`: ChunkedEngine's (None: where it helps and fits)."""
+    """The streaming engine of a run around `model`, prepared already (load_model_for, prepared_for_run):
+    a chunked one, for streams of any length. `lookahead`: ChunkedEngine's (None: where it helps and fits)."""
     from stream_recon.models import StreamConfig
     from stream_recon.models.chunked import ChunkedEngine
 
     config = StreamConfig(**options.stream_config_kwargs())
     # a stream shorter than one chunk runs exactly as a plain StreamingEngine would
     engine = ChunkedEngine(
-        prepared_for_run(model, options, device), config, chunk_frames=options.chunk_frames,
+        model, config, chunk_frames=options.chunk_frames,
         overlap=options.overlap, device=device, dtype=dtype, lookahead=lookahead,
     )
     engine.on_backend_ready = lambda name: announce_backend(name, console)

@@ -55,6 +55,7 @@ from stream_recon.app.sources import FrameSource, SourceError, frames_source, op
 from stream_recon.app.stopping import StopOnSignal, signal_name, wait_for_stop_signal
 from stream_recon.app.writers import RunWriter
 from stream_recon.models.checkpoint import DEFAULT_CHECKPOINT
+from stream_recon.models.errors import FrameError
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +144,11 @@ def run_sequence(
         try:
             # a caller's own model is described by options.checkpoint only when that is set
             checkpoint = options.checkpoint or (DEFAULT_CHECKPOINT if model is None else None)
-            model = model if model is not None else load_model_for(options, device, console)
-            model = prepared_for_run(model, options, device)
+            # prepared once, where it is loaded or received; the engine takes it as it is
+            if model is None:
+                model = load_model_for(options, device, console)
+            else:
+                model = prepared_for_run(model, options, device)
             digest = CheckpointDigest(checkpoint)
             engine = build_engine(model, options, device, dtype, console)
             check_gpu_memory(engine, options, frame_source.frame_size)
@@ -172,8 +176,9 @@ def run_sequence(
         sinks.append(LoopClosureSink(engine, viewer, enabled=closes_loops, reason=loop_closure_reason))
         if viewer is not None:
             sinks.append(viewer)
+        run = Run(frame_source, engine, writer, sinks, viewer, options, console, digest, clock)
         try:
-            summary = _stream(frame_source, engine, writer, sinks, viewer, options, console, digest, clock)
+            summary = run.stream()
         finally:
             engine.close()  # the next chunk's worker thread, when the engine has one
         if summary.status == "interrupted" and summary.frames == 0:
@@ -190,74 +195,145 @@ def run_sequence(
         frame_source.close()
 
 
-def _stream(
-    frame_source: FrameSource,
-    engine: Any,
-    writer: RunWriter,
-    sinks: list[Sink],
-    viewer: Any,
-    options: RunOptions,
-    console: Console,
-    digest: CheckpointDigest,
-    clock: RunClock,
-) -> RunSummary:
-    from stream_recon.models.errors import FrameError
+@dataclass
+class Run:
+    """What one run streams with, from its first frame until its sinks are closed."""
 
-    stream_errors = (SourceError, FrameError, OutputDirError, NonFinitePrediction)
-    status: RunStatus = "complete"
-    error: str | None = None
-    with _long_lived_objects_frozen(), _gil_handed_back_sooner(), StopOnSignal(frame_source.request_stop, console) as stop:
-        with RunProgress(console, frame_source.description, frame_source.estimated_length) as progress:
-            try:
+    source: FrameSource
+    engine: Any
+    writer: RunWriter
+    sinks: list[Sink]  # each frame reaches them in this order, and they are closed in it
+    viewer: Any  # the live viewer, or None
+    options: RunOptions
+    console: Console
+    digest: CheckpointDigest
+    clock: RunClock
+
+    def stream(self) -> RunSummary:
+        """Every frame through the engine into the sinks, then the sinks closed; how the run ended."""
+        source = self.source
+        with _long_lived_objects_frozen(), _gil_handed_back_sooner(), \
+                StopOnSignal(source.request_stop, self.console) as stop:
+            with RunProgress(self.console, source.description, source.estimated_length) as progress:
                 try:
-                    for frame in frame_source:
-                        if viewer is not None:
-                            _wait_while_paused(viewer, stop)
-                        image = frame.image
-                        if image is None:  # a FrameSource opened without preprocessing
-                            image = preprocess_frame_uint8(frame.rgb, options.image_width)
-                        preds = clock.time_engine(engine.push, image, timestamp=frame.timestamp)
-                        clock.frames_read += 1
-                        progress.update(_emit(preds, engine, clock, sinks, frame_source))
-                except stream_errors as failure:
-                    # a source, frame or disk problem mid-stream: the frames before it are worth keeping
-                    status, error = "failed", str(failure)
-                # what the engine still buffers (phase 1) is completed on every path but a second Ctrl-C
-                try:
-                    preds = clock.time_engine(engine.finish)
-                    progress.update(_emit(preds, engine, clock, sinks, frame_source))
-                except stream_errors as failure:
-                    status, error = "failed", error or str(failure)
-            except KeyboardInterrupt:
+                    status, error = self._push_frames(progress, stop)
+                except BaseException as unexpected:
+                    self.close_sinks("failed", f"internal error: {unexpected!r}", stop.signum)
+                    raise
+            # a signal after the source's last frame stops nothing: the run is complete
+            if stop.requested and status == "complete" and source.end_reason not in ("end", "max_frames"):
                 status = "interrupted"
-            except BaseException as unexpected:
-                _close_sinks(
-                    sinks, writer, "failed", clock, frame_source, engine, f"internal error: {unexpected!r}", digest,
-                    stop.signum,
-                )
-                raise
-        if stop.requested and status == "complete" and frame_source.end_reason not in ("end", "max_frames"):
-            status = "interrupted"  # a signal after the source's last frame stops nothing: the run is complete
-        if status == "complete" and clock.frames_done == 0:
-            status, error = "failed", _no_frames_message(frame_source, options)
-        writer_error = _close_sinks(
-            sinks, writer, status, clock, frame_source, engine, error, digest, stop.signum
+            if status == "complete" and self.clock.frames_done == 0:
+                status, error = "failed", _no_frames_message(source, self.options)
+            writer_error = self.close_sinks(status, error, stop.signum)
+        if writer_error is not None and error is None:
+            status, error = "failed", writer_error
+        return self._summary(status, error, stop)
+
+    def _push_frames(self, progress: RunProgress, stop: StopOnSignal) -> tuple[RunStatus, str | None]:
+        """The source's frames, then what the engine still buffers (phase 1), into the sinks.
+
+        A source, frame or disk problem mid-stream ends the run "failed": the frames before it are
+        worth keeping. What the engine buffers is completed on every path but a second Ctrl-C, which
+        ends the run "interrupted".
+        """
+        stream_errors = (SourceError, FrameError, OutputDirError, NonFinitePrediction)
+        error: str | None = None
+        try:
+            try:
+                for frame in self.source:
+                    self._push(frame, progress, stop)
+            except stream_errors as failure:
+                error = str(failure)
+            try:
+                progress.update(self._emit(self.clock.time_engine(self.engine.finish)))
+            except stream_errors as failure:
+                error = error or str(failure)
+        except KeyboardInterrupt:
+            return "interrupted", error
+        return ("complete" if error is None else "failed"), error
+
+    def _push(self, frame: Any, progress: RunProgress, stop: StopOnSignal) -> None:
+        if self.viewer is not None:
+            _wait_while_paused(self.viewer, stop)
+        image = frame.image
+        if image is None:  # a FrameSource opened without preprocessing
+            image = preprocess_frame_uint8(frame.rgb, self.options.image_width)
+        preds = self.clock.time_engine(self.engine.push, image, timestamp=frame.timestamp)
+        self.clock.frames_read += 1
+        progress.update(self._emit(preds))
+
+    def _emit(self, preds: list) -> dict:
+        clock, source = self.clock, self.source
+        clock.count_done(preds)
+        stats = dict(self.engine.stats())
+        stats.update(
+            clock.rates(), frames_read=clock.frames_read, frames_done=clock.frames_done,
+            frames_dropped=source.frames_dropped,
         )
-    if writer_error is not None and error is None:
-        status, error = "failed", writer_error
-    summary = RunSummary(
-        status=status,
-        frames=len(writer.poses),
-        keyframes=sum(1 for pose in writer.poses.values() if pose.is_keyframe),
-        fps=clock.end_to_end_fps,
-        output_dir=writer.output_dir,
-        error=error,
-        model_fps=clock.model_fps,
-        frames_read=clock.frames_read,
-        end_reason=frame_source.end_reason or ("stopped" if stop.requested else None),
-        stop_signal=stop.signum,
-    )
-    return summary
+        for pred in preds:
+            for sink in self.sinks:
+                sink.on_frame(pred, stats)
+        return stats
+
+    def _summary(self, status: RunStatus, error: str | None, stop: StopOnSignal) -> RunSummary:
+        poses = self.writer.poses
+        return RunSummary(
+            status=status,
+            frames=len(poses),
+            keyframes=sum(1 for pose in poses.values() if pose.is_keyframe),
+            fps=self.clock.end_to_end_fps,
+            output_dir=self.writer.output_dir,
+            error=error,
+            model_fps=self.clock.model_fps,
+            frames_read=self.clock.frames_read,
+            end_reason=self.source.end_reason or ("stopped" if stop.requested else None),
+            stop_signal=stop.signum,
+        )
+
+    def close_sinks(self, status: RunStatus, error: str | None, stop_signal: int | None) -> str | None:
+        """Close every sink in order, the writer with run.json's summary. Returns the writer's error, if any.
+
+        The loop closer finishes first: its last corrections go into the writer's files.
+        """
+        self.clock.stop()
+        loops = next((sink for sink in self.sinks if isinstance(sink, LoopClosureSink)), None)
+        corrections = None if loops is None else loops.finish(status)
+        summary = self._run_json_summary(error, stop_signal)
+        if loops is not None:
+            summary["loop_closure"] = loops.summary()
+        writer_error = None
+        for sink in self.sinks:
+            try:
+                if sink is self.writer:
+                    self.writer.close(status, summary, corrections)
+                else:
+                    sink.close(status)
+            except OutputDirError as failure:
+                writer_error = str(failure)
+            except Exception as failure:  # noqa: BLE001 - one sink failing must not stop the others closing
+                logger.warning("closing %s failed: %s", type(sink).__name__, failure)
+        return writer_error
+
+    def _run_json_summary(self, error: str | None, stop_signal: int | None) -> dict[str, Any]:
+        """The summary holds each value once: status, settings (device, source) and versions are the
+        writer's; the rates and timings are the clock's, stopped by then."""
+        source, clock = self.source, self.clock
+        return {
+            "checkpoint_digest": self.digest.result(),
+            "error": error,
+            "end_reason": source.end_reason,
+            "stop_signal": signal_name(stop_signal),
+            "frames_read": clock.frames_read,
+            "frames_dropped": source.frames_dropped,
+            "reconnects": source.reconnects,
+            "reconnect_attempts": source.reconnect_attempts,
+            "disconnected_s": round(source.disconnected_s, 3),
+            **clock.rates(),
+            "timings": clock.timings(),
+            "engine": self.engine.stats(),
+            "peak_gpu_memory_bytes": _peak_gpu_memory(self.writer.settings.get("device", "cpu")),
+        }
 
 
 @contextlib.contextmanager
@@ -313,69 +389,6 @@ def _serve_until_stopped(viewer: Any, console: Console) -> int:
         return wait_for_stop_signal(on_ready=lambda: console.print(announce))
     finally:
         viewer.stop()
-
-
-def _emit(preds: list, engine: Any, clock: RunClock, sinks: list[Sink], source: FrameSource) -> dict:
-    clock.count_done(preds)
-    stats = dict(engine.stats())
-    stats.update(
-        clock.rates(), frames_read=clock.frames_read, frames_done=clock.frames_done,
-        frames_dropped=source.frames_dropped,
-    )
-    for pred in preds:
-        for sink in sinks:
-            sink.on_frame(pred, stats)
-    return stats
-
-
-def _close_sinks(
-    sinks: list[Sink],
-    writer: RunWriter,
-    status: RunStatus,
-    clock: RunClock,
-    source: FrameSource,
-    engine: Any,
-    error: str | None,
-    digest: CheckpointDigest,
-    stop_signal: int | None,
-) -> str | None:
-    """Close every sink, the writer with the run's summary. Returns the writer's error, if any.
-
-    The summary holds each value once: status, settings (device, source) and versions are the
-    writer's; the rates and timings are the clock's, frozen here.
-    """
-    clock.stop()
-    loops = next((sink for sink in sinks if isinstance(sink, LoopClosureSink)), None)
-    corrections = None if loops is None else loops.finish(status)
-    summary = {
-        "checkpoint_digest": digest.result(),
-        "error": error,
-        "end_reason": source.end_reason,
-        "stop_signal": signal_name(stop_signal),
-        "frames_read": clock.frames_read,
-        "frames_dropped": source.frames_dropped,
-        "reconnects": source.reconnects,
-        "reconnect_attempts": source.reconnect_attempts,
-        "disconnected_s": round(source.disconnected_s, 3),
-        **clock.rates(),
-        "timings": clock.timings(),
-        "engine": engine.stats(),
-        "peak_gpu_memory_bytes": _peak_gpu_memory(writer.settings.get("device", "cpu")),
-    }
-    if loops is not None:
-        summary["loop_closure"] = loops.summary()
-    writer_error = None
-    for sink in sinks:
-        try:
-            if sink is writer:
-                writer.close(status, summary, corrections)
-            else:
-                sink.close(status)
-        except OutputDirError as failure:
-            writer_error = str(failure)
-        except Exception as failure:  # noqa: BLE001 - one sink failing must not stop the others closing
-            logger.warning("closing %s failed: %s", type(sink).__name__, failure)
-    return writer_error
 
 
 def _report(summary: RunSummary, console: Console) -> None:

@@ -78,7 +78,7 @@ def install() -> None:
     timed(rollover.Rollover, "pace", "pace")
     timed(StreamingEngine, "push", "step", device=True)
     timed(StreamingEngine, "finish", "finish", device=True)
-    timed(pipeline, "_emit", "sinks")
+    timed(pipeline.Run, "_emit", "sinks")
     real_run = pipeline.run_sequence
 
     def product(*args, **kwargs):

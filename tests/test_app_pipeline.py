@@ -31,6 +31,9 @@ from media_helpers import (
 from plyfile import PlyData
 from rich.console import Console
 
+import stream_recon.models
+from stream_recon.app import pipeline
+from stream_recon.app.loading import build_engine
 from stream_recon.app.npz_schema import PREDICTION_FIELDS
 from stream_recon.app.options import OptionsError, RunOptions
 from stream_recon.app.pipeline import GIL_SWITCH_INTERVAL_S, run_sequence
@@ -96,6 +99,53 @@ def test_video_run_writes_a_complete_run_directory(tmp_path: Path, tiny_model: G
     assert record["settings"]["image_width"] == 56 and record["settings"]["source_kind"] == "video"
     assert record["summary"]["frames_read"] == 8
     assert record["summary"]["engine"]["frames"] == 8
+
+
+def test_a_model_handed_in_is_prepared_once_and_left_as_it_was(tmp_path: Path, tiny_model: GCTStream,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    prepared: list[GCTStream] = []
+    engine_models: list[GCTStream] = []
+    prepare = stream_recon.models.prepare_for_inference
+
+    def prepare_counted(*args, **kwargs) -> GCTStream:
+        prepared.append(prepare(*args, **kwargs))
+        return prepared[-1]
+
+    def build_engine_seen(model, options, device, dtype, console, lookahead=None):
+        engine_models.append(model)
+        return build_engine(model, options, device, dtype, console, lookahead)
+
+    monkeypatch.setattr(stream_recon.models, "prepare_for_inference", prepare_counted)
+    monkeypatch.setattr(pipeline, "build_engine", build_engine_seen)
+    video = write_video(tmp_path / "clip.mp4", 4, fps=20)
+
+    summary = run_sequence(str(video), tmp_path / "run", RunOptions(**FAST), model=tiny_model)
+
+    assert summary.ok, summary.error
+    assert len(prepared) == 1 and engine_models == prepared
+    assert getattr(tiny_model, "inference_spec", None) is None
+
+
+def test_the_engine_takes_a_prepared_model_and_prepares_none(tiny_model: GCTStream) -> None:
+    with pytest.raises(ValueError, match="the engine takes a prepared model"):
+        build_engine(tiny_model, RunOptions(**FAST), "cpu", torch.float32, Console(quiet=True))
+
+
+def test_a_prepared_model_is_streamed_as_it_is(tmp_path: Path, prepared_tiny_model: GCTStream,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    engine_models: list[GCTStream] = []
+
+    def build_engine_seen(model, options, device, dtype, console, lookahead=None):
+        engine_models.append(model)
+        return build_engine(model, options, device, dtype, console, lookahead)
+
+    monkeypatch.setattr(pipeline, "build_engine", build_engine_seen)
+    video = write_video(tmp_path / "clip.mp4", 4, fps=20)
+
+    summary = run_sequence(str(video), tmp_path / "run", RunOptions(**FAST), model=prepared_tiny_model)
+
+    assert summary.ok, summary.error
+    assert engine_models == [prepared_tiny_model]
 
 
 def test_run_json_holds_each_value_once_as_the_run_used_it(tmp_path: Path, tiny_model: GCTStream) -> None:
