@@ -44,14 +44,15 @@ class LoopClosureSink:
     emission; new corrections go to the viewer (if any) as they come. Disabled, it only records why
     (`reason`) for run.json."""
 
-    def __init__(self, engine: Any, viewer: Any = None, *, enabled: bool, reason: str) -> None:
+    def __init__(self, engine: Any, viewer: Any = None, *, enabled: bool, reason: str, config: Any = None) -> None:
+        """config: a models.loop_closer.LoopClosureConfig (None: its defaults)."""
         if enabled and not hasattr(engine, "chunk_links"):
             enabled, reason = False, "off (the engine streams no chunks)"
         self.closer = None
         if enabled:
-            from stream_recon.models.loop_closer import LoopCloserProcess
+            from stream_recon.models.loop_closer import LoopCloserProcess, LoopClosureConfig
 
-            self.closer = LoopCloserProcess()
+            self.closer = LoopCloserProcess(config or LoopClosureConfig())
         self.engine = engine
         self.viewer = viewer
         self.reason = reason

@@ -163,3 +163,18 @@ def trajectory_error(c2w: np.ndarray, reference: np.ndarray) -> float:
     """Mean camera-centre distance [N, 3, 4] vs [N, 3, 4], in the reference's units (no alignment: the
     stand-in's chunk 0 is the reference's frame)."""
     return float(np.mean(np.linalg.norm(c2w[:, :3, 3] - reference[:, :3, 3], axis=1)))
+
+
+def every_keyframe_detected(monkeypatch) -> None:
+    """Runs (app.pipeline) whose loop closer queues every keyframe of these short streams, so that what it
+    finds does not depend on how busy the machine is: a full queue skips keyframes, by design, rather than
+    hold the stream."""
+    from stream_recon.app import pipeline
+    from stream_recon.app.loops import LoopClosureSink
+    from stream_recon.models.loop_closer import LoopClosureConfig
+
+    class EveryKeyframe(LoopClosureSink):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, config=LoopClosureConfig(queue_keyframes=100), **kwargs)
+
+    monkeypatch.setattr(pipeline, "LoopClosureSink", EveryKeyframe)

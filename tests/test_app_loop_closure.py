@@ -18,6 +18,7 @@ import pytest
 import torch
 from loop_standin import (
     LoopSceneEngine,
+    every_keyframe_detected,
     load_loop_scene,
     registered_frames_folder,
     spread_depth,
@@ -42,8 +43,7 @@ from stream_recon.models.pose import decode_pose
 pytest.importorskip("gtsam")
 
 CHUNK_FRAMES, OVERLAP = 20, 4
-# each push takes as long as a fast model's would here; detection keeps up at this pace on two cores
-PUSH_PERIOD_S = 0.12
+PUSH_PERIOD_S = 0.12  # each push takes as long as a fast model's would on this machine
 
 
 class StandInModel:
@@ -63,6 +63,7 @@ def run_loop_scene(tmp_path: Path, monkeypatch, *, loop_closure: str, frames: in
         return engines[-1]
 
     monkeypatch.setattr(pipeline, "build_engine", build_stand_in)
+    every_keyframe_detected(monkeypatch)
     source = tmp_path / "frames"
     if not source.exists():
         registered_frames_folder(scene, source)

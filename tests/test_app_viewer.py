@@ -931,7 +931,12 @@ def test_a_run_that_closes_a_loop_moves_the_chunk_nodes_a_client_sees(tmp_path, 
     """The real run loop on the `loop` fixture (tests/loop_standin.py stands in for the model): the final
     correction reaches a connected client before the viewer closes, as the run directory has it."""
     pytest.importorskip("gtsam")
-    from loop_standin import LoopSceneEngine, load_loop_scene, registered_frames_folder
+    from loop_standin import (
+        LoopSceneEngine,
+        every_keyframe_detected,
+        load_loop_scene,
+        registered_frames_folder,
+    )
 
     from stream_recon.app import pipeline
     from stream_recon.app.options import RunOptions
@@ -949,6 +954,7 @@ def test_a_run_that_closes_a_loop_moves_the_chunk_nodes_a_client_sees(tmp_path, 
         return viewer
 
     monkeypatch.setattr(pipeline, "_start_viewer", start_viewer_with_a_client)
+    every_keyframe_detected(monkeypatch)
 
     class WaitForTheLoops:
         """Closed after the loop closer's final word went to the viewer, before the viewer closes."""
