@@ -49,7 +49,7 @@ class LoopClosureSink:
         if enabled and not hasattr(engine, "chunk_links"):
             enabled, reason = False, "off (the engine streams no chunks)"
         self.closer = None
-        if enabled:
+        if enabled:  # (imported here: the closer needs gtsam, which a run without loop closure may lack)
             from stream_recon.models.loop_closer import LoopCloserProcess, LoopClosureConfig
 
             self.closer = LoopCloserProcess(config or LoopClosureConfig())

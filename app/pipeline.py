@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import numpy as np
+import torch
 from rich.console import Console
 from rich.markup import escape
 
@@ -522,6 +523,4 @@ def _settings(options: RunOptions, source: FrameSource, used: dict[str, Any], ch
 def _peak_gpu_memory(device: str) -> int | None:
     if not device.startswith("cuda"):
         return None
-    import torch
-
     return int(torch.cuda.max_memory_allocated(device))
