@@ -29,6 +29,7 @@ from .loop_closure import ChunkCorrections, LoopRecord
 from .loop_detection import CheckedCandidate, LoopDetectionConfig, LoopDetector
 from .loop_retrieval import gradient_grid_descriptor
 from .pose_graph import (
+    CHILD_OWN_SESSION,
     LoopEdge,
     OdometryEdge,
     PoseGraph,
@@ -484,7 +485,8 @@ class LoopCloserProcess:
                    f"serve({child_reads}, {child_writes}, {config.queue_keyframes})")
         threads = {name: str(CHILD_THREADS) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
         self._process = subprocess.Popen([sys.executable, "-c", command], pass_fds=(child_reads, child_writes),
-                                         stdin=subprocess.DEVNULL, env={**os.environ, **threads})
+                                         stdin=subprocess.DEVNULL, start_new_session=CHILD_OWN_SESSION,
+                                         env={**os.environ, **threads})
         os.close(child_reads)
         os.close(child_writes)
         self._requests, self._replies = os.fdopen(parent_writes, "wb"), os.fdopen(parent_reads, "rb")

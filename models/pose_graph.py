@@ -349,6 +349,12 @@ def serve(requests_fd: int, replies_fd: int) -> None:
             write_message(replies, reply)
 
 
+# A child of its own session: the terminal's Ctrl-C goes to the stream's process, which ends the child
+# itself (close); a child in the same process group would die of it too, with a traceback of its own.
+# A parent that dies closes the pipe: the child reads the end of it and returns.
+CHILD_OWN_SESSION = True
+
+
 class SubprocessSolver:
     """`optimize` in a child process of its own, started on first use.
 
@@ -370,7 +376,7 @@ class SubprocessSolver:
         parent_reads, child_writes = os.pipe()
         command = f"from stream_recon.models.pose_graph import serve; serve({child_reads}, {child_writes})"
         self._process = subprocess.Popen([sys.executable, "-c", command], pass_fds=(child_reads, child_writes),
-                                         stdin=subprocess.DEVNULL)
+                                         stdin=subprocess.DEVNULL, start_new_session=CHILD_OWN_SESSION)
         os.close(child_reads)
         os.close(child_writes)
         self._requests, self._replies = os.fdopen(parent_writes, "wb"), os.fdopen(parent_reads, "rb")
