@@ -7,10 +7,11 @@ that ties them to a RunOptions.
 Host memory of a CPU run, as the code allocates it (measured, see below)::
 
     weights      parameters x 4 bytes                               (the full model: 1.16 G -> 4.6 GB)
-    KV cache     pages x P patch tokens x L layers x 2 (K, V) x C x 4 bytes
+    KV cache     pages x P patch tokens x L layers x 2 (K, V) x C x 4 bytes (the cache's own count)
                  the pool starts with scale + 1 patch pages + 2 for the special tokens (6 a frame,
                  packed) and grows 16 pages at a time as frames come, up to scale + window + 1 patch
-                 pages and the special pages of `chunk_frames` frames (cache/backends.py)
+                 pages and the special pages of `chunk_frames` frames (cache/backends.py; the pool's
+                 sizes are the cache's own, read through models/memory.py)
     activations  ACTIVATION_BYTES_PER_PIXEL x H x W x the scale frames processed together (phase 1)
                  + ACTIVATION_FIXED_BYTES
 
@@ -38,35 +39,43 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from stream_recon.app.input_size import model_input_size
-from stream_recon.models.memory import format_bytes
+from stream_recon.models.memory import (
+    POOL_GROWTH_PAGES,
+    SPECIAL_PAGES_AT_START,
+    format_bytes,
+    paged_cache_bytes,
+)
+
+if TYPE_CHECKING:
+    from stream_recon.models import ModelConfig
 
 GB = 1e9
 FLOAT32_BYTES = 4
 ACTIVATION_BYTES_PER_PIXEL = 1750  # per input pixel per frame processed together (calibrated above)
 ACTIVATION_FIXED_BYTES = int(0.3 * GB)
-SPARE_PAGES = 2  # the paged cache's pool starts this many pages beyond the scale frames' (cache/backends.py) ...
-POOL_GROWTH_PAGES = 16  # ... and grows by this many when the frames need more (cache/pages.py)
 MATMUL_EFFICIENCY = 0.8  # the model's share of the measured matmul throughput
 WARN_SECONDS_PER_FRAME = 1.0  # a CPU run slower than this is announced
 WARN_MEMORY_SHARE = 0.85  # an estimate above this share of the available memory is announced
 FAST_ANYWHERE_FLOPS = 10e9  # a frame this cheap takes well under a second on any CPU: no need to measure it
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class ModelShape:
-    """What memory and compute depend on in the model (from its ModelConfig and parameter count)."""
+    """What memory and compute depend on in the model: its ModelConfig (the sizes) and its parameter count
+    (model_shape counts it without building the model in memory)."""
 
+    config: ModelConfig
     num_params: int
-    depth: int = 24  # aggregator blocks of each kind; every global one caches K/V
-    dino_depth: int = 24
-    embed_dim: int = 1024
-    num_special_tokens: int = 6
-    dino_extra_tokens: int = 5  # class token + registers
-    patch_size: int = 14
-    dpt_features: int = 256
+
+    @property
+    def dino_extra_tokens(self) -> int:
+        """Tokens the DINO trunk adds to a frame's patches: the class token and the registers."""
+        return 1 + self.config.dino_registers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,17 +129,18 @@ def estimate_host_memory(model: ModelShape, run: RunShape, *, count_weights: boo
 
     count_weights: False when the model is in memory already (a batch worker's), so that the memory
     still available is compared with what the run adds."""
-    patches = run.patches(model.patch_size)
+    config = model.config
+    patches = run.patches(config.patch_size)
     most_patch_pages = run.scale_frames + run.window + 1  # the scale frames, the window, the frame being decided
     frames = run.chunk_frames if run.frames is None else min(run.frames, run.chunk_frames)
     # what the pool holds at once: every frame's patch page until the window is full, and then the one being
     # decided besides, and the special tokens of every frame of the window (6 a frame, packed)
-    in_use = min(frames, most_patch_pages) + math.ceil(model.num_special_tokens * frames / patches)
-    most_pages = most_patch_pages + math.ceil(model.num_special_tokens * run.chunk_frames / patches)
-    pages = run.scale_frames + 1 + SPARE_PAGES  # what the pool starts with (cache/backends.py)
+    in_use = min(frames, most_patch_pages) + math.ceil(config.num_special_tokens * frames / patches)
+    most_pages = most_patch_pages + math.ceil(config.num_special_tokens * run.chunk_frames / patches)
+    pages = run.scale_frames + 1 + SPECIAL_PAGES_AT_START  # what the pool starts with (cache/backends.py)
     if in_use > pages:
         pages = min(most_pages, pages + POOL_GROWTH_PAGES * math.ceil((in_use - pages) / POOL_GROWTH_PAGES))
-    cache = pages * patches * model.depth * 2 * model.embed_dim * FLOAT32_BYTES
+    cache = paged_cache_bytes(config, patches, pages, torch.float32)
     together = run.scale_frames if run.frames is None else min(run.frames, run.scale_frames)
     activations = ACTIVATION_BYTES_PER_PIXEL * run.pixels * together + ACTIVATION_FIXED_BYTES
     weights = model.num_params * FLOAT32_BYTES if count_weights else 0
@@ -210,24 +220,25 @@ def flags(settings: dict[str, Any]) -> str:
 
 def frame_flops(model: ModelShape, run: RunShape, cached_frames: int) -> float:
     """FLOPs of one streaming frame whose global attention reads `cached_frames` frames' patches."""
-    patches = run.patches(model.patch_size)
-    tokens = patches + model.num_special_tokens
+    config = model.config
+    patches = run.patches(config.patch_size)
+    tokens = patches + config.num_special_tokens
     dino_tokens = patches + model.dino_extra_tokens
-    channels = model.embed_dim
+    channels = config.embed_dim
     block = 24 * channels**2  # per token: qkv 3C^2 + out C^2 + MLP 8C^2 multiply-adds, 2 FLOPs each
-    linear = block * (model.dino_depth * dino_tokens + 2 * model.depth * tokens)
-    own_attention = 4 * channels * (model.dino_depth * dino_tokens**2 + model.depth * tokens**2)
-    keys = cached_frames * patches + model.num_special_tokens * (cached_frames + 1)
-    global_attention = 4 * channels * model.depth * tokens * keys
+    linear = block * (config.dino_depth * dino_tokens + 2 * config.depth * tokens)
+    own_attention = 4 * channels * (config.dino_depth * dino_tokens**2 + config.depth * tokens**2)
+    keys = cached_frames * patches + config.num_special_tokens * (cached_frames + 1)
+    global_attention = 4 * channels * config.depth * tokens * keys
     return linear + own_attention + global_attention + _dpt_flops(model, run)
 
 
 def _dpt_flops(model: ModelShape, run: RunShape) -> float:
     """The depth head's convolutions: five 3x3 at 4x the patch grid, one at 8x, one at full resolution."""
     pixels = run.pixels
-    features = model.dpt_features
-    at_4x = pixels * 16 / model.patch_size**2
-    at_8x = pixels * 64 / model.patch_size**2
+    features = model.config.dpt_features
+    at_4x = pixels * 16 / model.config.patch_size**2
+    at_8x = pixels * 64 / model.config.patch_size**2
     return 18 * (5 * features**2 * at_4x + features * features // 2 * at_8x + features // 2 * 32 * pixels)
 
 
@@ -275,8 +286,6 @@ def matmul_flops_per_second(size: int = 1024, repeats: int = 3) -> float:
     """float32 matrix-multiply throughput of this CPU with torch's threads (about 0.1 s)."""
     import time
 
-    import torch
-
     a, b = torch.randn(size, size), torch.randn(size, size)
     torch.mm(a, b)  # the first call pays for thread start-up and kernel choice
     started = time.perf_counter()
@@ -285,19 +294,13 @@ def matmul_flops_per_second(size: int = 1024, repeats: int = 3) -> float:
     return 2 * size**3 * repeats / (time.perf_counter() - started)
 
 
-def model_shape(config: Any) -> ModelShape:
+def model_shape(config: ModelConfig) -> ModelShape:
     """The ModelShape of a ModelConfig; its parameters are counted on the meta device (no memory)."""
-    import torch
-
     from stream_recon.models import GCTStream
 
     with torch.device("meta"):
         num_params = sum(parameter.numel() for parameter in GCTStream(config).parameters())
-    return ModelShape(
-        num_params=num_params, depth=config.depth, dino_depth=config.dino_depth, embed_dim=config.embed_dim,
-        num_special_tokens=config.num_special_tokens, dino_extra_tokens=1 + config.dino_registers,
-        patch_size=config.patch_size, dpt_features=config.dpt_features,
-    )
+    return ModelShape(config, num_params)
 
 
 _said_slow = False  # the slow-CPU warning, once a process: a batch runs many sequences on one CPU

@@ -7,13 +7,15 @@ from .dense import DenseTwoStreamCache, SlotMove, VisibleRange
 from .dense_attention import DenseAttention, DenseKV, SplitCudnnAttention, merge_partial_attention
 from .kv_cache import AttentionBackend, CacheStep, DenseKVCache, KVCache, PagedKVCache
 from .layout import CacheCapacityError, CacheLayout
-from .paged import PagedTwoStreamCache
+from .paged import SPECIAL_PAGES_AT_START, PagedTwoStreamCache
 from .paged_attention import PagedKV, SDPAPagedAttention
-from .pages import PagePool, VisiblePages
+from .pages import POOL_GROWTH_PAGES, PagePool, VisiblePages
 from .streams import DeviceValues, run_beside
 from .token_cache import TokenCache
 
 __all__ = [
+    "POOL_GROWTH_PAGES",
+    "SPECIAL_PAGES_AT_START",
     "AttentionBackend",
     "BackendSpec",
     "CacheCapacityError",

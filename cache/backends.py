@@ -21,7 +21,7 @@ from .dense_attention import DenseAttention, DenseKV, SplitCudnnAttention
 from .kv_cache import AttentionBackend, DenseKVCache, KVCache, PagedKVCache
 from .layout import CacheLayout
 from .packages import importable
-from .paged import PagedTwoStreamCache
+from .paged import SPECIAL_PAGES_AT_START, PagedTwoStreamCache
 from .paged_attention import PagedKV, SDPAPagedAttention
 from .pages import PagePool
 
@@ -213,11 +213,11 @@ def build(backend: BackendSpec, layout: CacheLayout, *, num_layers: int, num_hea
         bookkeeping = DenseTwoStreamCache(layout, max_frames)
         storage = DenseKV(num_layers, num_heads, head_dim, bookkeeping.capacity_tokens, dtype, device, stored)
         return DenseKVCache(bookkeeping, storage, backend.factory(storage, layout, compile, device))
-    # On the CPU the pool starts with the scale frames' pages (and the pending frame's, and 2 for the special
-    # tokens) and grows as frames come, one layer's copy at a time: a short stream never holds a whole
+    # On the CPU the pool starts with the scale frames' pages (and the pending frame's, and SPECIAL_PAGES_AT_START
+    # for the special tokens) and grows as frames come, one layer's copy at a time: a short stream never holds a whole
     # window's pages (15 GB at the defaults). On a GPU it starts whole: a growth mid-stream is a stall.
     first_pages = layout.scale_frames + 1 if device.type == "cpu" else layout.max_patch_pages
-    pool = PagePool(first_pages + 2, max_pages=PagedTwoStreamCache.pages_needed(layout, max_frames))
+    pool = PagePool(first_pages + SPECIAL_PAGES_AT_START, max_pages=PagedTwoStreamCache.pages_needed(layout, max_frames))
     bookkeeping = PagedTwoStreamCache(layout, pool)
     storage = PagedKV(num_layers, num_heads, head_dim, layout.page_size, dtype, device, bookkeeping.pool.num_pages)
     return PagedKVCache(bookkeeping, storage, backend.factory(storage, layout, compile, device))

@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 from .layout import CacheLayout
 from .pages import PagePool, VisiblePages
 
+# Pages a new pool holds for the special stream beside its patch pages: a page takes the special tokens of
+# page_size / 6 frames, and the pool grows when these fill.
+SPECIAL_PAGES_AT_START = 2
+
 
 @dataclass
 class _PendingFrame:
@@ -34,7 +38,7 @@ class PagedTwoStreamCache:
 
     def __init__(self, layout: CacheLayout, pool: PagePool | None = None):
         self.layout = layout
-        self.pool = pool or PagePool(layout.max_patch_pages + 2)
+        self.pool = pool or PagePool(layout.max_patch_pages + SPECIAL_PAGES_AT_START)
         self.scale_pages: list[int] = []
         self.window_pages: deque[int] = deque()
         self.special_pages: list[int] = []

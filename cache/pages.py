@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 from .layout import CacheCapacityError
 
+# Pages a pool adds when it runs out: in steps, so that the storage behind the ids is re-allocated rarely
+# (app.resources's host estimate of a CPU run counts the same steps).
+POOL_GROWTH_PAGES = 16
+
 
 class PagePool:
     """Page ids and a free list, like vLLM's block pool without hashing or ref counts.
@@ -16,7 +20,7 @@ class PagePool:
     `max_pages` it grows up to that many pages and no further (a memory budget's limit).
     """
 
-    def __init__(self, num_pages: int, grow_by: int = 16, max_pages: int | None = None):
+    def __init__(self, num_pages: int, grow_by: int = POOL_GROWTH_PAGES, max_pages: int | None = None):
         if num_pages < 1 or grow_by < 1:
             raise ValueError(f"a page pool needs at least one page and a positive growth step, got {num_pages}, {grow_by}")
         if max_pages is not None:
@@ -44,7 +48,6 @@ class PagePool:
     def allocate(self) -> int:
         if not self._free:
             self.require(1)
-            # Grow in steps so that the storage behind the ids is re-allocated rarely.
             grow = self.grow_by if self.max_pages is None else min(self.grow_by, self.max_pages - self.num_pages)
             self._free.extend(range(self.num_pages, self.num_pages + grow))
             self.num_pages += grow

@@ -31,8 +31,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from stream_recon.cache import CacheLayout, TokenCache, backends, fp8
+# The paged pool's own sizes, which app.resources's host estimate of a CPU run reads here (the app reaches
+# the cache only through the models): the pages a pool starts with for the special tokens, and its growth step.
+from stream_recon.cache import POOL_GROWTH_PAGES as POOL_GROWTH_PAGES
+from stream_recon.cache import SPECIAL_PAGES_AT_START as SPECIAL_PAGES_AT_START
+from stream_recon.cache import CacheLayout, PagedKV, TokenCache, backends, fp8
 
+from .config import ModelConfig
 from .errors import MemoryBudgetError
 from .gct import GCTStream
 from .stream_config import StreamConfig
@@ -149,6 +154,12 @@ def parse_memory_size(text: str) -> int:
         raise ValueError(f"cannot read {text!r} as a memory size: use a positive number with GiB, MiB, GB, MB (or G, "
                          "M: binary), e.g. 8GiB")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def paged_cache_bytes(config: ModelConfig, page_size: int, num_pages: int, dtype: torch.dtype) -> int:
+    """Bytes `num_pages` pages of `page_size` tokens take in the paged K/V cache of a model of `config`,
+    over all its global layers, stored in `dtype`: the count the cache's own storage makes."""
+    return PagedKV.bytes_needed(config.depth, config.num_heads, config.head_dim, page_size, num_pages, dtype)
 
 
 def weight_bytes(model: GCTStream) -> int:

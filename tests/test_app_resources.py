@@ -3,6 +3,7 @@ and a real run's cache, the refusal with smaller settings that fit, the slow-CPU
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,9 +12,11 @@ import torch
 from media_helpers import write_video
 from typer.testing import CliRunner
 
+from stream_recon.app import resources
 from stream_recon.app.cli import app, with_default_command
 from stream_recon.app.resources import (
     GB,
+    ModelShape,
     RunShape,
     estimate_host_memory,
     model_shape,
@@ -22,6 +25,7 @@ from stream_recon.app.resources import (
     seconds_per_frame,
     slow_cpu_message,
 )
+from stream_recon.cache import CacheLayout, PagedTwoStreamCache, PagePool, backends
 from stream_recon.models import ModelConfig, StreamConfig, StreamingEngine
 
 FULL = model_shape(ModelConfig())
@@ -52,6 +56,24 @@ def test_the_cache_estimate_is_the_cache_the_engine_allocates(prepared_tiny_mode
         engine.push(torch.rand(3, height, width))
     engine.finish()
     assert estimate_host_memory(model_shape(prepared_tiny_model.config), run).cache_bytes == engine.cache.bytes_allocated
+
+
+def test_the_host_estimate_counts_the_pool_the_cache_builds() -> None:
+    # the pool's first pages and growth step are read from the cache, so the estimate cannot drift from it
+    layout = CacheLayout(patches_per_frame=777, scale_frames=8, window_frames=64)
+    cache = backends.build(backends.spec("sdpa"), layout, num_layers=1, num_heads=1, head_dim=1, max_frames=320,
+                           dtype=torch.float32, device="cpu")
+    assert cache.bookkeeping.pool.num_pages == 8 + 1 + resources.SPECIAL_PAGES_AT_START
+    assert PagedTwoStreamCache(layout).pool.num_pages == layout.max_patch_pages + resources.SPECIAL_PAGES_AT_START
+    assert cache.bookkeeping.pool.grow_by == resources.POOL_GROWTH_PAGES
+    assert inspect.signature(PagePool).parameters["grow_by"].default == resources.POOL_GROWTH_PAGES
+
+
+def test_the_model_shape_is_its_config() -> None:
+    # every size comes from the ModelConfig: half the global layers, half the cache
+    half = ModelShape(replace(ModelConfig(), depth=12, output_layers=(2, 5, 8, 11)), FULL.num_params)
+    assert 2 * estimate_host_memory(half, SAMPLE).cache_bytes == estimate_host_memory(FULL, SAMPLE).cache_bytes
+    assert FULL.config == ModelConfig() and FULL.dino_extra_tokens == 1 + ModelConfig().dino_registers
 
 
 def test_a_run_that_does_not_fit_is_refused_with_smaller_settings_that_do() -> None:
