@@ -155,18 +155,17 @@ def build_engine(model: Any, options: RunOptions, device: str, dtype: Any, conso
 
 
 def check_gpu_memory(engine: Any, options: RunOptions, frame_size: tuple[int, int] | None) -> None:
-    """With --gpu-memory and a source whose frame size is known: the plan the engine will make at its
-    first frame, made now, so that a budget nothing fits is refused before anything is written
-    (the engine still plans, and refuses, for sources that only know their size once read)."""
+    """With --gpu-memory and a source whose frame size is known: the plan the engine would make at its
+    first frame, made by the engine now, so that a budget nothing fits is refused before anything is
+    written; a first frame of that size then uses it (the engine plans, and refuses, at its first frame
+    for sources that only know their size once read, or whose frames come out another size)."""
     from stream_recon.app.input_size import model_input_size
     from stream_recon.models import MemoryBudgetError
-    from stream_recon.models.memory import plan_memory
 
     if options.gpu_memory is None or frame_size is None:
         return
-    config = engine.stream_config
     try:
-        plan_memory(engine.model, config, model_input_size(*frame_size, options.image_width), config.gpu_memory)
+        engine.plan_memory_for(model_input_size(*frame_size, options.image_width))
     except MemoryBudgetError as error:
         raise OptionsError(str(error)) from None
 

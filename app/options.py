@@ -255,8 +255,8 @@ def _engine_problems(options: RunOptions) -> Iterator[str]:
     budget's spelling. Those tables live with the model and import torch, so they are read when options
     are checked (a command that runs), never when the flags are only listed (`-h`)."""
     from stream_recon.models.attention_backends import backend_names
-    from stream_recon.models.engine import KeyframePolicy
     from stream_recon.models.memory import parse_memory_size
+    from stream_recon.models.stream_config import KeyframePolicy
 
     if options.attention not in backend_names():
         yield f"--attention must be one of {', '.join(backend_names())}, got {options.attention!r}"

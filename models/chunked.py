@@ -112,8 +112,9 @@ class ChunkedEngine:
         """Add frame [3, H, W]; returns the predictions emitted by it, oldest chunk first."""
         started = time.perf_counter()
         timestamp = float(self.num_frames) if timestamp is None else float(timestamp)
-        self.engine.check_frame(image)  # a bad frame is refused before it changes anything
-        frame = (torch.as_tensor(image).detach().clone(), timestamp)
+        # Checked once, here: a bad frame is refused before it changes anything, and every engine it
+        # goes to takes it as checked (StreamingEngine.push_checked).
+        frame = (self.engine.check_frame(image).detach().clone(), timestamp)
         with self._on_main_stream():
             if self._phase is Phase.SWITCH_PENDING:
                 self._switch_to_spare()
@@ -190,6 +191,11 @@ class ChunkedEngine:
         # kept, not read from self.engine: a spare that takes over was built without the budget
         return self._chunk_config
 
+    def plan_memory_for(self, image_size: tuple[int, int]):
+        """The memory plan the first frame will use if it is image_size (height, width), made now
+        (StreamingEngine.plan_memory_for): MemoryBudgetError when nothing fits, None without a budget."""
+        return self.engine.plan_memory_for(image_size)
+
     @property
     def memory_plan(self):
         """The plan made for StreamConfig.gpu_memory (None before the first frame or without a budget)."""
@@ -225,7 +231,7 @@ class ChunkedEngine:
         elif phase is Phase.SWITCH_PENDING:  # the spare is a frame behind at most: it takes this one alone
             self._rollover.spare.push(*frame)
         else:
-            self._outbox += self.alignment.receive(self.engine.push(*frame))
+            self._outbox += self.alignment.receive(self.engine.push_checked(*frame))
 
     def _chunk_is_full(self) -> bool:
         if self._phase is Phase.CATCHING_UP:  # the closed chunk is; the next (on the spare) cannot be yet
@@ -275,7 +281,7 @@ class ChunkedEngine:
         """The current chunk's frames so far, through its engine (freshly reset)."""
         frames = list(self._replay)[len(self._replay) - (self.num_frames - self.alignment.start):]
         for image, timestamp in frames:
-            self._outbox += self.alignment.receive(self.engine.push(image, timestamp))
+            self._outbox += self.alignment.receive(self.engine.push_checked(image, timestamp))
 
     # -- the next chunk, on the spare --------------------------------------------------------
     def _look_ahead(self, frame: tuple[torch.Tensor, float]) -> None:

@@ -73,6 +73,7 @@ class StreamingEngine:
         # With a budget: the plan made before the first frame, and who is told about it.
         self.memory_plan: MemoryPlan | None = None
         self.on_memory_plan: Callable[[MemoryPlan], None] | None = None
+        self._plan_ahead: tuple[tuple[int, int], MemoryPlan] | None = None  # plan_memory_for's, by frame size
         self._image_size: tuple[int, int] | None = None
         self.cache: KVCache | None = None
         self.camera_cache: TokenCache | None = None
@@ -105,7 +106,18 @@ class StreamingEngine:
         `cached=False` (a streaming frame only): predict the frame against the cache as it is and
         leave no trace, whatever the keyframe policy says (a non-keyframe decided before its step).
         ChunkedEngine predicts frames so on a closed chunk while the next one catches up."""
-        image = self.check_frame(image)
+        return self.push_checked(self.check_frame(image), timestamp, cached=cached)
+
+    def push_checked(self, image: torch.Tensor, timestamp: float | None = None, *,
+                     cached: bool = True) -> list[FramePrediction]:
+        """`push` for a frame as `check_frame` returned it, this engine's or another's (ChunkedEngine
+        checks each frame once, before anything changes, and hands it to whichever engine takes it).
+
+        A checked frame of this stream's size is one this engine's check would return unchanged, so it
+        is not checked again; one of another size (this engine's first frame, whose check sets up its
+        caches, or a frame it must refuse) is checked here."""
+        if self._image_size != tuple(image.shape[1:]):
+            image = self.check_frame(image)
         timestamp = float(self.num_frames + len(self._buffer)) if timestamp is None else float(timestamp)
         finished, self._ready = self._ready, []  # completed by reset(): older than anything below
         try:
@@ -133,6 +145,18 @@ class StreamingEngine:
         except BaseException:
             self._ready = ready  # nothing computed is lost
             raise
+
+    def plan_memory_for(self, image_size: tuple[int, int]) -> MemoryPlan | None:
+        """The memory plan the first frame will use if it is image_size (height, width), made now:
+        MemoryBudgetError, before any frame, when nothing fits. A first frame of another size is
+        planned for then. None without a budget (StreamConfig.gpu_memory) or once the first frame
+        has been set up (its plan is `memory_plan`)."""
+        if self.config.gpu_memory is None or self.memory_plan is not None:
+            return None
+        size = (int(image_size[0]), int(image_size[1]))
+        plan = plan_memory(self.model, self.config, size, self.config.gpu_memory)
+        self._plan_ahead = (size, plan)
+        return plan
 
     def settle(self) -> None:
         """Make the keyframe decision of a frame still in flight now (flow keyframes, pipelined):
@@ -334,8 +358,14 @@ class StreamingEngine:
 
     def _plan_memory(self, height: int, width: int) -> None:
         """Fit the budget before anything is allocated: the plan's precision and window replace the
-        config's (the window only when nothing else fits; the plan says so)."""
-        plan = plan_memory(self.model, self.config, (height, width), self.config.gpu_memory)
+        config's (the window only when nothing else fits; the plan says so). A plan made ahead for
+        this size (plan_memory_for) is the one planning now would make: it depends only on the model,
+        the config (unchanged until the first frame) and the size."""
+        ahead, self._plan_ahead = self._plan_ahead, None
+        if ahead is not None and ahead[0] == (height, width):
+            plan = ahead[1]
+        else:
+            plan = plan_memory(self.model, self.config, (height, width), self.config.gpu_memory)
         self.config = plan.apply(self.config)
         self.backend_spec = self._resolve_backend()
         self.memory_plan = plan

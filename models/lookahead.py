@@ -36,8 +36,9 @@ class SpareEngine:
         self._submit(self._warm, frames)
 
     def push(self, image: torch.Tensor, timestamp: float) -> None:
-        """Queue a frame; its prediction comes back from `take_ready`, `take_next` or `collect`."""
-        self._submit(self.engine.push, image, timestamp)
+        """Queue a frame as `check_frame` returned it (StreamingEngine.push_checked); its prediction
+        comes back from `take_ready`, `take_next` or `collect`."""
+        self._submit(self.engine.push_checked, image, timestamp)
 
     @property
     def backlog(self) -> int:
@@ -115,6 +116,6 @@ class SpareEngine:
 
     def _warm(self, frames: list[tuple[torch.Tensor, float]]) -> None:
         for image, timestamp in frames:
-            self.engine.push(image, timestamp)
+            self.engine.push_checked(image, timestamp)  # the first one is checked: it sets the caches up
         self.engine.finish()
         self.engine.reset()

@@ -160,7 +160,7 @@ class Rollover:
             self.spare.push(*frame)
             return emitted
         self.spare.push(*frame)
-        emitted = self.alignment.provisional(self.closed, engine.push(*frame, cached=False))
+        emitted = self.alignment.provisional(self.closed, engine.push_checked(*frame, cached=False))
         self.provisional_count += 1
         return emitted
 

@@ -7,6 +7,7 @@ StreamConfig, and the engine calls the plan: here, neither has to import the oth
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 # The flow policy's defaults: a keyframe when the mean camera-motion flow to the last keyframe passes
@@ -29,21 +30,10 @@ class KeyframePolicy:
     @classmethod
     def parse(cls, text: str, flow_threshold: float = FLOW_THRESHOLD,
               max_gap: int = MAX_GAP) -> KeyframePolicy:
-        text = text.strip().lower()
-        if text == "all":
-            return cls("all", 1, flow_threshold, max_gap)
-        if text == "flow":
-            if flow_threshold <= 0 or max_gap < 1:
-                raise ValueError(f"flow keyframes need flow_threshold > 0 and max_gap >= 1, got {flow_threshold}, {max_gap}")
-            return cls("flow", 1, flow_threshold, max_gap)
-        if text.startswith("interval:"):
-            try:
-                interval = int(text.split(":", 1)[1])
-            except ValueError:
-                interval = 0
-            if interval >= 1:
-                return cls("interval", interval, flow_threshold, max_gap)
-        raise ValueError(f"unknown keyframe policy {text!r}: use 'all', 'interval:N' (N >= 1) or 'flow'")
+        kind, interval = _parse_spelling(text)
+        if kind == "flow" and (flow_threshold <= 0 or max_gap < 1):
+            raise ValueError(f"flow keyframes need flow_threshold > 0 and max_gap >= 1, got {flow_threshold}, {max_gap}")
+        return cls(kind, interval, flow_threshold, max_gap)
 
     def decided_before(self, index: int, scale_frames: int) -> bool | None:
         """Whether streaming frame `index` is a keyframe, when that is known before its step
@@ -55,6 +45,25 @@ class KeyframePolicy:
     def decided_after(self, flow: float, index: int, last_key_index: int, scale_frames: int) -> bool:
         """flow: the first streaming frame, a flow over the threshold, or the longest gap reached."""
         return index == scale_frames or flow > self.flow_threshold or index - last_key_index >= self.max_gap
+
+
+# Memoised: a run reads one spelling in several places (the app's option check, the StreamConfig a
+# ChunkedEngine is given and the copies dataclasses.replace makes of it for its chunks and its spare),
+# and it is parsed once. A spelling that is refused raises again each time (an error is not cached).
+@functools.lru_cache(maxsize=16)
+def _parse_spelling(text: str) -> tuple[str, int]:
+    """(kind, interval) of a keyframe policy as written: `all`, `flow` or `interval:N`."""
+    text = text.strip().lower()
+    if text in ("all", "flow"):
+        return text, 1
+    if text.startswith("interval:"):
+        try:
+            interval = int(text.split(":", 1)[1])
+        except ValueError:
+            interval = 0
+        if interval >= 1:
+            return "interval", interval
+    raise ValueError(f"unknown keyframe policy {text!r}: use 'all', 'interval:N' (N >= 1) or 'flow'")
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,8 @@ class StreamConfig:
 
     @property
     def policy(self) -> KeyframePolicy:
+        # Not stored on the instance: its __dict__ stays its fields (StreamConfig(**vars(config)) copies
+        # it). The spelling's parse is memoised, so a read only builds the small frozen policy.
         return KeyframePolicy.parse(self.keyframes, self.flow_threshold, self.max_gap)
 
     def cached_frames(self, model_max_frames: int) -> int:

@@ -126,6 +126,34 @@ def test_a_model_handed_in_is_prepared_once_and_left_as_it_was(tmp_path: Path, t
     assert getattr(tiny_model, "inference_spec", None) is None
 
 
+def test_a_run_parses_its_keyframe_policy_and_plans_its_memory_once(tmp_path: Path, tiny_model: GCTStream,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The options check parses the keyframe spelling the engines then use; the budget's plan made
+    for the source's frame size before the run is the one its first frame uses."""
+    import stream_recon.models.engine as engine_module
+    from stream_recon.models import stream_config
+
+    planned: list[str] = []  # by whom: before the run (plan_memory_for), or at the first frame (_plan_memory)
+    plan_memory = engine_module.plan_memory
+
+    def plan_counted(model, config, image_size, budget):
+        planned.append(sys._getframe(1).f_code.co_name)
+        return plan_memory(model, config, image_size, budget)
+
+    monkeypatch.setattr(engine_module, "plan_memory", plan_counted)
+    stream_config._parse_spelling.cache_clear()
+    options = RunOptions(**FAST, keyframes="interval:2", gpu_memory="64GiB")
+    video = write_video(tmp_path / "clip.mp4", 6, fps=20)
+
+    summary = run_sequence(str(video), tmp_path / "run", options, model=tiny_model)
+
+    assert summary.ok, summary.error
+    assert planned == ["plan_memory_for"]
+    assert stream_config._parse_spelling.cache_info().misses == 1
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["summary"]["engine"]["memory_plan"]["budget"] == 64 * 2**30
+
+
 def test_the_engine_takes_a_prepared_model_and_prepares_none(tiny_model: GCTStream) -> None:
     with pytest.raises(ValueError, match="the engine takes a prepared model"):
         build_engine(tiny_model, RunOptions(**FAST), "cpu", torch.float32, Console(quiet=True))

@@ -179,6 +179,46 @@ def test_budget_engine_plans_before_the_first_frame_and_streams_the_plan(prepare
     assert too_small.cache is None  # nothing was allocated
 
 
+def test_budget_plan_made_ahead_is_the_first_frames_and_is_made_again_for_another_size(prepared_tiny_model,
+                                                                                        monkeypatch):
+    """plan_memory_for: the plan the first frame would make, made before it (once, not again at the
+    first frame of that size); a first frame of another size is planned for then."""
+    import stream_recon.models.engine as engine_module
+
+    asked = StreamConfig(scale_frames=2, window=3, attention="auto")
+    config = dataclasses.replace(asked, gpu_memory=total(prepared_tiny_model, asked) - 1)  # fp8 fits
+    planned = []
+    plan_memory_counted = engine_module.plan_memory
+
+    def plan_counted(model, config, image_size, budget):
+        planned.append(image_size)
+        return plan_memory_counted(model, config, image_size, budget)
+
+    monkeypatch.setattr(engine_module, "plan_memory", plan_counted)
+    images = frames(5)
+    ahead = StreamingEngine(prepared_tiny_model, config)
+    told = []
+    ahead.on_memory_plan = told.append
+    plan = ahead.plan_memory_for(SIZE)
+    streamed = [p for image in images for p in ahead.push(image)] + ahead.finish()
+    assert planned == [SIZE] and told == [plan] and ahead.memory_plan is plan and plan.kv_cache == "fp8"
+    assert ahead.plan_memory_for(SIZE) is None  # planned and applied already
+
+    at_first_frame = StreamingEngine(prepared_tiny_model, config)
+    reference = [p for image in images for p in at_first_frame.push(image)] + at_first_frame.finish()
+    assert planned == [SIZE, SIZE] and at_first_frame.memory_plan == plan
+    assert len(streamed) == len(reference) == 5
+    for ours, theirs in zip(streamed, reference, strict=True):
+        for key in ("pose_enc", "c2w", "depth", "depth_conf"):
+            np.testing.assert_array_equal(getattr(ours, key), getattr(theirs, key))
+
+    other_size = StreamingEngine(prepared_tiny_model, config)
+    other_size.plan_memory_for((28, 42))
+    other_size.push(images[0])
+    assert planned[2:] == [(28, 42), SIZE] and other_size.memory_plan == plan
+    assert StreamingEngine(prepared_tiny_model, asked).plan_memory_for(SIZE) is None  # no budget
+
+
 def test_budget_windowed_cache_holds_one_window_and_plans_for_it(prepared_tiny_model):
     config = StreamConfig(scale_frames=2, window=3, keyframes="interval:2", attention="dense", gpu_memory=2**40)
     engine = ChunkedEngine(prepared_tiny_model, config, chunk_frames=6, overlap=2)

@@ -7,6 +7,7 @@ matrices and stitched with the later window winning.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from stream_recon.models import (
     ChunkedEngine,
     FrameError,
+    KeyframePolicy,
     StreamConfig,
     StreamingEngine,
 )
@@ -579,19 +581,20 @@ def test_a_spare_engine_beside_the_stream_ends_with_what_rollovers_in_place_emit
 
 
 class SpareGate:
-    """Holds the spare's worker thread at its next step until opened (StreamingEngine.push patched)."""
+    """Holds the spare's worker thread at its next step until opened (StreamingEngine.push_checked
+    patched: the spare is handed checked frames, and `push` goes through it too)."""
 
     def __init__(self, monkeypatch):
         self.open = threading.Event()
         self.open.set()
-        push = StreamingEngine.push
+        push = StreamingEngine.push_checked
 
         def gated_push(engine, *args, **kwargs):
             if threading.current_thread().name.startswith("stream-recon-next-chunk"):
                 assert self.open.wait(timeout=60), "the gate was never opened"
             return push(engine, *args, **kwargs)
 
-        monkeypatch.setattr(StreamingEngine, "push", gated_push)
+        monkeypatch.setattr(StreamingEngine, "push_checked", gated_push)
 
 
 def test_the_closed_window_predicts_new_frames_until_the_spare_has_caught_up(model, frames, monkeypatch):
@@ -640,6 +643,50 @@ def test_a_closed_window_predicts_at_most_its_room_and_the_stream_then_waits(mod
     marked = [[(p.frame_index, p.chunk_index, p.provisional) for p in push] for push in pushes]
     check_beside_the_stream(({p.frame_index: p for push in pushes for p in push}, marked), in_place)
     engine.close()
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_each_frame_is_checked_once(model, frames, monkeypatch, lookahead):
+    """ChunkedEngine checks a frame once, before anything changes; the engines it goes to take it as
+    checked: a rollover in place replays it, a spare takes it, a closed chunk predicts it provisionally.
+    A spare checks only its own first frame, whose check sets its caches up."""
+    config, chunk_frames, overlap, count = CASES["all"]
+    reference = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=False)
+    expected = run_live_marked(reference, frames[:count])
+    checked: list[StreamingEngine] = []
+    check_frame = StreamingEngine.check_frame
+
+    def counted_check(engine, image):
+        checked.append(engine)
+        return check_frame(engine, image)
+
+    monkeypatch.setattr(StreamingEngine, "check_frame", counted_check)
+    engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=lookahead)
+    marked = run_live_marked(engine, frames[:count])
+    stats = engine.stats()
+    engine.close()
+    assert stats["rollovers"] >= 2 and (stats["provisional_frames"] >= 1) == lookahead
+    assert len(checked) == count + lookahead  # and the spare's first frame
+    assert len({id(checker) for checker in checked}) == 1 + lookahead  # a spare that took over checks the next ones
+    check_beside_the_stream(marked, expected)
+
+
+def test_a_keyframe_spelling_is_parsed_once_for_every_config_of_a_stream(model, frames):
+    """The StreamConfig a ChunkedEngine is given and the copies it makes for its chunks and its spare
+    (with their cache size, without the budget): one parse of the spelling between them. The config's
+    attributes stay its fields."""
+    from stream_recon.models import stream_config
+
+    stream_config._parse_spelling.cache_clear()
+    config = StreamConfig(scale_frames=3, window=4, keyframes="Interval:2", gpu_memory=2**40)
+    engine = ChunkedEngine(model, config, chunk_frames=6, overlap=2, lookahead=True)
+    run_live(engine, frames[:20])
+    engine.close()
+    assert engine.rollovers_ahead >= 1 and engine.memory_plan is not None
+    assert engine.engine.policy == config.policy == KeyframePolicy("interval", 2)
+    parses = stream_config._parse_spelling.cache_info()
+    assert parses.misses == 1 and parses.hits >= 3
+    assert vars(config) == {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
 
 
 def test_a_stream_that_ends_during_the_lookahead_leaves_the_next_stream_clean(model, frames):
