@@ -10,15 +10,19 @@ Three phases, one handler each:
   Ctrl-C raises KeyboardInterrupt as Python's own handler does, and raises it again every half second
   until the program has stopped, because a library can swallow one: an import inside
   `except BaseException` (trimesh's optional imports are written so) loses a KeyboardInterrupt that
-  lands in it, and the run went on as if Ctrl-C had never been pressed;
+  lands in it, and the run went on as if Ctrl-C had never been pressed. While torch and Triton are imported
+  (`interrupts_held`) a Ctrl-C waits for the import to end: raised inside their native set-up it became a
+  C++ exception that aborted the process (exit -6);
 - while frames stream: StopOnSignal (finish the frame, flush, save);
 - a viewer serving until it is stopped (`view`, a run kept on screen): wait_for_stop_signal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -42,6 +46,8 @@ class PromptInterrupt:
         self._previous: Any = None
         self._requested = threading.Event()
         self._honoured = threading.Event()
+        self._deferring = False
+        self._deferred = False
 
     def __enter__(self) -> PromptInterrupt:
         global _active
@@ -64,7 +70,24 @@ class PromptInterrupt:
     def honoured(self) -> None:
         self._honoured.set()
 
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Hold a Ctrl-C until the block ends, then raise it: for imports of native libraries (torch, Triton),
+        whose module set-up turns a KeyboardInterrupt raised inside it into a C++ exception that aborts the
+        process (SIGABRT, exit -6) instead of exiting 130."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+        if self._deferred:
+            self._deferred = False
+            self._raise(signal.SIGINT, None)
+
     def _raise(self, signum: int, frame: object) -> None:
+        if self._deferring:
+            self._deferred = True
+            return
         if not self._requested.is_set():
             self._requested.set()
             threading.Thread(target=self._redeliver, name="interrupt-redelivery", daemon=True).start()
@@ -80,6 +103,16 @@ class PromptInterrupt:
 
 
 _active: PromptInterrupt | None = None  # the CLI's, while it runs
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """The CLI's PromptInterrupt.deferred (nothing to hold outside the CLI)."""
+    if _active is None:
+        yield
+        return
+    with _active.deferred():
+        yield
 
 
 def swallowed_interrupt() -> bool:

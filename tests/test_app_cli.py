@@ -795,6 +795,25 @@ def test_a_ctrl_c_a_library_swallows_is_raised_again_until_the_program_stops() -
     assert float(re.search(r"raised again after ([\d.]+) s", result.stdout).group(1)) < 2.0
 
 
+def test_a_ctrl_c_during_the_native_libraries_imports_is_raised_once_they_are_done() -> None:
+    # a KeyboardInterrupt raised inside Triton's native set-up aborted the process (exit -6) instead of 130
+    script = textwrap.dedent("""
+        import os, signal, time
+        from stream_recon.app.stopping import PromptInterrupt, interrupts_held
+        with PromptInterrupt():
+            try:
+                with interrupts_held():
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(0.3)
+                    print("held through the block")
+            except KeyboardInterrupt:
+                print("raised after it")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["held through the block", "raised after it"]
+
+
 @pytest.mark.slow  # a calibration run, then one process per moment
 def test_ctrl_c_from_the_start_to_the_first_frame_exits_130_at_once(tmp_path: Path, tiny_checkpoint: Path) -> None:
     # 4 of 4 times a Ctrl-C 1.5-2.2 s after the start was lost and the run went on to exit 0

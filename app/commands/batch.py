@@ -98,7 +98,10 @@ def batch(
     overrides: dict[str, Any],
 ) -> None:
     """Run every sequence under ROOT into OUTPUT/<name>/, evaluate those with ground truth, write a summary."""
-    from stream_recon.app.batch import BatchError, BatchInterrupted, EvalSettings, run_batch
+    from stream_recon.app.stopping import interrupts_held
+
+    with interrupts_held():  # torch and Triton: a Ctrl-C inside their native set-up would abort the process
+        from stream_recon.app.batch import BatchError, BatchInterrupted, EvalSettings, run_batch
     from stream_recon.app.datasets import DatasetError, discover_sequences
     from stream_recon.app.evaluation import DEFAULT_MAX_DIFF
     from stream_recon.app.presets import build_options
