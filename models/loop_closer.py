@@ -28,6 +28,7 @@ from .geometric_check import extract_features
 from .loop_closure import ChunkCorrections, LoopRecord
 from .loop_detection import CheckedCandidate, LoopDetectionConfig, LoopDetector
 from .loop_retrieval import gradient_grid_descriptor
+from .pose import back_project
 from .pose_graph import (
     CHILD_OWN_SESSION,
     LoopEdge,
@@ -89,6 +90,47 @@ def keyframe_of(pred: FramePrediction) -> _Keyframe:
                      pred.intrinsics, pred.c2w, pred.descriptor)
 
 
+class _FirstFinalKeyframes:
+    """Which emissions loop detection takes: a keyframe's first final emission with its picture. Not a
+    provisional one (a closed chunk's, replaced later), and not a later chunk's re-emission of a shared
+    frame: the frame belongs to the chunk that first emitted it, in whose coordinates its pose is."""
+
+    def __init__(self) -> None:
+        self._seen: set[int] = set()
+
+    def admit(self, pred: FramePrediction) -> bool:
+        if not pred.is_keyframe or pred.provisional or pred.frame_index in self._seen or pred.image is None:
+            return False
+        self._seen.add(pred.frame_index)
+        return True
+
+
+class _CorrectionsHandover:
+    """The newest ChunkCorrections, set by whoever solves and taken by the stream's thread once per version."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._latest = ChunkCorrections({})
+        self._handed_version = 0
+
+    @property
+    def latest(self) -> ChunkCorrections:
+        with self._lock:
+            return self._latest
+
+    def put(self, corrections: ChunkCorrections) -> None:
+        with self._lock:
+            self._latest = corrections
+
+    def take_new(self) -> ChunkCorrections | None:
+        """The newest corrections if not taken before, else None."""
+        with self._lock:
+            if self._latest.version == self._handed_version:
+                return None
+            self._handed_version = self._latest.version
+            return self._latest
+
+
 @dataclass(frozen=True)
 class _KeyframePoints:
     points: np.ndarray  # [N, 3] float64, the emitted world point behind each keypoint; NaN where unsure
@@ -104,9 +146,8 @@ def keypoint_points(keypoints: np.ndarray, depth: np.ndarray, depth_conf: np.nda
     v = np.clip(np.rint(keypoints[:, 1]).astype(np.int64), 0, height - 1)
     z = depth[v, u].astype(np.float64)
     sure = (depth_conf[v, u] >= min_confidence) & (z > 0) & np.isfinite(z)
-    rays = np.stack([keypoints[:, 0], keypoints[:, 1], np.ones(len(keypoints))], axis=1) @ np.linalg.inv(
-        np.asarray(intrinsics, np.float64)).T
-    camera = rays * z[:, None]
+    x, y = back_project(keypoints[:, 0], keypoints[:, 1], z, intrinsics, np.float64)  # sub-pixel rays
+    camera = np.stack([x, y, z], axis=1)
     c2w = np.asarray(c2w, np.float64)
     world = camera @ c2w[:3, :3].T + c2w[:3, 3]
     world[~sure] = np.nan
@@ -203,11 +244,10 @@ class LoopCloser:
         self._links: list[ChunkLink] = []  # links[c - 1] hangs chunk c on chunk c - 1
         self._chain: list[Sim3] = [Sim3.identity()]
         self._points: dict[int, _KeyframePoints] = {}
-        self._seen: set[int] = set()
+        self._keyframes = _FirstFinalKeyframes()
         self._loops: list[LoopRecord] = []
         self._edges: list[LoopEdge] = []
-        self._corrections = ChunkCorrections({})
-        self._handed_version = 0
+        self._handover = _CorrectionsHandover()
         self._queue: queue.Queue[_Keyframe | None] = queue.Queue(maxsize=config.queue_keyframes)
         self._error: BaseException | None = None
         self.keyframes_skipped = 0
@@ -227,13 +267,10 @@ class LoopCloser:
             self._chain.append(self._chain[-1] @ link.previous_from_next)
 
     def add_prediction(self, pred: FramePrediction) -> bool:
-        """Queue a keyframe's first final emission for detection; True if queued."""
-        if not pred.is_keyframe or pred.provisional or pred.frame_index in self._seen or pred.image is None:
-            return False
+        """Queue a keyframe's first final emission for detection (_FirstFinalKeyframes); True if queued."""
         if pred.chunk_index >= len(self._chain):
             raise ValueError(f"frame {pred.frame_index} of chunk {pred.chunk_index} came before that chunk's link")
-        self._seen.add(pred.frame_index)
-        return self.add_keyframe(keyframe_of(pred))
+        return self._keyframes.admit(pred) and self.add_keyframe(keyframe_of(pred))
 
     def add_keyframe(self, keyframe: _Keyframe, *, wait: bool = False) -> bool:
         """Queue a keyframe for detection; without `wait`, a full queue skips it (counted). True if queued."""
@@ -250,11 +287,7 @@ class LoopCloser:
         solved = self._worker.take_result()
         if solved is not None:
             self._apply_solve(solved)
-        with self._lock:
-            if self._corrections.version == self._handed_version:
-                return None
-            self._handed_version = self._corrections.version
-            return self._corrections
+        return self._handover.take_new()
 
     def finish(self, timeout: float = 60.0) -> ChunkCorrections:
         """Detect on every queued keyframe, wait for the last solve (up to `timeout` s each), and return
@@ -273,8 +306,7 @@ class LoopCloser:
 
     @property
     def corrections(self) -> ChunkCorrections:
-        with self._lock:
-            return self._corrections
+        return self._handover.latest
 
     def summary(self) -> dict[str, Any]:
         """What run.json records: every pair that passed the geometric check (a loop, whatever became of
@@ -374,8 +406,7 @@ class LoopCloser:
         by_chunk = {} if result.is_open_chain else {
             chunk: corrected @ chain[chunk].inverse() for chunk, corrected in enumerate(result.world_from_chunk)}
         loops = tuple(self._judged(loop, verdicts, by_chunk) for loop in list(self._loops))
-        with self._lock:
-            self._corrections = ChunkCorrections(by_chunk, loops, self._corrections.version + 1)
+        self._handover.put(ChunkCorrections(by_chunk, loops, self._handover.latest.version + 1))
 
     @staticmethod
     def _judged(loop: LoopRecord, verdicts: dict[Any, bool], by_chunk: dict[int, Sim3]) -> LoopRecord:
@@ -397,7 +428,7 @@ class _Timings:
     """Milliseconds per call of each stage of loop closure (count, mean, max), for run.json."""
 
     def __init__(self) -> None:
-        self._calls: dict[str, list[float]] = {}
+        self._calls: dict[str, list[float]] = {}  # stage -> [calls, total ms, max ms]: bounded however long
 
     @contextlib.contextmanager
     def time(self, stage: str) -> Iterator[None]:
@@ -408,12 +439,14 @@ class _Timings:
             self.add(stage, (time.perf_counter() - started) * 1000.0)
 
     def add(self, stage: str, milliseconds: float) -> None:
-        self._calls.setdefault(stage, []).append(milliseconds)
+        totals = self._calls.setdefault(stage, [0, 0.0, 0.0])
+        totals[0] += 1
+        totals[1] += milliseconds
+        totals[2] = max(totals[2], milliseconds)
 
     def summary(self) -> dict[str, dict[str, float]]:
-        return {stage: {"calls": len(values), "mean": round(float(np.mean(values)), 3),
-                        "max": round(float(np.max(values)), 3)}
-                for stage, values in list(self._calls.items())}
+        return {stage: {"calls": calls, "mean": round(total / calls, 3), "max": round(longest, 3)}
+                for stage, (calls, total, longest) in list(self._calls.items())}
 
 
 # -- the loop closer in a process of its own ----------------------------------------------------------
@@ -471,11 +504,9 @@ class LoopCloserProcess:
     def __init__(self, config: LoopClosureConfig = LoopClosureConfig()) -> None:
         self.config = config
         self.keyframes_skipped = 0
-        self._seen: set[int] = set()
+        self._keyframes = _FirstFinalKeyframes()
         self._outbox: queue.Queue[tuple[str, Any] | None] = queue.Queue(maxsize=config.queue_keyframes)
-        self._lock = threading.Lock()
-        self._corrections = ChunkCorrections({})
-        self._handed_version = 0
+        self._handover = _CorrectionsHandover()
         self._finished: tuple[ChunkCorrections, dict[str, Any]] | None = None
         self._error: str | None = None
         self._done = threading.Event()
@@ -500,9 +531,8 @@ class LoopCloserProcess:
         self._outbox.put(("link", link))  # one per chunk: waits rather than lose the odometry
 
     def add_prediction(self, pred: FramePrediction) -> bool:
-        if not pred.is_keyframe or pred.provisional or pred.frame_index in self._seen or pred.image is None:
+        if not self._keyframes.admit(pred):
             return False
-        self._seen.add(pred.frame_index)
         try:
             self._outbox.put_nowait(("keyframe", keyframe_of(pred)))
         except queue.Full:
@@ -512,11 +542,7 @@ class LoopCloserProcess:
 
     def take_corrections(self) -> ChunkCorrections | None:
         self._raise_error()
-        with self._lock:
-            if self._corrections.version == self._handed_version:
-                return None
-            self._handed_version = self._corrections.version
-            return self._corrections
+        return self._handover.take_new()
 
     def finish(self, timeout: float = 60.0) -> ChunkCorrections:
         """Send every queued keyframe, let the child detect on them and solve, and take its final word."""
@@ -525,14 +551,12 @@ class LoopCloserProcess:
             raise RuntimeError(f"loop closure did not finish within {2 * timeout + 30:.0f} s")
         self._raise_error()
         corrections, _ = self._finished
-        with self._lock:
-            self._corrections = corrections
+        self._handover.put(corrections)
         return corrections
 
     @property
     def corrections(self) -> ChunkCorrections:
-        with self._lock:
-            return self._corrections
+        return self._handover.latest
 
     def summary(self) -> dict[str, Any]:
         summary = dict(self._finished[1]) if self._finished is not None else {}
@@ -561,8 +585,7 @@ class LoopCloserProcess:
             while True:
                 kind, *payload = read_message(self._replies)
                 if kind == "corrections":
-                    with self._lock:
-                        self._corrections = payload[0]
+                    self._handover.put(payload[0])
                 elif kind == "finished":
                     self._finished = (payload[0], payload[1])
                     self._done.set()
