@@ -187,12 +187,6 @@ def _pose(c2w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.roll(rotation_to_quat_xyzw(c2w[:3, :3]), 1), c2w[:3, 3].copy()
 
 
-def _rigid_pose(transform: Sim3) -> tuple[np.ndarray, np.ndarray]:
-    """A Sim3's rotation and translation as a viser node's (wxyz [4], position [3])."""
-    wxyz = np.roll(rotation_to_quat_xyzw(np.asarray(transform.rotation, np.float64)), 1)
-    return wxyz, np.asarray(transform.translation, np.float64).copy()
-
-
 def _node_scale(transform: Sim3) -> float:
     """The factor between a chunk node's local coordinates and the chain's: the correction's scale, or 1
     within SCALE_TOLERANCE."""
@@ -612,7 +606,7 @@ class LiveViewer:
         """Pose the chunk's node by its correction; a new scale moves its keyframes' parents here and
         re-sends their clouds in `_enforce_caps` (their settings no longer match)."""
         transform = self._corrections.for_chunk(chunk_index)
-        node.handle.wxyz, node.handle.position = _rigid_pose(transform)
+        node.handle.wxyz, node.handle.position = _pose(transform.matrix)  # its rotation and translation
         scale = _node_scale(transform)
         if scale == node.scale:
             return

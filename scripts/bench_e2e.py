@@ -586,7 +586,7 @@ def sink_costs(video: Path, options: Any, frames: int = 120) -> dict[str, float]
     return costs
 
 
-def main() -> None:
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("video", nargs="?", help="a video file; default: one made from app/sample (--frames long)")
     parser.add_argument("--frames", type=int, default=1000, help="frames to run (and to make)")
@@ -630,7 +630,11 @@ def main() -> None:
     parser.add_argument("--keep-output", action="store_true")
     parser.add_argument("--video-dir", default=tempfile.gettempdir(), help="where a made video is kept for reuse")
     parser.add_argument("--json", help="write the result here")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = argument_parser().parse_args()
     process_started = process_start_time()
 
     import torch

@@ -51,11 +51,8 @@ def main() -> None:
     parser.add_argument("--video-dir", default=tempfile.gettempdir())
     parser.add_argument("--json")
     args = parser.parse_args()
-    defaults = dict(checkpoint=None, dtype="auto", attention="auto", no_compile=False, image_width=518, scale=8,
-                    window=64, kv_cache="auto", viewer=False, client=False, lookahead="auto", output=None,
-                    keep_output=False, stand_in_ms=0.0, save_depth=None, save_images=None, save_predictions=None,
-                    flow_threshold=None, max_gap=None, gpu_memory=None)
-    args = argparse.Namespace(**{**defaults, **vars(args)})
+    # every other setting as scripts/bench_e2e.py's defaults
+    args = argparse.Namespace(**{**vars(bench_e2e.argument_parser().parse_args([])), **vars(args)})
 
     import torch
 

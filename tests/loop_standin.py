@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,16 +166,32 @@ def trajectory_error(c2w: np.ndarray, reference: np.ndarray) -> float:
     return float(np.mean(np.linalg.norm(c2w[:, :3, 3] - reference[:, :3, 3], axis=1)))
 
 
-def every_keyframe_detected(monkeypatch) -> None:
-    """Runs (app.pipeline) whose loop closer queues every keyframe of these short streams, so that what it
-    finds does not depend on how busy the machine is: a full queue skips keyframes, by design, rather than
-    hold the stream."""
+class StandInModel:
+    """What run_sequence is handed when its engine is a LoopSceneEngine: nothing to load or prepare."""
+
+    config = None
+    inference_spec = types.SimpleNamespace(compiled=False)
+
+
+def runs_stream_the_loop_scene(monkeypatch, scene: LoopScene, **engine_settings) -> list[LoopSceneEngine]:
+    """Make runs (app.pipeline.run_sequence, handed a StandInModel) stream through a LoopSceneEngine of
+    `scene` (LoopSceneEngine's settings), its loop closer queueing every keyframe of these short streams so
+    that what it finds does not depend on how busy the machine is (a full queue skips keyframes, by
+    design, rather than hold the stream). Returns the list that each run's engine is appended to."""
     from stream_recon.app import pipeline
     from stream_recon.app.loops import LoopClosureSink
     from stream_recon.models.loop_closer import LoopClosureConfig
+
+    engines: list[LoopSceneEngine] = []
+
+    def build_stand_in(*_args, **_kwargs) -> LoopSceneEngine:
+        engines.append(LoopSceneEngine(scene, **engine_settings))
+        return engines[-1]
 
     class EveryKeyframe(LoopClosureSink):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, config=LoopClosureConfig(queue_keyframes=100), **kwargs)
 
+    monkeypatch.setattr(pipeline, "build_engine", build_stand_in)
     monkeypatch.setattr(pipeline, "LoopClosureSink", EveryKeyframe)
+    return engines

@@ -10,7 +10,6 @@ off.
 from __future__ import annotations
 
 import json
-import types
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +17,10 @@ import pytest
 import torch
 from loop_standin import (
     LoopSceneEngine,
-    every_keyframe_detected,
+    StandInModel,
     load_loop_scene,
     registered_frames_folder,
+    runs_stream_the_loop_scene,
     spread_depth,
     trajectory_error,
 )
@@ -46,24 +46,11 @@ CHUNK_FRAMES, OVERLAP = 20, 4
 PUSH_PERIOD_S = 0.12  # each push takes as long as a fast model's would on this machine
 
 
-class StandInModel:
-    """What run_sequence is handed: nothing to load or prepare; the engine is LoopSceneEngine."""
-
-    config = None
-    inference_spec = types.SimpleNamespace(compiled=False)
-
-
 def run_loop_scene(tmp_path: Path, monkeypatch, *, loop_closure: str, frames: int | None = None,
                    name: str = "run") -> tuple[Path, LoopSceneEngine]:
     scene = load_loop_scene()
-    engines: list[LoopSceneEngine] = []
-
-    def build_stand_in(*_args, **_kwargs) -> LoopSceneEngine:
-        engines.append(LoopSceneEngine(scene, chunk_frames=CHUNK_FRAMES, overlap=OVERLAP, period_s=PUSH_PERIOD_S))
-        return engines[-1]
-
-    monkeypatch.setattr(pipeline, "build_engine", build_stand_in)
-    every_keyframe_detected(monkeypatch)
+    engines = runs_stream_the_loop_scene(monkeypatch, scene, chunk_frames=CHUNK_FRAMES, overlap=OVERLAP,
+                                         period_s=PUSH_PERIOD_S)
     source = tmp_path / "frames"
     if not source.exists():
         registered_frames_folder(scene, source)

@@ -932,10 +932,10 @@ def test_a_run_that_closes_a_loop_moves_the_chunk_nodes_a_client_sees(tmp_path, 
     correction reaches a connected client before the viewer closes, as the run directory has it."""
     pytest.importorskip("gtsam")
     from loop_standin import (
-        LoopSceneEngine,
-        every_keyframe_detected,
+        StandInModel,
         load_loop_scene,
         registered_frames_folder,
+        runs_stream_the_loop_scene,
     )
 
     from stream_recon.app import pipeline
@@ -943,9 +943,8 @@ def test_a_run_that_closes_a_loop_moves_the_chunk_nodes_a_client_sees(tmp_path, 
     from stream_recon.app.rundir import TRAJECTORY_OPEN_TUM, TRAJECTORY_TUM, read_tum
 
     scene = load_loop_scene()
-    engines, mirrors = [], []
-    monkeypatch.setattr(pipeline, "build_engine", lambda *_a, **_k: engines.append(
-        LoopSceneEngine(scene, period_s=0.12)) or engines[-1])
+    runs_stream_the_loop_scene(monkeypatch, scene, period_s=0.12)
+    mirrors = []
     start_viewer = pipeline._start_viewer
 
     def start_viewer_with_a_client(*args):
@@ -954,7 +953,6 @@ def test_a_run_that_closes_a_loop_moves_the_chunk_nodes_a_client_sees(tmp_path, 
         return viewer
 
     monkeypatch.setattr(pipeline, "_start_viewer", start_viewer_with_a_client)
-    every_keyframe_detected(monkeypatch)
 
     class WaitForTheLoops:
         """Closed after the loop closer's final word went to the viewer, before the viewer closes."""
@@ -969,7 +967,7 @@ def test_a_run_that_closes_a_loop_moves_the_chunk_nodes_a_client_sees(tmp_path, 
     options = RunOptions(device="cpu", chunk_frames=20, overlap=4, loop_closure="on", fps=10.0, port=free_port())
     try:
         summary = pipeline.run_sequence(registered_frames_folder(scene, tmp_path / "frames"), tmp_path / "run",
-                                        options, model=_StandInModel(), extra_sinks=[WaitForTheLoops()])
+                                        options, model=StandInModel(), extra_sinks=[WaitForTheLoops()])
         assert summary.ok, summary.error
         # chunk 4's node is where the run directory says chunk 4 moved: open -> corrected, its frames 64-68
         _, open_chain = read_tum(tmp_path / "run" / TRAJECTORY_OPEN_TUM)
@@ -986,10 +984,3 @@ def test_a_run_that_closes_a_loop_moves_the_chunk_nodes_a_client_sees(tmp_path, 
     finally:
         for mirror in mirrors:
             mirror.close()
-
-
-class _StandInModel:
-    """What run_sequence is handed when build_engine is replaced: nothing to load or prepare."""
-
-    config = None
-    inference_spec = type("Spec", (), {"compiled": False})()
