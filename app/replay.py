@@ -41,6 +41,7 @@ from stream_recon.app.rundir import (
     PREDICTIONS_DIR,
     RunDirError,
     load_prediction,
+    loop_closure_summary,
     prediction_files,
     read_run_info,
 )
@@ -102,7 +103,7 @@ def recorded_loops(run_info: dict[str, Any]) -> tuple[LoopRecord, ...]:
     """The loops run.json lists (`summary.loop_closure.loops`, each a LoopRecord.as_json); none for a run
     without the key (loop closure off, or written before it existed). An entry missing a field is skipped
     with a warning."""
-    closure = (run_info.get("summary") or {}).get("loop_closure") or {}
+    closure = loop_closure_summary(run_info)
     fields = {field.name for field in dataclasses.fields(LoopRecord)}
     loops = []
     for entry in closure.get("loops") or []:

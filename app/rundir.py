@@ -370,13 +370,18 @@ def run_open_trajectory(run_dir: Path) -> tuple[np.ndarray, np.ndarray] | None:
     return read_tum(path)
 
 
+def loop_closure_summary(run_info: Any) -> dict[str, Any]:
+    """run.json's `summary.loop_closure` (read_run_info's record): what loop closure did in the run; {} for
+    a run without it (loop closure off, or a run written before it existed)."""
+    summary = run_info.get("summary") if isinstance(run_info, dict) else None
+    closure = summary.get("loop_closure") if isinstance(summary, dict) else None
+    return closure if isinstance(closure, dict) else {}
+
+
 def run_accepted_loops(run_dir: Path) -> int | None:
     """How many loops the run's pose graph used (run.json's summary.loop_closure.accepted); None when
     run.json does not say (a run without loop closure, or one written before it existed)."""
-    info = read_run_info(run_dir)
-    summary = info.get("summary") if isinstance(info, dict) else None
-    loop_closure = summary.get("loop_closure") if isinstance(summary, dict) else None
-    accepted = loop_closure.get("accepted") if isinstance(loop_closure, dict) else None
+    accepted = loop_closure_summary(read_run_info(run_dir)).get("accepted")
     return accepted if isinstance(accepted, int) and not isinstance(accepted, bool) else None
 
 
