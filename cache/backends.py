@@ -81,7 +81,10 @@ def _dense_sdpa(storage, layout, compile, device):
 def _dense_triton(storage, layout, compile, device):
     from .triton_attention import TritonRangeAttention
 
-    return TritonRangeAttention(storage)
+    # The schedule of a store with fewer window slots than its window is the full store's, so that it
+    # computes bit for bit as the full one would (a spare engine hands its frames over to one).
+    unallocated = layout.window_frames - layout.allocated_window_slots
+    return TritonRangeAttention(storage, schedule_keys=storage.capacity + unallocated * layout.patches_per_frame)
 
 
 def _dense_cudnn(storage, layout, compile, device):

@@ -66,7 +66,7 @@ class DenseTwoStreamCache:
         self.layout = layout
         self.max_frames = max_frames
         self.special_capacity = layout.specials_per_frame * max_frames
-        self.num_frame_slots = layout.scale_frames + layout.window_frames + 1  # the last is the spare
+        self.num_frame_slots = layout.scale_frames + layout.allocated_window_slots + 1  # the last is the spare
         self.reset()
 
     # -- geometry --------------------------------------------------------------------------
@@ -139,6 +139,11 @@ class DenseTwoStreamCache:
         pinned = self._num_scale < self.layout.scale_frames
         if not pinned and self._num_pending_scale:
             raise ValueError("a step that appends scale frames cannot also append window frames in the dense layout")
+        if not pinned and len(self._window) == self.layout.allocated_window_slots < self.layout.window_frames:
+            raise CacheCapacityError(
+                f"the cache allocated {self.layout.allocated_window_slots} of the window's {self.layout.window_frames} "
+                "frame slots, and they are all in use; a stream that fills its window needs them all"
+            )
         self._num_special_frames += 1
         if pinned:
             self._num_scale += 1
@@ -184,6 +189,25 @@ class DenseTwoStreamCache:
         self._num_scale -= self._num_pending_scale
         self._num_pending_scale = 0
         self._pending_window = None
+
+    def take_over(self, other: DenseTwoStreamCache) -> None:
+        """Hold what `other` holds, slot for slot (the store's data is copied by its owner): a cache of
+        the same geometry but for the window slots, with nothing pending and all of its window frames
+        in slots this one has."""
+        if (other.layout.patches_per_frame, other.layout.specials_per_frame, other.layout.scale_frames,
+                other.special_capacity) != (self.layout.patches_per_frame, self.layout.specials_per_frame,
+                                            self.layout.scale_frames, self.special_capacity):
+            raise ValueError("a cache takes over only from one of its own geometry (tokens per frame, scale "
+                             "frames, special tokens)")
+        if other.num_pending_frames or other._moves:
+            raise ValueError("a cache takes over committed frames only: commit or roll back first")
+        if any(slot >= self.spare_slot for slot in other._window) or len(other._window) > self.layout.window_frames:
+            raise ValueError(f"{len(other._window)} window frames do not fit this cache's "
+                             f"{self.layout.window_frames}-frame window")
+        self.reset()
+        self._num_scale = other._num_scale
+        self._num_special_frames = other._num_special_frames
+        self._window = deque(other._window)
 
     def reset(self) -> None:
         self._num_scale = 0

@@ -94,6 +94,14 @@ class DenseKV:
             if self.exponents is not None:
                 self.exponents[..., target.start : target.stop] = self.exponents[..., source.start : source.stop]
 
+    def copy_tokens(self, other: DenseKV, start: int, end: int) -> None:
+        """Store positions [start, end) of every layer, K and V (and their exponents), from `other`."""
+        if other.store_dtype != self.store_dtype or other.store.shape[3:] != self.store.shape[3:]:
+            raise ValueError("tokens are copied between stores of one dtype and head shape only")
+        self.store[:, :, start:end] = other.store[:, :, start:end]
+        if self.exponents is not None:
+            self.exponents[..., start:end] = other.exponents[..., start:end]
+
     def keys_values(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values at store positions [start, end), [N, H, D] each in `dtype`: views
         (no copy), or for an fp8 store dequantised copies."""

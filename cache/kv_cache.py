@@ -13,6 +13,7 @@ is changed inside `append`, `commit` and `rollback`, before the next step can wr
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from typing import Protocol
 
@@ -161,6 +162,11 @@ class KVCache(ABC):
     def _visible(self) -> VisiblePages | VisibleRange:
         """The current key set, in the form the layout's backends are planned with."""
 
+    @abstractmethod
+    def take_over(self, other: KVCache) -> None:
+        """Hold what `other` (a cache of this layout and geometry, nothing pending) holds, its data
+        copied on the current stream: another engine's frames handed over to this one."""
+
 
 class PagedKVCache(KVCache):
     """Any page holds any frame; the backend follows a page table (FlashInfer's paged layout)."""
@@ -175,6 +181,15 @@ class PagedKVCache(KVCache):
 
     def _follow_bookkeeping(self) -> None:
         self.storage.ensure_pages(self.bookkeeping.pool.num_pages)
+
+    def take_over(self, other: PagedKVCache) -> None:
+        """Page for page: `other`'s page tables and free list, and its pages' data."""
+        if other.num_pending_frames:
+            raise ValueError("a cache takes over committed frames only: commit or roll back first")
+        self.bookkeeping = copy.deepcopy(other.bookkeeping)
+        self.storage.ensure_pages(other.storage.num_pages)
+        for mine, theirs in zip(self.storage.kv_pages, other.storage.kv_pages, strict=True):
+            mine[: theirs.shape[0]] = theirs
 
     def _visible(self) -> VisiblePages:
         return self.bookkeeping.visible_pages()
@@ -193,6 +208,13 @@ class DenseKVCache(KVCache):
         """Store positions of a pending frame's special tokens and of its patch tokens: the two
         ranges a recorded step derives its write positions from."""
         return self.bookkeeping.token_ranges(frame)
+
+    def take_over(self, other: DenseKVCache) -> None:
+        """Slot for slot, from a cache of this geometry whose window slots may be fewer than this one's
+        (a spare engine's): its bookkeeping, and its visible tokens copied into this store."""
+        self.bookkeeping.take_over(other.bookkeeping)
+        visible = self.bookkeeping.visible()
+        self.storage.copy_tokens(other.storage, visible.start, visible.end)
 
     def _follow_bookkeeping(self) -> None:
         moves = self.bookkeeping.take_moves()

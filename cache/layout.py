@@ -15,6 +15,10 @@ class CacheLayout:
     specials_per_frame: int = 6
     scale_frames: int = 8
     window_frames: int = 64
+    # Frame slots the dense layout allocates for the window: None, as many as it holds. Fewer only for a
+    # stream known to hand its frames over before it fills them (a chunk's spare engine); an append
+    # past them is then refused instead of evicting early (DenseTwoStreamCache).
+    window_slots: int | None = None
 
     def __post_init__(self):
         if self.patches_per_frame < 1 or self.specials_per_frame < 0:
@@ -23,6 +27,14 @@ class CacheLayout:
             raise ValueError(
                 f"scale_frames and window_frames must be >= 1, got {self.scale_frames} and {self.window_frames}"
             )
+        if self.window_slots is not None and not 1 <= self.window_slots <= self.window_frames:
+            raise ValueError(f"window_slots must be between 1 and window_frames={self.window_frames}, "
+                             f"got {self.window_slots}")
+
+    @property
+    def allocated_window_slots(self) -> int:
+        """Frame slots the dense layout allocates for the window."""
+        return self.window_frames if self.window_slots is None else self.window_slots
 
     @property
     def page_size(self) -> int:

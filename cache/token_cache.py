@@ -51,7 +51,11 @@ class TokenCache:
         """Open a step that adds `num_tokens` pending tokens per layer."""
         if self.num_pending:
             raise RuntimeError("the previous camera-cache step was neither committed nor rolled back")
-        needed = self.num_committed + num_tokens
+        self._make_room(self.num_committed + num_tokens)
+        self._start.fill_(self.num_committed)
+        self.num_pending = num_tokens
+
+    def _make_room(self, needed: int) -> None:
         if needed > self.capacity:
             # Double, so that a long stream re-allocates O(log n) times.
             new_capacity = max(needed, 2 * self.capacity)
@@ -61,8 +65,6 @@ class TokenCache:
                     grown[: old.shape[0]] = old
                     store[i] = grown
             self.version += 1
-        self._start.fill_(self.num_committed)
-        self.num_pending = num_tokens
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q, k, v [T, H, D] -> [T, H, D]; keys = committed tokens + this step's tokens."""
@@ -83,6 +85,19 @@ class TokenCache:
     def reset(self) -> None:
         self.num_committed = 0
         self.num_pending = 0
+
+    def take_over(self, other: TokenCache) -> None:
+        """Hold `other`'s committed tokens (copied, on the current stream); nothing may be pending there."""
+        if other.num_pending:
+            raise ValueError("a camera cache takes over committed tokens only: commit or roll back first")
+        if (other.num_layers, other.num_heads, other.head_dim) != (self.num_layers, self.num_heads, self.head_dim):
+            raise ValueError("a camera cache takes over only from one of its shape")
+        count = other.num_committed
+        self._make_room(count)
+        for mine, theirs in ((self._keys, other._keys), (self._values, other._values)):
+            for layer in range(self.num_layers):
+                mine[layer][:count] = theirs[layer][:count]
+        self.num_committed, self.num_pending = count, 0
 
 
 def attend_over_capacity(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, live_end: torch.Tensor) -> torch.Tensor:

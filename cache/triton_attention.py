@@ -255,19 +255,22 @@ KeyRange = torch.Tensor | tuple[int, int]
 
 
 def attend_range(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_range: KeyRange, *,
-                 slots: int | None = None, num_stages: int = NUM_STAGES) -> torch.Tensor:
+                 slots: int | None = None, num_stages: int = NUM_STAGES, schedule_keys: int | None = None) -> torch.Tensor:
     """Softmax attention of q [T, H, D] over keys/values [capacity, H, D] at positions
     [key_range[0], key_range[1]): an int32 [2] tensor on q's device (read by the kernel, so a CUDA
     graph may record the call while the range changes) or two ints. Returns [T, H, D] in q's
     dtype, contiguous. q, keys and values: each token's heads side by side ([*, H, D] with strides
     (any, D, 1)); the range must hold at least one key. slots: the programs the device runs at
     once, which the schedule fills (None: measured from the compiled kernel on CUDA; one per tile
-    elsewhere, where nothing runs side by side). num_stages: key blocks in flight per program."""
+    elsewhere, where nothing runs side by side). num_stages: key blocks in flight per program.
+    schedule_keys: the key count the schedule is made for (None: the store's capacity); a smaller
+    store that must compute exactly as a larger one does (a spare engine's) names the larger's."""
     num_queries, num_heads, head_dim = q.shape
+    num_tiles = triton.cdiv(num_queries, BLOCK_QUERIES) * num_heads
     if slots is None:
-        num_tiles = triton.cdiv(num_queries, BLOCK_QUERIES) * num_heads
         slots = resident_programs(q, keys, values, num_stages) if q.is_cuda else num_tiles
-    return attend_range_scheduled(q, keys, values, key_range, slots, num_stages=num_stages)
+    schedule = schedule_tiles(num_tiles, slots, triton.cdiv(schedule_keys or keys.shape[0], BLOCK_KEYS))
+    return attend_range_scheduled(q, keys, values, key_range, slots, schedule=schedule, num_stages=num_stages)
 
 
 def attend_range_scheduled(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_range: KeyRange,
@@ -373,8 +376,9 @@ class TritonRangeAttention:
     name = "dense-triton"
     reads_plan_on_device = True  # a recorded step may include the attention itself
 
-    def __init__(self, kv):
+    def __init__(self, kv, schedule_keys: int | None = None):
         self.kv = kv
+        self.schedule_keys = schedule_keys  # see attend_range
         self._key_range = DeviceValues(2, torch.int32, kv.device)
         self._scratch: torch.Tensor | None = None  # [2, capacity, H, D] in the compute dtype (fp8 stores)
         self._scratch_range = DeviceValues(2, torch.int32, kv.device)
@@ -389,8 +393,9 @@ class TritonRangeAttention:
         query = q.to(self.kv.dtype).contiguous()
         store = self.kv.store[layer]  # [2, capacity, H, D]
         if not self.kv.quantized:
-            return attend_range(query, store[0], store[1], self._key_range.values)
+            return attend_range(query, store[0], store[1], self._key_range.values, schedule_keys=self.schedule_keys)
         if self._scratch is None:
             self._scratch = torch.empty(store.shape, dtype=self.kv.dtype, device=store.device)
         dequantize_range(store, self.kv.exponents[layer], self._key_range.values, self._scratch)
-        return attend_range(query, self._scratch[0], self._scratch[1], self._scratch_range.values)
+        return attend_range(query, self._scratch[0], self._scratch[1], self._scratch_range.values,
+                            schedule_keys=self.schedule_keys)

@@ -40,7 +40,7 @@ from .gct import GCTStream
 from .lookahead import SpareEngine
 from .memory import estimate_memory, format_bytes
 from .prediction import FramePrediction
-from .rollover import MAX_PROVISIONAL, Phase, Rollover
+from .rollover import MAX_PROVISIONAL, MAX_PROVISIONAL_AHEAD, Phase, Rollover
 from .stream_config import StreamConfig
 
 logger = logging.getLogger("stream_recon.models.chunked")
@@ -87,7 +87,8 @@ class ChunkedEngine:
         # uncached frame unless the chunk spans the model's whole temporal range; and the new chunk
         # must not be able to fill up before it takes over (overlap + these + 1 frames < chunk_frames).
         room = chunk_frames - overlap - 1 if chunk_frames < model.config.max_frames else 0
-        self._provisional_room = max(0, min(MAX_PROVISIONAL, room))
+        most = MAX_PROVISIONAL if self.closes_on_keyframes else MAX_PROVISIONAL_AHEAD
+        self._provisional_room = max(0, min(most, room))
         # The shared frames and the one a rollover hands the spare (with a spare: and those it may be
         # behind, so that a failed spare can be replaced by a rollover in place).
         self._replay: deque[tuple[torch.Tensor, float]] = deque(maxlen=overlap + 1)
@@ -303,9 +304,20 @@ class ChunkedEngine:
         if not self.closes_on_keyframes:  # a flow chunk's end is known when it comes: the spare takes its frames then
             self._rollover.take_ahead(index, frame, self.alignment.start + self.chunk_length - self.overlap)
 
+    @property
+    def spare_window_slots(self) -> int:
+        """Window frames a spare's cache needs slots for: it takes a chunk's shared frames, the frames
+        the closed chunk predicts provisionally and the one it then takes alone, and one more is
+        pending while it steps; the current engine takes them over at the switch (SpareEngine.hand_over)."""
+        taken = self.overlap + self._provisional_room + 2
+        return max(1, min(self.engine.config.window, taken - self.config.scale_frames))
+
+    def _spare_config(self) -> StreamConfig:
+        return replace(self.engine.config, gpu_memory=None)
+
     def _start_spare(self) -> None:
-        spare = SpareEngine(StreamingEngine(self.model, replace(self.engine.config, gpu_memory=None),
-                                            device=self.device, dtype=self.engine.dtype))
+        spare = SpareEngine(StreamingEngine(self.model, self._spare_config(), device=self.device,
+                                            dtype=self.engine.dtype, window_slots=self.spare_window_slots))
         spare.engine.memory_plan = self.engine.memory_plan
         spare.warm(self._warmup)
         self._rollover = Rollover(spare, self.alignment, self._provisional_room)
@@ -315,7 +327,7 @@ class ChunkedEngine:
         """The spare's predictions of the new chunk so far, and its engine as the current one. If the
         spare failed, the rollover happens in place instead, and later ones too."""
         try:
-            self.engine, received = self._rollover.switch(self.engine)
+            received = self._rollover.switch(self.engine)
         except Exception as error:  # e.g. out of memory on the worker: go on without a spare
             logger.warning("the next chunk's lookahead failed (%s: %s); rollovers now pause the stream",
                            type(error).__name__, error)
@@ -344,7 +356,8 @@ class ChunkedEngine:
         if not engine.runner.records:  # steps launched op by op: a spare would contend for the interpreter
             logger.info("next chunk ahead of rollovers: off (steps are not replayed as CUDA graphs)")
             return False
-        estimate = estimate_memory(self.model, engine.config, engine.image_size)
+        estimate = estimate_memory(self.model, self._spare_config(), engine.image_size,
+                                   window_slots=self.spare_window_slots)
         needed = estimate.another_engine
         if engine.config.gpu_memory is not None:
             room = engine.config.gpu_memory - engine.memory_plan.estimate.total

@@ -55,10 +55,14 @@ class StreamingEngine:
     """
 
     def __init__(self, model: GCTStream, config: StreamConfig | None = None, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, *, window_slots: int | None = None):
+        """window_slots: the window frames the dense cache allocates slots for (None: the window). Fewer
+        only for a stream that hands its frames over (`take_over`) before its window fills: a frame
+        past them is refused (CacheCapacityError) rather than evicting early, which would change results."""
         inference = require_prepared(model, device, dtype)
         self.model = model
         self.config = config or StreamConfig()
+        self.window_slots = window_slots
         self.policy: KeyframePolicy = self.config.policy
         self.device, self.dtype = inference.device, inference.dtype
         # The attention and the cache precision are checked now, before the first frame: a backend
@@ -145,6 +149,22 @@ class StreamingEngine:
         except BaseException:
             self._ready = ready  # nothing computed is lost
             raise
+
+    def take_over(self, other: StreamingEngine) -> None:
+        """Go on with `other`'s stream: its caches' contents (copied on the current stream), its frame
+        and keyframe counts and its last keyframe; this engine's own stream is dropped. Both must have
+        delivered every prediction (`finish`) and share a model, settings and frame size: a chunk's
+        spare engine hands the next chunk over so, and the current engine keeps its recorded graphs."""
+        if other is self:
+            return
+        if self._in_flight or self._ready or self._buffer or other._in_flight or other._ready or other._buffer:
+            raise ValueError("an engine takes over a stream only when both have delivered every prediction (finish)")
+        if other.model is not self.model or other._image_size != self._image_size or other.cache is None:
+            raise ValueError("an engine takes over only a stream of its own model and frame size, once it has begun")
+        self.cache.take_over(other.cache)
+        self.camera_cache.take_over(other.camera_cache)
+        self.num_frames, self.num_keyframes = other.num_frames, other.num_keyframes
+        self.time_counter, self._last_keyframe = other.time_counter, other._last_keyframe
 
     def plan_memory_for(self, image_size: tuple[int, int]) -> MemoryPlan | None:
         """The memory plan the first frame will use if it is image_size (height, width), made now:
@@ -378,7 +398,9 @@ class StreamingEngine:
             self._plan_memory(height, width)
         self._image_size = (height, width)
         rows, cols = c.grid(height, width)
-        layout = CacheLayout(rows * cols, c.num_special_tokens, self.config.scale_frames, self.config.window)
+        window = self.config.window
+        slots = self.window_slots if self.window_slots is not None and self.window_slots < window else None
+        layout = CacheLayout(rows * cols, c.num_special_tokens, self.config.scale_frames, window, window_slots=slots)
         compiled = self.model.inference_spec.compiled
         cache = backends.build(self.backend_spec, layout, num_layers=c.depth, num_heads=c.num_heads,
                                head_dim=c.head_dim, max_frames=self._cached_frames, dtype=self._kv_dtype,

@@ -4,8 +4,9 @@ A second StreamingEngine driven from a worker thread, on a CUDA stream of its ow
 chunk's shared frames (models/rollover.py says when) while the current chunk goes on. It runs the
 same model steps on the same frames in the same order as a rollover in place, so what it predicts
 is the same. It needs a cache and recorded graphs of its own: it is warmed once on the stream's
-first frames (its graph is recorded then, never at a rollover), and it costs a second engine's
-memory (ChunkedEngine decides whether there is room). Its CUDA stream has the default priority;
+first frames (its graph is recorded then, never at a rollover). At the switch the current engine
+takes its frames over (a copy of the cache's contents, a few milliseconds), so the spare's cache
+holds only what it takes before then (ChunkedEngine sizes it and decides whether there is room). Its CUDA stream has the default priority;
 the stream's has a higher one, so the spare gets what the stream leaves.
 """
 
@@ -94,15 +95,21 @@ class SpareEngine:
             self.engine.finish()
             self.engine.reset()
 
-    def swap(self, closed: StreamingEngine) -> StreamingEngine:
-        """After `collect`: hand the spare's engine over (to be driven from the calling thread) and
-        keep `closed`, reset, as the next spare."""
-        opened, self.engine = self.engine, closed
-        closed.reset()
+    def hand_over(self, current: StreamingEngine) -> list[FramePrediction]:
+        """After `collect`: `current` (the closed chunk's engine, finished) goes on with the spare's
+        stream, its caches' contents copied (`StreamingEngine.take_over`), and the spare starts afresh.
+        Returns the spare's last predictions, in flight until now (a pipelined spare keeps one).
+
+        The current engine keeps its cache and recorded graphs, so the spare's cache need only hold
+        what it takes before the switch (`window_slots`): a chunk's worth of memory saved."""
+        last = self.engine.finish()
+        current.reset()
+        current.take_over(self.engine)
+        self.engine.reset()
         if self._stream is not None:
-            # The new spare's first job must come after what the closed chunk left on the device.
-            self._stream.wait_stream(torch.cuda.current_stream(closed.device))
-        return opened
+            # The spare's next job writes its cache: after the copy out of it.
+            self._stream.wait_stream(torch.cuda.current_stream(current.device))
+        return last
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)

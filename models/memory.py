@@ -79,8 +79,8 @@ class MemoryEstimate:
 
     @property
     def another_engine(self) -> int:
-        """What a second engine over the same model adds (a chunk's spare, models/lookahead.py):
-        all but the shared weights and workspace. Its activations count too: it steps on a stream
+        """What this engine adds beside another over the same model (a chunk's spare, models/lookahead.py,
+        estimated with its window slots): all but the shared weights and workspace. Its activations count too: it steps on a stream
         of its own, whose memory the allocator does not share with the first engine's."""
         return self.total - self.weights - self.workspace
 
@@ -173,10 +173,11 @@ def weight_bytes(model: GCTStream) -> int:
     return sum(storages.values())
 
 
-def estimate_memory(model: GCTStream, config: StreamConfig, image_size: tuple[int, int]) -> MemoryEstimate:
-    """Device bytes a StreamingEngine over `model` (prepared) with `config` takes at its peak for
-    frames of image_size (height, width), preprocessed."""
-    return _Estimator(model, config, image_size).estimate(config.kv_cache, config.window)
+def estimate_memory(model: GCTStream, config: StreamConfig, image_size: tuple[int, int], *,
+                    window_slots: int | None = None) -> MemoryEstimate:
+    """Device bytes a StreamingEngine over `model` (prepared) with `config` (and `window_slots`, as
+    StreamingEngine takes them) takes at its peak for frames of image_size (height, width), preprocessed."""
+    return _Estimator(model, config, image_size).estimate(config.kv_cache, config.window, window_slots)
 
 
 def plan_memory(model: GCTStream, config: StreamConfig, image_size: tuple[int, int], budget: int) -> MemoryPlan:
@@ -251,11 +252,12 @@ class _Estimator:
             return False
         return True
 
-    def estimate(self, kv_cache: str, window: int) -> MemoryEstimate:
+    def estimate(self, kv_cache: str, window: int, window_slots: int | None = None) -> MemoryEstimate:
         c = self.model_config
         stored = backends.store_dtype(kv_cache, self.dtype)
         backend = self._backend(kv_cache)
-        layout = CacheLayout(self.patches, c.num_special_tokens, self.config.scale_frames, window)
+        slots = window_slots if window_slots is not None and window_slots < window else None
+        layout = CacheLayout(self.patches, c.num_special_tokens, self.config.scale_frames, window, window_slots=slots)
         kv_bytes = backends.cache_bytes(backend, layout, num_layers=c.depth, num_heads=c.num_heads,
                                         head_dim=c.head_dim, max_frames=self.cached_frames, dtype=self.dtype,
                                         stored=stored)

@@ -47,8 +47,12 @@ PACE = 1.6
 # numbers are more urgent.
 MAIN_STREAM_PRIORITY = -1
 # The most frames a closed chunk predicts provisionally while the next one catches up; then the
-# stream waits for the spare.
+# stream waits for the spare. A chunk that closes at a known frame has had the spare take its shared
+# frames ahead, and the spare caught up within 3-15 frames (H100, docs/PERFORMANCE.md); a flow chunk's
+# spare starts at the rollover and took up to 48. The spare's cache holds these frames too
+# (ChunkedEngine.spare_window_slots), so the room is also its memory.
 MAX_PROVISIONAL = 48
+MAX_PROVISIONAL_AHEAD = 20
 
 
 class Phase(enum.Enum):
@@ -186,10 +190,10 @@ class Rollover:
             return alignment.receive(taken)
         return []
 
-    def switch(self, engine: StreamingEngine) -> tuple[StreamingEngine, list[FramePrediction]]:
-        """SWITCH_PENDING -> STEADY: the spare's engine becomes the current one (`engine`, reset,
-        the next spare) and its predictions of the next chunk so far are received. Raises what the
-        spare raised, in STEADY with the spare emptied: the caller then rolls over in place."""
+    def switch(self, engine: StreamingEngine) -> list[FramePrediction]:
+        """SWITCH_PENDING -> STEADY: the current engine (`engine`) takes the next chunk over from the
+        spare, and the spare's predictions of it so far are received. Raises what the spare raised, in
+        STEADY with the spare emptied: the caller then rolls over in place."""
         self.closed = None
         self._enter(Phase.STEADY)
         try:
@@ -198,12 +202,13 @@ class Rollover:
                 self.ready += taken
                 if self.alignment.transform is None:
                     self.alignment.make_ratios(self.ready, self.alignment.start, self.alignment.previous_tail)
-            predictions, self.ready = self.ready + self.spare.collect(), []
+            predictions = self.ready + self.spare.collect()
+            predictions += self.spare.hand_over(engine)
+            self.ready = []
         except Exception:
             self.ready, self.alignment.early_ratios = [], {}
             raise
-        opened = self.spare.swap(engine)
-        return opened, self.alignment.receive(predictions)
+        return self.alignment.receive(predictions)
 
     # -- pacing ----------------------------------------------------------------------------------
     def _ratios_to_make(self) -> tuple[list[FramePrediction], int, Iterable[AlignedFrame]] | None:

@@ -701,6 +701,8 @@ def measure_video(args: argparse.Namespace, video: Path, options: Any, model: An
         "first_prediction_at")) - process_started
     if device.startswith("cuda"):
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        # What the allocator held at its peak (a card must have this much, plus the CUDA context).
+        result["peak_gpu_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
     if not args.no_engine_run:
         import gc
 
@@ -717,13 +719,14 @@ def measure_video(args: argparse.Namespace, video: Path, options: Any, model: An
 
 def print_shape_rows(results: list[dict[str, Any]]) -> None:
     """One line per video: the rows of the shape table (README, docs/PERFORMANCE.md)."""
-    print("\nvideo -> model input | steady FPS | p50 / p99 ms | whole-run FPS (run.json) | engine FPS | peak GPU GiB")
+    print("\nvideo -> model input | steady FPS | p50 / p99 ms | whole-run FPS (run.json) | engine FPS | peak GPU GiB "
+          "(reserved)")
     for r in results:
         size = Path(r["video"]).stem.rsplit("_", 1)[-1]
         print(f"{size} -> {r['model_input']} | {r.get('steady_fps', float('nan')):.1f} | "
               f"{r.get('p50_ms', float('nan')):.1f} / {r.get('p99_ms', float('nan')):.1f} | "
               f"{r.get('run_json_fps') or float('nan'):.1f} | {r.get('engine_fps', float('nan')):.1f} | "
-              f"{r.get('peak_gpu_gib', float('nan')):.1f}")
+              f"{r.get('peak_gpu_gib', float('nan')):.1f} ({r.get('peak_gpu_reserved_gib', float('nan')):.1f})")
 
 
 def without_nan(value: Any) -> Any:

@@ -7,6 +7,8 @@ so the visible multiset must equal the reference's, with nothing outside the ran
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from cache_reference import OPS, LabelHarness, drive, layouts
 from hypothesis import given, settings
@@ -14,6 +16,7 @@ from hypothesis import strategies as st
 
 from stream_recon.cache import CacheLayout
 from stream_recon.cache.dense import DenseTwoStreamCache
+from stream_recon.cache.layout import CacheCapacityError
 
 
 class Harness(LabelHarness):
@@ -43,6 +46,54 @@ def test_contiguous_cache_matches_dense_reference(layout, data, ops):
     # Phase 1 appends up to scale_frames frames together (the dense layout's restriction).
     scale_batch = data.draw(st.integers(1, layout.scale_frames))
     drive(Harness(layout), scale_batch, ops)
+
+
+@settings(max_examples=200, deadline=None)
+@given(layout=layouts(), data=st.data(), ops=st.lists(OPS, max_size=25))
+def test_a_cache_with_fewer_window_slots_hands_its_frames_over_to_a_full_one(layout, data, ops):
+    """A spare engine's cache: it allocates fewer window slots than its window, computes as the full
+    one until they are all in use (the next window frame is refused, nothing changed), and a full
+    cache that takes its frames over goes on as if it had held them all along."""
+    slots = data.draw(st.integers(1, layout.window_frames))
+    small = Harness(dataclasses.replace(layout, window_slots=slots))
+    assert small.cache.num_frame_slots == layout.scale_frames + slots + 1
+    scale_batch = data.draw(st.integers(1, layout.scale_frames))
+    drive(small, scale_batch, [])
+    handed_over_at = data.draw(st.integers(0, len(ops)))
+    for op in ops[:handed_over_at]:
+        if len(small.cache._window) == slots < layout.window_frames:
+            with pytest.raises(CacheCapacityError, match="frame slots"):
+                small.cache.append()
+            small.check()
+            break
+        drive_one(small, op)
+    full = Harness(layout)
+    full.cache.take_over(small.cache)
+    visible = full.cache.visible()
+    full.store = {i: small.store[i] for i in range(visible.start, visible.end)}
+    full.reference, full.next_frame = small.reference, small.next_frame
+    full.check()
+    for op in ops[handed_over_at:]:
+        drive_one(full, op)
+
+
+def drive_one(h, op: str) -> None:
+    h.append(defer=op.startswith("defer"))
+    h.check()
+    (h.commit if op in ("key", "defer_commit") else h.rollback)()
+    h.check()
+
+
+def test_a_cache_takes_over_only_committed_frames_of_its_geometry():
+    layout = CacheLayout(patches_per_frame=2, specials_per_frame=1, scale_frames=1, window_frames=3)
+    small = DenseTwoStreamCache(dataclasses.replace(layout, window_slots=1), max_frames=10)
+    small.append()
+    with pytest.raises(ValueError, match="committed frames only"):
+        DenseTwoStreamCache(layout, max_frames=10).take_over(small)
+    with pytest.raises(ValueError, match="geometry"):
+        DenseTwoStreamCache(dataclasses.replace(layout, patches_per_frame=3), max_frames=10).take_over(small)
+    with pytest.raises(ValueError, match="window_slots"):
+        CacheLayout(patches_per_frame=2, window_frames=3, window_slots=4)
 
 
 def test_moves_keep_the_window_compact():

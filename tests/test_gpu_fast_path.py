@@ -257,28 +257,38 @@ def test_the_cli_on_the_gpu_writes_the_official_outputs(golden_checkpoint, golde
     compare_run_with_golden(run_dir, "all_keyframes", limits if dtype == "float32" else BF16_TOLERANCE)
 
 
-@pytest.mark.parametrize(("pipeline", "keyframes"), [(True, "all"), (False, "all"), (True, "flow"), (False, "flow")])
-def test_a_spare_engine_on_its_own_stream_ends_with_what_rollovers_in_place_emit(pipeline, keyframes):
+@pytest.mark.parametrize(("pipeline", "keyframes", "small_spare"),
+                         [(True, "all", False), (False, "all", False), (True, "flow", False), (False, "flow", False),
+                          (True, "all", True), (False, "flow", True)])
+def test_a_spare_engine_on_its_own_stream_ends_with_what_rollovers_in_place_emit(pipeline, keyframes, small_spare,
+                                                                                 monkeypatch):
     """The next window predicted on a worker thread and a CUDA stream of its own (its graph recorded
     while the stream runs), the stream on a stream of higher priority and provisional frames from the
     closed window while the spare catches up: the same final emissions, bit for bit and in the same
-    order, as rollovers done in place; every provisional one before its frame's final one."""
-    from stream_recon.models import StreamConfig, prepare_for_inference
+    order, as rollovers done in place; every provisional one before its frame's final one. With a
+    small spare, its cache has fewer window slots than the window (the current engine takes its frames
+    over, a copy into the store its recorded graphs read)."""
+    from stream_recon.models import StreamConfig, chunked, prepare_for_inference
     from stream_recon.models.chunked import ChunkedEngine
 
     model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
-    frames = [(255 * torch.rand(3, 126, 224, generator=generator)).to(torch.uint8) for _ in range(60)]
-    config = StreamConfig(scale_frames=2, window=4, pipeline=pipeline, keyframes=keyframes, flow_threshold=1e9,
+    window, chunk_frames, count = (10, 20, 90) if small_spare else (4, 14, 60)
+    frames = [(255 * torch.rand(3, 126, 224, generator=generator)).to(torch.uint8) for _ in range(count)]
+    if small_spare:
+        monkeypatch.setattr(chunked, "MAX_PROVISIONAL_AHEAD", 2)
+        monkeypatch.setattr(chunked, "MAX_PROVISIONAL", 2)
+    config = StreamConfig(scale_frames=2, window=window, pipeline=pipeline, keyframes=keyframes, flow_threshold=1e9,
                           max_gap=2)
     runs = {}
     for lookahead in (False, True):
-        engine = ChunkedEngine(model, config, chunk_frames=14, overlap=5, lookahead=lookahead)
+        engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=5, lookahead=lookahead)
         pushes = [engine.push(frame) for frame in frames]
         runs[lookahead] = (pushes + [engine.finish()], engine.stats())
         if lookahead:
             spare = engine._rollover.spare.engine
             assert engine.engine.runner.records and spare.runner.records  # both recorded, once
+            assert (spare.cache.layout.allocated_window_slots < window) == small_spare
             assert engine._rollover.main_stream.priority < torch.cuda.current_stream().priority
         engine.close()
     (beside, beside_stats), (in_place, in_place_stats) = runs[True], runs[False]

@@ -580,6 +580,41 @@ def test_a_spare_engine_beside_the_stream_ends_with_what_rollovers_in_place_emit
         check_beside_the_stream(with_spare, without)
 
 
+SMALL_SPARE_CASES = {  # chunks that fill their window, a spare whose cache holds fewer window frames
+    "all": (StreamConfig(scale_frames=3, window=6, attention="dense"), 14, 3, 30),
+    "flow": (StreamConfig(scale_frames=3, window=6, attention="dense", keyframes="flow", flow_threshold=0.8,
+                          max_gap=3), 14, 3, 30),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SMALL_SPARE_CASES))
+def test_a_spare_with_fewer_window_slots_hands_over_what_rollovers_in_place_emit(model, frames, monkeypatch, case):
+    """The current engine takes the next chunk over from the spare (a copy of its caches) at the
+    switch, so the spare's dense cache allocates slots only for what it takes before then: the same
+    emissions as rollovers in place, with a spare cache smaller than the current one."""
+    from stream_recon.models import chunked
+
+    monkeypatch.setattr(chunked, "MAX_PROVISIONAL_AHEAD", 2)
+    monkeypatch.setattr(chunked, "MAX_PROVISIONAL", 2)
+    config, chunk_frames, overlap, count = SMALL_SPARE_CASES[case]
+    in_place = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=False)
+    expected = run_live_marked(in_place, frames[:count])
+    engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=True)
+    assert engine.spare_window_slots == overlap + 2 + 2 - config.scale_frames < config.window
+    try:
+        marked = run_live_marked(engine, frames[:count])
+        stats = engine.stats()
+        current, spare = engine.engine, engine._rollover.spare.engine
+        assert current.cache.layout.window_slots is None
+        assert spare.cache.layout.allocated_window_slots == engine.spare_window_slots
+        assert spare.cache.bytes_allocated < current.cache.bytes_allocated
+    finally:
+        engine.close()
+    # (chunk 1 then fills the window past the spare's slots on the engine that took it over)
+    assert stats["rollovers"] >= 1 and stats["rollovers_ahead"] == stats["rollovers"]
+    check_beside_the_stream(marked, expected)
+
+
 class SpareGate:
     """Holds the spare's worker thread at its next step until opened (StreamingEngine.push_checked
     patched: the spare is handed checked frames, and `push` goes through it too)."""
