@@ -29,6 +29,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -38,9 +39,16 @@ from .chunks import TRAINED_VIEWS, ChunkAlignment, ChunkLink
 from .engine import StreamingEngine
 from .gct import GCTStream
 from .lookahead import SpareEngine
-from .memory import estimate_memory, format_bytes
+from .memory import WORKSPACE_BYTES, estimate_memory, format_bytes
 from .prediction import FramePrediction
-from .rollover import MAX_PROVISIONAL, MAX_PROVISIONAL_AHEAD, Phase, Rollover
+from .rollover import (
+    MAX_PROVISIONAL,
+    MAX_PROVISIONAL_AHEAD,
+    MIN_PROVISIONAL,
+    PROVISIONAL_ROOM_STEP,
+    Phase,
+    Rollover,
+)
 from .stream_config import StreamConfig
 
 logger = logging.getLogger("stream_recon.models.chunked")
@@ -306,10 +314,14 @@ class ChunkedEngine:
 
     @property
     def spare_window_slots(self) -> int:
-        """Window frames a spare's cache needs slots for: it takes a chunk's shared frames, the frames
-        the closed chunk predicts provisionally and the one it then takes alone, and one more is
-        pending while it steps; the current engine takes them over at the switch (SpareEngine.hand_over)."""
-        taken = self.overlap + self._provisional_room + 2
+        """Window frames a spare's cache needs slots for (`_spare_slots` at the provisional room)."""
+        return self._spare_slots(self._provisional_room)
+
+    def _spare_slots(self, provisional_room: int) -> int:
+        """A spare takes a chunk's shared frames, the frames the closed chunk predicts provisionally and
+        the one it then takes alone, and one more is pending while it steps; the current engine takes
+        them over at the switch (SpareEngine.hand_over), so its cache needs slots for no more."""
+        taken = self.overlap + provisional_room + 2
         return max(1, min(self.engine.config.window, taken - self.config.scale_frames))
 
     def _spare_config(self) -> StreamConfig:
@@ -349,27 +361,49 @@ class ChunkedEngine:
 
     def _wants_spare(self) -> bool:
         """Whether to run a spare engine: as asked, or (auto) on CUDA, with steps replayed as graphs,
-        when a second engine fits beside the first (in the budget, or in the free device memory)."""
+        when a second engine fits beside the first (in the budget, or in the free device memory); its
+        provisional room (and so its cache) shrinks to fit where the whole room does not."""
         if self.lookahead is not None or self.device.type != "cuda":
             return bool(self.lookahead)
         engine = self.engine
         if not engine.runner.records:  # steps launched op by op: a spare would contend for the interpreter
             logger.info("next chunk ahead of rollovers: off (steps are not replayed as CUDA graphs)")
             return False
-        estimate = estimate_memory(self.model, self._spare_config(), engine.image_size,
-                                   window_slots=self.spare_window_slots)
-        needed = estimate.another_engine
+        spare_config = self._spare_config()
+
+        def spare_bytes(provisional_room: int) -> int:
+            return estimate_memory(self.model, spare_config, engine.image_size,
+                                   window_slots=self._spare_slots(provisional_room)).another_engine
+
         if engine.config.gpu_memory is not None:
             room = engine.config.gpu_memory - engine.memory_plan.estimate.total
         else:  # free on the device, and what the allocator holds unused; minus a margin for the rest
             free, _ = torch.cuda.mem_get_info(self.device)
             unused = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            room = free + unused - estimate.workspace
-        fits = needed <= room
+            room = free + unused - WORKSPACE_BYTES
+        fitting = provisional_room_that_fits(spare_bytes, room, self._provisional_room)
         logger.info("next chunk ahead of rollovers: %s (a second engine's cache, graphs and activations: %s; "
-                    "room %s)",
-                    "on" if fits else "off, rollovers pause the stream", format_bytes(needed), format_bytes(max(room, 0)))
-        return fits
+                    "room %s)", "off, rollovers pause the stream" if fitting is None else
+                    f"on, {fitting} provisional frames", format_bytes(spare_bytes(fitting or 0)),
+                    format_bytes(max(room, 0)))
+        if fitting is None:
+            return False
+        self._provisional_room = fitting
+        return True
+
+
+def provisional_room_that_fits(spare_bytes: Callable[[int], int], available: int, asked: int) -> int | None:
+    """The largest provisional room, from `asked` down in steps of PROVISIONAL_ROOM_STEP to
+    MIN_PROVISIONAL (or `asked`, if smaller), whose spare (`spare_bytes(room)` bytes) fits in
+    `available` bytes; None when none does. A smaller room is a smaller spare cache: the stream waits
+    for the spare sooner at a long catch-up, which still beats a rollover in place."""
+    smallest = min(asked, MIN_PROVISIONAL)
+    for room in range(asked, smallest - 1, -PROVISIONAL_ROOM_STEP):
+        if spare_bytes(room) <= available:
+            return room
+    if spare_bytes(smallest) <= available:
+        return smallest
+    return None
 
 
 def check_chunking(chunk_frames: int, overlap: int, scale_frames: int, max_frames: int) -> None:

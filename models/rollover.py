@@ -53,6 +53,9 @@ MAIN_STREAM_PRIORITY = -1
 # (ChunkedEngine.spare_window_slots), so the room is also its memory.
 MAX_PROVISIONAL = 48
 MAX_PROVISIONAL_AHEAD = 20
+# Where the spare does not fit with the whole room, the room shrinks in these steps, down to this.
+PROVISIONAL_ROOM_STEP = 4
+MIN_PROVISIONAL = 4
 
 
 class Phase(enum.Enum):

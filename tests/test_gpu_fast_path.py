@@ -5,6 +5,7 @@ path. Skipped on machines without CUDA."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -324,4 +325,30 @@ def test_lookahead_is_on_by_default_on_cuda_when_a_second_cache_fits():
         for frame in frames:
             engine.push(frame)
         assert engine.stats()["lookahead"] is expected, budget
+        engine.close()
+
+
+def test_a_spare_that_does_not_fit_with_its_whole_provisional_room_gets_a_smaller_one():
+    """The spare's cache holds the frames it takes before the switch: a budget with room for a spare
+    of 8 provisional frames (13 window slots of 16), not of 20, runs one with 8."""
+    from stream_recon.models import StreamConfig, prepare_for_inference
+    from stream_recon.models.chunked import ChunkedEngine
+    from stream_recon.models.memory import estimate_memory
+
+    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
+    frames = [torch.zeros(3, 126, 224, dtype=torch.uint8) for _ in range(5)]
+    config = StreamConfig(scale_frames=2, window=16, max_cached_frames=41)
+    one = estimate_memory(model, config, (126, 224))
+    spare = estimate_memory(model, config, (126, 224), window_slots=5 + 8 + 2 - 2).another_engine
+    assert spare < one.another_engine
+    engine = ChunkedEngine(model, dataclasses.replace(config, gpu_memory=one.total + spare), chunk_frames=40,
+                           overlap=5)
+    try:
+        for frame in frames:
+            engine.push(frame)
+        assert engine.stats()["lookahead"]
+        assert engine._rollover.provisional_room == 8
+        engine._rollover.spare.wait_until(time.perf_counter() + 60)  # its warm-up sets its cache up
+        assert engine._rollover.spare.engine.cache.layout.allocated_window_slots == 13
+    finally:
         engine.close()

@@ -615,6 +615,20 @@ def test_a_spare_with_fewer_window_slots_hands_over_what_rollovers_in_place_emit
     check_beside_the_stream(marked, expected)
 
 
+def test_the_provisional_room_shrinks_until_the_spare_fits():
+    from stream_recon.models.chunked import provisional_room_that_fits
+
+    def spare_bytes(room):  # a spare whose cache grows with its room
+        return 1000 + 10 * room
+
+    assert provisional_room_that_fits(spare_bytes, 10**6, 48) == 48
+    assert provisional_room_that_fits(spare_bytes, 1000 + 10 * 30, 48) == 28  # 48, 44, ... the first that fits
+    assert provisional_room_that_fits(spare_bytes, 1000 + 10 * 5, 20) == 4
+    assert provisional_room_that_fits(spare_bytes, 1000 + 10 * 3, 20) is None
+    assert provisional_room_that_fits(spare_bytes, 1000 + 10 * 3, 2) == 2  # (a room below the smallest step)
+    assert provisional_room_that_fits(spare_bytes, 999, 0) is None
+
+
 class SpareGate:
     """Holds the spare's worker thread at its next step until opened (StreamingEngine.push_checked
     patched: the spare is handed checked frames, and `push` goes through it too)."""
