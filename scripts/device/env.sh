@@ -1,4 +1,4 @@
-# Sourced by the GPU-machine scripts: install the carried wheels (.whl: FlashInfer, pytest, viser
+# Sourced by the GPU-machine scripts: install the carried wheels (.whl: FlashInfer, viser
 # and their needs) into /tmp/site, expose app/ models/ cache/ configs/ as stream_recon.* without pip, and
 # record the GPU under $OUT. Run from the repository root.
 OUT=${OUT:-/tmp/out}
