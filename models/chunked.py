@@ -197,7 +197,7 @@ class ChunkedEngine:
     def stream_config(self) -> StreamConfig:
         """The StreamConfig each chunk's engine runs with: `config` with the cache sized for one chunk
         (max_cached_frames), which is what a memory plan for this stream must be made from."""
-        # kept, not read from self.engine: a spare that takes over was built without the budget
+        # kept, not read from self.engine, whose config has the plan applied once the first frame came
         return self._chunk_config
 
     def plan_memory_for(self, image_size: tuple[int, int]):
@@ -208,7 +208,7 @@ class ChunkedEngine:
     @property
     def memory_plan(self):
         """The plan made for StreamConfig.gpu_memory (None before the first frame or without a budget)."""
-        return self.engine.memory_plan  # a spare engine carries the same plan
+        return self.engine.memory_plan
 
     @property
     def chunk_scales(self) -> np.ndarray:
@@ -336,8 +336,8 @@ class ChunkedEngine:
         self._replay = deque(self._replay, maxlen=self.overlap + 1 + self._provisional_room)
 
     def _switch_to_spare(self) -> None:
-        """The spare's predictions of the new chunk so far, and its engine as the current one. If the
-        spare failed, the rollover happens in place instead, and later ones too."""
+        """The spare's predictions of the new chunk so far, and its frames taken over by the current
+        engine. If the spare failed, the rollover happens in place instead, and later ones too."""
         try:
             received = self._rollover.switch(self.engine)
         except Exception as error:  # e.g. out of memory on the worker: go on without a spare
@@ -384,7 +384,8 @@ class ChunkedEngine:
         fitting = provisional_room_that_fits(spare_bytes, room, self._provisional_room)
         logger.info("next chunk ahead of rollovers: %s (a second engine's cache, graphs and activations: %s; "
                     "room %s)", "off, rollovers pause the stream" if fitting is None else
-                    f"on, {fitting} provisional frames", format_bytes(spare_bytes(fitting or 0)),
+                    f"on, {fitting} provisional frames",
+                    format_bytes(spare_bytes(min(self._provisional_room, MIN_PROVISIONAL) if fitting is None else fitting)),
                     format_bytes(max(room, 0)))
         if fitting is None:
             return False

@@ -15,7 +15,7 @@ engine (models/lookahead.py) the work happens beside the stream instead, in four
                         CATCHING_UP ──(spare a frame behind, or no room left)──▶ SWITCH_PENDING
                         (skipped when the closed chunk has no provisional room)        │
                                                                                        │ next push
-    STEADY ◀──────────────(engines swapped; or the spare failed: rollover in place)───┘
+    STEADY ◀──(the current engine takes over the spare's frames; failed: in place)─────┘
 
 Every transition goes through `Rollover._enter`, which refuses any other.
 """
@@ -68,7 +68,7 @@ class Phase(enum.Enum):
         than a frame behind; the closed chunk predicts each new frame provisionally, uncached, so the
         stream need not wait, and the spare takes it too.
     SWITCH_PENDING: the closed chunk has stopped predicting; the spare is at most a frame behind and
-        takes frames alone; at the next push or at the end it becomes the current engine.
+        takes frames alone; at the next push or at the end the current engine takes its frames over.
     """
 
     STEADY = "steady"
