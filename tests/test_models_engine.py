@@ -60,6 +60,42 @@ def test_short_stream_is_flushed_by_finish(prepared_tiny_model):
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "dense"])
+def test_an_engine_goes_on_with_a_stream_it_takes_over(prepared_tiny_model, attention):
+    """`take_over`: an engine continues another's stream (a spare's chunk, here one whose dense cache
+    has 2 of the window's 4 slots) as that engine would have; while a frame is still to be predicted
+    and delivered (a scale frame buffered), or from a stream of another size, it is refused."""
+    config = StreamConfig(scale_frames=2, window=4, attention=attention)
+    images = frames(12)
+    expected, _ = run(prepared_tiny_model, config, images)
+    spare = StreamingEngine(prepared_tiny_model, config, window_slots=2)
+    current = StreamingEngine(prepared_tiny_model, config)
+    predictions = []
+    for i, image in enumerate(images[:4]):  # 2 scale frames, 2 window frames: the spare's slots are full
+        predictions += spare.push(image, timestamp=0.5 * i)
+        current.push(images[11 - i])  # a stream of its own, dropped by the take-over
+    buffering = StreamingEngine(prepared_tiny_model, config)
+    buffering.push(images[0])
+    with pytest.raises(ValueError, match="delivered every prediction"):
+        buffering.take_over(spare)
+    predictions += spare.finish()
+    current.finish()
+    current.reset()
+    current.take_over(spare)
+    for i, image in enumerate(images[4:], start=4):
+        predictions += current.push(image, timestamp=0.5 * i)
+    predictions += current.finish()
+    assert [p.frame_index for p in predictions] == [p.frame_index for p in expected] == list(range(12))
+    for ours, theirs in zip(predictions, expected, strict=True):
+        np.testing.assert_array_equal(ours.depth, theirs.depth)
+        np.testing.assert_array_equal(ours.pose_enc, theirs.pose_enc)
+    other_size = StreamingEngine(prepared_tiny_model, config)
+    for _ in range(2):  # its scale frames, predicted and delivered
+        other_size.push(torch.rand(3, 28, 56))
+    with pytest.raises(ValueError, match="frame size"):
+        other_size.take_over(spare)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "dense"])
 def test_rolled_back_frames_leave_no_trace(prepared_tiny_model, attention):
     """With interval:2, every keyframe's output equals a stream that never saw the non-keyframes."""
     images = frames(11, seed=1)
