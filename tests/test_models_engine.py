@@ -59,12 +59,12 @@ def test_short_stream_is_flushed_by_finish(prepared_tiny_model):
     assert [p.frame_type for p in predictions] == [FRAME_SCALE, FRAME_SCALE]
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "dense"])
-def test_an_engine_goes_on_with_a_stream_it_takes_over(prepared_tiny_model, attention):
+@pytest.mark.parametrize(("attention", "kv_cache"), [("sdpa", "auto"), ("dense", "auto"), ("dense", "fp8")])
+def test_an_engine_goes_on_with_a_stream_it_takes_over(prepared_tiny_model, attention, kv_cache):
     """`take_over`: an engine continues another's stream (a spare's chunk, here one whose dense cache
     has 2 of the window's 4 slots) as that engine would have; while a frame is still to be predicted
     and delivered (a scale frame buffered), or from a stream of another size, it is refused."""
-    config = StreamConfig(scale_frames=2, window=4, attention=attention)
+    config = StreamConfig(scale_frames=2, window=4, attention=attention, kv_cache=kv_cache)
     images = frames(12)
     expected, _ = run(prepared_tiny_model, config, images)
     spare = StreamingEngine(prepared_tiny_model, config, window_slots=2)
@@ -73,6 +73,7 @@ def test_an_engine_goes_on_with_a_stream_it_takes_over(prepared_tiny_model, atte
     for i, image in enumerate(images[:4]):  # 2 scale frames, 2 window frames: the spare's slots are full
         predictions += spare.push(image, timestamp=0.5 * i)
         current.push(images[11 - i])  # a stream of its own, dropped by the take-over
+    assert (spare.cache.store_dtype == torch.float8_e4m3fn) == (kv_cache == "fp8")
     buffering = StreamingEngine(prepared_tiny_model, config)
     buffering.push(images[0])
     with pytest.raises(ValueError, match="delivered every prediction"):
