@@ -90,6 +90,24 @@ def keyframe_of(pred: FramePrediction) -> _Keyframe:
                      pred.intrinsics, pred.c2w, pred.descriptor)
 
 
+class _SkippingQueue(queue.Queue):
+    """A bounded queue that the stream's thread never waits on for a keyframe: `offer` drops an item
+    that finds it full and counts it (`skipped`), so detection thins out instead of holding the stream."""
+
+    def __init__(self, maxsize: int):
+        super().__init__(maxsize=maxsize)
+        self.skipped = 0
+
+    def offer(self, item, *, wait: bool = False) -> bool:
+        """Put `item`, waiting for room only with `wait`; False (counted) when it was dropped."""
+        try:
+            self.put(item, block=wait)
+        except queue.Full:
+            self.skipped += 1
+            return False
+        return True
+
+
 class _FirstFinalKeyframes:
     """Which emissions loop detection takes: a keyframe's first final emission with its picture. Not a
     provisional one (a closed chunk's, replaced later), and not a later chunk's re-emission of a shared
@@ -248,9 +266,8 @@ class LoopCloser:
         self._loops: list[LoopRecord] = []
         self._edges: list[LoopEdge] = []
         self._handover = _CorrectionsHandover()
-        self._queue: queue.Queue[_Keyframe | None] = queue.Queue(maxsize=config.queue_keyframes)
+        self._queue = _SkippingQueue(config.queue_keyframes)  # keyframes, then None: stop
         self._error: BaseException | None = None
-        self.keyframes_skipped = 0
         self.timings = _Timings()
         self._thread = threading.Thread(target=self._detect_loop, name="loop-detection", daemon=True)
         self._thread.start()
@@ -274,12 +291,11 @@ class LoopCloser:
 
     def add_keyframe(self, keyframe: _Keyframe, *, wait: bool = False) -> bool:
         """Queue a keyframe for detection; without `wait`, a full queue skips it (counted). True if queued."""
-        try:
-            self._queue.put(keyframe, block=wait)
-        except queue.Full:
-            self.keyframes_skipped += 1
-            return False
-        return True
+        return self._queue.offer(keyframe, wait=wait)
+
+    @property
+    def keyframes_skipped(self) -> int:
+        return self._queue.skipped
 
     def take_corrections(self) -> ChunkCorrections | None:
         """The corrections of a solve finished since the last call, or None; raises what failed."""
@@ -503,9 +519,8 @@ class LoopCloserProcess:
 
     def __init__(self, config: LoopClosureConfig = LoopClosureConfig()) -> None:
         self.config = config
-        self.keyframes_skipped = 0
         self._keyframes = _FirstFinalKeyframes()
-        self._outbox: queue.Queue[tuple[str, Any] | None] = queue.Queue(maxsize=config.queue_keyframes)
+        self._outbox = _SkippingQueue(config.queue_keyframes)  # (kind, payload) messages, then None: stop
         self._handover = _CorrectionsHandover()
         self._finished: tuple[ChunkCorrections, dict[str, Any]] | None = None
         self._error: str | None = None
@@ -531,14 +546,11 @@ class LoopCloserProcess:
         self._outbox.put(("link", link))  # one per chunk: waits rather than lose the odometry
 
     def add_prediction(self, pred: FramePrediction) -> bool:
-        if not self._keyframes.admit(pred):
-            return False
-        try:
-            self._outbox.put_nowait(("keyframe", keyframe_of(pred)))
-        except queue.Full:
-            self.keyframes_skipped += 1
-            return False
-        return True
+        return self._keyframes.admit(pred) and self._outbox.offer(("keyframe", keyframe_of(pred)))
+
+    @property
+    def keyframes_skipped(self) -> int:
+        return self._outbox.skipped
 
     def take_corrections(self) -> ChunkCorrections | None:
         self._raise_error()
