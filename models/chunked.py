@@ -26,6 +26,7 @@ come from the later chunk.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
@@ -371,6 +372,7 @@ class ChunkedEngine:
             return False
         spare_config = self._spare_config()
 
+        @functools.cache  # (the log line asks again for the room chosen)
         def spare_bytes(provisional_room: int) -> int:
             return estimate_memory(self.model, spare_config, engine.image_size,
                                    window_slots=self._spare_slots(provisional_room)).another_engine
@@ -399,12 +401,8 @@ def provisional_room_that_fits(spare_bytes: Callable[[int], int], available: int
     `available` bytes; None when none does. A smaller room is a smaller spare cache: the stream waits
     for the spare sooner at a long catch-up, which still beats a rollover in place."""
     smallest = min(asked, MIN_PROVISIONAL)
-    for room in range(asked, smallest - 1, -PROVISIONAL_ROOM_STEP):
-        if spare_bytes(room) <= available:
-            return room
-    if spare_bytes(smallest) <= available:
-        return smallest
-    return None
+    rooms = [*range(asked, smallest, -PROVISIONAL_ROOM_STEP), smallest]
+    return next((room for room in rooms if spare_bytes(room) <= available), None)
 
 
 def check_chunking(chunk_frames: int, overlap: int, scale_frames: int, max_frames: int) -> None:

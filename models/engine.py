@@ -398,9 +398,8 @@ class StreamingEngine:
             self._plan_memory(height, width)
         self._image_size = (height, width)
         rows, cols = c.grid(height, width)
-        window = self.config.window
-        slots = self.window_slots if self.window_slots is not None and self.window_slots < window else None
-        layout = CacheLayout(rows * cols, c.num_special_tokens, self.config.scale_frames, window, window_slots=slots)
+        layout = CacheLayout(rows * cols, c.num_special_tokens, self.config.scale_frames, self.config.window,
+                             window_slots=self.window_slots)
         compiled = self.model.inference_spec.compiled
         cache = backends.build(self.backend_spec, layout, num_layers=c.depth, num_heads=c.num_heads,
                                head_dim=c.head_dim, max_frames=self._cached_frames, dtype=self._kv_dtype,

@@ -256,8 +256,8 @@ class _Estimator:
         c = self.model_config
         stored = backends.store_dtype(kv_cache, self.dtype)
         backend = self._backend(kv_cache)
-        slots = window_slots if window_slots is not None and window_slots < window else None
-        layout = CacheLayout(self.patches, c.num_special_tokens, self.config.scale_frames, window, window_slots=slots)
+        layout = CacheLayout(self.patches, c.num_special_tokens, self.config.scale_frames, window,
+                             window_slots=window_slots)
         kv_bytes = backends.cache_bytes(backend, layout, num_layers=c.depth, num_heads=c.num_heads,
                                         head_dim=c.head_dim, max_frames=self.cached_frames, dtype=self.dtype,
                                         stored=stored)
