@@ -6,8 +6,9 @@ same model steps on the same frames in the same order as a rollover in place, so
 is the same. It needs a cache and recorded graphs of its own: it is warmed once on the stream's
 first frames (its graph is recorded then, never at a rollover). At the switch the current engine
 takes its frames over (a copy of the cache's contents, a few milliseconds), so the spare's cache
-holds only what it takes before then (ChunkedEngine sizes it and decides whether there is room). Its CUDA stream has the default priority;
-the stream's has a higher one, so the spare gets what the stream leaves.
+holds only what it takes before then (ChunkedEngine sizes it and decides whether there is room).
+Its CUDA stream has the default priority; the stream's has a higher one, so the spare gets what the
+stream leaves.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class SpareEngine:
         Returns the spare's last predictions, in flight until now (a pipelined spare keeps one).
 
         The current engine keeps its cache and recorded graphs, so the spare's cache need only hold
-        what it takes before the switch (`window_slots`): a chunk's worth of memory saved."""
+        what it takes before the switch (`window_slots`), not a whole window."""
         last = self.engine.finish()
         current.reset()
         current.take_over(self.engine)
