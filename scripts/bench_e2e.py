@@ -111,6 +111,7 @@ class Deliveries:
     chunks: list[int] = field(default_factory=list)
     rollovers: list[int] = field(default_factory=list)  # engine's rollover count at each emission
     provisional: list[bool] = field(default_factory=list)  # a closed chunk's emission, emitted again later
+    compiling: list[bool] = field(default_factory=list)  # eager graphs while the model compiles beside them
     rss: list[int] = field(default_factory=list)
 
 
@@ -129,6 +130,7 @@ class DeliveryRecorder:
         d.chunks.append(int(getattr(pred, "chunk_index", 0)))
         d.rollovers.append(int(stats.get("rollovers") or 0))
         d.provisional.append(bool(getattr(pred, "provisional", False)))
+        d.compiling.append(bool(stats.get("compiling_beside")))
         if len(d.frames) % 25 == 1:
             d.rss.append(rss_bytes())
 
@@ -319,6 +321,33 @@ def rollover_regions(d: Deliveries, overlap: int) -> list[tuple[int, int]]:
     return regions
 
 
+def compiled_from(d: Deliveries) -> int | None:
+    """The first frame delivered after the stream's switch to compiled graphs (None: no compile beside it)."""
+    if not any(d.compiling):
+        return None
+    last = max(position for position, compiling in enumerate(d.compiling) if compiling)
+    return d.frames[last + 1] if last + 1 < len(d.frames) else None
+
+
+def warm_up_stats(d: Deliveries, started: float) -> dict[str, Any]:
+    """The start of a run as a user sees it: the longest interval between new frames from the first
+    prediction on (compilation, graph recording and rollovers included), when the 100th frame came
+    (from `started`), and where the stream switched to compiled graphs."""
+    first_seen: dict[int, float] = {}
+    for frame, at in zip(d.frames, d.times, strict=True):
+        first_seen.setdefault(frame, at)
+    times = [first_seen[frame] for frame in sorted(first_seen)]
+    intervals = [(1000 * (b - a), frame) for frame, (a, b) in enumerate(zip(times, times[1:], strict=False), 1)]
+    longest = max(intervals, default=(float("nan"), None))
+    return {
+        "longest_interval_after_first_prediction_ms": longest[0],
+        "longest_interval_after_first_prediction_frame": longest[1],
+        "prediction_100_s": times[99] - started if len(times) >= 100 else float("nan"),
+        "prediction_100_at": times[99] if len(times) >= 100 else float("nan"),
+        "compiled_from_frame": compiled_from(d),
+    }
+
+
 def interval_stats(d: Deliveries, steady_from: int, overlap: int) -> dict[str, Any]:
     """Intervals between first emissions of consecutive new frames, from frame `steady_from` on."""
     times, frames, chunks, rollovers = d.times, d.frames, d.chunks, d.rollovers
@@ -380,7 +409,14 @@ def build_model(args: argparse.Namespace, options: Any, device: str) -> tuple[An
         from bench import build_model as build_synthetic  # scripts/bench.py: the same model, same weights
 
         model, _ = build_synthetic(args.model)
-        model = prepared_for_run(model, options, device)
+        if args.compile_first:  # the stream's first frame waits for the compile instead
+            from stream_recon.app.options import resolve_dtype
+            from stream_recon.models import prepare_for_inference
+
+            model = prepare_for_inference(model, device, resolve_dtype(options.dtype, device), compile=options.compile,
+                                          compile_beside_stream=False)
+        else:
+            model = prepared_for_run(model, options, device)
     return model, time.perf_counter() - start
 
 
@@ -471,7 +507,9 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
         "run_s": ended - started,
         "first_prediction_s": d.times[0] - started - client_wait_s if d.times else float("nan"),
         "first_prediction_at": d.times[0] - client_wait_s if d.times else float("nan"),
-        **interval_stats(d, steady_from(options), options.overlap),
+        # steady: once the window is full and the compile beside the stream is done
+        **interval_stats(d, max(steady_from(options), compiled_from(d) or 0), options.overlap),
+        **warm_up_stats(d, started),
         "main_thread_outside_engine_ms_p50": percentile(outside, 50),
         "main_thread_outside_engine_ms_mean": float(np.mean(outside)) if outside else float("nan"),
         "main_thread_outside_engine_ms_p99": percentile(outside, 99),
@@ -602,6 +640,8 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--compile-first", action="store_true",
+                        help="synthetic weights: the first streaming frame waits for the compile (not beside the stream)")
     parser.add_argument("--image-width", type=int, default=518, help="model input width")
     parser.add_argument("--scale", type=int, default=8)
     parser.add_argument("--window", type=int, default=64)
@@ -699,6 +739,8 @@ def measure_video(args: argparse.Namespace, video: Path, options: Any, model: An
     result = product_run(args, video, options, model, device)
     result["first_prediction_from_process_start_s"] = time.time() - (time.perf_counter() - result.pop(
         "first_prediction_at")) - process_started
+    result["prediction_100_from_process_start_s"] = time.time() - (time.perf_counter() - result.pop(
+        "prediction_100_at")) - process_started
     if device.startswith("cuda"):
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         # What the allocator held at its peak (a card must have this much, plus the CUDA context).
@@ -778,6 +820,13 @@ def print_table(result: dict[str, Any]) -> None:
                                                      f"{result['main_thread_outside_engine_ms_mean']:.2f}"),
         ("first prediction s: run / process", f"{result['first_prediction_s']:.2f} / "
                                               f"{result['first_prediction_from_process_start_s']:.2f}"),
+        ("100th prediction s: run / process", f"{result['prediction_100_s']:.2f} / "
+                                              f"{result['prediction_100_from_process_start_s']:.2f}"),
+        ("longest interval after the first prediction ms (frame)",
+         f"{result['longest_interval_after_first_prediction_ms']:.1f} "
+         f"({result['longest_interval_after_first_prediction_frame']})"),
+        ("compiled graphs from frame", result.get("compiled_from_frame")),
+        ("whole run FPS (run.json)", f"{result.get('run_json_fps') or float('nan'):.2f}"),
         ("model load s", f"{result['model_load_s']:.1f}"),
         ("host RSS GB (peak)", f"{result['host_rss_gb']:.2f} ({result['peak_host_rss_gb']:.2f})"),
         ("bytes per frame", f"{result['bytes_per_frame']:,.0f}"),
