@@ -42,6 +42,11 @@ SWITCH_INTERVAL_WHILE_COMPILING = 0.0005
 
 _thread_state = threading.local()  # .eager: bool, .collect: Collection | None
 
+# Held by a thread while it captures a CUDA graph, and by the compile thread while it makes a compiled
+# call: the call loads new kernel modules and launches them, and a capture on another thread then
+# fails (cudaErrorStreamCaptureInvalidated, H100, torch 2.11). A capture waits for at most one call.
+CAPTURE_LOCK = threading.Lock()
+
 
 @contextlib.contextmanager
 def eager_functions(collect_into: Collection | None = None):
@@ -99,10 +104,18 @@ class Compilation:
         with self._lock:
             return key in self._rounds
 
+    def ready_for(self, collection: Collection) -> bool:
+        """Whether every call of the collected step is compiled already."""
+        with self._lock:
+            if any(key not in self._rounds for key in collection.keys):
+                return False
+            return Progress({self._rounds[key] for key in collection.keys}).ready
+
     def start(self, collection: Collection, context: Callable[[], contextlib.AbstractContextManager]) -> Progress:
         """Compile the collected calls not compiled yet, on a new thread, inside `context()` (the step's
         inference mode and precision), after the work queued on the calling thread's CUDA stream (which
-        wrote the copies of their arguments). Returns the progress of every call the step made."""
+        wrote the copies of their arguments), one call at a time under CAPTURE_LOCK. Returns the
+        progress of every call the step made."""
         with self._lock:
             calls = [call for key, call in collection.calls.items() if key not in self._rounds]
             if calls:
@@ -184,9 +197,11 @@ class _Round:
                 stream.wait_event(event)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), context():
                 for fused, args, kwargs in calls:
-                    fused.compiled(*args, **kwargs)
-            if stream is not None:
-                stream.synchronize()
+                    with CAPTURE_LOCK:
+                        fused.compiled(*args, **kwargs)
+                        if stream is not None:
+                            stream.synchronize()  # its kernels are done before a capture may begin
+                    time.sleep(0.001)  # a capture waiting for the lock takes it here
         except BaseException as error:  # the runner keeps its eager graphs
             self.error = error
             log.warning("compiling the model beside the stream failed (%s: %s); it goes on uncompiled",

@@ -155,11 +155,10 @@ class GraphRunner(EagerRunner):
         collection = compilation.collect()
         with eager_functions(collect_into=collection):
             staged = super().finish(time_index)
-        progress = compilation.start(collection, self._step_context)
-        eager = not progress.ready
+        eager = not compilation.ready_for(collection)
         with eager_functions() if eager else contextlib.nullcontext():
             self._record(images, stream_index, time_index)
-        self.compile_progress = progress if eager else None
+        self.compile_progress = compilation.start(collection, self._step_context) if eager else None
         return staged
 
     def _drop_recording(self) -> None:
