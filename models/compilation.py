@@ -22,11 +22,13 @@ change what another thread runs.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -219,17 +221,20 @@ def _code_of(function: Callable) -> Any:
 
 
 def _signature(values) -> tuple:
-    """A hashable description of arguments: tensors by shape, strides, dtype and device; modules
-    by type (their weights are inputs of the compiled graph, not part of its identity)."""
+    """A hashable description of arguments as Dynamo's guards see them: tensors by shape, strides,
+    dtype, device and inference mode; modules by type (their weights are graph inputs, not part of
+    its identity); other objects (a RoPE table, say) by type and attributes; plain values by value."""
     if isinstance(values, torch.Tensor):
-        return ("tensor", tuple(values.shape), values.stride(), values.dtype, str(values.device))
+        return ("tensor", tuple(values.shape), values.stride(), values.dtype, str(values.device), values.is_inference())
     if isinstance(values, torch.nn.Module):
         return ("module", type(values))
     if isinstance(values, (tuple, list)):
         return (type(values).__name__, *(_signature(value) for value in values))
     if isinstance(values, dict):
         return ("dict", *((key, _signature(value)) for key, value in sorted(values.items())))
-    return ("value", repr(values))
+    if _is_plain_object(values):
+        return ("object", type(values), _signature(vars(values)))
+    return ("value", type(values), repr(values))
 
 
 def _copied(values):
@@ -242,7 +247,18 @@ def _copied(values):
         return type(values)(_copied(value) for value in values)
     if isinstance(values, dict):
         return {key: _copied(value) for key, value in values.items()}
+    if _is_plain_object(values):
+        copied = copy.copy(values)
+        for name, value in vars(values).items():
+            object.__setattr__(copied, name, _copied(value))  # (frozen dataclasses too)
+        return copied
     return values
+
+
+def _is_plain_object(value) -> bool:
+    """An instance with attributes of its own (a dataclass, say): not a module, function or class."""
+    return hasattr(value, "__dict__") and not isinstance(
+        value, (torch.nn.Module, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType))
 
 
 def _event_on_current_stream(calls) -> tuple[torch.cuda.Event, torch.device] | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -14,8 +16,11 @@ from .dpt_head import DPTHead
 from .layers import CachedAttention
 from .loop_retrieval import gem_descriptor
 
-# The camera head's stream, one per device (kept off the module so that it deep-copies).
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+# The camera head's stream, one per thread and device (kept off the module so that it deep-copies):
+# a side stream joins the capture of the stream it waits for, so one shared with another thread would
+# take that thread's kernels into the capture (a spare engine steps on a worker thread while the stream
+# records its graphs again, once the compile beside it is done).
+_SIDE_STREAMS = threading.local()
 
 
 class GCTStream(nn.Module):
@@ -35,10 +40,11 @@ class GCTStream(nn.Module):
         side = None
         if on_cuda:
             device = torch.cuda.current_stream().device
-            if device not in _SIDE_STREAMS:
+            streams = _SIDE_STREAMS.__dict__.setdefault("by_device", {})
+            if device not in streams:
                 # High priority: the camera head is the longer of the two, so its kernels go first.
-                _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
-            side = _SIDE_STREAMS[device]
+                streams[device] = torch.cuda.Stream(device, priority=-1)
+            side = streams[device]
         return run_beside(side, camera, depth)
 
     def step(self, images: torch.Tensor, kv: CachedAttention, camera_kv: CachedAttention,

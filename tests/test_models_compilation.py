@@ -146,3 +146,22 @@ def test_notes_copy_nested_arguments(value):
         fused(value)
     (_, (copied,), _), = collection.calls.values()
     assert type(copied) is type(value)
+
+
+def test_an_object_argument_is_described_by_its_attributes_not_its_identity_or_values():
+    """A RoPE table is a new object every step, its values the frame's positions: one signature."""
+    from stream_recon.models.rope import Rope3D
+
+    def rotated(x, rope):
+        return x * rope.cos_full[:, :1]
+
+    compilation = Compilation(Recorder())
+    fused = compilation.fuse(rotated)
+    collection = compilation.collect()
+    with eager_functions(collect_into=collection):
+        for time_index in range(3):
+            angles = torch.arange(4.0)[:, None] * (time_index + 1) * torch.ones(1, 8)
+            fused(torch.ones(4, 1), Rope3D(angles.cos(), angles.sin()))
+    assert len(collection.keys) == len(collection.calls) == 1
+    (_, (_, copied_rope), _), = collection.calls.values()
+    assert isinstance(copied_rope, Rope3D) and copied_rope.cos_full.shape == (4, 16)
