@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 # While the compile thread runs, the interpreter hands the GIL over at least this often (seconds;
 # Python's default is 5 ms). Dynamo and Inductor are Python that holds it for whole switch
 # intervals, and every wait of the stream's thread (an event, a queue) costs it one more interval
-# to get the GIL back: at 5 ms a 27 ms frame could take several.
-SWITCH_INTERVAL_WHILE_COMPILING = 0.0005
+# to get the GIL back: at 0.5 ms the stream ran at about half its eager rate while a fresh machine
+# compiled (H100, docs/PERFORMANCE.md).
+SWITCH_INTERVAL_WHILE_COMPILING = 0.0001
 
 _thread_state = threading.local()  # .eager: bool, .collect: Collection | None
 
@@ -241,8 +242,7 @@ def _copied(values):
     """Arguments with every tensor copied (the caller's may be overwritten before the compile runs),
     inference tensors as inference tensors (Dynamo's guards tell them apart)."""
     if isinstance(values, torch.Tensor):
-        with torch.inference_mode(values.is_inference()):
-            return values.detach().clone()
+        return _copied_tensor(values)
     if isinstance(values, (tuple, list)):
         return type(values)(_copied(value) for value in values)
     if isinstance(values, dict):
@@ -253,6 +253,20 @@ def _copied(values):
             object.__setattr__(copied, name, _copied(value))  # (frozen dataclasses too)
         return copied
     return values
+
+
+def _copied_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy with the same sizes and strides (Dynamo guards on both: a view's clone would be
+    contiguous, and the stream's call would compile again), over a storage of its own: the span of
+    the original's storage that it reads, copied whole."""
+    tensor = tensor.detach()
+    with torch.inference_mode(tensor.is_inference()):
+        if tensor.numel() == 0 or any(stride < 0 for stride in tensor.stride()):
+            return tensor.clone()
+        span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+        storage = torch.empty(span, dtype=tensor.dtype, device=tensor.device)
+        storage.copy_(tensor.as_strided((span,), (1,)))
+        return storage.as_strided(tensor.shape, tensor.stride())
 
 
 def _is_plain_object(value) -> bool:

@@ -165,3 +165,17 @@ def test_an_object_argument_is_described_by_its_attributes_not_its_identity_or_v
     assert len(collection.keys) == len(collection.calls) == 1
     (_, (_, copied_rope), _), = collection.calls.values()
     assert isinstance(copied_rope, Rope3D) and copied_rope.cos_full.shape == (4, 16)
+
+
+@pytest.mark.parametrize("view", [lambda t: t[:, 1], lambda t: t.t(), lambda t: t[:1].expand(3, 4), lambda t: t[1:]])
+def test_a_noted_tensor_keeps_the_sizes_and_strides_dynamo_guards_on(view):
+    compilation = Compilation(Recorder())
+    fused = compilation.fuse(lambda v: v)
+    collection = compilation.collect()
+    original = view(torch.arange(12.0).reshape(3, 4))
+    with eager_functions(collect_into=collection):
+        fused(original)
+    (_, (copied,), _), = collection.calls.values()
+    assert copied.shape == original.shape and copied.stride() == original.stride()
+    torch.testing.assert_close(copied, original)
+    assert copied.untyped_storage().data_ptr() != original.untyped_storage().data_ptr()

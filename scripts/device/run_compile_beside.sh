@@ -11,11 +11,13 @@ bench() {  # name options...
   local name=$1; shift
   echo "== $name: $*" | tee -a "$OUT/bench.log"
   timeout ${BENCH_TIMEOUT:-150} python3 scripts/bench_e2e.py --video-dir /tmp --frames 1000 --viewer --client \
-    --no-engine-run --json "$OUT/$name.json" "$@" 2>&1 | grep -v Warn | tail -30 | tee -a "$OUT/bench.log"
+    --no-engine-run --json "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1
+  grep -v Warn "$OUT/$name.log" | tail -30 | tee -a "$OUT/bench.log"
 }
 python3 -c "
 import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from bench_e2e import make_video
 for w, h in ((640, 480), (640, 468)): make_video(Path(f'/tmp/bench_e2e_1000_{w}x{h}.mp4'), 1000, w, h)"
+export TORCH_LOGS=${TORCH_LOGS:-recompiles}  # a compile on the stream's thread names its guard failure
 bench fresh_beside --video-size 640x480
 bench warm_beside --video-size 640x480
 bench warm_first --video-size 640x480 --compile-first
