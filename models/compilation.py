@@ -30,6 +30,7 @@ import threading
 import time
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -114,18 +115,18 @@ class Compilation:
                 return False
             return Progress({self._rounds[key] for key in collection.keys}).ready
 
-    def start(self, collection: Collection, context: Callable[[], contextlib.AbstractContextManager]) -> Progress:
-        """Compile the collected calls not compiled yet, on a new thread, inside `context()` (the step's
-        inference mode and precision), after the work queued on the calling thread's CUDA stream (which
-        wrote the copies of their arguments), one call at a time under CAPTURE_LOCK. Returns the
-        progress of every call the step made."""
+    def start(self, collection: Collection) -> Progress:
+        """Compile the collected calls not compiled yet on a new thread, each in the inference mode,
+        grad mode and autocast state it was made in (Dynamo guards on them), after the work queued on
+        the calling thread's CUDA stream (which wrote the copies of their arguments), one call at a
+        time under CAPTURE_LOCK. Returns the progress of every call the step made."""
         with self._lock:
             calls = [call for key, call in collection.calls.items() if key not in self._rounds]
             if calls:
                 new_round = _Round()
                 for key in collection.calls:
                     self._rounds.setdefault(key, new_round)
-                new_round.start(calls, context)
+                new_round.start(calls)
             return Progress({self._rounds[key] for key in collection.keys})
 
 
@@ -136,13 +137,14 @@ class Collection:
     def __init__(self, compilation: Compilation):
         self.compilation = compilation
         self.keys: set[tuple] = set()
-        self.calls: dict[tuple, tuple[FusedFunction, tuple, dict]] = {}
+        self.calls: dict[tuple, tuple[FusedFunction, tuple, dict, _GlobalState]] = {}
 
     def note(self, fused: FusedFunction, args: tuple, kwargs: dict) -> None:
-        key = (_code_of(fused.function), _signature(args), _signature(tuple(sorted(kwargs.items()))))
+        state = _GlobalState.now()
+        key = (_code_of(fused.function), _signature(args), _signature(tuple(sorted(kwargs.items()))), state)
         self.keys.add(key)
         if key not in self.calls and not self.compilation.known(key):
-            self.calls[key] = (fused, _copied(args), _copied(kwargs))
+            self.calls[key] = (fused, _copied(args), _copied(kwargs), state)
 
 
 class Progress:
@@ -183,12 +185,12 @@ class _Round:
         self.error: BaseException | None = None
         self.seconds = math.nan
 
-    def start(self, calls: list[tuple[FusedFunction, tuple, dict]], context) -> None:
+    def start(self, calls: list[tuple[FusedFunction, tuple, dict, _GlobalState]]) -> None:
         written = _event_on_current_stream(calls)
-        threading.Thread(target=self._compile, args=(calls, context, written), name="stream-recon-compile",
+        threading.Thread(target=self._compile, args=(calls, written), name="stream-recon-compile",
                          daemon=True).start()
 
-    def _compile(self, calls, context, written) -> None:
+    def _compile(self, calls, written) -> None:
         started = time.perf_counter()
         interval = sys.getswitchinterval()
         sys.setswitchinterval(min(interval, SWITCH_INTERVAL_WHILE_COMPILING))
@@ -198,9 +200,9 @@ class _Round:
                 event, device = written
                 stream = torch.cuda.Stream(device)
                 stream.wait_event(event)
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), context():
-                for fused, args, kwargs in calls:
-                    with CAPTURE_LOCK:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for fused, args, kwargs, state in calls:
+                    with CAPTURE_LOCK, state.restored():
                         fused.compiled(*args, **kwargs)
                         if stream is not None:
                             stream.synchronize()  # its kernels are done before a capture may begin
@@ -213,6 +215,33 @@ class _Round:
             sys.setswitchinterval(interval)
             self.seconds = time.perf_counter() - started
             self.done.set()
+
+
+@dataclass(frozen=True)
+class _GlobalState:
+    """What of the calling thread's state a compiled graph is specialised on (Dynamo's global-state
+    guard): the camera head runs float32 inside a bf16 step, so one function is called in both."""
+
+    inference: bool
+    grad: bool
+    autocast: bool
+    autocast_dtype: torch.dtype
+    autocast_cache: bool
+
+    @classmethod
+    def now(cls) -> _GlobalState:
+        return cls(torch.is_inference_mode_enabled(), torch.is_grad_enabled(), torch.is_autocast_enabled("cuda"),
+                   torch.get_autocast_dtype("cuda"), torch.is_autocast_cache_enabled())
+
+    @contextlib.contextmanager
+    def restored(self):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.inference_mode(self.inference))
+            stack.enter_context(torch.set_grad_enabled(self.grad))
+            if self.autocast or torch.is_autocast_enabled("cuda"):
+                stack.enter_context(torch.autocast("cuda", dtype=self.autocast_dtype, enabled=self.autocast,
+                                                   cache_enabled=self.autocast_cache))
+            yield
 
 
 def _code_of(function: Callable) -> Any:
@@ -259,8 +288,8 @@ def _copied_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A copy with the same sizes and strides (Dynamo guards on both: a view's clone would be
     contiguous, and the stream's call would compile again), over a storage of its own: the span of
     the original's storage that it reads, copied whole."""
-    tensor = tensor.detach()
-    with torch.inference_mode(tensor.is_inference()):
+    with torch.inference_mode(tensor.is_inference()):  # asked before detach(), which may change it
+        tensor = tensor.detach()
         if tensor.numel() == 0 or any(stride < 0 for stride in tensor.stride()):
             return tensor.clone()
         span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
@@ -277,7 +306,7 @@ def _is_plain_object(value) -> bool:
 
 def _event_on_current_stream(calls) -> tuple[torch.cuda.Event, torch.device] | None:
     """An event after the copies on the current CUDA stream, and its device, if any argument is on a GPU."""
-    for _, args, kwargs in calls:
+    for _, args, kwargs, _ in calls:
         for value in (*_tensors(args), *_tensors(kwargs)):
             if value.is_cuda:
                 event = torch.cuda.Event()

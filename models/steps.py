@@ -98,7 +98,7 @@ class EagerRunner:
 
     @contextlib.contextmanager
     def _step_context(self):
-        """Inference mode and the step's precision (the compile beside the stream runs in it too)."""
+        """Inference mode and the step's precision."""
         with torch.inference_mode(), step_precision(self.device.type, self.autocast_dtype):
             yield
 
@@ -158,7 +158,7 @@ class GraphRunner(EagerRunner):
         eager = not compilation.ready_for(collection)
         with eager_functions() if eager else contextlib.nullcontext():
             self._record(images, stream_index, time_index)
-        self.compile_progress = compilation.start(collection, self._step_context) if eager else None
+        self.compile_progress = compilation.start(collection) if eager else None
         return staged
 
     def _drop_recording(self) -> None:

@@ -70,34 +70,34 @@ def test_a_step_notes_each_signature_once_with_copies_of_its_arguments():
         fused(torch.ones(4), torch.zeros(4))  # another shape
     assert len(collection.keys) == len(collection.calls) == 3
     x.fill_(7.0)  # the stream may overwrite its tensors before the compile thread reads them
-    noted = [args[0] for _, args, _ in collection.calls.values()]
+    noted = [args[0] for _, args, _, _ in collection.calls.values()]
     assert all(bool((value == 1.0).all()) for value in noted)
 
 
-def test_start_compiles_on_its_own_thread_in_the_given_context_and_knows_what_it_compiled():
+def test_start_compiles_on_its_own_thread_in_the_callers_state_and_knows_what_it_compiled():
     recorder = Recorder()
     compilation = Compilation(recorder)
     fused = compilation.fuse(scaled_sum)
     collection = compilation.collect()
-    with eager_functions(collect_into=collection):
+    with torch.inference_mode(), eager_functions(collect_into=collection):
         fused(torch.ones(2), torch.ones(2))
     assert recorder.compiled_calls == []  # eager: nothing compiled on the stream's thread
-    progress = compilation.start(collection, torch.inference_mode)
+    progress = compilation.start(collection)
     assert progress.wait(60) and progress.ready and not progress.failed
     assert recorder.compiled_calls == [("stream-recon-compile", True, ((2,), (2,)))]
     assert progress.seconds >= 0
 
     again = compilation.collect()  # a later stream of the same size: ready at once, nothing copied
-    with eager_functions(collect_into=again):
+    with torch.inference_mode(), eager_functions(collect_into=again):
         fused(torch.ones(2), torch.ones(2))
-    assert again.calls == {} and compilation.start(again, torch.inference_mode).ready
+    assert again.calls == {} and compilation.start(again).ready
     assert len(recorder.compiled_calls) == 1
 
     bigger = compilation.collect()  # a new size compiles its own calls
     with eager_functions(collect_into=bigger):
         fused(torch.ones(5), torch.ones(5))
-    assert compilation.start(bigger, torch.inference_mode).wait(60)
-    assert recorder.compiled_calls[-1][2] == ((5,), (5,))
+    assert compilation.start(bigger).wait(60)
+    assert recorder.compiled_calls[-1] == ("stream-recon-compile", False, ((5,), (5,)))  # (not in inference mode)
 
 
 def test_a_failed_compile_is_reported_and_never_ready():
@@ -112,7 +112,7 @@ def test_a_failed_compile_is_reported_and_never_ready():
     collection = compilation.collect()
     with eager_functions(collect_into=collection):
         fused(torch.ones(2), torch.ones(2))
-    progress = compilation.start(collection, torch.inference_mode)
+    progress = compilation.start(collection)
     assert progress.wait(60)
     assert progress.failed and not progress.ready
 
@@ -128,7 +128,7 @@ def test_after_a_round_the_stream_thread_finds_dynamo_graphs_compiled_for_its_ca
     with torch.inference_mode(), eager_functions(collect_into=collection):
         expected = first(x, y)
     before = unique_graphs()
-    assert compilation.start(collection, torch.inference_mode).wait(120)
+    assert compilation.start(collection).wait(120)
     compiled = unique_graphs()
     assert compiled > before  # the round compiled
     with torch.inference_mode():
@@ -144,7 +144,7 @@ def test_notes_copy_nested_arguments(value):
     collection = compilation.collect()
     with eager_functions(collect_into=collection):
         fused(value)
-    (_, (copied,), _), = collection.calls.values()
+    (_, (copied,), _, _), = collection.calls.values()
     assert type(copied) is type(value)
 
 
@@ -163,7 +163,7 @@ def test_an_object_argument_is_described_by_its_attributes_not_its_identity_or_v
             angles = torch.arange(4.0)[:, None] * (time_index + 1) * torch.ones(1, 8)
             fused(torch.ones(4, 1), Rope3D(angles.cos(), angles.sin()))
     assert len(collection.keys) == len(collection.calls) == 1
-    (_, (_, copied_rope), _), = collection.calls.values()
+    (_, (_, copied_rope), _, _), = collection.calls.values()
     assert isinstance(copied_rope, Rope3D) and copied_rope.cos_full.shape == (4, 16)
 
 
@@ -175,7 +175,32 @@ def test_a_noted_tensor_keeps_the_sizes_and_strides_dynamo_guards_on(view):
     original = view(torch.arange(12.0).reshape(3, 4))
     with eager_functions(collect_into=collection):
         fused(original)
-    (_, (copied,), _), = collection.calls.values()
+    (_, (copied,), _, _), = collection.calls.values()
     assert copied.shape == original.shape and copied.stride() == original.stride()
     torch.testing.assert_close(copied, original)
     assert copied.untyped_storage().data_ptr() != original.untyped_storage().data_ptr()
+
+
+def test_each_call_compiles_in_the_inference_and_autocast_state_it_was_made_in():
+    """The camera head runs float32 (autocast off) inside a bf16 step: one function in two states,
+    each compiled as the stream will call it."""
+    seen = []
+
+    def spy(function):
+        def compiled(*args):
+            seen.append((torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
+                         torch.is_autocast_enabled("cuda")))
+            return function(*args)
+
+        return compiled
+
+    compilation = Compilation(spy)
+    fused = compilation.fuse(scaled_sum)
+    collection = compilation.collect()
+    with eager_functions(collect_into=collection):
+        fused(torch.ones(2), torch.ones(2))
+        with torch.inference_mode():
+            fused(torch.ones(2), torch.ones(2))
+    assert len(collection.calls) == 2
+    assert compilation.start(collection).wait(60)
+    assert sorted(seen) == [(False, False, False), (True, False, False)]
