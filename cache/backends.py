@@ -37,8 +37,8 @@ INSTALL_HINTS = {
     "flashinfer": "on a CUDA machine: scripts/setup-env cuda in a checkout, else pip install 'stream-recon[cuda]'",
 }
 
-# factory(storage, layout, fuse, device) -> backend; fuse: a compiler of functions or None
-BackendFactory = Callable[[object, CacheLayout, Callable | None, torch.device], AttentionBackend]
+# factory(storage, layout, compile, device) -> backend
+BackendFactory = Callable[[object, CacheLayout, bool, torch.device], AttentionBackend]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,12 +61,12 @@ class BackendSpec:
 
 
 # -- factories (imports of optional packages happen only here, when a backend is built) --------
-def _sdpa(storage, layout, fuse, device):
+def _sdpa(storage, layout, compile, device):
     return SDPAPagedAttention(storage)
 
 
 def _flashinfer_paged(variant: str) -> BackendFactory:
-    def build(storage, layout, fuse, device):
+    def build(storage, layout, compile, device):
         from .flashinfer_backend import FlashInferPagedAttention
 
         return FlashInferPagedAttention(storage, variant=variant)
@@ -74,11 +74,11 @@ def _flashinfer_paged(variant: str) -> BackendFactory:
     return build
 
 
-def _dense_sdpa(storage, layout, fuse, device):
+def _dense_sdpa(storage, layout, compile, device):
     return DenseAttention(storage)
 
 
-def _dense_triton(storage, layout, fuse, device):
+def _dense_triton(storage, layout, compile, device):
     from .triton_attention import TritonRangeAttention
 
     # The schedule of a store with fewer window slots than its window is the full store's, so that it
@@ -87,14 +87,14 @@ def _dense_triton(storage, layout, fuse, device):
     return TritonRangeAttention(storage, schedule_keys=storage.capacity + unallocated * layout.patches_per_frame)
 
 
-def _dense_cudnn(storage, layout, fuse, device):
+def _dense_cudnn(storage, layout, compile, device):
     # cuDNN plans per key count: the patch keys take two counts once the window is full (with and
     # without the deferred frame), which go to it; the growing special keys go to flash.
     full = (layout.scale_frames + layout.window_frames) * layout.patches_per_frame
-    return SplitCudnnAttention(storage, (full, full + layout.patches_per_frame), fuse=fuse)
+    return SplitCudnnAttention(storage, (full, full + layout.patches_per_frame), compile=compile)
 
 
-def _dense_flashinfer(storage, layout, fuse, device):
+def _dense_flashinfer(storage, layout, compile, device):
     from .flashinfer_backend import FlashInferRangeAttention
 
     variant = "fa3" if torch.cuda.get_device_capability(device)[0] == 9 else "fa2"
@@ -200,15 +200,14 @@ def _auto_choice(device: torch.device, dtype: torch.dtype, stored: torch.dtype |
 
 
 def build(backend: BackendSpec, layout: CacheLayout, *, num_layers: int, num_heads: int, head_dim: int,
-          max_frames: int, dtype: torch.dtype, device: torch.device | str,
-          fuse: Callable[[Callable], Callable] | None = None, stored: torch.dtype | None = None) -> KVCache:
+          max_frames: int, dtype: torch.dtype, device: torch.device | str, compile: bool = False,
+          stored: torch.dtype | None = None) -> KVCache:
     """A cache of `backend`'s layout, its storage allocated, served by `backend`.
 
     max_frames: the most frames whose special tokens can be live at once (the model's temporal
     RoPE range, or a window's); the dense layout allocates for all of them up front, the paged one
     grows up to them and no further. dtype: the precision attention computes in; stored: the one
-    K/V are stored in (None: dtype; float8_e4m3fn: fp8, dense layout only). fuse: what compiles the
-    backend's small fixed-shape functions (e.g. torch.compile), or None to run them as written.
+    K/V are stored in (None: dtype; float8_e4m3fn: fp8, dense layout only).
     """
     device = torch.device(device)
     if stored not in (None, dtype) and not backend.reads_fp8:
@@ -216,7 +215,7 @@ def build(backend: BackendSpec, layout: CacheLayout, *, num_layers: int, num_hea
     if backend.layout == "dense":
         bookkeeping = DenseTwoStreamCache(layout, max_frames)
         storage = DenseKV(num_layers, num_heads, head_dim, bookkeeping.capacity_tokens, dtype, device, stored)
-        return DenseKVCache(bookkeeping, storage, backend.factory(storage, layout, fuse, device))
+        return DenseKVCache(bookkeeping, storage, backend.factory(storage, layout, compile, device))
     # On the CPU the pool starts with the scale frames' pages (and the pending frame's, and SPECIAL_PAGES_AT_START
     # for the special tokens) and grows as frames come, one layer's copy at a time: a short stream never holds a whole
     # window's pages (15 GB at the defaults). On a GPU it starts whole: a growth mid-stream is a stall.
@@ -224,7 +223,7 @@ def build(backend: BackendSpec, layout: CacheLayout, *, num_layers: int, num_hea
     pool = PagePool(first_pages + SPECIAL_PAGES_AT_START, max_pages=PagedTwoStreamCache.pages_needed(layout, max_frames))
     bookkeeping = PagedTwoStreamCache(layout, pool)
     storage = PagedKV(num_layers, num_heads, head_dim, layout.page_size, dtype, device, bookkeeping.pool.num_pages)
-    return PagedKVCache(bookkeeping, storage, backend.factory(storage, layout, fuse, device))
+    return PagedKVCache(bookkeeping, storage, backend.factory(storage, layout, compile, device))
 
 
 def cache_bytes(backend: BackendSpec, layout: CacheLayout, *, num_layers: int, num_heads: int, head_dim: int,

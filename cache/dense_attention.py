@@ -11,8 +11,6 @@ changes every frame. FlashInfer's ragged prefill (flashinfer_backend.py) reads t
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -154,16 +152,15 @@ class SplitCudnnAttention:
     name = "dense-cudnn"
 
     def __init__(self, kv: DenseKV, full_patch_tokens: tuple[int, ...], fixed_shape_kernel=None,
-                 any_shape_kernel=None, fuse: Callable[[Callable], Callable] | None = None):
+                 any_shape_kernel=None, compile: bool = False):
         """Kernels take q, k, v [1, H, *, D] and return (out [1, H, T, D], logsumexp); the defaults
         are cuDNN (fixed shapes) and PyTorch's flash kernel (any shape), both CUDA-only."""
         self.kv = kv
         self.full_patch_tokens = full_patch_tokens  # patch-token counts that take the fixed-shape kernel
         self.fixed_shape_kernel = fixed_shape_kernel or _cudnn_with_lse
         self.any_shape_kernel = any_shape_kernel or _flash_with_lse
-        # fuse (a compiler of functions, e.g. torch.compile): the merge's dozen elementwise kernels
-        # become one (its shapes are fixed per stream).
-        self.merge = fuse(merge_into_tokens) if fuse is not None else merge_into_tokens
+        # compile: the merge's dozen elementwise kernels become one (its shapes are fixed per stream).
+        self.merge = torch.compile(merge_into_tokens, dynamic=False) if compile else merge_into_tokens
         on_cuda = kv.device.type == "cuda"
         # The special keys' kernel runs on a side stream, beside the patch keys' kernel (CUDA).
         self.side_stream = torch.cuda.Stream(kv.device) if on_cuda else None

@@ -11,14 +11,12 @@ changes whenever the storage is re-allocated (a recorded graph is then stale).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 
 class TokenCache:
     def __init__(self, num_layers: int, num_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str, capacity: int = 64, fuse: Callable[[Callable], Callable] | None = None):
+                 device: torch.device | str, capacity: int = 64, compile: bool = False):
         self.num_layers = num_layers
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -28,9 +26,8 @@ class TokenCache:
         self.num_pending = 0
         self.version = 0
         self._start = torch.zeros((), dtype=torch.long, device=self.device)  # first pending position
-        # fuse (a compiler of functions, e.g. torch.compile): the masked attention's small kernels
-        # (its shapes are fixed) fused into a few.
-        self._attend = fuse(attend_over_capacity) if fuse is not None else attend_over_capacity
+        # compile: the masked attention's small kernels (its shapes are fixed) fused into a few.
+        self._attend = torch.compile(attend_over_capacity, dynamic=False) if compile else attend_over_capacity
         self._keys = [self._empty(capacity) for _ in range(num_layers)]  # [capacity, H, D] each
         self._values = [self._empty(capacity) for _ in range(num_layers)]
 

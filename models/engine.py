@@ -199,7 +199,7 @@ class StreamingEngine:
         if self.cache is None:  # no frame yet: same keys, nothing allocated
             return {"frames": 0, "keyframes": 0, "cached_frames": 0, "patch_frames": 0, "patch_pages_in_use": 0,
                     "special_pages_in_use": 0, "camera_tokens": 0, "cache_bytes": 0, "attention": None,
-                    "kv_cache": None, "cuda_graphs": False, "compiling_beside": False, "memory_plan": None}
+                    "kv_cache": None, "cuda_graphs": False, "memory_plan": None}
         return {
             "frames": self.num_frames,
             "keyframes": self.num_keyframes,
@@ -212,7 +212,6 @@ class StreamingEngine:
             "attention": self.cache.backend_name,
             "kv_cache": backends.precision_name(self.cache.store_dtype),
             "cuda_graphs": self.runner.records,
-            "compiling_beside": self.runner.compiling_beside,  # eager graphs until the compile beside them is done
             "memory_plan": self.memory_plan.to_dict() if self.memory_plan is not None else None,
         }
 
@@ -401,11 +400,10 @@ class StreamingEngine:
         rows, cols = c.grid(height, width)
         layout = CacheLayout(rows * cols, c.num_special_tokens, self.config.scale_frames, self.config.window,
                              window_slots=self.window_slots)
-        # The caches' small fixed-shape functions are compiled with the model's (and beside the stream with them).
-        fuse = self.model.compilation.fuse if self.model.inference_spec.compiled else None
+        compiled = self.model.inference_spec.compiled
         cache = backends.build(self.backend_spec, layout, num_layers=c.depth, num_heads=c.num_heads,
                                head_dim=c.head_dim, max_frames=self._cached_frames, dtype=self._kv_dtype,
-                               device=self.device, fuse=fuse, stored=self._kv_store_dtype)
+                               device=self.device, compile=compiled, stored=self._kv_store_dtype)
         camera = self.model.camera_head
         # On CUDA, room for every camera token the cache can hold: the storage never moves, so a
         # recorded CUDA graph stays valid for the whole stream. Elsewhere it grows.
@@ -413,7 +411,7 @@ class StreamingEngine:
         # The camera cache first: another thread (a spare engine's owner) may read `cache_bytes`
         # while a worker sets this engine up, and takes `cache is None` for "nothing yet".
         self.camera_cache = TokenCache(camera.num_cache_layers, c.camera_heads, c.head_in_dim // c.camera_heads,
-                                       torch.float32, self.device, capacity=capacity, fuse=fuse)
+                                       torch.float32, self.device, capacity=capacity, compile=compiled)
         self.cache = cache
         self.runner = choose_runner(self.model, self.cache, self.camera_cache, (height, width),
                                     self.config.scale_frames, cuda_graphs=self.config.cuda_graphs,

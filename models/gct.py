@@ -17,9 +17,9 @@ from .layers import CachedAttention
 from .loop_retrieval import gem_descriptor
 
 # The camera head's stream, one per thread and device (kept off the module so that it deep-copies):
-# a side stream joins the capture of the stream it waits for, so one shared with another thread would
-# take that thread's kernels into the capture (a spare engine steps on a worker thread while the stream
-# records its graphs again, once the compile beside it is done).
+# a side stream joins the capture of the stream it waits for, so one shared by two threads would take
+# one thread's kernels into the other's capture (a spare engine records its graphs on a worker thread
+# while the stream's thread goes on); measured on an H100: cudaErrorStreamCaptureUnjoined.
 _SIDE_STREAMS = threading.local()
 
 

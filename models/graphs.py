@@ -28,7 +28,6 @@ import torch
 
 from stream_recon.cache import DenseKVCache, DeviceValues
 
-from .compilation import CAPTURE_LOCK
 from .gct import GCTStream
 from .prepare import step_precision
 
@@ -136,7 +135,7 @@ class RecordedStep:
             self.pack(self._predict(layers, height, width))
             self.handoff = [torch.empty_like(layer) for layer in layers]
             stream.synchronize()
-            with _collector_paused(), CAPTURE_LOCK:
+            with _collector_paused():
                 self._capture(stream, height, width)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()

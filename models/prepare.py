@@ -14,9 +14,7 @@ order. What preparing does, and why each step belongs here rather than in the en
   (cache/triton_attention.py): cuDNN while a frame's tiles fit one wave, the Triton range kernel at
   three programs per SM past it (frames over 1,024 tokens);
 - channels-last DPT convolutions (cuDNN's NHWC kernels);
-- torch.compile of the blocks' halves and both heads' pure parts (CUDA), each a FusedFunction of
-  the model's `compilation` (models/compilation.py): compiled where first called, or, with
-  `compile_beside_stream`, on a thread of its own while the stream replays eager CUDA graphs.
+- torch.compile of the blocks' halves and both heads' pure parts (CUDA).
 
 The engine takes only prepared models (`inference_spec`), and refuses one prepared for another
 device or precision, so nothing downstream ever converts a model it was handed.
@@ -32,7 +30,6 @@ import torch
 from stream_recon.cache.backends import HALF_DTYPES
 from stream_recon.cache.packages import importable
 
-from .compilation import Compilation
 from .fused_gelu import fuse_mlp_gelu
 from .gct import GCTStream
 
@@ -45,9 +42,6 @@ class InferenceSpec:
     dtype: torch.dtype  # the transformer's (and DPT head's) precision; the camera head is float32
     compiled: bool  # blocks and heads fused by torch.compile
     half_camera_weights: bool  # the camera head's large layers read float16 weights
-    # compiled: the first streaming frames replay eager CUDA graphs while the compile runs on a
-    # thread beside them, instead of the stream waiting for it (models/compilation.py)
-    compiles_beside_stream: bool = False
 
     @property
     def half_precision(self) -> bool:
@@ -56,15 +50,11 @@ class InferenceSpec:
 
 def prepare_for_inference(model: GCTStream, device: str | torch.device | None = None,
                           dtype: torch.dtype = torch.float32, *, compile: bool | None = None,
-                          compile_beside_stream: bool = True, half_camera_weights: bool = True) -> GCTStream:
+                          half_camera_weights: bool = True) -> GCTStream:
     """A new GCTStream ready to stream on `device` in `dtype`, sharing no module with `model`.
 
     device: None keeps the model's. dtype: float32 anywhere; bf16/fp16 on CUDA only. compile:
-    None compiles on CUDA, never on the CPU. compile_beside_stream: a compiled model's streams begin
-    on eager CUDA graphs and switch to the compiled ones when a compile beside them is done (the
-    first frames come at once, a few percent slower); False: the first streaming frame waits for
-    the compile (6-15 s on an H100), and every frame after it is compiled (what benchmarks of the
-    compiled step and tests of its outputs want).
+    None compiles on CUDA (the first frames then take longer, later ones less), never on the CPU.
     half_camera_weights: on CUDA in bf16/fp16 with triton, store the camera head's large weights in
     float16 (its arithmetic stays float32). Weights that need no conversion are shared with
     `model` (no copy); nothing writes to them.
@@ -93,12 +83,11 @@ def prepare_for_inference(model: GCTStream, device: str | torch.device | None = 
         # cuDNN's NHWC convolutions: the DPT head's inputs are channels-last views already.
         prepared.depth_head.to(memory_format=torch.channels_last)
     compiled = on_cuda if compile is None else (compile and on_cuda)
-    prepared.compilation = Compilation()
     if compiled:
         compile_blocks(prepared)
         compile_depth_head(prepared)
         compile_camera_head(prepared)
-    prepared.inference_spec = InferenceSpec(device, dtype, compiled, half_camera, compiled and compile_beside_stream)
+    prepared.inference_spec = InferenceSpec(device, dtype, compiled, half_camera)
     return prepared
 
 
@@ -202,7 +191,7 @@ def compile_blocks(model: torch.nn.Module) -> int:
     dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for block in blocks:
-        _compile_methods(block, ("attention_inputs", "attention_outputs"), model.compilation)
+        _compile_methods(block, ("attention_inputs", "attention_outputs"))
     return len(blocks)
 
 
@@ -213,16 +202,16 @@ def compile_depth_head(model: torch.nn.Module) -> None:
     between them (full-resolution float32 tensors) become a few fused kernels. Measured on an H100
     at 518x378: 3.0 ms eager, 1.5 ms compiled with channels-last weights (docs/PERFORMANCE.md).
     """
-    _compile_methods(model.depth_head, ("decode",), model.compilation)
+    _compile_methods(model.depth_head, ("decode",))
 
 
 def compile_camera_head(model: torch.nn.Module) -> None:
     """Fuse the camera head's per-iteration conditioning and pose refinement (its trunk blocks are
     compiled by `compile_blocks`): fewer small kernels on the step's longest path, the camera head."""
-    _compile_methods(model.camera_head, ("condition", "refine"), model.compilation)
+    _compile_methods(model.camera_head, ("condition", "refine"))
 
 
-def _compile_methods(module: torch.nn.Module, names: tuple[str, ...], compilation: Compilation) -> None:
-    """Replace each named method of `module` (a freshly prepared one) by a FusedFunction of `compilation`."""
+def _compile_methods(module: torch.nn.Module, names: tuple[str, ...]) -> None:
+    """Replace each named method of `module` (a freshly prepared one) by its compiled version."""
     for name in names:
-        setattr(module, name, compilation.fuse(getattr(module, name)))
+        setattr(module, name, torch.compile(getattr(module, name), dynamic=False))

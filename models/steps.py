@@ -10,23 +10,14 @@ so that the next frame's embedding can run before the current frame's keyframe d
 `lag` is how many frames a runner leaves in flight: 0, or 1 when a frame's heads and host copy
 run on a second stream beside the next frame's blocks (pipelined). The engine picks one runner
 for the stream, once (`choose_runner`).
-
-A model compiled beside the stream (InferenceSpec.compiles_beside_stream) is recorded twice: its
-first streaming frame runs the functions as written (their arguments noted) and is recorded so,
-the compile starts on a thread of its own, and the first frame after it is done runs compiled and
-is recorded again (models/compilation.py).
 """
 
 from __future__ import annotations
-
-import contextlib
-import gc
 
 import torch
 
 from stream_recon.cache import KVCache, TokenCache
 
-from .compilation import Progress, eager_functions
 from .gct import GCTStream
 from .graphs import RecordedStep
 from .prepare import step_precision
@@ -56,16 +47,11 @@ class EagerRunner:
         """Whether streaming steps replay a recorded CUDA graph."""
         return False
 
-    @property
-    def compiling_beside(self) -> bool:
-        """Whether streaming steps replay eager graphs while the model compiles beside them."""
-        return False
-
     def run_scale_frames(self, images: torch.Tensor, time_index: int) -> Staged:
         """The scale frames [S, 3, H, W] together (stream indices from 0), eagerly and uncompiled: they
         run once per chunk, so compiling their shapes would only delay the first prediction (by tens
         of seconds on a fresh process) for little gain; the streaming shapes are the ones compiled."""
-        with eager_functions():
+        with torch.compiler.set_stance("force_eager"):
             self.begin(images, 0)
             return self.finish(time_index)
 
@@ -92,15 +78,12 @@ class EagerRunner:
         count = len(images)
         stream = torch.arange(stream_index, stream_index + count, device=self.device)
         time = torch.arange(time_index, time_index + count, device=self.device)
-        with self._step_context():
+        with torch.inference_mode(), self._autocast():
             return self.model.step(images, self.cache.step(self.cache.pending_slots()), self.camera_cache, stream, time,
                                    self.scale_frames, descriptors=self.descriptors)
 
-    @contextlib.contextmanager
-    def _step_context(self):
-        """Inference mode and the step's precision."""
-        with torch.inference_mode(), step_precision(self.device.type, self.autocast_dtype):
-            yield
+    def _autocast(self):
+        return step_precision(self.device.type, self.autocast_dtype)
 
 
 class GraphRunner(EagerRunner):
@@ -110,19 +93,12 @@ class GraphRunner(EagerRunner):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.recorded: RecordedStep | None = None
-        self.compile_progress: Progress | None = None  # the compile beside the stream its eager graphs wait for
 
     @property
     def records(self) -> bool:
         return self.recorded is not None
 
-    @property
-    def compiling_beside(self) -> bool:
-        return self.compile_progress is not None and not self.compile_progress.failed
-
     def begin(self, images: torch.Tensor, stream_index: int) -> None:
-        if self.compile_progress is not None and self.compile_progress.ready:
-            self._drop_recording()
         super().begin(images, stream_index)
         if self._replays(len(images)):
             self.recorded.load_frame(self._frame[0], stream_index)
@@ -131,9 +107,10 @@ class GraphRunner(EagerRunner):
     def finish(self, time_index: int) -> Staged:
         images, rgb, stream_index = self._frame
         if not self._replays(len(images)):
-            if len(images) != 1:
-                return super().finish(time_index)
-            return self._run_and_record(images, stream_index, time_index)
+            staged = super().finish(time_index)
+            if len(images) == 1:
+                self._record(images, stream_index, time_index)
+            return staged
         self._frame = None
         heads_stream = self._heads_stream()
         self._prepare(1, camera_stream=heads_stream)
@@ -142,31 +119,6 @@ class GraphRunner(EagerRunner):
         with torch.cuda.stream(heads_stream):
             packed = self.recorded.replay_heads()["packed"]
             return self.staging.send(packed, rgb, *self.image_size)
-
-    def _run_and_record(self, images: torch.Tensor, stream_index: int, time_index: int) -> Staged:
-        """A streaming frame eagerly, then recorded for the next frames. Compiled beside the stream:
-        the frame runs the functions as written, noting its calls, and is recorded compiled if every
-        call is compiled already, as written otherwise (until the compile it starts is done)."""
-        if not self.model.inference_spec.compiles_beside_stream:
-            staged = super().finish(time_index)
-            self._record(images, stream_index, time_index)
-            return staged
-        compilation = self.model.compilation
-        collection = compilation.collect()
-        with eager_functions(collect_into=collection):
-            staged = super().finish(time_index)
-        eager = not compilation.ready_for(collection)
-        with eager_functions() if eager else contextlib.nullcontext():
-            self._record(images, stream_index, time_index)
-        self.compile_progress = compilation.start(collection) if eager else None
-        return staged
-
-    def _drop_recording(self) -> None:
-        """The compile beside the stream is done: this frame runs compiled, eagerly, and is recorded
-        again. The device finishes the old graphs' last work first (their outputs are being read)."""
-        torch.cuda.synchronize(self.device)
-        self.recorded, self.compile_progress = None, None
-        gc.collect()  # the old graphs' memory pools, before the new recording takes its own
 
     def _heads_stream(self) -> torch.cuda.Stream | None:
         return None  # the heads run on the current stream, after the blocks

@@ -112,7 +112,7 @@ def run(args) -> dict:
     loaded, build_s = build_model(args.model)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     start = time.perf_counter()
-    model = prepare_for_inference(loaded, device, dtype, compile=not args.no_compile, compile_beside_stream=False,
+    model = prepare_for_inference(loaded, device, dtype, compile=not args.no_compile,
                                   half_camera_weights=not args.fp32_camera_weights)
     build_s += time.perf_counter() - start
     del loaded

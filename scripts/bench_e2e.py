@@ -111,7 +111,6 @@ class Deliveries:
     chunks: list[int] = field(default_factory=list)
     rollovers: list[int] = field(default_factory=list)  # engine's rollover count at each emission
     provisional: list[bool] = field(default_factory=list)  # a closed chunk's emission, emitted again later
-    compiling: list[bool] = field(default_factory=list)  # eager graphs while the model compiles beside them
     rss: list[int] = field(default_factory=list)
 
 
@@ -130,7 +129,6 @@ class DeliveryRecorder:
         d.chunks.append(int(getattr(pred, "chunk_index", 0)))
         d.rollovers.append(int(stats.get("rollovers") or 0))
         d.provisional.append(bool(getattr(pred, "provisional", False)))
-        d.compiling.append(bool(stats.get("compiling_beside")))
         if len(d.frames) % 25 == 1:
             d.rss.append(rss_bytes())
 
@@ -321,18 +319,10 @@ def rollover_regions(d: Deliveries, overlap: int) -> list[tuple[int, int]]:
     return regions
 
 
-def compiled_from(d: Deliveries) -> int | None:
-    """The first frame delivered after the stream's switch to compiled graphs (None: no compile beside it)."""
-    if not any(d.compiling):
-        return None
-    last = max(position for position, compiling in enumerate(d.compiling) if compiling)
-    return d.frames[last + 1] if last + 1 < len(d.frames) else None
-
-
 def warm_up_stats(d: Deliveries, started: float) -> dict[str, Any]:
     """The start of a run as a user sees it: the longest interval between new frames from the first
-    prediction on (compilation, graph recording and rollovers included), when the 100th frame came
-    (from `started`), and where the stream switched to compiled graphs."""
+    prediction on (compilation, graph recording and rollovers included), and when the 100th frame
+    came (from `started`)."""
     first_seen: dict[int, float] = {}
     for frame, at in zip(d.frames, d.times, strict=True):
         first_seen.setdefault(frame, at)
@@ -344,7 +334,6 @@ def warm_up_stats(d: Deliveries, started: float) -> dict[str, Any]:
         "longest_interval_after_first_prediction_frame": longest[1],
         "prediction_100_s": times[99] - started if len(times) >= 100 else float("nan"),
         "prediction_100_at": times[99] if len(times) >= 100 else float("nan"),
-        "compiled_from_frame": compiled_from(d),
     }
 
 
@@ -409,14 +398,7 @@ def build_model(args: argparse.Namespace, options: Any, device: str) -> tuple[An
         from bench import build_model as build_synthetic  # scripts/bench.py: the same model, same weights
 
         model, _ = build_synthetic(args.model)
-        if args.compile_first:  # the stream's first frame waits for the compile instead
-            from stream_recon.app.options import resolve_dtype
-            from stream_recon.models import prepare_for_inference
-
-            model = prepare_for_inference(model, device, resolve_dtype(options.dtype, device), compile=options.compile,
-                                          compile_beside_stream=False)
-        else:
-            model = prepared_for_run(model, options, device)
+        model = prepared_for_run(model, options, device)
     return model, time.perf_counter() - start
 
 
@@ -507,8 +489,7 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
         "run_s": ended - started,
         "first_prediction_s": d.times[0] - started - client_wait_s if d.times else float("nan"),
         "first_prediction_at": d.times[0] - client_wait_s if d.times else float("nan"),
-        # steady: once the window is full and the compile beside the stream is done
-        **interval_stats(d, max(steady_from(options), compiled_from(d) or 0), options.overlap),
+        **interval_stats(d, steady_from(options), options.overlap),
         **warm_up_stats(d, started),
         "main_thread_outside_engine_ms_p50": percentile(outside, 50),
         "main_thread_outside_engine_ms_mean": float(np.mean(outside)) if outside else float("nan"),
@@ -640,8 +621,6 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--compile-first", action="store_true",
-                        help="synthetic weights: the first streaming frame waits for the compile (not beside the stream)")
     parser.add_argument("--image-width", type=int, default=518, help="model input width")
     parser.add_argument("--scale", type=int, default=8)
     parser.add_argument("--window", type=int, default=64)
@@ -825,7 +804,6 @@ def print_table(result: dict[str, Any]) -> None:
         ("longest interval after the first prediction ms (frame)",
          f"{result['longest_interval_after_first_prediction_ms']:.1f} "
          f"({result['longest_interval_after_first_prediction_frame']})"),
-        ("compiled graphs from frame", result.get("compiled_from_frame")),
         ("whole run FPS (run.json)", f"{result.get('run_json_fps') or float('nan'):.2f}"),
         ("model load s", f"{result['model_load_s']:.1f}"),
         ("host RSS GB (peak)", f"{result['host_rss_gb']:.2f} ({result['peak_host_rss_gb']:.2f})"),

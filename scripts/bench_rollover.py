@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("--overlap", type=int, default=16)
     args = parser.parse_args()
     loaded, _ = build_model("lingbot-map")
-    model = prepare_for_inference(loaded, "cuda", torch.bfloat16, compile_beside_stream=False)
+    model = prepare_for_inference(loaded, "cuda", torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
     frames = [(255 * torch.rand(3, 378, 518, generator=generator)).to(torch.uint8) for _ in range(args.frames)]
     run(model, frames[:100], args, False)  # compile and warm up

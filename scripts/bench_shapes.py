@@ -72,7 +72,7 @@ def parse_heights(text: str) -> list[int]:
 def prepared_model():
     torch.backends.cuda.matmul.allow_tf32 = True
     loaded, _ = build_model("lingbot-map")
-    return prepare_for_inference(loaded, "cuda", torch.bfloat16, compile=True, compile_beside_stream=False)
+    return prepare_for_inference(loaded, "cuda", torch.bfloat16, compile=True)
 
 
 def new_engine(model) -> StreamingEngine:

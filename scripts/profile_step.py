@@ -30,7 +30,7 @@ from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_infer
 def profile_stream(args) -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     loaded, _ = build_model("lingbot-map")
-    model = prepare_for_inference(loaded, "cuda", torch.bfloat16, compile=not args.no_compile, compile_beside_stream=False)
+    model = prepare_for_inference(loaded, "cuda", torch.bfloat16, compile=not args.no_compile)
     # Synchronous steps: each frame's kernels in launch order, not interleaved with the next frame's.
     engine = StreamingEngine(model, StreamConfig(scale_frames=8, window=64, attention=args.attention, pipeline=False))
     frames = [torch.rand(3, args.height, args.width, device="cuda") for _ in range(4)]

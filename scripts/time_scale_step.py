@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=518)
     args = parser.parse_args()
     loaded, _ = build_model("lingbot-map")
-    model = prepare_for_inference(loaded, "cuda", torch.bfloat16, compile_beside_stream=False)
+    model = prepare_for_inference(loaded, "cuda", torch.bfloat16)
     engine = StreamingEngine(model, StreamConfig(scale_frames=8, window=64))
     frames = [torch.randint(0, 256, (3, args.height, args.width), dtype=torch.uint8) for _ in range(8)]
     engine.push(frames[0])  # sets the engine up

@@ -28,7 +28,7 @@ def stream(model, dtype, attention, compile=False, **options):
     (float32, CPU) `model`, which stays as it is."""
     from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
 
-    prepared = prepare_for_inference(model, "cuda", dtype, compile=compile, compile_beside_stream=False)
+    prepared = prepare_for_inference(model, "cuda", dtype, compile=compile)
     engine = StreamingEngine(prepared, StreamConfig(scale_frames=3, window=4, attention=attention, **options))
     predictions = []
     for frame in golden_frames():
@@ -49,7 +49,7 @@ def long_stream_tiny_model():
     from stream_recon.models import ModelConfig, prepare_for_inference
 
     config = ModelConfig.from_dict({**ModelConfig.tiny().to_dict(), "max_frames": 2100})
-    return prepare_for_inference(build_tiny_model(config), "cuda", torch.bfloat16, compile_beside_stream=False)
+    return prepare_for_inference(build_tiny_model(config), "cuda", torch.bfloat16)
 
 
 KEYS = ("pose_enc", "depth", "depth_conf", "c2w")

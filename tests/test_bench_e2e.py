@@ -105,12 +105,12 @@ def test_a_rollover_region_runs_from_the_overlap_before_it_to_past_the_provision
     assert stats["re_emissions"] == 3
 
 
-def test_the_warm_up_counts_new_frames_from_the_first_prediction_and_finds_the_compiled_switch() -> None:
+def test_the_warm_up_counts_new_frames_from_the_first_prediction() -> None:
     sys.path.insert(0, str(REPO / "scripts"))
     from bench_e2e import Deliveries, warm_up_stats
 
-    # Scale frames 0-3 together at 2 s, then a frame each 30 ms on eager graphs until frame 40, a 400 ms
-    # switch to compiled graphs before frame 41, then 25 ms; frame 60 emitted twice (the second later).
+    # Scale frames 0-3 together at 2 s, then a frame each 30 ms until frame 40, 400 ms before frame 41
+    # (a compile, say), then 25 ms; frame 60 emitted twice (the second later).
     d = Deliveries()
     clock = 2.0
     for frame in range(150):
@@ -118,14 +118,11 @@ def test_the_warm_up_counts_new_frames_from_the_first_prediction_and_finds_the_c
             clock += 0.4 if frame == 41 else 0.030 if frame <= 40 else 0.025
         d.times.append(clock)
         d.frames.append(frame)
-        d.compiling.append(frame <= 40)
         if frame == 60:
             d.times.append(clock + 1.5)
             d.frames.append(60)
-            d.compiling.append(False)
     stats = warm_up_stats(d, started=0.5)
     assert round(stats["longest_interval_after_first_prediction_ms"]) == 400
     assert stats["longest_interval_after_first_prediction_frame"] == 41
-    assert stats["compiled_from_frame"] == 41
     expected_100th = 2.0 + 37 * 0.030 + 0.4 + 58 * 0.025  # frame 99's first emission
     assert abs(stats["prediction_100_s"] - (expected_100th - 0.5)) < 1e-9

@@ -106,7 +106,7 @@ def test_pipelined_push_returns_the_previous_frame_and_finish_the_last():
         prepare_for_inference,
     )
 
-    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16, compile_beside_stream=False)
+    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
     engine = StreamingEngine(model, StreamConfig(scale_frames=2, window=3, pipeline=True))
     frames = [torch.rand(3, 126, 224, device="cuda") for _ in range(8)]
     returned = [[p.frame_index for p in engine.push(frame)] for frame in frames]
@@ -121,7 +121,7 @@ def test_chunk_rollovers_with_pipelining_emit_what_they_emit_without():
     from stream_recon.models import StreamConfig, prepare_for_inference
     from stream_recon.models.chunked import ChunkedEngine
 
-    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16, compile_beside_stream=False)
+    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
     frames = [torch.rand(3, 126, 224, generator=generator).cuda() for _ in range(40)]
     runs = {}
@@ -144,7 +144,7 @@ def test_descriptors_from_recorded_pipelined_steps_equal_the_eager_ones_and_chan
     embedding overwrites before the heads run (pipelined, flow): it must still be the frame's own."""
     from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
 
-    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16, compile_beside_stream=False)
+    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
     generator = torch.Generator().manual_seed(1)
     frames = [torch.rand(3, 126, 224, generator=generator).cuda() for _ in range(12)]
 
@@ -272,7 +272,7 @@ def test_a_spare_engine_on_its_own_stream_ends_with_what_rollovers_in_place_emit
     from stream_recon.models import StreamConfig, chunked, prepare_for_inference
     from stream_recon.models.chunked import ChunkedEngine
 
-    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16, compile_beside_stream=False)
+    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
     window, chunk_frames, count = (10, 20, 90) if small_spare else (4, 14, 60)
     frames = [(255 * torch.rand(3, 126, 224, generator=generator)).to(torch.uint8) for _ in range(count)]
@@ -313,7 +313,7 @@ def test_lookahead_is_on_by_default_on_cuda_when_a_second_cache_fits():
     from stream_recon.models import StreamConfig, prepare_for_inference
     from stream_recon.models.chunked import ChunkedEngine
 
-    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16, compile_beside_stream=False)
+    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
     from stream_recon.models.memory import estimate_memory
 
     frames = [torch.zeros(3, 126, 224, dtype=torch.uint8) for _ in range(5)]
@@ -335,7 +335,7 @@ def test_a_spare_that_does_not_fit_with_its_whole_provisional_room_gets_a_smalle
     from stream_recon.models.chunked import ChunkedEngine
     from stream_recon.models.memory import estimate_memory
 
-    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16, compile_beside_stream=False)
+    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
     frames = [torch.zeros(3, 126, 224, dtype=torch.uint8) for _ in range(5)]
     config = StreamConfig(scale_frames=2, window=16, max_cached_frames=41)
     one = estimate_memory(model, config, (126, 224))
@@ -352,40 +352,3 @@ def test_a_spare_that_does_not_fit_with_its_whole_provisional_room_gets_a_smalle
         assert engine._rollover.spare.engine.cache.layout.allocated_window_slots == 13
     finally:
         engine.close()
-
-
-def test_a_model_compiled_beside_the_stream_starts_on_eager_graphs_and_switches_without_compiling_there(gpu_model):
-    """The default preparation: the first streaming frame records graphs of the functions as written
-    (bit for bit an uncompiled model's), the compile runs on a thread of its own, and the first frame
-    after it records compiled graphs, Dynamo finding everything compiled; the stream agrees with the
-    official outputs throughout."""
-    from torch._dynamo.utils import counters
-
-    from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
-
-    frames = [frame.cuda() for frame in golden_frames()]
-    config = StreamConfig(scale_frames=3, window=4)
-    uncompiled = StreamingEngine(prepare_for_inference(gpu_model, "cuda", torch.bfloat16, compile=False), config)
-    reference = [p for frame in frames for p in uncompiled.push(frame)] + uncompiled.finish()
-
-    engine = StreamingEngine(prepare_for_inference(gpu_model, "cuda", torch.bfloat16), config)
-    assert engine.model.inference_spec.compiles_beside_stream
-    emitted = [p for frame in frames[:4] for p in engine.push(frame)]  # the scale frames, the first streaming one
-    assert engine.stats()["cuda_graphs"] and engine.stats()["compiling_beside"]
-    started = time.perf_counter()
-    assert engine.runner.compile_progress.wait(900)
-    print(f"compiled beside the stream in {engine.runner.compile_progress.seconds:.1f} s "
-          f"(waited {time.perf_counter() - started:.1f} s)")
-    graphs = counters["stats"]["unique_graphs"]
-    emitted += [p for frame in frames[4:] for p in engine.push(frame)] + engine.finish()
-    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled on the stream's thread
-    assert engine.stats()["cuda_graphs"] and not engine.stats()["compiling_beside"]
-
-    assert [p.frame_index for p in emitted] == [p.frame_index for p in reference] == list(range(len(frames)))
-    for ours, theirs in zip(emitted[:4], reference[:4], strict=True):  # before the switch
-        np.testing.assert_array_equal(ours.depth, theirs.depth)
-        np.testing.assert_array_equal(ours.c2w, theirs.c2w)
-    golden = np.load(GOLDEN / "all_keyframes" / "outputs.npz")
-    measured = errors(emitted, golden)
-    print(f"compiled beside the stream vs golden {measured}")
-    assert all(measured[key] <= BF16_TOLERANCE[key] for key in measured), measured

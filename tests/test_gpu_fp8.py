@@ -141,7 +141,7 @@ def test_budget_run_peaks_within_its_plan(gpu_model):
                                   "its own (pytest tests/test_gpu_fp8.py -k budget)")
     torch.cuda.set_per_process_memory_fraction(budget / total)
     try:
-        model = prepare_for_inference(gpu_model, "cuda", torch.bfloat16, compile_beside_stream=False)
+        model = prepare_for_inference(gpu_model, "cuda", torch.bfloat16)
         engine = StreamingEngine(model, StreamConfig(scale_frames=8, window=64, gpu_memory=budget,
                                                      max_cached_frames=321))  # as windowed streaming sets it
         generator = torch.Generator().manual_seed(0)
