@@ -16,11 +16,18 @@ from .dpt_head import DPTHead
 from .layers import CachedAttention
 from .loop_retrieval import gem_descriptor
 
-# The camera head's stream, one per thread and device (kept off the module so that it deep-copies):
-# a side stream joins the capture of the stream it waits for, so one shared by two threads would take
-# one thread's kernels into the other's capture (a spare engine records its graphs on a worker thread
-# while the stream's thread goes on); measured on an H100: cudaErrorStreamCaptureUnjoined.
-_SIDE_STREAMS = threading.local()
+
+class _SideStreams(threading.local):
+    """The camera head's stream, one per thread and device (kept off the module so that it
+    deep-copies): a side stream joins the capture of the stream it waits for, so one shared by two
+    threads would take one thread's kernels into the other's capture (cudaErrorStreamCaptureUnjoined
+    on an H100, with one thread recording graphs while another stepped eagerly)."""
+
+    def __init__(self):
+        self.by_device: dict[torch.device, torch.cuda.Stream] = {}
+
+
+_SIDE_STREAMS = _SideStreams()
 
 
 class GCTStream(nn.Module):
@@ -40,7 +47,7 @@ class GCTStream(nn.Module):
         side = None
         if on_cuda:
             device = torch.cuda.current_stream().device
-            streams = _SIDE_STREAMS.__dict__.setdefault("by_device", {})
+            streams = _SIDE_STREAMS.by_device
             if device not in streams:
                 # High priority: the camera head is the longer of the two, so its kernels go first.
                 streams[device] = torch.cuda.Stream(device, priority=-1)
