@@ -319,15 +319,22 @@ def rollover_regions(d: Deliveries, overlap: int) -> list[tuple[int, int]]:
     return regions
 
 
+def first_emissions(d: Deliveries) -> list[tuple[int, int]]:
+    """(frame, position of its first delivery) for every frame delivered, in frame order."""
+    first_seen: dict[int, int] = {}
+    for position, frame in enumerate(d.frames):
+        first_seen.setdefault(frame, position)
+    return sorted(first_seen.items())
+
+
 def warm_up_stats(d: Deliveries, started: float) -> dict[str, Any]:
     """The start of a run as a user sees it: the longest interval between new frames from the first
     prediction on (compilation, graph recording and rollovers included), and when the 100th frame
     came (from `started`)."""
-    first_seen: dict[int, float] = {}
-    for frame, at in zip(d.frames, d.times, strict=True):
-        first_seen.setdefault(frame, at)
-    times = [first_seen[frame] for frame in sorted(first_seen)]
-    intervals = [(1000 * (b - a), frame) for frame, (a, b) in enumerate(zip(times, times[1:], strict=False), 1)]
+    new = first_emissions(d)
+    times = [d.times[position] for _, position in new]
+    intervals = [(1000 * (after - before), frame)
+                 for (frame, _), before, after in zip(new[1:], times, times[1:], strict=False)]
     longest = max(intervals, default=(float("nan"), None))
     return {
         "longest_interval_after_first_prediction_ms": longest[0],
@@ -340,10 +347,7 @@ def warm_up_stats(d: Deliveries, started: float) -> dict[str, Any]:
 def interval_stats(d: Deliveries, steady_from: int, overlap: int) -> dict[str, Any]:
     """Intervals between first emissions of consecutive new frames, from frame `steady_from` on."""
     times, frames, chunks, rollovers = d.times, d.frames, d.chunks, d.rollovers
-    first_seen: dict[int, int] = {}
-    for position, frame in enumerate(frames):
-        first_seen.setdefault(frame, position)
-    new = sorted(first_seen.items())  # (frame, position) in frame order
+    new = first_emissions(d)
     steady = [(frame, pos) for frame, pos in new if frame >= steady_from]
     intervals = []  # (ms, frame it ended with, a rollover happened in it)
     for (_, before), (frame, after) in zip(steady, steady[1:], strict=False):
@@ -379,7 +383,7 @@ def interval_stats(d: Deliveries, steady_from: int, overlap: int) -> dict[str, A
         # the loop-closure acceptance's bound: no frame interval above twice the median
         "over_2x_median": [{"ms": round(value, 1), "frame": frame, "rollover": rolled}
                            for value, frame, rolled in intervals if value > 2 * p50][:50],
-        "re_emissions": len(frames) - len(first_seen),
+        "re_emissions": len(frames) - len(new),
     }
 
 
