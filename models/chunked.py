@@ -384,11 +384,10 @@ class ChunkedEngine:
             unused = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             room = free + unused - WORKSPACE_BYTES
         fitting = provisional_room_that_fits(spare_bytes, room, self._provisional_room)
+        shown = smallest_provisional_room(self._provisional_room) if fitting is None else fitting
         logger.info("next chunk ahead of rollovers: %s (a second engine's cache, graphs and activations: %s; "
                     "room %s)", "off, rollovers pause the stream" if fitting is None else
-                    f"on, {fitting} provisional frames",
-                    format_bytes(spare_bytes(min(self._provisional_room, MIN_PROVISIONAL) if fitting is None else fitting)),
-                    format_bytes(max(room, 0)))
+                    f"on, {fitting} provisional frames", format_bytes(spare_bytes(shown)), format_bytes(max(room, 0)))
         if fitting is None:
             return False
         self._provisional_room = fitting
@@ -400,9 +399,14 @@ def provisional_room_that_fits(spare_bytes: Callable[[int], int], available: int
     MIN_PROVISIONAL (or `asked`, if smaller), whose spare (`spare_bytes(room)` bytes) fits in
     `available` bytes; None when none does. A smaller room is a smaller spare cache: the stream waits
     for the spare sooner at a long catch-up, which still beats a rollover in place."""
-    smallest = min(asked, MIN_PROVISIONAL)
+    smallest = smallest_provisional_room(asked)
     rooms = [*range(asked, smallest, -PROVISIONAL_ROOM_STEP), smallest]
     return next((room for room in rooms if spare_bytes(room) <= available), None)
+
+
+def smallest_provisional_room(asked: int) -> int:
+    """The smallest room `provisional_room_that_fits` tries: MIN_PROVISIONAL, or `asked` if smaller."""
+    return min(asked, MIN_PROVISIONAL)
 
 
 def check_chunking(chunk_frames: int, overlap: int, scale_frames: int, max_frames: int) -> None:

@@ -80,8 +80,9 @@ class MemoryEstimate:
     @property
     def another_engine(self) -> int:
         """What this engine adds beside another over the same model (a chunk's spare, models/lookahead.py,
-        estimated with its window slots): all but the shared weights and workspace. Its activations count too: it steps on a stream
-        of its own, whose memory the allocator does not share with the first engine's."""
+        estimated with its window slots): all but the shared weights and workspace. Its activations
+        count too: it steps on a stream of its own, whose memory the allocator does not share with the
+        first engine's."""
         return self.total - self.weights - self.workspace
 
     def to_dict(self) -> dict[str, int]:
