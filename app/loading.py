@@ -101,11 +101,13 @@ def prepared_for_run(model: Any, options: RunOptions, device: str) -> Any:
     """`model` made ready for this run's device and precision: a new model (`model` is left as it is),
     or a model prepared already, as it is."""
     from stream_recon.models import prepare_for_inference
+    from stream_recon.models.compilation import artefacts_dir
 
     if getattr(model, "inference_spec", None) is not None:
         return model
     try:
-        return prepare_for_inference(model, device, resolve_dtype(options.dtype, device), compile=options.compile)
+        return prepare_for_inference(model, device, resolve_dtype(options.dtype, device), compile=options.compile,
+                                     artefacts=artefacts_dir())
     except ValueError as error:
         raise OptionsError(str(error)) from None
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from . import fp8
+from .compiling import Compile
 from .dense import DenseTwoStreamCache
 from .dense_attention import DenseAttention, DenseKV, SplitCudnnAttention
 from .kv_cache import AttentionBackend, DenseKVCache, KVCache, PagedKVCache
@@ -200,14 +201,15 @@ def _auto_choice(device: torch.device, dtype: torch.dtype, stored: torch.dtype |
 
 
 def build(backend: BackendSpec, layout: CacheLayout, *, num_layers: int, num_heads: int, head_dim: int,
-          max_frames: int, dtype: torch.dtype, device: torch.device | str, compile: bool = False,
+          max_frames: int, dtype: torch.dtype, device: torch.device | str, compile: Compile = False,
           stored: torch.dtype | None = None) -> KVCache:
     """A cache of `backend`'s layout, its storage allocated, served by `backend`.
 
     max_frames: the most frames whose special tokens can be live at once (the model's temporal
     RoPE range, or a window's); the dense layout allocates for all of them up front, the paged one
     grows up to them and no further. dtype: the precision attention computes in; stored: the one
-    K/V are stored in (None: dtype; float8_e4m3fn: fp8, dense layout only).
+    K/V are stored in (None: dtype; float8_e4m3fn: fp8, dense layout only). compile: how the
+    backend's small fixed-shape helpers are compiled (cache/compiling.py).
     """
     device = torch.device(device)
     if stored not in (None, dtype) and not backend.reads_fp8:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import fp8
+from .compiling import Compile, compiled
 from .dense import DenseTwoStreamCache, SlotMove, VisibleRange
 from .packages import importable
 from .streams import run_beside
@@ -152,7 +153,7 @@ class SplitCudnnAttention:
     name = "dense-cudnn"
 
     def __init__(self, kv: DenseKV, full_patch_tokens: tuple[int, ...], fixed_shape_kernel=None,
-                 any_shape_kernel=None, compile: bool = False):
+                 any_shape_kernel=None, compile: Compile = False):
         """Kernels take q, k, v [1, H, *, D] and return (out [1, H, T, D], logsumexp); the defaults
         are cuDNN (fixed shapes) and PyTorch's flash kernel (any shape), both CUDA-only."""
         self.kv = kv
@@ -160,7 +161,7 @@ class SplitCudnnAttention:
         self.fixed_shape_kernel = fixed_shape_kernel or _cudnn_with_lse
         self.any_shape_kernel = any_shape_kernel or _flash_with_lse
         # compile: the merge's dozen elementwise kernels become one (its shapes are fixed per stream).
-        self.merge = torch.compile(merge_into_tokens, dynamic=False) if compile else merge_into_tokens
+        self.merge = compiled(merge_into_tokens, compile)
         on_cuda = kv.device.type == "cuda"
         # The special keys' kernel runs on a side stream, beside the patch keys' kernel (CUDA).
         self.side_stream = torch.cuda.Stream(kv.device) if on_cuda else None

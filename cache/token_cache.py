@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from .compiling import Compile, compiled
+
 
 class TokenCache:
     def __init__(self, num_layers: int, num_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str, capacity: int = 64, compile: bool = False):
+                 device: torch.device | str, capacity: int = 64, compile: Compile = False):
         self.num_layers = num_layers
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -27,7 +29,7 @@ class TokenCache:
         self.version = 0
         self._start = torch.zeros((), dtype=torch.long, device=self.device)  # first pending position
         # compile: the masked attention's small kernels (its shapes are fixed) fused into a few.
-        self._attend = torch.compile(attend_over_capacity, dynamic=False) if compile else attend_over_capacity
+        self._attend = compiled(attend_over_capacity, compile)
         self._keys = [self._empty(capacity) for _ in range(num_layers)]  # [capacity, H, D] each
         self._values = [self._empty(capacity) for _ in range(num_layers)]
 

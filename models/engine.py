@@ -199,7 +199,7 @@ class StreamingEngine:
         if self.cache is None:  # no frame yet: same keys, nothing allocated
             return {"frames": 0, "keyframes": 0, "cached_frames": 0, "patch_frames": 0, "patch_pages_in_use": 0,
                     "special_pages_in_use": 0, "camera_tokens": 0, "cache_bytes": 0, "attention": None,
-                    "kv_cache": None, "cuda_graphs": False, "memory_plan": None}
+                    "kv_cache": None, "cuda_graphs": False, "memory_plan": None, "compiled_code": self._compiled_code()}
         return {
             "frames": self.num_frames,
             "keyframes": self.num_keyframes,
@@ -213,7 +213,20 @@ class StreamingEngine:
             "kv_cache": backends.precision_name(self.cache.store_dtype),
             "cuda_graphs": self.runner.records,
             "memory_plan": self.memory_plan.to_dict() if self.memory_plan is not None else None,
+            "compiled_code": self._compiled_code(),
         }
+
+    def _cache_compiler(self):
+        """How the caches compile their helpers: with the model's kept artefacts where it has them,
+        else as the model was prepared (torch.compile where called, or not at all)."""
+        methods = getattr(self.model, "compiled_methods", None)
+        return methods.compile if methods is not None else self.model.inference_spec.compiled
+
+    def _compiled_code(self) -> dict[str, float] | None:
+        """Compiled calls loaded from kept artefacts and compiled by this process (models/compilation.py);
+        None where the model compiles where called, or not at all."""
+        methods = getattr(self.model, "compiled_methods", None)
+        return None if methods is None else {**methods.counts(), "seconds": round(methods.seconds(), 3)}
 
     # -- phases ----------------------------------------------------------------------------
     def _run_scale_frames(self) -> list[FramePrediction]:
@@ -400,7 +413,7 @@ class StreamingEngine:
         rows, cols = c.grid(height, width)
         layout = CacheLayout(rows * cols, c.num_special_tokens, self.config.scale_frames, self.config.window,
                              window_slots=self.window_slots)
-        compiled = self.model.inference_spec.compiled
+        compiled = self._cache_compiler()
         cache = backends.build(self.backend_spec, layout, num_layers=c.depth, num_heads=c.num_heads,
                                head_dim=c.head_dim, max_frames=self._cached_frames, dtype=self._kv_dtype,
                                device=self.device, compile=compiled, stored=self._kv_store_dtype)

@@ -14,7 +14,8 @@ order. What preparing does, and why each step belongs here rather than in the en
   (cache/triton_attention.py): cuDNN while a frame's tiles fit one wave, the Triton range kernel at
   three programs per SM past it (frames over 1,024 tokens);
 - channels-last DPT convolutions (cuDNN's NHWC kernels);
-- torch.compile of the blocks' halves and both heads' pure parts (CUDA).
+- torch.compile of the blocks' halves and both heads' pure parts (CUDA), each call signature
+  compiled once and kept under an artefact folder when one is given (models/compilation.py).
 
 The engine takes only prepared models (`inference_spec`), and refuses one prepared for another
 device or precision, so nothing downstream ever converts a model it was handed.
@@ -24,12 +25,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from stream_recon.cache.backends import HALF_DTYPES
 from stream_recon.cache.packages import importable
 
+from .compilation import CompiledMethods
 from .fused_gelu import fuse_mlp_gelu
 from .gct import GCTStream
 
@@ -50,11 +53,13 @@ class InferenceSpec:
 
 def prepare_for_inference(model: GCTStream, device: str | torch.device | None = None,
                           dtype: torch.dtype = torch.float32, *, compile: bool | None = None,
-                          half_camera_weights: bool = True) -> GCTStream:
+                          half_camera_weights: bool = True, artefacts: str | Path | None = None) -> GCTStream:
     """A new GCTStream ready to stream on `device` in `dtype`, sharing no module with `model`.
 
     device: None keeps the model's. dtype: float32 anywhere; bf16/fp16 on CUDA only. compile:
     None compiles on CUDA (the first frames then take longer, later ones less), never on the CPU.
+    artefacts: a folder where the compiled code is kept, so that a later run of the same input size
+    loads it instead of compiling (models/compilation.py); None: compiled in memory, where called.
     half_camera_weights: on CUDA in bf16/fp16 with triton, store the camera head's large weights in
     float16 (its arithmetic stays float32). Weights that need no conversion are shared with
     `model` (no copy); nothing writes to them.
@@ -83,10 +88,13 @@ def prepare_for_inference(model: GCTStream, device: str | torch.device | None = 
         # cuDNN's NHWC convolutions: the DPT head's inputs are channels-last views already.
         prepared.depth_head.to(memory_format=torch.channels_last)
     compiled = on_cuda if compile is None else (compile and on_cuda)
+    prepared.compiled_methods = None
     if compiled:
-        compile_blocks(prepared)
-        compile_depth_head(prepared)
-        compile_camera_head(prepared)
+        methods = CompiledMethods(artefacts, device) if artefacts is not None else None
+        compile_blocks(prepared, methods)
+        compile_depth_head(prepared, methods)
+        compile_camera_head(prepared, methods)
+        prepared.compiled_methods = methods
     prepared.inference_spec = InferenceSpec(device, dtype, compiled, half_camera)
     return prepared
 
@@ -177,11 +185,12 @@ def use_range_kernel_for_frames(module: torch.nn.Module) -> int:
 
 
 # -- torch.compile ---------------------------------------------------------------------------------
-def compile_blocks(model: torch.nn.Module) -> int:
+def compile_blocks(model: torch.nn.Module, methods: CompiledMethods | None = None) -> int:
     """Fuse the two halves of every transformer block (around its attention) with TorchInductor.
 
     The blocks of one kind share one compiled graph (modules are inputs, not constants), and the
     attention call between the halves stays eager, so any cache backend still serves it.
+    `methods`: compiled ahead of time and kept there (None: torch.compile where first called).
     Returns the number of blocks compiled.
     """
     from .layers import Block
@@ -191,27 +200,30 @@ def compile_blocks(model: torch.nn.Module) -> int:
     dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for block in blocks:
-        _compile_methods(block, ("attention_inputs", "attention_outputs"))
+        _compile_methods(block, ("attention_inputs", "attention_outputs"), methods)
     return len(blocks)
 
 
-def compile_depth_head(model: torch.nn.Module) -> None:
+def compile_depth_head(model: torch.nn.Module, methods: CompiledMethods | None = None) -> None:
     """Fuse the DPT head's convolutional part (`DPTHead.decode`) with TorchInductor.
 
     Its ~30 convolutions stay cuDNN's; the ReLUs, residual sums, bilinear resizes and UV additions
     between them (full-resolution float32 tensors) become a few fused kernels. Measured on an H100
     at 518x378: 3.0 ms eager, 1.5 ms compiled with channels-last weights (docs/PERFORMANCE.md).
     """
-    _compile_methods(model.depth_head, ("decode",))
+    _compile_methods(model.depth_head, ("decode",), methods)
 
 
-def compile_camera_head(model: torch.nn.Module) -> None:
+def compile_camera_head(model: torch.nn.Module, methods: CompiledMethods | None = None) -> None:
     """Fuse the camera head's per-iteration conditioning and pose refinement (its trunk blocks are
     compiled by `compile_blocks`): fewer small kernels on the step's longest path, the camera head."""
-    _compile_methods(model.camera_head, ("condition", "refine"))
+    _compile_methods(model.camera_head, ("condition", "refine"), methods)
 
 
-def _compile_methods(module: torch.nn.Module, names: tuple[str, ...]) -> None:
+def _compile_methods(module: torch.nn.Module, names: tuple[str, ...], methods: CompiledMethods | None) -> None:
     """Replace each named method of `module` (a freshly prepared one) by its compiled version."""
+    if methods is not None:
+        methods.install(module, names)
+        return
     for name in names:
         setattr(module, name, torch.compile(getattr(module, name), dynamic=False))

@@ -18,6 +18,7 @@ import torch
 
 from stream_recon.cache import KVCache, TokenCache
 
+from .compilation import running_eagerly
 from .gct import GCTStream
 from .graphs import RecordedStep
 from .prepare import step_precision
@@ -51,7 +52,7 @@ class EagerRunner:
         """The scale frames [S, 3, H, W] together (stream indices from 0), eagerly and uncompiled: they
         run once per chunk, so compiling their shapes would only delay the first prediction (by tens
         of seconds on a fresh process) for little gain; the streaming shapes are the ones compiled."""
-        with torch.compiler.set_stance("force_eager"):
+        with running_eagerly():
             self.begin(images, 0)
             return self.finish(time_index)
 

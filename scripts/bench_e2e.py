@@ -507,6 +507,7 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
         "rollovers": run_json["summary"].get("engine", {}).get("rollovers"),
         "rollovers_ahead": run_json["summary"].get("engine", {}).get("rollovers_ahead"),
         "provisional_frames": run_json["summary"].get("engine", {}).get("provisional_frames"),
+        "compiled_code": run_json["summary"].get("engine", {}).get("compiled_code"),
         "run_json_fps": run_json["summary"].get("fps"),
         "run_json_model_fps": run_json["summary"].get("model_fps"),
         "loop_closure": run_json["summary"].get("loop_closure"),
@@ -810,6 +811,8 @@ def print_table(result: dict[str, Any]) -> None:
          f"({result['longest_interval_after_first_prediction_frame']})"),
         ("whole run FPS (run.json)", f"{result.get('run_json_fps') or float('nan'):.2f}"),
         ("model load s", f"{result['model_load_s']:.1f}"),
+        ("compiled calls: loaded / compiled (s)", "{loaded} / {compiled} ({seconds:.1f})".format(**result["compiled_code"])
+         if result.get("compiled_code") else "-"),
         ("host RSS GB (peak)", f"{result['host_rss_gb']:.2f} ({result['peak_host_rss_gb']:.2f})"),
         ("bytes per frame", f"{result['bytes_per_frame']:,.0f}"),
     ]

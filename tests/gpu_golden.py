@@ -23,12 +23,12 @@ SCENARIOS = {
 }
 
 
-def stream(model, dtype, attention, compile=False, **options):
+def stream(model, dtype, attention, compile=False, artefacts=None, **options):
     """Stream the golden frames on the GPU through a model prepared for `dtype` from the loaded
     (float32, CPU) `model`, which stays as it is."""
     from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
 
-    prepared = prepare_for_inference(model, "cuda", dtype, compile=compile)
+    prepared = prepare_for_inference(model, "cuda", dtype, compile=compile, artefacts=artefacts)
     engine = StreamingEngine(prepared, StreamConfig(scale_frames=3, window=4, attention=attention, **options))
     predictions = []
     for frame in golden_frames():

@@ -352,3 +352,28 @@ def test_a_spare_that_does_not_fit_with_its_whole_provisional_room_gets_a_smalle
         assert engine._rollover.spare.engine.cache.layout.allocated_window_slots == 13
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("scenario", ["all_keyframes", "flow"])
+def test_compiled_code_kept_between_runs_streams_the_same(gpu_model, scenario, tmp_path):
+    """The defaults with the compiled code kept under a folder: a first preparation compiles and saves
+    every call, a second one (Dynamo reset, as in a new process) loads them all and compiles none, and
+    streams bit for bit what the first streamed, within the bf16 tolerance of the golden outputs."""
+    golden = np.load(GOLDEN / scenario / "outputs.npz")
+    first, engine = stream(gpu_model, torch.bfloat16, "auto", compile=True, artefacts=tmp_path, **SCENARIOS[scenario])
+    made = engine.stats()["compiled_code"]
+    made.pop("seconds")
+    torch._dynamo.reset()
+    start = time.perf_counter()
+    second, engine = stream(gpu_model, torch.bfloat16, "auto", compile=True, artefacts=tmp_path, **SCENARIOS[scenario])
+    print(f"{scenario}: {made} compiled, then {engine.stats()['compiled_code']} in {time.perf_counter() - start:.1f} s")
+    assert made["compiled"] >= 10 and made["loaded"] == 0
+    kept = engine.stats()["compiled_code"]
+    assert (kept["loaded"], kept["compiled"]) == (made["compiled"], 0)
+    assert engine.stats()["cuda_graphs"]
+    for ours, theirs in zip(first, second, strict=True):
+        np.testing.assert_array_equal(ours.depth, theirs.depth)
+        np.testing.assert_array_equal(ours.c2w, theirs.c2w)
+    measured = errors(second, golden)
+    for key, limit in BF16_TOLERANCE.items():
+        assert measured[key] <= limit, f"{key}: {measured[key]:.3f} sigma"

@@ -1,0 +1,256 @@
+"""torch.compile's output kept between runs: each compiled method is compiled once per call signature.
+
+Compiling where first called, the first streaming frame of an input size waits while Dynamo traces
+every block half and head part and Inductor builds their kernels: 10-19 s on a fresh machine, and
+still 3-5 s with Inductor's on-disk caches warm, because Dynamo traces again in every process
+(docs/PERFORMANCE.md). Here each call signature is compiled ahead of time instead (torch's
+`aot_compile`: the traced bytecode, its guards and Inductor's kernels in one file), saved under an
+artefact folder, and a later run loads the file (milliseconds) rather than compiling.
+
+The folder is per environment (`environment_key`: torch, triton, Python, the GPU, and this package's
+model and cache sources, whose code the artefacts inline): a changed source or upgraded torch never
+loads a stale artefact. A loaded artefact still checks its own guards before it serves a call; one
+that fails them, cannot be read, or cannot be made (a graph break) gives way to an ordinary
+torch.compile of that call, so the artefacts only ever save time.
+
+Artefacts are pickles, like Inductor's own caches: the folder is created readable by its owner only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import platform
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("stream_recon.models.compilation")
+
+ARTEFACTS_ENV = "STREAM_RECON_COMPILED"  # the folder; empty: compile in memory only, as torch.compile does
+DEFAULT_ARTEFACTS_DIR = "~/.cache/stream-recon/compiled"
+_SOURCE_PACKAGES = ("models", "cache")  # the package folders whose code compiled artefacts inline
+
+_eager = threading.local()
+
+
+def artefacts_dir() -> Path | None:
+    """$STREAM_RECON_COMPILED, else ~/.cache/stream-recon/compiled; None when the variable is empty."""
+    value = os.environ.get(ARTEFACTS_ENV)
+    if value is not None and not value.strip():
+        return None
+    return Path(value or DEFAULT_ARTEFACTS_DIR).expanduser()
+
+
+@contextlib.contextmanager
+def running_eagerly() -> Iterator[None]:
+    """Calls in this block (this thread) run as written: compiled methods and torch.compile alike."""
+    previous = getattr(_eager, "on", False)
+    _eager.on = True
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            yield
+    finally:
+        _eager.on = previous
+
+
+@functools.cache
+def source_digest() -> str:
+    """sha256 of this package's model and cache sources (the code compiled artefacts inline)."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for package in _SOURCE_PACKAGES:
+        for path in sorted((root / package).glob("*.py")):
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def environment_key(device: torch.device) -> str:
+    """What an artefact is only valid under, as one folder name."""
+    parts = [torch.__version__, platform.python_version(), source_digest()]
+    with contextlib.suppress(ImportError):
+        import triton
+
+        parts.append(triton.__version__)
+    if device.type == "cuda":
+        parts += [torch.cuda.get_device_name(device), str(torch.cuda.get_device_capability(device)),
+                  str(torch.version.cuda)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def describe(value: Any) -> str:
+    """A call argument as its shape of a signature: tensors by dtype, shape, strides, device and mode;
+    modules by class and parameter shapes; dataclasses, lists and tuples by their parts; other values
+    by type and value."""
+    if isinstance(value, torch.Tensor):
+        mode = "i" if value.is_inference() else ("g" if value.requires_grad else "n")
+        return f"T{str(value.dtype)[6:]}{tuple(value.shape)}{value.stride()}{value.device}{mode}"
+    if isinstance(value, torch.nn.Module):
+        parameters = ",".join(f"{name}:{describe(p)}" for name, p in value.named_parameters())
+        return f"{type(value).__qualname__}<{parameters}>"
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__}[{','.join(describe(item) for item in value)}]"
+    if is_dataclass(value) and not isinstance(value, type):
+        parts = ",".join(f"{field.name}={describe(getattr(value, field.name))}" for field in fields(value))
+        return f"{type(value).__qualname__}({parts})"
+    return f"{type(value).__qualname__}:{value!r}"
+
+
+def call_signature(args: tuple) -> str:
+    """sha256 (hex, 32 chars) of what a compiled call depends on besides its code: its arguments
+    (`describe`; a method's module among them) and the autocast and grad modes."""
+    device_type = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+    autocast = torch.is_autocast_enabled(device_type)
+    parts = [describe(list(args)),
+             f"autocast={autocast}:{torch.get_autocast_dtype(device_type) if autocast else None}",
+             f"grad={torch.is_grad_enabled()} inference={torch.is_inference_mode_enabled()}"]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+
+
+class CompiledFunction:
+    """A function compiled ahead of time for each call signature it meets, kept under `folder` (None:
+    in memory only). For a module's method, the function is the class's (unbound) method and the
+    module its first argument: one artefact then serves every instance of the class (their weights
+    are inputs of the compiled code, not constants)."""
+
+    def __init__(self, function: Callable, folder: Path | None):
+        self.function = function
+        self.folder = folder
+        self._entries: list[Any] = []  # AOTCompiledFunction, guard checks done here (`_find`)
+        self._usual: Callable | None = None  # torch.compile as where first called, once artefacts fail
+        self._lock = threading.Lock()
+        self.loaded = self.compiled = 0  # artefacts read from the folder / made by this process
+        self.seconds = 0.0  # spent reading and compiling them
+
+    def __call__(self, *args: Any) -> Any:
+        if getattr(_eager, "on", False):
+            return self.function(*args)
+        if self._usual is not None:
+            return self._usual(*args)
+        entry = self._find(args)
+        if entry is None:
+            with self._lock:
+                started = time.perf_counter()
+                entry = self._find(args) or self._load_or_compile(args)
+                self.seconds += time.perf_counter() - started
+        return self._usual(*args) if entry is None else entry(*args)
+
+    def _find(self, args: tuple) -> Any:
+        return next((entry for entry in self._entries if entry.guard_check(*args)), None)
+
+    def _load_or_compile(self, args: tuple) -> Any:
+        """The artefact for this call: read from the folder, else compiled (and saved). None when no
+        artefact can serve it: the function then compiles as torch.compile does, from now on."""
+        path = None if self.folder is None else self.folder / f"{call_signature(args)}.pt"
+        entry = self._read(path, args) if path is not None and path.exists() else None
+        if entry is None:
+            entry = self._compile(args)
+            if entry is None:
+                self._usual = torch.compile(self.function, dynamic=False)
+                return None
+            self.compiled += 1
+            if path is not None:
+                self._write(entry, path)
+        else:
+            self.loaded += 1
+        entry.disable_guard_check()  # (checked in `_find`, once per call)
+        self._entries.append(entry)
+        return entry
+
+    def _read(self, path: Path, args: tuple) -> Any:
+        try:
+            with open(path, "rb") as file:
+                entry = torch.compiler.load_compiled_function(file)
+        except Exception as error:  # a torn write, an older format: compiled again and replaced
+            logger.info("compiled artefact %s unreadable (%s: %s); compiling again", path, type(error).__name__, error)
+            return None
+        return entry if entry.guard_check(*args) else None
+
+    def _compile(self, args: tuple) -> Any:
+        try:
+            with torch._dynamo.config.patch(enable_aot_compile=True):
+                compiled = torch.compile(self.function, fullgraph=True, dynamic=False)
+            return compiled.aot_compile((args, {}))
+        except Exception as error:  # a graph break, or a torch without aot_compile: compile as usual
+            logger.warning("%s: no ahead-of-time artefact (%s: %s); compiling where called instead",
+                           self.function.__qualname__, type(error).__name__, str(error).splitlines()[0][:200])
+            return None
+
+    def _write(self, entry: Any, path: Path) -> None:
+        temporary = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as file:
+                temporary = Path(file.name)
+            entry.save_compiled_function(str(temporary))
+            os.replace(temporary, path)  # whole or not at all: another process may be reading the folder
+        except Exception as error:  # a full or read-only disk costs the next run a compile, nothing more
+            logger.warning("could not save the compiled artefact %s (%s: %s)", path, type(error).__name__, error)
+            if temporary is not None:
+                temporary.unlink(missing_ok=True)
+
+
+class _InstalledMethod:
+    """A CompiledFunction bound to one module (its first argument). Dynamo pickles a module, attributes and all, into an
+    artefact's guards; this pickles as the plain method of the module's class, not as the compiled
+    one (whose lock cannot be pickled)."""
+
+    __slots__ = ("compiled", "module", "name")
+
+    def __init__(self, compiled: CompiledFunction, module: torch.nn.Module, name: str):
+        self.compiled, self.module, self.name = compiled, module, name
+
+    def __call__(self, *args: Any) -> Any:
+        return self.compiled(self.module, *args)
+
+    def __reduce__(self):
+        return getattr, (type(self.module), self.name)
+
+
+class CompiledMethods:
+    """The compiled code of one prepared model: one `CompiledFunction` per module class and method
+    name, and per free function (`compile`), their artefacts under `root`/`environment_key`/<name>
+    (`root` None: in memory only)."""
+
+    def __init__(self, root: Path | None, device: torch.device):
+        self.root = None if root is None else Path(root) / environment_key(device)
+        self.methods: dict[Any, CompiledFunction] = {}
+        self._lock = threading.Lock()  # engines on other threads compile functions too
+
+    def install(self, module: torch.nn.Module, names: tuple[str, ...]) -> None:
+        """Replace each named method of `module` (a freshly prepared one) by its compiled version."""
+        for name in names:
+            function = getattr(type(module), name)
+            compiled = self._compiled(function, f"{type(module).__qualname__}.{name}")
+            setattr(module, name, _InstalledMethod(compiled, module, name))
+
+    def compile(self, function: Callable) -> CompiledFunction:
+        """`function` (a module-level one) compiled per call signature, its artefacts kept with the
+        model's: what torch.compile(function, dynamic=False) would be, without compiling again in
+        every process. The same object for the same function."""
+        return self._compiled(function, f"{function.__module__}.{function.__qualname__}")
+
+    def _compiled(self, function: Callable, name: str) -> CompiledFunction:
+        with self._lock:
+            if function not in self.methods:
+                self.methods[function] = CompiledFunction(function, None if self.root is None else self.root / name)
+            return self.methods[function]
+
+    def counts(self) -> dict[str, int]:
+        """Artefacts loaded from disk and compiled by this process, over all methods."""
+        methods = self.methods.values()
+        return {"loaded": sum(m.loaded for m in methods), "compiled": sum(m.compiled for m in methods)}
+
+    def seconds(self) -> float:
+        """Time spent loading and compiling artefacts, over all methods (and threads)."""
+        return sum(m.seconds for m in self.methods.values())

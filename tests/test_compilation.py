@@ -1,0 +1,193 @@
+"""Compiled methods kept between runs (models/compilation.py), on the CPU with TorchInductor's C++ backend."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from stream_recon.models import compilation
+from stream_recon.models.compilation import CompiledMethods, artefacts_dir, call_signature, running_eagerly
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                reason="TorchInductor's CPU backend needs a C++ compiler")
+
+
+class Half(torch.nn.Module):
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.proj = torch.nn.Linear(dim, 2 * dim)
+
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.proj(self.norm(x))) * 0.5
+
+    def branchy(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum().item() > 0:  # data-dependent: no full graph
+            return x * 2
+        return x - 1
+
+
+def prepared(root, *modules: Half, names=("inputs",)) -> CompiledMethods:
+    methods = CompiledMethods(root, torch.device("cpu"))
+    for module in modules:
+        methods.install(module, names)
+    return methods
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_a_later_run_loads_what_an_earlier_one_compiled(tmp_path):
+    torch.manual_seed(0)
+    first_block, second_block = Half(), Half()
+    x = torch.randn(2, 5, 16)
+    expected = [Half.inputs(block, x) for block in (first_block, second_block)]
+    with torch.inference_mode():
+        earlier = prepared(tmp_path, first_block, second_block)
+        got = [first_block.inputs(x), second_block.inputs(x)]
+    # one artefact serves both instances of the class: their weights are inputs, not constants
+    assert earlier.counts() == {"loaded": 0, "compiled": 1}
+    torch.testing.assert_close(got, expected)
+    torch._dynamo.reset()
+    third = Half()  # another instance, as a new process's model would be
+    with torch.inference_mode():
+        later = prepared(tmp_path, third)
+        out = third.inputs(x)
+    assert later.counts() == {"loaded": 1, "compiled": 0}
+    torch.testing.assert_close(out, Half.inputs(third, x))
+    assert len(list(tmp_path.rglob("*.pt"))) == 1
+
+
+def test_each_call_signature_is_compiled_once(tmp_path):
+    block = Half()
+    with torch.inference_mode():
+        methods = prepared(tmp_path, block)
+        for rows in (5, 7, 5, 7):
+            x = torch.randn(1, rows, 16)
+            torch.testing.assert_close(block.inputs(x), Half.inputs(block, x))
+    assert methods.counts() == {"loaded": 0, "compiled": 2}
+    assert len(list(tmp_path.rglob("*.pt"))) == 2
+
+
+def test_running_eagerly_compiles_nothing(tmp_path):
+    block = Half()
+    x = torch.randn(1, 3, 16)
+    with torch.inference_mode(), running_eagerly():
+        methods = prepared(tmp_path, block)
+        out = block.inputs(x)
+    assert methods.counts() == {"loaded": 0, "compiled": 0}
+    assert not list(tmp_path.rglob("*.pt"))
+    torch.testing.assert_close(out, Half.inputs(block, x))
+
+
+def test_an_unreadable_artefact_is_compiled_again_and_replaced(tmp_path):
+    block = Half()
+    x = torch.randn(1, 3, 16)
+    with torch.inference_mode():
+        prepared(tmp_path, block)
+        block.inputs(x)
+    (artefact,) = tmp_path.rglob("*.pt")
+    artefact.write_bytes(b"not an artefact")
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        methods = prepared(tmp_path, block)
+        torch.testing.assert_close(block.inputs(x), Half.inputs(block, x))
+    assert methods.counts() == {"loaded": 0, "compiled": 1}
+    with torch.inference_mode():
+        assert prepared(tmp_path, block).counts() == {"loaded": 0, "compiled": 0}
+        block.inputs(x)
+    assert artefact.read_bytes() != b"not an artefact"
+
+
+def test_a_method_with_a_graph_break_compiles_where_called(tmp_path, caplog):
+    block = Half()
+    with caplog.at_level(logging.WARNING, logger="stream_recon.models.compilation"), torch.inference_mode():
+        methods = prepared(tmp_path, block, names=("branchy",))
+        for sign in (1, -1):
+            x = torch.full((2, 3), float(sign))
+            torch.testing.assert_close(block.branchy(x), Half.branchy(block, x))
+    assert methods.counts() == {"loaded": 0, "compiled": 0}
+    assert "no ahead-of-time artefact" in caplog.text
+    assert not list(tmp_path.rglob("*.pt"))
+
+
+def test_without_a_folder_artefacts_stay_in_memory(tmp_path):
+    block = Half()
+    x = torch.randn(1, 3, 16)
+    with torch.inference_mode():
+        methods = prepared(None, block)
+        torch.testing.assert_close(block.inputs(x), Half.inputs(block, x))
+    assert methods.counts() == {"loaded": 0, "compiled": 1}
+
+
+def test_the_call_signature_tells_apart_what_compiled_code_depends_on():
+    block, wider = Half(16), Half(32)
+    x = torch.randn(1, 3, 16)
+    same = call_signature((block, x))
+    assert same == call_signature((Half(16), torch.randn(1, 3, 16)))
+    assert same != call_signature((wider, x))
+    assert same != call_signature((block, torch.randn(1, 4, 16)))
+    assert same != call_signature((block, x.double()))
+    assert same != call_signature((block, torch.randn(1, 16, 3).transpose(1, 2)))
+    with torch.inference_mode():
+        assert same != call_signature((block, x))
+    with torch.autocast("cpu", torch.bfloat16):
+        assert same != call_signature((block, x))
+
+
+def test_the_artefact_folder_is_per_environment(tmp_path, monkeypatch):
+    methods = CompiledMethods(tmp_path, torch.device("cpu"))
+    assert methods.root.parent == tmp_path
+    monkeypatch.setattr(compilation, "source_digest", lambda: "another source")
+    assert CompiledMethods(tmp_path, torch.device("cpu")).root != methods.root
+
+
+def test_the_artefact_folder_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("STREAM_RECON_COMPILED", str(tmp_path))
+    assert artefacts_dir() == tmp_path
+    monkeypatch.setenv("STREAM_RECON_COMPILED", "")
+    assert artefacts_dir() is None
+    monkeypatch.delenv("STREAM_RECON_COMPILED")
+    assert artefacts_dir() == (tmp_path.home() / ".cache/stream-recon/compiled")
+
+
+def test_a_tiny_model_streams_the_same_from_loaded_artefacts(tiny_model, tmp_path):
+    """Every compiled part of a prepared model (block halves, both heads) kept under a folder: a second
+    preparation loads each call and compiles none, and both stream what the uncompiled model does."""
+    import numpy as np
+
+    from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
+    from stream_recon.models.prepare import compile_blocks, compile_camera_head, compile_depth_head
+
+    torch.manual_seed(0)
+    frames = [torch.rand(3, 56, 70) for _ in range(5)]
+
+    def stream(methods: CompiledMethods | None):
+        model = prepare_for_inference(tiny_model, "cpu", torch.float32)  # (the CPU compiles nothing itself)
+        if methods is not None:
+            compile_blocks(model, methods)
+            compile_depth_head(model, methods)
+            compile_camera_head(model, methods)
+        engine = StreamingEngine(model, StreamConfig(scale_frames=2, window=3))
+        return [p for frame in frames for p in engine.push(frame)] + engine.finish()
+
+    uncompiled = stream(None)
+    first = CompiledMethods(tmp_path, torch.device("cpu"))
+    compiled = stream(first)
+    torch._dynamo.reset()
+    second = CompiledMethods(tmp_path, torch.device("cpu"))
+    loaded = stream(second)
+    assert first.counts()["compiled"] >= 8 and first.counts()["loaded"] == 0
+    assert second.counts() == {"loaded": first.counts()["compiled"], "compiled": 0}
+    for reference, ours, theirs in zip(uncompiled, compiled, loaded, strict=True):
+        np.testing.assert_array_equal(ours.depth, theirs.depth)
+        np.testing.assert_array_equal(ours.c2w, theirs.c2w)
+        np.testing.assert_allclose(ours.depth, reference.depth, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(ours.c2w, reference.c2w, rtol=1e-4, atol=1e-5)
