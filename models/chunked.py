@@ -54,6 +54,17 @@ from .stream_config import StreamConfig
 
 logger = logging.getLogger("stream_recon.models.chunked")
 
+# A flow chunk's spare starts before the rollover, where the chunk would close if every frame from then
+# on were a keyframe, once at least DENSE_KEYFRAMES of the last KEYFRAME_RATE_FRAMES frames were. Started
+# at the rollover, the spare of a video with 964 keyframes in 1,000 frames never caught up at 1.6x
+# pacing: the stream stopped 92-174 ms at rollovers (H100, docs/PERFORMANCE.md); with 344 keyframes it
+# caught up (50 ms). A guess made 16 frames ahead holds only if those frames all are keyframes; each
+# miss drops what the spare took (on its worker: the stream does not wait) and it takes the frames from
+# the new start again, out of the replay; the last start before the rollover is then a frame or a few
+# before it, where at the rollover the spare would have all 16 shared frames still to take.
+DENSE_KEYFRAMES = 0.8
+KEYFRAME_RATE_FRAMES = 32
+
 
 class ChunkedEngine:
     """A StreamingEngine that rolls over to a new chunk before the cache outgrows the model.
@@ -102,6 +113,8 @@ class ChunkedEngine:
         # behind, so that a failed spare can be replaced by a rollover in place).
         self._replay: deque[tuple[torch.Tensor, float]] = deque(maxlen=overlap + 1)
         self.alignment = ChunkAlignment(overlap)
+        # The current chunk's keyframe count after each of the last pushes (flow: how dense keyframes are).
+        self._keyframe_counts: deque[int] = deque(maxlen=KEYFRAME_RATE_FRAMES + 1)
         self.reset()
 
     # -- public ----------------------------------------------------------------------------
@@ -117,6 +130,7 @@ class ChunkedEngine:
         self.provisional_frames = 0  # frames predicted by a closed chunk while the next caught up
         self._outbox: list[FramePrediction] = []  # computed but not yet returned (a push that raised)
         self._replay.clear()
+        self._keyframe_counts.clear()
 
     def push(self, image: torch.Tensor | np.ndarray, timestamp: float | None = None) -> list[FramePrediction]:
         """Add frame [3, H, W]; returns the predictions emitted by it, oldest chunk first."""
@@ -167,6 +181,7 @@ class ChunkedEngine:
             chunk_start=self.alignment.start,
             rollovers=self.rollovers,
             rollovers_ahead=self.rollovers_ahead,
+            lookahead_starts=self._rollover.ahead_starts if self._rollover is not None else 0,
             provisional_frames=self.provisional_frames,
             replay_frames=len(self._replay),
             lookahead=self._rollover is not None,
@@ -262,6 +277,7 @@ class ChunkedEngine:
         the spare takes over once it has caught up (models/rollover.py).
         """
         closed_cached = self.engine.num_keyframes
+        self._keyframe_counts.clear()  # the next chunk counts its own
         # The closing chunk's last frame may still be in flight (pipelined streaming): it belongs
         # to this chunk's emissions and to the tail the next chunk is aligned on.
         self._outbox += self.alignment.receive(self.engine.finish())
@@ -310,8 +326,29 @@ class ChunkedEngine:
                     self._start_spare()
                 self._warmup = []
             return
-        if not self.closes_on_keyframes:  # a flow chunk's end is known when it comes: the spare takes its frames then
-            self._rollover.take_ahead(index, frame, self.alignment.start + self.chunk_length - self.overlap)
+        if not self.closes_on_keyframes:
+            self._rollover.take_ahead(index, frame, self.alignment.start + self.chunk_length - self.overlap, self._replay)
+            return
+        self._keyframe_counts.append(self.engine.num_keyframes)
+        first_shared = self._likely_first_shared(index)
+        if first_shared is None and self._phase is Phase.AHEAD:  # no longer likely: kept until the rollover says
+            first_shared = self._rollover.ahead_from
+        if first_shared is not None:
+            self._rollover.take_ahead(index, frame, first_shared, self._replay)
+
+    def _likely_first_shared(self, index: int) -> int | None:
+        """Where the next flow chunk likely starts, after frame `index` went to the current one: where
+        it would if every frame from here on were a keyframe. None unless at least DENSE_KEYFRAMES of
+        the last KEYFRAME_RATE_FRAMES frames were: then the guess is usually right, or a frame or two
+        early (each miss costs the spare what it took; the stream waits for none of it). Elsewhere the
+        spare takes the chunk's frames at its rollover, and has the time to catch up."""
+        counts = self._keyframe_counts
+        if len(counts) <= KEYFRAME_RATE_FRAMES or counts[-1] - counts[0] < DENSE_KEYFRAMES * KEYFRAME_RATE_FRAMES:
+            return None
+        remaining = self.chunk_frames - self.engine.num_keyframes
+        # The chunk is full once `remaining` more frames are keyframes; undecided frames may be some.
+        closes = index + 1 + max(0, remaining - self.engine.undecided_frames)
+        return closes - min(self.overlap, closes - self.alignment.start - self.config.scale_frames)
 
     @property
     def spare_window_slots(self) -> int:

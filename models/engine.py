@@ -184,6 +184,11 @@ class StreamingEngine:
         self._ready += self._deliver(keep=0, settle_only=True)
 
     @property
+    def undecided_frames(self) -> int:
+        """Frames predicted whose keyframe decision is still to be made (flow keyframes, pipelined)."""
+        return sum(flight.keyframe is None for flight in self._in_flight)
+
+    @property
     def image_size(self) -> tuple[int, int] | None:
         """(height, width) of the stream's frames, once the first one arrived."""
         return self._image_size

@@ -88,6 +88,18 @@ class SpareEngine:
             raise errors[0]
         return results
 
+    def drop(self) -> None:
+        """Start the spare afresh without waiting: frames queued but not started are cancelled, and
+        the frame it is stepping now is finished and dropped on its worker, before anything queued
+        after this call."""
+        for job in self._jobs:
+            job.cancel()
+        self._jobs = [self._worker.submit(self._on_stream, self._start_afresh)]
+
+    def _start_afresh(self) -> None:
+        self.engine.finish()
+        self.engine.reset()
+
     def discard(self) -> None:
         """Wait for what was queued and start the spare afresh, its predictions dropped."""
         try:

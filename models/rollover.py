@@ -5,13 +5,13 @@ At a rollover the next chunk predicts its shared frames again: one scale step ov
 defaults. Done in place, that stops the stream for a quarter of a second or more. With a spare
 engine (models/lookahead.py) the work happens beside the stream instead, in four phases:
 
-    STEADY ──(chunk end known: its shared frames begin)──▶ AHEAD
-      │  ▲                                                  │
-      │  └────────(the stream ended, or the chunk closed    │
-      │            elsewhere than expected: dropped)────────┤
-      │                                                     │ rollover
-      └──(rollover: the spare takes the shared frames now)──┤
-                                                            ▼
+    STEADY ──(chunk end known or likely: its shared frames begin)──▶ AHEAD
+      │  ▲                                                             │
+      │  └──(the stream ended, the likely end moved (taken again from  │
+      │      the new start), or the chunk closed elsewhere: dropped)───┤
+      │                                                                │ rollover
+      └──(rollover: the spare takes the shared frames now)─────────────┤
+                                                                       ▼
                         CATCHING_UP ──(spare a frame behind, or no room left)──▶ SWITCH_PENDING
                         (skipped when the closed chunk has no provisional room)        │
                                                                                        │ next push
@@ -27,7 +27,7 @@ import enum
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -63,7 +63,8 @@ class Phase(enum.Enum):
 
     STEADY: the current chunk predicts every frame; the spare is idle and empty, nothing closed.
     AHEAD: the current chunk predicts every frame, and the spare has also taken every frame since
-        `ahead_from`, the first frame the next chunk will share (chunks that close at a known frame).
+        `ahead_from`, the first frame the next chunk will share (chunks that close at a known frame),
+        or will likely share (flow chunks of dense keyframes: ChunkedEngine._likely_first_shared).
     CATCHING_UP: the current chunk is closed (`closed`); the spare holds the next chunk and is more
         than a frame behind; the closed chunk predicts each new frame provisionally, uncached, so the
         stream need not wait, and the spare takes it too.
@@ -111,6 +112,7 @@ class Rollover:
 
     def _clear(self) -> None:
         self.phase = Phase.STEADY
+        self.ahead_starts = 0  # times the spare began taking a next chunk's frames before its rollover
         self.ahead_from: int | None = None
         self.closed: ClosedChunk | None = None
         self.provisional_count = 0  # frames the closed chunk predicted since its rollover
@@ -127,18 +129,27 @@ class Rollover:
         return self.phase is not Phase.STEADY
 
     # -- STEADY / AHEAD ----------------------------------------------------------------------
-    def take_ahead(self, index: int, frame: tuple[torch.Tensor, float], first_shared: int) -> None:
-        """Frame `index` went to the current chunk, whose shared frames begin at `first_shared`: from
-        there on the spare takes each frame too."""
-        if self.phase is Phase.STEADY and index == first_shared:
+    def take_ahead(self, index: int, frame: tuple[torch.Tensor, float], first_shared: int,
+                   recent: Sequence[tuple[torch.Tensor, float]]) -> None:
+        """Frame `index` went to the current chunk, whose shared frames begin at `first_shared` (known,
+        or the likeliest start of a flow chunk's: it may move from call to call): from there on the
+        spare takes each frame too. Where the start moved, what the spare took is dropped and it takes
+        the frames from the new start again, from `recent` (the stream's last frames, `frame` last)."""
+        if self.phase is Phase.AHEAD and self.ahead_from != first_shared:
+            self.drop_ahead()
+        if self.phase is Phase.STEADY and index - len(recent) < first_shared <= index:
             self._enter(Phase.AHEAD)
-            self.ahead_from = index
-        if self.phase is Phase.AHEAD:
+            self.ahead_from = first_shared
+            self.ahead_starts += 1
+            for taken in list(recent)[len(recent) - (index - first_shared + 1):]:
+                self.spare.push(*taken)
+        elif self.phase is Phase.AHEAD:
             self.spare.push(*frame)
 
     def drop_ahead(self) -> None:
-        """AHEAD -> STEADY: forget what the spare took for a chunk that does not come as it expected."""
-        self.spare.discard()
+        """AHEAD -> STEADY: forget what the spare took for a chunk that does not come as it expected
+        (the spare starts afresh on its worker: the stream does not wait for it)."""
+        self.spare.drop()
         self._enter(Phase.STEADY)
         self.ahead_from = None
         self.ready, self.alignment.early_ratios = [], {}

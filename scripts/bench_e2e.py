@@ -507,6 +507,7 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
         "rollovers": run_json["summary"].get("engine", {}).get("rollovers"),
         "rollovers_ahead": run_json["summary"].get("engine", {}).get("rollovers_ahead"),
         "provisional_frames": run_json["summary"].get("engine", {}).get("provisional_frames"),
+        "lookahead_starts": run_json["summary"].get("engine", {}).get("lookahead_starts"),
         "compiled_code": run_json["summary"].get("engine", {}).get("compiled_code"),
         "run_json_fps": run_json["summary"].get("fps"),
         "run_json_model_fps": run_json["summary"].get("model_fps"),
@@ -800,6 +801,9 @@ def print_table(result: dict[str, Any]) -> None:
         ("longest interval at a rollover ms (frame): engine", f"{result.get('engine_rollover_longest_ms', float('nan')):.1f} "
          f"({result.get('engine_rollover_longest_frame')})"),
         ("stalls > 3x median", result.get("num_stalls")),
+        ("rollovers (beside, spare starts before) / provisional frames",
+         f"{result.get('rollovers')} ({result.get('rollovers_ahead')}, {result.get('lookahead_starts')}) / "
+         f"{result.get('provisional_frames')}"),
         ("main thread outside engine ms p50 / mean", f"{result['main_thread_outside_engine_ms_p50']:.2f} / "
                                                      f"{result['main_thread_outside_engine_ms_mean']:.2f}"),
         ("first prediction s: run / process", f"{result['first_prediction_s']:.2f} / "

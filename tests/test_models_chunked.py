@@ -694,6 +694,38 @@ def test_a_closed_window_predicts_at_most_its_room_and_the_stream_then_waits(mod
     engine.close()
 
 
+DENSE_FLOW_CASES = {  # (config, chunk_frames, overlap, frames, DENSE_KEYFRAMES)
+    "every_frame_a_keyframe": (StreamConfig(scale_frames=2, window=3, keyframes="flow", flow_threshold=1e9, max_gap=1),
+                               8, 3, 26, 0.8),
+    "guesses_that_miss": (StreamConfig(scale_frames=3, window=4, keyframes="flow", flow_threshold=0.8, max_gap=3),
+                          6, 3, 20, 0.3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DENSE_FLOW_CASES))
+def test_a_flow_chunk_of_dense_keyframes_is_taken_ahead_where_it_likely_closes(model, frames, monkeypatch, case):
+    """Where most frames are keyframes, the spare takes a flow chunk's likely shared frames before its
+    rollover (as for chunks that close at a known frame), and takes them again from a new start when a
+    frame that is not a keyframe moves the close: every final emission as rollovers in place make it."""
+    from stream_recon.models import chunked
+
+    config, chunk_frames, overlap, count, dense = DENSE_FLOW_CASES[case]
+    monkeypatch.setattr(chunked, "KEYFRAME_RATE_FRAMES", 2)
+    monkeypatch.setattr(chunked, "DENSE_KEYFRAMES", dense)
+    reference = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=False)
+    in_place = run_live_marked(reference, frames[:count])
+    engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=True)
+    beside = run_live_marked(engine, frames[:count])
+    stats = engine.stats()
+    engine.close()
+    check_beside_the_stream(beside, in_place)
+    assert stats["rollovers"] == reference.stats()["rollovers"] >= 2
+    # (a start needs the spare done with the chunk before: how many rollovers get one is up to timing)
+    assert stats["lookahead_starts"] >= 1
+    if case == "every_frame_a_keyframe":  # every guess right: never a second start for one rollover
+        assert stats["lookahead_starts"] <= stats["rollovers"] == stats["rollovers_ahead"]
+
+
 @pytest.mark.parametrize("lookahead", [False, True])
 def test_each_frame_is_checked_once(model, frames, monkeypatch, lookahead):
     """ChunkedEngine checks a frame once, before anything changes; the engines it goes to take it as
