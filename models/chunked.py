@@ -182,6 +182,8 @@ class ChunkedEngine:
             rollovers=self.rollovers,
             rollovers_ahead=self.rollovers_ahead,
             lookahead_starts=self._rollover.ahead_starts if self._rollover is not None else 0,
+            spare_warm_up_s=None if self._rollover is None or self._rollover.spare.warm_seconds is None
+            else round(self._rollover.spare.warm_seconds, 3),
             provisional_frames=self.provisional_frames,
             replay_frames=len(self._replay),
             lookahead=self._rollover is not None,

@@ -204,7 +204,8 @@ class StreamingEngine:
         if self.cache is None:  # no frame yet: same keys, nothing allocated
             return {"frames": 0, "keyframes": 0, "cached_frames": 0, "patch_frames": 0, "patch_pages_in_use": 0,
                     "special_pages_in_use": 0, "camera_tokens": 0, "cache_bytes": 0, "attention": None,
-                    "kv_cache": None, "cuda_graphs": False, "memory_plan": None, "compiled_code": self._compiled_code()}
+                    "kv_cache": None, "cuda_graphs": False, "memory_plan": None, "compiled_code": self._compiled_code(),
+                    "warm_up": None}
         return {
             "frames": self.num_frames,
             "keyframes": self.num_keyframes,
@@ -217,6 +218,7 @@ class StreamingEngine:
             "attention": self.cache.backend_name,
             "kv_cache": backends.precision_name(self.cache.store_dtype),
             "cuda_graphs": self.runner.records,
+            "warm_up": getattr(self.runner, "warm_up_seconds", None) or None,
             "memory_plan": self.memory_plan.to_dict() if self.memory_plan is not None else None,
             "compiled_code": self._compiled_code(),
         }

@@ -31,6 +31,7 @@ class SpareEngine:
         self._stream = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-recon-next-chunk")
         self._jobs: list[Future] = []
+        self.warm_seconds: float | None = None  # how long `warm` took on the worker, once it has
 
     def warm(self, frames: list[tuple[torch.Tensor, float]]) -> None:
         """Run the first frames of a stream through the spare and forget them: its first streaming
@@ -135,7 +136,9 @@ class SpareEngine:
             return function(*args)
 
     def _warm(self, frames: list[tuple[torch.Tensor, float]]) -> None:
+        started = time.perf_counter()
         for image, timestamp in frames:
             self.engine.push_checked(image, timestamp)  # the first one is checked: it sets the caches up
         self.engine.finish()
         self.engine.reset()
+        self.warm_seconds = time.perf_counter() - started

@@ -14,6 +14,8 @@ for the stream, once (`choose_runner`).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from stream_recon.cache import KVCache, TokenCache
@@ -94,6 +96,9 @@ class GraphRunner(EagerRunner):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.recorded: RecordedStep | None = None
+        # Host seconds of the first streaming frame: its eager step (compiled code loaded or compiled,
+        # kernels' first launches) and the recording of its graph; what a stream waits for there.
+        self.warm_up_seconds: dict[str, float] = {}
 
     @property
     def records(self) -> bool:
@@ -108,9 +113,13 @@ class GraphRunner(EagerRunner):
     def finish(self, time_index: int) -> Staged:
         images, rgb, stream_index = self._frame
         if not self._replays(len(images)):
+            started = time.perf_counter()
             staged = super().finish(time_index)
             if len(images) == 1:
+                recording = time.perf_counter()
                 self._record(images, stream_index, time_index)
+                self.warm_up_seconds = {"first_streaming_step_s": round(recording - started, 3),
+                                        "graph_record_s": round(time.perf_counter() - recording, 3)}
             return staged
         self._frame = None
         heads_stream = self._heads_stream()

@@ -508,6 +508,8 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
         "rollovers_ahead": run_json["summary"].get("engine", {}).get("rollovers_ahead"),
         "provisional_frames": run_json["summary"].get("engine", {}).get("provisional_frames"),
         "lookahead_starts": run_json["summary"].get("engine", {}).get("lookahead_starts"),
+        "warm_up": run_json["summary"].get("engine", {}).get("warm_up"),
+        "spare_warm_up_s": run_json["summary"].get("engine", {}).get("spare_warm_up_s"),
         "compiled_code": run_json["summary"].get("engine", {}).get("compiled_code"),
         "run_json_fps": run_json["summary"].get("fps"),
         "run_json_model_fps": run_json["summary"].get("model_fps"),
@@ -815,6 +817,9 @@ def print_table(result: dict[str, Any]) -> None:
          f"({result['longest_interval_after_first_prediction_frame']})"),
         ("whole run FPS (run.json)", f"{result.get('run_json_fps') or float('nan'):.2f}"),
         ("model load s", f"{result['model_load_s']:.1f}"),
+        ("first streaming frame s: eager step / graph recording / spare's warm-up",
+         "{} / {} / {}".format(*[(result.get("warm_up") or {}).get(key) for key in
+                                 ("first_streaming_step_s", "graph_record_s")], result.get("spare_warm_up_s"))),
         ("compiled calls: loaded / compiled (s)", "{loaded} / {compiled} ({seconds:.1f})".format(**result["compiled_code"])
          if result.get("compiled_code") else "-"),
         ("host RSS GB (peak)", f"{result['host_rss_gb']:.2f} ({result['peak_host_rss_gb']:.2f})"),

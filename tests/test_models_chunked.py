@@ -573,6 +573,7 @@ def test_a_spare_engine_beside_the_stream_ends_with_what_rollovers_in_place_emit
     assert stats_beside["lookahead"] and not stats_in_place["lookahead"]
     assert stats_beside["rollovers"] == stats_in_place["rollovers"] >= 2
     assert stats_beside["rollovers_ahead"] >= 1 and stats_in_place["rollovers_ahead"] == 0
+    assert stats_beside["spare_warm_up_s"] > 0 and stats_in_place["spare_warm_up_s"] is None
     assert stats_in_place["provisional_frames"] == 0
     if chunk_frames - overlap - 1 > 0:  # room for provisional frames: the rollover's own frame at least
         assert stats_beside["provisional_frames"] >= 1
