@@ -5,13 +5,15 @@ every block half and head part and Inductor builds their kernels: 10-19 s on a f
 still 3-5 s with Inductor's on-disk caches warm, because Dynamo traces again in every process
 (docs/PERFORMANCE.md). Here each call signature is compiled ahead of time instead (torch's
 `aot_compile`: the traced bytecode, its guards and Inductor's kernels in one file), saved under an
-artefact folder, and a later run loads the file (milliseconds) rather than compiling.
+artefact folder, and a later run loads the file rather than compiling: 0.5 s for a whole stream's
+calls in a process that has their kernels, 4-5 s in a new one (Triton loading the kernels), which is
+why the app keeps artefacts only where asked to (`artefacts_dir`).
 
 The folder is per environment (`environment_key`: torch, triton, Python, the GPU, and this package's
 model and cache sources, whose code the artefacts inline): a changed source or upgraded torch never
 loads a stale artefact. A loaded artefact still checks its own guards before it serves a call; one
 that fails them, cannot be read, or cannot be made (a graph break) gives way to an ordinary
-torch.compile of that call, so the artefacts only ever save time.
+torch.compile of that call.
 
 Artefacts are pickles, like Inductor's own caches: the folder is created readable by its owner only.
 """
@@ -36,19 +38,21 @@ import torch
 
 logger = logging.getLogger("stream_recon.models.compilation")
 
-ARTEFACTS_ENV = "STREAM_RECON_COMPILED"  # the folder; empty: compile in memory only, as torch.compile does
-DEFAULT_ARTEFACTS_DIR = "~/.cache/stream-recon/compiled"
+# The folder to keep artefacts in; unset or empty: compile where called, as torch.compile does. Not the
+# default: in a new process loading 13 artefacts took 3.9-4.7 s (Triton loading their kernels), no less
+# than compiling with Inductor's on-disk caches warm (3-5 s), and making them costs 5-10 s more than a
+# cold compile (H100, docs/PERFORMANCE.md). They pay where Inductor's caches do not last: a container
+# whose /tmp starts empty, with this folder on a volume that persists.
+ARTEFACTS_ENV = "STREAM_RECON_COMPILED"
 _SOURCE_PACKAGES = ("models", "cache")  # the package folders whose code compiled artefacts inline
 
 _eager = threading.local()
 
 
 def artefacts_dir() -> Path | None:
-    """$STREAM_RECON_COMPILED, else ~/.cache/stream-recon/compiled; None when the variable is empty."""
-    value = os.environ.get(ARTEFACTS_ENV)
-    if value is not None and not value.strip():
-        return None
-    return Path(value or DEFAULT_ARTEFACTS_DIR).expanduser()
+    """$STREAM_RECON_COMPILED (a folder); None when it is unset or empty."""
+    value = os.environ.get(ARTEFACTS_ENV, "").strip()
+    return Path(value).expanduser() if value else None
 
 
 @contextlib.contextmanager

@@ -152,10 +152,12 @@ def test_the_artefact_folder_is_per_environment(tmp_path, monkeypatch):
 def test_the_artefact_folder_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("STREAM_RECON_COMPILED", str(tmp_path))
     assert artefacts_dir() == tmp_path
+    monkeypatch.setenv("STREAM_RECON_COMPILED", "~/kept")
+    assert artefacts_dir() == tmp_path.home() / "kept"
     monkeypatch.setenv("STREAM_RECON_COMPILED", "")
     assert artefacts_dir() is None
     monkeypatch.delenv("STREAM_RECON_COMPILED")
-    assert artefacts_dir() == (tmp_path.home() / ".cache/stream-recon/compiled")
+    assert artefacts_dir() is None
 
 
 def test_a_tiny_model_streams_the_same_from_loaded_artefacts(tiny_model, tmp_path):
