@@ -695,6 +695,30 @@ def test_a_closed_window_predicts_at_most_its_room_and_the_stream_then_waits(mod
     engine.close()
 
 
+def test_dropping_what_the_spare_took_does_not_wait_for_it(model, frames, monkeypatch):
+    """A moved guess drops the spare's frames while it is still stepping one: the stream's thread does
+    not wait; the queued frames are never stepped, and the spare starts afresh before what comes next."""
+    gate = SpareGate(monkeypatch)
+    engine = ChunkedEngine(model, StreamConfig(scale_frames=3, window=4), chunk_frames=10, overlap=3, lookahead=True)
+    for frame in frames[:4]:  # the spare is warmed on these
+        engine.push(frame)
+    spare = engine._rollover.spare
+    spare.wait_until(time.perf_counter() + 60)
+    gate.open.clear()
+    for frame in frames[4:8]:
+        spare.push(frame, 0.0)
+    started = time.perf_counter()
+    spare.drop()
+    assert time.perf_counter() - started < 0.5  # the worker is held at its first frame meanwhile
+    gate.open.set()
+    for index, frame in enumerate(frames[8:12]):
+        spare.push(frame, float(index))
+    # a fresh stream: the frame held at the gate was finished and dropped, the other three never ran
+    predictions = spare.collect() + spare.engine.finish()
+    assert [(p.frame_index, p.timestamp) for p in predictions] == [(i, float(i)) for i in range(4)]
+    engine.close()
+
+
 DENSE_FLOW_CASES = {  # (config, chunk_frames, overlap, frames, DENSE_KEYFRAMES)
     "every_frame_a_keyframe": (StreamConfig(scale_frames=2, window=3, keyframes="flow", flow_threshold=1e9, max_gap=1),
                                8, 3, 26, 0.8),
