@@ -205,9 +205,9 @@ class CompiledFunction:
 
 
 class _InstalledMethod:
-    """A CompiledFunction bound to one module (its first argument). Dynamo pickles a module, attributes and all, into an
-    artefact's guards; this pickles as the plain method of the module's class, not as the compiled
-    one (whose lock cannot be pickled)."""
+    """A CompiledFunction bound to one module (its first argument). Dynamo pickles a module,
+    attributes and all, into an artefact's guards; this pickles as the plain method of the module's
+    class, not as the compiled one (whose lock cannot be pickled)."""
 
     __slots__ = ("compiled", "module", "name")
 

@@ -484,6 +484,7 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
     npz_bytes = sum(path.stat().st_size for path in npz)
     all_bytes = sum(path.stat().st_size for path in output_dir.rglob("*") if path.is_file())
     run_json = json.loads((output_dir / "run.json").read_text())
+    engine_stats = run_json["summary"].get("engine", {})
     timed = engines[0]
     outside = timed.outside_ms(skip=options.scale_frames)
     result = {
@@ -504,13 +505,13 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
         "peak_host_rss_gb": peak_rss_bytes() / 2**30,
         "bytes_per_frame": npz_bytes / max(1, len(npz)),
         "output_bytes": all_bytes,
-        "rollovers": run_json["summary"].get("engine", {}).get("rollovers"),
-        "rollovers_ahead": run_json["summary"].get("engine", {}).get("rollovers_ahead"),
-        "provisional_frames": run_json["summary"].get("engine", {}).get("provisional_frames"),
-        "lookahead_starts": run_json["summary"].get("engine", {}).get("lookahead_starts"),
-        "warm_up": run_json["summary"].get("engine", {}).get("warm_up"),
-        "spare_warm_up_s": run_json["summary"].get("engine", {}).get("spare_warm_up_s"),
-        "compiled_code": run_json["summary"].get("engine", {}).get("compiled_code"),
+        "rollovers": engine_stats.get("rollovers"),
+        "rollovers_ahead": engine_stats.get("rollovers_ahead"),
+        "provisional_frames": engine_stats.get("provisional_frames"),
+        "lookahead_starts": engine_stats.get("lookahead_starts"),
+        "warm_up": engine_stats.get("warm_up"),
+        "spare_warm_up_s": engine_stats.get("spare_warm_up_s"),
+        "compiled_code": engine_stats.get("compiled_code"),
         "run_json_fps": run_json["summary"].get("fps"),
         "run_json_model_fps": run_json["summary"].get("model_fps"),
         "loop_closure": run_json["summary"].get("loop_closure"),
