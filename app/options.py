@@ -22,6 +22,9 @@ KV_CACHE_CHOICES = ("auto", "fp8")  # auto: the model's precision (models.attent
 # auto: on when the pose graph's library is installed and the stream can reach a third chunk (a loop joins
 # chunks two or more apart; app.loops); on: the same, and a missing library is an error; off: never.
 LOOP_CLOSURE_CHOICES = ("auto", "on", "off")
+# auto: where the first streaming step compiles or records a CUDA graph (the engine's slow_first_step: CUDA
+# by default), that step runs on copies of the first frame before the stream; on: everywhere; off: never.
+WARM_UP_CHOICES = ("auto", "on", "off")
 MAX_CHUNK_FRAMES = 1024  # positions in the model's temporal RoPE table
 DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
                "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
@@ -63,6 +66,7 @@ class RunOptions:
     dtype: str = "auto"  # auto (bf16 transformer on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
     attention: str = "auto"  # a name of the backend table (models.attention_backends.backend_names)
     compile: bool = True  # torch.compile the transformer blocks (CUDA only)
+    warm_up: str = "auto"  # auto | on | off: compile and record the streaming step before the first frame
     memory_check: bool = True  # refuse a CPU run whose memory estimate exceeds what is available (app.resources)
     kv_cache: str = "auto"  # K/V cache precision: auto (the model's) | fp8 (e4m3, dense attention backends)
     gpu_memory: str | None = None  # a device-memory budget such as "8GiB": the engine plans to fit it (models.memory)
@@ -141,6 +145,8 @@ class RunOptions:
         yield from point_cloud_problems(self.conf_threshold, self.voxel_size)
         if self.loop_closure not in LOOP_CLOSURE_CHOICES:
             yield f"--loop-closure must be one of {', '.join(LOOP_CLOSURE_CHOICES)}, got {self.loop_closure!r}"
+        if self.warm_up not in WARM_UP_CHOICES:
+            yield f"--warm-up must be one of {', '.join(WARM_UP_CHOICES)}, got {self.warm_up!r}"
         if self.kv_cache not in KV_CACHE_CHOICES:
             yield f"--kv-cache must be one of {', '.join(KV_CACHE_CHOICES)}, got {self.kv_cache!r}"
         port_problem = viewer_port_problem(self.port)

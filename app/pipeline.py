@@ -260,9 +260,23 @@ class Run:
         image = frame.image
         if image is None:  # a FrameSource opened without preprocessing
             image = preprocess_frame_uint8(frame.rgb, self.options.image_width)
+        if self.clock.frames_read == 0 and self._warms_up():
+            self._warm_up(image)
         preds = self.clock.time_engine(self.engine.push, image, timestamp=frame.timestamp)
         self.clock.frames_read += 1
         progress.update(self._emit(preds))
+
+    def _warms_up(self) -> bool:
+        choice = self.options.warm_up
+        return choice == "on" or (choice == "auto" and self.engine.slow_first_step)
+
+    def _warm_up(self, image: Any) -> None:
+        """The engine's first streaming step, compiled and recorded on copies of the first frame before
+        the stream (ChunkedEngine.warm_up): seconds, a minute on a machine that never compiled this size."""
+        height, width = image.shape[-2:]
+        self.console.print(f"[dim]warming up for {width}x{height} frames: the streaming step is compiled and "
+                           "recorded before the stream starts[/dim]", highlight=False)
+        self.clock.time_warm_up(self.engine.warm_up, image)
 
     def _emit(self, preds: list) -> dict:
         clock, source = self.clock, self.source

@@ -168,6 +168,31 @@ class ChunkedEngine:
         emitted, self._outbox = self._outbox, []
         return emitted
 
+    def warm_up(self, image: torch.Tensor | np.ndarray) -> dict[str, float]:
+        """Before the stream's first frame: warm the engine on copies of `image`, that first frame
+        (StreamingEngine.warm_up), then start the spare engine where one is wanted and wait while it
+        warms on its worker, so that neither compiles nor records once the stream runs. Returns the
+        seconds by part ("spare_s" for the spare's)."""
+        if self.num_frames:
+            raise ValueError("an engine warms up before its stream's first frame, not during a stream")
+        frame = self.engine.check_frame(image).detach().clone()
+        seconds = self.engine.warm_up(frame)
+        if self.lookahead is False or self._rollover is not None:
+            return seconds
+        if not self._wants_spare():
+            self.lookahead = False  # decided: the stream's first frames do not ask again
+            return seconds
+        started = time.perf_counter()
+        self._start_spare([(frame, float(index)) for index in range(self.config.scale_frames + 1)])
+        self._rollover.spare.collect()  # its warm-up done: the stream's first frames share nothing with it
+        seconds["spare_s"] = round(time.perf_counter() - started, 3)
+        return seconds
+
+    @property
+    def slow_first_step(self) -> bool:
+        """StreamingEngine.slow_first_step: whether `warm_up` saves the stream a wait."""
+        return self.engine.slow_first_step
+
     def close(self) -> None:
         """Stop the spare engine's worker thread (when there is one)."""
         if self._rollover is not None:
@@ -325,7 +350,7 @@ class ChunkedEngine:
                 self._warmup.append(frame)
             if index == warm_frames - 1:
                 if self._wants_spare():
-                    self._start_spare()
+                    self._start_spare(self._warmup)
                 self._warmup = []
             return
         if not self.closes_on_keyframes:
@@ -367,11 +392,12 @@ class ChunkedEngine:
     def _spare_config(self) -> StreamConfig:
         return replace(self.engine.config, gpu_memory=None)
 
-    def _start_spare(self) -> None:
+    def _start_spare(self, warm_frames: list[tuple[torch.Tensor, float]]) -> None:
+        """A spare engine, warmed on `warm_frames` (scale frames and a streaming one) on its worker."""
         spare = SpareEngine(StreamingEngine(self.model, self._spare_config(), device=self.device,
                                             dtype=self.engine.dtype, window_slots=self.spare_window_slots))
         spare.engine.memory_plan = self.engine.memory_plan
-        spare.warm(self._warmup)
+        spare.warm(warm_frames)
         self._rollover = Rollover(spare, self.alignment, self._provisional_room)
         self._replay = deque(self._replay, maxlen=self.overlap + 1 + self._provisional_room)
 

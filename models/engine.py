@@ -9,6 +9,7 @@ no pages, no special tokens, no temporal index, no camera-head token).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +27,10 @@ from .prepare import require_prepared
 from .staging import Staged
 from .steps import EagerRunner, choose_runner
 from .stream_config import KeyframePolicy, StreamConfig
+
+# Streaming steps a warm-up predicts after its scale step: the first compiles and records the step's
+# graph, the second replays it (the replay's own first launches, a pipelined runner's side stream).
+WARM_UP_STEPS = 2
 
 
 @dataclass
@@ -149,6 +154,39 @@ class StreamingEngine:
         except BaseException:
             self._ready = ready  # nothing computed is lost
             raise
+
+    @property
+    def slow_first_step(self) -> bool:
+        """Whether the first streaming step costs seconds where later ones cost milliseconds: it
+        compiles the model's code (or loads it) or records the step as a CUDA graph. `warm_up` then
+        moves that cost before the stream."""
+        on_cuda = self.device.type == "cuda"
+        return bool(self.model.inference_spec.compiled) or (on_cuda and self.config.cuda_graphs)
+
+    def warm_up(self, image: torch.Tensor | np.ndarray) -> dict[str, float]:
+        """Before the stream's first frame: predict `scale_frames` + WARM_UP_STEPS copies of `image`
+        (that first frame) and forget them, so that the first streaming step's compile, its kernels'
+        first launches and its graph's recording happen now and the stream never waits for them.
+
+        Afterwards the engine is as a fresh one but for its caches' storage and recorded graph
+        (kept, as after `reset`): the stream's predictions are the ones it makes without a warm-up.
+        Returns seconds by part: "scale_step_s", "streaming_steps_s"."""
+        if self.num_frames or self._buffer or self._in_flight or self._ready:
+            raise ValueError("an engine warms up before its stream's first frame, not during a stream")
+        image = self.check_frame(image)  # the stream's first frame: it sets the size and the caches up
+        started = time.perf_counter()
+        for _ in range(self.config.scale_frames):
+            self.push_checked(image)
+        scaled = time.perf_counter()
+        for _ in range(WARM_UP_STEPS):
+            self.push_checked(image)
+        self.finish()
+        self.reset()
+        self._ready = []  # the warm-up's last predictions, finished by reset(): never the stream's
+        if self.device.type == "cuda":  # its device work done: the stream's first frame waits for none of it
+            torch.cuda.synchronize(self.device)
+        done = time.perf_counter()
+        return {"scale_step_s": round(scaled - started, 3), "streaming_steps_s": round(done - scaled, 3)}
 
     def take_over(self, other: StreamingEngine) -> None:
         """Go on with `other`'s stream: its caches' contents (copied on the current stream), its frame

@@ -419,7 +419,7 @@ def run_options(args: argparse.Namespace, port: int) -> Any:
         compile=not args.no_compile, scale_frames=args.scale, window=args.window, chunk_frames=args.chunk_frames,
         overlap=args.overlap, keyframes=args.keyframes, image_width=args.image_width, max_frames=args.frames,
         kv_cache=args.kv_cache, viewer=args.viewer, port=port, overwrite=True,
-        loop_closure=getattr(args, "loop_closure", "auto"), **extra,
+        loop_closure=getattr(args, "loop_closure", "auto"), warm_up=getattr(args, "warm_up", "auto"), **extra,
     )
 
 
@@ -510,6 +510,8 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
         "provisional_frames": engine_stats.get("provisional_frames"),
         "lookahead_starts": engine_stats.get("lookahead_starts"),
         "warm_up": engine_stats.get("warm_up"),
+        "run_warm_up_s": run_json["summary"]["timings"].get("warm_up_s"),
+        "run_warm_up_parts_s": run_json["summary"]["timings"].get("warm_up_parts_s"),
         "spare_warm_up_s": engine_stats.get("spare_warm_up_s"),
         "compiled_code": engine_stats.get("compiled_code"),
         "run_json_fps": run_json["summary"].get("fps"),
@@ -645,6 +647,8 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lookahead", choices=sorted(LOOKAHEAD), default="auto",
                         help="the next chunk predicted beside the stream (ChunkedEngine's lookahead)")
     parser.add_argument("--loop-closure", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--warm-up", choices=("auto", "on", "off"), default="auto",
+                        help="the run's --warm-up: the streaming step compiled and recorded before the first frame")
     parser.add_argument("--viewer", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--client", action="store_true", help="with --viewer: a websocket client receives the scene")
     parser.add_argument("--port", type=int, default=0, help="viewer port (0: a free one)")
@@ -818,7 +822,8 @@ def print_table(result: dict[str, Any]) -> None:
          f"({result['longest_interval_after_first_prediction_frame']})"),
         ("whole run FPS (run.json)", f"{result.get('run_json_fps') or float('nan'):.2f}"),
         ("model load s", f"{result['model_load_s']:.1f}"),
-        ("first streaming frame s: eager step / graph recording / spare's warm-up",
+        ("warm-up before the stream s (parts)", f"{result.get('run_warm_up_s')} ({result.get('run_warm_up_parts_s')})"),
+        ("first streaming step s: eager step / graph recording / spare's warm-up",
          "{} / {} / {}".format(*[(result.get("warm_up") or {}).get(key) for key in
                                  ("first_streaming_step_s", "graph_record_s")], result.get("spare_warm_up_s"))),
         ("compiled calls: loaded / compiled (s)", "{loaded} / {compiled} ({seconds:.1f})".format(**result["compiled_code"])

@@ -252,6 +252,31 @@ def test_long_stream_rolls_over_to_new_windows_and_keeps_one_file_per_frame(
     assert windows == sorted(windows) and windows[-1] >= 2
 
 
+def test_a_warm_up_before_the_first_frame_leaves_the_run_directory_as_it_is(
+    tmp_path: Path, tiny_model: GCTStream
+) -> None:
+    # --warm-up on: the streaming step runs on copies of the first frame before the stream (auto does that
+    # where it compiles or records CUDA graphs, not in this CPU run), and nothing the run writes changes:
+    # every prediction file and the trajectory byte for byte; run.json says how long the warm-up took, and
+    # the run's rate starts after it.
+    video = write_video(tmp_path / "long.mp4", 14, fps=20)
+    runs = {}
+    for choice in ("auto", "on"):
+        options = RunOptions(**{**FAST, "chunk_frames": 5, "overlap": 3, "keyframes": "flow", "max_gap": 1,
+                                "warm_up": choice})
+        summary = run_sequence(str(video), tmp_path / choice, options, model=tiny_model)
+        assert summary.status == "complete" and summary.frames == 14
+        runs[choice] = check_run_dir(tmp_path / choice, 14, "complete")["summary"]
+    assert runs["auto"]["timings"]["warm_up_s"] is None and runs["auto"]["timings"]["warm_up_parts_s"] is None
+    timings = runs["on"]["timings"]
+    assert timings["warm_up_s"] > 0 and set(timings["warm_up_parts_s"]) == {"scale_step_s", "streaming_steps_s"}
+    assert timings["model_load_s"] + timings["warm_up_s"] <= timings["until_first_frame_s"]
+    assert runs["on"]["engine"]["rollovers"] == runs["auto"]["engine"]["rollovers"] >= 2
+    assert runs["on"]["engine"]["keyframes"] == runs["auto"]["engine"]["keyframes"]
+    for name in ["trajectory_tum.txt"] + [f"predictions/{index:06d}.npz" for index in range(14)]:
+        assert (tmp_path / "on" / name).read_bytes() == (tmp_path / "auto" / name).read_bytes(), name
+
+
 def test_window_options_are_checked_before_anything_runs() -> None:
     with pytest.raises(OptionsError, match=r"--scale-frames \(\d+\) must be less than --chunk-frames"):
         RunOptions(scale_frames=8, chunk_frames=8)
@@ -492,8 +517,9 @@ def test_unusable_attention_backend_is_refused_before_anything_is_made(tmp_path:
 
 
 def test_options_are_validated_with_every_problem_named(tmp_path: Path) -> None:
-    with pytest.raises(OptionsError, match="--image-width must be a positive multiple of 14.*; --keyframes must be "):
-        RunOptions(keyframes="sometimes", image_width=500)
+    with pytest.raises(OptionsError, match="--image-width must be a positive multiple of 14.*; --warm-up must be one "
+                                           "of auto, on, off, got 'sometimes'; --keyframes must be "):
+        RunOptions(keyframes="sometimes", image_width=500, warm_up="sometimes")
     video = write_video(tmp_path / "clip.mp4", 3)
     with pytest.raises(OptionsError, match="CUDA is not available"):
         run_sequence(str(video), tmp_path / "run", RunOptions(device="cuda"))

@@ -377,3 +377,68 @@ def test_compiled_code_kept_between_runs_streams_the_same(gpu_model, scenario, t
     measured = errors(second, golden)
     for key, limit in BF16_TOLERANCE.items():
         assert measured[key] <= limit, f"{key}: {measured[key]:.3f} sigma"
+
+
+@pytest.mark.parametrize("scenario", ["all_keyframes", "flow"])
+def test_a_warm_up_compiles_and_records_before_the_stream_and_streams_the_same(gpu_model, scenario):
+    """The defaults (compiled, recorded, pipelined), Dynamo reset as in a new process: a warm-up on copies
+    of the first frame compiles and records the streaming step; the stream after it compiles nothing
+    and records nothing, and streams the golden outputs within the bf16 tolerance, the frame types and,
+    frame for frame, what a stream without a warm-up streams (within graph replay against eager steps)."""
+    from torch._dynamo.utils import counters
+
+    from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
+
+    golden = np.load(GOLDEN / scenario / "outputs.npz")
+    frames = [frame.cuda() for frame in golden_frames()]
+    torch._dynamo.reset()
+    model = prepare_for_inference(gpu_model, "cuda", torch.bfloat16, compile=True)
+    config = StreamConfig(scale_frames=3, window=4, **SCENARIOS[scenario])
+    warm = StreamingEngine(model, config)
+    assert warm.slow_first_step
+    seconds = warm.warm_up(frames[0])
+    recorded, compiled = warm.runner.recorded, counters["stats"]["unique_graphs"]
+    assert recorded is not None and compiled >= 10, (recorded, compiled)
+    warmed = [p for frame in frames for p in warm.push(frame)] + warm.finish()
+    assert warm.runner.recorded is recorded and counters["stats"]["unique_graphs"] == compiled
+    cold = StreamingEngine(model, config)
+    without = [p for frame in frames for p in cold.push(frame)] + cold.finish()
+    print(f"{scenario}: warm-up {seconds}, {compiled} graphs compiled in it; "
+          f"vs golden {errors(warmed, golden)}; vs no warm-up {errors(warmed, as_golden(without))}")
+    assert [p.frame_type for p in warmed] == [p.frame_type for p in without] == list(golden["frame_type"])
+    assert max(errors(warmed, as_golden(without)).values()) <= 1e-2
+    for key, limit in BF16_TOLERANCE.items():
+        assert errors(warmed, golden)[key] <= limit
+
+
+def test_a_warm_up_starts_the_spare_recorded_and_rollovers_emit_the_same():
+    """ChunkedEngine's warm-up on CUDA also starts the next chunk's spare engine and waits while it records
+    its step, so the stream's first frames share the device with no warm-up; the final emissions are those
+    of a stream without a warm-up (within graph replay against the eager first streaming step)."""
+    from stream_recon.models import StreamConfig, prepare_for_inference
+    from stream_recon.models.chunked import ChunkedEngine
+
+    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    frames = [(255 * torch.rand(3, 126, 224, generator=generator)).to(torch.uint8) for _ in range(60)]
+    config = StreamConfig(scale_frames=2, window=4, keyframes="flow", flow_threshold=1e9, max_gap=2)
+    finals = {}
+    for warm in (True, False):
+        engine = ChunkedEngine(model, config, chunk_frames=14, overlap=5)
+        try:
+            if warm:
+                seconds = engine.warm_up(frames[0])
+                spare = engine._rollover.spare.engine
+                assert seconds["spare_s"] > 0 and spare.runner.records and engine.engine.runner.records
+                recorded = (engine.engine.runner.recorded, spare.runner.recorded)
+            pushes = [engine.push(frame) for frame in frames] + [engine.finish()]
+            stats = engine.stats()
+            assert stats["lookahead"] and stats["rollovers"] == stats["rollovers_ahead"] >= 2
+            if warm:
+                assert (engine.engine.runner.recorded, engine._rollover.spare.engine.runner.recorded) == recorded
+        finally:
+            engine.close()
+        finals[warm] = [p for push in pushes for p in push if not p.provisional]
+    assert [(p.frame_index, p.chunk_index, p.frame_type) for p in finals[True]] == \
+        [(p.frame_index, p.chunk_index, p.frame_type) for p in finals[False]]
+    assert max(errors(finals[True], as_golden(finals[False])).values()) <= 1e-2

@@ -945,3 +945,52 @@ def quat_product_xyzw(first: np.ndarray, second: np.ndarray) -> np.ndarray:
     from stream_recon.models.pose import quat_xyzw_product
 
     return quat_xyzw_product(first, second)
+
+
+WARM_UP_CASES = ("all", "interval", "flow_mixed", "flow_gap")
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+@pytest.mark.parametrize("case", WARM_UP_CASES)
+def test_a_warm_up_on_copies_of_the_first_frame_changes_no_emission(model, frames, case, lookahead):
+    """A warm-up before the first frame (the streaming step run on copies of it, then forgotten; with a
+    spare, the spare started and warmed too) leaves every emission of the stream as it is without one,
+    bit for bit, rollovers and flow decisions included: in the same pushes (with a spare, whose
+    predictions come back as its worker finishes them: the same final emissions in the same order)."""
+    config, chunk_frames, overlap, count = CASES[case]
+    count = min(len(frames), 3 * count)
+    runs = {}
+    for warm in (False, True):
+        engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=lookahead)
+        try:
+            if warm:
+                seconds = engine.warm_up(frames[0])
+                assert seconds["streaming_steps_s"] > 0 and ("spare_s" in seconds) == lookahead
+                assert engine.stats()["lookahead"] == lookahead and engine.stats()["frames"] == 0
+            runs[warm] = (run_live_marked(engine, frames[:count]), engine.stats())
+        finally:
+            engine.close()
+    ((final, pushes), stats), ((final_cold, pushes_cold), stats_cold) = runs[True], runs[False]
+    if lookahead:
+        assert [e for push in pushes for e in push if not e[2]] == [e for push in pushes_cold for e in push if not e[2]]
+    else:
+        assert pushes == pushes_cold
+    assert stats["rollovers"] == stats_cold["rollovers"] >= 2
+    assert stats["keyframes"] == stats_cold["keyframes"]
+    for index, ours in final.items():
+        theirs = final_cold[index]
+        assert (ours.chunk_index, ours.frame_type) == (theirs.chunk_index, theirs.frame_type)
+        for key in ("pose_enc", "c2w", "intrinsics", "depth", "depth_conf"):
+            np.testing.assert_array_equal(getattr(ours, key), getattr(theirs, key))
+        np.testing.assert_equal(ours.flow_magnitude, theirs.flow_magnitude)
+
+
+def test_a_warm_up_comes_before_the_first_frame_only(model, frames):
+    engine = ChunkedEngine(model, StreamConfig(scale_frames=3, window=4), chunk_frames=6, overlap=3, lookahead=False)
+    engine.push(frames[0])
+    with pytest.raises(ValueError, match="before its stream's first frame"):
+        engine.warm_up(frames[1])
+    plain = StreamingEngine(model, StreamConfig(scale_frames=3, window=4))
+    plain.push(frames[0])
+    with pytest.raises(ValueError, match="before its stream's first frame"):
+        plain.warm_up(frames[1])

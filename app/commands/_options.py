@@ -94,6 +94,9 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         "lists them, what each is and whether it runs here.",
         "compile": "Fuse the transformer blocks with torch.compile (CUDA only): about 20% faster per frame; the "
         "first run on a machine compiles for a minute or two, later runs read the cache.",
+        "warm_up": "Before the first frame, run the streaming step on copies of it (compiled, recorded as a CUDA "
+        "graph) so that the stream never waits for that: auto (where the step compiles or is recorded: CUDA), on, "
+        "or off (the first streaming frame waits instead).",
         "memory_check": "CPU runs: refuse settings whose memory estimate exceeds the available memory, naming smaller "
         "ones that fit.",
         "kv_cache": "K/V cache precision: auto (the model's: bf16 on a GPU) or fp8 (e4m3 with a scale per token "
