@@ -1,0 +1,107 @@
+"""What a run's start costs on a machine whose compile caches are empty, part by part.
+
+One process: the model (random weights: what compiling costs does not depend on their values) prepared
+for CUDA in bf16, compiled or not; a ChunkedEngine with the defaults warmed up on a frame of the given
+size (ChunkedEngine.warm_up: the scale step, two streaming steps, the spare's warm-up); then
+`--frames` frames through it, the mean time of the last `--timed` taken as the engine's steady
+ms/frame. Prints one JSON line: the warm-up's parts, Dynamo's and Inductor's compile times by phase,
+the graphs compiled, Inductor's compile threads, and the steady ms/frame.
+
+Point TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR at an empty folder to measure a fresh machine in a
+machine that compiled before (scripts/device/run_cold_start.sh does).
+
+    python3 scripts/probe_cold_start.py --height 392 [--no-compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+PROCESS_STARTED = time.perf_counter()
+
+import torch  # noqa: E402
+
+
+def random_model(preset: str):
+    """The preset's model with small random weights, on the host, as a checkpoint load leaves it."""
+    from stream_recon.models import GCTStream, ModelConfig
+
+    with torch.device("meta"):
+        model = GCTStream(ModelConfig.from_name(preset))
+    model = model.to_empty(device="cpu").eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if tensor.ndim >= 2:
+                tensor.normal_(0.0, 0.02, generator=generator)
+            elif name.endswith(("weight", "gamma")):
+                tensor.fill_(1.0 if name.endswith("weight") else 0.1)
+            elif tensor.is_floating_point():
+                tensor.zero_()
+    return model
+
+
+def compile_phases() -> dict[str, float]:
+    """Seconds spent per compile phase (Dynamo's counters: tracing, AOT, Inductor, Triton)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {name: round(sum(times), 3) for name, times in compilation_time_metrics.items() if sum(times) > 0.05}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--height", type=int, default=392)
+    parser.add_argument("--width", type=int, default=518)
+    parser.add_argument("--model", default="lingbot-map")
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (float32: the probe's own check)")
+    parser.add_argument("--frames", type=int, default=160)
+    parser.add_argument("--timed", type=int, default=100)
+    args = parser.parse_args()
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
+
+    from stream_recon.models import StreamConfig, prepare_for_inference
+    from stream_recon.models.chunked import ChunkedEngine
+
+    result = {"height": args.height, "compile": not args.no_compile,
+              "compile_threads": inductor_config.compile_threads, "import_s": time.perf_counter() - PROCESS_STARTED}
+    started = time.perf_counter()
+    model = random_model(args.model)
+    result["build_s"] = time.perf_counter() - started
+    started = time.perf_counter()
+    on_cuda = args.device == "cuda"
+    model = prepare_for_inference(model, args.device, torch.bfloat16 if on_cuda else torch.float32,
+                                  compile=not args.no_compile)
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+    sync()
+    result["prepare_s"] = time.perf_counter() - started
+    engine = ChunkedEngine(model, StreamConfig())
+    generator = torch.Generator().manual_seed(0)
+    frames = [torch.randint(0, 256, (3, args.height, args.width), dtype=torch.uint8, generator=generator)
+              for _ in range(8)]
+    started = time.perf_counter()
+    result["warm_up"] = engine.warm_up(frames[0])
+    result["warm_up_s"] = time.perf_counter() - started
+    result["first_streaming_step"] = engine.stats()["warm_up"]
+    result["graphs_compiled"] = counters["stats"]["unique_graphs"]
+    result["compile_phases_s"] = compile_phases()
+    times = []
+    for index in range(args.frames):
+        pushed = time.perf_counter()
+        engine.push(frames[index % len(frames)])
+        times.append(time.perf_counter() - pushed)
+    engine.finish()
+    sync()
+    engine.close()
+    result["steady_ms"] = 1000 * sum(times[-args.timed:]) / args.timed
+    result["longest_push_ms"] = 1000 * max(times)
+    result["graphs_compiled_while_streaming"] = counters["stats"]["unique_graphs"] - result["graphs_compiled"]
+    result["process_s"] = time.perf_counter() - PROCESS_STARTED
+    print(json.dumps(result, default=str))
+
+
+if __name__ == "__main__":
+    main()
