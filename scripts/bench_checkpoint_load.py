@@ -3,6 +3,7 @@
     python scripts/bench_checkpoint_load.py                   # writes both files to a temp folder, then deletes them
     python scripts/bench_checkpoint_load.py --folder /data/ckpt --keep
     python scripts/bench_checkpoint_load.py --device cuda
+    python scripts/bench_checkpoint_load.py --device cuda --product   # as `stream-recon` loads: host, then prepared
 
 The files hold the official architecture's tensors with the synthetic weights (models/synthetic.py):
 the .pt written by torch.save, the .safetensors by our converter. Each load runs in a fresh process
@@ -71,8 +72,28 @@ def measure_one(path: str, device: str) -> dict:
             "peak_rss_before_load_mib": round(before), "parameters": sum(p.numel() for p in named.values())}
 
 
-def measure_in_child(path: Path, device: str) -> dict:
-    command = [sys.executable, __file__, "--child", str(path), "--device", device]
+def measure_product_load(path: str, device: str) -> dict:
+    """Runs in the child process: the checkpoint loaded as every command loads it (app.loading.load_model_for:
+    read on the host, then prepared for the device in the run's precision, compiled where it is), each part timed."""
+    from stream_recon.app.loading import prepared_for_run, resolve_device
+    from stream_recon.app.options import RunOptions
+    from stream_recon.models import load_model
+
+    options = RunOptions(checkpoint=path, device=device)
+    device = resolve_device(options.device)
+    start = time.perf_counter()
+    loaded = load_model(path, device="cpu")
+    read_s = time.perf_counter() - start
+    start = time.perf_counter()
+    prepared_for_run(loaded, options, device)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return {"file": Path(path).name, "device": device, "read_on_host_s": round(read_s, 2),
+            "prepare_s": round(time.perf_counter() - start, 2), "peak_rss_mib": round(peak_rss_mib())}
+
+
+def measure_in_child(path: Path, device: str, product: bool = False) -> dict:
+    command = [sys.executable, __file__, "--child", str(path), "--device", device] + (["--product"] if product else [])
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"measuring {path} failed:\n{result.stderr}")
@@ -85,10 +106,13 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the files afterwards")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeat", type=int, default=2, help="loads per format (the first reads the disk)")
+    parser.add_argument("--product", action="store_true",
+                        help="load as the app does (read on the host, then prepared for the device), each part timed")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure_one(args.child, args.device)))
+        measure = measure_product_load if args.product else measure_one
+        print(json.dumps(measure(args.child, args.device)))
         return
     folder = args.folder or Path(tempfile.mkdtemp(prefix="bench-checkpoint-"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -100,7 +124,7 @@ def main() -> None:
               f"{converted} ({converted.stat().st_size:,} bytes)", flush=True)
         for _ in range(args.repeat):
             for path in (pt, converted):
-                print(json.dumps(measure_in_child(path, args.device)), flush=True)
+                print(json.dumps(measure_in_child(path, args.device, args.product)), flush=True)
     finally:
         if not args.keep:
             for path in (pt, converted):
