@@ -268,7 +268,10 @@ class Run:
 
     def _warms_up(self) -> bool:
         choice = self.options.warm_up
-        return choice == "on" or (choice == "auto" and self.engine.slow_first_step)
+        if choice != "auto":
+            return choice == "on"
+        length = self.source.estimated_length  # a stream of scale frames only has no streaming step to wait for
+        return self.engine.slow_first_step and (length is None or length > self.options.scale_frames)
 
     def _warm_up(self, image: Any) -> None:
         """The engine's first streaming step, compiled and recorded on copies of the first frame before

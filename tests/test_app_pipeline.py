@@ -277,6 +277,23 @@ def test_a_warm_up_before_the_first_frame_leaves_the_run_directory_as_it_is(
         assert (tmp_path / "on" / name).read_bytes() == (tmp_path / "auto" / name).read_bytes(), name
 
 
+def test_auto_warms_up_where_the_first_streaming_step_is_slow_and_the_stream_has_one(
+    tmp_path: Path, tiny_model: GCTStream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # auto follows the engine's slow_first_step (CUDA: compiled or recorded; here made true, as a CPU does
+    # not compile), and skips a stream of scale frames only, which never takes a streaming step
+    from stream_recon.models.chunked import ChunkedEngine
+
+    monkeypatch.setattr(ChunkedEngine, "slow_first_step", property(lambda engine: True))
+    warm_ups = {}
+    for frames in (3, 5):
+        video = write_video(tmp_path / f"clip{frames}.mp4", frames, fps=20)
+        run_sequence(str(video), tmp_path / f"run{frames}", RunOptions(**FAST), model=tiny_model)
+        record = json.loads((tmp_path / f"run{frames}" / "run.json").read_text())
+        warm_ups[frames] = record["summary"]["timings"]["warm_up_s"]
+    assert warm_ups[3] is None and warm_ups[5] > 0
+
+
 def test_window_options_are_checked_before_anything_runs() -> None:
     with pytest.raises(OptionsError, match=r"--scale-frames \(\d+\) must be less than --chunk-frames"):
         RunOptions(scale_frames=8, chunk_frames=8)
