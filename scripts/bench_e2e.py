@@ -193,6 +193,11 @@ class StandInEngine:
         self._held: list[tuple[int, float]] = []  # frames submitted, not yet returned
         self.num_frames = 0
 
+    slow_first_step = False  # nothing compiles or records: run_sequence's warm-up has nothing to move
+
+    def warm_up(self, image: Any) -> dict[str, float]:
+        return {}
+
     def push(self, image: Any, timestamp: float | None = None) -> list:
         now = time.perf_counter()
         index, self.num_frames = self.num_frames, self.num_frames + 1

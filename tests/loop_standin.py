@@ -113,6 +113,11 @@ class LoopSceneEngine:
         self._depth: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._images: dict[int, np.ndarray] = {}
 
+    slow_first_step = False  # nothing compiles or records: run_sequence's warm-up has nothing to move
+
+    def warm_up(self, image) -> dict[str, float]:
+        return {}
+
     def push(self, image, timestamp: float | None = None) -> list[FramePrediction]:
         started = time.perf_counter()
         index = self.num_frames
