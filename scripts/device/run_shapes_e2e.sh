@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The product path on every shape users bring, one process: 1,000-frame videos at 1280x720 (landscape
 # phone), 640x468 (the benchmark's), 640x480 (TUM, webcams) and 720x1280 (portrait phone), every output
-# written, the viewer on with a client. Each row's whole-run FPS includes compiling its input size.
+# written, the viewer on with a client. Each row compiles its input size in its run's warm-up, before the stream.
 #   (GPU machine, repository root, .whl carried)  bash scripts/device/run_shapes_e2e.sh [bench_e2e options]
 set -uo pipefail
 source scripts/device/env.sh
