@@ -102,7 +102,7 @@ class ChunkedEngine:
         self.model, self.device = self.engine.model, self.engine.device
         self.lookahead = lookahead
         self._rollover: Rollover | None = None  # the spare engine and the rollover's phases, once started
-        self._warmup: list[tuple[torch.Tensor, float]] = []  # the first frames, to warm a spare on
+        self._first_frame: torch.Tensor | None = None  # the stream's, to warm a spare on
         # Frames a closed chunk may predict while the next catches up. Its cache has room for one
         # uncached frame unless the chunk spans the model's whole temporal range; and the new chunk
         # must not be able to fill up before it takes over (overlap + these + 1 frames < chunk_frames).
@@ -175,15 +175,14 @@ class ChunkedEngine:
         seconds by part ("spare_s" for the spare's)."""
         if self.num_frames:
             raise ValueError("an engine warms up before its stream's first frame, not during a stream")
-        frame = self.engine.check_frame(image).detach().clone()
-        seconds = self.engine.warm_up(frame)
+        seconds = self.engine.warm_up(image)
         if self.lookahead is False or self._rollover is not None:
             return seconds
         if not self._wants_spare():
             self.lookahead = False  # decided: the stream's first frames do not ask again
             return seconds
         started = time.perf_counter()
-        self._start_spare([(frame, float(index)) for index in range(self.config.scale_frames + 1)])
+        self._start_spare(image)
         self._rollover.spare.collect()  # its warm-up done: the stream's first frames share nothing with it
         seconds["spare_s"] = round(time.perf_counter() - started, 3)
         return seconds
@@ -338,20 +337,19 @@ class ChunkedEngine:
 
     # -- the next chunk, on the spare --------------------------------------------------------
     def _look_ahead(self, frame: tuple[torch.Tensor, float]) -> None:
-        """After frame `num_frames` went to the current chunk: warm a spare on the stream's first
-        frames (once), and, when chunks close at a known frame, hand the spare each frame the next
-        chunk will share as it comes."""
+        """After frame `num_frames` went to the current chunk: start a spare warmed on the stream's first
+        frame (once, where `warm_up` did not), and, when chunks close at a known frame, hand the spare
+        each frame the next chunk will share as it comes."""
         if self.lookahead is False or self._phase in (Phase.CATCHING_UP, Phase.SWITCH_PENDING):
             return  # (a chunk this short that the next lookahead would start now gets it at its rollover)
         index = self.num_frames
         if self._rollover is None:
-            warm_frames = self.config.scale_frames + 1  # the scale step and a recorded streaming step
-            if index < warm_frames:
-                self._warmup.append(frame)
-            if index == warm_frames - 1:
+            if index == 0:
+                self._first_frame = frame[0]
+            if index == self.config.scale_frames:  # once the engine's own first streaming step is recorded
                 if self._wants_spare():
-                    self._start_spare(self._warmup)
-                self._warmup = []
+                    self._start_spare(self._first_frame)
+                self._first_frame = None
             return
         if not self.closes_on_keyframes:
             self._rollover.take_ahead(index, frame, self.alignment.start + self.chunk_length - self.overlap, self._replay)
@@ -392,12 +390,12 @@ class ChunkedEngine:
     def _spare_config(self) -> StreamConfig:
         return replace(self.engine.config, gpu_memory=None)
 
-    def _start_spare(self, warm_frames: list[tuple[torch.Tensor, float]]) -> None:
-        """A spare engine, warmed on `warm_frames` (scale frames and a streaming one) on its worker."""
+    def _start_spare(self, first_frame: torch.Tensor) -> None:
+        """A spare engine, warmed on copies of the stream's first frame on its worker."""
         spare = SpareEngine(StreamingEngine(self.model, self._spare_config(), device=self.device,
                                             dtype=self.engine.dtype, window_slots=self.spare_window_slots))
         spare.engine.memory_plan = self.engine.memory_plan
-        spare.warm(warm_frames)
+        spare.warm(first_frame)
         self._rollover = Rollover(spare, self.alignment, self._provisional_room)
         self._replay = deque(self._replay, maxlen=self.overlap + 1 + self._provisional_room)
 

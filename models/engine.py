@@ -166,7 +166,9 @@ class StreamingEngine:
     def warm_up(self, image: torch.Tensor | np.ndarray) -> dict[str, float]:
         """Before the stream's first frame: predict `scale_frames` + WARM_UP_STEPS copies of `image`
         (that first frame) and forget them, so that the first streaming step's compile, its kernels'
-        first launches and its graph's recording happen now and the stream never waits for them.
+        first launches and its graph's recording happen now and the stream never waits for them. The
+        streaming steps are uncached (`push(cached=False)`): they need no window slot of their own, so
+        a spare's cache with a single one (`window_slots`) warms up too.
 
         Afterwards the engine is as a fresh one but for its caches' storage and recorded graph
         (kept, as after `reset`): the stream's predictions are the ones it makes without a warm-up.
@@ -179,12 +181,11 @@ class StreamingEngine:
             self.push_checked(image)
         scaled = time.perf_counter()
         for _ in range(WARM_UP_STEPS):
-            self.push_checked(image)
-        self.finish()
+            self.push_checked(image, cached=False)
+        self.finish()  # (the predictions are dropped: the stream's first frame is the next one pushed)
         self.reset()
-        self._ready = []  # the warm-up's last predictions, finished by reset(): never the stream's
-        if self.device.type == "cuda":  # its device work done: the stream's first frame waits for none of it
-            torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":  # its work done: the stream's first frame waits for none of it
+            torch.cuda.current_stream(self.device).synchronize()
         done = time.perf_counter()
         return {"scale_step_s": round(scaled - started, 3), "streaming_steps_s": round(done - scaled, 3)}
 

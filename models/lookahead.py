@@ -3,12 +3,12 @@
 A second StreamingEngine driven from a worker thread, on a CUDA stream of its own, takes the next
 chunk's shared frames (models/rollover.py says when) while the current chunk goes on. It runs the
 same model steps on the same frames in the same order as a rollover in place, so what it predicts
-is the same. It needs a cache and recorded graphs of its own: it is warmed once on the stream's
-first frames (its graph is recorded then, never at a rollover). At the switch the current engine
-takes its frames over (a copy of the cache's contents, a few milliseconds), so the spare's cache
-holds only what it takes before then (ChunkedEngine sizes it and decides whether there is room).
-Its CUDA stream has the default priority; the stream's has a higher one, so the spare gets what the
-stream leaves.
+is the same. It needs a cache and recorded graphs of its own: it is warmed once on copies of the
+stream's first frame (StreamingEngine.warm_up: its graph is recorded then, never at a rollover). At
+the switch the current engine takes its frames over (a copy of the cache's contents, a few
+milliseconds), so the spare's cache holds only what it takes before then (ChunkedEngine sizes it
+and decides whether there is room). Its CUDA stream has the default priority; the stream's has a
+higher one, so the spare gets what the stream leaves.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ class SpareEngine:
         self._jobs: list[Future] = []
         self.warm_seconds: float | None = None  # how long `warm` took on the worker, once it has
 
-    def warm(self, frames: list[tuple[torch.Tensor, float]]) -> None:
-        """Run the first frames of a stream through the spare and forget them: its first streaming
-        step compiles and records its graph, which then never happens at a rollover."""
-        self._submit(self._warm, frames)
+    def warm(self, image: torch.Tensor) -> None:
+        """Warm the spare on copies of a stream's first frame (StreamingEngine.warm_up) on its worker:
+        its first streaming step compiles and records its graph, which then never happens at a rollover."""
+        self._submit(self._warm, image)
 
     def push(self, image: torch.Tensor, timestamp: float) -> None:
         """Queue a frame as `check_frame` returned it (StreamingEngine.push_checked); its prediction
@@ -135,10 +135,7 @@ class SpareEngine:
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             return function(*args)
 
-    def _warm(self, frames: list[tuple[torch.Tensor, float]]) -> None:
+    def _warm(self, image: torch.Tensor) -> None:
         started = time.perf_counter()
-        for image, timestamp in frames:
-            self.engine.push_checked(image, timestamp)  # the first one is checked: it sets the caches up
-        self.engine.finish()
-        self.engine.reset()
+        self.engine.warm_up(image)
         self.warm_seconds = time.perf_counter() - started

@@ -985,6 +985,19 @@ def test_a_warm_up_on_copies_of_the_first_frame_changes_no_emission(model, frame
         np.testing.assert_equal(ours.flow_magnitude, theirs.flow_magnitude)
 
 
+def test_an_engine_with_one_window_slot_warms_up_and_streams_as_a_fresh_one(model, frames):
+    """A spare's cache may hold a single window slot (its provisional room shrunk to fit): the warm-up's
+    streaming steps take none, so it warms up, and then streams what an engine without a warm-up does."""
+    config = StreamConfig(scale_frames=3, window=4, attention="dense")
+    warm, cold = (StreamingEngine(model, config, window_slots=1) for _ in range(2))
+    warm.warm_up(frames[0])
+    for frame in frames[:4]:
+        for ours, theirs in zip(warm.push(frame), cold.push(frame), strict=True):
+            np.testing.assert_array_equal(ours.depth, theirs.depth)
+            np.testing.assert_array_equal(ours.pose_enc, theirs.pose_enc)
+    assert warm.num_keyframes == cold.num_keyframes == 4
+
+
 def test_a_warm_up_comes_before_the_first_frame_only(model, frames):
     engine = ChunkedEngine(model, StreamConfig(scale_frames=3, window=4), chunk_frames=6, overlap=3, lookahead=False)
     engine.push(frames[0])
