@@ -8,3 +8,8 @@ mkdir -p /tmp/sr/stream_recon
 for d in app models cache configs; do ln -sfn "$PWD/$d" /tmp/sr/stream_recon/$d; done
 export PYTHONPATH=/tmp/sr:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+# One product-path run of scripts/bench_e2e.py, named $1 (the rest are its options): its table into
+# $OUT/e2e.log, its JSON into $OUT/e2e_$1.json.
+e2e() { local name=$1; shift; echo "== $name: $*" | tee -a "$OUT/e2e.log"
+  python3 scripts/bench_e2e.py --video-dir /tmp "$@" --json "$OUT/e2e_$name.json" 2>&1 | grep -v Warn | tail -30 \
+    | tee -a "$OUT/e2e.log"; }

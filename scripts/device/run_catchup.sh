@@ -8,9 +8,6 @@ set -uo pipefail
 source scripts/device/env.sh
 [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fast_path.py -k "spare or lookahead" 2>&1 \
   | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|^E " | tail -20
-e2e() { local name=$1; shift; echo "== $name: $*" | tee -a "$OUT/e2e.log"
-  python3 scripts/bench_e2e.py --video-dir /tmp "$@" --json "$OUT/e2e_$name.json" 2>&1 | grep -v Warn | tail -22 \
-    | tee -a "$OUT/e2e.log"; }
 FLOW="--keyframes flow --flow-threshold 1e9 --max-gap 3"
 e2e all --frames 1000 --viewer --client
 e2e flow --frames 1000 $FLOW --viewer --client

@@ -7,9 +7,6 @@
 #   (GPU machine, repository root, .whl carried)  bash scripts/device/run_compiled_code.sh
 set -uo pipefail
 source scripts/device/env.sh
-e2e() { local name=$1; shift; echo "== $name: $*" | tee -a "$OUT/e2e.log"
-  python3 scripts/bench_e2e.py --video-dir /tmp "$@" --json "$OUT/e2e_$name.json" 2>&1 | grep -v Warn | tail -24 \
-    | tee -a "$OUT/e2e.log"; }
 for spec in ${RUNS:-kept:first kept:second kept:third}; do
   mode=${spec%%:*}; name=${spec#*:}
   if [[ $mode == usual ]]; then export STREAM_RECON_COMPILED=""; else unset STREAM_RECON_COMPILED; fi

@@ -5,9 +5,6 @@
 #   (GPU machine, repository root, .whl carried)  bash scripts/device/run_dense_flow.sh
 set -uo pipefail
 source scripts/device/env.sh
-e2e() { local name=$1; shift; echo "== $name: $*" | tee -a "$OUT/e2e.log"
-  python3 scripts/bench_e2e.py --video-dir /tmp "$@" --json "$OUT/e2e_$name.json" 2>&1 | grep -v Warn | tail -24 \
-    | tee -a "$OUT/e2e.log"; }
 common="--frames 1000 --video-size 640x480 --viewer --client --no-engine-run"
 e2e flow_dense $common --keyframes flow --flow-threshold ${DENSE_THRESHOLD:-4}
 e2e flow_sparse $common --keyframes flow --flow-threshold 1e9 --max-gap 3

@@ -4,9 +4,6 @@
 #   (GPU machine, repository root, .whl carried)  bash scripts/device/run_e2e.sh [extra bench_e2e options]
 set -uo pipefail
 source scripts/device/env.sh
-e2e() { local name=$1; shift; echo "== $name: $*" | tee -a "$OUT/e2e.log"
-  python3 scripts/bench_e2e.py --video-dir /tmp "$@" --json "$OUT/e2e_$name.json" 2>&1 | grep -v Warn | tail -22 \
-    | tee -a "$OUT/e2e.log"; }
 # a fresh process on a fresh machine first: its first prediction is the cold start (no compile caches)
 e2e cold --frames 200 --no-engine-run
 e2e all --frames 1000 --viewer --client --sink-costs

@@ -6,9 +6,6 @@
 #   (GPU machine, repository root, .whl carried)  bash scripts/device/run_warm_up.sh
 set -uo pipefail
 source scripts/device/env.sh
-e2e() { local name=$1; shift; echo "== $name: $*" | tee -a "$OUT/e2e.log"
-  python3 scripts/bench_e2e.py --video-dir /tmp "$@" --json "$OUT/e2e_$name.json" 2>&1 | grep -v Warn | tail -26 \
-    | tee -a "$OUT/e2e.log"; }
 for spec in ${RUNS:-fresh:auto warm:auto off:off warm2:auto}; do
   e2e "${spec%%:*}" --frames 1000 --video-size ${VIDEO_SIZE:-640x480} --viewer --client --no-engine-run \
     --warm-up "${spec#*:}" ${E2E_EXTRA:-}
