@@ -46,12 +46,13 @@ class DenseKV:
         self.exponents = None
         if self.quantized:
             self.exponents = torch.zeros(num_layers, 2, num_heads, capacity, dtype=torch.int8, device=self.device)
-        # The quantising write as one Triton kernel per layer on CUDA (many small kernels otherwise).
+        # Each layer's write as one Triton kernel on CUDA (two scattered copies, or for fp8 many
+        # small kernels, otherwise).
         self._write_kernel = None
-        if self.quantized and self.device.type == "cuda" and importable("triton"):
-            from .triton_quantize import write_quantized
+        if self.device.type == "cuda" and importable("triton"):
+            from . import triton_store
 
-            self._write_kernel = write_quantized
+            self._write_kernel = triton_store.write_quantized if self.quantized else triton_store.write
 
     @property
     def quantized(self) -> bool:
@@ -76,7 +77,9 @@ class DenseKV:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots [T] store positions; k, v [T, H, D]."""
-        if not self.quantized:
+        if self._write_kernel is not None and not self.quantized:
+            self._write_kernel(self.store[layer], slots, k, v)
+        elif not self.quantized:
             self.store[layer, 0].index_copy_(0, slots, k.to(self.dtype))
             self.store[layer, 1].index_copy_(0, slots, v.to(self.dtype))
         elif self._write_kernel is not None:

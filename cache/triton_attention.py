@@ -43,7 +43,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .dense import VisibleRange
 from .streams import DeviceValues
-from .triton_quantize import dequantize_range
+from .triton_store import dequantize_range
 
 # The probe's fastest configuration on an H100 (64 query rows per program: 256 programs for the
 # 16 heads of a 1,005-token frame, two per SM; keys and values through TMA descriptors).

@@ -12,7 +12,10 @@ Variants, measured back to back per size: `previous` (the range kernel before th
 schedule, cache/triton_attention_previous.py where the device script puts the previous commit's
 module, and SDPA (cuDNN) for the frame attention: the engine before this change), `balanced` (the
 balanced schedule, SDPA for the frame attention) and `frames` (the balanced schedule, and the
-frame attention through the range kernel: the defaults).
+frame attention through the range kernel: the defaults). Two more take the defaults and change one
+thing: `index_copy` writes each layer's K and V with two index_copy_ calls (the write before the
+store's Triton write kernel), `heads_low` runs the steps on a high-priority stream and the heads
+beside them on a low-priority one (the defaults give the heads the steps' priority).
 
 torch.compile compiles the blocks and heads once per input size (~40 s a size on a fresh
 machine). --compile-workers N starts N helper processes that stream a few frames at each size
@@ -24,6 +27,7 @@ heights (torch.profiler), per variant, to find which kernels change from one siz
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -40,12 +44,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import build_model  # noqa: E402
 
-from stream_recon.cache import triton_attention  # noqa: E402
+from stream_recon.cache import triton_attention, triton_store  # noqa: E402
 from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference  # noqa: E402
 from stream_recon.models.layers import Attention  # noqa: E402
+from stream_recon.models.steps import PipelinedRunner  # noqa: E402
 
 SCALE, WINDOW = 8, 64
 ATTEND_RANGE = triton_attention.attend_range
+STORE_WRITE = triton_store.write
 
 
 def use_variant(model, variant: str) -> None:
@@ -75,8 +81,33 @@ def prepared_model():
     return prepare_for_inference(loaded, "cuda", torch.bfloat16, compile=True)
 
 
-def new_engine(model) -> StreamingEngine:
+def new_engine(model, variant: str = "frames") -> StreamingEngine:
+    # (DenseKV picks its write kernel when the engine builds its cache, at the first frame)
+    triton_store.write = index_copy_write if variant == "index_copy" else STORE_WRITE
     return StreamingEngine(model, StreamConfig(scale_frames=SCALE, window=WINDOW, keyframes="all"))
+
+
+def index_copy_write(store, slots, k, v) -> None:
+    """A layer's K/V write as DenseKV wrote it before its Triton kernel: two scattered copies."""
+    store[0].index_copy_(0, slots, k.to(store.dtype))
+    store[1].index_copy_(0, slots, v.to(store.dtype))
+
+
+@contextlib.contextmanager
+def streams_for(variant: str):
+    """`heads_low`: the steps on a high-priority stream, every frame's heads on a low-priority one."""
+    if variant != "heads_low":
+        yield
+        return
+    low = torch.cuda.Stream(priority=0)
+    original = PipelinedRunner._heads_stream
+    PipelinedRunner._heads_stream = lambda runner: low
+    try:
+        with torch.cuda.stream(torch.cuda.Stream(priority=-1)):
+            yield
+        torch.cuda.synchronize()
+    finally:
+        PipelinedRunner._heads_stream = original
 
 
 def release(engine) -> None:
@@ -99,11 +130,16 @@ def compile_sizes(model, heights: list[int], width: int) -> None:
         print(f"compiled 518x{height} in {time.perf_counter() - start:.1f} s", flush=True)
 
 
-def measure(model, height: int, width: int, steady: int, profile: bool) -> dict:
+def measure(model, height: int, width: int, steady: int, profile: bool, variant: str = "frames") -> dict:
     """bench.py's measurement: fill the window (synchronised), then the median push time; with
     `profile`, the kernels of a few more steps."""
+    with streams_for(variant):
+        return _measure(model, height, width, steady, profile, variant)
+
+
+def _measure(model, height: int, width: int, steady: int, profile: bool, variant: str) -> dict:
     start = time.perf_counter()
-    engine = new_engine(model)
+    engine = new_engine(model, variant)
     frames = [torch.rand(3, height, width, device="cuda") for _ in range(4)]
     fill = SCALE + WINDOW
     times = []
@@ -197,7 +233,7 @@ def main():
         row = {"height": height, "width": args.width}
         for variant in variants + [v for v, at in more if height in at]:
             use_variant(model, variant)
-            result = measure(model, height, args.width, args.frames, profile=height in profiled)
+            result = measure(model, height, args.width, args.frames, profile=height in profiled, variant=variant)
             row[variant] = result
             print(f"518x{height} {variant}: {result['ms_per_frame_median']:.2f} ms/frame (wall {result['ms_per_frame_wall']:.2f}, "
                   f"{result['keys']} keys, {result['seconds']:.0f} s)", flush=True)

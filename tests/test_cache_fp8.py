@@ -200,7 +200,7 @@ def test_fp8_build_gives_a_quantized_dense_cache():
 WRITE_SCRIPT = textwrap.dedent("""
     import sys, torch
     from stream_recon.cache import fp8
-    from stream_recon.cache.triton_quantize import write_quantized
+    from stream_recon.cache.triton_store import write_quantized
 
     for seed, heads, capacity in eval(sys.argv[1]):
         generator = torch.Generator().manual_seed(seed)

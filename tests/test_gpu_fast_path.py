@@ -192,6 +192,24 @@ def test_range_kernel_past_one_wave_matches_sdpa(tokens):
     assert global_error <= 1e-2 and frame_error <= 1e-2
 
 
+@pytest.mark.parametrize("store_dtype", ["bfloat16", "float32"])
+def test_store_write_kernel_stores_what_index_copy_stores(store_dtype):
+    """A layer's K/V write at the streaming shape (1,042 tokens, V a strided view of the block's
+    qkv, slots scattered as after window moves), byte for byte against two index_copy_ calls."""
+    from stream_recon.cache.triton_store import write
+
+    torch.manual_seed(0)
+    qkv = torch.randn(1042, 3, 16, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = qkv[:, 1].contiguous(), qkv[:, 2]
+    store = torch.randn(2, 80_000, 16, 64, device="cuda").to(getattr(torch, store_dtype))
+    expected = store.clone()
+    slots = torch.randperm(80_000, device="cuda")[:1042]
+    write(store, slots, k, v)
+    expected[0].index_copy_(0, slots, k.to(expected.dtype))
+    expected[1].index_copy_(0, slots, v.to(expected.dtype))
+    assert torch.equal(store, expected)
+
+
 def test_fused_mlp_gelu_is_as_close_to_float32_as_the_separate_bf16_gelu():
     """cuBLASLt's epilogue (tanh-form GELU) against the separate bf16 layers (erf form), both against
     a float32 erf reference at the streaming shape."""

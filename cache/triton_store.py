@@ -1,7 +1,12 @@
-"""The fp8 store's write (fp8.py's rule) as one Triton kernel per layer: a step's K and V quantised
-straight into their store positions.
+"""The dense store's writes as one Triton kernel per layer: a step's K and V straight into their
+store positions, as they are (bf16/fp16/fp32 stores) or quantised (fp8 stores, fp8.py's rule); and
+the fp8 range's dequantisation into a compute-dtype buffer for the range kernel.
 
-In PyTorch the same write is about a dozen small kernels per tensor (absolute value, maximum, the
+A plain write in PyTorch is two scattered copies per layer (`index_copy_` of K, then of V): 4.0 us
+each at 1,042 tokens on an H100, 48 per frame (docs/PERFORMANCE.md), for 4 MB a layer. Here each
+program copies one token's K or V, all heads, so a layer's write is one launch.
+
+An fp8 write in PyTorch is about a dozen small kernels per tensor (absolute value, maximum, the
 exponent's bit arithmetic, scaling, clamping, the cast, two scattered copies); inside a replayed
 step their launches would cost more than the work, 24 layers times K and V per frame. Here each
 program takes one token's K or V, all heads, and writes its codes and exponents. The integer
@@ -19,6 +24,44 @@ from . import fp8
 
 # (a kernel reads module constants only as constexpr)
 E4M3_MAX, MIN_EXPONENT, MAX_EXPONENT = (tl.constexpr(x) for x in (fp8.E4M3_MAX, fp8.MIN_EXPONENT, fp8.MAX_EXPONENT))
+
+
+@triton.jit
+def _write_kernel(K, V, stride_k_token, stride_k_head, stride_v_token, stride_v_head, slots, store, capacity,
+                  num_heads, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Program (t, which): token t's K (which = 0) or V (1), [num_heads, HEAD_DIM], into store
+    [2, capacity, num_heads, HEAD_DIM] at position slots[t], in the store's dtype."""
+    token, which = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(slots + token).to(tl.int64)
+    heads = tl.arange(0, HEADS)
+    dims = tl.arange(0, HEAD_DIM)
+    live = heads < num_heads
+    if which == 0:
+        x = tl.load(K + token * stride_k_token + heads[:, None] * stride_k_head + dims[None, :], mask=live[:, None])
+    else:
+        x = tl.load(V + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :], mask=live[:, None])
+    tl.store(store + ((which * capacity + slot) * num_heads + heads[:, None]) * HEAD_DIM + dims[None, :],
+             x.to(store.dtype.element_ty), mask=live[:, None])
+
+
+def write(store: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k, v [T, H, D] (D contiguous) into one layer's store [2, capacity, H, D] (contiguous, any
+    float dtype but fp8) at positions slots [T]: what two index_copy_ calls write, in one launch."""
+    _check_write("write", store, k, v)
+    if k.shape[0]:
+        _write_kernel[(k.shape[0], 2)](k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), slots, store,
+                                       store.shape[1], k.shape[1], HEADS=triton.next_power_of_2(k.shape[1]),
+                                       HEAD_DIM=k.shape[2])
+
+
+def _check_write(name: str, store: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    num_heads, head_dim = k.shape[1:]
+    if v.shape != k.shape or store.shape[2:] != (num_heads, head_dim):
+        raise ValueError(f"k/v {list(k.shape)}/{list(v.shape)} do not fit a store of {list(store.shape)}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or not store.is_contiguous():
+        raise ValueError(f"{name} needs D-contiguous k and v and a contiguous store")
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"{name} needs a power-of-two head dim, got {head_dim}")
 
 
 @triton.jit
@@ -65,12 +108,9 @@ def write_quantized(codes: torch.Tensor, exponents: torch.Tensor, slots: torch.T
     [2, capacity, H, D] (float8_e4m3fn, contiguous) and exponents [2, H, capacity] (int8,
     contiguous) at store positions slots [T]."""
     num_tokens, num_heads, head_dim = k.shape
-    if v.shape != k.shape or codes.shape[2:] != (num_heads, head_dim) or exponents.shape[1] != num_heads:
-        raise ValueError(f"k/v {list(k.shape)}/{list(v.shape)} do not fit a store of {list(codes.shape)}")
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or not (codes.is_contiguous() and exponents.is_contiguous()):
-        raise ValueError("write_quantized needs D-contiguous k and v and a contiguous store")
-    if head_dim & (head_dim - 1):
-        raise ValueError(f"write_quantized needs a power-of-two head dim, got {head_dim}")
+    _check_write("write_quantized", codes, k, v)
+    if exponents.shape[1] != num_heads or not exponents.is_contiguous():
+        raise ValueError(f"exponents {list(exponents.shape)} do not fit a store of {list(codes.shape)}")
     if num_tokens == 0:
         return
     _quantize_write_kernel[(num_tokens, 2)](
