@@ -49,7 +49,8 @@ class DenseKV:
         # Each layer's write as one Triton kernel on CUDA (two scattered copies, or for fp8 many
         # small kernels, otherwise).
         self._write_kernel = None
-        if self.device.type == "cuda" and importable("triton"):
+        # (the kernels hold a token's heads in one block: a power-of-two head dim)
+        if self.device.type == "cuda" and importable("triton") and head_dim & (head_dim - 1) == 0:
             from . import triton_store
 
             self._write_kernel = triton_store.write_quantized if self.quantized else triton_store.write
@@ -77,7 +78,7 @@ class DenseKV:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots [T] store positions; k, v [T, H, D]."""
-        if self._write_kernel is not None and not self.quantized:
+        if self._write_kernel is not None and not self.quantized and k.stride(-1) == 1 and v.stride(-1) == 1:
             self._write_kernel(self.store[layer], slots, k, v)
         elif not self.quantized:
             self.store[layer, 0].index_copy_(0, slots, k.to(self.dtype))
