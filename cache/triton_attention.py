@@ -27,7 +27,9 @@ slower everywhere and took a second wave at 1,042 tokens too (873 us at 1,005, 1
 launching the tiles query block first, so that every head's partial last block comes last,
 changes nothing by itself (a tile costs the same whatever its rows); with the leftover cut, that
 order was up to 11% slower than head-major (954 against 855 us at 1,116 tokens): pieces of one
-head's tiles running together read the same keys through L2.
+head's tiles running together read the same keys through L2. A single wave that leaves slots idle
+(224 tiles at 518x322 and 518x336) gains nothing from equal chunks, whose every round costs, but
+from a long prefix of each tile and a few short pieces of its rest (PREFIX_SHARE): 6-10% a layer.
 """
 
 from __future__ import annotations
@@ -60,17 +62,27 @@ ROUND_COST_BLOCKS = 12
 MAX_PIECES_PER_SLOT = 4
 # Chunks per tile at most: the merge holds one row's pieces at once, 128 x 64 floats over 4 warps.
 MAX_SPLITS = 128
+# A single wave filled to at most PREFIX_FILL of its slots, whose tiles no equal cut helps (224 tiles
+# of 264: 518x322 and 518x336), runs each tile as a prefix of PREFIX_SHARE / 1000 of its key blocks,
+# launched first, and PREFIX_PIECES - 1 equal pieces of the rest, which fill the idle slots and then
+# the prefixes' as they finish. One layer on an H100 (2026-11-24, docs/PERFORMANCE.md): 526-538 us
+# against 559-587 whole at 224 tiles (best cuts 4 pieces at 850-900, 3 at 700); at 240 and 256 tiles
+# (0.91 and 0.97 of a wave) no cut beat the whole tiles beyond the probe's noise.
+PREFIX_FILL, PREFIX_SHARE, PREFIX_PIECES = 0.875, 875, 4
 
 
 @dataclass(frozen=True)
 class TileSchedule:
     """How the tiles of one call map to programs. Tiles [0, whole_tiles) take one program each
     over all keys; tiles [whole_tiles, whole_tiles + split_tiles) take `splits` programs each,
-    one per key chunk, merged afterwards. splits == 1 exactly when split_tiles == 0."""
+    one per key chunk, merged afterwards. splits == 1 exactly when split_tiles == 0. The chunks
+    are equal, or with prefix_share (per mille, 0 < prefix_share < 1000) the first holds that
+    share of the key blocks and the others equal parts of the rest."""
 
     whole_tiles: int
     split_tiles: int
     splits: int
+    prefix_share: int = 0
 
     @property
     def num_pieces(self) -> int:
@@ -89,8 +101,12 @@ def schedule_tiles(num_tiles: int, slots: int, num_key_blocks: int) -> TileSched
     in ceil(r*s / slots) rounds of ceil(num_key_blocks / s) blocks plus ROUND_COST_BLOCKS each;
     uncut it takes num_key_blocks.
 
+    Where that keeps a single wave whole, a wave filled to at most PREFIX_FILL is cut into a prefix
+    and small pieces instead (PREFIX_SHARE; short key ranges stay whole, as above).
+
     Example, 264 slots and 600 key blocks: 272 tiles -> 264 whole + 8 in 32 chunks (1.05 tile
-    times, not 2); 352 tiles -> 264 whole + 88 in 3 chunks (1.35); 256 tiles stay whole (one wave).
+    times, not 2); 352 tiles -> 264 whole + 88 in 3 chunks (1.35); 256 tiles stay whole (one wave);
+    224 tiles -> each a prefix of 525 blocks and 3 pieces of 25.
     """
     if num_tiles < 1 or slots < 1 or num_key_blocks < 1:
         raise ValueError(f"need a tile, a slot and a key block, got {num_tiles}, {slots} and {num_key_blocks}")
@@ -105,9 +121,12 @@ def schedule_tiles(num_tiles: int, slots: int, num_key_blocks: int) -> TileSched
 
     most = min(num_key_blocks, MAX_SPLITS, max(1, MAX_PIECES_PER_SLOT * slots // leftover))
     splits = min(range(1, most + 1), key=lambda s: (leftover_blocks(s), s))
-    if splits == 1:
-        return TileSchedule(num_tiles, 0, 1)
-    return TileSchedule(num_tiles - leftover, leftover, splits)
+    if splits > 1:
+        return TileSchedule(num_tiles - leftover, leftover, splits)
+    rest_per_piece = num_key_blocks * (1000 - PREFIX_SHARE) / 1000 / (PREFIX_PIECES - 1)
+    if num_tiles < slots and num_tiles <= PREFIX_FILL * slots and rest_per_piece >= ROUND_COST_BLOCKS:
+        return TileSchedule(0, num_tiles, PREFIX_PIECES, PREFIX_SHARE)
+    return TileSchedule(num_tiles, 0, 1)
 
 
 _resident_programs: dict[tuple, int] = {}
@@ -180,15 +199,16 @@ def _tile_rows(tile, num_query_blocks, num_heads, TAILS_LAST: tl.constexpr):
 
 
 # (the schedule's numbers change with the frame size: one compiled kernel serves them all)
-@triton.jit(do_not_specialize=["whole_tiles", "split_tiles", "splits"])
+@triton.jit(do_not_specialize=["whole_tiles", "split_tiles", "splits", "prefix_share"])
 def _range_attention_kernel(Q, keys, values, Out, partial_out, partial_stats, key_range, first_key, end_key,
                             stride_q, stride_o, num_queries, num_heads, qk_scale, whole_tiles, split_tiles, splits,
-                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            prefix_share, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             RANGE_IN_MEMORY: tl.constexpr, TAILS_LAST: tl.constexpr):
     """One program: a whole tile (program < whole_tiles) or one piece of a split tile. A tile is
     BLOCK_M queries of one head against keys [start, end) of that head (read from key_range with
-    RANGE_IN_MEMORY, else [first_key, end_key)); a piece, against one of `splits` equal chunks of
-    those keys' blocks. `keys` and `values` are descriptors of the [capacity, heads * HEAD_DIM]
+    RANGE_IN_MEMORY, else [first_key, end_key)); a piece, against one of `splits` chunks of those
+    keys' blocks (equal, or with prefix_share > 0 the first that share per mille of them and the
+    others equal parts of the rest). `keys` and `values` are descriptors of the [capacity, heads * HEAD_DIM]
     store, BLOCK_N rows by HEAD_DIM. Pieces write partial_out [pieces, BLOCK_M, HEAD_DIM]
     (unnormalised) and partial_stats [2, pieces, BLOCK_M] (row maxima, scaled base 2, and row
     sums), piece = chunk * split_tiles + (tile - whole_tiles)."""
@@ -204,7 +224,13 @@ def _range_attention_kernel(Q, keys, values, Out, partial_out, partial_stats, ke
     if program >= whole_tiles:
         chunk = piece // split_tiles
         tile = whole_tiles + piece % split_tiles
-        first, stop = chunk * num_key_blocks // splits, (chunk + 1) * num_key_blocks // splits
+        if prefix_share > 0:
+            prefix = num_key_blocks * prefix_share // 1000
+            rest = num_key_blocks - prefix
+            first = tl.where(chunk == 0, 0, prefix + (chunk - 1) * rest // (splits - 1))
+            stop = tl.where(chunk == 0, prefix, prefix + chunk * rest // (splits - 1))
+        else:
+            first, stop = chunk * num_key_blocks // splits, (chunk + 1) * num_key_blocks // splits
     num_query_blocks = tl.cdiv(num_queries, BLOCK_M)
     head, query_block = _tile_rows(tile, num_query_blocks, num_heads, TAILS_LAST)
     rows = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -300,7 +326,7 @@ def attend_range_scheduled(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     _range_attention_kernel[(schedule.num_programs,)](
         q, *_descriptors(keys, values, head_dim), out, partial_out, partial_stats, *bounds, q.stride(0), out.stride(0),
         num_queries, num_heads, head_dim**-0.5 * LOG2_E, schedule.whole_tiles, schedule.split_tiles, schedule.splits,
-        HEAD_DIM=head_dim, BLOCK_M=block_queries, BLOCK_N=BLOCK_KEYS, RANGE_IN_MEMORY=in_memory, TAILS_LAST=tails_last,
+        schedule.prefix_share, HEAD_DIM=head_dim, BLOCK_M=block_queries, BLOCK_N=BLOCK_KEYS, RANGE_IN_MEMORY=in_memory, TAILS_LAST=tails_last,
         num_warps=num_warps, num_stages=num_stages)
     if schedule.split_tiles:
         pieces = triton.next_power_of_2(schedule.splits)
@@ -357,7 +383,7 @@ def _compiled_range_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     key_range = torch.empty(2, dtype=torch.int32, device=q.device)
     return _range_attention_kernel.warmup(
         q, *_descriptors(keys, values, head_dim), q, unused, unused, key_range, 0, 0, q.stride(0), q.stride(0),
-        num_queries, num_heads, 1.0, num_tiles, 0, 1, HEAD_DIM=head_dim, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS,
+        num_queries, num_heads, 1.0, num_tiles, 0, 1, 0, HEAD_DIM=head_dim, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS,
         RANGE_IN_MEMORY=True, TAILS_LAST=False, num_warps=NUM_WARPS, num_stages=num_stages, grid=(1,))
 
 

@@ -15,7 +15,8 @@ balanced schedule, SDPA for the frame attention) and `frames` (the balanced sche
 frame attention through the range kernel: the defaults). Two more take the defaults and change one
 thing: `index_copy` writes each layer's K and V with two index_copy_ calls (the write before the
 store's Triton write kernel), `heads_low` runs the steps on a high-priority stream and the heads
-beside them on a low-priority one (the defaults give the heads the steps' priority).
+beside them on a low-priority one (the defaults give the heads the steps' priority), `whole_wave`
+keeps a single wave's tiles whole where the defaults cut them into prefixes and pieces.
 
 torch.compile compiles the blocks and heads once per input size (~40 s a size on a fresh
 machine). --compile-workers N starts N helper processes that stream a few frames at each size
@@ -52,6 +53,7 @@ from stream_recon.models.steps import PipelinedRunner  # noqa: E402
 SCALE, WINDOW = 8, 64
 ATTEND_RANGE = triton_attention.attend_range
 STORE_WRITE = triton_store.write
+PREFIX_FILL = triton_attention.PREFIX_FILL
 
 
 def use_variant(model, variant: str) -> None:
@@ -82,8 +84,11 @@ def prepared_model():
 
 
 def new_engine(model, variant: str = "frames") -> StreamingEngine:
-    # (DenseKV picks its write kernel when the engine builds its cache, at the first frame)
+    # (DenseKV picks its write kernel when the engine builds its cache, at the first frame; the
+    # schedule is read when the step is recorded)
     triton_store.write = index_copy_write if variant == "index_copy" else STORE_WRITE
+    triton_attention.PREFIX_FILL = 0.0 if variant == "whole_wave" else PREFIX_FILL
+    triton_attention.schedule_tiles.cache_clear()
     return StreamingEngine(model, StreamConfig(scale_frames=SCALE, window=WINDOW, keyframes="all"))
 
 

@@ -9,8 +9,9 @@ time is the loop's throughput, comparable with the production kernel's `grid` la
     LAZY_THRESHOLD (base 2), so most blocks skip rescaling the accumulator; the exponentials then
     reach at most 2^LAZY_THRESHOLD, safe in float32 sums and bf16 probabilities;
   - `keys64`: key blocks of 64 rows with more of them in flight.
-`--prefix-heights`: the production schedule against cutting every tile into a prefix (a share of
-its key blocks) and equal pieces of the rest, merged (sizes whose tiles fill most of one wave).
+`--prefix-heights`: whole tiles against cutting every tile into a prefix (a share of its key
+blocks) and equal pieces of the rest, merged (TileSchedule's prefix_share; sizes whose tiles fill
+most of one wave).
 The frame attention (a frame's tokens among themselves) past one wave of cuDNN's tiles: cuDNN over
 the rows that fill whole waves, the rest in a second call, concatenated.
 Median of CUDA-event timings (triton.testing.do_bench, L2 cleared before each run), microseconds.
@@ -89,81 +90,31 @@ def _variant_kernel(Q, keys, values, Out, key_range, stride_q, stride_o, num_que
              mask=rows[:, None] < num_queries)
 
 
-@triton.jit
-def _prefix_pieces_kernel(Q, keys, values, partial_out, partial_stats, key_range, stride_q, num_queries,
-                          qk_scale, num_tiles, splits, prefix_per_mille, HEAD_DIM: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Every tile in `splits` pieces: chunk 0 its first prefix_per_mille / 1000 of the key blocks,
-    chunks 1 .. splits - 1 equal parts of the rest; piece = chunk * num_tiles + tile, so that the
-    prefixes launch first and the rest's pieces fill the slots they leave. Written as the
-    production kernel's pieces are, for its merge kernel."""
-    piece = tl.program_id(0)
-    start, end = tl.load(key_range), tl.load(key_range + 1)
-    num_keys = end - start
-    num_key_blocks = tl.cdiv(num_keys, BLOCK_N)
-    chunk, tile = piece // num_tiles, piece % num_tiles
-    prefix = num_key_blocks * prefix_per_mille // 1000
-    rest = num_key_blocks - prefix
-    first = tl.where(chunk == 0, 0, prefix + (chunk - 1) * rest // (splits - 1))
-    stop = tl.where(chunk == 0, prefix, prefix + chunk * rest // (splits - 1))
-    num_query_blocks = tl.cdiv(num_queries, BLOCK_M)
-    head, query_block = tile // num_query_blocks, tile % num_query_blocks
-    rows = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + rows[:, None] * stride_q + head * HEAD_DIM + dims[None, :], mask=rows[:, None] < num_queries,
-                other=0.0)
-    m_i, l_i, acc = ta._attend_key_blocks(q, keys, values, head * HEAD_DIM, start, num_keys, first, stop, qk_scale,
-                                          HEAD_DIM, BLOCK_M, BLOCK_N)
-    lines = tl.arange(0, BLOCK_M)
-    tl.store(partial_out + (piece * BLOCK_M + lines[:, None]) * HEAD_DIM + dims[None, :], acc)
-    tl.store(partial_stats + piece * BLOCK_M + lines, m_i)
-    tl.store(partial_stats + (num_tiles * splits + piece) * BLOCK_M + lines, l_i)
-
-
-def prefix_pieces(q, keys, values, key_range, *, splits: int, prefix_per_mille: int):
-    """Attention with every tile cut into a prefix and splits - 1 equal pieces of the rest, merged
-    by the production merge kernel."""
-    num_queries = q.shape[0]
-    tiles = triton.cdiv(num_queries, ta.BLOCK_QUERIES) * HEADS
-    out = torch.empty_like(q)
-    pieces = tiles * splits
-    partial_out = torch.empty(pieces * ta.BLOCK_QUERIES * HEAD_DIM, dtype=torch.float32, device=q.device)
-    partial_stats = torch.empty(2 * pieces * ta.BLOCK_QUERIES, dtype=torch.float32, device=q.device)
-    flat = [t.flatten(1) for t in (keys, values)]
-    descriptors = [TensorDescriptor(t, list(t.shape), list(t.stride()), [ta.BLOCK_KEYS, HEAD_DIM]) for t in flat]
-    _prefix_pieces_kernel[(pieces,)](q, *descriptors, partial_out, partial_stats, key_range, q.stride(0), num_queries,
-                                     HEAD_DIM**-0.5 * ta.LOG2_E, tiles, splits, prefix_per_mille, HEAD_DIM=HEAD_DIM,
-                                     BLOCK_M=ta.BLOCK_QUERIES, BLOCK_N=ta.BLOCK_KEYS, num_warps=ta.NUM_WARPS,
-                                     num_stages=ta.NUM_STAGES)
-    width = triton.next_power_of_2(splits)
-    rows = max(1, min(ta.BLOCK_QUERIES, ta.MERGE_VALUES_PER_ROW_GROUP // width))
-    ta._merge_pieces_kernel[(tiles, ta.BLOCK_QUERIES // rows)](
-        partial_out, partial_stats, out, out.stride(0), num_queries, HEADS, 0, tiles, splits, HEAD_DIM=HEAD_DIM,
-        BLOCK_M=ta.BLOCK_QUERIES, ROWS=rows, PIECES=width, TAILS_LAST=False, num_warps=4)
-    return out
-
-
 def probe_prefix(height: int) -> dict:
-    """The production schedule against prefix cuts (splits, prefix share) at one size, the
-    production launch timed before, between and after them."""
+    """Whole tiles (one program each) against prefix cuts (pieces a tile, prefix share) at one
+    size, the whole tiles timed before, between and after them."""
     num_queries = (height // 14) * 37 + 6
     num_keys = 72 * (num_queries - 6) + SPECIALS
     store = torch.randn(2, num_keys + 300, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     keys, values = store[0], store[1]
     key_range = torch.tensor([100, 100 + num_keys], dtype=torch.int32, device="cuda")
     q = torch.randn(num_queries, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    reference = ta.attend_range(q, keys, values, key_range)
-    production = lambda: ta.attend_range(q, keys, values, key_range)  # noqa: E731
-    row = {"height": height, "tokens": num_queries, "production_us": [bench(production)], "prefix_us": {}}
+    tiles = math.ceil(num_queries / ta.BLOCK_QUERIES) * HEADS
+    slots = ta.resident_programs(q, keys, values)
+    whole = ta.TileSchedule(tiles, 0, 1)
+    reference = ta.attend_range_scheduled(q, keys, values, key_range, slots, schedule=whole)
+    whole_tiles = lambda: ta.attend_range_scheduled(q, keys, values, key_range, slots, schedule=whole)  # noqa: E731
+    row = {"height": height, "tokens": num_queries, "whole_us": [bench(whole_tiles)], "prefix_us": {}}
     for splits in (2, 3, 4, 5, 7):
         for share in (700, 750, 800, 850, 900):
-            run = lambda splits=splits, share=share: prefix_pieces(q, keys, values, key_range, splits=splits,  # noqa: E731
-                                                                   prefix_per_mille=share)
+            schedule = ta.TileSchedule(0, tiles, splits, share)
+            run = lambda schedule=schedule: ta.attend_range_scheduled(q, keys, values, key_range, slots,  # noqa: E731
+                                                                      schedule=schedule)
             assert error(run(), reference) < 1e-2, (height, splits, share)
             row["prefix_us"][f"{splits}:{share}"] = bench(run)
-        row["production_us"].append(bench(production))
+        row["whole_us"].append(bench(whole_tiles))
     best = min(row["prefix_us"].items(), key=lambda item: item[1])
-    print(f"518x{height} T={num_queries}: production {' '.join(f'{x:.0f}' for x in row['production_us'])} | best "
+    print(f"518x{height} T={num_queries}: whole tiles {' '.join(f'{x:.0f}' for x in row['whole_us'])} | best "
           f"prefix cut {best[0]} {best[1]:.0f} | " + " ".join(f"{k} {v:.0f}" for k, v in row["prefix_us"].items()),
           flush=True)
     del store

@@ -74,6 +74,9 @@ SCHEDULE_CASES = [
     (127, 2, 2, 2 + 640, 5, (0, 4, 5), True, "float32"),  # 4 tiles in 5 chunks: 20 pieces, 4 rounds
     (63, 3, 9, 9 + 100, 1, (0, 3, 3), False, "float32"),  # one key block in 3 chunks: two are empty
     (129, 2, 1, 1 + 129, 1, (4, 2, 2), True, "float16"),  # chunk 1: only the partial block's one key
+    (70, 3, 4, 4 + 1300, 8, (0, 6, 4, 700), False, "float32"),  # a prefix of 7 of 11 blocks, 3 pieces of the rest
+    (64, 2, 0, 300, 4, (0, 2, 4, 875), False, "float16"),  # 3 blocks: a prefix of 2, pieces of 0-1 blocks
+    (64, 7, 5, 5 + 36900, 8, None, False, "float32"),  # 7 tiles on 8 slots, 289 blocks: the rule's prefix cut
 ]
 
 SCHEDULE_SCRIPT = textwrap.dedent("""
@@ -90,6 +93,8 @@ SCHEDULE_SCRIPT = textwrap.dedent("""
         if forced is None:
             tiles = -(-queries // 64) * heads
             assert schedule_tiles(tiles, slots, -(-(end + 5) // 128)).splits > 1  # (the case cuts tiles)
+            if end > 30000:
+                assert schedule_tiles(tiles, slots, -(-(end + 5) // 128)).prefix_share > 0
         schedule = TileSchedule(*forced) if forced else None
         out = attend_range_scheduled(q, store[0], store[1], torch.tensor([start, end], dtype=torch.int32), slots,
                                      schedule=schedule, tails_last=tails_last)
@@ -142,6 +147,17 @@ def test_frame_attention_matches_sdpa_on_strided_views():
         assert error <= limit, f"{case}: max error {error:.2e}"
 
 
+def test_a_single_wave_with_idle_slots_is_cut_into_prefixes_and_pieces():
+    from stream_recon.cache.triton_attention import PREFIX_PIECES, PREFIX_SHARE, TileSchedule, schedule_tiles
+
+    # 518x322 and 518x336 on an H100: 224 tiles of ~490 key blocks on 264 slots
+    assert schedule_tiles(224, 264, 490) == TileSchedule(0, 224, PREFIX_PIECES, PREFIX_SHARE)
+    assert schedule_tiles(240, 264, 600) == TileSchedule(240, 0, 1)  # 0.91 of a wave: no cut measured faster
+    assert schedule_tiles(256, 264, 600) == TileSchedule(256, 0, 1)
+    assert schedule_tiles(224, 264, 9) == TileSchedule(224, 0, 1)  # a frame's own keys: pieces cost more
+    assert schedule_tiles(192, 264, 600).prefix_share == 0  # equal chunks where they help (4 of 150 blocks)
+
+
 def test_schedule_fills_waves_with_whole_tiles_and_cuts_the_leftover():
     from stream_recon.cache.triton_attention import TileSchedule, schedule_tiles
 
@@ -161,6 +177,7 @@ def test_schedule_covers_every_tile_once_and_is_never_slower_than_whole_tiles(sl
     from stream_recon.cache.triton_attention import (
         MAX_PIECES_PER_SLOT,
         MAX_SPLITS,
+        PREFIX_PIECES,
         ROUND_COST_BLOCKS,
         schedule_tiles,
     )
@@ -171,7 +188,10 @@ def test_schedule_covers_every_tile_once_and_is_never_slower_than_whole_tiles(sl
         assert (schedule.splits == 1) == (schedule.split_tiles == 0)
         assert schedule.num_pieces <= MAX_PIECES_PER_SLOT * slots and schedule.splits <= min(num_key_blocks, MAX_SPLITS)
         whole_waves = math.ceil(num_tiles / slots) * num_key_blocks  # in key blocks
-        if schedule.split_tiles:
+        if schedule.prefix_share:  # a single wave with idle slots, long prefixes, pieces worth a round
+            assert schedule.whole_tiles == 0 and num_tiles < slots and schedule.splits == PREFIX_PIECES
+            assert num_key_blocks * (1000 - schedule.prefix_share) / 1000 / (schedule.splits - 1) >= ROUND_COST_BLOCKS
+        elif schedule.split_tiles:
             assert schedule.whole_tiles % slots == 0
             rounds = math.ceil(schedule.num_pieces / slots)
             cost = schedule.whole_tiles // slots * num_key_blocks
