@@ -57,8 +57,8 @@ def _variant_kernel(Q, keys, values, Out, key_range, stride_q, stride_o, num_que
         offset = start + block * BLOCK_N
         s = tl.dot(q, tl.trans(keys.load([offset, column])))
         v = values.load([offset, column])
-        m_block = tl.max(s, 1) * qk_scale
         if LAZY:
+            m_block = tl.max(s, 1) * qk_scale
             if tl.max(m_block - m_i, 0) > THRESHOLD:  # some row's maximum grew past the threshold
                 m_new = tl.maximum(m_i, m_block)
                 alpha = tl.math.exp2(m_i - m_new)
@@ -69,22 +69,13 @@ def _variant_kernel(Q, keys, values, Out, key_range, stride_q, stride_o, num_que
             l_i = l_i + tl.sum(p, 1)
             acc = tl.dot(p.to(v.dtype), v, acc)
         else:
-            m_new = tl.maximum(m_i, m_block)
-            p = tl.math.exp2(s * qk_scale - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-            m_i = m_new
+            m_i, l_i, acc = ta._fold_block(s, v, m_i, l_i, acc, qk_scale)
     if last * BLOCK_N < num_keys:
         inside = last * BLOCK_N + tl.arange(0, BLOCK_N) < num_keys
         offset = start + last * BLOCK_N
         s = tl.where(inside[None, :], tl.dot(q, tl.trans(keys.load([offset, column]))), -float("inf"))
         v = tl.where(inside[:, None], values.load([offset, column]), 0.0)
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i, l_i, acc = ta._fold_block(s, v, m_i, l_i, acc, qk_scale)
     out = acc / l_i[:, None]
     tl.store(Out + rows[:, None] * stride_o + head * HEAD_DIM + dims[None, :], out.to(Out.dtype.element_ty),
              mask=rows[:, None] < num_queries)
