@@ -57,14 +57,19 @@ PREFIX_FILL = triton_attention.PREFIX_FILL
 
 
 def use_variant(model, variant: str) -> None:
-    """Point the global attention's kernel and the blocks' frame attention at `variant`'s."""
+    """Point the global attention's kernel and schedule, the blocks' frame attention and the
+    store's write at `variant`'s (the next engine built records them)."""
     if variant == "previous":
         from stream_recon.cache import triton_attention_previous
 
         triton_attention.attend_range = triton_attention_previous.attend_range
     else:
         triton_attention.attend_range = ATTEND_RANGE
-    frame_attention = triton_attention.attend_frame if variant == "frames" else F.scaled_dot_product_attention
+    triton_attention.PREFIX_FILL = 0.0 if variant == "whole_wave" else PREFIX_FILL
+    triton_attention.schedule_tiles.cache_clear()
+    triton_store.write = index_copy_write if variant == "index_copy" else STORE_WRITE
+    sdpa_frames = variant in ("previous", "balanced")  # every other variant keeps the defaults' frame attention
+    frame_attention = F.scaled_dot_product_attention if sdpa_frames else triton_attention.attend_frame
     for module in model.modules():
         if isinstance(module, Attention):
             module.self_attention = frame_attention
@@ -83,12 +88,7 @@ def prepared_model():
     return prepare_for_inference(loaded, "cuda", torch.bfloat16, compile=True)
 
 
-def new_engine(model, variant: str = "frames") -> StreamingEngine:
-    # (DenseKV picks its write kernel when the engine builds its cache, at the first frame; the
-    # schedule is read when the step is recorded)
-    triton_store.write = index_copy_write if variant == "index_copy" else STORE_WRITE
-    triton_attention.PREFIX_FILL = 0.0 if variant == "whole_wave" else PREFIX_FILL
-    triton_attention.schedule_tiles.cache_clear()
+def new_engine(model) -> StreamingEngine:
     return StreamingEngine(model, StreamConfig(scale_frames=SCALE, window=WINDOW, keyframes="all"))
 
 
@@ -139,12 +139,12 @@ def measure(model, height: int, width: int, steady: int, profile: bool, variant:
     """bench.py's measurement: fill the window (synchronised), then the median push time; with
     `profile`, the kernels of a few more steps."""
     with streams_for(variant):
-        return _measure(model, height, width, steady, profile, variant)
+        return _measure(model, height, width, steady, profile)
 
 
-def _measure(model, height: int, width: int, steady: int, profile: bool, variant: str) -> dict:
+def _measure(model, height: int, width: int, steady: int, profile: bool) -> dict:
     start = time.perf_counter()
-    engine = new_engine(model, variant)
+    engine = new_engine(model)
     frames = [torch.rand(3, height, width, device="cuda") for _ in range(4)]
     fill = SCALE + WINDOW
     times = []
