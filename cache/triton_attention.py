@@ -7,10 +7,14 @@ kernel reads the range [start, end) of the store from device memory instead: one
 specials and patches, no merge, no plan per shape, and the whole aggregator step fits in one
 graph. On an H100 at the streaming shape (1,005 queries, 72,840 keys, 16 heads of 64) it takes
 645 us (462 TFLOP/s), against cuDNN's 713 us for the 71,928 patch keys alone
-(scripts/gpu/probe_triton_attention.py). What made the difference: keys and values loaded by the
+(a probe of candidate kernels, docs/PERFORMANCE.md 2026-11-22). What made the difference: keys and values loaded by the
 tensor memory accelerator (pointer loads: 717 us) and 64-row query blocks (128 rows: 745 us).
 Exponentials stay float32: the probe's half-precision `ex2.f16x2` variants were slower, their
-conversions costing more than the exponentials they save at head dim 64.
+conversions costing more than the exponentials they save at head dim 64. What bounds it (Nsight
+Compute at 1,005 tokens, docs/PERFORMANCE.md 2026-11-24): latency, not a unit's throughput: shared
+memory holds two programs of 4 warps per SM, so each scheduler has two warps, and on 57 % of cycles
+neither is ready (issue slots 42 % busy, the tensor pipe 48 %); fewer key blocks in flight for a
+third program per SM exposed the loads' latency instead (911 us).
 
 Schedule. The work is a set of tiles, 64 queries of one head against every visible key, all of
 one cost. One program per tile runs in waves of as many programs as the GPU holds at once (2 per
@@ -28,8 +32,9 @@ launching the tiles query block first, so that every head's partial last block c
 changes nothing by itself (a tile costs the same whatever its rows); with the leftover cut, that
 order was up to 11% slower than head-major (954 against 855 us at 1,116 tokens): pieces of one
 head's tiles running together read the same keys through L2. A single wave that leaves slots idle
-(224 tiles at 518x322 and 518x336) gains nothing from equal chunks, whose every round costs, but
-from a long prefix of each tile and a few short pieces of its rest (PREFIX_SHARE): 6-10% a layer.
+(224 tiles at 518x322 and 518x336, 240 at 518x350) gains nothing from equal chunks, whose every round
+costs, but from a long prefix of each tile and a few short pieces of its rest (PREFIX_SHARE): 6-10% a
+layer at 224 tiles.
 """
 
 from __future__ import annotations
@@ -62,13 +67,13 @@ ROUND_COST_BLOCKS = 12
 MAX_PIECES_PER_SLOT = 4
 # Chunks per tile at most: the merge holds one row's pieces at once, 128 x 64 floats over 4 warps.
 MAX_SPLITS = 128
-# A single wave filled to at most PREFIX_FILL of its slots, whose tiles no equal cut helps (224 tiles
-# of 264: 518x322 and 518x336), runs each tile as a prefix of PREFIX_SHARE / 1000 of its key blocks,
-# launched first, and PREFIX_PIECES - 1 equal pieces of the rest, which fill the idle slots and then
-# the prefixes' as they finish. One layer on an H100 (2026-11-24, docs/PERFORMANCE.md): 526-538 us
-# against 559-587 whole at 224 tiles (best cuts 4 pieces at 850-900, 3 at 700); at 240 and 256 tiles
-# (0.91 and 0.97 of a wave) no cut beat the whole tiles beyond the probe's noise.
-PREFIX_FILL, PREFIX_SHARE, PREFIX_PIECES = 0.875, 875, 4
+# A single wave filled to at most PREFIX_FILL of its slots, whose tiles no equal cut helps (224 and 240
+# tiles of 264: 518x322, 518x336, 518x350), runs each tile as a prefix of PREFIX_SHARE / 1000 of its
+# key blocks, launched first, and PREFIX_PIECES - 1 equal pieces of the rest, which fill the idle slots
+# and then the prefixes' as they finish. On an H100 (2026-11-24, docs/PERFORMANCE.md): one layer
+# 526-538 us against 559-587 whole at 224 tiles (best cuts 4 pieces at 850-900, 3 at 700); the engine
+# at 240 tiles (0.91 of a wave) 2-4 % faster a frame with the cut, at 256 (0.97) 0-2 % slower.
+PREFIX_FILL, PREFIX_SHARE, PREFIX_PIECES = 0.92, 875, 4
 
 
 @dataclass(frozen=True)
@@ -395,8 +400,9 @@ class TritonRangeAttention:
     through one reused bf16 buffer: each layer's range dequantised into it first (one memory-bound
     Triton pass, exact), then the same bf16 kernel. Converting the e4m3 blocks inside the kernel
     instead took it from 25.2 to 43.1 ms per frame, the buffer to 28.3 (H100, docs/PERFORMANCE.md):
-    the kernel is bound by instruction issue, and converted blocks go back through shared memory
-    before the tensor-core products.
+    the kernel is bound by latency (two warps per scheduler, neither ready on 57 % of cycles:
+    Nsight Compute, docs/PERFORMANCE.md), and the conversions lengthen each block's dependent chain
+    and send the converted blocks back through shared memory before the tensor-core products.
     """
 
     name = "dense-triton"

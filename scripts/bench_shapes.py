@@ -16,7 +16,10 @@ frame attention through the range kernel: the defaults). Two more take the defau
 thing: `index_copy` writes each layer's K and V with two index_copy_ calls (the write before the
 store's Triton write kernel), `heads_low` runs the steps on a high-priority stream and the heads
 beside them on a low-priority one (the defaults give the heads the steps' priority), `whole_wave`
-keeps a single wave's tiles whole where the defaults cut them into prefixes and pieces.
+keeps a single wave's tiles whole where the defaults cut them into prefixes and pieces,
+`prefix_all` cuts every single wave that leaves a slot idle (256 tiles on an H100 too) as the defaults
+cut 224 and 240, `prefix_two` does so with one piece after a prefix of 850/1000, and `prefix_224` cuts
+only waves of at most 7/8 of the slots (224 tiles on an H100: the rule before 240 tiles were cut).
 
 torch.compile compiles the blocks and heads once per input size (~40 s a size on a fresh
 machine). --compile-workers N starts N helper processes that stream a few frames at each size
@@ -53,7 +56,10 @@ from stream_recon.models.steps import PipelinedRunner  # noqa: E402
 SCALE, WINDOW = 8, 64
 ATTEND_RANGE = triton_attention.attend_range
 STORE_WRITE = triton_store.write
-PREFIX_FILL = triton_attention.PREFIX_FILL
+PREFIX = triton_attention.PREFIX_FILL, triton_attention.PREFIX_SHARE, triton_attention.PREFIX_PIECES
+# (fill, share, pieces) of the variants that change the prefix cut
+PREFIX_VARIANTS = {"whole_wave": (0.0, PREFIX[1], PREFIX[2]), "prefix_all": (1.0, PREFIX[1], PREFIX[2]),
+                   "prefix_two": (1.0, 850, 2), "prefix_224": (0.875, PREFIX[1], PREFIX[2])}
 
 
 def use_variant(model, variant: str) -> None:
@@ -65,7 +71,8 @@ def use_variant(model, variant: str) -> None:
         triton_attention.attend_range = triton_attention_previous.attend_range
     else:
         triton_attention.attend_range = ATTEND_RANGE
-    triton_attention.PREFIX_FILL = 0.0 if variant == "whole_wave" else PREFIX_FILL
+    (triton_attention.PREFIX_FILL, triton_attention.PREFIX_SHARE,
+     triton_attention.PREFIX_PIECES) = PREFIX_VARIANTS.get(variant, PREFIX)
     triton_attention.schedule_tiles.cache_clear()
     triton_store.write = index_copy_write if variant == "index_copy" else STORE_WRITE
     sdpa_frames = variant in ("previous", "balanced")  # every other variant keeps the defaults' frame attention

@@ -150,10 +150,10 @@ def test_frame_attention_matches_sdpa_on_strided_views():
 def test_a_single_wave_with_idle_slots_is_cut_into_prefixes_and_pieces():
     from stream_recon.cache.triton_attention import PREFIX_PIECES, PREFIX_SHARE, TileSchedule, schedule_tiles
 
-    # 518x322 and 518x336 on an H100: 224 tiles of ~490 key blocks on 264 slots
+    # 518x322 and 518x336 on an H100: 224 tiles of ~490 key blocks on 264 slots; 518x350: 240 tiles
     assert schedule_tiles(224, 264, 490) == TileSchedule(0, 224, PREFIX_PIECES, PREFIX_SHARE)
-    assert schedule_tiles(240, 264, 600) == TileSchedule(240, 0, 1)  # 0.91 of a wave: no cut measured faster
-    assert schedule_tiles(256, 264, 600) == TileSchedule(256, 0, 1)
+    assert schedule_tiles(240, 264, 530) == TileSchedule(0, 240, PREFIX_PIECES, PREFIX_SHARE)
+    assert schedule_tiles(256, 264, 600) == TileSchedule(256, 0, 1)  # 0.97 of a wave: the cut measured slower
     assert schedule_tiles(224, 264, 9) == TileSchedule(224, 0, 1)  # a frame's own keys: pieces cost more
     assert schedule_tiles(192, 264, 600).prefix_share == 0  # equal chunks where they help (4 of 150 blocks)
 
