@@ -12,6 +12,10 @@ time is the loop's throughput, comparable with the production kernel's `grid` la
 `--prefix-heights`: whole tiles against cutting every tile into a prefix (a share of its key
 blocks) and equal pieces of the rest, merged (TileSchedule's prefix_share; sizes whose tiles fill
 most of one wave).
+`--stages-heights`: the production kernel (3 key blocks in flight, 2 programs per SM on an H100)
+against 2 blocks in flight (3 programs per SM), whole tiles and cut into pieces that fill the
+larger wave. `--ncu HEIGHT`: launch the production kernel (and the 2-stage one) a few times at one
+size and exit, for Nsight Compute to profile.
 The frame attention (a frame's tokens among themselves) past one wave of cuDNN's tiles: cuDNN over
 the rows that fill whole waves, the rest in a second call, concatenated.
 Median of CUDA-event timings (triton.testing.do_bench, L2 cleared before each run), microseconds.
@@ -113,6 +117,53 @@ def probe_prefix(height: int) -> dict:
     return row
 
 
+def streaming_layer(height: int):
+    """q, keys, values and the key range of one global layer at 518 x height (random bf16)."""
+    num_queries = (height // 14) * 37 + 6
+    num_keys = 72 * (num_queries - 6) + SPECIALS
+    store = torch.randn(2, num_keys + 300, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    key_range = torch.tensor([100, 100 + num_keys], dtype=torch.int32, device="cuda")
+    q = torch.randn(num_queries, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    return q, store[0], store[1], key_range
+
+
+# (label, num_stages, schedule of `tiles` tiles): the stage and cut candidates of --stages-heights
+def stage_candidates(tiles: int):
+    yield "3 stages, whole", 3, ta.TileSchedule(tiles, 0, 1)
+    yield "2 stages, whole", 2, ta.TileSchedule(tiles, 0, 1)
+    for splits, share in ((2, 0), (3, 0), (2, 500), (2, 600), (2, 700), (3, 600)):
+        yield f"2 stages, {splits}:{share}", 2, ta.TileSchedule(0, tiles, splits, share)
+    yield "3 stages, 2:850", 3, ta.TileSchedule(0, tiles, 2, 850)
+
+
+def probe_stages(height: int) -> dict:
+    q, keys, values, key_range = streaming_layer(height)
+    tiles = math.ceil(q.shape[0] / ta.BLOCK_QUERIES) * HEADS
+    slots = {stages: ta.resident_programs(q, keys, values, stages) for stages in (2, 3)}
+    reference = ta.attend_range_scheduled(q, keys, values, key_range, slots[3], schedule=ta.TileSchedule(tiles, 0, 1))
+    row = {"height": height, "tokens": q.shape[0], "tiles": tiles, "slots": slots, "us": {}}
+    for _repeat in range(2):
+        for label, stages, schedule in stage_candidates(tiles):
+            run = lambda stages=stages, schedule=schedule: ta.attend_range_scheduled(  # noqa: E731
+                q, keys, values, key_range, slots[stages], schedule=schedule, num_stages=stages)
+            assert error(run(), reference) < 1e-2, (height, label)
+            row["us"].setdefault(label, []).append(bench(run))
+    print(f"518x{height} T={q.shape[0]} tiles {tiles} slots {slots}: " +
+          " | ".join(f"{k} {' '.join(f'{x:.0f}' for x in v)}" for k, v in row["us"].items()), flush=True)
+    return row
+
+
+def launch_for_profiler(height: int) -> None:
+    """A few launches of the production kernel (3 stages) and of the 2-stage one, whole tiles."""
+    q, keys, values, key_range = streaming_layer(height)
+    tiles = math.ceil(q.shape[0] / ta.BLOCK_QUERIES) * HEADS
+    for stages in (3, 2):
+        for _ in range(3):
+            ta.attend_range_scheduled(q, keys, values, key_range, ta.resident_programs(q, keys, values, stages),
+                                      schedule=ta.TileSchedule(tiles, 0, 1), num_stages=stages)
+    torch.cuda.synchronize()
+
+
 def variant(q, keys, values, key_range, *, lazy: bool, block_keys: int, num_stages: int):
     num_queries = q.shape[0]
     out = torch.empty_like(q)
@@ -195,8 +246,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heights", default="378,392,518,322")
     parser.add_argument("--prefix-heights", default="", help="time prefix cuts at these heights instead (comma list)")
+    parser.add_argument("--stages-heights", default="", help="time 2 against 3 stages at these heights instead")
+    parser.add_argument("--ncu", type=int, help="launch the kernel at this height for a profiler, and exit")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.ncu:
+        launch_for_profiler(args.ncu)
+        return
+    if args.stages_heights:
+        rows = [probe_stages(int(h)) for h in args.stages_heights.split(",")]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        return
     if args.prefix_heights:
         rows = [probe_prefix(int(h)) for h in args.prefix_heights.split(",")]
         if args.json:
