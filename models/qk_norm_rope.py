@@ -27,7 +27,7 @@ from .rope import Rope2D, Rope3D, rotate_expanded
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # 32 (token, head) rows of q and k per program, 8 warps: 4.5 us (Rope2D) and 4.1 us (Rope3D) for q and
-# k at the streaming shape on an H100, against 12-13 us unfused (scripts/gpu/probe_qk_norm_rope.py).
+# k at the streaming shape on an H100, against 12-13 us unfused (a probe, docs/PERFORMANCE.md 2026-11-22).
 BLOCK_ROWS, NUM_WARPS = 32, 8
 
 
