@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
+import gc
 import json
 import os
 import resource
@@ -157,6 +159,51 @@ class TimedEngine:
     def outside_ms(self, skip: int) -> list[float]:
         """ms between the return of push i and the call of push i + 1, for i >= skip."""
         return [1000 * (self.calls[i + 1][0] - self.calls[i][1]) for i in range(skip, len(self.calls) - 1)]
+
+
+class CollectorPauses:
+    """Python's cycle collector during a run: when each collection ran, how long and which generation
+    (gc.callbacks, called on whichever thread collects, which holds the GIL meanwhile)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[float, float, int]] = []  # (start, end, generation), perf_counter seconds
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses.append((self._started, time.perf_counter(), int(info["generation"])))
+
+    def __enter__(self) -> CollectorPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict[str, Any]:
+        ms = [1000 * (end - start) for start, end, _ in self.pauses]
+        return {"collections": len(ms), "by_generation": {g: sum(1 for *_, gen in self.pauses if gen == g) for g in range(3)},
+                "total_ms": sum(ms), "longest_ms": max(ms, default=0.0)}
+
+
+def stall_causes(d: Deliveries, stalls: list[dict], push_calls: list[tuple[float, float]],
+                 pauses: list[tuple[float, float, int]]) -> list[dict]:
+    """For each stall (an interval between two new frames' first deliveries, named by the frame that
+    ended it): its ms inside engine.push, and in the cycle collector, by overlap of time spans."""
+    first = dict(first_emissions(d))
+    ordered = sorted(first)
+    causes = []
+    for stall in stalls:
+        index = bisect.bisect_left(ordered, stall["frame"])
+        if index == 0:
+            continue
+        begin, end = d.times[first[ordered[index - 1]]], d.times[first[stall["frame"]]]
+        in_push = sum(max(0.0, min(b, end) - max(a, begin)) for a, b in push_calls)
+        in_gc = sum(max(0.0, min(b, end) - max(a, begin)) for a, b, _ in pauses)
+        causes.append({**stall, "in_push_ms": round(1000 * in_push, 1), "in_collector_ms": round(1000 * in_gc, 1)})
+    return causes
 
 
 class StandInModel:
@@ -475,8 +522,9 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
     try:
         rss_before = rss_bytes()
         started = time.perf_counter()
-        summary = pipeline.run_sequence(str(video), output_dir, options, model=model, extra_sinks=[recorder],
-                                        console=console)
+        with CollectorPauses() as collector:
+            summary = pipeline.run_sequence(str(video), output_dir, options, model=model, extra_sinks=[recorder],
+                                            console=console)
         ended = time.perf_counter()
     finally:
         pipeline.build_engine, pipeline._start_viewer = real_build_engine, real_start_viewer
@@ -492,6 +540,7 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
     engine_stats = run_json["summary"].get("engine", {})
     timed = engines[0]
     outside = timed.outside_ms(skip=options.scale_frames)
+    intervals = interval_stats(d, steady_from(options), options.overlap)
     result = {
         "model_input": "x".join(str(side) for side in reversed(recorder.image_size or ())),
         "frames": summary.frames,
@@ -499,7 +548,10 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
         "run_s": ended - started,
         "first_prediction_s": d.times[0] - started - client_wait_s if d.times else float("nan"),
         "first_prediction_at": d.times[0] - client_wait_s if d.times else float("nan"),
-        **interval_stats(d, steady_from(options), options.overlap),
+        **intervals,
+        # where the time of each interval over twice the median went
+        "over_2x_median_causes": stall_causes(d, intervals.get("over_2x_median", []), timed.calls, collector.pauses),
+        "collector": collector.summary(),
         **warm_up_stats(d, started),
         "main_thread_outside_engine_ms_p50": percentile(outside, 50),
         "main_thread_outside_engine_ms_mean": float(np.mean(outside)) if outside else float("nan"),
@@ -797,6 +849,13 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def collector_line(collector: dict[str, Any]) -> str:
+    if not collector:
+        return "not recorded"
+    by_generation = "/".join(str(collector["by_generation"].get(g, 0)) for g in range(3))
+    return f"{collector['collections']} ({by_generation}), {collector['total_ms']:.1f} / {collector['longest_ms']:.1f}"
+
+
 def print_table(result: dict[str, Any]) -> None:
     rows = [
         ("device", result["device"]), ("engine", result["engine"]), ("model input", result["model_input"]),
@@ -813,6 +872,10 @@ def print_table(result: dict[str, Any]) -> None:
         ("longest interval at a rollover ms (frame): engine", f"{result.get('engine_rollover_longest_ms', float('nan')):.1f} "
          f"({result.get('engine_rollover_longest_frame')})"),
         ("stalls > 3x median", result.get("num_stalls")),
+        ("cycle collections (gen 0/1/2), total / longest ms", collector_line(result.get("collector") or {})),
+        ("intervals > 2x median: ms (in push / in collector) frame",
+         ", ".join(f"{c['ms']:.0f} ({c['in_push_ms']:.0f}/{c['in_collector_ms']:.0f}) f{c['frame']}"
+                   for c in result.get("over_2x_median_causes", [])[:8]) or "none"),
         ("rollovers (beside, spare starts before) / provisional frames",
          f"{result.get('rollovers')} ({result.get('rollovers_ahead')}, {result.get('lookahead_starts')}) / "
          f"{result.get('provisional_frames')}"),
