@@ -126,3 +126,31 @@ def test_the_warm_up_counts_new_frames_from_the_first_prediction() -> None:
     assert stats["longest_interval_after_first_prediction_frame"] == 41
     expected_100th = 2.0 + 37 * 0.030 + 0.4 + 58 * 0.025  # frame 99's first emission
     assert abs(stats["prediction_100_s"] - (expected_100th - 0.5)) < 1e-9
+
+
+def test_a_long_interval_is_split_into_engine_push_and_collector_time() -> None:
+    sys.path.insert(0, str(REPO / "scripts"))
+    import gc
+
+    from bench_e2e import CollectorPauses, Deliveries, stall_causes
+
+    # Frames 0-9 first emitted every 25 ms, frame 6 after 90 ms: of those, push calls cover 20 ms before
+    # frame 5's delivery and 50 ms after it, a collection 10 ms; an interval that starts before the
+    # first frame is not one.
+    d = Deliveries()
+    clock = 0.0
+    for frame in range(10):
+        clock += 0.090 if frame == 6 else 0.025
+        d.times.append(clock)
+        d.frames.append(frame)
+    frame5, frame6 = d.times[5], d.times[6]
+    pushes = [(frame5 - 0.020, frame5 - 0.001), (frame5 + 0.010, frame5 + 0.060), (frame6 + 0.001, frame6 + 0.02)]
+    pauses = [(frame5 + 0.070, frame5 + 0.080, 2)]
+    causes = stall_causes(d, [{"ms": 90.0, "frame": 6, "rollover": False}, {"ms": 1.0, "frame": 0}], pushes, pauses)
+    assert causes == [{"ms": 90.0, "frame": 6, "rollover": False, "in_push_ms": 50.0, "in_collector_ms": 10.0}]
+
+    with CollectorPauses() as collector:
+        gc.collect()
+    assert collector not in gc.callbacks and collector._callback not in gc.callbacks
+    summary = collector.summary()
+    assert summary["collections"] >= 1 and summary["by_generation"][2] >= 1 and summary["longest_ms"] >= 0
