@@ -6,8 +6,8 @@ must also run eagerly between CUDA-graph segments, because the key count lives o
 kernel reads the range [start, end) of the store from device memory instead: one kernel for
 specials and patches, no merge, no plan per shape, and the whole aggregator step fits in one
 graph. On an H100 at the streaming shape (1,005 queries, 72,840 keys, 16 heads of 64) it takes
-645 us (462 TFLOP/s), against cuDNN's 713 us for the 71,928 patch keys alone
-(a probe of candidate kernels, docs/PERFORMANCE.md 2026-11-22). What made the difference: keys and values loaded by the
+645 us (462 TFLOP/s), against cuDNN's 713 us for the 71,928 patch keys alone (a probe of candidate
+kernels, docs/PERFORMANCE.md 2026-11-22). What made the difference: keys and values loaded by the
 tensor memory accelerator (pointer loads: 717 us) and 64-row query blocks (128 rows: 745 us).
 Exponentials stay float32: the probe's half-precision `ex2.f16x2` variants were slower, their
 conversions costing more than the exponentials they save at head dim 64. What bounds it (Nsight
