@@ -88,12 +88,8 @@ def _variant_kernel(Q, keys, values, Out, key_range, stride_q, stride_o, num_que
 def probe_prefix(height: int) -> dict:
     """Whole tiles (one program each) against prefix cuts (pieces a tile, prefix share) at one
     size, the whole tiles timed before, between and after them."""
-    num_queries = (height // 14) * 37 + 6
-    num_keys = 72 * (num_queries - 6) + SPECIALS
-    store = torch.randn(2, num_keys + 300, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    keys, values = store[0], store[1]
-    key_range = torch.tensor([100, 100 + num_keys], dtype=torch.int32, device="cuda")
-    q = torch.randn(num_queries, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    q, keys, values, key_range = streaming_layer(height)
+    num_queries = q.shape[0]
     tiles = math.ceil(num_queries / ta.BLOCK_QUERIES) * HEADS
     slots = ta.resident_programs(q, keys, values)
     whole = ta.TileSchedule(tiles, 0, 1)
@@ -112,8 +108,6 @@ def probe_prefix(height: int) -> dict:
     print(f"518x{height} T={num_queries}: whole tiles {' '.join(f'{x:.0f}' for x in row['whole_us'])} | best "
           f"prefix cut {best[0]} {best[1]:.0f} | " + " ".join(f"{k} {v:.0f}" for k, v in row["prefix_us"].items()),
           flush=True)
-    del store
-    torch.cuda.empty_cache()
     return row
 
 
