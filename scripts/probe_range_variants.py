@@ -111,11 +111,15 @@ def probe_prefix(height: int) -> dict:
     return row
 
 
-def streaming_layer(height: int):
-    """q, keys, values and the key range of one global layer at 518 x height (random bf16)."""
+def streaming_layer(height: int, peaked_keys: bool = False):
+    """q, keys, values and the key range of one global layer at 518 x height (random bf16); with
+    `peaked_keys` the keys are tripled: peaked scores, as a trained model's are, so that the running
+    maximum moves more often."""
     num_queries = (height // 14) * 37 + 6
     num_keys = 72 * (num_queries - 6) + SPECIALS
     store = torch.randn(2, num_keys + 300, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    if peaked_keys:
+        store[0] *= 3
     key_range = torch.tensor([100, 100 + num_keys], dtype=torch.int32, device="cuda")
     q = torch.randn(num_queries, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     return q, store[0], store[1], key_range
@@ -179,15 +183,10 @@ def error(out, reference) -> float:
 
 
 def probe(height: int, slots: int, scaled_keys: bool) -> dict:
-    num_queries = (height // 14) * 37 + 6
-    num_keys = 72 * (num_queries - 6) + SPECIALS
-    store = torch.randn(2, num_keys + 300, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    if scaled_keys:  # peaked scores, as a trained model's are: the running maximum moves more often
-        store[0] *= 3
-    keys, values = store[0], store[1]
-    start = 100
-    key_range = torch.tensor([start, start + num_keys], dtype=torch.int32, device="cuda")
-    q = torch.randn(num_queries, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    q, keys, values, key_range = streaming_layer(height, peaked_keys=scaled_keys)
+    num_queries = q.shape[0]
+    start, end = key_range.tolist()
+    num_keys = end - start
     reference = F.scaled_dot_product_attention(
         q.float().transpose(0, 1)[None], keys[start:start + num_keys].float().transpose(0, 1)[None],
         values[start:start + num_keys].float().transpose(0, 1)[None])[0].transpose(0, 1)
@@ -211,8 +210,6 @@ def probe(height: int, slots: int, scaled_keys: bool) -> dict:
             row[f"{name}_failed"] = f"{type(failure).__name__}: {str(failure)[:200]}"
     if not scaled_keys:
         row.update(frame_variants(num_queries))
-    del store
-    torch.cuda.empty_cache()
     return row
 
 
@@ -247,18 +244,13 @@ def main():
     if args.ncu:
         launch_for_profiler(args.ncu)
         return
-    if args.stages_heights:
-        rows = [probe_stages(int(h)) for h in args.stages_heights.split(",")]
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-        return
-    if args.prefix_heights:
-        rows = [probe_prefix(int(h)) for h in args.prefix_heights.split(",")]
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-        return
+    for heights, probe_at in ((args.stages_heights, probe_stages), (args.prefix_heights, probe_prefix)):
+        if heights:
+            rows = [probe_at(int(h)) for h in heights.split(",")]
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            return
     probe_q = torch.randn(64, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     probe_store = torch.randn(2, 256, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     slots = ta.resident_programs(probe_q, probe_store[0], probe_store[1])
