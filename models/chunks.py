@@ -21,7 +21,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
-import torch
 
 from .pose import decode_pose
 from .prediction import FramePrediction
@@ -180,7 +179,7 @@ def aligned(raws: list[FramePrediction], transform: Sim3) -> list[FramePredictio
     pose_enc = transform.apply_to_pose_enc(np.stack([raw.pose_enc for raw in raws]).astype(np.float64))
     pose_enc = pose_enc.astype(np.float32)
     height, width = raws[0].image_size  # one stream, one frame size
-    c2w, intrinsics = decode_pose(torch.from_numpy(pose_enc), height, width)
-    c2w, intrinsics, scale = c2w.numpy(), intrinsics.numpy(), np.float32(transform.scale)
+    c2w, intrinsics = decode_pose(pose_enc, height, width)
+    scale = np.float32(transform.scale)
     return [replace(raw, pose_enc=pose_enc[k], c2w=c2w[k], intrinsics=intrinsics[k], depth=raw.depth * scale)
             for k, raw in enumerate(raws)]

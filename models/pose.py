@@ -19,10 +19,16 @@ def quat_xyzw_to_rotation(quat: torch.Tensor | np.ndarray) -> torch.Tensor | np.
     files (TUM trajectories, viewer poses) and the decoder agree on what a quaternion means.
     """
     if isinstance(quat, np.ndarray):
-        return quat_xyzw_to_rotation(torch.from_numpy(quat.astype(np.float64))).numpy()
-    i, j, k, r = quat.unbind(-1)
+        return _rotation(quat.astype(np.float64), np.stack)
+    return _rotation(quat, torch.stack)
+
+
+def _rotation(quat, stack):
+    """quat_xyzw_to_rotation in the quaternion's own dtype, for numpy or torch (`stack` of either): host
+    arrays stay in numpy, whose small operations keep the GIL, where each torch call hands it over."""
+    i, j, k, r = (quat[..., n] for n in range(4))
     two_s = 2.0 / (quat * quat).sum(-1)
-    rotation = torch.stack(
+    rotation = stack(
         (
             1 - two_s * (j * j + k * k), two_s * (i * j - k * r), two_s * (i * k + j * r),
             two_s * (i * j + k * r), 1 - two_s * (i * i + k * k), two_s * (j * k - i * r),
@@ -75,13 +81,20 @@ def quat_xyzw_product(first: np.ndarray, second: np.ndarray) -> np.ndarray:
                      w1 * w2 - x1 * x2 - y1 * y2 - z1 * z2], axis=-1)
 
 
-def decode_pose(pose_enc: torch.Tensor, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """pose_enc [..., 9] -> c2w [..., 3, 4], intrinsics [..., 3, 3] for an H x W image."""
-    rotation = quat_xyzw_to_rotation(pose_enc[..., 3:7])
-    c2w = torch.cat([rotation, pose_enc[..., :3, None]], dim=-1)
-    fy = (height / 2.0) / torch.tan(pose_enc[..., 7] / 2.0)
-    fx = (width / 2.0) / torch.tan(pose_enc[..., 8] / 2.0)
-    intrinsics = torch.zeros(pose_enc.shape[:-1] + (3, 3), dtype=pose_enc.dtype, device=pose_enc.device)
+def decode_pose(pose_enc: torch.Tensor | np.ndarray, height: int, width: int
+                ) -> tuple[torch.Tensor, torch.Tensor] | tuple[np.ndarray, np.ndarray]:
+    """pose_enc [..., 9] -> c2w [..., 3, 4], intrinsics [..., 3, 3] for an H x W image, in pose_enc's
+    dtype and kind (a numpy pose_enc, e.g. a chunk's emissions on the host, decodes in numpy)."""
+    host = isinstance(pose_enc, np.ndarray)
+    rotation = _rotation(pose_enc[..., 3:7], np.stack if host else torch.stack)
+    translation = pose_enc[..., :3, None]
+    c2w = np.concatenate([rotation, translation], -1) if host else torch.cat([rotation, translation], dim=-1)
+    tan = np.tan if host else torch.tan
+    fy = (height / 2.0) / tan(pose_enc[..., 7] / 2.0)
+    fx = (width / 2.0) / tan(pose_enc[..., 8] / 2.0)
+    shape = pose_enc.shape[:-1] + (3, 3)
+    intrinsics = (np.zeros(shape, pose_enc.dtype) if host
+                  else torch.zeros(shape, dtype=pose_enc.dtype, device=pose_enc.device))
     intrinsics[..., 0, 0] = fx
     intrinsics[..., 1, 1] = fy
     intrinsics[..., 0, 2] = width / 2

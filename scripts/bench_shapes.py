@@ -15,11 +15,14 @@ balanced schedule, SDPA for the frame attention) and `frames` (the balanced sche
 frame attention through the range kernel: the defaults). Two more take the defaults and change one
 thing: `index_copy` writes each layer's K and V with two index_copy_ calls (the write before the
 store's Triton write kernel), `heads_low` runs the steps on a high-priority stream and the heads
-beside them on a low-priority one (the defaults give the heads the steps' priority), `whole_wave`
+beside them on a low-priority one (the defaults give the heads the steps' priority), `synchronous`
+runs every frame's heads after its blocks on one stream (StreamConfig.pipeline off), `whole_wave`
 keeps a single wave's tiles whole where the defaults cut them into prefixes and pieces,
 `prefix_all` cuts every single wave that leaves a slot idle (256 tiles on an H100 too) as the defaults
 cut 224 and 240, `prefix_two` does so with one piece after a prefix of 850/1000, and `prefix_224` cuts
-only waves of at most 7/8 of the slots (224 tiles on an H100: the rule before 240 tiles were cut).
+only waves of at most 7/8 of the slots (224 tiles on an H100: the rule before 240 tiles were cut);
+`pdl` compiles the blocks and heads with Inductor's programmatic dependent launch (in the measuring
+process, whose compile helpers compiled the defaults only).
 
 torch.compile compiles the blocks and heads once per input size (~40 s a size on a fresh
 machine). --compile-workers N starts N helper processes that stream a few frames at each size
@@ -43,6 +46,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+import torch._inductor.config
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -80,6 +84,19 @@ def use_variant(model, variant: str) -> None:
     for module in model.modules():
         if isinstance(module, Attention):
             module.self_attention = frame_attention
+    use_launch_order(variant == "pdl")
+
+
+def use_launch_order(programmatic: bool) -> None:
+    """`pdl`: Inductor's kernels launched with programmatic dependent launch (each may start before
+    the kernel it follows ends, waiting in-kernel for its inputs); the compiled calls compile again
+    (Dynamo's caches reset) whenever this changes."""
+    triton_config = torch._inductor.config.triton
+    if not hasattr(triton_config, "enable_pdl"):
+        raise SystemExit(f"the pdl variant needs torch._inductor.config.triton.enable_pdl (torch {torch.__version__})")
+    if triton_config.enable_pdl != programmatic:
+        triton_config.enable_pdl = programmatic
+        torch._dynamo.reset()
 
 
 def parse_heights(text: str) -> list[int]:
@@ -95,8 +112,9 @@ def prepared_model():
     return prepare_for_inference(loaded, "cuda", torch.bfloat16, compile=True)
 
 
-def new_engine(model) -> StreamingEngine:
-    return StreamingEngine(model, StreamConfig(scale_frames=SCALE, window=WINDOW, keyframes="all"))
+def new_engine(model, variant: str = "frames") -> StreamingEngine:
+    config = StreamConfig(scale_frames=SCALE, window=WINDOW, keyframes="all", pipeline=variant != "synchronous")
+    return StreamingEngine(model, config)
 
 
 def index_copy_write(store, slots, k, v) -> None:
@@ -146,12 +164,12 @@ def measure(model, height: int, width: int, steady: int, profile: bool, variant:
     """bench.py's measurement: fill the window (synchronised), then the median push time; with
     `profile`, the kernels of a few more steps."""
     with streams_for(variant):
-        return _measure(model, height, width, steady, profile)
+        return _measure(model, height, width, steady, profile, variant)
 
 
-def _measure(model, height: int, width: int, steady: int, profile: bool) -> dict:
+def _measure(model, height: int, width: int, steady: int, profile: bool, variant: str) -> dict:
     start = time.perf_counter()
-    engine = new_engine(model)
+    engine = new_engine(model, variant)
     frames = [torch.rand(3, height, width, device="cuda") for _ in range(4)]
     fill = SCALE + WINDOW
     times = []

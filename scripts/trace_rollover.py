@@ -1,13 +1,15 @@
 """Where the time goes at a chunk rollover, on the product path (GPU machine).
 
-    python3 scripts/trace_rollover.py [--pace X] [--main-priority P] [--trace-before S] [--trace-after S] [bench_e2e options, e.g. --frames 700 --viewer --client]
+    python3 scripts/trace_rollover.py [--pace X] [--main-priority P] [--trace-before S] [--trace-after S] [--longest N] [bench_e2e options, e.g. --frames 700 --viewer --client]
 
 Runs scripts/bench_e2e.py in this process with timers wrapped around the rollover's parts (closing
 the chunk, provisional frames beside the catching-up spare, pacing, the switch, aligning, emitting
 to the sinks) and CUDA events around every engine step, main stream and spare alike. `--pace` and
-`--main-priority` set models.rollover's PACE and MAIN_STREAM_PRIORITY for the run. Prints, for each rollover of the product run, the spans from
-a few frames before it to a few after, in ms from the rollover's start: host spans on the main thread,
-the spare's jobs on its worker, and when each step's device work began and ended.
+`--main-priority` set models.rollover's PACE and MAIN_STREAM_PRIORITY for the run. Prints, for each
+rollover of the product run, the spans from a few frames before it to a few after, in ms from the rollover's start: host spans on the main thread,
+the spare's jobs on its worker, and when each step's device work began and ended; then the same around
+the product run's LONGEST longest intervals between two pushes (`--longest N`, 4 by default), wherever
+they fell, in ms from the start of the push that began each.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from stream_recon.models.lookahead import SpareEngine  # noqa: E402
 SPANS: list[tuple[str, str, float, float]] = []  # (what, thread, start, end), perf_counter seconds
 DEVICE: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event]] = []  # (what, thread, begin, end)
 ROLLOVERS: list[float] = []
+PUSHES: list[float] = []  # perf_counter seconds at each ChunkedEngine.push's start
+LONGEST = 4  # intervals between pushes printed with their spans (--longest)
 PHASE = {"product": False}
 TRACE_BEFORE_S, TRACE_AFTER_S = 0.35, 0.25  # spans printed around each rollover's start (--trace-before/-after)
 CUDA = torch.cuda.is_available()
@@ -50,6 +54,8 @@ def timed(owner, name: str, label: str | None = None, device: bool = False) -> N
             what = f"{what} ({len(args[0].early_ratios)} of {len(args[1])} ratios ahead)"
         if name == "_roll_over":
             ROLLOVERS.append(time.perf_counter())
+        if name == "push" and owner is ChunkedEngine:
+            PUSHES.append(time.perf_counter())
         if device and CUDA:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
@@ -75,6 +81,11 @@ def install() -> None:
     timed(SpareEngine, "collect", "spare collect")
     timed(rollover.Rollover, "push_beside", "beside the spare")
     timed(ChunkedEngine, "_switch_to_spare", "switch")
+    timed(ChunkedEngine, "push", "push")
+    timed(rollover.Rollover, "take_ready", "take ready")
+    timed(SpareEngine, "take_next", "spare take next")
+    timed(SpareEngine, "hand_over", "spare hand over", device=True)
+    timed(StreamingEngine, "push_checked", "step", device=True)
     timed(rollover.Rollover, "pace", "pace")
     timed(StreamingEngine, "push", "step", device=True)
     timed(StreamingEngine, "finish", "finish", device=True)
@@ -102,17 +113,32 @@ def report(base: torch.cuda.Event, base_time: float) -> None:
     # Device times as perf_counter seconds: the base event was recorded (and the GPU idle) at base_time.
     device = [] if base is None else [(what, thread, base_time + base.elapsed_time(b) / 1000, base_time + base.elapsed_time(e) / 1000)
               for what, thread, b, e in DEVICE]
+    rows = [(s, e, f"{thread[:14]:<14} {what}") for what, thread, s, e in SPANS]
+    rows += [(s, e, f"{thread[:14]:<14} [gpu] {what}") for what, thread, s, e in device]
+    rows.sort()
     for number, at in enumerate(ROLLOVERS):
         print(f"== rollover {number} (ms from its start; host spans, then [gpu] device spans)")
-        rows = [(s, e, f"{thread[:14]:<14} {what}") for what, thread, s, e in SPANS]
-        rows += [(s, e, f"{thread[:14]:<14} [gpu] {what}") for what, thread, s, e in device]
-        for start, end, label in sorted(rows):
-            if -TRACE_BEFORE_S < start - at < TRACE_AFTER_S:
-                print(f"   {1000 * (start - at):8.1f} {1000 * (end - at):8.1f} {1000 * (end - start):7.1f}  {label}")
+        print_window(rows, at, at - TRACE_BEFORE_S, at + TRACE_AFTER_S)
+    gaps = sorted(((later - earlier, index) for index, (earlier, later) in enumerate(zip(PUSHES[:-1], PUSHES[1:], strict=True))),
+                  reverse=True)
+    for gap, index in gaps[:LONGEST]:
+        at = PUSHES[index]
+        print(f"== {1000 * gap:.1f} ms from push {index} to the next (ms from its start)")
+        print_window(rows, at, at - 0.03, PUSHES[index + 1] + 0.005)
+
+
+def print_window(rows: list[tuple[float, float, str]], at: float, first: float, last: float) -> None:
+    for start, end, label in rows:
+        if first < start < last:
+            print(f"   {1000 * (start - at):8.1f} {1000 * (end - at):8.1f} {1000 * (end - start):7.1f}  {label}")
 
 
 if __name__ == "__main__":
     arguments = sys.argv[1:]
+    if "--longest" in arguments:
+        at = arguments.index("--longest")
+        LONGEST = int(arguments[at + 1])
+        del arguments[at : at + 2]
     for option in ("--trace-before", "--trace-after"):
         if option in arguments:
             at = arguments.index(option)
