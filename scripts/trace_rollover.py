@@ -6,10 +6,11 @@ Runs scripts/bench_e2e.py in this process with timers wrapped around the rollove
 the chunk, provisional frames beside the catching-up spare, pacing, the switch, aligning, emitting
 to the sinks) and CUDA events around every engine step, main stream and spare alike. `--pace` and
 `--main-priority` set models.rollover's PACE and MAIN_STREAM_PRIORITY for the run. Prints, for each
-rollover of the product run, the spans from a few frames before it to a few after, in ms from the rollover's start: host spans on the main thread,
-the spare's jobs on its worker, and when each step's device work began and ended; then the same around
-the product run's LONGEST longest intervals between two pushes (`--longest N`, 4 by default), wherever
-they fell, in ms from the start of the push that began each.
+rollover of the product run, the spans from a few frames before it to a few after, in ms from the
+rollover's start: host spans on the main thread, the spare's jobs on its worker, and when each
+step's device work began and ended; then the same around the product run's N longest intervals
+between two pushes (`--longest N`, 4 by default), wherever they fell, in ms from the start of the
+push that began each.
 """
 
 from __future__ import annotations
