@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream_recon.models.pose import back_project, quat_xyzw_to_rotation, rotation_to_quat_xyzw
+from stream_recon.models.pose import back_project, decode_pose, quat_xyzw_to_rotation, rotation_to_quat_xyzw
 
 unit_quaternions = st.lists(st.floats(-1, 1), min_size=4, max_size=4).filter(lambda v: np.linalg.norm(v) > 1e-3)
 
@@ -32,6 +32,20 @@ def test_numpy_and_torch_inputs_give_the_same_rotation_and_batches_match_single_
     quat_back = rotation_to_quat_xyzw(batched)
     assert quat_back.shape == (5, 7, 4) and (quat_back[..., 3] >= 0).all()
     np.testing.assert_array_equal(quat_back[2, 3], rotation_to_quat_xyzw(batched[2, 3]))
+
+
+def test_host_encodings_decode_in_numpy_as_the_device_decodes_them():
+    # The chunk alignment decodes its emissions on the host in numpy (no torch call hands the GIL over).
+    pose_enc = np.random.default_rng(1).normal(size=(17, 9)).astype(np.float32)
+    pose_enc[:, 7:] = np.abs(pose_enc[:, 7:]) + 0.3  # fields of view, rad
+    c2w, intrinsics = decode_pose(pose_enc, 392, 518)
+    assert isinstance(c2w, np.ndarray) and c2w.dtype == np.float32 and c2w.shape == (17, 3, 4)
+    assert intrinsics.dtype == np.float32 and intrinsics.shape == (17, 3, 3)
+    c2w_torch, intrinsics_torch = decode_pose(torch.from_numpy(pose_enc), 392, 518)
+    np.testing.assert_array_equal(c2w, c2w_torch.numpy())
+    np.testing.assert_allclose(intrinsics, intrinsics_torch.numpy(), rtol=5e-7, atol=0)  # tan may differ by an ulp
+    np.testing.assert_array_equal(intrinsics[:, 2], np.tile([0, 0, 1], (17, 1)))
+    np.testing.assert_array_equal(intrinsics[:, :2, 2], np.tile([259, 196], (17, 1)))
 
 
 def test_half_turns_keep_their_axis():
