@@ -12,8 +12,8 @@ Variants, measured back to back per size: `previous` (the range kernel before th
 schedule, cache/triton_attention_previous.py where the device script puts the previous commit's
 module, and SDPA (cuDNN) for the frame attention: the engine before this change), `balanced` (the
 balanced schedule, SDPA for the frame attention) and `frames` (the balanced schedule, and the
-frame attention through the range kernel: the defaults). Two more take the defaults and change one
-thing: `index_copy` writes each layer's K and V with two index_copy_ calls (the write before the
+frame attention through the range kernel: the defaults). The others take the defaults and change
+one thing: `index_copy` writes each layer's K and V with two index_copy_ calls (the write before the
 store's Triton write kernel), `heads_low` runs the steps on a high-priority stream and the heads
 beside them on a low-priority one (the defaults give the heads the steps' priority), `synchronous`
 runs every frame's heads after its blocks on one stream (StreamConfig.pipeline off), `whole_wave`
@@ -93,6 +93,8 @@ def use_launch_order(programmatic: bool) -> None:
     (Dynamo's caches reset) whenever this changes."""
     triton_config = torch._inductor.config.triton
     if not hasattr(triton_config, "enable_pdl"):
+        if not programmatic:
+            return
         raise SystemExit(f"the pdl variant needs torch._inductor.config.triton.enable_pdl (torch {torch.__version__})")
     if triton_config.enable_pdl != programmatic:
         triton_config.enable_pdl = programmatic
