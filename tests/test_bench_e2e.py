@@ -69,11 +69,15 @@ def test_rollover_trace_names_each_part_of_every_rollover(tmp_path: Path) -> Non
     done = subprocess.run(command, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    sections = done.stdout.split("== rollover ")[1:]
+    rollovers, _, longest = done.stdout.partition(" ms from push ")
+    sections = rollovers.split("== rollover ")[1:]
     assert len(sections) >= 2  # chunks of 8 frames, 5 apart: rollovers at frames 8 and 13 (and 18)
     for section in sections:
         for part in ("rollover", "finish", "align: estimate (0 of 3 ratios ahead)", "align: median", "sinks"):
             assert part in section, (part, section[:2000])
+    # then the 4 longest intervals between pushes, each with the pushes that bound it
+    assert done.stdout.count(" ms from push ") == 4
+    assert "MainThread     push" in longest and "MainThread     step" in longest
 
 
 def test_a_rollover_region_runs_from_the_overlap_before_it_to_past_the_provisional_frames() -> None:
