@@ -43,8 +43,8 @@ logger = logging.getLogger("stream_recon.models.rollover")
 # push: the spare has the device alone for the rest. 1.5 left the spare too little device time (46
 # provisional frames at a flow rollover on the H100, docs/PERFORMANCE.md); 1.6 keeps it a frame behind.
 PACE = 1.6
-# The stream's CUDA stream, once there is a spare (whose stream has the default priority, 0): lower
-# numbers are more urgent.
+# The current engine's CUDA stream (MainStream) where a spare may run (whose stream has the default
+# priority, 0): lower numbers are more urgent.
 MAIN_STREAM_PRIORITY = -1
 # The most frames a closed chunk predicts provisionally while the next one catches up; then the
 # stream waits for the spare. A chunk that closes at a known frame has had the spare take its shared
@@ -99,9 +99,6 @@ class Rollover:
         self.spare = spare
         self.alignment = alignment
         self.provisional_room = provisional_room  # frames a closed chunk may predict while the next catches up
-        device = spare.engine.device
-        # The stream's device work on a CUDA stream of higher priority than the spare's.
-        self.main_stream = torch.cuda.Stream(device, priority=MAIN_STREAM_PRIORITY) if device.type == "cuda" else None
         self._push_seconds: deque[float] = deque(maxlen=32)  # the stream's own pushes, for pacing
         self._clear()
 
@@ -251,22 +248,36 @@ class Rollover:
                 pass
             self.spare.wait_until(deadline)
 
-    @contextlib.contextmanager
-    def on_main_stream(self) -> Iterator[None]:
-        """The stream's device work on a CUDA stream of higher priority than the spare's: the spare gets
-        what the stream leaves of the GPU instead of slowing it down."""
-        stream = self.main_stream
-        if stream is None:
-            yield
-            return
-        device = self.spare.engine.device
-        caller = torch.cuda.current_stream(device)
-        stream.wait_stream(caller)
-        try:
-            with torch.cuda.stream(stream):
-                yield
-        finally:
-            caller.wait_stream(stream)
-
     def close(self) -> None:
         self.spare.close()
+
+
+class MainStream:
+    """The current engine's device work on a CUDA stream of higher priority than the spare's, so that
+    the spare gets what the stream leaves of the GPU instead of slowing it down.
+
+    All of it, the warm-up included: the caching allocator keeps freed blocks for the stream that
+    freed them, and a first graph replay on a new stream pays extra, so a warm-up on another stream
+    left the stream's scale step to allocate its memory again (27 cudaMalloc calls; that step 125 ms
+    instead of ~80 at 518x392 on the H100, docs/PERFORMANCE.md)."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device, priority=MAIN_STREAM_PRIORITY)
+        # One event each way between the caller's stream and this one, recorded again at every use:
+        # creating one waits for the driver's lock, which a cudaMalloc on the spare's thread held for
+        # 8 ms at a rollover (Stream.wait_stream creates one a call).
+        self._entered, self._left = torch.cuda.Event(), torch.cuda.Event()
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """Run the block on this stream, after the caller's stream's work so far; the caller's stream
+        waits for what the block enqueued."""
+        caller = torch.cuda.current_stream(self.stream.device)
+        self._entered.record(caller)
+        self.stream.wait_event(self._entered)
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            self._left.record(self.stream)
+            caller.wait_event(self._left)

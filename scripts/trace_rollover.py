@@ -1,16 +1,19 @@
 """Where the time goes at a chunk rollover, on the product path (GPU machine).
 
-    python3 scripts/trace_rollover.py [--pace X] [--main-priority P] [--trace-before S] [--trace-after S] [--longest N] [bench_e2e options, e.g. --frames 700 --viewer --client]
+    python3 scripts/trace_rollover.py [--pace X] [--main-priority P] [--trace-before S] [--trace-after S] [--longest N] [--memory-push K] [bench_e2e options, e.g. --frames 700 --viewer --client]
 
 Runs scripts/bench_e2e.py in this process with timers wrapped around the rollover's parts (closing
 the chunk, provisional frames beside the catching-up spare, pacing, the switch, aligning, emitting
 to the sinks) and CUDA events around every engine step, main stream and spare alike. `--pace` and
 `--main-priority` set models.rollover's PACE and MAIN_STREAM_PRIORITY for the run. Prints, for each
 rollover of the product run, the spans from a few frames before it to a few after, in ms from the
-rollover's start: host spans on the main thread, the spare's jobs on its worker, and when each
-step's device work began and ended; then the same around the product run's N longest intervals
-between two pushes (`--longest N`, 4 by default), wherever they fell, in ms from the start of the
-push that began each.
+rollover's start: host spans on the main thread, the spare's jobs on its worker, when each step's
+device work began and ended, every CUDA stream or event call that took 0.5 ms or more (with its
+thread's CPU time in it: little CPU means a wait for a lock or the interpreter), and the caching
+allocator's cudaMalloc/cudaFree calls during each push; then the same around the product run's N
+longest intervals between two pushes (`--longest N`, 4 by default), wherever they fell, in ms from
+the start of the push that began each. `--memory-push K` also lists the caching allocator's device
+calls (cudaMalloc, cudaFree) during push K, each with its stream and the lines of ours that asked.
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ LONGEST = 4  # intervals between pushes printed with their spans (--longest)
 PHASE = {"product": False}
 TRACE_BEFORE_S, TRACE_AFTER_S = 0.35, 0.25  # spans printed around each rollover's start (--trace-before/-after)
 CUDA = torch.cuda.is_available()
+# --memory-push K: the caching allocator's cudaMalloc/cudaFree calls during push K (counted from 0),
+# each with its stream and where in our code it was asked for.
+MEMORY_PUSH: dict = {"index": None, "events": []}
+SLOW_CALL_S = 0.0005  # CUDA calls around the steps this long or longer get a span of their own
 
 
 def timed(owner, name: str, label: str | None = None, device: bool = False) -> None:
@@ -57,6 +64,10 @@ def timed(owner, name: str, label: str | None = None, device: bool = False) -> N
             ROLLOVERS.append(time.perf_counter())
         if name == "push" and owner is ChunkedEngine:
             PUSHES.append(time.perf_counter())
+            before = device_mallocs()
+            traced_push = CUDA and len(PUSHES) - 1 == MEMORY_PUSH["index"]
+            if traced_push:
+                history_before = len(torch.cuda.memory._snapshot()["device_traces"][0])
         if device and CUDA:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
@@ -64,6 +75,10 @@ def timed(owner, name: str, label: str | None = None, device: bool = False) -> N
         try:
             return original(*args, **kwargs)
         finally:
+            if name == "push" and owner is ChunkedEngine:
+                what = f"{what}{malloc_note(before, device_mallocs())}"
+                if traced_push:
+                    MEMORY_PUSH["events"] = torch.cuda.memory._snapshot()["device_traces"][0][history_before:]
             SPANS.append((what, thread, start, time.perf_counter()))
             if device and CUDA:
                 end.record()
@@ -72,7 +87,47 @@ def timed(owner, name: str, label: str | None = None, device: bool = False) -> N
     setattr(owner, name, wrapper)
 
 
+def device_mallocs() -> tuple[int, int]:
+    """cudaMalloc and cudaFree calls of the caching allocator so far, all threads together."""
+    if not CUDA:
+        return 0, 0
+    stats = torch.cuda.memory_stats()
+    return stats.get("num_device_alloc", 0), stats.get("num_device_free", 0)
+
+
+def malloc_note(before: tuple[int, int], after: tuple[int, int]) -> str:
+    allocs, frees = after[0] - before[0], after[1] - before[1]
+    return f" [cudaMalloc {allocs}, cudaFree {frees} meanwhile]" if allocs or frees else ""
+
+
+def timed_if_slow(owner, name: str, label: str) -> None:
+    """A span for each call of owner.name that takes SLOW_CALL_S or more, with the calling thread's CPU
+    time in it: a CUDA call that waits on a lock (or for the interpreter) shows little CPU."""
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        if not PHASE["product"]:
+            return original(*args, **kwargs)
+        start, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            end = time.perf_counter()
+            if end - start >= SLOW_CALL_S:
+                used = 1000 * (time.thread_time() - cpu)
+                SPANS.append((f"{label} (slow call, {used:.1f} ms CPU)", threading.current_thread().name, start, end))
+
+    setattr(owner, name, wrapper)
+
+
 def install() -> None:
+    if CUDA:  # the CUDA calls a push makes around its steps, where one may wait for the driver
+        timed_if_slow(torch.cuda.Event, "record", "cuda: event record")
+        timed_if_slow(torch.cuda.Stream, "wait_event", "cuda: wait event")
+        timed_if_slow(torch.cuda.Stream, "wait_stream", "cuda: wait stream")
+        timed_if_slow(torch.cuda.StreamContext, "__exit__", "cuda: stream context exit")
+        timed_if_slow(torch.cuda.StreamContext, "__enter__", "cuda: stream context enter")
     timed(ChunkedEngine, "_roll_over", "rollover")
     timed(chunks.ChunkAlignment, "_estimate_transform", "align: estimate")
     timed(chunks, "estimate_chunk_alignment", "align: sim3")
@@ -95,6 +150,8 @@ def install() -> None:
 
     def product(*args, **kwargs):
         PHASE["product"] = True
+        if CUDA and MEMORY_PUSH["index"] is not None:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
         base = torch.cuda.Event(enable_timing=True) if CUDA else None
         if CUDA:
             base.record()
@@ -122,10 +179,25 @@ def report(base: torch.cuda.Event, base_time: float) -> None:
         print_window(rows, at, at - TRACE_BEFORE_S, at + TRACE_AFTER_S)
     gaps = sorted(((later - earlier, index) for index, (earlier, later) in enumerate(zip(PUSHES[:-1], PUSHES[1:], strict=True))),
                   reverse=True)
+    print_memory_push()
     for gap, index in gaps[:LONGEST]:
         at = PUSHES[index]
         print(f"== {1000 * gap:.1f} ms from push {index} to the next (ms from its start)")
         print_window(rows, at, at - 0.03, PUSHES[index + 1] + 0.005)
+
+
+def print_memory_push() -> None:
+    if MEMORY_PUSH["index"] is None:
+        return
+    print(f"== the caching allocator's device calls during push {MEMORY_PUSH['index']}")
+    for event in MEMORY_PUSH["events"]:
+        if event["action"] not in ("segment_alloc", "segment_free", "segment_map", "segment_unmap"):
+            continue
+        ours = [f"{Path(frame['filename']).parent.name}/{Path(frame['filename']).name}:{frame['line']} {frame['name']}"
+                for frame in event.get("frames", []) if "stream_recon" in frame["filename"]
+                or any(f"/{room}/" in frame["filename"] for room in ("models", "cache", "app"))]
+        print(f"   {event['action']} {event['size'] / 2**20:8.1f} MiB on stream {event['stream']:#x}: "
+              f"{' < '.join(ours[:3]) or '(no frame of ours)'}")
 
 
 def print_window(rows: list[tuple[float, float, str]], at: float, first: float, last: float) -> None:
@@ -139,6 +211,10 @@ if __name__ == "__main__":
     if "--longest" in arguments:
         at = arguments.index("--longest")
         LONGEST = int(arguments[at + 1])
+        del arguments[at : at + 2]
+    if "--memory-push" in arguments:
+        at = arguments.index("--memory-push")
+        MEMORY_PUSH["index"] = int(arguments[at + 1])
         del arguments[at : at + 2]
     for option in ("--trace-before", "--trace-after"):
         if option in arguments:

@@ -310,7 +310,7 @@ def test_a_spare_engine_on_its_own_stream_ends_with_what_rollovers_in_place_emit
             spare = engine._rollover.spare.engine
             assert engine.engine.runner.records and spare.runner.records  # both recorded, once
             assert (spare.cache.layout.allocated_window_slots < window) == small_spare
-            assert engine._rollover.main_stream.priority < torch.cuda.current_stream().priority
+            assert engine._main_stream.stream.priority < torch.cuda.current_stream().priority
         engine.close()
     (beside, beside_stats), (in_place, in_place_stats) = runs[True], runs[False]
     assert beside_stats["lookahead"] and beside_stats["rollovers"] == in_place_stats["rollovers"] >= 2
