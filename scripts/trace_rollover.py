@@ -1,6 +1,6 @@
 """Where the time goes at a chunk rollover, on the product path (GPU machine).
 
-    python3 scripts/trace_rollover.py [--pace X] [--main-priority P] [--trace-before S] [--trace-after S] [--longest N] [--memory-push K] [bench_e2e options, e.g. --frames 700 --viewer --client]
+    python3 scripts/trace_rollover.py [--pace X] [--main-priority P] [--trace-before S] [--trace-after S] [--longest N] [--memory-push K] [--profile-push K[,K...] | --host-profile-push K[,K...]] [bench_e2e options, e.g. --frames 700 --viewer --client]
 
 Runs scripts/bench_e2e.py in this process with timers wrapped around the rollover's parts (closing
 the chunk, provisional frames beside the catching-up spare, pacing, the switch, aligning, emitting
@@ -13,12 +13,19 @@ thread's CPU time in it: little CPU means a wait for a lock or the interpreter),
 allocator's cudaMalloc/cudaFree calls during each push; then the same around the product run's N
 longest intervals between two pushes (`--longest N`, 4 by default), wherever they fell, in ms from
 the start of the push that began each. `--memory-push K` also lists the caching allocator's device
-calls (cudaMalloc, cudaFree) during push K, each with its stream and the lines of ours that asked.
+calls (cudaMalloc, cudaFree) from the run's start (its warm-up) through push K, each with the push it
+fell in, its stream and the lines of ours that asked. `--profile-push K[,K...]` runs those pushes
+under torch.profiler and prints their operators by device time; `--host-profile-push` runs them under
+cProfile and prints their Python calls by cumulative time.
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
+import cProfile
 import functools
+import pstats
 import sys
 import threading
 import time
@@ -43,9 +50,15 @@ LONGEST = 4  # intervals between pushes printed with their spans (--longest)
 PHASE = {"product": False}
 TRACE_BEFORE_S, TRACE_AFTER_S = 0.35, 0.25  # spans printed around each rollover's start (--trace-before/-after)
 CUDA = torch.cuda.is_available()
-# --memory-push K: the caching allocator's cudaMalloc/cudaFree calls during push K (counted from 0),
-# each with its stream and where in our code it was asked for.
-MEMORY_PUSH: dict = {"index": None, "events": []}
+# --memory-push K: the caching allocator's cudaMalloc/cudaFree calls from the run's start (its warm-up)
+# through push K (counted from 0), each with its stream and where in our code it was asked for.
+MEMORY_PUSH: dict = {"index": None, "starts": []}  # starts: device calls before each push
+MEMORY_HISTORY_ENTRIES = 2_000_000
+# --profile-push K[,K...]: torch.profiler around each of those pushes (the profiler's own start
+# lengthens them), then their operators by device time; --host-profile-push: cProfile instead, then
+# their Python calls by cumulative time.
+PROFILED: dict = {"pushes": set(), "profiles": [], "host": False}
+PROFILE_ROWS = 25
 SLOW_CALL_S = 0.0005  # CUDA calls around the steps this long or longer get a span of their own
 
 
@@ -65,26 +78,42 @@ def timed(owner, name: str, label: str | None = None, device: bool = False) -> N
         if name == "push" and owner is ChunkedEngine:
             PUSHES.append(time.perf_counter())
             before = device_mallocs()
-            traced_push = CUDA and len(PUSHES) - 1 == MEMORY_PUSH["index"]
-            if traced_push:
-                history_before = len(torch.cuda.memory._snapshot()["device_traces"][0])
+            # Where push K+1 begins ends push K's calls; counted, since a snapshot here would cost 0.3-0.6 s.
+            if CUDA and MEMORY_PUSH["index"] is not None and len(PUSHES) - 2 <= MEMORY_PUSH["index"]:
+                MEMORY_PUSH["starts"].append(sum(before))
         if device and CUDA:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            if name == "push" and owner is ChunkedEngine:
-                what = f"{what}{malloc_note(before, device_mallocs())}"
-                if traced_push:
-                    MEMORY_PUSH["events"] = torch.cuda.memory._snapshot()["device_traces"][0][history_before:]
-            SPANS.append((what, thread, start, time.perf_counter()))
-            if device and CUDA:
-                end.record()
-                DEVICE.append((what, thread, begin, end))
+        profiled = name == "push" and owner is ChunkedEngine and len(PUSHES) - 1 in PROFILED["pushes"]
+        with profiler(PROFILED["host"]) if profiled else contextlib.nullcontext() as profile:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if profiled:  # read after the profile ends, in the report
+                    PROFILED["profiles"].append((len(PUSHES) - 1, profile))
+                    if CUDA:
+                        torch.cuda.synchronize()
+                record_span(owner, name, what, thread, start, before if name == "push" else None)
+                if device and CUDA:
+                    end.record()
+                    DEVICE.append((what, thread, begin, end))
 
     setattr(owner, name, wrapper)
+
+
+def record_span(owner, name: str, what: str, thread: str, start: float, before) -> None:
+    if name == "push" and owner is ChunkedEngine:
+        what = f"{what}{malloc_note(before, device_mallocs())}"
+    SPANS.append((what, thread, start, time.perf_counter()))
+
+
+def profiler(host: bool):
+    """cProfile for the host's Python calls (--host-profile-push), else torch.profiler's operators."""
+    if host:
+        return cProfile.Profile()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    return torch.profiler.profile(activities=activities + [torch.profiler.ProfilerActivity.CUDA] if CUDA else activities)
 
 
 def device_mallocs() -> tuple[int, int]:
@@ -151,7 +180,8 @@ def install() -> None:
     def product(*args, **kwargs):
         PHASE["product"] = True
         if CUDA and MEMORY_PUSH["index"] is not None:
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
+            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+            MEMORY_PUSH["recorded_from"] = sum(device_mallocs())
         base = torch.cuda.Event(enable_timing=True) if CUDA else None
         if CUDA:
             base.record()
@@ -180,6 +210,7 @@ def report(base: torch.cuda.Event, base_time: float) -> None:
     gaps = sorted(((later - earlier, index) for index, (earlier, later) in enumerate(zip(PUSHES[:-1], PUSHES[1:], strict=True))),
                   reverse=True)
     print_memory_push()
+    print_profiles()
     for gap, index in gaps[:LONGEST]:
         at = PUSHES[index]
         print(f"== {1000 * gap:.1f} ms from push {index} to the next (ms from its start)")
@@ -189,15 +220,37 @@ def report(base: torch.cuda.Event, base_time: float) -> None:
 def print_memory_push() -> None:
     if MEMORY_PUSH["index"] is None:
         return
-    print(f"== the caching allocator's device calls during push {MEMORY_PUSH['index']}")
-    for event in MEMORY_PUSH["events"]:
+    events = torch.cuda.memory._snapshot()["device_traces"][0] if CUDA else []  # (taken after the run: it costs 0.3-0.6 s)
+    starts = MEMORY_PUSH["starts"]
+    print(f"== the caching allocator's device calls from the run's start through push {MEMORY_PUSH['index']}"
+          + (" (its history overflowed: the first are lost)" if len(events) >= MEMORY_HISTORY_ENTRIES else ""))
+    # The n-th cudaMalloc/cudaFree since the recording began is the allocator's device call number
+    # recorded_from + n; each push began at a known call number (`starts`).
+    calls = MEMORY_PUSH.get("recorded_from", 0)
+    for event in events:
         if event["action"] not in ("segment_alloc", "segment_free", "segment_map", "segment_unmap"):
             continue
+        push = bisect.bisect_right(starts, calls) - 1
+        calls += event["action"] in ("segment_alloc", "segment_free")
+        if push > MEMORY_PUSH["index"]:
+            break
+        when = f"push {push}" if push >= 0 else "before the pushes"
         ours = [f"{Path(frame['filename']).parent.name}/{Path(frame['filename']).name}:{frame['line']} {frame['name']}"
                 for frame in event.get("frames", []) if "stream_recon" in frame["filename"]
                 or any(f"/{room}/" in frame["filename"] for room in ("models", "cache", "app"))]
-        print(f"   {event['action']} {event['size'] / 2**20:8.1f} MiB on stream {event['stream']:#x}: "
+        print(f"   {when:>17}  {event['action']} {event['size'] / 2**20:8.1f} MiB on stream {event['stream']:#x}: "
               f"{' < '.join(ours[:3]) or '(no frame of ours)'}")
+
+
+def print_profiles() -> None:
+    for index, profile in PROFILED["profiles"]:
+        if PROFILED["host"]:
+            print(f"== push {index} under cProfile, its Python calls by cumulative time")
+            pstats.Stats(profile, stream=sys.stdout).sort_stats("cumulative").print_stats(PROFILE_ROWS)
+            continue
+        print(f"== push {index} under torch.profiler, its operators by {'device' if CUDA else 'CPU'} time")
+        print(profile.key_averages().table(sort_by="device_time_total" if CUDA else "cpu_time_total",
+                                           row_limit=PROFILE_ROWS))
 
 
 def print_window(rows: list[tuple[float, float, str]], at: float, first: float, last: float) -> None:
@@ -212,6 +265,11 @@ if __name__ == "__main__":
         at = arguments.index("--longest")
         LONGEST = int(arguments[at + 1])
         del arguments[at : at + 2]
+    for option in ("--profile-push", "--host-profile-push"):
+        if option in arguments:
+            at = arguments.index(option)
+            PROFILED["pushes"], PROFILED["host"] = {int(i) for i in arguments[at + 1].split(",")}, option.startswith("--host")
+            del arguments[at : at + 2]
     if "--memory-push" in arguments:
         at = arguments.index("--memory-push")
         MEMORY_PUSH["index"] = int(arguments[at + 1])

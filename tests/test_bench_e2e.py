@@ -63,7 +63,7 @@ def test_stand_in_engine_measures_the_product_path_alone(tmp_path: Path, viewer:
 
 
 def test_rollover_trace_names_each_part_of_every_rollover(tmp_path: Path) -> None:
-    command = [sys.executable, str(REPO / "scripts" / "trace_rollover.py"), "--pace", "1.5", "--memory-push", "3", "--device", "cpu",
+    command = [sys.executable, str(REPO / "scripts" / "trace_rollover.py"), "--pace", "1.5", "--memory-push", "3", "--profile-push", "9", "--device", "cpu",
                "--model", "tiny", "--frames", "20", "--image-width", "112", "--scale", "2", "--window", "4",
                "--chunk-frames", "8", "--overlap", "3", "--video-dir", str(tmp_path), "--no-engine-run"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600,
@@ -78,7 +78,9 @@ def test_rollover_trace_names_each_part_of_every_rollover(tmp_path: Path) -> Non
     # then the 4 longest intervals between pushes, each with the pushes that bound it
     assert done.stdout.count(" ms from push ") == 4
     assert "MainThread     push" in longest and "MainThread     step" in longest
-    assert "== the caching allocator's device calls during push 3" in done.stdout  # (none on a CPU)
+    assert "== the caching allocator's device calls from the run's start through push 3" in done.stdout  # (none on a CPU)
+    assert "== push 9 under torch.profiler, its operators by CPU time" in done.stdout
+    assert "aten::linear" in done.stdout.partition("under torch.profiler")[2]
 
 
 def test_a_rollover_region_runs_from_the_overlap_before_it_to_past_the_provisional_frames() -> None:
