@@ -14,9 +14,10 @@ from rich.console import Console
 from stream_recon.app.options import OptionsError, RunOptions, resolve_device, resolve_dtype
 
 
-def load_model_for(options: RunOptions, device: str | None = None, console: Console | None = None) -> Any:
+def load_model_for(options: RunOptions, device: str | None = None, console: Console | None = None,
+                   compile: bool | None = None) -> Any:
     """The model `options` name, prepared for the run's device and precision, as every command loads it
-    (`run`, and `batch` once per worker).
+    (`run`, and `batch` once per worker). compile: as prepared_for_run takes it.
 
     Load the checkpoint; a known name not on this machine is downloaded first when the hub is reachable
     (the first run), else CheckpointError says which command fetches it and where to put it."""
@@ -49,7 +50,7 @@ def load_model_for(options: RunOptions, device: str | None = None, console: Cons
                 f"cannot read the checkpoint {error.filename or checkpoint}: {error.strerror or error}; "
                 "check its permissions, or pass another --checkpoint"
             ) from None
-        return prepared_for_run(loaded, options, device)
+        return prepared_for_run(loaded, options, device, compile=compile)
 
 
 def checkpoint_advice(message: str) -> str:
@@ -97,16 +98,18 @@ def check_readable(checkpoint: Path) -> None:
         ) from None
 
 
-def prepared_for_run(model: Any, options: RunOptions, device: str) -> Any:
+def prepared_for_run(model: Any, options: RunOptions, device: str, compile: bool | None = None) -> Any:
     """`model` made ready for this run's device and precision: a new model (`model` is left as it is),
-    or a model prepared already, as it is."""
+    or a model prepared already, as it is. compile: whether to compile it (None: unless --compile off;
+    a run that knows its input size decides with app.background_compile.compile_choice)."""
     from stream_recon.models import prepare_for_inference
     from stream_recon.models.compilation import artefacts_dir
 
     if getattr(model, "inference_spec", None) is not None:
         return model
+    compile = options.compile != "off" if compile is None else compile
     try:
-        return prepare_for_inference(model, device, resolve_dtype(options.dtype, device), compile=options.compile,
+        return prepare_for_inference(model, device, resolve_dtype(options.dtype, device), compile=compile,
                                      artefacts=artefacts_dir())
     except ValueError as error:
         raise OptionsError(str(error)) from None
@@ -136,6 +139,15 @@ class CheckpointDigest:
         if self._thread is not None:
             self._thread.join(timeout_s)
         return self._digest
+
+
+def chunk_engine_config(options: RunOptions, model_config: Any) -> Any:
+    """The settings each chunk's engine of a run streams with (what its compiled code depends on)."""
+    from stream_recon.models import StreamConfig
+    from stream_recon.models.chunked import chunk_stream_config
+
+    return chunk_stream_config(StreamConfig(**options.stream_config_kwargs()), options.chunk_frames,
+                               model_config.max_frames)
 
 
 def build_engine(model: Any, options: RunOptions, device: str, dtype: Any, console: Console,

@@ -25,6 +25,10 @@ LOOP_CLOSURE_CHOICES = ("auto", "on", "off")
 # auto: where the first streaming step compiles or records a CUDA graph (the engine's slow_first_step: CUDA
 # by default), that step runs on copies of the first frame before the stream; on: everywhere; off: never.
 WARM_UP_CHOICES = ("auto", "on", "off")
+# auto: on CUDA, compiled where this machine's compile caches hold the run's input size; where they do not,
+# the run streams uncompiled and a child process compiles that size beside it for the next run (app.
+# background_compile); on: compiled before the stream, whatever it costs; off: never.
+COMPILE_CHOICES = ("auto", "on", "off")
 MAX_CHUNK_FRAMES = 1024  # positions in the model's temporal RoPE table
 DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
                "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
@@ -65,7 +69,7 @@ class RunOptions:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 transformer on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
     attention: str = "auto"  # a name of the backend table (models.attention_backends.backend_names)
-    compile: bool = True  # torch.compile the transformer blocks (CUDA only)
+    compile: str = "auto"  # auto | on | off: torch.compile the blocks and heads (CUDA only)
     warm_up: str = "auto"  # auto | on | off: compile and record the streaming step before the first frame
     memory_check: bool = True  # refuse a CPU run whose memory estimate exceeds what is available (app.resources)
     kv_cache: str = "auto"  # K/V cache precision: auto (the model's) | fp8 (e4m3, dense attention backends)
@@ -104,6 +108,8 @@ class RunOptions:
     keep_viewer: bool = False  # after the run, keep serving the result until Ctrl-C
 
     def __post_init__(self) -> None:
+        if isinstance(self.compile, bool):  # a preset or an earlier run's settings may say true or false
+            object.__setattr__(self, "compile", "on" if self.compile else "off")
         problems = list(self._problems())
         if problems:
             raise OptionsError("; ".join(problems))
@@ -145,6 +151,8 @@ class RunOptions:
         yield from point_cloud_problems(self.conf_threshold, self.voxel_size)
         if self.loop_closure not in LOOP_CLOSURE_CHOICES:
             yield f"--loop-closure must be one of {', '.join(LOOP_CLOSURE_CHOICES)}, got {self.loop_closure!r}"
+        if self.compile not in COMPILE_CHOICES:
+            yield f"--compile must be one of {', '.join(COMPILE_CHOICES)}, got {self.compile!r}"
         if self.warm_up not in WARM_UP_CHOICES:
             yield f"--warm-up must be one of {', '.join(WARM_UP_CHOICES)}, got {self.warm_up!r}"
         if self.kv_cache not in KV_CACHE_CHOICES:

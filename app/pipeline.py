@@ -31,11 +31,14 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
+from stream_recon.app.background_compile import CompiledSizes, compile_choice, run_key
 from stream_recon.app.clock import RunClock
+from stream_recon.app.input_size import model_input_size
 from stream_recon.app.loading import (
     CheckpointDigest,
     build_engine,
     check_gpu_memory,
+    chunk_engine_config,
     load_model_for,
     model_config_for,
     prepared_for_run,
@@ -98,6 +101,17 @@ class Sink(Protocol):
 # ----------------------------------------------------------------------------------------------
 
 
+def _input_size(source: FrameSource, options: RunOptions) -> tuple[int, int] | None:
+    """(height, width) of the model input the source's frames will make, where their size is known
+    before the first is read."""
+    if source.frame_size is None:
+        return None
+    try:
+        return model_input_size(*source.frame_size, options.image_width)
+    except ValueError:  # a size no frame can be made of: the source's own check says so
+        return None
+
+
 def run_sequence(
     source: str | Path | FrameSource | Iterable[tuple[np.ndarray, float]],
     output_dir: str | Path,
@@ -145,11 +159,18 @@ def run_sequence(
         try:
             # a caller's own model is described by options.checkpoint only when that is set
             checkpoint = options.checkpoint or (DEFAULT_CHECKPOINT if model is None else None)
+            # compiled or not by what this machine's compile caches hold for the run's input size
+            engine_config = None if config is None else chunk_engine_config(options, config)
+            key = run_key(device, dtype, config, engine_config, _input_size(frame_source, options))
+            choice = compile_choice(options.compile, device, key)
             # prepared once, where it is loaded or received; the engine takes it as it is
             if model is None:
-                model = load_model_for(options, device, console)
+                model = load_model_for(options, device, console, compile=choice.compile)
             else:
-                model = prepared_for_run(model, options, device)
+                model = prepared_for_run(model, options, device, compile=choice.compile)
+            compiled_sizes = None
+            if device.startswith("cuda") and engine_config is not None:
+                compiled_sizes = CompiledSizes(options, model, device, dtype, engine_config, choice.beside)
             digest = CheckpointDigest(checkpoint)
             engine = build_engine(model, options, device, dtype, console)
             check_gpu_memory(engine, options, frame_source.frame_size)
@@ -177,11 +198,15 @@ def run_sequence(
         sinks.append(LoopClosureSink(engine, viewer, enabled=closes_loops, reason=loop_closure_reason))
         if viewer is not None:
             sinks.append(viewer)
-        run = Run(frame_source, engine, writer, sinks, viewer, options, console, digest, clock)
+        run = Run(frame_source, engine, writer, sinks, viewer, options, console, digest, clock, compiled_sizes)
         try:
             summary = run.stream()
         finally:
             engine.close()  # the next chunk's worker thread, when the engine has one
+            if compiled_sizes is not None:
+                note = compiled_sizes.finish(stop=run.stopped_by_signal)
+                if note:
+                    console.print(f"[dim]{escape(note)}[/dim]", highlight=False)
         if summary.status == "interrupted" and summary.frames == 0:
             # stopped before its first frame: nothing was computed, so nothing is kept (not even run.json)
             remove_run(output_dir)
@@ -209,6 +234,8 @@ class Run:
     console: Console
     digest: CheckpointDigest
     clock: RunClock
+    compiled_sizes: CompiledSizes | None = None  # CUDA: records compiled sizes, or compiles one beside the run
+    stopped_by_signal: bool = True  # until the stream ends without a signal (a failure stops the child too)
 
     def stream(self) -> RunSummary:
         """Every frame through the engine into the sinks, then the sinks closed; how the run ended."""
@@ -229,6 +256,7 @@ class Run:
             writer_error = self.close_sinks(status, error, stop.signum)
         if writer_error is not None and error is None:
             status, error = "failed", writer_error
+        self.stopped_by_signal = stop.signum is not None
         return self._summary(status, error, stop)
 
     def _push_frames(self, progress: RunProgress, stop: StopOnSignal) -> tuple[RunStatus, str | None]:
@@ -280,6 +308,10 @@ class Run:
         self.console.print(f"[dim]warming up for {width}x{height} frames: the streaming step is compiled and "
                            "recorded before the stream starts[/dim]", highlight=False)
         self.clock.time_warm_up(self.engine.warm_up, image)
+        if self.compiled_sizes is not None:
+            note = self.compiled_sizes.warmed_up((height, width))
+            if note:
+                self.console.print(f"[dim]{escape(note)}[/dim]", highlight=False)
 
     def _emit(self, preds: list) -> dict:
         clock, source = self.clock, self.source
@@ -320,6 +352,8 @@ class Run:
         summary = self._run_json_summary(error, stop_signal)
         if loops is not None:
             summary["loop_closure"] = loops.summary()
+        if self.compiled_sizes is not None:
+            summary["compile_beside"] = self.compiled_sizes.summary()
         writer_error = None
         for sink in self.sinks:
             try:

@@ -67,6 +67,13 @@ DENSE_KEYFRAMES = 0.8
 KEYFRAME_RATE_FRAMES = 32
 
 
+def chunk_stream_config(config: StreamConfig, chunk_frames: int, model_max_frames: int) -> StreamConfig:
+    """The settings of each chunk's engine. A chunk's cache holds its cached frames and one pending
+    frame: the dense cache allocates for that many (not the model's whole temporal range), which the
+    memory plan counts."""
+    return replace(config, max_cached_frames=min(chunk_frames + 1, model_max_frames))
+
+
 class ChunkedEngine:
     """A StreamingEngine that rolls over to a new chunk before the cache outgrows the model.
 
@@ -95,10 +102,7 @@ class ChunkedEngine:
         interval = policy.interval if policy.kind == "interval" else 1
         # Input frames per chunk when keyframes follow a fixed rule (unused for flow).
         self.chunk_length = self.config.scale_frames + (chunk_frames - self.config.scale_frames) * interval
-        # A chunk's cache holds its cached frames and one pending frame: the dense cache allocates
-        # for that many (not the model's whole temporal range), which the memory plan counts.
-        cached = min(chunk_frames + 1, model.config.max_frames)
-        self._chunk_config = replace(self.config, max_cached_frames=cached)
+        self._chunk_config = chunk_stream_config(self.config, chunk_frames, model.config.max_frames)
         self.engine = StreamingEngine(model, self._chunk_config, device=device, dtype=dtype)
         self.model, self.device = self.engine.model, self.engine.device
         self.lookahead = lookahead

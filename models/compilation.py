@@ -258,3 +258,65 @@ class CompiledMethods:
     def seconds(self) -> float:
         """Time spent loading and compiling artefacts, over all methods (and threads)."""
         return sum(m.seconds for m in self.methods.values())
+
+
+# -- which input sizes this machine has compiled ---------------------------------------------------
+# Inductor keeps what it compiled on disk (its cache folder), and a run of an input size it holds
+# compiles in 3-5 s; a size it does not hold takes 20-30 s of compiling before the first prediction
+# (H100, docs/PERFORMANCE.md). Which sizes it holds cannot be asked of Inductor, so each compiled
+# warm-up leaves a record of its key in a folder inside Inductor's own: both go together when the
+# folder is cleared (a reboot that empties /tmp, a new container), and a record never outlives the
+# code it stands for.
+RECORDS_FOLDER = "stream-recon-compiled"
+
+
+def matmul_settings() -> dict[str, Any]:
+    """The process-wide precision settings of matrix products and convolutions: Inductor's caches key
+    compiled graphs on them, so a process that compiles for another must use the same."""
+    matmul = torch.backends.cuda.matmul
+    return {"matmul_tf32": matmul.allow_tf32, "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+            "fp16_reduced": matmul.allow_fp16_reduced_precision_reduction,
+            "bf16_reduced": matmul.allow_bf16_reduced_precision_reduction}
+
+
+def use_matmul_settings(settings: dict[str, Any]) -> None:
+    """Take another process's `matmul_settings`."""
+    matmul = torch.backends.cuda.matmul
+    matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = settings["matmul_tf32"], settings["cudnn_tf32"]
+    matmul.allow_fp16_reduced_precision_reduction = settings["fp16_reduced"]
+    matmul.allow_bf16_reduced_precision_reduction = settings["bf16_reduced"]
+
+
+def compiled_code_key(model_config: Any, stream_config: Any, image_size: tuple[int, int], dtype: torch.dtype,
+                      device: torch.device) -> str:
+    """What a streaming step's compiled code depends on besides its sources, as one name: the
+    environment (`environment_key`), the model's architecture, the engine's settings, the frame size,
+    the precision and this process's `matmul_settings`. Two runs with the same key compile the same calls."""
+    parts = [environment_key(device), describe(model_config), describe(stream_config), f"{image_size}", f"{dtype}",
+             describe(sorted(matmul_settings().items()))]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+
+
+def records_folder() -> Path:
+    """Where the records of compiled keys live: inside Inductor's cache folder ($TORCHINDUCTOR_CACHE_DIR,
+    else its default under the temporary folder)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()) / RECORDS_FOLDER
+
+
+def record(key: str, what: str = "compiled", note: str = "") -> None:
+    """Leave a record of `key`: "compiled" (its compiled code is in Inductor's caches) or another word
+    the caller reads back with `recorded`. A failure to write costs only the record."""
+    folder = records_folder()
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        (folder / f"{key}.{what}").write_text(note + "\n")
+    except OSError as error:
+        logger.warning("could not record %s for compiled code %s (%s)", what, key, error)
+
+
+def recorded(key: str, what: str) -> bool:
+    """Whether `record(key, what)` was left since Inductor's caches were last cleared: `recorded(key,
+    "compiled")`, whether a warm-up with this key compiled to its end on this machine."""
+    return (records_folder() / f"{key}.{what}").is_file()

@@ -442,20 +442,28 @@ def interval_stats(d: Deliveries, steady_from: int, overlap: int) -> dict[str, A
 # ------------------------------------------------------------------------------------------ the runs
 
 
-def build_model(args: argparse.Namespace, options: Any, device: str) -> tuple[Any, float]:
-    """The model as run_sequence receives it: prepared for the device, synthetic weights or a checkpoint."""
+def build_model(args: argparse.Namespace) -> tuple[Any, float]:
+    """The model as run_sequence receives it: None for a checkpoint (the run loads it, as `stream-recon`
+    does), else the synthetic weights as loaded, which the run prepares (its --compile choice included)."""
+    if args.checkpoint:
+        return None, 0.0
+    start = time.perf_counter()
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench import build_model as build_synthetic  # scripts/bench.py: the same model, same weights
+
+    model, _ = build_synthetic(args.model)
+    return model, time.perf_counter() - start
+
+
+def engine_model(args: argparse.Namespace, model: Any, options: Any, device: str, compiled: bool) -> Any:
+    """The model the engine-only run streams with: prepared as the product run's was (`compiled`)."""
     from stream_recon.app.loading import load_model_for, prepared_for_run
 
-    start = time.perf_counter()
-    if args.checkpoint:
-        model = load_model_for(options, device)
-    else:
-        sys.path.insert(0, str(REPO / "scripts"))
-        from bench import build_model as build_synthetic  # scripts/bench.py: the same model, same weights
-
-        model, _ = build_synthetic(args.model)
-        model = prepared_for_run(model, options, device)
-    return model, time.perf_counter() - start
+    if args.stand_in_ms:
+        return model
+    if model is None:
+        return load_model_for(options, device, compile=compiled)
+    return prepared_for_run(model, options, device, compile=compiled)
 
 
 def run_options(args: argparse.Namespace, port: int) -> Any:
@@ -468,7 +476,7 @@ def run_options(args: argparse.Namespace, port: int) -> Any:
             extra[name] = value
     return RunOptions(
         checkpoint=args.checkpoint, device=args.device, dtype=args.dtype, attention=args.attention,
-        compile=not args.no_compile, scale_frames=args.scale, window=args.window, chunk_frames=args.chunk_frames,
+        compile="off" if args.no_compile else args.compile, scale_frames=args.scale, window=args.window, chunk_frames=args.chunk_frames,
         overlap=args.overlap, keyframes=args.keyframes, image_width=args.image_width, max_frames=args.frames,
         kv_cache=args.kv_cache, viewer=args.viewer, port=port, overwrite=True,
         loop_closure=getattr(args, "loop_closure", "auto"), warm_up=getattr(args, "warm_up", "auto"), **extra,
@@ -543,6 +551,9 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
     intervals = interval_stats(d, steady_from(options), options.overlap)
     result = {
         "model_input": "x".join(str(side) for side in reversed(recorder.image_size or ())),
+        "compiled": run_json["settings"].get("compile"),
+        "inductor_graph_cache": inductor_graph_cache(),
+        "compile_beside": run_json["summary"].get("compile_beside"),
         "frames": summary.frames,
         "keyframes": summary.keyframes,
         "run_s": ended - started,
@@ -567,6 +578,7 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
         "provisional_frames": engine_stats.get("provisional_frames"),
         "lookahead_starts": engine_stats.get("lookahead_starts"),
         "warm_up": engine_stats.get("warm_up"),
+        "run_model_load_s": run_json["summary"]["timings"].get("model_load_s"),
         "run_warm_up_s": run_json["summary"]["timings"].get("warm_up_s"),
         "run_warm_up_parts_s": run_json["summary"]["timings"].get("warm_up_parts_s"),
         "spare_warm_up_s": engine_stats.get("spare_warm_up_s"),
@@ -588,6 +600,15 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
 
         shutil.rmtree(output_dir, ignore_errors=True)
     return result
+
+
+def inductor_graph_cache() -> dict[str, int] | None:
+    """This process's hits and misses of Inductor's graph cache so far (None before any compile)."""
+    if "torch._dynamo.utils" not in sys.modules:
+        return None
+    from torch._dynamo.utils import counters
+
+    return {name: counters["inductor"][name] for name in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
 
 
 def engine_run(args: argparse.Namespace, video: Path, options: Any, model: Any, device: str, dtype: Any) -> dict:
@@ -688,7 +709,8 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--attention", default="auto")
-    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="the run's --compile")
+    parser.add_argument("--no-compile", action="store_true", help="--compile off")
     parser.add_argument("--image-width", type=int, default=518, help="model input width")
     parser.add_argument("--scale", type=int, default=8)
     parser.add_argument("--window", type=int, default=64)
@@ -744,7 +766,7 @@ def main() -> None:
     sizes = args.video_size.split(",")
     videos = [Path(args.video)] if args.video else [bench_video(args, size) for size in sizes]
     # the stand-in needs no model; run_sequence only needs to be told not to load one
-    model, load_s = (StandInModel(), 0.0) if args.stand_in_ms else build_model(args, options, device)
+    model, load_s = (StandInModel(), 0.0) if args.stand_in_ms else build_model(args)
     results = []
     for video in videos:
         result: dict[str, Any] = {
@@ -800,7 +822,9 @@ def measure_video(args: argparse.Namespace, video: Path, options: Any, model: An
         gc.collect()  # the product run's engine and its cache, before the engine run makes its own
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-        result.update(engine_run(args, video, options, model, device, dtype))
+        compiled = bool(result["compiled"])
+        result.update(engine_run(args, video, options, engine_model(args, model, options, device, compiled),
+                                 device, dtype))
         result["engine_fps"] = result.get("engine_steady_fps", float("nan"))
         result["product_over_engine"] = result.get("steady_fps", float("nan")) / result["engine_fps"]
     if args.sink_costs:
@@ -889,7 +913,10 @@ def print_table(result: dict[str, Any]) -> None:
          f"{result['longest_interval_after_first_prediction_ms']:.1f} "
          f"({result['longest_interval_after_first_prediction_frame']})"),
         ("whole run FPS (run.json)", f"{result.get('run_json_fps') or float('nan'):.2f}"),
-        ("model load s", f"{result['model_load_s']:.1f}"),
+        ("model load s (before the run / in it)", f"{result['model_load_s']:.1f} / {result.get('run_model_load_s')}"),
+        ("compiled (a compile beside the run)", f"{result.get('compiled')} ({result.get('compile_beside')})"),
+        ("Inductor's graph cache: hits / misses", "{fxgraph_cache_hit} / {fxgraph_cache_miss}".format(
+            **result["inductor_graph_cache"]) if result.get("inductor_graph_cache") else "-"),
         ("warm-up before the stream s (parts)", f"{result.get('run_warm_up_s')} ({result.get('run_warm_up_parts_s')})"),
         ("first streaming step s: eager step / graph recording / spare's warm-up",
          "{} / {} / {}".format(*[(result.get("warm_up") or {}).get(key) for key in

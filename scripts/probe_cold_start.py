@@ -5,7 +5,8 @@ for CUDA in bf16, compiled or not; a ChunkedEngine with the defaults warmed up o
 size (ChunkedEngine.warm_up: the scale step, two streaming steps, the spare's warm-up); then
 `--frames` frames through it, the mean time of the last `--timed` taken as the engine's steady
 ms/frame. Prints one JSON line: the warm-up's parts, Dynamo's and Inductor's compile times by phase,
-the graphs compiled, Inductor's compile threads, and the steady ms/frame.
+the graphs compiled, Inductor's compile threads, and the steady ms/frame. `--triton-builds` adds every
+Triton kernel compiled in this process (Inductor's own are built in its worker processes) with its time.
 
 Point TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR at an empty folder to measure a fresh machine in a
 machine that compiled before (scripts/device/run_cold_start.sh does).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 PROCESS_STARTED = time.perf_counter()
@@ -50,6 +52,45 @@ def compile_phases() -> dict[str, float]:
     return {name: round(sum(times), 3) for name, times in compilation_time_metrics.items() if sum(times) > 0.05}
 
 
+def specialization(src) -> str:
+    """What made this compile of a kernel its own: the arguments' attributes (divisibility by 16) and the
+    constants (constexprs and arguments specialized to a value), by argument name."""
+    names = getattr(getattr(src, "fn", None), "arg_names", None)
+    if names is None:
+        return ""
+
+    def name(key) -> str:
+        return ".".join(names[i] if depth == 0 else str(i) for depth, i in enumerate(key))
+
+    attrs = ",".join(f"{name(k)}:{'/'.join(str(a[1]) for a in v)}" for k, v in sorted(src.attrs.items()))
+    constants = ",".join(f"{name(k)}={v}" for k, v in sorted(src.constants.items()) if v is not None)
+    return f"attrs[{attrs}] constants[{constants}]"
+
+
+class TritonBuilds:
+    """Every Triton compile of this process, through Triton's compilation listener (triton >= 3.4):
+    kernel name, whether the on-disk cache held it, milliseconds, the thread and when it finished."""
+
+    def __init__(self) -> None:
+        self.builds: list[dict] = []
+
+    def __call__(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
+        import threading
+
+        self.builds.append({"kernel": metadata.get("name", "?"), "cache_hit": cache_hit,
+                            "ms": round(times.total / 1000, 1), "thread": threading.current_thread().name,
+                            "at_s": round(time.perf_counter() - PROCESS_STARTED, 2),
+                            "stages_ms": {"ir": round(times.ir_initialization / 1000, 1),
+                                          **{name: round(us / 1000, 1) for name, us in times.lowering_stages}},
+                            "specialization": specialization(src)})
+
+    def summary(self, longest: int = 20) -> dict:
+        built = [b for b in self.builds if not b["cache_hit"]]
+        return {"built": len(built), "built_ms": round(sum(b["ms"] for b in built), 1),
+                "cache_hits": len(self.builds) - len(built),
+                "longest": sorted(built, key=lambda b: -b["ms"])[:longest]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--height", type=int, default=392)
@@ -59,7 +100,15 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (float32: the probe's own check)")
     parser.add_argument("--frames", type=int, default=160)
     parser.add_argument("--timed", type=int, default=100)
+    parser.add_argument("--triton-builds", action="store_true", help="list the Triton kernels this process compiles")
+    parser.add_argument("--profile-warm-up", type=int, default=0, metavar="N",
+                        help="run the warm-up under cProfile and print its N most expensive functions (cumulative)")
     args = parser.parse_args()
+    builds = TritonBuilds()
+    if args.triton_builds:
+        from triton import knobs
+
+        knobs.compilation.listener = builds
     from torch._dynamo.utils import counters
     from torch._inductor import config as inductor_config
 
@@ -83,7 +132,15 @@ def main() -> None:
     frames = [torch.randint(0, 256, (3, args.height, args.width), dtype=torch.uint8, generator=generator)
               for _ in range(8)]
     started = time.perf_counter()
-    result["warm_up"] = engine.warm_up(frames[0])
+    if args.profile_warm_up:
+        import cProfile
+        import pstats
+
+        with cProfile.Profile() as profile:
+            result["warm_up"] = engine.warm_up(frames[0])
+        pstats.Stats(profile, stream=sys.stderr).sort_stats("cumulative").print_stats(args.profile_warm_up)
+    else:
+        result["warm_up"] = engine.warm_up(frames[0])
     result["warm_up_s"] = time.perf_counter() - started
     result["first_streaming_step"] = engine.stats()["warm_up"]
     result["graphs_compiled"] = counters["stats"]["unique_graphs"]
@@ -100,6 +157,8 @@ def main() -> None:
     result["longest_push_ms"] = 1000 * max(times)
     result["graphs_compiled_while_streaming"] = counters["stats"]["unique_graphs"] - result["graphs_compiled"]
     result["process_s"] = time.perf_counter() - PROCESS_STARTED
+    if args.triton_builds:
+        result["triton_builds"] = builds.summary()
     print(json.dumps(result, default=str))
 
 

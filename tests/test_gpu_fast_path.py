@@ -462,3 +462,63 @@ def test_a_warm_up_starts_the_spare_recorded_and_rollovers_emit_the_same():
     assert [(p.frame_index, p.chunk_index, p.frame_type) for p in finals[True]] == \
         [(p.frame_index, p.chunk_index, p.frame_type) for p in finals[False]]
     assert max(errors(finals[True], as_golden(finals[False])).values()) <= 1e-2
+
+
+# A run as `stream-recon` makes it, in a process of its own (Dynamo's in-memory caches are per process):
+# prints run.json's compile setting and compile_beside summary, and Inductor's graph-cache counters.
+_RUN_IN_A_NEW_PROCESS = """
+import json, sys
+from pathlib import Path
+from torch._dynamo.utils import counters
+from stream_recon.app.options import RunOptions
+from stream_recon.app.pipeline import run_sequence
+frames, output, checkpoint, compile = sys.argv[1:]
+options = RunOptions(checkpoint=checkpoint, device="cuda", scale_frames=3, window=4, image_width=224, viewer=False,
+                     compile=compile, save_depth="float32")
+summary = run_sequence(frames, output, options)
+run = json.loads((Path(output) / "run.json").read_text())
+print(json.dumps({"status": summary.status, "compile": run["settings"]["compile"],
+                  "beside": run["summary"].get("compile_beside"), "inductor": dict(counters["inductor"])}))
+"""
+
+
+def _run_in_a_new_process(frames, output, checkpoint, compile, caches) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(caches), "TRITON_CACHE_DIR": str(caches / "triton")}
+    result = subprocess.run([sys.executable, "-c", _RUN_IN_A_NEW_PROCESS, str(frames), str(output), str(checkpoint),
+                             compile], capture_output=True, text=True, env=environment, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_new_size_streams_uncompiled_and_the_next_run_compiles_from_what_its_child_compiled(
+        golden_checkpoint, golden_frame_folder, tmp_path):
+    """--compile auto on empty compile caches: the run streams uncompiled (nothing compiled in its process)
+    while a child compiles its size; the next run of that size compiles every graph from Inductor's
+    caches (no miss), where a run compiling on empty caches misses (the counter is not vacuous)."""
+    caches = tmp_path / "caches"
+    first = _run_in_a_new_process(golden_frame_folder, tmp_path / "first", golden_checkpoint, "auto", caches)
+    print("first run:", first)
+    assert first["status"] == "complete" and first["compile"] is False
+    assert first["beside"]["status"] in ("compiling", "done") and first["inductor"].get("fxgraph_cache_miss", 0) == 0
+    record = caches / "stream-recon-compiled" / f"{first['beside']['key']}.compiled"
+    deadline = time.monotonic() + 300
+    while not record.exists() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert record.exists(), (caches / "stream-recon-compiled" / f"{first['beside']['key']}.log").read_text()[-3000:]
+    second = _run_in_a_new_process(golden_frame_folder, tmp_path / "second", golden_checkpoint, "auto", caches)
+    print("second run:", second, "child:", record.read_text())
+    assert second["status"] == "complete" and second["compile"] is True
+    assert second["inductor"].get("fxgraph_cache_miss", 0) == 0 and second["inductor"]["fxgraph_cache_hit"] >= 10
+    assert second["beside"]["status"] == "compiled by the run"
+    cold = _run_in_a_new_process(golden_frame_folder, tmp_path / "cold", golden_checkpoint, "on", tmp_path / "empty")
+    print("compiled on empty caches:", cold)
+    assert cold["compile"] is True and cold["inductor"]["fxgraph_cache_miss"] >= 10
+    from golden_utils import compare_run_with_golden
+
+    for run in ("first", "second"):  # uncompiled and compiled, both the official outputs
+        compare_run_with_golden(tmp_path / run, "all_keyframes", BF16_TOLERANCE)

@@ -92,8 +92,10 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         # the backend table imports torch: `stream-recon info` lists it, and a wrong name is refused with the list
         "attention": "Attention backend: auto (the fastest that runs here) or a backend's name; `stream-recon info` "
         "lists them, what each is and whether it runs here.",
-        "compile": "Fuse the transformer blocks with torch.compile (CUDA only): about 20% faster per frame; the "
-        "first run on a machine compiles for a minute or two, later runs read the cache.",
+        "compile": "Fuse the blocks and heads with torch.compile (CUDA only), about 10% faster per frame: auto "
+        "(compiled where this machine compiled the input size before; a new size streams uncompiled at once "
+        "while it compiles beside the run for the next one), on (compiled before the first frame: 20-40 s the "
+        "first time), or off.",
         "warm_up": "Before the first frame, run the streaming step on copies of it (compiled, recorded as a CUDA "
         "graph) so that the stream never waits for that: auto (where the step compiles or is recorded: CUDA), on, "
         "or off (the first streaming frame waits instead).",

@@ -1,0 +1,294 @@
+"""Compiling an input size for the next run, in a child process beside this one (`--compile auto`).
+
+On a machine whose compile caches do not hold a run's input size, compiling its streaming step before
+the first prediction takes 20-30 s on an H100 (docs/PERFORMANCE.md), where the uncompiled step streams
+only ~10 % slower a frame. So such a run streams uncompiled from the start, and once its own warm-up is
+done a child process compiles that size: a model of the same architecture with random weights (what
+Inductor compiles depends on shapes and dtypes, not on weight values), the same settings, frame size
+and matrix-product precision flags (which Inductor's cache keys name), warmed up as the run's engine is, with a cache of one window slot so that it needs a few GiB of
+device memory beside the run. It fills Inductor's on-disk caches and leaves a record of the size
+(models.compilation.record); the next run of that size finds the record and compiles from the caches
+in a few seconds.
+
+The child is niced, compiles on half the cores, and runs in a session of its own: it finishes after
+the run if it has to (a minute at most on an H100; the run says so), and a run stopped by a signal
+stops it. A compile of a key already under way (a lock file with a live process) is not started twice.
+Where its estimate does not fit in the device's free memory it does not start, and a record says so:
+the next run of that size compiles before its stream instead, as `--compile on` does.
+
+Python has no thread that could compile beside the stream: a compile thread holding the interpreter
+halved the stream's rate and took 50 s (docs/PERFORMANCE.md, "compiling beside the stream").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CUDA_CONTEXT_BYTES = 1 << 30  # a process's CUDA context and its libraries' workspaces, with a margin
+CHILD_WINDOW_SLOTS = 1  # the warm-up's streaming steps are uncached: one window slot is all it needs
+STOP_WAIT_S = 5.0  # a child asked to stop gets this long before it is killed
+
+
+@dataclass(frozen=True)
+class CompileChoice:
+    """Whether a run compiles its model, and what it does about the compile caches."""
+
+    compile: bool
+    key: str | None = None  # the run's compiled-code key (models.compilation), where its input size is known
+    beside: bool = False  # uncompiled because the caches lack the size: compile it beside the run
+
+
+def compile_choice(option: str, device: str, key: str | None) -> CompileChoice:
+    """What `--compile` (auto | on | off) means for a run whose compiled-code key is `key` (`run_key`;
+    None where the input size is not known before the first frame). auto compiles where a record says
+    this machine compiled that key (or found no room to compile it beside a run), and where the key is
+    not known (the compile is then paid once, as with on); elsewhere the run is uncompiled and compiles
+    its size beside itself."""
+    from stream_recon.models.compilation import recorded
+
+    if option == "off" or not str(device).startswith("cuda"):
+        return CompileChoice(False)
+    if option == "on" or key is None or recorded(key, "compiled") or recorded(key, "no-room"):
+        return CompileChoice(True, key)
+    return CompileChoice(False, key, beside=True)
+
+
+def run_key(device: str, dtype: Any, model_config: Any, stream_config: Any,
+            input_size: tuple[int, int] | None) -> str | None:
+    """The compiled-code key of a CUDA run (models.compilation.compiled_code_key); None off CUDA or
+    where the input size or the model's architecture is not known before the first frame."""
+    if not str(device).startswith("cuda") or input_size is None or model_config is None:
+        return None
+    import torch
+
+    from stream_recon.models.compilation import compiled_code_key
+
+    return compiled_code_key(model_config, stream_config, input_size, dtype, torch.device(device))
+
+
+class CompiledSizes:
+    """A CUDA run's part in what this machine has compiled: after a compiled warm-up, the record of its
+    input size; after an uncompiled one that `compile_choice` chose (`beside`), the child process that
+    compiles the size for the next run, seen from the run."""
+
+    def __init__(self, options: Any, model: Any, device: str, dtype: Any, stream_config: Any, beside: bool) -> None:
+        self.options, self.model, self.device, self.dtype = options, model, device, dtype
+        self.stream_config = stream_config
+        self.beside = beside and not model.inference_spec.compiled
+        self.process: subprocess.Popen | None = None
+        self.key: str | None = None
+        self.status = "not started"
+        self.started_at: float | None = None
+        self.seconds: float | None = None
+
+    def warmed_up(self, image_size: tuple[int, int]) -> str | None:
+        """After the run's warm-up on frames of `image_size` (height, width): record a compiled size, or
+        start compiling an uncompiled one beside the run. A line for the console, or None."""
+        import torch
+
+        from stream_recon.models.compilation import compiled_code_key, record
+
+        self.key = compiled_code_key(self.model.config, self.stream_config, image_size, self.dtype,
+                                     torch.device(self.device))
+        if self.model.inference_spec.compiled:
+            record(self.key, "compiled", json.dumps({"size": list(image_size), "by": "a run"}))
+            self.status = "compiled by the run"
+            return None
+        return self._start(image_size) if self.beside else None
+
+    def _start(self, image_size: tuple[int, int]) -> str:
+        import torch
+
+        from stream_recon.models.compilation import matmul_settings, record, records_folder
+
+        height, width = image_size
+        needed, free = self._bytes_needed(image_size), _free_bytes(torch.device(self.device))
+        if needed > free:
+            record(self.key, "no-room", f"needed {needed} bytes, {free} free")
+            self.status = "no room"
+            return (f"compiled code for {width}x{height} frames is not in this machine's caches, and compiling it "
+                    f"beside the run needs {needed / 2**30:.1f} GiB of the {free / 2**30:.1f} GiB free on the GPU: "
+                    "this run streams uncompiled (about 10% slower a frame); the next run of this size compiles "
+                    "before its first frame")
+        lock = records_folder() / f"{self.key}.compiling"
+        if _live_pid(lock) is not None:
+            self.status = "already compiling"
+            return (f"compiled code for {width}x{height} frames is being made by another process: this run streams "
+                    "uncompiled (about 10% slower a frame)")
+        request = {"options": self.options.as_settings(), "model_config": self.model.config.to_dict(),
+                   "image_size": list(image_size), "device": str(self.device),
+                   "dtype": str(self.dtype).removeprefix("torch."), "matmul": matmul_settings(), "key": self.key}
+        log = records_folder() / f"{self.key}.log"
+        log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        environment = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(compile_threads())}
+        with open(log, "w") as output:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "stream_recon.app.background_compile", json.dumps(request)],
+                stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT, env=environment,
+                start_new_session=True,  # its own process group: stopped whole, and no Ctrl-C of the terminal's
+            )
+        lock.write_text(f"{self.process.pid}\n")
+        self.started_at = time.perf_counter()
+        self.status = "compiling"
+        return (f"compiled code for {width}x{height} frames is not in this machine's caches: this run streams "
+                "uncompiled (about 10% slower a frame) while a background process compiles it for the next run "
+                "(--compile on compiles before the stream instead)")
+
+    def _bytes_needed(self, image_size: tuple[int, int]) -> int:
+        """The child's device memory: its engine's estimate with one window slot, and the float32 random
+        weights it prepares the model from."""
+        from stream_recon.models.memory import estimate_memory
+
+        engine = estimate_memory(self.model, self.stream_config, image_size, window_slots=CHILD_WINDOW_SLOTS)
+        float32_weights = 4 * sum(parameter.numel() for parameter in self.model.parameters())
+        return engine.total + float32_weights + CUDA_CONTEXT_BYTES
+
+    def poll(self) -> str:
+        """The status now: not started, no room, already compiling, compiling, done or failed."""
+        if self.process is not None and self.status == "compiling":
+            code = self.process.poll()
+            if code is not None:
+                self.seconds = round(time.perf_counter() - self.started_at, 1)
+                self.status = "done" if code == 0 else f"failed (exit {code}; its log: {self._log()})"
+        return self.status
+
+    def finish(self, stop: bool) -> str | None:
+        """At the run's end: stop the child (`stop`: the run was stopped by a signal), or let it finish on
+        its own. A line for the console when it is still compiling, else None."""
+        if self.poll() != "compiling":
+            return None
+        if not stop:
+            self.status = "finishing after the run"
+            return (f"the compile for the next run goes on in the background (process {self.process.pid}, a "
+                    "minute at most)")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self.status = "stopped with the run"
+        return None
+
+    def summary(self) -> dict[str, Any]:
+        """For run.json."""
+        self.poll()
+        return {"status": self.status, "key": self.key, "seconds": self.seconds}
+
+    def _log(self) -> Path:
+        from stream_recon.models.compilation import records_folder
+
+        return records_folder() / f"{self.key}.log"
+
+
+def _free_bytes(device: Any) -> int:
+    """Free memory where the child would run: the GPU's, or the host's for a CPU child (tests)."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def compile_threads() -> int:
+    """Inductor's compile workers in the child: half the cores this process may use, leaving the rest to
+    the run's stream, reader, writer and viewer."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(1, cores // 2)
+
+
+def _live_pid(lock: Path) -> int | None:
+    """The process a lock file names, if it is still running."""
+    try:
+        pid = int(lock.read_text().strip())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    return pid
+
+
+# -- the child's side --------------------------------------------------------------------------------
+def random_model(model_config: Any, device: Any) -> Any:
+    """A model of `model_config` on `device` with float32 random weights, as a checkpoint load leaves a
+    model (float32): small normal matrices, unit norm weights, zero biases, so that no step sees NaN."""
+    import torch
+
+    from stream_recon.models import GCTStream
+
+    with torch.device("meta"):
+        model = GCTStream(model_config)
+    model = model.to_empty(device=device).eval()
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.zero_()
+        for name, tensor in model.state_dict().items():
+            if tensor.ndim >= 2:
+                tensor.normal_(0.0, 0.02, generator=generator)
+            elif name.endswith("weight"):
+                tensor.fill_(1.0)
+    return model
+
+
+def compile_size(request: dict) -> None:
+    """The child's work: the run's compiled calls made for its input size, then the record left."""
+    import torch
+
+    from stream_recon.app.loading import chunk_engine_config
+    from stream_recon.app.options import RunOptions
+    from stream_recon.models import ModelConfig, StreamingEngine, prepare_for_inference
+    from stream_recon.models.compilation import compiled_code_key, record, use_matmul_settings
+
+    use_matmul_settings(request["matmul"])  # before the key: it names them
+    options = RunOptions(**request["options"])
+    model_config = ModelConfig(**{name: tuple(value) if isinstance(value, list) else value
+                                  for name, value in request["model_config"].items()})
+    device, dtype = torch.device(request["device"]), getattr(torch, request["dtype"])
+    height, width = request["image_size"]
+    stream_config = chunk_engine_config(options, model_config)
+    key = compiled_code_key(model_config, stream_config, (height, width), dtype, device)
+    if key != request["key"]:  # the two processes would not agree on what was compiled
+        raise RuntimeError(f"this process's key {key} differs from the run's {request['key']}")
+    started = time.perf_counter()
+    model = prepare_for_inference(random_model(model_config, device), device, dtype, compile=True)
+    torch.cuda.empty_cache()  # the float32 weights it was prepared from
+    engine = StreamingEngine(model, stream_config, device=device, dtype=dtype, window_slots=CHILD_WINDOW_SLOTS)
+    frame = torch.randint(0, 256, (3, height, width), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    parts = engine.warm_up(frame)
+    seconds = round(time.perf_counter() - started, 1)
+    record(key, "compiled", json.dumps({"size": [height, width], "seconds": seconds, "warm_up": parts}))
+    print(json.dumps({"key": key, "seconds": seconds, "warm_up": parts}), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    request = json.loads((sys.argv[1:] if argv is None else argv)[0])
+    with contextlib.suppress(OSError):
+        os.nice(10)  # the run's stream comes first
+    from stream_recon.models.compilation import records_folder
+
+    lock = records_folder() / f"{request['key']}.compiling"
+    try:
+        compile_size(request)
+    finally:
+        with contextlib.suppress(OSError):
+            if _live_pid(lock) == os.getpid():
+                lock.unlink()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""`--compile auto`: the records of compiled sizes, the choice a run makes from them, and the child
+process that compiles a size beside a run (app/background_compile.py, models/compilation.py).
+
+On this machine the child runs for real on the CPU with the tiny model (prepare_for_inference does not
+compile off CUDA, so it exercises the process, its key, its warm-up and its record, not Inductor);
+tests/test_gpu_fast_path.py checks on a GPU that its compile serves the next run's.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from stream_recon.app.background_compile import CompiledSizes, compile_choice, run_key
+from stream_recon.app.loading import chunk_engine_config
+from stream_recon.app.options import OptionsError, RunOptions
+from stream_recon.models import ModelConfig
+from stream_recon.models.compilation import (
+    compiled_code_key,
+    matmul_settings,
+    record,
+    recorded,
+    records_folder,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SIZE = (56, 70)  # (height, width) of the tiny model's frames here: 4 x 5 patches
+
+
+@pytest.fixture(autouse=True)
+def inductor_cache(tmp_path, monkeypatch):
+    """Each test's compile caches (and so its records) in a folder of its own."""
+    folder = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(folder))
+    return folder
+
+
+def options(**overrides) -> RunOptions:
+    return RunOptions(**{"scale_frames": 2, "window": 4, "chunk_frames": 16, "overlap": 4, "viewer": False,
+                         "image_width": SIZE[1], **overrides})
+
+
+def key_for(run_options: RunOptions, size=SIZE, dtype=torch.float32, config=None) -> str:
+    config = config or ModelConfig.tiny()
+    return compiled_code_key(config, chunk_engine_config(run_options, config), size, dtype, torch.device("cpu"))
+
+
+def test_the_compile_option_takes_auto_on_off_and_the_booleans_of_earlier_settings():
+    assert RunOptions().compile == "auto"
+    assert (RunOptions(compile=True).compile, RunOptions(compile=False).compile) == ("on", "off")
+    with pytest.raises(OptionsError, match="--compile must be one of auto, on, off"):
+        RunOptions(compile="sometimes")
+
+
+def test_records_live_in_inductors_cache_folder_and_name_one_key_each(inductor_cache):
+    assert records_folder() == inductor_cache / "stream-recon-compiled"
+    assert not recorded("a" * 32, "compiled")
+    record("a" * 32, "compiled", "note")
+    assert recorded("a" * 32, "compiled")
+    assert not recorded("a" * 32, "no-room") and not recorded("b" * 32, "compiled")
+    assert (inductor_cache / "stream-recon-compiled" / f"{'a' * 32}.compiled").read_text() == "note\n"
+
+
+def test_the_key_names_the_size_precision_settings_and_architecture_and_is_the_same_in_another_process():
+    base = key_for(options())
+    assert len(base) == 32 and base == key_for(options())
+    others = [key_for(options(), size=(70, 70)), key_for(options(), dtype=torch.bfloat16),
+              key_for(options(window=3)), key_for(options(chunk_frames=17)), key_for(options(kv_cache="fp8")),
+              key_for(options(), config=ModelConfig.from_name("lingbot-map"))]
+    assert len({base, *others}) == 1 + len(others)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:  # Inductor's cache keys name the matrix products' precision flags: so does ours
+        torch.backends.cuda.matmul.allow_tf32 = not tf32
+        assert key_for(options()) != base
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    # options that change nothing the step compiles leave it alone
+    assert key_for(options(conf_threshold=3.0, port=9000, keyframes="all")) == base
+    # another process with this one's precision flags (conftest turns TF32 off here) names the same key
+    code = ("import json, sys, torch; from stream_recon.models import ModelConfig; from stream_recon.app.options "
+            "import RunOptions; from stream_recon.app.loading import chunk_engine_config; from stream_recon.models."
+            "compilation import compiled_code_key, use_matmul_settings; use_matmul_settings(json.loads(sys.argv[1]));"
+            " o = RunOptions(scale_frames=2, window=4, chunk_frames=16, overlap=4, viewer=False, image_width=70); "
+            "c = ModelConfig.tiny(); print(compiled_code_key(c, chunk_engine_config(o, c), (56, 70), torch.float32, "
+            "torch.device('cpu')))")
+    assert subprocess.run([sys.executable, "-c", code, json.dumps(matmul_settings())], capture_output=True, text=True,
+                          check=True).stdout.strip() == base
+
+
+def test_auto_compiles_what_was_compiled_or_had_no_room_and_compiles_a_new_size_beside_the_run():
+    key = key_for(options())
+    assert compile_choice("auto", "cuda", key) == (choice := compile_choice("auto", "cuda:0", key))
+    assert (choice.compile, choice.beside) == (False, True)
+    assert compile_choice("auto", "cuda", None).compile  # size unknown before the first frame: as before
+    assert compile_choice("on", "cuda", key).compile and not compile_choice("on", "cuda", key).beside
+    assert not compile_choice("off", "cuda", key).compile
+    assert not compile_choice("auto", "cpu", key).compile and not compile_choice("on", "cpu", key).compile
+    record(key, "no-room")
+    assert compile_choice("auto", "cuda", key).compile
+    other = key_for(options(window=3))
+    record(other, "compiled")
+    assert compile_choice("auto", "cuda", other) == compile_choice("on", "cuda", other)
+    assert run_key("cpu", torch.float32, ModelConfig.tiny(), None, SIZE) is None
+    assert run_key("cuda", torch.float32, ModelConfig.tiny(), None, None) is None
+
+
+def compiled_sizes(prepared_tiny_model, run_options: RunOptions, beside: bool = True) -> CompiledSizes:
+    config = chunk_engine_config(run_options, prepared_tiny_model.config)
+    return CompiledSizes(run_options, prepared_tiny_model, "cpu", torch.float32, config, beside=beside)
+
+
+def wait_for(sizes: CompiledSizes, timeout_s: float = 240.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while sizes.poll() == "compiling" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return sizes.poll()
+
+
+def test_a_new_size_is_compiled_by_a_child_process_that_leaves_its_record(prepared_tiny_model):
+    run_options = options()
+    sizes = compiled_sizes(prepared_tiny_model, run_options)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:  # the child takes the run's precision flags (its key would differ otherwise, and it would refuse)
+        torch.backends.cuda.matmul.allow_tf32 = not tf32
+        note = sizes.warmed_up(SIZE)
+        key = key_for(run_options)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    assert "not in this machine's caches" in note and "background process compiles it" in note
+    assert sizes.key == key and sizes.process is not None
+    assert (records_folder() / f"{key}.compiling").read_text().strip() == str(sizes.process.pid)
+    assert wait_for(sizes) == "done", (records_folder() / f"{key}.log").read_text()
+    assert recorded(key, "compiled")
+    done = json.loads((records_folder() / f"{key}.compiled").read_text())
+    assert done["size"] == list(SIZE) and set(done["warm_up"]) == {"scale_step_s", "streaming_steps_s"}
+    assert not (records_folder() / f"{key}.compiling").exists()  # the child's lock went with it
+    assert sizes.summary()["status"] == "done" and sizes.summary()["key"] == key
+    assert sizes.finish(stop=False) is None  # nothing left to say at the run's end
+    assert compile_choice("auto", "cuda", key).compile  # the next run of this size compiles
+
+
+def test_a_run_stopped_by_a_signal_stops_its_compile_and_one_that_ends_lets_it_finish(prepared_tiny_model):
+    stopped = compiled_sizes(prepared_tiny_model, options())
+    stopped.warmed_up(SIZE)
+    assert stopped.finish(stop=True) is None
+    assert stopped.process.returncode is not None and stopped.summary()["status"] == "stopped with the run"
+    with pytest.raises(ProcessLookupError):  # its whole process group is gone
+        os.killpg(stopped.process.pid, 0)
+    assert not recorded(stopped.key, "compiled")
+
+    ended = compiled_sizes(prepared_tiny_model, options(window=3))
+    ended.warmed_up(SIZE)
+    note = ended.finish(stop=False)
+    assert f"process {ended.process.pid}" in note and ended.summary()["status"] == "finishing after the run"
+    ended.process.wait(240)
+    assert recorded(ended.key, "compiled")
+
+
+def test_a_size_being_compiled_by_another_process_is_not_compiled_twice(prepared_tiny_model):
+    run_options = options()
+    key = key_for(run_options)
+    records_folder().mkdir(parents=True)
+    (records_folder() / f"{key}.compiling").write_text(f"{os.getpid()}\n")  # a live process holds it
+    sizes = compiled_sizes(prepared_tiny_model, run_options)
+    assert "being made by another process" in sizes.warmed_up(SIZE)
+    assert sizes.process is None and sizes.summary()["status"] == "already compiling"
+    (records_folder() / f"{key}.compiling").write_text("999999999\n")  # a lock its process left behind
+    again = compiled_sizes(prepared_tiny_model, run_options)
+    assert "background process" in again.warmed_up(SIZE)
+    assert wait_for(again) == "done"
+
+
+def test_no_room_beside_the_run_is_recorded_so_the_next_run_compiles_first(prepared_tiny_model, monkeypatch):
+    import stream_recon.app.background_compile as background_compile
+
+    # the device's free memory cannot be made small for real here: the query is the one stand-in
+    monkeypatch.setattr(background_compile, "_free_bytes", lambda device: 1 << 20)
+    sizes = compiled_sizes(prepared_tiny_model, options())
+    note = sizes.warmed_up(SIZE)
+    assert "needs" in note and "the next run of this size compiles before its first frame" in note
+    assert sizes.process is None and sizes.summary()["status"] == "no room"
+    assert recorded(sizes.key, "no-room") and compile_choice("auto", "cuda", sizes.key).compile
+
+
+def test_a_compiled_run_records_its_size_and_starts_nothing(prepared_tiny_model, monkeypatch):
+    sizes = compiled_sizes(prepared_tiny_model, options(), beside=True)
+    monkeypatch.setattr(prepared_tiny_model, "inference_spec",
+                        prepared_tiny_model.inference_spec.__class__(
+                            **{**vars(prepared_tiny_model.inference_spec), "compiled": True}))
+    assert sizes.warmed_up(SIZE) is None
+    assert sizes.process is None and recorded(sizes.key, "compiled")
+    assert sizes.summary()["status"] == "compiled by the run"
