@@ -271,20 +271,28 @@ RECORDS_FOLDER = "stream-recon-compiled"
 
 
 def matmul_settings() -> dict[str, Any]:
-    """The process-wide precision settings of matrix products and convolutions: Inductor's caches key
-    compiled graphs on them, so a process that compiles for another must use the same."""
-    matmul = torch.backends.cuda.matmul
-    return {"matmul_tf32": matmul.allow_tf32, "cudnn_tf32": torch.backends.cudnn.allow_tf32,
-            "fp16_reduced": matmul.allow_fp16_reduced_precision_reduction,
-            "bf16_reduced": matmul.allow_bf16_reduced_precision_reduction}
+    """The process-wide precision settings of matrix products and convolutions: Inductor's graph cache
+    keys compiled graphs on them (the float32 precision as set, "none" when never set, which differs from
+    "ieee" even where both compute the same), so a process that compiles for another takes the same."""
+    settings = {"matmul.allow_fp16_reduced_precision_reduction": None,
+                "matmul.allow_bf16_reduced_precision_reduction": None}
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        settings |= {"matmul.fp32_precision": None, "cudnn.fp32_precision": None}
+    else:  # a torch before the float32 precision settings
+        settings |= {"matmul.allow_tf32": None, "cudnn.allow_tf32": None}
+    return {name: getattr(_backend(name), name.rsplit(".", 1)[1]) for name in settings}
 
 
 def use_matmul_settings(settings: dict[str, Any]) -> None:
-    """Take another process's `matmul_settings`."""
-    matmul = torch.backends.cuda.matmul
-    matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = settings["matmul_tf32"], settings["cudnn_tf32"]
-    matmul.allow_fp16_reduced_precision_reduction = settings["fp16_reduced"]
-    matmul.allow_bf16_reduced_precision_reduction = settings["bf16_reduced"]
+    """Take another process's `matmul_settings` (each only where it differs: setting one marks it set)."""
+    for name, value in settings.items():
+        backend, attribute = _backend(name), name.rsplit(".", 1)[1]
+        if getattr(backend, attribute) != value:
+            setattr(backend, attribute, value)
+
+
+def _backend(name: str) -> Any:
+    return torch.backends.cuda.matmul if name.startswith("matmul.") else torch.backends.cudnn
 
 
 def compiled_code_key(model_config: Any, stream_config: Any, image_size: tuple[int, int], dtype: torch.dtype,
