@@ -13,8 +13,9 @@ in a few seconds.
 The child is niced, compiles on half the cores, and runs in a session of its own: it finishes after
 the run if it has to (a minute at most on an H100; the run says so), and a run stopped by a signal
 stops it. A compile of a key already under way (a lock file with a live process) is not started twice.
-Where its estimate does not fit in the device's free memory it does not start, and a record says so:
-the next run of that size compiles before its stream instead, as `--compile on` does.
+Where its estimate does not fit in the device's free memory (or in what `--gpu-memory` leaves beside the
+run) it does not start, and a record says so: the next run of that size compiles before its stream
+instead, as `--compile on` does.
 
 Python has no thread that could compile beside the stream: a compile thread holding the interpreter
 halved the stream's rate and took 50 s (docs/PERFORMANCE.md, "compiling beside the stream").
@@ -23,6 +24,7 @@ halved the stream's rate and took 50 s (docs/PERFORMANCE.md, "compiling beside t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -92,11 +94,16 @@ class CompiledSizes:
         self.status = "not started"
         self.started_at: float | None = None
         self.seconds: float | None = None
+        self.plan: dict[str, Any] | None = None
 
-    def warmed_up(self, image_size: tuple[int, int]) -> str | None:
+    def warmed_up(self, image_size: tuple[int, int], plan: Any = None) -> str | None:
         """After the run's warm-up on frames of `image_size` (height, width): record a compiled size, or
-        start compiling an uncompiled one beside the run. A line for the console, or None."""
+        start compiling an uncompiled one beside the run. `plan`: the run's memory plan (--gpu-memory),
+        whose K/V precision and window the child's engine takes as a spare engine does. A line for the
+        console, or None."""
         import torch
+
+        self.plan = None if plan is None else {"kv_cache": plan.kv_cache, "window": plan.window}
 
         from stream_recon.models.compilation import compiled_code_key, record
 
@@ -114,12 +121,12 @@ class CompiledSizes:
         from stream_recon.models.compilation import matmul_settings, record, records_folder
 
         height, width = image_size
-        needed, free = self._bytes_needed(image_size), _free_bytes(torch.device(self.device))
-        if needed > free:
-            record(self.key, "no-room", f"needed {needed} bytes, {free} free")
+        needed, room, where = self._bytes_needed(image_size), *self._room(torch.device(self.device))
+        if needed > room:
+            record(self.key, "no-room", f"needed {needed} bytes, {room} {where}")
             self.status = "no room"
             return (f"compiled code for {width}x{height} frames is not in this machine's caches, and compiling it "
-                    f"beside the run needs {needed / 2**30:.1f} GiB of the {free / 2**30:.1f} GiB free on the GPU: "
+                    f"beside the run needs {needed / 2**30:.1f} GiB of the {room / 2**30:.1f} GiB {where}: "
                     "this run streams uncompiled (about 10% slower a frame); the next run of this size compiles "
                     "before its first frame")
         lock = records_folder() / f"{self.key}.compiling"
@@ -129,7 +136,8 @@ class CompiledSizes:
                     "uncompiled (about 10% slower a frame)")
         request = {"options": self.options.as_settings(), "model_config": self.model.config.to_dict(),
                    "image_size": list(image_size), "device": str(self.device),
-                   "dtype": str(self.dtype).removeprefix("torch."), "matmul": matmul_settings(), "key": self.key}
+                   "dtype": str(self.dtype).removeprefix("torch."), "matmul": matmul_settings(), "plan": self.plan,
+                   "key": self.key}
         log = records_folder() / f"{self.key}.log"
         log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         environment = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(compile_threads())}
@@ -146,12 +154,28 @@ class CompiledSizes:
                 "uncompiled (about 10% slower a frame) while a background process compiles it for the next run "
                 "(--compile on compiles before the stream instead)")
 
+    def _room(self, device: Any) -> tuple[int, str]:
+        """Bytes the child may take, and where they are: the device's free memory, and under --gpu-memory
+        no more than the budget leaves beside what this run's allocator has held at its peak (the budget
+        is the whole run's, its compile included)."""
+        import torch
+
+        free = _free_bytes(device)
+        if self.options.gpu_memory is None:
+            return free, "free on the GPU"
+        from stream_recon.models.memory import parse_memory_size
+
+        held = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
+        left = max(0, parse_memory_size(self.options.gpu_memory) - held)
+        return (left, "left of --gpu-memory beside the run") if left < free else (free, "free on the GPU")
+
     def _bytes_needed(self, image_size: tuple[int, int]) -> int:
         """The child's device memory: its engine's estimate with one window slot, and the float32 random
         weights it prepares the model from."""
         from stream_recon.models.memory import estimate_memory
 
-        engine = estimate_memory(self.model, self.stream_config, image_size, window_slots=CHILD_WINDOW_SLOTS)
+        config = planned(self.stream_config, self.plan)
+        engine = estimate_memory(self.model, config, image_size, window_slots=CHILD_WINDOW_SLOTS)
         float32_weights = 4 * sum(parameter.numel() for parameter in self.model.parameters())
         return engine.total + float32_weights + CUDA_CONTEXT_BYTES
 
@@ -193,6 +217,14 @@ class CompiledSizes:
         from stream_recon.models.compilation import records_folder
 
         return records_folder() / f"{self.key}.log"
+
+
+def planned(stream_config: Any, plan: dict[str, Any] | None) -> Any:
+    """The settings an engine streams with under the run's memory plan, as a spare engine takes them: the
+    plan's K/V precision and window, and no budget of its own."""
+    if plan is None:
+        return stream_config
+    return dataclasses.replace(stream_config, kv_cache=plan["kv_cache"], window=plan["window"], gpu_memory=None)
 
 
 def _free_bytes(device: Any) -> int:
@@ -266,7 +298,8 @@ def compile_size(request: dict) -> None:
     started = time.perf_counter()
     model = prepare_for_inference(random_model(model_config, device), device, dtype, compile=True)
     torch.cuda.empty_cache()  # the float32 weights it was prepared from
-    engine = StreamingEngine(model, stream_config, device=device, dtype=dtype, window_slots=CHILD_WINDOW_SLOTS)
+    engine = StreamingEngine(model, planned(stream_config, request["plan"]), device=device, dtype=dtype,
+                             window_slots=CHILD_WINDOW_SLOTS)
     frame = torch.randint(0, 256, (3, height, width), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     parts = engine.warm_up(frame)
     seconds = round(time.perf_counter() - started, 1)

@@ -309,7 +309,7 @@ class Run:
                            "recorded before the stream starts[/dim]", highlight=False)
         self.clock.time_warm_up(self.engine.warm_up, image)
         if self.compiled_sizes is not None:
-            note = self.compiled_sizes.warmed_up((height, width))
+            note = self.compiled_sizes.warmed_up((height, width), getattr(self.engine, "memory_plan", None))
             if note:
                 self.console.print(f"[dim]{escape(note)}[/dim]", highlight=False)
 

@@ -195,3 +195,30 @@ def test_a_compiled_run_records_its_size_and_starts_nothing(prepared_tiny_model,
     assert sizes.warmed_up(SIZE) is None
     assert sizes.process is None and recorded(sizes.key, "compiled")
     assert sizes.summary()["status"] == "compiled by the run"
+
+
+def test_a_memory_budget_counts_the_background_compile(prepared_tiny_model):
+    """--gpu-memory is the whole run's: a child whose estimate does not fit in what the budget leaves is
+    not started (here the tiny model's child needs more than 1 GiB: its context's allowance alone)."""
+    sizes = compiled_sizes(prepared_tiny_model, options(gpu_memory="1GiB"))
+    note = sizes.warmed_up(SIZE)
+    assert "left of --gpu-memory beside the run" in note and sizes.process is None
+    assert recorded(sizes.key, "no-room")
+
+
+def test_the_child_streams_with_the_runs_memory_plan_under_the_runs_key(prepared_tiny_model):
+    """Under --gpu-memory the run's engine takes its plan's K/V precision and window; the child's does too
+    (as a spare engine does: no budget of its own), and its record is the run's key."""
+    from types import SimpleNamespace
+
+    from stream_recon.app.background_compile import planned
+
+    run_options = options(gpu_memory="64GiB")
+    config = chunk_engine_config(run_options, prepared_tiny_model.config)
+    assert planned(config, None) is config
+    assert (planned(config, {"kv_cache": "auto", "window": 3}).window,
+            planned(config, {"kv_cache": "auto", "window": 3}).gpu_memory) == (3, None)
+    sizes = compiled_sizes(prepared_tiny_model, run_options)
+    assert "background process" in sizes.warmed_up(SIZE, SimpleNamespace(kv_cache="auto", window=3))
+    assert wait_for(sizes) == "done", (records_folder() / f"{sizes.key}.log").read_text()
+    assert sizes.key == key_for(run_options) and recorded(sizes.key, "compiled")
