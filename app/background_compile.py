@@ -14,8 +14,8 @@ The child is niced, compiles on half the cores, and runs in a session of its own
 the run if it has to (a minute at most on an H100; the run says so), and a run stopped by a signal
 stops it. A compile of a key already under way (a lock file with a live process) is not started twice.
 Where its estimate does not fit in the device's free memory (or in what `--gpu-memory` leaves beside the
-run) it does not start, and a record says so: the next run of that size compiles before its stream
-instead, as `--compile on` does.
+run) it does not start, and where it fails it says so in its log: either way a record ("compile-first")
+makes the next run of that size compile before its stream instead, as `--compile on` does.
 
 Python has no thread that could compile beside the stream: a compile thread holding the interpreter
 halved the stream's rate and took 50 s (docs/PERFORMANCE.md, "compiling beside the stream").
@@ -55,14 +55,15 @@ class CompileChoice:
 def compile_choice(option: str, device: str, key: str | None) -> CompileChoice:
     """What `--compile` (auto | on | off) means for a run whose compiled-code key is `key` (`run_key`;
     None where the input size is not known before the first frame). auto compiles where a record says
-    this machine compiled that key (or found no room to compile it beside a run), and where the key is
+    this machine compiled that key (or found that it must compile first: no room beside a run, or a
+    background compile that failed), and where the key is
     not known (the compile is then paid once, as with on); elsewhere the run is uncompiled and compiles
     its size beside itself."""
     from stream_recon.models.compilation import recorded
 
     if option == "off" or not str(device).startswith("cuda"):
         return CompileChoice(False)
-    if option == "on" or key is None or recorded(key, "compiled") or recorded(key, "no-room"):
+    if option == "on" or key is None or recorded(key, "compiled") or recorded(key, "compile-first"):
         return CompileChoice(True, key)
     return CompileChoice(False, key, beside=True)
 
@@ -123,7 +124,7 @@ class CompiledSizes:
         height, width = image_size
         needed, room, where = self._bytes_needed(image_size), *self._room(torch.device(self.device))
         if needed > room:
-            record(self.key, "no-room", f"needed {needed} bytes, {room} {where}")
+            record(self.key, "compile-first", f"no room beside a run: needed {needed} bytes, {room} {where}")
             self.status = "no room"
             return (f"compiled code for {width}x{height} frames is not in this machine's caches, and compiling it "
                     f"beside the run needs {needed / 2**30:.1f} GiB of the {room / 2**30:.1f} GiB {where}: "
@@ -190,8 +191,11 @@ class CompiledSizes:
 
     def finish(self, stop: bool) -> str | None:
         """At the run's end: stop the child (`stop`: the run was stopped by a signal), or let it finish on
-        its own. A line for the console when it is still compiling, else None."""
-        if self.poll() != "compiling":
+        its own. A line for the console when it is still compiling or has failed, else None."""
+        status = self.poll()
+        if status.startswith("failed"):
+            return f"the background compile for the next run {status}; the next run of this size compiles first"
+        if status != "compiling":
             return None
         if not stop:
             self.status = "finishing after the run"
@@ -311,11 +315,14 @@ def main(argv: list[str] | None = None) -> int:
     request = json.loads((sys.argv[1:] if argv is None else argv)[0])
     with contextlib.suppress(OSError):
         os.nice(10)  # the run's stream comes first
-    from stream_recon.models.compilation import records_folder
+    from stream_recon.models.compilation import record, records_folder
 
     lock = records_folder() / f"{request['key']}.compiling"
     try:
         compile_size(request)
+    except Exception as error:  # the next run compiles before its stream rather than failing here again
+        record(request["key"], "compile-first", f"the background compile failed: {type(error).__name__}: {error}")
+        raise
     finally:
         with contextlib.suppress(OSError):
             if _live_pid(lock) == os.getpid():

@@ -62,7 +62,7 @@ def test_records_live_in_inductors_cache_folder_and_name_one_key_each(inductor_c
     assert not recorded("a" * 32, "compiled")
     record("a" * 32, "compiled", "note")
     assert recorded("a" * 32, "compiled")
-    assert not recorded("a" * 32, "no-room") and not recorded("b" * 32, "compiled")
+    assert not recorded("a" * 32, "compile-first") and not recorded("b" * 32, "compiled")
     assert (inductor_cache / "stream-recon-compiled" / f"{'a' * 32}.compiled").read_text() == "note\n"
 
 
@@ -92,7 +92,7 @@ def test_the_key_names_the_size_precision_settings_and_architecture_and_is_the_s
                           check=True).stdout.strip() == base
 
 
-def test_auto_compiles_what_was_compiled_or_had_no_room_and_compiles_a_new_size_beside_the_run():
+def test_auto_compiles_what_was_compiled_or_must_compile_first_and_compiles_a_new_size_beside_the_run():
     key = key_for(options())
     assert compile_choice("auto", "cuda", key) == (choice := compile_choice("auto", "cuda:0", key))
     assert (choice.compile, choice.beside) == (False, True)
@@ -100,7 +100,7 @@ def test_auto_compiles_what_was_compiled_or_had_no_room_and_compiles_a_new_size_
     assert compile_choice("on", "cuda", key).compile and not compile_choice("on", "cuda", key).beside
     assert not compile_choice("off", "cuda", key).compile
     assert not compile_choice("auto", "cpu", key).compile and not compile_choice("on", "cpu", key).compile
-    record(key, "no-room")
+    record(key, "compile-first")
     assert compile_choice("auto", "cuda", key).compile
     other = key_for(options(window=3))
     record(other, "compiled")
@@ -184,7 +184,7 @@ def test_no_room_beside_the_run_is_recorded_so_the_next_run_compiles_first(prepa
     note = sizes.warmed_up(SIZE)
     assert "needs" in note and "the next run of this size compiles before its first frame" in note
     assert sizes.process is None and sizes.summary()["status"] == "no room"
-    assert recorded(sizes.key, "no-room") and compile_choice("auto", "cuda", sizes.key).compile
+    assert recorded(sizes.key, "compile-first") and compile_choice("auto", "cuda", sizes.key).compile
 
 
 def test_a_compiled_run_records_its_size_and_starts_nothing(prepared_tiny_model, monkeypatch):
@@ -203,7 +203,7 @@ def test_a_memory_budget_counts_the_background_compile(prepared_tiny_model):
     sizes = compiled_sizes(prepared_tiny_model, options(gpu_memory="1GiB"))
     note = sizes.warmed_up(SIZE)
     assert "left of --gpu-memory beside the run" in note and sizes.process is None
-    assert recorded(sizes.key, "no-room")
+    assert recorded(sizes.key, "compile-first")
 
 
 def test_the_child_streams_with_the_runs_memory_plan_under_the_runs_key(prepared_tiny_model):
@@ -222,3 +222,18 @@ def test_the_child_streams_with_the_runs_memory_plan_under_the_runs_key(prepared
     assert "background process" in sizes.warmed_up(SIZE, SimpleNamespace(kv_cache="auto", window=3))
     assert wait_for(sizes) == "done", (records_folder() / f"{sizes.key}.log").read_text()
     assert sizes.key == key_for(run_options) and recorded(sizes.key, "compiled")
+
+
+def test_a_child_that_fails_says_so_and_the_next_run_compiles_first(prepared_tiny_model):
+    """A child whose work fails (here: the key it is handed is not the one the run's settings name) exits
+    non-zero with a record that makes the next run of that key compile before its stream; the run says
+    so at its end."""
+    sizes = compiled_sizes(prepared_tiny_model, options())
+    sizes.key = "f" * 32
+    sizes._start(SIZE)
+    status = wait_for(sizes)
+    assert status.startswith("failed (exit 1; its log: ")
+    assert "differs from the run's" in (records_folder() / f"{'f' * 32}.log").read_text()
+    assert recorded("f" * 32, "compile-first") and compile_choice("auto", "cuda", "f" * 32).compile
+    assert "differs from the run's" in (records_folder() / f"{'f' * 32}.compile-first").read_text()
+    assert "the next run of this size compiles first" in sizes.finish(stop=False)
