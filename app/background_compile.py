@@ -52,18 +52,19 @@ class CompileChoice:
     beside: bool = False  # uncompiled because the caches lack the size: compile it beside the run
 
 
-def compile_choice(option: str, device: str, key: str | None) -> CompileChoice:
+def compile_choice(option: str, device: str, key: str | None, warm_up: str = "auto") -> CompileChoice:
     """What `--compile` (auto | on | off) means for a run whose compiled-code key is `key` (`run_key`;
     None where the input size is not known before the first frame). auto compiles where a record says
     this machine compiled that key (or found that it must compile first: no room beside a run, or a
     background compile that failed), and where the key is
     not known (the compile is then paid once, as with on); elsewhere the run is uncompiled and compiles
-    its size beside itself."""
+    its size beside itself. The compile beside the run starts after the run's warm-up: with `--warm-up off`
+    auto compiles as on does (where the first streaming frame is taken)."""
     from stream_recon.models.compilation import recorded
 
     if option == "off" or not str(device).startswith("cuda"):
         return CompileChoice(False)
-    if option == "on" or key is None or recorded(key, "compiled") or recorded(key, "compile-first"):
+    if option == "on" or warm_up == "off" or key is None or recorded(key, "compiled") or recorded(key, "compile-first"):
         return CompileChoice(True, key)
     return CompileChoice(False, key, beside=True)
 

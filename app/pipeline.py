@@ -162,7 +162,7 @@ def run_sequence(
             # compiled or not by what this machine's compile caches hold for the run's input size
             engine_config = None if config is None else chunk_engine_config(options, config)
             key = run_key(device, dtype, config, engine_config, _input_size(frame_source, options))
-            choice = compile_choice(options.compile, device, key)
+            choice = compile_choice(options.compile, device, key, options.warm_up)
             # prepared once, where it is loaded or received; the engine takes it as it is
             if model is None:
                 model = load_model_for(options, device, console, compile=choice.compile)

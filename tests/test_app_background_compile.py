@@ -97,6 +97,7 @@ def test_auto_compiles_what_was_compiled_or_must_compile_first_and_compiles_a_ne
     assert compile_choice("auto", "cuda", key) == (choice := compile_choice("auto", "cuda:0", key))
     assert (choice.compile, choice.beside) == (False, True)
     assert compile_choice("auto", "cuda", None).compile  # size unknown before the first frame: as before
+    assert compile_choice("auto", "cuda", key, warm_up="off").compile  # no warm-up for a child to follow
     assert compile_choice("on", "cuda", key).compile and not compile_choice("on", "cuda", key).beside
     assert not compile_choice("off", "cuda", key).compile
     assert not compile_choice("auto", "cpu", key).compile and not compile_choice("on", "cpu", key).compile
