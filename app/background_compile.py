@@ -261,7 +261,8 @@ def _live_pid(lock: Path) -> int | None:
 # -- the child's side --------------------------------------------------------------------------------
 def random_model(model_config: Any, device: Any) -> Any:
     """A model of `model_config` on `device` with float32 random weights, as a checkpoint load leaves a
-    model (float32): small normal matrices, unit norm weights, zero biases, so that no step sees NaN."""
+    model (float32): small normal matrices, unit norm weights, layer scales of 0.1, zero biases and
+    buffers, so that no step sees NaN."""
     import torch
 
     from stream_recon.models import GCTStream
@@ -276,8 +277,8 @@ def random_model(model_config: Any, device: Any) -> Any:
         for name, tensor in model.state_dict().items():
             if tensor.ndim >= 2:
                 tensor.normal_(0.0, 0.02, generator=generator)
-            elif name.endswith("weight"):
-                tensor.fill_(1.0)
+            elif name.endswith(("weight", "gamma")):
+                tensor.fill_(1.0 if name.endswith("weight") else 0.1)
     return model
 
 

@@ -26,25 +26,6 @@ PROCESS_STARTED = time.perf_counter()
 import torch  # noqa: E402
 
 
-def random_model(preset: str):
-    """The preset's model with small random weights, on the host, as a checkpoint load leaves it."""
-    from stream_recon.models import GCTStream, ModelConfig
-
-    with torch.device("meta"):
-        model = GCTStream(ModelConfig.from_name(preset))
-    model = model.to_empty(device="cpu").eval()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            if tensor.ndim >= 2:
-                tensor.normal_(0.0, 0.02, generator=generator)
-            elif name.endswith(("weight", "gamma")):
-                tensor.fill_(1.0 if name.endswith("weight") else 0.1)
-            elif tensor.is_floating_point():
-                tensor.zero_()
-    return model
-
-
 def compile_phases() -> dict[str, float]:
     """Seconds spent per compile phase (Dynamo's counters: tracing, AOT, Inductor, Triton)."""
     from torch._dynamo.utils import compilation_time_metrics
@@ -118,7 +99,10 @@ def main() -> None:
     result = {"height": args.height, "compile": not args.no_compile,
               "compile_threads": inductor_config.compile_threads, "import_s": time.perf_counter() - PROCESS_STARTED}
     started = time.perf_counter()
-    model = random_model(args.model)
+    from stream_recon.app.background_compile import random_model
+    from stream_recon.models import ModelConfig
+
+    model = random_model(ModelConfig.from_name(args.model), "cpu")
     result["build_s"] = time.perf_counter() - started
     started = time.perf_counter()
     on_cuda = args.device == "cuda"
