@@ -158,12 +158,17 @@ def command_names() -> set[str]:
     return names
 
 
+# Flags of earlier versions, spelled as they are now: scripts that use them keep working.
+EARLIER_FLAGS = {"--no-compile": ["--compile", "off"]}
+
+
 def with_default_command(args: list[str]) -> list[str]:
     """Insert `run` unless the first argument is a command or a root option. --verbose may come anywhere
-    before a `--`: it is moved to the front, where the root takes it for every command."""
+    before a `--`: it is moved to the front, where the root takes it for every command. A flag of an
+    earlier version (EARLIER_FLAGS) is replaced by today's spelling."""
     end = args.index("--") if "--" in args else len(args)
     verbose = VERBOSE in args[:end]
-    args = [arg for arg in args[:end] if arg != VERBOSE] + args[end:]
+    args = [part for arg in args[:end] if arg != VERBOSE for part in EARLIER_FLAGS.get(arg, [arg])] + args[end:]
     if not (args and (args[0] in command_names() or args[0] in ROOT_OPTIONS)):
         args = ["run", *args]
     return [VERBOSE, *args] if verbose else args

@@ -75,6 +75,9 @@ def assert_user_error(result, *fragments: str, code: int = EXIT_BAD_INPUT) -> No
         (["--version"], ["--version"]),
         (["-h"], ["-h"]),
         ([], ["run"]),
+        # an earlier version's flag, spelled as today's; not after `--`, where arguments are taken as they are
+        (["clip.mp4", "--no-compile"], ["run", "clip.mp4", "--compile", "off"]),
+        (["run", "--", "--no-compile"], ["run", "--", "--no-compile"]),
     ],
 )
 def test_run_is_the_default_command(argv: list[str], expected: list[str]) -> None:
@@ -404,6 +407,7 @@ def test_video_to_run_directory_through_the_cli(tmp_path: Path, tiny_checkpoint:
     assert record["status"] == "complete" and record["summary"]["frames"] == 6
     assert record["summary"]["checkpoint_digest"] == hashlib.sha256(tiny_checkpoint.read_bytes()).hexdigest()
     assert record["settings"]["checkpoint"] == str(tiny_checkpoint)
+    assert record["settings"]["compile"] is False and "compile_beside" not in record["summary"]  # a CPU run
     assert len(list((run_dir / "predictions").glob("*.npz"))) == 6
 
 
