@@ -5,10 +5,10 @@ the first prediction takes 20-30 s on an H100 (docs/PERFORMANCE.md), where the u
 only ~10 % slower a frame. So such a run streams uncompiled from the start, and once its own warm-up is
 done a child process compiles that size: a model of the same architecture with random weights (what
 Inductor compiles depends on shapes and dtypes, not on weight values), the same settings, frame size
-and matrix-product precision flags (which Inductor's cache keys name), warmed up as the run's engine is, with a cache of one window slot so that it needs a few GiB of
-device memory beside the run. It fills Inductor's on-disk caches and leaves a record of the size
-(models.compilation.record); the next run of that size finds the record and compiles from the caches
-in a few seconds.
+and matrix-product precision flags (which Inductor's cache keys name), warmed up as the run's engine
+is, with a cache of one window slot so that it needs a few GiB of device memory beside the run. It
+fills Inductor's on-disk caches and leaves a record of the size (models.compilation.record); the next
+run of that size finds the record and compiles from the caches in a few seconds.
 
 The child is niced, compiles on half the cores, and runs in a session of its own: it finishes after
 the run if it has to (a minute at most on an H100; the run says so), and a run stopped by a signal
@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -35,8 +34,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 CUDA_CONTEXT_BYTES = 1 << 30  # a process's CUDA context and its libraries' workspaces, with a margin
 CHILD_WINDOW_SLOTS = 1  # the warm-up's streaming steps are uncached: one window slot is all it needs
@@ -55,11 +52,10 @@ class CompileChoice:
 def compile_choice(option: str, device: str, key: str | None, warm_up: str = "auto") -> CompileChoice:
     """What `--compile` (auto | on | off) means for a run whose compiled-code key is `key` (`run_key`;
     None where the input size is not known before the first frame). auto compiles where a record says
-    this machine compiled that key (or found that it must compile first: no room beside a run, or a
-    background compile that failed), and where the key is
-    not known (the compile is then paid once, as with on); elsewhere the run is uncompiled and compiles
-    its size beside itself. The compile beside the run starts after the run's warm-up: with `--warm-up off`
-    auto compiles as on does (where the first streaming frame is taken)."""
+    this machine compiled that key or must compile it first (no room beside a run, or a background
+    compile that failed), and where the key is not known (the compile is then paid once, as with on);
+    elsewhere the run is uncompiled and compiles its size beside itself. That compile starts after the
+    run's warm-up: with `--warm-up off` auto compiles as on does (at the first streaming frame)."""
     from stream_recon.models.compilation import recorded
 
     if option == "off" or not str(device).startswith("cuda"):
@@ -105,10 +101,9 @@ class CompiledSizes:
         console, or None."""
         import torch
 
-        self.plan = None if plan is None else {"kv_cache": plan.kv_cache, "window": plan.window}
-
         from stream_recon.models.compilation import compiled_code_key, record
 
+        self.plan = None if plan is None else {"kv_cache": plan.kv_cache, "window": plan.window}
         self.key = compiled_code_key(self.model.config, self.stream_config, image_size, self.dtype,
                                      torch.device(self.device))
         if self.model.inference_spec.compiled:
