@@ -302,11 +302,14 @@ class Run:
         return self.engine.slow_first_step and (length is None or length > self.options.scale_frames)
 
     def _warm_up(self, image: Any) -> None:
-        """The engine's first streaming step, compiled and recorded on copies of the first frame before
-        the stream (ChunkedEngine.warm_up): seconds, a minute on a machine that never compiled this size."""
+        """The engine's first streaming step, compiled (where the model is) and recorded on copies of the
+        first frame before the stream (ChunkedEngine.warm_up): seconds, half a minute where a compiled
+        model's size was never compiled on this machine."""
         height, width = image.shape[-2:]
-        self.console.print(f"[dim]warming up for {width}x{height} frames: the streaming step is compiled and "
-                           "recorded before the stream starts[/dim]", highlight=False)
+        spec = getattr(getattr(self.engine, "model", None), "inference_spec", None)
+        made = "compiled and recorded" if getattr(spec, "compiled", False) else "recorded"
+        self.console.print(f"[dim]warming up for {width}x{height} frames: the streaming step is {made} before the "
+                           "stream starts[/dim]", highlight=False)
         self.clock.time_warm_up(self.engine.warm_up, image)
         if self.compiled_sizes is not None:
             note = self.compiled_sizes.warmed_up((height, width), getattr(self.engine, "memory_plan", None))
