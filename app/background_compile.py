@@ -45,7 +45,6 @@ class CompileChoice:
     """Whether a run compiles its model, and what it does about the compile caches."""
 
     compile: bool
-    key: str | None = None  # the run's compiled-code key (models.compilation), where its input size is known
     beside: bool = False  # uncompiled because the caches lack the size: compile it beside the run
 
 
@@ -61,8 +60,8 @@ def compile_choice(option: str, device: str, key: str | None, warm_up: str = "au
     if option == "off" or not str(device).startswith("cuda"):
         return CompileChoice(False)
     if option == "on" or warm_up == "off" or key is None or recorded(key, "compiled") or recorded(key, "compile-first"):
-        return CompileChoice(True, key)
-    return CompileChoice(False, key, beside=True)
+        return CompileChoice(True)
+    return CompileChoice(False, beside=True)
 
 
 def run_key(device: str, dtype: Any, model_config: Any, stream_config: Any,
@@ -93,6 +92,7 @@ class CompiledSizes:
         self.started_at: float | None = None
         self.seconds: float | None = None
         self.plan: dict[str, Any] | None = None
+        self.log: Path | None = None  # the child's output
 
     def warmed_up(self, image_size: tuple[int, int], plan: Any = None) -> str | None:
         """After the run's warm-up on frames of `image_size` (height, width): record a compiled size, or
@@ -135,10 +135,10 @@ class CompiledSizes:
                    "image_size": list(image_size), "device": str(self.device),
                    "dtype": str(self.dtype).removeprefix("torch."), "matmul": matmul_settings(), "plan": self.plan,
                    "key": self.key}
-        log = records_folder() / f"{self.key}.log"
-        log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.log = records_folder() / f"{self.key}.log"
+        self.log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         environment = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(compile_threads())}
-        with open(log, "w") as output:
+        with open(self.log, "w") as output:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "stream_recon.app.background_compile", json.dumps(request)],
                 stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT, env=environment,
@@ -182,7 +182,7 @@ class CompiledSizes:
             code = self.process.poll()
             if code is not None:
                 self.seconds = round(time.perf_counter() - self.started_at, 1)
-                self.status = "done" if code == 0 else f"failed (exit {code}; its log: {self._log()})"
+                self.status = "done" if code == 0 else f"failed (exit {code}; its log: {self.log})"
         return self.status
 
     def finish(self, stop: bool) -> str | None:
@@ -212,11 +212,6 @@ class CompiledSizes:
         """For run.json."""
         self.poll()
         return {"status": self.status, "key": self.key, "seconds": self.seconds}
-
-    def _log(self) -> Path:
-        from stream_recon.models.compilation import records_folder
-
-        return records_folder() / f"{self.key}.log"
 
 
 def planned(stream_config: Any, plan: dict[str, Any] | None) -> Any:

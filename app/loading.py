@@ -168,18 +168,18 @@ def build_engine(model: Any, options: RunOptions, device: str, dtype: Any, conso
     return engine
 
 
-def check_gpu_memory(engine: Any, options: RunOptions, frame_size: tuple[int, int] | None) -> None:
-    """With --gpu-memory and a source whose frame size is known: the plan the engine would make at its
-    first frame, made by the engine now, so that a budget nothing fits is refused before anything is
-    written; a first frame of that size then uses it (the engine plans, and refuses, at its first frame
-    for sources that only know their size once read, or whose frames come out another size)."""
-    from stream_recon.app.input_size import model_input_size
+def check_gpu_memory(engine: Any, options: RunOptions, input_size: tuple[int, int] | None) -> None:
+    """With --gpu-memory and a source whose frames' model input size (height, width) is known: the plan
+    the engine would make at its first frame, made by the engine now, so that a budget nothing fits is
+    refused before anything is written; a first frame of that size then uses it (the engine plans, and
+    refuses, at its first frame for sources that only know their size once read, or whose frames come
+    out another size)."""
     from stream_recon.models import MemoryBudgetError
 
-    if options.gpu_memory is None or frame_size is None:
+    if options.gpu_memory is None or input_size is None:
         return
     try:
-        engine.plan_memory_for(model_input_size(*frame_size, options.image_width))
+        engine.plan_memory_for(input_size)
     except MemoryBudgetError as error:
         raise OptionsError(str(error)) from None
 

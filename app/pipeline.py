@@ -160,8 +160,9 @@ def run_sequence(
             # a caller's own model is described by options.checkpoint only when that is set
             checkpoint = options.checkpoint or (DEFAULT_CHECKPOINT if model is None else None)
             # compiled or not by what this machine's compile caches hold for the run's input size
+            input_size = _input_size(frame_source, options)
             engine_config = None if config is None else chunk_engine_config(options, config)
-            key = run_key(device, dtype, config, engine_config, _input_size(frame_source, options))
+            key = run_key(device, dtype, config, engine_config, input_size)
             choice = compile_choice(options.compile, device, key, options.warm_up)
             # prepared once, where it is loaded or received; the engine takes it as it is
             if model is None:
@@ -173,7 +174,7 @@ def run_sequence(
                 compiled_sizes = CompiledSizes(options, model, device, dtype, engine_config, choice.beside)
             digest = CheckpointDigest(checkpoint)
             engine = build_engine(model, options, device, dtype, console)
-            check_gpu_memory(engine, options, frame_source.frame_size)
+            check_gpu_memory(engine, options, input_size)
             for warning in warnings:
                 console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
             clock.model_loaded()

@@ -274,13 +274,12 @@ def matmul_settings() -> dict[str, Any]:
     """The process-wide precision settings of matrix products and convolutions: Inductor's graph cache
     keys compiled graphs on them (the float32 precision as set, "none" when never set, which differs from
     "ieee" even where both compute the same), so a process that compiles for another takes the same."""
-    settings = {"matmul.allow_fp16_reduced_precision_reduction": None,
-                "matmul.allow_bf16_reduced_precision_reduction": None}
+    names = ["matmul.allow_fp16_reduced_precision_reduction", "matmul.allow_bf16_reduced_precision_reduction"]
     if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
-        settings |= {"matmul.fp32_precision": None, "cudnn.fp32_precision": None}
+        names += ["matmul.fp32_precision", "cudnn.fp32_precision"]
     else:  # a torch before the float32 precision settings
-        settings |= {"matmul.allow_tf32": None, "cudnn.allow_tf32": None}
-    return {name: getattr(_backend(name), name.rsplit(".", 1)[1]) for name in settings}
+        names += ["matmul.allow_tf32", "cudnn.allow_tf32"]
+    return {name: getattr(_backend(name), name.rsplit(".", 1)[1]) for name in names}
 
 
 def use_matmul_settings(settings: dict[str, Any]) -> None:
