@@ -76,6 +76,12 @@ class DenseKV:
         tensors = [self.store] if self.exponents is None else [self.store, self.exponents]
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def zero(self) -> None:
+        """Every value back to zero, as allocated."""
+        self.store.zero_()
+        if self.exponents is not None:
+            self.exponents.zero_()
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots [T] store positions; k, v [T, H, D]."""
         if self._write_kernel is not None and not self.quantized and k.stride(-1) == 1 and v.stride(-1) == 1:

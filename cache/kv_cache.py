@@ -129,6 +129,12 @@ class KVCache(ABC):
         """Forget every frame; the storage keeps its size."""
         self.bookkeeping.reset()
 
+    def clear(self) -> None:
+        """Forget every frame and zero the storage, as allocated: for values that must not stay even
+        where nothing reads them unmasked (a product with a zero weight is NaN where the value is)."""
+        self.reset()
+        self.storage.zero()
+
     # -- one step --------------------------------------------------------------------------
     def plan(self, num_queries: int) -> None:
         """Plan the backend for the current key set (pending frames included)."""

@@ -63,6 +63,11 @@ class PagedKV:
             self.kv_pages[layer] = new
         return True
 
+    def zero(self) -> None:
+        """Every page's values back to zero, as allocated."""
+        for pages in self.kv_pages:
+            pages.zero_()
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V of T tokens. slots [T] flat ids (page * page_size + offset); k, v [T, H, D]."""
         pages = self.kv_pages[layer]

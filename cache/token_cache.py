@@ -88,6 +88,13 @@ class TokenCache:
         self.num_committed = 0
         self.num_pending = 0
 
+    def clear(self) -> None:
+        """Forget every token and zero the storage, as allocated: the attention weighs every position
+        (those past the live ones by zero, and zero times NaN is NaN), so no garbage may stay there."""
+        self.reset()
+        for tensor in self._keys + self._values:
+            tensor.zero_()
+
     def take_over(self, other: TokenCache) -> None:
         """Hold `other`'s committed tokens (copied, on the current stream); nothing may be pending there."""
         if other.num_pending:

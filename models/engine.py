@@ -18,6 +18,7 @@ import torch
 
 from stream_recon.cache import CacheLayout, KVCache, TokenCache, backends
 
+from . import kernel_builds
 from .errors import FrameError, MemoryBudgetError
 from .gct import GCTStream
 from .memory import MemoryPlan, plan_memory
@@ -163,20 +164,45 @@ class StreamingEngine:
         on_cuda = self.device.type == "cuda"
         return bool(self.model.inference_spec.compiled) or (on_cuda and self.config.cuda_graphs)
 
-    def warm_up(self, image: torch.Tensor | np.ndarray) -> dict[str, float]:
+    def warm_up(self, image: torch.Tensor | np.ndarray, *, build_kernels_ahead: bool = True) -> dict[str, float]:
         """Before the stream's first frame: predict `scale_frames` + WARM_UP_STEPS copies of `image`
         (that first frame) and forget them, so that the first streaming step's compile, its kernels'
         first launches and its graph's recording happen now and the stream never waits for them. The
         streaming steps are uncached (`push(cached=False)`): they need no window slot of their own, so
-        a spare's cache with a single one (`window_slots`) warms up too.
+        a spare's cache with a single one (`window_slots`) warms up too. Uncompiled on CUDA, a dry pass
+        of the same steps first lists the Triton kernels they build and builds them side by side
+        (models/kernel_builds.py) rather than one at a time on their first launches; not where
+        `build_kernels_ahead` is False (an engine of a model whose kernels another one built).
 
         Afterwards the engine is as a fresh one but for its caches' storage and recorded graph
         (kept, as after `reset`): the stream's predictions are the ones it makes without a warm-up.
-        Returns seconds by part: "scale_step_s", "streaming_steps_s"."""
+        Returns seconds by part: "scale_step_s", "streaming_steps_s", and with a dry pass
+        "kernel_builds_s" (the pass and the builds it listed), "kernel_builds" (how many)."""
         if self.num_frames or self._buffer or self._in_flight or self._ready:
             raise ValueError("an engine warms up before its stream's first frame, not during a stream")
         image = self.check_frame(image)  # the stream's first frame: it sets the size and the caches up
+        seconds: dict[str, float] = {}
+        if build_kernels_ahead and self._lists_kernel_builds():
+            started = time.perf_counter()
+            with kernel_builds.dry_launches(self.device) as builds:
+                self._predict_and_forget(image)
+            # Its values are garbage (launches skipped): none may stay, even where only masked reads go.
+            self.cache.clear()
+            self.camera_cache.clear()
+            seconds.update(kernel_builds_s=round(time.perf_counter() - started, 3), kernel_builds=builds.builds)
         started = time.perf_counter()
+        scaled = self._predict_and_forget(image)
+        done = time.perf_counter()
+        return {"scale_step_s": round(scaled - started, 3), "streaming_steps_s": round(done - scaled, 3), **seconds}
+
+    def _lists_kernel_builds(self) -> bool:
+        """Whether a warm-up's dry pass pays: on CUDA, uncompiled (compiled steps build their kernels
+        through Inductor, which compiles on its own workers), where this Triton can list builds."""
+        compiled = bool(self.model.inference_spec.compiled)
+        return self.device.type == "cuda" and not compiled and kernel_builds.available()
+
+    def _predict_and_forget(self, image: torch.Tensor) -> float:
+        """The warm-up's steps on copies of `image`, then a reset; returns when the scale step ended."""
         for _ in range(self.config.scale_frames):
             self.push_checked(image)
         scaled = time.perf_counter()
@@ -186,8 +212,7 @@ class StreamingEngine:
         self.reset()
         if self.device.type == "cuda":  # its work done: the stream's first frame waits for none of it
             torch.cuda.current_stream(self.device).synchronize()
-        done = time.perf_counter()
-        return {"scale_step_s": round(scaled - started, 3), "streaming_steps_s": round(done - scaled, 3)}
+        return scaled
 
     def take_over(self, other: StreamingEngine) -> None:
         """Go on with `other`'s stream: its caches' contents (copied on the current stream), its frame

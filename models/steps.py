@@ -20,6 +20,7 @@ import torch
 
 from stream_recon.cache import KVCache, TokenCache
 
+from . import kernel_builds
 from .compilation import running_eagerly
 from .gct import GCTStream
 from .graphs import RecordedStep
@@ -115,7 +116,8 @@ class GraphRunner(EagerRunner):
         if not self._replays(len(images)):
             started = time.perf_counter()
             staged = super().finish(time_index)
-            if len(images) == 1:
+            # A dry step (a warm-up listing its kernels' builds) skipped launches: not one to record.
+            if len(images) == 1 and not kernel_builds.listing():
                 recording = time.perf_counter()
                 self._record(images, stream_index, time_index)
                 self.warm_up_seconds = {"first_streaming_step_s": round(recording - started, 3),

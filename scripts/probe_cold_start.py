@@ -6,7 +6,9 @@ size (ChunkedEngine.warm_up: the scale step, two streaming steps, the spare's wa
 `--frames` frames through it, the mean time of the last `--timed` taken as the engine's steady
 ms/frame. Prints one JSON line: the warm-up's parts, Dynamo's and Inductor's compile times by phase,
 the graphs compiled, Inductor's compile threads, and the steady ms/frame. `--triton-builds` adds every
-Triton kernel compiled in this process (Inductor's own are built in its worker processes) with its time.
+Triton kernel compiled in this process (Inductor's own are built in its worker processes) with its time
+and thread, and those built once the stream ran. `--no-dry-builds` warms up without the dry pass that
+lists our Triton kernels' builds and builds them side by side (models/kernel_builds.py), to compare.
 
 Point TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR at an empty folder to measure a fresh machine in a
 machine that compiled before (scripts/device/run_cold_start.sh does).
@@ -67,8 +69,11 @@ class TritonBuilds:
 
     def summary(self, longest: int = 20) -> dict:
         built = [b for b in self.builds if not b["cache_hit"]]
+        threads: dict[str, int] = {}
+        for b in self.builds:
+            threads[b["thread"]] = threads.get(b["thread"], 0) + 1
         return {"built": len(built), "built_ms": round(sum(b["ms"] for b in built), 1),
-                "cache_hits": len(self.builds) - len(built),
+                "cache_hits": len(self.builds) - len(built), "by_thread": threads,
                 "longest": sorted(built, key=lambda b: -b["ms"])[:longest]}
 
 
@@ -82,6 +87,8 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=160)
     parser.add_argument("--timed", type=int, default=100)
     parser.add_argument("--triton-builds", action="store_true", help="list the Triton kernels this process compiles")
+    parser.add_argument("--no-dry-builds", action="store_true",
+                        help="the warm-up without its dry pass (each Triton kernel built on its first launch), to compare")
     parser.add_argument("--profile-warm-up", type=int, default=0, metavar="N",
                         help="run the warm-up under cProfile and print its N most expensive functions (cumulative)")
     args = parser.parse_args()
@@ -93,8 +100,11 @@ def main() -> None:
     from torch._dynamo.utils import counters
     from torch._inductor import config as inductor_config
 
-    from stream_recon.models import StreamConfig, prepare_for_inference
+    from stream_recon.models import StreamConfig, kernel_builds, prepare_for_inference
     from stream_recon.models.chunked import ChunkedEngine
+
+    if args.no_dry_builds:
+        kernel_builds.available = lambda: False  # the engine's check: no dry pass, as before it existed
 
     result = {"height": args.height, "compile": not args.no_compile,
               "compile_threads": inductor_config.compile_threads, "import_s": time.perf_counter() - PROCESS_STARTED}
@@ -128,6 +138,7 @@ def main() -> None:
     result["warm_up_s"] = time.perf_counter() - started
     result["first_streaming_step"] = engine.stats()["warm_up"]
     result["graphs_compiled"] = counters["stats"]["unique_graphs"]
+    builds_before_stream = len(builds.builds)
     result["compile_phases_s"] = compile_phases()
     times = []
     for index in range(args.frames):
@@ -143,6 +154,7 @@ def main() -> None:
     result["process_s"] = time.perf_counter() - PROCESS_STARTED
     if args.triton_builds:
         result["triton_builds"] = builds.summary()
+        result["triton_builds_while_streaming"] = len(builds.builds) - builds_before_stream
     print(json.dumps(result, default=str))
 
 

@@ -84,3 +84,23 @@ def test_build_gives_the_layout_of_the_row(name, kind):
     assert out.shape == q.shape and torch.isfinite(out).all()
     cache.commit()
     assert cache.num_committed_frames == 2 and cache.num_visible_tokens == 2 * layout.tokens_per_frame
+
+
+@pytest.mark.parametrize("name", ["sdpa", "dense"])
+def test_clear_forgets_every_frame_and_zeroes_the_storage(name):
+    layout = CacheLayout(patches_per_frame=4, specials_per_frame=2, scale_frames=2, window_frames=3)
+    cache = backends.build(backends.spec(name), layout, num_layers=2, num_heads=2, head_dim=8, max_frames=16,
+                           dtype=torch.float32, device=CPU)
+    for _ in range(2):
+        cache.append()
+    cache.plan(2 * layout.tokens_per_frame)
+    slots = cache.pending_slots()
+    nan = torch.full((len(slots), 2, 8), float("nan"))
+    for layer in range(2):
+        cache.write(layer, slots, nan, nan)
+    cache.commit()
+    storage = cache.storage.kv_pages if name == "sdpa" else [cache.storage.store]
+    assert all(tensor.isnan().any() for tensor in storage)
+    cache.clear()
+    assert cache.num_committed_frames == 0 and cache.num_visible_tokens == 0
+    assert all((tensor == 0).all() for tensor in storage)

@@ -26,3 +26,20 @@ def test_token_cache_matches_attention_over_the_live_tokens():
         (cache.rollback if step % 3 == 2 else cache.commit)()
     assert cache.num_committed == sum(k.shape[0] for k, _ in live[0])
     assert cache.capacity >= cache.num_committed and cache.version >= 1  # it grew past 3 tokens
+
+
+def test_clear_forgets_every_token_and_zeroes_the_storage():
+    """What `reset` keeps (the values past the live tokens, weighed by zero: NaN there would still show
+    through) `clear` zeroes."""
+    cache = TokenCache(2, 2, 4, torch.float32, "cpu", capacity=3)
+    cache.begin(2)
+    nan = torch.full((2, 2, 4), float("nan"))
+    cache(0, torch.ones(2, 2, 4), nan, nan)
+    cache.commit()
+    cache.reset()
+    cache.begin(1)
+    assert cache(0, torch.ones(1, 2, 4), torch.ones(1, 2, 4), torch.ones(1, 2, 4)).isnan().all()  # reset kept them
+    cache.rollback()
+    cache.clear()
+    cache.begin(1)
+    assert cache.num_committed == 0 and (cache(0, *(torch.ones(1, 2, 4) for _ in range(3))) == 1).all()

@@ -522,3 +522,61 @@ def test_a_new_size_streams_uncompiled_and_the_next_run_compiles_from_what_its_c
 
     for run in ("first", "second"):  # uncompiled and compiled, both the official outputs
         compare_run_with_golden(tmp_path / run, "all_keyframes", BF16_TOLERANCE)
+
+
+# An uncompiled run in a process of its own on empty Triton caches, listening to every Triton build:
+# prints run.json's warm-up parts and, per build, its thread and whether Triton's cache held it.
+_BUILDS_IN_A_NEW_PROCESS = """
+import json, sys, threading
+from pathlib import Path
+from triton import knobs
+builds = []
+def listen(*, src, metadata, metadata_group, times, cache_hit):
+    builds.append({"kernel": metadata.get("name"), "thread": threading.current_thread().name, "cache_hit": cache_hit})
+knobs.compilation.listener = listen
+from stream_recon.models.chunked import ChunkedEngine
+warm_up = ChunkedEngine.warm_up
+def marked_warm_up(self, image):
+    seconds = warm_up(self, image)
+    builds.append({"kernel": None, "thread": "the warm-up ended", "cache_hit": False})
+    return seconds
+ChunkedEngine.warm_up = marked_warm_up
+from stream_recon.app.options import RunOptions
+from stream_recon.app.pipeline import run_sequence
+frames, output, checkpoint = sys.argv[1:]
+options = RunOptions(checkpoint=checkpoint, device="cuda", scale_frames=3, window=4, image_width=224, viewer=False,
+                     compile="off", save_depth="float32")
+summary = run_sequence(frames, output, options)
+run = json.loads((Path(output) / "run.json").read_text())
+print(json.dumps({"status": summary.status, "warm_up": run["summary"]["timings"]["warm_up_parts_s"], "builds": builds}))
+"""
+
+
+def test_a_fresh_process_builds_our_kernels_side_by_side_in_its_warm_up_and_streams_the_official_outputs(
+        golden_checkpoint, golden_frame_folder, tmp_path):
+    """On empty Triton caches, an uncompiled run's warm-up lists its Triton kernels in a dry pass and
+    builds every one it listed on the build threads (at 224x126 one specialization of the range kernel
+    is still built on the stream's thread: a launch the dry steps did not make); the stream's thread
+    builds nothing once the warm-up has ended, and the run directory holds the official outputs."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from golden_utils import compare_run_with_golden
+
+    environment = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+                   "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    result = subprocess.run([sys.executable, "-c", _BUILDS_IN_A_NEW_PROCESS, str(golden_frame_folder),
+                             str(tmp_path / "run"), str(golden_checkpoint)],
+                            capture_output=True, text=True, env=environment, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = json.loads(result.stdout.strip().splitlines()[-1])
+    ended = [build["thread"] for build in run["builds"]].index("the warm-up ended")
+    built, later = [b for b in run["builds"][:ended] if not b["cache_hit"]], run["builds"][ended + 1:]
+    print("warm-up:", run["warm_up"], "built:", [(b["kernel"], b["thread"]) for b in built], "later:", later)
+    assert not [build for build in later if build["thread"] == "MainThread"]  # the stream's thread waits for none
+    on_build_threads = [build for build in built if build["thread"].startswith("kernel-build")]
+    assert run["status"] == "complete" and run["warm_up"]["kernel_builds"] >= 5
+    assert len(on_build_threads) == run["warm_up"]["kernel_builds"] >= len(built) - 1, built
+    compare_run_with_golden(tmp_path / "run", "all_keyframes", BF16_TOLERANCE)

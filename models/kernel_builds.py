@@ -1,0 +1,151 @@
+"""Our Triton kernels' first builds, listed by a dry step and built side by side.
+
+Triton builds a kernel's specialization on its first launch, in the launching thread, one after
+another: on a fresh machine the uncompiled warm-up at 518x392 builds 11 of ours, 6.6-8.3 s of its
+11-15 s (H100, docs/PERFORMANCE.md). A build's Python front end holds the interpreter but LLVM and
+ptxas do not, so builds overlap on threads. Which specializations a stream needs depends on its
+shapes, strides and alignments, so they are not listed by hand: a dry step lists them. While
+`dry_launches` is active on a thread, a launch there of a kernel this process has not built is not
+run; its specialization goes to a pool of threads that build it (Triton's `jit_cache_hook`, whose
+True skips the launch), and the step goes on, so the builds also overlap the step's own first calls
+(cuBLAS loading its kernels and so on). A fresh machine's first run then warmed up in 8.1-9.8 s
+against 10.8-11.2 s (the front ends still queue on the interpreter). Whatever a dry step computes
+is garbage: its caller throws it away and zeroes what kept it. Launches on other threads, of kernels
+already built, and builds asked for by `warmup` (the range kernel's scheduler reads the compiled
+kernel's resources at once) run as always.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+# Builds at once: eight specializations of the range kernel took 13.0 s one after another and 4.9 s
+# on eight threads (H100, 16 cores); more threads only queue on the interpreter. A warm-up lists
+# 9 at 518x392, at most four at a time.
+MAX_BUILD_THREADS = 8
+
+_listing = threading.local()  # .builds: the DryLaunches of this thread's dry step, if any
+_install_lock = threading.Lock()
+_installed: list = []  # [the hook that was there before ours] once ours is installed
+
+
+@dataclass
+class DryLaunches:
+    """The kernels a dry step would have built, each being built on the pool."""
+
+    pool: ThreadPoolExecutor
+    device: torch.device
+    futures: dict[tuple[int, str], Future] = field(default_factory=dict)  # by (kernel, specialization key)
+    names: list[str] = field(default_factory=list)  # each listed kernel's name, in launch order
+
+    def add(self, jit_function, key: str, specialization: str) -> None:
+        """A launch of a specialization not built: build it once, beside the step."""
+        listed = (id(jit_function), str(key))
+        if listed not in self.futures:
+            self.names.append(jit_function.fn.__name__ if hasattr(jit_function, "fn") else repr(jit_function))
+            self.futures[listed] = self.pool.submit(_build, jit_function, specialization, self.device)
+
+    def wait(self) -> None:
+        """Until every listed build is done; the first that failed raises here."""
+        for future in self.futures.values():
+            future.result()
+
+
+def _build(jit_function, specialization: str, device: torch.device) -> None:
+    """Build one specialization into the kernel's in-process cache (and Triton's on-disk cache),
+    as its first launch on `device` would have."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the pool's threads start on device 0
+    jit_function.preload(specialization)
+
+
+def _hook(**call):
+    """Triton's jit_cache_hook (called with key, repr, fn, compile, is_manual_warmup, already_compiled)
+    before a launch builds a specialization. True skips the build and the launch; on a thread whose
+    dry step lists builds, that is the point."""
+    builds: DryLaunches | None = getattr(_listing, "builds", None)
+    if builds is not None and not call.get("is_manual_warmup"):
+        builds.add(call["fn"].jit_function, call["key"], call["compile"]["specialization_data"])
+        return True
+    previous = _installed[0] if _installed else None
+    return previous(**call) if previous is not None else None
+
+
+def available() -> bool:
+    """Whether this Triton lists builds through a cache hook and builds a listed one (`preload`)."""
+    try:
+        import triton
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return False
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    return runtime is not None and hasattr(runtime, "jit_cache_hook") and hasattr(JITFunction, "preload")
+
+
+def _install() -> None:
+    """Our hook, once per process, in front of whichever hook was there (it still gets every call
+    ours does not take)."""
+    import triton
+
+    with _install_lock:
+        if not _installed:
+            _installed.append(triton.knobs.runtime.jit_cache_hook)
+            triton.knobs.runtime.jit_cache_hook = _hook
+
+
+def build_threads() -> int:
+    """Threads for the builds: the cores this process may use, at most MAX_BUILD_THREADS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_BUILD_THREADS, cores))
+
+
+@dataclass
+class BuildReport:
+    """What a dry step listed: how many builds, which kernels, and how long they took once the step was done."""
+
+    builds: int = 0
+    kernels: list[str] = field(default_factory=list)
+    wait_s: float = 0.0
+
+
+@contextlib.contextmanager
+def dry_launches(device: torch.device) -> Iterator[BuildReport]:
+    """On this thread, for the block: launches of kernels not built are listed and built on threads
+    instead of run. On leaving, waits for the builds (the report's `wait_s`): afterwards every listed
+    kernel launches without building."""
+    if getattr(_listing, "builds", None) is not None:
+        raise RuntimeError("dry launches do not nest")
+    _install()
+    report = BuildReport()
+    with ThreadPoolExecutor(build_threads(), thread_name_prefix="kernel-build") as pool:
+        _listing.builds = builds = DryLaunches(pool, _with_index(torch.device(device)))
+        try:
+            yield report
+        finally:  # (a block that raised: the pool still finishes its builds; their errors stay behind its own)
+            _listing.builds = None
+        started = time.perf_counter()
+        try:
+            builds.wait()
+        finally:
+            report.builds, report.kernels = len(builds.futures), builds.names
+            report.wait_s = round(time.perf_counter() - started, 3)
+
+
+def _with_index(device: torch.device) -> torch.device:
+    """`device` with its index: "cuda" is this thread's current GPU, which a pool's thread is not told."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def listing() -> bool:
+    """Whether this thread's launches are dry (a step recorded now would miss its kernels)."""
+    return getattr(_listing, "builds", None) is not None

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# A fresh machine's first run of a size, from the command's start to the 100th prediction, as a user
+# meets it: the installed packages' bytecode written (pip does at install time), a 4.6 GB checkpoint of
+# the official architecture (synthetic weights) loaded inside the run, --compile auto on compile caches
+# that start empty ("machines" A, B, ...), scripts/bench_e2e.py at 640x480 (518x392), viewer with a
+# client, every output written. With OLD=folder (a tree of app/ models/ cache/ configs/ scripts/ of
+# another commit), its runs alternate with this tree's, each on caches of its own: NEW then OLD, ROUNDS
+# times. One throwaway process reads torch and the checkpoint first, so no row pays for the cold disk alone.
+#   (GPU machine, repository root, .whl carried)  OLD=/tmp/old ROUNDS=2 bash scripts/device/run_first_prediction.sh
+set -uo pipefail
+source scripts/device/env.sh
+site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
+timeout 300 python3 -m compileall -q -j 16 "$site" >/dev/null 2>&1
+mkdir -p /tmp/ckpt
+python3 - <<'PY' 2>&1 | grep -v Warn
+import sys, time, torch
+sys.path.insert(0, "scripts")
+from bench import build_model
+started = time.perf_counter()
+model, _ = build_model("lingbot-map")
+torch.save(model.state_dict(), "/tmp/ckpt/full-size.pt")
+print(f"checkpoint written in {time.perf_counter() - started:.1f} s")
+PY
+python3 -c "import torch; torch.load('/tmp/ckpt/full-size.pt', mmap=True, weights_only=True)" 2>&1 | grep -v Warn
+if [[ -n ${OLD:-} ]]; then
+  mkdir -p /tmp/sr_old/stream_recon
+  for d in app models cache configs; do ln -sfn "$OLD/$d" /tmp/sr_old/stream_recon/$d; done
+fi
+first_run() { local name=$1 tree=$2 path=$3; shift 3
+  rm -rf "/tmp/machine_$name"; mkdir -p "/tmp/machine_$name"
+  echo "== $name: $*" | tee -a "$OUT/e2e.log"
+  TORCHINDUCTOR_CACHE_DIR=/tmp/machine_$name TRITON_CACHE_DIR=/tmp/machine_$name/triton PYTHONPATH=$path:/tmp/site \
+    timeout 200 python3 "$tree/scripts/bench_e2e.py" --video-dir /tmp --checkpoint /tmp/ckpt/full-size.pt \
+    --frames "${FRAMES:-400}" --video-size 640x480 --viewer --client --no-engine-run --compile auto \
+    --json "$OUT/e2e_$name.json" "$@" 2>&1 | grep -v Warn | tail -30 | tee -a "$OUT/e2e.log"
+  sleep "${CHILD_WAIT:-20}"  # the run's compile child finishes beside nothing of the next row
+}
+for round in $(seq "${ROUNDS:-1}"); do
+  first_run "new_$round" "$PWD" /tmp/sr
+  [[ -n ${OLD:-} ]] && first_run "old_$round" "$OLD" /tmp/sr_old
+done
+python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+for path in sorted(pathlib.Path(sys.argv[1]).glob("e2e_*.json")):
+    row = json.loads(path.read_text())
+    keys = ("first_prediction_s", "first_prediction_from_process_start_s", "prediction_100_from_process_start_s",
+            "run_model_load_s", "run_warm_up_s", "run_warm_up_parts_s", "longest_interval_after_first_prediction_ms",
+            "steady_fps", "run_json_fps")
+    print(path.stem, {k: row.get(k) for k in keys if k in row})
+PY

@@ -1,0 +1,148 @@
+"""The warm-up's dry pass (models/kernel_builds.py): which launches it takes, where their builds run, what
+it waits for, and that a warm-up with one streams what a fresh engine streams.
+
+Triton builds CUDA kernels only where a GPU is (the real builds are tests/test_gpu_fast_path.py's); here
+Triton's hook is called as Triton calls it, with a kernel whose `preload` (what builds a listed
+specialization) records where and what it was asked to build."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from stream_recon.models import StreamConfig, StreamingEngine, kernel_builds
+
+pytestmark = pytest.mark.skipif(not kernel_builds.available(), reason="this Triton cannot list builds")
+
+
+class KernelBuiltOnPreload:
+    """Stands where Triton's JITFunction stands: `preload(specialization)` builds, here it records."""
+
+    def __init__(self, name: str, fails: bool = False) -> None:
+        self.fn = types.SimpleNamespace(__name__=name)  # the kernel's Python source
+        self.fails = fails
+        self.built: list[tuple[str, str]] = []  # (specialization, the thread that built it)
+
+    def preload(self, specialization: str) -> None:
+        if self.fails:
+            raise RuntimeError(f"{self.fn.__name__} does not build")
+        self.built.append((specialization, threading.current_thread().name))
+
+
+def launch(kernel: KernelBuiltOnPreload, key: str) -> bool | None:
+    """What Triton does on a launch of a specialization not built: call the cache hook (True: skip)."""
+    from triton.runtime.jit import JitFunctionInfo
+
+    return kernel_builds._hook(key=key, repr=key, fn=JitFunctionInfo("tests", kernel.fn.__name__, kernel),
+                               compile={"key": key, "specialization_data": f"data of {key}"},
+                               is_manual_warmup=False, already_compiled=False)
+
+
+def test_a_dry_step_skips_each_launch_and_builds_each_specialization_once_on_the_pool():
+    attention, store = KernelBuiltOnPreload("attention"), KernelBuiltOnPreload("store")
+    with kernel_builds.dry_launches(torch.device("cpu")) as report:
+        assert kernel_builds.listing()
+        skipped = [launch(attention, "a"), launch(store, "s"), launch(attention, "a"), launch(attention, "b")]
+    assert skipped == [True] * 4 and not kernel_builds.listing()
+    assert report.builds == 3 and report.kernels == ["attention", "store", "attention"]
+    assert sorted(spec for spec, _ in attention.built) == ["data of a", "data of b"]
+    assert store.built[0][0] == "data of s"
+    assert all(thread.startswith("kernel-build") for _, thread in attention.built + store.built)
+
+
+def test_launches_on_other_threads_run_and_reach_the_hook_that_was_there_before():
+    kernel = KernelBuiltOnPreload("attention")
+    seen = []
+    kernel_builds._install()
+    kernel_builds._installed[0], previous = (lambda **call: seen.append(call["key"])), kernel_builds._installed[0]
+    try:
+        with kernel_builds.dry_launches(torch.device("cpu")) as report:
+            elsewhere = []
+            worker = threading.Thread(target=lambda: elsewhere.append(launch(kernel, "other thread")))
+            worker.start()
+            worker.join()
+        assert elsewhere == [None] and seen == ["other thread"] and report.builds == 0 and kernel.built == []
+        assert launch(kernel, "after") is None and seen == ["other thread", "after"]
+    finally:
+        kernel_builds._installed[0] = previous
+
+
+def test_a_build_that_fails_fails_the_dry_step_once_the_others_are_done():
+    good, bad = KernelBuiltOnPreload("good"), KernelBuiltOnPreload("bad", fails=True)
+    with pytest.raises(RuntimeError, match="bad does not build"):
+        with kernel_builds.dry_launches(torch.device("cpu")):
+            launch(bad, "x")
+            launch(good, "y")
+    assert [spec for spec, _ in good.built] == ["data of y"] and not kernel_builds.listing()
+
+
+def test_dry_steps_do_not_nest():
+    with kernel_builds.dry_launches(torch.device("cpu")):
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with kernel_builds.dry_launches(torch.device("cpu")):
+                pass
+
+
+def test_build_threads_are_the_cores_at_most_eight():
+    assert 1 <= kernel_builds.build_threads() <= kernel_builds.MAX_BUILD_THREADS == 8
+
+
+@pytest.mark.parametrize("keyframes", ["all", "flow"])
+def test_a_warm_up_with_its_dry_pass_streams_what_a_fresh_engine_streams(prepared_tiny_model, keyframes, monkeypatch):
+    """The dry pass (forced here: on the CPU no Triton kernel is launched, so nothing is skipped) runs the
+    warm-up's steps once more and forgets them: the stream after it is the stream without a warm-up."""
+    from engine_helpers import frames
+
+    monkeypatch.setattr(StreamingEngine, "_lists_kernel_builds", lambda self: True)
+    config = StreamConfig(scale_frames=3, window=4, keyframes=keyframes, flow_threshold=2.0)
+    images = frames(9)
+    warm, cold = StreamingEngine(prepared_tiny_model, config), StreamingEngine(prepared_tiny_model, config)
+    seconds = warm.warm_up(images[0])
+    assert seconds["kernel_builds"] == 0 and seconds["kernel_builds_s"] > 0 and warm.num_frames == 0
+    streams = [[p for image in images for p in engine.push(image)] + engine.finish() for engine in (warm, cold)]
+    assert [p.frame_type for p in streams[0]] == [p.frame_type for p in streams[1]]
+    for ours, theirs in zip(*streams, strict=True):
+        np.testing.assert_array_equal(ours.depth, theirs.depth)
+        np.testing.assert_array_equal(ours.pose_enc, theirs.pose_enc)
+
+
+@pytest.mark.parametrize("attention", ["dense", "sdpa"])  # the contiguous store, the paged one
+def test_a_dry_pass_whose_launches_leave_garbage_leaves_none_in_the_stream(prepared_tiny_model, attention,
+                                                                           monkeypatch):
+    """On the GPU a dry pass's skipped launches leave their outputs unwritten: whatever the memory held,
+    NaN included. Emulated here: while listing, the few-token linears (the camera head's) return NaN and
+    every K/V written to the cache is NaN. The stream after the warm-up is still the fresh engine's: the
+    caches are zeroed after the dry pass (the camera attention weighs its spare positions by zero, and
+    zero times NaN is NaN)."""
+    from engine_helpers import frames
+
+    from stream_recon.cache import dense_attention, paged_attention
+    from stream_recon.models import few_token_linear
+
+    def garbage_while_listing(function, *, outputs: bool):
+        def wrapped(*args):
+            if kernel_builds.listing() and not outputs:
+                *rest, k, v = args
+                return function(*rest, torch.full_like(k, float("nan")), torch.full_like(v, float("nan")))
+            result = function(*args)
+            return torch.full_like(result, float("nan")) if kernel_builds.listing() else result
+        return wrapped
+
+    monkeypatch.setattr(few_token_linear, "_few_token_linear_op",
+                        garbage_while_listing(few_token_linear._few_token_linear_op, outputs=True))
+    for storage in (dense_attention.DenseKV, paged_attention.PagedKV):
+        monkeypatch.setattr(storage, "write", garbage_while_listing(storage.write, outputs=False))
+    monkeypatch.setattr(StreamingEngine, "_lists_kernel_builds", lambda self: True)
+    config = StreamConfig(scale_frames=3, window=4, attention=attention)
+    images = frames(7)
+    warm, cold = StreamingEngine(prepared_tiny_model, config), StreamingEngine(prepared_tiny_model, config)
+    warm.warm_up(images[0])
+    streams = [[p for image in images for p in engine.push(image)] + engine.finish() for engine in (warm, cold)]
+    for ours, theirs in zip(*streams, strict=True):
+        assert np.isfinite(ours.pose_enc).all() and np.isfinite(ours.depth).all()
+        np.testing.assert_array_equal(ours.depth, theirs.depth)
+        np.testing.assert_array_equal(ours.pose_enc, theirs.pose_enc)
