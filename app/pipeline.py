@@ -60,6 +60,7 @@ from stream_recon.app.stopping import StopOnSignal, signal_name, wait_for_stop_s
 from stream_recon.app.writers import RunWriter
 from stream_recon.models.checkpoint import DEFAULT_CHECKPOINT
 from stream_recon.models.errors import FrameError
+from stream_recon.models.kernel_builds import start_early_builds
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +165,8 @@ def run_sequence(
             engine_config = None if config is None else chunk_engine_config(options, config)
             key = run_key(device, dtype, config, engine_config, input_size)
             choice = compile_choice(options.compile, device, key, options.warm_up)
+            if config is not None:  # (CUDA only) beside the checkpoint's load, what the first step would wait for
+                start_early_builds(device, dtype, config.num_heads, config.head_dim)
             # prepared once, where it is loaded or received; the engine takes it as it is
             if model is None:
                 model = load_model_for(options, device, console, compile=choice.compile)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -135,28 +136,46 @@ def schedule_tiles(num_tiles: int, slots: int, num_key_blocks: int) -> TileSched
 
 
 _resident_programs: dict[tuple, int] = {}
+_resident_programs_lock = threading.Lock()  # one build per key, whichever thread asks first
 
 
 def resident_programs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_stages: int = NUM_STAGES) -> int:
     """How many programs of the range kernel, compiled for these arguments, the GPU runs at once:
     per SM, the fewest its shared memory, registers and threads allow, times the SMs."""
     key = (q.device.index, q.dtype, keys.dtype, q.shape[-1], num_stages)
-    if key not in _resident_programs:
-        kernel = _compiled_range_kernel(q, keys, values, num_stages)
-        kernel._init_handles()  # loads the binary, which reports the registers per thread
-        properties = torch.cuda.get_device_properties(q.device)
-        num_warps = kernel.metadata.num_warps
-        # CUDA reserves 1 KB of shared memory per block; registers are handed out per warp, 256 at a time
-        by_shared = properties.shared_memory_per_multiprocessor // (kernel.metadata.shared + 1024)
-        registers_per_warp = -(-kernel.n_regs * 32 // 256) * 256
-        by_registers = getattr(properties, "regs_per_multiprocessor", 65536) // (registers_per_warp * num_warps)
-        by_threads = properties.max_threads_per_multi_processor // (num_warps * 32)
-        per_sm = min(by_shared, by_registers, by_threads)
-        if per_sm < 1:
-            raise RuntimeError(f"the range kernel does not fit an SM of {properties.name}: "
-                               f"{kernel.metadata.shared} B shared, {kernel.n_regs} registers per thread")
-        _resident_programs[key] = per_sm * properties.multi_processor_count
+    with _resident_programs_lock:
+        if key not in _resident_programs:
+            _resident_programs[key] = _measure_resident_programs(q, keys, values, num_stages)
     return _resident_programs[key]
+
+
+def measure_resident_programs(device: torch.device, dtype: torch.dtype, num_heads: int, head_dim: int) -> None:
+    """`resident_programs` of both the range kernel's uses (a cache's attention, a frame's own, with
+    FRAME_NUM_STAGES) for `dtype` queries and keys on `device`, found now: on a fresh machine the build
+    behind each takes 1-2 s, which a stream's first steps would otherwise wait for one after another
+    (H100, docs/PERFORMANCE.md). Any shapes do: the schedule's numbers are not specialised on."""
+    q = torch.empty(BLOCK_QUERIES, num_heads, head_dim, dtype=dtype, device=device)  # [N, H, D]
+    keys = torch.empty(BLOCK_KEYS, num_heads, head_dim, dtype=dtype, device=device)  # [capacity, H, D]
+    for num_stages in (NUM_STAGES, FRAME_NUM_STAGES):
+        resident_programs(q, keys, keys, num_stages)
+
+
+def _measure_resident_programs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_stages: int) -> int:
+    """Per SM, the fewest programs its shared memory, registers and threads allow, times the SMs."""
+    kernel = _compiled_range_kernel(q, keys, values, num_stages)
+    kernel._init_handles()  # loads the binary, which reports the registers per thread
+    properties = torch.cuda.get_device_properties(q.device)
+    num_warps = kernel.metadata.num_warps
+    # CUDA reserves 1 KB of shared memory per block; registers are handed out per warp, 256 at a time
+    by_shared = properties.shared_memory_per_multiprocessor // (kernel.metadata.shared + 1024)
+    registers_per_warp = -(-kernel.n_regs * 32 // 256) * 256
+    by_registers = getattr(properties, "regs_per_multiprocessor", 65536) // (registers_per_warp * num_warps)
+    by_threads = properties.max_threads_per_multi_processor // (num_warps * 32)
+    per_sm = min(by_shared, by_registers, by_threads)
+    if per_sm < 1:
+        raise RuntimeError(f"the range kernel does not fit an SM of {properties.name}: "
+                           f"{kernel.metadata.shared} B shared, {kernel.n_regs} registers per thread")
+    return per_sm * properties.multi_processor_count
 
 
 @triton.jit

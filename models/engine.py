@@ -177,7 +177,8 @@ class StreamingEngine:
         Afterwards the engine is as a fresh one but for its caches' storage and recorded graph
         (kept, as after `reset`): the stream's predictions are the ones it makes without a warm-up.
         Returns seconds by part: "scale_step_s", "streaming_steps_s", and with a dry pass
-        "kernel_builds_s" (the pass and the builds it listed), "kernel_builds" (how many)."""
+        "kernel_builds_s" (the pass and the builds it listed), "kernel_builds" (how many) and
+        "kernel_builds_wait_s" (of the first, the wait for the builds after the dry steps)."""
         if self.num_frames or self._buffer or self._in_flight or self._ready:
             raise ValueError("an engine warms up before its stream's first frame, not during a stream")
         image = self.check_frame(image)  # the stream's first frame: it sets the size and the caches up
@@ -189,7 +190,8 @@ class StreamingEngine:
             # Its values are garbage (launches skipped): none may stay, even where only masked reads go.
             self.cache.clear()
             self.camera_cache.clear()
-            seconds.update(kernel_builds_s=round(time.perf_counter() - started, 3), kernel_builds=builds.builds)
+            seconds.update(kernel_builds_s=round(time.perf_counter() - started, 3), kernel_builds=builds.builds,
+                           kernel_builds_wait_s=builds.wait_s)
         started = time.perf_counter()
         scaled = self._predict_and_forget(image)
         done = time.perf_counter()

@@ -8,16 +8,17 @@ shapes, strides and alignments, so they are not listed by hand: a dry step lists
 `dry_launches` is active on a thread, a launch there of a kernel this process has not built is not
 run; its specialization goes to a pool of threads that build it (Triton's `jit_cache_hook`, whose
 True skips the launch), and the step goes on, so the builds also overlap the step's own first calls
-(cuBLAS loading its kernels and so on). A fresh machine's first run then warmed up in 8.1-9.8 s
-against 10.8-11.2 s (the front ends still queue on the interpreter). Whatever a dry step computes
-is garbage: its caller throws it away and zeroes what kept it. Launches on other threads, of kernels
-already built, and builds asked for by `warmup` (the range kernel's scheduler reads the compiled
-kernel's resources at once) run as always.
+(cuBLAS loading its kernels and so on). Whatever a dry step computes is garbage: its caller throws
+it away and zeroes what kept it. Launches on other threads, of kernels already built, and builds
+asked for by `warmup` run as always; the range kernel's scheduler asks so (it reads the compiled
+kernel's resources at once), and `start_early_builds` makes those two before a run's checkpoint
+loads. A fresh machine's first run then warmed up in 4.6-5.7 s against 10.8-12.4 s.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -31,6 +32,8 @@ import torch
 # on eight threads (H100, 16 cores); more threads only queue on the interpreter. A warm-up lists
 # 9 at 518x392, at most four at a time.
 MAX_BUILD_THREADS = 8
+
+logger = logging.getLogger("stream_recon.models.kernel_builds")
 
 _listing = threading.local()  # .builds: the DryLaunches of this thread's dry step, if any
 _install_lock = threading.Lock()
@@ -149,3 +152,27 @@ def _with_index(device: torch.device) -> torch.device:
 def listing() -> bool:
     """Whether this thread's launches are dry (a step recorded now would miss its kernels)."""
     return getattr(_listing, "builds", None) is not None
+
+
+def start_early_builds(device: str | torch.device, dtype: torch.dtype, num_heads: int, head_dim: int) -> None:
+    """On CUDA, on a thread of its own, from now: the builds a warm-up's steps wait for where they are
+    asked, which a dry pass cannot hand to its pool. The range kernel's scheduler reads the compiled
+    kernel's registers and shared memory before it can launch anything (cache/triton_attention.py:
+    `resident_programs`): two builds of 1.1-2.0 s each on a fresh machine, one after another on the
+    dry steps' path (H100, docs/PERFORMANCE.md). Started before a checkpoint loads, they are done by
+    the warm-up; a step that asks sooner waits for the build under way rather than making another."""
+    device = torch.device(device)
+    if device.type != "cuda" or not available():
+        return
+    device = _with_index(device)
+
+    def build() -> None:
+        from stream_recon.cache.triton_attention import measure_resident_programs
+
+        torch.cuda.set_device(device)
+        try:
+            measure_resident_programs(device, dtype, num_heads, head_dim)
+        except Exception as error:  # (the first step then measures it where it is asked, and says why)
+            logger.debug("the range kernel's early build failed: %r", error)
+
+    threading.Thread(target=build, name="kernel-build-early", daemon=True).start()

@@ -89,6 +89,8 @@ def main() -> None:
     parser.add_argument("--triton-builds", action="store_true", help="list the Triton kernels this process compiles")
     parser.add_argument("--no-dry-builds", action="store_true",
                         help="the warm-up without its dry pass (each Triton kernel built on its first launch), to compare")
+    parser.add_argument("--no-early-builds", action="store_true",
+                        help="leave the range kernel's scheduler builds to the warm-up (a run starts them before its load)")
     parser.add_argument("--profile-warm-up", type=int, default=0, metavar="N",
                         help="run the warm-up under cProfile and print its N most expensive functions (cumulative)")
     args = parser.parse_args()
@@ -100,9 +102,12 @@ def main() -> None:
     from torch._dynamo.utils import counters
     from torch._inductor import config as inductor_config
 
-    from stream_recon.models import StreamConfig, kernel_builds, prepare_for_inference
+    from stream_recon.models import ModelConfig, StreamConfig, kernel_builds, prepare_for_inference
     from stream_recon.models.chunked import ChunkedEngine
 
+    if not args.no_early_builds and args.device == "cuda":  # as run_sequence does, before the model is made
+        config = ModelConfig.from_name(args.model)
+        kernel_builds.start_early_builds("cuda", torch.bfloat16, config.num_heads, config.head_dim)
     if args.no_dry_builds:
         kernel_builds.available = lambda: False  # the engine's check: no dry pass, as before it existed
 
@@ -110,7 +115,6 @@ def main() -> None:
               "compile_threads": inductor_config.compile_threads, "import_s": time.perf_counter() - PROCESS_STARTED}
     started = time.perf_counter()
     from stream_recon.app.background_compile import random_model
-    from stream_recon.models import ModelConfig
 
     model = random_model(ModelConfig.from_name(args.model), "cpu")
     result["build_s"] = time.perf_counter() - started

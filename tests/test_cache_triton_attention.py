@@ -197,3 +197,34 @@ def test_schedule_covers_every_tile_once_and_is_never_slower_than_whole_tiles(sl
             cost = schedule.whole_tiles // slots * num_key_blocks
             cost += rounds * (math.ceil(num_key_blocks / schedule.splits) + ROUND_COST_BLOCKS)
             assert cost < whole_waves
+
+
+def test_resident_programs_are_measured_once_per_key_whichever_thread_asks_first(monkeypatch):
+    """A run measures them early on a thread of its own while the first step may ask too: the second
+    asker waits for the build under way instead of making another."""
+    import threading
+    import time
+
+    import torch
+
+    from stream_recon.cache import triton_attention
+
+    measured = []
+
+    def slow_measure(q, keys, values, num_stages):
+        measured.append(num_stages)
+        time.sleep(0.2)
+        return 132 * num_stages
+
+    monkeypatch.setattr(triton_attention, "_measure_resident_programs", slow_measure)
+    monkeypatch.setattr(triton_attention, "_resident_programs", {})
+    q = keys = torch.empty(4, 2, 8)
+    answers = []
+    askers = [threading.Thread(target=lambda: answers.append(triton_attention.resident_programs(q, keys, keys, 3)))
+              for _ in range(4)]
+    for asker in askers:
+        asker.start()
+    for asker in askers:
+        asker.join()
+    assert measured == [3] and answers == [396] * 4
+    assert triton_attention.resident_programs(q, keys, keys, 2) == 264 and measured == [3, 2]

@@ -554,10 +554,10 @@ print(json.dumps({"status": summary.status, "warm_up": run["summary"]["timings"]
 
 def test_a_fresh_process_builds_our_kernels_side_by_side_in_its_warm_up_and_streams_the_official_outputs(
         golden_checkpoint, golden_frame_folder, tmp_path):
-    """On empty Triton caches, an uncompiled run's warm-up lists its Triton kernels in a dry pass and
-    builds every one it listed on the build threads (at 224x126 one specialization of the range kernel
-    is still built on the stream's thread: a launch the dry steps did not make); the stream's thread
-    builds nothing once the warm-up has ended, and the run directory holds the official outputs."""
+    """On empty Triton caches, an uncompiled run builds its Triton kernels off the stream's thread: the
+    range kernel's scheduler builds on a thread started before the checkpoint loads, and the warm-up's
+    dry pass lists the rest and builds them on its pool. The stream's thread builds nothing, in the
+    warm-up or after it, and the run directory holds the official outputs."""
     import json
     import os
     import subprocess
@@ -576,7 +576,8 @@ def test_a_fresh_process_builds_our_kernels_side_by_side_in_its_warm_up_and_stre
     built, later = [b for b in run["builds"][:ended] if not b["cache_hit"]], run["builds"][ended + 1:]
     print("warm-up:", run["warm_up"], "built:", [(b["kernel"], b["thread"]) for b in built], "later:", later)
     assert not [build for build in later if build["thread"] == "MainThread"]  # the stream's thread waits for none
-    on_build_threads = [build for build in built if build["thread"].startswith("kernel-build")]
-    assert run["status"] == "complete" and run["warm_up"]["kernel_builds"] >= 5
-    assert len(on_build_threads) == run["warm_up"]["kernel_builds"] >= len(built) - 1, built
+    on_the_pool = [build for build in built if build["thread"].startswith("kernel-build_")]
+    early = [build for build in built if build["thread"] == "kernel-build-early"]
+    assert run["status"] == "complete" and 5 <= len(on_the_pool) <= run["warm_up"]["kernel_builds"]
+    assert len(early) == 2 and len(on_the_pool) + len(early) == len(built), built  # none on the stream's thread
     compare_run_with_golden(tmp_path / "run", "all_keyframes", BF16_TOLERANCE)
