@@ -22,6 +22,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 
 PROCESS_STARTED = time.perf_counter()
 
@@ -69,11 +70,8 @@ class TritonBuilds:
 
     def summary(self, longest: int = 20) -> dict:
         built = [b for b in self.builds if not b["cache_hit"]]
-        threads: dict[str, int] = {}
-        for b in self.builds:
-            threads[b["thread"]] = threads.get(b["thread"], 0) + 1
         return {"built": len(built), "built_ms": round(sum(b["ms"] for b in built), 1),
-                "cache_hits": len(self.builds) - len(built), "by_thread": threads,
+                "cache_hits": len(self.builds) - len(built), "by_thread": dict(Counter(b["thread"] for b in self.builds)),
                 "longest": sorted(built, key=lambda b: -b["ms"])[:longest]}
 
 

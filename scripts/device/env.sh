@@ -13,3 +13,20 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 e2e() { local name=$1; shift; echo "== $name: $*" | tee -a "$OUT/e2e.log"
   python3 scripts/bench_e2e.py --video-dir /tmp "$@" --json "$OUT/e2e_$name.json" 2>&1 | grep -v Warn | tail -30 \
     | tee -a "$OUT/e2e.log"; }
+# Write the bytecode of the installed packages (torch's folder), as pip does at install time and this
+# machine's image did not.
+write_bytecode() {
+  local site; site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
+  timeout 300 python3 -m compileall -q -j 16 "$site" >/dev/null 2>&1; }
+# A checkpoint file of the official architecture (synthetic weights, 4.6 GB) at /tmp/ckpt/full-size.pt.
+write_full_size_checkpoint() { mkdir -p /tmp/ckpt
+  python3 - <<'PY' 2>&1 | grep -v Warn
+import sys, time, torch
+sys.path.insert(0, "scripts")
+from bench import build_model
+started = time.perf_counter()
+model, _ = build_model("lingbot-map")
+torch.save(model.state_dict(), "/tmp/ckpt/full-size.pt")
+print(f"checkpoint written in {time.perf_counter() - started:.1f} s")
+PY
+}

@@ -9,20 +9,8 @@
 #   (GPU machine, repository root, .whl carried)  bash scripts/device/run_compile_auto.sh
 set -uo pipefail
 source scripts/device/env.sh
-if [[ ${BYTECODE:-1} == 1 ]]; then
-  site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
-  timeout 300 python3 -m compileall -q -j 16 "$site" >/dev/null 2>&1
-fi
-mkdir -p /tmp/ckpt
-python3 - <<'EOF' 2>&1 | grep -v Warn
-import sys, time, torch
-sys.path.insert(0, "scripts")
-from bench import build_model
-started = time.perf_counter()
-model, _ = build_model("lingbot-map")
-torch.save(model.state_dict(), "/tmp/ckpt/full-size.pt")
-print(f"checkpoint written in {time.perf_counter() - started:.1f} s")
-EOF
+[[ ${BYTECODE:-1} == 1 ]] && write_bytecode
+write_full_size_checkpoint
 machine() { rm -rf "/tmp/machine_$1"; mkdir -p "/tmp/machine_$1"
   export TORCHINDUCTOR_CACHE_DIR=/tmp/machine_$1 TRITON_CACHE_DIR=/tmp/machine_$1/triton; }
 run() { local name=$1; shift

@@ -9,18 +9,8 @@
 #   (GPU machine, repository root, .whl carried)  OLD=/tmp/old ROUNDS=2 bash scripts/device/run_first_prediction.sh
 set -uo pipefail
 source scripts/device/env.sh
-site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
-timeout 300 python3 -m compileall -q -j 16 "$site" >/dev/null 2>&1
-mkdir -p /tmp/ckpt
-python3 - <<'PY' 2>&1 | grep -v Warn
-import sys, time, torch
-sys.path.insert(0, "scripts")
-from bench import build_model
-started = time.perf_counter()
-model, _ = build_model("lingbot-map")
-torch.save(model.state_dict(), "/tmp/ckpt/full-size.pt")
-print(f"checkpoint written in {time.perf_counter() - started:.1f} s")
-PY
+write_bytecode
+write_full_size_checkpoint
 python3 -c "import torch; torch.load('/tmp/ckpt/full-size.pt', mmap=True, weights_only=True)" 2>&1 | grep -v Warn
 if [[ -n ${OLD:-} ]]; then
   mkdir -p /tmp/sr_old/stream_recon

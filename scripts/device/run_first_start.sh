@@ -7,14 +7,13 @@
 #   (GPU machine, repository root, .whl carried)  HEIGHT=392 bash scripts/device/run_first_start.sh
 set -uo pipefail
 source scripts/device/env.sh
-site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
 imports() { for what in "import torch" "import torch, torch._dynamo, torch._inductor.compile_fx"; do
   python3 -c "import time; t = time.perf_counter(); $what; print('$1', repr('$what'), round(time.perf_counter() - t, 2))"
   done | tee -a "$OUT/imports.log"; }
 imports no_bytecode
 started=$SECONDS
-timeout 300 python3 -m compileall -q -j 16 "$site" >/dev/null 2>&1
-echo "compileall of $site: $((SECONDS - started)) s" | tee -a "$OUT/imports.log"
+write_bytecode
+echo "bytecode written in $((SECONDS - started)) s" | tee -a "$OUT/imports.log"
 imports bytecode
 imports bytecode_again
 probe() { local name=$1 dir=$2; shift 2; echo "== $name" | tee -a "$OUT/cold.log"

@@ -8,8 +8,7 @@
 #   (GPU machine, repository root, .whl carried)  HEIGHT=392 bash scripts/device/run_kernel_builds.sh
 set -uo pipefail
 source scripts/device/env.sh
-site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
-timeout 300 python3 -m compileall -q -j 16 "$site" >/dev/null 2>&1
+write_bytecode
 python3 -c "import torch, triton; torch.zeros(1, device='cuda')" 2>&1 | grep -v Warn
 probe() { local name=$1 dir=$2; shift 2; echo "== $name" | tee -a "$OUT/builds.log"
   TORCHINDUCTOR_CACHE_DIR=$dir TRITON_CACHE_DIR=$dir/triton timeout 150 python3 scripts/probe_cold_start.py \
