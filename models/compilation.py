@@ -23,9 +23,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
+import sys
 import tempfile
 import threading
 import time
@@ -57,14 +59,39 @@ def artefacts_dir() -> Path | None:
 
 @contextlib.contextmanager
 def running_eagerly() -> Iterator[None]:
-    """Calls in this block (this thread) run as written: compiled methods and torch.compile alike."""
+    """Calls in this block (this thread) run as written: compiled methods and torch.compile alike.
+
+    A process that has not imported Dynamo has compiled nothing, so there is no stance to set: setting
+    it would import Dynamo, 1.0-1.5 s on a fresh machine's uncompiled run (H100, docs/PERFORMANCE.md)."""
     previous = getattr(_eager, "on", False)
     _eager.on = True
     try:
-        with torch.compiler.set_stance("force_eager"):
+        stance = torch.compiler.set_stance("force_eager") if "torch._dynamo" in sys.modules else None
+        with stance or contextlib.nullcontext():
             yield
     finally:
         _eager.on = previous
+
+
+def operator_for_compiled_code(name: str, fake: Callable) -> Callable[[Callable], Callable]:
+    """Make a function a torch operator `name` (its output's shape given by `fake`) for compiled code
+    only: under torch.compile the call is the operator, which Inductor neither decomposes nor re-splits
+    and fuses around; eager code calls the function itself. An operator's first call imports Dynamo and
+    its needs (~900 modules: 1.1-1.6 s on a fresh H100 machine, docs/PERFORMANCE.md), which an
+    uncompiled run has no other use for. The operator is the wrapper's `operator`."""
+
+    def wrap(function: Callable) -> Callable:
+        operator = torch.library.custom_op(name, mutates_args=())(function)
+        operator.register_fake(fake)
+
+        @functools.wraps(function)
+        def call(*args: Any) -> Any:
+            return (operator if torch.compiler.is_compiling() else function)(*args)
+
+        call.operator = operator
+        return call
+
+    return wrap
 
 
 @functools.cache
@@ -307,9 +334,21 @@ def compiled_code_key(model_config: Any, stream_config: Any, image_size: tuple[i
 def records_folder() -> Path:
     """Where the records of compiled keys live: inside Inductor's cache folder ($TORCHINDUCTOR_CACHE_DIR,
     else its default under the temporary folder)."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or _inductor_default_cache_dir()) / RECORDS_FOLDER
 
-    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()) / RECORDS_FOLDER
+
+def _inductor_default_cache_dir() -> str:
+    """Inductor's default cache folder by Inductor's own rule, read without importing torch._inductor,
+    which imports Dynamo: 1.0-1.5 s of a fresh machine's run start that an uncompiled run has no other
+    use for (H100, docs/PERFORMANCE.md). The rule's file imports nothing of torch's but its environment
+    flags, and torch keeps it so; loaded as its own module unless torch._inductor has loaded it."""
+    module = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    if module is None:
+        path = Path(torch.__file__).parent / "_inductor" / "runtime" / "cache_dir_utils.py"
+        spec = importlib.util.spec_from_file_location("stream_recon_inductor_cache_dir_rule", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module.default_cache_dir()
 
 
 def record(key: str, what: str = "compiled", note: str = "") -> None:

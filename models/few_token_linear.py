@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from .compilation import operator_for_compiled_code
+
 # Largest magnitude float16 holds; a weight beyond it keeps its layer in float32.
 FLOAT16_MAX = 65504.0
 # Layers smaller than this stay float32: reading them is not what costs (the pose embedding, 9 x C).
@@ -75,17 +77,16 @@ def _widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, g
     return F.gelu(y) if gelu else y
 
 
-@torch.library.custom_op("stream_recon::few_token_linear", mutates_args=())
+def _output_like(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, gelu: bool) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@operator_for_compiled_code("stream_recon::few_token_linear", _output_like)
 def _few_token_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, gelu: bool) -> torch.Tensor:
-    # An operator, so that torch.compile keeps the kernel whole and fuses around it.
+    # An operator under torch.compile, so that it keeps the kernel whole and fuses around it.
     if not x.is_cuda:  # the same arithmetic on the CPU: float32 products of the widened weights
         return _widened_linear(x, weight, bias, gelu)
     return few_token_linear(x, weight, bias, gelu)
-
-
-@_few_token_linear_op.register_fake
-def _(x, weight, bias, gelu):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 class HalfWeightLinear(nn.Module):

@@ -19,18 +19,19 @@ from torch import nn
 
 from stream_recon.cache.backends import HALF_DTYPES
 
+from .compilation import operator_for_compiled_code
 
-@torch.library.custom_op("stream_recon::linear_gelu_epilogue", mutates_args=())
+
+def _output_like(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@operator_for_compiled_code("stream_recon::linear_gelu_epilogue", _output_like)
 def _linear_gelu_epilogue(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    # An operator, so that torch.compile neither decomposes the fused call nor re-splits it.
+    """GELU(x @ weight.T + bias) in one cuBLASLt call (an operator under torch.compile)."""
     rows = x.reshape(-1, x.shape[-1])
     out = torch._addmm_activation(bias, rows, weight.t(), use_gelu=True)
     return out.reshape(*x.shape[:-1], weight.shape[0])
-
-
-@_linear_gelu_epilogue.register_fake
-def _(x, weight, bias):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 class GeluLinear(nn.Linear):

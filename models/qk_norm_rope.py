@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from .compilation import operator_for_compiled_code
 from .rope import Rope2D, Rope3D, rotate_expanded
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -135,20 +136,19 @@ def reference(qkv: torch.Tensor, heads: int, q_weight: torch.Tensor, q_bias: tor
     return one(q, q_weight, q_bias, q_eps), one(k, k_weight, k_bias, k_eps)
 
 
-@torch.library.custom_op("stream_recon::qk_norm_rope", mutates_args=())
-def _qk_norm_rope_op(qkv: torch.Tensor, heads: int, q_weight: torch.Tensor, q_bias: torch.Tensor,
-                     k_weight: torch.Tensor, k_bias: torch.Tensor, q_eps: float, k_eps: float, cos: torch.Tensor,
-                     sin: torch.Tensor, pair_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # An operator, so that torch.compile keeps the kernel whole (Inductor would re-split it).
-    args = (qkv, heads, q_weight, q_bias, k_weight, k_bias, q_eps, k_eps, cos, sin, pair_offset)
-    return launch(*args) if qkv.is_cuda else reference(*args)
-
-
-@_qk_norm_rope_op.register_fake
-def _(qkv, heads, q_weight, q_bias, k_weight, k_bias, q_eps, k_eps, cos, sin, pair_offset):
+def _outputs_like(qkv, heads, q_weight, q_bias, k_weight, k_bias, q_eps, k_eps, cos, sin, pair_offset):
     batch, tokens, width = qkv.shape
     shape = (batch, tokens, heads, width // (3 * heads))
     return qkv.new_empty(shape), qkv.new_empty(shape)
+
+
+@operator_for_compiled_code("stream_recon::qk_norm_rope", _outputs_like)
+def _qk_norm_rope_op(qkv: torch.Tensor, heads: int, q_weight: torch.Tensor, q_bias: torch.Tensor,
+                     k_weight: torch.Tensor, k_bias: torch.Tensor, q_eps: float, k_eps: float, cos: torch.Tensor,
+                     sin: torch.Tensor, pair_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # An operator under torch.compile, so that it keeps the kernel whole (Inductor would re-split it).
+    args = (qkv, heads, q_weight, q_bias, k_weight, k_bias, q_eps, k_eps, cos, sin, pair_offset)
+    return launch(*args) if qkv.is_cuda else reference(*args)
 
 
 def applies(qkv: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module, rope) -> bool:

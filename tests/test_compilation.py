@@ -193,3 +193,75 @@ def test_a_tiny_model_streams_the_same_from_loaded_artefacts(tiny_model, tmp_pat
         np.testing.assert_array_equal(ours.c2w, theirs.c2w)
         np.testing.assert_allclose(ours.depth, reference.depth, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(ours.c2w, reference.c2w, rtol=1e-4, atol=1e-5)
+
+
+def test_the_records_live_in_inductors_cache_folder_by_its_own_rule(monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert compilation.records_folder() == compilation.Path(default_cache_dir()) / compilation.RECORDS_FOLDER
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/inductor")
+    assert str(compilation.records_folder()) == f"/somewhere/inductor/{compilation.RECORDS_FOLDER}"
+
+
+# An uncompiled stream in a process of its own: its records looked up, scale step and streaming steps run,
+# and the operators for compiled code called eagerly.
+_UNCOMPILED_PROCESS = """
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from conftest import build_tiny_model
+from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
+from stream_recon.models.compilation import recorded
+recorded("0" * 32, "compiled")
+engine = StreamingEngine(prepare_for_inference(build_tiny_model(), compile=False), StreamConfig(scale_frames=2, window=2))
+for _ in range(4):
+    engine.push(torch.rand(3, 28, 42))
+engine.finish()
+from stream_recon.models import few_token_linear, fused_gelu
+x, weight, bias = torch.rand(2, 8), torch.rand(16, 8), torch.rand(16)
+fused_gelu._linear_gelu_epilogue(x, weight, bias)  # the operators' eager calls
+few_token_linear._few_token_linear_op(x, weight.half(), bias, True)
+print(sorted(name for name in ("torch._dynamo", "torch._inductor") if name in sys.modules))
+"""
+
+
+def test_an_uncompiled_stream_never_imports_the_compiler():
+    """Dynamo and Inductor cost 1.0-1.5 s to import on a fresh machine: a process that compiles nothing
+    does not import them, neither for the records' folder nor to keep its scale steps eager."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).parent)
+    result = subprocess.run([sys.executable, "-c", _UNCOMPILED_PROCESS, tests], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_an_operator_for_compiled_code_is_the_operator_only_under_torch_compile():
+    """Eager calls run the function itself (an operator's first call imports Dynamo); compiled code calls
+    the operator, whose fake gives Inductor the output's shape."""
+    calls = []
+
+    def doubled_like(x):
+        return torch.empty_like(x)
+
+    @compilation.operator_for_compiled_code("stream_recon_tests::doubled", doubled_like)
+    def doubled(x: torch.Tensor) -> torch.Tensor:
+        calls.append(torch.compiler.is_compiling())
+        return x * 2
+
+    x = torch.arange(4.0)
+    assert torch.equal(doubled(x), x * 2) and calls == [False]
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    compiled = torch.compile(lambda value: doubled(value) + 1, backend=backend, fullgraph=True)
+    assert torch.equal(compiled(x), x * 2 + 1)
+    assert "stream_recon_tests.doubled" in str(graphs[0].graph)  # the operator, not the traced function
