@@ -49,10 +49,10 @@ class RunClock:
                 self._highest_index = pred.frame_index
                 self.frames_done += 1
 
-    def time_warm_up(self, warm_up: Any, *args: Any) -> None:
+    def time_warm_up(self, warm_up: Any, *args: Any, **kwargs: Any) -> None:
         """Run the engine's warm-up (before the first push); its seconds, by part, go in the timings."""
         started = time.perf_counter()
-        self.warm_up_parts = warm_up(*args)
+        self.warm_up_parts = warm_up(*args, **kwargs)
         self.warm_up_s = time.perf_counter() - started
 
     def time_engine(self, call: Any, *args: Any, **kwargs: Any) -> Any:

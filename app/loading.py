@@ -168,6 +168,21 @@ def build_engine(model: Any, options: RunOptions, device: str, dtype: Any, conso
     return engine
 
 
+def start_builds_ahead(options: RunOptions, device: str, dtype: Any, model_config: Any, engine_config: Any,
+                       input_size: tuple[int, int] | None, *, compile: bool) -> Any:
+    """The warm-up's dry pass on a thread while the checkpoint loads (models/builds_ahead.py), where it
+    pays (CUDA, uncompiled) and can: the model input's size known before the first frame, and no memory
+    budget (its zero model is a second copy of the weights until the pass ends). None otherwise, and
+    where the warm-up is off: the first frame's own steps then build one kernel at a time, as they would."""
+    from stream_recon.models.builds_ahead import BuildsAhead, builds_pay
+
+    if model_config is None or engine_config is None or input_size is None or options.gpu_memory is not None:
+        return None
+    if options.warm_up == "off" or not builds_pay(device, compile):
+        return None
+    return BuildsAhead(model_config, engine_config, input_size, device, dtype)
+
+
 def check_gpu_memory(engine: Any, options: RunOptions, input_size: tuple[int, int] | None) -> None:
     """With --gpu-memory and a source whose frames' model input size (height, width) is known: the plan
     the engine would make at its first frame, made by the engine now, so that a budget nothing fits is

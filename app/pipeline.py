@@ -24,7 +24,7 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ from stream_recon.app.loading import (
     load_model_for,
     model_config_for,
     prepared_for_run,
+    start_builds_ahead,
 )
 from stream_recon.app.loops import LoopClosureSink, loop_closure_wanted
 from stream_recon.app.options import (
@@ -61,6 +62,9 @@ from stream_recon.app.writers import RunWriter
 from stream_recon.models.checkpoint import DEFAULT_CHECKPOINT
 from stream_recon.models.errors import FrameError
 from stream_recon.models.kernel_builds import start_early_builds
+
+if TYPE_CHECKING:
+    from stream_recon.models.builds_ahead import BuildsAhead
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +161,7 @@ def run_sequence(
         if frame_source.live:
             frame_source.start()  # keep a camera's connection drained while the model loads
         viewer = None
+        builds_ahead = None
         try:
             # a caller's own model is described by options.checkpoint only when that is set
             checkpoint = options.checkpoint or (DEFAULT_CHECKPOINT if model is None else None)
@@ -167,6 +172,9 @@ def run_sequence(
             choice = compile_choice(options.compile, device, key, options.warm_up)
             if config is not None:  # (CUDA only) beside the checkpoint's load, what the first step would wait for
                 start_early_builds(device, dtype, config.num_heads, config.head_dim)
+            if model is None:  # and the warm-up's dry pass, where it pays
+                builds_ahead = start_builds_ahead(options, device, dtype, config, engine_config, input_size,
+                                                  compile=choice.compile)
             # prepared once, where it is loaded or received; the engine takes it as it is
             if model is None:
                 model = load_model_for(options, device, console, compile=choice.compile)
@@ -195,6 +203,8 @@ def run_sequence(
         except BaseException:
             if viewer is not None:
                 viewer.close("failed")
+            if builds_ahead is not None:  # its thread holds the GPU until its pass ends: not left running
+                builds_ahead.wait()
             remove_if_empty(output_dir, created_dir)
             raise
         # the finiteness check comes first: a frame that fails it reaches no other sink
@@ -202,11 +212,14 @@ def run_sequence(
         sinks.append(LoopClosureSink(engine, viewer, enabled=closes_loops, reason=loop_closure_reason))
         if viewer is not None:
             sinks.append(viewer)
-        run = Run(frame_source, engine, writer, sinks, viewer, options, console, digest, clock, compiled_sizes)
+        run = Run(frame_source, engine, writer, sinks, viewer, options, console, digest, clock, compiled_sizes,
+                  builds_ahead)
         try:
             summary = run.stream()
         finally:
             engine.close()  # the next chunk's worker thread, when the engine has one
+            if builds_ahead is not None:  # (a stream that ended before its first frame did not wait for it)
+                builds_ahead.wait()
             if compiled_sizes is not None:
                 note = compiled_sizes.finish(stop=run.stopped_by_signal)
                 if note:
@@ -239,6 +252,7 @@ class Run:
     digest: CheckpointDigest
     clock: RunClock
     compiled_sizes: CompiledSizes | None = None  # CUDA: records compiled sizes, or compiles one beside the run
+    builds_ahead: BuildsAhead | None = None  # the warm-up's dry pass, run while the checkpoint loaded
     stopped_by_signal: bool = True  # until the stream ends without a signal (a failure stops the child too)
 
     def stream(self) -> RunSummary:
@@ -292,8 +306,10 @@ class Run:
         image = frame.image
         if image is None:  # a FrameSource opened without preprocessing
             image = preprocess_frame_uint8(frame.rgb, self.options.image_width)
-        if self.clock.frames_read == 0 and self._warms_up():
-            self._warm_up(image)
+        if self.clock.frames_read == 0:
+            built_ahead = self._wait_for_builds_ahead(image)
+            if self._warms_up():
+                self._warm_up(image, built_ahead)
         preds = self.clock.time_engine(self.engine.push, image, timestamp=frame.timestamp)
         self.clock.frames_read += 1
         progress.update(self._emit(preds))
@@ -305,16 +321,27 @@ class Run:
         length = self.source.estimated_length  # a stream of scale frames only has no streaming step to wait for
         return self.engine.slow_first_step and (length is None or length > self.options.scale_frames)
 
-    def _warm_up(self, image: Any) -> None:
+    def _wait_for_builds_ahead(self, image: Any) -> dict[str, float] | None:
+        """Before the first frame: the dry pass run while the checkpoint loaded, done (its seconds by part)
+        where it was for frames of this size; else None (the warm-up makes its own)."""
+        if self.builds_ahead is None:
+            return None
+        seconds = self.builds_ahead.wait()
+        return seconds if self.builds_ahead.covers(image.shape[-2:]) else None
+
+    def _warm_up(self, image: Any, built_ahead: dict[str, float] | None) -> None:
         """The engine's first streaming step, compiled (where the model is) and recorded on copies of the
         first frame before the stream (ChunkedEngine.warm_up): seconds, half a minute where a compiled
-        model's size was never compiled on this machine."""
+        model's size was never compiled on this machine. `built_ahead`: the seconds of a dry pass made
+        while the checkpoint loaded (the warm-up then makes none), reported among the warm-up's parts."""
         height, width = image.shape[-2:]
         spec = getattr(getattr(self.engine, "model", None), "inference_spec", None)
         made = "compiled and recorded" if getattr(spec, "compiled", False) else "recorded"
         self.console.print(f"[dim]warming up for {width}x{height} frames: the streaming step is {made} before the "
                            "stream starts[/dim]", highlight=False)
-        self.clock.time_warm_up(self.engine.warm_up, image)
+        self.clock.time_warm_up(self.engine.warm_up, image, dry_pass=built_ahead is None)
+        if built_ahead is not None and self.clock.warm_up_parts is not None:
+            self.clock.warm_up_parts.update(built_ahead)
         if self.compiled_sizes is not None:
             note = self.compiled_sizes.warmed_up((height, width), getattr(self.engine, "memory_plan", None))
             if note:

@@ -177,15 +177,15 @@ class ChunkedEngine:
         emitted, self._outbox = self._outbox, []
         return emitted
 
-    def warm_up(self, image: torch.Tensor | np.ndarray) -> dict[str, float]:
+    def warm_up(self, image: torch.Tensor | np.ndarray, *, dry_pass: bool = True) -> dict[str, float]:
         """Before the stream's first frame: warm the engine on copies of `image`, that first frame
-        (StreamingEngine.warm_up), then start the spare engine where one is wanted and wait while it
-        warms on its worker, so that neither compiles nor records once the stream runs. Returns the
-        seconds by part ("spare_s" for the spare's)."""
+        (StreamingEngine.warm_up, with its dry pass as `dry_pass` says), then start the spare engine
+        where one is wanted and wait while it warms on its worker, so that neither compiles nor records
+        once the stream runs. Returns the seconds by part ("spare_s" for the spare's)."""
         if self.num_frames:
             raise ValueError("an engine warms up before its stream's first frame, not during a stream")
         with self._on_main_stream():
-            seconds = self.engine.warm_up(image)
+            seconds = self.engine.warm_up(image, dry_pass=dry_pass)
         if self.lookahead is False or self._rollover is not None:
             return seconds
         if not self._wants_spare():

@@ -164,38 +164,49 @@ class StreamingEngine:
         on_cuda = self.device.type == "cuda"
         return bool(self.model.inference_spec.compiled) or (on_cuda and self.config.cuda_graphs)
 
-    def warm_up(self, image: torch.Tensor | np.ndarray, *, build_kernels_ahead: bool = True) -> dict[str, float]:
+    def warm_up(self, image: torch.Tensor | np.ndarray, *, dry_pass: bool = True) -> dict[str, float]:
         """Before the stream's first frame: predict `scale_frames` + WARM_UP_STEPS copies of `image`
         (that first frame) and forget them, so that the first streaming step's compile, its kernels'
         first launches and its graph's recording happen now and the stream never waits for them. The
         streaming steps are uncached (`push(cached=False)`): they need no window slot of their own, so
-        a spare's cache with a single one (`window_slots`) warms up too. Uncompiled on CUDA, a dry pass
-        of the same steps first lists the Triton kernels they build and builds them side by side
-        (models/kernel_builds.py) rather than one at a time on their first launches; not where
-        `build_kernels_ahead` is False (an engine of a model whose kernels another one built).
+        a spare's cache with a single one (`window_slots`) warms up too. First, where it pays and
+        `dry_pass` is True, the same steps run dry to build their Triton kernels side by side
+        (`build_kernels`); False where they are built already (a spare of a model another engine
+        warmed up, or a run whose kernels were built while its checkpoint loaded: builds_ahead.py).
 
         Afterwards the engine is as a fresh one but for its caches' storage and recorded graph
         (kept, as after `reset`): the stream's predictions are the ones it makes without a warm-up.
-        Returns seconds by part: "scale_step_s", "streaming_steps_s", and with a dry pass
-        "kernel_builds_s" (the pass and the builds it listed), "kernel_builds" (how many) and
-        "kernel_builds_wait_s" (of the first, the wait for the builds after the dry steps)."""
+        Returns seconds by part: "scale_step_s", "streaming_steps_s", and with a dry pass those of
+        `build_kernels`."""
         if self.num_frames or self._buffer or self._in_flight or self._ready:
             raise ValueError("an engine warms up before its stream's first frame, not during a stream")
         image = self.check_frame(image)  # the stream's first frame: it sets the size and the caches up
-        seconds: dict[str, float] = {}
-        if build_kernels_ahead and self._lists_kernel_builds():
-            started = time.perf_counter()
-            with kernel_builds.dry_launches(self.device) as builds:
-                self._predict_and_forget(image)
-            # Its values are garbage (launches skipped): none may stay, even where only masked reads go.
-            self.cache.clear()
-            self.camera_cache.clear()
-            seconds.update(kernel_builds_s=round(time.perf_counter() - started, 3), kernel_builds=builds.builds,
-                           kernel_builds_wait_s=builds.wait_s)
+        seconds: dict[str, float] = self.build_kernels(image) if dry_pass else {}
         started = time.perf_counter()
         scaled = self._predict_and_forget(image)
         done = time.perf_counter()
         return {"scale_step_s": round(scaled - started, 3), "streaming_steps_s": round(done - scaled, 3), **seconds}
+
+    def build_kernels(self, image: torch.Tensor | np.ndarray) -> dict[str, float]:
+        """The warm-up's dry pass, before the stream's first frame: uncompiled on CUDA, its steps on copies
+        of `image` run with `kernel_builds.dry_launches`, which lists the Triton kernels they would build
+        on their first launches and builds them side by side on a pool rather than one at a time
+        (models/kernel_builds.py); then the caches are zeroed. Nothing where it does not pay (returns {}).
+        Returns "kernel_builds_s" (the pass and the builds it listed), "kernel_builds" (how many) and
+        "kernel_builds_wait_s" (of the first, the wait for the builds after the dry steps)."""
+        if self.num_frames or self._buffer or self._in_flight or self._ready:
+            raise ValueError("an engine builds its kernels before its stream's first frame, not during a stream")
+        if not self._lists_kernel_builds():
+            return {}
+        image = self.check_frame(image)
+        started = time.perf_counter()
+        with kernel_builds.dry_launches(self.device) as builds:
+            self._predict_and_forget(image)
+        # Its values are garbage (launches skipped): none may stay, even where only masked reads go.
+        self.cache.clear()
+        self.camera_cache.clear()
+        return {"kernel_builds_s": round(time.perf_counter() - started, 3), "kernel_builds": builds.builds,
+                "kernel_builds_wait_s": builds.wait_s}
 
     def _lists_kernel_builds(self) -> bool:
         """Whether a warm-up's dry pass pays: on CUDA, uncompiled (compiled steps build their kernels

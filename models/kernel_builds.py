@@ -64,10 +64,18 @@ class DryLaunches:
 
 def _build(jit_function, specialization: str, device: torch.device) -> None:
     """Build one specialization into the kernel's in-process cache (and Triton's on-disk cache),
-    as its first launch on `device` would have."""
+    as its first launch on `device` would have, and load it: its first launch would otherwise load
+    it on the launching thread, and make its launcher there (gcc, 0.3 s a new signature on a fresh
+    H100 machine, on the dry step's path, docs/PERFORMANCE.md)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the pool's threads start on device 0
-    jit_function.preload(specialization)
+    kernel = jit_function.preload(specialization)
+    load = getattr(kernel, "_init_handles", None)  # (Triton's CompiledKernel loads on its first launch)
+    if load is not None:
+        try:
+            load()
+        except Exception as error:  # e.g. out of resources: its first launch raises it where it belongs
+            logger.debug("loading %s beside the step failed: %r", getattr(kernel, "name", "a kernel"), error)
 
 
 def _hook(**call):
@@ -129,7 +137,7 @@ def dry_launches(device: torch.device) -> Iterator[BuildReport]:
     _install()
     report = BuildReport()
     with ThreadPoolExecutor(build_threads(), thread_name_prefix="kernel-build") as pool:
-        _listing.builds = builds = DryLaunches(pool, _with_index(torch.device(device)))
+        _listing.builds = builds = DryLaunches(pool, device_with_index(torch.device(device)))
         try:
             yield report
         finally:  # (a block that raised: the pool still finishes its builds; their errors stay behind its own)
@@ -142,7 +150,7 @@ def dry_launches(device: torch.device) -> Iterator[BuildReport]:
             report.wait_s = round(time.perf_counter() - started, 3)
 
 
-def _with_index(device: torch.device) -> torch.device:
+def device_with_index(device: torch.device) -> torch.device:
     """`device` with its index: "cuda" is this thread's current GPU, which a pool's thread is not told."""
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
@@ -164,7 +172,7 @@ def start_early_builds(device: str | torch.device, dtype: torch.dtype, num_heads
     device = torch.device(device)
     if device.type != "cuda" or not available():
         return
-    device = _with_index(device)
+    device = device_with_index(device)
 
     def build() -> None:
         from stream_recon.cache.triton_attention import measure_resident_programs

@@ -139,5 +139,5 @@ class SpareEngine:
         started = time.perf_counter()
         # Its model's kernels were built by the current engine's warm-up, before this one starts: a dry
         # pass here would only run the steps once more (0.3-0.8 s on an H100).
-        self.engine.warm_up(image, build_kernels_ahead=False)
+        self.engine.warm_up(image, dry_pass=False)
         self.warm_seconds = time.perf_counter() - started

@@ -33,6 +33,7 @@ from stream_recon.cache.backends import HALF_DTYPES
 from stream_recon.cache.packages import importable
 
 from .compilation import CompiledMethods
+from .config import ModelConfig
 from .fused_gelu import fuse_mlp_gelu
 from .gct import GCTStream
 
@@ -68,6 +69,9 @@ def prepare_for_inference(model: GCTStream, device: str | torch.device | None = 
         raise ValueError("this model is already prepared for inference; prepare the model as loaded "
                          "(a prepared model's weights may be rounded or fused)")
     device = torch.device(device) if device is not None else next(model.parameters()).device
+    if device.type == "meta":
+        raise ValueError("a model on the meta device has no weights to place: pass the device to prepare it for "
+                         "(its weights are then zero, as prepare_without_weights makes them)")
     if dtype not in (torch.float32, *HALF_DTYPES):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     on_cuda = device.type == "cuda"
@@ -99,6 +103,18 @@ def prepare_for_inference(model: GCTStream, device: str | torch.device | None = 
     return prepared
 
 
+def prepare_without_weights(config: ModelConfig, device: str | torch.device,
+                            dtype: torch.dtype = torch.float32) -> GCTStream:
+    """A model of `config` prepared as `prepare_for_inference` prepares a loaded one for `device` and
+    `dtype` (uncompiled), but with zero weights, before any checkpoint is read: the same modules and
+    the same shapes, strides and kernels in its steps. Its predictions mean nothing; it runs a step's
+    code ahead of the real model (models/builds_ahead.py). Zero rather than uninitialised memory, so
+    that nothing it computes depends on what the allocator last held."""
+    with torch.device("meta"):
+        skeleton = GCTStream(config)
+    return prepare_for_inference(skeleton, device, dtype, compile=False)
+
+
 def require_prepared(model: GCTStream, device: torch.device | None = None,
                      dtype: torch.dtype | None = None) -> InferenceSpec:
     """The model's InferenceSpec; a clear error for an unprepared model or one prepared for another
@@ -122,11 +138,18 @@ def _placed_copy(model: GCTStream, device: torch.device, half_dtype: torch.dtype
         prepared = GCTStream(model.config)
     in_half = ("aggregator.", "depth_head.")
     state = {
-        name: value.to(device=device, dtype=half_dtype if name.startswith(in_half) else value.dtype)
+        name: _placed(value, device, half_dtype if name.startswith(in_half) else value.dtype)
         for name, value in model.state_dict().items()
     }
     prepared.load_state_dict(state, strict=True, assign=True)
     return prepared.eval().requires_grad_(False)
+
+
+def _placed(value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """`value` on `device` in `dtype`; a meta tensor (no data) becomes zeros of its shape."""
+    if value.is_meta:
+        return torch.zeros(value.shape, device=device, dtype=dtype)
+    return value.to(device=device, dtype=dtype)
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

@@ -76,6 +76,80 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+class ThreadTimeline:
+    """What the main thread and the dry pass ahead ("kernel-build-ahead") run, sampled every `period_s`
+    from construction until `stop`: each sample labelled by the deepest function of this project on the
+    stack (module.function) and the call path below it (where the time goes: a library's functions, or
+    the C call they made); and, for the threads that build Triton kernels ("kernel-build*"), their
+    innermost frame. A thread that holds the interpreter delays a sample; the labels still say which
+    code ran."""
+
+    SEGMENTED = ("MainThread", "kernel-build-ahead")
+
+    def __init__(self, period_s: float = 0.01) -> None:
+        self.samples: dict[str, list[tuple[float, str, str]]] = {name: [] for name in self.SEGMENTED}
+        self.builders: dict[str, int] = {}  # innermost frame of a building thread -> samples
+        self._period_s = period_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="timeline", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stopped.wait(self._period_s):
+            names = {thread.ident: thread.name for thread in threading.enumerate()}
+            now = time.perf_counter()
+            for ident, frame in sys._current_frames().items():
+                name = names.get(ident, "")
+                if name in self.samples:
+                    self.samples[name].append((now, *self._labels(frame)))
+                elif name.startswith("kernel-build"):
+                    innermost = self._labels(frame, depth=1)[1]
+                    self.builders[innermost] = self.builders.get(innermost, 0) + 1
+
+    @staticmethod
+    def _labels(frame: types.FrameType, depth: int = 8) -> tuple[str, str]:
+        """(the deepest function of this project, the call path below it: its innermost `depth` frames)."""
+        path, ours = [], "(outside stream_recon)"
+        while frame is not None:
+            module = frame.f_globals.get("__name__", "?")
+            label = f"{module}.{frame.f_code.co_name}"
+            if module.startswith("stream_recon."):
+                ours = label.removeprefix("stream_recon.")
+                break
+            if not module.startswith("importlib._bootstrap"):
+                path.append(label)
+            elif not path or path[-1] != "(import)":
+                path.append("(import)")
+            frame = frame.f_back
+        return ours, " < ".join(path[:depth]) or ours
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+    def summary(self, origin: float, until: float, min_s: float = 0.1) -> dict[str, Any]:
+        """Per segmented thread, its runs of one `ours` label before `until` of at least `min_s`, as
+        {start s after `origin`, seconds, label, the most sampled call path below it}; and the building
+        threads' most sampled innermost frames, in seconds of samples."""
+        result: dict[str, Any] = {}
+        for name, samples in self.samples.items():
+            runs: list[list] = []
+            for at, ours, innermost in samples:
+                if at > until:
+                    break
+                if runs and runs[-1][2] == ours:
+                    runs[-1][1] = at
+                    runs[-1][3][innermost] = runs[-1][3].get(innermost, 0) + 1
+                else:
+                    runs.append([at, at, ours, {innermost: 1}])
+            result[name] = [{"at_s": round(start - origin, 2), "s": round(end - start, 2), "ours": ours,
+                             "innermost": max(inner, key=inner.get)}
+                            for start, end, ours, inner in runs if end - start >= min_s]
+        top = sorted(self.builders.items(), key=lambda item: -item[1])[:12]
+        result["building_threads_s"] = {label: round(count * self._period_s, 2) for label, count in top}
+        return result
+
+
 # ---------------------------------------------------------------------------------------- the video
 
 
@@ -741,12 +815,17 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep-output", action="store_true")
     parser.add_argument("--video-dir", default=tempfile.gettempdir(), help="where a made video is kept for reuse")
     parser.add_argument("--json", help="write the result here")
+    parser.add_argument("--timeline", action="store_true",
+                        help="sample the main thread and the dry pass ahead until the 100th prediction: what they "
+                             "ran, as segments of 0.1 s or more from the process's start, and where the kernel "
+                             "builds spent their time (JSON 'timeline')")
     return parser
 
 
 def main() -> None:
     args = argument_parser().parse_args()
     process_started = process_start_time()
+    timeline = ThreadTimeline() if args.timeline else None  # (the first video's run only)
 
     import torch
 
@@ -777,7 +856,8 @@ def main() -> None:
             "settings": {k: v for k, v in vars(args).items() if k not in ("json", "video_dir")},
             "model_load_s": load_s,
         }
-        result.update(measure_video(args, video, options, model, device, dtype, process_started))
+        result.update(measure_video(args, video, options, model, device, dtype, process_started, timeline))
+        timeline = None
         print_table(result)
         results.append(result)
     if len(results) > 1:
@@ -800,7 +880,7 @@ def bench_video(args: argparse.Namespace, size: str) -> Path:
 
 
 def measure_video(args: argparse.Namespace, video: Path, options: Any, model: Any, device: str, dtype: Any,
-                  process_started: float) -> dict[str, Any]:
+                  process_started: float, timeline: ThreadTimeline | None = None) -> dict[str, Any]:
     """The product run on one video (the first of a process pays for compiling its input size: the whole
     run's FPS says so), then the engine alone on the same frames."""
     import torch
@@ -808,6 +888,10 @@ def measure_video(args: argparse.Namespace, video: Path, options: Any, model: An
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
     result = product_run(args, video, options, model, device)
+    if timeline is not None:  # until the 100th prediction, times from the process's start
+        timeline.stop()
+        origin = time.perf_counter() - (time.time() - process_started)
+        result["timeline"] = timeline.summary(origin, result["prediction_100_at"])
     result["first_prediction_from_process_start_s"] = time.time() - (time.perf_counter() - result.pop(
         "first_prediction_at")) - process_started
     result["prediction_100_from_process_start_s"] = time.time() - (time.perf_counter() - result.pop(

@@ -6,12 +6,14 @@ Interruption by SIGINT and SIGTERM is tested through the real CLI, in test_app_c
 from __future__ import annotations
 
 import errno
+import functools
 import gc
 import json
 import os
 import re
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -292,6 +294,52 @@ def test_auto_warms_up_where_the_first_streaming_step_is_slow_and_the_stream_has
         record = json.loads((tmp_path / f"run{frames}" / "run.json").read_text())
         warm_ups[frames] = record["summary"]["timings"]["warm_up_s"]
     assert warm_ups[3] is None and warm_ups[5] > 0
+
+
+def test_a_run_builds_its_kernels_while_its_checkpoint_loads_and_writes_what_it_writes_without(
+    tmp_path: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On CUDA, uncompiled, the warm-up's dry pass runs on a zero model while the checkpoint loads
+    # (models/builds_ahead.py) and the warm-up makes none of its own. Forced here (a CPU run builds no
+    # Triton kernel): the pass ran on its thread for the run's model input, run.json says so, and every
+    # file the run writes is the one a run with the warm-up's own dry pass writes.
+    from stream_recon.models import StreamingEngine, builds_ahead
+
+    passes = []
+    build_kernels = StreamingEngine.build_kernels
+
+    def recorded(engine, image):
+        seconds = build_kernels(engine, image)
+        passes.append((threading.current_thread().name, engine.image_size))
+        return seconds
+
+    monkeypatch.setattr(StreamingEngine, "_lists_kernel_builds", lambda self: True)
+    monkeypatch.setattr(StreamingEngine, "build_kernels", recorded)
+    video = write_video(tmp_path / "clip.mp4", 9, fps=20)
+    parts = {}
+    for name, pays in (("ahead", True), ("in_the_warm_up", False)):
+        monkeypatch.setattr(builds_ahead, "builds_pay", lambda device, compiled, pays=pays: pays)
+        options = RunOptions(**{**FAST, "checkpoint": str(tiny_checkpoint), "warm_up": "on", "keyframes": "flow"})
+        assert run_sequence(str(video), tmp_path / name, options).status == "complete"
+        parts[name] = check_run_dir(tmp_path / name, 9, "complete")["summary"]["timings"]["warm_up_parts_s"]
+    assert passes == [("kernel-build-ahead", (28, 56)), ("MainThread", (28, 56))]
+    assert parts["ahead"]["kernel_builds"] == 0 and "kernel_builds_ahead_wait_s" in parts["ahead"]
+    assert parts["ahead"]["kernel_builds_ahead_s"] > 0 and "kernel_builds_ahead_s" not in parts["in_the_warm_up"]
+    for name in ["trajectory_tum.txt"] + [f"predictions/{index:06d}.npz" for index in range(9)]:
+        assert (tmp_path / "ahead" / name).read_bytes() == (tmp_path / "in_the_warm_up" / name).read_bytes(), name
+
+
+def test_a_run_builds_nothing_ahead_where_it_has_no_load_to_hide_it_or_a_memory_budget() -> None:
+    from stream_recon.app.loading import start_builds_ahead
+    from stream_recon.models import ModelConfig, StreamConfig
+
+    config, engine_config = ModelConfig.tiny(), StreamConfig(scale_frames=3, window=4)
+    ahead = functools.partial(start_builds_ahead, device="cuda", dtype=torch.bfloat16, model_config=config,
+                              engine_config=engine_config, input_size=(28, 56))
+    assert ahead(RunOptions(**FAST), compile=True) is None  # compiled steps build through Inductor
+    assert ahead(RunOptions(**FAST, gpu_memory="8G"), compile=False) is None  # one copy of the weights at a time
+    assert ahead(RunOptions(**FAST, warm_up="off"), compile=False) is None
+    assert ahead(RunOptions(**FAST), compile=False, input_size=None) is None  # a camera's size comes with its frames
 
 
 def test_window_options_are_checked_before_anything_runs() -> None:

@@ -524,6 +524,22 @@ def test_a_new_size_streams_uncompiled_and_the_next_run_compiles_from_what_its_c
         compare_run_with_golden(tmp_path / run, "all_keyframes", BF16_TOLERANCE)
 
 
+def test_a_model_prepared_without_weights_is_the_loaded_one_prepared_but_zero_on_cuda(gpu_model):
+    """bf16 on CUDA: the fused GELU, the camera head's float16 weights, the range kernel for frames and the
+    channels-last head, as the loaded checkpoint gets them: same modules, names, shapes, dtypes, strides."""
+    from stream_recon.models import prepare_for_inference
+    from stream_recon.models.prepare import prepare_without_weights
+
+    real = prepare_for_inference(gpu_model, "cuda", torch.bfloat16, compile=False)
+    zero = prepare_without_weights(gpu_model.config, "cuda", torch.bfloat16)
+    assert [(name, type(m)) for name, m in zero.named_modules()] == [(name, type(m)) for name, m in real.named_modules()]
+    described = [{name: (v.shape, v.dtype, v.stride()) for name, v in model.state_dict().items()}
+                 for model in (zero, real)]
+    assert described[0] == described[1] and zero.inference_spec == real.inference_spec
+    assert [getattr(m, "self_attention", None) for m in zero.modules()] == \
+        [getattr(m, "self_attention", None) for m in real.modules()]
+
+
 # An uncompiled run in a process of its own on empty Triton caches, listening to every Triton build:
 # prints run.json's warm-up parts and, per build, its thread and whether Triton's cache held it.
 _BUILDS_IN_A_NEW_PROCESS = """
@@ -536,8 +552,8 @@ def listen(*, src, metadata, metadata_group, times, cache_hit):
 knobs.compilation.listener = listen
 from stream_recon.models.chunked import ChunkedEngine
 warm_up = ChunkedEngine.warm_up
-def marked_warm_up(self, image):
-    seconds = warm_up(self, image)
+def marked_warm_up(self, image, **kwargs):
+    seconds = warm_up(self, image, **kwargs)
     builds.append({"kernel": None, "thread": "the warm-up ended", "cache_hit": False})
     return seconds
 ChunkedEngine.warm_up = marked_warm_up
@@ -556,8 +572,9 @@ def test_a_fresh_process_builds_our_kernels_side_by_side_in_its_warm_up_and_stre
         golden_checkpoint, golden_frame_folder, tmp_path):
     """On empty Triton caches, an uncompiled run builds its Triton kernels off the stream's thread: the
     range kernel's scheduler builds on a thread started before the checkpoint loads, and the warm-up's
-    dry pass lists the rest and builds them on its pool. The stream's thread builds nothing, in the
-    warm-up or after it, and the run directory holds the official outputs."""
+    dry pass, run on a zero model while the checkpoint loads, lists the rest and builds them on its pool.
+    The stream's thread builds nothing, in the warm-up or after it, and the run directory holds the
+    official outputs."""
     import json
     import os
     import subprocess
@@ -579,5 +596,6 @@ def test_a_fresh_process_builds_our_kernels_side_by_side_in_its_warm_up_and_stre
     on_the_pool = [build for build in built if build["thread"].startswith("kernel-build_")]
     early = [build for build in built if build["thread"] == "kernel-build-early"]
     assert run["status"] == "complete" and 5 <= len(on_the_pool) <= run["warm_up"]["kernel_builds"]
+    assert run["warm_up"]["kernel_builds_ahead_s"] > 0  # the dry pass ran beside the load, not in the warm-up
     assert len(early) == 2 and len(on_the_pool) + len(early) == len(built), built  # none on the stream's thread
     compare_run_with_golden(tmp_path / "run", "all_keyframes", BF16_TOLERANCE)

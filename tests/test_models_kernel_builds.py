@@ -19,18 +19,33 @@ from stream_recon.models import StreamConfig, StreamingEngine, kernel_builds
 pytestmark = pytest.mark.skipif(not kernel_builds.available(), reason="this Triton cannot list builds")
 
 
+class CompiledKernel:
+    """Stands where Triton's CompiledKernel stands: `_init_handles` loads it (and makes its launcher)."""
+
+    def __init__(self, loads: list, load_fails: bool) -> None:
+        self.loads, self.load_fails = loads, load_fails
+
+    def _init_handles(self) -> None:
+        if self.load_fails:
+            raise RuntimeError("out of resources: shared memory")
+        self.loads.append(threading.current_thread().name)
+
+
 class KernelBuiltOnPreload:
-    """Stands where Triton's JITFunction stands: `preload(specialization)` builds, here it records."""
+    """Stands where Triton's JITFunction stands: `preload(specialization)` builds and returns the
+    compiled kernel, here it records."""
 
-    def __init__(self, name: str, fails: bool = False) -> None:
+    def __init__(self, name: str, fails: bool = False, load_fails: bool = False) -> None:
         self.fn = types.SimpleNamespace(__name__=name)  # the kernel's Python source
-        self.fails = fails
+        self.fails, self.load_fails = fails, load_fails
         self.built: list[tuple[str, str]] = []  # (specialization, the thread that built it)
+        self.loads: list[str] = []  # the threads that loaded a built specialization
 
-    def preload(self, specialization: str) -> None:
+    def preload(self, specialization: str) -> CompiledKernel:
         if self.fails:
             raise RuntimeError(f"{self.fn.__name__} does not build")
         self.built.append((specialization, threading.current_thread().name))
+        return CompiledKernel(self.loads, self.load_fails)
 
 
 def launch(kernel: KernelBuiltOnPreload, key: str) -> bool | None:
@@ -52,6 +67,15 @@ def test_a_dry_step_skips_each_launch_and_builds_each_specialization_once_on_the
     assert sorted(spec for spec, _ in attention.built) == ["data of a", "data of b"]
     assert store.built[0][0] == "data of s"
     assert all(thread.startswith("kernel-build") for _, thread in attention.built + store.built)
+    # each built kernel is loaded there too, not by its first launch on the step's thread
+    assert len(attention.loads) == 2 and all(thread.startswith("kernel-build") for thread in attention.loads)
+
+
+def test_a_kernel_that_builds_but_does_not_load_is_left_to_its_first_launch():
+    kernel = KernelBuiltOnPreload("too_big", load_fails=True)
+    with kernel_builds.dry_launches(torch.device("cpu")) as report:
+        launch(kernel, "k")
+    assert report.builds == 1 and kernel.built and not kernel.loads  # its launch raises where it belongs
 
 
 def test_launches_on_other_threads_run_and_reach_the_hook_that_was_there_before():

@@ -69,3 +69,28 @@ def test_the_engine_takes_only_a_model_prepared_for_its_device_and_precision(loa
 def test_half_precision_is_refused_on_the_cpu(loaded):
     with pytest.raises(ValueError, match="bfloat16 runs need a CUDA device"):
         prepare_for_inference(loaded, "cpu", torch.bfloat16)
+
+
+def test_a_model_prepared_without_weights_is_the_loaded_one_prepared_but_zero(loaded):
+    """The same modules, parameter names, shapes, dtypes and strides as the loaded checkpoint prepared for
+    the same device and precision, with zero weights; its steps run (models/builds_ahead.py runs them)."""
+    from stream_recon.models.prepare import prepare_without_weights
+
+    real = prepare_for_inference(loaded, "cpu", torch.float32)
+    zero = prepare_without_weights(loaded.config, "cpu", torch.float32)
+    assert [(name, type(m)) for name, m in zero.named_modules()] == [(name, type(m)) for name, m in real.named_modules()]
+    described = [{name: (v.shape, v.dtype, v.stride(), v.device) for name, v in model.state_dict().items()}
+                 for model in (zero, real)]
+    assert described[0] == described[1]
+    assert all(not value.any() for value in zero.state_dict().values())
+    assert zero.inference_spec == real.inference_spec
+    assert len(stream(zero, frames())) == 6
+
+
+def test_a_model_without_weights_needs_the_device_to_prepare_it_for():
+    with torch.device("meta"):
+        from stream_recon.models.gct import GCTStream
+
+        skeleton = GCTStream(ModelConfig.tiny())
+    with pytest.raises(ValueError, match="meta device has no weights to place: pass the device"):
+        prepare_for_inference(skeleton)

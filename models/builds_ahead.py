@@ -1,0 +1,101 @@
+"""A run's Triton kernels built while its checkpoint loads.
+
+On a fresh machine an uncompiled warm-up spent most of its time in its dry pass (StreamingEngine.
+build_kernels: 3.6-4.2 s of 4.6-5.7 s at 518x392 on an H100), after the checkpoint's load, its
+preparation and the viewer's start (3.4-4.5 s), which mostly wait for the disk, the copies to the GPU
+and imports (docs/PERFORMANCE.md). `BuildsAhead` runs the dry pass during them instead: on a thread,
+on a model of the run's architecture prepared as the loaded one will be but with zero weights
+(prepare_without_weights), in an engine of the run's settings, on a zero frame of the model input's
+size. A process builds a kernel once for every model, so the run's warm-up then skips its own dry
+pass (`warm_up(dry_pass=False)`). The engine's cache has one window slot: the warm-up's streaming steps
+are uncached, and the slot count is no argument the kernels specialise on. A fresh machine's first
+run then had its 100th prediction 2.2-4.4 s sooner (12.1-15.1 s after the process started, H100).
+
+The zero model holds a second copy of the weights on the GPU until the pass ends, beside the one
+being loaded: a run with a memory budget does not start one (app/loading.py, start_builds_ahead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+
+from . import kernel_builds
+from .config import ModelConfig
+from .engine import StreamingEngine
+from .prepare import prepare_without_weights
+from .stream_config import StreamConfig
+
+logger = logging.getLogger("stream_recon.models.builds_ahead")
+
+
+def builds_pay(device: str | torch.device, compiled: bool) -> bool:
+    """Whether a dry pass ahead builds anything: on CUDA, uncompiled (compiled steps build their kernels
+    through Inductor), where this Triton lists builds (kernel_builds.available)."""
+    return torch.device(device).type == "cuda" and not compiled and kernel_builds.available()
+
+
+class BuildsAhead:
+    """The dry pass of a run's warm-up on a thread of its own ("kernel-build-ahead"), from construction on.
+
+    image_size: (height, width) of the model input the run's frames will have. `wait` gives how it
+    went; `covers` whether a warm-up of frames of some size may skip its own dry pass."""
+
+    def __init__(self, model_config: ModelConfig, stream_config: StreamConfig, image_size: tuple[int, int],
+                 device: str | torch.device, dtype: torch.dtype) -> None:
+        self.image_size = (int(image_size[0]), int(image_size[1]))
+        self.device = kernel_builds.device_with_index(torch.device(device))
+        self._seconds: dict[str, float] | None = None  # set by the thread when the pass succeeded
+        self._started = time.perf_counter()
+        self._thread = threading.Thread(target=self._build, args=(model_config, stream_config, dtype),
+                                        name="kernel-build-ahead", daemon=True)
+        self._thread.start()
+
+    def _build(self, model_config: ModelConfig, stream_config: StreamConfig, dtype: torch.dtype) -> None:
+        try:
+            with self._own_memory():
+                model = prepare_without_weights(model_config, self.device, dtype)
+                engine = StreamingEngine(model, stream_config, device=self.device, dtype=dtype, window_slots=1)
+                seconds = engine.build_kernels(torch.zeros((3, *self.image_size), dtype=torch.uint8))
+                del engine, model
+            self._seconds = {**seconds, "kernel_builds_ahead_s": round(time.perf_counter() - self._started, 3)}
+        except Exception as error:  # the warm-up then makes its own dry pass
+            logger.warning("building the kernels while the checkpoint loads failed (%r); the warm-up builds them",
+                           error)
+
+    @contextlib.contextmanager
+    def _own_memory(self) -> Iterator[None]:
+        """On CUDA, this thread's allocations in a pool of their own, handed back to the driver afterwards:
+        in the allocator's shared segments the zero weights' freed blocks, interleaved with the loaded
+        weights, left holes that raised the run's peak reserved memory by 0.3-0.9 GiB (H100, 518x392,
+        docs/PERFORMANCE.md)."""
+        if self.device.type != "cuda":
+            yield
+            return
+        torch.cuda.set_device(self.device)
+        if not hasattr(torch.cuda, "use_mem_pool"):
+            yield
+        else:
+            with torch.cuda.use_mem_pool(torch.cuda.MemPool(), self.device):
+                yield
+        torch.cuda.empty_cache()
+
+    def wait(self) -> dict[str, float] | None:
+        """Until the pass is done. Its seconds by part (build_kernels's "kernel_builds_s", "kernel_builds",
+        "kernel_builds_wait_s"; "kernel_builds_ahead_s" from the start to its end, the model and engine
+        made; "kernel_builds_ahead_wait_s", how long this call waited for it), or None where it failed."""
+        started = time.perf_counter()
+        self._thread.join()
+        if self._seconds is None:
+            return None
+        return {**self._seconds, "kernel_builds_ahead_wait_s": round(time.perf_counter() - started, 3)}
+
+    def covers(self, image_size: tuple[int, int]) -> bool:
+        """Whether the pass succeeded for frames of `image_size` (height, width): a warm-up of another
+        size makes its own dry pass."""
+        return self._seconds is not None and (int(image_size[0]), int(image_size[1])) == self.image_size
