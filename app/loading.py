@@ -174,11 +174,12 @@ def start_builds_ahead(options: RunOptions, device: str, dtype: Any, model_confi
     pays (CUDA, uncompiled) and can: the model input's size known before the first frame, and no memory
     budget (its zero model is a second copy of the weights until the pass ends). None otherwise, and
     where the warm-up is off: the first frame's own steps then build one kernel at a time, as they would."""
-    from stream_recon.models.builds_ahead import BuildsAhead, builds_pay
+    from stream_recon.models.builds_ahead import BuildsAhead
+    from stream_recon.models.kernel_builds import dry_pass_pays
 
     if model_config is None or engine_config is None or input_size is None or options.gpu_memory is not None:
         return None
-    if options.warm_up == "off" or not builds_pay(device, compile):
+    if options.warm_up == "off" or not dry_pass_pays(device, compile):
         return None
     return BuildsAhead(model_config, engine_config, input_size, device, dtype)
 

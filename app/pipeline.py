@@ -172,11 +172,10 @@ def run_sequence(
             choice = compile_choice(options.compile, device, key, options.warm_up)
             if config is not None:  # (CUDA only) beside the checkpoint's load, what the first step would wait for
                 start_early_builds(device, dtype, config.num_heads, config.head_dim)
-            if model is None:  # and the warm-up's dry pass, where it pays
+            # prepared once, where it is loaded or received; the engine takes it as it is
+            if model is None:  # the warm-up's dry pass beside the load, where it pays
                 builds_ahead = start_builds_ahead(options, device, dtype, config, engine_config, input_size,
                                                   compile=choice.compile)
-            # prepared once, where it is loaded or received; the engine takes it as it is
-            if model is None:
                 model = load_model_for(options, device, console, compile=choice.compile)
             else:
                 model = prepared_for_run(model, options, device, compile=choice.compile)

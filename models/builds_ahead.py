@@ -34,12 +34,6 @@ from .stream_config import StreamConfig
 logger = logging.getLogger("stream_recon.models.builds_ahead")
 
 
-def builds_pay(device: str | torch.device, compiled: bool) -> bool:
-    """Whether a dry pass ahead builds anything: on CUDA, uncompiled (compiled steps build their kernels
-    through Inductor), where this Triton lists builds (kernel_builds.available)."""
-    return torch.device(device).type == "cuda" and not compiled and kernel_builds.available()
-
-
 class BuildsAhead:
     """The dry pass of a run's warm-up on a thread of its own ("kernel-build-ahead"), from construction on.
 

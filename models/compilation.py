@@ -78,7 +78,7 @@ def operator_for_compiled_code(name: str, fake: Callable) -> Callable[[Callable]
     only: under torch.compile the call is the operator, which Inductor neither decomposes nor re-splits
     and fuses around; eager code calls the function itself. An operator's first call imports Dynamo and
     its needs (~900 modules: 1.1-1.6 s on a fresh H100 machine, docs/PERFORMANCE.md), which an
-    uncompiled run has no other use for. The operator is the wrapper's `operator`."""
+    uncompiled run has no other use for."""
 
     def wrap(function: Callable) -> Callable:
         operator = torch.library.custom_op(name, mutates_args=())(function)
@@ -88,7 +88,6 @@ def operator_for_compiled_code(name: str, fake: Callable) -> Callable[[Callable]
         def call(*args: Any) -> Any:
             return (operator if torch.compiler.is_compiling() else function)(*args)
 
-        call.operator = operator
         return call
 
     return wrap

@@ -178,8 +178,7 @@ class StreamingEngine:
         (kept, as after `reset`): the stream's predictions are the ones it makes without a warm-up.
         Returns seconds by part: "scale_step_s", "streaming_steps_s", and with a dry pass those of
         `build_kernels`."""
-        if self.num_frames or self._buffer or self._in_flight or self._ready:
-            raise ValueError("an engine warms up before its stream's first frame, not during a stream")
+        self._check_before_stream("warms up")
         image = self.check_frame(image)  # the stream's first frame: it sets the size and the caches up
         seconds: dict[str, float] = self.build_kernels(image) if dry_pass else {}
         started = time.perf_counter()
@@ -194,8 +193,7 @@ class StreamingEngine:
         (models/kernel_builds.py); then the caches are zeroed. Nothing where it does not pay (returns {}).
         Returns "kernel_builds_s" (the pass and the builds it listed), "kernel_builds" (how many) and
         "kernel_builds_wait_s" (of the first, the wait for the builds after the dry steps)."""
-        if self.num_frames or self._buffer or self._in_flight or self._ready:
-            raise ValueError("an engine builds its kernels before its stream's first frame, not during a stream")
+        self._check_before_stream("builds its kernels")
         if not self._lists_kernel_builds():
             return {}
         image = self.check_frame(image)
@@ -208,11 +206,13 @@ class StreamingEngine:
         return {"kernel_builds_s": round(time.perf_counter() - started, 3), "kernel_builds": builds.builds,
                 "kernel_builds_wait_s": builds.wait_s}
 
+    def _check_before_stream(self, what: str) -> None:
+        if self.num_frames or self._buffer or self._in_flight or self._ready:
+            raise ValueError(f"an engine {what} before its stream's first frame, not during a stream")
+
     def _lists_kernel_builds(self) -> bool:
-        """Whether a warm-up's dry pass pays: on CUDA, uncompiled (compiled steps build their kernels
-        through Inductor, which compiles on its own workers), where this Triton can list builds."""
-        compiled = bool(self.model.inference_spec.compiled)
-        return self.device.type == "cuda" and not compiled and kernel_builds.available()
+        """Whether a warm-up's dry pass pays for this engine's model (kernel_builds.dry_pass_pays)."""
+        return kernel_builds.dry_pass_pays(self.device, bool(self.model.inference_spec.compiled))
 
     def _predict_and_forget(self, image: torch.Tensor) -> float:
         """The warm-up's steps on copies of `image`, then a reset; returns when the scale step ended."""

@@ -101,6 +101,12 @@ def available() -> bool:
     return runtime is not None and hasattr(runtime, "jit_cache_hook") and hasattr(JITFunction, "preload")
 
 
+def dry_pass_pays(device: str | torch.device, compiled: bool) -> bool:
+    """Whether a dry pass builds anything: on CUDA, uncompiled (compiled steps build their kernels through
+    Inductor, which compiles on its own workers), where this Triton lists builds (`available`)."""
+    return torch.device(device).type == "cuda" and not compiled and available()
+
+
 def _install() -> None:
     """Our hook, once per process, in front of whichever hook was there (it still gets every call
     ours does not take)."""

@@ -303,7 +303,7 @@ def test_a_run_builds_its_kernels_while_its_checkpoint_loads_and_writes_what_it_
     # (models/builds_ahead.py) and the warm-up makes none of its own. Forced here (a CPU run builds no
     # Triton kernel): the pass ran on its thread for the run's model input, run.json says so, and every
     # file the run writes is the one a run with the warm-up's own dry pass writes.
-    from stream_recon.models import StreamingEngine, builds_ahead
+    from stream_recon.models import StreamingEngine, kernel_builds
 
     passes = []
     build_kernels = StreamingEngine.build_kernels
@@ -318,7 +318,7 @@ def test_a_run_builds_its_kernels_while_its_checkpoint_loads_and_writes_what_it_
     video = write_video(tmp_path / "clip.mp4", 9, fps=20)
     parts = {}
     for name, pays in (("ahead", True), ("in_the_warm_up", False)):
-        monkeypatch.setattr(builds_ahead, "builds_pay", lambda device, compiled, pays=pays: pays)
+        monkeypatch.setattr(kernel_builds, "dry_pass_pays", lambda device, compiled, pays=pays: pays)
         options = RunOptions(**{**FAST, "checkpoint": str(tiny_checkpoint), "warm_up": "on", "keyframes": "flow"})
         assert run_sequence(str(video), tmp_path / name, options).status == "complete"
         parts[name] = check_run_dir(tmp_path / name, 9, "complete")["summary"]["timings"]["warm_up_parts_s"]

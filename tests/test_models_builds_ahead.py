@@ -55,5 +55,5 @@ def test_a_pass_that_fails_says_so_and_covers_nothing(dry_passes, monkeypatch, c
 
 
 def test_a_pass_pays_only_uncompiled_on_cuda():
-    assert not builds_ahead.builds_pay("cpu", compiled=False)
-    assert not builds_ahead.builds_pay("cuda", compiled=True)
+    assert not kernel_builds.dry_pass_pays("cpu", compiled=False)
+    assert not kernel_builds.dry_pass_pays("cuda", compiled=True)
