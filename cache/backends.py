@@ -21,6 +21,7 @@ from .dense import DenseTwoStreamCache
 from .dense_attention import DenseAttention, DenseKV, SplitCudnnAttention
 from .kv_cache import AttentionBackend, DenseKVCache, KVCache, PagedKVCache
 from .layout import CacheLayout
+from .leftover_rows import library_waves
 from .packages import importable
 from .paged import SPECIAL_PAGES_AT_START, PagedTwoStreamCache
 from .paged_attention import PagedKV, SDPAPagedAttention
@@ -76,7 +77,7 @@ def _flashinfer_paged(variant: str) -> BackendFactory:
 
 
 def _dense_sdpa(storage, layout, compile, device):
-    return DenseAttention(storage)
+    return DenseAttention(storage, library_waves("flash", device))
 
 
 def _dense_triton(storage, layout, compile, device):
@@ -92,14 +93,16 @@ def _dense_cudnn(storage, layout, compile, device):
     # cuDNN plans per key count: the patch keys take two counts once the window is full (with and
     # without the deferred frame), which go to it; the growing special keys go to flash.
     full = (layout.scale_frames + layout.window_frames) * layout.patches_per_frame
-    return SplitCudnnAttention(storage, (full, full + layout.patches_per_frame), compile=compile)
+    return SplitCudnnAttention(storage, (full, full + layout.patches_per_frame), compile=compile,
+                               fixed_shape_waves=library_waves("cudnn", device),
+                               any_shape_waves=library_waves("flash", device))
 
 
 def _dense_flashinfer(storage, layout, compile, device):
     from .flashinfer_backend import FlashInferRangeAttention
 
     variant = "fa3" if torch.cuda.get_device_capability(device)[0] == 9 else "fa2"
-    return FlashInferRangeAttention(storage, variant=variant)
+    return FlashInferRangeAttention(storage, variant=variant, waves=library_waves(f"flashinfer-{variant}", device))
 
 
 BACKENDS: tuple[BackendSpec, ...] = (

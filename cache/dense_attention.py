@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from . import fp8
 from .compiling import Compile, compiled
 from .dense import DenseTwoStreamCache, SlotMove, VisibleRange
+from .leftover_rows import KernelWaves, whole_wave_rows
 from .packages import importable
 from .streams import run_beside
 
@@ -124,27 +125,40 @@ class DenseKV:
 
 
 class DenseAttention:
-    """Unmasked SDPA over the visible range, in the store's dtype."""
+    """Unmasked SDPA over the visible range, in the store's dtype. With the flash kernel's `waves`
+    (CUDA), the rows past its last whole wave go to a launch of their own (leftover_rows.py)."""
 
     name = "dense"
 
-    def __init__(self, kv: DenseKV):
+    def __init__(self, kv: DenseKV, waves: KernelWaves | None = None):
         self.kv = kv
+        self.waves = waves
         self._visible: VisibleRange | None = None
+        self.whole_rows = 0  # of the step's query rows, those in the kernel's whole waves (plan)
 
     def plan(self, visible: VisibleRange, num_queries: int) -> None:
         self._visible = visible
+        self.whole_rows = whole_wave_rows(num_queries, self.kv.num_heads, self.waves)
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D]."""
         keys, values = self.kv.keys_values(layer, self._visible.start, self._visible.end)
-        with sdpa_kernel(_NO_PLAN_BUILDING_BACKENDS):
-            out = F.scaled_dot_product_attention(
-                q.to(keys.dtype).transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
-                keys.transpose(0, 1).unsqueeze(0),  # [1, H, N, D], strided view
-                values.transpose(0, 1).unsqueeze(0),
-            )
-        return out[0].transpose(0, 1)
+        q, whole = q.to(keys.dtype), self.whole_rows
+        if whole == q.shape[0]:
+            return _sdpa_tokens(q, keys, values)
+        return torch.cat([_sdpa_tokens(q[:whole], keys, values), _sdpa_tokens(q[whole:], keys, values)])
+
+
+def _sdpa_tokens(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """SDPA without plan-building kernels, token-major: q [T, H, D], keys and values [N, H, D] ->
+    [T, H, D] (a transposed view)."""
+    with sdpa_kernel(_NO_PLAN_BUILDING_BACKENDS):
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
+            keys.transpose(0, 1).unsqueeze(0),  # [1, H, N, D], strided view
+            values.transpose(0, 1).unsqueeze(0),
+        )
+    return out[0].transpose(0, 1)
 
 
 _NO_PLAN_BUILDING_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -163,32 +177,51 @@ class SplitCudnnAttention:
     name = "dense-cudnn"
 
     def __init__(self, kv: DenseKV, full_patch_tokens: tuple[int, ...], fixed_shape_kernel=None,
-                 any_shape_kernel=None, compile: Compile = False):
+                 any_shape_kernel=None, compile: Compile = False, fixed_shape_waves: KernelWaves | None = None,
+                 any_shape_waves: KernelWaves | None = None):
         """Kernels take q, k, v [1, H, *, D] and return (out [1, H, T, D], logsumexp); the defaults
-        are cuDNN (fixed shapes) and PyTorch's flash kernel (any shape), both CUDA-only."""
+        are cuDNN (fixed shapes) and PyTorch's flash kernel (any shape), both CUDA-only. With their
+        waves (CUDA), the rows past the step's kernel's last whole wave go to the any-shape kernel
+        in a launch of their own (leftover_rows.py)."""
         self.kv = kv
         self.full_patch_tokens = full_patch_tokens  # patch-token counts that take the fixed-shape kernel
         self.fixed_shape_kernel = fixed_shape_kernel or _cudnn_with_lse
         self.any_shape_kernel = any_shape_kernel or _flash_with_lse
+        self.fixed_shape_waves, self.any_shape_waves = fixed_shape_waves, any_shape_waves
         # compile: the merge's dozen elementwise kernels become one (its shapes are fixed per stream).
         self.merge = compiled(merge_into_tokens, compile)
         on_cuda = kv.device.type == "cuda"
         # The special keys' kernel runs on a side stream, beside the patch keys' kernel (CUDA).
         self.side_stream = torch.cuda.Stream(kv.device) if on_cuda else None
         self._visible: VisibleRange | None = None
+        self.whole_rows = 0  # of the step's query rows, those in the kernel's whole waves (plan)
 
     def plan(self, visible: VisibleRange, num_queries: int) -> None:
         self._visible = visible
+        waves = self.fixed_shape_waves if self._fixed_shape(visible) else self.any_shape_waves
+        self.whole_rows = whole_wave_rows(num_queries, self.kv.num_heads, waves)
+
+    def _fixed_shape(self, visible: VisibleRange) -> bool:
+        return visible.end - visible.patch_start in self.full_patch_tokens and visible.start != visible.patch_start
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D]."""
+        q, whole = q.to(self.kv.dtype), self.whole_rows
+        if whole == q.shape[0]:
+            return self._attend_rows(layer, q)
+        keys = [t.transpose(0, 1).unsqueeze(0) for t in self.kv.keys_values(layer, self._visible.start, self._visible.end)]
+        leftover = self.any_shape_kernel(q[whole:].transpose(0, 1).unsqueeze(0), *keys)[0]  # [1, H, rows, D]
+        return torch.cat([self._attend_rows(layer, q[:whole]), leftover[0].transpose(0, 1)])
+
+    def _attend_rows(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q [R, H, D] over the whole visible range -> [R, H, D]."""
         visible = self._visible
-        query = q.to(self.kv.dtype).transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+        query = q.transpose(0, 1).unsqueeze(0)  # [1, H, R, D]
 
         def keys(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:  # [1, H, N, D] views
             return tuple(t.transpose(0, 1).unsqueeze(0) for t in self.kv.keys_values(layer, start, end))
 
-        if visible.end - visible.patch_start not in self.full_patch_tokens or visible.start == visible.patch_start:
+        if not self._fixed_shape(visible):
             out = self.any_shape_kernel(query, *keys(visible.start, visible.end))[0]
             return out[0].transpose(0, 1)
         (special_out, special_lse), (patch_out, patch_lse) = run_beside(

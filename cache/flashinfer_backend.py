@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .leftover_rows import KernelWaves, whole_wave_rows
 from .paged_attention import PagedKV
 from .pages import VisiblePages
 
@@ -60,23 +61,39 @@ class FlashInferPagedAttention:
 
 class FlashInferRangeAttention:
     """FlashInfer's ragged prefill over the dense layout's visible range (one sequence whose
-    keys are tokens [start, end) of each layer's store, read in place)."""
+    keys are tokens [start, end) of each layer's store, read in place). With the kernel's `waves`,
+    the rows past its last whole wave run as a sequence of their own, planned apart
+    (leftover_rows.py)."""
 
-    def __init__(self, kv, variant: str = "fa3"):
+    def __init__(self, kv, variant: str = "fa3", waves: KernelWaves | None = None):
         if kv.device.type != "cuda" or kv.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"FlashInfer needs bf16/fp16 on a CUDA device, got {kv.dtype} on {kv.device}")
         self.kv = kv
         self.name = f"dense-flashinfer-{variant}"
-        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=kv.device)
-        self._wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self._workspace, kv_layout="NHD", backend=variant)
+        self.variant = variant
+        self.waves = waves
+        self._wrapper = self._new_wrapper()
+        self._leftover_wrapper = None  # made by the first step that leaves rows over
         self._visible = None
+        self.whole_rows = 0  # of the step's query rows, those in the kernel's whole waves (plan)
+
+    def _new_wrapper(self):
+        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.kv.device)
+        return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout="NHD", backend=self.variant)
 
     def plan(self, visible, num_queries: int) -> None:
-        device = self.kv.device
         self._visible = visible
-        self._wrapper.plan(
+        self.whole_rows = whole_wave_rows(num_queries, self.kv.num_heads, self.waves)
+        self._plan(self._wrapper, self.whole_rows, visible.num_tokens)
+        if self.whole_rows < num_queries:
+            self._leftover_wrapper = self._leftover_wrapper or self._new_wrapper()
+            self._plan(self._leftover_wrapper, num_queries - self.whole_rows, visible.num_tokens)
+
+    def _plan(self, wrapper, num_queries: int, num_keys: int) -> None:
+        device = self.kv.device
+        wrapper.plan(
             torch.tensor([0, num_queries], dtype=torch.int32, device=device),
-            torch.tensor([0, visible.num_tokens], dtype=torch.int32, device=device),
+            torch.tensor([0, num_keys], dtype=torch.int32, device=device),
             num_qo_heads=self.kv.num_heads,
             num_kv_heads=self.kv.num_heads,
             head_dim_qk=self.kv.head_dim,
@@ -87,4 +104,8 @@ class FlashInferRangeAttention:
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         keys, values = self.kv.keys_values(layer, self._visible.start, self._visible.end)
-        return self._wrapper.run(q.to(self.kv.dtype).contiguous(), keys, values)
+        q, whole = q.to(self.kv.dtype), self.whole_rows
+        if whole == q.shape[0]:
+            return self._wrapper.run(q.contiguous(), keys, values)
+        return torch.cat([self._wrapper.run(q[:whole].contiguous(), keys, values),
+                          self._leftover_wrapper.run(q[whole:].contiguous(), keys, values)])

@@ -22,7 +22,10 @@ keeps a single wave's tiles whole where the defaults cut them into prefixes and 
 cut 224 and 240, `prefix_two` does so with one piece after a prefix of 850/1000, and `prefix_224` cuts
 only waves of at most 7/8 of the slots (224 tiles on an H100: the rule before 240 tiles were cut);
 `pdl` compiles the blocks and heads with Inductor's programmatic dependent launch (in the measuring
-process, whose compile helpers compiled the defaults only).
+process, whose compile helpers compiled the defaults only). `dense`, `cudnn` and `flashinfer` stream
+with --attention dense, dense-cudnn or dense-flashinfer, and `dense_uncut`, `cudnn_uncut` and
+`flashinfer_uncut` the same without the cut of the rows past a library kernel's last whole wave
+(cache/leftover_rows.py).
 
 torch.compile compiles the blocks and heads once per input size (~40 s a size on a fresh
 machine). --compile-workers N starts N helper processes that stream a few frames at each size
@@ -52,7 +55,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import build_model  # noqa: E402
 
-from stream_recon.cache import triton_attention, triton_store  # noqa: E402
+from stream_recon.cache import backends, triton_attention, triton_store  # noqa: E402
 from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference  # noqa: E402
 from stream_recon.models.layers import Attention  # noqa: E402
 from stream_recon.models.steps import PipelinedRunner  # noqa: E402
@@ -64,6 +67,10 @@ PREFIX = triton_attention.PREFIX_FILL, triton_attention.PREFIX_SHARE, triton_att
 # (fill, share, pieces) of the variants that change the prefix cut
 PREFIX_VARIANTS = {"whole_wave": (0.0, PREFIX[1], PREFIX[2]), "prefix_all": (1.0, PREFIX[1], PREFIX[2]),
                    "prefix_two": (1.0, 850, 2), "prefix_224": (0.875, PREFIX[1], PREFIX[2])}
+# variant -> the --attention it streams with (the others: auto)
+BACKEND_VARIANTS = {"dense": "dense", "cudnn": "dense-cudnn", "flashinfer": "dense-flashinfer"}
+BACKEND_VARIANTS.update({f"{variant}_uncut": name for variant, name in list(BACKEND_VARIANTS.items())})
+LIBRARY_WAVES = backends.library_waves
 
 
 def use_variant(model, variant: str) -> None:
@@ -85,6 +92,7 @@ def use_variant(model, variant: str) -> None:
         if isinstance(module, Attention):
             module.self_attention = frame_attention
     use_launch_order(variant == "pdl")
+    backends.library_waves = (lambda kernel, device: None) if variant.endswith("_uncut") else LIBRARY_WAVES
 
 
 def use_launch_order(programmatic: bool) -> None:
@@ -115,7 +123,8 @@ def prepared_model():
 
 
 def new_engine(model, variant: str = "frames") -> StreamingEngine:
-    config = StreamConfig(scale_frames=SCALE, window=WINDOW, keyframes="all", pipeline=variant != "synchronous")
+    config = StreamConfig(scale_frames=SCALE, window=WINDOW, keyframes="all", pipeline=variant != "synchronous",
+                          attention=BACKEND_VARIANTS.get(variant, "auto"))
     return StreamingEngine(model, config)
 
 

@@ -194,6 +194,49 @@ def test_range_kernel_past_one_wave_matches_sdpa(tokens):
     assert global_error <= 1e-2 and frame_error <= 1e-2
 
 
+# 518x378 (one wave of 128-row blocks on an H100), x392 and x518 (rows left over past it)
+@pytest.mark.parametrize("tokens", [1005, 1042, 1375])
+@pytest.mark.parametrize("attention", ["dense", "dense-cudnn", "dense-flashinfer-fa2", "dense-flashinfer-fa3"])
+def test_library_backends_past_one_wave_match_sdpa(tokens, attention):
+    """The dense backends over library kernels at the streaming shape (72 frames of keys, the
+    window full so that dense-cudnn takes cuDNN), with the rows past the kernel's last whole wave
+    in a launch of their own, against SDPA in float32 over the same bf16 inputs."""
+    from stream_recon.cache import DenseKV, VisibleRange, backends
+    from stream_recon.cache.dense_attention import DenseAttention, SplitCudnnAttention
+    from stream_recon.cache.leftover_rows import library_waves
+
+    torch.manual_seed(tokens)
+    num_keys, specials = 72 * (tokens - 6) + 912, 912
+    kv = DenseKV(1, 16, 64, num_keys + 200, torch.bfloat16, "cuda")
+    kv.store.normal_()
+    if attention == "dense":
+        backend = DenseAttention(kv, library_waves("flash", "cuda"))
+    elif attention == "dense-cudnn":
+        backend = SplitCudnnAttention(kv, (num_keys - specials,), fixed_shape_waves=library_waves("cudnn", "cuda"),
+                                      any_shape_waves=library_waves("flash", "cuda"))
+    else:
+        if backends.unavailable_reason("dense-flashinfer", "cuda", torch.bfloat16) is not None:
+            pytest.skip("needs flashinfer")
+        if attention.endswith("fa3") and torch.cuda.get_device_capability()[0] != 9:
+            pytest.skip("fa3 kernels need Hopper")
+        from stream_recon.cache.flashinfer_backend import FlashInferRangeAttention
+
+        variant = attention.rsplit("-", 1)[1]
+        backend = FlashInferRangeAttention(kv, variant, library_waves(f"flashinfer-{variant}", "cuda"))
+    start = 100
+    backend.plan(VisibleRange(start, start + num_keys, start + specials), tokens)
+    q = torch.randn(tokens, 16, 64, device="cuda", dtype=torch.bfloat16)
+    out = backend.attend(0, q)
+    keys, values = (kv.store[0, i, start : start + num_keys].float().transpose(0, 1)[None] for i in (0, 1))
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys, values)
+    error = ((out.float().transpose(0, 1)[None] - expected).norm() / expected.norm()).item()
+    waves = getattr(backend, "waves", None) or getattr(backend, "fixed_shape_waves", None)
+    cut = waves is not None and tokens > waves.slots // 16 * waves.block_rows
+    print(f"{attention} {tokens} tokens: whole rows {backend.whole_rows}, error {error:.2e} (relative)")
+    assert out.shape == q.shape and error <= 1e-2  # bf16 operands: P and the output rounded to bf16 (2^-8)
+    assert (backend.whole_rows < tokens) == cut
+
+
 @pytest.mark.parametrize("store_dtype", ["bfloat16", "float32"])
 def test_store_write_kernel_stores_what_index_copy_stores(store_dtype):
     """A layer's K/V write at the streaming shape (1,042 tokens, V a strided view of the block's

@@ -1,0 +1,122 @@
+"""The rows past a library kernel's last whole wave (cache/leftover_rows.py): where the cut falls
+(hypothesis), and the dense backends that cut computing what they compute uncut (CPU, float64,
+with small waves standing in for a GPU's)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stream_recon.cache import (
+    CacheLayout,
+    DenseAttention,
+    DenseKV,
+    SplitCudnnAttention,
+    VisibleRange,
+    backends,
+)
+from stream_recon.cache.dense import DenseTwoStreamCache
+from stream_recon.cache.leftover_rows import KernelWaves, library_waves, whole_wave_rows
+
+H100_FLASH = KernelWaves(block_rows=128, slots=132)
+
+
+@pytest.mark.parametrize(("rows", "expected"), [(746, 746), (1005, 1005), (1024, 1024), (1025, 1024), (1042, 1024),
+                                                (1375, 1024), (2048, 2048), (2080, 2048), (3072, 3072), (3073, 3072)])
+def test_the_h100_flash_kernel_cuts_past_every_wave_of_1024_rows(rows, expected):
+    assert whole_wave_rows(rows, 16, H100_FLASH) == expected
+
+
+@given(rows=st.integers(1, 20_000), heads=st.integers(1, 64), block_rows=st.integers(1, 256),
+       slots=st.integers(1, 600))
+def test_whole_waves_hold_whole_blocks_of_every_head_and_leave_less_than_a_wave(rows, heads, block_rows, slots):
+    waves = KernelWaves(block_rows, slots)
+    whole = whole_wave_rows(rows, heads, waves)
+    blocks_per_wave = slots // heads
+    assert 0 < whole <= rows
+    if whole < rows:
+        whole_blocks, all_blocks = whole // block_rows, math.ceil(rows / block_rows)
+        assert whole % block_rows == 0 and whole_blocks % blocks_per_wave == 0 and whole_blocks >= blocks_per_wave
+        assert 0 < all_blocks - whole_blocks < blocks_per_wave  # the leftover: part of one wave
+    else:  # nothing left over: one wave or less, whole waves, or a wave without a block of every head
+        blocks = math.ceil(rows / block_rows)
+        assert blocks_per_wave == 0 or blocks <= blocks_per_wave or blocks % blocks_per_wave == 0
+
+
+def test_no_waves_no_cut():
+    assert whole_wave_rows(1042, 16, None) == 1042
+
+
+def test_the_cpu_has_no_waves_and_its_dense_backends_no_cut():
+    assert library_waves("flash", "cpu") is None and library_waves("cudnn", "cpu") is None
+    layout = CacheLayout(patches_per_frame=3, specials_per_frame=2, scale_frames=2, window_frames=3)
+    cache = backends.build(backends.spec("dense"), layout, num_layers=1, num_heads=2, head_dim=4, max_frames=20,
+                           dtype=torch.float32, device="cpu")
+    assert cache.backend.waves is None
+
+
+def _exact(q, k, v):
+    """q, k, v [1, H, *, D] -> (out, logsumexp): what the CUDA kernels compute, in float64."""
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
+
+
+def test_dense_attention_with_its_leftover_rows_apart_equals_it_uncut():
+    kv = DenseKV(1, 2, 8, 300, torch.float64, "cpu")
+    kv.store.normal_(generator=torch.Generator().manual_seed(0))
+    waves = KernelWaves(block_rows=4, slots=6)  # 3 blocks of 4 rows a wave at 2 heads: 12 rows
+    cut, uncut = DenseAttention(kv, waves), DenseAttention(kv)
+    generator = torch.Generator().manual_seed(1)
+    for rows, visible in [(13, VisibleRange(5, 290, 25)), (24, VisibleRange(0, 7, 3)), (30, VisibleRange(40, 41, 40)),
+                          (12, VisibleRange(5, 290, 25))]:
+        q = torch.randn(rows, 2, 8, generator=generator, dtype=torch.float64)
+        cut.plan(visible, rows)
+        uncut.plan(visible, rows)
+        assert cut.whole_rows == whole_wave_rows(rows, 2, waves) and uncut.whole_rows == rows
+        torch.testing.assert_close(cut.attend(0, q), uncut.attend(0, q), rtol=0, atol=1e-12)
+    assert whole_wave_rows(13, 2, waves) == 12 and whole_wave_rows(30, 2, waves) == 24  # both cut above
+
+
+def test_split_attention_with_its_leftover_rows_apart_equals_dense_attention_through_a_stream():
+    """dense-cudnn's leftover rows go to the any-shape kernel over every key, beside the fixed-shape
+    kernel's whole waves, whichever path the step takes."""
+    layout = CacheLayout(patches_per_frame=3, specials_per_frame=2, scale_frames=2, window_frames=3)
+    cache = DenseTwoStreamCache(layout, max_frames=40)
+    kv = DenseKV(1, 2, 4, cache.capacity_tokens, torch.float64, "cpu")
+    full = (layout.scale_frames + layout.window_frames) * layout.patches_per_frame
+    fixed_calls, any_calls = [], []
+
+    def fixed(q, k, v):
+        fixed_calls.append(q.shape[2])
+        return _exact(q, k, v)
+
+    def any_shape(q, k, v):
+        any_calls.append(q.shape[2])
+        return _exact(q, k, v)
+
+    # 5 rows. Fixed shapes: blocks of 2 rows, 2 a wave (4 slots at 2 heads): 4 rows whole, 1 left
+    # over. Any shape: blocks of 1 row, 3 a wave: 3 rows whole, 2 left over.
+    rows = 5
+    split = SplitCudnnAttention(kv, (full, full + layout.patches_per_frame), fixed, any_shape,
+                                fixed_shape_waves=KernelWaves(2, 4), any_shape_waves=KernelWaves(1, 6))
+    dense = DenseAttention(kv)
+    generator = torch.Generator().manual_seed(2)
+    for step in range(14):
+        cache.append(defer_eviction=step % 3 == 1)
+        kv.apply_moves(cache.take_moves(), cache)
+        slots = torch.tensor(cache.token_slots(-1))
+        kv.write(0, slots, *(torch.randn(len(slots), 2, 4, generator=generator, dtype=torch.float64) for _ in range(2)))
+        q = torch.randn(rows, 2, 4, generator=generator, dtype=torch.float64)
+        split.plan(cache.visible(), rows)
+        dense.plan(cache.visible(), rows)
+        torch.testing.assert_close(split.attend(0, q), dense.attend(0, q), rtol=0, atol=1e-12)
+        (cache.rollback if step % 3 == 1 and step % 2 else cache.commit)()
+        kv.apply_moves(cache.take_moves(), cache)
+    assert set(fixed_calls) == {4}  # the fixed-shape kernel saw the whole waves' rows only
+    # the any-shape kernel: whole waves (3) and the leftover (2) before the window fills; after it,
+    # the specials of the whole waves' rows (4) and the leftover over every key (1)
+    assert set(any_calls) == {3, 2, 4, 1}
