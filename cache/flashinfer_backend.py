@@ -21,6 +21,11 @@ except ImportError as error:  # re-raised with advice by the engine's backend ch
     raise ImportError(f"flashinfer is not importable ({error}); install the 'cuda' extra") from error
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
+# The float workspace of the wrapper that runs a step's leftover rows (fewer than a wave's): its split of
+# the keys keeps partial outputs of at most a wave's programs, 128 rows x 16 heads x 64 floats each
+# (8.7 MB at 264 programs); the two engines of a rollover then hold 2 x (128 + 32) MB of workspace,
+# within the memory model's 384 MB margin (models/memory.py).
+LEFTOVER_WORKSPACE_BYTES = 32 * 1024 * 1024
 
 
 class FlashInferPagedAttention:
@@ -77,8 +82,8 @@ class FlashInferRangeAttention:
         self._visible = None
         self.whole_rows = 0  # of the step's query rows, those in the kernel's whole waves (plan)
 
-    def _new_wrapper(self):
-        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.kv.device)
+    def _new_wrapper(self, workspace_bytes: int = WORKSPACE_BYTES):
+        workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.kv.device)
         return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout="NHD", backend=self.variant)
 
     def plan(self, visible, num_queries: int) -> None:
@@ -86,7 +91,7 @@ class FlashInferRangeAttention:
         self.whole_rows = whole_wave_rows(num_queries, self.kv.num_heads, self.waves)
         self._plan(self._wrapper, self.whole_rows, visible.num_tokens)
         if self.whole_rows < num_queries:
-            self._leftover_wrapper = self._leftover_wrapper or self._new_wrapper()
+            self._leftover_wrapper = self._leftover_wrapper or self._new_wrapper(LEFTOVER_WORKSPACE_BYTES)
             self._plan(self._leftover_wrapper, num_queries - self.whole_rows, visible.num_tokens)
 
     def _plan(self, wrapper, num_queries: int, num_keys: int) -> None:
