@@ -6,7 +6,7 @@ every key, one program per SM (docs/PERFORMANCE.md, 2026-11-25: on an H100 their
 keys is flat from 896 to 1,024 rows and jumps 1.5-2.0x at 1,056, where 9 blocks x 16 heads pass
 132 SMs). A frame whose blocks need one program more than a wave holds runs a second wave as long
 as the first, however few rows it holds: at 518x392 (1,042 tokens, 18 rows past 1,024) a global
-layer took 2,081 us through flash and 1,487 through cuDNN against 1,275 and 753 at 518x378.
+layer took 1,991 us through flash and 1,493 through cuDNN against 1,249 and 752 at 518x378.
 
 So the rows of whole waves go to the kernel as they are and the rows left over to a second, small
 launch, which cuts the keys into chunks itself: a FlashAttention-2 launch whose blocks would leave
