@@ -206,28 +206,24 @@ class SplitCudnnAttention:
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D]."""
-        q, whole = q.to(self.kv.dtype), self.whole_rows
-        if whole == q.shape[0]:
-            return self._attend_rows(layer, q)
-        keys = [t.transpose(0, 1).unsqueeze(0) for t in self.kv.keys_values(layer, self._visible.start, self._visible.end)]
-        leftover = self.any_shape_kernel(q[whole:].transpose(0, 1).unsqueeze(0), *keys)[0]  # [1, H, rows, D]
-        return torch.cat([self._attend_rows(layer, q[:whole]), leftover[0].transpose(0, 1)])
-
-    def _attend_rows(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """q [R, H, D] over the whole visible range -> [R, H, D]."""
         visible = self._visible
-        query = q.transpose(0, 1).unsqueeze(0)  # [1, H, R, D]
+        # the visible range read once (an fp8 store dequantises it here), [1, H, N, D] views
+        keys, values = (t.transpose(0, 1).unsqueeze(0) for t in self.kv.keys_values(layer, visible.start, visible.end))
+        query, whole = q.to(self.kv.dtype).transpose(0, 1).unsqueeze(0), self.whole_rows  # [1, H, T, D]
+        if whole == q.shape[0]:
+            return self._attend_rows(query, keys, values)
+        leftover = self.any_shape_kernel(query[:, :, whole:], keys, values)[0]  # [1, H, rows, D]
+        return torch.cat([self._attend_rows(query[:, :, :whole], keys, values), leftover[0].transpose(0, 1)])
 
-        def keys(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:  # [1, H, N, D] views
-            return tuple(t.transpose(0, 1).unsqueeze(0) for t in self.kv.keys_values(layer, start, end))
-
-        if not self._fixed_shape(visible):
-            out = self.any_shape_kernel(query, *keys(visible.start, visible.end))[0]
-            return out[0].transpose(0, 1)
+    def _attend_rows(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """query [1, H, R, D] over the visible range's keys and values [1, H, N, D] -> [R, H, D]."""
+        if not self._fixed_shape(self._visible):
+            return self.any_shape_kernel(query, keys, values)[0][0].transpose(0, 1)
+        specials = self._visible.patch_start - self._visible.start
         (special_out, special_lse), (patch_out, patch_lse) = run_beside(
             self.side_stream,
-            lambda: self.any_shape_kernel(query, *keys(visible.start, visible.patch_start)),
-            lambda: self.fixed_shape_kernel(query, *keys(visible.patch_start, visible.end)),
+            lambda: self.any_shape_kernel(query, keys[:, :, :specials], values[:, :, :specials]),
+            lambda: self.fixed_shape_kernel(query, keys[:, :, specials:], values[:, :, specials:]),
         )
         return self.merge(patch_out, patch_lse, special_out, special_lse)
 

@@ -53,7 +53,7 @@ def rows_sweep(num_keys: int) -> dict:
         "flash": lambda q: lambda: torch.ops.aten._scaled_dot_product_flash_attention(q, k, v),
         "cudnn": lambda q: lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True),
     }
-    kernels.update(flashinfer_kernels(keys, values))
+    kernels.update(flashinfer_kernels(kv))
     results = {}
     for name, prepare in kernels.items():
         series = []
@@ -69,25 +69,22 @@ def rows_sweep(num_keys: int) -> dict:
     return results
 
 
-def flashinfer_kernels(keys, values) -> dict:
+def flashinfer_kernels(kv) -> dict:
+    """The dense-flashinfer backend over the store's whole range, uncut: fa2, and fa3 on Hopper."""
     try:
-        import flashinfer
+        from stream_recon.cache.flashinfer_backend import FlashInferRangeAttention
     except ImportError:
         print("flashinfer: not installed", flush=True)
         return {}
     variants = ["fa2"] + (["fa3"] if torch.cuda.get_device_capability()[0] == 9 else [])
     kernels = {}
     for variant in variants:
-        workspace = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
-        wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout="NHD", backend=variant)
+        backend = FlashInferRangeAttention(kv, variant)
 
-        def prepare(q, wrapper=wrapper):
-            wrapper.plan(torch.tensor([0, q.shape[2]], dtype=torch.int32, device="cuda"),
-                         torch.tensor([0, keys.shape[0]], dtype=torch.int32, device="cuda"),
-                         num_qo_heads=HEADS, num_kv_heads=HEADS, head_dim_qk=HEAD_DIM, causal=False,
-                         q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        def prepare(q, backend=backend):
+            backend.plan(VisibleRange(0, kv.capacity, 0), q.shape[2])
             tokens_first = q[0].transpose(0, 1).contiguous()
-            return lambda: wrapper.run(tokens_first, keys, values)
+            return partial(backend.attend, 0, tokens_first)
 
         kernels[f"flashinfer-{variant}"] = prepare
     return kernels

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from cache_reference import OPS, LabelHarness, drive, layouts
+from cache_reference import OPS, LabelHarness, drive, exact_attention, layouts, stream_split_beside_dense
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -153,36 +153,14 @@ def test_partial_attentions_merge_into_the_full_one():
 def test_split_attention_equals_dense_attention_through_a_stream():
     """dense-cudnn's bookkeeping (which keys go to which kernel, when the fixed-shape path is
     taken, the merge) on the CPU, with exact float64 kernels standing in for cuDNN and flash."""
-    import torch
+    from stream_recon.cache import SplitCudnnAttention
 
-    from stream_recon.cache import DenseAttention, DenseKV, SplitCudnnAttention
-
-    def exact(q, k, v):
-        scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-        return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
-
-    layout = CacheLayout(patches_per_frame=3, specials_per_frame=2, scale_frames=2, window_frames=3)
-    cache = DenseTwoStreamCache(layout, max_frames=40)
-    kv = DenseKV(1, 2, 4, cache.capacity_tokens, torch.float64, "cpu")
-    full = (layout.scale_frames + layout.window_frames) * layout.patches_per_frame
     fixed_calls = []
 
     def fixed(q, k, v):
         fixed_calls.append(k.shape[2])
-        return exact(q, k, v)
+        return exact_attention(q, k, v)
 
-    split = SplitCudnnAttention(kv, (full, full + layout.patches_per_frame), fixed, exact)
-    dense = DenseAttention(kv)
-    generator = torch.Generator().manual_seed(1)
-    for step in range(14):
-        cache.append(defer_eviction=step % 3 == 1)
-        kv.apply_moves(cache.take_moves(), cache)
-        slots = torch.tensor(cache.token_slots(-1))
-        kv.write(0, slots, *(torch.randn(len(slots), 2, 4, generator=generator, dtype=torch.float64) for _ in range(2)))
-        q = torch.randn(len(slots), 2, 4, generator=generator, dtype=torch.float64)
-        split.plan(cache.visible(), len(slots))
-        dense.plan(cache.visible(), len(slots))
-        torch.testing.assert_close(split.attend(0, q), dense.attend(0, q), rtol=0, atol=1e-12)
-        (cache.rollback if step % 3 == 1 and step % 2 else cache.commit)()
-        kv.apply_moves(cache.take_moves(), cache)
-    assert set(fixed_calls) == {full, full + layout.patches_per_frame}  # both full-window shapes, nothing else
+    full_patch_tokens = stream_split_beside_dense(lambda kv, full: SplitCudnnAttention(kv, full, fixed, exact_attention),
+                                                  seed=1)
+    assert set(fixed_calls) == set(full_patch_tokens)  # both full-window shapes, nothing else

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from cache_reference import exact_attention, stream_split_beside_dense
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -19,7 +20,6 @@ from stream_recon.cache import (
     VisibleRange,
     backends,
 )
-from stream_recon.cache.dense import DenseTwoStreamCache
 from stream_recon.cache.leftover_rows import KernelWaves, library_waves, whole_wave_rows
 
 H100_FLASH = KernelWaves(block_rows=128, slots=132)
@@ -59,12 +59,6 @@ def test_the_cpu_has_no_waves_and_its_dense_backends_no_cut():
     assert cache.backend.waves is None
 
 
-def _exact(q, k, v):
-    """q, k, v [1, H, *, D] -> (out, logsumexp): what the CUDA kernels compute, in float64."""
-    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-    return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
-
-
 def test_dense_attention_with_its_leftover_rows_apart_equals_it_uncut():
     kv = DenseKV(1, 2, 8, 300, torch.float64, "cpu")
     kv.store.normal_(generator=torch.Generator().manual_seed(0))
@@ -84,38 +78,23 @@ def test_dense_attention_with_its_leftover_rows_apart_equals_it_uncut():
 def test_split_attention_with_its_leftover_rows_apart_equals_dense_attention_through_a_stream():
     """dense-cudnn's leftover rows go to the any-shape kernel over every key, beside the fixed-shape
     kernel's whole waves, whichever path the step takes."""
-    layout = CacheLayout(patches_per_frame=3, specials_per_frame=2, scale_frames=2, window_frames=3)
-    cache = DenseTwoStreamCache(layout, max_frames=40)
-    kv = DenseKV(1, 2, 4, cache.capacity_tokens, torch.float64, "cpu")
-    full = (layout.scale_frames + layout.window_frames) * layout.patches_per_frame
     fixed_calls, any_calls = [], []
 
     def fixed(q, k, v):
         fixed_calls.append(q.shape[2])
-        return _exact(q, k, v)
+        return exact_attention(q, k, v)
 
     def any_shape(q, k, v):
         any_calls.append(q.shape[2])
-        return _exact(q, k, v)
+        return exact_attention(q, k, v)
 
     # 5 rows. Fixed shapes: blocks of 2 rows, 2 a wave (4 slots at 2 heads): 4 rows whole, 1 left
     # over. Any shape: blocks of 1 row, 3 a wave: 3 rows whole, 2 left over.
-    rows = 5
-    split = SplitCudnnAttention(kv, (full, full + layout.patches_per_frame), fixed, any_shape,
-                                fixed_shape_waves=KernelWaves(2, 4), any_shape_waves=KernelWaves(1, 6))
-    dense = DenseAttention(kv)
-    generator = torch.Generator().manual_seed(2)
-    for step in range(14):
-        cache.append(defer_eviction=step % 3 == 1)
-        kv.apply_moves(cache.take_moves(), cache)
-        slots = torch.tensor(cache.token_slots(-1))
-        kv.write(0, slots, *(torch.randn(len(slots), 2, 4, generator=generator, dtype=torch.float64) for _ in range(2)))
-        q = torch.randn(rows, 2, 4, generator=generator, dtype=torch.float64)
-        split.plan(cache.visible(), rows)
-        dense.plan(cache.visible(), rows)
-        torch.testing.assert_close(split.attend(0, q), dense.attend(0, q), rtol=0, atol=1e-12)
-        (cache.rollback if step % 3 == 1 and step % 2 else cache.commit)()
-        kv.apply_moves(cache.take_moves(), cache)
+    def split_for(kv, full_patch_tokens):
+        return SplitCudnnAttention(kv, full_patch_tokens, fixed, any_shape, fixed_shape_waves=KernelWaves(2, 4),
+                                   any_shape_waves=KernelWaves(1, 6))
+
+    stream_split_beside_dense(split_for, seed=2, rows=5)
     assert set(fixed_calls) == {4}  # the fixed-shape kernel saw the whole waves' rows only
     # the any-shape kernel: whole waves (3) and the leftover (2) before the window fills; after it,
     # the specials of the whole waves' rows (4) and the leftover over every key (1)
