@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from . import fp8
 from .compiling import Compile, compiled
 from .dense import DenseTwoStreamCache, SlotMove, VisibleRange
-from .leftover_rows import KernelWaves, whole_wave_rows
+from .leftover_rows import KernelWaves, launch_ends, whole_wave_rows
 from .packages import importable
 from .streams import run_beside
 
@@ -126,7 +126,8 @@ class DenseKV:
 
 class DenseAttention:
     """Unmasked SDPA over the visible range, in the store's dtype. With the flash kernel's `waves`
-    (CUDA), the rows past its last whole wave go to a launch of their own (leftover_rows.py)."""
+    (CUDA), the query rows go in the launches leftover_rows.launch_ends names: pieces that each
+    take flash's split-KV path."""
 
     name = "dense"
 
@@ -134,19 +135,25 @@ class DenseAttention:
         self.kv = kv
         self.waves = waves
         self._visible: VisibleRange | None = None
-        self.whole_rows = 0  # of the step's query rows, those in the kernel's whole waves (plan)
+        self.launch_ends: tuple[int, ...] = ()  # where each launch's query rows end (plan)
 
     def plan(self, visible: VisibleRange, num_queries: int) -> None:
         self._visible = visible
-        self.whole_rows = whole_wave_rows(num_queries, self.kv.num_heads, self.waves)
+        self.launch_ends = launch_ends(num_queries, self.kv.num_heads, self.waves)
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D]."""
         keys, values = self.kv.keys_values(layer, self._visible.start, self._visible.end)
-        q, whole = q.to(keys.dtype), self.whole_rows
-        if whole == q.shape[0]:
-            return _sdpa_tokens(q, keys, values)
-        return torch.cat([_sdpa_tokens(q[:whole], keys, values), _sdpa_tokens(q[whole:], keys, values)])
+        return in_launches(lambda rows: _sdpa_tokens(rows, keys, values), q.to(keys.dtype), self.launch_ends)
+
+
+def in_launches(attend_rows, q: torch.Tensor, ends: tuple[int, ...]) -> torch.Tensor:
+    """attend_rows (q rows [R, H, D] -> [R, H, D]) over q [T, H, D] in launches whose rows end at
+    `ends` (the last at T), concatenated."""
+    if len(ends) == 1:
+        return attend_rows(q)
+    starts = (0, *ends[:-1])
+    return torch.cat([attend_rows(q[start:end]) for start, end in zip(starts, ends, strict=True)])
 
 
 def _sdpa_tokens(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -181,8 +188,9 @@ class SplitCudnnAttention:
                  any_shape_waves: KernelWaves | None = None):
         """Kernels take q, k, v [1, H, *, D] and return (out [1, H, T, D], logsumexp); the defaults
         are cuDNN (fixed shapes) and PyTorch's flash kernel (any shape), both CUDA-only. With their
-        waves (CUDA), the rows past the step's kernel's last whole wave go to the any-shape kernel
-        in a launch of their own (leftover_rows.py)."""
+        waves (CUDA), the rows past the fixed-shape kernel's last whole wave go to the any-shape
+        kernel over every key, and the any-shape kernel's rows in the launches
+        leftover_rows.launch_ends names."""
         self.kv = kv
         self.full_patch_tokens = full_patch_tokens  # patch-token counts that take the fixed-shape kernel
         self.fixed_shape_kernel = fixed_shape_kernel or _cudnn_with_lse
@@ -194,31 +202,43 @@ class SplitCudnnAttention:
         # The special keys' kernel runs on a side stream, beside the patch keys' kernel (CUDA).
         self.side_stream = torch.cuda.Stream(kv.device) if on_cuda else None
         self._visible: VisibleRange | None = None
-        self.whole_rows = 0  # of the step's query rows, those in the kernel's whole waves (plan)
+        # (plan) the step's first query rows, which the fixed-shape kernel takes in its whole waves
+        # (0 before the window is full), and where the any-shape kernel's launches over the rest end
+        self.fixed_rows, self.any_shape_ends = 0, ()
 
     def plan(self, visible: VisibleRange, num_queries: int) -> None:
         self._visible = visible
-        waves = self.fixed_shape_waves if self._fixed_shape(visible) else self.any_shape_waves
-        self.whole_rows = whole_wave_rows(num_queries, self.kv.num_heads, waves)
+        heads = self.kv.num_heads
+        fixed = whole_wave_rows(num_queries, heads, self.fixed_shape_waves) if self._fixed_shape(visible) else 0
+        self.fixed_rows = fixed
+        self.any_shape_ends = launch_ends(num_queries - fixed, heads, self.any_shape_waves) if fixed < num_queries else ()
+
+    @property
+    def launch_ends(self) -> tuple[int, ...]:
+        """Where each launch's query rows end: the fixed-shape kernel's, then the any-shape kernel's."""
+        fixed = (self.fixed_rows,) if self.fixed_rows else ()
+        return fixed + tuple(self.fixed_rows + end for end in self.any_shape_ends)
 
     def _fixed_shape(self, visible: VisibleRange) -> bool:
         return visible.end - visible.patch_start in self.full_patch_tokens and visible.start != visible.patch_start
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D]."""
-        visible = self._visible
+        visible, fixed = self._visible, self.fixed_rows
         # the visible range read once (an fp8 store dequantises it here), [1, H, N, D] views
         keys, values = (t.transpose(0, 1).unsqueeze(0) for t in self.kv.keys_values(layer, visible.start, visible.end))
-        query, whole = q.to(self.kv.dtype).transpose(0, 1).unsqueeze(0), self.whole_rows  # [1, H, T, D]
-        if whole == q.shape[0]:
-            return self._attend_rows(query, keys, values)
-        leftover = self.any_shape_kernel(query[:, :, whole:], keys, values)[0]  # [1, H, rows, D]
-        return torch.cat([self._attend_rows(query[:, :, :whole], keys, values), leftover[0].transpose(0, 1)])
+        q = q.to(self.kv.dtype)
+        parts = [self._fixed_shape_rows(q[:fixed].transpose(0, 1).unsqueeze(0), keys, values)] if fixed else []
+        if self.any_shape_ends:
+            def any_shape_rows(rows):  # [R, H, D] over every key -> [R, H, D]
+                return self.any_shape_kernel(rows.transpose(0, 1).unsqueeze(0), keys, values)[0][0].transpose(0, 1)
 
-    def _attend_rows(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """query [1, H, R, D] over the visible range's keys and values [1, H, N, D] -> [R, H, D]."""
-        if not self._fixed_shape(self._visible):
-            return self.any_shape_kernel(query, keys, values)[0][0].transpose(0, 1)
+            parts.append(in_launches(any_shape_rows, q[fixed:], self.any_shape_ends))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _fixed_shape_rows(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """query [1, H, R, D] over the full window's keys and values [1, H, N, D] -> [R, H, D]: the
+        patch keys through the fixed-shape kernel, the specials beside it, merged."""
         specials = self._visible.patch_start - self._visible.start
         (special_out, special_lse), (patch_out, patch_lse) = run_beside(
             self.side_stream,

@@ -81,6 +81,7 @@ class FlashInferRangeAttention:
         self._leftover_wrapper = None  # made by the first step that leaves rows over
         self._visible = None
         self.whole_rows = 0  # of the step's query rows, those in the kernel's whole waves (plan)
+        self.launch_ends: tuple[int, ...] = ()  # where each launch's query rows end (plan)
 
     def _new_wrapper(self, workspace_bytes: int = WORKSPACE_BYTES):
         workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.kv.device)
@@ -89,6 +90,7 @@ class FlashInferRangeAttention:
     def plan(self, visible, num_queries: int) -> None:
         self._visible = visible
         self.whole_rows = whole_wave_rows(num_queries, self.kv.num_heads, self.waves)
+        self.launch_ends = (self.whole_rows, num_queries) if self.whole_rows < num_queries else (num_queries,)
         self._plan(self._wrapper, self.whole_rows, visible.num_tokens)
         if self.whole_rows < num_queries:
             self._leftover_wrapper = self._leftover_wrapper or self._new_wrapper(LEFTOVER_WORKSPACE_BYTES)

@@ -15,6 +15,14 @@ on an H100 at 16 heads up to 832 rows: 922 us at 832 rows, 1,307 at 864 without 
 FlashInfer's planner splits the keys of a short query range likewise. The 18 rows over 75,504 keys
 took 132 us through flash, against a second wave of 1,255 us. Each query row's output is whole
 in one of the two launches: nothing to merge.
+
+Flash's split path is also faster per row than its whole blocks (two programs of 64 rows per SM
+against one of 128), so PyTorch's flash kernel gets its rows in launches that each take it: pieces
+of as many rows as the path holds (832 at 16 heads on an H100) and the rest. One global layer at
+518x322 (857 rows): 838 us as 832 + 25 rows against 1,066 in one launch; at 518x392 1,205 against
+1,421 for 1,024 + 18 (docs/PERFORMANCE.md, 2026-11-25, "flash in launches of its split path").
+Equal pieces (2 x 521 rows: 1,365 us) and the small launch on a second stream beside the large one
+gained nothing: a launch reads every key, so fewer launches win.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # Query rows per program, programs resident per SM, and the compute capability from which that holds,
@@ -32,15 +41,23 @@ import torch
 # memory-efficient kernel instead. cuDNN picks its kernel per architecture: Hopper's measured only.
 # FlashInfer's fa3 kernels plan their own split of the keys: flat to 1,536 rows, nothing to cut.
 LIBRARY_KERNELS = {"flash": (128, 1, 8), "flashinfer-fa2": (128, 1, 8), "cudnn": (128, 1, 9)}
+# PyTorch's flash kernel (FlashAttention-2, flash_api.cpp: num_splits_heuristic) splits the keys of a
+# launch whose 64-row query blocks of every head number fewer than 0.8 of its 2 programs per SM (the
+# comparison in float32, as there).
+SPLIT_PATH_KERNELS = ("flash",)
+SPLIT_PATH_BLOCK_ROWS = 64
 
 
 @dataclass(frozen=True)
 class KernelWaves:
     """How a kernel's programs fill the GPU: `block_rows` query rows of one head per program,
-    `slots` programs resident at once (SMs x programs per SM)."""
+    `slots` programs resident at once (SMs x programs per SM). A kernel with a split-KV path takes
+    it for a launch of fewer than `split_path_blocks` blocks of SPLIT_PATH_BLOCK_ROWS rows over all
+    heads (0: no such path)."""
 
     block_rows: int
     slots: int
+    split_path_blocks: float = 0.0
 
 
 def library_waves(kernel: str, device: torch.device | str) -> KernelWaves | None:
@@ -52,7 +69,38 @@ def library_waves(kernel: str, device: torch.device | str) -> KernelWaves | None
     block_rows, per_sm, capability = LIBRARY_KERNELS[kernel]
     if torch.cuda.get_device_capability(device)[0] < capability:
         return None
-    return KernelWaves(block_rows, per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return KernelWaves(block_rows, per_sm * sms, flash_split_path_blocks(sms) if kernel in SPLIT_PATH_KERNELS else 0.0)
+
+
+def flash_split_path_blocks(sms: int) -> float:
+    """FlashAttention-2's bound on a launch's query blocks for its split path: 0.8 x 2 programs a
+    SM, computed in float32 as the library does (211.2 on an H100's 132 SMs)."""
+    return float(np.float32(0.8) * np.float32(2 * sms))
+
+
+def split_path_rows(num_heads: int, waves: KernelWaves | None) -> int:
+    """The most query rows over `num_heads` heads that one launch runs on the kernel's split path
+    (0: none). Example, an H100's flash kernel at 16 heads: 13 blocks of 64 rows (208 < 211.2), 832."""
+    if waves is None or waves.split_path_blocks <= 0:
+        return 0
+    blocks = math.ceil(waves.split_path_blocks / num_heads) - 1  # the most with num_heads * blocks below the bound
+    return SPLIT_PATH_BLOCK_ROWS * max(blocks, 0)
+
+
+def launch_ends(num_queries: int, num_heads: int, waves: KernelWaves | None) -> tuple[int, ...]:
+    """Where the query rows of each launch end, in order, the last at num_queries: on a kernel with
+    a split path, pieces of split_path_rows and the rest; otherwise the whole waves' rows and the
+    leftover (whole_wave_rows), or one launch.
+
+    Example, an H100's flash kernel at 16 heads: 857 rows -> (832, 857); 1,042 -> (832, 1,042);
+    1,900 -> (832, 1,664, 1,900); 820 -> (820,).
+    """
+    piece = split_path_rows(num_heads, waves)
+    if piece > 0:
+        return tuple(range(piece, num_queries, piece)) + (num_queries,)
+    whole = whole_wave_rows(num_queries, num_heads, waves)
+    return (whole, num_queries) if whole < num_queries else (num_queries,)
 
 
 def whole_wave_rows(num_queries: int, num_heads: int, waves: KernelWaves | None) -> int:

@@ -25,7 +25,8 @@ only waves of at most 7/8 of the slots (224 tiles on an H100: the rule before 24
 process, whose compile helpers compiled the defaults only). `dense`, `cudnn` and `flashinfer` stream
 with --attention dense, dense-cudnn or dense-flashinfer, and `dense_uncut`, `cudnn_uncut` and
 `flashinfer_uncut` the same without the cut of the rows past a library kernel's last whole wave
-(cache/leftover_rows.py).
+(cache/leftover_rows.py), and `dense_waves` --attention dense with that cut but without flash's rows
+in pieces of its split path (the rule before the pieces).
 
 torch.compile compiles the blocks and heads once per input size (~40 s a size on a fresh
 machine). --compile-workers N starts N helper processes that stream a few frames at each size
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -70,7 +72,13 @@ PREFIX_VARIANTS = {"whole_wave": (0.0, PREFIX[1], PREFIX[2]), "prefix_all": (1.0
 # variant -> the --attention it streams with (the others: auto)
 BACKEND_VARIANTS = {"dense": "dense", "cudnn": "dense-cudnn", "flashinfer": "dense-flashinfer"}
 BACKEND_VARIANTS.update({f"{variant}_uncut": name for variant, name in list(BACKEND_VARIANTS.items())})
+BACKEND_VARIANTS["dense_waves"] = "dense"
 LIBRARY_WAVES = backends.library_waves
+
+
+def waves_without_split_path(kernel, device):
+    waves = LIBRARY_WAVES(kernel, device)
+    return None if waves is None else dataclasses.replace(waves, split_path_blocks=0.0)
 
 
 def use_variant(model, variant: str) -> None:
@@ -92,7 +100,8 @@ def use_variant(model, variant: str) -> None:
         if isinstance(module, Attention):
             module.self_attention = frame_attention
     use_launch_order(variant == "pdl")
-    backends.library_waves = (lambda kernel, device: None) if variant.endswith("_uncut") else LIBRARY_WAVES
+    backends.library_waves = ((lambda kernel, device: None) if variant.endswith("_uncut") else
+                              waves_without_split_path if variant.endswith("_waves") else LIBRARY_WAVES)
 
 
 def use_launch_order(programmatic: bool) -> None:

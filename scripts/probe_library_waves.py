@@ -11,6 +11,12 @@ past their last whole wave in a launch of their own buys (GPU machine).
 2. --rows: each kernel's time against the query count, 512 ... 2,112 rows in steps of 32, at
    75,504 keys: where the time steps tells the rows of a program and the programs of a wave
    (leftover_rows.LIBRARY_KERNELS).
+3. --pieces: at every frame size, (a) flash over the rows in launches that each take its split-KV
+   path (at most `split_rows`: the most rows FlashAttention-2 still splits, from its heuristic),
+   as a first piece of that many rows and the rest, or as equal pieces, against the whole-wave cut;
+   (b) past cuDNN's whole waves, the leftover rows through cuDNN over the patch keys cut into groups
+   of f frames (a batch), the specials through flash, merged by log-sum-exp, against the leftover
+   through flash over every key.
 Medians of CUDA-event timings (triton.testing.do_bench, L2 cleared before each run).
 """
 
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import traceback
 from functools import partial
 
@@ -26,7 +33,8 @@ import triton
 
 from stream_recon.cache import leftover_rows as lr
 from stream_recon.cache.dense import VisibleRange
-from stream_recon.cache.dense_attention import DenseAttention, DenseKV, SplitCudnnAttention
+from stream_recon.cache.dense_attention import DenseAttention, DenseKV, SplitCudnnAttention, _sdpa_tokens
+from stream_recon.cache.streams import run_beside
 
 HEADS, HEAD_DIM, SPECIALS, FRAMES = 16, 64, 912, 72
 
@@ -109,7 +117,7 @@ def frame_sizes(heights: list[int]) -> list[dict]:
                 reference = out if reference is None else reference
                 row[f"{name}_us"] = round(bench(partial(backend.attend, 0, q)), 1)
                 row[f"{name}_error"] = relative_error(out, reference)
-                row[f"{name}_whole_rows"] = backend.whole_rows
+                row[f"{name}_launch_ends"] = backend.launch_ends
             except Exception:
                 traceback.print_exc()
         rows.append(row)
@@ -138,17 +146,182 @@ def backends(kv, full: tuple[int, ...]) -> dict:
     return made
 
 
+def split_rows(num_heads: int, sms: int) -> int:
+    """The most query rows a FlashAttention-2 launch still splits the keys of: its 64-row blocks of
+    every head fewer than 0.8 x 2 x SMs (flash_api.cpp, num_splits_heuristic)."""
+    return 64 * (math.ceil(1.6 * sms / num_heads) - 1)
+
+
+def piece_ends(rows: int, first: int, equal: bool) -> list[int]:
+    """Launch ends over `rows` rows: pieces of at most `first` rows, equal ones or `first` each and the rest."""
+    count = math.ceil(rows / first)
+    if equal:
+        return [round(rows * (i + 1) / count) for i in range(count)]
+    return [min(rows, first * (i + 1)) for i in range(count)]
+
+
+def flash_pieces(keys, values, q, ends):
+    starts = [0] + ends[:-1]
+    return torch.cat([_sdpa_tokens(q[a:b], keys, values) for a, b in zip(starts, ends, strict=True)])
+
+
+def big_then_beside(side, big, small):
+    """big() on the current stream, then small() on `side`, enqueued after big() but not waiting for
+    it: the small launch's programs take what the big one leaves of the GPU."""
+    current = torch.cuda.current_stream()
+    before = torch.cuda.Event()
+    before.record(current)
+    first = big()
+    side.wait_event(before)
+    with torch.cuda.stream(side):
+        second = small()
+    current.wait_stream(side)
+    return first, second
+
+
+def flash_two_beside(keys, values, q, split_at, side, big_first):
+    big = partial(_sdpa_tokens, q[:split_at], keys, values)
+    small = partial(_sdpa_tokens, q[split_at:], keys, values)
+    if big_first:
+        first, second = big_then_beside(side, big, small)
+    else:
+        second, first = run_beside(side, small, big)
+    return torch.cat([first, second])
+
+
+def cudnn_leftover_beside(backend, q, side, big_first):
+    """SplitCudnnAttention's cut step with its leftover rows (flash over every key) beside the
+    whole rows' launches instead of after them."""
+    visible, whole = backend._visible, backend.whole_rows
+    keys, values = (t.transpose(0, 1).unsqueeze(0) for t in backend.kv.keys_values(0, visible.start, visible.end))
+    query = q.transpose(0, 1).unsqueeze(0)
+    big = partial(backend._attend_rows, query[:, :, :whole], keys, values)
+    small = partial(backend.any_shape_kernel, query[:, :, whole:], keys, values)
+    if big_first:
+        first, second = big_then_beside(side, big, small)
+    else:
+        second, first = run_beside(side, small, big)
+    return torch.cat([first, second[0][0].transpose(0, 1)])
+
+
+def cudnn_groups(q_rows, keys, values, specials: int, frames: int, frames_per_group: int):
+    """q_rows [L, H, D] over keys/values [N, H, D] (specials first, then `frames` equal frames of
+    patches): the patch keys as a batch of groups through cuDNN, the specials through flash.
+    Returns the partial outputs [G + 1, H, L, D] and log-sum-exps [G + 1, H, L]."""
+    groups = frames // frames_per_group
+    patch_keys, patch_values = keys[specials:], values[specials:]
+    per_group = patch_keys.shape[0] // groups
+
+    def grouped(t):  # [G * n, H, D] -> [G, H, n, D], a view
+        return t.view(groups, per_group, *t.shape[1:]).transpose(1, 2)
+
+    query = q_rows.transpose(0, 1)[None]  # [1, H, L, D]
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        query.expand(groups, -1, -1, -1), grouped(patch_keys), grouped(patch_values), None, True)[:2]
+    special_out, special_lse = torch.ops.aten._scaled_dot_product_flash_attention(
+        query, keys[:specials].transpose(0, 1)[None], values[:specials].transpose(0, 1)[None])[:2]
+    shape = out.shape[:3]
+    return (torch.cat([out, special_out]),
+            torch.cat([lse.reshape(shape).float(), special_lse.reshape(special_out.shape[:3]).float()]))
+
+
+def merge_partials(outs, lses):
+    """[P, H, L, D] and [P, H, L] -> [L, H, D]."""
+    top = lses.max(0).values
+    weights = torch.exp(lses - top)
+    merged = (outs.float() * weights[..., None]).sum(0) / weights.sum(0)[..., None]
+    return merged.to(outs.dtype).transpose(0, 1)
+
+
+def pieces(heights: list[int], beside_only: bool = False) -> list[dict]:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    split = split_rows(HEADS, sms)
+    cudnn_waves = lr.library_waves("cudnn", "cuda")
+    print(f"flash split rows {split}", flush=True)
+    side = torch.cuda.Stream()
+    rows_out = []
+    for height in heights:
+        num_queries = tokens(height)
+        patches = num_queries - 6
+        num_keys = FRAMES * patches + SPECIALS
+        kv = DenseKV(1, HEADS, HEAD_DIM, num_keys, torch.bfloat16, "cuda")
+        kv.store.normal_()
+        keys, values = kv.store[0, 0], kv.store[0, 1]
+        q = torch.randn(num_queries, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        reference = _sdpa_tokens(q, keys, values)
+        row = {"height": height, "tokens": num_queries, "keys": num_keys}
+        whole = lr.whole_wave_rows(num_queries, HEADS, lr.library_waves("flash", "cuda"))
+        candidates = {"flash_cut": [whole, num_queries] if whole < num_queries else [num_queries]}
+        if num_queries > split:
+            candidates["flash_prefix"] = piece_ends(num_queries, split, equal=False)
+            candidates["flash_equal"] = piece_ends(num_queries, split, equal=True)
+        for name, ends in candidates.items():
+            try:
+                out = flash_pieces(keys, values, q, ends)
+                row[f"{name}_us"] = round(bench(partial(flash_pieces, keys, values, q, ends)), 1)
+                row[f"{name}_ends"] = ends
+                row[f"{name}_error"] = relative_error(out, reference)
+                if len(ends) == 2 and name != "flash_equal":
+                    for big_first in (True, False):
+                        call = partial(flash_two_beside, keys, values, q, ends[0], side, big_first)
+                        label = f"{name}_beside_{'big' if big_first else 'small'}_first"
+                        row[f"{label}_us"] = round(bench(call), 1)
+                        row[f"{label}_error"] = relative_error(call(), reference)
+            except Exception:
+                traceback.print_exc()
+        cudnn = SplitCudnnAttention(kv, (FRAMES * patches,), fixed_shape_waves=cudnn_waves)
+        cudnn.plan(VisibleRange(0, num_keys, SPECIALS), num_queries)
+        row["cudnn_cut_us"] = round(bench(partial(cudnn.attend, 0, q)), 1)
+        if cudnn.whole_rows < num_queries:
+            for big_first in (True, False):
+                try:
+                    call = partial(cudnn_leftover_beside, cudnn, q, side, big_first)
+                    label = f"cudnn_beside_{'big' if big_first else 'small'}_first"
+                    row[f"{label}_us"] = round(bench(call), 1)
+                    row[f"{label}_error"] = relative_error(call(), reference)
+                except Exception:
+                    traceback.print_exc()
+        whole = lr.whole_wave_rows(num_queries, HEADS, cudnn_waves)
+        if whole < num_queries:
+            left = q[whole:]
+            row["leftover_rows"] = num_queries - whole
+            row["leftover_flash_us"] = round(bench(partial(_sdpa_tokens, left, keys, values)), 1)
+            for per_group in (3, 9) if beside_only else (1, 2, 3, 4, 6, 8, 9, 12, 18, 24):
+                try:
+                    outs, lses = cudnn_groups(left, keys, values, SPECIALS, FRAMES, per_group)
+                    row[f"leftover_cudnn_f{per_group}_us"] = round(
+                        bench(partial(cudnn_groups, left, keys, values, SPECIALS, FRAMES, per_group)), 1)
+                    row[f"leftover_cudnn_f{per_group}_error"] = relative_error(merge_partials(outs, lses),
+                                                                               reference[whole:])
+                    if per_group == 1:
+                        row["merge_f1_us"] = round(bench(partial(merge_partials, outs, lses)), 1)
+                except Exception:
+                    traceback.print_exc()
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+        del kv
+        torch.cuda.empty_cache()
+    return rows_out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heights", default="280:518:14")
     parser.add_argument("--rows", action="store_true", help="the rows sweep too")
+    parser.add_argument("--pieces", action="store_true", help="flash in split-path pieces, cuDNN's leftover in key groups")
+    parser.add_argument("--beside-only", action="store_true", help="with --pieces: two cuDNN key groupings only")
+    parser.add_argument("--sizes", action="store_true", help="the frame-size sweep of every backend (section 1)")
     parser.add_argument("--json")
     args = parser.parse_args()
     first, last, step = map(int, args.heights.split(":"))
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "sms": torch.cuda.get_device_properties(0).multi_processor_count}
     print(report, flush=True)
-    report["frame_sizes"] = frame_sizes(list(range(first, last + 1, step)))
+    heights = list(range(first, last + 1, step))
+    if args.sizes or not (args.rows or args.pieces):
+        report["frame_sizes"] = frame_sizes(heights)
+    if args.pieces:
+        report["pieces"] = pieces(heights, beside_only=args.beside_only)
     if args.rows:
         report["rows"] = rows_sweep(FRAMES * (tokens(392) - 6) + SPECIALS)
     if args.json:

@@ -1,6 +1,6 @@
-"""The rows past a library kernel's last whole wave (cache/leftover_rows.py): where the cut falls
-(hypothesis), and the dense backends that cut computing what they compute uncut (CPU, float64,
-with small waves standing in for a GPU's)."""
+"""The rows past a library kernel's last whole wave, and flash's rows in pieces of its split path
+(cache/leftover_rows.py): where the cuts fall (hypothesis), and the dense backends that cut
+computing what they compute uncut (CPU, float64, with small waves standing in for a GPU's)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,17 @@ from stream_recon.cache import (
     VisibleRange,
     backends,
 )
-from stream_recon.cache.leftover_rows import KernelWaves, library_waves, whole_wave_rows
+from stream_recon.cache.leftover_rows import (
+    KernelWaves,
+    flash_split_path_blocks,
+    launch_ends,
+    library_waves,
+    split_path_rows,
+    whole_wave_rows,
+)
 
 H100_FLASH = KernelWaves(block_rows=128, slots=132)
+H100_FLASH_SPLIT = KernelWaves(block_rows=128, slots=132, split_path_blocks=flash_split_path_blocks(132))
 
 
 @pytest.mark.parametrize(("rows", "expected"), [(746, 746), (1005, 1005), (1024, 1024), (1025, 1024), (1042, 1024),
@@ -49,6 +57,39 @@ def test_whole_waves_hold_whole_blocks_of_every_head_and_leave_less_than_a_wave(
 
 def test_no_waves_no_cut():
     assert whole_wave_rows(1042, 16, None) == 1042
+    assert launch_ends(1042, 16, None) == (1042,) and split_path_rows(16, None) == 0
+
+
+@pytest.mark.parametrize(("rows", "expected"), [(783, (783,)), (832, (832,)), (833, (832, 833)), (857, (832, 857)),
+                                                (1042, (832, 1042)), (1900, (832, 1664, 1900))])
+def test_the_h100_flash_kernel_runs_pieces_of_832_rows_on_its_split_path(rows, expected):
+    # FlashAttention-2 splits a launch of fewer than 0.8 x 264 = 211.2 blocks of 64 rows: 13 x 16 heads
+    assert flash_split_path_blocks(132) == pytest.approx(211.2, abs=1e-4)
+    assert split_path_rows(16, H100_FLASH_SPLIT) == 832
+    assert launch_ends(rows, 16, H100_FLASH_SPLIT) == expected
+
+
+@pytest.mark.parametrize(("sms", "heads", "rows"), [(60, 16, 320), (80, 16, 448), (108, 16, 640), (128, 16, 768),
+                                                    (132, 8, 1664), (132, 300, 0)])
+def test_the_split_path_bound_is_strict_as_the_library_compares_it(sms, heads, rows):
+    # 60 and 80 SMs put the bound on a whole number of blocks (96 and 128), which stays unsplit
+    assert split_path_rows(heads, KernelWaves(128, sms, flash_split_path_blocks(sms))) == rows
+
+
+@given(rows=st.integers(1, 20_000), heads=st.integers(1, 64), block_rows=st.integers(1, 256),
+       slots=st.integers(1, 600), split_path_blocks=st.sampled_from([0.0, 0.5, 96.0, 211.2, 1000.0]))
+def test_launches_cover_the_rows_in_order_and_take_the_split_path_or_whole_waves(rows, heads, block_rows, slots,
+                                                                                split_path_blocks):
+    waves = KernelWaves(block_rows, slots, split_path_blocks)
+    ends = launch_ends(rows, heads, waves)
+    sizes = [end - start for start, end in zip((0, *ends[:-1]), ends, strict=True)]
+    assert ends[-1] == rows and min(sizes) > 0
+    piece = split_path_rows(heads, waves)
+    if piece:  # every launch on the split path (fewer blocks of 64 rows than the bound), all but the last whole
+        assert all(heads * math.ceil(size / 64) < split_path_blocks for size in sizes)
+        assert all(size == piece for size in sizes[:-1]) and sizes[-1] <= piece
+    else:
+        assert ends == ((rows,) if whole_wave_rows(rows, heads, waves) == rows else (whole_wave_rows(rows, heads, waves), rows))
 
 
 def test_the_cpu_has_no_waves_and_its_dense_backends_no_cut():
@@ -59,20 +100,25 @@ def test_the_cpu_has_no_waves_and_its_dense_backends_no_cut():
     assert cache.backend.waves is None
 
 
-def test_dense_attention_with_its_leftover_rows_apart_equals_it_uncut():
+@pytest.mark.parametrize("split_path_blocks", [0.0, 5.0])
+def test_dense_attention_in_launches_equals_it_uncut(split_path_blocks):
     kv = DenseKV(1, 2, 8, 300, torch.float64, "cpu")
     kv.store.normal_(generator=torch.Generator().manual_seed(0))
-    waves = KernelWaves(block_rows=4, slots=6)  # 3 blocks of 4 rows a wave at 2 heads: 12 rows
+    # 3 blocks of 4 rows a wave at 2 heads: 12 rows; or a split path of 2 blocks of 64 rows at 2 heads (4 < 5)
+    waves = KernelWaves(block_rows=4, slots=6, split_path_blocks=split_path_blocks)
     cut, uncut = DenseAttention(kv, waves), DenseAttention(kv)
     generator = torch.Generator().manual_seed(1)
     for rows, visible in [(13, VisibleRange(5, 290, 25)), (24, VisibleRange(0, 7, 3)), (30, VisibleRange(40, 41, 40)),
-                          (12, VisibleRange(5, 290, 25))]:
+                          (12, VisibleRange(5, 290, 25)), (300, VisibleRange(5, 290, 25))]:
         q = torch.randn(rows, 2, 8, generator=generator, dtype=torch.float64)
         cut.plan(visible, rows)
         uncut.plan(visible, rows)
-        assert cut.whole_rows == whole_wave_rows(rows, 2, waves) and uncut.whole_rows == rows
+        assert cut.launch_ends == launch_ends(rows, 2, waves) and uncut.launch_ends == (rows,)
         torch.testing.assert_close(cut.attend(0, q), uncut.attend(0, q), rtol=0, atol=1e-12)
-    assert whole_wave_rows(13, 2, waves) == 12 and whole_wave_rows(30, 2, waves) == 24  # both cut above
+    if split_path_blocks:  # pieces of 128 rows
+        assert launch_ends(300, 2, waves) == (128, 256, 300) and launch_ends(24, 2, waves) == (24,)
+    else:  # both cut past their whole waves
+        assert launch_ends(13, 2, waves) == (12, 13) and launch_ends(30, 2, waves) == (24, 30)
 
 
 def test_split_attention_with_its_leftover_rows_apart_equals_dense_attention_through_a_stream():
