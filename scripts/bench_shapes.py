@@ -25,8 +25,9 @@ only waves of at most 7/8 of the slots (224 tiles on an H100: the rule before 24
 process, whose compile helpers compiled the defaults only). `dense`, `cudnn` and `flashinfer` stream
 with --attention dense, dense-cudnn or dense-flashinfer, and `dense_uncut`, `cudnn_uncut` and
 `flashinfer_uncut` the same without the cut of the rows past a library kernel's last whole wave
-(cache/leftover_rows.py), and `dense_waves` --attention dense with that cut but without flash's rows
-in pieces of its split path (the rule before the pieces).
+(cache/leftover_rows.py), `dense_waves` --attention dense with that cut but without flash's rows
+in pieces of its split path (the rule before the pieces), and `flashinfer_fa2` dense-flashinfer on
+FlashInfer's fa2 kernels (what it runs before Hopper) on any GPU.
 
 torch.compile compiles the blocks and heads once per input size (~40 s a size on a fresh
 machine). --compile-workers N starts N helper processes that stream a few frames at each size
@@ -72,8 +73,15 @@ PREFIX_VARIANTS = {"whole_wave": (0.0, PREFIX[1], PREFIX[2]), "prefix_all": (1.0
 # variant -> the --attention it streams with (the others: auto)
 BACKEND_VARIANTS = {"dense": "dense", "cudnn": "dense-cudnn", "flashinfer": "dense-flashinfer"}
 BACKEND_VARIANTS.update({f"{variant}_uncut": name for variant, name in list(BACKEND_VARIANTS.items())})
-BACKEND_VARIANTS["dense_waves"] = "dense"
+BACKEND_VARIANTS.update(dense_waves="dense", flashinfer_fa2="dense-flashinfer")
 LIBRARY_WAVES = backends.library_waves
+DENSE_FLASHINFER = backends.spec("dense-flashinfer")
+
+
+def dense_flashinfer_fa2(storage, layout, compile, device):
+    from stream_recon.cache.flashinfer_backend import FlashInferRangeAttention
+
+    return FlashInferRangeAttention(storage, variant="fa2", waves=backends.library_waves("flashinfer-fa2", device))
 
 
 def waves_without_split_path(kernel, device):
@@ -102,6 +110,8 @@ def use_variant(model, variant: str) -> None:
     use_launch_order(variant == "pdl")
     backends.library_waves = ((lambda kernel, device: None) if variant.endswith("_uncut") else
                               waves_without_split_path if variant.endswith("_waves") else LIBRARY_WAVES)
+    backends._BY_NAME["dense-flashinfer"] = (dataclasses.replace(DENSE_FLASHINFER, factory=dense_flashinfer_fa2)
+                                             if variant == "flashinfer_fa2" else DENSE_FLASHINFER)
 
 
 def use_launch_order(programmatic: bool) -> None:
