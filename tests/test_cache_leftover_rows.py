@@ -145,3 +145,32 @@ def test_split_attention_with_its_leftover_rows_apart_equals_dense_attention_thr
     # the any-shape kernel: whole waves (3) and the leftover (2) before the window fills; after it,
     # the specials of the whole waves' rows (4) and the leftover over every key (1)
     assert set(any_calls) == {3, 2, 4, 1}
+
+
+def test_split_attention_runs_its_any_shape_rows_in_split_path_pieces_through_a_stream():
+    """The any-shape (flash) kernel of dense-cudnn takes its rows in pieces of its split path: all rows
+    before the window is full, the leftover past the fixed-shape kernel's whole waves after."""
+    fixed_calls, any_calls = [], []
+
+    def fixed(q, k, v):
+        fixed_calls.append(q.shape[2])
+        return exact_attention(q, k, v)
+
+    def any_shape(q, k, v):
+        any_calls.append(q.shape[2])
+        return exact_attention(q, k, v)
+
+    # 300 rows. Fixed shapes: blocks of 110 rows, 2 a wave at 2 heads: 220 whole, 80 left over. Any
+    # shape: a split path below 3 blocks of 64 rows over 2 heads: pieces of 64 rows.
+    any_shape_waves = KernelWaves(1, 6, split_path_blocks=3.0)
+    assert split_path_rows(2, any_shape_waves) == 64
+
+    def split_for(kv, full_patch_tokens):
+        return SplitCudnnAttention(kv, full_patch_tokens, fixed, any_shape, fixed_shape_waves=KernelWaves(110, 4),
+                                   any_shape_waves=any_shape_waves)
+
+    stream_split_beside_dense(split_for, seed=3, rows=300)
+    assert set(fixed_calls) == {220}
+    # before the window fills: 4 pieces of 64 and 44; after it: the specials of the whole waves' rows
+    # (220) and the leftover's 80 rows as 64 + 16
+    assert set(any_calls) == {64, 44, 220, 16}
