@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import time
 from collections import deque
@@ -292,7 +293,31 @@ class ChunkedEngine:
         elif phase is Phase.SWITCH_PENDING:  # the spare is a frame behind at most: it takes this one alone
             self._rollover.spare.push(*frame)
         else:
-            self._outbox += self.alignment.receive(self.engine.push_checked(*frame))
+            self._outbox += self.alignment.receive(self._push_current(frame))
+
+    def _push_current(self, frame: tuple[torch.Tensor, float]) -> list[FramePrediction]:
+        """The current engine's push. Out of device memory in the stream's scale step (its one eager step,
+        after the warm-up started a spare beside it: on a 16 GB card at 518x392 the spare's estimate left
+        it too little, docs/PERFORMANCE.md, 2026-11-25), the spare goes and the step runs again: the
+        stream goes on as without a spare, its rollovers pausing it."""
+        try:
+            return self.engine.push_checked(*frame)
+        except torch.OutOfMemoryError:
+            if self._rollover is None or self.engine.num_frames > 0:
+                raise
+            logger.warning("out of device memory in the stream's first step beside the next chunk's spare: the "
+                           "spare goes, rollovers now pause the stream (--gpu-memory plans a run to fit a GPU)")
+            self._drop_spare()
+            return self.engine.push_checked(*frame)
+
+    def _drop_spare(self) -> None:
+        """Go on without a spare: its worker stopped and its device memory returned."""
+        self._rollover.close()
+        self._rollover = None
+        self.lookahead = False
+        if self.device.type == "cuda":
+            gc.collect()  # (the spare's engine and graphs, before the allocator returns their memory)
+            torch.cuda.empty_cache()
 
     def _chunk_is_full(self) -> bool:
         if self._phase is Phase.CATCHING_UP:  # the closed chunk is; the next (on the spare) cannot be yet
@@ -417,11 +442,7 @@ class ChunkedEngine:
         except Exception as error:  # e.g. out of memory on the worker: go on without a spare
             logger.warning("the next chunk's lookahead failed (%s: %s); rollovers now pause the stream",
                            type(error).__name__, error)
-            self._rollover.close()
-            self._rollover = None
-            self.lookahead = False
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self._drop_spare()
             self.alignment.forget()
             self.engine.reset()
             self._replay_in_place()
@@ -452,10 +473,11 @@ class ChunkedEngine:
 
         if engine.config.gpu_memory is not None:
             room = engine.config.gpu_memory - engine.memory_plan.estimate.total
-        else:  # free on the device, and what the allocator holds unused; minus a margin for the rest
+        else:
             free, _ = torch.cuda.mem_get_info(self.device)
             unused = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            room = free + unused - WORKSPACE_BYTES
+            own_steps = estimate_memory(self.model, engine.config, engine.image_size).activations
+            room = room_beside_engine(free, unused, own_steps)
         fitting = provisional_room_that_fits(spare_bytes, room, self._provisional_room)
         shown = smallest_provisional_room(self._provisional_room) if fitting is None else fitting
         logger.info("next chunk ahead of rollovers: %s (a second engine's cache, graphs and activations: %s; "
@@ -465,6 +487,16 @@ class ChunkedEngine:
             return False
         self._provisional_room = fitting
         return True
+
+
+def room_beside_engine(free: int, unused: int, own_step_bytes: int) -> int:
+    """Device bytes a spare may take beside an engine that holds its cache and graphs: what is free on
+    the device and what the allocator holds unused, less what the engine's own eager steps allocate
+    again (`own_step_bytes`, its largest step's activations: after the warm-up they sit unused in the
+    allocator, and the stream's scale step needs them) and a margin for workspaces and rounding. On a
+    16 GB card at 518x392 the spare sized without the step's activations left the stream's scale step
+    out of memory (docs/PERFORMANCE.md, 2026-11-25, "a 16 GB card")."""
+    return free + unused - own_step_bytes - WORKSPACE_BYTES
 
 
 def provisional_room_that_fits(spare_bytes: Callable[[int], int], available: int, asked: int) -> int | None:

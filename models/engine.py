@@ -138,7 +138,12 @@ class StreamingEngine:
                 self._buffer.append((image, timestamp))
                 if len(self._buffer) < self.config.scale_frames:
                     return finished
-                return finished + self._run_scale_frames()
+                try:
+                    return finished + self._run_scale_frames()
+                except BaseException:
+                    if self._buffer:  # the step took none of the frames: this push's goes, the others stay
+                        self._buffer.pop()
+                    raise
             return finished + self._run_streaming_frame(image, timestamp, cached)
         except BaseException:
             self._ready = finished + self._ready  # nothing computed is lost
@@ -314,12 +319,15 @@ class StreamingEngine:
 
     # -- phases ----------------------------------------------------------------------------
     def _run_scale_frames(self) -> list[FramePrediction]:
-        frames = [f for f, _ in self._buffer]
-        stamps = [t for _, t in self._buffer]
-        self._buffer = []
+        """The buffered frames' scale step. If the step fails, they stay buffered and the cache as it was,
+        so that the step can run again (ChunkedEngine does, out of memory beside a spare)."""
+        buffered = self._buffer
+        frames = [f for f, _ in buffered]
+        stamps = [t for _, t in buffered]
         count = len(frames)
         first_index = self.num_frames
         self._check_temporal_range(count)
+        self._buffer = []
         for _ in range(count):
             self.cache.append()
         if len({f.dtype for f in frames}) > 1:  # uint8 and float frames in one batch: all float
@@ -328,6 +336,7 @@ class StreamingEngine:
             staged = self.runner.run_scale_frames(torch.stack(frames), self.time_counter)
         except BaseException:
             self._undo_pending()
+            self._buffer = buffered
             raise
         self._commit(count)
         self.num_frames += count

@@ -630,6 +630,26 @@ def test_the_provisional_room_shrinks_until_the_spare_fits():
     assert provisional_room_that_fits(spare_bytes, 999, 0) is None
 
 
+def test_a_spare_sized_beside_an_engine_leaves_the_engine_its_own_step_and_the_margin():
+    """The free-memory room (no --gpu-memory): what is free and cached unused, less the engine's own
+    step activations, which its stream's scale step allocates again after the warm-up."""
+    from stream_recon.models.chunked import provisional_room_that_fits, room_beside_engine
+    from stream_recon.models.memory import WORKSPACE_BYTES
+
+    mib = 2**20
+    free, unused, own_step = 6600 * mib, 230 * mib, 440 * mib  # at the scale of a 518x392 engine and spare
+
+    def spare_bytes(room):  # a 518x392 spare: graphs, activations and 38 + room frame slots of 102 MiB
+        return 1300 * mib + (38 + room) * 102 * mib
+
+    room = provisional_room_that_fits(spare_bytes, room_beside_engine(free, unused, own_step), 20)
+    assert room is not None and room < 20
+    assert spare_bytes(room) + own_step + WORKSPACE_BYTES <= free + unused
+    assert spare_bytes(room + 4) + own_step + WORKSPACE_BYTES > free + unused  # the next larger room would not fit
+    # without the engine's own step the spare would have taken the next larger room
+    assert provisional_room_that_fits(spare_bytes, free + unused - WORKSPACE_BYTES, 20) == room + 4
+
+
 class SpareGate:
     """Holds the spare's worker thread at its next step until opened (StreamingEngine.push_checked
     patched: the spare is handed checked frames, and `push` goes through it too)."""
@@ -1007,3 +1027,59 @@ def test_a_warm_up_comes_before_the_first_frame_only(model, frames):
     plain.push(frames[0])
     with pytest.raises(ValueError, match="before its stream's first frame"):
         plain.warm_up(frames[1])
+
+
+def test_out_of_memory_in_the_scale_step_beside_a_spare_drops_the_spare_and_streams_as_without(model, frames,
+                                                                                               monkeypatch, caplog):
+    """A spare started by the warm-up can leave the stream's scale step (its one eager step) out of
+    device memory: the spare goes and the step runs again, and the stream emits what a run without a
+    spare emits."""
+    config, chunk_frames, overlap = StreamConfig(scale_frames=3, window=4), 8, 3
+    expected = run_live_marked(ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap,
+                                             lookahead=False), frames[:16])
+    engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=True)
+    engine.warm_up(frames[0])
+    assert engine._rollover is not None  # the warm-up started the spare
+    runner, calls = engine.engine.runner, []
+    run_scale_frames = runner.run_scale_frames
+
+    def out_of_memory_once(*args):
+        calls.append(len(args))
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
+        return run_scale_frames(*args)
+
+    monkeypatch.setattr(runner, "run_scale_frames", out_of_memory_once)
+    with caplog.at_level("WARNING", logger="stream_recon.models.chunked"):
+        final, pushes = run_live_marked(engine, frames[:16])
+    engine.close()
+    assert len(calls) >= 2 and engine._rollover is None and engine.lookahead is False  # (one scale step a chunk)
+    assert "spare goes" in caplog.text
+    assert pushes == expected[1] and final.keys() == expected[0].keys()
+    for index, prediction in final.items():
+        np.testing.assert_array_equal(prediction.depth, expected[0][index].depth)
+        np.testing.assert_array_equal(prediction.pose_enc, expected[0][index].pose_enc)
+
+
+def test_a_scale_step_that_fails_takes_no_frame(model, frames, monkeypatch):
+    """The buffered frames stay buffered and the cache as it was: the next push runs the step again."""
+    engine = StreamingEngine(model, StreamConfig(scale_frames=3, window=4))
+    reference = StreamingEngine(model, StreamConfig(scale_frames=3, window=4))
+    assert engine.push(frames[0]) == [] and engine.push(frames[1]) == []  # (the first frame sets the runner up)
+    run_scale_frames, calls = engine.runner.run_scale_frames, []
+
+    def fail_once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a stand-in failure")
+        return run_scale_frames(*args)
+
+    monkeypatch.setattr(engine.runner, "run_scale_frames", fail_once)
+    with pytest.raises(RuntimeError, match="stand-in"):
+        engine.push(frames[2])
+    assert engine.num_frames == 0 and len(engine._buffer) == 2
+    emitted = engine.push(frames[2]) + engine.push(frames[3]) + engine.finish()
+    expected = [p for frame in frames[:4] for p in reference.push(frame)] + reference.finish()
+    assert [p.frame_index for p in emitted] == [p.frame_index for p in expected] == [0, 1, 2, 3]
+    for ours, theirs in zip(emitted, expected, strict=True):
+        np.testing.assert_array_equal(ours.depth, theirs.depth)
