@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The defaults on a GPU with a 16 GB card's memory: a second process holds all but 16,376 MiB of the GPU
+# (what a 16 GB card reports in all), then the product path at 518x392 (keyframes all, then flow) with the
+# lookahead left to `auto`; each run's log in $OUT/<name>.log, its JSON in $OUT/e2e_<name>.json.
+#   (GPU machine, repository root, .whl carried) FRAMES=1000 bash scripts/device/run_fit16.sh
+set -uo pipefail
+source scripts/device/env.sh
+rm -f /tmp/hog_ready
+python3 - <<'PY' > "$OUT/hog.log" 2>&1 &
+import time, torch
+torch.empty(1, device="cuda")
+free, total = torch.cuda.mem_get_info()
+keep = 16376 * 2**20
+hog = torch.empty(free - keep, dtype=torch.uint8, device="cuda")
+free_after, _ = torch.cuda.mem_get_info()
+print(f"hog holds {(free - keep) / 2**30:.2f} GiB; {free_after / 2**30:.2f} GiB free of {total / 2**30:.2f}", flush=True)
+open("/tmp/hog_ready", "w").close()
+time.sleep(3600)
+PY
+hog=$!
+for i in $(seq 1 120); do [ -f /tmp/hog_ready ] && break; sleep 1; done
+cat "$OUT/hog.log"
+nvidia-smi --query-gpu=memory.used,memory.free --format=csv
+show() { python3 - "$OUT/e2e_$1.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+keys = ["steady_fps", "p50_ms", "p99_ms", "run_json_fps", "peak_gpu_gib", "peak_gpu_reserved_gib", "rollovers",
+        "rollovers_ahead", "provisional_frames", "lookahead_starts", "rollover_longest_ms", "rollover_longest_frame",
+        "longest_stall_ms", "keyframes", "compile_beside", "prediction_100_from_process_start_s"]
+print({k: r.get(k) for k in keys})
+PY
+}
+run() { local name=$1; shift
+  python3 scripts/bench_e2e.py --video-dir /tmp --frames ${FRAMES:-1000} --video-size 640x480 --viewer --client --no-engine-run \
+    "$@" --json "$OUT/e2e_$name.json" > "$OUT/$name.log" 2>&1; echo "== $name rc=$?"
+  grep -i "next chunk ahead\|OutOfMemory\|Error" "$OUT/$name.log" | grep -v Warn | head -4
+  show $name; }
+run fit16all
+run fit16flow --keyframes flow --flow-threshold 4
+kill $hog
