@@ -475,9 +475,8 @@ class ChunkedEngine:
             room = engine.config.gpu_memory - engine.memory_plan.estimate.total
         else:
             free, _ = torch.cuda.mem_get_info(self.device)
-            unused = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             own_steps = estimate_memory(self.model, engine.config, engine.image_size).activations
-            room = room_beside_engine(free, unused, own_steps)
+            room = room_beside_engine(free, own_steps)
         fitting = provisional_room_that_fits(spare_bytes, room, self._provisional_room)
         shown = smallest_provisional_room(self._provisional_room) if fitting is None else fitting
         logger.info("next chunk ahead of rollovers: %s (a second engine's cache, graphs and activations: %s; "
@@ -489,14 +488,15 @@ class ChunkedEngine:
         return True
 
 
-def room_beside_engine(free: int, unused: int, own_step_bytes: int) -> int:
+def room_beside_engine(free: int, own_step_bytes: int) -> int:
     """Device bytes a spare may take beside an engine that holds its cache and graphs: what is free on
-    the device and what the allocator holds unused, less what the engine's own eager steps allocate
-    again (`own_step_bytes`, its largest step's activations: after the warm-up they sit unused in the
-    allocator, and the stream's scale step needs them) and a margin for workspaces and rounding. On a
-    16 GB card at 518x392 the spare sized without the step's activations left the stream's scale step
-    out of memory (docs/PERFORMANCE.md, 2026-11-25, "a 16 GB card")."""
-    return free + unused - own_step_bytes - WORKSPACE_BYTES
+    the device, less what the engine's own eager steps allocate again (`own_step_bytes`, its largest
+    step's activations: the stream's scale step follows the warm-up) and a margin for workspaces and
+    rounding. What the allocator holds unused is not counted: those blocks belong to the engine's stream
+    and to its graphs' private pools, where the spare's stream cannot allocate; counting them, and then
+    counting the engine's step out of them too, left the stream's scale step out of memory on a 16 GB
+    card at 518x392 (docs/PERFORMANCE.md, 2026-11-25, "the defaults on a 16 GB card")."""
+    return free - own_step_bytes - WORKSPACE_BYTES
 
 
 def provisional_room_that_fits(spare_bytes: Callable[[int], int], available: int, asked: int) -> int | None:

@@ -631,23 +631,23 @@ def test_the_provisional_room_shrinks_until_the_spare_fits():
 
 
 def test_a_spare_sized_beside_an_engine_leaves_the_engine_its_own_step_and_the_margin():
-    """The free-memory room (no --gpu-memory): what is free and cached unused, less the engine's own
-    step activations, which its stream's scale step allocates again after the warm-up."""
+    """The free-memory room (no --gpu-memory): what is free on the device, less the engine's own step
+    activations, which its stream's scale step allocates again after the warm-up, and the margin."""
     from stream_recon.models.chunked import provisional_room_that_fits, room_beside_engine
     from stream_recon.models.memory import WORKSPACE_BYTES
 
     mib = 2**20
-    free, unused, own_step = 6600 * mib, 230 * mib, 440 * mib  # at the scale of a 518x392 engine and spare
+    free, own_step = 6830 * mib, 440 * mib  # at the scale of a 518x392 engine and spare
 
     def spare_bytes(room):  # a 518x392 spare: graphs, activations and 38 + room frame slots of 102 MiB
         return 1300 * mib + (38 + room) * 102 * mib
 
-    room = provisional_room_that_fits(spare_bytes, room_beside_engine(free, unused, own_step), 20)
+    room = provisional_room_that_fits(spare_bytes, room_beside_engine(free, own_step), 20)
     assert room is not None and room < 20
-    assert spare_bytes(room) + own_step + WORKSPACE_BYTES <= free + unused
-    assert spare_bytes(room + 4) + own_step + WORKSPACE_BYTES > free + unused  # the next larger room would not fit
+    assert spare_bytes(room) + own_step + WORKSPACE_BYTES <= free
+    assert spare_bytes(room + 4) + own_step + WORKSPACE_BYTES > free  # the next larger room would not fit
     # without the engine's own step the spare would have taken the next larger room
-    assert provisional_room_that_fits(spare_bytes, free + unused - WORKSPACE_BYTES, 20) == room + 4
+    assert provisional_room_that_fits(spare_bytes, free - WORKSPACE_BYTES, 20) == room + 4
 
 
 class SpareGate:
