@@ -493,9 +493,10 @@ def room_beside_engine(free: int, own_step_bytes: int) -> int:
     the device, less what the engine's own eager steps allocate again (`own_step_bytes`, its largest
     step's activations: the stream's scale step follows the warm-up) and a margin for workspaces and
     rounding. What the allocator holds unused is not counted: those blocks belong to the engine's stream
-    and to its graphs' private pools, where the spare's stream cannot allocate; counting them, and then
-    counting the engine's step out of them too, left the stream's scale step out of memory on a 16 GB
-    card at 518x392 (docs/PERFORMANCE.md, 2026-11-25, "the defaults on a 16 GB card")."""
+    and to its graphs' private pools, which the spare's stream gets only by the allocator returning them
+    to the device, i.e. taking them from the engine. Where they were counted, the stream's scale step ran
+    out of memory beside the spare on a 16 GB card at 518x392 (docs/PERFORMANCE.md, 2026-11-25, "the
+    defaults on a 16 GB card"); this rule is not yet measured there."""
     return free - own_step_bytes - WORKSPACE_BYTES
 
 
