@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .leftover_rows import KernelWaves, whole_wave_rows
+from .leftover_rows import KernelWaves, launch_ends
 from .paged_attention import PagedKV
 from .pages import VisiblePages
 
@@ -80,8 +80,8 @@ class FlashInferRangeAttention:
         self._wrapper = self._new_wrapper()
         self._leftover_wrapper = None  # made by the first step that leaves rows over
         self._visible = None
-        self.whole_rows = 0  # of the step's query rows, those in the kernel's whole waves (plan)
-        self.launch_ends: tuple[int, ...] = ()  # where each launch's query rows end (plan)
+        # (plan) where each launch's query rows end: the kernel's whole waves' rows, then the rest
+        self.launch_ends: tuple[int, ...] = ()
 
     def _new_wrapper(self, workspace_bytes: int = WORKSPACE_BYTES):
         workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.kv.device)
@@ -89,12 +89,12 @@ class FlashInferRangeAttention:
 
     def plan(self, visible, num_queries: int) -> None:
         self._visible = visible
-        self.whole_rows = whole_wave_rows(num_queries, self.kv.num_heads, self.waves)
-        self.launch_ends = (self.whole_rows, num_queries) if self.whole_rows < num_queries else (num_queries,)
-        self._plan(self._wrapper, self.whole_rows, visible.num_tokens)
-        if self.whole_rows < num_queries:
+        self.launch_ends = launch_ends(num_queries, self.kv.num_heads, self.waves)
+        whole = self.launch_ends[0]
+        self._plan(self._wrapper, whole, visible.num_tokens)
+        if whole < num_queries:
             self._leftover_wrapper = self._leftover_wrapper or self._new_wrapper(LEFTOVER_WORKSPACE_BYTES)
-            self._plan(self._leftover_wrapper, num_queries - self.whole_rows, visible.num_tokens)
+            self._plan(self._leftover_wrapper, num_queries - whole, visible.num_tokens)
 
     def _plan(self, wrapper, num_queries: int, num_keys: int) -> None:
         device = self.kv.device
@@ -111,7 +111,7 @@ class FlashInferRangeAttention:
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         keys, values = self.kv.keys_values(layer, self._visible.start, self._visible.end)
-        q, whole = q.to(self.kv.dtype), self.whole_rows
+        q, whole = q.to(self.kv.dtype), self.launch_ends[0]
         if whole == q.shape[0]:
             return self._wrapper.run(q.contiguous(), keys, values)
         return torch.cat([self._wrapper.run(q[:whole].contiguous(), keys, values),

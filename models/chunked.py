@@ -297,9 +297,9 @@ class ChunkedEngine:
 
     def _push_current(self, frame: tuple[torch.Tensor, float]) -> list[FramePrediction]:
         """The current engine's push. Out of device memory in the stream's scale step (its one eager step,
-        after the warm-up started a spare beside it: on a 16 GB card at 518x392 the spare's estimate left
-        it too little, docs/PERFORMANCE.md, 2026-11-25), the spare goes and the step runs again: the
-        stream goes on as without a spare, its rollovers pausing it."""
+        after the warm-up started a spare beside it; seen on a 16 GB card at 518x392, docs/PERFORMANCE.md,
+        2026-11-25, "the defaults on a 16 GB card"), the spare goes and the step runs again: the stream
+        goes on as without a spare, its rollovers pausing it."""
         try:
             return self.engine.push_checked(*frame)
         except torch.OutOfMemoryError:

@@ -12,7 +12,7 @@ past their last whole wave in a launch of their own buys (GPU machine).
    75,504 keys: where the time steps tells the rows of a program and the programs of a wave
    (leftover_rows.LIBRARY_KERNELS).
 3. --pieces: at every frame size, (a) flash over the rows in launches that each take its split-KV
-   path (at most `split_rows`: the most rows FlashAttention-2 still splits, from its heuristic),
+   path (at most leftover_rows.split_path_rows: the most rows FlashAttention-2 still splits),
    as a first piece of that many rows and the rest, or as equal pieces, against the whole-wave cut;
    (b) past cuDNN's whole waves, the leftover rows through cuDNN over the patch keys cut into groups
    of f frames (a batch), the specials through flash, merged by log-sum-exp, against the leftover
@@ -23,6 +23,7 @@ Medians of CUDA-event timings (triton.testing.do_bench, L2 cleared before each r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import traceback
@@ -33,7 +34,13 @@ import triton
 
 from stream_recon.cache import leftover_rows as lr
 from stream_recon.cache.dense import VisibleRange
-from stream_recon.cache.dense_attention import DenseAttention, DenseKV, SplitCudnnAttention, _sdpa_tokens
+from stream_recon.cache.dense_attention import (
+    DenseAttention,
+    DenseKV,
+    SplitCudnnAttention,
+    _sdpa_tokens,
+    in_launches,
+)
 from stream_recon.cache.streams import run_beside
 
 HEADS, HEAD_DIM, SPECIALS, FRAMES = 16, 64, 912, 72
@@ -146,23 +153,14 @@ def backends(kv, full: tuple[int, ...]) -> dict:
     return made
 
 
-def split_rows(num_heads: int, sms: int) -> int:
-    """The most query rows a FlashAttention-2 launch still splits the keys of: its 64-row blocks of
-    every head fewer than 0.8 x 2 x SMs (flash_api.cpp, num_splits_heuristic)."""
-    return 64 * (math.ceil(1.6 * sms / num_heads) - 1)
+def equal_piece_ends(rows: int, most: int) -> tuple[int, ...]:
+    """Launch ends over `rows` rows in as many equal pieces as hold at most `most` rows each."""
+    count = math.ceil(rows / most)
+    return tuple(round(rows * (i + 1) / count) for i in range(count))
 
 
-def piece_ends(rows: int, first: int, equal: bool) -> list[int]:
-    """Launch ends over `rows` rows: pieces of at most `first` rows, equal ones or `first` each and the rest."""
-    count = math.ceil(rows / first)
-    if equal:
-        return [round(rows * (i + 1) / count) for i in range(count)]
-    return [min(rows, first * (i + 1)) for i in range(count)]
-
-
-def flash_pieces(keys, values, q, ends):
-    starts = [0] + ends[:-1]
-    return torch.cat([_sdpa_tokens(q[a:b], keys, values) for a, b in zip(starts, ends, strict=True)])
+def flash_in_launches(keys, values, q, ends):
+    return in_launches(lambda rows: _sdpa_tokens(rows, keys, values), q, ends)
 
 
 def big_then_beside(side, big, small):
@@ -192,10 +190,10 @@ def flash_two_beside(keys, values, q, split_at, side, big_first):
 def cudnn_leftover_beside(backend, q, side, big_first):
     """SplitCudnnAttention's cut step with its leftover rows (flash over every key) beside the
     whole rows' launches instead of after them."""
-    visible, whole = backend._visible, backend.whole_rows
+    visible, whole = backend._visible, backend.fixed_rows
     keys, values = (t.transpose(0, 1).unsqueeze(0) for t in backend.kv.keys_values(0, visible.start, visible.end))
     query = q.transpose(0, 1).unsqueeze(0)
-    big = partial(backend._attend_rows, query[:, :, :whole], keys, values)
+    big = partial(backend._fixed_shape_rows, query[:, :, :whole], keys, values)
     small = partial(backend.any_shape_kernel, query[:, :, whole:], keys, values)
     if big_first:
         first, second = big_then_beside(side, big, small)
@@ -234,9 +232,8 @@ def merge_partials(outs, lses):
 
 
 def pieces(heights: list[int], beside_only: bool = False) -> list[dict]:
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    split = split_rows(HEADS, sms)
-    cudnn_waves = lr.library_waves("cudnn", "cuda")
+    flash_waves, cudnn_waves = lr.library_waves("flash", "cuda"), lr.library_waves("cudnn", "cuda")
+    split = lr.split_path_rows(HEADS, flash_waves)
     print(f"flash split rows {split}", flush=True)
     side = torch.cuda.Stream()
     rows_out = []
@@ -250,15 +247,16 @@ def pieces(heights: list[int], beside_only: bool = False) -> list[dict]:
         q = torch.randn(num_queries, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         reference = _sdpa_tokens(q, keys, values)
         row = {"height": height, "tokens": num_queries, "keys": num_keys}
-        whole = lr.whole_wave_rows(num_queries, HEADS, lr.library_waves("flash", "cuda"))
-        candidates = {"flash_cut": [whole, num_queries] if whole < num_queries else [num_queries]}
+        # the whole waves' cut (the rule before the pieces), pieces of the split path and the rest, equal pieces
+        candidates = {"flash_cut": lr.launch_ends(num_queries, HEADS, dataclasses.replace(flash_waves,
+                                                                                          split_path_blocks=0.0))}
         if num_queries > split:
-            candidates["flash_prefix"] = piece_ends(num_queries, split, equal=False)
-            candidates["flash_equal"] = piece_ends(num_queries, split, equal=True)
+            candidates["flash_prefix"] = lr.launch_ends(num_queries, HEADS, flash_waves)
+            candidates["flash_equal"] = equal_piece_ends(num_queries, split)
         for name, ends in candidates.items():
             try:
-                out = flash_pieces(keys, values, q, ends)
-                row[f"{name}_us"] = round(bench(partial(flash_pieces, keys, values, q, ends)), 1)
+                out = flash_in_launches(keys, values, q, ends)
+                row[f"{name}_us"] = round(bench(partial(flash_in_launches, keys, values, q, ends)), 1)
                 row[f"{name}_ends"] = ends
                 row[f"{name}_error"] = relative_error(out, reference)
                 if len(ends) == 2 and name != "flash_equal":
@@ -272,7 +270,7 @@ def pieces(heights: list[int], beside_only: bool = False) -> list[dict]:
         cudnn = SplitCudnnAttention(kv, (FRAMES * patches,), fixed_shape_waves=cudnn_waves)
         cudnn.plan(VisibleRange(0, num_keys, SPECIALS), num_queries)
         row["cudnn_cut_us"] = round(bench(partial(cudnn.attend, 0, q)), 1)
-        if cudnn.whole_rows < num_queries:
+        if cudnn.fixed_rows < num_queries:
             for big_first in (True, False):
                 try:
                     call = partial(cudnn_leftover_beside, cudnn, q, side, big_first)

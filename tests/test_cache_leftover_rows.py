@@ -121,56 +121,49 @@ def test_dense_attention_in_launches_equals_it_uncut(split_path_blocks):
         assert launch_ends(13, 2, waves) == (12, 13) and launch_ends(30, 2, waves) == (24, 30)
 
 
-def test_split_attention_with_its_leftover_rows_apart_equals_dense_attention_through_a_stream():
-    """dense-cudnn's leftover rows go to the any-shape kernel over every key, beside the fixed-shape
-    kernel's whole waves, whichever path the step takes."""
-    fixed_calls, any_calls = [], []
+def rows_each_kernel_took(fixed_shape_waves: KernelWaves, any_shape_waves: KernelWaves, rows: int,
+                          seed: int) -> tuple[set[int], set[int]]:
+    """Stream SplitCudnnAttention with exact kernels of these waves beside DenseAttention (equal
+    outputs, stream_split_beside_dense); the row counts the fixed-shape and any-shape kernels took."""
+    fixed_calls, any_calls = set(), set()
 
     def fixed(q, k, v):
-        fixed_calls.append(q.shape[2])
+        fixed_calls.add(q.shape[2])
         return exact_attention(q, k, v)
 
     def any_shape(q, k, v):
-        any_calls.append(q.shape[2])
+        any_calls.add(q.shape[2])
         return exact_attention(q, k, v)
 
+    def split_for(kv, full_patch_tokens):
+        return SplitCudnnAttention(kv, full_patch_tokens, fixed, any_shape, fixed_shape_waves=fixed_shape_waves,
+                                   any_shape_waves=any_shape_waves)
+
+    stream_split_beside_dense(split_for, seed=seed, rows=rows)
+    return fixed_calls, any_calls
+
+
+def test_split_attention_with_its_leftover_rows_apart_equals_dense_attention_through_a_stream():
+    """dense-cudnn's leftover rows go to the any-shape kernel over every key, beside the fixed-shape
+    kernel's whole waves, whichever path the step takes."""
     # 5 rows. Fixed shapes: blocks of 2 rows, 2 a wave (4 slots at 2 heads): 4 rows whole, 1 left
     # over. Any shape: blocks of 1 row, 3 a wave: 3 rows whole, 2 left over.
-    def split_for(kv, full_patch_tokens):
-        return SplitCudnnAttention(kv, full_patch_tokens, fixed, any_shape, fixed_shape_waves=KernelWaves(2, 4),
-                                   any_shape_waves=KernelWaves(1, 6))
-
-    stream_split_beside_dense(split_for, seed=2, rows=5)
-    assert set(fixed_calls) == {4}  # the fixed-shape kernel saw the whole waves' rows only
+    fixed_calls, any_calls = rows_each_kernel_took(KernelWaves(2, 4), KernelWaves(1, 6), rows=5, seed=2)
+    assert fixed_calls == {4}  # the fixed-shape kernel saw the whole waves' rows only
     # the any-shape kernel: whole waves (3) and the leftover (2) before the window fills; after it,
     # the specials of the whole waves' rows (4) and the leftover over every key (1)
-    assert set(any_calls) == {3, 2, 4, 1}
+    assert any_calls == {3, 2, 4, 1}
 
 
 def test_split_attention_runs_its_any_shape_rows_in_split_path_pieces_through_a_stream():
     """The any-shape (flash) kernel of dense-cudnn takes its rows in pieces of its split path: all rows
     before the window is full, the leftover past the fixed-shape kernel's whole waves after."""
-    fixed_calls, any_calls = [], []
-
-    def fixed(q, k, v):
-        fixed_calls.append(q.shape[2])
-        return exact_attention(q, k, v)
-
-    def any_shape(q, k, v):
-        any_calls.append(q.shape[2])
-        return exact_attention(q, k, v)
-
     # 300 rows. Fixed shapes: blocks of 110 rows, 2 a wave at 2 heads: 220 whole, 80 left over. Any
     # shape: a split path below 3 blocks of 64 rows over 2 heads: pieces of 64 rows.
     any_shape_waves = KernelWaves(1, 6, split_path_blocks=3.0)
     assert split_path_rows(2, any_shape_waves) == 64
-
-    def split_for(kv, full_patch_tokens):
-        return SplitCudnnAttention(kv, full_patch_tokens, fixed, any_shape, fixed_shape_waves=KernelWaves(110, 4),
-                                   any_shape_waves=any_shape_waves)
-
-    stream_split_beside_dense(split_for, seed=3, rows=300)
-    assert set(fixed_calls) == {220}
+    fixed_calls, any_calls = rows_each_kernel_took(KernelWaves(110, 4), any_shape_waves, rows=300, seed=3)
+    assert fixed_calls == {220}
     # before the window fills: 4 pieces of 64 and 44; after it: the specials of the whole waves' rows
     # (220) and the leftover's 80 rows as 64 + 16
-    assert set(any_calls) == {64, 44, 220, 16}
+    assert any_calls == {64, 44, 220, 16}
