@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CUDA_CONTEXT_BYTES = 1 << 30  # a process's CUDA context and its libraries' workspaces, with a margin
 CHILD_WINDOW_SLOTS = 1  # the warm-up's streaming steps are uncached: one window slot is all it needs
 STOP_WAIT_S = 5.0  # a child asked to stop gets this long before it is killed
 
@@ -153,28 +152,28 @@ class CompiledSizes:
 
     def _room(self, device: Any) -> tuple[int, str]:
         """Bytes the child may take, and where they are: the device's free memory, and under --gpu-memory
-        no more than the budget leaves beside what this run's allocator has held at its peak (the budget
-        is the whole run's, its compile included)."""
+        no more than the budget leaves beside what this run's allocator has held at its peak and its CUDA
+        context (the budget is the whole run's, its compile included)."""
         import torch
 
         free = _free_bytes(device)
         if self.options.gpu_memory is None:
             return free, "free on the GPU"
-        from stream_recon.models.memory import parse_memory_size
+        from stream_recon.models.memory import CUDA_CONTEXT_BYTES, parse_memory_size
 
-        held = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
+        held = torch.cuda.max_memory_reserved(device) + CUDA_CONTEXT_BYTES if device.type == "cuda" else 0
         left = max(0, parse_memory_size(self.options.gpu_memory) - held)
         return (left, "left of --gpu-memory beside the run") if left < free else (free, "free on the GPU")
 
     def _bytes_needed(self, image_size: tuple[int, int]) -> int:
-        """The child's device memory: its engine's estimate with one window slot, and the float32 random
-        weights it prepares the model from."""
-        from stream_recon.models.memory import estimate_memory
+        """The child's device memory: its engine's tensors with one window slot, the float32 random
+        weights it prepares the model from, and a CUDA context of its own."""
+        from stream_recon.models.memory import CUDA_CONTEXT_BYTES, estimate_memory
 
         config = planned(self.stream_config, self.plan)
         engine = estimate_memory(self.model, config, image_size, window_slots=CHILD_WINDOW_SLOTS)
         float32_weights = 4 * sum(parameter.numel() for parameter in self.model.parameters())
-        return engine.total + float32_weights + CUDA_CONTEXT_BYTES
+        return engine.tensors + float32_weights + CUDA_CONTEXT_BYTES
 
     def poll(self) -> str:
         """The status now: not started, no room, already compiling, compiling, done or failed."""

@@ -41,7 +41,7 @@ from .chunks import TRAINED_VIEWS, ChunkAlignment, ChunkLink
 from .engine import StreamingEngine
 from .gct import GCTStream
 from .lookahead import SpareEngine
-from .memory import WORKSPACE_BYTES, estimate_memory, format_bytes
+from .memory import CUDA_CONTEXT_BYTES, WORKSPACE_BYTES, estimate_memory, format_bytes
 from .prediction import FramePrediction
 from .rollover import (
     MAX_PROVISIONAL,
@@ -194,7 +194,8 @@ class ChunkedEngine:
             return seconds
         started = time.perf_counter()
         self._start_spare(image)
-        self._rollover.spare.collect()  # its warm-up done: the stream's first frames share nothing with it
+        if not self._spare_warmed():
+            self._drop_spare()  # (outside the error's handler: its traceback holds the spare's tensors)
         seconds["spare_s"] = round(time.perf_counter() - started, 3)
         return seconds
 
@@ -307,8 +308,9 @@ class ChunkedEngine:
                 raise
             logger.warning("out of device memory in the stream's first step beside the next chunk's spare: the "
                            "spare goes, rollovers now pause the stream (--gpu-memory plans a run to fit a GPU)")
-            self._drop_spare()
-            return self.engine.push_checked(*frame)
+        # Outside the handler: the error's traceback holds the failed step's tensors until it ends.
+        self._drop_spare()
+        return self.engine.push_checked(*frame)
 
     def _drop_spare(self) -> None:
         """Go on without a spare: its worker stopped and its device memory returned."""
@@ -434,6 +436,18 @@ class ChunkedEngine:
         self._rollover = Rollover(spare, self.alignment, self._provisional_room)
         self._replay = deque(self._replay, maxlen=self.overlap + 1 + self._provisional_room)
 
+    def _spare_warmed(self) -> bool:
+        """Wait for the spare's warm-up; False where it ran out of device memory. Its room is an estimate,
+        and on a card with little to spare (a 16 GB card under --gpu-memory 16GiB, docs/PERFORMANCE.md) the
+        spare's own warm-up ran out of memory beside the engine."""
+        try:
+            self._rollover.spare.collect()  # its warm-up done: the stream's first frames share nothing with it
+        except torch.OutOfMemoryError as error:
+            logger.warning("out of device memory warming up the next chunk's spare (%s): the spare goes, rollovers "
+                           "now pause the stream", str(error).partition(".")[0])
+            return False
+        return True
+
     def _switch_to_spare(self) -> None:
         """The spare's predictions of the new chunk so far, and its frames taken over by the current
         engine. If the spare failed, the rollover happens in place instead, and later ones too."""
@@ -471,12 +485,12 @@ class ChunkedEngine:
             return estimate_memory(self.model, spare_config, engine.image_size,
                                    window_slots=self._spare_slots(provisional_room)).another_engine
 
+        free, _ = torch.cuda.mem_get_info(self.device)
+        budget_left = None
         if engine.config.gpu_memory is not None:
-            room = engine.config.gpu_memory - engine.memory_plan.estimate.total
-        else:
-            free, _ = torch.cuda.mem_get_info(self.device)
-            own_steps = estimate_memory(self.model, engine.config, engine.image_size).activations
-            room = room_beside_engine(free, own_steps)
+            budget_left = engine.config.gpu_memory - CUDA_CONTEXT_BYTES - torch.cuda.memory_reserved(self.device)
+        own_steps = estimate_memory(self.model, engine.config, engine.image_size).activations
+        room = room_beside_engine(free, own_steps, budget_left)
         fitting = provisional_room_that_fits(spare_bytes, room, self._provisional_room)
         shown = smallest_provisional_room(self._provisional_room) if fitting is None else fitting
         logger.info("next chunk ahead of rollovers: %s (a second engine's cache, graphs and activations: %s; "
@@ -488,16 +502,21 @@ class ChunkedEngine:
         return True
 
 
-def room_beside_engine(free: int, own_step_bytes: int) -> int:
+def room_beside_engine(free: int, own_step_bytes: int, budget_left: int | None = None) -> int:
     """Device bytes a spare may take beside an engine that holds its cache and graphs: what is free on
-    the device, less what the engine's own eager steps allocate again (`own_step_bytes`, its largest
-    step's activations: the stream's scale step follows the warm-up) and a margin for workspaces and
-    rounding. What the allocator holds unused is not counted: those blocks belong to the engine's stream
+    the device (under --gpu-memory, no more than `budget_left`, what the budget leaves beside the CUDA
+    context and what the allocator holds now), less what the engine's own eager steps allocate again
+    (`own_step_bytes`, its largest step's activations: the stream's scale step follows the warm-up) and a
+    margin for workspaces and rounding.
+
+    What the allocator holds unused is not counted as room: those blocks belong to the engine's stream
     and to its graphs' private pools, which the spare's stream gets only by the allocator returning them
-    to the device, i.e. taking them from the engine. Where they were counted, the stream's scale step ran
-    out of memory beside the spare on a 16 GB card at 518x392 (docs/PERFORMANCE.md, 2026-11-25, "the
-    defaults on a 16 GB card"); this rule is not yet measured there."""
-    return free - own_step_bytes - WORKSPACE_BYTES
+    to the device, i.e. taking them from the engine. Measured on a 16 GB card at 518x392
+    (docs/PERFORMANCE.md, "the spare's room on a 16 GB card"): counting them, the stream's scale step ran
+    out of memory beside the spare; so did the budget's room taken as the budget less the plan's estimate
+    (4.67 GiB, a 4.57 GiB spare); by this rule the spare took 4.19 GiB and every rollover ran ahead."""
+    available = free if budget_left is None else min(free, budget_left)
+    return available - own_step_bytes - WORKSPACE_BYTES
 
 
 def provisional_room_that_fits(spare_bytes: Callable[[int], int], available: int, asked: int) -> int | None:

@@ -11,6 +11,10 @@ What a run holds, and where each number comes from (MemoryEstimate's fields):
 | graph_pools | intermediates the recorded CUDA graphs keep for their replays | a multiple of one streaming step |
 | attention_copies | backends that read through a copy (an fp8 store dequantised, pages gathered): one layer's visible K and V | exact |
 | workspace | cuBLAS/cuDNN workspaces, staging buffers, the allocator's rounding | a fixed margin |
+| cuda_context | the CUDA context and its libraries' kernels, outside PyTorch's allocator (CUDA only) | a fixed margin, measured |
+
+A budget is what the whole process may hold on its GPU, its context included, as `nvidia-smi` counts a
+process: `--gpu-memory 16GiB` plans for a card of 16 GiB.
 
 `plan_memory` picks, in this order, the first setting whose estimate fits the budget: the settings
 as asked; the fp8 K/V cache (when the precision was left to `auto`: half the cache's bytes,
@@ -52,9 +56,15 @@ HEAD_INPUT_ELEMENTS_PER_TOKEN_CHANNEL = 8
 # tables are built in float64 on the first step of a frame size.
 DPT_ELEMENTS_PER_PIXEL = 455
 UV_TABLE_BYTES_PER_PIXEL = 665
-# Recorded CUDA graphs keep about one streaming step's intermediates in their private pools.
+# Recorded CUDA graphs keep about one streaming step's intermediates in their private pools. With the
+# fp8 cache the pools also hold the step's dequantised copies (attention_copies): 402.8 MiB at 518x392
+# (H100, windows 55-61) against 192.5 MiB of step and 266-283 MiB of copies estimated.
 GRAPH_POOL_STEPS = 1.0
 WORKSPACE_BYTES = 384 * 2**20
+# A process's device memory outside PyTorch's allocator: the CUDA context with the kernels its libraries
+# load: 0.74-0.82 GiB on an H100 (torch 2.11, read at out-of-memory errors: 15.92 GiB in use on a 16 GB card
+# against 15.10 GiB reserved by the allocator), rounded up for other drivers and libraries.
+CUDA_CONTEXT_BYTES = 2**30
 # The shortest window a plan falls back to: below it reconstructions degrade too much to be worth
 # the run; a budget that needs less is an error instead.
 MIN_WINDOW = 16
@@ -71,19 +81,26 @@ class MemoryEstimate:
     graph_pools: int
     attention_copies: int
     workspace: int
+    cuda_context: int = 0
 
     @property
     def total(self) -> int:
         return (self.weights + self.kv_cache + self.camera_cache + self.activations + self.graph_pools
-                + self.attention_copies + self.workspace)
+                + self.attention_copies + self.workspace + self.cuda_context)
+
+    @property
+    def tensors(self) -> int:
+        """What PyTorch's allocator holds at the peak: all but the CUDA context (torch's peak memory
+        counters compare with this)."""
+        return self.total - self.cuda_context
 
     @property
     def another_engine(self) -> int:
         """What this engine adds beside another over the same model (a chunk's spare, models/lookahead.py,
-        estimated with its window slots): all but the shared weights and workspace. Its activations
-        count too: it steps on a stream of its own, whose memory the allocator does not share with the
-        first engine's."""
-        return self.total - self.weights - self.workspace
+        estimated with its window slots): all but the shared weights, workspace and CUDA context. Its
+        activations count too: it steps on a stream of its own, whose memory the allocator does not share
+        with the first engine's."""
+        return self.total - self.weights - self.workspace - self.cuda_context
 
     def to_dict(self) -> dict[str, int]:
         return {**{name: getattr(self, name) for name in self.__dataclass_fields__}, "total": self.total}
@@ -276,6 +293,7 @@ class _Estimator:
             graph_pools=int(GRAPH_POOL_STEPS * streaming) if records else 0,
             attention_copies=copies,
             workspace=WORKSPACE_BYTES,
+            cuda_context=CUDA_CONTEXT_BYTES if self.device.type == "cuda" else 0,
         )
 
     def _backend(self, kv_cache: str) -> backends.BackendSpec:

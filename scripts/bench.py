@@ -24,7 +24,7 @@ from collections import defaultdict
 import torch
 
 from stream_recon.models import GCTStream, ModelConfig, StreamConfig, StreamingEngine, prepare_for_inference
-from stream_recon.models.memory import estimate_memory, parse_memory_size
+from stream_recon.models.memory import CUDA_CONTEXT_BYTES, estimate_memory, parse_memory_size
 from stream_recon.models.synthetic import load_synthetic_weights
 
 
@@ -121,9 +121,10 @@ def run(args) -> dict:
                           cuda_graphs=not args.no_graphs and not args.breakdown, pipeline=not args.no_pipeline,
                           kv_cache=args.kv_cache, gpu_memory=budget)
     if budget is not None and device == "cuda":
-        # Hold the process to the budget, as an 8 GB card would: an under-estimate is then an
-        # out-of-memory error here rather than a peak quietly above the plan.
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / torch.cuda.get_device_properties(0).total_memory))
+        # Hold the process to the budget, as an 8 GB card would (its allocator gets what the CUDA context
+        # leaves): an under-estimate is then an out-of-memory error here rather than a peak quietly above the plan.
+        allocator = budget - CUDA_CONTEXT_BYTES
+        torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, allocator / torch.cuda.get_device_properties(0).total_memory)))
     engine = StreamingEngine(model, config)
     engine.on_memory_plan = lambda plan: print(plan.describe(), flush=True)
     timer = StageTimer(model) if args.breakdown and device == "cuda" else None
@@ -294,7 +295,8 @@ def main():
     parser.add_argument("--kv-cache", default="auto", choices=["auto", "fp8"],
                         help="K/V cache precision (StreamConfig.kv_cache): auto = the model's, fp8 = e4m3 with scales")
     parser.add_argument("--gpu-memory", help="a budget such as 8GiB: StreamConfig.gpu_memory plans the cache for it, "
-                        "and the process is capped at it (torch.cuda.set_per_process_memory_fraction)")
+                        "and the process's allocator is capped at it less the CUDA context "
+                        "(torch.cuda.set_per_process_memory_fraction)")
     parser.add_argument("--reference", help="checkout of Robbyant/lingbot-map: time it too, in this process")
     parser.add_argument("--reference-fa3", action="store_true", help="the reference with its --fa3 kernels")
     parser.add_argument("--json", help="write the result here")

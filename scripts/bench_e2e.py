@@ -795,8 +795,9 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-gap", type=int, default=None, help="flow keyframes: most frames between keyframes")
     parser.add_argument("--kv-cache", default="auto", help="auto | fp8")
     parser.add_argument("--gpu-memory", default=None,
-                        help="a budget such as 8GiB: the run plans for it (--gpu-memory) and the process is capped at it "
-                        "(torch.cuda.set_per_process_memory_fraction), as on a GPU of that size")
+                        help="a budget such as 8GiB: the run plans for it (--gpu-memory) and the process's allocator is "
+                        "capped at it less the CUDA context (torch.cuda.set_per_process_memory_fraction), as on a GPU of "
+                        "that size")
     parser.add_argument("--lookahead", choices=sorted(LOOKAHEAD), default="auto",
                         help="the next chunk predicted beside the stream (ChunkedEngine's lookahead)")
     parser.add_argument("--loop-closure", choices=("auto", "on", "off"), default="auto")
@@ -836,11 +837,13 @@ def main() -> None:
     options = run_options(args, port)
     device = resolve_device(options.device)
     if args.gpu_memory and device.startswith("cuda"):
-        from stream_recon.models.memory import parse_memory_size
+        from stream_recon.models.memory import CUDA_CONTEXT_BYTES, parse_memory_size
 
         index = torch.device(device).index or 0
         total = torch.cuda.get_device_properties(index).total_memory
-        torch.cuda.set_per_process_memory_fraction(parse_memory_size(args.gpu_memory) / total, index)
+        # A card of that size: its allocator gets what the CUDA context leaves.
+        allocator = parse_memory_size(args.gpu_memory) - CUDA_CONTEXT_BYTES
+        torch.cuda.set_per_process_memory_fraction(max(0.0, allocator / total), index)
     dtype = resolve_dtype(options.dtype, device)
     sizes = args.video_size.split(",")
     videos = [Path(args.video)] if args.video else [bench_video(args, size) for size in sizes]

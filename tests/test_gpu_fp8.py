@@ -126,9 +126,12 @@ def test_fp8_cache_meets_the_issue_limits_against_golden(gpu_model, scenario, at
 
 def test_budget_run_peaks_within_its_plan(gpu_model):
     """The 8 GiB setting on the full model: 518x392 frames (a 640x480 video), scale 8, window 64,
-    an 8 GiB budget that the process is held to: the plan takes the fp8 cache, nothing runs out of
-    memory, and the measured peak stays under the plan's estimate and 7.5 GiB."""
+    an 8 GiB budget whose allocator is held to what an 8 GiB card leaves beside the CUDA context: the
+    plan takes the fp8 cache and, the context counted, a window a few frames shorter (61 on an H100,
+    saying so), nothing runs out of memory, the measured peak stays under the plan's estimate and the
+    allocator's with the context within the budget."""
     from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
+    from stream_recon.models.memory import CUDA_CONTEXT_BYTES, MIN_WINDOW
 
     hopper_with_triton()
     budget = 8 * 2**30
@@ -139,7 +142,7 @@ def test_budget_run_peaks_within_its_plan(gpu_model):
     already = torch.cuda.memory_allocated()
     assert already < 64 * 2**20, (f"{already / 2**30:.2f} GiB were allocated before this test: run it in a process of "
                                   "its own (pytest tests/test_gpu_fp8.py -k budget)")
-    torch.cuda.set_per_process_memory_fraction(budget / total)
+    torch.cuda.set_per_process_memory_fraction((budget - CUDA_CONTEXT_BYTES) / total)  # an 8 GiB card's allocator
     try:
         model = prepare_for_inference(gpu_model, "cuda", torch.bfloat16)
         engine = StreamingEngine(model, StreamConfig(scale_frames=8, window=64, gpu_memory=budget,
@@ -156,6 +159,7 @@ def test_budget_run_peaks_within_its_plan(gpu_model):
     plan = engine.memory_plan
     print(plan.describe())
     print(f"measured peak allocated {peak / 2**30:.2f} GiB, reserved {reserved / 2**30:.2f} GiB")
-    assert plan.kv_cache == "fp8" and plan.window == 64 and engine.stats()["cuda_graphs"]
+    assert plan.kv_cache == "fp8" and MIN_WINDOW <= plan.window <= 64 and engine.stats()["cuda_graphs"]
+    assert plan.window == 64 or "window was shortened from 64" in " ".join(plan.reasons)
     assert engine.cache.bytes_allocated == plan.estimate.kv_cache
-    assert peak <= plan.estimate.total and peak <= 7.5 * 2**30
+    assert peak <= plan.estimate.tensors and reserved + CUDA_CONTEXT_BYTES <= budget

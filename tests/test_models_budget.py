@@ -33,6 +33,20 @@ def total(model, config: StreamConfig, **changes) -> int:
     return estimate_memory(model, dataclasses.replace(config, **changes), SIZE).total
 
 
+def test_the_cuda_context_counts_in_the_budget_and_is_not_a_spares_or_the_allocators(prepared_tiny_model):
+    """A budget is the whole process's: on CUDA the estimate counts a context beside the tensors, which
+    a spare engine shares and torch's peak counters do not see. A CPU run has none."""
+    from stream_recon.models.memory import CUDA_CONTEXT_BYTES
+
+    config = StreamConfig(scale_frames=3, window=40, attention="dense")
+    on_cpu = estimate_memory(prepared_tiny_model, config, SIZE)
+    assert on_cpu.cuda_context == 0 and on_cpu.tensors == on_cpu.total
+    on_cuda = dataclasses.replace(on_cpu, cuda_context=CUDA_CONTEXT_BYTES)
+    assert on_cuda.total == on_cpu.total + CUDA_CONTEXT_BYTES and on_cuda.tensors == on_cpu.total
+    assert on_cuda.another_engine == on_cpu.another_engine
+    assert on_cuda.to_dict()["cuda_context"] == CUDA_CONTEXT_BYTES and "cuda context 1.00 GiB" in on_cuda.describe()
+
+
 # -- which choice for which budget -------------------------------------------------------------------
 def test_budget_that_holds_the_asked_settings_changes_nothing(prepared_tiny_model):
     config = StreamConfig(scale_frames=3, window=40, attention="dense")

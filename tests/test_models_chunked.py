@@ -650,6 +650,20 @@ def test_a_spare_sized_beside_an_engine_leaves_the_engine_its_own_step_and_the_m
     assert provisional_room_that_fits(spare_bytes, free - WORKSPACE_BYTES, 20) == room + 4
 
 
+
+def test_under_a_budget_the_spares_room_is_what_the_budget_leaves_beside_the_allocator_or_the_free_memory():
+    """--gpu-memory: what is free on the device is capped at what the budget leaves beside the CUDA context
+    and the allocator's reserved bytes (budget_left); the engine's own step and the margin come off either."""
+    from stream_recon.models.chunked import room_beside_engine
+    from stream_recon.models.memory import WORKSPACE_BYTES
+
+    mib = 2**20
+    free, own_step = 5180 * mib, 440 * mib
+    assert room_beside_engine(free, own_step, None) == free - own_step - WORKSPACE_BYTES
+    assert room_beside_engine(free, own_step, 4950 * mib) == 4950 * mib - own_step - WORKSPACE_BYTES
+    assert room_beside_engine(free, own_step, 9000 * mib) == room_beside_engine(free, own_step)  # the card decides
+    assert room_beside_engine(free, own_step, -mib) < 0  # an allocator already past the budget: no spare
+
 class SpareGate:
     """Holds the spare's worker thread at its next step until opened (StreamingEngine.push_checked
     patched: the spare is handed checked frames, and `push` goes through it too)."""
@@ -1055,6 +1069,36 @@ def test_out_of_memory_in_the_scale_step_beside_a_spare_drops_the_spare_and_stre
     engine.close()
     assert len(calls) >= 2 and engine._rollover is None and engine.lookahead is False  # (one scale step a chunk)
     assert "spare goes" in caplog.text
+    assert pushes == expected[1] and final.keys() == expected[0].keys()
+    for index, prediction in final.items():
+        np.testing.assert_array_equal(prediction.depth, expected[0][index].depth)
+        np.testing.assert_array_equal(prediction.pose_enc, expected[0][index].pose_enc)
+
+
+def test_out_of_memory_in_the_spares_warm_up_drops_the_spare_and_streams_as_without(model, frames, monkeypatch,
+                                                                                    caplog):
+    """A spare whose own warm-up runs out of device memory goes before the stream's first frame; the run
+    streams what a run without a spare streams, and asks for no spare again."""
+    from stream_recon.models import lookahead
+
+    config, chunk_frames, overlap = StreamConfig(scale_frames=3, window=4), 8, 3
+    expected = run_live_marked(ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap,
+                                             lookahead=False), frames[:16])
+    warmed = []
+
+    def out_of_memory(spare, image):
+        warmed.append(spare)
+        raise torch.OutOfMemoryError("CUDA out of memory. (a stand-in)")
+
+    monkeypatch.setattr(lookahead.SpareEngine, "_warm", out_of_memory)
+    engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=True)
+    with caplog.at_level("WARNING", logger="stream_recon.models.chunked"):
+        engine.warm_up(frames[0])
+    assert len(warmed) == 1 and engine._rollover is None and engine.lookahead is False
+    assert "warming up the next chunk's spare" in caplog.text
+    final, pushes = run_live_marked(engine, frames[:16])
+    engine.close()
+    assert len(warmed) == 1 and engine.rollovers_ahead == 0
     assert pushes == expected[1] and final.keys() == expected[0].keys()
     for index, prediction in final.items():
         np.testing.assert_array_equal(prediction.depth, expected[0][index].depth)
