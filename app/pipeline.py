@@ -291,13 +291,26 @@ class Run:
                     self._push(frame, progress, stop)
             except stream_errors as failure:
                 error = str(failure)
+            except torch.OutOfMemoryError as failure:
+                error = self._out_of_memory_message(failure)
             try:
                 progress.update(self._emit(self.clock.time_engine(self.engine.finish)))
             except stream_errors as failure:
                 error = error or str(failure)
+            except torch.OutOfMemoryError as failure:  # the buffered frames could not be finished either
+                error = error or self._out_of_memory_message(failure)
         except KeyboardInterrupt:
             return "interrupted", error
         return ("complete" if error is None else "failed"), error
+
+    def _out_of_memory_message(self, failure: torch.OutOfMemoryError) -> str:
+        """One line: where the GPU ran out, what is kept, and what to change."""
+        what = ". ".join(str(failure).split(". ")[:2])  # "CUDA out of memory. Tried to allocate 66.00 MiB"
+        budget = self.options.gpu_memory
+        remedy = (f"give --gpu-memory less than {budget}" if budget is not None
+                  else "plan the run for this GPU with --gpu-memory (e.g. --gpu-memory 8GiB)")
+        return (f"the GPU ran out of memory at frame {self.clock.frames_read} ({what}); the predictions before it "
+                f"are kept: {remedy}, or a smaller --image-width")
 
     def _push(self, frame: Any, progress: RunProgress, stop: StopOnSignal) -> None:
         if self.viewer is not None:

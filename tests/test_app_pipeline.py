@@ -551,6 +551,39 @@ def test_non_finite_prediction_mid_run_keeps_the_frames_before_it(tmp_path: Path
             assert np.isfinite(frame["depth"]).all() and np.isfinite(frame["c2w"]).all()
 
 
+
+def test_the_gpu_running_out_of_memory_mid_run_is_one_line_and_keeps_the_frames_before_it(tmp_path: Path) -> None:
+    # The allocator's error (here raised by the model's first layer from frame 5's step on, as torch raises it on
+    # a GPU) ends the run "failed" with one line saying where and what to change; frames 0-4 stay on disk.
+    model = prepare_for_inference(build_tiny_model())  # its own: this test hooks it
+    out_of_memory = threading.Event()
+
+    def allocator_refuses(module, inputs):
+        if out_of_memory.is_set():
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 66.00 MiB. GPU 0 has a total "
+                                         "capacity of 7.63 GiB of which 20.00 MiB is free.")
+
+    next(module for module in model.modules() if list(module.parameters(recurse=False))).register_forward_pre_hook(
+        allocator_refuses)
+
+    class OutOfMemoryAfterFrame4:
+        def on_frame(self, pred, stats) -> None:
+            if pred.frame_index == 4:
+                out_of_memory.set()
+
+        def close(self, status: str) -> None:
+            """Nothing to release."""
+
+    summary = run_sequence(str(write_video(tmp_path / "clip.mp4", 10)), tmp_path / "run",
+                           RunOptions(**FAST, gpu_memory="8GiB"), model=model, extra_sinks=[OutOfMemoryAfterFrame4()])
+
+    assert summary.status == "failed" and summary.frames == 5
+    assert summary.error == ("the GPU ran out of memory at frame 5 (CUDA out of memory. Tried to allocate 66.00 MiB); "
+                             "the predictions before it are kept: give --gpu-memory less than 8GiB, or a smaller "
+                             "--image-width")
+    record = check_run_dir(tmp_path / "run", 5, "failed")
+    assert record["summary"]["error"] == summary.error
+
 def test_start_past_the_end_is_refused_before_the_model_loads(tmp_path: Path) -> None:
     # Refused before the model loads: not "done: 0 frames", exit 0 and an empty run folder marked complete
     folder = write_image_folder(tmp_path / "seq", [f"{index}.png" for index in range(5)], width=160, height=96)
