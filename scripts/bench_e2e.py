@@ -36,6 +36,7 @@ import bisect
 import contextlib
 import gc
 import json
+import logging
 import os
 import resource
 import sys
@@ -816,6 +817,8 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep-output", action="store_true")
     parser.add_argument("--video-dir", default=tempfile.gettempdir(), help="where a made video is kept for reuse")
     parser.add_argument("--json", help="write the result here")
+    parser.add_argument("--log", help="write stream-recon's log (INFO and up: memory plan, the spare's room, rollovers, "
+                        "warnings) to this file, each line with the CUDA allocator's state; the table shows none")
     parser.add_argument("--timeline", action="store_true",
                         help="sample the main thread and the dry pass ahead until the 100th prediction: what they "
                              "ran, as segments of 0.1 s or more from the process's start, and where the kernel "
@@ -823,9 +826,36 @@ def argument_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class AllocatorState(logging.Filter):
+    """Prefixes a record with what the CUDA allocator holds when it is logged (once CUDA is in use)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        import torch
+
+        if torch.cuda.is_initialized():
+            gib = 2**30
+            free, _ = torch.cuda.mem_get_info()
+            record.msg = (f"[allocated {torch.cuda.memory_allocated() / gib:.2f}, reserved "
+                          f"{torch.cuda.memory_reserved() / gib:.2f}, peak {torch.cuda.max_memory_allocated() / gib:.2f}, "
+                          f"free {free / gib:.2f} GiB] {record.msg}")
+        return True
+
+
+def log_to_file(path: str) -> None:
+    """stream-recon's log into `path`: bench_e2e calls run_sequence without the CLI's log handler."""
+    handler = logging.FileHandler(path)
+    handler.addFilter(AllocatorState())
+    handler.setFormatter(logging.Formatter("%(relativeCreated)d ms %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("stream_recon")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
 def main() -> None:
     args = argument_parser().parse_args()
     process_started = process_start_time()
+    if args.log:
+        log_to_file(args.log)
     timeline = ThreadTimeline() if args.timeline else None  # (the first video's run only)
 
     import torch

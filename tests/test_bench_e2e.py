@@ -34,8 +34,9 @@ def run_bench(tmp_path: Path, *args: str) -> dict:
 
 
 def test_tiny_model_with_viewer_client_and_rollovers(tmp_path: Path) -> None:
+    log = tmp_path / "stream.log"
     result = run_bench(tmp_path, "--model", "tiny", "--viewer", "--client", "--chunk-frames", "8", "--overlap", "3",
-                       "--save-predictions", "keyframes", "--no-save-images")
+                       "--save-predictions", "keyframes", "--no-save-images", "--log", str(log))
 
     for key in REQUIRED_KEYS:
         assert isinstance(result[key], (int, float)) and result[key] > 0, key
@@ -49,6 +50,8 @@ def test_tiny_model_with_viewer_client_and_rollovers(tmp_path: Path) -> None:
     assert result["settings"]["save_images"] is False
     # no image: depth and confidence in float16 (and the fixed fields) are all a frame costs
     assert result["bytes_per_frame"] < 2 * 2 * 112 * 84 + 4000
+    # the engine's log reached the file: a line per rollover, of the product run and of the engine run after it
+    assert log.read_text().count("INFO stream_recon.models.chunked: chunk rollover") == 2 * result["rollovers"]
 
 
 @pytest.mark.parametrize("viewer", ["--no-viewer", "--viewer"])
