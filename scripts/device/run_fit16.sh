@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The defaults on a GPU with a 16 GB card's memory: a second process holds all but 16,376 MiB of the GPU
 # (what a 16 GB card reports in all), then the product path at 518x392 (keyframes all, then flow) with the
-# lookahead left to `auto`; each run's log in $OUT/<name>.log, its JSON in $OUT/e2e_<name>.json.
-#   (GPU machine, repository root, .whl carried) FRAMES=1000 bash scripts/device/run_fit16.sh
+# lookahead left to `auto`; each run's log in $OUT/<name>.log, the engine's log (the spare's room, rollovers,
+# out-of-memory warnings, with the allocator's state) in $OUT/<name>.stream.log, its JSON in $OUT/e2e_<name>.json.
+# BUDGET=16GiB adds a flow run under --gpu-memory $BUDGET.
+#   (GPU machine, repository root, .whl carried) FRAMES=1000 [BUDGET=16GiB] bash scripts/device/run_fit16.sh
 set -uo pipefail
 source scripts/device/env.sh
 rm -f /tmp/hog_ready
@@ -32,9 +34,11 @@ PY
 }
 run() { local name=$1; shift
   python3 scripts/bench_e2e.py --video-dir /tmp --frames ${FRAMES:-1000} --video-size 640x480 --viewer --client --no-engine-run \
-    "$@" --json "$OUT/e2e_$name.json" > "$OUT/$name.log" 2>&1; echo "== $name rc=$?"
-  grep -i "next chunk ahead\|OutOfMemory\|Error" "$OUT/$name.log" | grep -v Warn | head -4
+    "$@" --log "$OUT/$name.stream.log" --json "$OUT/e2e_$name.json" > "$OUT/$name.log" 2>&1; echo "== $name rc=$?"
+  grep -i "OutOfMemory\|Error\|memory plan" "$OUT/$name.log" | grep -v Warn | cut -c1-400 | head -3
+  grep -i "ahead of rollovers\|out of device memory" "$OUT/$name.stream.log" | cut -c1-400 | head -4
   show $name; }
 run fit16all
 run fit16flow --keyframes flow --flow-threshold 4
+[ -n "${BUDGET:-}" ] && run fit16budget --keyframes flow --flow-threshold 4 --gpu-memory "$BUDGET"
 kill $hog
