@@ -514,7 +514,8 @@ def room_beside_engine(free: int, own_step_bytes: int, budget_left: int | None =
     to the device, i.e. taking them from the engine. Measured on a 16 GB card at 518x392
     (docs/PERFORMANCE.md, "the spare's room on a 16 GB card"): counting them, the stream's scale step ran
     out of memory beside the spare; so did the budget's room taken as the budget less the plan's estimate
-    (4.67 GiB, a 4.57 GiB spare); by this rule the spare took 4.19 GiB and every rollover ran ahead."""
+    (4.67 GiB, a 4.57 GiB spare); by this rule the spare took 4.19 GiB (3.81 GiB under --gpu-memory
+    16GiB) and every rollover ran ahead."""
     available = free if budget_left is None else min(free, budget_left)
     return available - own_step_bytes - WORKSPACE_BYTES
 
