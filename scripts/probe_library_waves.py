@@ -58,6 +58,21 @@ def relative_error(out, reference) -> float:
     return ((out.float() - reference.float()).norm() / reference.float().norm()).item()
 
 
+def time_into(row: dict, label: str, call, reference=None, result=lambda out: out):
+    """row[label_us], call's median time, and row[label_error], its output (through `result`) against
+    `reference` (none: against itself); returns call's output. A failure is printed and leaves the row
+    without them (None)."""
+    try:
+        out = call()
+        row[f"{label}_us"] = round(bench(call), 1)
+        compared = result(out)
+        row[f"{label}_error"] = relative_error(compared, compared if reference is None else reference)
+        return out
+    except Exception:
+        traceback.print_exc()
+        return None
+
+
 def rows_sweep(num_keys: int) -> dict:
     kv = DenseKV(1, HEADS, HEAD_DIM, num_keys, torch.bfloat16, "cuda")
     kv.store.normal_()
@@ -120,13 +135,13 @@ def frame_sizes(heights: list[int]) -> list[dict]:
         for name, backend in backends(kv, (FRAMES * patches,)).items():
             try:
                 backend.plan(visible, num_queries)
-                out = backend.attend(0, q)
-                reference = out if reference is None else reference
-                row[f"{name}_us"] = round(bench(partial(backend.attend, 0, q)), 1)
-                row[f"{name}_error"] = relative_error(out, reference)
-                row[f"{name}_launch_ends"] = backend.launch_ends
             except Exception:
                 traceback.print_exc()
+                continue
+            out = time_into(row, name, partial(backend.attend, 0, q), reference)
+            if out is not None:
+                reference = out if reference is None else reference
+                row[f"{name}_launch_ends"] = backend.launch_ends
         rows.append(row)
         print(json.dumps(row), flush=True)
         del kv
@@ -254,47 +269,31 @@ def pieces(heights: list[int], beside_only: bool = False) -> list[dict]:
             candidates["flash_prefix"] = lr.launch_ends(num_queries, HEADS, flash_waves)
             candidates["flash_equal"] = equal_piece_ends(num_queries, split)
         for name, ends in candidates.items():
-            try:
-                out = flash_in_launches(keys, values, q, ends)
-                row[f"{name}_us"] = round(bench(partial(flash_in_launches, keys, values, q, ends)), 1)
-                row[f"{name}_ends"] = ends
-                row[f"{name}_error"] = relative_error(out, reference)
-                if len(ends) == 2 and name != "flash_equal":
-                    for big_first in (True, False):
-                        call = partial(flash_two_beside, keys, values, q, ends[0], side, big_first)
-                        label = f"{name}_beside_{'big' if big_first else 'small'}_first"
-                        row[f"{label}_us"] = round(bench(call), 1)
-                        row[f"{label}_error"] = relative_error(call(), reference)
-            except Exception:
-                traceback.print_exc()
+            if time_into(row, name, partial(flash_in_launches, keys, values, q, ends), reference) is None:
+                continue
+            row[f"{name}_ends"] = ends
+            if len(ends) == 2 and name != "flash_equal":
+                for big_first in (True, False):
+                    time_into(row, f"{name}_beside_{'big' if big_first else 'small'}_first",
+                              partial(flash_two_beside, keys, values, q, ends[0], side, big_first), reference)
         cudnn = SplitCudnnAttention(kv, (FRAMES * patches,), fixed_shape_waves=cudnn_waves)
         cudnn.plan(VisibleRange(0, num_keys, SPECIALS), num_queries)
         row["cudnn_cut_us"] = round(bench(partial(cudnn.attend, 0, q)), 1)
         if cudnn.fixed_rows < num_queries:
             for big_first in (True, False):
-                try:
-                    call = partial(cudnn_leftover_beside, cudnn, q, side, big_first)
-                    label = f"cudnn_beside_{'big' if big_first else 'small'}_first"
-                    row[f"{label}_us"] = round(bench(call), 1)
-                    row[f"{label}_error"] = relative_error(call(), reference)
-                except Exception:
-                    traceback.print_exc()
+                time_into(row, f"cudnn_beside_{'big' if big_first else 'small'}_first",
+                          partial(cudnn_leftover_beside, cudnn, q, side, big_first), reference)
         whole = lr.whole_wave_rows(num_queries, HEADS, cudnn_waves)
         if whole < num_queries:
             left = q[whole:]
             row["leftover_rows"] = num_queries - whole
             row["leftover_flash_us"] = round(bench(partial(_sdpa_tokens, left, keys, values)), 1)
             for per_group in (3, 9) if beside_only else (1, 2, 3, 4, 6, 8, 9, 12, 18, 24):
-                try:
-                    outs, lses = cudnn_groups(left, keys, values, SPECIALS, FRAMES, per_group)
-                    row[f"leftover_cudnn_f{per_group}_us"] = round(
-                        bench(partial(cudnn_groups, left, keys, values, SPECIALS, FRAMES, per_group)), 1)
-                    row[f"leftover_cudnn_f{per_group}_error"] = relative_error(merge_partials(outs, lses),
-                                                                               reference[whole:])
-                    if per_group == 1:
-                        row["merge_f1_us"] = round(bench(partial(merge_partials, outs, lses)), 1)
-                except Exception:
-                    traceback.print_exc()
+                partials = time_into(row, f"leftover_cudnn_f{per_group}",
+                                     partial(cudnn_groups, left, keys, values, SPECIALS, FRAMES, per_group),
+                                     reference[whole:], result=lambda parts: merge_partials(*parts))
+                if partials is not None and per_group == 1:
+                    row["merge_f1_us"] = round(bench(partial(merge_partials, *partials)), 1)
         rows_out.append(row)
         print(json.dumps(row), flush=True)
         del kv
