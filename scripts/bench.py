@@ -24,7 +24,7 @@ from collections import defaultdict
 import torch
 
 from stream_recon.models import GCTStream, ModelConfig, StreamConfig, StreamingEngine, prepare_for_inference
-from stream_recon.models.memory import CUDA_CONTEXT_BYTES, estimate_memory, parse_memory_size
+from stream_recon.models.memory import estimate_memory, hold_to_card, parse_memory_size
 from stream_recon.models.synthetic import load_synthetic_weights
 
 
@@ -121,10 +121,7 @@ def run(args) -> dict:
                           cuda_graphs=not args.no_graphs and not args.breakdown, pipeline=not args.no_pipeline,
                           kv_cache=args.kv_cache, gpu_memory=budget)
     if budget is not None and device == "cuda":
-        # Hold the process to the budget, as an 8 GB card would (its allocator gets what the CUDA context
-        # leaves): an under-estimate is then an out-of-memory error here rather than a peak quietly above the plan.
-        allocator = budget - CUDA_CONTEXT_BYTES
-        torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, allocator / torch.cuda.get_device_properties(0).total_memory)))
+        hold_to_card(budget)
     engine = StreamingEngine(model, config)
     engine.on_memory_plan = lambda plan: print(plan.describe(), flush=True)
     timer = StageTimer(model) if args.breakdown and device == "cuda" else None

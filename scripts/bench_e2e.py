@@ -867,13 +867,9 @@ def main() -> None:
     options = run_options(args, port)
     device = resolve_device(options.device)
     if args.gpu_memory and device.startswith("cuda"):
-        from stream_recon.models.memory import CUDA_CONTEXT_BYTES, parse_memory_size
+        from stream_recon.models.memory import hold_to_card, parse_memory_size
 
-        index = torch.device(device).index or 0
-        total = torch.cuda.get_device_properties(index).total_memory
-        # A card of that size: its allocator gets what the CUDA context leaves.
-        allocator = parse_memory_size(args.gpu_memory) - CUDA_CONTEXT_BYTES
-        torch.cuda.set_per_process_memory_fraction(max(0.0, allocator / total), index)
+        hold_to_card(parse_memory_size(args.gpu_memory), device)  # as on a GPU of that size
     dtype = resolve_dtype(options.dtype, device)
     sizes = args.video_size.split(",")
     videos = [Path(args.video)] if args.video else [bench_video(args, size) for size in sizes]

@@ -131,18 +131,17 @@ def test_budget_run_peaks_within_its_plan(gpu_model):
     saying so), nothing runs out of memory, the measured peak stays under the plan's estimate and the
     allocator's with the context within the budget."""
     from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
-    from stream_recon.models.memory import CUDA_CONTEXT_BYTES, MIN_WINDOW
+    from stream_recon.models.memory import CUDA_CONTEXT_BYTES, MIN_WINDOW, hold_to_card
 
     hopper_with_triton()
     budget = 8 * 2**30
-    total = torch.cuda.get_device_properties(0).total_memory
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     already = torch.cuda.memory_allocated()
     assert already < 64 * 2**20, (f"{already / 2**30:.2f} GiB were allocated before this test: run it in a process of "
                                   "its own (pytest tests/test_gpu_fp8.py -k budget)")
-    torch.cuda.set_per_process_memory_fraction((budget - CUDA_CONTEXT_BYTES) / total)  # an 8 GiB card's allocator
+    hold_to_card(budget)  # an 8 GiB card's allocator
     try:
         model = prepare_for_inference(gpu_model, "cuda", torch.bfloat16)
         engine = StreamingEngine(model, StreamConfig(scale_frames=8, window=64, gpu_memory=budget,
