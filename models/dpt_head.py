@@ -98,6 +98,14 @@ class DPTHead(nn.Module):
         self.scratch = Scratch(c.dpt_out_channels, c.dpt_features)
         self._uv_tables: dict[tuple, torch.Tensor] = {}  # constant per input size: built once, not per frame
 
+    def uv_table_bytes(self, height: int, width: int) -> int:
+        """Bytes of the float32 UV tables `forward` builds for frames of height x width and keeps
+        (one per distinct shape: the patch grid at each projection's width, and the full image)."""
+        rows, cols = height // self.patch_size, width // self.patch_size
+        grids = {(rows, cols, project.out_channels) for project in self.projects}
+        image = (rows * self.patch_size, cols * self.patch_size, self.scratch.output_conv1.out_channels)
+        return 4 * sum(math.prod(shape) for shape in grids | {image})
+
     def uv_table(self, height: int, width: int, channels: int, aspect: float, device) -> torch.Tensor:
         key = (height, width, channels, aspect, str(device))
         if key not in self._uv_tables:

@@ -5,10 +5,11 @@ What a run holds, and where each number comes from (MemoryEstimate's fields):
 | part | what | how it is known |
 |---|---|---|
 | weights | every parameter and buffer of the prepared model on its device | measured |
+| head_tables | the DPT head's UV tables for the frame size, built on the first step and kept (shared by every engine over the model) | exact (DPTHead.uv_table_bytes) |
 | kv_cache | the global layers' K/V store: allocated once, up front (dense), or grown to its page limit (paged) | exact (cache.backends.cache_bytes) |
 | camera_cache | the camera head's float32 K/V, one token per cached frame | exact |
 | activations | the largest step: the scale frames together, or one streaming frame | shapes x constants below |
-| graph_pools | intermediates the recorded CUDA graphs keep for their replays | a multiple of one streaming step |
+| graph_pools | what the recorded CUDA graphs' private pools reserve for their replays | a multiple of one streaming step, measured |
 | attention_copies | backends that read through a copy (an fp8 store dequantised, pages gathered): one layer's visible K and V | exact |
 | workspace | cuBLAS/cuDNN workspaces, staging buffers, the allocator's rounding | a fixed margin |
 | cuda_context | the CUDA context and its libraries' kernels, outside PyTorch's allocator (CUDA only) | a fixed margin, measured |
@@ -22,10 +23,11 @@ results within the fp8 accuracy limits); then the longest shorter window down to
 changes results: fewer frames' patches are visible, so the plan says so). Nothing fitting is a
 MemoryBudgetError that names the numbers and the smallest budget that would do.
 
-The activation constants come from traces of live tensor bytes through `GCTStream.step` on the
-meta device (scripts/trace_step_memory.py: bf16, frames of 518x280 to 518x518, 1 and 8 frames);
-`scripts/bench.py --gpu-memory` prints the estimate beside torch's measured peak, which is how
-they are checked on a GPU.
+The heads' activation constants come from traces of live tensor bytes through `GCTStream.step` on
+the meta device (scripts/trace_step_memory.py: bf16, frames of 518x280 to 518x518, 1 and 8 frames);
+the aggregator's and the graph pools' are a GPU's, measured where the trace cannot see (autocast's
+float32 outputs, the pools' reservations). `scripts/bench.py --gpu-memory` prints the estimate beside
+torch's measured peak, which is how they are checked on a GPU.
 """
 
 from __future__ import annotations
@@ -47,19 +49,22 @@ from .gct import GCTStream
 from .stream_config import StreamConfig
 
 GIB = 2**30
-# Elements alive at the aggregator's peak (DINO trunk, blocks, RoPE tables, the 4 output layers),
-# per token x channel of the frames stepped together.
-AGGREGATOR_ELEMENTS_PER_TOKEN_CHANNEL = 27
+# Model-dtype elements alive at the aggregator's peak (DINO trunk, blocks, RoPE tables, the 4 output
+# layers), per token x channel of the frames stepped together. The meta trace counts 27, every tensor in
+# bf16; under autocast on a GPU the residual stream and the norms' outputs are float32, and the eager
+# scale step (8 frames, H100) peaked 453.9 / 605.4 / 796.8 MiB above what the engine held at 518x294 /
+# 392 / 518: 37.1-37.3 elements.
+AGGREGATOR_ELEMENTS_PER_TOKEN_CHANNEL = 38
 # The 4 output layers [S, P, 2C] that the heads read, per token x channel.
 HEAD_INPUT_ELEMENTS_PER_TOKEN_CHANNEL = 8
 # The DPT head's peak for one frame (it decodes frame by frame), in its dtype, per pixel; its UV
-# tables are built in float64 on the first step of a frame size.
+# tables are built in float64 on the first step of a frame size, the kept float32 tables included.
 DPT_ELEMENTS_PER_PIXEL = 455
 UV_TABLE_BYTES_PER_PIXEL = 665
-# Recorded CUDA graphs keep about one streaming step's intermediates in their private pools. With the
-# fp8 cache the pools also hold the step's dequantised copies (attention_copies): 402.8 MiB at 518x392
-# (H100, windows 55-61) against 192.5 MiB of step and 266-283 MiB of copies estimated.
-GRAPH_POOL_STEPS = 1.0
+# The recorded CUDA graphs' private pools (the step's and the heads') reserve about two streaming steps,
+# idle between replays, which no eager step can use: 332 / 410 / 540 MiB at 518x294 / 392 / 518 (H100,
+# dense-triton over fp8, windows 64 / 61 / 41) against steps of 144.4 / 192.5 / 254.3 MiB: 2.12-2.30.
+GRAPH_POOL_STEPS = 2.3
 WORKSPACE_BYTES = 384 * 2**20
 # A process's device memory outside PyTorch's allocator: the CUDA context with the kernels its libraries
 # load: 0.74-0.82 GiB on an H100 (torch 2.11, read at out-of-memory errors: 15.92 GiB in use on a 16 GB card
@@ -75,6 +80,7 @@ class MemoryEstimate:
     """Bytes of device memory, by part (see the module docstring)."""
 
     weights: int
+    head_tables: int = 0
     kv_cache: int
     camera_cache: int
     activations: int
@@ -85,7 +91,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return (self.weights + self.kv_cache + self.camera_cache + self.activations + self.graph_pools
+        return (self.weights + self.head_tables + self.kv_cache + self.camera_cache + self.activations + self.graph_pools
                 + self.attention_copies + self.workspace + self.cuda_context)
 
     @property
@@ -97,10 +103,10 @@ class MemoryEstimate:
     @property
     def another_engine(self) -> int:
         """What this engine adds beside another over the same model (a chunk's spare, models/lookahead.py,
-        estimated with its window slots): all but the shared weights, workspace and CUDA context. Its
+        estimated with its window slots): all but the shared weights, head tables, workspace and CUDA context. Its
         activations count too: it steps on a stream of its own, whose memory the allocator does not share
         with the first engine's."""
-        return self.total - self.weights - self.workspace - self.cuda_context
+        return self.total - self.weights - self.head_tables - self.workspace - self.cuda_context
 
     def to_dict(self) -> dict[str, int]:
         return {**{name: getattr(self, name) for name in self.__dataclass_fields__}, "total": self.total}
@@ -260,6 +266,7 @@ class _Estimator:
         self.device, self.dtype = spec.device, spec.dtype
         self.weights = weight_bytes(model)
         self.height, self.width = image_size
+        self.head_tables = model.depth_head.uv_table_bytes(self.height, self.width)
         rows, cols = model.config.grid(self.height, self.width)
         self.patches = rows * cols
         self.tokens_per_frame = self.patches + model.config.num_special_tokens
@@ -298,6 +305,7 @@ class _Estimator:
             copies = 2 * visible * c.embed_dim * self._element_size
         return MemoryEstimate(
             weights=self.weights,
+            head_tables=self.head_tables,
             kv_cache=kv_bytes,
             camera_cache=self.camera_cache,
             activations=max(self._step_bytes(self.config.scale_frames, first=True), streaming),
@@ -324,5 +332,5 @@ class _Estimator:
         aggregator = AGGREGATOR_ELEMENTS_PER_TOKEN_CHANNEL * token_channels * size
         heads = HEAD_INPUT_ELEMENTS_PER_TOKEN_CHANNEL * token_channels * size + DPT_ELEMENTS_PER_PIXEL * pixels * size
         if first:
-            heads += UV_TABLE_BYTES_PER_PIXEL * pixels
+            heads += max(0, UV_TABLE_BYTES_PER_PIXEL * pixels - self.head_tables)  # (head_tables: counted apart)
         return max(aggregator, heads)

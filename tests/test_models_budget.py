@@ -174,6 +174,10 @@ def test_budget_estimate_counts_the_cache_the_engine_allocates(prepared_tiny_mod
                                                             c.head_in_dim // c.camera_heads, 40, torch.float32)
     assert estimate.weights == sum(p.numel() * p.element_size() for p in prepared_tiny_model.parameters())
     assert estimate.graph_pools == 0  # no CUDA graphs on the CPU
+    rows, cols = c.grid(*SIZE)
+    kept = [t for key, t in prepared_tiny_model.depth_head._uv_tables.items() if key[:2] in {(rows, cols), SIZE}]
+    assert estimate.head_tables == sum(t.numel() * t.element_size() for t in kept) > 0  # the DPT head keeps them
+    assert estimate.another_engine == estimate.total - estimate.weights - estimate.head_tables - estimate.workspace
     # the dense SDPA reads a dequantised copy of an fp8 store; the paged one gathers its pages
     assert (estimate.attention_copies > 0) == (kv_cache == "fp8" or attention == "sdpa")
 
