@@ -127,7 +127,7 @@ def test_fp8_cache_meets_the_issue_limits_against_golden(gpu_model, scenario, at
 def test_budget_run_peaks_within_its_plan(gpu_model):
     """The 8 GiB setting on the full model: 518x392 frames (a 640x480 video), scale 8, window 64,
     an 8 GiB budget whose allocator is held to what an 8 GiB card leaves beside the CUDA context: the
-    plan takes the fp8 cache and, the context counted, a window a few frames shorter (61 on an H100,
+    plan takes the fp8 cache and, the context counted, a shorter window (51 on an H100,
     saying so), nothing runs out of memory, the measured peak stays under the plan's estimate and the
     allocator's with the context within the budget."""
     from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
