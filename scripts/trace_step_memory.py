@@ -6,8 +6,10 @@
 Every tensor an operator returns is counted from its creation until its storage is freed; the
 weights and the caches (allocated before the step) are not. The step runs in bf16 without
 autocast (the meta device has none), so norms that autocast would widen to float32 are counted in
-bf16. These traces set the constants of models/memory.py (per token x channel for the aggregator,
-per pixel for the DPT head); `scripts/bench.py --gpu-memory` checks them against a GPU's peak.
+bf16. These traces set the heads' constants of models/memory.py (per token x channel for their input
+layers, per pixel for the DPT head); the aggregator's, which autocast's float32 outputs raise by ~40 %,
+is measured on a GPU (scripts/scale_step_memory.py), and `scripts/bench.py --gpu-memory` checks the
+estimate against a GPU's peak.
 """
 
 from __future__ import annotations
