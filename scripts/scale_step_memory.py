@@ -106,12 +106,13 @@ def report_plans(report: Report) -> None:
 def report_out_of_memory(report: Report) -> None:
     reported = []
 
-    def on_out_of_memory(device, asked, reserved, free):
+    def on_out_of_memory(device, asked, device_in_use, device_free):
         if reported:
             return
         reported.append(True)
         pools, streams = reserved_by_pool_and_stream()
-        report.say(f"out of memory asking {asked / MIB:.1f} MiB with {reserved / MIB:.1f} MiB reserved; by pool MiB "
+        report.say(f"out of memory asking {asked / MIB:.1f} MiB, {device_in_use / MIB:.1f} MiB of the device in use "
+                   f"(every process), {device_free / MIB:.1f} free; this process by pool MiB "
                    f"{mib(pools)}; reserved by stream MiB {mib(streams)}; live blocks by place:")
         for place, size in live_blocks_by_place().most_common(40):
             report.say(f"  {size / MIB:9.1f} MiB  {place}")
