@@ -301,16 +301,29 @@ class ChunkedEngine:
         after the warm-up started a spare beside it; seen on a 16 GB card at 518x392, docs/PERFORMANCE.md,
         2026-11-25, "the defaults on a 16 GB card"), the spare goes and the step runs again: the stream
         goes on as without a spare, its rollovers pausing it."""
+        scale_step = self.engine.num_frames == 0  # (this push runs it once the scale frames are in)
         try:
-            return self.engine.push_checked(*frame)
+            predictions = self.engine.push_checked(*frame)
         except torch.OutOfMemoryError:
             if self._rollover is None or self.engine.num_frames > 0:
                 raise
             logger.warning("out of device memory in the stream's first step beside the next chunk's spare: the "
                            "spare goes, rollovers now pause the stream (--gpu-memory plans a run to fit a GPU)")
+        else:
+            if scale_step and self.engine.num_frames > 0:
+                self._release_cached_blocks()  # the scale step's, which no graph replay reuses
+            return predictions
         # Outside the handler: the error's traceback holds the failed step's tensors until it ends.
         self._drop_spare()
         return self.engine.push_checked(*frame)
+
+    def _release_cached_blocks(self) -> None:
+        """Where a spare runs or may: return the allocator's unused blocks to the device. An eager step's
+        blocks stay cached on the stream that ran it, where the other engine's stream cannot take them;
+        a spare is sized to hold one engine's eager step at a time (room_beside_engine)."""
+        if self.device.type == "cuda" and self.lookahead is not False:
+            gc.collect()  # (tensors a reference cycle still holds)
+            torch.cuda.empty_cache()
 
     def _drop_spare(self) -> None:
         """Go on without a spare: its worker stopped and its device memory returned."""
@@ -446,6 +459,7 @@ class ChunkedEngine:
             logger.warning("out of device memory warming up the next chunk's spare (%s): the spare goes, rollovers "
                            "now pause the stream", str(error).partition(".")[0])
             return False
+        self._release_cached_blocks()  # its warm-up's, before the stream's scale step
         return True
 
     def _switch_to_spare(self) -> None:
@@ -489,8 +503,7 @@ class ChunkedEngine:
         budget_left = None
         if engine.config.gpu_memory is not None:
             budget_left = engine.config.gpu_memory - CUDA_CONTEXT_BYTES - torch.cuda.memory_reserved(self.device)
-        own_steps = estimate_memory(self.model, engine.config, engine.image_size).activations
-        room = room_beside_engine(free, own_steps, budget_left)
+        room = room_beside_engine(free, budget_left)
         fitting = provisional_room_that_fits(spare_bytes, room, self._provisional_room)
         shown = smallest_provisional_room(self._provisional_room) if fitting is None else fitting
         logger.info("next chunk ahead of rollovers: %s (a second engine's cache, graphs and activations: %s; "
@@ -502,22 +515,27 @@ class ChunkedEngine:
         return True
 
 
-def room_beside_engine(free: int, own_step_bytes: int, budget_left: int | None = None) -> int:
+def room_beside_engine(free: int, budget_left: int | None = None) -> int:
     """Device bytes a spare may take beside an engine that holds its cache and graphs: what is free on
     the device (under --gpu-memory, no more than `budget_left`, what the budget leaves beside the CUDA
-    context and what the allocator holds now), less what the engine's own eager steps allocate again
-    (`own_step_bytes`, its largest step's activations: the stream's scale step follows the warm-up) and a
-    margin for workspaces and rounding.
+    context and what the allocator holds now), less a margin for workspaces and rounding.
+
+    The engine's own eager step (the stream's scale step, after the warm-up) needs no room of its own:
+    it runs while the spare's activations are not held (the allocator's cache is emptied once the spare
+    has warmed up), and its blocks go back to the device after it (ChunkedEngine._push_current), before
+    the spare's next eager step. One step's activations at a time, which the spare's estimate counts.
 
     What the allocator holds unused is not counted as room: those blocks belong to the engine's stream
     and to its graphs' private pools, which the spare's stream gets only by the allocator returning them
     to the device, i.e. taking them from the engine. Measured on a 16 GB card at 518x392
-    (docs/PERFORMANCE.md, "the spare's room on a 16 GB card"): counting them, the stream's scale step ran
-    out of memory beside the spare; so did the budget's room taken as the budget less the plan's estimate
-    (4.67 GiB, a 4.57 GiB spare); by this rule the spare took 4.19 GiB (3.81 GiB under --gpu-memory
-    16GiB) and every rollover ran ahead."""
+    (docs/PERFORMANCE.md, "the spare's room on a 16 GB card" and "the scale step and the CUDA graphs'
+    pools"): counting them, the stream's scale step ran out of memory beside the spare; so did the
+    budget's room taken as the budget less the plan's estimate (4.67 GiB, a 4.57 GiB spare). By this rule
+    the spare takes 4.61 GiB (16 provisional frames; 4.23 GiB, 12 frames, under --gpu-memory 16GiB), every
+    rollover runs ahead, and the process peaks at 14.94 GiB reserved; with the engine's own step taken off
+    the room as well, the spare had 8 frames (4 under the budget)."""
     available = free if budget_left is None else min(free, budget_left)
-    return available - own_step_bytes - WORKSPACE_BYTES
+    return available - WORKSPACE_BYTES
 
 
 def provisional_room_that_fits(spare_bytes: Callable[[int], int], available: int, asked: int) -> int | None:

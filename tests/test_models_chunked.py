@@ -630,39 +630,38 @@ def test_the_provisional_room_shrinks_until_the_spare_fits():
     assert provisional_room_that_fits(spare_bytes, 999, 0) is None
 
 
-def test_a_spare_sized_beside_an_engine_leaves_the_engine_its_own_step_and_the_margin():
-    """The free-memory room (no --gpu-memory): what is free on the device, less the engine's own step
-    activations, which its stream's scale step allocates again after the warm-up, and the margin."""
+def test_a_spare_sized_beside_an_engine_takes_what_is_free_less_the_margin():
+    """The free-memory room (no --gpu-memory): what is free on the device less the margin. The engine's
+    own eager step takes no room of its own: the spare's estimate holds one step's activations, and the
+    two engines' eager steps never hold theirs at once (the allocator's cache is emptied between them)."""
     from stream_recon.models.chunked import provisional_room_that_fits, room_beside_engine
     from stream_recon.models.memory import WORKSPACE_BYTES
 
     mib = 2**20
-    free, own_step = 6830 * mib, 440 * mib  # at the scale of a 518x392 engine and spare
+    free = 6390 * mib  # at the scale of a 518x392 engine and spare
 
     def spare_bytes(room):  # a 518x392 spare: graphs, activations and 38 + room frame slots of 102 MiB
         return 1300 * mib + (38 + room) * 102 * mib
 
-    room = provisional_room_that_fits(spare_bytes, room_beside_engine(free, own_step), 20)
+    room = provisional_room_that_fits(spare_bytes, room_beside_engine(free), 20)
     assert room is not None and room < 20
-    assert spare_bytes(room) + own_step + WORKSPACE_BYTES <= free
-    assert spare_bytes(room + 4) + own_step + WORKSPACE_BYTES > free  # the next larger room would not fit
-    # without the engine's own step the spare would have taken the next larger room
-    assert provisional_room_that_fits(spare_bytes, free - WORKSPACE_BYTES, 20) == room + 4
-
+    assert spare_bytes(room) + WORKSPACE_BYTES <= free
+    assert spare_bytes(room + 4) + WORKSPACE_BYTES > free  # the next larger room would not fit
 
 
 def test_under_a_budget_the_spares_room_is_what_the_budget_leaves_beside_the_allocator_or_the_free_memory():
     """--gpu-memory: what is free on the device is capped at what the budget leaves beside the CUDA context
-    and the allocator's reserved bytes (budget_left); the engine's own step and the margin come off either."""
+    and the allocator's reserved bytes (budget_left); the margin comes off either."""
     from stream_recon.models.chunked import room_beside_engine
     from stream_recon.models.memory import WORKSPACE_BYTES
 
     mib = 2**20
-    free, own_step = 5180 * mib, 440 * mib
-    assert room_beside_engine(free, own_step, None) == free - own_step - WORKSPACE_BYTES
-    assert room_beside_engine(free, own_step, 4950 * mib) == 4950 * mib - own_step - WORKSPACE_BYTES
-    assert room_beside_engine(free, own_step, 9000 * mib) == room_beside_engine(free, own_step)  # the card decides
-    assert room_beside_engine(free, own_step, -mib) < 0  # an allocator already past the budget: no spare
+    free = 5180 * mib
+    assert room_beside_engine(free, None) == free - WORKSPACE_BYTES
+    assert room_beside_engine(free, 4950 * mib) == 4950 * mib - WORKSPACE_BYTES
+    assert room_beside_engine(free, 9000 * mib) == room_beside_engine(free)  # the card decides
+    assert room_beside_engine(free, -mib) < 0  # an allocator already past the budget: no spare
+
 
 class SpareGate:
     """Holds the spare's worker thread at its next step until opened (StreamingEngine.push_checked

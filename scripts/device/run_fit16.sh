@@ -7,6 +7,10 @@
 #   (GPU machine, repository root, .whl carried) FRAMES=1000 [BUDGET=16GiB] bash scripts/device/run_fit16.sh
 set -uo pipefail
 source scripts/device/env.sh
+# no other process on the GPU (an earlier run's background compile, say): what it frees later would
+# be free beside the run, more than a 16 GB card has
+for i in $(seq 1 120); do [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] && break; sleep 1; done
+nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | sed 's/^/still on the GPU: /'
 rm -f /tmp/hog_ready
 python3 - <<'PY' > "$OUT/hog.log" 2>&1 &
 import time, torch
