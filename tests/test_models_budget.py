@@ -47,7 +47,6 @@ def test_the_cuda_context_counts_in_the_budget_and_is_not_a_spares_or_the_alloca
     assert on_cuda.to_dict()["cuda_context"] == CUDA_CONTEXT_BYTES and "cuda context 1.00 GiB" in on_cuda.describe()
 
 
-
 def test_a_process_held_to_a_card_gets_the_budget_less_the_context(monkeypatch):
     """hold_to_card: the allocator's share of the device is what a card of the budget leaves beside the CUDA
     context, on the device named (else the current one), and never above the whole device."""
@@ -66,6 +65,7 @@ def test_a_process_held_to_a_card_gets_the_budget_less_the_context(monkeypatch):
     hold_to_card(CUDA_CONTEXT_BYTES // 2, "cuda:0")
     assert set_fractions == [((16 * 2**30 - CUDA_CONTEXT_BYTES) / (80 * 2**30), 1),
                              ((8 * 2**30 - CUDA_CONTEXT_BYTES) / (80 * 2**30), 3), (1.0, 3), (0.0, 0)]
+
 
 # -- which choice for which budget -------------------------------------------------------------------
 def test_budget_that_holds_the_asked_settings_changes_nothing(prepared_tiny_model):
