@@ -16,6 +16,11 @@ memory holds two programs of 4 warps per SM, so each scheduler has two warps, an
 neither is ready (issue slots 42 % busy, the tensor pipe 48 %); fewer key blocks in flight for a
 third program per SM exposed the loads' latency instead (911 us).
 
+Loads. Hopper and newer load keys and values through TMA descriptors; Ampere and Ada (compute
+capability 8), which have no TMA, through pointer loads that Triton pipelines with cp.async. On an
+H100 the pointer loads cost 11 % a layer at 1,005 tokens (717 against 645 us, the probe above), and
+the schedule below is the same for both: it reads the resident programs of whichever kernel runs.
+
 Schedule. The work is a set of tiles, 64 queries of one head against every visible key, all of
 one cost. One program per tile runs in waves of as many programs as the GPU holds at once (2 per
 SM on an H100: 264). At 518x378 a frame is 1,005 tokens, 16 query blocks x 16 heads = 256 tiles:
@@ -42,6 +47,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +62,14 @@ from .triton_store import dequantize_range
 # The probe's fastest configuration on an H100 (64 query rows per program: 256 programs for the
 # 16 heads of a 1,005-token frame, two per SM; keys and values through TMA descriptors).
 BLOCK_QUERIES, BLOCK_KEYS, NUM_WARPS, NUM_STAGES = 64, 128, 4, 3
+# The compute capability from which keys and values load through TMA descriptors (Hopper); below it,
+# through pointers (backends.py: the kernel runs from Ampere on, for bf16 tensor-core products).
+TENSOR_MEMORY_CAPABILITY = 9
+# Programs per SM the key blocks in flight are chosen for: the kernel is bound by latency, two warps
+# per scheduler (two programs of 4 warps per SM) on an H100; one program left each scheduler one warp.
+# A block in flight ahead of the one multiplied counts for more than a third program: on an H100, two
+# stages at three programs per SM took 911 us a layer, three stages at two 645 (docs/PERFORMANCE.md).
+PROGRAMS_PER_SM = 2
 LOG2_E = 1.4426950408889634
 # What a round of pieces costs beyond its share of the keys, in key blocks: its programs' start,
 # the pipeline's fill and drain, the partial outputs and the merge. Fitted on an H100 (2026-11-23,
@@ -135,47 +149,93 @@ def schedule_tiles(num_tiles: int, slots: int, num_key_blocks: int) -> TileSched
     return TileSchedule(num_tiles, 0, 1)
 
 
+def tensor_memory_loads(device: torch.device) -> bool:
+    """Whether the range kernel loads keys and values through TMA descriptors on `device` (Hopper or
+    newer) rather than through pointers."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= TENSOR_MEMORY_CAPABILITY
+
+
 _resident_programs: dict[tuple, int] = {}
 _resident_programs_lock = threading.Lock()  # one build per key, whichever thread asks first
 
 
-def resident_programs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_stages: int = NUM_STAGES) -> int:
+def resident_programs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_stages: int = NUM_STAGES,
+                      tma: bool | None = None) -> int:
     """How many programs of the range kernel, compiled for these arguments, the GPU runs at once:
-    per SM, the fewest its shared memory, registers and threads allow, times the SMs."""
-    key = (q.device.index, q.dtype, keys.dtype, q.shape[-1], num_stages)
+    per SM, the fewest its shared memory, registers and threads allow, times the SMs (0: it does not
+    fit one SM). tma: the loads it is compiled with (None: `tensor_memory_loads`)."""
+    tma = tensor_memory_loads(q.device) if tma is None else tma
+    key = (q.device.index, q.dtype, keys.dtype, q.shape[-1], num_stages, tma)
     with _resident_programs_lock:
         if key not in _resident_programs:
-            _resident_programs[key] = _measure_resident_programs(q, keys, values, num_stages)
+            _resident_programs[key] = _measure_resident_programs(q, keys, values, num_stages, tma)
     return _resident_programs[key]
 
 
+def key_stages(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tma: bool | None = None) -> int:
+    """The key blocks in flight per program of a cache's attention on this GPU (`choose_key_stages`).
+    An H100 (228 KB of shared memory per SM) holds two programs at NUM_STAGES with either loads, an
+    A100 (164 KB) too; the 100 KB SMs of Ampere's and Ada's consumer cards hold two at two stages
+    (the pointer-load kernel compiled for sm_80-89 takes 72 KB at three stages, 40 KB at two)."""
+    tma = tensor_memory_loads(q.device) if tma is None else tma
+    key = (q.device.index, q.dtype, keys.dtype, q.shape[-1], tma)
+    if key not in _key_stages:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        stages = choose_key_stages(lambda stages: resident_programs(q, keys, values, stages, tma), sms)
+        if stages is None:
+            raise RuntimeError(f"the range kernel does not fit an SM of {torch.cuda.get_device_name(q.device)}, "
+                               "even with one key block in flight")
+        _key_stages[key] = stages
+    return _key_stages[key]
+
+
+_key_stages: dict[tuple, int] = {}
+
+
+def choose_key_stages(resident_at: Callable[[int], int], sms: int) -> int | None:
+    """The most key blocks in flight (NUM_STAGES down to 2) at which `resident_at(stages)` programs
+    are PROGRAMS_PER_SM per SM, else the most (down to 1) at which one fits per SM; None where none
+    fits. Each count is built once, and fewer only where more fall short."""
+    resident: dict[int, int] = {}
+
+    def per_sm(stages: int) -> int:
+        if stages not in resident:
+            resident[stages] = resident_at(stages)
+        return resident[stages] // sms
+
+    for stages in range(NUM_STAGES, 1, -1):
+        if per_sm(stages) >= PROGRAMS_PER_SM:
+            return stages
+    return next((stages for stages in range(NUM_STAGES, 0, -1) if per_sm(stages) >= 1), None)
+
+
 def measure_resident_programs(device: torch.device, dtype: torch.dtype, num_heads: int, head_dim: int) -> None:
-    """`resident_programs` of both the range kernel's uses (a cache's attention, a frame's own, with
-    FRAME_NUM_STAGES) for `dtype` queries and keys on `device`, found now: on a fresh machine the build
-    behind each takes 1-2 s, which a stream's first steps would otherwise wait for one after another
-    (H100, docs/PERFORMANCE.md). Any shapes do: the schedule's numbers are not specialised on."""
+    """`resident_programs` of both the range kernel's uses (a cache's attention at `key_stages`, a
+    frame's own at FRAME_NUM_STAGES) for `dtype` queries and keys on `device`, found now: on a fresh
+    machine the build behind each takes 1-2 s, which a stream's first steps would otherwise wait for
+    one after another (H100, docs/PERFORMANCE.md). Any shapes do: the schedule's numbers are not
+    specialised on."""
     q = torch.empty(BLOCK_QUERIES, num_heads, head_dim, dtype=dtype, device=device)  # [N, H, D]
     keys = torch.empty(BLOCK_KEYS, num_heads, head_dim, dtype=dtype, device=device)  # [capacity, H, D]
-    for num_stages in (NUM_STAGES, FRAME_NUM_STAGES):
-        resident_programs(q, keys, keys, num_stages)
+    key_stages(q, keys, keys)
+    resident_programs(q, keys, keys, FRAME_NUM_STAGES)
 
 
-def _measure_resident_programs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_stages: int) -> int:
+def _measure_resident_programs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_stages: int,
+                               tma: bool) -> int:
     """Per SM, the fewest programs its shared memory, registers and threads allow, times the SMs."""
-    kernel = _compiled_range_kernel(q, keys, values, num_stages)
-    kernel._init_handles()  # loads the binary, which reports the registers per thread
+    kernel = _compiled_range_kernel(q, keys, values, num_stages, tma)
     properties = torch.cuda.get_device_properties(q.device)
+    if kernel.metadata.shared > properties.shared_memory_per_block_optin:
+        return 0  # (loading it would fail: more shared memory than a block may have)
+    kernel._init_handles()  # loads the binary, which reports the registers per thread
     num_warps = kernel.metadata.num_warps
     # CUDA reserves 1 KB of shared memory per block; registers are handed out per warp, 256 at a time
     by_shared = properties.shared_memory_per_multiprocessor // (kernel.metadata.shared + 1024)
     registers_per_warp = -(-kernel.n_regs * 32 // 256) * 256
     by_registers = getattr(properties, "regs_per_multiprocessor", 65536) // (registers_per_warp * num_warps)
     by_threads = properties.max_threads_per_multi_processor // (num_warps * 32)
-    per_sm = min(by_shared, by_registers, by_threads)
-    if per_sm < 1:
-        raise RuntimeError(f"the range kernel does not fit an SM of {properties.name}: "
-                           f"{kernel.metadata.shared} B shared, {kernel.n_regs} registers per thread")
-    return per_sm * properties.multi_processor_count
+    return min(by_shared, by_registers, by_threads) * properties.multi_processor_count
 
 
 @triton.jit
@@ -191,8 +251,29 @@ def _fold_block(s, v, m_i, l_i, acc, qk_scale):
 
 
 @triton.jit
-def _attend_key_blocks(q, keys, values, column, start, num_keys, first, stop, qk_scale,
-                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _key_block(store, offset, column, stride, capacity, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+               TMA: tl.constexpr, MASKED: tl.constexpr):
+    """Rows [offset, offset + BLOCK_N) of the store, columns [column, column + HEAD_DIM): through a TMA
+    descriptor (rows past the store read 0), or through pointers from `store` (token stride `stride`;
+    MASKED: rows past `capacity` read 0, for a block that may end past the store)."""
+    # (one return: the compiler traces the code after a constexpr branch that returns)
+    if TMA:
+        block = store.load([offset, column])
+    else:
+        lines = tl.arange(0, BLOCK_N)
+        first = store + offset.to(tl.int64) * stride + column  # (a store may pass 2^31 elements)
+        pointers = first + lines[:, None] * stride + tl.arange(0, HEAD_DIM)[None, :]
+        if MASKED:
+            block = tl.load(pointers, mask=offset + lines[:, None] < capacity, other=0.0)
+        else:
+            block = tl.load(pointers)
+    return block
+
+
+@triton.jit
+def _attend_key_blocks(q, keys, values, column, start, num_keys, first, stop, qk_scale, stride_k, stride_v,
+                       capacity, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       TMA: tl.constexpr):
     """q [BLOCK_M, HEAD_DIM] against key blocks [first, stop) of the range (block b: keys
     start + b * BLOCK_N onwards, column `column` of the store). Returns the running max (scaled,
     base 2), the sum and the unnormalised output; -inf, 0 and 0 for an empty interval."""
@@ -202,13 +283,17 @@ def _attend_key_blocks(q, keys, values, column, start, num_keys, first, stop, qk
     last = num_keys // BLOCK_N  # the partial last block's index, if the range has one
     for block in range(first, tl.minimum(stop, last)):
         offset = start + block * BLOCK_N
-        s = tl.dot(q, tl.trans(keys.load([offset, column])))
-        m_i, l_i, acc = _fold_block(s, values.load([offset, column]), m_i, l_i, acc, qk_scale)
+        k = _key_block(keys, offset, column, stride_k, capacity, HEAD_DIM, BLOCK_N, TMA, False)
+        s = tl.dot(q, tl.trans(k))
+        v = _key_block(values, offset, column, stride_v, capacity, HEAD_DIM, BLOCK_N, TMA, False)
+        m_i, l_i, acc = _fold_block(s, v, m_i, l_i, acc, qk_scale)
     if (first <= last) & (last < stop):  # (last < stop only when the range ends in a partial block)
         inside = last * BLOCK_N + tl.arange(0, BLOCK_N) < num_keys  # its rows past the end belong to other tokens
         offset = start + last * BLOCK_N
-        s = tl.where(inside[None, :], tl.dot(q, tl.trans(keys.load([offset, column]))), -float("inf"))
-        v = tl.where(inside[:, None], values.load([offset, column]), 0.0)
+        k = _key_block(keys, offset, column, stride_k, capacity, HEAD_DIM, BLOCK_N, TMA, True)
+        s = tl.where(inside[None, :], tl.dot(q, tl.trans(k)), -float("inf"))
+        v = _key_block(values, offset, column, stride_v, capacity, HEAD_DIM, BLOCK_N, TMA, True)
+        v = tl.where(inside[:, None], v, 0.0)
         m_i, l_i, acc = _fold_block(s, v, m_i, l_i, acc, qk_scale)
     return m_i, l_i, acc
 
@@ -223,17 +308,20 @@ def _tile_rows(tile, num_query_blocks, num_heads, TAILS_LAST: tl.constexpr):
 
 
 # (the schedule's numbers change with the frame size: one compiled kernel serves them all)
-@triton.jit(do_not_specialize=["whole_tiles", "split_tiles", "splits", "prefix_share"])
+# (a spare engine's store has another capacity than the engine's: it must not compile another kernel)
+@triton.jit(do_not_specialize=["capacity", "whole_tiles", "split_tiles", "splits", "prefix_share"])
 def _range_attention_kernel(Q, keys, values, Out, partial_out, partial_stats, key_range, first_key, end_key,
-                            stride_q, stride_o, num_queries, num_heads, qk_scale, whole_tiles, split_tiles, splits,
-                            prefix_share, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            RANGE_IN_MEMORY: tl.constexpr, TAILS_LAST: tl.constexpr):
+                            stride_q, stride_o, stride_k, stride_v, capacity, num_queries, num_heads, qk_scale,
+                            whole_tiles, split_tiles, splits, prefix_share, HEAD_DIM: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RANGE_IN_MEMORY: tl.constexpr,
+                            TAILS_LAST: tl.constexpr, TMA: tl.constexpr):
     """One program: a whole tile (program < whole_tiles) or one piece of a split tile. A tile is
     BLOCK_M queries of one head against keys [start, end) of that head (read from key_range with
     RANGE_IN_MEMORY, else [first_key, end_key)); a piece, against one of `splits` chunks of those
     keys' blocks (equal, or with prefix_share > 0 the first that share per mille of them and the
-    others equal parts of the rest). `keys` and `values` are descriptors of the [capacity, heads * HEAD_DIM]
-    store, BLOCK_N rows by HEAD_DIM. Pieces write partial_out [pieces, BLOCK_M, HEAD_DIM]
+    others equal parts of the rest). `keys` and `values`: the [capacity, heads * HEAD_DIM] store,
+    as TMA descriptors of BLOCK_N rows by HEAD_DIM (TMA) or as pointers (token strides stride_k and
+    stride_v). Pieces write partial_out [pieces, BLOCK_M, HEAD_DIM]
     (unnormalised) and partial_stats [2, pieces, BLOCK_M] (row maxima, scaled base 2, and row
     sums), piece = chunk * split_tiles + (tile - whole_tiles)."""
     program = tl.program_id(0)
@@ -262,7 +350,7 @@ def _range_attention_kernel(Q, keys, values, Out, partial_out, partial_stats, ke
     q = tl.load(Q + rows[:, None] * stride_q + head * HEAD_DIM + dims[None, :], mask=rows[:, None] < num_queries,
                 other=0.0)
     m_i, l_i, acc = _attend_key_blocks(q, keys, values, head * HEAD_DIM, start, num_keys, first, stop, qk_scale,
-                                       HEAD_DIM, BLOCK_M, BLOCK_N)
+                                       stride_k, stride_v, capacity, HEAD_DIM, BLOCK_M, BLOCK_N, TMA)
     if program < whole_tiles:
         out = acc / l_i[:, None]
         tl.store(Out + rows[:, None] * stride_o + head * HEAD_DIM + dims[None, :], out.to(Out.dtype.element_ty),
@@ -305,31 +393,37 @@ KeyRange = torch.Tensor | tuple[int, int]
 
 
 def attend_range(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_range: KeyRange, *,
-                 slots: int | None = None, num_stages: int = NUM_STAGES, schedule_keys: int | None = None) -> torch.Tensor:
+                 slots: int | None = None, num_stages: int | None = None, schedule_keys: int | None = None,
+                 tma: bool | None = None) -> torch.Tensor:
     """Softmax attention of q [T, H, D] over keys/values [capacity, H, D] at positions
     [key_range[0], key_range[1]): an int32 [2] tensor on q's device (read by the kernel, so a CUDA
     graph may record the call while the range changes) or two ints. Returns [T, H, D] in q's
     dtype, contiguous. q, keys and values: each token's heads side by side ([*, H, D] with strides
     (any, D, 1)); the range must hold at least one key. slots: the programs the device runs at
     once, which the schedule fills (None: measured from the compiled kernel on CUDA; one per tile
-    elsewhere, where nothing runs side by side). num_stages: key blocks in flight per program.
-    schedule_keys: the key count the schedule is made for (None: the store's capacity); a smaller
-    store that must compute exactly as a larger one does (a spare engine's) names the larger's."""
+    elsewhere, where nothing runs side by side). num_stages: key blocks in flight per program (None:
+    `key_stages` on CUDA). schedule_keys: the key count the schedule is made for (None: the store's
+    capacity); a smaller store that must compute exactly as a larger one does (a spare engine's)
+    names the larger's. tma: load keys and values through TMA descriptors (None: `tensor_memory_loads`)."""
     num_queries, num_heads, head_dim = q.shape
     num_tiles = triton.cdiv(num_queries, BLOCK_QUERIES) * num_heads
+    tma = tensor_memory_loads(q.device) if tma is None else tma
+    if num_stages is None:
+        num_stages = key_stages(q, keys, values, tma) if q.is_cuda else NUM_STAGES
     if slots is None:
-        slots = resident_programs(q, keys, values, num_stages) if q.is_cuda else num_tiles
+        slots = resident_programs(q, keys, values, num_stages, tma) if q.is_cuda else num_tiles
     schedule = schedule_tiles(num_tiles, slots, triton.cdiv(schedule_keys or keys.shape[0], BLOCK_KEYS))
-    return attend_range_scheduled(q, keys, values, key_range, slots, schedule=schedule, num_stages=num_stages)
+    return attend_range_scheduled(q, keys, values, key_range, slots, schedule=schedule, num_stages=num_stages,
+                                  tma=tma)
 
 
 def attend_range_scheduled(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_range: KeyRange,
                            slots: int, *, schedule: TileSchedule | None = None, block_queries: int = BLOCK_QUERIES,
                            num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-                           tails_last: bool = False) -> torch.Tensor:
+                           tails_last: bool = False, tma: bool | None = None) -> torch.Tensor:
     """attend_range on `slots` resident programs; `schedule` (default: schedule_tiles's for the
     store's capacity, which stands for the key count: that one may live on the device), the query
-    block, the warps and the tile order can be forced, for measurements."""
+    block, the warps, the tile order and the loads can be forced, for measurements."""
     num_queries, num_heads, head_dim = q.shape
     if keys.shape[1:] != (num_heads, head_dim) or values.shape != keys.shape:
         raise ValueError(f"keys/values {list(keys.shape)}/{list(values.shape)} do not match queries {list(q.shape)}")
@@ -347,11 +441,13 @@ def attend_range_scheduled(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     partial_stats = torch.empty(max(1, 2 * schedule.num_pieces * block_queries), dtype=torch.float32, device=q.device)
     in_memory = isinstance(key_range, torch.Tensor)
     bounds = (key_range, 0, 0) if in_memory else (out, *key_range)  # (the pointer unused without RANGE_IN_MEMORY)
+    tma = tensor_memory_loads(q.device) if tma is None else tma
     _range_attention_kernel[(schedule.num_programs,)](
-        q, *_descriptors(keys, values, head_dim), out, partial_out, partial_stats, *bounds, q.stride(0), out.stride(0),
-        num_queries, num_heads, head_dim**-0.5 * LOG2_E, schedule.whole_tiles, schedule.split_tiles, schedule.splits,
-        schedule.prefix_share, HEAD_DIM=head_dim, BLOCK_M=block_queries, BLOCK_N=BLOCK_KEYS, RANGE_IN_MEMORY=in_memory, TAILS_LAST=tails_last,
-        num_warps=num_warps, num_stages=num_stages)
+        q, *_key_value_operands(keys, values, tma), out, partial_out, partial_stats, *bounds, q.stride(0),
+        out.stride(0), keys.stride(0), values.stride(0), keys.shape[0], num_queries, num_heads,
+        head_dim**-0.5 * LOG2_E, schedule.whole_tiles, schedule.split_tiles, schedule.splits, schedule.prefix_share,
+        HEAD_DIM=head_dim, BLOCK_M=block_queries, BLOCK_N=BLOCK_KEYS, RANGE_IN_MEMORY=in_memory,
+        TAILS_LAST=tails_last, TMA=tma, num_warps=num_warps, num_stages=num_stages)
     if schedule.split_tiles:
         pieces = triton.next_power_of_2(schedule.splits)
         rows = max(1, min(block_queries, MERGE_VALUES_PER_ROW_GROUP // pieces))  # a [pieces, rows, D] block per program
@@ -382,7 +478,7 @@ def attend_frame(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     wave cuDNN stays, faster than that (16 against 20 us at 1,005 tokens)."""
     num_heads, num_tokens = q.shape[1:3]
     if q.shape[0] != 1 or (q.is_cuda and math.ceil(num_tokens / BLOCK_QUERIES) * num_heads
-                           <= resident_programs(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1))):
+                           <= _one_wave(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1))):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v)
     out = attend_range(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), (0, num_tokens),
                        num_stages=FRAME_NUM_STAGES)  # [N, H, D]
@@ -393,12 +489,21 @@ def attend_frame(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
 FRAME_NUM_STAGES = 2
 
 
-def _descriptors(keys: torch.Tensor, values: torch.Tensor, head_dim: int) -> list[TensorDescriptor]:
-    flat = [t.flatten(1) for t in (keys, values)]  # [capacity, H * D] views
-    return [TensorDescriptor(t, list(t.shape), list(t.stride()), [BLOCK_KEYS, head_dim]) for t in flat]
+def _one_wave(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> int:
+    """The tiles of one wave of the range kernel as a cache's attention runs it on this GPU."""
+    return resident_programs(q, keys, values, key_stages(q, keys, values))
 
 
-def _compiled_range_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_stages: int = NUM_STAGES):
+def _key_value_operands(keys: torch.Tensor, values: torch.Tensor, tma: bool) -> list:
+    """The kernel's `keys` and `values`: [capacity, H * D] views, as TMA descriptors of one key block
+    by one head, or as they are (pointers)."""
+    flat = [t.flatten(1) for t in (keys, values)]
+    if not tma:
+        return flat
+    return [TensorDescriptor(t, list(t.shape), list(t.stride()), [BLOCK_KEYS, keys.shape[-1]]) for t in flat]
+
+
+def _compiled_range_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_stages: int, tma: bool):
     """The range kernel as `attend_range` launches it for these arguments, compiled, not run (its
     resources decide the schedule; the schedule's numbers are not specialised on, so any do)."""
     num_queries, num_heads, head_dim = q.shape
@@ -406,9 +511,10 @@ def _compiled_range_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     unused = torch.empty(1, dtype=torch.float32, device=q.device)
     key_range = torch.empty(2, dtype=torch.int32, device=q.device)
     return _range_attention_kernel.warmup(
-        q, *_descriptors(keys, values, head_dim), q, unused, unused, key_range, 0, 0, q.stride(0), q.stride(0),
-        num_queries, num_heads, 1.0, num_tiles, 0, 1, 0, HEAD_DIM=head_dim, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS,
-        RANGE_IN_MEMORY=True, TAILS_LAST=False, num_warps=NUM_WARPS, num_stages=num_stages, grid=(1,))
+        q, *_key_value_operands(keys, values, tma), q, unused, unused, key_range, 0, 0, q.stride(0), q.stride(0),
+        keys.stride(0), values.stride(0), keys.shape[0], num_queries, num_heads, 1.0, num_tiles, 0, 1, 0,
+        HEAD_DIM=head_dim, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS, RANGE_IN_MEMORY=True, TAILS_LAST=False, TMA=tma,
+        num_warps=NUM_WARPS, num_stages=num_stages, grid=(1,))
 
 
 class TritonRangeAttention:

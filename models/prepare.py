@@ -10,8 +10,8 @@ order. What preparing does, and why each step belongs here rather than in the en
 - fusions that replace modules: the MLPs' GELU inside the first layer's cuBLASLt epilogue
   (fused_gelu.py), the camera head's large layers reading float16-stored weights with float32
   arithmetic (few_token_linear.py; needs triton);
-- the DINO and frame blocks' attention through `attend_frame` on Hopper or newer in bf16/fp16
-  (cache/triton_attention.py): cuDNN while a frame's tiles fit one wave, the Triton range kernel at
+- the DINO and frame blocks' attention through `attend_frame` where dense-triton runs (Ampere or
+  newer, bf16/fp16; cache/triton_attention.py): cuDNN while a frame's tiles fit one wave, the Triton range kernel at
   three programs per SM past it (frames over 1,024 tokens);
 - channels-last DPT convolutions (cuDNN's NHWC kernels);
 - torch.compile of the blocks' halves and both heads' pure parts (CUDA), each call signature
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from stream_recon.cache.backends import HALF_DTYPES
+from stream_recon.cache.backends import HALF_DTYPES, unavailable_reason
 from stream_recon.cache.packages import importable
 
 from .compilation import CompiledMethods
@@ -86,7 +86,7 @@ def prepare_for_inference(model: GCTStream, device: str | torch.device | None = 
             from .few_token_linear import store_weights_in_half
 
             half_camera = store_weights_in_half(prepared.camera_head) > 0
-    if half and on_cuda and importable("triton") and torch.cuda.get_device_capability(device)[0] >= 9:
+    if half and on_cuda and unavailable_reason("dense-triton", device, dtype) is None:
         use_range_kernel_for_frames(prepared.aggregator)
     if on_cuda:
         # cuDNN's NHWC convolutions: the DPT head's inputs are channels-last views already.
@@ -193,7 +193,7 @@ def step_precision(device_type: str, autocast_dtype: torch.dtype | None):
 
 def use_range_kernel_for_frames(module: torch.nn.Module) -> int:
     """The attention of every block under `module` that attends without a cache (DINO, frame
-    blocks) through `attend_frame` (the range kernel's tensor-memory loads need Hopper or newer).
+    blocks) through `attend_frame` (the range kernel: Ampere or newer).
     cuDNN's kernel, SDPA's choice, runs a frame's 64-query tiles 264 at a time on an H100: from
     1,042 tokens on (518x392) a second wave took each call from 16 to 30 us, where the range kernel
     at three programs per SM takes 23 (docs/PERFORMANCE.md). Returns the number of modules changed."""

@@ -26,8 +26,10 @@ process, whose compile helpers compiled the defaults only). `dense`, `cudnn` and
 with --attention dense, dense-cudnn or dense-flashinfer, and `dense_uncut`, `cudnn_uncut` and
 `flashinfer_uncut` the same without the cut of the rows past a library kernel's last whole wave
 (cache/leftover_rows.py), `dense_waves` --attention dense with that cut but without flash's rows
-in pieces of its split path (the rule before the pieces), and `flashinfer_fa2` dense-flashinfer on
-FlashInfer's fa2 kernels (what it runs before Hopper) on any GPU.
+in pieces of its split path (the rule before the pieces), `flashinfer_fa2` dense-flashinfer on
+FlashInfer's fa2 kernels (what it runs before Hopper) on any GPU, and `pointers` the defaults with the
+range kernel (the global and the frame attention) loading keys and values through pointers, as it
+does before Hopper, on any GPU.
 
 torch.compile compiles the blocks and heads once per input size (~40 s a size on a fresh
 machine). --compile-workers N starts N helper processes that stream a few frames at each size
@@ -65,6 +67,7 @@ from stream_recon.models.steps import PipelinedRunner  # noqa: E402
 
 SCALE, WINDOW = 8, 64
 ATTEND_RANGE = triton_attention.attend_range
+TENSOR_MEMORY_CAPABILITY = triton_attention.TENSOR_MEMORY_CAPABILITY
 STORE_WRITE = triton_store.write
 PREFIX = triton_attention.PREFIX_FILL, triton_attention.PREFIX_SHARE, triton_attention.PREFIX_PIECES
 # (fill, share, pieces) of the variants that change the prefix cut
@@ -101,6 +104,7 @@ def use_variant(model, variant: str) -> None:
     (triton_attention.PREFIX_FILL, triton_attention.PREFIX_SHARE,
      triton_attention.PREFIX_PIECES) = PREFIX_VARIANTS.get(variant, PREFIX)
     triton_attention.schedule_tiles.cache_clear()
+    triton_attention.TENSOR_MEMORY_CAPABILITY = 99 if variant == "pointers" else TENSOR_MEMORY_CAPABILITY
     triton_store.write = index_copy_write if variant == "index_copy" else STORE_WRITE
     sdpa_frames = variant in ("previous", "balanced")  # every other variant keeps the defaults' frame attention
     frame_attention = F.scaled_dot_product_attention if sdpa_frames else triton_attention.attend_frame

@@ -146,7 +146,7 @@ def main():
     store = torch.randn(2, 256, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     slots = ta.resident_programs(q, store[0], store[1])
     for stages in (ta.NUM_STAGES, ta.FRAME_NUM_STAGES):
-        kernel = ta._compiled_range_kernel(q, store[0], store[1], stages)
+        kernel = ta._compiled_range_kernel(q, store[0], store[1], stages, ta.tensor_memory_loads(q.device))
         kernel._init_handles()  # (the registers per thread are known once the binary is loaded)
         print(f"{torch.cuda.get_device_name()}, {stages} stages: {ta.resident_programs(q, store[0], store[1], stages)} "
               f"resident programs ({kernel.metadata.shared} B shared, {kernel.n_regs} registers per thread)", flush=True)

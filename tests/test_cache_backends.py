@@ -38,7 +38,9 @@ def test_auto_is_the_parity_path_on_the_cpu_or_in_float32():
 @pytest.mark.parametrize(("capability", "packages", "expected"), [
     (9, ("triton", "flashinfer"), "dense-triton"),
     (9, ("flashinfer",), "dense-cudnn"),  # Hopper without triton
-    (8, ("triton", "flashinfer"), "dense-flashinfer"),  # Triton's TMA kernel needs Hopper; cuDNN is not preferred
+    (8, ("triton", "flashinfer"), "dense-triton"),  # Ampere/Ada: the range kernel on pointer loads
+    (8, ("flashinfer",), "dense-flashinfer"),  # without triton; cuDNN is not preferred before Hopper
+    (7, ("triton", "flashinfer"), "dense-flashinfer"),  # Triton's bf16 products need Ampere
     (8, (), "dense"),
 ])
 def test_auto_on_cuda_takes_the_first_available_in_order(gpu_like, capability, packages, expected):
@@ -55,8 +57,8 @@ def test_an_explicit_backend_that_cannot_run_says_why_and_what_instead(gpu_like)
     gpu_like(8, ())
     with pytest.raises(ValueError, match=r"needs the flashinfer package \(on a CUDA machine: .*\); use --attention auto or sdpa"):
         backends.resolve("flashinfer", CUDA, torch.bfloat16)
-    with pytest.raises(ValueError, match="compute capability 9.0"):
-        gpu_like(8, ("triton",))
+    with pytest.raises(ValueError, match="compute capability 8.0"):
+        gpu_like(7, ("triton",))
         backends.resolve("dense-triton", CUDA, torch.bfloat16)
     assert backends.resolve("dense-cudnn", CUDA, torch.float16).name == "dense-cudnn"  # explicit names stay
 

@@ -86,7 +86,7 @@ SCHEDULE_SCRIPT = textwrap.dedent("""
 
     torch.manual_seed(1)
     worst = []
-    for queries, heads, start, end, slots, forced, tails_last, dtype in eval(sys.argv[1]):
+    for queries, heads, start, end, slots, forced, tails_last, dtype, tma in eval(sys.argv[1]):
         dtype = getattr(torch, dtype)
         store = (torch.randn(2, end + 5, heads, 32) * 2).to(dtype)
         q = (torch.randn(queries, heads, 32) * 2).to(dtype)
@@ -97,7 +97,7 @@ SCHEDULE_SCRIPT = textwrap.dedent("""
                 assert schedule_tiles(tiles, slots, -(-(end + 5) // 128)).prefix_share > 0
         schedule = TileSchedule(*forced) if forced else None
         out = attend_range_scheduled(q, store[0], store[1], torch.tensor([start, end], dtype=torch.int32), slots,
-                                     schedule=schedule, tails_last=tails_last)
+                                     schedule=schedule, tails_last=tails_last, tma=tma)
         keys, values = (store[i, start:end].float().transpose(0, 1)[None] for i in (0, 1))
         expected = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys, values)[0].transpose(0, 1)
         assert out.shape == q.shape and out.dtype == dtype
@@ -106,8 +106,12 @@ SCHEDULE_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_scheduled_pieces_merge_to_sdpa_over_the_same_keys():
-    errors = [float(x) for x in interpret(SCHEDULE_SCRIPT, SCHEDULE_CASES).split()]
+@pytest.mark.parametrize("tma", [True, False], ids=["tma-loads", "pointer-loads"])
+def test_scheduled_pieces_merge_to_sdpa_over_the_same_keys(tma):
+    """Both loads: TMA descriptors (Hopper on) and pointers (Ampere, Ada), each path's partial last
+    block included (a store whose last block ends past its rows: the range ends 5 rows before it)."""
+    cases = [(*case, tma) for case in SCHEDULE_CASES]
+    errors = [float(x) for x in interpret(SCHEDULE_SCRIPT, cases).split()]
     assert len(errors) == len(SCHEDULE_CASES)
     for case, error in zip(SCHEDULE_CASES, errors, strict=True):
         limit = 5e-3 if case[-1] == "float16" else 1e-5
@@ -211,7 +215,7 @@ def test_resident_programs_are_measured_once_per_key_whichever_thread_asks_first
 
     measured = []
 
-    def slow_measure(q, keys, values, num_stages):
+    def slow_measure(q, keys, values, num_stages, tma):
         measured.append(num_stages)
         time.sleep(0.2)
         return 132 * num_stages
@@ -220,11 +224,35 @@ def test_resident_programs_are_measured_once_per_key_whichever_thread_asks_first
     monkeypatch.setattr(triton_attention, "_resident_programs", {})
     q = keys = torch.empty(4, 2, 8)
     answers = []
-    askers = [threading.Thread(target=lambda: answers.append(triton_attention.resident_programs(q, keys, keys, 3)))
+    askers = [threading.Thread(target=lambda: answers.append(triton_attention.resident_programs(q, keys, keys, 3, True)))
               for _ in range(4)]
     for asker in askers:
         asker.start()
     for asker in askers:
         asker.join()
     assert measured == [3] and answers == [396] * 4
-    assert triton_attention.resident_programs(q, keys, keys, 2) == 264 and measured == [3, 2]
+    assert triton_attention.resident_programs(q, keys, keys, 2, True) == 264 and measured == [3, 2]
+    assert triton_attention.resident_programs(q, keys, keys, 2, False) == 264 and measured == [3, 2, 2]
+
+
+# (per-SM programs at 3, 2 and 1 key blocks in flight on 132 SMs -> the stages chosen, and the builds asked for)
+@pytest.mark.parametrize(("per_sm", "expected", "asked"), [
+    ((2, 3, 4), 3, [3]),  # an H100: two programs at three stages, nothing else built
+    ((1, 2, 3), 2, [3, 2]),  # two programs only from two stages down
+    ((1, 1, 3), 3, [3, 2]),  # never two with a block in flight: the most stages that fit one
+    ((0, 1, 2), 2, [3, 2]),  # a 100 KB SM: one program at two stages, before two at one
+    ((0, 0, 2), 1, [3, 2, 1]),  # only one stage fits at all
+    ((0, 0, 0), None, [3, 2, 1]),  # nothing fits: the caller says so
+])
+def test_key_stages_keep_two_programs_per_sm_where_they_can(per_sm, expected, asked):
+    from stream_recon.cache.triton_attention import NUM_STAGES, choose_key_stages
+
+    assert NUM_STAGES == 3
+    built = []
+
+    def resident_at(stages):
+        built.append(stages)
+        return per_sm[NUM_STAGES - stages] * 132
+
+    assert choose_key_stages(resident_at, 132) == expected
+    assert built == asked

@@ -19,12 +19,25 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
+# dense-triton as it runs before Hopper: keys and values through pointer loads, not TMA
+POINTER_LOADS = "dense-triton-pointers"
 
-@pytest.mark.parametrize("attention", ["dense", "dense-triton", "dense-flashinfer", "dense-cudnn"])
+
+def backend_named(attention: str, monkeypatch) -> str:
+    """The --attention a test parameter stands for; POINTER_LOADS makes this GPU load as Ampere does."""
+    if attention != POINTER_LOADS:
+        return attention
+    from stream_recon.cache import triton_attention
+
+    monkeypatch.setattr(triton_attention, "TENSOR_MEMORY_CAPABILITY", 99)
+    return "dense-triton"
+
+@pytest.mark.parametrize("attention", ["dense", "dense-triton", POINTER_LOADS, "dense-flashinfer", "dense-cudnn"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_contiguous_graphed_path_agrees_with_golden_and_the_paged_path(gpu_model, scenario, attention):
+def test_contiguous_graphed_path_agrees_with_golden_and_the_paged_path(gpu_model, scenario, attention, monkeypatch):
     if attention == "dense-flashinfer":
         pytest.importorskip("flashinfer", reason="flashinfer is not installed")
+    attention = backend_named(attention, monkeypatch)
     golden = np.load(GOLDEN / scenario / "outputs.npz")
     fast, engine = stream(gpu_model, torch.bfloat16, attention, **SCENARIOS[scenario])
     assert engine.stats()["attention"].startswith(attention) and engine.stats()["cuda_graphs"]
@@ -38,11 +51,12 @@ def test_contiguous_graphed_path_agrees_with_golden_and_the_paged_path(gpu_model
         assert between[key] <= limit, f"{key}: {between[key]:.3f} sigma"
 
 
-@pytest.mark.parametrize("attention", ["dense", "dense-triton", "dense-flashinfer", "dense-cudnn"])
-def test_graph_replay_equals_the_eager_step(gpu_model, attention):
+@pytest.mark.parametrize("attention", ["dense", "dense-triton", POINTER_LOADS, "dense-flashinfer", "dense-cudnn"])
+def test_graph_replay_equals_the_eager_step(gpu_model, attention, monkeypatch):
     """Same kernels, same order: replaying the recorded step changes nothing but the launch cost."""
     if attention == "dense-flashinfer":
         pytest.importorskip("flashinfer", reason="flashinfer is not installed")
+    attention = backend_named(attention, monkeypatch)
     policy = SCENARIOS["flow"]  # deferred frames, rollbacks and commits all go through replays
     graphed, engine = stream(gpu_model, torch.bfloat16, attention, **policy)
     assert engine.stats()["cuda_graphs"]
@@ -167,15 +181,19 @@ def test_descriptors_from_recorded_pipelined_steps_equal_the_eager_ones_and_chan
 
 # 518x322, x350, x378, x392, x518: 224, 240, 256, 272 and 352 tiles of 64
 @pytest.mark.parametrize("tokens", [857, 931, 1005, 1042, 1375])
-def test_range_kernel_past_one_wave_matches_sdpa(tokens):
+@pytest.mark.parametrize("attention", ["dense-triton", POINTER_LOADS])
+def test_range_kernel_past_one_wave_matches_sdpa(tokens, attention, monkeypatch):
     """The global attention at the streaming shape (72 frames of keys) with the H100's schedule
     (prefixes and pieces of a wave with idle slots; one wave of whole tiles; whole tiles and pieces
     merged after them), and a frame's attention
     over itself (cuDNN within one wave, the range kernel on strided views past it), against SDPA
-    in float32 over the same bf16 inputs."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the range kernel's tensor-memory loads need Hopper or newer")
+    in float32 over the same bf16 inputs; with TMA loads and with pointer loads."""
+    from stream_recon.cache import triton_attention
     from stream_recon.cache.triton_attention import attend_frame, attend_range
+
+    if attention == "dense-triton" and not triton_attention.tensor_memory_loads(torch.device("cuda")):
+        pytest.skip("the range kernel's tensor-memory loads need Hopper or newer")
+    backend_named(attention, monkeypatch)
 
     torch.manual_seed(tokens)
     num_keys = 72 * (tokens - 6) + 912

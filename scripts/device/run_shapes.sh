@@ -8,6 +8,7 @@
 #    variant, the range kernel of the commit to compare with in cache/triton_attention_previous.py:
 #    git show COMMIT:cache/triton_attention.py > cache/triton_attention_previous.py, not committed)
 #   HEIGHTS=378,392,518 PROFILE=378,392 TESTS="tests/test_gpu_fp8.py" TEST_K=range bash scripts/device/run_shapes.sh
+#   AFTER=FILE: the sweep waits for FILE too (a caller's own GPU work, run beside the compile helpers)
 set -uo pipefail
 source scripts/device/env.sh
 began=$(date +%s)
@@ -35,6 +36,7 @@ elif [ -n "${PROBE_HEIGHTS-280:518:14}" ]; then
   probe ${PROBE_TIMEOUT:-240}
 fi
 while [ $(jobs -rp | grep -vc "^$sweep$") -gt 0 ]; do sleep 1; done  # the compile helpers
+while [ -n "${AFTER:-}" ] && [ ! -e "$AFTER" ]; do sleep 1; done  # whatever else the caller runs on the GPU
 grep -E "compiled|Error|error" "$OUT/compile.log" | tail -30
 echo "== sweep from $(( $(date +%s) - began )) s"
 touch /tmp/gpu_free  # the sweep (its model built meanwhile) measures from now, until DEADLINE
