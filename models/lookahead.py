@@ -58,6 +58,14 @@ class SpareEngine:
         if unfinished and timeout > 0:
             wait(unfinished, timeout=timeout)
 
+    def wait_for_backlog(self, at_most: int, deadline: float) -> None:
+        """Wait until at most `at_most` queued frames are unfinished (the worker runs them in order), or
+        until `deadline` (time.perf_counter seconds)."""
+        unfinished = [job for job in self._jobs if not job.done()]
+        timeout = deadline - time.perf_counter()
+        if len(unfinished) > at_most and timeout > 0:
+            wait([unfinished[len(unfinished) - at_most - 1]], timeout=timeout)
+
     def take_ready(self) -> list[FramePrediction]:
         """The predictions of the oldest queued frames whose jobs have finished, without waiting; they
         are not returned again by `collect`. A failed job stays queued (its error surfaces there)."""

@@ -43,6 +43,11 @@ logger = logging.getLogger("stream_recon.models.rollover")
 # push: the spare has the device alone for the rest. 1.5 left the spare too little device time (46
 # provisional frames at a flow rollover on the H100, docs/PERFORMANCE.md); 1.6 keeps it a frame behind.
 PACE = 1.6
+# While catching up, a push lasts up to CATCH_UP_PACE times the usual one where the spare is further
+# behind than `catch_up_backlog` allows. A rollover may cost 2x the median interval at most, and an
+# interval is the held push plus ~2 ms outside it (sinks, receiving) at a 29 ms median: at 2.0 the
+# first pushes of a catch-up took 59-63 ms against a 28.7 ms median (H100, docs/PERFORMANCE.md).
+CATCH_UP_PACE = 1.8
 # The current engine's CUDA stream (MainStream) where a spare may run (whose stream has the default
 # priority, 0): lower numbers are more urgent.
 MAIN_STREAM_PRIORITY = -1
@@ -113,6 +118,7 @@ class Rollover:
         self.ahead_from: int | None = None
         self.closed: ClosedChunk | None = None
         self.provisional_count = 0  # frames the closed chunk predicted since its rollover
+        self.behind_at_start = 0  # the spare's unfinished frames when the chunk closed
         self.ready: list[FramePrediction] = []  # the spare's predictions, taken before they are received
 
     def _enter(self, phase: Phase) -> None:
@@ -163,6 +169,7 @@ class Rollover:
                 self.spare.push(*frame)
         self.ahead_from = None
         self.closed, self.provisional_count = closed, 0
+        self.behind_at_start = self.spare.backlog
         # Without room for provisional frames the spare takes over at the next call.
         self._enter(Phase.CATCHING_UP if self.provisional_room > 0 else Phase.SWITCH_PENDING)
 
@@ -236,20 +243,37 @@ class Rollover:
         """While the spare has work for the next chunk, hold the stream until PACE times its usual push
         has passed since this one `started` (or the spare is done): the spare then has the device
         alone for a while after each frame, and the stream's thread makes the depth ratios the next
-        transform needs meanwhile. Otherwise, note how long the push took."""
+        transform needs meanwhile. While catching up, hold it on until the spare is no further behind
+        than `catch_up_backlog` allows, or CATCH_UP_PACE times the usual push has passed. Otherwise,
+        note how long the push took."""
         elapsed = time.perf_counter() - started
         if not self.spare_has_work:
             self._push_seconds.append(elapsed)
         elif self._push_seconds:
-            deadline = started + PACE * float(np.median(self._push_seconds))
+            usual = float(np.median(self._push_seconds))
+            deadline = started + PACE * usual
             to_make = self._ratios_to_make()  # host work that waits for the transform, done in the meantime
             while to_make is not None and time.perf_counter() < deadline and self.alignment.make_ratios(*to_make,
                                                                                                       limit=1):
                 pass
             self.spare.wait_until(deadline)
+            if self.phase is Phase.CATCHING_UP:
+                at_most = catch_up_backlog(self.behind_at_start, self.provisional_room, self.provisional_count)
+                self.spare.wait_for_backlog(at_most, started + CATCH_UP_PACE * usual)
 
     def close(self) -> None:
         self.spare.close()
+
+
+def catch_up_backlog(behind_at_start: int, room: int, provisional: int) -> int:
+    """The most frames the spare may be behind after the closed chunk's `provisional`-th provisional
+    frame, so that it is a frame behind at most when the room (`room` frames) is used up: from
+    `behind_at_start` + 1 down to 1 in equal steps, so that the stream waits a little at every push
+    rather than all at once at the switch. Where the room is small beside the spare's start (a spare
+    of 16 slots on a 16 GB card, docs/PERFORMANCE.md), the spare was still 4-5 frames behind at the
+    end of it and the switch stopped the stream for them: 100 ms against a 30 ms median interval."""
+    left = max(0, room - provisional)
+    return 1 + behind_at_start * left // max(1, room)
 
 
 class MainStream:

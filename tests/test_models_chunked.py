@@ -928,6 +928,49 @@ def test_a_transition_outside_the_table_is_refused(model):
         rollover.close()
 
 
+def test_the_spare_is_to_be_a_frame_behind_when_the_provisional_room_runs_out():
+    from stream_recon.models.rollover import catch_up_backlog
+
+    # a 16 GB card's spare: 16 shared frames to catch up, room for 16 provisional ones
+    assert [catch_up_backlog(16, 16, provisional) for provisional in range(17)] == list(range(17, 0, -1))
+    assert catch_up_backlog(16, 48, 1) == 16 and catch_up_backlog(16, 48, 48) == 1  # an 80 GB card's room
+    assert catch_up_backlog(0, 8, 3) == 1  # a spare that took its frames ahead
+    assert catch_up_backlog(4, 0, 0) == 1 and catch_up_backlog(4, 2, 5) == 1  # no room, or past it
+
+
+class RecordingSpare:
+    """What Rollover.pace asks of a spare, recorded."""
+
+    def __init__(self):
+        self.calls = []
+
+    def wait_until(self, deadline):
+        self.calls.append(("until", deadline))
+
+    def wait_for_backlog(self, at_most, deadline):
+        self.calls.append(("backlog", at_most, deadline))
+
+
+@pytest.mark.parametrize("phase_name", ["CATCHING_UP", "SWITCH_PENDING", "AHEAD"])
+def test_catching_up_holds_each_push_until_the_spare_is_on_its_way_or_its_catch_up_pace_has_passed(phase_name):
+    import types
+
+    from stream_recon.models.rollover import CATCH_UP_PACE, PACE, Phase, Rollover
+
+    spare = RecordingSpare()
+    alignment = types.SimpleNamespace(tail=[], make_ratios=lambda *args, **kwargs: False)
+    rollover = Rollover(spare, alignment, provisional_room=16)
+    rollover._push_seconds.extend([0.03, 0.02, 0.04])
+    rollover.phase, rollover.behind_at_start, rollover.provisional_count = Phase[phase_name], 16, 4
+    started = time.perf_counter()
+    rollover.pace(started)
+    assert spare.calls[0] == ("until", pytest.approx(started + PACE * 0.03))
+    if phase_name == "CATCHING_UP":
+        assert spare.calls[1:] == [("backlog", 13, pytest.approx(started + CATCH_UP_PACE * 0.03))]
+    else:
+        assert spare.calls[1:] == []
+
+
 def test_chunk_links_compose_to_the_chunk_transforms_and_say_how_well_the_overlap_agreed(model, frames):
     from stream_recon.models.similarity import MIN_OVERLAP_SIGMA
 
