@@ -57,6 +57,9 @@ class BackendSpec:
     # values in the model's dtype ([N, H, D] each: a transient one, or dense-triton's reused buffer).
     # The paged layout stores the model's dtype only.
     reads_fp8: bool = False
+    # The CUDA compute capability (major, minor) from which it reads an fp8 store: a Triton kernel
+    # reading the codes needs Triton's e4m3 type.
+    fp8_capability: tuple[int, int] = (0, 0)
     # It reads the visible keys through a per-layer copy of them (the SDPA reference's page gather),
     # which memory plans count like fp8's dequantised copies.
     gathers: bool = False
@@ -118,7 +121,7 @@ BACKENDS: tuple[BackendSpec, ...] = (
                 summary="PyTorch's flash/efficient SDPA over the visible range, read in place"),
     # (Ampere on: bf16 tensor-core products; TMA loads from Hopper on, pointer loads before)
     BackendSpec(name="dense-triton", layout="dense", factory=_dense_triton, needs=("triton",), min_capability=8,
-                reads_fp8=True,
+                reads_fp8=True, fp8_capability=fp8.TRITON_E4M3_CAPABILITY,
                 summary="our Triton range kernel reading its bounds on the device: the whole step one CUDA graph"),
     # cuDNN beat FlashInfer on Hopper only (docs/PERFORMANCE.md); elsewhere FlashInfer comes first.
     BackendSpec(name="dense-cudnn", layout="dense", factory=_dense_cudnn, auto_min_capability=9, reads_fp8=True,
@@ -176,6 +179,9 @@ def unavailable_reason(name: str, device: torch.device | str, dtype: torch.dtype
             return f"--attention {name} needs the {package} package ({INSTALL_HINTS.get(package, 'pip install it')})"
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < backend.min_capability:
         return f"--attention {name} needs a GPU of compute capability {backend.min_capability}.0 or newer"
+    if stored == fp8.E4M3 and device.type == "cuda" and torch.cuda.get_device_capability(device) < backend.fp8_capability:
+        return (f"--attention {name} reads an fp8 K/V cache on a GPU of compute capability "
+                f"{'.'.join(map(str, backend.fp8_capability))} or newer")
     return None
 
 

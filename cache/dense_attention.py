@@ -23,6 +23,19 @@ from .packages import importable
 from .streams import run_beside
 
 
+def store_write_kernel(device: torch.device, quantized: bool, head_dim: int):
+    """The Triton kernel that writes a layer's K and V into a dense store on `device`, or None where
+    PyTorch writes them: off CUDA, without Triton, at a head dim not a power of two (a kernel holds a
+    token's heads in one block), and for fp8 codes before Triton has e4m3 (fp8.TRITON_E4M3_CAPABILITY)."""
+    if device.type != "cuda" or not importable("triton") or head_dim & (head_dim - 1):
+        return None
+    if quantized and not fp8.triton_has_e4m3(device):
+        return None
+    from . import triton_store
+
+    return triton_store.write_quantized if quantized else triton_store.write
+
+
 class DenseKV:
     """The store of every global layer's keys and values, read in place by the dense backends.
 
@@ -49,12 +62,7 @@ class DenseKV:
             self.exponents = torch.zeros(num_layers, 2, num_heads, capacity, dtype=torch.int8, device=self.device)
         # Each layer's write as one Triton kernel on CUDA (two scattered copies, or for fp8 many
         # small kernels, otherwise).
-        self._write_kernel = None
-        # (the kernels hold a token's heads in one block: a power-of-two head dim)
-        if self.device.type == "cuda" and importable("triton") and head_dim & (head_dim - 1) == 0:
-            from . import triton_store
-
-            self._write_kernel = triton_store.write_quantized if self.quantized else triton_store.write
+        self._write_kernel = store_write_kernel(self.device, self.quantized, head_dim)
 
     @property
     def quantized(self) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stream_recon.cache import DenseKVCache, PagedKVCache, backends
+from stream_recon.cache import DenseKVCache, PagedKVCache, backends, fp8
 from stream_recon.cache.layout import CacheLayout
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
@@ -15,8 +15,9 @@ CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 def gpu_like(monkeypatch):
     """A CUDA device of a chosen capability, with chosen packages importable (no GPU here)."""
 
-    def configure(capability: int, packages: tuple[str, ...]):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability, 0))
+    def configure(capability: int | tuple[int, int], packages: tuple[str, ...]):
+        major_minor = capability if isinstance(capability, tuple) else (capability, 0)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: major_minor)
         monkeypatch.setattr(backends, "importable", lambda package: package in packages)
 
     return configure
@@ -46,6 +47,37 @@ def test_auto_is_the_parity_path_on_the_cpu_or_in_float32():
 def test_auto_on_cuda_takes_the_first_available_in_order(gpu_like, capability, packages, expected):
     gpu_like(capability, packages)
     assert backends.resolve("auto", CUDA, torch.bfloat16).name == expected
+
+
+# Triton's e4m3 type exists from Ada (8.9) on: dense-triton reads fp8 codes with it
+@pytest.mark.parametrize(("capability", "expected"), [
+    ((9, 0), "dense-triton"), ((8, 9), "dense-triton"), ((8, 6), "dense-flashinfer"), ((8, 0), "dense-flashinfer"),
+])
+def test_over_an_fp8_cache_auto_takes_dense_triton_where_triton_has_e4m3(gpu_like, capability, expected):
+    gpu_like(capability, ("triton", "flashinfer"))
+    assert backends.resolve("auto", CUDA, torch.bfloat16, fp8.E4M3).name == expected
+    assert backends.resolve("auto", CUDA, torch.bfloat16).name == "dense-triton"  # bf16 stores: from 8.0 on
+    if expected != "dense-triton":
+        with pytest.raises(ValueError, match=r"reads an fp8 K/V cache on a GPU of compute capability 8\.9 or newer; "
+                                             r"use --attention auto or dense"):
+            backends.resolve("dense-triton", CUDA, torch.bfloat16, fp8.E4M3)
+
+
+@pytest.mark.parametrize(("capability", "quantized", "writer"), [
+    ((8, 0), False, "write"), ((8, 0), True, None), ((8, 6), True, None), ((8, 9), True, "write_quantized"),
+    ((9, 0), True, "write_quantized"),
+])
+def test_the_stores_triton_write_runs_where_triton_has_its_codes(gpu_like, monkeypatch, capability, quantized,
+                                                                writer):
+    pytest.importorskip("triton", reason="triton is not installed")
+    from stream_recon.cache import dense_attention, triton_store
+
+    gpu_like(capability, ("triton",))
+    monkeypatch.setattr(dense_attention, "importable", lambda package: package == "triton")
+    kernel = dense_attention.store_write_kernel(CUDA, quantized, head_dim=64)
+    assert kernel is (None if writer is None else getattr(triton_store, writer))
+    assert dense_attention.store_write_kernel(CUDA, False, head_dim=48) is None  # not a power of two
+    assert dense_attention.store_write_kernel(torch.device("cpu"), False, head_dim=64) is None
 
 
 def test_an_explicit_backend_that_cannot_run_says_why_and_what_instead(gpu_like):
