@@ -18,8 +18,9 @@ third program per SM exposed the loads' latency instead (911 us).
 
 Loads. Hopper and newer load keys and values through TMA descriptors; Ampere and Ada (compute
 capability 8), which have no TMA, through pointer loads that Triton pipelines with cp.async. On an
-H100 the pointer loads cost 11 % a layer at 1,005 tokens (717 against 645 us, the probe above), and
-the schedule below is the same for both: it reads the resident programs of whichever kernel runs.
+H100 the pointer loads cost 11 % a layer at 1,005 tokens (717 against 645 us, the probe above) and
+1-5 % a frame from 518x280 to 518x518 (docs/PERFORMANCE.md, 2026-11-25), and the schedule below is
+the same for both: it reads the resident programs of whichever kernel runs.
 
 Schedule. The work is a set of tiles, 64 queries of one head against every visible key, all of
 one cost. One program per tile runs in waves of as many programs as the GPU holds at once (2 per
@@ -256,7 +257,10 @@ def _key_block(store, offset, column, stride, capacity, HEAD_DIM: tl.constexpr, 
     """Rows [offset, offset + BLOCK_N) of the store, columns [column, column + HEAD_DIM): through a TMA
     descriptor (rows past the store read 0), or through pointers from `store` (token stride `stride`;
     MASKED: rows past `capacity` read 0, for a block that may end past the store)."""
-    # (one return: the compiler traces the code after a constexpr branch that returns)
+    # (one return: the compiler traces the code after a constexpr branch that returns.) Triton
+    # pipelines the pointer loads only where it knows `stride` a multiple of 16, as the launch's
+    # heads * HEAD_DIM is: an unaligned stride compiles to unpipelined loads (24 KB of shared memory
+    # against 72 KB at three stages for sm_80).
     if TMA:
         block = store.load([offset, column])
     else:
