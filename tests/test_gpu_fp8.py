@@ -28,10 +28,12 @@ E4M3 = torch.float8_e4m3fn
 FP8_TOLERANCE = {"depth": 0.25, "depth_conf": 0.25, "pose_enc": 0.5}
 
 
-def hopper_with_triton():
+def triton_with_e4m3():
     pytest.importorskip("triton", reason="triton is not installed")
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the dense-triton kernel needs a Hopper GPU (H100/H200) or newer")
+    from stream_recon.cache import fp8
+
+    if not fp8.triton_has_e4m3(torch.device("cuda")):
+        pytest.skip("our Triton kernels read and write e4m3 codes from compute capability 8.9 on (Ada, Hopper)")
 
 
 def random_kv(tokens: int, heads: int, dim: int, generator: torch.Generator) -> torch.Tensor:
@@ -44,7 +46,7 @@ def test_fp8_write_kernel_stores_each_value_within_one_e4m3_rounding():
     """The Triton write against the PyTorch rule (cache/fp8.py): the same exponents, and every code
     within one e4m3 rounding of its value (the number of codes that differ from PyTorch's cast,
     ties or subnormals, is printed and must stay a tiny fraction)."""
-    pytest.importorskip("triton", reason="triton is not installed")
+    triton_with_e4m3()
     generator = torch.Generator().manual_seed(0)
     kv = DenseKV(2, 16, 64, 3000, torch.bfloat16, "cuda", store_dtype=E4M3)
     assert kv._write_kernel is not None  # the Triton write, not the PyTorch one
@@ -71,7 +73,7 @@ def test_fp8_write_kernel_stores_each_value_within_one_e4m3_rounding():
 @pytest.mark.parametrize(("start", "end", "queries"), [(5, 9, 3), (40, 40 + 256, 64), (7, 7 + 300, 70),
                                                        (912, 912 + 72_840, 1005)])  # the last: the streaming shape
 def test_fp8_range_kernel_matches_sdpa_over_the_dequantised_keys(start, end, queries):
-    hopper_with_triton()
+    triton_with_e4m3()
     from stream_recon.cache.triton_attention import TritonRangeAttention
 
     generator = torch.Generator().manual_seed(end)
@@ -108,7 +110,7 @@ def test_fp8_cache_meets_the_issue_limits_against_golden(gpu_model, scenario, at
     depth and confidence within 0.25 sigma, pose within 0.5 sigma of float32, keyframe decisions
     those of the bf16 cache."""
     if attention == "dense-triton":
-        hopper_with_triton()
+        triton_with_e4m3()
     golden = np.load(GOLDEN / scenario / "outputs.npz")
     quantized, engine = stream(gpu_model, torch.bfloat16, attention, kv_cache="fp8", **SCENARIOS[scenario])
     assert engine.stats()["kv_cache"] == "fp8" and engine.stats()["attention"].startswith(attention)
@@ -133,7 +135,7 @@ def test_budget_run_peaks_within_its_plan(gpu_model):
     from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
     from stream_recon.models.memory import CUDA_CONTEXT_BYTES, MIN_WINDOW, hold_to_card
 
-    hopper_with_triton()
+    triton_with_e4m3()
     budget = 8 * 2**30
     gc.collect()
     torch.cuda.empty_cache()
