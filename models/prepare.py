@@ -11,8 +11,8 @@ order. What preparing does, and why each step belongs here rather than in the en
   (fused_gelu.py), the camera head's large layers reading float16-stored weights with float32
   arithmetic (few_token_linear.py; needs triton);
 - the DINO and frame blocks' attention through `attend_frame` where dense-triton runs (Ampere or
-  newer, bf16/fp16; cache/triton_attention.py): cuDNN while a frame's tiles fit one wave, the Triton range kernel at
-  three programs per SM past it (frames over 1,024 tokens);
+  newer, bf16/fp16; cache/triton_attention.py): SDPA while a frame's tiles fit one wave of the range
+  kernel, the range kernel past it (on an H100 at three programs per SM, frames over 1,024 tokens);
 - channels-last DPT convolutions (cuDNN's NHWC kernels);
 - torch.compile of the blocks' halves and both heads' pure parts (CUDA), each call signature
   compiled once and kept under an artefact folder when one is given (models/compilation.py).
