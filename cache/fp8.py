@@ -22,11 +22,6 @@ from __future__ import annotations
 
 import torch
 
-
-def triton_has_e4m3(device: torch.device) -> bool:
-    """Whether Triton kernels can read and write e4m3 codes on `device` (a CUDA GPU)."""
-    return torch.cuda.get_device_capability(device) >= TRITON_E4M3_CAPABILITY
-
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 # Exponents are kept where 2^e and 2^-e are both normal float32 numbers.
@@ -38,6 +33,11 @@ TRITON_E4M3_CAPABILITY = (8, 9)
 _MANTISSA_BITS = 23  # float32
 _MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1
 _MANTISSA_OF_1_75 = 0x600000  # 1.75 = 1 + 0.75: 448 = 1.75 * 2^8
+
+
+def triton_has_e4m3(device: torch.device) -> bool:
+    """Whether Triton kernels can read and write e4m3 codes on `device` (a CUDA GPU)."""
+    return torch.cuda.get_device_capability(device) >= TRITON_E4M3_CAPABILITY
 
 
 def scale_exponents(amax: torch.Tensor) -> torch.Tensor:

@@ -91,8 +91,8 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return (self.weights + self.head_tables + self.kv_cache + self.camera_cache + self.activations + self.graph_pools
-                + self.attention_copies + self.workspace + self.cuda_context)
+        """Every part (each field is one)."""
+        return sum(getattr(self, name) for name in self.__dataclass_fields__)
 
     @property
     def tensors(self) -> int:
