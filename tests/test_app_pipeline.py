@@ -551,7 +551,6 @@ def test_non_finite_prediction_mid_run_keeps_the_frames_before_it(tmp_path: Path
             assert np.isfinite(frame["depth"]).all() and np.isfinite(frame["c2w"]).all()
 
 
-
 def test_the_gpu_running_out_of_memory_mid_run_is_one_line_and_keeps_the_frames_before_it(tmp_path: Path) -> None:
     # The allocator's error (here raised by the model's first layer from frame 5's step on, as torch raises it on
     # a GPU) ends the run "failed" with one line saying where and what to change; frames 0-4 stay on disk.
@@ -583,6 +582,7 @@ def test_the_gpu_running_out_of_memory_mid_run_is_one_line_and_keeps_the_frames_
                              "--image-width")
     record = check_run_dir(tmp_path / "run", 5, "failed")
     assert record["summary"]["error"] == summary.error
+
 
 def test_start_past_the_end_is_refused_before_the_model_loads(tmp_path: Path) -> None:
     # Refused before the model loads: not "done: 0 frames", exit 0 and an empty run folder marked complete

@@ -32,6 +32,7 @@ def backend_named(attention: str, monkeypatch) -> str:
     monkeypatch.setattr(triton_attention, "TENSOR_MEMORY_CAPABILITY", 99)
     return "dense-triton"
 
+
 @pytest.mark.parametrize("attention", ["dense", "dense-triton", POINTER_LOADS, "dense-flashinfer", "dense-cudnn"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_contiguous_graphed_path_agrees_with_golden_and_the_paged_path(gpu_model, scenario, attention, monkeypatch):
