@@ -294,7 +294,8 @@ class Run:
             except torch.OutOfMemoryError as failure:
                 error = self._out_of_memory_message(failure)
             try:
-                progress.update(self._emit(self.clock.time_engine(self.engine.finish)))
+                for part in self._finish_in_parts():
+                    progress.update(self._emit(part))
             except stream_errors as failure:
                 error = error or str(failure)
             except torch.OutOfMemoryError as failure:  # the buffered frames could not be finished either
@@ -302,6 +303,18 @@ class Run:
         except KeyboardInterrupt:
             return "interrupted", error
         return ("complete" if error is None else "failed"), error
+
+    def _finish_in_parts(self) -> Iterator[list]:
+        """What the engine still buffers, a part as soon as it is ready (ChunkedEngine.finish_in_parts:
+        the stream's last frame need not wait for a rollover's catch-up), each part timed as engine
+        time; an engine without parts (the single-chunk engine) delivers it at once."""
+        parts = getattr(self.engine, "finish_in_parts", None)
+        if parts is None:
+            yield self.clock.time_engine(self.engine.finish)
+            return
+        parts = parts()
+        while (part := self.clock.time_engine(next, parts, None)) is not None:
+            yield part
 
     def _out_of_memory_message(self, failure: torch.OutOfMemoryError) -> str:
         """One line: where the GPU ran out, what is kept, and what to change."""

@@ -396,6 +396,51 @@ def test_a_spare_engine_on_its_own_stream_ends_with_what_rollovers_in_place_emit
             seen_final.add(prediction.frame_index)
 
 
+def test_a_pipelined_stream_that_ends_while_the_spare_catches_up_gets_its_last_frame_first(monkeypatch):
+    """Pipelined, a push returns the frame before, so the stream's last frame is in flight at its end.
+    Where the next window is still catching up then (its spare held back here), the end's first part
+    is that frame, provisional, from the closed window, without waiting for the spare; the rest, once
+    the spare has caught up, is the next window's, and the whole equals a run with rollovers in place."""
+    import threading
+
+    from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
+    from stream_recon.models.chunked import ChunkedEngine
+
+    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    frames = [(255 * torch.rand(3, 126, 224, generator=generator)).to(torch.uint8) for _ in range(18)]
+    config = StreamConfig(scale_frames=2, window=4)
+    reference = ChunkedEngine(model, config, chunk_frames=14, overlap=5, lookahead=False)
+    in_place = [p for push in [reference.push(frame) for frame in frames] + [reference.finish()] for p in push]
+    reference.close()
+    gate, push = threading.Event(), StreamingEngine.push_checked
+    gate.set()
+
+    def gated_push(engine, *args, **kwargs):
+        if threading.current_thread().name.startswith("stream-recon-next-chunk"):
+            assert gate.wait(timeout=60), "the gate was never opened"
+        return push(engine, *args, **kwargs)
+
+    monkeypatch.setattr(StreamingEngine, "push_checked", gated_push)
+    engine = ChunkedEngine(model, config, chunk_frames=14, overlap=5, lookahead=True)
+    emitted = [p for frame in frames[:9] for p in engine.push(frame)]
+    engine._rollover.spare.wait_until(time.perf_counter() + 60)
+    gate.clear()
+    emitted += [p for frame in frames[9:] for p in engine.push(frame)]  # the window closes at frame 14
+    assert engine._rollover.phase.name == "CATCHING_UP" and engine._rollover.spare.backlog > 1
+    parts = engine.finish_in_parts()
+    first = next(parts)
+    assert [(p.frame_index, p.chunk_index, p.provisional) for p in first] == [(17, 0, True)]
+    gate.set()
+    emitted += first + [p for part in parts for p in part]
+    finals = [p for p in emitted if not p.provisional]
+    assert [(p.frame_index, p.chunk_index) for p in finals] == [(p.frame_index, p.chunk_index) for p in in_place]
+    for ours, theirs in zip(finals, in_place, strict=True):
+        for key in ("pose_enc", "c2w", "depth", "depth_conf"):
+            np.testing.assert_array_equal(getattr(ours, key), getattr(theirs, key))
+    engine.close()
+
+
 def reserved_where_the_spare_is_decided(model, config, frames, monkeypatch, **chunking) -> int:
     """What the process reserves on the device when a ChunkedEngine of `config` decides on its spare
     (the budget's room is the budget less the CUDA context, this and a margin: models/chunked.py,

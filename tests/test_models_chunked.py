@@ -728,6 +728,32 @@ def test_a_closed_window_predicts_at_most_its_room_and_the_stream_then_waits(mod
     engine.close()
 
 
+def test_a_stream_that_ends_while_the_spare_catches_up_ends_its_closed_window_first(model, frames, monkeypatch):
+    """The stream ends with the spare held back: the first part of the end (the closed window's
+    provisional frames still in flight) comes without waiting for the spare, the rest once it has
+    caught up, and all of it is what rollovers in place end with."""
+    config, chunk_frames, overlap = StreamConfig(scale_frames=3, window=4), 10, 3
+    reference = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=False)
+    in_place = run_live_marked(reference, frames[:12])
+    gate = SpareGate(monkeypatch)
+    engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=True)
+    pushes = [engine.push(frame) for frame in frames[:7]]
+    engine._rollover.spare.wait_until(time.perf_counter() + 60)
+    gate.open.clear()
+    pushes += [engine.push(frame) for frame in frames[7:12]]  # window 0 closes at frame 10
+    assert engine._rollover.phase.name == "CATCHING_UP" and engine._rollover.spare.backlog > 1
+    parts = engine.finish_in_parts()
+    first = next(parts)  # the gate is shut: this returns only if the end does not wait for the spare
+    assert engine._rollover.phase.name == "SWITCH_PENDING" and engine._rollover.spare.backlog > 1
+    assert all(p.provisional and p.chunk_index == 0 for p in first)
+    gate.open.set()
+    pushes.append(first + [p for part in parts for p in part])
+    marked = [[(p.frame_index, p.chunk_index, p.provisional) for p in push] for push in pushes]
+    check_beside_the_stream(({p.frame_index: p for push in pushes for p in push}, marked), in_place)
+    assert engine.stats()["rollovers_ahead"] == engine.stats()["rollovers"] == 1
+    engine.close()
+
+
 def test_dropping_what_the_spare_took_does_not_wait_for_it(model, frames, monkeypatch):
     """A moved guess drops the spare's frames while it is still stepping one: the stream's thread does
     not wait; the queued frames are never stepped, and the spare starts afresh before what comes next."""
