@@ -63,6 +63,9 @@ def test_stand_in_engine_measures_the_product_path_alone(tmp_path: Path, viewer:
         assert isinstance(result[key], (int, float)) and result[key] > 0, key
     assert result["frames"] == result["keyframes"] == 24
     assert result["main_thread_outside_engine_ms_p50"] >= 0
+    # the video was made in this run: its making is not part of a user's start ("from the process's start")
+    assert result["video_made_s"] > 0
+    assert run_bench(tmp_path, "--stand-in-ms", "20", viewer)["video_made_s"] == 0  # found the second time
 
 
 def test_rollover_trace_names_each_part_of_every_rollover(tmp_path: Path) -> None:

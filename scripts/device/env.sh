@@ -30,3 +30,23 @@ torch.save(model.state_dict(), "/tmp/ckpt/full-size.pt")
 print(f"checkpoint written in {time.perf_counter() - started:.1f} s")
 PY
 }
+# Until no process is on the GPU (an earlier run's compile child, say), at most $1 seconds.
+wait_for_idle_gpu() { for i in $(seq 1 "$1"); do
+  [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] && return; sleep 1; done; }
+# A second process holds all but $1 MiB of the GPU (16376: what a 16 GB card reports in all) until killed;
+# its pid in HOG, its line in $OUT/hog.log. Returns once it holds.
+hold_all_but() { rm -f /tmp/hog_ready
+  python3 - "$1" <<'PY' > "$OUT/hog.log" 2>&1 &
+import sys, time, torch
+torch.empty(1, device="cuda")
+free, total = torch.cuda.mem_get_info()
+keep = int(sys.argv[1]) * 2**20
+hog = torch.empty(free - keep, dtype=torch.uint8, device="cuda")
+free_after, _ = torch.cuda.mem_get_info()
+print(f"hog holds {(free - keep) / 2**30:.2f} GiB; {free_after / 2**30:.2f} GiB free of {total / 2**30:.2f}", flush=True)
+open("/tmp/hog_ready", "w").close()
+time.sleep(3600)
+PY
+  HOG=$!
+  for i in $(seq 1 120); do [ -f /tmp/hog_ready ] && break; sleep 1; done
+  cat "$OUT/hog.log"; }

@@ -9,23 +9,9 @@ set -uo pipefail
 source scripts/device/env.sh
 # no other process on the GPU (an earlier run's background compile, say): what it frees later would
 # be free beside the run, more than a 16 GB card has
-for i in $(seq 1 120); do [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] && break; sleep 1; done
+wait_for_idle_gpu 120
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | sed 's/^/still on the GPU: /'
-rm -f /tmp/hog_ready
-python3 - <<'PY' > "$OUT/hog.log" 2>&1 &
-import time, torch
-torch.empty(1, device="cuda")
-free, total = torch.cuda.mem_get_info()
-keep = 16376 * 2**20
-hog = torch.empty(free - keep, dtype=torch.uint8, device="cuda")
-free_after, _ = torch.cuda.mem_get_info()
-print(f"hog holds {(free - keep) / 2**30:.2f} GiB; {free_after / 2**30:.2f} GiB free of {total / 2**30:.2f}", flush=True)
-open("/tmp/hog_ready", "w").close()
-time.sleep(3600)
-PY
-hog=$!
-for i in $(seq 1 120); do [ -f /tmp/hog_ready ] && break; sleep 1; done
-cat "$OUT/hog.log"
+hold_all_but 16376
 nvidia-smi --query-gpu=memory.used,memory.free --format=csv
 show() { python3 - "$OUT/e2e_$1.json" <<'PY'
 import json, sys
@@ -45,4 +31,4 @@ run() { local name=$1; shift
 run fit16all
 run fit16flow --keyframes flow --flow-threshold 4
 [ -n "${BUDGET:-}" ] && run fit16budget --keyframes flow --flow-threshold 4 --gpu-memory "$BUDGET"
-kill $hog
+kill $HOG
