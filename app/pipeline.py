@@ -307,7 +307,7 @@ class Run:
     def _finish_in_parts(self) -> Iterator[list]:
         """What the engine still buffers, a part as soon as it is ready (ChunkedEngine.finish_in_parts:
         the stream's last frame need not wait for a rollover's catch-up), each part timed as engine
-        time; an engine without parts (the single-chunk engine) delivers it at once."""
+        time; an engine without parts (the bench's and the tests' stand-ins) delivers it at once."""
         parts = getattr(self.engine, "finish_in_parts", None)
         if parts is None:
             yield self.clock.time_engine(self.engine.finish)

@@ -173,8 +173,8 @@ class ChunkedEngine:
     def finish_in_parts(self) -> Iterator[list[FramePrediction]]:
         """`finish`, a part as soon as it is ready: a stream that ends while the next chunk catches up
         gets the closed chunk's last provisional frame first, and the next chunk's frames once the spare
-        has caught up. At once, the last frame waited for the spare's backlog: 85 ms after the frame
-        before (2.8x the median interval) at the end of a keyframe-dense flow run on an H100
+        has caught up. Ended in one part, the last frame waited for the spare's backlog: 85 ms after the
+        frame before (2.8x the median interval) at the end of a keyframe-dense flow run on an H100
         (docs/PERFORMANCE.md). A part may be empty; a consumer that stops early leaves the rest to reset()."""
         with self._on_main_stream():
             if self._phase is Phase.CATCHING_UP:
