@@ -1,11 +1,16 @@
-"""The engine tests' shared helpers: random frames, and the streamed predictions checked against
+"""The engine tests' shared helpers: random frames, the streamed predictions checked against
 the model stepped over a list-based model of the spec's visible key set (tests/test_models_engine.py,
-tests/test_models_budget.py)."""
+tests/test_models_budget.py), and a gate that holds a chunked engine's spare back
+(tests/test_models_chunked.py, tests/test_gpu_fast_path.py)."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
+
+from stream_recon.models import StreamingEngine
 
 
 def frames(count: int, height: int = 42, width: int = 56, seed: int = 0) -> list[torch.Tensor]:
@@ -63,3 +68,20 @@ def assert_streams_like_the_visible_set_model(model, predictions, images, scale_
                 np.testing.assert_allclose(predictions[start + i].depth, out["depth"][i].numpy(), rtol=0, atol=2e-6)
                 np.testing.assert_allclose(predictions[start + i].pose_enc, out["pose_enc"][i].numpy(), rtol=0, atol=2e-6)
             start += n
+
+
+class SpareGate:
+    """Holds the spare's worker thread at its next step until opened (StreamingEngine.push_checked
+    patched: the spare is handed checked frames, and `push` goes through it too)."""
+
+    def __init__(self, monkeypatch):
+        self.open = threading.Event()
+        self.open.set()
+        push = StreamingEngine.push_checked
+
+        def gated_push(engine, *args, **kwargs):
+            if threading.current_thread().name.startswith("stream-recon-next-chunk"):
+                assert self.open.wait(timeout=60), "the gate was never opened"
+            return push(engine, *args, **kwargs)
+
+        monkeypatch.setattr(StreamingEngine, "push_checked", gated_push)

@@ -401,9 +401,9 @@ def test_a_pipelined_stream_that_ends_while_the_spare_catches_up_gets_its_last_f
     Where the next window is still catching up then (its spare held back here), the end's first part
     is that frame, provisional, from the closed window, without waiting for the spare; the rest, once
     the spare has caught up, is the next window's, and the whole equals a run with rollovers in place."""
-    import threading
+    from engine_helpers import SpareGate
 
-    from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
+    from stream_recon.models import StreamConfig, prepare_for_inference
     from stream_recon.models.chunked import ChunkedEngine
 
     model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
@@ -413,25 +413,17 @@ def test_a_pipelined_stream_that_ends_while_the_spare_catches_up_gets_its_last_f
     reference = ChunkedEngine(model, config, chunk_frames=14, overlap=5, lookahead=False)
     in_place = [p for push in [reference.push(frame) for frame in frames] + [reference.finish()] for p in push]
     reference.close()
-    gate, push = threading.Event(), StreamingEngine.push_checked
-    gate.set()
-
-    def gated_push(engine, *args, **kwargs):
-        if threading.current_thread().name.startswith("stream-recon-next-chunk"):
-            assert gate.wait(timeout=60), "the gate was never opened"
-        return push(engine, *args, **kwargs)
-
-    monkeypatch.setattr(StreamingEngine, "push_checked", gated_push)
+    gate = SpareGate(monkeypatch)
     engine = ChunkedEngine(model, config, chunk_frames=14, overlap=5, lookahead=True)
     emitted = [p for frame in frames[:9] for p in engine.push(frame)]
     engine._rollover.spare.wait_until(time.perf_counter() + 60)
-    gate.clear()
+    gate.open.clear()
     emitted += [p for frame in frames[9:] for p in engine.push(frame)]  # the window closes at frame 14
     assert engine._rollover.phase.name == "CATCHING_UP" and engine._rollover.spare.backlog > 1
     parts = engine.finish_in_parts()
     first = next(parts)
     assert [(p.frame_index, p.chunk_index, p.provisional) for p in first] == [(17, 0, True)]
-    gate.set()
+    gate.open.set()
     emitted += first + [p for part in parts for p in part]
     finals = [p for p in emitted if not p.provisional]
     assert [(p.frame_index, p.chunk_index) for p in finals] == [(p.frame_index, p.chunk_index) for p in in_place]

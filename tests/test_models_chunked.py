@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from engine_helpers import SpareGate
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -663,35 +664,32 @@ def test_under_a_budget_the_spares_room_is_what_the_budget_leaves_beside_the_all
     assert room_beside_engine(free, -mib) < 0  # an allocator already past the budget: no spare
 
 
-class SpareGate:
-    """Holds the spare's worker thread at its next step until opened (StreamingEngine.push_checked
-    patched: the spare is handed checked frames, and `push` goes through it too)."""
+def spare_held_after(model, frames, monkeypatch, chunk_frames: int, taken: int, total: int):
+    """Rollovers in place over frames[:total] (run_live_marked's), and an engine with a spare (scale 3,
+    window 4, overlap 3) pushed frames[:taken], then its spare held back: (in_place, gate, engine, pushes)."""
+    config, overlap = StreamConfig(scale_frames=3, window=4), 3
+    reference = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=False)
+    in_place = run_live_marked(reference, frames[:total])
+    gate = SpareGate(monkeypatch)
+    engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=True)
+    pushes = [engine.push(frame) for frame in frames[:taken]]
+    engine._rollover.spare.wait_until(time.perf_counter() + 60)
+    gate.open.clear()
+    return in_place, gate, engine, pushes
 
-    def __init__(self, monkeypatch):
-        self.open = threading.Event()
-        self.open.set()
-        push = StreamingEngine.push_checked
 
-        def gated_push(engine, *args, **kwargs):
-            if threading.current_thread().name.startswith("stream-recon-next-chunk"):
-                assert self.open.wait(timeout=60), "the gate was never opened"
-            return push(engine, *args, **kwargs)
-
-        monkeypatch.setattr(StreamingEngine, "push_checked", gated_push)
+def check_pushes_beside_the_stream(pushes, in_place) -> None:
+    """check_beside_the_stream for a run's emissions, push by push."""
+    marked = [[(p.frame_index, p.chunk_index, p.provisional) for p in push] for push in pushes]
+    check_beside_the_stream(({p.frame_index: p for push in pushes for p in push}, marked), in_place)
 
 
 def test_the_closed_window_predicts_new_frames_until_the_spare_has_caught_up(model, frames, monkeypatch):
     """A spare held back at a rollover: the stream goes on, each new frame predicted provisionally by
     the closed window (uncached, aligned as its own frames), until the spare is a frame behind; then
     the engines swap and the new window's emissions, the same as in place, follow."""
-    config, chunk_frames, overlap = StreamConfig(scale_frames=3, window=4), 10, 3
-    reference = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=False)
-    in_place = run_live_marked(reference, frames[:16])
-    gate = SpareGate(monkeypatch)
-    engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=True)
-    pushes = [engine.push(frame) for frame in frames[:7]]  # frames 7, 8, 9 go to the spare as they come
-    engine._rollover.spare.wait_until(time.perf_counter() + 60)
-    gate.open.clear()
+    # frames 7, 8, 9 go to the spare as they come
+    in_place, gate, engine, pushes = spare_held_after(model, frames, monkeypatch, 10, taken=7, total=16)
     for frame in frames[7:13]:  # window 0 closes at frame 10 (10 frames); the spare holds window 1 from 7
         pushes.append(engine.push(frame))
     assert engine.stats()["provisional_frames"] == 3  # frames 10, 11, 12; the spare not a frame further
@@ -702,29 +700,20 @@ def test_the_closed_window_predicts_new_frames_until_the_spare_has_caught_up(mod
     gate.open.set()
     engine._rollover.spare.wait_until(time.perf_counter() + 60)
     pushes += [engine.push(frame) for frame in frames[13:16]] + [engine.finish()]
-    marked = [[(p.frame_index, p.chunk_index, p.provisional) for p in push] for push in pushes]
-    final = {p.frame_index: p for push in pushes for p in push}
-    check_beside_the_stream((final, marked), in_place)
+    check_pushes_beside_the_stream(pushes, in_place)
     assert engine.stats()["provisional_frames"] == 3  # the spare had caught up at frame 13
     assert engine.stats()["rollovers_ahead"] == engine.stats()["rollovers"] == 1
     engine.close()
 
 
 def test_a_closed_window_predicts_at_most_its_room_and_the_stream_then_waits(model, frames, monkeypatch):
-    config, chunk_frames, overlap = StreamConfig(scale_frames=3, window=4), 8, 3  # room: 8 - 3 - 1 frames
-    reference = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=False)
-    in_place = run_live_marked(reference, frames[:16])
-    gate = SpareGate(monkeypatch)
-    engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=True)
-    pushes = [engine.push(frame) for frame in frames[:5]]
-    engine._rollover.spare.wait_until(time.perf_counter() + 60)
-    gate.open.clear()
+    # chunks of 8 frames: room for 8 - 3 - 1 provisional frames
+    in_place, gate, engine, pushes = spare_held_after(model, frames, monkeypatch, 8, taken=5, total=16)
     pushes += [engine.push(frame) for frame in frames[5:13]]  # window 0 closes at frame 8
     assert engine.stats()["provisional_frames"] == 4  # frames 8-11; frame 12 went to the spare alone
     threading.Timer(0.2, gate.open.set).start()  # the next push waits for the spare
     pushes += [engine.push(frame) for frame in frames[13:16]] + [engine.finish()]
-    marked = [[(p.frame_index, p.chunk_index, p.provisional) for p in push] for push in pushes]
-    check_beside_the_stream(({p.frame_index: p for push in pushes for p in push}, marked), in_place)
+    check_pushes_beside_the_stream(pushes, in_place)
     engine.close()
 
 
@@ -732,14 +721,7 @@ def test_a_stream_that_ends_while_the_spare_catches_up_ends_its_closed_window_fi
     """The stream ends with the spare held back: the first part of the end (the closed window's
     provisional frames still in flight) comes without waiting for the spare, the rest once it has
     caught up, and all of it is what rollovers in place end with."""
-    config, chunk_frames, overlap = StreamConfig(scale_frames=3, window=4), 10, 3
-    reference = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=False)
-    in_place = run_live_marked(reference, frames[:12])
-    gate = SpareGate(monkeypatch)
-    engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=True)
-    pushes = [engine.push(frame) for frame in frames[:7]]
-    engine._rollover.spare.wait_until(time.perf_counter() + 60)
-    gate.open.clear()
+    in_place, gate, engine, pushes = spare_held_after(model, frames, monkeypatch, 10, taken=7, total=12)
     pushes += [engine.push(frame) for frame in frames[7:12]]  # window 0 closes at frame 10
     assert engine._rollover.phase.name == "CATCHING_UP" and engine._rollover.spare.backlog > 1
     parts = engine.finish_in_parts()
@@ -748,8 +730,7 @@ def test_a_stream_that_ends_while_the_spare_catches_up_ends_its_closed_window_fi
     assert all(p.provisional and p.chunk_index == 0 for p in first)
     gate.open.set()
     pushes.append(first + [p for part in parts for p in part])
-    marked = [[(p.frame_index, p.chunk_index, p.provisional) for p in push] for push in pushes]
-    check_beside_the_stream(({p.frame_index: p for push in pushes for p in push}, marked), in_place)
+    check_pushes_beside_the_stream(pushes, in_place)
     assert engine.stats()["rollovers_ahead"] == engine.stats()["rollovers"] == 1
     engine.close()
 
