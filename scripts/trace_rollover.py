@@ -1,11 +1,13 @@
 """Where the time goes at a chunk rollover, on the product path (GPU machine).
 
-    python3 scripts/trace_rollover.py [--pace X] [--main-priority P] [--trace-before S] [--trace-after S] [--longest N] [--memory-push K] [--profile-push K[,K...] | --host-profile-push K[,K...]] [bench_e2e options, e.g. --frames 700 --viewer --client]
+    python3 scripts/trace_rollover.py [--pace X] [--main-priority P] [--spare-scale-step-at-once] [--trace-before S] [--trace-after S] [--longest N] [--memory-push K] [--profile-push K[,K...] | --host-profile-push K[,K...]] [bench_e2e options, e.g. --frames 700 --viewer --client]
 
 Runs scripts/bench_e2e.py in this process with timers wrapped around the rollover's parts (closing
 the chunk, provisional frames beside the catching-up spare, pacing, the switch, aligning, emitting
 to the sinks) and CUDA events around every engine step, main stream and spare alike. `--pace` and
-`--main-priority` set models.rollover's PACE and MAIN_STREAM_PRIORITY for the run. Prints, for each
+`--main-priority` set models.rollover's PACE and MAIN_STREAM_PRIORITY for the run;
+`--spare-scale-step-at-once` turns models.lookahead's SCALE_STEP_IN_IDLE_TIME off (the spare's scale
+step then reaches the device at once, beside the stream's steps). Prints, for each
 rollover of the product run, the spans from a few frames before it to a few after, in ms from the
 rollover's start: host spans on the main thread, the spare's jobs on its worker, when each step's
 device work began and ended, every CUDA stream or event call that took 0.5 ms or more (with its
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_e2e  # noqa: E402
 
 from stream_recon.app import pipeline  # noqa: E402
-from stream_recon.models import chunks, rollover, similarity  # noqa: E402
+from stream_recon.models import chunks, lookahead, rollover, similarity  # noqa: E402
 from stream_recon.models.chunked import ChunkedEngine  # noqa: E402
 from stream_recon.models.engine import StreamingEngine  # noqa: E402
 from stream_recon.models.lookahead import SpareEngine  # noqa: E402
@@ -171,6 +173,7 @@ def install() -> None:
     timed(SpareEngine, "take_next", "spare take next")
     timed(SpareEngine, "hand_over", "spare hand over", device=True)
     timed(StreamingEngine, "push_checked", "step", device=True)
+    timed(StreamingEngine, "_run_scale_frames", "scale step", device=True)
     timed(rollover.Rollover, "pace", "pace")
     timed(StreamingEngine, "push", "step", device=True)
     timed(StreamingEngine, "finish", "finish", device=True)
@@ -255,7 +258,7 @@ def print_profiles() -> None:
 
 def print_window(rows: list[tuple[float, float, str]], at: float, first: float, last: float) -> None:
     for start, end, label in rows:
-        if first < start < last:
+        if start < last and end > first:  # (a long span begun before the window, the spare's scale step, too)
             print(f"   {1000 * (start - at):8.1f} {1000 * (end - at):8.1f} {1000 * (end - start):7.1f}  {label}")
 
 
@@ -284,6 +287,9 @@ if __name__ == "__main__":
             at = arguments.index(option)
             setattr(rollover, constant, kind(arguments[at + 1]))
             del arguments[at : at + 2]
+    if "--spare-scale-step-at-once" in arguments:
+        arguments.remove("--spare-scale-step-at-once")
+        lookahead.SCALE_STEP_IN_IDLE_TIME = False
     install()
     sys.argv = ["bench_e2e.py", *arguments]
     bench_e2e.main()
