@@ -50,3 +50,6 @@ PY
   HOG=$!
   for i in $(seq 1 120); do [ -f /tmp/hog_ready ] && break; sleep 1; done
   cat "$OUT/hog.log"; }
+# Pack everything under $OUT into $OUT/out.tar.gz, the rest removed: the device tool brings back a few files
+# per call, and one archive carries them all.
+pack_out() { tar czf /tmp/out.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/out.tar.gz "$OUT/"; }

@@ -14,7 +14,7 @@
 #   portrait  720x1280 -> 518x518, keyframes all, then the engine alone (only if time is left)
 # Rows run in that order (ROWS: a subset, e.g. "first dense") while LIMIT_S (default 540) leaves room for
 # them; each row's JSON is $OUT/e2e_<row>.json, its output $OUT/<row>.log, and the summary is printed at
-# the end. ROW_ARGS: more bench_e2e options for every row (later options win: ROW_ARGS="--compile on" compiles
+# the end (all of $OUT then packed in $OUT/out.tar.gz). ROW_ARGS: more bench_e2e options for every row (later options win: ROW_ARGS="--compile on" compiles
 # each row's size before its stream). TESTS (test files) with TEST_K (their -k) runs those GPU tests after
 # the rows ($OUT/tests.log).
 #   (GPU machine, repository root, .whl carried)  [ROWS=...] [TESTS=... TEST_K=...] bash scripts/device/run_acceptance.sh
@@ -69,5 +69,7 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("e2e_*.json")):
     shown = {k: row[k] for k in keys if k in row}
     if row.get("rollover_longest_ms") and row.get("p50_ms"):
         shown["rollover_over_median"] = round(row["rollover_longest_ms"] / row["p50_ms"], 2)
+    shown["over_2x"] = [(item["frame"], item["ms"]) for item in row.get("over_2x_median", [])]
     print(path.stem, json.dumps(shown))
 PY
+pack_out

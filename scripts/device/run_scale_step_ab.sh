@@ -8,6 +8,7 @@
 #   dense     --flow-threshold 4 (>90 % keyframes), compiled (the first run compiles the size)
 #   sparse    --flow-threshold 1e9 --max-gap 3 (fewer than half keyframes), compiled
 #   uncompiled  dense, --compile off (what a first run streams while its size compiles), while time is left
+#   (all of $OUT then packed in $OUT/out.tar.gz)
 #   (GPU machine, repository root, .whl carried)  [LIMIT_S=570] bash scripts/device/run_scale_step_ab.sh
 set -uo pipefail
 began=$(date +%s)
@@ -44,3 +45,4 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("e2e_*.json")):
     shown["over_2x"] = [(item["frame"], item["ms"]) for item in row.get("over_2x_median", [])]
     print(path.stem, json.dumps(shown))
 PY
+pack_out
