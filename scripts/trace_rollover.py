@@ -1,13 +1,14 @@
 """Where the time goes at a chunk rollover, on the product path (GPU machine).
 
-    python3 scripts/trace_rollover.py [--pace X] [--main-priority P] [--spare-scale-step-at-once] [--trace-before S] [--trace-after S] [--longest N] [--memory-push K] [--profile-push K[,K...] | --host-profile-push K[,K...]] [bench_e2e options, e.g. --frames 700 --viewer --client]
+    python3 scripts/trace_rollover.py [--pace X] [--main-priority P] [--spare-scale-step ahead|idle|at-once] [--trace-before S] [--trace-after S] [--longest N] [--memory-push K] [--profile-push K[,K...] | --host-profile-push K[,K...]] [bench_e2e options, e.g. --frames 700 --viewer --client]
 
 Runs scripts/bench_e2e.py in this process with timers wrapped around the rollover's parts (closing
 the chunk, provisional frames beside the catching-up spare, pacing, the switch, aligning, emitting
 to the sinks) and CUDA events around every engine step, main stream and spare alike. `--pace` and
 `--main-priority` set models.rollover's PACE and MAIN_STREAM_PRIORITY for the run;
-`--spare-scale-step-at-once` turns models.lookahead's SCALE_STEP_IN_IDLE_TIME off (the spare's scale
-step then reaches the device at once, beside the stream's steps). Prints, for each
+`--spare-scale-step` sets models.lookahead's SCALE_STEP_IN_IDLE_TIME (when the spare's scale step
+reaches the device: a layer at a time in the device's idle time before the chunk closes, always, or at
+once). Prints, for each
 rollover of the product run, the spans from a few frames before it to a few after, in ms from the
 rollover's start: host spans on the main thread, the spare's jobs on its worker, when each step's
 device work began and ended, every CUDA stream or event call that took 0.5 ms or more (with its
@@ -287,9 +288,10 @@ if __name__ == "__main__":
             at = arguments.index(option)
             setattr(rollover, constant, kind(arguments[at + 1]))
             del arguments[at : at + 2]
-    if "--spare-scale-step-at-once" in arguments:
-        arguments.remove("--spare-scale-step-at-once")
-        lookahead.SCALE_STEP_IN_IDLE_TIME = False
+    if "--spare-scale-step" in arguments:
+        at = arguments.index("--spare-scale-step")
+        lookahead.SCALE_STEP_IN_IDLE_TIME = arguments[at + 1].replace("-", " ")
+        del arguments[at : at + 2]
     install()
     sys.argv = ["bench_e2e.py", *arguments]
     bench_e2e.main()
