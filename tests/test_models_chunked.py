@@ -1019,16 +1019,19 @@ class RecordingSpare:
     def wait_for_backlog(self, at_most, deadline):
         self.calls.append(("backlog", at_most, deadline))
 
+    def chunk_closed(self, closed):
+        self.calls.append(("closed", closed))
+
 
 @pytest.mark.parametrize("phase_name", ["CATCHING_UP", "SWITCH_PENDING", "AHEAD"])
 def test_catching_up_holds_each_push_until_the_spare_is_on_its_way_or_its_catch_up_pace_has_passed(phase_name):
-    import types
-
     from stream_recon.models.rollover import CATCH_UP_PACE, PACE, Phase, Rollover
 
     spare = RecordingSpare()
     alignment = types.SimpleNamespace(tail=[], make_ratios=lambda *args, **kwargs: False)
     rollover = Rollover(spare, alignment, provisional_room=16)
+    assert spare.calls == [("closed", False)]  # (a new rollover starts STEADY)
+    spare.calls.clear()
     rollover._push_seconds.extend([0.03, 0.02, 0.04])
     rollover.phase, rollover.behind_at_start, rollover.provisional_count = Phase[phase_name], 16, 4
     started = time.perf_counter()

@@ -9,6 +9,7 @@
 #   sparse    --flow-threshold 1e9 --max-gap 3 (fewer than half keyframes), compiled
 #   uncompiled  dense, --compile off (what a first run streams while its size compiles)
 #   fit16     dense, uncompiled, beside a process that holds all but a 16 GB card's memory
+#   all       keyframes all (chunks close at a known frame), compiled
 # TESTS (test files) with TEST_K (their -k) runs those GPU tests after the runs ($OUT/tests.log). All of
 # $OUT is packed in $OUT/out.tar.gz at the end.
 #   (GPU machine, repository root, .whl carried)  [RUNS="dense:ahead dense:at-once ..."] [LIMIT_S=570]
@@ -20,11 +21,12 @@ write_full_size_checkpoint
 export TORCHINDUCTOR_CACHE_DIR=/tmp/machine_A TRITON_CACHE_DIR=/tmp/machine_A/triton
 left() { echo $(( ${LIMIT_S:-570} - ($(date +%s) - began) )); }
 declare -A options=([dense]="--flow-threshold 4 --compile on" [sparse]="--flow-threshold 1e9 --max-gap 3 --compile on"
-                    [uncompiled]="--flow-threshold 4 --compile off" [fit16]="--flow-threshold 4 --compile off")
+                    [uncompiled]="--flow-threshold 4 --compile off" [fit16]="--flow-threshold 4 --compile off"
+                    [all]="--keyframes all --compile on")
 number=0
 for item in ${RUNS:-dense:ahead dense:at-once sparse:ahead sparse:at-once uncompiled:ahead uncompiled:at-once}; do
   row=${item%%:*} way=${item#*:} number=$((number + 1)) needs=90
-  [ "$number" = 1 ] && needs=150  # the first compiles the size
+  [ "$number" = 1 ] && needs=150  # the first compiles the size (a row of other keyframes compiles it again)
   name="${number}_${row}_${way}"
   if [ "$(left)" -lt "$needs" ]; then echo "== $name: skipped, $(left) s left"; continue; fi
   [ "$row" = fit16 ] && { wait_for_idle_gpu 60; hold_all_but 16376; }
