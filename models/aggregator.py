@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -45,21 +43,18 @@ class Aggregator(nn.Module):
         return torch.cat([camera, registers, scale], dim=1)
 
     def forward(self, images: torch.Tensor, cache: CachedAttention, stream_index: torch.Tensor,
-                time_index: torch.Tensor, num_scale_frames: int,
-                between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
+                time_index: torch.Tensor, num_scale_frames: int) -> list[torch.Tensor]:
         """Run S frames through the aggregator; their global attention reads and extends `cache`.
 
         images [S, 3, H, W] in [0, 1]; stream_index [S] position of each frame in the stream (selects
         special-token variants); time_index [S] temporal RoPE index of each frame.
         Returns the 4 output layers, each [S, P, 2C] (frame-block output | global-block output).
-        `between_layers`: called after each DINO block and each frame/global pair (GCTStream.step).
         """
-        tokens = self.embed(images, stream_index, num_scale_frames, between_layers)
+        tokens = self.embed(images, stream_index, num_scale_frames)
         rows, cols = self.config.grid(*images.shape[-2:])
-        return self.blocks(tokens, cache, time_index, rows, cols, between_layers)
+        return self.blocks(tokens, cache, time_index, rows, cols)
 
-    def embed(self, images: torch.Tensor, stream_index: torch.Tensor, num_scale_frames: int,
-              between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+    def embed(self, images: torch.Tensor, stream_index: torch.Tensor, num_scale_frames: int) -> torch.Tensor:
         """The part that reads no cache: DINO patch tokens after the special tokens.
 
         images [S, 3, H, W] in [0, 1] -> tokens [S, P, C], P = 6 specials + rows * cols patches. A
@@ -69,12 +64,12 @@ class Aggregator(nn.Module):
         # Python constants, not buffers (a model built on the meta device must not carry uninitialised
         # state) and not host tensors (copying one to the GPU inside a captured CUDA graph is illegal).
         x = torch.stack([(images[:, i] - m) / s for i, (m, s) in enumerate(zip(_IMAGE_MEAN, _IMAGE_STD, strict=True))], 1)
-        patches = self.patch_embed(x, between_layers)  # [S, rows * cols, C]
+        patches = self.patch_embed(x)  # [S, rows * cols, C]
         specials = self.special_tokens(stream_index, num_scale_frames).to(patches.dtype)
         return torch.cat([specials, patches], dim=1)  # [S, P, C]
 
     def blocks(self, tokens: torch.Tensor, cache: CachedAttention, time_index: torch.Tensor, rows: int,
-               cols: int, between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
+               cols: int) -> list[torch.Tensor]:
         """Alternating frame and global blocks over tokens [S, P, C] of a rows x cols patch grid;
         the global blocks attend through `cache`. Returns the 4 output layers [S, P, 2C]."""
         c = self.config
@@ -94,6 +89,4 @@ class Aggregator(nn.Module):
             tokens = tokens.reshape(num_frames, tokens_per_frame, -1)
             if i in c.output_layers:
                 outputs.append(torch.cat([frame_out, tokens], dim=-1))
-            if between_layers is not None:
-                between_layers()
         return outputs

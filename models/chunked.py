@@ -40,7 +40,7 @@ import torch
 from .chunks import TRAINED_VIEWS, ChunkAlignment, ChunkLink
 from .engine import StreamingEngine
 from .gct import GCTStream
-from .lookahead import SpareEngine, scale_step_gate
+from .lookahead import SpareEngine
 from .memory import CUDA_CONTEXT_BYTES, WORKSPACE_BYTES, estimate_memory, format_bytes
 from .prediction import FramePrediction
 from .rollover import (
@@ -454,10 +454,8 @@ class ChunkedEngine:
 
     def _start_spare(self, first_frame: torch.Tensor) -> None:
         """A spare engine, warmed on copies of the stream's first frame on its worker."""
-        gate = scale_step_gate(self.device)
         spare = SpareEngine(StreamingEngine(self.model, self._spare_config(), device=self.device,
-                                            dtype=self.engine.dtype, window_slots=self.spare_window_slots,
-                                            scale_step_pause=gate), gate)
+                                            dtype=self.engine.dtype, window_slots=self.spare_window_slots))
         spare.engine.memory_plan = self.engine.memory_plan
         spare.warm(first_frame)
         self._rollover = Rollover(spare, self.alignment, self._provisional_room)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,8 +57,7 @@ class DinoTrunk(nn.Module):
         grid_pos = grid_pos.permute(0, 2, 3, 1).reshape(1, rows * cols, -1)
         return torch.cat([cls_pos, grid_pos], dim=1).to(dtype)
 
-    def forward(self, images: torch.Tensor, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
-        """`between_layers`: called after each block's work is launched (GCTStream.step says why)."""
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
         n, _, height, width = images.shape
         rows, cols = height // self.patch_size, width // self.patch_size
         x = self.patch_embed(images)
@@ -70,7 +67,5 @@ class DinoTrunk(nn.Module):
         x = torch.cat([x[:, :1], self.register_tokens.expand(n, -1, -1), x[:, 1:]], dim=1)
         for block in self.blocks:
             x = block(x)
-            if between_layers is not None:
-                between_layers()
         x = self.norm(x)
         return x[:, 1 + self.num_registers :]

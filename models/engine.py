@@ -61,18 +61,14 @@ class StreamingEngine:
     """
 
     def __init__(self, model: GCTStream, config: StreamConfig | None = None, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None, *, window_slots: int | None = None,
-                 scale_step_pause: Callable[[], None] | None = None):
+                 dtype: torch.dtype | None = None, *, window_slots: int | None = None):
         """window_slots: the window frames the dense cache allocates slots for (None: the window). Fewer
         only for a stream that hands its frames over (`take_over`) before its window fills: a frame
-        past them is refused (CacheCapacityError) rather than evicting early, which would change results.
-        scale_step_pause: called between the layers of each scale step (GCTStream.step's
-        `between_layers`), where an engine beside a more urgent one waits (models/lookahead.py)."""
+        past them is refused (CacheCapacityError) rather than evicting early, which would change results."""
         inference = require_prepared(model, device, dtype)
         self.model = model
         self.config = config or StreamConfig()
         self.window_slots = window_slots
-        self.scale_step_pause = scale_step_pause
         self.policy: KeyframePolicy = self.config.policy
         self.device, self.dtype = inference.device, inference.dtype
         # The attention and the cache precision are checked now, before the first frame: a backend
@@ -337,7 +333,7 @@ class StreamingEngine:
         if len({f.dtype for f in frames}) > 1:  # uint8 and float frames in one batch: all float
             frames = [f.float() / 255 if f.dtype == torch.uint8 else f for f in frames]
         try:
-            staged = self.runner.run_scale_frames(torch.stack(frames), self.time_counter, self.scale_step_pause)
+            staged = self.runner.run_scale_frames(torch.stack(frames), self.time_counter)
         except BaseException:
             self._undo_pending()
             self._buffer = buffered

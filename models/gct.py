@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -57,22 +56,18 @@ class GCTStream(nn.Module):
 
     def step(self, images: torch.Tensor, kv: CachedAttention, camera_kv: CachedAttention,
              stream_index: torch.Tensor, time_index: torch.Tensor, num_scale_frames: int,
-             descriptors: bool = False, between_layers: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
+             descriptors: bool = False) -> dict[str, torch.Tensor]:
         """Predict S frames that join the stream together (S > 1 only for the scale frames).
 
         images [S, 3, H, W] in [0, 1]; kv serves the global blocks, camera_kv the camera head.
         Returns pose_enc [S, 9], pose_enc_list (per refinement iteration), depth [S, H, W] and
         depth_conf [S, H, W], all float32; with `descriptors` also descriptor [S, C] (`descriptor`).
-
-        `between_layers` (eager steps only) is called after each DINO block and each aggregator layer
-        has been launched, before the next: a caller that shares the device with more urgent work can
-        wait there, so that a step of many frames need not reach the device all at once.
         """
         if not descriptors:
-            layers = self.aggregator(images, kv, stream_index, time_index, num_scale_frames, between_layers)
+            layers = self.aggregator(images, kv, stream_index, time_index, num_scale_frames)
             return self.predict(layers, camera_kv, *images.shape[-2:])
-        tokens = self.aggregator.embed(images, stream_index, num_scale_frames, between_layers)  # its two parts
-        layers = self.aggregator.blocks(tokens, kv, time_index, *self.config.grid(*images.shape[-2:]), between_layers)
+        tokens = self.aggregator.embed(images, stream_index, num_scale_frames)  # the aggregator's two parts
+        layers = self.aggregator.blocks(tokens, kv, time_index, *self.config.grid(*images.shape[-2:]))
         return {**self.predict(layers, camera_kv, *images.shape[-2:]), "descriptor": self.descriptor(tokens)}
 
     def descriptor(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,7 @@ stream's first frame (StreamingEngine.warm_up: its graph is recorded then, never
 the switch the current engine takes its frames over (a copy of the cache's contents, a few
 milliseconds), so the spare's cache holds only what it takes before then (ChunkedEngine sizes it
 and decides whether there is room). Its CUDA stream has the default priority; the stream's has a
-higher one, so the spare gets what the stream leaves; its scale step, many frames' work at once,
-reaches the device a layer at a time, in the time the stream leaves the device idle.
+higher one, so the spare gets what the stream leaves.
 """
 
 from __future__ import annotations
@@ -23,53 +22,12 @@ import torch
 from .engine import StreamingEngine
 from .prediction import FramePrediction
 
-# When a spare's scale step (its scale frames together, eager: ~80 ms of device work at 518x392 on an
-# H100) reaches the device:
-#   "ahead"    while the chunk it predicts has not closed (the spare takes its frames ahead of the
-#              rollover, or warms up), a layer at a time, each once the device has run everything
-#              enqueued before it; once the chunk has closed, at once;
-#   "idle"     always a layer at a time;   "at once"  never.
-# At once beside the stream, it stretched the stream's step from ~30 to 75.6 ms of device time, a 66.5
-# ms interval against a 30 ms median, ahead of a rollover (docs/PERFORMANCE.md). A layer at a time
-# throughout, the spare began its catch-up later, and a 16 GB card's 12-frame provisional room ran out
-# before it caught up: 64.0 ms (2.14x) at the switch. After the close the stream is paced for the
-# catch-up anyway, and the room is the catch-up's deadline. The spare's streaming steps always run
-# beside the stream's: they are what the catch-up needs, and they stretch a step far less.
-SCALE_STEP_IN_IDLE_TIME = "ahead"
-
-
-class ScaleStepGate:
-    """Between the layers of a spare's scale step (StreamingEngine's `scale_step_pause`): while
-    `idle_only`, wait for the device to run all it was given so far (the layer just launched and the
-    stream's own step), so that the next layer takes only time the stream leaves idle."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.idle_only = True  # set from the worker's other side (SpareEngine.chunk_closed); read here
-
-    def __call__(self) -> None:
-        if self.idle_only:
-            self.wait()
-
-    def wait(self) -> None:
-        torch.cuda.synchronize(self.device)
-
-
-def scale_step_gate(device: torch.device) -> ScaleStepGate | None:
-    """The gate of a spare's scale step on `device` (SCALE_STEP_IN_IDLE_TIME): None off CUDA, where
-    the stream's and the spare's steps share the CPU's cores anyway, and where it is "at once"."""
-    if device.type != "cuda" or SCALE_STEP_IN_IDLE_TIME == "at once":
-        return None
-    return ScaleStepGate(device)
-
 
 class SpareEngine:
     """A StreamingEngine driven from a worker thread, on its own CUDA stream, until it is handed over."""
 
-    def __init__(self, engine: StreamingEngine, scale_step: ScaleStepGate | None = None):
-        """`scale_step`: the gate `engine` was made with (its `scale_step_pause`), if any."""
+    def __init__(self, engine: StreamingEngine):
         self.engine = engine
-        self._scale_step = scale_step
         self._stream = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-recon-next-chunk")
         self._jobs: list[Future] = []
@@ -84,12 +42,6 @@ class SpareEngine:
         """Queue a frame as `check_frame` returned it (StreamingEngine.push_checked); its prediction
         comes back from `take_ready`, `take_next` or `collect`."""
         self._submit(self.engine.push_checked, image, timestamp)
-
-    def chunk_closed(self, closed: bool) -> None:
-        """Whether the chunk the spare predicts has closed, so that the spare's lag now delays the
-        switch: its scale step then reaches the device at once (SCALE_STEP_IN_IDLE_TIME)."""
-        if self._scale_step is not None:
-            self._scale_step.idle_only = not closed or SCALE_STEP_IN_IDLE_TIME == "idle"
 
     @property
     def backlog(self) -> int:

@@ -114,7 +114,6 @@ class Rollover:
 
     def _clear(self) -> None:
         self.phase = Phase.STEADY
-        self.spare.chunk_closed(False)
         self.ahead_starts = 0  # times the spare began taking a next chunk's frames before its rollover
         self.ahead_from: int | None = None
         self.closed: ClosedChunk | None = None
@@ -126,7 +125,6 @@ class Rollover:
         if phase not in _TRANSITIONS[self.phase]:
             raise RuntimeError(f"rollover: no transition from {self.phase.value} to {phase.value}")
         self.phase = phase
-        self.spare.chunk_closed(phase in (Phase.CATCHING_UP, Phase.SWITCH_PENDING))
 
     @property
     def spare_has_work(self) -> bool:

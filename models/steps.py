@@ -15,7 +15,6 @@ for the stream, once (`choose_runner`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -52,27 +51,22 @@ class EagerRunner:
         """Whether streaming steps replay a recorded CUDA graph."""
         return False
 
-    def run_scale_frames(self, images: torch.Tensor, time_index: int,
-                         between_layers: Callable[[], None] | None = None) -> Staged:
+    def run_scale_frames(self, images: torch.Tensor, time_index: int) -> Staged:
         """The scale frames [S, 3, H, W] together (stream indices from 0), eagerly and uncompiled: they
         run once per chunk, so compiling their shapes would only delay the first prediction (by tens
-        of seconds on a fresh process) for little gain; the streaming shapes are the ones compiled.
-        `between_layers`: called between the step's layers (GCTStream.step)."""
+        of seconds on a fresh process) for little gain; the streaming shapes are the ones compiled."""
         with running_eagerly():
             self.begin(images, 0)
-            return self._finish_eagerly(time_index, between_layers)
+            return self.finish(time_index)
 
     def begin(self, images: torch.Tensor, stream_index: int) -> None:
         self._frame = (*self.upload.send(images), stream_index)
 
     def finish(self, time_index: int) -> Staged:
-        return self._finish_eagerly(time_index)
-
-    def _finish_eagerly(self, time_index: int, between_layers: Callable[[], None] | None = None) -> Staged:
         images, rgb, stream_index = self._frame
         self._frame = None
         self._prepare(len(images))
-        outputs = self._eager_step(images, stream_index, time_index, between_layers)
+        outputs = self._eager_step(images, stream_index, time_index)
         return self.staging.send(pack_outputs(outputs, *self.image_size), rgb, *self.image_size)
 
     def _prepare(self, num_new: int, camera_stream: torch.cuda.Stream | None = None) -> None:
@@ -84,14 +78,13 @@ class EagerRunner:
         with torch.cuda.stream(camera_stream):  # (no stream: the current one)
             self.camera_cache.begin(num_new)
 
-    def _eager_step(self, images: torch.Tensor, stream_index: int, time_index: int,
-                    between_layers: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
+    def _eager_step(self, images: torch.Tensor, stream_index: int, time_index: int) -> dict[str, torch.Tensor]:
         count = len(images)
         stream = torch.arange(stream_index, stream_index + count, device=self.device)
         time = torch.arange(time_index, time_index + count, device=self.device)
         with torch.inference_mode(), self._autocast():
             return self.model.step(images, self.cache.step(self.cache.pending_slots()), self.camera_cache, stream, time,
-                                   self.scale_frames, descriptors=self.descriptors, between_layers=between_layers)
+                                   self.scale_frames, descriptors=self.descriptors)
 
     def _autocast(self):
         return step_precision(self.device.type, self.autocast_dtype)

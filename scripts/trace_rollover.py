@@ -1,17 +1,15 @@
 """Where the time goes at a chunk rollover, on the product path (GPU machine).
 
-    python3 scripts/trace_rollover.py [--pace X] [--main-priority P] [--spare-scale-step ahead|idle|at-once] [--trace-before S] [--trace-after S] [--longest N] [--memory-push K] [--profile-push K[,K...] | --host-profile-push K[,K...]] [bench_e2e options, e.g. --frames 700 --viewer --client]
+    python3 scripts/trace_rollover.py [--pace X] [--main-priority P] [--trace-before S] [--trace-after S] [--longest N] [--memory-push K] [--profile-push K[,K...] | --host-profile-push K[,K...]] [bench_e2e options, e.g. --frames 700 --viewer --client]
 
 Runs scripts/bench_e2e.py in this process with timers wrapped around the rollover's parts (closing
 the chunk, provisional frames beside the catching-up spare, pacing, the switch, aligning, emitting
 to the sinks) and CUDA events around every engine step, main stream and spare alike. `--pace` and
-`--main-priority` set models.rollover's PACE and MAIN_STREAM_PRIORITY for the run;
-`--spare-scale-step` sets models.lookahead's SCALE_STEP_IN_IDLE_TIME (when the spare's scale step
-reaches the device: a layer at a time in the device's idle time before the chunk closes, always, or at
-once). Prints, for each
-rollover of the product run, the spans from a few frames before it to a few after, in ms from the
-rollover's start: host spans on the main thread, the spare's jobs on its worker, when each step's
-device work began and ended, every CUDA stream or event call that took 0.5 ms or more (with its
+`--main-priority` set models.rollover's PACE and MAIN_STREAM_PRIORITY for the run. Prints, for each
+rollover of the product run, the spans from a few frames before it to a few after (and those begun
+earlier that still ran then), in ms from the rollover's start: host spans on the main thread, the
+spare's jobs on its worker, when each step's device work began and ended (a scale step's also on a
+line of its own), every CUDA stream or event call that took 0.5 ms or more (with its
 thread's CPU time in it: little CPU means a wait for a lock or the interpreter), and the caching
 allocator's cudaMalloc/cudaFree calls during each push; then the same around the product run's N
 longest intervals between two pushes (`--longest N`, 4 by default), wherever they fell, in ms from
@@ -40,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_e2e  # noqa: E402
 
 from stream_recon.app import pipeline  # noqa: E402
-from stream_recon.models import chunks, lookahead, rollover, similarity  # noqa: E402
+from stream_recon.models import chunks, rollover, similarity  # noqa: E402
 from stream_recon.models.chunked import ChunkedEngine  # noqa: E402
 from stream_recon.models.engine import StreamingEngine  # noqa: E402
 from stream_recon.models.lookahead import SpareEngine  # noqa: E402
@@ -259,7 +257,7 @@ def print_profiles() -> None:
 
 def print_window(rows: list[tuple[float, float, str]], at: float, first: float, last: float) -> None:
     for start, end, label in rows:
-        if start < last and end > first:  # (a long span begun before the window, the spare's scale step, too)
+        if start < last and end > first:  # (a span begun before the window, a spare's scale step say, too)
             print(f"   {1000 * (start - at):8.1f} {1000 * (end - at):8.1f} {1000 * (end - start):7.1f}  {label}")
 
 
@@ -288,10 +286,6 @@ if __name__ == "__main__":
             at = arguments.index(option)
             setattr(rollover, constant, kind(arguments[at + 1]))
             del arguments[at : at + 2]
-    if "--spare-scale-step" in arguments:
-        at = arguments.index("--spare-scale-step")
-        lookahead.SCALE_STEP_IN_IDLE_TIME = arguments[at + 1].replace("-", " ")
-        del arguments[at : at + 2]
     install()
     sys.argv = ["bench_e2e.py", *arguments]
     bench_e2e.main()

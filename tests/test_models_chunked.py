@@ -11,7 +11,6 @@ import dataclasses
 import logging
 import threading
 import time
-import types
 
 import numpy as np
 import pytest
@@ -718,67 +717,6 @@ def test_a_closed_window_predicts_at_most_its_room_and_the_stream_then_waits(mod
     engine.close()
 
 
-def test_a_spare_held_between_the_layers_of_its_scale_step_holds_no_push_of_the_stream(model, frames, monkeypatch):
-    """The spare's scale steps, and only those, pass its gate between their layers on its worker
-    (models/lookahead.py: on CUDA, a wait until the device is idle), which waits while the chunk they
-    are for has not closed (its warm-up's too), and no longer once it has. Held there, the spare keeps
-    the stream waiting for nothing: the closed window predicts the new frames, and the emissions are
-    those of rollovers in place."""
-    from stream_recon.models import chunked, lookahead
-
-    config, overlap = StreamConfig(scale_frames=3, window=4), 3
-    in_place = run_live_marked(ChunkedEngine(model, config, chunk_frames=10, overlap=overlap, lookahead=False),
-                               frames[:16])
-    passed, waits, hold, resume = [], [], threading.Event(), threading.Event()
-
-    class HeldGate(lookahead.ScaleStepGate):
-        def __call__(self):
-            passed.append(threading.current_thread().name)
-            super().__call__()
-
-        def wait(self):
-            waits.append(len(passed))
-            if hold.is_set():
-                hold.clear()
-                assert resume.wait(timeout=60), "the spare was never resumed"
-
-    monkeypatch.setattr(chunked, "scale_step_gate", lambda device: HeldGate(device))
-    engine = ChunkedEngine(model, config, chunk_frames=10, overlap=overlap, lookahead=True)
-    pushes = [engine.push(frame) for frame in frames[:7]]  # the spare starts and warms up at frame 3
-    engine._rollover.spare.wait_until(time.perf_counter() + 60)
-    layers = model.config.dino_depth + model.config.depth
-    assert waits == list(range(1, layers + 1))  # its warm-up's scale step: a wait after every layer
-    hold.set()  # frames 7, 8, 9 go to the spare; at 9 its scale step starts, and waits after one layer
-    pushes += [engine.push(frame) for frame in frames[7:13]]  # window 0 closes at frame 10
-    assert not hold.is_set() and engine.stats()["provisional_frames"] == 3  # frames 10, 11, 12
-    resume.set()  # the window has closed: the rest of the scale step goes on without waiting
-    engine._rollover.spare.wait_until(time.perf_counter() + 60)
-    pushes += [engine.push(frame) for frame in frames[13:16]] + [engine.finish()]
-    check_pushes_beside_the_stream(pushes, in_place)
-    assert waits == [*range(1, layers + 1), layers + 1]
-    assert len(passed) == 2 * layers and all(name.startswith("stream-recon-next-chunk") for name in passed)
-    engine.close()
-
-
-@pytest.mark.parametrize("mode, gated, idle_after_the_close", [("ahead", True, False), ("idle", True, True),
-                                                               ("at once", False, None)])
-def test_a_spares_scale_step_is_gated_on_cuda_as_the_mode_says(monkeypatch, mode, gated, idle_after_the_close):
-    from stream_recon.models import lookahead
-
-    monkeypatch.setattr(lookahead, "SCALE_STEP_IN_IDLE_TIME", mode)
-    assert lookahead.scale_step_gate(torch.device("cpu")) is None
-    gate = lookahead.scale_step_gate(torch.device("cuda", 0))  # (made, not called: no device here)
-    assert (gate is not None) == gated
-    if gated:
-        spare = lookahead.SpareEngine(types.SimpleNamespace(device=torch.device("cpu")), gate)  # (its engine unused)
-        assert gate.idle_only
-        spare.chunk_closed(True)
-        assert gate.idle_only == idle_after_the_close
-        spare.chunk_closed(False)
-        assert gate.idle_only
-        spare.close()
-
-
 def test_a_stream_that_ends_while_the_spare_catches_up_ends_its_closed_window_first(model, frames, monkeypatch):
     """The stream ends with the spare held back: the first part of the end (the closed window's
     provisional frames still in flight) comes without waiting for the spare, the rest once it has
@@ -1019,19 +957,16 @@ class RecordingSpare:
     def wait_for_backlog(self, at_most, deadline):
         self.calls.append(("backlog", at_most, deadline))
 
-    def chunk_closed(self, closed):
-        self.calls.append(("closed", closed))
-
 
 @pytest.mark.parametrize("phase_name", ["CATCHING_UP", "SWITCH_PENDING", "AHEAD"])
 def test_catching_up_holds_each_push_until_the_spare_is_on_its_way_or_its_catch_up_pace_has_passed(phase_name):
+    import types
+
     from stream_recon.models.rollover import CATCH_UP_PACE, PACE, Phase, Rollover
 
     spare = RecordingSpare()
     alignment = types.SimpleNamespace(tail=[], make_ratios=lambda *args, **kwargs: False)
     rollover = Rollover(spare, alignment, provisional_room=16)
-    assert spare.calls == [("closed", False)]  # (a new rollover starts STEADY)
-    spare.calls.clear()
     rollover._push_seconds.extend([0.03, 0.02, 0.04])
     rollover.phase, rollover.behind_at_start, rollover.provisional_count = Phase[phase_name], 16, 4
     started = time.perf_counter()

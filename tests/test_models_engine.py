@@ -269,24 +269,3 @@ def test_descriptors_come_with_each_prediction_and_change_nothing_else(prepared_
     assert got.shape == (8, model.config.embed_dim)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, rtol=1e-5)
-
-
-def test_a_scale_step_paused_between_its_layers_predicts_the_same(prepared_tiny_model):
-    """`scale_step_pause` is called once after each DINO block and each aggregator layer of every scale
-    step, on the thread stepping, and never in a streaming step; the predictions are those of an
-    engine without it, bit for bit."""
-    config = StreamConfig(scale_frames=3, window=2)
-    images = frames(6)
-    plain, _ = run(prepared_tiny_model, config, images)
-    calls = []
-    engine = StreamingEngine(prepared_tiny_model, config, scale_step_pause=lambda: calls.append(engine.num_frames))
-    paused = []
-    for i, image in enumerate(images):
-        paused += engine.push(image, timestamp=0.5 * i)
-    paused += engine.finish()
-    layers = prepared_tiny_model.config.dino_depth + prepared_tiny_model.config.depth
-    assert calls == [0] * layers  # during the one scale step, before it counted its frames
-    assert [p.frame_index for p in paused] == [p.frame_index for p in plain]
-    for ours, theirs in zip(paused, plain, strict=True):
-        for name in ("pose_enc", "depth", "depth_conf"):
-            np.testing.assert_array_equal(getattr(ours, name), getattr(theirs, name))
