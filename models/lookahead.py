@@ -53,10 +53,7 @@ class SpareEngine:
 
         The stream's thread calls this while the spare is behind: time it spends here is device time
         the spare gets alone (Rollover.pace paces the stream so)."""
-        unfinished = [job for job in self._jobs if not job.done()]
-        timeout = deadline - time.perf_counter()
-        if unfinished and timeout > 0:
-            wait(unfinished, timeout=timeout)
+        self.wait_for_backlog(0, deadline)
 
     def wait_for_backlog(self, at_most: int, deadline: float) -> None:
         """Wait until at most `at_most` queued frames are unfinished (the worker runs them in order), or
