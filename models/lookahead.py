@@ -8,7 +8,9 @@ stream's first frame (StreamingEngine.warm_up: its graph is recorded then, never
 the switch the current engine takes its frames over (a copy of the cache's contents, a few
 milliseconds), so the spare's cache holds only what it takes before then (ChunkedEngine sizes it
 and decides whether there is room). Its CUDA stream has the default priority; the stream's has a
-higher one, so the spare gets what the stream leaves.
+higher one, so the spare gets what the stream leaves. Its own kernels may use only SPARE_SM_SHARE of the
+SMs (models/sm_partition.py), so that the stream's next kernel finds SMs free; its steps' CUDA graphs,
+recorded on a plain stream, run on every SM wherever they are replayed.
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ import torch
 
 from .engine import StreamingEngine
 from .prediction import FramePrediction
+from .sm_partition import device_sm_count, partitioned_stream
+
+# The share of the GPU's SMs that the spare's eager kernels (its scale step) may use. Beside the spare's
+# eager scale step on every SM, a stand-in of the stream's step took 2.9x its time alone (51.8 against
+# 18.0 ms); with the spare on 80 of the H100's 132 SMs, 1.55x, while the spare's scale steps beside the
+# paced stream came 29 % less often (scripts/probe_sm_partition.py, docs/PERFORMANCE.md). 1: a plain
+# stream on every SM.
+SPARE_SM_SHARE = 0.6
 
 
 class SpareEngine:
@@ -28,7 +38,8 @@ class SpareEngine:
 
     def __init__(self, engine: StreamingEngine):
         self.engine = engine
-        self._stream = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
+        self._stream = spare_stream(engine.device)
+        self.sm_partitioned = isinstance(self._stream, torch.cuda.ExternalStream)  # (spare_stream's kind)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-recon-next-chunk")
         self._jobs: list[Future] = []
         self.warm_seconds: float | None = None  # how long `warm` took on the worker, once it has
@@ -146,3 +157,15 @@ class SpareEngine:
         # pass here would only run the steps once more (0.3-0.8 s on an H100).
         self.engine.warm_up(image, dry_pass=False)
         self.warm_seconds = time.perf_counter() - started
+
+
+def spare_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The spare's CUDA stream (None off CUDA): on SPARE_SM_SHARE of the device's SMs where the driver can
+    partition them, else a plain one; the default priority either way."""
+    if device.type != "cuda":
+        return None
+    if SPARE_SM_SHARE < 1:
+        stream = partitioned_stream(device, max(1, round(SPARE_SM_SHARE * device_sm_count(device))))
+        if stream is not None:
+            return stream
+    return torch.cuda.Stream(device)

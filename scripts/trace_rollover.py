@@ -1,11 +1,12 @@
 """Where the time goes at a chunk rollover, on the product path (GPU machine).
 
-    python3 scripts/trace_rollover.py [--pace X] [--main-priority P] [--trace-before S] [--trace-after S] [--longest N] [--memory-push K] [--profile-push K[,K...] | --host-profile-push K[,K...]] [bench_e2e options, e.g. --frames 700 --viewer --client]
+    python3 scripts/trace_rollover.py [--pace X] [--main-priority P] [--spare-sm-share S] [--trace-before S] [--trace-after S] [--longest N] [--memory-push K] [--profile-push K[,K...] | --host-profile-push K[,K...]] [bench_e2e options, e.g. --frames 700 --viewer --client]
 
 Runs scripts/bench_e2e.py in this process with timers wrapped around the rollover's parts (closing
 the chunk, provisional frames beside the catching-up spare, pacing, the switch, aligning, emitting
 to the sinks) and CUDA events around every engine step, main stream and spare alike. `--pace` and
-`--main-priority` set models.rollover's PACE and MAIN_STREAM_PRIORITY for the run. Prints, for each
+`--main-priority` set models.rollover's PACE and MAIN_STREAM_PRIORITY for the run, `--spare-sm-share`
+models.lookahead's SPARE_SM_SHARE. Prints, for each
 rollover of the product run, the spans from a few frames before it to a few after (and those begun
 earlier that still ran then), in ms from the rollover's start: host spans on the main thread, the
 spare's jobs on its worker, when each step's device work began and ended (a scale step's also on a
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_e2e  # noqa: E402
 
 from stream_recon.app import pipeline  # noqa: E402
-from stream_recon.models import chunks, rollover, similarity  # noqa: E402
+from stream_recon.models import chunks, lookahead, rollover, similarity  # noqa: E402
 from stream_recon.models.chunked import ChunkedEngine  # noqa: E402
 from stream_recon.models.engine import StreamingEngine  # noqa: E402
 from stream_recon.models.lookahead import SpareEngine  # noqa: E402
@@ -286,6 +287,10 @@ if __name__ == "__main__":
             at = arguments.index(option)
             setattr(rollover, constant, kind(arguments[at + 1]))
             del arguments[at : at + 2]
+    if "--spare-sm-share" in arguments:  # models.lookahead's SPARE_SM_SHARE, for this run
+        at = arguments.index("--spare-sm-share")
+        lookahead.SPARE_SM_SHARE = float(arguments[at + 1])
+        del arguments[at : at + 2]
     install()
     sys.argv = ["bench_e2e.py", *arguments]
     bench_e2e.main()

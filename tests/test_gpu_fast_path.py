@@ -378,6 +378,7 @@ def test_a_spare_engine_on_its_own_stream_ends_with_what_rollovers_in_place_emit
             assert engine.engine.runner.records and spare.runner.records  # both recorded, once
             assert (spare.cache.layout.allocated_window_slots < window) == small_spare
             assert engine._main_stream.stream.priority < torch.cuda.current_stream().priority
+            assert engine._rollover.spare.sm_partitioned  # its eager kernels on part of the SMs
         engine.close()
     (beside, beside_stats), (in_place, in_place_stats) = runs[True], runs[False]
     assert beside_stats["lookahead"] and beside_stats["rollovers"] == in_place_stats["rollovers"] >= 2
@@ -394,6 +395,46 @@ def test_a_spare_engine_on_its_own_stream_ends_with_what_rollovers_in_place_emit
             assert prediction.frame_index not in seen_final and np.isfinite(prediction.depth).all()
         else:
             seen_final.add(prediction.frame_index)
+
+
+def test_a_partitioned_stream_runs_its_kernels_on_its_sms_and_graphs_recorded_elsewhere_on_all():
+    """Each program of a kernel notes the SM it ran on (%smid): launched on a stream of 16 SMs, at most
+    16 distinct ones (the driver's granularity may round up, to 16 on Hopper); replayed there, a graph
+    recorded on a plain stream spreads over the whole device, as the spare's recorded steps do."""
+    import triton
+    import triton.language as tl
+
+    from stream_recon.models.sm_partition import device_sm_count, partitioned_stream
+
+    @triton.jit
+    def note_sm(out, spin):
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [tl.full([1], 0, tl.int32)], dtype=tl.int32,
+                                       is_pure=False, pack=1)
+        total = tl.zeros([1], tl.float32)
+        for i in range(spin):  # long enough that the programs spread over every SM they may use
+            total += i * 1e-9
+        tl.store(out + tl.program_id(0) + tl.arange(0, 1), sm + (total > 1e9).to(tl.int32))
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    programs = 8 * device_sm_count(device)
+    out = torch.zeros(programs, dtype=torch.int32, device=device)
+    stream = partitioned_stream(device, 16)
+    assert stream is not None
+
+    def sms_used(stream, run=lambda: note_sm[(programs,)](out, 20000)):
+        out.zero_()
+        with torch.cuda.stream(stream):
+            run()
+        stream.synchronize()
+        return len(set(out.tolist()))
+
+    plain = torch.cuda.Stream(device)
+    sms_used(plain)  # built outside the graph's capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=plain):
+        note_sm[(programs,)](out, 20000)
+    assert sms_used(stream) <= 16 < sms_used(plain)
+    assert sms_used(stream, graph.replay) > 16
 
 
 def test_a_pipelined_stream_that_ends_while_the_spare_catches_up_gets_its_last_frame_first(monkeypatch):

@@ -846,6 +846,17 @@ def test_a_stream_that_ends_during_the_lookahead_leaves_the_next_stream_clean(mo
     engine.close()
 
 
+def test_off_cuda_a_spare_has_no_stream_and_no_partition_is_made(model):
+    from stream_recon.models.lookahead import SpareEngine, spare_stream
+    from stream_recon.models.sm_partition import partitioned_stream
+
+    assert spare_stream(torch.device("cpu")) is None
+    assert partitioned_stream(torch.device("cpu"), 8) is None
+    spare = SpareEngine(StreamingEngine(model, StreamConfig(scale_frames=3, window=4)))
+    assert not spare.sm_partitioned
+    spare.close()
+
+
 def test_a_spare_hands_over_its_predictions_in_order(model, frames):
     from stream_recon.models.lookahead import SpareEngine
 
