@@ -304,7 +304,7 @@ class ChunkedEngine:
             self._outbox += self._rollover.push_beside(self.engine, frame)
             self.provisional_frames += self._phase is Phase.CATCHING_UP  # (else it went to the spare alone)
         elif phase is Phase.SWITCH_PENDING:  # the spare is a frame behind at most: it takes this one alone
-            self._rollover.spare.push(*frame)
+            self._rollover.push_last(frame)
         else:
             self._outbox += self.alignment.receive(self._push_current(frame))
 

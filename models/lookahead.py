@@ -54,9 +54,15 @@ class SpareEngine:
         comes back from `take_ready`, `take_next` or `collect`."""
         self._submit(self.engine.push_checked, image, timestamp)
 
+    def flush(self) -> None:
+        """After the frames queued so far, deliver on the worker what the spare still has in flight
+        (StreamingEngine.finish: a pipelined step's last frame); its predictions come back as a frame's
+        do, and `hand_over` then waits for no device work of the spare's."""
+        self._submit(self.engine.finish)
+
     @property
     def backlog(self) -> int:
-        """Queued frames whose jobs have not finished yet."""
+        """Queued jobs (frames, and a flush) that have not finished yet."""
         return sum(not job.done() for job in self._jobs)
 
     def wait_until(self, deadline: float) -> None:

@@ -358,6 +358,7 @@ def test_a_spare_engine_on_its_own_stream_ends_with_what_rollovers_in_place_emit
     over, a copy into the store its recorded graphs read)."""
     from stream_recon.models import StreamConfig, chunked, prepare_for_inference
     from stream_recon.models.chunked import ChunkedEngine
+    from stream_recon.models.lookahead import SpareEngine
 
     model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
@@ -368,6 +369,14 @@ def test_a_spare_engine_on_its_own_stream_ends_with_what_rollovers_in_place_emit
         monkeypatch.setattr(chunked, "MAX_PROVISIONAL", 2)
     config = StreamConfig(scale_frames=2, window=window, pipeline=pipeline, keyframes=keyframes, flow_threshold=1e9,
                           max_gap=2)
+    in_flight_at_switches = []
+    hand_over = SpareEngine.hand_over
+
+    def noting_hand_over(self, current):
+        in_flight_at_switches.append(len(self.engine._in_flight))
+        return hand_over(self, current)
+
+    monkeypatch.setattr(SpareEngine, "hand_over", noting_hand_over)
     runs = {}
     for lookahead in (False, True):
         engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=5, lookahead=lookahead)
@@ -382,6 +391,8 @@ def test_a_spare_engine_on_its_own_stream_ends_with_what_rollovers_in_place_emit
         engine.close()
     (beside, beside_stats), (in_place, in_place_stats) = runs[True], runs[False]
     assert beside_stats["lookahead"] and beside_stats["rollovers"] == in_place_stats["rollovers"] >= 2
+    # a pipelined spare's last frame was delivered on its worker before each switch (SpareEngine.flush)
+    assert in_flight_at_switches == [0] * beside_stats["rollovers_ahead"]
     assert beside_stats["rollovers_ahead"] == beside_stats["rollovers"] <= beside_stats["provisional_frames"]
     finals = [p for push in beside for p in push if not p.provisional]
     assert [(p.frame_index, p.chunk_index) for p in finals] == \

@@ -846,6 +846,35 @@ def test_a_stream_that_ends_during_the_lookahead_leaves_the_next_stream_clean(mo
     engine.close()
 
 
+@pytest.mark.parametrize("case", ["all", "flow_mixed"])
+def test_the_spare_delivers_its_last_frame_on_its_worker_before_every_switch(model, frames, monkeypatch, case):
+    """The frame the spare takes alone before a switch is followed by a flush on its worker, so the
+    switch finds nothing of the spare's in flight (a pipelined spare's last step held a switch 37 ms).
+    A stream that ends while the spare catches up switches at its end, where no frame came after."""
+    from stream_recon.models import lookahead
+
+    calls = []
+    for name in ("push", "flush", "hand_over"):
+        def recorded(self, *args, _name=name, _original=getattr(lookahead.SpareEngine, name)):
+            calls.append(_name)
+            return _original(self, *args)
+        monkeypatch.setattr(lookahead.SpareEngine, name, recorded)
+    config, chunk_frames, overlap, count = CASES[case]
+    engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=True)
+    in_place = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=False)
+    pushes = [engine.push(frame) for frame in frames[:3 * count]]
+    calls_in_the_stream = len(calls)
+    pushes.append(engine.finish())
+    final = {p.frame_index: p for push in pushes for p in push}
+    marked = [[(p.frame_index, p.chunk_index, p.provisional) for p in push] for push in pushes]
+    check_beside_the_stream((final, marked), run_live_marked(in_place, frames[:3 * count]))
+    switches = [i for i, name in enumerate(calls[:calls_in_the_stream]) if name == "hand_over"]
+    assert len(switches) >= 2 and engine.stats()["rollovers_ahead"] - len(switches) <= 1
+    for at in switches:
+        assert calls[at - 2:at] == ["push", "flush"]  # the last frame, its delivery, the switch
+    engine.close()
+
+
 def test_off_cuda_a_spare_has_no_stream_and_no_partition_is_made(model):
     from stream_recon.models.lookahead import SpareEngine, spare_stream
     from stream_recon.models.sm_partition import partitioned_stream
