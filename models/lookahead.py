@@ -27,9 +27,10 @@ from .sm_partition import device_sm_count, partitioned_stream
 
 # The share of the GPU's SMs that the spare's eager kernels (its scale step) may use. Beside the spare's
 # eager scale step on every SM, a stand-in of the stream's step took 2.9x its time alone (51.8 against
-# 18.0 ms); with the spare on 80 of the H100's 132 SMs, 1.55x, while the spare's scale steps beside the
-# paced stream came 29 % less often (scripts/probe_sm_partition.py, docs/PERFORMANCE.md). 1: a plain
-# stream on every SM.
+# 18.0 ms), 1.55x with the spare on 80 of the H100's 132 SMs, whose scale steps then came 29 % less often
+# (scripts/probe_sm_partition.py). On the product path (H100, docs/PERFORMANCE.md) the uncompiled flow
+# rows' worst rollover interval went from 2.02-2.07x the median to 1.68-1.90x; the spare ends its
+# catch-ups a few frames later. 1: a plain stream on every SM.
 SPARE_SM_SHARE = 0.6
 
 

@@ -381,6 +381,7 @@ def test_a_spare_engine_on_its_own_stream_ends_with_what_rollovers_in_place_emit
     for lookahead in (False, True):
         engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=5, lookahead=lookahead)
         pushes = [engine.push(frame) for frame in frames]
+        switches_in_the_stream = len(in_flight_at_switches)
         runs[lookahead] = (pushes + [engine.finish()], engine.stats())
         if lookahead:
             spare = engine._rollover.spare.engine
@@ -391,8 +392,10 @@ def test_a_spare_engine_on_its_own_stream_ends_with_what_rollovers_in_place_emit
         engine.close()
     (beside, beside_stats), (in_place, in_place_stats) = runs[True], runs[False]
     assert beside_stats["lookahead"] and beside_stats["rollovers"] == in_place_stats["rollovers"] >= 2
-    # a pipelined spare's last frame was delivered on its worker before each switch (SpareEngine.flush)
-    assert in_flight_at_switches == [0] * beside_stats["rollovers_ahead"]
+    # a pipelined spare's last frame was delivered on its worker before each switch in the stream
+    # (SpareEngine.flush); a stream that ends while the spare catches up switches at its end
+    assert in_flight_at_switches[:switches_in_the_stream] == [0] * switches_in_the_stream
+    assert beside_stats["rollovers_ahead"] - switches_in_the_stream <= 1
     assert beside_stats["rollovers_ahead"] == beside_stats["rollovers"] <= beside_stats["provisional_frames"]
     finals = [p for push in beside for p in push if not p.provisional]
     assert [(p.frame_index, p.chunk_index) for p in finals] == \
