@@ -55,14 +55,20 @@ def device_sm_count(device: torch.device) -> int:
 
 def partitioned_stream(device: torch.device, num_sms: int, priority: int = 0) -> torch.cuda.ExternalStream | None:
     """A stream on `device` whose kernels run on `num_sms` of its SMs (the driver rounds up to its
-    partition granularity, 8 on Hopper), with `priority`; None where the driver cannot make one.
-    The green context lives as long as the process (one per spare engine, never destroyed)."""
-    driver = _driver()
-    if driver is None or device.type != "cuda":
+    partition granularity, 8 on Hopper), with `priority`; None where the driver cannot make one. One
+    green context and stream per device, SM count and priority, kept for the process: a batch of runs
+    gets a spare engine each, and each takes the same stream."""
+    if device.type != "cuda" or _driver() is None:
         return None
     torch.cuda.init()
-    torch.empty(1, device=device)  # the primary context, current on this thread
     index = device.index if device.index is not None else torch.cuda.current_device()
+    return _partitioned_stream(index, num_sms, priority)
+
+
+@functools.cache
+def _partitioned_stream(index: int, num_sms: int, priority: int) -> torch.cuda.ExternalStream | None:
+    driver, device = _driver(), torch.device("cuda", index)
+    torch.empty(1, device=device)  # the primary context, current on this thread
     try:
         cu_device = ctypes.c_int()
         _check(driver.cuDeviceGet(ctypes.byref(cu_device), index), "cuDeviceGet")
