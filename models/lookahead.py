@@ -40,7 +40,6 @@ class SpareEngine:
     def __init__(self, engine: StreamingEngine):
         self.engine = engine
         self._stream = spare_stream(engine.device)
-        self.sm_partitioned = isinstance(self._stream, torch.cuda.ExternalStream)  # (spare_stream's kind)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-recon-next-chunk")
         self._jobs: list[Future] = []
         self.warm_seconds: float | None = None  # how long `warm` took on the worker, once it has
@@ -54,6 +53,11 @@ class SpareEngine:
         """Queue a frame as `check_frame` returned it (StreamingEngine.push_checked); its prediction
         comes back from `take_ready`, `take_next` or `collect`."""
         self._submit(self.engine.push_checked, image, timestamp)
+
+    @property
+    def sm_partitioned(self) -> bool:
+        """Whether its stream runs its kernels on part of the SMs (`spare_stream` hands an external one)."""
+        return isinstance(self._stream, torch.cuda.ExternalStream)
 
     def flush(self) -> None:
         """After the frames queued so far, deliver on the worker what the spare still has in flight

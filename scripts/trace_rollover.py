@@ -282,15 +282,13 @@ if __name__ == "__main__":
             at = arguments.index(option)
             globals()[f"TRACE_{option[8:].upper()}_S"] = float(arguments[at + 1])
             del arguments[at : at + 2]
-    for option, constant, kind in (("--pace", "PACE", float), ("--main-priority", "MAIN_STREAM_PRIORITY", int)):
-        if option in arguments:  # models.rollover's constant, for this run
+    for option, module, constant, kind in (("--pace", rollover, "PACE", float),
+                                           ("--main-priority", rollover, "MAIN_STREAM_PRIORITY", int),
+                                           ("--spare-sm-share", lookahead, "SPARE_SM_SHARE", float)):
+        if option in arguments:  # the module's constant, for this run
             at = arguments.index(option)
-            setattr(rollover, constant, kind(arguments[at + 1]))
+            setattr(module, constant, kind(arguments[at + 1]))
             del arguments[at : at + 2]
-    if "--spare-sm-share" in arguments:  # models.lookahead's SPARE_SM_SHARE, for this run
-        at = arguments.index("--spare-sm-share")
-        lookahead.SPARE_SM_SHARE = float(arguments[at + 1])
-        del arguments[at : at + 2]
     install()
     sys.argv = ["bench_e2e.py", *arguments]
     bench_e2e.main()

@@ -53,3 +53,25 @@ PY
 # Pack everything under $OUT into $OUT/out.tar.gz, the rest removed: the device tool brings back a few files
 # per call, and one archive carries them all.
 pack_out() { tar czf /tmp/out.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/out.tar.gz "$OUT/"; }
+# The GPU tests $TESTS (test files) with $TEST_K (their -k), when TESTS is set, on Inductor's and Triton's
+# default caches, at most TEST_TIMEOUT (240) seconds; their log in $OUT/tests.log. $1: the script's start
+# (date +%s), for the line that says when they began.
+run_gpu_tests() { [ -n "${TESTS:-}" ] || return 0
+  echo "== GPU tests ($(( $(date +%s) - $1 )) s): $TESTS"
+  (unset TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR; timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider $TESTS -k "${TEST_K:-}") \
+    > "$OUT/tests.log" 2>&1
+  grep -E "passed|failed|FAILED|^E " "$OUT/tests.log" | tail -15; }
+# One line per bench_e2e JSON under $OUT (e2e_*.json): the keys named in the arguments, the longest interval at
+# a rollover over the median, and every interval over twice the median (frame, ms).
+summarize_rows() { python3 - "$OUT" "$@" <<'PY'
+import json, pathlib, sys
+keys = sys.argv[2:]
+for path in sorted(pathlib.Path(sys.argv[1]).glob("e2e_*.json")):
+    row = json.loads(path.read_text())
+    shown = {k: row[k] for k in keys if k in row}
+    if row.get("rollover_longest_ms") and row.get("p50_ms"):
+        shown["rollover_over_median"] = round(row["rollover_longest_ms"] / row["p50_ms"], 2)
+    shown["over_2x"] = [(item["frame"], item["ms"]) for item in row.get("over_2x_median", [])]
+    print(path.stem, json.dumps(shown))
+PY
+}

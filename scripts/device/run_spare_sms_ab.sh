@@ -43,23 +43,7 @@ for item in ${RUNS:-dense:1 dense:0.6 sparse:0.6 sparse:1 uncompiled:1 uncompile
   [ "$row" = fit16 ] && { kill $HOG; wait $HOG 2>/dev/null; }
 done
 
-if [ -n "${TESTS:-}" ]; then
-  echo "== GPU tests ($(( $(date +%s) - began )) s): $TESTS"
-  (unset TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR; timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider $TESTS -k "${TEST_K:-}") \
-    > "$OUT/tests.log" 2>&1
-  grep -E "passed|failed|FAILED|^E " "$OUT/tests.log" | tail -15
-fi
-
-python3 - "$OUT" <<'PY'
-import json, pathlib, sys
-keys = ("keyframes", "steady_fps", "p50_ms", "rollovers", "rollovers_ahead", "provisional_frames",
-        "rollover_longest_ms", "rollover_longest_frame", "rollover_regions")
-for path in sorted(pathlib.Path(sys.argv[1]).glob("e2e_*.json")):
-    row = json.loads(path.read_text())
-    shown = {k: row[k] for k in keys if k in row}
-    if row.get("rollover_longest_ms") and row.get("p50_ms"):
-        shown["rollover_over_median"] = round(row["rollover_longest_ms"] / row["p50_ms"], 2)
-    shown["over_2x"] = [(item["frame"], item["ms"]) for item in row.get("over_2x_median", [])]
-    print(path.stem, json.dumps(shown))
-PY
+run_gpu_tests "$began"
+summarize_rows keyframes steady_fps p50_ms rollovers rollovers_ahead provisional_frames \
+  rollover_longest_ms rollover_longest_frame rollover_regions
 pack_out
