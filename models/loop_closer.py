@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +21,7 @@ from typing import Any
 import cv2
 import numpy as np
 
+from .child_process import read_message, start_child, write_message
 from .chunks import ChunkLink
 from .geometric_check import extract_features
 from .loop_closure import ChunkCorrections, LoopRecord
@@ -30,15 +29,12 @@ from .loop_detection import CheckedCandidate, LoopDetectionConfig, LoopDetector
 from .loop_retrieval import gradient_grid_descriptor
 from .pose import back_project
 from .pose_graph import (
-    CHILD_OWN_SESSION,
     LoopEdge,
     OdometryEdge,
     PoseGraph,
     PoseGraphWorker,
     SolvedGraph,
     optimize,
-    read_message,
-    write_message,
 )
 from .prediction import FramePrediction
 from .similarity import AlignmentError, Sim3, irls_umeyama, umeyama
@@ -525,17 +521,9 @@ class LoopCloserProcess:
         self._finished: tuple[ChunkCorrections, dict[str, Any]] | None = None
         self._error: str | None = None
         self._done = threading.Event()
-        child_reads, parent_writes = os.pipe()
-        parent_reads, child_writes = os.pipe()
-        command = (f"from stream_recon.models.loop_closer import serve; "
-                   f"serve({child_reads}, {child_writes}, {config.queue_keyframes})")
         threads = {name: str(CHILD_THREADS) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
-        self._process = subprocess.Popen([sys.executable, "-c", command], pass_fds=(child_reads, child_writes),
-                                         stdin=subprocess.DEVNULL, start_new_session=CHILD_OWN_SESSION,
-                                         env={**os.environ, **threads})
-        os.close(child_reads)
-        os.close(child_writes)
-        self._requests, self._replies = os.fdopen(parent_writes, "wb"), os.fdopen(parent_reads, "rb")
+        self._child = start_child("stream_recon.models.loop_closer", "serve", config.queue_keyframes,
+                                  env={**os.environ, **threads})
         self._feeder = threading.Thread(target=self._feed, name="loop-closure-feeder", daemon=True)
         self._reader = threading.Thread(target=self._read, name="loop-closure-reader", daemon=True)
         self._feeder.start()
@@ -578,15 +566,15 @@ class LoopCloserProcess:
     def close(self) -> None:
         with contextlib.suppress(queue.Full):
             self._outbox.put_nowait(None)
-        if self._process.poll() is None:
-            self._process.terminate()
-            self._process.wait(timeout=10)
+        if self._child.process.poll() is None:
+            self._child.process.terminate()
+            self._child.process.wait(timeout=10)
 
     # -- threads ----------------------------------------------------------------------------------
     def _feed(self) -> None:
         try:
             while (message := self._outbox.get()) is not None:
-                write_message(self._requests, message)
+                write_message(self._child.requests, message)
                 if message[0] == "finish":
                     return
         except (OSError, ValueError) as error:
@@ -595,7 +583,7 @@ class LoopCloserProcess:
     def _read(self) -> None:
         try:
             while True:
-                kind, *payload = read_message(self._replies)
+                kind, *payload = read_message(self._child.replies)
                 if kind == "corrections":
                     self._handover.put(payload[0])
                 elif kind == "finished":
@@ -606,7 +594,7 @@ class LoopCloserProcess:
                     self._fail(payload[0])
                     return
         except (EOFError, OSError, ValueError):
-            self._fail(f"the loop-closure process ended (exit status {self._process.poll()})")
+            self._fail(f"the loop-closure process ended (exit status {self._child.process.poll()})")
 
     def _fail(self, message: str) -> None:
         if self._error is None:

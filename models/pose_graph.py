@@ -26,19 +26,16 @@ child process by default and never stalls the caller's thread.
 from __future__ import annotations
 
 import os
-import pickle
-import struct
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any
 
 import gtsam
 import numpy as np
 
+from .child_process import ChildProcess, read_message, start_child, write_message
 from .similarity import Sim3
 
 TANGENT_DIM = 7  # rotation (3), translation (3), log scale (1): GTSAM's Similarity3 tangent order
@@ -313,26 +310,6 @@ class PoseGraphWorkerError(RuntimeError):
     """An optimisation on the worker failed; the original error is the cause."""
 
 
-def write_message(stream: BinaryIO, message: object) -> None:
-    """One pickled message to a child process's pipe (a length, then the pickle), flushed."""
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(struct.pack("<Q", len(data)))
-    stream.write(data)  # not concatenated: a keyframe's megabytes copied once less, under the GIL
-    stream.flush()
-
-
-def read_message(stream: BinaryIO) -> Any:
-    """The next message, or raises EOFError when the other end has closed."""
-    header = stream.read(8)
-    if len(header) < 8:
-        raise EOFError
-    (size,) = struct.unpack("<Q", header)
-    data = stream.read(size)
-    if len(data) < size:
-        raise EOFError
-    return pickle.loads(data)
-
-
 def serve(requests_fd: int, replies_fd: int) -> None:
     """The child process of a SubprocessSolver: read (graph, settings), optimise, reply with the result (or
     the error as text: GTSAM's exceptions need not pickle), until the parent closes its end."""
@@ -349,57 +326,35 @@ def serve(requests_fd: int, replies_fd: int) -> None:
             write_message(replies, reply)
 
 
-# A child of its own session: the terminal's Ctrl-C goes to the stream's process, which ends the child
-# itself (close); a child in the same process group would die of it too, with a traceback of its own.
-# A parent that dies closes the pipe: the child reads the end of it and returns.
-CHILD_OWN_SESSION = True
-
-
 class SubprocessSolver:
     """`optimize` in a child process of its own, started on first use.
 
     GTSAM keeps the GIL through each Levenberg-Marquardt iteration (tens of ms at a few hundred chunks, a
     second at 10,000), which the caller's threads would wait out; a process of its own costs them nothing.
-    The child is a fresh interpreter (`python -c`, neither forked, which a CUDA parent must not, nor
-    multiprocessing's spawn, which re-runs the caller's main script); graphs and results go through two
+    The child is a fresh interpreter (models/child_process.py); graphs and results go through its two
     pipes, pickled. Its start imports the package: seconds, once.
     """
 
     def __init__(self, settings: PoseGraphSettings = PoseGraphSettings()) -> None:
         self._settings = settings
-        self._process: subprocess.Popen | None = None
-        self._requests: BinaryIO | None = None
-        self._replies: BinaryIO | None = None
-
-    def _start(self) -> None:
-        child_reads, parent_writes = os.pipe()
-        parent_reads, child_writes = os.pipe()
-        command = f"from stream_recon.models.pose_graph import serve; serve({child_reads}, {child_writes})"
-        self._process = subprocess.Popen([sys.executable, "-c", command], pass_fds=(child_reads, child_writes),
-                                         stdin=subprocess.DEVNULL, start_new_session=CHILD_OWN_SESSION)
-        os.close(child_reads)
-        os.close(child_writes)
-        self._requests, self._replies = os.fdopen(parent_writes, "wb"), os.fdopen(parent_reads, "rb")
+        self._child: ChildProcess | None = None
 
     def __call__(self, graph: PoseGraph) -> PoseGraphResult:
-        if self._process is None:
-            self._start()
+        if self._child is None:
+            self._child = start_child("stream_recon.models.pose_graph", "serve")
         try:
-            write_message(self._requests, (graph, self._settings))
-            reply = read_message(self._replies)  # (file reads wait without the GIL)
+            write_message(self._child.requests, (graph, self._settings))
+            reply = read_message(self._child.replies)
         except (EOFError, OSError, ValueError) as error:
-            raise RuntimeError(f"the pose-graph process ended (exit status {self._process.poll()})") from error
+            raise RuntimeError(f"the pose-graph process ended (exit status {self._child.process.poll()})") from error
         if isinstance(reply, str):
             raise RuntimeError(f"the pose-graph optimisation failed: {reply}")
         return reply
 
     def close(self) -> None:
         """End the child process now, even in the middle of an optimisation."""
-        if self._process is not None:
-            self._process.terminate()
-            self._process.wait(timeout=10)
-            self._requests.close()
-            self._replies.close()
+        if self._child is not None:
+            self._child.close()
 
 
 @dataclass(frozen=True)
@@ -490,5 +445,5 @@ class PoseGraphWorker:
 __all__ = [
     "LoopEdge", "LoopVerdict", "OdometryEdge", "PoseGraph", "PoseGraphResult", "PoseGraphSettings",
     "PoseGraphWorker", "PoseGraphWorkerError", "SolvedGraph", "SubprocessSolver", "as_sigmas", "from_gtsam",
-    "open_chain", "optimize", "read_message", "serve", "to_gtsam", "write_message",
+    "open_chain", "optimize", "serve", "to_gtsam",
 ]
