@@ -157,7 +157,8 @@ def tensor_memory_loads(device: torch.device) -> bool:
 
 
 _resident_programs: dict[tuple, int] = {}
-_resident_programs_lock = threading.Lock()  # one build per key, whichever thread asks first
+_resident_programs_locks: dict[tuple, threading.Lock] = {}  # one build per key, whichever thread asks first
+_locks_lock = threading.Lock()
 
 
 def resident_programs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_stages: int = NUM_STAGES,
@@ -167,9 +168,12 @@ def resident_programs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     fit one SM). tma: the loads it is compiled with (None: `tensor_memory_loads`)."""
     tma = tensor_memory_loads(q.device) if tma is None else tma
     key = (q.device.index, q.dtype, keys.dtype, q.shape[-1], num_stages, tma)
-    with _resident_programs_lock:
-        if key not in _resident_programs:
-            _resident_programs[key] = _measure_resident_programs(q, keys, values, num_stages, tma)
+    if key not in _resident_programs:
+        with _locks_lock:
+            lock = _resident_programs_locks.setdefault(key, threading.Lock())
+        with lock:  # (other keys' builds go on beside this one)
+            if key not in _resident_programs:
+                _resident_programs[key] = _measure_resident_programs(q, keys, values, num_stages, tma)
     return _resident_programs[key]
 
 
@@ -212,14 +216,29 @@ def choose_key_stages(resident_at: Callable[[int], int], sms: int) -> int | None
 
 def measure_resident_programs(device: torch.device, dtype: torch.dtype, num_heads: int, head_dim: int) -> None:
     """`resident_programs` of both the range kernel's uses (a cache's attention at `key_stages`, a
-    frame's own at FRAME_NUM_STAGES) for `dtype` queries and keys on `device`, found now: on a fresh
-    machine the build behind each takes 1-2 s, which a stream's first steps would otherwise wait for
-    one after another (H100, docs/PERFORMANCE.md). Any shapes do: the schedule's numbers are not
-    specialised on."""
+    frame's own at FRAME_NUM_STAGES) for `dtype` queries and keys on `device`, found now, the two builds
+    side by side: on a fresh machine each takes 1-2 s, which a stream's first steps would otherwise wait
+    for (H100, docs/PERFORMANCE.md). Any shapes do: the schedule's numbers are not specialised on."""
     q = torch.empty(BLOCK_QUERIES, num_heads, head_dim, dtype=dtype, device=device)  # [N, H, D]
     keys = torch.empty(BLOCK_KEYS, num_heads, head_dim, dtype=dtype, device=device)  # [capacity, H, D]
-    key_stages(q, keys, keys)
-    resident_programs(q, keys, keys, FRAME_NUM_STAGES)
+    failed: list[Exception] = []
+    frames = threading.Thread(target=_frame_resident_programs, args=(q, keys, failed),
+                              name=threading.current_thread().name)
+    frames.start()
+    try:
+        key_stages(q, keys, keys)
+    finally:
+        frames.join()
+    if failed:
+        raise failed[0]
+
+
+def _frame_resident_programs(q: torch.Tensor, keys: torch.Tensor, failed: list[Exception]) -> None:
+    torch.cuda.set_device(q.device)  # (a new thread starts on device 0)
+    try:
+        resident_programs(q, keys, keys, FRAME_NUM_STAGES)
+    except Exception as error:  # raised by the caller's thread
+        failed.append(error)
 
 
 def _measure_resident_programs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_stages: int,

@@ -172,8 +172,8 @@ def start_early_builds(device: str | torch.device, dtype: torch.dtype, num_heads
     """On CUDA, on a thread of its own, from now: the builds a warm-up's steps wait for where they are
     asked, which a dry pass cannot hand to its pool. The range kernel's scheduler reads the compiled
     kernel's registers and shared memory before it can launch anything (cache/triton_attention.py:
-    `resident_programs`): two builds of 1.1-2.0 s each on a fresh machine, one after another on the
-    dry steps' path (H100, docs/PERFORMANCE.md). Started before a checkpoint loads, they are done by
+    `resident_programs`): two builds of 1.1-2.0 s each on a fresh machine, on the dry steps' path
+    (H100, docs/PERFORMANCE.md), made side by side. Started before a checkpoint loads, they are done by
     the warm-up; a step that asks sooner waits for the build under way rather than making another."""
     device = torch.device(device)
     if device.type != "cuda" or not available():

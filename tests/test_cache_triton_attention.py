@@ -235,6 +235,34 @@ def test_resident_programs_are_measured_once_per_key_whichever_thread_asks_first
     assert triton_attention.resident_programs(q, keys, keys, 2, False) == 264 and measured == [3, 2, 2]
 
 
+def test_resident_programs_of_different_keys_are_built_side_by_side(monkeypatch):
+    """The global attention's build and the frame attention's (other stages) do not wait for each other: a
+    run's first steps wait for the later of the two, not for their sum."""
+    import threading
+
+    import torch
+
+    from stream_recon.cache import triton_attention
+
+    both_building = threading.Barrier(2, timeout=10)  # broken (raises) unless the two builds overlap
+
+    def measure(q, keys, values, num_stages, tma):
+        both_building.wait()
+        return 132 * num_stages
+
+    monkeypatch.setattr(triton_attention, "_measure_resident_programs", measure)
+    monkeypatch.setattr(triton_attention, "_resident_programs", {})
+    q = keys = torch.empty(4, 2, 8)
+    answers = {}
+    askers = [threading.Thread(target=lambda stages=stages: answers.update(
+        {stages: triton_attention.resident_programs(q, keys, keys, stages, True)})) for stages in (3, 2)]
+    for asker in askers:
+        asker.start()
+    for asker in askers:
+        asker.join()
+    assert answers == {3: 396, 2: 264}
+
+
 # (per-SM programs at 3, 2 and 1 key blocks in flight on 132 SMs -> the stages chosen, and the builds asked for)
 @pytest.mark.parametrize(("per_sm", "expected", "asked"), [
     ((2, 3, 4), 3, [3]),  # an H100: two programs at three stages, nothing else built
