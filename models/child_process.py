@@ -31,11 +31,17 @@ class ChildProcess:
     requests: BinaryIO
     replies: BinaryIO
 
-    def close(self, timeout: float = 10.0) -> None:
-        """End the child now, whatever it is doing."""
-        self.process.terminate()
-        try:
+    def end(self, timeout: float = 10.0) -> None:
+        """End the child now, whatever it is doing; its pipes stay open (a thread may still be reading
+        or writing them: it meets their end)."""
+        if self.process.poll() is None:
+            self.process.terminate()
             self.process.wait(timeout=timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """End the child now, whatever it is doing, and close its pipes."""
+        try:
+            self.end(timeout)
         finally:
             self.requests.close()
             self.replies.close()

@@ -566,9 +566,7 @@ class LoopCloserProcess:
     def close(self) -> None:
         with contextlib.suppress(queue.Full):
             self._outbox.put_nowait(None)
-        if self._child.process.poll() is None:
-            self._child.process.terminate()
-            self._child.process.wait(timeout=10)
+        self._child.end()
 
     # -- threads ----------------------------------------------------------------------------------
     def _feed(self) -> None:

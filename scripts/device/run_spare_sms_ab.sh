@@ -13,7 +13,7 @@
 # TESTS (test files) with TEST_K (their -k) runs those GPU tests after the runs ($OUT/tests.log). All of
 # $OUT is packed in $OUT/out.tar.gz at the end.
 #   (GPU machine, repository root, .whl carried)  [RUNS="dense:1 dense:0.6 ..."] [LIMIT_S=570]
-#   [TESTS=... TEST_K=...] bash scripts/device/run_scale_step_ab.sh
+#   [TESTS=... TEST_K=...] bash scripts/device/run_spare_sms_ab.sh
 set -uo pipefail
 began=$(date +%s)
 source scripts/device/env.sh
