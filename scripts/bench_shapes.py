@@ -21,7 +21,8 @@ keeps a single wave's tiles whole where the defaults cut them into prefixes and 
 `prefix_all` cuts every single wave that leaves a slot idle (256 tiles on an H100 too) as the defaults
 cut 224 and 240, `prefix_two` does so with one piece after a prefix of 850/1000, and `prefix_224` cuts
 only waves of at most 7/8 of the slots (224 tiles on an H100: the rule before 240 tiles were cut);
-`pdl` compiles the blocks and heads with Inductor's programmatic dependent launch (in the measuring
+`triton_kernel` runs the global attention through the Triton range kernel where the defaults run
+gluon_attention's on Hopper, `pdl` compiles the blocks and heads with Inductor's programmatic dependent launch (in the measuring
 process, whose compile helpers compiled the defaults only). `dense`, `cudnn` and `flashinfer` stream
 with --attention dense, dense-cudnn or dense-flashinfer, and `dense_uncut`, `cudnn_uncut` and
 `flashinfer_uncut` the same without the cut of the rows past a library kernel's last whole wave
@@ -43,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -99,6 +101,8 @@ def use_variant(model, variant: str) -> None:
         from stream_recon.cache import triton_attention_previous
 
         triton_attention.attend_range = triton_attention_previous.attend_range
+    elif variant == "triton_kernel":  # the Triton range kernel where the Gluon one would serve
+        triton_attention.attend_range = functools.partial(ATTEND_RANGE, tma=True)
     else:
         triton_attention.attend_range = ATTEND_RANGE
     (triton_attention.PREFIX_FILL, triton_attention.PREFIX_SHARE,

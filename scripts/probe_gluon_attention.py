@@ -22,10 +22,10 @@ FlashAttention-3 does:
 Keys and values arrive by TMA into STAGES buffers, each with an mbarrier; a range's last partial
 block is masked as in production (scores -inf, values past the end zeroed).
 
-Timing: median of CUDA-event timings (triton.testing.do_bench, L2 cleared before each run), whole
-tiles (one program per 64 or 128 queries of one head against every visible key), the production
-kernel before and after the variants on the same tensors (the machine's drift within the call);
-accuracy: max |out - float32 SDPA| / std.
+Timing: CUDA-event timings (triton.testing.do_bench, L2 cleared before each run) of whole tiles (one
+program per 64 or 128 queries of one head against every visible key), the production kernel and the
+variants taking turns for --rounds rounds on the same tensors (the machine drifts within a call),
+medians of the rounds; accuracy: max |out - float32 SDPA| / std.
 """
 
 from __future__ import annotations
@@ -522,7 +522,11 @@ def _layer(height: int, device):
     return q, store[0], store[1], key_range
 
 
-def measure(height: int, variants: list[tuple[str, int]]) -> dict:
+def measure(height: int, variants: list[tuple[str, int]], rounds: int) -> dict:
+    """Each variant's error, then `rounds` rounds of timings in which the production kernel and the
+    variants take turns (the machine drifts by up to ~50 us a layer within a call); their medians."""
+    import statistics
+
     import torch
     import torch.nn.functional as F
 
@@ -537,24 +541,23 @@ def measure(height: int, variants: list[tuple[str, int]]) -> dict:
     tiles = triton.cdiv(q.shape[0], BLOCK_M) * HEADS
     whole = ta.TileSchedule(tiles, 0, 1)
     row = {"height": height, "tokens": q.shape[0], "keys": end - start, "tiles": tiles}
-
-    def production():
-        return ta.attend_range_scheduled(q, keys, values, key_range, tiles, schedule=whole,
-                                         num_stages=ta.NUM_STAGES, tma=True)
-
-    row["production_err"] = (production().float() - ref).abs().max().item() / scale
-    row["production_us"] = triton.testing.do_bench(production, warmup=50, rep=300) * 1000
+    calls = {"production": lambda: ta.attend_range_scheduled(q, keys, values, key_range, tiles, schedule=whole,
+                                                             num_stages=ta.NUM_STAGES, tma=True)}
     for variant, stages in variants:
-        def gluon_call(variant=variant, stages=stages):
-            return gluon_attend_range(q, keys, values, key_range, stages, variant)
-        out = gluon_call()
-        name = f"{variant}{stages}"
+        calls[f"{variant}{stages}"] = (lambda variant=variant, stages=stages:
+                                       gluon_attend_range(q, keys, values, key_range, stages, variant))
+    for name, call in calls.items():
+        out = call()
         row[f"{name}_err"] = (out.float() - ref).abs().max().item() / scale
         row[f"{name}_nan"] = bool(torch.isnan(out).any().item())
-        row[f"{name}_us"] = triton.testing.do_bench(gluon_call, warmup=50, rep=300) * 1000
-        print(name, row[f"{name}_err"], row[f"{name}_us"], flush=True)
-    # the production kernel again: the machine's drift within the call
-    row["production_again_us"] = triton.testing.do_bench(production, warmup=50, rep=300) * 1000
+    timings = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            timings[name].append(triton.testing.do_bench(call, warmup=25, rep=150) * 1000)
+    for name, values_us in timings.items():
+        row[f"{name}_us"] = statistics.median(values_us)
+        row[f"{name}_rounds_us"] = [round(v, 1) for v in values_us]
+    print(height, {name: round(row[f"{name}_us"], 1) for name in calls}, flush=True)
     return row
 
 
@@ -577,6 +580,7 @@ def main() -> None:
     parser.add_argument("--compile-only", action="store_true", help="build for sm_90 without a GPU and stop")
     parser.add_argument("--ncu", action="store_true",
                         help="launch each variant three times at the first height and stop (for Nsight Compute)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of timings, the kernels taking turns")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     variants = [(name, int(stages)) for name, stages in (v.split(":") for v in args.variants.split(","))]
@@ -586,7 +590,7 @@ def main() -> None:
     if args.compile_only:
         rows = [compile_only(stages, name) for name, stages in variants]
     else:
-        rows = [measure(int(h), variants) for h in args.heights.split(",")]
+        rows = [measure(int(h), variants, args.rounds) for h in args.heights.split(",")]
     for row in rows:
         print(json.dumps(row))
     if args.json:

@@ -214,6 +214,43 @@ def test_range_kernel_past_one_wave_matches_sdpa(tokens, attention, monkeypatch)
     assert global_error <= 1e-2 and frame_error <= 1e-2
 
 
+# 518x322, x378, x392, x518: 112, 128, 144 and 176 tiles of 128 queries
+@pytest.mark.parametrize("tokens", [857, 1005, 1042, 1375])
+def test_gluon_range_kernel_matches_sdpa_and_the_triton_kernel(tokens):
+    """On Hopper the global attention runs the Gluon kernel (two warpgroups taking turns) on its own
+    schedule: whole tiles, a wave's prefixes and pieces, and pieces merged after whole waves; it
+    matches SDPA in float32 as the Triton kernel does, ignores NaN past the range's end, and a range
+    far shorter than the store (empty pieces) comes out right."""
+    from stream_recon.cache import gluon_attention, triton_attention
+    from stream_recon.cache.triton_attention import attend_range
+
+    if not gluon_attention.serves(torch.empty(1, 64, dtype=torch.bfloat16, device="cuda"),
+                                  torch.empty(1, 64, dtype=torch.bfloat16, device="cuda")):
+        pytest.skip("the Gluon kernel runs on Hopper with Gluon's interface")
+    torch.manual_seed(tokens)
+    num_keys = 72 * (tokens - 6) + 912
+    store = torch.randn(2, num_keys + 300, 16, 64, device="cuda", dtype=torch.bfloat16)
+    store[:, 100 + num_keys :] = float("nan")  # past the range's end (inside its last key block)
+    q = torch.randn(tokens, 16, 64, device="cuda", dtype=torch.bfloat16)
+
+    def check(start: int, count: int) -> None:
+        key_range = torch.tensor([start, start + count], dtype=torch.int32, device="cuda")
+        out = attend_range(q, store[0], store[1], key_range)
+        assert torch.cuda.current_device() in triton_attention._pingpong_built
+        triton_out = attend_range(q, store[0], store[1], key_range, num_stages=triton_attention.NUM_STAGES)
+        keys, values = (store[i, start : start + count].float().transpose(0, 1)[None] for i in (0, 1))
+        expected = torch.nn.functional.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys, values)
+        ours = out.float().transpose(0, 1)[None]
+        error = ((ours - expected).norm() / expected.norm()).item()
+        against_triton = ((out.float() - triton_out.float()).norm() / triton_out.float().norm()).item()
+        print(f"{tokens} tokens, keys [{start}, {start + count}): {error:.2e} against SDPA, "
+              f"{against_triton:.2e} against the Triton kernel")
+        assert not torch.isnan(out).any() and error <= 1e-2 and against_triton <= 1e-2
+
+    check(100, num_keys)
+    check(100 + num_keys - tokens - 5, tokens + 5)  # one frame's keys: the store's schedule cuts it to empty pieces
+
+
 # 518x322 (past the 832 rows of flash's split path on an H100), 518x378 (one wave of 128-row blocks),
 # x392 and x518 (rows left over past it), and a leftover of nearly a wave (876 rows: the most a
 # leftover wrapper's workspace holds partials for)
