@@ -436,7 +436,7 @@ def attend_range(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_
     1,005 queries on an H100) on the same schedule."""
     num_queries, num_heads, head_dim = q.shape
     if (slots is None and num_stages is None and tma is None and isinstance(key_range, torch.Tensor)
-            and tensor_memory_loads(q.device) and _pingpong_serves(q, keys)):
+            and tensor_memory_loads(q.device) and _pingpong_serves(q, keys) and _pingpong_fills(q)):
         return _attend_range_pingpong(q, keys, values, key_range, schedule_keys)
     num_tiles = triton.cdiv(num_queries, BLOCK_QUERIES) * num_heads
     tma = tensor_memory_loads(q.device) if tma is None else tma
@@ -508,6 +508,19 @@ def _pingpong_serves(q: torch.Tensor, keys: torch.Tensor) -> bool:
     return q.device.index not in _pingpong_failed and gluon_attention.serves(q, keys)
 
 
+def _pingpong_slots(device: torch.device) -> int:
+    return gluon_attention.PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _pingpong_fills(q: torch.Tensor) -> bool:
+    """Whether the Gluon kernel's 128-query tiles fill its single wave past PREFIX_FILL, or take more
+    than one: a single wave filled less (518x280 to 518x336 on an H100: 96-112 of 132 programs) runs
+    the Triton kernel, whose 64-query tiles fill it better; with the Gluon kernel there the steps
+    between neighbouring sizes grew to 12.7-13.8 % (H100, docs/PERFORMANCE.md)."""
+    num_tiles = triton.cdiv(q.shape[0], gluon_attention.TILE_QUERIES) * q.shape[1]
+    return num_tiles > PREFIX_FILL * _pingpong_slots(q.device)
+
+
 def _attend_range_pingpong(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_range: torch.Tensor,
                            schedule_keys: int | None) -> torch.Tensor:
     """attend_range through gluon_attention's kernel: schedule_tiles on its 128-query tiles, one
@@ -517,7 +530,7 @@ def _attend_range_pingpong(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     if keys.shape[1:] != (num_heads, head_dim) or values.shape != keys.shape:
         raise ValueError(f"keys/values {list(keys.shape)}/{list(values.shape)} do not match queries {list(q.shape)}")
     tile_queries = gluon_attention.TILE_QUERIES
-    slots = gluon_attention.PROGRAMS_PER_SM * torch.cuda.get_device_properties(q.device).multi_processor_count
+    slots = _pingpong_slots(q.device)
     num_tiles = triton.cdiv(num_queries, tile_queries) * num_heads
     schedule = schedule_tiles(num_tiles, slots, triton.cdiv(schedule_keys or keys.shape[0], BLOCK_KEYS))
     out = torch.empty(num_queries, num_heads, head_dim, dtype=q.dtype, device=q.device)
