@@ -77,13 +77,21 @@ if gluon is not None:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
-    def _take_turn(turn_bars, HALF: gl.constexpr, count):
+    def _take_turn(turn_bars, HALF: gl.constexpr, count, TURNS: gl.constexpr):
         """Wait for this half's `count`-th turn to issue products (half 0 goes first: a fresh barrier
-        counts its phase of parity 1 as complete)."""
-        mbarrier.wait(turn_bars.index(HALF), (count & 1) ^ (1 - HALF))
+        counts its phase of parity 1 as complete). Without TURNS the halves run freely."""
+        if TURNS:
+            mbarrier.wait(turn_bars.index(HALF), (count & 1) ^ (1 - HALF))
 
     @gluon.jit
-    def _loader(p, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    def _pass_turn(turn_bars, HALF: gl.constexpr, TURNS: gl.constexpr):
+        """The other half's turn: this one has issued its products."""
+        if TURNS:
+            mbarrier.arrive(turn_bars.index(1 - HALF), count=1)
+
+    @gluon.jit
+    def _loader(p, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                TURNS: gl.constexpr):
         """Both halves' queries, then key blocks [first, stop) each into its buffer once both halves
         have released the block STAGES before it."""
         (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tail_smem, q_bar, k_bars, v_bars, empty_bars,
@@ -124,7 +132,8 @@ if gluon is not None:
             gl.store(partial_stats + (num_pieces + piece) * 2 * BLOCK_M + lines, gl.convert_layout(l_i, o_rows))
 
     @gluon.jit
-    def _consumer(p, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    def _consumer(p, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  TURNS: gl.constexpr):
         """One warpgroup: queries [row0 + HALF * BLOCK_M, + BLOCK_M) against key blocks [first, stop)."""
         (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tail_smem, q_bar, k_bars, v_bars, empty_bars,
          turn_bars, start, num_keys, first, stop, row0, column, Out, stride_o, num_queries, qk_scale,
@@ -145,9 +154,9 @@ if gluon is not None:
             s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
             # the first block: its scores now, its p.v with the next block's turn
             mbarrier.wait(k_bars.index(0), 0)
-            _take_turn(turn_bars, HALF, 0)
+            _take_turn(turn_bars, HALF, 0, TURNS)
             s_token = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.arrive(turn_bars.index(1 - HALF), count=1)
+            _pass_turn(turn_bars, HALF, TURNS)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_token, ))
             s = _masked_scores(s, first, num_keys, BLOCK_N, s_layout)
             p_f32, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, qk_scale)
@@ -157,11 +166,11 @@ if gluon is not None:
                 previous = (i - 1) % STAGES
                 mbarrier.wait(k_bars.index(buffer), (i // STAGES) & 1)
                 mbarrier.wait(v_bars.index(previous), ((i - 1) // STAGES) & 1)
-                _take_turn(turn_bars, HALF, i)
+                _take_turn(turn_bars, HALF, i, TURNS)
                 s_token = warpgroup_mma(q_tile, k_smem.index(buffer).permute((1, 0)), s_zero, use_acc=False,
                                         is_async=True)
                 acc_token = warpgroup_mma(p_tile, v_smem.index(previous), acc, is_async=True)
-                mbarrier.arrive(turn_bars.index(1 - HALF), count=1)
+                _pass_turn(turn_bars, HALF, TURNS)
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s_token, ))  # (products finish in order)
                 # this block's softmax while the previous block's p.v runs
                 s = _masked_scores(s, first + i, num_keys, BLOCK_N, s_layout)
@@ -183,18 +192,18 @@ if gluon is not None:
                 values.store(gl.where(lines[:, None] < limit, tail, gl.zeros_like(tail)))
                 fence_async_shared()
                 gl.thread_barrier()
-            _take_turn(turn_bars, HALF, stop - first)
+            _take_turn(turn_bars, HALF, stop - first, TURNS)
             acc_token = warpgroup_mma(p_tile, values, acc, is_async=True)
-            mbarrier.arrive(turn_bars.index(1 - HALF), count=1)
+            _pass_turn(turn_bars, HALF, TURNS)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_token, ))
         _store_result(acc, m_i, l_i, p, HALF, BLOCK_M, o_layout)
 
     # (the schedule's numbers change with the frame size: one compiled kernel serves them all)
     @gluon.jit(do_not_specialize=["whole_tiles", "split_tiles", "splits", "prefix_share"])
     def _pingpong_range_kernel(q_desc, k_desc, v_desc, Out, partial_out, partial_stats, key_range, stride_o,
-                               num_queries, num_heads, qk_scale, whole_tiles, split_tiles, splits, prefix_share,
+                               num_queries, qk_scale, whole_tiles, split_tiles, splits, prefix_share,
                                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                               CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                               TURNS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
         """One program: a whole tile of 2 * BLOCK_M queries of one head (program < whole_tiles) or one
         piece of a split tile, as triton_attention's range kernel numbers them (head-major tiles)."""
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -240,9 +249,9 @@ if gluon is not None:
              turn_bars, start, num_keys, first, stop, row0, column, Out, stride_o, num_queries, qk_scale,
              partial_out, partial_stats, piece, split_tiles * splits)
         gl.warp_specialize([
-            (_consumer, (p, 0, BLOCK_M, BLOCK_N, STAGES)),
-            (_consumer, (p, 1, BLOCK_M, BLOCK_N, STAGES)),
-            (_loader, (p, 0, BLOCK_M, BLOCK_N, STAGES)),
+            (_consumer, (p, 0, BLOCK_M, BLOCK_N, STAGES, TURNS)),
+            (_consumer, (p, 1, BLOCK_M, BLOCK_N, STAGES, TURNS)),
+            (_loader, (p, 0, BLOCK_M, BLOCK_N, STAGES, TURNS)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -255,16 +264,17 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 
 def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_range: torch.Tensor, out: torch.Tensor,
-           partial_out: torch.Tensor, partial_stats: torch.Tensor, whole_tiles: int, split_tiles: int, splits: int,
-           prefix_share: int, qk_scale: float) -> None:
-    """Run the programs of one schedule (triton_attention.TileSchedule on TILE_QUERIES-query tiles):
+           partial_out: torch.Tensor, partial_stats: torch.Tensor, schedule, qk_scale: float, *,
+           stages: int = KEY_STAGES, turns: bool = True) -> None:
+    """Run the programs of `schedule` (a triton_attention.TileSchedule on TILE_QUERIES-query tiles):
     q [T, H, D] contiguous, keys/values [capacity, H, D] with each token's heads side by side, the
     range [key_range[0], key_range[1]) read on the device; out [T, H, D]; pieces into partial_out
-    [pieces, TILE_QUERIES, D] and partial_stats [2, pieces, TILE_QUERIES] (float32)."""
-    num_queries, num_heads, _ = q.shape
-    programs = whole_tiles + split_tiles * splits
-    _pingpong_range_kernel[(programs,)](
+    [pieces, TILE_QUERIES, D] and partial_stats [2, pieces, TILE_QUERIES] (float32). `stages` (key
+    blocks in flight) and `turns` (off: the halves issue their products freely; no faster on an H100,
+    docs/PERFORMANCE.md) are there for measurements."""
+    _pingpong_range_kernel[(schedule.num_programs,)](
         _descriptor(q, HALF_QUERIES), _descriptor(keys, BLOCK_KEYS), _descriptor(values, BLOCK_KEYS), out,
-        partial_out, partial_stats, key_range, out.stride(0), num_queries, num_heads, qk_scale, whole_tiles,
-        split_tiles, splits, prefix_share, BLOCK_M=HALF_QUERIES, BLOCK_N=BLOCK_KEYS, STAGES=KEY_STAGES,
-        CONSUMER_REGS=CONSUMER_REGISTERS, LOADER_REGS=LOADER_REGISTERS, num_warps=4, maxnreg=LAUNCH_REGISTERS)
+        partial_out, partial_stats, key_range, out.stride(0), q.shape[0], qk_scale, schedule.whole_tiles,
+        schedule.split_tiles, schedule.splits, schedule.prefix_share, BLOCK_M=HALF_QUERIES, BLOCK_N=BLOCK_KEYS,
+        STAGES=stages, TURNS=turns, CONSUMER_REGS=CONSUMER_REGISTERS, LOADER_REGS=LOADER_REGISTERS, num_warps=4,
+        maxnreg=LAUNCH_REGISTERS)

@@ -457,20 +457,13 @@ def attend_range_scheduled(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     store's capacity, which stands for the key count: that one may live on the device), the query
     block, the warps, the tile order and the loads can be forced, for measurements."""
     num_queries, num_heads, head_dim = q.shape
-    if keys.shape[1:] != (num_heads, head_dim) or values.shape != keys.shape:
-        raise ValueError(f"keys/values {list(keys.shape)}/{list(values.shape)} do not match queries {list(q.shape)}")
-    if any(t.stride(-1) != 1 or t.stride(-2) != head_dim for t in (keys, values)) or q.stride(-1) != 1:
-        raise ValueError("attend_range needs head-contiguous queries and [tokens, heads, dim] keys and values "
-                         "with each token's heads side by side")
+    _check_operands(q, keys, values)
     num_tiles = triton.cdiv(num_queries, block_queries) * num_heads
     if schedule is None:
         schedule = schedule_tiles(num_tiles, slots, triton.cdiv(keys.shape[0], BLOCK_KEYS))
     if schedule.whole_tiles + schedule.split_tiles != num_tiles:
         raise ValueError(f"the schedule covers {schedule.whole_tiles + schedule.split_tiles} tiles, not {num_tiles}")
-    out = torch.empty(num_queries, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    # [pieces, M, D] unnormalised outputs, [2, pieces, M] row maxima and sums (one element when unused)
-    partial_out = torch.empty(max(1, schedule.num_pieces * block_queries * head_dim), dtype=torch.float32, device=q.device)
-    partial_stats = torch.empty(max(1, 2 * schedule.num_pieces * block_queries), dtype=torch.float32, device=q.device)
+    out, partial_out, partial_stats = _outputs(q, schedule, block_queries)
     in_memory = isinstance(key_range, torch.Tensor)
     bounds = (key_range, 0, 0) if in_memory else (out, *key_range)  # (the pointer unused without RANGE_IN_MEMORY)
     tma = tensor_memory_loads(q.device) if tma is None else tma
@@ -482,6 +475,27 @@ def attend_range_scheduled(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
         TAILS_LAST=tails_last, TMA=tma, num_warps=num_warps, num_stages=num_stages)
     _merge_pieces(partial_out, partial_stats, out, schedule, block_queries, tails_last)
     return out
+
+
+def _check_operands(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """The layouts both range kernels read: q [T, H, D] head-contiguous, keys and values [capacity, H, D]
+    with each token's heads side by side."""
+    num_queries, num_heads, head_dim = q.shape
+    if keys.shape[1:] != (num_heads, head_dim) or values.shape != keys.shape:
+        raise ValueError(f"keys/values {list(keys.shape)}/{list(values.shape)} do not match queries {list(q.shape)}")
+    if any(t.stride(-1) != 1 or t.stride(-2) != head_dim for t in (keys, values)) or q.stride(-1) != 1:
+        raise ValueError("attend_range needs head-contiguous queries and [tokens, heads, dim] keys and values "
+                         "with each token's heads side by side")
+
+
+def _outputs(q: torch.Tensor, schedule: TileSchedule, block_queries: int) -> tuple[torch.Tensor, ...]:
+    """out [T, H, D] in q's dtype; the pieces' unnormalised outputs [pieces, M, D] and row maxima and
+    sums [2, pieces, M] in float32 (one element each when the schedule has no pieces)."""
+    num_queries, num_heads, head_dim = q.shape
+    out = torch.empty(num_queries, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    partial_out = torch.empty(max(1, schedule.num_pieces * block_queries * head_dim), dtype=torch.float32, device=q.device)
+    partial_stats = torch.empty(max(1, 2 * schedule.num_pieces * block_queries), dtype=torch.float32, device=q.device)
+    return out, partial_out, partial_stats
 
 
 def _merge_pieces(partial_out: torch.Tensor, partial_stats: torch.Tensor, out: torch.Tensor, schedule: TileSchedule,
@@ -512,13 +526,16 @@ def _pingpong_slots(device: torch.device) -> int:
     return gluon_attention.PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _pingpong_tiles(q: torch.Tensor) -> int:
+    return triton.cdiv(q.shape[0], gluon_attention.TILE_QUERIES) * q.shape[1]
+
+
 def _pingpong_fills(q: torch.Tensor) -> bool:
     """Whether the Gluon kernel's 128-query tiles fill its single wave past PREFIX_FILL, or take more
     than one: a single wave filled less (518x280 to 518x336 on an H100: 96-112 of 132 programs) runs
     the Triton kernel, whose 64-query tiles fill it better; with the Gluon kernel there the steps
     between neighbouring sizes grew to 12.7-13.8 % (H100, docs/PERFORMANCE.md)."""
-    num_tiles = triton.cdiv(q.shape[0], gluon_attention.TILE_QUERIES) * q.shape[1]
-    return num_tiles > PREFIX_FILL * _pingpong_slots(q.device)
+    return _pingpong_tiles(q) > PREFIX_FILL * _pingpong_slots(q.device)
 
 
 def _attend_range_pingpong(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_range: torch.Tensor,
@@ -526,19 +543,14 @@ def _attend_range_pingpong(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     """attend_range through gluon_attention's kernel: schedule_tiles on its 128-query tiles, one
     program per SM, the pieces merged by _merge_pieces. Should its first build fail, the Triton
     kernel serves this device from then on (with a warning)."""
-    num_queries, num_heads, head_dim = q.shape
-    if keys.shape[1:] != (num_heads, head_dim) or values.shape != keys.shape:
-        raise ValueError(f"keys/values {list(keys.shape)}/{list(values.shape)} do not match queries {list(q.shape)}")
+    _check_operands(q, keys, values)
     tile_queries = gluon_attention.TILE_QUERIES
-    slots = _pingpong_slots(q.device)
-    num_tiles = triton.cdiv(num_queries, tile_queries) * num_heads
-    schedule = schedule_tiles(num_tiles, slots, triton.cdiv(schedule_keys or keys.shape[0], BLOCK_KEYS))
-    out = torch.empty(num_queries, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    partial_out = torch.empty(max(1, schedule.num_pieces * tile_queries * head_dim), dtype=torch.float32, device=q.device)
-    partial_stats = torch.empty(max(1, 2 * schedule.num_pieces * tile_queries), dtype=torch.float32, device=q.device)
+    schedule = schedule_tiles(_pingpong_tiles(q), _pingpong_slots(q.device),
+                              triton.cdiv(schedule_keys or keys.shape[0], BLOCK_KEYS))
+    out, partial_out, partial_stats = _outputs(q, schedule, tile_queries)
     try:
-        gluon_attention.launch(q, keys, values, key_range, out, partial_out, partial_stats, schedule.whole_tiles,
-                               schedule.split_tiles, schedule.splits, schedule.prefix_share, head_dim**-0.5 * LOG2_E)
+        gluon_attention.launch(q, keys, values, key_range, out, partial_out, partial_stats, schedule,
+                               q.shape[-1]**-0.5 * LOG2_E)
     except Exception as error:  # only a first build: later launches reuse the built kernel
         if q.device.index in _pingpong_built:
             raise

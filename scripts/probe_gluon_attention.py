@@ -1,5 +1,5 @@
 """The range kernel's loop written in Gluon (Triton 3.6's lower-level language), where the
-tensor-core products and the softmax overlap by hand, against the production Triton kernel, one
+tensor-core products and the softmax overlap by hand, against the Triton range kernel, one
 layer at the streaming shape (GPU machine, Triton 3.6: Gluon's interface changes between releases).
 
     python3 scripts/probe_gluon_attention.py --heights 378,392,518 --variants pingpong:4,free:4,overlap:3 \
@@ -15,15 +15,17 @@ FlashAttention-3 does:
     block j's q.k^T and block j-1's p.v asynchronously and computes block j's softmax while the p.v runs;
   - `deep`: as `overlap`, one block further ahead: block j+1's q.k^T and block j-1's p.v both run
     during block j's softmax (two score tiles in registers; needs 3 key blocks in flight or more);
-  - `pingpong`: two warpgroups per program (128 queries of one head, one program per SM), each as
-    `overlap`, taking turns to issue their products (mbarriers), so that one's softmax runs while the
-    other's products do, and a third, one-warp partition loading keys and values by TMA for both;
+  - `pingpong`: cache/gluon_attention.py's kernel, which the engine runs on Hopper: two warpgroups per
+    program (128 queries of one head, one program per SM), each as `overlap`, taking turns to issue
+    their products (mbarriers), so that one's softmax runs while the other's products do, and a
+    third, one-warp partition loading keys and values by TMA for both;
   - `free`: `pingpong` without the turns.
+`--ncu`: launch the variants a few times for Nsight Compute (kernels `_gluon_*` and `_pingpong_range_kernel`).
 Keys and values arrive by TMA into STAGES buffers, each with an mbarrier; a range's last partial
 block is masked as in production (scores -inf, values past the end zeroed).
 
 Timing: CUDA-event timings (triton.testing.do_bench, L2 cleared before each run) of whole tiles (one
-program per 64 or 128 queries of one head against every visible key), the production kernel and the
+program per 64 or 128 queries of one head against every visible key), the Triton kernel and the
 variants taking turns for --rounds rounds on the same tensors (the machine drifts within a call),
 medians of the rounds; accuracy: max |out - float32 SDPA| / std.
 """
@@ -44,12 +46,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from stream_recon.cache import gluon_attention
+from stream_recon.cache.gluon_attention import _masked_scores, _softmax_block
+
 HEADS, HEAD_DIM, BLOCK_M, BLOCK_N = 16, 64, 64, 128
 LOG2_E = 1.4426950408889634
-
-# warpgroups of 4 warps: the two consumers and the loader's (1 warp used) share 64K registers at
-# one program per SM: 168 each at launch, then 240 / 240 / 24 once the partitions set their own.
-CONSUMER_REGISTERS, PINGPONG_MAXNREG = gl.constexpr(240), 168
 
 
 @gluon.jit
@@ -67,35 +68,18 @@ def _load_block(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, block, num_block
 
 
 @gluon.jit
-def _masked_scores(s, block, num_keys, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """Scores of the range's last block with the keys past its end at -inf."""
-    limit = num_keys - block * BLOCK_N
-    if limit < BLOCK_N:
-        keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        s = gl.where(keys[None, :] < limit, s, gl.full(s.shape, -float("inf"), gl.float32, s_layout))
-    return s
-
-
-@gluon.jit
-def _gluon_range_kernel(q_desc, k_desc, v_desc, Out, key_range, stride_o, num_queries, qk_scale,
-                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        STAGES: gl.constexpr):
+def _set_up(q_desc, k_desc, v_desc, key_range, num_queries, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            STAGES: gl.constexpr):
+    """A one-warpgroup program's tile (64 queries of one head), its buffers and barriers, its queries
+    loaded and its first STAGES key blocks on their way."""
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     tile = gl.program_id(0)
     num_query_blocks = gl.cdiv(num_queries, BLOCK_M)
-    head = tile // num_query_blocks
-    query_block = tile % num_query_blocks
-    column = head * HEAD_DIM
+    row0 = (tile % num_query_blocks) * BLOCK_M
+    column = (tile // num_query_blocks) * HEAD_DIM
     start = gl.load(key_range)
     num_keys = gl.load(key_range + 1) - start
     num_blocks = gl.cdiv(num_keys, BLOCK_N)
-
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -107,12 +91,60 @@ def _gluon_range_kernel(q_desc, k_desc, v_desc, Out, key_range, stride_o, num_qu
         mbarrier.init(k_bars.index(i), count=1)
         mbarrier.init(v_bars.index(i), count=1)
     fence_async_shared()
-
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [query_block * BLOCK_M, column], q_bar, q_smem)
+    tma.async_copy_global_to_shared(q_desc, [row0, column], q_bar, q_smem)
     for i in gl.static_range(STAGES):
         _load_block(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, num_blocks, start, column, BLOCK_N, STAGES)
     mbarrier.wait(q_bar, 0)
+    return row0, column, start, num_keys, num_blocks, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars
+
+
+@gluon.jit
+def _finish(p, acc, l_i, v_smem, v_bars, q_bar, k_bars, num_keys, num_blocks, row0, column, Out, stride_o,
+            num_queries, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, o_layout: gl.constexpr):
+    """The last block's p.v (its values past the range's end zeroed: they may be any bits, NaN, and p
+    is 0 there), the rows normalised into Out, the barriers invalidated."""
+    BLOCK_M: gl.constexpr = acc.shape[0]
+    HEAD_DIM: gl.constexpr = acc.shape[1]
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    last = num_blocks - 1
+    buffer = last % STAGES
+    mbarrier.wait(v_bars.index(buffer), (last // STAGES) & 1)
+    limit = num_keys - last * BLOCK_N
+    if limit < BLOCK_N:
+        v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        tail = v_smem.index(buffer).load(v_layout)
+        lines = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_layout))
+        tail = gl.where(lines[:, None] < limit, tail, gl.zeros_like(tail))
+        v_smem.index(buffer).store(tail)
+        fence_async_shared()
+        gl.thread_barrier()
+    acc = warpgroup_mma(p, v_smem.index(buffer), acc)
+    out = acc / gl.convert_layout(l_i, o_rows)[:, None]
+    rows = row0 + gl.arange(0, BLOCK_M, layout=o_rows)
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    gl.store(Out + rows[:, None] * stride_o + column + dims[None, :], out.to(Out.dtype.element_ty),
+             mask=rows[:, None] < num_queries)
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_bars.index(i))
+        mbarrier.invalidate(v_bars.index(i))
+
+
+@gluon.jit
+def _gluon_range_kernel(q_desc, k_desc, v_desc, Out, key_range, stride_o, num_queries, qk_scale,
+                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        STAGES: gl.constexpr):
+    """`overlap`: block j's q.k^T and block j-1's p.v issued asynchronously, block j's softmax beside
+    the p.v."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    row0, column, start, num_keys, num_blocks, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars = _set_up(
+        q_desc, k_desc, v_desc, key_range, num_queries, BLOCK_M, BLOCK_N, STAGES)
 
     # block 0: its scores, then its probabilities wait in registers for the next block's turn
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
@@ -135,92 +167,31 @@ def _gluon_range_kernel(q_desc, k_desc, v_desc, Out, key_range, stride_o, num_qu
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_token, ))  # the products finish in order
         # this block's softmax while the previous block's p.v runs
         s = _masked_scores(s, block, num_keys, BLOCK_N, s_layout)
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        p_f32 = gl.exp2(s * qk_scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p_f32, 1)
-        m_i = m_new
+        p_f32, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, qk_scale)
         acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc_token, p))
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         p = gl.convert_layout(p_f32.to(gl.bfloat16), p_layout)
         # the previous block's buffer is free: its keys were read by the last product, its values by this one
         _load_block(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, block - 1 + STAGES, num_blocks, start, column,
                     BLOCK_N, STAGES)
-
-    last = num_blocks - 1
-    buffer = last % STAGES
-    mbarrier.wait(v_bars.index(buffer), (last // STAGES) & 1)
-    limit = num_keys - last * BLOCK_N
-    if limit < BLOCK_N:  # values past the range's end may be any bits (NaN): zero them, p is 0 there
-        v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        tail = v_smem.index(buffer).load(v_layout)
-        lines = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_layout))
-        tail = gl.where(lines[:, None] < limit, tail, gl.zeros_like(tail))
-        v_smem.index(buffer).store(tail)
-        fence_async_shared()
-        gl.thread_barrier()
-    acc = warpgroup_mma(p, v_smem.index(buffer), acc)
-    out = acc / gl.convert_layout(l_i, o_rows)[:, None]
-
-    rows = query_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=o_rows)
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    gl.store(Out + rows[:, None] * stride_o + column + dims[None, :], out.to(Out.dtype.element_ty),
-             mask=rows[:, None] < num_queries)
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(k_bars.index(i))
-        mbarrier.invalidate(v_bars.index(i))
-
-
-@gluon.jit
-def _softmax_block(s, m_i, l_i, qk_scale):
-    """Fold one block's scores into the running max and sum: its probabilities (float32) and the
-    factor that rescales what came before."""
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    p = gl.exp2(s * qk_scale - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+    _finish(p, acc, l_i, v_smem, v_bars, q_bar, k_bars, num_keys, num_blocks, row0, column, Out, stride_o,
+            num_queries, BLOCK_N, STAGES, o_layout)
 
 
 @gluon.jit
 def _gluon_deep_kernel(q_desc, k_desc, v_desc, Out, key_range, stride_o, num_queries, qk_scale,
                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr):
-    """As _gluon_range_kernel, one block deeper: while block j's softmax runs, the tensor cores hold
+    """`deep`: as `overlap`, one block deeper: while block j's softmax runs, the tensor cores hold
     both block j+1's q.k^T and block j-1's p.v (two score tiles live in registers)."""
-    tile = gl.program_id(0)
-    num_query_blocks = gl.cdiv(num_queries, BLOCK_M)
-    head = tile // num_query_blocks
-    query_block = tile % num_query_blocks
-    column = head * HEAD_DIM
-    start = gl.load(key_range)
-    num_keys = gl.load(key_range + 1) - start
-    num_blocks = gl.cdiv(num_keys, BLOCK_N)
-
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
-    fence_async_shared()
-
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [query_block * BLOCK_M, column], q_bar, q_smem)
-    for i in gl.static_range(STAGES):
-        _load_block(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, num_blocks, start, column, BLOCK_N, STAGES)
-    mbarrier.wait(q_bar, 0)
+    row0, column, start, num_keys, num_blocks, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars = _set_up(
+        q_desc, k_desc, v_desc, key_range, num_queries, BLOCK_M, BLOCK_N, STAGES)
 
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     mbarrier.wait(k_bars.index(0), 0)
@@ -257,210 +228,37 @@ def _gluon_deep_kernel(q_desc, k_desc, v_desc, Out, key_range, stride_o, num_que
     acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc_token, p))
     acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
     p = gl.convert_layout(p_f32.to(gl.bfloat16), p_layout)
-    buffer = last % STAGES
-    mbarrier.wait(v_bars.index(buffer), (last // STAGES) & 1)
-    limit = num_keys - last * BLOCK_N
-    if limit < BLOCK_N:  # values past the range's end may be any bits (NaN): zero them, p is 0 there
-        v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        tail = v_smem.index(buffer).load(v_layout)
-        lines = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_layout))
-        tail = gl.where(lines[:, None] < limit, tail, gl.zeros_like(tail))
-        v_smem.index(buffer).store(tail)
-        fence_async_shared()
-        gl.thread_barrier()
-    acc = warpgroup_mma(p, v_smem.index(buffer), acc)
-    out = acc / gl.convert_layout(l_i, o_rows)[:, None]
-
-    rows = query_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=o_rows)
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    gl.store(Out + rows[:, None] * stride_o + column + dims[None, :], out.to(Out.dtype.element_ty),
-             mask=rows[:, None] < num_queries)
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(k_bars.index(i))
-        mbarrier.invalidate(v_bars.index(i))
+    _finish(p, acc, l_i, v_smem, v_bars, q_bar, k_bars, num_keys, num_blocks, row0, column, Out, stride_o,
+            num_queries, BLOCK_N, STAGES, o_layout)
 
 
-@gluon.jit
-def _pingpong_loader(p, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     TURNS: gl.constexpr):
-    """One warp: both halves' queries, then every key block into its buffer once both consumers
-    have released the block STAGES before it."""
-    (q_desc, k_desc, v_desc, Out, q_smem, k_smem, v_smem, tail_smem, q_bar, k_bars, v_bars, empty_bars, turn_bars,
-     start, num_keys, row0, column, stride_o, num_queries, qk_scale) = p
-    num_blocks = gl.cdiv(num_keys, BLOCK_N)
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [row0, column], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [row0 + BLOCK_M, column], q_bar, q_smem.index(1))
-    for block in range(num_blocks):
-        buffer = block % STAGES
-        mbarrier.wait(empty_bars.index(buffer), ((block // STAGES) & 1) ^ 1)  # fresh barriers pass at parity 1
-        row = start + block * BLOCK_N
-        mbarrier.expect(k_bars.index(buffer), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, column], k_bars.index(buffer), k_smem.index(buffer))
-        mbarrier.expect(v_bars.index(buffer), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, column], v_bars.index(buffer), v_smem.index(buffer))
-
-
-@gluon.jit
-def _take_turn(turn_bars, HALF: gl.constexpr, count, TURNS: gl.constexpr):
-    """Wait until it is this half's turn to issue products (its `count`-th turn); without TURNS the
-    halves run freely."""
-    if TURNS:
-        mbarrier.wait(turn_bars.index(HALF), (count & 1) ^ (1 - HALF))
-
-
-@gluon.jit
-def _pass_turn(turn_bars, HALF: gl.constexpr, TURNS: gl.constexpr):
-    if TURNS:
-        mbarrier.arrive(turn_bars.index(1 - HALF), count=1)
-
-
-@gluon.jit
-def _pingpong_consumer(p, HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                       TURNS: gl.constexpr):
-    """One warpgroup, queries [row0 + HALF * BLOCK_M, + BLOCK_M): as _gluon_range_kernel's loop, its
-    products issued in turns with the other half's, so that one half's softmax runs while the
-    other's products do (half 0 goes first)."""
-    (q_desc, k_desc, v_desc, Out, q_smem, k_smem, v_smem, tail_smem, q_bar, k_bars, v_bars, empty_bars, turn_bars,
-     start, num_keys, row0, column, stride_o, num_queries, qk_scale) = p
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-    num_blocks = gl.cdiv(num_keys, BLOCK_N)
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    q_tile = q_smem.index(HALF)
-    mbarrier.wait(q_bar, 0)
-
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    mbarrier.wait(k_bars.index(0), 0)
-    _take_turn(turn_bars, HALF, 0, TURNS)
-    s_token = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    _pass_turn(turn_bars, HALF, TURNS)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_token, ))
-    s = _masked_scores(s, 0, num_keys, BLOCK_N, s_layout)
-    m_i = gl.max(s, 1) * qk_scale
-    p_f32 = gl.exp2(s * qk_scale - m_i[:, None])
-    l_i = gl.sum(p_f32, 1)
-    p_tile = gl.convert_layout(p_f32.to(gl.bfloat16), p_layout)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-
-    for block in range(1, num_blocks):
-        buffer = block % STAGES
-        previous = (block - 1) % STAGES
-        mbarrier.wait(k_bars.index(buffer), (block // STAGES) & 1)
-        mbarrier.wait(v_bars.index(previous), ((block - 1) // STAGES) & 1)
-        _take_turn(turn_bars, HALF, block, TURNS)
-        s_token = warpgroup_mma(q_tile, k_smem.index(buffer).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        acc_token = warpgroup_mma(p_tile, v_smem.index(previous), acc, is_async=True)
-        _pass_turn(turn_bars, HALF, TURNS)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_token, ))
-        s = _masked_scores(s, block, num_keys, BLOCK_N, s_layout)
-        p_f32, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, qk_scale)
-        acc, p_tile = warpgroup_mma_wait(num_outstanding=0, deps=(acc_token, p_tile))
-        mbarrier.arrive(empty_bars.index(previous), count=1)  # block - 1's keys and values read
-        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        p_tile = gl.convert_layout(p_f32.to(gl.bfloat16), p_layout)
-
-    last = num_blocks - 1
-    buffer = last % STAGES
-    mbarrier.wait(v_bars.index(buffer), (last // STAGES) & 1)
-    values = v_smem.index(buffer)
-    limit = num_keys - last * BLOCK_N
-    if limit < BLOCK_N:  # values past the range's end may be any bits (NaN): a zeroed copy of this half's own
-        v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        tail = values.load(v_layout)
-        lines = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_layout))
-        values = tail_smem.index(HALF)
-        values.store(gl.where(lines[:, None] < limit, tail, gl.zeros_like(tail)))
-        fence_async_shared()
-        gl.thread_barrier()
-    _take_turn(turn_bars, HALF, num_blocks, TURNS)
-    acc_token = warpgroup_mma(p_tile, values, acc, is_async=True)
-    _pass_turn(turn_bars, HALF, TURNS)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_token, ))
-    out = acc / gl.convert_layout(l_i, o_rows)[:, None]
-    rows = row0 + HALF * BLOCK_M + gl.arange(0, BLOCK_M, layout=o_rows)
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    gl.store(Out + rows[:, None] * stride_o + column + dims[None, :], out.to(Out.dtype.element_ty),
-             mask=rows[:, None] < num_queries)
-
-
-@gluon.jit
-def _gluon_pingpong_kernel(q_desc, k_desc, v_desc, Out, key_range, stride_o, num_queries, qk_scale,
-                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           STAGES: gl.constexpr, TURNS: gl.constexpr = True):
-    """Two 64-query halves of one head per program, a warpgroup each, taking turns on the tensor
-    cores (FlashAttention-3's ping-pong), and one warp loading keys and values for both."""
-    tile = gl.program_id(0)
-    num_query_blocks = gl.cdiv(num_queries, 2 * BLOCK_M)
-    head = tile // num_query_blocks
-    row0 = (tile % num_query_blocks) * 2 * BLOCK_M
-    column = head * HEAD_DIM
-    start = gl.load(key_range)
-    num_keys = gl.load(key_range + 1) - start
-
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    tail_smem = gl.allocate_shared_memory(v_desc.dtype, [2, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
-        mbarrier.init(empty_bars.index(i), count=2)  # both halves release a buffer
-    mbarrier.init(turn_bars.index(0), count=1)
-    mbarrier.init(turn_bars.index(1), count=1)
-    fence_async_shared()
-
-    p = (q_desc, k_desc, v_desc, Out, q_smem, k_smem, v_smem, tail_smem, q_bar, k_bars, v_bars, empty_bars,
-         turn_bars, start, num_keys, row0, column, stride_o, num_queries, qk_scale)
-    gl.warp_specialize([
-        (_pingpong_consumer, (p, 0, BLOCK_M, BLOCK_N, STAGES, TURNS)),
-        (_pingpong_consumer, (p, 1, BLOCK_M, BLOCK_N, STAGES, TURNS)),
-        (_pingpong_loader, (p, 0, BLOCK_M, BLOCK_N, STAGES, TURNS)),
-    ], [4, 1], [CONSUMER_REGISTERS, 24])
-
-
-
-# variant: (kernel, query rows a program, launch options, constexprs beyond the shape's)
-KERNELS = {
-    "overlap": (_gluon_range_kernel, BLOCK_M, {}, {}),
-    "deep": (_gluon_deep_kernel, BLOCK_M, {}, {}),
-    "pingpong": (_gluon_pingpong_kernel, 2 * BLOCK_M, {"maxnreg": PINGPONG_MAXNREG}, {"TURNS": True}),
-    "free": (_gluon_pingpong_kernel, 2 * BLOCK_M, {"maxnreg": PINGPONG_MAXNREG}, {"TURNS": False}),
-}
+# the probe's own one-warpgroup kernels; `pingpong` and `free` run gluon_attention's, turns on and off
+KERNELS = {"overlap": _gluon_range_kernel, "deep": _gluon_deep_kernel}
+VARIANTS = (*KERNELS, "pingpong", "free")
 
 
 def gluon_attend_range(q, keys, values, key_range, stages: int = 3, variant: str = "overlap"):
     """q [T, H, D] (contiguous), keys/values [capacity, H, D] -> [T, H, D], whole tiles."""
     import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from stream_recon.cache.triton_attention import TileSchedule
 
     if variant == "deep" and stages < 3:  # block j+1's keys are loaded into block j-2's buffer
         raise ValueError("the deep kernel needs 3 key blocks in flight or more")
     num_queries, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
-    q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, head_dim], gl.bfloat16)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], gl.bfloat16)
-    flat_q = q.flatten(1)
-    q_desc = TensorDescriptor(flat_q, list(flat_q.shape), list(flat_q.stride()), [BLOCK_M, head_dim], q_layout)
-    k_flat, v_flat = keys.flatten(1), values.flatten(1)
-    k_desc = TensorDescriptor(k_flat, list(k_flat.shape), list(k_flat.stride()), [BLOCK_N, head_dim], kv_layout)
-    v_desc = TensorDescriptor(v_flat, list(v_flat.shape), list(v_flat.stride()), [BLOCK_N, head_dim], kv_layout)
-    kernel, rows_per_program, options, constexprs = KERNELS[variant]
-    grid = (triton.cdiv(num_queries, rows_per_program) * num_heads,)
-    kernel[grid](q_desc, k_desc, v_desc, out, key_range, out.stride(0), num_queries, head_dim**-0.5 * LOG2_E,
-                 HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, num_warps=4, **options,
-                 **constexprs)
+    qk_scale = head_dim**-0.5 * LOG2_E
+    if variant in ("pingpong", "free"):
+        tiles = triton.cdiv(num_queries, gluon_attention.TILE_QUERIES) * num_heads
+        unused = torch.empty(1, dtype=torch.float32, device=q.device)  # (no pieces)
+        gluon_attention.launch(q, keys, values, key_range, out, unused, unused, TileSchedule(tiles, 0, 1), qk_scale,
+                               stages=stages, turns=variant == "pingpong")
+        return out
+    descriptors = [gluon_attention._descriptor(q, BLOCK_M), gluon_attention._descriptor(keys, BLOCK_N),
+                   gluon_attention._descriptor(values, BLOCK_N)]
+    KERNELS[variant][(triton.cdiv(num_queries, BLOCK_M) * num_heads,)](
+        *descriptors, out, key_range, out.stride(0), num_queries, qk_scale, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, STAGES=stages, num_warps=4)
     return out
 
 
@@ -473,14 +271,24 @@ def compile_only(stages: int, variant: str) -> dict:
     kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.bfloat16)
     signature = {"q_desc": f"tensordesc<bf16[{BLOCK_M}, {HEAD_DIM}],{q_layout}>",
                  "k_desc": f"tensordesc<bf16[{BLOCK_N}, {HEAD_DIM}],{kv_layout}>",
-                 "v_desc": f"tensordesc<bf16[{BLOCK_N}, {HEAD_DIM}],{kv_layout}>",
-                 "Out": "*bf16", "key_range": "*i32", "stride_o": "i32", "num_queries": "i32", "qk_scale": "fp32",
-                 "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr"}
-    kernel, _, options, extra = KERNELS[variant]
-    constexprs = {"HEAD_DIM": HEAD_DIM, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "STAGES": stages, **extra}
-    signature.update({name: "constexpr" for name in extra})
-    source = GluonASTSource(kernel, signature, constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options})
+                 "v_desc": f"tensordesc<bf16[{BLOCK_N}, {HEAD_DIM}],{kv_layout}>", "Out": "*bf16"}
+    constexprs = {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "STAGES": stages}
+    options = {"num_warps": 4}
+    if variant in KERNELS:
+        kernel = KERNELS[variant]
+        signature.update({"key_range": "*i32", "stride_o": "i32", "num_queries": "i32", "qk_scale": "fp32"})
+        constexprs["HEAD_DIM"] = HEAD_DIM
+    else:  # gluon_attention's kernel, as `launch` calls it
+        kernel = gluon_attention._pingpong_range_kernel
+        signature.update({"partial_out": "*fp32", "partial_stats": "*fp32", "key_range": "*i32", "stride_o": "i32",
+                          "num_queries": "i32", "qk_scale": "fp32", "whole_tiles": "i32", "split_tiles": "i32",
+                          "splits": "i32", "prefix_share": "i32"})
+        constexprs.update(TURNS=variant == "pingpong", CONSUMER_REGS=gluon_attention.CONSUMER_REGISTERS,
+                          LOADER_REGS=gluon_attention.LOADER_REGISTERS)
+        options["maxnreg"] = gluon_attention.LAUNCH_REGISTERS
+    signature.update({name: "constexpr" for name in constexprs})
+    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                              options=options)
     return {"variant": variant, "stages": stages, "shared": compiled.metadata.shared,
             **_ptxas_resources(compiled.asm["ptx"])}
 
@@ -575,7 +383,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heights", default="378", help="input heights (width 518), comma-separated")
     parser.add_argument("--variants", default="pingpong:4,free:4,overlap:3",
-                        help=f"kernels ({', '.join(KERNELS)}) and their key blocks in flight, NAME:STAGES "
+                        help=f"kernels ({', '.join(VARIANTS)}) and their key blocks in flight, NAME:STAGES "
                              "comma-separated")
     parser.add_argument("--compile-only", action="store_true", help="build for sm_90 without a GPU and stop")
     parser.add_argument("--ncu", action="store_true",
