@@ -349,6 +349,7 @@ class FrameSource:
         logger.warning("%s dropped after %d frames; reconnecting for up to %g s", self.description, delivered,
                        self.reconnect_s)
         self._reconnecting = True
+        back_at = None  # when the reader had its first frame again: the disconnection ends there, not after the log
         try:
             delay = _FIRST_RETRY_DELAY_S
             while True:
@@ -365,12 +366,13 @@ class FrameSource:
                     return False
                 self.reconnect_attempts += 1
                 if self._reader.reconnect(timeout_s=deadline - time.monotonic()):
+                    back_at = time.monotonic()
                     self.reconnects += 1
-                    logger.warning("%s is back after %.1f s", self.description, time.monotonic() - dropped_at)
+                    logger.warning("%s is back after %.1f s", self.description, back_at - dropped_at)
                     return True
                 delay = min(2 * delay, _MAX_RETRY_DELAY_S)
         finally:
-            self.disconnected_s += time.monotonic() - dropped_at
+            self.disconnected_s += (back_at or time.monotonic()) - dropped_at
             self._reader_progress_at = time.monotonic()
             self._reconnecting = False
 
