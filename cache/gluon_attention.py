@@ -32,6 +32,11 @@ try:  # Gluon's interface moves between Triton releases; without it the Triton k
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # Names that moved: a CTA-wide barrier (`thread_barrier` in Triton 3.6, `barrier` from 3.9 on) and
+    # the TMA load (`async_copy_global_to_shared` in 3.6, `async_load` from 3.9 on, same arguments)
+    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
     gluon = None
 
@@ -99,16 +104,16 @@ if gluon is not None:
          partial_out, partial_stats, piece, num_pieces) = p
         present = first < stop
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes, pred=present)
-        tma.async_copy_global_to_shared(q_desc, [row0, column], q_bar, q_smem.index(0), pred=present)
-        tma.async_copy_global_to_shared(q_desc, [row0 + BLOCK_M, column], q_bar, q_smem.index(1), pred=present)
+        tma_load(q_desc, [row0, column], q_bar, q_smem.index(0), pred=present)
+        tma_load(q_desc, [row0 + BLOCK_M, column], q_bar, q_smem.index(1), pred=present)
         for i in range(stop - first):
             buffer = i % STAGES
             mbarrier.wait(empty_bars.index(buffer), ((i // STAGES) & 1) ^ 1)  # fresh: passes at parity 1
             row = start + (first + i) * BLOCK_N
             mbarrier.expect(k_bars.index(buffer), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [row, column], k_bars.index(buffer), k_smem.index(buffer))
+            tma_load(k_desc, [row, column], k_bars.index(buffer), k_smem.index(buffer))
             mbarrier.expect(v_bars.index(buffer), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [row, column], v_bars.index(buffer), v_smem.index(buffer))
+            tma_load(v_desc, [row, column], v_bars.index(buffer), v_smem.index(buffer))
 
     @gluon.jit
     def _store_result(acc, m_i, l_i, p, HALF: gl.constexpr, BLOCK_M: gl.constexpr, o_layout: gl.constexpr):
@@ -191,7 +196,7 @@ if gluon is not None:
                 values = tail_smem.index(HALF)
                 values.store(gl.where(lines[:, None] < limit, tail, gl.zeros_like(tail)))
                 fence_async_shared()
-                gl.thread_barrier()
+                cta_barrier()
             _take_turn(turn_bars, HALF, stop - first, TURNS)
             acc_token = warpgroup_mma(p_tile, values, acc, is_async=True)
             _pass_turn(turn_bars, HALF, TURNS)

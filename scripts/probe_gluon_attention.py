@@ -1,10 +1,11 @@
-"""The range kernel's loop written in Gluon (Triton 3.6's lower-level language), where the
+"""The range kernel's loop written in Gluon (Triton's lower-level language), where the
 tensor-core products and the softmax overlap by hand, against the Triton range kernel, one
-layer at the streaming shape (GPU machine, Triton 3.6: Gluon's interface changes between releases).
+layer at the streaming shape (GPU machine; built and timed with Triton 3.6, built with 3.9 too:
+Gluon's interface changes between releases, and cache/gluon_attention.py names what moved).
 
     python3 scripts/probe_gluon_attention.py --heights 378,392,518 --variants pingpong:4,free:4,overlap:3 \
         --json $OUT/gluon.json
-    python3 scripts/probe_gluon_attention.py --compile-only   # any machine with Triton 3.6: builds for
+    python3 scripts/probe_gluon_attention.py --compile-only   # any Linux machine with Triton: builds for
                                                               # sm_90a, prints registers and shared memory
 
 Why: at head dimension 64 an H100 SM spends as many cycles on a 64 x 128 block's exponentials as on
@@ -41,13 +42,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 from stream_recon.cache import gluon_attention
-from stream_recon.cache.gluon_attention import _masked_scores, _softmax_block
+from stream_recon.cache.gluon_attention import _masked_scores, _softmax_block, cta_barrier, tma_load
 
 HEADS, HEAD_DIM, BLOCK_M, BLOCK_N = 16, 64, 64, 128
 LOG2_E = 1.4426950408889634
@@ -62,9 +62,9 @@ def _load_block(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, block, num_block
     present = block < num_blocks
     row = start + block * BLOCK_N
     mbarrier.expect(k_bars.index(buffer), k_desc.block_type.nbytes, pred=present)
-    tma.async_copy_global_to_shared(k_desc, [row, column], k_bars.index(buffer), k_smem.index(buffer), pred=present)
+    tma_load(k_desc, [row, column], k_bars.index(buffer), k_smem.index(buffer), pred=present)
     mbarrier.expect(v_bars.index(buffer), v_desc.block_type.nbytes, pred=present)
-    tma.async_copy_global_to_shared(v_desc, [row, column], v_bars.index(buffer), v_smem.index(buffer), pred=present)
+    tma_load(v_desc, [row, column], v_bars.index(buffer), v_smem.index(buffer), pred=present)
 
 
 @gluon.jit
@@ -92,7 +92,7 @@ def _set_up(q_desc, k_desc, v_desc, key_range, num_queries, BLOCK_M: gl.constexp
         mbarrier.init(v_bars.index(i), count=1)
     fence_async_shared()
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [row0, column], q_bar, q_smem)
+    tma_load(q_desc, [row0, column], q_bar, q_smem)
     for i in gl.static_range(STAGES):
         _load_block(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, num_blocks, start, column, BLOCK_N, STAGES)
     mbarrier.wait(q_bar, 0)
@@ -118,7 +118,7 @@ def _finish(p, acc, l_i, v_smem, v_bars, q_bar, k_bars, num_keys, num_blocks, ro
         tail = gl.where(lines[:, None] < limit, tail, gl.zeros_like(tail))
         v_smem.index(buffer).store(tail)
         fence_async_shared()
-        gl.thread_barrier()
+        cta_barrier()
     acc = warpgroup_mma(p, v_smem.index(buffer), acc)
     out = acc / gl.convert_layout(l_i, o_rows)[:, None]
     rows = row0 + gl.arange(0, BLOCK_M, layout=o_rows)

@@ -4,8 +4,12 @@ The GPU runs it in tests/test_gpu_fast_path.py against the golden fixtures."""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from triton_interpreter import interpret
@@ -284,3 +288,26 @@ def test_key_stages_keep_two_programs_per_sm_where_they_can(per_sm, expected, as
 
     assert choose_key_stages(resident_at, 132) == expected
     assert built == asked
+
+
+# An H100's shared memory per block (opt-in): 227 KB
+HOPPER_SHARED_PER_BLOCK = 232448
+
+
+def test_the_gluon_kernel_builds_for_hopper_with_the_installed_triton():
+    """The Hopper kernel (cache/gluon_attention.py) built for sm_90a without a GPU, as the engine
+    launches it, by this Triton: Gluon renames its functions between releases (3.9 did twice), and a
+    build that fails on the GPU falls back to the slower Triton kernel with a warning only. It must fit
+    one program per SM: its shared memory within a block's, no registers past the launch bound,
+    nothing spilled."""
+    from stream_recon.cache import gluon_attention
+
+    if not gluon_attention.available():
+        pytest.skip("this Triton has no Gluon interface for Hopper (the Triton kernel serves there)")
+    probe = Path(__file__).resolve().parents[1] / "scripts" / "probe_gluon_attention.py"
+    done = subprocess.run([sys.executable, str(probe), "--compile-only", "--variants",
+                           f"pingpong:{gluon_attention.KEY_STAGES}"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    built = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
+    assert 0 < built["shared"] <= HOPPER_SHARED_PER_BLOCK
+    assert built["registers"] <= gluon_attention.LAUNCH_REGISTERS and built["spill_stores"] == 0
