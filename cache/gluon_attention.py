@@ -14,7 +14,8 @@ the same.
 The schedule is triton_attention's, on 128-query tiles and one program per SM (the two consumers'
 registers, 240 each, fill the register file): whole tiles in waves, the leftover cut into key chunks
 whose partial outputs, row maxima and row sums that module's merge kernel combines. The kernel exists
-where Gluon's Hopper interface imports (Triton 3.6); `available` says whether it does.
+where Gluon's Hopper interface imports (run on Triton 3.6, built for sm_90a by 3.9 as well: a CPU
+test builds it with the installed Triton); `available` says whether it does.
 """
 
 from __future__ import annotations
