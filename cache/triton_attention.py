@@ -60,6 +60,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import gluon_attention
 from .dense import VisibleRange
 from .streams import DeviceValues
+from .tile_pieces import program_keys
 from .triton_store import dequantize_range
 
 # The probe's fastest configuration on an H100 (64 query rows per program: 256 programs for the
@@ -356,18 +357,7 @@ def _range_attention_kernel(Q, keys, values, Out, partial_out, partial_stats, ke
         start, end = first_key, end_key
     num_keys = end - start
     num_key_blocks = tl.cdiv(num_keys, BLOCK_N)
-    piece = program - whole_tiles
-    tile, first, stop = program, num_key_blocks * 0, num_key_blocks
-    if program >= whole_tiles:
-        chunk = piece // split_tiles
-        tile = whole_tiles + piece % split_tiles
-        if prefix_share > 0:
-            prefix = num_key_blocks * prefix_share // 1000
-            rest = num_key_blocks - prefix
-            first = tl.where(chunk == 0, 0, prefix + (chunk - 1) * rest // (splits - 1))
-            stop = tl.where(chunk == 0, prefix, prefix + chunk * rest // (splits - 1))
-        else:
-            first, stop = chunk * num_key_blocks // splits, (chunk + 1) * num_key_blocks // splits
+    tile, first, stop, piece = program_keys(program, whole_tiles, split_tiles, splits, prefix_share, num_key_blocks)
     num_query_blocks = tl.cdiv(num_queries, BLOCK_M)
     head, query_block = _tile_rows(tile, num_query_blocks, num_heads, TAILS_LAST)
     rows = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
