@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from .tile_pieces import program_keys
+
 try:  # Gluon's interface moves between Triton releases; without it the Triton kernel serves alone
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -63,6 +65,12 @@ def serves(q: torch.Tensor, keys: torch.Tensor) -> bool:
 
 
 if gluon is not None:
+
+    @gluon.constexpr_function
+    def wgmma_layout(columns):
+        """The registers of one warpgroup's wgmma result `columns` wide: scores (a key block wide) or
+        outputs (a head wide)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, columns, 16])
 
     @gluon.jit
     def _masked_scores(s, block, num_keys, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
@@ -117,6 +125,19 @@ if gluon is not None:
             tma_load(v_desc, [row, column], v_bars.index(buffer), v_smem.index(buffer))
 
     @gluon.jit
+    def zeroed_past(values, limit, into, BLOCK_N: gl.constexpr):
+        """The key block `values` (shared memory) with its rows from `limit` on zeroed, written to `into`
+        (shared memory, may be `values`) and made visible to the warpgroup's products: values past a
+        range's end may hold any bits (NaN), and 0 * NaN is NaN."""
+        v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        tail = values.load(v_layout)
+        lines = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_layout))
+        into.store(gl.where(lines[:, None] < limit, tail, gl.zeros_like(tail)))
+        fence_async_shared()
+        cta_barrier()
+        return into
+
+    @gluon.jit
     def _store_result(acc, m_i, l_i, p, HALF: gl.constexpr, BLOCK_M: gl.constexpr, o_layout: gl.constexpr):
         """A whole tile's normalised rows into Out; a piece's unnormalised rows, maxima and sums into
         partial_out [pieces, 2 * BLOCK_M, D] and partial_stats [2, pieces, 2 * BLOCK_M]."""
@@ -145,10 +166,8 @@ if gluon is not None:
          turn_bars, start, num_keys, first, stop, row0, column, Out, stride_o, num_queries, qk_scale,
          partial_out, partial_stats, piece, num_pieces) = p
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+        o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -190,14 +209,8 @@ if gluon is not None:
             mbarrier.wait(v_bars.index(buffer), (last // STAGES) & 1)
             values = v_smem.index(buffer)
             limit = num_keys - (first + last) * BLOCK_N
-            if limit < BLOCK_N:  # values past the range's end may hold any bits (NaN): this half's zeroed copy
-                v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-                tail = values.load(v_layout)
-                lines = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_layout))
-                values = tail_smem.index(HALF)
-                values.store(gl.where(lines[:, None] < limit, tail, gl.zeros_like(tail)))
-                fence_async_shared()
-                cta_barrier()
+            if limit < BLOCK_N:  # (a copy per half: the other half still reads the shared block)
+                values = zeroed_past(values, limit, tail_smem.index(HALF), BLOCK_N)
             _take_turn(turn_bars, HALF, stop - first, TURNS)
             acc_token = warpgroup_mma(p_tile, values, acc, is_async=True)
             _pass_turn(turn_bars, HALF, TURNS)
@@ -217,18 +230,8 @@ if gluon is not None:
         start = gl.load(key_range)
         num_keys = gl.load(key_range + 1) - start
         num_key_blocks = gl.cdiv(num_keys, BLOCK_N)
-        tile, first, stop, piece = program, num_key_blocks * 0, num_key_blocks, program * 0 - 1
-        if program >= whole_tiles:
-            piece = program - whole_tiles
-            chunk = piece // split_tiles
-            tile = whole_tiles + piece % split_tiles
-            if prefix_share > 0:
-                prefix = num_key_blocks * prefix_share // 1000
-                rest = num_key_blocks - prefix
-                first = gl.where(chunk == 0, 0, prefix + (chunk - 1) * rest // (splits - 1))
-                stop = gl.where(chunk == 0, prefix, prefix + chunk * rest // (splits - 1))
-            else:
-                first, stop = chunk * num_key_blocks // splits, (chunk + 1) * num_key_blocks // splits
+        tile, first, stop, piece = program_keys(program, whole_tiles, split_tiles, splits, prefix_share,
+                                                num_key_blocks)
         num_query_blocks = gl.cdiv(num_queries, 2 * BLOCK_M)
         row0 = (tile % num_query_blocks) * 2 * BLOCK_M
         column = (tile // num_query_blocks) * HEAD_DIM

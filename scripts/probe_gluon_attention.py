@@ -47,7 +47,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from stream_recon.cache import gluon_attention
-from stream_recon.cache.gluon_attention import _masked_scores, _softmax_block, cta_barrier, tma_load
+from stream_recon.cache.gluon_attention import (
+    _masked_scores,
+    _softmax_block,
+    tma_load,
+    wgmma_layout,
+    zeroed_past,
+)
 
 HEADS, HEAD_DIM, BLOCK_M, BLOCK_N = 16, 64, 64, 128
 LOG2_E = 1.4426950408889634
@@ -112,13 +118,7 @@ def _finish(p, acc, l_i, v_smem, v_bars, q_bar, k_bars, num_keys, num_blocks, ro
     mbarrier.wait(v_bars.index(buffer), (last // STAGES) & 1)
     limit = num_keys - last * BLOCK_N
     if limit < BLOCK_N:
-        v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        tail = v_smem.index(buffer).load(v_layout)
-        lines = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_layout))
-        tail = gl.where(lines[:, None] < limit, tail, gl.zeros_like(tail))
-        v_smem.index(buffer).store(tail)
-        fence_async_shared()
-        cta_barrier()
+        zeroed_past(v_smem.index(buffer), limit, v_smem.index(buffer), BLOCK_N)
     acc = warpgroup_mma(p, v_smem.index(buffer), acc)
     out = acc / gl.convert_layout(l_i, o_rows)[:, None]
     rows = row0 + gl.arange(0, BLOCK_M, layout=o_rows)
@@ -137,10 +137,8 @@ def _gluon_range_kernel(q_desc, k_desc, v_desc, Out, key_range, stride_o, num_qu
                         STAGES: gl.constexpr):
     """`overlap`: block j's q.k^T and block j-1's p.v issued asynchronously, block j's softmax beside
     the p.v."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     row0, column, start, num_keys, num_blocks, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars = _set_up(
@@ -184,10 +182,8 @@ def _gluon_deep_kernel(q_desc, k_desc, v_desc, Out, key_range, stride_o, num_que
                        STAGES: gl.constexpr):
     """`deep`: as `overlap`, one block deeper: while block j's softmax runs, the tensor cores hold
     both block j+1's q.k^T and block j-1's p.v (two score tiles live in registers)."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     row0, column, start, num_keys, num_blocks, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars = _set_up(
