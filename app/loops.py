@@ -17,10 +17,6 @@ from stream_recon.app.options import OptionsError, RunOptions
 
 logger = logging.getLogger(__name__)
 
-# How long the end of a run waits for loop detection to go through its queue and for the last solve.
-FINISH_TIMEOUT_S = 120.0
-
-
 def loop_closure_wanted(options: RunOptions, estimated_length: int | None) -> tuple[bool, str]:
     """Whether a run closes loops, and why (for run.json). `on` without the pose graph's library is an
     OptionsError; `auto` is on unless the library is missing or the source is known to end before its
@@ -40,70 +36,83 @@ def loop_closure_wanted(options: RunOptions, estimated_length: int | None) -> tu
 
 
 class LoopClosureSink:
-    """Feeds a LoopCloser from the stream: a chunk's odometry before its first emission, then every
-    emission; new corrections go to the viewer (if any) as they come. Disabled, it only records why
-    (`reason`) for run.json."""
+    """Feeds the loop-closure process from the stream: a chunk's odometry before its first emission, then
+    every emission; new corrections go to the viewer (if any) as they come. Nothing here waits but
+    `finish`, with a deadline. Disabled, it only records why (`reason`) for run.json; a loop closer that
+    goes down (models/loops/process.py) turns loop closure off for the rest of the run, and the open
+    chain with every correction accepted so far stands."""
 
     def __init__(self, engine: Any, viewer: Any = None, *, enabled: bool, reason: str, config: Any = None) -> None:
-        """config: a models.loop_closer.LoopClosureConfig (None: its defaults)."""
+        """config: a models.loops.closer.LoopClosureConfig (None: its defaults)."""
         if enabled and not hasattr(engine, "chunk_links"):
             enabled, reason = False, "off (the engine streams no chunks)"
         self.closer = None
-        if enabled:  # (imported here: the closer needs gtsam, which a run without loop closure may lack)
-            from stream_recon.models.loop_closer import LoopCloserProcess, LoopClosureConfig
-
-            self.closer = LoopCloserProcess(config or LoopClosureConfig())
         self.engine = engine
         self.viewer = viewer
         self.reason = reason
         self.error: str | None = None
         self._links = 0
+        if enabled:
+            self._start(config)
+
+    def _start(self, config: Any) -> None:
+        try:  # (imported here: the closer needs gtsam, which a run without loop closure may lack)
+            from stream_recon.models.loops.closer import LoopClosureConfig
+            from stream_recon.models.loops.process import LoopClosureProcess
+
+            self.closer = LoopClosureProcess(config or LoopClosureConfig())
+        except Exception as failure:  # noqa: BLE001 - loop closure is an improvement, never a reason to stop
+            self.error = f"it could not start: {type(failure).__name__}: {failure}"
+            logger.warning("loop closure is off for the rest of the run: %s", self.error)
+
+    @property
+    def running(self) -> bool:
+        return self.closer is not None and self.closer.helper.is_up
 
     def on_frame(self, pred: Any, stats: dict) -> None:
-        if self.closer is None or self.error is not None:
+        if not self.running:
             return
-        try:
-            links = self.engine.chunk_links
-            for link in links[self._links:]:
-                self.closer.add_link(link)
-            self._links = len(links)
-            self.closer.add_prediction(pred)
-            self._show(self.closer.take_corrections())
-        except Exception as failure:  # noqa: BLE001 - loop closure is an improvement, never a reason to stop
-            self._fail(failure)
+        links = self.engine.chunk_links
+        for link in links[self._links:]:
+            self.closer.add_link(link)
+        self._links = len(links)
+        self.closer.add_prediction(pred)
+        self._show(self.closer.take_corrections())
 
     def close(self, status: str) -> None:
         if self.closer is not None:
             self.closer.close()
 
     def finish(self, status: str) -> Any:
-        """The final ChunkCorrections (None after a failure): a complete or failed run waits for detection
-        and the last solve; an interrupted one takes what is solved already."""
-        if self.closer is None or self.error is not None:
+        """The final ChunkCorrections (None when loop closure never ran): a complete or failed run waits
+        for the child's last word up to FINISH_S, an interrupted one takes what is solved already."""
+        if self.closer is None:
             return None
-        try:
-            if status == "interrupted":
-                self.closer.take_corrections()
-                corrections = self.closer.corrections
-            else:
-                corrections = self.closer.finish(FINISH_TIMEOUT_S)
-        except Exception as failure:  # noqa: BLE001 - see on_frame
-            self._fail(failure)
-            return None
+        from stream_recon.models.loops.process import FINISH_S
+        from stream_recon.models.supervision import Deadline
+
+        if status == "interrupted" or not self.running:
+            self.closer.take_corrections()
+            self.closer.close()
+            corrections = self.closer.corrections
+        else:
+            corrections = self.closer.finish(Deadline(FINISH_S))
         self._show(corrections, force=True)
         return corrections
 
+    @property
+    def failure(self) -> str | None:
+        """Why loop closure went off during the run, if it did."""
+        if self.error is not None:
+            return self.error
+        return None if self.closer is None else self.closer.helper.down_reason
+
     def summary(self) -> dict[str, Any]:
-        summary = {"mode": self.reason, "error": self.error}
-        if self.closer is not None and self.error is None:
+        summary = {"mode": self.reason, "error": self.failure}
+        if self.closer is not None:
             summary.update(self.closer.summary())
         return summary
 
     def _show(self, corrections: Any, force: bool = False) -> None:
         if corrections is not None and self.viewer is not None and (force or not corrections.is_identity):
             self.viewer.apply_corrections(corrections)
-
-    def _fail(self, failure: Exception) -> None:
-        self.error = f"{type(failure).__name__}: {failure}"
-        logger.warning("loop closure stopped (%s); the run goes on with the open chain of chunks", self.error)
-        self.closer.close()

@@ -46,7 +46,7 @@ from stream_recon.app.rundir import (
     read_run_info,
 )
 from stream_recon.app.viewer import LiveViewer
-from stream_recon.models.loop_closure import ChunkCorrections, LoopRecord
+from stream_recon.models.loops.corrections import ChunkCorrections, LoopRecord
 from stream_recon.models.prediction import FramePrediction
 
 logger = logging.getLogger(__name__)

@@ -50,7 +50,7 @@ import cv2
 import numpy as np
 import viser
 
-from stream_recon.models.loop_closure import ChunkCorrections
+from stream_recon.models.loops.corrections import ChunkCorrections
 from stream_recon.models.pose import back_project, rotation_to_quat_xyzw
 from stream_recon.models.prediction import FramePrediction
 from stream_recon.models.similarity import Sim3

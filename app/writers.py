@@ -48,7 +48,7 @@ from stream_recon.app.rundir import (
     write_json_atomic,
     write_tum,
 )
-from stream_recon.models.loop_closure import ChunkCorrections
+from stream_recon.models.loops.corrections import ChunkCorrections
 from stream_recon.models.prediction import FramePrediction
 from stream_recon.models.similarity import Sim3
 

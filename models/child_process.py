@@ -2,14 +2,23 @@
 to its parent through two pipes of pickled messages.
 
 Fresh (`python -c`): neither forked, which a CUDA parent must not be, nor started by multiprocessing's
-spawn, which re-runs the caller's main script (the CLI's imports: seconds) in every child. The pose-graph
-solver and the loop closer are such children.
+spawn, which re-runs the caller's main script (the CLI's imports: seconds) in every child. The loop
+closer is such a child (models/loops/process.py).
+
+The parent's side of the pipes never blocks: `MessageOutbox` keeps what the pipe cannot take now and
+writes it on a later `pump`, `MessageInbox` hands over the messages that have arrived whole. The child's
+side reads and writes them with plain blocking calls (`read_message`, `write_message`): its one thread
+has nothing else to do meanwhile.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import fcntl
 import os
 import pickle
+import signal
 import struct
 import subprocess
 import sys
@@ -21,6 +30,14 @@ from typing import Any, BinaryIO
 # itself (close); a child in the same process group would die of it too, with a traceback of its own.
 # A parent that dies closes the pipe: the child reads the end of it and returns.
 CHILD_OWN_SESSION = True
+# The pipes' capacity, asked of Linux (F_SETPIPE_SZ; 1 MiB is its default ceiling for an unprivileged
+# process): a keyframe (~1.6 MB at 518 x 378) then crosses in two writes instead of 25 of the default 64 kB.
+PIPE_BYTES = 1 << 20
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+# How long ending a child waits for it to exit after SIGKILL: the kernel reaps it in milliseconds unless
+# it is in uninterruptible IO, which no wait of ours may outlast.
+END_WAIT_S = 5.0
+_HEADER = struct.Struct("<Q")
 
 
 @dataclass
@@ -31,20 +48,26 @@ class ChildProcess:
     requests: BinaryIO
     replies: BinaryIO
 
-    def end(self, timeout: float = 10.0) -> None:
-        """End the child now, whatever it is doing; its pipes stay open (a thread may still be reading
-        or writing them: it meets their end)."""
+    def end(self, timeout: float = END_WAIT_S) -> bool:
+        """End the child now, whatever it is doing (stopped by SIGSTOP too: SIGKILL ends a stopped process);
+        waits at most `timeout` s for it to go. True when it has gone."""
         if self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=timeout)
-
-    def close(self, timeout: float = 10.0) -> None:
-        """End the child now, whatever it is doing, and close its pipes."""
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGKILL)
         try:
-            self.end(timeout)
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def close(self, timeout: float = END_WAIT_S) -> bool:
+        """End the child now and close its pipes; True when it has gone."""
+        try:
+            return self.end(timeout)
         finally:
-            self.requests.close()
-            self.replies.close()
+            for pipe in (self.requests, self.replies):
+                with contextlib.suppress(OSError):
+                    pipe.close()
 
 
 def start_child(module: str, function: str, *arguments: object, env: Mapping[str, str] | None = None) -> ChildProcess:
@@ -65,13 +88,16 @@ def start_child(module: str, function: str, *arguments: object, env: Mapping[str
     finally:
         os.close(child_reads)
         os.close(child_writes)
-    return ChildProcess(process, os.fdopen(parent_writes, "wb"), os.fdopen(parent_reads, "rb"))
+    for fd in (parent_writes, parent_reads):
+        with contextlib.suppress(OSError):  # a smaller pipe only costs more writes
+            fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
+    return ChildProcess(process, os.fdopen(parent_writes, "wb", buffering=0), os.fdopen(parent_reads, "rb", buffering=0))
 
 
 def write_message(stream: BinaryIO, message: object) -> None:
     """One pickled message to a child process's pipe (a length, then the pickle), flushed."""
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(struct.pack("<Q", len(data)))
+    stream.write(_HEADER.pack(len(data)))
     stream.write(data)  # not concatenated: a keyframe's megabytes copied once less, under the GIL
     stream.flush()
 
@@ -79,11 +105,77 @@ def write_message(stream: BinaryIO, message: object) -> None:
 def read_message(stream: BinaryIO) -> Any:
     """The next message, or raises EOFError when the other end has closed. (File reads wait without
     the GIL.)"""
-    header = stream.read(8)
-    if len(header) < 8:
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
         raise EOFError
-    (size,) = struct.unpack("<Q", header)
+    (size,) = _HEADER.unpack(header)
     data = stream.read(size)
     if len(data) < size:
         raise EOFError
     return pickle.loads(data)
+
+
+class MessageOutbox:
+    """Messages to a child, written without ever blocking: what the pipe cannot take now stays here
+    until a later `pump`. `pending` counts the messages not yet wholly written."""
+
+    def __init__(self, pipe: BinaryIO) -> None:
+        self._fd = pipe.fileno()
+        os.set_blocking(self._fd, False)
+        self._chunks: collections.deque[memoryview] = collections.deque()
+        self._ends: collections.deque[int] = collections.deque()  # chunks left when each message is written
+        self.pending = 0
+
+    def put(self, message: object) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        self._chunks += (memoryview(_HEADER.pack(len(data))), memoryview(data))
+        self.pending += 1
+        self.pump()
+
+    def pump(self) -> None:
+        """Write what the pipe takes now. Raises BrokenPipeError when the child has closed its end."""
+        while self._chunks:
+            try:
+                written = os.write(self._fd, self._chunks[0])
+            except BlockingIOError:
+                return
+            if written < len(self._chunks[0]):
+                self._chunks[0] = self._chunks[0][written:]
+                return
+            self._chunks.popleft()
+            if len(self._chunks) % 2 == 0:  # a message's data (its second chunk) is written
+                self.pending -= 1
+
+
+class MessageInbox:
+    """Messages from a child, read without ever blocking: `take` returns those that have arrived whole
+    and raises EOFError once the child has closed its end and nothing whole is left."""
+
+    def __init__(self, pipe: BinaryIO) -> None:
+        self._fd = pipe.fileno()
+        os.set_blocking(self._fd, False)
+        self._buffer = bytearray()
+        self._closed = False
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def take(self) -> list[Any]:
+        while not self._closed:
+            try:
+                data = os.read(self._fd, PIPE_BYTES)
+            except BlockingIOError:
+                break
+            if not data:
+                self._closed = True
+            self._buffer += data
+        messages = []
+        while len(self._buffer) >= _HEADER.size:
+            (size,) = _HEADER.unpack_from(self._buffer)
+            if len(self._buffer) < _HEADER.size + size:
+                break
+            messages.append(pickle.loads(bytes(self._buffer[_HEADER.size: _HEADER.size + size])))
+            del self._buffer[: _HEADER.size + size]
+        if not messages and self._closed:
+            raise EOFError
+        return messages

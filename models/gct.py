@@ -12,9 +12,9 @@ from stream_recon.cache import run_beside
 from .aggregator import Aggregator
 from .camera_head import CameraHead
 from .config import ModelConfig
+from .descriptor import gem_descriptor
 from .dpt_head import DPTHead
 from .layers import CachedAttention
-from .loop_retrieval import gem_descriptor
 
 
 class _SideStreams(threading.local):

@@ -21,8 +21,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from stream_recon.models.geometric_check import GeometricCheckConfig, check_pair, extract_features
-from stream_recon.models.loop_retrieval import RetrievalConfig, gradient_grid_descriptor
+from stream_recon.models.loops.geometric_check import GeometricCheckConfig, check_pair, extract_features
+from stream_recon.models.loops.retrieval import RetrievalConfig, gradient_grid_descriptor
 
 MIN_SHARED_POINTS = 10  # the fixture README's overlap rule
 

@@ -185,7 +185,7 @@ def runs_stream_the_loop_scene(monkeypatch, scene: LoopScene, **engine_settings)
     design, rather than hold the stream). Returns the list that each run's engine is appended to."""
     from stream_recon.app import pipeline
     from stream_recon.app.loops import LoopClosureSink
-    from stream_recon.models.loop_closer import LoopClosureConfig
+    from stream_recon.models.loops.closer import LoopClosureConfig
 
     engines: list[LoopSceneEngine] = []
 

@@ -249,7 +249,7 @@ def test_a_runner_that_holds_a_frame_gives_the_same_stream_one_push_late(prepare
 def test_descriptors_come_with_each_prediction_and_change_nothing_else(prepared_tiny_model, keyframes):
     """StreamConfig(descriptors=True): every prediction carries GeM of its frame's DINO patch tokens (unit
     length), and every other output is what the stream gives without them, bit for bit."""
-    from stream_recon.models.loop_retrieval import gem_descriptor
+    from stream_recon.models.descriptor import gem_descriptor
 
     config = StreamConfig(scale_frames=3, window=2, keyframes=keyframes, flow_threshold=0.5)
     images = frames(8)

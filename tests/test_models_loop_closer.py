@@ -1,5 +1,5 @@
 """The loop closer on the `loop` fixture's real images (tests/loop_standin.py drifts the reference chunk by
-chunk), on a thread and in a child process, and its 3D verification on its own."""
+chunk): its synchronous core, the same core in its child process, and its 3D verification on its own."""
 
 from __future__ import annotations
 
@@ -10,18 +10,33 @@ from loop_standin import LoopSceneEngine, load_loop_scene, trajectory_error
 
 pytest.importorskip("gtsam")
 
-from stream_recon.models.loop_closer import (  # noqa: E402
+from stream_recon.models.loops.closer import (  # noqa: E402
+    FirstFinalKeyframes,
     LoopCloser,
-    LoopCloserProcess,
     LoopClosureConfig,
     _KeyframePoints,
     align_loop,
+    keyframe_of,
 )
-from stream_recon.models.pose_graph import PoseGraphWorker, optimize  # noqa: E402
+from stream_recon.models.loops.process import LoopClosureProcess  # noqa: E402
 from stream_recon.models.similarity import Sim3  # noqa: E402
+from stream_recon.models.supervision import Deadline  # noqa: E402
 
-# every keyframe of the 69-frame stream waits for detection: the outcome does not depend on timing
-ALL_KEYFRAMES = LoopClosureConfig(queue_keyframes=100)
+# every keyframe of the 69-frame stream is in flight at once if need be: the outcome does not depend on timing
+ALL_KEYFRAMES = LoopClosureConfig(keyframes_in_flight=100)
+
+
+class CoreFeed:
+    """The synchronous core fed as the child feeds it: a keyframe's first final emission, in emission order."""
+
+    def __init__(self, closer: LoopCloser) -> None:
+        self.closer = closer
+        self.admitted = FirstFinalKeyframes()
+        self.add_link = closer.add_link
+
+    def add_prediction(self, prediction) -> None:
+        if self.admitted.admit(prediction):
+            self.closer.add_keyframe(keyframe_of(prediction))
 
 
 def stream_through(closer, seed: int = 0) -> tuple[dict, LoopSceneEngine]:
@@ -42,12 +57,9 @@ def stream_through(closer, seed: int = 0) -> tuple[dict, LoopSceneEngine]:
 
 @pytest.mark.parametrize("seed", [0, 3])
 def test_the_walk_back_to_its_start_is_closed_and_the_drift_corrected(seed: int) -> None:
-    closer = LoopCloser(ALL_KEYFRAMES, PoseGraphWorker(solve=optimize))
-    try:
-        final, engine = stream_through(closer, seed)
-        corrections = closer.finish()
-    finally:
-        closer.close()
+    closer = LoopCloser(ALL_KEYFRAMES)
+    final, engine = stream_through(CoreFeed(closer), seed)
+    corrections = closer.corrections
     reference = load_loop_scene().c2w
     open_c2w = np.stack([final[i].c2w for i in range(len(final))])
     corrected = np.stack([corrections.corrected_c2w(final[i].chunk_index, final[i].c2w) for i in range(len(final))])
@@ -57,23 +69,24 @@ def test_the_walk_back_to_its_start_is_closed_and_the_drift_corrected(seed: int)
     assert all(loop.candidate_frame <= 10 and loop.query_frame >= 60 for loop in accepted)
 
 
-def test_the_child_process_closes_the_same_loops_as_the_thread() -> None:
-    in_thread = LoopCloser(ALL_KEYFRAMES, PoseGraphWorker(solve=optimize))
-    in_child = LoopCloserProcess(ALL_KEYFRAMES)
+def test_the_child_process_closes_the_same_loops_as_the_core() -> None:
+    core = LoopCloser(ALL_KEYFRAMES)
+    in_child = LoopClosureProcess(ALL_KEYFRAMES)
     try:
-        stream_through(in_thread)
+        stream_through(CoreFeed(core))
         stream_through(in_child)
-        thread_result, child_result = in_thread.finish(), in_child.finish()
+        core_result, child_result = core.corrections, in_child.finish(Deadline(60.0))
     finally:
-        in_thread.close()
         in_child.close()
+    assert in_child.helper.is_up, in_child.helper.down_reason
     assert [loop.loop_id for loop in child_result.accepted_loops] == [
-        loop.loop_id for loop in thread_result.accepted_loops]
-    assert sorted(child_result.by_chunk) == sorted(thread_result.by_chunk)
-    for chunk, move in thread_result.by_chunk.items():
+        loop.loop_id for loop in core_result.accepted_loops]
+    assert sorted(child_result.by_chunk) == sorted(core_result.by_chunk)
+    for chunk, move in core_result.by_chunk.items():
         np.testing.assert_allclose(child_result.by_chunk[chunk].scaled_matrix, move.scaled_matrix, atol=1e-9)
     summary = in_child.summary()
-    assert summary["accepted"] == len(thread_result.accepted_loops) and summary["keyframes_indexed"] == 69
+    assert summary["accepted"] == len(core_result.accepted_loops) and summary["keyframes_indexed"] == 69
+    assert summary["keyframes_skipped"] == 0
 
 
 def keyframe_points(points: np.ndarray) -> _KeyframePoints:
@@ -105,3 +118,30 @@ def test_verification_fits_points_that_agree_and_refuses_those_that_do_not() -> 
     far = Sim3(3.0, np.eye(3), np.zeros(3))  # agrees, but at a scale no drift explains
     scaled = far.inverse().apply_to_points(earlier)
     assert not align_loop(keyframe_points(scaled), keyframe_points(earlier), matches, LoopClosureConfig()).passed
+
+
+def test_a_flow_chunks_rollover_feeds_the_index_out_of_frame_order_and_detection_takes_it(tiny_model) -> None:
+    """Around a flow chunk's rollover the closed chunk's last keyframes come after the next chunk's first
+    ones; detection indexes every one of them instead of failing."""
+    import torch
+    from engine_helpers import frames
+
+    from stream_recon.models import ChunkedEngine, StreamConfig, prepare_for_inference
+
+    model = prepare_for_inference(tiny_model, "cpu", torch.float32)
+    config = StreamConfig(scale_frames=3, window=4, keyframes="flow", flow_threshold=0.8, max_gap=3)
+    engine = ChunkedEngine(model, config, chunk_frames=6, overlap=3)
+    closer = LoopCloser()
+    feed, admitted, links_sent = CoreFeed(closer), FirstFinalKeyframes(), 0
+    order = []
+    for frame in frames(24):
+        predictions = engine.push(frame)
+        for link in engine.chunk_links[links_sent:]:
+            feed.add_link(link)
+        links_sent = len(engine.chunk_links)
+        for prediction in predictions:
+            if admitted.admit(prediction):
+                order.append(prediction.frame_index)
+            feed.add_prediction(prediction)
+    assert any(later < earlier for earlier, later in zip(order, order[1:])), order  # the case arose
+    assert closer.summary()["keyframes_indexed"] == len(order) == len(set(order))

@@ -3,24 +3,17 @@ false loops rejected (on synthetic rings and on real trajectories: KITTI 00 and 
 
 from __future__ import annotations
 
-import threading
-import time
-
 import gtsam
 import numpy as np
 import pytest
 from evo_data import evo_data_dir
 from loop_scenarios import Scenario, chunk_ranges, make_scenario, read_kitti_poses, read_tum_poses, revisits
 
-from stream_recon.models import pose_graph
-from stream_recon.models.pose_graph import (
+from stream_recon.models.loops import pose_graph
+from stream_recon.models.loops.pose_graph import (
     LoopEdge,
     OdometryEdge,
     PoseGraph,
-    PoseGraphResult,
-    PoseGraphWorker,
-    PoseGraphWorkerError,
-    SubprocessSolver,
     as_sigmas,
     from_gtsam,
     open_chain,
@@ -258,132 +251,3 @@ def test_kitti_00_without_revisits_offered_only_false_loops_stays_the_open_chain
         result = optimize(scenario.graph)
         assert result.accepted_ids == () and len(result.rejected_ids) == non_adjacent
         assert_identical(result.world_from_chunk, open_chain(scenario.graph.odometry))
-
-
-# -- the worker ------------------------------------------------------------------------------------
-WAIT_S = 30.0  # bound on any wait for a thread or the child process here (a loaded 2-core machine)
-
-
-class GatedSolver:
-    """Solves with `optimize`, but each solve waits for `gate`: lets a test hold the worker busy."""
-
-    def __init__(self) -> None:
-        self.gate = threading.Event()
-        self.started = threading.Semaphore(0)
-        self.seen: list[int] = []
-
-    def __call__(self, graph: PoseGraph) -> PoseGraphResult:
-        self.seen.append(graph.num_chunks)
-        self.started.release()
-        assert self.gate.wait(WAIT_S)
-        return optimize(graph)
-
-
-def chain_of(num_chunks: int) -> PoseGraph:
-    return ring_graph(ring(num_chunks=max(num_chunks, 3)), seed=num_chunks)
-
-
-def test_the_worker_never_waits_and_a_newer_snapshot_supersedes_a_queued_one() -> None:
-    solver = GatedSolver()
-    worker = PoseGraphWorker(solve=solver)
-    try:
-        assert worker.take_result() is None
-        first = worker.submit(chain_of(4))
-        assert solver.started.acquire(timeout=WAIT_S)  # the first snapshot is being solved, held at the gate
-        started = time.perf_counter()
-        worker.submit(chain_of(5))
-        last = worker.submit(chain_of(6))  # replaces the 5-chunk snapshot, which never starts
-        assert worker.take_result() is None
-        assert time.perf_counter() - started < 1.0  # neither submit nor take waited for the solve
-        solver.gate.set()
-        assert worker.wait_idle(WAIT_S)
-        solved = worker.take_result()
-        assert (first, last) == (1, 3) and solved.ticket == last and solved.graph.num_chunks == 6
-        assert solver.seen == [4, 6]
-        assert_identical(solved.result.world_from_chunk, open_chain(solved.graph.odometry))
-        assert worker.take_result() is None  # taken once
-    finally:
-        solver.gate.set()
-        worker.close()
-
-
-def test_a_failed_solve_reaches_the_caller_and_a_closed_worker_takes_nothing() -> None:
-    def fail(graph: PoseGraph) -> PoseGraphResult:
-        raise ArithmeticError("no solution")
-
-    worker = PoseGraphWorker(solve=fail)
-    worker.submit(chain_of(3))
-    assert worker.wait_idle(WAIT_S)
-    with pytest.raises(PoseGraphWorkerError, match="no solution"):
-        worker.take_result()
-    worker.close()
-    assert not worker._thread.is_alive()
-    with pytest.raises(RuntimeError, match="closed"):
-        worker.submit(chain_of(3))
-
-
-def busy_graph() -> PoseGraph:
-    """A graph whose robust solve takes about a second here: 600 chunks, 150 loops."""
-    rng = np.random.default_rng(7)
-    truth = [Sim3.identity()]
-    for _ in range(599):
-        truth.append(truth[-1] @ exp_sim3(rng.normal(0, [0.05] * 3 + [1.0] * 3 + [0.02])))
-    graph = ring_graph(tuple(truth), seed=7, drift=1.0)
-    for n in range(150):
-        first, second = sorted(int(k) for k in rng.choice(600, 2, replace=False))
-        graph = graph.with_loop(true_loop(tuple(truth), first, second, f"loop-{n}"))
-    return graph
-
-
-def mean_wake_up_gap(busy: threading.Thread) -> float:
-    """How long, on average, this thread's 1 ms sleeps took (seconds) while `busy` ran: ~1 ms when it
-    runs freely, the length of whatever holds the GIL when that keeps it waiting."""
-    gaps, last = [], time.perf_counter()
-    while busy.is_alive():
-        time.sleep(0.001)
-        now = time.perf_counter()
-        gaps.append(now - last)
-        last = now
-    return float(np.mean(gaps))
-
-
-def test_the_subprocess_solver_gives_the_same_result_and_leaves_the_callers_thread_running() -> None:
-    """GTSAM holds the GIL through each Levenberg-Marquardt iteration (~10-40 ms at 600 chunks here): in a
-    thread of this process the caller waits that long for each wake-up; with the child process it does not."""
-    graph = busy_graph()
-    solver = SubprocessSolver()
-    try:
-        solver(chain_of(3))  # the child's start (it imports the package: seconds) is not what is measured
-        outcome: dict[str, PoseGraphResult] = {}
-        in_child = threading.Thread(target=lambda: outcome.__setitem__("child", solver(graph)))
-        in_child.start()
-        child_gap = mean_wake_up_gap(in_child)
-        in_thread = threading.Thread(target=lambda: outcome.__setitem__("thread", optimize(graph)))
-        in_thread.start()
-        thread_gap = mean_wake_up_gap(in_thread)
-    finally:
-        solver.close()
-    assert outcome["child"].accepted_ids == outcome["thread"].accepted_ids
-    for child, here in zip(outcome["child"].world_from_chunk, outcome["thread"].world_from_chunk, strict=True):
-        assert_same_sim3(child, here, atol=1e-9)
-    assert thread_gap > 0.004, thread_gap  # (measured 10-18 ms: the graph is big enough to tell)
-    assert child_gap < 0.4 * thread_gap, (child_gap, thread_gap)  # (measured 1.2-1.3 ms)
-
-
-def test_the_default_worker_solves_in_a_child_process_and_closes_promptly() -> None:
-    worker = PoseGraphWorker()
-    try:
-        truth = ring()
-        graph = ring_graph(truth, seed=8).with_loop(true_loop(truth, 0, len(truth) - 1))
-        worker.submit(graph)
-        assert worker.wait_idle(WAIT_S)
-        solved = worker.take_result()
-        assert solved.result.accepted_ids == ("true",)
-        for child, here in zip(solved.result.world_from_chunk, optimize(graph).world_from_chunk, strict=True):
-            assert_same_sim3(child, here, atol=1e-9)
-        worker.submit(busy_graph())  # a long solve, abandoned by close
-        time.sleep(0.2)
-    finally:
-        started = time.perf_counter()
-        worker.close()
-    assert time.perf_counter() - started < 5.0 and not worker._thread.is_alive()

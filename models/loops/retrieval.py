@@ -2,11 +2,8 @@
 
 Two descriptors feed the same index:
 
-- `gem_descriptor`: generalised-mean (GeM) pooling of the model's DINO patch tokens. The tokens come
-  out of a LayerNorm and are signed, so GeM (a mean of p-th powers) pools their magnitudes: a channel
-  that responds strongly in either direction counts as strongly present. (ReLU would read a channel
-  that is strongly negative everywhere like an absent one; a per-channel shift needs statistics over
-  many images that a stream does not have at its start.)
+- the model's: generalised-mean (GeM) pooling of its DINO patch tokens (models/descriptor.py, where
+  the network makes it).
 - `gradient_grid_descriptor`: needs no weights. Gradient-orientation histograms on a 4 x 4 grid of a
   small grey image (HOG/GIST-like), square-rooted, centred and L2-normalised. It keeps the coarse
   layout of edges (a corridor's vanishing lines, door frames, shelves), which is what tells one end of
@@ -25,34 +22,8 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 # -- descriptors -------------------------------------------------------------------------------------
-GEM_POWER = 3.0  # the usual GeM exponent (Radenović et al. 2018): between mean (p=1) and max (p->inf) pooling
-GEM_EPS = 1e-6  # relative to a frame's largest magnitude: keeps the p-th root's gradient finite
-
-
-def gem_descriptor(patch_tokens: torch.Tensor, p: float = GEM_POWER) -> torch.Tensor:
-    """GeM over patches of |tokens|, L2-normalised: [..., P, C] -> [..., C] float32.
-
-    [P, C] (one frame's patch tokens) gives one descriptor [C]; a leading batch [B, P, C] gives one per
-    frame, [B, C] (frames are never pooled together). Special tokens (camera, registers, scale) are
-    not patches: pass `tokens[..., num_special_tokens:, :]`.
-    """
-    if patch_tokens.ndim < 2 or patch_tokens.shape[-2] == 0 or not p > 0:
-        raise ValueError(f"gem_descriptor needs [..., P, C] with P >= 1 and p > 0, got "
-                         f"{tuple(patch_tokens.shape)} and p = {p}")
-    magnitudes = patch_tokens.float().abs()
-    # The descriptor is scale-free, so each frame's tokens are first divided by their largest magnitude
-    # and the powers taken relative to each channel's largest: exact, and finite in float32 for any p
-    # (|x|^p overflows at |x| = 4 when p = 64, at |x| = 5e12 when p = 3).
-    magnitudes = magnitudes / magnitudes.amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    magnitudes = magnitudes.clamp_min(GEM_EPS)
-    largest = magnitudes.amax(dim=-2, keepdim=True)  # [..., 1, C]
-    pooled = largest.squeeze(-2) * (magnitudes / largest).pow(p).mean(dim=-2).pow(1.0 / p)  # [..., C]
-    return F.normalize(pooled, dim=-1)
-
-
 GRID_ROWS, GRID_COLS = 4, 4  # 16 cells: coarse enough to survive a few frames of walking, fine enough to keep layout
 ORIENTATION_BINS = 8  # unsigned orientations, 22.5 degrees a bin
 GRID_IMAGE_SIZE = (128, 72)  # (width, height) the frame is resized to: 32 x 18 pixels a cell, any aspect
@@ -126,7 +97,7 @@ class LoopCandidate:
 
 
 class KeyframeIndex:
-    """The descriptors of a stream's keyframes, in stream order, as one [N, D] float32 matrix.
+    """The descriptors of a stream's keyframes, in the order added, as one [N, D] float32 matrix.
 
     A brute-force matrix product answers a query in well under a millisecond below ~10^4 keyframes;
     storage doubles when full, so adding is amortised O(D).
@@ -139,6 +110,7 @@ class KeyframeIndex:
         self._descriptors = np.zeros((initial_capacity, dim), np.float32)  # [capacity, D], unit rows
         self._frames = np.zeros(initial_capacity, np.int64)  # [capacity]
         self._chunks = np.zeros(initial_capacity, np.int64)  # [capacity]
+        self._frame_set: set[int] = set()
         self._size = 0
 
     def __len__(self) -> int:
@@ -154,14 +126,13 @@ class KeyframeIndex:
         return self._frames[: self._size].copy()
 
     def add(self, descriptor: np.ndarray | torch.Tensor, frame_index: int, chunk_index: int) -> None:
-        """Append a keyframe. Frames arrive in stream order: frame indices increase strictly, chunk
-        indices never decrease."""
+        """Append a keyframe; each frame once. Keyframes may come in any order: around a flow chunk's
+        rollover the closed chunk's last keyframes are emitted after the next chunk's first ones (a frame
+        that was no keyframe in the closed chunk becomes one of the next chunk's scale frames)."""
         vector = self._as_unit_vector(descriptor)
-        if self._size:
-            last_frame, last_chunk = self._frames[self._size - 1], self._chunks[self._size - 1]
-            if frame_index <= last_frame or chunk_index < last_chunk:
-                raise ValueError(f"keyframe (frame {frame_index}, chunk {chunk_index}) added after "
-                                 f"(frame {last_frame}, chunk {last_chunk}): the index is in stream order")
+        if frame_index in self._frame_set:
+            raise ValueError(f"keyframe (frame {frame_index}, chunk {chunk_index}) is in the index already")
+        self._frame_set.add(frame_index)
         if self._size == self.capacity:
             self._grow()
         self._descriptors[self._size] = vector

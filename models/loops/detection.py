@@ -1,6 +1,6 @@
 """Loop detection for a chunked stream: retrieval, then a geometric check of each candidate.
 
-One keyframe at a time, in stream order: the keyframe queries the index of earlier keyframes
+One keyframe at a time, in the order emitted (not always frame order: see KeyframeIndex.add): it queries the index of earlier keyframes
 (`KeyframeIndex`, outside its own and the previous chunk), each candidate is checked against it
 geometrically (`check_pair`), and then the keyframe joins the index. The descriptor is the caller's:
 the model's GeM descriptor (`gem_descriptor` of the keyframe's patch tokens) or the weight-free
@@ -26,7 +26,7 @@ from .geometric_check import (
     check_pair,
     extract_features,
 )
-from .loop_retrieval import KeyframeIndex, LoopCandidate, RetrievalConfig, gradient_grid_descriptor
+from .retrieval import KeyframeIndex, LoopCandidate, RetrievalConfig, gradient_grid_descriptor
 
 
 @dataclass(frozen=True)

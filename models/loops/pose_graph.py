@@ -19,24 +19,21 @@ Conventions (docs/loop_closure.md says more):
 
 The optimiser is GTSAM's (Similarity3, Levenberg-Marquardt, GncOptimizer). GTSAM's Similarity3(R, t, s)
 maps x -> s (R x + t), where our Sim3 maps x -> s R x + t: the conversions below divide or multiply the
-translation by the scale. GTSAM holds the GIL through each iteration, so `PoseGraphWorker` optimises in a
-child process by default and never stalls the caller's thread.
+translation by the scale. GTSAM holds the GIL through each iteration: the stream's loop closer solves in
+its own child process (models/loops/process.py), never in the stream's.
 """
 
 from __future__ import annotations
 
-import os
-import threading
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import gtsam
 import numpy as np
 
-from .child_process import ChildProcess, read_message, start_child, write_message
-from .similarity import Sim3
+from ..similarity import Sim3
 
 TANGENT_DIM = 7  # rotation (3), translation (3), log scale (1): GTSAM's Similarity3 tangent order
 # Node 0's prior: a standard deviation of 1e-6 (odometry's are ~1e-3 and up) holds chunk 0 in place; the
@@ -305,145 +302,7 @@ def optimize(graph: PoseGraph, settings: PoseGraphSettings = PoseGraphSettings()
     )
 
 
-# -- optimising beside the stream ------------------------------------------------------------------
-class PoseGraphWorkerError(RuntimeError):
-    """An optimisation on the worker failed; the original error is the cause."""
-
-
-def serve(requests_fd: int, replies_fd: int) -> None:
-    """The child process of a SubprocessSolver: read (graph, settings), optimise, reply with the result (or
-    the error as text: GTSAM's exceptions need not pickle), until the parent closes its end."""
-    with os.fdopen(requests_fd, "rb") as requests, os.fdopen(replies_fd, "wb") as replies:
-        while True:
-            try:
-                graph, settings = read_message(requests)
-            except EOFError:
-                return
-            try:
-                reply: PoseGraphResult | str = optimize(graph, settings)
-            except Exception as error:
-                reply = f"{type(error).__name__}: {error}"
-            write_message(replies, reply)
-
-
-class SubprocessSolver:
-    """`optimize` in a child process of its own, started on first use.
-
-    GTSAM keeps the GIL through each Levenberg-Marquardt iteration (tens of ms at a few hundred chunks, a
-    second at 10,000), which the caller's threads would wait out; a process of its own costs them nothing.
-    The child is a fresh interpreter (models/child_process.py); graphs and results go through its two
-    pipes, pickled. Its start imports the package: seconds, once.
-    """
-
-    def __init__(self, settings: PoseGraphSettings = PoseGraphSettings()) -> None:
-        self._settings = settings
-        self._child: ChildProcess | None = None
-
-    def __call__(self, graph: PoseGraph) -> PoseGraphResult:
-        if self._child is None:
-            self._child = start_child("stream_recon.models.pose_graph", "serve")
-        try:
-            write_message(self._child.requests, (graph, self._settings))
-            reply = read_message(self._child.replies)
-        except (EOFError, OSError, ValueError) as error:
-            raise RuntimeError(f"the pose-graph process ended (exit status {self._child.process.poll()})") from error
-        if isinstance(reply, str):
-            raise RuntimeError(f"the pose-graph optimisation failed: {reply}")
-        return reply
-
-    def close(self) -> None:
-        """End the child process now, even in the middle of an optimisation."""
-        if self._child is not None:
-            self._child.close()
-
-
-@dataclass(frozen=True)
-class SolvedGraph:
-    ticket: int  # what `submit` returned for this snapshot
-    graph: PoseGraph
-    result: PoseGraphResult
-
-
-class PoseGraphWorker:
-    """Optimises the latest submitted snapshot on a thread beside the caller; nothing here ever waits for it.
-
-    `submit(graph)` queues a snapshot (a newer one replaces a queued one that has not started);
-    `take_result()` returns the newest finished solve not taken yet, or None; `close()` ends the worker.
-    `solve` defaults to a `SubprocessSolver` (see why there); any `PoseGraph -> PoseGraphResult` works,
-    e.g. `optimize` itself to stay in this process.
-    """
-
-    def __init__(self, solve: Callable[[PoseGraph], PoseGraphResult] | None = None,
-                 settings: PoseGraphSettings = PoseGraphSettings()) -> None:
-        self._solve = solve if solve is not None else SubprocessSolver(settings)
-        self._changed = threading.Condition()
-        self._queued: tuple[int, PoseGraph] | None = None
-        self._running = False
-        self._finished: SolvedGraph | None = None
-        self._error: BaseException | None = None
-        self._tickets = 0
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="pose-graph-worker", daemon=True)
-        self._thread.start()
-
-    def submit(self, graph: PoseGraph) -> int:
-        """Queue `graph` for optimisation; returns its ticket (1, 2, ...). Never waits."""
-        with self._changed:
-            if self._closed:
-                raise RuntimeError("the pose-graph worker is closed")
-            self._tickets += 1
-            self._queued = (self._tickets, graph)
-            self._changed.notify_all()
-            return self._tickets
-
-    def take_result(self) -> SolvedGraph | None:
-        """The newest finished solve not taken before, else None; raises PoseGraphWorkerError if one failed."""
-        with self._changed:
-            error, self._error = self._error, None
-            finished, self._finished = self._finished, None
-        if error is not None:
-            raise PoseGraphWorkerError(f"pose-graph optimisation failed: {error}") from error
-        return finished
-
-    def wait_idle(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds until nothing is queued or running (for a stream's end); True if so."""
-        with self._changed:
-            return self._changed.wait_for(lambda: self._queued is None and not self._running, timeout)
-
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop: a queued snapshot is dropped, a running solve is abandoned (its child process ended)."""
-        with self._changed:
-            self._closed = True
-            self._queued = None
-            self._changed.notify_all()
-        close_solver = getattr(self._solve, "close", None)
-        if close_solver is not None:
-            close_solver()
-        self._thread.join(timeout)
-
-    def _loop(self) -> None:
-        while True:
-            with self._changed:
-                self._changed.wait_for(lambda: self._queued is not None or self._closed)
-                if self._closed:
-                    return
-                (ticket, graph), self._queued = self._queued, None
-                self._running = True
-            try:
-                outcome: SolvedGraph | BaseException = SolvedGraph(ticket, graph, self._solve(graph))
-            except BaseException as error:  # handed to the caller by take_result
-                outcome = error
-            with self._changed:
-                self._running = False
-                if isinstance(outcome, SolvedGraph):
-                    self._finished = outcome
-                elif not self._closed:
-                    self._error = outcome
-                self._changed.notify_all()
-
-
 __all__ = [
-    "LoopEdge", "LoopVerdict", "OdometryEdge", "PoseGraph", "PoseGraphResult", "PoseGraphSettings",
-    "PoseGraphWorker", "PoseGraphWorkerError", "SolvedGraph", "SubprocessSolver", "as_sigmas", "from_gtsam",
-    "open_chain", "optimize", "serve", "to_gtsam",
+    "LoopEdge", "LoopVerdict", "OdometryEdge", "PoseGraph", "PoseGraphResult", "PoseGraphSettings", "as_sigmas",
+    "from_gtsam", "open_chain", "optimize", "to_gtsam",
 ]

@@ -1,0 +1,9 @@
+"""Loop closure: the drift of a chunked stream corrected where the camera comes back.
+
+Owns: keyframe retrieval (retrieval.py), the geometric check (geometric_check.py), detection (detection.py),
+the 3D verification and the synchronous core (closer.py), the pose graph over chunks (pose_graph.py), what
+a solve means for the outputs (corrections.py), and the child process the stream runs the core in
+(process.py). Imports from the rest of models/: similarity (Sim3), pose (back-projection), chunks
+(ChunkLink), prediction (FramePrediction), child_process and supervision; never the engine or the network.
+docs/loop_closure.md has the rules and the numbers.
+"""

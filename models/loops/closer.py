@@ -1,0 +1,336 @@
+"""The loop closer's core: detection, 3D verification and the pose graph, synchronous.
+
+Per keyframe: SIFT features and a retrieval descriptor, the earlier keyframes two or more chunks back
+that look alike (retrieval.py), the geometric check of each (geometric_check.py), then the 3D agreement
+of the two chunks' depths at the inlier matches (`align_loop`), whose Sim(3) becomes a loop edge of the
+pose graph over chunks (pose_graph.py), solved at once. What comes out is corrections.py's
+ChunkCorrections. No threads and no queues: the stream's process runs this core in a child of its own
+(process.py), one message at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from ..chunks import ChunkLink
+from ..pose import back_project
+from ..prediction import FramePrediction
+from ..similarity import AlignmentError, Sim3, irls_umeyama, umeyama
+from .corrections import ChunkCorrections, LoopRecord
+from .detection import CheckedCandidate, LoopDetectionConfig, LoopDetector
+from .geometric_check import extract_features
+from .pose_graph import LoopEdge, OdometryEdge, PoseGraph, PoseGraphResult, optimize
+from .retrieval import gradient_grid_descriptor
+
+GRADIENT_GRID_DIM = 128  # gradient_grid_descriptor's length
+
+
+@dataclass(frozen=True)
+class LoopClosureConfig:
+    detection: LoopDetectionConfig = LoopDetectionConfig()
+    # Depth behind a keypoint counts when its confidence is at least this (points.ply's rule: the model
+    # is more sure than not).
+    min_confidence: float = 2.0
+    # The two chunks' 3D points at the inlier matches agree when, after the fitted Sim(3), a pair lies
+    # within this fraction of the earlier keyframe's median depth: 5%, about twice the depth error the
+    # model's chunks show against each other on their shared frames.
+    agreement_distance: float = 0.05
+    min_agreeing_points: int = 12  # a Sim(3) has 7 unknowns: 12 leave it over-determined
+    min_agreeing_fraction: float = 0.5  # of the matches with confident depth on both sides
+    # A pair that needs more than this scale change (either way) between its two chunks is not the same
+    # place seen twice but a repeated structure at another size: drift is a few % per chunk.
+    max_scale_change: float = 2.0
+    # Sigma floors of a loop edge: a keyframe's whole depth map can be off by ~2% (its errors are
+    # correlated, so no number of points averages them away), and its keypoints' rays by ~0.5 degrees.
+    min_log_scale_sigma: float = 0.02
+    min_rotation_sigma: float = 0.01  # radians
+    min_translation_sigma: float = 0.02  # of the earlier keyframe's median depth
+    # Keyframes handed to the loop-closure process and not yet answered: when detection falls behind,
+    # newer keyframes are skipped (counted) rather than held, so the stream never waits for it; 8 absorb
+    # a rollover's burst of keyframes and are ~13 MB at 518 x 378.
+    keyframes_in_flight: int = 8
+
+
+@dataclass(frozen=True)
+class Keyframe:
+    """What detection needs of one keyframe."""
+
+    frame_index: int
+    chunk_index: int
+    image: np.ndarray  # [H, W, 3] uint8
+    depth: np.ndarray  # [H, W], in the emitted world's units
+    depth_conf: np.ndarray  # [H, W]
+    intrinsics: np.ndarray  # [3, 3]
+    c2w: np.ndarray  # [3, 4] as emitted (the open chain's world)
+    descriptor: np.ndarray | None  # the model's, when the stream computed it
+
+
+def keyframe_of(pred: FramePrediction) -> Keyframe:
+    return Keyframe(pred.frame_index, pred.chunk_index, pred.image, pred.depth, pred.depth_conf,
+                     pred.intrinsics, pred.c2w, pred.descriptor)
+
+
+class FirstFinalKeyframes:
+    """Which emissions loop detection takes: a keyframe's first final emission with its picture. Not a
+    provisional one (a closed chunk's, replaced later), and not a later chunk's re-emission of a shared
+    frame: the frame belongs to the chunk that first emitted it, in whose coordinates its pose is."""
+
+    def __init__(self) -> None:
+        self._seen: set[int] = set()
+
+    def admit(self, pred: FramePrediction) -> bool:
+        if not pred.is_keyframe or pred.provisional or pred.frame_index in self._seen or pred.image is None:
+            return False
+        self._seen.add(pred.frame_index)
+        return True
+
+
+@dataclass(frozen=True)
+class _KeyframePoints:
+    points: np.ndarray  # [N, 3] float64, the emitted world point behind each keypoint; NaN where unsure
+    median_depth: float
+
+
+def keypoint_points(keypoints: np.ndarray, depth: np.ndarray, depth_conf: np.ndarray, intrinsics: np.ndarray,
+                    c2w: np.ndarray, min_confidence: float) -> tuple[np.ndarray, float]:
+    """The world point behind each keypoint [N, 2] (x, y pixels; nearest pixel's depth), NaN where the depth
+    is not confident or not positive; and the frame's median confident depth."""
+    height, width = depth.shape
+    u = np.clip(np.rint(keypoints[:, 0]).astype(np.int64), 0, width - 1)
+    v = np.clip(np.rint(keypoints[:, 1]).astype(np.int64), 0, height - 1)
+    z = depth[v, u].astype(np.float64)
+    sure = (depth_conf[v, u] >= min_confidence) & (z > 0) & np.isfinite(z)
+    x, y = back_project(keypoints[:, 0], keypoints[:, 1], z, intrinsics, np.float64)  # sub-pixel rays
+    camera = np.stack([x, y, z], axis=1)
+    c2w = np.asarray(c2w, np.float64)
+    world = camera @ c2w[:3, :3].T + c2w[:3, 3]
+    world[~sure] = np.nan
+    confident = depth[(depth_conf >= min_confidence) & (depth > 0)]
+    median_depth = float(np.median(confident)) if confident.size else float("nan")
+    return world, median_depth
+
+
+@dataclass(frozen=True)
+class LoopAlignment:
+    """A checked pair's 3D agreement: the Sim(3) that maps the query's points onto the earlier keyframe's."""
+
+    earlier_from_query: Sim3  # in the emitted world: query chunk's placement -> earlier chunk's placement
+    points: int  # inlier matches with confident depth on both sides
+    agreeing: int  # of them, within agreement_distance after the fit
+    rms: float  # of the agreeing pairs' residuals, in units of the earlier keyframe's median depth
+    sigmas_world: np.ndarray  # [7] rotation (rad), translation (emitted world units), log scale
+    passed: bool
+
+    def figures(self) -> dict[str, Any]:
+        rms = round(self.rms, 5) if np.isfinite(self.rms) else None
+        return {"points": self.points, "agreeing": self.agreeing, "rms_relative": rms,
+                "scale": round(self.earlier_from_query.scale, 5),
+                "rotation_deg": round(self.earlier_from_query.rotation_deg, 3), "passed": self.passed}
+
+
+def align_loop(query: _KeyframePoints, earlier: _KeyframePoints, inlier_matches: np.ndarray,
+               config: LoopClosureConfig) -> LoopAlignment:
+    """Fit earlier_from_query on the 3D points behind the pair's inlier matches ([M, 2]: query keypoint,
+    earlier keypoint), robustly (IRLS), and judge the agreement."""
+    source = query.points[inlier_matches[:, 0]]
+    target = earlier.points[inlier_matches[:, 1]]
+    both = np.isfinite(source).all(axis=1) & np.isfinite(target).all(axis=1)
+    source, target = source[both], target[both]
+    unit = earlier.median_depth
+    failed = LoopAlignment(Sim3.identity(), len(source), 0, float("nan"), np.full(7, np.inf), False)
+    if len(source) < config.min_agreeing_points or not np.isfinite(unit) or unit <= 0:
+        return failed
+    try:
+        fit, _ = irls_umeyama(source, target)
+        residuals = np.linalg.norm(fit.apply_to_points(source) - target, axis=1) / unit
+        agree = residuals < config.agreement_distance
+        if np.count_nonzero(agree) >= config.min_agreeing_points:
+            fit = umeyama(source[agree], target[agree])
+            residuals = np.linalg.norm(fit.apply_to_points(source) - target, axis=1) / unit
+            agree = residuals < config.agreement_distance
+    except AlignmentError:
+        return failed
+    agreeing = int(np.count_nonzero(agree))
+    rms = float(np.sqrt(np.mean(residuals[agree] ** 2))) if agreeing else float("nan")
+    scale_ok = 1.0 / config.max_scale_change <= fit.scale <= config.max_scale_change
+    passed = (agreeing >= config.min_agreeing_points and agreeing >= config.min_agreeing_fraction * len(source)
+              and scale_ok)
+    sigmas = _loop_sigmas(target[agree], rms * unit, agreeing, unit, config) if agreeing >= 3 else np.full(7, np.inf)
+    return LoopAlignment(fit, len(source), agreeing, rms, sigmas, passed)
+
+
+def _loop_sigmas(points: np.ndarray, rms: float, count: int, unit: float, config: LoopClosureConfig) -> np.ndarray:
+    """[7] sigmas of a loop fit in the emitted world's units: the residual's standard error, spread over
+    the points' extent for rotation and scale, each with its floor (LoopClosureConfig)."""
+    extent = float(np.sqrt(np.mean(np.sum((points - points.mean(axis=0)) ** 2, axis=1))))
+    extent = max(extent, 1e-3 * unit)
+    translation = max(rms / np.sqrt(count), config.min_translation_sigma * unit)
+    rotation = max(translation / extent, config.min_rotation_sigma)
+    log_scale = max(translation / extent, config.min_log_scale_sigma)
+    return np.array([rotation] * 3 + [translation] * 3 + [log_scale])
+
+
+class LoopCloser:
+    """Loop closure over a chunked stream's emissions, one call at a time (no threads, no queues).
+
+    `add_link` takes each chunk's odometry (ChunkedEngine.chunk_links, in chunk order; a chunk aligned
+    again replaces its link). `add_keyframe` takes a keyframe's first final emission (FirstFinalKeyframes
+    picks them) in any order: descriptor, SIFT features, retrieval among keyframes two or more chunks
+    back, the geometric check, the 3D agreement of the two chunks' depths at the inlier matches
+    (`align_loop`); a pair that agrees becomes a loop edge and the graph (odometry and every loop so far)
+    is solved at once. It returns the new ChunkCorrections when that solve changed them, else None.
+
+    Everything is in the emitted world (chunk 0's coordinates as the open chain places each chunk):
+    chunk c's emissions were placed by chain[c] = link_1 ... link_c, so a fit S between two emitted
+    keyframes of chunks a and b is the edge chain[a]^-1 S chain[b].
+    """
+
+    def __init__(self, config: LoopClosureConfig = LoopClosureConfig(), *, use_model_descriptor: bool = False):
+        self.config = config
+        self.use_model_descriptor = use_model_descriptor
+        dim = None if use_model_descriptor else GRADIENT_GRID_DIM
+        self._detector: LoopDetector | None = None if dim is None else LoopDetector(dim, config.detection)
+        self._links: list[ChunkLink] = []  # links[c - 1] hangs chunk c on chunk c - 1
+        self._chain: list[Sim3] = [Sim3.identity()]
+        self._points: dict[int, _KeyframePoints] = {}
+        self._loops: list[LoopRecord] = []
+        self._edges: list[LoopEdge] = []
+        self.corrections = ChunkCorrections({})
+        self.timings = _Timings()
+
+    def add_link(self, link: ChunkLink) -> None:
+        """Chunk link.index's odometry (in chunk order; a chunk aligned again replaces its link)."""
+        del self._links[link.index - 1:]
+        del self._chain[link.index:]
+        if len(self._links) != link.index - 1:
+            raise ValueError(f"chunk {link.index}'s link came before chunk {len(self._links) + 1}'s")
+        self._links.append(link)
+        self._chain.append(self._chain[-1] @ link.previous_from_next)
+
+    def add_keyframe(self, keyframe: Keyframe) -> ChunkCorrections | None:
+        """Detect loops from `keyframe` and solve when one is new; the new corrections, else None."""
+        if keyframe.chunk_index >= len(self._chain):
+            raise ValueError(f"frame {keyframe.frame_index} of chunk {keyframe.chunk_index} came before that "
+                             "chunk's link")
+        with self.timings.time("features"):
+            features = extract_features(keyframe.image, self.config.detection.features)
+            descriptor = self._descriptor(keyframe)
+            points, median_depth = keypoint_points(features.keypoints, keyframe.depth, keyframe.depth_conf,
+                                                   keyframe.intrinsics, keyframe.c2w, self.config.min_confidence)
+        self._points[keyframe.frame_index] = _KeyframePoints(points, median_depth)
+        with self.timings.time("retrieval_and_check"):
+            checked = self._detector.add_keyframe(keyframe.frame_index, keyframe.chunk_index, descriptor, features,
+                                                  keyframe.intrinsics)
+        new_edges = [self._verify(candidate) for candidate in checked]
+        return self._solve() if any(new_edges) else None
+
+    def summary(self) -> dict[str, Any]:
+        """What run.json records: every pair that passed the geometric check (a loop, whatever became of
+        it), how many retrieved pairs the check refused, and the costs."""
+        corrections = self.corrections
+        loops = corrections.loops if corrections.loops else tuple(self._loops)
+        checked = [loop for loop in loops if loop.status != "rejected_by_check"]
+        return {
+            "keyframes_indexed": len(self._points),
+            "chunks": len(self._chain),
+            "candidates_checked": len(loops),
+            "accepted": sum(loop.status == "accepted" for loop in loops),
+            "rejected": sum(loop.status.startswith("rejected") for loop in checked),
+            "loops": [loop.as_json() for loop in checked],
+            "corrected_chunks": len(corrections.by_chunk),
+            "costs_ms": self.timings.summary(),
+        }
+
+    def _descriptor(self, keyframe: Keyframe) -> np.ndarray:
+        if not self.use_model_descriptor:
+            return gradient_grid_descriptor(keyframe.image)
+        if keyframe.descriptor is None:
+            raise ValueError("the model's descriptor was asked for, but the stream computes none "
+                             "(StreamConfig(descriptors=True))")
+        if self._detector is None:
+            self._detector = LoopDetector(len(keyframe.descriptor), self.config.detection)
+        return keyframe.descriptor
+
+    def _verify(self, checked: CheckedCandidate) -> bool:
+        """Record the candidate; when its check passed, align it in 3D and add a loop edge if it agrees."""
+        earlier = checked.candidate
+        record = LoopRecord(len(self._loops), checked.query_frame, checked.query_chunk, earlier.frame_index,
+                            earlier.chunk_index, earlier.similarity, checked.check.matches, checked.check.inliers,
+                            "rejected_by_check")
+        if not checked.accepted:
+            self._loops.append(record)
+            return False
+        with self.timings.time("verification"):
+            alignment = align_loop(self._points[checked.query_frame], self._points[earlier.frame_index],
+                                   checked.check.inlier_matches, self.config)
+        status = "pending" if alignment.passed else "rejected_by_verification"
+        self._loops.append(replace(record, status=status, verification=alignment.figures()))
+        if alignment.passed:
+            self._edges.append(self._loop_edge(record.loop_id, earlier.chunk_index, checked.query_chunk, alignment))
+        return alignment.passed
+
+    def _loop_edge(self, loop_id: int, first: int, second: int, alignment: LoopAlignment) -> LoopEdge:
+        chain_first, chain_second = self._chain[first], self._chain[second]
+        first_from_second = chain_first.inverse() @ alignment.earlier_from_query @ chain_second
+        sigmas = alignment.sigmas_world.copy()
+        sigmas[3:6] /= chain_second.scale  # tangent translation is in chunk `second`'s units
+        return LoopEdge(loop_id, first, second, first_from_second, sigmas)
+
+    def _solve(self) -> ChunkCorrections:
+        odometry = [OdometryEdge(link.previous_from_next, link.sigmas) for link in self._links]
+        loops = [edge for edge in self._edges if max(edge.first, edge.second) <= len(odometry)]
+        graph = PoseGraph(odometry, loops)
+        result = optimize(graph)
+        self.timings.add("pose_graph", result.seconds * 1000.0)
+        self.corrections = self._corrections_of(graph, result)
+        return self.corrections
+
+    def _corrections_of(self, graph: PoseGraph, result: PoseGraphResult) -> ChunkCorrections:
+        verdicts = {verdict.loop_id: verdict.accepted for verdict in result.loops}
+        chain = self._chain[: graph.num_chunks]
+        by_chunk = {} if result.is_open_chain else {
+            chunk: corrected @ chain[chunk].inverse() for chunk, corrected in enumerate(result.world_from_chunk)}
+        loops = tuple(self._judged(loop, verdicts, by_chunk) for loop in self._loops)
+        return ChunkCorrections(by_chunk, loops, self.corrections.version + 1)
+
+    @staticmethod
+    def _judged(loop: LoopRecord, verdicts: dict[Any, bool], by_chunk: dict[int, Sim3]) -> LoopRecord:
+        if loop.loop_id not in verdicts:
+            return loop
+        if not verdicts[loop.loop_id]:
+            return replace(loop, status="rejected_by_graph")
+        move = by_chunk.get(loop.query_chunk, Sim3.identity())
+        return replace(loop, status="accepted", correction={
+            "scale": round(move.scale, 6), "rotation_deg": round(move.rotation_deg, 4),
+            "translation": round(float(np.linalg.norm(move.translation)), 6)})
+
+
+class _Timings:
+    """Milliseconds per call of each stage of loop closure (count, mean, max), for run.json."""
+
+    def __init__(self) -> None:
+        self._calls: dict[str, list[float]] = {}  # stage -> [calls, total ms, max ms]: bounded however long
+
+    @contextlib.contextmanager
+    def time(self, stage: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(stage, (time.perf_counter() - started) * 1000.0)
+
+    def add(self, stage: str, milliseconds: float) -> None:
+        totals = self._calls.setdefault(stage, [0, 0.0, 0.0])
+        totals[0] += 1
+        totals[1] += milliseconds
+        totals[2] = max(totals[2], milliseconds)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {stage: {"calls": calls, "mean": round(total / calls, 3), "max": round(longest, 3)}
+                for stage, (calls, total, longest) in list(self._calls.items())}

@@ -1,0 +1,225 @@
+"""The loop closer in a child process of its own, and the stream's side of it, which never waits.
+
+The child (`serve`) is one thread: it reads a message, calls the synchronous core (closer.py), writes the
+reply. Detection (SIFT, matching, RANSAC, the 3D fit) and the pose graph then never hold the stream's
+GIL. Measured on an H100 machine with the closer on a thread of the stream's process, the stream lost
+13% of its steady FPS (39.9 -> 34.7).
+
+The stream's side (`LoopClosureProcess`) has no threads: every call writes what the pipe takes now and
+reads what has arrived (models/child_process.py's outbox and inbox). It keeps the supervision contract
+(models/supervision.py) as a TURN_OFF helper that drops what does not fit:
+- a keyframe that finds `keyframes_in_flight` keyframes unanswered is skipped and counted; links (a few
+  hundred bytes a chunk) are always kept and sent;
+- a child that dies, reports an error, or answers nothing for STALL_S while it has work is down: it is
+  ended, loop closure is off for the rest of the run, and the corrections accepted so far stand;
+- the end of a run waits for the child's last word with a deadline (`finish`).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+from dataclasses import replace
+from typing import Any
+
+from ..child_process import MessageInbox, MessageOutbox, read_message, start_child, write_message
+from ..chunks import ChunkLink
+from ..prediction import FramePrediction
+from ..supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
+from .closer import FirstFinalKeyframes, LoopCloser, LoopClosureConfig, keyframe_of
+from .corrections import ChunkCorrections
+
+# The child is background work: the kernel schedules the stream's threads (the main loop, CUDA's, the
+# writer's) first, and its libraries (OpenCV, OpenBLAS) use two threads instead of every core. With
+# neither, an H100 machine's stream had 13 frame intervals over twice the median in 3,000 frames where
+# it had none without loop closure.
+CHILD_NICENESS = 10
+CHILD_THREADS = 2
+# A child with messages unanswered for this long is stalled: one keyframe's detection takes 30-100 ms
+# and a pose-graph solve of 1,000 chunks under a second, so 30 s is no slow answer but a stopped child.
+STALL_S = 30.0
+# The end of a run waits this long at most for the child's last word (the keyframes in flight, a solve).
+FINISH_S = 30.0
+_SELECT_SLICE_S = 0.1  # a waiting `finish` looks at the child's liveness this often
+
+POLICY = HelperPolicy("loop closure", WhenFull.DROP, WhenDown.TURN_OFF, stall_s=STALL_S)
+
+
+def serve(requests_fd: int, replies_fd: int) -> None:
+    """The child: ("config", LoopClosureConfig) first, then ("link", ChunkLink), ("keyframe", Keyframe),
+    ("finish", None). Each message is answered: ("ack", kind, corrections or None, summary or None),
+    ("finished", corrections, summary), or ("error", text, summary) after which the child exits."""
+    os.nice(CHILD_NICENESS)
+    import cv2  # (here: the parent's side never needs OpenCV)
+
+    cv2.setNumThreads(CHILD_THREADS)
+    closer: LoopCloser | None = None
+    with os.fdopen(requests_fd, "rb") as requests, os.fdopen(replies_fd, "wb") as replies:
+        while True:
+            try:
+                kind, payload = read_message(requests)
+            except EOFError:  # the parent has gone
+                return
+            try:
+                if kind == "config":
+                    closer = LoopCloser(payload)
+                    continue
+                if kind == "finish":
+                    write_message(replies, ("finished", closer.corrections, closer.summary()))
+                    return
+                write_message(replies, _answer(closer, kind, payload))
+            except Exception as error:  # the parent turns loop closure off and keeps what was solved
+                summary = closer.summary() if closer is not None else {}
+                write_message(replies, ("error", f"{type(error).__name__}: {error}", summary))
+                return
+
+
+def _answer(closer: LoopCloser, kind: str, payload: Any) -> tuple:
+    if kind == "link":
+        closer.add_link(payload)
+        return ("ack", kind, None, None)
+    if kind != "keyframe":
+        raise ValueError(f"unknown message {kind!r}")
+    fresh = closer.add_keyframe(payload)
+    if fresh is None:
+        return ("ack", kind, None, None)
+    # the viewer draws only accepted loops; the whole story comes with the summary
+    return ("ack", kind, replace(fresh, loops=fresh.accepted_loops), closer.summary())
+
+
+class LoopClosureProcess:
+    """The stream's side of the loop-closure child; no call of it waits but `finish`, which has a deadline."""
+
+    def __init__(self, config: LoopClosureConfig = LoopClosureConfig()) -> None:
+        self.config = config
+        self.helper = Helper(POLICY)
+        self._keyframes = FirstFinalKeyframes()
+        threads = {name: str(CHILD_THREADS) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+        self._child = start_child(__name__, "serve", env={**os.environ, **threads})
+        self._outbox = MessageOutbox(self._child.requests)
+        self._inbox = MessageInbox(self._child.replies)
+        self._unanswered = 0  # messages sent (or waiting in the outbox) and not answered
+        self._keyframes_unanswered = 0
+        self._keyframes_answered = 0
+        self._corrections = ChunkCorrections({})
+        self._handed_version = 0
+        self._summary: dict[str, Any] = {}
+        self._finished = False
+        self._send(("config", config), answered=False)
+
+    # -- the stream's side -------------------------------------------------------------------------
+    def add_link(self, link: ChunkLink) -> None:
+        """Chunk link.index's odometry; always kept (while loop closure is on)."""
+        self._send(("link", link))
+
+    def add_prediction(self, pred: FramePrediction) -> bool:
+        """Hand a keyframe's first final emission over; False when it is not one, or was skipped."""
+        if not self.helper.is_up or not self._keyframes.admit(pred):
+            return False
+        if self._keyframes_unanswered >= self.config.keyframes_in_flight:
+            self.helper.dropped += 1
+            return False
+        self._keyframes_unanswered += 1
+        self._send(("keyframe", keyframe_of(pred)))
+        return True
+
+    def take_corrections(self) -> ChunkCorrections | None:
+        """What the child has answered since the last call: its newest corrections if not taken before."""
+        self._exchange()
+        if self._corrections.version == self._handed_version:
+            return None
+        self._handed_version = self._corrections.version
+        return self._corrections
+
+    def finish(self, deadline: Deadline) -> ChunkCorrections:
+        """Let the child answer everything in flight and take its last word, until `deadline` at most; a
+        child that misses it is ended and loop closure turned off. The corrections either way."""
+        if self.helper.is_up:
+            self._send(("finish", None))
+        while self.helper.is_up and not self._finished:
+            if deadline.expired:
+                self.helper.fail(f"it had not finished {deadline.seconds:g} s after the stream's end")
+                break
+            self._wait_for_pipes(min(deadline.remaining(), _SELECT_SLICE_S))
+            self._exchange()
+        self.close()
+        return self._corrections
+
+    @property
+    def corrections(self) -> ChunkCorrections:
+        return self._corrections
+
+    @property
+    def keyframes_skipped(self) -> int:
+        return self.helper.dropped
+
+    def summary(self) -> dict[str, Any]:
+        summary = {**self._summary, "keyframes_skipped": self.keyframes_skipped}
+        summary["keyframes_indexed"] = max(summary.get("keyframes_indexed", 0), self._keyframes_answered)
+        return summary
+
+    def close(self) -> None:
+        """End the child now, whatever it is doing."""
+        self._child.close()
+
+    # -- the pipes ----------------------------------------------------------------------------------
+    def _send(self, message: tuple, *, answered: bool = True) -> None:
+        try:
+            self._outbox.put(message)
+        except OSError as error:  # the child closed its end: it has died
+            self._down(f"its process stopped taking messages ({error})")
+            return
+        if answered:
+            if self._unanswered == 0:
+                self.helper.beat()  # the stall clock runs from the oldest unanswered message
+            self._unanswered += 1
+
+    def _exchange(self) -> None:
+        """Write what the pipe takes, read what has arrived, and check the child's liveness."""
+        if not self.helper.is_up:
+            return
+        try:
+            self._outbox.pump()
+            replies = self._inbox.take()
+        except OSError as error:
+            self._down(f"its process stopped taking messages ({error})")
+            return
+        except EOFError:
+            self._down(f"its process ended (exit status {self._child.process.poll()})")
+            return
+        for reply in replies:
+            self._receive(reply)
+        if self.helper.is_up and not self.helper.check(has_work=self._unanswered > 0):
+            self.close()
+
+    def _receive(self, reply: tuple) -> None:
+        kind = reply[0]
+        self.helper.beat()
+        if kind == "ack":
+            _, what, corrections, summary = reply
+            self._unanswered -= 1
+            if what == "keyframe":
+                self._keyframes_unanswered -= 1
+                self._keyframes_answered += 1
+            if corrections is not None:
+                self._corrections = corrections
+            if summary is not None:
+                self._summary = summary
+        elif kind == "finished":
+            _, self._corrections, self._summary = reply
+            self._finished = True
+        else:  # ("error", text, summary)
+            self._summary = reply[2] or self._summary
+            self._down(f"it failed: {reply[1]}")
+
+    def _wait_for_pipes(self, timeout: float) -> None:
+        writable = [self._outbox_fd] if self._outbox.pending else []
+        select.select([self._inbox.fileno()], writable, [], timeout)
+
+    @property
+    def _outbox_fd(self) -> int:
+        return self._child.requests.fileno()
+
+    def _down(self, reason: str) -> None:
+        self.helper.fail(reason)
+        self.close()
