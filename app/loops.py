@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from stream_recon.app.options import OptionsError, RunOptions
@@ -83,9 +84,10 @@ class LoopClosureSink:
         if self.closer is not None:
             self.closer.close()
 
-    def finish(self, status: str) -> Any:
+    def finish(self, status: str, stop_now: Callable[[], bool] = lambda: False) -> Any:
         """The final ChunkCorrections (None when loop closure never ran): a complete or failed run waits
-        for the child's last word up to FINISH_S, an interrupted one takes what is solved already."""
+        for the child's last word up to FINISH_S (or until `stop_now`), an interrupted one takes what is
+        solved already."""
         if self.closer is None:
             return None
         from stream_recon.models.loops.process import FINISH_S
@@ -96,7 +98,7 @@ class LoopClosureSink:
             self.closer.close()
             corrections = self.closer.corrections
         else:
-            corrections = self.closer.finish(Deadline(FINISH_S))
+            corrections = self.closer.finish(Deadline(FINISH_S), stop_now)
         self._show(corrections, force=True)
         return corrections
 

@@ -21,7 +21,7 @@ import dataclasses
 import gc
 import logging
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -57,11 +57,12 @@ from stream_recon.app.progress import RunProgress
 from stream_recon.app.resources import check_cpu_run
 from stream_recon.app.rundir import OutputDirError, prepare_output_dir, remove_if_empty, remove_run
 from stream_recon.app.sources import FrameSource, SourceError, frames_source, open_source
-from stream_recon.app.stopping import StopOnSignal, signal_name, wait_for_stop_signal
+from stream_recon.app.stopping import STOP_CLOSE_S, StopOnSignal, signal_name, wait_for_stop_signal
 from stream_recon.app.writers import RunWriter
 from stream_recon.models.checkpoint import DEFAULT_CHECKPOINT
 from stream_recon.models.errors import FrameError
 from stream_recon.models.kernel_builds import start_early_builds
+from stream_recon.models.supervision import Deadline, HelperDown
 
 if TYPE_CHECKING:
     from stream_recon.models.builds_ahead import BuildsAhead
@@ -86,6 +87,7 @@ class RunSummary:
     end_reason: str | None = None  # end | max_frames | stopped | error
     stop_signal: int | None = None  # the signal that stopped an interrupted run (SIGINT, SIGTERM)
     viewer_closed_by: int | None = None  # the signal that closed a viewer kept serving after the run
+    loop_closure_off: str | None = None  # why loop closure went off during the run, if it did
 
     @property
     def ended_by_signal(self) -> int | None:
@@ -270,7 +272,8 @@ class Run:
                 status = "interrupted"
             if status == "complete" and self.clock.frames_done == 0:
                 status, error = "failed", _no_frames_message(source, self.options)
-            writer_error = self.close_sinks(status, error, stop.signum)
+            stop.closing()
+            writer_error = self.close_sinks(status, error, stop.signum, stop_now=lambda: stop.stop_now)
         if writer_error is not None and error is None:
             status, error = "failed", writer_error
         self.stopped_by_signal = stop.signum is not None
@@ -283,7 +286,7 @@ class Run:
         worth keeping. What the engine buffers is completed on every path but a second Ctrl-C, which
         ends the run "interrupted".
         """
-        stream_errors = (SourceError, FrameError, OutputDirError, NonFinitePrediction)
+        stream_errors = (SourceError, FrameError, OutputDirError, NonFinitePrediction, HelperDown)
         error: str | None = None
         try:
             try:
@@ -398,26 +401,31 @@ class Run:
             frames_read=self.clock.frames_read,
             end_reason=self.source.end_reason or ("stopped" if stop.requested else None),
             stop_signal=stop.signum,
+            loop_closure_off=next((sink.failure for sink in self.sinks if isinstance(sink, LoopClosureSink)), None),
         )
 
-    def close_sinks(self, status: RunStatus, error: str | None, stop_signal: int | None) -> str | None:
+    def close_sinks(self, status: RunStatus, error: str | None, stop_signal: int | None,
+                    stop_now: Callable[[], bool] = lambda: False) -> str | None:
         """Close every sink in order, the writer with run.json's summary. Returns the writer's error, if any.
 
-        The loop closer finishes first: its last corrections go into the writer's files.
+        The loop closer finishes first: its last corrections go into the writer's files. Every wait here
+        has a deadline; an interrupted run's fit in STOP_CLOSE_S, and `stop_now` (a second signal) ends
+        loop closure's at once.
         """
         self.clock.stop()
         loops = next((sink for sink in self.sinks if isinstance(sink, LoopClosureSink)), None)
-        corrections = None if loops is None else loops.finish(status)
+        corrections = None if loops is None else loops.finish(status, stop_now=stop_now)
         summary = self._run_json_summary(error, stop_signal)
         if loops is not None:
             summary["loop_closure"] = loops.summary()
         if self.compiled_sizes is not None:
             summary["compile_beside"] = self.compiled_sizes.summary()
+        writes_by = Deadline(STOP_CLOSE_S) if status == "interrupted" else None
         writer_error = None
         for sink in self.sinks:
             try:
                 if sink is self.writer:
-                    self.writer.close(status, summary, corrections)
+                    self.writer.close(status, summary, corrections, deadline=writes_by)
                 else:
                     sink.close(status)
             except OutputDirError as failure:
@@ -507,15 +515,18 @@ def _report(summary: RunSummary, console: Console) -> None:
         f"{plural(summary.frames, 'frame')} ({plural(summary.keyframes, 'keyframe')}) at "
         f"{_rate(summary.fps)} end to end, {_rate(summary.model_fps)} in the model -> {summary.output_dir}"
     )
+    if summary.loop_closure_off is not None:
+        line += (f"; loop closure went off ({summary.loop_closure_off}): the trajectory keeps the corrections "
+                 "accepted before, the open chain after")
     if summary.status == "complete":
-        console.print(f"[green]done[/green]: {line}")
+        console.print(f"[green]done[/green]: {escape(line)}")
     elif summary.status == "interrupted" and summary.frames == 0:
         console.print(f"[yellow]interrupted[/yellow] before the first frame: nothing was written to {summary.output_dir}")
     elif summary.status == "interrupted":
-        console.print(f"[yellow]interrupted[/yellow]: {line}")
+        console.print(f"[yellow]interrupted[/yellow]: {escape(line)}")
     else:  # the reason on one line, as every error is given; what was kept below it
         console.print(f"[red]error:[/red] {escape(summary.error or 'the run failed')}")
-        console.print(f"[red]failed[/red], kept {line}")
+        console.print(f"[red]failed[/red], kept {escape(line)}")
 
 
 def _rate(fps: float) -> str:

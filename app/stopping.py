@@ -32,6 +32,12 @@ if TYPE_CHECKING:
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REDELIVERY_INTERVAL_S = 0.5
+# A run stops within 10 s of its first SIGINT or SIGTERM: supervisors (timeout, systemd, Kubernetes)
+# send SIGKILL a few seconds after one SIGTERM. The stream gets STOP_STREAM_S to finish its frame and
+# what the engine buffers; then it stops as at a second signal, and closing (loop closure ended, the
+# last frames written, trajectory, cloud and run.json) has the rest: STOP_CLOSE_S.
+STOP_STREAM_S = 5.0
+STOP_CLOSE_S = 4.0
 
 
 class PromptInterrupt:
@@ -121,8 +127,10 @@ def swallowed_interrupt() -> bool:
 
 
 class StopOnSignal:
-    """First SIGINT/SIGTERM: finish the current frame, flush, save. Second: stop flushing, save.
-    Any further one is ignored, so the files being written are not cut off.
+    """First SIGINT/SIGTERM: finish the current frame, flush, save; if the stream has not stopped
+    STOP_STREAM_S later, it stops as at a second signal. Second: stop streaming now, save. While the
+    run closes (`closing`), signals raise nothing, so the files being written are not cut off; a second
+    one makes the close give up its waits (`stop_now`).
 
     Handlers can only be installed from the main thread; elsewhere (a batch worker thread) the
     caller's own handling applies and this does nothing.
@@ -134,6 +142,7 @@ class StopOnSignal:
         self._on_first = on_first
         self._console = console
         self._previous: dict[int, Any] = {}
+        self._closing = False
         self.count = 0
         self.signum: int | None = None  # the first signal received
 
@@ -141,10 +150,16 @@ class StopOnSignal:
     def requested(self) -> bool:
         return self.count > 0
 
+    @property
+    def stop_now(self) -> bool:
+        """A second signal came: whatever waits should stop waiting."""
+        return self.count >= 2
+
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
             for signum in self._SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
+            self._previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._stream_overran)
             if swallowed_interrupt():  # Ctrl-C before the stream, lost in a library: stop before the first frame
                 _active.honoured()
                 self.count, self.signum = 1, signal.SIGINT
@@ -152,8 +167,14 @@ class StopOnSignal:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        self._cancel_alarm()
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+
+    def closing(self) -> None:
+        """The stream is over and the run closes: no signal raises from here on."""
+        self._closing = True
+        self._cancel_alarm()
 
     def _handle(self, signum: int, frame: object) -> None:
         self.count += 1
@@ -161,10 +182,25 @@ class StopOnSignal:
         name = signal.Signals(signum).name
         if self.count == 1:
             self._on_first()
+            if not self._closing:
+                signal.setitimer(signal.ITIMER_REAL, STOP_STREAM_S)
             self._console.print(f"[yellow]{name}: stopping after this frame and saving (again: stop now)[/yellow]")
         elif self.count == 2:
             self._console.print(f"[yellow]{name}: stopping now; writing the files of the frames done[/yellow]")
-            raise KeyboardInterrupt
+            if not self._closing:
+                raise KeyboardInterrupt
+
+    def _stream_overran(self, signum: int, frame: object) -> None:
+        if self._closing or self.count != 1:
+            return
+        self.count = 2
+        self._console.print(f"[yellow]still streaming {STOP_STREAM_S:g} s after {signal_name(self.signum)}: "
+                            "stopping now; writing the files of the frames done[/yellow]")
+        raise KeyboardInterrupt
+
+    def _cancel_alarm(self) -> None:
+        if signal.SIGALRM in self._previous:
+            signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 def interrupted_exit_code(signum: int | None) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import logging
 import platform
-import queue
 import resource
 import sys
 import threading
@@ -51,11 +50,27 @@ from stream_recon.app.rundir import (
 from stream_recon.models.loops.corrections import ChunkCorrections
 from stream_recon.models.prediction import FramePrediction
 from stream_recon.models.similarity import Sim3
+from stream_recon.models.supervision import (
+    Deadline,
+    HandOff,
+    Helper,
+    HelperDown,
+    HelperPolicy,
+    WhenDown,
+    WhenFull,
+    start_supervised_thread,
+)
 
 logger = logging.getLogger(__name__)
 
 # Rewrite run.json with progress this often, so a killed run shows how far it got.
 PROGRESS_INTERVAL_S = 10.0
+# A disk that takes no frame for this long is stalled: a frame is a few MB, which any working disk
+# (a network share included) takes in well under a second. The run then fails, keeping what was written.
+WRITER_STALL_S = 60.0
+WRITER_POLICY = HelperPolicy("the run writer", WhenFull.PUSH_BACK, WhenDown.FAIL_RUN, stall_s=WRITER_STALL_S,
+                             push_back_s=WRITER_STALL_S)
+_WORKER_POLL_S = 0.5  # the writer thread looks for the end of the run this often while it has nothing to do
 
 
 @dataclass(frozen=True)
@@ -112,10 +127,12 @@ class RunWriter:
     run.json.
 
     With `background=True` (the default) the file writing and point accumulation run on a writer thread
-    behind a queue of `queue_size` frames, so inference does not wait for the disk (numpy and file IO
-    release the GIL). A full queue blocks `on_frame`: memory stays bounded when the disk is slower than the
-    model, and no frame is ever dropped. 32 frames (at most ~70 MB at 518x378) absorb the burst of frames a
-    chunk rollover re-emits (16 by default) without holding inference up.
+    behind a hand-off of `queue_size` frames (models/supervision.py), so inference does not wait for the
+    disk (numpy and file IO release the GIL). A full hand-off holds `on_frame` back (memory stays bounded
+    when the disk is slower than the model, and no frame is dropped) for WRITER_STALL_S at most: a disk
+    that takes nothing for that long fails the run with one line, every frame written before kept. 32
+    frames (at most ~70 MB at 518x378) absorb the burst of frames a chunk rollover re-emits (16 by
+    default) without holding inference up.
 
     `outputs` says what each npz holds and which frames get one (PredictionOutputs); the cloud is built
     from what is saved, as `export` rebuilds it. `flush()` waits until every frame handed over is on disk; `close()` flushes first. An error on
@@ -152,13 +169,13 @@ class RunWriter:
         self._prepare_output_dir(overwrite)
         self._write_run_json("running", {})
         self._worker_error: BaseException | None = None
-        self._queue: queue.Queue | None = None
+        self.helper = Helper(WRITER_POLICY)
+        self._handoff: HandOff | None = None
         self._worker: threading.Thread | None = None
+        self._stopping = threading.Event()
         if background:
-            self._queue = queue.Queue(maxsize=queue_size)
-            # Daemon: a process that dies without close() must not hang on this thread at exit.
-            self._worker = threading.Thread(target=self._drain_queue, name="run-writer", daemon=True)
-            self._worker.start()
+            self._handoff = HandOff(self.helper, queue_size)
+            self._worker = start_supervised_thread(self.helper, self._write_handed_frames, "run-writer")
 
     # ---- sink interface
 
@@ -166,10 +183,13 @@ class RunWriter:
         if self.status != "running":
             raise RuntimeError(f"RunWriter for {self.output_dir} is closed ({self.status}); no more frames")
         self._raise_worker_error()
-        if self._queue is None:
+        if self._handoff is None:
             self._write_frame(pred, dict(stats))
-        else:
-            self._queue.put((pred, dict(stats)))
+            return
+        try:
+            self._handoff.offer((pred, dict(stats)))
+        except HelperDown:
+            raise OutputDirError(self._stalled_message()) from None
 
     def __enter__(self) -> RunWriter:
         return self
@@ -183,24 +203,32 @@ class RunWriter:
         else:
             self.close("failed", {"error": f"{exc_type.__name__}: {exc}"})
 
-    def flush(self) -> None:
-        """Block until every frame passed to on_frame is written (no-op without a writer thread)."""
-        if self._queue is not None:
-            self._queue.join()
+    def flush(self, deadline: Deadline | None = None) -> None:
+        """Wait until every frame passed to on_frame is written (no-op without a writer thread), until
+        `deadline` at most (default WRITER_STALL_S from now); a disk that has not taken them by then fails."""
+        if self._handoff is not None and not self._handoff.drain(deadline or Deadline(WRITER_STALL_S)):
+            raise OutputDirError(self._stalled_message())
         self._raise_worker_error()
 
-    def _drain_queue(self) -> None:
-        while True:
-            item = self._queue.get()
+    def _write_handed_frames(self) -> None:
+        """The writer thread: every frame handed over, until the run's end; after a failure it goes on
+        taking frames without writing them, so that the stream is never held back."""
+        while not self._stopping.is_set():
+            taken, item = self._handoff.take(timeout=_WORKER_POLL_S)
+            if not taken:
+                continue
             try:
-                if item is None:
-                    return
-                if self._worker_error is None:  # after a failure, keep consuming so producers never block
+                if self._worker_error is None:
                     self._write_frame(*item)
             except BaseException as exc:  # handed to the producer thread, never swallowed
                 self._worker_error = exc
             finally:
-                self._queue.task_done()
+                self._handoff.done()
+
+    def _stalled_message(self) -> str:
+        written = f"{len(self.poses)} frames" + (f", the last frame {max(self.poses)}" if self.poses else "")
+        return (f"the disk took no frame for {WRITER_STALL_S:g} s (writing to {self.predictions_dir}); every "
+                f"frame written before it ({written}) is kept; check the disk, or choose another --output")
 
     def _raise_worker_error(self) -> None:
         error = self._worker_error
@@ -221,12 +249,16 @@ class RunWriter:
             )
         return message
 
-    def _stop_worker(self) -> BaseException | None:
+    def _stop_worker(self, deadline: Deadline) -> BaseException | None:
+        """Let the writer thread write what it was handed (until `deadline`) and end it."""
         if self._worker is None:
             return None
-        self._queue.put(None)
-        self._worker.join()
+        drained = self._handoff.drain(deadline)
+        self._stopping.set()
+        self._worker.join(timeout=max(deadline.remaining(), _WORKER_POLL_S))
         self._worker = None
+        if not drained and self._worker_error is None:
+            return OutputDirError(self._stalled_message())
         return self._worker_error
 
     def _write_frame(self, pred: FramePrediction, stats: dict) -> None:
@@ -261,10 +293,12 @@ class RunWriter:
             self._last_progress = now
             self._write_run_json("running", {})
 
-    def close(self, status: str, summary: dict | None = None, corrections: ChunkCorrections | None = None) -> None:
+    def close(self, status: str, summary: dict | None = None, corrections: ChunkCorrections | None = None,
+              deadline: Deadline | None = None) -> None:
         """Write trajectory, cloud and the final run.json. status: complete | interrupted | failed.
+        `deadline`: how long the frames still being written may take (default WRITER_STALL_S).
 
-        `corrections` (loop closure's, models.loop_closure): when they move any chunk, the uncorrected
+        `corrections` (loop closure's, models/loops/corrections.py): when they move any chunk, the uncorrected
         trajectory goes to trajectory_open_tum.txt, and the npz files, trajectory_tum.txt and points.ply
         hold the corrected poses. Without (or when they move nothing) every file is as the stream made it.
         """
@@ -273,7 +307,7 @@ class RunWriter:
         if self.status != "running":
             return  # already closed: the first final status stands
         self.status = status
-        worker_error = self._stop_worker()  # every frame handed over is on disk after this
+        worker_error = self._stop_worker(deadline or Deadline(WRITER_STALL_S))  # every frame handed over is on disk
         self._worker_error = None
         errors = [] if worker_error is None else [f"frame writer: {worker_error!r}"]
         moves = [] if corrections is None else self._chunk_moves(corrections)

@@ -136,6 +136,8 @@ class HandOff:
         if not helper.check(has_work=self.backlog > 0):
             return False
         with self._changed:
+            if self._unfinished == 0:
+                helper.beat()  # the stall clock runs from the oldest unfinished item
             self._unfinished += 1
         try:
             if when_full is WhenFull.PUSH_BACK:
@@ -147,18 +149,23 @@ class HandOff:
             return True
         except queue.Full:
             self._finished()
+            helper.dropped += 1
             if when_full is WhenFull.PUSH_BACK:
                 helper.fail(f"it took nothing for {helper.policy.push_back_s:g} s")
                 helper.check(has_work=True)
-            helper.dropped += 1
             return False
+        except BaseException:  # (a KeyboardInterrupt while waiting for room): the item was not handed over
+            self._finished()
+            raise
 
     def take(self, timeout: float) -> tuple[bool, Any]:
         """(True, item) for the worker, or (False, None) when none came within `timeout`."""
         try:
-            return True, self._items.get(timeout=timeout)
+            item = self._items.get(timeout=timeout)
         except queue.Empty:
             return False, None
+        self.helper.beat()
+        return True, item
 
     def done(self) -> None:
         """The worker finished an item it took."""

@@ -195,7 +195,7 @@ def runs_stream_the_loop_scene(monkeypatch, scene: LoopScene, **engine_settings)
 
     class EveryKeyframe(LoopClosureSink):
         def __init__(self, *args, **kwargs):
-            super().__init__(*args, config=LoopClosureConfig(queue_keyframes=100), **kwargs)
+            super().__init__(*args, config=LoopClosureConfig(keyframes_in_flight=100), **kwargs)
 
     monkeypatch.setattr(pipeline, "build_engine", build_stand_in)
     monkeypatch.setattr(pipeline, "LoopClosureSink", EveryKeyframe)

@@ -1,4 +1,5 @@
 import contextlib
+import dataclasses
 import errno
 import json
 import logging
@@ -565,16 +566,45 @@ def test_a_slow_disk_blocks_on_frame_instead_of_queueing_without_bound(tmp_path,
 
     producer = threading.Thread(target=produce, daemon=True)
     producer.start()
-    # One frame is being written and three wait in the queue: on_frame has returned four times...
-    wait_until(lambda: len(handed_over) == 4 and writer._queue.full())
+    # One frame is being written and three wait in the hand-off: on_frame has returned four times...
+    # (the backlog counts the fifth frame too, from the moment on_frame is called with it)
+    wait_until(lambda: len(handed_over) == 4 and writer._handoff.backlog == 5)
     producer.join(timeout=0.2)
     # ...and the fifth call waits for the disk instead of queueing more.
-    assert producer.is_alive() and handed_over == [0, 1, 2, 3] and writer._queue.qsize() == 3
+    assert producer.is_alive() and handed_over == [0, 1, 2, 3] and writer._handoff.backlog == 5
     disk_free.set()
     producer.join(timeout=30)
     assert not producer.is_alive()
     writer.close("complete")
     assert [r["frame_index"] for r in read_run(tmp_path / "run")] == list(range(8))
+
+
+def test_a_disk_that_stalls_fails_the_run_at_its_deadline_keeping_what_was_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(writers, "WRITER_STALL_S", 0.5)
+    monkeypatch.setattr(writers, "WRITER_POLICY", dataclasses.replace(writers.WRITER_POLICY, stall_s=0.5,
+                                                                      push_back_s=0.5))
+    writer = RunWriter(tmp_path / "run", {}, queue_size=2)
+    never = threading.Event()
+    real_savez = np.savez
+    calls = []
+
+    def stalling_savez(file, **arrays):
+        calls.append(1)
+        if len(calls) > 1:  # the first frame reaches the disk, then the disk stops answering
+            never.wait()
+        real_savez(file, **arrays)
+
+    monkeypatch.setattr(np, "savez", stalling_savez)
+    started = time.monotonic()
+    with pytest.raises(OutputDirError, match="the disk took no frame for 0.5 s"):
+        for i in range(8):
+            writer.on_frame(plane_frame(i), {})
+    with pytest.raises(OutputDirError):
+        writer.close("failed", {"error": "stalled"})
+    assert time.monotonic() - started < 5.0
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["status"] == "failed" and [r["frame_index"] for r in read_run(tmp_path / "run")] == [0]
+    never.set()
 
 
 def test_outputs_get_ordinary_permissions(tmp_path):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import select
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -131,14 +132,15 @@ class LoopClosureProcess:
         self._handed_version = self._corrections.version
         return self._corrections
 
-    def finish(self, deadline: Deadline) -> ChunkCorrections:
-        """Let the child answer everything in flight and take its last word, until `deadline` at most; a
-        child that misses it is ended and loop closure turned off. The corrections either way."""
+    def finish(self, deadline: Deadline, stop_now: Callable[[], bool] = lambda: False) -> ChunkCorrections:
+        """Let the child answer everything in flight and take its last word, until `deadline` at most (or
+        `stop_now`); a child that misses it is ended and loop closure turned off. The corrections either way."""
         if self.helper.is_up:
             self._send(("finish", None))
         while self.helper.is_up and not self._finished:
-            if deadline.expired:
-                self.helper.fail(f"it had not finished {deadline.seconds:g} s after the stream's end")
+            if deadline.expired or stop_now():
+                why = "the run was stopped" if stop_now() else f"{deadline.seconds:g} s passed"
+                self.helper.fail(f"it had not finished when {why} after the stream's end")
                 break
             self._wait_for_pipes(min(deadline.remaining(), _SELECT_SLICE_S))
             self._exchange()
