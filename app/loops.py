@@ -9,6 +9,7 @@ fails the run: it is logged, recorded in run.json, and the open chain stands.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 from collections.abc import Callable
@@ -25,15 +26,30 @@ def loop_closure_wanted(options: RunOptions, estimated_length: int | None) -> tu
     2 * (chunk_frames - overlap))."""
     if options.loop_closure == "off":
         return False, "off (--loop-closure off)"
-    if importlib.util.find_spec("gtsam") is None:
+    missing = pose_graph_library_problem()
+    if missing is not None:
         if options.loop_closure == "on":
-            raise OptionsError("--loop-closure on needs gtsam, the pose graph's library: pip install gtsam "
-                               "(or --loop-closure off)")
-        return False, "off (gtsam is not installed)"
+            raise OptionsError(f"--loop-closure on needs gtsam, the pose graph's library, but {missing}: "
+                               "pip install gtsam (or --loop-closure off)")
+        if "does not import" in missing:  # installed but broken: worth a line, unlike a choice not to install it
+            logger.warning("loop closure is off: %s; pip install --force-reinstall gtsam", missing)
+        return False, f"off ({missing})"
     third_chunk = 2 * (options.chunk_frames - options.overlap)
     if options.loop_closure == "auto" and estimated_length is not None and estimated_length <= third_chunk:
         return False, f"off (auto: {estimated_length} frames never reach a third chunk, at frame {third_chunk})"
     return True, "on" if options.loop_closure == "on" else "on (auto)"
+
+
+def pose_graph_library_problem() -> str | None:
+    """Why gtsam cannot serve loop closure here (not installed, or its import fails: a wheel built for
+    another platform, a missing shared library), or None when it imports."""
+    if importlib.util.find_spec("gtsam") is None:
+        return "gtsam is not installed"
+    try:
+        importlib.import_module("gtsam")
+    except Exception as error:  # noqa: BLE001 - any failure of a native import means the same to the user
+        return f"gtsam does not import ({type(error).__name__}: {error})"
+    return None
 
 
 class LoopClosureSink:

@@ -263,7 +263,8 @@ class Run:
                 StopOnSignal(source.request_stop, self.console) as stop:
             with RunProgress(self.console, source.description, source.estimated_length) as progress:
                 try:
-                    status, error = self._push_frames(progress, stop)
+                    with stop.streaming():
+                        status, error = self._push_frames(progress, stop)
                 except BaseException as unexpected:
                     self.close_sinks("failed", f"internal error: {unexpected!r}", stop.signum)
                     raise
@@ -272,8 +273,7 @@ class Run:
                 status = "interrupted"
             if status == "complete" and self.clock.frames_done == 0:
                 status, error = "failed", _no_frames_message(source, self.options)
-            stop.closing()
-            writer_error = self.close_sinks(status, error, stop.signum, stop_now=lambda: stop.stop_now)
+            writer_error = self.close_sinks(status, error, stop.signum, stop_now=lambda: stop.requested)
         if writer_error is not None and error is None:
             status, error = "failed", writer_error
         self.stopped_by_signal = stop.signum is not None
@@ -409,13 +409,14 @@ class Run:
         """Close every sink in order, the writer with run.json's summary. Returns the writer's error, if any.
 
         The loop closer finishes first: its last corrections go into the writer's files. Every wait here
-        has a deadline; an interrupted run's fit in STOP_CLOSE_S, and `stop_now` (a second signal) ends
-        loop closure's at once.
+        has a deadline; an interrupted run's fit in STOP_CLOSE_S, and `stop_now` (a signal came) ends loop
+        closure's at once.
         """
         self.clock.stop()
         loops = next((sink for sink in self.sinks if isinstance(sink, LoopClosureSink)), None)
         corrections = None if loops is None else loops.finish(status, stop_now=stop_now)
-        summary = self._run_json_summary(error, stop_signal)
+        # the checkpoint's digest is hashed beside the run: an interrupted run does not wait it out
+        summary = self._run_json_summary(error, stop_signal, digest_wait_s=1.0 if status == "interrupted" else 60.0)
         if loops is not None:
             summary["loop_closure"] = loops.summary()
         if self.compiled_sizes is not None:
@@ -434,12 +435,12 @@ class Run:
                 logger.warning("closing %s failed: %s", type(sink).__name__, failure)
         return writer_error
 
-    def _run_json_summary(self, error: str | None, stop_signal: int | None) -> dict[str, Any]:
+    def _run_json_summary(self, error: str | None, stop_signal: int | None, digest_wait_s: float) -> dict[str, Any]:
         """The summary holds each value once: status, settings (device, source) and versions are the
         writer's; the rates and timings are the clock's, stopped by then."""
         source, clock = self.source, self.clock
         return {
-            "checkpoint_digest": self.digest.result(),
+            "checkpoint_digest": self.digest.result(timeout_s=digest_wait_s),
             "error": error,
             "end_reason": source.end_reason,
             "stop_signal": signal_name(stop_signal),

@@ -44,6 +44,10 @@ PROGRESS_INTERVAL_S = 10.0
 PROGRESS_INTERVAL_ENV = "STREAM_RECON_PROGRESS_INTERVAL"
 
 
+# The progress thread wakes at once when stopped; a line it is printing (a blocked terminal) is not waited out.
+PRINT_JOIN_S = 1.0
+
+
 class RunProgress:
     """Context manager for a run's progress; `update(stats)` once per frame read.
 
@@ -131,7 +135,7 @@ class _PlainLines:
     def stop(self) -> None:
         self._stopping.set()
         if self._thread.is_alive():
-            self._thread.join()
+            self._thread.join(timeout=PRINT_JOIN_S)
 
     def update(self, stats: dict) -> None:
         self._stats = stats

@@ -128,9 +128,9 @@ def swallowed_interrupt() -> bool:
 
 class StopOnSignal:
     """First SIGINT/SIGTERM: finish the current frame, flush, save; if the stream has not stopped
-    STOP_STREAM_S later, it stops as at a second signal. Second: stop streaming now, save. While the
-    run closes (`closing`), signals raise nothing, so the files being written are not cut off; a second
-    one makes the close give up its waits (`stop_now`).
+    STOP_STREAM_S later, it stops as at a second signal. Second: stop streaming now, save. A signal
+    raises KeyboardInterrupt only inside `streaming()`; elsewhere (the run closing) it raises nothing, so
+    the files being written are not cut off, and the close's waits give up once `requested`.
 
     Handlers can only be installed from the main thread; elsewhere (a batch worker thread) the
     caller's own handling applies and this does nothing.
@@ -142,18 +142,13 @@ class StopOnSignal:
         self._on_first = on_first
         self._console = console
         self._previous: dict[int, Any] = {}
-        self._closing = False
+        self._streaming = False
         self.count = 0
         self.signum: int | None = None  # the first signal received
 
     @property
     def requested(self) -> bool:
         return self.count > 0
-
-    @property
-    def stop_now(self) -> bool:
-        """A second signal came: whatever waits should stop waiting."""
-        return self.count >= 2
 
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
@@ -171,10 +166,15 @@ class StopOnSignal:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
 
-    def closing(self) -> None:
-        """The stream is over and the run closes: no signal raises from here on."""
-        self._closing = True
-        self._cancel_alarm()
+    @contextlib.contextmanager
+    def streaming(self) -> Iterator[None]:
+        """The block where a second signal, or a stream that overran STOP_STREAM_S, raises KeyboardInterrupt."""
+        self._streaming = True
+        try:
+            yield
+        finally:
+            self._streaming = False
+            self._cancel_alarm()
 
     def _handle(self, signum: int, frame: object) -> None:
         self.count += 1
@@ -182,16 +182,16 @@ class StopOnSignal:
         name = signal.Signals(signum).name
         if self.count == 1:
             self._on_first()
-            if not self._closing:
+            if self._streaming:
                 signal.setitimer(signal.ITIMER_REAL, STOP_STREAM_S)
             self._console.print(f"[yellow]{name}: stopping after this frame and saving (again: stop now)[/yellow]")
         elif self.count == 2:
             self._console.print(f"[yellow]{name}: stopping now; writing the files of the frames done[/yellow]")
-            if not self._closing:
+            if self._streaming:
                 raise KeyboardInterrupt
 
     def _stream_overran(self, signum: int, frame: object) -> None:
-        if self._closing or self.count != 1:
+        if not self._streaming or self.count != 1:
             return
         self.count = 2
         self._console.print(f"[yellow]still streaming {STOP_STREAM_S:g} s after {signal_name(self.signum)}: "

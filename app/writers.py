@@ -68,8 +68,6 @@ PROGRESS_INTERVAL_S = 10.0
 # A disk that takes no frame for this long is stalled: a frame is a few MB, which any working disk
 # (a network share included) takes in well under a second. The run then fails, keeping what was written.
 WRITER_STALL_S = 60.0
-WRITER_POLICY = HelperPolicy("the run writer", WhenFull.PUSH_BACK, WhenDown.FAIL_RUN, stall_s=WRITER_STALL_S,
-                             push_back_s=WRITER_STALL_S)
 _WORKER_POLL_S = 0.5  # the writer thread looks for the end of the run this often while it has nothing to do
 
 
@@ -169,7 +167,8 @@ class RunWriter:
         self._prepare_output_dir(overwrite)
         self._write_run_json("running", {})
         self._worker_error: BaseException | None = None
-        self.helper = Helper(WRITER_POLICY)
+        self.helper = Helper(HelperPolicy("the run writer", WhenFull.PUSH_BACK, WhenDown.FAIL_RUN,
+                                          stall_s=WRITER_STALL_S, push_back_s=WRITER_STALL_S))
         self._handoff: HandOff | None = None
         self._worker: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -236,7 +235,8 @@ class RunWriter:
             self._worker_error = None
             if isinstance(error, OSError):
                 raise OutputDirError(self._write_error_message(error)) from error
-            raise error
+            # a FAIL_RUN helper: the run ends "failed" with this one line
+            raise HelperDown(f"the run writer failed on a frame: {type(error).__name__}: {error}") from error
 
     def _write_error_message(self, error: OSError) -> str:
         message = f"writing frames to {self.predictions_dir} failed: {error.strerror or error}"

@@ -13,8 +13,10 @@ has nothing else to do meanwhile.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
+import ctypes
 import fcntl
 import os
 import pickle
@@ -22,14 +24,19 @@ import signal
 import struct
 import subprocess
 import sys
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 # A child of its own session: the terminal's Ctrl-C goes to the stream's process, which ends the child
 # itself (close); a child in the same process group would die of it too, with a traceback of its own.
-# A parent that dies closes the pipe: the child reads the end of it and returns.
+# A parent that dies closes the pipe: the child reads the end of it and returns; and since a child that
+# is stopped (SIGSTOP) or hung reads nothing, Linux also kills it when its parent goes (PR_SET_PDEATHSIG),
+# and a parent that exits ends every child it still has (atexit).
 CHILD_OWN_SESSION = True
+_PR_SET_PDEATHSIG = 1
+_LIVE_CHILDREN: weakref.WeakSet = weakref.WeakSet()
 # The pipes' capacity, asked of Linux (F_SETPIPE_SZ; 1 MiB is its default ceiling for an unprivileged
 # process): a keyframe (~1.6 MB at 518 x 378) then crosses in two writes instead of 25 of the default 64 kB.
 PIPE_BYTES = 1 << 20
@@ -40,7 +47,7 @@ END_WAIT_S = 5.0
 _HEADER = struct.Struct("<Q")
 
 
-@dataclass
+@dataclass(eq=False)
 class ChildProcess:
     """A started child: its process, the pipe its requests go into and the one its replies come from."""
 
@@ -76,8 +83,10 @@ def start_child(module: str, function: str, *arguments: object, env: Mapping[str
     child_reads, parent_writes = os.pipe()
     parent_reads, child_writes = os.pipe()
     call = ", ".join(repr(value) for value in (child_reads, child_writes, *arguments))
+    code = (f"from {__name__} import die_with_parent; die_with_parent({os.getpid()}); "
+            f"from {module} import {function}; {function}({call})")
     try:
-        process = subprocess.Popen([sys.executable, "-c", f"from {module} import {function}; {function}({call})"],
+        process = subprocess.Popen([sys.executable, "-c", code],
                                    pass_fds=(child_reads, child_writes), stdin=subprocess.DEVNULL,
                                    start_new_session=CHILD_OWN_SESSION,
                                    env=None if env is None else dict(env))
@@ -91,7 +100,25 @@ def start_child(module: str, function: str, *arguments: object, env: Mapping[str
     for fd in (parent_writes, parent_reads):
         with contextlib.suppress(OSError):  # a smaller pipe only costs more writes
             fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
-    return ChildProcess(process, os.fdopen(parent_writes, "wb", buffering=0), os.fdopen(parent_reads, "rb", buffering=0))
+    child = ChildProcess(process, os.fdopen(parent_writes, "wb", buffering=0), os.fdopen(parent_reads, "rb", buffering=0))
+    _LIVE_CHILDREN.add(child)
+    return child
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a child: be killed by Linux when the parent goes, however it goes (elsewhere: nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent went before the request was made
+        os._exit(1)
+
+
+@atexit.register
+def _end_children() -> None:
+    for child in list(_LIVE_CHILDREN):
+        child.end(timeout=1.0)
 
 
 def write_message(stream: BinaryIO, message: object) -> None:

@@ -42,12 +42,16 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=3000)
     parser.add_argument("--warmup-frames", type=int, default=120)
     parser.add_argument("--pairs", type=int, default=1, help="off/on pairs to run")
+    parser.add_argument("--modes", default="off,on", help="the --loop-closure modes of each pair, in order")
     parser.add_argument("--video-size", default="640x468")
     parser.add_argument("--model", default="lingbot-map")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--chunk-frames", type=int, default=320)
     parser.add_argument("--overlap", type=int, default=16)
     parser.add_argument("--keyframes", default="all")
+    parser.add_argument("--image-width", type=int, default=518, help="model input width")
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="the runs' --compile")
+    parser.add_argument("--video", help="a video file instead of the one made from app/sample")
     parser.add_argument("--video-dir", default=tempfile.gettempdir())
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -59,25 +63,26 @@ def main() -> None:
     from stream_recon.app.options import resolve_device
 
     width, height = (int(side) for side in args.video_size.split("x"))
-    video = Path(args.video_dir) / f"bench_e2e_{args.frames}_{width}x{height}.mp4"
+    video = Path(args.video) if args.video else Path(args.video_dir) / f"bench_e2e_{args.frames}_{width}x{height}.mp4"
     if not video.exists():
         bench_e2e.make_video(video, args.frames, width, height)
     options = bench_e2e.run_options(args, bench_e2e.free_port())
     device = resolve_device(options.device)
-    model, load_s = bench_e2e.build_model(args, options, device)
+    model, load_s = bench_e2e.build_model(args)
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
         "settings": vars(args), "model_load_s": load_s,
         "warmup": measured_run(args, video, "off", args.warmup_frames, model, device), "runs": [],
     }
     for _ in range(args.pairs):
-        for mode in ("off", "on"):
+        for mode in args.modes.split(","):
             result["runs"].append(measured_run(args, video, mode, args.frames, model, device))
             print_run(result["runs"][-1])
     off = [run["steady_fps"] for run in result["runs"] if run["mode"] == "off"]
     on = [run["steady_fps"] for run in result["runs"] if run["mode"] == "on"]
-    result["on_over_off"] = sum(on) / sum(off)
-    print(f"steady FPS with loop closure / without: {result['on_over_off']:.3f}")
+    if on and off:
+        result["on_over_off"] = sum(on) / sum(off)
+        print(f"steady FPS with loop closure / without: {result['on_over_off']:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(bench_e2e.without_nan(result), indent=1) + "\n")
 

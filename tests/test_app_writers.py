@@ -1,5 +1,4 @@
 import contextlib
-import dataclasses
 import errno
 import json
 import logging
@@ -581,8 +580,6 @@ def test_a_slow_disk_blocks_on_frame_instead_of_queueing_without_bound(tmp_path,
 
 def test_a_disk_that_stalls_fails_the_run_at_its_deadline_keeping_what_was_written(tmp_path, monkeypatch):
     monkeypatch.setattr(writers, "WRITER_STALL_S", 0.5)
-    monkeypatch.setattr(writers, "WRITER_POLICY", dataclasses.replace(writers.WRITER_POLICY, stall_s=0.5,
-                                                                      push_back_s=0.5))
     writer = RunWriter(tmp_path / "run", {}, queue_size=2)
     never = threading.Event()
     real_savez = np.savez

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import select
+import subprocess
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -41,21 +42,25 @@ CHILD_THREADS = 2
 STALL_S = 30.0
 # The end of a run waits this long at most for the child's last word (the keyframes in flight, a solve).
 FINISH_S = 30.0
+# The child's start (a fresh interpreter importing NumPy, OpenCV, GTSAM and torch: 2-5 s, more on a busy
+# machine) is not a stall: the stall clock starts at its first word, which it says after its imports.
+START_S = 120.0
 _SELECT_SLICE_S = 0.1  # a waiting `finish` looks at the child's liveness this often
-
-POLICY = HelperPolicy("loop closure", WhenFull.DROP, WhenDown.TURN_OFF, stall_s=STALL_S)
+_EXIT_WAIT_S = 1.0  # a child whose pipe has closed has exited or will within this
 
 
 def serve(requests_fd: int, replies_fd: int) -> None:
-    """The child: ("config", LoopClosureConfig) first, then ("link", ChunkLink), ("keyframe", Keyframe),
-    ("finish", None). Each message is answered: ("ack", kind, corrections or None, summary or None),
-    ("finished", corrections, summary), or ("error", text, summary) after which the child exits."""
+    """The child: ("ready",) once imported; then it takes ("config", LoopClosureConfig), ("link",
+    ChunkLink), ("keyframe", Keyframe), ("finish", None). Each message but the config is answered: ("ack",
+    kind, corrections or None, summary or None), ("finished", corrections, summary), or ("error", text,
+    summary) after which the child exits."""
     os.nice(CHILD_NICENESS)
     import cv2  # (here: the parent's side never needs OpenCV)
 
     cv2.setNumThreads(CHILD_THREADS)
     closer: LoopCloser | None = None
     with os.fdopen(requests_fd, "rb") as requests, os.fdopen(replies_fd, "wb") as replies:
+        write_message(replies, ("ready",))
         while True:
             try:
                 kind, payload = read_message(requests)
@@ -93,7 +98,7 @@ class LoopClosureProcess:
 
     def __init__(self, config: LoopClosureConfig = LoopClosureConfig()) -> None:
         self.config = config
-        self.helper = Helper(POLICY)
+        self.helper = Helper(HelperPolicy("loop closure", WhenFull.DROP, WhenDown.TURN_OFF, stall_s=STALL_S))
         self._keyframes = FirstFinalKeyframes()
         threads = {name: str(CHILD_THREADS) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
         self._child = start_child(__name__, "serve", env={**os.environ, **threads})
@@ -106,6 +111,8 @@ class LoopClosureProcess:
         self._handed_version = 0
         self._summary: dict[str, Any] = {}
         self._finished = False
+        self._ready = False
+        self._started = Deadline(START_S)
         self._send(("config", config), answered=False)
 
     # -- the stream's side -------------------------------------------------------------------------
@@ -134,11 +141,14 @@ class LoopClosureProcess:
 
     def finish(self, deadline: Deadline, stop_now: Callable[[], bool] = lambda: False) -> ChunkCorrections:
         """Let the child answer everything in flight and take its last word, until `deadline` at most (or
-        `stop_now`); a child that misses it is ended and loop closure turned off. The corrections either way."""
+        `stop_now`; a child still starting gets its START_S first); a child that misses it is ended and loop
+        closure turned off. The corrections either way."""
         if self.helper.is_up:
             self._send(("finish", None))
         while self.helper.is_up and not self._finished:
-            if deadline.expired or stop_now():
+            if not self._ready and not stop_now():  # a short run can end before the child has started
+                deadline = Deadline(deadline.seconds)
+            elif deadline.expired or stop_now():
                 why = "the run was stopped" if stop_now() else f"{deadline.seconds:g} s passed"
                 self.helper.fail(f"it had not finished when {why} after the stream's end")
                 break
@@ -168,8 +178,8 @@ class LoopClosureProcess:
     def _send(self, message: tuple, *, answered: bool = True) -> None:
         try:
             self._outbox.put(message)
-        except OSError as error:  # the child closed its end: it has died
-            self._down(f"its process stopped taking messages ({error})")
+        except OSError as error:  # the child closed its end: it has died, maybe saying why first
+            self._pipe_broken(error)
             return
         if answered:
             if self._unanswered == 0:
@@ -177,27 +187,51 @@ class LoopClosureProcess:
             self._unanswered += 1
 
     def _exchange(self) -> None:
-        """Write what the pipe takes, read what has arrived, and check the child's liveness."""
+        """Read what has arrived, write what the pipe takes, and check the child's liveness."""
         if not self.helper.is_up:
             return
+        self._take_replies()
         try:
             self._outbox.pump()
-            replies = self._inbox.take()
         except OSError as error:
-            self._down(f"its process stopped taking messages ({error})")
+            self._pipe_broken(error)
+        if not self.helper.is_up:
             return
+        if not self._ready:
+            if self._started.expired:
+                self._down(f"its process had not started {START_S:g} s later")
+            return
+        if not self.helper.check(has_work=self._unanswered > 0):
+            self.close()
+
+    def _take_replies(self) -> None:
+        try:
+            replies = self._inbox.take()
         except EOFError:
-            self._down(f"its process ended (exit status {self._child.process.poll()})")
+            self._down(f"its process ended (exit status {self._exit_status()})")
             return
         for reply in replies:
-            self._receive(reply)
-        if self.helper.is_up and not self.helper.check(has_work=self._unanswered > 0):
-            self.close()
+            if self.helper.is_up:
+                self._receive(reply)
+
+    def _pipe_broken(self, error: OSError) -> None:
+        self._take_replies()  # its last words (an error it reported) say more than the broken pipe
+        if self.helper.is_up:
+            self._down(f"its process stopped taking messages ({error}; exit status {self._exit_status()})")
+
+    def _exit_status(self) -> int | None:
+        """The child's exit status, once its end is seen: it has exited, or is about to."""
+        try:
+            return self._child.process.wait(timeout=_EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            return None
 
     def _receive(self, reply: tuple) -> None:
         kind = reply[0]
         self.helper.beat()
-        if kind == "ack":
+        if kind == "ready":
+            self._ready = True
+        elif kind == "ack":
             _, what, corrections, summary = reply
             self._unanswered -= 1
             if what == "keyframe":
