@@ -37,6 +37,14 @@ from typing import Any
 
 CHILD_WINDOW_SLOTS = 1  # the warm-up's streaming steps are uncached: one window slot is all it needs
 STOP_WAIT_S = 5.0  # a child asked to stop gets this long before it is killed
+# After SIGKILL, how long the run waits to reap the child: the kernel ends a killed process at once unless
+# it is stuck in the kernel itself (a driver call); then it is left to end when it can, and the run ends.
+KILL_WAIT_S = 2.0
+# A child still compiling this long after its start has stalled: it took a minute at most on an H100
+# (docs/PERFORMANCE.md); twenty times that is no compile. Seen so by the run (`poll`: run.json's summary, the
+# run's end), it is killed and the next run of its size compiles first; one left to finish after its run
+# ended ends itself then (SIGALRM, whose default action ends a process without running any of its code).
+CHILD_LIMIT_S = 1200
 
 
 @dataclass(frozen=True)
@@ -176,19 +184,28 @@ class CompiledSizes:
         return engine.tensors + float32_weights + CUDA_CONTEXT_BYTES
 
     def poll(self) -> str:
-        """The status now: not started, no room, already compiling, compiling, done or failed."""
+        """The status now: not started, no room, already compiling, compiling, done, failed or stalled (still
+        compiling CHILD_LIMIT_S after its start: killed now). A child that ended without a record of its
+        own (killed, crashed, stalled) leaves one: the next run of its size compiles first."""
         if self.process is not None and self.status == "compiling":
             code = self.process.poll()
-            if code is not None:
+            if code is None and time.perf_counter() - self.started_at > CHILD_LIMIT_S:
+                self._stop_child(signal.SIGKILL)
+                self.status = f"stalled (still compiling after {CHILD_LIMIT_S:g} s: killed; its log: {self.log})"
+                self._compile_first(f"the background compile was still running after {CHILD_LIMIT_S:g} s")
+            elif code is not None:
                 self.seconds = round(time.perf_counter() - self.started_at, 1)
                 self.status = "done" if code == 0 else f"failed (exit {code}; its log: {self.log})"
+                if code != 0:
+                    self._compile_first(f"the background compile exited {code}")
         return self.status
 
     def finish(self, stop: bool) -> str | None:
         """At the run's end: stop the child (`stop`: the run was stopped by a signal), or let it finish on
-        its own. A line for the console when it is still compiling or has failed, else None."""
+        its own; waits STOP_WAIT_S + KILL_WAIT_S at most. A line for the console when it is still
+        compiling, has failed or has stalled, else None."""
         status = self.poll()
-        if status.startswith("failed"):
+        if status.startswith(("failed", "stalled")):
             return f"the background compile for the next run {status}; the next run of this size compiles first"
         if status != "compiling":
             return None
@@ -196,16 +213,34 @@ class CompiledSizes:
             self.status = "finishing after the run"
             return (f"the compile for the next run goes on in the background (process {self.process.pid}, a "
                     "minute at most)")
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(STOP_WAIT_S)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        self.status = "stopped with the run"
+        if self._stop_child(signal.SIGTERM):
+            self.status = "stopped with the run"
+        else:
+            self.status = (f"stopped with the run (process {self.process.pid} was killed but had not ended "
+                           f"{KILL_WAIT_S:g} s later)")
         return None
+
+    def _stop_child(self, first: signal.Signals) -> bool:
+        """`first` to the child's process group, then SIGKILL after STOP_WAIT_S where it was not SIGKILL
+        already; True once the child has ended (reaped), KILL_WAIT_S after the kill at the latest."""
+        waits = [(first, STOP_WAIT_S)] if first != signal.SIGKILL else []
+        for sent, wait_s in [*waits, (signal.SIGKILL, KILL_WAIT_S)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sent)
+            try:
+                self.process.wait(wait_s)
+                return True
+            except subprocess.TimeoutExpired:
+                continue
+        return False
+
+    def _compile_first(self, why: str) -> None:
+        """Leave the record that makes the next run of this key compile before its stream (unless the child
+        left its own, which says more)."""
+        from stream_recon.models.compilation import record, recorded
+
+        if not recorded(self.key, "compile-first"):
+            record(self.key, "compile-first", why)
 
     def summary(self) -> dict[str, Any]:
         """For run.json."""
@@ -306,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     request = json.loads((sys.argv[1:] if argv is None else argv)[0])
     with contextlib.suppress(OSError):
         os.nice(10)  # the run's stream comes first
+    if hasattr(signal, "alarm"):  # a child left running after its run ends has no one else to stop it
+        signal.alarm(int(CHILD_LIMIT_S))
     from stream_recon.models.compilation import record, records_folder
 
     lock = records_folder() / f"{request['key']}.compiling"

@@ -40,7 +40,8 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -53,6 +54,7 @@ from PIL import Image
 from stream_recon.app.input_size import input_size_problem
 from stream_recon.app.preprocess import ImageReadError, load_image, preprocess_frame_uint8, upright_rgb
 from stream_recon.app.source_settings import DEFAULT_OPEN_TIMEOUT_S, DEFAULT_RECONNECT_S, FrameSelection
+from stream_recon.models.daemon_pool import DaemonPool
 
 SourceKind = Literal["video", "folder", "webcam", "stream", "frames"]
 
@@ -113,8 +115,17 @@ class _Preprocessing:
     timestamp: float
     image: Future  # -> [3, H', W'] uint8 array
 
-    def result(self) -> Frame:
-        return Frame(self.index, self.source_index, self.timestamp, None, torch.from_numpy(self.image.result()))
+    def result(self, timeout_s: float, description: str) -> Frame:
+        """The frame once its model input is made; SourceError where that raised or took over `timeout_s`
+        (the stream's frame timeout: a resize takes milliseconds), so that the run ends "failed" on it."""
+        what = f"preparing frame {self.index} of {description}"
+        try:
+            image = self.image.result(timeout=timeout_s)
+        except FutureTimeout:
+            raise SourceError(f"{what} took more than {timeout_s:g} s: the preprocessing stalled") from None
+        except Exception as error:
+            raise SourceError(f"{what} failed: {type(error).__name__}: {error}") from error
+        return Frame(self.index, self.source_index, self.timestamp, None, torch.from_numpy(image))
 
 
 class _Sampler:
@@ -216,9 +227,9 @@ class FrameSource:
         self.disconnected_s = 0.0  # total time between a drop and the next frame (or giving up)
         self._reader = reader
         self._queue: queue.Queue[Frame | _Preprocessing | _EndOfStream] = queue.Queue(maxsize=queue_size)
-        self._preprocessing: ThreadPoolExecutor | None = None
+        self._preprocessing: DaemonPool | None = None  # (daemons: a stalled resize holds no exit)
         if image_width:
-            self._preprocessing = ThreadPoolExecutor(preprocess_workers, thread_name_prefix=f"preprocess:{name}")
+            self._preprocessing = DaemonPool(preprocess_workers, f"preprocess:{name}")
         self._frame_timeout_s = frame_timeout_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -271,13 +282,16 @@ class FrameSource:
         if self._thread is None:
             self._reader.release()
         if self._preprocessing is not None:
-            self._preprocessing.shutdown(wait=False, cancel_futures=True)
+            self._preprocessing.shutdown()
 
     def _frames(self) -> Iterator[Frame]:
         while True:
             try:
                 item = self._queue.get(timeout=min(self._frame_timeout_s, _POLL_S))
             except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():  # gone without its end marker
+                    self.close()
+                    raise SourceError(f"the reader of {self.description} ended without a last frame") from None
                 # Skipping (--start, --stride, --fps) can keep the queue empty for long while the
                 # reader works; only a reader that stopped advancing has stalled.
                 stalled_s = time.monotonic() - self._reader_progress_at
@@ -289,10 +303,14 @@ class FrameSource:
                 continue
             if isinstance(item, _EndOfStream):
                 self.end_reason = item.reason
+                if isinstance(item.error, Exception) and not isinstance(item.error, SourceError):
+                    # (a bug or a library's failure on the reader thread: still the run's one error line)
+                    raise SourceError(f"reading {self.description} failed: {type(item.error).__name__}: "
+                                      f"{item.error}") from item.error
                 if item.error is not None:
                     raise item.error
                 return
-            yield item.result() if isinstance(item, _Preprocessing) else item
+            yield item.result(self._frame_timeout_s, self.description) if isinstance(item, _Preprocessing) else item
 
     def _read_all(self) -> None:
         """Reader thread: every exit path leaves exactly one end marker in the queue."""
@@ -300,8 +318,10 @@ class FrameSource:
             end = self._read_until_end()
         except BaseException as error:  # handed to the consumer, which re-raises it in its own thread
             end = _EndOfStream("error", error)
-        finally:
+        try:
             self._reader.release()
+        except Exception as error:  # (the frames were read: the end marker still goes in)
+            logger.warning("releasing %s failed: %s: %s", self.description, type(error).__name__, error)
         self._put(end, is_end=True)
 
     def _read_until_end(self) -> _EndOfStream:

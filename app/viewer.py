@@ -5,7 +5,10 @@ pending map keyed by frame index (a re-emitted frame overwrites its earlier emis
 viewer thread wakes at most `update_hz` times a second, takes everything pending and turns it into scene
 changes inside one `server.atomic()` block. viser's message buffer then coalesces repeated updates of a
 node and keeps the current scene for browsers that join late, because nodes are updated through their
-handles instead of being re-added.
+handles instead of being re-added. viser sends from its own event loop, a task per browser, so a browser
+that stops reading holds neither thread. The viewer thread is a helper of the run (models/supervision.py):
+if it raises, or an update runs past VIEWER_STALL_S, the viewer is off for the rest of the run (one warning
+line) and the run goes on without it.
 
 Scene tree (world = the model's frame, OpenCV axes, so the scene's up direction is -y):
 
@@ -54,8 +57,23 @@ from stream_recon.models.loops.corrections import ChunkCorrections
 from stream_recon.models.pose import back_project, rotation_to_quat_xyzw
 from stream_recon.models.prediction import FramePrediction
 from stream_recon.models.similarity import Sim3
+from stream_recon.models.supervision import Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
 
 logger = logging.getLogger(__name__)
+
+# An update that takes longer has stalled: the viewer is off for the rest of the run. The longest one with a
+# reason draws a full pending map (max_pending, 256 keyframes) at ~15 ms a keyframe on a busy 2-core CPU
+# (module docstring), about 4 s; five times that.
+VIEWER_STALL_S = 20.0
+# How long `close` waits for the viewer thread's last update (everything still pending): a full pending map
+# takes about 4 s (above); one not done by then is left behind (a daemon) and the viewer is off.
+VIEWER_CLOSE_S = 10.0
+# How long stopping the web server may hold its caller: viser's own stop waits up to 6 s (1 s for its
+# thread, then 5 s for its event loop) where a browser has stopped reading, for a close handshake that browser
+# never answers; a healthy stop takes a few ms. Past this, it finishes on a daemon thread.
+VIEWER_STOP_S = 2.0
+# Latest wins: `on_frame` replaces a frame's pending prediction and keeps at most `max_pending`.
+VIEWER_POLICY = HelperPolicy("the live viewer", WhenFull.LATEST, WhenDown.TURN_OFF, stall_s=VIEWER_STALL_S)
 
 # An old keyframe over the total-point cap keeps this share of its points before it is removed.
 THINNED_FRACTION = 4
@@ -344,14 +362,17 @@ class LiveViewer:
         self._busy_seconds = 0.0  # wall time the viewer thread spent drawing: its share of the run
 
         self._build_gui(inference_controls)
-        self._thread = threading.Thread(target=self._run, name="viewer", daemon=True)
-        self._thread.start()
+        # Whatever the viewer thread raises turns the viewer off for the rest of the run (one warning line);
+        # the run goes on without it.
+        self.helper = Helper(VIEWER_POLICY)
+        self._thread = start_supervised_thread(self.helper, self._run, "viewer")
 
     # ----------------------------------------------------------------------------------------- sink API
 
     def on_frame(self, pred: FramePrediction, stats: dict) -> None:
-        """Queue one prediction for display; O(1), never waits for the browser or the viewer thread."""
-        if self._closed:
+        """Queue one prediction for display; O(1), never waits for the browser or the viewer thread. Nothing
+        once the viewer is off (its thread raised, or an update ran past VIEWER_STALL_S)."""
+        if self._closed or not self.is_up:
             return
         with self._lock:
             pending = self._pending
@@ -367,15 +388,30 @@ class LiveViewer:
             self._arrivals.append(time.perf_counter())
         self._wake.set()
 
+    @property
+    def is_up(self) -> bool:
+        """Whether the viewer still draws: not off after its thread raised or an update stalled."""
+        if self.helper.is_up and not self.helper.check(has_work=self._drawing):
+            self._resume.set()  # (off: nothing can resume a paused run any more)
+        return self.helper.is_up
+
+    def record(self) -> dict:
+        """What run.json says of the viewer (models/supervision.py's record: up, and why not)."""
+        return self.helper.record()
+
     def close(self, status: str = "complete") -> None:
-        """Show the last state, stop the viewer thread and, unless `keep_serving`, the server."""
+        """Show the last state (VIEWER_CLOSE_S at most), stop the viewer thread and, unless `keep_serving`,
+        the server."""
         if self._closed:
             return
         self._closed = True
         self._resume.set()  # a paused run must not hang at exit
         self._stopping.set()
         self._wake.set()
-        self._thread.join(timeout=30)
+        if self.is_up:
+            self._thread.join(timeout=VIEWER_CLOSE_S)
+            if self._thread.is_alive():
+                self.helper.fail(f"its last update did not finish within {VIEWER_CLOSE_S:g} s")
         try:
             self._status.content = f"**run {status}**"
             if self._pause_button is not None:
@@ -390,8 +426,10 @@ class LiveViewer:
         self._status.content = text
 
     def stop(self) -> None:
-        """Stop the web server (after `close`, when the viewer was kept serving)."""
-        self.server.stop()
+        """Stop the web server (after `close`, when the viewer was kept serving); VIEWER_STOP_S at most."""
+        stopping = threading.Thread(target=self.server.stop, name="viewer-stop", daemon=True)
+        stopping.start()
+        stopping.join(timeout=VIEWER_STOP_S)
 
     def __enter__(self) -> LiveViewer:
         return self
@@ -414,10 +452,11 @@ class LiveViewer:
             self._pause_button.label = "Resume inference" if paused else "Pause inference"
 
     def wait_if_paused(self, timeout: float | None = None) -> bool:
-        """Block the calling (inference) thread while the browser has paused the run.
+        """Block the calling (inference) thread while the browser has paused the run (never once the
+        viewer is off).
 
         Returns False when `timeout` ran out while still paused."""
-        return self._resume.wait(timeout)
+        return not self.is_up or self._resume.wait(timeout)
 
     # ------------------------------------------------------------------------------- replay controls
 
@@ -435,7 +474,7 @@ class LiveViewer:
     def apply_corrections(self, corrections: ChunkCorrections) -> None:
         """Queue a solved pose graph: each chunk's node moves by its correction, and the accepted loops
         are drawn. One whose version is not newer than the last applied or queued one is ignored."""
-        if self._closed:
+        if self._closed or not self.is_up:
             return
         with self._lock:
             queued = self._pending.corrections
@@ -460,7 +499,7 @@ class LiveViewer:
         target = self._num_updates + 1
         self._wake.set()
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.is_up:
             with self._lock:
                 idle = self._pending_is_empty() and not self._drawing
             if idle and self._num_updates >= target:
@@ -512,16 +551,23 @@ class LiveViewer:
         self._wake.set()
 
     def _run(self) -> None:
+        """The viewer thread (supervised: whatever it raises turns the viewer off, and the run goes on)."""
+        try:
+            self._draw_until_stopped()
+        except BaseException:
+            self._resume.set()  # a paused run must not wait for a viewer that is gone
+            logger.debug("the viewer's update failed", exc_info=True)  # (--verbose: where)
+            raise
+
+    def _draw_until_stopped(self) -> None:
         period = 1.0 / self.update_hz
         while True:
             self._wake.wait()
             self._wake.clear()
             started = time.perf_counter()
-            try:
-                self._apply_pending()
-            except Exception:
-                # A drawing error must never take the run down with it; the next frame redraws.
-                logger.exception("viewer update failed")
+            self.helper.beat()  # (an update's time counts toward a stall from here)
+            self._apply_pending()
+            self.helper.beat()
             with self._lock:
                 self._drawing = False
             self._num_updates += 1

@@ -46,6 +46,7 @@ layer at 224 tiles.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import threading
 import warnings
@@ -159,6 +160,14 @@ def tensor_memory_loads(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= TENSOR_MEMORY_CAPABILITY
 
 
+logger = logging.getLogger("stream_recon.cache.triton_attention")
+
+# The longest an asker waits for another thread's build of the same key, and `measure_resident_programs`
+# for the frame attention's build beside its own: a build took 1.1-2.0 s on a fresh H100 machine
+# (docs/PERFORMANCE.md) and Triton gives it no limit of its own. Past it, that build has stalled: the asker
+# builds its own (a stream waits for no build of another thread's without a limit).
+RESIDENT_PROGRAMS_WAIT_S = 60.0
+
 _resident_programs: dict[tuple, int] = {}
 _resident_programs_locks: dict[tuple, threading.Lock] = {}  # one build per key, whichever thread asks first
 _locks_lock = threading.Lock()
@@ -174,9 +183,16 @@ def resident_programs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     if key not in _resident_programs:
         with _locks_lock:
             lock = _resident_programs_locks.setdefault(key, threading.Lock())
-        with lock:  # (other keys' builds go on beside this one)
+        # (other keys' builds go on beside this one)
+        if not lock.acquire(timeout=RESIDENT_PROGRAMS_WAIT_S):
+            logger.warning("the range kernel's build for %s on another thread did not finish within %g s; this "
+                           "thread builds its own", key, RESIDENT_PROGRAMS_WAIT_S)
+            return _resident_programs.setdefault(key, _measure_resident_programs(q, keys, values, num_stages, tma))
+        try:
             if key not in _resident_programs:
                 _resident_programs[key] = _measure_resident_programs(q, keys, values, num_stages, tma)
+        finally:
+            lock.release()
     return _resident_programs[key]
 
 
@@ -225,13 +241,16 @@ def measure_resident_programs(device: torch.device, dtype: torch.dtype, num_head
     q = torch.empty(BLOCK_QUERIES, num_heads, head_dim, dtype=dtype, device=device)  # [N, H, D]
     keys = torch.empty(BLOCK_KEYS, num_heads, head_dim, dtype=dtype, device=device)  # [capacity, H, D]
     failed: list[Exception] = []
+    # A daemon: one stalled in its build holds neither this call (RESIDENT_PROGRAMS_WAIT_S) nor the exit.
     frames = threading.Thread(target=_frame_resident_programs, args=(q, keys, failed),
-                              name=threading.current_thread().name)
+                              name=threading.current_thread().name, daemon=True)
     frames.start()
     try:
         key_stages(q, keys, keys)
     finally:
-        frames.join()
+        frames.join(timeout=RESIDENT_PROGRAMS_WAIT_S)
+    if frames.is_alive():
+        raise TimeoutError(f"the frame attention's build did not finish within {RESIDENT_PROGRAMS_WAIT_S:g} s")
     if failed:
         raise failed[0]
 

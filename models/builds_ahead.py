@@ -30,8 +30,15 @@ from .config import ModelConfig
 from .engine import StreamingEngine
 from .prepare import prepare_without_weights
 from .stream_config import StreamConfig
+from .supervision import Deadline
 
 logger = logging.getLogger("stream_recon.models.builds_ahead")
+
+# The longest the run's first frame waits for the pass: it took 3.6-4.2 s of a fresh H100 machine's start,
+# most of it while the checkpoint loaded (docs/PERFORMANCE.md), and its builds have BUILDS_WAIT_S of their
+# own. A pass still running a minute after the first frame asked has stalled: builds ahead are turned off
+# (kernel_builds.helper) and the run's kernels build at their first launches, a few seconds in all.
+AHEAD_WAIT_S = 60.0
 
 
 class BuildsAhead:
@@ -46,6 +53,8 @@ class BuildsAhead:
         self.device = kernel_builds.device_with_index(torch.device(device))
         self._seconds: dict[str, float] | None = None  # set by the thread when the pass succeeded
         self._started = time.perf_counter()
+        self._deadline: Deadline | None = None  # from the first `wait` on: every later one ends there too
+        self._given_up = False  # the pass stalled past the deadline
         self._thread = threading.Thread(target=self._build, args=(model_config, stream_config, dtype),
                                         name="kernel-build-ahead", daemon=True)
         self._thread.start()
@@ -80,16 +89,26 @@ class BuildsAhead:
         torch.cuda.empty_cache()
 
     def wait(self) -> dict[str, float] | None:
-        """Until the pass is done. Its seconds by part (build_kernels's "kernel_builds_s", "kernel_builds",
-        "kernel_builds_wait_s"; "kernel_builds_ahead_s" from the start to its end, the model and engine
-        made; "kernel_builds_ahead_wait_s", how long this call waited for it), or None where it failed."""
+        """Until the pass is done, AHEAD_WAIT_S from the first call at most. Its seconds by part
+        (build_kernels's "kernel_builds_s", "kernel_builds", "kernel_builds_wait_s"; "kernel_builds_ahead_s"
+        from the start to its end, the model and engine made; "kernel_builds_ahead_wait_s", how long this
+        call waited for it), or None where it failed or stalled (a stall turns the builds ahead off, with one
+        warning line: its thread is a daemon, left behind)."""
         started = time.perf_counter()
-        self._thread.join()
-        if self._seconds is None:
+        if self._deadline is None:
+            self._deadline = Deadline(AHEAD_WAIT_S)
+        self._thread.join(timeout=self._deadline.remaining())
+        if self._thread.is_alive():
+            self._given_up = True  # (what the thread does after this is no warm-up's)
+            kernel_builds.helper.fail(f"the dry pass beside the checkpoint's load did not finish within "
+                                      f"{self._deadline.seconds:g} s")
+            return None
+        if self._seconds is None or self._given_up:
             return None
         return {**self._seconds, "kernel_builds_ahead_wait_s": round(time.perf_counter() - started, 3)}
 
     def covers(self, image_size: tuple[int, int]) -> bool:
         """Whether the pass succeeded for frames of `image_size` (height, width): a warm-up of another
         size makes its own dry pass."""
-        return self._seconds is not None and (int(image_size[0]), int(image_size[1])) == self.image_size
+        return (self._seconds is not None and not self._given_up
+                and (int(image_size[0]), int(image_size[1])) == self.image_size)

@@ -37,6 +37,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from . import lookahead as lookahead_module
 from .chunks import TRAINED_VIEWS, ChunkAlignment, ChunkLink
 from .engine import StreamingEngine
 from .gct import GCTStream
@@ -53,6 +54,7 @@ from .rollover import (
     Rollover,
 )
 from .stream_config import StreamConfig
+from .supervision import Deadline
 
 logger = logging.getLogger("stream_recon.models.chunked")
 
@@ -110,6 +112,7 @@ class ChunkedEngine:
         # Where a spare may run, the current engine runs on a stream of its own from the warm-up on.
         self._main_stream = MainStream(self.device) if self.device.type == "cuda" and lookahead is not False else None
         self._rollover: Rollover | None = None  # the spare engine and the rollover's phases, once started
+        self.spare_off: str | None = None  # why a spare started for the stream went, for good
         self._first_frame: torch.Tensor | None = None  # the stream's, to warm a spare on
         # Frames a closed chunk may predict while the next catches up. Its cache has room for one
         # uncached frame unless the chunk spans the model's whole temporal range; and the new chunk
@@ -130,7 +133,10 @@ class ChunkedEngine:
         """Start a new stream: chunk 0, empty caches, no transforms."""
         self.engine.reset()
         if self._rollover is not None:
-            self._rollover.reset()
+            try:
+                self._rollover.reset()
+            except Exception as error:  # raised or stalled on its worker: the next stream goes on without it
+                self._turn_spare_off(error)
         self.alignment.reset()
         self.num_frames = 0
         self.rollovers = 0
@@ -235,6 +241,7 @@ class ChunkedEngine:
             provisional_frames=self.provisional_frames,
             replay_frames=len(self._replay),
             lookahead=self._rollover is not None,
+            spare_off=self.spare_off,
             rollover_phase=self._phase.value,
         )
         if self._rollover is not None:  # read only: the spare's worker may be stepping it
@@ -321,6 +328,7 @@ class ChunkedEngine:
                 raise
             logger.warning("out of device memory in the stream's first step beside the next chunk's spare: the "
                            "spare goes, rollovers now pause the stream (--gpu-memory plans a run to fit a GPU)")
+            self.spare_off = "out of device memory in the stream's first step beside it"
         else:
             if scale_step and self.engine.num_frames > 0:
                 self._release_cached_blocks()  # the scale step's, which no graph replay reuses
@@ -337,8 +345,17 @@ class ChunkedEngine:
             gc.collect()  # (tensors a reference cycle still holds)
             torch.cuda.empty_cache()
 
+    def _turn_spare_off(self, error: Exception) -> None:
+        """The spare raised `error` or stalled (SpareStalled: its helper is down and said so already): it is
+        off for the rest of the run, with one warning line (its helper's), and goes."""
+        helper = self._rollover.spare.helper
+        helper.fail(f"{type(error).__name__}: {error}")  # (the first reason stands: a stall's)
+        self.spare_off = helper.down_reason
+        self._drop_spare()
+
     def _drop_spare(self) -> None:
-        """Go on without a spare: its worker stopped and its device memory returned."""
+        """Go on without a spare: its worker stopped (a stalled one left behind) and its device memory
+        returned."""
         self._rollover.close()
         self._rollover = None
         self.lookahead = False
@@ -465,11 +482,17 @@ class ChunkedEngine:
         """Wait for the spare's warm-up; False where it ran out of device memory. Its room is an estimate,
         and on a card with little to spare (a 16 GB card under --gpu-memory 16GiB, docs/PERFORMANCE.md) the
         spare's own warm-up ran out of memory beside the engine."""
-        try:
-            self._rollover.spare.collect()  # its warm-up done: the stream's first frames share nothing with it
+        spare = self._rollover.spare
+        try:  # its warm-up done: the stream's first frames share nothing with it
+            spare.collect(Deadline(lookahead_module.SPARE_WARM_UP_S))
         except torch.OutOfMemoryError as error:
             logger.warning("out of device memory warming up the next chunk's spare (%s): the spare goes, rollovers "
                            "now pause the stream", str(error).partition(".")[0])
+            self.spare_off = "out of device memory in its warm-up"
+            return False
+        except Exception as error:  # raised or stalled (its worker is left behind): off, as at a switch
+            spare.helper.fail(f"its warm-up raised {type(error).__name__}: {error}")
+            self.spare_off = spare.helper.down_reason
             return False
         self._release_cached_blocks()  # its warm-up's, before the stream's scale step
         return True
@@ -479,10 +502,8 @@ class ChunkedEngine:
         engine. If the spare failed, the rollover happens in place instead, and later ones too."""
         try:
             received = self._rollover.switch(self.engine)
-        except Exception as error:  # e.g. out of memory on the worker: go on without a spare
-            logger.warning("the next chunk's lookahead failed (%s: %s); rollovers now pause the stream",
-                           type(error).__name__, error)
-            self._drop_spare()
+        except Exception as error:  # raised on the worker (e.g. out of memory) or stalled: go on without a spare
+            self._turn_spare_off(error)
             self.alignment.forget()
             self.engine.reset()
             self._replay_in_place()

@@ -287,7 +287,7 @@ class StreamingEngine:
             return {"frames": 0, "keyframes": 0, "cached_frames": 0, "patch_frames": 0, "patch_pages_in_use": 0,
                     "special_pages_in_use": 0, "camera_tokens": 0, "cache_bytes": 0, "attention": None,
                     "kv_cache": None, "cuda_graphs": False, "memory_plan": None, "compiled_code": self._compiled_code(),
-                    "warm_up": None}
+                    "warm_up": None, "kernel_builds_ahead_off": kernel_builds.helper.down_reason}
         return {
             "frames": self.num_frames,
             "keyframes": self.num_keyframes,
@@ -303,6 +303,7 @@ class StreamingEngine:
             "warm_up": getattr(self.runner, "warm_up_seconds", None) or None,
             "memory_plan": self.memory_plan.to_dict() if self.memory_plan is not None else None,
             "compiled_code": self._compiled_code(),
+            "kernel_builds_ahead_off": kernel_builds.helper.down_reason,  # why they went, for the process
         }
 
     def _cache_compiler(self):

@@ -23,15 +23,27 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 import torch
+
+from .daemon_pool import DaemonPool
+from .supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
 
 # Builds at once: eight specializations of the range kernel took 13.0 s one after another and 4.9 s
 # on eight threads (H100, 16 cores); more threads only queue on the interpreter. A warm-up lists
 # 9 at 518x392, at most four at a time.
 MAX_BUILD_THREADS = 8
+# The longest a dry step waits for its builds once its steps are done: the warm-up's builds took 6.6-8.3 s
+# one after another on a fresh H100 machine (docs/PERFORMANCE.md), and Triton gives a build no limit of
+# its own. Past it, a build has stalled: builds ahead are turned off, and a kernel not built yet builds at
+# its first launch, as without them.
+BUILDS_WAIT_S = 60.0
+BUILDS_AHEAD = HelperPolicy("building kernels ahead", WhenFull.DROP, WhenDown.TURN_OFF, stall_s=BUILDS_WAIT_S)
+# One for the process: a build that failed or stalled (its thread cannot be stopped, and may hold what a
+# build needs) turns off the dry passes, this module's and models/builds_ahead.py's, and the early builds.
+helper = Helper(BUILDS_AHEAD)
 
 logger = logging.getLogger("stream_recon.models.kernel_builds")
 
@@ -44,7 +56,7 @@ _installed: list = []  # [the hook that was there before ours] once ours is inst
 class DryLaunches:
     """The kernels a dry step would have built, each being built on the pool."""
 
-    pool: ThreadPoolExecutor
+    pool: DaemonPool
     device: torch.device
     futures: dict[tuple[int, str], Future] = field(default_factory=dict)  # by (kernel, specialization key)
     names: list[str] = field(default_factory=list)  # each listed kernel's name, in launch order
@@ -56,10 +68,19 @@ class DryLaunches:
             self.names.append(jit_function.fn.__name__ if hasattr(jit_function, "fn") else repr(jit_function))
             self.futures[listed] = self.pool.submit(_build, jit_function, specialization, self.device)
 
-    def wait(self) -> None:
-        """Until every listed build is done; the first that failed raises here."""
-        for future in self.futures.values():
-            future.result()
+    def wait(self, deadline: Deadline) -> None:
+        """Until every listed build is done or `deadline` passes. A build that failed or is not done by
+        then turns the builds ahead off (`helper`, one warning line); nothing raises here: a kernel that
+        was not built builds at its first launch, where an error of its own belongs."""
+        done, pending = wait(self.futures.values(), timeout=deadline.remaining())
+        named = dict(zip(self.futures.values(), self.names, strict=True))
+        if pending:
+            helper.fail(f"{len(pending)} of {len(self.futures)} builds ({', '.join(named[f] for f in pending)}) did "
+                        f"not finish within {deadline.seconds:g} s")
+        failed = next((future for future in self.futures.values() if future in done and future.exception()), None)
+        if failed is not None:
+            error = failed.exception()
+            helper.fail(f"building {named[failed]} failed: {type(error).__name__}: {error}")
 
 
 def _build(jit_function, specialization: str, device: torch.device) -> None:
@@ -103,8 +124,9 @@ def available() -> bool:
 
 def dry_pass_pays(device: str | torch.device, compiled: bool) -> bool:
     """Whether a dry pass builds anything: on CUDA, uncompiled (compiled steps build their kernels through
-    Inductor, which compiles on its own workers), where this Triton lists builds (`available`)."""
-    return torch.device(device).type == "cuda" and not compiled and available()
+    Inductor, which compiles on its own workers), where this Triton lists builds (`available`), while builds
+    ahead are on (`helper`)."""
+    return torch.device(device).type == "cuda" and not compiled and available() and helper.is_up
 
 
 def _install() -> None:
@@ -136,24 +158,28 @@ class BuildReport:
 @contextlib.contextmanager
 def dry_launches(device: torch.device) -> Iterator[BuildReport]:
     """On this thread, for the block: launches of kernels not built are listed and built on threads
-    instead of run. On leaving, waits for the builds (the report's `wait_s`): afterwards every listed
-    kernel launches without building."""
+    instead of run. On leaving, waits for the builds (the report's `wait_s`), BUILDS_WAIT_S at most:
+    afterwards every listed kernel launches without building, unless a build failed or stalled (the builds
+    ahead are off then, `helper`, and that kernel builds at its first launch)."""
     if getattr(_listing, "builds", None) is not None:
         raise RuntimeError("dry launches do not nest")
     _install()
     report = BuildReport()
-    with ThreadPoolExecutor(build_threads(), thread_name_prefix="kernel-build") as pool:
-        _listing.builds = builds = DryLaunches(pool, device_with_index(torch.device(device)))
+    pool = DaemonPool(build_threads(), "kernel-build")  # (daemons: a stalled build holds no exit)
+    _listing.builds = builds = DryLaunches(pool, device_with_index(torch.device(device)))
+    try:
         try:
             yield report
-        finally:  # (a block that raised: the pool still finishes its builds; their errors stay behind its own)
+        finally:  # (a block that raised: the builds under way end on their own; its error is the one raised)
             _listing.builds = None
         started = time.perf_counter()
         try:
-            builds.wait()
+            builds.wait(Deadline(BUILDS_WAIT_S))
         finally:
             report.builds, report.kernels = len(builds.futures), builds.names
             report.wait_s = round(time.perf_counter() - started, 3)
+    finally:
+        pool.shutdown()
 
 
 def device_with_index(device: torch.device) -> torch.device:
@@ -176,7 +202,7 @@ def start_early_builds(device: str | torch.device, dtype: torch.dtype, num_heads
     (H100, docs/PERFORMANCE.md), made side by side. Started before a checkpoint loads, they are done by
     the warm-up; a step that asks sooner waits for the build under way rather than making another."""
     device = torch.device(device)
-    if device.type != "cuda" or not available():
+    if device.type != "cuda" or not available() or not helper.is_up:
         return
     device = device_with_index(device)
 
@@ -184,9 +210,9 @@ def start_early_builds(device: str | torch.device, dtype: torch.dtype, num_heads
         from stream_recon.cache.triton_attention import measure_resident_programs
 
         torch.cuda.set_device(device)
-        try:
-            measure_resident_programs(device, dtype, num_heads, head_dim)
-        except Exception as error:  # (the first step then measures it where it is asked, and says why)
-            logger.debug("the range kernel's early build failed: %r", error)
+        # Whatever it raises turns the builds ahead off (`helper`); the first step then measures the kernel
+        # where it is asked, and raises there where it cannot. One that stalls holds the step no longer than
+        # triton_attention.RESIDENT_PROGRAMS_WAIT_S: the step then builds its own.
+        measure_resident_programs(device, dtype, num_heads, head_dim)
 
-    threading.Thread(target=build, name="kernel-build-early", daemon=True).start()
+    start_supervised_thread(helper, build, "kernel-build-early")

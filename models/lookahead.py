@@ -11,19 +11,26 @@ and decides whether there is room). Its CUDA stream has the default priority; th
 higher one, so the spare gets what the stream leaves. Its own kernels may use only SPARE_SM_SHARE of the
 SMs (models/sm_partition.py), so that the stream's next kernel finds SMs free; its steps' CUDA graphs,
 recorded on a plain stream, run on every SM wherever they are replayed.
+
+The spare is a helper of the run (models/supervision.py): the stream waits for it SPARE_WAIT_S at most
+(its warm-up SPARE_WARM_UP_S); one that stalls past that, or raises, is turned off for the rest of the run
+(ChunkedEngine drops it, and its rollovers happen in place), and its worker, a daemon, holds no exit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
+from .daemon_pool import DaemonPool
 from .engine import StreamingEngine
 from .prediction import FramePrediction
 from .sm_partition import device_sm_count, partitioned_stream
+from .supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
 
 # The share of the GPU's SMs that the spare's eager kernels (its scale step) may use. Beside the spare's
 # eager scale step on every SM, a stand-in of the stream's step took 2.9x its time alone (51.8 against
@@ -32,6 +39,20 @@ from .sm_partition import device_sm_count, partitioned_stream
 # rows' worst rollover interval went from 2.02-2.07x the median to 1.68-1.90x; the spare ends its
 # catch-ups a few frames later. 1: a plain stream on every SM.
 SPARE_SM_SHARE = 0.6
+# The longest the stream waits for the spare (at the switch, at the stream's end, at a reset), after which
+# the spare has stalled: it is dropped and rollovers happen in place. The longest wait with a reason is the
+# stream's end with the spare a whole provisional room behind (48 steps, rollover.MAX_PROVISIONAL: about
+# 1 s at 518x392 on an H100, docs/PERFORMANCE.md); at the switch it is a frame behind, tens of ms.
+SPARE_WAIT_S = 5.0
+# The spare's warm-up, waited for before the stream's first frame: 1.25-1.44 s on an H100 (its graph
+# recorded, its model's kernels built by then; docs/PERFORMANCE.md); twenty times that, it has stalled.
+SPARE_WARM_UP_S = 30.0
+SPARE_POLICY = HelperPolicy("the next chunk's lookahead", WhenFull.PUSH_BACK, WhenDown.TURN_OFF,
+                            stall_s=SPARE_WAIT_S)
+
+
+class SpareStalled(RuntimeError):
+    """The spare did not finish what the stream waited for before the deadline (its helper is down)."""
 
 
 class SpareEngine:
@@ -40,9 +61,12 @@ class SpareEngine:
     def __init__(self, engine: StreamingEngine):
         self.engine = engine
         self._stream = spare_stream(engine.device)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-recon-next-chunk")
+        # A daemon worker: one stalled in a step holds neither `close` nor the process's exit.
+        self._worker = DaemonPool(1, "stream-recon-next-chunk")
         self._jobs: list[Future] = []
         self.warm_seconds: float | None = None  # how long `warm` took on the worker, once it has
+        # Down once it stalled here (SpareStalled), or where its owner turns it off for what it raised.
+        self.helper = Helper(SPARE_POLICY)
 
     def warm(self, image: torch.Tensor) -> None:
         """Warm the spare on copies of a stream's first frame (StreamingEngine.warm_up) on its worker:
@@ -93,28 +117,44 @@ class SpareEngine:
             results += self._jobs.pop(0).result() or []
         return results
 
-    def take_next(self) -> list[FramePrediction] | None:
-        """Wait for the oldest queued frame's job and take its predictions; None when nothing is queued
-        or when that job failed (its error surfaces in `collect`)."""
-        if not self._jobs or self._jobs[0].exception() is not None:
+    def take_next(self, deadline: Deadline | None = None) -> list[FramePrediction] | None:
+        """Wait for the oldest queued frame's job until `deadline` (default SPARE_WAIT_S from now) and take
+        its predictions; None when nothing is queued or when that job failed (its error surfaces in
+        `collect`). SpareStalled when the deadline passes first."""
+        if not self._jobs:
+            return None
+        if self._outcome(self._jobs[0], deadline or Deadline(SPARE_WAIT_S)) is not None:
             return None
         return self._jobs.pop(0).result() or []
 
-    def collect(self) -> list[FramePrediction]:
-        """Wait for every queued frame; the predictions their pushes returned, oldest first. The
-        current stream then waits for the spare's device work. Raises the first error of a job."""
+    def collect(self, deadline: Deadline | None = None) -> list[FramePrediction]:
+        """Wait for every queued frame until `deadline` (default SPARE_WAIT_S from now); the predictions
+        their pushes returned, oldest first. The current stream then waits for the spare's device work.
+        Raises the first error of a job once every job is done, or SpareStalled when the deadline passes
+        first (the jobs are forgotten: the spare is dropped then)."""
+        deadline = deadline or Deadline(SPARE_WAIT_S)
         jobs, self._jobs = self._jobs, []
         results, errors = [], []
         for job in jobs:
-            try:
+            error = self._outcome(job, deadline)
+            if error is None:
                 results += job.result() or []
-            except Exception as error:  # the others still run to completion before the error surfaces
+            else:  # the others still run to completion before the error surfaces
                 errors.append(error)
         if self._stream is not None:
             torch.cuda.current_stream(self.engine.device).wait_stream(self._stream)
         if errors:
             raise errors[0]
         return results
+
+    def _outcome(self, job: Future, deadline: Deadline) -> BaseException | None:
+        """What `job` raised (None: it returned), once it is done; SpareStalled, marking the spare down,
+        where it is not done by `deadline`."""
+        try:
+            return job.exception(timeout=deadline.remaining())
+        except FutureTimeout:
+            self.helper.fail(f"it made no progress for {deadline.seconds:g} s")
+            raise SpareStalled(f"the next chunk's spare made no progress for {deadline.seconds:g} s") from None
 
     def drop(self) -> None:
         """Start the spare afresh without waiting: frames queued but not started are cancelled, and
@@ -128,13 +168,17 @@ class SpareEngine:
         self.engine.finish()
         self.engine.reset()
 
-    def discard(self) -> None:
-        """Wait for what was queued and start the spare afresh, its predictions dropped."""
+    def discard(self, deadline: Deadline | None = None) -> None:
+        """Wait for what was queued (until `deadline`, as `collect`) and start the spare afresh, its
+        predictions dropped. A stalled spare's engine is left as it is: its worker may still be in it."""
         try:
-            self.collect()
-        finally:
-            self.engine.finish()
-            self.engine.reset()
+            self.collect(deadline)
+        except SpareStalled:
+            raise
+        except Exception:
+            self._start_afresh()
+            raise
+        self._start_afresh()
 
     def hand_over(self, current: StreamingEngine) -> list[FramePrediction]:
         """After `collect`: `current` (the closed chunk's engine, finished) goes on with the spare's
@@ -153,7 +197,10 @@ class SpareEngine:
         return last
 
     def close(self) -> None:
-        self._worker.shutdown(wait=True)
+        """Stop the worker: queued jobs are cancelled, and the one it runs gets until SPARE_WAIT_S to end
+        (none where the spare has stalled already); a worker still running then is left behind."""
+        self._worker.shutdown()
+        self._worker.join(Deadline(SPARE_WAIT_S if self.helper.is_up else 0.0))
 
     def _submit(self, function, *args) -> None:
         self._jobs.append(self._worker.submit(self._on_stream, function, *args))

@@ -32,10 +32,12 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from . import lookahead
 from .chunks import AlignedFrame, ChunkAlignment, ClosedChunk
 from .engine import StreamingEngine
 from .lookahead import SpareEngine
 from .prediction import FramePrediction
+from .supervision import Deadline
 
 logger = logging.getLogger("stream_recon.models.rollover")
 
@@ -108,8 +110,10 @@ class Rollover:
         self._clear()
 
     def reset(self) -> None:
-        """STEADY, the spare empty (what it was given is dropped), nothing closed or taken ahead."""
-        self.spare.discard()
+        """STEADY, the spare empty (what it was given is dropped), nothing closed or taken ahead. Raises
+        what the spare raised, or SpareStalled where it does not answer within SPARE_WAIT_S: the caller
+        then goes on without it."""
+        self.spare.discard(Deadline(lookahead.SPARE_WAIT_S))
         self._clear()
 
     def _clear(self) -> None:
@@ -219,17 +223,19 @@ class Rollover:
 
     def switch(self, engine: StreamingEngine) -> list[FramePrediction]:
         """SWITCH_PENDING -> STEADY: the current engine (`engine`) takes the next chunk over from the
-        spare, and the spare's predictions of it so far are received. Raises what the spare raised, in
-        STEADY with the spare emptied: the caller then rolls over in place."""
+        spare, and the spare's predictions of it so far are received. Raises what the spare raised, or
+        SpareStalled where it has not delivered within SPARE_WAIT_S (a frame behind, it needs tens of ms),
+        in STEADY with the spare emptied: the caller then rolls over in place."""
         self.closed = None
         self._enter(Phase.STEADY)
+        deadline = Deadline(lookahead.SPARE_WAIT_S)
         try:
             # The spare's last frames are still on the GPU: make the ratios left while waiting for the next.
-            while (taken := self.spare.take_next()) is not None:
+            while (taken := self.spare.take_next(deadline)) is not None:
                 self.ready += taken
                 if self.alignment.transform is None:
                     self.alignment.make_ratios(self.ready, self.alignment.start, self.alignment.previous_tail)
-            predictions = self.ready + self.spare.collect()
+            predictions = self.ready + self.spare.collect(deadline)
             predictions += self.spare.hand_over(engine)
             self.ready = []
         except Exception:

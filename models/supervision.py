@@ -133,8 +133,11 @@ class HandOff:
     def offer(self, item: Any) -> bool:
         """Hand `item` over; False when it was dropped (counted) or the helper is down."""
         helper, when_full = self.helper, self.helper.policy.when_full
-        if not helper.check(has_work=self.backlog > 0):
+        idle = self.backlog == 0
+        if not helper.check(has_work=not idle):
             return False
+        if idle:  # the stall clock runs from when it has work again, not from its last item long ago
+            helper.beat()
         with self._changed:
             if self._unfinished == 0:
                 helper.beat()  # the stall clock runs from the oldest unfinished item
@@ -173,14 +176,15 @@ class HandOff:
         self._finished()
 
     def drain(self, deadline: Deadline) -> bool:
-        """Wait until every item handed over is finished, the helper is down, or the deadline passes;
-        True when drained."""
+        """Wait until every item handed over is finished, the helper is down (one that makes no progress
+        for stall_s meanwhile is marked so), or the deadline passes; True when drained."""
+        helper = self.helper
         with self._changed:
-            while self._unfinished and self.helper.is_up:
-                if not self._changed.wait(timeout=min(deadline.remaining(), 0.1)) and deadline.expired:
+            while self._unfinished and helper.is_up and not deadline.expired:
+                if helper.seconds_since_beat() > helper.policy.stall_s:
+                    helper.fail(f"it made no progress for {helper.policy.stall_s:g} s")
                     break
-                if self.helper.seconds_since_beat() > self.helper.policy.stall_s:
-                    break
+                self._changed.wait(timeout=min(deadline.remaining(), 0.1))
             return self._unfinished == 0
 
     def _discard_one(self) -> None:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from stream_recon.models import StreamConfig, StreamingEngine, kernel_builds
+from stream_recon.models.supervision import Helper
 
 pytestmark = pytest.mark.skipif(not kernel_builds.available(), reason="this Triton cannot list builds")
 
@@ -95,13 +96,19 @@ def test_launches_on_other_threads_run_and_reach_the_hook_that_was_there_before(
         kernel_builds._installed[0] = previous
 
 
-def test_a_build_that_fails_fails_the_dry_step_once_the_others_are_done():
+def test_a_build_that_fails_turns_the_builds_ahead_off_once_the_others_are_done(monkeypatch, caplog):
+    """Its kernel builds at its first launch instead, where an error of its own belongs; the dry step goes on."""
+    monkeypatch.setattr(kernel_builds, "helper", Helper(kernel_builds.BUILDS_AHEAD))
     good, bad = KernelBuiltOnPreload("good"), KernelBuiltOnPreload("bad", fails=True)
-    with pytest.raises(RuntimeError, match="bad does not build"):
-        with kernel_builds.dry_launches(torch.device("cpu")):
-            launch(bad, "x")
-            launch(good, "y")
-    assert [spec for spec, _ in good.built] == ["data of y"] and not kernel_builds.listing()
+    with kernel_builds.dry_launches(torch.device("cpu")) as report:
+        launch(bad, "x")
+        launch(good, "y")
+    assert [spec for spec, _ in good.built] == ["data of y"] and not kernel_builds.listing() and report.builds == 2
+    assert kernel_builds.helper.down_reason == "building bad failed: RuntimeError: bad does not build"
+    assert not kernel_builds.dry_pass_pays("cuda", compiled=False)  # no dry pass for the rest of the process
+    warnings = [record for record in caplog.records if record.levelname == "WARNING"]
+    assert [record.getMessage() for record in warnings] == [
+        "building kernels ahead is off for the rest of the run: building bad failed: RuntimeError: bad does not build"]
 
 
 def test_dry_steps_do_not_nest():
