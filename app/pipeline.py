@@ -205,7 +205,7 @@ def run_sequence(
             if viewer is not None:
                 viewer.close("failed")
             if builds_ahead is not None:  # its thread holds the GPU until its pass ends: not left running
-                builds_ahead.wait()
+                builds_ahead.wait()  # unbounded-ok: BuildsAhead.wait ends AHEAD_WAIT_S after its first call
             remove_if_empty(output_dir, created_dir)
             raise
         # the finiteness check comes first: a frame that fails it reaches no other sink
@@ -220,7 +220,7 @@ def run_sequence(
         finally:
             engine.close()  # the next chunk's worker thread, when the engine has one
             if builds_ahead is not None:  # (a stream that ended before its first frame did not wait for it)
-                builds_ahead.wait()
+                builds_ahead.wait()  # unbounded-ok: BuildsAhead.wait ends AHEAD_WAIT_S after its first call
             if compiled_sizes is not None:
                 note = compiled_sizes.finish(stop=run.stopped_by_signal)
                 if note:
@@ -354,7 +354,7 @@ class Run:
         where it was for frames of this size; else None (the warm-up makes its own)."""
         if self.builds_ahead is None:
             return None
-        seconds = self.builds_ahead.wait()
+        seconds = self.builds_ahead.wait()  # unbounded-ok: BuildsAhead.wait ends AHEAD_WAIT_S after its first call
         return seconds if self.builds_ahead.covers(image.shape[-2:]) else None
 
     def _warm_up(self, image: Any, built_ahead: dict[str, float] | None) -> None:
@@ -421,6 +421,10 @@ class Run:
             summary["loop_closure"] = loops.summary()
         if self.compiled_sizes is not None:
             summary["compile_beside"] = self.compiled_sizes.summary()
+        # each helper's state (models/supervision.py): up, or why it went down; loop closure's is its own
+        summary["helpers"] = {"writer": self.writer.helper.record()}
+        if self.viewer is not None and hasattr(self.viewer, "record"):
+            summary["helpers"]["viewer"] = self.viewer.record()
         writes_by = Deadline(STOP_CLOSE_S) if status == "interrupted" else None
         writer_error = None
         for sink in self.sinks:

@@ -282,7 +282,7 @@ class FrameSource:
         if self._thread is None:
             self._reader.release()
         if self._preprocessing is not None:
-            self._preprocessing.shutdown()
+            self._preprocessing.shutdown()  # unbounded-ok: a DaemonPool's shutdown returns at once
 
     def _frames(self) -> Iterator[Frame]:
         while True:

@@ -562,7 +562,7 @@ class LiveViewer:
     def _draw_until_stopped(self) -> None:
         period = 1.0 / self.update_hz
         while True:
-            self._wake.wait()
+            self._wake.wait()  # unbounded-ok: the viewer's own thread waits for its next update
             self._wake.clear()
             started = time.perf_counter()
             self.helper.beat()  # (an update's time counts toward a stall from here)

@@ -114,7 +114,7 @@ class SpareEngine:
         are not returned again by `collect`. A failed job stays queued (its error surfaces there)."""
         results = []
         while self._jobs and self._jobs[0].done() and self._jobs[0].exception() is None:
-            results += self._jobs.pop(0).result() or []
+            results += self._jobs.pop(0).result() or []  # unbounded-ok: the job is done
         return results
 
     def take_next(self, deadline: Deadline | None = None) -> list[FramePrediction] | None:
@@ -125,7 +125,7 @@ class SpareEngine:
             return None
         if self._outcome(self._jobs[0], deadline or Deadline(SPARE_WAIT_S)) is not None:
             return None
-        return self._jobs.pop(0).result() or []
+        return self._jobs.pop(0).result() or []  # unbounded-ok: _outcome waited for it with the deadline
 
     def collect(self, deadline: Deadline | None = None) -> list[FramePrediction]:
         """Wait for every queued frame until `deadline` (default SPARE_WAIT_S from now); the predictions
@@ -138,7 +138,7 @@ class SpareEngine:
         for job in jobs:
             error = self._outcome(job, deadline)
             if error is None:
-                results += job.result() or []
+                results += job.result() or []  # unbounded-ok: _outcome waited for it with the deadline
             else:  # the others still run to completion before the error surfaces
                 errors.append(error)
         if self._stream is not None:
@@ -199,7 +199,7 @@ class SpareEngine:
     def close(self) -> None:
         """Stop the worker: queued jobs are cancelled, and the one it runs gets until SPARE_WAIT_S to end
         (none where the spare has stalled already); a worker still running then is left behind."""
-        self._worker.shutdown()
+        self._worker.shutdown()  # unbounded-ok: a DaemonPool's shutdown returns at once
         self._worker.join(Deadline(SPARE_WAIT_S if self.helper.is_up else 0.0))
 
     def _submit(self, function, *args) -> None:

@@ -133,14 +133,11 @@ class HandOff:
     def offer(self, item: Any) -> bool:
         """Hand `item` over; False when it was dropped (counted) or the helper is down."""
         helper, when_full = self.helper, self.helper.policy.when_full
-        idle = self.backlog == 0
-        if not helper.check(has_work=not idle):
+        if not helper.check(has_work=self.backlog > 0):
             return False
-        if idle:  # the stall clock runs from when it has work again, not from its last item long ago
-            helper.beat()
         with self._changed:
-            if self._unfinished == 0:
-                helper.beat()  # the stall clock runs from the oldest unfinished item
+            if self._unfinished == 0:  # the stall clock runs from when it has work again, not from its last item
+                helper.beat()
             self._unfinished += 1
         try:
             if when_full is WhenFull.PUSH_BACK:
