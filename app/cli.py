@@ -43,7 +43,7 @@ from stream_recon.app.commands._options import (
     set_verbosity,
 )
 from stream_recon.app.export_formats import format_summary
-from stream_recon.app.stopping import PromptInterrupt
+from stream_recon.app.stopping import PromptInterrupt, interrupted_exit_code
 
 if _handler_before_import is not None:
     signal.signal(signal.SIGINT, _handler_before_import)
@@ -176,12 +176,18 @@ def with_default_command(args: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
-    # Every command's heavy libraries are imported when it runs (commands/*): Ctrl-C must stop it there too
+    # Every command's heavy libraries are imported when it runs (commands/*): Ctrl-C and SIGTERM must stop
+    # it there too
     with PromptInterrupt() as interrupt:
         try:
             app(args=with_default_command(args), prog_name="stream-recon")
         except KeyboardInterrupt:  # one that came before typer's own handling, or after it
-            sys.exit(EXIT_INTERRUPTED)
+            sys.exit(interrupted_exit_code(interrupt.signum))
+        except SystemExit as exiting:
+            # typer reports every KeyboardInterrupt as 130, the one PromptInterrupt raised for SIGTERM too
+            if exiting.code == EXIT_INTERRUPTED and interrupt.signum is not None:
+                sys.exit(interrupted_exit_code(interrupt.signum))
+            raise
         finally:
             interrupt.honoured()
 

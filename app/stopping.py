@@ -7,12 +7,13 @@ scheduler, `timeout`) sees the signal it sent.
 
 Three phases, one handler each:
 - from the start of the CLI until a run's stream (imports, checks, the model load): PromptInterrupt.
-  Ctrl-C raises KeyboardInterrupt as Python's own handler does, and raises it again every half second
-  until the program has stopped, because a library can swallow one: an import inside
-  `except BaseException` (trimesh's optional imports are written so) loses a KeyboardInterrupt that
-  lands in it, and the run went on as if Ctrl-C had never been pressed. While torch and Triton are imported
-  (`interrupts_held`) a Ctrl-C waits for the import to end: raised inside their native set-up it became a
-  C++ exception that aborted the process (exit -6);
+  Ctrl-C or SIGTERM raises KeyboardInterrupt as Python's own handler does for Ctrl-C, so that whatever
+  the command made so far is undone on the way out (a run's output folder: stopped before its first
+  frame, a run leaves nothing), and raises it again every half second until the program has stopped,
+  because a library can swallow one: an import inside `except BaseException` (trimesh's optional imports
+  are written so) loses a KeyboardInterrupt that lands in it, and the run went on as if Ctrl-C had never
+  been pressed. While torch and Triton are imported (`interrupts_held`) a signal waits for the import to
+  end: raised inside their native set-up it became a C++ exception that aborted the process (exit -6);
 - while frames stream: StopOnSignal (finish the frame, flush, save);
 - a viewer serving until it is stopped (`view`, a run kept on screen): wait_for_stop_signal.
 """
@@ -41,23 +42,26 @@ STOP_CLOSE_S = 4.0
 
 
 class PromptInterrupt:
-    """Ctrl-C ends the program promptly even where a library swallows a KeyboardInterrupt (module doc).
+    """Ctrl-C or SIGTERM ends the program promptly even where a library swallows a KeyboardInterrupt
+    (module doc).
 
-    The first SIGINT raises KeyboardInterrupt and starts a thread that raises it in the main thread again
-    every REDELIVERY_INTERVAL_S until `honoured()` (the CLI is exiting) or until another handler owns
-    SIGINT (a run's StopOnSignal, which then treats the pending Ctrl-C as its first). Main thread only.
+    The first SIGINT or SIGTERM raises KeyboardInterrupt and starts a thread that delivers the same signal
+    to the main thread again every REDELIVERY_INTERVAL_S until `honoured()` (the CLI is exiting) or until
+    another handler owns that signal (a run's StopOnSignal, which then treats the pending one as its
+    first). `signum` says which came, for the exit code (128 + it). Main thread only.
     """
 
     def __init__(self) -> None:
-        self._previous: Any = None
+        self._previous: dict[int, Any] = {}
         self._requested = threading.Event()
         self._honoured = threading.Event()
         self._deferring = False
-        self._deferred = False
+        self._deferred: int | None = None
+        self.signum: int | None = None  # the first signal received
 
     def __enter__(self) -> PromptInterrupt:
         global _active
-        self._previous = signal.signal(signal.SIGINT, self._raise)
+        self._previous = {signum: signal.signal(signum, self._raise) for signum in STOP_SIGNALS}
         _active = self
         return self
 
@@ -65,12 +69,13 @@ class PromptInterrupt:
         global _active
         self.honoured()
         _active = None
-        if signal.getsignal(signal.SIGINT) == self._raise:
-            signal.signal(signal.SIGINT, self._previous)
+        for signum, previous in self._previous.items():
+            if signal.getsignal(signum) == self._raise:
+                signal.signal(signum, previous)
 
     @property
     def pending(self) -> bool:
-        """A Ctrl-C came and the program has not stopped for it (a library swallowed it)."""
+        """A signal came and the program has not stopped for it (a library swallowed it)."""
         return self._requested.is_set() and not self._honoured.is_set()
 
     def honoured(self) -> None:
@@ -78,34 +83,35 @@ class PromptInterrupt:
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
-        """Hold a Ctrl-C until the block ends, then raise it: for imports of native libraries (torch, Triton),
+        """Hold a signal until the block ends, then raise it: for imports of native libraries (torch, Triton),
         whose module set-up turns a KeyboardInterrupt raised inside it into a C++ exception that aborts the
-        process (SIGABRT, exit -6) instead of exiting 130."""
+        process (SIGABRT, exit -6) instead of exiting 130 or 143."""
         self._deferring = True
         try:
             yield
         finally:
             self._deferring = False
-        if self._deferred:
-            self._deferred = False
-            self._raise(signal.SIGINT, None)
+        if self._deferred is not None:
+            signum, self._deferred = self._deferred, None
+            self._raise(signum, None)
 
     def _raise(self, signum: int, frame: object) -> None:
         if self._deferring:
-            self._deferred = True
+            self._deferred = self._deferred or signum
             return
         if not self._requested.is_set():
+            self.signum = signum
             self._requested.set()
             threading.Thread(target=self._redeliver, name="interrupt-redelivery", daemon=True).start()
         raise KeyboardInterrupt
 
     def _redeliver(self) -> None:
         while not self._honoured.wait(REDELIVERY_INTERVAL_S):
-            if signal.getsignal(signal.SIGINT) != self._raise:
-                return  # StopOnSignal owns Ctrl-C now and has taken the pending one as its first
+            if signal.getsignal(self.signum) != self._raise:
+                return  # StopOnSignal owns the signal now and has taken the pending one as its first
             # a real signal, not _thread.interrupt_main: that one waits for a blocking call (a sleep, a read)
             # to return before it is raised
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            signal.pthread_kill(threading.main_thread().ident, self.signum)
 
 
 _active: PromptInterrupt | None = None  # the CLI's, while it runs
@@ -121,9 +127,9 @@ def interrupts_held() -> Iterator[None]:
         yield
 
 
-def swallowed_interrupt() -> bool:
-    """Whether a Ctrl-C is still owed a stop (see PromptInterrupt.pending)."""
-    return _active is not None and _active.pending
+def swallowed_signal() -> int | None:
+    """The signal still owed a stop (see PromptInterrupt.pending), or None."""
+    return _active.signum if _active is not None and _active.pending else None
 
 
 class StopOnSignal:
@@ -155,9 +161,10 @@ class StopOnSignal:
             for signum in self._SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
             self._previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._stream_overran)
-            if swallowed_interrupt():  # Ctrl-C before the stream, lost in a library: stop before the first frame
+            swallowed = swallowed_signal()
+            if swallowed is not None:  # a signal before the stream, lost in a library: stop before the first frame
                 _active.honoured()
-                self.count, self.signum = 1, signal.SIGINT
+                self.count, self.signum = 1, swallowed
                 self._on_first()
         return self
 

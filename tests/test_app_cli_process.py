@@ -1,0 +1,101 @@
+"""`stream-recon` as a user meets it: the installed command in a process of its own, on real files, real
+folders, a real full disk and real signals; what reaches the terminal (or a log file) and what is left
+on disk is checked, not what a function returns.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from media_helpers import mjpeg_server
+
+from stream_recon.app.commands._options import EXIT_TERMINATED
+
+# the run flags that make the tiny model's runs take a moment (tests/test_app_cli.py uses the same)
+FAST_FLAGS = ("--no-viewer", "--image-width", "56", "--scale-frames", "3", "--window", "4")
+# library log levels an in-process CLI of an earlier test left in this process's environment
+QUIET_LIBRARY_LOGS = ("OPENCV_LOG_LEVEL", "OPENCV_FFMPEG_LOGLEVEL")
+# the console script pip installed beside this Python (a checkout without it: the same entry point by module)
+STREAM_RECON = Path(sys.executable).with_name("stream-recon")
+
+
+def command(*args: str) -> list[str]:
+    entry = [str(STREAM_RECON)] if STREAM_RECON.exists() else [sys.executable, "-m", "stream_recon.app.cli"]
+    return [*entry, *args]
+
+
+def environment(**extra: str) -> dict[str, str]:
+    inherited = {key: value for key, value in os.environ.items() if key not in QUIET_LIBRARY_LOGS}
+    return {**inherited, "OMP_NUM_THREADS": "1", **extra}
+
+
+def stream_recon(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`stream-recon ARGS` run to its end; stdout and stderr as the terminal would get them."""
+    return subprocess.run(command(*args), capture_output=True, text=True, cwd=cwd, timeout=timeout,
+                          env=environment())
+
+
+def lines_of(result: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+
+
+def wait_for(condition, child: subprocess.Popen, what: str, timeout_s: float = 90) -> None:
+    """Poll `condition()` until it holds; fail if the process ends first or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if child.poll() is not None:
+            raise AssertionError(f"the process ended (exit {child.returncode}) before {what}:\n{child.stdout.read()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} after {timeout_s} s")
+        time.sleep(0.005)
+
+
+CAMERA_FRAMES = 5  # enough for the stream to open (FFmpeg reads a few to know it)
+BEYOND_THE_CAMERA = ("--scale-frames", str(2 * CAMERA_FRAMES))  # the first prediction waits for the scale frames
+
+
+@pytest.fixture
+def stalled_camera() -> Iterator[str]:
+    """A live camera that sends CAMERA_FRAMES frames and then nothing: a run on it with BEYOND_THE_CAMERA
+    never gets a prediction to keep, whenever it is stopped."""
+    with mjpeg_server(num_frames=CAMERA_FRAMES + 1, stall_after=CAMERA_FRAMES) as url:
+        yield url
+
+
+# ------------------------------------------------------------------ signals
+
+
+@pytest.mark.parametrize("named_output", [True, False], ids=["-o", "outputs/NAME"])
+def test_sigterm_before_the_first_frame_leaves_nothing_and_exits_143(
+    tmp_path: Path, tiny_checkpoint: Path, stalled_camera: str, named_output: bool
+) -> None:
+    # SIGTERM while the model loaded ended the process by the signal's default action: exit 143 as a shell
+    # reports it, but the output folder the run had made was left behind, empty
+    run_dir = tmp_path / "out"
+    output = ("-o", str(run_dir)) if named_output else ()  # else outputs/<the camera's name>, in the current folder
+
+    def made_its_folder() -> bool:
+        return run_dir.exists() if named_output else any((tmp_path / "outputs").glob("*"))
+
+    child = subprocess.Popen(command(stalled_camera, "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS,
+                                     *BEYOND_THE_CAMERA, *output),
+                             cwd=tmp_path, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        wait_for(made_its_folder, child, "output folder")  # made before the model loads
+        child.send_signal(signal.SIGTERM)
+        printed, _ = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+    assert child.returncode == EXIT_TERMINATED, printed
+    assert "Traceback" not in printed
+    assert not run_dir.exists() and not (tmp_path / "outputs").exists(), sorted(tmp_path.rglob("*"))
