@@ -29,6 +29,9 @@ WARM_UP_CHOICES = ("auto", "on", "off")
 # the run streams uncompiled and a child process compiles that size beside it for the next run (app.
 # background_compile); on: compiled before the stream, whatever it costs; off: never.
 COMPILE_CHOICES = ("auto", "on", "off")
+# The options that take one of a few words, by field, in the order their problems are named
+WORD_CHOICES = {"loop_closure": LOOP_CLOSURE_CHOICES, "compile": COMPILE_CHOICES, "warm_up": WARM_UP_CHOICES,
+                "kv_cache": KV_CACHE_CHOICES}
 MAX_CHUNK_FRAMES = 1024  # positions in the model's temporal RoPE table
 DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
                "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
@@ -108,8 +111,12 @@ class RunOptions:
     keep_viewer: bool = False  # after the run, keep serving the result until Ctrl-C
 
     def __post_init__(self) -> None:
-        if isinstance(self.compile, bool):  # a preset or an earlier run's settings may say true or false
-            object.__setattr__(self, "compile", "on" if self.compile else "off")
+        for field, choices in WORD_CHOICES.items():
+            value = getattr(self, field)
+            # YAML reads a preset's on/off (and true/false, yes/no) as booleans; an earlier run's settings
+            # may hold `compile: true`
+            if isinstance(value, bool) and "on" in choices:
+                object.__setattr__(self, field, "on" if value else "off")
         problems = list(self._problems())
         if problems:
             raise OptionsError("; ".join(problems))
@@ -149,14 +156,10 @@ class RunOptions:
         if not (math.isfinite(self.reconnect_s) and self.reconnect_s >= 0):
             yield f"--reconnect must be a number of seconds >= 0 (0: never reconnect), got {self.reconnect_s}"
         yield from point_cloud_problems(self.conf_threshold, self.voxel_size)
-        if self.loop_closure not in LOOP_CLOSURE_CHOICES:
-            yield f"--loop-closure must be one of {', '.join(LOOP_CLOSURE_CHOICES)}, got {self.loop_closure!r}"
-        if self.compile not in COMPILE_CHOICES:
-            yield f"--compile must be one of {', '.join(COMPILE_CHOICES)}, got {self.compile!r}"
-        if self.warm_up not in WARM_UP_CHOICES:
-            yield f"--warm-up must be one of {', '.join(WARM_UP_CHOICES)}, got {self.warm_up!r}"
-        if self.kv_cache not in KV_CACHE_CHOICES:
-            yield f"--kv-cache must be one of {', '.join(KV_CACHE_CHOICES)}, got {self.kv_cache!r}"
+        for field, choices in WORD_CHOICES.items():
+            value = getattr(self, field)
+            if value not in choices:
+                yield f"{flag(field)} must be one of {', '.join(choices)}, got {value!r}"
         port_problem = viewer_port_problem(self.port)
         if port_problem:
             yield port_problem

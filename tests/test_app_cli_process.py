@@ -5,6 +5,7 @@ on disk is checked, not what a function returns.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from media_helpers import mjpeg_server
+from media_helpers import mjpeg_server, write_image_folder
 
 from stream_recon.app.commands._options import EXIT_TERMINATED
 
@@ -99,3 +100,20 @@ def test_sigterm_before_the_first_frame_leaves_nothing_and_exits_143(
     assert child.returncode == EXIT_TERMINATED, printed
     assert "Traceback" not in printed
     assert not run_dir.exists() and not (tmp_path / "outputs").exists(), sorted(tmp_path.rglob("*"))
+
+
+# ------------------------------------------------------------------ presets
+
+
+def test_a_presets_on_and_off_are_read_as_written(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    # YAML reads on/off as booleans: `loop_closure: off` was refused as "must be text, got False"
+    folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png"], width=160, height=96)
+    preset = tmp_path / "mine.yaml"
+    preset.write_text("loop_closure: off\nwarm_up: on\ncompile: off\n")
+
+    result = stream_recon(str(folder), "--config", str(preset), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS,
+                          "-o", str(tmp_path / "run"))
+
+    assert result.returncode == 0, result.stderr
+    settings = json.loads((tmp_path / "run" / "run.json").read_text())["settings"]
+    assert (settings["loop_closure"], settings["warm_up"], settings["compile"]) == ("off", "on", False)
