@@ -158,6 +158,7 @@ class RunWriter:
         self.points = PointAccumulator(
             conf_threshold=conf_threshold, voxel_size=voxel_size, max_points=max_points
         )
+        self.points_written: int | None = None  # the points points.ply holds, once it is written
         self.poses: dict[int, PoseRecord] = {}
         self.last_stats: dict = {}
         self.status = "running"
@@ -348,6 +349,7 @@ class RunWriter:
     def _write_points(self, moves: list[tuple[np.ndarray, Sim3]]) -> None:
         cloud = self.points.moved_cloud(moves) if moves else self.points.cloud()
         write_ply(self.output_dir / POINTS_PLY, cloud.xyz, cloud.rgb)
+        self.points_written = len(cloud)  # fewer than accumulated where a correction brought points together
 
     def _chunk_moves(self, corrections: ChunkCorrections) -> list[tuple[np.ndarray, Sim3]]:
         """(frames [F], Sim3) for each chunk that the corrections move, by the chunk of each frame's final
@@ -397,7 +399,7 @@ class RunWriter:
             "last_frame_index": max(self.poses) if self.poses else None,
             "peak_host_memory_bytes": peak_host_memory_bytes(),
             "points": {
-                "count": len(self.points),
+                "count": len(self.points) if self.points_written is None else self.points_written,
                 "conf_threshold": self.points.conf_threshold,
                 "voxel_size": self.points.voxel_size,
                 "max_points": self.points.max_points,

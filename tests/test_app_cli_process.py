@@ -15,7 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from media_helpers import mjpeg_server, write_image_folder
+from media_helpers import mjpeg_server, write_image_folder, write_video
+from plyfile import PlyData
 
 from stream_recon.app.commands._options import EXIT_TERMINATED
 
@@ -117,3 +118,39 @@ def test_a_presets_on_and_off_are_read_as_written(tmp_path: Path, tiny_checkpoin
     assert result.returncode == 0, result.stderr
     settings = json.loads((tmp_path / "run" / "run.json").read_text())["settings"]
     assert (settings["loop_closure"], settings["warm_up"], settings["compile"]) == ("off", "on", False)
+
+
+# ------------------------------------------------------------------ what a run states about its files
+
+# The tiny model never closes a loop, so this stands in for what loop closure hands the writer when it has
+# accepted one: every chunk from 1 on moved, here shrunk by half towards the origin, so that many of their
+# points fall into voxels of others (a correction that brings two passes over a place together does that).
+CORRECTED_RUN = """
+import numpy as np
+from stream_recon.app import writers
+from stream_recon.app.cli import main
+from stream_recon.models.loops.corrections import ChunkCorrections
+from stream_recon.models.similarity import Sim3
+
+shrunk = ChunkCorrections({0: Sim3.identity(), 1: Sim3(0.5, np.eye(3), np.zeros(3))})
+close = writers.RunWriter.close
+writers.RunWriter.close = lambda self, status, summary=None, corrections=None, **rest: close(
+    self, status, summary, shrunk, **rest)
+main()
+"""
+
+
+def test_run_json_counts_the_points_that_points_ply_holds_after_a_correction(tmp_path: Path,
+                                                                            tiny_checkpoint: Path) -> None:
+    # run.json said 16,412 points of a loop-corrected run whose points.ply held 14,061
+    video = write_video(tmp_path / "clip.mp4", 14)
+    run_dir = tmp_path / "run"
+    chunks = ("--chunk-frames", "8", "--overlap", "2", "--conf-threshold", "1")  # two chunks; every pixel a point
+    run = subprocess.run([sys.executable, "-c", CORRECTED_RUN, str(video), "--checkpoint", str(tiny_checkpoint),
+                          *FAST_FLAGS, *chunks, "-o", str(run_dir)],
+                         capture_output=True, text=True, timeout=120, env=environment())
+    assert run.returncode == 0, run.stderr
+    assert (run_dir / "trajectory_open_tum.txt").exists()  # the correction moved chunk 1
+
+    stated = json.loads((run_dir / "run.json").read_text())["summary"]["points"]["count"]
+    assert stated == len(PlyData.read(str(run_dir / "points.ply"))["vertex"]) > 0
