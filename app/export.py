@@ -20,6 +20,7 @@ Conventions of the outputs:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import shutil
 from collections.abc import Iterator
@@ -157,14 +158,31 @@ def export_run(
     except BaseException as error:
         target.discard()
         if isinstance(error, OSError):  # the folder could be made but not written (read-only, full, no permission)
-            raise ExportError(
-                f"cannot write {target.path}: {error.strerror or error}; choose a writable --output"
-            ) from None
+            raise ExportError(_write_failure(target.path, error)) from None
         raise
     finally:
         if images.source is not None:
             images.source.close()
     return result
+
+
+def _write_failure(target: Path, error: OSError) -> str:
+    """Why an export could not be written, in one sentence, and what to do (nothing of it is left)."""
+    reason = error.strerror or str(error)
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"cannot write {target}: the disk is full ({reason}); nothing of the export is left there: free "
+                "some space or choose another --output")
+    return f"cannot write {target}: {reason}; choose a writable --output"
+
+
+def write_png(path: Path, rgb: np.ndarray) -> None:
+    """An RGB image [H, W, 3] uint8 as a PNG file. Encoded in memory and written as any other file, so that a
+    full disk is an OSError with its errno: cv2.imwrite only returned False, after libpng printed its own
+    "Write Error" on the terminal."""
+    encoded, png = cv2.imencode(".png", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR))
+    if not encoded:
+        raise ExportError(f"could not encode {path.name} as a PNG image ({rgb.shape[1]}x{rgb.shape[0]})")
+    atomic_write(path, lambda f: f.write(png.tobytes()), binary=True)
 
 
 def _export(run_dir: Path, fmt: ExportFormat, target: Path, images: _ImageSupply, conf_threshold: float,
@@ -348,8 +366,7 @@ def _read_contents(run_dir: Path, accumulator: PointAccumulator, images_dir: Pat
         image_name = None
         if images_dir is not None:
             image_name = f"{record['frame_index']:06d}.png"
-            if not cv2.imwrite(str(images_dir / image_name), cv2.cvtColor(written, cv2.COLOR_RGB2BGR)):
-                raise ExportError(f"could not write {images_dir / image_name}")
+            write_png(images_dir / image_name, written)
         cameras.append(
             CameraRecord(
                 frame_index=record["frame_index"],

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from media_helpers import mjpeg_server, write_image_folder, write_video
+from media_helpers import mjpeg_server, write_image_folder, write_noise_video, write_video
 from plyfile import PlyData
 
-from stream_recon.app.commands._options import EXIT_TERMINATED
+from stream_recon.app.commands._options import EXIT_BAD_INPUT, EXIT_TERMINATED
 
 # the run flags that make the tiny model's runs take a moment (tests/test_app_cli.py uses the same)
 FAST_FLAGS = ("--no-viewer", "--image-width", "56", "--scale-frames", "3", "--window", "4")
@@ -154,3 +154,45 @@ def test_run_json_counts_the_points_that_points_ply_holds_after_a_correction(tmp
 
     stated = json.loads((run_dir / "run.json").read_text())["summary"]["points"]["count"]
     assert stated == len(PlyData.read(str(run_dir / "points.ply"))["vertex"]) > 0
+
+
+# ------------------------------------------------------------------ a full disk
+
+
+SMALL_DISK_BYTES = 200 * 1024
+# frames of noise at the model input's size: PNG cannot compress them, so three take more than the small disk
+NOISE_WIDTH, NOISE_HEIGHT = 224, 168
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A folder on a real filesystem of SMALL_DISK_BYTES: a tmpfs (mounting one needs root)."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK_BYTES}", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        # /dev/full stands in for a full file only, and a folder export is refused on a device anyway
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip() or 'mount failed'})")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_an_export_that_fills_the_disk_is_one_line_that_says_so(tmp_path: Path, tiny_checkpoint: Path,
+                                                                small_disk: Path) -> None:
+    # "libpng error: Write Error" from the library, then "could not write .../000001.png" with no reason
+    video = write_noise_video(tmp_path / "noise.mp4", 3, NOISE_WIDTH, NOISE_HEIGHT)
+    run_dir = tmp_path / "run"
+    run = stream_recon(str(video), "--checkpoint", str(tiny_checkpoint), "--no-viewer", "--image-width",
+                       str(NOISE_WIDTH), "--scale-frames", "3", "--window", "4", "-o", str(run_dir))
+    assert run.returncode == 0, run.stderr
+    export = small_disk / "colmap"
+
+    result = stream_recon("export", str(run_dir), "--format", "colmap", "-o", str(export))
+
+    assert result.returncode == EXIT_BAD_INPUT, result.stderr
+    assert lines_of(result) == [f"error: cannot write {export}: the disk is full (No space left on device); "
+                                "nothing of the export is left there: free some space or choose another --output"]
+    assert not any(small_disk.iterdir())
