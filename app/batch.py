@@ -389,6 +389,7 @@ def run_batch(
     gpus_per_task: float = 1.0,
     overwrite: bool = False,
     console: Console | None = None,
+    ray_log_level: int = logging.WARNING,
 ) -> list[dict]:
     """Process `sequences` into OUTPUT/<name>/ and write the summary; returns the rows in sequence order.
 
@@ -425,7 +426,8 @@ def run_batch(
         raise BatchError(_outdated_message(output_dir, outdated, len(sequences)))
     # Ray is joined and asked for its resources, or the model loaded, before anything is written: a
     # refusal (no GPU in the cluster, a missing checkpoint) leaves nothing behind
-    ray_session = _RaySession.join(ray_address, gpus_per_task, len(pending)) if pending and ray_address else None
+    ray_session = (_RaySession.join(ray_address, gpus_per_task, len(pending), ray_log_level)
+                   if pending and ray_address else None)
     try:
         worker = spec.build(console) if pending and ray_session is None else None
         _prepare_output_dir(output_dir)
@@ -525,8 +527,9 @@ def _run_serial(pending: list[Sequence], worker: SequenceWorker, console: Consol
 # Ray
 
 
-def connect_ray(address: str) -> tuple[Any, bool]:
+def connect_ray(address: str, log_level: int = logging.WARNING) -> tuple[Any, bool]:
     """Join the Ray cluster at `address`; `auto` joins a running one or starts a local instance.
+    `log_level`: what Ray's own log shows on the terminal (the CLI: its warnings only with --verbose).
 
     Returns (the ray module, whether this call started Ray and so should shut it down). A Ray already
     initialised in this process (a notebook, a test) is used as it is.
@@ -539,13 +542,13 @@ def connect_ray(address: str) -> tuple[Any, bool]:
         return ray, False
     if address == "auto":
         try:
-            ray.init(address="auto", logging_level=logging.WARNING)
+            ray.init(address="auto", logging_level=log_level)
         except ConnectionError:
             # Nothing to join: start a private instance, reachable from this machine only.
-            ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
+            ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=log_level)
         return ray, True
     try:
-        ray.init(address=address, logging_level=logging.WARNING)
+        ray.init(address=address, logging_level=log_level)
     except ConnectionError as error:
         raise BatchError(f"cannot reach the Ray cluster at {address}: {error}") from None
     return ray, True
@@ -577,8 +580,8 @@ class _RaySession:
         self.actors = actors
 
     @classmethod
-    def join(cls, address: str, gpus_per_task: float, sequences: int) -> _RaySession:
-        ray, started_here = connect_ray(address)
+    def join(cls, address: str, gpus_per_task: float, sequences: int, log_level: int) -> _RaySession:
+        ray, started_here = connect_ray(address, log_level)
         try:
             actors = plan_actors(ray.cluster_resources(), gpus_per_task, sequences)
         except BaseException:

@@ -196,3 +196,22 @@ def test_an_export_that_fills_the_disk_is_one_line_that_says_so(tmp_path: Path, 
     assert lines_of(result) == [f"error: cannot write {export}: the disk is full (No space left on device); "
                                 "nothing of the export is left there: free some space or choose another --output"]
     assert not any(small_disk.iterdir())
+
+
+# ------------------------------------------------------------------ the libraries' own lines
+
+
+@pytest.mark.slow  # starts a Ray instance: 10-20 s on a busy machine
+def test_a_ray_batch_refused_for_want_of_gpus_is_one_line_without_rays_own_log(tmp_path: Path) -> None:
+    # a Ray "WARNING ... Token authentication is enabled" line came before the error
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    write_image_folder(tmp_path / "data" / "a", ["0.png", "1.png"], width=160, height=96)
+
+    result = stream_recon("batch", str(tmp_path / "data"), "-o", str(tmp_path / "out"), "--ray", "auto",
+                          "--device", "cpu", "--checkpoint", str(tmp_path / "none.safetensors"))
+
+    if "the Ray cluster has 0 GPU(s)" not in result.stderr:
+        pytest.skip(f"this machine's Ray cluster has a GPU: {result.stderr.strip()}")
+    assert result.returncode == EXIT_BAD_INPUT
+    assert lines_of(result) == ["error: the Ray cluster has 0 GPU(s) but each sequence asks for 1; add GPU nodes, "
+                                "or pass --gpus-per-task 0 to run on CPUs"]

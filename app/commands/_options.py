@@ -264,8 +264,8 @@ def set_verbosity(verbose: bool) -> None:
     """--verbose (any command): the libraries' own messages on stderr and every line of an error's details.
 
     Without it, OpenCV's log (`[ WARN:0@0.1] global cap.cpp:212 ...`), FFmpeg's (`[mpeg4 @ 0x...] header
-    damaged`, `[tcp @ 0x...] Connection refused`) and Python warnings stay quiet, so that a bad input is the
-    one `error:` line. OpenCV reads its level when it loads and FFmpeg's at its first capture, both after
+    damaged`, `[tcp @ 0x...] Connection refused`), Ray's warnings (library_log_level) and Python warnings stay
+    quiet, so that a bad input is the one `error:` line. OpenCV reads its level when it loads and FFmpeg's at its first capture, both after
     this (commands import them when they run); a level the user set in the environment is kept.
     """
     global _verbose
@@ -274,6 +274,12 @@ def set_verbosity(verbose: bool) -> None:
         os.environ.setdefault("OPENCV_LOG_LEVEL", "SILENT")
         os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", "-8")  # AV_LOG_QUIET
         warnings.simplefilter("ignore")
+
+
+def library_log_level() -> int:
+    """The level a library's own Python log (Ray's) is shown from: its warnings with --verbose, else only
+    its errors (set_verbosity)."""
+    return logging.WARNING if _verbose else logging.ERROR
 
 
 def error_line(message: str) -> str:

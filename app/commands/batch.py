@@ -36,6 +36,7 @@ from stream_recon.app.commands._options import (
     check_alignment,
     error_console,
     evaluation_flags,
+    library_log_level,
     takes_run_options,
     user_errors,
 )
@@ -124,6 +125,7 @@ def batch(
                 gpus_per_task=gpus_per_task,
                 overwrite=overwrite,
                 console=console,
+                ray_log_level=library_log_level(),
             )
         except BatchInterrupted as interrupted:
             console.print(summary_table(interrupted.rows, title=f"{output}/summary.json (interrupted)"))
