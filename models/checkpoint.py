@@ -54,6 +54,9 @@ SOURCE_NAME_METADATA_KEY = "stream_recon.source_name"
 TORCH_SUFFIXES = (".pt", ".pth")
 SAFETENSORS_SUFFIX = ".safetensors"
 NAMES_SHOWN = 20  # longer name lists in error messages end with "... and N more"
+# A checkpoint's problems of one kind (missing, wrong shape, ...) are named in the error's one line up to this
+# many; more are counted there and listed by --verbose, where a few hundred names would not fit a line
+NAMED_IN_SUMMARY = 3
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default (zip) format; only this one can be memory-mapped
 _PICKLE_PROTO = b"\x80"  # the legacy torch.save format starts with a protocol >= 2 pickle
@@ -280,9 +283,19 @@ class StateDictReport:
         return not (self.missing or self.unexpected or self.mismatched or self.wrong_dtype)
 
     def summary(self) -> str:
-        counts = [(len(self.missing), "missing"), (len(self.unexpected), "unexpected"),
-                  (len(self.mismatched), "with the wrong shape"), (len(self.wrong_dtype), "with a non-float dtype")]
-        problems = ", ".join(f"{count} {what}" for count, what in counts if count)
+        """One line: how many tensors match, and each kind of problem, its tensors named with their shapes
+        where a kind has at most NAMED_IN_SUMMARY (describe() lists more)."""
+        kinds = [
+            ("missing", [f"{name} {_shape(shape)}" for name, shape in self.missing]),
+            ("unexpected", [f"{name} {_shape(shape)}" for name, shape in self.unexpected]),
+            ("with the wrong shape", [f"{name}: checkpoint {_shape(found)}, model {_shape(wanted)}"
+                                      for name, found, wanted in self.mismatched]),
+            ("with a non-float dtype", [f"{name}: {dtype}" for name, dtype in self.wrong_dtype]),
+        ]
+        problems = ", ".join(
+            f"{len(named)} {what}" + (f" ({'; '.join(named)})" if len(named) <= NAMED_IN_SUMMARY else "")
+            for what, named in kinds if named
+        )
         return f"{len(self.loaded)} tensors match" + (f"; {problems}" if problems else "")
 
     def describe(self, limit: int = NAMES_SHOWN) -> str:

@@ -15,10 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from media_helpers import mjpeg_server, write_image_folder, write_noise_video, write_video
 from plyfile import PlyData
 
 from stream_recon.app.commands._options import EXIT_BAD_INPUT, EXIT_TERMINATED
+from stream_recon.models import GCTStream, ModelConfig
 
 # the run flags that make the tiny model's runs take a moment (tests/test_app_cli.py uses the same)
 FAST_FLAGS = ("--no-viewer", "--image-width", "56", "--scale-frames", "3", "--window", "4")
@@ -215,3 +217,22 @@ def test_a_ray_batch_refused_for_want_of_gpus_is_one_line_without_rays_own_log(t
     assert result.returncode == EXIT_BAD_INPUT
     assert lines_of(result) == ["error: the Ray cluster has 0 GPU(s) but each sequence asks for 1; add GPU nodes, "
                                 "or pass --gpus-per-task 0 to run on CPUs"]
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def test_convert_names_the_one_tensor_of_the_wrong_shape_and_both_shapes(tmp_path: Path) -> None:
+    # "1 with the wrong shape ... (--verbose shows the details)": which tensor, and how, only with --verbose
+    with torch.device("meta"):  # the official architecture's names and shapes, without its 4.6 GB of values
+        state_dict = GCTStream(ModelConfig()).state_dict()
+    name = "aggregator.patch_embed.mask_token"
+    state_dict[name] = torch.empty(2, *state_dict[name].shape[1:], device="meta")
+    torch.save(state_dict, tmp_path / "one_wrong.pt")
+
+    result = stream_recon("convert", str(tmp_path / "one_wrong.pt"), str(tmp_path / "out.safetensors"))
+
+    assert result.returncode == EXIT_BAD_INPUT, result.stderr
+    assert len(lines_of(result)) == 1, result.stderr
+    assert f"1 with the wrong shape ({name}: checkpoint [2, 1024], model [1, 1024])" in result.stderr
+    assert not (tmp_path / "out.safetensors").exists()

@@ -281,7 +281,8 @@ def test_wrong_key_is_named_as_missing_and_unexpected(tmp_path, tiny_state_dict)
     with pytest.raises(CheckpointError) as error:
         load_model(path, config=TINY)
     message = str(error.value)
-    assert "1 missing, 1 unexpected" in message
+    shape = f"[1, 2, 1, {TINY.embed_dim}]"
+    assert f"1 missing (aggregator.camera_token {shape}), 1 unexpected (camera_head.typo_token {shape})" in message
     assert f"missing from the checkpoint (name, model shape):\n  aggregator.camera_token [1, 2, 1, {TINY.embed_dim}]" in message
     assert f"unexpected in the checkpoint (name, checkpoint shape):\n  camera_head.typo_token [1, 2, 1, {TINY.embed_dim}]" in message
     assert "allow_partial=True" in message
