@@ -132,12 +132,10 @@ class RunOptions:
             yield f"--scale-frames must be >= 1, got {self.scale_frames}"
         if self.window < 1:
             yield f"--window must be >= 1, got {self.window}"
-        if self.scale_frames >= self.chunk_frames:
-            yield (
-                f"--scale-frames ({self.scale_frames}) must be less than --chunk-frames ({self.chunk_frames}): "
-                "the scale frames stay in the cache of every chunk; lower --scale-frames or raise --chunk-frames "
-                f"(at most {MAX_CHUNK_FRAMES})"
-            )
+        if self.chunk_frames < 2:  # a chunk holds its scale frames and at least one more
+            yield f"--chunk-frames must be >= 2 (more than --scale-frames, {self.scale_frames}), got {self.chunk_frames}"
+        elif self.scale_frames >= self.chunk_frames:
+            yield self._scale_frames_beyond_a_chunk()
         elif self.chunk_frames > MAX_CHUNK_FRAMES:
             yield (
                 f"--chunk-frames must be at most {MAX_CHUNK_FRAMES} (the model's temporal position table), "
@@ -169,6 +167,17 @@ class RunOptions:
             except ValueError as error:
                 yield str(error)
         yield from _engine_problems(self)
+
+    def _scale_frames_beyond_a_chunk(self) -> str:
+        """The scale frames do not leave a chunk room for another frame, said of the flag the user changed:
+        --chunk-frames when only it differs from its default (`--chunk-frames 5` beside the default 8 scale
+        frames), else --scale-frames."""
+        why = "the scale frames stay in the cache of every chunk"
+        if self.chunk_frames != RunOptions.chunk_frames and self.scale_frames == RunOptions.scale_frames:
+            return (f"--chunk-frames ({self.chunk_frames}) must be more than --scale-frames ({self.scale_frames}): "
+                    f"{why}; raise --chunk-frames (at most {MAX_CHUNK_FRAMES}) or lower --scale-frames")
+        return (f"--scale-frames ({self.scale_frames}) must be less than --chunk-frames ({self.chunk_frames}): "
+                f"{why}; lower --scale-frames or raise --chunk-frames (at most {MAX_CHUNK_FRAMES})")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

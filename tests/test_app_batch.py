@@ -381,7 +381,7 @@ def test_batch_command_rejects_bad_input_with_one_sentence(tmp_path):
     assert alignment.exit_code == 2 and "--alignment must be sim3 or se3" in alignment.output
     # run options reach RunOptions through the same flags as `run`
     window = runner.invoke(app, ["batch", str(tmp_path), "-o", str(tmp_path / "out"), "--chunk-frames", "4"])
-    assert window.exit_code == 2 and "must be less than --chunk-frames" in window.output
+    assert window.exit_code == 2 and "--chunk-frames (4) must be more than --scale-frames (8)" in window.output
 
 
 def test_batch_command_reports_a_missing_checkpoint_before_any_sequence(tmp_path, dataset):

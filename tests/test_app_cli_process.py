@@ -236,3 +236,18 @@ def test_convert_names_the_one_tensor_of_the_wrong_shape_and_both_shapes(tmp_pat
     assert len(lines_of(result)) == 1, result.stderr
     assert f"1 with the wrong shape ({name}: checkpoint [2, 1024], model [1, 1024])" in result.stderr
     assert not (tmp_path / "out.safetensors").exists()
+
+
+# ------------------------------------------------------------------ options
+
+
+def test_a_bad_chunk_frames_is_said_of_chunk_frames(tmp_path: Path) -> None:
+    # `--chunk-frames -5` was reported as "--scale-frames (8) must be less than --chunk-frames (-5)"
+    folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png"], width=160, height=96)
+    for typed, said in ((["--chunk-frames", "-5"], "error: --chunk-frames must be >= 2 (more than --scale-frames, 8), "
+                                                    "got -5"),
+                        (["--chunk-frames", "5"], "error: --chunk-frames (5) must be more than --scale-frames (8)")):
+        result = stream_recon(str(folder), *typed, "--no-viewer", "-o", str(tmp_path / "run"))
+        assert result.returncode == EXIT_BAD_INPUT, result.stderr
+        assert len(lines_of(result)) == 1 and lines_of(result)[0].startswith(said), result.stderr
+    assert not (tmp_path / "run").exists()

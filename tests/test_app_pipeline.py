@@ -343,8 +343,10 @@ def test_a_run_builds_nothing_ahead_where_it_has_no_load_to_hide_it_or_a_memory_
 
 
 def test_window_options_are_checked_before_anything_runs() -> None:
-    with pytest.raises(OptionsError, match=r"--scale-frames \(\d+\) must be less than --chunk-frames"):
-        RunOptions(scale_frames=8, chunk_frames=8)
+    with pytest.raises(OptionsError, match=r"--scale-frames \(9\) must be less than --chunk-frames \(8\)"):
+        RunOptions(scale_frames=9, chunk_frames=8)
+    with pytest.raises(OptionsError, match=r"--chunk-frames \(8\) must be more than --scale-frames \(8\)"):
+        RunOptions(chunk_frames=8)  # only the chunk was changed: it is named first
     with pytest.raises(OptionsError, match="--overlap must be between 1 and --chunk-frames - 1"):
         RunOptions(chunk_frames=20, overlap=20)
 
