@@ -206,6 +206,13 @@ def prepare_output_dir(output_dir: Path, *, overwrite: bool) -> Path | None:
     never starts destroys nothing.
     """
     output_dir = Path(output_dir)
+    link = dangling_link(output_dir)
+    if link is not None:
+        where = f"output path {output_dir}" + ("" if link == output_dir else f": {link}")
+        raise OutputDirError(
+            f"{where} is a symbolic link to {os.readlink(link)}, which does not exist; create the folder it points "
+            "to, or choose another --output"
+        )
     if output_dir.exists() and not output_dir.is_dir():
         raise OutputDirError(f"output path {output_dir} exists and is not a directory; choose another --output")
     previous = run_files(output_dir)
@@ -232,6 +239,17 @@ def prepare_output_dir(output_dir: Path, *, overwrite: bool) -> Path | None:
             "choose a writable --output"
         ) from None
     return created
+
+
+def dangling_link(path: Path) -> Path | None:
+    """`path` or the nearest of its parents that is a symbolic link to nothing, or None: a folder cannot be
+    made there (mkdir says only "File exists")."""
+    for folder in (path, *path.parents):
+        if folder.exists():
+            return None
+        if folder.is_symlink():
+            return folder
+    return None
 
 
 def outermost_missing(path: Path) -> Path | None:

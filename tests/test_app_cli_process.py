@@ -251,3 +251,17 @@ def test_a_bad_chunk_frames_is_said_of_chunk_frames(tmp_path: Path) -> None:
         assert result.returncode == EXIT_BAD_INPUT, result.stderr
         assert len(lines_of(result)) == 1 and lines_of(result)[0].startswith(said), result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_an_output_that_is_a_dangling_link_is_said_to_be_one(tmp_path: Path) -> None:
+    # `-o LINK` to a folder that does not exist: "cannot write to the output directory LINK: File exists"
+    folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png"], width=160, height=96)
+    link = tmp_path / "latest"
+    link.symlink_to(tmp_path / "runs" / "today")
+
+    for output, named in ((link, f"{link}"), (link / "run", f"{link / 'run'}: {link}")):
+        result = stream_recon(str(folder), "--no-viewer", "-o", str(output))
+        assert result.returncode == EXIT_BAD_INPUT, result.stderr
+        assert lines_of(result) == [f"error: output path {named} is a symbolic link to {tmp_path}/runs/today, which "
+                                    "does not exist; create the folder it points to, or choose another --output"]
+    assert link.is_symlink() and not (tmp_path / "runs").exists()
