@@ -12,6 +12,10 @@ import math
 
 PATCH_SIZE = 14
 DEFAULT_IMAGE_WIDTH = 518
+# A source so small that each patch of the model input is made of less than one of its pixels across holds no
+# detail for the model to match from frame to frame: it sees smooth colour (a 1x1 picture is one colour over
+# the whole input). At the default width that is a source under 37 pixels wide; such a source is warned about.
+MIN_SOURCE_PIXELS_PER_PATCH = 1.0
 
 
 def resized_size(width: int, height: int, image_width: int = DEFAULT_IMAGE_WIDTH) -> tuple[int, int]:
@@ -53,6 +57,18 @@ def input_size_problem(width: int, height: int, image_width: int = DEFAULT_IMAGE
         f"{PATCH_SIZE}-pixel patch row; frames {width} pixels wide need to be at least {smallest_height} high: "
         "crop them to a less extreme aspect ratio"
     )
+
+
+def too_small_warning(width: int, height: int, image_width: int = DEFAULT_IMAGE_WIDTH) -> str | None:
+    """A warning for a `width` x `height` source that the model input would blow up beyond
+    MIN_SOURCE_PIXELS_PER_PATCH, or None. The height is scaled as the width is, so the width decides."""
+    pixels_per_patch = width * PATCH_SIZE / image_width
+    if pixels_per_patch >= MIN_SOURCE_PIXELS_PER_PATCH:
+        return None
+    smallest_width = math.ceil(MIN_SOURCE_PIXELS_PER_PATCH * image_width / PATCH_SIZE)
+    return (f"the source's frames are {width}x{height}: at --image-width {image_width} each {PATCH_SIZE}-pixel patch "
+            f"the model reads is {pixels_per_patch:.2g} of their pixels across, too little detail to reconstruct "
+            f"anything; use frames at least {smallest_width} pixels wide, or a smaller --image-width")
 
 
 def check_image_width(image_width: int) -> None:

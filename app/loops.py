@@ -19,6 +19,23 @@ from stream_recon.app.options import OptionsError, RunOptions
 
 logger = logging.getLogger(__name__)
 
+
+def third_chunk_start(options: RunOptions) -> int:
+    """The first frame a third chunk can start at: a loop joins chunks two or more apart, so a stream that
+    ends before it has no loop to close (each chunk starts `overlap` frames before the last one's end)."""
+    return 2 * (options.chunk_frames - options.overlap)
+
+
+def loop_closure_cannot_help(options: RunOptions, estimated_length: int | None) -> str | None:
+    """A warning for `--loop-closure on` over a source known to end before a third chunk (`auto` is off
+    there, and run.json says why), or None."""
+    if options.loop_closure != "on" or estimated_length is None or estimated_length > third_chunk_start(options):
+        return None
+    return (f"--loop-closure on: the stream's {estimated_length} frames never reach a third chunk (frame "
+            f"{third_chunk_start(options)} at --chunk-frames {options.chunk_frames}), and a loop joins chunks "
+            "two or more apart, so loop closure cannot correct this stream; --loop-closure off skips it")
+
+
 def loop_closure_wanted(options: RunOptions, estimated_length: int | None) -> tuple[bool, str]:
     """Whether a run closes loops, and why (for run.json). `on` without the pose graph's library is an
     OptionsError; `auto` is on unless the library is missing or the source is known to end before its
@@ -34,7 +51,7 @@ def loop_closure_wanted(options: RunOptions, estimated_length: int | None) -> tu
         if "does not import" in missing:  # installed but broken: worth a line, unlike a choice not to install it
             logger.warning("loop closure is off: %s; pip install --force-reinstall gtsam", missing)
         return False, f"off ({missing})"
-    third_chunk = 2 * (options.chunk_frames - options.overlap)
+    third_chunk = third_chunk_start(options)
     if options.loop_closure == "auto" and estimated_length is not None and estimated_length <= third_chunk:
         return False, f"off (auto: {estimated_length} frames never reach a third chunk, at frame {third_chunk})"
     return True, "on" if options.loop_closure == "on" else "on (auto)"

@@ -33,7 +33,7 @@ from rich.markup import escape
 
 from stream_recon.app.background_compile import CompiledSizes, compile_choice, run_key
 from stream_recon.app.clock import RunClock
-from stream_recon.app.input_size import model_input_size
+from stream_recon.app.input_size import model_input_size, too_small_warning
 from stream_recon.app.loading import (
     CheckpointDigest,
     build_engine,
@@ -44,7 +44,7 @@ from stream_recon.app.loading import (
     prepared_for_run,
     start_builds_ahead,
 )
-from stream_recon.app.loops import LoopClosureSink, loop_closure_wanted
+from stream_recon.app.loops import LoopClosureSink, loop_closure_cannot_help, loop_closure_wanted
 from stream_recon.app.options import (
     RunOptions,
     check_attention,
@@ -159,6 +159,7 @@ def run_sequence(
         if device == "cpu" and options.gpu_memory is not None:
             warnings.append(f"--gpu-memory {options.gpu_memory} budgets a GPU's memory and does nothing on the CPU, "
                             "where the memory check applies instead (--no-memory-check turns it off)")
+        warnings += _source_warnings(frame_source, options)
         created_dir = prepare_output_dir(output_dir, overwrite=options.overwrite)
         if frame_source.live:
             frame_source.start()  # keep a camera's connection drained while the model loads
@@ -630,6 +631,15 @@ def _check_selection(source: FrameSource, options: RunOptions) -> None:
             f"--start {options.start} is past the end of {source.description}: no frame is left to reconstruct; "
             "use a smaller --start"
         )
+
+
+def _source_warnings(source: FrameSource, options: RunOptions) -> list[str]:
+    """What a run of `source` with `options` is warned of before it starts: a loop closure asked for that
+    cannot help it, frames too small to reconstruct."""
+    warnings = [loop_closure_cannot_help(options, source.estimated_length)]
+    if source.frame_size is not None:
+        warnings.append(too_small_warning(*source.frame_size, options.image_width))
+    return [warning for warning in warnings if warning is not None]
 
 
 def _settings(options: RunOptions, source: FrameSource, used: dict[str, Any], checkpoint: str | None) -> dict[str, Any]:

@@ -265,3 +265,39 @@ def test_an_output_that_is_a_dangling_link_is_said_to_be_one(tmp_path: Path) -> 
         assert lines_of(result) == [f"error: output path {named} is a symbolic link to {tmp_path}/runs/today, which "
                                     "does not exist; create the folder it points to, or choose another --output"]
     assert link.is_symlink() and not (tmp_path / "runs").exists()
+
+
+# ------------------------------------------------------------------ warnings before a run
+
+
+def warnings_of(result: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in lines_of(result) if line.startswith("warning: ")]
+
+
+def test_frames_too_small_to_reconstruct_are_warned_of(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    # a folder of 1x1 pictures was blown up to the model's input size without a word
+    folder = write_image_folder(tmp_path / "dots", ["0.png", "1.png", "2.png"], width=1, height=1)
+
+    result = stream_recon(str(folder), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(tmp_path / "run"))
+
+    assert result.returncode == 0, result.stderr
+    assert warnings_of(result) == [
+        "warning: the source's frames are 1x1: at --image-width 56 each 14-pixel patch the model reads is 0.25 of "
+        "their pixels across, too little detail to reconstruct anything; use frames at least 4 pixels wide, or a "
+        "smaller --image-width"]
+
+
+def test_loop_closure_on_for_a_stream_too_short_for_a_third_chunk_is_warned_of(tmp_path: Path,
+                                                                              tiny_checkpoint: Path) -> None:
+    # `--loop-closure on` on a short stream ran loop detection silently, with nothing it could ever close
+    pytest.importorskip("gtsam", reason="--loop-closure on needs gtsam")
+    folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png", "2.png"], width=160, height=96)
+
+    result = stream_recon(str(folder), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "--loop-closure", "on",
+                          "--chunk-frames", "8", "--overlap", "2", "-o", str(tmp_path / "run"))
+
+    assert result.returncode == 0, result.stderr
+    assert warnings_of(result) == [
+        "warning: --loop-closure on: the stream's 3 frames never reach a third chunk (frame 12 at --chunk-frames 8), "
+        "and a loop joins chunks two or more apart, so loop closure cannot correct this stream; --loop-closure off "
+        "skips it"]
