@@ -114,7 +114,7 @@ def register(module: ModuleType, name: str, summary: str) -> None:
 
 
 register(run, "run", "Reconstruct a video, image folder, webcam or stream (the default command).")
-register(info, "info", "Versions, CUDA/GPU, attention backends, checkpoint locations.")
+register(info, "info", "Versions, CUDA/GPU, attention backends, loop closure, checkpoint locations.")
 register(download, "download", "Download an official checkpoint into the Hugging Face cache.")
 register(export, "export", f"Export a run directory as {format_summary()}.")
 register(view, "view", "Replay a finished run in the browser, with a timeline.")

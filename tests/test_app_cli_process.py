@@ -301,3 +301,20 @@ def test_loop_closure_on_for_a_stream_too_short_for_a_third_chunk_is_warned_of(t
         "warning: --loop-closure on: the stream's 3 frames never reach a third chunk (frame 12 at --chunk-frames 8), "
         "and a loop joins chunks two or more apart, so loop closure cannot correct this stream; --loop-closure off "
         "skips it"]
+
+
+# ------------------------------------------------------------------ info
+
+
+def test_info_says_whether_loop_closure_runs_here(tmp_path: Path) -> None:
+    # `info` said nothing of gtsam, without which loop closure is off
+    pytest.importorskip("gtsam", reason="this checks the report of an installation that has it")
+
+    shown = stream_recon("info")
+    report = json.loads(stream_recon("info", "--json").stdout)
+
+    assert shown.returncode == 0, shown.stderr
+    assert ("Loop closure: available (gtsam is installed): `--loop-closure auto` closes loops in streams that "
+            "reach a third chunk") in " ".join(shown.stdout.split())
+    assert report["loop_closure"] == {"available": True, "auto": "on (auto)"}
+    assert report["packages"]["gtsam"] is not None

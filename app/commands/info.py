@@ -1,4 +1,5 @@
-"""Show what this installation can do: versions, CUDA and GPUs, attention backends, checkpoint locations.
+"""Show what this installation can do: versions, CUDA and GPUs, attention backends, loop closure, checkpoint
+locations.
 
 Examples:
 
@@ -19,13 +20,13 @@ from rich.markup import escape
 from rich.table import Table
 
 _PACKAGES = ("stream-recon", "torch", "numpy", "opencv-python-headless", "pillow", "typer", "rich", "viser",
-             "safetensors", "huggingface_hub", "flashinfer-python")
+             "safetensors", "huggingface_hub", "gtsam", "flashinfer-python")
 
 
 def info(
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")] = False,
 ) -> None:
-    """Versions, CUDA/GPU, attention backends and where checkpoints are looked up."""
+    """Versions, CUDA/GPU, attention backends, whether loop closure runs, and where checkpoints are looked up."""
     report = collect_info()
     if as_json:
         typer.echo(json.dumps(report, indent=2))
@@ -40,6 +41,7 @@ def collect_info() -> dict[str, Any]:
         "packages": {name: _version(name) for name in _PACKAGES},
         "cuda": _cuda_info(),
         "attention_backends": _attention_backends(),
+        "loop_closure": _loop_closure_info(),
         "checkpoints": _checkpoint_info(),
     }
 
@@ -82,6 +84,16 @@ def _attention_backends() -> dict[str, str]:
         report[backend.name] = (f"available ({backend.layout} layout: {backend.summary})" if reason is None
                                 else f"not here: {reason}")
     return report
+
+
+def _loop_closure_info() -> dict[str, Any]:
+    """Whether runs here can close loops: what `--loop-closure auto` decides for a stream long enough to have
+    loops (app.loops owns the decision: gtsam, the pose graph's library, must be there)."""
+    from stream_recon.app.loops import loop_closure_wanted
+    from stream_recon.app.options import RunOptions
+
+    available, decision = loop_closure_wanted(RunOptions(loop_closure="auto"), estimated_length=None)
+    return {"available": available, "auto": decision}
 
 
 def _checkpoint_info() -> dict[str, Any]:
@@ -127,6 +139,14 @@ def _print_report(report: dict[str, Any], console: Console) -> None:
     for name, status in report["attention_backends"].items():
         backends.add_row(name, escape(status))
     console.print(backends)
+
+    loops = report["loop_closure"]
+    if loops["available"]:
+        console.print("Loop closure: [green]available[/green] (gtsam is installed): `--loop-closure auto` closes loops "
+                      "in streams that reach a third chunk")
+    else:
+        console.print(f"Loop closure: [yellow]not available[/yellow], `--loop-closure auto` is {escape(loops['auto'])}: "
+                      "pip install gtsam")
 
     checkpoints = report["checkpoints"]
     offline = ", offline mode" if checkpoints["offline"] else ""
