@@ -23,6 +23,7 @@ def load_model_for(options: RunOptions, device: str | None = None, console: Cons
     (the first run), else CheckpointError says which command fetches it and where to put it."""
     from stream_recon.models import CheckpointError, load_model
     from stream_recon.models.checkpoint import (
+        CHECKPOINT_SIZE,
         DEFAULT_CHECKPOINT,
         KNOWN_CHECKPOINTS,
         download_checkpoint,
@@ -36,7 +37,7 @@ def load_model_for(options: RunOptions, device: str | None = None, console: Cons
     if checkpoint in KNOWN_CHECKPOINTS and not Path(checkpoint).exists() and locate_checkpoint(checkpoint) is None:
         if not hub_offline():
             # no spinner here: huggingface_hub draws its own progress bar
-            console.print(f"{checkpoint} is not on this machine yet: downloading it once (about 4.3 GiB)")
+            console.print(f"{checkpoint} is not on this machine yet: downloading it once (about {CHECKPOINT_SIZE})")
             checkpoint = str(download_checkpoint(checkpoint))
     # Read on the host; preparing puts each weight on the device once, in the precision the run
     # uses, so a bf16 run never holds a float32 copy of the transformer there.

@@ -35,7 +35,7 @@ from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, Offl
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .checkpoint_names import DEFAULT_CHECKPOINT, KNOWN_CHECKPOINTS
+from .checkpoint_names import CHECKPOINT_SIZE, DEFAULT_CHECKPOINT, KNOWN_CHECKPOINTS
 from .config import ModelConfig
 from .errors import CheckpointError
 from .gct import GCTStream
@@ -151,7 +151,7 @@ def _corrupt_message(path: Path, error: Exception) -> str:
     size = path.stat().st_size
     return (
         f"{path} is truncated or corrupt and cannot be read ({size:,} bytes; {type(error).__name__}: "
-        f"{str(error).strip() or 'no detail'}). The official checkpoints are about 4.6 GB each. "
+        f"{str(error).strip() or 'no detail'}). The official checkpoints are about {CHECKPOINT_SIZE} each. "
         f"Delete the file and fetch it again (stream-recon download NAME, or {HF_REPO_URL})."
     )
 
@@ -672,7 +672,7 @@ def _fetch_by_hand(name: str) -> str:
     """How to get the file without this machine downloading it (so never the download command, which
     fails where the hub cannot be reached)."""
     return (
-        f"To fetch it by hand, download {_file_url(KNOWN_CHECKPOINTS[name])} (about 4.6 GB) on a machine with "
+        f"To fetch it by hand, download {_file_url(KNOWN_CHECKPOINTS[name])} (about {CHECKPOINT_SIZE}) on a machine with "
         f"network access and put it in {checkpoint_dir()}/ here (or set {CHECKPOINT_DIR_ENV} to the folder "
         "that holds it), or pass the file's path as the checkpoint."
     )

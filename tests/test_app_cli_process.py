@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from media_helpers import mjpeg_server, write_image_folder, write_noise_video, write_video
+from media_helpers import free_port, mjpeg_server, write_image_folder, write_noise_video, write_video
 from plyfile import PlyData
 
 from stream_recon.app.commands._options import EXIT_BAD_INPUT, EXIT_TERMINATED
@@ -36,7 +37,8 @@ def command(*args: str) -> list[str]:
 
 
 def environment(**extra: str) -> dict[str, str]:
-    inherited = {key: value for key, value in os.environ.items() if key not in QUIET_LIBRARY_LOGS}
+    inherited = {key: value for key, value in os.environ.items()
+                 if key not in QUIET_LIBRARY_LOGS and key not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")}
     return {**inherited, "OMP_NUM_THREADS": "1", **extra}
 
 
@@ -318,3 +320,19 @@ def test_info_says_whether_loop_closure_runs_here(tmp_path: Path) -> None:
             "reach a third chunk") in " ".join(shown.stdout.split())
     assert report["loop_closure"] == {"available": True, "auto": "on (auto)"}
     assert report["packages"]["gtsam"] is not None
+
+
+# ------------------------------------------------------------------ units
+
+
+def test_the_checkpoints_size_is_said_in_one_unit(tmp_path: Path) -> None:
+    # "downloading it once (about 4.3 GiB)", then "(about 4.6 GB)" on the next line, for the same file
+    folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png"], width=160, height=96)
+    hub_refusing = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}",
+                    "HF_HOME": str(tmp_path / "hf"), "STREAM_RECON_CHECKPOINTS": str(tmp_path / "checkpoints")}
+    for args in ([str(folder), "--no-viewer", "-o", str(tmp_path / "run")], ["download"]):
+        result = subprocess.run(command(*args), capture_output=True, text=True, timeout=120,
+                                env=environment(**hub_refusing))
+        printed = result.stdout + result.stderr
+        assert result.returncode != 0 and printed.count("about 4.3 GiB") == 2, printed
+        assert not re.search(r"\d GB\b", printed), printed

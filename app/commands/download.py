@@ -31,13 +31,18 @@ def download(
     ] = DEFAULT_NAME,
 ) -> None:
     """Fetch a checkpoint from Hugging Face (robbyant/lingbot-map) into the local cache."""
-    from stream_recon.models.checkpoint import KNOWN_CHECKPOINTS, download_checkpoint, hub_offline
+    from stream_recon.models.checkpoint import (
+        CHECKPOINT_SIZE,
+        KNOWN_CHECKPOINTS,
+        download_checkpoint,
+        hub_offline,
+    )
 
     console = error_console()
     if name not in KNOWN_CHECKPOINTS:
         bad_input(console, f"unknown checkpoint {name!r}; known: {', '.join(KNOWN_CHECKPOINTS)}")
     if not hub_offline():  # offline, the error alone says what to do instead
-        console.print(f"downloading {name} from Hugging Face (about 4.6 GB)")
+        console.print(f"downloading {name} from Hugging Face (about {CHECKPOINT_SIZE})")
     from stream_recon.models.errors import CheckpointError
 
     try:  # huggingface_hub draws its own progress bar

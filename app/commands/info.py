@@ -64,7 +64,7 @@ def _cuda_info() -> dict[str, Any]:
         devices.append({
             "index": index,
             "name": properties.name,
-            "memory_gb": round(properties.total_memory / 2**30, 1),
+            "memory_gib": round(properties.total_memory / 2**30, 1),
             "compute_capability": f"{properties.major}.{properties.minor}",
         })
     return {"available": True, "torch_cuda": torch.version.cuda, "devices": devices}
@@ -128,7 +128,7 @@ def _print_report(report: dict[str, Any], console: Console) -> None:
     if cuda["available"]:
         gpus = Table("index", "GPU", "memory", "compute", title=f"CUDA {cuda['torch_cuda']}", title_justify="left")
         for device in cuda["devices"]:
-            gpus.add_row(str(device["index"]), device["name"], f"{device['memory_gb']} GB",
+            gpus.add_row(str(device["index"]), device["name"], f"{device['memory_gib']} GiB",
                          device["compute_capability"])
         console.print(gpus)
     else:
