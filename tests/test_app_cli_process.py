@@ -336,3 +336,23 @@ def test_the_checkpoints_size_is_said_in_one_unit(tmp_path: Path) -> None:
         printed = result.stdout + result.stderr
         assert result.returncode != 0 and printed.count("about 4.3 GiB") == 2, printed
         assert not re.search(r"\d GB\b", printed), printed
+
+
+# ------------------------------------------------------------------ a log file
+
+
+def test_a_log_file_gets_one_line_per_record(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    # with stderr redirected, each log record was wrapped at 80 columns and padded with spaces
+    video = write_video(tmp_path / "clip.mp4", 12)
+    log = tmp_path / "run.log"
+    with log.open("w") as stderr:
+        run = subprocess.run(command(str(video), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "--chunk-frames",
+                                     "6", "--overlap", "2", "-o", str(tmp_path / "run")),
+                             stdout=subprocess.DEVNULL, stderr=stderr, timeout=120, env=environment())
+
+    lines = log.read_text().splitlines()
+    assert run.returncode == 0, lines
+    rollovers = [line for line in lines if line.startswith("INFO     chunk rollover: ")]
+    assert len(rollovers) == 2, lines  # chunks start at frames 4 and 8
+    assert all(re.fullmatch(r".* chunk \d starts at frame \d and re-predicts 2 frames", line) for line in rollovers)
+    assert [line for line in lines if line != line.strip() or not line] == []  # no padding, no blank lines

@@ -247,13 +247,33 @@ def takes_run_options(*fields: str) -> Callable[[Callable[..., None]], Callable[
     return decorate
 
 
+class EngineLog(logging.Handler):
+    """The library's log on a command's console. On a terminal, rich's layout (level, then the message
+    wrapped beside it); elsewhere (a log file, a pipe) one line per record as long as the record, because
+    rich lays a record out at the console's width, 80 columns when it is no terminal, wrapped and padded."""
+
+    def __init__(self, console: Console) -> None:
+        from rich.logging import RichHandler  # (imported when a command runs, never for -h)
+
+        super().__init__()
+        self.console = console
+        self.on_terminal = RichHandler(console=console, show_time=False, show_path=False, markup=False)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.console.is_terminal:
+            self.on_terminal.emit(record)
+            return
+        try:
+            self.console.out(f"{record.levelname:<8} {self.format(record)}", highlight=False)
+        except Exception:  # noqa: BLE001 - logging's rule: a handler that fails reports it and the program goes on
+            self.handleError(record)
+
+
 def show_engine_log(console: Console) -> None:
     """Print the library's INFO messages (chunk rollovers, backend choice) above the progress line."""
-    from rich.logging import RichHandler
-
     logger = logging.getLogger("stream_recon")
-    if not any(isinstance(handler, RichHandler) for handler in logger.handlers):
-        logger.addHandler(RichHandler(console=console, show_time=False, show_path=False, markup=False))
+    if not any(isinstance(handler, EngineLog) for handler in logger.handlers):
+        logger.addHandler(EngineLog(console))
     logger.setLevel(logging.INFO)
 
 
