@@ -356,3 +356,14 @@ def test_a_log_file_gets_one_line_per_record(tmp_path: Path, tiny_checkpoint: Pa
     assert len(rollovers) == 2, lines  # chunks start at frames 4 and 8
     assert all(re.fullmatch(r".* chunk \d starts at frame \d and re-predicts 2 frames", line) for line in rollovers)
     assert [line for line in lines if line != line.strip() or not line] == []  # no padding, no blank lines
+
+
+# ------------------------------------------------------------------ the docs that say how to run the tests
+
+
+def test_readme_and_scripts_test_spell_the_quick_run_alike() -> None:
+    # README said `-m "not slow"` and scripts/test `-m "not golden and not slow"`
+    repository = Path(__file__).resolve().parent.parent
+    spellings = [set(re.findall(r'scripts/test -m "([^"]+)"', (repository / name).read_text()))
+                 for name in ("README.md", "scripts/test")]
+    assert spellings == [{"not slow"}, {"not slow"}]
