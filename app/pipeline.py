@@ -160,12 +160,12 @@ def run_sequence(
             warnings.append(f"--gpu-memory {options.gpu_memory} budgets a GPU's memory and does nothing on the CPU, "
                             "where the memory check applies instead (--no-memory-check turns it off)")
         warnings += _source_warnings(frame_source, options)
-        created_dir = prepare_output_dir(output_dir, overwrite=options.overwrite)
-        if frame_source.live:
-            frame_source.start()  # keep a camera's connection drained while the model loads
         viewer = None
         builds_ahead = None
-        try:
+        created_dir = prepare_output_dir(output_dir, overwrite=options.overwrite)
+        try:  # from here on, a failure or a signal removes the folders made for the run
+            if frame_source.live:
+                frame_source.start()  # keep a camera's connection drained while the model loads
             # a caller's own model is described by options.checkpoint only when that is set
             checkpoint = options.checkpoint or (DEFAULT_CHECKPOINT if model is None else None)
             # compiled or not by what this machine's compile caches hold for the run's input size

@@ -232,12 +232,14 @@ def prepare_output_dir(output_dir: Path, *, overwrite: bool) -> Path | None:
         output_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=output_dir):
             pass
-    except OSError as error:
+    except BaseException as error:  # a Ctrl-C or SIGTERM in here too: what was made goes
         remove_if_empty(output_dir, created)
-        raise OutputDirError(
-            f"cannot write to the output directory {output_dir}: {error.strerror or error}; "
-            "choose a writable --output"
-        ) from None
+        if isinstance(error, OSError):
+            raise OutputDirError(
+                f"cannot write to the output directory {output_dir}: {error.strerror or error}; "
+                "choose a writable --output"
+            ) from None
+        raise
     return created
 
 

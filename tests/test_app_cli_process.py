@@ -63,7 +63,7 @@ def wait_for(condition, child: subprocess.Popen, what: str, timeout_s: float = 9
         time.sleep(0.005)
 
 
-CAMERA_FRAMES = 5  # enough for the stream to open (FFmpeg reads a few to know it)
+CAMERA_FRAMES = 20  # enough for the stream to open (FFmpeg reads a few to know it), with room to spare
 BEYOND_THE_CAMERA = ("--scale-frames", str(2 * CAMERA_FRAMES))  # the first prediction waits for the scale frames
 
 
