@@ -311,15 +311,23 @@ def test_loop_closure_on_for_a_stream_too_short_for_a_third_chunk_is_warned_of(t
 def test_info_says_whether_loop_closure_runs_here(tmp_path: Path) -> None:
     # `info` said nothing of gtsam, without which loop closure is off
     pytest.importorskip("gtsam", reason="this checks the report of an installation that has it")
+    broken = tmp_path / "broken" / "gtsam"  # a gtsam whose native library is gone, found before the real one
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text('raise ImportError("libgtsam.so.4: cannot open shared object file")\n')
 
     shown = stream_recon("info")
     report = json.loads(stream_recon("info", "--json").stdout)
+    without = subprocess.run(command("info"), capture_output=True, text=True, timeout=120,
+                             env=environment(PYTHONPATH=str(broken.parent)))
 
-    assert shown.returncode == 0, shown.stderr
-    assert ("Loop closure: available (gtsam is installed): `--loop-closure auto` closes loops in streams that "
+    assert shown.returncode == 0 and without.returncode == 0, shown.stderr + without.stderr
+    assert ("Loop closure: available (gtsam imports): `--loop-closure auto` closes loops in streams that "
             "reach a third chunk") in " ".join(shown.stdout.split())
-    assert report["loop_closure"] == {"available": True, "auto": "on (auto)"}
+    assert report["loop_closure"] == {"available": True, "problem": None}
     assert report["packages"]["gtsam"] is not None
+    assert ("Loop closure: not available (gtsam does not import (ImportError: libgtsam.so.4: cannot open shared "
+            "object file)), runs go on without it") in " ".join(without.stdout.split())
+    assert without.stderr == ""
 
 
 # ------------------------------------------------------------------ units

@@ -87,13 +87,11 @@ def _attention_backends() -> dict[str, str]:
 
 
 def _loop_closure_info() -> dict[str, Any]:
-    """Whether runs here can close loops: what `--loop-closure auto` decides for a stream long enough to have
-    loops (app.loops owns the decision: gtsam, the pose graph's library, must be there)."""
-    from stream_recon.app.loops import loop_closure_wanted
-    from stream_recon.app.options import RunOptions
+    """Whether runs here can close loops: gtsam, the pose graph's library, imports (app.loops says why not)."""
+    from stream_recon.app.loops import pose_graph_library_problem
 
-    available, decision = loop_closure_wanted(RunOptions(loop_closure="auto"), estimated_length=None)
-    return {"available": available, "auto": decision}
+    problem = pose_graph_library_problem()
+    return {"available": problem is None, "problem": problem}
 
 
 def _checkpoint_info() -> dict[str, Any]:
@@ -142,11 +140,11 @@ def _print_report(report: dict[str, Any], console: Console) -> None:
 
     loops = report["loop_closure"]
     if loops["available"]:
-        console.print("Loop closure: [green]available[/green] (gtsam is installed): `--loop-closure auto` closes loops "
+        console.print("Loop closure: [green]available[/green] (gtsam imports): `--loop-closure auto` closes loops "
                       "in streams that reach a third chunk")
     else:
-        console.print(f"Loop closure: [yellow]not available[/yellow], `--loop-closure auto` is {escape(loops['auto'])}: "
-                      "pip install gtsam")
+        console.print(f"Loop closure: [yellow]not available[/yellow] ({escape(loops['problem'])}), runs go on without "
+                      "it: pip install gtsam (one that does not import: pip install --force-reinstall gtsam)")
 
     checkpoints = report["checkpoints"]
     offline = ", offline mode" if checkpoints["offline"] else ""
