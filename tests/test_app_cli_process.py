@@ -25,8 +25,9 @@ from stream_recon.models import GCTStream, ModelConfig
 
 # the run flags that make the tiny model's runs take a moment (tests/test_app_cli.py uses the same)
 FAST_FLAGS = ("--no-viewer", "--image-width", "56", "--scale-frames", "3", "--window", "4")
-# library log levels an in-process CLI of an earlier test left in this process's environment
-QUIET_LIBRARY_LOGS = ("OPENCV_LOG_LEVEL", "OPENCV_FFMPEG_LOGLEVEL")
+# what earlier tests may have left in this process's environment: the library log levels an in-process CLI
+# sets, and Hugging Face cache folders that would override a test's own HF_HOME
+NOT_INHERITED = ("OPENCV_LOG_LEVEL", "OPENCV_FFMPEG_LOGLEVEL", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")
 # the console script pip installed beside this Python (a checkout without it: the same entry point by module)
 STREAM_RECON = Path(sys.executable).with_name("stream-recon")
 
@@ -37,15 +38,13 @@ def command(*args: str) -> list[str]:
 
 
 def environment(**extra: str) -> dict[str, str]:
-    inherited = {key: value for key, value in os.environ.items()
-                 if key not in QUIET_LIBRARY_LOGS and key not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")}
+    inherited = {key: value for key, value in os.environ.items() if key not in NOT_INHERITED}
     return {**inherited, "OMP_NUM_THREADS": "1", **extra}
 
 
-def stream_recon(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def stream_recon(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`stream-recon ARGS` run to its end; stdout and stderr as the terminal would get them."""
-    return subprocess.run(command(*args), capture_output=True, text=True, cwd=cwd, timeout=timeout,
-                          env=environment())
+    return subprocess.run(command(*args), capture_output=True, text=True, timeout=timeout, env=environment())
 
 
 def lines_of(result: subprocess.CompletedProcess) -> list[str]:
@@ -174,14 +173,14 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     mount_point = tmp_path / "disk"
     mount_point.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK_BYTES}", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, timeout=30)
     if mounted.returncode != 0:
         # /dev/full stands in for a full file only, and a folder export is refused on a device anyway
         pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip() or 'mount failed'})")
     try:
         yield mount_point
     finally:
-        subprocess.run(["umount", str(mount_point)], check=True)
+        subprocess.run(["umount", str(mount_point)], check=True, timeout=30)
 
 
 def test_an_export_that_fills_the_disk_is_one_line_that_says_so(tmp_path: Path, tiny_checkpoint: Path,
