@@ -162,6 +162,7 @@ def run_sequence(
         warnings += _source_warnings(frame_source, options)
         viewer = None
         builds_ahead = None
+        writer = None
         created_dir = prepare_output_dir(output_dir, overwrite=options.overwrite)
         try:  # from here on, a failure or a signal removes the folders made for the run
             if frame_source.live:
@@ -202,16 +203,18 @@ def run_sequence(
                 overwrite=True,  # prepare_output_dir already refused an existing run without --overwrite
                 outputs=options.prediction_outputs(),
             )
+            loops = LoopClosureSink(engine, viewer, enabled=closes_loops, reason=loop_closure_reason)
         except BaseException:
             if viewer is not None:
                 viewer.close("failed")
             if builds_ahead is not None:  # its thread holds the GPU until its pass ends: not left running
                 builds_ahead.wait()  # unbounded-ok: BuildsAhead.wait ends AHEAD_WAIT_S after its first call
+            if writer is not None:  # stopped before the first frame: not even run.json is kept
+                remove_run(output_dir)
             remove_if_empty(output_dir, created_dir)
             raise
         # the finiteness check comes first: a frame that fails it reaches no other sink
-        sinks: list[Sink] = [FiniteCheck(half_precision=used["dtype"] != "float32"), writer, *extra_sinks]
-        sinks.append(LoopClosureSink(engine, viewer, enabled=closes_loops, reason=loop_closure_reason))
+        sinks: list[Sink] = [FiniteCheck(half_precision=used["dtype"] != "float32"), writer, *extra_sinks, loops]
         if viewer is not None:
             sinks.append(viewer)
         run = Run(frame_source, engine, writer, sinks, viewer, options, console, digest, clock, compiled_sizes,
