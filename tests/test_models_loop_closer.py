@@ -145,3 +145,19 @@ def test_a_flow_chunks_rollover_feeds_the_index_out_of_frame_order_and_detection
             feed.add_prediction(prediction)
     assert any(later < earlier for earlier, later in zip(order, order[1:], strict=False)), order  # the case arose
     assert closer.summary()["keyframes_indexed"] == len(order) == len(set(order))
+
+
+def test_the_pairs_checked_so_far_are_known_without_the_childs_last_word() -> None:
+    """An interrupted run (or a child lost mid-run) keeps the story of every pair checked before: the
+    child sends its summary whenever a pair was recorded, not only at its end."""
+    in_child = LoopClosureProcess(ALL_KEYFRAMES)
+    try:
+        stream_through(in_child)
+        deadline = Deadline(60.0)
+        while in_child.summary().get("candidates_checked", 0) == 0 and not deadline.expired:
+            in_child._wait_for_pipes(0.1)
+            in_child.take_corrections()
+    finally:
+        in_child.close()  # as an interrupted run ends it: no "finish"
+    summary = in_child.summary()
+    assert summary["candidates_checked"] > 0 and summary["keyframes_indexed"] > 0, summary

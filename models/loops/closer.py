@@ -230,6 +230,11 @@ class LoopCloser:
         new_edges = [self._verify(candidate) for candidate in checked]
         return self._solve() if any(new_edges) else None
 
+    @property
+    def pairs_recorded(self) -> int:
+        """Candidate pairs checked so far (whatever became of them)."""
+        return len(self._loops)
+
     def summary(self) -> dict[str, Any]:
         """What run.json records: every pair that passed the geometric check (a loop, whatever became of
         it), how many retrieved pairs the check refused, and the costs."""

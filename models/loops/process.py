@@ -81,16 +81,18 @@ def serve(requests_fd: int, replies_fd: int) -> None:
 
 
 def _answer(closer: LoopCloser, kind: str, payload: Any) -> tuple:
+    """The answer to one message; the summary comes along whenever a candidate pair was recorded, so
+    that a run stopped (or a child lost) later still lists every pair checked so far."""
     if kind == "link":
         closer.add_link(payload)
         return ("ack", kind, None, None)
     if kind != "keyframe":
         raise ValueError(f"unknown message {kind!r}")
+    recorded = closer.pairs_recorded
     fresh = closer.add_keyframe(payload)
-    if fresh is None:
-        return ("ack", kind, None, None)
+    summary = closer.summary() if fresh is not None or closer.pairs_recorded != recorded else None
     # the viewer draws only accepted loops; the whole story comes with the summary
-    return ("ack", kind, replace(fresh, loops=fresh.accepted_loops), closer.summary())
+    return ("ack", kind, None if fresh is None else replace(fresh, loops=fresh.accepted_loops), summary)
 
 
 class LoopClosureProcess:
