@@ -5,6 +5,8 @@
     python scripts/bench.py --reference .reference/lingbot-map   # and the official code, same process
     python scripts/bench.py --kv-cache fp8        # the fp8 K/V cache
     python scripts/bench.py --gpu-memory 8GiB     # plan for a budget, cap the process at it, print both peaks
+    python scripts/bench.py --model tiny --height 84 --width 112 --scale 2 --window 4 --frames 4 --dtype fp32 \
+        --no-compile                              # a smoke test of the script (on the CPU without CUDA)
 
 Every frame's poses and depth are copied to the host, as a user's run does. The first
 scale + window frames fill the cache and are timed apart; the steady state is the rest.

@@ -2,7 +2,8 @@
 video with --loop-closure off and on, in one process.
 
     python scripts/bench_loop_closure.py --frames 3000                 # GPU: the acceptance measurement
-    python scripts/bench_loop_closure.py --model tiny --device cpu --frames 48 --chunk-frames 12 --overlap 4
+    python scripts/bench_loop_closure.py --model tiny --device cpu --frames 48 --chunk-frames 12 --overlap 4 \
+        --warmup-frames 12 --image-width 112 --video-size 160x120   # a smoke test of the script (seconds)
 
 The video is scripts/bench_e2e.py's (the sample frames played forwards and backwards while a crop pans),
 so the camera keeps returning to places it has seen: every chunk from the third on has loop candidates,

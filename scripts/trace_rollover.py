@@ -264,6 +264,8 @@ def print_window(rows: list[tuple[float, float, str]], at: float, first: float, 
 
 if __name__ == "__main__":
     arguments = sys.argv[1:]
+    if {"-h", "--help"} & set(arguments):  # this script's own options; bench_e2e's parser prints the rest
+        print(__doc__)
     if "--longest" in arguments:
         at = arguments.index("--longest")
         LONGEST = int(arguments[at + 1])
