@@ -348,3 +348,54 @@ def _rotation_vectors(rotations: np.ndarray) -> np.ndarray:
     # angle / (2 sin angle) -> 1/2 as the angle -> 0 (the skew part is then 2 x the vector)
     factor = np.where(sin_angle > 1e-8, angle / (2 * np.where(sin_angle > 1e-8, sin_angle, 1.0)), 0.5)
     return _skew_parts(rotations) * factor[..., None]
+
+
+# -- how sure a fit is: covariances in a Sim(3)'s tangent ------------------------------------------
+# The tangent of a Sim(3) T at a point: T @ Exp(e) with e = [rotation x, y, z (rad), translation x, y, z
+# (T's source units), log scale], GTSAM's Similarity3 order and the pose graph's. To first order
+# Exp(e) x = x + w x x + u + l x, so a point x of the source moves by tangent_jacobian(x) @ e.
+TANGENT_DIM = 7
+
+
+def tangent_jacobian(points: np.ndarray) -> np.ndarray:
+    """[N, 3] source points -> [N, 3, 7]: d(Exp(e) x)/de at e = 0, i.e. [-[x]_x | I | x]."""
+    points = np.asarray(points, np.float64)
+    jacobian = np.zeros((len(points), 3, TANGENT_DIM))
+    x, y, z = points[:, 0], points[:, 1], points[:, 2]
+    jacobian[:, 0, 1], jacobian[:, 0, 2] = z, -y
+    jacobian[:, 1, 0], jacobian[:, 1, 2] = -z, x
+    jacobian[:, 2, 0], jacobian[:, 2, 1] = y, -x
+    jacobian[:, :, 3:6] = np.eye(3)
+    jacobian[:, :, 6] = points
+    return jacobian
+
+
+def scaling_direction(centre: np.ndarray) -> np.ndarray:
+    """[7] the tangent of a scaling about `centre` (source coordinates), per unit of log scale:
+    x -> e^l (x - c) + c is, to first order, x + l x - l c, so u = -l c."""
+    direction = np.zeros(TANGENT_DIM)
+    direction[3:6] = -np.asarray(centre, np.float64)
+    direction[6] = 1.0
+    return direction
+
+
+def fit_covariance(source: np.ndarray, residuals: np.ndarray, scale: float,
+                   weights: np.ndarray | None = None) -> np.ndarray:
+    """[7, 7] Gauss-Newton covariance of a least-squares Sim(3) fit target ~ T(source), in T's tangent.
+
+    source [N, 3] in the coordinates whose tangent is wanted (T's source); residuals [N, 3] = target -
+    T(source), in target units; scale: T's (target units per source unit); weights [N] the fit's (IRLS),
+    default 1. The residuals are taken as independent and isotropic with one variance, estimated from
+    them: sigma^2 = sum w |r|^2 / (3 N - 7). A point moves by scale * R @ J e in target units, and R drops
+    out of J^T J, so the covariance is sigma^2 / scale^2 * (sum w J^T J)^-1.
+    """
+    source = np.asarray(source, np.float64)
+    residuals = np.asarray(residuals, np.float64)
+    weights = np.ones(len(source)) if weights is None else np.asarray(weights, np.float64)
+    dof = 3 * len(source) - TANGENT_DIM
+    if dof <= 0:
+        raise AlignmentError(f"{len(source)} points leave no residual degrees of freedom for a Sim(3) fit")
+    variance = float(np.sum(weights * np.sum(residuals**2, axis=1))) / dof
+    jacobian = tangent_jacobian(source)
+    information = np.einsum("n,nij,nik->jk", weights, jacobian, jacobian) * scale**2
+    return variance * np.linalg.inv(information)

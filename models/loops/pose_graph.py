@@ -54,15 +54,37 @@ def as_sigmas(sigmas: float | Sequence[float] | np.ndarray) -> np.ndarray:
     return values
 
 
+def as_covariance(covariance: np.ndarray | None, sigmas: np.ndarray) -> np.ndarray | None:
+    """None, or a [7, 7] symmetric positive-definite covariance whose diagonal is `sigmas` squared, read-only."""
+    if covariance is None:
+        return None
+    values = np.array(covariance, np.float64)
+    if values.shape != (TANGENT_DIM, TANGENT_DIM):
+        raise ValueError(f"a covariance must be [7, 7], got shape {values.shape}")
+    if not np.allclose(values, values.T, rtol=0, atol=1e-9 * np.abs(values).max()):
+        raise ValueError("a covariance must be symmetric")
+    if not np.allclose(np.sqrt(np.diag(values)), sigmas, rtol=1e-9, atol=0):
+        raise ValueError("sigmas must be the square roots of the covariance's diagonal")
+    if np.linalg.eigvalsh(values)[0] <= 0:
+        raise ValueError("a covariance must be positive definite")
+    values = 0.5 * (values + values.T)
+    values.setflags(write=False)
+    return values
+
+
 @dataclass(frozen=True)
 class OdometryEdge:
     """Chunk k+1 onto chunk k (the k-th odometry edge of a graph): the rollover's overlap alignment."""
 
     previous_from_next: Sim3  # chunk k+1 coordinates -> chunk k coordinates
     sigmas: np.ndarray  # [7] (a scalar is accepted and broadcast), see the module docstring
+    # [7, 7] the error's full covariance when known (then `sigmas` is its diagonal's square root); None: the
+    # seven components are independent with `sigmas`.
+    covariance: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sigmas", as_sigmas(self.sigmas))
+        object.__setattr__(self, "covariance", as_covariance(self.covariance, self.sigmas))
 
 
 @dataclass(frozen=True)
@@ -75,9 +97,11 @@ class LoopEdge:
     first_from_second: Sim3  # chunk `second` coordinates -> chunk `first` coordinates
     sigmas: np.ndarray  # [7] (a scalar is accepted and broadcast)
     metadata: Mapping[str, Any] = field(default_factory=dict)  # the detector's, carried through untouched
+    covariance: np.ndarray | None = None  # [7, 7] as OdometryEdge's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sigmas", as_sigmas(self.sigmas))
+        object.__setattr__(self, "covariance", as_covariance(self.covariance, self.sigmas))
         if self.first == self.second:
             raise ValueError(f"loop {self.loop_id!r} joins chunk {self.first} to itself")
 
@@ -184,13 +208,16 @@ def from_gtsam(transform: gtsam.Similarity3) -> Sim3:
                 scale * np.asarray(transform.translation(), np.float64))
 
 
-def _noise(sigmas: np.ndarray) -> gtsam.noiseModel.Diagonal:
-    return gtsam.noiseModel.Diagonal.Sigmas(np.asarray(sigmas, np.float64))
+def _noise(edge: OdometryEdge | LoopEdge) -> gtsam.noiseModel.Base:
+    """The edge's full covariance when it has one, else its independent sigmas."""
+    if edge.covariance is not None:
+        return gtsam.noiseModel.Gaussian.Covariance(np.array(edge.covariance))
+    return gtsam.noiseModel.Diagonal.Sigmas(np.asarray(edge.sigmas, np.float64))
 
 
 def _loop_factor(loop: LoopEdge) -> gtsam.BetweenFactorSimilarity3:
     return gtsam.BetweenFactorSimilarity3(loop.first, loop.second, to_gtsam(loop.first_from_second),
-                                          _noise(loop.sigmas))
+                                          _noise(loop))
 
 
 def _factor_graph(graph: PoseGraph, loops: Sequence[LoopEdge]) -> gtsam.NonlinearFactorGraph:
@@ -199,7 +226,7 @@ def _factor_graph(graph: PoseGraph, loops: Sequence[LoopEdge]) -> gtsam.Nonlinea
     factors.add(gtsam.PriorFactorSimilarity3(0, gtsam.Similarity3(), gtsam.noiseModel.Isotropic.Sigma(
         TANGENT_DIM, _ANCHOR_SIGMA)))
     for k, edge in enumerate(graph.odometry):
-        factors.add(gtsam.BetweenFactorSimilarity3(k, k + 1, to_gtsam(edge.previous_from_next), _noise(edge.sigmas)))
+        factors.add(gtsam.BetweenFactorSimilarity3(k, k + 1, to_gtsam(edge.previous_from_next), _noise(edge)))
     for loop in loops:
         factors.add(_loop_factor(loop))
     return factors
@@ -303,6 +330,7 @@ def optimize(graph: PoseGraph, settings: PoseGraphSettings = PoseGraphSettings()
 
 
 __all__ = [
-    "LoopEdge", "LoopVerdict", "OdometryEdge", "PoseGraph", "PoseGraphResult", "PoseGraphSettings", "as_sigmas",
+    "LoopEdge", "LoopVerdict", "OdometryEdge", "PoseGraph", "PoseGraphResult", "PoseGraphSettings", "as_covariance",
+    "as_sigmas",
     "from_gtsam", "open_chain", "optimize", "to_gtsam",
 ]
