@@ -178,3 +178,60 @@ def test_an_edge_with_a_covariance_costs_its_mahalanobis_distance() -> None:
     diagonal = float(np.sum((error / edge.sigmas) ** 2))
     assert abs(chi2 - diagonal) > 1e-3 * chi2  # the correlations count
 
+
+
+# -- odometry edges --------------------------------------------------------------------------------
+SHARED_FRAMES = 16  # the engine's overlap
+FRAME_ROTATION_NOISE = 0.002  # rad per axis: two chunks' predictions of one frame's orientation
+FRAME_CENTRE_NOISE = 0.005  # source units per axis: ... and of its camera centre
+FRAME_DEPTH_SCALE_NOISE = 0.01  # log: ... and of its whole depth map's scale
+PIXEL_DEPTH_NOISE = 0.01  # per pixel, relative
+
+
+def pose_encodings(rotations: np.ndarray, centres: np.ndarray) -> np.ndarray:
+    from stream_recon.models.pose import rotation_to_quat_xyzw
+
+    encodings = np.zeros((len(centres), 9))
+    encodings[:, :3] = centres
+    encodings[:, 3:7] = np.stack([rotation_to_quat_xyzw(r) for r in rotations])
+    encodings[:, 7:] = 1.0  # the field of view: unused by the alignment
+    return encodings
+
+
+def odometry_trial(rng: np.random.Generator, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One rollover: the source chunk's first SHARED_FRAMES frames from `start` (its coordinates), the
+    target chunk's predictions of them through the true Sim(3) with per-frame noise; aligned as the engine
+    aligns them. -> (the alignment's actual error, its declared sigmas)."""
+    from stream_recon.models.similarity import (
+        FrameRatios,
+        alignment_frames,
+        estimate_chunk_alignment,
+        overlap_covariance,
+    )
+
+    truth = random_sim3(rng)
+    heading = rotation(rng, 1.0)
+    centres = start + np.outer(np.arange(SHARED_FRAMES) * 0.05, heading[:, 2])  # walking forward
+    rotations = np.stack([heading @ rotation(rng, 0.05) for _ in range(SHARED_FRAMES)])
+    target_rotations = np.stack([rotation(rng, FRAME_ROTATION_NOISE) @ truth.rotation @ r for r in rotations])
+    target_centres = truth.apply_to_points(centres + rng.normal(0, FRAME_CENTRE_NOISE, centres.shape))
+    source_depth = [rng.uniform(1, 5, (24, 32)) for _ in range(SHARED_FRAMES)]
+    target_depth = [truth.scale * np.exp(rng.normal(0, FRAME_DEPTH_SCALE_NOISE)) * depth
+                    * (1 + rng.normal(0, PIXEL_DEPTH_NOISE, depth.shape)) for depth in source_depth]
+    keyframe = np.ones(SHARED_FRAMES, bool)
+    ratios = {k: FrameRatios.of(target_depth[k], source_depth[k]) for k in range(SHARED_FRAMES)}
+    target, source = pose_encodings(target_rotations, target_centres), pose_encodings(rotations, centres)
+    fit = estimate_chunk_alignment(target, target_depth, keyframe, source, source_depth, keyframe, ratios)
+    anchor, rows = alignment_frames(keyframe, keyframe)
+    covariance = overlap_covariance(target, source, fit, anchor, [ratios[k] for k in rows.tolist()])
+    return tangent_error(truth, fit), np.sqrt(np.diag(covariance))
+
+
+@pytest.mark.parametrize("start", ["at the origin", "far from the origin"])
+def test_an_odometry_edge_declares_the_error_it_has(start: str) -> None:
+    """A chunk's shared frames are its first, near its origin; far from it, the lever arm of the anchor's
+    rotation and scale errors dominates the translation."""
+    rng = np.random.default_rng(5)
+    offset = np.zeros(3) if start == "at the origin" else np.array([20.0, -10.0, 5.0])
+    errors, sigmas = zip(*(odometry_trial(rng, offset) for _ in range(SEEDS)), strict=True)
+    assert_honest(normalised_rms(list(errors), list(sigmas)))

@@ -338,7 +338,7 @@ class LoopCloser:
         return alignment.passed
 
     def _solve(self) -> ChunkCorrections:
-        odometry = [OdometryEdge(link.previous_from_next, link.sigmas) for link in self._links]
+        odometry = [OdometryEdge(link.previous_from_next, link.sigmas, link.covariance) for link in self._links]
         loops = [edge for edge in self._edges if max(edge.first, edge.second) <= len(odometry)]
         graph = PoseGraph(odometry, loops)
         result = optimize(graph)
