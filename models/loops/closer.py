@@ -33,7 +33,15 @@ from ..similarity import (
 from .corrections import ChunkCorrections, LoopRecord
 from .detection import CheckedCandidate, LoopDetectionConfig, LoopDetector
 from .geometric_check import extract_features
-from .pose_graph import LoopEdge, OdometryEdge, PoseGraph, PoseGraphResult, optimize
+from .pose_graph import (
+    LoopEdge,
+    OdometryEdge,
+    PoseGraph,
+    PoseGraphResult,
+    PoseGraphSettings,
+    open_chain,
+    optimize,
+)
 from .retrieval import gradient_grid_descriptor
 
 GRADIENT_GRID_DIM = 128  # gradient_grid_descriptor's length
@@ -236,6 +244,51 @@ def loop_edge(loop_id: Hashable, first: int, second: int, alignment: LoopAlignme
     return LoopEdge(loop_id, first, second, first_from_second, np.sqrt(np.diag(covariance)), covariance=covariance)
 
 
+def graph_of(links: Sequence[ChunkLink], loops: Sequence[LoopEdge]) -> PoseGraph:
+    """The pose graph over the chunks that `links` reach.
+
+    One convention for chunks: the stream's index, from 0 (chunk 0 is the world). ChunkLink `index` hangs
+    chunk index on chunk index - 1, so links start at 1 and link i is the graph's odometry edge i - 1; the
+    links must come in chunk order, from chunk 1. A loop edge joining a chunk past the last link waits.
+    """
+    expected = list(range(1, len(links) + 1))
+    if [link.index for link in links] != expected:
+        raise ValueError(f"links must hang chunks {expected} in order, got {[link.index for link in links]}")
+    odometry = [OdometryEdge(link.previous_from_next, link.sigmas, link.covariance) for link in links]
+    return PoseGraph(odometry, [loop for loop in loops if max(loop.first, loop.second) <= len(odometry)])
+
+
+def solve(links: Sequence[ChunkLink], loops: Sequence[LoopEdge],
+          settings: PoseGraphSettings = PoseGraphSettings()) -> tuple[PoseGraph, PoseGraphResult]:
+    """The graph of `graph_of` and its solution (pose_graph.optimize)."""
+    graph = graph_of(links, loops)
+    return graph, optimize(graph, settings)
+
+
+def corrections_from_solve(graph: PoseGraph, result: PoseGraphResult, records: Sequence[LoopRecord] = (),
+                           version: int = 1) -> ChunkCorrections:
+    """A solve as moves of the emitted predictions: chunk c's emissions were placed by the open chain
+    (the odometry composed, pose_graph.open_chain), so they move by result[c] @ open_chain[c]^-1; nothing
+    moves when no loop was accepted. `records` (LoopRecord, keyed by loop_id as the loop edges are) get the
+    graph's verdicts; records of loops the graph did not hold are kept as they are."""
+    chain = open_chain(graph.odometry)
+    by_chunk = {} if result.is_open_chain else {
+        chunk: corrected @ chain[chunk].inverse() for chunk, corrected in enumerate(result.world_from_chunk)}
+    verdicts = {verdict.loop_id: verdict.accepted for verdict in result.loops}
+    return ChunkCorrections(by_chunk, tuple(_judged(record, verdicts, by_chunk) for record in records), version)
+
+
+def _judged(loop: LoopRecord, verdicts: dict[Any, bool], by_chunk: dict[int, Sim3]) -> LoopRecord:
+    if loop.loop_id not in verdicts:
+        return loop
+    if not verdicts[loop.loop_id]:
+        return replace(loop, status="rejected_by_graph")
+    move = by_chunk.get(loop.query_chunk, Sim3.identity())
+    return replace(loop, status="accepted", correction={
+        "scale": round(move.scale, 6), "rotation_deg": round(move.rotation_deg, 4),
+        "translation": round(float(np.linalg.norm(move.translation)), 6)})
+
+
 class LoopCloser:
     """Loop closure over a chunked stream's emissions, one call at a time (no threads, no queues).
 
@@ -338,32 +391,10 @@ class LoopCloser:
         return alignment.passed
 
     def _solve(self) -> ChunkCorrections:
-        odometry = [OdometryEdge(link.previous_from_next, link.sigmas, link.covariance) for link in self._links]
-        loops = [edge for edge in self._edges if max(edge.first, edge.second) <= len(odometry)]
-        graph = PoseGraph(odometry, loops)
-        result = optimize(graph)
+        graph, result = solve(self._links, self._edges)
         self.timings.add("pose_graph", result.seconds * 1000.0)
-        self.corrections = self._corrections_of(graph, result)
+        self.corrections = corrections_from_solve(graph, result, self._loops, self.corrections.version + 1)
         return self.corrections
-
-    def _corrections_of(self, graph: PoseGraph, result: PoseGraphResult) -> ChunkCorrections:
-        verdicts = {verdict.loop_id: verdict.accepted for verdict in result.loops}
-        chain = self._chain[: graph.num_chunks]
-        by_chunk = {} if result.is_open_chain else {
-            chunk: corrected @ chain[chunk].inverse() for chunk, corrected in enumerate(result.world_from_chunk)}
-        loops = tuple(self._judged(loop, verdicts, by_chunk) for loop in self._loops)
-        return ChunkCorrections(by_chunk, loops, self.corrections.version + 1)
-
-    @staticmethod
-    def _judged(loop: LoopRecord, verdicts: dict[Any, bool], by_chunk: dict[int, Sim3]) -> LoopRecord:
-        if loop.loop_id not in verdicts:
-            return loop
-        if not verdicts[loop.loop_id]:
-            return replace(loop, status="rejected_by_graph")
-        move = by_chunk.get(loop.query_chunk, Sim3.identity())
-        return replace(loop, status="accepted", correction={
-            "scale": round(move.scale, 6), "rotation_deg": round(move.rotation_deg, 4),
-            "translation": round(float(np.linalg.norm(move.translation)), 6)})
 
 
 class _Timings:
