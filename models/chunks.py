@@ -24,7 +24,7 @@ import numpy as np
 
 from .pose import decode_pose
 from .prediction import FramePrediction
-from .similarity import FrameRatios, Sim3, estimate_chunk_alignment, overlap_sigmas
+from .similarity import FrameRatios, Sim3, alignment_frames, estimate_chunk_alignment, overlap_covariance
 
 logger = logging.getLogger("stream_recon.models.chunks")
 
@@ -44,12 +44,20 @@ class AlignedFrame:
 @dataclass(frozen=True)
 class ChunkLink:
     """How chunk `index` was hung on chunk `index - 1` at its rollover: an odometry edge of the pose graph
-    over chunks (models/pose_graph.py)."""
+    over chunks (models/loops/pose_graph.py).
+
+    Chunks are counted as the stream counts them, from 0; chunk 0 hangs on nothing, so links start at
+    index 1. The pose graph counts its odometry edges from 0: link `index` is the graph's odometry edge
+    index - 1, between chunks index - 1 and index.
+    """
 
     index: int
     previous_from_next: Sim3  # chunk `index` coordinates -> chunk `index - 1` coordinates
-    sigmas: np.ndarray  # [7] how well the shared frames agreed (similarity.overlap_sigmas)
+    sigmas: np.ndarray  # [7] the square roots of `covariance`'s diagonal, in the pose graph's tangent order
     num_shared: int
+    # [7, 7] how sure the alignment is, from the shared frames' disagreement (similarity.overlap_covariance):
+    # its error in the tangent at chunk `index`'s origin. None: the sigmas' components are independent.
+    covariance: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -155,14 +163,17 @@ class ChunkAlignment:
                   if s.frame_index in self.early_ratios}
         previous_pose_enc = np.stack([p.pose_enc for p in previous])  # [K, 9] each
         shared_pose_enc = np.stack([s.pose_enc for s in shared])
-        transform = estimate_chunk_alignment(
-            previous_pose_enc, [p.depth for p in previous], np.array([p.is_keyframe for p in previous]),
-            shared_pose_enc, [s.depth for s in shared], np.array([s.is_keyframe for s in shared]), ratios,
-        )
+        previous_keyframe = np.array([p.is_keyframe for p in previous])
+        shared_keyframe = np.array([s.is_keyframe for s in shared])
+        transform = estimate_chunk_alignment(previous_pose_enc, [p.depth for p in previous], previous_keyframe,
+                                             shared_pose_enc, [s.depth for s in shared], shared_keyframe, ratios)
         self.early_ratios = {}
         self.transforms.append(transform)
+        anchor, depth_rows = alignment_frames(previous_keyframe, shared_keyframe)
+        covariance = overlap_covariance(previous_pose_enc, shared_pose_enc, transform, anchor,
+                                        [ratios[k] for k in depth_rows.tolist() if k in ratios])
         self.links.append(ChunkLink(self.index, self.transforms[-2].inverse() @ transform,
-                                    overlap_sigmas(previous_pose_enc, shared_pose_enc, transform), len(shared)))
+                                    np.sqrt(np.diag(covariance)), len(shared), covariance))
         logger.info("chunk %d aligned on %d shared frames: scale %.6f, rotation %.2f deg, translation %s",
                     self.index, len(shared), transform.scale, transform.rotation_deg,
                     np.round(transform.translation, 4))

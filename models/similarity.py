@@ -269,6 +269,15 @@ def depth_ratio_scale(target_depth: np.ndarray, source_depth: np.ndarray) -> flo
     return median_ratio_scale([depth_ratios(target_depth, source_depth)])
 
 
+def alignment_frames(target_keyframe: np.ndarray, source_keyframe: np.ndarray) -> tuple[int, np.ndarray]:
+    """Which shared frames `estimate_chunk_alignment` rests on: the anchor (rotation and translation: the
+    last frame that is a keyframe in both chunks, else the first shared frame) and the rows whose depth
+    ratios give the scale (those pairs, else the first frame)."""
+    paired = np.flatnonzero(np.asarray(target_keyframe, bool) & np.asarray(source_keyframe, bool))
+    anchor = int(paired[-1]) if paired.size else 0
+    return anchor, (paired if paired.size else np.array([0]))
+
+
 def estimate_chunk_alignment(target_pose_enc: np.ndarray, target_depth: Sequence[np.ndarray],
                              target_keyframe: np.ndarray, source_pose_enc: np.ndarray,
                              source_depth: Sequence[np.ndarray], source_keyframe: np.ndarray,
@@ -281,9 +290,7 @@ def estimate_chunk_alignment(target_pose_enc: np.ndarray, target_depth: Sequence
     frame when there is no pair) and the depth of all pairs gives the scale (spec §14). `ratios`:
     the FrameRatios of some frames made beforehand, by position in the K.
     """
-    paired = np.flatnonzero(np.asarray(target_keyframe, bool) & np.asarray(source_keyframe, bool))
-    anchor = int(paired[-1]) if paired.size else 0
-    depth_rows = paired if paired.size else np.array([0])
+    anchor, depth_rows = alignment_frames(target_keyframe, source_keyframe)
     ratios = ratios or {}
     scale = median_ratio_scale([ratios[k] if k in ratios else depth_ratios(target_depth[k], source_depth[k])
                                 for k in depth_rows.tolist()])
@@ -293,35 +300,6 @@ def estimate_chunk_alignment(target_pose_enc: np.ndarray, target_depth: Sequence
     target_centre = np.asarray(target_pose_enc[anchor, :3], np.float64)
     source_centre = np.asarray(source_pose_enc[anchor, :3], np.float64)
     return Sim3(scale, rotation, target_centre - scale * rotation @ source_centre)
-
-
-def overlap_sigmas(target_pose_enc: np.ndarray, source_pose_enc: np.ndarray, transform: Sim3) -> np.ndarray:
-    """How well two chunks' predictions of their shared frames agree once `transform` maps the source's
-    onto the target's: the standard deviations [7] of a pose-graph edge's tangent error, in its order
-    (rotation x, y, z in rad; translation x, y, z in source units; log scale).
-
-    pose_enc [K, 9] each, camera-to-world, the same K frames. Rotation: the RMS, per axis, of each frame's
-    residual rotation R_target^T (R R_source) as an axis-angle vector. Translation: the RMS, per axis, of
-    the camera centres' residuals, in source units (divided by the scale). Log scale: the translation
-    residual relative to the overlap's extent (the centres' RMS distance from their mean). Each at least
-    MIN_OVERLAP_SIGMA (relative to the extent for translation).
-    """
-    target = np.asarray(target_pose_enc, np.float64)
-    source = np.asarray(source_pose_enc, np.float64)
-    target_rotation = quat_xyzw_to_rotation(target[:, 3:7])
-    mapped_rotation = transform.rotation @ quat_xyzw_to_rotation(source[:, 3:7])
-    residual_rotation = np.einsum("kji,kjl->kil", target_rotation, mapped_rotation)  # R_t^T R R_s, [K, 3, 3]
-    rotation_sigma = np.sqrt(np.mean(_rotation_vectors(residual_rotation) ** 2, axis=0))
-    centres = target[:, :3]
-    residual_centres = (transform.apply_to_points(source[:, :3]) - centres) / transform.scale
-    translation_sigma = np.sqrt(np.mean(residual_centres**2, axis=0))
-    extent = float(np.sqrt(np.mean(np.sum((centres - centres.mean(axis=0)) ** 2, axis=1)))) / transform.scale
-    extent = extent if extent > 0 else 1.0  # a still camera: translation in absolute units
-    log_scale_sigma = float(np.linalg.norm(translation_sigma)) / extent
-    sigmas = np.concatenate([np.maximum(rotation_sigma, MIN_OVERLAP_SIGMA),
-                             np.maximum(translation_sigma, MIN_OVERLAP_SIGMA * extent),
-                             [max(log_scale_sigma, MIN_OVERLAP_SIGMA)]])
-    return sigmas
 
 
 def _skew_parts(rotations: np.ndarray) -> np.ndarray:
@@ -348,3 +326,115 @@ def _rotation_vectors(rotations: np.ndarray) -> np.ndarray:
     # angle / (2 sin angle) -> 1/2 as the angle -> 0 (the skew part is then 2 x the vector)
     factor = np.where(sin_angle > 1e-8, angle / (2 * np.where(sin_angle > 1e-8, sin_angle, 1.0)), 0.5)
     return _skew_parts(rotations) * factor[..., None]
+
+
+# -- how sure a fit is: covariances in a Sim(3)'s tangent ------------------------------------------
+# The tangent of a Sim(3) T at a point: T @ Exp(e) with e = [rotation x, y, z (rad), translation x, y, z
+# (T's source units), log scale], GTSAM's Similarity3 order and the pose graph's. To first order
+# Exp(e) x = x + w x x + u + l x, so a point x of the source moves by tangent_jacobian(x) @ e.
+TANGENT_DIM = 7
+
+
+def tangent_jacobian(points: np.ndarray) -> np.ndarray:
+    """[N, 3] source points -> [N, 3, 7]: d(Exp(e) x)/de at e = 0, i.e. [-[x]_x | I | x]."""
+    points = np.asarray(points, np.float64)
+    jacobian = np.zeros((len(points), 3, TANGENT_DIM))
+    x, y, z = points[:, 0], points[:, 1], points[:, 2]
+    jacobian[:, 0, 1], jacobian[:, 0, 2] = z, -y
+    jacobian[:, 1, 0], jacobian[:, 1, 2] = -z, x
+    jacobian[:, 2, 0], jacobian[:, 2, 1] = y, -x
+    jacobian[:, :, 3:6] = np.eye(3)
+    jacobian[:, :, 6] = points
+    return jacobian
+
+
+def scaling_direction(centre: np.ndarray) -> np.ndarray:
+    """[7] the tangent of a scaling about `centre` (source coordinates), per unit of log scale:
+    x -> e^l (x - c) + c is, to first order, x + l x - l c, so u = -l c."""
+    direction = np.zeros(TANGENT_DIM)
+    direction[3:6] = -np.asarray(centre, np.float64)
+    direction[6] = 1.0
+    return direction
+
+
+def fit_covariance(source: np.ndarray, residuals: np.ndarray, scale: float,
+                   weights: np.ndarray | None = None) -> np.ndarray:
+    """[7, 7] Gauss-Newton covariance of a least-squares Sim(3) fit target ~ T(source), in T's tangent.
+
+    source [N, 3] in the coordinates whose tangent is wanted (T's source); residuals [N, 3] = target -
+    T(source), in target units; scale: T's (target units per source unit); weights [N] the fit's (IRLS),
+    default 1. The residuals are taken as independent and isotropic with one variance, estimated from
+    them: sigma^2 = sum w |r|^2 / (3 N - 7). A point moves by scale * R @ J e in target units, and R drops
+    out of J^T J, so the covariance is sigma^2 / scale^2 * (sum w J^T J)^-1.
+    """
+    source = np.asarray(source, np.float64)
+    residuals = np.asarray(residuals, np.float64)
+    weights = np.ones(len(source)) if weights is None else np.asarray(weights, np.float64)
+    dof = 3 * len(source) - TANGENT_DIM
+    if dof <= 0:
+        raise AlignmentError(f"{len(source)} points leave no residual degrees of freedom for a Sim(3) fit")
+    variance = float(np.sum(weights * np.sum(residuals**2, axis=1))) / dof
+    jacobian = tangent_jacobian(source)
+    information = np.einsum("n,nij,nik->jk", weights, jacobian, jacobian) * scale**2
+    return variance * np.linalg.inv(information)
+
+
+def overlap_covariance(target_pose_enc: np.ndarray, source_pose_enc: np.ndarray, transform: Sim3, anchor: int,
+                       frame_ratios: Sequence[FrameRatios] = ()) -> np.ndarray:
+    """[7, 7] covariance of a chunk alignment's error, transform @ Exp(e), in the tangent at the source
+    chunk's origin (where the pose graph measures its odometry edge's error).
+
+    The alignment (`estimate_chunk_alignment`) takes rotation and translation from one anchor frame and the
+    scale from the depth ratios, so its error is the anchor's: each shared frame's pose as the two chunks
+    predict it differs by an independent rotation w_k and centre shift c_k (source units), which the other
+    frames measure: after the fit frame k's residual is w_k - w_anchor (likewise c), of variance twice a
+    frame's, so a frame's variance per axis is half the residuals' mean square over the frames other than
+    the anchor. The log scale's variance is the spread of the per-frame log median ratios over their count
+    (`frame_ratios`: those sorted beforehand, whose medians are free), or, with fewer than two of them, the
+    centres' disagreement relative to the overlap's extent. To the origin: an error (w, c, l) at the anchor
+    centre a is e = [w, c + a x w - l a, l] (a rotation and a scaling about a). Each component of the
+    anchor's error has the floor MIN_OVERLAP_SIGMA (of the extent, for the centre).
+    pose_enc [K, 9] camera-to-world, the same K frames in both.
+    """
+    target = np.asarray(target_pose_enc, np.float64)
+    source = np.asarray(source_pose_enc, np.float64)
+    source_rotation = quat_xyzw_to_rotation(source[:, 3:7])
+    # R^T R_target R_source^T: each frame's rotation left over, in the source chunk's coordinates
+    left_over = np.einsum("ji,kjl,kml->kim", transform.rotation, quat_xyzw_to_rotation(target[:, 3:7]),
+                          source_rotation)
+    rotation_residuals = _rotation_vectors(left_over)
+    centre_residuals = (transform.apply_to_points(source[:, :3]) - target[:, :3]) / transform.scale
+    others = np.arange(len(source)) != anchor
+    rotation_variance = _half_mean_square(rotation_residuals[others])
+    centre_variance = _half_mean_square(centre_residuals[others])
+    centres = source[:, :3]
+    extent = float(np.sqrt(np.mean(np.sum((centres - centres.mean(axis=0)) ** 2, axis=1))))
+    extent = extent if extent > 0 else 1.0  # a still camera: translation in absolute units
+    log_scale_variance = _log_scale_variance(frame_ratios, float(np.sum(centre_variance)) / extent**2)
+    floor = MIN_OVERLAP_SIGMA**2
+    anchor_variance = np.concatenate([np.maximum(rotation_variance, floor),
+                                      np.maximum(centre_variance, floor * extent**2),
+                                      [max(log_scale_variance, floor)]])
+    to_origin = _anchor_to_origin(centres[anchor])
+    return to_origin @ np.diag(anchor_variance) @ to_origin.T
+
+
+def _half_mean_square(residuals: np.ndarray) -> np.ndarray:
+    """[3] half the mean square per axis of residuals [n, 3] (zeros when n = 0)."""
+    return 0.5 * np.mean(residuals**2, axis=0) if len(residuals) else np.zeros(3)
+
+
+def _log_scale_variance(frame_ratios: Sequence[FrameRatios], fallback: float) -> float:
+    """The variance of the mean of the frames' log median ratios, or `fallback` with fewer than two frames."""
+    medians = [float(ratios.values[(ratios.size - 1) // 2]) for ratios in frame_ratios if ratios.size]
+    logs = np.log([median for median in medians if np.isfinite(median) and median > 0])
+    return float(np.var(logs, ddof=1)) / len(logs) if len(logs) >= 2 else fallback
+
+
+def _anchor_to_origin(anchor: np.ndarray) -> np.ndarray:
+    """[7, 7] an error (w, c, l) at the anchor centre a -> the tangent at the origin: [w, c + a x w - l a, l]."""
+    x, y, z = anchor
+    jacobian = np.eye(TANGENT_DIM)
+    jacobian[3:6, 0:3] = [[0.0, -z, y], [z, 0.0, -x], [-y, x, 0.0]]
+    jacobian[3:6, 6] = -anchor
+    return jacobian

@@ -135,12 +135,26 @@ def _false_loop(truth: np.ndarray, ranges: list[tuple[int, int]], world_from_chu
     raise ValueError(f"chunks {a} and {b} have no frames {min_distance} apart")
 
 
+def _subtle_false_loop(world_from_chunk: tuple[Sim3, ...], pair: tuple[int, int], offset: tuple[float, float],
+                       rng: np.random.Generator) -> Sim3:
+    """a_from_b of a revisited pair, wrong by a shift of the place (ground-truth units, uniform in `offset`,
+    any direction): a loop whose depths were off by that much, clean in every other way."""
+    a, b = pair
+    direction = rng.normal(size=3)
+    shift = direction / np.linalg.norm(direction) * rng.uniform(*offset) / world_from_chunk[b].scale
+    return world_from_chunk[a].inverse() @ world_from_chunk[b] @ Sim3(1.0, np.eye(3), shift)
+
+
 def make_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, false_min_distance: float,
                   false_fraction: float = 0.2, false_loops: int | None = None,
-                  with_true_loops: bool = True) -> Scenario:
+                  with_true_loops: bool = True, subtle_false: tuple[float, float] | None = None,
+                  repeats: int = 1) -> Scenario:
     """The chunked stream over `truth`: odometry with ODOMETRY_NOISE, a loop with LOOP_NOISE at every
     revisit (within `revisit_radius`), and false loops: `false_fraction` of all loops (or `false_loops`
-    of them) on non-adjacent chunk pairs that are not revisits (any non-adjacent pair if all are)."""
+    of them) on non-adjacent chunk pairs that are not revisits (any non-adjacent pair if all are). With
+    `subtle_false` (a shift range in ground-truth units) the false loops are revisited pairs instead, their
+    true a_from_b shifted by that much (`_subtle_false_loop`), in groups of `repeats` on one pair with one
+    shift: one wrong place recognised on consecutive keyframes, so that the group agrees with itself."""
     rng = np.random.default_rng(seed)
     ranges = chunk_ranges(len(truth))
     # Each chunk's coordinates: its first camera, at a scale of its own (a model's depth normalisation).
@@ -162,13 +176,20 @@ def make_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, false_
                                          {"frames": frames}))
     candidates = [(a, b) for a in range(len(ranges)) for b in range(a + 2, len(ranges))]
     candidates = [pair for pair in candidates if pair not in revisited] or candidates
+    if subtle_false is not None:
+        candidates = list(revisits(truth, ranges, revisit_radius))
     if false_loops is None:
         false_loops = max(1, round(len(true_ids) * false_fraction / (1 - false_fraction)))
     false_ids = []
-    for n in rng.choice(len(candidates), false_loops, replace=false_loops > len(candidates)):
+    groups = -(-false_loops // repeats)
+    for n in rng.choice(len(candidates), groups, replace=groups > len(candidates)):
         a, b = candidates[n]
         sigmas = LOOP_NOISE.sigmas(scenario.path_length(b))
-        wrong = _false_loop(truth, ranges, world_from_chunk, (a, b), false_min_distance, rng)
-        false_ids.append(f"false-{a}-{b}-{len(false_ids)}")
-        graph = graph.with_loop(LoopEdge(false_ids[-1], a, b, perturbed(wrong, sigmas, rng), sigmas))
+        if subtle_false is None:
+            wrong = _false_loop(truth, ranges, world_from_chunk, (a, b), false_min_distance, rng)
+        else:
+            wrong = _subtle_false_loop(world_from_chunk, (a, b), subtle_false, rng)
+        for _ in range(repeats):
+            false_ids.append(f"false-{a}-{b}-{len(false_ids)}")
+            graph = graph.with_loop(LoopEdge(false_ids[-1], a, b, perturbed(wrong, sigmas, rng), sigmas))
     return Scenario(truth, tuple(ranges), world_from_chunk, graph, frozenset(true_ids), frozenset(false_ids))

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -21,11 +21,27 @@ import numpy as np
 from ..chunks import ChunkLink
 from ..pose import back_project
 from ..prediction import FramePrediction
-from ..similarity import AlignmentError, Sim3, irls_umeyama, umeyama
+from ..similarity import (
+    TANGENT_DIM,
+    AlignmentError,
+    Sim3,
+    fit_covariance,
+    irls_umeyama,
+    scaling_direction,
+    umeyama,
+)
 from .corrections import ChunkCorrections, LoopRecord
 from .detection import CheckedCandidate, LoopDetectionConfig, LoopDetector
 from .geometric_check import extract_features
-from .pose_graph import LoopEdge, OdometryEdge, PoseGraph, PoseGraphResult, optimize
+from .pose_graph import (
+    LoopEdge,
+    OdometryEdge,
+    PoseGraph,
+    PoseGraphResult,
+    PoseGraphSettings,
+    open_chain,
+    optimize,
+)
 from .retrieval import gradient_grid_descriptor
 
 GRADIENT_GRID_DIM = 128  # gradient_grid_descriptor's length
@@ -46,11 +62,13 @@ class LoopClosureConfig:
     # A pair that needs more than this scale change (either way) between its two chunks is not the same
     # place seen twice but a repeated structure at another size: drift is a few % per chunk.
     max_scale_change: float = 2.0
-    # Sigma floors of a loop edge: a keyframe's whole depth map can be off by ~2% (its errors are
-    # correlated, so no number of points averages them away), and its keypoints' rays by ~0.5 degrees.
-    min_log_scale_sigma: float = 0.02
-    min_rotation_sigma: float = 0.01  # radians
-    min_translation_sigma: float = 0.02  # of the earlier keyframe's median depth
+    # Errors of a keyframe that no number of its points averages away, added to the fit's own covariance
+    # (`loop_covariance`): its whole depth map can be off by ~2% (the depth errors of one prediction are
+    # correlated; two chunks' depths of their shared frames differ by about that), a scaling about its
+    # camera; and its orientation within its chunk by ~1e-3 rad, the model's frame-to-frame rotation noise
+    # (similarity.MIN_OVERLAP_SIGMA), a rotation of all its points about its camera.
+    keyframe_depth_scale_sigma: float = 0.02
+    keyframe_rotation_sigma: float = 1e-3  # radians
     # Keyframes handed to the loop-closure process and not yet answered: when detection falls behind,
     # newer keyframes are skipped (counted) rather than held, so the stream never waits for it; 8 absorb
     # a rollover's burst of keyframes and are ~13 MB at 518 x 378.
@@ -95,6 +113,7 @@ class FirstFinalKeyframes:
 class _KeyframePoints:
     points: np.ndarray  # [N, 3] float64, the emitted world point behind each keypoint; NaN where unsure
     median_depth: float
+    camera_centre: np.ndarray = field(default_factory=lambda: np.zeros(3))  # [3] in the emitted world
 
 
 def keypoint_points(keypoints: np.ndarray, depth: np.ndarray, depth_conf: np.ndarray, intrinsics: np.ndarray,
@@ -118,14 +137,19 @@ def keypoint_points(keypoints: np.ndarray, depth: np.ndarray, depth_conf: np.nda
 
 @dataclass(frozen=True)
 class LoopAlignment:
-    """A checked pair's 3D agreement: the Sim(3) that maps the query's points onto the earlier keyframe's."""
+    """A checked pair's 3D agreement: the Sim(3) that maps the query's points onto the earlier keyframe's,
+    and what its uncertainty is made of (`loop_covariance`)."""
 
     earlier_from_query: Sim3  # in the emitted world: query chunk's placement -> earlier chunk's placement
     points: int  # inlier matches with confident depth on both sides
     agreeing: int  # of them, within agreement_distance after the fit
     rms: float  # of the agreeing pairs' residuals, in units of the earlier keyframe's median depth
-    sigmas_world: np.ndarray  # [7] rotation (rad), translation (emitted world units), log scale
+    sigmas_world: np.ndarray  # [7] loop_covariance's in the emitted world's tangent (chain identity)
     passed: bool
+    query_points: np.ndarray = field(default_factory=lambda: np.zeros((0, 3)))  # [n, 3] agreeing, emitted world
+    residuals: np.ndarray = field(default_factory=lambda: np.zeros((0, 3)))  # [n, 3] earlier - fit(query)
+    query_centre: np.ndarray = field(default_factory=lambda: np.zeros(3))  # the keyframes' cameras, emitted
+    earlier_centre: np.ndarray = field(default_factory=lambda: np.zeros(3))
 
     def figures(self) -> dict[str, Any]:
         rms = round(self.rms, 5) if np.isfinite(self.rms) else None
@@ -161,19 +185,108 @@ def align_loop(query: _KeyframePoints, earlier: _KeyframePoints, inlier_matches:
     scale_ok = 1.0 / config.max_scale_change <= fit.scale <= config.max_scale_change
     passed = (agreeing >= config.min_agreeing_points and agreeing >= config.min_agreeing_fraction * len(source)
               and scale_ok)
-    sigmas = _loop_sigmas(target[agree], rms * unit, agreeing, unit, config) if agreeing >= 3 else np.full(7, np.inf)
-    return LoopAlignment(fit, len(source), agreeing, rms, sigmas, passed)
+    alignment = LoopAlignment(fit, len(source), agreeing, rms, np.full(7, np.inf), passed, source[agree],
+                              target[agree] - fit.apply_to_points(source[agree]), query.camera_centre,
+                              earlier.camera_centre)
+    if agreeing * 3 <= TANGENT_DIM:
+        return alignment
+    world_sigmas = np.sqrt(np.diag(loop_covariance(alignment, Sim3.identity(), config)))
+    return replace(alignment, sigmas_world=world_sigmas)
 
 
-def _loop_sigmas(points: np.ndarray, rms: float, count: int, unit: float, config: LoopClosureConfig) -> np.ndarray:
-    """[7] sigmas of a loop fit in the emitted world's units: the residual's standard error, spread over
-    the points' extent for rotation and scale, each with its floor (LoopClosureConfig)."""
-    extent = float(np.sqrt(np.mean(np.sum((points - points.mean(axis=0)) ** 2, axis=1))))
-    extent = max(extent, 1e-3 * unit)
-    translation = max(rms / np.sqrt(count), config.min_translation_sigma * unit)
-    rotation = max(translation / extent, config.min_rotation_sigma)
-    log_scale = max(translation / extent, config.min_log_scale_sigma)
-    return np.array([rotation] * 3 + [translation] * 3 + [log_scale])
+def loop_covariance(alignment: LoopAlignment, world_from_second: Sim3, config: LoopClosureConfig) -> np.ndarray:
+    """[7, 7] covariance of a loop edge's error in the tangent where the pose graph measures it: chunk
+    `second`'s (the query's) coordinates, world_from_second its open-chain placement.
+
+    The sum of independent parts, each a first-order error of the edge first_from_second @ Exp(e):
+    - the fit's: Gauss-Newton at the agreeing query points in chunk `second`'s coordinates, with the residual
+      variance estimated from the fit (similarity.fit_covariance). Only the second chunk's placement
+      matters: the first chunk's scale divides the residuals and the edge's scale alike.
+    - each keyframe's whole depth map scaled by e^d, d ~ N(0, keyframe_depth_scale_sigma^2): a scaling about
+      its camera; the earlier keyframe's camera is taken back into the query's coordinates through the fit.
+    - each keyframe's orientation off by a rotation r ~ N(0, keyframe_rotation_sigma^2 I) about its camera
+      c: x -> x + r x (x - c), the tangent [r, c x r, 0].
+    """
+    second_from_world = world_from_second.inverse()
+    source = second_from_world.apply_to_points(alignment.query_points)
+    # Residuals in the emitted world's units per unit of chunk `second`: what the edge's scale is, once the
+    # first chunk's placement divides both (the residuals are taken as isotropic, so rotations drop out).
+    world_per_second_unit = alignment.earlier_from_query.scale * world_from_second.scale
+    covariance = fit_covariance(source, alignment.residuals, world_per_second_unit)
+    earlier_centre = alignment.earlier_from_query.inverse().apply_to_points(alignment.earlier_centre)
+    for centre in (second_from_world.apply_to_points(alignment.query_centre),
+                   second_from_world.apply_to_points(earlier_centre)):
+        scaling = scaling_direction(centre)
+        covariance += config.keyframe_depth_scale_sigma**2 * np.outer(scaling, scaling)
+        turning = _rotation_about(centre)
+        covariance += config.keyframe_rotation_sigma**2 * turning @ turning.T
+    return covariance
+
+
+def _rotation_about(centre: np.ndarray) -> np.ndarray:
+    """[7, 3] the tangent of a small rotation r about `centre`: x -> x + r x (x - c) = x + r x x + c x r."""
+    cross = np.array([[0.0, -centre[2], centre[1]], [centre[2], 0.0, -centre[0]], [-centre[1], centre[0], 0.0]])
+    return np.concatenate([np.eye(3), cross, np.zeros((1, 3))])
+
+
+def loop_edge(loop_id: Hashable, first: int, second: int, alignment: LoopAlignment,
+              world_from_chunk: Sequence[Sim3], config: LoopClosureConfig) -> LoopEdge:
+    """The pose graph's loop edge from a fit between two emitted keyframes: the earlier one of chunk `first`,
+    the query of chunk `second` (chunk indices as the pose graph counts them: 0 is the first chunk).
+
+    Emitted keyframes are in the open chain's world, chunk c placed by world_from_chunk[c] (the odometry
+    composed), so the fit S gives first_from_second = world_from_chunk[first]^-1 S world_from_chunk[second],
+    and its covariance is `loop_covariance` at chunk `second`'s placement.
+    """
+    placed_first, placed_second = world_from_chunk[first], world_from_chunk[second]
+    first_from_second = placed_first.inverse() @ alignment.earlier_from_query @ placed_second
+    covariance = loop_covariance(alignment, placed_second, config)
+    return LoopEdge(loop_id, first, second, first_from_second, np.sqrt(np.diag(covariance)), covariance=covariance)
+
+
+def graph_of(links: Sequence[ChunkLink], loops: Sequence[LoopEdge]) -> PoseGraph:
+    """The pose graph over the chunks that `links` reach.
+
+    One convention for chunks: the stream's index, from 0 (chunk 0 is the world). ChunkLink `index` hangs
+    chunk index on chunk index - 1, so links start at 1 and link i is the graph's odometry edge i - 1; the
+    links must come in chunk order, from chunk 1. A loop edge joining a chunk past the last link waits.
+    """
+    expected = list(range(1, len(links) + 1))
+    if [link.index for link in links] != expected:
+        raise ValueError(f"links must hang chunks {expected} in order, got {[link.index for link in links]}")
+    odometry = [OdometryEdge(link.previous_from_next, link.sigmas, link.covariance) for link in links]
+    return PoseGraph(odometry, [loop for loop in loops if max(loop.first, loop.second) <= len(odometry)])
+
+
+def solve(links: Sequence[ChunkLink], loops: Sequence[LoopEdge],
+          settings: PoseGraphSettings = PoseGraphSettings()) -> tuple[PoseGraph, PoseGraphResult]:
+    """The graph of `graph_of` and its solution (pose_graph.optimize)."""
+    graph = graph_of(links, loops)
+    return graph, optimize(graph, settings)
+
+
+def corrections_from_solve(graph: PoseGraph, result: PoseGraphResult, records: Sequence[LoopRecord] = (),
+                           version: int = 1) -> ChunkCorrections:
+    """A solve as moves of the emitted predictions: chunk c's emissions were placed by the open chain
+    (the odometry composed, pose_graph.open_chain), so they move by result[c] @ open_chain[c]^-1; nothing
+    moves when no loop was accepted. `records` (LoopRecord, keyed by loop_id as the loop edges are) get the
+    graph's verdicts; records of loops the graph did not hold are kept as they are."""
+    chain = open_chain(graph.odometry)
+    by_chunk = {} if result.is_open_chain else {
+        chunk: corrected @ chain[chunk].inverse() for chunk, corrected in enumerate(result.world_from_chunk)}
+    verdicts = {verdict.loop_id: verdict.accepted for verdict in result.loops}
+    return ChunkCorrections(by_chunk, tuple(_judged(record, verdicts, by_chunk) for record in records), version)
+
+
+def _judged(loop: LoopRecord, verdicts: dict[Any, bool], by_chunk: dict[int, Sim3]) -> LoopRecord:
+    if loop.loop_id not in verdicts:
+        return loop
+    if not verdicts[loop.loop_id]:
+        return replace(loop, status="rejected_by_graph")
+    move = by_chunk.get(loop.query_chunk, Sim3.identity())
+    return replace(loop, status="accepted", correction={
+        "scale": round(move.scale, 6), "rotation_deg": round(move.rotation_deg, 4),
+        "translation": round(float(np.linalg.norm(move.translation)), 6)})
 
 
 class LoopCloser:
@@ -223,7 +336,8 @@ class LoopCloser:
             descriptor = self._descriptor(keyframe)
             points, median_depth = keypoint_points(features.keypoints, keyframe.depth, keyframe.depth_conf,
                                                    keyframe.intrinsics, keyframe.c2w, self.config.min_confidence)
-        self._points[keyframe.frame_index] = _KeyframePoints(points, median_depth)
+        self._points[keyframe.frame_index] = _KeyframePoints(points, median_depth,
+                                                             np.asarray(keyframe.c2w, np.float64)[:3, 3])
         with self.timings.time("retrieval_and_check"):
             checked = self._detector.add_keyframe(keyframe.frame_index, keyframe.chunk_index, descriptor, features,
                                                   keyframe.intrinsics)
@@ -277,43 +391,15 @@ class LoopCloser:
         status = "pending" if alignment.passed else "rejected_by_verification"
         self._loops.append(replace(record, status=status, verification=alignment.figures()))
         if alignment.passed:
-            self._edges.append(self._loop_edge(record.loop_id, earlier.chunk_index, checked.query_chunk, alignment))
+            self._edges.append(loop_edge(record.loop_id, earlier.chunk_index, checked.query_chunk, alignment,
+                                         self._chain, self.config))
         return alignment.passed
 
-    def _loop_edge(self, loop_id: int, first: int, second: int, alignment: LoopAlignment) -> LoopEdge:
-        chain_first, chain_second = self._chain[first], self._chain[second]
-        first_from_second = chain_first.inverse() @ alignment.earlier_from_query @ chain_second
-        sigmas = alignment.sigmas_world.copy()
-        sigmas[3:6] /= chain_second.scale  # tangent translation is in chunk `second`'s units
-        return LoopEdge(loop_id, first, second, first_from_second, sigmas)
-
     def _solve(self) -> ChunkCorrections:
-        odometry = [OdometryEdge(link.previous_from_next, link.sigmas) for link in self._links]
-        loops = [edge for edge in self._edges if max(edge.first, edge.second) <= len(odometry)]
-        graph = PoseGraph(odometry, loops)
-        result = optimize(graph)
+        graph, result = solve(self._links, self._edges)
         self.timings.add("pose_graph", result.seconds * 1000.0)
-        self.corrections = self._corrections_of(graph, result)
+        self.corrections = corrections_from_solve(graph, result, self._loops, self.corrections.version + 1)
         return self.corrections
-
-    def _corrections_of(self, graph: PoseGraph, result: PoseGraphResult) -> ChunkCorrections:
-        verdicts = {verdict.loop_id: verdict.accepted for verdict in result.loops}
-        chain = self._chain[: graph.num_chunks]
-        by_chunk = {} if result.is_open_chain else {
-            chunk: corrected @ chain[chunk].inverse() for chunk, corrected in enumerate(result.world_from_chunk)}
-        loops = tuple(self._judged(loop, verdicts, by_chunk) for loop in self._loops)
-        return ChunkCorrections(by_chunk, loops, self.corrections.version + 1)
-
-    @staticmethod
-    def _judged(loop: LoopRecord, verdicts: dict[Any, bool], by_chunk: dict[int, Sim3]) -> LoopRecord:
-        if loop.loop_id not in verdicts:
-            return loop
-        if not verdicts[loop.loop_id]:
-            return replace(loop, status="rejected_by_graph")
-        move = by_chunk.get(loop.query_chunk, Sim3.identity())
-        return replace(loop, status="accepted", correction={
-            "scale": round(move.scale, 6), "rotation_deg": round(move.rotation_deg, 4),
-            "translation": round(float(np.linalg.norm(move.translation)), 6)})
 
 
 class _Timings:

@@ -1,0 +1,108 @@
+"""Loops judged as a set (models/loops/consistency.py, PCM): the cycle's covariance, the chi-square bound,
+the maximum clique, and the false loops it turns away on real trajectories before GNC sees them."""
+
+from __future__ import annotations
+
+import gtsam
+import numpy as np
+import pytest
+from evo_data import evo_data_dir
+from loop_scenarios import make_scenario, read_kitti_poses, read_tum_poses
+
+from stream_recon.models.loops.consistency import chi_square_quantile, compose, invert, maximum_clique
+from stream_recon.models.loops.pose_graph import PoseGraphSettings, from_gtsam, optimize, to_gtsam
+from stream_recon.models.similarity import Sim3
+
+
+def random_sim3(rng: np.random.Generator) -> Sim3:
+    rotation = np.asarray(gtsam.Rot3.Expmap(rng.normal(0, 1, 3)).matrix())
+    return Sim3(float(np.exp(rng.normal(0, 0.5))), rotation, rng.normal(0, 3, 3))
+
+
+def perturbed(transform: Sim3, covariance: np.ndarray, rng: np.random.Generator) -> Sim3:
+    return transform @ from_gtsam(gtsam.Similarity3.Expmap(rng.multivariate_normal(np.zeros(7), covariance)))
+
+
+def test_the_chi_square_quantile_is_the_tables() -> None:
+    assert chi_square_quantile(0.99, 7) == pytest.approx(18.4753, abs=1e-3)
+    assert chi_square_quantile(0.95, 2) == pytest.approx(5.9915, abs=1e-3)
+
+
+def test_a_products_covariance_is_the_spread_of_perturbed_products() -> None:
+    rng = np.random.default_rng(0)
+    factors = [(random_sim3(rng), np.diag(rng.uniform(1e-4, 4e-4, 7))) for _ in range(3)]
+    factors.append(invert(factors[0]))
+    product, covariance = compose(factors)
+    errors = []
+    for _ in range(3000):
+        moved = Sim3.identity()
+        for transform, transform_covariance in factors:
+            moved = moved @ perturbed(transform, transform_covariance, rng)
+        errors.append(np.asarray(gtsam.Similarity3.Logmap(to_gtsam(product.inverse() @ moved))))
+    spread = np.sqrt(np.diag(np.cov(np.array(errors).T)))
+    np.testing.assert_allclose(spread, np.sqrt(np.diag(covariance)), rtol=0.1)
+
+
+def test_the_maximum_clique_is_the_largest_mutually_adjacent_set() -> None:
+    adjacent = np.ones((6, 6), bool)
+    for i, j in [(0, 3), (1, 3), (4, 5), (2, 4)]:
+        adjacent[i, j] = adjacent[j, i] = False
+    assert maximum_clique(adjacent) == [0, 1, 2, 5]
+    assert maximum_clique(np.eye(3, dtype=bool)) == [0]
+
+
+KITTI_SUBTLE_M = (1.5, 3.0)  # 10-20% of a street scene's ~15 m depth
+TUM_SUBTLE_M = (0.1, 0.2)  # 10-20% of a desk scene's ~1 m depth
+
+
+def judged(truth: np.ndarray, seeds: range, revisit: float, subtle: tuple[float, float],
+           settings: PoseGraphSettings) -> tuple[float, float]:
+    """(false loops rejected, true loops accepted) over the seeds' scenarios with subtle false loops."""
+    false_rejected = false_total = true_accepted = true_total = 0
+    for seed in seeds:
+        scenario = make_scenario(truth, seed, revisit_radius=revisit, false_min_distance=0.0, subtle_false=subtle)
+        accepted = set(optimize(scenario.graph, settings).accepted_ids)
+        false_rejected += len(scenario.false_loops - accepted)
+        true_accepted += len(scenario.true_loops & accepted)
+        false_total += len(scenario.false_loops)
+        true_total += len(scenario.true_loops)
+    return false_rejected / false_total, true_accepted / true_total
+
+
+SCENARIOS = {  # name: (trajectory file, revisit radius, shift of a subtle false loop)
+    "KITTI 00": ("KITTI_00_gt.txt", 5.0, KITTI_SUBTLE_M),
+    "TUM fr1_xyz": ("freiburg1_xyz-groundtruth.txt", 0.05, TUM_SUBTLE_M),
+}
+
+
+def load(name: str) -> np.ndarray:
+    path = evo_data_dir() / SCENARIOS[name][0]
+    return read_kitti_poses(path) if name == "KITTI 00" else read_tum_poses(path)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_the_consistent_set_turns_away_subtle_false_loops_and_keeps_the_true_ones(name: str) -> None:
+    """PCM alone, before GNC: over 5 seeds it drops most subtle false loops (measured: KITTI 00 73%,
+    fr1_xyz 100% over 10 seeds) and hardly any true loop (0 and 1%)."""
+    from stream_recon.models.loops.consistency import consistent_loops
+
+    truth, (_, revisit, subtle) = load(name), SCENARIOS[name]
+    false_dropped = false_total = true_dropped = true_total = 0
+    for seed in range(5):
+        scenario = make_scenario(truth, seed, revisit_radius=revisit, false_min_distance=0.0, subtle_false=subtle)
+        kept = {scenario.graph.loops[i].loop_id for i in consistent_loops(scenario.graph, 0.99)}
+        false_dropped += len(scenario.false_loops - kept)
+        true_dropped += len(scenario.true_loops - kept)
+        false_total += len(scenario.false_loops)
+        true_total += len(scenario.true_loops)
+    assert false_dropped >= 0.6 * false_total, (false_dropped, false_total)
+    assert true_dropped <= 0.03 * true_total, (true_dropped, true_total)
+
+
+def test_with_pairwise_consistency_the_graph_still_rejects_subtle_false_loops_and_keeps_true_ones() -> None:
+    """PCM in front of GNC (PoseGraphSettings.pairwise_consistency) on fr1_xyz: GNC starts from the consistent
+    set's solution; every subtle false loop is rejected and the true ones are accepted."""
+    truth, (_, revisit, subtle) = load("TUM fr1_xyz"), SCENARIOS["TUM fr1_xyz"]
+    false_rejected, true_accepted = judged(truth, range(3), revisit, subtle,
+                                           PoseGraphSettings(pairwise_consistency=True))
+    assert false_rejected == 1.0 and true_accepted >= 0.95, (false_rejected, true_accepted)
