@@ -145,6 +145,18 @@ def pose_graph_figures(tmp_path: Path) -> dict[str, float]:
     })
 
 
+def loop_consistency_figures(tmp_path: Path) -> dict[str, float]:
+    data = evo_data_dir()  # skips where the real trajectories cannot be had, as the pose graph's tests do
+    printed = run_script("scripts/bench_loop_consistency.py", "--seeds", "1", env={EVO_DATA_ENV: str(data)})
+    figures = {}
+    for line in printed.splitlines():
+        if "|" in line and "false rejected" in line:
+            case, label, _ = (part.strip() for part in line.split("|"))
+            figures[f"{case}, {label}: ATE corrected / open"] = number_after(r"ATE corrected/open ([\d.e+-]+)", line)
+    assert len(figures) == 6, printed  # three scenarios, with and without PCM
+    return finite(figures)
+
+
 def rollover_figures(tmp_path: Path) -> dict[str, float]:
     printed = run_script("scripts/bench_rollover.py", "--model", "tiny", "--device", "cpu", "--height", "84",
                          "--width", "112", "--scale", "2", "--window", "4", "--frames", "40",
@@ -164,6 +176,7 @@ BENCH_RUNS: dict[str, Callable[[Path], dict[str, float]]] = {
     "bench_checkpoint_load.py --product": lambda tmp_path: checkpoint_load_figures(tmp_path, "--product"),
     "bench_loop_closure.py": loop_closure_figures,
     "bench_pose_graph.py": pose_graph_figures,
+    "bench_loop_consistency.py": loop_consistency_figures,
     "bench_rollover.py": rollover_figures,
 }
 BENCH_RUN_ELSEWHERE = {"bench_e2e.py": "tests/test_bench_e2e.py"}  # its smoke tests, more than one run
