@@ -176,6 +176,50 @@ def make_video(path: Path, num_frames: int, width: int, height: int, fps: float 
     return path
 
 
+def make_scene_video(path: Path, scene: Path, num_frames: int, width: int, height: int, fps: float = 30.0) -> Path:
+    """A video of `num_frames` frames from a recorded scene (a folder of images in name order, or a video):
+    its frames played forwards and backwards (ping-pong) until `num_frames`, each centre-cropped to the
+    aspect of `width` x `height` and resized to it. On the way back the camera passes every place again,
+    so a scene of a few hundred frames becomes a long video that keeps revisiting."""
+    frames = _scene_frames(scene)
+    if len(frames) < 2:
+        raise ValueError(f"{scene}: a scene needs at least 2 frames, found {len(frames)}")
+    cycle = list(range(len(frames))) + list(range(len(frames) - 2, 0, -1))
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+    if not writer.isOpened():
+        raise RuntimeError(f"OpenCV cannot write an mp4v video to {path}")
+    fitted = [_crop_to(frame, width, height) for frame in frames]
+    for index in range(num_frames):
+        writer.write(fitted[cycle[index % len(cycle)]])
+    writer.release()
+    return path
+
+
+def _scene_frames(scene: Path) -> list[np.ndarray]:
+    if scene.is_dir():
+        names = sorted(p for p in scene.iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
+        return [cv2.imread(str(p)) for p in names]
+    capture = cv2.VideoCapture(str(scene))
+    frames = []
+    while True:
+        ok, frame = capture.read()
+        if not ok:
+            break
+        frames.append(frame)
+    capture.release()
+    return frames
+
+
+def _crop_to(frame: np.ndarray, width: int, height: int) -> np.ndarray:
+    """The largest centred crop of `frame` with the aspect width:height, resized to width x height."""
+    rows, cols = frame.shape[:2]
+    crop_cols = min(cols, round(rows * width / height))
+    crop_rows = min(rows, round(cols * height / width))
+    top, left = (rows - crop_rows) // 2, (cols - crop_cols) // 2
+    crop = frame[top : top + crop_rows, left : left + crop_cols]
+    return cv2.resize(crop, (width, height), interpolation=cv2.INTER_AREA if crop_cols > width else cv2.INTER_CUBIC)
+
+
 # ---------------------------------------------------------------------------------- measuring sinks
 
 

@@ -7,8 +7,10 @@ video with --loop-closure off and on, in one process.
 
 The video is scripts/bench_e2e.py's (the sample frames played forwards and backwards while a crop pans),
 so the camera keeps returning to places it has seen: every chunk from the third on has loop candidates,
-which is loop closure's heaviest case. Order: a short warm-up run (every step compiled and recorded),
-then the measured runs alternating off, on (`--pairs` times). Per run: steady FPS, p50 / p99, frame
+which is loop closure's heaviest case. `--scene DIR` makes it from a recorded scene instead (a folder of
+images or a video, e.g. an example scene of the official repository), played forwards and backwards.
+Order: a short warm-up run (every step compiled and recorded), then the measured runs alternating off,
+on (`--pairs` times). Per run: steady FPS, p50 / p99, frame
 intervals over twice the median (and whether a rollover was in them), and for `on` what run.json says
 of loop closure (keyframes indexed and skipped, loops accepted and rejected, milliseconds per call of
 each stage). Prints a table; --json writes everything.
@@ -53,6 +55,8 @@ def main() -> None:
     parser.add_argument("--image-width", type=int, default=518, help="model input width")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="the runs' --compile")
     parser.add_argument("--video", help="a video file instead of the one made from app/sample")
+    parser.add_argument("--scene", help="a recorded scene (a folder of images, or a video) played forwards and backwards "
+                        "to --frames at --video-size, instead of the video made from app/sample")
     parser.add_argument("--video-dir", default=tempfile.gettempdir())
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -64,9 +68,16 @@ def main() -> None:
     from stream_recon.app.options import resolve_device
 
     width, height = (int(side) for side in args.video_size.split("x"))
-    video = Path(args.video) if args.video else Path(args.video_dir) / f"bench_e2e_{args.frames}_{width}x{height}.mp4"
-    if not video.exists():
-        bench_e2e.make_video(video, args.frames, width, height)
+    if args.video:
+        video = Path(args.video)
+    elif args.scene:
+        video = Path(args.video_dir) / f"scene_{Path(args.scene).stem}_{args.frames}_{width}x{height}.mp4"
+        if not video.exists():
+            bench_e2e.make_scene_video(video, Path(args.scene), args.frames, width, height)
+    else:
+        video = Path(args.video_dir) / f"bench_e2e_{args.frames}_{width}x{height}.mp4"
+        if not video.exists():
+            bench_e2e.make_video(video, args.frames, width, height)
     options = bench_e2e.run_options(args, bench_e2e.free_port())
     device = resolve_device(options.device)
     model, load_s = bench_e2e.build_model(args)
