@@ -4,7 +4,7 @@
   output holds the figure it exists to produce, a finite number. scripts/bench_e2e.py has its own smoke
   tests (tests/test_bench_e2e.py); scripts/bench_shapes.py needs a CUDA GPU, so it is imported and its
   helpers called instead.
-- Every script in scripts/, and every one README.md, docs/PERFORMANCE.md or the dated log
+- Every script in scripts/, and every one README.md, docs/usage.md, docs/PERFORMANCE.md or the dated log
   docs/performance-log.md cites (the docs are read at test time, so a newly cited script is covered without
   a change here), imports and answers --help.
 - Every GPU-machine script (scripts/device/*.sh, and any .sh the docs cite) parses (`bash -n`), and each
@@ -30,7 +30,7 @@ from evo_data import EVO_DATA_ENV, evo_data_dir
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
-DOCS = ("README.md", "docs/PERFORMANCE.md", "docs/performance-log.md")
+DOCS = ("README.md", "docs/usage.md", "docs/PERFORMANCE.md", "docs/performance-log.md")
 # The dated performance log keeps its entries as they were written, so it cites scripts that were removed
 # or moved since (their findings stay in the log). A cited path missing from the repository must be one of
 # these, and only the log may cite it.
