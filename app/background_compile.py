@@ -1,13 +1,14 @@
 """Compiling an input size for the next run, in a child process beside this one (`--compile auto`).
 
-On a machine whose compile caches do not hold a run's input size, compiling its streaming step before
-the first prediction takes 20-30 s, where the uncompiled step streams only ~10 % slower a frame. So such a run streams uncompiled from the start, and once its own warm-up is
-done a child process compiles that size: a model of the same architecture with random weights (what
-Inductor compiles depends on shapes and dtypes, not on weight values), the same settings, frame size
-and matrix-product precision flags (which Inductor's cache keys name), warmed up as the run's engine
-is, with a cache of one window slot so that it needs a few GiB of device memory beside the run. It
-fills Inductor's on-disk caches and leaves a record of the size (models.compilation.record); the next
-run of that size finds the record and compiles from the caches in a few seconds.
+On a machine whose compile caches do not hold a run's input size, compiling its streaming step before the
+first prediction takes 20-30 s, where the uncompiled step streams only ~10 % slower a frame. So such a run
+streams uncompiled from the start, and once its own warm-up is done a child process compiles that size: a
+model of the same architecture with random weights (what Inductor compiles depends on shapes and dtypes, not
+on weight values), the same settings, frame size and matrix-product precision flags (which Inductor's cache
+keys name), warmed up as the run's engine is, with a cache of one window slot so that it needs a few GiB of
+device memory beside the run. It fills Inductor's on-disk caches and leaves a record of the size
+(models.compilation.record); the next run of that size finds the record and compiles from the caches in a few
+seconds.
 
 The child is niced, compiles on half the cores, and runs in a session of its own: it finishes after
 the run if it has to (it takes up to a minute; the run says so), and a run stopped by a signal
