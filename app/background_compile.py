@@ -1,24 +1,24 @@
 """Compiling an input size for the next run, in a child process beside this one (`--compile auto`).
 
-On a machine whose compile caches do not hold a run's input size, compiling its streaming step before
-the first prediction takes 20-30 s on an H100 (docs/PERFORMANCE.md), where the uncompiled step streams
-only ~10 % slower a frame. So such a run streams uncompiled from the start, and once its own warm-up is
-done a child process compiles that size: a model of the same architecture with random weights (what
-Inductor compiles depends on shapes and dtypes, not on weight values), the same settings, frame size
-and matrix-product precision flags (which Inductor's cache keys name), warmed up as the run's engine
-is, with a cache of one window slot so that it needs a few GiB of device memory beside the run. It
-fills Inductor's on-disk caches and leaves a record of the size (models.compilation.record); the next
-run of that size finds the record and compiles from the caches in a few seconds.
+On a machine whose compile caches do not hold a run's input size, compiling its streaming step before the
+first prediction takes 20-30 s, where the uncompiled step streams only ~10 % slower a frame. So such a run
+streams uncompiled from the start, and once its own warm-up is done a child process compiles that size: a
+model of the same architecture with random weights (what Inductor compiles depends on shapes and dtypes, not
+on weight values), the same settings, frame size and matrix-product precision flags (which Inductor's cache
+keys name), warmed up as the run's engine is, with a cache of one window slot so that it needs a few GiB of
+device memory beside the run. It fills Inductor's on-disk caches and leaves a record of the size
+(models.compilation.record); the next run of that size finds the record and compiles from the caches in a few
+seconds.
 
 The child is niced, compiles on half the cores, and runs in a session of its own: it finishes after
-the run if it has to (a minute at most on an H100; the run says so), and a run stopped by a signal
+the run if it has to (it takes up to a minute; the run says so), and a run stopped by a signal
 stops it. A compile of a key already under way (a lock file with a live process) is not started twice.
 Where its estimate does not fit in the device's free memory (or in what `--gpu-memory` leaves beside the
 run) it does not start, and where it fails it says so in its log: either way a record ("compile-first")
 makes the next run of that size compile before its stream instead, as `--compile on` does.
 
 Python has no thread that could compile beside the stream: a compile thread holding the interpreter
-halved the stream's rate and took 50 s (docs/PERFORMANCE.md, "compiling beside the stream").
+halves the stream's rate, and a compile of 10-15 s then takes ~50 s.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ STOP_WAIT_S = 5.0  # a child asked to stop gets this long before it is killed
 # After SIGKILL, how long the run waits to reap the child: the kernel ends a killed process at once unless
 # it is stuck in the kernel itself (a driver call); then it is left to end when it can, and the run ends.
 KILL_WAIT_S = 2.0
-# A child still compiling this long after its start has stalled: it took a minute at most on an H100
-# (docs/PERFORMANCE.md); twenty times that is no compile. Seen so by the run (`poll`: run.json's summary, the
+# A child still compiling this long after its start has stalled: a compile takes up to a minute;
+# twenty times that is no compile. Seen so by the run (`poll`: run.json's summary, the
 # run's end), it is killed and the next run of its size compiles first; one left to finish after its run
 # ended ends itself then (SIGALRM, whose default action ends a process without running any of its code).
 CHILD_LIMIT_S = 1200

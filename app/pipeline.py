@@ -491,9 +491,8 @@ def _gil_handed_back_sooner() -> Iterator[None]:
 
     The stream's thread lets the GIL go at every CUDA wait and every large numpy operation, and the
     viewer's and the writer's threads (and the next chunk's worker) take it meanwhile; each time, the
-    stream's thread then waited up to 5 ms to get it back. At a chunk rollover, whose alignment is a
-    few dozen numpy calls, that made 3 ms of work take 20-80 ms on the GPU machine (docs/PERFORMANCE.md,
-    'what a rollover spends, measured and cut').
+    stream's thread then waits up to 5 ms (Python's default interval) to get it back. At a chunk rollover,
+    whose alignment is a few dozen numpy calls, that makes 3 ms of work take 20-80 ms.
     """
     previous = sys.getswitchinterval()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)

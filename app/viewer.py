@@ -302,8 +302,8 @@ class LiveViewer:
         self.update_hz = update_hz
         # New keyframe clouds the scene takes per second, on average (bursts up to one second's worth;
         # None: every keyframe). A live run sets it: with every frame a keyframe at 40 FPS, a cloud per
-        # keyframe kept the viewer thread busy 29 ms per frame with a browser connected
-        # (scripts/bench_e2e.py on an H100), Python work that competes with the stream's for the
+        # keyframe keeps the viewer thread busy ~29 ms per frame with a browser connected
+        # (scripts/bench_e2e.py measures it), Python work that competes with the stream's for the
         # interpreter. Frames 25 ms apart show nearly the same points; the skipped ones still extend
         # the trajectory, and points.ply keeps every frame.
         self.max_new_clouds_per_second = max_new_clouds_per_second

@@ -6,9 +6,9 @@ Why: the Triton range kernel (triton_attention.py) runs two programs of one warp
 Triton 3.6 issues each block's products and its softmax one after another. Here each program holds
 128 queries of one head (two halves of 64), a warpgroup per half; a half issues block j's q.k^T and
 block j-1's p.v asynchronously and computes block j's softmax while they run, its products issued in
-turn with the other half's. On an H100 at the streaming shape (1,005 queries, 72,288 keys, 16 heads of
-64; the two kernels taking turns for seven rounds, docs/PERFORMANCE.md) a layer took 670 us against
-726 us (-7.5 %), at 930 queries 621 against 654; at 1,374 queries, whole tiles in two waves for both,
+turn with the other half's. On a 132-SM Hopper GPU at the streaming shape (1,005 queries, 72,288 keys,
+16 heads of 64; the two kernels taking turns for seven rounds) a layer takes 670 us against 726 us
+(-7.5 %), at 930 queries 621 against 654; at 1,374 queries, whole tiles in two waves for both,
 the same.
 
 The schedule is triton_attention's, on 128-query tiles and one program per SM (the two consumers'
@@ -279,8 +279,8 @@ def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_range:
     q [T, H, D] contiguous, keys/values [capacity, H, D] with each token's heads side by side, the
     range [key_range[0], key_range[1]) read on the device; out [T, H, D]; pieces into partial_out
     [pieces, TILE_QUERIES, D] and partial_stats [2, pieces, TILE_QUERIES] (float32). `stages` (key
-    blocks in flight) and `turns` (off: the halves issue their products freely; no faster on an H100,
-    docs/PERFORMANCE.md) are there for measurements."""
+    blocks in flight) and `turns` (off: the halves issue their products freely; no faster) are there
+    for measurements."""
     _pingpong_range_kernel[(schedule.num_programs,)](
         _descriptor(q, HALF_QUERIES), _descriptor(keys, BLOCK_KEYS), _descriptor(values, BLOCK_KEYS), out,
         partial_out, partial_stats, key_range, out.stride(0), q.shape[0], qk_scale, schedule.whole_tiles,

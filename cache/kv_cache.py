@@ -178,8 +178,8 @@ class PagedKVCache(KVCache):
     """Any page holds any frame; the backend follows a page table (FlashInfer's paged layout)."""
 
     layout_name = "paged"
-    # Graph replay over pages leaked ~75 KB of GPU memory per frame (measured, cause not found;
-    # docs/PERFORMANCE.md) and the pages move when the pool grows, so paged steps run eagerly.
+    # Graph replay over pages leaks ~75 KB of GPU memory per frame (cause not found) and the pages move when
+    # the pool grows, so paged steps run eagerly.
     records_steps = False
 
     def __init__(self, bookkeeping: PagedTwoStreamCache, storage: PagedKV, backend: AttentionBackend):

@@ -1,38 +1,35 @@
 """Attention over the dense layout's visible range with one Triton kernel (dense-triton).
 
-The split backend (dense_attention.SplitCudnnAttention) sends the patch keys to cuDNN, whose plan
-is built per key count, and the growing special keys to a second kernel, then merges the two; it
-must also run eagerly between CUDA-graph segments, because the key count lives on the host. This
-kernel reads the range [start, end) of the store from device memory instead: one kernel for
-specials and patches, no merge, no plan per shape, and the whole aggregator step fits in one
-graph. On an H100 at the streaming shape (1,005 queries, 72,840 keys, 16 heads of 64) it takes
-645 us (462 TFLOP/s), against cuDNN's 713 us for the 71,928 patch keys alone (a probe of candidate
-kernels, docs/PERFORMANCE.md 2026-11-22). What made the difference: keys and values loaded by the
-tensor memory accelerator (pointer loads: 717 us) and 64-row query blocks (128 rows: 745 us).
-Exponentials stay float32: the probe's half-precision `ex2.f16x2` variants were slower, their
-conversions costing more than the exponentials they save at head dim 64. What bounds it (Nsight
-Compute at 1,005 tokens, docs/PERFORMANCE.md 2026-11-24): latency, not a unit's throughput: shared
-memory holds two programs of 4 warps per SM, so each scheduler has two warps, and on 57 % of cycles
-neither is ready (issue slots 42 % busy, the tensor pipe 48 %); fewer key blocks in flight for a
-third program per SM exposed the loads' latency instead (911 us).
+The split backend (dense_attention.SplitCudnnAttention) sends the patch keys to cuDNN, whose plan is built per
+key count, and the growing special keys to a second kernel, then merges the two; it must also run eagerly
+between CUDA-graph segments, because the key count lives on the host. This kernel reads the range [start, end)
+of the store from device memory instead: one kernel for specials and patches, no merge, no plan per shape, and
+the whole aggregator step fits in one graph. On a 132-SM Hopper GPU at the streaming shape (1,005 queries,
+72,840 keys, 16 heads of 64) it takes 645 us (462 TFLOP/s), against cuDNN's 713 us for the 71,928 patch keys
+alone. What made the difference: keys and values loaded by the tensor memory accelerator (pointer loads: 717
+us) and 64-row query blocks (128 rows: 745 us). Exponentials stay float32: the probe's half-precision
+`ex2.f16x2` variants were slower, their conversions costing more than the exponentials they save at head dim
+64. What bounds it (Nsight Compute at 1,005 tokens): latency, not a unit's throughput: shared memory holds two
+programs of 4 warps per SM, so each scheduler has two warps, and on 57 % of cycles neither is ready (issue
+slots 42 % busy, the tensor pipe 48 %); fewer key blocks in flight for a third program per SM exposed the
+loads' latency instead (911 us).
 
-Loads. Hopper and newer load keys and values through TMA descriptors; Ampere and Ada (compute
-capability 8), which have no TMA, through pointer loads that Triton pipelines with cp.async. On an
-H100 the pointer loads cost 11 % a layer at 1,005 tokens (717 against 645 us, the probe above) and
-1-5 % a frame from 518x280 to 518x518 (docs/PERFORMANCE.md, 2026-11-25), and the schedule below is
-the same for both: it reads the resident programs of whichever kernel runs.
+Loads. Hopper and newer load keys and values through TMA descriptors; Ampere and Ada (compute capability 8),
+which have no TMA, through pointer loads that Triton pipelines with cp.async. On Hopper the pointer loads cost
+11 % a layer at 1,005 tokens (717 against 645 us) and 1-5 % a frame from 518x280 to 518x518, and the schedule
+below is the same for both: it reads the resident programs of whichever kernel runs.
 
 Schedule. The work is a set of tiles, 64 queries of one head against every visible key, all of
 one cost. One program per tile runs in waves of as many programs as the GPU holds at once (2 per
-SM on an H100: 264). At 518x378 a frame is 1,005 tokens, 16 query blocks x 16 heads = 256 tiles:
+SM: 264 on 132 SMs). At 518x378 a frame is 1,005 tokens, 16 query blocks x 16 heads = 256 tiles:
 one wave. At 518x392 it is 1,042 tokens, 17 x 16 = 272 tiles: a second wave of 8 tiles took about
 as long as the first (per layer 703 -> 1,320 us; per frame 25.3 -> 40.4 ms). So the tiles that fill
 whole waves still run one program each (`whole_tiles`), and the leftover tiles, fewer than a wave,
 are cut into `splits` equal chunks of the key range (`split_tiles` x `splits` pieces, one program
 each; schedule_tiles picks the count). A piece writes its unnormalised output, row maxima and row
 sums; a second, small kernel merges a tile's pieces, all pieces of a few rows at once. At 272 tiles:
-264 whole tiles and 8 tiles in 32-33 pieces, 744 us per layer (27.3 ms per frame). Measured
-against the other answers (docs/PERFORMANCE.md, 2026-11-23): 128-query tiles (8 warps) were
+264 whole tiles and 8 tiles in 32-33 pieces, 744 us per layer (27.3 ms per frame). Against
+the other answers: 128-query tiles (8 warps) were
 slower everywhere and took a second wave at 1,042 tokens too (873 us at 1,005, 1,797 at 1,042);
 launching the tiles query block first, so that every head's partial last block comes last,
 changes nothing by itself (a tile costs the same whatever its rows); with the leftover cut, that
@@ -64,35 +61,35 @@ from .streams import DeviceValues
 from .tile_pieces import program_keys
 from .triton_store import dequantize_range
 
-# The probe's fastest configuration on an H100 (64 query rows per program: 256 programs for the
+# The fastest configuration of a probe over 36 (64 query rows per program: 256 programs for the
 # 16 heads of a 1,005-token frame, two per SM; keys and values through TMA descriptors).
 BLOCK_QUERIES, BLOCK_KEYS, NUM_WARPS, NUM_STAGES = 64, 128, 4, 3
 # The compute capability from which keys and values load through TMA descriptors (Hopper); below it,
 # through pointers (backends.py: the kernel runs from Ampere on, for bf16 tensor-core products).
 TENSOR_MEMORY_CAPABILITY = 9
 # Programs per SM the key blocks in flight are chosen for: the kernel is bound by latency, two warps
-# per scheduler (two programs of 4 warps per SM) on an H100; one program left each scheduler one warp.
-# A block in flight ahead of the one multiplied counts for more than a third program: on an H100, two
-# stages at three programs per SM took 911 us a layer, three stages at two 645 (docs/PERFORMANCE.md).
+# per scheduler (two programs of 4 warps per SM); one program leaves each scheduler one warp.
+# A block in flight ahead of the one multiplied counts for more than a third program: two stages at
+# three programs per SM take 911 us a layer at 1,005 tokens, three stages at two 645.
 PROGRAMS_PER_SM = 2
 LOG2_E = 1.4426950408889634
 # What a round of pieces costs beyond its share of the keys, in key blocks: its programs' start,
-# the pipeline's fill and drain, the partial outputs and the merge. Fitted on an H100 (2026-11-23,
-# docs/PERFORMANCE.md): each round of pieces added 15-20 us to a layer of 590-650 key blocks
+# the pipeline's fill and drain, the partial outputs and the merge. Fitted to a probe: each round of
+# pieces adds 15-20 us to a layer of 590-650 key blocks
 # (about 1.3 us a block), so 12 blocks. It keeps short key ranges (a frame's own 8-11 blocks)
 # whole, where a second wave of pieces would cost as much as the wave of whole tiles.
 ROUND_COST_BLOCKS = 12
 # Pieces in flight at most, per resident program: the partial outputs stay under 4 x 264 x 17 KB
-# (18 MB) on an H100.
+# (18 MB) at 264 resident programs.
 MAX_PIECES_PER_SLOT = 4
 # Chunks per tile at most: the merge holds one row's pieces at once, 128 x 64 floats over 4 warps.
 MAX_SPLITS = 128
-# A single wave filled to at most PREFIX_FILL of its slots, whose tiles no equal cut helps (224 and 240
-# tiles of 264: 518x322, 518x336, 518x350), runs each tile as a prefix of PREFIX_SHARE / 1000 of its
-# key blocks, launched first, and PREFIX_PIECES - 1 equal pieces of the rest, which fill the idle slots
-# and then the prefixes' as they finish. On an H100 (2026-11-24, docs/PERFORMANCE.md): one layer
-# 526-538 us against 559-587 whole at 224 tiles (best cuts 4 pieces at 850-900, 3 at 700); the engine
-# at 240 tiles (0.91 of a wave) 2-4 % faster a frame with the cut, at 256 (0.97) 0-2 % slower.
+# A single wave filled to at most PREFIX_FILL of its slots, whose tiles no equal cut helps (224 and 240 tiles
+# of 264: 518x322, 518x336, 518x350), runs each tile as a prefix of PREFIX_SHARE / 1000 of its key blocks,
+# launched first, and PREFIX_PIECES - 1 equal pieces of the rest, which fill the idle slots and then the
+# prefixes' as they finish. One layer takes 526-538 us against 559-587 whole at 224 tiles (best cuts 4 pieces
+# at 850-900, 3 at 700); the engine at 240 tiles (0.91 of a wave) 2-4 % faster a frame with the cut, at 256
+# (0.97) 0-2 % slower.
 PREFIX_FILL, PREFIX_SHARE, PREFIX_PIECES = 0.92, 875, 4
 
 
@@ -163,8 +160,8 @@ def tensor_memory_loads(device: torch.device) -> bool:
 logger = logging.getLogger("stream_recon.cache.triton_attention")
 
 # The longest an asker waits for another thread's build of the same key, and `measure_resident_programs`
-# for the frame attention's build beside its own: a build took 1.1-2.0 s on a fresh H100 machine
-# (docs/PERFORMANCE.md) and Triton gives it no limit of its own. Past it, that build has stalled: the asker
+# for the frame attention's build beside its own: a build takes 1.1-2.0 s on a fresh machine and
+# Triton gives it no limit of its own. Past it, that build has stalled: the asker
 # builds its own (a stream waits for no build of another thread's without a limit).
 RESIDENT_PROGRAMS_WAIT_S = 60.0
 
@@ -198,8 +195,8 @@ def resident_programs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def key_stages(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tma: bool | None = None) -> int:
     """The key blocks in flight per program of a cache's attention on this GPU (`choose_key_stages`).
-    An H100 (228 KB of shared memory per SM) holds two programs at NUM_STAGES with either loads, an
-    A100 (164 KB) too; the 100 KB SMs of Ampere's and Ada's consumer cards hold two at two stages
+    An SM of 228 KB of shared memory (Hopper) holds two programs at NUM_STAGES with either loads, one of 164
+    KB (data-centre Ampere) too; the 100 KB SMs of Ampere's and Ada's consumer cards hold two at two stages
     (the pointer-load kernel compiled for sm_80-89 takes 72 KB at three stages, 40 KB at two)."""
     tma = tensor_memory_loads(q.device) if tma is None else tma
     key = (q.device.index, q.dtype, keys.dtype, q.shape[-1], tma)
@@ -237,7 +234,7 @@ def measure_resident_programs(device: torch.device, dtype: torch.dtype, num_head
     """`resident_programs` of both the range kernel's uses (a cache's attention at `key_stages`, a
     frame's own at FRAME_NUM_STAGES) for `dtype` queries and keys on `device`, found now, the two builds
     side by side: on a fresh machine each takes 1-2 s, which a stream's first steps would otherwise wait
-    for (H100, docs/PERFORMANCE.md). Any shapes do: the schedule's numbers are not specialised on."""
+    for. Any shapes do: the schedule's numbers are not specialised on."""
     q = torch.empty(BLOCK_QUERIES, num_heads, head_dim, dtype=dtype, device=device)  # [N, H, D]
     keys = torch.empty(BLOCK_KEYS, num_heads, head_dim, dtype=dtype, device=device)  # [capacity, H, D]
     failed: list[Exception] = []
@@ -442,7 +439,7 @@ def attend_range(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_
 
     With every choice left to it, a range on the device and bf16 heads of 64 on Hopper, the attention
     runs gluon_attention's kernel (two warpgroups per program taking turns: 7 % faster a layer at
-    1,005 queries on an H100) on the same schedule."""
+    1,005 queries) on the same schedule."""
     num_queries, num_heads, head_dim = q.shape
     if (slots is None and num_stages is None and tma is None and isinstance(key_range, torch.Tensor)
             and tensor_memory_loads(q.device) and _pingpong_serves(q, keys) and _pingpong_fills(q)):
@@ -541,9 +538,9 @@ def _pingpong_tiles(q: torch.Tensor) -> int:
 
 def _pingpong_fills(q: torch.Tensor) -> bool:
     """Whether the Gluon kernel's 128-query tiles fill its single wave past PREFIX_FILL, or take more
-    than one: a single wave filled less (518x280 to 518x336 on an H100: 96-112 of 132 programs) runs
+    than one: a single wave filled less (518x280 to 518x336 on 132 SMs: 96-112 programs) runs
     the Triton kernel, whose 64-query tiles fill it better; with the Gluon kernel there the steps
-    between neighbouring sizes grew to 12.7-13.8 % (H100, docs/PERFORMANCE.md)."""
+    between neighbouring sizes grow to 12.7-13.8 %."""
     return _pingpong_tiles(q) > PREFIX_FILL * _pingpong_slots(q.device)
 
 
@@ -581,11 +578,11 @@ def attend_frame(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     """Unmasked attention of one sequence over itself, q, k, v [1, H, N, D] (transposed views of
     token-major [1, N, H, D] tensors, as Attention.heads makes them) -> [1, H, N, D], the same kind
     of view. Several sequences (B > 1) go to PyTorch's SDPA, and so does a frame whose tiles of 64
-    queries fit one wave of the range kernel's resident programs (264 on an H100).
+    queries fit one wave of the range kernel's resident programs (264 on 132 SMs).
 
     The DINO and frame blocks' keys are the frame's own 8-11 blocks of 128. cuDNN's kernel (SDPA's
-    choice there) runs 64-query tiles, 264 at once on an H100: 16 us per call at 1,005 tokens, but
-    a second wave took it to 30 us at 1,042 (518x392, 48 calls per frame). The tiles are too short
+    choice there) runs 64-query tiles, 264 at once on 132 SMs: 16 us per call at 1,005 tokens, but
+    a second wave takes it to 30 us at 1,042 (518x392, 48 calls per frame). The tiles are too short
     to cut into pieces cheaply (ROUND_COST_BLOCKS), so past one wave the range kernel runs them
     with two key blocks in flight instead of three, which shrinks a program's shared memory enough
     for three per SM (396 at once: one wave up to 1,584 tokens): 23 us at 1,042 tokens. Within one
@@ -635,13 +632,12 @@ class TritonRangeAttention:
     """Unmasked attention over the visible range of a DenseKV, its bounds kept on the device.
 
     `plan` copies the range to the device on the current stream (through a pinned buffer on CUDA),
-    so a step enqueued after it, replayed or not, reads this frame's range. An fp8 store is read
-    through one reused bf16 buffer: each layer's range dequantised into it first (one memory-bound
-    Triton pass, exact), then the same bf16 kernel. Converting the e4m3 blocks inside the kernel
-    instead took it from 25.2 to 43.1 ms per frame, the buffer to 28.3 (H100, docs/PERFORMANCE.md):
-    the kernel is bound by latency (two warps per scheduler, neither ready on 57 % of cycles:
-    Nsight Compute, docs/PERFORMANCE.md), and the conversions lengthen each block's dependent chain
-    and send the converted blocks back through shared memory before the tensor-core products.
+    so a step enqueued after it, replayed or not, reads this frame's range. An fp8 store is read through one
+    reused bf16 buffer: each layer's range dequantised into it first (one memory-bound Triton pass, exact),
+    then the same bf16 kernel. Converting the e4m3 blocks inside the kernel instead takes it from 25.2 to 43.1
+    ms per frame, the buffer to 28.3: the kernel is bound by latency (two warps per scheduler, neither ready
+    on 57 % of cycles), and the conversions lengthen each block's dependent chain and send the converted
+    blocks back through shared memory before the tensor-core products.
     """
 
     name = "dense-triton"

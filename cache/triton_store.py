@@ -3,7 +3,7 @@ store positions, as they are (bf16/fp16/fp32 stores) or quantised (fp8 stores, f
 the fp8 range's dequantisation into a compute-dtype buffer for the range kernel.
 
 A plain write in PyTorch is two scattered copies per layer (`index_copy_` of K, then of V): 4.0 us
-each at 1,042 tokens on an H100, 48 per frame (docs/PERFORMANCE.md), for 4 MB a layer. Here each
+each at 1,042 tokens on a 132-SM Hopper GPU, 48 per frame, for 4 MB a layer. Here each
 program copies one token's K or V, all heads, so a layer's write is one launch.
 
 An fp8 write in PyTorch is about a dozen small kernels per tensor (absolute value, maximum, the

@@ -1,15 +1,15 @@
 """A run's Triton kernels built while its checkpoint loads.
 
-On a fresh machine an uncompiled warm-up spent most of its time in its dry pass (StreamingEngine.
-build_kernels: 3.6-4.2 s of 4.6-5.7 s at 518x392 on an H100), after the checkpoint's load, its
+On a fresh machine an uncompiled warm-up spends most of its time in its dry pass (StreamingEngine.
+build_kernels: 3.6-4.2 s of 4.6-5.7 s at 518x392), after the checkpoint's load, its
 preparation and the viewer's start (3.4-4.5 s), which mostly wait for the disk, the copies to the GPU
-and imports (docs/PERFORMANCE.md). `BuildsAhead` runs the dry pass during them instead: on a thread,
+and imports. `BuildsAhead` runs the dry pass during them instead: on a thread,
 on a model of the run's architecture prepared as the loaded one will be but with zero weights
 (prepare_without_weights), in an engine of the run's settings, on a zero frame of the model input's
 size. A process builds a kernel once for every model, so the run's warm-up then skips its own dry
 pass (`warm_up(dry_pass=False)`). The engine's cache has one window slot: the warm-up's streaming steps
 are uncached, and the slot count is no argument the kernels specialise on. A fresh machine's first
-run then had its 100th prediction 2.2-4.4 s sooner (12.1-15.1 s after the process started, H100).
+run then has its 100th prediction 2.2-4.4 s sooner.
 
 The zero model holds a second copy of the weights on the GPU until the pass ends, beside the one
 being loaded: a run with a memory budget does not start one (app/loading.py, start_builds_ahead).
@@ -34,8 +34,8 @@ from .supervision import Deadline
 
 logger = logging.getLogger("stream_recon.models.builds_ahead")
 
-# The longest the run's first frame waits for the pass: it took 3.6-4.2 s of a fresh H100 machine's start,
-# most of it while the checkpoint loaded (docs/PERFORMANCE.md), and its builds have BUILDS_WAIT_S of their
+# The longest the run's first frame waits for the pass: it takes 3.6-4.2 s of a fresh machine's start,
+# most of it while the checkpoint loads, and its builds have BUILDS_WAIT_S of their
 # own. A pass still running a minute after the first frame asked has stalled: builds ahead are turned off
 # (kernel_builds.helper) and the run's kernels build at their first launches, a few seconds in all.
 AHEAD_WAIT_S = 60.0
@@ -75,8 +75,7 @@ class BuildsAhead:
     def _own_memory(self) -> Iterator[None]:
         """On CUDA, this thread's allocations in a pool of their own, handed back to the driver afterwards:
         in the allocator's shared segments the zero weights' freed blocks, interleaved with the loaded
-        weights, left holes that raised the run's peak reserved memory by 0.3-0.9 GiB (H100, 518x392,
-        docs/PERFORMANCE.md)."""
+        weights, leave holes that raise the run's peak reserved memory by 0.3-0.9 GiB at 518x392."""
         if self.device.type != "cuda":
             yield
             return

@@ -60,9 +60,9 @@ logger = logging.getLogger("stream_recon.models.chunked")
 
 # A flow chunk's spare starts before the rollover, where the chunk would close if every frame from then
 # on were a keyframe, once at least DENSE_KEYFRAMES of the last KEYFRAME_RATE_FRAMES frames were. Started
-# at the rollover, the spare of a video with 964 keyframes in 1,000 frames never caught up at 1.6x
-# pacing: the stream stopped 92-174 ms at rollovers (H100, docs/PERFORMANCE.md); with 344 keyframes it
-# caught up (50 ms). A guess made 16 frames ahead holds only if those frames all are keyframes; each
+# at the rollover, the spare of a video with 964 keyframes in 1,000 frames never catches up at 1.6x
+# pacing: the stream stops 92-174 ms at rollovers; with 344 keyframes it
+# catches up (50 ms). A guess made 16 frames ahead holds only if those frames all are keyframes; each
 # miss drops what the spare took (on its worker: the stream does not wait) and it takes the frames from
 # the new start again, out of the replay; the last start before the rollover is then a frame or a few
 # before it, where at the rollover the spare would have all 16 shared frames still to take.
@@ -165,7 +165,7 @@ class ChunkedEngine:
                 self._outbox += self._rollover.take_ready(self.num_frames)
             self.num_frames += 1
         # Paced last, after the main stream's join: whatever the push spends counts toward the held time
-        # instead of adding to it (a join once waited 8 ms there for the driver, H100, docs/PERFORMANCE.md).
+        # instead of adding to it (a join can wait 8 ms there for the driver).
         if self._rollover is not None:
             self._rollover.pace(started)
         emitted, self._outbox = self._outbox, []
@@ -179,9 +179,9 @@ class ChunkedEngine:
     def finish_in_parts(self) -> Iterator[list[FramePrediction]]:
         """`finish`, a part as soon as it is ready: a stream that ends while the next chunk catches up
         gets the closed chunk's last provisional frame first, and the next chunk's frames once the spare
-        has caught up. Ended in one part, the last frame waited for the spare's backlog: 85 ms after the
-        frame before (2.8x the median interval) at the end of a keyframe-dense flow run on an H100
-        (docs/PERFORMANCE.md). A part may be empty; a consumer that stops early leaves the rest to reset()."""
+        has caught up. Ended in one part, the last frame waits for the spare's backlog: 85 ms after the
+        frame before (2.8x the median interval) at the end of a keyframe-dense flow run.
+        A part may be empty; a consumer that stops early leaves the rest to reset()."""
         with self._on_main_stream():
             if self._phase is Phase.CATCHING_UP:
                 self._outbox += self._rollover.stop_provisional(self.engine)
@@ -317,8 +317,8 @@ class ChunkedEngine:
 
     def _push_current(self, frame: tuple[torch.Tensor, float]) -> list[FramePrediction]:
         """The current engine's push. Out of device memory in the stream's scale step (its one eager step,
-        after the warm-up started a spare beside it; seen on a 16 GB card at 518x392, docs/PERFORMANCE.md,
-        2026-11-25, "the defaults on a 16 GB card"), the spare goes and the step runs again: the stream
+        after the warm-up started a spare beside it, as on a 16 GB card at 518x392 with an earlier room
+        rule), the spare goes and the step runs again: the stream
         goes on as without a spare, its rollovers pausing it."""
         scale_step = self.engine.num_frames == 0  # (this push runs it once the scale frames are in)
         try:
@@ -480,8 +480,8 @@ class ChunkedEngine:
 
     def _spare_warmed(self) -> bool:
         """Wait for the spare's warm-up; False where it ran out of device memory. Its room is an estimate,
-        and on a card with little to spare (a 16 GB card under --gpu-memory 16GiB, docs/PERFORMANCE.md) the
-        spare's own warm-up ran out of memory beside the engine."""
+        and on a card with little to spare (a 16 GB card under --gpu-memory 16GiB) the
+        spare's own warm-up can run out of memory beside the engine."""
         spare = self._rollover.spare
         try:  # its warm-up done: the stream's first frames share nothing with it
             spare.collect(Deadline(lookahead_module.SPARE_WARM_UP_S))
@@ -560,9 +560,9 @@ def room_beside_engine(free: int, budget_left: int | None = None) -> int:
 
     What the allocator holds unused is not counted as room: those blocks belong to the engine's stream
     and to its graphs' private pools, which the spare's stream gets only by the allocator returning them
-    to the device, i.e. taking them from the engine. Measured on a 16 GB card at 518x392
-    (docs/PERFORMANCE.md, "the spare's room on a 16 GB card" and "the scale step and the CUDA graphs'
-    pools"): counting them, the stream's scale step ran out of memory beside the spare; so did the
+    to the device, i.e. taking them from the engine. On a 16 GB card at 518x392
+    (docs/performance-log.md has the runs):
+    counting them, the stream's scale step ran out of memory beside the spare; so did the
     budget's room taken as the budget less the plan's estimate (4.67 GiB, a 4.57 GiB spare). By this rule
     the spare takes 4.61 GiB (16 provisional frames; 4.23 GiB, 12 frames, under --gpu-memory 16GiB), every
     rollover runs ahead, and the process peaks at 14.94 GiB reserved; with the engine's own step taken off

@@ -2,8 +2,8 @@
 
 Compiling where first called, the first streaming frame of an input size waits while Dynamo traces
 every block half and head part and Inductor builds their kernels: 10-19 s on a fresh machine, and
-still 3-5 s with Inductor's on-disk caches warm, because Dynamo traces again in every process
-(docs/PERFORMANCE.md). Here each call signature is compiled ahead of time instead (torch's
+still 3-5 s with Inductor's on-disk caches warm, because Dynamo traces again in every process.
+Here each call signature is compiled ahead of time instead (torch's
 `aot_compile`: the traced bytecode, its guards and Inductor's kernels in one file), saved under an
 artefact folder, and a later run loads the file rather than compiling: 0.5 s for a whole stream's
 calls in a process that has their kernels, 4-5 s in a new one (Triton loading the kernels), which is
@@ -43,7 +43,7 @@ logger = logging.getLogger("stream_recon.models.compilation")
 # The folder to keep artefacts in; unset or empty: compile where called, as torch.compile does. Not the
 # default: in a new process loading 13 artefacts took 3.9-4.7 s (Triton loading their kernels), no less
 # than compiling with Inductor's on-disk caches warm (3-5 s), and making them costs 5-10 s more than a
-# cold compile (H100, docs/PERFORMANCE.md). They pay where Inductor's caches do not last: a container
+# cold compile. They pay where Inductor's caches do not last: a container
 # whose /tmp starts empty, with this folder on a volume that persists.
 ARTEFACTS_ENV = "STREAM_RECON_COMPILED"
 _SOURCE_PACKAGES = ("models", "cache")  # the package folders whose code compiled artefacts inline
@@ -62,7 +62,7 @@ def running_eagerly() -> Iterator[None]:
     """Calls in this block (this thread) run as written: compiled methods and torch.compile alike.
 
     A process that has not imported Dynamo has compiled nothing, so there is no stance to set: setting
-    it would import Dynamo, 1.0-1.5 s on a fresh machine's uncompiled run (H100, docs/PERFORMANCE.md)."""
+    it would import Dynamo, 1.0-1.5 s on a fresh machine's uncompiled run."""
     previous = getattr(_eager, "on", False)
     _eager.on = True
     try:
@@ -77,7 +77,7 @@ def operator_for_compiled_code(name: str, fake: Callable) -> Callable[[Callable]
     """Make a function a torch operator `name` (its output's shape given by `fake`) for compiled code
     only: under torch.compile the call is the operator, which Inductor neither decomposes nor re-splits
     and fuses around; eager code calls the function itself. An operator's first call imports Dynamo and
-    its needs (~900 modules: 1.1-1.6 s on a fresh H100 machine, docs/PERFORMANCE.md), which an
+    its needs (~900 modules: 1.1-1.6 s on a fresh machine), which an
     uncompiled run has no other use for."""
 
     def wrap(function: Callable) -> Callable:
@@ -288,8 +288,8 @@ class CompiledMethods:
 
 # -- which input sizes this machine has compiled ---------------------------------------------------
 # Inductor keeps what it compiled on disk (its cache folder), and a run of an input size it holds
-# compiles in 3-5 s; a size it does not hold takes 20-30 s of compiling before the first prediction
-# (H100, docs/PERFORMANCE.md). Which sizes it holds cannot be asked of Inductor, so each compiled
+# compiles in 3-5 s; a size it does not hold takes 20-30 s of compiling before the first prediction.
+# Which sizes it holds cannot be asked of Inductor, so each compiled
 # warm-up leaves a record of its key in a folder inside Inductor's own: both go together when the
 # folder is cleared (a reboot that empties /tmp, a new container), and a record never outlives the
 # code it stands for.
@@ -339,7 +339,7 @@ def records_folder() -> Path:
 def _inductor_default_cache_dir() -> str:
     """Inductor's default cache folder by Inductor's own rule, read without importing torch._inductor,
     which imports Dynamo: 1.0-1.5 s of a fresh machine's run start that an uncompiled run has no other
-    use for (H100, docs/PERFORMANCE.md). The rule's file imports nothing of torch's but its environment
+    use for. The rule's file imports nothing of torch's but its environment
     flags, and torch keeps it so; loaded as its own module unless torch._inductor has loaded it."""
     module = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
     if module is None:

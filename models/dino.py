@@ -38,7 +38,7 @@ class DinoTrunk(nn.Module):
 
     def positional_embedding(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         """The trained square table resized to the input grid -> [1, 1 + rows * cols, C]. Resized
-        once per grid (a bicubic, antialiased resize each frame cost ~0.1 ms on an H100)."""
+        once per grid (a bicubic, antialiased resize each frame costs ~0.1 ms)."""
         if rows == cols == self.trained_grid:
             return self.pos_embed
         table = self.pos_embed

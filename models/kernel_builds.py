@@ -2,7 +2,7 @@
 
 Triton builds a kernel's specialization on its first launch, in the launching thread, one after
 another: on a fresh machine the uncompiled warm-up at 518x392 builds 11 of ours, 6.6-8.3 s of its
-11-15 s (H100, docs/PERFORMANCE.md). A build's Python front end holds the interpreter but LLVM and
+11-15 s. A build's Python front end holds the interpreter but LLVM and
 ptxas do not, so builds overlap on threads. Which specializations a stream needs depends on its
 shapes, strides and alignments, so they are not listed by hand: a dry step lists them. While
 `dry_launches` is active on a thread, a launch there of a kernel this process has not built is not
@@ -32,11 +32,11 @@ from .daemon_pool import DaemonPool
 from .supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
 
 # Builds at once: eight specializations of the range kernel took 13.0 s one after another and 4.9 s
-# on eight threads (H100, 16 cores); more threads only queue on the interpreter. A warm-up lists
+# on eight threads (of 16 cores); more threads only queue on the interpreter. A warm-up lists
 # 9 at 518x392, at most four at a time.
 MAX_BUILD_THREADS = 8
-# The longest a dry step waits for its builds once its steps are done: the warm-up's builds took 6.6-8.3 s
-# one after another on a fresh H100 machine (docs/PERFORMANCE.md), and Triton gives a build no limit of
+# The longest a dry step waits for its builds once its steps are done: the warm-up's builds take 6.6-8.3 s
+# one after another on a fresh machine, and Triton gives a build no limit of
 # its own. Past it, a build has stalled: builds ahead are turned off, and a kernel not built yet builds at
 # its first launch, as without them.
 BUILDS_WAIT_S = 60.0
@@ -87,7 +87,7 @@ def _build(jit_function, specialization: str, device: torch.device) -> None:
     """Build one specialization into the kernel's in-process cache (and Triton's on-disk cache),
     as its first launch on `device` would have, and load it: its first launch would otherwise load
     it on the launching thread, and make its launcher there (gcc, 0.3 s a new signature on a fresh
-    H100 machine, on the dry step's path, docs/PERFORMANCE.md)."""
+    machine, on the dry step's path)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the pool's threads start on device 0
     kernel = jit_function.preload(specialization)
@@ -199,7 +199,7 @@ def start_early_builds(device: str | torch.device, dtype: torch.dtype, num_heads
     asked, which a dry pass cannot hand to its pool. The range kernel's scheduler reads the compiled
     kernel's registers and shared memory before it can launch anything (cache/triton_attention.py:
     `resident_programs`): two builds of 1.1-2.0 s each on a fresh machine, on the dry steps' path
-    (H100, docs/PERFORMANCE.md), made side by side. Started before a checkpoint loads, they are done by
+    made side by side. Started before a checkpoint loads, they are done by
     the warm-up; a step that asks sooner waits for the build under way rather than making another."""
     device = torch.device(device)
     if device.type != "cuda" or not available() or not helper.is_up:

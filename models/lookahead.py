@@ -34,18 +34,18 @@ from .supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
 
 # The share of the GPU's SMs that the spare's eager kernels (its scale step) may use. Beside the spare's
 # eager scale step on every SM, a stand-in of the stream's step took 2.9x its time alone (51.8 against
-# 18.0 ms), 1.55x with the spare on 80 of the H100's 132 SMs, whose scale steps then came 29 % less often
-# (scripts/probe_sm_partition.py). On the product path (H100, docs/PERFORMANCE.md) the uncompiled flow
-# rows' worst rollover interval went from 2.02-2.07x the median to 1.68-1.90x; the spare ends its
+# 18.0 ms), 1.55x with the spare on 80 of 132 SMs, whose scale steps then came 29 % less often
+# (scripts/probe_sm_partition.py). On the product path the uncompiled flow
+# rows' worst rollover interval falls from 2.02-2.07x the median to 1.68-1.90x; the spare ends its
 # catch-ups a few frames later. 1: a plain stream on every SM.
 SPARE_SM_SHARE = 0.6
 # The longest the stream waits for the spare (at the switch, at the stream's end, at a reset), after which
 # the spare has stalled: it is dropped and rollovers happen in place. The longest wait with a reason is the
 # stream's end with the spare a whole provisional room behind (48 steps, rollover.MAX_PROVISIONAL: about
-# 1 s at 518x392 on an H100, docs/PERFORMANCE.md); at the switch it is a frame behind, tens of ms.
+# 1 s at 518x392); at the switch it is a frame behind, tens of ms.
 SPARE_WAIT_S = 5.0
-# The spare's warm-up, waited for before the stream's first frame: 1.25-1.44 s on an H100 (its graph
-# recorded, its model's kernels built by then; docs/PERFORMANCE.md); twenty times that, it has stalled.
+# The spare's warm-up, waited for before the stream's first frame: 1.25-1.44 s (its graph
+# recorded, its model's kernels built by then); twenty times that, it has stalled.
 SPARE_WARM_UP_S = 30.0
 SPARE_POLICY = HelperPolicy("the next chunk's lookahead", WhenFull.PUSH_BACK, WhenDown.TURN_OFF,
                             stall_s=SPARE_WAIT_S)
@@ -212,7 +212,7 @@ class SpareEngine:
     def _warm(self, image: torch.Tensor) -> None:
         started = time.perf_counter()
         # Its model's kernels were built by the current engine's warm-up, before this one starts: a dry
-        # pass here would only run the steps once more (0.3-0.8 s on an H100).
+        # pass here would only run the steps once more (0.3-0.8 s).
         self.engine.warm_up(image, dry_pass=False)
         self.warm_seconds = time.perf_counter() - started
 

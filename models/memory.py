@@ -52,7 +52,7 @@ GIB = 2**30
 # Model-dtype elements alive at the aggregator's peak (DINO trunk, blocks, RoPE tables, the 4 output
 # layers), per token x channel of the frames stepped together. The meta trace counts 27, every tensor in
 # bf16; under autocast on a GPU the residual stream and the norms' outputs are float32, and the eager
-# scale step (8 frames, H100) peaked 453.9 / 605.4 / 796.8 MiB above what the engine held at 518x294 /
+# scale step (8 frames) peaks 453.9 / 605.4 / 796.8 MiB above what the engine held at 518x294 /
 # 392 / 518: 37.1-37.3 elements.
 AGGREGATOR_ELEMENTS_PER_TOKEN_CHANNEL = 38
 # The 4 output layers [S, P, 2C] that the heads read, per token x channel.
@@ -62,12 +62,12 @@ HEAD_INPUT_ELEMENTS_PER_TOKEN_CHANNEL = 8
 DPT_ELEMENTS_PER_PIXEL = 455
 UV_TABLE_BYTES_PER_PIXEL = 665
 # The recorded CUDA graphs' private pools (the step's and the heads') reserve about two streaming steps,
-# idle between replays, which no eager step can use: 332 / 410 / 540 MiB at 518x294 / 392 / 518 (H100,
+# idle between replays, which no eager step can use: 332 / 410 / 540 MiB at 518x294 / 392 / 518 (Hopper,
 # dense-triton over fp8, windows 64 / 61 / 41) against steps of 144.4 / 192.5 / 254.3 MiB: 2.12-2.30.
 GRAPH_POOL_STEPS = 2.3
 WORKSPACE_BYTES = 384 * 2**20
 # A process's device memory outside PyTorch's allocator: the CUDA context with the kernels its libraries
-# load: 0.74-0.82 GiB on an H100 (torch 2.11, read at out-of-memory errors: 15.92 GiB in use on a 16 GB card
+# load: 0.74-0.82 GiB on Hopper (torch 2.11, read at out-of-memory errors: 15.92 GiB in use on a 16 GB card
 # against 15.10 GiB reserved by the allocator), rounded up for other drivers and libraries.
 CUDA_CONTEXT_BYTES = 2**30
 # The shortest window a plan falls back to: below it reconstructions degrade too much to be worth

@@ -26,8 +26,8 @@ def quat_xyzw_to_rotation(quat: torch.Tensor | np.ndarray) -> torch.Tensor | np.
 def _rotation(quat, stack):
     """quat_xyzw_to_rotation in the quaternion's own dtype, for numpy or torch (`stack` of either). Host
     arrays stay in numpy: the chunk alignment decodes each emitted frame on the stream's thread, where
-    the same formula as ~30 small torch calls took 1.6-20 ms beside the sinks' and the spare's threads
-    (0.15-0.35 ms on a quiet host; H100 machine, docs/PERFORMANCE.md)."""
+    the same formula as ~30 small torch calls take 1.6-20 ms beside the sinks' and the spare's threads
+    (0.15-0.35 ms on a quiet host)."""
     i, j, k, r = (quat[..., n] for n in range(4))
     two_s = 2.0 / (quat * quat).sum(-1)
     rotation = stack(

@@ -6,13 +6,13 @@ order. What preparing does, and why each step belongs here rather than in the en
 
 - placement and precision: on CUDA in bf16/fp16 the transformer and the DPT head take the half
   precision; the camera head stays float32, as the reference computes it (in bf16 its pose error
-  doubled, docs/PERFORMANCE.md);
+  doubles);
 - fusions that replace modules: the MLPs' GELU inside the first layer's cuBLASLt epilogue
   (fused_gelu.py), the camera head's large layers reading float16-stored weights with float32
   arithmetic (few_token_linear.py; needs triton);
 - the DINO and frame blocks' attention through `attend_frame` where dense-triton runs (Ampere or
   newer, bf16/fp16; cache/triton_attention.py): SDPA while a frame's tiles fit one wave of the range
-  kernel, the range kernel past it (on an H100 at three programs per SM, frames over 1,024 tokens);
+  kernel, the range kernel past it (at three programs per SM on 132 SMs, frames over 1,024 tokens);
 - channels-last DPT convolutions (cuDNN's NHWC kernels);
 - torch.compile of the blocks' halves and both heads' pure parts (CUDA), each call signature
   compiled once and kept under an artefact folder when one is given (models/compilation.py).
@@ -194,9 +194,9 @@ def step_precision(device_type: str, autocast_dtype: torch.dtype | None):
 def use_range_kernel_for_frames(module: torch.nn.Module) -> int:
     """The attention of every block under `module` that attends without a cache (DINO, frame
     blocks) through `attend_frame` (the range kernel: Ampere or newer).
-    cuDNN's kernel, SDPA's choice, runs a frame's 64-query tiles 264 at a time on an H100: from
-    1,042 tokens on (518x392) a second wave took each call from 16 to 30 us, where the range kernel
-    at three programs per SM takes 23 (docs/PERFORMANCE.md). Returns the number of modules changed."""
+    cuDNN's kernel, SDPA's choice, runs a frame's 64-query tiles 264 at a time on 132 SMs: from
+    1,042 tokens on (518x392) a second wave takes each call from 16 to 30 us, where the range kernel
+    at three programs per SM takes 23. Returns the number of modules changed."""
     from stream_recon.cache.triton_attention import attend_frame
 
     from .layers import Attention
@@ -231,8 +231,8 @@ def compile_depth_head(model: torch.nn.Module, methods: CompiledMethods | None =
     """Fuse the DPT head's convolutional part (`DPTHead.decode`) with TorchInductor.
 
     Its ~30 convolutions stay cuDNN's; the ReLUs, residual sums, bilinear resizes and UV additions
-    between them (full-resolution float32 tensors) become a few fused kernels. Measured on an H100
-    at 518x378: 3.0 ms eager, 1.5 ms compiled with channels-last weights (docs/PERFORMANCE.md).
+    between them (full-resolution float32 tensors) become a few fused kernels. At 518x378:
+    3.0 ms eager, 1.5 ms compiled with channels-last weights.
     """
     _compile_methods(model.depth_head, ("decode",), methods)
 

@@ -2,7 +2,7 @@
 
 Compiled by TorchInductor, Attention.heads took two kernels per block for this: one computed the
 LayerNorm of q and k in float32 and wrote them out in float32 (11 us at the streaming shape, 1,005
-tokens x 16 heads x 64 channels, 48 calls per frame on an H100), a second read them back, applied
+tokens x 16 heads x 64 channels, 48 calls per frame), a second read them back, applied
 the rotary embedding and cast (5-7 us): ~0.8 ms per frame. Here one program reads a block of (token,
 head) rows of q and of k straight from the qkv projection's output, normalizes them, rotates them
 with the rope's expanded tables (models/rope.py) and writes them once, token-major: 4.1-4.5 us
@@ -28,7 +28,7 @@ from .rope import Rope2D, Rope3D, rotate_expanded
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # 32 (token, head) rows of q and k per program, 8 warps: 4.5 us (Rope2D) and 4.1 us (Rope3D) for q and
-# k at the streaming shape on an H100, against 12-13 us unfused (a probe, docs/PERFORMANCE.md 2026-11-22).
+# k at the streaming shape, against 12-13 us unfused.
 BLOCK_ROWS, NUM_WARPS = 32, 8
 
 

@@ -43,20 +43,20 @@ logger = logging.getLogger("stream_recon.models.rollover")
 
 # While the spare has work for the next chunk, a push of the stream lasts up to PACE times its usual
 # push: the spare has the device alone for the rest. 1.5 left the spare too little device time (46
-# provisional frames at a flow rollover on the H100, docs/PERFORMANCE.md); 1.6 keeps it a frame behind.
+# provisional frames at a flow rollover); 1.6 keeps it a frame behind.
 PACE = 1.6
 # While catching up, a push lasts up to CATCH_UP_PACE times the usual one where the spare is further
 # behind than `catch_up_backlog` allows. A rollover may cost 2x the median interval at most, and an
 # interval is the held push plus ~2 ms outside it (sinks, receiving) at a 29 ms median: at 2.0 the
-# first pushes of a catch-up took 59-63 ms against a 28.7 ms median (H100, docs/PERFORMANCE.md).
+# first pushes of a catch-up take 59-63 ms against a 28.7 ms median.
 CATCH_UP_PACE = 1.8
 # The current engine's CUDA stream (MainStream) where a spare may run (whose stream has the default
 # priority, 0): lower numbers are more urgent.
 MAIN_STREAM_PRIORITY = -1
 # The most frames a closed chunk predicts provisionally while the next one catches up; then the
 # stream waits for the spare. A chunk that closes at a known frame has had the spare take its shared
-# frames ahead, and the spare caught up within 3-15 frames (H100, docs/PERFORMANCE.md); a flow chunk's
-# spare starts at the rollover and took up to 48. The spare's cache holds these frames too
+# frames ahead, and the spare catches up within 3-15 frames; a flow chunk's
+# spare starts at the rollover and takes up to 48. The spare's cache holds these frames too
 # (ChunkedEngine.spare_window_slots), so the room is also its memory.
 MAX_PROVISIONAL = 48
 MAX_PROVISIONAL_AHEAD = 20
@@ -194,8 +194,7 @@ class Rollover:
         """SWITCH_PENDING: the spare takes the last frame before the switch alone, and delivers what it
         has in flight on its worker while this push is paced, so that the switch, at the next push,
         waits for none of the spare's device work. Delivered at the switch instead, a pipelined spare's
-        last step held it 37 ms, and that push took 99 ms against a 27 ms median interval (H100,
-        docs/PERFORMANCE.md)."""
+        last step holds it 37 ms, and that push takes 99 ms against a 27 ms median interval."""
         self.spare.push(*frame)
         self.spare.flush()
 
@@ -285,7 +284,7 @@ def catch_up_backlog(behind_at_start: int, room: int, provisional: int) -> int:
     frame, so that it is a frame behind at most when the room (`room` frames) is used up: from
     `behind_at_start` + 1 down to 1 in equal steps, so that the stream waits a little at every push
     rather than all at once at the switch. Where the room is small beside the spare's start (a spare
-    of 16 slots on a 16 GB card, docs/PERFORMANCE.md), the spare was still 4-5 frames behind at the
+    of 16 slots on a 16 GB card), the spare was still 4-5 frames behind at the
     end of it and the switch stopped the stream for them: 100 ms against a 30 ms median interval."""
     left = max(0, room - provisional)
     return 1 + behind_at_start * left // max(1, room)
@@ -298,7 +297,7 @@ class MainStream:
     All of it, the warm-up included: the caching allocator keeps freed blocks for the stream that
     freed them, and a first graph replay on a new stream pays extra, so a warm-up on another stream
     left the stream's scale step to allocate its memory again (27 cudaMalloc calls; that step 125 ms
-    instead of ~80 at 518x392 on the H100, docs/PERFORMANCE.md)."""
+    instead of ~80 at 518x392)."""
 
     def __init__(self, device: torch.device):
         self.stream = torch.cuda.Stream(device, priority=MAIN_STREAM_PRIORITY)

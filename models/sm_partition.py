@@ -1,8 +1,8 @@
 """A CUDA stream whose kernels may use only some of the GPU's SMs (a green context, CUDA 12.4+).
 
 Beside the stream, the spare engine's kernels fill every SM the stream's kernels leave, and a stream
-kernel launched then waits for SMs until the spare's blocks retire: a ~30 ms step spanned 37-76 ms of
-device time beside the spare's (docs/PERFORMANCE.md). A spare whose kernels may use only part of the
+kernel launched then waits for SMs until the spare's blocks retire: a ~30 ms step spans 37-76 ms of
+device time beside the spare's. A spare whose kernels may use only part of the
 SMs leaves the rest free for the stream's next kernel.
 
 The driver's green-context calls are reached through ctypes (libcuda), so that any PyTorch build with

@@ -18,9 +18,9 @@ store's Triton write kernel), `heads_low` runs the steps on a high-priority stre
 beside them on a low-priority one (the defaults give the heads the steps' priority), `synchronous`
 runs every frame's heads after its blocks on one stream (StreamConfig.pipeline off), `whole_wave`
 keeps a single wave's tiles whole where the defaults cut them into prefixes and pieces,
-`prefix_all` cuts every single wave that leaves a slot idle (256 tiles on an H100 too) as the defaults
+`prefix_all` cuts every single wave that leaves a slot idle (256 tiles on 132 SMs too) as the defaults
 cut 224 and 240, `prefix_two` does so with one piece after a prefix of 850/1000, and `prefix_224` cuts
-only waves of at most 7/8 of the slots (224 tiles on an H100: the rule before 240 tiles were cut);
+only waves of at most 7/8 of the slots (224 tiles on 132 SMs: the rule before 240 tiles were cut);
 `triton_kernel` runs the global attention through the Triton range kernel where the defaults run
 gluon_attention's on Hopper, `pdl` compiles the blocks and heads with Inductor's programmatic dependent launch (in the measuring
 process, whose compile helpers compiled the defaults only). `dense`, `cudnn` and `flashinfer` stream
@@ -247,7 +247,7 @@ def profile_kernels(engine, frames, steps: int = 6) -> dict[str, float]:
     for event in events:
         if event.get("cat") == "kernel":
             totals[event["name"]] += event["dur"] / steps
-    if not totals:  # (H100, torch 2.11: an empty profile of the defaults' replayed steps)
+    if not totals:  # (torch 2.11 traces no kernel of the defaults' replayed steps)
         print("profile: no kernel events; steps replayed as CUDA graphs may not be traced here", flush=True)
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 

@@ -8,9 +8,9 @@ Gluon's interface changes between releases, and cache/gluon_attention.py names w
     python3 scripts/probe_gluon_attention.py --compile-only   # any Linux machine with Triton: builds for
                                                               # sm_90a, prints registers and shared memory
 
-Why: at head dimension 64 an H100 SM spends as many cycles on a 64 x 128 block's exponentials as on
+Why: at head dimension 64 a Hopper SM spends as many cycles on a 64 x 128 block's exponentials as on
 its two products, and the production kernel's ~2,200 cycles a block pair are about their sum
-(docs/PERFORMANCE.md): they do not overlap. The variants make them overlap in the ways
+(Nsight Compute): they do not overlap. The variants make them overlap in the ways
 FlashAttention-3 does:
   - `overlap`: one warpgroup per program (64 queries, two programs per SM, as production); it issues
     block j's q.k^T and block j-1's p.v asynchronously and computes block j's softmax while the p.v runs;

@@ -12,7 +12,7 @@ time is the loop's throughput, comparable with the production kernel's `grid` la
 `--prefix-heights`: whole tiles against cutting every tile into a prefix (a share of its key
 blocks) and equal pieces of the rest, merged (TileSchedule's prefix_share; sizes whose tiles fill
 most of one wave).
-`--stages-heights`: the production kernel (3 key blocks in flight, 2 programs per SM on an H100)
+`--stages-heights`: the production kernel (3 key blocks in flight, 2 programs per SM on Hopper)
 against 2 blocks in flight (3 programs per SM), whole tiles and cut into pieces that fill the
 larger wave. `--ncu HEIGHT`: launch the production kernel (and the 2-stage one) a few times at one
 size and exit, for Nsight Compute to profile.
@@ -217,7 +217,7 @@ def frame_variants(num_queries: int) -> dict:
     qkv = torch.randn(1, num_queries, 3, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     q, k, v = [t.transpose(1, 2) for t in qkv.unbind(2)]  # [1, H, N, D] views, as Attention.heads makes them
     expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
-    whole = (264 // HEADS) * 64  # rows whose 64-row tiles fill one wave of cuDNN's (264 on an H100)
+    whole = (264 // HEADS) * 64  # rows whose 64-row tiles fill one wave of cuDNN's (264 on 132 SMs)
 
     def split():
         first = F.scaled_dot_product_attention(q[:, :, :whole], k, v)

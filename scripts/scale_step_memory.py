@@ -9,7 +9,7 @@ and, on running out of memory, the live blocks by the lines of ours that allocat
 
 With --gpu-memory, bench_e2e holds the allocator to the budget less the CUDA context; --uncapped plans for
 the budget but lets the allocator take what it wants, which shows the peaks an estimate must cover.
-These reports set models/memory.py's aggregator and graph-pool constants (docs/PERFORMANCE.md).
+These reports set models/memory.py's aggregator and graph-pool constants (docs/performance-log.md has the runs).
 """
 
 from __future__ import annotations

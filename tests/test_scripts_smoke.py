@@ -4,8 +4,9 @@
   output holds the figure it exists to produce, a finite number. scripts/bench_e2e.py has its own smoke
   tests (tests/test_bench_e2e.py); scripts/bench_shapes.py needs a CUDA GPU, so it is imported and its
   helpers called instead.
-- Every script in scripts/, and every one README.md or docs/PERFORMANCE.md cites (the docs are read at
-  test time, so a newly cited script is covered without a change here), imports and answers --help.
+- Every script in scripts/, and every one README.md, docs/usage.md, docs/PERFORMANCE.md or the dated log
+  docs/performance-log.md cites (the docs are read at test time, so a newly cited script is covered without
+  a change here), imports and answers --help.
 - Every GPU-machine script (scripts/device/*.sh, and any .sh the docs cite) parses (`bash -n`), and each
   scripts/*.py it runs exists and takes every --flag it passes (that script's --help lists it).
 
@@ -29,7 +30,7 @@ from evo_data import EVO_DATA_ENV, evo_data_dir
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
-DOCS = ("README.md", "docs/PERFORMANCE.md")
+DOCS = ("README.md", "docs/usage.md", "docs/PERFORMANCE.md", "docs/performance-log.md")
 # The dated performance log keeps its entries as they were written, so it cites scripts that were removed
 # or moved since (their findings stay in the log). A cited path missing from the repository must be one of
 # these, and only the log may cite it.
@@ -51,7 +52,7 @@ REMOVED_SCRIPTS_THE_LOG_CITES = frozenset({
     "scripts/gpu/run_gpu_suite.sh",
     "scripts/gpu/run_speed_round.sh",
 })
-LOG = "docs/PERFORMANCE.md"
+LOG = "docs/performance-log.md"
 CITATION = re.compile(r"(?<![\w./$-])(scripts/[\w./-]*\w\.(?:py|sh))\b")
 
 

@@ -2,8 +2,8 @@
 
 The child (`serve`) is one thread: it reads a message, calls the synchronous core (closer.py), writes the
 reply. Detection (SIFT, matching, RANSAC, the 3D fit) and the pose graph then never hold the stream's
-GIL. Measured on an H100 machine with the closer on a thread of the stream's process, the stream lost
-13% of its steady FPS (39.9 -> 34.7).
+GIL. With the closer on a thread of the stream's process, the stream loses ~13 % of its steady FPS
+(39.9 -> 34.7).
 
 The stream's side (`LoopClosureProcess`) has no threads: every call writes what the pipe takes now and
 reads what has arrived (models/child_process.py's outbox and inbox). It keeps the supervision contract
@@ -33,8 +33,8 @@ from .corrections import ChunkCorrections
 
 # The child is background work: the kernel schedules the stream's threads (the main loop, CUDA's, the
 # writer's) first, and its libraries (OpenCV, OpenBLAS) use two threads instead of every core. With
-# neither, an H100 machine's stream had 13 frame intervals over twice the median in 3,000 frames where
-# it had none without loop closure.
+# neither, the stream has 13 frame intervals over twice the median in 3,000 frames where it has none
+# without loop closure.
 CHILD_NICENESS = 10
 CHILD_THREADS = 2
 # A child with messages unanswered for this long is stalled: one keyframe's detection takes 30-100 ms

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Rollovers beside the stream (docs/PERFORMANCE.md, 'rollovers that do not stop the stream'), one
+# Rollovers beside the stream (docs/performance-log.md, 'rollovers that do not stop the stream'), one
 # call: the lookahead's GPU tests, the e2e bench for keyframes all and flow (1,000 frames, viewer and a
 # client), then rollover traces of both (extra options go to the traces, e.g. --pace 1.8 or
 # --main-priority 0). At most 8 files under $OUT.
