@@ -12,8 +12,9 @@ images or a video, e.g. an example scene of the official repository), played for
 Order: a short warm-up run (every step compiled and recorded), then the measured runs alternating off,
 on (`--pairs` times). Per run: steady FPS, p50 / p99, frame
 intervals over twice the median (and whether a rollover was in them), and for `on` what run.json says
-of loop closure (keyframes indexed and skipped, loops accepted and rejected, milliseconds per call of
-each stage). Prints a table; --json writes everything.
+of loop closure (keyframes indexed, the indexing spacing at the start and the end, indexed keyframes per
+100 frames and the longest stretch of frames without one, loops accepted and rejected, milliseconds per
+call of each stage). Prints a table; --json writes everything.
 """
 
 from __future__ import annotations
@@ -106,8 +107,10 @@ def print_run(run: dict) -> None:
           f"{len(over)} intervals > 2x median ({sum(not o['rollover'] for o in over)} away from rollovers), "
           f"longest {run['longest_stall_ms']:.0f} ms at frame {run['longest_stall_frame']}; "
           f"loop closure: {loops.get('mode')}, {loops.get('accepted', '-')} accepted, "
-          f"{loops.get('rejected', '-')} rejected, {loops.get('keyframes_indexed', '-')} keyframes indexed, "
-          f"{loops.get('keyframes_skipped', '-')} skipped; costs {loops.get('costs_ms')}")
+          f"{loops.get('rejected', '-')} rejected, {loops.get('keyframes_indexed', '-')} keyframes indexed "
+          f"(spacing {loops.get('index_spacing')}, {loops.get('indexed_per_100_frames', '-')} per 100 frames, "
+          f"longest stretch without one {loops.get('longest_unindexed_stretch', '-')} frames, "
+          f"{loops.get('keyframes_deferred', '-')} due keyframes deferred); costs {loops.get('costs_ms')}")
 
 
 if __name__ == "__main__":

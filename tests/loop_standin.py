@@ -178,11 +178,14 @@ class StandInModel:
     inference_spec = types.SimpleNamespace(compiled=False)
 
 
-def runs_stream_the_loop_scene(monkeypatch, scene: LoopScene, **engine_settings) -> list[LoopSceneEngine]:
+def runs_stream_the_loop_scene(monkeypatch, scene: LoopScene, *, index_spacing: int = 1,
+                               **engine_settings) -> list[LoopSceneEngine]:
     """Make runs (app.pipeline.run_sequence, handed a StandInModel) stream through a LoopSceneEngine of
-    `scene` (LoopSceneEngine's settings), its loop closer queueing every keyframe of these short streams so
-    that what it finds does not depend on how busy the machine is (a full queue skips keyframes, by
-    design, rather than hold the stream). Returns the list that each run's engine is appended to."""
+    `scene` (LoopSceneEngine's settings), its loop closer indexing one keyframe every `index_spacing`
+    frames (default: every keyframe of these short streams) with room for all of them in flight, so that
+    what it finds does not depend on how busy the machine is (a detection that falls behind lowers the
+    density, by design, rather than hold the stream). Returns the list that each run's engine is
+    appended to."""
     from stream_recon.app import pipeline
     from stream_recon.app.loops import LoopClosureSink
     from stream_recon.models.loops.closer import LoopClosureConfig
@@ -195,7 +198,8 @@ def runs_stream_the_loop_scene(monkeypatch, scene: LoopScene, **engine_settings)
 
     class EveryKeyframe(LoopClosureSink):
         def __init__(self, *args, **kwargs):
-            super().__init__(*args, config=LoopClosureConfig(keyframes_in_flight=100), **kwargs)
+            super().__init__(*args, config=LoopClosureConfig(keyframes_in_flight=100, index_spacing=index_spacing),
+                             **kwargs)
 
     monkeypatch.setattr(pipeline, "build_engine", build_stand_in)
     monkeypatch.setattr(pipeline, "LoopClosureSink", EveryKeyframe)

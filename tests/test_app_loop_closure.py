@@ -47,10 +47,10 @@ PUSH_PERIOD_S = 0.12  # each push takes as long as a fast model's would on this 
 
 
 def run_loop_scene(tmp_path: Path, monkeypatch, *, loop_closure: str, frames: int | None = None,
-                   name: str = "run") -> tuple[Path, LoopSceneEngine]:
+                   name: str = "run", index_spacing: int = 1) -> tuple[Path, LoopSceneEngine]:
     scene = load_loop_scene()
     engines = runs_stream_the_loop_scene(monkeypatch, scene, chunk_frames=CHUNK_FRAMES, overlap=OVERLAP,
-                                         period_s=PUSH_PERIOD_S)
+                                         period_s=PUSH_PERIOD_S, index_spacing=index_spacing)
     source = tmp_path / "frames"
     if not source.exists():
         registered_frames_folder(scene, source)
@@ -169,6 +169,16 @@ def test_a_stream_without_a_loop_writes_exactly_what_loop_closure_off_writes(tmp
     assert names == sorted(p.relative_to(closing) for p in closing.rglob("*") if p.is_file() and p.name != RUN_JSON)
     for name in names:
         assert (plain / name).read_bytes() == (closing / name).read_bytes(), name
+
+
+def test_run_json_records_which_keyframes_were_indexed(tmp_path: Path, monkeypatch) -> None:
+    # every frame is a keyframe; one in 8 is indexed: frames 0, 8, ..., 48 of 50
+    run_dir, _ = run_loop_scene(tmp_path, monkeypatch, loop_closure="on", frames=50, index_spacing=8)
+    loops = json.loads((run_dir / RUN_JSON).read_text())["summary"]["loop_closure"]
+    assert loops["keyframes_indexed"] == 7 and loops["keyframes_deferred"] == 0
+    assert loops["index_spacing"] == {"start": 8, "end": 8}
+    assert loops["indexed_per_100_frames"] == pytest.approx(14.0)
+    assert loops["longest_unindexed_stretch"] == 7
 
 
 def test_auto_closes_loops_only_where_a_third_chunk_can_come() -> None:

@@ -22,8 +22,9 @@ from stream_recon.models.loops.process import LoopClosureProcess  # noqa: E402
 from stream_recon.models.similarity import Sim3  # noqa: E402
 from stream_recon.models.supervision import Deadline  # noqa: E402
 
-# every keyframe of the 69-frame stream is in flight at once if need be: the outcome does not depend on timing
-ALL_KEYFRAMES = LoopClosureConfig(keyframes_in_flight=100)
+# every keyframe of the 69-frame stream is indexed, all in flight at once if need be: the outcome does not
+# depend on timing
+ALL_KEYFRAMES = LoopClosureConfig(keyframes_in_flight=100, index_spacing=1)
 
 
 class CoreFeed:
@@ -86,7 +87,7 @@ def test_the_child_process_closes_the_same_loops_as_the_core() -> None:
         np.testing.assert_allclose(child_result.by_chunk[chunk].scaled_matrix, move.scaled_matrix, atol=1e-9)
     summary = in_child.summary()
     assert summary["accepted"] == len(core_result.accepted_loops) and summary["keyframes_indexed"] == 69
-    assert summary["keyframes_skipped"] == 0
+    assert summary["keyframes_deferred"] == 0 and summary["index_spacing"] == {"start": 1, "end": 1}
 
 
 def keyframe_points(points: np.ndarray) -> _KeyframePoints:

@@ -69,10 +69,20 @@ class LoopClosureConfig:
     # (similarity.MIN_OVERLAP_SIGMA), a rotation of all its points about its camera.
     keyframe_depth_scale_sigma: float = 0.02
     keyframe_rotation_sigma: float = 1e-3  # radians
-    # Keyframes handed to the loop-closure process and not yet answered: when detection falls behind,
-    # newer keyframes are skipped (counted) rather than held, so the stream never waits for it; 8 absorb
-    # a rollover's burst of keyframes and are ~13 MB at 518 x 378.
+    # Keyframes handed to the loop-closure process and not yet answered: a keyframe due for indexing
+    # that finds this many waits for the next one (coverage.py), so the stream never waits for
+    # detection; 8 absorb a rollover's burst and are ~13 MB at 518 x 378.
     keyframes_in_flight: int = 8
+    # Which keyframes are indexed (coverage.py): one when at least `index_spacing` frames have passed since
+    # the last indexed one. 16 frames are 0.4 s at 40 FPS, 20 keyframes a 320-frame chunk: a revisit the
+    # camera spends half a second in gets a query. Detection takes 60-95 ms a keyframe (H100/H200
+    # machines), so at 40 FPS the child is busy a quarter of the time on one core, where indexing every
+    # keyframe it could take (1 in 3-5 of a 40-FPS stream's) kept it busy all the time.
+    index_spacing: int = 16
+    # Detection that cannot keep up (a due keyframe finds `keyframes_in_flight` unanswered) doubles the
+    # spacing, up to 64: 64 frames plus the wait of one due keyframe for an answer (one detection, ~4
+    # frames at 40 FPS) stay under 100 frames without an indexed keyframe.
+    max_index_spacing: int = 64
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,10 @@ GIL. With the closer on a thread of the stream's process, the stream loses ~13 %
 The stream's side (`LoopClosureProcess`) has no threads: every call writes what the pipe takes now and
 reads what has arrived (models/child_process.py's outbox and inbox). It keeps the supervision contract
 (models/supervision.py) as a TURN_OFF helper that drops what does not fit:
-- a keyframe that finds `keyframes_in_flight` keyframes unanswered is skipped and counted; links (a few
-  hundred bytes a chunk) are always kept and sent;
+- which keyframes are indexed is a spacing rule (coverage.py), never the queue's timing: a keyframe due
+  for indexing that finds `keyframes_in_flight` keyframes unanswered is not sent (counted), the next
+  one is due instead, and the spacing doubles (one warning line the first time); links (a few hundred
+  bytes a chunk) are always kept and sent;
 - a child that dies, reports an error, or answers nothing for STALL_S while it has work is down: it is
   ended, loop closure is off for the rest of the run, and the corrections accepted so far stand;
 - the end of a run waits for the child's last word with a deadline (`finish`).
@@ -17,6 +19,7 @@ reads what has arrived (models/child_process.py's outbox and inbox). It keeps th
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import subprocess
@@ -30,6 +33,9 @@ from ..prediction import FramePrediction
 from ..supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
 from .closer import FirstFinalKeyframes, LoopCloser, LoopClosureConfig, keyframe_of
 from .corrections import ChunkCorrections
+from .coverage import IndexingRule, IndexingSchedule
+
+logger = logging.getLogger(__name__)
 
 # The child is background work: the kernel schedules the stream's threads (the main loop, CUDA's, the
 # writer's) first, and its libraries (OpenCV, OpenBLAS) use two threads instead of every core. With
@@ -102,6 +108,8 @@ class LoopClosureProcess:
         self.config = config
         self.helper = Helper(HelperPolicy("loop closure", WhenFull.DROP, WhenDown.TURN_OFF, stall_s=STALL_S))
         self._keyframes = FirstFinalKeyframes()
+        self._schedule = IndexingSchedule(IndexingRule(config.index_spacing, config.max_index_spacing))
+        self._said_lowered = False
         threads = {name: str(CHILD_THREADS) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
         self._child = start_child(__name__, "serve", env={**os.environ, **threads})
         self._outbox = MessageOutbox(self._child.requests)
@@ -123,11 +131,22 @@ class LoopClosureProcess:
         self._send(("link", link))
 
     def add_prediction(self, pred: FramePrediction) -> bool:
-        """Hand a keyframe's first final emission over; False when it is not one, or was skipped."""
-        if not self.helper.is_up or not self._keyframes.admit(pred):
+        """Hand a keyframe's first final emission over when the indexing rule chooses it; False otherwise."""
+        if not self.helper.is_up:
             return False
-        if self._keyframes_unanswered >= self.config.keyframes_in_flight:
-            self.helper.dropped += 1
+        self._schedule.saw_frame(pred.frame_index)
+        if not self._keyframes.admit(pred):
+            return False
+        has_room = self._keyframes_unanswered < self.config.keyframes_in_flight
+        # a child still importing is not slow detection: its keyframes wait, the density stays
+        chosen = self._schedule.offer(pred.frame_index, has_room, may_lower=self._ready)
+        self.helper.dropped = self._schedule.deferred
+        if self._schedule.lowerings == 1 and not self._said_lowered:
+            self._said_lowered = True
+            logger.warning("loop closure: detection cannot keep up with the stream (%d keyframes unanswered): "
+                           "one keyframe in %d frames is indexed from now on instead of one in %d",
+                           self.config.keyframes_in_flight, self._schedule.spacing, self._schedule.rule.spacing)
+        if not chosen:
             return False
         self._keyframes_unanswered += 1
         self._send(("keyframe", keyframe_of(pred)))
@@ -164,11 +183,11 @@ class LoopClosureProcess:
         return self._corrections
 
     @property
-    def keyframes_skipped(self) -> int:
-        return self.helper.dropped
+    def indexing(self) -> IndexingSchedule:
+        return self._schedule
 
     def summary(self) -> dict[str, Any]:
-        summary = {**self._summary, "keyframes_skipped": self.keyframes_skipped}
+        summary = {**self._summary, **self._schedule.summary()}
         summary["keyframes_indexed"] = max(summary.get("keyframes_indexed", 0), self._keyframes_answered)
         return summary
 
