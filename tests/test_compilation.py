@@ -1,4 +1,4 @@
-"""Compiled methods kept between runs (models/compilation.py), on the CPU with TorchInductor's C++ backend."""
+"""Compiled methods kept between runs (models/builds/compilation.py), on the CPU with TorchInductor's C++ backend."""
 
 from __future__ import annotations
 
@@ -8,8 +8,13 @@ import shutil
 import pytest
 import torch
 
-from stream_recon.models import compilation
-from stream_recon.models.compilation import CompiledMethods, artefacts_dir, call_signature, running_eagerly
+from stream_recon.models.builds import compilation
+from stream_recon.models.builds.compilation import (
+    CompiledMethods,
+    artefacts_dir,
+    call_signature,
+    running_eagerly,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                 reason="TorchInductor's CPU backend needs a C++ compiler")
@@ -166,7 +171,7 @@ def test_a_tiny_model_streams_the_same_from_loaded_artefacts(tiny_model, tmp_pat
     import numpy as np
 
     from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
-    from stream_recon.models.prepare import compile_blocks, compile_camera_head, compile_depth_head
+    from stream_recon.models.builds.prepare import compile_blocks, compile_camera_head, compile_depth_head
 
     torch.manual_seed(0)
     frames = [torch.rand(3, 56, 70) for _ in range(5)]
@@ -212,13 +217,13 @@ import torch
 sys.path.insert(0, sys.argv[1])
 from conftest import build_tiny_model
 from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
-from stream_recon.models.compilation import recorded
+from stream_recon.models.builds.compilation import recorded
 recorded("0" * 32, "compiled")
 engine = StreamingEngine(prepare_for_inference(build_tiny_model(), compile=False), StreamConfig(scale_frames=2, window=2))
 for _ in range(4):
     engine.push(torch.rand(3, 28, 42))
 engine.finish()
-from stream_recon.models import few_token_linear, fused_gelu
+from stream_recon.models.network import few_token_linear, fused_gelu
 x, weight, bias = torch.rand(2, 8), torch.rand(16, 8), torch.rand(16)
 fused_gelu._linear_gelu_epilogue(x, weight, bias)  # the operators' eager calls
 few_token_linear._few_token_linear_op(x, weight.half(), bias, True)

@@ -37,10 +37,11 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from ..network.gct import GCTStream
+from ..supervision import Deadline
 from . import lookahead as lookahead_module
 from .chunks import TRAINED_VIEWS, ChunkAlignment, ChunkLink
 from .engine import StreamingEngine
-from .gct import GCTStream
 from .lookahead import SpareEngine
 from .memory import CUDA_CONTEXT_BYTES, WORKSPACE_BYTES, estimate_memory, format_bytes
 from .prediction import FramePrediction
@@ -54,7 +55,6 @@ from .rollover import (
     Rollover,
 )
 from .stream_config import StreamConfig
-from .supervision import Deadline
 
 logger = logging.getLogger("stream_recon.models.chunked")
 

@@ -32,12 +32,12 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from ..supervision import Deadline
 from . import lookahead
 from .chunks import AlignedFrame, ChunkAlignment, ClosedChunk
 from .engine import StreamingEngine
 from .lookahead import SpareEngine
 from .prediction import FramePrediction
-from .supervision import Deadline
 
 logger = logging.getLogger("stream_recon.models.rollover")
 

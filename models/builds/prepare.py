@@ -32,10 +32,10 @@ import torch
 from stream_recon.cache.backends import HALF_DTYPES, unavailable_reason
 from stream_recon.cache.packages import importable
 
+from ..network.config import ModelConfig
+from ..network.fused_gelu import fuse_mlp_gelu
+from ..network.gct import GCTStream
 from .compilation import CompiledMethods
-from .config import ModelConfig
-from .fused_gelu import fuse_mlp_gelu
-from .gct import GCTStream
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def prepare_for_inference(model: GCTStream, device: str | torch.device | None = 
     if half:
         fuse_mlp_gelu(prepared.aggregator)
         if half_camera_weights and importable("triton"):
-            from .few_token_linear import store_weights_in_half
+            from ..network.few_token_linear import store_weights_in_half
 
             half_camera = store_weights_in_half(prepared.camera_head) > 0
     if half and on_cuda and unavailable_reason("dense-triton", device, dtype) is None:
@@ -199,7 +199,7 @@ def use_range_kernel_for_frames(module: torch.nn.Module) -> int:
     at three programs per SM takes 23 (docs/PERFORMANCE.md). Returns the number of modules changed."""
     from stream_recon.cache.triton_attention import attend_frame
 
-    from .layers import Attention
+    from ..network.layers import Attention
 
     modules = [m for m in module.modules() if isinstance(m, Attention)]
     for attention in modules:
@@ -216,7 +216,7 @@ def compile_blocks(model: torch.nn.Module, methods: CompiledMethods | None = Non
     `methods`: compiled ahead of time and kept there (None: torch.compile where first called).
     Returns the number of blocks compiled.
     """
-    from .layers import Block
+    from ..network.layers import Block
 
     dynamo = torch._dynamo.config
     # Block kinds x input shapes (scale frames, streaming frame) exceed the default of 8.

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .daemon_pool import DaemonPool
-from .supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
+from ..daemon_pool import DaemonPool
+from ..supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
 
 # Builds at once: eight specializations of the range kernel took 13.0 s one after another and 4.9 s
 # on eight threads (H100, 16 cores); more threads only queue on the interpreter. A warm-up lists

@@ -25,12 +25,12 @@ from collections.abc import Iterator
 
 import torch
 
-from . import kernel_builds
-from .config import ModelConfig
+from ..builds import kernel_builds
+from ..builds.prepare import prepare_without_weights
+from ..network.config import ModelConfig
+from ..supervision import Deadline
 from .engine import StreamingEngine
-from .prepare import prepare_without_weights
 from .stream_config import StreamConfig
-from .supervision import Deadline
 
 logger = logging.getLogger("stream_recon.models.builds_ahead")
 

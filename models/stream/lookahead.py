@@ -26,11 +26,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from .daemon_pool import DaemonPool
+from ..daemon_pool import DaemonPool
+from ..supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
 from .engine import StreamingEngine
 from .prediction import FramePrediction
 from .sm_partition import device_sm_count, partitioned_stream
-from .supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
 
 # The share of the GPU's SMs that the spare's eager kernels (its scale step) may use. Beside the spare's
 # eager scale step on every SM, a stand-in of the stream's step took 2.9x its time alone (51.8 against

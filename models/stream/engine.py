@@ -18,13 +18,13 @@ import torch
 
 from stream_recon.cache import CacheLayout, KVCache, TokenCache, backends
 
-from . import kernel_builds
-from .errors import FrameError, MemoryBudgetError
-from .gct import GCTStream
+from ..builds import kernel_builds
+from ..builds.prepare import require_prepared
+from ..errors import FrameError, MemoryBudgetError
+from ..network.gct import GCTStream
 from .memory import MemoryPlan, plan_memory
 from .pose import camera_motion_flow
 from .prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
-from .prepare import require_prepared
 from .staging import Staged
 from .steps import EagerRunner, choose_runner
 from .stream_config import KeyframePolicy, StreamConfig
