@@ -15,6 +15,7 @@ from stream_recon.models.builds.compilation import (
     call_signature,
     running_eagerly,
 )
+from stream_recon.models.network.custom_ops import operator_for_compiled_code
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                 reason="TorchInductor's CPU backend needs a C++ compiler")
@@ -253,7 +254,7 @@ def test_an_operator_for_compiled_code_is_the_operator_only_under_torch_compile(
     def doubled_like(x):
         return torch.empty_like(x)
 
-    @compilation.operator_for_compiled_code("stream_recon_tests::doubled", doubled_like)
+    @operator_for_compiled_code("stream_recon_tests::doubled", doubled_like)
     def doubled(x: torch.Tensor) -> torch.Tensor:
         calls.append(torch.compiler.is_compiling())
         return x * 2

@@ -73,26 +73,6 @@ def running_eagerly() -> Iterator[None]:
         _eager.on = previous
 
 
-def operator_for_compiled_code(name: str, fake: Callable) -> Callable[[Callable], Callable]:
-    """Make a function a torch operator `name` (its output's shape given by `fake`) for compiled code
-    only: under torch.compile the call is the operator, which Inductor neither decomposes nor re-splits
-    and fuses around; eager code calls the function itself. An operator's first call imports Dynamo and
-    its needs (~900 modules: 1.1-1.6 s on a fresh H100 machine, docs/PERFORMANCE.md), which an
-    uncompiled run has no other use for."""
-
-    def wrap(function: Callable) -> Callable:
-        operator = torch.library.custom_op(name, mutates_args=())(function)
-        operator.register_fake(fake)
-
-        @functools.wraps(function)
-        def call(*args: Any) -> Any:
-            return (operator if torch.compiler.is_compiling() else function)(*args)
-
-        return call
-
-    return wrap
-
-
 @functools.cache
 def source_digest() -> str:
     """sha256 of this package's model and cache sources (the code compiled artefacts inline)."""

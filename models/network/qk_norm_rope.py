@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ..builds.compilation import operator_for_compiled_code
+from .custom_ops import operator_for_compiled_code
 from .rope import Rope2D, Rope3D, rotate_expanded
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
