@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,6 +154,21 @@ def test_the_artefact_folder_is_per_environment(tmp_path, monkeypatch):
     assert methods.root.parent == tmp_path
     monkeypatch.setattr(compilation, "source_digest", lambda: "another source")
     assert CompiledMethods(tmp_path, torch.device("cpu")).root != methods.root
+
+
+def test_the_source_digest_reads_every_module_of_models_and_cache(monkeypatch):
+    """The rooms' modules (models/network/ and the rest) count, not only those at models/'s top."""
+    repo = Path(__file__).resolve().parents[1]
+    read = []
+    read_bytes = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda path: read.append(path) or read_bytes(path))
+    compilation.source_digest.cache_clear()
+    try:
+        compilation.source_digest()
+    finally:
+        compilation.source_digest.cache_clear()
+    expected = {path for folder in ("models", "cache") for path in (repo / folder).rglob("*.py")}
+    assert repo / "models" / "network" / "gct.py" in expected and set(read) == expected
 
 
 def test_the_artefact_folder_follows_the_environment(monkeypatch, tmp_path):

@@ -76,11 +76,11 @@ def running_eagerly() -> Iterator[None]:
 @functools.cache
 def source_digest() -> str:
     """sha256 of this package's model and cache sources (the code compiled artefacts inline)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     digest = hashlib.sha256()
     for package in _SOURCE_PACKAGES:
-        for path in sorted((root / package).glob("*.py")):
-            digest.update(path.name.encode())
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(path.relative_to(root).as_posix().encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()
 
