@@ -115,7 +115,7 @@ def test_an_unreadable_artefact_is_compiled_again_and_replaced(tmp_path):
 
 def test_a_method_with_a_graph_break_compiles_where_called(tmp_path, caplog):
     block = Half()
-    with caplog.at_level(logging.WARNING, logger="stream_recon.models.compilation"), torch.inference_mode():
+    with caplog.at_level(logging.WARNING, logger="stream_recon.models.builds.compilation"), torch.inference_mode():
         methods = prepared(tmp_path, block, names=("branchy",))
         for sign in (1, -1):
             x = torch.full((2, 3), float(sign))

@@ -457,7 +457,7 @@ def test_reset_starts_an_identical_stream(model, frames):
 
 def test_rollovers_are_logged(model, frames, caplog):
     engine = ChunkedEngine(model, StreamConfig(scale_frames=3, window=4), chunk_frames=6, overlap=3)
-    with caplog.at_level(logging.INFO, logger="stream_recon.models.chunked"):
+    with caplog.at_level(logging.INFO, logger="stream_recon.models.stream.chunked"):
         run_live(engine, frames[:10])
     rollovers = [r.getMessage() for r in caplog.records if "rollover" in r.getMessage()]
     assert rollovers == [
@@ -1159,7 +1159,7 @@ def test_out_of_memory_in_the_scale_step_beside_a_spare_drops_the_spare_and_stre
         return run_scale_frames(*args)
 
     monkeypatch.setattr(runner, "run_scale_frames", out_of_memory_once)
-    with caplog.at_level("WARNING", logger="stream_recon.models.chunked"):
+    with caplog.at_level("WARNING", logger="stream_recon.models.stream.chunked"):
         final, pushes = run_live_marked(engine, frames[:16])
     engine.close()
     assert len(calls) >= 2 and engine._rollover is None and engine.lookahead is False  # (one scale step a chunk)
@@ -1187,7 +1187,7 @@ def test_out_of_memory_in_the_spares_warm_up_drops_the_spare_and_streams_as_with
 
     monkeypatch.setattr(lookahead.SpareEngine, "_warm", out_of_memory)
     engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=True)
-    with caplog.at_level("WARNING", logger="stream_recon.models.chunked"):
+    with caplog.at_level("WARNING", logger="stream_recon.models.stream.chunked"):
         engine.warm_up(frames[0])
     assert len(warmed) == 1 and engine._rollover is None and engine.lookahead is False
     assert "warming up the next chunk's spare" in caplog.text

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-logger = logging.getLogger("stream_recon.models.compilation")
+logger = logging.getLogger("stream_recon.models.builds.compilation")
 
 # The folder to keep artefacts in; unset or empty: compile where called, as torch.compile does. Not the
 # default: in a new process loading 13 artefacts took 3.9-4.7 s (Triton loading their kernels), no less

@@ -45,7 +45,7 @@ BUILDS_AHEAD = HelperPolicy("building kernels ahead", WhenFull.DROP, WhenDown.TU
 # build needs) turns off the dry passes, this module's and models/builds_ahead.py's, and the early builds.
 helper = Helper(BUILDS_AHEAD)
 
-logger = logging.getLogger("stream_recon.models.kernel_builds")
+logger = logging.getLogger("stream_recon.models.builds.kernel_builds")
 
 _listing = threading.local()  # .builds: the DryLaunches of this thread's dry step, if any
 _install_lock = threading.Lock()

@@ -32,7 +32,7 @@ from ..supervision import Deadline
 from .engine import StreamingEngine
 from .stream_config import StreamConfig
 
-logger = logging.getLogger("stream_recon.models.builds_ahead")
+logger = logging.getLogger("stream_recon.models.stream.builds_ahead")
 
 # The longest the run's first frame waits for the pass: it took 3.6-4.2 s of a fresh H100 machine's start,
 # most of it while the checkpoint loaded (docs/PERFORMANCE.md), and its builds have BUILDS_WAIT_S of their

@@ -56,7 +56,7 @@ from .rollover import (
 )
 from .stream_config import StreamConfig
 
-logger = logging.getLogger("stream_recon.models.chunked")
+logger = logging.getLogger("stream_recon.models.stream.chunked")
 
 # A flow chunk's spare starts before the rollover, where the chunk would close if every frame from then
 # on were a keyframe, once at least DENSE_KEYFRAMES of the last KEYFRAME_RATE_FRAMES frames were. Started

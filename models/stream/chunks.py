@@ -26,7 +26,7 @@ from .pose import decode_pose
 from .prediction import FramePrediction
 from .similarity import FrameRatios, Sim3, alignment_frames, estimate_chunk_alignment, overlap_covariance
 
-logger = logging.getLogger("stream_recon.models.chunks")
+logger = logging.getLogger("stream_recon.models.stream.chunks")
 
 TRAINED_VIEWS = 320  # views per sequence the released checkpoints were trained with: the default chunk
 

@@ -39,7 +39,7 @@ from .engine import StreamingEngine
 from .lookahead import SpareEngine
 from .prediction import FramePrediction
 
-logger = logging.getLogger("stream_recon.models.rollover")
+logger = logging.getLogger("stream_recon.models.stream.rollover")
 
 # While the spare has work for the next chunk, a push of the stream lasts up to PACE times its usual
 # push: the spare has the device alone for the rest. 1.5 left the spare too little device time (46
