@@ -15,7 +15,7 @@ order. What preparing does, and why each step belongs here rather than in the en
   kernel, the range kernel past it (on an H100 at three programs per SM, frames over 1,024 tokens);
 - channels-last DPT convolutions (cuDNN's NHWC kernels);
 - torch.compile of the blocks' halves and both heads' pure parts (CUDA), each call signature
-  compiled once and kept under an artefact folder when one is given (models/compilation.py).
+  compiled once and kept under an artefact folder when one is given (models/builds/compilation.py).
 
 The engine takes only prepared models (`inference_spec`), and refuses one prepared for another
 device or precision, so nothing downstream ever converts a model it was handed.
@@ -60,7 +60,7 @@ def prepare_for_inference(model: GCTStream, device: str | torch.device | None = 
     device: None keeps the model's. dtype: float32 anywhere; bf16/fp16 on CUDA only. compile:
     None compiles on CUDA (the first frames then take longer, later ones less), never on the CPU.
     artefacts: a folder where the compiled code is kept, so that a later run of the same input size
-    loads it instead of compiling (models/compilation.py); None: compiled in memory, where called.
+    loads it instead of compiling (models/builds/compilation.py); None: compiled in memory, where called.
     half_camera_weights: on CUDA in bf16/fp16 with triton, store the camera head's large weights in
     float16 (its arithmetic stays float32). Weights that need no conversion are shared with
     `model` (no copy); nothing writes to them.
@@ -108,7 +108,7 @@ def prepare_without_weights(config: ModelConfig, device: str | torch.device,
     """A model of `config` prepared as `prepare_for_inference` prepares a loaded one for `device` and
     `dtype` (uncompiled), but with zero weights, before any checkpoint is read: the same modules and
     the same shapes, strides and kernels in its steps. Its predictions mean nothing; it runs a step's
-    code ahead of the real model (models/builds_ahead.py). Zero rather than uninitialised memory, so
+    code ahead of the real model (models/stream/builds_ahead.py). Zero rather than uninitialised memory, so
     that nothing it computes depends on what the allocator last held."""
     with torch.device("meta"):
         skeleton = GCTStream(config)

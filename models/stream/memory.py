@@ -102,7 +102,7 @@ class MemoryEstimate:
 
     @property
     def another_engine(self) -> int:
-        """What this engine adds beside another over the same model (a chunk's spare, models/lookahead.py,
+        """What this engine adds beside another over the same model (a chunk's spare, models/stream/lookahead.py,
         estimated with its window slots): all but the shared weights, head tables, workspace and CUDA context. Its
         activations count too: it steps on a stream of its own, whose memory the allocator does not share
         with the first engine's."""

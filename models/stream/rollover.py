@@ -3,7 +3,7 @@
 At a rollover the next chunk predicts its shared frames again: one scale step over the first
 `scale_frames`, then one step per remaining frame, about 16 frames and 180 ms of GPU work at the
 defaults. Done in place, that stops the stream for a quarter of a second or more. With a spare
-engine (models/lookahead.py) the work happens beside the stream instead, in four phases:
+engine (models/stream/lookahead.py) the work happens beside the stream instead, in four phases:
 
     STEADY ──(chunk end known or likely: its shared frames begin)──▶ AHEAD
       │  ▲                                                             │
