@@ -7,7 +7,7 @@ model of the same architecture with random weights (what Inductor compiles depen
 on weight values), the same settings, frame size and matrix-product precision flags (which Inductor's cache
 keys name), warmed up as the run's engine is, with a cache of one window slot so that it needs a few GiB of
 device memory beside the run. It fills Inductor's on-disk caches and leaves a record of the size
-(models.compilation.record); the next run of that size finds the record and compiles from the caches in a few
+(models.builds.compilation.record); the next run of that size finds the record and compiles from the caches in a few
 seconds.
 
 The child is niced, compiles on half the cores, and runs in a session of its own: it finishes after
@@ -62,7 +62,7 @@ def compile_choice(option: str, device: str, key: str | None, warm_up: str = "au
     compile that failed), and where the key is not known (the compile is then paid once, as with on);
     elsewhere the run is uncompiled and compiles its size beside itself. That compile starts after the
     run's warm-up: with `--warm-up off` auto compiles as on does (at the first streaming frame)."""
-    from stream_recon.models.compilation import recorded
+    from stream_recon.models.builds.compilation import recorded
 
     if option == "off" or not str(device).startswith("cuda"):
         return CompileChoice(False)
@@ -73,13 +73,13 @@ def compile_choice(option: str, device: str, key: str | None, warm_up: str = "au
 
 def run_key(device: str, dtype: Any, model_config: Any, stream_config: Any,
             input_size: tuple[int, int] | None) -> str | None:
-    """The compiled-code key of a CUDA run (models.compilation.compiled_code_key); None off CUDA or
+    """The compiled-code key of a CUDA run (models.builds.compilation.compiled_code_key); None off CUDA or
     where the input size or the model's architecture is not known before the first frame."""
     if not str(device).startswith("cuda") or input_size is None or model_config is None:
         return None
     import torch
 
-    from stream_recon.models.compilation import compiled_code_key
+    from stream_recon.models.builds.compilation import compiled_code_key
 
     return compiled_code_key(model_config, stream_config, input_size, dtype, torch.device(device))
 
@@ -108,7 +108,7 @@ class CompiledSizes:
         console, or None."""
         import torch
 
-        from stream_recon.models.compilation import compiled_code_key, record
+        from stream_recon.models.builds.compilation import compiled_code_key, record
 
         self.plan = None if plan is None else {"kv_cache": plan.kv_cache, "window": plan.window}
         self.key = compiled_code_key(self.model.config, self.stream_config, image_size, self.dtype,
@@ -122,7 +122,7 @@ class CompiledSizes:
     def _start(self, image_size: tuple[int, int]) -> str:
         import torch
 
-        from stream_recon.models.compilation import matmul_settings, record, records_folder
+        from stream_recon.models.builds.compilation import matmul_settings, record, records_folder
 
         height, width = image_size
         needed, room, where = self._bytes_needed(image_size), *self._room(torch.device(self.device))
@@ -167,7 +167,7 @@ class CompiledSizes:
         free = _free_bytes(device)
         if self.options.gpu_memory is None:
             return free, "free on the GPU"
-        from stream_recon.models.memory import CUDA_CONTEXT_BYTES, parse_memory_size
+        from stream_recon.models.stream.memory import CUDA_CONTEXT_BYTES, parse_memory_size
 
         held = torch.cuda.max_memory_reserved(device) + CUDA_CONTEXT_BYTES if device.type == "cuda" else 0
         left = max(0, parse_memory_size(self.options.gpu_memory) - held)
@@ -176,7 +176,7 @@ class CompiledSizes:
     def _bytes_needed(self, image_size: tuple[int, int]) -> int:
         """The child's device memory: its engine's tensors with one window slot, the float32 random
         weights it prepares the model from, and a CUDA context of its own."""
-        from stream_recon.models.memory import CUDA_CONTEXT_BYTES, estimate_memory
+        from stream_recon.models.stream.memory import CUDA_CONTEXT_BYTES, estimate_memory
 
         config = planned(self.stream_config, self.plan)
         engine = estimate_memory(self.model, config, image_size, window_slots=CHILD_WINDOW_SLOTS)
@@ -237,7 +237,7 @@ class CompiledSizes:
     def _compile_first(self, why: str) -> None:
         """Leave the record that makes the next run of this key compile before its stream (unless the child
         left its own, which says more)."""
-        from stream_recon.models.compilation import record, recorded
+        from stream_recon.models.builds.compilation import record, recorded
 
         if not recorded(self.key, "compile-first"):
             record(self.key, "compile-first", why)
@@ -313,7 +313,7 @@ def compile_size(request: dict) -> None:
     from stream_recon.app.loading import chunk_engine_config
     from stream_recon.app.options import RunOptions
     from stream_recon.models import ModelConfig, StreamingEngine, prepare_for_inference
-    from stream_recon.models.compilation import compiled_code_key, record, use_matmul_settings
+    from stream_recon.models.builds.compilation import compiled_code_key, record, use_matmul_settings
 
     use_matmul_settings(request["matmul"])  # before the key: it names them
     options = RunOptions(**request["options"])
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         os.nice(10)  # the run's stream comes first
     if hasattr(signal, "alarm"):  # a child left running after its run ends has no one else to stop it
         signal.alarm(int(CHILD_LIMIT_S))
-    from stream_recon.models.compilation import record, records_folder
+    from stream_recon.models.builds.compilation import record, records_folder
 
     lock = records_folder() / f"{request['key']}.compiling"
     try:

@@ -45,7 +45,7 @@ from stream_recon.app.rundir import (
     run_trajectory,
     write_json_atomic,
 )
-from stream_recon.models.similarity import AlignmentError, Sim3, rotation_angles, umeyama
+from stream_recon.models.stream.similarity import AlignmentError, Sim3, rotation_angles, umeyama
 
 TUM_DEPTH_FACTOR = 5000.0  # TUM RGB-D depth PNGs: uint16, 5000 units per metre
 AUC_THRESHOLDS_DEG = (5, 15, 30)
@@ -159,7 +159,7 @@ def check_max_diff(max_diff: float) -> None:
 
 def umeyama_alignment(source: np.ndarray, target: np.ndarray, *, with_scale: bool = True) -> Sim3:
     """The least-squares similarity (SE(3) without `with_scale`) mapping estimated positions [N, 3] onto
-    the ground truth's [N, 3], as evo aligns (models/similarity.py's `umeyama`)."""
+    the ground truth's [N, 3], as evo aligns (models/stream/similarity.py's `umeyama`)."""
     try:
         return umeyama(source, target, with_scale=with_scale)
     except AlignmentError as error:
@@ -170,7 +170,7 @@ def umeyama_alignment(source: np.ndarray, target: np.ndarray, *, with_scale: boo
 
 
 def rotation_angle_deg(rotations: np.ndarray) -> np.ndarray:
-    """Angle of each rotation [..., 3, 3] in degrees, in [0, 180] (models/similarity.py's rotation_angles)."""
+    """Angle of each rotation [..., 3, 3] in degrees, in [0, 180] (models/stream/similarity.py's rotation_angles)."""
     return np.degrees(rotation_angles(rotations))
 
 

@@ -59,7 +59,7 @@ from stream_recon.app.rundir import (
 )
 from stream_recon.app.source_settings import FrameSelection
 from stream_recon.app.sources import SourceError, open_source
-from stream_recon.models.pose import rotation_to_quat_xyzw
+from stream_recon.models.stream.pose import rotation_to_quat_xyzw
 
 # OpenCV camera axes (y down, z forward) to glTF's and OpenGL's (y up, z backward): a half turn about x.
 OPENCV_TO_GLTF = np.diag([1.0, -1.0, -1.0, 1.0])

@@ -104,7 +104,7 @@ def prepared_for_run(model: Any, options: RunOptions, device: str, compile: bool
     or a model prepared already, as it is. compile: whether to compile it (None: unless --compile off;
     a run that knows its input size decides with app.background_compile.compile_choice)."""
     from stream_recon.models import prepare_for_inference
-    from stream_recon.models.compilation import artefacts_dir
+    from stream_recon.models.builds.compilation import artefacts_dir
 
     if getattr(model, "inference_spec", None) is not None:
         return model
@@ -145,7 +145,7 @@ class CheckpointDigest:
 def chunk_engine_config(options: RunOptions, model_config: Any) -> Any:
     """The settings each chunk's engine of a run streams with (what its compiled code depends on)."""
     from stream_recon.models import StreamConfig
-    from stream_recon.models.chunked import chunk_stream_config
+    from stream_recon.models.stream.chunked import chunk_stream_config
 
     return chunk_stream_config(StreamConfig(**options.stream_config_kwargs()), options.chunk_frames,
                                model_config.max_frames)
@@ -156,7 +156,7 @@ def build_engine(model: Any, options: RunOptions, device: str, dtype: Any, conso
     """The streaming engine of a run around `model`, prepared already (load_model_for, prepared_for_run):
     a chunked one, for streams of any length. `lookahead`: ChunkedEngine's (None: where it helps and fits)."""
     from stream_recon.models import StreamConfig
-    from stream_recon.models.chunked import ChunkedEngine
+    from stream_recon.models.stream.chunked import ChunkedEngine
 
     config = StreamConfig(**options.stream_config_kwargs())
     # a stream shorter than one chunk runs exactly as a plain StreamingEngine would
@@ -171,12 +171,12 @@ def build_engine(model: Any, options: RunOptions, device: str, dtype: Any, conso
 
 def start_builds_ahead(options: RunOptions, device: str, dtype: Any, model_config: Any, engine_config: Any,
                        input_size: tuple[int, int] | None, *, compile: bool) -> Any:
-    """The warm-up's dry pass on a thread while the checkpoint loads (models/builds_ahead.py), where it
+    """The warm-up's dry pass on a thread while the checkpoint loads (models/stream/builds_ahead.py), where it
     pays (CUDA, uncompiled) and can: the model input's size known before the first frame, and no memory
     budget (its zero model is a second copy of the weights until the pass ends). None otherwise, and
     where the warm-up is off: the first frame's own steps then build one kernel at a time, as they would."""
-    from stream_recon.models.builds_ahead import BuildsAhead
-    from stream_recon.models.kernel_builds import dry_pass_pays
+    from stream_recon.models.builds.kernel_builds import dry_pass_pays
+    from stream_recon.models.stream.builds_ahead import BuildsAhead
 
     if model_config is None or engine_config is None or input_size is None or options.gpu_memory is not None:
         return None

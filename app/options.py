@@ -76,7 +76,7 @@ class RunOptions:
     warm_up: str = "auto"  # auto | on | off: compile and record the streaming step before the first frame
     memory_check: bool = True  # refuse a CPU run whose memory estimate exceeds what is available (app.resources)
     kv_cache: str = "auto"  # K/V cache precision: auto (the model's) | fp8 (e4m3, dense attention backends)
-    gpu_memory: str | None = None  # a device-memory budget such as "8GiB": the engine plans to fit it (models.memory)
+    gpu_memory: str | None = None  # a device-memory budget such as "8GiB": the engine plans to fit it (models.stream.memory)
     # engine
     scale_frames: int = 8
     window: int = 64
@@ -200,7 +200,7 @@ class RunOptions:
             kwargs["max_gap"] = self.max_gap
         kwargs["kv_cache"] = self.kv_cache
         if self.gpu_memory is not None:
-            from stream_recon.models.memory import parse_memory_size  # torch: see _engine_problems
+            from stream_recon.models.stream.memory import parse_memory_size  # torch: see _engine_problems
 
             kwargs["gpu_memory"] = parse_memory_size(self.gpu_memory)
         return kwargs
@@ -281,8 +281,8 @@ def _engine_problems(options: RunOptions) -> Iterator[str]:
     budget's spelling. Those tables live with the model and import torch, so they are read when options
     are checked (a command that runs), never when the flags are only listed (`-h`)."""
     from stream_recon.models.attention_backends import backend_names
-    from stream_recon.models.memory import parse_memory_size
-    from stream_recon.models.stream_config import KeyframePolicy
+    from stream_recon.models.stream.memory import parse_memory_size
+    from stream_recon.models.stream.stream_config import KeyframePolicy
 
     if options.attention not in backend_names():
         yield f"--attention must be one of {', '.join(backend_names())}, got {options.attention!r}"

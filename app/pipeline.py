@@ -59,13 +59,13 @@ from stream_recon.app.rundir import OutputDirError, prepare_output_dir, remove_i
 from stream_recon.app.sources import FrameSource, SourceError, frames_source, open_source
 from stream_recon.app.stopping import STOP_CLOSE_S, StopOnSignal, signal_name, wait_for_stop_signal
 from stream_recon.app.writers import RunWriter
+from stream_recon.models.builds.kernel_builds import start_early_builds
 from stream_recon.models.checkpoint import DEFAULT_CHECKPOINT
 from stream_recon.models.errors import FrameError
-from stream_recon.models.kernel_builds import start_early_builds
 from stream_recon.models.supervision import Deadline, HelperDown
 
 if TYPE_CHECKING:
-    from stream_recon.models.builds_ahead import BuildsAhead
+    from stream_recon.models.stream.builds_ahead import BuildsAhead
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import numpy as np
 from plyfile import PlyData, PlyElement
 
 from stream_recon.app.rundir import atomic_write
-from stream_recon.models.pose import back_project
+from stream_recon.models.stream.pose import back_project
 
 # depth_conf is 1 + exp(logit): 2.0 keeps the pixels whose logit is positive, i.e. the model is more
 # sure than not.
@@ -53,7 +53,7 @@ def _back_project_pixels(
     u: np.ndarray, v: np.ndarray, z: np.ndarray, intrinsics: np.ndarray, c2w: np.ndarray
 ) -> np.ndarray:
     """Pixels (u [M], v [M]) at z-depth z [M] -> world points [M, 3] float32 through K^-1
-    (models.pose.back_project), then c2w.
+    (models.stream.pose.back_project), then c2w.
 
     The camera-to-world step is nine multiply-adds rather than a [M, 3] @ [3, 3] matmul: BLAS runs
     that shape on all threads and, on a busy machine, takes tens of ms instead of one. The result is a

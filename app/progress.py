@@ -38,7 +38,7 @@ from rich.progress import (
 )
 from rich.table import Column
 
-from stream_recon.models.memory import format_bytes
+from stream_recon.models.stream.memory import format_bytes
 
 PROGRESS_INTERVAL_S = 10.0
 PROGRESS_INTERVAL_ENV = "STREAM_RECON_PROGRESS_INTERVAL"

@@ -47,7 +47,7 @@ from stream_recon.app.rundir import (
 )
 from stream_recon.app.viewer import LiveViewer
 from stream_recon.models.loops.corrections import ChunkCorrections, LoopRecord
-from stream_recon.models.prediction import FramePrediction
+from stream_recon.models.stream.prediction import FramePrediction
 
 logger = logging.getLogger(__name__)
 

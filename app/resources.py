@@ -11,7 +11,7 @@ Host memory of a CPU run, as the code allocates it (measured, see below)::
                  the pool starts with scale + 1 patch pages + 2 for the special tokens (6 a frame,
                  packed) and grows 16 pages at a time as frames come, up to scale + window + 1 patch
                  pages and the special pages of `chunk_frames` frames (cache/backends.py; the pool's
-                 sizes are the cache's own, read through models/memory.py)
+                 sizes are the cache's own, read through models/stream/memory.py)
     activations  ACTIVATION_BYTES_PER_PIXEL x H x W x the scale frames processed together (phase 1)
                  + ACTIVATION_FIXED_BYTES
 
@@ -30,7 +30,7 @@ Time per frame: FLOPs from the shapes (every linear layer 2 x params x tokens, a
 keys x C, the DPT head's convolutions) over the CPU's float32 matmul throughput, measured in 0.1 s at
 the start of the run; the same shallow model ran at 0.83 of that throughput.
 
-The device's memory (a GPU budget, the FP8 cache) is models/memory.py's: the plan the engine keeps
+The device's memory (a GPU budget, the FP8 cache) is models/stream/memory.py's: the plan the engine keeps
 for `--gpu-memory`, made from the prepared model before its first frame.
 """
 
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stream_recon.app.input_size import model_input_size
-from stream_recon.models.memory import (
+from stream_recon.models.stream.memory import (
     POOL_GROWTH_PAGES,
     SPECIAL_PAGES_AT_START,
     format_bytes,

@@ -54,9 +54,9 @@ import numpy as np
 import viser
 
 from stream_recon.models.loops.corrections import ChunkCorrections
-from stream_recon.models.pose import back_project, rotation_to_quat_xyzw
-from stream_recon.models.prediction import FramePrediction
-from stream_recon.models.similarity import Sim3
+from stream_recon.models.stream.pose import back_project, rotation_to_quat_xyzw
+from stream_recon.models.stream.prediction import FramePrediction
+from stream_recon.models.stream.similarity import Sim3
 from stream_recon.models.supervision import Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class KeyframeSample:
 def sample_keyframe_points(pred: FramePrediction, max_points: int) -> KeyframeSample:
     """Back-project up to `max_points` random valid pixels of a keyframe into its own camera frame.
 
-    Only the sampled pixels are lifted (models.pose.back_project, in float64 before the float16 the
+    Only the sampled pixels are lifted (models.stream.pose.back_project, in float64 before the float16 the
     viewer sends): a full back-projection costs ~20x more at 518 x 378.
     """
     depth = np.asarray(pred.depth, dtype=np.float32)

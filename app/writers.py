@@ -48,8 +48,8 @@ from stream_recon.app.rundir import (
     write_tum,
 )
 from stream_recon.models.loops.corrections import ChunkCorrections
-from stream_recon.models.prediction import FramePrediction
-from stream_recon.models.similarity import Sim3
+from stream_recon.models.stream.prediction import FramePrediction
+from stream_recon.models.stream.similarity import Sim3
 from stream_recon.models.supervision import (
     Deadline,
     HandOff,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 # False: as written; True: torch.compile where first called; or a function that compiles a function
-# (a model's kept artefacts, stream_recon.models.compilation), which the cache need not know about.
+# (a model's kept artefacts, stream_recon.models.builds.compilation), which the cache need not know about.
 Compile = bool | Callable[[Callable], Callable]
 
 

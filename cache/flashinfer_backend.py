@@ -24,7 +24,7 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 # The float workspace of the wrapper that runs a step's leftover rows (fewer than a wave's): its split of
 # the keys keeps partial outputs of at most a wave's programs, 128 rows x 16 heads x 64 floats each
 # (8.7 MB at 264 programs); the two engines of a rollover then hold 2 x (128 + 32) MB of workspace,
-# within the memory model's 384 MB margin (models/memory.py).
+# within the memory model's 384 MB margin (models/stream/memory.py).
 LEFTOVER_WORKSPACE_BYTES = 32 * 1024 * 1024
 
 

@@ -36,9 +36,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .checkpoint_names import CHECKPOINT_SIZE, DEFAULT_CHECKPOINT, KNOWN_CHECKPOINTS
-from .config import ModelConfig
 from .errors import CheckpointError
-from .gct import GCTStream
+from .network.config import ModelConfig
+from .network.gct import GCTStream
 
 HF_REPO_ID = "robbyant/lingbot-map"
 HF_REPO_URL = f"https://huggingface.co/{HF_REPO_ID}"

@@ -26,7 +26,7 @@ from collections import defaultdict
 import torch
 
 from stream_recon.models import GCTStream, ModelConfig, StreamConfig, StreamingEngine, prepare_for_inference
-from stream_recon.models.memory import estimate_memory, hold_to_card, parse_memory_size
+from stream_recon.models.stream.memory import estimate_memory, hold_to_card, parse_memory_size
 from stream_recon.models.synthetic import load_synthetic_weights
 
 
@@ -189,7 +189,7 @@ def run(args) -> dict:
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if device == "cuda" else None,
         "cache_bytes": engine.stats()["cache_bytes"],
         "kv_cache": engine.stats()["kv_cache"],
-        # what models/memory.py expects for the settings that ran (the constants' check)
+        # what models/stream/memory.py expects for the settings that ran (the constants' check)
         "estimate_gib": estimate_memory(model, engine.config, (args.height, args.width)).to_dict(),
     }
     result["estimate_gib"] = {part: value / 2**30 for part, value in result["estimate_gib"].items()}

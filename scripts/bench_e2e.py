@@ -344,7 +344,7 @@ class StandInEngine:
     """
 
     def __init__(self, period_s: float, height: int, width: int, scale_frames: int) -> None:
-        from stream_recon.models.prediction import FRAME_KEY, FRAME_SCALE
+        from stream_recon.models.stream.prediction import FRAME_KEY, FRAME_SCALE
 
         self.period_s, self.scale_frames = period_s, scale_frames
         self._types = (FRAME_SCALE, FRAME_KEY)
@@ -401,7 +401,7 @@ class StandInEngine:
             time.sleep(remaining)
 
     def _prediction(self, index: int, timestamp: float) -> Any:
-        from stream_recon.models.prediction import FramePrediction
+        from stream_recon.models.stream.prediction import FramePrediction
 
         c2w = np.eye(4, dtype=np.float32)[:3].copy()
         c2w[0, 3] = 0.004 * index  # a few pixels of motion per frame at depth 3
@@ -911,7 +911,7 @@ def main() -> None:
     options = run_options(args, port)
     device = resolve_device(options.device)
     if args.gpu_memory and device.startswith("cuda"):
-        from stream_recon.models.memory import hold_to_card, parse_memory_size
+        from stream_recon.models.stream.memory import hold_to_card, parse_memory_size
 
         hold_to_card(parse_memory_size(args.gpu_memory), device)  # as on a GPU of that size
     dtype = resolve_dtype(options.dtype, device)

@@ -39,7 +39,7 @@ from loop_scenarios import (  # noqa: E402
 
 from stream_recon.models.loops import pose_graph  # noqa: E402
 from stream_recon.models.loops.pose_graph import LoopEdge, OdometryEdge, PoseGraph, open_chain, optimize  # noqa: E402
-from stream_recon.models.similarity import Sim3  # noqa: E402
+from stream_recon.models.stream.similarity import Sim3  # noqa: E402
 
 KITTI_NO_REVISITS = slice(620, 3240)  # as in tests/test_models_pose_graph.py
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import build_model  # noqa: E402
 
 from stream_recon.models import StreamConfig, prepare_for_inference  # noqa: E402
-from stream_recon.models.chunked import ChunkedEngine  # noqa: E402
+from stream_recon.models.stream.chunked import ChunkedEngine  # noqa: E402
 
 STEADY = "steady"  # ChunkedEngine.stats()["rollover_phase"] between rollovers
 

@@ -64,8 +64,8 @@ from bench import build_model  # noqa: E402
 
 from stream_recon.cache import backends, triton_attention, triton_store  # noqa: E402
 from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference  # noqa: E402
-from stream_recon.models.layers import Attention  # noqa: E402
-from stream_recon.models.steps import PipelinedRunner  # noqa: E402
+from stream_recon.models.network.layers import Attention  # noqa: E402
+from stream_recon.models.stream.steps import PipelinedRunner  # noqa: E402
 
 SCALE, WINDOW = 8, 64
 ATTEND_RANGE = triton_attention.attend_range

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from stream_recon.models import GCTStream, ModelConfig, StreamConfig, prepare_for_inference
-from stream_recon.models.chunked import ChunkedEngine
+from stream_recon.models.stream.chunked import ChunkedEngine
 from stream_recon.models.synthetic import load_synthetic_weights
 
 

@@ -8,7 +8,7 @@ ms/frame. Prints one JSON line: the warm-up's parts, Dynamo's and Inductor's com
 the graphs compiled, Inductor's compile threads, and the steady ms/frame. `--triton-builds` adds every
 Triton kernel compiled in this process (Inductor's own are built in its worker processes) with its time
 and thread, and those built once the stream ran. `--no-dry-builds` warms up without the dry pass that
-lists our Triton kernels' builds and builds them side by side (models/kernel_builds.py), to compare.
+lists our Triton kernels' builds and builds them side by side (models/builds/kernel_builds.py), to compare.
 
 Point TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR at an empty folder to measure a fresh machine in a
 machine that compiled before (scripts/device/run_cold_start.sh does).
@@ -100,8 +100,9 @@ def main() -> None:
     from torch._dynamo.utils import counters
     from torch._inductor import config as inductor_config
 
-    from stream_recon.models import ModelConfig, StreamConfig, kernel_builds, prepare_for_inference
-    from stream_recon.models.chunked import ChunkedEngine
+    from stream_recon.models import ModelConfig, StreamConfig, prepare_for_inference
+    from stream_recon.models.builds import kernel_builds
+    from stream_recon.models.stream.chunked import ChunkedEngine
 
     if not args.no_early_builds and args.device == "cuda":  # as run_sequence does, before the model is made
         config = ModelConfig.from_name(args.model)

@@ -1,7 +1,7 @@
 """Where preparing a loaded checkpoint for a bf16 CUDA run spends its time, step by step.
 
 Loads CHECKPOINT on the host as the app does, then runs prepare_for_inference's steps one at a time
-(models/prepare.py: placement and precision, the fused GELU, float16 camera weights, the range kernel
+(models/builds/prepare.py: placement and precision, the fused GELU, float16 camera weights, the range kernel
 for frames, channels-last DPT weights, torch.compile's wrappers), each timed after a CUDA
 synchronisation; prints one JSON line. The steps are the module's own functions, in its order.
 
@@ -23,9 +23,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     from stream_recon.models import load_model
-    from stream_recon.models import prepare as steps
-    from stream_recon.models.few_token_linear import store_weights_in_half
-    from stream_recon.models.fused_gelu import fuse_mlp_gelu
+    from stream_recon.models.builds import prepare as steps
+    from stream_recon.models.network.few_token_linear import store_weights_in_half
+    from stream_recon.models.network.fused_gelu import fuse_mlp_gelu
 
     device = torch.device(args.device)
     seconds: dict[str, float] = {}

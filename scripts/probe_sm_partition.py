@@ -7,7 +7,7 @@ Stand-ins of the model's work at 518x392 (1,042 tokens a frame, bf16, blocks of 
 the stream's step is a CUDA graph of 24 frame blocks and 24 blocks attending to 16 cached frames, replayed
 on a stream of priority -1; the spare's scale step is 8 frames eagerly, 24 frame blocks and 24 blocks
 over all 8,336 tokens, and its streaming step the stream's graph, both on the spare's stream: a plain
-stream of priority 0 (`--sms 0`), or one on N SMs (models/sm_partition.py). For each: every part alone,
+stream of priority 0 (`--sms 0`), or one on N SMs (models/stream/sm_partition.py). For each: every part alone,
 then the stream's step paced as a rollover paces it (a replay, then idle for 0.6x its time alone) while
 the spare runs scale steps back to back, and again while it replays streaming steps back to back.
 """
@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from stream_recon.models.sm_partition import device_sm_count, partitioned_stream
+from stream_recon.models.stream.sm_partition import device_sm_count, partitioned_stream
 
 WIDTH, HEADS, TOKENS, CACHED_FRAMES, SCALE_FRAMES = 1024, 16, 1042, 16, 8
 

@@ -151,7 +151,7 @@ def main() -> None:
 def scale_to(poses: Path, new_lines: list[str]) -> float:
     """The scale of the similarity that maps this run's camera centres onto those of `poses` (frames in
     both), after printing how well it fits."""
-    from stream_recon.models.similarity import umeyama
+    from stream_recon.models.stream.similarity import umeyama
 
     old = {int(row[0]): row[1:4] for row in np.loadtxt(poses, ndmin=2)}
     new = {int(line.split()[0]): np.array(line.split()[1:4], float) for line in new_lines[1:]}

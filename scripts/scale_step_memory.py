@@ -9,7 +9,7 @@ and, on running out of memory, the live blocks by the lines of ours that allocat
 
 With --gpu-memory, bench_e2e holds the allocator to the budget less the CUDA context; --uncapped plans for
 the budget but lets the allocator take what it wants, which shows the peaks an estimate must cover.
-These reports set models/memory.py's aggregator and graph-pool constants (docs/performance-log.md has the runs).
+These reports set models/stream/memory.py's aggregator and graph-pool constants (docs/performance-log.md has the runs).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def live_blocks_by_place() -> collections.Counter:
 
 
 def trace_scale_steps(report: Report) -> None:
-    from stream_recon.models import steps
+    from stream_recon.models.stream import steps
 
     run_scale_frames = steps.EagerRunner.run_scale_frames
 
@@ -91,7 +91,7 @@ def trace_scale_steps(report: Report) -> None:
 
 
 def report_plans(report: Report) -> None:
-    from stream_recon.models import engine
+    from stream_recon.models.stream import engine
 
     plan_memory = engine.plan_memory
 
@@ -130,7 +130,7 @@ def main() -> None:
     # every block's Python stack from here on (blocks allocated before show no frame)
     torch.cuda.memory._record_memory_history(max_entries=1, context="alloc", stacks="python")
     if args.uncapped:
-        from stream_recon.models import memory
+        from stream_recon.models.stream import memory
 
         memory.hold_to_card = lambda budget, device="cuda": report.say(f"allocator not held to {budget / 2**30:.2f} GiB")
     trace_scale_steps(report)

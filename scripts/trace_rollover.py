@@ -5,8 +5,8 @@
 Runs scripts/bench_e2e.py in this process with timers wrapped around the rollover's parts (closing
 the chunk, provisional frames beside the catching-up spare, pacing, the switch, aligning, emitting
 to the sinks) and CUDA events around every engine step, main stream and spare alike. `--pace` and
-`--main-priority` set models.rollover's PACE and MAIN_STREAM_PRIORITY for the run, `--spare-sm-share`
-models.lookahead's SPARE_SM_SHARE. Prints, for each
+`--main-priority` set models.stream.rollover's PACE and MAIN_STREAM_PRIORITY for the run, `--spare-sm-share`
+models.stream.lookahead's SPARE_SM_SHARE. Prints, for each
 rollover of the product run, the spans from a few frames before it to a few after (and those begun
 earlier that still ran then), in ms from the rollover's start: host spans on the main thread, the
 spare's jobs on its worker, when each step's device work began and ended (a scale step's also on a
@@ -39,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_e2e  # noqa: E402
 
 from stream_recon.app import pipeline  # noqa: E402
-from stream_recon.models import chunks, lookahead, rollover, similarity  # noqa: E402
-from stream_recon.models.chunked import ChunkedEngine  # noqa: E402
-from stream_recon.models.engine import StreamingEngine  # noqa: E402
-from stream_recon.models.lookahead import SpareEngine  # noqa: E402
+from stream_recon.models.stream import chunks, lookahead, rollover, similarity  # noqa: E402
+from stream_recon.models.stream.chunked import ChunkedEngine  # noqa: E402
+from stream_recon.models.stream.engine import StreamingEngine  # noqa: E402
+from stream_recon.models.stream.lookahead import SpareEngine  # noqa: E402
 
 SPANS: list[tuple[str, str, float, float]] = []  # (what, thread, start, end), perf_counter seconds
 DEVICE: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event]] = []  # (what, thread, begin, end)

@@ -18,7 +18,7 @@ import numpy as np
 
 from stream_recon.app.rundir import read_tum
 from stream_recon.models.loops.pose_graph import LoopEdge, OdometryEdge, PoseGraph, from_gtsam
-from stream_recon.models.similarity import Sim3, umeyama
+from stream_recon.models.stream.similarity import Sim3, umeyama
 
 CHUNK_FRAMES = 320  # the engine's window
 OVERLAP_FRAMES = 16  # frames a chunk shares with the previous one

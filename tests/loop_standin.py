@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 from scipy.spatial import cKDTree
 
-from stream_recon.models.chunks import ChunkLink
-from stream_recon.models.pose import quat_xyzw_to_rotation, rotation_to_quat_xyzw
-from stream_recon.models.prediction import FRAME_KEY, FRAME_SCALE, FramePrediction
-from stream_recon.models.similarity import Sim3
+from stream_recon.models.stream.chunks import ChunkLink
+from stream_recon.models.stream.pose import quat_xyzw_to_rotation, rotation_to_quat_xyzw
+from stream_recon.models.stream.prediction import FRAME_KEY, FRAME_SCALE, FramePrediction
+from stream_recon.models.stream.similarity import Sim3
 
 LOOP_FIXTURE = Path(__file__).parent / "data" / "loop"
 SURE_CONFIDENCE, UNSURE_CONFIDENCE = 5.0, 1.0

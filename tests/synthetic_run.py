@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from stream_recon.models.prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
+from stream_recon.models.stream.prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
 
 PLANE_Z = 4.0
 STEP_X = 0.1
@@ -83,7 +83,7 @@ def plane_frame(
 
 
 def quat_xyzw_to_matrix(q) -> np.ndarray:
-    """Independent of stream_recon.models.pose: Hamilton quaternion (x, y, z, w) -> rotation [3, 3]."""
+    """Independent of stream_recon.models.stream.pose: Hamilton quaternion (x, y, z, w) -> rotation [3, 3]."""
     x, y, z, w = np.asarray(q, dtype=np.float64) / np.linalg.norm(q)
     return np.array(
         [

@@ -1,5 +1,5 @@
 """`--compile auto`: the records of compiled sizes, the choice a run makes from them, and the child
-process that compiles a size beside a run (app/background_compile.py, models/compilation.py).
+process that compiles a size beside a run (app/background_compile.py, models/builds/compilation.py).
 
 On this machine the child runs for real on the CPU with the tiny model (prepare_for_inference does not
 compile off CUDA, so it exercises the process, its key, its warm-up and its record, not Inductor);
@@ -19,7 +19,7 @@ from stream_recon.app.background_compile import CompiledSizes, compile_choice, r
 from stream_recon.app.loading import chunk_engine_config
 from stream_recon.app.options import OptionsError, RunOptions
 from stream_recon.models import ModelConfig
-from stream_recon.models.compilation import (
+from stream_recon.models.builds.compilation import (
     compiled_code_key,
     matmul_settings,
     record,
@@ -83,7 +83,7 @@ def test_the_key_names_the_size_precision_settings_and_architecture_and_is_the_s
     assert key_for(options(conf_threshold=3.0, port=9000, keyframes="all")) == base
     # another process with this one's precision flags (conftest turns TF32 off here) names the same key
     code = ("import json, sys, torch; from stream_recon.models import ModelConfig; from stream_recon.app.options "
-            "import RunOptions; from stream_recon.app.loading import chunk_engine_config; from stream_recon.models."
+            "import RunOptions; from stream_recon.app.loading import chunk_engine_config; from stream_recon.models.builds."
             "compilation import compiled_code_key, use_matmul_settings; use_matmul_settings(json.loads(sys.argv[1]));"
             " o = RunOptions(scale_frames=2, window=4, chunk_frames=16, overlap=4, viewer=False, image_width=70); "
             "c = ModelConfig.tiny(); print(compiled_code_key(c, chunk_engine_config(o, c), (56, 70), torch.float32, "

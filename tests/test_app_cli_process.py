@@ -133,7 +133,7 @@ import numpy as np
 from stream_recon.app import writers
 from stream_recon.app.cli import main
 from stream_recon.models.loops.corrections import ChunkCorrections
-from stream_recon.models.similarity import Sim3
+from stream_recon.models.stream.similarity import Sim3
 
 shrunk = ChunkCorrections({0: Sim3.identity(), 1: Sim3(0.5, np.eye(3), np.zeros(3))})
 close = writers.RunWriter.close

@@ -35,8 +35,8 @@ from stream_recon.app.evaluation import (
 )
 from stream_recon.app.rundir import TRAJECTORY_OPEN_TUM, TRAJECTORY_TUM, read_tum, write_tum
 from stream_recon.app.writers import RunWriter
-from stream_recon.models.pose import rotation_to_quat_xyzw
-from stream_recon.models.prediction import FRAME_KEY, FramePrediction
+from stream_recon.models.stream.pose import rotation_to_quat_xyzw
+from stream_recon.models.stream.prediction import FRAME_KEY, FramePrediction
 
 
 def random_rotation(rng, max_angle=np.pi):

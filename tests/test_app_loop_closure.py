@@ -38,7 +38,7 @@ from stream_recon.app.rundir import (
     iter_run,
     read_tum,
 )
-from stream_recon.models.pose import decode_pose
+from stream_recon.models.stream.pose import decode_pose
 
 pytest.importorskip("gtsam")
 

@@ -132,8 +132,8 @@ def test_a_run_parses_its_keyframe_policy_and_plans_its_memory_once(tmp_path: Pa
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The options check parses the keyframe spelling the engines then use; the budget's plan made
     for the source's frame size before the run is the one its first frame uses."""
-    import stream_recon.models.engine as engine_module
-    from stream_recon.models import stream_config
+    import stream_recon.models.stream.engine as engine_module
+    from stream_recon.models.stream import stream_config
 
     planned: list[str] = []  # by whom: before the run (plan_memory_for), or at the first frame (_plan_memory)
     plan_memory = engine_module.plan_memory
@@ -284,7 +284,7 @@ def test_auto_warms_up_where_the_first_streaming_step_is_slow_and_the_stream_has
 ) -> None:
     # auto follows the engine's slow_first_step (CUDA: compiled or recorded; here made true, as a CPU does
     # not compile), and skips a stream of scale frames only, which never takes a streaming step
-    from stream_recon.models.chunked import ChunkedEngine
+    from stream_recon.models.stream.chunked import ChunkedEngine
 
     monkeypatch.setattr(ChunkedEngine, "slow_first_step", property(lambda engine: True))
     warm_ups = {}
@@ -300,10 +300,11 @@ def test_a_run_builds_its_kernels_while_its_checkpoint_loads_and_writes_what_it_
     tmp_path: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # On CUDA, uncompiled, the warm-up's dry pass runs on a zero model while the checkpoint loads
-    # (models/builds_ahead.py) and the warm-up makes none of its own. Forced here (a CPU run builds no
+    # (models/stream/builds_ahead.py) and the warm-up makes none of its own. Forced here (a CPU run builds no
     # Triton kernel): the pass ran on its thread for the run's model input, run.json says so, and every
     # file the run writes is the one a run with the warm-up's own dry pass writes.
-    from stream_recon.models import StreamingEngine, kernel_builds
+    from stream_recon.models import StreamingEngine
+    from stream_recon.models.builds import kernel_builds
 
     passes = []
     build_kernels = StreamingEngine.build_kernels

@@ -40,9 +40,9 @@ from stream_recon.app.replay import index_run, recorded_loops, start_replay
 from stream_recon.app.rundir import RunDirError
 from stream_recon.app.viewer import LiveViewer, allocate_point_budget, sample_keyframe_points
 from stream_recon.models.loops.corrections import ChunkCorrections, LoopRecord
-from stream_recon.models.pose import quat_xyzw_to_rotation
-from stream_recon.models.prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
-from stream_recon.models.similarity import Sim3
+from stream_recon.models.stream.pose import quat_xyzw_to_rotation
+from stream_recon.models.stream.prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
+from stream_recon.models.stream.similarity import Sim3
 
 PLANE_Z = 3.0
 ARTIFACTS = Path(__file__).parent / "artifacts"

@@ -33,7 +33,7 @@ from stream_recon.app.rundir import (
     write_json_atomic,
 )
 from stream_recon.app.writers import RunWriter
-from stream_recon.models.prediction import FRAME_NON_KEY
+from stream_recon.models.stream.prediction import FRAME_NON_KEY
 
 NPZ_KEYS = set(PREDICTION_FIELDS)
 

@@ -51,7 +51,7 @@ def test_tiny_model_with_viewer_client_and_rollovers(tmp_path: Path) -> None:
     # no image: depth and confidence in float16 (and the fixed fields) are all a frame costs
     assert result["bytes_per_frame"] < 2 * 2 * 112 * 84 + 4000
     # the engine's log reached the file: a line per rollover, of the product run and of the engine run after it
-    assert log.read_text().count("INFO stream_recon.models.chunked: chunk rollover") == 2 * result["rollovers"]
+    assert log.read_text().count("INFO stream_recon.models.stream.chunked: chunk rollover") == 2 * result["rollovers"]
 
 
 @pytest.mark.parametrize("viewer", ["--no-viewer", "--viewer"])

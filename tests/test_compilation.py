@@ -1,15 +1,22 @@
-"""Compiled methods kept between runs (models/compilation.py), on the CPU with TorchInductor's C++ backend."""
+"""Compiled methods kept between runs (models/builds/compilation.py), on the CPU with TorchInductor's C++ backend."""
 
 from __future__ import annotations
 
 import logging
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from stream_recon.models import compilation
-from stream_recon.models.compilation import CompiledMethods, artefacts_dir, call_signature, running_eagerly
+from stream_recon.models.builds import compilation
+from stream_recon.models.builds.compilation import (
+    CompiledMethods,
+    artefacts_dir,
+    call_signature,
+    running_eagerly,
+)
+from stream_recon.models.network.custom_ops import operator_for_compiled_code
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                 reason="TorchInductor's CPU backend needs a C++ compiler")
@@ -108,7 +115,7 @@ def test_an_unreadable_artefact_is_compiled_again_and_replaced(tmp_path):
 
 def test_a_method_with_a_graph_break_compiles_where_called(tmp_path, caplog):
     block = Half()
-    with caplog.at_level(logging.WARNING, logger="stream_recon.models.compilation"), torch.inference_mode():
+    with caplog.at_level(logging.WARNING, logger="stream_recon.models.builds.compilation"), torch.inference_mode():
         methods = prepared(tmp_path, block, names=("branchy",))
         for sign in (1, -1):
             x = torch.full((2, 3), float(sign))
@@ -149,6 +156,21 @@ def test_the_artefact_folder_is_per_environment(tmp_path, monkeypatch):
     assert CompiledMethods(tmp_path, torch.device("cpu")).root != methods.root
 
 
+def test_the_source_digest_reads_every_module_of_models_and_cache(monkeypatch):
+    """The rooms' modules (models/network/ and the rest) count, not only those at models/'s top."""
+    repo = Path(__file__).resolve().parents[1]
+    read = []
+    read_bytes = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda path: read.append(path) or read_bytes(path))
+    compilation.source_digest.cache_clear()
+    try:
+        compilation.source_digest()
+    finally:
+        compilation.source_digest.cache_clear()
+    expected = {path for folder in ("models", "cache") for path in (repo / folder).rglob("*.py")}
+    assert repo / "models" / "network" / "gct.py" in expected and set(read) == expected
+
+
 def test_the_artefact_folder_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("STREAM_RECON_COMPILED", str(tmp_path))
     assert artefacts_dir() == tmp_path
@@ -166,7 +188,7 @@ def test_a_tiny_model_streams_the_same_from_loaded_artefacts(tiny_model, tmp_pat
     import numpy as np
 
     from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
-    from stream_recon.models.prepare import compile_blocks, compile_camera_head, compile_depth_head
+    from stream_recon.models.builds.prepare import compile_blocks, compile_camera_head, compile_depth_head
 
     torch.manual_seed(0)
     frames = [torch.rand(3, 56, 70) for _ in range(5)]
@@ -212,13 +234,13 @@ import torch
 sys.path.insert(0, sys.argv[1])
 from conftest import build_tiny_model
 from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
-from stream_recon.models.compilation import recorded
+from stream_recon.models.builds.compilation import recorded
 recorded("0" * 32, "compiled")
 engine = StreamingEngine(prepare_for_inference(build_tiny_model(), compile=False), StreamConfig(scale_frames=2, window=2))
 for _ in range(4):
     engine.push(torch.rand(3, 28, 42))
 engine.finish()
-from stream_recon.models import few_token_linear, fused_gelu
+from stream_recon.models.network import few_token_linear, fused_gelu
 x, weight, bias = torch.rand(2, 8), torch.rand(16, 8), torch.rand(16)
 fused_gelu._linear_gelu_epilogue(x, weight, bias)  # the operators' eager calls
 few_token_linear._few_token_linear_op(x, weight.half(), bias, True)
@@ -248,7 +270,7 @@ def test_an_operator_for_compiled_code_is_the_operator_only_under_torch_compile(
     def doubled_like(x):
         return torch.empty_like(x)
 
-    @compilation.operator_for_compiled_code("stream_recon_tests::doubled", doubled_like)
+    @operator_for_compiled_code("stream_recon_tests::doubled", doubled_like)
     def doubled(x: torch.Tensor) -> torch.Tensor:
         calls.append(torch.compiler.is_compiling())
         return x * 2

@@ -135,7 +135,7 @@ def test_pipelined_push_returns_the_previous_frame_and_finish_the_last():
 
 def test_chunk_rollovers_with_pipelining_emit_what_they_emit_without():
     from stream_recon.models import StreamConfig, prepare_for_inference
-    from stream_recon.models.chunked import ChunkedEngine
+    from stream_recon.models.stream.chunked import ChunkedEngine
 
     model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
@@ -321,7 +321,7 @@ def test_fused_mlp_gelu_is_as_close_to_float32_as_the_separate_bf16_gelu():
     a float32 erf reference at the streaming shape."""
     import torch.nn.functional as F
 
-    from stream_recon.models.fused_gelu import GeluLinear
+    from stream_recon.models.network.fused_gelu import GeluLinear
 
     torch.manual_seed(0)
     layer = GeluLinear(1024, 4096).cuda().bfloat16()
@@ -393,9 +393,10 @@ def test_a_spare_engine_on_its_own_stream_ends_with_what_rollovers_in_place_emit
     order, as rollovers done in place; every provisional one before its frame's final one. With a
     small spare, its cache has fewer window slots than the window (the current engine takes its frames
     over, a copy into the store its recorded graphs read)."""
-    from stream_recon.models import StreamConfig, chunked, prepare_for_inference
-    from stream_recon.models.chunked import ChunkedEngine
-    from stream_recon.models.lookahead import SpareEngine
+    from stream_recon.models import StreamConfig, prepare_for_inference
+    from stream_recon.models.stream import chunked
+    from stream_recon.models.stream.chunked import ChunkedEngine
+    from stream_recon.models.stream.lookahead import SpareEngine
 
     model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
@@ -455,7 +456,7 @@ def test_a_partitioned_stream_runs_its_kernels_on_its_sms_and_graphs_recorded_el
     import triton
     import triton.language as tl
 
-    from stream_recon.models.sm_partition import device_sm_count, partitioned_stream
+    from stream_recon.models.stream.sm_partition import device_sm_count, partitioned_stream
 
     @triton.jit
     def note_sm(out, spin):
@@ -496,7 +497,7 @@ def test_a_pipelined_stream_that_ends_while_the_spare_catches_up_gets_its_last_f
     from engine_helpers import SpareGate
 
     from stream_recon.models import StreamConfig, prepare_for_inference
-    from stream_recon.models.chunked import ChunkedEngine
+    from stream_recon.models.stream.chunked import ChunkedEngine
 
     model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
@@ -527,12 +528,12 @@ def test_a_pipelined_stream_that_ends_while_the_spare_catches_up_gets_its_last_f
 
 def reserved_where_the_spare_is_decided(model, config, frames, monkeypatch, **chunking) -> int:
     """What the process reserves on the device when a ChunkedEngine of `config` decides on its spare
-    (the budget's room is the budget less the CUDA context, this and a margin: models/chunked.py,
+    (the budget's room is the budget less the CUDA context, this and a margin: models/stream/chunked.py,
     room_beside_engine): read from the room an engine with no room for a spare is
     given, that engine then closed and its memory returned, as a second one of the same settings will
     hold it again."""
-    from stream_recon.models import chunked
-    from stream_recon.models.memory import CUDA_CONTEXT_BYTES, estimate_memory
+    from stream_recon.models.stream import chunked
+    from stream_recon.models.stream.memory import CUDA_CONTEXT_BYTES, estimate_memory
 
     given = []
     original = chunked.room_beside_engine
@@ -553,7 +554,7 @@ def reserved_where_the_spare_is_decided(model, config, frames, monkeypatch, **ch
 
 def budget_leaving(room: int, reserved: int, estimate) -> int:
     """The budget that leaves a spare `room` bytes beside an engine whose process reserves `reserved`."""
-    from stream_recon.models.memory import CUDA_CONTEXT_BYTES, WORKSPACE_BYTES
+    from stream_recon.models.stream.memory import CUDA_CONTEXT_BYTES, WORKSPACE_BYTES
 
     budget = CUDA_CONTEXT_BYTES + reserved + WORKSPACE_BYTES + room
     assert budget >= estimate.total, "the engine alone would be planned differently under this budget"
@@ -564,8 +565,8 @@ def test_lookahead_is_on_by_default_on_cuda_when_a_second_cache_fits(gpu_model, 
     """The full-size model at 518x392 (a second engine's bytes far above the allocator's rounding): a spare
     runs with no budget, not where the budget's room holds half of one, and where it holds one."""
     from stream_recon.models import StreamConfig, prepare_for_inference
-    from stream_recon.models.chunked import ChunkedEngine
-    from stream_recon.models.memory import estimate_memory
+    from stream_recon.models.stream.chunked import ChunkedEngine
+    from stream_recon.models.stream.memory import estimate_memory
 
     model = prepare_for_inference(gpu_model, "cuda", torch.bfloat16)
     frames = [torch.zeros(3, 392, 518, dtype=torch.uint8) for _ in range(5)]
@@ -591,8 +592,8 @@ def test_a_spare_that_does_not_fit_with_its_whole_provisional_room_gets_a_smalle
     """The spare's cache holds the frames it takes before the switch: a budget with room for a spare
     of 8 provisional frames (13 window slots of 16), not of 12 or 20 (16 slots), runs one with 8."""
     from stream_recon.models import StreamConfig, prepare_for_inference
-    from stream_recon.models.chunked import ChunkedEngine
-    from stream_recon.models.memory import estimate_memory
+    from stream_recon.models.stream.chunked import ChunkedEngine
+    from stream_recon.models.stream.memory import estimate_memory
 
     model = prepare_for_inference(gpu_model, "cuda", torch.bfloat16)
     frames = [torch.zeros(3, 392, 518, dtype=torch.uint8) for _ in range(5)]
@@ -621,7 +622,7 @@ def test_the_streams_scale_step_beside_a_spare_returns_its_blocks_to_the_device(
     it, rather than leaving them cached on its stream, where the spare's stream could not take them. (The
     allocator's unused bytes are compared before and after: the weights' segments keep some for good.)"""
     from stream_recon.models import StreamConfig, prepare_for_inference
-    from stream_recon.models.chunked import ChunkedEngine
+    from stream_recon.models.stream.chunked import ChunkedEngine
 
     def unused_outside_graph_pools() -> int:
         torch.cuda.synchronize()
@@ -709,7 +710,7 @@ def test_a_warm_up_starts_the_spare_recorded_and_rollovers_emit_the_same():
     its step, so the stream's first frames share the device with no warm-up; the final emissions are those
     of a stream without a warm-up (within graph replay against the eager first streaming step)."""
     from stream_recon.models import StreamConfig, prepare_for_inference
-    from stream_recon.models.chunked import ChunkedEngine
+    from stream_recon.models.stream.chunked import ChunkedEngine
 
     model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
@@ -801,7 +802,7 @@ def test_a_model_prepared_without_weights_is_the_loaded_one_prepared_but_zero_on
     """bf16 on CUDA: the fused GELU, the camera head's float16 weights, the range kernel for frames and the
     channels-last head, as the loaded checkpoint gets them: same modules, names, shapes, dtypes, strides."""
     from stream_recon.models import prepare_for_inference
-    from stream_recon.models.prepare import prepare_without_weights
+    from stream_recon.models.builds.prepare import prepare_without_weights
 
     real = prepare_for_inference(gpu_model, "cuda", torch.bfloat16, compile=False)
     zero = prepare_without_weights(gpu_model.config, "cuda", torch.bfloat16)
@@ -823,7 +824,7 @@ builds = []
 def listen(*, src, metadata, metadata_group, times, cache_hit):
     builds.append({"kernel": metadata.get("name"), "thread": threading.current_thread().name, "cache_hit": cache_hit})
 knobs.compilation.listener = listen
-from stream_recon.models.chunked import ChunkedEngine
+from stream_recon.models.stream.chunked import ChunkedEngine
 warm_up = ChunkedEngine.warm_up
 def marked_warm_up(self, image, **kwargs):
     seconds = warm_up(self, image, **kwargs)

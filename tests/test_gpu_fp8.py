@@ -133,7 +133,7 @@ def test_budget_run_peaks_within_its_plan(gpu_model):
     saying so), nothing runs out of memory, the measured peak stays under the plan's estimate and the
     allocator's with the context within the budget."""
     from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
-    from stream_recon.models.memory import CUDA_CONTEXT_BYTES, MIN_WINDOW, hold_to_card
+    from stream_recon.models.stream.memory import CUDA_CONTEXT_BYTES, MIN_WINDOW, hold_to_card
 
     triton_with_e4m3()
     budget = 8 * 2**30

@@ -36,7 +36,7 @@ from media_helpers import free_port
 
 from stream_recon.models import ChunkedEngine, ModelConfig, StreamConfig, StreamingEngine
 from stream_recon.models.daemon_pool import DaemonPool
-from stream_recon.models.prediction import FRAME_KEY, FramePrediction
+from stream_recon.models.stream.prediction import FRAME_KEY, FramePrediction
 from stream_recon.models.supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -117,7 +117,7 @@ def test_a_worker_stalled_in_a_daemon_pool_holds_no_process_exit():
     assert time.monotonic() - started < 15
 
 
-# -- the spare engine (models/lookahead.py) and the chunked stream's rollover in place ----------------------
+# -- the spare engine (models/stream/lookahead.py) and the chunked stream's rollover in place ----------
 class StandInEngine:
     """What SpareEngine drives, on the CPU: each push runs `fault.strike()` first."""
 
@@ -140,7 +140,7 @@ class StandInEngine:
 
 
 def test_a_spare_that_stalls_ends_take_next_collect_and_discard_at_their_deadline(faults, caplog):
-    from stream_recon.models.lookahead import SpareEngine, SpareStalled
+    from stream_recon.models.stream.lookahead import SpareEngine, SpareStalled
 
     stuck = fault(faults)
     spare = SpareEngine(StandInEngine(stuck))
@@ -170,7 +170,7 @@ def test_a_spare_that_stalls_ends_take_next_collect_and_discard_at_their_deadlin
 
 
 def test_closing_a_spare_waits_for_the_step_under_way_at_most_spare_wait_s(faults, monkeypatch):
-    from stream_recon.models import lookahead
+    from stream_recon.models.stream import lookahead
 
     monkeypatch.setattr(lookahead, "SPARE_WAIT_S", 0.3)
     stuck = fault(faults)
@@ -187,7 +187,7 @@ def test_closing_a_spare_waits_for_the_step_under_way_at_most_spare_wait_s(fault
 
 
 def test_a_spare_step_that_raises_surfaces_in_collect_and_take_next_passes_it_by(faults):
-    from stream_recon.models.lookahead import SpareEngine
+    from stream_recon.models.stream.lookahead import SpareEngine
 
     broken = fault(faults, RuntimeError("the spare's step broke"))
     broken.active.set()
@@ -251,7 +251,7 @@ def test_a_spare_that_fails_at_a_rollover_is_turned_off_and_the_chunk_rolls_over
     the closed chunk predicts frames provisionally, then the switch waits SPARE_WAIT_S at most and the next
     chunk is made in place; the stream ends with what rollovers in place emit, and the engine's stats (run.json's
     summary.engine) say why the spare went."""
-    from stream_recon.models import lookahead
+    from stream_recon.models.stream import lookahead
 
     monkeypatch.setattr(lookahead, "SPARE_WAIT_S", 0.5)
     frames = tiny_frames[:20]
@@ -282,7 +282,7 @@ def test_a_spare_that_fails_at_a_rollover_is_turned_off_and_the_chunk_rolls_over
 
 def test_a_spare_whose_warm_up_stalls_is_turned_off_before_the_stream(prepared_tiny_model, tiny_frames, monkeypatch,
                                                                          faults, caplog):
-    from stream_recon.models import lookahead
+    from stream_recon.models.stream import lookahead
 
     monkeypatch.setattr(lookahead, "SPARE_WARM_UP_S", 0.3)
     stuck = fault(faults)
@@ -301,11 +301,12 @@ def test_a_spare_whose_warm_up_stalls_is_turned_off_before_the_stream(prepared_t
                                    "for 0.3 s"]
 
 
-# -- the warm-up's kernel builds (models/kernel_builds.py, builds_ahead.py, cache/triton_attention.py) ------
+# -- the warm-up's kernel builds (models/builds/kernel_builds.py, models/stream/builds_ahead.py,
+# cache/triton_attention.py) --
 @pytest.fixture
 def builds_helper(monkeypatch):
     """A fresh process-wide helper of the builds ahead, for this test."""
-    from stream_recon.models import kernel_builds
+    from stream_recon.models.builds import kernel_builds
 
     helper = Helper(kernel_builds.BUILDS_AHEAD)
     monkeypatch.setattr(kernel_builds, "helper", helper)
@@ -329,7 +330,7 @@ def launch(kernel: StandInKernel, key: str):
     """What Triton does on a launch of a specialization not built (tests/test_models_kernel_builds.py)."""
     from triton.runtime.jit import JitFunctionInfo
 
-    from stream_recon.models import kernel_builds
+    from stream_recon.models.builds import kernel_builds
 
     return kernel_builds._hook(key=key, repr=key, fn=JitFunctionInfo("tests", kernel.fn.__name__, kernel),
                                compile={"key": key, "specialization_data": key}, is_manual_warmup=False,
@@ -338,7 +339,7 @@ def launch(kernel: StandInKernel, key: str):
 
 def test_a_kernel_build_that_stalls_ends_the_dry_step_at_its_deadline_and_turns_builds_ahead_off(
         builds_helper, prepared_tiny_model, monkeypatch, faults, caplog):
-    from stream_recon.models import kernel_builds
+    from stream_recon.models.builds import kernel_builds
 
     if not kernel_builds.available():
         pytest.skip("this Triton cannot list builds")
@@ -362,7 +363,8 @@ def test_a_dry_pass_beside_the_load_that_stalls_is_given_up_at_its_deadline(buil
                                                                              caplog):
     """The run's first frame waits AHEAD_WAIT_S at most (every later wait returns at once); the warm-up then
     makes no dry pass of its own: the builds ahead are off."""
-    from stream_recon.models import builds_ahead, kernel_builds
+    from stream_recon.models.builds import kernel_builds
+    from stream_recon.models.stream import builds_ahead
 
     monkeypatch.setattr(builds_ahead, "AHEAD_WAIT_S", 0.3)
     stuck = fault(faults)
@@ -387,7 +389,7 @@ def test_a_dry_pass_beside_the_load_that_stalls_is_given_up_at_its_deadline(buil
 def test_an_early_build_that_raises_turns_builds_ahead_off(builds_helper, monkeypatch, caplog):
     """start_early_builds' thread (CUDA only: its device calls stood in for on the CPU)."""
     from stream_recon.cache import triton_attention
-    from stream_recon.models import kernel_builds
+    from stream_recon.models.builds import kernel_builds
 
     def no_build(*args):
         raise RuntimeError("ptxas died")
@@ -516,7 +518,7 @@ def test_a_stopped_child_does_not_hold_the_runs_end(compiled_sizes, monkeypatch)
 
 def test_a_child_killed_mid_run_is_recorded_and_the_next_run_compiles_first(compiled_sizes):
     from stream_recon.app.background_compile import compile_choice
-    from stream_recon.models.compilation import recorded
+    from stream_recon.models.builds.compilation import recorded
 
     compiled_sizes.warmed_up(SIZE)
     os.kill(compiled_sizes.process.pid, signal.SIGKILL)
@@ -529,7 +531,7 @@ def test_a_child_killed_mid_run_is_recorded_and_the_next_run_compiles_first(comp
 
 def test_a_child_that_stalls_past_its_limit_is_killed_and_recorded(compiled_sizes, monkeypatch):
     from stream_recon.app import background_compile
-    from stream_recon.models.compilation import recorded
+    from stream_recon.models.builds.compilation import recorded
 
     compiled_sizes.warmed_up(SIZE)
     os.kill(compiled_sizes.process.pid, signal.SIGSTOP)

@@ -1,4 +1,4 @@
-"""The memory budget (models/memory.py) and the fp8 K/V cache through the engine, on the tiny model
+"""The memory budget (models/stream/memory.py) and the fp8 K/V cache through the engine, on the tiny model
 (CPU): which settings a budget gets, that every plan fits and more budget never gets a worse one,
 that the estimate's exact parts are what the engine allocates, and that streaming over an fp8
 cache is streaming over the dequantised keys. `pytest -k "fp8 or budget"` selects them."""
@@ -23,7 +23,7 @@ from stream_recon.models import (
     estimate_memory,
     plan_memory,
 )
-from stream_recon.models.memory import MIN_WINDOW
+from stream_recon.models.stream.memory import MIN_WINDOW
 
 SIZE = (42, 56)  # a 3 x 4 patch grid
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -36,7 +36,7 @@ def total(model, config: StreamConfig, **changes) -> int:
 def test_the_cuda_context_counts_in_the_budget_and_is_not_a_spares_or_the_allocators(prepared_tiny_model):
     """A budget is the whole process's: on CUDA the estimate counts a context beside the tensors, which
     a spare engine shares and torch's peak counters do not see. A CPU run has none."""
-    from stream_recon.models.memory import CUDA_CONTEXT_BYTES
+    from stream_recon.models.stream.memory import CUDA_CONTEXT_BYTES
 
     config = StreamConfig(scale_frames=3, window=40, attention="dense")
     on_cpu = estimate_memory(prepared_tiny_model, config, SIZE)
@@ -52,7 +52,7 @@ def test_a_process_held_to_a_card_gets_the_budget_less_the_context(monkeypatch):
     context, on the device named (else the current one), and never above the whole device."""
     import types
 
-    from stream_recon.models.memory import CUDA_CONTEXT_BYTES, hold_to_card
+    from stream_recon.models.stream.memory import CUDA_CONTEXT_BYTES, hold_to_card
 
     set_fractions = []
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(total_memory=80 * 2**30))
@@ -221,7 +221,7 @@ def test_budget_plan_made_ahead_is_the_first_frames_and_is_made_again_for_anothe
                                                                                         monkeypatch):
     """plan_memory_for: the plan the first frame would make, made before it (once, not again at the
     first frame of that size); a first frame of another size is planned for then."""
-    import stream_recon.models.engine as engine_module
+    import stream_recon.models.stream.engine as engine_module
 
     asked = StreamConfig(scale_frames=2, window=3, attention="auto")
     config = dataclasses.replace(asked, gpu_memory=total(prepared_tiny_model, asked) - 1)  # fp8 fits

@@ -1,4 +1,4 @@
-"""The warm-up's dry pass run while a checkpoint loads (models/builds_ahead.py): on its own thread, on a
+"""The warm-up's dry pass run while a checkpoint loads (models/stream/builds_ahead.py): on its own thread, on a
 zero model of the run's architecture, for one frame size; a failure leaves the warm-up its own dry pass.
 
 Triton builds CUDA kernels only where a GPU is (tests/test_gpu_fast_path.py checks the real builds); here
@@ -11,7 +11,9 @@ import threading
 import pytest
 import torch
 
-from stream_recon.models import ModelConfig, StreamConfig, StreamingEngine, builds_ahead, kernel_builds
+from stream_recon.models import ModelConfig, StreamConfig, StreamingEngine
+from stream_recon.models.builds import kernel_builds
+from stream_recon.models.stream import builds_ahead
 
 pytestmark = pytest.mark.skipif(not kernel_builds.available(), reason="this Triton cannot list builds")
 

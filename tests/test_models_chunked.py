@@ -26,9 +26,9 @@ from stream_recon.models import (
     StreamConfig,
     StreamingEngine,
 )
-from stream_recon.models.pose import rotation_to_quat_xyzw
-from stream_recon.models.prediction import FRAME_NON_KEY
-from stream_recon.models.similarity import (
+from stream_recon.models.stream.pose import rotation_to_quat_xyzw
+from stream_recon.models.stream.prediction import FRAME_NON_KEY
+from stream_recon.models.stream.similarity import (
     FrameRatios,
     Sim3,
     depth_ratio_scale,
@@ -457,7 +457,7 @@ def test_reset_starts_an_identical_stream(model, frames):
 
 def test_rollovers_are_logged(model, frames, caplog):
     engine = ChunkedEngine(model, StreamConfig(scale_frames=3, window=4), chunk_frames=6, overlap=3)
-    with caplog.at_level(logging.INFO, logger="stream_recon.models.chunked"):
+    with caplog.at_level(logging.INFO, logger="stream_recon.models.stream.chunked"):
         run_live(engine, frames[:10])
     rollovers = [r.getMessage() for r in caplog.records if "rollover" in r.getMessage()]
     assert rollovers == [
@@ -594,7 +594,7 @@ def test_a_spare_with_fewer_window_slots_hands_over_what_rollovers_in_place_emit
     """The current engine takes the next chunk over from the spare (a copy of its caches) at the
     switch, so the spare's dense cache allocates slots only for what it takes before then: the same
     emissions as rollovers in place, with a spare cache smaller than the current one."""
-    from stream_recon.models import chunked
+    from stream_recon.models.stream import chunked
 
     monkeypatch.setattr(chunked, "MAX_PROVISIONAL_AHEAD", 2)
     monkeypatch.setattr(chunked, "MAX_PROVISIONAL", 2)
@@ -618,7 +618,7 @@ def test_a_spare_with_fewer_window_slots_hands_over_what_rollovers_in_place_emit
 
 
 def test_the_provisional_room_shrinks_until_the_spare_fits():
-    from stream_recon.models.chunked import provisional_room_that_fits
+    from stream_recon.models.stream.chunked import provisional_room_that_fits
 
     def spare_bytes(room):  # a spare whose cache grows with its room
         return 1000 + 10 * room
@@ -635,8 +635,8 @@ def test_a_spare_sized_beside_an_engine_takes_what_is_free_less_the_margin():
     """The free-memory room (no --gpu-memory): what is free on the device less the margin. The engine's
     own eager step takes no room of its own: the spare's estimate holds one step's activations, and the
     two engines' eager steps never hold theirs at once (the allocator's cache is emptied between them)."""
-    from stream_recon.models.chunked import provisional_room_that_fits, room_beside_engine
-    from stream_recon.models.memory import WORKSPACE_BYTES
+    from stream_recon.models.stream.chunked import provisional_room_that_fits, room_beside_engine
+    from stream_recon.models.stream.memory import WORKSPACE_BYTES
 
     mib = 2**20
     free = 6390 * mib  # at the scale of a 518x392 engine and spare
@@ -653,8 +653,8 @@ def test_a_spare_sized_beside_an_engine_takes_what_is_free_less_the_margin():
 def test_under_a_budget_the_spares_room_is_what_the_budget_leaves_beside_the_allocator_or_the_free_memory():
     """--gpu-memory: what is free on the device is capped at what the budget leaves beside the CUDA context
     and the allocator's reserved bytes (budget_left); the margin comes off either."""
-    from stream_recon.models.chunked import room_beside_engine
-    from stream_recon.models.memory import WORKSPACE_BYTES
+    from stream_recon.models.stream.chunked import room_beside_engine
+    from stream_recon.models.stream.memory import WORKSPACE_BYTES
 
     mib = 2**20
     free = 5180 * mib
@@ -772,7 +772,7 @@ def test_a_flow_chunk_of_dense_keyframes_is_taken_ahead_where_it_likely_closes(m
     """Where most frames are keyframes, the spare takes a flow chunk's likely shared frames before its
     rollover (as for chunks that close at a known frame), and takes them again from a new start when a
     frame that is not a keyframe moves the close: every final emission as rollovers in place make it."""
-    from stream_recon.models import chunked
+    from stream_recon.models.stream import chunked
 
     config, chunk_frames, overlap, count, dense = DENSE_FLOW_CASES[case]
     monkeypatch.setattr(chunked, "KEYFRAME_RATE_FRAMES", 2)
@@ -821,7 +821,7 @@ def test_a_keyframe_spelling_is_parsed_once_for_every_config_of_a_stream(model, 
     """The StreamConfig a ChunkedEngine is given and the copies it makes for its chunks and its spare
     (with their cache size, without the budget): one parse of the spelling between them. The config's
     attributes stay its fields."""
-    from stream_recon.models import stream_config
+    from stream_recon.models.stream import stream_config
 
     stream_config._parse_spelling.cache_clear()
     config = StreamConfig(scale_frames=3, window=4, keyframes="Interval:2", gpu_memory=2**40)
@@ -851,7 +851,7 @@ def test_the_spare_delivers_its_last_frame_on_its_worker_before_every_switch(mod
     """The frame the spare takes alone before a switch is followed by a flush on its worker, so the
     switch finds nothing of the spare's in flight (a pipelined spare's last step held a switch 37 ms).
     A stream that ends while the spare catches up switches at its end, where no frame came after."""
-    from stream_recon.models import lookahead
+    from stream_recon.models.stream import lookahead
 
     calls = []
     for name in ("push", "flush", "hand_over"):
@@ -876,8 +876,8 @@ def test_the_spare_delivers_its_last_frame_on_its_worker_before_every_switch(mod
 
 
 def test_off_cuda_a_spare_has_no_stream_and_no_partition_is_made(model):
-    from stream_recon.models.lookahead import SpareEngine, spare_stream
-    from stream_recon.models.sm_partition import partitioned_stream
+    from stream_recon.models.stream.lookahead import SpareEngine, spare_stream
+    from stream_recon.models.stream.sm_partition import partitioned_stream
 
     assert spare_stream(torch.device("cpu")) is None
     assert partitioned_stream(torch.device("cpu"), 8) is None
@@ -887,7 +887,7 @@ def test_off_cuda_a_spare_has_no_stream_and_no_partition_is_made(model):
 
 
 def test_a_spare_hands_over_its_predictions_in_order(model, frames):
-    from stream_recon.models.lookahead import SpareEngine
+    from stream_recon.models.stream.lookahead import SpareEngine
 
     config = StreamConfig(scale_frames=3, window=4)
     expected = []
@@ -916,8 +916,8 @@ def test_a_spare_hands_over_its_predictions_in_order(model, frames):
 
 
 def rollover_invariants_hold(rollover) -> bool:
-    """Each phase's invariants (models/rollover.py, Phase's docstring), read off the Rollover."""
-    from stream_recon.models.rollover import Phase
+    """Each phase's invariants (models/stream/rollover.py, Phase's docstring), read off the Rollover."""
+    from stream_recon.models.stream.rollover import Phase
 
     phase = rollover.phase
     if phase is Phase.STEADY:
@@ -937,7 +937,7 @@ PHASE_CASES = {  # chunks long enough that the spare, warmed on the first frames
 
 @pytest.mark.parametrize("case", list(PHASE_CASES))
 def test_every_push_leaves_the_rollover_in_a_phase_whose_invariants_hold(model, frames, case):
-    from stream_recon.models.rollover import Phase
+    from stream_recon.models.stream.rollover import Phase
 
     config, chunk_frames, overlap, count = PHASE_CASES[case]
     engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=True)
@@ -959,9 +959,9 @@ def test_every_push_leaves_the_rollover_in_a_phase_whose_invariants_hold(model, 
 
 
 def test_a_transition_outside_the_table_is_refused(model):
-    from stream_recon.models.chunks import ChunkAlignment
-    from stream_recon.models.lookahead import SpareEngine
-    from stream_recon.models.rollover import Phase, Rollover
+    from stream_recon.models.stream.chunks import ChunkAlignment
+    from stream_recon.models.stream.lookahead import SpareEngine
+    from stream_recon.models.stream.rollover import Phase, Rollover
 
     rollover = Rollover(SpareEngine(StreamingEngine(model, StreamConfig(scale_frames=3, window=4))),
                         ChunkAlignment(overlap=3), provisional_room=2)
@@ -976,7 +976,7 @@ def test_a_transition_outside_the_table_is_refused(model):
 
 
 def test_the_spare_is_to_be_a_frame_behind_when_the_provisional_room_runs_out():
-    from stream_recon.models.rollover import catch_up_backlog
+    from stream_recon.models.stream.rollover import catch_up_backlog
 
     # a 16 GB card's spare: 16 shared frames to catch up, room for 16 provisional ones
     assert [catch_up_backlog(16, 16, provisional) for provisional in range(17)] == list(range(17, 0, -1))
@@ -1002,7 +1002,7 @@ class RecordingSpare:
 def test_catching_up_holds_each_push_until_the_spare_is_on_its_way_or_its_catch_up_pace_has_passed(phase_name):
     import types
 
-    from stream_recon.models.rollover import CATCH_UP_PACE, PACE, Phase, Rollover
+    from stream_recon.models.stream.rollover import CATCH_UP_PACE, PACE, Phase, Rollover
 
     spare = RecordingSpare()
     alignment = types.SimpleNamespace(tail=[], make_ratios=lambda *args, **kwargs: False)
@@ -1019,7 +1019,7 @@ def test_catching_up_holds_each_push_until_the_spare_is_on_its_way_or_its_catch_
 
 
 def test_chunk_links_compose_to_the_chunk_transforms_and_say_how_well_the_overlap_agreed(model, frames):
-    from stream_recon.models.similarity import MIN_OVERLAP_SIGMA
+    from stream_recon.models.stream.similarity import MIN_OVERLAP_SIGMA
 
     config, chunk_frames, overlap, count = CASES["all"]
     engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap)
@@ -1042,7 +1042,7 @@ def test_overlap_covariance_measures_the_disagreement_of_the_shared_frames(seed)
     """With the true transform each shared frame's residual is its own disagreement, not the difference of
     two frames' as after an alignment on one anchor frame: the declared variance is half its mean square.
     (tests/test_models_edge_uncertainty.py checks the declared sigmas against the alignment's actual error.)"""
-    from stream_recon.models.similarity import MIN_OVERLAP_SIGMA, overlap_covariance
+    from stream_recon.models.stream.similarity import MIN_OVERLAP_SIGMA, overlap_covariance
 
     def overlap_sigmas(target, source, transform):
         return np.sqrt(np.diag(overlap_covariance(target, source, transform, anchor=0)))
@@ -1071,7 +1071,7 @@ def test_overlap_covariance_measures_the_disagreement_of_the_shared_frames(seed)
 
 
 def quat_product_xyzw(first: np.ndarray, second: np.ndarray) -> np.ndarray:
-    from stream_recon.models.pose import quat_xyzw_product
+    from stream_recon.models.stream.pose import quat_xyzw_product
 
     return quat_xyzw_product(first, second)
 
@@ -1159,7 +1159,7 @@ def test_out_of_memory_in_the_scale_step_beside_a_spare_drops_the_spare_and_stre
         return run_scale_frames(*args)
 
     monkeypatch.setattr(runner, "run_scale_frames", out_of_memory_once)
-    with caplog.at_level("WARNING", logger="stream_recon.models.chunked"):
+    with caplog.at_level("WARNING", logger="stream_recon.models.stream.chunked"):
         final, pushes = run_live_marked(engine, frames[:16])
     engine.close()
     assert len(calls) >= 2 and engine._rollover is None and engine.lookahead is False  # (one scale step a chunk)
@@ -1174,7 +1174,7 @@ def test_out_of_memory_in_the_spares_warm_up_drops_the_spare_and_streams_as_with
                                                                                     caplog):
     """A spare whose own warm-up runs out of device memory goes before the stream's first frame; the run
     streams what a run without a spare streams, and asks for no spare again."""
-    from stream_recon.models import lookahead
+    from stream_recon.models.stream import lookahead
 
     config, chunk_frames, overlap = StreamConfig(scale_frames=3, window=4), 8, 3
     expected = run_live_marked(ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap,
@@ -1187,7 +1187,7 @@ def test_out_of_memory_in_the_spares_warm_up_drops_the_spare_and_streams_as_with
 
     monkeypatch.setattr(lookahead.SpareEngine, "_warm", out_of_memory)
     engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=True)
-    with caplog.at_level("WARNING", logger="stream_recon.models.chunked"):
+    with caplog.at_level("WARNING", logger="stream_recon.models.stream.chunked"):
         engine.warm_up(frames[0])
     assert len(warmed) == 1 and engine._rollover is None and engine.lookahead is False
     assert "warming up the next chunk's spare" in caplog.text

@@ -17,7 +17,7 @@ import pytest
 
 from stream_recon.models.loops.closer import LoopClosureConfig, _KeyframePoints, align_loop, loop_edge
 from stream_recon.models.loops.pose_graph import to_gtsam
-from stream_recon.models.similarity import Sim3, fit_covariance, scaling_direction, tangent_jacobian
+from stream_recon.models.stream.similarity import Sim3, fit_covariance, scaling_direction, tangent_jacobian
 
 SEEDS = 300
 RATIO_RANGE = (0.5, 2.0)  # RMS of error / sigma, per component
@@ -68,7 +68,7 @@ def test_a_scaling_direction_scales_about_its_centre() -> None:
 
 def test_the_fit_covariance_matches_the_spread_of_repeated_fits() -> None:
     """Independent isotropic noise: the Gauss-Newton covariance of one fit against the scatter of many."""
-    from stream_recon.models.similarity import umeyama
+    from stream_recon.models.stream.similarity import umeyama
 
     rng = np.random.default_rng(1)
     truth, points, noise = random_sim3(rng), rng.normal(0, 1, (40, 3)) + [0, 0, 4], 0.01
@@ -189,7 +189,7 @@ PIXEL_DEPTH_NOISE = 0.01  # per pixel, relative
 
 
 def pose_encodings(rotations: np.ndarray, centres: np.ndarray) -> np.ndarray:
-    from stream_recon.models.pose import rotation_to_quat_xyzw
+    from stream_recon.models.stream.pose import rotation_to_quat_xyzw
 
     encodings = np.zeros((len(centres), 9))
     encodings[:, :3] = centres
@@ -202,7 +202,7 @@ def odometry_trial(rng: np.random.Generator, start: np.ndarray) -> tuple[np.ndar
     """One rollover: the source chunk's first SHARED_FRAMES frames from `start` (its coordinates), the
     target chunk's predictions of them through the true Sim(3) with per-frame noise; aligned as the engine
     aligns them. -> (the alignment's actual error, its declared sigmas)."""
-    from stream_recon.models.similarity import (
+    from stream_recon.models.stream.similarity import (
         FrameRatios,
         alignment_frames,
         estimate_chunk_alignment,

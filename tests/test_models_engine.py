@@ -19,7 +19,7 @@ from stream_recon.models import (
     StreamingEngine,
     prepare_for_inference,
 )
-from stream_recon.models.steps import EagerRunner
+from stream_recon.models.stream.steps import EagerRunner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -193,7 +193,7 @@ def test_graph_recording_pauses_the_cycle_collector_and_restores_it():
     the recording collects first, pauses the collector, and restores it even when capture fails."""
     import gc
 
-    from stream_recon.models.graphs import _collector_paused
+    from stream_recon.models.stream.graphs import _collector_paused
 
     assert gc.isenabled()
     with _collector_paused():
@@ -221,7 +221,7 @@ class LaggedEagerRunner(EagerRunner):
 @pytest.mark.parametrize("keyframes", ["all", "interval:2", "flow"])
 def test_a_runner_that_holds_a_frame_gives_the_same_stream_one_push_late(prepared_tiny_model, monkeypatch,
                                                                          keyframes):
-    from stream_recon.models import engine as engine_module
+    from stream_recon.models.stream import engine as engine_module
 
     # flow: the tiny model's flows are all small, so the gap rule makes both decisions happen
     config = StreamConfig(scale_frames=3, window=2, keyframes=keyframes, flow_threshold=1e9, max_gap=3)
@@ -249,7 +249,7 @@ def test_a_runner_that_holds_a_frame_gives_the_same_stream_one_push_late(prepare
 def test_descriptors_come_with_each_prediction_and_change_nothing_else(prepared_tiny_model, keyframes):
     """StreamConfig(descriptors=True): every prediction carries GeM of its frame's DINO patch tokens (unit
     length), and every other output is what the stream gives without them, bit for bit."""
-    from stream_recon.models.descriptor import gem_descriptor
+    from stream_recon.models.network.descriptor import gem_descriptor
 
     config = StreamConfig(scale_frames=3, window=2, keyframes=keyframes, flow_threshold=0.5)
     images = frames(8)

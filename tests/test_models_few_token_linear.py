@@ -13,8 +13,8 @@ from triton_interpreter import interpret
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[dev]')")
 
-from stream_recon.models.few_token_linear import HalfWeightLinear, store_weights_in_half  # noqa: E402
-from stream_recon.models.layers import Block, Mlp  # noqa: E402
+from stream_recon.models.network.few_token_linear import HalfWeightLinear, store_weights_in_half  # noqa: E402
+from stream_recon.models.network.layers import Block, Mlp  # noqa: E402
 
 # (tokens, outputs, inputs, gelu): partial output and input blocks, one token and several, and a
 # strided token view (every other row of a larger tensor, as the camera tokens are).
@@ -23,7 +23,7 @@ CASES = [(1, 37, 1030, False), (3, 64, 512, True), (2, 5, 100, True), (1, 128, 2
 SCRIPT = textwrap.dedent("""
     import sys, torch
     import torch.nn.functional as F
-    from stream_recon.models.few_token_linear import few_token_linear
+    from stream_recon.models.network.few_token_linear import few_token_linear
 
     torch.manual_seed(0)
     worst = []
@@ -48,7 +48,7 @@ def test_kernel_matches_a_float64_product_of_the_stored_weights():
 
 
 def test_kernel_refuses_wrong_dtypes_and_shapes():
-    from stream_recon.models.few_token_linear import few_token_linear
+    from stream_recon.models.network.few_token_linear import few_token_linear
 
     x, weight, bias = torch.zeros(1, 8), torch.zeros(4, 8, dtype=torch.float16), torch.zeros(4)
     with pytest.raises(ValueError, match="float16 weights"):

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stream_recon.models.fused_gelu import GeluLinear, _linear_gelu_epilogue, fuse_mlp_gelu
-from stream_recon.models.layers import Block, Mlp
+from stream_recon.models.network.fused_gelu import GeluLinear, _linear_gelu_epilogue, fuse_mlp_gelu
+from stream_recon.models.network.layers import Block, Mlp
 
 
 def test_fusing_keeps_keys_and_the_exact_gelu_off_cuda():

@@ -1,4 +1,4 @@
-"""The warm-up's dry pass (models/kernel_builds.py): which launches it takes, where their builds run, what
+"""The warm-up's dry pass (models/builds/kernel_builds.py): which launches it takes, where their builds run, what
 it waits for, and that a warm-up with one streams what a fresh engine streams.
 
 Triton builds CUDA kernels only where a GPU is (the real builds are tests/test_gpu_fast_path.py's); here
@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from stream_recon.models import StreamConfig, StreamingEngine, kernel_builds
+from stream_recon.models import StreamConfig, StreamingEngine
+from stream_recon.models.builds import kernel_builds
 from stream_recon.models.supervision import Helper
 
 pytestmark = pytest.mark.skipif(not kernel_builds.available(), reason="this Triton cannot list builds")
@@ -152,7 +153,7 @@ def test_a_dry_pass_whose_launches_leave_garbage_leaves_none_in_the_stream(prepa
     from engine_helpers import frames
 
     from stream_recon.cache import dense_attention, paged_attention
-    from stream_recon.models import few_token_linear
+    from stream_recon.models.network import few_token_linear
 
     def garbage_while_listing(function, *, outputs: bool):
         def wrapped(*args):

@@ -8,7 +8,6 @@ import gtsam
 import numpy as np
 import pytest
 
-from stream_recon.models.chunks import ChunkLink
 from stream_recon.models.loops.closer import (
     LoopClosureConfig,
     _KeyframePoints,
@@ -20,7 +19,8 @@ from stream_recon.models.loops.closer import (
 )
 from stream_recon.models.loops.corrections import LoopRecord
 from stream_recon.models.loops.pose_graph import from_gtsam, open_chain
-from stream_recon.models.similarity import Sim3
+from stream_recon.models.stream.chunks import ChunkLink
+from stream_recon.models.stream.similarity import Sim3
 
 ODOMETRY_SIGMAS = np.array([0.03, 0.03, 0.03, 0.1, 0.1, 0.1, 0.03])  # rad, chunk units, log scale
 CHUNKS = 4

@@ -19,7 +19,7 @@ from stream_recon.models.loops.closer import (  # noqa: E402
     keyframe_of,
 )
 from stream_recon.models.loops.process import LoopClosureProcess  # noqa: E402
-from stream_recon.models.similarity import Sim3  # noqa: E402
+from stream_recon.models.stream.similarity import Sim3  # noqa: E402
 from stream_recon.models.supervision import Deadline  # noqa: E402
 
 # every keyframe of the 69-frame stream is indexed, all in flight at once if need be: the outcome does not

@@ -11,7 +11,7 @@ from loop_scenarios import make_scenario, read_kitti_poses, read_tum_poses
 
 from stream_recon.models.loops.consistency import chi_square_quantile, compose, invert, maximum_clique
 from stream_recon.models.loops.pose_graph import PoseGraphSettings, from_gtsam, optimize, to_gtsam
-from stream_recon.models.similarity import Sim3
+from stream_recon.models.stream.similarity import Sim3
 
 
 def random_sim3(rng: np.random.Generator) -> Sim3:

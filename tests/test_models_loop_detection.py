@@ -20,7 +20,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream_recon.models.descriptor import gem_descriptor
 from stream_recon.models.loops.detection import LoopDetector
 from stream_recon.models.loops.geometric_check import (
     ESSENTIAL,
@@ -37,6 +36,7 @@ from stream_recon.models.loops.retrieval import (
     RetrievalConfig,
     gradient_grid_descriptor,
 )
+from stream_recon.models.network.descriptor import gem_descriptor
 
 FIXTURE = Path(__file__).parent / "data" / "loop"
 CHUNK_FRAMES = 60  # original frames per chunk = 20 fixture frames

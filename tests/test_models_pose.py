@@ -1,11 +1,16 @@
-"""The one rotation <-> quaternion pair (models.pose), used by the decoder, the windowed engine and the app's files."""
+"""The one rotation <-> quaternion pair (models.stream.pose), used by the decoder, the windowed engine and the app's files."""
 
 import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream_recon.models.pose import back_project, decode_pose, quat_xyzw_to_rotation, rotation_to_quat_xyzw
+from stream_recon.models.stream.pose import (
+    back_project,
+    decode_pose,
+    quat_xyzw_to_rotation,
+    rotation_to_quat_xyzw,
+)
 
 unit_quaternions = st.lists(st.floats(-1, 1), min_size=4, max_size=4).filter(lambda v: np.linalg.norm(v) > 1e-3)
 

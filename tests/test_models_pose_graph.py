@@ -20,7 +20,7 @@ from stream_recon.models.loops.pose_graph import (
     optimize,
     to_gtsam,
 )
-from stream_recon.models.similarity import Sim3
+from stream_recon.models.stream.similarity import Sim3
 
 
 def random_sim3(rng: np.random.Generator, translation: float = 5.0) -> Sim3:

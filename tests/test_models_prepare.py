@@ -73,8 +73,8 @@ def test_half_precision_is_refused_on_the_cpu(loaded):
 
 def test_a_model_prepared_without_weights_is_the_loaded_one_prepared_but_zero(loaded):
     """The same modules, parameter names, shapes, dtypes and strides as the loaded checkpoint prepared for
-    the same device and precision, with zero weights; its steps run (models/builds_ahead.py runs them)."""
-    from stream_recon.models.prepare import prepare_without_weights
+    the same device and precision, with zero weights; its steps run (models/stream/builds_ahead.py runs them)."""
+    from stream_recon.models.builds.prepare import prepare_without_weights
 
     real = prepare_for_inference(loaded, "cpu", torch.float32)
     zero = prepare_without_weights(loaded.config, "cpu", torch.float32)
@@ -89,7 +89,7 @@ def test_a_model_prepared_without_weights_is_the_loaded_one_prepared_but_zero(lo
 
 def test_a_model_without_weights_needs_the_device_to_prepare_it_for():
     with torch.device("meta"):
-        from stream_recon.models.gct import GCTStream
+        from stream_recon.models.network.gct import GCTStream
 
         skeleton = GCTStream(ModelConfig.tiny())
     with pytest.raises(ValueError, match="meta device has no weights to place: pass the device"):

@@ -13,9 +13,9 @@ from triton_interpreter import interpret
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[dev]')")
 
-from stream_recon.models import qk_norm_rope  # noqa: E402
-from stream_recon.models.layers import Attention  # noqa: E402
-from stream_recon.models.rope import (  # noqa: E402
+from stream_recon.models.network import qk_norm_rope  # noqa: E402
+from stream_recon.models.network.layers import Attention  # noqa: E402
+from stream_recon.models.network.rope import (  # noqa: E402
     Rope2D,
     Rope3D,
     patch_positions_2d,
@@ -42,7 +42,7 @@ def make_rope(kind: str, frames: int, head_dim: int = HEAD_DIM, device=None) -> 
 SCRIPT = textwrap.dedent("""
     import sys, torch
     import torch.nn.functional as F
-    from stream_recon.models.qk_norm_rope import launch
+    from stream_recon.models.network.qk_norm_rope import launch
     from test_models_qk_norm_rope import HEADS, HEAD_DIM, make_rope
 
     torch.manual_seed(0)

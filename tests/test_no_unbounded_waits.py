@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 STREAM_PATH = [
     "app/pipeline.py", "app/loops.py", "app/writers.py", "app/sources.py", "app/viewer.py",
     "app/background_compile.py", "app/progress.py", "app/loading.py",
-    "models/chunked.py", "models/rollover.py", "models/lookahead.py", "models/engine.py", "models/kernel_builds.py",
-    "models/builds_ahead.py", "models/loops/process.py", "models/child_process.py",
+    "models/stream/chunked.py", "models/stream/rollover.py", "models/stream/lookahead.py", "models/stream/engine.py",
+    "models/stream/builds_ahead.py", "models/builds/kernel_builds.py", "models/loops/process.py",
+    "models/child_process.py",
     "cache/triton_attention.py",
 ]
 # a child's own side of its pipes: its one thread waits for the next message by design

@@ -219,7 +219,7 @@ import torch
 import bench_shapes
 from bench import build_model
 from stream_recon.models import prepare_for_inference
-from stream_recon.models.steps import PipelinedRunner
+from stream_recon.models.stream.steps import PipelinedRunner
 
 assert bench_shapes.parse_heights("280:308:14") == [280, 294, 308], bench_shapes.parse_heights("280:308:14")
 assert bench_shapes.parse_heights("378,392") == [378, 392]

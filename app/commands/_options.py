@@ -25,7 +25,7 @@ from rich.markup import escape
 from stream_recon.app.input_size import PATCH_SIZE
 from stream_recon.app.options import FLAG_NAMES, RunOptions
 from stream_recon.models.checkpoint_names import DEFAULT_CHECKPOINT, KNOWN_CHECKPOINTS
-from stream_recon.models.stream_config import FLOW_THRESHOLD, MAX_GAP
+from stream_recon.models.stream.stream_config import FLOW_THRESHOLD, MAX_GAP
 
 _MODEL = "Model"
 _ENGINE = "Streaming engine"

@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from ..chunks import ChunkLink
-from ..pose import back_project
-from ..prediction import FramePrediction
-from ..similarity import (
+from ..stream.chunks import ChunkLink
+from ..stream.pose import back_project
+from ..stream.prediction import FramePrediction
+from ..stream.similarity import (
     TANGENT_DIM,
     AlignmentError,
     Sim3,

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import gtsam
 import numpy as np
 
-from ..similarity import Sim3
+from ..stream.similarity import Sim3
 from .pose_graph import TANGENT_DIM, LoopEdge, OdometryEdge, PoseGraph, to_gtsam
 
 Uncertain = tuple[Sim3, np.ndarray]  # a transform T and the covariance [7, 7] of e in T @ Exp(e)

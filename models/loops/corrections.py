@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..similarity import Sim3
+from ..stream.similarity import Sim3
 
 # What became of a candidate pair: the geometric check refused it, the 3D agreement of the two chunks'
 # depths refused it, the pose graph rejected it, or the pose graph accepted it (pending: not solved yet).

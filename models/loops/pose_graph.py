@@ -33,7 +33,7 @@ from typing import Any
 import gtsam
 import numpy as np
 
-from ..similarity import Sim3
+from ..stream.similarity import Sim3
 
 TANGENT_DIM = 7  # rotation (3), translation (3), log scale (1): GTSAM's Similarity3 tangent order
 # Node 0's prior: a standard deviation of 1e-6 (odometry's are ~1e-3 and up) holds chunk 0 in place; the

@@ -28,8 +28,8 @@ from dataclasses import replace
 from typing import Any
 
 from ..child_process import MessageInbox, MessageOutbox, read_message, start_child, write_message
-from ..chunks import ChunkLink
-from ..prediction import FramePrediction
+from ..stream.chunks import ChunkLink
+from ..stream.prediction import FramePrediction
 from ..supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
 from .closer import FirstFinalKeyframes, LoopCloser, LoopClosureConfig, keyframe_of
 from .corrections import ChunkCorrections

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compiled code kept between runs (models/compilation.py) on the product path: 518x392, 1,000 frames,
+# Compiled code kept between runs (models/builds/compilation.py) on the product path: 518x392, 1,000 frames,
 # defaults, viewer with a client; one process per run on a fresh machine, each RUNS entry mode:name
 # (mode `kept`: artefacts under ~/.cache/stream-recon/compiled, the first such run compiles and keeps
 # them, later ones load them; mode `usual`: STREAM_RECON_COMPILED="", torch.compile where called).

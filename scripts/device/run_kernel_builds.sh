@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The warm-up's dry pass (models/kernel_builds.py) on a fresh machine: scripts/probe_cold_start.py
+# The warm-up's dry pass (models/builds/kernel_builds.py) on a fresh machine: scripts/probe_cold_start.py
 # uncompiled at 518x$HEIGHT, one process per row, each pair of rows on compile caches of its own that
 # start empty: with the dry pass on empty caches and again on the caches it filled, then the same
 # without it (--no-dry-builds). Every Triton build is listed with its thread. The installed packages'

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The share of the SMs the spare's own kernels may use (models/lookahead.py, SPARE_SM_SHARE; 1: a plain
+# The share of the SMs the spare's own kernels may use (models/stream/lookahead.py, SPARE_SM_SHARE; 1: a plain
 # stream on every SM), on the product path: flow keyframes, 1,000 frames 640x480 -> 518x392, a 4.6 GB
 # checkpoint of the official architecture (synthetic weights), the viewer on with a client. Each run is one
 # process of scripts/trace_rollover.py (its spans around the rollovers and the 3 longest intervals in

@@ -3,7 +3,7 @@
 At a rollover the next chunk predicts its shared frames again: one scale step over the first
 `scale_frames`, then one step per remaining frame, about 16 frames and 180 ms of GPU work at the
 defaults. Done in place, that stops the stream for a quarter of a second or more. With a spare
-engine (models/lookahead.py) the work happens beside the stream instead, in four phases:
+engine (models/stream/lookahead.py) the work happens beside the stream instead, in four phases:
 
     STEADY ──(chunk end known or likely: its shared frames begin)──▶ AHEAD
       │  ▲                                                             │
@@ -32,14 +32,14 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from ..supervision import Deadline
 from . import lookahead
 from .chunks import AlignedFrame, ChunkAlignment, ClosedChunk
 from .engine import StreamingEngine
 from .lookahead import SpareEngine
 from .prediction import FramePrediction
-from .supervision import Deadline
 
-logger = logging.getLogger("stream_recon.models.rollover")
+logger = logging.getLogger("stream_recon.models.stream.rollover")
 
 # While the spare has work for the next chunk, a push of the stream lasts up to PACE times its usual
 # push: the spare has the device alone for the rest. 1.5 left the spare too little device time (46

@@ -25,14 +25,14 @@ from collections.abc import Iterator
 
 import torch
 
-from . import kernel_builds
-from .config import ModelConfig
+from ..builds import kernel_builds
+from ..builds.prepare import prepare_without_weights
+from ..network.config import ModelConfig
+from ..supervision import Deadline
 from .engine import StreamingEngine
-from .prepare import prepare_without_weights
 from .stream_config import StreamConfig
-from .supervision import Deadline
 
-logger = logging.getLogger("stream_recon.models.builds_ahead")
+logger = logging.getLogger("stream_recon.models.stream.builds_ahead")
 
 # The longest the run's first frame waits for the pass: it takes 3.6-4.2 s of a fresh machine's start,
 # most of it while the checkpoint loads, and its builds have BUILDS_WAIT_S of their

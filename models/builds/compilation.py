@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-logger = logging.getLogger("stream_recon.models.compilation")
+logger = logging.getLogger("stream_recon.models.builds.compilation")
 
 # The folder to keep artefacts in; unset or empty: compile where called, as torch.compile does. Not the
 # default: in a new process loading 13 artefacts took 3.9-4.7 s (Triton loading their kernels), no less
@@ -73,34 +73,14 @@ def running_eagerly() -> Iterator[None]:
         _eager.on = previous
 
 
-def operator_for_compiled_code(name: str, fake: Callable) -> Callable[[Callable], Callable]:
-    """Make a function a torch operator `name` (its output's shape given by `fake`) for compiled code
-    only: under torch.compile the call is the operator, which Inductor neither decomposes nor re-splits
-    and fuses around; eager code calls the function itself. An operator's first call imports Dynamo and
-    its needs (~900 modules: 1.1-1.6 s on a fresh machine), which an
-    uncompiled run has no other use for."""
-
-    def wrap(function: Callable) -> Callable:
-        operator = torch.library.custom_op(name, mutates_args=())(function)
-        operator.register_fake(fake)
-
-        @functools.wraps(function)
-        def call(*args: Any) -> Any:
-            return (operator if torch.compiler.is_compiling() else function)(*args)
-
-        return call
-
-    return wrap
-
-
 @functools.cache
 def source_digest() -> str:
     """sha256 of this package's model and cache sources (the code compiled artefacts inline)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     digest = hashlib.sha256()
     for package in _SOURCE_PACKAGES:
-        for path in sorted((root / package).glob("*.py")):
-            digest.update(path.name.encode())
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(path.relative_to(root).as_posix().encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .daemon_pool import DaemonPool
-from .supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
+from ..daemon_pool import DaemonPool
+from ..supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
 
 # Builds at once: eight specializations of the range kernel took 13.0 s one after another and 4.9 s
 # on eight threads (of 16 cores); more threads only queue on the interpreter. A warm-up lists
@@ -45,7 +45,7 @@ BUILDS_AHEAD = HelperPolicy("building kernels ahead", WhenFull.DROP, WhenDown.TU
 # build needs) turns off the dry passes, this module's and models/builds_ahead.py's, and the early builds.
 helper = Helper(BUILDS_AHEAD)
 
-logger = logging.getLogger("stream_recon.models.kernel_builds")
+logger = logging.getLogger("stream_recon.models.builds.kernel_builds")
 
 _listing = threading.local()  # .builds: the DryLaunches of this thread's dry step, if any
 _install_lock = threading.Lock()

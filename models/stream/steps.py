@@ -20,11 +20,11 @@ import torch
 
 from stream_recon.cache import KVCache, TokenCache
 
-from . import kernel_builds
-from .compilation import running_eagerly
-from .gct import GCTStream
+from ..builds import kernel_builds
+from ..builds.compilation import running_eagerly
+from ..builds.prepare import step_precision
+from ..network.gct import GCTStream
 from .graphs import RecordedStep
-from .prepare import step_precision
 from .staging import FrameUpload, HostStaging, Staged, pack_outputs
 
 

@@ -1,7 +1,7 @@
 """The spare engine: the next chunk predicted beside the stream, so that a rollover does not stop it.
 
 A second StreamingEngine driven from a worker thread, on a CUDA stream of its own, takes the next
-chunk's shared frames (models/rollover.py says when) while the current chunk goes on. It runs the
+chunk's shared frames (models/stream/rollover.py says when) while the current chunk goes on. It runs the
 same model steps on the same frames in the same order as a rollover in place, so what it predicts
 is the same. It needs a cache and recorded graphs of its own: it is warmed once on copies of the
 stream's first frame (StreamingEngine.warm_up: its graph is recorded then, never at a rollover). At
@@ -9,7 +9,7 @@ the switch the current engine takes its frames over (a copy of the cache's conte
 milliseconds), so the spare's cache holds only what it takes before then (ChunkedEngine sizes it
 and decides whether there is room). Its CUDA stream has the default priority; the stream's has a
 higher one, so the spare gets what the stream leaves. Its own kernels may use only SPARE_SM_SHARE of the
-SMs (models/sm_partition.py), so that the stream's next kernel finds SMs free; its steps' CUDA graphs,
+SMs (models/stream/sm_partition.py), so that the stream's next kernel finds SMs free; its steps' CUDA graphs,
 recorded on a plain stream, run on every SM wherever they are replayed.
 
 The spare is a helper of the run (models/supervision.py): the stream waits for it SPARE_WAIT_S at most
@@ -26,11 +26,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from .daemon_pool import DaemonPool
+from ..daemon_pool import DaemonPool
+from ..supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
 from .engine import StreamingEngine
 from .prediction import FramePrediction
 from .sm_partition import device_sm_count, partitioned_stream
-from .supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
 
 # The share of the GPU's SMs that the spare's eager kernels (its scale step) may use. Beside the spare's
 # eager scale step on every SM, a stand-in of the stream's step took 2.9x its time alone (51.8 against

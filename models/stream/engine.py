@@ -18,13 +18,13 @@ import torch
 
 from stream_recon.cache import CacheLayout, KVCache, TokenCache, backends
 
-from . import kernel_builds
-from .errors import FrameError, MemoryBudgetError
-from .gct import GCTStream
+from ..builds import kernel_builds
+from ..builds.prepare import require_prepared
+from ..errors import FrameError, MemoryBudgetError
+from ..network.gct import GCTStream
 from .memory import MemoryPlan, plan_memory
 from .pose import camera_motion_flow
 from .prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
-from .prepare import require_prepared
 from .staging import Staged
 from .steps import EagerRunner, choose_runner
 from .stream_config import KeyframePolicy, StreamConfig
@@ -55,7 +55,7 @@ class StreamingEngine:
     """Frames in, predictions out, over a model made ready by `prepare_for_inference`.
 
     A loop of keyframe decisions and cache commits over a step runner chosen once for the stream
-    (models/steps.py: eager, CUDA graphs, or pipelined). `push` and `finish` return the
+    (models/stream/steps.py: eager, CUDA graphs, or pipelined). `push` and `finish` return the
     predictions that are ready, oldest first; a pipelined runner keeps one frame in flight, so a
     push then returns the frame before the one it was given.
     """
@@ -195,7 +195,7 @@ class StreamingEngine:
         """The warm-up's dry pass, before the stream's first frame: uncompiled on CUDA, its steps on copies
         of `image` run with `kernel_builds.dry_launches`, which lists the Triton kernels they would build
         on their first launches and builds them side by side on a pool rather than one at a time
-        (models/kernel_builds.py); then the caches are zeroed. Nothing where it does not pay (returns {}).
+        (models/builds/kernel_builds.py); then the caches are zeroed. Nothing where it does not pay (returns {}).
         Returns "kernel_builds_s" (the pass and the builds it listed), "kernel_builds" (how many) and
         "kernel_builds_wait_s" (of the first, the wait for the builds after the dry steps)."""
         self._check_before_stream("builds its kernels")
@@ -313,7 +313,7 @@ class StreamingEngine:
         return methods.compile if methods is not None else self.model.inference_spec.compiled
 
     def _compiled_code(self) -> dict[str, float] | None:
-        """Compiled calls loaded from kept artefacts and compiled by this process (models/compilation.py);
+        """Compiled calls loaded from kept artefacts and compiled by this process (models/builds/compilation.py);
         None where the model compiles where called, or not at all."""
         methods = getattr(self.model, "compiled_methods", None)
         return None if methods is None else {**methods.counts(), "seconds": round(methods.seconds(), 3)}

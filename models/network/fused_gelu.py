@@ -19,7 +19,7 @@ from torch import nn
 
 from stream_recon.cache.backends import HALF_DTYPES
 
-from .compilation import operator_for_compiled_code
+from .custom_ops import operator_for_compiled_code
 
 
 def _output_like(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

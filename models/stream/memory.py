@@ -43,9 +43,9 @@ from stream_recon.cache import POOL_GROWTH_PAGES as POOL_GROWTH_PAGES
 from stream_recon.cache import SPECIAL_PAGES_AT_START as SPECIAL_PAGES_AT_START
 from stream_recon.cache import CacheLayout, PagedKV, TokenCache, backends, fp8
 
-from .config import ModelConfig
-from .errors import MemoryBudgetError
-from .gct import GCTStream
+from ..errors import MemoryBudgetError
+from ..network.config import ModelConfig
+from ..network.gct import GCTStream
 from .stream_config import StreamConfig
 
 GIB = 2**30
@@ -102,7 +102,7 @@ class MemoryEstimate:
 
     @property
     def another_engine(self) -> int:
-        """What this engine adds beside another over the same model (a chunk's spare, models/lookahead.py,
+        """What this engine adds beside another over the same model (a chunk's spare, models/stream/lookahead.py,
         estimated with its window slots): all but the shared weights, head tables, workspace and CUDA context. Its
         activations count too: it steps on a stream of its own, whose memory the allocator does not share
         with the first engine's."""

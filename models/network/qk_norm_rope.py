@@ -5,7 +5,7 @@ LayerNorm of q and k in float32 and wrote them out in float32 (11 us at the stre
 tokens x 16 heads x 64 channels, 48 calls per frame), a second read them back, applied
 the rotary embedding and cast (5-7 us): ~0.8 ms per frame. Here one program reads a block of (token,
 head) rows of q and of k straight from the qkv projection's output, normalizes them, rotates them
-with the rope's expanded tables (models/rope.py) and writes them once, token-major: 4.1-4.5 us
+with the rope's expanded tables (models/network/rope.py) and writes them once, token-major: 4.1-4.5 us
 instead of 12-13 us per call (probe); the aggregator graph 25.07 -> 24.8 ms per frame (bench, one run).
 
 Numerics are those of the unfused path under autocast: statistics, affine and rotation in float32
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from .compilation import operator_for_compiled_code
+from .custom_ops import operator_for_compiled_code
 from .rope import Rope2D, Rope3D, rotate_expanded
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

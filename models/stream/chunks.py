@@ -4,7 +4,7 @@ A *chunk* is an independent stream of at most `chunk_frames` cached frames (320 
 views per sequence the released checkpoints were trained with) with a fresh cache; "window" means
 only the sliding window of keyframes inside one chunk's cache (cache/). Chunk n+1 starts `overlap`
 frames before the end of chunk n and predicts those frames again (they are its scale frames); the
-shared frames give a similarity (Sim(3), models/similarity.py) that maps chunk n+1 onto the already
+shared frames give a similarity (Sim(3), models/stream/similarity.py) that maps chunk n+1 onto the already
 aligned chunk n, hence into chunk 0's world frame (spec MODEL.md §14).
 
 `ChunkAlignment` is that bookkeeping and nothing else: it takes one chunk's predictions in stream
@@ -26,7 +26,7 @@ from .pose import decode_pose
 from .prediction import FramePrediction
 from .similarity import FrameRatios, Sim3, alignment_frames, estimate_chunk_alignment, overlap_covariance
 
-logger = logging.getLogger("stream_recon.models.chunks")
+logger = logging.getLogger("stream_recon.models.stream.chunks")
 
 TRAINED_VIEWS = 320  # views per sequence the released checkpoints were trained with: the default chunk
 

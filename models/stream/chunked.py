@@ -1,7 +1,7 @@
 """Chunked streaming for streams of unknown length (spec MODEL.md §14).
 
 The model was trained on up to 320 views and its temporal RoPE table stops at 1024 positions, so an
-unbounded stream is cut into chunks, each an independent stream with a fresh cache (models/chunks.py
+unbounded stream is cut into chunks, each an independent stream with a fresh cache (models/stream/chunks.py
 says how their predictions land in one world frame).
 
 Chunks and emissions for 14 frames, scale_frames=3, chunk_frames=6, overlap=3, keyframes all::
@@ -16,7 +16,7 @@ Every frame is emitted when it is first predicted, already in chunk 0's frame. A
 back its predictions of the shared frames until it has predicted all of them (its transform needs
 them); with overlap >= scale_frames that happens inside the `push` of the frame that opened the
 chunk, which then returns the re-predicted shared frames followed by the new one. With a spare
-engine (models/rollover.py), the stream does not wait: until the spare has caught up, the closed
+engine (models/stream/rollover.py), the stream does not wait: until the spare has caught up, the closed
 chunk predicts each new frame once more without caching it and emits it (`provisional`), and the
 spare's predictions follow a few pushes later, the same final emissions in the same order as in
 place. The last emission of every frame_index is the reference's stitched result: the shared frames
@@ -37,10 +37,11 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from ..network.gct import GCTStream
+from ..supervision import Deadline
 from . import lookahead as lookahead_module
 from .chunks import TRAINED_VIEWS, ChunkAlignment, ChunkLink
 from .engine import StreamingEngine
-from .gct import GCTStream
 from .lookahead import SpareEngine
 from .memory import CUDA_CONTEXT_BYTES, WORKSPACE_BYTES, estimate_memory, format_bytes
 from .prediction import FramePrediction
@@ -54,9 +55,8 @@ from .rollover import (
     Rollover,
 )
 from .stream_config import StreamConfig
-from .supervision import Deadline
 
-logger = logging.getLogger("stream_recon.models.chunked")
+logger = logging.getLogger("stream_recon.models.stream.chunked")
 
 # A flow chunk's spare starts before the rollover, where the chunk would close if every frame from then
 # on were a keyframe, once at least DENSE_KEYFRAMES of the last KEYFRAME_RATE_FRAMES frames were. Started
@@ -87,7 +87,7 @@ class ChunkedEngine:
     Same interface as StreamingEngine; predictions carry `chunk_index`, and a frame predicted by
     two chunks is emitted twice (the later emission is final).
 
-    `lookahead`: predict the next chunk on a spare engine beside the stream (models/rollover.py),
+    `lookahead`: predict the next chunk on a spare engine beside the stream (models/stream/rollover.py),
     so that a rollover does not stop it. None: where it helps and fits (a CUDA device, steps replayed
     as graphs, room for a second engine); True: also elsewhere (no gain on a CPU; for tests); False:
     never. The last emission of every frame, and the order of the final ones, are the same either way.
@@ -379,7 +379,7 @@ class ChunkedEngine:
 
         In place, the new chunk predicts the shared frames now. With a spare, the spare holds them
         (taken ahead, or handed over now), the closed chunk predicts this frame provisionally, and
-        the spare takes over once it has caught up (models/rollover.py).
+        the spare takes over once it has caught up (models/stream/rollover.py).
         """
         closed_cached = self.engine.num_keyframes
         self._keyframe_counts.clear()  # the next chunk counts its own

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from .compilation import operator_for_compiled_code
+from .custom_ops import operator_for_compiled_code
 
 # Largest magnitude float16 holds; a weight beyond it keeps its layer in float32.
 FLOAT16_MAX = 65504.0

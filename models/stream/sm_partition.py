@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-logger = logging.getLogger("stream_recon.models.sm_partition")
+logger = logging.getLogger("stream_recon.models.stream.sm_partition")
 
 _RESOURCE_TYPE_SM = 1  # CU_DEV_RESOURCE_TYPE_SM
 _GREEN_CTX_DEFAULT_STREAM = 0x1  # CU_GREEN_CTX_DEFAULT_STREAM: required by cuGreenCtxCreate

@@ -15,7 +15,7 @@ order. What preparing does, and why each step belongs here rather than in the en
   kernel, the range kernel past it (at three programs per SM on 132 SMs, frames over 1,024 tokens);
 - channels-last DPT convolutions (cuDNN's NHWC kernels);
 - torch.compile of the blocks' halves and both heads' pure parts (CUDA), each call signature
-  compiled once and kept under an artefact folder when one is given (models/compilation.py).
+  compiled once and kept under an artefact folder when one is given (models/builds/compilation.py).
 
 The engine takes only prepared models (`inference_spec`), and refuses one prepared for another
 device or precision, so nothing downstream ever converts a model it was handed.
@@ -32,10 +32,10 @@ import torch
 from stream_recon.cache.backends import HALF_DTYPES, unavailable_reason
 from stream_recon.cache.packages import importable
 
+from ..network.config import ModelConfig
+from ..network.fused_gelu import fuse_mlp_gelu
+from ..network.gct import GCTStream
 from .compilation import CompiledMethods
-from .config import ModelConfig
-from .fused_gelu import fuse_mlp_gelu
-from .gct import GCTStream
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def prepare_for_inference(model: GCTStream, device: str | torch.device | None = 
     device: None keeps the model's. dtype: float32 anywhere; bf16/fp16 on CUDA only. compile:
     None compiles on CUDA (the first frames then take longer, later ones less), never on the CPU.
     artefacts: a folder where the compiled code is kept, so that a later run of the same input size
-    loads it instead of compiling (models/compilation.py); None: compiled in memory, where called.
+    loads it instead of compiling (models/builds/compilation.py); None: compiled in memory, where called.
     half_camera_weights: on CUDA in bf16/fp16 with triton, store the camera head's large weights in
     float16 (its arithmetic stays float32). Weights that need no conversion are shared with
     `model` (no copy); nothing writes to them.
@@ -83,7 +83,7 @@ def prepare_for_inference(model: GCTStream, device: str | torch.device | None = 
     if half:
         fuse_mlp_gelu(prepared.aggregator)
         if half_camera_weights and importable("triton"):
-            from .few_token_linear import store_weights_in_half
+            from ..network.few_token_linear import store_weights_in_half
 
             half_camera = store_weights_in_half(prepared.camera_head) > 0
     if half and on_cuda and unavailable_reason("dense-triton", device, dtype) is None:
@@ -108,7 +108,7 @@ def prepare_without_weights(config: ModelConfig, device: str | torch.device,
     """A model of `config` prepared as `prepare_for_inference` prepares a loaded one for `device` and
     `dtype` (uncompiled), but with zero weights, before any checkpoint is read: the same modules and
     the same shapes, strides and kernels in its steps. Its predictions mean nothing; it runs a step's
-    code ahead of the real model (models/builds_ahead.py). Zero rather than uninitialised memory, so
+    code ahead of the real model (models/stream/builds_ahead.py). Zero rather than uninitialised memory, so
     that nothing it computes depends on what the allocator last held."""
     with torch.device("meta"):
         skeleton = GCTStream(config)
@@ -199,7 +199,7 @@ def use_range_kernel_for_frames(module: torch.nn.Module) -> int:
     at three programs per SM takes 23. Returns the number of modules changed."""
     from stream_recon.cache.triton_attention import attend_frame
 
-    from .layers import Attention
+    from ..network.layers import Attention
 
     modules = [m for m in module.modules() if isinstance(m, Attention)]
     for attention in modules:
@@ -216,7 +216,7 @@ def compile_blocks(model: torch.nn.Module, methods: CompiledMethods | None = Non
     `methods`: compiled ahead of time and kept there (None: torch.compile where first called).
     Returns the number of blocks compiled.
     """
-    from .layers import Block
+    from ..network.layers import Block
 
     dynamo = torch._dynamo.config
     # Block kinds x input shapes (scale frames, streaming frame) exceed the default of 8.

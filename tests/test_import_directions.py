@@ -1,0 +1,196 @@
+"""Which part of the package may import which: app -> models -> cache, and inside models/ its rooms.
+
+Every module's imports (absolute and relative, at the top or inside a function) are read with `ast`,
+without importing anything. The rooms of models/ (docs/ARCHITECTURE.md has the map):
+
+    network   the model's modules and heads          imports nothing of builds, stream, loops, app
+    builds    preparing, compiled code, kernels      imports nothing of stream, loops, app
+    stream    engine, steps, chunks, rollover, ...   imports nothing of loops, app
+    loops     loop closure                           imports nothing of network, builds, app
+
+models/ imports nothing of the app, the cache nothing of models/ or the app, and the app nothing of the
+cache (what it needs of the backend table is models/attention_backends.py). The modules left at models/'s
+top are shared: they import no room, except checkpoint, which builds the network.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ROOMS = ("network", "builds", "stream", "loops")
+FORBIDDEN = {
+    "network": {"builds", "stream", "loops", "app"},
+    "builds": {"stream", "loops", "app"},
+    "stream": {"loops", "app"},
+    "loops": {"network", "builds", "app"},
+    "models": {"app"},  # every module of models/, a room's or the top's
+    "cache": {"models", "app"},
+    "app": {"cache"},
+}
+TOP_MAY_IMPORT = {"checkpoint": {"network"}}  # every other module at models/'s top: no room
+MAX_TOP_MODULES = 10  # `ls models/*.py | wc -l`, __init__.py included
+
+
+def lazy_homes() -> dict[str, str]:
+    """models/__init__.py's _HOMES (name -> its module under models/), read without importing it."""
+    tree = ast.parse((REPO / "models" / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_HOMES" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("models/__init__.py has no _HOMES")
+
+
+def area(dotted: str) -> str:
+    """'app', 'cache', 'configs', a room's name, 'top:<module>' for a module at models/'s top, or 'models'
+    for the package itself."""
+    parts = dotted.split(".")
+    if parts[0] != "models":
+        return parts[0]
+    if len(parts) == 1:
+        return "models"
+    return parts[1] if parts[1] in ROOMS else f"top:{parts[1]}"
+
+
+def imported_areas(path: Path) -> list[tuple[int, str, str]]:
+    """(line, what the source says, the area it reaches) for each import of stream_recon in `path`."""
+    relative = path.relative_to(REPO).with_suffix("")
+    module = ".".join(relative.parts[:-1] if relative.name == "__init__" else relative.parts)
+    package = module if relative.name == "__init__" else module.rpartition(".")[0]
+    homes = lazy_homes()
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name.removeprefix("stream_recon.") for alias in node.names
+                       if alias.name.startswith("stream_recon.")]
+            found += [(node.lineno, f"import stream_recon.{target}", area(target)) for target in targets]
+            continue
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            source = "." * node.level + (node.module or "")
+            target = ".".join(base + ([node.module] if node.module else []))
+        elif node.module and (node.module == "stream_recon" or node.module.startswith("stream_recon.")):
+            source = node.module
+            target = node.module.removeprefix("stream_recon").lstrip(".")
+        else:
+            continue
+        for alias in node.names:
+            reached = area(target) if target else area(alias.name)
+            if reached == "models":  # `from stream_recon.models import X`: a room, a module, or a lazy name
+                if alias.name in ROOMS or (REPO / "models" / f"{alias.name}.py").exists():
+                    reached = area(f"models.{alias.name}")
+                elif alias.name in homes:
+                    reached = area(f"models.{homes[alias.name]}")
+            found.append((node.lineno, f"from {source} import {alias.name}", reached))
+    return found
+
+
+def modules(folder: str) -> list[Path]:
+    return sorted((REPO / folder).rglob("*.py"))
+
+
+def where(path: Path) -> list[str]:
+    """The keys of FORBIDDEN and TOP_MAY_IMPORT that govern `path`."""
+    parts = path.relative_to(REPO).parts
+    if parts[0] != "models":
+        return [parts[0]]
+    return ["models", parts[1]] if parts[1] in ROOMS else ["models", f"top:{path.stem}"]
+
+
+def violations(paths: list[Path]) -> list[str]:
+    """'file:line: the import (the rule it breaks)' for each import against the directions."""
+    found = []
+    for path in paths:
+        for line, source, reached in imported_areas(path):
+            for key in where(path):
+                if key.startswith("top:"):
+                    allowed = TOP_MAY_IMPORT.get(key.removeprefix("top:"), set())
+                    if key != "top:__init__" and reached in ROOMS and reached not in allowed:
+                        rule = f"a module at models/'s top imports no room{' but ' if allowed else ''}" + \
+                               ", ".join(sorted(allowed))
+                        found.append(f"{path.relative_to(REPO)}:{line}: {source} ({rule})")
+                        break
+                    continue
+                forbidden = FORBIDDEN.get(key, set())
+                in_models = reached == "models" or reached in ROOMS or reached.startswith("top:")
+                if reached in forbidden or (in_models and "models" in forbidden):
+                    what = reached if reached in forbidden else "models"
+                    found.append(f"{path.relative_to(REPO)}:{line}: {source} ({key} imports nothing of {what})")
+                    break  # one rule per import is enough to name
+    return found
+
+
+def test_every_module_imports_only_in_the_allowed_directions() -> None:
+    assert violations([*modules("models"), *modules("app"), *modules("cache")]) == []
+
+
+@pytest.mark.parametrize("source, placed, expected", [
+    ("from ..stream.engine import StreamingEngine", "models/network/gct.py", "network imports nothing of stream"),
+    ("from .. import StreamingEngine", "models/network/gct.py", "network imports nothing of stream"),
+    ("from ..builds import kernel_builds", "models/network/layers.py", "network imports nothing of builds"),
+    ("from stream_recon.models.loops.closer import LoopCloser", "models/stream/engine.py",
+     "stream imports nothing of loops"),
+    ("from ..stream.engine import StreamingEngine", "models/builds/prepare.py", "builds imports nothing of stream"),
+    ("from stream_recon.app.options import RunOptions", "models/stream/chunked.py",
+     "models imports nothing of app"),
+    ("from ..network import gct", "models/loops/closer.py", "loops imports nothing of network"),
+    ("from stream_recon.cache import backends", "app/options.py", "app imports nothing of cache"),
+    ("import stream_recon.cache.backends", "app/options.py", "app imports nothing of cache"),
+    ("from stream_recon.models.errors import FrameError", "cache/backends.py", "cache imports nothing of models"),
+    ("from ..models import StreamConfig", "cache/backends.py", "cache imports nothing of models"),
+    ("from .stream.engine import StreamingEngine", "models/supervision.py", "models/'s top imports no room"),
+])
+def test_a_forbidden_import_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, placed: str,
+                                      expected: str) -> None:
+    """The check itself: one forbidden line added to a real module fails it."""
+    copy = tmp_path / placed
+    copy.parent.mkdir(parents=True)
+    copy.write_text(f"{(REPO / placed).read_text()}\n\ndef later():\n    {source}\n")
+    (tmp_path / "models").mkdir(exist_ok=True)
+    for name in ("__init__.py", "errors.py"):  # what area() and lazy_homes() read
+        if not (tmp_path / "models" / name).exists():
+            (tmp_path / "models" / name).write_text((REPO / "models" / name).read_text())
+    monkeypatch.setitem(globals(), "REPO", tmp_path)
+    found = violations([copy])
+    assert len(found) == 1 and expected in found[0], found
+
+
+def test_models_top_keeps_at_most_ten_modules() -> None:
+    top = sorted(path.name for path in (REPO / "models").glob("*.py"))
+    assert len(top) <= MAX_TOP_MODULES, f"{len(top)} modules at models/'s top: {top}; put new ones in a room"
+
+
+@pytest.mark.parametrize("room", ROOMS)
+def test_each_room_says_what_it_owns_and_what_it_may_import(room: str) -> None:
+    docstring = ast.get_docstring(ast.parse((REPO / "models" / room / "__init__.py").read_text())) or ""
+    assert re.search(r"\bimport", docstring, re.IGNORECASE), f"models/{room}/__init__.py: what may it import?"
+    if room == "loops":  # its docstring names what it imports from the rest of models/ in its own words
+        return
+    may = re.search(r"^May import: (.+?)$", docstring, re.MULTILINE | re.DOTALL)
+    nothing = re.search(r"^Imports nothing of: (.+?)\.$", docstring, re.MULTILINE)
+    assert may and nothing, f"models/{room}/__init__.py: a 'May import:' and an 'Imports nothing of:' line"
+    assert set(nothing.group(1).split(", ")) == FORBIDDEN[room]
+
+
+def test_the_lazy_names_of_models_point_at_their_homes() -> None:
+    for name, home in lazy_homes().items():
+        assert hasattr(importlib.import_module(f"stream_recon.models.{home}"), name), (name, home)
+
+
+def test_every_package_folder_is_in_the_wheel() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    settings = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {f"stream_recon.{package}": folder for package, folder in
+               ((name.removeprefix("stream_recon."), folder) for name, folder in settings["package-dir"].items())}
+    found = {
+        ".".join([name, *init.parent.relative_to(REPO / folder).parts])
+        for name, folder in folders.items() for init in (REPO / folder).rglob("__init__.py")
+    }
+    assert found - set(settings["packages"]) == set()
