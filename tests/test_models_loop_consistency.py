@@ -97,3 +97,22 @@ def test_with_pairwise_consistency_the_graph_still_rejects_subtle_false_loops_an
     set's solution; every subtle false loop is rejected and the true ones are accepted."""
     false_rejected, true_accepted = judged("TUM fr1_xyz", range(3), PoseGraphSettings(pairwise_consistency=True))
     assert false_rejected == 1.0 and true_accepted >= 0.95, (false_rejected, true_accepted)
+
+
+def test_a_streams_solves_reuse_the_pairs_already_judged(monkeypatch) -> None:
+    """The closer solves after every new loop: the cycle chi2 of the pairs judged before are kept (by loop
+    id), so a solve with one loop more computes only that loop's pairs, with the same verdicts."""
+    from stream_recon.models.loops import consistency
+
+    scenario = subtle_scenario("TUM fr1_xyz", 0)
+    loops = scenario.graph.loops
+    earlier = type(scenario.graph)(scenario.graph.odometry, loops[:-1])
+    known: dict = {}
+    optimize(earlier, PoseGraphSettings(), known)
+    assert len(known) == len(earlier.loops) * (len(earlier.loops) - 1) // 2
+    computed = []
+    real_cycle_chi2 = consistency.cycle_chi2
+    monkeypatch.setattr(consistency, "cycle_chi2", lambda *args: computed.append(1) or real_cycle_chi2(*args))
+    reused = optimize(scenario.graph, PoseGraphSettings(), known)
+    assert len(computed) == len(loops) - 1  # the new loop against each earlier one
+    assert reused.accepted_ids == optimize(scenario.graph, PoseGraphSettings()).accepted_ids

@@ -268,11 +268,12 @@ def graph_of(links: Sequence[ChunkLink], loops: Sequence[LoopEdge]) -> PoseGraph
     return PoseGraph(odometry, [loop for loop in loops if max(loop.first, loop.second) <= len(odometry)])
 
 
-def solve(links: Sequence[ChunkLink], loops: Sequence[LoopEdge],
-          settings: PoseGraphSettings = PoseGraphSettings()) -> tuple[PoseGraph, PoseGraphResult]:
-    """The graph of `graph_of` and its solution (pose_graph.optimize)."""
+def solve(links: Sequence[ChunkLink], loops: Sequence[LoopEdge], settings: PoseGraphSettings = PoseGraphSettings(),
+          cycle_chi2: dict | None = None) -> tuple[PoseGraph, PoseGraphResult]:
+    """The graph of `graph_of` and its solution (pose_graph.optimize; `cycle_chi2` kept between the solves of
+    one stream, whose links and loops only grow)."""
     graph = graph_of(links, loops)
-    return graph, optimize(graph, settings)
+    return graph, optimize(graph, settings, cycle_chi2)
 
 
 def corrections_from_solve(graph: PoseGraph, result: PoseGraphResult, records: Sequence[LoopRecord] = (),
@@ -324,6 +325,7 @@ class LoopCloser:
         self._points: dict[int, _KeyframePoints] = {}
         self._loops: list[LoopRecord] = []
         self._edges: list[LoopEdge] = []
+        self._cycle_chi2: dict = {}  # pairwise consistency's figures, kept between solves (consistency.py)
         self.corrections = ChunkCorrections({})
         self.timings = _Timings()
 
@@ -406,7 +408,7 @@ class LoopCloser:
         return alignment.passed
 
     def _solve(self) -> ChunkCorrections:
-        graph, result = solve(self._links, self._edges)
+        graph, result = solve(self._links, self._edges, cycle_chi2=self._cycle_chi2)
         self.timings.add("pose_graph", result.seconds * 1000.0)
         self.corrections = corrections_from_solve(graph, result, self._loops, self.corrections.version + 1)
         return self.corrections

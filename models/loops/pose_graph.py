@@ -314,23 +314,26 @@ def _loop_chi2(loops: Sequence[LoopEdge], world_from_chunk: Sequence[Sim3]) -> l
     return [2.0 * _loop_factor(loop).error(values) for loop in loops]
 
 
-def _pairwise_consistent(graph: PoseGraph, settings: PoseGraphSettings) -> list[int]:
+def _pairwise_consistent(graph: PoseGraph, settings: PoseGraphSettings, known: dict | None) -> list[int]:
     """The loops (indices) that GNC is to judge: a largest pairwise-consistent set, or all of them."""
     if not settings.pairwise_consistency:
         return list(range(len(graph.loops)))
     from .consistency import consistent_loops  # (consistency.py builds on this module's edges)
 
-    return consistent_loops(graph, settings.consistency_probability)
+    return consistent_loops(graph, settings.consistency_probability, known)
 
 
-def optimize(graph: PoseGraph, settings: PoseGraphSettings = PoseGraphSettings()) -> PoseGraphResult:
-    """The corrected world-from-chunk of every chunk and a verdict on every loop edge."""
+def optimize(graph: PoseGraph, settings: PoseGraphSettings = PoseGraphSettings(),
+             cycle_chi2: dict | None = None) -> PoseGraphResult:
+    """The corrected world-from-chunk of every chunk and a verdict on every loop edge. `cycle_chi2`: the
+    pairwise-consistency figures of an earlier solve of a graph that this one extends (consistency.py's
+    CycleChi2Cache), reused and filled in; loop ids must then name the same loops."""
     start = time.perf_counter()
     chain = open_chain(graph.odometry)
     counter = [0]  # Levenberg-Marquardt iterations, counted by GTSAM's iteration hook
     weights = np.zeros(len(graph.loops))
     accepted: list[int] = []
-    consistent = _pairwise_consistent(graph, settings)
+    consistent = _pairwise_consistent(graph, settings, cycle_chi2)
     poses = chain
     if consistent:
         judged = PoseGraph(graph.odometry, [graph.loops[i] for i in consistent])
