@@ -75,8 +75,8 @@ class LoopClosureConfig:
     keyframes_in_flight: int = 8
     # Which keyframes are indexed (coverage.py): one when at least `index_spacing` frames have passed since
     # the last indexed one. 16 frames are 0.4 s at 40 FPS, 20 keyframes a 320-frame chunk: a revisit the
-    # camera spends half a second in gets a query. Detection takes 60-95 ms a keyframe (H100/H200
-    # machines), so at 40 FPS the child is busy a quarter of the time on one core, where indexing every
+    # camera spends half a second in gets a query. Detection takes 60-95 ms a keyframe on the GPU machines'
+    # CPU cores, so at 40 FPS the child is busy a quarter of the time on one core, where indexing every
     # keyframe it could take (1 in 3-5 of a 40-FPS stream's) kept it busy all the time.
     index_spacing: int = 16
     # Detection that cannot keep up (a due keyframe finds `keyframes_in_flight` unanswered) doubles the

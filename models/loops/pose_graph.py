@@ -166,8 +166,8 @@ class PoseGraphSettings:
     # Before GNC, keep only a largest set of loops that are pairwise consistent through the odometry
     # (consistency.py, PCM): a false loop must then agree with every kept one. On, since loop edges carry
     # their fits' covariances (docs/loop_closure.md): a false loop far from the truth (>= 50 m on KITTI 00)
-    # is then so far outside its sigmas that GNC alone, started from the drifted chain, turned away 60 % of
-    # the true loops with it; PCM removes it first.
+    # is then so far outside its sigmas that GNC alone, started from the drifted chain, turned away 70 % of
+    # the true loops with it (10 seeds); PCM removes it first.
     pairwise_consistency: bool = True
     # Two loops are consistent while their cycle's chi2 stays under this quantile (7 dof: 0.999 is 24.32).
     # Looser than the inlier bound: with ~20 true loops there are ~200 pairs, and at 0.99 two or three of them
