@@ -153,8 +153,11 @@ def loop_consistency_figures(tmp_path: Path) -> dict[str, float]:
     for line in printed.splitlines():
         if "|" in line and "false rejected" in line:
             case, label, _ = (part.strip() for part in line.split("|"))
-            figures[f"{case}, {label}: ATE corrected / open"] = number_after(r"ATE corrected/open ([\d.e+-]+)", line)
-    assert len(figures) == 6, printed  # three cases, with and without PCM
+            figures[f"{case}, {label}: ATE corrected / open"] = number_after(r"ATE corrected/open median ([\d.e+-]+)",
+                                                                             line)
+            figures[f"{case}, {label}: with / without false loops"] = number_after(
+                r"with/without false loops max ([\d.e+-]+)", line)
+    assert len(figures) == 12, printed  # three cases, with and without PCM, two figures each
     return finite(figures)
 
 
