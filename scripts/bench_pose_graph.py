@@ -6,8 +6,8 @@
 
 Real trajectories (tests/loop_scenarios.py, the same set-up as tests/test_models_pose_graph.py): KITTI 00
 and TUM fr1_xyz from evo's sdist (tests/evo_data.py fetches it, or STREAM_RECON_EVO_DATA names it), cut into
-chunks of 320 frames (16 shared), odometry with ~1 degree / 2 % / 1 % of path noise, a loop at every revisit,
-20 % false loops; several seeds. Timings: synthetic chunk chains (a random walk, a loop per ten chunks to a chunk
+chunks of 320 frames (16 shared), odometry with ~1 degree / 2 % / 1 % of path noise, loops at every revisit
+(fits with their own covariances, as the stream makes them), 20 % false loops; several seeds. Timings: synthetic chunk chains (a random walk, a loop per ten chunks to a chunk
 up to 50 before it, 20 % of loops false) solved by `optimize` (GNC and the check) and by plain Levenberg-Marquardt in GTSAM, and,
 with --pypose, by pypose's dense Levenberg-Marquardt.
 """
@@ -44,11 +44,13 @@ from stream_recon.models.stream.similarity import Sim3  # noqa: E402
 KITTI_NO_REVISITS = slice(620, 3240)  # as in tests/test_models_pose_graph.py
 
 
-def real_trajectory(name: str, truth: np.ndarray, seeds: int, revisit: float, false_distance: float) -> None:
+def real_trajectory(name: str, truth: np.ndarray, seeds: int, revisit: float, false_distance: float,
+                    scene_depth: float) -> None:
     ratios, opens, corrected, times = [], [], [], []
     false_rejected = false_total = true_accepted = true_total = 0
     for seed in range(seeds):
-        scenario = make_scenario(truth, seed, revisit_radius=revisit, false_min_distance=false_distance)
+        scenario = make_scenario(truth, seed, revisit_radius=revisit, false_min_distance=false_distance,
+                                 scene_depth=scene_depth)
         result = optimize(scenario.graph)
         accepted = set(result.accepted_ids)
         opens.append(scenario.ate(open_chain(scenario.graph.odometry)))
@@ -76,7 +78,8 @@ def no_revisit_stretch(kitti: np.ndarray, seeds: int) -> None:
     offered = sum(len(range(a + 2, len(ranges))) for a in range(len(ranges)))
     accepted = identical = 0
     for seed in range(seeds):
-        scenario = make_scenario(stretch, seed, revisit_radius=5.0, false_min_distance=50.0, false_loops=offered)
+        scenario = make_scenario(stretch, seed, revisit_radius=5.0, false_min_distance=50.0, scene_depth=15.0,
+                                 false_loops=offered)
         result = optimize(scenario.graph)
         accepted += len(result.accepted_ids)
         chain = open_chain(scenario.graph.odometry)
@@ -206,9 +209,9 @@ def main() -> None:
     kitti = read_kitti_poses(data / "KITTI_00_gt.txt")
     if args.seeds == 0:
         return timings(args.sizes, args.pypose)
-    real_trajectory("KITTI 00", kitti, args.seeds, revisit=5.0, false_distance=50.0)
+    real_trajectory("KITTI 00", kitti, args.seeds, revisit=5.0, false_distance=50.0, scene_depth=15.0)
     real_trajectory("TUM fr1_xyz", read_tum_poses(data / "freiburg1_xyz-groundtruth.txt"), max(1, args.seeds // 4),
-                    revisit=0.05, false_distance=0.2)
+                    revisit=0.05, false_distance=0.2, scene_depth=1.0)
     no_revisit_stretch(kitti, max(1, args.seeds // 4))
     timings(args.sizes, args.pypose)
 

@@ -6,6 +6,14 @@ sees its frames in coordinates of its own (its first camera, at a scale of its o
 does); odometry edges are the true chunk-to-chunk Sim(3) with noise drawn from the sigmas they declare,
 so the open chain drifts; loop edges join chunks that really revisit a place (from the ground truth), and
 false loops claim that two places far apart are one.
+
+A loop edge is made as the stream makes one (models/loops/closer.py): two keyframes' points, each seen
+through the depth model that `loop_covariance` states (per point 0.5 % of the depth along the ray and 0.2 %
+across it; per keyframe its whole depth map scaled by ~2 % and its orientation off by ~1e-3 rad), placed
+in the open chain's world, fitted by `align_loop` and turned into an edge with the fit's own covariance by
+`loop_edge`. A revisit gives up to `keyframe_pairs` independent keyframe pairs (query keyframes
+INDEX_SPACING frames apart, as the stream indexes them); a false loop is a fit as clean as a true one,
+of points that the query saw elsewhere.
 """
 
 from __future__ import annotations
@@ -17,7 +25,8 @@ import gtsam
 import numpy as np
 
 from stream_recon.app.rundir import read_tum
-from stream_recon.models.loops.pose_graph import LoopEdge, OdometryEdge, PoseGraph, from_gtsam
+from stream_recon.models.loops.closer import LoopClosureConfig, _KeyframePoints, align_loop, loop_edge
+from stream_recon.models.loops.pose_graph import LoopEdge, OdometryEdge, PoseGraph, from_gtsam, open_chain
 from stream_recon.models.stream.similarity import Sim3, umeyama
 
 CHUNK_FRAMES = 320  # the engine's window
@@ -34,6 +43,40 @@ def read_kitti_poses(path: Path) -> np.ndarray:
 
 def read_tum_poses(path: Path) -> np.ndarray:
     return read_tum(path)[1]
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """A real trajectory of evo's test data and how its scenarios are set up, in its units."""
+
+    file: str
+    step: int  # every step-th pose: about a camera's rate
+    revisit_radius: float  # two chunks revisit a place when frames of each come this close
+    scene_depth: float  # the depth of what the camera sees
+    false_min_distance: float  # a gross false loop joins frames at least this far apart
+
+    @property
+    def subtle_shift(self) -> tuple[float, float]:
+        """A subtle false loop's error: 10-20 % of the scene's depth."""
+        return 0.1 * self.scene_depth, 0.2 * self.scene_depth
+
+    def poses(self, data_dir: Path) -> np.ndarray:
+        path = data_dir / self.file
+        poses = read_kitti_poses(path) if self.file.startswith("KITTI") else read_tum_poses(path)
+        return poses[:: self.step]
+
+
+TRAJECTORIES = {
+    # a car in streets ~15 m deep, driving past the same places several times (15 chunks, 12 revisited pairs)
+    "KITTI 00": Trajectory("KITTI_00_gt.txt", 1, revisit_radius=5.0, scene_depth=15.0, false_min_distance=50.0),
+    # a hand-held camera over a desk ~1 m away, moving back and forth (10 chunks of its 100 Hz ground truth,
+    # 29 revisited pairs)
+    "TUM fr1_xyz": Trajectory("freiburg1_xyz-groundtruth.txt", 1, revisit_radius=0.05, scene_depth=1.0,
+                              false_min_distance=0.2),
+    # a camera circling a desk ~1.5 m away (its ground truth at ~70 Hz: 23 chunks, 22 revisited pairs)
+    "TUM fr2_desk": Trajectory("fr2_desk_groundtruth.txt", 3, revisit_radius=0.5, scene_depth=1.5,
+                               false_min_distance=1.0),
+}
 
 
 def chunk_ranges(num_frames: int, size: int = CHUNK_FRAMES, overlap: int = OVERLAP_FRAMES) -> list[tuple[int, int]]:
@@ -60,7 +103,13 @@ class Noise:
 
 
 ODOMETRY_NOISE = Noise(rotation_deg=1.0, log_scale=0.02, translation_fraction=0.01)  # the brief's drift per chunk
-LOOP_NOISE = Noise(rotation_deg=0.25, log_scale=0.005, translation_fraction=0.0025)  # a quarter of it
+LOOP_NOISE = Noise(rotation_deg=0.25, log_scale=0.005, translation_fraction=0.0025)  # the synthetic chains' loops
+
+LOOP_CONFIG = LoopClosureConfig()  # the stream's verification and covariance
+INDEX_SPACING = LOOP_CONFIG.index_spacing  # frames between two indexed keyframes of the stream
+FIT_POINTS = 80  # agreeing points behind a typical loop's inlier matches
+POINT_DEPTH_NOISE = 0.005  # of a point's depth, along its ray
+POINT_LATERAL_NOISE = 0.002  # of a point's depth, across its ray: about a pixel at a 500 px focal length
 
 
 def perturbed(transform: Sim3, sigmas: np.ndarray, rng: np.random.Generator) -> Sim3:
@@ -120,41 +169,98 @@ def revisits(truth: np.ndarray, ranges: list[tuple[int, int]], radius: float) ->
     return found
 
 
-def _false_loop(truth: np.ndarray, ranges: list[tuple[int, int]], world_from_chunk: tuple[Sim3, ...],
-                pair: tuple[int, int], min_distance: float, rng: np.random.Generator) -> Sim3:
-    """a_from_b that takes a random frame of b onto a random frame of a at least `min_distance` away,
-    as a place recognised wrongly would: both cameras put at one place with one orientation."""
+def keyframe_pairs(truth: np.ndarray, ranges: list[tuple[int, int]], pair: tuple[int, int], radius: float,
+                   count: int) -> list[tuple[int, int]]:
+    """Up to `count` (a's frame, b's frame) pairs of a revisit, closest first, within `radius` of each other:
+    b's frames at least INDEX_SPACING apart (keyframes the stream indexes), a's frames all different."""
+    a, b = pair
+    positions = truth[:, :3, 3]
+    frames_a, frames_b = np.arange(*ranges[a]), np.arange(*ranges[b])
+    distances = np.linalg.norm(positions[frames_b][:, None] - positions[frames_a][None], axis=2)
+    nearest = np.argmin(distances, axis=1)
+    chosen: list[tuple[int, int]] = []
+    for i in np.argsort(distances[np.arange(len(frames_b)), nearest], kind="stable"):
+        if len(chosen) == count or distances[i, nearest[i]] > radius:
+            break
+        frame_a, frame_b = int(frames_a[nearest[i]]), int(frames_b[i])
+        if all(abs(frame_b - other_b) >= INDEX_SPACING and frame_a != other_a for other_a, other_b in chosen):
+            chosen.append((frame_a, frame_b))
+    return chosen
+
+
+def observed(rng: np.random.Generator, points: np.ndarray, centre: np.ndarray,
+             config: LoopClosureConfig = LOOP_CONFIG) -> np.ndarray:
+    """What a keyframe at `centre` puts at `points` [n, 3]: per-point depth and ray errors, then its whole
+    view scaled and turned about its camera, as `loop_covariance` states."""
+    offsets = points - centre
+    distance = np.linalg.norm(offsets, axis=1, keepdims=True)
+    ray = offsets / distance
+    lateral = rng.normal(0, POINT_LATERAL_NOISE, points.shape) * distance
+    lateral -= np.sum(lateral * ray, axis=1, keepdims=True) * ray
+    noisy = offsets * (1 + rng.normal(0, POINT_DEPTH_NOISE, (len(points), 1))) + lateral
+    turn = from_gtsam(gtsam.Similarity3.Expmap(np.concatenate([rng.normal(0, config.keyframe_rotation_sigma, 3),
+                                                               np.zeros(4)]))).rotation
+    return centre + np.exp(rng.normal(0, config.keyframe_depth_scale_sigma)) * noisy @ turn.T
+
+
+def fitted_loop(loop_id: str, truth: np.ndarray, pair: tuple[int, int], frames: tuple[int, int],
+                true_world_from_chunk: tuple[Sim3, ...], chain: tuple[Sim3, ...], scene_depth: float,
+                rng: np.random.Generator, seen_instead: Sim3 = Sim3.identity()) -> LoopEdge:
+    """The loop edge the stream makes from keyframes `frames` (a's, b's) of chunks `pair`: FIT_POINTS points
+    in front of a's camera (depths 0.5-1.5 x `scene_depth`), seen by both keyframes, each in its chunk's
+    coordinates placed by the open chain `chain`; fitted and weighed by closer.align_loop and loop_edge.
+    A false loop's query saw `seen_instead` applied to the points (a world transform): a place elsewhere
+    that looks the same, a fit as clean as a true one."""
+    (a, b), (frame_a, frame_b) = pair, frames
+    camera = rigid(truth[frame_a])
+    rays = np.stack([rng.uniform(-0.6, 0.6, FIT_POINTS), rng.uniform(-0.4, 0.4, FIT_POINTS), np.ones(FIT_POINTS)], 1)
+    points = camera.apply_to_points(rays * rng.uniform(0.5, 1.5, (FIT_POINTS, 1)) * scene_depth)
+    emitted_a = chain[a] @ true_world_from_chunk[a].inverse()  # true world -> the emitted world, chunk a
+    emitted_b = chain[b] @ true_world_from_chunk[b].inverse()
+    centre_a, centre_b = emitted_a.apply_to_points(truth[frame_a, :3, 3]), emitted_b.apply_to_points(truth[frame_b, :3, 3])
+    earlier_points = observed(rng, emitted_a.apply_to_points(points), centre_a)
+    query_points = observed(rng, emitted_b.apply_to_points(seen_instead.apply_to_points(points)), centre_b)
+    median_depth = float(np.median(np.linalg.norm(earlier_points - centre_a, axis=1)))
+    earlier = _KeyframePoints(earlier_points, median_depth, centre_a)
+    query = _KeyframePoints(query_points, median_depth * emitted_b.scale / emitted_a.scale, centre_b)
+    matches = np.stack([np.arange(FIT_POINTS)] * 2, axis=1)
+    alignment = align_loop(query, earlier, matches, LOOP_CONFIG)
+    if not alignment.passed:
+        raise ValueError(f"loop {loop_id}'s simulated fit did not pass verification: {alignment.figures()}")
+    edge = loop_edge(loop_id, a, b, alignment, chain, LOOP_CONFIG)
+    return LoopEdge(edge.loop_id, a, b, edge.first_from_second, edge.sigmas, {"frames": frames}, edge.covariance)
+
+
+def _far_frames(truth: np.ndarray, ranges: list[tuple[int, int]], pair: tuple[int, int], min_distance: float,
+                rng: np.random.Generator) -> tuple[int, int]:
+    """A random frame of a and one of b at least `min_distance` apart."""
     a, b = pair
     positions = truth[:, :3, 3]
     for _ in range(1000):
-        frame_a, frame_b = rng.integers(*ranges[a]), rng.integers(*ranges[b])
+        frame_a, frame_b = int(rng.integers(*ranges[a])), int(rng.integers(*ranges[b]))
         if np.linalg.norm(positions[frame_a] - positions[frame_b]) >= min_distance:
-            a_from_camera = world_from_chunk[a].inverse() @ rigid(truth[frame_a])
-            b_from_camera = world_from_chunk[b].inverse() @ rigid(truth[frame_b])
-            return a_from_camera @ b_from_camera.inverse()
+            return frame_a, frame_b
     raise ValueError(f"chunks {a} and {b} have no frames {min_distance} apart")
 
 
-def _subtle_false_loop(world_from_chunk: tuple[Sim3, ...], pair: tuple[int, int], offset: tuple[float, float],
-                       rng: np.random.Generator) -> Sim3:
-    """a_from_b of a revisited pair, wrong by a shift of the place (ground-truth units, uniform in `offset`,
-    any direction): a loop whose depths were off by that much, clean in every other way."""
-    a, b = pair
+def _random_shift(offset: tuple[float, float], rng: np.random.Generator) -> Sim3:
+    """A world shift of length uniform in `offset` (ground-truth units), any direction."""
     direction = rng.normal(size=3)
-    shift = direction / np.linalg.norm(direction) * rng.uniform(*offset) / world_from_chunk[b].scale
-    return world_from_chunk[a].inverse() @ world_from_chunk[b] @ Sim3(1.0, np.eye(3), shift)
+    return Sim3(1.0, np.eye(3), direction / np.linalg.norm(direction) * rng.uniform(*offset))
 
 
 def make_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, false_min_distance: float,
-                  false_fraction: float = 0.2, false_loops: int | None = None,
+                  scene_depth: float, false_fraction: float = 0.2, false_loops: int | None = None,
                   with_true_loops: bool = True, subtle_false: tuple[float, float] | None = None,
-                  repeats: int = 1) -> Scenario:
-    """The chunked stream over `truth`: odometry with ODOMETRY_NOISE, a loop with LOOP_NOISE at every
-    revisit (within `revisit_radius`), and false loops: `false_fraction` of all loops (or `false_loops`
-    of them) on non-adjacent chunk pairs that are not revisits (any non-adjacent pair if all are). With
-    `subtle_false` (a shift range in ground-truth units) the false loops are revisited pairs instead, their
-    true a_from_b shifted by that much (`_subtle_false_loop`), in groups of `repeats` on one pair with one
-    shift: one wrong place recognised on consecutive keyframes, so that the group agrees with itself."""
+                  repeats: int = 1, keyframe_pairs_per_revisit: int = 2) -> Scenario:
+    """The chunked stream over `truth`: odometry with ODOMETRY_NOISE; at every revisit (chunk pairs within
+    `revisit_radius`) up to `keyframe_pairs_per_revisit` true loops, each a fit of its own keyframe pair
+    (`fitted_loop`, points at ~`scene_depth`); and false loops: `false_fraction` of all loops (or
+    `false_loops` of them) on non-adjacent chunk pairs that are not revisits (any non-adjacent pair if all
+    are), a frame of b said to see what a frame of a at least `false_min_distance` away sees. With
+    `subtle_false` (a shift range in ground-truth units) the false loops are on revisited pairs instead:
+    the query saw the place shifted by that much, in groups of `repeats` keyframe pairs of one revisit with
+    one shift: one wrong place recognised on consecutive keyframes, so that the group agrees with itself."""
     rng = np.random.default_rng(seed)
     ranges = chunk_ranges(len(truth))
     # Each chunk's coordinates: its first camera, at a scale of its own (a model's depth normalisation).
@@ -166,14 +272,17 @@ def make_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, false_
         sigmas = ODOMETRY_NOISE.sigmas(scenario.path_length(k + 1))
         exact = world_from_chunk[k].inverse() @ world_from_chunk[k + 1]
         graph = graph.with_odometry(OdometryEdge(perturbed(exact, sigmas, rng), sigmas))
+    chain = open_chain(graph.odometry)
+
+    def fit(loop_id: str, pair: tuple[int, int], frames: tuple[int, int], seen_instead: Sim3 = Sim3.identity()):
+        return fitted_loop(loop_id, truth, pair, frames, world_from_chunk, chain, scene_depth, rng, seen_instead)
+
     revisited = revisits(truth, ranges, revisit_radius) if with_true_loops else {}
     true_ids = []
-    for (a, b), frames in revisited.items():
-        sigmas = LOOP_NOISE.sigmas(scenario.path_length(b))
-        exact = world_from_chunk[a].inverse() @ world_from_chunk[b]
-        true_ids.append(f"true-{a}-{b}")
-        graph = graph.with_loop(LoopEdge(true_ids[-1], a, b, perturbed(exact, sigmas, rng), sigmas,
-                                         {"frames": frames}))
+    for pair in revisited:
+        for frames in keyframe_pairs(truth, ranges, pair, revisit_radius, keyframe_pairs_per_revisit):
+            true_ids.append(f"true-{pair[0]}-{pair[1]}-{frames[1]}")
+            graph = graph.with_loop(fit(true_ids[-1], pair, frames))
     candidates = [(a, b) for a in range(len(ranges)) for b in range(a + 2, len(ranges))]
     candidates = [pair for pair in candidates if pair not in revisited] or candidates
     if subtle_false is not None:
@@ -183,13 +292,15 @@ def make_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, false_
     false_ids = []
     groups = -(-false_loops // repeats)
     for n in rng.choice(len(candidates), groups, replace=groups > len(candidates)):
-        a, b = candidates[n]
-        sigmas = LOOP_NOISE.sigmas(scenario.path_length(b))
+        pair = candidates[n]
         if subtle_false is None:
-            wrong = _false_loop(truth, ranges, world_from_chunk, (a, b), false_min_distance, rng)
+            frames = _far_frames(truth, ranges, pair, false_min_distance, rng)
+            # the query's camera saw, about itself, what a's camera sees about itself
+            group = [(frames, rigid(truth[frames[1]]) @ rigid(truth[frames[0]]).inverse())]
         else:
-            wrong = _subtle_false_loop(world_from_chunk, (a, b), subtle_false, rng)
-        for _ in range(repeats):
-            false_ids.append(f"false-{a}-{b}-{len(false_ids)}")
-            graph = graph.with_loop(LoopEdge(false_ids[-1], a, b, perturbed(wrong, sigmas, rng), sigmas))
+            shift = _random_shift(subtle_false, rng)
+            group = [(frames, shift) for frames in keyframe_pairs(truth, ranges, pair, revisit_radius, repeats)]
+        for frames, seen_instead in group:
+            false_ids.append(f"false-{pair[0]}-{pair[1]}-{len(false_ids)}")
+            graph = graph.with_loop(fit(false_ids[-1], pair, frames, seen_instead))
     return Scenario(truth, tuple(ranges), world_from_chunk, graph, frozenset(true_ids), frozenset(false_ids))

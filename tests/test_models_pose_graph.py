@@ -191,6 +191,8 @@ KITTI_REVISIT_M = 5.0  # "a few metres": frames of two chunks this close are the
 KITTI_FALSE_M = 50.0  # a false loop joins frames at least this far apart
 TUM_REVISIT_M = 0.05  # fr1_xyz stays within ~0.5 m of a desk: every chunk revisits every other
 TUM_FALSE_M = 0.2
+KITTI_DEPTH_M = 15.0  # a street scene's depth: the loops' fitted points lie about this far away
+TUM_DEPTH_M = 1.0  # a desk's
 # KITTI 00 frames 620-3240 (2,620 frames, 9 chunks): the drive from the first loop's end out to the
 # far side of the map and back, no frame of it within 20 m of a frame of a non-adjacent chunk.
 KITTI_NO_REVISITS = slice(620, 3240)
@@ -206,11 +208,13 @@ def tum() -> np.ndarray:
     return read_tum_poses(evo_data_dir() / "freiburg1_xyz-groundtruth.txt")
 
 
-def run_scenarios(truth: np.ndarray, seeds: range, revisit: float, false_distance: float) -> dict[str, np.ndarray]:
+def run_scenarios(truth: np.ndarray, seeds: range, revisit: float, false_distance: float,
+                  scene_depth: float) -> dict[str, np.ndarray]:
     ratios, false_rejected, true_accepted = [], 0, 0
     false_total = true_total = 0
     for seed in seeds:
-        scenario = make_scenario(truth, seed, revisit_radius=revisit, false_min_distance=false_distance)
+        scenario = make_scenario(truth, seed, revisit_radius=revisit, false_min_distance=false_distance,
+                                 scene_depth=scene_depth)
         result = optimize(scenario.graph)
         accepted = set(result.accepted_ids)
         ratios.append(scenario.ate(result.world_from_chunk) / scenario.ate(open_chain(scenario.graph.odometry)))
@@ -223,10 +227,11 @@ def run_scenarios(truth: np.ndarray, seeds: range, revisit: float, false_distanc
 
 
 def test_kitti_00_drift_is_corrected_and_false_loops_rejected(kitti: np.ndarray) -> None:
-    """15 chunks, 12 revisited chunk pairs, 3 false loops a seed. Chunks without a loop of their own keep
-    their odometry error (~1 degree, 1 %), which bounds what loops can do here: the corrected ATE is 10-28 %
-    of the open chain's over 40 seeds (mean 17 %), so the mean over ten seeds is held to 25 %."""
-    figures = run_scenarios(kitti, KITTI_SEEDS, KITTI_REVISIT_M, KITTI_FALSE_M)
+    """15 chunks, 12 revisited chunk pairs (22 true loops, fits of their keyframe pairs), 6 false loops a
+    seed. Chunks without a loop of their own keep their odometry error (~1 degree, 1 %), which bounds what
+    loops can do here: the corrected ATE is 0.13 of the open chain's in the median over 10 seeds, 0.17 at
+    most (scripts/bench_loop_consistency.py, gross), so the mean over ten seeds is held to 25 %."""
+    figures = run_scenarios(kitti, KITTI_SEEDS, KITTI_REVISIT_M, KITTI_FALSE_M, KITTI_DEPTH_M)
     assert figures["ratios"].mean() <= 0.25, figures
     assert figures["ratios"].max() <= 0.35, figures
     assert figures["false_rejected"] >= 0.95, figures
@@ -234,7 +239,7 @@ def test_kitti_00_drift_is_corrected_and_false_loops_rejected(kitti: np.ndarray)
 
 
 def test_tum_fr1_xyz_drift_is_corrected_and_false_loops_rejected(tum: np.ndarray) -> None:
-    figures = run_scenarios(tum, range(3), TUM_REVISIT_M, TUM_FALSE_M)
+    figures = run_scenarios(tum, range(3), TUM_REVISIT_M, TUM_FALSE_M, TUM_DEPTH_M)
     assert figures["ratios"].max() <= 0.25, figures
     assert figures["false_rejected"] >= 0.95, figures
     assert figures["true_accepted"] >= 0.95, figures
@@ -246,7 +251,8 @@ def test_kitti_00_without_revisits_offered_only_false_loops_stays_the_open_chain
     non_adjacent = sum(len(range(a + 2, 9)) for a in range(9))
     for seed in range(3):
         scenario: Scenario = make_scenario(stretch, seed, revisit_radius=KITTI_REVISIT_M,
-                                           false_min_distance=KITTI_FALSE_M, false_loops=non_adjacent)
+                                           false_min_distance=KITTI_FALSE_M, scene_depth=KITTI_DEPTH_M,
+                                           false_loops=non_adjacent)
         assert len(scenario.ranges) == 9 and not scenario.true_loops
         result = optimize(scenario.graph)
         assert result.accepted_ids == () and len(result.rejected_ids) == non_adjacent

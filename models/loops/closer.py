@@ -75,8 +75,8 @@ class LoopClosureConfig:
     keyframes_in_flight: int = 8
     # Which keyframes are indexed (coverage.py): one when at least `index_spacing` frames have passed since
     # the last indexed one. 16 frames are 0.4 s at 40 FPS, 20 keyframes a 320-frame chunk: a revisit the
-    # camera spends half a second in gets a query. Detection takes 60-95 ms a keyframe (H100/H200
-    # machines), so at 40 FPS the child is busy a quarter of the time on one core, where indexing every
+    # camera spends half a second in gets a query. Detection takes 60-95 ms a keyframe on the GPU machines'
+    # CPU cores, so at 40 FPS the child is busy a quarter of the time on one core, where indexing every
     # keyframe it could take (1 in 3-5 of a 40-FPS stream's) kept it busy all the time.
     index_spacing: int = 16
     # Detection that cannot keep up (a due keyframe finds `keyframes_in_flight` unanswered) doubles the
@@ -268,11 +268,12 @@ def graph_of(links: Sequence[ChunkLink], loops: Sequence[LoopEdge]) -> PoseGraph
     return PoseGraph(odometry, [loop for loop in loops if max(loop.first, loop.second) <= len(odometry)])
 
 
-def solve(links: Sequence[ChunkLink], loops: Sequence[LoopEdge],
-          settings: PoseGraphSettings = PoseGraphSettings()) -> tuple[PoseGraph, PoseGraphResult]:
-    """The graph of `graph_of` and its solution (pose_graph.optimize)."""
+def solve(links: Sequence[ChunkLink], loops: Sequence[LoopEdge], settings: PoseGraphSettings = PoseGraphSettings(),
+          cycle_chi2: dict | None = None) -> tuple[PoseGraph, PoseGraphResult]:
+    """The graph of `graph_of` and its solution (pose_graph.optimize; `cycle_chi2` kept between the solves of
+    one stream, whose links and loops only grow)."""
     graph = graph_of(links, loops)
-    return graph, optimize(graph, settings)
+    return graph, optimize(graph, settings, cycle_chi2)
 
 
 def corrections_from_solve(graph: PoseGraph, result: PoseGraphResult, records: Sequence[LoopRecord] = (),
@@ -324,6 +325,7 @@ class LoopCloser:
         self._points: dict[int, _KeyframePoints] = {}
         self._loops: list[LoopRecord] = []
         self._edges: list[LoopEdge] = []
+        self._cycle_chi2: dict = {}  # pairwise consistency's figures, kept between solves (consistency.py)
         self.corrections = ChunkCorrections({})
         self.timings = _Timings()
 
@@ -406,7 +408,7 @@ class LoopCloser:
         return alignment.passed
 
     def _solve(self) -> ChunkCorrections:
-        graph, result = solve(self._links, self._edges)
+        graph, result = solve(self._links, self._edges, cycle_chi2=self._cycle_chi2)
         self.timings.add("pose_graph", result.seconds * 1000.0)
         self.corrections = corrections_from_solve(graph, result, self._loops, self.corrections.version + 1)
         return self.corrections

@@ -164,10 +164,16 @@ class PoseGraphSettings:
     # the same verdicts on KITTI 00, fr1_xyz and synthetic chains of 100 and 1,000 chunks (docs/loop_closure.md).
     gnc_step: float = 2.0
     # Before GNC, keep only a largest set of loops that are pairwise consistent through the odometry
-    # (consistency.py, PCM), at the same chi-square quantile: a false loop must then agree with every kept one.
-    # Off: on KITTI 00 and fr1_xyz with subtle false loops (docs/loop_closure.md) it turned away the same false
-    # loops as GNC does alone, no more, and lost 9 of 580 true ones on fr1_xyz at twice the time.
-    pairwise_consistency: bool = False
+    # (consistency.py, PCM): a false loop must then agree with every kept one. On, since loop edges carry
+    # their fits' covariances (docs/loop_closure.md): a false loop far from the truth (>= 50 m on KITTI 00)
+    # is then so far outside its sigmas that GNC alone, started from the drifted chain, turned away 70 % of
+    # the true loops with it (10 seeds); PCM removes it first.
+    pairwise_consistency: bool = True
+    # Two loops are consistent while their cycle's chi2 stays under this quantile (7 dof: 0.999 is 24.32).
+    # Looser than the inlier bound: with ~20 true loops there are ~200 pairs, and at 0.99 two or three of them
+    # fail by chance, each costing a true loop before GNC can weigh it (KITTI 00: 107 of 110 kept at 0.99,
+    # 110 at 0.999); a false loop's cycles miss by far more than the difference.
+    consistency_probability: float = 0.999
 
 
 @dataclass(frozen=True)
@@ -308,23 +314,26 @@ def _loop_chi2(loops: Sequence[LoopEdge], world_from_chunk: Sequence[Sim3]) -> l
     return [2.0 * _loop_factor(loop).error(values) for loop in loops]
 
 
-def _pairwise_consistent(graph: PoseGraph, settings: PoseGraphSettings) -> list[int]:
+def _pairwise_consistent(graph: PoseGraph, settings: PoseGraphSettings, known: dict | None) -> list[int]:
     """The loops (indices) that GNC is to judge: a largest pairwise-consistent set, or all of them."""
     if not settings.pairwise_consistency:
         return list(range(len(graph.loops)))
     from .consistency import consistent_loops  # (consistency.py builds on this module's edges)
 
-    return consistent_loops(graph, settings.inlier_probability)
+    return consistent_loops(graph, settings.consistency_probability, known)
 
 
-def optimize(graph: PoseGraph, settings: PoseGraphSettings = PoseGraphSettings()) -> PoseGraphResult:
-    """The corrected world-from-chunk of every chunk and a verdict on every loop edge."""
+def optimize(graph: PoseGraph, settings: PoseGraphSettings = PoseGraphSettings(),
+             cycle_chi2: dict | None = None) -> PoseGraphResult:
+    """The corrected world-from-chunk of every chunk and a verdict on every loop edge. `cycle_chi2`: the
+    pairwise-consistency figures of an earlier solve of a graph that this one extends (consistency.py's
+    CycleChi2Cache), reused and filled in; loop ids must then name the same loops."""
     start = time.perf_counter()
     chain = open_chain(graph.odometry)
     counter = [0]  # Levenberg-Marquardt iterations, counted by GTSAM's iteration hook
     weights = np.zeros(len(graph.loops))
     accepted: list[int] = []
-    consistent = _pairwise_consistent(graph, settings)
+    consistent = _pairwise_consistent(graph, settings, cycle_chi2)
     poses = chain
     if consistent:
         judged = PoseGraph(graph.odometry, [graph.loops[i] for i in consistent])

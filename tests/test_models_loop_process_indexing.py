@@ -1,0 +1,48 @@
+"""The loop-closure process's side of the indexing rule (models/loops/coverage.py), against a real child
+that has started and then answers nothing (stopped with SIGSTOP: the slowest detection there is)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import numpy as np
+import pytest
+
+pytest.importorskip("gtsam")
+
+from stream_recon.models.loops.closer import LoopClosureConfig  # noqa: E402
+from stream_recon.models.loops.process import LoopClosureProcess  # noqa: E402
+from stream_recon.models.prediction import FRAME_KEY, FramePrediction  # noqa: E402
+from stream_recon.models.supervision import Deadline  # noqa: E402
+
+
+def keyframe(frame: int) -> FramePrediction:
+    return FramePrediction(frame, frame / 30.0, FRAME_KEY, np.zeros(9, np.float32), np.eye(3, 4, dtype=np.float32),
+                           np.eye(3, dtype=np.float32), np.ones((8, 8), np.float32), np.ones((8, 8), np.float32),
+                           image=np.zeros((8, 8, 3), np.uint8))
+
+
+def test_a_closer_that_does_not_answer_lowers_the_density_once_with_one_warning(caplog) -> None:
+    closer = LoopClosureProcess(LoopClosureConfig(keyframes_in_flight=2, index_spacing=4, max_index_spacing=16))
+    try:
+        started = Deadline(60.0)
+        while not closer.started and not started.expired:
+            closer.wait_for_answers(started.remaining())
+        assert closer.started, "the loop-closure child did not start within 60 s"
+        os.kill(closer._child.process.pid, signal.SIGSTOP)  # from now on nothing is answered
+        with caplog.at_level(logging.WARNING):
+            sent = [frame for frame in range(100) if closer.add_prediction(keyframe(frame))]
+        assert closer.helper.is_up
+    finally:
+        closer.close()
+    # 0 and 4 fill the two places; 8 is due and finds none: the spacing doubles to 8, counted from frame 4;
+    # every frame from 12 on is then due and waits, and the spacing doubles no further until one is indexed
+    assert sent == [0, 4]
+    summary = closer.summary()
+    assert summary["index_spacing"] == {"start": 4, "end": 8}
+    assert summary["keyframes_deferred"] == 1 + len(range(12, 100))
+    assert summary["longest_unindexed_stretch"] == 95  # frames 5-99
+    warnings = [record.getMessage() for record in caplog.records if "cannot keep up" in record.getMessage()]
+    assert len(warnings) == 1 and "one keyframe in 8 frames" in warnings[0], warnings
