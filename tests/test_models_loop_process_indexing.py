@@ -14,7 +14,7 @@ pytest.importorskip("gtsam")
 
 from stream_recon.models.loops.closer import LoopClosureConfig  # noqa: E402
 from stream_recon.models.loops.process import LoopClosureProcess  # noqa: E402
-from stream_recon.models.prediction import FRAME_KEY, FramePrediction  # noqa: E402
+from stream_recon.models.stream.prediction import FRAME_KEY, FramePrediction  # noqa: E402
 from stream_recon.models.supervision import Deadline  # noqa: E402
 
 
