@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from stream_recon.app.options import OptionsError, RunOptions
@@ -48,7 +49,7 @@ def loop_closure_wanted(options: RunOptions, estimated_length: int | None) -> tu
         if options.loop_closure == "on":
             raise OptionsError(f"--loop-closure on needs gtsam, the pose graph's library, but {missing}: "
                                "pip install gtsam (or --loop-closure off)")
-        if "does not import" in missing:  # installed but broken: worth a line, unlike a choice not to install it
+        if missing.broken:  # installed but broken: worth a line, unlike a choice not to install it
             logger.warning("loop closure is off: %s; pip install --force-reinstall gtsam", missing)
         return False, f"off ({missing})"
     third_chunk = third_chunk_start(options)
@@ -57,15 +58,26 @@ def loop_closure_wanted(options: RunOptions, estimated_length: int | None) -> tu
     return True, "on" if options.loop_closure == "on" else "on (auto)"
 
 
-def pose_graph_library_problem() -> str | None:
-    """Why gtsam cannot serve loop closure here (not installed, or its import fails: a wheel built for
-    another platform, a missing shared library), or None when it imports."""
+@dataclass(frozen=True)
+class LibraryProblem:
+    """Why gtsam cannot serve loop closure here: `broken` when it is installed but its import fails (a
+    wheel built for another platform, a missing shared library), else it is not installed."""
+
+    text: str
+    broken: bool
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def pose_graph_library_problem() -> LibraryProblem | None:
+    """Why gtsam cannot serve loop closure here, or None when it imports."""
     if importlib.util.find_spec("gtsam") is None:
-        return "gtsam is not installed"
+        return LibraryProblem("gtsam is not installed", broken=False)
     try:
         importlib.import_module("gtsam")
     except Exception as error:  # noqa: BLE001 - any failure of a native import means the same to the user
-        return f"gtsam does not import ({type(error).__name__}: {error})"
+        return LibraryProblem(f"gtsam does not import ({type(error).__name__}: {error})", broken=True)
     return None
 
 

@@ -91,7 +91,7 @@ def _loop_closure_info() -> dict[str, Any]:
     from stream_recon.app.loops import pose_graph_library_problem
 
     problem = pose_graph_library_problem()
-    return {"available": problem is None, "problem": problem}
+    return {"available": problem is None, "problem": None if problem is None else str(problem)}
 
 
 def _checkpoint_info() -> dict[str, Any]:
