@@ -31,9 +31,9 @@ from evo_data import EVO_DATA_ENV, evo_data_dir
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
 DOCS = ("README.md", "docs/usage.md", "docs/PERFORMANCE.md", "docs/performance-log.md")
-# The dated performance log keeps its entries as they were written, so it cites scripts that were removed
-# or moved since (their findings stay in the log). A cited path missing from the repository must be one of
-# these, and only the log may cite it.
+# The dated performance log keeps its entries as they were written, so it cites scripts that were removed,
+# moved or merged since (their findings stay in the log). A cited path missing from the repository must be
+# one of these, and only the log may cite it.
 REMOVED_SCRIPTS_THE_LOG_CITES = frozenset({
     "scripts/bench_attention.py",
     "scripts/device/run_compile_beside.sh",
@@ -51,7 +51,16 @@ REMOVED_SCRIPTS_THE_LOG_CITES = frozenset({
     "scripts/gpu/run_fast_path.sh",
     "scripts/gpu/run_gpu_suite.sh",
     "scripts/gpu/run_speed_round.sh",
+    "scripts/probe_gemm.py",  # TunableOp and Triton tiles for the blocks' products: tried, not kept
+    "scripts/time_scale_step.py",  # the scale step compiled: tried, not kept
 })
+# A script the log cites that moved -> where it is now.
+MOVED_SCRIPTS_THE_LOG_CITES = {
+    **{f"scripts/{name}.py": f"scripts/probes/{name}.py" for name in (
+        "long_run", "probe_attention_schedule", "probe_cold_start", "probe_compile_artifacts", "probe_gluon_attention",
+        "probe_library_waves", "probe_prepare", "probe_range_variants", "probe_sm_partition", "probe_triton_builds",
+        "profile_step", "scale_step_memory", "trace_rollover")},
+}
 LOG = "docs/performance-log.md"
 CITATION = re.compile(r"(?<![\w./$-])(scripts/[\w./-]*\w\.(?:py|sh))\b")
 
@@ -67,10 +76,13 @@ def cited_scripts() -> dict[str, list[str]]:
 
 
 CITED = cited_scripts()
-PYTHON_SCRIPTS = sorted(({str(p.relative_to(REPO)) for p in SCRIPTS.glob("*.py")}
-                         | {p for p in CITED if p.endswith(".py")}) - REMOVED_SCRIPTS_THE_LOG_CITES)
+GONE = REMOVED_SCRIPTS_THE_LOG_CITES | set(MOVED_SCRIPTS_THE_LOG_CITES)
+TOOL_FOLDERS = ("probes", "fixtures")  # scripts/probes/, scripts/fixtures/: each with a README.md index
+PYTHON_SCRIPTS = sorted(({str(p.relative_to(REPO)) for folder in ("", *TOOL_FOLDERS)
+                          for p in (SCRIPTS / folder).glob("*.py")}
+                         | {p for p in CITED if p.endswith(".py")}) - GONE)
 SHELL_SCRIPTS = sorted(({str(p.relative_to(REPO)) for p in (SCRIPTS / "device").glob("*.sh")}
-                        | {p for p in CITED if p.endswith(".sh")}) - REMOVED_SCRIPTS_THE_LOG_CITES)
+                        | {p for p in CITED if p.endswith(".sh")}) - GONE)
 
 
 def where_cited(path: str) -> str:
@@ -262,16 +274,20 @@ def test_script_imports_and_answers_help(script: str, help_texts: dict[str, dict
 
 def test_every_script_the_docs_cite_exists() -> None:
     missing = [f"{where}: {path} does not exist" for path, places in CITED.items() if not (REPO / path).exists()
-               for where in places if path not in REMOVED_SCRIPTS_THE_LOG_CITES or not where.startswith(LOG)]
+               for where in places if path not in GONE or not where.startswith(LOG)]
     assert not missing, "cited scripts missing from the repository:\n" + "\n".join(missing)
     assert {"scripts/bench.py", "scripts/bench_e2e.py", "scripts/device/run_acceptance.sh"} <= set(CITED)
 
 
-def test_the_removed_scripts_are_gone_and_still_cited() -> None:
-    """The list of removed scripts stays exact: none back in the repository, none the log no longer cites."""
-    back = sorted(path for path in REMOVED_SCRIPTS_THE_LOG_CITES if (REPO / path).exists())
-    uncited = sorted(REMOVED_SCRIPTS_THE_LOG_CITES - set(CITED))
+def test_the_removed_and_moved_scripts_are_gone_and_still_cited() -> None:
+    """The lists of removed and moved scripts stay exact: none back in the repository, none the log no longer
+    cites, and each moved one where the list says it is now."""
+    back = sorted(path for path in GONE if (REPO / path).exists())
+    uncited = sorted(GONE - set(CITED))
     assert not back and not uncited, f"in the repository again: {back}; no longer cited: {uncited}"
+    lost = sorted(f"{old} -> {new}" for old, new in MOVED_SCRIPTS_THE_LOG_CITES.items()
+                  if not (REPO / new.split()[0]).is_file())
+    assert not lost, f"moved scripts not where the list says: {lost}"
 
 
 # -- the GPU machine's shell scripts ---------------------------------------------------------------------
@@ -420,7 +436,7 @@ PY
 twice all --frames 10 $FLOW \\
   --viewer
 MODE=x timeout 5 run one ${rows[$row]} --client | grep -v Warn --line-buffered
-python3 scripts/bench.py --frames 5 > "$OUT/log" 2>&1 && python3 scripts/probe_gemm.py --rows=all
+python3 scripts/bench.py --frames 5 > "$OUT/log" 2>&1 && python3 scripts/probes/probe_library_waves.py --rows=all
 e2e cold --frames 3
 """
     assert python_calls(script, sourced) == [
@@ -430,7 +446,7 @@ e2e cold --frames 3
         ("scripts/bench_e2e.py", {"--frames", "--keyframes", "--max-gap", "--viewer"}, 13),
         ("scripts/bench_e2e.py", {"--flow-threshold", "--compile", "--client"}, 15),
         ("scripts/bench.py", {"--frames"}, 16),
-        ("scripts/probe_gemm.py", {"--rows"}, 16),
+        ("scripts/probes/probe_library_waves.py", {"--rows"}, 16),
         ("scripts/bench_e2e.py", {"--frames"}, 17),
     ]
     called = {path for script in SHELL_SCRIPTS for path, _, _ in device_script_calls(script)}

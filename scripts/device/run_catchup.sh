@@ -12,7 +12,7 @@ FLOW="--keyframes flow --flow-threshold 1e9 --max-gap 3"
 e2e all --frames 1000 --viewer --client
 e2e flow --frames 1000 $FLOW --viewer --client
 trace() { local name=$1; shift; echo "== trace $name: $*" | tee -a "$OUT/e2e.log"
-  timeout 200 python3 scripts/trace_rollover.py --video-dir /tmp --viewer --client --no-engine-run "$@" \
+  timeout 200 python3 scripts/probes/trace_rollover.py --video-dir /tmp --viewer --client --no-engine-run "$@" \
     --json "/tmp/trace_$name.json" 2>&1 | grep -v Warn > "$OUT/trace_$name.log"
   grep -E "stall|steady FPS" "$OUT/trace_$name.log" | tee -a "$OUT/e2e.log"; }
 trace all --frames 700 --trace-before 0.6 --trace-after 0.5 "$@"

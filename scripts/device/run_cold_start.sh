@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A run's start on empty compile caches, part by part (scripts/probe_cold_start.py), one process per
+# A run's start on empty compile caches, part by part (scripts/probes/probe_cold_start.py), one process per
 # row: compiled on empty caches, again on the caches it filled, uncompiled on empty caches and again,
 # and compiled on empty caches with one compile thread. Each row's caches are its own folders, so the
 # rows after the first see a fresh machine too. Then TEST_K's GPU tests ("" skips them).
@@ -7,7 +7,7 @@
 set -uo pipefail
 source scripts/device/env.sh
 probe() { local name=$1 dir=$2; shift 2; echo "== $name" | tee -a "$OUT/cold.log"
-  TORCHINDUCTOR_CACHE_DIR=$dir TRITON_CACHE_DIR=$dir/triton python3 scripts/probe_cold_start.py \
+  TORCHINDUCTOR_CACHE_DIR=$dir TRITON_CACHE_DIR=$dir/triton python3 scripts/probes/probe_cold_start.py \
     --height "${HEIGHT:-392}" "$@" 2>&1 | grep -v Warn | tail -3 | tee -a "$OUT/cold.log"; }
 probe compiled_cold /tmp/cold_compiled
 probe compiled_warm /tmp/cold_compiled

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The warm-up's dry pass (models/builds/kernel_builds.py) on a fresh machine: scripts/probe_cold_start.py
+# The warm-up's dry pass (models/builds/kernel_builds.py) on a fresh machine: scripts/probes/probe_cold_start.py
 # uncompiled at 518x$HEIGHT, one process per row, each pair of rows on compile caches of its own that
 # start empty: with the dry pass on empty caches and again on the caches it filled, then the same
 # without it (--no-dry-builds). Every Triton build is listed with its thread. The installed packages'
@@ -11,7 +11,7 @@ source scripts/device/env.sh
 write_bytecode
 python3 -c "import torch, triton; torch.zeros(1, device='cuda')" 2>&1 | grep -v Warn
 probe() { local name=$1 dir=$2; shift 2; echo "== $name" | tee -a "$OUT/builds.log"
-  TORCHINDUCTOR_CACHE_DIR=$dir TRITON_CACHE_DIR=$dir/triton timeout 150 python3 scripts/probe_cold_start.py \
+  TORCHINDUCTOR_CACHE_DIR=$dir TRITON_CACHE_DIR=$dir/triton timeout 150 python3 scripts/probes/probe_cold_start.py \
     --height "${HEIGHT:-392}" --no-compile --triton-builds --frames 60 --timed 40 "$@" 2>&1 | grep -v Warn \
     | tail -3 | tee -a "$OUT/builds.log"; }
 for order in ${ORDER:-dry plain}; do

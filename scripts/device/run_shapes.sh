@@ -16,7 +16,7 @@ limit=${LIMIT_S:-580}
 heights=${HEIGHTS:-280:518:14}
 workers=${WORKERS:-4}
 probe() {
-  timeout $1 python3 scripts/probe_attention_schedule.py --heights "${PROBE_HEIGHTS-280:518:14}" \
+  timeout $1 python3 scripts/probes/probe_attention_schedule.py --heights "${PROBE_HEIGHTS-280:518:14}" \
     --others "${OTHERS-392,434,518}" --json "$OUT/probe.json" 2>&1 | grep -v Warn | tee "$OUT/probe.log"
 }
 rm -f /tmp/gpu_free

@@ -2,7 +2,7 @@
 # The share of the SMs the spare's own kernels may use (models/stream/lookahead.py, SPARE_SM_SHARE; 1: a plain
 # stream on every SM), on the product path: flow keyframes, 1,000 frames 640x480 -> 518x392, a 4.6 GB
 # checkpoint of the official architecture (synthetic weights), the viewer on with a client. Each run is one
-# process of scripts/trace_rollover.py (its spans around the rollovers and the 3 longest intervals in
+# process of scripts/probes/trace_rollover.py (its spans around the rollovers and the 3 longest intervals in
 # $OUT/<run>.log, bench_e2e's JSON in $OUT/e2e_<run>.json); the shares alternate, so that the machine's
 # drift falls on all. RUNS lists them as <row>:<share>, rows:
 #   dense     --flow-threshold 4 (>90 % keyframes), compiled (the first run compiles the size)
@@ -35,7 +35,7 @@ for item in ${RUNS:-dense:1 dense:0.6 sparse:0.6 sparse:1 uncompiled:1 uncompile
   if [ "$(left)" -lt "$needs" ]; then echo "== $name: skipped, $(left) s left"; continue; fi
   [ "$row" = fit16 ] && { wait_for_idle_gpu 60; hold_all_but 16376; }
   echo "== $name ($(( $(date +%s) - began )) s)"
-  timeout "$needs" python3 scripts/trace_rollover.py --longest 3 --trace-before 0.05 --trace-after 0.3 \
+  timeout "$needs" python3 scripts/probes/trace_rollover.py --longest 3 --trace-before 0.05 --trace-after 0.3 \
     --spare-sm-share "$way" --video-dir /tmp --checkpoint /tmp/ckpt/full-size.pt --viewer --client --frames 1000 \
     --video-size 640x480 --no-engine-run --keyframes flow ${options[$row]} --json "$OUT/e2e_$name.json" \
     > "$OUT/$name.log" 2>&1

@@ -2,8 +2,8 @@
 specializations of its own (head sizes 32 and 64, the key range as two ints or in memory, either
 tile order), one after another or on threads, on an empty Triton cache.
 
-    TRITON_CACHE_DIR=$(mktemp -d) python3 scripts/probe_triton_builds.py --threads 1
-    TRITON_CACHE_DIR=$(mktemp -d) python3 scripts/probe_triton_builds.py --threads 8
+    TRITON_CACHE_DIR=$(mktemp -d) python3 scripts/probes/probe_triton_builds.py --threads 1
+    TRITON_CACHE_DIR=$(mktemp -d) python3 scripts/probes/probe_triton_builds.py --threads 8
 
 A build spends part of its time in Python (Triton's front end and MLIR passes, under the interpreter
 lock) and part outside it (LLVM's code generation, ptxas in a child process); threads gain only from

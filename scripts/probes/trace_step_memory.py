@@ -1,14 +1,14 @@
 """Peak activation bytes of one model step, traced on the meta device (no GPU, no arithmetic).
 
-    python scripts/trace_step_memory.py                       # 518x378, the scale frames and a streaming frame
-    python scripts/trace_step_memory.py --height 392 --frames 1 8 16
+    python scripts/probes/trace_step_memory.py                       # 518x378, the scale frames and a streaming frame
+    python scripts/probes/trace_step_memory.py --height 392 --frames 1 8 16
 
 Every tensor an operator returns is counted from its creation until its storage is freed; the
 weights and the caches (allocated before the step) are not. The step runs in bf16 without
 autocast (the meta device has none), so norms that autocast would widen to float32 are counted in
 bf16. These traces set the heads' constants of models/stream/memory.py (per token x channel for their input
 layers, per pixel for the DPT head); the aggregator's, which autocast's float32 outputs raise by ~40 %,
-is measured on a GPU (scripts/scale_step_memory.py), and `scripts/bench.py --gpu-memory` checks the
+is measured on a GPU (scripts/probes/scale_step_memory.py), and `scripts/bench.py --gpu-memory` checks the
 estimate against a GPU's peak.
 """
 

@@ -1,7 +1,7 @@
 """Variants of the range kernel's inner loop and of the frame attention past one wave, one layer at
 the streaming shape (GPU machine).
 
-    python3 scripts/probe_range_variants.py --json $OUT/variants.json
+    python3 scripts/probes/probe_range_variants.py --json $OUT/variants.json
 
 Each variant runs one program per tile (64 queries of one head against every visible key), so its
 time is the loop's throughput, comparable with the production kernel's `grid` launch:

@@ -6,8 +6,8 @@ cold or warm on-disk caches) and ahead of time (`aot_compile`, saved under --dir
 (a new process) compiles the usual way again (warm caches) and loads the saved artefacts (timed),
 comparing each output with the eager method's.
 
-    python scripts/probe_compile_artifacts.py --phase first --dir /tmp/aot
-    python scripts/probe_compile_artifacts.py --phase second --dir /tmp/aot
+    python scripts/probes/probe_compile_artifacts.py --phase first --dir /tmp/aot
+    python scripts/probes/probe_compile_artifacts.py --phase second --dir /tmp/aot
 """
 
 from __future__ import annotations
@@ -15,13 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import time
 from pathlib import Path
 
 import torch
-from bench import build_model
 
-from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: bench.py
+from bench import build_model  # noqa: E402
+
+from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference  # noqa: E402
 
 METHODS = {"Block": ("attention_inputs", "attention_outputs"), "DPTHead": ("decode",),
            "CameraHead": ("condition", "refine")}

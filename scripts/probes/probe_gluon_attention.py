@@ -3,9 +3,9 @@ tensor-core products and the softmax overlap by hand, against the Triton range k
 layer at the streaming shape (GPU machine; built and timed with Triton 3.6, built with 3.9 too:
 Gluon's interface changes between releases, and cache/gluon_attention.py names what moved).
 
-    python3 scripts/probe_gluon_attention.py --heights 378,392,518 --variants pingpong:4,free:4,overlap:3 \
+    python3 scripts/probes/probe_gluon_attention.py --heights 378,392,518 --variants pingpong:4,free:4,overlap:3 \
         --json $OUT/gluon.json
-    python3 scripts/probe_gluon_attention.py --compile-only   # any Linux machine with Triton: builds for
+    python3 scripts/probes/probe_gluon_attention.py --compile-only   # any Linux machine with Triton: builds for
                                                               # sm_90a, prints registers and shared memory
 
 Why: at head dimension 64 a Hopper SM spends as many cycles on a 64 x 128 block's exponentials as on

@@ -3,9 +3,9 @@ a report of the memory plan's parts, each eager scale step's allocator peak abov
 before it, what the allocator reserved then (by pool: the CUDA graphs' private pools apart; by stream),
 and, on running out of memory, the live blocks by the lines of ours that allocated them.
 
-    python scripts/scale_step_memory.py --report scale.txt -- --frames 400 --video-size 640x480 \
+    python scripts/probes/scale_step_memory.py --report scale.txt -- --frames 400 --video-size 640x480 \
         --viewer --client --no-engine-run --gpu-memory 8GiB
-    python scripts/scale_step_memory.py --report scale.txt --uncapped -- ...   # the budget planned, not held
+    python scripts/probes/scale_step_memory.py --report scale.txt --uncapped -- ...   # the budget planned, not held
 
 With --gpu-memory, bench_e2e holds the allocator to the budget less the CUDA context; --uncapped plans for
 the budget but lets the allocator take what it wants, which shows the peaks an estimate must cover.
@@ -136,7 +136,7 @@ def main() -> None:
     trace_scale_steps(report)
     report_plans(report)
     report_out_of_memory(report)
-    bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_e2e.py")
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench_e2e.py")  # scripts/
     sys.argv = [bench, *[a for a in args.bench_e2e_args if a != "--"]]
     runpy.run_path(bench, run_name="__main__")
 

@@ -1,7 +1,7 @@
 """How much a spare's work on part of the SMs slows the stream's step, and how much slower the spare gets
 (GPU machine).
 
-    python3 scripts/probe_sm_partition.py --sms 0,112,96,80 --json $OUT/sm_partition.json
+    python3 scripts/probes/probe_sm_partition.py --sms 0,112,96,80 --json $OUT/sm_partition.json
 
 Stand-ins of the model's work at 518x392 (1,042 tokens a frame, bf16, blocks of width 1024, 16 heads):
 the stream's step is a CUDA graph of 24 frame blocks and 24 blocks attending to 16 cached frames, replayed

@@ -1,6 +1,6 @@
 """Where a replayed streaming step's GPU time goes, kernel by kernel (GPU machine).
 
-    python3 scripts/profile_step.py --frames 4 --out $OUT/profile
+    python3 scripts/probes/profile_step.py --frames 4 --out $OUT/profile
 
 Streams synthetic frames through the default engine (graphs, compile) until the window is full,
 then records the kernels of `--frames` steps with torch.profiler. Writes:
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: bench.py, bench_e2e.py
 from bench import build_model  # noqa: E402
 
 from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference  # noqa: E402

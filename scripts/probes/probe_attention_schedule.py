@@ -1,7 +1,7 @@
 """The global and the frame attention of one layer across frame sizes, per schedule and backend
 (GPU machine).
 
-    python3 scripts/probe_attention_schedule.py --json $OUT/probe.json
+    python3 scripts/probes/probe_attention_schedule.py --json $OUT/probe.json
 
 For each frame of 518 x h pixels (h = 280 ... 518 in 14-pixel steps: T = 37 * h/14 + 6 tokens) it
 times, at the streaming shape (T queries, 16 heads of 64, 72 frames of patch keys plus 912 special

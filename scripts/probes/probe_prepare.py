@@ -5,7 +5,7 @@ Loads CHECKPOINT on the host as the app does, then runs prepare_for_inference's 
 for frames, channels-last DPT weights, torch.compile's wrappers), each timed after a CUDA
 synchronisation; prints one JSON line. The steps are the module's own functions, in its order.
 
-    python3 scripts/probe_prepare.py /tmp/ckpt/full-size.pt
+    python3 scripts/probes/probe_prepare.py /tmp/ckpt/full-size.pt
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How the library attention kernels of the dense backends fill the GPU, and what running the rows
 past their last whole wave in a launch of their own buys (GPU machine).
 
-    python3 scripts/probe_library_waves.py --rows --json $OUT/library_waves.json
+    python3 scripts/probes/probe_library_waves.py --rows --json $OUT/library_waves.json
 
 1. Frame sizes: one global layer of the backends `dense` (PyTorch's flash kernel), `dense-cudnn`
    and `dense-flashinfer` (fa2, and fa3 on Hopper; where FlashInfer is installed) at every 518 x h

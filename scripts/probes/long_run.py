@@ -1,6 +1,6 @@
 """An unbounded-stream soak run: N frames through the chunked engine, memory and pages logged.
 
-    python scripts/long_run.py --frames 10000 --json long_run.json
+    python scripts/probes/long_run.py --frames 10000 --json long_run.json
 
 Random (synthetic) weights, synthetic frames: views of a fixed smooth texture drifting by a few
 pixels per frame. Every 100 frames it records the cache's pages in use, GPU memory (allocated and

@@ -13,7 +13,7 @@ lists our Triton kernels' builds and builds them side by side (models/builds/ker
 Point TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR at an empty folder to measure a fresh machine in a
 machine that compiled before (scripts/device/run_cold_start.sh does).
 
-    python3 scripts/probe_cold_start.py --height 392 [--no-compile]
+    python3 scripts/probes/probe_cold_start.py --height 392 [--no-compile]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The figures behind the loop-detection thresholds: every pair of the loop fixture far enough apart to
 be a loop candidate, scored by the weight-free descriptor and checked geometrically.
 
-    .venv/bin/python scripts/loop_check_survey.py [--fixture tests/data/loop] [--chunk-frames 60]
+    .venv/bin/python scripts/probes/loop_check_survey.py [--fixture tests/data/loop] [--chunk-frames 60]
 
 Pairs are (earlier, later) fixture frames at least `excluded_chunks` (2) chunks apart. Each is
 labelled by the fixture's reference (overlapping: both registered and >= 10 common points;
