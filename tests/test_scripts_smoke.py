@@ -60,6 +60,15 @@ MOVED_SCRIPTS_THE_LOG_CITES = {
         "long_run", "probe_attention_schedule", "probe_cold_start", "probe_compile_artifacts", "probe_gluon_attention",
         "probe_library_waves", "probe_prepare", "probe_range_variants", "probe_sm_partition", "probe_triton_builds",
         "profile_step", "scale_step_memory", "trace_rollover")},
+    # the GPU machine's scripts, merged into suites of scripts/device/measure.sh
+    **{f"scripts/device/{name}.sh": f"scripts/device/measure.sh {suite}" for name, suite in {
+        "bench_against": "against", "run_refactor_check": "against", "run_acceptance": "acceptance",
+        "run_e2e": "e2e", "run_shapes_e2e": "shapes-e2e", "run_shapes": "shapes", "run_reference": "reference",
+        "run_gpu_tests": "gpu-tests", "run_first_prediction": "start", "run_first_start": "start",
+        "run_cold_start": "start", "run_compile_auto": "start", "run_kernel_builds": "start", "run_warm_up": "start",
+        "run_compiled_code": "start", "run_catchup": "spare", "run_dense_flow": "spare", "run_fit16": "spare",
+        "run_spare_fit": "spare", "run_spare_memory": "spare", "run_spare_sms_ab": "spare", "run_variants": "kernel",
+        "run_range_probe": "kernel", "run_loop_closure": "loops", "run_never_hang": "soak-a"}.items()},
 }
 LOG = "docs/performance-log.md"
 CITATION = re.compile(r"(?<![\w./$-])(scripts/[\w./-]*\w\.(?:py|sh))\b")
@@ -276,7 +285,7 @@ def test_every_script_the_docs_cite_exists() -> None:
     missing = [f"{where}: {path} does not exist" for path, places in CITED.items() if not (REPO / path).exists()
                for where in places if path not in GONE or not where.startswith(LOG)]
     assert not missing, "cited scripts missing from the repository:\n" + "\n".join(missing)
-    assert {"scripts/bench.py", "scripts/bench_e2e.py", "scripts/device/run_acceptance.sh"} <= set(CITED)
+    assert {"scripts/bench.py", "scripts/bench_e2e.py", MEASURE} <= set(CITED)
 
 
 def test_the_removed_and_moved_scripts_are_gone_and_still_cited() -> None:
@@ -286,8 +295,61 @@ def test_the_removed_and_moved_scripts_are_gone_and_still_cited() -> None:
     uncited = sorted(GONE - set(CITED))
     assert not back and not uncited, f"in the repository again: {back}; no longer cited: {uncited}"
     lost = sorted(f"{old} -> {new}" for old, new in MOVED_SCRIPTS_THE_LOG_CITES.items()
-                  if not (REPO / new.split()[0]).is_file())
+                  if not (REPO / new.split()[0]).is_file() or (new.startswith(MEASURE) and new.split()[1] not in
+                                                                measure_suites()[1]))
     assert not lost, f"moved scripts not where the list says: {lost}"
+
+
+# -- the layout of scripts/ --------------------------------------------------------------------------------
+MAX_BENCHES = 8
+USER_COMMANDS = {"setup-env", "stream-recon", "test"}
+MEASURE = "scripts/device/measure.sh"
+
+
+def measure_suites() -> tuple[list[str], list[str]]:
+    """The suites measure.sh's top comment lists (`#   SUITE  what it does`) and the ones its last case
+    statement (the dispatch) runs."""
+    text = (REPO / MEASURE).read_text()
+    top = text.partition("\nset -")[0]
+    listed = re.findall(r"^#   ([a-z][\w-]*)  ", top, re.MULTILINE)
+    dispatch = text.rpartition("\ncase ")[2].partition("\nesac")[0]
+    patterns = re.findall(r"^\s*([\w|-]+)\)", dispatch, re.MULTILINE)
+    return listed, [suite for pattern in patterns for suite in pattern.split("|")]
+
+
+def test_scripts_top_holds_the_benchmarks_and_the_users_commands() -> None:
+    benches = sorted(path.name for path in SCRIPTS.glob("bench*.py"))
+    assert 0 < len(benches) <= MAX_BENCHES, f"{len(benches)} benchmarks at scripts/'s top: {benches}"
+    others = sorted(path.name for path in SCRIPTS.glob("*.py") if not path.name.startswith("bench"))
+    assert not others, f"Python at scripts/'s top that is not a benchmark (probes/ or fixtures/): {others}"
+    files = {path.name for path in SCRIPTS.iterdir() if path.is_file()}
+    assert USER_COMMANDS <= files, sorted(USER_COMMANDS - files)
+    assert not files - USER_COMMANDS - set(benches), sorted(files - USER_COMMANDS - set(benches))
+    folders = {path.name for path in SCRIPTS.iterdir() if path.is_dir() and path.name != "__pycache__"}
+    assert folders == {*TOOL_FOLDERS, "device"}, sorted(folders)
+
+
+@pytest.mark.parametrize("folder", TOOL_FOLDERS)
+def test_every_tool_is_in_its_folders_index_with_one_line(folder: str) -> None:
+    index = (SCRIPTS / folder / "README.md").read_text().splitlines()
+    scripts = sorted(path.name for path in (SCRIPTS / folder).glob("*.py"))
+    assert scripts, f"nothing in scripts/{folder}/"
+    counts = {name: sum(line.startswith(f"- `{name}`: ") for line in index) for name in scripts}
+    wrong = {name: count for name, count in counts.items() if count != 1}
+    assert not wrong, f"scripts/{folder}/README.md: index lines per script (one each): {wrong}"
+    indexed = set(re.findall(r"^- `([\w.]+\.py)`", "\n".join(index), re.MULTILINE))
+    assert indexed <= set(scripts), f"indexed but not in scripts/{folder}/: {sorted(indexed - set(scripts))}"
+
+
+def test_every_suite_measure_sh_lists_is_in_its_case_statement() -> None:
+    listed, dispatched = measure_suites()
+    assert len(listed) == len(set(listed)) >= 10, listed
+    assert set(listed) == set(dispatched), (f"listed, not run: {sorted(set(listed) - set(dispatched))}; "
+                                            f"run, not listed: {sorted(set(dispatched) - set(listed))}")
+    assert {"acceptance", "start", "spare", "soak-a", "soak-b", "soak-c", "repro", "long"} <= set(listed)
+    cited = {suite for doc in DOCS if doc != LOG
+             for suite in re.findall(r"measure\.sh ([a-z][\w-]*)", (REPO / doc).read_text())}
+    assert cited and cited <= set(listed), f"docs cite suites measure.sh has not: {sorted(cited - set(listed))}"
 
 
 # -- the GPU machine's shell scripts ---------------------------------------------------------------------
@@ -451,6 +513,53 @@ e2e cold --frames 3
     ]
     called = {path for script in SHELL_SCRIPTS for path, _, _ in device_script_calls(script)}
     assert {"scripts/bench.py", "scripts/bench_e2e.py", "scripts/bench_shapes.py"} <= called, called
+
+
+def top_functions(text: str) -> dict[str, tuple[int, int, str]]:
+    """Each function defined at a script's top level -> its first and last line and its body."""
+    functions, depth, current, start, body = {}, 0, None, 0, []
+    for number, line in shell_lines(text):
+        opened = FUNCTION_START.match(line)
+        if opened and depth == 0:
+            current, start, body = opened.group(1), number, []
+        depth += line.count("{") - line.count("}")
+        if current:
+            body.append(line)
+            if depth == 0:
+                functions[current], current = (start, number, "\n".join(body)), None
+    return functions
+
+
+def measure_suite_calls(suite: str) -> list[tuple[str, set[str], int]]:
+    """(scripts/X.py, flags, line) of each run of a Python script in measure.sh's suite: in its function
+    (suite_NAME, - as _; the never-hang suites share suite_never_hang) and the functions it calls."""
+    functions = top_functions((REPO / MEASURE).read_text())
+    never_hang = suite in ("repro", "soak-a", "soak-b", "soak-c", "long")
+    reached, todo = set(), ["suite_never_hang" if never_hang else "suite_" + suite.replace("-", "_")]
+    while todo:
+        name = todo.pop()
+        if name in reached or name not in functions:
+            continue
+        reached.add(name)
+        todo += [word for word in re.findall(r"[\w]+", functions[name][2]) if word in functions]
+    spans = [functions[name][:2] for name in reached]
+    return [call for call in device_script_calls(MEASURE) if any(first <= call[2] <= last for first, last in spans)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("suite", measure_suites()[0])
+def test_measure_suite_runs_existing_scripts_with_flags_they_take(suite: str, help_texts: dict[str, dict]) -> None:
+    calls = measure_suite_calls(suite)
+    # gpu-tests runs pytest; probe the script its arguments name
+    assert calls or suite in ("gpu-tests", "probe"), f"measure.sh {suite} runs no script"
+    problems = []
+    for called, flags, line in calls:
+        if not (REPO / called).is_file():
+            problems.append(f"measure.sh {suite}:{line}: runs {called}, which does not exist")
+            continue
+        taken = set(re.findall(r"--[\w-]+", help_texts[called]["output"]))
+        problems += [f"measure.sh {suite}:{line}: {called} takes no {flag}" for flag in sorted(flags - taken)]
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.parametrize("script", SHELL_SCRIPTS)

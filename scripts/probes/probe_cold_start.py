@@ -11,7 +11,7 @@ and thread, and those built once the stream ran. `--no-dry-builds` warms up with
 lists our Triton kernels' builds and builds them side by side (models/builds/kernel_builds.py), to compare.
 
 Point TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR at an empty folder to measure a fresh machine in a
-machine that compiled before (scripts/device/run_cold_start.sh does).
+machine that compiled before (`PARTS=cold bash scripts/device/measure.sh start` does).
 
     python3 scripts/probes/probe_cold_start.py --height 392 [--no-compile]
 """
