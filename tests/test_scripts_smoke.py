@@ -4,11 +4,15 @@
   output holds the figure it exists to produce, a finite number. scripts/bench_e2e.py has its own smoke
   tests (tests/test_bench_e2e.py); scripts/bench_shapes.py needs a CUDA GPU, so it is imported and its
   helpers called instead.
-- Every script in scripts/, and every one README.md, docs/usage.md, docs/PERFORMANCE.md or the dated log
-  docs/performance-log.md cites (the docs are read at test time, so a newly cited script is covered without
-  a change here), imports and answers --help.
-- Every GPU-machine script (scripts/device/*.sh, and any .sh the docs cite) parses (`bash -n`), and each
-  scripts/*.py it runs exists and takes every --flag it passes (that script's --help lists it).
+- Every script in scripts/, scripts/probes/ and scripts/fixtures/, and every one README.md, docs/usage.md,
+  docs/PERFORMANCE.md or the dated log docs/performance-log.md cites (the docs are read at test time, so a
+  newly cited script is covered without a change here), imports and answers --help.
+- The GPU machine's entry point (scripts/device/measure.sh, the env.sh it sources, and any .sh the docs
+  cite) parses (`bash -n`), and each scripts/*.py a suite runs exists and takes every --flag it passes
+  (that script's --help lists it).
+- The layout: at most 8 benchmarks (bench*.py) and the user's commands at scripts/'s top, every probe and
+  fixture tool named in its folder's README.md index with one line, every suite measure.sh's top comment
+  lists in its case statement, and every suite the docs cite listed there.
 
 Numbers are not checked against any speed, only that each was measured.
 """
