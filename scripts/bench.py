@@ -207,7 +207,7 @@ def run(args) -> dict:
     if timing_events:
         parts = graph_parts(timing_events, args.frames)
         result["graph_parts_ms_per_frame"] = parts
-        if parts["global_attention"]:  # (inside the graph otherwise: see scripts/profile_step.py)
+        if parts["global_attention"]:  # (inside the graph otherwise: see scripts/probes/profile_step.py)
             result["global_attention_tflops"] = attention_flops(engine) / parts["global_attention"] / 1e9
     if timer is not None:
         result["stage_ms_per_frame"] = {k: v / args.frames for k, v in timer.totals_ms().items()}

@@ -69,7 +69,7 @@ def test_stand_in_engine_measures_the_product_path_alone(tmp_path: Path, viewer:
 
 
 def test_rollover_trace_names_each_part_of_every_rollover(tmp_path: Path) -> None:
-    command = [sys.executable, str(REPO / "scripts" / "trace_rollover.py"), "--pace", "1.5", "--memory-push", "3", "--profile-push", "9", "--device", "cpu",
+    command = [sys.executable, str(REPO / "scripts" / "probes" / "trace_rollover.py"), "--pace", "1.5", "--memory-push", "3", "--profile-push", "9", "--device", "cpu",
                "--model", "tiny", "--frames", "20", "--image-width", "112", "--scale", "2", "--window", "4",
                "--chunk-frames", "8", "--overlap", "3", "--video-dir", str(tmp_path), "--no-engine-run"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600,

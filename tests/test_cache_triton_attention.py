@@ -304,7 +304,7 @@ def test_the_gluon_kernel_builds_for_hopper_with_the_installed_triton():
 
     if not gluon_attention.available():
         pytest.skip("this Triton has no Gluon interface for Hopper (the Triton kernel serves there)")
-    probe = Path(__file__).resolve().parents[1] / "scripts" / "probe_gluon_attention.py"
+    probe = Path(__file__).resolve().parents[1] / "scripts" / "probes" / "probe_gluon_attention.py"
     done = subprocess.run([sys.executable, str(probe), "--compile-only", "--variants",
                            f"pingpong:{gluon_attention.KEY_STAGES}"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -4,11 +4,15 @@
   output holds the figure it exists to produce, a finite number. scripts/bench_e2e.py has its own smoke
   tests (tests/test_bench_e2e.py); scripts/bench_shapes.py needs a CUDA GPU, so it is imported and its
   helpers called instead.
-- Every script in scripts/, and every one README.md, docs/usage.md, docs/PERFORMANCE.md or the dated log
-  docs/performance-log.md cites (the docs are read at test time, so a newly cited script is covered without
-  a change here), imports and answers --help.
-- Every GPU-machine script (scripts/device/*.sh, and any .sh the docs cite) parses (`bash -n`), and each
-  scripts/*.py it runs exists and takes every --flag it passes (that script's --help lists it).
+- Every script in scripts/, scripts/probes/ and scripts/fixtures/, and every one README.md, docs/usage.md,
+  docs/PERFORMANCE.md or the dated log docs/performance-log.md cites (the docs are read at test time, so a
+  newly cited script is covered without a change here), imports and answers --help.
+- The GPU machine's entry point (scripts/device/measure.sh, the env.sh it sources, and any .sh the docs
+  cite) parses (`bash -n`), and each scripts/*.py a suite runs exists and takes every --flag it passes
+  (that script's --help lists it).
+- The layout: at most 8 benchmarks (bench*.py) and the user's commands at scripts/'s top, every probe and
+  fixture tool named in its folder's README.md index with one line, every suite measure.sh's top comment
+  lists in its case statement, and every suite the docs cite listed there.
 
 Numbers are not checked against any speed, only that each was measured.
 """
@@ -31,9 +35,9 @@ from evo_data import EVO_DATA_ENV, evo_data_dir
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
 DOCS = ("README.md", "docs/usage.md", "docs/PERFORMANCE.md", "docs/performance-log.md")
-# The dated performance log keeps its entries as they were written, so it cites scripts that were removed
-# or moved since (their findings stay in the log). A cited path missing from the repository must be one of
-# these, and only the log may cite it.
+# The dated performance log keeps its entries as they were written, so it cites scripts that were removed,
+# moved or merged since (their findings stay in the log). A cited path missing from the repository must be
+# one of these, and only the log may cite it.
 REMOVED_SCRIPTS_THE_LOG_CITES = frozenset({
     "scripts/bench_attention.py",
     "scripts/device/run_compile_beside.sh",
@@ -51,7 +55,25 @@ REMOVED_SCRIPTS_THE_LOG_CITES = frozenset({
     "scripts/gpu/run_fast_path.sh",
     "scripts/gpu/run_gpu_suite.sh",
     "scripts/gpu/run_speed_round.sh",
+    "scripts/probe_gemm.py",  # TunableOp and Triton tiles for the blocks' products: tried, not kept
+    "scripts/time_scale_step.py",  # the scale step compiled: tried, not kept
 })
+# A script the log cites that moved -> where it is now.
+MOVED_SCRIPTS_THE_LOG_CITES = {
+    **{f"scripts/{name}.py": f"scripts/probes/{name}.py" for name in (
+        "long_run", "probe_attention_schedule", "probe_cold_start", "probe_compile_artifacts", "probe_gluon_attention",
+        "probe_library_waves", "probe_prepare", "probe_range_variants", "probe_sm_partition", "probe_triton_builds",
+        "profile_step", "scale_step_memory", "trace_rollover")},
+    # the GPU machine's scripts, merged into suites of scripts/device/measure.sh
+    **{f"scripts/device/{name}.sh": f"scripts/device/measure.sh {suite}" for name, suite in {
+        "bench_against": "against", "run_refactor_check": "against", "run_acceptance": "acceptance",
+        "run_e2e": "e2e", "run_shapes_e2e": "shapes-e2e", "run_shapes": "shapes", "run_reference": "reference",
+        "run_gpu_tests": "gpu-tests", "run_first_prediction": "start", "run_first_start": "start",
+        "run_cold_start": "start", "run_compile_auto": "start", "run_kernel_builds": "start", "run_warm_up": "start",
+        "run_compiled_code": "start", "run_catchup": "spare", "run_dense_flow": "spare", "run_fit16": "spare",
+        "run_spare_fit": "spare", "run_spare_memory": "spare", "run_spare_sms_ab": "spare", "run_variants": "kernel",
+        "run_range_probe": "kernel", "run_loop_closure": "loops", "run_never_hang": "soak-a"}.items()},
+}
 LOG = "docs/performance-log.md"
 CITATION = re.compile(r"(?<![\w./$-])(scripts/[\w./-]*\w\.(?:py|sh))\b")
 
@@ -67,10 +89,13 @@ def cited_scripts() -> dict[str, list[str]]:
 
 
 CITED = cited_scripts()
-PYTHON_SCRIPTS = sorted(({str(p.relative_to(REPO)) for p in SCRIPTS.glob("*.py")}
-                         | {p for p in CITED if p.endswith(".py")}) - REMOVED_SCRIPTS_THE_LOG_CITES)
+GONE = REMOVED_SCRIPTS_THE_LOG_CITES | set(MOVED_SCRIPTS_THE_LOG_CITES)
+TOOL_FOLDERS = ("probes", "fixtures")  # scripts/probes/, scripts/fixtures/: each with a README.md index
+PYTHON_SCRIPTS = sorted(({str(p.relative_to(REPO)) for folder in ("", *TOOL_FOLDERS)
+                          for p in (SCRIPTS / folder).glob("*.py")}
+                         | {p for p in CITED if p.endswith(".py")}) - GONE)
 SHELL_SCRIPTS = sorted(({str(p.relative_to(REPO)) for p in (SCRIPTS / "device").glob("*.sh")}
-                        | {p for p in CITED if p.endswith(".sh")}) - REMOVED_SCRIPTS_THE_LOG_CITES)
+                        | {p for p in CITED if p.endswith(".sh")}) - GONE)
 
 
 def where_cited(path: str) -> str:
@@ -262,16 +287,73 @@ def test_script_imports_and_answers_help(script: str, help_texts: dict[str, dict
 
 def test_every_script_the_docs_cite_exists() -> None:
     missing = [f"{where}: {path} does not exist" for path, places in CITED.items() if not (REPO / path).exists()
-               for where in places if path not in REMOVED_SCRIPTS_THE_LOG_CITES or not where.startswith(LOG)]
+               for where in places if path not in GONE or not where.startswith(LOG)]
     assert not missing, "cited scripts missing from the repository:\n" + "\n".join(missing)
-    assert {"scripts/bench.py", "scripts/bench_e2e.py", "scripts/device/run_acceptance.sh"} <= set(CITED)
+    assert {"scripts/bench.py", "scripts/bench_e2e.py", MEASURE} <= set(CITED)
 
 
-def test_the_removed_scripts_are_gone_and_still_cited() -> None:
-    """The list of removed scripts stays exact: none back in the repository, none the log no longer cites."""
-    back = sorted(path for path in REMOVED_SCRIPTS_THE_LOG_CITES if (REPO / path).exists())
-    uncited = sorted(REMOVED_SCRIPTS_THE_LOG_CITES - set(CITED))
+def test_the_removed_and_moved_scripts_are_gone_and_still_cited() -> None:
+    """The lists of removed and moved scripts stay exact: none back in the repository, none the log no longer
+    cites, and each moved one where the list says it is now."""
+    back = sorted(path for path in GONE if (REPO / path).exists())
+    uncited = sorted(GONE - set(CITED))
     assert not back and not uncited, f"in the repository again: {back}; no longer cited: {uncited}"
+    lost = sorted(f"{old} -> {new}" for old, new in MOVED_SCRIPTS_THE_LOG_CITES.items()
+                  if not (REPO / new.split()[0]).is_file() or (new.startswith(MEASURE) and new.split()[1] not in
+                                                                measure_suites()[1]))
+    assert not lost, f"moved scripts not where the list says: {lost}"
+
+
+# -- the layout of scripts/ --------------------------------------------------------------------------------
+MAX_BENCHES = 8
+USER_COMMANDS = {"setup-env", "stream-recon", "test"}
+MEASURE = "scripts/device/measure.sh"
+
+
+def measure_suites() -> tuple[list[str], list[str]]:
+    """The suites measure.sh's top comment lists (`#   SUITE  what it does`) and the ones its last case
+    statement (the dispatch) runs."""
+    text = (REPO / MEASURE).read_text()
+    top = text.partition("\nset -")[0]
+    listed = re.findall(r"^#   ([a-z][\w-]*)  ", top, re.MULTILINE)
+    dispatch = text.rpartition("\ncase ")[2].partition("\nesac")[0]
+    patterns = re.findall(r"^\s*([\w|-]+)\)", dispatch, re.MULTILINE)
+    return listed, [suite for pattern in patterns for suite in pattern.split("|")]
+
+
+def test_scripts_top_holds_the_benchmarks_and_the_users_commands() -> None:
+    benches = sorted(path.name for path in SCRIPTS.glob("bench*.py"))
+    assert 0 < len(benches) <= MAX_BENCHES, f"{len(benches)} benchmarks at scripts/'s top: {benches}"
+    others = sorted(path.name for path in SCRIPTS.glob("*.py") if not path.name.startswith("bench"))
+    assert not others, f"Python at scripts/'s top that is not a benchmark (probes/ or fixtures/): {others}"
+    files = {path.name for path in SCRIPTS.iterdir() if path.is_file()}
+    assert USER_COMMANDS <= files, sorted(USER_COMMANDS - files)
+    assert not files - USER_COMMANDS - set(benches), sorted(files - USER_COMMANDS - set(benches))
+    folders = {path.name for path in SCRIPTS.iterdir() if path.is_dir() and path.name != "__pycache__"}
+    assert folders == {*TOOL_FOLDERS, "device"}, sorted(folders)
+
+
+@pytest.mark.parametrize("folder", TOOL_FOLDERS)
+def test_every_tool_is_in_its_folders_index_with_one_line(folder: str) -> None:
+    index = (SCRIPTS / folder / "README.md").read_text().splitlines()
+    scripts = sorted(path.name for path in (SCRIPTS / folder).glob("*.py"))
+    assert scripts, f"nothing in scripts/{folder}/"
+    counts = {name: sum(line.startswith(f"- `{name}`: ") for line in index) for name in scripts}
+    wrong = {name: count for name, count in counts.items() if count != 1}
+    assert not wrong, f"scripts/{folder}/README.md: index lines per script (one each): {wrong}"
+    indexed = set(re.findall(r"^- `([\w.]+\.py)`", "\n".join(index), re.MULTILINE))
+    assert indexed <= set(scripts), f"indexed but not in scripts/{folder}/: {sorted(indexed - set(scripts))}"
+
+
+def test_every_suite_measure_sh_lists_is_in_its_case_statement() -> None:
+    listed, dispatched = measure_suites()
+    assert len(listed) == len(set(listed)) >= 10, listed
+    assert set(listed) == set(dispatched), (f"listed, not run: {sorted(set(listed) - set(dispatched))}; "
+                                            f"run, not listed: {sorted(set(dispatched) - set(listed))}")
+    assert {"acceptance", "start", "spare", "soak-a", "soak-b", "soak-c", "repro", "long"} <= set(listed)
+    cited = {suite for doc in DOCS if doc != LOG
+             for suite in re.findall(r"measure\.sh ([a-z][\w-]*)", (REPO / doc).read_text())}
+    assert cited and cited <= set(listed), f"docs cite suites measure.sh has not: {sorted(cited - set(listed))}"
 
 
 # -- the GPU machine's shell scripts ---------------------------------------------------------------------
@@ -420,7 +502,7 @@ PY
 twice all --frames 10 $FLOW \\
   --viewer
 MODE=x timeout 5 run one ${rows[$row]} --client | grep -v Warn --line-buffered
-python3 scripts/bench.py --frames 5 > "$OUT/log" 2>&1 && python3 scripts/probe_gemm.py --rows=all
+python3 scripts/bench.py --frames 5 > "$OUT/log" 2>&1 && python3 scripts/probes/probe_library_waves.py --rows=all
 e2e cold --frames 3
 """
     assert python_calls(script, sourced) == [
@@ -430,11 +512,58 @@ e2e cold --frames 3
         ("scripts/bench_e2e.py", {"--frames", "--keyframes", "--max-gap", "--viewer"}, 13),
         ("scripts/bench_e2e.py", {"--flow-threshold", "--compile", "--client"}, 15),
         ("scripts/bench.py", {"--frames"}, 16),
-        ("scripts/probe_gemm.py", {"--rows"}, 16),
+        ("scripts/probes/probe_library_waves.py", {"--rows"}, 16),
         ("scripts/bench_e2e.py", {"--frames"}, 17),
     ]
     called = {path for script in SHELL_SCRIPTS for path, _, _ in device_script_calls(script)}
     assert {"scripts/bench.py", "scripts/bench_e2e.py", "scripts/bench_shapes.py"} <= called, called
+
+
+def top_functions(text: str) -> dict[str, tuple[int, int, str]]:
+    """Each function defined at a script's top level -> its first and last line and its body."""
+    functions, depth, current, start, body = {}, 0, None, 0, []
+    for number, line in shell_lines(text):
+        opened = FUNCTION_START.match(line)
+        if opened and depth == 0:
+            current, start, body = opened.group(1), number, []
+        depth += line.count("{") - line.count("}")
+        if current:
+            body.append(line)
+            if depth == 0:
+                functions[current], current = (start, number, "\n".join(body)), None
+    return functions
+
+
+def measure_suite_calls(suite: str) -> list[tuple[str, set[str], int]]:
+    """(scripts/X.py, flags, line) of each run of a Python script in measure.sh's suite: in its function
+    (suite_NAME, - as _; the never-hang suites share suite_never_hang) and the functions it calls."""
+    functions = top_functions((REPO / MEASURE).read_text())
+    never_hang = suite in ("repro", "soak-a", "soak-b", "soak-c", "long")
+    reached, todo = set(), ["suite_never_hang" if never_hang else "suite_" + suite.replace("-", "_")]
+    while todo:
+        name = todo.pop()
+        if name in reached or name not in functions:
+            continue
+        reached.add(name)
+        todo += [word for word in re.findall(r"[\w]+", functions[name][2]) if word in functions]
+    spans = [functions[name][:2] for name in reached]
+    return [call for call in device_script_calls(MEASURE) if any(first <= call[2] <= last for first, last in spans)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("suite", measure_suites()[0])
+def test_measure_suite_runs_existing_scripts_with_flags_they_take(suite: str, help_texts: dict[str, dict]) -> None:
+    calls = measure_suite_calls(suite)
+    # gpu-tests runs pytest; probe the script its arguments name
+    assert calls or suite in ("gpu-tests", "probe"), f"measure.sh {suite} runs no script"
+    problems = []
+    for called, flags, line in calls:
+        if not (REPO / called).is_file():
+            problems.append(f"measure.sh {suite}:{line}: runs {called}, which does not exist")
+            continue
+        taken = set(re.findall(r"--[\w-]+", help_texts[called]["output"]))
+        problems += [f"measure.sh {suite}:{line}: {called} takes no {flag}" for flag in sorted(flags - taken)]
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.parametrize("script", SHELL_SCRIPTS)

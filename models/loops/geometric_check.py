@@ -80,7 +80,7 @@ class GeometricCheckConfig:
     ransac_threshold_px: float = 1.0  # epipolar distance; SIFT on 518 x 294 frames locates to ~0.5 px
     ransac_confidence: float = 0.999
     ransac_max_iterations: int = 2000
-    # Passing (scripts/loop_check_survey.py): of the fixture's 733 non-overlapping pairs two chunks
+    # Passing (scripts/probes/loop_check_survey.py): of the fixture's 733 non-overlapping pairs two chunks
     # apart, none reached more than 10 essential-matrix inliers (12 fundamental); its 27 overlapping
     # pairs have a median of 24 (25), the loop's best 88 (89). 20 lies between: 15 (17) of them pass.
     min_inliers: int = 20

@@ -35,7 +35,7 @@ from .sm_partition import device_sm_count, partitioned_stream
 # The share of the GPU's SMs that the spare's eager kernels (its scale step) may use. Beside the spare's
 # eager scale step on every SM, a stand-in of the stream's step took 2.9x its time alone (51.8 against
 # 18.0 ms), 1.55x with the spare on 80 of 132 SMs, whose scale steps then came 29 % less often
-# (scripts/probe_sm_partition.py). On the product path the uncompiled flow
+# (scripts/probes/probe_sm_partition.py). On the product path the uncompiled flow
 # rows' worst rollover interval falls from 2.02-2.07x the median to 1.68-1.90x; the spare ends its
 # catch-ups a few frames later. 1: a plain stream on every SM.
 SPARE_SM_SHARE = 0.6

@@ -24,7 +24,7 @@ changes results: fewer frames' patches are visible, so the plan says so). Nothin
 MemoryBudgetError that names the numbers and the smallest budget that would do.
 
 The heads' activation constants come from traces of live tensor bytes through `GCTStream.step` on
-the meta device (scripts/trace_step_memory.py: bf16, frames of 518x280 to 518x518, 1 and 8 frames);
+the meta device (scripts/probes/trace_step_memory.py: bf16, frames of 518x280 to 518x518, 1 and 8 frames);
 the aggregator's and the graph pools' are a GPU's, measured where the trace cannot see (autocast's
 float32 outputs, the pools' reservations). `scripts/bench.py --gpu-memory` prints the estimate beside
 torch's measured peak, which is how they are checked on a GPU.

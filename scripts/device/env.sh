@@ -1,13 +1,25 @@
-# Sourced by the GPU-machine scripts: install the carried wheels (.whl: FlashInfer, viser
-# and their needs) into /tmp/site, expose app/ models/ cache/ configs/ as stream_recon.* without pip, and
-# record the GPU under $OUT. Run from the repository root.
+# Sourced by scripts/device/measure.sh (run from the repository root): $OUT, app/ models/ cache/ configs/
+# exposed as stream_recon.* without pip (/tmp/sr), and the GPU recorded in $OUT/gpu.txt. The carried
+# wheels go in with install_wheels (.whl: FlashInfer, viser and their needs) or use_gtsam (loop closure).
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-mkdir -p /tmp/sr/stream_recon
-for d in app models cache configs; do ln -sfn "$PWD/$d" /tmp/sr/stream_recon/$d; done
+mkdir -p "$OUT" /tmp/site
+# The package of a tree at $2 (a folder holding app/ models/ cache/ configs/) as stream_recon under /tmp/$1.
+link_package() { mkdir -p "/tmp/$1/stream_recon"
+  for d in app models cache configs; do [ -e "$2/$d" ] && ln -sfn "$2/$d" "/tmp/$1/stream_recon/$d"; done; return 0; }
+link_package sr "$PWD"
 export PYTHONPATH=/tmp/sr:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+# The carried wheels of folder $1 (default .whl) into /tmp/site; stops the script if there are none.
+install_wheels() { local folder=${1:-.whl}
+  ls "$folder"/*.whl >/dev/null 2>&1 || { echo "no wheels in $folder/: carry it" >&2; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$folder"/*.whl || exit 1; }
+# Loop closure's set-up: the wheels of .carry-gtsam/ (plyfile; FlashInfer and apache-tvm-ffi where carried)
+# and gtsam-py312.tar.xz (GTSAM's py3.12 wheel without its example data, tests and gtsam_unstable, which fits
+# the transfer where the 34 MB wheel does not) into /tmp/site; stops the script if gtsam does not import.
+use_gtsam() { install_wheels .carry-gtsam
+  tar -xJf .carry-gtsam/gtsam-py312.tar.xz -C /tmp/site || exit 1
+  python3 -c "import gtsam; print('gtsam', getattr(gtsam, '__version__', 'ok'))" | tee -a "$OUT/gpu.txt" || exit 1; }
 # One product-path run of scripts/bench_e2e.py, named $1 (the rest are its options): its table into
 # $OUT/e2e.log, its JSON into $OUT/e2e_$1.json.
 e2e() { local name=$1; shift; echo "== $name: $*" | tee -a "$OUT/e2e.log"
@@ -57,7 +69,8 @@ pack_out() { tar czf /tmp/out.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /t
 # default caches, at most TEST_TIMEOUT (240) seconds; their log in $OUT/tests.log. $1: the script's start
 # (date +%s), for the line that says when they began.
 run_gpu_tests() { [ -n "${TESTS:-}" ] || return 0
-  echo "== GPU tests ($(( $(date +%s) - $1 )) s): $TESTS"
+  rm -rf /tmp/site/_pytest /tmp/site/pytest* /tmp/site/pluggy*  # a carried pytest would shadow the machine's
+  echo "== GPU tests ($(( $(date +%s) - $1 )) s): $TESTS -k '${TEST_K:-}'"
   (unset TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR; timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider $TESTS -k "${TEST_K:-}") \
     > "$OUT/tests.log" 2>&1
   grep -E "passed|failed|FAILED|^E " "$OUT/tests.log" | tail -15; }
