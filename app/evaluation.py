@@ -33,6 +33,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from stream_recon.app.evaluation_settings import DEFAULT_MAX_DIFF as DEFAULT_MAX_DIFF
+from stream_recon.app.evaluation_settings import DEPTH_MAX_DIFF as DEPTH_MAX_DIFF
 from stream_recon.app.rundir import (
     EVAL_JSON,
     PREDICTIONS_DIR,
@@ -49,10 +51,6 @@ from stream_recon.models.stream.similarity import AlignmentError, Sim3, rotation
 
 TUM_DEPTH_FACTOR = 5000.0  # TUM RGB-D depth PNGs: uint16, 5000 units per metre
 AUC_THRESHOLDS_DEG = (5, 15, 30)
-DEFAULT_MAX_DIFF = 0.01  # evo's --t_max_diff: TUM ground truth runs at 100 Hz, so a frame's pose is within 5 ms
-# Depth frames are not the RGB frames: TUM's cameras stamp them up to ~20 ms apart, which is why TUM's
-# associate.py pairs RGB and depth within 0.02 s.
-DEPTH_MAX_DIFF = 0.02
 STATISTICS = ("rmse", "mean", "median", "std", "min", "max", "sse")  # what evo_ape / evo_rpe print
 # The evo-equivalent error series in eval.json: (key prefix, unit suffix; "" for ground-truth length units).
 ERROR_METRICS = (("ate", ""), ("rpe_trans", ""), ("rpe_rot", "deg"))

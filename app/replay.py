@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from stream_recon.app.options import VIEWER_HOST, VIEWER_PORT
 from stream_recon.app.rundir import (
     PREDICTIONS_DIR,
     RunDirError,
@@ -287,7 +288,7 @@ class Replay:
             self._playback_fps = float(speed.value)
 
 
-def start_replay(run_dir: Path, host: str = "127.0.0.1", port: int = 8080, **viewer_options) -> Replay:
+def start_replay(run_dir: Path, host: str = VIEWER_HOST, port: int = VIEWER_PORT, **viewer_options) -> Replay:
     """Index `run_dir`, start a viewer and show the whole run (the timeline at its last frame). Points are
     shown with the run's own confidence threshold (run.json) unless viewer_options say otherwise, and the
     accepted loops run.json lists are drawn."""
