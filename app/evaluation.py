@@ -40,6 +40,7 @@ from stream_recon.app.rundir import (
     PREDICTIONS_DIR,
     RunDirError,
     TumFileError,
+    prediction_fields,
     prediction_files,
     read_tum,
     read_tum_list,
@@ -430,8 +431,7 @@ def evaluate_depth(run_dir: str | Path, depth_dir: str | Path, *, max_diff: floa
         raise EvaluationError(f"no per-frame predictions (*.npz) in {Path(run_dir) / PREDICTIONS_DIR}")
     timestamps = []
     for file in paths:
-        with np.load(file) as data:
-            timestamps.append(float(data["timestamp"]))
+        timestamps.append(float(prediction_fields(file, "timestamp")["timestamp"]))
     depth_timestamps, depth_paths = read_depth_list(depth_dir)
     pred_indices, depth_indices = associate_timestamps(np.array(timestamps), depth_timestamps, max_diff)
     if len(pred_indices) == 0:
@@ -442,8 +442,7 @@ def evaluate_depth(run_dir: str | Path, depth_dir: str | Path, *, max_diff: floa
         )
     abs_rels, delta1s = [], []
     for pred_index, depth_index in zip(pred_indices, depth_indices, strict=True):
-        with np.load(paths[pred_index]) as data:
-            predicted = np.asarray(data["depth"], dtype=np.float32)
+        predicted = prediction_fields(paths[pred_index], "depth")["depth"]
         ground_truth = match_ground_truth_to_prediction(
             read_tum_depth(depth_paths[depth_index]), predicted.shape
         )

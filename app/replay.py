@@ -30,7 +30,6 @@ import dataclasses
 import logging
 import threading
 import time
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from stream_recon.app.rundir import (
     RunDirError,
     load_prediction,
     loop_closure_summary,
+    prediction_fields,
     prediction_files,
     read_run_info,
 )
@@ -79,10 +79,10 @@ def index_run(run_dir: Path) -> RunIndex:
     frame_indices, keyframe_flags, poses, readable = [], [], [], []
     for path in paths:
         try:
-            with np.load(path, allow_pickle=False) as npz:  # members are read lazily: depth stays on disk
-                frame_index, is_keyframe = int(npz["frame_index"]), bool(npz["is_keyframe"])
-                c2w = np.asarray(npz["c2w"], dtype=np.float32).reshape(3, 4)
-        except (OSError, KeyError, ValueError, zipfile.BadZipFile, EOFError) as error:
+            fields = prediction_fields(path, "frame_index", "is_keyframe", "c2w")  # depth stays on disk
+            frame_index, is_keyframe = int(fields["frame_index"]), bool(fields["is_keyframe"])
+            c2w = np.asarray(fields["c2w"], dtype=np.float32).reshape(3, 4)
+        except (OSError, ValueError) as error:
             logger.warning("skipping %s: %s", path, error)
             continue
         frame_indices.append(frame_index)
