@@ -75,15 +75,16 @@ def bindings(tree: ast.AST) -> list[tuple[str, ast.Constant]]:
             add(name_of(node.target), node.value)
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             positional = [*node.args.posonlyargs, *node.args.args]
-            for arg, default in zip(positional[len(positional) - len(node.args.defaults):], node.args.defaults):
+            for arg, default in zip(positional[len(positional) - len(node.args.defaults):], node.args.defaults,
+                                    strict=True):
                 add(arg.arg, default)
-            for arg, default in zip(node.args.kwonlyargs, node.args.kw_defaults):
+            for arg, default in zip(node.args.kwonlyargs, node.args.kw_defaults, strict=True):
                 add(arg.arg, default)
         elif isinstance(node, ast.Call):
             for keyword in node.keywords:
                 add(keyword.arg, keyword.value)
         elif isinstance(node, ast.Dict):
-            for key, value in zip(node.keys, node.values):
+            for key, value in zip(node.keys, node.values, strict=True):
                 if isinstance(key, ast.Constant) and isinstance(key.value, str):
                     add(key.value, value)
         elif isinstance(node, ast.BoolOp):  # `host or "127.0.0.1"`
