@@ -61,7 +61,15 @@ from stream_recon.app.evaluation import (
 from stream_recon.app.loading import CheckpointDigest, load_model_for
 from stream_recon.app.options import RunOptions, changed_settings
 from stream_recon.app.pipeline import run_sequence
-from stream_recon.app.rundir import BATCH_MARKER, PREDICTIONS_DIR, RUN_JSON, holds_run, run_accepted_loops
+from stream_recon.app.rundir import (
+    BATCH_MARKER,
+    PREDICTIONS_DIR,
+    holds_run,
+    read_batch_marker,
+    read_run_info,
+    run_accepted_loops,
+    write_batch_marker,
+)
 from stream_recon.models.checkpoint import DEFAULT_CHECKPOINT
 
 logger = logging.getLogger(__name__)
@@ -135,20 +143,18 @@ def run_dir_of(output_dir: Path, sequence: Sequence) -> Path:
 
 def finished_row(run_dir: Path) -> dict | None:
     """The row a finished sequence left in its marker, or None when it has not finished."""
-    marker = _read_marker(run_dir)
+    marker = read_batch_marker(run_dir)
     return None if marker is None else {key: value for key, value in marker.items() if key != "settings"}
 
 
 def finished_settings(run_dir: Path) -> dict:
     """The result settings a finished sequence ran with: its marker's, or (markers written before they
     held them) the options recorded in its run.json."""
-    marker = _read_marker(run_dir) or {}
+    marker = read_batch_marker(run_dir) or {}
     if isinstance(marker.get("settings"), dict):
         return marker["settings"]
-    try:
-        settings = json.loads((run_dir / RUN_JSON).read_text()).get("settings", {})
-    except (OSError, ValueError, AttributeError):
-        return {}
+    run_info = read_run_info(run_dir)
+    settings = run_info.get("settings") if isinstance(run_info, dict) else None
     return settings if isinstance(settings, dict) else {}
 
 
@@ -162,10 +168,9 @@ class _SameCheckpoint:
         self._hashed = False
 
     def __call__(self, run_dir: Path) -> bool:
-        try:
-            recorded = json.loads((run_dir / RUN_JSON).read_text()).get("summary", {}).get("checkpoint_digest")
-        except (OSError, ValueError, AttributeError):
-            return False
+        run_info = read_run_info(run_dir)
+        summary = run_info.get("summary") if isinstance(run_info, dict) else None
+        recorded = summary.get("checkpoint_digest") if isinstance(summary, dict) else None
         return recorded is not None and recorded == self._digest_now()
 
     def _digest_now(self) -> str | None:
@@ -183,14 +188,6 @@ def result_changes(run_dir: Path, run_options: RunOptions, same_checkpoint: Call
     if any(change.startswith("checkpoint ") for change in changes) and same_checkpoint(run_dir):
         changes = [change for change in changes if not change.startswith("checkpoint ")]
     return changes
-
-
-def _read_marker(run_dir: Path) -> dict | None:
-    try:
-        marker = json.loads((run_dir / COMPLETE_MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    return marker if isinstance(marker, dict) else None
 
 
 def sequence_source(sequence: Sequence) -> Any:
@@ -309,9 +306,7 @@ def describe_error(error: BaseException) -> str:
 
 def write_marker(run_dir: Path, row: dict, settings: dict) -> None:
     """The sequence's row and the result settings it ran with; written last, so it marks a finished run."""
-    temporary = run_dir / (COMPLETE_MARKER + ".tmp")
-    temporary.write_text(json.dumps({**row, "settings": settings}, indent=2) + "\n")
-    temporary.replace(run_dir / COMPLETE_MARKER)
+    write_batch_marker(run_dir, {**row, "settings": settings})
 
 
 # --------------------------------------------------------------------------------------------------

@@ -33,11 +33,14 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from stream_recon.app.evaluation_settings import DEFAULT_MAX_DIFF as DEFAULT_MAX_DIFF
+from stream_recon.app.evaluation_settings import DEPTH_MAX_DIFF as DEPTH_MAX_DIFF
 from stream_recon.app.rundir import (
     EVAL_JSON,
     PREDICTIONS_DIR,
     RunDirError,
     TumFileError,
+    prediction_fields,
     prediction_files,
     read_tum,
     read_tum_list,
@@ -49,10 +52,6 @@ from stream_recon.models.stream.similarity import AlignmentError, Sim3, rotation
 
 TUM_DEPTH_FACTOR = 5000.0  # TUM RGB-D depth PNGs: uint16, 5000 units per metre
 AUC_THRESHOLDS_DEG = (5, 15, 30)
-DEFAULT_MAX_DIFF = 0.01  # evo's --t_max_diff: TUM ground truth runs at 100 Hz, so a frame's pose is within 5 ms
-# Depth frames are not the RGB frames: TUM's cameras stamp them up to ~20 ms apart, which is why TUM's
-# associate.py pairs RGB and depth within 0.02 s.
-DEPTH_MAX_DIFF = 0.02
 STATISTICS = ("rmse", "mean", "median", "std", "min", "max", "sse")  # what evo_ape / evo_rpe print
 # The evo-equivalent error series in eval.json: (key prefix, unit suffix; "" for ground-truth length units).
 ERROR_METRICS = (("ate", ""), ("rpe_trans", ""), ("rpe_rot", "deg"))
@@ -432,8 +431,7 @@ def evaluate_depth(run_dir: str | Path, depth_dir: str | Path, *, max_diff: floa
         raise EvaluationError(f"no per-frame predictions (*.npz) in {Path(run_dir) / PREDICTIONS_DIR}")
     timestamps = []
     for file in paths:
-        with np.load(file) as data:
-            timestamps.append(float(data["timestamp"]))
+        timestamps.append(float(prediction_fields(file, "timestamp")["timestamp"]))
     depth_timestamps, depth_paths = read_depth_list(depth_dir)
     pred_indices, depth_indices = associate_timestamps(np.array(timestamps), depth_timestamps, max_diff)
     if len(pred_indices) == 0:
@@ -444,8 +442,7 @@ def evaluate_depth(run_dir: str | Path, depth_dir: str | Path, *, max_diff: floa
         )
     abs_rels, delta1s = [], []
     for pred_index, depth_index in zip(pred_indices, depth_indices, strict=True):
-        with np.load(paths[pred_index]) as data:
-            predicted = np.asarray(data["depth"], dtype=np.float32)
+        predicted = prediction_fields(paths[pred_index], "depth")["depth"]
         ground_truth = match_ground_truth_to_prediction(
             read_tum_depth(depth_paths[depth_index]), predicted.shape
         )

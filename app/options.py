@@ -17,6 +17,8 @@ from typing import Any
 from stream_recon.app.input_size import DEFAULT_IMAGE_WIDTH, PATCH_SIZE
 from stream_recon.app.npz_schema import PredictionOutputs
 from stream_recon.app.source_settings import DEFAULT_OPEN_TIMEOUT_S, DEFAULT_RECONNECT_S, FrameSelection
+from stream_recon.models.stream.prediction import EVEN_ODDS_CONFIDENCE
+from stream_recon.models.stream.stream_config import SCALE_FRAMES, TRAINED_VIEWS, WINDOW
 
 KV_CACHE_CHOICES = ("auto", "fp8")  # auto: the model's precision (models.attention_backends.resolve_backend)
 # auto: on when the pose graph's library is installed and the stream can reach a third chunk (a loop joins
@@ -32,6 +34,11 @@ COMPILE_CHOICES = ("auto", "on", "off")
 # The options that take one of a few words, by field, in the order their problems are named
 WORD_CHOICES = {"loop_closure": LOOP_CLOSURE_CHOICES, "compile": COMPILE_CHOICES, "warm_up": WARM_UP_CHOICES,
                 "kv_cache": KV_CACHE_CHOICES}
+# points.ply (and exports) keep the pixels whose depth the model is more sure of than not
+DEFAULT_CONF_THRESHOLD = EVEN_ODDS_CONFIDENCE
+# The live viewer's address: this machine only (viser's own default host is every interface)
+VIEWER_HOST = "127.0.0.1"
+VIEWER_PORT = 8080
 MAX_CHUNK_FRAMES = 1024  # positions in the model's temporal RoPE table
 DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
                "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
@@ -78,11 +85,11 @@ class RunOptions:
     kv_cache: str = "auto"  # K/V cache precision: auto (the model's) | fp8 (e4m3, dense attention backends)
     gpu_memory: str | None = None  # a device-memory budget such as "8GiB": the engine plans to fit it (models.stream.memory)
     # engine
-    scale_frames: int = 8
-    window: int = 64
+    scale_frames: int = SCALE_FRAMES
+    window: int = WINDOW
     # long streams: a new chunk (fresh cache, aligned by Sim(3) on `overlap` shared frames) starts
     # before the cache holds more than `chunk_frames` frames, the range the model was trained on
-    chunk_frames: int = 320
+    chunk_frames: int = TRAINED_VIEWS
     overlap: int = 16
     keyframes: str = "all"  # all | interval:N | flow
     flow_threshold: float | None = None  # None: the engine's default
@@ -97,7 +104,7 @@ class RunOptions:
     open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S
     reconnect_s: float = DEFAULT_RECONNECT_S  # a live source that drops is retried this long; 0: never
     # outputs
-    conf_threshold: float = 2.0
+    conf_threshold: float = DEFAULT_CONF_THRESHOLD
     voxel_size: float | None = None  # None: automatic, relative to the first frame's depth
     overwrite: bool = False
     # what each predictions/*.npz holds and which frames get one; defaults: rundir.PredictionOutputs'
@@ -106,8 +113,8 @@ class RunOptions:
     save_predictions: str = PredictionOutputs.frames  # all | keyframes
     # live viewer
     viewer: bool = True
-    host: str = "127.0.0.1"
-    port: int = 8080
+    host: str = VIEWER_HOST
+    port: int = VIEWER_PORT
     keep_viewer: bool = False  # after the run, keep serving the result until Ctrl-C
 
     def __post_init__(self) -> None:
@@ -369,6 +376,6 @@ def check_viewer_address(host: str, port: int, *, optional: bool = True) -> None
         reason = getattr(error, "strerror", None) or error
         alternatives = "an address of this machine, or --no-viewer" if optional else "or an address of this machine"
         raise OptionsError(
-            f"the viewer cannot serve on {host}:{port} ({reason}): use --host 127.0.0.1 (this machine only), "
+            f"the viewer cannot serve on {host}:{port} ({reason}): use --host {VIEWER_HOST} (this machine only), "
             f"{alternatives}"
         ) from None

@@ -13,12 +13,10 @@ from typing import Any
 import numpy as np
 from plyfile import PlyData, PlyElement
 
+from stream_recon.app.options import DEFAULT_CONF_THRESHOLD as DEFAULT_CONF_THRESHOLD
 from stream_recon.app.rundir import atomic_write
 from stream_recon.models.stream.pose import back_project
 
-# depth_conf is 1 + exp(logit): 2.0 keeps the pixels whose logit is positive, i.e. the model is more
-# sure than not.
-DEFAULT_CONF_THRESHOLD = 2.0
 # About 40 bytes per kept point (xyz, colour, key, source frame and pixel): 1M points is ~40 MB.
 DEFAULT_MAX_POINTS = 1_000_000
 # The model's scale is unknown, so an automatic voxel is relative: 1/200 of the first frame's median

@@ -30,18 +30,19 @@ import dataclasses
 import logging
 import threading
 import time
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from stream_recon.app.options import VIEWER_HOST, VIEWER_PORT
 from stream_recon.app.rundir import (
     PREDICTIONS_DIR,
     RunDirError,
     load_prediction,
     loop_closure_summary,
+    prediction_fields,
     prediction_files,
     read_run_info,
 )
@@ -78,10 +79,10 @@ def index_run(run_dir: Path) -> RunIndex:
     frame_indices, keyframe_flags, poses, readable = [], [], [], []
     for path in paths:
         try:
-            with np.load(path, allow_pickle=False) as npz:  # members are read lazily: depth stays on disk
-                frame_index, is_keyframe = int(npz["frame_index"]), bool(npz["is_keyframe"])
-                c2w = np.asarray(npz["c2w"], dtype=np.float32).reshape(3, 4)
-        except (OSError, KeyError, ValueError, zipfile.BadZipFile, EOFError) as error:
+            fields = prediction_fields(path, "frame_index", "is_keyframe", "c2w")  # depth stays on disk
+            frame_index, is_keyframe = int(fields["frame_index"]), bool(fields["is_keyframe"])
+            c2w = np.asarray(fields["c2w"], dtype=np.float32).reshape(3, 4)
+        except (OSError, ValueError) as error:
             logger.warning("skipping %s: %s", path, error)
             continue
         frame_indices.append(frame_index)
@@ -287,7 +288,7 @@ class Replay:
             self._playback_fps = float(speed.value)
 
 
-def start_replay(run_dir: Path, host: str = "127.0.0.1", port: int = 8080, **viewer_options) -> Replay:
+def start_replay(run_dir: Path, host: str = VIEWER_HOST, port: int = VIEWER_PORT, **viewer_options) -> Replay:
     """Index `run_dir`, start a viewer and show the whole run (the timeline at its last frame). Points are
     shown with the run's own confidence threshold (run.json) unless viewer_options say otherwise, and the
     accepted loops run.json lists are drawn."""

@@ -4,27 +4,19 @@ Pure functions first (numbers in, numbers or a decision out, nothing read from t
 the few that read the machine (available memory, the CPU's matrix throughput) and the pre-run check
 that ties them to a RunOptions.
 
-Host memory of a CPU run, as the code allocates it (measured, see below)::
+Host memory of a CPU run: the terms are the models' memory model's (models/stream/memory.py), asked for
+the settings before anything is built; what is the app's is the weights' count and the choice of smaller
+settings::
 
     weights      parameters x 4 bytes                               (the full model: 1.16 G -> 4.6 GB)
-    KV cache     pages x P patch tokens x L layers x 2 (K, V) x C x 4 bytes (the cache's own count)
-                 the pool starts with scale + 1 patch pages + 2 for the special tokens (6 a frame,
-                 packed) and grows 16 pages at a time as frames come, up to scale + window + 1 patch
-                 pages and the special pages of `chunk_frames` frames (cache/backends.py; the pool's
-                 sizes are the cache's own, read through models/stream/memory.py)
-    activations  ACTIVATION_BYTES_PER_PIXEL x H x W x the scale frames processed together (phase 1)
-                 + ACTIVATION_FIXED_BYTES
+    KV cache     pages x P patch tokens x L layers x 2 (K, V) x C x 4 bytes (paged_cache_bytes), the
+                 pages those the cache's own pool grows to for the frames (cpu_cache_pages)
+    activations  the scale frames processed together (phase 1), as a CPU step measured (host_step_bytes)
 
 At the defaults on a 4:3 source (518 x 392 input, P = 1036), a long stream: 4.6 + 15.3 + 3.1 = 23 GB;
 on 16:9 (518 x 294): 4.6 + 11.6 + 2.4 = 18.7 GB. 12 frames of the bundled sample: 4.6 + 4.1 + 2.4 =
 11.2 GB; 3 frames: 7.4 GB (17.5 GiB and 21 GB were measured when the pool held the whole window from
-the first frame).
-
-Calibration (2-core CPU, 2026-11): the full width model with 2 DINO and 4 aggregator blocks (same
-activations per layer, same heads, a fraction of the weights), peak RSS over the model's own:
-518 x 392 with 2 and 4 scale frames, 392 x 294 with 8: 0.36, 0.35 and 0.18 GB per scale frame beyond
-the cache, i.e. 1.5-1.75 KB per input pixel per frame, 0.3 GB fixed. The cache term matched
-`cache_bytes` in run.json to the byte.
+the first frame). The cache term matched `cache_bytes` in run.json to the byte.
 
 Time per frame: FLOPs from the shapes (every linear layer 2 x params x tokens, attention 4 x queries x
 keys x C, the DPT head's convolutions) over the CPU's float32 matmul throughput, measured in 0.1 s at
@@ -36,28 +28,25 @@ for `--gpu-memory`, made from the prepared model before its first frame.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stream_recon.app.input_size import model_input_size
+from stream_recon.app.input_size import DEFAULT_IMAGE_WIDTH, model_input_size
 from stream_recon.models.stream.memory import (
-    POOL_GROWTH_PAGES,
-    SPECIAL_PAGES_AT_START,
+    cpu_cache_pages,
     format_bytes,
+    host_step_bytes,
     paged_cache_bytes,
 )
+from stream_recon.models.stream.stream_config import SCALE_FRAMES, TRAINED_VIEWS, WINDOW
 
 if TYPE_CHECKING:
     from stream_recon.models import ModelConfig
 
-GB = 1e9
 FLOAT32_BYTES = 4
-ACTIVATION_BYTES_PER_PIXEL = 1750  # per input pixel per frame processed together (calibrated above)
-ACTIVATION_FIXED_BYTES = int(0.3 * GB)
 MATMUL_EFFICIENCY = 0.8  # the model's share of the measured matmul throughput
 WARN_SECONDS_PER_FRAME = 1.0  # a CPU run slower than this is announced
 WARN_MEMORY_SHARE = 0.85  # an estimate above this share of the available memory is announced
@@ -83,10 +72,10 @@ class RunShape:
     """The settings that size a run: the source's frame size, the input width, the cache's frame counts."""
 
     source_size: tuple[int, int]  # (width, height) of the source's frames
-    image_width: int = 518
-    scale_frames: int = 8
-    window: int = 64
-    chunk_frames: int = 320  # frames whose special tokens a chunk can hold
+    image_width: int = DEFAULT_IMAGE_WIDTH
+    scale_frames: int = SCALE_FRAMES
+    window: int = WINDOW
+    chunk_frames: int = TRAINED_VIEWS  # frames whose special tokens a chunk can hold
     frames: int | None = None  # the stream's length when known; None: long
 
     @property
@@ -131,18 +120,10 @@ def estimate_host_memory(model: ModelShape, run: RunShape, *, count_weights: boo
     still available is compared with what the run adds."""
     config = model.config
     patches = run.patches(config.patch_size)
-    most_patch_pages = run.scale_frames + run.window + 1  # the scale frames, the window, the frame being decided
-    frames = run.chunk_frames if run.frames is None else min(run.frames, run.chunk_frames)
-    # what the pool holds at once: every frame's patch page until the window is full, and then the one being
-    # decided besides, and the special tokens of every frame of the window (6 a frame, packed)
-    in_use = min(frames, most_patch_pages) + math.ceil(config.num_special_tokens * frames / patches)
-    most_pages = most_patch_pages + math.ceil(config.num_special_tokens * run.chunk_frames / patches)
-    pages = run.scale_frames + 1 + SPECIAL_PAGES_AT_START  # what the pool starts with (cache/backends.py)
-    if in_use > pages:
-        pages = min(most_pages, pages + POOL_GROWTH_PAGES * math.ceil((in_use - pages) / POOL_GROWTH_PAGES))
+    pages = cpu_cache_pages(config, patches, run.scale_frames, run.window, run.chunk_frames, run.frames)
     cache = paged_cache_bytes(config, patches, pages, torch.float32)
     together = run.scale_frames if run.frames is None else min(run.frames, run.scale_frames)
-    activations = ACTIVATION_BYTES_PER_PIXEL * run.pixels * together + ACTIVATION_FIXED_BYTES
+    activations = host_step_bytes(run.input_size, together)
     weights = model.num_params * FLOAT32_BYTES if count_weights else 0
     return HostMemoryEstimate(weights, cache, activations, pages, patches)
 

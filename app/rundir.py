@@ -330,6 +330,38 @@ def load_prediction(path: Path) -> dict[str, Any]:
     return record
 
 
+def prediction_fields(path: Path, *names: str) -> dict[str, Any]:
+    """Some fields of one npz, read alone (the others, depth and image say, stay on disk): scalars as Python
+    values, arrays as numpy, depth and confidence as float32. Raises ValueError (or OSError) as
+    load_prediction does."""
+    stored_names = {RENAMED_FIELDS.get(key, key): key for key in RENAMED_FIELDS} | {name: name for name in names}
+    try:
+        with np.load(path, allow_pickle=False) as data:  # members are read lazily
+            present = {name: stored for name, stored in stored_names.items() if stored in data.files}
+            missing = [name for name in names if name not in present]
+            if missing:
+                raise ValueError(f"{path.name} lacks {', '.join(missing)}")
+            record: dict[str, Any] = {name: data[present[name]] for name in names}
+    except (zipfile.BadZipFile, EOFError) as exc:
+        raise ValueError(f"{path.name} is truncated or not an npz file ({exc})") from None
+    for name in names:
+        field = PREDICTION_FIELDS.get(name)
+        if field is not None and field.is_scalar:
+            record[name] = record[name].item()
+        elif name in HALVABLE_FIELDS:
+            record[name] = record[name].astype(field.dtype, copy=False)
+    return record
+
+
+def stored_prediction(path: Path) -> dict[str, np.ndarray]:
+    """Every array of one npz as stored (its keys and dtypes unchanged), for rewriting the file."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {key: data[key] for key in data.files}
+    except (zipfile.BadZipFile, EOFError) as exc:
+        raise ValueError(f"{path.name} is truncated or not an npz file ({exc})") from None
+
+
 def iter_run(run_dir: Path) -> Iterator[dict[str, Any]]:
     """Yield the predictions of a run in frame order, one npz in memory at a time.
 
@@ -415,6 +447,21 @@ def read_run_info(run_dir: Path) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         logger.warning("ignoring %s: %s", path, exc)
         return {}
+
+
+def read_batch_marker(run_dir: Path) -> dict | None:
+    """The batch's marker of a finished sequence (BATCH_MARKER) as a dict; None when it is missing or
+    unreadable."""
+    try:
+        marker = json.loads((Path(run_dir) / BATCH_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def write_batch_marker(run_dir: Path, marker: dict) -> None:
+    """Mark a run directory finished for `batch`, atomically: the marker is there whole or not at all."""
+    write_json_atomic(Path(run_dir) / BATCH_MARKER, marker)
 
 
 # --------------------------------------------------------------------------------------------------

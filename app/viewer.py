@@ -53,6 +53,7 @@ import cv2
 import numpy as np
 import viser
 
+from stream_recon.app.options import VIEWER_HOST, VIEWER_PORT
 from stream_recon.models.loops.corrections import ChunkCorrections
 from stream_recon.models.stream.pose import back_project, rotation_to_quat_xyzw
 from stream_recon.models.stream.prediction import FramePrediction
@@ -264,7 +265,7 @@ class LiveViewer:
 
     Usage (the run loop):
 
-        viewer = LiveViewer(port=8080)
+        viewer = LiveViewer()
         print(viewer.url)
         for ...:
             viewer.wait_if_paused()
@@ -275,8 +276,8 @@ class LiveViewer:
 
     def __init__(
         self,
-        host: str | None = "127.0.0.1",
-        port: int | None = 8080,
+        host: str | None = VIEWER_HOST,
+        port: int | None = VIEWER_PORT,
         *,
         max_points_per_keyframe: int = 20_000,
         max_total_points: int = 2_000_000,
@@ -315,8 +316,8 @@ class LiveViewer:
 
         # viser binds 0.0.0.0 unless told otherwise (and websockets reads host=None as every interface),
         # so "not given" means loopback here. viser walks to the next free port when one is taken.
-        host = host or "127.0.0.1"
-        port = 8080 if port is None else port
+        host = host or VIEWER_HOST
+        port = VIEWER_PORT if port is None else port
         self.server = viser.ViserServer(host=host, port=port, label=label, verbose=False)
         self.host = host
         self.port = self.server.get_port()

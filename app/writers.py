@@ -44,6 +44,7 @@ from stream_recon.app.rundir import (
     prediction_path,
     prepare_output_dir,
     remove_run,
+    stored_prediction,
     write_json_atomic,
     write_tum,
 )
@@ -84,8 +85,7 @@ class PoseRecord:
 def corrected_prediction_file(path: Path, move: Sim3) -> dict[str, np.ndarray]:
     """The arrays of one npz with the frame moved by a loop closure's Sim(3): its camera (c2w and pose_enc)
     moved, its depth scaled (so that back-projection lands on the moved points), each in its stored dtype."""
-    with np.load(path, allow_pickle=False) as stored:
-        arrays = {key: stored[key] for key in stored.files}
+    arrays = stored_prediction(path)
     arrays["c2w"] = move.apply_to_poses(arrays["c2w"]).astype(arrays["c2w"].dtype)
     arrays["pose_enc"] = move.apply_to_pose_enc(arrays["pose_enc"])
     arrays["depth"] = (arrays["depth"].astype(np.float32) * np.float32(move.scale)).astype(arrays["depth"].dtype)

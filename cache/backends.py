@@ -229,14 +229,20 @@ def build(backend: BackendSpec, layout: CacheLayout, *, num_layers: int, num_hea
         bookkeeping = DenseTwoStreamCache(layout, max_frames)
         storage = DenseKV(num_layers, num_heads, head_dim, bookkeeping.capacity_tokens, dtype, device, stored)
         return DenseKVCache(bookkeeping, storage, backend.factory(storage, layout, compile, device))
-    # On the CPU the pool starts with the scale frames' pages (and the pending frame's, and SPECIAL_PAGES_AT_START
-    # for the special tokens) and grows as frames come, one layer's copy at a time: a short stream never holds a whole
-    # window's pages (15 GB at the defaults). On a GPU it starts whole: a growth mid-stream is a stall.
-    first_pages = layout.scale_frames + 1 if device.type == "cpu" else layout.max_patch_pages
-    pool = PagePool(first_pages + SPECIAL_PAGES_AT_START, max_pages=PagedTwoStreamCache.pages_needed(layout, max_frames))
-    bookkeeping = PagedTwoStreamCache(layout, pool)
+    bookkeeping = PagedTwoStreamCache(layout, paged_pool(layout, max_frames, device.type))
     storage = PagedKV(num_layers, num_heads, head_dim, layout.page_size, dtype, device, bookkeeping.pool.num_pages)
     return PagedKVCache(bookkeeping, storage, backend.factory(storage, layout, compile, device))
+
+
+def paged_pool(layout: CacheLayout, max_frames: int, device_type: str) -> PagePool:
+    """The page pool `build` gives a paged cache on a device of `device_type` (the memory model asks it too).
+
+    On the CPU the pool starts with the scale frames' pages (and the pending frame's, and SPECIAL_PAGES_AT_START
+    for the special tokens) and grows as frames come, one layer's copy at a time: a short stream never holds a
+    whole window's pages (15 GiB at the defaults). On a GPU it starts whole: a growth mid-stream is a stall.
+    """
+    first_pages = layout.scale_frames + 1 if device_type == "cpu" else layout.max_patch_pages
+    return PagePool(first_pages + SPECIAL_PAGES_AT_START, max_pages=PagedTwoStreamCache.pages_needed(layout, max_frames))
 
 
 def cache_bytes(backend: BackendSpec, layout: CacheLayout, *, num_layers: int, num_heads: int, head_dim: int,

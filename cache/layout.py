@@ -11,10 +11,12 @@ class CacheCapacityError(ValueError):
 
 @dataclass(frozen=True)
 class CacheLayout:
+    # Every count is the caller's (the model's tokens, the stream's frame counts): the cache keeps no
+    # defaults of its own for them.
     patches_per_frame: int  # one patch page holds exactly one frame's patches
-    specials_per_frame: int = 6
-    scale_frames: int = 8
-    window_frames: int = 64
+    specials_per_frame: int
+    scale_frames: int
+    window_frames: int
     # Frame slots the dense layout allocates for the window: None, as many as it holds. Fewer only for a
     # stream known to hand its frames over before it fills them (a chunk's spare engine); an append
     # past them is then refused instead of evicting early (DenseTwoStreamCache).

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from .layout import CacheCapacityError
 
 # Pages a pool adds when it runs out: in steps, so that the storage behind the ids is re-allocated rarely
-# (app.resources's host estimate of a CPU run counts the same steps).
+# (`pages_to_hold` says where the steps end; the host estimate of a CPU run asks it).
 POOL_GROWTH_PAGES = 16
 
 
@@ -44,6 +44,14 @@ class PagePool:
         if self.max_pages is not None and count > self.num_free + self.max_pages - self.num_pages:
             raise CacheCapacityError(f"the K/V cache needs {count} more pages but is at its limit of {self.max_pages}; "
                                      "start a fresh cache (chunked streaming)")
+
+    def pages_to_hold(self, count: int) -> int:
+        """The pages this pool holds once `count` pages have been in use at once: grown in `grow_by`
+        steps as `allocate` grows it, up to `max_pages`. Asks without changing the pool."""
+        if count <= self.num_pages:
+            return self.num_pages
+        grown = self.num_pages + self.grow_by * -(-(count - self.num_pages) // self.grow_by)
+        return grown if self.max_pages is None else min(grown, self.max_pages)
 
     def allocate(self) -> int:
         if not self._free:

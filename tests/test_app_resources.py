@@ -15,7 +15,6 @@ from typer.testing import CliRunner
 from stream_recon.app import resources
 from stream_recon.app.cli import app, with_default_command
 from stream_recon.app.resources import (
-    GB,
     ModelShape,
     RunShape,
     estimate_host_memory,
@@ -25,8 +24,18 @@ from stream_recon.app.resources import (
     seconds_per_frame,
     slow_cpu_message,
 )
-from stream_recon.cache import CacheLayout, PagedTwoStreamCache, PagePool, backends
+from stream_recon.cache import (
+    POOL_GROWTH_PAGES,
+    SPECIAL_PAGES_AT_START,
+    CacheLayout,
+    PagedTwoStreamCache,
+    PagePool,
+    backends,
+)
 from stream_recon.models import ModelConfig, StreamConfig, StreamingEngine
+from stream_recon.models.stream import memory
+
+GB = 1e9
 
 FULL = model_shape(ModelConfig())
 SAMPLE = RunShape(source_size=(224, 126))  # the bundled sample, 16:9: 518 x 294 at the default width
@@ -59,14 +68,38 @@ def test_the_cache_estimate_is_the_cache_the_engine_allocates(prepared_tiny_mode
 
 
 def test_the_host_estimate_counts_the_pool_the_cache_builds() -> None:
-    # the pool's first pages and growth step are read from the cache, so the estimate cannot drift from it
-    layout = CacheLayout(patches_per_frame=777, scale_frames=8, window_frames=64)
+    # the pool's first pages and growth step are the cache's own, so the estimate cannot drift from it
+    layout = CacheLayout(patches_per_frame=777, specials_per_frame=6, scale_frames=8, window_frames=64)
     cache = backends.build(backends.spec("sdpa"), layout, num_layers=1, num_heads=1, head_dim=1, max_frames=320,
                            dtype=torch.float32, device="cpu")
-    assert cache.bookkeeping.pool.num_pages == 8 + 1 + resources.SPECIAL_PAGES_AT_START
-    assert PagedTwoStreamCache(layout).pool.num_pages == layout.max_patch_pages + resources.SPECIAL_PAGES_AT_START
-    assert cache.bookkeeping.pool.grow_by == resources.POOL_GROWTH_PAGES
-    assert inspect.signature(PagePool).parameters["grow_by"].default == resources.POOL_GROWTH_PAGES
+    assert cache.bookkeeping.pool.num_pages == 8 + 1 + SPECIAL_PAGES_AT_START
+    assert PagedTwoStreamCache(layout).pool.num_pages == layout.max_patch_pages + SPECIAL_PAGES_AT_START
+    assert cache.bookkeeping.pool.grow_by == POOL_GROWTH_PAGES
+    assert inspect.signature(PagePool).parameters["grow_by"].default == POOL_GROWTH_PAGES
+
+
+def test_the_host_estimate_is_the_models_memory_model() -> None:
+    # one growth rule and one calibration of a CPU step, both models/stream/memory.py's: the app's estimate
+    # asks them and keeps no copy of their numbers
+    for frames in (3, 12, 200, None):
+        run = replace(SAMPLE, frames=frames)
+        estimate = estimate_host_memory(FULL, run)
+        assert estimate.cache_pages == memory.cpu_cache_pages(FULL.config, 777, 8, 64, 320, frames)
+        assert estimate.activation_bytes == memory.host_step_bytes(run.input_size, min(frames or 8, 8))
+    source = inspect.getsource(resources)
+    for copy in ("POOL_GROWTH_PAGES", "SPECIAL_PAGES_AT_START", "BYTES_PER_PIXEL", "FIXED_BYTES", "math.ceil"):
+        assert copy not in source, copy
+
+
+def test_the_cpu_pool_grows_as_the_cache_grows_it() -> None:
+    # pages_to_hold answers what allocate does: a 3-page pool growing by 2, at most 8 pages
+    pool = PagePool(3, grow_by=2, max_pages=8)
+    expected = [pool.pages_to_hold(count) for count in range(1, 10)]
+    held = []
+    for _ in range(8):
+        pool.allocate()
+        held.append(pool.num_pages)
+    assert expected[:8] == held == [3, 3, 3, 5, 5, 7, 7, 8] and expected[8] == 8
 
 
 def test_the_model_shape_is_its_config() -> None:

@@ -93,7 +93,7 @@ def test_a_cache_takes_over_only_committed_frames_of_its_geometry():
     with pytest.raises(ValueError, match="geometry"):
         DenseTwoStreamCache(dataclasses.replace(layout, patches_per_frame=3), max_frames=10).take_over(small)
     with pytest.raises(ValueError, match="window_slots"):
-        CacheLayout(patches_per_frame=2, window_frames=3, window_slots=4)
+        CacheLayout(patches_per_frame=2, specials_per_frame=6, scale_frames=8, window_frames=3, window_slots=4)
 
 
 def test_moves_keep_the_window_compact():

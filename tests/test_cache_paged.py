@@ -103,7 +103,7 @@ def test_special_pool_never_runs_out_over_a_long_stream():
 
 def test_layout_rejects_nonsense():
     with pytest.raises(ValueError, match="scale_frames and window_frames must be >= 1"):
-        CacheLayout(patches_per_frame=4, window_frames=0)
+        CacheLayout(patches_per_frame=4, specials_per_frame=6, scale_frames=8, window_frames=0)
 
 
 def test_budget_page_pool_grows_up_to_its_limit_and_no_further():

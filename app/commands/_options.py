@@ -22,6 +22,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from stream_recon.app.evaluation_settings import DEFAULT_MAX_DIFF
 from stream_recon.app.input_size import PATCH_SIZE
 from stream_recon.app.options import FLAG_NAMES, RunOptions
 from stream_recon.models.checkpoint_names import DEFAULT_CHECKPOINT, KNOWN_CHECKPOINTS
@@ -49,7 +50,8 @@ def _optional_flag(kind: type, *names: str, help: str, panel: str | None = None,
 
 
 # The evaluation flags of `eval` and of `batch` (which shows them in its own panel). Their
-# defaults are app.evaluation's (DEFAULT_MAX_DIFF), applied when the flag is not given.
+# defaults are app.evaluation_settings' (DEFAULT_MAX_DIFF), applied by app.evaluation when the flag is
+# not given (the commands pass only what was typed).
 ALIGNMENTS = ("sim3", "se3")
 
 
@@ -62,9 +64,15 @@ def evaluation_flags(panel: str | None = None) -> tuple[Any, Any]:
     max_diff = _optional_flag(
         float, "--max-diff", min=0.0, panel=panel,
         help="Evaluation: largest timestamp difference (s) of an estimated and a ground-truth pose "
-        "(evo's --t_max_diff). \\[default: 0.01]",
+        f"(evo's --t_max_diff). \\[default: {DEFAULT_MAX_DIFF}]",
     )
     return alignment, max_diff
+
+
+def given(**values: Any) -> dict[str, Any]:
+    """The flags that were typed, by name (a flag not given is None): passed on as keywords, so that the
+    default of a value is applied once, by the function or dataclass that owns it."""
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def check_alignment(console: Console, alignment: str) -> None:

@@ -36,6 +36,7 @@ from stream_recon.app.commands._options import (
     check_alignment,
     error_console,
     evaluation_flags,
+    given,
     library_log_level,
     takes_run_options,
     user_errors,
@@ -104,7 +105,6 @@ def batch(
     with interrupts_held():  # torch and Triton: a Ctrl-C inside their native set-up would abort the process
         from stream_recon.app.batch import BatchError, BatchInterrupted, EvalSettings, run_batch
     from stream_recon.app.datasets import DatasetError, discover_sequences
-    from stream_recon.app.evaluation import DEFAULT_MAX_DIFF
     from stream_recon.app.presets import build_options
     from stream_recon.app.stopping import interrupted_exit_code
 
@@ -120,7 +120,7 @@ def batch(
                 sequences,
                 output,
                 options,
-                evaluation=EvalSettings(alignment=alignment, max_diff=DEFAULT_MAX_DIFF if max_diff is None else max_diff),
+                evaluation=EvalSettings(alignment=alignment, **given(max_diff=max_diff)),
                 ray_address=ray,
                 gpus_per_task=gpus_per_task,
                 overwrite=overwrite,

@@ -44,8 +44,10 @@ from stream_recon.app.commands._options import (
     check_alignment,
     error_console,
     evaluation_flags,
+    given,
     user_errors,
 )
+from stream_recon.app.evaluation_settings import DEPTH_MAX_DIFF
 
 RunDirArg = Annotated[
     Path, typer.Argument(help="Run directory written by `stream-recon run` (trajectory_tum.txt, or the npz files "
@@ -55,7 +57,6 @@ GtOpt = Annotated[
     Path, typer.Option("--gt", help="Ground-truth trajectory, TUM format (timestamp tx ty tz qx qy qz qw).")
 ]
 AlignmentOpt, MaxDiffOpt = evaluation_flags()
-# The default is app.evaluation's DEPTH_MAX_DIFF, applied when the flag is not given.
 DepthDirOpt = Annotated[
     Optional[Path],
     typer.Option("--depth-dir", help="Ground-truth depth: a folder with depth.txt (TUM RGB-D layout)."),
@@ -64,7 +65,7 @@ DepthMaxDiffOpt = Annotated[
     Optional[float],
     typer.Option(
         "--depth-max-diff", min=0.0,
-        help="Largest timestamp difference (s) of a prediction and a depth frame. \\[default: 0.02]",
+        help=f"Largest timestamp difference (s) of a prediction and a depth frame. \\[default: {DEPTH_MAX_DIFF}]",
         show_default=False,
     ),
 ]
@@ -138,8 +139,6 @@ def eval_command(
 ) -> None:
     """Evaluate a run against a ground-truth trajectory (and depth), as evo does; writes RUN_DIR/eval.json."""
     from stream_recon.app.evaluation import (
-        DEFAULT_MAX_DIFF,
-        DEPTH_MAX_DIFF,
         OPEN_CHAIN,
         EvaluationError,
         evaluate_run,
@@ -156,9 +155,9 @@ def eval_command(
             run_dir,
             gt,
             alignment=alignment,
-            max_diff=DEFAULT_MAX_DIFF if max_diff is None else max_diff,
             depth_dir=depth_dir,
-            depth_max_diff=DEPTH_MAX_DIFF if depth_max_diff is None else depth_max_diff,
+            # what was typed; evaluate_run's defaults (app.evaluation_settings) stand for the rest
+            **given(max_diff=max_diff, depth_max_diff=depth_max_diff),
         )
     console = Console()  # the results are the command's output: stdout, for a pipe or a file
     console.print(results_table(results, title=f"{run_dir} vs {gt}"))

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..stream.chunks import ChunkLink
 from ..stream.pose import back_project
-from ..stream.prediction import FramePrediction
+from ..stream.prediction import EVEN_ODDS_CONFIDENCE, FramePrediction
 from ..stream.similarity import (
     TANGENT_DIM,
     AlignmentError,
@@ -50,9 +50,10 @@ GRADIENT_GRID_DIM = 128  # gradient_grid_descriptor's length
 @dataclass(frozen=True)
 class LoopClosureConfig:
     detection: LoopDetectionConfig = LoopDetectionConfig()
-    # Depth behind a keypoint counts when its confidence is at least this (points.ply's rule: the model
-    # is more sure than not).
-    min_confidence: float = 2.0
+    # Depth behind a keypoint counts when its confidence is at least this. A setting of its own, not the
+    # app's --conf-threshold (a user thinning points.ply must not change which loops are accepted), but
+    # the same rule by default: the model more sure than not.
+    min_confidence: float = EVEN_ODDS_CONFIDENCE
     # The two chunks' 3D points at the inlier matches agree when, after the fitted Sim(3), a pair lies
     # within this fraction of the earlier keyframe's median depth: 5%, about twice the depth error the
     # model's chunks show against each other on their shared frames.

@@ -40,7 +40,7 @@ import torch
 from ..network.gct import GCTStream
 from ..supervision import Deadline
 from . import lookahead as lookahead_module
-from .chunks import TRAINED_VIEWS, ChunkAlignment, ChunkLink
+from .chunks import ChunkAlignment, ChunkLink
 from .engine import StreamingEngine
 from .lookahead import SpareEngine
 from .memory import CUDA_CONTEXT_BYTES, WORKSPACE_BYTES, estimate_memory, format_bytes
@@ -54,7 +54,7 @@ from .rollover import (
     Phase,
     Rollover,
 )
-from .stream_config import StreamConfig
+from .stream_config import TRAINED_VIEWS, StreamConfig
 
 logger = logging.getLogger("stream_recon.models.stream.chunked")
 

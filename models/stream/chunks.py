@@ -28,8 +28,6 @@ from .similarity import FrameRatios, Sim3, alignment_frames, estimate_chunk_alig
 
 logger = logging.getLogger("stream_recon.models.stream.chunks")
 
-TRAINED_VIEWS = 320  # views per sequence the released checkpoints were trained with: the default chunk
-
 
 @dataclass(frozen=True)
 class AlignedFrame:

@@ -37,10 +37,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-# The paged pool's own sizes, which app.resources's host estimate of a CPU run reads here (the app reaches
-# the cache only through the models): the pages a pool starts with for the special tokens, and its growth step.
-from stream_recon.cache import POOL_GROWTH_PAGES as POOL_GROWTH_PAGES
-from stream_recon.cache import SPECIAL_PAGES_AT_START as SPECIAL_PAGES_AT_START
 from stream_recon.cache import CacheLayout, PagedKV, TokenCache, backends, fp8
 
 from ..errors import MemoryBudgetError
@@ -70,6 +66,14 @@ WORKSPACE_BYTES = 384 * 2**20
 # load: 0.74-0.82 GiB on Hopper (torch 2.11, read at out-of-memory errors: 15.92 GiB in use on a 16 GB card
 # against 15.10 GiB reserved by the allocator), rounded up for other drivers and libraries.
 CUDA_CONTEXT_BYTES = 2**30
+# A float32 step on the CPU, in the host's memory: what the process's peak RSS rose by beyond the model and
+# the cache (2-core CPU, 2026-11: the full-width model with 2 DINO and 4 aggregator blocks, the same
+# activations per layer and heads; 518 x 392 with 2 and 4 scale frames, 392 x 294 with 8: 0.36, 0.35 and
+# 0.18 GB per scale frame), per input pixel of each frame stepped together, and a fixed part. A measurement
+# of its own, not the constants above in float32: those count what PyTorch's CUDA allocator holds, and the
+# CPU's kernels and allocator keep about twice as much alive per token.
+HOST_ACTIVATION_BYTES_PER_PIXEL = 1750
+HOST_ACTIVATION_FIXED_BYTES = 300_000_000
 # The shortest window a plan falls back to: below it reconstructions degrade too much to be worth
 # the run; a budget that needs less is an error instead.
 MIN_WINDOW = 16
@@ -195,6 +199,27 @@ def paged_cache_bytes(config: ModelConfig, page_size: int, num_pages: int, dtype
     """Bytes `num_pages` pages of `page_size` tokens take in the paged K/V cache of a model of `config`,
     over all its global layers, stored in `dtype`: the count the cache's own storage makes."""
     return PagedKV.bytes_needed(config.depth, config.num_heads, config.head_dim, page_size, num_pages, dtype)
+
+
+def cpu_cache_pages(config: ModelConfig, page_size: int, scale_frames: int, window: int, max_frames: int,
+                    frames: int | None) -> int:
+    """Pages the paged K/V cache of a CPU stream holds once `frames` frames (None: a long stream) have
+    passed through it, for frames of `page_size` patch tokens and at most `max_frames` cached (a chunk's).
+
+    The pool is the one the cache builds (cache.backends.paged_pool: it starts with the scale frames' pages and
+    grows in steps), asked how far it grows for what is in use at once: every frame's patch page until the
+    window is full, and the one being decided besides, and the special tokens of every frame (packed)."""
+    layout = CacheLayout(page_size, config.num_special_tokens, scale_frames, window)
+    frames = max_frames if frames is None else min(frames, max_frames)
+    in_use = min(frames, layout.max_patch_pages) + -(-config.num_special_tokens * frames // page_size)
+    return backends.paged_pool(layout, max_frames, "cpu").pages_to_hold(in_use)
+
+
+def host_step_bytes(image_size: tuple[int, int], num_frames: int) -> int:
+    """Host memory a float32 CPU step of `num_frames` frames of image_size (height, width) takes beyond the
+    model and its cache (HOST_ACTIVATION_BYTES_PER_PIXEL: measured)."""
+    height, width = image_size
+    return HOST_ACTIVATION_BYTES_PER_PIXEL * height * width * num_frames + HOST_ACTIVATION_FIXED_BYTES
 
 
 def weight_bytes(model: GCTStream) -> int:

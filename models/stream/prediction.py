@@ -11,6 +11,10 @@ FRAME_SCALE = 0  # anchor frame of phase 1; its patch K/V is never evicted
 FRAME_KEY = 1  # committed streaming frame
 FRAME_NON_KEY = 2  # predicted, then rolled back: it leaves no trace in any cache
 
+# `depth_conf` is 1 + exp(logit): at this value the logit is 0, and above it the model is more sure of a
+# pixel's depth than not. The default threshold of everything that keeps only confident depth reads it.
+EVEN_ODDS_CONFIDENCE = 2.0
+
 
 @dataclass
 class FramePrediction:

@@ -14,6 +14,13 @@ from dataclasses import dataclass
 # 15 pixels, or after 30 frames without one (the CLI's --flow-threshold and --max-gap).
 FLOW_THRESHOLD = 15.0
 MAX_GAP = 30
+# The stream's frame counts: the first frames processed together and kept for the whole chunk, and the
+# sliding window of later keyframes whose patch tokens stay visible (the reference's).
+SCALE_FRAMES = 8
+WINDOW = 64
+# Views per sequence the released checkpoints were trained with: the default chunk, the most cached frames
+# a chunk holds before the next one starts (ChunkedEngine, the app's --chunk-frames).
+TRAINED_VIEWS = 320
 
 
 @dataclass(frozen=True)
@@ -68,8 +75,8 @@ def _parse_spelling(text: str) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class StreamConfig:
-    scale_frames: int = 8
-    window: int = 64  # sliding-window frames whose patch tokens stay visible, the current one included
+    scale_frames: int = SCALE_FRAMES
+    window: int = WINDOW  # sliding-window frames whose patch tokens stay visible, the current one included
     keyframes: str = "all"
     flow_threshold: float = FLOW_THRESHOLD
     max_gap: int = MAX_GAP
