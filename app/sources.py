@@ -70,6 +70,7 @@ DEFAULT_FRAME_TIMEOUT_S = 30.0
 _FIRST_RETRY_DELAY_S = 0.25
 _MAX_RETRY_DELAY_S = 4.0
 _JOIN_TIMEOUT_S = 2.0
+_NOTHING = object()  # what _take_oldest returns from an empty queue
 _POLL_S = 0.5  # how often a waiting consumer checks that the reader still advances
 _MAX_SIZE_CHECKS = 200  # picture headers read when a folder is opened
 _EXIF_ORIENTATION = 0x0112
@@ -413,23 +414,22 @@ class FrameSource:
 
     def _drop_oldest(self) -> None:
         # A live camera does not wait: keeping the newest frames bounds the latency instead.
-        try:
-            dropped = self._queue.get_nowait()
-        except queue.Empty:
-            return
-        if isinstance(dropped, _Preprocessing):
-            dropped.image.cancel()
-        if isinstance(dropped, (Frame, _Preprocessing)):
+        if isinstance(self._take_oldest(), (Frame, _Preprocessing)):
             self.frames_dropped += 1
 
     def _drain(self) -> None:
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, _Preprocessing):
-                item.image.cancel()
+        while self._take_oldest() is not _NOTHING:
+            pass
+
+    def _take_oldest(self) -> object:
+        """The oldest item, its preprocessing cancelled, or _NOTHING when the queue is empty."""
+        try:
+            item = self._queue.get_nowait()
+        except queue.Empty:
+            return _NOTHING
+        if isinstance(item, _Preprocessing):
+            item.image.cancel()
+        return item
 
 
 # ----------------------------------------------------------------------------------------------
