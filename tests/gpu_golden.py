@@ -11,7 +11,7 @@ from golden_utils import golden_frames, relative_error
 
 # bf16 against the fp32 golden outputs, as max |o - g| / std(g). The reference's own bf16 path
 # differs from its fp32 path by about 0.1 sigma (depth) and 0.25 sigma (pose). Measured on an
-# H200 (2026-11-22, docs/PERFORMANCE.md): FlashInfer bf16 vs golden 0.088 (depth), 0.100
+# H200 (2026-11-22, docs/performance-log.md): FlashInfer bf16 vs golden 0.088 (depth), 0.100
 # (confidence), 0.145 (pose), 0.038 (c2w); FlashInfer vs SDPA, both bf16, at most 0.144 (pose).
 BF16_TOLERANCE = {"depth": 0.25, "depth_conf": 0.25, "pose_enc": 0.4, "c2w": 0.15}
 
