@@ -24,9 +24,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 from evo_data import evo_data_dir  # noqa: E402
-from loop_scenarios import TRAJECTORIES, Trajectory, make_scenario  # noqa: E402
+from loop_scenarios import TRAJECTORIES, Trajectory, rejection_rates  # noqa: E402
 
-from stream_recon.models.loops.pose_graph import PoseGraph, PoseGraphSettings, open_chain, optimize  # noqa: E402
+from stream_recon.models.loops.pose_graph import PoseGraphSettings  # noqa: E402
 
 CASES = {"subtle": (True, 1), "subtle x2": (True, 2), "gross": (False, 1)}  # name: (subtle, repeats)
 SETTINGS = {"GNC alone": PoseGraphSettings(pairwise_consistency=False), "PCM + GNC": PoseGraphSettings()}
@@ -34,26 +34,12 @@ SETTINGS = {"GNC alone": PoseGraphSettings(pairwise_consistency=False), "PCM + G
 
 def measure(trajectory: Trajectory, truth: np.ndarray, seeds: range, subtle: bool, repeats: int,
             settings: PoseGraphSettings) -> str:
-    false_rejected = false_total = true_accepted = true_total = 0
-    ratios, with_over_without = [], []
-    for seed in seeds:
-        scenario = make_scenario(truth, seed, revisit_radius=trajectory.revisit_radius,
-                                 false_min_distance=trajectory.false_min_distance, scene_depth=trajectory.scene_depth,
-                                 subtle_false=trajectory.subtle_shift if subtle else None, repeats=repeats)
-        result = optimize(scenario.graph, settings)
-        accepted = set(result.accepted_ids)
-        false_rejected += len(scenario.false_loops - accepted)
-        false_total += len(scenario.false_loops)
-        true_accepted += len(scenario.true_loops & accepted)
-        true_total += len(scenario.true_loops)
-        corrected = scenario.ate(result.world_from_chunk)
-        ratios.append(corrected / scenario.ate(open_chain(scenario.graph.odometry)))
-        true_only = PoseGraph(scenario.graph.odometry,
-                              [loop for loop in scenario.graph.loops if loop.loop_id in scenario.true_loops])
-        with_over_without.append(corrected / scenario.ate(optimize(true_only, settings).world_from_chunk))
-    return (f"false rejected {false_rejected}/{false_total} ({false_rejected / false_total:.1%}), true accepted "
-            f"{true_accepted}/{true_total} ({true_accepted / true_total:.1%}), ATE corrected/open median "
-            f"{np.median(ratios):.3f} max {np.max(ratios):.3f}, with/without false loops max {max(with_over_without):.3f}")
+    found = rejection_rates(trajectory, truth, seeds, settings, subtle, repeats)
+    return (f"false rejected {found.false_rejected}/{found.false_total} "
+            f"({found.false_rejected / found.false_total:.1%}), true accepted {found.true_accepted}/"
+            f"{found.true_total} ({found.true_accepted / found.true_total:.1%}), ATE corrected/open median "
+            f"{np.median(found.ratios):.3f} max {np.max(found.ratios):.3f}, with/without false loops max "
+            f"{max(found.with_over_without):.3f}")
 
 
 def main() -> None:

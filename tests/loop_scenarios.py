@@ -18,7 +18,7 @@ of points that the query saw elsewhere.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import gtsam
@@ -26,7 +26,15 @@ import numpy as np
 
 from stream_recon.app.rundir import read_tum
 from stream_recon.models.loops.closer import LoopClosureConfig, _KeyframePoints, align_loop, loop_edge
-from stream_recon.models.loops.pose_graph import LoopEdge, OdometryEdge, PoseGraph, from_gtsam, open_chain
+from stream_recon.models.loops.pose_graph import (
+    LoopEdge,
+    OdometryEdge,
+    PoseGraph,
+    PoseGraphSettings,
+    from_gtsam,
+    open_chain,
+    optimize,
+)
 from stream_recon.models.stream.similarity import Sim3, umeyama
 
 CHUNK_FRAMES = 320  # the engine's window
@@ -304,3 +312,42 @@ def make_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, false_
             false_ids.append(f"false-{pair[0]}-{pair[1]}-{len(false_ids)}")
             graph = graph.with_loop(fit(false_ids[-1], pair, frames, seen_instead))
     return Scenario(truth, tuple(ranges), world_from_chunk, graph, frozenset(true_ids), frozenset(false_ids))
+
+
+@dataclass
+class RejectionRates:
+    """What the pose graph made of a trajectory's scenarios over several seeds."""
+
+    false_rejected: int = 0
+    false_total: int = 0
+    true_accepted: int = 0
+    true_total: int = 0
+    ratios: list[float] = field(default_factory=list)  # corrected / open ATE, a seed each
+    with_over_without: list[float] = field(default_factory=list)  # corrected ATE with / without the false loops
+
+
+def without_false_loops(scenario: Scenario) -> PoseGraph:
+    return PoseGraph(scenario.graph.odometry, [loop for loop in scenario.graph.loops
+                                               if loop.loop_id in scenario.true_loops])
+
+
+def rejection_rates(trajectory: Trajectory, truth: np.ndarray, seeds: range, settings: PoseGraphSettings,
+                    subtle: bool = True, repeats: int = 1) -> RejectionRates:
+    """Each seed's scenario of `truth` solved with `settings`: the false loops rejected, the true ones
+    accepted, and the corrected ATE against the open chain's and against a solve without the false loops."""
+    rates = RejectionRates()
+    for seed in seeds:
+        scenario = make_scenario(truth, seed, revisit_radius=trajectory.revisit_radius,
+                                 false_min_distance=trajectory.false_min_distance, scene_depth=trajectory.scene_depth,
+                                 subtle_false=trajectory.subtle_shift if subtle else None, repeats=repeats)
+        result = optimize(scenario.graph, settings)
+        accepted = set(result.accepted_ids)
+        rates.false_rejected += len(scenario.false_loops - accepted)
+        rates.false_total += len(scenario.false_loops)
+        rates.true_accepted += len(scenario.true_loops & accepted)
+        rates.true_total += len(scenario.true_loops)
+        corrected = scenario.ate(result.world_from_chunk)
+        rates.ratios.append(corrected / scenario.ate(open_chain(scenario.graph.odometry)))
+        without = optimize(without_false_loops(scenario), settings).world_from_chunk
+        rates.with_over_without.append(corrected / scenario.ate(without))
+    return rates

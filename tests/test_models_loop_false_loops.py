@@ -12,40 +12,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from evo_data import evo_data_dir
-from loop_scenarios import TRAJECTORIES, Scenario, make_scenario
+from loop_scenarios import TRAJECTORIES, make_scenario, rejection_rates
 
-from stream_recon.models.loops.pose_graph import PoseGraph, PoseGraphSettings, open_chain, optimize
+from stream_recon.models.loops.pose_graph import PoseGraphSettings
 
 SEEDS = range(3)
-
-
-def without_false_loops(scenario: Scenario) -> PoseGraph:
-    return PoseGraph(scenario.graph.odometry, [loop for loop in scenario.graph.loops
-                                               if loop.loop_id in scenario.true_loops])
 
 
 def rates(name: str, seeds: range, settings: PoseGraphSettings = PoseGraphSettings(), repeats: int = 1,
           subtle: bool = True) -> dict:
     trajectory = TRAJECTORIES[name]
-    truth = trajectory.poses(evo_data_dir())
-    false_rejected = false_total = true_accepted = true_total = 0
-    ratios, with_over_without = [], []
-    for seed in seeds:
-        scenario = make_scenario(truth, seed, revisit_radius=trajectory.revisit_radius,
-                                 false_min_distance=trajectory.false_min_distance, scene_depth=trajectory.scene_depth,
-                                 subtle_false=trajectory.subtle_shift if subtle else None, repeats=repeats)
-        result = optimize(scenario.graph, settings)
-        accepted = set(result.accepted_ids)
-        false_rejected += len(scenario.false_loops - accepted)
-        false_total += len(scenario.false_loops)
-        true_accepted += len(scenario.true_loops & accepted)
-        true_total += len(scenario.true_loops)
-        corrected = scenario.ate(result.world_from_chunk)
-        ratios.append(corrected / scenario.ate(open_chain(scenario.graph.odometry)))
-        with_over_without.append(corrected / scenario.ate(optimize(without_false_loops(scenario), settings)
-                                                          .world_from_chunk))
-    return {"false_rejected": false_rejected / false_total, "true_accepted": true_accepted / true_total,
-            "median_ratio": float(np.median(ratios)), "with_over_without": max(with_over_without)}
+    found = rejection_rates(trajectory, trajectory.poses(evo_data_dir()), seeds, settings, subtle, repeats)
+    return {"false_rejected": found.false_rejected / found.false_total,
+            "true_accepted": found.true_accepted / found.true_total,
+            "median_ratio": float(np.median(found.ratios)), "with_over_without": max(found.with_over_without)}
 
 
 @pytest.mark.parametrize("name", TRAJECTORIES)
