@@ -31,7 +31,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,43 +44,6 @@ KILL_WAIT_S = 2.0
 # run's end), it is killed and the next run of its size compiles first; one left to finish after its run
 # ended ends itself then (SIGALRM, whose default action ends a process without running any of its code).
 CHILD_LIMIT_S = 1200
-
-
-@dataclass(frozen=True)
-class CompileChoice:
-    """Whether a run compiles its model, and what it does about the compile caches."""
-
-    compile: bool
-    beside: bool = False  # uncompiled because the caches lack the size: compile it beside the run
-
-
-def compile_choice(option: str, device: str, key: str | None, warm_up: str = "auto") -> CompileChoice:
-    """What `--compile` (auto | on | off) means for a run whose compiled-code key is `key` (`run_key`;
-    None where the input size is not known before the first frame). auto compiles where a record says
-    this machine compiled that key or must compile it first (no room beside a run, or a background
-    compile that failed), and where the key is not known (the compile is then paid once, as with on);
-    elsewhere the run is uncompiled and compiles its size beside itself. That compile starts after the
-    run's warm-up: with `--warm-up off` auto compiles as on does (at the first streaming frame)."""
-    from stream_recon.models.builds.compilation import recorded
-
-    if option == "off" or not str(device).startswith("cuda"):
-        return CompileChoice(False)
-    if option == "on" or warm_up == "off" or key is None or recorded(key, "compiled") or recorded(key, "compile-first"):
-        return CompileChoice(True)
-    return CompileChoice(False, beside=True)
-
-
-def run_key(device: str, dtype: Any, model_config: Any, stream_config: Any,
-            input_size: tuple[int, int] | None) -> str | None:
-    """The compiled-code key of a CUDA run (models.builds.compilation.compiled_code_key); None off CUDA or
-    where the input size or the model's architecture is not known before the first frame."""
-    if not str(device).startswith("cuda") or input_size is None or model_config is None:
-        return None
-    import torch
-
-    from stream_recon.models.builds.compilation import compiled_code_key
-
-    return compiled_code_key(model_config, stream_config, input_size, dtype, torch.device(device))
 
 
 class CompiledSizes:

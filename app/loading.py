@@ -102,7 +102,7 @@ def check_readable(checkpoint: Path) -> None:
 def prepared_for_run(model: Any, options: RunOptions, device: str, compile: bool | None = None) -> Any:
     """`model` made ready for this run's device and precision: a new model (`model` is left as it is),
     or a model prepared already, as it is. compile: whether to compile it (None: unless --compile off;
-    a run that knows its input size decides with app.background_compile.compile_choice)."""
+    a run that knows its input size decides with app.builds.compile_choice)."""
     from stream_recon.models import prepare_for_inference
     from stream_recon.models.builds.compilation import artefacts_dir
 
@@ -167,22 +167,6 @@ def build_engine(model: Any, options: RunOptions, device: str, dtype: Any, conso
     engine.on_backend_ready = lambda name: announce_backend(name, console)
     engine.on_memory_plan = lambda plan: announce_memory_plan(plan, console)
     return engine
-
-
-def start_builds_ahead(options: RunOptions, device: str, dtype: Any, model_config: Any, engine_config: Any,
-                       input_size: tuple[int, int] | None, *, compile: bool) -> Any:
-    """The warm-up's dry pass on a thread while the checkpoint loads (models/stream/builds_ahead.py), where it
-    pays (CUDA, uncompiled) and can: the model input's size known before the first frame, and no memory
-    budget (its zero model is a second copy of the weights until the pass ends). None otherwise, and
-    where the warm-up is off: the first frame's own steps then build one kernel at a time, as they would."""
-    from stream_recon.models.builds.kernel_builds import dry_pass_pays
-    from stream_recon.models.stream.builds_ahead import BuildsAhead
-
-    if model_config is None or engine_config is None or input_size is None or options.gpu_memory is not None:
-        return None
-    if options.warm_up == "off" or not dry_pass_pays(device, compile):
-        return None
-    return BuildsAhead(model_config, engine_config, input_size, device, dtype)
 
 
 def check_gpu_memory(engine: Any, options: RunOptions, input_size: tuple[int, int] | None) -> None:

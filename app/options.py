@@ -27,9 +27,8 @@ LOOP_CLOSURE_CHOICES = ("auto", "on", "off")
 # auto: where the first streaming step compiles or records a CUDA graph (the engine's slow_first_step: CUDA
 # by default), that step runs on copies of the first frame before the stream; on: everywhere; off: never.
 WARM_UP_CHOICES = ("auto", "on", "off")
-# auto: on CUDA, compiled where this machine's compile caches hold the run's input size; where they do not,
-# the run streams uncompiled and a child process compiles that size beside it for the next run (app.
-# background_compile); on: compiled before the stream, whatever it costs; off: never.
+# auto: on CUDA, compiled where this machine's compile caches hold the run's input size; where they do not, the run streams uncompiled and a child process compiles that size
+# beside it for the next run (app.builds); on: compiled before the stream, whatever it costs; off: never.
 COMPILE_CHOICES = ("auto", "on", "off")
 # The options that take one of a few words, by field, in the order their problems are named
 WORD_CHOICES = {"loop_closure": LOOP_CLOSURE_CHOICES, "compile": COMPILE_CHOICES, "warm_up": WARM_UP_CHOICES,

@@ -24,14 +24,14 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
 from rich.console import Console
 from rich.markup import escape
 
-from stream_recon.app.background_compile import CompiledSizes, compile_choice, run_key
+from stream_recon.app.builds import RunBuilds
 from stream_recon.app.clock import RunClock
 from stream_recon.app.input_size import model_input_size, too_small_warning
 from stream_recon.app.loading import (
@@ -39,10 +39,7 @@ from stream_recon.app.loading import (
     build_engine,
     check_gpu_memory,
     chunk_engine_config,
-    load_model_for,
     model_config_for,
-    prepared_for_run,
-    start_builds_ahead,
 )
 from stream_recon.app.loops import LoopClosureSink, loop_closure_cannot_help, loop_closure_wanted
 from stream_recon.app.options import (
@@ -59,13 +56,9 @@ from stream_recon.app.rundir import OutputDirError, prepare_output_dir, remove_i
 from stream_recon.app.sources import FrameSource, SourceError, frames_source, open_source
 from stream_recon.app.stopping import STOP_CLOSE_S, StopOnSignal, signal_name, wait_for_stop_signal
 from stream_recon.app.writers import RunWriter
-from stream_recon.models.builds.kernel_builds import start_early_builds
 from stream_recon.models.checkpoint import DEFAULT_CHECKPOINT
 from stream_recon.models.errors import FrameError
 from stream_recon.models.supervision import Deadline, HelperDown
-
-if TYPE_CHECKING:
-    from stream_recon.models.stream.builds_ahead import BuildsAhead
 
 logger = logging.getLogger(__name__)
 
@@ -141,106 +134,118 @@ def run_sequence(
     """
     console = console or Console(stderr=True)
     clock = RunClock()  # from here: the model load is part of the run's timings
-    output_dir = Path(output_dir)
     frame_source = _as_frame_source(source, options)  # first: a mistyped path fails before the model loads
     try:
-        device = resolve_device(options.device)
-        dtype = resolve_dtype(options.dtype, device)
-        attention = check_attention(options.attention, device, dtype, options.kv_cache)
-        _check_selection(frame_source, options)
-        closes_loops, loop_closure_reason = loop_closure_wanted(options, frame_source.estimated_length)
-        if options.viewer:
-            check_viewer_address(options.host, options.port)
-        config = model_config_for(options, model)
-        warnings = []  # given once every refusal has had its turn, so that a refused run shows only its error
-        if device == "cpu" and config is not None:  # a GPU's memory is the engine's to budget (models/)
-            warnings += check_cpu_run(options, config, frame_source.frame_size, frame_source.estimated_length,
-                                      model_loaded=model is not None)
-        if device == "cpu" and options.gpu_memory is not None:
-            warnings.append(f"--gpu-memory {options.gpu_memory} budgets a GPU's memory and does nothing on the CPU, "
-                            "where the memory check applies instead (--no-memory-check turns it off)")
-        warnings += _source_warnings(frame_source, options)
-        viewer = None
-        builds_ahead = None
-        writer = None
-        created_dir = prepare_output_dir(output_dir, overwrite=options.overwrite)
-        try:  # from here on, a failure or a signal removes the folders made for the run
-            if frame_source.live:
-                frame_source.start()  # keep a camera's connection drained while the model loads
-            # a caller's own model is described by options.checkpoint only when that is set
-            checkpoint = options.checkpoint or (DEFAULT_CHECKPOINT if model is None else None)
-            # compiled or not by what this machine's compile caches hold for the run's input size
-            input_size = _input_size(frame_source, options)
-            engine_config = None if config is None else chunk_engine_config(options, config)
-            key = run_key(device, dtype, config, engine_config, input_size)
-            choice = compile_choice(options.compile, device, key, options.warm_up)
-            if config is not None:  # (CUDA only) beside the checkpoint's load, what the first step would wait for
-                start_early_builds(device, dtype, config.num_heads, config.head_dim)
-            # prepared once, where it is loaded or received; the engine takes it as it is
-            if model is None:  # the warm-up's dry pass beside the load, where it pays
-                builds_ahead = start_builds_ahead(options, device, dtype, config, engine_config, input_size,
-                                                  compile=choice.compile)
-                model = load_model_for(options, device, console, compile=choice.compile)
-            else:
-                model = prepared_for_run(model, options, device, compile=choice.compile)
-            compiled_sizes = None
-            if device.startswith("cuda") and engine_config is not None:
-                compiled_sizes = CompiledSizes(options, model, device, dtype, engine_config, choice.beside)
-            digest = CheckpointDigest(checkpoint)
-            engine = build_engine(model, options, device, dtype, console)
-            check_gpu_memory(engine, options, input_size)
-            for warning in warnings:
-                console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
-            clock.model_loaded()
-            viewer = _start_viewer(options, console)
-            used = {"device": device, "dtype": str(dtype).removeprefix("torch."), "attention": attention,
-                    "compile": bool(model.inference_spec.compiled)}
-            writer = RunWriter(
-                output_dir,
-                _settings(options, frame_source, used, checkpoint),
-                conf_threshold=options.conf_threshold,
-                voxel_size=options.voxel_size,
-                overwrite=True,  # prepare_output_dir already refused an existing run without --overwrite
-                outputs=options.prediction_outputs(),
-            )
-            loops = LoopClosureSink(engine, viewer, enabled=closes_loops, reason=loop_closure_reason)
-        except BaseException:
-            if viewer is not None:
-                viewer.close("failed")
-            if builds_ahead is not None:  # its thread holds the GPU until its pass ends: not left running
-                builds_ahead.wait()  # unbounded-ok: BuildsAhead.wait ends AHEAD_WAIT_S after its first call
-            if writer is not None:  # stopped before the first frame: not even run.json is kept
-                remove_run(output_dir)
-            remove_if_empty(output_dir, created_dir)
-            raise
-        # the finiteness check comes first: a frame that fails it reaches no other sink
-        sinks: list[Sink] = [FiniteCheck(half_precision=used["dtype"] != "float32"), writer, *extra_sinks, loops]
-        if viewer is not None:
-            sinks.append(viewer)
-        run = Run(frame_source, engine, writer, sinks, viewer, options, console, digest, clock, compiled_sizes,
-                  builds_ahead)
+        plan = _plan(frame_source, options, model)
+        run = _set_up(plan, frame_source, Path(output_dir), options, model, extra_sinks, console, clock)
         try:
             summary = run.stream()
         finally:
-            engine.close()  # the next chunk's worker thread, when the engine has one
-            if builds_ahead is not None:  # (a stream that ended before its first frame did not wait for it)
-                builds_ahead.wait()  # unbounded-ok: BuildsAhead.wait ends AHEAD_WAIT_S after its first call
-            if compiled_sizes is not None:
-                note = compiled_sizes.finish(stop=run.stopped_by_signal)
-                if note:
-                    console.print(f"[dim]{escape(note)}[/dim]", highlight=False)
-        if summary.status == "interrupted" and summary.frames == 0:
-            # stopped before its first frame: nothing was computed, so nothing is kept (not even run.json)
-            remove_run(output_dir)
-            remove_if_empty(output_dir, created_dir)
-        _report(summary, console)
-        if viewer is not None and options.keep_viewer and summary.stop_signal is None:
-            summary = dataclasses.replace(summary, viewer_closed_by=_serve_until_stopped(viewer, console))
-        elif viewer is not None and summary.frames:
-            console.print(f"the live viewer has closed; `stream-recon view {output_dir}` replays the run")
-        return summary
+            run.end()
+        return _after(run, summary)
     finally:
         frame_source.close()
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run will use, decided before anything is loaded or written (each check's refusal first)."""
+
+    device: str
+    dtype: Any
+    attention: str
+    model_config: Any  # None for a caller's model without one
+    engine_config: Any  # the settings each chunk's engine streams with (None without a model config)
+    input_size: tuple[int, int] | None  # the model input's (height, width), where known before the first frame
+    closes_loops: bool
+    loop_closure_reason: str | None
+    warnings: list[str]  # given once every refusal has had its turn: a refused run shows only its error
+
+
+def _plan(frame_source: FrameSource, options: RunOptions, model: Any) -> RunPlan:
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device)
+    attention = check_attention(options.attention, device, dtype, options.kv_cache)
+    _check_selection(frame_source, options)
+    closes_loops, loop_closure_reason = loop_closure_wanted(options, frame_source.estimated_length)
+    if options.viewer:
+        check_viewer_address(options.host, options.port)
+    config = model_config_for(options, model)
+    warnings = []
+    if device == "cpu" and config is not None:  # a GPU's memory is the engine's to budget (models/)
+        warnings += check_cpu_run(options, config, frame_source.frame_size, frame_source.estimated_length,
+                                  model_loaded=model is not None)
+    if device == "cpu" and options.gpu_memory is not None:
+        warnings.append(f"--gpu-memory {options.gpu_memory} budgets a GPU's memory and does nothing on the CPU, "
+                        "where the memory check applies instead (--no-memory-check turns it off)")
+    warnings += _source_warnings(frame_source, options)
+    engine_config = None if config is None else chunk_engine_config(options, config)
+    return RunPlan(device, dtype, attention, config, engine_config, _input_size(frame_source, options),
+                   closes_loops, loop_closure_reason, warnings)
+
+
+def _set_up(plan: RunPlan, frame_source: FrameSource, output_dir: Path, options: RunOptions, model: Any,
+            extra_sinks: Sequence[Sink], console: Console, clock: RunClock) -> Run:
+    """The output folder, the model (loaded or received, prepared once: compiled or not as RunBuilds says
+    for the source's input size), the engine, the viewer and the sinks. A failure or a signal here removes
+    the folders made for the run."""
+    viewer = writer = builds = None
+    created_dir = prepare_output_dir(output_dir, overwrite=options.overwrite)
+    try:
+        if frame_source.live:
+            frame_source.start()  # keep a camera's connection drained while the model loads
+        # a caller's own model is described by options.checkpoint only when that is set
+        checkpoint = options.checkpoint or (DEFAULT_CHECKPOINT if model is None else None)
+        builds = RunBuilds(options, plan.device, plan.dtype, plan.model_config, plan.engine_config, plan.input_size)
+        model = builds.model(model, console)
+        digest = CheckpointDigest(checkpoint)
+        engine = build_engine(model, options, plan.device, plan.dtype, console)
+        check_gpu_memory(engine, options, plan.input_size)
+        for warning in plan.warnings:
+            console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
+        clock.model_loaded()
+        viewer = _start_viewer(options, console)
+        used = {"device": plan.device, "dtype": str(plan.dtype).removeprefix("torch."), "attention": plan.attention,
+                "compile": bool(model.inference_spec.compiled)}
+        writer = RunWriter(
+            output_dir,
+            _settings(options, frame_source, used, checkpoint),
+            conf_threshold=options.conf_threshold,
+            voxel_size=options.voxel_size,
+            overwrite=True,  # prepare_output_dir already refused an existing run without --overwrite
+            outputs=options.prediction_outputs(),
+        )
+        loops = LoopClosureSink(engine, viewer, enabled=plan.closes_loops, reason=plan.loop_closure_reason)
+    except BaseException:
+        if viewer is not None:
+            viewer.close("failed")
+        if builds is not None:
+            builds.abandon()
+        if writer is not None:  # stopped before the first frame: not even run.json is kept
+            remove_run(output_dir)
+        remove_if_empty(output_dir, created_dir)
+        raise
+    # the finiteness check comes first: a frame that fails it reaches no other sink
+    sinks: list[Sink] = [FiniteCheck(half_precision=used["dtype"] != "float32"), writer, *extra_sinks, loops]
+    if viewer is not None:
+        sinks.append(viewer)
+    return Run(frame_source, engine, writer, sinks, viewer, options, console, digest, clock, builds, created_dir)
+
+
+def _after(run: Run, summary: RunSummary) -> RunSummary:
+    """A run that streamed: nothing kept where it was stopped before its first frame; the report; the viewer
+    kept serving where asked."""
+    output_dir, viewer, console = run.writer.output_dir, run.viewer, run.console
+    if summary.status == "interrupted" and summary.frames == 0:
+        # stopped before its first frame: nothing was computed, so nothing is kept (not even run.json)
+        remove_run(output_dir)
+        remove_if_empty(output_dir, run.created_dir)
+    _report(summary, console)
+    if viewer is not None and run.options.keep_viewer and summary.stop_signal is None:
+        summary = dataclasses.replace(summary, viewer_closed_by=_serve_until_stopped(viewer, console))
+    elif viewer is not None and summary.frames:
+        console.print(f"the live viewer has closed; `stream-recon view {output_dir}` replays the run")
+    return summary
 
 
 @dataclass
@@ -256,8 +261,8 @@ class Run:
     console: Console
     digest: CheckpointDigest
     clock: RunClock
-    compiled_sizes: CompiledSizes | None = None  # CUDA: records compiled sizes, or compiles one beside the run
-    builds_ahead: BuildsAhead | None = None  # the warm-up's dry pass, run while the checkpoint loaded
+    builds: RunBuilds | None = None  # compiled code and kernels: the work ahead, the warm-up, the compile beside
+    created_dir: Path | None = None  # the output folder this run made (removed where nothing is kept)
     stopped_by_signal: bool = True  # until the stream ends without a signal (a failure stops the child too)
 
     def stream(self) -> RunSummary:
@@ -282,6 +287,15 @@ class Run:
             status, error = "failed", writer_error
         self.stopped_by_signal = stop.signum is not None
         return self._summary(status, error, stop)
+
+    def end(self) -> None:
+        """After the stream, its sinks closed: the engine's helpers ended, and the builds' (the work ahead,
+        the compile child: stopped after a signal)."""
+        self.engine.close()  # the next chunk's worker thread, when the engine has one
+        if self.builds is not None:
+            note = self.builds.finish(stopped_by_signal=self.stopped_by_signal)
+            if note:
+                self.console.print(f"[dim]{escape(note)}[/dim]", highlight=False)
 
     def _push_frames(self, progress: RunProgress, stop: StopOnSignal) -> tuple[RunStatus, str | None]:
         """The source's frames, then what the engine still buffers (phase 1), into the sinks.
@@ -338,46 +352,11 @@ class Run:
         image = frame.image
         if image is None:  # a FrameSource opened without preprocessing
             image = preprocess_frame_uint8(frame.rgb, self.options.image_width)
-        if self.clock.frames_read == 0:
-            built_ahead = self._wait_for_builds_ahead(image)
-            if self._warms_up():
-                self._warm_up(image, built_ahead)
+        if self.clock.frames_read == 0 and self.builds is not None:
+            self.builds.before_stream(self.engine, image, self.source.estimated_length, self.clock, self.console)
         preds = self.clock.time_engine(self.engine.push, image, timestamp=frame.timestamp)
         self.clock.frames_read += 1
         progress.update(self._emit(preds))
-
-    def _warms_up(self) -> bool:
-        choice = self.options.warm_up
-        if choice != "auto":
-            return choice == "on"
-        length = self.source.estimated_length  # a stream of scale frames only has no streaming step to wait for
-        return self.engine.slow_first_step and (length is None or length > self.options.scale_frames)
-
-    def _wait_for_builds_ahead(self, image: Any) -> dict[str, float] | None:
-        """Before the first frame: the dry pass run while the checkpoint loaded, done (its seconds by part)
-        where it was for frames of this size; else None (the warm-up makes its own)."""
-        if self.builds_ahead is None:
-            return None
-        seconds = self.builds_ahead.wait()  # unbounded-ok: BuildsAhead.wait ends AHEAD_WAIT_S after its first call
-        return seconds if self.builds_ahead.covers(image.shape[-2:]) else None
-
-    def _warm_up(self, image: Any, built_ahead: dict[str, float] | None) -> None:
-        """The engine's first streaming step, compiled (where the model is) and recorded on copies of the
-        first frame before the stream (ChunkedEngine.warm_up): seconds, half a minute where a compiled
-        model's size was never compiled on this machine. `built_ahead`: the seconds of a dry pass made
-        while the checkpoint loaded (the warm-up then makes none), reported among the warm-up's parts."""
-        height, width = image.shape[-2:]
-        spec = getattr(getattr(self.engine, "model", None), "inference_spec", None)
-        made = "compiled and recorded" if getattr(spec, "compiled", False) else "recorded"
-        self.console.print(f"[dim]warming up for {width}x{height} frames: the streaming step is {made} before the "
-                           "stream starts[/dim]", highlight=False)
-        self.clock.time_warm_up(self.engine.warm_up, image, dry_pass=built_ahead is None)
-        if built_ahead is not None and self.clock.warm_up_parts is not None:
-            self.clock.warm_up_parts.update(built_ahead)
-        if self.compiled_sizes is not None:
-            note = self.compiled_sizes.warmed_up((height, width), getattr(self.engine, "memory_plan", None))
-            if note:
-                self.console.print(f"[dim]{escape(note)}[/dim]", highlight=False)
 
     def _emit(self, preds: list) -> dict:
         clock, source = self.clock, self.source
@@ -423,8 +402,8 @@ class Run:
         summary = self._run_json_summary(error, stop_signal, digest_wait_s=1.0 if status == "interrupted" else 60.0)
         if loops is not None:
             summary["loop_closure"] = loops.summary()
-        if self.compiled_sizes is not None:
-            summary["compile_beside"] = self.compiled_sizes.summary()
+        if self.builds is not None and (compile_beside := self.builds.summary()) is not None:
+            summary["compile_beside"] = compile_beside
         # each helper's state (models/supervision.py): up, or why it went down; loop closure's is its own
         summary["helpers"] = {"writer": self.writer.helper.record()}
         if self.viewer is not None and hasattr(self.viewer, "record"):

@@ -15,7 +15,8 @@ import time
 import pytest
 import torch
 
-from stream_recon.app.background_compile import CompiledSizes, compile_choice, run_key
+from stream_recon.app.background_compile import CompiledSizes
+from stream_recon.app.builds import compile_choice, run_key
 from stream_recon.app.loading import chunk_engine_config
 from stream_recon.app.options import OptionsError, RunOptions
 from stream_recon.models import ModelConfig

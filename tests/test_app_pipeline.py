@@ -331,7 +331,7 @@ def test_a_run_builds_its_kernels_while_its_checkpoint_loads_and_writes_what_it_
 
 
 def test_a_run_builds_nothing_ahead_where_it_has_no_load_to_hide_it_or_a_memory_budget() -> None:
-    from stream_recon.app.loading import start_builds_ahead
+    from stream_recon.app.builds import start_builds_ahead
     from stream_recon.models import ModelConfig, StreamConfig
 
     config, engine_config = ModelConfig.tiny(), StreamConfig(scale_frames=3, window=4)

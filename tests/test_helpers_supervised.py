@@ -517,7 +517,7 @@ def test_a_stopped_child_does_not_hold_the_runs_end(compiled_sizes, monkeypatch)
 
 
 def test_a_child_killed_mid_run_is_recorded_and_the_next_run_compiles_first(compiled_sizes):
-    from stream_recon.app.background_compile import compile_choice
+    from stream_recon.app.builds import compile_choice
     from stream_recon.models.builds.compilation import recorded
 
     compiled_sizes.warmed_up(SIZE)

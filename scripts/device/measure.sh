@@ -26,7 +26,9 @@
 #               alternate other trees), imports (imports before/after bytecode, the cold-start probe,
 #               Triton builds; list it first), cold (probe_cold_start rows), compile (auto against on),
 #               builds (the warm-up's dry pass on and off; ORDER), warm-up (WARM_UP_RUNS name:auto|on|off),
-#               kept (compiled code kept between runs; KEPT_RUNS mode:name); TESTS/TEST_K after
+#               kept (compiled code kept between runs; KEPT_RUNS mode:name), warm (each SIZES video, of this
+#               tree and TREES: a first run on empty compile caches, then the next on the caches its compile
+#               child filled; FRAMES 400); TESTS/TEST_K after
 #   spare       the spare engine and rollovers, PARTS (default rows): rows (flow on keyframe-dense and
 #               sparse videos, keyframes all), traces (rollover traces of all and flow; arguments: trace
 #               options), fit16 (a 16 GB card's memory held; FRAMES, BUDGET), budget (--gpu-memory 16GiB on
@@ -256,6 +258,43 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("e2e_*.json")):
 PY
 }
 
+# The start of a run on empty compile caches (the size's first run, its compile child beside it) and on warm ones
+# (the next run, compiled from what that child left), at each video size of SIZES (640x480 makes 518x392 model
+# input, 480x480 518x518), of this tree and of each of TREES ("name:folder"), one process a run, every output
+# written. A tree's runs share caches of their own that start empty: $OUT/e2e_TREE_SIZE_{empty,warm}.json.
+start_warm() {
+  local size tree name path run
+  bytecode_once
+  checkpoint_once
+  python3 -c "import torch; torch.load('/tmp/ckpt/full-size.pt', mmap=True, weights_only=True)" 2>&1 | grep -v Warn
+  for tree in ${TREES:-}; do link_package "sr_${tree%%:*}" "${tree#*:}"; done
+  for size in ${SIZES:-640x480 480x480}; do
+    for tree in "this:" ${TREES:-}; do
+      name=${tree%%:*}; path=/tmp/sr_$name; [ "$name" = this ] && path=/tmp/sr
+      rm -rf /tmp/machine_w; mkdir -p /tmp/machine_w
+      for run in empty warm; do
+        echo "== $name $size $run ($(( $(date +%s) - began )) s)" | tee -a "$OUT/e2e.log"
+        TORCHINDUCTOR_CACHE_DIR=/tmp/machine_w TRITON_CACHE_DIR=/tmp/machine_w/triton PYTHONPATH=$path:/tmp/site \
+          timeout 200 python3 scripts/bench_e2e.py --video-dir /tmp --checkpoint /tmp/ckpt/full-size.pt \
+          --frames "${FRAMES:-400}" --video-size "$size" --no-engine-run --compile auto ${E2E_ARGS:-} \
+          --json "$OUT/e2e_${name}_${size}_$run.json" 2>&1 | grep -v Warn | tail -3 >> "$OUT/e2e.log"
+        [ "$run" = empty ] || continue
+        for _ in $(seq 240); do ls /tmp/machine_w/stream-recon-compiled/*.compiled >/dev/null 2>&1 && break; sleep 0.5; done
+        wait_for_idle_gpu 60  # the compile child has left the GPU
+      done
+    done
+  done
+  python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+keys = ("first_prediction_s", "run_model_load_s", "prediction_100_s", "run_warm_up_s", "steady_fps", "run_json_fps",
+        "longest_interval_after_first_prediction_ms", "first_prediction_from_process_start_s")
+for path in sorted(pathlib.Path(sys.argv[1]).glob("e2e_*_*_*.json")):
+    row = json.loads(path.read_text())
+    print(path.stem, {k: (round(row[k], 2) if isinstance(row.get(k), float) else row.get(k)) for k in keys},
+          "warm-up parts", row.get("run_warm_up_parts_s"))
+PY
+}
+
 # Imports timed before and after the installed packages' bytecode is written (so list it first), then the
 # cold-start probe on empty caches listing every Triton kernel built, then the range kernel's builds one
 # after another and on threads.
@@ -366,7 +405,8 @@ suite_start() {
       builds) start_builds ;;
       warm-up) start_warm_up ;;
       kept) start_kept ;;
-      *) echo "start: no part $part (first imports cold compile builds warm-up kept)" >&2; exit 2 ;;
+      warm) start_warm ;;
+      *) echo "start: no part $part (first imports cold compile builds warm-up kept warm)" >&2; exit 2 ;;
     esac
   done
   run_gpu_tests "$began"

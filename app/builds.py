@@ -1,0 +1,173 @@
+"""What a run builds for its input size, and when: the one helper a run asks about compiled code and kernels.
+
+A CUDA run's steps need code a fresh process does not have: our Triton kernels (built at their first
+launch) and, compiled, Dynamo's traces and Inductor's kernels. From what this machine's compile caches hold
+for the run's key (models/builds/compilation.py: `compiled_code_key`, `record`), `RunBuilds` decides:
+- compiled or not (`--compile auto`: compiled where a record says this machine compiled the size; else
+  uncompiled, the size compiled beside the run for the next one, app/background_compile.py);
+- what runs while the checkpoint loads: uncompiled, the warm-up's dry pass (models/stream/builds_ahead.py:
+  our kernels built side by side on a zero model); either way, the range kernel's two early builds
+  (models/builds/kernel_builds.py). A compiled run compiles in its warm-up, after the load: its ~4 s of
+  Dynamo tracing and Inductor loads hold the interpreter, and run beside the load they slowed both (the
+  first prediction came later: docs/performance-log.md, "the compiled warm-up beside the checkpoint's load");
+- the warm-up before the stream (`--warm-up auto`: where the engine's first streaming step would be slow);
+- after it: the record of a compiled size, or the child process that compiles an uncompiled one.
+
+Each part keeps the supervision contract (models/supervision.py): a pass ahead that fails or stalls past
+builds_ahead.AHEAD_WAIT_S leaves its work to the warm-up, with one warning line; a compile child that fails,
+stalls or is stopped leaves a record that makes the next run of its size compile first. run.json:
+settings.compile, summary.compile_beside, summary.timings.warm_up_parts_s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.markup import escape
+
+from stream_recon.app.background_compile import CompiledSizes
+from stream_recon.app.clock import RunClock
+from stream_recon.app.loading import load_model_for, prepared_for_run
+from stream_recon.app.options import RunOptions
+
+if TYPE_CHECKING:
+    from stream_recon.models.stream.builds_ahead import BuildsAhead
+
+
+@dataclass(frozen=True)
+class CompileChoice:
+    """Whether a run compiles its model, and what it does about the compile caches."""
+
+    compile: bool
+    beside: bool = False  # uncompiled because the caches lack the size: compile it beside the run
+
+
+def compile_choice(option: str, device: str, key: str | None, warm_up: str = "auto") -> CompileChoice:
+    """What `--compile` (auto | on | off) means for a run whose compiled-code key is `key` (`run_key`;
+    None where the input size is not known before the first frame). auto compiles where a record says
+    this machine compiled that key or must compile it first (no room beside a run, or a background
+    compile that failed), and where the key is not known (the compile is then paid once, as with on);
+    elsewhere the run is uncompiled and compiles its size beside itself. That compile starts after the
+    run's warm-up: with `--warm-up off` auto compiles as on does (at the first streaming frame)."""
+    from stream_recon.models.builds.compilation import recorded
+
+    if option == "off" or not str(device).startswith("cuda"):
+        return CompileChoice(False)
+    if option == "on" or warm_up == "off" or key is None or recorded(key, "compiled") or recorded(key, "compile-first"):
+        return CompileChoice(True)
+    return CompileChoice(False, beside=True)
+
+
+def run_key(device: str, dtype: Any, model_config: Any, stream_config: Any,
+            input_size: tuple[int, int] | None) -> str | None:
+    """The compiled-code key of a CUDA run (models.builds.compilation.compiled_code_key); None off CUDA or
+    where the input size or the model's architecture is not known before the first frame."""
+    if not str(device).startswith("cuda") or input_size is None or model_config is None:
+        return None
+    import torch
+
+    from stream_recon.models.builds.compilation import compiled_code_key
+
+    return compiled_code_key(model_config, stream_config, input_size, dtype, torch.device(device))
+
+
+def start_builds_ahead(options: RunOptions, device: str, dtype: Any, model_config: Any, engine_config: Any,
+                       input_size: tuple[int, int] | None, *, compile: bool) -> BuildsAhead | None:
+    """The warm-up's dry pass on a thread while the checkpoint loads (models/stream/builds_ahead.py), where it
+    pays (CUDA, uncompiled) and can: the model input's size known before the first frame, and no memory
+    budget (its zero model is a second copy of the weights until the pass ends). None otherwise, and
+    where the warm-up is off: the first frame's own steps then build one kernel at a time, as they would."""
+    from stream_recon.models.builds.kernel_builds import dry_pass_pays
+    from stream_recon.models.stream.builds_ahead import BuildsAhead
+
+    if model_config is None or engine_config is None or input_size is None or options.gpu_memory is not None:
+        return None
+    if options.warm_up == "off" or not dry_pass_pays(device, compile):
+        return None
+    return BuildsAhead(model_config, engine_config, input_size, device, dtype)
+
+
+class RunBuilds:
+    """A run's builds, asked at four moments: the model (`model`), its first frame (`before_stream`), run.json
+    (`summary`) and the run's end (`finish`; `abandon` where the set-up failed)."""
+
+    def __init__(self, options: RunOptions, device: str, dtype: Any, model_config: Any, engine_config: Any,
+                 input_size: tuple[int, int] | None) -> None:
+        self.options, self.device, self.dtype = options, device, dtype
+        self.model_config, self.engine_config, self.input_size = model_config, engine_config, input_size
+        self.choice = compile_choice(options.compile, device,
+                                     run_key(device, dtype, model_config, engine_config, input_size), options.warm_up)
+        self.ahead: BuildsAhead | None = None
+        self.compiled_sizes: CompiledSizes | None = None
+
+    def model(self, given: Any, console: Console) -> Any:
+        """The run's model, prepared (compiled as `choice` says): `given` (a caller's model, prepared here
+        unless it was), or the checkpoint's, loaded while the work ahead runs beside the load."""
+        if self.model_config is not None:
+            from stream_recon.models.builds.kernel_builds import start_early_builds
+
+            start_early_builds(self.device, self.dtype, self.model_config.num_heads, self.model_config.head_dim)
+        if given is None:
+            self.ahead = start_builds_ahead(self.options, self.device, self.dtype, self.model_config,
+                                            self.engine_config, self.input_size, compile=self.choice.compile)
+            model = load_model_for(self.options, self.device, console, compile=self.choice.compile)
+        else:
+            model = prepared_for_run(given, self.options, self.device, compile=self.choice.compile)
+        if self.device.startswith("cuda") and self.engine_config is not None:
+            self.compiled_sizes = CompiledSizes(self.options, model, self.device, self.dtype, self.engine_config,
+                                                self.choice.beside)
+        return model
+
+    def before_stream(self, engine: Any, image: Any, stream_length: int | None, clock: RunClock,
+                      console: Console) -> None:
+        """At the first frame (the model input `image`, before it is pushed): the work ahead done, then the
+        warm-up where it is on (`--warm-up`; auto where the engine's first streaming step would be slow and
+        the stream has one), then the compiled size recorded or its compile started beside the run."""
+        ahead = self._wait_for_ahead(image)
+        if not self._warms_up(engine, stream_length):
+            return
+        height, width = image.shape[-2:]
+        spec = getattr(getattr(engine, "model", None), "inference_spec", None)
+        made = "compiled and recorded" if getattr(spec, "compiled", False) else "recorded"
+        console.print(f"[dim]warming up for {width}x{height} frames: the streaming step is {made} before the "
+                      "stream starts[/dim]", highlight=False)
+        clock.time_warm_up(engine.warm_up, image, dry_pass=ahead is None)
+        if ahead is not None and clock.warm_up_parts is not None:
+            clock.warm_up_parts.update(ahead)
+        if self.compiled_sizes is not None:
+            note = self.compiled_sizes.warmed_up((height, width), getattr(engine, "memory_plan", None))
+            if note:
+                console.print(f"[dim]{escape(note)}[/dim]", highlight=False)
+
+    def _wait_for_ahead(self, image: Any) -> dict[str, float] | None:
+        """The dry pass run while the checkpoint loaded, done (its seconds by part) where it was for frames of
+        this size; else None (the warm-up makes its own)."""
+        if self.ahead is None:
+            return None
+        seconds = self.ahead.wait()  # unbounded-ok: BuildsAhead.wait ends AHEAD_WAIT_S after its first call
+        return seconds if self.ahead.covers(image.shape[-2:]) else None
+
+    def _warms_up(self, engine: Any, stream_length: int | None) -> bool:
+        choice = self.options.warm_up
+        if choice != "auto":
+            return choice == "on"
+        # a stream of scale frames only has no streaming step to wait for
+        return engine.slow_first_step and (stream_length is None or stream_length > self.options.scale_frames)
+
+    def summary(self) -> dict[str, Any] | None:
+        """run.json's summary.compile_beside (CUDA runs), or None."""
+        return None if self.compiled_sizes is None else self.compiled_sizes.summary()
+
+    def finish(self, stopped_by_signal: bool) -> str | None:
+        """At the run's end: the work ahead over (a stream that ended before its first frame never waited for
+        it), the compile child left to finish or, after a signal, stopped. A line for the console, or None."""
+        self.abandon()
+        return None if self.compiled_sizes is None else self.compiled_sizes.finish(stop=stopped_by_signal)
+
+    def abandon(self) -> None:
+        """The set-up failed or the run ended: the pass ahead's thread holds the GPU until it ends, so it is
+        not left running."""
+        if self.ahead is not None:
+            self.ahead.wait()  # unbounded-ok: BuildsAhead.wait ends AHEAD_WAIT_S after its first call
