@@ -49,7 +49,7 @@ from stream_recon.app.commands._options import (
 )
 
 if TYPE_CHECKING:
-    from stream_recon.app.pipeline import RunOptions
+    from stream_recon.app.options import RunOptions
 
 DEFAULT_OUTPUT_ROOT = Path("outputs")
 SAMPLE_DIR = resources.files("stream_recon.app").joinpath("sample")
