@@ -64,6 +64,7 @@ from stream_recon.app.pipeline import run_sequence
 from stream_recon.app.rundir import (
     BATCH_MARKER,
     PREDICTIONS_DIR,
+    atomic_write,
     holds_run,
     read_batch_marker,
     read_run_info,
@@ -320,16 +321,16 @@ def write_summary(output_dir: Path, rows: Iterable[dict]) -> None:
     json_rows = [
         {key: row.get(key) for key in SUMMARY_COLUMNS if key in BASE_COLUMNS or key in row} for row in rows
     ]
-    temporary = output_dir / (SUMMARY_JSON + ".tmp")
-    temporary.write_text(json.dumps(json_rows, indent=2) + "\n")
-    temporary.replace(output_dir / SUMMARY_JSON)
-    temporary = output_dir / (SUMMARY_CSV + ".tmp")
-    with temporary.open("w", newline="") as file:
+    text = json.dumps(json_rows, indent=2) + "\n"
+    atomic_write(output_dir / SUMMARY_JSON, lambda file: file.write(text), binary=False)
+
+    def write_csv(file) -> None:
         writer = csv.DictWriter(file, fieldnames=SUMMARY_COLUMNS, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
             writer.writerow({key: "" if row.get(key) is None else row[key] for key in SUMMARY_COLUMNS})
-    temporary.replace(output_dir / SUMMARY_CSV)
+
+    atomic_write(output_dir / SUMMARY_CSV, write_csv, binary=False)
 
 
 def read_summary(output_dir: Path) -> list[dict]:

@@ -678,10 +678,12 @@ def _point_lines(cloud: PointCloud, seen: _Observations, chunk: int = 65536) -> 
 
 
 def _write_lines(path: Path, header: list[str], lines) -> None:
-    with open(path, "w", encoding="utf-8") as f:
+    def write(f) -> None:
         f.write("\n".join(header) + "\n")
         for line in lines:
             f.write(line + "\n")
+
+    atomic_write(path, write, binary=False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -716,4 +718,5 @@ def write_nerfstudio(folder: Path, cameras: list[CameraRecord], cloud: PointClou
         "frames": frames,
     }
     write_ply(folder / "points.ply", cloud.xyz, cloud.rgb)
-    (folder / "transforms.json").write_text(json.dumps(transforms, indent=2) + "\n", encoding="utf-8")
+    text = json.dumps(transforms, indent=2) + "\n"
+    atomic_write(folder / "transforms.json", lambda f: f.write(text), binary=False)

@@ -192,12 +192,9 @@ def announce_memory_plan(plan: Any, console: Console) -> None:
 
 
 def announce_backend(name: str, console: Console) -> None:
-    """The first FlashInfer call compiles its kernels: say so, rather than stall silently."""
-    if name.startswith("flashinfer"):
-        seconds = "about 90 s" if name.endswith("fa3") else "about 30 s"
-        console.print(
-            f"attention: {name}; its kernels compile on first use on this machine ({seconds}, once: they are "
-            "cached in ~/.cache/flashinfer)"
-        )
-    else:
-        console.print(f"attention: {name}")
+    """The backend a run streams with, and what its first use costs where the backend table says (FlashInfer's
+    kernels compile then), rather than stall silently."""
+    from stream_recon.models.attention_backends import first_use_note
+
+    note = first_use_note(name)
+    console.print(f"attention: {name}{'; ' + note if note else ''}")

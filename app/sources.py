@@ -584,6 +584,34 @@ def list_images(folder: Path) -> list[Path]:
     return sorted(files, key=lambda entry: natural_sort_key(entry.name))
 
 
+def _opened_source(
+    reader: _Reader,
+    location: str | Path,
+    selection: FrameSelection,
+    options: _SourceOptions,
+    *,
+    kind: SourceKind,
+    description: str,
+    source_frames: int | None,
+    source_fps: float | None = None,
+    live: bool,
+    frame_size: tuple[int, int] | None,
+) -> FrameSource:
+    """A source `open_source` opened: named as `source_name` names its location (a default output folder's
+    name), its length the selection's share of the source's frames (None: unknown)."""
+    return FrameSource(
+        reader,
+        kind=kind,
+        description=description,
+        name=source_name(location),
+        selection=selection,
+        estimated_length=selection.estimate_count(source_frames, source_fps),
+        live=live,
+        frame_size=frame_size,
+        **options.as_kwargs(),
+    )
+
+
 def _open_folder(folder: Path, selection: FrameSelection, options: _SourceOptions) -> FrameSource:
     paths = list_images(folder)
     if not paths:
@@ -594,18 +622,9 @@ def _open_folder(folder: Path, selection: FrameSelection, options: _SourceOption
     frame_size = _check_one_size(paths)
     fps = selection.fps
     reader = _FolderReader(paths, frame_size, seconds_per_frame=1.0 / fps if fps else 1.0)
-    return FrameSource(
-        reader,
-        kind="folder",
-        description=f"image folder {folder}",
-        name=source_name(folder),
-        selection=selection,
-        # file order is the clock here, so an fps selection never drops a file: every kept file is one tick
-        estimated_length=selection.estimate_count(len(paths), None),
-        live=False,
-        frame_size=frame_size,
-        **options.as_kwargs(),
-    )
+    # file order is the clock here, so an fps selection never drops a file: every kept file is one tick
+    return _opened_source(reader, folder, selection, options, kind="folder", description=f"image folder {folder}",
+                          source_frames=len(paths), live=False, frame_size=frame_size)
 
 
 def _where_the_frames_may_be(folder: Path) -> str:
@@ -669,17 +688,9 @@ def _open_video(path: Path, selection: FrameSelection, options: _SourceOptions) 
     reader = _CaptureReader(capture, label=str(path), clock="pts", expected_frames=frame_count)
     reader.peek(f"{path} opened but no frame could be decoded: the video is damaged or uses a codec "
                 "this OpenCV build lacks; re-encode it (e.g. ffmpeg -i IN -c:v libx264 OUT.mp4)")
-    return FrameSource(
-        reader,
-        kind="video",
-        description=f"video {path}",
-        name=path.stem,
-        selection=selection,
-        estimated_length=selection.estimate_count(int(frame_count) if frame_count else None, video_fps),
-        live=False,
-        frame_size=_capture_size(capture),
-        **options.as_kwargs(),
-    )
+    return _opened_source(reader, path, selection, options, kind="video", description=f"video {path}",
+                          source_frames=int(frame_count) if frame_count else None, source_fps=video_fps,
+                          live=False, frame_size=_capture_size(capture))
 
 
 def _open_webcam(index: int, selection: FrameSelection, options: _SourceOptions) -> FrameSource:
@@ -693,17 +704,8 @@ def _open_webcam(index: int, selection: FrameSelection, options: _SourceOptions)
     reader = _CaptureReader(capture, label=f"webcam {index}", clock="wall", expected_frames=None,
                             reopen=lambda _timeout_s: _webcam_capture(index))
     reader.peek(f"webcam {index} opened but sent no frame")
-    return FrameSource(
-        reader,
-        kind="webcam",
-        description=f"webcam {index}",
-        name=f"webcam{index}",
-        selection=selection,
-        estimated_length=selection.max_frames,
-        live=True,
-        frame_size=_capture_size(capture),
-        **options.as_kwargs(),
-    )
+    return _opened_source(reader, str(index), selection, options, kind="webcam", description=f"webcam {index}",
+                          source_frames=None, live=True, frame_size=_capture_size(capture))
 
 
 def _webcam_capture(index: int) -> cv2.VideoCapture:
@@ -752,17 +754,9 @@ def _open_stream(
                                 shortfall_cause="the connection dropped or the file is truncated")
     reader.peek(lambda: f"stream {url} connected but sent no decodable frame: "
                         f"{_stream_failure(url, started, open_timeout_s)}")
-    return FrameSource(
-        reader,
-        kind="stream",
-        description=f"stream {url}",
-        name=_stream_name(url),
-        selection=selection,
-        estimated_length=selection.estimate_count(int(frame_count) if frame_count else None, None),
-        live=live,
-        frame_size=_capture_size(capture),
-        **options.as_kwargs(),
-    )
+    return _opened_source(reader, url, selection, options, kind="stream", description=f"stream {url}",
+                          source_frames=int(frame_count) if frame_count else None, live=live,
+                          frame_size=_capture_size(capture))
 
 
 # The port a scheme's server listens on when the URL names none.

@@ -227,7 +227,7 @@ def wait_for_stop_signal(on_ready: Callable[[], None] | None = None) -> int:
     received: list[int] = []
     arrived = threading.Event()
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
-        arrived.wait()
+        arrived.wait()  # unbounded-ok: serving until the user's signal (off the main thread, none comes)
 
     def receive(signum: int, frame: object) -> None:
         received.append(signum)

@@ -63,6 +63,14 @@ class BackendSpec:
     # It reads the visible keys through a per-layer copy of them (the SDPA reference's page gather),
     # which memory plans count like fp8's dequantised copies.
     gathers: bool = False
+    # What its first use on a machine costs, which a run says when it picks it ("": nothing).
+    first_use: str = ""
+
+
+def _flashinfer_first_use(seconds: int) -> str:
+    # FlashInfer compiles a kernel the first time this machine asks for it and keeps it in its own folder
+    return (f"its kernels compile on first use on this machine (about {seconds} s, once: they are cached in "
+            "~/.cache/flashinfer)")
 
 
 # -- factories (imports of optional packages happen only here, when a backend is built) --------
@@ -112,11 +120,12 @@ BACKENDS: tuple[BackendSpec, ...] = (
     BackendSpec(name="sdpa", layout="paged", factory=_sdpa, cuda_half_only=False, gathers=True,
                 summary="PyTorch SDPA over the gathered pages: the golden-parity reference, any device and dtype"),
     BackendSpec(name="flashinfer", layout="paged", factory=_flashinfer_paged("fa2"), needs=("flashinfer",),
-                summary="FlashInfer paged prefill (fa2) over the page table"),
+                first_use=_flashinfer_first_use(30), summary="FlashInfer paged prefill (fa2) over the page table"),
     BackendSpec(name="flashinfer-fa2", layout="paged", factory=_flashinfer_paged("fa2"), needs=("flashinfer",),
-                summary="the same as flashinfer"),
+                first_use=_flashinfer_first_use(30), summary="the same as flashinfer"),
     BackendSpec(name="flashinfer-fa3", layout="paged", factory=_flashinfer_paged("fa3"), needs=("flashinfer",),
-                min_capability=9, summary="FlashInfer paged prefill, Hopper's fa3 kernels"),
+                min_capability=9, first_use=_flashinfer_first_use(90),
+                summary="FlashInfer paged prefill, Hopper's fa3 kernels"),
     BackendSpec(name="dense", layout="dense", factory=_dense_sdpa, cuda_half_only=False, reads_fp8=True,
                 summary="PyTorch's flash/efficient SDPA over the visible range, read in place"),
     # (Ampere on: bf16 tensor-core products; TMA loads from Hopper on, pointer loads before)

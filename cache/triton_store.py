@@ -27,15 +27,23 @@ E4M3_MAX, MIN_EXPONENT, MAX_EXPONENT = (tl.constexpr(x) for x in (fp8.E4M3_MAX, 
 
 
 @triton.jit
-def _token_heads(K, V, stride_k_token, stride_k_head, stride_v_token, stride_v_head, token, which, heads, dims, live):
-    """Token `token`'s K (which = 0) or V (1): [HEADS, HEAD_DIM], 0 in the rows past the heads."""
+def _program_token(K, V, stride_k_token, stride_k_head, stride_v_token, stride_v_head, slots, num_heads,
+                   HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """What a write kernel's program (t, which) takes: which (K 0, V 1), token t's store position
+    slots[t], the head and dim indices, the live heads, and token t's K or V [HEADS, HEAD_DIM] (0 in the
+    rows past the heads)."""
+    token, which = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(slots + token).to(tl.int64)
+    heads = tl.arange(0, HEADS)
+    dims = tl.arange(0, HEAD_DIM)
+    live = heads < num_heads
     if which == 0:
         x = tl.load(K + token * stride_k_token + heads[:, None] * stride_k_head + dims[None, :], mask=live[:, None],
                     other=0.0)
     else:
         x = tl.load(V + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :], mask=live[:, None],
                     other=0.0)
-    return x
+    return which, slot, heads, dims, live, x
 
 
 @triton.jit
@@ -43,13 +51,8 @@ def _write_kernel(K, V, stride_k_token, stride_k_head, stride_v_token, stride_v_
                   num_heads, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Program (t, which): token t's K (which = 0) or V (1), [num_heads, HEAD_DIM], into store
     [2, capacity, num_heads, HEAD_DIM] at position slots[t], in the store's dtype."""
-    token, which = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(slots + token).to(tl.int64)
-    heads = tl.arange(0, HEADS)
-    dims = tl.arange(0, HEAD_DIM)
-    live = heads < num_heads
-    x = _token_heads(K, V, stride_k_token, stride_k_head, stride_v_token, stride_v_head, token, which, heads, dims,
-                     live)
+    which, slot, heads, dims, live, x = _program_token(K, V, stride_k_token, stride_k_head, stride_v_token,
+                                                       stride_v_head, slots, num_heads, HEADS, HEAD_DIM)
     tl.store(store + ((which * capacity + slot) * num_heads + heads[:, None]) * HEAD_DIM + dims[None, :],
              x.to(store.dtype.element_ty), mask=live[:, None])
 
@@ -79,13 +82,9 @@ def _quantize_write_kernel(K, V, stride_k_token, stride_k_head, stride_v_token, 
                            exponents, capacity, num_heads, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Program (t, which): token t's K (which = 0) or V (1), [num_heads, HEAD_DIM], into codes
     [2, capacity, num_heads, HEAD_DIM] and exponents [2, num_heads, capacity] at position slots[t]."""
-    token, which = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(slots + token).to(tl.int64)
-    heads = tl.arange(0, HEADS)
-    dims = tl.arange(0, HEAD_DIM)
-    live = heads < num_heads
-    x = _token_heads(K, V, stride_k_token, stride_k_head, stride_v_token, stride_v_head, token, which, heads, dims,
-                     live).to(tl.float32)
+    which, slot, heads, dims, live, x = _program_token(K, V, stride_k_token, stride_k_head, stride_v_token,
+                                                       stride_v_head, slots, num_heads, HEADS, HEAD_DIM)
+    x = x.to(tl.float32)
     bits = tl.max(tl.abs(x), 1).to(tl.int32, bitcast=True)  # [HEADS] amax bits
     # amax = m * 2^E, 448 = 1.75 * 2^8: e = E - 8, plus one when m > 1.75 (mantissa bits 0x600000)
     exponent = (bits >> 23) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)

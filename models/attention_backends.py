@@ -43,3 +43,10 @@ def backend_statuses(device: torch.device | str, dtype: torch.dtype) -> tuple[Ba
                       unavailable_reason=backends.unavailable_reason(spec.name, device, dtype))
         for spec in backends.BACKENDS
     )
+
+
+def first_use_note(name: str) -> str:
+    """What the first use of the backend named `name` on a machine costs, for the run to say when it picks
+    it; "": nothing worth saying, or a built backend's name of the variant it chose (dense-flashinfer-fa3),
+    which is no row of the table."""
+    return next((spec.first_use for spec in backends.BACKENDS if spec.name == name), "")

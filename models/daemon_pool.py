@@ -39,7 +39,7 @@ class DaemonPool:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name}: no job after shutdown")
-            self._jobs.put((future, function, args))
+            self._jobs.put((future, function, args))  # unbounded-ok: a SimpleQueue has no bound, put never waits
             if len(self._threads) < self.workers:
                 thread = threading.Thread(target=_work, args=(self._jobs,), name=f"{self.name}_{len(self._threads)}",
                                           daemon=True)
@@ -69,12 +69,12 @@ class DaemonPool:
 
 def _end_workers(jobs: queue.SimpleQueue, threads: list[threading.Thread]) -> None:
     for _ in threads:
-        jobs.put(None)
+        jobs.put(None)  # unbounded-ok: a SimpleQueue has no bound, put never waits
 
 
 def _work(jobs: queue.SimpleQueue) -> None:
     while True:
-        job = jobs.get()
+        job = jobs.get()  # unbounded-ok: a worker waits for its next job; a daemon thread, it holds no exit
         if job is None:
             return
         _run(*job)

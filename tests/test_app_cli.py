@@ -738,7 +738,7 @@ def lines_of(result: subprocess.CompletedProcess) -> list[str]:
     return [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
 
 
-HEAVY_LIBRARIES = ("torch", "trimesh", "scipy", "viser", "cv2")
+HEAVY_LIBRARIES = ("torch", "triton", "trimesh", "scipy", "viser", "cv2", "ray", "gtsam")
 HELP_REQUESTS = [["-h"], ["run", "-h"], ["export", "-h"], ["view", "-h"], ["eval", "-h"], ["batch", "-h"],
                  ["convert", "-h"], ["download", "-h"], ["info", "-h"]]
 

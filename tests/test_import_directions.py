@@ -10,7 +10,9 @@ without importing anything. The rooms of models/ (docs/ARCHITECTURE.md has the m
 
 models/ imports nothing of the app, the cache nothing of models/ or the app, and the app nothing of the
 cache (what it needs of the backend table is models/attention_backends.py). The modules left at models/'s
-top are shared: they import no room, except checkpoint, which builds the network.
+top are shared: they import no room, except checkpoint, which builds the network. Two rooms are held to
+a list: loops imports of models/ only the stream's outputs and the helpers' contract (LOOPS_MAY_IMPORT), and
+the network takes of the cache nothing that names a layout, a storage or a backend (NETWORK_TAKES_FROM_CACHE).
 """
 
 from __future__ import annotations
@@ -160,6 +162,85 @@ def test_a_forbidden_import_is_caught(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setitem(globals(), "REPO", tmp_path)
     found = violations([copy])
     assert len(found) == 1 and expected in found[0], found
+
+
+# Loop closure reads the stream's outputs, never runs it: of models/ it imports only these (and itself).
+LOOPS_MAY_IMPORT = {"models.stream.similarity", "models.stream.pose", "models.stream.chunks",
+                    "models.stream.prediction", "models.child_process", "models.supervision"}
+# The network attends through the callable the engine hands it: of the cache it takes the half precisions,
+# the package probe and the side-stream helper, never a layout, storage or backend.
+NETWORK_TAKES_FROM_CACHE = {"HALF_DTYPES", "importable", "run_beside"}
+
+
+def imported_names(path: Path) -> list[tuple[int, str, str | None]]:
+    """(line, the stream_recon module imported from or imported, without the prefix, the name taken from
+    it or None) for each import of stream_recon in `path`; a name that is a module of its own is folded
+    into the module (`from ..stream import pose` -> ("models.stream.pose", None))."""
+    relative = path.relative_to(REPO).with_suffix("")
+    module = ".".join(relative.parts[:-1] if relative.name == "__init__" else relative.parts)
+    package = module if relative.name == "__init__" else module.rpartition(".")[0]
+    found: list[tuple[int, str, str | None]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name.removeprefix("stream_recon."), None) for alias in node.names
+                      if alias.name.startswith("stream_recon.")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                target = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            elif node.module and node.module.startswith("stream_recon."):
+                target = node.module.removeprefix("stream_recon.")
+            else:
+                continue
+            for alias in node.names:
+                folder = REPO.joinpath(*f"{target}.{alias.name}".split("."))
+                is_module = folder.with_suffix(".py").exists() or (folder / "__init__.py").exists()
+                found.append((node.lineno, f"{target}.{alias.name}", None) if is_module
+                             else (node.lineno, target, alias.name))
+    return found
+
+
+def loops_reaching_past_their_list(paths: list[Path]) -> list[str]:
+    return [f"{path.relative_to(REPO)}:{line}: {target}" for path in paths for line, target, _ in imported_names(path)
+            if target.startswith("models") and not target.startswith("models.loops") and target not in LOOPS_MAY_IMPORT]
+
+
+def network_taking_cache_internals(paths: list[Path]) -> list[str]:
+    return [f"{path.relative_to(REPO)}:{line}: {target} {name or ''}" for path in paths
+            for line, target, name in imported_names(path)
+            if target.split(".")[0] == "cache" and name not in NETWORK_TAKES_FROM_CACHE]
+
+
+def test_loop_closure_imports_of_models_only_the_streams_outputs_and_the_helpers_contract() -> None:
+    assert loops_reaching_past_their_list(modules("models/loops")) == []
+
+
+def test_the_network_takes_nothing_of_the_cache_that_names_a_layout_or_a_backend() -> None:
+    assert network_taking_cache_internals(modules("models/network")) == []
+
+
+@pytest.mark.parametrize("source, placed, check", [
+    ("from ..stream.engine import StreamingEngine", "models/loops/closer.py", loops_reaching_past_their_list),
+    ("from ..stream import chunked", "models/loops/process.py", loops_reaching_past_their_list),
+    ("from ..daemon_pool import DaemonPool", "models/loops/process.py", loops_reaching_past_their_list),
+    ("from stream_recon.cache import DenseKV", "models/network/layers.py", network_taking_cache_internals),
+    ("from stream_recon.cache.backends import resolve", "models/network/gct.py", network_taking_cache_internals),
+    ("from stream_recon.cache import triton_attention", "models/network/gct.py", network_taking_cache_internals),
+])
+def test_a_room_reaching_past_its_list_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str,
+                                                 placed: str, check) -> None:
+    copy = tmp_path / placed
+    copy.parent.mkdir(parents=True)
+    copy.write_text(f"{(REPO / placed).read_text()}\n\ndef later():\n    {source}\n")
+    for folder in ("models", "cache"):  # what imported_names looks up to tell a module from a name
+        for module in (REPO / folder).rglob("*.py"):
+            twin = tmp_path / module.relative_to(REPO)
+            twin.parent.mkdir(parents=True, exist_ok=True)
+            if not twin.exists():
+                twin.write_text("")
+    monkeypatch.setitem(globals(), "REPO", tmp_path)
+    found = check([copy])
+    assert len(found) == 1 and found[0].startswith(f"{placed}:"), found
 
 
 def test_models_top_keeps_at_most_ten_modules() -> None:

@@ -22,7 +22,7 @@ STREAM_PATH = [
     "app/background_compile.py", "app/progress.py", "app/loading.py",
     "models/stream/chunked.py", "models/stream/rollover.py", "models/stream/lookahead.py", "models/stream/engine.py",
     "models/stream/builds_ahead.py", "models/builds/kernel_builds.py", "models/loops/process.py",
-    "models/child_process.py",
+    "models/child_process.py", "models/daemon_pool.py", "app/stopping.py",
     "cache/triton_attention.py",
 ]
 # a child's own side of its pipes: its one thread waits for the next message by design

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import inspect
 import logging
 import os
@@ -16,6 +17,7 @@ import typing
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Annotated, Any, NoReturn, Optional
 
 import typer
@@ -319,6 +321,15 @@ def error_line(message: str) -> str:
     if _verbose:
         return message.strip()
     return f"{headline.rstrip('.:; ')} (--verbose shows the details)"
+
+
+def import_held(module: str) -> ModuleType:
+    """Import the module a command's work runs in with Ctrl-C held until the import is done: it loads
+    torch and Triton, and a Ctrl-C inside their native set-up would abort the process (app/stopping.py)."""
+    from stream_recon.app.stopping import interrupts_held
+
+    with interrupts_held():
+        return importlib.import_module(module)
 
 
 def error_console() -> Console:

@@ -37,6 +37,7 @@ from stream_recon.app.commands._options import (
     error_console,
     evaluation_flags,
     given,
+    import_held,
     library_log_level,
     takes_run_options,
     user_errors,
@@ -100,10 +101,8 @@ def batch(
     overrides: dict[str, Any],
 ) -> None:
     """Run every sequence under ROOT into OUTPUT/<name>/, evaluate those with ground truth, write a summary."""
-    from stream_recon.app.stopping import interrupts_held
-
-    with interrupts_held():  # torch and Triton: a Ctrl-C inside their native set-up would abort the process
-        from stream_recon.app.batch import BatchError, BatchInterrupted, EvalSettings, run_batch
+    import_held("stream_recon.app.batch")  # the names below are then read from the module loaded
+    from stream_recon.app.batch import BatchError, BatchInterrupted, EvalSettings, run_batch
     from stream_recon.app.datasets import DatasetError, discover_sequences
     from stream_recon.app.presets import build_options
     from stream_recon.app.stopping import interrupted_exit_code

@@ -42,13 +42,14 @@ from stream_recon.app.commands._options import (
     ConfigOpt,
     OutputOpt,
     error_console,
+    import_held,
     show_engine_log,
     takes_run_options,
     user_errors,
 )
 
 if TYPE_CHECKING:
-    from stream_recon.app.pipeline import RunOptions
+    from stream_recon.app.options import RunOptions
 
 DEFAULT_OUTPUT_ROOT = Path("outputs")
 SAMPLE_DIR = resources.files("stream_recon.app").joinpath("sample")
@@ -67,13 +68,11 @@ def run(
     overrides: dict[str, Any],
 ) -> None:
     """Reconstruct SOURCE frame by frame: poses and depth on disk as they come, live in the browser."""
-    from stream_recon.app.stopping import interrupted_exit_code, interrupts_held
-
-    with interrupts_held():  # torch and Triton: a Ctrl-C inside their native set-up would abort the process
-        from stream_recon.app.pipeline import run_sequence
     from stream_recon.app.presets import build_options
     from stream_recon.app.sources import source_name
+    from stream_recon.app.stopping import interrupted_exit_code
 
+    run_sequence = import_held("stream_recon.app.pipeline").run_sequence
     console = error_console()
     show_engine_log(console)
     with user_errors(console):

@@ -1,0 +1,85 @@
+"""A run's signals (docs/ARCHITECTURE.md, "Signals"; app/stopping.py's StopOnSignal): the first SIGINT or
+SIGTERM lets the frame under way finish; a stream still running STOP_STREAM_S later stops as at a second
+signal; a second one stops the stream at once; while the run closes, a signal raises nothing.
+
+Real signals sent to this process, handled in the main thread (pytest's); STOP_STREAM_S is shortened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+from rich.console import Console
+
+from stream_recon.app import stopping
+from stream_recon.app.stopping import StopOnSignal
+
+SHORT_STOP_S = 0.3
+
+
+def a_frame_that_takes(seconds: float) -> None:
+    """Work of the stream that the signal lands in (a bounded busy wait: the handlers run between its steps)."""
+    ends = time.monotonic() + seconds
+    while time.monotonic() < ends:
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def raising_nothing() -> Iterator[None]:
+    """A KeyboardInterrupt here is this test's failure, not the end of the test session."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        pytest.fail("a signal raised KeyboardInterrupt where the run must go on")
+
+
+@pytest.fixture
+def stop(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(stopping, "STOP_STREAM_S", SHORT_STOP_S)
+    firsts: list[int] = []
+    with StopOnSignal(on_first=lambda: firsts.append(1), console=Console(file=io.StringIO())) as handler:
+        handler.firsts = firsts
+        yield handler
+
+
+def test_the_first_signal_lets_the_frame_finish(stop: StopOnSignal) -> None:
+    with raising_nothing():
+        with stop.streaming():
+            os.kill(os.getpid(), signal.SIGTERM)
+            a_frame_that_takes(SHORT_STOP_S / 3)
+        a_frame_that_takes(2 * SHORT_STOP_S)  # its deadline went with the stream: nothing raises after it
+    assert stop.firsts == [1] and stop.count == 1 and stop.signum == signal.SIGTERM
+
+
+def test_a_stream_still_running_stop_stream_s_after_the_first_signal_stops_as_at_a_second(stop: StopOnSignal) -> None:
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt), stop.streaming():
+        os.kill(os.getpid(), signal.SIGINT)
+        a_frame_that_takes(20 * SHORT_STOP_S)
+    assert SHORT_STOP_S <= time.monotonic() - started < 10 * SHORT_STOP_S
+    assert stop.count == 2 and stop.firsts == [1]
+
+
+def test_a_second_signal_stops_the_stream_at_once(stop: StopOnSignal) -> None:
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt), stop.streaming():
+        os.kill(os.getpid(), signal.SIGINT)
+        a_frame_that_takes(SHORT_STOP_S / 10)
+        os.kill(os.getpid(), signal.SIGINT)
+        a_frame_that_takes(20 * SHORT_STOP_S)
+    assert time.monotonic() - started < SHORT_STOP_S and stop.count == 2
+
+
+def test_signals_while_the_run_closes_raise_nothing(stop: StopOnSignal) -> None:
+    with raising_nothing():
+        os.kill(os.getpid(), signal.SIGINT)
+        a_frame_that_takes(SHORT_STOP_S / 10)
+        os.kill(os.getpid(), signal.SIGTERM)
+        a_frame_that_takes(2 * SHORT_STOP_S)  # and no deadline was set for a stream that is not running
+    assert stop.requested and stop.count == 2 and stop.signum == signal.SIGINT

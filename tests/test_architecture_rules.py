@@ -1,0 +1,406 @@
+"""The rules docs/ARCHITECTURE.md states that no other test file checks, read from the sources with `ast`
+(nothing is imported). Its section "Rules and their tests" lists every rule with the test that guards it.
+
+Each check is a function over a list of files, so that a test beside it can hand it a copy of a real module
+with one violating line added and see that line named.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def python_files(*folders: str, root: Path | None = None) -> list[Path]:
+    base = root or ROOT
+    return sorted(path for folder in folders for path in (base / folder).rglob("*.py"))
+
+
+def relative(path: Path, root: Path | None = None) -> str:
+    return path.relative_to(root or ROOT).as_posix()
+
+
+def identifiers(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """(line, name) for every name the code gives or reads: variables, attributes, arguments, keywords,
+    functions and classes."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            yield node.lineno, node.id
+        elif isinstance(node, ast.Attribute):
+            yield node.lineno, node.attr
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.lineno, node.name
+        elif isinstance(node, ast.arg):
+            yield node.lineno, node.arg
+        elif isinstance(node, ast.keyword) and node.arg:
+            yield node.value.lineno, node.arg
+
+
+def words(name: str) -> list[str]:
+    """`keyframe_policy` -> [keyframe, policy]; `FramePrediction` -> [frame, prediction]."""
+    return [word.lower() for word in re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])", name)]
+
+
+def top_level_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The imports that run when the module is imported: its body's, and those in its top-level `if` and
+    `try` blocks, but not under `if TYPE_CHECKING`."""
+    def visit(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
+        for node in body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                yield node
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+                yield from visit(node.body)
+                yield from visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                for block in (node.body, *(handler.body for handler in node.handlers), node.orelse, node.finalbody):
+                    yield from visit(block)
+
+    yield from visit(tree.body)
+
+
+# -- the cache never knows what a frame is (to it, a group of tokens), a pose or a keyframe policy ---------
+# The words of the stream's ideas: a frame's content and what the model predicts of it, the policy that keeps
+# frames, the engine and the chunks. The cache counts frames and tokens, and names none of these.
+STREAM_WORDS = {"pose", "poses", "keyframe", "keyframes", "policy", "policies", "image", "images", "depth",
+                "intrinsics", "camera", "prediction", "predictions", "pixel", "pixels", "rgb", "engine", "flow"}
+
+
+def stream_ideas_in_the_cache(paths: list[Path], root: Path | None = None) -> list[str]:
+    found = []
+    for path in paths:
+        for line, name in identifiers(ast.parse(path.read_text())):
+            named = STREAM_WORDS.intersection(words(name))
+            if named:
+                found.append(f"{relative(path, root)}:{line}: {name} (the cache knows nothing of {', '.join(named)})")
+    return found
+
+
+def test_the_cache_names_no_frame_content_pose_or_keyframe_policy() -> None:
+    assert stream_ideas_in_the_cache(python_files("cache")) == []
+
+
+# -- the app never reaches into the models' or the cache's internals -------------------------------------
+def private_names_of_the_rooms(root: Path | None = None) -> set[str]:
+    """The underscore names models/ and cache/ define (functions, classes, module names, attributes set on
+    self), less those app/ defines itself."""
+    def defined(folders: tuple[str, ...]) -> set[str]:
+        names = set()
+        for path in python_files(*folders, root=root):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.add(node.name)
+                elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                    names.add(node.id)
+                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                    names.add(node.attr)
+        return {name for name in names if name.startswith("_") and not name.startswith("__")}
+
+    return defined(("models", "cache")) - defined(("app",))
+
+
+def app_reaching_into_internals(paths: list[Path], root: Path | None = None) -> list[str]:
+    private = private_names_of_the_rooms(root)
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(("stream_recon.models",
+                                                                                    "stream_recon.cache")):
+                found += [f"{relative(path, root)}:{node.lineno}: imports {alias.name} from {node.module}"
+                          for alias in node.names if alias.name.startswith("_")]
+            elif isinstance(node, ast.Attribute) and node.attr in private:
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    found.append(f"{relative(path, root)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_app_uses_no_private_name_of_the_models_or_the_cache() -> None:
+    assert app_reaching_into_internals(python_files("app")) == []
+
+
+# -- a command module imports at its top only what its flags need -----------------------------------------
+# What the modules that `-h` loads may import at their top besides the standard library and the package's
+# own light modules: typer and rich draw the help; numpy is the type of the npz schema's and the prediction's
+# arrays (light: the help check, tests/test_app_cli.py, allows it).
+COMMAND_TOP_LIBRARIES = {"typer", "rich", "click", "numpy"}
+
+
+def module_path(dotted: str, root: Path) -> Path | None:
+    """stream_recon.app.options -> app/options.py (None for what is not a module of the package)."""
+    parts = dotted.split(".")[1:]
+    if not parts:
+        return None
+    base = root.joinpath(*parts)
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def imported_at_top(path: Path, root: Path) -> Iterator[tuple[int, str]]:
+    """(line, dotted module) for what `path` imports when it is imported, relative imports resolved."""
+    parts = path.relative_to(root).with_suffix("").parts
+    package = ["stream_recon", *(parts[:-1])]
+    for node in top_level_imports(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name) for alias in node.names)
+            continue
+        if node.module == "__future__":
+            continue
+        module = ".".join(package[: len(package) - node.level + 1] + [node.module or ""]).rstrip(".") \
+            if node.level else node.module or ""
+        yield node.lineno, module
+        for alias in node.names:  # `from stream_recon.app import options` imports the module options too
+            if module.startswith("stream_recon") and module_path(f"{module}.{alias.name}", root):
+                yield node.lineno, f"{module}.{alias.name}"
+
+
+def heavy_imports_of_the_commands(root: Path | None = None) -> list[str]:
+    """Each library outside COMMAND_TOP_LIBRARIES that a module reached from app/cli.py and app/commands/*
+    imports at its top, with the chain of top-level imports that reaches it."""
+    root = root or ROOT
+    starts = [root / "app" / "cli.py", *sorted((root / "app" / "commands").glob("*.py"))]
+    chains = {path: relative(path, root) for path in starts}
+    todo = list(starts)
+    found = []
+    while todo:
+        path = todo.pop()
+        for line, module in imported_at_top(path, root):
+            top = module.split(".")[0]
+            if top == "stream_recon":
+                dotted = module.split(".")
+                for end in range(2, len(dotted) + 1):  # the packages on the way are imported too
+                    reached = module_path(".".join(dotted[:end]), root)
+                    if reached is not None and reached not in chains:
+                        chains[reached] = f"{chains[path]} -> {relative(reached, root)}"
+                        todo.append(reached)
+            elif top not in sys.stdlib_module_names and top not in COMMAND_TOP_LIBRARIES:
+                found.append(f"{chains[path]}:{line}: import {module}")
+    return sorted(found)
+
+
+def test_command_modules_reach_no_heavy_library_at_their_top() -> None:
+    assert heavy_imports_of_the_commands() == []
+
+
+def test_the_app_packages_are_empty() -> None:
+    """app/__init__.py and app/commands/__init__.py: the app's modules are imported by their names."""
+    assert [relative(path) for path in (ROOT / "app" / "__init__.py", ROOT / "app" / "commands" / "__init__.py")
+            if path.read_text().strip()] == []
+
+
+# -- every file a run, an export, an evaluation or a batch writes goes through rundir.atomic_write -----------
+WRITING_METHODS = {"write_text", "write_bytes", "savez", "savez_compressed", "savetxt", "imwrite", "to_csv",
+                   "mkstemp", "NamedTemporaryFile"}
+# (module, what it calls): why that file is no output of a run and needs no atomic write
+NOT_AN_OUTPUT = {
+    ("app/background_compile.py", "open"): "the compile child's log, which the child itself writes as it goes; "
+                                           "the machine's, beside Inductor's cache, not a run's",
+    ("app/background_compile.py", "write_text"): "the lock naming the compiling child, the machine's, not a run's",
+}
+
+
+def writes_a_file(call: ast.Call) -> str | None:
+    """What the call writes with ('open', 'write_text', ...), or None when it writes no file."""
+    func = call.func
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+    owner = ast.unparse(func.value) if isinstance(func, ast.Attribute) else ""
+    if name in WRITING_METHODS or (name in ("save", "dump") and owner in ("np", "numpy", "json", "pickle", "yaml")):
+        return name
+    if owner == "shutil" and name in ("copy", "copyfile", "copy2", "copytree", "move"):
+        return name
+    if name in ("replace", "rename") and (owner == "os" or (len(call.args) == 1 and not call.keywords)):
+        return name  # a rename over a file: an atomic write of one's own
+    if name == "open" and owner == "os":
+        return name
+    if name in ("open", "fdopen"):
+        modes = [keyword.value for keyword in call.keywords if keyword.arg == "mode"]
+        modes += call.args[1:2] if (name == "open" and not owner) or name == "fdopen" else call.args[:1]
+        if any(isinstance(mode, ast.Constant) and set(str(mode.value)) & set("wax+") for mode in modes):
+            return name
+    if name == "export" and (call.args or any(keyword.arg == "file_obj" for keyword in call.keywords)):
+        return name  # trimesh writing to a path; export(file_type=...) returns the bytes
+    return None
+
+
+def files_written_past_atomic_write(paths: list[Path], root: Path | None = None) -> list[str]:
+    found = []
+    for path in paths:
+        where = relative(path, root)
+        if where == "app/rundir.py":
+            continue
+        tree = ast.parse(path.read_text())
+        # what atomic_write is handed writes into its temporary file (np.savez(f, ...) in a lambda)
+        handed = {id(inner) for node in ast.walk(tree) if isinstance(node, ast.Call)
+                  and getattr(node.func, "id", getattr(node.func, "attr", None)) == "atomic_write"
+                  for argument in node.args[1:] for inner in ast.walk(argument)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and id(node) not in handed:
+                how = writes_a_file(node)
+                if how is not None and (where, how) not in NOT_AN_OUTPUT:
+                    found.append(f"{where}:{node.lineno}: {ast.unparse(node)[:90]} "
+                                 "(write it through rundir.atomic_write)")
+    return found
+
+
+def test_every_output_file_is_written_through_atomic_write() -> None:
+    assert files_written_past_atomic_write(python_files("app")) == []
+
+
+# -- the backend table is read, never written again: the app names no backend -----------------------------
+def backend_names(root: Path | None = None) -> set[str]:
+    """The names of cache/backends.py's BACKENDS rows, read from its syntax tree."""
+    tree = ast.parse(((root or ROOT) / "cache" / "backends.py").read_text())
+    return {keyword.value.value for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) == "BackendSpec" for keyword in node.keywords if keyword.arg == "name"}
+
+
+def backends_named_in_the_app(paths: list[Path], root: Path | None = None) -> list[str]:
+    names = backend_names(root)
+    return [f"{relative(path, root)}:{node.lineno}: {node.value!r} (ask models/attention_backends.py)"
+            for path in paths for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and node.value in names]
+
+
+def test_the_app_names_no_attention_backend() -> None:
+    assert len(backend_names()) >= 8  # the scan reads the table
+    assert backends_named_in_the_app(python_files("app")) == []
+
+
+# -- what single modules of models/ never do, as their rows in the map say --------------------------------
+# module: (what it never imports: a prefix of the dotted module, the rule)
+NEVER_IMPORTS = {
+    "models/loops/closer.py": (("threading", "queue", "concurrent", "multiprocessing", "asyncio"),
+                               "the loop closer's core is synchronous: no threads, no queues"),
+    "models/loops/process.py": (("threading", "concurrent", "asyncio"),
+                                "the stream's side of loop closure has no threads"),
+    "models/loops/corrections.py": (("torch", "scipy", "cv2", "gtsam"), "corrections are NumPy only"),
+    "models/stream/chunks.py": (("stream_recon.models.network", "stream_recon.models.builds",
+                                 "stream_recon.models.stream.engine", "stream_recon.models.stream.steps",
+                                 "stream_recon.models.stream.graphs", "torch"),
+                                "the chunk room's bookkeeping never runs the model"),
+}
+
+
+def imported_anywhere(path: Path, root: Path) -> Iterator[tuple[int, str]]:
+    """(line, dotted module) for every import in `path`, in functions too, relative imports resolved."""
+    parts = path.relative_to(root).with_suffix("").parts
+    package = ["stream_recon", *(parts[:-1])]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = ".".join(package[: len(package) - node.level + 1] + [node.module or ""]).rstrip(".") \
+                if node.level else node.module or ""
+            yield from ((node.lineno, f"{module}.{alias.name}") for alias in node.names)
+
+
+def modules_importing_what_they_never_do(root: Path | None = None) -> list[str]:
+    root = root or ROOT
+    found = []
+    for where, (never, rule) in NEVER_IMPORTS.items():
+        for line, module in imported_anywhere(root / where, root):
+            if any(module == prefix or module.startswith(f"{prefix}.") for prefix in never):
+                found.append(f"{where}:{line}: {module} ({rule})")
+    return found
+
+
+def test_single_modules_never_import_what_their_rows_rule_out() -> None:
+    assert modules_importing_what_they_never_do() == []
+
+
+# -- each check fails where its rule is broken -------------------------------------------------------------
+def whole_tree_with(tmp_path: Path, placed: str, line: str) -> Path:
+    """A copy of app/, models/ and cache/ in tmp_path, with `line` added to `placed` inside a function at its
+    end (or at its top, when the line starts with 'top:')."""
+    for path in python_files("app", "models", "cache"):
+        copy = tmp_path / relative(path)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_text(path.read_text())
+    target = tmp_path / placed
+    text = target.read_text()
+    if line.startswith("top:"):
+        target.write_text(f"{line.removeprefix('top:')}\n{text}")
+    else:
+        target.write_text(f"{text}\n\ndef added_later(self, path, engine, data):\n    {line}\n")
+    return target
+
+
+Check = Callable[[Path], list[str]]
+
+
+def over(folder: str, check: Callable[[list[Path], Path], list[str]]) -> Check:
+    """`check` over every module of `folder` in a tree."""
+    return lambda root: check(python_files(folder, root=root), root)
+
+
+BROKEN_RULES: list[tuple[str, str, Check]] = [
+    ("cache/dense.py", "keyframe_policy = None", over("cache", stream_ideas_in_the_cache)),
+    ("cache/layout.py", "return engine.pose", over("cache", stream_ideas_in_the_cache)),
+    ("app/pipeline.py", "return engine._rollover", over("app", app_reaching_into_internals)),
+    ("app/loading.py", "from stream_recon.models.builds.prepare import _placed_copy",
+     over("app", app_reaching_into_internals)),
+    ("app/commands/run.py", "top:from stream_recon.app.sources import source_name", heavy_imports_of_the_commands),
+    ("app/commands/_options.py", "top:import torch", heavy_imports_of_the_commands),
+    ("app/options.py", "top:from stream_recon.models.attention_backends import backend_names",
+     heavy_imports_of_the_commands),
+    ("app/export.py", "open(path, 'w').write('x')", over("app", files_written_past_atomic_write)),
+    ("app/batch.py", "path.write_text('x')", over("app", files_written_past_atomic_write)),
+    ("app/evaluation.py", "np.savez(path, depth=data)", over("app", files_written_past_atomic_write)),
+    ("app/writers.py", "path.with_suffix('.tmp').replace(path)", over("app", files_written_past_atomic_write)),
+    ("app/loading.py", "return path.startswith('flashinfer')", over("app", backends_named_in_the_app)),
+    ("models/loops/closer.py", "import threading", modules_importing_what_they_never_do),
+    ("models/loops/corrections.py", "import torch", modules_importing_what_they_never_do),
+    ("models/stream/chunks.py", "from .engine import StreamingEngine", modules_importing_what_they_never_do),
+]
+
+
+@pytest.mark.parametrize(("placed", "line", "check"), BROKEN_RULES, ids=[f"{p}:{line}" for p, line, _ in BROKEN_RULES])
+def test_each_check_names_the_line_that_breaks_its_rule(tmp_path: Path, placed: str, line: str, check: Check) -> None:
+    assert check(ROOT) == []  # the real tree keeps the rule
+    whole_tree_with(tmp_path, placed, line)
+    found = check(tmp_path)
+    assert found and all(placed in problem for problem in found), found
+
+
+# -- the map's list of rules names tests that exist ----------------------------------------------------------
+def named_in_the_map(doc: str) -> list[tuple[str, str | None]]:
+    """(test file, test function or None for the whole file) for each test the section "Rules and their tests"
+    names; a function belongs to the file named before it in its row."""
+    section = doc.split("## Rules and their tests", 1)[1].split("\n## ", 1)[0]
+    named = []
+    for row in (line for line in section.splitlines() if line.startswith("| ") and "`" in line):
+        current = None
+        for token in re.findall(r"`([^`]+)`", row.split(" | ")[-1]):
+            if token.startswith("tests/"):
+                current = token
+                named.append((current, None))
+            elif token.startswith("test_"):
+                named.append((current, token))
+    return named
+
+
+def missing_tests(doc: str, root: Path | None = None) -> list[str]:
+    base = root or ROOT
+    missing = []
+    for file, function in named_in_the_map(doc):
+        path = base / file if file else None
+        if path is None or not path.exists():
+            missing.append(f"{file}: no such file")
+        elif function and not re.search(rf"^def {function}\(", path.read_text(), re.MULTILINE):
+            missing.append(f"{file}: no {function}")
+    return missing
+
+
+def test_every_test_the_map_names_exists() -> None:
+    doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    assert len(named_in_the_map(doc)) >= 20
+    assert missing_tests(doc) == []
+    renamed = doc.replace("test_the_app_packages_are_empty", "test_the_app_packages_are_small")
+    assert missing_tests(renamed) == ["tests/test_architecture_rules.py: no test_the_app_packages_are_small"]
