@@ -2,7 +2,9 @@
 
 The replay reads `RUN_DIR/predictions/NNNNNN.npz` (one file per frame, the last emission of each frame
 index) and feeds them to the same `LiveViewer` the live run uses, so the scene, the caps and the GUI are
-the same. Moving the timeline to frame t shows the trajectory up to t and the newest keyframes up to t.
+the same; the replay's own folder (timeline, play, speed) is one of the viewer's control panel
+(app/viewer/control_panel.py), and this module keeps the playback. Moving the timeline to frame t shows
+the trajectory up to t and the newest keyframes up to t.
 
 The files hold the corrected world when loop closure moved the chunks (the writer applies the
 corrections), so the map needs no move; the accepted loops that run.json lists are drawn between their
@@ -150,8 +152,13 @@ class Replay:
         self._load_requested = threading.Event()
         self._loader_idle = threading.Event()
         self._loader_idle.set()
-        self._build_gui()
         first, last = int(index.frame_indices[0]), int(index.frame_indices[-1])
+        # the timeline counts the run's frame indices (those of run.json, the progress and the files), not
+        # positions among the saved files: a run saved with --save-predictions keyframes has gaps
+        self._controls = viewer.panel.add_replay_folder(
+            first, last, playback_fps, on_seek=self._seek_from_browser, on_play=self._toggle_play,
+            on_speed=self._set_speed,
+        )
         saved = "" if last - first + 1 == index.num_frames else f" (frames {first}-{last}; the others have no file)"
         viewer.set_status(f"**replay** of {index.num_frames} frames{saved}")
         self._threads = [
@@ -187,8 +194,8 @@ class Replay:
             self._loader_idle.clear()
             self._load_requested.set()
         frame_index = int(self.index.frame_indices[position])
-        if self._timeline.value != frame_index:
-            self._timeline.value = frame_index
+        if self._controls.timeline.value != frame_index:
+            self._controls.timeline.value = frame_index
 
     def position_of(self, frame_index: int) -> int:
         """The position of the newest saved frame at or before `frame_index` (a timeline value)."""
@@ -236,11 +243,11 @@ class Replay:
         if self.position >= self.index.num_frames - 1:
             self.seek(0)
         self._playing.set()
-        self._play_button.label = "Pause"
+        self._controls.play_button.label = "Pause"
 
     def pause(self) -> None:
         self._playing.clear()
-        self._play_button.label = "Play"
+        self._controls.play_button.label = "Play"
 
     def stop(self) -> None:
         self._stopping.set()
@@ -261,31 +268,15 @@ class Replay:
             self.seek(self.position + 1)
             self._stopping.wait(max(0.0, 1.0 / self._playback_fps - (time.perf_counter() - started)))
 
-    def _build_gui(self) -> None:
-        gui = self.viewer.server.gui
-        with gui.add_folder("Replay", order=-1):
-            # the slider counts the run's frame indices (those of run.json, the progress and the files), not
-            # positions among the saved files: a run saved with --save-predictions keyframes has gaps
-            first, last = int(self.index.frame_indices[0]), int(self.index.frame_indices[-1])
-            self._timeline = gui.add_slider("Frame", min=first, max=max(first + 1, last), step=1, initial_value=first)
-            self._play_button = gui.add_button("Play")
-            speed = gui.add_slider(
-                "Frames / s", min=1.0, max=60.0, step=1.0, initial_value=self._playback_fps
-            )
+    def _seek_from_browser(self, frame_index: int) -> None:
+        self.pause()
+        self.seek(self.position_of(frame_index))
 
-        @self._timeline.on_update
-        def _(event) -> None:
-            if event.client is not None:  # our own assignments during playback come back with no client
-                self.pause()
-                self.seek(self.position_of(int(self._timeline.value)))
+    def _toggle_play(self) -> None:
+        self.pause() if self._playing.is_set() else self.play()
 
-        @self._play_button.on_click
-        def _(_event) -> None:
-            self.pause() if self._playing.is_set() else self.play()
-
-        @speed.on_update
-        def _(_event) -> None:
-            self._playback_fps = float(speed.value)
+    def _set_speed(self, frames_per_second: float) -> None:
+        self._playback_fps = frames_per_second
 
 
 def start_replay(run_dir: Path, host: str = VIEWER_HOST, port: int = VIEWER_PORT, **viewer_options) -> Replay:

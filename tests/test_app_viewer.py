@@ -352,7 +352,7 @@ def test_pause_and_follow_from_the_browser(viewer):
         # "Follow current camera" moves the browser's camera to look along the newest frame.
         mirror.set_gui("Follow current camera", True)
         deadline = time.monotonic() + 30
-        while not viewer._follow and time.monotonic() < deadline:  # the click has reached the server
+        while not viewer.settings.follow and time.monotonic() < deadline:  # the click has reached the server
             time.sleep(0.01)
         pred = orbit_frame(3)
         viewer.on_frame(pred, {})
@@ -413,7 +413,7 @@ def test_point_and_keyframe_controls_from_the_browser(viewer):
         while not any(np.allclose(c.camera.position, orbited) for c in viewer.server.get_clients().values()):
             assert time.monotonic() < deadline, "the server never saw the orbited camera"
             time.sleep(0.01)
-        start = (0.0, 0.0, viewer._scene_scale)  # the reset view looks at the start of the reconstruction
+        start = (0.0, 0.0, viewer.scene.scene_scale)  # the reset view looks at the start of the reconstruction
         mirror.set_gui("Reset view", True)
         mirror.wait_for(lambda m: m.camera_look_at is not None and np.allclose(m.camera_look_at, start))
     finally:
@@ -497,14 +497,14 @@ def test_on_frame_never_waits_for_the_viewer_thread_or_the_browser():
     )
     # The viewer thread is held inside its first scene update for as long as the test likes.
     drawing, release = threading.Event(), threading.Event()
-    apply_prediction = live._apply_prediction
+    apply_prediction = live.scene.keyframes.apply_prediction
 
     def held_apply_prediction(pred, **options):
         drawing.set()
         release.wait()
         apply_prediction(pred, **options)
 
-    live._apply_prediction = held_apply_prediction
+    live.scene.keyframes.apply_prediction = held_apply_prediction
 
     def push_frames(first: int, count: int) -> None:
         for index in range(first, first + count):
@@ -521,8 +521,8 @@ def test_on_frame_never_waits_for_the_viewer_thread_or_the_browser():
         assert not caller.is_alive(), "on_frame blocked while the viewer thread was busy"
         assert not release.is_set() and live.scene_summary()["updates"] == 0  # still held throughout
         assert live.num_pending <= 64 + 2000  # frames beyond max_pending are kept as poses only
-        with live._lock:
-            assert len(live._pending.predictions) <= 64
+        with live.state._lock:
+            assert len(live.state._pending.predictions) <= 64
     finally:
         release.set()
         stalled.close()

@@ -9,6 +9,8 @@
 - The one exception is code that branches on a GPU model: the comment line that explains such a branch
   carries the marker `# gpu-name-ok: <why>` on the same line, and only that line may name one. String
   literals the code compares are code, not comments, and are not checked.
+- The live viewer reads in pieces: no module of app/viewer/ (the facade, the live state, the scene graph,
+  the control panel, their helpers), nor app/replay.py, is longer than 300 lines.
 - scripts/ is not checked: a benchmark or probe prints and records the device it ran on, and its help
   may name the device a figure came from. Its comments follow the same rule by review.
 """
@@ -31,6 +33,7 @@ GPU_MODEL = re.compile(
     r"(?<![\w-])(?:GH200|GB200|[HB]100|H[28]00|B200|A100|A800|A10G?|A30|A40|A6000|L4|L40S?|V100|P100|T4"
     r"|RTX ?\d{4}(?: ?Ti)?|RTX A\d{4}|MI\d{3}X?)(?![\w-])")
 DATE = re.compile(r"(?<!\d)20\d\d-[01]\d-[0-3]\d(?!\d)")
+VIEWER_MODULE_LINES = 300
 
 
 def words(path: str) -> int:
@@ -89,3 +92,13 @@ def f(name: str) -> int:
     return {"RTX 4090": 2}.get(name, 0)  # an RTX 4090 holds two
 '''
     assert [number for number, _ in offences(source)] == [1, 4, 6, 10]
+
+
+def test_no_viewer_module_is_longer_than_300_lines() -> None:
+    """Rule: every module of the live viewer (app/viewer/*.py) and app/replay.py is at most 300 lines, so
+    that each piece (the live state, the scene graph, the control panel) reads at once."""
+    paths = [*sorted((REPO / "app" / "viewer").glob("*.py")), REPO / "app" / "replay.py"]
+    assert len(paths) >= 5  # the facade, its three pieces and the replay
+    lengths = {path.relative_to(REPO).as_posix(): len(path.read_text().splitlines()) for path in paths}
+    too_long = {path: lines for path, lines in lengths.items() if lines > VIEWER_MODULE_LINES}
+    assert not too_long, f"viewer modules over {VIEWER_MODULE_LINES} lines (split them): {too_long}"

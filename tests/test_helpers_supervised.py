@@ -546,7 +546,7 @@ def test_a_child_that_stalls_past_its_limit_is_killed_and_recorded(compiled_size
     assert note.startswith("the background compile for the next run stalled")
 
 
-# -- the live viewer (app/viewer.py) ---------------------------------------------------------------------------
+# -- the live viewer (app/viewer/)---------------------------------------------------------------------------
 def keyframe(index: int, size: tuple[int, int] = (42, 56)) -> FramePrediction:
     h, w = size
     c2w = np.eye(4, dtype=np.float32)[:3]
@@ -568,11 +568,11 @@ def test_a_viewer_whose_thread_raises_is_off_and_lets_the_run_go_on(faults, monk
         def refused(pred, **options):
             raise RuntimeError("a scene node refused")
 
-        monkeypatch.setattr(live, "_apply_prediction", refused)
+        monkeypatch.setattr(live.scene.keyframes, "apply_prediction", refused)
         live.set_paused(True)  # (a browser paused the run)
         live.on_frame(keyframe(0), {})
-        live._thread.join(timeout=10)
-        assert not live._thread.is_alive() and not live.is_up
+        live.state._thread.join(timeout=10)
+        assert not live.state._thread.is_alive() and not live.is_up
         assert live.record() == {"up": False, "reason": "RuntimeError: a scene node refused", "dropped": 0,
                                  "when_down": "turn off"}
         started = time.monotonic()
@@ -589,14 +589,15 @@ def test_a_viewer_whose_thread_raises_is_off_and_lets_the_run_go_on(faults, monk
 
 def test_a_viewer_update_that_stalls_turns_the_viewer_off_and_its_close_does_not_wait(faults, monkeypatch, caplog):
     from stream_recon.app import viewer
+    from stream_recon.app.viewer import live_state
 
-    monkeypatch.setattr(viewer, "VIEWER_POLICY", HelperPolicy("the live viewer", WhenFull.LATEST,
+    monkeypatch.setattr(live_state, "VIEWER_POLICY", HelperPolicy("the live viewer", WhenFull.LATEST,
                                                               WhenDown.TURN_OFF, stall_s=0.3))
     stuck = fault(faults)
     stuck.active.set()
     live = viewer.LiveViewer(port=free_port(), update_hz=50.0)
     try:
-        monkeypatch.setattr(live, "_apply_prediction", lambda pred, **options: stuck.strike())
+        monkeypatch.setattr(live.scene.keyframes, "apply_prediction", lambda pred, **options: stuck.strike())
         live.on_frame(keyframe(0), {})
         assert stuck.stalled.wait(timeout=10)
         deadline = Deadline(10.0)
@@ -613,11 +614,12 @@ def test_a_viewer_update_that_stalls_turns_the_viewer_off_and_its_close_does_not
 
 def test_closing_a_viewer_whose_last_update_hangs_waits_viewer_close_s_at_most(faults, monkeypatch, caplog):
     from stream_recon.app import viewer
+    from stream_recon.app.viewer import live_state
 
-    monkeypatch.setattr(viewer, "VIEWER_CLOSE_S", 0.3)
+    monkeypatch.setattr(live_state, "VIEWER_CLOSE_S", 0.3)
     stuck = fault(faults)
     live = viewer.LiveViewer(port=free_port(), update_hz=50.0)
-    monkeypatch.setattr(live, "_apply_prediction", lambda pred, **options: stuck.strike())
+    monkeypatch.setattr(live.scene.keyframes, "apply_prediction", lambda pred, **options: stuck.strike())
     live.on_frame(keyframe(0), {})
     assert live.flush(timeout=10)
     stuck.active.set()
@@ -698,10 +700,10 @@ def test_a_run_whose_viewer_fails_writes_every_file_and_completes(tmp_path, tiny
     from stream_recon.app.pipeline import run_sequence
     from stream_recon.app.viewer import LiveViewer
 
-    def broken_update(viewer):
+    def broken_update(viewer, pending, arrival_fps):
         raise RuntimeError("a scene node refused")
 
-    monkeypatch.setattr(LiveViewer, "_apply_pending", broken_update)
+    monkeypatch.setattr(LiveViewer, "_draw", broken_update)
     options = RunOptions(image_width=56, scale_frames=3, window=4, conf_threshold=1.0, viewer=True,
                          host="127.0.0.1", port=free_port())
     summary = run_sequence(camera(8), tmp_path / "run", options, model=tiny_model)
