@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,7 +72,10 @@ def test_stand_in_engine_measures_the_product_path_alone(tmp_path: Path, viewer:
 def test_rollover_trace_names_each_part_of_every_rollover(tmp_path: Path) -> None:
     command = [sys.executable, str(REPO / "scripts" / "probes" / "trace_rollover.py"), "--pace", "1.5", "--memory-push", "3", "--profile-push", "9", "--device", "cpu",
                "--model", "tiny", "--frames", "20", "--image-width", "112", "--scale", "2", "--window", "4",
-               "--chunk-frames", "8", "--overlap", "3", "--video-dir", str(tmp_path), "--no-engine-run"]
+               "--chunk-frames", "8", "--overlap", "3", "--video-dir", str(tmp_path), "--no-engine-run",
+               # every span up to 5 s after each rollover's start: its alignment comes once the shared frames
+               # have streamed, 0.4 s after it here, later on a busier machine
+               "--trace-after", "5"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -79,8 +83,11 @@ def test_rollover_trace_names_each_part_of_every_rollover(tmp_path: Path) -> Non
     sections = rollovers.split("== rollover ")[1:]
     assert len(sections) >= 2  # chunks of 8 frames, 5 apart: rollovers at frames 8 and 13 (and 18)
     for section in sections:
-        for part in ("rollover", "finish", "align: estimate (0 of 3 ratios ahead)", "align: median", "sinks"):
+        for part in ("rollover", "finish", "align: median", "sinks"):
             assert part in section, (part, section[:2000])
+        # how many of the 3 shared frames had their ratios made before the estimate depends on how far the
+        # spare got beside the stream: the machine's load, not the trace
+        assert re.search(r"align: estimate \([0-3] of 3 ratios ahead\)", section), section[:2000]
     # then the 4 longest intervals between pushes, each with the pushes that bound it
     assert done.stdout.count(" ms from push ") == 4
     assert "MainThread     push" in longest and "MainThread     step" in longest
