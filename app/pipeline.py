@@ -54,7 +54,13 @@ from stream_recon.app.progress import RunProgress
 from stream_recon.app.resources import check_cpu_run
 from stream_recon.app.rundir import OutputDirError, prepare_output_dir, remove_if_empty, remove_run
 from stream_recon.app.sources import FrameSource, SourceError, frames_source, open_source
-from stream_recon.app.stopping import STOP_CLOSE_S, StopOnSignal, signal_name, wait_for_stop_signal
+from stream_recon.app.stopping import (
+    STOP_CLOSE_S,
+    StopOnSignal,
+    interrupts_held,
+    signal_name,
+    wait_for_stop_signal,
+)
 from stream_recon.app.writers import RunWriter
 from stream_recon.models.checkpoint import DEFAULT_CHECKPOINT
 from stream_recon.models.errors import FrameError
@@ -189,9 +195,10 @@ def _set_up(plan: RunPlan, frame_source: FrameSource, output_dir: Path, options:
     """The output folder, the model (loaded or received, prepared once: compiled or not as RunBuilds says
     for the source's input size), the engine, the viewer and the sinks. A failure or a signal here removes
     the folders made for the run."""
-    viewer = writer = builds = None
-    created_dir = prepare_output_dir(output_dir, overwrite=options.overwrite)
+    viewer = writer = builds = created_dir = None
     try:
+        with interrupts_held():  # the folders made and known to the clean-up below as one step
+            created_dir = prepare_output_dir(output_dir, overwrite=options.overwrite)
         if frame_source.live:
             frame_source.start()  # keep a camera's connection drained while the model loads
         # a caller's own model is described by options.checkpoint only when that is set
@@ -217,13 +224,16 @@ def _set_up(plan: RunPlan, frame_source: FrameSource, output_dir: Path, options:
         )
         loops = LoopClosureSink(engine, viewer, enabled=plan.closes_loops, reason=plan.loop_closure_reason)
     except BaseException:
-        if viewer is not None:
-            viewer.close("failed")
-        if builds is not None:
-            builds.abandon()
-        if writer is not None:  # stopped before the first frame: not even run.json is kept
-            remove_run(output_dir)
-        remove_if_empty(output_dir, created_dir)
+        # held: the CLI redelivers an unanswered signal every 0.5 s (PromptInterrupt), and one landing in here
+        # on a busy machine would leave the folders behind
+        with interrupts_held():
+            if viewer is not None:
+                viewer.close("failed")
+            if builds is not None:
+                builds.abandon()
+            if writer is not None:  # stopped before the first frame: not even run.json is kept
+                remove_run(output_dir)
+            remove_if_empty(output_dir, created_dir)
         raise
     # the finiteness check comes first: a frame that fails it reaches no other sink
     sinks: list[Sink] = [FiniteCheck(half_precision=used["dtype"] != "float32"), writer, *extra_sinks, loops]
@@ -238,8 +248,9 @@ def _after(run: Run, summary: RunSummary) -> RunSummary:
     output_dir, viewer, console = run.writer.output_dir, run.viewer, run.console
     if summary.status == "interrupted" and summary.frames == 0:
         # stopped before its first frame: nothing was computed, so nothing is kept (not even run.json)
-        remove_run(output_dir)
-        remove_if_empty(output_dir, run.created_dir)
+        with interrupts_held():
+            remove_run(output_dir)
+            remove_if_empty(output_dir, run.created_dir)
     _report(summary, console)
     if viewer is not None and run.options.keep_viewer and summary.stop_signal is None:
         summary = dataclasses.replace(summary, viewer_closed_by=_serve_until_stopped(viewer, console))

@@ -36,6 +36,7 @@ import numpy as np
 
 from stream_recon.app.npz_schema import HALVABLE_FIELDS, PREDICTION_FIELDS, RENAMED_FIELDS
 from stream_recon.app.npz_schema import prediction_arrays as prediction_arrays  # scripts import it from here
+from stream_recon.app.stopping import interrupts_held
 from stream_recon.models.stream.pose import quat_xyzw_to_rotation, rotation_to_quat_xyzw
 
 logger = logging.getLogger(__name__)
@@ -233,7 +234,8 @@ def prepare_output_dir(output_dir: Path, *, overwrite: bool) -> Path | None:
         with tempfile.TemporaryFile(dir=output_dir):
             pass
     except BaseException as error:  # a Ctrl-C or SIGTERM in here too: what was made goes
-        remove_if_empty(output_dir, created)
+        with interrupts_held():  # (the CLI redelivers an unanswered signal every 0.5 s)
+            remove_if_empty(output_dir, created)
         if isinstance(error, OSError):
             raise OutputDirError(
                 f"cannot write to the output directory {output_dir}: {error.strerror or error}; "

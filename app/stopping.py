@@ -85,13 +85,15 @@ class PromptInterrupt:
     def deferred(self) -> Iterator[None]:
         """Hold a signal until the block ends, then raise it: for imports of native libraries (torch, Triton),
         whose module set-up turns a KeyboardInterrupt raised inside it into a C++ exception that aborts the
-        process (SIGABRT, exit -6) instead of exiting 130 or 143."""
+        process (SIGABRT, exit -6) instead of exiting 130 or 143; and for clean-ups that must finish. Blocks
+        nest: the signal is raised when the outermost ends."""
+        outermost = not self._deferring
         self._deferring = True
         try:
             yield
         finally:
-            self._deferring = False
-        if self._deferred is not None:
+            self._deferring = not outermost
+        if outermost and self._deferred is not None:
             signum, self._deferred = self._deferred, None
             self._raise(signum, None)
 

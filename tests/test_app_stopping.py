@@ -83,3 +83,19 @@ def test_signals_while_the_run_closes_raise_nothing(stop: StopOnSignal) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
         a_frame_that_takes(2 * SHORT_STOP_S)  # and no deadline was set for a stream that is not running
     assert stop.requested and stop.count == 2 and stop.signum == signal.SIGINT
+
+
+def test_a_signal_held_by_nested_blocks_is_raised_when_the_outermost_ends() -> None:
+    """A clean-up held inside another held block (the output folder made, then removed on a failure) must
+    finish: the signal that came meanwhile is raised once, at the outermost block's end, even though the
+    CLI redelivers it every REDELIVERY_INTERVAL_S until it is answered."""
+    steps = []
+    with stopping.PromptInterrupt() as prompt, pytest.raises(KeyboardInterrupt):
+        with stopping.interrupts_held():
+            with stopping.interrupts_held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                a_frame_that_takes(2 * stopping.REDELIVERY_INTERVAL_S)  # redelivered meanwhile: still held
+                steps.append("inner ended")
+            a_frame_that_takes(2 * stopping.REDELIVERY_INTERVAL_S)
+            steps.append("outer ended")
+    assert steps == ["inner ended", "outer ended"] and prompt.signum == signal.SIGTERM
