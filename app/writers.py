@@ -269,7 +269,7 @@ class RunWriter:
         stored = None
         if self.outputs.writes(pred):
             stored = self.outputs.stored(arrays)
-            atomic_write(path, functools.partial(np.savez, **stored), binary=True)  # (no frame of its own)
+            atomic_write(path, functools.partial(np.savez, **stored), binary=True)  # (a partial: no frame of ours)
         else:
             path.unlink(missing_ok=True)  # re-emitted as a non-keyframe: the earlier emission is not final
         # only now that the file is on disk: the trajectory never names a frame whose write failed
