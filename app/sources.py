@@ -8,9 +8,12 @@ on its way to the engine: reader -> consumer.
     reader thread:   grab ─▶ select (start, stride, fps, max) ─▶ decode ─▶ resize, crop (uint8) ─▶ queue (8)
     consumer:        for frame in source: ...   (raises the reader's error at the point it happened)
 
-One thread caps the source at 1 / (decode + resize) frames a second: about 100 FPS at 640x480 and 30 FPS
-at 1920x1080 on one loaded core of a 2-core machine (docs/performance-log.md has the measurements), a 4K
-source much less; the consumer's queue absorbs the difference while the engine is the slower one.
+One thread caps the source at 1 / (decode + resize) frames a second. On one core of a shared 2-core
+machine: 640x480 1.2 + 8.4 ms (~100 FPS), 1920x1080 6.5 + 26 ms (~30 FPS), 3840x2160 26 + 92 ms (~8 FPS),
+as much as with the resize on a thread of its own there (docs/performance-log.md). Where an engine is
+faster than that (a 4K source on a GPU), the source sets the stream's rate: a pool that resized several
+frames at once would put a third thread on every frame's path, and the crop rule's pixels (PIL's resize,
+exact) leave no cheaper resize.
 
 Host memory stays constant: at most `queue_size` frames exist at once, whatever the length. Model
 inputs stay uint8 ([3, H, W], a quarter of the float bytes): the engine converts them on the device.
