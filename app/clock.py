@@ -14,8 +14,10 @@ final line, a batch's summary) reports the same number.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -55,12 +57,16 @@ class RunClock:
         self.warm_up_parts = warm_up(*args, **kwargs)
         self.warm_up_s = time.perf_counter() - started
 
-    def time_engine(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+    @contextlib.contextmanager
+    def in_engine(self) -> Iterator[None]:
+        """Time what the block does as engine time (a push, the end's parts); the first such block starts
+        the end-to-end clock. A context, not a wrapper around the call: the frame's path stays in the run
+        loop's own body (docs/ARCHITECTURE.md, "One frame's path")."""
         started = time.perf_counter()
         if self.first_frame_at is None:
             self.first_frame_at = started
         try:
-            return call(*args, **kwargs)
+            yield
         finally:
             self.model_seconds += time.perf_counter() - started
 

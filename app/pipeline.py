@@ -315,26 +315,49 @@ class Run:
         worth keeping. What the engine buffers is completed on every path but a second Ctrl-C, which
         ends the run "interrupted".
         """
-        stream_errors = (SourceError, FrameError, OutputDirError, NonFinitePrediction, HelperDown)
         error: str | None = None
         try:
-            try:
-                for frame in self.source:
-                    self._push(frame, progress, stop)
-            except stream_errors as failure:
-                error = str(failure)
-            except torch.OutOfMemoryError as failure:
-                error = self._out_of_memory_message(failure)
-            try:
-                for part in self._finish_in_parts():
-                    progress.update(self._emit(part))
-            except stream_errors as failure:
-                error = error or str(failure)
-            except torch.OutOfMemoryError as failure:  # the buffered frames could not be finished either
-                error = error or self._out_of_memory_message(failure)
+            error = self._stream_frames(progress, stop)
+            finish_error = self._finish_frames(progress)
+            error = error or finish_error
         except KeyboardInterrupt:
             return "interrupted", error
         return ("complete" if error is None else "failed"), error
+
+    def _stream_frames(self, progress: RunProgress, stop: StopOnSignal) -> str | None:
+        """Every frame of the source through the engine into the sinks; the error that ended the stream
+        early, if one did. A frame's whole way on this thread is this loop's body (docs/ARCHITECTURE.md,
+        "One frame's path"): taken from the source, pushed, its predictions handed to the sinks."""
+        try:
+            for frame in self.source:
+                if self.viewer is not None:
+                    _wait_while_paused(self.viewer, stop)
+                image = frame.image
+                if image is None:  # a FrameSource opened without preprocessing
+                    image = preprocess_frame_uint8(frame.rgb, self.options.image_width)
+                if self.clock.frames_read == 0 and self.builds is not None:
+                    self.builds.before_stream(self.engine, image, self.source.estimated_length, self.clock,
+                                              self.console)
+                with self.clock.in_engine():
+                    preds = self.engine.push(image, timestamp=frame.timestamp)
+                self.clock.frames_read += 1
+                progress.update(self._emit(preds))
+        except _STREAM_ERRORS as failure:
+            return str(failure)
+        except torch.OutOfMemoryError as failure:
+            return self._out_of_memory_message(failure)
+        return None
+
+    def _finish_frames(self, progress: RunProgress) -> str | None:
+        """What the engine still buffers, into the sinks; the error that kept it from finishing, if one did."""
+        try:
+            for part in self._finish_in_parts():
+                progress.update(self._emit(part))
+        except _STREAM_ERRORS as failure:
+            return str(failure)
+        except torch.OutOfMemoryError as failure:  # the buffered frames could not be finished either
+            return self._out_of_memory_message(failure)
+        return None
 
     def _finish_in_parts(self) -> Iterator[list]:
         """What the engine still buffers, a part as soon as it is ready (ChunkedEngine.finish_in_parts:
@@ -342,10 +365,16 @@ class Run:
         time; an engine without parts (the bench's and the tests' stand-ins) delivers it at once."""
         parts = getattr(self.engine, "finish_in_parts", None)
         if parts is None:
-            yield self.clock.time_engine(self.engine.finish)
+            with self.clock.in_engine():
+                finished = self.engine.finish()
+            yield finished
             return
         parts = parts()
-        while (part := self.clock.time_engine(next, parts, None)) is not None:
+        while True:
+            with self.clock.in_engine():
+                part = next(parts, None)
+            if part is None:
+                return
             yield part
 
     def _out_of_memory_message(self, failure: torch.OutOfMemoryError) -> str:
@@ -356,18 +385,6 @@ class Run:
                   else "plan the run for this GPU with --gpu-memory (e.g. --gpu-memory 8GiB)")
         return (f"the GPU ran out of memory at frame {self.clock.frames_read} ({what}); the predictions before it "
                 f"are kept: {remedy}, or a smaller --image-width")
-
-    def _push(self, frame: Any, progress: RunProgress, stop: StopOnSignal) -> None:
-        if self.viewer is not None:
-            _wait_while_paused(self.viewer, stop)
-        image = frame.image
-        if image is None:  # a FrameSource opened without preprocessing
-            image = preprocess_frame_uint8(frame.rgb, self.options.image_width)
-        if self.clock.frames_read == 0 and self.builds is not None:
-            self.builds.before_stream(self.engine, image, self.source.estimated_length, self.clock, self.console)
-        preds = self.clock.time_engine(self.engine.push, image, timestamp=frame.timestamp)
-        self.clock.frames_read += 1
-        progress.update(self._emit(preds))
 
     def _emit(self, preds: list) -> dict:
         clock, source = self.clock, self.source
@@ -542,6 +559,10 @@ def _no_frames_message(source: FrameSource, options: RunOptions) -> str:
 
 class NonFinitePrediction(ValueError):
     """The model predicted NaN or infinity for a frame: that frame and everything after it would be garbage."""
+
+
+# A source, frame or disk problem mid-stream: the run ends "failed", keeping the frames before it.
+_STREAM_ERRORS = (SourceError, FrameError, OutputDirError, NonFinitePrediction, HelperDown)
 
 
 class FiniteCheck:

@@ -10,6 +10,7 @@ accumulator, never the depth maps; everything else is already on disk.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import platform
 import resource
@@ -268,7 +269,7 @@ class RunWriter:
         stored = None
         if self.outputs.writes(pred):
             stored = self.outputs.stored(arrays)
-            atomic_write(path, lambda f: np.savez(f, **stored), binary=True)
+            atomic_write(path, functools.partial(np.savez, **stored), binary=True)  # (a partial: no frame of ours)
         else:
             path.unlink(missing_ok=True)  # re-emitted as a non-keyframe: the earlier emission is not final
         # only now that the file is on disk: the trajectory never names a frame whose write failed

@@ -158,7 +158,18 @@ class ChunkedEngine:
                 self._switch_to_spare()
             if self._chunk_is_full():
                 self._roll_over()
-            self._predict(frame)
+            # The frame to whichever engine takes it in this phase; a streaming frame of the current chunk,
+            # the common case, straight to its engine (docs/ARCHITECTURE.md, "One frame's path").
+            phase = self._phase
+            if phase is Phase.CATCHING_UP:
+                self._outbox += self._rollover.push_beside(self.engine, frame)
+                self.provisional_frames += self._phase is Phase.CATCHING_UP  # (else it went to the spare alone)
+            elif phase is Phase.SWITCH_PENDING:  # the spare is a frame behind at most: it takes this one alone
+                self._rollover.push_last(frame)
+            elif self.engine.num_frames == 0:  # a scale frame: the scale step runs once its frames are in
+                self._outbox += self.alignment.receive(self._push_scale_frame(frame))
+            else:
+                self._outbox += self.alignment.receive(self.engine.push_checked(*frame))
             self._replay.append(frame)
             self._look_ahead(frame)
             if self._rollover is not None:
@@ -304,23 +315,11 @@ class ChunkedEngine:
     def _phase(self) -> Phase:
         return Phase.STEADY if self._rollover is None else self._rollover.phase
 
-    def _predict(self, frame: tuple[torch.Tensor, float]) -> None:
-        """The frame to whichever engine takes it in this phase."""
-        phase = self._phase
-        if phase is Phase.CATCHING_UP:
-            self._outbox += self._rollover.push_beside(self.engine, frame)
-            self.provisional_frames += self._phase is Phase.CATCHING_UP  # (else it went to the spare alone)
-        elif phase is Phase.SWITCH_PENDING:  # the spare is a frame behind at most: it takes this one alone
-            self._rollover.push_last(frame)
-        else:
-            self._outbox += self.alignment.receive(self._push_current(frame))
-
-    def _push_current(self, frame: tuple[torch.Tensor, float]) -> list[FramePrediction]:
-        """The current engine's push. Out of device memory in the stream's scale step (its one eager step,
-        after the warm-up started a spare beside it, as on a 16 GB card at 518x392 with an earlier room
-        rule), the spare goes and the step runs again: the stream
+    def _push_scale_frame(self, frame: tuple[torch.Tensor, float]) -> list[FramePrediction]:
+        """The current engine's push of a scale frame; the last one runs the scale step. Out of device memory
+        in that step (the stream's one eager step, after the warm-up started a spare beside it, as on a 16 GB
+        card at 518x392 with an earlier room rule), the spare goes and the step runs again: the stream
         goes on as without a spare, its rollovers pausing it."""
-        scale_step = self.engine.num_frames == 0  # (this push runs it once the scale frames are in)
         try:
             predictions = self.engine.push_checked(*frame)
         except torch.OutOfMemoryError:
@@ -330,7 +329,7 @@ class ChunkedEngine:
                            "spare goes, rollovers now pause the stream (--gpu-memory plans a run to fit a GPU)")
             self.spare_off = "out of device memory in the stream's first step beside it"
         else:
-            if scale_step and self.engine.num_frames > 0:
+            if self.engine.num_frames > 0:  # this push ran the scale step
                 self._release_cached_blocks()  # the scale step's, which no graph replay reuses
             return predictions
         # Outside the handler: the error's traceback holds the failed step's tensors until it ends.
@@ -555,7 +554,7 @@ def room_beside_engine(free: int, budget_left: int | None = None) -> int:
 
     The engine's own eager step (the stream's scale step, after the warm-up) needs no room of its own:
     it runs while the spare's activations are not held (the allocator's cache is emptied once the spare
-    has warmed up), and its blocks go back to the device after it (ChunkedEngine._push_current), before
+    has warmed up), and its blocks go back to the device after it (ChunkedEngine._push_scale_frame), before
     the spare's next eager step. One step's activations at a time, which the spare's estimate counts.
 
     What the allocator holds unused is not counted as room: those blocks belong to the engine's stream

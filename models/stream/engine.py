@@ -44,6 +44,13 @@ class _InFlight:
     keyframe: bool | None  # None: a flow decision still to make, from the prediction
 
 
+def _host_row(host: dict[str, np.ndarray], row: int) -> dict[str, np.ndarray | None]:
+    """Row `row` of a step's outputs on the host (HostStaging.receive) as FramePrediction's array fields."""
+    fields = {name: host[name][row] for name in ("pose_enc", "c2w", "intrinsics", "depth", "depth_conf", "image")}
+    fields["descriptor"] = host["descriptor"][row] if "descriptor" in host else None
+    return fields
+
+
 @dataclass
 class _LastKeyframe:
     index: int
@@ -125,28 +132,55 @@ class StreamingEngine:
 
         A checked frame of this stream's size is one this engine's check would return unchanged, so it
         is not checked again; one of another size (this engine's first frame, whose check sets up its
-        caches, or a frame it must refuse) is checked here."""
+        caches, or a frame it must refuse) is checked here. A scale frame is buffered (the last one runs
+        the scale step); a streaming frame's step runs in this body, the frame's one hop in this engine
+        (docs/ARCHITECTURE.md, "One frame's path")."""
         if self._image_size != tuple(image.shape[1:]):
             image = self.check_frame(image)
         timestamp = float(self.num_frames + len(self._buffer)) if timestamp is None else float(timestamp)
         finished, self._ready = self._ready, []  # completed by reset(): older than anything below
         try:
             if self.num_frames == 0 and len(self._buffer) < self.config.scale_frames:
-                if not cached:
-                    raise ValueError("only a streaming frame can be predicted without caching it; the scale frames "
-                                     "are the cache's anchor")
-                self._buffer.append((image, timestamp))
-                if len(self._buffer) < self.config.scale_frames:
-                    return finished
-                try:
-                    return finished + self._run_scale_frames()
-                except BaseException:
-                    if self._buffer:  # the step took none of the frames: this push's goes, the others stay
-                        self._buffer.pop()
-                    raise
-            return finished + self._run_streaming_frame(image, timestamp, cached)
+                return finished + self._take_scale_frame(image, timestamp, cached)
+            # A streaming frame: begin it (what reads no cache), settle the frame before it if its decision
+            # was pending, append this one, finish its step, and deliver what the runner no longer holds.
+            index = self.num_frames
+            self.runner.begin(image[None], index)
+            ready = self._deliver(keep=0, settle_only=True)  # a pending flow decision, made now
+            self._check_temporal_range(1)
+            keyframe = self.policy.decided_before(index, self.config.scale_frames) if cached else False
+            # A frame that may be rolled back keeps the oldest window frame until the decision, so it
+            # sees window_frames older frames (the reference's deferred eviction).
+            self.cache.append(defer_eviction=keyframe is not True)
+            try:
+                staged = self.runner.finish(self.time_counter)
+            except BaseException:
+                self._undo_pending()
+                raise
+            flight = _InFlight(index, timestamp, staged, keyframe)
+            self._in_flight.append(flight)
+            self.num_frames += 1
+            if keyframe is not None:
+                self._settle(flight, keyframe)
+            return finished + ready + self._deliver(keep=self.runner.lag)
         except BaseException:
             self._ready = finished + self._ready  # nothing computed is lost
+            raise
+
+    def _take_scale_frame(self, image: torch.Tensor, timestamp: float, cached: bool) -> list[FramePrediction]:
+        """Buffer a scale frame; the last one runs the scale step (its predictions). If the step fails, this
+        push's frame goes and the others stay buffered."""
+        if not cached:
+            raise ValueError("only a streaming frame can be predicted without caching it; the scale frames "
+                             "are the cache's anchor")
+        self._buffer.append((image, timestamp))
+        if len(self._buffer) < self.config.scale_frames:
+            return []
+        try:
+            return self._run_scale_frames()
+        except BaseException:
+            if self._buffer:  # the step took none of the frames
+                self._buffer.pop()
             raise
 
     def finish(self) -> list[FramePrediction]:
@@ -342,32 +376,9 @@ class StreamingEngine:
         self._commit(count)
         self.num_frames += count
         host = self.runner.staging.receive(staged)
-        predictions = [self._prediction(host, i, first_index + i, stamps[i], FRAME_SCALE) for i in range(count)]
+        predictions = [FramePrediction(first_index + i, stamps[i], FRAME_SCALE, **_host_row(host, i)) for i in range(count)]
         self._last_keyframe = _LastKeyframe(first_index + count - 1, host["c2w"][-1], host["intrinsics"][-1])
         return predictions
-
-    def _run_streaming_frame(self, image: torch.Tensor, timestamp: float, cached: bool) -> list[FramePrediction]:
-        """Begin the frame (what reads no cache), settle the frame before it if its decision was
-        pending, append this one, finish its step, and deliver what the runner no longer holds."""
-        index = self.num_frames
-        self.runner.begin(image[None], index)
-        ready = self._deliver(keep=0, settle_only=True)  # a pending flow decision, made now
-        self._check_temporal_range(1)
-        keyframe = self.policy.decided_before(index, self.config.scale_frames) if cached else False
-        # A frame that may be rolled back keeps the oldest window frame until the decision, so it
-        # sees window_frames older frames (the reference's deferred eviction).
-        self.cache.append(defer_eviction=keyframe is not True)
-        try:
-            staged = self.runner.finish(self.time_counter)
-        except BaseException:
-            self._undo_pending()
-            raise
-        flight = _InFlight(index, timestamp, staged, keyframe)
-        self._in_flight.append(flight)
-        self.num_frames += 1
-        if keyframe is not None:
-            self._settle(flight, keyframe)
-        return ready + self._deliver(keep=self.runner.lag)
 
     # -- decisions and delivery ------------------------------------------------------------
     def _deliver(self, keep: int, settle_only: bool = False) -> list[FramePrediction]:
@@ -389,10 +400,9 @@ class StreamingEngine:
                 self._settle(flight, flight.keyframe)
             if flight.keyframe:
                 self._last_keyframe = _LastKeyframe(flight.index, host["c2w"][0], host["intrinsics"][0])
-            prediction = self._prediction(host, 0, flight.index, flight.timestamp,
-                                          FRAME_KEY if flight.keyframe else FRAME_NON_KEY)
-            prediction.flow_magnitude = flow
-            delivered.append(prediction)
+            frame_type = FRAME_KEY if flight.keyframe else FRAME_NON_KEY
+            delivered.append(FramePrediction(flight.index, flight.timestamp, frame_type, flow_magnitude=flow,
+                                             **_host_row(host, 0)))
         return delivered
 
     def _flow(self, host: dict[str, np.ndarray]) -> float:
@@ -424,21 +434,6 @@ class StreamingEngine:
         """Drop the pending frames from both caches, data moves included."""
         self.cache.rollback()
         self.camera_cache.rollback()
-
-    def _prediction(self, host: dict[str, np.ndarray], row: int, index: int, timestamp: float,
-                    frame_type: int) -> FramePrediction:
-        return FramePrediction(
-            frame_index=index,
-            timestamp=timestamp,
-            frame_type=frame_type,
-            pose_enc=host["pose_enc"][row],
-            c2w=host["c2w"][row],
-            intrinsics=host["intrinsics"][row],
-            depth=host["depth"][row],
-            depth_conf=host["depth_conf"][row],
-            image=host["image"][row],
-            descriptor=host["descriptor"][row] if "descriptor" in host else None,
-        )
 
     # -- input and setup -------------------------------------------------------------------
     def check_frame(self, image) -> torch.Tensor:

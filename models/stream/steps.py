@@ -65,8 +65,13 @@ class EagerRunner:
     def finish(self, time_index: int) -> Staged:
         images, rgb, stream_index = self._frame
         self._frame = None
-        self._prepare(len(images))
-        outputs = self._eager_step(images, stream_index, time_index)
+        count = len(images)
+        self._prepare(count)
+        stream_positions = torch.arange(stream_index, stream_index + count, device=self.device)
+        time_positions = torch.arange(time_index, time_index + count, device=self.device)
+        with torch.inference_mode(), self._autocast():
+            outputs = self.model.step(images, self.cache.step(self.cache.pending_slots()), self.camera_cache,
+                                      stream_positions, time_positions, self.scale_frames, descriptors=self.descriptors)
         return self.staging.send(pack_outputs(outputs, *self.image_size), rgb, *self.image_size)
 
     def _prepare(self, num_new: int, camera_stream: torch.cuda.Stream | None = None) -> None:
@@ -77,14 +82,6 @@ class EagerRunner:
             camera_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(camera_stream):  # (no stream: the current one)
             self.camera_cache.begin(num_new)
-
-    def _eager_step(self, images: torch.Tensor, stream_index: int, time_index: int) -> dict[str, torch.Tensor]:
-        count = len(images)
-        stream = torch.arange(stream_index, stream_index + count, device=self.device)
-        time = torch.arange(time_index, time_index + count, device=self.device)
-        with torch.inference_mode(), self._autocast():
-            return self.model.step(images, self.cache.step(self.cache.pending_slots()), self.camera_cache, stream, time,
-                                   self.scale_frames, descriptors=self.descriptors)
 
     def _autocast(self):
         return step_precision(self.device.type, self.autocast_dtype)
