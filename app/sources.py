@@ -1,19 +1,19 @@
 """Streaming frame sources: a video file, an image folder, a webcam or a stream URL, one frame at a time.
 
 The shape is DPVO's stream loop, hardened: a reader thread decodes into a bounded queue and the
-consumer takes frames until an end marker. When asked for model inputs, the reader thread also makes
-them (resize, crop: PIL, which releases the GIL while it resizes), so a frame crosses one thread boundary
-on its way to the engine: reader -> consumer.
+consumer takes frames until an end marker. OpenCV and PIL release the GIL while decoding and resizing,
+so the reader overlaps decoding with inference, and, when asked for model inputs, a few preprocessing
+threads resize frames side by side (a 4K frame takes ~50 ms to resize: one thread would cap the stream
+at 20 FPS). The queue holds each frame's pending result in reading order, so frames come out in order.
 
-    reader thread:   grab ─▶ select (start, stride, fps, max) ─▶ decode ─▶ resize, crop (uint8) ─▶ queue (8)
+    reader thread:   grab ─▶ select (start, stride, fps, max) ─▶ decode ─┬─▶ queue (8) ─▶ consumer
+    preprocessing:                                  resize, crop (uint8) ◀┘  (waits for a frame's result)
     consumer:        for frame in source: ...   (raises the reader's error at the point it happened)
 
-One thread caps the source at 1 / (decode + resize) frames a second. On one core of a shared 2-core
-machine: 640x480 1.2 + 8.4 ms (~100 FPS), 1920x1080 6.5 + 26 ms (~30 FPS), 3840x2160 26 + 92 ms (~8 FPS),
-as much as with the resize on a thread of its own there (docs/performance-log.md). Where an engine is
-faster than that (a 4K source on a GPU), the source sets the stream's rate: a pool that resized several
-frames at once would put a third thread on every frame's path, and the crop rule's pixels (PIL's resize,
-exact) leave no cheaper resize.
+A 4K source needs the pool: on the GPU host one thread making the model inputs held the product path at
+12.6 FPS at 3840x2160 and 42.3 at 1920x1080, where the pool gives 45.8 and 53.6 (docs/performance-log.md,
+"a frame's path"): a frame's path crosses three threads, the third for the crop rule's pixels (PIL's resize,
+exact), which leave no cheaper resize.
 
 Host memory stays constant: at most `queue_size` frames exist at once, whatever the length. Model
 inputs stay uint8 ([3, H, W], a quarter of the float bytes): the engine converts them on the device.
@@ -37,6 +37,7 @@ from __future__ import annotations
 import http.client
 import logging
 import math
+import os
 import queue
 import re
 import socket
@@ -44,6 +45,8 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -56,12 +59,16 @@ from PIL import Image
 from stream_recon.app.input_size import input_size_problem
 from stream_recon.app.preprocess import ImageReadError, load_image, preprocess_frame_uint8, upright_rgb
 from stream_recon.app.source_settings import DEFAULT_OPEN_TIMEOUT_S, DEFAULT_RECONNECT_S, FrameSelection
+from stream_recon.models.daemon_pool import DaemonPool
 
 SourceKind = Literal["video", "folder", "webcam", "stream", "frames"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 STREAM_SCHEMES = ("rtsp", "rtsps", "rtmp", "http", "https", "udp", "tcp", "srt")
 DEFAULT_QUEUE_SIZE = 8
+# Threads that resize frames into model inputs. One keeps up with 640x480 at ~200 FPS; four keep a
+# 4K video above 40 FPS where the cores exist.
+PREPROCESS_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
 # A file decodes in milliseconds; a network stream may pause for its read timeout. Past these,
 # the reader is stuck and waiting longer would only turn an error into a hang.
 DEFAULT_FRAME_TIMEOUT_S = 30.0
@@ -103,6 +110,28 @@ class Frame:
     # queue would hold eight of them for nothing)
     rgb: np.ndarray | None
     image: torch.Tensor | None = None  # [3, H', W'] uint8 model input, when the source preprocesses
+
+
+@dataclass(frozen=True)
+class _Preprocessing:
+    """A frame in the queue whose model input is still being made on a preprocessing thread."""
+
+    index: int
+    source_index: int
+    timestamp: float
+    image: Future  # -> [3, H', W'] uint8 array
+
+    def result(self, timeout_s: float, description: str) -> Frame:
+        """The frame once its model input is made; SourceError where that raised or took over `timeout_s`
+        (the stream's frame timeout: a resize takes milliseconds), so that the run ends "failed" on it."""
+        what = f"preparing frame {self.index} of {description}"
+        try:
+            image = self.image.result(timeout=timeout_s)
+        except FutureTimeout:
+            raise SourceError(f"{what} took more than {timeout_s:g} s: the preprocessing stalled") from None
+        except Exception as error:
+            raise SourceError(f"{what} failed: {type(error).__name__}: {error}") from error
+        return Frame(self.index, self.source_index, self.timestamp, None, torch.from_numpy(image))
 
 
 class _Sampler:
@@ -184,6 +213,7 @@ class FrameSource:
         frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S,
         reconnect_s: float = 0.0,
         frame_size: tuple[int, int] | None = None,
+        preprocess_workers: int = PREPROCESS_WORKERS,
     ) -> None:
         self.kind = kind
         self.description = description  # for messages: "video clip.mp4", "webcam 0", ...
@@ -202,7 +232,10 @@ class FrameSource:
         self.reconnect_attempts = 0  # opens tried after drops, successful or not
         self.disconnected_s = 0.0  # total time between a drop and the next frame (or giving up)
         self._reader = reader
-        self._queue: queue.Queue[Frame | _EndOfStream] = queue.Queue(maxsize=queue_size)
+        self._queue: queue.Queue[Frame | _Preprocessing | _EndOfStream] = queue.Queue(maxsize=queue_size)
+        self._preprocessing: DaemonPool | None = None  # (daemons: a stalled resize holds no exit)
+        if image_width:
+            self._preprocessing = DaemonPool(preprocess_workers, f"preprocess:{name}")
         self._frame_timeout_s = frame_timeout_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -254,6 +287,8 @@ class FrameSource:
             self._thread.join(timeout=_JOIN_TIMEOUT_S)
         if self._thread is None:
             self._reader.release()
+        if self._preprocessing is not None:
+            self._preprocessing.shutdown()  # unbounded-ok: a DaemonPool's shutdown returns at once
 
     def _frames(self) -> Iterator[Frame]:
         while True:
@@ -281,7 +316,7 @@ class FrameSource:
                 if item.error is not None:
                     raise item.error
                 return
-            yield item
+            yield item.result(self._frame_timeout_s, self.description) if isinstance(item, _Preprocessing) else item
 
     def _read_all(self) -> None:
         """Reader thread: every exit path leaves exactly one end marker in the queue."""
@@ -316,12 +351,14 @@ class FrameSource:
             if not sampler.accept(source_index, timestamp):
                 continue
             rgb = self._reader.retrieve()
-            if self.image_width:  # made here: a resize that stalls is a reader that stalls (the frame timeout)
-                frame = Frame(delivered, source_index, timestamp, None,
-                              torch.from_numpy(preprocess_frame_uint8(rgb, self.image_width)))
+            if self._preprocessing is not None:
+                image = self._preprocessing.submit(preprocess_frame_uint8, rgb, self.image_width)
+                frame = _Preprocessing(delivered, source_index, timestamp, image)
             else:
                 frame = Frame(delivered, source_index, timestamp, rgb)
             if not self._put(frame):
+                if isinstance(frame, _Preprocessing):
+                    frame.image.cancel()
                 break
             delivered += 1
         return _EndOfStream("stopped")
@@ -365,7 +402,7 @@ class FrameSource:
             self._reader_progress_at = time.monotonic()
             self._reconnecting = False
 
-    def _put(self, item: Frame | _EndOfStream, *, is_end: bool = False) -> bool:
+    def _put(self, item: Frame | _Preprocessing | _EndOfStream, *, is_end: bool = False) -> bool:
         """Queue an item, waiting while the consumer is behind; False when asked to stop meanwhile."""
         while True:
             if self._stop.is_set():
@@ -382,7 +419,7 @@ class FrameSource:
 
     def _drop_oldest(self) -> None:
         # A live camera does not wait: keeping the newest frames bounds the latency instead.
-        if isinstance(self._take_oldest(), Frame):
+        if isinstance(self._take_oldest(), (Frame, _Preprocessing)):
             self.frames_dropped += 1
 
     def _drain(self) -> None:
@@ -390,11 +427,14 @@ class FrameSource:
             pass
 
     def _take_oldest(self) -> object:
-        """The oldest item, or _NOTHING when the queue is empty."""
+        """The oldest item, its preprocessing cancelled, or _NOTHING when the queue is empty."""
         try:
-            return self._queue.get_nowait()
+            item = self._queue.get_nowait()
         except queue.Empty:
             return _NOTHING
+        if isinstance(item, _Preprocessing):
+            item.image.cancel()
+        return item
 
 
 # ----------------------------------------------------------------------------------------------
@@ -468,6 +508,7 @@ def frames_source(
     image_width: int | None = None,
     frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S,
     queue_size: int = DEFAULT_QUEUE_SIZE,
+    preprocess_workers: int = PREPROCESS_WORKERS,
 ) -> FrameSource:
     """A source over any iterable of (rgb [H, W, 3] uint8, timestamp in seconds), e.g. a generator.
 
@@ -488,6 +529,7 @@ def frames_source(
         image_width=image_width,
         queue_size=queue_size,
         frame_timeout_s=frame_timeout_s,
+        preprocess_workers=preprocess_workers,
     )
 
 

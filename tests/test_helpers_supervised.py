@@ -725,7 +725,7 @@ def test_a_run_whose_viewer_fails_writes_every_file_and_completes(tmp_path, tiny
         "the live viewer is off for the rest of the run: RuntimeError: a scene node refused"]
 
 
-# -- the source's reader thread, which makes the model inputs too (app/sources.py) ---------------------------
+# -- the source's reader thread and its preprocessing pool (app/sources.py) ----------------------------------
 def camera(count: int, fault_at: int | None = None, fault_: Fault | None = None):
     """A generator source of `count` frames (rgb, timestamp) that strikes `fault_` before frame `fault_at`."""
     for index in range(count):
@@ -767,7 +767,7 @@ def test_a_reader_that_stalls_ends_the_iteration_at_the_frame_timeout(faults):
 
 
 @pytest.mark.parametrize("kind", ["raises", "stalls"])
-def test_a_preprocessing_that_fails_ends_the_iteration_with_one_source_error(faults, monkeypatch, kind):
+def test_a_preprocessing_worker_that_fails_ends_the_iteration_with_one_source_error(faults, monkeypatch, kind):
     from stream_recon.app import sources
 
     failing = fault(faults, ValueError("resize refused") if kind == "raises" else None)
@@ -784,15 +784,17 @@ def test_a_preprocessing_that_fails_ends_the_iteration_with_one_source_error(fau
     monkeypatch.setattr(sources, "preprocess_frame_uint8", preprocess_frame)
     frames = []
     started = time.monotonic()
-    with sources.frames_source(camera(6), name="cam", image_width=56, frame_timeout_s=0.3) as source:
+    with sources.frames_source(camera(6), name="cam", image_width=56, frame_timeout_s=0.3,
+                               preprocess_workers=1) as source:
         with pytest.raises(sources.SourceError) as raised:
             for frame in source:
                 frames.append(frame)
     assert len(frames) == 2 and time.monotonic() - started < 0.3 + 5.0
-    if kind == "raises":  # (on the reader's thread: the reader's error)
-        assert str(raised.value) == "reading frame sequence cam failed: ValueError: resize refused"
-    else:  # a resize that stalls is a reader that stalls
-        assert str(raised.value) == "no frame from frame sequence cam for 0.3 s: the source stalled"
+    if kind == "raises":
+        assert str(raised.value) == "preparing frame 2 of frame sequence cam failed: ValueError: resize refused"
+    else:
+        assert str(raised.value) == ("preparing frame 2 of frame sequence cam took more than 0.3 s: the "
+                                     "preprocessing stalled")
 
 
 def test_a_reader_whose_release_raises_still_ends_its_stream(monkeypatch, caplog):
@@ -840,4 +842,5 @@ def test_a_run_whose_preprocessing_raises_ends_failed_with_one_error_line(tmp_pa
     options = RunOptions(image_width=56, scale_frames=3, window=4, conf_threshold=1.0, viewer=False)
     summary = run_sequence(camera(8), tmp_path / "run", options, model=tiny_model)
     assert summary.status == "failed" and summary.frames == 5
-    assert summary.error == "reading frame sequence generator failed: ValueError: resize refused"
+    assert summary.error.startswith("preparing frame 5 of ") and summary.error.endswith(
+        "failed: ValueError: resize refused")
