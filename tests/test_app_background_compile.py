@@ -28,8 +28,6 @@ from stream_recon.models.builds.compilation import (
     records_folder,
 )
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 SIZE = (56, 70)  # (height, width) of the tiny model's frames here: 4 x 5 patches
 
 

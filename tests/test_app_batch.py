@@ -48,8 +48,8 @@ def load_missing_model():
     raise ValueError("checkpoint /nowhere/model.safetensors does not exist")
 
 
-# Ray workers run torch on one thread; the in-process runs do the same, so results compare exactly.
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# Ray workers run torch on one thread; the in-process runs do the same (conftest.py's one_torch_thread), so
+# results compare exactly.
 
 
 @pytest.fixture(scope="module")

@@ -394,7 +394,6 @@ def offline_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "checkpoints"
 
 
-@pytest.mark.usefixtures("one_torch_thread")
 def test_video_to_run_directory_through_the_cli(tmp_path: Path, tiny_checkpoint: Path) -> None:
     video = write_video(tmp_path / "clip.mp4", 6, fps=25)
     run_dir = tmp_path / "out"
@@ -411,7 +410,6 @@ def test_video_to_run_directory_through_the_cli(tmp_path: Path, tiny_checkpoint:
     assert len(list((run_dir / "predictions").glob("*.npz"))) == 6
 
 
-@pytest.mark.usefixtures("one_torch_thread")
 def test_a_gpu_memory_budget_is_planned_said_and_recorded(tmp_path: Path, tiny_checkpoint: Path) -> None:
     """--gpu-memory: the engine's plan before the first frame, printed, and in run.json."""
     video = write_video(tmp_path / "clip.mp4", 5, fps=25)
@@ -444,7 +442,6 @@ def test_an_fp8_cache_needs_a_backend_that_reads_it(tmp_path: Path, tiny_checkpo
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.usefixtures("one_torch_thread")
 def test_default_output_folder_is_named_after_the_source(
     tmp_path: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -457,7 +454,6 @@ def test_default_output_folder_is_named_after_the_source(
     assert json.loads((tmp_path / "outputs" / "kitchen" / "run.json").read_text())["status"] == "complete"
 
 
-@pytest.mark.usefixtures("one_torch_thread")
 def test_no_source_runs_the_bundled_sample_and_a_rerun_replaces_it(
     tmp_path: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -482,7 +478,6 @@ def test_the_sample_never_replaces_a_run_in_a_folder_the_user_named(tmp_path: Pa
     assert (run_dir / "run.json").read_text() == "{}"
 
 
-@pytest.mark.usefixtures("one_torch_thread")
 def test_truncated_video_exits_non_zero_after_saving_what_decoded(tmp_path: Path, tiny_checkpoint: Path) -> None:
     video = truncate_file(write_video(tmp_path / "cut.avi", 30, fourcc="MJPG"), 0.5)
     run_dir = tmp_path / "out"
@@ -495,7 +490,6 @@ def test_truncated_video_exits_non_zero_after_saving_what_decoded(tmp_path: Path
     assert json.loads((run_dir / "run.json").read_text())["status"] == "failed"
 
 
-@pytest.mark.usefixtures("one_torch_thread")
 def test_a_model_that_overflows_ends_the_run_as_failed_with_the_frame_named(tmp_path: Path) -> None:
     # NaN or infinity predictions must fail the run, not end it "complete" with exit 0. The weights here
     # pass the load checks (every value finite and below float16's maximum); the depth head's last bias
@@ -519,7 +513,6 @@ def test_a_model_that_overflows_ends_the_run_as_failed_with_the_frame_named(tmp_
     assert not list((tmp_path / "out" / "predictions").glob("*.npz"))
 
 
-@pytest.mark.usefixtures("one_torch_thread")
 def test_one_frame_is_one_frame(tmp_path: Path, tiny_checkpoint: Path) -> None:
     video = write_video(tmp_path / "clip.mp4", 1)
     result = invoke(str(video), "--checkpoint", str(tiny_checkpoint), "-o", str(tmp_path / "out"), *FAST_FLAGS)
@@ -593,7 +586,6 @@ def test_first_run_without_the_hub_says_where_to_put_the_checkpoint(tmp_path: Pa
     assert not (tmp_path / "out").exists()  # nothing is left to block the next attempt
 
 
-@pytest.mark.usefixtures("one_torch_thread")
 def test_first_run_online_downloads_the_default_checkpoint_once(
     tmp_path: Path, tiny_checkpoint: Path, offline_hub: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -482,7 +482,6 @@ def run_video(tmp_path, tiny_model, name, **outputs):
     return tmp_path / name, video
 
 
-@pytest.mark.usefixtures("one_torch_thread")
 def test_a_run_saved_without_images_gets_them_back_from_its_video(tmp_path, tiny_model):
     full, _ = run_video(tmp_path, tiny_model, "full", save_depth="float32")
     small, video = run_video(tmp_path, tiny_model, "small", save_images=False, save_predictions="keyframes")
@@ -515,7 +514,6 @@ def test_a_run_saved_without_images_gets_them_back_from_its_video(tmp_path, tiny
     assert (read_ply_points(grey.path)[1] == 200).all()
 
 
-@pytest.mark.usefixtures("one_torch_thread")
 def test_float16_run_reads_back_within_its_bound_everywhere(tmp_path, tiny_model):
     exact, _ = run_video(tmp_path, tiny_model, "exact", save_depth="float32")
     half, _ = run_video(tmp_path, tiny_model, "half")  # the default
@@ -593,7 +591,6 @@ def test_an_export_replaces_only_with_overwrite_and_never_mixes_into_a_folder(ru
     assert not (tmp_path / "model" / "images" / "stale.png").exists()  # replaced, not mixed
 
 
-@pytest.mark.usefixtures("one_torch_thread")
 def test_full_resolution_exports_carry_the_source_frames_with_scaled_intrinsics(tmp_path, tiny_model):
     # COLMAP and nerfstudio carried the model inputs (518x294 by default), too small for splatting
     run_dir, video = run_video(tmp_path, tiny_model, "run")  # 160x96 frames, 56x28 model inputs
@@ -637,7 +634,6 @@ def observations_of(images: dict) -> list:
     return [observation for image in images.values() for observation in image[4]]
 
 
-@pytest.mark.usefixtures("one_torch_thread")
 def test_a_tum_export_has_every_pose_of_the_run(tmp_path, tiny_model):
     # after --save-predictions keyframes, `export --format tum` wrote only the keyframes
     run_dir, _ = run_video(tmp_path, tiny_model, "keyframes", save_predictions="keyframes")

@@ -39,8 +39,6 @@ from stream_recon.models.daemon_pool import DaemonPool
 from stream_recon.models.stream.prediction import FRAME_KEY, FramePrediction
 from stream_recon.models.supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 HEIGHT, WIDTH = 28, 42  # the tiny model's frames: 2 x 3 patches
 
 

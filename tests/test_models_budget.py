@@ -26,8 +26,6 @@ from stream_recon.models import (
 from stream_recon.models.stream.memory import MIN_WINDOW
 
 SIZE = (42, 56)  # a 3 x 4 patch grid
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 def total(model, config: StreamConfig, **changes) -> int:
     return estimate_memory(model, dataclasses.replace(config, **changes), SIZE).total

@@ -40,8 +40,6 @@ from stream_recon.models.stream.similarity import (
 HEIGHT, WIDTH = 28, 42  # 2 x 3 patches
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 @pytest.fixture(scope="module")
 def model(prepared_tiny_model):

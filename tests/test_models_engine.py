@@ -21,8 +21,6 @@ from stream_recon.models import (
 )
 from stream_recon.models.stream.steps import EagerRunner
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 def run(model, config: StreamConfig, images) -> tuple[list, StreamingEngine]:
     engine = StreamingEngine(model, config)
