@@ -446,22 +446,6 @@ def test_the_same_checkpoint_by_another_path_is_not_other_settings(tmp_path, mon
     assert other.exit_code == 2 and f"checkpoint {checkpoint} -> models/tiny.pt" in " ".join(other.output.split())
 
 
-@pytest.mark.slow  # starts a Ray instance: tens of seconds on a busy machine
-def test_a_ray_batch_refused_for_want_of_gpus_leaves_nothing(tmp_path):
-    # `batch --ray auto` without a GPU: summary.json [] and summary.csv were left
-    pytest.importorskip("ray", reason="the ray extra is not installed")
-    from typer.testing import CliRunner
-
-    from stream_recon.app.cli import app
-
-    root, output = write_image_folder(tmp_path / "data" / "a", FRAMES).parent, tmp_path / "out"
-    result = CliRunner().invoke(app, ["batch", str(root), "-o", str(output), "--ray", "auto", "--device", "cpu",
-                                      "--checkpoint", str(tmp_path / "none.safetensors")])
-    assert result.exit_code == 2, result.output
-    assert "GPU(s) but each sequence asks for 1; add GPU nodes, or pass --gpus-per-task 0" in result.output
-    assert not output.exists()
-
-
 def with_loop_closure_outputs(run_sequence, corrected_sequence):
     """run_sequence, then, for `corrected_sequence`, the files a run that loop closure corrected leaves:
     the open chain (its trajectory with a drift that grows along it) and run.json's loop_closure summary.

@@ -964,7 +964,7 @@ def damaged_video(path: Path) -> Path:
     return path
 
 
-@pytest.mark.slow  # five CLI processes
+@pytest.mark.slow  # seven CLI processes
 def test_bad_inputs_are_one_line_without_the_libraries_own_log(tmp_path: Path, tiny_checkpoint: Path) -> None:
     # bad checkpoints, YAML errors, a webcam, a URL: up to ~25 lines, OpenCV's and FFmpeg's before `error:`
     folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png"], width=160, height=96)
@@ -980,11 +980,11 @@ def test_bad_inputs_are_one_line_without_the_libraries_own_log(tmp_path: Path, t
         "webcam": ["7", *out],
         "url": [f"rtsp://127.0.0.1:{free_port()}/cam", *out],
     }
-    for name, args in cases.items():
-        result = cli_process(*args)
+    results = {name: cli_process(*args) for name, args in cases.items()}
+    for name, result in results.items():
         assert result.returncode == EXIT_BAD_INPUT, (name, result.stderr)
         assert len(lines_of(result)) == 1 and lines_of(result)[0].startswith("error: "), (name, lines_of(result))
-    assert "line 2, column" in cli_process(*cases["yaml"]).stderr
+    assert "line 2, column" in results["yaml"].stderr
     verbose = cli_process(*cases["url"], "--verbose")
     assert "Connection refused" in verbose.stderr and "[tcp @" in verbose.stderr  # FFmpeg's own line, on request
 

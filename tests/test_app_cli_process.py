@@ -206,7 +206,8 @@ def test_an_export_that_fills_the_disk_is_one_line_that_says_so(tmp_path: Path, 
 
 @pytest.mark.slow  # starts a Ray instance: 10-20 s on a busy machine
 def test_a_ray_batch_refused_for_want_of_gpus_is_one_line_without_rays_own_log(tmp_path: Path) -> None:
-    # a Ray "WARNING ... Token authentication is enabled" line came before the error
+    # a Ray "WARNING ... Token authentication is enabled" line came before the error; and the refused batch
+    # left summary.json [] and summary.csv behind
     pytest.importorskip("ray", reason="the ray extra is not installed")
     write_image_folder(tmp_path / "data" / "a", ["0.png", "1.png"], width=160, height=96)
 
@@ -218,6 +219,7 @@ def test_a_ray_batch_refused_for_want_of_gpus_is_one_line_without_rays_own_log(t
     assert result.returncode == EXIT_BAD_INPUT
     assert lines_of(result) == ["error: the Ray cluster has 0 GPU(s) but each sequence asks for 1; add GPU nodes, "
                                 "or pass --gpus-per-task 0 to run on CPUs"]
+    assert not (tmp_path / "out").exists()
 
 
 # ------------------------------------------------------------------ checkpoints
