@@ -70,7 +70,8 @@ PROGRESS_INTERVAL_S = 10.0
 # A disk that takes no frame for this long is stalled: a frame is a few MB, which any working disk
 # (a network share included) takes in well under a second. The run then fails, keeping what was written.
 WRITER_STALL_S = 60.0
-_WORKER_POLL_S = 0.5  # the writer thread looks for the end of the run this often while it has nothing to do
+_WORKER_POLL_S = 5.0  # the writer thread's longest wait in one take; the run's end wakes it at once
+_WORKER_JOIN_S = 0.5  # the end waits this long for a thread that is mid-frame past the deadline
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,6 @@ class RunWriter:
                                           stall_s=WRITER_STALL_S, push_back_s=WRITER_STALL_S))
         self._handoff: HandOff | None = None
         self._worker: threading.Thread | None = None
-        self._stopping = threading.Event()
         if background:
             self._handoff = HandOff(self.helper, queue_size)
             self._worker = start_supervised_thread(self.helper, self._write_handed_frames, "run-writer")
@@ -214,7 +214,7 @@ class RunWriter:
     def _write_handed_frames(self) -> None:
         """The writer thread: every frame handed over, until the run's end; after a failure it goes on
         taking frames without writing them, so that the stream is never held back."""
-        while not self._stopping.is_set():
+        while not self._handoff.closed:
             taken, item = self._handoff.take(timeout=_WORKER_POLL_S)
             if not taken:
                 continue
@@ -256,8 +256,8 @@ class RunWriter:
         if self._worker is None:
             return None
         drained = self._handoff.drain(deadline)
-        self._stopping.set()
-        self._worker.join(timeout=max(deadline.remaining(), _WORKER_POLL_S))
+        self._handoff.close()  # wakes the thread's take: it ends with what is left, not at its next poll
+        self._worker.join(timeout=max(deadline.remaining(), _WORKER_JOIN_S))
         self._worker = None
         if not drained and self._worker_error is None:
             return OutputDirError(self._stalled_message())

@@ -16,9 +16,9 @@ error re-raised where the caller is, never a wait on a helper that may never ans
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -116,13 +116,16 @@ class HandOff:
     """A bounded hand-off from the run loop to one worker thread, by the helper's WhenFull policy.
 
     `offer` never waits past the policy's push_back_s; the worker takes with `take` and calls `done`
-    when an item is finished (its beat); `drain` waits for the backlog with a deadline.
+    when an item is finished (its beat); `drain` waits for the backlog with a deadline; `close` ends
+    the hand-off: nothing more is accepted, and a worker waiting in `take` wakes at once.
     """
 
     def __init__(self, helper: Helper, capacity: int) -> None:
         self.helper = helper
-        self._items: queue.Queue = queue.Queue(maxsize=capacity)
-        self._unfinished = 0
+        self.capacity = capacity
+        self._items: collections.deque = collections.deque()
+        self._unfinished = 0  # handed over and not yet done: waiting, or taken and in the worker's hands
+        self._closed = False
         self._changed = threading.Condition()
 
     @property
@@ -130,47 +133,84 @@ class HandOff:
         with self._changed:
             return self._unfinished
 
+    @property
+    def closed(self) -> bool:
+        """Closed, and nothing is left to take: the worker's loop ends."""
+        with self._changed:
+            return self._closed and not self._items
+
     def offer(self, item: Any) -> bool:
-        """Hand `item` over; False when it was dropped (counted) or the helper is down."""
+        """Hand `item` over; False when it was dropped (counted), the helper is down, or it is closed."""
         helper, when_full = self.helper, self.helper.policy.when_full
         if not helper.check(has_work=self.backlog > 0):
             return False
         with self._changed:
+            if self._closed:
+                return False
             if self._unfinished == 0:  # the stall clock runs from when it has work again, not from its last item
                 helper.beat()
-            self._unfinished += 1
-        try:
-            if when_full is WhenFull.PUSH_BACK:
-                self._items.put(item, timeout=helper.policy.push_back_s)
-            else:
-                if when_full is WhenFull.LATEST and self._items.full():
-                    self._discard_one()
-                self._items.put(item, block=False)
+            self._unfinished += 1  # (counted while it waits for room too)
+            try:
+                handed = len(self._items) < self.capacity or self._room_made(when_full)
+            except BaseException:  # (a KeyboardInterrupt while waiting for room): not handed over
+                handed = False
+                raise
+            finally:
+                if handed:
+                    self._items.append(item)
+                else:
+                    self._unfinished -= 1
+                self._changed.notify_all()
+            if handed:
+                return True
+            if self._closed:  # closed while it waited: the end of the run, not a stall
+                return False
+        helper.dropped += 1
+        if when_full is WhenFull.PUSH_BACK:
+            helper.fail(f"it took nothing for {helper.policy.push_back_s:g} s")
+            helper.check(has_work=True)
+        return False
+
+    def _room_made(self, when_full: WhenFull) -> bool:
+        """(Holding the lock, the hand-off full) make room by the policy; False when the item is dropped."""
+        if when_full is WhenFull.LATEST:
+            self._items.popleft()
+            self._unfinished -= 1
+            self.helper.dropped += 1
             return True
-        except queue.Full:
-            self._finished()
-            helper.dropped += 1
-            if when_full is WhenFull.PUSH_BACK:
-                helper.fail(f"it took nothing for {helper.policy.push_back_s:g} s")
-                helper.check(has_work=True)
-            return False
-        except BaseException:  # (a KeyboardInterrupt while waiting for room): the item was not handed over
-            self._finished()
-            raise
+        if when_full is WhenFull.PUSH_BACK:
+            deadline = Deadline(self.helper.policy.push_back_s)
+            while len(self._items) >= self.capacity and not self._closed and not deadline.expired:
+                self._changed.wait(timeout=deadline.remaining())
+            return len(self._items) < self.capacity and not self._closed
+        return False
 
     def take(self, timeout: float) -> tuple[bool, Any]:
-        """(True, item) for the worker, or (False, None) when none came within `timeout`."""
-        try:
-            item = self._items.get(timeout=timeout)
-        except queue.Empty:
-            return False, None
+        """(True, item) for the worker, or (False, None) when none came within `timeout` or the hand-off
+        is closed with nothing left (then at once; `closed` tells the two apart)."""
+        deadline = Deadline(timeout)
+        with self._changed:
+            while not self._items and not self._closed and not deadline.expired:
+                self._changed.wait(timeout=deadline.remaining())
+            if not self._items:
+                return False, None
+            item = self._items.popleft()
+            self._changed.notify_all()  # room for an offer that waits
         self.helper.beat()
         return True, item
 
     def done(self) -> None:
         """The worker finished an item it took."""
         self.helper.beat()
-        self._finished()
+        with self._changed:
+            self._unfinished -= 1
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """Accept nothing more; the worker takes what is left, then its `take` returns at once."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
 
     def drain(self, deadline: Deadline) -> bool:
         """Wait until every item handed over is finished, the helper is down (one that makes no progress
@@ -183,19 +223,6 @@ class HandOff:
                     break
                 self._changed.wait(timeout=min(deadline.remaining(), 0.1))
             return self._unfinished == 0
-
-    def _discard_one(self) -> None:
-        try:
-            self._items.get(block=False)
-        except queue.Empty:
-            return
-        self.helper.dropped += 1
-        self._finished()
-
-    def _finished(self) -> None:
-        with self._changed:
-            self._unfinished -= 1
-            self._changed.notify_all()
 
 
 def start_supervised_thread(helper: Helper, target: Callable[[], None], name: str) -> threading.Thread:

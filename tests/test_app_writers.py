@@ -665,3 +665,13 @@ def test_atomic_writes_follow_a_symlink_and_never_replace_a_fifo(tmp_path):
     assert link.is_symlink() and json.loads(target.read_text()) == {"status": "complete"}
     assert stat.S_ISFIFO(fifo.lstat().st_mode)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["elsewhere.json", "eval.json", "run.json"]  # no temp
+
+
+def test_the_run_writer_ends_its_thread_at_once_not_at_its_next_poll(tmp_path):
+    writer = RunWriter(tmp_path / "run", {})
+    writer.on_frame(plane_frame(0), {})
+    writer.flush()
+    thread = writer._worker
+    started = time.monotonic()
+    writer.close("complete")
+    assert not thread.is_alive() and time.monotonic() - started < writers._WORKER_POLL_S / 2

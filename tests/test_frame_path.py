@@ -44,6 +44,7 @@ from stream_recon.models.stream.prediction import FramePrediction
 REPO = Path(stream_recon.app.__file__).resolve().parents[1]
 OURS = tuple(f"{REPO / room}/" for room in ("app", "models", "cache"))
 THE_MODEL = tuple(f"{REPO / room}/" for room in ("models/network", "cache"))  # the step's inside
+HAND_OFF = f"{REPO}/models/supervision.py"  # HandOff: the bounded hand-off to a helper thread
 MOST_HOPS_TO_THE_WRITER = 12
 MOST_HOPS_IN_THE_WRITER = 6
 # the reader, the preprocessing pool (a 4K source's crop rule on one thread held the product path to 12.6
@@ -158,6 +159,9 @@ class FramePathWalk:
         if code.co_name == "put" and code.co_filename.endswith("queue.py"):
             if shows_frame(frame.f_locals.get("item"), self.index):
                 self._record("queued", frame.f_back)
+        elif code.co_name == "offer" and code.co_filename.endswith(HAND_OFF):
+            if shows_frame(frame.f_locals.get("item"), self.index):
+                self._record("queued", frame)
         elif code.co_name in ("savez", "savez_compressed") and "numpy" in code.co_filename:
             if frame.f_locals.get("kwds", {}).get("frame_index") == self.index:
                 self._record("written", frame.f_back)
@@ -171,6 +175,10 @@ class FramePathWalk:
         if code.co_name == "get" and code.co_filename.endswith("queue.py"):
             if shows_frame(value, self.index):
                 self._record("taken", frame.f_back)
+            return
+        if code.co_name == "take" and code.co_filename.endswith(HAND_OFF):
+            if value[0] and shows_frame(value[1], self.index):  # (taken, item)
+                self._record("taken", frame)
             return
         if not is_ours(code) or code.co_filename.startswith(THE_MODEL):
             return

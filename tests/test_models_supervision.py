@@ -213,3 +213,44 @@ def test_a_deadline_counts_down_to_zero_and_never_below(clock):
     assert deadline.remaining() == pytest.approx(0.5)
     clock.advance(1.0)
     assert deadline.remaining() == 0.0 and deadline.expired and deadline.seconds == 2.0
+
+
+def test_close_wakes_a_waiting_take_at_once_after_the_items_left():
+    handoff = HandOff(Helper(policy(WhenFull.DROP)), capacity=4)
+    handoff.offer("left over")
+    handoff.close()
+    assert handoff.offer("too late") is False and not handoff.closed  # one item is still to be taken
+    assert handoff.take(timeout=0) == (True, "left over") and handoff.closed
+    handoff.done()
+    taken = []
+    worker = threading.Thread(target=lambda: taken.append(handoff.take(timeout=60)), daemon=True)
+    started = time.monotonic()
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive() and taken == [(False, None)] and time.monotonic() - started < 5.0
+
+
+def test_close_wakes_a_take_that_is_already_waiting_and_an_offer_waiting_for_room():
+    handoff = HandOff(Helper(policy(WhenFull.PUSH_BACK, push_back_s=60.0)), capacity=1)
+    waiting_take = threading.Thread(target=handoff.take, args=(60.0,), daemon=True)
+    waiting_take.start()
+    wait_for(lambda: handoff._changed._waiters)  # the worker waits in take
+    handoff.close()
+    waiting_take.join(timeout=10)
+    assert not waiting_take.is_alive()
+    reopened = HandOff(Helper(policy(WhenFull.PUSH_BACK, push_back_s=60.0)), capacity=1)
+    reopened.offer("fills it")
+    offers = []
+    waiting_offer = threading.Thread(target=lambda: offers.append(reopened.offer("waits")), daemon=True)
+    waiting_offer.start()
+    wait_for(lambda: reopened.backlog == 2)  # the second offer waits for room
+    reopened.close()
+    waiting_offer.join(timeout=10)
+    assert not waiting_offer.is_alive() and offers == [False] and reopened.backlog == 1
+
+
+def wait_for(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
