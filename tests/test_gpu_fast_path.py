@@ -15,6 +15,8 @@ from conftest import build_tiny_model
 from golden_utils import GOLDEN, golden_frames
 from gpu_golden import BF16_TOLERANCE, SCENARIOS, as_golden, errors, long_stream_tiny_model, stream
 
+from stream_recon.models.supervision import Deadline
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -703,6 +705,48 @@ def test_a_warm_up_compiles_and_records_before_the_stream_and_streams_the_same(g
     assert max(errors(warmed, as_golden(without)).values()) <= 1e-2
     for key, limit in BF16_TOLERANCE.items():
         assert errors(warmed, golden)[key] <= limit
+
+
+@pytest.mark.parametrize("scenario", ["all_keyframes", "flow"])
+def test_a_stream_that_steps_eagerly_while_its_code_compiles_beside_it_then_compiled_streams_the_same(
+        gpu_model, scenario):
+    """A compiled model's engine warmed up and streaming as written (`steps_eagerly`) compiles nothing on its
+    thread while CompileWhileStreaming compiles on its own; switched after the fourth streaming frame, it
+    records its step again, compiles nothing more, and streams the golden outputs within the bf16 tolerance
+    and the frame types of a compiled stream warmed up the usual way."""
+    from torch._dynamo.utils import counters
+
+    from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
+    from stream_recon.models.stream.compile_while_streaming import CompileWhileStreaming
+
+    golden = np.load(GOLDEN / scenario / "outputs.npz")
+    frames = [frame.cuda() for frame in golden_frames()]
+    torch._dynamo.reset()
+    model = prepare_for_inference(gpu_model, "cuda", torch.bfloat16, compile=True)
+    config = StreamConfig(scale_frames=3, window=4, **SCENARIOS[scenario])
+    engine = StreamingEngine(model, config)
+    engine.steps_eagerly(True)
+    engine.warm_up(frames[0])
+    eager_graph = engine.runner.recorded
+    assert eager_graph is not None and counters["stats"]["unique_graphs"] == 0  # as written: nothing compiled
+    making = CompileWhileStreaming(model, engine.steps_config, frames[0])
+    switch_at = config.scale_frames + 4
+    predictions = [p for frame in frames[:switch_at] for p in engine.push(frame)]
+    making.end(Deadline(300.0))
+    assert making.ready and making.helper.is_up and counters["stats"]["unique_graphs"] >= 10
+    compiled = counters["stats"]["unique_graphs"]
+    engine.steps_eagerly(False)
+    predictions += [p for frame in frames[switch_at:] for p in engine.push(frame)] + engine.finish()
+    assert engine.runner.recorded is not None and engine.runner.recorded is not eager_graph
+    assert counters["stats"]["unique_graphs"] == compiled  # the run's thread compiled nothing of its own
+    usual = StreamingEngine(model, config)
+    usual.warm_up(frames[0])
+    reference = [p for frame in frames for p in usual.push(frame)] + usual.finish()
+    print(f"{scenario}: compiled beside in {making.seconds} s; vs golden {errors(predictions, golden)}; "
+          f"vs compiled {errors(predictions, as_golden(reference))}")
+    assert [p.frame_type for p in predictions] == [p.frame_type for p in reference] == list(golden["frame_type"])
+    for key, limit in BF16_TOLERANCE.items():
+        assert errors(predictions, golden)[key] <= limit
 
 
 def test_a_warm_up_starts_the_spare_recorded_and_rollovers_emit_the_same():
