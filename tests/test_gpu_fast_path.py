@@ -726,15 +726,16 @@ def test_a_stream_that_steps_eagerly_while_its_code_compiles_beside_it_then_comp
     config = StreamConfig(scale_frames=3, window=4, **SCENARIOS[scenario])
     engine = StreamingEngine(model, config)
     engine.steps_eagerly(True)
+    before = counters["stats"]["unique_graphs"]  # (the process's count since its start)
     engine.warm_up(frames[0])
     eager_graph = engine.runner.recorded
-    assert eager_graph is not None and counters["stats"]["unique_graphs"] == 0  # as written: nothing compiled
+    assert eager_graph is not None and counters["stats"]["unique_graphs"] == before  # as written: none compiled
     making = CompileWhileStreaming(model, engine.steps_config, frames[0])
     switch_at = config.scale_frames + 4
     predictions = [p for frame in frames[:switch_at] for p in engine.push(frame)]
     making.end(Deadline(300.0))
-    assert making.ready and making.helper.is_up and counters["stats"]["unique_graphs"] >= 10
     compiled = counters["stats"]["unique_graphs"]
+    assert making.ready and making.helper.is_up and compiled >= before + 10, (before, compiled)
     engine.steps_eagerly(False)
     predictions += [p for frame in frames[switch_at:] for p in engine.push(frame)] + engine.finish()
     assert engine.runner.recorded is not None and engine.runner.recorded is not eager_graph
