@@ -23,6 +23,7 @@ from dataclasses import replace
 
 import torch
 
+from ..builds import kernel_builds
 from ..supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
 from .engine import StreamingEngine
 from .stream_config import StreamConfig
@@ -44,13 +45,14 @@ class CompileWhileStreaming:
         self.seconds: float | None = None  # from the start to its end, once it succeeded
         self._started = time.perf_counter()
         config = replace(stream_config, cuda_graphs=False, gpu_memory=None)
-        self._thread = start_supervised_thread(self.helper, lambda: self._compile(model, config, image),
+        device = kernel_builds.device_with_index(model.inference_spec.device)  # (the caller's current GPU)
+        self._thread = start_supervised_thread(self.helper, lambda: self._compile(model, config, image, device),
                                                "compile-while-streaming")
 
-    def _compile(self, model: torch.nn.Module, config: StreamConfig, image: torch.Tensor) -> None:
-        spec = model.inference_spec
-        with self._own_stream(spec.device):
-            engine = StreamingEngine(model, config, device=spec.device, dtype=spec.dtype, window_slots=1)
+    def _compile(self, model: torch.nn.Module, config: StreamConfig, image: torch.Tensor,
+                 device: torch.device) -> None:
+        with self._own_stream(device):
+            engine = StreamingEngine(model, config, device=device, dtype=model.inference_spec.dtype, window_slots=1)
             engine.warm_up(image, dry_pass=False)
             del engine
         self.seconds = round(time.perf_counter() - self._started, 3)
