@@ -38,6 +38,9 @@ if TYPE_CHECKING:
     from stream_recon.models.stream.compile_while_streaming import CompileWhileStreaming
 
 
+# A stream known to be this short steps as written to its end rather than compile beside it: a compile from
+# warm caches takes 5-6 s beside the stream, which by then is past frame 110-150 at 518x392-518x518.
+WHILE_STREAMING_MIN_FRAMES = 200
 # The longest a run's end waits for compiled code still being made beside its stream (a short stream's):
 # 3.5-3.9 s from warm caches alone. A thread left compiling is a daemon and holds no exit.
 WHILE_STREAMING_END_S = 15.0
@@ -122,6 +125,7 @@ class RunBuilds:
                                          and compiled_here(key))
         self.while_streaming: CompileWhileStreaming | None = None
         self.compiled_from_frame: int | None = None  # the first frame stepped compiled, once it is
+        self.not_compiled: str | None = None  # why a run that steps as written compiles nothing beside
 
     def model(self, given: Any, console: Console) -> Any:
         """The run's model, prepared (compiled as `choice` says): `given` (a caller's model, prepared here
@@ -150,10 +154,15 @@ class RunBuilds:
         if self.compiles_while_streaming:
             engine.steps_eagerly(True)
         self._warm_up(engine, image, stream_length, ahead, clock, console)
-        if self.compiles_while_streaming:
-            from stream_recon.models.stream.compile_while_streaming import CompileWhileStreaming
+        if not self.compiles_while_streaming:
+            return
+        if stream_length is not None and stream_length <= WHILE_STREAMING_MIN_FRAMES:
+            self.not_compiled = (f"the stream is {stream_length} frames, not more than {WHILE_STREAMING_MIN_FRAMES}: "
+                                 "it steps as written")
+            return
+        from stream_recon.models.stream.compile_while_streaming import CompileWhileStreaming
 
-            self.while_streaming = CompileWhileStreaming(engine.model, engine.steps_config, image)
+        self.while_streaming = CompileWhileStreaming(engine.model, engine.steps_config, image)
 
     def after_frame(self, engine: Any, frames_read: int) -> None:
         """Between frames, while the compiled code is made beside the stream: once it is, the engine steps
@@ -206,9 +215,10 @@ class RunBuilds:
         if self.compiled_sizes is not None:
             parts["compile_beside"] = self.compiled_sizes.summary()
         making = self.while_streaming
-        if making is not None:
-            parts["compiled_while_streaming"] = {"from_frame": self.compiled_from_frame, "seconds": making.seconds,
-                                                 "off": making.helper.down_reason}
+        if making is not None or self.not_compiled is not None:
+            parts["compiled_while_streaming"] = {
+                "from_frame": self.compiled_from_frame, "seconds": None if making is None else making.seconds,
+                "off": self.not_compiled or making.helper.down_reason}
         return parts
 
     def finish(self, stopped_by_signal: bool) -> str | None:

@@ -154,3 +154,19 @@ def test_a_run_compiles_while_it_streams_where_a_size_compiled_here_is_compiled(
     options = RunOptions(device="cuda", compile=compiled, gpu_memory=budget)
     builds = RunBuilds(options, "cuda", torch.bfloat16, None, CONFIG, (392, 518))
     assert builds.compiles_while_streaming is expected
+
+
+def test_a_stream_known_to_be_short_steps_as_written_to_its_end_and_compiles_nothing(prepared_tiny_model):
+    options = RunOptions(device="cpu", scale_frames=3, window=4, warm_up="off")
+    builds = RunBuilds(options, "cpu", torch.float32, None, CONFIG, None)
+    builds.compiles_while_streaming = True
+    engine = ChunkedEngine(prepared_tiny_model, CONFIG, chunk_frames=8, overlap=2, lookahead=False)
+    short = builds_module.WHILE_STREAMING_MIN_FRAMES
+    builds.before_stream(engine, frame(0), short, RunClock(), console=None)
+    for index in range(1, 6):
+        engine.push(frame(index))
+        builds.after_frame(engine, index)
+    assert engine.eager_steps and builds.while_streaming is None
+    assert builds.summary()["compiled_while_streaming"] == {
+        "from_frame": None, "seconds": None,
+        "off": f"the stream is {short} frames, not more than {short}: it steps as written"}

@@ -110,6 +110,7 @@ class ChunkedEngine:
         self.model, self.device = self.engine.model, self.engine.device
         self.lookahead = lookahead
         self._eager_steps = False  # `steps_eagerly`
+        self._spare_image: torch.Tensor | None = None  # the frame its spare warmed up on
         # Where a spare may run, the current engine runs on a stream of its own from the warm-up on.
         self._main_stream = MainStream(self.device) if self.device.type == "cuda" and lookahead is not False else None
         self._rollover: Rollover | None = None  # the spare engine and the rollover's phases, once started
@@ -252,8 +253,12 @@ class ChunkedEngine:
         """The spare's steps as `steps_eagerly` chose, once its worker is idle (no job queued or running:
         only this thread queues them); until then it goes on as it was."""
         spare = None if self._rollover is None else self._rollover.spare
-        if spare is not None and spare.engine.eager_steps != self._eager_steps and spare.backlog == 0:
-            spare.engine.steps_eagerly(self._eager_steps)
+        if spare is None or spare.engine.eager_steps == self._eager_steps or spare.backlog:
+            return
+        spare.engine.steps_eagerly(self._eager_steps)
+        if spare.engine.at_stream_start and self._spare_image is not None:
+            # its graph recorded again now, on its worker beside the stream, not at the next rollover
+            spare.warm(self._spare_image)
 
     @property
     def slow_first_step(self) -> bool:
@@ -502,6 +507,7 @@ class ChunkedEngine:
         spare.engine.memory_plan = self.engine.memory_plan
         spare.engine.steps_eagerly(self._eager_steps)
         spare.warm(first_frame)
+        self._spare_image = first_frame
         self._rollover = Rollover(spare, self.alignment, self._provisional_room)
         self._replay = deque(self._replay, maxlen=self.overlap + 1 + self._provisional_room)
 

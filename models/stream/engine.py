@@ -265,8 +265,13 @@ class StreamingEngine:
         return {"kernel_builds_s": round(time.perf_counter() - started, 3), "kernel_builds": builds.builds,
                 "kernel_builds_wait_s": builds.wait_s}
 
+    @property
+    def at_stream_start(self) -> bool:
+        """No frame taken since the last reset, none in flight or waiting: it may warm up."""
+        return not (self.num_frames or self._buffer or self._in_flight or self._ready)
+
     def _check_before_stream(self, what: str) -> None:
-        if self.num_frames or self._buffer or self._in_flight or self._ready:
+        if not self.at_stream_start:
             raise ValueError(f"an engine {what} before its stream's first frame, not during a stream")
 
     def _lists_kernel_builds(self) -> bool:
