@@ -807,15 +807,17 @@ def test_a_chunked_stream_switched_to_compiled_steps_records_its_spare_again_bef
                 making = CompileWhileStreaming(model, engine.steps_config, frames[0])
                 making.end(Deadline(300.0))
                 assert making.ready
-                pushes = [engine.push(frames[1])]
+                pushes = [engine.push(frames[0])]
                 engine.steps_eagerly(False)
-                pushes += [engine.push(frames[2])]  # (the spare is idle: its warm-up is queued on its worker)
+                pushes += [engine.push(frames[1])]  # the engine records its step again...
+                assert engine.engine.runner.recorded not in (None, eager_graphs[0])
+                assert engine._rollover.spare.engine.eager_steps  # ...the spare only after it:
+                pushes += [engine.push(frames[2])]  # (idle, its warm-up is queued on its worker)
                 engine._rollover.spare.wait_until(time.perf_counter() + 60)
                 spare = engine._rollover.spare.engine
                 assert not spare.eager_steps and spare.runner.recorded is not None
                 assert spare.runner.recorded is not eager_graphs[1] and spare.at_stream_start
                 pushes += [engine.push(frame) for frame in frames[3:]] + [engine.finish()]
-                assert engine.engine.runner.recorded not in (None, eager_graphs[0])
             else:
                 pushes = [engine.push(frame) for frame in frames] + [engine.finish()]
             stats = engine.stats()
@@ -886,7 +888,7 @@ def test_a_new_size_streams_uncompiled_and_the_next_run_compiles_from_what_its_c
     assert second["inductor"].get("fxgraph_cache_miss", 0) == 0
     long = tmp_path / "long_frames"  # the golden frames over and over: a stream long enough to compile beside
     long.mkdir()
-    for index in range(320):
+    for index in range(1000):
         (long / f"{index:06d}.png").symlink_to(golden_frame_folder / f"{index % 14:06d}.png")
     third = _run_in_a_new_process(long, tmp_path / "third", golden_checkpoint, "auto", caches)
     print("a longer run:", third)

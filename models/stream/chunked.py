@@ -251,9 +251,12 @@ class ChunkedEngine:
 
     def _spare_steps_as_chosen(self) -> None:
         """The spare's steps as `steps_eagerly` chose, once its worker is idle (no job queued or running:
-        only this thread queues them); until then it goes on as it was."""
+        only this thread queues them) and the current engine has recorded its own step again (two graphs are
+        never captured at once); until then it goes on as it was."""
         spare = None if self._rollover is None else self._rollover.spare
         if spare is None or spare.engine.eager_steps == self._eager_steps or spare.backlog:
+            return
+        if self.engine.runner is not None and self.engine.runner.records_next:
             return
         spare.engine.steps_eagerly(self._eager_steps)
         if spare.engine.at_stream_start and self._spare_image is not None:

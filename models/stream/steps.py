@@ -59,6 +59,11 @@ class EagerRunner:
         """Streaming steps as written (True) or as the model was prepared, compiled or not (False)."""
         self.eager = eager
 
+    @property
+    def records_next(self) -> bool:
+        """Whether its next streaming step is recorded (a graph it replays is still to be captured)."""
+        return False
+
     def _as_chosen(self):
         """The context of a streaming step: as written where `eager`, else as the model was prepared."""
         return running_eagerly() if self.eager else contextlib.nullcontext()
@@ -114,6 +119,10 @@ class GraphRunner(EagerRunner):
     @property
     def records(self) -> bool:
         return self.recorded is not None
+
+    @property
+    def records_next(self) -> bool:
+        return self.recorded is None
 
     def steps_eagerly(self, eager: bool) -> None:
         """As EagerRunner's; a graph recorded the other way is dropped, and the next streaming frame
