@@ -807,17 +807,18 @@ def test_a_chunked_stream_switched_to_compiled_steps_records_its_spare_again_bef
                 making = CompileWhileStreaming(model, engine.steps_config, frames[0])
                 making.end(Deadline(300.0))
                 assert making.ready
-                pushes = [engine.push(frames[0])]
+                streaming = config.scale_frames + 1  # (the scale frames, then one streaming step as written)
+                pushes = [engine.push(frame) for frame in frames[:streaming]]
                 engine.steps_eagerly(False)
-                pushes += [engine.push(frames[1])]  # the engine records its step again...
+                pushes += [engine.push(frames[streaming])]  # the engine records its step again...
                 assert engine.engine.runner.recorded not in (None, eager_graphs[0])
                 assert engine._rollover.spare.engine.eager_steps  # ...the spare only after it:
-                pushes += [engine.push(frames[2])]  # (idle, its warm-up is queued on its worker)
+                pushes += [engine.push(frames[streaming + 1])]  # (idle, its warm-up is queued on its worker)
                 engine._rollover.spare.wait_until(time.perf_counter() + 60)
                 spare = engine._rollover.spare.engine
                 assert not spare.eager_steps and spare.runner.recorded is not None
                 assert spare.runner.recorded is not eager_graphs[1] and spare.at_stream_start
-                pushes += [engine.push(frame) for frame in frames[3:]] + [engine.finish()]
+                pushes += [engine.push(frame) for frame in frames[streaming + 2:]] + [engine.finish()]
             else:
                 pushes = [engine.push(frame) for frame in frames] + [engine.finish()]
             stats = engine.stats()
