@@ -830,8 +830,10 @@ def test_a_chunked_stream_switched_to_compiled_steps_records_its_spare_again_bef
         [(p.frame_index, p.chunk_index, p.frame_type) for p in finals[False]]
     between = errors(finals[True], as_golden(finals[False]))
     print("switched against compiled throughout:", between)
-    for key, limit in BF16_TOLERANCE.items():  # (eager and compiled bf16 steps differ as much as bf16 allows)
-        assert between[key] <= limit, f"{key}: {between[key]:.3f} sigma"
+    # Each of the two bf16 paths (eager, compiled) is within the tolerance of the float32 steps, so the two
+    # are within twice it of each other (on these noise frames, depth 0.29 sigma).
+    for key, limit in BF16_TOLERANCE.items():
+        assert between[key] <= 2 * limit, f"{key}: {between[key]:.3f} sigma"
 
 
 # A run as `stream-recon` makes it, in a process of its own (Dynamo's in-memory caches are per process):
