@@ -7,16 +7,21 @@ for the run's key (models/builds/compilation.py: `compiled_code_key`, `record`),
   uncompiled, the size compiled beside the run for the next one, app/background_compile.py);
 - what runs while the checkpoint loads: uncompiled, the warm-up's dry pass (models/stream/builds_ahead.py:
   our kernels built side by side on a zero model); either way, the range kernel's two early builds
-  (models/builds/kernel_builds.py). A compiled run compiles in its warm-up, after the load: its ~4 s of
-  Dynamo tracing and Inductor loads hold the interpreter, and run beside the load they slowed both (the
-  first prediction came later: docs/performance-log.md, "the compiled warm-up beside the checkpoint's load");
+  (models/builds/kernel_builds.py). A compiled run's ~4 s of Dynamo tracing and Inductor loads hold the
+  interpreter: beside the load they slowed both (docs/performance-log.md, "the compiled warm-up beside the
+  checkpoint's load"), before the stream they delayed the first prediction by as much;
+- when a compiled run compiles: where this machine compiled the size (no memory budget), beside its stream,
+  which steps as written until the code is made (models/stream/compile_while_streaming.py; the engine is
+  switched between frames, `after_frame`); a stream known to be at most WHILE_STREAMING_MIN_FRAMES steps as
+  written to its end; elsewhere in the warm-up;
 - the warm-up before the stream (`--warm-up auto`: where the engine's first streaming step would be slow);
 - after it: the record of a compiled size, or the child process that compiles an uncompiled one.
 
 Each part keeps the supervision contract (models/supervision.py): a pass ahead that fails or stalls past
-builds_ahead.AHEAD_WAIT_S leaves its work to the warm-up, with one warning line; a compile child that fails,
-stalls or is stopped leaves a record that makes the next run of its size compile first. run.json:
-settings.compile, summary.compile_beside, summary.timings.warm_up_parts_s.
+builds_ahead.AHEAD_WAIT_S leaves its work to the warm-up, with one warning line; a compile beside the stream
+that fails or stalls leaves the stream as written, with one warning line; a compile child that fails, stalls
+or is stopped leaves a record that makes the next run of its size compile first. run.json: settings.compile,
+summary.compile_beside, summary.compiled_while_streaming, summary.timings.warm_up_parts_s.
 """
 
 from __future__ import annotations
