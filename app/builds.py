@@ -7,16 +7,21 @@ for the run's key (models/builds/compilation.py: `compiled_code_key`, `record`),
   uncompiled, the size compiled beside the run for the next one, app/background_compile.py);
 - what runs while the checkpoint loads: uncompiled, the warm-up's dry pass (models/stream/builds_ahead.py:
   our kernels built side by side on a zero model); either way, the range kernel's two early builds
-  (models/builds/kernel_builds.py). A compiled run compiles in its warm-up, after the load: its ~4 s of
-  Dynamo tracing and Inductor loads hold the interpreter, and run beside the load they slowed both (the
-  first prediction came later: docs/performance-log.md, "the compiled warm-up beside the checkpoint's load");
+  (models/builds/kernel_builds.py). A compiled run's ~4 s of Dynamo tracing and Inductor loads hold the
+  interpreter: beside the load they slowed both (docs/performance-log.md, "the compiled warm-up beside the
+  checkpoint's load"), before the stream they delayed the first prediction by as much;
+- when a compiled run compiles: where this machine compiled the size (no memory budget), beside its stream,
+  which steps as written until the code is made (models/stream/compile_while_streaming.py; the engine is
+  switched between frames, `after_frame`); a stream known to be at most WHILE_STREAMING_MIN_FRAMES steps as
+  written to its end; elsewhere in the warm-up;
 - the warm-up before the stream (`--warm-up auto`: where the engine's first streaming step would be slow);
 - after it: the record of a compiled size, or the child process that compiles an uncompiled one.
 
 Each part keeps the supervision contract (models/supervision.py): a pass ahead that fails or stalls past
-builds_ahead.AHEAD_WAIT_S leaves its work to the warm-up, with one warning line; a compile child that fails,
-stalls or is stopped leaves a record that makes the next run of its size compile first. run.json:
-settings.compile, summary.compile_beside, summary.timings.warm_up_parts_s.
+builds_ahead.AHEAD_WAIT_S leaves its work to the warm-up, with one warning line; a compile beside the stream
+that fails or stalls leaves the stream as written, with one warning line; a compile child that fails, stalls
+or is stopped leaves a record that makes the next run of its size compile first. run.json: settings.compile,
+summary.compile_beside, summary.compiled_while_streaming, summary.timings.warm_up_parts_s.
 """
 
 from __future__ import annotations
@@ -31,9 +36,26 @@ from stream_recon.app.background_compile import CompiledSizes
 from stream_recon.app.clock import RunClock
 from stream_recon.app.loading import load_model_for, prepared_for_run
 from stream_recon.app.options import RunOptions
+from stream_recon.models.supervision import Deadline
 
 if TYPE_CHECKING:
     from stream_recon.models.stream.builds_ahead import BuildsAhead
+    from stream_recon.models.stream.compile_while_streaming import CompileWhileStreaming
+
+
+# A stream known to be this short steps as written to its end rather than compile beside it: a compile from
+# warm caches takes 5-6 s beside the stream, which by then is past frame 110-150 at 518x392-518x518.
+WHILE_STREAMING_MIN_FRAMES = 200
+# The longest a run's end waits for compiled code still being made beside its stream (a short stream's):
+# 3.5-3.9 s from warm caches alone. A thread left compiling is a daemon and holds no exit.
+WHILE_STREAMING_END_S = 15.0
+
+
+def compiled_here(key: str | None) -> bool:
+    """Whether this machine's compile caches hold the size of `key` (a record of its compile)."""
+    from stream_recon.models.builds.compilation import recorded
+
+    return key is not None and recorded(key, "compiled")
 
 
 @dataclass(frozen=True)
@@ -97,10 +119,18 @@ class RunBuilds:
                  input_size: tuple[int, int] | None) -> None:
         self.options, self.device, self.dtype = options, device, dtype
         self.model_config, self.engine_config, self.input_size = model_config, engine_config, input_size
-        self.choice = compile_choice(options.compile, device,
-                                     run_key(device, dtype, model_config, engine_config, input_size), options.warm_up)
+        key = run_key(device, dtype, model_config, engine_config, input_size)
+        self.choice = compile_choice(options.compile, device, key, options.warm_up)
         self.ahead: BuildsAhead | None = None
         self.compiled_sizes: CompiledSizes | None = None
+        # A size this machine compiled: the stream steps as written while its compiled code is made beside
+        # it, rather than waiting for that before the first frame (models/stream/compile_while_streaming.py).
+        # Not under a memory budget (the compiling engine's cache and activations are not in its plan).
+        self.compiles_while_streaming = (self.choice.compile and options.gpu_memory is None
+                                         and compiled_here(key))
+        self.while_streaming: CompileWhileStreaming | None = None
+        self.compiled_from_frame: int | None = None  # the first frame stepped compiled, once it is
+        self.not_compiled: str | None = None  # why a run that steps as written compiles nothing beside
 
     def model(self, given: Any, console: Console) -> Any:
         """The run's model, prepared (compiled as `choice` says): `given` (a caller's model, prepared here
@@ -126,11 +156,37 @@ class RunBuilds:
         warm-up where it is on (`--warm-up`; auto where the engine's first streaming step would be slow and
         the stream has one), then the compiled size recorded or its compile started beside the run."""
         ahead = self._wait_for_ahead(image)
+        if self.compiles_while_streaming:
+            engine.steps_eagerly(True)
+        self._warm_up(engine, image, stream_length, ahead, clock, console)
+        if not self.compiles_while_streaming:
+            return
+        if stream_length is not None and stream_length <= WHILE_STREAMING_MIN_FRAMES:
+            self.not_compiled = (f"the stream is {stream_length} frames, not more than {WHILE_STREAMING_MIN_FRAMES}: "
+                                 "it steps as written")
+            return
+        from stream_recon.models.stream.compile_while_streaming import CompileWhileStreaming
+
+        self.while_streaming = CompileWhileStreaming(engine.model, engine.steps_config, image)
+
+    def after_frame(self, engine: Any, frames_read: int) -> None:
+        """Between frames, while the compiled code is made beside the stream: once it is, the engine steps
+        compiled from the next frame on (one that failed leaves it stepping as written, with one warning)."""
+        making = self.while_streaming
+        if making is None or self.compiled_from_frame is not None or not making.helper.is_up:
+            return
+        if making.ready:
+            engine.steps_eagerly(False)
+            self.compiled_from_frame = frames_read
+
+    def _warm_up(self, engine: Any, image: Any, stream_length: int | None, ahead: dict[str, float] | None,
+                 clock: RunClock, console: Console) -> None:
         if not self._warms_up(engine, stream_length):
             return
         height, width = image.shape[-2:]
         spec = getattr(getattr(engine, "model", None), "inference_spec", None)
-        made = "compiled and recorded" if getattr(spec, "compiled", False) else "recorded"
+        compiled = getattr(spec, "compiled", False) and not self.compiles_while_streaming
+        made = "compiled and recorded" if compiled else "recorded"
         console.print(f"[dim]warming up for {width}x{height} frames: the streaming step is {made} before the "
                       "stream starts[/dim]", highlight=False)
         clock.time_warm_up(engine.warm_up, image, dry_pass=ahead is None)
@@ -156,14 +212,26 @@ class RunBuilds:
         # a stream of scale frames only has no streaming step to wait for
         return engine.slow_first_step and (stream_length is None or stream_length > self.options.scale_frames)
 
-    def summary(self) -> dict[str, Any] | None:
-        """run.json's summary.compile_beside (CUDA runs), or None."""
-        return None if self.compiled_sizes is None else self.compiled_sizes.summary()
+    def summary(self) -> dict[str, Any]:
+        """run.json's summary parts of the builds: compile_beside (CUDA runs), compiled_while_streaming (where
+        the compiled code was made beside the stream: from which frame the stream stepped compiled, the
+        seconds it took, or why it did not)."""
+        parts: dict[str, Any] = {}
+        if self.compiled_sizes is not None:
+            parts["compile_beside"] = self.compiled_sizes.summary()
+        making = self.while_streaming
+        if making is not None or self.not_compiled is not None:
+            parts["compiled_while_streaming"] = {
+                "from_frame": self.compiled_from_frame, "seconds": None if making is None else making.seconds,
+                "off": self.not_compiled or making.helper.down_reason}
+        return parts
 
     def finish(self, stopped_by_signal: bool) -> str | None:
         """At the run's end: the work ahead over (a stream that ended before its first frame never waited for
         it), the compile child left to finish or, after a signal, stopped. A line for the console, or None."""
         self.abandon()
+        if self.while_streaming is not None:
+            self.while_streaming.end(Deadline(0.0 if stopped_by_signal else WHILE_STREAMING_END_S))
         return None if self.compiled_sizes is None else self.compiled_sizes.finish(stop=stopped_by_signal)
 
     def abandon(self) -> None:

@@ -341,6 +341,8 @@ class Run:
                 with self.clock.in_engine():
                     preds = self.engine.push(image, timestamp=frame.timestamp)
                 self.clock.frames_read += 1
+                if self.builds is not None:
+                    self.builds.after_frame(self.engine, self.clock.frames_read)
                 progress.update(self._emit(preds))
         except _STREAM_ERRORS as failure:
             return str(failure)
@@ -430,8 +432,8 @@ class Run:
         summary = self._run_json_summary(error, stop_signal, digest_wait_s=1.0 if status == "interrupted" else 60.0)
         if loops is not None:
             summary["loop_closure"] = loops.summary()
-        if self.builds is not None and (compile_beside := self.builds.summary()) is not None:
-            summary["compile_beside"] = compile_beside
+        if self.builds is not None:
+            summary.update(self.builds.summary())
         # each helper's state (models/supervision.py): up, or why it went down; loop closure's is its own
         summary["helpers"] = {"writer": self.writer.helper.record()}
         if self.viewer is not None and hasattr(self.viewer, "record"):

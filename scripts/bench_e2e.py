@@ -515,6 +515,13 @@ def warm_up_stats(d: Deliveries, started: float) -> dict[str, Any]:
     }
 
 
+def compiled_steady_fps(d: Deliveries, while_streaming: dict | None, overlap: int) -> float | None:
+    """steady_fps from the first frame a run that compiled while it streamed stepped compiled (None for
+    other runs, and for one that never switched)."""
+    switched = (while_streaming or {}).get("from_frame")
+    return None if switched is None else interval_stats(d, switched + 1, overlap)["steady_fps"]
+
+
 def interval_stats(d: Deliveries, steady_from: int, overlap: int) -> dict[str, Any]:
     """Intervals between first emissions of consecutive new frames, from frame `steady_from` on."""
     times, frames, chunks, rollovers = d.times, d.frames, d.chunks, d.rollovers
@@ -673,12 +680,16 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
         "compiled": run_json["settings"].get("compile"),
         "inductor_graph_cache": inductor_graph_cache(),
         "compile_beside": run_json["summary"].get("compile_beside"),
+        "compiled_while_streaming": run_json["summary"].get("compiled_while_streaming"),
         "frames": summary.frames,
         "keyframes": summary.keyframes,
         "run_s": ended - started,
         "first_prediction_s": d.times[0] - started - client_wait_s if d.times else float("nan"),
         "first_prediction_at": d.times[0] - client_wait_s if d.times else float("nan"),
         **intervals,
+        # a run that compiled while it streamed: its steady FPS from the first frame stepped compiled on
+        "steady_fps_compiled": compiled_steady_fps(d, run_json["summary"].get("compiled_while_streaming"),
+                                                   options.overlap),
         # where the time of each interval over twice the median went
         "over_2x_median_causes": stall_causes(d, intervals.get("over_2x_median", []), timed.calls, collector.pauses),
         "collector": collector.summary(),

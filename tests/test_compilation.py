@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,56 @@ def test_running_eagerly_compiles_nothing(tmp_path):
     assert methods.counts() == {"loaded": 0, "compiled": 0}
     assert not list(tmp_path.rglob("*.pt"))
     torch.testing.assert_close(out, Half.inputs(block, x))
+
+
+@pytest.mark.parametrize("kind", ["kept artefacts", "compiled where called"])
+def test_a_thread_running_eagerly_leaves_another_one_compiling(tmp_path, kind):
+    """The stream steps as written on its thread while the compiled code is made on another
+    (models/stream/compile_while_streaming.py): the eager thread's calls are the function's own, and the
+    other thread's compile, made while the first is inside its eager block, serves it afterwards."""
+    from torch._dynamo.utils import counters
+
+    block = Half()
+
+    def marked(x):  # 1 more where compiled: which code ran shows in the result
+        return Half.inputs(block, x) + (1.0 if torch.compiler.is_compiling() else 0.0)
+
+    if kind == "kept artefacts":
+        compiled = CompiledMethods(tmp_path, torch.device("cpu")).compile(marked)
+    else:
+        compiled = compilation.compiled_where_called(marked)
+    x = torch.randn(1, 3, 16)
+    with torch.inference_mode():
+        written = Half.inputs(block, x)
+    results: dict[str, torch.Tensor] = {}
+    inside, done = threading.Event(), threading.Event()
+
+    def stream():
+        with torch.inference_mode(), running_eagerly():
+            results["stream before"] = compiled(x)
+            inside.set()
+            done.wait(timeout=300)
+            results["stream after"] = compiled(x)  # still in its eager block, the compiled code made
+
+    def compile_beside():
+        inside.wait(timeout=60)
+        with torch.inference_mode():
+            results["beside"] = compiled(x)
+        done.set()
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=compile_beside)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    torch.testing.assert_close(results["stream before"], written)
+    torch.testing.assert_close(results["stream after"], written)
+    torch.testing.assert_close(results["beside"], written + 1)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 1
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(x), written + 1)  # the compiled code, not compiled again
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_an_unreadable_artefact_is_compiled_again_and_replaced(tmp_path):

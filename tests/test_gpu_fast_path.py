@@ -15,6 +15,8 @@ from conftest import build_tiny_model
 from golden_utils import GOLDEN, golden_frames
 from gpu_golden import BF16_TOLERANCE, SCENARIOS, as_golden, errors, long_stream_tiny_model, stream
 
+from stream_recon.models.supervision import Deadline
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -705,6 +707,49 @@ def test_a_warm_up_compiles_and_records_before_the_stream_and_streams_the_same(g
         assert errors(warmed, golden)[key] <= limit
 
 
+@pytest.mark.parametrize("scenario", ["all_keyframes", "flow"])
+def test_a_stream_that_steps_eagerly_while_its_code_compiles_beside_it_then_compiled_streams_the_same(
+        gpu_model, scenario):
+    """A compiled model's engine warmed up and streaming as written (`steps_eagerly`) compiles nothing on its
+    thread while CompileWhileStreaming compiles on its own; switched after the fourth streaming frame, it
+    records its step again, compiles nothing more, and streams the golden outputs within the bf16 tolerance
+    and the frame types of a compiled stream warmed up the usual way."""
+    from torch._dynamo.utils import counters
+
+    from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
+    from stream_recon.models.stream.compile_while_streaming import CompileWhileStreaming
+
+    golden = np.load(GOLDEN / scenario / "outputs.npz")
+    frames = [frame.cuda() for frame in golden_frames()]
+    torch._dynamo.reset()
+    model = prepare_for_inference(gpu_model, "cuda", torch.bfloat16, compile=True)
+    config = StreamConfig(scale_frames=3, window=4, **SCENARIOS[scenario])
+    engine = StreamingEngine(model, config)
+    engine.steps_eagerly(True)
+    before = counters["stats"]["unique_graphs"]  # (the process's count since its start)
+    engine.warm_up(frames[0])
+    eager_graph = engine.runner.recorded
+    assert eager_graph is not None and counters["stats"]["unique_graphs"] == before  # as written: none compiled
+    making = CompileWhileStreaming(model, engine.steps_config, frames[0])
+    switch_at = config.scale_frames + 4
+    predictions = [p for frame in frames[:switch_at] for p in engine.push(frame)]
+    making.end(Deadline(300.0))
+    compiled = counters["stats"]["unique_graphs"]
+    assert making.ready and making.helper.is_up and compiled >= before + 10, (before, compiled)
+    engine.steps_eagerly(False)
+    predictions += [p for frame in frames[switch_at:] for p in engine.push(frame)] + engine.finish()
+    assert engine.runner.recorded is not None and engine.runner.recorded is not eager_graph
+    assert counters["stats"]["unique_graphs"] == compiled  # the run's thread compiled nothing of its own
+    usual = StreamingEngine(model, config)
+    usual.warm_up(frames[0])
+    reference = [p for frame in frames for p in usual.push(frame)] + usual.finish()
+    print(f"{scenario}: compiled beside in {making.seconds} s; vs golden {errors(predictions, golden)}; "
+          f"vs compiled {errors(predictions, as_golden(reference))}")
+    assert [p.frame_type for p in predictions] == [p.frame_type for p in reference] == list(golden["frame_type"])
+    for key, limit in BF16_TOLERANCE.items():
+        assert errors(predictions, golden)[key] <= limit
+
+
 def test_a_warm_up_starts_the_spare_recorded_and_rollovers_emit_the_same():
     """ChunkedEngine's warm-up on CUDA also starts the next chunk's spare engine and waits while it records
     its step, so the stream's first frames share the device with no warm-up; the final emissions are those
@@ -738,6 +783,59 @@ def test_a_warm_up_starts_the_spare_recorded_and_rollovers_emit_the_same():
     assert max(errors(finals[True], as_golden(finals[False])).values()) <= 1e-2
 
 
+def test_a_chunked_stream_switched_to_compiled_steps_records_its_spare_again_before_the_rollover():
+    """ChunkedEngine stepping as written, its spare warmed so: switched once the compiled code is made, its
+    engine and its idle spare record their steps again (the spare on its worker, before the rollover), and the
+    final emissions are those of a compiled stream warmed up the usual way."""
+    from stream_recon.models import StreamConfig, prepare_for_inference
+    from stream_recon.models.stream.chunked import ChunkedEngine
+    from stream_recon.models.stream.compile_while_streaming import CompileWhileStreaming
+
+    torch._dynamo.reset()
+    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16, compile=True)
+    generator = torch.Generator().manual_seed(0)
+    frames = [(255 * torch.rand(3, 126, 224, generator=generator)).to(torch.uint8) for _ in range(60)]
+    config = StreamConfig(scale_frames=2, window=4, keyframes="flow", flow_threshold=1e9, max_gap=2)
+    finals = {}
+    for switched in (True, False):
+        engine = ChunkedEngine(model, config, chunk_frames=14, overlap=5)
+        try:
+            engine.steps_eagerly(switched)
+            engine.warm_up(frames[0])
+            if switched:
+                eager_graphs = (engine.engine.runner.recorded, engine._rollover.spare.engine.runner.recorded)
+                making = CompileWhileStreaming(model, engine.steps_config, frames[0])
+                making.end(Deadline(300.0))
+                assert making.ready
+                streaming = config.scale_frames + 1  # (the scale frames, then one streaming step as written)
+                pushes = [engine.push(frame) for frame in frames[:streaming]]
+                engine.steps_eagerly(False)
+                pushes += [engine.push(frames[streaming])]  # the engine records its step again...
+                assert engine.engine.runner.recorded not in (None, eager_graphs[0])
+                assert engine._rollover.spare.engine.eager_steps  # ...the spare only after it:
+                pushes += [engine.push(frames[streaming + 1])]  # (idle, its warm-up is queued on its worker)
+                engine._rollover.spare.wait_until(time.perf_counter() + 60)
+                spare = engine._rollover.spare.engine
+                assert not spare.eager_steps and spare.runner.recorded is not None
+                assert spare.runner.recorded is not eager_graphs[1] and spare.at_stream_start
+                pushes += [engine.push(frame) for frame in frames[streaming + 2:]] + [engine.finish()]
+            else:
+                pushes = [engine.push(frame) for frame in frames] + [engine.finish()]
+            stats = engine.stats()
+            assert stats["lookahead"] and stats["rollovers"] == stats["rollovers_ahead"] >= 2
+        finally:
+            engine.close()
+        finals[switched] = [p for push in pushes for p in push if not p.provisional]
+    assert [(p.frame_index, p.chunk_index, p.frame_type) for p in finals[True]] == \
+        [(p.frame_index, p.chunk_index, p.frame_type) for p in finals[False]]
+    between = errors(finals[True], as_golden(finals[False]))
+    print("switched against compiled throughout:", between)
+    # Each of the two bf16 paths (eager, compiled) is within the tolerance of the float32 steps, so the two
+    # are within twice it of each other (on these noise frames, depth 0.29 sigma).
+    for key, limit in BF16_TOLERANCE.items():
+        assert between[key] <= 2 * limit, f"{key}: {between[key]:.3f} sigma"
+
+
 # A run as `stream-recon` makes it, in a process of its own (Dynamo's in-memory caches are per process):
 # prints run.json's compile setting and compile_beside summary, and Inductor's graph-cache counters.
 _RUN_IN_A_NEW_PROCESS = """
@@ -752,7 +850,8 @@ options = RunOptions(checkpoint=checkpoint, device="cuda", scale_frames=3, windo
 summary = run_sequence(frames, output, options)
 run = json.loads((Path(output) / "run.json").read_text())
 print(json.dumps({"status": summary.status, "compile": run["settings"]["compile"],
-                  "beside": run["summary"].get("compile_beside"), "inductor": dict(counters["inductor"])}))
+                  "beside": run["summary"].get("compile_beside"), "inductor": dict(counters["inductor"]),
+                  "while_streaming": run["summary"].get("compiled_while_streaming")}))
 """
 
 
@@ -787,8 +886,18 @@ def test_a_new_size_streams_uncompiled_and_the_next_run_compiles_from_what_its_c
     second = _run_in_a_new_process(golden_frame_folder, tmp_path / "second", golden_checkpoint, "auto", caches)
     print("second run:", second, "child:", record.read_text())
     assert second["status"] == "complete" and second["compile"] is True
-    assert second["inductor"].get("fxgraph_cache_miss", 0) == 0 and second["inductor"]["fxgraph_cache_hit"] >= 10
-    assert second["beside"]["status"] == "compiled by the run"
+    # 14 frames: too short to compile beside, it steps as written to its end and compiles nothing
+    assert second["while_streaming"]["from_frame"] is None and "14 frames" in second["while_streaming"]["off"]
+    assert second["inductor"].get("fxgraph_cache_miss", 0) == 0
+    long = tmp_path / "long_frames"  # the golden frames over and over: a stream long enough to compile beside
+    long.mkdir()
+    for index in range(1000):
+        (long / f"{index:06d}.png").symlink_to(golden_frame_folder / f"{index % 14:06d}.png")
+    third = _run_in_a_new_process(long, tmp_path / "third", golden_checkpoint, "auto", caches)
+    print("a longer run:", third)
+    assert third["status"] == "complete" and third["compile"] is True and third["beside"]["status"] == "compiled by the run"
+    assert third["while_streaming"]["off"] is None and third["while_streaming"]["from_frame"] is not None
+    assert third["inductor"].get("fxgraph_cache_miss", 0) == 0 and third["inductor"]["fxgraph_cache_hit"] >= 10
     cold = _run_in_a_new_process(golden_frame_folder, tmp_path / "cold", golden_checkpoint, "on", tmp_path / "empty")
     print("compiled on empty caches:", cold)
     assert cold["compile"] is True and cold["inductor"]["fxgraph_cache_miss"] >= 10

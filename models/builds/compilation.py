@@ -59,18 +59,37 @@ def artefacts_dir() -> Path | None:
 
 @contextlib.contextmanager
 def running_eagerly() -> Iterator[None]:
-    """Calls in this block (this thread) run as written: compiled methods and torch.compile alike.
-
-    A process that has not imported Dynamo has compiled nothing, so there is no stance to set: setting
-    it would import Dynamo, 1.0-1.5 s on a fresh machine's uncompiled run."""
+    """Calls in this block, on this thread only, run as written: every compiled callable this package
+    makes (`CompiledFunction`, `compiled_where_called`) asks. Another thread compiles meanwhile, which is
+    how a run streams eagerly while its compiled code is made beside it (models/stream/compile_beside.py);
+    Dynamo's own stance is process-wide, so it is not set."""
     previous = getattr(_eager, "on", False)
     _eager.on = True
     try:
-        stance = torch.compiler.set_stance("force_eager") if "torch._dynamo" in sys.modules else None
-        with stance or contextlib.nullcontext():
-            yield
+        yield
     finally:
         _eager.on = previous
+
+
+class _CompiledWhereCalled:
+    """torch.compile of `function`, except on a thread that runs eagerly (`running_eagerly`)."""
+
+    __slots__ = ("compiled", "function")
+
+    def __init__(self, function: Callable) -> None:
+        self.function = function
+        self.compiled = torch.compile(function, dynamic=False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_eager, "on", False):
+            return self.function(*args, **kwargs)
+        return self.compiled(*args, **kwargs)
+
+
+def compiled_where_called(function: Callable) -> Callable:
+    """torch.compile(function, dynamic=False), compiled at its first call on a thread that is not
+    running eagerly; on one that is, `function` as written."""
+    return _CompiledWhereCalled(function)
 
 
 @functools.cache
@@ -166,7 +185,7 @@ class CompiledFunction:
         if entry is None:
             entry = self._compile(args)
             if entry is None:
-                self._usual = torch.compile(self.function, dynamic=False)
+                self._usual = compiled_where_called(self.function)
                 return None
             self.compiled += 1
             if path is not None:

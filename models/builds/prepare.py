@@ -35,7 +35,7 @@ from stream_recon.cache.packages import importable
 from ..network.config import ModelConfig
 from ..network.fused_gelu import fuse_mlp_gelu
 from ..network.gct import GCTStream
-from .compilation import CompiledMethods
+from .compilation import CompiledMethods, compiled_where_called
 
 
 @dataclass(frozen=True)
@@ -249,4 +249,4 @@ def _compile_methods(module: torch.nn.Module, names: tuple[str, ...], methods: C
         methods.install(module, names)
         return
     for name in names:
-        setattr(module, name, torch.compile(getattr(module, name), dynamic=False))
+        setattr(module, name, compiled_where_called(getattr(module, name)))

@@ -19,6 +19,7 @@ import torch
 from stream_recon.cache import CacheLayout, KVCache, TokenCache, backends
 
 from ..builds import kernel_builds
+from ..builds.compilation import compiled_where_called
 from ..builds.prepare import require_prepared
 from ..errors import FrameError, MemoryBudgetError
 from ..network.gct import GCTStream
@@ -95,6 +96,7 @@ class StreamingEngine:
         self.cache: KVCache | None = None
         self.camera_cache: TokenCache | None = None
         self.runner: EagerRunner | None = None
+        self._eager_steps = False  # `steps_eagerly`
         self._buffer: list[tuple[torch.Tensor, float]] = []
         self._in_flight: list[_InFlight] = []
         self._ready: list[FramePrediction] = []  # finished by reset(), returned next
@@ -113,6 +115,24 @@ class StreamingEngine:
         if self.cache is not None:
             self.cache.reset()
             self.camera_cache.reset()
+
+    @property
+    def steps_config(self) -> StreamConfig:
+        """The settings its steps run under (ChunkedEngine's name for its current engine's)."""
+        return self.config
+
+    @property
+    def eager_steps(self) -> bool:
+        """Whether its streaming steps run as written although its model is compiled (`steps_eagerly`)."""
+        return self._eager_steps
+
+    def steps_eagerly(self, eager: bool) -> None:
+        """Streaming steps as written (True) or as the model was prepared (False, the default), from the
+        next frame on: a compiled model's stream runs eagerly while its compiled code is made beside it
+        (models/stream/compile_while_streaming.py). A graph recorded the other way is recorded again."""
+        self._eager_steps = eager
+        if self.runner is not None:
+            self.runner.steps_eagerly(eager)
 
     def push(self, image: torch.Tensor | np.ndarray, timestamp: float | None = None, *,
              cached: bool = True) -> list[FramePrediction]:
@@ -245,8 +265,13 @@ class StreamingEngine:
         return {"kernel_builds_s": round(time.perf_counter() - started, 3), "kernel_builds": builds.builds,
                 "kernel_builds_wait_s": builds.wait_s}
 
+    @property
+    def at_stream_start(self) -> bool:
+        """No frame taken since the last reset, none in flight or waiting: it may warm up."""
+        return not (self.num_frames or self._buffer or self._in_flight or self._ready)
+
     def _check_before_stream(self, what: str) -> None:
-        if self.num_frames or self._buffer or self._in_flight or self._ready:
+        if not self.at_stream_start:
             raise ValueError(f"an engine {what} before its stream's first frame, not during a stream")
 
     def _lists_kernel_builds(self) -> bool:
@@ -344,7 +369,9 @@ class StreamingEngine:
         """How the caches compile their helpers: with the model's kept artefacts where it has them,
         else as the model was prepared (torch.compile where called, or not at all)."""
         methods = getattr(self.model, "compiled_methods", None)
-        return methods.compile if methods is not None else self.model.inference_spec.compiled
+        if methods is not None:
+            return methods.compile
+        return compiled_where_called if self.model.inference_spec.compiled else False
 
     def _compiled_code(self) -> dict[str, float] | None:
         """Compiled calls loaded from kept artefacts and compiled by this process (models/builds/compilation.py);
@@ -518,5 +545,6 @@ class StreamingEngine:
         self.runner = choose_runner(self.model, self.cache, self.camera_cache, (height, width),
                                     self.config.scale_frames, cuda_graphs=self.config.cuda_graphs,
                                     pipeline=self.config.pipeline, descriptors=self.config.descriptors)
+        self.runner.steps_eagerly(self._eager_steps)
         if self.on_backend_ready is not None:
             self.on_backend_ready(self.cache.backend_name)

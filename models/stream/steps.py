@@ -14,6 +14,7 @@ for the stream, once (`choose_runner`).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -45,11 +46,27 @@ class EagerRunner:
         self.staging = HostStaging(self.device)
         self.upload = FrameUpload(self.device)
         self._frame: tuple[torch.Tensor, torch.Tensor, int] | None = None  # images, rgb, stream index
+        # Streaming steps as written although the model is compiled: while its compiled code is made
+        # beside the stream (models/stream/compile_while_streaming.py). Scale steps always are.
+        self.eager = False
 
     @property
     def records(self) -> bool:
         """Whether streaming steps replay a recorded CUDA graph."""
         return False
+
+    def steps_eagerly(self, eager: bool) -> None:
+        """Streaming steps as written (True) or as the model was prepared, compiled or not (False)."""
+        self.eager = eager
+
+    @property
+    def records_next(self) -> bool:
+        """Whether its next streaming step is recorded (a graph it replays is still to be captured)."""
+        return False
+
+    def _as_chosen(self):
+        """The context of a streaming step: as written where `eager`, else as the model was prepared."""
+        return running_eagerly() if self.eager else contextlib.nullcontext()
 
     def run_scale_frames(self, images: torch.Tensor, time_index: int) -> Staged:
         """The scale frames [S, 3, H, W] together (stream indices from 0), eagerly and uncompiled: they
@@ -69,7 +86,7 @@ class EagerRunner:
         self._prepare(count)
         stream_positions = torch.arange(stream_index, stream_index + count, device=self.device)
         time_positions = torch.arange(time_index, time_index + count, device=self.device)
-        with torch.inference_mode(), self._autocast():
+        with torch.inference_mode(), self._autocast(), self._as_chosen():
             outputs = self.model.step(images, self.cache.step(self.cache.pending_slots()), self.camera_cache,
                                       stream_positions, time_positions, self.scale_frames, descriptors=self.descriptors)
         return self.staging.send(pack_outputs(outputs, *self.image_size), rgb, *self.image_size)
@@ -94,6 +111,7 @@ class GraphRunner(EagerRunner):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.recorded: RecordedStep | None = None
+        self._retired: RecordedStep | None = None  # a graph recorded the other way (`steps_eagerly`)
         # Host seconds of the first streaming frame: its eager step (compiled code loaded or compiled,
         # kernels' first launches) and the recording of its graph; what a stream waits for there.
         self.warm_up_seconds: dict[str, float] = {}
@@ -101,6 +119,18 @@ class GraphRunner(EagerRunner):
     @property
     def records(self) -> bool:
         return self.recorded is not None
+
+    @property
+    def records_next(self) -> bool:
+        return self.recorded is None
+
+    def steps_eagerly(self, eager: bool) -> None:
+        """As EagerRunner's; a graph recorded the other way is dropped, and the next streaming frame
+        runs as now chosen and is recorded."""
+        if eager != self.eager and self.recorded is not None:
+            # kept until the next one is recorded: a frame in flight may still read its static outputs
+            self._retired, self.recorded = self.recorded, None
+        super().steps_eagerly(eager)
 
     def begin(self, images: torch.Tensor, stream_index: int) -> None:
         super().begin(images, stream_index)
@@ -144,12 +174,16 @@ class GraphRunner(EagerRunner):
         recorded.load_frame(images, stream_index)
         recorded.load_position(time_index, self.cache.token_ranges())
         try:
-            recorded.record()
+            with self._as_chosen():
+                recorded.record()
         except RuntimeError as error:
             # A failed capture can leave CUDA state (RNG offsets, allocator pools) unusable for this
             # process, so it is not papered over.
             raise RuntimeError(f"CUDA graph capture failed: {error}; stream with StreamConfig(cuda_graphs=False)") from error
         self.recorded = recorded
+        if self._retired is not None:
+            torch.cuda.current_stream(self.device).synchronize()  # (once: nothing reads its outputs now)
+            self._retired = None
 
 
 class PipelinedRunner(GraphRunner):

@@ -287,6 +287,7 @@ start_warm() {
   python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 keys = ("first_prediction_s", "run_model_load_s", "prediction_100_s", "run_warm_up_s", "steady_fps", "run_json_fps",
+        "compiled_while_streaming", "steady_fps_compiled",
         "longest_interval_after_first_prediction_ms", "first_prediction_from_process_start_s")
 for path in sorted(pathlib.Path(sys.argv[1]).glob("e2e_*_*_*.json")):
     row = json.loads(path.read_text())
