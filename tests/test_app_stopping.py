@@ -99,3 +99,50 @@ def test_a_signal_held_by_nested_blocks_is_raised_when_the_outermost_ends() -> N
             a_frame_that_takes(2 * stopping.REDELIVERY_INTERVAL_S)
             steps.append("outer ended")
     assert steps == ["inner ended", "outer ended"] and prompt.signum == signal.SIGTERM
+
+
+def test_waiting_for_a_stop_signal_off_the_main_thread_fails_at_once_instead_of_waiting_forever():
+    import threading
+
+    raised: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            stopping.wait_for_stop_signal()
+        except RuntimeError as error:
+            raised.append(error)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and [str(e) for e in raised] == [
+        "waiting for Ctrl-C or SIGTERM needs the main thread: signals reach it only"]
+
+
+def test_a_run_that_keeps_its_viewer_is_refused_off_the_main_thread_before_anything_is_written(tmp_path):
+    """Ray workers and embedding applications call run_sequence on threads: --keep-viewer would serve forever."""
+    import threading
+
+    import cv2
+    import numpy as np
+
+    from stream_recon.app.options import OptionsError, RunOptions
+    from stream_recon.app.pipeline import run_sequence
+
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    cv2.imwrite(str(folder / "000000.png"), np.zeros((28, 42, 3), np.uint8))
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            run_sequence(str(folder), tmp_path / "run", RunOptions(viewer=True, keep_viewer=True, port=18743))
+        except Exception as error:  # noqa: BLE001 - which one is the test's
+            raised.append(error)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(timeout=60)
+    assert not runner.is_alive() and len(raised) == 1 and isinstance(raised[0], OptionsError)
+    assert str(raised[0]).startswith("--keep-viewer serves until Ctrl-C or SIGTERM")
+    assert not (tmp_path / "run").exists()
