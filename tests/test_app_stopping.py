@@ -146,3 +146,33 @@ def test_a_run_that_keeps_its_viewer_is_refused_off_the_main_thread_before_anyth
     assert not runner.is_alive() and len(raised) == 1 and isinstance(raised[0], OptionsError)
     assert str(raised[0]).startswith("--keep-viewer serves until Ctrl-C or SIGTERM")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_signal_that_torch_turns_into_a_read_error_during_the_load_stops_the_run_instead(tmp_path, monkeypatch):
+    """Under load a Ctrl-C landed inside torch's reading of the checkpoint, which turned its KeyboardInterrupt
+    into a ValueError: the run ended "truncated or corrupt" with exit 2 for a file that was fine."""
+    import stream_recon.models as models
+    from stream_recon.app.loading import load_model_for
+    from stream_recon.app.options import RunOptions
+    from stream_recon.models import CheckpointError
+
+    checkpoint = tmp_path / "tiny.safetensors"
+    checkpoint.write_bytes(b"fine")
+
+    def read_interrupted(path, device="cpu"):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            a_frame_that_takes(5.0)
+        except KeyboardInterrupt:  # what torch's converter does with it
+            raise CheckpointError(f"{path} is truncated or corrupt and cannot be read (ValueError: could not "
+                                  "determine the shape of object type 'torch.storage.UntypedStorage')") from None
+
+    monkeypatch.setattr(models, "load_model", read_interrupted)
+    with stopping.PromptInterrupt() as prompt, pytest.raises(KeyboardInterrupt):
+        load_model_for(RunOptions(checkpoint=str(checkpoint), device="cpu"), console=Console(file=io.StringIO()))
+    assert prompt.signum == signal.SIGINT
+    # without a signal the same error is the user's one line
+    monkeypatch.setattr(models, "load_model", lambda path, device="cpu": (_ for _ in ()).throw(
+        CheckpointError(f"{path} is truncated or corrupt")))
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_model_for(RunOptions(checkpoint=str(checkpoint), device="cpu"), console=Console(file=io.StringIO()))
