@@ -12,6 +12,7 @@ from typing import Any
 from rich.console import Console
 
 from stream_recon.app.options import OptionsError, RunOptions, resolve_device, resolve_dtype
+from stream_recon.app.stopping import swallowed_signal
 
 
 def load_model_for(options: RunOptions, device: str | None = None, console: Console | None = None,
@@ -44,9 +45,13 @@ def load_model_for(options: RunOptions, device: str | None = None, console: Cons
     with console.status(f"loading {checkpoint} on {device}"):
         try:
             loaded = load_model(checkpoint, device="cpu")
-        except CheckpointError as error:
-            raise CheckpointError(checkpoint_advice(str(error))) from None
-        except OSError as error:  # no permission to read it, an I/O error
+        except (CheckpointError, OSError) as error:
+            if swallowed_signal() is not None:
+                # Ctrl-C or SIGTERM landed inside torch's reading, which turned its KeyboardInterrupt into a
+                # ValueError ("could not determine the shape ..."): the user stopped the run, the file is fine
+                raise KeyboardInterrupt from None
+            if isinstance(error, CheckpointError):
+                raise CheckpointError(checkpoint_advice(str(error))) from None
             raise CheckpointError(
                 f"cannot read the checkpoint {error.filename or checkpoint}: {error.strerror or error}; "
                 "check its permissions, or pass another --checkpoint"

@@ -21,6 +21,7 @@ import dataclasses
 import gc
 import logging
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ from stream_recon.app.loading import (
 )
 from stream_recon.app.loops import LoopClosureSink, loop_closure_cannot_help, loop_closure_wanted
 from stream_recon.app.options import (
+    OptionsError,
     RunOptions,
     check_attention,
     check_viewer_address,
@@ -176,6 +178,9 @@ def _plan(frame_source: FrameSource, options: RunOptions, model: Any) -> RunPlan
     closes_loops, loop_closure_reason = loop_closure_wanted(options, frame_source.estimated_length)
     if options.viewer:
         check_viewer_address(options.host, options.port)
+        if options.keep_viewer and threading.current_thread() is not threading.main_thread():
+            raise OptionsError("--keep-viewer serves until Ctrl-C or SIGTERM, which reach the main thread only: "
+                               "run it there, or without --keep-viewer")
     config = model_config_for(options, model)
     warnings = []
     if device == "cpu" and config is not None:  # a GPU's memory is the engine's to budget (models/)

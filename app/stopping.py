@@ -226,10 +226,10 @@ def wait_for_stop_signal(on_ready: Callable[[], None] | None = None) -> int:
     stopped (`view`, a run's viewer kept serving) exits with interrupted_exit_code() of it, 130 or 143.
     `on_ready` runs once both signals are ours: a line that says "serving, Ctrl+C to stop" printed before
     would let a signal sent on reading it end the process with the default disposition (-15, not 143)."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("waiting for Ctrl-C or SIGTERM needs the main thread: signals reach it only")
     received: list[int] = []
     arrived = threading.Event()
-    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
-        arrived.wait()  # unbounded-ok: serving until the user's signal (off the main thread, none comes)
 
     def receive(signum: int, frame: object) -> None:
         received.append(signum)

@@ -300,6 +300,9 @@ def main():
     parser.add_argument("--reference-fa3", action="store_true", help="the reference with its --fa3 kernels")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
+    if args.viewer and args.frames < 20:  # (one block of 10 frames with the viewer, one without, at least)
+        parser.error(f"--viewer compares blocks of 10 frames with and without the viewer: --frames must be at least "
+                     f"20, got {args.frames}")
     result = run(args)
     if args.reference:  # ours first, in case the reference does not get to the end
         print(json.dumps({k: v for k, v in result.items() if k.startswith(("ms_per", "fps", "peak", "cold"))}), flush=True)

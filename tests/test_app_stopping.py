@@ -99,3 +99,80 @@ def test_a_signal_held_by_nested_blocks_is_raised_when_the_outermost_ends() -> N
             a_frame_that_takes(2 * stopping.REDELIVERY_INTERVAL_S)
             steps.append("outer ended")
     assert steps == ["inner ended", "outer ended"] and prompt.signum == signal.SIGTERM
+
+
+def test_waiting_for_a_stop_signal_off_the_main_thread_fails_at_once_instead_of_waiting_forever():
+    import threading
+
+    raised: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            stopping.wait_for_stop_signal()
+        except RuntimeError as error:
+            raised.append(error)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and [str(e) for e in raised] == [
+        "waiting for Ctrl-C or SIGTERM needs the main thread: signals reach it only"]
+
+
+def test_a_run_that_keeps_its_viewer_is_refused_off_the_main_thread_before_anything_is_written(tmp_path):
+    """Ray workers and embedding applications call run_sequence on threads: --keep-viewer would serve forever."""
+    import threading
+
+    import cv2
+    import numpy as np
+
+    from stream_recon.app.options import OptionsError, RunOptions
+    from stream_recon.app.pipeline import run_sequence
+
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    cv2.imwrite(str(folder / "000000.png"), np.zeros((28, 42, 3), np.uint8))
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            run_sequence(str(folder), tmp_path / "run", RunOptions(viewer=True, keep_viewer=True, port=18743))
+        except Exception as error:  # noqa: BLE001 - which one is the test's
+            raised.append(error)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(timeout=60)
+    assert not runner.is_alive() and len(raised) == 1 and isinstance(raised[0], OptionsError)
+    assert str(raised[0]).startswith("--keep-viewer serves until Ctrl-C or SIGTERM")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_signal_that_torch_turns_into_a_read_error_during_the_load_stops_the_run_instead(tmp_path, monkeypatch):
+    """Under load a Ctrl-C landed inside torch's reading of the checkpoint, which turned its KeyboardInterrupt
+    into a ValueError: the run ended "truncated or corrupt" with exit 2 for a file that was fine."""
+    import stream_recon.models as models
+    from stream_recon.app.loading import load_model_for
+    from stream_recon.app.options import RunOptions
+    from stream_recon.models import CheckpointError
+
+    checkpoint = tmp_path / "tiny.safetensors"
+    checkpoint.write_bytes(b"fine")
+
+    def read_interrupted(path, device="cpu"):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            a_frame_that_takes(5.0)
+        except KeyboardInterrupt:  # what torch's converter does with it
+            raise CheckpointError(f"{path} is truncated or corrupt and cannot be read (ValueError: could not "
+                                  "determine the shape of object type 'torch.storage.UntypedStorage')") from None
+
+    monkeypatch.setattr(models, "load_model", read_interrupted)
+    with stopping.PromptInterrupt() as prompt, pytest.raises(KeyboardInterrupt):
+        load_model_for(RunOptions(checkpoint=str(checkpoint), device="cpu"), console=Console(file=io.StringIO()))
+    assert prompt.signum == signal.SIGINT
+    # without a signal the same error is the user's one line
+    monkeypatch.setattr(models, "load_model", lambda path, device="cpu": (_ for _ in ()).throw(
+        CheckpointError(f"{path} is truncated or corrupt")))
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_model_for(RunOptions(checkpoint=str(checkpoint), device="cpu"), console=Console(file=io.StringIO()))

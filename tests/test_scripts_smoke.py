@@ -586,3 +586,11 @@ def test_shell_script_runs_existing_scripts_with_flags_they_take(script: str, he
         taken = set(re.findall(r"--[\w-]+", help_texts[called]["output"]))
         problems += [f"{script}:{line}: {called} takes no {flag}" for flag in sorted(flags - taken)]
     assert not problems, "\n".join(problems)
+
+
+def test_the_viewer_comparison_of_bench_refuses_too_few_frames_in_one_line():
+    done = subprocess.run([sys.executable, "scripts/bench.py", "--model", "tiny", "--viewer", "--frames", "5"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
+        "bench.py: error: --viewer compares blocks of 10 frames with and without the viewer: --frames must be at "
+        "least 20, got 5")
