@@ -77,7 +77,7 @@ def compile_choice(option: str, device: str, key: str | None, warm_up: str = "au
 
     if option == "off" or not str(device).startswith("cuda"):
         return CompileChoice(False)
-    if option == "on" or warm_up == "off" or key is None or recorded(key, "compiled") or recorded(key, "compile-first"):
+    if option == "on" or warm_up == "off" or key is None or compiled_here(key) or recorded(key, "compile-first"):
         return CompileChoice(True)
     return CompileChoice(False, beside=True)
 
@@ -173,7 +173,7 @@ class RunBuilds:
         """Between frames, while the compiled code is made beside the stream: once it is, the engine steps
         compiled from the next frame on (one that failed leaves it stepping as written, with one warning)."""
         making = self.while_streaming
-        if making is None or self.compiled_from_frame is not None or not making.helper.is_up:
+        if making is None or self.compiled_from_frame is not None:
             return
         if making.ready:
             engine.steps_eagerly(False)

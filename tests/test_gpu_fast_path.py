@@ -750,17 +750,24 @@ def test_a_stream_that_steps_eagerly_while_its_code_compiles_beside_it_then_comp
         assert errors(predictions, golden)[key] <= limit
 
 
+def chunked_rollover_stream(compile: bool):
+    """The tiny model prepared for bf16 on the GPU, 60 noise frames and a flow config that makes a keyframe
+    every third frame: with chunk_frames=14, overlap=5, a stream of several rollovers ahead."""
+    from stream_recon.models import StreamConfig, prepare_for_inference
+
+    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16, compile=compile)
+    generator = torch.Generator().manual_seed(0)
+    frames = [(255 * torch.rand(3, 126, 224, generator=generator)).to(torch.uint8) for _ in range(60)]
+    return model, frames, StreamConfig(scale_frames=2, window=4, keyframes="flow", flow_threshold=1e9, max_gap=2)
+
+
 def test_a_warm_up_starts_the_spare_recorded_and_rollovers_emit_the_same():
     """ChunkedEngine's warm-up on CUDA also starts the next chunk's spare engine and waits while it records
     its step, so the stream's first frames share the device with no warm-up; the final emissions are those
     of a stream without a warm-up (within graph replay against the eager first streaming step)."""
-    from stream_recon.models import StreamConfig, prepare_for_inference
     from stream_recon.models.stream.chunked import ChunkedEngine
 
-    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
-    generator = torch.Generator().manual_seed(0)
-    frames = [(255 * torch.rand(3, 126, 224, generator=generator)).to(torch.uint8) for _ in range(60)]
-    config = StreamConfig(scale_frames=2, window=4, keyframes="flow", flow_threshold=1e9, max_gap=2)
+    model, frames, config = chunked_rollover_stream(compile=False)
     finals = {}
     for warm in (True, False):
         engine = ChunkedEngine(model, config, chunk_frames=14, overlap=5)
@@ -787,15 +794,11 @@ def test_a_chunked_stream_switched_to_compiled_steps_records_its_spare_again_bef
     """ChunkedEngine stepping as written, its spare warmed so: switched once the compiled code is made, its
     engine and its idle spare record their steps again (the spare on its worker, before the rollover), and the
     final emissions are those of a compiled stream warmed up the usual way."""
-    from stream_recon.models import StreamConfig, prepare_for_inference
     from stream_recon.models.stream.chunked import ChunkedEngine
     from stream_recon.models.stream.compile_while_streaming import CompileWhileStreaming
 
     torch._dynamo.reset()
-    model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16, compile=True)
-    generator = torch.Generator().manual_seed(0)
-    frames = [(255 * torch.rand(3, 126, 224, generator=generator)).to(torch.uint8) for _ in range(60)]
-    config = StreamConfig(scale_frames=2, window=4, keyframes="flow", flow_threshold=1e9, max_gap=2)
+    model, frames, config = chunked_rollover_stream(compile=True)
     finals = {}
     for switched in (True, False):
         engine = ChunkedEngine(model, config, chunk_frames=14, overlap=5)

@@ -61,7 +61,7 @@ def artefacts_dir() -> Path | None:
 def running_eagerly() -> Iterator[None]:
     """Calls in this block, on this thread only, run as written: every compiled callable this package
     makes (`CompiledFunction`, `compiled_where_called`) asks. Another thread compiles meanwhile, which is
-    how a run streams eagerly while its compiled code is made beside it (models/stream/compile_beside.py);
+    how a run streams eagerly while its compiled code is made beside it (models/stream/compile_while_streaming.py);
     Dynamo's own stance is process-wide, so it is not set."""
     previous = getattr(_eager, "on", False)
     _eager.on = True

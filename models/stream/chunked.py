@@ -109,7 +109,6 @@ class ChunkedEngine:
         self.engine = StreamingEngine(model, self._chunk_config, device=device, dtype=dtype)
         self.model, self.device = self.engine.model, self.engine.device
         self.lookahead = lookahead
-        self._eager_steps = False  # `steps_eagerly`
         self._spare_image: torch.Tensor | None = None  # the frame its spare warmed up on
         # Where a spare may run, the current engine runs on a stream of its own from the warm-up on.
         self._main_stream = MainStream(self.device) if self.device.type == "cuda" and lookahead is not False else None
@@ -156,7 +155,7 @@ class ChunkedEngine:
         # goes to takes it as checked (StreamingEngine.push_checked).
         frame = (self.engine.check_frame(image).detach().clone(), timestamp)
         with self._on_main_stream():
-            if self._rollover is not None and self._rollover.spare.engine.eager_steps != self._eager_steps:
+            if self._rollover is not None:
                 self._spare_steps_as_chosen()
             if self._phase is Phase.SWITCH_PENDING:
                 self._switch_to_spare()
@@ -240,12 +239,11 @@ class ChunkedEngine:
     @property
     def eager_steps(self) -> bool:
         """StreamingEngine.eager_steps, as `steps_eagerly` chose for its engines."""
-        return self._eager_steps
+        return self.engine.eager_steps
 
     def steps_eagerly(self, eager: bool) -> None:
         """StreamingEngine.steps_eagerly for the current engine now, and for the spare on its worker after
         the frames queued there (one started later starts so)."""
-        self._eager_steps = eager
         self.engine.steps_eagerly(eager)
         self._spare_steps_as_chosen()
 
@@ -254,11 +252,11 @@ class ChunkedEngine:
         only this thread queues them) and the current engine has recorded its own step again (two graphs are
         never captured at once); until then it goes on as it was."""
         spare = None if self._rollover is None else self._rollover.spare
-        if spare is None or spare.engine.eager_steps == self._eager_steps or spare.backlog:
+        if spare is None or spare.engine.eager_steps == self.eager_steps or spare.backlog:
             return
         if self.engine.runner is not None and self.engine.runner.records_next:
             return
-        spare.engine.steps_eagerly(self._eager_steps)
+        spare.engine.steps_eagerly(self.eager_steps)
         if spare.engine.at_stream_start and self._spare_image is not None:
             # its graph recorded again now, on its worker beside the stream, not at the next rollover
             spare.warm(self._spare_image)
@@ -508,7 +506,7 @@ class ChunkedEngine:
         spare = SpareEngine(StreamingEngine(self.model, self._spare_config(), device=self.device,
                                             dtype=self.engine.dtype, window_slots=self.spare_window_slots))
         spare.engine.memory_plan = self.engine.memory_plan
-        spare.engine.steps_eagerly(self._eager_steps)
+        spare.engine.steps_eagerly(self.eager_steps)
         spare.warm(first_frame)
         self._spare_image = first_frame
         self._rollover = Rollover(spare, self.alignment, self._provisional_room)
