@@ -136,8 +136,10 @@ class RunBuilds:
         """The run's model, prepared (compiled as `choice` says): `given` (a caller's model, prepared here
         unless it was), or the checkpoint's, loaded while the work ahead runs beside the load."""
         if self.model_config is not None:
-            from stream_recon.models.builds.kernel_builds import start_early_builds
+            from stream_recon.models.builds.kernel_builds import start_builders, start_early_builds
 
+            if self._dry_pass_comes():  # (before the early builds, which fill Triton's cache)
+                start_builders(self.device)
             start_early_builds(self.device, self.dtype, self.model_config.num_heads, self.model_config.head_dim)
         if given is None:
             self.ahead = start_builds_ahead(self.options, self.device, self.dtype, self.model_config,
@@ -178,6 +180,16 @@ class RunBuilds:
         if making.ready:
             engine.steps_eagerly(False)
             self.compiled_from_frame = frames_read
+
+    def _dry_pass_comes(self) -> bool:
+        """Whether a dry pass will build the run's kernels with child builders beside it (kernel_builders):
+        uncompiled on CUDA with the warm-up not off (auto warms up where the engine's first streaming step would
+        be slow: uncompiled on CUDA, where its kernels are not built, it is), and no memory budget (a child's
+        CUDA runtime is not in its plan)."""
+        from stream_recon.models.builds.kernel_builds import dry_pass_pays
+
+        return (self.options.warm_up != "off" and self.options.gpu_memory is None
+                and dry_pass_pays(self.device, self.choice.compile))
 
     def _warm_up(self, engine: Any, image: Any, stream_length: int | None, ahead: dict[str, float] | None,
                  clock: RunClock, console: Console) -> None:
@@ -236,6 +248,10 @@ class RunBuilds:
 
     def abandon(self) -> None:
         """The set-up failed or the run ended: the pass ahead's thread holds the GPU until it ends, so it is
-        not left running."""
+        not left running; child builders its dry pass did not end are ended."""
         if self.ahead is not None:
             self.ahead.wait()  # unbounded-ok: BuildsAhead.wait ends AHEAD_WAIT_S after its first call
+        if self.model_config is not None and str(self.device).startswith("cuda"):
+            from stream_recon.models.builds.kernel_builds import end_builders
+
+            end_builders()

@@ -230,6 +230,12 @@ def choose_key_stages(resident_at: Callable[[int], int], sms: int) -> int | None
     return next((stages for stages in range(NUM_STAGES, 0, -1) if per_sm(stages) >= 1), None)
 
 
+def range_kernel_name() -> str:
+    """The range kernel's name, which Triton's on-disk cache files its builds under (a machine that built it
+    has a warm cache: models/builds/kernel_builds.py, `start_builders`)."""
+    return _range_attention_kernel.fn.__name__
+
+
 def measure_resident_programs(device: torch.device, dtype: torch.dtype, num_heads: int, head_dim: int) -> None:
     """`resident_programs` of both the range kernel's uses (a cache's attention at `key_stages`, a
     frame's own at FRAME_NUM_STAGES) for `dtype` queries and keys on `device`, found now, the two builds

@@ -25,11 +25,13 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from ..daemon_pool import DaemonPool
 from ..supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
+from . import kernel_builders
 
 # Builds at once: eight specializations of the range kernel took 13.0 s one after another and 4.9 s
 # on eight threads (of 16 cores); more threads only queue on the interpreter. A warm-up lists
@@ -66,7 +68,7 @@ class DryLaunches:
         listed = (id(jit_function), str(key))
         if listed not in self.futures:
             self.names.append(jit_function.fn.__name__ if hasattr(jit_function, "fn") else repr(jit_function))
-            self.futures[listed] = self.pool.submit(_build, jit_function, specialization, self.device)
+            self.futures[listed] = self.pool.submit(_build_in_a_child_first, jit_function, specialization, self.device)
 
     def wait(self, deadline: Deadline) -> None:
         """Until every listed build is done or `deadline` passes. A build that failed or is not done by
@@ -81,6 +83,16 @@ class DryLaunches:
         if failed is not None:
             error = failed.exception()
             helper.fail(f"building {named[failed]} failed: {type(error).__name__}: {error}")
+
+
+def _build_in_a_child_first(jit_function, specialization: str, device: torch.device) -> bool:
+    """`_build`, after a child process of the run's builders (`start_builders`), where there are some, built the
+    specialization into Triton's on-disk cache: this process's build is then a cache hit. True where a child
+    built it."""
+    builders = _builders[0] if _builders else None
+    in_a_child = builders is not None and builders.build(jit_function, specialization)
+    _build(jit_function, specialization, device)
+    return in_a_child
 
 
 def _build(jit_function, specialization: str, device: torch.device) -> None:
@@ -153,6 +165,7 @@ class BuildReport:
     builds: int = 0
     kernels: list[str] = field(default_factory=list)
     wait_s: float = 0.0
+    in_children: int = 0  # of `builds`, those a child process built (kernel_builders)
 
 
 @contextlib.contextmanager
@@ -178,8 +191,51 @@ def dry_launches(device: torch.device) -> Iterator[BuildReport]:
         finally:
             report.builds, report.kernels = len(builds.futures), builds.names
             report.wait_s = round(time.perf_counter() - started, 3)
+            report.in_children = sum(1 for future in builds.futures.values()
+                                     if future.done() and not future.exception() and future.result())
     finally:
         pool.shutdown()  # unbounded-ok: a DaemonPool's shutdown returns at once
+        end_builders()  # their work was this pass's: a later one's kernels are built by then
+
+
+_builders: list[kernel_builders.KernelBuilders] = []  # the process's child builders, while they run
+
+
+def start_builders(device: str | torch.device) -> None:
+    """On CUDA, where a dry pass lists builds (`available`, builds ahead on) and Triton's on-disk cache holds no
+    build of ours (a fresh machine's cache): child processes that will build the next dry pass's kernels
+    (models/builds/kernel_builders.py), one per build thread, started from now so that their imports are done
+    by the time it lists them. The pass ends them; so does `end_builders`. Asked before `start_early_builds`,
+    whose builds fill the cache. Where the cache holds ours, a build is a cache hit on the pass's own threads
+    in tens of milliseconds, where it would wait seconds for a child's start."""
+    device = torch.device(device)
+    if device.type != "cuda" or not available() or not helper.is_up or not kernel_builders.helper.is_up:
+        return
+    from stream_recon.cache.triton_attention import range_kernel_name
+
+    if triton_cache_holds(range_kernel_name()):
+        return
+    with _install_lock:
+        if not _builders:
+            _builders.append(kernel_builders.KernelBuilders(build_threads(), device_with_index(device).index))
+
+
+def triton_cache_holds(kernel_name: str) -> bool:
+    """Whether Triton's on-disk cache holds a build of a kernel of this name (any specialization or source:
+    Triton files each build as <key>/<name>.json)."""
+    import triton
+
+    folder = getattr(getattr(getattr(triton, "knobs", None), "cache", None), "dir", None)
+    folder = folder or os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    return next(Path(folder).glob(f"*/{kernel_name}.json"), None) is not None
+
+
+def end_builders() -> None:
+    """The child builders ended, if any run (a run whose dry pass never came ends them so)."""
+    with _install_lock:
+        builders = _builders.pop() if _builders else None
+    if builders is not None:
+        builders.close()
 
 
 def device_with_index(device: torch.device) -> torch.device:

@@ -250,7 +250,8 @@ class StreamingEngine:
         of `image` run with `kernel_builds.dry_launches`, which lists the Triton kernels they would build
         on their first launches and builds them side by side on a pool rather than one at a time
         (models/builds/kernel_builds.py); then the caches are zeroed. Nothing where it does not pay (returns {}).
-        Returns "kernel_builds_s" (the pass and the builds it listed), "kernel_builds" (how many) and
+        Returns "kernel_builds_s" (the pass and the builds it listed), "kernel_builds" (how many),
+        "kernel_builds_in_children" (of those, how many child processes built: kernel_builders) and
         "kernel_builds_wait_s" (of the first, the wait for the builds after the dry steps)."""
         self._check_before_stream("builds its kernels")
         if not self._lists_kernel_builds():
@@ -263,7 +264,7 @@ class StreamingEngine:
         self.cache.clear()
         self.camera_cache.clear()
         return {"kernel_builds_s": round(time.perf_counter() - started, 3), "kernel_builds": builds.builds,
-                "kernel_builds_wait_s": builds.wait_s}
+                "kernel_builds_in_children": builds.in_children, "kernel_builds_wait_s": builds.wait_s}
 
     @property
     def at_stream_start(self) -> bool:
