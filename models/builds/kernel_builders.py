@@ -142,8 +142,15 @@ def _reply(child: ChildProcess, deadline: Deadline) -> tuple | None:
 
 def serve(requests_fd: int, replies_fd: int) -> None:
     """In a child: build each (module, qualified name, specialization data) asked for, one after another, and answer
-    ("built", seconds) or ("failed", why); returns when the parent closes its end."""
+    ("built", seconds) or ("failed", why); returns when the parent closes its end. Torch, Triton and Triton's
+    target are made ready first, before a request comes: the parent starts its children before its checkpoint
+    loads so that these imports (2-3 s, most of a build's time on a fresh machine) overlap the load."""
     requests, replies = os.fdopen(requests_fd, "rb", buffering=0), os.fdopen(replies_fd, "wb", buffering=0)
+    import torch  # noqa: F401  (our kernels' modules import it)
+    from triton.runtime import driver
+
+    with contextlib.suppress(Exception):  # (one that fails here fails again in a build, answered there)
+        driver.active.get_current_target()
     while True:
         try:
             module, qualname, specialization = read_message(requests)
