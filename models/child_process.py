@@ -79,7 +79,8 @@ class ChildProcess:
 
 def start_child(module: str, function: str, *arguments: object, env: Mapping[str, str] | None = None) -> ChildProcess:
     """Run `module.function(requests_fd, replies_fd, *arguments)` in a fresh interpreter (arguments as
-    Python literals; env: its environment, default this process's)."""
+    Python literals; env: its environment, default this process's). Call it on a thread that outlives the
+    child: Linux sends the parent-death signal when the thread that started a child ends."""
     child_reads, parent_writes = os.pipe()
     parent_reads, child_writes = os.pipe()
     call = ", ".join(repr(value) for value in (child_reads, child_writes, *arguments))

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..child_process import ChildProcess, read_message, start_child, write_message
-from ..supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
+from ..supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
 
 # The longest a build waits for a child's answer, the child's start included: a start takes 2-3 s (torch's
 # and Triton's imports) and a build 1-2 s on a fresh machine. Well under kernel_builds.BUILDS_WAIT_S, so a
@@ -61,7 +61,11 @@ def child_environment(device_index: int | None, environ: Mapping[str, str] | Non
 
 
 class KernelBuilders:
-    """`count` child processes (started on a thread of their own, from now), each building one kernel at a time."""
+    """`count` child processes, started now, each building one kernel at a time.
+
+    Started on the caller's thread, which must outlive them: Linux sends a child its parent-death signal
+    (models/child_process.py, die_with_parent) when the thread that started it ends, not the process. The
+    run's thread starts them, and the dry pass it waits for ends them."""
 
     def __init__(self, count: int, device_index: int | None, env: Mapping[str, str] | None = None) -> None:
         self._idle: queue.Queue[ChildProcess | None] = queue.Queue()  # None: closed (wakes a waiting build)
@@ -70,20 +74,13 @@ class KernelBuilders:
         self._closed = False
         self.built = 0  # builds the children made
         environment = child_environment(device_index, env)
-        start_supervised_thread(helper, lambda: self._start(count, environment), "kernel-builders-start")
-
-    def _start(self, count: int, env: dict[str, str]) -> None:
         try:
-            for _ in range(count):
-                with self._lock:
-                    if self._closed:
-                        return
-                    child = start_child(__name__, "serve", env=env)
-                    self._children.append(child)
+            for _ in range(count):  # (a Popen each, a few milliseconds: the imports happen in the children)
+                child = start_child(__name__, "serve", env=environment)
+                self._children.append(child)
                 self._idle.put(child)
-        except BaseException:  # (the supervised thread turns the children off with its reason)
-            self.close()
-            raise
+        except OSError as error:  # (no process to spare, say): the builds are made on the pass's threads
+            self._down(None, f"a child could not be started ({error})")
 
     def build(self, jit_function: Any, specialization: str) -> bool:
         """Build `specialization` of `jit_function` (Triton's specialization data) in a child, into Triton's on-disk
