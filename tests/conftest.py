@@ -61,6 +61,13 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return convert_to_safetensors(folder / "tiny.pt", folder / "tiny.safetensors", config=ModelConfig.tiny())
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The golden tests (the full-size model on the CPU: minutes a file) first. On two workers (scripts/test) each
+    file goes whole to one worker in this order (`--dist loadfile --no-loadscope-reorder`); by xdist's default order,
+    the most tests a file first, they came last, and one worker spent the suite's last ~25 minutes on them alone."""
+    items.sort(key=lambda item: item.get_closest_marker("golden") is None)  # (stable: the rest keep their order)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread(request: pytest.FixtureRequest):
     """Torch on one intra-op thread for the module, then back to what it was; a golden module keeps them all.

@@ -873,6 +873,23 @@ def test_a_live_viewer_draws_at_most_its_cloud_rate_and_always_the_newest_keyfra
         live.stop()
 
 
+def test_a_newest_keyframe_the_cloud_rate_left_without_a_cloud_gets_one_once_a_token_comes():
+    """The bucket (a cloud every two seconds) is spent on the newest of the first keyframes; the next keyframe
+    arrives with no token left: it waits, and is drawn once the token comes although nothing else arrives; flush
+    waits for it. (Before, it was never drawn: the newest keyframe went missing at a stream's end.)"""
+    live = LiveViewer(port=free_port(), update_hz=20.0, max_new_clouds_per_second=0.5)
+    try:
+        for index in range(3):
+            live.on_frame(orbit_frame(index, frame_type=FRAME_KEY), {})
+        assert live.flush() and sorted(live.shown_keyframes()) == [2]  # the one token: the newest
+        live.on_frame(orbit_frame(3, frame_type=FRAME_KEY), {})
+        assert live.flush() and sorted(live.shown_keyframes()) == [2, 3]
+        assert live.scene_summary()["keyframes"] == 2
+    finally:
+        live.close("complete")
+        live.stop()
+
+
 @pytest.mark.slow  # two viewer processes
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_view_stopped_by_a_signal_exits_128_plus_it(tmp_path, signum, code):
