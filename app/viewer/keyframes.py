@@ -69,7 +69,8 @@ class KeyframeMap:
         self.max_keyframes = max_keyframes
         self.max_new_clouds_per_second = max_new_clouds_per_second
         # The bucket holds a second's clouds, and at least one: at a rate under one a second it would never fill.
-        self._cloud_tokens = max(1.0, max_new_clouds_per_second or 0.0)
+        self._cloud_bucket = max(1.0, max_new_clouds_per_second or 0.0)
+        self._cloud_tokens = self._cloud_bucket
         self._tokens_at = time.perf_counter()
         self.thumbnail_px = thumbnail_px
         self.shown: dict[int, _Keyframe] = {}  # frame index -> the keyframe on screen
@@ -130,10 +131,9 @@ class KeyframeMap:
         many as it holds, spread evenly over them and always the newest."""
         if self.max_new_clouds_per_second is None:
             return set(predictions)
-        self._refilled_tokens()
+        allowed = int(self._refilled_tokens())
         new = [i for i in sorted(predictions) if predictions[i].is_keyframe and i not in self.shown
                and i > self._evicted_up_to]
-        allowed = int(self._cloud_tokens)
         if len(new) > allowed:
             new = [new[round(k)] for k in np.linspace(len(new) - 1, 0, allowed)] if allowed else []
         self._cloud_tokens -= len(new)
@@ -142,7 +142,7 @@ class KeyframeMap:
     def _refilled_tokens(self) -> float:
         rate = self.max_new_clouds_per_second
         now = time.perf_counter()
-        self._cloud_tokens = min(max(1.0, rate), self._cloud_tokens + (now - self._tokens_at) * rate)
+        self._cloud_tokens = min(self._cloud_bucket, self._cloud_tokens + (now - self._tokens_at) * rate)
         self._tokens_at = now
         return self._cloud_tokens
 
