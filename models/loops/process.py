@@ -243,7 +243,8 @@ class LoopClosureProcess:
         for reply in replies:
             if self.helper.is_up:
                 self._receive(reply)
-        if self._inbox.closed and self.helper.is_up:  # (its last replies, if any, taken above)
+        # (its last replies, if any, taken above; a child that has said its last word then exits)
+        if self._inbox.closed and self.helper.is_up and not self._finished:
             self._down(f"its process ended (exit status {self._exit_status()})")
 
     def _pipe_broken(self, error: OSError) -> None:
@@ -251,7 +252,7 @@ class LoopClosureProcess:
         # replies' end is not yet. Once it has exited (the status, waited for), the end of its replies is seen.
         status = self._exit_status()
         self._take_replies()  # its last words (an error it reported, or its end) say more than the broken pipe
-        if self.helper.is_up:
+        if self.helper.is_up and not self._finished:
             self._down(f"its process stopped taking messages ({error}; exit status {status})")
 
     def _exit_status(self) -> int | None:
