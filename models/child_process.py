@@ -188,6 +188,11 @@ class MessageInbox:
     def fileno(self) -> int:
         return self._fd
 
+    @property
+    def closed(self) -> bool:
+        """The child has closed its end: the messages `take` last returned were its last."""
+        return self._closed
+
     def take(self) -> list[Any]:
         while not self._closed:
             try:

@@ -1,7 +1,7 @@
 """Shared test fixtures.
 
 Every module's torch runs on one intra-op thread (one_torch_thread, autouse) but the golden modules',
-whose full-size model's products are large enough to share between the cores.
+whose full-size model's products are large enough to share between the cores this worker has.
 
 For a test that runs the tiny model:
 
@@ -61,9 +61,17 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return convert_to_safetensors(folder / "tiny.pt", folder / "tiny.safetensors", config=ModelConfig.tiny())
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The golden tests (the full-size model on the CPU: minutes a file) first. On two workers (scripts/test) each
+    file goes whole to one worker in this order (`--dist loadfile --no-loadscope-reorder`); by xdist's default order,
+    the most tests a file first, they came last, and one worker spent the suite's last ~25 minutes on them alone."""
+    items.sort(key=lambda item: item.get_closest_marker("golden") is None)  # (stable: the rest keep their order)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread(request: pytest.FixtureRequest):
-    """Torch on one intra-op thread for the module, then back to what it was; a golden module keeps them all.
+    """Torch on one intra-op thread for the module, then back to what it was; a golden module gets this worker's
+    share of the cores (cores_per_worker).
 
     The tiny model's ops take microseconds: two OpenMP threads on a busy 2-core machine only wait on
     each other and a run gets ~15x slower (a 60-frame stream of the tiny model: 95 s of CPU on two
@@ -71,13 +79,19 @@ def one_torch_thread(request: pytest.FixtureRequest):
     in-process and distributed results compare number for number. The full-size model's products
     (tests marked golden) are what the cores share well.
     """
-    if request.node.get_closest_marker("golden") is not None:
-        yield
-        return
     previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+    golden = request.node.get_closest_marker("golden") is not None
+    torch.set_num_threads(cores_per_worker() if golden else 1)
     yield
     torch.set_num_threads(previous)
+
+
+def cores_per_worker() -> int:
+    """This process's share of the cores: all of them, or an equal part on each of pytest-xdist's workers. Two
+    golden files at once on two cores, two threads each, took 577 and 526 s; one thread each, 335 and 240 s:
+    an OpenMP thread that finds its core taken holds up its whole team."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, len(os.sched_getaffinity(0)) // workers)
 
 
 @pytest.fixture(scope="session")

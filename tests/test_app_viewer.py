@@ -873,6 +873,27 @@ def test_a_live_viewer_draws_at_most_its_cloud_rate_and_always_the_newest_keyfra
         live.stop()
 
 
+def test_a_newest_keyframe_the_cloud_rate_left_without_a_cloud_gets_one_once_a_token_comes():
+    """The bucket holds one cloud and refills every two seconds. The first keyframes spend it (and the newest of
+    them is drawn, at once or at the next token); the next keyframe arrives with no token left: it waits, and is
+    drawn once the token comes although nothing else arrives; flush waits for it. (Before, it was never drawn:
+    the newest keyframe went missing at a stream's end.)"""
+    live = LiveViewer(port=free_port(), update_hz=20.0, max_new_clouds_per_second=0.5)
+    try:
+        started = time.perf_counter()
+        for index in range(3):
+            live.on_frame(orbit_frame(index, frame_type=FRAME_KEY), {})
+        assert live.flush() and 2 in live.shown_keyframes()  # the newest
+        live.on_frame(orbit_frame(3, frame_type=FRAME_KEY), {})
+        assert live.flush() and 3 in live.shown_keyframes()
+        shown = sorted(live.shown_keyframes())
+        assert len(shown) <= 1 + 0.5 * (time.perf_counter() - started) + 1e-6  # the rate holds
+        assert live.scene_summary()["keyframes"] == len(shown)
+    finally:
+        live.close("complete")
+        live.stop()
+
+
 @pytest.mark.slow  # two viewer processes
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_view_stopped_by_a_signal_exits_128_plus_it(tmp_path, signum, code):

@@ -104,7 +104,8 @@ class LiveViewer:
         # keyframe keeps the viewer thread busy ~29 ms per frame with a browser connected
         # (scripts/bench_e2e.py measures it), Python work that competes with the stream's for the
         # interpreter. Frames 25 ms apart show nearly the same points; the skipped ones still extend
-        # the trajectory, and points.ply keeps every frame.
+        # the trajectory, and points.ply keeps every frame. The newest keyframe a burst left without a cloud
+        # gets one when the next token comes, unless a newer one is drawn first.
         self.state = LiveState(self._draw, update_hz=update_hz, max_pending=max_pending)
         self.scene = SceneGraph(
             self.server, self.settings, max_points_per_keyframe=max_points_per_keyframe,
@@ -232,9 +233,10 @@ class LiveViewer:
     def _redraw(self) -> None:
         self.state.wake()
 
-    def _draw(self, pending: Pending, arrival_fps: float) -> None:
-        """One update of the viewer thread: the scene, then the panel's current frame and readout."""
-        self.scene.apply(pending)
+    def _draw(self, pending: Pending, arrival_fps: float) -> float | None:
+        """One update of the viewer thread: the scene, then the panel's current frame and readout. Returns when
+        to draw again though nothing new comes (scene.apply)."""
+        due = self.scene.apply(pending)
         if pending.predictions:
             self.panel.show_frame(pending.predictions[max(pending.predictions)].image)
         self.panel.show_readout(
@@ -242,3 +244,4 @@ class LiveViewer:
             num_keyframes=len(self.scene.keyframes.shown), num_points=self.scene.summary()["points"],
             corrections=self.scene.corrections,
         )
+        return due

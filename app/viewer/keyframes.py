@@ -68,13 +68,16 @@ class KeyframeMap:
         self.max_total_points = max_total_points
         self.max_keyframes = max_keyframes
         self.max_new_clouds_per_second = max_new_clouds_per_second
-        self._cloud_tokens = max_new_clouds_per_second or 0.0
+        # The bucket holds a second's clouds, and at least one: at a rate under one a second it would never fill.
+        self._cloud_bucket = max(1.0, max_new_clouds_per_second or 0.0)
+        self._cloud_tokens = self._cloud_bucket
         self._tokens_at = time.perf_counter()
         self.thumbnail_px = thumbnail_px
         self.shown: dict[int, _Keyframe] = {}  # frame index -> the keyframe on screen
         self.chunks: dict[int, _ChunkNode] = {}
         self.corrections = ChunkCorrections(by_chunk={}, version=-1)  # the last applied; -1: none yet
         self._evicted_up_to = -1  # keyframes at or below this index were dropped by the caps
+        self._waiting: FramePrediction | None = None  # the newest keyframe, left without a cloud for want of a token
         self.scene_scale: float | None = None  # the first keyframe's median depth
 
     def add_predictions(self, predictions: dict[int, FramePrediction]) -> None:
@@ -82,29 +85,66 @@ class KeyframeMap:
         drawn = self._new_clouds_allowed(predictions)
         for index in sorted(predictions):
             self.apply_prediction(predictions[index], draw_cloud=index in drawn)
+        self._note_newest(predictions)
+
+    def _note_newest(self, predictions: dict[int, FramePrediction]) -> None:
+        """Keep the newest keyframe the token bucket left without a cloud: `draw_waiting` draws it once a token
+        comes, unless a newer keyframe is drawn first."""
+        waiting = self._waiting
+        if waiting is not None and not predictions.get(waiting.frame_index, waiting).is_keyframe:
+            self._waiting = waiting = None  # re-emitted as a non-keyframe
+        keyframes = [index for index, pred in predictions.items() if pred.is_keyframe]
+        if self.max_new_clouds_per_second is None or not keyframes:
+            return
+        newest = max(keyframes)
+        if waiting is None or newest >= waiting.frame_index:
+            self._waiting = None if newest in self.shown else predictions[newest]
+
+    def draw_waiting(self, now_anyway: bool = False) -> float | None:
+        """The newest keyframe left without a cloud, drawn once the bucket holds a token, or at once where
+        `now_anyway` (the viewer's last update). Returns the seconds until a token comes while it waits, else None."""
+        waiting = self._waiting
+        if waiting is None:
+            return None
+        index = waiting.frame_index
+        if index in self.shown or index <= self._evicted_up_to or any(shown > index for shown in self.shown):
+            self._waiting = None
+            return None
+        tokens = self._refilled_tokens()
+        if tokens < 1.0 and not now_anyway:
+            return (1.0 - tokens) / self.max_new_clouds_per_second
+        self._add(waiting)
+        self._cloud_tokens -= 1.0
+        self._waiting = None
+        return None
 
     def truncate(self, frame_index: int) -> None:
         for index in [i for i in self.shown if i > frame_index]:
             self._remove(index)
+        if self._waiting is not None and self._waiting.frame_index > frame_index:
+            self._waiting = None
         # Keyframes dropped by the caps may fit again once the newer ones are gone.
         self._evicted_up_to = -1
 
     def _new_clouds_allowed(self, predictions: dict[int, FramePrediction]) -> set[int]:
         """Which of these new keyframes get a cloud: all while the token bucket holds enough, else as
         many as it holds, spread evenly over them and always the newest."""
-        rate = self.max_new_clouds_per_second
-        if rate is None:
+        if self.max_new_clouds_per_second is None:
             return set(predictions)
-        now = time.perf_counter()
-        self._cloud_tokens = min(rate, self._cloud_tokens + (now - self._tokens_at) * rate)
-        self._tokens_at = now
+        allowed = int(self._refilled_tokens())
         new = [i for i in sorted(predictions) if predictions[i].is_keyframe and i not in self.shown
                and i > self._evicted_up_to]
-        allowed = int(self._cloud_tokens)
         if len(new) > allowed:
             new = [new[round(k)] for k in np.linspace(len(new) - 1, 0, allowed)] if allowed else []
         self._cloud_tokens -= len(new)
         return set(new)
+
+    def _refilled_tokens(self) -> float:
+        rate = self.max_new_clouds_per_second
+        now = time.perf_counter()
+        self._cloud_tokens = min(self._cloud_bucket, self._cloud_tokens + (now - self._tokens_at) * rate)
+        self._tokens_at = now
+        return self._cloud_tokens
 
     def apply_prediction(self, pred: FramePrediction, draw_cloud: bool = True) -> None:
         index = pred.frame_index

@@ -57,6 +57,7 @@ class Pending:
     truncate_after: int | None = None
     stats: dict = field(default_factory=dict)
     rebuild_clouds: bool = False
+    last: bool = False  # the viewer's last update (it is closing): a cloud waiting for a token is drawn now
 
     @property
     def is_empty(self) -> bool:
@@ -68,9 +69,12 @@ class Pending:
 
 class LiveState:
     """The pending updates, the pause and the viewer thread that calls `draw(pending, arrival_fps)` with
-    each batch it takes, from `start` on (call it once whatever `draw` touches is built)."""
+    each batch it takes, from `start` on (call it once whatever `draw` touches is built). `draw` returns the
+    seconds after which it is to be called again though nothing new is pending (a keyframe's cloud waiting
+    for the rate's token), or None."""
 
-    def __init__(self, draw: Callable[[Pending, float], None], *, update_hz: float, max_pending: int) -> None:
+    def __init__(self, draw: Callable[[Pending, float], float | None], *, update_hz: float,
+                 max_pending: int) -> None:
         self.update_hz = update_hz
         self.max_pending = max_pending
         self._draw = draw
@@ -82,6 +86,7 @@ class LiveState:
         self._resume.set()
         self.closed = False
         self._drawing = False  # the viewer thread is applying a batch it took from `_pending`
+        self._draw_due: float | None = None  # what the last draw returned: something is still to be drawn
         self._arrivals: collections.deque[float] = collections.deque(maxlen=512)
         self.num_updates = 0
         self.busy_seconds = 0.0  # wall time the viewer thread spent drawing: its share of the run
@@ -157,7 +162,7 @@ class LiveState:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.is_up:
             with self._lock:
-                idle = self._pending.is_empty and not self._drawing
+                idle = self._pending.is_empty and not self._drawing and self._draw_due is None
             if idle and self.num_updates >= target:
                 return True
             self._wake.set()
@@ -210,23 +215,25 @@ class LiveState:
 
     def _draw_until_stopped(self) -> None:
         period = 1.0 / self.update_hz
+        due = None
         while True:
-            self._wake.wait()  # unbounded-ok: the viewer's own thread waits for its next update
+            self._wake.wait(due)  # unbounded-ok: the viewer's own thread waits for its next update
             self._wake.clear()
             started = time.perf_counter()
             self.helper.beat()  # (an update's time counts toward a stall from here)
             with self._lock:
                 pending, self._pending = self._pending, Pending(stats=self._pending.stats)
+                pending.last = self._stopping.is_set()
                 self._drawing = True
                 fps = self._arrival_fps()
-            self._draw(pending, fps)
+            due = self._draw(pending, fps)
             self.helper.beat()
             with self._lock:
-                self._drawing = False
+                self._drawing, self._draw_due = False, due
             self.num_updates += 1
             self.busy_seconds += time.perf_counter() - started
             with self._lock:
-                done = self._stopping.is_set() and self._pending.is_empty
+                done = self._stopping.is_set() and self._pending.is_empty and due is None
             if done:
                 return
             # Coalesce: whatever arrives during the rest of the period goes out in the next update.

@@ -74,8 +74,9 @@ class SceneGraph:
         """The first keyframe's median depth: the scale of frustums, point sizes and camera moves."""
         return self.keyframes.scene_scale
 
-    def apply(self, pending: Pending) -> None:
-        """One update of the viewer thread: what was handed over since the last, in one atomic change."""
+    def apply(self, pending: Pending) -> float | None:
+        """One update of the viewer thread: what was handed over since the last, in one atomic change. Returns
+        the seconds after which it would draw a keyframe still waiting for a token though nothing new comes."""
         with self.server.atomic():
             if pending.truncate_after is not None:
                 self._truncate(pending.truncate_after)
@@ -85,6 +86,7 @@ class SceneGraph:
             self.centres.update({index: geo.ChainCentre.of(pred.c2w, pred.chunk_index)
                                  for index, pred in pending.predictions.items()})
             self.keyframes.add_predictions(pending.predictions)
+            due = self.keyframes.draw_waiting(now_anyway=pending.last)
             self.keyframes.enforce_caps(rebuild_all=pending.rebuild_clouds)
             self.keyframes.apply_visibility()
             self._update_trajectory()
@@ -93,6 +95,7 @@ class SceneGraph:
             self._update_current(pending.predictions[max(pending.predictions)])
         elif pending.corrections is not None:
             self._place_current()
+        return due
 
     def summary(self) -> dict:
         """What is on screen: keyframes, scene nodes this viewer owns, points, trajectory length."""

@@ -239,16 +239,21 @@ class LoopClosureProcess:
         try:
             replies = self._inbox.take()
         except EOFError:
-            self._down(f"its process ended (exit status {self._exit_status()})")
-            return
+            replies = []
         for reply in replies:
             if self.helper.is_up:
                 self._receive(reply)
+        # (its last replies, if any, taken above; a child that has said its last word then exits)
+        if self._inbox.closed and self.helper.is_up and not self._finished:
+            self._down(f"its process ended (exit status {self._exit_status()})")
 
     def _pipe_broken(self, error: OSError) -> None:
-        self._take_replies()  # its last words (an error it reported) say more than the broken pipe
-        if self.helper.is_up:
-            self._down(f"its process stopped taking messages ({error}; exit status {self._exit_status()})")
+        # A child that dies closes its pipes one after the other: the requests' end can be closed while its
+        # replies' end is not yet. Once it has exited (the status, waited for), the end of its replies is seen.
+        status = self._exit_status()
+        self._take_replies()  # its last words (an error it reported, or its end) say more than the broken pipe
+        if self.helper.is_up and not self._finished:
+            self._down(f"its process stopped taking messages ({error}; exit status {status})")
 
     def _exit_status(self) -> int | None:
         """The child's exit status, once its end is seen: it has exited, or is about to."""
