@@ -243,8 +243,7 @@ class LoopClosureProcess:
         for reply in replies:
             if self.helper.is_up:
                 self._receive(reply)
-        # (its last replies, if any, taken above; a child that has said its last word then exits)
-        if self._inbox.closed and self.helper.is_up and not self._finished:
+        if self._inbox.closed and self._owes_its_last_word:  # (its last replies, if any, taken above)
             self._down(f"its process ended (exit status {self._exit_status()})")
 
     def _pipe_broken(self, error: OSError) -> None:
@@ -252,8 +251,13 @@ class LoopClosureProcess:
         # replies' end is not yet. Once it has exited (the status, waited for), the end of its replies is seen.
         status = self._exit_status()
         self._take_replies()  # its last words (an error it reported, or its end) say more than the broken pipe
-        if self.helper.is_up and not self._finished:
+        if self._owes_its_last_word:
             self._down(f"its process stopped taking messages ({error}; exit status {status})")
+
+    @property
+    def _owes_its_last_word(self) -> bool:
+        """Up and not yet finished: the end of its pipes now is a death; after its last word, its normal exit."""
+        return self.helper.is_up and not self._finished
 
     def _exit_status(self) -> int | None:
         """The child's exit status, once its end is seen: it has exited, or is about to."""
