@@ -4,8 +4,8 @@ A build's Python front end holds the interpreter: on threads, eight builds of th
 where one takes 1.6 s (kernel_builds.MAX_BUILD_THREADS), and beside a checkpoint's load the builds and the
 load wait for each other; a fresh machine's first prediction then came 3.1-4.0 s after the load, waiting for
 them (docs/performance-log.md, "a compiled run steps as written while its code compiles beside the
-stream"). A child builds a specialization (Triton's `JITFunction.preload`) into Triton's on-disk cache, which
-it shares with its parent (the same environment, so the same cache folder and target); the parent's own
+stream"). A child builds a specialization (Triton's `JITFunction.preload`) and its launcher into Triton's on-disk
+cache, which it shares with its parent (the same environment, so the same cache folder and target); the parent's own
 build of it is then a cache hit, without the front end. The children start before the run's checkpoint
 loads (`KernelBuilders`), so their imports overlap the load as well, and end with the dry pass they serve.
 
@@ -155,12 +155,23 @@ def serve(requests_fd: int, replies_fd: int) -> None:
             return
         started = time.perf_counter()
         try:
-            _resolve(module, qualname).preload(specialization)
+            _make_launcher(_resolve(module, qualname).preload(specialization))
             answer: tuple = ("built", round(time.perf_counter() - started, 3))
         except Exception as error:  # noqa: BLE001 - answered: the parent builds it itself, where it raises
             answer = ("failed", f"{type(error).__name__}: {error}")
         with contextlib.suppress(BrokenPipeError):
             write_message(replies, answer)
+
+
+def _make_launcher(kernel: Any) -> None:
+    """The kernel's launcher made too, where Triton compiles one per signature (a C module built with the host's
+    compiler, 0.2-0.4 s a kernel on a fresh machine, cached on disk by its source): the parent's first launch
+    then loads it. Where Triton launches through one module for every kernel, making it costs nothing; where it
+    cannot be made here, the parent makes it at its first launch, as without children."""
+    from triton.runtime import driver
+
+    with contextlib.suppress(Exception):
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
 
 
 def _resolve(module: str, qualname: str) -> Any:
