@@ -2,18 +2,19 @@
 
 The shape is DPVO's stream loop, hardened: a reader thread decodes into a bounded queue and the
 consumer takes frames until an end marker. OpenCV and PIL release the GIL while decoding and resizing,
-so the reader overlaps decoding with inference, and, when asked for model inputs, a few preprocessing
-threads resize frames side by side (a 4K frame takes ~50 ms to resize: one thread would cap the stream
-at 20 FPS). The queue holds each frame's pending result in reading order, so frames come out in order.
+so the reader overlaps decoding with inference. Asked for model inputs, the reader makes them too, and
+for frames larger than POOL_FROM_PIXELS a few preprocessing threads resize frames side by side instead (a
+4K frame takes ~50 ms to resize: one thread would cap the stream at 20 FPS). The queue holds each frame, or
+its pending result, in reading order, so frames come out in order.
 
-    reader thread:   grab ─▶ select (start, stride, fps, max) ─▶ decode ─┬─▶ queue (8) ─▶ consumer
-    preprocessing:                                  resize, crop (uint8) ◀┘  (waits for a frame's result)
+    reader thread:   grab ─▶ select (start, stride, fps, max) ─▶ decode ─▶ resize, crop (uint8) ─▶ queue (8)
+    preprocessing:   a frame over POOL_FROM_PIXELS resized and cropped here; the queue holds its pending result
     consumer:        for frame in source: ...   (raises the reader's error at the point it happened)
 
-A 4K source needs the pool: on the GPU host one thread making the model inputs held the product path at
-12.6 FPS at 3840x2160 and 42.3 at 1920x1080, where the pool gives 45.8 and 53.6 (docs/performance-log.md,
-"a frame's path"): a frame's path crosses three threads, the third for the crop rule's pixels (PIL's resize,
-exact), which leave no cheaper resize.
+A frame's path then crosses two threads, the reader and the consumer, up to 1280x720; a larger one a third,
+for the crop rule's pixels (PIL's resize, exact, which leaves no cheaper resize): on the GPU host one thread
+making the model inputs held the product path at 12.6 FPS at 3840x2160 and 42.3 at 1920x1080, where the pool
+gives 45.8 and 53.6 (docs/performance-log.md, "a frame's path").
 
 Host memory stays constant: at most `queue_size` frames exist at once, whatever the length. Model
 inputs stay uint8 ([3, H, W], a quarter of the float bytes): the engine converts them on the device.
@@ -34,6 +35,7 @@ stops, that is its end, and a shortfall against its length is a TruncatedSourceE
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import logging
 import math
@@ -69,6 +71,10 @@ DEFAULT_QUEUE_SIZE = 8
 # Threads that resize frames into model inputs. One keeps up with 640x480 at ~200 FPS; four keep a
 # 4K video above 40 FPS where the cores exist.
 PREPROCESS_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
+# Frames up to this many pixels are made model inputs on the reader thread, larger ones on the pool: a resize's
+# time grows with the source's pixels, and 1280x720 holds 44 % of the pixels of 1920x1080, at which one thread
+# kept 42.3 FPS; the engine streams 518-wide inputs at ~38.
+POOL_FROM_PIXELS = 1280 * 720
 # A file decodes in milliseconds; a network stream may pause for its read timeout. Past these,
 # the reader is stuck and waiting longer would only turn an error into a hang.
 DEFAULT_FRAME_TIMEOUT_S = 30.0
@@ -132,6 +138,17 @@ class _Preprocessing:
         except Exception as error:
             raise SourceError(f"{what} failed: {type(error).__name__}: {error}") from error
         return Frame(self.index, self.source_index, self.timestamp, None, torch.from_numpy(image))
+
+
+@contextlib.contextmanager
+def _preparing(index: int, description: str) -> Iterator[None]:
+    """Around frame `index`'s model input made on the reader: what that raises becomes the SourceError that the
+    pool's failure would be."""
+    try:
+        yield
+    except Exception as error:
+        raise SourceError(f"preparing frame {index} of {description} failed: {type(error).__name__}: "
+                          f"{error}") from error
 
 
 class _Sampler:
@@ -214,6 +231,7 @@ class FrameSource:
         reconnect_s: float = 0.0,
         frame_size: tuple[int, int] | None = None,
         preprocess_workers: int = PREPROCESS_WORKERS,
+        pool_from_pixels: int = POOL_FROM_PIXELS,
     ) -> None:
         self.kind = kind
         self.description = description  # for messages: "video clip.mp4", "webcam 0", ...
@@ -236,6 +254,7 @@ class FrameSource:
         self._preprocessing: DaemonPool | None = None  # (daemons: a stalled resize holds no exit)
         if image_width:
             self._preprocessing = DaemonPool(preprocess_workers, f"preprocess:{name}")
+        self._pool_from_pixels = pool_from_pixels  # frames with more pixels are made model inputs on the pool
         self._frame_timeout_s = frame_timeout_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -351,11 +370,15 @@ class FrameSource:
             if not sampler.accept(source_index, timestamp):
                 continue
             rgb = self._reader.retrieve()
-            if self._preprocessing is not None:
+            if self._preprocessing is None:
+                frame = Frame(delivered, source_index, timestamp, rgb)
+            elif rgb.shape[0] * rgb.shape[1] > self._pool_from_pixels:
                 image = self._preprocessing.submit(preprocess_frame_uint8, rgb, self.image_width)
                 frame = _Preprocessing(delivered, source_index, timestamp, image)
-            else:
-                frame = Frame(delivered, source_index, timestamp, rgb)
+            else:  # made here, in line: one hop fewer on the frame's path (tests/test_frame_path.py)
+                with _preparing(delivered, self.description):
+                    image = torch.from_numpy(preprocess_frame_uint8(rgb, self.image_width))
+                frame = Frame(delivered, source_index, timestamp, None, image)
             if not self._put(frame):
                 if isinstance(frame, _Preprocessing):
                     frame.image.cancel()
@@ -509,6 +532,7 @@ def frames_source(
     frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S,
     queue_size: int = DEFAULT_QUEUE_SIZE,
     preprocess_workers: int = PREPROCESS_WORKERS,
+    pool_from_pixels: int = POOL_FROM_PIXELS,
 ) -> FrameSource:
     """A source over any iterable of (rgb [H, W, 3] uint8, timestamp in seconds), e.g. a generator.
 
@@ -530,6 +554,7 @@ def frames_source(
         queue_size=queue_size,
         frame_timeout_s=frame_timeout_s,
         preprocess_workers=preprocess_workers,
+        pool_from_pixels=pool_from_pixels,
     )
 
 

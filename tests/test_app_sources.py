@@ -202,7 +202,7 @@ def test_preprocessing_threads_deliver_model_inputs_in_reading_order() -> None:
             width = 1400 if index % 3 == 0 else 70
             yield np.full((width * 3 // 4, width, 3), index, dtype=np.uint8), 0.5 * index
 
-    with frames_source(camera(), image_width=56, preprocess_workers=3) as source:
+    with frames_source(camera(), image_width=56, preprocess_workers=3, pool_from_pixels=0) as source:
         frames = list(source)
 
     assert [frame.index for frame in frames] == list(range(24))
@@ -210,6 +210,34 @@ def test_preprocessing_threads_deliver_model_inputs_in_reading_order() -> None:
     for index, frame in enumerate(frames):
         assert frame.rgb is None and frame.image.dtype == torch.uint8 and tuple(frame.image.shape) == (3, 42, 56)
         assert (frame.image == index).all()
+
+
+def test_the_reader_makes_model_inputs_up_to_pool_from_pixels_and_the_pool_larger_ones_in_reading_order(
+        monkeypatch) -> None:
+    from stream_recon.app import sources
+
+    made_on: dict[int, str] = {}
+    preprocess = sources.preprocess_frame_uint8
+
+    def preprocess_frame(rgb, width):
+        made_on[int(rgb[0, 0, 0])] = threading.current_thread().name
+        return preprocess(rgb, width)
+
+    def camera():  # every third frame over 1280x720, the rest well under it; each one flat colour, its index
+        for index in range(12):
+            width = 1600 if index % 3 == 0 else 640
+            yield np.full((width * 9 // 16, width, 3), index, dtype=np.uint8), 0.5 * index
+
+    monkeypatch.setattr(sources, "preprocess_frame_uint8", preprocess_frame)
+    with frames_source(camera(), name="cam", image_width=56, preprocess_workers=2) as source:
+        frames = list(source)
+
+    assert [frame.index for frame in frames] == list(range(12))
+    assert [int(frame.image[0, 0, 0]) for frame in frames] == list(range(12))
+    assert all(frame.rgb is None and frame.image.dtype == torch.uint8 for frame in frames)
+    assert {index for index, thread in made_on.items() if thread == "reader:cam"} == {
+        index for index in range(12) if index % 3}
+    assert all(made_on[index].startswith("preprocess:cam") for index in range(0, 12, 3))
 
 
 def test_a_slow_consumer_holds_the_reader_back_to_one_queue_of_frames() -> None:
@@ -220,7 +248,7 @@ def test_a_slow_consumer_holds_the_reader_back_to_one_queue_of_frames() -> None:
             pulled.append(index)
             yield np.full((48, 64, 3), index, dtype=np.uint8), float(index)
 
-    with frames_source(camera(), image_width=56, queue_size=4, preprocess_workers=2) as source:
+    with frames_source(camera(), image_width=56, queue_size=4, preprocess_workers=2, pool_from_pixels=0) as source:
         frames = iter(source)
         first = next(frames)
         settled = wait_until_unchanged(lambda: len(pulled))

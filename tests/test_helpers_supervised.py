@@ -764,8 +764,10 @@ def test_a_reader_that_stalls_ends_the_iteration_at_the_frame_timeout(faults):
     assert len(frames) == 3 and time.monotonic() - started < 0.3 + sources._POLL_S + sources._JOIN_TIMEOUT_S + 1.0
 
 
+@pytest.mark.parametrize("where", ["pool", "reader"])  # a frame over pool_from_pixels, and one made by the reader
 @pytest.mark.parametrize("kind", ["raises", "stalls"])
-def test_a_preprocessing_worker_that_fails_ends_the_iteration_with_one_source_error(faults, monkeypatch, kind):
+def test_a_preprocessing_worker_that_fails_ends_the_iteration_with_one_source_error(faults, monkeypatch, kind,
+                                                                                   where):
     from stream_recon.app import sources
 
     failing = fault(faults, ValueError("resize refused") if kind == "raises" else None)
@@ -782,14 +784,18 @@ def test_a_preprocessing_worker_that_fails_ends_the_iteration_with_one_source_er
     monkeypatch.setattr(sources, "preprocess_frame_uint8", preprocess_frame)
     frames = []
     started = time.monotonic()
-    with sources.frames_source(camera(6), name="cam", image_width=56, frame_timeout_s=0.3,
-                               preprocess_workers=1) as source:
+    with sources.frames_source(camera(6), name="cam", image_width=56, frame_timeout_s=0.3, preprocess_workers=1,
+                               pool_from_pixels=0 if where == "pool" else sources.POOL_FROM_PIXELS) as source:
         with pytest.raises(sources.SourceError) as raised:
             for frame in source:
                 frames.append(frame)
     assert len(frames) == 2 and time.monotonic() - started < 0.3 + 5.0
     if kind == "raises":
         assert str(raised.value) == "preparing frame 2 of frame sequence cam failed: ValueError: resize refused"
+    elif where == "reader":  # the reader stopped advancing
+        assert str(raised.value) == "no frame from frame sequence cam for 0.3 s: the source stalled"
+        failing.release.set()  # let go, it ends before a later test patches what it calls at its end
+        source._thread.join(timeout=10)
     else:
         assert str(raised.value) == ("preparing frame 2 of frame sequence cam took more than 0.3 s: the "
                                      "preprocessing stalled")
