@@ -12,9 +12,10 @@ its pending result, in reading order, so frames come out in order.
     consumer:        for frame in source: ...   (raises the reader's error at the point it happened)
 
 A frame's path then crosses two threads, the reader and the consumer, up to 1280x720; a larger one a third,
-for the crop rule's pixels (PIL's resize, exact, which leaves no cheaper resize): on the GPU host one thread
-making the model inputs held the product path at 12.6 FPS at 3840x2160 and 42.3 at 1920x1080, where the pool
-gives 45.8 and 53.6 (docs/performance-log.md, "a frame's path").
+for the crop rule's pixels (PIL's resize, exact, which leaves no cheaper resize): on the GPU host the reader
+alone kept the product path at the pool's rate at 1280x720 (47.0 FPS against 46.6) but held it to 42.3 FPS at
+1920x1080 and 12.6 at 3840x2160, where the pool gives 53.6 and 45.8 (docs/performance-log.md, "a frame's
+path").
 
 Host memory stays constant: at most `queue_size` frames exist at once, whatever the length. Model
 inputs stay uint8 ([3, H, W], a quarter of the float bytes): the engine converts them on the device.
@@ -71,9 +72,9 @@ DEFAULT_QUEUE_SIZE = 8
 # Threads that resize frames into model inputs. One keeps up with 640x480 at ~200 FPS; four keep a
 # 4K video above 40 FPS where the cores exist.
 PREPROCESS_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
-# Frames up to this many pixels are made model inputs on the reader thread, larger ones on the pool: a resize's
-# time grows with the source's pixels, and 1280x720 holds 44 % of the pixels of 1920x1080, at which one thread
-# kept 42.3 FPS; the engine streams 518-wide inputs at ~38.
+# Frames up to this many pixels are made model inputs on the reader thread, larger ones on the pool: on the GPU
+# host the reader alone kept the product path at 47.0 FPS at 1280x720 (the pool 46.6), but at 1920x1080 held it
+# to 42.3 (the pool 53.6) and at 3840x2160 to 12.6 (the pool 45.8).
 POOL_FROM_PIXELS = 1280 * 720
 # A file decodes in milliseconds; a network stream may pause for its read timeout. Past these,
 # the reader is stuck and waiting longer would only turn an error into a hang.
