@@ -137,3 +137,23 @@ def test_builders_start_only_on_cuda_and_where_tritons_cache_holds_none_of_ours(
     (tmp_path / "0123abcd").mkdir()
     (tmp_path / "0123abcd" / f"{range_kernel_name()}.json").write_text("{}")
     assert kernel_builds.triton_cache_holds(range_kernel_name())
+
+
+def test_a_child_makes_the_kernels_launcher_from_its_build_and_a_launcher_it_cannot_make_is_left_to_the_parent(
+        monkeypatch):
+    from triton.runtime import driver
+
+    made = []
+
+    class Launchers:
+        @staticmethod
+        def launcher_cls(src, metadata):
+            if src == "no compiler":
+                raise RuntimeError("no C compiler on this host")
+            made.append((src, metadata))
+
+    monkeypatch.setattr(driver, "_active", Launchers)  # (what `driver.active` returns once set)
+    built = types.SimpleNamespace(src="the kernel's source", metadata={"name": "kernel"})
+    kernel_builders._make_launcher(built)
+    kernel_builders._make_launcher(types.SimpleNamespace(src="no compiler", metadata={}))
+    assert made == [("the kernel's source", {"name": "kernel"})]
