@@ -191,11 +191,16 @@ def dry_launches(device: torch.device) -> Iterator[BuildReport]:
         finally:
             report.builds, report.kernels = len(builds.futures), builds.names
             report.wait_s = round(time.perf_counter() - started, 3)
-            report.in_children = sum(1 for future in builds.futures.values()
-                                     if future.done() and not future.exception() and future.result())
+            report.in_children = sum(map(_built_in_a_child, builds.futures.values()))
     finally:
         pool.shutdown()  # unbounded-ok: a DaemonPool's shutdown returns at once
         end_builders()  # their work was this pass's: a later one's kernels are built by then
+
+
+def _built_in_a_child(build: Future) -> bool:
+    """Whether a listed build is done and a child process made it (done: nothing here waits)."""
+    return (build.done() and not build.cancelled() and build.exception(timeout=0) is None
+            and bool(build.result(timeout=0)))
 
 
 _builders: list[kernel_builders.KernelBuilders] = []  # the process's child builders, while they run
