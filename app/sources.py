@@ -137,7 +137,7 @@ class _Preprocessing:
         except FutureTimeout:
             raise SourceError(f"{what} took more than {timeout_s:g} s: the preprocessing stalled") from None
         except Exception as error:
-            raise SourceError(f"{what} failed: {type(error).__name__}: {error}") from error
+            raise _preparing_failed(self.index, description, error) from error
         return Frame(self.index, self.source_index, self.timestamp, None, torch.from_numpy(image))
 
 
@@ -148,8 +148,12 @@ def _preparing(index: int, description: str) -> Iterator[None]:
     try:
         yield
     except Exception as error:
-        raise SourceError(f"preparing frame {index} of {description} failed: {type(error).__name__}: "
-                          f"{error}") from error
+        raise _preparing_failed(index, description, error) from error
+
+
+def _preparing_failed(index: int, description: str, error: Exception) -> SourceError:
+    """The one line of a frame whose model input could not be made, on the reader or the pool."""
+    return SourceError(f"preparing frame {index} of {description} failed: {type(error).__name__}: {error}")
 
 
 class _Sampler:
