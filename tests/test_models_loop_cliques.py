@@ -1,5 +1,5 @@
 """PCM's maximum clique at a bounded cost (models/loops/cliques.py): the exact search against brute force and
-against the former search's ties, the heuristic on the real trajectories' consistency graphs, the budget,
+against consistency.maximum_clique's set-based search, ties included, the heuristic on the real trajectories' consistency graphs, the budget,
 and the warm start."""
 
 from __future__ import annotations
@@ -72,18 +72,18 @@ def test_the_exact_search_finds_a_largest_clique_as_brute_force_does() -> None:
         assert bounded.exact and list(bounded.members) == exact
 
 
-# -- (b) ... and the very one the former search found ---------------------------------------------------------
-def test_the_exact_search_returns_what_the_former_search_returned() -> None:
-    """Ties included: the former search took its pivot in a Python set's order; random graphs of up to 32
-    nodes and cocktail-party graphs, where every largest clique ties, return the same clique."""
+# -- (b) ... and the very one the set-based search finds ------------------------------------------------------
+def test_the_exact_search_returns_what_the_set_based_search_returns() -> None:
+    """consistency.maximum_clique, ties included (it takes its pivot in a Python set's order): random graphs
+    of up to 32 nodes and cocktail-party graphs, where every largest clique ties, give the same clique."""
     cases = graphs(seed=1, count=250, max_nodes=32) + [cocktail_party(pairs) for pairs in (2, 5, 9)]
     for adjacent in cases:
-        former = consistency.maximum_clique(adjacent)
-        assert exact_maximum_clique(adjacent) == former, adjacent.astype(int)
-        assert exact_maximum_clique(adjacent, at_least=len(former)) == former
-        assert exact_maximum_clique(adjacent, at_least=len(former) + 1) == []  # none that large
+        set_based = consistency.maximum_clique(adjacent)
+        assert exact_maximum_clique(adjacent) == set_based, adjacent.astype(int)
+        assert exact_maximum_clique(adjacent, at_least=len(set_based)) == set_based
+        assert exact_maximum_clique(adjacent, at_least=len(set_based) + 1) == []  # none that large
         bounded = maximum_clique(adjacent, exact_budget=10**6)
-        assert bounded.exact and list(bounded.members) == former
+        assert bounded.exact and list(bounded.members) == set_based
 
 
 # -- (c) the heuristic on the real trajectories' consistency graphs ------------------------------------------
@@ -143,7 +143,7 @@ def test_many_overlapping_cliques_finish_within_the_budget() -> None:
 
 def test_a_clique_deeper_than_the_recursion_limit_is_searched() -> None:
     """1,100 true loops and one false loop consistent with all but one: the search goes ~1,100 levels
-    deep (the former, recursive search raised RecursionError) and finds a clique of 1,100."""
+    deep, past Python's recursion limit (1,000), and finds a clique of 1,100."""
     adjacent = symmetric(np.ones((1101, 1101), dtype=bool))
     adjacent[1100, 0] = adjacent[0, 1100] = False
     exact = exact_maximum_clique(adjacent)
@@ -185,7 +185,7 @@ def test_a_warm_start_clique_is_what_a_spent_budget_leaves() -> None:
     adjacent = two_equal_cliques()
     warm_start = [5, 6]  # [5] alone would grow by node 4 (the highest degree) to [4, 5]
     assert maximum_clique(adjacent, warm_start=warm_start, exact_budget=0) == CliqueResult((5, 6, 7, 8, 9), False, 0)
-    finished = maximum_clique(adjacent, warm_start=warm_start)  # a tie: the former search's clique
+    finished = maximum_clique(adjacent, warm_start=warm_start)  # a tie: the set-based search's clique
     assert finished.exact and finished.members == (0, 1, 2, 3, 4)
 
 

@@ -15,19 +15,22 @@ and the closer solves after every new loop, so one unlucky graph must not stall 
 
 Consistency graphs are easy for both: the true loops form one large clique that the heuristic finds from
 its first node, and the exact search then proves it in a few expansions, because a node whose candidates
-already form a clique is settled without branching (scripts/probes/probe_cliques.py).
+already form a clique is settled without branching.
 
-Ties: the exact search returns what the former `consistency.maximum_clique` returned for every graph, the
-first largest clique its search order reaches. That order depends on the pivot among nodes of equal score,
-which the former function took in the iteration order of a Python set (CPython's hash table order, not node
-order); so the search keeps the same sets, built by the same operations, for that choice alone, and does
-all else on bitsets (a Python int per node: bit j set when it is adjacent to j).
+Ties: the exact search returns the first largest clique it reaches, branching in node order, its pivot the
+first node of highest score in the iteration order of the Python set `candidates | excluded` (CPython's
+hash-table order, not node order) built by the set operations of a set-based Bron-Kerbosch. That is the
+rule consistency.maximum_clique's set-based search follows, so both return the same clique for every graph
+(tests/test_models_loop_cliques.py); the search keeps those sets for that choice alone and does all else
+on bitsets (a Python int per node, bit j set when it is adjacent to j).
 
-Cost on this 2-core machine (busy; the probe's figures): the heuristic takes ~0.3 ms at 100 nodes, ~1 ms at
-300, ~30 ms at 3,000 (consistency-like graphs: 80 % of the nodes in one clique); an expansion of the exact
-search costs up to |candidates + excluded| popcounts of n-bit ints, ~10-20 us at 300 nodes, so the default
-budget of 5,000 expansions stops it after ~50-100 ms on a graph built to be hard (300 nodes, 40 overlapping
-cliques of 10-15 nodes).
+Cost on this 2-core machine (shared and busy; scripts/probes/probe_cliques.py, medians of 5): the
+heuristic takes 0.3 ms at 100 nodes, 1.0 ms at 300, 8 ms at 1,000 and 35 ms at 3,000 on consistency-like
+graphs (80 % of the nodes in one clique, every other pair consistent at 0.05). The exact search then needs
+9, 13, 46 and 100 expansions (0.6, 5.5, 30 and 310 ms), and 2-58 on the real trajectories' consistency
+graphs. An expansion costs up to |candidates| + |excluded| popcounts of n-bit ints plus its branches' set
+operations: 50-80 us on random graphs of 100-1,000 nodes at 0.5, which spend `EXACT_BUDGET` in 50-80 ms,
+but ~3 ms at 3,000 nodes in a clique of 2,400, whose candidates lose one node an expansion.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Expansions of the exact search before the heuristic's clique stands: ~50-100 ms at 300 nodes on this
-# machine (10-20 us each); consistency graphs of the loop scenarios need fewer than 50.
+# Expansions of the exact search before the heuristic's clique stands: 50-80 ms on random graphs of 100 to
+# 1,000 nodes at 0.5 on this machine (they spend it); consistency graphs need 2-100 (module docstring).
 EXACT_BUDGET = 1_000
 
 
@@ -81,7 +84,7 @@ class _Graph:
         return self._rank_prefix
 
     def neighbour_set(self, node: int) -> set[int]:
-        """Node's neighbours as the former search's set, built as it built it (its iteration order matters)."""
+        """Node's neighbours as a set-based search's set, built as it builds it (its iteration order matters)."""
         if node not in self._neighbour_sets:
             self._neighbour_sets[node] = set(np.flatnonzero(self.adjacent[node]).tolist()) - {node}
         return self._neighbour_sets[node]
@@ -171,7 +174,7 @@ class _BudgetSpent(Exception):
 class _ExactSearch:
     """Bron-Kerbosch with a pivot, depth first on an explicit stack (a clique of ~1,000 nodes is deeper
     than Python's recursion limit). A frame: [clique, candidates, excluded, candidate set, excluded set,
-    branches left]; the sets are the former search's, kept only for the pivot's order among ties."""
+    branches left]; the sets are a set-based search's, kept only for the pivot's order among ties."""
 
     def __init__(self, graph: _Graph, at_least: int, budget: int | None) -> None:
         self.graph, self.at_least, self.budget = graph, at_least, budget
@@ -231,7 +234,7 @@ class _ExactSearch:
 
 
     def pivot(self, candidates: int, candidate_set: set[int], excluded_set: set[int]) -> int:
-        """The former search's pivot, max(candidate_set | excluded_set, key=neighbours among the candidates):
+        """A set-based search's pivot, max(candidate_set | excluded_set, key=neighbours among the candidates):
         the first node of that set's order with the highest score. No candidate scores more than
         |candidates| - 1, so once the excluded nodes' best is known, the first node that reaches the highest
         score possible is it, usually after a few nodes where the candidates are nearly a clique."""
@@ -254,8 +257,8 @@ def _exact(graph: _Graph, at_least: int, budget: int | None) -> tuple[list[int] 
 
 
 def exact_maximum_clique(adjacent: np.ndarray, *, at_least: int = 0, budget: int | None = None) -> list[int] | None:
-    """A maximum clique of `adjacent` ([n, n] bool, symmetric; the diagonal is ignored), ascending: exactly
-    the former `consistency.maximum_clique`'s (Bron-Kerbosch with a pivot, the first largest found).
+    """A maximum clique of `adjacent` ([n, n] bool, symmetric; the diagonal is ignored), ascending, ties as
+    the module's docstring says (consistency.maximum_clique's for every graph).
     `at_least`: only cliques of at least that many nodes are searched for ([] when there is none);
     `budget`: None when that many expansions did not finish the search."""
     return _exact(_Graph(adjacent), at_least, budget)[0]

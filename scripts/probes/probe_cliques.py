@@ -7,8 +7,9 @@ consistency-like graphs and on one built to be hard for the exact search.
 A consistency-like graph of n loops: a fraction (`--true-fraction`, 0.8) are true and pairwise consistent
 (one clique); every other pair is consistent with probability `--edge-probability` (0.05), the false
 loops' chance agreements; node order shuffled (loops arrive in time, true and false mixed). The hard
-graph: 300 nodes, 40 overlapping cliques of 10-15 nodes over random edges at 0.05. Each figure is the
-median of `--repeats` runs, in ms.
+graphs: 300 nodes, 40 overlapping cliques of 10-15 nodes over random edges at 0.05 (the exact search
+finishes), and random graphs of 100, 300 and 1,000 nodes at 0.5 (it runs out of budget). Each figure is
+the median of `--repeats` runs, in ms.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
-from clique_graphs import consistency_like, overlapping_cliques  # noqa: E402
+from clique_graphs import consistency_like, overlapping_cliques, random_graph  # noqa: E402
 
 from stream_recon.models.loops.cliques import (  # noqa: E402
     EXACT_BUDGET,
@@ -64,6 +65,8 @@ def main() -> None:
     report("overlapping cliques, 300 nodes", hard, args.repeats)
     unbounded_ms, exact = median_ms(lambda: exact_maximum_clique(hard), 1)
     print(f"overlapping cliques, 300 nodes: exact search unbounded {unbounded_ms:.2f} ms ({len(exact)} nodes)")
+    for n in (100, 300, 1000):  # random graphs at 0.5: the budget runs out
+        report(f"random at 0.5, {n} nodes", random_graph(np.random.default_rng(n), n, 0.5), args.repeats)
 
 
 if __name__ == "__main__":
