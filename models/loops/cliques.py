@@ -168,7 +168,7 @@ def heuristic_maximum_clique(adjacent: np.ndarray, *, warm_start: Sequence[int] 
 
 # -- the exact search --------------------------------------------------------------------------------------
 class _BudgetSpent(Exception):
-    pass
+    """The search's budget of expansions is spent: it unwinds the whole stack at once."""
 
 
 class _ExactSearch:
@@ -182,7 +182,8 @@ class _ExactSearch:
         self.expansions = 0
 
     def can_beat(self, clique_size: int, candidates: int) -> bool:
-        """Today's pruning (larger than the best so far) and `at_least` (not smaller than it)."""
+        """Whether a node can reach a clique larger than the best so far (so the first largest one found
+        stands) and not smaller than `at_least` (so a clique of exactly that size is still found)."""
         reach = clique_size + candidates.bit_count()
         return reach > len(self.best) and reach >= self.at_least
 
@@ -232,7 +233,6 @@ class _ExactSearch:
         pivot = self.pivot(candidates, candidate_set, excluded_set)
         stack.append([clique, candidates, excluded, candidate_set, excluded_set, candidates & ~bits[pivot]])
 
-
     def pivot(self, candidates: int, candidate_set: set[int], excluded_set: set[int]) -> int:
         """A set-based search's pivot, max(candidate_set | excluded_set, key=neighbours among the candidates):
         the first node of that set's order with the highest score. No candidate scores more than
@@ -241,13 +241,13 @@ class _ExactSearch:
         bits = self.graph.bits
         ceiling = max(candidates.bit_count() - 1,
                       max(((bits[node] & candidates).bit_count() for node in excluded_set), default=0))
-        pivot, best = -1, -1
+        pivot, top_score = -1, -1
         for node in candidate_set | excluded_set:
             score = (bits[node] & candidates).bit_count()
             if score == ceiling:
                 return node
-            if score > best:
-                pivot, best = node, score
+            if score > top_score:
+                pivot, top_score = node, score
         return pivot
 
 
