@@ -38,7 +38,15 @@ from loop_scenarios import (  # noqa: E402
 )
 
 from stream_recon.models.loops import pose_graph  # noqa: E402
-from stream_recon.models.loops.pose_graph import LoopEdge, OdometryEdge, PoseGraph, open_chain, optimize  # noqa: E402
+from stream_recon.models.loops.pose_graph import (  # noqa: E402
+    LoopEdge,
+    OdometryEdge,
+    PoseGraph,
+    PoseGraphSettings,
+    PoseGraphSolver,
+    open_chain,
+    optimize,
+)
 from stream_recon.models.stream.similarity import Sim3  # noqa: E402
 
 KITTI_NO_REVISITS = slice(620, 3240)  # as in tests/test_models_pose_graph.py
@@ -91,10 +99,10 @@ def no_revisit_stretch(kitti: np.ndarray, seeds: int) -> None:
 
 
 # -- timings on synthetic chains -------------------------------------------------------------------
-def synthetic_graph(num_chunks: int, seed: int) -> tuple[PoseGraph, tuple[Sim3, ...]]:
+def synthetic_graph(num_chunks: int, seed: int, loops_per_chunk: float = 0.125) -> tuple[PoseGraph, tuple[Sim3, ...]]:
     """A random walk of chunks (250 units of path each, turning ~20 degrees, each at a scale of its own in
-    [0.5, 2]), odometry and loops with the real-trajectory noise, a true loop per ten chunks (to a chunk 2
-    to 50 before it) and 20 % of loops false (between any two chunks)."""
+    [0.5, 2]), odometry and loops with the real-trajectory noise, `loops_per_chunk` loops a chunk of which
+    20 % are false: true ones to a chunk 2 to 50 before, false ones between any two chunks."""
     rng = np.random.default_rng(seed)
     rotation, position, truth = np.eye(3), np.zeros(3), []
     for _ in range(num_chunks):
@@ -106,7 +114,7 @@ def synthetic_graph(num_chunks: int, seed: int) -> tuple[PoseGraph, tuple[Sim3, 
     for k in range(num_chunks - 1):
         sigmas = ODOMETRY_NOISE.sigmas(250.0 / truth[k + 1].scale)
         graph = graph.with_odometry(OdometryEdge(perturbed(truth[k].inverse() @ truth[k + 1], sigmas, rng), sigmas))
-    true_loops = max(1, num_chunks // 10)
+    true_loops = max(1, round(0.8 * loops_per_chunk * num_chunks))
     for n in range(true_loops + max(1, true_loops // 4)):
         if n < true_loops:  # a place passed up to 50 chunks before (an open chain of 10,000 chunks drifts
             # by ~100 degrees end to end: a loop across all of it is beyond any local optimiser's reach)
@@ -127,8 +135,17 @@ def synthetic_graph(num_chunks: int, seed: int) -> tuple[PoseGraph, tuple[Sim3, 
 def plain_lm_seconds(graph: PoseGraph) -> tuple[float, int]:
     """GTSAM's Levenberg-Marquardt over the odometry and the true loops, no robustness: the floor of what a
     solve costs (with the false loops too it stalls at once on a long chain)."""
-    factors = pose_graph._factor_graph(graph, [loop for loop in graph.loops if loop.loop_id.startswith("true")])
-    values = pose_graph._values(open_chain(graph.odometry))
+    factors = gtsam.NonlinearFactorGraph()
+    factors.add(gtsam.PriorFactorSimilarity3(0, gtsam.Similarity3(), gtsam.noiseModel.Isotropic.Sigma(7, 1e-6)))
+    edges = [(k, k + 1, edge) for k, edge in enumerate(graph.odometry)]
+    edges += [(loop.first, loop.second, loop) for loop in graph.loops if loop.loop_id.startswith("true")]
+    for first, second, edge in edges:
+        measured = edge.previous_from_next if isinstance(edge, OdometryEdge) else edge.first_from_second
+        factors.add(gtsam.BetweenFactorSimilarity3(first, second, pose_graph.to_gtsam(measured),
+                                                   gtsam.noiseModel.Gaussian.Covariance(pose_graph.covariance_of(edge))))
+    values = gtsam.Values()
+    for k, transform in enumerate(open_chain(graph.odometry)):
+        values.insert(k, pose_graph.to_gtsam(transform))
     start = time.perf_counter()
     optimizer = gtsam.LevenbergMarquardtOptimizer(factors, values, gtsam.LevenbergMarquardtParams())
     optimizer.optimize()
@@ -194,12 +211,51 @@ def timings(sizes: list[int], with_pypose: bool) -> None:
             print(f"  pypose LM, all loops: {text}")
 
 
+def stream_solves(sizes: list[int], loops_per_chunk: float, budget_s: float | None, seed: int = 0) -> None:
+    """A stream's solves, as the loop closer makes them: the synthetic graph's loops arrive in the order of
+    their later chunk, one to three at a time (a keyframe's candidates), and one PoseGraphSolver solves the
+    graph so far after each arrival. Per size: the solve times (median, p99, max), the solves the budget cut
+    short, the final verdicts, and one solve of the whole graph from scratch."""
+    rng = np.random.default_rng(seed)
+    for size in sizes:
+        graph, _ = synthetic_graph(size, seed, loops_per_chunk)
+        loops = sorted(graph.loops, key=lambda loop: max(loop.first, loop.second))
+        solver = PoseGraphSolver(PoseGraphSettings(budget_s=budget_s))
+        seconds, cut_short, arrived = [], 0, 0
+        started = time.perf_counter()
+        while arrived < len(loops):
+            arrived += int(rng.integers(1, 4))
+            so_far = loops[:arrived]
+            linked = max(max(loop.first, loop.second) for loop in so_far)
+            result = solver.solve(PoseGraph(graph.odometry[:linked], so_far))
+            seconds.append(result.seconds)
+            cut_short += not result.complete
+        wall = time.perf_counter() - started
+        while not result.complete:  # what the stream's end does: solve on until done
+            result = solver.solve(PoseGraph(graph.odometry, loops))
+        false = {loop.loop_id for loop in loops if str(loop.loop_id).startswith("false")}
+        accepted = set(result.accepted_ids)
+        scratch = optimize(graph)
+        times = np.array(seconds) * 1e3
+        print(f"{size} chunks, {len(loops)} loops ({len(false)} false), budget {budget_s} s: {len(times)} solves, "
+              f"median {np.median(times):.1f} ms, p99 {np.percentile(times, 99):.1f} ms, max {times.max():.1f} ms, "
+              f"{cut_short} cut short; {wall:.1f} s in all; final: {len(false - accepted)}/{len(false)} false "
+              f"rejected, {len(accepted - false)}/{len(loops) - len(false)} true accepted; from scratch "
+              f"{scratch.seconds * 1e3:.0f} ms (same verdicts: {set(scratch.accepted_ids) == accepted})", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=40, help="seeds a real trajectory (default 40; 0: timings only)")
     parser.add_argument("--sizes", type=int, nargs="*", default=[100, 10_000], help="chunks of the timed graphs")
     parser.add_argument("--pypose", action="store_true", help="also time pypose's LM (needs pypose installed)")
+    parser.add_argument("--stream", type=int, nargs="*", metavar="CHUNKS",
+                        help="only a stream's incremental solves on synthetic graphs of these sizes (e.g. 100 300 1000 3000)")
+    parser.add_argument("--loops-per-chunk", type=float, default=3.0, help="with --stream (default 3, 20 %% false)")
+    parser.add_argument("--budget", type=float, default=None, help="with --stream: each solve's budget in s")
     args = parser.parse_args()
+    if args.stream:
+        return stream_solves(args.stream, args.loops_per_chunk, args.budget)
     import pytest  # evo_data_dir skips through pytest when the data cannot be had
 
     try:

@@ -36,3 +36,26 @@ def overlapping_cliques(n: int = 300, cliques: int = 40, sizes: tuple[int, int] 
         members = rng.choice(n, int(rng.integers(*sizes)), replace=False)
         adjacent[np.ix_(members, members)] = True
     return symmetric(adjacent)
+
+
+def set_based_maximum_clique(adjacent: np.ndarray) -> list[int]:
+    """The plain Bron-Kerbosch search with a pivot on Python sets, whose results (ties included: the first
+    found, the pivot taken in a set's order) the exact search keeps; ascending."""
+    neighbours = [set(np.flatnonzero(row).tolist()) - {node} for node, row in enumerate(adjacent)]
+    best: list[int] = []
+
+    def expand(clique: list[int], candidates: set[int], excluded: set[int]) -> None:
+        nonlocal best
+        if len(clique) + len(candidates) <= len(best):
+            return
+        if not candidates and not excluded:
+            best = sorted(clique)
+            return
+        pivot = max(candidates | excluded, key=lambda node: len(neighbours[node] & candidates))
+        for node in sorted(candidates - neighbours[pivot]):
+            expand(clique + [node], candidates & neighbours[node], excluded & neighbours[node])
+            candidates = candidates - {node}
+            excluded = excluded | {node}
+
+    expand([], set(range(len(adjacent))), set())
+    return best

@@ -9,7 +9,8 @@ false loops claim that two places far apart are one.
 
 A loop edge is made as the stream makes one (models/loops/closer.py): two keyframes' points, each seen
 through the depth model that `loop_covariance` states (per point 0.5 % of the depth along the ray and 0.2 %
-across it; per keyframe its whole depth map scaled by ~2 % and its orientation off by ~1e-3 rad), placed
+across it; per keyframe its whole depth map scaled by ~2 % and its orientation off by what
+the loop covariance declares), placed
 in the open chain's world, fitted by `align_loop` and turned into an edge with the fit's own covariance by
 `loop_edge`. A revisit gives up to `keyframe_pairs` independent keyframe pairs (query keyframes
 INDEX_SPACING frames apart, as the stream indexes them); a false loop is a fit as clean as a true one,
@@ -197,23 +198,26 @@ def keyframe_pairs(truth: np.ndarray, ranges: list[tuple[int, int]], pair: tuple
 
 
 def observed(rng: np.random.Generator, points: np.ndarray, centre: np.ndarray,
-             config: LoopClosureConfig = LOOP_CONFIG) -> np.ndarray:
+             config: LoopClosureConfig = LOOP_CONFIG, rotation_error: float | None = None) -> np.ndarray:
     """What a keyframe at `centre` puts at `points` [n, 3]: per-point depth and ray errors, then its whole
-    view scaled and turned about its camera, as `loop_covariance` states."""
+    view scaled and turned about its camera, as `loop_covariance` states; `rotation_error`: the turn's
+    standard deviation per axis (rad), by default the one the loop covariance declares."""
+    rotation_error = config.keyframe_rotation_sigma if rotation_error is None else rotation_error
     offsets = points - centre
     distance = np.linalg.norm(offsets, axis=1, keepdims=True)
     ray = offsets / distance
     lateral = rng.normal(0, POINT_LATERAL_NOISE, points.shape) * distance
     lateral -= np.sum(lateral * ray, axis=1, keepdims=True) * ray
     noisy = offsets * (1 + rng.normal(0, POINT_DEPTH_NOISE, (len(points), 1))) + lateral
-    turn = from_gtsam(gtsam.Similarity3.Expmap(np.concatenate([rng.normal(0, config.keyframe_rotation_sigma, 3),
+    turn = from_gtsam(gtsam.Similarity3.Expmap(np.concatenate([rng.normal(0, rotation_error, 3),
                                                                np.zeros(4)]))).rotation
     return centre + np.exp(rng.normal(0, config.keyframe_depth_scale_sigma)) * noisy @ turn.T
 
 
 def fitted_loop(loop_id: str, truth: np.ndarray, pair: tuple[int, int], frames: tuple[int, int],
                 true_world_from_chunk: tuple[Sim3, ...], chain: tuple[Sim3, ...], scene_depth: float,
-                rng: np.random.Generator, seen_instead: Sim3 = Sim3.identity()) -> LoopEdge:
+                rng: np.random.Generator, seen_instead: Sim3 = Sim3.identity(),
+                rotation_error: float | None = None) -> LoopEdge:
     """The loop edge the stream makes from keyframes `frames` (a's, b's) of chunks `pair`: FIT_POINTS points
     in front of a's camera (depths 0.5-1.5 x `scene_depth`), seen by both keyframes, each in its chunk's
     coordinates placed by the open chain `chain`; fitted and weighed by closer.align_loop and loop_edge.
@@ -226,8 +230,9 @@ def fitted_loop(loop_id: str, truth: np.ndarray, pair: tuple[int, int], frames: 
     emitted_a = chain[a] @ true_world_from_chunk[a].inverse()  # true world -> the emitted world, chunk a
     emitted_b = chain[b] @ true_world_from_chunk[b].inverse()
     centre_a, centre_b = emitted_a.apply_to_points(truth[frame_a, :3, 3]), emitted_b.apply_to_points(truth[frame_b, :3, 3])
-    earlier_points = observed(rng, emitted_a.apply_to_points(points), centre_a)
-    query_points = observed(rng, emitted_b.apply_to_points(seen_instead.apply_to_points(points)), centre_b)
+    earlier_points = observed(rng, emitted_a.apply_to_points(points), centre_a, rotation_error=rotation_error)
+    query_points = observed(rng, emitted_b.apply_to_points(seen_instead.apply_to_points(points)), centre_b,
+                            rotation_error=rotation_error)
     median_depth = float(np.median(np.linalg.norm(earlier_points - centre_a, axis=1)))
     earlier = _KeyframePoints(earlier_points, median_depth, centre_a)
     query = _KeyframePoints(query_points, median_depth * emitted_b.scale / emitted_a.scale, centre_b)
@@ -260,7 +265,8 @@ def _random_shift(offset: tuple[float, float], rng: np.random.Generator) -> Sim3
 def make_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, false_min_distance: float,
                   scene_depth: float, false_fraction: float = 0.2, false_loops: int | None = None,
                   with_true_loops: bool = True, subtle_false: tuple[float, float] | None = None,
-                  repeats: int = 1, keyframe_pairs_per_revisit: int = 2) -> Scenario:
+                  repeats: int = 1, keyframe_pairs_per_revisit: int = 2,
+                  keyframe_rotation_error: float | None = None) -> Scenario:
     """The chunked stream over `truth`: odometry with ODOMETRY_NOISE; at every revisit (chunk pairs within
     `revisit_radius`) up to `keyframe_pairs_per_revisit` true loops, each a fit of its own keyframe pair
     (`fitted_loop`, points at ~`scene_depth`); and false loops: `false_fraction` of all loops (or
@@ -268,7 +274,9 @@ def make_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, false_
     are), a frame of b said to see what a frame of a at least `false_min_distance` away sees. With
     `subtle_false` (a shift range in ground-truth units) the false loops are on revisited pairs instead:
     the query saw the place shifted by that much, in groups of `repeats` keyframe pairs of one revisit with
-    one shift: one wrong place recognised on consecutive keyframes, so that the group agrees with itself."""
+    one shift: one wrong place recognised on consecutive keyframes, so that the group agrees with itself.
+    `keyframe_rotation_error`: each keyframe's orientation error within its chunk (rad per axis; default:
+    what the loop covariance declares)."""
     rng = np.random.default_rng(seed)
     ranges = chunk_ranges(len(truth))
     # Each chunk's coordinates: its first camera, at a scale of its own (a model's depth normalisation).
@@ -283,7 +291,8 @@ def make_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, false_
     chain = open_chain(graph.odometry)
 
     def fit(loop_id: str, pair: tuple[int, int], frames: tuple[int, int], seen_instead: Sim3 = Sim3.identity()):
-        return fitted_loop(loop_id, truth, pair, frames, world_from_chunk, chain, scene_depth, rng, seen_instead)
+        return fitted_loop(loop_id, truth, pair, frames, world_from_chunk, chain, scene_depth, rng, seen_instead,
+                           keyframe_rotation_error)
 
     revisited = revisits(truth, ranges, revisit_radius) if with_true_loops else {}
     true_ids = []
@@ -332,14 +341,16 @@ def without_false_loops(scenario: Scenario) -> PoseGraph:
 
 
 def rejection_rates(trajectory: Trajectory, truth: np.ndarray, seeds: range, settings: PoseGraphSettings,
-                    subtle: bool = True, repeats: int = 1) -> RejectionRates:
+                    subtle: bool = True, repeats: int = 1, keyframe_rotation_error: float | None = None
+                    ) -> RejectionRates:
     """Each seed's scenario of `truth` solved with `settings`: the false loops rejected, the true ones
     accepted, and the corrected ATE against the open chain's and against a solve without the false loops."""
     rates = RejectionRates()
     for seed in seeds:
         scenario = make_scenario(truth, seed, revisit_radius=trajectory.revisit_radius,
                                  false_min_distance=trajectory.false_min_distance, scene_depth=trajectory.scene_depth,
-                                 subtle_false=trajectory.subtle_shift if subtle else None, repeats=repeats)
+                                 subtle_false=trajectory.subtle_shift if subtle else None, repeats=repeats,
+                                 keyframe_rotation_error=keyframe_rotation_error)
         result = optimize(scenario.graph, settings)
         accepted = set(result.accepted_ids)
         rates.false_rejected += len(scenario.false_loops - accepted)

@@ -173,7 +173,7 @@ def test_an_edge_with_a_covariance_costs_its_mahalanobis_distance() -> None:
     error = rng.multivariate_normal(np.zeros(7), covariance)
     measured = world_from_chunk[1] @ from_gtsam(gtsam.Similarity3.Expmap(error))
     edge = LoopEdge("loop", 0, 1, measured, np.sqrt(np.diag(covariance)), covariance=covariance)
-    chi2 = pose_graph._loop_chi2([edge], world_from_chunk)[0]
+    chi2 = pose_graph.loop_chi2([edge], world_from_chunk)[0]
     assert chi2 == pytest.approx(error @ np.linalg.solve(covariance, error), rel=1e-6)
     diagonal = float(np.sum((error / edge.sigmas) ** 2))
     assert abs(chi2 - diagonal) > 1e-3 * chi2  # the correlations count

@@ -1,5 +1,5 @@
 """PCM's maximum clique at a bounded cost (models/loops/cliques.py): the exact search against brute force and
-against consistency.maximum_clique's set-based search, ties included, the heuristic on the real trajectories' consistency graphs, the budget,
+against the set-based search (tests/clique_graphs.py), ties included, the heuristic on the real trajectories' consistency graphs, the budget,
 and the warm start."""
 
 from __future__ import annotations
@@ -8,11 +8,16 @@ import functools
 
 import numpy as np
 import pytest
-from clique_graphs import consistency_like, overlapping_cliques, random_graph, symmetric
+from clique_graphs import (
+    consistency_like,
+    overlapping_cliques,
+    random_graph,
+    set_based_maximum_clique,
+    symmetric,
+)
 from evo_data import evo_data_dir
 from loop_scenarios import TRAJECTORIES, make_scenario
 
-from stream_recon.models.loops import consistency
 from stream_recon.models.loops.cliques import (
     EXACT_BUDGET,
     CliqueResult,
@@ -20,6 +25,7 @@ from stream_recon.models.loops.cliques import (
     heuristic_maximum_clique,
     maximum_clique,
 )
+from stream_recon.models.loops.pose_graph import PoseGraphSolver
 
 
 def is_clique(adjacent: np.ndarray, nodes: list[int] | tuple[int, ...]) -> bool:
@@ -74,11 +80,11 @@ def test_the_exact_search_finds_a_largest_clique_as_brute_force_does() -> None:
 
 # -- (b) ... and the very one the set-based search finds ------------------------------------------------------
 def test_the_exact_search_returns_what_the_set_based_search_returns() -> None:
-    """consistency.maximum_clique, ties included (it takes its pivot in a Python set's order): random graphs
+    """The set-based search, ties included (it takes its pivot in a Python set's order): random graphs
     of up to 32 nodes and cocktail-party graphs, where every largest clique ties, give the same clique."""
     cases = graphs(seed=1, count=250, max_nodes=32) + [cocktail_party(pairs) for pairs in (2, 5, 9)]
     for adjacent in cases:
-        set_based = consistency.maximum_clique(adjacent)
+        set_based = set_based_maximum_clique(adjacent)
         assert exact_maximum_clique(adjacent) == set_based, adjacent.astype(int)
         assert exact_maximum_clique(adjacent, at_least=len(set_based)) == set_based
         assert exact_maximum_clique(adjacent, at_least=len(set_based) + 1) == []  # none that large
@@ -93,13 +99,13 @@ def scenario_consistency(name: str, seed: int) -> np.ndarray:
     scenario = make_scenario(trajectory.poses(evo_data_dir()), seed, revisit_radius=trajectory.revisit_radius,
                              false_min_distance=0.0, scene_depth=trajectory.scene_depth,
                              subtle_false=trajectory.subtle_shift)
-    return consistency.consistency(scenario.graph, consistency.chi_square_quantile(0.999))
+    return PoseGraphSolver().pair_consistency(scenario.graph)
 
 
 def check_the_heuristic_finds_the_exact_clique(name: str, seed: int) -> None:
     adjacent = scenario_consistency(name, seed)
     exact = exact_maximum_clique(adjacent)
-    assert heuristic_maximum_clique(adjacent) == exact == consistency.maximum_clique(adjacent)
+    assert heuristic_maximum_clique(adjacent) == exact == set_based_maximum_clique(adjacent)
     bounded = maximum_clique(adjacent)
     assert bounded.exact and list(bounded.members) == exact
     assert bounded.expansions <= EXACT_BUDGET // 10  # seen: 2-58

@@ -110,7 +110,9 @@ def test_the_child_process_closes_the_same_loops_as_the_core() -> None:
 
 
 def keyframe_points(points: np.ndarray) -> _KeyframePoints:
-    return _KeyframePoints(points, median_depth=float(np.median(np.linalg.norm(points, axis=1))))
+    """A keyframe whose camera is at the origin of `points`."""
+    return _KeyframePoints(points, median_depth=float(np.median(np.linalg.norm(points, axis=1))),
+                           camera_centre=np.zeros(3))
 
 
 def test_verification_fits_points_that_agree_and_refuses_those_that_do_not() -> None:

@@ -82,7 +82,7 @@ def test_an_edge_error_is_the_perturbation_of_the_measurement_in_the_second_chun
     for _ in range(5):
         error = rng.normal(0, sigmas)
         loop = LoopEdge("x", 0, 1, a_from_b @ exp_sim3(error), sigmas)
-        chi2 = pose_graph._loop_chi2([loop], (Sim3.identity(), a_from_b))[0]
+        chi2 = pose_graph.loop_chi2([loop], (Sim3.identity(), a_from_b))[0]
         assert chi2 == pytest.approx(float(np.sum((error / sigmas) ** 2)), rel=1e-6)
 
 

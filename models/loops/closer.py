@@ -39,8 +39,8 @@ from .pose_graph import (
     PoseGraph,
     PoseGraphResult,
     PoseGraphSettings,
+    PoseGraphSolver,
     open_chain,
-    optimize,
 )
 from .retrieval import gradient_grid_descriptor
 
@@ -66,10 +66,14 @@ class LoopClosureConfig:
     # Errors of a keyframe that no number of its points averages away, added to the fit's own covariance
     # (`loop_covariance`): its whole depth map can be off by ~2% (the depth errors of one prediction are
     # correlated; two chunks' depths of their shared frames differ by about that), a scaling about its
-    # camera; and its orientation within its chunk by ~1e-3 rad, the model's frame-to-frame rotation noise
-    # (similarity.MIN_OVERLAP_SIGMA), a rotation of all its points about its camera.
+    # camera; and its orientation within its chunk, a rotation of all its points about its camera. That
+    # error is not the model's frame-to-frame noise (1e-3 rad, similarity.MIN_OVERLAP_SIGMA) but its
+    # rotation error between frames a chunk apart, tenths of a degree for feed-forward models: 5e-3 rad
+    # per axis is 0.5 degrees over all three. At the former 1e-3 rad, keyframes off by 0.4 degrees put true
+    # loops at ~3 sigmas and a third of them were rejected; at 5e-3, 0.4 degrees sits inside the bound
+    # (tests/test_models_loop_false_loops.py).
     keyframe_depth_scale_sigma: float = 0.02
-    keyframe_rotation_sigma: float = 1e-3  # radians
+    keyframe_rotation_sigma: float = 5e-3  # radians, per axis
     # Keyframes handed to the loop-closure process and not yet answered: a keyframe due for indexing
     # that finds this many waits for the next one (coverage.py), so the stream never waits for
     # detection; 8 absorb a rollover's burst and are ~13 MB at 518 x 378.
@@ -84,6 +88,9 @@ class LoopClosureConfig:
     # spacing, up to 64: 64 frames plus the wait of one due keyframe for an answer (one detection, ~4
     # frames at 40 FPS) stay under 100 frames without an indexed keyframe.
     max_index_spacing: int = 64
+    # The pose graph's solves: each hands back what it has after 0.1 s (the next solve goes on from there),
+    # so the child answers a keyframe within its detection time plus 0.1 s however large the graph grows.
+    pose_graph: PoseGraphSettings = PoseGraphSettings(budget_s=0.1)
 
 
 @dataclass(frozen=True)
@@ -124,7 +131,9 @@ class FirstFinalKeyframes:
 class _KeyframePoints:
     points: np.ndarray  # [N, 3] float64, the emitted world point behind each keypoint; NaN where unsure
     median_depth: float
-    camera_centre: np.ndarray = field(default_factory=lambda: np.zeros(3))  # [3] in the emitted world
+    # [3] the keyframe's camera in the emitted world: the keyframe's errors turn and scale about it, so it
+    # has no default (a zero would silently put every keyframe's errors at the world's origin)
+    camera_centre: np.ndarray
 
 
 def keypoint_points(keypoints: np.ndarray, depth: np.ndarray, depth_conf: np.ndarray, intrinsics: np.ndarray,
@@ -270,11 +279,11 @@ def graph_of(links: Sequence[ChunkLink], loops: Sequence[LoopEdge]) -> PoseGraph
 
 
 def solve(links: Sequence[ChunkLink], loops: Sequence[LoopEdge], settings: PoseGraphSettings = PoseGraphSettings(),
-          cycle_chi2: dict | None = None) -> tuple[PoseGraph, PoseGraphResult]:
-    """The graph of `graph_of` and its solution (pose_graph.optimize; `cycle_chi2` kept between the solves of
-    one stream, whose links and loops only grow)."""
+          solver: PoseGraphSolver | None = None) -> tuple[PoseGraph, PoseGraphResult]:
+    """The graph of `graph_of` and its solution; `solver`: the one kept between the solves of one stream
+    (what they share is then not computed again), else a new one with `settings`."""
     graph = graph_of(links, loops)
-    return graph, optimize(graph, settings, cycle_chi2)
+    return graph, (solver or PoseGraphSolver(settings)).solve(graph)
 
 
 def corrections_from_solve(graph: PoseGraph, result: PoseGraphResult, records: Sequence[LoopRecord] = (),
@@ -326,7 +335,8 @@ class LoopCloser:
         self._points: dict[int, _KeyframePoints] = {}
         self._loops: list[LoopRecord] = []
         self._edges: list[LoopEdge] = []
-        self._cycle_chi2: dict = {}  # pairwise consistency's figures, kept between solves (consistency.py)
+        self._solver = PoseGraphSolver(config.pose_graph)  # what the stream's solves share
+        self._unfinished = False  # the last solve ran out of its time budget: the next one goes on
         self.corrections = ChunkCorrections({})
         self.timings = _Timings()
 
@@ -355,7 +365,7 @@ class LoopCloser:
             checked = self._detector.add_keyframe(keyframe.frame_index, keyframe.chunk_index, descriptor, features,
                                                   keyframe.intrinsics)
         new_edges = [self._verify(candidate) for candidate in checked]
-        return self._solve() if any(new_edges) else None
+        return self._solve() if any(new_edges) or self._unfinished else None
 
     @property
     def pairs_recorded(self) -> int:
@@ -409,7 +419,8 @@ class LoopCloser:
         return alignment.passed
 
     def _solve(self) -> ChunkCorrections:
-        graph, result = solve(self._links, self._edges, cycle_chi2=self._cycle_chi2)
+        graph, result = solve(self._links, self._edges, solver=self._solver)
+        self._unfinished = not result.complete
         self.timings.add("pose_graph", result.seconds * 1000.0)
         self.corrections = corrections_from_solve(graph, result, self._loops, self.corrections.version + 1)
         return self.corrections

@@ -1,29 +1,40 @@
-"""Loops judged as a set before the pose graph sees them: pairwise consistency maximisation (PCM; Mangelson
-et al. 2018, as Kimera-RPGO uses it).
+"""Loops judged against the odometry and against each other before the pose graph solves with them.
 
-Two loops a_from_b and c_from_d close a cycle with the odometry: a_from_b @ b_from_d @ (c_from_d)^-1 @
-c_from_a, the identity if both are true. Its error, with a covariance propagated from every edge in the
-cycle (each loop's own and the odometry's between its chunks, first order), is chi-square with 7 degrees
-of freedom; two loops are consistent when it stays under the same quantile as the pose graph's inlier
-bound. The loops kept are a largest set of mutually consistent ones (a maximum clique of the consistency
-graph). A false loop can agree with the chain within its sigmas, but to survive it must agree with every
-true loop of the set through the odometry that joins them: each true loop is one more witness against it.
+Two tests, both a cycle's error against a covariance propagated to first order from every edge in the
+cycle, chi-square with 7 degrees of freedom when the loops are true:
+
+- **A loop against the odometry it closes** (`odometry_cycle_chi2`): a_from_b @ b_from_a, the second
+  through the chain between its chunks. A false loop that happens to agree with another false loop still
+  has to agree with the drift the chain can have had between its chunks (Kimera-RPGO's odometry check).
+- **Two loops against each other** (`pair_cycle_chi2`, pairwise consistency maximisation, PCM; Mangelson
+  et al. 2018, as Kimera-RPGO uses it): a_from_b @ b_from_d @ (c_from_d)^-1 @ c_from_a. The loops kept
+  are a largest set of mutually consistent ones (a maximum clique of the consistency graph, cliques.py).
+
+The chain's part of a cycle is the odometry between two chunks. Composed link by link it costs a 7 x 7
+adjoint per link and pair: O(loops^2 x chunks) for a solve's pairs. Here it costs O(1) a pair:
+`ChainCovariances.anchored(x)` carries every link's covariance into chunk x's frame once (one batched
+product over the chain) and sums them outward from x, so the covariance of x_from_z for every z is one
+lookup. The new loop's two chunks are the anchors of all its pairs (a pair's cycle leaves and re-enters
+the chain at them), so a new loop costs two anchored sums, O(chunks), and its pairs one batched NumPy
+computation, O(loops). Summing outward from the anchor adds positive terms only: no difference of large
+prefix sums, whose rounding grows with the square of the distance from the world's origin.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
-import gtsam
 import numpy as np
 
-from ..stream.similarity import Sim3
-from .pose_graph import TANGENT_DIM, LoopEdge, OdometryEdge, PoseGraph, to_gtsam
+from . import sim3_batch as lie
+from .sim3_batch import TANGENT_DIM, adjoint, inverse, logmap, mahalanobis2, sandwich
 
-Uncertain = tuple[Sim3, np.ndarray]  # a transform T and the covariance [7, 7] of e in T @ Exp(e)
+Uncertain = tuple[np.ndarray, np.ndarray]  # a transform [4, 4] and the covariance [7, 7] of e in T @ Exp(e)
 
 
+@functools.lru_cache(maxsize=256)
 def chi_square_quantile(probability: float, dof: int = TANGENT_DIM) -> float:
     """The chi-square quantile, by bisection on the regularised lower incomplete gamma function (series)."""
     def cdf(x: float) -> float:
@@ -36,29 +47,21 @@ def chi_square_quantile(probability: float, dof: int = TANGENT_DIM) -> float:
             total += term
         return math.exp(s * math.log(half) - half - math.lgamma(s)) * total
 
-    low, high = 0.0, 10.0 * dof + 100.0
+    low, high = 0.0, 10.0 * dof + 100.0 + 10.0 * math.sqrt(dof)
     for _ in range(200):
         middle = 0.5 * (low + high)
         low, high = (middle, high) if cdf(middle) < probability else (low, middle)
     return 0.5 * (low + high)
 
 
-def covariance_of(edge: OdometryEdge | LoopEdge) -> np.ndarray:
-    return np.array(edge.covariance) if edge.covariance is not None else np.diag(np.square(edge.sigmas))
-
-
-def adjoint(transform: Sim3) -> np.ndarray:
-    """[7, 7] Ad_T: T @ Exp(e) @ T^-1 = Exp(Ad_T e)."""
-    return np.asarray(to_gtsam(transform).AdjointMap())
-
-
+# -- the reference: products composed factor by factor ---------------------------------------------
 def compose(factors: Sequence[Uncertain]) -> Uncertain:
     """The product T_1 @ ... @ T_n and its covariance: T_i Exp(e_i) moves the product by
-    Exp(Ad_(T_i+1 ... T_n)^-1 e_i) on the right."""
-    product, covariance = Sim3.identity(), np.zeros((TANGENT_DIM, TANGENT_DIM))
+    Exp(Ad_(T_i+1 ... T_n)^-1 e_i) on the right. Link by link: the reference the batched forms are
+    tested against."""
+    product, covariance = np.eye(4), np.zeros((TANGENT_DIM, TANGENT_DIM))
     for transform, transform_covariance in reversed(factors):
-        to_right = adjoint(product.inverse())
-        covariance = covariance + to_right @ transform_covariance @ to_right.T
+        covariance = covariance + sandwich(adjoint(inverse(product)), transform_covariance)
         product = transform @ product
     return product, covariance
 
@@ -66,80 +69,144 @@ def compose(factors: Sequence[Uncertain]) -> Uncertain:
 def invert(factor: Uncertain) -> Uncertain:
     """(T Exp(e))^-1 = T^-1 Exp(-Ad_T e)."""
     transform, covariance = factor
-    to_inverse = adjoint(transform)
-    return transform.inverse(), to_inverse @ covariance @ to_inverse.T
+    return inverse(transform), sandwich(adjoint(transform), covariance)
 
 
-def odometry_between(graph: PoseGraph, x: int, y: int) -> Uncertain:
-    """x_from_y through the odometry (odometry[k] is k_from_k+1), with its covariance."""
-    if x > y:
-        return invert(odometry_between(graph, y, x))
-    return compose([(edge.previous_from_next, covariance_of(edge)) for edge in graph.odometry[x:y]])
+# -- the chain ---------------------------------------------------------------------------------------
+class ChainCovariances:
+    """The open chain (odometry[k] is k_from_k+1) and its link covariances, for the odometry between any
+    two chunks.
+
+    `world_from_chunk` [K, 4, 4]: the links composed. Link i's error, on the right of chunk i+1's placement,
+    is carried into chunk x's frame by Ad(W_x^-1 W_i+1); the sum over the links between x and z is then
+    the covariance of x_from_z as a perturbation on the left (in chunk x's frame), whichever of x and z
+    comes first (an inverted link's error sits on its left, at the same chunk)."""
+
+    def __init__(self, links: np.ndarray, link_covariances: np.ndarray):
+        self.links = np.asarray(links, np.float64).reshape(-1, 4, 4)  # [K-1, 4, 4] k_from_k+1
+        self.link_covariances = np.asarray(link_covariances, np.float64).reshape(-1, TANGENT_DIM, TANGENT_DIM)
+        chain = [np.eye(4)]
+        for link in self.links:
+            chain.append(chain[-1] @ link)
+        self.world_from_chunk = np.stack(chain)
+        self._world_sums: np.ndarray | None = None
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.world_from_chunk)
+
+    def between(self, x: np.ndarray | int, z: np.ndarray | int) -> np.ndarray:
+        """[..., 4, 4] x_from_z through the open chain."""
+        return inverse(self.world_from_chunk[x]) @ self.world_from_chunk[z]
+
+    def anchored(self, x: int) -> np.ndarray:
+        """[K, 7, 7]: row z is the covariance of x_from_z through the chain, on its left (chunk x's frame);
+        row x is zero. Summed outward from x."""
+        carried = sandwich(adjoint(inverse(self.world_from_chunk[x]) @ self.world_from_chunk[1:]),
+                           self.link_covariances)  # [K-1]: link i into chunk x's frame
+        out = np.zeros((self.num_chunks, TANGENT_DIM, TANGENT_DIM))
+        out[x + 1:] = np.cumsum(carried[x:], axis=0)
+        if x > 0:
+            out[:x] = np.cumsum(carried[:x][::-1], axis=0)[::-1]
+        return out
 
 
-def cycle_chi2(graph: PoseGraph, first: LoopEdge, second: LoopEdge) -> float:
-    """The squared Mahalanobis norm of first @ b_from_d @ second^-1 @ c_from_a (first: a_from_b, second:
-    c_from_d), whose error is chi-square with 7 dof when both loops are true."""
-    cycle = compose([(first.first_from_second, covariance_of(first)),
-                     odometry_between(graph, first.second, second.second),
-                     invert((second.first_from_second, covariance_of(second))),
-                     odometry_between(graph, second.first, first.first)])
-    transform, covariance = cycle
-    error = np.asarray(gtsam.Similarity3.Logmap(to_gtsam(transform)))
-    return float(error @ np.linalg.solve(covariance, error))
+    def world_sums(self) -> np.ndarray:
+        """[K, 7, 7] S_k: links 0..k-1 carried into the world's frame and summed, so that the covariance of
+        x_from_z (x < z) on its left is Ad(W_x^-1) (S_z - S_x) Ad(W_x^-1)^T in O(1). The difference of two
+        sums loses ~1e-16 x (distance from the origin / the span's extent)^2 of its value: kept for the
+        bending test at a solution, a bound of ~24 against misfits in the hundreds; the cycle tests above
+        use the exact `anchored` sums."""
+        if self._world_sums is None:
+            carried = sandwich(adjoint(self.world_from_chunk[1:]), self.link_covariances)
+            self._world_sums = np.concatenate([np.zeros((1, TANGENT_DIM, TANGENT_DIM)), np.cumsum(carried, axis=0)])
+        return self._world_sums
+
+    def bending_chi2(self, first: np.ndarray, second: np.ndarray, solved: np.ndarray) -> np.ndarray:
+        """[G] how far a solution's first_from_second [G, 4, 4] (first < second) moved from the chain's, in
+        the chain's own uncertainty between the two chunks: chi-square with 7 dof when the chain only
+        gave up the drift it can have had."""
+        sums = self.world_sums()
+        chained = self.between(first, second)
+        left = sandwich(adjoint(inverse(self.world_from_chunk[first])), sums[second] - sums[first])
+        right = sandwich(adjoint(inverse(chained)), left)
+        return mahalanobis2(logmap(inverse(chained) @ solved), right)
+
+    def odometry_chi2(self, world_from_chunk: np.ndarray) -> np.ndarray:
+        """[K-1] each link's squared residual in its sigmas at the poses [K, 4, 4]."""
+        if not len(self.links):
+            return np.zeros(0)
+        solved = inverse(world_from_chunk[:-1]) @ world_from_chunk[1:]
+        return mahalanobis2(logmap(inverse(self.links) @ solved), self.link_covariances)
 
 
-# Two loops' cycle chi2, by their ids: a cycle runs through the odometry between their chunks, which never
-# changes once those chunks are linked, so a stream's closer keeps these between solves and computes only a
-# new loop's pairs (a pair costs ~1.5 ms; 100 loops have 4,950 pairs).
-CycleChi2Cache = dict[tuple[Hashable, Hashable], float]
+def odometry_between(chain: ChainCovariances, x: int, z: int) -> Uncertain:
+    """x_from_z through the chain and its covariance on the right (chunk z's frame)."""
+    transform = chain.between(x, z)
+    return transform, sandwich(adjoint(inverse(transform)), chain.anchored(x)[z])
 
 
-def consistency(graph: PoseGraph, bound: float, known: CycleChi2Cache | None = None) -> np.ndarray:
-    """[L, L] bool: loops i and j are pairwise consistent (the diagonal is True). `known`: the cycle chi2 of
-    pairs computed before for a graph with the same odometry up to their chunks; filled in."""
-    known = {} if known is None else known
-    count = len(graph.loops)
-    consistent = np.eye(count, dtype=bool)
-    for i in range(count):
-        for j in range(i + 1, count):
-            first, second = graph.loops[i], graph.loops[j]
-            key = (first.loop_id, second.loop_id)
-            if key not in known:
-                known[key] = cycle_chi2(graph, first, second)
-            consistent[i, j] = consistent[j, i] = known[key] <= bound
-    return consistent
+# -- cycles ------------------------------------------------------------------------------------------
+def _right_chi2(cycle: np.ndarray, left_terms: Sequence[tuple[np.ndarray, np.ndarray]],
+                right_term: np.ndarray) -> np.ndarray:
+    """chi2 of the cycles [N, 4, 4] (product P = X_1 ... X_n), their covariance on the right: each
+    (prefix, covariance) a factor's left perturbation carried by Ad(P^-1 prefix), plus `right_term`
+    (already at P's right end)."""
+    back = inverse(cycle)
+    covariance = right_term.copy()
+    for prefix, term in left_terms:
+        covariance += sandwich(adjoint(back @ prefix), term)
+    return mahalanobis2(logmap(cycle), covariance)
 
 
-def maximum_clique(adjacent: np.ndarray) -> list[int]:
-    """A largest set of mutually adjacent nodes (Bron-Kerbosch with a pivot; ties: the first found, in node
-    order), ascending."""
-    neighbours = [set(np.flatnonzero(row).tolist()) - {node} for node, row in enumerate(adjacent)]
-    best: list[int] = []
-
-    def expand(clique: list[int], candidates: set[int], excluded: set[int]) -> None:
-        nonlocal best
-        if len(clique) + len(candidates) <= len(best):
-            return
-        if not candidates and not excluded:
-            best = sorted(clique)
-            return
-        pivot = max(candidates | excluded, key=lambda node: len(neighbours[node] & candidates))
-        for node in sorted(candidates - neighbours[pivot]):
-            expand(clique + [node], candidates & neighbours[node], excluded & neighbours[node])
-            candidates = candidates - {node}
-            excluded = excluded | {node}
-
-    expand([], set(range(len(adjacent))), set())
-    return best
+def odometry_cycle_chi2(chain: ChainCovariances, first: np.ndarray, second: np.ndarray, measured: np.ndarray,
+                        covariance: np.ndarray) -> np.ndarray:
+    """[N] each loop against the chain: first_from_second (its measurement [N, 4, 4], covariance [N, 7, 7]
+    on the right) composed with second_from_first through the odometry."""
+    first, second = np.atleast_1d(first), np.atleast_1d(second)
+    cycle = measured @ chain.between(second, first)
+    anchored = np.stack([chain.anchored(int(a))[int(b)] for a, b in zip(first, second, strict=True)])
+    # the measurement's left perturbation is Ad(Z) C Ad(Z)^T at prefix I; the chain's is at `first`, the right end
+    return _right_chi2(cycle, [(measured, covariance)], anchored)
 
 
-def consistent_loops(graph: PoseGraph, probability: float, known: CycleChi2Cache | None = None) -> list[int]:
-    """Indices (ascending) of a largest set of pairwise consistent loops of `graph` (`known`: as `consistency`)."""
-    if len(graph.loops) <= 1:
-        return list(range(len(graph.loops)))
-    return maximum_clique(consistency(graph, chi_square_quantile(probability), known))
+def pair_cycle_chi2(chain: ChainCovariances, loop: Uncertain, chunks: tuple[int, int], others: Uncertain,
+                    other_chunks: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """[N] one loop a_from_b against N others c_from_d: the cycle a_from_b @ b_from_d @ (c_from_d)^-1 @
+    c_from_a, the chain's parts through `chain`. With the other loop first it is the same cycle conjugated
+    and inverted, equal to first order (the covariance is linearised at other products: a few % apart)."""
+    (measured, covariance), (a, b) = loop, chunks
+    (other_measured, other_covariance), (c, d) = others, other_chunks
+    from_b, from_a = chain.anchored(b), chain.anchored(a)
+    b_from_d = chain.between(b, d)
+    through_b = measured @ b_from_d  # a_from_d
+    through_d = through_b @ inverse(other_measured)  # a_from_c
+    cycle = through_d @ chain.between(c, a)
+    # a_from_b's right error and b_from_d's left one (chunk b's sum) both sit after the prefix a_from_b;
+    # (c_from_d)^-1's left error is the other loop's right one, after a_from_d; c_from_a's right end is the
+    # cycle's (chunk a's sum)
+    terms = [(measured, covariance + from_b[d]), (through_b, other_covariance)]
+    return _right_chi2(cycle, terms, from_a[c])
 
 
-__all__ = ["chi_square_quantile", "compose", "consistent_loops", "cycle_chi2", "invert", "maximum_clique",
-           "odometry_between"]
+# -- loops of one chunk pair, combined --------------------------------------------------------------
+def combine(measured: np.ndarray, covariance: np.ndarray, max_iterations: int = 20) -> Uncertain:
+    """One edge from N measurements [N, 4, 4] of the same first_from_second with covariances [N, 7, 7] on
+    the right: the information-weighted mean on the manifold (Gauss-Newton from the first, each
+    measurement's error taken in the mean's tangent, until a step moves it by less than 1e-12) and the
+    covariance of that mean."""
+    information = np.linalg.inv(covariance)
+    total = information.sum(axis=0)
+    mean = measured[0]
+    for _ in range(max_iterations):
+        errors = logmap(inverse(mean)[None] @ measured)  # Z_i = mean Exp(e_i)
+        step = np.linalg.solve(total, np.einsum("nij,nj->i", information, errors))
+        mean = mean @ lie.expmap(step)
+        if np.abs(step).max() < 1e-12:
+            break
+    combined = np.linalg.inv(total)
+    return mean, 0.5 * (combined + combined.T)
+
+
+__all__ = ["ChainCovariances", "chi_square_quantile", "combine", "compose", "invert", "odometry_between",
+           "odometry_cycle_chi2", "pair_cycle_chi2"]

@@ -2,10 +2,19 @@
 
 A long stream is cut into chunks; each new chunk is mapped onto the previous one by a Sim(3) fitted on
 their shared frames (an odometry edge), so errors add up along the chain. A loop edge says how two
-chunks far apart in the stream relate (the same place seen again). `optimize` finds the world-from-chunk
-Sim(3) of every chunk that agrees best with all edges, and decides which loop edges to believe: one
-false loop would bend the whole map, so loops are robustly weighted (GNC with a truncated least-squares
-cost, odometry known to be right) and then checked once more against a chi-square bound.
+chunks far apart in the stream relate (the same place seen again). A solve finds the world-from-chunk
+Sim(3) of every chunk that agrees best with the edges it believes, and decides which loop edges to
+believe: one false loop would bend the whole map. A loop is accepted when it passes four checks:
+
+1. against the odometry it closes: its cycle with the chain between its chunks (consistency.py);
+2. against the other loops: it is in a largest pairwise-consistent set (PCM, consistency.py, cliques.py);
+3. at the solution, its own residual stays under the inlier bound;
+4. at the solution, the chain between its chunks is bent no more than the chain's own uncertainty allows.
+
+Loops between the same two chunks are solved as one edge (their information-weighted mean), so the graph
+grows with revisited chunk pairs, not with keyframe pairs. `PoseGraphSolver` keeps what a stream's solves
+share (the chain's covariances, every pair's consistency, the last clique and the last solution): a new
+loop costs O(chunks + loops) to judge, and a solve starts from the last solution under a time budget.
 
 Conventions (docs/loop_closure.md says more):
 - Chunk k's node is world_from_chunk[k]: chunk k coordinates -> the coordinates of chunk 0 (node 0 is
@@ -17,8 +26,8 @@ Conventions (docs/loop_closure.md says more):
 - A graph without loop edges, or whose loops are all rejected, yields the open chain exactly: the
   odometry measurements composed as given, not the optimiser's estimate of it.
 
-The optimiser is GTSAM's (Similarity3, Levenberg-Marquardt, GncOptimizer). GTSAM's Similarity3(R, t, s)
-maps x -> s (R x + t), where our Sim3 maps x -> s R x + t: the conversions below divide or multiply the
+The optimiser is GTSAM's (Similarity3, Levenberg-Marquardt). GTSAM's Similarity3(R, t, s) maps
+x -> s (R x + t), where our Sim3 maps x -> s R x + t: the conversions below divide or multiply the
 translation by the scale. GTSAM holds the GIL through each iteration: the stream's loop closer solves in
 its own child process (models/loops/process.py), never in the stream's.
 """
@@ -26,7 +35,7 @@ its own child process (models/loops/process.py), never in the stream's.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,14 +43,14 @@ import gtsam
 import numpy as np
 
 from ..stream.similarity import Sim3
+from . import sim3_batch as lie
+from .cliques import maximum_clique
+from .consistency import ChainCovariances, chi_square_quantile, combine, odometry_cycle_chi2, pair_cycle_chi2
 
-TANGENT_DIM = 7  # rotation (3), translation (3), log scale (1): GTSAM's Similarity3 tangent order
+TANGENT_DIM = lie.TANGENT_DIM  # rotation (3), translation (3), log scale (1): GTSAM's Similarity3 tangent order
 # Node 0's prior: a standard deviation of 1e-6 (odometry's are ~1e-3 and up) holds chunk 0 in place; the
 # information ratio, ~1e6 squared, is far from float64's limits. The result is re-anchored exactly anyway.
 _ANCHOR_SIGMA = 1e-6
-# GNC's weight of a loop is 0 or 1 at convergence with a truncated least-squares cost; in between it means
-# the schedule stopped early, and only a loop weighted more than half is taken as an inlier.
-_INLIER_WEIGHT = 0.5
 
 
 # -- edges and the graph ---------------------------------------------------------------------------
@@ -153,46 +162,49 @@ def open_chain(odometry: Sequence[OdometryEdge]) -> tuple[Sim3, ...]:
 # -- results ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PoseGraphSettings:
-    # The chi-square quantile that bounds an inlier loop's squared, sigma-weighted residual, both for GNC's
-    # truncation and for the final check: 0.99 with 7 degrees of freedom is 18.48.
+    # The chi-square quantile that bounds an accepted loop's squared, sigma-weighted residual at the
+    # solution: 0.99 with 7 degrees of freedom is 18.48.
     inlier_probability: float = 0.99
     max_iterations: int = 100  # Levenberg-Marquardt iterations per solve (a chunk graph needs < 10)
-    # Each GNC step solves to this relative decrease of the cost; the next step changes the weights anyway,
-    # so GTSAM's 1e-5 buys nothing: 1e-3 halved a 1,000-chunk solve here with the same verdicts.
-    relative_error_tol: float = 1e-3
-    # GNC's factor between steps of its continuation (GTSAM's default 1.4): 2.0 halves the steps again with
-    # the same verdicts on KITTI 00, fr1_xyz and synthetic chains of 100 and 1,000 chunks (docs/loop_closure.md).
-    gnc_step: float = 2.0
-    # Before GNC, keep only a largest set of loops that are pairwise consistent through the odometry
-    # (consistency.py, PCM): a false loop must then agree with every kept one. On, since loop edges carry
-    # their fits' covariances (docs/loop_closure.md): a false loop far from the truth (>= 50 m on KITTI 00)
-    # is then so far outside its sigmas that GNC alone, started from the drifted chain, turned away 70 % of
-    # the true loops with it (10 seeds); PCM removes it first.
+    # Levenberg-Marquardt stops at this relative decrease of the cost (GTSAM's default 1e-5).
+    relative_error_tol: float = 1e-5
+    # Judge each loop against the odometry it closes (consistency.odometry_cycle_chi2) before anything else:
+    # two false loops can agree with each other by chance, but each must also agree with the chain.
+    odometry_check: bool = True
+    # Keep only a largest set of loops that are pairwise consistent through the odometry (consistency.py,
+    # PCM): a false loop must then agree with every kept one.
     pairwise_consistency: bool = True
-    # Two loops are consistent while their cycle's chi2 stays under this quantile (7 dof: 0.999 is 24.32).
-    # Looser than the inlier bound: with ~20 true loops there are ~200 pairs, and at 0.99 two or three of them
-    # fail by chance, each costing a true loop before GNC can weigh it (KITTI 00: 107 of 110 kept at 0.99,
-    # 110 at 0.999); a false loop's cycles miss by far more than the difference.
+    # The bound of both cycle tests (a loop against the chain, two loops against each other) and of the
+    # chain's bending at the solution: 7 dof at 0.999 is 24.32. Looser than the inlier bound: with ~20 true
+    # loops there are ~200 pairs, and at 0.99 two or three of them fail by chance, each costing a true loop
+    # (KITTI 00: 107 of 110 kept at 0.99, 110 at 0.999); a false loop's cycles miss by far more.
     consistency_probability: float = 0.999
+    # Loops between the same two chunks solved as one edge, their information-weighted mean.
+    combine_chunk_pairs: bool = True
+    # Seconds a solve may take before it hands back what it has (None: no limit); see PoseGraphResult.complete.
+    budget_s: float | None = None
 
 
 @dataclass(frozen=True)
 class LoopVerdict:
     loop_id: Hashable
     accepted: bool
-    gnc_weight: float  # GNC's final weight of the loop: 1 inlier, 0 outlier
     chi2: float  # the loop's squared residual in sigmas at the returned poses (chi-square with 7 dof if right)
-    consistent: bool = True  # in the largest pairwise-consistent set (False: rejected before GNC)
+    consistent: bool = True  # in the largest pairwise-consistent set (False: rejected before the solve)
+    odometry_chi2: float = 0.0  # its cycle with the chain between its chunks, before any solve
 
 
 @dataclass(frozen=True)
 class PoseGraphResult:
     world_from_chunk: tuple[Sim3, ...]  # one per chunk; [0] is the identity
     loops: tuple[LoopVerdict, ...]  # one per loop edge, in the graph's order
-    iterations: int  # Levenberg-Marquardt iterations in all (GNC's inner solves and the checks)
+    iterations: int  # Levenberg-Marquardt iterations in all
     initial_error: float  # 0.5 * sum of chi2 over all edges at the open chain
     final_error: float  # 0.5 * sum of chi2 over the odometry and the accepted loops at the result
-    seconds: float  # wall time of `optimize`
+    seconds: float  # wall time of the solve
+    # False when the time budget ran out first: the poses are the solver's best so far and the verdicts
+    # provisional; the next solve goes on from there.
+    complete: bool = True
 
     @property
     def accepted_ids(self) -> tuple[Hashable, ...]:
@@ -221,148 +233,316 @@ def from_gtsam(transform: gtsam.Similarity3) -> Sim3:
                 scale * np.asarray(transform.translation(), np.float64))
 
 
-def _noise(edge: OdometryEdge | LoopEdge) -> gtsam.noiseModel.Base:
-    """The edge's full covariance when it has one, else its independent sigmas."""
-    if edge.covariance is not None:
-        return gtsam.noiseModel.Gaussian.Covariance(np.array(edge.covariance))
-    return gtsam.noiseModel.Diagonal.Sigmas(np.asarray(edge.sigmas, np.float64))
+
+def covariance_of(edge: OdometryEdge | LoopEdge) -> np.ndarray:
+    return np.array(edge.covariance) if edge.covariance is not None else np.diag(np.square(edge.sigmas))
 
 
-def _loop_factor(loop: LoopEdge) -> gtsam.BetweenFactorSimilarity3:
-    return gtsam.BetweenFactorSimilarity3(loop.first, loop.second, to_gtsam(loop.first_from_second),
-                                          _noise(loop))
+def _between_factor(first: int, second: int, measured: np.ndarray, covariance: np.ndarray) -> gtsam.NonlinearFactor:
+    return gtsam.BetweenFactorSimilarity3(first, second, to_gtsam(lie.to_sim3(measured)),
+                                          gtsam.noiseModel.Gaussian.Covariance(np.array(covariance)))
 
 
-def _factor_graph(graph: PoseGraph, loops: Sequence[LoopEdge]) -> gtsam.NonlinearFactorGraph:
-    """Factor 0 anchors chunk 0, factors 1..K are the odometry edges, then `loops` in order."""
-    factors = gtsam.NonlinearFactorGraph()
-    factors.add(gtsam.PriorFactorSimilarity3(0, gtsam.Similarity3(), gtsam.noiseModel.Isotropic.Sigma(
-        TANGENT_DIM, _ANCHOR_SIGMA)))
-    for k, edge in enumerate(graph.odometry):
-        factors.add(gtsam.BetweenFactorSimilarity3(k, k + 1, to_gtsam(edge.previous_from_next), _noise(edge)))
-    for loop in loops:
-        factors.add(_loop_factor(loop))
-    return factors
+def _same_edge(a: OdometryEdge, b: OdometryEdge) -> bool:
+    if a is b or a.previous_from_next is b.previous_from_next and a.covariance is b.covariance:
+        return np.array_equal(a.sigmas, b.sigmas)
+    return (np.array_equal(a.previous_from_next.scaled_matrix, b.previous_from_next.scaled_matrix)
+            and np.array_equal(covariance_of(a), covariance_of(b)))
 
 
-def _values(world_from_chunk: Sequence[Sim3]) -> gtsam.Values:
+@dataclass(frozen=True)
+class _Group:
+    """The accepted-so-far loops between chunks first < second, as one edge."""
+
+    first: int
+    second: int
+    measured: np.ndarray  # [4, 4] first_from_second
+    covariance: np.ndarray  # [7, 7] on the right
+    members: tuple[int, ...]  # loop indices (the solver's)
+
+
+# -- the solver ------------------------------------------------------------------------------------
+class PoseGraphSolver:
+    """Solves a stream's pose graph again and again as it grows, keeping what the solves share.
+
+    `solve(graph)` takes the whole graph each time (an immutable snapshot); what it saw before is found by
+    comparing: odometry edges that are unchanged, loops by id (a loop id must always name the same loop).
+    A new loop costs its cycle against the chain and one batched row of pairs; a changed link recomputes
+    the loops that reach past it. Levenberg-Marquardt starts from the last solution.
+    """
+
+    def __init__(self, settings: PoseGraphSettings = PoseGraphSettings()):
+        self.settings = settings
+        self._odometry: list[OdometryEdge] = []
+        self._chain = ChainCovariances(np.zeros((0, 4, 4)), np.zeros((0, TANGENT_DIM, TANGENT_DIM)))
+        self._odometry_factors: list[gtsam.NonlinearFactor] = []
+        self._loops: list[LoopEdge] = []
+        self._index: dict[Hashable, int] = {}
+        self._measured = np.zeros((0, 4, 4))  # [L] first_from_second
+        self._covariance = np.zeros((0, TANGENT_DIM, TANGENT_DIM))
+        self._ends = np.zeros((0, 2), np.int64)  # [L] (first, second)
+        self._odometry_chi2 = np.zeros(0)
+        self._pair_chi2 = np.zeros((0, 0))  # [capacity, capacity], symmetric; the diagonal is unused
+        self._clique: list[int] = []  # the last solve's consistent set (loop indices)
+        self._estimate: np.ndarray | None = None  # [K, 4, 4] the last solution; None: the open chain
+        self._group_factors: dict[tuple, gtsam.NonlinearFactor] = {}
+        self._groups: dict[tuple, _Group] = {}
+        self.pairs_computed = 0  # cycle tests of two loops so far (each pair once unless a link changed)
+
+    # -- what changed ------------------------------------------------------------------------------
+    def _take_odometry(self, odometry: Sequence[OdometryEdge]) -> None:
+        known = min(len(odometry), len(self._odometry))
+        unchanged = next((k for k in range(known) if not _same_edge(odometry[k], self._odometry[k])), known)
+        if unchanged == len(self._odometry) == len(odometry):
+            return
+        self._odometry = list(odometry)
+        self._chain = ChainCovariances(lie.matrices([edge.previous_from_next for edge in odometry]),
+                                       np.stack([covariance_of(edge) for edge in odometry])
+                                       if odometry else np.zeros((0, TANGENT_DIM, TANGENT_DIM)))
+        del self._odometry_factors[unchanged:]
+        for k in range(unchanged, len(odometry)):
+            edge = odometry[k]
+            self._odometry_factors.append(_between_factor(k, k + 1, edge.previous_from_next.scaled_matrix,
+                                                          covariance_of(edge)))
+        if self._estimate is not None:
+            self._estimate = self._estimate[:unchanged + 1]
+        reaching = [i for i, (a, b) in enumerate(self._ends) if max(a, b) > unchanged]
+        if reaching:  # their cycles run through a changed link: judged again
+            self._judge_loops(np.array(reaching), against_all=True)
+
+    def _take_loops(self, loops: Sequence[LoopEdge]) -> np.ndarray:
+        """The solver's indices of `loops`, new ones added and judged."""
+        new = [loop for loop in loops if loop.loop_id not in self._index]
+        if new:
+            start = len(self._loops)
+            for loop in new:
+                self._index[loop.loop_id] = len(self._loops)
+                self._loops.append(loop)
+            self._measured = np.concatenate([self._measured, lie.matrices([loop.first_from_second for loop in new])])
+            self._covariance = np.concatenate([self._covariance, np.stack([covariance_of(loop) for loop in new])])
+            self._ends = np.concatenate([self._ends, np.array([(loop.first, loop.second) for loop in new])])
+            self._odometry_chi2 = np.concatenate([self._odometry_chi2, np.zeros(len(new))])
+            self._grow_pairs(len(self._loops))
+            self._judge_loops(np.arange(start, len(self._loops)), against_all=False)
+        return np.array([self._index[loop.loop_id] for loop in loops], np.int64)
+
+    def _grow_pairs(self, count: int) -> None:
+        capacity = len(self._pair_chi2)
+        if count <= capacity:
+            return
+        grown = np.full((max(count, 2 * capacity, 16),) * 2, np.inf)
+        grown[:capacity, :capacity] = self._pair_chi2
+        self._pair_chi2 = grown
+
+    def _judge_loops(self, indices: np.ndarray, against_all: bool) -> None:
+        """Each loop's cycle with the chain, and its pairs: with every other loop, or with the earlier ones."""
+        first, second = self._ends[indices, 0], self._ends[indices, 1]
+        self._odometry_chi2[indices] = odometry_cycle_chi2(self._chain, first, second, self._measured[indices],
+                                                           self._covariance[indices])
+        for i in indices:
+            others = np.arange(len(self._loops) if against_all else i)
+            others = others[others != i]
+            if not len(others):
+                continue
+            chi2 = pair_cycle_chi2(self._chain, (self._measured[i], self._covariance[i]), tuple(self._ends[i]),
+                                   (self._measured[others], self._covariance[others]),
+                                   (self._ends[others, 0], self._ends[others, 1]))
+            self._pair_chi2[i, others] = self._pair_chi2[others, i] = chi2
+            self.pairs_computed += len(others)
+
+    def pair_consistency(self, graph: PoseGraph) -> np.ndarray:
+        """[L, L] bool: which of `graph`'s loops are pairwise consistent (the diagonal True)."""
+        self._take_odometry(graph.odometry)
+        loops = self._take_loops(graph.loops)
+        adjacent = self._pair_chi2[np.ix_(loops, loops)] <= chi_square_quantile(self.settings.consistency_probability)
+        np.fill_diagonal(adjacent, True)
+        return adjacent
+
+    # -- the verdicts ------------------------------------------------------------------------------
+    def _consistent(self, active: np.ndarray) -> np.ndarray:
+        """The loops (indices) the solve may accept: those that agree with the chain, then a largest
+        pairwise-consistent set of them."""
+        bound = chi_square_quantile(self.settings.consistency_probability)
+        candidates = active
+        if self.settings.odometry_check:
+            candidates = candidates[self._odometry_chi2[candidates] <= bound]
+        if not self.settings.pairwise_consistency or len(candidates) <= 1:
+            return candidates
+        adjacent = self._pair_chi2[np.ix_(candidates, candidates)] <= bound
+        np.fill_diagonal(adjacent, True)
+        position = {loop: n for n, loop in enumerate(candidates.tolist())}
+        warm = [position[loop] for loop in self._clique if loop in position]
+        return candidates[np.array(maximum_clique(adjacent, warm_start=warm).members, np.int64)]
+
+    def _group(self, members: Iterable[int]) -> list[_Group]:
+        """The loops as edges first < second, one per chunk pair (or one per loop, without combining)."""
+        by_pair: dict[tuple[int, int], list[int]] = {}
+        for i in members:
+            a, b = self._ends[i]
+            key = (min(a, b), max(a, b)) if self.settings.combine_chunk_pairs else (min(a, b), max(a, b), i)
+            by_pair.setdefault(key, []).append(int(i))
+        return [self._group_of(key[0], key[1], tuple(loops)) for key, loops in by_pair.items()]
+
+    def _group_of(self, first: int, second: int, members: tuple[int, ...]) -> _Group:
+        key = (first, second, members)
+        if key not in self._groups:
+            measured, covariance = self._measured[list(members)], self._covariance[list(members)]
+            flipped = self._ends[list(members), 0] > first
+            if flipped.any():  # (Z Exp(e))^-1 = Z^-1 Exp(-Ad_Z e)
+                covariance = covariance.copy()
+                covariance[flipped] = lie.sandwich(lie.adjoint(measured[flipped]), covariance[flipped])
+                measured = measured.copy()
+                measured[flipped] = lie.inverse(measured[flipped])
+            if len(members) > 1:
+                measured, covariance = combine(measured, covariance)
+            else:
+                measured, covariance = measured[0], covariance[0]
+            self._groups[key] = _Group(first, second, measured, covariance, members)
+            self._group_factors[key] = _between_factor(first, second, measured, covariance)
+        return self._groups[key]
+
+    def _misfits(self, groups: Sequence[_Group], estimate: np.ndarray) -> np.ndarray:
+        """[G] how far each edge is past its bounds at `estimate` (> 1: past): its own residual against the
+        inlier bound, and the chain between its chunks bent by the solution against the cycle bound."""
+        first = np.array([group.first for group in groups])
+        second = np.array([group.second for group in groups])
+        solved = lie.inverse(estimate[first]) @ estimate[second]
+        own = lie.mahalanobis2(lie.logmap(lie.inverse(np.stack([group.measured for group in groups])) @ solved),
+                               np.stack([group.covariance for group in groups]))
+        bent = self._chain.bending_chi2(first, second, solved)
+        return np.maximum(own / chi_square_quantile(self.settings.inlier_probability),
+                          bent / chi_square_quantile(self.settings.consistency_probability))
+
+    # -- solving -----------------------------------------------------------------------------------
+    def _initial(self) -> np.ndarray:
+        """The last solution, its chain extended by the odometry to chunks it did not have."""
+        chain = self._chain.world_from_chunk
+        if self._estimate is None:
+            return chain.copy()
+        known = len(self._estimate)
+        extended = self._estimate[known - 1] @ lie.inverse(chain[known - 1]) @ chain[known:]
+        return np.concatenate([self._estimate, extended])
+
+    def _levenberg_marquardt(self, groups: Sequence[_Group], initial: np.ndarray,
+                             deadline: float) -> tuple[np.ndarray, int, bool]:
+        """(estimate [K, 4, 4] anchored at chunk 0, iterations, converged) over the odometry and `groups`."""
+        factors = gtsam.NonlinearFactorGraph()
+        factors.add(gtsam.PriorFactorSimilarity3(0, gtsam.Similarity3(), gtsam.noiseModel.Isotropic.Sigma(
+            TANGENT_DIM, _ANCHOR_SIGMA)))
+        for factor in self._odometry_factors:
+            factors.add(factor)
+        for group in groups:
+            factors.add(self._group_factors[(group.first, group.second, group.members)])
+        optimizer = gtsam.LevenbergMarquardtOptimizer(factors, _gtsam_values(initial), gtsam.LevenbergMarquardtParams())
+        error, iterations, converged = optimizer.error(), 0, False
+        while iterations < self.settings.max_iterations:
+            optimizer.iterate()
+            iterations += 1
+            new_error = optimizer.error()
+            # GTSAM's own test: a decrease under the relative or the absolute (1e-5) tolerance
+            if error - new_error <= max(self.settings.relative_error_tol * error, 1e-5):
+                converged = True
+                break
+            error = new_error
+            if time.perf_counter() > deadline:
+                break
+        estimate = _matrices_of(optimizer.values(), len(initial))
+        return lie.normalised(lie.inverse(estimate[0])[None] @ estimate), iterations, converged
+
+    def _solve_groups(self, groups: list[_Group], deadline: float) -> tuple[list[_Group], np.ndarray, int, bool]:
+        """Solve, and while the worst edge is past its bounds, drop it and solve again."""
+        estimate, iterations = self._initial(), 0
+        while groups:
+            estimate, steps, converged = self._levenberg_marquardt(groups, estimate, deadline)
+            iterations += steps
+            if not converged:
+                return groups, estimate, iterations, False
+            misfits = self._misfits(groups, estimate)
+            worst = int(np.argmax(misfits))
+            if misfits[worst] <= 1.0:
+                break
+            del groups[worst]
+            if time.perf_counter() > deadline:
+                return groups, estimate, iterations, False
+        return groups, estimate, iterations, True
+
+    def solve(self, graph: PoseGraph) -> PoseGraphResult:
+        """The corrected world-from-chunk of every chunk of `graph` and a verdict on each of its loops."""
+        start = time.perf_counter()
+        budget = self.settings.budget_s
+        deadline = start + budget if budget is not None else float("inf")
+        self._take_odometry(graph.odometry)
+        active = self._take_loops(graph.loops)
+        consistent = self._consistent(active)
+        self._clique = consistent.tolist()
+        accepted, estimate, iterations, complete = self._solve_groups(self._group(consistent), deadline)
+        self._estimate = estimate if accepted else None
+        kept = {i for group in accepted for i in group.members}
+        poses = _anchored_poses(estimate) if accepted else open_chain(graph.odometry)
+        at_poses = lie.matrices(poses)
+        chi2 = self._loop_chi2(active, at_poses)
+        in_set = set(consistent.tolist())
+        verdicts = tuple(LoopVerdict(loop.loop_id, int(i) in kept, float(chi2[n]), int(i) in in_set,
+                                     float(self._odometry_chi2[i]))
+                         for n, (loop, i) in enumerate(zip(graph.loops, active, strict=True)))
+        chain_chi2 = self._loop_chi2(active, self._chain.world_from_chunk)
+        return PoseGraphResult(
+            world_from_chunk=poses, loops=verdicts, iterations=iterations,
+            initial_error=0.5 * float(chain_chi2.sum()),
+            final_error=0.5 * float(self._chain.odometry_chi2(at_poses).sum() + chi2[[i in kept for i in active]].sum()),
+            seconds=time.perf_counter() - start, complete=complete)
+
+    def _loop_chi2(self, loops: np.ndarray, world_from_chunk: np.ndarray) -> np.ndarray:
+        if not len(loops):
+            return np.zeros(0)
+        ends = self._ends[loops]
+        solved = lie.inverse(world_from_chunk[ends[:, 0]]) @ world_from_chunk[ends[:, 1]]
+        return lie.mahalanobis2(lie.logmap(lie.inverse(self._measured[loops]) @ solved), self._covariance[loops])
+
+
+def _gtsam_values(world_from_chunk: np.ndarray) -> gtsam.Values:
+    scale, rotation, translation = lie.parts(world_from_chunk)
     values = gtsam.Values()
-    for k, transform in enumerate(world_from_chunk):
-        values.insert(k, to_gtsam(transform))
+    for k in range(len(world_from_chunk)):  # GTSAM's translation is ours over the scale
+        values.insert(k, gtsam.Similarity3(gtsam.Rot3(rotation[k]), translation[k] / scale[k], scale[k]))
     return values
 
 
-def _anchored(values: gtsam.Values, num_chunks: int) -> tuple[Sim3, ...]:
-    """The estimate re-expressed in chunk 0's coordinates, so that node 0 is exactly the identity."""
-    chunk0_from_world = from_gtsam(values.atSimilarity3(0)).inverse()
-    return (Sim3.identity(),) + tuple(chunk0_from_world @ from_gtsam(values.atSimilarity3(k))
-                                      for k in range(1, num_chunks))
+def _matrices_of(values: gtsam.Values, count: int) -> np.ndarray:
+    out = np.zeros((count, 4, 4))
+    out[:, 3, 3] = 1.0
+    for k in range(count):
+        transform = values.atSimilarity3(k)
+        scale = transform.scale()
+        out[k, :3, :3] = scale * transform.rotation().matrix()
+        out[k, :3, 3] = scale * transform.translation()
+    return out
 
 
-def _lm_params(settings: PoseGraphSettings, counter: list[int]) -> gtsam.LevenbergMarquardtParams:
-    params = gtsam.LevenbergMarquardtParams()
-    params.setMaxIterations(settings.max_iterations)
-    params.setRelativeErrorTol(settings.relative_error_tol)
-    params.iterationHook = lambda *_: counter.__setitem__(0, counter[0] + 1)
-    return params
+def loop_chi2(loops: Sequence[LoopEdge], world_from_chunk: Sequence[Sim3]) -> np.ndarray:
+    """[L] each loop's squared residual in its sigmas at the poses: |Log(measured^-1 @ a_from_b)|^2 in its
+    covariance's metric."""
+    if not loops:
+        return np.zeros(0)
+    poses = lie.matrices(world_from_chunk)
+    ends = np.array([(loop.first, loop.second) for loop in loops])
+    solved = lie.inverse(poses[ends[:, 0]]) @ poses[ends[:, 1]]
+    measured = lie.matrices([loop.first_from_second for loop in loops])
+    return lie.mahalanobis2(lie.logmap(lie.inverse(measured) @ solved), np.stack([covariance_of(loop) for loop in loops]))
 
 
-# -- the optimisation ------------------------------------------------------------------------------
-def _robust_weights(graph: PoseGraph, initial: gtsam.Values, settings: PoseGraphSettings,
-                    counter: list[int]) -> tuple[gtsam.Values, np.ndarray, float]:
-    """GNC (truncated least squares) over all edges, odometry known to be right.
-
-    Returns the estimate, each loop's weight [L] and the cost bound of an inlier (0.5 * chi2 quantile).
-    """
-    params = gtsam.GncLMParams(_lm_params(settings, counter))
-    params.setLossType(gtsam.GncLossType.TLS)
-    params.setLambdaStep(settings.gnc_step)
-    params.setKnownInliers(list(range(graph.num_chunks)))  # the anchor and the odometry edges
-    optimizer = gtsam.GncLMOptimizer(_factor_graph(graph, graph.loops), initial, params)
-    optimizer.setInlierCostThresholdsAtProbability(settings.inlier_probability)
-    estimate = optimizer.optimize()
-    weights = np.asarray(optimizer.getWeights(), np.float64)[graph.num_chunks:]
-    bound = float(np.asarray(optimizer.getInlierCostThresholds())[-1])
-    return estimate, weights, bound
+def _anchored_poses(estimate: np.ndarray) -> tuple[Sim3, ...]:
+    """Chunk 0 exactly the identity."""
+    return (Sim3.identity(),) + lie.to_sim3s(estimate[1:])
 
 
-def _verified(graph: PoseGraph, estimate: gtsam.Values, accepted: list[int], bound: float,
-              settings: PoseGraphSettings, counter: list[int]) -> tuple[gtsam.Values, list[int]]:
-    """Solve with the odometry and the accepted loops only; while the worst accepted loop's cost stays above
-    `bound`, reject it and solve again. Returns the estimate and the loops (indices) that passed."""
-    accepted = list(accepted)
-    while accepted:
-        factors = _factor_graph(graph, [graph.loops[i] for i in accepted])
-        estimate = gtsam.LevenbergMarquardtOptimizer(factors, estimate, _lm_params(settings, counter)).optimize()
-        costs = [factors.at(graph.num_chunks + n).error(estimate) for n in range(len(accepted))]
-        worst = int(np.argmax(costs))
-        if costs[worst] <= bound:
-            break
-        del accepted[worst]
-    return estimate, accepted
-
-
-def _total_error(graph: PoseGraph, loops: Sequence[LoopEdge], world_from_chunk: Sequence[Sim3]) -> float:
-    """0.5 * sum of chi2 over the odometry and `loops` (the anchor excluded: it is zero at an anchored pose)."""
-    factors = _factor_graph(graph, loops)
-    values = _values(world_from_chunk)
-    return float(sum(factors.at(i).error(values) for i in range(1, factors.size())))
-
-
-def _loop_chi2(loops: Sequence[LoopEdge], world_from_chunk: Sequence[Sim3]) -> list[float]:
-    values = _values(world_from_chunk)
-    return [2.0 * _loop_factor(loop).error(values) for loop in loops]
-
-
-def _pairwise_consistent(graph: PoseGraph, settings: PoseGraphSettings, known: dict | None) -> list[int]:
-    """The loops (indices) that GNC is to judge: a largest pairwise-consistent set, or all of them."""
-    if not settings.pairwise_consistency:
-        return list(range(len(graph.loops)))
-    from .consistency import consistent_loops  # (consistency.py builds on this module's edges)
-
-    return consistent_loops(graph, settings.consistency_probability, known)
-
-
-def optimize(graph: PoseGraph, settings: PoseGraphSettings = PoseGraphSettings(),
-             cycle_chi2: dict | None = None) -> PoseGraphResult:
-    """The corrected world-from-chunk of every chunk and a verdict on every loop edge. `cycle_chi2`: the
-    pairwise-consistency figures of an earlier solve of a graph that this one extends (consistency.py's
-    CycleChi2Cache), reused and filled in; loop ids must then name the same loops."""
-    start = time.perf_counter()
-    chain = open_chain(graph.odometry)
-    counter = [0]  # Levenberg-Marquardt iterations, counted by GTSAM's iteration hook
-    weights = np.zeros(len(graph.loops))
-    accepted: list[int] = []
-    consistent = _pairwise_consistent(graph, settings, cycle_chi2)
-    poses = chain
-    if consistent:
-        judged = PoseGraph(graph.odometry, [graph.loops[i] for i in consistent])
-        initial = _values(chain)
-        if settings.pairwise_consistency:  # the set agrees with itself: GNC starts from its solution
-            initial = gtsam.LevenbergMarquardtOptimizer(_factor_graph(judged, judged.loops), initial,
-                                                        _lm_params(settings, counter)).optimize()
-        estimate, judged_weights, bound = _robust_weights(judged, initial, settings, counter)
-        weights[consistent] = judged_weights
-        candidates = [i for i, weight in enumerate(weights) if weight > _INLIER_WEIGHT]
-        estimate, accepted = _verified(graph, estimate, candidates, bound, settings, counter)
-        if accepted:
-            poses = _anchored(estimate, graph.num_chunks)
-    chi2 = _loop_chi2(graph.loops, poses)
-    kept, in_set = set(accepted), set(consistent)
-    verdicts = tuple(LoopVerdict(loop.loop_id, i in kept, float(weights[i]), chi2[i], i in in_set)
-                     for i, loop in enumerate(graph.loops))
-    return PoseGraphResult(
-        world_from_chunk=poses,
-        loops=verdicts,
-        iterations=counter[0],
-        initial_error=_total_error(graph, graph.loops, chain),
-        final_error=_total_error(graph, [graph.loops[i] for i in accepted], poses),
-        seconds=time.perf_counter() - start,
-    )
+def optimize(graph: PoseGraph, settings: PoseGraphSettings = PoseGraphSettings()) -> PoseGraphResult:
+    """One solve of `graph` from scratch (a stream keeps a PoseGraphSolver between its solves)."""
+    return PoseGraphSolver(settings).solve(graph)
 
 
 __all__ = [
-    "LoopEdge", "LoopVerdict", "OdometryEdge", "PoseGraph", "PoseGraphResult", "PoseGraphSettings", "as_covariance",
-    "as_sigmas",
-    "from_gtsam", "open_chain", "optimize", "to_gtsam",
+    "LoopEdge", "LoopVerdict", "OdometryEdge", "PoseGraph", "PoseGraphResult", "PoseGraphSettings",
+    "PoseGraphSolver", "as_covariance", "as_sigmas", "covariance_of", "from_gtsam", "loop_chi2", "open_chain", "optimize",
+    "to_gtsam",
 ]
