@@ -10,10 +10,13 @@ from evo_data import evo_data_dir
 from loop_scenarios import Scenario, chunk_ranges, make_scenario, read_kitti_poses, read_tum_poses, revisits
 
 from stream_recon.models.loops import pose_graph
+from stream_recon.models.loops.consistency import compose
 from stream_recon.models.loops.pose_graph import (
     LoopEdge,
     OdometryEdge,
     PoseGraph,
+    PoseGraphSettings,
+    PoseGraphSolver,
     as_sigmas,
     from_gtsam,
     open_chain,
@@ -257,3 +260,103 @@ def test_kitti_00_without_revisits_offered_only_false_loops_stays_the_open_chain
         result = optimize(scenario.graph)
         assert result.accepted_ids == () and len(result.rejected_ids) == non_adjacent
         assert_identical(result.world_from_chunk, open_chain(scenario.graph.odometry))
+
+
+# -- false loops that agree with each other, and a stream's solves ----------------------------------
+def chain_between(graph: PoseGraph, first: int, second: int) -> tuple[Sim3, np.ndarray]:
+    """first_from_second through the odometry and its covariance (the links composed one by one)."""
+    links = [(edge.previous_from_next.scaled_matrix, pose_graph.covariance_of(edge))
+             for edge in graph.odometry[first:second]]
+    transform, covariance = compose(links)
+    return Sim3.from_matrix(transform), covariance
+
+
+def with_two_agreeing_false_loops(graph: PoseGraph, seed: int, chi2: float = 300.0) -> PoseGraph:
+    """Two tight loops between chunks 0 and 8 that agree with each other (one wrong place recognised from two
+    keyframe pairs) and miss the chain between those chunks by `chi2` in its own uncertainty: far tighter
+    than eight links of odometry, so a solve that believes them bends the links instead."""
+    rng = np.random.default_rng(seed)
+    chained, covariance = chain_between(graph, 0, 8)
+    direction = rng.normal(size=7)
+    wrong = chained @ exp_sim3(np.linalg.cholesky(covariance) @ (direction * np.sqrt(chi2) / np.linalg.norm(direction)))
+    tight = as_sigmas([1e-3] * 3 + [0.02] * 3 + [1e-3])
+    for n in range(2):
+        graph = graph.with_loop(LoopEdge(f"false-{n}", 0, 8, wrong @ exp_sim3(rng.normal(0, tight)), tight))
+    return graph
+
+
+@pytest.mark.parametrize("settings", [PoseGraphSettings(), PoseGraphSettings(odometry_check=False)],
+                         ids=["defaults", "the bending check alone"])
+def test_false_loops_that_agree_by_chance_leave_a_stream_without_revisits_its_open_chain(
+        kitti: np.ndarray, settings: PoseGraphSettings) -> None:
+    """Pairwise consistent, so PCM keeps both; each misses the chain it closes by chi2 300 against a bound of
+    24: rejected by the check against the odometry, and, without it, by the chain's bending at the solution."""
+    stretch = kitti[KITTI_NO_REVISITS]
+    for seed in range(3):
+        scenario = make_scenario(stretch, seed, revisit_radius=KITTI_REVISIT_M, false_min_distance=KITTI_FALSE_M,
+                                 scene_depth=KITTI_DEPTH_M, false_loops=0)
+        graph = with_two_agreeing_false_loops(scenario.graph, seed)
+        result = optimize(graph, settings)
+        assert PoseGraphSolver().pair_consistency(graph).all()  # they agree with each other
+        assert result.accepted_ids == ()
+        assert_identical(result.world_from_chunk, open_chain(graph.odometry))
+
+
+def stream_of(graph: PoseGraph, seed: int) -> list[PoseGraph]:
+    """The graph as a stream grows it: loops in the order of their later chunk, one to three at a time, each
+    snapshot holding the chunks linked so far."""
+    rng = np.random.default_rng(seed)
+    loops = sorted(graph.loops, key=lambda loop: max(loop.first, loop.second))
+    snapshots, arrived = [], 0
+    while arrived < len(loops):
+        arrived = min(len(loops), arrived + int(rng.integers(1, 4)))
+        linked = max(max(loop.first, loop.second) for loop in loops[:arrived])
+        snapshots.append(PoseGraph(graph.odometry[:linked], loops[:arrived]))
+    return snapshots
+
+
+def test_a_streams_solves_judge_each_pair_once_and_end_where_one_solve_would(tum: np.ndarray) -> None:
+    """One PoseGraphSolver over a growing graph computes each pair's cycle once and ends with the verdicts of a
+    solve from scratch, its poses within the solver's tolerance of them."""
+    scenario = make_scenario(tum, 0, revisit_radius=TUM_REVISIT_M, false_min_distance=TUM_FALSE_M,
+                             scene_depth=TUM_DEPTH_M)
+    solver = PoseGraphSolver()
+    for snapshot in stream_of(scenario.graph, seed=0):
+        result = solver.solve(snapshot)
+        assert result.complete
+    loops = len(scenario.graph.loops)
+    assert solver.pairs_computed == loops * (loops - 1) // 2
+    scratch = optimize(PoseGraph(scenario.graph.odometry, sorted(scenario.graph.loops,
+                                                                 key=lambda loop: max(loop.first, loop.second))))
+    assert result.accepted_ids == scratch.accepted_ids
+    for streamed, once in zip(result.world_from_chunk, scratch.world_from_chunk, strict=True):
+        assert_same_sim3(streamed, once, atol=1e-3 * max(1.0, np.abs(once.translation).max()))
+
+
+def test_a_solve_out_of_time_hands_back_what_it_has_and_the_next_goes_on(tum: np.ndarray) -> None:
+    scenario = make_scenario(tum, 1, revisit_radius=TUM_REVISIT_M, false_min_distance=TUM_FALSE_M,
+                             scene_depth=TUM_DEPTH_M)
+    solver = PoseGraphSolver(PoseGraphSettings(budget_s=0.0))  # one iteration at a time
+    results = [solver.solve(scenario.graph)]
+    while not results[-1].complete:
+        results.append(solver.solve(scenario.graph))
+        assert len(results) < 100
+    assert len(results) > 1 and not results[0].complete
+    assert results[-1].accepted_ids == optimize(scenario.graph).accepted_ids
+
+
+def test_a_link_aligned_again_is_judged_again(tum: np.ndarray) -> None:
+    """A chunk's link replaced (the rollover aligned it again): the loops reaching past it are judged anew,
+    as a new solver would judge them."""
+    scenario = make_scenario(tum, 2, revisit_radius=TUM_REVISIT_M, false_min_distance=TUM_FALSE_M,
+                             scene_depth=TUM_DEPTH_M)
+    graph = scenario.graph
+    last = graph.odometry[-1]
+    moved = OdometryEdge(last.previous_from_next @ exp_sim3(np.full(7, 0.05)), last.sigmas, last.covariance)
+    realigned = PoseGraph(graph.odometry[:-1] + (moved,), graph.loops)
+    solver = PoseGraphSolver()
+    solver.solve(graph)
+    again = solver.solve(realigned)
+    fresh = optimize(realigned)
+    assert [v.odometry_chi2 for v in again.loops] == pytest.approx([v.odometry_chi2 for v in fresh.loops], rel=1e-9)
+    assert again.accepted_ids == fresh.accepted_ids

@@ -281,9 +281,14 @@ class PoseGraphSolver:
         self._measured = np.zeros((0, 4, 4))  # [L] first_from_second
         self._covariance = np.zeros((0, TANGENT_DIM, TANGENT_DIM))
         self._ends = np.zeros((0, 2), np.int64)  # [L] (first, second)
-        self._odometry_chi2 = np.zeros(0)
-        self._pair_chi2 = np.zeros((0, 0))  # [capacity, capacity], symmetric; the diagonal is unused
+        self._odometry_chi2 = np.zeros(0)  # [L] each loop's cycle with the chain
+        self._chain_chi2 = np.zeros(0)  # [L] each loop's residual at the open chain
+        # [capacity, capacity] bool: two loops' cycle within the consistency bound (symmetric; the diagonal
+        # True). Bits, not figures: 9,000 loops take 81 MB so, 648 MB as float64.
+        self._consistent_pairs = np.zeros((0, 0), bool)
         self._clique: list[int] = []  # the last solve's consistent set (loop indices)
+        self._clique_over: set[int] = set()  # the candidates it was chosen from
+        self._clique_exact = False  # it is a maximum clique of them (the search finished)
         self._estimate: np.ndarray | None = None  # [K, 4, 4] the last solution; None: the open chain
         self._group_factors: dict[tuple, gtsam.NonlinearFactor] = {}
         self._groups: dict[tuple, _Group] = {}
@@ -307,8 +312,9 @@ class PoseGraphSolver:
         if self._estimate is not None:
             self._estimate = self._estimate[:unchanged + 1]
         reaching = [i for i, (a, b) in enumerate(self._ends) if max(a, b) > unchanged]
-        if reaching:  # their cycles run through a changed link: judged again
+        if reaching:  # their cycles run through a changed link: judged again, the clique searched again
             self._judge_loops(np.array(reaching), against_all=True)
+            self._clique_exact = False
 
     def _take_loops(self, loops: Sequence[LoopEdge]) -> np.ndarray:
         """The solver's indices of `loops`, new ones added and judged."""
@@ -322,21 +328,25 @@ class PoseGraphSolver:
             self._covariance = np.concatenate([self._covariance, np.stack([covariance_of(loop) for loop in new])])
             self._ends = np.concatenate([self._ends, np.array([(loop.first, loop.second) for loop in new])])
             self._odometry_chi2 = np.concatenate([self._odometry_chi2, np.zeros(len(new))])
+            self._chain_chi2 = np.concatenate([self._chain_chi2, np.zeros(len(new))])
             self._grow_pairs(len(self._loops))
             self._judge_loops(np.arange(start, len(self._loops)), against_all=False)
         return np.array([self._index[loop.loop_id] for loop in loops], np.int64)
 
     def _grow_pairs(self, count: int) -> None:
-        capacity = len(self._pair_chi2)
+        capacity = len(self._consistent_pairs)
         if count <= capacity:
             return
-        grown = np.full((max(count, 2 * capacity, 16),) * 2, np.inf)
-        grown[:capacity, :capacity] = self._pair_chi2
-        self._pair_chi2 = grown
+        size = max(count, 2 * capacity, 16)
+        grown = np.zeros((size, size), bool)
+        grown[:capacity, :capacity] = self._consistent_pairs
+        np.fill_diagonal(grown, True)
+        self._consistent_pairs = grown
 
     def _judge_loops(self, indices: np.ndarray, against_all: bool) -> None:
         """Each loop's cycle with the chain, and its pairs: with every other loop, or with the earlier ones."""
         first, second = self._ends[indices, 0], self._ends[indices, 1]
+        self._chain_chi2[indices] = self._loop_chi2(indices, self._chain.world_from_chunk)
         self._odometry_chi2[indices] = odometry_cycle_chi2(self._chain, first, second, self._measured[indices],
                                                            self._covariance[indices])
         for i in indices:
@@ -347,32 +357,51 @@ class PoseGraphSolver:
             chi2 = pair_cycle_chi2(self._chain, (self._measured[i], self._covariance[i]), tuple(self._ends[i]),
                                    (self._measured[others], self._covariance[others]),
                                    (self._ends[others, 0], self._ends[others, 1]))
-            self._pair_chi2[i, others] = self._pair_chi2[others, i] = chi2
+            consistent = chi2 <= chi_square_quantile(self.settings.consistency_probability)
+            self._consistent_pairs[i, others] = self._consistent_pairs[others, i] = consistent
             self.pairs_computed += len(others)
 
     def pair_consistency(self, graph: PoseGraph) -> np.ndarray:
         """[L, L] bool: which of `graph`'s loops are pairwise consistent (the diagonal True)."""
         self._take_odometry(graph.odometry)
         loops = self._take_loops(graph.loops)
-        adjacent = self._pair_chi2[np.ix_(loops, loops)] <= chi_square_quantile(self.settings.consistency_probability)
-        np.fill_diagonal(adjacent, True)
-        return adjacent
+        return self._consistent_pairs[np.ix_(loops, loops)]
 
     # -- the verdicts ------------------------------------------------------------------------------
     def _consistent(self, active: np.ndarray) -> np.ndarray:
         """The loops (indices) the solve may accept: those that agree with the chain, then a largest
         pairwise-consistent set of them."""
-        bound = chi_square_quantile(self.settings.consistency_probability)
         candidates = active
         if self.settings.odometry_check:
+            bound = chi_square_quantile(self.settings.consistency_probability)
             candidates = candidates[self._odometry_chi2[candidates] <= bound]
         if not self.settings.pairwise_consistency or len(candidates) <= 1:
             return candidates
-        adjacent = self._pair_chi2[np.ix_(candidates, candidates)] <= bound
-        np.fill_diagonal(adjacent, True)
+        grown = self._clique_grown_by(candidates)
+        if grown is not None:
+            return grown
+        adjacent = self._consistent_pairs[np.ix_(candidates, candidates)]
         position = {loop: n for n, loop in enumerate(candidates.tolist())}
         warm = [position[loop] for loop in self._clique if loop in position]
-        return candidates[np.array(maximum_clique(adjacent, warm_start=warm).members, np.int64)]
+        found = maximum_clique(adjacent, warm_start=warm)
+        self._clique_exact = found.exact
+        self._clique_over = set(candidates.tolist())
+        return candidates[np.array(found.members, np.int64)]
+
+    def _clique_grown_by(self, candidates: np.ndarray) -> np.ndarray | None:
+        """The last clique with every new candidate, when that is still a maximum clique, else None. Adding k
+        nodes to a graph raises its largest clique by at most k: a maximum clique that takes all k new
+        candidates in is a maximum clique of the grown graph (O(k x clique) to check, where a search over
+        thousands of loops costs tens of ms or more)."""
+        now = set(candidates.tolist())
+        if not self._clique_exact or not self._clique_over <= now:
+            return None
+        new = np.array(sorted(now - self._clique_over), np.int64)
+        members = np.concatenate([np.array(self._clique, np.int64), new])
+        if len(new) and not self._consistent_pairs[np.ix_(new, members)].all():
+            return None
+        self._clique_over = now
+        return np.sort(members)
 
     def _group(self, members: Iterable[int]) -> list[_Group]:
         """The loops as edges first < second, one per chunk pair (or one per loop, without combining)."""
@@ -485,7 +514,7 @@ class PoseGraphSolver:
         verdicts = tuple(LoopVerdict(loop.loop_id, int(i) in kept, float(chi2[n]), int(i) in in_set,
                                      float(self._odometry_chi2[i]))
                          for n, (loop, i) in enumerate(zip(graph.loops, active, strict=True)))
-        chain_chi2 = self._loop_chi2(active, self._chain.world_from_chunk)
+        chain_chi2 = self._chain_chi2[active] if len(active) else np.zeros(0)
         return PoseGraphResult(
             world_from_chunk=poses, loops=verdicts, iterations=iterations,
             initial_error=0.5 * float(chain_chi2.sum()),
