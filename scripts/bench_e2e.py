@@ -176,23 +176,48 @@ def make_video(path: Path, num_frames: int, width: int, height: int, fps: float 
     return path
 
 
-def make_scene_video(path: Path, scene: Path, num_frames: int, width: int, height: int, fps: float = 30.0) -> Path:
-    """A video of `num_frames` frames from a recorded scene (a folder of images in name order, or a video):
-    its frames played forwards and backwards (ping-pong) until `num_frames`, each centre-cropped to the
-    aspect of `width` x `height` and resized to it. On the way back the camera passes every place again,
-    so a scene of a few hundred frames becomes a long video that keeps revisiting."""
+def make_scene_video(path: Path, scene: Path, num_frames: int, width: int, height: int, fps: float = 30.0,
+                     order: str = "pingpong") -> Path:
+    """A video of `num_frames` frames from a recorded scene (a folder of images in name order, or a video),
+    each centre-cropped to the aspect of `width` x `height` and resized to it, in the `order` of
+    `scene_order`. Every order passes the same places again and again, so a scene of a few dozen or
+    hundred frames becomes a long video that keeps revisiting."""
     frames = _scene_frames(scene)
     if len(frames) < 2:
         raise ValueError(f"{scene}: a scene needs at least 2 frames, found {len(frames)}")
-    cycle = list(range(len(frames))) + list(range(len(frames) - 2, 0, -1))
     writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
     if not writer.isOpened():
         raise RuntimeError(f"OpenCV cannot write an mp4v video to {path}")
     fitted = [_crop_to(frame, width, height) for frame in frames]
-    for index in range(num_frames):
-        writer.write(fitted[cycle[index % len(cycle)]])
+    for index in scene_order(order, len(frames), num_frames):
+        writer.write(fitted[index])
     writer.release()
     return path
+
+
+def scene_order(order: str, scene_frames: int, num_frames: int) -> list[int]:
+    """Which scene frame each of `num_frames` output frames shows:
+    - `pingpong`: forwards and backwards, again and again;
+    - `walk:SEED`: a seeded random walk over the first 40 frames (or all, if fewer), each step one frame
+      forwards or backwards, each frame held 3 output frames: every place is revisited at random;
+    - `tour:LAPS`: forwards through the whole scene LAPS times in the video (a scene that ends where it
+      began, such as a loop around a building, closes one loop a lap), each frame held as long as fits."""
+    kind, _, value = order.partition(":")
+    if kind == "pingpong":
+        cycle = list(range(scene_frames)) + list(range(scene_frames - 2, 0, -1))
+        return [cycle[index % len(cycle)] for index in range(num_frames)]
+    if kind == "walk":
+        rng = np.random.default_rng(int(value or 0))
+        span, position, out = min(scene_frames, 40), 0, []
+        while len(out) < num_frames:
+            out += [position] * 3
+            position = int(np.clip(position + rng.choice((-1, 1)), 0, span - 1))
+        return out[:num_frames]
+    if kind == "tour":
+        laps = int(value or 1)
+        return [min(scene_frames - 1, index * laps * scene_frames // num_frames % scene_frames)
+                for index in range(num_frames)]
+    raise ValueError(f"unknown scene order {order!r}: pingpong, walk:SEED or tour:LAPS")
 
 
 def _scene_frames(scene: Path) -> list[np.ndarray]:
@@ -684,6 +709,8 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
         "frames": summary.frames,
         "keyframes": summary.keyframes,
         "run_s": ended - started,
+        # the run's end after the stream's: the writer's last files, the end-of-run loop-closure wait
+        "after_last_frame_s": ended - d.times[-1] if d.times else float("nan"),
         "first_prediction_s": d.times[0] - started - client_wait_s if d.times else float("nan"),
         "first_prediction_at": d.times[0] - client_wait_s if d.times else float("nan"),
         **intervals,

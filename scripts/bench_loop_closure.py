@@ -37,7 +37,8 @@ def measured_run(args: argparse.Namespace, video: Path, mode: str, frames: int, 
     options = bench_e2e.run_options(run_args, bench_e2e.free_port())
     result = bench_e2e.product_run(run_args, video, options, model, device)
     keep = ("steady_fps", "p50_ms", "p99_ms", "longest_stall_ms", "longest_stall_frame", "longest_stall_at_rollover",
-            "over_2x_median", "rollovers", "frames", "keyframes", "run_json_fps", "loop_closure")
+            "over_2x_median", "rollovers", "frames", "keyframes", "run_json_fps", "loop_closure", "after_last_frame_s",
+            "run_s")
     return {"mode": mode, **{key: result.get(key) for key in keep}}
 
 
@@ -58,6 +59,8 @@ def main() -> None:
     parser.add_argument("--video", help="a video file instead of the one made from app/sample")
     parser.add_argument("--scene", help="a recorded scene (a folder of images, or a video) played forwards and backwards "
                         "to --frames at --video-size, instead of the video made from app/sample")
+    parser.add_argument("--order", default="pingpong",
+                        help="with --scene: pingpong, walk:SEED (a seeded random walk over 40 frames) or tour:LAPS")
     parser.add_argument("--video-dir", default=tempfile.gettempdir())
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -72,9 +75,10 @@ def main() -> None:
     if args.video:
         video = Path(args.video)
     elif args.scene:
-        video = Path(args.video_dir) / f"scene_{Path(args.scene).stem}_{args.frames}_{width}x{height}.mp4"
+        order = args.order.replace(":", "")
+        video = Path(args.video_dir) / f"scene_{Path(args.scene).stem}_{order}_{args.frames}_{width}x{height}.mp4"
         if not video.exists():
-            bench_e2e.make_scene_video(video, Path(args.scene), args.frames, width, height)
+            bench_e2e.make_scene_video(video, Path(args.scene), args.frames, width, height, order=args.order)
     else:
         video = Path(args.video_dir) / f"bench_e2e_{args.frames}_{width}x{height}.mp4"
         if not video.exists():
@@ -110,7 +114,8 @@ def print_run(run: dict) -> None:
           f"{loops.get('rejected', '-')} rejected, {loops.get('keyframes_indexed', '-')} keyframes indexed "
           f"(spacing {loops.get('index_spacing')}, {loops.get('indexed_per_100_frames', '-')} per 100 frames, "
           f"longest stretch without one {loops.get('longest_unindexed_stretch', '-')} frames, "
-          f"{loops.get('keyframes_deferred', '-')} due keyframes deferred); costs {loops.get('costs_ms')}")
+          f"{loops.get('keyframes_deferred', '-')} due keyframes deferred); costs {loops.get('costs_ms')}; "
+          f"{run['after_last_frame_s']:.1f} s from the last frame to the run's end")
 
 
 if __name__ == "__main__":

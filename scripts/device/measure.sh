@@ -45,6 +45,11 @@
 #   soak-b      never-hang cells: loop, courthouse; bench_e2e's at 518x392; 10,000 frames off
 #   soak-c      never-hang cells: bench_e2e's at 518x294, 518x378 (all: 3,000 frames), 518x518 interval:3
 #   long        one never-hang cell of 10,000 frames, flow keyframes, loop closure on
+#   revisits    loop closure on revisit-heavy videos of the `loop` fixture (tests/data/loop), PARTS in order
+#               (default walk tour): walk (a seeded random walk, 2,000 frames at 518x392: flow off and on,
+#               all on), tour (two laps, 1,500 frames at 518x518: flow off and on), long (bench_e2e's video,
+#               10,000 frames at 518x392, flow, on), graph (scripts/bench_pose_graph.py --stream GRAPH_SIZES
+#               on this host's CPU): $OUT/revisits.log, revisits_NAME.json, pose_graph.log
 # Carry: .whl (FlashInfer, viser and their needs) for every suite but the loop-closure ones, which carry
 # .carry-gtsam/ (plyfile's and FlashInfer's wheels, gtsam-py312.tar.xz) and, for the scene cells,
 # .carry-soak/SCENE.mp4 (an example scene of the official repository as a video); reference also
@@ -611,9 +616,32 @@ suite_never_hang() {
   esac
 }
 
+# revisit NAME ORDER SIZE FRAMES KEYFRAMES MODES [SCENE]: one bench_loop_closure.py process on the scene's video.
+revisit() { local name=$1 order=$2 size=$3 frames=$4 keyframes=$5 modes=$6 scene=${7:-tests/data/loop} source=()
+  [ "$order" = - ] && source=() || source=(--scene "$scene" --order "$order")
+  echo "== $name: $order, $size, $frames frames, --keyframes $keyframes, modes $modes ($(( $(date +%s) - began )) s)" \
+    | tee -a "$OUT/revisits.log"
+  timeout "${CELL_LIMIT_S:-560}" python3 scripts/bench_loop_closure.py --frames "$frames" --warmup-frames 40 \
+    --video-size "$size" --keyframes "$keyframes" --compile "${COMPILE:-off}" --modes "$modes" "${source[@]}" \
+    --video-dir /tmp --json "$OUT/revisits_$name.json" 2>&1 | grep -v Warn \
+    | grep -E "FPS|loop closure|Error|error|Traceback" | tee -a "$OUT/revisits.log"; }
+
+suite_revisits() { local part
+  for part in ${PARTS:-walk tour}; do
+    case "$part" in
+      walk) revisit walk_flow walk:0 640x480 2000 flow off,on; revisit walk_all walk:0 640x480 2000 all on ;;
+      tour) revisit tour_flow tour:2 640x640 1500 flow off,on ;;
+      long) revisit long_flow - 640x480 10000 flow on ;;
+      graph) timeout "${GRAPH_LIMIT_S:-400}" python3 scripts/bench_pose_graph.py --stream ${GRAPH_SIZES:-100 300 1000} \
+               2>&1 | grep -v Warn | tee "$OUT/pose_graph.log" ;;
+      *) echo "revisits: no part $part (walk tour long graph)" >&2; exit 2 ;;
+    esac
+  done
+}
+
 # -- the suite asked for -------------------------------------------------------------------------------------
 case "$SUITE" in
-  loops|repro|soak-a|soak-b|soak-c|long) use_gtsam ;;
+  loops|repro|soak-a|soak-b|soak-c|long|revisits) use_gtsam ;;
   *) install_wheels .whl ;;
 esac
 case "$SUITE" in
@@ -631,5 +659,6 @@ case "$SUITE" in
   probe) suite_probe "$@" ;;
   loops) suite_loops "$@" ;;
   repro|soak-a|soak-b|soak-c|long) suite_never_hang "$SUITE" ;;
+  revisits) suite_revisits ;;
   *) usage ;;
 esac
