@@ -25,7 +25,8 @@ def keyframe(frame: int) -> FramePrediction:
 
 
 def test_a_closer_that_does_not_answer_lowers_the_density_once_with_one_warning(caplog) -> None:
-    closer = LoopClosureProcess(LoopClosureConfig(keyframes_in_flight=2, index_spacing=4, max_index_spacing=16))
+    closer = LoopClosureProcess(LoopClosureConfig(keyframes_in_flight=2, keyframes_waiting=0, index_spacing=4,
+                                                  max_index_spacing=16))
     try:
         started = Deadline(60.0)
         while not closer.started and not started.expired:
@@ -46,3 +47,42 @@ def test_a_closer_that_does_not_answer_lowers_the_density_once_with_one_warning(
     assert summary["longest_unindexed_stretch"] == 95  # frames 5-99
     warnings = [record.getMessage() for record in caplog.records if "cannot keep up" in record.getMessage()]
     assert len(warnings) == 1 and "one keyframe in 8 frames" in warnings[0], warnings
+
+
+def started_closer(config: LoopClosureConfig) -> LoopClosureProcess:
+    closer = LoopClosureProcess(config)
+    started = Deadline(60.0)
+    while not closer.started and not started.expired:
+        closer.wait_for_answers(started.remaining())
+    assert closer.started, "the loop-closure child did not start within 60 s"
+    return closer
+
+
+def test_due_keyframes_wait_for_room_before_the_density_is_lowered() -> None:
+    """A child that answers nothing: 2 keyframes in flight and 3 waiting are chosen, and only the next due
+    one, finding both full, lowers the density."""
+    closer = started_closer(LoopClosureConfig(keyframes_in_flight=2, keyframes_waiting=3, index_spacing=4,
+                                              max_index_spacing=16))
+    try:
+        os.kill(closer._child.process.pid, signal.SIGSTOP)
+        chosen = [frame for frame in range(100) if closer.add_prediction(keyframe(frame))]
+    finally:
+        closer.close()
+    assert chosen == [0, 4, 8, 12, 16]
+    assert closer.summary()["index_spacing"] == {"start": 4, "end": 8}
+
+
+def test_a_burst_of_due_keyframes_keeps_the_density_when_detection_keeps_up() -> None:
+    """A closed chunk's final keyframes come at once: 20 due keyframes in one burst against 2 places in
+    flight wait their turn and are all answered; the spacing stays."""
+    closer = started_closer(LoopClosureConfig(keyframes_in_flight=2, keyframes_waiting=24, index_spacing=4,
+                                              max_index_spacing=16))
+    try:
+        chosen = [frame for frame in range(80) if closer.add_prediction(keyframe(frame))]
+        closer.finish(Deadline(60.0))
+    finally:
+        closer.close()
+    assert chosen == list(range(0, 80, 4))
+    summary = closer.summary()
+    assert summary["index_spacing"] == {"start": 4, "end": 4} and summary["keyframes_deferred"] == 0
+    assert summary["keyframes_indexed"] == 20

@@ -78,6 +78,11 @@ class LoopClosureConfig:
     # that finds this many waits for the next one (coverage.py), so the stream never waits for
     # detection; 8 absorb a rollover's burst and are ~13 MB at 518 x 378.
     keyframes_in_flight: int = 8
+    # Keyframes chosen for indexing that wait on the stream's side while `keyframes_in_flight` are unanswered:
+    # a closed chunk's final emissions come at once (with flow keyframes, up to 320 frames' worth: 20 due at
+    # a spacing of 16), a burst that is not slow detection. Only a due keyframe that finds these full too
+    # lowers the density. ~2.2 MB each at 518 x 378 (picture, depth, confidence): 24 hold ~53 MB.
+    keyframes_waiting: int = 24
     # Which keyframes are indexed (coverage.py): one when at least `index_spacing` frames have passed since
     # the last indexed one. 16 frames are 0.4 s at 40 FPS, 20 keyframes a 320-frame chunk: a revisit the
     # camera spends half a second in gets a query. Detection takes 60-95 ms a keyframe on the GPU machines'

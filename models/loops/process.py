@@ -19,6 +19,7 @@ reads what has arrived (models/child_process.py's outbox and inbox). It keeps th
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import select
@@ -116,6 +117,9 @@ class LoopClosureProcess:
         self._inbox = MessageInbox(self._child.replies)
         self._unanswered = 0  # messages sent (or waiting in the outbox) and not answered
         self._keyframes_unanswered = 0
+        # chosen keyframes not yet handed over: a burst of due keyframes (a closed chunk's final emissions come
+        # at once) waits here for room instead of lowering the density
+        self._waiting: collections.deque = collections.deque()
         self._keyframes_answered = 0
         self._corrections = ChunkCorrections({})
         self._handed_version = 0
@@ -137,7 +141,8 @@ class LoopClosureProcess:
         self._schedule.saw_frame(pred.frame_index)
         if not self._keyframes.admit(pred):
             return False
-        has_room = self._keyframes_unanswered < self.config.keyframes_in_flight
+        has_room = (self._keyframes_unanswered + len(self._waiting)
+                    < self.config.keyframes_in_flight + self.config.keyframes_waiting)
         # a child still importing is not slow detection: its keyframes wait, the density stays
         chosen = self._schedule.offer(pred.frame_index, has_room, may_lower=self._ready)
         self.helper.dropped = self._schedule.deferred
@@ -148,9 +153,16 @@ class LoopClosureProcess:
                            self.config.keyframes_in_flight, self._schedule.spacing, self._schedule.rule.spacing)
         if not chosen:
             return False
-        self._keyframes_unanswered += 1
-        self._send(("keyframe", keyframe_of(pred)))
+        self._waiting.append(keyframe_of(pred))
+        self._send_waiting()
         return True
+
+    def _send_waiting(self, limit: int | None = None) -> None:
+        """Hand waiting keyframes over while fewer than `limit` (keyframes_in_flight) are unanswered."""
+        limit = self.config.keyframes_in_flight if limit is None else limit
+        while self._waiting and self._keyframes_unanswered < limit and self.helper.is_up:
+            self._keyframes_unanswered += 1
+            self._send(("keyframe", self._waiting.popleft()))
 
     def take_corrections(self) -> ChunkCorrections | None:
         """What the child has answered since the last call: its newest corrections if not taken before."""
@@ -165,6 +177,7 @@ class LoopClosureProcess:
         `stop_now`; a child still starting gets its START_S first); a child that misses it is ended and loop
         closure turned off. The corrections either way."""
         if self.helper.is_up:
+            self._send_waiting(limit=len(self._waiting) + self._keyframes_unanswered)  # all of them, then the end
             self._send(("finish", None))
         while self.helper.is_up and not self._finished:
             if not self._ready and not stop_now():  # a short run can end before the child has started
@@ -222,6 +235,7 @@ class LoopClosureProcess:
         if not self.helper.is_up:
             return
         self._take_replies()
+        self._send_waiting()
         try:
             self._outbox.pump()
         except OSError as error:
