@@ -1,5 +1,5 @@
 """Export a finished (or interrupted) run directory: PLY cloud, GLB scene, COLMAP text model, TUM trajectory,
-nerfstudio dataset.
+nerfstudio dataset, Gaussian splats.
 
 Everything is rebuilt from `predictions/*.npz` in one streaming pass (one frame in memory at a time), so
 the confidence threshold and voxel size can differ from the ones the run used. A run saved without its
@@ -15,6 +15,8 @@ Conventions of the outputs:
 - nerfstudio's transform_matrix is camera-to-world with OpenGL camera axes (x right, y up, z backward):
   our c2w with its y and z columns negated. Its points.ply (for Gaussian-splatting initialisation)
   is in the same world frame, which `applied_transform` (identity) declares.
+- Gaussian splats (app.splats) keep the run's world frame, in the reference 3D Gaussian splatting PLY layout;
+  their cap is DEFAULT_MAX_SPLATS unless --max-points says otherwise (a run's own cap is for points).
 """
 
 from __future__ import annotations
@@ -33,7 +35,12 @@ import trimesh
 from trimesh.path import Path3D
 from trimesh.path.entities import Line
 
-from stream_recon.app.export_formats import DEFAULT_OUTPUT_NAMES, FOLDER_CONTENTS, ExportFormat
+from stream_recon.app.export_formats import (
+    DEFAULT_MAX_SPLATS,
+    DEFAULT_OUTPUT_NAMES,
+    FOLDER_CONTENTS,
+    ExportFormat,
+)
 from stream_recon.app.input_size import model_input_size, resized_size
 from stream_recon.app.pointcloud import (
     DEFAULT_CONF_THRESHOLD,
@@ -59,6 +66,7 @@ from stream_recon.app.rundir import (
 )
 from stream_recon.app.source_settings import FrameSelection
 from stream_recon.app.sources import SourceError, open_source
+from stream_recon.app.splats import GaussianSplats, frame_splats, write_splat_ply
 from stream_recon.models.stream.pose import rotation_to_quat_xyzw
 
 # OpenCV camera axes (y down, z forward) to glTF's and OpenGL's (y up, z backward): a half turn about x.
@@ -149,6 +157,10 @@ def export_run(
     info = read_run_info(run_dir)
     recorded = info.get("summary", {}).get("points", {})
     conf_threshold = _pick(conf_threshold, recorded.get("conf_threshold"), DEFAULT_CONF_THRESHOLD)
+    if fmt is ExportFormat.SPLATS:  # its own cap, from the run's voxel before the run's cap coarsened it
+        max_points = _pick(max_points, None, DEFAULT_MAX_SPLATS)
+        if voxel_size is None and recorded.get("voxel_size") is not None:
+            voxel_size = recorded["voxel_size"] / 2.0 ** recorded.get("coarsenings", 0)
     voxel_size = _pick(voxel_size, recorded.get("voxel_size"), None)
     max_points = _pick(max_points, recorded.get("max_points"), DEFAULT_MAX_POINTS)
     images = _image_supply(run_dir, info.get("settings", {}), fmt, full_resolution)
@@ -193,7 +205,10 @@ def _export(run_dir: Path, fmt: ExportFormat, target: Path, images: _ImageSupply
         return ExportResult(target, len(timestamps), 0, conf_threshold, voxel_size)
     accumulator = PointAccumulator(conf_threshold=conf_threshold, voxel_size=voxel_size, max_points=max_points)
     contents = _read_contents(run_dir, accumulator, target / "images" if fmt.is_folder else None, images)
-    _write_export(fmt, target, contents)
+    if fmt is ExportFormat.SPLATS:
+        write_splat_ply(target, gaussian_splats(run_dir, contents.cloud, accumulator))
+    else:
+        _write_export(fmt, target, contents)
     return ExportResult(target, len(contents.cameras), len(contents.cloud), conf_threshold,
                         accumulator.voxel_size, images.grey_reason)
 
@@ -384,6 +399,31 @@ def _read_contents(run_dir: Path, accumulator: PointAccumulator, images_dir: Pat
     if not cameras:
         raise RunDirError(f"{run_dir} has no readable predictions to export")
     return _RunContents(cameras, accumulator.cloud())
+
+
+def gaussian_splats(run_dir: Path, cloud: PointCloud, accumulator: PointAccumulator) -> GaussianSplats:
+    """The cloud's points as Gaussians, in the cloud's order: a second pass over the npz files reads each
+    point's confidence and depth neighbourhood from the frame it was back-projected from."""
+    order = np.argsort(cloud.frame_index, kind="stable")
+    frames = cloud.frame_index[order]
+    parts, rows = [], []
+    for record in iter_run(run_dir):
+        these = order[np.searchsorted(frames, record["frame_index"]):
+                      np.searchsorted(frames, record["frame_index"], side="right")]
+        if not len(these):
+            continue
+        intrinsics = record["intrinsics"]
+        parts.append(frame_splats(cloud.xyz[these], cloud.rgb[these], cloud.pixel[these], record["depth"],
+                                  record["depth_conf"], intrinsics, record["c2w"],
+                                  pixel_step=accumulator.pixel_step(intrinsics), voxel_size=accumulator.voxel_size))
+        rows.append(these)
+    found = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
+    if len(found) != len(cloud):
+        raise RunDirError(f"{run_dir} changed while it was exported (a prediction file went missing); export it again")
+    position = np.empty(len(cloud), dtype=np.int64)
+    position[found] = np.arange(len(found))  # back in the cloud's order
+    splats = GaussianSplats.concatenate(parts)
+    return GaussianSplats(*(getattr(splats, name)[position] for name in GaussianSplats.FIELDS))
 
 
 class SourceImages:
