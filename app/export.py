@@ -488,7 +488,8 @@ class SourceImages:
             settings = self._settings
             selection = FrameSelection(start=settings.get("start", 0), stride=settings.get("stride", 1),
                                        fps=settings.get("fps"), max_frames=settings.get("max_frames"))
-            self._source = open_source(settings["source_location"], selection)  # full frames: resized here
+            # full frames (resized here), turned as the run turned them
+            self._source = open_source(settings["source_location"], selection, rotate=settings.get("rotate", 0))
             self._frames = iter(self._source)
         return self._frames
 

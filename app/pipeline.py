@@ -623,10 +623,12 @@ def _as_frame_source(source: Any, options: RunOptions) -> FrameSource:
     if isinstance(source, (str, Path)):
         return open_source(
             source, options.selection(), image_width=options.image_width, open_timeout_s=options.open_timeout_s,
-            reconnect_s=options.reconnect_s,
+            reconnect_s=options.reconnect_s, rotate=options.rotate,
         )
     name = getattr(source, "name", None) or type(source).__name__
-    return frames_source(source, options.selection(), name=str(name), image_width=options.image_width)
+    frames = frames_source(source, options.selection(), name=str(name), image_width=options.image_width)
+    frames.turn_clockwise(options.rotate)
+    return frames
 
 
 LIVE_CLOUDS_PER_SECOND = 8.0
@@ -639,7 +641,8 @@ def _start_viewer(options: RunOptions, console: Console) -> Any:
 
     # A live run draws at most LIVE_CLOUDS_PER_SECOND new keyframe clouds a second (LiveViewer says why).
     viewer = LiveViewer(options.host, options.port, keep_serving=options.keep_viewer,
-                        max_new_clouds_per_second=LIVE_CLOUDS_PER_SECOND, min_confidence=options.conf_threshold)
+                        max_new_clouds_per_second=LIVE_CLOUDS_PER_SECOND, min_confidence=options.conf_threshold,
+                        show=options.show)
     console.print(f"live viewer: [bold]{viewer.url}[/bold]")
     return viewer
 

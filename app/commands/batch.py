@@ -84,7 +84,7 @@ AlignmentOpt, MaxDiffOpt = evaluation_flags(_BATCH)
 
 # A batch never opens the viewer, reads files rather than streams, and has its own --overwrite
 # (OverwriteOpt): those run options are not offered.
-NOT_FOR_BATCH = ("open_timeout_s", "overwrite", "viewer", "keep_viewer", "host", "port")
+NOT_FOR_BATCH = ("open_timeout_s", "overwrite", "viewer", "keep_viewer", "host", "port", "show")
 
 
 @takes_run_options(*(field for field in RUN_OPTION_FLAGS if field not in NOT_FOR_BATCH))

@@ -77,6 +77,7 @@ class LiveViewer:
         keep_serving: bool = False,
         inference_controls: bool = True,
         label: str = "stream-recon",
+        show: str = "points",  # points | splats (app.options.SHOW_CHOICES); the browser's panel can change it
     ) -> None:
         if max_points_per_keyframe < 1 or max_total_points < max_points_per_keyframe:
             raise ValueError(
@@ -97,7 +98,7 @@ class LiveViewer:
 
         self.settings = DisplaySettings(
             points_per_keyframe=min(points_per_keyframe or max_points_per_keyframe, max_points_per_keyframe),
-            min_confidence=float(min_confidence), last_n=min(50, max_keyframes),
+            min_confidence=float(min_confidence), last_n=min(50, max_keyframes), show=show,
         )
         # New keyframe clouds the scene takes per second, on average (bursts up to one second's worth;
         # None: every keyframe). A live run sets it: with every frame a keyframe at 40 FPS, a cloud per

@@ -49,9 +49,10 @@ class _Keyframe:
     fingerprint: int
     parent: Any  # viser.FrameHandle
     frustum: Any  # viser.CameraFrustumHandle
-    cloud: Any = None  # viser.PointCloudHandle
+    cloud: Any = None  # viser.PointCloudHandle, or GaussianSplatHandle when the settings show splats
     shown_count: int = 0  # prefix of `sample` currently on screen (before the confidence filter)
-    shown_settings: tuple = ()  # (min. confidence, budget, chunk scale) the cloud was built with
+    shown_points: int = 0  # points (or splats) on screen: the prefix after the confidence filter
+    shown_settings: tuple = ()  # what the cloud was built with (KeyframeMap._cloud_settings)
 
 
 class KeyframeMap:
@@ -227,26 +228,39 @@ class KeyframeMap:
                 self._remove(index)
             elif rebuild_all or count != keyframe.shown_count or self._settings_changed(keyframe):
                 self._show_cloud(keyframe, count)
-            elif keyframe.cloud is not None:
+            elif keyframe.cloud is not None and self.settings.show == "points":
                 keyframe.cloud.point_size = self._point_size()
 
     def _cloud_settings(self, keyframe: _Keyframe) -> tuple:
         """What a keyframe's cloud is built from besides its sample: a change re-sends it."""
         settings = self.settings
-        return settings.min_confidence, settings.points_per_keyframe, self.chunks[keyframe.chunk_index].scale
+        # a splat's width is built into its covariance: a size change re-sends splats, never points
+        size = settings.point_size_factor if settings.show == "splats" else None
+        return (settings.min_confidence, settings.points_per_keyframe, self.chunks[keyframe.chunk_index].scale,
+                settings.show, size)
 
     def _settings_changed(self, keyframe: _Keyframe) -> bool:
         return self._cloud_settings(keyframe) != keyframe.shown_settings
 
     def _show_cloud(self, keyframe: _Keyframe, count: int) -> None:
         scale = self.chunks[keyframe.chunk_index].scale
-        points, colors = geo.cloud_arrays(keyframe.sample, count, self.settings.min_confidence, scale)
         # Same-name re-add replaces the node (and its buffered create message) in one step; assigning
         # points and colours separately would briefly pair arrays of different lengths on the client.
-        keyframe.cloud = self.server.scene.add_point_cloud(
-            f"{keyframe.parent.name}/points", points=points, colors=colors, point_size=self._point_size(),
-            point_shape="square", precision="float16", point_shading="flat",
-        )
+        # Points and splats share the name, so switching between them replaces one with the other.
+        name = f"{keyframe.parent.name}/points"
+        if self.settings.show == "splats":
+            centres, covariances, colors, opacities = geo.splat_arrays(
+                keyframe.sample, count, self.settings.min_confidence, scale, self.settings.point_size_factor)
+            keyframe.cloud = self.server.scene.add_gaussian_splats(
+                name, centers=centres, covariances=covariances, rgbs=colors, opacities=opacities)
+            keyframe.shown_points = len(centres)
+        else:
+            points, colors = geo.cloud_arrays(keyframe.sample, count, self.settings.min_confidence, scale)
+            keyframe.cloud = self.server.scene.add_point_cloud(
+                name, points=points, colors=colors, point_size=self._point_size(),
+                point_shape="square", precision="float16", point_shading="flat",
+            )
+            keyframe.shown_points = len(points)
         keyframe.shown_count = count
         keyframe.shown_settings = self._cloud_settings(keyframe)
 
