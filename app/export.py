@@ -115,6 +115,7 @@ class CameraRecord:
     median_depth: float  # of the confident pixels, nan when none
     image_name: str | None  # file written under images/ (COLMAP, nerfstudio), when the frame carried its image
     pixel_scale: PixelScale = PixelScale()  # model-input pixels -> the written image's
+    mask_name: str | None = None  # file written under masks/ (nerfstudio), when the run masked the frame
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,28 @@ def export_run(
         if images.source is not None:
             images.source.close()
     return result
+
+
+def written_mask(dropped: np.ndarray, scale: PixelScale, size: tuple[int, int]) -> np.ndarray:
+    """A frame's dropped pixels [H, W] (model input) -> nerfstudio's mask for the written image of `size`:
+    uint8, 0 where a pixel is left out, 255 elsewhere; each written pixel takes its model pixel's value
+    (nearest), and rows the portrait crop cut (nothing was predicted there) are kept."""
+    keep = np.where(dropped, 0, 255).astype(np.uint8)
+    if keep.shape == tuple(size):
+        return keep
+    v, u = np.mgrid[0:size[0], 0:size[1]].astype(np.float32)
+    map_u = (u + 0.5) / scale.sx - 0.5
+    map_v = (v + 0.5) / scale.sy - 0.5 - scale.row_offset
+    return cv2.remap(keep, map_u, map_v, cv2.INTER_NEAREST, borderMode=cv2.BORDER_CONSTANT, borderValue=255)
+
+
+def write_mask_png(path: Path, mask: np.ndarray) -> None:
+    """A single-channel uint8 mask [H, W] as a PNG file (as write_png: an OSError with its errno on a full disk)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    encoded, png = cv2.imencode(".png", mask)
+    if not encoded:
+        raise ExportError(f"could not encode {path.name} as a PNG image ({mask.shape[1]}x{mask.shape[0]})")
+    atomic_write(path, lambda f: f.write(png.tobytes()), binary=True)
 
 
 def _write_failure(target: Path, error: OSError) -> str:
@@ -378,10 +401,14 @@ def _read_contents(run_dir: Path, accumulator: PointAccumulator, images_dir: Pat
                 f"{f' ({unavailable})' if unavailable else ''}, and a {images.fmt.label} export needs the images; "
                 f"export this run as {_formats_without_images()}, or run the sequence again with --save-images"
             )
-        image_name = None
+        image_name = mask_name = None
         if images_dir is not None:
             image_name = f"{record['frame_index']:06d}.png"
             write_png(images_dir / image_name, written)
+            if images.fmt is ExportFormat.NERFSTUDIO and record["sky_mask"] is not None:
+                mask_name = image_name
+                write_mask_png(images_dir.parent / "masks" / mask_name,
+                               written_mask(record["sky_mask"], scale, written.shape[:2]))
         cameras.append(
             CameraRecord(
                 frame_index=record["frame_index"],
@@ -393,9 +420,11 @@ def _read_contents(run_dir: Path, accumulator: PointAccumulator, images_dir: Pat
                 median_depth=float(np.median(confident)) if confident.size else float("nan"),
                 image_name=image_name,
                 pixel_scale=scale,
+                mask_name=mask_name,
             )
         )
-        accumulator.add_frame(record["frame_index"], depth, conf, record["intrinsics"], record["c2w"], record["image"])
+        accumulator.add_frame(record["frame_index"], depth, conf, record["intrinsics"], record["c2w"], record["image"],
+                              record["sky_mask"])
     if not cameras:
         raise RunDirError(f"{run_dir} has no readable predictions to export")
     return _RunContents(cameras, accumulator.cloud())
@@ -746,11 +775,14 @@ def write_nerfstudio(folder: Path, cameras: list[CameraRecord], cloud: PointClou
         c2w_opengl[:3] = camera.c2w
         c2w_opengl = c2w_opengl @ OPENCV_TO_GLTF  # y and z columns negated: same centre, OpenGL axes
         h, w = camera.image_size
-        frames.append({
+        frame = {
             "file_path": f"images/{camera.image_name}",
             "transform_matrix": c2w_opengl.tolist(),
             "fl_x": fx, "fl_y": fy, "cx": cx, "cy": cy, "w": w, "h": h,
-        })
+        }
+        if camera.mask_name is not None:  # nerfstudio's per-image mask: 0 leaves a pixel out of training
+            frame["mask_path"] = f"masks/{camera.mask_name}"
+        frames.append(frame)
     transforms = {
         "camera_model": "OPENCV",
         # the points are in the poses' frame: nothing was applied to one and not the other

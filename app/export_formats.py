@@ -66,7 +66,7 @@ FILE_SUFFIXES = {
 # export of that format (replaced with --overwrite); one holding anything else is someone's folder.
 FOLDER_CONTENTS = {
     ExportFormat.COLMAP: ("images", "sparse"),
-    ExportFormat.NERFSTUDIO: ("images", "transforms.json", "points.ply"),
+    ExportFormat.NERFSTUDIO: ("images", "masks", "transforms.json", "points.ply"),  # masks/: a masked run's
 }
 # A splat export's cap when --max-points is not given: a browser renders about half a million splats
 # smoothly, and at 248 bytes each (the reference layout, degree-3 colours) the file is ~124 MB.

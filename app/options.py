@@ -57,7 +57,7 @@ DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16"
 # or how visibly it runs: a batch compares them to decide whether a finished sequence still stands.
 RESULT_FIELDS = (
     "checkpoint", "dtype", "kv_cache", "gpu_memory", "scale_frames", "window", "chunk_frames", "overlap",
-    "keyframes", "flow_threshold", "max_gap", "loop_closure", "camera_iterations", "rotate", "image_width", "fps", "max_frames", "start", "stride", "conf_threshold", "voxel_size",
+    "keyframes", "flow_threshold", "max_gap", "loop_closure", "camera_iterations", "rotate", "image_width", "mask_sky", "mask_dir", "fps", "max_frames", "start", "stride", "conf_threshold", "voxel_size",
 )
 
 
@@ -117,6 +117,8 @@ class RunOptions:
     # outputs
     conf_threshold: float = DEFAULT_CONF_THRESHOLD
     voxel_size: float | None = None  # None: automatic, relative to the first frame's depth
+    mask_sky: bool = False  # leave the sky out of every point (app.sky's network; the npz keep the mask)
+    mask_dir: str | None = None  # a folder of one mask per frame, 0 = leave the pixel out (app.masks)
     overwrite: bool = False
     # what each predictions/*.npz holds and which frames get one; defaults: rundir.PredictionOutputs'
     save_depth: str = PredictionOutputs.depth  # float16 | float32: depth and confidence

@@ -149,6 +149,11 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
     _OUTPUT: {
         "conf_threshold": "Keep points with depth confidence at least this in points.ply.",
         "voxel_size": "Voxel size for points.ply, in model units.",
+        "mask_sky": "Leave the sky out of points.ply, the viewer and every export: the reference demo's sky network "
+        "(skyseg.onnx, fetched once with `stream-recon download skyseg`; needs onnxruntime: pip install "
+        "'stream-recon[sky]'), run beside the stream; each npz keeps its frame's mask (sky_mask).",
+        "mask_dir": "A folder of one mask image per frame (named as the frame's exported image, NNNNNN.png, or in "
+        "name order), 0 where a pixel is left out of every point: dynamic objects, say (nerfstudio's convention).",
         "overwrite": "Replace a run already in the output folder.",
         "save_depth": "Precision of depth and confidence in predictions/*.npz: float16 (half the bytes, relative "
         "error at most 0.05%) or float32 (the model's output exactly).",

@@ -20,6 +20,8 @@ sets live_state's.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import viser
 
@@ -78,6 +80,7 @@ class LiveViewer:
         inference_controls: bool = True,
         label: str = "stream-recon",
         show: str = "points",  # points | splats (app.options.SHOW_CHOICES); the browser's panel can change it
+        masker: Any = None,  # app.masks.FrameMasker: pixels the live clouds leave out (a replay's npz carry them)
     ) -> None:
         if max_points_per_keyframe < 1 or max_total_points < max_points_per_keyframe:
             raise ValueError(
@@ -111,7 +114,7 @@ class LiveViewer:
         self.scene = SceneGraph(
             self.server, self.settings, max_points_per_keyframe=max_points_per_keyframe,
             max_total_points=max_total_points, max_keyframes=max_keyframes,
-            max_new_clouds_per_second=max_new_clouds_per_second, thumbnail_px=thumbnail_px,
+            max_new_clouds_per_second=max_new_clouds_per_second, thumbnail_px=thumbnail_px, masker=masker,
         )
         self.panel = ControlPanel(
             self.server.gui, self.settings, max_points_per_keyframe=max_points_per_keyframe,

@@ -74,14 +74,19 @@ class KeyframeSample:
         return int(self.points.shape[0])
 
 
-def sample_keyframe_points(pred: FramePrediction, max_points: int) -> KeyframeSample:
-    """Back-project up to `max_points` random valid pixels of a keyframe into its own camera frame.
+def sample_keyframe_points(pred: FramePrediction, max_points: int, dropped: np.ndarray | None = None
+                           ) -> KeyframeSample:
+    """Back-project up to `max_points` random valid pixels of a keyframe into its own camera frame; `dropped`
+    [H, W] bool: pixels left out (app.masks).
 
     Only the sampled pixels are lifted (models.stream.pose.back_project, in float64 before the float16 the
     viewer sends): a full back-projection costs ~20x more at 518 x 378.
     """
     depth = np.asarray(pred.depth, dtype=np.float32)
-    valid = np.flatnonzero(np.isfinite(depth) & (depth > 0))
+    valid = np.isfinite(depth) & (depth > 0)
+    if dropped is not None:
+        valid &= ~dropped
+    valid = np.flatnonzero(valid)
     # Seeded by the frame index, so the same frame always shows the same points (stable re-emissions).
     rng = np.random.default_rng(pred.frame_index)
     if valid.size > max_points:

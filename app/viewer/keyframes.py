@@ -61,8 +61,10 @@ class KeyframeMap:
 
     def __init__(self, server: viser.ViserServer, settings: DisplaySettings, on_scale_known: Callable[[], None],
                  *, max_points_per_keyframe: int, max_total_points: int, max_keyframes: int,
-                 max_new_clouds_per_second: float | None, thumbnail_px: int) -> None:
+                 max_new_clouds_per_second: float | None, thumbnail_px: int, masker: Any = None) -> None:
+        """masker: an app.masks.FrameMasker whose dropped pixels the clouds leave out (None: none)."""
         self.server = server
+        self.masker = masker
         self.settings = settings
         self._on_scale_known = on_scale_known
         self.max_points_per_keyframe = max_points_per_keyframe
@@ -169,7 +171,10 @@ class KeyframeMap:
         existing.parent.position = self.chunks[existing.chunk_index].scale * position
 
     def _add(self, pred: FramePrediction, fingerprint: int | None = None) -> None:
-        sample = geo.sample_keyframe_points(pred, self.max_points_per_keyframe)
+        dropped = None
+        if self.masker is not None:  # on the viewer thread, for the keyframes it draws only
+            dropped = self.masker.dropped(pred.frame_index, pred.image, pred.image_size)
+        sample = geo.sample_keyframe_points(pred, self.max_points_per_keyframe, dropped)
         if self.scene_scale is None and sample.num_points:
             self.scene_scale = float(np.median(sample.points[:, 2].astype(np.float32)))
             self._on_scale_known()

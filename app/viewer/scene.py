@@ -50,7 +50,7 @@ class SceneGraph:
 
     def __init__(self, server: viser.ViserServer, settings: DisplaySettings, **caps) -> None:
         """`caps`: KeyframeMap's (max_points_per_keyframe, max_total_points, max_keyframes,
-        max_new_clouds_per_second, thumbnail_px)."""
+        max_new_clouds_per_second, thumbnail_px, masker)."""
         self.server = server
         self.settings = settings
         self.keyframes = KeyframeMap(server, settings, self.reset_view, **caps)
