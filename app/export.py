@@ -28,6 +28,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import cv2
 import numpy as np
@@ -144,13 +145,15 @@ def export_run(
     max_points: int | None = None,
     overwrite: bool = False,
     full_resolution: bool = False,
+    mask_sky: bool = False,
 ) -> ExportResult:
     """Write one export of `run_dir`; options left as None take the run's own values (run.json).
 
     An existing output is replaced only with `overwrite` (a folder only when it holds an earlier export of
     the same format); `full_resolution` (COLMAP, nerfstudio) writes the source frames at their own size,
-    read back from the run's video or folder, with the intrinsics scaled to them. Nothing is left behind
-    when an export fails.
+    read back from the run's video or folder, with the intrinsics scaled to them; `mask_sky` leaves the sky
+    out of a run that was not masked (app.sky; a masked run's own masks are used either way). Nothing is left
+    behind when an export fails.
     """
     fmt = ExportFormat(fmt)
     run_dir = Path(run_dir)
@@ -165,6 +168,13 @@ def export_run(
     voxel_size = _pick(voxel_size, recorded.get("voxel_size"), None)
     max_points = _pick(max_points, recorded.get("max_points"), DEFAULT_MAX_POINTS)
     images = _image_supply(run_dir, info.get("settings", {}), fmt, full_resolution)
+    if mask_sky:
+        from stream_recon.app.sky import SkyModelError, SkySegmenter, skyseg_path
+
+        try:
+            images.sky = SkySegmenter(skyseg_path(download=True))
+        except SkyModelError as error:
+            raise ExportError(str(error)) from None
     target = ExportTarget(run_dir, fmt, output, overwrite=overwrite)
     try:
         result = _export(run_dir, fmt, target.path, images, conf_threshold, voxel_size, max_points)
@@ -344,6 +354,7 @@ class _ImageSupply:
     fmt: ExportFormat
     source: SourceImages | None = None
     grey_reason: str | None = None
+    sky: Any = None  # an app.sky.SkySegmenter for frames the run did not mask (export --mask-sky)
 
 
 def _image_supply(run_dir: Path, settings: dict, fmt: ExportFormat, full_resolution: bool) -> _ImageSupply:
@@ -394,6 +405,11 @@ def _read_contents(run_dir: Path, accumulator: PointAccumulator, images_dir: Pat
             unavailable = f" ({images.source.unavailable})" if images.source and images.source.unavailable else ""
             images.grey_reason = (f"frame {record['frame_index']} of {run_dir} was saved without its image{unavailable}: "
                                   "its points are grey")
+        if images.sky is not None and record["sky_mask"] is None:
+            if record["image"] is None:
+                raise ExportError(f"--mask-sky reads each frame's image, and frame {record['frame_index']} of {run_dir} "
+                                  "has none that can be had; export without --mask-sky")
+            record["sky_mask"] = images.sky.sky_pixels(record["image"])
         if images_dir is not None and written is None:
             unavailable = images.source.unavailable if images.source is not None else None
             raise ExportError(

@@ -202,3 +202,58 @@ def test_download_skyseg_offline_names_the_url_and_the_folder(tmp_path, monkeypa
 def test_download_skyseg_finds_one_already_there(checkpoints_with_skyseg):
     result = CliRunner().invoke(app, ["download", "skyseg"])
     assert result.exit_code == 0 and "already here" in result.output
+
+
+def test_export_mask_sky_masks_a_run_that_was_not(tmp_path, tiny_model, checkpoints_with_skyseg):
+    masked = masked_run(tmp_path / "a", tiny_model, mask_sky=True)
+    plain = masked_run(tmp_path / "b", tiny_model)
+    expected = len(PlyData.read(str(masked / "points.ply"))["vertex"])
+    assert export_run(plain, "ply", tmp_path / "p.ply", mask_sky=True).num_points == expected
+    export_run(plain, "nerfstudio", tmp_path / "ns", mask_sky=True)
+    assert len(list((tmp_path / "ns" / "masks").glob("*.png"))) == 6
+
+
+def test_the_live_viewer_leaves_masked_pixels_out_of_its_clouds(skyseg):
+    from media_helpers import free_port
+
+    from stream_recon.app.masks import FrameMasker
+    from stream_recon.app.viewer import LiveViewer
+    from stream_recon.models.stream.prediction import FRAME_KEY, FramePrediction
+
+    height, width = 42, 56
+    image = sky_and_ground(height, width)
+    sky = SkySegmenter(skyseg).sky_pixels(image)
+    pred = FramePrediction(frame_index=0, timestamp=0.0, frame_type=FRAME_KEY, pose_enc=np.zeros(9, np.float32),
+                           c2w=np.eye(3, 4, dtype=np.float32),
+                           intrinsics=np.array([[50, 0, 28], [0, 50, 21], [0, 0, 1]], np.float32),
+                           depth=np.full((height, width), 2.0, np.float32),
+                           depth_conf=np.full((height, width), 3.0, np.float32), image=image)
+    viewer = LiveViewer(port=free_port(), max_points_per_keyframe=5000, masker=FrameMasker(SkySegmenter(skyseg), None, 56))
+    try:
+        viewer.on_frame(pred, {})
+        assert viewer.flush()
+        sample = viewer.scene.keyframes.shown[0].sample
+        assert sample.num_points == int((~sky).sum()) < height * width
+    finally:
+        viewer.close()
+
+
+def test_view_mask_sky_without_the_network_is_one_line_exit_2(tmp_path, monkeypatch):
+    from typer import Typer
+
+    from stream_recon.app.commands.view import view
+
+    monkeypatch.setenv("STREAM_RECON_CHECKPOINTS", str(tmp_path / "empty"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from synthetic_run import plane_frame
+    from test_app_export import make_run
+
+    make_run(tmp_path / "run2", [plane_frame(i) for i in range(3)])
+    viewer_app = Typer()
+    viewer_app.command()(view)
+    viewer_app.command(name="other")(lambda: None)
+    result = CliRunner().invoke(viewer_app, ["view", str(tmp_path / "run2"), "--mask-sky"])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --mask-sky needs skyseg.onnx") and SKYSEG_URL in lines[0]

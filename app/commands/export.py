@@ -9,6 +9,7 @@ Examples:
     stream-recon export outputs/kitchen --format nerfstudio -o kitchen_ns/   # then: ns-train splatfacto --data kitchen_ns
     stream-recon export outputs/kitchen --format nerfstudio -o kitchen_full/ --full-resolution   # source frames
     stream-recon export outputs/kitchen --format splats   # exports/splats.ply: open it in a splat viewer
+    stream-recon export outputs/street --format nerfstudio -o street_ns/ --mask-sky   # sky left out, masks/
     stream-recon export outputs/kitchen --format ply --conf-threshold 3 --voxel-size 0.01 --overwrite
 
 An export never replaces anything without --overwrite, and never writes into a folder that holds other
@@ -65,6 +66,11 @@ def export(
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace an earlier export at --output (as `run --overwrite` does).")
     ] = False,
+    mask_sky: Annotated[
+        bool,
+        typer.Option("--mask-sky", help="Leave the sky out of a run that was not masked (as `run --mask-sky`; a "
+                     "masked run's own masks apply either way)."),
+    ] = False,
 ) -> None:
     """Export a run as a point cloud (ply), a scene with cameras (glb), a COLMAP text model, a TUM trajectory,
     a nerfstudio dataset (transforms.json, images, points.ply) or Gaussian splats (the 3D Gaussian splatting PLY
@@ -85,6 +91,7 @@ def export(
             max_points=max_points,
             overwrite=overwrite,
             full_resolution=full_resolution,
+            mask_sky=mask_sky,
         )
     if format is ExportFormat.TUM:
         console.print(f"wrote {result.num_frames} poses to {result.path}")

@@ -4,6 +4,7 @@ Examples:
     stream-recon view outputs/office
     stream-recon view outputs/office --port 8090
     stream-recon view outputs/office --show splats   # a Gaussian splat per point instead of points
+    stream-recon view outputs/street --mask-sky      # the sky left out of a run that was not masked
 
 The replay itself (indexing, the timeline, loading keyframes behind a seek, how it was measured):
 app/replay.py.
@@ -30,6 +31,9 @@ def view(
     host: HostOpt = None,
     port: PortOpt = None,
     show: ShowOpt = None,
+    mask_sky: Annotated[
+        bool, typer.Option("--mask-sky", help="Leave the sky out of a run that was not masked (as `run --mask-sky`).")
+    ] = False,
 ) -> None:
     """Replay a finished run in the browser, with a timeline. Ctrl-C (exit code 130) or SIGTERM (143) stops it."""
     from stream_recon.app.options import SHOW_CHOICES, check_viewer_address
@@ -46,7 +50,8 @@ def view(
             bad_input(console, f"--show must be one of {', '.join(SHOW_CHOICES)}, got {show!r}")
         check_run_dir(run_dir)
         check_viewer_address(host, port, optional=False)
-        replay = start_replay(run_dir, host, port, show=show)
+        masker = sky_masker(mask_sky)
+        replay = start_replay(run_dir, host, port, show=show, masker=masker)
     announce = f"Replaying {replay.index.num_frames} frames at {replay.viewer.url} (Ctrl+C to stop)"
     try:
         signum = wait_for_stop_signal(on_ready=lambda: console.print(announce))
@@ -55,3 +60,18 @@ def view(
         replay.viewer.close("complete")
         replay.viewer.stop()
     raise typer.Exit(code=interrupted_exit_code(signum))
+
+
+def sky_masker(mask_sky: bool):
+    """The live viewer's masker of `view --mask-sky` (app.masks), None without it; OptionsError when the sky
+    network cannot be had."""
+    if not mask_sky:
+        return None
+    from stream_recon.app.masks import FrameMasker
+    from stream_recon.app.options import OptionsError
+    from stream_recon.app.sky import SkyModelError, SkySegmenter, skyseg_path
+
+    try:
+        return FrameMasker(SkySegmenter(skyseg_path(download=True)), None, RunOptions.image_width)
+    except SkyModelError as error:
+        raise OptionsError(str(error)) from None
