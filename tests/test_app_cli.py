@@ -113,7 +113,8 @@ def test_every_run_option_shows_its_default() -> None:
             continue
         value = shown[field.name].partition(",")[0]  # `320, the trained range`: the value, then a note
         if isinstance(field.default, bool):
-            assert value == flag(field.name).removeprefix("--" if field.default else "--no-"), field.name
+            on = flag(field.name).removeprefix("--")
+            assert value == (on if field.default else f"no-{on}"), field.name
         elif isinstance(field.default, int):
             assert int(value) == field.default, field.name
         elif isinstance(field.default, float):
