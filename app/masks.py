@@ -7,8 +7,9 @@ and the viewer drops them from its clouds.
 
 A user's mask folder holds one image per frame, nerfstudio's convention: 0 drops a pixel, anything else keeps
 it. A frame's mask is the file named as the frame's exported image (`NNNNNN.png`, its frame index), else the
-folder's images in name order, the k-th for frame k. A mask of another size than the model input is resized
-to the source's aspect and cropped as the frame was (nearest neighbour: a mask stays a mask).
+folder's images in name order, the k-th for frame k. A mask of the model input's size is taken as it is; any
+other is a source frame's: turned (`--rotate`), resized and cropped as the frame was (nearest neighbour: a mask
+stays a mask).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 
 from stream_recon.app.input_size import model_input_size, resized_size
 from stream_recon.app.sky import SkySegmenter
+from stream_recon.app.sources import turned_clockwise
 
 MASK_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 
@@ -50,12 +52,15 @@ class UserMasks:
         raise MaskDirError(f"--mask-dir {self.folder} has no mask for frame {frame_index} (neither "
                            f"{frame_index:06d}.png nor a {frame_index + 1}-th image); give every frame one")
 
-    def dropped(self, frame_index: int, size: tuple[int, int], image_width: int) -> np.ndarray:
-        """bool [H, W] at the model input's `size` (H, W): True where the frame's mask is 0."""
+    def dropped(self, frame_index: int, size: tuple[int, int], image_width: int, rotate: int = 0) -> np.ndarray:
+        """bool [H, W] at the model input's `size` (H, W): True where the frame's mask is 0; `rotate`: the
+        degrees the run turned its frames clockwise."""
         path = self.file_for(frame_index)
         mask = cv2.imread(str(path), cv2.IMREAD_GRAYSCALE)
         if mask is None:
             raise MaskDirError(f"cannot read the mask {path}: not an image; replace it")
+        if mask.shape != tuple(size):
+            mask = turned_clockwise(mask, rotate)
         return _to_model_input(mask, size, image_width) == 0
 
 
@@ -75,8 +80,8 @@ def _to_model_input(mask: np.ndarray, size: tuple[int, int], image_width: int) -
 class FrameMasker:
     """A frame's dropped pixels: the sky (a SkySegmenter) and/or the user's masks; either may be None."""
 
-    def __init__(self, sky: SkySegmenter | None, user: UserMasks | None, image_width: int) -> None:
-        self.sky, self.user, self.image_width = sky, user, image_width
+    def __init__(self, sky: SkySegmenter | None, user: UserMasks | None, image_width: int, rotate: int = 0) -> None:
+        self.sky, self.user, self.image_width, self.rotate = sky, user, image_width, rotate
 
     def dropped(self, frame_index: int, image: np.ndarray | None, size: tuple[int, int]) -> np.ndarray | None:
         """bool [H, W] for a frame whose model input is `image` [H, W, 3] uint8 (None: no sky mask can be
@@ -85,6 +90,6 @@ class FrameMasker:
         if self.sky is not None and image is not None:
             dropped = self.sky.sky_pixels(np.ascontiguousarray(image))
         if self.user is not None:
-            user = self.user.dropped(frame_index, size, self.image_width)
+            user = self.user.dropped(frame_index, size, self.image_width, self.rotate)
             dropped = user if dropped is None else dropped | user
         return dropped

@@ -209,7 +209,7 @@ def frame_masker(options: RunOptions) -> Any:
         user = UserMasks(options.mask_dir) if options.mask_dir is not None else None
     except (SkyModelError, MaskDirError) as error:
         raise OptionsError(str(error)) from None
-    return FrameMasker(sky, user, options.image_width)
+    return FrameMasker(sky, user, options.image_width, options.rotate)
 
 
 def _set_up(plan: RunPlan, frame_source: FrameSource, output_dir: Path, options: RunOptions, model: Any,

@@ -257,3 +257,16 @@ def test_view_mask_sky_without_the_network_is_one_line_exit_2(tmp_path, monkeypa
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --mask-sky needs skyseg.onnx") and SKYSEG_URL in lines[0]
+
+
+def test_a_turned_runs_source_masks_are_turned_with_its_frames(tmp_path, tiny_model):
+    masks = tmp_path / "masks"
+    masks.mkdir()
+    for index in range(6):  # the source's left half left out: after a quarter turn clockwise, its top half
+        mask = np.full((96, 160), 255, np.uint8)
+        mask[:, :80] = 0
+        cv2.imwrite(str(masks / f"{index:06d}.png"), mask)
+    run = masked_run(tmp_path, tiny_model, mask_dir=str(masks), rotate=90)
+    for record in read_run(run):
+        dropped = record["sky_mask"]
+        assert dropped.shape == (56, 56) and dropped[:20].all() and not dropped[-20:].any()
