@@ -121,6 +121,7 @@ def test_more_camera_iterations_than_the_model_has_are_refused(prepared_tiny_mod
         (["--rotate", "45"], "error: --rotate must be one of 0, 90, 180, 270 (degrees clockwise), got 45"),
         (["--camera-iterations", "0"], "error: --camera-iterations must be between 1 and 4"),
         (["--camera-iterations", "5"], "error: --camera-iterations must be between 1 and 4"),
+        (["--show", "voxels"], "error: --show must be one of points, splats, got 'voxels'"),
     ],
 )
 def test_bad_demo_options_are_one_line_exit_2_and_leave_nothing(tmp_path, flags, message):

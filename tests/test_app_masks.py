@@ -270,3 +270,25 @@ def test_a_turned_runs_source_masks_are_turned_with_its_frames(tmp_path, tiny_mo
     for record in read_run(run):
         dropped = record["sky_mask"]
         assert dropped.shape == (56, 56) and dropped[:20].all() and not dropped[-20:].any()
+
+
+def test_export_mask_sky_without_the_network_is_one_line_exit_2_and_leaves_nothing(tmp_path, monkeypatch):
+    from synthetic_run import plane_frame
+    from test_app_export import make_run
+
+    from stream_recon.app.commands.export import export as export_command
+
+    monkeypatch.setenv("STREAM_RECON_CHECKPOINTS", str(tmp_path / "empty"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    make_run(tmp_path / "run", [plane_frame(i) for i in range(3)])
+    from typer import Typer
+
+    export_app = Typer()
+    export_app.command()(export_command)
+    export_app.command(name="other")(lambda: None)
+    result = CliRunner().invoke(export_app, ["export", str(tmp_path / "run"), "-f", "ply", "--mask-sky"])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --mask-sky needs skyseg.onnx") and SKYSEG_URL in lines[0]
+    assert not (tmp_path / "run" / "exports").exists()
