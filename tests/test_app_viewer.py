@@ -1095,3 +1095,18 @@ def test_browser_renders_the_splats(tmp_path):
         viewer.close()
     print(f"viewer splats screenshot: {screenshot}; green pixels {green} in the centre")
     assert green > 1000
+
+
+def test_a_replay_shows_splats_on_the_surface(tmp_path):
+    write_run(tmp_path / "run", 8)
+    replay = start_replay(tmp_path / "run", port=free_port(), max_points_per_keyframe=300, show="splats")
+    mirror = SceneMirror(replay.viewer.url)
+    try:
+        assert replay.wait_until_loaded()
+        name = "/chunks/0/f000006"
+        mirror.wait_for(lambda m: m.nodes.get(f"{name}/points", {}).get("type") == "GaussianSplatsMessage")
+        np.testing.assert_allclose(splats_in_world(mirror, name)[:, 2], PLANE_Z, atol=0.02)
+    finally:
+        mirror.close()
+        replay.stop()
+        replay.viewer.close()
