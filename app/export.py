@@ -1,5 +1,5 @@
 """Export a finished (or interrupted) run directory: PLY cloud, GLB scene, COLMAP text model, TUM trajectory,
-nerfstudio dataset.
+nerfstudio dataset, Gaussian splats.
 
 Everything is rebuilt from `predictions/*.npz` in one streaming pass (one frame in memory at a time), so
 the confidence threshold and voxel size can differ from the ones the run used. A run saved without its
@@ -15,6 +15,8 @@ Conventions of the outputs:
 - nerfstudio's transform_matrix is camera-to-world with OpenGL camera axes (x right, y up, z backward):
   our c2w with its y and z columns negated. Its points.ply (for Gaussian-splatting initialisation)
   is in the same world frame, which `applied_transform` (identity) declares.
+- Gaussian splats (app.splats) keep the run's world frame, in the reference 3D Gaussian splatting PLY layout;
+  their cap is DEFAULT_MAX_SPLATS unless --max-points says otherwise (a run's own cap is for points).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import cv2
 import numpy as np
@@ -33,7 +36,12 @@ import trimesh
 from trimesh.path import Path3D
 from trimesh.path.entities import Line
 
-from stream_recon.app.export_formats import DEFAULT_OUTPUT_NAMES, FOLDER_CONTENTS, ExportFormat
+from stream_recon.app.export_formats import (
+    DEFAULT_MAX_SPLATS,
+    DEFAULT_OUTPUT_NAMES,
+    FOLDER_CONTENTS,
+    ExportFormat,
+)
 from stream_recon.app.input_size import model_input_size, resized_size
 from stream_recon.app.pointcloud import (
     DEFAULT_CONF_THRESHOLD,
@@ -59,6 +67,7 @@ from stream_recon.app.rundir import (
 )
 from stream_recon.app.source_settings import FrameSelection
 from stream_recon.app.sources import SourceError, open_source
+from stream_recon.app.splats import GaussianSplats, frame_splats, write_splat_ply
 from stream_recon.models.stream.pose import rotation_to_quat_xyzw
 
 # OpenCV camera axes (y down, z forward) to glTF's and OpenGL's (y up, z backward): a half turn about x.
@@ -107,6 +116,7 @@ class CameraRecord:
     median_depth: float  # of the confident pixels, nan when none
     image_name: str | None  # file written under images/ (COLMAP, nerfstudio), when the frame carried its image
     pixel_scale: PixelScale = PixelScale()  # model-input pixels -> the written image's
+    mask_name: str | None = None  # file written under masks/ (nerfstudio), when the run masked the frame
 
 
 @dataclass(frozen=True)
@@ -135,13 +145,15 @@ def export_run(
     max_points: int | None = None,
     overwrite: bool = False,
     full_resolution: bool = False,
+    mask_sky: bool = False,
 ) -> ExportResult:
     """Write one export of `run_dir`; options left as None take the run's own values (run.json).
 
     An existing output is replaced only with `overwrite` (a folder only when it holds an earlier export of
     the same format); `full_resolution` (COLMAP, nerfstudio) writes the source frames at their own size,
-    read back from the run's video or folder, with the intrinsics scaled to them. Nothing is left behind
-    when an export fails.
+    read back from the run's video or folder, with the intrinsics scaled to them; `mask_sky` leaves the sky
+    out of a run that was not masked (app.sky; a masked run's own masks are used either way). Nothing is left
+    behind when an export fails.
     """
     fmt = ExportFormat(fmt)
     run_dir = Path(run_dir)
@@ -149,9 +161,20 @@ def export_run(
     info = read_run_info(run_dir)
     recorded = info.get("summary", {}).get("points", {})
     conf_threshold = _pick(conf_threshold, recorded.get("conf_threshold"), DEFAULT_CONF_THRESHOLD)
+    if fmt is ExportFormat.SPLATS:  # its own cap, from the run's voxel before the run's cap coarsened it
+        max_points = _pick(max_points, None, DEFAULT_MAX_SPLATS)
+        if voxel_size is None and recorded.get("voxel_size") is not None:
+            voxel_size = recorded["voxel_size"] / 2.0 ** recorded.get("coarsenings", 0)
     voxel_size = _pick(voxel_size, recorded.get("voxel_size"), None)
     max_points = _pick(max_points, recorded.get("max_points"), DEFAULT_MAX_POINTS)
     images = _image_supply(run_dir, info.get("settings", {}), fmt, full_resolution)
+    if mask_sky:
+        from stream_recon.app.sky import SkyModelError, SkySegmenter, skyseg_path
+
+        try:
+            images.sky = SkySegmenter(skyseg_path(download=True))
+        except SkyModelError as error:
+            raise ExportError(str(error)) from None
     target = ExportTarget(run_dir, fmt, output, overwrite=overwrite)
     try:
         result = _export(run_dir, fmt, target.path, images, conf_threshold, voxel_size, max_points)
@@ -164,6 +187,28 @@ def export_run(
         if images.source is not None:
             images.source.close()
     return result
+
+
+def written_mask(dropped: np.ndarray, scale: PixelScale, size: tuple[int, int]) -> np.ndarray:
+    """A frame's dropped pixels [H, W] (model input) -> nerfstudio's mask for the written image of `size`:
+    uint8, 0 where a pixel is left out, 255 elsewhere; each written pixel takes its model pixel's value
+    (nearest), and rows the portrait crop cut (nothing was predicted there) are kept."""
+    keep = np.where(dropped, 0, 255).astype(np.uint8)
+    if keep.shape == tuple(size):
+        return keep
+    v, u = np.mgrid[0:size[0], 0:size[1]].astype(np.float32)
+    map_u = (u + 0.5) / scale.sx - 0.5
+    map_v = (v + 0.5) / scale.sy - 0.5 - scale.row_offset
+    return cv2.remap(keep, map_u, map_v, cv2.INTER_NEAREST, borderMode=cv2.BORDER_CONSTANT, borderValue=255)
+
+
+def write_mask_png(path: Path, mask: np.ndarray) -> None:
+    """A single-channel uint8 mask [H, W] as a PNG file (as write_png: an OSError with its errno on a full disk)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    encoded, png = cv2.imencode(".png", mask)
+    if not encoded:
+        raise ExportError(f"could not encode {path.name} as a PNG image ({mask.shape[1]}x{mask.shape[0]})")
+    atomic_write(path, lambda f: f.write(png.tobytes()), binary=True)
 
 
 def _write_failure(target: Path, error: OSError) -> str:
@@ -193,7 +238,10 @@ def _export(run_dir: Path, fmt: ExportFormat, target: Path, images: _ImageSupply
         return ExportResult(target, len(timestamps), 0, conf_threshold, voxel_size)
     accumulator = PointAccumulator(conf_threshold=conf_threshold, voxel_size=voxel_size, max_points=max_points)
     contents = _read_contents(run_dir, accumulator, target / "images" if fmt.is_folder else None, images)
-    _write_export(fmt, target, contents)
+    if fmt is ExportFormat.SPLATS:
+        write_splat_ply(target, gaussian_splats(run_dir, contents.cloud, accumulator))
+    else:
+        _write_export(fmt, target, contents)
     return ExportResult(target, len(contents.cameras), len(contents.cloud), conf_threshold,
                         accumulator.voxel_size, images.grey_reason)
 
@@ -306,6 +354,7 @@ class _ImageSupply:
     fmt: ExportFormat
     source: SourceImages | None = None
     grey_reason: str | None = None
+    sky: Any = None  # an app.sky.SkySegmenter for frames the run did not mask (export --mask-sky)
 
 
 def _image_supply(run_dir: Path, settings: dict, fmt: ExportFormat, full_resolution: bool) -> _ImageSupply:
@@ -356,6 +405,11 @@ def _read_contents(run_dir: Path, accumulator: PointAccumulator, images_dir: Pat
             unavailable = f" ({images.source.unavailable})" if images.source and images.source.unavailable else ""
             images.grey_reason = (f"frame {record['frame_index']} of {run_dir} was saved without its image{unavailable}: "
                                   "its points are grey")
+        if images.sky is not None and record["sky_mask"] is None:
+            if record["image"] is None:
+                raise ExportError(f"--mask-sky reads each frame's image, and frame {record['frame_index']} of {run_dir} "
+                                  "has none that can be had; export without --mask-sky")
+            record["sky_mask"] = images.sky.sky_pixels(record["image"])
         if images_dir is not None and written is None:
             unavailable = images.source.unavailable if images.source is not None else None
             raise ExportError(
@@ -363,10 +417,14 @@ def _read_contents(run_dir: Path, accumulator: PointAccumulator, images_dir: Pat
                 f"{f' ({unavailable})' if unavailable else ''}, and a {images.fmt.label} export needs the images; "
                 f"export this run as {_formats_without_images()}, or run the sequence again with --save-images"
             )
-        image_name = None
+        image_name = mask_name = None
         if images_dir is not None:
             image_name = f"{record['frame_index']:06d}.png"
             write_png(images_dir / image_name, written)
+            if images.fmt is ExportFormat.NERFSTUDIO and record["sky_mask"] is not None:
+                mask_name = image_name
+                write_mask_png(images_dir.parent / "masks" / mask_name,
+                               written_mask(record["sky_mask"], scale, written.shape[:2]))
         cameras.append(
             CameraRecord(
                 frame_index=record["frame_index"],
@@ -378,12 +436,39 @@ def _read_contents(run_dir: Path, accumulator: PointAccumulator, images_dir: Pat
                 median_depth=float(np.median(confident)) if confident.size else float("nan"),
                 image_name=image_name,
                 pixel_scale=scale,
+                mask_name=mask_name,
             )
         )
-        accumulator.add_frame(record["frame_index"], depth, conf, record["intrinsics"], record["c2w"], record["image"])
+        accumulator.add_frame(record["frame_index"], depth, conf, record["intrinsics"], record["c2w"], record["image"],
+                              record["sky_mask"])
     if not cameras:
         raise RunDirError(f"{run_dir} has no readable predictions to export")
     return _RunContents(cameras, accumulator.cloud())
+
+
+def gaussian_splats(run_dir: Path, cloud: PointCloud, accumulator: PointAccumulator) -> GaussianSplats:
+    """The cloud's points as Gaussians, in the cloud's order: a second pass over the npz files reads each
+    point's confidence and depth neighbourhood from the frame it was back-projected from."""
+    order = np.argsort(cloud.frame_index, kind="stable")
+    frames = cloud.frame_index[order]
+    parts, rows = [], []
+    for record in iter_run(run_dir):
+        these = order[np.searchsorted(frames, record["frame_index"]):
+                      np.searchsorted(frames, record["frame_index"], side="right")]
+        if not len(these):
+            continue
+        intrinsics = record["intrinsics"]
+        parts.append(frame_splats(cloud.xyz[these], cloud.rgb[these], cloud.pixel[these], record["depth"],
+                                  record["depth_conf"], intrinsics, record["c2w"],
+                                  pixel_step=accumulator.pixel_step(intrinsics), voxel_size=accumulator.voxel_size))
+        rows.append(these)
+    found = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
+    if len(found) != len(cloud):
+        raise RunDirError(f"{run_dir} changed while it was exported (a prediction file went missing); export it again")
+    position = np.empty(len(cloud), dtype=np.int64)
+    position[found] = np.arange(len(found))  # back in the cloud's order
+    splats = GaussianSplats.concatenate(parts)
+    return GaussianSplats(*(getattr(splats, name)[position] for name in GaussianSplats.FIELDS))
 
 
 class SourceImages:
@@ -448,7 +533,8 @@ class SourceImages:
             settings = self._settings
             selection = FrameSelection(start=settings.get("start", 0), stride=settings.get("stride", 1),
                                        fps=settings.get("fps"), max_frames=settings.get("max_frames"))
-            self._source = open_source(settings["source_location"], selection)  # full frames: resized here
+            # full frames (resized here), turned as the run turned them
+            self._source = open_source(settings["source_location"], selection, rotate=settings.get("rotate", 0))
             self._frames = iter(self._source)
         return self._frames
 
@@ -705,11 +791,14 @@ def write_nerfstudio(folder: Path, cameras: list[CameraRecord], cloud: PointClou
         c2w_opengl[:3] = camera.c2w
         c2w_opengl = c2w_opengl @ OPENCV_TO_GLTF  # y and z columns negated: same centre, OpenGL axes
         h, w = camera.image_size
-        frames.append({
+        frame = {
             "file_path": f"images/{camera.image_name}",
             "transform_matrix": c2w_opengl.tolist(),
             "fl_x": fx, "fl_y": fy, "cx": cx, "cy": cy, "w": w, "h": h,
-        })
+        }
+        if camera.mask_name is not None:  # nerfstudio's per-image mask: 0 leaves a pixel out of training
+            frame["mask_path"] = f"masks/{camera.mask_name}"
+        frames.append(frame)
     transforms = {
         "camera_model": "OPENCV",
         # the points are in the poses' frame: nothing was applied to one and not the other

@@ -16,6 +16,7 @@ class ExportFormat(str, Enum):
     COLMAP = "colmap"
     TUM = "tum"
     NERFSTUDIO = "nerfstudio"
+    SPLATS = "splats"
 
     @property
     def label(self) -> str:
@@ -52,19 +53,24 @@ FORMAT_LABELS = {
     ExportFormat.COLMAP: "COLMAP",
     ExportFormat.TUM: "TUM",
     ExportFormat.NERFSTUDIO: "nerfstudio",
+    ExportFormat.SPLATS: "Gaussian splats",
 }
 # The suffixes a file format is written under, the usual one first: a GLB is never named .ply.
 FILE_SUFFIXES = {
     ExportFormat.PLY: (".ply",),
     ExportFormat.GLB: (".glb",),
     ExportFormat.TUM: (".txt", ".tum"),
+    ExportFormat.SPLATS: (".ply",),  # the 3D Gaussian splatting layout is a PLY file too
 }
 # What a folder format writes in its folder: a folder holding these and nothing else is an earlier
 # export of that format (replaced with --overwrite); one holding anything else is someone's folder.
 FOLDER_CONTENTS = {
     ExportFormat.COLMAP: ("images", "sparse"),
-    ExportFormat.NERFSTUDIO: ("images", "transforms.json", "points.ply"),
+    ExportFormat.NERFSTUDIO: ("images", "masks", "transforms.json", "points.ply"),  # masks/: a masked run's
 }
+# A splat export's cap when --max-points is not given: a browser renders about half a million splats
+# smoothly, and at 248 bytes each (the reference layout, degree-3 colours) the file is ~124 MB.
+DEFAULT_MAX_SPLATS = 500_000
 # Under RUN_DIR/exports/ when no --output is given.
 DEFAULT_OUTPUT_NAMES = {
     ExportFormat.PLY: "points.ply",
@@ -72,10 +78,11 @@ DEFAULT_OUTPUT_NAMES = {
     ExportFormat.COLMAP: "colmap",
     ExportFormat.TUM: "trajectory_tum.txt",
     ExportFormat.NERFSTUDIO: "nerfstudio",
+    ExportFormat.SPLATS: "splats.ply",
 }
 
 
 def format_summary() -> str:
-    """'PLY, GLB, COLMAP, TUM or nerfstudio': every format, for help texts."""
+    """'PLY, GLB, COLMAP, TUM, nerfstudio or Gaussian splats': every format, for help texts."""
     labels = [fmt.label for fmt in ExportFormat]
     return f"{', '.join(labels[:-1])} or {labels[-1]}"

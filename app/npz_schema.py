@@ -52,6 +52,9 @@ PREDICTION_FIELDS: dict[str, NpzField] = {
 RENAMED_FIELDS = {"window_index": "chunk_index"}
 # The model input, written only when the prediction carries it; read back as None when absent.
 IMAGE_FIELD = NpzField(np.uint8, ("H", "W", 3))
+# The pixels left out of every point (app.masks: the sky, the user's masks), 1 = dropped; written only by a
+# run that masks (--mask-sky, --mask-dir), read back as None when absent.
+SKY_MASK_FIELD = NpzField(np.uint8, ("H", "W"))
 
 # The per-pixel floats may be stored in half precision (`--save-depth float16`): half their bytes
 # (0.78 MB instead of 1.57 MB a frame at 518x378), a relative error of at most 2**-11 = 0.049% for

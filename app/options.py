@@ -16,7 +16,12 @@ from typing import Any
 
 from stream_recon.app.input_size import DEFAULT_IMAGE_WIDTH, PATCH_SIZE
 from stream_recon.app.npz_schema import PredictionOutputs
-from stream_recon.app.source_settings import DEFAULT_OPEN_TIMEOUT_S, DEFAULT_RECONNECT_S, FrameSelection
+from stream_recon.app.source_settings import (
+    DEFAULT_OPEN_TIMEOUT_S,
+    DEFAULT_RECONNECT_S,
+    ROTATIONS,
+    FrameSelection,
+)
 from stream_recon.models.stream.prediction import EVEN_ODDS_CONFIDENCE
 from stream_recon.models.stream.stream_config import SCALE_FRAMES, TRAINED_VIEWS, WINDOW
 
@@ -30,15 +35,20 @@ WARM_UP_CHOICES = ("auto", "on", "off")
 # auto: on CUDA, compiled where this machine's compile caches hold the run's input size; where they do not, the run streams uncompiled and a child process compiles that size
 # beside it for the next run (app.builds); on: compiled before the stream, whatever it costs; off: never.
 COMPILE_CHOICES = ("auto", "on", "off")
+# What the viewer draws for a keyframe: its points, or a Gaussian splat per point (app.splats' opacity rule)
+SHOW_CHOICES = ("points", "splats")
 # The options that take one of a few words, by field, in the order their problems are named
 WORD_CHOICES = {"loop_closure": LOOP_CLOSURE_CHOICES, "compile": COMPILE_CHOICES, "warm_up": WARM_UP_CHOICES,
-                "kv_cache": KV_CACHE_CHOICES}
+                "kv_cache": KV_CACHE_CHOICES, "show": SHOW_CHOICES}
 # points.ply (and exports) keep the pixels whose depth the model is more sure of than not
 DEFAULT_CONF_THRESHOLD = EVEN_ODDS_CONFIDENCE
 # The live viewer's address: this machine only (viser's own default host is every interface)
 VIEWER_HOST = "127.0.0.1"
 VIEWER_PORT = 8080
 MAX_CHUNK_FRAMES = 1024  # positions in the model's temporal RoPE table
+# The released models' camera head refines its poses four times (ModelConfig.camera_iterations); a run may
+# stop earlier, never go further than the head was trained to.
+MAX_CAMERA_ITERATIONS = 4
 DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
                "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
 
@@ -47,7 +57,7 @@ DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16"
 # or how visibly it runs: a batch compares them to decide whether a finished sequence still stands.
 RESULT_FIELDS = (
     "checkpoint", "dtype", "kv_cache", "gpu_memory", "scale_frames", "window", "chunk_frames", "overlap",
-    "keyframes", "flow_threshold", "max_gap", "loop_closure", "image_width", "fps", "max_frames", "start", "stride", "conf_threshold", "voxel_size",
+    "keyframes", "flow_threshold", "max_gap", "loop_closure", "camera_iterations", "rotate", "image_width", "mask_sky", "mask_dir", "fps", "max_frames", "start", "stride", "conf_threshold", "voxel_size",
 )
 
 
@@ -94,6 +104,7 @@ class RunOptions:
     flow_threshold: float | None = None  # None: the engine's default
     max_gap: int | None = None  # flow policy: longest run of non-keyframes; None: engine default
     loop_closure: str = "auto"  # auto | on | off: the pose graph over chunks corrects drift at revisits
+    camera_iterations: int | None = None  # the camera head's refinement iterations; None: all (4)
     image_width: int = DEFAULT_IMAGE_WIDTH
     # source
     fps: float | None = None
@@ -102,9 +113,12 @@ class RunOptions:
     stride: int = 1
     open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S
     reconnect_s: float = DEFAULT_RECONNECT_S  # a live source that drops is retried this long; 0: never
+    rotate: int = 0  # degrees clockwise each frame is turned before the model: 0, 90, 180 or 270
     # outputs
     conf_threshold: float = DEFAULT_CONF_THRESHOLD
     voxel_size: float | None = None  # None: automatic, relative to the first frame's depth
+    mask_sky: bool = False  # leave the sky out of every point (app.sky's network; the npz keep the mask)
+    mask_dir: str | None = None  # a folder of one mask per frame, 0 = leave the pixel out (app.masks)
     overwrite: bool = False
     # what each predictions/*.npz holds and which frames get one; defaults: rundir.PredictionOutputs'
     save_depth: str = PredictionOutputs.depth  # float16 | float32: depth and confidence
@@ -115,6 +129,7 @@ class RunOptions:
     host: str = VIEWER_HOST
     port: int = VIEWER_PORT
     keep_viewer: bool = False  # after the run, keep serving the result until Ctrl-C
+    show: str = "points"  # points | splats: what the viewer draws for each keyframe
 
     def __post_init__(self) -> None:
         for field, choices in WORD_CHOICES.items():
@@ -155,6 +170,11 @@ class RunOptions:
             yield f"--flow-threshold must be a number > 0, got {self.flow_threshold}"
         if self.max_gap is not None and self.max_gap < 1:
             yield f"--max-gap must be >= 1, got {self.max_gap}"
+        if self.rotate not in ROTATIONS:
+            yield f"--rotate must be one of {', '.join(map(str, ROTATIONS))} (degrees clockwise), got {self.rotate}"
+        if self.camera_iterations is not None and not 1 <= self.camera_iterations <= MAX_CAMERA_ITERATIONS:
+            yield (f"--camera-iterations must be between 1 and {MAX_CAMERA_ITERATIONS} (the camera head's refinement "
+                   f"iterations), got {self.camera_iterations}")
         if not _positive(self.open_timeout_s):
             yield f"--open-timeout must be a number of seconds > 0, got {self.open_timeout_s}"
         if not (math.isfinite(self.reconnect_s) and self.reconnect_s >= 0):
@@ -205,6 +225,8 @@ class RunOptions:
         if self.max_gap is not None:
             kwargs["max_gap"] = self.max_gap
         kwargs["kv_cache"] = self.kv_cache
+        if self.camera_iterations is not None:
+            kwargs["camera_iterations"] = self.camera_iterations
         if self.gpu_memory is not None:
             from stream_recon.models.stream.memory import parse_memory_size  # torch: see _engine_problems
 

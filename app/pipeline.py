@@ -167,6 +167,7 @@ class RunPlan:
     input_size: tuple[int, int] | None  # the model input's (height, width), where known before the first frame
     closes_loops: bool
     loop_closure_reason: str | None
+    masker: Any  # app.masks.FrameMasker of --mask-sky / --mask-dir, or None
     warnings: list[str]  # given once every refusal has had its turn: a refused run shows only its error
 
 
@@ -192,7 +193,23 @@ def _plan(frame_source: FrameSource, options: RunOptions, model: Any) -> RunPlan
     warnings += _source_warnings(frame_source, options)
     engine_config = None if config is None else chunk_engine_config(options, config)
     return RunPlan(device, dtype, attention, config, engine_config, _input_size(frame_source, options),
-                   closes_loops, loop_closure_reason, warnings)
+                   closes_loops, loop_closure_reason, frame_masker(options), warnings)
+
+
+def frame_masker(options: RunOptions) -> Any:
+    """The masks a run leaves out of its points (app.masks), checked before anything is written: a missing sky
+    network (fetched when the hub answers) or mask folder is bad input. None when neither is asked for."""
+    if not options.mask_sky and options.mask_dir is None:
+        return None
+    from stream_recon.app.masks import FrameMasker, MaskDirError, UserMasks
+    from stream_recon.app.sky import SkyModelError, SkySegmenter, skyseg_path
+
+    try:
+        sky = SkySegmenter(skyseg_path(download=True)) if options.mask_sky else None
+        user = UserMasks(options.mask_dir) if options.mask_dir is not None else None
+    except (SkyModelError, MaskDirError) as error:
+        raise OptionsError(str(error)) from None
+    return FrameMasker(sky, user, options.image_width, options.rotate)
 
 
 def _set_up(plan: RunPlan, frame_source: FrameSource, output_dir: Path, options: RunOptions, model: Any,
@@ -216,7 +233,7 @@ def _set_up(plan: RunPlan, frame_source: FrameSource, output_dir: Path, options:
         for warning in plan.warnings:
             console.print(f"[yellow]warning:[/yellow] {escape(warning)}")
         clock.model_loaded()
-        viewer = _start_viewer(options, console)
+        viewer = _start_viewer(options, console, plan.masker)
         used = {"device": plan.device, "dtype": str(plan.dtype).removeprefix("torch."), "attention": plan.attention,
                 "compile": bool(model.inference_spec.compiled)}
         writer = RunWriter(
@@ -226,6 +243,7 @@ def _set_up(plan: RunPlan, frame_source: FrameSource, output_dir: Path, options:
             voxel_size=options.voxel_size,
             overwrite=True,  # prepare_output_dir already refused an existing run without --overwrite
             outputs=options.prediction_outputs(),
+            masker=plan.masker,
         )
         loops = LoopClosureSink(engine, viewer, enabled=plan.closes_loops, reason=plan.loop_closure_reason)
     except BaseException:
@@ -623,23 +641,26 @@ def _as_frame_source(source: Any, options: RunOptions) -> FrameSource:
     if isinstance(source, (str, Path)):
         return open_source(
             source, options.selection(), image_width=options.image_width, open_timeout_s=options.open_timeout_s,
-            reconnect_s=options.reconnect_s,
+            reconnect_s=options.reconnect_s, rotate=options.rotate,
         )
     name = getattr(source, "name", None) or type(source).__name__
-    return frames_source(source, options.selection(), name=str(name), image_width=options.image_width)
+    frames = frames_source(source, options.selection(), name=str(name), image_width=options.image_width)
+    frames.turn_clockwise(options.rotate)
+    return frames
 
 
 LIVE_CLOUDS_PER_SECOND = 8.0
 
 
-def _start_viewer(options: RunOptions, console: Console) -> Any:
+def _start_viewer(options: RunOptions, console: Console, masker: Any = None) -> Any:
     if not options.viewer:
         return None
     from stream_recon.app.viewer import LiveViewer  # viser is heavy: only imported when asked for
 
     # A live run draws at most LIVE_CLOUDS_PER_SECOND new keyframe clouds a second (LiveViewer says why).
     viewer = LiveViewer(options.host, options.port, keep_serving=options.keep_viewer,
-                        max_new_clouds_per_second=LIVE_CLOUDS_PER_SECOND, min_confidence=options.conf_threshold)
+                        max_new_clouds_per_second=LIVE_CLOUDS_PER_SECOND, min_confidence=options.conf_threshold,
+                        show=options.show, masker=masker)
     console.print(f"live viewer: [bold]{viewer.url}[/bold]")
     return viewer
 

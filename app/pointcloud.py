@@ -161,8 +161,10 @@ class PointAccumulator:
         intrinsics: np.ndarray,
         c2w: np.ndarray,
         image: np.ndarray | None = None,
+        dropped: np.ndarray | None = None,
     ) -> None:
-        """Merge one frame's confident pixels. depth, depth_conf [H, W]; image [H, W, 3] uint8 or None."""
+        """Merge one frame's confident pixels. depth, depth_conf [H, W]; image [H, W, 3] uint8 or None;
+        dropped [H, W] bool or None: pixels left out whatever their confidence (app.masks)."""
         if image is not None and image.shape[:2] != depth.shape:
             raise ValueError(
                 f"image {image.shape[:2]} and depth {depth.shape} of frame {frame_index} differ in size"
@@ -170,6 +172,8 @@ class PointAccumulator:
         valid = depth_conf >= self.conf_threshold
         valid &= depth > 0
         valid &= depth < np.inf  # NaN fails both comparisons
+        if dropped is not None:
+            valid &= ~dropped
         if self.reference_depth is None:
             confident = depth[valid]
             if len(confident) == 0:

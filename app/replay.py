@@ -120,6 +120,9 @@ def recorded_loops(run_info: dict[str, Any]) -> tuple[LoopRecord, ...]:
 def load_frame(path: Path) -> FramePrediction:
     """One prediction file (DESIGN.md §5, read by rundir's `load_prediction`) as a FramePrediction."""
     record = load_prediction(path)
+    depth = np.asarray(record["depth"], dtype=np.float32)
+    if record["sky_mask"] is not None:  # a masked run's dropped pixels (app.masks) have no depth to draw
+        depth = np.where(record["sky_mask"], np.float32(np.nan), depth)
     return FramePrediction(
         frame_index=record["frame_index"],
         timestamp=record["timestamp"],
@@ -127,7 +130,7 @@ def load_frame(path: Path) -> FramePrediction:
         pose_enc=np.asarray(record["pose_enc"], dtype=np.float32),
         c2w=np.asarray(record["c2w"], dtype=np.float32),
         intrinsics=np.asarray(record["intrinsics"], dtype=np.float32),
-        depth=np.asarray(record["depth"], dtype=np.float32),
+        depth=depth,
         depth_conf=np.asarray(record["depth_conf"], dtype=np.float32),
         image=None if record["image"] is None else np.asarray(record["image"], dtype=np.uint8),
         chunk_index=record["chunk_index"],

@@ -329,6 +329,7 @@ def load_prediction(path: Path) -> dict[str, Any]:
     for key in HALVABLE_FIELDS:
         record[key] = record[key].astype(PREDICTION_FIELDS[key].dtype, copy=False)
     record.setdefault("image", None)
+    record["sky_mask"] = record["sky_mask"].astype(bool) if "sky_mask" in record else None
     return record
 
 

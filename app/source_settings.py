@@ -13,6 +13,9 @@ from dataclasses import dataclass
 DEFAULT_OPEN_TIMEOUT_S = 10.0
 # A camera rebooting or a Wi-Fi roam takes seconds to tens of seconds; past this, the camera is gone.
 DEFAULT_RECONNECT_S = 30.0
+# Clockwise turns a frame may be given before the model sees it (`--rotate`), as the reference demo's
+# --rotate_clockwise_90 gives one: a phone video recorded sideways, a camera mounted on its side.
+ROTATIONS = (0, 90, 180, 270)
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,12 @@ from PIL import Image
 
 from stream_recon.app.input_size import input_size_problem
 from stream_recon.app.preprocess import ImageReadError, load_image, preprocess_frame_uint8, upright_rgb
-from stream_recon.app.source_settings import DEFAULT_OPEN_TIMEOUT_S, DEFAULT_RECONNECT_S, FrameSelection
+from stream_recon.app.source_settings import (
+    DEFAULT_OPEN_TIMEOUT_S,
+    DEFAULT_RECONNECT_S,
+    ROTATIONS,
+    FrameSelection,
+)
 from stream_recon.models.daemon_pool import DaemonPool
 
 SourceKind = Literal["video", "folder", "webcam", "stream", "frames"]
@@ -245,6 +250,7 @@ class FrameSource:
         self.selection = selection
         self.estimated_length = estimated_length  # delivered frames, when the source's length is known
         self.frame_size = frame_size  # (width, height) of the source's frames when known before reading
+        self.rotate = 0  # degrees each frame is turned clockwise after decoding (turn_clockwise)
         self.live = live  # live sources drop the oldest queued frame instead of falling behind
         self.image_width = image_width
         self.frames_dropped = 0
@@ -273,6 +279,17 @@ class FrameSource:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def turn_clockwise(self, degrees: int) -> None:
+        """Turn every frame `degrees` (one of ROTATIONS) clockwise as it is decoded, before anything else sees
+        it; the known frame size turns with it. Only before the frames are read."""
+        if degrees not in ROTATIONS:
+            raise SourceError(f"--rotate must be one of {', '.join(map(str, ROTATIONS))} (degrees clockwise), got {degrees}")
+        if self._thread is not None:
+            raise RuntimeError(f"{self.description} is being read already: turn it before reading")
+        if self.frame_size is not None and (degrees - self.rotate) % 180:
+            self.frame_size = self.frame_size[::-1]
+        self.rotate = degrees
 
     def start(self) -> None:
         """Start decoding now rather than at the first `next()` (idempotent).
@@ -375,6 +392,8 @@ class FrameSource:
             if not sampler.accept(source_index, timestamp):
                 continue
             rgb = self._reader.retrieve()
+            if self.rotate:  # (an unturned frame is not handed through one more function)
+                rgb = turned_clockwise(rgb, self.rotate)
             if self._preprocessing is None:
                 frame = Frame(delivered, source_index, timestamp, rgb)
             elif rgb.shape[0] * rgb.shape[1] > self._pool_from_pixels:
@@ -478,11 +497,13 @@ def open_source(
     frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S,
     queue_size: int = DEFAULT_QUEUE_SIZE,
     reconnect_s: float = DEFAULT_RECONNECT_S,
+    rotate: int = 0,
 ) -> FrameSource:
     """Open a source from what the user typed: a video file, an image folder, `0`, or a URL.
 
     `image_width`, when given, makes the reader thread also preprocess every frame (Frame.image).
     `reconnect_s` bounds how long a live source that drops is reopened (0: a drop ends the stream).
+    `rotate`: degrees every frame is turned clockwise after decoding (FrameSource.turn_clockwise).
     Raises SourceError with a sentence that says what is wrong and what to do.
     """
     selection = selection or FrameSelection()
@@ -504,12 +525,26 @@ def open_source(
             "check its permissions or choose another source"
         ) from None
     source.location = str(Path(location).resolve()) if kind in ("folder", "video") else location
+    try:
+        source.turn_clockwise(rotate)
+    except SourceError:
+        source.close()
+        raise
     if image_width and source.frame_size is not None:
         problem = input_size_problem(*source.frame_size, image_width)
         if problem is not None:
             source.close()
             raise SourceError(f"{source.description}: {problem}")
     return source
+
+
+# cv2.rotate's code for each clockwise turn: a copy in the turned layout, as contiguous as the decoder's.
+_CV2_TURNS = {90: cv2.ROTATE_90_CLOCKWISE, 180: cv2.ROTATE_180, 270: cv2.ROTATE_90_COUNTERCLOCKWISE}
+
+
+def turned_clockwise(rgb: np.ndarray, degrees: int) -> np.ndarray:
+    """[H, W, 3] turned `degrees` (0, 90, 180 or 270) clockwise: [W, H, 3] for a quarter turn."""
+    return rgb if degrees == 0 else cv2.rotate(rgb, _CV2_TURNS[degrees])
 
 
 @dataclass(frozen=True)

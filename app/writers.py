@@ -21,11 +21,11 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stream_recon.app.npz_schema import PredictionOutputs, prediction_arrays
+from stream_recon.app.npz_schema import SKY_MASK_FIELD, PredictionOutputs, prediction_arrays
 from stream_recon.app.pointcloud import (
     DEFAULT_CONF_THRESHOLD,
     DEFAULT_MAX_POINTS,
@@ -50,6 +50,9 @@ from stream_recon.app.rundir import (
     write_tum,
 )
 from stream_recon.models.loops.corrections import ChunkCorrections
+
+if TYPE_CHECKING:
+    from stream_recon.app.masks import FrameMasker
 from stream_recon.models.stream.prediction import FramePrediction
 from stream_recon.models.stream.similarity import Sim3
 from stream_recon.models.supervision import (
@@ -152,8 +155,10 @@ class RunWriter:
         background: bool = True,
         queue_size: int = 32,
         outputs: PredictionOutputs = PredictionOutputs(),
+        masker: FrameMasker | None = None,
     ) -> None:
         self.output_dir = Path(output_dir)
+        self.masker = masker  # a frame's dropped pixels (app.masks), made on the writer thread: off the stream
         self.predictions_dir = self.output_dir / PREDICTIONS_DIR
         self.settings = dict(settings)
         self.outputs = outputs
@@ -266,8 +271,12 @@ class RunWriter:
     def _write_frame(self, pred: FramePrediction, stats: dict) -> None:
         arrays = prediction_arrays(pred)
         path = prediction_path(self.output_dir, pred.frame_index)
-        stored = None
+        stored = dropped = None
         if self.outputs.writes(pred):
+            if self.masker is not None:
+                dropped = self.masker.dropped(pred.frame_index, arrays.get("image"), arrays["depth"].shape)
+                if dropped is not None:
+                    arrays["sky_mask"] = SKY_MASK_FIELD.array(dropped)
             stored = self.outputs.stored(arrays)
             atomic_write(path, functools.partial(np.savez, **stored), binary=True)  # (a partial: no frame of ours)
         else:
@@ -288,6 +297,7 @@ class RunWriter:
                 arrays["intrinsics"],
                 arrays["c2w"],
                 arrays.get("image"),
+                dropped,
             )
         self.last_stats = stats
         now = time.monotonic()

@@ -121,7 +121,7 @@ def run(args) -> dict:
     budget = parse_memory_size(args.gpu_memory) if args.gpu_memory else None
     config = StreamConfig(scale_frames=args.scale, window=args.window, keyframes=args.keyframes, attention=args.attention,
                           cuda_graphs=not args.no_graphs and not args.breakdown, pipeline=not args.no_pipeline,
-                          kv_cache=args.kv_cache, gpu_memory=budget)
+                          kv_cache=args.kv_cache, gpu_memory=budget, camera_iterations=args.camera_iterations)
     if budget is not None and device == "cuda":
         hold_to_card(budget)
     engine = StreamingEngine(model, config)
@@ -283,6 +283,8 @@ def main():
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--breakdown", action="store_true", help="per-stage times (runs eagerly: hooks do not fire in graphs)")
+    parser.add_argument("--camera-iterations", type=int, default=None,
+                        help="StreamConfig.camera_iterations: the camera head's refinement iterations (default: all)")
     parser.add_argument("--no-graphs", action="store_true", help="eager streaming steps (no CUDA-graph replay)")
     parser.add_argument("--no-compile", action="store_true", help="eager transformer blocks (no torch.compile)")
     parser.add_argument("--no-pipeline", action="store_true",

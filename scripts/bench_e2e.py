@@ -621,7 +621,8 @@ def run_options(args: argparse.Namespace, port: int) -> Any:
     from stream_recon.app.options import RunOptions
 
     extra = {}
-    for name in ("save_depth", "save_images", "save_predictions", "flow_threshold", "max_gap", "gpu_memory"):
+    for name in ("save_depth", "save_images", "save_predictions", "flow_threshold", "max_gap", "gpu_memory",
+                 "mask_sky", "camera_iterations"):
         value = getattr(args, name)
         if value is not None:
             extra[name] = value
@@ -892,6 +893,10 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--save-depth", default=None, help="output option: float32 | float16")
     parser.add_argument("--save-images", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--save-predictions", default=None, help="output option: all | keyframes")
+    parser.add_argument("--mask-sky", action="store_true", default=None,
+                        help="the run's --mask-sky (the sky network in STREAM_RECON_CHECKPOINTS: "
+                        "scripts/probes/skyseg_standin.py makes a stand-in)")
+    parser.add_argument("--camera-iterations", type=int, default=None, help="the run's --camera-iterations")
     parser.add_argument("--no-engine-run", action="store_true", help="skip the engine-only measurement")
     parser.add_argument("--sink-costs", action="store_true",
                         help="also time each per-frame part alone (decode, preprocess, npz, point cloud, viewer)")

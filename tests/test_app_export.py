@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from stream_recon.app.commands.export import export as export_command
 from stream_recon.app.export import ExportError, export_run
+from stream_recon.app.export_formats import ExportFormat
 from stream_recon.app.npz_schema import PredictionOutputs
 from stream_recon.app.rundir import RunDirError, read_run
 from stream_recon.app.writers import RunWriter
@@ -393,12 +394,12 @@ def test_cli_export_errors_exit_2_without_traceback(cli, tmp_path):
 SYSFS = Path("/sys/kernel")
 
 
-@pytest.mark.parametrize("fmt", ["ply", "glb", "tum", "colmap", "nerfstudio"])
+@pytest.mark.parametrize("fmt", ["ply", "glb", "tum", "colmap", "nerfstudio", "splats"])
 def test_cli_export_to_a_place_that_cannot_be_written_is_one_line_and_exit_2(run, cli, fmt):
     if not SYSFS.is_dir():
         pytest.skip("needs Linux's sysfs (/sys), where no file can be created")
     run_dir, _ = run
-    target = SYSFS / f"stream-recon-export.{fmt}"
+    target = SYSFS / f"stream-recon-export{ExportFormat(fmt).suffix or '.' + fmt}"
     outcome = CliRunner().invoke(cli, ["export", str(run_dir), "-f", fmt, "-o", str(target)])
     assert outcome.exit_code == 2, outcome.output
     assert isinstance(outcome.exception, SystemExit) and "Traceback" not in outcome.output

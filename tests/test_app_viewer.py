@@ -39,6 +39,7 @@ from stream_recon.app.npz_schema import prediction_arrays
 from stream_recon.app.replay import index_run, recorded_loops, start_replay
 from stream_recon.app.rundir import RunDirError
 from stream_recon.app.viewer import LiveViewer, allocate_point_budget, sample_keyframe_points
+from stream_recon.app.viewer.geometry import splat_arrays
 from stream_recon.models.loops.corrections import ChunkCorrections, LoopRecord
 from stream_recon.models.stream.pose import quat_xyzw_to_rotation
 from stream_recon.models.stream.prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
@@ -1005,3 +1006,107 @@ def test_a_run_that_closes_a_loop_moves_the_chunk_nodes_a_client_sees(tmp_path, 
     finally:
         for mirror in mirrors:
             mirror.close()
+
+
+# ------------------------------------------------------------------------------- Gaussian splats
+
+
+def splat_centres(node: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(centres [N, 3], opacities [N] in 0..255) of a GaussianSplatsMessage: viser packs each Gaussian in
+    eight uint32 words, the centre's three float32 first and the RGBA bytes last."""
+    buffer = np.asarray(node["props"]["buffer"]).view(np.uint8).reshape(-1, 32)
+    centres = buffer[:, :12].copy().view(np.float32).reshape(-1, 3)
+    return centres.astype(np.float64), buffer[:, 31]
+
+
+def splats_in_world(mirror: SceneMirror, keyframe: str) -> np.ndarray:
+    centres, _ = splat_centres(mirror.nodes[f"{keyframe}/points"])
+    node = mirror.nodes[keyframe]  # the keyframe's pose (its chunk node is the identity here)
+    rotation = quat_xyzw_to_rotation(np.roll(np.asarray(node["wxyz"], np.float64), -1))
+    return centres @ rotation.T + np.asarray(node["position"])
+
+
+def test_splats_arrive_on_the_surface_and_the_panel_switches_back_to_points():
+    viewer = LiveViewer(port=free_port(), max_points_per_keyframe=400, update_hz=20.0, show="splats")
+    mirror = SceneMirror(viewer.url)
+    try:
+        for index in range(4):
+            viewer.on_frame(orbit_frame(index, frame_type=FRAME_KEY), {})
+        names = [f"/chunks/0/f{i:06d}" for i in range(4)]
+        mirror.wait_for(lambda m: all(m.nodes.get(f"{n}/points", {}).get("type") == "GaussianSplatsMessage"
+                                      for n in names))
+        for name in names:
+            world = splats_in_world(mirror, name)
+            assert len(world) == 400
+            np.testing.assert_allclose(world[:, 2], PLANE_Z, atol=2e-2)  # float16 covariances, float32 centres
+        _, opacity = splat_centres(mirror.nodes[f"{names[0]}/points"])
+        # confidence 1 .. 2 in the orbit frames: opacity (c - 1) / c from 0 to 0.5
+        assert opacity.max() <= 128 and opacity.mean() > 20
+        mirror.set_gui("Show as", "points")
+        mirror.wait_for(lambda m: all(m.nodes.get(f"{n}/points", {}).get("type") == "PointCloudMessage"
+                                      for n in names))
+    finally:
+        mirror.close()
+        viewer.close()
+
+
+def test_splat_widths_follow_the_sample_spacing():
+    frame = orbit_frame(0, size=(40, 60), frame_type=FRAME_KEY)
+    sample = sample_keyframe_points(frame, 600)
+    centres, covariances, colors, opacities = splat_arrays(sample, 600, 1.0, 1.0, 1.0)
+    sigma = np.sqrt(covariances[:, 0, 0])
+    expected = 0.5 * np.sqrt(40 * 60 / 600) * centres[:, 2] / frame.intrinsics[0, 0]  # fx < fy: the focal
+    np.testing.assert_allclose(sigma, expected, rtol=1e-3)
+    np.testing.assert_allclose(covariances[:, 0, 1], 0)
+    assert colors.dtype == np.uint8 and opacities.shape == (600, 1)
+    _, doubled, _, _ = splat_arrays(sample, 600, 1.0, 2.0, 1.0)  # a chunk scaled 2x: twice as wide
+    np.testing.assert_allclose(np.sqrt(doubled[:, 0, 0]), 2 * sigma, rtol=1e-3)
+
+
+def test_view_refuses_an_unknown_show_in_one_line(tmp_path):
+    app = Typer()
+    app.command()(view)
+    app.command(name="other")(lambda: None)
+    result = CliRunner().invoke(app, ["view", str(tmp_path), "--show", "voxels"])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert lines == ["error: --show must be one of points, splats, got 'voxels'"]
+
+
+@pytest.mark.slow  # a headless browser: several seconds
+def test_browser_renders_the_splats(tmp_path):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)")
+    viewer = LiveViewer(port=free_port(), max_points_per_keyframe=1500, thumbnail_px=0, show="splats")
+    for index in range(10):
+        frame = orbit_frame(index, size=(84, 112), frame_type=FRAME_KEY)
+        frame.depth_conf[:] = 20.0  # opaque splats: the green shows as it is
+        viewer.on_frame(frame, {"frames": index + 1})
+    assert viewer.flush()
+    ARTIFACTS.mkdir(exist_ok=True)
+    screenshot = ARTIFACTS / "viewer_splats_screenshot.png"
+    try:
+        for budget_ms in (8000, 20000):
+            green = _green_pixels_in_a_screenshot(chromium, viewer.url, screenshot, tmp_path, budget_ms)
+            if green > 1000:
+                break
+    finally:
+        viewer.close()
+    print(f"viewer splats screenshot: {screenshot}; green pixels {green} in the centre")
+    assert green > 1000
+
+
+def test_a_replay_shows_splats_on_the_surface(tmp_path):
+    write_run(tmp_path / "run", 8)
+    replay = start_replay(tmp_path / "run", port=free_port(), max_points_per_keyframe=300, show="splats")
+    mirror = SceneMirror(replay.viewer.url)
+    try:
+        assert replay.wait_until_loaded()
+        name = "/chunks/0/f000006"
+        mirror.wait_for(lambda m: m.nodes.get(f"{name}/points", {}).get("type") == "GaussianSplatsMessage")
+        np.testing.assert_allclose(splats_in_world(mirror, name)[:, 2], PLANE_Z, atol=0.02)
+    finally:
+        mirror.close()
+        replay.stop()
+        replay.viewer.close()

@@ -26,7 +26,7 @@ from rich.markup import escape
 
 from stream_recon.app.evaluation_settings import DEFAULT_MAX_DIFF
 from stream_recon.app.input_size import PATCH_SIZE
-from stream_recon.app.options import FLAG_NAMES, RunOptions
+from stream_recon.app.options import FLAG_NAMES, MAX_CAMERA_ITERATIONS, RunOptions
 from stream_recon.models.checkpoint_names import DEFAULT_CHECKPOINT, KNOWN_CHECKPOINTS
 from stream_recon.models.stream.stream_config import FLOW_THRESHOLD, MAX_GAP
 
@@ -130,6 +130,8 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         "flow_threshold": "flow policy: mean flow in pixels that makes a keyframe.",
         "max_gap": "flow policy: most frames in a row without a keyframe.",
         "image_width": f"Model input width in pixels, a multiple of {PATCH_SIZE}.",
+        "camera_iterations": f"Refinement iterations of the camera head, 1 to {MAX_CAMERA_ITERATIONS}: fewer run faster "
+        "for a small pose error (the reference demo's --camera_num_iterations).",
     },
     _SOURCE: {
         "fps": "Use at most this many frames per second of video (by timestamp). For an image folder: the rate "
@@ -138,6 +140,8 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         "max_frames": "Stop after this many frames.",
         "start": "First source frame to use (0-based).",
         "stride": "Use every N-th source frame.",
+        "rotate": "Turn every frame this many degrees clockwise before the model sees it (0, 90, 180 or 270): a "
+        "video recorded sideways. Exports read the source again turned the same way.",
         "open_timeout_s": "Seconds to wait for a stream URL to connect.",
         "reconnect_s": "Live cameras and streams: seconds to keep reconnecting (with back-off) after a drop before "
         "the run ends as failed; 0 makes a drop the end of the stream.",
@@ -145,6 +149,11 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
     _OUTPUT: {
         "conf_threshold": "Keep points with depth confidence at least this in points.ply.",
         "voxel_size": "Voxel size for points.ply, in model units.",
+        "mask_sky": "Leave the sky out of points.ply, the viewer and every export: the reference demo's sky network "
+        "(skyseg.onnx, fetched once with `stream-recon download skyseg`; needs onnxruntime: pip install "
+        "'stream-recon[sky]'), run beside the stream; each npz keeps its frame's mask (sky_mask).",
+        "mask_dir": "A folder of one mask image per frame (named as the frame's exported image, NNNNNN.png, or in "
+        "name order), 0 where a pixel is left out of every point: dynamic objects, say (nerfstudio's convention).",
         "overwrite": "Replace a run already in the output folder.",
         "save_depth": "Precision of depth and confidence in predictions/*.npz: float16 (half the bytes, relative "
         "error at most 0.05%) or float32 (the model's output exactly).",
@@ -156,6 +165,8 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
     _VIEWER: {
         "viewer": "Open the live browser viewer.",
         "keep_viewer": "Keep the viewer serving the result after the run, until Ctrl-C.",
+        "show": "What the viewer draws for each keyframe: points, or splats (a Gaussian per point, as wide as the "
+        "points' spacing, its opacity from the depth confidence; heavier for the browser).",
         "host": "Address the viewer serves on; 0.0.0.0 exposes it to the network.",
         "port": "Port the viewer serves on (the next free one if taken).",
     },
@@ -177,6 +188,7 @@ _DEFAULT_WORDING: dict[str, str] = {
     "flow_threshold": _as_typed(FLOW_THRESHOLD),
     "max_gap": _as_typed(MAX_GAP),
     "voxel_size": "automatic",
+    "camera_iterations": f"{MAX_CAMERA_ITERATIONS}, all",
     "overwrite": "no-overwrite; a run of the bundled sample replaces its earlier run in outputs/sample/",
     "keep_viewer": "keep-viewer on a terminal, else no-keep-viewer",
 }

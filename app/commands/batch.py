@@ -84,7 +84,8 @@ AlignmentOpt, MaxDiffOpt = evaluation_flags(_BATCH)
 
 # A batch never opens the viewer, reads files rather than streams, and has its own --overwrite
 # (OverwriteOpt): those run options are not offered.
-NOT_FOR_BATCH = ("open_timeout_s", "overwrite", "viewer", "keep_viewer", "host", "port")
+# mask_dir: one folder of masks is one sequence's, not every sequence's
+NOT_FOR_BATCH = ("open_timeout_s", "overwrite", "viewer", "keep_viewer", "host", "port", "show", "mask_dir")
 
 
 @takes_run_options(*(field for field in RUN_OPTION_FLAGS if field not in NOT_FOR_BATCH))

@@ -1,5 +1,5 @@
-"""`stream-recon export`: turn a run directory into a PLY cloud, a GLB scene, a COLMAP model, a TUM file
-or a nerfstudio dataset.
+"""`stream-recon export`: turn a run directory into a PLY cloud, a GLB scene, a COLMAP model, a TUM file,
+a nerfstudio dataset or a Gaussian-splat map.
 
 Examples:
     stream-recon export outputs/kitchen --format ply
@@ -8,6 +8,8 @@ Examples:
     stream-recon export outputs/kitchen --format tum --output kitchen_tum.txt
     stream-recon export outputs/kitchen --format nerfstudio -o kitchen_ns/   # then: ns-train splatfacto --data kitchen_ns
     stream-recon export outputs/kitchen --format nerfstudio -o kitchen_full/ --full-resolution   # source frames
+    stream-recon export outputs/kitchen --format splats   # exports/splats.ply: open it in a splat viewer
+    stream-recon export outputs/street --format nerfstudio -o street_ns/ --mask-sky   # sky left out, masks/
     stream-recon export outputs/kitchen --format ply --conf-threshold 3 --voxel-size 0.01 --overwrite
 
 An export never replaces anything without --overwrite, and never writes into a folder that holds other
@@ -22,7 +24,7 @@ from typing import Annotated, Optional
 import typer
 
 from stream_recon.app.commands._options import bad_input, error_console, user_errors
-from stream_recon.app.export_formats import ExportFormat
+from stream_recon.app.export_formats import DEFAULT_MAX_SPLATS, ExportFormat
 from stream_recon.app.options import point_cloud_problems
 
 
@@ -35,7 +37,7 @@ def export(
         Optional[Path],
         typer.Option(
             "--output", "-o",
-            help="File (ply, glb, tum: the suffix is added when missing) or new or empty directory (colmap, "
+            help="File (ply, glb, tum, splats: the suffix is added when missing) or new or empty directory (colmap, "
             "nerfstudio). Default: RUN_DIR/exports/.",
         ),
     ] = None,
@@ -48,7 +50,9 @@ def export(
         typer.Option(help="Voxel edge (> 0) in scene units. Default: the run's value."),
     ] = None,
     max_points: Annotated[
-        Optional[int], typer.Option(min=1, help="Cap on exported points; the voxel grows to respect it.")
+        Optional[int],
+        typer.Option(min=1, help="Cap on exported points; the voxel grows to respect it. Default: the run's value; "
+                     f"{DEFAULT_MAX_SPLATS} for splats (what a browser renders smoothly)."),
     ] = None,
     full_resolution: Annotated[
         bool,
@@ -62,9 +66,15 @@ def export(
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace an earlier export at --output (as `run --overwrite` does).")
     ] = False,
+    mask_sky: Annotated[
+        bool,
+        typer.Option("--mask-sky", help="Leave the sky out of a run that was not masked (as `run --mask-sky`; a "
+                     "masked run's own masks apply either way)."),
+    ] = False,
 ) -> None:
-    """Export a run as a point cloud (ply), a scene with cameras (glb), a COLMAP text model, a TUM trajectory or
-    a nerfstudio dataset (transforms.json, images, points.ply)."""
+    """Export a run as a point cloud (ply), a scene with cameras (glb), a COLMAP text model, a TUM trajectory,
+    a nerfstudio dataset (transforms.json, images, points.ply) or Gaussian splats (the 3D Gaussian splatting PLY
+    that splat viewers open)."""
     from stream_recon.app.export import ExportError, export_run
 
     console = error_console()
@@ -81,13 +91,15 @@ def export(
             max_points=max_points,
             overwrite=overwrite,
             full_resolution=full_resolution,
+            mask_sky=mask_sky,
         )
     if format is ExportFormat.TUM:
         console.print(f"wrote {result.num_frames} poses to {result.path}")
         return
     voxel = "none" if result.voxel_size is None else f"{result.voxel_size:.4g}"
     console.print(
-        f"wrote {format.value} export ({result.num_frames} cameras, {result.num_points} points, "
+        f"wrote {format.value} export ({result.num_frames} cameras, {result.num_points} "
+        f"{'splats' if format is ExportFormat.SPLATS else 'points'}, "
         f"voxel {voxel}) to {result.path}"
     )
     if result.grey_points is not None:

@@ -20,6 +20,8 @@ sets live_state's.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import viser
 
@@ -77,6 +79,8 @@ class LiveViewer:
         keep_serving: bool = False,
         inference_controls: bool = True,
         label: str = "stream-recon",
+        show: str = "points",  # points | splats (app.options.SHOW_CHOICES); the browser's panel can change it
+        masker: Any = None,  # app.masks.FrameMasker: pixels the live clouds leave out (a replay's npz carry them)
     ) -> None:
         if max_points_per_keyframe < 1 or max_total_points < max_points_per_keyframe:
             raise ValueError(
@@ -97,7 +101,7 @@ class LiveViewer:
 
         self.settings = DisplaySettings(
             points_per_keyframe=min(points_per_keyframe or max_points_per_keyframe, max_points_per_keyframe),
-            min_confidence=float(min_confidence), last_n=min(50, max_keyframes),
+            min_confidence=float(min_confidence), last_n=min(50, max_keyframes), show=show,
         )
         # New keyframe clouds the scene takes per second, on average (bursts up to one second's worth;
         # None: every keyframe). A live run sets it: with every frame a keyframe at 40 FPS, a cloud per
@@ -110,7 +114,7 @@ class LiveViewer:
         self.scene = SceneGraph(
             self.server, self.settings, max_points_per_keyframe=max_points_per_keyframe,
             max_total_points=max_total_points, max_keyframes=max_keyframes,
-            max_new_clouds_per_second=max_new_clouds_per_second, thumbnail_px=thumbnail_px,
+            max_new_clouds_per_second=max_new_clouds_per_second, thumbnail_px=thumbnail_px, masker=masker,
         )
         self.panel = ControlPanel(
             self.server.gui, self.settings, max_points_per_keyframe=max_points_per_keyframe,

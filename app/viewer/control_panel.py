@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import viser
 
+from stream_recon.app.options import SHOW_CHOICES
 from stream_recon.app.viewer.geometry import thumbnail
 from stream_recon.models.loops.corrections import ChunkCorrections
 
@@ -34,6 +35,7 @@ class DisplaySettings:
     point_size_factor: float = 1.0
     show_all: bool = True
     follow: bool = False
+    show: str = "points"  # points | splats (app.options.SHOW_CHOICES)
 
 
 class ControlPanel:
@@ -76,6 +78,9 @@ class ControlPanel:
             # A size change is a cheap property update on every cloud, not a re-send of points.
             self._on_change(size, "point_size_factor", float, on_redraw)
             self._on_change(budget, "points_per_keyframe", int, on_rebuild)
+            show = gui.add_dropdown("Show as", SHOW_CHOICES, initial_value=settings.show,
+                                    hint="points, or splats: a Gaussian per point, its opacity from the confidence")
+            self._on_change(show, "show", str, on_rebuild)
 
         with gui.add_folder("Keyframes"):
             show_all = gui.add_checkbox("Show all", initial_value=True)

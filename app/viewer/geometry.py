@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
+from stream_recon.app.splats import opacity_from_confidence
 from stream_recon.models.loops.corrections import ChunkCorrections
 from stream_recon.models.stream.pose import back_project, rotation_to_quat_xyzw
 from stream_recon.models.stream.prediction import FramePrediction
@@ -58,26 +59,34 @@ def allocate_point_budget(full_counts: list[int], max_total_points: int) -> list
 class KeyframeSample:
     """A keyframe's points, drawn once in random order so that any prefix is a uniform subsample.
 
-    points [N, 3] float16 in the keyframe's camera frame; colors [N, 3] uint8; confidence [N] float32.
+    points [N, 3] float16 in the keyframe's camera frame; colors [N, 3] uint8; confidence [N] float32;
+    focal: the frame's focal length in pixels; num_valid: the pixels they were drawn from (a splat's width).
     """
 
     points: np.ndarray
     colors: np.ndarray
     confidence: np.ndarray
+    focal: float = 1.0
+    num_valid: int = 0
 
     @property
     def num_points(self) -> int:
         return int(self.points.shape[0])
 
 
-def sample_keyframe_points(pred: FramePrediction, max_points: int) -> KeyframeSample:
-    """Back-project up to `max_points` random valid pixels of a keyframe into its own camera frame.
+def sample_keyframe_points(pred: FramePrediction, max_points: int, dropped: np.ndarray | None = None
+                           ) -> KeyframeSample:
+    """Back-project up to `max_points` random valid pixels of a keyframe into its own camera frame; `dropped`
+    [H, W] bool: pixels left out (app.masks).
 
     Only the sampled pixels are lifted (models.stream.pose.back_project, in float64 before the float16 the
     viewer sends): a full back-projection costs ~20x more at 518 x 378.
     """
     depth = np.asarray(pred.depth, dtype=np.float32)
-    valid = np.flatnonzero(np.isfinite(depth) & (depth > 0))
+    valid = np.isfinite(depth) & (depth > 0)
+    if dropped is not None:
+        valid &= ~dropped
+    valid = np.flatnonzero(valid)
     # Seeded by the frame index, so the same frame always shows the same points (stable re-emissions).
     rng = np.random.default_rng(pred.frame_index)
     if valid.size > max_points:
@@ -91,7 +100,8 @@ def sample_keyframe_points(pred: FramePrediction, max_points: int) -> KeyframeSa
     points = np.stack([x, y, z], axis=-1).astype(np.float16)  # [N, 3]
     colors = _pixel_colors(pred, depth)[v, u]  # [N, 3]
     confidence = np.asarray(pred.depth_conf, dtype=np.float32).reshape(-1)[chosen]
-    return KeyframeSample(points, np.ascontiguousarray(colors), confidence)
+    focal = float(min(pred.intrinsics[0, 0], pred.intrinsics[1, 1]))
+    return KeyframeSample(points, np.ascontiguousarray(colors), confidence, focal, int(valid.size))
 
 
 def _pixel_colors(pred: FramePrediction, depth: np.ndarray) -> np.ndarray:
@@ -159,6 +169,26 @@ def cloud_arrays(sample: KeyframeSample, count: int, min_confidence: float, scal
     if scale != 1.0:
         points = (scale * points.astype(np.float32)).astype(np.float16)
     return points, colors
+
+
+def splat_arrays(sample: KeyframeSample, count: int, min_confidence: float, scale: float, size_factor: float
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The first `count` sampled points as Gaussian splats, filtered and scaled as cloud_arrays does:
+    (centres [M, 3] float32, covariances [M, 3, 3] float32, colours [M, 3] uint8, opacities [M, 1] float32).
+
+    Isotropic, sigma = half the spacing of `count` samples among the frame's valid pixels at each point's
+    depth (a pixel spans depth / focal), times `size_factor`; opacity from the depth confidence as the
+    splat export reads it (app.splats.opacity_from_confidence).
+    """
+    points, colors = cloud_arrays(sample, count, min_confidence, scale)
+    confidence = sample.confidence[:count]
+    if min_confidence > 1.0:
+        confidence = confidence[confidence >= min_confidence]
+    centres = points.astype(np.float32)
+    spacing_px = math.sqrt(max(sample.num_valid, 1) / max(count, 1))  # pixels between two samples
+    sigma = 0.5 * size_factor * spacing_px * centres[:, 2] / max(sample.focal, 1e-6)  # [M], in the node's units
+    covariances = (sigma**2)[:, None, None] * np.eye(3, dtype=np.float32)
+    return centres, covariances.astype(np.float32), colors, opacity_from_confidence(confidence)[:, None]
 
 
 def node_scale(transform: Sim3) -> float:

@@ -49,9 +49,10 @@ class _Keyframe:
     fingerprint: int
     parent: Any  # viser.FrameHandle
     frustum: Any  # viser.CameraFrustumHandle
-    cloud: Any = None  # viser.PointCloudHandle
+    cloud: Any = None  # viser.PointCloudHandle, or GaussianSplatHandle when the settings show splats
     shown_count: int = 0  # prefix of `sample` currently on screen (before the confidence filter)
-    shown_settings: tuple = ()  # (min. confidence, budget, chunk scale) the cloud was built with
+    shown_points: int = 0  # points (or splats) on screen: that prefix after the filter
+    shown_settings: tuple = ()  # what the cloud was built with (KeyframeMap._cloud_settings)
 
 
 class KeyframeMap:
@@ -60,8 +61,9 @@ class KeyframeMap:
 
     def __init__(self, server: viser.ViserServer, settings: DisplaySettings, on_scale_known: Callable[[], None],
                  *, max_points_per_keyframe: int, max_total_points: int, max_keyframes: int,
-                 max_new_clouds_per_second: float | None, thumbnail_px: int) -> None:
+                 max_new_clouds_per_second: float | None, thumbnail_px: int, masker: Any = None) -> None:
         self.server = server
+        self.masker = masker  # an app.masks.FrameMasker whose dropped pixels the clouds leave out, or None
         self.settings = settings
         self._on_scale_known = on_scale_known
         self.max_points_per_keyframe = max_points_per_keyframe
@@ -168,7 +170,9 @@ class KeyframeMap:
         existing.parent.position = self.chunks[existing.chunk_index].scale * position
 
     def _add(self, pred: FramePrediction, fingerprint: int | None = None) -> None:
-        sample = geo.sample_keyframe_points(pred, self.max_points_per_keyframe)
+        # the masks of the keyframes it draws only, on the viewer thread
+        dropped = None if self.masker is None else self.masker.dropped(pred.frame_index, pred.image, pred.image_size)
+        sample = geo.sample_keyframe_points(pred, self.max_points_per_keyframe, dropped)
         if self.scene_scale is None and sample.num_points:
             self.scene_scale = float(np.median(sample.points[:, 2].astype(np.float32)))
             self._on_scale_known()
@@ -225,28 +229,34 @@ class KeyframeMap:
             if count == 0:
                 self._evicted_up_to = max(self._evicted_up_to, index)
                 self._remove(index)
-            elif rebuild_all or count != keyframe.shown_count or self._settings_changed(keyframe):
+            elif rebuild_all or count != keyframe.shown_count or self._cloud_settings(keyframe) != keyframe.shown_settings:
                 self._show_cloud(keyframe, count)
-            elif keyframe.cloud is not None:
+            elif keyframe.cloud is not None and self.settings.show == "points":
                 keyframe.cloud.point_size = self._point_size()
 
     def _cloud_settings(self, keyframe: _Keyframe) -> tuple:
         """What a keyframe's cloud is built from besides its sample: a change re-sends it."""
-        settings = self.settings
-        return settings.min_confidence, settings.points_per_keyframe, self.chunks[keyframe.chunk_index].scale
-
-    def _settings_changed(self, keyframe: _Keyframe) -> bool:
-        return self._cloud_settings(keyframe) != keyframe.shown_settings
+        s = self.settings  # a splat's width is in its covariance: a size change re-sends splats, never points
+        size = s.point_size_factor if s.show == "splats" else None
+        return s.min_confidence, s.points_per_keyframe, self.chunks[keyframe.chunk_index].scale, s.show, size
 
     def _show_cloud(self, keyframe: _Keyframe, count: int) -> None:
         scale = self.chunks[keyframe.chunk_index].scale
-        points, colors = geo.cloud_arrays(keyframe.sample, count, self.settings.min_confidence, scale)
         # Same-name re-add replaces the node (and its buffered create message) in one step; assigning
         # points and colours separately would briefly pair arrays of different lengths on the client.
-        keyframe.cloud = self.server.scene.add_point_cloud(
-            f"{keyframe.parent.name}/points", points=points, colors=colors, point_size=self._point_size(),
-            point_shape="square", precision="float16", point_shading="flat",
-        )
+        # Points and splats share the name, so switching between them replaces one with the other.
+        settings, name = self.settings, f"{keyframe.parent.name}/points"
+        if settings.show == "splats":
+            centres, covariances, colors, opacities = geo.splat_arrays(
+                keyframe.sample, count, settings.min_confidence, scale, settings.point_size_factor)
+            keyframe.cloud = self.server.scene.add_gaussian_splats(
+                name, centers=centres, covariances=covariances, rgbs=colors, opacities=opacities)
+        else:
+            centres, colors = geo.cloud_arrays(keyframe.sample, count, settings.min_confidence, scale)
+            keyframe.cloud = self.server.scene.add_point_cloud(
+                name, points=centres, colors=colors, point_size=self._point_size(), point_shape="square",
+                precision="float16", point_shading="flat")
+        keyframe.shown_points = len(centres)
         keyframe.shown_count = count
         keyframe.shown_settings = self._cloud_settings(keyframe)
 

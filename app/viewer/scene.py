@@ -50,7 +50,7 @@ class SceneGraph:
 
     def __init__(self, server: viser.ViserServer, settings: DisplaySettings, **caps) -> None:
         """`caps`: KeyframeMap's (max_points_per_keyframe, max_total_points, max_keyframes,
-        max_new_clouds_per_second, thumbnail_px)."""
+        max_new_clouds_per_second, thumbnail_px, masker)."""
         self.server = server
         self.settings = settings
         self.keyframes = KeyframeMap(server, settings, self.reset_view, **caps)
@@ -100,13 +100,12 @@ class SceneGraph:
     def summary(self) -> dict:
         """What is on screen: keyframes, scene nodes this viewer owns, points, trajectory length."""
         keyframes = list(self.keyframes.shown.values())  # a copy: the viewer thread may be adding to it
-        clouds = [kf.cloud for kf in keyframes if kf.cloud is not None]
         own_nodes = 3 * len(keyframes) + len(self.keyframes.chunks)
         own_nodes += sum(node is not None for node in (self._trajectory, self._current, self._loop_edges))
         return {
             "keyframes": len(keyframes),
             "nodes": own_nodes,
-            "points": int(sum(c.points.shape[0] for c in clouds)),
+            "points": sum(kf.shown_points for kf in keyframes if kf.cloud is not None),
             "trajectory_frames": len(self.centres),
             "current_frame": self.current_index,
         }

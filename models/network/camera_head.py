@@ -37,14 +37,25 @@ class CameraHead(nn.Module):
         """One causal K/V cache per (iteration, trunk block)."""
         return self.num_iterations * self.depth
 
+    def cache_layers(self, num_iterations: int | None = None) -> int:
+        """The causal K/V cache layers of `num_iterations` refinement iterations (None: all of them)."""
+        return (num_iterations or self.num_iterations) * self.depth
+
+    def iterations_for(self, cache: CachedAttention) -> int:
+        """The refinement iterations a step runs: one per `depth` layers of the camera cache it is given
+        (models.stream's TokenCache; an engine that runs fewer iterations caches fewer layers), so that
+        the loop and the cache cannot disagree; all of them for a cache without a layer count."""
+        layers = getattr(cache, "num_layers", self.num_cache_layers)
+        return max(1, min(self.num_iterations, layers // self.depth))
+
     def forward(self, camera_tokens: torch.Tensor, cache: CachedAttention) -> list[torch.Tensor]:
         """camera_tokens [S, 2C] (token 0 of the last aggregator layer, fp32) -> one activated
-        pose [S, 9] per refinement iteration. Each frame attends to the cached camera tokens of
-        earlier frames plus this step's frames."""
+        pose [S, 9] per refinement iteration (iterations_for(cache) of them). Each frame attends to the
+        cached camera tokens of earlier frames plus this step's frames."""
         tokens = self.token_norm(camera_tokens)[None]  # [1, S, 2C]
         raw = None
         poses = []
-        for i in range(self.num_iterations):
+        for i in range(self.iterations_for(cache)):
             pose_in = self.empty_pose_tokens.expand(1, tokens.shape[1], -1) if raw is None else raw
             x = self.condition(tokens, pose_in)
             for j, block in enumerate(self.trunk):

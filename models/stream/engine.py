@@ -87,6 +87,10 @@ class StreamingEngine:
         if not self.config.scale_frames < self._cached_frames <= model.config.max_frames:
             raise ValueError(f"max_cached_frames={self.config.max_cached_frames} must be more than scale_frames "
                              f"({self.config.scale_frames}) and at most the model's {model.config.max_frames}")
+        iterations = self.config.camera_iterations
+        if iterations is not None and not 1 <= iterations <= model.camera_head.num_iterations:
+            raise ValueError(f"camera_iterations must be between 1 and the model's {model.camera_head.num_iterations} "
+                             f"refinement iterations, got {iterations}")
         self.on_backend_ready: Callable[[str], None] | None = None
         # With a budget: the plan made before the first frame, and who is told about it.
         self.memory_plan: MemoryPlan | None = None
@@ -540,7 +544,9 @@ class StreamingEngine:
         capacity = self._cached_frames if self.device.type == "cuda" else 64
         # The camera cache first: another thread (a spare engine's owner) may read `cache_bytes`
         # while a worker sets this engine up, and takes `cache is None` for "nothing yet".
-        self.camera_cache = TokenCache(camera.num_cache_layers, c.camera_heads, c.head_in_dim // c.camera_heads,
+        # Its layers set how many refinement iterations the camera head runs (CameraHead.iterations_for).
+        self.camera_cache = TokenCache(camera.cache_layers(self.config.camera_iterations), c.camera_heads,
+                                       c.head_in_dim // c.camera_heads,
                                        torch.float32, self.device, capacity=capacity, compile=compiled)
         self.cache = cache
         self.runner = choose_runner(self.model, self.cache, self.camera_cache, (height, width),

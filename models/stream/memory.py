@@ -298,7 +298,7 @@ class _Estimator:
         self.cached_frames = config.cached_frames(model.config.max_frames)
         camera = model.camera_head
         self.camera_cache = TokenCache.bytes_needed(
-            camera.num_cache_layers, model.config.camera_heads,
+            camera.cache_layers(config.camera_iterations), model.config.camera_heads,
             model.config.head_in_dim // model.config.camera_heads, self.cached_frames, torch.float32)
 
     def precision(self, kv_cache: str) -> str:

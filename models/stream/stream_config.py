@@ -100,6 +100,9 @@ class StreamConfig:
     # Each prediction also carries a global descriptor of its frame (GeM of its DINO patch tokens,
     # [1024] for the released models) for loop retrieval; off, the steps are exactly as without.
     descriptors: bool = False
+    # The camera head's refinement iterations, 1 up to the model's (4 for the released models): fewer
+    # run faster for a small pose error. None: all of the model's (the reference's default).
+    camera_iterations: int | None = None
 
     @property
     def policy(self) -> KeyframePolicy:

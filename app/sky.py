@@ -1,0 +1,137 @@
+"""Sky segmentation with the reference demo's network (`skyseg.onnx`, Hugging Face JianyuanWang/skyseg), run
+with onnxruntime: where it is on this machine, its download, and a frame's sky pixels.
+
+The arithmetic is the reference's, step for step, so that the masks are the same pixel for pixel:
+- the RGB frame resized to 320 x 320 (OpenCV, bilinear), scaled to [0, 1] and ImageNet-normalised, [1, 3, 320, 320];
+- the network's score map (higher on sky) min-max normalised to 0..255 and truncated to uint8;
+- that map resized back to the frame (bilinear, uint8), inverted into a non-sky confidence 1 - min(v, 1)
+  and kept where it exceeds 0.1. On the integer map that is "v == 0": a pixel is kept only where the score
+  lands on the map's floor, within 1/255 of its range above the least sky-like pixel.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+
+SKYSEG_REPO_ID = "JianyuanWang/skyseg"
+SKYSEG_FILE = "skyseg.onnx"
+SKYSEG_URL = f"https://huggingface.co/{SKYSEG_REPO_ID}/resolve/main/{SKYSEG_FILE}"
+# The network's input, width and height
+SKYSEG_INPUT_SIZE = (320, 320)
+IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
+IMAGENET_STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
+# The non-sky confidence a pixel must exceed to be kept (the reference's soft threshold)
+NON_SKY_THRESHOLD = 0.1
+# onnxruntime's providers, fastest first: the GPU build's CUDA provider where it is installed
+PREFERRED_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
+
+
+class SkyModelError(ValueError):
+    """The sky network is missing, cannot be fetched, or cannot be run here (one sentence: what to do)."""
+
+
+def skyseg_folder() -> Path:
+    """Where `stream-recon download skyseg` puts the network and runs look for it: the checkpoints' folder."""
+    from stream_recon.models.checkpoint import checkpoint_dir
+
+    return checkpoint_dir()
+
+
+def locate_skyseg() -> Path | None:
+    """skyseg.onnx in the checkpoints' folder, else in the Hugging Face cache; None when it is in neither."""
+    own = skyseg_folder() / SKYSEG_FILE
+    if own.is_file():
+        return own
+    from huggingface_hub import try_to_load_from_cache
+
+    from stream_recon.models.checkpoint import hub_cache_dir
+
+    cached = try_to_load_from_cache(SKYSEG_REPO_ID, SKYSEG_FILE, cache_dir=hub_cache_dir())
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def _fetch_by_hand() -> str:
+    return f"fetch {SKYSEG_URL} on a machine with network access and put it in {skyseg_folder()}"
+
+
+def download_skyseg() -> Path:
+    """The network fetched into the Hugging Face cache (a no-op when it is there); SkyModelError when the
+    hub is off or cannot be reached, naming the URL and the folder to put the file in."""
+    reason = _download_failure()
+    if isinstance(reason, Path):
+        return reason
+    raise SkyModelError(f"cannot download {SKYSEG_FILE} ({reason}); {_fetch_by_hand()}")
+
+
+def _download_failure() -> Path | str:
+    """The downloaded file, or why it could not be downloaded."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    from stream_recon.models.checkpoint import hub_cache_dir, hub_endpoint, hub_offline
+
+    if hub_offline():
+        return "Hugging Face offline mode is on: HF_HUB_OFFLINE"
+    try:
+        return Path(hf_hub_download(SKYSEG_REPO_ID, SKYSEG_FILE, cache_dir=hub_cache_dir(), endpoint=hub_endpoint()))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled, OSError) as error:
+        return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def skyseg_path(download: bool) -> Path:
+    """The network on this machine, fetched first when `download` and it is missing; SkyModelError else."""
+    found = locate_skyseg()
+    if found is not None:
+        return found
+    if not download:
+        raise SkyModelError(f"--mask-sky needs {SKYSEG_FILE}, which is not on this machine: run `stream-recon "
+                            f"download skyseg`, or {_fetch_by_hand()}")
+    reason = _download_failure()
+    if isinstance(reason, Path):
+        return reason
+    raise SkyModelError(f"--mask-sky needs {SKYSEG_FILE}, which is not on this machine and cannot be downloaded "
+                        f"({reason}); {_fetch_by_hand()}")
+
+
+class SkySegmenter:
+    """One onnxruntime session of the sky network; `sky_pixels` may be called from several threads at once
+    (onnxruntime's run is thread-safe)."""
+
+    def __init__(self, model_path: Path | str) -> None:
+        try:
+            import onnxruntime
+        except ImportError:
+            raise SkyModelError("--mask-sky runs the sky network with onnxruntime, which is not installed: "
+                                "pip install 'stream-recon[sky]' (onnxruntime-gpu on a GPU machine)") from None
+        available = set(onnxruntime.get_available_providers())
+        providers = [name for name in PREFERRED_PROVIDERS if name in available]
+        try:
+            self.session: Any = onnxruntime.InferenceSession(str(model_path), providers=providers)
+        except Exception as error:  # onnxruntime raises its own types for a damaged or foreign file
+            raise SkyModelError(f"cannot load the sky network {model_path}: {str(error).splitlines()[0]}; "
+                                f"{_fetch_by_hand()} again") from None
+        self.input_name = self.session.get_inputs()[0].name
+        self.output_name = self.session.get_outputs()[0].name
+        self.provider = self.session.get_providers()[0]
+
+    def score_map(self, rgb: np.ndarray) -> np.ndarray:
+        """[H, W, 3] uint8 RGB -> the network's sky score map, min-max normalised to uint8 [320, 320]."""
+        small = cv2.resize(rgb, SKYSEG_INPUT_SIZE)  # per channel: the same as resizing its BGR copy
+        x = (small.astype(np.float32) / 255.0 - IMAGENET_MEAN) / IMAGENET_STD
+        x = x.transpose(2, 0, 1)[None].astype(np.float32)  # [1, 3, 320, 320]
+        scores = np.asarray(self.session.run([self.output_name], {self.input_name: x})).squeeze()
+        low, high = np.min(scores), np.max(scores)
+        scores = (scores - low) / max(high - low, 1e-8)
+        scores *= 255.0
+        return scores.astype(np.uint8)
+
+    def sky_pixels(self, rgb: np.ndarray) -> np.ndarray:
+        """[H, W, 3] uint8 RGB -> bool [H, W], True where the pixel is sky (see the module docstring)."""
+        height, width = rgb.shape[:2]
+        scores = cv2.resize(self.score_map(rgb), (width, height), interpolation=cv2.INTER_LINEAR)
+        non_sky = 1.0 - np.clip(scores.astype(np.float32), 0.0, 1.0)
+        return non_sky <= NON_SKY_THRESHOLD
