@@ -133,6 +133,67 @@ def atomic_write(path: Path, write: Callable[[Any], None], *, binary: bool) -> N
         raise
 
 
+# A folder of files replaced as one (an export's folder): the new files are written into a hidden folder
+# beside the old ones (staging), and swapped in once complete, the old ones moved out (retired) and
+# removed. Each hidden folder is named by the process that made it, so that the next writer there can
+# tell a dead one's remains from a live one's work.
+STAGING_PREFIX = ".stream-recon-export-new."
+RETIRED_PREFIX = ".stream-recon-export-old."
+
+
+def staging_folder(folder: Path) -> Path:
+    """A new hidden folder inside `folder` for files that will replace some of its entries."""
+    staging = Path(folder) / f"{STAGING_PREFIX}{os.getpid()}"
+    staging.mkdir()
+    return staging
+
+
+def is_staging(entry: Path) -> bool:
+    return entry.name.startswith((STAGING_PREFIX, RETIRED_PREFIX))
+
+
+def swap_in_staged(staging: Path, earlier: list[Path]) -> None:
+    """Move the `earlier` entries of staging's folder out and staging's entries in, then remove both
+    hidden folders. A few renames on one filesystem: the caller holds signals across them, which leaves
+    only a SIGKILL between two renames to mix the old entries with the new."""
+    folder = staging.parent
+    retired = folder / f"{RETIRED_PREFIX}{os.getpid()}"
+    retired.mkdir()
+    for entry in earlier:
+        os.replace(entry, retired / entry.name)
+    for entry in staging.iterdir():
+        os.replace(entry, folder / entry.name)
+    staging.rmdir()
+    remove_tree(retired)
+
+
+def remove_stale_staging(folder: Path) -> None:
+    """Remove the hidden folders that a writer killed part-way (SIGKILL, a power cut) left in `folder`: those
+    of a process that no longer runs. A live writer's are left to it."""
+    for entry in Path(folder).iterdir():
+        owner = entry.name.removeprefix(STAGING_PREFIX).removeprefix(RETIRED_PREFIX)
+        if is_staging(entry) and owner.isdigit() and not _process_alive(int(owner)):
+            remove_tree(entry)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def remove_tree(entry: Path) -> None:
+    """A folder with everything in it, or a file or a link (never what a link points to)."""
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry)
+    else:
+        entry.unlink(missing_ok=True)
+
+
 def write_json_atomic(path: Path, data: dict) -> None:
     text = json.dumps(data, indent=2, default=_json_default) + "\n"
     atomic_write(path, lambda f: f.write(text), binary=False)
@@ -315,14 +376,11 @@ def load_prediction(path: Path) -> dict[str, Any]:
 
     Raises ValueError (or OSError) when the file is truncated, not an npz, or lacks a key.
     """
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            record: dict[str, Any] = {RENAMED_FIELDS.get(key, key): data[key] for key in data.files}
-            missing = [key for key in PREDICTION_FIELDS if key not in record]
-            if missing:
-                raise ValueError(f"{path.name} lacks {', '.join(missing)}")
-    except (zipfile.BadZipFile, EOFError) as exc:
-        raise ValueError(f"{path.name} is truncated or not an npz file ({exc})") from None
+    with opened_npz(path) as data:
+        record: dict[str, Any] = {RENAMED_FIELDS.get(key, key): data[key] for key in data.files}
+        missing = [key for key in PREDICTION_FIELDS if key not in record]
+        if missing:
+            raise ValueError(f"{path.name} lacks {', '.join(missing)}")
     for key, field in PREDICTION_FIELDS.items():
         if field.is_scalar:
             record[key] = record[key].item()
@@ -337,15 +395,12 @@ def prediction_fields(path: Path, *names: str) -> dict[str, Any]:
     values, arrays as numpy, depth and confidence as float32. Raises ValueError (or OSError) as
     load_prediction does."""
     stored_names = {RENAMED_FIELDS.get(key, key): key for key in RENAMED_FIELDS} | {name: name for name in names}
-    try:
-        with np.load(path, allow_pickle=False) as data:  # members are read lazily
-            present = {name: stored for name, stored in stored_names.items() if stored in data.files}
-            missing = [name for name in names if name not in present]
-            if missing:
-                raise ValueError(f"{path.name} lacks {', '.join(missing)}")
-            record: dict[str, Any] = {name: data[present[name]] for name in names}
-    except (zipfile.BadZipFile, EOFError) as exc:
-        raise ValueError(f"{path.name} is truncated or not an npz file ({exc})") from None
+    with opened_npz(path) as data:  # members are read lazily
+        present = {name: stored for name, stored in stored_names.items() if stored in data.files}
+        missing = [name for name in names if name not in present]
+        if missing:
+            raise ValueError(f"{path.name} lacks {', '.join(missing)}")
+        record: dict[str, Any] = {name: data[present[name]] for name in names}
     for name in names:
         field = PREDICTION_FIELDS.get(name)
         if field is not None and field.is_scalar:
@@ -357,9 +412,32 @@ def prediction_fields(path: Path, *names: str) -> dict[str, Any]:
 
 def stored_prediction(path: Path) -> dict[str, np.ndarray]:
     """Every array of one npz as stored (its keys and dtypes unchanged), for rewriting the file."""
+    with opened_npz(path) as data:
+        return {key: data[key] for key in data.files}
+
+
+# An npz is a zip archive, which starts with a local file header (an empty one, with its end record).
+_ZIP_STARTS = (b"PK\x03\x04", b"PK\x05\x06")
+
+
+@contextlib.contextmanager
+def opened_npz(path: Path) -> Iterator[Any]:
+    """np.load of one npz, every way a file fails to be one raised as ValueError in the project's words.
+
+    A file that is not a zip archive is refused before numpy reads it: numpy takes it for a pickle and its
+    error advises loading it with allow_pickle, which would run whatever code a damaged or planted file
+    holds. Raises OSError when the file cannot be read at all.
+    """
+    path = Path(path)
+    with open(path, "rb") as file:
+        start = file.read(4)
+    if not start:
+        raise ValueError(f"{path.name} is empty, not an npz file")
+    if start not in _ZIP_STARTS:
+        raise ValueError(f"{path.name} is not an npz file (it does not start as a zip archive does)")
     try:
         with np.load(path, allow_pickle=False) as data:
-            return {key: data[key] for key in data.files}
+            yield data
     except (zipfile.BadZipFile, EOFError) as exc:
         raise ValueError(f"{path.name} is truncated or not an npz file ({exc})") from None
 
@@ -401,11 +479,11 @@ def run_trajectory(run_dir: Path) -> tuple[np.ndarray, np.ndarray]:
     stamps, poses = [], []
     for frame_index, path in prediction_files(run_dir):
         try:
-            with np.load(path, allow_pickle=False) as data:  # members are read lazily: depth stays on disk
+            with opened_npz(path) as data:  # members are read lazily: depth stays on disk
                 stamps.append(float(data["timestamp"]))
                 pose = np.eye(4)
                 pose[:3] = np.asarray(data["c2w"], dtype=np.float64).reshape(3, 4)
-        except (OSError, KeyError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        except (OSError, KeyError, ValueError) as exc:
             logger.warning("skipping frame %d: cannot read %s: %s", frame_index, path, exc)
             continue
         poses.append(pose)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -376,3 +377,42 @@ def test_readme_and_scripts_test_spell_the_quick_run_alike() -> None:
     spellings = [set(re.findall(r'scripts/test -m "([^"]+)"', (repository / name).read_text()))
                  for name in ("README.md", "scripts/test")]
     assert spellings == [{"not slow"}, {"not slow"}]
+
+
+# ------------------------------------------------------------------ a finished run, read back
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
+    """A complete run of 8 frames of the tiny model, with its images: read, never changed, by the tests
+    that use it (copy it first to change it)."""
+    folder = tmp_path_factory.mktemp("finished")
+    video = write_video(folder / "clip.mp4", 8)
+    result = stream_recon(str(video), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(folder / "run"))
+    assert result.returncode == 0, result.stderr
+    return folder / "run"
+
+
+def copy_of(run_dir: Path, where: Path) -> Path:
+    shutil.copytree(run_dir, where)
+    return where
+
+
+def test_a_prediction_that_is_not_an_npz_is_said_in_our_words_never_numpys(tmp_path: Path,
+                                                                             finished_run: Path) -> None:
+    # a text file in place of 000003.npz: numpy's "contains pickled (object) data ... load it unsafely using
+    # allow_pickle", advice to run whatever a planted file holds
+    run_dir = copy_of(finished_run, tmp_path / "run")
+    (run_dir / "predictions" / "000003.npz").write_text("not a prediction\n")
+    trajectory = tmp_path / "gt.txt"
+    trajectory.write_text((run_dir / "trajectory_tum.txt").read_text())
+    (run_dir / "trajectory_tum.txt").unlink()  # as a run killed before its end: the poses come from the npz files
+
+    exported = stream_recon("export", str(run_dir), "-f", "ply", "-o", str(tmp_path / "points.ply"))
+    evaluated = stream_recon("eval", str(run_dir), "--gt", str(trajectory), "-o", str(tmp_path / "eval.json"))
+
+    for result in (exported, evaluated):
+        printed = result.stdout + result.stderr
+        assert "pickle" not in printed and "unsafe" not in printed, printed
+        assert "000003.npz is not an npz file (it does not start as a zip archive does)" in printed, printed
+    assert exported.returncode == 0 and (tmp_path / "points.ply").exists(), exported.stderr
