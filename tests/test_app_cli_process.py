@@ -416,3 +416,73 @@ def test_a_prediction_that_is_not_an_npz_is_said_in_our_words_never_numpys(tmp_p
         assert "pickle" not in printed and "unsafe" not in printed, printed
         assert "000003.npz is not an npz file (it does not start as a zip archive does)" in printed, printed
     assert exported.returncode == 0 and (tmp_path / "points.ply").exists(), exported.stderr
+
+
+# ------------------------------------------------------------------ an export replaced
+
+
+def tree_of(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` (hidden ones too) by its relative path, with its bytes."""
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def fault_environment(fault: str) -> dict[str, str]:
+    """The fault harness of tests/test_app_faults.py (tests/faults/sitecustomize.py) in a CLI process."""
+    return environment(PYTHONPATH=str(Path(__file__).parent / "faults"), STREAM_RECON_TEST_FAULT=fault)
+
+
+@pytest.mark.parametrize("fmt", ["colmap", "nerfstudio"])
+def test_an_export_stopped_while_it_replaces_another_keeps_the_earlier_one(tmp_path: Path, finished_run: Path,
+                                                                          fmt: str) -> None:
+    # Ctrl-C during `export --overwrite` left an empty folder, or part of the new export, where a complete
+    # one had been
+    export = tmp_path / fmt
+    # every pixel's point (the tiny model's confidence is low); the exports that replace it have none
+    first = stream_recon("export", str(finished_run), "-f", fmt, "-o", str(export), "--conf-threshold", "1")
+    assert first.returncode == 0, first.stderr
+    earlier = tree_of(export)
+    written_before = time.time()
+
+    # the third image's write never returns: the export is stopped with two new images written
+    child = subprocess.Popen(command("export", str(finished_run), "-f", fmt, "-o", str(export), "--overwrite"),
+                             env=fault_environment("stream_recon.app.export:write_png:block:3"),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: len([path for path in export.rglob("*.png") if path.stat().st_mtime > written_before]) >= 2,
+                 child, "two new images")
+        child.send_signal(signal.SIGINT)
+        printed, _ = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+    assert child.returncode == 130, printed
+    assert "Traceback" not in printed
+    assert tree_of(export) == earlier
+
+    replaced = stream_recon("export", str(finished_run), "-f", fmt, "-o", str(export), "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    assert sorted(entry.name for entry in export.iterdir()) == sorted(earlier_names(earlier))
+    assert tree_of(export) != earlier  # the new export, without points
+
+
+def earlier_names(tree: dict[str, bytes]) -> set[str]:
+    return {name.split("/")[0] for name in tree}
+
+
+def test_an_export_killed_part_way_leaves_the_earlier_one_and_the_next_export_clears_its_remains(
+        tmp_path: Path, finished_run: Path) -> None:
+    export = tmp_path / "colmap"
+    assert stream_recon("export", str(finished_run), "-f", "colmap", "-o", str(export)).returncode == 0
+    earlier = tree_of(export)
+
+    killed = subprocess.run(command("export", str(finished_run), "-f", "colmap", "-o", str(export), "--overwrite"),
+                            env=fault_environment("stream_recon.app.export:write_png:kill:4"), capture_output=True,
+                            text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    visible = {name: data for name, data in tree_of(export).items() if not name.startswith(".")}
+    assert visible == earlier
+
+    again = stream_recon("export", str(finished_run), "-f", "colmap", "-o", str(export), "--overwrite")
+    assert again.returncode == 0, again.stderr
+    assert sorted(entry.name for entry in export.iterdir()) == ["images", "sparse"]  # nothing hidden stays
