@@ -54,7 +54,13 @@ from stream_recon.app.options import (
 from stream_recon.app.preprocess import preprocess_frame_uint8
 from stream_recon.app.progress import RunProgress
 from stream_recon.app.resources import check_cpu_run
-from stream_recon.app.rundir import OutputDirError, prepare_output_dir, remove_if_empty, remove_run
+from stream_recon.app.rundir import (
+    OutputDirError,
+    prepare_output_dir,
+    remove_if_empty,
+    remove_run,
+    unlock_run_dir,
+)
 from stream_recon.app.sources import FrameSource, SourceError, frames_source, open_source
 from stream_recon.app.stopping import (
     STOP_CLOSE_S,
@@ -153,6 +159,7 @@ def run_sequence(
         return _after(run, summary)
     finally:
         frame_source.close()
+        unlock_run_dir(output_dir)  # (held from prepare_output_dir: one run per folder)
 
 
 @dataclass(frozen=True)

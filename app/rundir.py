@@ -17,6 +17,7 @@ The TUM text formats live here too: the run's trajectory, a ground-truth traject
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import math
@@ -259,15 +260,30 @@ def foreign_entries(output_dir: Path) -> list[Path]:
 
 
 def prepare_output_dir(output_dir: Path, *, overwrite: bool) -> Path | None:
-    """Make sure `output_dir` can take a run. Returns the outermost folder created here (`output_dir` or
-    a parent of it; None when it existed), for remove_if_empty.
+    """Make sure `output_dir` can take a run, and hold it for this process (lock_run_dir). Returns the
+    outermost folder created here (`output_dir` or a parent of it; None when it existed), for
+    remove_if_empty.
 
-    Refuses a folder that holds a run unless `overwrite`, and a folder that holds no run but other files
-    whatever `overwrite` says (a run would mix its files in with them; files a user put beside a run stay
-    when it is replaced); the run's old files are left for the writer to remove, so that a run that
-    never starts destroys nothing.
+    Refuses a folder another process's run holds, whatever it holds now; a folder that holds a run unless
+    `overwrite`, and a folder that holds no run but other files whatever `overwrite` says (a run would mix
+    its files in with them; files a user put beside a run stay when it is replaced); the run's old files
+    are left for the writer to remove, so that a run that never starts destroys nothing.
     """
     output_dir = Path(output_dir)
+    held_before = run_dir_locked_here(output_dir)
+    try:
+        if output_dir.is_dir():  # first: a folder another run writes is refused before anything is looked at
+            lock_run_dir(output_dir)
+        created = _check_and_make_output_dir(output_dir, overwrite)
+        lock_run_dir(output_dir)  # (a folder made here, or by another run that started at the same instant)
+    except BaseException:
+        if not held_before:
+            unlock_run_dir(output_dir)
+        raise
+    return created
+
+
+def _check_and_make_output_dir(output_dir: Path, overwrite: bool) -> Path | None:
     link = dangling_link(output_dir)
     if link is not None:
         where = f"output path {output_dir}" + ("" if link == output_dir else f": {link}")
@@ -304,6 +320,58 @@ def prepare_output_dir(output_dir: Path, *, overwrite: bool) -> Path | None:
             ) from None
         raise
     return created
+
+
+# One run per folder: a run holds an exclusive flock on its folder from its check to its end. The kernel lets
+# go when the process ends, however it ends (kill -9 too), and nothing is written into the folder for it.
+_held_run_dirs: dict[Path, int] = {}  # the folder, resolved -> the descriptor that holds its lock
+_held_run_dirs_guard = threading.Lock()
+
+
+def lock_run_dir(output_dir: Path) -> None:
+    """Hold `output_dir` for this process's run; nothing to do when this process holds it already. Raises
+    OutputDirError when another process holds it."""
+    key = Path(output_dir).resolve()
+    with _held_run_dirs_guard:
+        if key in _held_run_dirs:
+            return
+        descriptor = os.open(key, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(descriptor)
+            raise OutputDirError(
+                f"output directory {output_dir} is in use by another stream-recon run; "
+                "wait for it to end, or choose another --output"
+            ) from None
+        _held_run_dirs[key] = descriptor
+
+
+def unlock_run_dir(output_dir: Path) -> None:
+    """Let `output_dir` go (nothing to do when this process does not hold it)."""
+    with _held_run_dirs_guard:
+        descriptor = _held_run_dirs.pop(Path(output_dir).resolve(), None)
+    if descriptor is not None:
+        os.close(descriptor)  # (closing the descriptor releases its lock)
+
+
+def run_dir_locked_here(output_dir: Path) -> bool:
+    return Path(output_dir).resolve() in _held_run_dirs
+
+
+def run_dir_in_use(run_dir: Path) -> bool:
+    """Whether a live process's run holds `run_dir` (this process's own included)."""
+    try:
+        descriptor = os.open(Path(run_dir), os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(descriptor)
+    return False
 
 
 def dangling_link(path: Path) -> Path | None:

@@ -45,7 +45,9 @@ from stream_recon.app.rundir import (
     prediction_path,
     prepare_output_dir,
     remove_run,
+    run_dir_locked_here,
     stored_prediction,
+    unlock_run_dir,
     write_json_atomic,
     write_tum,
 )
@@ -324,6 +326,8 @@ class RunWriter:
                 # Keep going: run.json must still say how the run ended, and the npz files are intact.
                 errors.append(f"{name}: {exc}")
         self._write_run_json(status, summary or {}, errors)
+        if self._holds_folder:
+            unlock_run_dir(self.output_dir)
         if errors:
             raise OutputDirError(f"could not write outputs in {self.output_dir}: {'; '.join(errors)}") from (
                 worker_error
@@ -332,6 +336,9 @@ class RunWriter:
     # ---- internals
 
     def _prepare_output_dir(self, overwrite: bool) -> None:
+        # a writer made alone (not by run_sequence, which holds the folder for the whole run) holds it until
+        # it closes
+        self._holds_folder = not run_dir_locked_here(self.output_dir)
         prepare_output_dir(self.output_dir, overwrite=overwrite)
         try:
             self.predictions_dir.mkdir(exist_ok=True)

@@ -486,3 +486,53 @@ def test_an_export_killed_part_way_leaves_the_earlier_one_and_the_next_export_cl
     again = stream_recon("export", str(finished_run), "-f", "colmap", "-o", str(export), "--overwrite")
     assert again.returncode == 0, again.stderr
     assert sorted(entry.name for entry in export.iterdir()) == ["images", "sparse"]  # nothing hidden stays
+
+
+# ------------------------------------------------------------------ one folder, one run
+
+
+@pytest.fixture
+def endless_camera() -> Iterator[str]:
+    """A live camera that sends 20 frames a second until the test ends: a run on it goes on until stopped."""
+    with mjpeg_server(num_frames=10**6, interval_s=0.05) as url:
+        yield url
+
+
+def start_run(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(command(*args), env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def npz_frames(run_dir: Path) -> list[int]:
+    return sorted(int(path.stem) for path in (run_dir / "predictions").glob("*.npz"))
+
+
+def test_a_second_run_into_a_folder_a_run_writes_is_refused_and_touches_nothing(
+        tmp_path: Path, tiny_checkpoint: Path, endless_camera: str) -> None:
+    # two runs started into one folder 0.5 s apart both exited 0 and mixed their files: run.json and the
+    # trajectory of the second, the npz files of both
+    run_dir = tmp_path / "same"
+    folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png", "2.png"], width=160, height=96)
+    first = start_run(endless_camera, "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(run_dir))
+    try:
+        wait_for(lambda: len(npz_frames(run_dir)) >= 2, first, "the first run's frames")
+        second = stream_recon(str(folder), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(run_dir),
+                              "--overwrite")
+        first.send_signal(signal.SIGTERM)
+        printed, _ = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+
+    assert second.returncode == EXIT_BAD_INPUT, second.stderr
+    assert lines_of(second) == [f"error: output directory {run_dir} is in use by another stream-recon run; wait for "
+                                "it to end, or choose another --output"]
+    assert first.returncode == EXIT_TERMINATED, printed
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "interrupted" and record["settings"]["source"] == f"stream {endless_camera}"
+    assert npz_frames(run_dir) == list(range(record["summary"]["frames"]))
+    # once the first has ended, the folder is free
+    third = stream_recon(str(folder), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(run_dir),
+                         "--overwrite")
+    assert third.returncode == 0, third.stderr
+    assert npz_frames(run_dir) == [0, 1, 2]

@@ -10,7 +10,7 @@ Examples:
     stream-recon clip.mp4 --checkpoint lingbot-map.pt --keyframes flow --flow-threshold 20
 
 Outputs (in --output, default outputs/<source name>/, a new or empty folder or one holding a run to
-replace with --overwrite): predictions/NNNNNN.npz per frame as it completes, then trajectory_tum.txt,
+replace with --overwrite; a folder another run is writing is refused): predictions/NNNNNN.npz per frame as it completes, then trajectory_tum.txt,
 points.ply and run.json. Ctrl-C (or SIGTERM) stops after the current frame and saves everything done
 so far (before the first frame: nothing is left); a second Ctrl-C skips the final flush. From a
 terminal the live viewer keeps serving the result after the last frame until Ctrl-C; otherwise (or
