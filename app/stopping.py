@@ -2,8 +2,8 @@
 every command at once before and after one.
 
 A stopped command exits as a signal's default action would have been reported by a shell, 128 + the
-signal's number: 130 for Ctrl-C (SIGINT), 143 for SIGTERM, so that a supervisor (systemd, a batch
-scheduler, `timeout`) sees the signal it sent.
+signal's number: 130 for Ctrl-C (SIGINT), 143 for SIGTERM, 129 for SIGHUP (its terminal closed), so that a
+supervisor (systemd, a batch scheduler, `timeout`) sees the signal it sent. The three stop a run alike.
 
 Three phases, one handler each:
 - from the start of the CLI until a run's stream (imports, checks, the model load): PromptInterrupt.
@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 
     from rich.console import Console
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP: the terminal the run was started from closed (an SSH session dropped, a window shut); it stops
+# and saves as SIGTERM does instead of ending the process with nothing but its npz files.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 REDELIVERY_INTERVAL_S = 0.5
 # A run stops within 10 s of its first SIGINT or SIGTERM: supervisors (timeout, systemd, Kubernetes)
 # send SIGKILL a few seconds after one SIGTERM. The stream gets STOP_STREAM_S to finish its frame and
@@ -135,7 +137,7 @@ def swallowed_signal() -> int | None:
 
 
 class StopOnSignal:
-    """First SIGINT/SIGTERM: finish the current frame, flush, save; if the stream has not stopped
+    """First SIGINT, SIGTERM or SIGHUP: finish the current frame, flush, save; if the stream has not stopped
     STOP_STREAM_S later, it stops as at a second signal. Second: stop streaming now, save. A signal
     raises KeyboardInterrupt only inside `streaming()`; elsewhere (the run closing) it raises nothing, so
     the files being written are not cut off, and the close's waits give up once `requested`.
@@ -193,17 +195,22 @@ class StopOnSignal:
             self._on_first()
             if self._streaming:
                 signal.setitimer(signal.ITIMER_REAL, STOP_STREAM_S)
-            self._console.print(f"[yellow]{name}: stopping after this frame and saving (again: stop now)[/yellow]")
+            self._say(f"[yellow]{name}: stopping after this frame and saving (again: stop now)[/yellow]")
         elif self.count == 2:
-            self._console.print(f"[yellow]{name}: stopping now; writing the files of the frames done[/yellow]")
+            self._say(f"[yellow]{name}: stopping now; writing the files of the frames done[/yellow]")
             if self._streaming:
                 raise KeyboardInterrupt
+
+    def _say(self, line: str) -> None:
+        # after SIGHUP the terminal may be gone: a line it cannot take must not stop the saving
+        with contextlib.suppress(OSError):
+            self._console.print(line)
 
     def _stream_overran(self, signum: int, frame: object) -> None:
         if not self._streaming or self.count != 1:
             return
         self.count = 2
-        self._console.print(f"[yellow]still streaming {STOP_STREAM_S:g} s after {signal_name(self.signum)}: "
+        self._say(f"[yellow]still streaming {STOP_STREAM_S:g} s after {signal_name(self.signum)}: "
                             "stopping now; writing the files of the frames done[/yellow]")
         raise KeyboardInterrupt
 
@@ -222,7 +229,7 @@ def signal_name(signum: int | None) -> str | None:
 
 
 def wait_for_stop_signal(on_ready: Callable[[], None] | None = None) -> int:
-    """Block until SIGINT or SIGTERM arrives (main thread); returns which. A server that runs until it is
+    """Block until SIGINT, SIGTERM or SIGHUP arrives (main thread); returns which. A server that runs until it is
     stopped (`view`, a run's viewer kept serving) exits with interrupted_exit_code() of it, 130 or 143.
     `on_ready` runs once both signals are ours: a line that says "serving, Ctrl+C to stop" printed before
     would let a signal sent on reading it end the process with the default disposition (-15, not 143)."""

@@ -536,3 +536,31 @@ def test_a_second_run_into_a_folder_a_run_writes_is_refused_and_touches_nothing(
                          "--overwrite")
     assert third.returncode == 0, third.stderr
     assert npz_frames(run_dir) == [0, 1, 2]
+
+
+# ------------------------------------------------------------------ every way a run ends leaves a true record
+
+
+def test_a_closed_terminal_stops_and_saves_a_run_as_sigterm_does(tmp_path: Path, tiny_checkpoint: Path,
+                                                                 endless_camera: str) -> None:
+    # SIGHUP ended the process at once (exit 129 as the signal's default action) with run.json left "running",
+    # no trajectory_tum.txt and no points.ply
+    run_dir = tmp_path / "run"
+    child = start_run(endless_camera, "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(run_dir))
+    try:
+        wait_for(lambda: len(npz_frames(run_dir)) >= 2, child, "two frames")
+        child.send_signal(signal.SIGHUP)
+        printed, _ = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+    assert child.returncode == 128 + signal.SIGHUP, printed
+    assert "Traceback" not in printed
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "interrupted" and record["summary"]["stop_signal"] == "SIGHUP"
+    assert npz_frames(run_dir) == list(range(record["summary"]["frames"]))
+    trajectory = (run_dir / "trajectory_tum.txt").read_text().splitlines()
+    assert len(trajectory) == record["summary"]["frames"] + 1  # + the header
+    assert (run_dir / "points.ply").exists()
+    assert printed.splitlines()[-1].startswith(f"interrupted: {record['summary']['frames']} frames"), printed
