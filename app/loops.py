@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +99,8 @@ class LoopClosureSink:
         self.reason = reason
         self.error: str | None = None
         self._links = 0
+        self.end_wait_s: float | None = None  # how long the end of the run waited for the child's last word
+        self.wait_cut_short = False  # a signal ended that wait before the child's last word
         if enabled:
             self._start(config)
 
@@ -138,14 +141,26 @@ class LoopClosureSink:
         from stream_recon.models.loops.process import FINISH_S
         from stream_recon.models.supervision import Deadline
 
+        started = time.monotonic()
         if status == "interrupted" or not self.running:
             self.closer.take_corrections()
             self.closer.close()
             corrections = self.closer.corrections
         else:
-            corrections = self.closer.finish(Deadline(FINISH_S), stop_now)
+            corrections = self.closer.finish(Deadline(FINISH_S), self._stop_waiting(stop_now))
+        self.end_wait_s = round(time.monotonic() - started, 3)
         self._show(corrections, force=True)
         return corrections
+
+    def _stop_waiting(self, stop_now: Callable[[], bool]) -> Callable[[], bool]:
+        """`stop_now`, asked only while the child has not given its last word: its first yes cuts the wait
+        short."""
+        def stop() -> bool:
+            if stop_now():
+                self.wait_cut_short = True
+            return self.wait_cut_short
+
+        return stop
 
     @property
     def failure(self) -> str | None:
@@ -158,6 +173,7 @@ class LoopClosureSink:
         summary = {"mode": self.reason, "error": self.failure}
         if self.closer is not None:
             summary.update(self.closer.summary())
+            summary["end_wait_s"] = self.end_wait_s  # seconds, to the ms; None when the run never came to its end
         return summary
 
     def _show(self, corrections: Any, force: bool = False) -> None:

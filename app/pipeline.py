@@ -98,8 +98,10 @@ class RunSummary:
 
     @property
     def ended_by_signal(self) -> int | None:
-        """The signal the process should report in its exit code (128 + it), if one ended it."""
-        return self.stop_signal or self.viewer_closed_by
+        """The signal the process should report in its exit code (128 + it), if one ended it: a complete run
+        was ended by none (a signal after its last frame stopped nothing), whatever came while it closed."""
+        stopped_by = None if self.status == "complete" else self.stop_signal
+        return stopped_by or self.viewer_closed_by
 
     @property
     def ok(self) -> bool:
@@ -298,14 +300,14 @@ class Run:
                     with stop.streaming():
                         status, error = self._push_frames(progress, stop)
                 except BaseException as unexpected:
-                    self.close_sinks("failed", f"internal error: {unexpected!r}", stop.signum)
+                    self.close_sinks("failed", f"internal error: {unexpected!r}", lambda: stop.signum)
                     raise
             # a signal after the source's last frame stops nothing: the run is complete
             if stop.requested and status == "complete" and source.end_reason not in ("end", "max_frames"):
                 status = "interrupted"
             if status == "complete" and self.clock.frames_done == 0:
                 status, error = "failed", _no_frames_message(source, self.options)
-            writer_error = self.close_sinks(status, error, stop.signum, stop_now=lambda: stop.requested)
+            status, writer_error = self.close_sinks(status, error, lambda: stop.signum)
         if writer_error is not None and error is None:
             status, error = "failed", writer_error
         self.stopped_by_signal = stop.signum is not None
@@ -429,19 +431,29 @@ class Run:
             loop_closure_off=next((sink.failure for sink in self.sinks if isinstance(sink, LoopClosureSink)), None),
         )
 
-    def close_sinks(self, status: RunStatus, error: str | None, stop_signal: int | None,
-                    stop_now: Callable[[], bool] = lambda: False) -> str | None:
-        """Close every sink in order, the writer with run.json's summary. Returns the writer's error, if any.
+    def close_sinks(self, status: RunStatus, error: str | None,
+                    stop_signal: Callable[[], int | None] = lambda: None) -> tuple[RunStatus, str | None]:
+        """Close every sink in order, the writer with run.json's summary. Returns the run's status as
+        recorded and the writer's error, if any.
 
         The loop closer finishes first: its last corrections go into the writer's files. Every wait here
-        has a deadline; an interrupted run's fit in STOP_CLOSE_S, and `stop_now` (a signal came) ends loop
-        closure's at once.
+        has a deadline; an interrupted run's fit in STOP_CLOSE_S, and a signal (`stop_signal()` says which
+        came) ends loop closure's at once. A signal that cut that wait short leaves loop closure's last
+        solve undone: the run is then "interrupted", so that run.json, the last line and the exit code
+        agree. Once the status is recorded, a signal changes nothing (RunSummary.ended_by_signal).
         """
         self.clock.stop()
         loops = next((sink for sink in self.sinks if isinstance(sink, LoopClosureSink)), None)
-        corrections = None if loops is None else loops.finish(status, stop_now=stop_now)
+        corrections = None
+        if loops is not None:
+            corrections = loops.finish(status, stop_now=lambda: stop_signal() is not None)
+            if loops.wait_cut_short and status == "complete":
+                status = "interrupted"
+        # what stopped the run: a signal that came after the source's last frame and cut nothing short
+        # stopped nothing, and a complete run records none
+        signum = None if status == "complete" else stop_signal()
         # the checkpoint's digest is hashed beside the run: an interrupted run does not wait it out
-        summary = self._run_json_summary(error, stop_signal, digest_wait_s=1.0 if status == "interrupted" else 60.0)
+        summary = self._run_json_summary(error, signum, digest_wait_s=1.0 if status == "interrupted" else 60.0)
         if loops is not None:
             summary["loop_closure"] = loops.summary()
         if self.builds is not None:
@@ -462,7 +474,7 @@ class Run:
                 writer_error = str(failure)
             except Exception as failure:  # noqa: BLE001 - one sink failing must not stop the others closing
                 logger.warning("closing %s failed: %s", type(sink).__name__, failure)
-        return writer_error
+        return status, writer_error
 
     def _run_json_summary(self, error: str | None, stop_signal: int | None, digest_wait_s: float) -> dict[str, Any]:
         """The summary holds each value once: status, settings (device, source) and versions are the

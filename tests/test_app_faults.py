@@ -164,10 +164,23 @@ def test_the_end_of_a_run_waits_for_a_stopped_child_only_until_its_deadline(
     outcome = run(short_video, tiny_checkpoint, tmp_path / "run", f"{LOOP_CHILD}.add_keyframe:stop:2",
                   deadlines=deadlines)
     assert_complete_with_the_open_chain(outcome, "3 s passed after the stream's end")
+    # run.json says how long the end of the run waited: the deadline at least (a child still starting gets
+    # its start-up time first), within the run's time
+    assert 3.0 <= outcome.record["summary"]["loop_closure"]["end_wait_s"] < outcome.seconds
 
 
-def test_a_signal_in_the_end_of_run_wait_ends_it_at_once_keeping_every_file(tmp_path: Path, short_video: Path,
-                                                                               tiny_checkpoint: Path) -> None:
+def test_run_json_says_how_long_the_end_of_the_run_waited_for_loop_closure(tmp_path: Path, short_video: Path,
+                                                                          tiny_checkpoint: Path) -> None:
+    outcome = run(short_video, tiny_checkpoint, tmp_path / "run")
+    assert outcome.code == EXIT_OK, outcome.output
+    waited = outcome.record["summary"]["loop_closure"]["end_wait_s"]
+    assert isinstance(waited, float) and 0.0 <= waited < 3.0 and waited == round(waited, 3)
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, EXIT_INTERRUPTED), (signal.SIGTERM, EXIT_TERMINATED)])
+def test_a_signal_in_the_end_of_run_wait_ends_it_at_once_keeping_every_file(
+        tmp_path: Path, short_video: Path, tiny_checkpoint: Path, signum: int, code: int) -> None:
+    # the exit code said 130 or 143 while run.json said "complete" with no stop_signal and the last line "done:"
     deadlines = "stream_recon.models.loops.process:STALL_S=60,stream_recon.models.loops.process:FINISH_S=60"
     started = time.monotonic()
     child = start_run(short_video, tiny_checkpoint, tmp_path / "run", f"{LOOP_CHILD}.add_keyframe:stop:2",
@@ -175,14 +188,18 @@ def test_a_signal_in_the_end_of_run_wait_ends_it_at_once_keeping_every_file(tmp_
     # the stream has ended (its last frame is on disk) and the run waits for the stopped child
     wait_for(lambda: (tmp_path / "run" / "predictions" / "000023.npz").exists(), child)
     signalled = time.monotonic()
-    child.send_signal(signal.SIGINT)
+    child.send_signal(signum)
     outcome = finish(child, tmp_path / "run", started)
     assert time.monotonic() - signalled < 10.0
-    assert outcome.code == EXIT_INTERRUPTED, outcome.output
+    assert outcome.code == code, outcome.output
     assert "Traceback" not in outcome.output
     record = outcome.record
-    assert record["status"] in ("complete", "interrupted") and record["summary"]["frames"] == 24
-    assert "the run was stopped" in record["summary"]["loop_closure"]["error"]
+    assert record["status"] == "interrupted" and record["summary"]["frames"] == 24
+    assert record["summary"]["stop_signal"] == signal.Signals(signum).name
+    assert outcome.output.splitlines()[-1].startswith("interrupted: 24 frames"), outcome.output
+    loops = record["summary"]["loop_closure"]
+    assert "the run was stopped" in loops["error"]
+    assert 0.0 < loops["end_wait_s"] < outcome.seconds
     assert outcome.npz_frames == list(range(24))
     assert (tmp_path / "run" / "trajectory_tum.txt").exists() and (tmp_path / "run" / "points.ply").exists()
 
