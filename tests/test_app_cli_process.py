@@ -248,9 +248,15 @@ def test_convert_names_the_one_tensor_of_the_wrong_shape_and_both_shapes(tmp_pat
 def test_a_bad_chunk_frames_is_said_of_chunk_frames(tmp_path: Path) -> None:
     # `--chunk-frames -5` was reported as "--scale-frames (8) must be less than --chunk-frames (-5)"
     folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png"], width=160, height=96)
-    for typed, said in ((["--chunk-frames", "-5"], "error: --chunk-frames must be >= 2 (more than --scale-frames, 8), "
+    # and "must be >= 2 (more than --scale-frames, 2)" was said of -5, then 2 was refused as not more than 2: the
+    # bound said is the one held to
+    for typed, said in ((["--chunk-frames", "-5"], "error: --chunk-frames must be >= 9 (more than --scale-frames, 8), "
                                                     "got -5"),
-                        (["--chunk-frames", "5"], "error: --chunk-frames (5) must be more than --scale-frames (8)")):
+                        (["--chunk-frames", "5"], "error: --chunk-frames (5) must be more than --scale-frames (8)"),
+                        (["--chunk-frames", "-5", "--scale-frames", "2"],
+                         "error: --chunk-frames must be >= 3 (more than --scale-frames, 2), got -5"),
+                        (["--chunk-frames", "2", "--overlap", "1", "--scale-frames", "2"],
+                         "error: --scale-frames (2) must be less than --chunk-frames (2)")):
         result = stream_recon(str(folder), *typed, "--no-viewer", "-o", str(tmp_path / "run"))
         assert result.returncode == EXIT_BAD_INPUT, result.stderr
         assert len(lines_of(result)) == 1 and lines_of(result)[0].startswith(said), result.stderr
