@@ -570,3 +570,21 @@ def test_a_closed_terminal_stops_and_saves_a_run_as_sigterm_does(tmp_path: Path,
     assert len(trajectory) == record["summary"]["frames"] + 1  # + the header
     assert (run_dir / "points.ply").exists()
     assert printed.splitlines()[-1].startswith(f"interrupted: {record['summary']['frames']} frames"), printed
+
+
+# ------------------------------------------------------------------ eval
+
+
+def test_an_eval_output_that_cannot_be_written_is_refused_before_the_evaluation(tmp_path: Path,
+                                                                              finished_run: Path) -> None:
+    # `eval RUN --gt GT -o /missing/e.json` printed its tables, then failed on -o
+    trajectory = tmp_path / "gt.txt"
+    trajectory.write_text((finished_run / "trajectory_tum.txt").read_text())
+    missing = tmp_path / "missing" / "e.json"
+
+    result = stream_recon("eval", str(finished_run), "--gt", str(trajectory), "-o", str(missing))
+
+    assert result.returncode == EXIT_BAD_INPUT, result.stdout + result.stderr
+    assert lines_of(result) == [f"error: -o {missing}: the folder {missing.parent} does not exist; create it, or "
+                                "choose another -o"]
+    assert not missing.parent.exists()
