@@ -98,10 +98,8 @@ class RunSummary:
 
     @property
     def ended_by_signal(self) -> int | None:
-        """The signal the process should report in its exit code (128 + it), if one ended it: a complete run
-        was ended by none (a signal after its last frame stopped nothing), whatever came while it closed."""
-        stopped_by = None if self.status == "complete" else self.stop_signal
-        return stopped_by or self.viewer_closed_by
+        """The signal the process should report in its exit code (128 + it), if one ended it."""
+        return self.stop_signal or self.viewer_closed_by
 
     @property
     def ok(self) -> bool:
@@ -440,7 +438,8 @@ class Run:
         has a deadline; an interrupted run's fit in STOP_CLOSE_S, and a signal (`stop_signal()` says which
         came) ends loop closure's at once. A signal that cut that wait short leaves loop closure's last
         solve undone: the run is then "interrupted", so that run.json, the last line and the exit code
-        agree. Once the status is recorded, a signal changes nothing (RunSummary.ended_by_signal).
+        agree. A signal that came after the source's last frame and cut nothing short stopped nothing:
+        the run is complete, and run.json, the done line and the exit code name the signal.
         """
         self.clock.stop()
         loops = next((sink for sink in self.sinks if isinstance(sink, LoopClosureSink)), None)
@@ -449,11 +448,8 @@ class Run:
             corrections = loops.finish(status, stop_now=lambda: stop_signal() is not None)
             if loops.wait_cut_short and status == "complete":
                 status = "interrupted"
-        # what stopped the run: a signal that came after the source's last frame and cut nothing short
-        # stopped nothing, and a complete run records none
-        signum = None if status == "complete" else stop_signal()
         # the checkpoint's digest is hashed beside the run: an interrupted run does not wait it out
-        summary = self._run_json_summary(error, signum, digest_wait_s=1.0 if status == "interrupted" else 60.0)
+        summary = self._run_json_summary(error, stop_signal(), digest_wait_s=1.0 if status == "interrupted" else 60.0)
         if loops is not None:
             summary["loop_closure"] = loops.summary()
         if self.builds is not None:
@@ -559,7 +555,10 @@ def _report(summary: RunSummary, console: Console) -> None:
     if summary.loop_closure_off is not None:
         line += (f"; loop closure went off ({summary.loop_closure_off}): the trajectory keeps the corrections "
                  "accepted before, the open chain after")
-    if summary.status == "complete":
+    if summary.status == "complete" and summary.stop_signal is not None:
+        console.print(f"[green]done[/green]: {escape(line)}; {signal_name(summary.stop_signal)} came after the last "
+                      "frame and stopped nothing")
+    elif summary.status == "complete":
         console.print(f"[green]done[/green]: {escape(line)}")
     elif summary.status == "interrupted" and summary.frames == 0:
         console.print(f"[yellow]interrupted[/yellow] before the first frame: nothing was written to {summary.output_dir}")
