@@ -49,9 +49,9 @@ def loop_closure_wanted(options: RunOptions, estimated_length: int | None) -> tu
     if missing is not None:
         if options.loop_closure == "on":
             raise OptionsError(f"--loop-closure on needs gtsam, the pose graph's library, but {missing}: "
-                               "pip install gtsam (or --loop-closure off)")
+                               f"{missing.remedy} (or --loop-closure off)")
         if missing.broken:  # installed but broken: worth a line, unlike a choice not to install it
-            logger.warning("loop closure is off: %s; pip install --force-reinstall gtsam", missing)
+            logger.warning("loop closure is off: %s; %s", missing, missing.remedy)
         return False, f"off ({missing})"
     third_chunk = third_chunk_start(options)
     if options.loop_closure == "auto" and estimated_length is not None and estimated_length <= third_chunk:
@@ -69,6 +69,11 @@ class LibraryProblem:
 
     def __str__(self) -> str:
         return self.text
+
+    @property
+    def remedy(self) -> str:
+        """What to run: a plain install does nothing where a broken one is installed already."""
+        return "pip install --force-reinstall gtsam" if self.broken else "pip install gtsam"
 
 
 def pose_graph_library_problem() -> LibraryProblem | None:

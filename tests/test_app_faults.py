@@ -276,6 +276,8 @@ def test_on_with_a_broken_gtsam_is_one_error_line_and_writes_nothing(
     assert outcome.code == EXIT_BAD_INPUT, outcome.output
     lines = [line for line in outcome.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: --loop-closure on needs gtsam"), outcome.output
+    # a plain `pip install gtsam` does nothing where gtsam is installed already
+    assert lines[0].endswith("pip install --force-reinstall gtsam (or --loop-closure off)"), outcome.output
     assert not (tmp_path / "run").exists()
 
 
