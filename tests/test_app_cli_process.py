@@ -588,3 +588,38 @@ def test_an_eval_output_that_cannot_be_written_is_refused_before_the_evaluation(
     assert lines_of(result) == [f"error: -o {missing}: the folder {missing.parent} does not exist; create it, or "
                                 "choose another -o"]
     assert not missing.parent.exists()
+
+
+def test_a_run_left_running_by_a_killed_process_is_closed_by_the_next_export(tmp_path: Path, tiny_checkpoint: Path,
+                                                                             endless_camera: str) -> None:
+    # after kill -9 (or SIGUSR1, or anything without a handler) run.json stayed "running" for good, with no
+    # trajectory_tum.txt and no points.ply beside the npz files
+    run_dir = tmp_path / "run"
+    child = start_run(endless_camera, "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(run_dir))
+    try:
+        wait_for(lambda: len(npz_frames(run_dir)) >= 3, child, "three frames")
+        # a run still going is left to its process
+        while_running = stream_recon("export", str(run_dir), "-f", "tum", "-o", str(tmp_path / "early.txt"))
+        assert json.loads((run_dir / "run.json").read_text())["status"] == "running"
+        child.kill()
+        child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert while_running.returncode == 0 and "note:" not in while_running.stderr, while_running.stderr
+    assert not (run_dir / "trajectory_tum.txt").exists()
+    frames = npz_frames(run_dir)
+
+    result = stream_recon("export", str(run_dir), "-f", "tum", "-o", str(tmp_path / "trajectory.txt"))
+
+    assert result.returncode == 0, result.stderr
+    assert lines_of(result)[0] == (f"note: {run_dir} was left running by a process that ended without closing it: "
+                                   f"closed it from its {len(frames)} prediction files (trajectory_tum.txt, "
+                                   "points.ply; run.json: interrupted)")
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "interrupted" and record["summary"]["frames"] == len(frames)
+    assert "the process ended without closing the run" in record["summary"]["end_reason"]
+    assert len((run_dir / "trajectory_tum.txt").read_text().splitlines()) == len(frames) + 1  # + the header
+    assert PlyData.read(str(run_dir / "points.ply"))["vertex"].count == record["summary"]["points"]["count"]
+    again = stream_recon("export", str(run_dir), "-f", "tum", "-o", str(tmp_path / "again.txt"))
+    assert again.returncode == 0 and "note:" not in again.stderr

@@ -66,12 +66,18 @@ def export(
     """Export a run as a point cloud (ply), a scene with cameras (glb), a COLMAP text model, a TUM trajectory or
     a nerfstudio dataset (transforms.json, images, points.ply)."""
     from stream_recon.app.export import ExportError, export_run
+    from stream_recon.app.rundir import check_run_dir
+    from stream_recon.app.writers import close_abandoned_run
 
     console = error_console()
     for problem in point_cloud_problems(conf_threshold, voxel_size):
         bad_input(console, problem)
     # a ValueError here is a damaged run directory read back, said in one sentence
     with user_errors(console, ExportError, ValueError):
+        check_run_dir(run_dir)
+        closed = close_abandoned_run(run_dir)
+        if closed is not None:
+            console.print(f"note: {closed}", highlight=False)
         result = export_run(
             run_dir,
             format,
