@@ -243,7 +243,7 @@ def _set_up(plan: RunPlan, frame_source: FrameSource, output_dir: Path, options:
                 viewer.close("failed")
             if builds is not None:
                 builds.abandon()
-            if writer is not None:  # stopped before the first frame: not even run.json is kept
+            if writer is not None and writer.replaced:  # stopped before the first frame: not even run.json is kept
                 remove_run(output_dir)
             remove_if_empty(output_dir, created_dir)
         raise
@@ -259,9 +259,11 @@ def _after(run: Run, summary: RunSummary) -> RunSummary:
     kept serving where asked."""
     output_dir, viewer, console = run.writer.output_dir, run.viewer, run.console
     if summary.status == "interrupted" and summary.frames == 0:
-        # stopped before its first frame: nothing was computed, so nothing is kept (not even run.json)
+        # stopped before its first frame: nothing was computed, so nothing is kept (not even run.json), and an
+        # earlier run there is left as it was (RunWriter replaces it at the first frame)
         with interrupts_held():
-            remove_run(output_dir)
+            if run.writer.replaced:
+                remove_run(output_dir)
             remove_if_empty(output_dir, run.created_dir)
     _report(summary, console)
     if viewer is not None and run.options.keep_viewer and summary.stop_signal is None:

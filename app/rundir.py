@@ -134,12 +134,12 @@ def atomic_write(path: Path, write: Callable[[Any], None], *, binary: bool) -> N
         raise
 
 
-# A folder of files replaced as one (an export's folder): the new files are written into a hidden folder
+# A folder of files replaced as one (an export's folder; a run's predictions): the new files are written into a hidden folder
 # beside the old ones (staging), and swapped in once complete, the old ones moved out (retired) and
 # removed. Each hidden folder is named by the process that made it, so that the next writer there can
 # tell a dead one's remains from a live one's work.
-STAGING_PREFIX = ".stream-recon-export-new."
-RETIRED_PREFIX = ".stream-recon-export-old."
+STAGING_PREFIX = ".stream-recon-new."
+RETIRED_PREFIX = ".stream-recon-old."
 
 
 def staging_folder(folder: Path) -> Path:
@@ -238,6 +238,22 @@ def remove_run(output_dir: Path) -> None:
     exports = output_dir / EXPORTS_DIR
     if exports.is_dir() and not exports.is_symlink():
         shutil.rmtree(exports)
+
+
+def replace_run(output_dir: Path) -> None:
+    """Clear an earlier run out of `output_dir` for a new one (remove_run), its predictions first moved
+    aside in one rename, so that a process killed part-way never leaves some of the earlier npz files
+    under a new run.json; what was moved aside is removed then, or by the next run there (remove_stale_staging).
+    Raises OSError."""
+    output_dir = Path(output_dir)
+    remove_stale_staging(output_dir)
+    predictions = output_dir / PREDICTIONS_DIR
+    if predictions.is_dir() and not predictions.is_symlink():
+        retired = output_dir / f"{RETIRED_PREFIX}{os.getpid()}"
+        os.replace(predictions, retired)
+        predictions.mkdir()
+        remove_tree(retired)
+    remove_run(output_dir)
 
 
 def holds_run(output_dir: Path) -> bool:

@@ -42,12 +42,13 @@ from stream_recon.app.rundir import (
     TRAJECTORY_TUM,
     OutputDirError,
     atomic_write,
+    holds_run,
     iter_run,
     lock_run_dir,
     prediction_path,
     prepare_output_dir,
     read_run_info,
-    remove_run,
+    replace_run,
     run_dir_in_use,
     run_dir_locked_here,
     stored_prediction,
@@ -173,8 +174,8 @@ class RunWriter:
         self.started_at = _utc_now()
         self._start_time = time.monotonic()
         self._last_progress = self._start_time
+        self.replaced = False  # whether this run's files have taken the folder (an earlier run's are gone)
         self._prepare_output_dir(overwrite)
-        self._write_run_json("running", {})
         self._worker_error: BaseException | None = None
         self.helper = Helper(HelperPolicy("the run writer", WhenFull.PUSH_BACK, WhenDown.FAIL_RUN,
                                           stall_s=WRITER_STALL_S, push_back_s=WRITER_STALL_S))
@@ -270,6 +271,7 @@ class RunWriter:
         return self._worker_error
 
     def _write_frame(self, pred: FramePrediction, stats: dict) -> None:
+        self._take_the_folder()  # (on the writer's thread: no signal cuts the replacement short)
         arrays = prediction_arrays(pred)
         path = prediction_path(self.output_dir, pred.frame_index)
         stored = None
@@ -317,6 +319,10 @@ class RunWriter:
         self.status = status
         worker_error = self._stop_worker(deadline or Deadline(WRITER_STALL_S))  # every frame handed over is on disk
         self._worker_error = None
+        if not self.replaced and status == "interrupted" and worker_error is None:
+            self._let_go()  # stopped before its first frame: the earlier run stays as it was
+            return
+        self._take_the_folder()
         errors = [] if worker_error is None else [f"frame writer: {worker_error!r}"]
         moves = [] if corrections is None else self._chunk_moves(corrections)
         writes = [(TRAJECTORY_TUM, self._write_trajectory), (POINTS_PLY, lambda: self._write_points(moves))]
@@ -330,8 +336,7 @@ class RunWriter:
                 # Keep going: run.json must still say how the run ended, and the npz files are intact.
                 errors.append(f"{name}: {exc}")
         self._write_run_json(status, summary or {}, errors)
-        if self._holds_folder:
-            unlock_run_dir(self.output_dir)
+        self._let_go()
         if errors:
             raise OutputDirError(f"could not write outputs in {self.output_dir}: {'; '.join(errors)}") from (
                 worker_error
@@ -339,19 +344,35 @@ class RunWriter:
 
     # ---- internals
 
+    def _let_go(self) -> None:
+        if self._holds_folder:
+            unlock_run_dir(self.output_dir)
+
     def _prepare_output_dir(self, overwrite: bool) -> None:
+        """The folder checked and held; a new run's run.json written now, while an earlier run there stays
+        until this one writes its first frame (or closes having done something: complete or failed), so
+        that a run stopped before its first frame leaves the earlier one as it was."""
         # a writer made alone (not by run_sequence, which holds the folder for the whole run) holds it until
         # it closes
         self._holds_folder = not run_dir_locked_here(self.output_dir)
         prepare_output_dir(self.output_dir, overwrite=overwrite)
+        if not holds_run(self.output_dir):
+            self._take_the_folder()
+
+    def _take_the_folder(self) -> None:
+        """This run's files in place of an earlier run's (replace_run), run.json first; once."""
+        if self.replaced:
+            return
         try:
+            replace_run(self.output_dir)
             self.predictions_dir.mkdir(exist_ok=True)
-            remove_run(self.output_dir)
         except OSError as exc:
             raise OutputDirError(
                 f"cannot write to the output directory {self.output_dir}: {exc.strerror or exc}; "
                 "choose a writable --output"
             ) from None
+        self.replaced = True
+        self._write_run_json("running", {})
 
     def _write_trajectory(self, name: str = TRAJECTORY_TUM) -> None:
         frames = sorted(self.poses)

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -130,7 +131,6 @@ def test_a_presets_on_and_off_are_read_as_written(tmp_path: Path, tiny_checkpoin
 # accepted one: every chunk from 1 on moved, here shrunk by half towards the origin, so that many of their
 # points fall into voxels of others (a correction that brings two passes over a place together does that).
 CORRECTED_RUN = """
-import numpy as np
 from stream_recon.app import writers
 from stream_recon.app.cli import main
 from stream_recon.models.loops.corrections import ChunkCorrections
@@ -542,6 +542,36 @@ def test_a_second_run_into_a_folder_a_run_writes_is_refused_and_touches_nothing(
                          "--overwrite")
     assert third.returncode == 0, third.stderr
     assert npz_frames(run_dir) == [0, 1, 2]
+
+
+def test_a_run_replacing_another_stopped_before_its_first_frame_leaves_the_earlier_one(
+        tmp_path: Path, tiny_checkpoint: Path, stalled_camera: str) -> None:
+    # `run --overwrite` stopped after its model loaded but before its first frame had already removed the
+    # earlier run, and then removed its own run.json: the folder was left empty
+    folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png", "2.png"], width=160, height=96)
+    run_dir = tmp_path / "run"
+    assert stream_recon(str(folder), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(run_dir)
+                        ).returncode == 0
+    earlier = tree_of(run_dir)
+    child = subprocess.Popen(command(stalled_camera, "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS,
+                                     *BEYOND_THE_CAMERA, "-o", str(run_dir), "--overwrite"),
+                             env=environment(STREAM_RECON_PROGRESS_INTERVAL="0.2"), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    printed: list[str] = []
+    reader = threading.Thread(target=lambda: [printed.append(line) for line in child.stdout], daemon=True)
+    reader.start()
+    try:  # the stream has begun (its progress lines come from the loop over the frames): the writer is made
+        wait_for(lambda: any(line.startswith("progress: ") for line in printed), child, "the stream's progress")
+        child.send_signal(signal.SIGTERM)
+        child.wait(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    reader.join(timeout=10)
+
+    assert child.returncode == EXIT_TERMINATED, "".join(printed)
+    assert tree_of(run_dir) == earlier
+    assert "Traceback" not in "".join(printed)
 
 
 # ------------------------------------------------------------------ every way a run ends leaves a true record
