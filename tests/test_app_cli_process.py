@@ -424,6 +424,20 @@ def test_a_prediction_that_is_not_an_npz_is_said_in_our_words_never_numpys(tmp_p
     assert exported.returncode == 0 and (tmp_path / "points.ply").exists(), exported.stderr
 
 
+def test_a_voxel_too_fine_for_the_scene_is_raised_with_a_warning_never_an_empty_cloud(tmp_path: Path,
+                                                                                    finished_run: Path) -> None:
+    # `export --voxel-size 1e-7` wrote an empty cloud and blamed --conf-threshold (every point fell outside the
+    # voxel grid)
+    result = stream_recon("export", str(finished_run), "-f", "ply", "-o", str(tmp_path / "points.ply"),
+                          "--voxel-size", "1e-7", "--conf-threshold", "1")
+
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in lines_of(result) if "--voxel-size 1e-07 is too fine for this scene" in line]
+    assert len(warnings) == 1, result.stderr
+    points = PlyData.read(str(tmp_path / "points.ply"))["vertex"].count
+    assert points > 0 and "no pixel has depth confidence" not in result.stderr
+
+
 # ------------------------------------------------------------------ an export replaced
 
 

@@ -144,7 +144,8 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
     },
     _OUTPUT: {
         "conf_threshold": "Keep points with depth confidence at least this in points.ply.",
-        "voxel_size": "Voxel size for points.ply, in model units.",
+        "voxel_size": "Voxel size for points.ply, in model units (one too fine for the scene's grid, under about "
+        "1/16000 of the first frame's median depth, is raised to it with a warning).",
         "overwrite": "Replace a run already in the output folder.",
         "save_depth": "Precision of depth and confidence in predictions/*.npz: float16 (half the bytes, relative "
         "error at most 0.05%) or float32 (the model's output exactly).",

@@ -45,7 +45,8 @@ def export(
     ] = None,
     voxel_size: Annotated[
         Optional[float],
-        typer.Option(help="Voxel edge (> 0) in scene units. Default: the run's value."),
+        typer.Option(help="Voxel edge (> 0) in scene units; one too fine for the scene (under about 1/16000 of the "
+                     "first frame's median depth) is raised to it with a warning. Default: the run's value."),
     ] = None,
     max_points: Annotated[
         Optional[int], typer.Option(min=1, help="Cap on exported points; the voxel grows to respect it.")
