@@ -160,6 +160,24 @@ def test_run_json_counts_the_points_that_points_ply_holds_after_a_correction(tmp
     assert stated == len(PlyData.read(str(run_dir / "points.ply"))["vertex"]) > 0
 
 
+# ------------------------------------------------------------------ the viewer's library
+
+
+def test_the_viewers_library_prints_its_banner_only_with_verbose(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    # viser's box (HTTP, Websocket) and "(viser) Server stopped" came on stdout of every run with the viewer
+    folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png", "2.png"], width=160, height=96)
+    viewer_flags = ("--checkpoint", str(tiny_checkpoint), "--image-width", "56", "--scale-frames", "3", "--window",
+                    "4", "--no-keep-viewer")
+
+    quiet = stream_recon(str(folder), *viewer_flags, "--port", str(free_port()), "-o", str(tmp_path / "quiet"))
+    verbose = stream_recon(str(folder), *viewer_flags, "--port", str(free_port()), "-o", str(tmp_path / "verbose"),
+                           "--verbose")
+
+    assert quiet.returncode == 0 and verbose.returncode == 0, quiet.stderr + verbose.stderr
+    assert "viser" not in quiet.stdout + quiet.stderr, quiet.stdout
+    assert "Server stopped" in verbose.stdout, verbose.stdout  # the library's own lines, asked for
+
+
 # ------------------------------------------------------------------ a full disk
 
 

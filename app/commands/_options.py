@@ -20,6 +20,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Annotated, Any, NoReturn, Optional
 
+import rich
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -294,7 +295,7 @@ _verbose = False
 def set_verbosity(verbose: bool) -> None:
     """--verbose (any command): the libraries' own messages on stderr and every line of an error's details.
 
-    Without it, OpenCV's log (`[ WARN:0@0.1] global cap.cpp:212 ...`), FFmpeg's (`[mpeg4 @ 0x...] header
+    Without it, viser's banner, OpenCV's log (`[ WARN:0@0.1] global cap.cpp:212 ...`), FFmpeg's (`[mpeg4 @ 0x...] header
     damaged`, `[tcp @ 0x...] Connection refused`), Ray's warnings (library_log_level) and Python warnings stay
     quiet, so that a bad input is the one `error:` line. OpenCV reads its level when it loads and FFmpeg's at its first capture, both after
     this (commands import them when they run); a level the user set in the environment is kept.
@@ -305,6 +306,9 @@ def set_verbosity(verbose: bool) -> None:
         os.environ.setdefault("OPENCV_LOG_LEVEL", "SILENT")
         os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", "-8")  # AV_LOG_QUIET
         warnings.simplefilter("ignore")
+        # rich's shared console is what libraries print through (viser's banner box and its "Server stopped"
+        # on stdout); stream-recon's own lines go through consoles of their own
+        rich.reconfigure(quiet=True)
 
 
 def library_log_level() -> int:
