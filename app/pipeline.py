@@ -151,6 +151,11 @@ def run_sequence(
     frame_source = _as_frame_source(source, options)  # first: a mistyped path fails before the model loads
     try:
         plan = _plan(frame_source, options, model)
+        if plan.device == "cpu" and options.gpu_memory is not None:
+            # a GPU's budget: said once to do nothing here (the plan's warning), and then planned nowhere
+            options = dataclasses.replace(options, gpu_memory=None)
+            plan = dataclasses.replace(plan, engine_config=None if plan.model_config is None
+                                       else chunk_engine_config(options, plan.model_config))
         run = _set_up(plan, frame_source, Path(output_dir), options, model, extra_sinks, console, clock)
         try:
             summary = run.stream()
@@ -196,6 +201,9 @@ def _plan(frame_source: FrameSource, options: RunOptions, model: Any) -> RunPlan
     if device == "cpu" and options.gpu_memory is not None:
         warnings.append(f"--gpu-memory {options.gpu_memory} budgets a GPU's memory and does nothing on the CPU, "
                         "where the memory check applies instead (--no-memory-check turns it off)")
+    if device == "cpu" and options.compile == "on":
+        warnings.append("--compile on compiles the GPU's streaming step and does nothing on the CPU: the run is not "
+                        "compiled")
     warnings += _source_warnings(frame_source, options)
     engine_config = None if config is None else chunk_engine_config(options, config)
     return RunPlan(device, dtype, attention, config, engine_config, _input_size(frame_source, options),
