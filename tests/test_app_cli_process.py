@@ -260,6 +260,37 @@ def test_convert_names_the_one_tensor_of_the_wrong_shape_and_both_shapes(tmp_pat
     assert not (tmp_path / "out.safetensors").exists()
 
 
+CONVERT_TINY = """
+import sys
+from stream_recon.models import ModelConfig
+from stream_recon.models.checkpoint import convert_to_safetensors
+convert_to_safetensors(sys.argv[1], sys.argv[2], config=ModelConfig.tiny())
+"""
+
+
+def test_what_a_conversion_killed_part_way_leaves_is_removed_by_the_next_one_there(tmp_path: Path,
+                                                                                   tiny_model) -> None:
+    # after a SIGKILL mid-conversion a hidden temporary file of the checkpoint's size stayed for good (the
+    # tiny model's weights stand in for the official ones: the same writer, in a process of its own)
+    torch.save(tiny_model.state_dict(), tmp_path / "tiny.pt")
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+
+    def convert(name: str, fault: str = "") -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", CONVERT_TINY, str(tmp_path / "tiny.pt"), str(folder / name)],
+                              capture_output=True, text=True, timeout=120,
+                              env=fault_environment(fault) if fault else environment())
+
+    killed = convert("first.safetensors", "stream_recon.models.checkpoint:save_file:kill:1")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert [entry.name for entry in folder.iterdir()] != []  # what the killed one left
+
+    done = convert("second.safetensors")
+
+    assert done.returncode == 0, done.stderr
+    assert sorted(entry.name for entry in folder.iterdir()) == ["second.safetensors"]
+
+
 # ------------------------------------------------------------------ options
 
 
