@@ -685,6 +685,9 @@ def _source_warnings(source: FrameSource, options: RunOptions) -> list[str]:
     """What a run of `source` with `options` is warned of before it starts: a loop closure asked for that
     cannot help it, frames too small to reconstruct."""
     warnings = [loop_closure_cannot_help(options, source.estimated_length)]
+    if options.flow_threshold is not None and options.keyframes != "flow":
+        warnings.append(f"--flow-threshold {options.flow_threshold:g} sets the flow keyframe policy's threshold and "
+                        f"does nothing with --keyframes {options.keyframes}: pass --keyframes flow to use it")
     if source.frame_size is not None:
         warnings.append(too_small_warning(*source.frame_size, options.image_width))
     return [warning for warning in warnings if warning is not None]

@@ -381,6 +381,31 @@ def test_options_that_serve_a_gpu_say_once_on_the_cpu_that_they_do_nothing_there
     assert "warming up for 56x28 frames: the streaming step runs once before the stream starts" in printed, printed
 
 
+def test_a_flow_threshold_without_flow_keyframes_is_warned_of(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    # `--flow-threshold 5` beside `--keyframes all` was ignored without a word
+    folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png", "2.png"], width=160, height=96)
+
+    result = stream_recon(str(folder), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "--flow-threshold", "5",
+                          "-o", str(tmp_path / "run"))
+
+    assert result.returncode == 0, result.stderr
+    assert warnings_of(result) == ["warning: --flow-threshold 5 sets the flow keyframe policy's threshold and does "
+                                   "nothing with --keyframes all: pass --keyframes flow to use it"]
+
+
+def test_a_folder_of_videos_given_to_run_points_to_batch(tmp_path: Path) -> None:
+    # "contains no images" and nothing on what to do with a folder of videos
+    (tmp_path / "videos").mkdir()
+    for name in ("a.mp4", "b.mp4"):
+        write_video(tmp_path / "videos" / name, 2)
+
+    result = stream_recon(str(tmp_path / "videos"), "--no-viewer", "-o", str(tmp_path / "run"))
+
+    assert result.returncode == EXIT_BAD_INPUT, result.stderr
+    assert lines_of(result)[0].endswith(f"it holds 2 videos (a.mp4...): pass one of them, or reconstruct each with "
+                                        f"`stream-recon batch {tmp_path / 'videos'} --output DIR`"), result.stderr
+
+
 # ------------------------------------------------------------------ info
 
 

@@ -126,7 +126,8 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         "overlap": "Long streams: frames two consecutive chunks share.",
         "loop_closure": "Long streams: when the camera returns to a place seen two or more chunks earlier, correct "
         "the drift between them (a pose graph over chunks; the uncorrected trajectory is kept as "
-        "trajectory_open_tum.txt): auto (on when the stream has chunks and gtsam is installed), on, or off.",
+        "trajectory_open_tum.txt): auto (on when gtsam imports and the stream can reach a third chunk, past "
+        "2 x (chunk frames - overlap) frames: a loop joins chunks two or more apart), on, or off.",
         "keyframes": "Keyframe policy: all, interval:N or flow.",
         "flow_threshold": "flow policy: mean flow in pixels that makes a keyframe.",
         "max_gap": "flow policy: most frames in a row without a keyframe.",
