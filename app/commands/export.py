@@ -90,12 +90,13 @@ def export(
             full_resolution=full_resolution,
         )
     if format is ExportFormat.TUM:
-        console.print(f"wrote {result.num_frames} poses to {result.path}")
+        console.print(f"wrote {_count(result.num_frames, 'pose')} to {result.path}")
         return
     voxel = "none" if result.voxel_size is None else f"{result.voxel_size:.4g}"
+    # a PLY cloud holds no cameras: it is made of the frames' points
+    seen = _count(result.num_frames, "frame" if format is ExportFormat.PLY else "camera")
     console.print(
-        f"wrote {format.value} export ({result.num_frames} cameras, {result.num_points} points, "
-        f"voxel {voxel}) to {result.path}"
+        f"wrote {format.value} export ({seen}, {_count(result.num_points, 'point')}, voxel {voxel}) to {result.path}"
     )
     if result.grey_points is not None:
         console.print(f"[yellow]warning:[/yellow] {result.grey_points}")
@@ -104,3 +105,7 @@ def export(
             f"[yellow]warning:[/yellow] no pixel has depth confidence >= {result.conf_threshold:g}; "
             "pass a lower --conf-threshold to get points"
         )
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" + ("" if number == 1 else "s")
