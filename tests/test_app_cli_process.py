@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from media_helpers import free_port, mjpeg_server, write_image_folder, write_noise_video, write_video
@@ -131,6 +132,7 @@ def test_a_presets_on_and_off_are_read_as_written(tmp_path: Path, tiny_checkpoin
 # accepted one: every chunk from 1 on moved, here shrunk by half towards the origin, so that many of their
 # points fall into voxels of others (a correction that brings two passes over a place together does that).
 CORRECTED_RUN = """
+import numpy as np
 from stream_recon.app import writers
 from stream_recon.app.cli import main
 from stream_recon.models.loops.corrections import ChunkCorrections
@@ -760,3 +762,123 @@ def test_a_run_left_running_by_a_killed_process_is_closed_by_the_next_export(tmp
     assert PlyData.read(str(run_dir / "points.ply"))["vertex"].count == record["summary"]["points"]["count"]
     again = stream_recon("export", str(run_dir), "-f", "tum", "-o", str(tmp_path / "again.txt"))
     assert again.returncode == 0 and "note:" not in again.stderr
+
+
+# ------------------------------------------------------------------ stopped at random instants
+
+INSTANTS = 20
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
+
+
+def visible_tree(folder: Path) -> dict[str, bytes]:
+    """tree_of without hidden entries (what a killed export may leave for the next one to clear)."""
+    return {name: data for name, data in tree_of(folder).items() if not any(part.startswith(".")
+                                                                                 for part in name.split("/"))}
+
+
+def no_traceback_of_ours(printed: str) -> bool:
+    """No traceback, but for Python's own when a signal lands while the interpreter starts, before any code
+    of ours runs ("Fatal Python error: init_import_site")."""
+    return "Traceback" not in printed or "Fatal Python error: init_import_site" in printed
+
+
+def stopped_after(args: list[str], delay_s: float, signum: int) -> subprocess.CompletedProcess:
+    """`stream-recon ARGS` sent `signum` `delay_s` after its start (or run to its end, if it ends first)."""
+    child = subprocess.Popen(command(*args), env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        try:
+            printed, _ = child.communicate(timeout=delay_s)
+        except subprocess.TimeoutExpired:
+            child.send_signal(signum)
+            printed, _ = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    return subprocess.CompletedProcess(args, child.returncode, printed, "")
+
+
+@pytest.mark.slow  # 20 export processes: a minute or two
+def test_an_export_replacing_another_stopped_at_any_instant_leaves_one_of_them_whole(tmp_path: Path,
+                                                                                    finished_run: Path) -> None:
+    export, new = tmp_path / "colmap", tmp_path / "reference"
+    assert stream_recon("export", str(finished_run), "-f", "colmap", "-o", str(export), "--conf-threshold",
+                        "1").returncode == 0
+    started = time.monotonic()
+    assert stream_recon("export", str(finished_run), "-f", "colmap", "-o", str(new)).returncode == 0
+    duration_s = time.monotonic() - started
+    earlier, replacement = tree_of(export), tree_of(new)
+    assert earlier != replacement
+    random = np.random.default_rng(7)
+
+    for instant in range(INSTANTS):
+        delay_s, signum = random.uniform(0.0, 1.2 * duration_s), STOPS[instant % len(STOPS)]
+        result = stopped_after(["export", str(finished_run), "-f", "colmap", "-o", str(export), "--overwrite"],
+                               delay_s, signum)
+        now = visible_tree(export)
+        assert now in (earlier, replacement), (instant, delay_s, signum, result.stdout)
+        assert no_traceback_of_ours(result.stdout), result.stdout
+        if result.returncode == 0:
+            assert now == replacement
+        if now == replacement:  # the next instant replaces the earlier one again
+            assert stream_recon("export", str(finished_run), "-f", "colmap", "-o", str(export), "--overwrite",
+                                "--conf-threshold", "1").returncode == 0
+    # what killed exports left is cleared by the next one there
+    assert stream_recon("export", str(finished_run), "-f", "colmap", "-o", str(export), "--overwrite").returncode == 0
+    assert sorted(entry.name for entry in export.iterdir()) == ["images", "sparse"]
+
+
+def predictions_of(run_dir: Path) -> dict[int, tuple[int, int]]:
+    """Each npz's frame index -> its image size: which run wrote it (the two runs' frames differ in size)."""
+    sizes = {}
+    for frame in npz_frames(run_dir):
+        with np.load(run_dir / "predictions" / f"{frame:06d}.npz") as data:
+            sizes[frame] = tuple(int(size) for size in data["image_size"])
+    return sizes
+
+
+@pytest.mark.slow  # 20 run processes: two or three minutes
+def test_a_run_replacing_another_stopped_at_any_instant_leaves_one_of_them_with_a_true_record(
+        tmp_path: Path, tiny_checkpoint: Path) -> None:
+    earlier_source = write_image_folder(tmp_path / "frames", ["0.png", "1.png", "2.png"], width=160, height=96)
+    video = write_video(tmp_path / "clip.mp4", 12, width=96, height=96)  # another image size than the folder's
+    run_dir = tmp_path / "run"
+    flags = ["--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(run_dir)]
+    started = time.monotonic()
+    assert stream_recon(str(earlier_source), *flags).returncode == 0
+    duration_s = 1.5 * (time.monotonic() - started)
+    earlier = tree_of(run_dir)
+    earlier_size = set(predictions_of(run_dir).values())
+    random = np.random.default_rng(11)
+
+    for instant in range(INSTANTS):
+        delay_s, signum = random.uniform(0.0, 1.5 * duration_s), STOPS[instant % len(STOPS)]
+        result = stopped_after([str(video), *flags, "--overwrite"], delay_s, signum)
+        assert no_traceback_of_ours(result.stdout), result.stdout
+        if visible_tree(run_dir) == earlier:  # stopped before it began to replace the earlier run
+            assert result.returncode != 0
+            continue
+        record = json.loads((run_dir / "run.json").read_text())
+        sizes = predictions_of(run_dir)
+        assert record["settings"]["source"].endswith("clip.mp4"), (instant, record["settings"]["source"])
+        assert not set(sizes.values()) & earlier_size, (instant, sizes)  # never a mix of the two runs
+        if record["status"] == "running":  # killed mid-run: the next export closes it (and exports its frames)
+            assert result.returncode == -signal.SIGKILL, (instant, result.stdout)
+            closing = stream_recon("export", str(run_dir), "-f", "tum", "-o", str(tmp_path / f"t{instant}.txt"))
+            assert closing.returncode in (0, EXIT_BAD_INPUT) and "note:" in closing.stderr, closing.stderr
+            record = json.loads((run_dir / "run.json").read_text())
+            assert record["status"] == "interrupted"
+        elif result.returncode == 0:
+            assert record["status"] == "complete" and record["summary"]["stop_signal"] is None
+        elif result.returncode > 128:  # stopped, or (a signal after the last frame) complete: the record names it
+            assert record["status"] in ("interrupted", "complete"), (instant, result.stdout)
+            assert record["summary"]["stop_signal"] == signal.Signals(result.returncode - 128).name
+        else:  # the signal landed once the run had ended and its handlers were gone: its record is final
+            assert record["status"] in ("complete", "interrupted"), (instant, result.stdout)
+        if record["status"] != "running":
+            assert list(sizes) == list(range(record["summary"]["frames"])), (instant, record["summary"])
+            lines = (run_dir / "trajectory_tum.txt").read_text().splitlines()
+            assert len(lines) == record["summary"]["frames"] + 1
+        # the earlier run back for the next instant
+        assert stream_recon(str(earlier_source), *flags, "--overwrite").returncode == 0
+        earlier = tree_of(run_dir)
