@@ -103,7 +103,7 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         # the backend table imports torch: `stream-recon info` lists it, and a wrong name is refused with the list
         "attention": "Attention backend: auto (the fastest that runs here) or a backend's name; `stream-recon info` "
         "lists them, what each is and whether it runs here.",
-        "compile": "Fuse the blocks and heads with torch.compile (CUDA only), about 10% faster per frame: auto "
+        "compile": "Fuse the blocks and heads with torch.compile (CUDA only), 9% faster per frame at 518x392: auto "
         "(compiled where this machine compiled the input size before; a new size streams uncompiled at once "
         "while it compiles beside the run for the next one), on (compiled before the first frame: 20-40 s the "
         "first time), or off.",
