@@ -433,6 +433,15 @@ def test_info_says_whether_loop_closure_runs_here(tmp_path: Path) -> None:
     assert without.stderr == ""
 
 
+def test_info_says_when_the_checkpoint_folder_named_by_the_environment_does_not_exist(tmp_path: Path) -> None:
+    # STREAM_RECON_CHECKPOINTS naming a folder that is not there (a typo) was listed as if it were
+    missing = tmp_path / "chekpoints"
+    result = subprocess.run(command("info"), capture_output=True, text=True, timeout=120,
+                            env=environment(STREAM_RECON_CHECKPOINTS=str(missing)))
+    assert result.returncode == 0, result.stderr
+    assert f"{missing} ($STREAM_RECON_CHECKPOINTS, which does not exist)" in " ".join(result.stdout.split())
+
+
 # ------------------------------------------------------------------ units
 
 
