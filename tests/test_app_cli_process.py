@@ -107,6 +107,9 @@ def test_sigterm_before_the_first_frame_leaves_nothing_and_exits_143(
     assert child.returncode == EXIT_TERMINATED, printed
     assert "Traceback" not in printed
     assert not run_dir.exists() and not (tmp_path / "outputs").exists(), sorted(tmp_path.rglob("*"))
+    # and it says so: a run stopped before its first frame printed nothing at all
+    assert sum(line.startswith("interrupted before the first frame: nothing was written to ")
+               for line in printed.splitlines()) == 1, printed
 
 
 # ------------------------------------------------------------------ presets

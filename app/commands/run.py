@@ -71,7 +71,7 @@ def run(
     """Reconstruct SOURCE frame by frame: poses and depth on disk as they come, live in the browser."""
     from stream_recon.app.presets import build_options
     from stream_recon.app.sources import source_name
-    from stream_recon.app.stopping import interrupted_exit_code
+    from stream_recon.app.stopping import interrupted_exit_code, interrupts_held
 
     run_sequence = import_held("stream_recon.app.pipeline").run_sequence
     console = error_console()
@@ -87,7 +87,13 @@ def run(
         options = build_options(config, overrides, defaults)
         if is_sample:
             announce_sample(output_dir, options, console)
-        summary = run_sequence(source, output_dir, options, console=console)
+        try:
+            summary = run_sequence(source, output_dir, options, console=console)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM before the stream began (PromptInterrupt): said, not silent
+            with interrupts_held():
+                console.print(f"[yellow]interrupted[/yellow] before the first frame: nothing was written to "
+                              f"{output_dir}")
+            raise
     if summary.status == "failed":
         raise typer.Exit(code=EXIT_FAILED)
     if summary.ended_by_signal is not None:  # stopped, or its viewer closed, by Ctrl-C or SIGTERM
