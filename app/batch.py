@@ -238,7 +238,7 @@ class SequenceWorker:
             return row
         row.update(frames=summary.frames, keyframes=summary.keyframes, fps=finite_or_none(summary.fps))
         # a signal that came after the last frame leaves a complete run: recorded as done, then the batch stops
-        self.stop_signal = summary.stop_signal
+        self.stop_signal = summary.stop_signal or summary.late_signal
         if summary.status == "interrupted":
             row.update(status="failed", error=INTERRUPTED_ERROR, seconds=time.monotonic() - started)
             return row

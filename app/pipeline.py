@@ -67,6 +67,7 @@ from stream_recon.app.stopping import (
     StopOnSignal,
     interrupts_held,
     signal_name,
+    signals_noted,
     wait_for_stop_signal,
 )
 from stream_recon.app.writers import RunWriter
@@ -94,6 +95,7 @@ class RunSummary:
     end_reason: str | None = None  # end | max_frames | stopped | error
     stop_signal: int | None = None  # the signal that stopped an interrupted run (SIGINT, SIGTERM)
     viewer_closed_by: int | None = None  # the signal that closed a viewer kept serving after the run
+    late_signal: int | None = None  # one that came once run.json was written: it stopped nothing (a batch stops)
     loop_closure_off: str | None = None  # why loop closure went off during the run, if it did
 
     @property
@@ -157,11 +159,16 @@ def run_sequence(
             plan = dataclasses.replace(plan, engine_config=None if plan.model_config is None
                                        else chunk_engine_config(options, plan.model_config))
         run = _set_up(plan, frame_source, Path(output_dir), options, model, extra_sinks, console, clock)
-        try:
-            summary = run.stream()
-        finally:
-            run.end()
-        return _after(run, summary)
+        # from the stream's end on, a signal stops nothing more than the record says (signals_noted), and
+        # the batch is told of one (RunSummary.late_signal)
+        with signals_noted() as late:
+            run.noted_signals = late
+            try:
+                summary = run.stream()
+            finally:
+                run.end(stopped_late=bool(late))
+            summary = _after(run, summary)
+        return dataclasses.replace(summary, late_signal=next(iter(late), run.signal_after_record))
     finally:
         frame_source.close()
         unlock_run_dir(output_dir)  # (held from prepare_output_dir: one run per folder)
@@ -297,12 +304,15 @@ class Run:
     builds: RunBuilds | None = None  # compiled code and kernels: the work ahead, the warm-up, the compile beside
     created_dir: Path | None = None  # the output folder this run made (removed where nothing is kept)
     stopped_by_signal: bool = True  # until the stream ends without a signal (a failure stops the child too)
+    recorded_signal: int | None = None  # the stop signal run.json names
+    noted_signals: list[int] | None = None  # signals_noted's list, which the stream's StopOnSignal takes over from
+    signal_after_record: int | None = None  # one that came while the run closed, once run.json was written
 
     def stream(self) -> RunSummary:
         """Every frame through the engine into the sinks, then the sinks closed; how the run ended."""
         source = self.source
         with _long_lived_objects_frozen(), _gil_handed_back_sooner(), \
-                StopOnSignal(source.request_stop, self.console) as stop:
+                StopOnSignal(source.request_stop, self.console, self.noted_signals) as stop:
             with RunProgress(self.console, source.description, source.estimated_length) as progress:
                 try:
                     with stop.streaming():
@@ -319,14 +329,17 @@ class Run:
         if writer_error is not None and error is None:
             status, error = "failed", writer_error
         self.stopped_by_signal = stop.signum is not None
+        if stop.signum != self.recorded_signal:
+            self.signal_after_record = stop.signum
         return self._summary(status, error, stop)
 
-    def end(self) -> None:
+    def end(self, stopped_late: bool = False) -> None:
         """After the stream, its sinks closed: the engine's helpers ended, and the builds' (the work ahead,
-        the compile child: stopped after a signal)."""
+        the compile child: stopped after a signal, one that came after the record too)."""
         self.engine.close()  # the next chunk's worker thread, when the engine has one
         if self.builds is not None:
-            note = self.builds.finish(stopped_by_signal=self.stopped_by_signal)
+            stopped = self.stopped_by_signal or stopped_late or self.signal_after_record is not None
+            note = self.builds.finish(stopped_by_signal=stopped)
             if note:
                 self.console.print(f"[dim]{escape(note)}[/dim]", highlight=False)
 
@@ -435,7 +448,7 @@ class Run:
             model_fps=self.clock.model_fps,
             frames_read=self.clock.frames_read,
             end_reason=self.source.end_reason or ("stopped" if stop.requested else None),
-            stop_signal=stop.signum,
+            stop_signal=self.recorded_signal,
             loop_closure_off=next((sink.failure for sink in self.sinks if isinstance(sink, LoopClosureSink)), None),
         )
 
@@ -459,7 +472,9 @@ class Run:
             if loops.wait_cut_short and status == "complete":
                 status = "interrupted"
         # the checkpoint's digest is hashed beside the run: an interrupted run does not wait it out
-        summary = self._run_json_summary(error, stop_signal(), digest_wait_s=1.0 if status == "interrupted" else 60.0)
+        self.recorded_signal = stop_signal()
+        summary = self._run_json_summary(error, self.recorded_signal,
+                                         digest_wait_s=1.0 if status == "interrupted" else 60.0)
         if loops is not None:
             summary["loop_closure"] = loops.summary()
         if self.builds is not None:

@@ -148,9 +148,11 @@ class StopOnSignal:
 
     _SIGNALS = STOP_SIGNALS
 
-    def __init__(self, on_first: Any, console: Console) -> None:
+    def __init__(self, on_first: Any, console: Console, noted: list[int] | None = None) -> None:
+        """noted: the signals_noted list this takes over from: one noted before this began is its first."""
         self._on_first = on_first
         self._console = console
+        self._noted = noted
         self._previous: dict[int, Any] = {}
         self._streaming = False
         self.count = 0
@@ -169,6 +171,9 @@ class StopOnSignal:
             if swallowed is not None:  # a signal before the stream, lost in a library: stop before the first frame
                 _active.honoured()
                 self.count, self.signum = 1, swallowed
+                self._on_first()
+            elif self._noted:  # one noted in the instant before these handlers: the same
+                self.count, self.signum = 1, self._noted.pop(0)
                 self._on_first()
         return self
 
@@ -217,6 +222,24 @@ class StopOnSignal:
     def _cancel_alarm(self) -> None:
         if signal.SIGALRM in self._previous:
             signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+@contextlib.contextmanager
+def signals_noted() -> Iterator[list[int]]:
+    """Stop signals noted in the list it gives, none raised: a run's last steps once its record is written
+    (run.json), where a signal stops nothing, so that run.json, the last line and the exit code stay as
+    they were. Handlers installed inside (StopOnSignal, a viewer kept serving) take over and hand back.
+    Main thread only; elsewhere it notes nothing and the caller's handling applies."""
+    noted: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield noted
+        return
+    previous = {signum: signal.signal(signum, lambda signum, frame: noted.append(signum)) for signum in STOP_SIGNALS}
+    try:
+        yield noted
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def interrupted_exit_code(signum: int | None) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import cv2
+import numpy as np
 import pytest
 
 pytest.importorskip("gtsam")
@@ -202,6 +203,41 @@ def test_a_signal_in_the_end_of_run_wait_ends_it_at_once_keeping_every_file(
     assert 0.0 < loops["end_wait_s"] < outcome.seconds
     assert outcome.npz_frames == list(range(24))
     assert (tmp_path / "run" / "trajectory_tum.txt").exists() and (tmp_path / "run" / "points.ply").exists()
+
+
+def test_a_signal_at_any_instant_of_a_runs_end_leaves_its_record_last_line_and_exit_code_agreeing(
+        tmp_path: Path, short_video: Path, tiny_checkpoint: Path) -> None:
+    # 20 instants from the stream's last frame on: during the end-of-run wait for the loop-closure child (held
+    # up by the fault: stopped), while the files are written, or once the run is over
+    deadlines = "stream_recon.models.loops.process:STALL_S=60,stream_recon.models.loops.process:FINISH_S=2"
+    random = np.random.default_rng(5)
+    for instant in range(20):
+        run_dir = tmp_path / f"run{instant}"
+        signum = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)[instant % 3]
+        started = time.monotonic()
+        child = start_run(short_video, tiny_checkpoint, run_dir, f"{LOOP_CHILD}.add_keyframe:stop:2",
+                          deadlines=deadlines)
+        wait_for(lambda run_dir=run_dir: (run_dir / "predictions" / "000023.npz").exists(), child)
+        time.sleep(random.uniform(0.0, 3.0))  # the instant itself: somewhere in or after the 2 s wait
+        if child.poll() is None:
+            child.send_signal(signum)
+        outcome = finish(child, run_dir, started)
+        record, last = outcome.record, outcome.output.splitlines()[-1]
+        where = (instant, outcome.code, record["status"], record["summary"]["stop_signal"], last)
+        if outcome.code == EXIT_OK:
+            assert record["status"] == "complete" and record["summary"]["stop_signal"] is None, where
+            assert last.startswith("done: ") and "stopped nothing" not in last, where
+        elif outcome.code > 128:
+            name = signal.Signals(outcome.code - 128).name
+            assert record["summary"]["stop_signal"] == name, where
+            if record["status"] == "interrupted":
+                assert last.startswith("interrupted: 24 frames"), where
+            else:
+                assert record["status"] == "complete" and last.endswith(f"{name} came after the last frame and "
+                                                                          "stopped nothing"), where
+        else:  # the signal came once the program had ended its work and its handlers were gone
+            assert outcome.code == -signum and record["status"] == "complete", where
+        assert outcome.npz_frames == list(range(24)), where
 
 
 def test_one_sigterm_ends_a_run_whose_loop_closure_child_is_stopped_within_10_s(
