@@ -153,11 +153,6 @@ def run_sequence(
     frame_source = _as_frame_source(source, options)  # first: a mistyped path fails before the model loads
     try:
         plan = _plan(frame_source, options, model)
-        if plan.device == "cpu" and options.gpu_memory is not None:
-            # a GPU's budget: said once to do nothing here (the plan's warning), and then planned nowhere
-            options = dataclasses.replace(options, gpu_memory=None)
-            plan = dataclasses.replace(plan, engine_config=None if plan.model_config is None
-                                       else chunk_engine_config(options, plan.model_config))
         run = _set_up(plan, frame_source, Path(output_dir), options, model, extra_sinks, console, clock)
         # from the stream's end on, a signal stops nothing more than the record says (signals_noted), and
         # the batch is told of one (RunSummary.late_signal)
@@ -206,8 +201,10 @@ def _plan(frame_source: FrameSource, options: RunOptions, model: Any) -> RunPlan
         warnings += check_cpu_run(options, config, frame_source.frame_size, frame_source.estimated_length,
                                   model_loaded=model is not None)
     if device == "cpu" and options.gpu_memory is not None:
-        warnings.append(f"--gpu-memory {options.gpu_memory} budgets a GPU's memory and does nothing on the CPU, "
-                        "where the memory check applies instead (--no-memory-check turns it off)")
+        # it acts here too (the plan is made and printed, and a budget nothing fits is refused): said as such
+        warnings.append(f"--gpu-memory {options.gpu_memory} budgets a GPU's memory: on the CPU the run is planned as "
+                        "for a GPU of that size (the memory plan below), and this machine's memory is checked besides "
+                        "(--no-memory-check turns that check off)")
     if device == "cpu" and options.compile == "on":
         warnings.append("--compile on compiles the GPU's streaming step and does nothing on the CPU: the run is not "
                         "compiled")

@@ -369,8 +369,8 @@ def test_loop_closure_on_for_a_stream_too_short_for_a_third_chunk_is_warned_of(t
 
 def test_options_that_serve_a_gpu_say_once_on_the_cpu_that_they_do_nothing_there(tmp_path: Path,
                                                                                    tiny_checkpoint: Path) -> None:
-    # --gpu-memory: "does nothing on the CPU", then a memory plan for 8 GiB; --compile on: not a word;
-    # --warm-up on: "the streaming step is recorded", which nothing is on the CPU
+    # --gpu-memory: "does nothing on the CPU", then a memory plan for 8 GiB (it plans the run there); --compile
+    # on: not a word; --warm-up on: "the streaming step is recorded", which nothing is on the CPU
     folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png", "2.png", "3.png"], width=160, height=96)
 
     result = stream_recon(str(folder), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "--device", "cpu",
@@ -379,10 +379,11 @@ def test_options_that_serve_a_gpu_say_once_on_the_cpu_that_they_do_nothing_there
     assert result.returncode == 0, result.stderr
     printed = lines_of(result)
     assert warnings_of(result) == [
-        "warning: --gpu-memory 8GiB budgets a GPU's memory and does nothing on the CPU, where the memory check "
-        "applies instead (--no-memory-check turns it off)",
+        "warning: --gpu-memory 8GiB budgets a GPU's memory: on the CPU the run is planned as for a GPU of that size "
+        "(the memory plan below), and this machine's memory is checked besides (--no-memory-check turns that check "
+        "off)",
         "warning: --compile on compiles the GPU's streaming step and does nothing on the CPU: the run is not compiled"]
-    assert not [line for line in printed if "memory plan" in line], printed
+    assert len([line for line in printed if line.startswith("memory plan for 8.00 GiB")]) == 1, printed
     assert "warming up for 56x28 frames: the streaming step runs once before the stream starts" in printed, printed
 
 
