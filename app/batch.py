@@ -59,11 +59,14 @@ from stream_recon.app.evaluation import (
     write_evaluation,
 )
 from stream_recon.app.loading import CheckpointDigest, load_model_for
-from stream_recon.app.options import RunOptions, changed_settings
+from stream_recon.app.options import OptionsError, RunOptions, changed_settings
 from stream_recon.app.pipeline import run_sequence
 from stream_recon.app.rundir import (
     BATCH_MARKER,
     PREDICTIONS_DIR,
+    OutputDirError,
+    RunDirError,
+    TumFileError,
     atomic_write,
     holds_run,
     read_batch_marker,
@@ -71,7 +74,9 @@ from stream_recon.app.rundir import (
     run_accepted_loops,
     write_batch_marker,
 )
+from stream_recon.app.sources import SourceError
 from stream_recon.models.checkpoint import DEFAULT_CHECKPOINT
+from stream_recon.models.errors import CheckpointError, FrameError
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +243,7 @@ class SequenceWorker:
             return row
         row.update(frames=summary.frames, keyframes=summary.keyframes, fps=finite_or_none(summary.fps))
         # a signal that came after the last frame leaves a complete run: recorded as done, then the batch stops
-        self.stop_signal = summary.stop_signal
+        self.stop_signal = summary.stop_signal or summary.late_signal
         if summary.status == "interrupted":
             row.update(status="failed", error=INTERRUPTED_ERROR, seconds=time.monotonic() - started)
             return row
@@ -302,7 +307,15 @@ def base_row(sequence: Sequence) -> dict:
 def describe_error(error: BaseException) -> str:
     # Ray colours its tracebacks; a summary cell should hold plain text.
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+    if text and isinstance(error, SEQUENCE_MISTAKES):  # a sentence for the user, as the CLI gives it
+        return text
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__  # a bug: its class says so
+
+
+# What a sequence's own input or output can be wrong with, each said as one sentence (a damaged video, a
+# folder that cannot be written, a checkpoint): no class name in the summary, as none on the terminal.
+SEQUENCE_MISTAKES = (SourceError, OutputDirError, RunDirError, TumFileError, CheckpointError, FrameError,
+                     OptionsError)
 
 
 def write_marker(run_dir: Path, row: dict, settings: dict) -> None:

@@ -198,8 +198,10 @@ class RunBuilds:
         height, width = image.shape[-2:]
         spec = getattr(getattr(engine, "model", None), "inference_spec", None)
         compiled = getattr(spec, "compiled", False) and not self.compiles_while_streaming
-        made = "compiled and recorded" if compiled else "recorded"
-        console.print(f"[dim]warming up for {width}x{height} frames: the streaming step is {made} before the "
+        made = "is compiled and recorded" if compiled else "is recorded"
+        if not str(self.device).startswith("cuda"):  # nothing is recorded off the GPU: the step only runs
+            made = "runs once"
+        console.print(f"[dim]warming up for {width}x{height} frames: the streaming step {made} before the "
                       "stream starts[/dim]", highlight=False)
         clock.time_warm_up(engine.warm_up, image, dry_pass=ahead is None)
         if ahead is not None and clock.warm_up_parts is not None:

@@ -22,9 +22,9 @@ Conventions of the outputs:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,16 +58,22 @@ from stream_recon.app.rundir import (
     atomic_write,
     check_run_dir,
     file_to_write,
+    is_staging,
     iter_run,
     outermost_missing,
     read_run_info,
     remove_if_empty,
+    remove_stale_staging,
+    remove_tree,
     run_trajectory,
+    staging_folder,
+    swap_in_staged,
     write_tum,
 )
 from stream_recon.app.source_settings import FrameSelection
 from stream_recon.app.sources import SourceError, open_source
 from stream_recon.app.splats import GaussianSplats, frame_splats, write_splat_ply
+from stream_recon.app.stopping import interrupts_held
 from stream_recon.models.stream.pose import rotation_to_quat_xyzw
 
 # OpenCV camera axes (y down, z forward) to glTF's and OpenGL's (y up, z backward): a half turn about x.
@@ -177,16 +183,18 @@ def export_run(
             raise ExportError(str(error)) from None
     target = ExportTarget(run_dir, fmt, output, overwrite=overwrite)
     try:
-        result = _export(run_dir, fmt, target.path, images, conf_threshold, voxel_size, max_points)
+        result = _export(run_dir, fmt, target.writes_to, images, conf_threshold, voxel_size, max_points)
+        target.commit()
     except BaseException as error:
-        target.discard()
+        with interrupts_held():  # a repeated Ctrl-C must not cut the clean-up short
+            target.discard()
         if isinstance(error, OSError):  # the folder could be made but not written (read-only, full, no permission)
-            raise ExportError(_write_failure(target.path, error)) from None
+            raise ExportError(_write_failure(target.path, error, target.replaces)) from None
         raise
     finally:
         if images.source is not None:
             images.source.close()
-    return result
+    return dataclasses.replace(result, path=target.path)
 
 
 def written_mask(dropped: np.ndarray, scale: PixelScale, size: tuple[int, int]) -> np.ndarray:
@@ -211,12 +219,13 @@ def write_mask_png(path: Path, mask: np.ndarray) -> None:
     atomic_write(path, lambda f: f.write(png.tobytes()), binary=True)
 
 
-def _write_failure(target: Path, error: OSError) -> str:
-    """Why an export could not be written, in one sentence, and what to do (nothing of it is left)."""
+def _write_failure(target: Path, error: OSError, replaced: bool) -> str:
+    """Why an export could not be written, in one sentence, and what to do (nothing of it is left; an earlier
+    export it was to replace is kept)."""
     reason = error.strerror or str(error)
+    kept = "the earlier export there is kept" if replaced else "nothing of the export is left there"
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return (f"cannot write {target}: the disk is full ({reason}); nothing of the export is left there: free "
-                "some space or choose another --output")
+        return f"cannot write {target}: the disk is full ({reason}); {kept}: free some space or choose another --output"
     return f"cannot write {target}: {reason}; choose a writable --output"
 
 
@@ -273,21 +282,43 @@ class ExportTarget:
     GLB is never named .ply; a symlink is written through to its target; a FIFO, a device or a socket is
     refused, never replaced. A folder format: a new or empty folder, or (with overwrite) one that holds an
     earlier export of the same format and nothing else. An existing export is replaced only with
-    overwrite, as `run` replaces a run only with --overwrite.
+    overwrite, as `run` replaces a run only with --overwrite, and only once the new one is complete: a file
+    by atomic_write's rename; a folder's export is written into a hidden folder beside the old entries
+    (`writes_to`) and swapped in by commit(), so that an export stopped or failing part-way leaves the old
+    one as it was.
     """
 
     def __init__(self, run_dir: Path, fmt: ExportFormat, output: Path | None, *, overwrite: bool) -> None:
         self.fmt = fmt
         name = DEFAULT_OUTPUT_NAMES[fmt]
         path = Path(run_dir) / EXPORTS_DIR / name if output is None else Path(output)
+        self._earlier: list[Path] = []  # a folder format's entries of the export it replaces
         self.path = self._folder(path, overwrite) if fmt.is_folder else self._file(path, name, overwrite)
         folder = self.path if fmt.is_folder else self.path.parent
         self._created = outermost_missing(folder)
         try:
             folder.mkdir(parents=True, exist_ok=True)
+            if fmt.is_folder:
+                remove_stale_staging(folder)
+            # the new export beside an earlier one, on the same filesystem (renamed in by commit)
+            self.writes_to = staging_folder(self.path) if self._earlier else self.path
         except OSError as exc:
             raise ExportError(f"cannot create {folder}: {exc.strerror or exc}; choose a writable --output") from None
         self._replaced_file_existed = not fmt.is_folder and self.path.exists()
+
+    @property
+    def replaces(self) -> bool:
+        """An earlier export is at the path, kept until this one is complete."""
+        return bool(self._earlier) or self._replaced_file_existed
+
+    def commit(self) -> None:
+        """A folder format's new export in place of the earlier one, in a few renames with signals held
+        (a SIGKILL between two of them is the one way to a mix); a new export is in place already."""
+        if self.writes_to == self.path:
+            return
+        with interrupts_held():
+            swap_in_staged(self.writes_to, self._earlier)
+            self.writes_to = self.path
 
     def _file(self, path: Path, name: str, overwrite: bool) -> Path:
         fmt = self.fmt
@@ -317,7 +348,8 @@ class ExportTarget:
             path = path.resolve()
         if path.exists() and not path.is_dir():
             raise ExportError(f"{fmt.label} export goes to a directory, but {path} is a file; choose another --output")
-        entries = sorted(path.iterdir()) if path.is_dir() else []
+        # (the hidden folders of an export in progress, or killed part-way, are ours, not the user's)
+        entries = sorted(entry for entry in path.iterdir() if not is_staging(entry)) if path.is_dir() else []
         others = [entry for entry in entries if entry.name not in FOLDER_CONTENTS[fmt]]
         if others:
             raise ExportError(
@@ -329,17 +361,18 @@ class ExportTarget:
             raise ExportError(
                 f"{path} already holds a {fmt.label} export; pass --overwrite to replace it, or choose another --output"
             )
-        for entry in entries:  # an earlier export of this format, replaced
-            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        self._earlier = entries  # an earlier export of this format, replaced once the new one is complete
         return path
 
     def discard(self) -> None:
-        """Remove what this export wrote: the folder format's contents, a new file, the folders it made."""
+        """Remove what this export wrote (its hidden folder, or a new export's contents and file, the folders
+        it made); an earlier export stays as it was."""
         with contextlib.suppress(OSError):
-            if self.fmt.is_folder:
+            if self.writes_to != self.path:
+                remove_tree(self.writes_to)
+            elif self.fmt.is_folder:
                 for name in FOLDER_CONTENTS[self.fmt]:
-                    entry = self.path / name
-                    shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink(missing_ok=True)
+                    remove_tree(self.path / name)
             elif not self._replaced_file_existed:
                 self.path.unlink(missing_ok=True)
         folder = self.path if self.fmt.is_folder else self.path.parent

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,9 +49,9 @@ def loop_closure_wanted(options: RunOptions, estimated_length: int | None) -> tu
     if missing is not None:
         if options.loop_closure == "on":
             raise OptionsError(f"--loop-closure on needs gtsam, the pose graph's library, but {missing}: "
-                               "pip install gtsam (or --loop-closure off)")
+                               f"{missing.remedy} (or --loop-closure off)")
         if missing.broken:  # installed but broken: worth a line, unlike a choice not to install it
-            logger.warning("loop closure is off: %s; pip install --force-reinstall gtsam", missing)
+            logger.warning("loop closure is off: %s; %s", missing, missing.remedy)
         return False, f"off ({missing})"
     third_chunk = third_chunk_start(options)
     if options.loop_closure == "auto" and estimated_length is not None and estimated_length <= third_chunk:
@@ -68,6 +69,11 @@ class LibraryProblem:
 
     def __str__(self) -> str:
         return self.text
+
+    @property
+    def remedy(self) -> str:
+        """What to run: a plain install does nothing where a broken one is installed already."""
+        return "pip install --force-reinstall gtsam" if self.broken else "pip install gtsam"
 
 
 def pose_graph_library_problem() -> LibraryProblem | None:
@@ -98,6 +104,8 @@ class LoopClosureSink:
         self.reason = reason
         self.error: str | None = None
         self._links = 0
+        self.end_wait_s: float | None = None  # how long the end of the run waited for the child's last word
+        self.wait_cut_short = False  # a signal ended that wait before the child's last word
         if enabled:
             self._start(config)
 
@@ -138,14 +146,26 @@ class LoopClosureSink:
         from stream_recon.models.loops.process import FINISH_S
         from stream_recon.models.supervision import Deadline
 
+        started = time.monotonic()
         if status == "interrupted" or not self.running:
             self.closer.take_corrections()
             self.closer.close()
             corrections = self.closer.corrections
         else:
-            corrections = self.closer.finish(Deadline(FINISH_S), stop_now)
+            corrections = self.closer.finish(Deadline(FINISH_S), self._stop_waiting(stop_now))
+        self.end_wait_s = round(time.monotonic() - started, 3)
         self._show(corrections, force=True)
         return corrections
+
+    def _stop_waiting(self, stop_now: Callable[[], bool]) -> Callable[[], bool]:
+        """`stop_now`, asked only while the child has not given its last word: its first yes cuts the wait
+        short."""
+        def stop() -> bool:
+            if stop_now():
+                self.wait_cut_short = True
+            return self.wait_cut_short
+
+        return stop
 
     @property
     def failure(self) -> str | None:
@@ -158,6 +178,7 @@ class LoopClosureSink:
         summary = {"mode": self.reason, "error": self.failure}
         if self.closer is not None:
             summary.update(self.closer.summary())
+            summary["end_wait_s"] = self.end_wait_s  # seconds, to the ms; None when the run never came to its end
         return summary
 
     def _show(self, corrections: Any, force: bool = False) -> None:

@@ -153,8 +153,10 @@ class RunOptions:
             yield f"--scale-frames must be >= 1, got {self.scale_frames}"
         if self.window < 1:
             yield f"--window must be >= 1, got {self.window}"
-        if self.chunk_frames < 2:  # a chunk holds its scale frames and at least one more
-            yield f"--chunk-frames must be >= 2 (more than --scale-frames, {self.scale_frames}), got {self.chunk_frames}"
+        least_chunk = max(2, self.scale_frames + 1)  # a chunk holds its scale frames and at least one more
+        if self.chunk_frames < 2:
+            yield (f"--chunk-frames must be >= {least_chunk} (more than --scale-frames, {self.scale_frames}), "
+                   f"got {self.chunk_frames}")
         elif self.scale_frames >= self.chunk_frames:
             yield self._scale_frames_beyond_a_chunk()
         elif self.chunk_frames > MAX_CHUNK_FRAMES:

@@ -54,13 +54,20 @@ from stream_recon.app.options import (
 from stream_recon.app.preprocess import preprocess_frame_uint8
 from stream_recon.app.progress import RunProgress
 from stream_recon.app.resources import check_cpu_run
-from stream_recon.app.rundir import OutputDirError, prepare_output_dir, remove_if_empty, remove_run
+from stream_recon.app.rundir import (
+    OutputDirError,
+    prepare_output_dir,
+    remove_if_empty,
+    remove_run,
+    unlock_run_dir,
+)
 from stream_recon.app.sources import FrameSource, SourceError, frames_source, open_source
 from stream_recon.app.stopping import (
     STOP_CLOSE_S,
     StopOnSignal,
     interrupts_held,
     signal_name,
+    signals_noted,
     wait_for_stop_signal,
 )
 from stream_recon.app.writers import RunWriter
@@ -88,6 +95,7 @@ class RunSummary:
     end_reason: str | None = None  # end | max_frames | stopped | error
     stop_signal: int | None = None  # the signal that stopped an interrupted run (SIGINT, SIGTERM)
     viewer_closed_by: int | None = None  # the signal that closed a viewer kept serving after the run
+    late_signal: int | None = None  # one that came once run.json was written: it stopped nothing (a batch stops)
     loop_closure_off: str | None = None  # why loop closure went off during the run, if it did
 
     @property
@@ -146,13 +154,19 @@ def run_sequence(
     try:
         plan = _plan(frame_source, options, model)
         run = _set_up(plan, frame_source, Path(output_dir), options, model, extra_sinks, console, clock)
-        try:
-            summary = run.stream()
-        finally:
-            run.end()
-        return _after(run, summary)
+        # from the stream's end on, a signal stops nothing more than the record says (signals_noted), and
+        # the batch is told of one (RunSummary.late_signal)
+        with signals_noted() as late:
+            run.noted_signals = late
+            try:
+                summary = run.stream()
+            finally:
+                run.end(stopped_late=bool(late))
+            summary = _after(run, summary)
+        return dataclasses.replace(summary, late_signal=next(iter(late), run.signal_after_record))
     finally:
         frame_source.close()
+        unlock_run_dir(output_dir)  # (held from prepare_output_dir: one run per folder)
 
 
 @dataclass(frozen=True)
@@ -188,8 +202,13 @@ def _plan(frame_source: FrameSource, options: RunOptions, model: Any) -> RunPlan
         warnings += check_cpu_run(options, config, frame_source.frame_size, frame_source.estimated_length,
                                   model_loaded=model is not None)
     if device == "cpu" and options.gpu_memory is not None:
-        warnings.append(f"--gpu-memory {options.gpu_memory} budgets a GPU's memory and does nothing on the CPU, "
-                        "where the memory check applies instead (--no-memory-check turns it off)")
+        # it acts here too (the plan is made and printed, and a budget nothing fits is refused): said as such
+        warnings.append(f"--gpu-memory {options.gpu_memory} budgets a GPU's memory: on the CPU the run is planned as "
+                        "for a GPU of that size (the memory plan below), and this machine's memory is checked besides "
+                        "(--no-memory-check turns that check off)")
+    if device == "cpu" and options.compile == "on":
+        warnings.append("--compile on compiles the GPU's streaming step and does nothing on the CPU: the run is not "
+                        "compiled")
     warnings += _source_warnings(frame_source, options)
     engine_config = None if config is None else chunk_engine_config(options, config)
     return RunPlan(device, dtype, attention, config, engine_config, _input_size(frame_source, options),
@@ -254,7 +273,7 @@ def _set_up(plan: RunPlan, frame_source: FrameSource, output_dir: Path, options:
                 viewer.close("failed")
             if builds is not None:
                 builds.abandon()
-            if writer is not None:  # stopped before the first frame: not even run.json is kept
+            if writer is not None and writer.replaced:  # stopped before the first frame: not even run.json is kept
                 remove_run(output_dir)
             remove_if_empty(output_dir, created_dir)
         raise
@@ -270,9 +289,11 @@ def _after(run: Run, summary: RunSummary) -> RunSummary:
     kept serving where asked."""
     output_dir, viewer, console = run.writer.output_dir, run.viewer, run.console
     if summary.status == "interrupted" and summary.frames == 0:
-        # stopped before its first frame: nothing was computed, so nothing is kept (not even run.json)
+        # stopped before its first frame: nothing was computed, so nothing is kept (not even run.json), and an
+        # earlier run there is left as it was (RunWriter replaces it at the first frame)
         with interrupts_held():
-            remove_run(output_dir)
+            if run.writer.replaced:
+                remove_run(output_dir)
             remove_if_empty(output_dir, run.created_dir)
     _report(summary, console)
     if viewer is not None and run.options.keep_viewer and summary.stop_signal is None:
@@ -298,36 +319,42 @@ class Run:
     builds: RunBuilds | None = None  # compiled code and kernels: the work ahead, the warm-up, the compile beside
     created_dir: Path | None = None  # the output folder this run made (removed where nothing is kept)
     stopped_by_signal: bool = True  # until the stream ends without a signal (a failure stops the child too)
+    recorded_signal: int | None = None  # the stop signal run.json names
+    noted_signals: list[int] | None = None  # signals_noted's list, which the stream's StopOnSignal takes over from
+    signal_after_record: int | None = None  # one that came while the run closed, once run.json was written
 
     def stream(self) -> RunSummary:
         """Every frame through the engine into the sinks, then the sinks closed; how the run ended."""
         source = self.source
         with _long_lived_objects_frozen(), _gil_handed_back_sooner(), \
-                StopOnSignal(source.request_stop, self.console) as stop:
+                StopOnSignal(source.request_stop, self.console, self.noted_signals) as stop:
             with RunProgress(self.console, source.description, source.estimated_length) as progress:
                 try:
                     with stop.streaming():
                         status, error = self._push_frames(progress, stop)
                 except BaseException as unexpected:
-                    self.close_sinks("failed", f"internal error: {unexpected!r}", stop.signum)
+                    self.close_sinks("failed", f"internal error: {unexpected!r}", lambda: stop.signum)
                     raise
             # a signal after the source's last frame stops nothing: the run is complete
             if stop.requested and status == "complete" and source.end_reason not in ("end", "max_frames"):
                 status = "interrupted"
             if status == "complete" and self.clock.frames_done == 0:
                 status, error = "failed", _no_frames_message(source, self.options)
-            writer_error = self.close_sinks(status, error, stop.signum, stop_now=lambda: stop.requested)
+            status, writer_error = self.close_sinks(status, error, lambda: stop.signum)
         if writer_error is not None and error is None:
             status, error = "failed", writer_error
         self.stopped_by_signal = stop.signum is not None
+        if stop.signum != self.recorded_signal:
+            self.signal_after_record = stop.signum
         return self._summary(status, error, stop)
 
-    def end(self) -> None:
+    def end(self, stopped_late: bool = False) -> None:
         """After the stream, its sinks closed: the engine's helpers ended, and the builds' (the work ahead,
-        the compile child: stopped after a signal)."""
+        the compile child: stopped after a signal, one that came after the record too)."""
         self.engine.close()  # the next chunk's worker thread, when the engine has one
         if self.builds is not None:
-            note = self.builds.finish(stopped_by_signal=self.stopped_by_signal)
+            stopped = self.stopped_by_signal or stopped_late or self.signal_after_record is not None
+            note = self.builds.finish(stopped_by_signal=stopped)
             if note:
                 self.console.print(f"[dim]{escape(note)}[/dim]", highlight=False)
 
@@ -436,23 +463,33 @@ class Run:
             model_fps=self.clock.model_fps,
             frames_read=self.clock.frames_read,
             end_reason=self.source.end_reason or ("stopped" if stop.requested else None),
-            stop_signal=stop.signum,
+            stop_signal=self.recorded_signal,
             loop_closure_off=next((sink.failure for sink in self.sinks if isinstance(sink, LoopClosureSink)), None),
         )
 
-    def close_sinks(self, status: RunStatus, error: str | None, stop_signal: int | None,
-                    stop_now: Callable[[], bool] = lambda: False) -> str | None:
-        """Close every sink in order, the writer with run.json's summary. Returns the writer's error, if any.
+    def close_sinks(self, status: RunStatus, error: str | None,
+                    stop_signal: Callable[[], int | None] = lambda: None) -> tuple[RunStatus, str | None]:
+        """Close every sink in order, the writer with run.json's summary. Returns the run's status as
+        recorded and the writer's error, if any.
 
         The loop closer finishes first: its last corrections go into the writer's files. Every wait here
-        has a deadline; an interrupted run's fit in STOP_CLOSE_S, and `stop_now` (a signal came) ends loop
-        closure's at once.
+        has a deadline; an interrupted run's fit in STOP_CLOSE_S, and a signal (`stop_signal()` says which
+        came) ends loop closure's at once. A signal that cut that wait short leaves loop closure's last
+        solve undone: the run is then "interrupted", so that run.json, the last line and the exit code
+        agree. A signal that came after the source's last frame and cut nothing short stopped nothing:
+        the run is complete, and run.json, the done line and the exit code name the signal.
         """
         self.clock.stop()
         loops = next((sink for sink in self.sinks if isinstance(sink, LoopClosureSink)), None)
-        corrections = None if loops is None else loops.finish(status, stop_now=stop_now)
+        corrections = None
+        if loops is not None:
+            corrections = loops.finish(status, stop_now=lambda: stop_signal() is not None)
+            if loops.wait_cut_short and status == "complete":
+                status = "interrupted"
         # the checkpoint's digest is hashed beside the run: an interrupted run does not wait it out
-        summary = self._run_json_summary(error, stop_signal, digest_wait_s=1.0 if status == "interrupted" else 60.0)
+        self.recorded_signal = stop_signal()
+        summary = self._run_json_summary(error, self.recorded_signal,
+                                         digest_wait_s=1.0 if status == "interrupted" else 60.0)
         if loops is not None:
             summary["loop_closure"] = loops.summary()
         if self.builds is not None:
@@ -473,7 +510,7 @@ class Run:
                 writer_error = str(failure)
             except Exception as failure:  # noqa: BLE001 - one sink failing must not stop the others closing
                 logger.warning("closing %s failed: %s", type(sink).__name__, failure)
-        return writer_error
+        return status, writer_error
 
     def _run_json_summary(self, error: str | None, stop_signal: int | None, digest_wait_s: float) -> dict[str, Any]:
         """The summary holds each value once: status, settings (device, source) and versions are the
@@ -558,7 +595,10 @@ def _report(summary: RunSummary, console: Console) -> None:
     if summary.loop_closure_off is not None:
         line += (f"; loop closure went off ({summary.loop_closure_off}): the trajectory keeps the corrections "
                  "accepted before, the open chain after")
-    if summary.status == "complete":
+    if summary.status == "complete" and summary.stop_signal is not None:
+        console.print(f"[green]done[/green]: {escape(line)}; {signal_name(summary.stop_signal)} came after the last "
+                      "frame and stopped nothing")
+    elif summary.status == "complete":
         console.print(f"[green]done[/green]: {escape(line)}")
     elif summary.status == "interrupted" and summary.frames == 0:
         console.print(f"[yellow]interrupted[/yellow] before the first frame: nothing was written to {summary.output_dir}")
@@ -678,6 +718,9 @@ def _source_warnings(source: FrameSource, options: RunOptions) -> list[str]:
     """What a run of `source` with `options` is warned of before it starts: a loop closure asked for that
     cannot help it, frames too small to reconstruct."""
     warnings = [loop_closure_cannot_help(options, source.estimated_length)]
+    if options.flow_threshold is not None and options.keyframes != "flow":
+        warnings.append(f"--flow-threshold {options.flow_threshold:g} sets the flow keyframe policy's threshold and "
+                        f"does nothing with --keyframes {options.keyframes}: pass --keyframes flow to use it")
     if source.frame_size is not None:
         warnings.append(too_small_warning(*source.frame_size, options.image_width))
     return [warning for warning in warnings if warning is not None]

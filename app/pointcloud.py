@@ -6,6 +6,7 @@ other thresholds; both write the result with `write_ply`.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from plyfile import PlyData, PlyElement
 from stream_recon.app.options import DEFAULT_CONF_THRESHOLD as DEFAULT_CONF_THRESHOLD
 from stream_recon.app.rundir import atomic_write
 from stream_recon.models.stream.pose import back_project
+
+logger = logging.getLogger(__name__)
 
 # About 40 bytes per kept point (xyz, colour, key, source frame and pixel): 1M points is ~40 MB.
 DEFAULT_MAX_POINTS = 1_000_000
@@ -28,6 +31,10 @@ AUTO_VOXEL_FRACTION = 1.0 / 200.0
 _KEY_BITS = 21
 _KEY_OFFSET = 1 << (_KEY_BITS - 1)
 _KEY_LIMIT = 1 << _KEY_BITS
+# The grid holds 2**20 voxels on each side of the origin per axis, so a voxel under this fraction of the first
+# frame's median depth leaves points 64 median depths away outside it (dropped), and a fine enough one every
+# point: a voxel asked for below it is raised to it, with a warning.
+MIN_VOXEL_FRACTION = 64.0 / _KEY_OFFSET
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,7 @@ class PointAccumulator:
         self.reference_depth: float | None = None  # median confident depth of the first frame
         self.num_coarsenings = 0
         self.num_out_of_range = 0
+        self.voxel_raised_from: float | None = None  # a voxel asked for too fine for the scene (then raised)
         self._count = 0
         self._keys = np.empty(0, dtype=np.int64)  # per row
         self._xyz = np.empty((0, 3), dtype=np.float32)
@@ -181,6 +189,7 @@ class PointAccumulator:
             self.reference_depth = float(np.median(confident))
             if self.voxel_size is None:
                 self.voxel_size = self.reference_depth * AUTO_VOXEL_FRACTION
+            self._fit_the_grid_to_the_scene()
         step = self.pixel_step(intrinsics)
         grid = valid[::step, ::step]
         pixels = np.flatnonzero(grid)  # raster order, so "first in the frame" is deterministic
@@ -209,6 +218,16 @@ class PointAccumulator:
         )
         while len(self) > self.max_points:
             self._coarsen()
+
+    def _fit_the_grid_to_the_scene(self) -> None:
+        least = self.reference_depth * MIN_VOXEL_FRACTION
+        if self.voxel_size >= least:
+            return
+        self.voxel_raised_from = self.voxel_size
+        logger.warning("--voxel-size %.3g is too fine for this scene: the cloud's grid holds 2^20 voxels on each side "
+                       "of the origin, %.3g here, and its first frame's median depth is %.3g; the cloud uses voxels "
+                       "of %.3g instead", self.voxel_size, self.voxel_size * _KEY_OFFSET, self.reference_depth, least)
+        self.voxel_size = least
 
     def pixel_step(self, intrinsics: np.ndarray) -> int:
         """A frame is sampled every `step` rows and columns: about one voxel apart at the first frame's

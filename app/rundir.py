@@ -17,6 +17,7 @@ The TUM text formats live here too: the run's trajectory, a ground-truth traject
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import math
@@ -133,6 +134,67 @@ def atomic_write(path: Path, write: Callable[[Any], None], *, binary: bool) -> N
         raise
 
 
+# A folder of files replaced as one (an export's folder; a run's predictions): the new files are written into a hidden folder
+# beside the old ones (staging), and swapped in once complete, the old ones moved out (retired) and
+# removed. Each hidden folder is named by the process that made it, so that the next writer there can
+# tell a dead one's remains from a live one's work.
+STAGING_PREFIX = ".stream-recon-new."
+RETIRED_PREFIX = ".stream-recon-old."
+
+
+def staging_folder(folder: Path) -> Path:
+    """A new hidden folder inside `folder` for files that will replace some of its entries."""
+    staging = Path(folder) / f"{STAGING_PREFIX}{os.getpid()}"
+    staging.mkdir()
+    return staging
+
+
+def is_staging(entry: Path) -> bool:
+    return entry.name.startswith((STAGING_PREFIX, RETIRED_PREFIX))
+
+
+def swap_in_staged(staging: Path, earlier: list[Path]) -> None:
+    """Move the `earlier` entries of staging's folder out and staging's entries in, then remove both
+    hidden folders. A few renames on one filesystem: the caller holds signals across them, which leaves
+    only a SIGKILL between two renames to mix the old entries with the new."""
+    folder = staging.parent
+    retired = folder / f"{RETIRED_PREFIX}{os.getpid()}"
+    retired.mkdir()
+    for entry in earlier:
+        os.replace(entry, retired / entry.name)
+    for entry in staging.iterdir():
+        os.replace(entry, folder / entry.name)
+    staging.rmdir()
+    remove_tree(retired)
+
+
+def remove_stale_staging(folder: Path) -> None:
+    """Remove the hidden folders that a writer killed part-way (SIGKILL, a power cut) left in `folder`: those
+    of a process that no longer runs. A live writer's are left to it."""
+    for entry in Path(folder).iterdir():
+        owner = entry.name.removeprefix(STAGING_PREFIX).removeprefix(RETIRED_PREFIX)
+        if is_staging(entry) and owner.isdigit() and not _process_alive(int(owner)):
+            remove_tree(entry)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def remove_tree(entry: Path) -> None:
+    """A folder with everything in it, or a file or a link (never what a link points to)."""
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry)
+    else:
+        entry.unlink(missing_ok=True)
+
+
 def write_json_atomic(path: Path, data: dict) -> None:
     text = json.dumps(data, indent=2, default=_json_default) + "\n"
     atomic_write(path, lambda f: f.write(text), binary=False)
@@ -178,6 +240,22 @@ def remove_run(output_dir: Path) -> None:
         shutil.rmtree(exports)
 
 
+def replace_run(output_dir: Path) -> None:
+    """Clear an earlier run out of `output_dir` for a new one (remove_run), its predictions first moved
+    aside in one rename, so that a process killed part-way never leaves some of the earlier npz files
+    under a new run.json; what was moved aside is removed then, or by the next run there (remove_stale_staging).
+    Raises OSError."""
+    output_dir = Path(output_dir)
+    remove_stale_staging(output_dir)
+    predictions = output_dir / PREDICTIONS_DIR
+    if predictions.is_dir() and not predictions.is_symlink():
+        retired = output_dir / f"{RETIRED_PREFIX}{os.getpid()}"
+        os.replace(predictions, retired)
+        predictions.mkdir()
+        remove_tree(retired)
+    remove_run(output_dir)
+
+
 def holds_run(output_dir: Path) -> bool:
     return bool(run_files(output_dir))
 
@@ -198,15 +276,30 @@ def foreign_entries(output_dir: Path) -> list[Path]:
 
 
 def prepare_output_dir(output_dir: Path, *, overwrite: bool) -> Path | None:
-    """Make sure `output_dir` can take a run. Returns the outermost folder created here (`output_dir` or
-    a parent of it; None when it existed), for remove_if_empty.
+    """Make sure `output_dir` can take a run, and hold it for this process (lock_run_dir). Returns the
+    outermost folder created here (`output_dir` or a parent of it; None when it existed), for
+    remove_if_empty.
 
-    Refuses a folder that holds a run unless `overwrite`, and a folder that holds no run but other files
-    whatever `overwrite` says (a run would mix its files in with them; files a user put beside a run stay
-    when it is replaced); the run's old files are left for the writer to remove, so that a run that
-    never starts destroys nothing.
+    Refuses a folder another process's run holds, whatever it holds now; a folder that holds a run unless
+    `overwrite`, and a folder that holds no run but other files whatever `overwrite` says (a run would mix
+    its files in with them; files a user put beside a run stay when it is replaced); the run's old files
+    are left for the writer to remove, so that a run that never starts destroys nothing.
     """
     output_dir = Path(output_dir)
+    held_before = run_dir_locked_here(output_dir)
+    try:
+        if output_dir.is_dir():  # first: a folder another run writes is refused before anything is looked at
+            lock_run_dir(output_dir)
+        created = _check_and_make_output_dir(output_dir, overwrite)
+        lock_run_dir(output_dir)  # (a folder made here, or by another run that started at the same instant)
+    except BaseException:
+        if not held_before:
+            unlock_run_dir(output_dir)
+        raise
+    return created
+
+
+def _check_and_make_output_dir(output_dir: Path, overwrite: bool) -> Path | None:
     link = dangling_link(output_dir)
     if link is not None:
         where = f"output path {output_dir}" + ("" if link == output_dir else f": {link}")
@@ -243,6 +336,58 @@ def prepare_output_dir(output_dir: Path, *, overwrite: bool) -> Path | None:
             ) from None
         raise
     return created
+
+
+# One run per folder: a run holds an exclusive flock on its folder from its check to its end. The kernel lets
+# go when the process ends, however it ends (kill -9 too), and nothing is written into the folder for it.
+_held_run_dirs: dict[Path, int] = {}  # the folder, resolved -> the descriptor that holds its lock
+_held_run_dirs_guard = threading.Lock()
+
+
+def lock_run_dir(output_dir: Path) -> None:
+    """Hold `output_dir` for this process's run; nothing to do when this process holds it already. Raises
+    OutputDirError when another process holds it."""
+    key = Path(output_dir).resolve()
+    with _held_run_dirs_guard:
+        if key in _held_run_dirs:
+            return
+        descriptor = os.open(key, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(descriptor)
+            raise OutputDirError(
+                f"output directory {output_dir} is in use by another stream-recon run; "
+                "wait for it to end, or choose another --output"
+            ) from None
+        _held_run_dirs[key] = descriptor
+
+
+def unlock_run_dir(output_dir: Path) -> None:
+    """Let `output_dir` go (nothing to do when this process does not hold it)."""
+    with _held_run_dirs_guard:
+        descriptor = _held_run_dirs.pop(Path(output_dir).resolve(), None)
+    if descriptor is not None:
+        os.close(descriptor)  # (closing the descriptor releases its lock)
+
+
+def run_dir_locked_here(output_dir: Path) -> bool:
+    return Path(output_dir).resolve() in _held_run_dirs
+
+
+def run_dir_in_use(run_dir: Path) -> bool:
+    """Whether a live process's run holds `run_dir` (this process's own included)."""
+    try:
+        descriptor = os.open(Path(run_dir), os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(descriptor)
+    return False
 
 
 def dangling_link(path: Path) -> Path | None:
@@ -315,14 +460,11 @@ def load_prediction(path: Path) -> dict[str, Any]:
 
     Raises ValueError (or OSError) when the file is truncated, not an npz, or lacks a key.
     """
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            record: dict[str, Any] = {RENAMED_FIELDS.get(key, key): data[key] for key in data.files}
-            missing = [key for key in PREDICTION_FIELDS if key not in record]
-            if missing:
-                raise ValueError(f"{path.name} lacks {', '.join(missing)}")
-    except (zipfile.BadZipFile, EOFError) as exc:
-        raise ValueError(f"{path.name} is truncated or not an npz file ({exc})") from None
+    with opened_npz(path) as data:
+        record: dict[str, Any] = {RENAMED_FIELDS.get(key, key): data[key] for key in data.files}
+        missing = [key for key in PREDICTION_FIELDS if key not in record]
+        if missing:
+            raise ValueError(f"{path.name} lacks {', '.join(missing)}")
     for key, field in PREDICTION_FIELDS.items():
         if field.is_scalar:
             record[key] = record[key].item()
@@ -338,15 +480,12 @@ def prediction_fields(path: Path, *names: str) -> dict[str, Any]:
     values, arrays as numpy, depth and confidence as float32. Raises ValueError (or OSError) as
     load_prediction does."""
     stored_names = {RENAMED_FIELDS.get(key, key): key for key in RENAMED_FIELDS} | {name: name for name in names}
-    try:
-        with np.load(path, allow_pickle=False) as data:  # members are read lazily
-            present = {name: stored for name, stored in stored_names.items() if stored in data.files}
-            missing = [name for name in names if name not in present]
-            if missing:
-                raise ValueError(f"{path.name} lacks {', '.join(missing)}")
-            record: dict[str, Any] = {name: data[present[name]] for name in names}
-    except (zipfile.BadZipFile, EOFError) as exc:
-        raise ValueError(f"{path.name} is truncated or not an npz file ({exc})") from None
+    with opened_npz(path) as data:  # members are read lazily
+        present = {name: stored for name, stored in stored_names.items() if stored in data.files}
+        missing = [name for name in names if name not in present]
+        if missing:
+            raise ValueError(f"{path.name} lacks {', '.join(missing)}")
+        record: dict[str, Any] = {name: data[present[name]] for name in names}
     for name in names:
         field = PREDICTION_FIELDS.get(name)
         if field is not None and field.is_scalar:
@@ -358,9 +497,32 @@ def prediction_fields(path: Path, *names: str) -> dict[str, Any]:
 
 def stored_prediction(path: Path) -> dict[str, np.ndarray]:
     """Every array of one npz as stored (its keys and dtypes unchanged), for rewriting the file."""
+    with opened_npz(path) as data:
+        return {key: data[key] for key in data.files}
+
+
+# An npz is a zip archive, which starts with a local file header (an empty one, with its end record).
+_ZIP_STARTS = (b"PK\x03\x04", b"PK\x05\x06")
+
+
+@contextlib.contextmanager
+def opened_npz(path: Path) -> Iterator[Any]:
+    """np.load of one npz, every way a file fails to be one raised as ValueError in the project's words.
+
+    A file that is not a zip archive is refused before numpy reads it: numpy takes it for a pickle and its
+    error advises loading it with allow_pickle, which would run whatever code a damaged or planted file
+    holds. Raises OSError when the file cannot be read at all.
+    """
+    path = Path(path)
+    with open(path, "rb") as file:
+        start = file.read(4)
+    if not start:
+        raise ValueError(f"{path.name} is empty, not an npz file")
+    if start not in _ZIP_STARTS:
+        raise ValueError(f"{path.name} is not an npz file (it does not start as a zip archive does)")
     try:
         with np.load(path, allow_pickle=False) as data:
-            return {key: data[key] for key in data.files}
+            yield data
     except (zipfile.BadZipFile, EOFError) as exc:
         raise ValueError(f"{path.name} is truncated or not an npz file ({exc})") from None
 
@@ -402,11 +564,11 @@ def run_trajectory(run_dir: Path) -> tuple[np.ndarray, np.ndarray]:
     stamps, poses = [], []
     for frame_index, path in prediction_files(run_dir):
         try:
-            with np.load(path, allow_pickle=False) as data:  # members are read lazily: depth stays on disk
+            with opened_npz(path) as data:  # members are read lazily: depth stays on disk
                 stamps.append(float(data["timestamp"]))
                 pose = np.eye(4)
                 pose[:3] = np.asarray(data["c2w"], dtype=np.float64).reshape(3, 4)
-        except (OSError, KeyError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        except (OSError, KeyError, ValueError) as exc:
             logger.warning("skipping frame %d: cannot read %s: %s", frame_index, path, exc)
             continue
         poses.append(pose)

@@ -705,6 +705,12 @@ def _where_the_frames_may_be(folder: Path) -> str:
     )
     if subfolders:
         return f"its subfolders {', '.join(entry.name for entry in subfolders)} do: pass one of them"
+    from stream_recon.app.datasets import VIDEO_SUFFIXES  # (datasets reads this module's names)
+
+    videos = sorted(entry.name for entry in folder.iterdir() if entry.suffix.lower() in VIDEO_SUFFIXES)
+    if videos:
+        return (f"it holds {len(videos)} video{'s' if len(videos) > 1 else ''} ({videos[0]}...): pass one of them, "
+                f"or reconstruct each with `stream-recon batch {folder} --output DIR`")
     return "pass a folder of frames, or a video file"
 
 

@@ -2,8 +2,8 @@
 every command at once before and after one.
 
 A stopped command exits as a signal's default action would have been reported by a shell, 128 + the
-signal's number: 130 for Ctrl-C (SIGINT), 143 for SIGTERM, so that a supervisor (systemd, a batch
-scheduler, `timeout`) sees the signal it sent.
+signal's number: 130 for Ctrl-C (SIGINT), 143 for SIGTERM, 129 for SIGHUP (its terminal closed), so that a
+supervisor (systemd, a batch scheduler, `timeout`) sees the signal it sent. The three stop a run alike.
 
 Three phases, one handler each:
 - from the start of the CLI until a run's stream (imports, checks, the model load): PromptInterrupt.
@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 
     from rich.console import Console
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP: the terminal the run was started from closed (an SSH session dropped, a window shut); it stops
+# and saves as SIGTERM does instead of ending the process with nothing but its npz files.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 REDELIVERY_INTERVAL_S = 0.5
 # A run stops within 10 s of its first SIGINT or SIGTERM: supervisors (timeout, systemd, Kubernetes)
 # send SIGKILL a few seconds after one SIGTERM. The stream gets STOP_STREAM_S to finish its frame and
@@ -135,7 +137,7 @@ def swallowed_signal() -> int | None:
 
 
 class StopOnSignal:
-    """First SIGINT/SIGTERM: finish the current frame, flush, save; if the stream has not stopped
+    """First SIGINT, SIGTERM or SIGHUP: finish the current frame, flush, save; if the stream has not stopped
     STOP_STREAM_S later, it stops as at a second signal. Second: stop streaming now, save. A signal
     raises KeyboardInterrupt only inside `streaming()`; elsewhere (the run closing) it raises nothing, so
     the files being written are not cut off, and the close's waits give up once `requested`.
@@ -146,9 +148,11 @@ class StopOnSignal:
 
     _SIGNALS = STOP_SIGNALS
 
-    def __init__(self, on_first: Any, console: Console) -> None:
+    def __init__(self, on_first: Any, console: Console, noted: list[int] | None = None) -> None:
+        """noted: the signals_noted list this takes over from: one noted before this began is its first."""
         self._on_first = on_first
         self._console = console
+        self._noted = noted
         self._previous: dict[int, Any] = {}
         self._streaming = False
         self.count = 0
@@ -167,6 +171,9 @@ class StopOnSignal:
             if swallowed is not None:  # a signal before the stream, lost in a library: stop before the first frame
                 _active.honoured()
                 self.count, self.signum = 1, swallowed
+                self._on_first()
+            elif self._noted:  # one noted in the instant before these handlers: the same
+                self.count, self.signum = 1, self._noted.pop(0)
                 self._on_first()
         return self
 
@@ -193,23 +200,46 @@ class StopOnSignal:
             self._on_first()
             if self._streaming:
                 signal.setitimer(signal.ITIMER_REAL, STOP_STREAM_S)
-            self._console.print(f"[yellow]{name}: stopping after this frame and saving (again: stop now)[/yellow]")
+            self._say(f"[yellow]{name}: stopping after this frame and saving (again: stop now)[/yellow]")
         elif self.count == 2:
-            self._console.print(f"[yellow]{name}: stopping now; writing the files of the frames done[/yellow]")
+            self._say(f"[yellow]{name}: stopping now; writing the files of the frames done[/yellow]")
             if self._streaming:
                 raise KeyboardInterrupt
+
+    def _say(self, line: str) -> None:
+        # after SIGHUP the terminal may be gone: a line it cannot take must not stop the saving
+        with contextlib.suppress(OSError):
+            self._console.print(line)
 
     def _stream_overran(self, signum: int, frame: object) -> None:
         if not self._streaming or self.count != 1:
             return
         self.count = 2
-        self._console.print(f"[yellow]still streaming {STOP_STREAM_S:g} s after {signal_name(self.signum)}: "
+        self._say(f"[yellow]still streaming {STOP_STREAM_S:g} s after {signal_name(self.signum)}: "
                             "stopping now; writing the files of the frames done[/yellow]")
         raise KeyboardInterrupt
 
     def _cancel_alarm(self) -> None:
         if signal.SIGALRM in self._previous:
             signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+@contextlib.contextmanager
+def signals_noted() -> Iterator[list[int]]:
+    """Stop signals noted in the list it gives, none raised: a run's last steps once its record is written
+    (run.json), where a signal stops nothing, so that run.json, the last line and the exit code stay as
+    they were. Handlers installed inside (StopOnSignal, a viewer kept serving) take over and hand back.
+    Main thread only; elsewhere it notes nothing and the caller's handling applies."""
+    noted: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield noted
+        return
+    previous = {signum: signal.signal(signum, lambda signum, frame: noted.append(signum)) for signum in STOP_SIGNALS}
+    try:
+        yield noted
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def interrupted_exit_code(signum: int | None) -> int:
@@ -222,7 +252,7 @@ def signal_name(signum: int | None) -> str | None:
 
 
 def wait_for_stop_signal(on_ready: Callable[[], None] | None = None) -> int:
-    """Block until SIGINT or SIGTERM arrives (main thread); returns which. A server that runs until it is
+    """Block until SIGINT, SIGTERM or SIGHUP arrives (main thread); returns which. A server that runs until it is
     stopped (`view`, a run's viewer kept serving) exits with interrupted_exit_code() of it, 130 or 143.
     `on_ready` runs once both signals are ours: a line that says "serving, Ctrl+C to stop" printed before
     would let a signal sent on reading it end the process with the default disposition (-15, not 143)."""

@@ -42,10 +42,17 @@ from stream_recon.app.rundir import (
     TRAJECTORY_TUM,
     OutputDirError,
     atomic_write,
+    holds_run,
+    iter_run,
+    lock_run_dir,
     prediction_path,
     prepare_output_dir,
-    remove_run,
+    read_run_info,
+    replace_run,
+    run_dir_in_use,
+    run_dir_locked_here,
     stored_prediction,
+    unlock_run_dir,
     write_json_atomic,
     write_tum,
 )
@@ -172,8 +179,8 @@ class RunWriter:
         self.started_at = _utc_now()
         self._start_time = time.monotonic()
         self._last_progress = self._start_time
+        self.replaced = False  # whether this run's files have taken the folder (an earlier run's are gone)
         self._prepare_output_dir(overwrite)
-        self._write_run_json("running", {})
         self._worker_error: BaseException | None = None
         self.helper = Helper(HelperPolicy("the run writer", WhenFull.PUSH_BACK, WhenDown.FAIL_RUN,
                                           stall_s=WRITER_STALL_S, push_back_s=WRITER_STALL_S))
@@ -269,6 +276,7 @@ class RunWriter:
         return self._worker_error
 
     def _write_frame(self, pred: FramePrediction, stats: dict) -> None:
+        self._take_the_folder()  # (on the writer's thread: no signal cuts the replacement short)
         arrays = prediction_arrays(pred)
         path = prediction_path(self.output_dir, pred.frame_index)
         stored = dropped = None
@@ -321,6 +329,10 @@ class RunWriter:
         self.status = status
         worker_error = self._stop_worker(deadline or Deadline(WRITER_STALL_S))  # every frame handed over is on disk
         self._worker_error = None
+        if not self.replaced and status == "interrupted" and worker_error is None:
+            self._let_go()  # stopped before its first frame: the earlier run stays as it was
+            return
+        self._take_the_folder()
         errors = [] if worker_error is None else [f"frame writer: {worker_error!r}"]
         moves = [] if corrections is None else self._chunk_moves(corrections)
         writes = [(TRAJECTORY_TUM, self._write_trajectory), (POINTS_PLY, lambda: self._write_points(moves))]
@@ -334,6 +346,7 @@ class RunWriter:
                 # Keep going: run.json must still say how the run ended, and the npz files are intact.
                 errors.append(f"{name}: {exc}")
         self._write_run_json(status, summary or {}, errors)
+        self._let_go()
         if errors:
             raise OutputDirError(f"could not write outputs in {self.output_dir}: {'; '.join(errors)}") from (
                 worker_error
@@ -341,16 +354,35 @@ class RunWriter:
 
     # ---- internals
 
+    def _let_go(self) -> None:
+        if self._holds_folder:
+            unlock_run_dir(self.output_dir)
+
     def _prepare_output_dir(self, overwrite: bool) -> None:
+        """The folder checked and held; a new run's run.json written now, while an earlier run there stays
+        until this one writes its first frame (or closes having done something: complete or failed), so
+        that a run stopped before its first frame leaves the earlier one as it was."""
+        # a writer made alone (not by run_sequence, which holds the folder for the whole run) holds it until
+        # it closes
+        self._holds_folder = not run_dir_locked_here(self.output_dir)
         prepare_output_dir(self.output_dir, overwrite=overwrite)
+        if not holds_run(self.output_dir):
+            self._take_the_folder()
+
+    def _take_the_folder(self) -> None:
+        """This run's files in place of an earlier run's (replace_run), run.json first; once."""
+        if self.replaced:
+            return
         try:
+            replace_run(self.output_dir)
             self.predictions_dir.mkdir(exist_ok=True)
-            remove_run(self.output_dir)
         except OSError as exc:
             raise OutputDirError(
                 f"cannot write to the output directory {self.output_dir}: {exc.strerror or exc}; "
                 "choose a writable --output"
             ) from None
+        self.replaced = True
+        self._write_run_json("running", {})
 
     def _write_trajectory(self, name: str = TRAJECTORY_TUM) -> None:
         frames = sorted(self.poses)
@@ -424,3 +456,56 @@ class RunWriter:
             summary["checkpoint_digest"] = digest
         summary.update(extra)  # the pipeline knows device, timings, FPS and GPU memory; its values win
         return summary
+
+
+# A run whose process ended without closing it (kill -9, a power cut, a signal no handler catches) stays
+# "running" for good, with its npz files and nothing else; `export` and `view` close it from them.
+ABANDONED_END_REASON = "the process ended without closing the run; closed later from its prediction files"
+
+
+def close_abandoned_run(run_dir: Path) -> str | None:
+    """Close a run left "running" by a process that no longer runs, from its npz files, as its writer would
+    have closed it when stopped: trajectory_tum.txt, points.ply at the run's recorded point settings, and
+    run.json "interrupted" with why. Returns a line that says so; None when there is nothing to close (the
+    run is closed, or a live process is writing it: its lock is held)."""
+    run_dir = Path(run_dir)
+    if read_run_info(run_dir).get("status") != "running" or run_dir_in_use(run_dir):
+        return None
+    lock_run_dir(run_dir)  # (another command closing it at the same instant is refused here)
+    try:
+        info = read_run_info(run_dir)
+        if info.get("status") != "running":
+            return None
+        frames = _close_from_predictions(run_dir, info)
+    except OSError as error:  # a read-only run directory, a full disk: it is still read as it is
+        return (f"{run_dir} was left running by a process that ended without closing it, and could not be closed "
+                f"here ({error.strerror or error}); it is read from its prediction files as it is")
+    finally:
+        unlock_run_dir(run_dir)
+    return (f"{run_dir} was left running by a process that ended without closing it: closed it from its "
+            f"{frames} prediction files (trajectory_tum.txt, points.ply; run.json: interrupted)")
+
+
+def _close_from_predictions(run_dir: Path, info: dict) -> int:
+    summary = info.setdefault("summary", {})
+    recorded = summary.get("points", {})
+    points = PointAccumulator(conf_threshold=recorded.get("conf_threshold", DEFAULT_CONF_THRESHOLD),
+                              voxel_size=recorded.get("voxel_size"),
+                              max_points=recorded.get("max_points", DEFAULT_MAX_POINTS))
+    timestamps, c2w, keyframes, last = [], [], 0, None
+    for record in iter_run(run_dir):
+        timestamps.append(record["timestamp"])
+        c2w.append(record["c2w"])
+        keyframes += bool(record["is_keyframe"])
+        last = record["frame_index"]
+        points.add_frame(record["frame_index"], record["depth"], record["depth_conf"], record["intrinsics"],
+                         record["c2w"], record["image"])
+    write_tum(run_dir / TRAJECTORY_TUM, timestamps, np.array(c2w, dtype=np.float64).reshape(-1, 3, 4))
+    cloud = points.cloud()
+    write_ply(run_dir / POINTS_PLY, cloud.xyz, cloud.rgb)
+    summary.update(ended_at=_utc_now(), frames=len(timestamps), keyframes=keyframes, last_frame_index=last,
+                   end_reason=ABANDONED_END_REASON, error=None, stop_signal=None)
+    summary["points"] = {**recorded, "count": len(cloud)}
+    info["status"] = "interrupted"
+    write_json_atomic(run_dir / RUN_JSON, info)
+    return len(timestamps)

@@ -491,8 +491,9 @@ def convert_to_safetensors(src_pt: str | Path, dst: str | Path, config: ModelCon
         SOURCE_NAME_METADATA_KEY: src.name,
     }
     tensors = {name: state_dict[name].contiguous() for name in model.state_dict()}
-    partial = dst.with_name(f".{dst.name}.partial")
     try:
+        folder = _converting_folder(dst.parent)
+        partial = folder / dst.name
         mode = _mode_of_a_new_file(partial)
         save_file(tensors, partial, metadata=metadata)
         # safetensors writes through a private temporary file (0600) that replaces ours; give the result
@@ -502,8 +503,46 @@ def convert_to_safetensors(src_pt: str | Path, dst: str | Path, config: ModelCon
     except OSError as error:
         raise CheckpointError(f"cannot write {dst}: {error}. Check free disk space and permissions.") from None
     finally:
-        partial.unlink(missing_ok=True)
+        _remove_converting_folder(dst.parent / f"{CONVERTING_PREFIX}{os.getpid()}")
     return dst
+
+
+# A conversion writes into a hidden folder of its own beside the destination, named by its process, and so
+# does safetensors (its temporary file goes beside the file it is given): a conversion killed part-way
+# (SIGKILL) leaves the folder, and the next conversion into that folder removes those of processes that no
+# longer run, a checkpoint's size (4.6 GB) of them each.
+CONVERTING_PREFIX = ".stream-recon-convert."
+
+
+def _converting_folder(parent: Path) -> Path:
+    for entry in parent.glob(f"{CONVERTING_PREFIX}*"):
+        owner = entry.name.removeprefix(CONVERTING_PREFIX)
+        if owner.isdigit() and not _process_runs(int(owner)):
+            _remove_converting_folder(entry)
+    folder = parent / f"{CONVERTING_PREFIX}{os.getpid()}"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def _process_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it runs
+        return True
+    return True
+
+
+def _remove_converting_folder(folder: Path) -> None:
+    if not folder.is_dir() or folder.is_symlink():
+        return
+    try:
+        for entry in folder.iterdir():
+            entry.unlink(missing_ok=True)
+        folder.rmdir()
+    except OSError:  # left for the next conversion there: a failed clean-up must not hide why the write failed
+        pass
 
 
 def _mode_of_a_new_file(path: Path) -> int:

@@ -1122,7 +1122,8 @@ def test_warnings_come_after_every_refusal_and_gpu_memory_on_the_cpu_is_said_to_
     args = [str(folder), "--checkpoint", str(tiny_checkpoint), "--device", "cpu", "--gpu-memory", "8GiB", *FAST_FLAGS]
     done = invoke(*args, "-o", str(tmp_path / "run"))
     assert done.exit_code == 0, done.output
-    assert "warning: --gpu-memory 8GiB budgets a GPU's memory and does nothing on the CPU" in done.output
+    assert ("warning: --gpu-memory 8GiB budgets a GPU's memory: on the CPU the run is planned as for a GPU of that "
+            "size") in " ".join(done.output.split())
 
     refused = invoke(*args, "-o", str(tmp_path / "run"))  # a run is there already
     assert_user_error(refused, "already holds a run")

@@ -8,13 +8,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from media_helpers import free_port, mjpeg_server, write_image_folder, write_noise_video, write_video
@@ -104,6 +107,9 @@ def test_sigterm_before_the_first_frame_leaves_nothing_and_exits_143(
     assert child.returncode == EXIT_TERMINATED, printed
     assert "Traceback" not in printed
     assert not run_dir.exists() and not (tmp_path / "outputs").exists(), sorted(tmp_path.rglob("*"))
+    # and it says so: a run stopped before its first frame printed nothing at all
+    assert sum(line.startswith("interrupted before the first frame: nothing was written to ")
+               for line in printed.splitlines()) == 1, printed
 
 
 # ------------------------------------------------------------------ presets
@@ -157,6 +163,24 @@ def test_run_json_counts_the_points_that_points_ply_holds_after_a_correction(tmp
 
     stated = json.loads((run_dir / "run.json").read_text())["summary"]["points"]["count"]
     assert stated == len(PlyData.read(str(run_dir / "points.ply"))["vertex"]) > 0
+
+
+# ------------------------------------------------------------------ the viewer's library
+
+
+def test_the_viewers_library_prints_its_banner_only_with_verbose(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    # viser's box (HTTP, Websocket) and "(viser) Server stopped" came on stdout of every run with the viewer
+    folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png", "2.png"], width=160, height=96)
+    viewer_flags = ("--checkpoint", str(tiny_checkpoint), "--image-width", "56", "--scale-frames", "3", "--window",
+                    "4", "--no-keep-viewer")
+
+    quiet = stream_recon(str(folder), *viewer_flags, "--port", str(free_port()), "-o", str(tmp_path / "quiet"))
+    verbose = stream_recon(str(folder), *viewer_flags, "--port", str(free_port()), "-o", str(tmp_path / "verbose"),
+                           "--verbose")
+
+    assert quiet.returncode == 0 and verbose.returncode == 0, quiet.stderr + verbose.stderr
+    assert "viser" not in quiet.stdout + quiet.stderr, quiet.stdout
+    assert "Server stopped" in verbose.stdout, verbose.stdout  # the library's own lines, asked for
 
 
 # ------------------------------------------------------------------ a full disk
@@ -241,15 +265,52 @@ def test_convert_names_the_one_tensor_of_the_wrong_shape_and_both_shapes(tmp_pat
     assert not (tmp_path / "out.safetensors").exists()
 
 
+CONVERT_TINY = """
+import sys
+from stream_recon.models import ModelConfig
+from stream_recon.models.checkpoint import convert_to_safetensors
+convert_to_safetensors(sys.argv[1], sys.argv[2], config=ModelConfig.tiny())
+"""
+
+
+def test_what_a_conversion_killed_part_way_leaves_is_removed_by_the_next_one_there(tmp_path: Path,
+                                                                                   tiny_model) -> None:
+    # after a SIGKILL mid-conversion a hidden temporary file of the checkpoint's size stayed for good (the
+    # tiny model's weights stand in for the official ones: the same writer, in a process of its own)
+    torch.save(tiny_model.state_dict(), tmp_path / "tiny.pt")
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+
+    def convert(name: str, fault: str = "") -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", CONVERT_TINY, str(tmp_path / "tiny.pt"), str(folder / name)],
+                              capture_output=True, text=True, timeout=120,
+                              env=fault_environment(fault) if fault else environment())
+
+    killed = convert("first.safetensors", "stream_recon.models.checkpoint:save_file:kill:1")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert [entry.name for entry in folder.iterdir()] != []  # what the killed one left
+
+    done = convert("second.safetensors")
+
+    assert done.returncode == 0, done.stderr
+    assert sorted(entry.name for entry in folder.iterdir()) == ["second.safetensors"]
+
+
 # ------------------------------------------------------------------ options
 
 
 def test_a_bad_chunk_frames_is_said_of_chunk_frames(tmp_path: Path) -> None:
     # `--chunk-frames -5` was reported as "--scale-frames (8) must be less than --chunk-frames (-5)"
     folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png"], width=160, height=96)
-    for typed, said in ((["--chunk-frames", "-5"], "error: --chunk-frames must be >= 2 (more than --scale-frames, 8), "
+    # and "must be >= 2 (more than --scale-frames, 2)" was said of -5, then 2 was refused as not more than 2: the
+    # bound said is the one held to
+    for typed, said in ((["--chunk-frames", "-5"], "error: --chunk-frames must be >= 9 (more than --scale-frames, 8), "
                                                     "got -5"),
-                        (["--chunk-frames", "5"], "error: --chunk-frames (5) must be more than --scale-frames (8)")):
+                        (["--chunk-frames", "5"], "error: --chunk-frames (5) must be more than --scale-frames (8)"),
+                        (["--chunk-frames", "-5", "--scale-frames", "2"],
+                         "error: --chunk-frames must be >= 3 (more than --scale-frames, 2), got -5"),
+                        (["--chunk-frames", "2", "--overlap", "1", "--scale-frames", "2"],
+                         "error: --scale-frames (2) must be less than --chunk-frames (2)")):
         result = stream_recon(str(folder), *typed, "--no-viewer", "-o", str(tmp_path / "run"))
         assert result.returncode == EXIT_BAD_INPUT, result.stderr
         assert len(lines_of(result)) == 1 and lines_of(result)[0].startswith(said), result.stderr
@@ -306,6 +367,51 @@ def test_loop_closure_on_for_a_stream_too_short_for_a_third_chunk_is_warned_of(t
         "skips it"]
 
 
+def test_options_that_serve_a_gpu_say_once_on_the_cpu_that_they_do_nothing_there(tmp_path: Path,
+                                                                                   tiny_checkpoint: Path) -> None:
+    # --gpu-memory: "does nothing on the CPU", then a memory plan for 8 GiB (it plans the run there); --compile
+    # on: not a word; --warm-up on: "the streaming step is recorded", which nothing is on the CPU
+    folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png", "2.png", "3.png"], width=160, height=96)
+
+    result = stream_recon(str(folder), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "--device", "cpu",
+                          "--gpu-memory", "8GiB", "--compile", "on", "--warm-up", "on", "-o", str(tmp_path / "run"))
+
+    assert result.returncode == 0, result.stderr
+    printed = lines_of(result)
+    assert warnings_of(result) == [
+        "warning: --gpu-memory 8GiB budgets a GPU's memory: on the CPU the run is planned as for a GPU of that size "
+        "(the memory plan below), and this machine's memory is checked besides (--no-memory-check turns that check "
+        "off)",
+        "warning: --compile on compiles the GPU's streaming step and does nothing on the CPU: the run is not compiled"]
+    assert len([line for line in printed if line.startswith("memory plan for 8.00 GiB")]) == 1, printed
+    assert "warming up for 56x28 frames: the streaming step runs once before the stream starts" in printed, printed
+
+
+def test_a_flow_threshold_without_flow_keyframes_is_warned_of(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    # `--flow-threshold 5` beside `--keyframes all` was ignored without a word
+    folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png", "2.png"], width=160, height=96)
+
+    result = stream_recon(str(folder), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "--flow-threshold", "5",
+                          "-o", str(tmp_path / "run"))
+
+    assert result.returncode == 0, result.stderr
+    assert warnings_of(result) == ["warning: --flow-threshold 5 sets the flow keyframe policy's threshold and does "
+                                   "nothing with --keyframes all: pass --keyframes flow to use it"]
+
+
+def test_a_folder_of_videos_given_to_run_points_to_batch(tmp_path: Path) -> None:
+    # "contains no images" and nothing on what to do with a folder of videos
+    (tmp_path / "videos").mkdir()
+    for name in ("a.mp4", "b.mp4"):
+        write_video(tmp_path / "videos" / name, 2)
+
+    result = stream_recon(str(tmp_path / "videos"), "--no-viewer", "-o", str(tmp_path / "run"))
+
+    assert result.returncode == EXIT_BAD_INPUT, result.stderr
+    assert lines_of(result)[0].endswith(f"it holds 2 videos (a.mp4...): pass one of them, or reconstruct each with "
+                                        f"`stream-recon batch {tmp_path / 'videos'} --output DIR`"), result.stderr
+
+
 # ------------------------------------------------------------------ info
 
 
@@ -329,6 +435,15 @@ def test_info_says_whether_loop_closure_runs_here(tmp_path: Path) -> None:
     assert ("Loop closure: not available (gtsam does not import (ImportError: libgtsam.so.4: cannot open shared "
             "object file)), runs go on without it") in " ".join(without.stdout.split())
     assert without.stderr == ""
+
+
+def test_info_says_when_the_checkpoint_folder_named_by_the_environment_does_not_exist(tmp_path: Path) -> None:
+    # STREAM_RECON_CHECKPOINTS naming a folder that is not there (a typo) was listed as if it were
+    missing = tmp_path / "chekpoints"
+    result = subprocess.run(command("info"), capture_output=True, text=True, timeout=120,
+                            env=environment(STREAM_RECON_CHECKPOINTS=str(missing)))
+    assert result.returncode == 0, result.stderr
+    assert f"{missing} ($STREAM_RECON_CHECKPOINTS, which does not exist)" in " ".join(result.stdout.split())
 
 
 # ------------------------------------------------------------------ units
@@ -376,3 +491,407 @@ def test_readme_and_scripts_test_spell_the_quick_run_alike() -> None:
     spellings = [set(re.findall(r'scripts/test -m "([^"]+)"', (repository / name).read_text()))
                  for name in ("README.md", "scripts/test")]
     assert spellings == [{"not slow"}, {"not slow"}]
+
+
+# ------------------------------------------------------------------ a finished run, read back
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
+    """A complete run of 8 frames of the tiny model, with its images: read, never changed, by the tests
+    that use it (copy it first to change it)."""
+    folder = tmp_path_factory.mktemp("finished")
+    video = write_video(folder / "clip.mp4", 8)
+    result = stream_recon(str(video), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(folder / "run"))
+    assert result.returncode == 0, result.stderr
+    return folder / "run"
+
+
+def copy_of(run_dir: Path, where: Path) -> Path:
+    shutil.copytree(run_dir, where)
+    return where
+
+
+def test_a_prediction_that_is_not_an_npz_is_said_in_our_words_never_numpys(tmp_path: Path,
+                                                                             finished_run: Path) -> None:
+    # a text file in place of 000003.npz: numpy's "contains pickled (object) data ... load it unsafely using
+    # allow_pickle", advice to run whatever a planted file holds
+    run_dir = copy_of(finished_run, tmp_path / "run")
+    (run_dir / "predictions" / "000003.npz").write_text("not a prediction\n")
+    trajectory = tmp_path / "gt.txt"
+    trajectory.write_text((run_dir / "trajectory_tum.txt").read_text())
+    (run_dir / "trajectory_tum.txt").unlink()  # as a run killed before its end: the poses come from the npz files
+
+    exported = stream_recon("export", str(run_dir), "-f", "ply", "-o", str(tmp_path / "points.ply"))
+    evaluated = stream_recon("eval", str(run_dir), "--gt", str(trajectory), "-o", str(tmp_path / "eval.json"))
+
+    for result in (exported, evaluated):
+        printed = result.stdout + result.stderr
+        assert "pickle" not in printed and "unsafe" not in printed, printed
+        assert "000003.npz is not an npz file (it does not start as a zip archive does)" in printed, printed
+    assert exported.returncode == 0 and (tmp_path / "points.ply").exists(), exported.stderr
+
+
+def test_a_voxel_too_fine_for_the_scene_is_raised_with_a_warning_never_an_empty_cloud(tmp_path: Path,
+                                                                                    finished_run: Path) -> None:
+    # `export --voxel-size 1e-7` wrote an empty cloud and blamed --conf-threshold (every point fell outside the
+    # voxel grid)
+    result = stream_recon("export", str(finished_run), "-f", "ply", "-o", str(tmp_path / "points.ply"),
+                          "--voxel-size", "1e-7", "--conf-threshold", "1")
+
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in lines_of(result) if "--voxel-size 1e-07 is too fine for this scene" in line]
+    assert len(warnings) == 1, result.stderr
+    points = PlyData.read(str(tmp_path / "points.ply"))["vertex"].count
+    assert points > 0 and "no pixel has depth confidence" not in result.stderr
+
+
+# ------------------------------------------------------------------ an export replaced
+
+
+def tree_of(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` (hidden ones too) by its relative path, with its bytes."""
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def fault_environment(fault: str) -> dict[str, str]:
+    """The fault harness of tests/test_app_faults.py (tests/faults/sitecustomize.py) in a CLI process."""
+    return environment(PYTHONPATH=str(Path(__file__).parent / "faults"), STREAM_RECON_TEST_FAULT=fault)
+
+
+@pytest.mark.parametrize("fmt", ["colmap", "nerfstudio"])
+def test_an_export_stopped_while_it_replaces_another_keeps_the_earlier_one(tmp_path: Path, finished_run: Path,
+                                                                          fmt: str) -> None:
+    # Ctrl-C during `export --overwrite` left an empty folder, or part of the new export, where a complete
+    # one had been
+    export = tmp_path / fmt
+    # every pixel's point (the tiny model's confidence is low); the exports that replace it have none
+    first = stream_recon("export", str(finished_run), "-f", fmt, "-o", str(export), "--conf-threshold", "1")
+    assert first.returncode == 0, first.stderr
+    earlier = tree_of(export)
+    written_before = time.time()
+
+    # the third image's write never returns: the export is stopped with two new images written
+    child = subprocess.Popen(command("export", str(finished_run), "-f", fmt, "-o", str(export), "--overwrite"),
+                             env=fault_environment("stream_recon.app.export:write_png:block:3"),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: len([path for path in export.rglob("*.png") if path.stat().st_mtime > written_before]) >= 2,
+                 child, "two new images")
+        child.send_signal(signal.SIGINT)
+        printed, _ = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+    assert child.returncode == 130, printed
+    assert "Traceback" not in printed
+    assert tree_of(export) == earlier
+
+    replaced = stream_recon("export", str(finished_run), "-f", fmt, "-o", str(export), "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    assert sorted(entry.name for entry in export.iterdir()) == sorted(earlier_names(earlier))
+    assert tree_of(export) != earlier  # the new export, without points
+
+
+def earlier_names(tree: dict[str, bytes]) -> set[str]:
+    return {name.split("/")[0] for name in tree}
+
+
+def test_an_export_killed_part_way_leaves_the_earlier_one_and_the_next_export_clears_its_remains(
+        tmp_path: Path, finished_run: Path) -> None:
+    export = tmp_path / "colmap"
+    assert stream_recon("export", str(finished_run), "-f", "colmap", "-o", str(export)).returncode == 0
+    earlier = tree_of(export)
+
+    killed = subprocess.run(command("export", str(finished_run), "-f", "colmap", "-o", str(export), "--overwrite"),
+                            env=fault_environment("stream_recon.app.export:write_png:kill:4"), capture_output=True,
+                            text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    visible = {name: data for name, data in tree_of(export).items() if not name.startswith(".")}
+    assert visible == earlier
+
+    again = stream_recon("export", str(finished_run), "-f", "colmap", "-o", str(export), "--overwrite")
+    assert again.returncode == 0, again.stderr
+    assert sorted(entry.name for entry in export.iterdir()) == ["images", "sparse"]  # nothing hidden stays
+
+
+# ------------------------------------------------------------------ one folder, one run
+
+
+@pytest.fixture
+def endless_camera() -> Iterator[str]:
+    """A live camera that sends 20 frames a second until the test ends: a run on it goes on until stopped."""
+    with mjpeg_server(num_frames=10**6, interval_s=0.05) as url:
+        yield url
+
+
+def start_run(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(command(*args), env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def npz_frames(run_dir: Path) -> list[int]:
+    return sorted(int(path.stem) for path in (run_dir / "predictions").glob("*.npz"))
+
+
+def test_a_second_run_into_a_folder_a_run_writes_is_refused_and_touches_nothing(
+        tmp_path: Path, tiny_checkpoint: Path, endless_camera: str) -> None:
+    # two runs started into one folder 0.5 s apart both exited 0 and mixed their files: run.json and the
+    # trajectory of the second, the npz files of both
+    run_dir = tmp_path / "same"
+    folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png", "2.png"], width=160, height=96)
+    first = start_run(endless_camera, "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(run_dir))
+    try:
+        wait_for(lambda: len(npz_frames(run_dir)) >= 2, first, "the first run's frames")
+        second = stream_recon(str(folder), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(run_dir),
+                              "--overwrite")
+        first.send_signal(signal.SIGTERM)
+        printed, _ = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+
+    assert second.returncode == EXIT_BAD_INPUT, second.stderr
+    assert lines_of(second) == [f"error: output directory {run_dir} is in use by another stream-recon run; wait for "
+                                "it to end, or choose another --output"]
+    assert first.returncode == EXIT_TERMINATED, printed
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "interrupted" and record["settings"]["source"] == f"stream {endless_camera}"
+    assert npz_frames(run_dir) == list(range(record["summary"]["frames"]))
+    # once the first has ended, the folder is free
+    third = stream_recon(str(folder), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(run_dir),
+                         "--overwrite")
+    assert third.returncode == 0, third.stderr
+    assert npz_frames(run_dir) == [0, 1, 2]
+
+
+def test_a_run_replacing_another_stopped_before_its_first_frame_leaves_the_earlier_one(
+        tmp_path: Path, tiny_checkpoint: Path, stalled_camera: str) -> None:
+    # `run --overwrite` stopped after its model loaded but before its first frame had already removed the
+    # earlier run, and then removed its own run.json: the folder was left empty
+    folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png", "2.png"], width=160, height=96)
+    run_dir = tmp_path / "run"
+    assert stream_recon(str(folder), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(run_dir)
+                        ).returncode == 0
+    earlier = tree_of(run_dir)
+    child = subprocess.Popen(command(stalled_camera, "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS,
+                                     *BEYOND_THE_CAMERA, "-o", str(run_dir), "--overwrite"),
+                             env=environment(STREAM_RECON_PROGRESS_INTERVAL="0.2"), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    printed: list[str] = []
+    reader = threading.Thread(target=lambda: [printed.append(line) for line in child.stdout], daemon=True)
+    reader.start()
+    try:  # the stream has begun (its progress lines come from the loop over the frames): the writer is made
+        wait_for(lambda: any(line.startswith("progress: ") for line in printed), child, "the stream's progress")
+        child.send_signal(signal.SIGTERM)
+        child.wait(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    reader.join(timeout=10)
+
+    assert child.returncode == EXIT_TERMINATED, "".join(printed)
+    assert tree_of(run_dir) == earlier
+    assert "Traceback" not in "".join(printed)
+
+
+# ------------------------------------------------------------------ every way a run ends leaves a true record
+
+
+def test_a_closed_terminal_stops_and_saves_a_run_as_sigterm_does(tmp_path: Path, tiny_checkpoint: Path,
+                                                                 endless_camera: str) -> None:
+    # SIGHUP ended the process at once (exit 129 as the signal's default action) with run.json left "running",
+    # no trajectory_tum.txt and no points.ply
+    run_dir = tmp_path / "run"
+    child = start_run(endless_camera, "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(run_dir))
+    try:
+        wait_for(lambda: len(npz_frames(run_dir)) >= 2, child, "two frames")
+        child.send_signal(signal.SIGHUP)
+        printed, _ = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+    assert child.returncode == 128 + signal.SIGHUP, printed
+    assert "Traceback" not in printed
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "interrupted" and record["summary"]["stop_signal"] == "SIGHUP"
+    assert npz_frames(run_dir) == list(range(record["summary"]["frames"]))
+    trajectory = (run_dir / "trajectory_tum.txt").read_text().splitlines()
+    assert len(trajectory) == record["summary"]["frames"] + 1  # + the header
+    assert (run_dir / "points.ply").exists()
+    assert printed.splitlines()[-1].startswith(f"interrupted: {record['summary']['frames']} frames"), printed
+
+
+# ------------------------------------------------------------------ eval
+
+
+def test_an_eval_output_that_cannot_be_written_is_refused_before_the_evaluation(tmp_path: Path,
+                                                                              finished_run: Path) -> None:
+    # `eval RUN --gt GT -o /missing/e.json` printed its tables, then failed on -o
+    trajectory = tmp_path / "gt.txt"
+    trajectory.write_text((finished_run / "trajectory_tum.txt").read_text())
+    missing = tmp_path / "missing" / "e.json"
+
+    result = stream_recon("eval", str(finished_run), "--gt", str(trajectory), "-o", str(missing))
+
+    assert result.returncode == EXIT_BAD_INPUT, result.stdout + result.stderr
+    assert lines_of(result) == [f"error: -o {missing}: the folder {missing.parent} does not exist; create it, or "
+                                "choose another -o"]
+    assert not missing.parent.exists()
+
+
+def test_a_run_left_running_by_a_killed_process_is_closed_by_the_next_export(tmp_path: Path, tiny_checkpoint: Path,
+                                                                             endless_camera: str) -> None:
+    # after kill -9 (or SIGUSR1, or anything without a handler) run.json stayed "running" for good, with no
+    # trajectory_tum.txt and no points.ply beside the npz files
+    run_dir = tmp_path / "run"
+    child = start_run(endless_camera, "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(run_dir))
+    try:
+        wait_for(lambda: len(npz_frames(run_dir)) >= 3, child, "three frames")
+        # a run still going is left to its process
+        while_running = stream_recon("export", str(run_dir), "-f", "tum", "-o", str(tmp_path / "early.txt"))
+        assert json.loads((run_dir / "run.json").read_text())["status"] == "running"
+        child.kill()
+        child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert while_running.returncode == 0 and "note:" not in while_running.stderr, while_running.stderr
+    assert not (run_dir / "trajectory_tum.txt").exists()
+    frames = npz_frames(run_dir)
+
+    result = stream_recon("export", str(run_dir), "-f", "tum", "-o", str(tmp_path / "trajectory.txt"))
+
+    assert result.returncode == 0, result.stderr
+    assert lines_of(result)[0] == (f"note: {run_dir} was left running by a process that ended without closing it: "
+                                   f"closed it from its {len(frames)} prediction files (trajectory_tum.txt, "
+                                   "points.ply; run.json: interrupted)")
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "interrupted" and record["summary"]["frames"] == len(frames)
+    assert "the process ended without closing the run" in record["summary"]["end_reason"]
+    assert len((run_dir / "trajectory_tum.txt").read_text().splitlines()) == len(frames) + 1  # + the header
+    assert PlyData.read(str(run_dir / "points.ply"))["vertex"].count == record["summary"]["points"]["count"]
+    again = stream_recon("export", str(run_dir), "-f", "tum", "-o", str(tmp_path / "again.txt"))
+    assert again.returncode == 0 and "note:" not in again.stderr
+
+
+# ------------------------------------------------------------------ stopped at random instants
+
+INSTANTS = 20
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
+
+
+def visible_tree(folder: Path) -> dict[str, bytes]:
+    """tree_of without hidden entries (what a killed export may leave for the next one to clear)."""
+    return {name: data for name, data in tree_of(folder).items() if not any(part.startswith(".")
+                                                                                 for part in name.split("/"))}
+
+
+def no_traceback_of_ours(printed: str) -> bool:
+    """No traceback, but for Python's own when a signal lands while the interpreter starts, before any code
+    of ours runs ("Fatal Python error: init_import_site")."""
+    return "Traceback" not in printed or "Fatal Python error: init_import_site" in printed
+
+
+def stopped_after(args: list[str], delay_s: float, signum: int) -> subprocess.CompletedProcess:
+    """`stream-recon ARGS` sent `signum` `delay_s` after its start (or run to its end, if it ends first)."""
+    child = subprocess.Popen(command(*args), env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        try:
+            printed, _ = child.communicate(timeout=delay_s)
+        except subprocess.TimeoutExpired:
+            child.send_signal(signum)
+            printed, _ = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    return subprocess.CompletedProcess(args, child.returncode, printed, "")
+
+
+@pytest.mark.slow  # 20 export processes: a minute or two
+def test_an_export_replacing_another_stopped_at_any_instant_leaves_one_of_them_whole(tmp_path: Path,
+                                                                                    finished_run: Path) -> None:
+    export, new = tmp_path / "colmap", tmp_path / "reference"
+    assert stream_recon("export", str(finished_run), "-f", "colmap", "-o", str(export), "--conf-threshold",
+                        "1").returncode == 0
+    started = time.monotonic()
+    assert stream_recon("export", str(finished_run), "-f", "colmap", "-o", str(new)).returncode == 0
+    duration_s = time.monotonic() - started
+    earlier, replacement = tree_of(export), tree_of(new)
+    assert earlier != replacement
+    random = np.random.default_rng(7)
+
+    for instant in range(INSTANTS):
+        delay_s, signum = random.uniform(0.0, 1.2 * duration_s), STOPS[instant % len(STOPS)]
+        result = stopped_after(["export", str(finished_run), "-f", "colmap", "-o", str(export), "--overwrite"],
+                               delay_s, signum)
+        now = visible_tree(export)
+        assert now in (earlier, replacement), (instant, delay_s, signum, result.stdout)
+        assert no_traceback_of_ours(result.stdout), result.stdout
+        if result.returncode == 0:
+            assert now == replacement
+        if now == replacement:  # the next instant replaces the earlier one again
+            assert stream_recon("export", str(finished_run), "-f", "colmap", "-o", str(export), "--overwrite",
+                                "--conf-threshold", "1").returncode == 0
+    # what killed exports left is cleared by the next one there
+    assert stream_recon("export", str(finished_run), "-f", "colmap", "-o", str(export), "--overwrite").returncode == 0
+    assert sorted(entry.name for entry in export.iterdir()) == ["images", "sparse"]
+
+
+def predictions_of(run_dir: Path) -> dict[int, tuple[int, int]]:
+    """Each npz's frame index -> its image size: which run wrote it (the two runs' frames differ in size)."""
+    sizes = {}
+    for frame in npz_frames(run_dir):
+        with np.load(run_dir / "predictions" / f"{frame:06d}.npz") as data:
+            sizes[frame] = tuple(int(size) for size in data["image_size"])
+    return sizes
+
+
+@pytest.mark.slow  # 20 run processes: two or three minutes
+def test_a_run_replacing_another_stopped_at_any_instant_leaves_one_of_them_with_a_true_record(
+        tmp_path: Path, tiny_checkpoint: Path) -> None:
+    earlier_source = write_image_folder(tmp_path / "frames", ["0.png", "1.png", "2.png"], width=160, height=96)
+    video = write_video(tmp_path / "clip.mp4", 12, width=96, height=96)  # another image size than the folder's
+    run_dir = tmp_path / "run"
+    flags = ["--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(run_dir)]
+    started = time.monotonic()
+    assert stream_recon(str(earlier_source), *flags).returncode == 0
+    duration_s = 1.5 * (time.monotonic() - started)
+    earlier = tree_of(run_dir)
+    earlier_size = set(predictions_of(run_dir).values())
+    random = np.random.default_rng(11)
+
+    for instant in range(INSTANTS):
+        delay_s, signum = random.uniform(0.0, 1.5 * duration_s), STOPS[instant % len(STOPS)]
+        result = stopped_after([str(video), *flags, "--overwrite"], delay_s, signum)
+        assert no_traceback_of_ours(result.stdout), result.stdout
+        if visible_tree(run_dir) == earlier:  # stopped before it began to replace the earlier run
+            assert result.returncode != 0
+            continue
+        record = json.loads((run_dir / "run.json").read_text())
+        sizes = predictions_of(run_dir)
+        assert record["settings"]["source"].endswith("clip.mp4"), (instant, record["settings"]["source"])
+        assert not set(sizes.values()) & earlier_size, (instant, sizes)  # never a mix of the two runs
+        if record["status"] == "running":  # killed mid-run: the next export closes it (and exports its frames)
+            assert result.returncode == -signal.SIGKILL, (instant, result.stdout)
+            closing = stream_recon("export", str(run_dir), "-f", "tum", "-o", str(tmp_path / f"t{instant}.txt"))
+            assert closing.returncode in (0, EXIT_BAD_INPUT) and "note:" in closing.stderr, closing.stderr
+            record = json.loads((run_dir / "run.json").read_text())
+            assert record["status"] == "interrupted"
+        elif result.returncode == 0:
+            assert record["status"] == "complete" and record["summary"]["stop_signal"] is None
+        elif result.returncode > 128:  # stopped, or (a signal after the last frame) complete: the record names it
+            assert record["status"] in ("interrupted", "complete"), (instant, result.stdout)
+            assert record["summary"]["stop_signal"] == signal.Signals(result.returncode - 128).name
+        else:  # the signal landed once the run had ended and its handlers were gone: its record is final
+            assert record["status"] in ("complete", "interrupted"), (instant, result.stdout)
+        if record["status"] != "running":
+            assert list(sizes) == list(range(record["summary"]["frames"])), (instant, record["summary"])
+            lines = (run_dir / "trajectory_tum.txt").read_text().splitlines()
+            assert len(lines) == record["summary"]["frames"] + 1
+        # the earlier run back for the next instant
+        assert stream_recon(str(earlier_source), *flags, "--overwrite").returncode == 0
+        earlier = tree_of(run_dir)

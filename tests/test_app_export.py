@@ -442,9 +442,12 @@ def test_cli_warns_when_the_threshold_leaves_no_points(run, cli):
     run_dir, _ = run
     outcome = CliRunner().invoke(cli, ["export", str(run_dir), "-f", "ply", "--conf-threshold", "50"])
     assert outcome.exit_code == 0
-    assert "7 cameras, 0 points" in outcome.output and "no pixel has depth confidence >= 50" in outcome.output
+    assert "(7 frames, 0 points" in outcome.output and "no pixel has depth confidence >= 50" in outcome.output
     outcome = CliRunner().invoke(cli, ["export", str(run_dir), "-f", "tum"])
     assert outcome.exit_code == 0 and "wrote 7 poses to" in outcome.output
+    # a cloud has no cameras (a scene with frusta has)
+    outcome = CliRunner().invoke(cli, ["export", str(run_dir), "-f", "glb", "--conf-threshold", "50"])
+    assert outcome.exit_code == 0 and "(7 cameras, 0 points, voxel" in outcome.output, outcome.output
 
 
 @pytest.mark.parametrize(

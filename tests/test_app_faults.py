@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import cv2
+import numpy as np
 import pytest
 
 pytest.importorskip("gtsam")
@@ -164,10 +165,23 @@ def test_the_end_of_a_run_waits_for_a_stopped_child_only_until_its_deadline(
     outcome = run(short_video, tiny_checkpoint, tmp_path / "run", f"{LOOP_CHILD}.add_keyframe:stop:2",
                   deadlines=deadlines)
     assert_complete_with_the_open_chain(outcome, "3 s passed after the stream's end")
+    # run.json says how long the end of the run waited: the deadline at least (a child still starting gets
+    # its start-up time first), within the run's time
+    assert 3.0 <= outcome.record["summary"]["loop_closure"]["end_wait_s"] < outcome.seconds
 
 
-def test_a_signal_in_the_end_of_run_wait_ends_it_at_once_keeping_every_file(tmp_path: Path, short_video: Path,
-                                                                               tiny_checkpoint: Path) -> None:
+def test_run_json_says_how_long_the_end_of_the_run_waited_for_loop_closure(tmp_path: Path, short_video: Path,
+                                                                          tiny_checkpoint: Path) -> None:
+    outcome = run(short_video, tiny_checkpoint, tmp_path / "run")
+    assert outcome.code == EXIT_OK, outcome.output
+    waited = outcome.record["summary"]["loop_closure"]["end_wait_s"]
+    assert isinstance(waited, float) and 0.0 <= waited < 3.0 and waited == round(waited, 3)
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, EXIT_INTERRUPTED), (signal.SIGTERM, EXIT_TERMINATED)])
+def test_a_signal_in_the_end_of_run_wait_ends_it_at_once_keeping_every_file(
+        tmp_path: Path, short_video: Path, tiny_checkpoint: Path, signum: int, code: int) -> None:
+    # the exit code said 130 or 143 while run.json said "complete" with no stop_signal and the last line "done:"
     deadlines = "stream_recon.models.loops.process:STALL_S=60,stream_recon.models.loops.process:FINISH_S=60"
     started = time.monotonic()
     child = start_run(short_video, tiny_checkpoint, tmp_path / "run", f"{LOOP_CHILD}.add_keyframe:stop:2",
@@ -175,16 +189,55 @@ def test_a_signal_in_the_end_of_run_wait_ends_it_at_once_keeping_every_file(tmp_
     # the stream has ended (its last frame is on disk) and the run waits for the stopped child
     wait_for(lambda: (tmp_path / "run" / "predictions" / "000023.npz").exists(), child)
     signalled = time.monotonic()
-    child.send_signal(signal.SIGINT)
+    child.send_signal(signum)
     outcome = finish(child, tmp_path / "run", started)
     assert time.monotonic() - signalled < 10.0
-    assert outcome.code == EXIT_INTERRUPTED, outcome.output
+    assert outcome.code == code, outcome.output
     assert "Traceback" not in outcome.output
     record = outcome.record
-    assert record["status"] in ("complete", "interrupted") and record["summary"]["frames"] == 24
-    assert "the run was stopped" in record["summary"]["loop_closure"]["error"]
+    assert record["status"] == "interrupted" and record["summary"]["frames"] == 24
+    assert record["summary"]["stop_signal"] == signal.Signals(signum).name
+    assert outcome.output.splitlines()[-1].startswith("interrupted: 24 frames"), outcome.output
+    loops = record["summary"]["loop_closure"]
+    assert "the run was stopped" in loops["error"]
+    assert 0.0 < loops["end_wait_s"] < outcome.seconds
     assert outcome.npz_frames == list(range(24))
     assert (tmp_path / "run" / "trajectory_tum.txt").exists() and (tmp_path / "run" / "points.ply").exists()
+
+
+def test_a_signal_at_any_instant_of_a_runs_end_leaves_its_record_last_line_and_exit_code_agreeing(
+        tmp_path: Path, short_video: Path, tiny_checkpoint: Path) -> None:
+    # 20 instants from the stream's last frame on: during the end-of-run wait for the loop-closure child (held
+    # up by the fault: stopped), while the files are written, or once the run is over
+    deadlines = "stream_recon.models.loops.process:STALL_S=60,stream_recon.models.loops.process:FINISH_S=2"
+    random = np.random.default_rng(5)
+    for instant in range(20):
+        run_dir = tmp_path / f"run{instant}"
+        signum = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)[instant % 3]
+        started = time.monotonic()
+        child = start_run(short_video, tiny_checkpoint, run_dir, f"{LOOP_CHILD}.add_keyframe:stop:2",
+                          deadlines=deadlines)
+        wait_for(lambda run_dir=run_dir: (run_dir / "predictions" / "000023.npz").exists(), child)
+        time.sleep(random.uniform(0.0, 3.0))  # the instant itself: somewhere in or after the 2 s wait
+        if child.poll() is None:
+            child.send_signal(signum)
+        outcome = finish(child, run_dir, started)
+        record, last = outcome.record, outcome.output.splitlines()[-1]
+        where = (instant, outcome.code, record["status"], record["summary"]["stop_signal"], last)
+        if outcome.code == EXIT_OK:
+            assert record["status"] == "complete" and record["summary"]["stop_signal"] is None, where
+            assert last.startswith("done: ") and "stopped nothing" not in last, where
+        elif outcome.code > 128:
+            name = signal.Signals(outcome.code - 128).name
+            assert record["summary"]["stop_signal"] == name, where
+            if record["status"] == "interrupted":
+                assert last.startswith("interrupted: 24 frames"), where
+            else:
+                assert record["status"] == "complete" and last.endswith(f"{name} came after the last frame and "
+                                                                          "stopped nothing"), where
+        else:  # the signal came once the program had ended its work and its handlers were gone
+            assert outcome.code == -signum and record["status"] == "complete", where
+        assert outcome.npz_frames == list(range(24)), where
 
 
 def test_one_sigterm_ends_a_run_whose_loop_closure_child_is_stopped_within_10_s(
@@ -259,6 +312,8 @@ def test_on_with_a_broken_gtsam_is_one_error_line_and_writes_nothing(
     assert outcome.code == EXIT_BAD_INPUT, outcome.output
     lines = [line for line in outcome.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: --loop-closure on needs gtsam"), outcome.output
+    # a plain `pip install gtsam` does nothing where gtsam is installed already
+    assert lines[0].endswith("pip install --force-reinstall gtsam (or --loop-closure off)"), outcome.output
     assert not (tmp_path / "run").exists()
 
 

@@ -708,6 +708,8 @@ def test_a_ctrl_c_after_the_sources_last_frame_leaves_a_complete_run(tmp_path: P
     assert (summary.status, summary.frames, summary.stop_signal) == ("complete", 6, signal.SIGINT)
     assert summary.ended_by_signal == signal.SIGINT  # the CLI still exits 130: the signal was seen
     check_run_dir(tmp_path / "run", 6, "complete")
+    # and run.json names it, as the exit code does
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["summary"]["stop_signal"] == "SIGINT"
 
 
 def test_a_ctrl_c_mid_stream_still_interrupts_the_run(tmp_path: Path, tiny_model: GCTStream) -> None:

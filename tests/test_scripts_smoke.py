@@ -24,8 +24,10 @@ import math
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -243,6 +245,7 @@ def test_bench_shapes_imports_and_its_variants_resolve() -> None:
     check = """
 import re
 import sys
+import time
 sys.path.insert(0, "scripts")
 import torch
 import bench_shapes
@@ -594,3 +597,46 @@ def test_the_viewer_comparison_of_bench_refuses_too_few_frames_in_one_line():
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
         "bench.py: error: --viewer compares blocks of 10 frames with and without the viewer: --frames must be at "
         "least 20, got 5")
+
+
+# -- scripts/test stops at Ctrl-C ------------------------------------------------------------------------
+def processes_of_session(session: int) -> dict[int, str]:
+    """pid -> command line of every live process of `session` (Linux's /proc)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry.name)) == session:
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # ended meanwhile
+            continue
+    return found
+
+
+@pytest.mark.slow  # a pytest session of its own, with a stream-recon run in it: 20-40 s on a busy machine
+def test_ctrl_c_in_scripts_test_stops_the_whole_suite_at_once() -> None:
+    # each Ctrl-C in a terminal running scripts/test failed one test (its stream-recon process got the signal
+    # too and exited 130) and the suite went on
+    suite = subprocess.Popen([str(SCRIPTS / "test"), "tests/test_app_cli_process.py", "-k",
+                              "closed_terminal or a_second_run_into", "-p", "no:cacheprovider"],
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)  # a terminal of its own: its Ctrl-C reaches its group only
+    try:
+        deadline = time.monotonic() + 300
+        while not any("stream-recon" in line and "--checkpoint" in line
+                      for line in processes_of_session(suite.pid).values()):
+            assert suite.poll() is None and time.monotonic() < deadline, "no stream-recon run in the suite"
+            time.sleep(0.05)
+        os.killpg(suite.pid, signal.SIGINT)  # what the terminal does at Ctrl-C: its foreground group
+        stopped = time.monotonic()
+        printed, _ = suite.communicate(timeout=30)
+        took_s = time.monotonic() - stopped
+    finally:
+        if suite.poll() is None:
+            os.killpg(suite.pid, signal.SIGKILL)
+
+    assert suite.returncode == 130, printed
+    assert took_s < 5.0, printed
+    assert processes_of_session(suite.pid) == {}  # nothing of the suite left running
+    assert "passed" not in printed.splitlines()[-1], printed

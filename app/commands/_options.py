@@ -20,6 +20,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Annotated, Any, NoReturn, Optional
 
+import rich
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -102,7 +103,7 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         # the backend table imports torch: `stream-recon info` lists it, and a wrong name is refused with the list
         "attention": "Attention backend: auto (the fastest that runs here) or a backend's name; `stream-recon info` "
         "lists them, what each is and whether it runs here.",
-        "compile": "Fuse the blocks and heads with torch.compile (CUDA only), about 10% faster per frame: auto "
+        "compile": "Fuse the blocks and heads with torch.compile (CUDA only), 9% faster per frame at 518x392: auto "
         "(compiled where this machine compiled the input size before; a new size streams uncompiled at once "
         "while it compiles beside the run for the next one), on (compiled before the first frame: 20-40 s the "
         "first time), or off.",
@@ -125,7 +126,8 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         "overlap": "Long streams: frames two consecutive chunks share.",
         "loop_closure": "Long streams: when the camera returns to a place seen two or more chunks earlier, correct "
         "the drift between them (a pose graph over chunks; the uncorrected trajectory is kept as "
-        "trajectory_open_tum.txt): auto (on when the stream has chunks and gtsam is installed), on, or off.",
+        "trajectory_open_tum.txt): auto (on when gtsam imports and the stream can reach a third chunk, past "
+        "2 x (chunk frames - overlap) frames: a loop joins chunks two or more apart), on, or off.",
         "keyframes": "Keyframe policy: all, interval:N or flow.",
         "flow_threshold": "flow policy: mean flow in pixels that makes a keyframe.",
         "max_gap": "flow policy: most frames in a row without a keyframe.",
@@ -148,7 +150,8 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
     },
     _OUTPUT: {
         "conf_threshold": "Keep points with depth confidence at least this in points.ply.",
-        "voxel_size": "Voxel size for points.ply, in model units.",
+        "voxel_size": "Voxel size for points.ply, in model units (one too fine for the scene's grid, under about "
+        "1/16000 of the first frame's median depth, is raised to it with a warning).",
         "mask_sky": "Leave the sky out of points.ply, the viewer and every export: the reference demo's sky network "
         "(skyseg.onnx, fetched once with `stream-recon download skyseg`; needs onnxruntime: pip install "
         "'stream-recon[sky]'), run beside the stream; each npz keeps its frame's mask (sky_mask).",
@@ -305,7 +308,7 @@ _verbose = False
 def set_verbosity(verbose: bool) -> None:
     """--verbose (any command): the libraries' own messages on stderr and every line of an error's details.
 
-    Without it, OpenCV's log (`[ WARN:0@0.1] global cap.cpp:212 ...`), FFmpeg's (`[mpeg4 @ 0x...] header
+    Without it, viser's banner, OpenCV's log (`[ WARN:0@0.1] global cap.cpp:212 ...`), FFmpeg's (`[mpeg4 @ 0x...] header
     damaged`, `[tcp @ 0x...] Connection refused`), Ray's warnings (library_log_level) and Python warnings stay
     quiet, so that a bad input is the one `error:` line. OpenCV reads its level when it loads and FFmpeg's at its first capture, both after
     this (commands import them when they run); a level the user set in the environment is kept.
@@ -316,6 +319,9 @@ def set_verbosity(verbose: bool) -> None:
         os.environ.setdefault("OPENCV_LOG_LEVEL", "SILENT")
         os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", "-8")  # AV_LOG_QUIET
         warnings.simplefilter("ignore")
+        # rich's shared console is what libraries print through (viser's banner box and its "Server stopped"
+        # on stdout); stream-recon's own lines go through consoles of their own
+        rich.reconfigure(quiet=True)
 
 
 def library_log_level() -> int:

@@ -128,6 +128,19 @@ def open_chain_table(results: dict) -> Table:
     return table
 
 
+def check_output_folder(target: Path, error: type[Exception]) -> None:
+    """An -o whose folder is missing or cannot be written is refused before the evaluation, not after its
+    tables are printed (the run directory's own eval.json, when it cannot be written, still comes after:
+    exit 1, with the results shown)."""
+    import os
+
+    folder = target.parent
+    if not folder.is_dir():
+        raise error(f"-o {target}: the folder {folder} does not exist; create it, or choose another -o")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise error(f"-o {target}: the folder {folder} cannot be written; choose another -o")
+
+
 def eval_command(
     run_dir: RunDirArg,
     gt: GtOpt,
@@ -151,6 +164,8 @@ def eval_command(
     check_alignment(errors, alignment)
     with user_errors(errors, EvaluationError):
         target = file_to_write(output if output is not None else evaluation_path(run_dir))  # a FIFO: refused now
+        if output is not None:
+            check_output_folder(target, EvaluationError)
         results = evaluate_run(
             run_dir,
             gt,

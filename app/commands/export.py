@@ -47,7 +47,8 @@ def export(
     ] = None,
     voxel_size: Annotated[
         Optional[float],
-        typer.Option(help="Voxel edge (> 0) in scene units. Default: the run's value."),
+        typer.Option(help="Voxel edge (> 0) in scene units; one too fine for the scene (under about 1/16000 of the "
+                     "first frame's median depth) is raised to it with a warning. Default: the run's value."),
     ] = None,
     max_points: Annotated[
         Optional[int],
@@ -76,12 +77,18 @@ def export(
     a nerfstudio dataset (transforms.json, images, points.ply) or Gaussian splats (the 3D Gaussian splatting PLY
     that splat viewers open)."""
     from stream_recon.app.export import ExportError, export_run
+    from stream_recon.app.rundir import check_run_dir
+    from stream_recon.app.writers import close_abandoned_run
 
     console = error_console()
     for problem in point_cloud_problems(conf_threshold, voxel_size):
         bad_input(console, problem)
     # a ValueError here is a damaged run directory read back, said in one sentence
     with user_errors(console, ExportError, ValueError):
+        check_run_dir(run_dir)
+        closed = close_abandoned_run(run_dir)
+        if closed is not None:
+            console.print(f"note: {closed}", highlight=False)
         result = export_run(
             run_dir,
             format,
@@ -94,12 +101,13 @@ def export(
             mask_sky=mask_sky,
         )
     if format is ExportFormat.TUM:
-        console.print(f"wrote {result.num_frames} poses to {result.path}")
+        console.print(f"wrote {_count(result.num_frames, 'pose')} to {result.path}")
         return
     voxel = "none" if result.voxel_size is None else f"{result.voxel_size:.4g}"
+    # a PLY cloud holds no cameras: it is made of the frames' points
+    seen = _count(result.num_frames, "frame" if format is ExportFormat.PLY else "camera")
     console.print(
-        f"wrote {format.value} export ({result.num_frames} cameras, {result.num_points} "
-        f"{'splats' if format is ExportFormat.SPLATS else 'points'}, "
+        f"wrote {format.value} export ({seen}, {_count(result.num_points, 'splat' if format is ExportFormat.SPLATS else 'point')}, "
         f"voxel {voxel}) to {result.path}"
     )
     if result.grey_points is not None:
@@ -109,3 +117,7 @@ def export(
             f"[yellow]warning:[/yellow] no pixel has depth confidence >= {result.conf_threshold:g}; "
             "pass a lower --conf-threshold to get points"
         )
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" + ("" if number == 1 else "s")

@@ -10,8 +10,10 @@ Examples:
 from __future__ import annotations
 
 import json
+import os
 import platform
 from importlib import metadata
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -106,9 +108,12 @@ def _checkpoint_info() -> dict[str, Any]:
     )
 
     found = {name: locate_checkpoint(name) for name in KNOWN_CHECKPOINTS}
+    folder = checkpoint_dir()
+    # a folder named by the environment that is not there is most likely a typo: said, not only listed
+    missing = ", which does not exist" if os.environ.get(CHECKPOINT_DIR_ENV) and not Path(folder).is_dir() else ""
     return {
         "repository": HF_REPO_URL,
-        "search_order": [f"{checkpoint_dir()} (${CHECKPOINT_DIR_ENV})", f"{hub_cache_dir()} (Hugging Face cache)"],
+        "search_order": [f"{folder} (${CHECKPOINT_DIR_ENV}{missing})", f"{hub_cache_dir()} (Hugging Face cache)"],
         "offline": hub_offline(),
         "found": {name: str(path) if path else None for name, path in found.items()},
     }

@@ -10,7 +10,7 @@ Examples:
     stream-recon clip.mp4 --checkpoint lingbot-map.pt --keyframes flow --flow-threshold 20
 
 Outputs (in --output, default outputs/<source name>/, a new or empty folder or one holding a run to
-replace with --overwrite): predictions/NNNNNN.npz per frame as it completes, then trajectory_tum.txt,
+replace with --overwrite; a folder another run is writing is refused): predictions/NNNNNN.npz per frame as it completes, then trajectory_tum.txt,
 points.ply and run.json. Ctrl-C (or SIGTERM) stops after the current frame and saves everything done
 so far (before the first frame: nothing is left); a second Ctrl-C skips the final flush. From a
 terminal the live viewer keeps serving the result after the last frame until Ctrl-C; otherwise (or
@@ -18,7 +18,8 @@ with --no-keep-viewer) it closes, and the last line names the `view` command tha
 
 Exit codes: 0 done; 1 the run failed part-way (a damaged video, a camera gone, NaN predictions, a
 full disk, or no frame at all; what was computed is kept and run.json says why); 2 bad input or
-options, nothing ran; 130 Ctrl-C (also when it closes the viewer kept serving the result); 143 SIGTERM.
+options, nothing ran; 130 Ctrl-C (also when it closes the viewer kept serving the result); 143 SIGTERM;
+129 SIGHUP (the terminal closed: stopped and saved as at SIGTERM).
 
 Without a SOURCE it runs the bundled sample (frames 0-13 of the official example scene
 `courthouse`, 224x126, package data of stream_recon.app) so that a first run needs nothing but the
@@ -70,7 +71,7 @@ def run(
     """Reconstruct SOURCE frame by frame: poses and depth on disk as they come, live in the browser."""
     from stream_recon.app.presets import build_options
     from stream_recon.app.sources import source_name
-    from stream_recon.app.stopping import interrupted_exit_code
+    from stream_recon.app.stopping import interrupted_exit_code, interrupts_held
 
     run_sequence = import_held("stream_recon.app.pipeline").run_sequence
     console = error_console()
@@ -86,7 +87,13 @@ def run(
         options = build_options(config, overrides, defaults)
         if is_sample:
             announce_sample(output_dir, options, console)
-        summary = run_sequence(source, output_dir, options, console=console)
+        try:
+            summary = run_sequence(source, output_dir, options, console=console)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM before the stream began (PromptInterrupt): said, not silent
+            with interrupts_held():
+                console.print(f"[yellow]interrupted[/yellow] before the first frame: nothing was written to "
+                              f"{output_dir}")
+            raise
     if summary.status == "failed":
         raise typer.Exit(code=EXIT_FAILED)
     if summary.ended_by_signal is not None:  # stopped, or its viewer closed, by Ctrl-C or SIGTERM

@@ -40,6 +40,7 @@ def view(
     from stream_recon.app.replay import start_replay
     from stream_recon.app.rundir import check_run_dir
     from stream_recon.app.stopping import interrupted_exit_code, wait_for_stop_signal
+    from stream_recon.app.writers import close_abandoned_run
 
     host = RunOptions.host if host is None else host
     port = RunOptions.port if port is None else port
@@ -50,6 +51,9 @@ def view(
             bad_input(console, f"--show must be one of {', '.join(SHOW_CHOICES)}, got {show!r}")
         check_run_dir(run_dir)
         check_viewer_address(host, port, optional=False)
+        closed = close_abandoned_run(run_dir)
+        if closed is not None:
+            console.print(f"note: {closed}", highlight=False)
         masker = sky_masker(mask_sky)
         replay = start_replay(run_dir, host, port, show=show, masker=masker)
     announce = f"Replaying {replay.index.num_frames} frames at {replay.viewer.url} (Ctrl+C to stop)"
