@@ -167,3 +167,29 @@ def test_a_flow_chunks_rollover_feeds_the_index_out_of_frame_order_and_detection
             feed.add_prediction(prediction)
     assert any(later < earlier for earlier, later in zip(order, order[1:], strict=False)), order  # the case arose
     assert closer.summary()["keyframes_indexed"] == len(order) == len(set(order))
+
+
+def test_a_solve_cut_short_by_its_budget_goes_on_until_it_settles() -> None:
+    """The closer's solves hand back what they have after their budget; at the stream's end `settle` solves on
+    until the graph's verdicts are final: those of a solve without a budget."""
+    from evo_data import evo_data_dir
+    from loop_scenarios import TRAJECTORIES, make_scenario
+
+    from stream_recon.models.loops.closer import LoopCloser
+    from stream_recon.models.loops.pose_graph import PoseGraphSettings, optimize
+    from stream_recon.models.stream.chunks import ChunkLink
+
+    trajectory = TRAJECTORIES["TUM fr1_xyz"]
+    scenario = make_scenario(trajectory.poses(evo_data_dir()), 0, revisit_radius=trajectory.revisit_radius,
+                             false_min_distance=trajectory.false_min_distance, scene_depth=trajectory.scene_depth)
+    closer = LoopCloser(LoopClosureConfig(pose_graph=PoseGraphSettings(budget_s=0.0)))
+    for k, edge in enumerate(scenario.graph.odometry):
+        closer.add_link(ChunkLink(k + 1, edge.previous_from_next, edge.sigmas, 16, edge.covariance))
+    closer._edges.extend(scenario.graph.loops)  # the loops as verification would have added them
+    closer._solve()
+    assert closer._unfinished
+    settled = closer.settle()
+    assert not closer._unfinished
+    assert not settled.is_identity and settled.version > 1
+    final = closer._solver.solve(scenario.graph)
+    assert final.complete and final.accepted_ids == optimize(scenario.graph).accepted_ids

@@ -372,6 +372,13 @@ class LoopCloser:
         new_edges = [self._verify(candidate) for candidate in checked]
         return self._solve() if any(new_edges) or self._unfinished else None
 
+    def settle(self) -> ChunkCorrections:
+        """The stream has ended: a solve its budget cut short goes on, budget by budget, until it finishes
+        (the parent's end-of-run deadline bounds the whole)."""
+        while self._unfinished:
+            self._solve()
+        return self.corrections
+
     @property
     def pairs_recorded(self) -> int:
         """Candidate pairs checked so far (whatever became of them)."""

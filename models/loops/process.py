@@ -78,7 +78,7 @@ def serve(requests_fd: int, replies_fd: int) -> None:
                     closer = LoopCloser(payload)
                     continue
                 if kind == "finish":
-                    write_message(replies, ("finished", closer.corrections, closer.summary()))
+                    write_message(replies, ("finished", closer.settle(), closer.summary()))
                     return
                 write_message(replies, _answer(closer, kind, payload))
             except Exception as error:  # the parent turns loop closure off and keeps what was solved
