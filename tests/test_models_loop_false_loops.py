@@ -68,6 +68,7 @@ def test_the_scenarios_loop_edges_carry_the_fits_own_covariance() -> None:
         assert np.all((loop.sigmas[:3] > 7e-3) & (loop.sigmas[:3] < 9e-3)), (loop.loop_id, loop.sigmas)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["KITTI 00", "TUM fr1_xyz"])
 def test_keyframes_turned_by_0_4_degrees_in_their_chunk_keep_true_loops_inside_their_bound(name: str) -> None:
     """Each keyframe's orientation off by 0.4 degrees (over all axes) within its chunk: the loops' declared
