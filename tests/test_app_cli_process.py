@@ -441,8 +441,9 @@ def test_info_says_when_the_checkpoint_folder_named_by_the_environment_does_not_
     # STREAM_RECON_CHECKPOINTS naming a folder that is not there (a typo) was listed as if it were
     missing = tmp_path / "chekpoints"
     result = subprocess.run(command("info"), capture_output=True, text=True, timeout=120,
-                            env=environment(STREAM_RECON_CHECKPOINTS=str(missing)))
+                            env=environment(STREAM_RECON_CHECKPOINTS=str(missing), COLUMNS="1000"))
     assert result.returncode == 0, result.stderr
+    # a terminal wide enough for the folder's long name on one line (rich wraps at 80 columns off a terminal)
     assert f"{missing} ($STREAM_RECON_CHECKPOINTS, which does not exist)" in " ".join(result.stdout.split())
 
 

@@ -60,10 +60,11 @@ def stream_through(closer, seed: int = 0) -> tuple[dict, LoopSceneEngine]:
 
 @functools.cache
 def core_run(seed: int) -> tuple[LoopCloser, dict]:
-    """The synchronous core fed the stream drifted with `seed`, and the stream's final emissions: one run
-    per seed, which the child's run is compared with too (the core's outcome does not depend on timing)."""
+    """The synchronous core fed the stream drifted with `seed`, and the stream's final emissions, settled as
+    the child settles at the stream's end: one run per seed, which the child's run is compared with too."""
     closer = LoopCloser(ALL_KEYFRAMES)
     final, _ = stream_through(CoreFeed(closer), seed)
+    closer.settle()
     return closer, final
 
 
@@ -102,8 +103,10 @@ def test_the_child_process_closes_the_same_loops_as_the_core() -> None:
     assert [loop.loop_id for loop in child_result.accepted_loops] == [
         loop.loop_id for loop in core_result.accepted_loops]
     assert sorted(child_result.by_chunk) == sorted(core_result.by_chunk)
+    # each solve starts from the last and may be cut short by its time budget at different points in the two
+    # processes: their solutions agree to the solver's tolerance, not bit for bit
     for chunk, move in core_result.by_chunk.items():
-        np.testing.assert_allclose(child_result.by_chunk[chunk].scaled_matrix, move.scaled_matrix, atol=1e-9)
+        np.testing.assert_allclose(child_result.by_chunk[chunk].scaled_matrix, move.scaled_matrix, atol=5e-3)
     summary = in_child.summary()
     assert summary["accepted"] == len(core_result.accepted_loops) and summary["keyframes_indexed"] == 69
     assert summary["keyframes_deferred"] == 0 and summary["index_spacing"] == {"start": 1, "end": 1}

@@ -288,7 +288,7 @@ class PoseGraphSolver:
         self._consistent_pairs = np.zeros((0, 0), bool)
         self._clique: list[int] = []  # the last solve's consistent set (loop indices)
         self._clique_over: set[int] = set()  # the candidates it was chosen from
-        self._clique_exact = False  # it is a maximum clique of them (the search finished)
+        self._misfit_loops: set[int] = set()  # loops of the edges the last solve dropped as misfits
         self._estimate: np.ndarray | None = None  # [K, 4, 4] the last solution; None: the open chain
         self._group_factors: dict[tuple, gtsam.NonlinearFactor] = {}
         self._groups: dict[tuple, _Group] = {}
@@ -314,7 +314,7 @@ class PoseGraphSolver:
         reaching = [i for i, (a, b) in enumerate(self._ends) if max(a, b) > unchanged]
         if reaching:  # their cycles run through a changed link: judged again, the clique searched again
             self._judge_loops(np.array(reaching), against_all=True)
-            self._clique_exact = False
+            self._clique = []  # its pairs' verdicts may have changed
 
     def _take_loops(self, loops: Sequence[LoopEdge]) -> np.ndarray:
         """The solver's indices of `loops`, new ones added and judged."""
@@ -384,24 +384,32 @@ class PoseGraphSolver:
         position = {loop: n for n, loop in enumerate(candidates.tolist())}
         warm = [position[loop] for loop in self._clique if loop in position]
         found = maximum_clique(adjacent, warm_start=warm)
-        self._clique_exact = found.exact
         self._clique_over = set(candidates.tolist())
         return candidates[np.array(found.members, np.int64)]
 
     def _clique_grown_by(self, candidates: np.ndarray) -> np.ndarray | None:
-        """The last clique with every new candidate, when that is still a maximum clique, else None. Adding k
-        nodes to a graph raises its largest clique by at most k: a maximum clique that takes all k new
-        candidates in is a maximum clique of the grown graph (O(k x clique) to check, where a search over
-        thousands of loops costs tens of ms or more)."""
+        """The last clique grown by the new candidates, when that is as good as a search would find, else None.
+
+        Adding k nodes to a graph raises its largest clique by at most k, and a new node of degree d can be in
+        no clique of more than d + 1 nodes: the last clique with the new candidates adjacent to all of it (and
+        to each other), when every other new candidate's degree is too small to beat it, is as large as the
+        last one was (maximum if that was). O(k x candidates) where a search over thousands of loops costs
+        tens of ms to seconds."""
         now = set(candidates.tolist())
-        if not self._clique_exact or not self._clique_over <= now:
+        if not self._clique or not self._clique_over <= now:
             return None
+        members = np.array(self._clique, np.int64)
         new = np.array(sorted(now - self._clique_over), np.int64)
-        members = np.concatenate([np.array(self._clique, np.int64), new])
-        if len(new) and not self._consistent_pairs[np.ix_(new, members)].all():
-            return None
+        joining = [v for v in new.tolist() if self._consistent_pairs[v, members].all()]
+        joining = [v for v in joining if self._consistent_pairs[v, joining].all()]
+        left_out = np.setdiff1d(new, joining)
+        grown = np.sort(np.concatenate([members, np.array(joining, np.int64)]))
+        if len(left_out):
+            degrees = self._consistent_pairs[np.ix_(left_out, candidates)].sum(axis=1) - 1
+            if (degrees + 1 > len(grown)).any():
+                return None
         self._clique_over = now
-        return np.sort(members)
+        return grown
 
     def _group(self, members: Iterable[int]) -> list[_Group]:
         """The loops as edges first < second, one per chunk pair (or one per loop, without combining)."""
@@ -479,21 +487,35 @@ class PoseGraphSolver:
         return lie.normalised(lie.inverse(estimate[0])[None] @ estimate), iterations, converged
 
     def _solve_groups(self, groups: list[_Group], deadline: float) -> tuple[list[_Group], np.ndarray, int, bool]:
-        """Solve, and while the worst edge is past its bounds, drop it and solve again."""
-        estimate, iterations = self._initial(), 0
-        while groups:
-            estimate, steps, converged = self._levenberg_marquardt(groups, estimate, deadline)
-            iterations += steps
-            if not converged:
-                return groups, estimate, iterations, False
-            misfits = self._misfits(groups, estimate)
-            worst = int(np.argmax(misfits))
-            if misfits[worst] <= 1.0:
+        """Solve, and while the worst edge is past its bounds, drop it and solve again. Edges with a loop the
+        last solve dropped start out held back (a stream's next solve would drop them again, one solve each)
+        and join when they fit the solution; an edge joins at most once a solve."""
+        kept = [group for group in groups if not self._misfit_loops.intersection(group.members)]
+        held_back = [group for group in groups if self._misfit_loops.intersection(group.members)]
+        estimate, iterations, joined = self._initial(), 0, set()
+        while True:
+            if kept:
+                estimate, steps, converged = self._levenberg_marquardt(kept, estimate, deadline)
+                iterations += steps
+                if not converged:
+                    return kept, estimate, iterations, False
+                misfits = self._misfits(kept, estimate)
+                worst = int(np.argmax(misfits))
+                if misfits[worst] > 1.0:
+                    held_back.append(kept.pop(worst))
+                    if time.perf_counter() > deadline:
+                        return kept, estimate, iterations, False
+                    continue
+            fitting = self._misfits(held_back, estimate) <= 1.0 if held_back else np.zeros(0, bool)
+            joining = [group for group, fits in zip(held_back, fitting, strict=True)
+                       if fits and group.members not in joined]
+            if not joining:
                 break
-            del groups[worst]
-            if time.perf_counter() > deadline:
-                return groups, estimate, iterations, False
-        return groups, estimate, iterations, True
+            joined.update(group.members for group in joining)
+            kept += joining
+            held_back = [group for group in held_back if group not in joining]
+        self._misfit_loops = {loop for group in held_back for loop in group.members}
+        return kept, estimate, iterations, True
 
     def solve(self, graph: PoseGraph) -> PoseGraphResult:
         """The corrected world-from-chunk of every chunk of `graph` and a verdict on each of its loops."""
