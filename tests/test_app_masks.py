@@ -239,24 +239,35 @@ def test_the_live_viewer_leaves_masked_pixels_out_of_its_clouds(skyseg):
 
 
 def test_view_mask_sky_without_the_network_is_one_line_exit_2(tmp_path, monkeypatch):
-    from typer import Typer
-
     from stream_recon.app.commands.view import view
+
+    run = offline_run_without_skyseg(tmp_path, monkeypatch)
+    result = invoke_command(view, "view", [str(run), "--mask-sky"])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --mask-sky needs skyseg.onnx") and SKYSEG_URL in lines[0]
+
+
+def offline_run_without_skyseg(tmp_path, monkeypatch):
+    """A finished run of three frames, on a machine offline whose caches hold no skyseg.onnx."""
+    from synthetic_run import plane_frame
+    from test_app_export import make_run
 
     monkeypatch.setenv("STREAM_RECON_CHECKPOINTS", str(tmp_path / "empty"))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from synthetic_run import plane_frame
-    from test_app_export import make_run
+    make_run(tmp_path / "run", [plane_frame(i) for i in range(3)])
+    return tmp_path / "run"
 
-    make_run(tmp_path / "run2", [plane_frame(i) for i in range(3)])
-    viewer_app = Typer()
-    viewer_app.command()(view)
-    viewer_app.command(name="other")(lambda: None)
-    result = CliRunner().invoke(viewer_app, ["view", str(tmp_path / "run2"), "--mask-sky"])
-    assert result.exit_code == 2
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: --mask-sky needs skyseg.onnx") and SKYSEG_URL in lines[0]
+
+def invoke_command(command, name: str, args: list[str]):
+    """One command of the CLI as typer runs it (beside a second command, so that its name is asked for)."""
+    from typer import Typer
+
+    app = Typer()
+    app.command(name=name)(command)
+    app.command(name="other")(lambda: None)
+    return CliRunner().invoke(app, [name, *args])
 
 
 def test_a_turned_runs_source_masks_are_turned_with_its_frames(tmp_path, tiny_model):
@@ -273,21 +284,10 @@ def test_a_turned_runs_source_masks_are_turned_with_its_frames(tmp_path, tiny_mo
 
 
 def test_export_mask_sky_without_the_network_is_one_line_exit_2_and_leaves_nothing(tmp_path, monkeypatch):
-    from synthetic_run import plane_frame
-    from test_app_export import make_run
-
     from stream_recon.app.commands.export import export as export_command
 
-    monkeypatch.setenv("STREAM_RECON_CHECKPOINTS", str(tmp_path / "empty"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    make_run(tmp_path / "run", [plane_frame(i) for i in range(3)])
-    from typer import Typer
-
-    export_app = Typer()
-    export_app.command()(export_command)
-    export_app.command(name="other")(lambda: None)
-    result = CliRunner().invoke(export_app, ["export", str(tmp_path / "run"), "-f", "ply", "--mask-sky"])
+    run = offline_run_without_skyseg(tmp_path, monkeypatch)
+    result = invoke_command(export_command, "export", [str(run), "-f", "ply", "--mask-sky"])
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --mask-sky needs skyseg.onnx") and SKYSEG_URL in lines[0]

@@ -815,9 +815,15 @@ def test_browser_renders_the_points(tmp_path):
     viewer = LiveViewer(port=free_port(), max_points_per_keyframe=1500, thumbnail_px=0)
     for index in range(10):
         viewer.on_frame(orbit_frame(index, size=(84, 112), frame_type=FRAME_KEY), {"frames": index + 1})
+    assert _green_pixels_of(viewer, chromium, "viewer_screenshot.png", tmp_path) > 1000
+
+
+def _green_pixels_of(viewer: LiveViewer, chromium: str, name: str, tmp_path) -> int:
+    """The viewer's scene flushed, shot by headless Chromium into ARTIFACTS/name, and the viewer closed: the
+    green pixels in the picture's centre."""
     assert viewer.flush()
     ARTIFACTS.mkdir(exist_ok=True)
-    screenshot = ARTIFACTS / "viewer_screenshot.png"
+    screenshot = ARTIFACTS / name
     try:
         # Headless rendering under load sometimes shoots before the scene arrived: one longer try more.
         for budget_ms in (8000, 20000):
@@ -826,8 +832,8 @@ def test_browser_renders_the_points(tmp_path):
                 break
     finally:
         viewer.close()
-    print(f"viewer screenshot: {screenshot}; green pixels {green} in the centre")
-    assert green > 1000
+    print(f"{name}: green pixels {green} in the centre")
+    return green
 
 
 def _green_pixels_in_a_screenshot(chromium: str, url: str, screenshot: Path, tmp_path: Path, budget_ms: int) -> int:
@@ -1083,18 +1089,7 @@ def test_browser_renders_the_splats(tmp_path):
         frame = orbit_frame(index, size=(84, 112), frame_type=FRAME_KEY)
         frame.depth_conf[:] = 20.0  # opaque splats: the green shows as it is
         viewer.on_frame(frame, {"frames": index + 1})
-    assert viewer.flush()
-    ARTIFACTS.mkdir(exist_ok=True)
-    screenshot = ARTIFACTS / "viewer_splats_screenshot.png"
-    try:
-        for budget_ms in (8000, 20000):
-            green = _green_pixels_in_a_screenshot(chromium, viewer.url, screenshot, tmp_path, budget_ms)
-            if green > 1000:
-                break
-    finally:
-        viewer.close()
-    print(f"viewer splats screenshot: {screenshot}; green pixels {green} in the centre")
-    assert green > 1000
+    assert _green_pixels_of(viewer, chromium, "viewer_splats_screenshot.png", tmp_path) > 1000
 
 
 def test_a_replay_shows_splats_on_the_surface(tmp_path):

@@ -29,8 +29,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from . import sim3_batch as lie
-from .sim3_batch import TANGENT_DIM, adjoint, inverse, logmap, mahalanobis2, sandwich
+from .sim3_batch import TANGENT_DIM, adjoint, inverse, logmap, mahalanobis2, residual_chi2, sandwich
 
+_ANCHORS_KEPT = 8  # anchored sums kept: a few new loops' chunks (~0.4 MB each at 1,000 chunks)
 Uncertain = tuple[np.ndarray, np.ndarray]  # a transform [4, 4] and the covariance [7, 7] of e in T @ Exp(e)
 
 
@@ -90,6 +91,9 @@ class ChainCovariances:
             chain.append(chain[-1] @ link)
         self.world_from_chunk = np.stack(chain)
         self._world_sums: np.ndarray | None = None
+        # the last anchors' sums: a new loop's chunks are the anchors of its check against the chain and of
+        # all its pairs, asked for one after the other (each O(chunks) to make)
+        self._anchored: dict[int, np.ndarray] = {}
 
     @property
     def num_chunks(self) -> int:
@@ -100,14 +104,20 @@ class ChainCovariances:
         return inverse(self.world_from_chunk[x]) @ self.world_from_chunk[z]
 
     def anchored(self, x: int) -> np.ndarray:
-        """[K, 7, 7]: row z is the covariance of x_from_z through the chain, on its left (chunk x's frame);
-        row x is zero. Summed outward from x."""
+        """[K, 7, 7] (read-only): row z is the covariance of x_from_z through the chain, on its left (chunk x's
+        frame); row x is zero. Summed outward from x."""
+        if x in self._anchored:
+            return self._anchored[x]
         carried = sandwich(adjoint(inverse(self.world_from_chunk[x]) @ self.world_from_chunk[1:]),
                            self.link_covariances)  # [K-1]: link i into chunk x's frame
         out = np.zeros((self.num_chunks, TANGENT_DIM, TANGENT_DIM))
         out[x + 1:] = np.cumsum(carried[x:], axis=0)
         if x > 0:
             out[:x] = np.cumsum(carried[:x][::-1], axis=0)[::-1]
+        out.setflags(write=False)
+        if len(self._anchored) >= _ANCHORS_KEPT:
+            del self._anchored[next(iter(self._anchored))]
+        self._anchored[x] = out
         return out
 
 
@@ -130,14 +140,14 @@ class ChainCovariances:
         chained = self.between(first, second)
         left = sandwich(adjoint(inverse(self.world_from_chunk[first])), sums[second] - sums[first])
         right = sandwich(adjoint(inverse(chained)), left)
-        return mahalanobis2(logmap(inverse(chained) @ solved), right)
+        return residual_chi2(chained, solved, right)
 
     def odometry_chi2(self, world_from_chunk: np.ndarray) -> np.ndarray:
         """[K-1] each link's squared residual in its sigmas at the poses [K, 4, 4]."""
         if not len(self.links):
             return np.zeros(0)
         solved = inverse(world_from_chunk[:-1]) @ world_from_chunk[1:]
-        return mahalanobis2(logmap(inverse(self.links) @ solved), self.link_covariances)
+        return residual_chi2(self.links, solved, self.link_covariances)
 
 
 def odometry_between(chain: ChainCovariances, x: int, z: int) -> Uncertain:

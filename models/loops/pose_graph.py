@@ -441,11 +441,11 @@ class PoseGraphSolver:
     def _misfits(self, groups: Sequence[_Group], estimate: np.ndarray) -> np.ndarray:
         """[G] how far each edge is past its bounds at `estimate` (> 1: past): its own residual against the
         inlier bound, and the chain between its chunks bent by the solution against the cycle bound."""
-        first = np.array([group.first for group in groups])
-        second = np.array([group.second for group in groups])
-        solved = lie.inverse(estimate[first]) @ estimate[second]
-        own = lie.mahalanobis2(lie.logmap(lie.inverse(np.stack([group.measured for group in groups])) @ solved),
-                               np.stack([group.covariance for group in groups]))
+        ends = np.array([(group.first, group.second) for group in groups])
+        first, second = ends[:, 0], ends[:, 1]
+        solved = _between(estimate, ends)
+        own = lie.residual_chi2(np.stack([group.measured for group in groups]), solved,
+                                np.stack([group.covariance for group in groups]))
         bent = self._chain.bending_chi2(first, second, solved)
         return np.maximum(own / chi_square_quantile(self.settings.inlier_probability),
                           bent / chi_square_quantile(self.settings.consistency_probability))
@@ -546,9 +546,8 @@ class PoseGraphSolver:
     def _loop_chi2(self, loops: np.ndarray, world_from_chunk: np.ndarray) -> np.ndarray:
         if not len(loops):
             return np.zeros(0)
-        ends = self._ends[loops]
-        solved = lie.inverse(world_from_chunk[ends[:, 0]]) @ world_from_chunk[ends[:, 1]]
-        return lie.mahalanobis2(lie.logmap(lie.inverse(self._measured[loops]) @ solved), self._covariance[loops])
+        return lie.residual_chi2(self._measured[loops], _between(world_from_chunk, self._ends[loops]),
+                                 self._covariance[loops])
 
 
 def _gtsam_values(world_from_chunk: np.ndarray) -> gtsam.Values:
@@ -575,11 +574,15 @@ def loop_chi2(loops: Sequence[LoopEdge], world_from_chunk: Sequence[Sim3]) -> np
     covariance's metric."""
     if not loops:
         return np.zeros(0)
-    poses = lie.matrices(world_from_chunk)
     ends = np.array([(loop.first, loop.second) for loop in loops])
-    solved = lie.inverse(poses[ends[:, 0]]) @ poses[ends[:, 1]]
-    measured = lie.matrices([loop.first_from_second for loop in loops])
-    return lie.mahalanobis2(lie.logmap(lie.inverse(measured) @ solved), np.stack([covariance_of(loop) for loop in loops]))
+    return lie.residual_chi2(lie.matrices([loop.first_from_second for loop in loops]),
+                             _between(lie.matrices(world_from_chunk), ends),
+                             np.stack([covariance_of(loop) for loop in loops]))
+
+
+def _between(world_from_chunk: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """[E, 4, 4] first_from_second of each (first, second) row of `ends` [E, 2] at the poses [K, 4, 4]."""
+    return lie.inverse(world_from_chunk[ends[:, 0]]) @ world_from_chunk[ends[:, 1]]
 
 
 def _anchored_poses(estimate: np.ndarray) -> tuple[Sim3, ...]:

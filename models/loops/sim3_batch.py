@@ -158,4 +158,11 @@ def mahalanobis2(error: np.ndarray, covariance: np.ndarray) -> np.ndarray:
     return np.einsum("...i,...i->...", error, np.linalg.solve(covariance, error[..., None])[..., 0])
 
 
-__all__ = ["adjoint", "expmap", "inverse", "logmap", "mahalanobis2", "matrices", "normalised", "parts", "sandwich", "skew", "to_sim3", "to_sim3s"]
+def residual_chi2(measured: np.ndarray, solved: np.ndarray, covariance: np.ndarray) -> np.ndarray:
+    """[...] an edge's squared residual in its covariance: Log(measured^-1 @ solved), measured [..., 4, 4] and
+    its covariance [..., 7, 7] on the right, solved [..., 4, 4] what the poses make of it."""
+    return mahalanobis2(logmap(inverse(measured) @ solved), covariance)
+
+
+__all__ = ["adjoint", "expmap", "inverse", "logmap", "mahalanobis2", "matrices", "normalised", "parts", "residual_chi2",
+           "sandwich", "skew", "to_sim3", "to_sim3s"]
