@@ -74,9 +74,9 @@ class LoopClosureConfig:
     # (tests/test_models_loop_false_loops.py).
     keyframe_depth_scale_sigma: float = 0.02
     keyframe_rotation_sigma: float = 5e-3  # radians, per axis
-    # Keyframes handed to the loop-closure process and not yet answered: a keyframe due for indexing
-    # that finds this many waits for the next one (coverage.py), so the stream never waits for
-    # detection; 8 absorb a rollover's burst and are ~13 MB at 518 x 378.
+    # Keyframes handed to the loop-closure process and not yet answered (~13 MB at 518 x 378); a keyframe
+    # due for indexing that finds this many and `keyframes_waiting` waiting too is not sent (coverage.py),
+    # so the stream never waits for detection.
     keyframes_in_flight: int = 8
     # Keyframes chosen for indexing that wait on the stream's side while `keyframes_in_flight` are unanswered:
     # a closed chunk's final emissions come at once (with flow keyframes, up to 320 frames' worth: 20 due at
@@ -89,7 +89,7 @@ class LoopClosureConfig:
     # CPU cores, so at 40 FPS the child is busy a quarter of the time on one core, where indexing every
     # keyframe it could take (1 in 3-5 of a 40-FPS stream's) kept it busy all the time.
     index_spacing: int = 16
-    # Detection that cannot keep up (a due keyframe finds `keyframes_in_flight` unanswered) doubles the
+    # Detection that cannot keep up (a due keyframe finds every place in flight and waiting taken) doubles the
     # spacing, up to 64: 64 frames plus the wait of one due keyframe for an answer (one detection, ~4
     # frames at 40 FPS) stay under 100 frames without an indexed keyframe.
     max_index_spacing: int = 64

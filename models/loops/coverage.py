@@ -1,8 +1,8 @@
 """Which keyframes loop detection indexes: a spacing rule, never the timing of the queue to the child.
 
 A keyframe is *due* when at least `spacing` frames have passed since the last indexed one (the first
-keyframe is always due). A due keyframe is indexed when the loop closer has room for it (fewer than
-`keyframes_in_flight` unanswered). When it has none, detection is not keeping up at this density: the
+keyframe is always due). A due keyframe is indexed when the loop closer has room for it (the process:
+fewer than `keyframes_in_flight` unanswered and `keyframes_waiting` waiting). When it has none, detection is not keeping up at this density: the
 keyframe waits for the next one (it is not sent, and the next keyframe is due instead) and the spacing
 doubles, at most once per indexed keyframe and up to `max_spacing`, so the density falls evenly over
 the rest of the stream instead of by the drops of a full queue.
