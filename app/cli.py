@@ -188,6 +188,13 @@ def main(argv: list[str] | None = None) -> None:
             if exiting.code == EXIT_INTERRUPTED and interrupt.signum is not None:
                 sys.exit(interrupted_exit_code(interrupt.signum))
             raise
+        except Exception:
+            # After a stop signal an error is the stop's doing: a library that catches the KeyboardInterrupt
+            # while it imports fails later in its own way (trimesh keeps a stand-in for its path module and its
+            # next annotation raises TypeError). The stop is reported, not that traceback.
+            if interrupt.signum is not None:
+                sys.exit(interrupted_exit_code(interrupt.signum))
+            raise
         finally:
             interrupt.honoured()
 

@@ -176,3 +176,32 @@ def test_a_signal_that_torch_turns_into_a_read_error_during_the_load_stops_the_r
         CheckpointError(f"{path} is truncated or corrupt")))
     with pytest.raises(CheckpointError, match="truncated or corrupt"):
         load_model_for(RunOptions(checkpoint=str(checkpoint), device="cpu"), console=Console(file=io.StringIO()))
+
+
+SWALLOWING_COMMAND = """
+import os, signal, sys, time
+from stream_recon.app import cli
+
+@cli.app.command(name="swallowing")
+def swallowing() -> None:
+    try:  # a library's import that keeps the KeyboardInterrupt as a stand-in (trimesh's path module)
+        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+        time.sleep(5.0)
+    except KeyboardInterrupt as interrupt:
+        stand_in = interrupt
+    stand_in | None  # its next annotation: TypeError
+
+cli.main(["swallowing"])
+"""
+
+
+@pytest.mark.parametrize("name, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_an_error_raised_after_a_stop_signal_ends_as_the_stop_without_a_traceback(name: str, code: int) -> None:
+    """An export stopped while trimesh imported printed trimesh's TypeError as a traceback instead of stopping."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", SWALLOWING_COMMAND, name], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == code, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
