@@ -36,6 +36,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .checkpoint_names import CHECKPOINT_SIZE, DEFAULT_CHECKPOINT, KNOWN_CHECKPOINTS
+from .daemon_pool import DaemonPool
 from .errors import CheckpointError
 from .network.config import ModelConfig
 from .network.gct import GCTStream
@@ -495,7 +496,7 @@ def convert_to_safetensors(src_pt: str | Path, dst: str | Path, config: ModelCon
         folder = _converting_folder(dst.parent)
         partial = folder / dst.name
         mode = _mode_of_a_new_file(partial)
-        save_file(tensors, partial, metadata=metadata)
+        _save_stoppably(tensors, partial, metadata)
         # safetensors writes through a private temporary file (0600) that replaces ours; give the result
         # the mode any new file gets, so a checkpoint in a shared folder is readable as the umask allows
         os.chmod(partial, mode)
@@ -505,6 +506,19 @@ def convert_to_safetensors(src_pt: str | Path, dst: str | Path, config: ModelCon
     finally:
         _remove_converting_folder(dst.parent / f"{CONVERTING_PREFIX}{os.getpid()}")
     return dst
+
+
+def _save_stoppably(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """save_file on a worker thread, waited for where a signal lands: safetensors writes in native code,
+    where Python runs no signal handler, so a Ctrl-C or SIGTERM took effect only once the whole file was
+    written (13 s for the official 4.6 GB checkpoint; a stop is promised within 10 s). A lock's wait is
+    interrupted by a signal's handler. Stopped, the caller removes the file; the worker, a daemon thread,
+    ends with the process, its job holding the tensors it reads until then."""
+    writer = DaemonPool(1, "checkpoint-writer")
+    try:
+        writer.submit(save_file, tensors, path, metadata).result()  # unbounded-ok: a disk's write; a signal ends it
+    finally:
+        writer.shutdown()
 
 
 # A conversion writes into a hidden folder of its own beside the destination, named by its process, and so

@@ -25,6 +25,7 @@ from plyfile import PlyData
 
 from stream_recon.app.commands._options import EXIT_BAD_INPUT, EXIT_TERMINATED
 from stream_recon.models import GCTStream, ModelConfig
+from stream_recon.models.checkpoint import CONFIG_METADATA_KEY
 
 # the run flags that make the tiny model's runs take a moment (tests/test_app_cli.py uses the same)
 FAST_FLAGS = ("--no-viewer", "--image-width", "56", "--scale-frames", "3", "--window", "4")
@@ -265,35 +266,88 @@ def test_convert_names_the_one_tensor_of_the_wrong_shape_and_both_shapes(tmp_pat
     assert not (tmp_path / "out.safetensors").exists()
 
 
-CONVERT_TINY = """
-import sys
-from stream_recon.models import ModelConfig
-from stream_recon.models.checkpoint import convert_to_safetensors
-convert_to_safetensors(sys.argv[1], sys.argv[2], config=ModelConfig.tiny())
-"""
-
-
 def test_what_a_conversion_killed_part_way_leaves_is_removed_by_the_next_one_there(tmp_path: Path,
-                                                                                   tiny_model) -> None:
-    # after a SIGKILL mid-conversion a hidden temporary file of the checkpoint's size stayed for good (the
-    # tiny model's weights stand in for the official ones: the same writer, in a process of its own)
-    torch.save(tiny_model.state_dict(), tmp_path / "tiny.pt")
+                                                                                   tiny_checkpoint: Path) -> None:
+    # after a SIGKILL mid-conversion a hidden temporary file of the checkpoint's size stayed for good
     folder = tmp_path / "checkpoints"
     folder.mkdir()
+    # what is not recognisably a conversion's remains stays: a user's hidden file, a running conversion's folder
+    (folder / ".tmp1234").write_text("a user's")
+    running = folder / f".stream-recon-convert.{os.getpid()}"
+    running.mkdir()
 
-    def convert(name: str, fault: str = "") -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", CONVERT_TINY, str(tmp_path / "tiny.pt"), str(folder / name)],
-                              capture_output=True, text=True, timeout=120,
-                              env=fault_environment(fault) if fault else environment())
-
-    killed = convert("first.safetensors", "stream_recon.models.checkpoint:save_file:kill:1")
+    killed = subprocess.run(command("convert", str(tiny_checkpoint), str(folder / "first.safetensors")),
+                            env=fault_environment("stream_recon.models.checkpoint:save_file:kill:1"),
+                            capture_output=True, text=True, timeout=120)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    assert [entry.name for entry in folder.iterdir()] != []  # what the killed one left
+    assert len(list(folder.glob(".stream-recon-convert.*"))) == 2  # what the killed one left beside the others
 
-    done = convert("second.safetensors")
+    done = stream_recon("convert", str(tiny_checkpoint), str(folder / "second.safetensors"))
 
     assert done.returncode == 0, done.stderr
-    assert sorted(entry.name for entry in folder.iterdir()) == ["second.safetensors"]
+    assert sorted(entry.name for entry in folder.iterdir()) == sorted([".tmp1234", running.name, "second.safetensors"])
+
+
+# A checkpoint of the official width cut to 4 + 4 blocks: 1.6 GB, whose write takes seconds on a busy
+# 2-core machine, as the official 4.6 GB one's took 13 s
+WIDE_CONFIG = ModelConfig(dino_depth=4, depth=4, output_layers=(0, 1, 2, 3))
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """WIDE_CONFIG's checkpoint, zeros, carrying its config (so convert reads it with that config). Its data
+    is one hole of a sparse file: made in an instant, where writing 1.6 GB of zeros took longer than the test."""
+    with torch.device("meta"):
+        shapes = {name: list(tensor.shape) for name, tensor in GCTStream(WIDE_CONFIG).state_dict().items()}
+    header: dict = {"__metadata__": {CONFIG_METADATA_KEY: WIDE_CONFIG.to_json()}}
+    offset = 0
+    for name, shape in shapes.items():  # float32 throughout (the model's state dict is)
+        size = 4 * int(np.prod(shape, dtype=np.int64))
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the format aligns the data to 8 bytes
+    path = tmp_path_factory.mktemp("wide") / "wide.safetensors"
+    with open(path, "wb") as file:
+        file.write(len(encoded).to_bytes(8, "little") + encoded)
+        file.truncate(file.tell() + offset)
+    return path
+
+
+def writers_temporary_file(folder: Path) -> Path | None:
+    """The file safetensors writes the checkpoint into, inside convert's hidden folder, once it has begun."""
+    return next((entry for entry in folder.glob(".stream-recon-convert.*/.tmp*")), None)
+
+
+@pytest.mark.slow  # a 1.6 GB conversion's start in a process of its own: 10 s or more on a busy machine
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_conversion_stopped_while_it_writes_ends_at_once_and_leaves_nothing(tmp_path: Path, wide_checkpoint: Path,
+                                                                              stop: signal.Signals) -> None:
+    # safetensors writes in native code, where no signal handler runs: a conversion stopped while it wrote
+    # ended only with the write, 13 s for the official checkpoint (README: a stop takes 10 s at most)
+    child = subprocess.Popen(command("convert", str(wide_checkpoint), str(tmp_path / "out.safetensors")),
+                             env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: writers_temporary_file(tmp_path) is not None, child, "the write")
+        # held open, the file tells how much had been written when the process ended, after it is removed
+        written = os.open(writers_temporary_file(tmp_path), os.O_RDONLY)
+        child.send_signal(stop)
+        stopped_at = time.monotonic()
+        printed, _ = child.communicate(timeout=60)
+        took_s = time.monotonic() - stopped_at
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+    try:
+        allocated, size = os.fstat(written).st_blocks * 512, os.fstat(written).st_size
+    finally:
+        os.close(written)
+    assert child.returncode == 128 + stop, printed
+    assert "Traceback" not in printed
+    assert allocated < size, "the conversion ended only once its write had"  # (the file is sparse until written)
+    assert took_s < 10
+    assert list(tmp_path.iterdir()) == []  # neither the checkpoint nor the hidden folder it was written in
 
 
 # ------------------------------------------------------------------ options
