@@ -381,9 +381,15 @@ class PointAccumulator:
         self._recent_rows = np.empty(0, dtype=np.int64)
 
     def _coarsen(self) -> None:
+        xyz = self._xyz[: self._count]
+        if self.voxel_size > float(np.abs(xyz).max()):
+            # every point lies in the 8 cells around the origin, which no doubling merges (a cap under 8 doubled
+            # the voxel to infinity): the earliest points are kept
+            self._rebuild(np.arange(self.max_points))
+            return
         self.voxel_size *= 2.0
         self.num_coarsenings += 1
-        keys, _ = self._voxel_keys(self._xyz[: self._count])  # coarser cells of in-range points stay in range
+        keys, _ = self._voxel_keys(xyz)  # coarser cells of in-range points stay in range
         self._keys[: self._count] = keys
         _, rows = np.unique(keys, return_index=True)  # the earliest row of each voxel survives
         self._rebuild(rows)

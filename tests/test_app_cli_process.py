@@ -601,6 +601,19 @@ def test_a_voxel_too_fine_for_the_scene_is_raised_with_a_warning_never_an_empty_
     assert points > 0 and "no pixel has depth confidence" not in result.stderr
 
 
+def test_a_cap_of_fewer_points_than_the_grid_can_merge_keeps_the_earliest_ones(tmp_path: Path,
+                                                                             finished_run: Path) -> None:
+    # `export --max-points 1` doubled the voxel to infinity (points on both sides of the origin never share a
+    # voxel) and ended in an OverflowError's traceback
+    for cap in (1, 3):
+        result = stream_recon("export", str(finished_run), "-f", "ply", "-o", str(tmp_path / f"{cap}.ply"),
+                              "--max-points", str(cap), "--conf-threshold", "1")
+
+        assert result.returncode == 0, result.stderr
+        assert PlyData.read(str(tmp_path / f"{cap}.ply"))["vertex"].count == cap
+        assert f"{cap} point{'s' if cap > 1 else ''}," in result.stderr + result.stdout
+
+
 # ------------------------------------------------------------------ an export replaced
 
 
