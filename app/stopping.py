@@ -2,8 +2,9 @@
 every command at once before and after one.
 
 A stopped command exits as a signal's default action would have been reported by a shell, 128 + the
-signal's number: 130 for Ctrl-C (SIGINT), 143 for SIGTERM, 129 for SIGHUP (its terminal closed), so that a
-supervisor (systemd, a batch scheduler, `timeout`) sees the signal it sent. The three stop a run alike.
+signal's number: 130 for Ctrl-C (SIGINT), 143 for SIGTERM, 129 for SIGHUP (its terminal closed), 138 and 140
+for SIGUSR1 and SIGUSR2, so that a supervisor (systemd, a batch scheduler, `timeout`) sees the signal it sent.
+They stop a run alike.
 
 Three phases, one handler each:
 - from the start of the CLI until a run's stream (imports, checks, the model load): PromptInterrupt.
@@ -31,9 +32,10 @@ if TYPE_CHECKING:
 
     from rich.console import Console
 
-# SIGHUP: the terminal the run was started from closed (an SSH session dropped, a window shut); it stops
-# and saves as SIGTERM does instead of ending the process with nothing but its npz files.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# SIGHUP: the terminal the run was started from closed (an SSH session dropped, a window shut); SIGUSR1 and
+# SIGUSR2, whose default action also ends the process, are what some schedulers send ahead of a kill (Slurm's
+# --signal). Each stops and saves as SIGTERM does instead of ending the process with nothing but its npz files.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 REDELIVERY_INTERVAL_S = 0.5
 # A run stops within 10 s of its first SIGINT or SIGTERM: supervisors (timeout, systemd, Kubernetes)
 # send SIGKILL a few seconds after one SIGTERM. The stream gets STOP_STREAM_S to finish its frame and
@@ -137,7 +139,7 @@ def swallowed_signal() -> int | None:
 
 
 class StopOnSignal:
-    """First SIGINT, SIGTERM or SIGHUP: finish the current frame, flush, save; if the stream has not stopped
+    """First stop signal (STOP_SIGNALS): finish the current frame, flush, save; if the stream has not stopped
     STOP_STREAM_S later, it stops as at a second signal. Second: stop streaming now, save. A signal
     raises KeyboardInterrupt only inside `streaming()`; elsewhere (the run closing) it raises nothing, so
     the files being written are not cut off, and the close's waits give up once `requested`.
@@ -252,7 +254,7 @@ def signal_name(signum: int | None) -> str | None:
 
 
 def wait_for_stop_signal(on_ready: Callable[[], None] | None = None) -> int:
-    """Block until SIGINT, SIGTERM or SIGHUP arrives (main thread); returns which. A server that runs until it is
+    """Block until a stop signal (STOP_SIGNALS) arrives (main thread); returns which. A server that runs until it is
     stopped (`view`, a run's viewer kept serving) exits with interrupted_exit_code() of it, 130 or 143.
     `on_ready` runs once both signals are ours: a line that says "serving, Ctrl+C to stop" printed before
     would let a signal sent on reading it end the process with the default disposition (-15, not 143)."""

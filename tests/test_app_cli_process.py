@@ -767,24 +767,25 @@ def test_a_run_replacing_another_stopped_before_its_first_frame_leaves_the_earli
 # ------------------------------------------------------------------ every way a run ends leaves a true record
 
 
-def test_a_closed_terminal_stops_and_saves_a_run_as_sigterm_does(tmp_path: Path, tiny_checkpoint: Path,
-                                                                 endless_camera: str) -> None:
-    # SIGHUP ended the process at once (exit 129 as the signal's default action) with run.json left "running",
-    # no trajectory_tum.txt and no points.ply
+@pytest.mark.parametrize("stop", [signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2], ids=lambda stop: stop.name)
+def test_a_closed_terminal_or_a_users_signal_stops_and_saves_a_run_as_sigterm_does(
+        tmp_path: Path, tiny_checkpoint: Path, endless_camera: str, stop: signal.Signals) -> None:
+    # SIGHUP, SIGUSR1 and SIGUSR2 ended the process at once (exit 129, 138, 140 as the signal's default action)
+    # with run.json left "running", no trajectory_tum.txt and no points.ply
     run_dir = tmp_path / "run"
     child = start_run(endless_camera, "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(run_dir))
     try:
         wait_for(lambda: len(npz_frames(run_dir)) >= 2, child, "two frames")
-        child.send_signal(signal.SIGHUP)
+        child.send_signal(stop)
         printed, _ = child.communicate(timeout=60)
     finally:
         if child.poll() is None:
             child.kill()
 
-    assert child.returncode == 128 + signal.SIGHUP, printed
+    assert child.returncode == 128 + stop, printed
     assert "Traceback" not in printed
     record = json.loads((run_dir / "run.json").read_text())
-    assert record["status"] == "interrupted" and record["summary"]["stop_signal"] == "SIGHUP"
+    assert record["status"] == "interrupted" and record["summary"]["stop_signal"] == stop.name
     assert npz_frames(run_dir) == list(range(record["summary"]["frames"]))
     trajectory = (run_dir / "trajectory_tum.txt").read_text().splitlines()
     assert len(trajectory) == record["summary"]["frames"] + 1  # + the header

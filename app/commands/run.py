@@ -19,7 +19,7 @@ with --no-keep-viewer) it closes, and the last line names the `view` command tha
 Exit codes: 0 done; 1 the run failed part-way (a damaged video, a camera gone, NaN predictions, a
 full disk, or no frame at all; what was computed is kept and run.json says why); 2 bad input or
 options, nothing ran; 130 Ctrl-C (also when it closes the viewer kept serving the result); 143 SIGTERM;
-129 SIGHUP (the terminal closed: stopped and saved as at SIGTERM).
+129 SIGHUP (the terminal closed), 138 SIGUSR1, 140 SIGUSR2: stopped and saved as at SIGTERM.
 
 Without a SOURCE it runs the bundled sample (frames 0-13 of the official example scene
 `courthouse`, 224x126, package data of stream_recon.app) so that a first run needs nothing but the
