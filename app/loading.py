@@ -38,8 +38,8 @@ def load_model_for(options: RunOptions, device: str | None = None, console: Cons
     if checkpoint in KNOWN_CHECKPOINTS and not Path(checkpoint).exists() and locate_checkpoint(checkpoint) is None:
         if not hub_offline():
             # no spinner here: huggingface_hub draws its own progress bar
-            console.print(f"{checkpoint} is not on this machine yet: downloading it once (about {CHECKPOINT_SIZE})")
-            checkpoint = str(download_checkpoint(checkpoint))
+            announce = f"{checkpoint} is not on this machine yet: downloading it once (about {CHECKPOINT_SIZE})"
+            checkpoint = str(download_checkpoint(checkpoint, on_start=lambda: console.print(announce)))
     # Read on the host; preparing puts each weight on the device once, in the precision the run
     # uses, so a bf16 run never holds a float32 copy of the transformer there.
     with console.status(f"loading {checkpoint} on {device}"):

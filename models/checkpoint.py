@@ -23,7 +23,7 @@ import pickle
 import stat
 import warnings
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -648,9 +648,11 @@ def resolve_checkpoint(name_or_path: str | Path) -> Path:
     )
 
 
-def download_checkpoint(name: str = DEFAULT_CHECKPOINT) -> Path:
+def download_checkpoint(name: str = DEFAULT_CHECKPOINT, on_start: Callable[[], None] | None = None) -> Path:
     """Fetch a known checkpoint from the Hugging Face hub into its cache (a no-op when it is already
-    there) and return its path. Fails at once when offline mode is on or the hub cannot be reached."""
+    there) and return its path. Fails at once when offline mode is on or the hub cannot be reached;
+    `on_start` runs once the hub has answered, before the download (a line announcing it, never printed
+    before an error that downloads nothing)."""
     filename = _known_filename(name)
     if hub_offline():
         raise CheckpointError(
@@ -659,6 +661,8 @@ def download_checkpoint(name: str = DEFAULT_CHECKPOINT) -> Path:
         )
     endpoint = hub_endpoint()
     _check_hub_answers(name, endpoint)
+    if on_start is not None:
+        on_start()
     try:
         return Path(hf_hub_download(HF_REPO_ID, filename, cache_dir=hub_cache_dir(), endpoint=endpoint))
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as error:

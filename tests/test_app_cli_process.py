@@ -504,8 +504,9 @@ def test_info_says_when_the_checkpoint_folder_named_by_the_environment_does_not_
 # ------------------------------------------------------------------ units
 
 
-def test_the_checkpoints_size_is_said_in_one_unit(tmp_path: Path) -> None:
-    # "downloading it once (about 4.3 GiB)", then "(about 4.6 GB)" on the next line, for the same file
+def test_the_checkpoints_size_is_said_in_one_unit_and_no_download_announced_that_never_starts(tmp_path: Path) -> None:
+    # "downloading it once (about 4.3 GiB)", then "(about 4.6 GB)" on the next line, for the same file; and that
+    # "downloading" line came before the error that said the hub could not be reached
     folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png"], width=160, height=96)
     hub_refusing = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}",
                     "HF_HOME": str(tmp_path / "hf"), "STREAM_RECON_CHECKPOINTS": str(tmp_path / "checkpoints")}
@@ -513,8 +514,9 @@ def test_the_checkpoints_size_is_said_in_one_unit(tmp_path: Path) -> None:
         result = subprocess.run(command(*args), capture_output=True, text=True, timeout=120,
                                 env=environment(**hub_refusing))
         printed = result.stdout + result.stderr
-        assert result.returncode != 0 and printed.count("about 4.3 GiB") == 2, printed
+        assert result.returncode != 0 and "cannot be reached" in printed and "about 4.3 GiB" in printed, printed
         assert not re.search(r"\d GB\b", printed), printed
+        assert "downloading" not in printed
 
 
 # ------------------------------------------------------------------ a log file

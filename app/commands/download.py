@@ -39,7 +39,6 @@ def download(
         CHECKPOINT_SIZE,
         KNOWN_CHECKPOINTS,
         download_checkpoint,
-        hub_offline,
     )
 
     console = error_console()
@@ -48,12 +47,11 @@ def download(
         return
     if name not in KNOWN_CHECKPOINTS:
         bad_input(console, f"unknown checkpoint {name!r}; known: {', '.join(KNOWN_CHECKPOINTS)}, or {SKYSEG_NAME}")
-    if not hub_offline():  # offline, the error alone says what to do instead
-        console.print(f"downloading {name} from Hugging Face (about {CHECKPOINT_SIZE})")
     from stream_recon.models.errors import CheckpointError
 
-    try:  # huggingface_hub draws its own progress bar
-        path = download_checkpoint(name)
+    try:  # huggingface_hub draws its own progress bar; offline or unreachable, the error alone says what to do
+        path = download_checkpoint(
+            name, on_start=lambda: console.print(f"downloading {name} from Hugging Face (about {CHECKPOINT_SIZE})"))
     except (CheckpointError, OSError) as error:  # the network or the disk failed, not what was typed
         reason = str(error) if isinstance(error, CheckpointError) else f"writing it failed: {error.strerror or error}"
         console.print(f"[red]error:[/red] {escape(error_line(reason))}")
