@@ -524,7 +524,13 @@ def _run_serial(pending: list[Sequence], worker: SequenceWorker, console: Consol
     """One worker in this process; the pipeline draws each sequence's frame progress on `console`."""
     # rich allows one live display per console, so sequences are counted in lines and frames in the bar.
     for number, sequence in enumerate(pending, start=1):
-        console.rule(f"sequence {number}/{len(pending)}: {sequence.name} ({sequence.describe()})")
+        heading = f"sequence {number}/{len(pending)}: {sequence.name} ({sequence.describe()})"
+        # a rule spans the console's width: a terminal's, or in a log (app.commands._options.output_console) a
+        # thousand columns
+        if console.is_terminal:
+            console.rule(heading)
+        else:
+            console.print(f"-- {heading}")
         row = worker.process(sequence)
         record(row)
         if worker.stop_signal is not None:

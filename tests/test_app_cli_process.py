@@ -247,6 +247,31 @@ def test_a_ray_batch_refused_for_want_of_gpus_is_one_line_without_rays_own_log(t
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # two batches, each loading the model: 30 s or more on a busy machine
+def test_a_failed_sequence_is_one_sentence_and_a_few_lines_of_the_batch_summary(tmp_path: Path,
+                                                                              tiny_checkpoint: Path) -> None:
+    # the summary table wrapped one error over twenty lines of an 80-column terminal; in a log the heading of
+    # each sequence was a rule as wide as the console
+    (tmp_path / "data" / "videos").mkdir(parents=True)
+    (tmp_path / "data" / "videos" / "broken.mp4").write_text("not a video at all")
+    batch = ("batch", str(tmp_path / "data"), "--checkpoint", str(tiny_checkpoint), "--image-width", "56")
+    on_a_terminal = subprocess.run(command(*batch, "-o", str(tmp_path / "narrow")), capture_output=True, text=True,
+                                   timeout=120, env=environment(COLUMNS="80"))
+    settings = {key: value for key, value in environment().items() if key != "COLUMNS"}
+    in_a_log = subprocess.run(command(*batch, "-o", str(tmp_path / "log")), capture_output=True, text=True,
+                              timeout=120, env=settings)
+
+    for result, table_rows in ((on_a_terminal, 5), (in_a_log, 1)):
+        assert result.returncode == 1, result.stderr
+        lines = result.stderr.splitlines()
+        error = json.loads(next(tmp_path.glob("*/summary.json")).read_text())[0]["error"]
+        assert "SourceError" not in result.stderr and lines.count(f"failed videos_broken: {error}") == 1, lines
+        body = lines[lines.index(next(line for line in lines if line.startswith("┡"))) + 1:
+                     lines.index(next(line for line in lines if line.startswith("└")))]
+        assert len(body) <= table_rows, lines
+        assert all(len(line) < 300 for line in lines), lines
+
+
 # ------------------------------------------------------------------ checkpoints
 
 
@@ -493,12 +518,17 @@ def test_info_says_whether_loop_closure_runs_here(tmp_path: Path) -> None:
 
 def test_info_says_when_the_checkpoint_folder_named_by_the_environment_does_not_exist(tmp_path: Path) -> None:
     # STREAM_RECON_CHECKPOINTS naming a folder that is not there (a typo) was listed as if it were
-    missing = tmp_path / "chekpoints"
-    result = subprocess.run(command("info"), capture_output=True, text=True, timeout=120,
-                            env=environment(STREAM_RECON_CHECKPOINTS=str(missing), COLUMNS="1000"))
+    # and in a pipe or a file each line was wrapped at 80 columns, the folder's long name split over two
+    missing = tmp_path / "a-folder-whose-name-is-long-enough-to-be-cut-at-80-columns" / "chekpoints"
+    settings = {key: value for key, value in environment(STREAM_RECON_CHECKPOINTS=str(missing)).items()
+                if key != "COLUMNS"}
+    result = subprocess.run(command("info"), capture_output=True, text=True, timeout=120, env=settings)
     assert result.returncode == 0, result.stderr
-    # a terminal wide enough for the folder's long name on one line (rich wraps at 80 columns off a terminal)
-    assert f"{missing} ($STREAM_RECON_CHECKPOINTS, which does not exist)" in " ".join(result.stdout.split())
+    lines = [line.strip() for line in result.stdout.splitlines()]
+    assert f"{missing} ($STREAM_RECON_CHECKPOINTS, which does not exist)" in lines
+    # a table's row stays one line too
+    rows = [line for line in lines if line.startswith("│ dense-triton")]
+    assert len(rows) == 1 and "on a CUDA device (got float32 on cpu)" in rows[0], lines
 
 
 # ------------------------------------------------------------------ units

@@ -350,9 +350,27 @@ def import_held(module: str) -> ModuleType:
         return importlib.import_module(module)
 
 
+# Off a terminal rich lays out at 80 columns: a table there is squeezed to this width instead, so that a row
+# stays one line in a file or a pipe (a table is as wide as its cells need, never wider)
+UNWRAPPED_WIDTH = 1000
+
+
+def output_console(*, stderr: bool = False, highlight: bool = True) -> Console:
+    """A command's console on stdout or stderr. A terminal wraps its lines at its width; a file or a pipe
+    (a log) gets every line whole, tables included: rich wrapped at 80 columns there, a warning or a path
+    split over lines. COLUMNS, when set, is the width either way."""
+    console = Console(stderr=stderr, highlight=highlight)
+    if console.is_terminal or "COLUMNS" in os.environ:
+        return console
+    return Console(stderr=stderr, highlight=highlight, soft_wrap=True, width=UNWRAPPED_WIDTH)
+
+
 def error_console() -> Console:
-    # soft_wrap: an error sentence stays one line (the terminal wraps it), so paths are never split
-    return Console(stderr=True, highlight=False, soft_wrap=True)
+    """stderr's output_console; soft_wrap on a terminal too: an error sentence stays one line (the terminal
+    wraps it), so paths are never split."""
+    console = output_console(stderr=True, highlight=False)
+    console.soft_wrap = True
+    return console
 
 
 def bad_input(console: Console, message: str) -> NoReturn:

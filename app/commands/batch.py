@@ -136,6 +136,11 @@ def batch(
         raise typer.Exit(code=EXIT_FAILED)
 
 
+# An error's first characters in the summary table: a whole one, wrapped in a narrow column, took twenty lines
+# (each is printed whole as its sequence ends, `failed NAME: ...`, and kept in summary.json)
+ERROR_CELL_CHARS = 40
+
+
 def summary_table(rows: list[dict], title: str) -> Table:
     from stream_recon.app.batch import OPEN_CHAIN_ATE_RMSE, open_chain_means
 
@@ -151,6 +156,8 @@ def summary_table(rows: list[dict], title: str) -> Table:
         ("error", "left"),
     ):
         table.add_column(column, justify=justify)
+    if any(len(row.get("error") or "") > ERROR_CELL_CHARS for row in rows):
+        table.caption = "errors in full: printed as each sequence ended, and in summary.json"
     colours = {"ok": "green", "skipped": "cyan", "failed": "red"}
     for row in rows:
         evaluated = row.get("ate_rmse") is not None
@@ -162,7 +169,7 @@ def summary_table(rows: list[dict], title: str) -> Table:
             _cell(row.get("loops_accepted")),
             _cell(row.get("ate_rmse"), "{:.4f}"),
             _cell(row.get(OPEN_CHAIN_ATE_RMSE), "{:.4f}", missing="-" if evaluated else ""),
-            row.get("error") or "",
+            _shortened(row.get("error") or ""),
         )
     means = open_chain_means(rows)
     if means is not None:
@@ -170,6 +177,10 @@ def summary_table(rows: list[dict], title: str) -> Table:
         table.add_row(f"mean of {means.sequences} with an open chain", "", "", "", "",
                       f"{means.ate_rmse:.4f}", f"{means.open_chain_ate_rmse:.4f}", "")
     return table
+
+
+def _shortened(error: str) -> str:
+    return error if len(error) <= ERROR_CELL_CHARS else error[: ERROR_CELL_CHARS - 1].rstrip() + "…"
 
 
 def _cell(value, template: str = "{}", missing: str = "") -> str:

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from stream_recon.app.commands._options import (
@@ -45,6 +44,7 @@ from stream_recon.app.commands._options import (
     error_console,
     evaluation_flags,
     given,
+    output_console,
     user_errors,
 )
 from stream_recon.app.evaluation_settings import DEPTH_MAX_DIFF
@@ -174,7 +174,7 @@ def eval_command(
             # what was typed; evaluate_run's defaults (app.evaluation_settings) stand for the rest
             **given(max_diff=max_diff, depth_max_diff=depth_max_diff),
         )
-    console = Console()  # the results are the command's output: stdout, for a pipe or a file
+    console = output_console()  # the results are the command's output: stdout, for a pipe or a file
     console.print(results_table(results, title=f"{run_dir} vs {gt}"))
     console.print(errors_table(results))
     if OPEN_CHAIN in results:

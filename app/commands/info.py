@@ -21,6 +21,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from stream_recon.app.commands._options import output_console
+
 _PACKAGES = ("stream-recon", "torch", "numpy", "opencv-python-headless", "pillow", "typer", "rich", "viser",
              "safetensors", "huggingface_hub", "gtsam", "flashinfer-python")
 
@@ -33,7 +35,7 @@ def info(
     if as_json:
         typer.echo(json.dumps(report, indent=2))
         return
-    _print_report(report, Console())
+    _print_report(report, output_console())
 
 
 def collect_info() -> dict[str, Any]:
