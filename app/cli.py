@@ -9,6 +9,7 @@ a command name, so `main` inserts `run` when the first argument is not a command
 
 from __future__ import annotations
 
+import codecs
 import signal
 import sys
 import threading
@@ -174,8 +175,29 @@ def with_default_command(args: list[str]) -> list[str]:
     return [VERBOSE, *args] if verbose else args
 
 
+# A path whose bytes are not UTF-8 holds lone surrogates in Python (os.fsdecode): printed, each showed as
+# "\udcff"; it shows as the byte it stands for, "\xff", as run.json writes it (rundir.write_json_atomic).
+UNDECODABLE_BYTES = "stream-recon-bytes"
+
+
+def _show_undecodable_bytes(error: UnicodeError) -> tuple[str, int]:
+    if not isinstance(error, UnicodeEncodeError):
+        raise error
+    shown = "".join(f"\\x{ord(char) - 0xDC00:02x}" if 0xDC80 <= ord(char) <= 0xDCFF else f"\\u{ord(char):04x}"
+                    for char in error.object[error.start:error.end])
+    return shown, error.end
+
+
+def _print_undecodable_bytes_as_bytes() -> None:
+    codecs.register_error(UNDECODABLE_BYTES, _show_undecodable_bytes)
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):  # a TextIOWrapper (not a test's capture)
+            stream.reconfigure(errors=UNDECODABLE_BYTES)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
+    _print_undecodable_bytes_as_bytes()
     # Every command's heavy libraries are imported when it runs (commands/*): Ctrl-C and SIGTERM must stop
     # it there too
     with PromptInterrupt() as interrupt:

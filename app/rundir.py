@@ -195,9 +195,57 @@ def remove_tree(entry: Path) -> None:
         entry.unlink(missing_ok=True)
 
 
+# A path whose bytes are not UTF-8 (a folder named on another system) reaches Python with lone surrogates
+# (os.fsdecode), which json writes as "\udcff": JSON that strict readers (serde, Go, jq --seq) refuse. Such a
+# string is written readable, each byte that is not UTF-8 as \xNN, and exactly, its bytes in hex, under
+# NOT_UTF8_KEY, by where it is ("settings/source_location"); read_run_info puts it back as it was.
+NOT_UTF8_KEY = "not_utf8"
+
+
 def write_json_atomic(path: Path, data: dict) -> None:
-    text = json.dumps(data, indent=2, default=_json_default) + "\n"
+    exact: dict[str, str] = {}
+    readable = _utf8_only(json.loads(json.dumps(data, default=_json_default)), "", exact)
+    if exact:
+        readable[NOT_UTF8_KEY] = exact
+    text = json.dumps(readable, indent=2) + "\n"
     atomic_write(path, lambda f: f.write(text), binary=False)
+
+
+def _utf8_only(value: Any, where: str, exact: dict[str, str]) -> Any:
+    if isinstance(value, dict):
+        return {_utf8_key(key): _utf8_only(item, f"{where}/{key}".lstrip("/"), exact) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_utf8_only(item, f"{where}/{index}", exact) for index, item in enumerate(value)]
+    if isinstance(value, str) and not _is_utf8(value):
+        exact[where] = os.fsencode(value).hex()
+        return os.fsencode(value).decode("utf-8", "backslashreplace")
+    return value
+
+
+def _utf8_key(key: str) -> str:
+    return key if _is_utf8(key) else os.fsencode(key).decode("utf-8", "backslashreplace")
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _exact_strings(data: dict) -> dict:
+    """data with each string NOT_UTF8_KEY holds put back (write_json_atomic)."""
+    for where, hex_bytes in (data.pop(NOT_UTF8_KEY, None) or {}).items():
+        *parents, last = where.split("/")
+        holder: Any = data
+        try:
+            for part in parents:
+                holder = holder[int(part)] if isinstance(holder, list) else holder[part]
+            holder[int(last) if isinstance(holder, list) else last] = os.fsdecode(bytes.fromhex(hex_bytes))
+        except (KeyError, IndexError, ValueError, TypeError):
+            continue  # a record edited by hand: the readable string stays
+    return data
 
 
 def _json_default(value: Any) -> Any:
@@ -606,7 +654,8 @@ def read_run_info(run_dir: Path) -> dict[str, Any]:
     """run.json as a dict, or {} when it is missing or unreadable (the predictions are still usable)."""
     path = Path(run_dir) / RUN_JSON
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return _exact_strings(data) if isinstance(data, dict) else data
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:

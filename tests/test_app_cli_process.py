@@ -549,6 +549,29 @@ def test_the_checkpoints_size_is_said_in_one_unit_and_no_download_announced_that
         assert "downloading" not in printed
 
 
+# ------------------------------------------------------------------ folder names that are not UTF-8
+
+
+def test_a_folder_whose_name_is_not_utf8_is_printed_as_its_bytes_and_run_json_stays_strict_utf8(
+        tmp_path: Path, tiny_checkpoint: Path) -> None:
+    # the byte 0xff in a folder's name was printed "\\udcff", and run.json held a lone surrogate ("\\udcff"),
+    # which strict JSON readers refuse
+    frames = tmp_path / os.fsdecode(b"fr\xffames")  # OpenCV crashes writing there: the folder is renamed to it
+    write_image_folder(tmp_path / "frames", [f"{index}.png" for index in range(6)]).rename(frames)
+    run_dir = tmp_path / os.fsdecode(b"ru\xffn")
+    result = stream_recon(str(frames), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(run_dir))
+
+    assert result.returncode == 0, result.stderr
+    assert lines_of(result)[-1].endswith(f"-> {tmp_path}/ru\\xffn") and "udc" not in result.stderr, result.stderr
+    text = (run_dir / "run.json").read_bytes().decode("utf-8")  # strict: no surrogate, escaped or not
+    assert "\\udc" not in text
+    assert json.loads(text)["settings"]["source_location"] == f"{tmp_path}/fr\\xffames"  # as it reads
+    # and exactly, for what reads the source again: an export at the source's own resolution
+    exported = stream_recon("export", str(run_dir), "-f", "colmap", "-o", str(tmp_path / "colmap"), "--full-resolution")
+    assert exported.returncode == 0, exported.stderr
+    assert len(list((tmp_path / "colmap" / "images").iterdir())) == 6
+
+
 # ------------------------------------------------------------------ a log file
 
 
