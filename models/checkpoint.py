@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from huggingface_hub import constants as hf_constants
@@ -39,7 +40,9 @@ from .checkpoint_names import CHECKPOINT_SIZE, DEFAULT_CHECKPOINT, KNOWN_CHECKPO
 from .daemon_pool import DaemonPool
 from .errors import CheckpointError
 from .network.config import ModelConfig
-from .network.gct import GCTStream
+
+if TYPE_CHECKING:
+    from .network.gct import GCTStream
 
 HF_REPO_ID = "robbyant/lingbot-map"
 HF_REPO_URL = f"https://huggingface.co/{HF_REPO_ID}"
@@ -419,7 +422,7 @@ def load_model(checkpoint: str | Path | None = None, device: str | torch.device 
     # Meta construction allocates nothing and skips random init; the checkpoint's tensors then become
     # the parameters themselves (memory-mapped from a .pt, read to the device from a .safetensors).
     with torch.device("meta"):
-        model = GCTStream(config)
+        model = _built(config)
     if path.suffix == SAFETENSORS_SUFFIX:
         mapped = read_state_dict(path)  # views into the mapped file: its data is not read yet
         report = check_state_dict(model, mapped, allow_partial=allow_partial, source=path)
@@ -440,13 +443,21 @@ def load_model(checkpoint: str | Path | None = None, device: str | torch.device 
     return model.eval().requires_grad_(False)
 
 
+def _built(config: ModelConfig) -> GCTStream:
+    """The network of `config`, imported here: with the Triton kernels its layers bring, about a second that
+    finding a checkpoint (`info`, a run's first check) does not need."""
+    from .network.gct import GCTStream
+
+    return GCTStream(config)
+
+
 def _load_partial(config: ModelConfig, state_dict: Mapping[str, torch.Tensor],
                   report: StateDictReport) -> GCTStream:
     """A model with the checkpoint's fitting tensors and its own seeded init for the rest, so a
     partial load gives the same model every time (the official demo loads with strict=False too)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = GCTStream(config)
+        model = _built(config)
     fitting = {name: state_dict[name] for name in report.loaded}
     model.load_state_dict(fitting, strict=False)
     return model
@@ -483,7 +494,7 @@ def convert_to_safetensors(src_pt: str | Path, dst: str | Path, config: ModelCon
     config = config or checkpoint_config(src) or ModelConfig()
     state_dict = read_state_dict(src)
     with torch.device("meta"):
-        model = GCTStream(config)
+        model = _built(config)
     check_state_dict(model, state_dict, source=src)
     metadata = {
         "format": "pt",
