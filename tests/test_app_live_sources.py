@@ -17,11 +17,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import wait_until
 from media_helpers import ServerProcess, decoded_index, free_port, write_video
 
 from stream_recon.app.pipeline import RunOptions, run_sequence
@@ -100,13 +101,6 @@ def read_killing_the_server(source: FrameSource, server: ServerProcess, kill_aft
         frames.append(frame)
         if len(frames) == kill_after:
             server.kill()
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def codes(frames: list[Frame]) -> list[int]:

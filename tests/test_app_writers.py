@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import trimesh
 from conftest import symlink_and_fifo
+from helpers import wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from plyfile import PlyData
@@ -536,14 +537,6 @@ def test_writer_thread_errors_reach_the_caller(tmp_path, monkeypatch):
     assert info["status"] == "failed" and "No space left" in info["output_errors"][0]
     assert [r["frame_index"] for r in read_run(tmp_path / "run")] == [0]
     assert len(parse_tum_strictly(tmp_path / "run" / "trajectory_tum.txt")) == 1
-
-
-def wait_until(condition, timeout_s: float = 30.0) -> None:
-    """Poll `condition` until it holds; a generous timeout only turns a hang into a failure."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 def test_a_slow_disk_blocks_on_frame_instead_of_queueing_without_bound(tmp_path, monkeypatch):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import fcntl
 import json
-import logging
 import os
 import signal
 import socket
@@ -32,6 +31,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from helpers import warnings_of
 from media_helpers import free_port
 
 from stream_recon.models import ChunkedEngine, ModelConfig, StreamConfig, StreamingEngine
@@ -40,10 +40,6 @@ from stream_recon.models.stream.prediction import FRAME_KEY, FramePrediction
 from stream_recon.models.supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
 
 HEIGHT, WIDTH = 28, 42  # the tiny model's frames: 2 x 3 patches
-
-
-def warnings_of(caplog) -> list[str]:
-    return [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
 
 
 class Fault:
