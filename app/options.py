@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from stream_recon.app.input_size import DEFAULT_IMAGE_WIDTH, PATCH_SIZE
-from stream_recon.app.npz_schema import PredictionOutputs
-from stream_recon.app.source_settings import (
+from stream_recon.app.outputs.npz_schema import PredictionOutputs
+from stream_recon.app.sources.input_size import DEFAULT_IMAGE_WIDTH, PATCH_SIZE
+from stream_recon.app.sources.settings import (
     DEFAULT_OPEN_TIMEOUT_S,
     DEFAULT_RECONNECT_S,
     ROTATIONS,

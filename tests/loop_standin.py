@@ -186,8 +186,8 @@ def runs_stream_the_loop_scene(monkeypatch, scene: LoopScene, *, index_spacing: 
     what it finds does not depend on how busy the machine is (a detection that falls behind lowers the
     density, by design, rather than hold the stream). Returns the list that each run's engine is
     appended to."""
-    from stream_recon.app import pipeline
-    from stream_recon.app.loops import LoopClosureSink
+    from stream_recon.app.run import pipeline
+    from stream_recon.app.run.loops import LoopClosureSink
     from stream_recon.models.loops.closer import LoopClosureConfig
 
     engines: list[LoopSceneEngine] = []

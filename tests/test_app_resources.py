@@ -12,9 +12,9 @@ import torch
 from media_helpers import write_video
 from typer.testing import CliRunner
 
-from stream_recon.app import resources
 from stream_recon.app.cli import app, with_default_command
-from stream_recon.app.resources import (
+from stream_recon.app.run import resources
+from stream_recon.app.run.resources import (
     ModelShape,
     RunShape,
     estimate_host_memory,

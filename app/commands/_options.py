@@ -25,9 +25,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from stream_recon.app.evaluation_settings import DEFAULT_MAX_DIFF
-from stream_recon.app.input_size import PATCH_SIZE
+from stream_recon.app.evaluation.settings import DEFAULT_MAX_DIFF
 from stream_recon.app.options import FLAG_NAMES, MAX_CAMERA_ITERATIONS, RunOptions
+from stream_recon.app.sources.input_size import PATCH_SIZE
 from stream_recon.models.checkpoint_names import DEFAULT_CHECKPOINT, KNOWN_CHECKPOINTS
 from stream_recon.models.stream.stream_config import FLOW_THRESHOLD, MAX_GAP
 
@@ -369,9 +369,9 @@ def user_errors(console: Console | None = None, *more: type[Exception]) -> Itera
     every command can meet. Anything else is a bug and keeps its traceback.
     """
     from stream_recon.app.options import OptionsError
-    from stream_recon.app.presets import PresetError
-    from stream_recon.app.rundir import OutputDirError, OutputPathError, RunDirError, TumFileError
-    from stream_recon.app.sources import SourceError
+    from stream_recon.app.outputs.rundir import OutputDirError, OutputPathError, RunDirError, TumFileError
+    from stream_recon.app.run.presets import PresetError
+    from stream_recon.app.sources.reader import SourceError
     from stream_recon.models.errors import CheckpointError, FrameError
 
     console = console or error_console()

@@ -102,10 +102,10 @@ def batch(
     overrides: dict[str, Any],
 ) -> None:
     """Run every sequence under ROOT into OUTPUT/<name>/, evaluate those with ground truth, write a summary."""
-    import_held("stream_recon.app.batch")  # the names below are then read from the module loaded
-    from stream_recon.app.batch import BatchError, BatchInterrupted, EvalSettings, run_batch
-    from stream_recon.app.datasets import DatasetError, discover_sequences
-    from stream_recon.app.presets import build_options
+    import_held("stream_recon.app.evaluation.batch")  # the names below are then read from the module loaded
+    from stream_recon.app.evaluation.batch import BatchError, BatchInterrupted, EvalSettings, run_batch
+    from stream_recon.app.evaluation.datasets import DatasetError, discover_sequences
+    from stream_recon.app.run.presets import build_options
     from stream_recon.app.stopping import interrupted_exit_code
 
     console = error_console()
@@ -137,7 +137,7 @@ def batch(
 
 
 def summary_table(rows: list[dict], title: str) -> Table:
-    from stream_recon.app.batch import OPEN_CHAIN_ATE_RMSE, open_chain_means
+    from stream_recon.app.evaluation.batch import OPEN_CHAIN_ATE_RMSE, open_chain_means
 
     table = Table(title=title)
     for column, justify in (

@@ -29,7 +29,7 @@ def convert(
     problem = _check_paths(source, destination, overwrite)
     if problem:
         bad_input(console, problem)
-    from stream_recon.app.loading import checkpoint_advice
+    from stream_recon.app.run.loading import checkpoint_advice
     from stream_recon.models.checkpoint import convert_to_safetensors  # torch: only once there is work
     from stream_recon.models.errors import CheckpointError
 

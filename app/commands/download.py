@@ -64,7 +64,7 @@ def download(
 def _download_skyseg(console) -> None:
     """Fetch skyseg.onnx into the Hugging Face cache; offline or unreachable, one line naming its URL and the
     folder to put it in (exit 1, as a checkpoint's failed download)."""
-    from stream_recon.app.sky import SKYSEG_FILE, SkyModelError, download_skyseg, locate_skyseg
+    from stream_recon.app.outputs.sky import SKYSEG_FILE, SkyModelError, download_skyseg, locate_skyseg
 
     found = locate_skyseg()
     if found is not None:

@@ -47,7 +47,7 @@ from stream_recon.app.commands._options import (
     given,
     user_errors,
 )
-from stream_recon.app.evaluation_settings import DEPTH_MAX_DIFF
+from stream_recon.app.evaluation.settings import DEPTH_MAX_DIFF
 
 RunDirArg = Annotated[
     Path, typer.Argument(help="Run directory written by `stream-recon run` (trajectory_tum.txt, or the npz files "
@@ -102,7 +102,7 @@ def results_table(results: dict, title: str) -> Table:
 
 def errors_table(results: dict) -> Table:
     """ATE and RPE, one column each, one row per statistic evo prints (an sse of degrees is in deg^2)."""
-    from stream_recon.app.evaluation import ERROR_METRICS, STATISTICS, statistic_key
+    from stream_recon.app.evaluation.metrics import ERROR_METRICS, STATISTICS, statistic_key
 
     table = Table(title="trajectory errors, as evo_ape / evo_rpe print them")
     table.add_column("statistic")
@@ -116,7 +116,7 @@ def errors_table(results: dict) -> Table:
 
 def open_chain_table(results: dict) -> Table:
     """ATE of the corrected trajectory beside the open chain's, one row per statistic evo prints."""
-    from stream_recon.app.evaluation import OPEN_CHAIN, STATISTICS, statistic_key
+    from stream_recon.app.evaluation.metrics import OPEN_CHAIN, STATISTICS, statistic_key
 
     table = Table(title="ATE (m): corrected vs open chain")
     table.add_column("statistic")
@@ -151,14 +151,14 @@ def eval_command(
     output: EvalOutputOpt = None,
 ) -> None:
     """Evaluate a run against a ground-truth trajectory (and depth), as evo does; writes RUN_DIR/eval.json."""
-    from stream_recon.app.evaluation import (
+    from stream_recon.app.evaluation.metrics import (
         OPEN_CHAIN,
         EvaluationError,
         evaluate_run,
         evaluation_path,
         write_evaluation,
     )
-    from stream_recon.app.rundir import file_to_write
+    from stream_recon.app.outputs.rundir import file_to_write
 
     errors = error_console()
     check_alignment(errors, alignment)

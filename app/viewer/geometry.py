@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
-from stream_recon.app.splats import opacity_from_confidence
+from stream_recon.app.outputs.splats import opacity_from_confidence
 from stream_recon.models.loops.corrections import ChunkCorrections
 from stream_recon.models.stream.pose import back_project, rotation_to_quat_xyzw
 from stream_recon.models.stream.prediction import FramePrediction

@@ -22,8 +22,10 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from stream_recon.app.input_size import DEFAULT_IMAGE_WIDTH, resized_size
-from stream_recon.app.input_size import model_input_size as model_input_size  # its home before input_size
+from stream_recon.app.sources.input_size import DEFAULT_IMAGE_WIDTH, resized_size
+from stream_recon.app.sources.input_size import (
+    model_input_size as model_input_size,  # its home before input_size
+)
 
 _WHITE = 255
 

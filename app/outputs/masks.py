@@ -19,9 +19,9 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from stream_recon.app.input_size import model_input_size, resized_size
-from stream_recon.app.sky import SkySegmenter
-from stream_recon.app.sources import turned_clockwise
+from stream_recon.app.outputs.sky import SkySegmenter
+from stream_recon.app.sources.input_size import model_input_size, resized_size
+from stream_recon.app.sources.reader import turned_clockwise
 
 MASK_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 

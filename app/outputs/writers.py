@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stream_recon.app.npz_schema import SKY_MASK_FIELD, PredictionOutputs, prediction_arrays
-from stream_recon.app.pointcloud import (
+from stream_recon.app.outputs.npz_schema import SKY_MASK_FIELD, PredictionOutputs, prediction_arrays
+from stream_recon.app.outputs.pointcloud import (
     DEFAULT_CONF_THRESHOLD,
     DEFAULT_MAX_POINTS,
     PointAccumulator,
     write_ply,
 )
-from stream_recon.app.rundir import (
+from stream_recon.app.outputs.rundir import (
     FINAL_STATUSES,
     POINTS_PLY,
     PREDICTIONS_DIR,
@@ -59,7 +59,7 @@ from stream_recon.app.rundir import (
 from stream_recon.models.loops.corrections import ChunkCorrections
 
 if TYPE_CHECKING:
-    from stream_recon.app.masks import FrameMasker
+    from stream_recon.app.outputs.masks import FrameMasker
 from stream_recon.models.stream.prediction import FramePrediction
 from stream_recon.models.stream.similarity import Sim3
 from stream_recon.models.supervision import (

@@ -32,17 +32,6 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
-from stream_recon.app.builds import RunBuilds
-from stream_recon.app.clock import RunClock
-from stream_recon.app.input_size import model_input_size, too_small_warning
-from stream_recon.app.loading import (
-    CheckpointDigest,
-    build_engine,
-    check_gpu_memory,
-    chunk_engine_config,
-    model_config_for,
-)
-from stream_recon.app.loops import LoopClosureSink, loop_closure_cannot_help, loop_closure_wanted
 from stream_recon.app.options import (
     OptionsError,
     RunOptions,
@@ -51,17 +40,32 @@ from stream_recon.app.options import (
     resolve_device,
     resolve_dtype,
 )
-from stream_recon.app.preprocess import preprocess_frame_uint8
-from stream_recon.app.progress import RunProgress
-from stream_recon.app.resources import check_cpu_run
-from stream_recon.app.rundir import (
+from stream_recon.app.outputs.masks import FrameMasker, MaskDirError, UserMasks
+from stream_recon.app.outputs.rundir import (
     OutputDirError,
     prepare_output_dir,
     remove_if_empty,
     remove_run,
     unlock_run_dir,
 )
-from stream_recon.app.sources import FrameSource, SourceError, frames_source, open_source
+from stream_recon.app.outputs.sky import SkyModelError, SkySegmenter, skyseg_path
+from stream_recon.app.outputs.writers import RunWriter
+from stream_recon.app.run.builds import RunBuilds
+from stream_recon.app.run.clock import RunClock
+from stream_recon.app.run.loading import (
+    CheckpointDigest,
+    build_engine,
+    check_gpu_memory,
+    chunk_engine_config,
+    model_config_for,
+)
+from stream_recon.app.run.loops import LoopClosureSink, loop_closure_cannot_help, loop_closure_wanted
+from stream_recon.app.run.progress import RunProgress
+from stream_recon.app.run.resources import check_cpu_run
+from stream_recon.app.sources.input_size import model_input_size, too_small_warning
+from stream_recon.app.sources.opening import open_source
+from stream_recon.app.sources.preprocess import preprocess_frame_uint8
+from stream_recon.app.sources.reader import FrameSource, SourceError, frames_source
 from stream_recon.app.stopping import (
     STOP_CLOSE_S,
     StopOnSignal,
@@ -70,7 +74,6 @@ from stream_recon.app.stopping import (
     signals_noted,
     wait_for_stop_signal,
 )
-from stream_recon.app.writers import RunWriter
 from stream_recon.models.checkpoint import DEFAULT_CHECKPOINT
 from stream_recon.models.errors import FrameError
 from stream_recon.models.supervision import Deadline, HelperDown
@@ -220,8 +223,6 @@ def frame_masker(options: RunOptions) -> Any:
     network (fetched when the hub answers) or mask folder is bad input. None when neither is asked for."""
     if not options.mask_sky and options.mask_dir is None:
         return None
-    from stream_recon.app.masks import FrameMasker, MaskDirError, UserMasks
-    from stream_recon.app.sky import SkyModelError, SkySegmenter, skyseg_path
 
     try:
         sky = SkySegmenter(skyseg_path(download=True)) if options.mask_sky else None

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from stream_recon.app.options import VIEWER_HOST, VIEWER_PORT
-from stream_recon.app.rundir import (
+from stream_recon.app.outputs.rundir import (
     PREDICTIONS_DIR,
     RunDirError,
     load_prediction,

@@ -36,22 +36,20 @@ import trimesh
 from trimesh.path import Path3D
 from trimesh.path.entities import Line
 
-from stream_recon.app.export_formats import (
+from stream_recon.app.outputs.export_formats import (
     DEFAULT_MAX_SPLATS,
     DEFAULT_OUTPUT_NAMES,
     FOLDER_CONTENTS,
     ExportFormat,
 )
-from stream_recon.app.input_size import model_input_size, resized_size
-from stream_recon.app.pointcloud import (
+from stream_recon.app.outputs.pointcloud import (
     DEFAULT_CONF_THRESHOLD,
     DEFAULT_MAX_POINTS,
     PointAccumulator,
     PointCloud,
     write_ply,
 )
-from stream_recon.app.preprocess import ImageReadError, preprocess_frame_uint8
-from stream_recon.app.rundir import (
+from stream_recon.app.outputs.rundir import (
     EXPORTS_DIR,
     OutputPathError,
     RunDirError,
@@ -70,9 +68,13 @@ from stream_recon.app.rundir import (
     swap_in_staged,
     write_tum,
 )
-from stream_recon.app.source_settings import FrameSelection
-from stream_recon.app.sources import SourceError, open_source
-from stream_recon.app.splats import GaussianSplats, frame_splats, write_splat_ply
+from stream_recon.app.outputs.sky import SkyModelError, SkySegmenter, skyseg_path
+from stream_recon.app.outputs.splats import GaussianSplats, frame_splats, write_splat_ply
+from stream_recon.app.sources.input_size import model_input_size, resized_size
+from stream_recon.app.sources.opening import open_source
+from stream_recon.app.sources.preprocess import ImageReadError, preprocess_frame_uint8
+from stream_recon.app.sources.reader import SourceError
+from stream_recon.app.sources.settings import FrameSelection
 from stream_recon.app.stopping import interrupts_held
 from stream_recon.models.stream.pose import rotation_to_quat_xyzw
 
@@ -175,7 +177,6 @@ def export_run(
     max_points = _pick(max_points, recorded.get("max_points"), DEFAULT_MAX_POINTS)
     images = _image_supply(run_dir, info.get("settings", {}), fmt, full_resolution)
     if mask_sky:
-        from stream_recon.app.sky import SkyModelError, SkySegmenter, skyseg_path
 
         try:
             images.sky = SkySegmenter(skyseg_path(download=True))

@@ -28,13 +28,16 @@ for `--gpu-memory`, made from the prepared model before its first frame.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stream_recon.app.input_size import DEFAULT_IMAGE_WIDTH, model_input_size
+from stream_recon.app.options import OptionsError
+from stream_recon.app.sources.input_size import DEFAULT_IMAGE_WIDTH, model_input_size
+from stream_recon.models import GCTStream
 from stream_recon.models.stream.memory import (
     cpu_cache_pages,
     format_bytes,
@@ -265,7 +268,6 @@ def available_memory_bytes() -> int | None:
 
 def matmul_flops_per_second(size: int = 1024, repeats: int = 3) -> float:
     """float32 matrix-multiply throughput of this CPU with torch's threads (about 0.1 s)."""
-    import time
 
     a, b = torch.randn(size, size), torch.randn(size, size)
     torch.mm(a, b)  # the first call pays for thread start-up and kernel choice
@@ -277,7 +279,6 @@ def matmul_flops_per_second(size: int = 1024, repeats: int = 3) -> float:
 
 def model_shape(config: ModelConfig) -> ModelShape:
     """The ModelShape of a ModelConfig; its parameters are counted on the meta device (no memory)."""
-    from stream_recon.models import GCTStream
 
     with torch.device("meta"):
         num_params = sum(parameter.numel() for parameter in GCTStream(config).parameters())
@@ -294,7 +295,6 @@ def check_cpu_run(options: Any, config: Any, frame_size: tuple[int, int] | None,
     tight, the run will be slow (once a process). model_loaded: the weights are in memory already (a
     model passed in), so only what the run adds is compared."""
     global _said_slow
-    from stream_recon.app.options import OptionsError
 
     warnings = []
     model = model_shape(config)

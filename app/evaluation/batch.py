@@ -48,9 +48,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from stream_recon.app.clock import finite_or_none
-from stream_recon.app.datasets import Sequence, TumFrames
-from stream_recon.app.evaluation import (
+from stream_recon.app.evaluation.datasets import Sequence, TumFrames
+from stream_recon.app.evaluation.metrics import (
     DEFAULT_MAX_DIFF,
     OPEN_CHAIN,
     EvaluationError,
@@ -58,10 +57,8 @@ from stream_recon.app.evaluation import (
     evaluation_path,
     write_evaluation,
 )
-from stream_recon.app.loading import CheckpointDigest, load_model_for
 from stream_recon.app.options import OptionsError, RunOptions, changed_settings
-from stream_recon.app.pipeline import run_sequence
-from stream_recon.app.rundir import (
+from stream_recon.app.outputs.rundir import (
     BATCH_MARKER,
     PREDICTIONS_DIR,
     OutputDirError,
@@ -74,7 +71,10 @@ from stream_recon.app.rundir import (
     run_accepted_loops,
     write_batch_marker,
 )
-from stream_recon.app.sources import SourceError
+from stream_recon.app.run.clock import finite_or_none
+from stream_recon.app.run.loading import CheckpointDigest, load_model_for
+from stream_recon.app.run.pipeline import run_sequence
+from stream_recon.app.sources.reader import SourceError
 from stream_recon.models.checkpoint import DEFAULT_CHECKPOINT
 from stream_recon.models.errors import CheckpointError, FrameError
 
