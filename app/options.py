@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import socket
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from stream_recon.app.sources.settings import (
     FrameSelection,
 )
 from stream_recon.models.stream.prediction import EVEN_ODDS_CONFIDENCE
-from stream_recon.models.stream.stream_config import SCALE_FRAMES, TRAINED_VIEWS, WINDOW
+from stream_recon.models.stream.stream_config import SCALE_FRAMES, TRAINED_VIEWS, WINDOW, KeyframePolicy
 
 KV_CACHE_CHOICES = ("auto", "fp8")  # auto: the model's precision (models.attention_backends.resolve_backend)
 # auto: on when the pose graph's library is installed and the stream can reach a third chunk (a loop joins
@@ -310,9 +311,9 @@ def _engine_problems(options: RunOptions) -> Iterator[str]:
     """What the engine's own tables refuse: the attention backend's name, the keyframe policy, the memory
     budget's spelling. Those tables live with the model and import torch, so they are read when options
     are checked (a command that runs), never when the flags are only listed (`-h`)."""
+    # torch loads with these: checked when a command runs, never when -h reads the flags
     from stream_recon.models.attention_backends import backend_names
     from stream_recon.models.stream.memory import parse_memory_size
-    from stream_recon.models.stream.stream_config import KeyframePolicy
 
     if options.attention not in backend_names():
         yield f"--attention must be one of {', '.join(backend_names())}, got {options.attention!r}"
@@ -333,6 +334,7 @@ def _engine_problems(options: RunOptions) -> Iterator[str]:
 
 def resolve_device(device: str) -> str:
     """`auto` -> cuda when available, else cpu. An unavailable CUDA is an error, not a silent CPU run."""
+    # torch: resolved when a command runs, never when -h reads the flags
     import torch
 
     if device == "auto":
@@ -353,6 +355,7 @@ def resolve_device(device: str) -> str:
 
 def resolve_dtype(name: str, device: str) -> Any:
     """`auto`: bf16 on CUDA (fp16 before Ampere, which has no fast bf16), fp32 on CPU, as the reference."""
+    # torch: resolved when a command runs, never when -h reads the flags
     import torch
 
     canonical = DTYPE_NAMES[name]
@@ -368,6 +371,7 @@ def check_attention(attention: str, device: str, dtype: Any, kv_cache: str = "au
     """The attention backend must be able to run on this device in this precision, over a cache
     stored as `kv_cache` asks (`auto` always can); the backend table (models.attention_backends)
     says why not and what to use instead. Returns the name of the backend the run will use."""
+    # torch loads with the backend table: when a command runs, never for -h
     from stream_recon.models.attention_backends import resolve_backend
 
     try:
@@ -385,7 +389,6 @@ def check_viewer_address(host: str, port: int, *, optional: bool = True) -> None
     """The viewer's address must be one of this machine's (checked before the model loads; viser
     would only fail after it), its port one there is. A port in use is fine: the viewer takes the
     next free one. optional: the command can run without its viewer (`run --no-viewer`; `view` cannot)."""
-    import socket
 
     port_problem = viewer_port_problem(port)
     if port_problem:

@@ -590,7 +590,7 @@ def test_first_run_without_the_hub_says_where_to_put_the_checkpoint(tmp_path: Pa
 def test_first_run_online_downloads_the_default_checkpoint_once(
     tmp_path: Path, tiny_checkpoint: Path, offline_hub: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from stream_recon.models import checkpoint as checkpoint_module
+    from stream_recon.app.run import loading
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     downloads = []
@@ -601,7 +601,7 @@ def test_first_run_online_downloads_the_default_checkpoint_once(
         offline_hub.mkdir(parents=True, exist_ok=True)
         return Path(shutil.copy(tiny_checkpoint, offline_hub / f"{name}.safetensors"))
 
-    monkeypatch.setattr(checkpoint_module, "download_checkpoint", fake_download)
+    monkeypatch.setattr(loading, "download_checkpoint", fake_download)  # where a run reads it
     video = write_video(tmp_path / "clip.mp4", 4)
 
     first = invoke(str(video), "-o", str(tmp_path / "first"), *FAST_FLAGS)

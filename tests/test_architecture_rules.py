@@ -352,7 +352,7 @@ BROKEN_RULES: list[tuple[str, str, Check]] = [
     ("app/run/pipeline.py", "return engine._rollover", over("app", app_reaching_into_internals)),
     ("app/run/loading.py", "from stream_recon.models.builds.prepare import _placed_copy",
      over("app", app_reaching_into_internals)),
-    ("app/commands/run.py", "top:from stream_recon.app.sources import source_name", heavy_imports_of_the_commands),
+    ("app/commands/run.py", "top:from stream_recon.app.sources.opening import source_name", heavy_imports_of_the_commands),
     ("app/commands/_options.py", "top:import torch", heavy_imports_of_the_commands),
     ("app/options.py", "top:from stream_recon.models.attention_backends import backend_names",
      heavy_imports_of_the_commands),

@@ -42,6 +42,7 @@ from stream_recon.app.commands._options import (
     takes_run_options,
     user_errors,
 )
+from stream_recon.app.stopping import interrupted_exit_code
 
 _BATCH = "Batch"
 
@@ -103,10 +104,10 @@ def batch(
 ) -> None:
     """Run every sequence under ROOT into OUTPUT/<name>/, evaluate those with ground truth, write a summary."""
     import_held("stream_recon.app.evaluation.batch")  # the names below are then read from the module loaded
+    # torch, OpenCV and yaml load with these: when the command runs, never for -h
     from stream_recon.app.evaluation.batch import BatchError, BatchInterrupted, EvalSettings, run_batch
     from stream_recon.app.evaluation.datasets import DatasetError, discover_sequences
     from stream_recon.app.run.presets import build_options
-    from stream_recon.app.stopping import interrupted_exit_code
 
     console = error_console()
     check_alignment(console, alignment)
@@ -137,6 +138,7 @@ def batch(
 
 
 def summary_table(rows: list[dict], title: str) -> Table:
+    # the batch module loads torch: never for -h (the command has it by now)
     from stream_recon.app.evaluation.batch import OPEN_CHAIN_ATE_RMSE, open_chain_means
 
     table = Table(title=title)

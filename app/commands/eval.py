@@ -32,6 +32,7 @@ Exit codes: 0 evaluated and written; 1 evaluated and printed, but the results fi
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -102,6 +103,7 @@ def results_table(results: dict, title: str) -> Table:
 
 def errors_table(results: dict) -> Table:
     """ATE and RPE, one column each, one row per statistic evo prints (an sse of degrees is in deg^2)."""
+    # the metrics load OpenCV: never for -h (the command has them by now)
     from stream_recon.app.evaluation.metrics import ERROR_METRICS, STATISTICS, statistic_key
 
     table = Table(title="trajectory errors, as evo_ape / evo_rpe print them")
@@ -116,6 +118,7 @@ def errors_table(results: dict) -> Table:
 
 def open_chain_table(results: dict) -> Table:
     """ATE of the corrected trajectory beside the open chain's, one row per statistic evo prints."""
+    # the metrics load OpenCV: never for -h (the command has them by now)
     from stream_recon.app.evaluation.metrics import OPEN_CHAIN, STATISTICS, statistic_key
 
     table = Table(title="ATE (m): corrected vs open chain")
@@ -132,7 +135,6 @@ def check_output_folder(target: Path, error: type[Exception]) -> None:
     """An -o whose folder is missing or cannot be written is refused before the evaluation, not after its
     tables are printed (the run directory's own eval.json, when it cannot be written, still comes after:
     exit 1, with the results shown)."""
-    import os
 
     folder = target.parent
     if not folder.is_dir():
@@ -151,6 +153,7 @@ def eval_command(
     output: EvalOutputOpt = None,
 ) -> None:
     """Evaluate a run against a ground-truth trajectory (and depth), as evo does; writes RUN_DIR/eval.json."""
+    # OpenCV and torch load with these: when the command runs, never for -h
     from stream_recon.app.evaluation.metrics import (
         OPEN_CHAIN,
         EvaluationError,

@@ -76,6 +76,7 @@ def export(
     """Export a run as a point cloud (ply), a scene with cameras (glb), a COLMAP text model, a TUM trajectory,
     a nerfstudio dataset (transforms.json, images, points.ply) or Gaussian splats (the 3D Gaussian splatting PLY
     that splat viewers open)."""
+    # trimesh, OpenCV and torch load with these: when the command runs, never for -h
     from stream_recon.app.outputs.export import ExportError, export_run
     from stream_recon.app.outputs.rundir import check_run_dir
     from stream_recon.app.outputs.writers import close_abandoned_run

@@ -544,7 +544,7 @@ def connect_ray(address: str, log_level: int = logging.WARNING) -> tuple[Any, bo
     initialised in this process (a notebook, a test) is used as it is.
     """
     try:
-        import ray
+        import ray  # an optional extra: only for --ray
     except ImportError:
         raise BatchError("--ray needs Ray: run scripts/setup-env ray in the checkout (or pip install 'stream-recon[ray]' where the wheel is installed)") from None
     if ray.is_initialized():

@@ -101,7 +101,7 @@ class SkySegmenter:
 
     def __init__(self, model_path: Path | str) -> None:
         try:
-            import onnxruntime
+            import onnxruntime  # the optional `sky` extra: only for --mask-sky
         except ImportError:
             raise SkyModelError("--mask-sky runs the sky network with onnxruntime, which is not installed: "
                                 "pip install 'stream-recon[sky]' (onnxruntime-gpu on a GPU machine)") from None

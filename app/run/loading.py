@@ -19,7 +19,6 @@ from stream_recon.models import (
     MemoryBudgetError,
     ModelConfig,
     StreamConfig,
-    prepare_for_inference,
 )
 from stream_recon.models.attention_backends import first_use_note
 from stream_recon.models.builds.compilation import artefacts_dir
@@ -122,7 +121,7 @@ def prepared_for_run(model: Any, options: RunOptions, device: str, compile: bool
         return model
     compile = options.compile != "off" if compile is None else compile
     try:
-        return prepare_for_inference(model, device, resolve_dtype(options.dtype, device), compile=compile,
+        return models.prepare_for_inference(model, device, resolve_dtype(options.dtype, device), compile=compile,
                                      artefacts=artefacts_dir())
     except ValueError as error:
         raise OptionsError(str(error)) from None

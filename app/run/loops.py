@@ -144,6 +144,7 @@ class LoopClosureSink:
         solved already."""
         if self.closer is None:
             return None
+        # the loop-closure modules need gtsam, which a run without loop closure may lack
         from stream_recon.models.loops.process import FINISH_S
 
         started = time.monotonic()

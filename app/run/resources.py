@@ -251,7 +251,7 @@ QUICKER_CPU_SETTINGS = {"image_width": 392, "window": 16}
 def available_memory_bytes() -> int | None:
     """Memory the run can take without swapping (MemAvailable), or None where it cannot be read."""
     try:
-        import psutil
+        import psutil  # not a dependency: where it is missing, /proc/meminfo is read
     except ImportError:
         pass
     else:
