@@ -23,8 +23,7 @@ from stream_recon.app.sources.settings import (
     ROTATIONS,
     FrameSelection,
 )
-from stream_recon.models.stream.prediction import EVEN_ODDS_CONFIDENCE
-from stream_recon.models.stream.stream_config import SCALE_FRAMES, TRAINED_VIEWS, WINDOW, KeyframePolicy
+from stream_recon.models import EVEN_ODDS_CONFIDENCE, SCALE_FRAMES, TRAINED_VIEWS, WINDOW, KeyframePolicy
 
 KV_CACHE_CHOICES = ("auto", "fp8")  # auto: the model's precision (models.attention_backends.resolve_backend)
 # auto: on when the pose graph's library is installed and the stream can reach a third chunk (a loop joins

@@ -30,9 +30,14 @@ from stream_recon.app.evaluation.settings import DEFAULT_MAX_DIFF
 from stream_recon.app.options import FLAG_NAMES, MAX_CAMERA_ITERATIONS, OptionsError, RunOptions
 from stream_recon.app.sources.input_size import PATCH_SIZE
 from stream_recon.app.stopping import interrupts_held
-from stream_recon.models.checkpoint_names import DEFAULT_CHECKPOINT, KNOWN_CHECKPOINTS
-from stream_recon.models.errors import CheckpointError, FrameError
-from stream_recon.models.stream.stream_config import FLOW_THRESHOLD, MAX_GAP
+from stream_recon.models import (
+    DEFAULT_CHECKPOINT,
+    FLOW_THRESHOLD,
+    KNOWN_CHECKPOINTS,
+    MAX_GAP,
+    CheckpointError,
+    FrameError,
+)
 
 _MODEL = "Model"
 _ENGINE = "Streaming engine"

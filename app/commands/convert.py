@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 
 from stream_recon.app.commands._options import bad_input, error_console, user_errors
-from stream_recon.models.errors import CheckpointError
+from stream_recon.models import CheckpointError
 
 
 def convert(

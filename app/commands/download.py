@@ -23,7 +23,7 @@ import typer
 from rich.markup import escape
 
 from stream_recon.app.commands._options import EXIT_FAILED, bad_input, error_console, error_line
-from stream_recon.models.errors import CheckpointError
+from stream_recon.models import CheckpointError
 
 DEFAULT_NAME = "lingbot-map-long"
 SKYSEG_NAME = "skyseg"  # the sky network of --mask-sky (app.sky), not a checkpoint

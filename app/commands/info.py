@@ -78,9 +78,10 @@ def _cuda_info() -> dict[str, Any]:
 def _attention_backends() -> dict[str, str]:
     """Every row of the backend table, available here or why not: on this machine's GPU in bf16
     when it has one (the default run), else on the CPU in float32."""
-    # torch and the backend table: for `info` itself, never for -h
+    # torch: for `info` itself, never for -h
     import torch
 
+    # the backend table loads torch too: for `info` itself, never for -h
     from stream_recon.models.attention_backends import AUTO_SUMMARY, backend_statuses, resolve_backend
 
     device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from stream_recon.models.stream.prediction import FramePrediction
+    from stream_recon.models import FramePrediction
 
 
 @dataclass(frozen=True)

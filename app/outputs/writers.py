@@ -60,7 +60,7 @@ from stream_recon.models.loops.corrections import ChunkCorrections
 
 if TYPE_CHECKING:
     from stream_recon.app.outputs.masks import FrameMasker
-from stream_recon.models.stream.prediction import FramePrediction
+from stream_recon.models import FramePrediction
 from stream_recon.models.stream.similarity import Sim3
 from stream_recon.models.supervision import (
     Deadline,

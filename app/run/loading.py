@@ -16,9 +16,11 @@ from stream_recon.app.options import OptionsError, RunOptions, resolve_device, r
 from stream_recon.app.stopping import swallowed_signal
 from stream_recon.models import (
     CheckpointError,
+    ChunkedEngine,
     MemoryBudgetError,
     ModelConfig,
     StreamConfig,
+    chunk_stream_config,
 )
 from stream_recon.models.attention_backends import first_use_note
 from stream_recon.models.builds.compilation import artefacts_dir
@@ -33,7 +35,6 @@ from stream_recon.models.checkpoint import (
     locate_checkpoint,
     resolve_checkpoint,
 )
-from stream_recon.models.stream.chunked import ChunkedEngine, chunk_stream_config
 
 
 def load_model_for(options: RunOptions, device: str | None = None, console: Console | None = None,

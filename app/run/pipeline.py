@@ -74,8 +74,7 @@ from stream_recon.app.stopping import (
     signals_noted,
     wait_for_stop_signal,
 )
-from stream_recon.models.checkpoint import DEFAULT_CHECKPOINT
-from stream_recon.models.errors import FrameError
+from stream_recon.models import DEFAULT_CHECKPOINT, FrameError
 from stream_recon.models.supervision import Deadline, HelperDown
 
 logger = logging.getLogger(__name__)

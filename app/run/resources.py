@@ -37,14 +37,13 @@ import torch
 
 from stream_recon.app.options import OptionsError
 from stream_recon.app.sources.input_size import DEFAULT_IMAGE_WIDTH, model_input_size
-from stream_recon.models import GCTStream
+from stream_recon.models import SCALE_FRAMES, TRAINED_VIEWS, WINDOW, GCTStream
 from stream_recon.models.stream.memory import (
     cpu_cache_pages,
     format_bytes,
     host_step_bytes,
     paged_cache_bytes,
 )
-from stream_recon.models.stream.stream_config import SCALE_FRAMES, TRAINED_VIEWS, WINDOW
 
 if TYPE_CHECKING:
     from stream_recon.models import ModelConfig

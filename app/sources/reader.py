@@ -64,7 +64,7 @@ from stream_recon.app.sources.settings import (
     ROTATIONS,
     FrameSelection,
 )
-from stream_recon.models.daemon_pool import DaemonPool
+from stream_recon.models import DaemonPool
 
 SourceKind = Literal["video", "folder", "webcam", "stream", "frames"]
 

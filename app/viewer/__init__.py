@@ -43,8 +43,8 @@ from stream_recon.app.viewer.live_state import (
     stop_server,
 )
 from stream_recon.app.viewer.scene import SceneGraph
+from stream_recon.models import FramePrediction
 from stream_recon.models.loops.corrections import ChunkCorrections
-from stream_recon.models.stream.prediction import FramePrediction
 from stream_recon.models.supervision import Helper
 
 __all__ = [

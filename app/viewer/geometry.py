@@ -15,9 +15,9 @@ import cv2
 import numpy as np
 
 from stream_recon.app.outputs.splats import opacity_from_confidence
+from stream_recon.models import FramePrediction
 from stream_recon.models.loops.corrections import ChunkCorrections
 from stream_recon.models.stream.pose import back_project, rotation_to_quat_xyzw
-from stream_recon.models.stream.prediction import FramePrediction
 from stream_recon.models.stream.similarity import Sim3
 
 # An old keyframe over the total-point cap keeps this share of its points before it is removed.

@@ -24,8 +24,8 @@ import viser
 
 from stream_recon.app.viewer import geometry as geo
 from stream_recon.app.viewer.control_panel import DisplaySettings
+from stream_recon.models import FramePrediction
 from stream_recon.models.loops.corrections import ChunkCorrections
-from stream_recon.models.stream.prediction import FramePrediction
 
 KEYFRAME_COLOR = (90, 90, 90)
 

@@ -49,8 +49,8 @@ from stream_recon.app.outputs.rundir import (
     read_run_info,
 )
 from stream_recon.app.viewer import LiveViewer
+from stream_recon.models import FramePrediction
 from stream_recon.models.loops.corrections import ChunkCorrections, LoopRecord
-from stream_recon.models.stream.prediction import FramePrediction
 
 logger = logging.getLogger(__name__)
 
