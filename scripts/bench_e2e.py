@@ -1,4 +1,4 @@
-"""The speed a user gets: `stream-recon VIDEO` (app.pipeline.run_sequence) on a real video file, every
+"""The speed a user gets: `stream-recon VIDEO` (app.run.pipeline.run_sequence) on a real video file, every
 output written, beside the engine's own rate measured in the same process.
 
     python scripts/bench_e2e.py                          # a 1,000-frame 640x468 video made from app/sample

@@ -1,4 +1,4 @@
-"""Memory and time estimates before a CPU run (app.resources): the numbers against a measured peak
+"""Memory and time estimates before a CPU run (app.run.resources): the numbers against a measured peak
 and a real run's cache, the refusal with smaller settings that fit, the slow-CPU warning, and the CLI."""
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def _optional_flag(kind: type, *names: str, help: str, panel: str | None = None,
 
 
 # The evaluation flags of `eval` and of `batch` (which shows them in its own panel). Their
-# defaults are app.evaluation_settings' (DEFAULT_MAX_DIFF), applied by app.evaluation when the flag is
+# defaults are app.evaluation.settings' (DEFAULT_MAX_DIFF), applied by app.evaluation.metrics when the flag is
 # not given (the commands pass only what was typed).
 ALIGNMENTS = ("sim3", "se3")
 

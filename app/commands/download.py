@@ -26,7 +26,7 @@ from stream_recon.app.commands._options import EXIT_FAILED, bad_input, error_con
 from stream_recon.models import CheckpointError
 
 DEFAULT_NAME = "lingbot-map-long"
-SKYSEG_NAME = "skyseg"  # the sky network of --mask-sky (app.sky), not a checkpoint
+SKYSEG_NAME = "skyseg"  # the sky network of --mask-sky (app.outputs.sky), not a checkpoint
 
 
 def download(

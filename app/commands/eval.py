@@ -174,7 +174,7 @@ def eval_command(
             gt,
             alignment=alignment,
             depth_dir=depth_dir,
-            # what was typed; evaluate_run's defaults (app.evaluation_settings) stand for the rest
+            # what was typed; evaluate_run's defaults (app.evaluation.settings) stand for the rest
             **given(max_diff=max_diff, depth_max_diff=depth_max_diff),
         )
     console = Console()  # the results are the command's output: stdout, for a pipe or a file

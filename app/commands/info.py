@@ -94,7 +94,7 @@ def _attention_backends() -> dict[str, str]:
 
 
 def _loop_closure_info() -> dict[str, Any]:
-    """Whether runs here can close loops: gtsam, the pose graph's library, imports (app.loops says why not)."""
+    """Whether runs here can close loops: gtsam, the pose graph's library, imports (app.run.loops says why not)."""
 
     problem = pose_graph_library_problem()
     return {"available": problem is None, "problem": None if problem is None else str(problem)}

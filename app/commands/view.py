@@ -67,7 +67,7 @@ def view(
 
 
 def sky_masker(mask_sky: bool):
-    """The live viewer's masker of `view --mask-sky` (app.masks), None without it; OptionsError when the sky
+    """The live viewer's masker of `view --mask-sky` (app.outputs.masks), None without it; OptionsError when the sky
     network cannot be had."""
     if not mask_sky:
         return None

@@ -132,7 +132,7 @@ INTERRUPTED_ERROR = "interrupted (Ctrl-C or SIGTERM); run the batch again to red
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """How sequences with ground truth are scored (see app.evaluation)."""
+    """How sequences with ground truth are scored (see app.evaluation.metrics)."""
 
     alignment: str = "sim3"
     max_diff: float = DEFAULT_MAX_DIFF  # evo's; depth frames keep evaluate_run's own DEPTH_MAX_DIFF

@@ -15,7 +15,7 @@ Conventions of the outputs:
 - nerfstudio's transform_matrix is camera-to-world with OpenGL camera axes (x right, y up, z backward):
   our c2w with its y and z columns negated. Its points.ply (for Gaussian-splatting initialisation)
   is in the same world frame, which `applied_transform` (identity) declares.
-- Gaussian splats (app.splats) keep the run's world frame, in the reference 3D Gaussian splatting PLY layout;
+- Gaussian splats (app.outputs.splats) keep the run's world frame, in the reference 3D Gaussian splatting PLY layout;
   their cap is DEFAULT_MAX_SPLATS unless --max-points says otherwise (a run's own cap is for points).
 """
 
@@ -160,7 +160,7 @@ def export_run(
     An existing output is replaced only with `overwrite` (a folder only when it holds an earlier export of
     the same format); `full_resolution` (COLMAP, nerfstudio) writes the source frames at their own size,
     read back from the run's video or folder, with the intrinsics scaled to them; `mask_sky` leaves the sky
-    out of a run that was not masked (app.sky; a masked run's own masks are used either way). Nothing is left
+    out of a run that was not masked (app.outputs.sky; a masked run's own masks are used either way). Nothing is left
     behind when an export fails.
     """
     fmt = ExportFormat(fmt)
@@ -388,7 +388,7 @@ class _ImageSupply:
     fmt: ExportFormat
     source: SourceImages | None = None
     grey_reason: str | None = None
-    sky: Any = None  # an app.sky.SkySegmenter for frames the run did not mask (export --mask-sky)
+    sky: Any = None  # an app.outputs.sky.SkySegmenter for frames the run did not mask (export --mask-sky)
 
 
 def _image_supply(run_dir: Path, settings: dict, fmt: ExportFormat, full_resolution: bool) -> _ImageSupply:

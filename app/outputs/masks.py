@@ -1,4 +1,4 @@
-"""The pixels a run leaves out of every point it makes: the sky (`--mask-sky`, app.sky) and the user's masks
+"""The pixels a run leaves out of every point it makes: the sky (`--mask-sky`, app.outputs.sky) and the user's masks
 (`--mask-dir DIR`), one boolean map per frame at the model input's size, True where a pixel is dropped.
 
 The writer stores it as `sky_mask` in the frame's npz (uint8, 1 = dropped) and leaves those pixels out of

@@ -1,4 +1,4 @@
-"""The run writer: a sink that turns predictions into a run directory (app.rundir), and the run's provenance.
+"""The run writer: a sink that turns predictions into a run directory (app.outputs.rundir), and the run's provenance.
 
 Per frame, `predictions/NNNNNN.npz` is written as the frame completes; at close, trajectory_tum.txt,
 points.ply and the final run.json (settings, versions, memory, summary).
@@ -165,7 +165,7 @@ class RunWriter:
         masker: FrameMasker | None = None,
     ) -> None:
         self.output_dir = Path(output_dir)
-        self.masker = masker  # a frame's dropped pixels (app.masks), made on the writer thread: off the stream
+        self.masker = masker  # a frame's dropped pixels (app.outputs.masks), made on the writer thread: off the stream
         self.predictions_dir = self.output_dir / PREDICTIONS_DIR
         self.settings = dict(settings)
         self.outputs = outputs

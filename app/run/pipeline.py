@@ -1,7 +1,7 @@
 """One run: a source streamed through the engine into the run directory and any other sinks.
 
-Its parts have their own homes: options (app.options), the output folder (app.rundir), the model and
-engine (app.loading), the clock (app.clock), Ctrl-C and SIGTERM (app.stopping), the files (app.writers).
+Its parts have their own homes: options (app.options), the output folder (app.outputs.rundir), the model and
+engine (app.run.loading), the clock (app.run.clock), Ctrl-C and SIGTERM (app.stopping), the files (app.outputs.writers).
 
     open source ─▶ check options ─▶ check output dir ─▶ load model ─▶ RunWriter ─▶ per frame: push ─▶ sinks
         │               │                 │                  │                                  │
@@ -183,7 +183,7 @@ class RunPlan:
     input_size: tuple[int, int] | None  # the model input's (height, width), where known before the first frame
     closes_loops: bool
     loop_closure_reason: str | None
-    masker: Any  # app.masks.FrameMasker of --mask-sky / --mask-dir, or None
+    masker: Any  # app.outputs.masks.FrameMasker of --mask-sky / --mask-dir, or None
     warnings: list[str]  # given once every refusal has had its turn: a refused run shows only its error
 
 
@@ -218,7 +218,7 @@ def _plan(frame_source: FrameSource, options: RunOptions, model: Any) -> RunPlan
 
 
 def frame_masker(options: RunOptions) -> Any:
-    """The masks a run leaves out of its points (app.masks), checked before anything is written: a missing sky
+    """The masks a run leaves out of its points (app.outputs.masks), checked before anything is written: a missing sky
     network (fetched when the hub answers) or mask folder is bad input. None when neither is asked for."""
     if not options.mask_sky and options.mask_dir is None:
         return None

@@ -82,7 +82,7 @@ class RunShape:
 
     @property
     def input_size(self) -> tuple[int, int]:
-        """(H, W) of the model input (app.preprocess's crop rule)."""
+        """(H, W) of the model input (app.sources.preprocess's crop rule)."""
         return model_input_size(*self.source_size, self.image_width)
 
     def patches(self, patch_size: int) -> int:

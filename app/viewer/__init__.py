@@ -85,7 +85,7 @@ class LiveViewer:
         inference_controls: bool = True,
         label: str = "stream-recon",
         show: str = "points",  # points | splats (app.options.SHOW_CHOICES); the browser's panel can change it
-        masker: Any = None,  # app.masks.FrameMasker: pixels the live clouds leave out (a replay's npz carry them)
+        masker: Any = None,  # app.outputs.masks.FrameMasker: pixels the live clouds leave out (a replay's npz carry them)
     ) -> None:
         if max_points_per_keyframe < 1 or max_total_points < max_points_per_keyframe:
             raise ValueError(

@@ -121,7 +121,7 @@ def load_frame(path: Path) -> FramePrediction:
     """One prediction file (DESIGN.md §5, read by rundir's `load_prediction`) as a FramePrediction."""
     record = load_prediction(path)
     depth = np.asarray(record["depth"], dtype=np.float32)
-    if record["sky_mask"] is not None:  # a masked run's dropped pixels (app.masks) have no depth to draw
+    if record["sky_mask"] is not None:  # a masked run's dropped pixels (app.outputs.masks) have no depth to draw
         depth = np.where(record["sky_mask"], np.float32(np.nan), depth)
     return FramePrediction(
         frame_index=record["frame_index"],

@@ -6,7 +6,7 @@ For each size, makes an mp4v video from app/sample's pictures (cut from a slight
 moving 8 pixels a frame, so that consecutive frames differ), then measures on this machine:
 
 - one thread, frame by frame: the decode (grab, retrieve, BGR to RGB) and the crop rule
-  (app.preprocess.preprocess_frame_uint8 at --image-width), medians in ms;
+  (app.sources.preprocess.preprocess_frame_uint8 at --image-width), medians in ms;
 - the source as a run opens it (app.sources.open_source with the image width: the reader thread decodes and
   resizes): frames a second delivered to a consumer that takes them as fast as they come, best of --rounds.
 
