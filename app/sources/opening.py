@@ -5,6 +5,7 @@ Everything that can be checked is checked here (the file exists and decodes, the
 size, the camera or URL answers within the timeout); why a stream gave no frame is asked of its server
 (probing.py), and a file that is not a video is told by its first bytes (signatures.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -43,6 +44,7 @@ STREAM_SCHEMES = ("rtsp", "rtsps", "rtmp", "http", "https", "udp", "tcp", "srt")
 _MAX_SIZE_CHECKS = 200  # picture headers read when a folder is opened
 _EXIF_ORIENTATION = 0x0112
 _ORIENTATIONS_THAT_SWAP_AXES = {5, 6, 7, 8}
+# what a video file is called: a folder's videos, a dataset's sequences
 VIDEO_SUFFIXES = (
     ".mp4",
     ".mov",

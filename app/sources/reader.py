@@ -19,7 +19,7 @@ path").
 
 Host memory stays constant: at most `queue_size` frames exist at once, whatever the length. Model
 inputs stay uint8 ([3, H, W], a quarter of the float bytes): the engine converts them on the device.
-`open_source` checks everything it can before returning (the file exists and decodes, the folder
+`open_source` (opening.py) checks everything it can before returning (the file exists and decodes, the folder
 holds images of one size, the camera or URL answers within the timeout), so a bad input fails
 before any model is loaded.
 
