@@ -2,7 +2,7 @@
 need the frames' images.
 
 Plain values, free of the libraries that write the formats (trimesh, OpenCV), so that the `export`
-command's flags can be read without loading them; app.export writes them.
+command's flags can be read without loading them; app.outputs.export writes them.
 """
 
 from __future__ import annotations
