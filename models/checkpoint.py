@@ -446,7 +446,7 @@ def load_model(checkpoint: str | Path | None = None, device: str | torch.device 
 def _built(config: ModelConfig) -> GCTStream:
     """The network of `config`, imported here: with the Triton kernels its layers bring, about a second that
     finding a checkpoint (`info`, a run's first check) does not need."""
-    from .network.gct import GCTStream
+    from .network.gct import GCTStream  # the network and its kernels: only when a model is built
 
     return GCTStream(config)
 

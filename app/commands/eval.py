@@ -48,7 +48,13 @@ from stream_recon.app.commands._options import (
     output_console,
     user_errors,
 )
-from stream_recon.app.evaluation.settings import DEPTH_MAX_DIFF
+from stream_recon.app.evaluation.settings import (
+    DEPTH_MAX_DIFF,
+    ERROR_METRICS,
+    OPEN_CHAIN,
+    STATISTICS,
+    statistic_key,
+)
 
 RunDirArg = Annotated[
     Path, typer.Argument(help="Run directory written by `stream-recon run` (trajectory_tum.txt, or the npz files "
@@ -103,9 +109,6 @@ def results_table(results: dict, title: str) -> Table:
 
 def errors_table(results: dict) -> Table:
     """ATE and RPE, one column each, one row per statistic evo prints (an sse of degrees is in deg^2)."""
-    # the metrics load OpenCV: never for -h (the command has them by now)
-    from stream_recon.app.evaluation.metrics import ERROR_METRICS, STATISTICS, statistic_key
-
     table = Table(title="trajectory errors, as evo_ape / evo_rpe print them")
     table.add_column("statistic")
     for metric, _ in ERROR_METRICS:
@@ -118,9 +121,6 @@ def errors_table(results: dict) -> Table:
 
 def open_chain_table(results: dict) -> Table:
     """ATE of the corrected trajectory beside the open chain's, one row per statistic evo prints."""
-    # the metrics load OpenCV: never for -h (the command has them by now)
-    from stream_recon.app.evaluation.metrics import OPEN_CHAIN, STATISTICS, statistic_key
-
     table = Table(title="ATE (m): corrected vs open chain")
     table.add_column("statistic")
     table.add_column("corrected", justify="right")
@@ -155,7 +155,6 @@ def eval_command(
     """Evaluate a run against a ground-truth trajectory (and depth), as evo does; writes RUN_DIR/eval.json."""
     # OpenCV and torch load with these: when the command runs, never for -h
     from stream_recon.app.evaluation.metrics import (
-        OPEN_CHAIN,
         EvaluationError,
         evaluate_run,
         evaluation_path,

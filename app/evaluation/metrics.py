@@ -35,6 +35,10 @@ import numpy as np
 
 from stream_recon.app.evaluation.settings import DEFAULT_MAX_DIFF as DEFAULT_MAX_DIFF
 from stream_recon.app.evaluation.settings import DEPTH_MAX_DIFF as DEPTH_MAX_DIFF
+from stream_recon.app.evaluation.settings import ERROR_METRICS as ERROR_METRICS
+from stream_recon.app.evaluation.settings import OPEN_CHAIN as OPEN_CHAIN
+from stream_recon.app.evaluation.settings import STATISTICS as STATISTICS
+from stream_recon.app.evaluation.settings import statistic_key as statistic_key
 from stream_recon.app.outputs.rundir import (
     EVAL_JSON,
     PREDICTIONS_DIR,
@@ -52,13 +56,7 @@ from stream_recon.models.stream.similarity import AlignmentError, Sim3, rotation
 
 TUM_DEPTH_FACTOR = 5000.0  # TUM RGB-D depth PNGs: uint16, 5000 units per metre
 AUC_THRESHOLDS_DEG = (5, 15, 30)
-STATISTICS = ("rmse", "mean", "median", "std", "min", "max", "sse")  # what evo_ape / evo_rpe print
-# The evo-equivalent error series in eval.json: (key prefix, unit suffix; "" for ground-truth length units).
-ERROR_METRICS = (("ate", ""), ("rpe_trans", ""), ("rpe_rot", "deg"))
 DELTA1_THRESHOLD = 1.25
-# eval.json's key for the open chain's metrics (rundir.TRAJECTORY_OPEN_TUM, the poses before loop closure
-# corrected them), scored as the run's trajectory is; absent when the run has no open chain.
-OPEN_CHAIN = "open_chain"
 
 
 class EvaluationError(ValueError):
@@ -186,13 +184,6 @@ def error_statistics(errors: np.ndarray) -> dict[str, float]:
         "max": float(np.max(errors)),
         "sse": float(np.sum(squared)),
     }
-
-
-def statistic_key(metric: str, statistic: str, unit: str = "") -> str:
-    """The eval.json key of one statistic: ate_rmse, rpe_rot_rmse_deg; an sse is in the squared unit."""
-    if not unit:
-        return f"{metric}_{statistic}"
-    return f"{metric}_{statistic}_{unit}{'2' if statistic == 'sse' else ''}"
 
 
 def absolute_trajectory_errors(estimated_aligned: np.ndarray, reference: np.ndarray) -> np.ndarray:
