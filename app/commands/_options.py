@@ -29,7 +29,7 @@ from stream_recon.app.evaluation_settings import DEFAULT_MAX_DIFF
 from stream_recon.app.input_size import PATCH_SIZE
 from stream_recon.app.options import FLAG_NAMES, MAX_CAMERA_ITERATIONS, RunOptions
 from stream_recon.models.checkpoint_names import DEFAULT_CHECKPOINT, KNOWN_CHECKPOINTS
-from stream_recon.models.stream.stream_config import FLOW_THRESHOLD, MAX_GAP
+from stream_recon.models.stream.stream_config import FLOW_THRESHOLD, MAX_GAP, keyframe_spellings
 
 _MODEL = "Model"
 _ENGINE = "Streaming engine"
@@ -128,7 +128,7 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         "the drift between them (a pose graph over chunks; the uncorrected trajectory is kept as "
         "trajectory_open_tum.txt): auto (on when gtsam imports and the stream can reach a third chunk, past "
         "2 x (chunk frames - overlap) frames: a loop joins chunks two or more apart), on, or off.",
-        "keyframes": "Keyframe policy: all, interval:N or flow.",
+        "keyframes": f"Keyframe policy: {keyframe_spellings()}.",
         "flow_threshold": "flow policy: mean flow in pixels that makes a keyframe.",
         "max_gap": "flow policy: most frames in a row without a keyframe.",
         "image_width": f"Model input width in pixels, a multiple of {PATCH_SIZE}.",
