@@ -42,7 +42,7 @@ from stream_recon.app.commands._options import (
     error_console,
     set_verbosity,
 )
-from stream_recon.app.export_formats import format_summary
+from stream_recon.app.outputs.export_formats import format_summary
 from stream_recon.app.stopping import PromptInterrupt, interrupted_exit_code
 
 if _handler_before_import is not None:

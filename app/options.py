@@ -1,6 +1,6 @@
 """What a run is asked to do: RunOptions, checked once, and the device, precision and attention they resolve to.
 
-The CLI (`run`, `batch`), presets (configs/*.yaml, app.presets) and the batch runner all build one
+The CLI (`run`, `batch`), presets (configs/*.yaml, app.run.presets) and the batch runner all build one
 RunOptions; its field names are the preset keys and, with dashes, the flags. A bad value is an
 OptionsError that names every problem at once, before anything is loaded.
 """
@@ -9,21 +9,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import socket
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from stream_recon.app.input_size import DEFAULT_IMAGE_WIDTH, PATCH_SIZE
-from stream_recon.app.npz_schema import PredictionOutputs
-from stream_recon.app.source_settings import (
+from stream_recon.app.outputs.npz_schema import PredictionOutputs
+from stream_recon.app.sources.input_size import DEFAULT_IMAGE_WIDTH, PATCH_SIZE
+from stream_recon.app.sources.settings import (
     DEFAULT_OPEN_TIMEOUT_S,
     DEFAULT_RECONNECT_S,
     ROTATIONS,
     FrameSelection,
 )
-from stream_recon.models.stream.prediction import EVEN_ODDS_CONFIDENCE
-from stream_recon.models.stream.stream_config import (
+from stream_recon.models import (
+    EVEN_ODDS_CONFIDENCE,
     SCALE_FRAMES,
     TRAINED_VIEWS,
     WINDOW,
@@ -33,15 +34,15 @@ from stream_recon.models.stream.stream_config import (
 
 KV_CACHE_CHOICES = ("auto", "fp8")  # auto: the model's precision (models.attention_backends.resolve_backend)
 # auto: on when the pose graph's library is installed and the stream can reach a third chunk (a loop joins
-# chunks two or more apart; app.loops); on: the same, and a missing library is an error; off: never.
+# chunks two or more apart; app.run.loops); on: the same, and a missing library is an error; off: never.
 LOOP_CLOSURE_CHOICES = ("auto", "on", "off")
 # auto: where the first streaming step compiles or records a CUDA graph (the engine's slow_first_step: CUDA
 # by default), that step runs on copies of the first frame before the stream; on: everywhere; off: never.
 WARM_UP_CHOICES = ("auto", "on", "off")
 # auto: on CUDA, compiled where this machine's compile caches hold the run's input size; where they do not, the run streams uncompiled and a child process compiles that size
-# beside it for the next run (app.builds); on: compiled before the stream, whatever it costs; off: never.
+# beside it for the next run (app.run.builds); on: compiled before the stream, whatever it costs; off: never.
 COMPILE_CHOICES = ("auto", "on", "off")
-# What the viewer draws for a keyframe: its points, or a Gaussian splat per point (app.splats' opacity rule)
+# What the viewer draws for a keyframe: its points, or a Gaussian splat per point (app.outputs.splats' opacity rule)
 SHOW_CHOICES = ("points", "splats")
 # The options that take one of a few words, by field, in the order their problems are named
 WORD_CHOICES = {"loop_closure": LOOP_CLOSURE_CHOICES, "compile": COMPILE_CHOICES, "warm_up": WARM_UP_CHOICES,
@@ -96,7 +97,7 @@ class RunOptions:
     attention: str = "auto"  # a name of the backend table (models.attention_backends.backend_names)
     compile: str = "auto"  # auto | on | off: torch.compile the blocks and heads (CUDA only)
     warm_up: str = "auto"  # auto | on | off: compile and record the streaming step before the first frame
-    memory_check: bool = True  # refuse a CPU run whose memory estimate exceeds what is available (app.resources)
+    memory_check: bool = True  # refuse a CPU run whose memory estimate exceeds what is available (app.run.resources)
     kv_cache: str = "auto"  # K/V cache precision: auto (the model's) | fp8 (e4m3, dense attention backends)
     gpu_memory: str | None = None  # a device-memory budget such as "8GiB": the engine plans to fit it (models.stream.memory)
     # engine
@@ -123,8 +124,8 @@ class RunOptions:
     # outputs
     conf_threshold: float = DEFAULT_CONF_THRESHOLD
     voxel_size: float | None = None  # None: automatic, relative to the first frame's depth
-    mask_sky: bool = False  # leave the sky out of every point (app.sky's network; the npz keep the mask)
-    mask_dir: str | None = None  # a folder of one mask per frame, 0 = leave the pixel out (app.masks)
+    mask_sky: bool = False  # leave the sky out of every point (app.outputs.sky's network; the npz keep the mask)
+    mask_dir: str | None = None  # a folder of one mask per frame, 0 = leave the pixel out (app.outputs.masks)
     overwrite: bool = False
     # what each predictions/*.npz holds and which frames get one; defaults: rundir.PredictionOutputs'
     save_depth: str = PredictionOutputs.depth  # float16 | float32: depth and confidence
@@ -316,6 +317,7 @@ def _engine_problems(options: RunOptions) -> Iterator[str]:
     """What the engine's own tables refuse: the attention backend's name, the keyframe policy, the memory
     budget's spelling. The backends' table and the memory plan import torch, so they are read when options
     are checked (a command that runs), never when the flags are only listed (`-h`)."""
+    # torch loads with these: checked when a command runs, never when -h reads the flags
     from stream_recon.models.attention_backends import backend_names
     from stream_recon.models.stream.memory import parse_memory_size
 
@@ -338,6 +340,7 @@ def _engine_problems(options: RunOptions) -> Iterator[str]:
 
 def resolve_device(device: str) -> str:
     """`auto` -> cuda when available, else cpu. An unavailable CUDA is an error, not a silent CPU run."""
+    # torch: resolved when a command runs, never when -h reads the flags
     import torch
 
     if device == "auto":
@@ -358,6 +361,7 @@ def resolve_device(device: str) -> str:
 
 def resolve_dtype(name: str, device: str) -> Any:
     """`auto`: bf16 on CUDA (fp16 before Ampere, which has no fast bf16), fp32 on CPU, as the reference."""
+    # torch: resolved when a command runs, never when -h reads the flags
     import torch
 
     canonical = DTYPE_NAMES[name]
@@ -373,6 +377,7 @@ def check_attention(attention: str, device: str, dtype: Any, kv_cache: str = "au
     """The attention backend must be able to run on this device in this precision, over a cache
     stored as `kv_cache` asks (`auto` always can); the backend table (models.attention_backends)
     says why not and what to use instead. Returns the name of the backend the run will use."""
+    # torch loads with the backend table: when a command runs, never for -h
     from stream_recon.models.attention_backends import resolve_backend
 
     try:
@@ -390,7 +395,6 @@ def check_viewer_address(host: str, port: int, *, optional: bool = True) -> None
     """The viewer's address must be one of this machine's (checked before the model loads; viser
     would only fail after it), its port one there is. A port in use is fine: the viewer takes the
     next free one. optional: the command can run without its viewer (`run --no-viewer`; `view` cannot)."""
-    import socket
 
     port_problem = viewer_port_problem(port)
     if port_problem:

@@ -80,6 +80,7 @@ def _sdpa(storage, layout, compile, device):
 
 def _flashinfer_paged(variant: str) -> BackendFactory:
     def build(storage, layout, compile, device):
+        # FlashInfer: an optional extra, imported when its backend is built
         from .flashinfer_backend import FlashInferPagedAttention
 
         return FlashInferPagedAttention(storage, variant=variant)
@@ -92,6 +93,7 @@ def _dense_sdpa(storage, layout, compile, device):
 
 
 def _dense_triton(storage, layout, compile, device):
+    # Triton: absent on some machines, imported when its backend is built
     from .triton_attention import TritonRangeAttention
 
     # The schedule of a store with fewer window slots than its window is the full store's, so that it
@@ -110,6 +112,7 @@ def _dense_cudnn(storage, layout, compile, device):
 
 
 def _dense_flashinfer(storage, layout, compile, device):
+    # FlashInfer: an optional extra, imported when its backend is built
     from .flashinfer_backend import FlashInferRangeAttention
 
     variant = "fa3" if torch.cuda.get_device_capability(device)[0] == 9 else "fa2"

@@ -31,6 +31,7 @@ def store_write_kernel(device: torch.device, quantized: bool, head_dim: int):
         return None
     if quantized and not fp8.triton_has_e4m3(device):
         return None
+    # its module imports Triton, which the check above found
     from . import triton_store
 
     return triton_store.write_quantized if quantized else triton_store.write

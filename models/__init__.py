@@ -30,7 +30,18 @@ _HOMES = {
     "InferenceSpec": "builds.prepare",
     "prepare_for_inference": "builds.prepare",
     "KeyframePolicy": "stream.stream_config",
+    "keyframe_spellings": "stream.stream_config",
     "StreamConfig": "stream.stream_config",
+    "DEFAULT_CHECKPOINT": "checkpoint_names",
+    "KNOWN_CHECKPOINTS": "checkpoint_names",
+    "DaemonPool": "daemon_pool",
+    "chunk_stream_config": "stream.chunked",
+    "EVEN_ODDS_CONFIDENCE": "stream.prediction",
+    "FLOW_THRESHOLD": "stream.stream_config",
+    "MAX_GAP": "stream.stream_config",
+    "SCALE_FRAMES": "stream.stream_config",
+    "TRAINED_VIEWS": "stream.stream_config",
+    "WINDOW": "stream.stream_config",
 }
 
 __all__ = sorted(_HOMES)

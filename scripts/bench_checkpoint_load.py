@@ -85,10 +85,10 @@ def measure_one(path: str, device: str, preset: str) -> dict:
 
 
 def measure_product_load(path: str, device: str, preset: str) -> dict:
-    """Runs in the child process: the checkpoint loaded as every command loads it (app.loading.load_model_for:
+    """Runs in the child process: the checkpoint loaded as every command loads it (app.run.loading.load_model_for:
     read on the host, then prepared for the device in the run's precision, compiled where it is), each part timed."""
-    from stream_recon.app.loading import prepared_for_run, resolve_device
     from stream_recon.app.options import RunOptions
+    from stream_recon.app.run.loading import prepared_for_run, resolve_device
     from stream_recon.models import load_model
 
     options = RunOptions(checkpoint=path, device=device)

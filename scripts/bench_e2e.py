@@ -1,4 +1,4 @@
-"""The speed a user gets: `stream-recon VIDEO` (app.pipeline.run_sequence) on a real video file, every
+"""The speed a user gets: `stream-recon VIDEO` (app.run.pipeline.run_sequence) on a real video file, every
 output written, beside the engine's own rate measured in the same process.
 
     python scripts/bench_e2e.py                          # a 1,000-frame 640x468 video made from app/sample
@@ -608,7 +608,7 @@ def build_model(args: argparse.Namespace) -> tuple[Any, float]:
 
 def engine_model(args: argparse.Namespace, model: Any, options: Any, device: str, compiled: bool) -> Any:
     """The model the engine-only run streams with: prepared as the product run's was (`compiled`)."""
-    from stream_recon.app.loading import load_model_for, prepared_for_run
+    from stream_recon.app.run.loading import load_model_for, prepared_for_run
 
     if args.stand_in_ms:
         return model
@@ -639,8 +639,8 @@ def product_run(args: argparse.Namespace, video: Path, options: Any, model: Any,
     """run_sequence on the video, as `stream-recon VIDEO` runs it, with a recorder and (maybe) a client."""
     from rich.console import Console
 
-    from stream_recon.app import pipeline
-    from stream_recon.app.preprocess import model_input_size
+    from stream_recon.app.run import pipeline
+    from stream_recon.app.sources.preprocess import model_input_size
 
     engines: list[TimedEngine] = []
     real_build_engine = pipeline.build_engine
@@ -774,8 +774,8 @@ def engine_run(args: argparse.Namespace, video: Path, options: Any, model: Any, 
     `engine.push` in a tight loop, predictions on the host, nothing written."""
     from rich.console import Console
 
-    from stream_recon.app.loading import build_engine
-    from stream_recon.app.sources import open_source
+    from stream_recon.app.run.loading import build_engine
+    from stream_recon.app.sources.opening import open_source
 
     with open_source(str(video), options.selection(), image_width=options.image_width) as source:
         frames = [(frame.image, frame.timestamp) for frame in source]
@@ -804,9 +804,9 @@ def engine_run(args: argparse.Namespace, video: Path, options: Any, model: Any, 
 def sink_costs(video: Path, options: Any, frames: int = 120) -> dict[str, float]:
     """Median ms per frame of each thing done per frame besides the engine, one at a time on one thread, at
     the video's model input size: what each thread's share of one core is at a given frame rate."""
-    from stream_recon.app.pointcloud import PointAccumulator
-    from stream_recon.app.preprocess import model_input_size, preprocess_frame_uint8
-    from stream_recon.app.rundir import atomic_write, prediction_arrays
+    from stream_recon.app.outputs.pointcloud import PointAccumulator
+    from stream_recon.app.outputs.rundir import atomic_write, prediction_arrays
+    from stream_recon.app.sources.preprocess import model_input_size, preprocess_frame_uint8
     from stream_recon.app.viewer import LiveViewer
 
     def median_ms(call: Any, items: list) -> float:

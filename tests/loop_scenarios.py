@@ -25,7 +25,7 @@ from pathlib import Path
 import gtsam
 import numpy as np
 
-from stream_recon.app.rundir import read_tum
+from stream_recon.app.outputs.rundir import read_tum
 from stream_recon.models.loops.closer import LoopClosureConfig, _KeyframePoints, align_loop, loop_edge
 from stream_recon.models.loops.pose_graph import (
     LoopEdge,

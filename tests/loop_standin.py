@@ -180,14 +180,14 @@ class StandInModel:
 
 def runs_stream_the_loop_scene(monkeypatch, scene: LoopScene, *, index_spacing: int = 1,
                                **engine_settings) -> list[LoopSceneEngine]:
-    """Make runs (app.pipeline.run_sequence, handed a StandInModel) stream through a LoopSceneEngine of
+    """Make runs (app.run.pipeline.run_sequence, handed a StandInModel) stream through a LoopSceneEngine of
     `scene` (LoopSceneEngine's settings), its loop closer indexing one keyframe every `index_spacing`
     frames (default: every keyframe of these short streams) with room for all of them in flight, so that
     what it finds does not depend on how busy the machine is (a detection that falls behind lowers the
     density, by design, rather than hold the stream). Returns the list that each run's engine is
     appended to."""
-    from stream_recon.app import pipeline
-    from stream_recon.app.loops import LoopClosureSink
+    from stream_recon.app.run import pipeline
+    from stream_recon.app.run.loops import LoopClosureSink
     from stream_recon.models.loops.closer import LoopClosureConfig
 
     engines: list[LoopSceneEngine] = []

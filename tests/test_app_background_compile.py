@@ -1,5 +1,5 @@
 """`--compile auto`: the records of compiled sizes, the choice a run makes from them, and the child
-process that compiles a size beside a run (app/background_compile.py, models/builds/compilation.py).
+process that compiles a size beside a run (app/run/background_compile.py, models/builds/compilation.py).
 
 On this machine the child runs for real on the CPU with the tiny model (prepare_for_inference does not
 compile off CUDA, so it exercises the process, its key, its warm-up and its record, not Inductor);
@@ -15,10 +15,10 @@ import time
 import pytest
 import torch
 
-from stream_recon.app.background_compile import CompiledSizes
-from stream_recon.app.builds import compile_choice, run_key
-from stream_recon.app.loading import chunk_engine_config
 from stream_recon.app.options import OptionsError, RunOptions
+from stream_recon.app.run.background_compile import CompiledSizes
+from stream_recon.app.run.builds import compile_choice, run_key
+from stream_recon.app.run.loading import chunk_engine_config
 from stream_recon.models import ModelConfig
 from stream_recon.models.builds.compilation import (
     compiled_code_key,
@@ -82,7 +82,7 @@ def test_the_key_names_the_size_precision_settings_and_architecture_and_is_the_s
     assert key_for(options(conf_threshold=3.0, port=9000, keyframes="all")) == base
     # another process with this one's precision flags (conftest turns TF32 off here) names the same key
     code = ("import json, sys, torch; from stream_recon.models import ModelConfig; from stream_recon.app.options "
-            "import RunOptions; from stream_recon.app.loading import chunk_engine_config; from stream_recon.models.builds."
+            "import RunOptions; from stream_recon.app.run.loading import chunk_engine_config; from stream_recon.models.builds."
             "compilation import compiled_code_key, use_matmul_settings; use_matmul_settings(json.loads(sys.argv[1]));"
             " o = RunOptions(scale_frames=2, window=4, chunk_frames=16, overlap=4, viewer=False, image_width=70); "
             "c = ModelConfig.tiny(); print(compiled_code_key(c, chunk_engine_config(o, c), (56, 70), torch.float32, "
@@ -176,7 +176,7 @@ def test_a_size_being_compiled_by_another_process_is_not_compiled_twice(prepared
 
 
 def test_no_room_beside_the_run_is_recorded_so_the_next_run_compiles_first(prepared_tiny_model, monkeypatch):
-    import stream_recon.app.background_compile as background_compile
+    import stream_recon.app.run.background_compile as background_compile
 
     # the device's free memory cannot be made small for real here: the query is the one stand-in
     monkeypatch.setattr(background_compile, "_free_bytes", lambda device: 1 << 20)
@@ -211,7 +211,7 @@ def test_the_child_streams_with_the_runs_memory_plan_under_the_runs_key(prepared
     (as a spare engine does: no budget of its own), and its record is the run's key."""
     from types import SimpleNamespace
 
-    from stream_recon.app.background_compile import planned
+    from stream_recon.app.run.background_compile import planned
 
     run_options = options(gpu_memory="64GiB")
     config = chunk_engine_config(run_options, prepared_tiny_model.config)

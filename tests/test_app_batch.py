@@ -17,7 +17,7 @@ import torch
 from conftest import build_tiny_model
 from dataset_tree import write_dataset_tree, write_image_folder, write_tum_sequence
 
-from stream_recon.app.batch import (
+from stream_recon.app.evaluation.batch import (
     COMPLETE_MARKER,
     SUMMARY_COLUMNS,
     BatchError,
@@ -27,9 +27,9 @@ from stream_recon.app.batch import (
     read_summary,
     run_batch,
 )
-from stream_recon.app.datasets import discover_sequences
+from stream_recon.app.evaluation.datasets import discover_sequences
 from stream_recon.app.options import RunOptions, changed_settings
-from stream_recon.app.rundir import (
+from stream_recon.app.outputs.rundir import (
     TRAJECTORY_OPEN_TUM,
     TRAJECTORY_TUM,
     read_tum,
@@ -214,8 +214,8 @@ KILLABLE_BATCH = textwrap.dedent(
     sys.path.insert(0, {tests_dir!r})
     from conftest import build_tiny_model
     from test_app_batch import OPTIONS
-    from stream_recon.app.batch import BatchInterrupted, run_batch
-    from stream_recon.app.datasets import discover_sequences
+    from stream_recon.app.evaluation.batch import BatchInterrupted, run_batch
+    from stream_recon.app.evaluation.datasets import discover_sequences
     try:
         run_batch(discover_sequences({root!r}), {output!r}, OPTIONS, load_model=build_tiny_model)
     except BatchInterrupted:
@@ -476,7 +476,7 @@ def table_rows(output, title):
 def test_batch_summary_shows_the_ate_with_and_without_loop_closure(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    import stream_recon.app.batch as batch_module
+    import stream_recon.app.evaluation.batch as batch_module
     from stream_recon.app.cli import app
     from stream_recon.models.checkpoint import convert_to_safetensors
 

@@ -41,7 +41,7 @@ from typer.testing import CliRunner
 from stream_recon.app.cli import app, main, with_default_command
 from stream_recon.app.commands._options import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED
 from stream_recon.app.options import OptionsError, RunOptions, flag
-from stream_recon.app.presets import PRESET_DIR, PresetError, available_presets, build_options
+from stream_recon.app.run.presets import PRESET_DIR, PresetError, available_presets, build_options
 from stream_recon.models import ModelConfig
 from stream_recon.models.checkpoint import convert_to_safetensors
 
@@ -367,7 +367,7 @@ def test_convert_checks_its_paths(tmp_path: Path) -> None:
 
 
 def test_default_output_names(tmp_path: Path) -> None:
-    from stream_recon.app.sources import source_name
+    from stream_recon.app.sources.opening import source_name
 
     folder = write_image_folder(tmp_path / "kitchen", ["0.png"])
     assert source_name(str(folder)) == "kitchen"
@@ -590,7 +590,7 @@ def test_first_run_without_the_hub_says_where_to_put_the_checkpoint(tmp_path: Pa
 def test_first_run_online_downloads_the_default_checkpoint_once(
     tmp_path: Path, tiny_checkpoint: Path, offline_hub: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from stream_recon.models import checkpoint as checkpoint_module
+    from stream_recon.app.run import loading
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     downloads = []
@@ -601,7 +601,7 @@ def test_first_run_online_downloads_the_default_checkpoint_once(
         offline_hub.mkdir(parents=True, exist_ok=True)
         return Path(shutil.copy(tiny_checkpoint, offline_hub / f"{name}.safetensors"))
 
-    monkeypatch.setattr(checkpoint_module, "download_checkpoint", fake_download)
+    monkeypatch.setattr(loading, "download_checkpoint", fake_download)  # where a run reads it
     video = write_video(tmp_path / "clip.mp4", 4)
 
     first = invoke(str(video), "-o", str(tmp_path / "first"), *FAST_FLAGS)
@@ -1020,7 +1020,7 @@ def unprivileged(tmp_path: Path) -> Iterator[tuple[tuple[str, ...], Path]]:
 
 def write_trajectory_pair(run_dir: Path, gt_file: Path, frames: int = 12) -> None:
     """A run directory's trajectory_tum.txt and a ground truth it matches up to a similarity and noise."""
-    from stream_recon.app.rundir import write_tum
+    from stream_recon.app.outputs.rundir import write_tum
 
     rng = np.random.default_rng(3)
     timestamps = np.arange(frames) * 0.1

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import wait_until
 from media_helpers import free_port, mjpeg_server, write_image_folder, write_noise_video, write_video
 from plyfile import PlyData
 
@@ -54,17 +55,6 @@ def lines_of(result: subprocess.CompletedProcess) -> list[str]:
     return [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
 
 
-def wait_for(condition, child: subprocess.Popen, what: str, timeout_s: float = 90) -> None:
-    """Poll `condition()` until it holds; fail if the process ends first or the deadline passes."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if child.poll() is not None:
-            raise AssertionError(f"the process ended (exit {child.returncode}) before {what}:\n{child.stdout.read()}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} after {timeout_s} s")
-        time.sleep(0.005)
-
-
 CAMERA_FRAMES = 20  # enough for the stream to open (FFmpeg reads a few to know it), with room to spare
 BEYOND_THE_CAMERA = ("--scale-frames", str(2 * CAMERA_FRAMES))  # the first prediction waits for the scale frames
 
@@ -97,7 +87,7 @@ def test_sigterm_before_the_first_frame_leaves_nothing_and_exits_143(
                              cwd=tmp_path, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
     try:
-        wait_for(made_its_folder, child, "output folder")  # made before the model loads
+        wait_until(made_its_folder, 90, process=child, what="output folder")  # made before the model loads
         child.send_signal(signal.SIGTERM)
         printed, _ = child.communicate(timeout=60)
     finally:
@@ -136,7 +126,7 @@ def test_a_presets_on_and_off_are_read_as_written(tmp_path: Path, tiny_checkpoin
 # points fall into voxels of others (a correction that brings two passes over a place together does that).
 CORRECTED_RUN = """
 import numpy as np
-from stream_recon.app import writers
+from stream_recon.app.outputs import writers
 from stream_recon.app.cli import main
 from stream_recon.models.loops.corrections import ChunkCorrections
 from stream_recon.models.stream.similarity import Sim3
@@ -334,7 +324,7 @@ def test_an_output_that_is_a_dangling_link_is_said_to_be_one(tmp_path: Path) -> 
 # ------------------------------------------------------------------ warnings before a run
 
 
-def warnings_of(result: subprocess.CompletedProcess) -> list[str]:
+def warning_lines(result: subprocess.CompletedProcess) -> list[str]:
     return [line for line in lines_of(result) if line.startswith("warning: ")]
 
 
@@ -345,7 +335,7 @@ def test_frames_too_small_to_reconstruct_are_warned_of(tmp_path: Path, tiny_chec
     result = stream_recon(str(folder), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(tmp_path / "run"))
 
     assert result.returncode == 0, result.stderr
-    assert warnings_of(result) == [
+    assert warning_lines(result) == [
         "warning: the source's frames are 1x1: at --image-width 56 each 14-pixel patch the model reads is 0.25 of "
         "their pixels across, too little detail to reconstruct anything; use frames at least 4 pixels wide, or a "
         "smaller --image-width"]
@@ -361,7 +351,7 @@ def test_loop_closure_on_for_a_stream_too_short_for_a_third_chunk_is_warned_of(t
                           "--chunk-frames", "8", "--overlap", "2", "-o", str(tmp_path / "run"))
 
     assert result.returncode == 0, result.stderr
-    assert warnings_of(result) == [
+    assert warning_lines(result) == [
         "warning: --loop-closure on: the stream's 3 frames never reach a third chunk (frame 12 at --chunk-frames 8), "
         "and a loop joins chunks two or more apart, so loop closure cannot correct this stream; --loop-closure off "
         "skips it"]
@@ -378,7 +368,7 @@ def test_options_that_serve_a_gpu_say_once_on_the_cpu_that_they_do_nothing_there
 
     assert result.returncode == 0, result.stderr
     printed = lines_of(result)
-    assert warnings_of(result) == [
+    assert warning_lines(result) == [
         "warning: --gpu-memory 8GiB budgets a GPU's memory: on the CPU the run is planned as for a GPU of that size "
         "(the memory plan below), and this machine's memory is checked besides (--no-memory-check turns that check "
         "off)",
@@ -395,7 +385,7 @@ def test_a_flow_threshold_without_flow_keyframes_is_warned_of(tmp_path: Path, ti
                           "-o", str(tmp_path / "run"))
 
     assert result.returncode == 0, result.stderr
-    assert warnings_of(result) == ["warning: --flow-threshold 5 sets the flow keyframe policy's threshold and does "
+    assert warning_lines(result) == ["warning: --flow-threshold 5 sets the flow keyframe policy's threshold and does "
                                    "nothing with --keyframes all: pass --keyframes flow to use it"]
 
 
@@ -574,11 +564,11 @@ def test_an_export_stopped_while_it_replaces_another_keeps_the_earlier_one(tmp_p
 
     # the third image's write never returns: the export is stopped with two new images written
     child = subprocess.Popen(command("export", str(finished_run), "-f", fmt, "-o", str(export), "--overwrite"),
-                             env=fault_environment("stream_recon.app.export:write_png:block:3"),
+                             env=fault_environment("stream_recon.app.outputs.export:write_png:block:3"),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_for(lambda: len([path for path in export.rglob("*.png") if path.stat().st_mtime > written_before]) >= 2,
-                 child, "two new images")
+        wait_until(lambda: len([path for path in export.rglob("*.png") if path.stat().st_mtime > written_before])
+                   >= 2, 90, process=child, what="two new images")
         child.send_signal(signal.SIGINT)
         printed, _ = child.communicate(timeout=60)
     finally:
@@ -606,7 +596,7 @@ def test_an_export_killed_part_way_leaves_the_earlier_one_and_the_next_export_cl
     earlier = tree_of(export)
 
     killed = subprocess.run(command("export", str(finished_run), "-f", "colmap", "-o", str(export), "--overwrite"),
-                            env=fault_environment("stream_recon.app.export:write_png:kill:4"), capture_output=True,
+                            env=fault_environment("stream_recon.app.outputs.export:write_png:kill:4"), capture_output=True,
                             text=True, timeout=120)
     assert killed.returncode == -signal.SIGKILL
     visible = {name: data for name, data in tree_of(export).items() if not name.startswith(".")}
@@ -644,7 +634,7 @@ def test_a_second_run_into_a_folder_a_run_writes_is_refused_and_touches_nothing(
     folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png", "2.png"], width=160, height=96)
     first = start_run(endless_camera, "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(run_dir))
     try:
-        wait_for(lambda: len(npz_frames(run_dir)) >= 2, first, "the first run's frames")
+        wait_until(lambda: len(npz_frames(run_dir)) >= 2, 90, process=first, what="the first run's frames")
         second = stream_recon(str(folder), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(run_dir),
                               "--overwrite")
         first.send_signal(signal.SIGTERM)
@@ -684,7 +674,8 @@ def test_a_run_replacing_another_stopped_before_its_first_frame_leaves_the_earli
     reader = threading.Thread(target=lambda: [printed.append(line) for line in child.stdout], daemon=True)
     reader.start()
     try:  # the stream has begun (its progress lines come from the loop over the frames): the writer is made
-        wait_for(lambda: any(line.startswith("progress: ") for line in printed), child, "the stream's progress")
+        wait_until(lambda: any(line.startswith("progress: ") for line in printed), 90, process=child,
+                   what="the stream's progress")
         child.send_signal(signal.SIGTERM)
         child.wait(timeout=60)
     finally:
@@ -707,7 +698,7 @@ def test_a_closed_terminal_stops_and_saves_a_run_as_sigterm_does(tmp_path: Path,
     run_dir = tmp_path / "run"
     child = start_run(endless_camera, "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(run_dir))
     try:
-        wait_for(lambda: len(npz_frames(run_dir)) >= 2, child, "two frames")
+        wait_until(lambda: len(npz_frames(run_dir)) >= 2, 90, process=child, what="two frames")
         child.send_signal(signal.SIGHUP)
         printed, _ = child.communicate(timeout=60)
     finally:
@@ -750,7 +741,7 @@ def test_a_run_left_running_by_a_killed_process_is_closed_by_the_next_export(tmp
     run_dir = tmp_path / "run"
     child = start_run(endless_camera, "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(run_dir))
     try:
-        wait_for(lambda: len(npz_frames(run_dir)) >= 3, child, "three frames")
+        wait_until(lambda: len(npz_frames(run_dir)) >= 3, 90, process=child, what="three frames")
         # a run still going is left to its process
         while_running = stream_recon("export", str(run_dir), "-f", "tum", "-o", str(tmp_path / "early.txt"))
         assert json.loads((run_dir / "run.json").read_text())["status"] == "running"

@@ -12,8 +12,8 @@ from dataset_tree import (
     write_video,
 )
 
-from stream_recon.app.datasets import DatasetError, TumFrames, discover_sequences
-from stream_recon.app.sources import SourceError
+from stream_recon.app.evaluation.datasets import DatasetError, TumFrames, discover_sequences
+from stream_recon.app.sources.reader import SourceError
 
 
 def test_tree_is_discovered_in_order_with_ground_truth(tmp_path):

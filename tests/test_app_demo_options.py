@@ -15,11 +15,12 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from stream_recon.app.cli import app, with_default_command
-from stream_recon.app.export import export_run
 from stream_recon.app.options import RunOptions
-from stream_recon.app.pipeline import run_sequence
-from stream_recon.app.preprocess import load_image, upright_rgb
-from stream_recon.app.sources import open_source, turned_clockwise
+from stream_recon.app.outputs.export import export_run
+from stream_recon.app.run.pipeline import run_sequence
+from stream_recon.app.sources.opening import open_source
+from stream_recon.app.sources.preprocess import load_image, upright_rgb
+from stream_recon.app.sources.reader import turned_clockwise
 from stream_recon.cache import TokenCache
 from stream_recon.models import StreamConfig, StreamingEngine
 

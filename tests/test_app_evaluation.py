@@ -14,7 +14,7 @@ from evo_data import evo_data_dir
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream_recon.app.evaluation import (
+from stream_recon.app.evaluation.metrics import (
     ERROR_METRICS,
     OPEN_CHAIN,
     STATISTICS,
@@ -33,8 +33,8 @@ from stream_recon.app.evaluation import (
     umeyama_alignment,
     write_evaluation,
 )
-from stream_recon.app.rundir import TRAJECTORY_OPEN_TUM, TRAJECTORY_TUM, read_tum, write_tum
-from stream_recon.app.writers import RunWriter
+from stream_recon.app.outputs.rundir import TRAJECTORY_OPEN_TUM, TRAJECTORY_TUM, read_tum, write_tum
+from stream_recon.app.outputs.writers import RunWriter
 from stream_recon.models.stream.pose import rotation_to_quat_xyzw
 from stream_recon.models.stream.prediction import FRAME_KEY, FramePrediction
 

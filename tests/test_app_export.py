@@ -15,11 +15,11 @@ from synthetic_run import CONF_HIGH, PLANE_Z, plane_frame, quat_xyzw_to_matrix
 from typer.testing import CliRunner
 
 from stream_recon.app.commands.export import export as export_command
-from stream_recon.app.export import ExportError, export_run
-from stream_recon.app.export_formats import ExportFormat
-from stream_recon.app.npz_schema import PredictionOutputs
-from stream_recon.app.rundir import RunDirError, read_run
-from stream_recon.app.writers import RunWriter
+from stream_recon.app.outputs.export import ExportError, export_run
+from stream_recon.app.outputs.export_formats import ExportFormat
+from stream_recon.app.outputs.npz_schema import PredictionOutputs
+from stream_recon.app.outputs.rundir import RunDirError, read_run
+from stream_recon.app.outputs.writers import RunWriter
 from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
 
 OPENCV_TO_GLTF = np.diag([1.0, -1.0, -1.0])
@@ -486,7 +486,7 @@ def run_video(tmp_path, tiny_model, name, **outputs):
     from media_helpers import write_video
 
     from stream_recon.app.options import RunOptions
-    from stream_recon.app.pipeline import run_sequence
+    from stream_recon.app.run.pipeline import run_sequence
 
     video = tmp_path / "clip.mp4"
     if not video.exists():

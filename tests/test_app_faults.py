@@ -33,7 +33,7 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 
 RUN_FLAGS = ["--no-viewer", "--image-width", "56", "--scale-frames", "3", "--window", "4", "--chunk-frames", "8",
              "--overlap", "4", "--keyframes", "all", "--loop-closure", "on"]
 SHORT_DEADLINES = ("stream_recon.models.loops.process:STALL_S=2,stream_recon.models.loops.process:FINISH_S=3,"
-                   "stream_recon.app.writers:WRITER_STALL_S=2")
+                   "stream_recon.app.outputs.writers:WRITER_STALL_S=2")
 # Each case on an idle 2-core machine, the process's start (torch's import) included. On a busy machine a
 # run is slower but not hung: there a case may take BUSY_FACTOR times what the same run without a fault
 # took just before (`case_limit`); a hang never ends, so it still fails.
@@ -264,7 +264,7 @@ def test_one_sigterm_ends_a_run_whose_loop_closure_child_is_stopped_within_10_s(
 def test_a_frame_writer_that_raises_fails_the_run_keeping_the_frames_before(
         tmp_path: Path, short_video: Path, tiny_checkpoint: Path) -> None:
     outcome = run(short_video, tiny_checkpoint, tmp_path / "run",
-                  "stream_recon.app.writers:RunWriter._write_frame:raise:6")
+                  "stream_recon.app.outputs.writers:RunWriter._write_frame:raise:6")
     assert outcome.code == EXIT_FAILED, outcome.output
     record = outcome.record
     assert record["status"] == "failed" and "InjectedFault" in record["summary"]["error"]
@@ -276,7 +276,7 @@ def test_a_frame_writer_that_raises_fails_the_run_keeping_the_frames_before(
 def test_a_disk_that_stops_answering_fails_the_run_at_its_deadline(
         tmp_path: Path, short_video: Path, tiny_checkpoint: Path) -> None:
     outcome = run(short_video, tiny_checkpoint, tmp_path / "run",
-                  "stream_recon.app.writers:RunWriter._write_frame:block:6", "--loop-closure", "off")
+                  "stream_recon.app.outputs.writers:RunWriter._write_frame:block:6", "--loop-closure", "off")
     assert outcome.code == EXIT_FAILED, outcome.output
     assert "the disk took no frame for 2 s" in outcome.output and "Traceback" not in outcome.output
     record = outcome.record

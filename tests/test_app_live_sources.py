@@ -17,15 +17,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import wait_until
 from media_helpers import ServerProcess, decoded_index, free_port, write_video
 
-from stream_recon.app.pipeline import RunOptions, run_sequence
-from stream_recon.app.sources import Frame, FrameSource, SourceError, TruncatedSourceError, open_source
+from stream_recon.app.run.pipeline import RunOptions, run_sequence
+from stream_recon.app.sources.opening import open_source
+from stream_recon.app.sources.reader import Frame, FrameSource, SourceError, TruncatedSourceError
 from stream_recon.models import GCTStream
 
 pytestmark = pytest.mark.slow  # real server processes, reconnect back-offs: ~30 s for the module
@@ -100,13 +102,6 @@ def read_killing_the_server(source: FrameSource, server: ServerProcess, kill_aft
         frames.append(frame)
         if len(frames) == kill_after:
             server.kill()
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def codes(frames: list[Frame]) -> list[int]:

@@ -26,11 +26,9 @@ from loop_standin import (
 )
 from plyfile import PlyData
 
-from stream_recon.app import pipeline
-from stream_recon.app.loops import loop_closure_wanted
 from stream_recon.app.options import RunOptions
-from stream_recon.app.pointcloud import PointAccumulator
-from stream_recon.app.rundir import (
+from stream_recon.app.outputs.pointcloud import PointAccumulator
+from stream_recon.app.outputs.rundir import (
     POINTS_PLY,
     RUN_JSON,
     TRAJECTORY_OPEN_TUM,
@@ -38,6 +36,8 @@ from stream_recon.app.rundir import (
     iter_run,
     read_tum,
 )
+from stream_recon.app.run import pipeline
+from stream_recon.app.run.loops import loop_closure_wanted
 from stream_recon.models.stream.pose import decode_pose
 
 pytest.importorskip("gtsam")

@@ -14,12 +14,12 @@ from sky_standin import sky_and_ground, write_tiny_skyseg
 from typer.testing import CliRunner
 
 from stream_recon.app.cli import app, with_default_command
-from stream_recon.app.export import export_run
-from stream_recon.app.masks import UserMasks
 from stream_recon.app.options import RunOptions
-from stream_recon.app.pipeline import run_sequence
-from stream_recon.app.rundir import read_run
-from stream_recon.app.sky import SKYSEG_URL, SkySegmenter
+from stream_recon.app.outputs.export import export_run
+from stream_recon.app.outputs.masks import UserMasks
+from stream_recon.app.outputs.rundir import read_run
+from stream_recon.app.outputs.sky import SKYSEG_URL, SkySegmenter
+from stream_recon.app.run.pipeline import run_sequence
 from stream_recon.app.viewer.geometry import sample_keyframe_points
 
 pytest.importorskip("onnxruntime")
@@ -130,7 +130,7 @@ def test_a_masked_run_leaves_the_sky_out_of_every_output(tmp_path, tiny_model, c
         assert set(np.unique(mask)) <= {0, 255}
 
     # the viewer's cloud leaves the masked pixels out (live: the same mask; a replay reads it from the npz)
-    from stream_recon.app.replay import load_frame
+    from stream_recon.app.viewer.replay import load_frame
 
     pred = load_frame(run / "predictions" / "000003.npz")
     sample = sample_keyframe_points(pred, 10_000)
@@ -216,7 +216,7 @@ def test_export_mask_sky_masks_a_run_that_was_not(tmp_path, tiny_model, checkpoi
 def test_the_live_viewer_leaves_masked_pixels_out_of_its_clouds(skyseg):
     from media_helpers import free_port
 
-    from stream_recon.app.masks import FrameMasker
+    from stream_recon.app.outputs.masks import FrameMasker
     from stream_recon.app.viewer import LiveViewer
     from stream_recon.models.stream.prediction import FRAME_KEY, FramePrediction
 

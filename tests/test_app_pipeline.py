@@ -34,14 +34,14 @@ from plyfile import PlyData
 from rich.console import Console
 
 import stream_recon.models
-from stream_recon.app import pipeline
-from stream_recon.app.loading import build_engine
-from stream_recon.app.npz_schema import PREDICTION_FIELDS
 from stream_recon.app.options import OptionsError, RunOptions
-from stream_recon.app.pipeline import GIL_SWITCH_INTERVAL_S, run_sequence
-from stream_recon.app.progress import RunProgress
-from stream_recon.app.rundir import OutputDirError
-from stream_recon.app.sources import SourceError
+from stream_recon.app.outputs.npz_schema import PREDICTION_FIELDS
+from stream_recon.app.outputs.rundir import OutputDirError
+from stream_recon.app.run import pipeline
+from stream_recon.app.run.loading import build_engine
+from stream_recon.app.run.pipeline import GIL_SWITCH_INTERVAL_S, run_sequence
+from stream_recon.app.run.progress import RunProgress
+from stream_recon.app.sources.reader import SourceError
 from stream_recon.models import GCTStream, prepare_for_inference
 
 # Small inputs keep the tiny model at a few ms per frame: 160x96 frames -> 56x42 model input.
@@ -331,7 +331,7 @@ def test_a_run_builds_its_kernels_while_its_checkpoint_loads_and_writes_what_it_
 
 
 def test_a_run_builds_nothing_ahead_where_it_has_no_load_to_hide_it_or_a_memory_budget() -> None:
-    from stream_recon.app.builds import start_builds_ahead
+    from stream_recon.app.run.builds import start_builds_ahead
     from stream_recon.models import ModelConfig, StreamConfig
 
     config, engine_config = ModelConfig.tiny(), StreamConfig(scale_frames=3, window=4)
@@ -491,7 +491,7 @@ def test_existing_run_needs_overwrite(tmp_path: Path, tiny_model: GCTStream) -> 
 
 def test_overwrite_removes_the_old_runs_exports_and_evaluation(tmp_path: Path, tiny_model: GCTStream) -> None:
     # --overwrite must remove the old run's exports (exports/scene.glb) and eval.json with its predictions
-    from stream_recon.app.export import export_run
+    from stream_recon.app.outputs.export import export_run
 
     run_dir = tmp_path / "run"
     run_sequence(str(write_video(tmp_path / "old.mp4", 6)), run_dir, RunOptions(**FAST), model=tiny_model)
@@ -674,7 +674,7 @@ def test_progress_bar_keeps_the_count_the_eta_and_the_rate_on_a_narrow_terminal(
 def test_flashinfer_compile_is_announced():
     from rich.console import Console
 
-    from stream_recon.app.loading import announce_backend
+    from stream_recon.app.run.loading import announce_backend
 
     console = Console(record=True, width=200)
     announce_backend("flashinfer-fa2", console)

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from stream_recon.app.input_size import input_size_problem, model_input_size, resized_size
-from stream_recon.app.preprocess import (
+from stream_recon.app.sources.input_size import input_size_problem, model_input_size, resized_size
+from stream_recon.app.sources.preprocess import (
     ImageReadError,
     pad_batch,
     preprocess_frame,

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 from synthetic_run import plane_frame
 
-from stream_recon.app.npz_schema import PREDICTION_FIELDS, prediction_arrays
 from stream_recon.app.options import RunOptions, changed_settings
-from stream_recon.app.presets import build_options
-from stream_recon.app.rundir import load_prediction
+from stream_recon.app.outputs.npz_schema import PREDICTION_FIELDS, prediction_arrays
+from stream_recon.app.outputs.rundir import load_prediction
+from stream_recon.app.run.presets import build_options
 
 
 def test_a_preset_that_says_window_frames_sets_chunk_frames(tmp_path: Path) -> None:

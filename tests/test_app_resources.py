@@ -1,4 +1,4 @@
-"""Memory and time estimates before a CPU run (app.resources): the numbers against a measured peak
+"""Memory and time estimates before a CPU run (app.run.resources): the numbers against a measured peak
 and a real run's cache, the refusal with smaller settings that fit, the slow-CPU warning, and the CLI."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 from media_helpers import write_video
 from typer.testing import CliRunner
 
-from stream_recon.app import resources
 from stream_recon.app.cli import app, with_default_command
-from stream_recon.app.resources import (
+from stream_recon.app.run import resources
+from stream_recon.app.run.resources import (
     ModelShape,
     RunShape,
     estimate_host_memory,

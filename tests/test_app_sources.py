@@ -26,16 +26,14 @@ from media_helpers import (
 )
 from PIL import Image
 
-from stream_recon.app.preprocess import preprocess_path, to_float
-from stream_recon.app.sources import (
+from stream_recon.app.sources.opening import classify_source, natural_sort_key, open_source
+from stream_recon.app.sources.preprocess import preprocess_path, to_float
+from stream_recon.app.sources.reader import (
     FrameSelection,
     SourceError,
     TruncatedSourceError,
     _Sampler,
-    classify_source,
     frames_source,
-    natural_sort_key,
-    open_source,
 )
 
 # ------------------------------------------------------------------ video files
@@ -214,10 +212,10 @@ def test_preprocessing_threads_deliver_model_inputs_in_reading_order() -> None:
 
 def test_the_reader_makes_model_inputs_up_to_pool_from_pixels_and_the_pool_larger_ones_in_reading_order(
         monkeypatch) -> None:
-    from stream_recon.app import sources
+    from stream_recon.app.sources import reader
 
     made_on: dict[int, str] = {}
-    preprocess = sources.preprocess_frame_uint8
+    preprocess = reader.preprocess_frame_uint8
 
     def preprocess_frame(rgb, width):
         made_on[int(rgb[0, 0, 0])] = threading.current_thread().name
@@ -228,7 +226,7 @@ def test_the_reader_makes_model_inputs_up_to_pool_from_pixels_and_the_pool_large
             width = 1600 if index % 3 == 0 else 640
             yield np.full((width * 9 // 16, width, 3), index, dtype=np.uint8), 0.5 * index
 
-    monkeypatch.setattr(sources, "preprocess_frame_uint8", preprocess_frame)
+    monkeypatch.setattr(reader, "preprocess_frame_uint8", preprocess_frame)
     with frames_source(camera(), name="cam", image_width=56, preprocess_workers=2) as source:
         frames = list(source)
 
@@ -343,7 +341,7 @@ def test_folder_of_mixed_sizes_names_both_files(tmp_path: Path) -> None:
 
 
 def test_odd_size_between_the_sampled_headers_is_caught_while_reading(tmp_path: Path) -> None:
-    from stream_recon.app.sources import _check_one_size
+    from stream_recon.app.sources.opening import _check_one_size
 
     folder = write_image_folder(tmp_path / "seq", [f"{index}.png" for index in range(9)], width=64, height=48)
     write_image_folder(folder, ["5.png"], width=48, height=64)  # overwrite one file in the middle

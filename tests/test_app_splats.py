@@ -14,10 +14,10 @@ from test_app_export import make_run
 from typer.testing import CliRunner
 
 from stream_recon.app.commands.export import export as export_command
-from stream_recon.app.export import export_run
-from stream_recon.app.export_formats import DEFAULT_MAX_SPLATS
-from stream_recon.app.npz_schema import PredictionOutputs
-from stream_recon.app.splats import (
+from stream_recon.app.outputs.export import export_run
+from stream_recon.app.outputs.export_formats import DEFAULT_MAX_SPLATS
+from stream_recon.app.outputs.npz_schema import PredictionOutputs
+from stream_recon.app.outputs.splats import (
     SH_C0,
     GaussianSplats,
     opacity_from_confidence,

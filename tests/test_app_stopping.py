@@ -127,7 +127,7 @@ def test_a_run_that_keeps_its_viewer_is_refused_off_the_main_thread_before_anyth
     import numpy as np
 
     from stream_recon.app.options import OptionsError, RunOptions
-    from stream_recon.app.pipeline import run_sequence
+    from stream_recon.app.run.pipeline import run_sequence
 
     folder = tmp_path / "frames"
     folder.mkdir()
@@ -152,8 +152,8 @@ def test_a_signal_that_torch_turns_into_a_read_error_during_the_load_stops_the_r
     """Under load a Ctrl-C landed inside torch's reading of the checkpoint, which turned its KeyboardInterrupt
     into a ValueError: the run ended "truncated or corrupt" with exit 2 for a file that was fine."""
     import stream_recon.models as models
-    from stream_recon.app.loading import load_model_for
     from stream_recon.app.options import RunOptions
+    from stream_recon.app.run.loading import load_model_for
     from stream_recon.models import CheckpointError
 
     checkpoint = tmp_path / "tiny.safetensors"

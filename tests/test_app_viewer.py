@@ -34,11 +34,11 @@ from typer import Typer
 from typer.testing import CliRunner
 
 from stream_recon.app.commands.view import view
-from stream_recon.app.npz_schema import prediction_arrays
-from stream_recon.app.replay import index_run, recorded_loops, start_replay
-from stream_recon.app.rundir import RunDirError
+from stream_recon.app.outputs.npz_schema import prediction_arrays
+from stream_recon.app.outputs.rundir import RunDirError
 from stream_recon.app.viewer import LiveViewer, allocate_point_budget, sample_keyframe_points
 from stream_recon.app.viewer.geometry import splat_arrays
+from stream_recon.app.viewer.replay import index_run, recorded_loops, start_replay
 from stream_recon.models.loops.corrections import ChunkCorrections, LoopRecord
 from stream_recon.models.stream.pose import quat_xyzw_to_rotation
 from stream_recon.models.stream.prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
@@ -938,9 +938,9 @@ def test_a_run_that_closes_a_loop_moves_the_chunk_nodes_a_client_sees(tmp_path, 
         runs_stream_the_loop_scene,
     )
 
-    from stream_recon.app import pipeline
     from stream_recon.app.options import RunOptions
-    from stream_recon.app.rundir import TRAJECTORY_OPEN_TUM, TRAJECTORY_TUM, read_tum
+    from stream_recon.app.outputs.rundir import TRAJECTORY_OPEN_TUM, TRAJECTORY_TUM, read_tum
+    from stream_recon.app.run import pipeline
 
     scene = load_loop_scene()
     runs_stream_the_loop_scene(monkeypatch, scene, period_s=0.12)

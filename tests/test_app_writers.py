@@ -13,16 +13,17 @@ import numpy as np
 import pytest
 import trimesh
 from conftest import symlink_and_fifo
+from helpers import wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from plyfile import PlyData
 from synthetic_run import CONF_HIGH, LOW_CONF_COLUMNS, PLANE_Z, STEP_X, plane_frame, quat_xyzw_to_matrix
 
-from stream_recon.app import writers
-from stream_recon.app.npz_schema import PREDICTION_FIELDS, PredictionOutputs
 from stream_recon.app.options import OptionsError, RunOptions
-from stream_recon.app.pointcloud import PointAccumulator, _back_project_pixels
-from stream_recon.app.rundir import (
+from stream_recon.app.outputs import writers
+from stream_recon.app.outputs.npz_schema import PREDICTION_FIELDS, PredictionOutputs
+from stream_recon.app.outputs.pointcloud import PointAccumulator, _back_project_pixels
+from stream_recon.app.outputs.rundir import (
     OutputDirError,
     OutputPathError,
     RunDirError,
@@ -32,7 +33,7 @@ from stream_recon.app.rundir import (
     read_run,
     write_json_atomic,
 )
-from stream_recon.app.writers import RunWriter
+from stream_recon.app.outputs.writers import RunWriter
 from stream_recon.models.stream.prediction import FRAME_NON_KEY
 
 NPZ_KEYS = set(PREDICTION_FIELDS)
@@ -318,7 +319,7 @@ def test_read_run_skips_a_truncated_last_file_with_a_warning(tmp_path, caplog):
     write_run(tmp_path / "run", [plane_frame(i) for i in range(4)])
     last = prediction_path(tmp_path / "run", 3)
     last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
-    with caplog.at_level(logging.WARNING, logger="stream_recon.app.writers"):
+    with caplog.at_level(logging.WARNING, logger="stream_recon.app.outputs.writers"):
         records = read_run(tmp_path / "run")
     assert [r["frame_index"] for r in records] == [0, 1, 2]
     assert "skipping frame 3" in caplog.text and "000003.npz" in caplog.text
@@ -327,7 +328,7 @@ def test_read_run_skips_a_truncated_last_file_with_a_warning(tmp_path, caplog):
 def test_read_run_skips_an_npz_without_the_required_keys(tmp_path, caplog):
     write_run(tmp_path / "run", [plane_frame(0)])
     np.savez(prediction_path(tmp_path / "run", 1), depth=np.zeros((2, 2)))
-    with caplog.at_level(logging.WARNING, logger="stream_recon.app.writers"):
+    with caplog.at_level(logging.WARNING, logger="stream_recon.app.outputs.writers"):
         records = list(iter_run(tmp_path / "run"))
     assert [r["frame_index"] for r in records] == [0]
     assert "lacks frame_index" in caplog.text
@@ -536,14 +537,6 @@ def test_writer_thread_errors_reach_the_caller(tmp_path, monkeypatch):
     assert info["status"] == "failed" and "No space left" in info["output_errors"][0]
     assert [r["frame_index"] for r in read_run(tmp_path / "run")] == [0]
     assert len(parse_tum_strictly(tmp_path / "run" / "trajectory_tum.txt")) == 1
-
-
-def wait_until(condition, timeout_s: float = 30.0) -> None:
-    """Poll `condition` until it holds; a generous timeout only turns a hang into a failure."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 def test_a_slow_disk_blocks_on_frame_instead_of_queueing_without_bound(tmp_path, monkeypatch):

@@ -35,16 +35,16 @@ DEFAULTS = (
     Default("the chunk length", 320, r"chunk|views|cached_frames", "models/stream/stream_config.py"),
     Default("the scale frames", 8, r"scale_frames|^scale$", "models/stream/stream_config.py"),
     Default("the window", 64, r"window", "models/stream/stream_config.py"),
-    Default("the input width", 518, r"width|img_size|image_size", "app/input_size.py"),
-    Default("eval's --max-diff", 0.01, r"max_diff", "app/evaluation_settings.py"),
-    Default("eval's --depth-max-diff", 0.02, r"max_diff", "app/evaluation_settings.py"),
+    Default("the input width", 518, r"width|img_size|image_size", "app/sources/input_size.py"),
+    Default("eval's --max-diff", 0.01, r"max_diff", "app/evaluation/settings.py"),
+    Default("eval's --depth-max-diff", 0.02, r"max_diff", "app/evaluation/settings.py"),
 )
 
 # (file, the name given the value): why that value there is another idea's
 ALLOWED = {
     ("models/network/config.py", "img_size"):
         "the size of DINO's trained positional table, a property of the checkpoint, not the app's input width",
-    ("app/batch.py", "_node_ip_address"):
+    ("app/evaluation/batch.py", "_node_ip_address"):
         "the address Ray's head node runs on for a local cluster, not the viewer's",
 }
 

@@ -35,9 +35,9 @@ import torch
 from media_helpers import decoded_index, write_video
 
 import stream_recon.app
-from stream_recon.app.input_size import model_input_size
 from stream_recon.app.options import RunOptions
-from stream_recon.app.pipeline import run_sequence
+from stream_recon.app.run.pipeline import run_sequence
+from stream_recon.app.sources.input_size import model_input_size
 from stream_recon.models import GCTStream
 from stream_recon.models.stream.prediction import FramePrediction
 
@@ -47,7 +47,7 @@ THE_MODEL = tuple(f"{REPO / room}/" for room in ("models/network", "cache"))  # 
 HAND_OFF = f"{REPO}/models/supervision.py"  # HandOff: the bounded hand-off to a helper thread
 MOST_HOPS_TO_THE_WRITER = 12
 MOST_HOPS_IN_THE_WRITER = 6
-# the reader, which makes the model input of a frame up to app/sources.py's POOL_FROM_PIXELS (a larger one's
+# the reader, which makes the model input of a frame up to app/sources/reader.py's POOL_FROM_PIXELS (a larger one's
 # is made on the preprocessing pool, a third thread), and the run loop
 MOST_CRITICAL_THREADS = 2
 

@@ -846,7 +846,7 @@ import json, sys
 from pathlib import Path
 from torch._dynamo.utils import counters
 from stream_recon.app.options import RunOptions
-from stream_recon.app.pipeline import run_sequence
+from stream_recon.app.run.pipeline import run_sequence
 frames, output, checkpoint, compile = sys.argv[1:]
 options = RunOptions(checkpoint=checkpoint, device="cuda", scale_frames=3, window=4, image_width=224, viewer=False,
                      compile=compile, save_depth="float32")
@@ -944,7 +944,7 @@ def marked_warm_up(self, image, **kwargs):
     return seconds
 ChunkedEngine.warm_up = marked_warm_up
 from stream_recon.app.options import RunOptions
-from stream_recon.app.pipeline import run_sequence
+from stream_recon.app.run.pipeline import run_sequence
 frames, output, checkpoint = sys.argv[1:]
 options = RunOptions(checkpoint=checkpoint, device="cuda", scale_frames=3, window=4, image_width=224, viewer=False,
                      compile="off", save_depth="float32")

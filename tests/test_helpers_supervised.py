@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import fcntl
 import json
-import logging
 import os
 import signal
 import socket
@@ -32,6 +31,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from helpers import warnings_of
 from media_helpers import free_port
 
 from stream_recon.models import ChunkedEngine, ModelConfig, StreamConfig, StreamingEngine
@@ -40,10 +40,6 @@ from stream_recon.models.stream.prediction import FRAME_KEY, FramePrediction
 from stream_recon.models.supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
 
 HEIGHT, WIDTH = 28, 42  # the tiny model's frames: 2 x 3 patches
-
-
-def warnings_of(caplog) -> list[str]:
-    return [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
 
 
 class Fault:
@@ -454,16 +450,16 @@ def test_measuring_both_uses_waits_for_the_frame_attentions_stalled_build_at_mos
     assert 0.3 <= time.monotonic() - started < 2.0 and stuck.stalled.is_set()
 
 
-# -- the background compile's child process (app/background_compile.py) ------------------------------------
+# -- the background compile's child process (app/run/background_compile.py) ------------------------------------
 SIZE = (56, 70)
 
 
 @pytest.fixture
 def compiled_sizes(prepared_tiny_model, tmp_path, monkeypatch):
     """A CompiledSizes whose child (a real process) is started and not yet far: each test's own records."""
-    from stream_recon.app.background_compile import CompiledSizes
-    from stream_recon.app.loading import chunk_engine_config
     from stream_recon.app.options import RunOptions
+    from stream_recon.app.run.background_compile import CompiledSizes
+    from stream_recon.app.run.loading import chunk_engine_config
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     options = RunOptions(scale_frames=2, window=4, chunk_frames=16, overlap=4, viewer=False, image_width=SIZE[1])
@@ -483,7 +479,7 @@ CHILD_THAT_IGNORES_SIGTERM = ("import signal, threading; signal.signal(signal.SI
 
 
 def test_a_stopped_child_that_ignores_its_stop_is_killed_within_the_runs_bound(compiled_sizes, monkeypatch):
-    from stream_recon.app import background_compile
+    from stream_recon.app.run import background_compile
 
     monkeypatch.setattr(background_compile, "STOP_WAIT_S", 0.3)
     popen = subprocess.Popen
@@ -502,7 +498,7 @@ def test_a_stopped_child_that_ignores_its_stop_is_killed_within_the_runs_bound(c
 
 
 def test_a_stopped_child_does_not_hold_the_runs_end(compiled_sizes, monkeypatch):
-    from stream_recon.app import background_compile
+    from stream_recon.app.run import background_compile
 
     monkeypatch.setattr(background_compile, "STOP_WAIT_S", 0.3)
     compiled_sizes.warmed_up(SIZE)
@@ -515,7 +511,7 @@ def test_a_stopped_child_does_not_hold_the_runs_end(compiled_sizes, monkeypatch)
 
 
 def test_a_child_killed_mid_run_is_recorded_and_the_next_run_compiles_first(compiled_sizes):
-    from stream_recon.app.builds import compile_choice
+    from stream_recon.app.run.builds import compile_choice
     from stream_recon.models.builds.compilation import recorded
 
     compiled_sizes.warmed_up(SIZE)
@@ -528,7 +524,7 @@ def test_a_child_killed_mid_run_is_recorded_and_the_next_run_compiles_first(comp
 
 
 def test_a_child_that_stalls_past_its_limit_is_killed_and_recorded(compiled_sizes, monkeypatch):
-    from stream_recon.app import background_compile
+    from stream_recon.app.run import background_compile
     from stream_recon.models.builds.compilation import recorded
 
     compiled_sizes.warmed_up(SIZE)
@@ -706,7 +702,7 @@ def test_a_browser_that_stops_reading_stalls_neither_the_viewer_nor_the_run():
 
 def test_a_run_whose_viewer_fails_writes_every_file_and_completes(tmp_path, tiny_model, monkeypatch, caplog):
     from stream_recon.app.options import RunOptions
-    from stream_recon.app.pipeline import run_sequence
+    from stream_recon.app.run.pipeline import run_sequence
     from stream_recon.app.viewer import LiveViewer
 
     def broken_update(viewer, pending, arrival_fps):
@@ -723,7 +719,7 @@ def test_a_run_whose_viewer_fails_writes_every_file_and_completes(tmp_path, tiny
         "the live viewer is off for the rest of the run: RuntimeError: a scene node refused"]
 
 
-# -- the source's reader thread and its preprocessing pool (app/sources.py) ----------------------------------
+# -- the source's reader thread and its preprocessing pool (app/sources/reader.py) ----------------------------------
 def camera(count: int, fault_at: int | None = None, fault_: Fault | None = None):
     """A generator source of `count` frames (rgb, timestamp) that strikes `fault_` before frame `fault_at`."""
     for index in range(count):
@@ -734,7 +730,7 @@ def camera(count: int, fault_at: int | None = None, fault_: Fault | None = None)
 
 
 def test_a_reader_that_raises_ends_the_iteration_with_one_source_error_after_its_frames(faults):
-    from stream_recon.app.sources import SourceError, frames_source
+    from stream_recon.app.sources.reader import SourceError, frames_source
 
     broken = fault(faults, RuntimeError("camera unplugged"))
     frames = []
@@ -747,8 +743,8 @@ def test_a_reader_that_raises_ends_the_iteration_with_one_source_error_after_its
 
 
 def test_a_reader_that_stalls_ends_the_iteration_at_the_frame_timeout(faults):
-    from stream_recon.app import sources
-    from stream_recon.app.sources import SourceError, frames_source
+    from stream_recon.app.sources import reader
+    from stream_recon.app.sources.reader import SourceError, frames_source
 
     stuck = fault(faults)
     frames = []
@@ -761,17 +757,17 @@ def test_a_reader_that_stalls_ends_the_iteration_at_the_frame_timeout(faults):
                     assert stuck.stalled.wait(timeout=10)
                     started = time.monotonic()
     # the stall seen within a poll of it; the stalled reader then gets its close's bounded join
-    assert len(frames) == 3 and time.monotonic() - started < 0.3 + sources._POLL_S + sources._JOIN_TIMEOUT_S + 1.0
+    assert len(frames) == 3 and time.monotonic() - started < 0.3 + reader._POLL_S + reader._JOIN_TIMEOUT_S + 1.0
 
 
 @pytest.mark.parametrize("where", ["pool", "reader"])  # a frame over pool_from_pixels, and one made by the reader
 @pytest.mark.parametrize("kind", ["raises", "stalls"])
 def test_a_preprocessing_worker_that_fails_ends_the_iteration_with_one_source_error(faults, monkeypatch, kind,
                                                                                    where):
-    from stream_recon.app import sources
+    from stream_recon.app.sources import reader
 
     failing = fault(faults, ValueError("resize refused") if kind == "raises" else None)
-    preprocess = sources.preprocess_frame_uint8
+    preprocess = reader.preprocess_frame_uint8
     calls = []
 
     def preprocess_frame(rgb, width):
@@ -781,12 +777,12 @@ def test_a_preprocessing_worker_that_fails_ends_the_iteration_with_one_source_er
             failing.strike()
         return preprocess(rgb, width)
 
-    monkeypatch.setattr(sources, "preprocess_frame_uint8", preprocess_frame)
+    monkeypatch.setattr(reader, "preprocess_frame_uint8", preprocess_frame)
     frames = []
     started = time.monotonic()
-    with sources.frames_source(camera(6), name="cam", image_width=56, frame_timeout_s=0.3, preprocess_workers=1,
-                               pool_from_pixels=0 if where == "pool" else sources.POOL_FROM_PIXELS) as source:
-        with pytest.raises(sources.SourceError) as raised:
+    with reader.frames_source(camera(6), name="cam", image_width=56, frame_timeout_s=0.3, preprocess_workers=1,
+                               pool_from_pixels=0 if where == "pool" else reader.POOL_FROM_PIXELS) as source:
+        with pytest.raises(reader.SourceError) as raised:
             for frame in source:
                 frames.append(frame)
     assert len(frames) == 2 and time.monotonic() - started < 0.3 + 5.0
@@ -802,13 +798,13 @@ def test_a_preprocessing_worker_that_fails_ends_the_iteration_with_one_source_er
 
 
 def test_a_reader_whose_release_raises_still_ends_its_stream(monkeypatch, caplog):
-    from stream_recon.app import sources
+    from stream_recon.app.sources import reader
 
     def release(reader):
         raise OSError("device busy")
 
-    monkeypatch.setattr(sources._IterableReader, "release", release, raising=False)
-    with sources.frames_source(camera(3), name="cam") as source:
+    monkeypatch.setattr(reader.IterableReader, "release", release, raising=False)
+    with reader.frames_source(camera(3), name="cam") as source:
         started = time.monotonic()
         frames = list(source)
     assert len(frames) == 3 and source.end_reason == "end" and time.monotonic() - started < 2.0
@@ -818,7 +814,7 @@ def test_a_reader_whose_release_raises_still_ends_its_stream(monkeypatch, caplog
 def test_a_run_whose_reader_raises_ends_failed_with_one_error_line_and_keeps_its_frames(tmp_path, tiny_model,
                                                                                        faults):
     from stream_recon.app.options import RunOptions
-    from stream_recon.app.pipeline import run_sequence
+    from stream_recon.app.run.pipeline import run_sequence
 
     broken = fault(faults, RuntimeError("camera unplugged"))
     options = RunOptions(image_width=56, scale_frames=3, window=4, conf_threshold=1.0, viewer=False)
@@ -830,11 +826,11 @@ def test_a_run_whose_reader_raises_ends_failed_with_one_error_line_and_keeps_its
 
 
 def test_a_run_whose_preprocessing_raises_ends_failed_with_one_error_line(tmp_path, tiny_model, monkeypatch):
-    from stream_recon.app import sources
     from stream_recon.app.options import RunOptions
-    from stream_recon.app.pipeline import run_sequence
+    from stream_recon.app.run.pipeline import run_sequence
+    from stream_recon.app.sources import reader
 
-    preprocess, calls = sources.preprocess_frame_uint8, []
+    preprocess, calls = reader.preprocess_frame_uint8, []
 
     def preprocess_frame(rgb, width):
         calls.append(width)
@@ -842,7 +838,7 @@ def test_a_run_whose_preprocessing_raises_ends_failed_with_one_error_line(tmp_pa
             raise ValueError("resize refused")
         return preprocess(rgb, width)
 
-    monkeypatch.setattr(sources, "preprocess_frame_uint8", preprocess_frame)
+    monkeypatch.setattr(reader, "preprocess_frame_uint8", preprocess_frame)
     options = RunOptions(image_width=56, scale_frames=3, window=4, conf_threshold=1.0, viewer=False)
     summary = run_sequence(camera(8), tmp_path / "run", options, model=tiny_model)
     assert summary.status == "failed" and summary.frames == 5

@@ -13,13 +13,27 @@ cache (what it needs of the backend table is models/attention_backends.py). The 
 top are shared: they import no room, except checkpoint, which builds the network. Two rooms are held to
 a list: loops imports of models/ only the stream's outputs and the helpers' contract (LOOPS_MAY_IMPORT), and
 the network takes of the cache nothing that names a layout, a storage or a backend (NETWORK_TAKES_FROM_CACHE).
+
+app/ stands in rooms the same way (APP_FORBIDDEN below; each room's __init__.py docstring says the same):
+
+    commands    one module per command                   may import anything of the app
+    sources     opening, the reader, probing, the crop   imports nothing of run, outputs, evaluation, viewer
+    outputs     run directory, writer, exports, masks    imports nothing of run, evaluation, viewer
+    viewer      the live viewer and the replay           imports nothing of sources, run, evaluation
+    run         pipeline, loading, builds, loops sink    imports nothing of evaluation
+    evaluation  metrics, datasets, batch                 imports nothing of viewer
+
+and the module graph of app/, models/ and cache/ together has no circle, the app reaches models/ through at
+most 15 modules, and at most 60 imports sit inside functions, each with its reason.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -275,3 +289,231 @@ def test_every_package_folder_is_in_the_wheel() -> None:
         for name, folder in folders.items() for init in (REPO / folder).rglob("__init__.py")
     }
     assert found - set(settings["packages"]) == set()
+
+
+# -- app/'s rooms ------------------------------------------------------------------------------------------
+# The rooms of app/ (app/__init__.py has the map), and what each imports nothing of. The modules left at app/'s
+# top are shared: options (what a run is asked) and stopping (signals) import no room but the light settings
+# the flags read (APP_TOP_MAY_IMPORT); cli, the root command, registers the commands.
+APP_ROOMS = ("commands", "sources", "run", "outputs", "evaluation", "viewer")
+APP_FORBIDDEN = {
+    "commands": set(),
+    "sources": {"run", "outputs", "evaluation", "viewer", "commands"},
+    "outputs": {"run", "evaluation", "viewer", "commands"},
+    "viewer": {"sources", "run", "evaluation", "commands"},
+    "run": {"evaluation", "commands"},
+    "evaluation": {"viewer", "commands"},
+}
+APP_TOP_MAY_IMPORT = {
+    "cli": {"commands", "app.outputs.export_formats"},
+    "options": {"app.sources.input_size", "app.sources.settings", "app.outputs.npz_schema"},
+    "stopping": set(),
+}
+MAX_APP_TOP_MODULES = 10  # `ls app/*.py | wc -l`, __init__.py and cli.py included
+
+
+def app_room(dotted: str) -> str | None:
+    """The room of app/ a module is in ('app.run.pipeline' -> 'run'), or None at app/'s top or outside it."""
+    parts = dotted.split(".")
+    return parts[1] if parts[0] == "app" and len(parts) >= 2 and parts[1] in APP_ROOMS else None
+
+
+def app_rooms_broken(paths: list[Path]) -> list[str]:
+    """'file:line: module (the rule)' for each import of an app module against APP_FORBIDDEN and
+    APP_TOP_MAY_IMPORT (a room's package itself, a docstring, is reached by every import into it and is
+    no import of the room's)."""
+    found = []
+    for path in paths:
+        relative = path.relative_to(REPO)
+        here = relative.parts[1] if len(relative.parts) > 2 else None
+        for line, target, _ in imported_names(path):
+            if not target.startswith("app.") or target.count(".") < 1:
+                continue
+            room = app_room(target)
+            if here is None:  # a module at app/'s top
+                allowed = APP_TOP_MAY_IMPORT.get(path.stem, set())
+                if room is not None and room not in allowed and target not in allowed:
+                    found.append(f"{relative}:{line}: {target} (app/{path.name} imports no room"
+                                 f"{' but ' + ', '.join(sorted(allowed)) if allowed else ''})")
+            elif room in APP_FORBIDDEN[here]:
+                found.append(f"{relative}:{line}: {target} ({here} imports nothing of {room})")
+    return found
+
+
+def test_every_app_module_imports_only_the_rooms_it_may() -> None:
+    assert app_rooms_broken(modules("app")) == []
+
+
+@pytest.mark.parametrize("source, placed, expected", [
+    ("from stream_recon.app.run.pipeline import run_sequence", "app/sources/reader.py",
+     "sources imports nothing of run"),
+    ("from stream_recon.app.outputs.rundir import atomic_write", "app/sources/opening.py",
+     "sources imports nothing of outputs"),
+    ("from stream_recon.app.run.loading import load_model_for", "app/outputs/export.py",
+     "outputs imports nothing of run"),
+    ("from stream_recon.app.viewer import LiveViewer", "app/outputs/writers.py",
+     "outputs imports nothing of viewer"),
+    ("from stream_recon.app.run import clock", "app/viewer/scene.py", "viewer imports nothing of run"),
+    ("from stream_recon.app.evaluation.batch import run_batch", "app/run/pipeline.py",
+     "run imports nothing of evaluation"),
+    ("from stream_recon.app.viewer.replay import start_replay", "app/evaluation/metrics.py",
+     "evaluation imports nothing of viewer"),
+    ("from stream_recon.app.commands import run", "app/run/pipeline.py", "run imports nothing of commands"),
+    ("from stream_recon.app.run.presets import build_options", "app/options.py", "app/options.py imports no room"),
+    ("from stream_recon.app.sources.reader import SourceError", "app/stopping.py", "app/stopping.py imports no room"),
+])
+def test_a_forbidden_app_import_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str,
+                                          placed: str, expected: str) -> None:
+    """The check itself: one forbidden line added to a real module fails it."""
+    copy = tmp_path / placed
+    copy.parent.mkdir(parents=True)
+    copy.write_text(f"{(REPO / placed).read_text()}\n\ndef later():\n    {source}\n")
+    for module in (REPO / "app").rglob("*.py"):  # what imported_names looks up to tell a module from a name
+        twin = tmp_path / module.relative_to(REPO)
+        twin.parent.mkdir(parents=True, exist_ok=True)
+        if not twin.exists():
+            twin.write_text("")
+    monkeypatch.setitem(globals(), "REPO", tmp_path)
+    found = app_rooms_broken([copy])
+    assert len(found) == 1 and expected in found[0], found
+
+
+@pytest.mark.parametrize("room", [room for room in APP_ROOMS])
+def test_each_app_room_says_what_it_holds_and_what_it_may_import(room: str) -> None:
+    docstring = ast.get_docstring(ast.parse((REPO / "app" / room / "__init__.py").read_text())) or ""
+    may = re.search(r"^May import: (.+?)$", docstring, re.MULTILINE | re.DOTALL)
+    nothing = re.search(r"^Imports nothing of: (.+?)\.$", docstring, re.MULTILINE)
+    assert may and nothing, f"app/{room}/__init__.py: a 'May import:' and an 'Imports nothing of:' line"
+    said = set(nothing.group(1).split(", "))
+    assert said == (APP_FORBIDDEN[room] or {"stream_recon.cache"}), (room, said)
+
+
+def test_app_top_keeps_at_most_ten_modules() -> None:
+    top = sorted(path.name for path in (REPO / "app").glob("*.py"))
+    assert len(top) <= MAX_APP_TOP_MODULES, f"{len(top)} modules at app/'s top: {top}; put new ones in a room"
+    assert {path.stem for path in (REPO / "app").glob("*.py")} - {"__init__"} <= set(APP_TOP_MAY_IMPORT)
+
+
+# -- the module graph: no circle, few doors from the app into models/, few imports inside functions -----------
+# How it is counted: a node is a module of app/, models/ or cache/ (a package is its __init__.py); an edge is
+# every import of one of ours in it, at its top or inside a function or an `if TYPE_CHECKING:` block alike,
+# to the module it names (`from stream_recon.models.stream import pose` -> models.stream.pose; a name taken
+# from a package -> the package). models/__init__.py imports its lazy names' homes on first use: those are
+# edges of it too.
+MAX_MODELS_MODULES_THE_APP_IMPORTS = 15
+MAX_IMPORTS_INSIDE_FUNCTIONS = 60  # across app/, models/ and cache/; each with its reason
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in [*modules("app"), *modules("models"), *modules("cache")]:
+        relative = path.relative_to(REPO).with_suffix("")
+        name = ".".join(relative.parts[:-1] if relative.name == "__init__" else relative.parts)
+        graph[name] = {target for _, target, _ in imported_names(path)
+                       if target.split(".")[0] in ("app", "models", "cache") and target != name}
+    graph["models"] |= {f"models.{home}" for home in lazy_homes().values()}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's, iterative), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            for target in edges:
+                if target not in graph:
+                    continue
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph[target]))))
+                    break
+                if target in on_stack:
+                    low[node] = min(low[node], index[target])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def test_no_import_circle_among_the_apps_the_models_and_the_caches_modules() -> None:
+    assert circles(import_graph()) == []
+
+
+def test_the_circle_check_finds_a_circle_through_an_import_inside_a_function() -> None:
+    graph = import_graph()
+    graph["models.loops.consistency"].add("models.loops.pose_graph")  # pose_graph imports consistency
+    assert ["models.loops.consistency", "models.loops.pose_graph"] in circles(graph)
+
+
+def models_modules_the_app_imports() -> list[str]:
+    """The modules of models/ an import in app/ names (`from stream_recon.models import X`, a lazy name:
+    the package)."""
+    return sorted({target for path in modules("app") for _, target, _ in imported_names(path)
+                   if target.split(".")[0] == "models"})
+
+
+def test_the_app_reaches_models_through_at_most_fifteen_modules() -> None:
+    reached = models_modules_the_app_imports()
+    assert len(reached) <= MAX_MODELS_MODULES_THE_APP_IMPORTS, reached
+
+
+def imports_inside_functions(path: Path) -> list[tuple[int, bool]]:
+    """(line, whether a comment gives its reason) for each import statement inside a function of `path`. A
+    reason is a comment on the import's lines, or on the line above the run of import lines it belongs to
+    (one comment may give the reason of a group)."""
+    text = path.read_text()
+    comments = {token.start[0] for token in tokenize.generate_tokens(io.StringIO(text).readline)
+                if token.type == tokenize.COMMENT}
+    inside = [node for function in ast.walk(ast.parse(text))
+              if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for node in ast.walk(function) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    import_lines = {line for node in inside for line in range(node.lineno, node.end_lineno + 1)}
+    found = []
+    for node in inside:
+        first, last = node.lineno, node.end_lineno
+        while first - 1 in import_lines:
+            first -= 1
+        while last + 1 in import_lines:
+            last += 1
+        found.append((node.lineno, any(line in comments for line in range(first - 1, last + 1))))
+    return sorted(set(found))
+
+
+def test_imports_inside_functions_are_few_and_each_says_why() -> None:
+    found = {f"{path.relative_to(REPO)}:{line}": reason for path in [*modules("app"), *modules("models"),
+                                                                      *modules("cache")]
+             for line, reason in imports_inside_functions(path)}
+    assert len(found) <= MAX_IMPORTS_INSIDE_FUNCTIONS, f"{len(found)} imports inside functions"
+    assert [where for where, reason in found.items() if not reason] == []
+
+
+def test_an_import_inside_a_function_without_a_reason_is_caught(tmp_path: Path) -> None:
+    module = tmp_path / "module.py"
+    module.write_text("def why():\n    # torch: only when asked\n    import torch\n    import numpy\n\n\n"
+                      "def not_why():\n    x = 1  # a comment about something else, two lines up\n\n"
+                      "    import json\n")
+    assert imports_inside_functions(module) == [(3, True), (4, True), (10, False)]

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from engine_helpers import SpareGate
+from helpers import random_sim3
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -83,10 +84,6 @@ def random_rotations(rng: np.random.Generator, count: int) -> np.ndarray:
     half_turn = np.concatenate([rng.standard_normal((count, 3)), 1e-6 * rng.standard_normal((count, 1))], axis=1)
     quats = np.concatenate([uniform, small, half_turn])
     return np.stack([quat_to_matrix_reference(q) for q in quats])
-
-
-def random_sim3(rng: np.random.Generator) -> Sim3:
-    return Sim3(float(np.exp(rng.uniform(-1, 1))), random_rotations(rng, 1)[0], rng.normal(0, 2, 3))
 
 
 def random_pose_enc(rng: np.random.Generator, count: int) -> np.ndarray:

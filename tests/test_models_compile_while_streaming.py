@@ -1,5 +1,5 @@
 """A compiled model's code made beside its stream (models/stream/compile_while_streaming.py), the stream stepping
-as written meanwhile (`steps_eagerly`), and the run's switch between frames (app/builds.py).
+as written meanwhile (`steps_eagerly`), and the run's switch between frames (app/run/builds.py).
 
 Here on the CPU the model is uncompiled (compiled models are CUDA's): what is checked is the thread, the
 supervision contract and the switch; tests/test_gpu_fast_path.py checks a compiled model's switch and its
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from stream_recon.app import builds as builds_module
-from stream_recon.app.builds import RunBuilds
-from stream_recon.app.clock import RunClock
 from stream_recon.app.options import RunOptions
+from stream_recon.app.run import builds as builds_module
+from stream_recon.app.run.builds import RunBuilds
+from stream_recon.app.run.clock import RunClock
 from stream_recon.models import ChunkedEngine, StreamConfig, StreamingEngine
 from stream_recon.models.builds import compilation
 from stream_recon.models.network.gct import GCTStream

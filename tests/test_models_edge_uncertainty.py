@@ -14,6 +14,7 @@ from __future__ import annotations
 import gtsam
 import numpy as np
 import pytest
+from helpers import random_sim3
 
 from stream_recon.models.loops.closer import LoopClosureConfig, _KeyframePoints, align_loop, loop_edge
 from stream_recon.models.loops.pose_graph import to_gtsam
@@ -26,10 +27,6 @@ COMPONENTS = ("rot x", "rot y", "rot z", "trans x", "trans y", "trans z", "log s
 
 def rotation(rng: np.random.Generator, sigma: float) -> np.ndarray:
     return np.asarray(gtsam.Rot3.Expmap(rng.normal(0, sigma, 3)).matrix())
-
-
-def random_sim3(rng: np.random.Generator) -> Sim3:
-    return Sim3(float(np.exp(rng.uniform(np.log(0.5), np.log(2.0)))), rotation(rng, 1.0), rng.normal(0, 5, 3))
 
 
 def tangent_error(truth: Sim3, measured: Sim3) -> np.ndarray:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import warnings_of
 from kernel_stand_ins import kernel
 
 from stream_recon.models.builds import kernel_builders, kernel_builds
@@ -40,10 +41,6 @@ def builders(builders_helper):
 
 def order(do: str, path: Path | None = None) -> str:
     return json.dumps({"do": do, "path": str(path)})
-
-
-def warnings_of(caplog) -> list[str]:
-    return [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
 
 
 def test_a_child_builds_the_kernel_it_is_asked_for_and_ends_with_close(builders, builders_helper, tmp_path):

@@ -7,6 +7,7 @@ import gtsam
 import numpy as np
 import pytest
 from evo_data import evo_data_dir
+from helpers import random_sim3
 from loop_scenarios import Scenario, chunk_ranges, make_scenario, read_kitti_poses, read_tum_poses, revisits
 
 from stream_recon.models.loops import pose_graph
@@ -24,12 +25,6 @@ from stream_recon.models.loops.pose_graph import (
     to_gtsam,
 )
 from stream_recon.models.stream.similarity import Sim3
-
-
-def random_sim3(rng: np.random.Generator, translation: float = 5.0) -> Sim3:
-    rotation, _ = np.linalg.qr(rng.normal(size=(3, 3)))
-    rotation *= np.sign(np.linalg.det(rotation))
-    return Sim3(float(np.exp(rng.normal(0, 0.5))), rotation, rng.normal(0, translation, 3))
 
 
 def exp_sim3(tangent: np.ndarray) -> Sim3:

@@ -7,12 +7,12 @@ the standard library (a full queue, a condition) run for real, against deadlines
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import types
 
 import pytest
+from helpers import wait_until, warnings_of
 
 from stream_recon.models import supervision
 from stream_recon.models.supervision import (
@@ -49,10 +49,6 @@ def clock(monkeypatch) -> Clock:
 
 def policy(when_full=WhenFull.DROP, when_down=WhenDown.TURN_OFF, stall_s=5.0, push_back_s=0.0) -> HelperPolicy:
     return HelperPolicy("the test helper", when_full, when_down, stall_s=stall_s, push_back_s=push_back_s)
-
-
-def warnings_of(caplog) -> list[str]:
-    return [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
 
 
 def test_drop_counts_each_item_that_does_not_fit_and_never_waits():
@@ -234,7 +230,7 @@ def test_close_wakes_a_take_that_is_already_waiting_and_an_offer_waiting_for_roo
     handoff = HandOff(Helper(policy(WhenFull.PUSH_BACK, push_back_s=60.0)), capacity=1)
     waiting_take = threading.Thread(target=handoff.take, args=(60.0,), daemon=True)
     waiting_take.start()
-    wait_for(lambda: handoff._changed._waiters)  # the worker waits in take
+    wait_until(lambda: handoff._changed._waiters)  # the worker waits in take
     handoff.close()
     waiting_take.join(timeout=10)
     assert not waiting_take.is_alive()
@@ -243,14 +239,7 @@ def test_close_wakes_a_take_that_is_already_waiting_and_an_offer_waiting_for_roo
     offers = []
     waiting_offer = threading.Thread(target=lambda: offers.append(reopened.offer("waits")), daemon=True)
     waiting_offer.start()
-    wait_for(lambda: reopened.backlog == 2)  # the second offer waits for room
+    wait_until(lambda: reopened.backlog == 2)  # the second offer waits for room
     reopened.close()
     waiting_offer.join(timeout=10)
     assert not waiting_offer.is_alive() and offers == [False] and reopened.backlog == 1
-
-
-def wait_for(condition, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)

@@ -18,9 +18,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STREAM_PATH = [
-    "app/pipeline.py", "app/loops.py", "app/writers.py", "app/sources.py",
-    *sorted(path.relative_to(ROOT).as_posix() for path in (ROOT / "app" / "viewer").glob("*.py")),
-    "app/background_compile.py", "app/progress.py", "app/loading.py",
+    "app/run/pipeline.py", "app/run/loops.py", "app/outputs/writers.py", "app/sources/reader.py",
+    "app/sources/opening.py", "app/sources/probing.py",
+    *sorted(path.relative_to(ROOT).as_posix() for path in (ROOT / "app" / "viewer").glob("*.py")
+            if path.name != "replay.py"),  # a replay is no stream
+    "app/run/background_compile.py", "app/run/progress.py", "app/run/loading.py",
     "models/stream/chunked.py", "models/stream/rollover.py", "models/stream/lookahead.py", "models/stream/engine.py",
     "models/stream/builds_ahead.py", "models/builds/kernel_builds.py", "models/loops/process.py",
     "models/child_process.py", "models/daemon_pool.py", "app/stopping.py",

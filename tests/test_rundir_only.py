@@ -1,4 +1,4 @@
-"""The run directory is read and written only through app/rundir.py (docs/ARCHITECTURE.md, "app inside").
+"""The run directory is read and written only through app/outputs/rundir.py (docs/ARCHITECTURE.md, "app inside").
 
 The test reads every module of app/ but rundir.py as a syntax tree and refuses a call that opens a file
 (open, Path.open, read_text, write_text, np.load, np.savez, ...) whose path names a run file: one of
@@ -37,7 +37,7 @@ def run_files_opened(root: Path = ROOT) -> list[str]:
     problems = []
     for path in sorted((root / "app").rglob("*.py")):
         relative = path.relative_to(root).as_posix()
-        if relative == "app/rundir.py":
+        if relative == "app/outputs/rundir.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(), filename=relative)):
             if not isinstance(node, ast.Call):
@@ -48,7 +48,7 @@ def run_files_opened(root: Path = ROOT) -> list[str]:
             text = ast.unparse(node)
             if text.startswith(("np.load(", "numpy.load(")) or RUN_FILE_NAMES.search(text):
                 problems.append(f"{relative}:{node.lineno}: {text[:100]} opens a run file itself: read and write it "
-                                "through app/rundir.py (add a small function there if it has none)")
+                                "through app/outputs/rundir.py (add a small function there if it has none)")
     return problems
 
 

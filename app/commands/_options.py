@@ -23,13 +23,22 @@ from typing import Annotated, Any, NoReturn, Optional
 import rich
 import typer
 from rich.console import Console
+from rich.logging import RichHandler
 from rich.markup import escape
 
-from stream_recon.app.evaluation_settings import DEFAULT_MAX_DIFF
-from stream_recon.app.input_size import PATCH_SIZE
-from stream_recon.app.options import FLAG_NAMES, MAX_CAMERA_ITERATIONS, RunOptions
-from stream_recon.models.checkpoint_names import DEFAULT_CHECKPOINT, KNOWN_CHECKPOINTS
-from stream_recon.models.stream.stream_config import FLOW_THRESHOLD, MAX_GAP, keyframe_spellings
+from stream_recon.app.evaluation.settings import DEFAULT_MAX_DIFF
+from stream_recon.app.options import FLAG_NAMES, MAX_CAMERA_ITERATIONS, OptionsError, RunOptions
+from stream_recon.app.sources.input_size import PATCH_SIZE
+from stream_recon.app.stopping import interrupts_held
+from stream_recon.models import (
+    DEFAULT_CHECKPOINT,
+    FLOW_THRESHOLD,
+    KNOWN_CHECKPOINTS,
+    MAX_GAP,
+    CheckpointError,
+    FrameError,
+    keyframe_spellings,
+)
 
 _MODEL = "Model"
 _ENGINE = "Streaming engine"
@@ -53,7 +62,7 @@ def _optional_flag(kind: type, *names: str, help: str, panel: str | None = None,
 
 
 # The evaluation flags of `eval` and of `batch` (which shows them in its own panel). Their
-# defaults are app.evaluation_settings' (DEFAULT_MAX_DIFF), applied by app.evaluation when the flag is
+# defaults are app.evaluation.settings' (DEFAULT_MAX_DIFF), applied by app.evaluation.metrics when the flag is
 # not given (the commands pass only what was typed).
 ALIGNMENTS = ("sim3", "se3")
 
@@ -278,7 +287,6 @@ class EngineLog(logging.Handler):
     rich lays a record out at the console's width, 80 columns when it is no terminal, wrapped and padded."""
 
     def __init__(self, console: Console) -> None:
-        from rich.logging import RichHandler  # (imported when a command runs, never for -h)
 
         super().__init__()
         self.console = console
@@ -344,7 +352,6 @@ def error_line(message: str) -> str:
 def import_held(module: str) -> ModuleType:
     """Import the module a command's work runs in with Ctrl-C held until the import is done: it loads
     torch and Triton, and a Ctrl-C inside their native set-up would abort the process (app/stopping.py)."""
-    from stream_recon.app.stopping import interrupts_held
 
     with interrupts_held():
         return importlib.import_module(module)
@@ -368,11 +375,10 @@ def user_errors(console: Console | None = None, *more: type[Exception]) -> Itera
     more: a command's own kinds of bad input (ExportError, EvaluationError, ...), besides the ones
     every command can meet. Anything else is a bug and keeps its traceback.
     """
-    from stream_recon.app.options import OptionsError
-    from stream_recon.app.presets import PresetError
-    from stream_recon.app.rundir import OutputDirError, OutputPathError, RunDirError, TumFileError
-    from stream_recon.app.sources import SourceError
-    from stream_recon.models.errors import CheckpointError, FrameError
+    # the errors' modules load torch, OpenCV and yaml: imported once an error is reported, never for -h
+    from stream_recon.app.outputs.rundir import OutputDirError, OutputPathError, RunDirError, TumFileError
+    from stream_recon.app.run.presets import PresetError
+    from stream_recon.app.sources.reader import SourceError
 
     console = console or error_console()
     try:

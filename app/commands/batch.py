@@ -42,6 +42,7 @@ from stream_recon.app.commands._options import (
     takes_run_options,
     user_errors,
 )
+from stream_recon.app.stopping import interrupted_exit_code
 
 _BATCH = "Batch"
 
@@ -102,11 +103,11 @@ def batch(
     overrides: dict[str, Any],
 ) -> None:
     """Run every sequence under ROOT into OUTPUT/<name>/, evaluate those with ground truth, write a summary."""
-    import_held("stream_recon.app.batch")  # the names below are then read from the module loaded
-    from stream_recon.app.batch import BatchError, BatchInterrupted, EvalSettings, run_batch
-    from stream_recon.app.datasets import DatasetError, discover_sequences
-    from stream_recon.app.presets import build_options
-    from stream_recon.app.stopping import interrupted_exit_code
+    import_held("stream_recon.app.evaluation.batch")  # the names below are then read from the module loaded
+    # torch, OpenCV and yaml load with these: when the command runs, never for -h
+    from stream_recon.app.evaluation.batch import BatchError, BatchInterrupted, EvalSettings, run_batch
+    from stream_recon.app.evaluation.datasets import DatasetError, discover_sequences
+    from stream_recon.app.run.presets import build_options
 
     console = error_console()
     check_alignment(console, alignment)
@@ -137,7 +138,8 @@ def batch(
 
 
 def summary_table(rows: list[dict], title: str) -> Table:
-    from stream_recon.app.batch import OPEN_CHAIN_ATE_RMSE, open_chain_means
+    # the batch module loads torch: never for -h (the command has it by now)
+    from stream_recon.app.evaluation.batch import OPEN_CHAIN_ATE_RMSE, open_chain_means
 
     table = Table(title=title)
     for column, justify in (

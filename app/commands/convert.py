@@ -17,6 +17,7 @@ from typing import Annotated
 import typer
 
 from stream_recon.app.commands._options import bad_input, error_console, user_errors
+from stream_recon.models import CheckpointError
 
 
 def convert(
@@ -29,9 +30,9 @@ def convert(
     problem = _check_paths(source, destination, overwrite)
     if problem:
         bad_input(console, problem)
-    from stream_recon.app.loading import checkpoint_advice
+    # the checkpoint's modules load torch: only once there is work, never for -h
+    from stream_recon.app.run.loading import checkpoint_advice
     from stream_recon.models.checkpoint import convert_to_safetensors  # torch: only once there is work
-    from stream_recon.models.errors import CheckpointError
 
     with user_errors(console), console.status(f"converting {source}"):
         try:

@@ -23,9 +23,10 @@ import typer
 from rich.markup import escape
 
 from stream_recon.app.commands._options import EXIT_FAILED, bad_input, error_console, error_line
+from stream_recon.models import CheckpointError
 
 DEFAULT_NAME = "lingbot-map-long"
-SKYSEG_NAME = "skyseg"  # the sky network of --mask-sky (app.sky), not a checkpoint
+SKYSEG_NAME = "skyseg"  # the sky network of --mask-sky (app.outputs.sky), not a checkpoint
 
 
 def download(
@@ -35,6 +36,7 @@ def download(
     ] = DEFAULT_NAME,
 ) -> None:
     """Fetch a checkpoint from Hugging Face (robbyant/lingbot-map) into the local cache."""
+    # the checkpoint module loads torch: when the command runs, never for -h
     from stream_recon.models.checkpoint import (
         CHECKPOINT_SIZE,
         KNOWN_CHECKPOINTS,
@@ -50,7 +52,6 @@ def download(
         bad_input(console, f"unknown checkpoint {name!r}; known: {', '.join(KNOWN_CHECKPOINTS)}, or {SKYSEG_NAME}")
     if not hub_offline():  # offline, the error alone says what to do instead
         console.print(f"downloading {name} from Hugging Face (about {CHECKPOINT_SIZE})")
-    from stream_recon.models.errors import CheckpointError
 
     try:  # huggingface_hub draws its own progress bar
         path = download_checkpoint(name)
@@ -64,7 +65,8 @@ def download(
 def _download_skyseg(console) -> None:
     """Fetch skyseg.onnx into the Hugging Face cache; offline or unreachable, one line naming its URL and the
     folder to put it in (exit 1, as a checkpoint's failed download)."""
-    from stream_recon.app.sky import SKYSEG_FILE, SkyModelError, download_skyseg, locate_skyseg
+    # the sky module loads OpenCV: when the command runs, never for -h
+    from stream_recon.app.outputs.sky import SKYSEG_FILE, SkyModelError, download_skyseg, locate_skyseg
 
     found = locate_skyseg()
     if found is not None:

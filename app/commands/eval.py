@@ -32,6 +32,7 @@ Exit codes: 0 evaluated and written; 1 evaluated and printed, but the results fi
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -47,7 +48,7 @@ from stream_recon.app.commands._options import (
     given,
     user_errors,
 )
-from stream_recon.app.evaluation_settings import DEPTH_MAX_DIFF
+from stream_recon.app.evaluation.settings import DEPTH_MAX_DIFF
 
 RunDirArg = Annotated[
     Path, typer.Argument(help="Run directory written by `stream-recon run` (trajectory_tum.txt, or the npz files "
@@ -102,7 +103,8 @@ def results_table(results: dict, title: str) -> Table:
 
 def errors_table(results: dict) -> Table:
     """ATE and RPE, one column each, one row per statistic evo prints (an sse of degrees is in deg^2)."""
-    from stream_recon.app.evaluation import ERROR_METRICS, STATISTICS, statistic_key
+    # the metrics load OpenCV: never for -h (the command has them by now)
+    from stream_recon.app.evaluation.metrics import ERROR_METRICS, STATISTICS, statistic_key
 
     table = Table(title="trajectory errors, as evo_ape / evo_rpe print them")
     table.add_column("statistic")
@@ -116,7 +118,8 @@ def errors_table(results: dict) -> Table:
 
 def open_chain_table(results: dict) -> Table:
     """ATE of the corrected trajectory beside the open chain's, one row per statistic evo prints."""
-    from stream_recon.app.evaluation import OPEN_CHAIN, STATISTICS, statistic_key
+    # the metrics load OpenCV: never for -h (the command has them by now)
+    from stream_recon.app.evaluation.metrics import OPEN_CHAIN, STATISTICS, statistic_key
 
     table = Table(title="ATE (m): corrected vs open chain")
     table.add_column("statistic")
@@ -132,7 +135,6 @@ def check_output_folder(target: Path, error: type[Exception]) -> None:
     """An -o whose folder is missing or cannot be written is refused before the evaluation, not after its
     tables are printed (the run directory's own eval.json, when it cannot be written, still comes after:
     exit 1, with the results shown)."""
-    import os
 
     folder = target.parent
     if not folder.is_dir():
@@ -151,14 +153,15 @@ def eval_command(
     output: EvalOutputOpt = None,
 ) -> None:
     """Evaluate a run against a ground-truth trajectory (and depth), as evo does; writes RUN_DIR/eval.json."""
-    from stream_recon.app.evaluation import (
+    # OpenCV and torch load with these: when the command runs, never for -h
+    from stream_recon.app.evaluation.metrics import (
         OPEN_CHAIN,
         EvaluationError,
         evaluate_run,
         evaluation_path,
         write_evaluation,
     )
-    from stream_recon.app.rundir import file_to_write
+    from stream_recon.app.outputs.rundir import file_to_write
 
     errors = error_console()
     check_alignment(errors, alignment)
@@ -171,7 +174,7 @@ def eval_command(
             gt,
             alignment=alignment,
             depth_dir=depth_dir,
-            # what was typed; evaluate_run's defaults (app.evaluation_settings) stand for the rest
+            # what was typed; evaluate_run's defaults (app.evaluation.settings) stand for the rest
             **given(max_diff=max_diff, depth_max_diff=depth_max_diff),
         )
     console = Console()  # the results are the command's output: stdout, for a pipe or a file

@@ -24,8 +24,8 @@ from typing import Annotated, Optional
 import typer
 
 from stream_recon.app.commands._options import bad_input, error_console, user_errors
-from stream_recon.app.export_formats import DEFAULT_MAX_SPLATS, ExportFormat
 from stream_recon.app.options import point_cloud_problems
+from stream_recon.app.outputs.export_formats import DEFAULT_MAX_SPLATS, ExportFormat
 
 
 def export(
@@ -76,9 +76,10 @@ def export(
     """Export a run as a point cloud (ply), a scene with cameras (glb), a COLMAP text model, a TUM trajectory,
     a nerfstudio dataset (transforms.json, images, points.ply) or Gaussian splats (the 3D Gaussian splatting PLY
     that splat viewers open)."""
-    from stream_recon.app.export import ExportError, export_run
-    from stream_recon.app.rundir import check_run_dir
-    from stream_recon.app.writers import close_abandoned_run
+    # trimesh, OpenCV and torch load with these: when the command runs, never for -h
+    from stream_recon.app.outputs.export import ExportError, export_run
+    from stream_recon.app.outputs.rundir import check_run_dir
+    from stream_recon.app.outputs.writers import close_abandoned_run
 
     console = error_console()
     for problem in point_cloud_problems(conf_threshold, voxel_size):

@@ -21,6 +21,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from stream_recon.app.run.loops import pose_graph_library_problem
+
 _PACKAGES = ("stream-recon", "torch", "numpy", "opencv-python-headless", "pillow", "typer", "rich", "viser",
              "safetensors", "huggingface_hub", "gtsam", "flashinfer-python")
 
@@ -56,6 +58,7 @@ def _version(distribution: str) -> str | None:
 
 
 def _cuda_info() -> dict[str, Any]:
+    # torch: for `info` itself, never for -h
     import torch
 
     if not torch.cuda.is_available():
@@ -75,8 +78,10 @@ def _cuda_info() -> dict[str, Any]:
 def _attention_backends() -> dict[str, str]:
     """Every row of the backend table, available here or why not: on this machine's GPU in bf16
     when it has one (the default run), else on the CPU in float32."""
+    # torch: for `info` itself, never for -h
     import torch
 
+    # the backend table loads torch too: for `info` itself, never for -h
     from stream_recon.models.attention_backends import AUTO_SUMMARY, backend_statuses, resolve_backend
 
     device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
@@ -89,14 +94,14 @@ def _attention_backends() -> dict[str, str]:
 
 
 def _loop_closure_info() -> dict[str, Any]:
-    """Whether runs here can close loops: gtsam, the pose graph's library, imports (app.loops says why not)."""
-    from stream_recon.app.loops import pose_graph_library_problem
+    """Whether runs here can close loops: gtsam, the pose graph's library, imports (app.run.loops says why not)."""
 
     problem = pose_graph_library_problem()
     return {"available": problem is None, "problem": None if problem is None else str(problem)}
 
 
 def _checkpoint_info() -> dict[str, Any]:
+    # the checkpoint module loads torch: for `info` itself, never for -h
     from stream_recon.models.checkpoint import (
         CHECKPOINT_DIR_ENV,
         HF_REPO_URL,

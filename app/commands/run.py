@@ -48,6 +48,7 @@ from stream_recon.app.commands._options import (
     takes_run_options,
     user_errors,
 )
+from stream_recon.app.stopping import interrupted_exit_code, interrupts_held
 
 if TYPE_CHECKING:
     from stream_recon.app.options import RunOptions
@@ -69,11 +70,11 @@ def run(
     overrides: dict[str, Any],
 ) -> None:
     """Reconstruct SOURCE frame by frame: poses and depth on disk as they come, live in the browser."""
-    from stream_recon.app.presets import build_options
-    from stream_recon.app.sources import source_name
-    from stream_recon.app.stopping import interrupted_exit_code, interrupts_held
+    # yaml and OpenCV load with these: when the command runs, never for -h
+    from stream_recon.app.run.presets import build_options
+    from stream_recon.app.sources.opening import source_name
 
-    run_sequence = import_held("stream_recon.app.pipeline").run_sequence
+    run_sequence = import_held("stream_recon.app.run.pipeline").run_sequence
     console = error_console()
     show_engine_log(console)
     with user_errors(console):
@@ -109,7 +110,8 @@ def on_a_terminal() -> bool:
 def holds_sample_run(output_dir: Path) -> bool:
     """Whether `output_dir` holds a run of the bundled sample, which a new sample run replaces; a run of
     anything else there (the user's own folder named `sample`) is refused as any existing run is."""
-    from stream_recon.app.rundir import read_run_info
+    # the run directory's readers load torch: when the command runs, never for -h
+    from stream_recon.app.outputs.rundir import read_run_info
 
     location = read_run_info(output_dir).get("settings", {}).get("source_location")
     return location is not None and Path(location) == Path(str(SAMPLE_DIR)).resolve()

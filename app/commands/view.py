@@ -7,7 +7,7 @@ Examples:
     stream-recon view outputs/street --mask-sky      # the sky left out of a run that was not masked
 
 The replay itself (indexing, the timeline, loading keyframes behind a seek, how it was measured):
-app/replay.py.
+app/viewer/replay.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Annotated
 import typer
 
 from stream_recon.app.commands._options import RUN_OPTION_FLAGS, bad_input, error_console, user_errors
-from stream_recon.app.options import RunOptions
+from stream_recon.app.options import SHOW_CHOICES, OptionsError, RunOptions, check_viewer_address
+from stream_recon.app.stopping import interrupted_exit_code, wait_for_stop_signal
 
 # run's --host and --port: the same help, defaults and checks
 HostOpt = RUN_OPTION_FLAGS["host"]
@@ -36,11 +37,10 @@ def view(
     ] = False,
 ) -> None:
     """Replay a finished run in the browser, with a timeline. Ctrl-C (exit code 130) or SIGTERM (143) stops it."""
-    from stream_recon.app.options import SHOW_CHOICES, check_viewer_address
-    from stream_recon.app.replay import start_replay
-    from stream_recon.app.rundir import check_run_dir
-    from stream_recon.app.stopping import interrupted_exit_code, wait_for_stop_signal
-    from stream_recon.app.writers import close_abandoned_run
+    # viser, OpenCV and torch load with these: when the command runs, never for -h
+    from stream_recon.app.outputs.rundir import check_run_dir
+    from stream_recon.app.outputs.writers import close_abandoned_run
+    from stream_recon.app.viewer.replay import start_replay
 
     host = RunOptions.host if host is None else host
     port = RunOptions.port if port is None else port
@@ -67,13 +67,13 @@ def view(
 
 
 def sky_masker(mask_sky: bool):
-    """The live viewer's masker of `view --mask-sky` (app.masks), None without it; OptionsError when the sky
+    """The live viewer's masker of `view --mask-sky` (app.outputs.masks), None without it; OptionsError when the sky
     network cannot be had."""
     if not mask_sky:
         return None
-    from stream_recon.app.masks import FrameMasker
-    from stream_recon.app.options import OptionsError
-    from stream_recon.app.sky import SkyModelError, SkySegmenter, skyseg_path
+    # OpenCV (onnxruntime for the sky): only when a replay masks its frames
+    from stream_recon.app.outputs.masks import FrameMasker
+    from stream_recon.app.outputs.sky import SkyModelError, SkySegmenter, skyseg_path
 
     try:
         return FrameMasker(SkySegmenter(skyseg_path(download=True)), None, RunOptions.image_width)

@@ -9,6 +9,7 @@ a replay's timeline). It wires three pieces, in the shape of nerfstudio's viewer
       keyframes.py    its chunk and keyframe nodes, their point clouds, the caps and the corrections
     control_panel.py  the GUI folders, their readouts and callbacks (and a replay's timeline)
     geometry.py       pure helpers: point sampling and budgets, poses, corrected centres, view poses
+    replay.py         a run directory played back on it (`stream-recon view`)
 
 Cost, measured on a 2-core CPU shared with other jobs (load average 8-11), frames at the model's input
 size (378 x 518), every frame a keyframe, default caps: 1000 `on_frame` calls take about 4 ms in all,
@@ -16,6 +17,10 @@ with no browser or with one that never reads; scene.py's docstring gives the vie
 
 The names re-exported here are read where they are defined: a test that changes VIEWER_CLOSE_S, say,
 sets live_state's.
+
+May import: outputs (the run directory a replay reads, splats), the shared modules at app/'s top (options,
+stopping) and stream_recon.models.
+Imports nothing of: sources, run, evaluation, commands.
 """
 
 from __future__ import annotations
@@ -38,8 +43,8 @@ from stream_recon.app.viewer.live_state import (
     stop_server,
 )
 from stream_recon.app.viewer.scene import SceneGraph
+from stream_recon.models import FramePrediction
 from stream_recon.models.loops.corrections import ChunkCorrections
-from stream_recon.models.stream.prediction import FramePrediction
 from stream_recon.models.supervision import Helper
 
 __all__ = [
@@ -80,7 +85,7 @@ class LiveViewer:
         inference_controls: bool = True,
         label: str = "stream-recon",
         show: str = "points",  # points | splats (app.options.SHOW_CHOICES); the browser's panel can change it
-        masker: Any = None,  # app.masks.FrameMasker: pixels the live clouds leave out (a replay's npz carry them)
+        masker: Any = None,  # app.outputs.masks.FrameMasker: pixels the live clouds leave out (a replay's npz carry them)
     ) -> None:
         if max_points_per_keyframe < 1 or max_total_points < max_points_per_keyframe:
             raise ValueError(

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
-from stream_recon.app.splats import opacity_from_confidence
+from stream_recon.app.outputs.splats import opacity_from_confidence
+from stream_recon.models import FramePrediction
 from stream_recon.models.loops.corrections import ChunkCorrections
 from stream_recon.models.stream.pose import back_project, rotation_to_quat_xyzw
-from stream_recon.models.stream.prediction import FramePrediction
 from stream_recon.models.stream.similarity import Sim3
 
 # An old keyframe over the total-point cap keeps this share of its points before it is removed.
@@ -77,7 +77,7 @@ class KeyframeSample:
 def sample_keyframe_points(pred: FramePrediction, max_points: int, dropped: np.ndarray | None = None
                            ) -> KeyframeSample:
     """Back-project up to `max_points` random valid pixels of a keyframe into its own camera frame; `dropped`
-    [H, W] bool: pixels left out (app.masks).
+    [H, W] bool: pixels left out (app.outputs.masks).
 
     Only the sampled pixels are lifted (models.stream.pose.back_project, in float64 before the float16 the
     viewer sends): a full back-projection costs ~20x more at 518 x 378.
@@ -178,7 +178,7 @@ def splat_arrays(sample: KeyframeSample, count: int, min_confidence: float, scal
 
     Isotropic, sigma = half the spacing of `count` samples among the frame's valid pixels at each point's
     depth (a pixel spans depth / focal), times `size_factor`; opacity from the depth confidence as the
-    splat export reads it (app.splats.opacity_from_confidence).
+    splat export reads it (app.outputs.splats.opacity_from_confidence).
     """
     points, colors = cloud_arrays(sample, count, min_confidence, scale)
     confidence = sample.confidence[:count]

@@ -24,8 +24,8 @@ import viser
 
 from stream_recon.app.viewer import geometry as geo
 from stream_recon.app.viewer.control_panel import DisplaySettings
+from stream_recon.models import FramePrediction
 from stream_recon.models.loops.corrections import ChunkCorrections
-from stream_recon.models.stream.prediction import FramePrediction
 
 KEYFRAME_COLOR = (90, 90, 90)
 
@@ -63,7 +63,7 @@ class KeyframeMap:
                  *, max_points_per_keyframe: int, max_total_points: int, max_keyframes: int,
                  max_new_clouds_per_second: float | None, thumbnail_px: int, masker: Any = None) -> None:
         self.server = server
-        self.masker = masker  # an app.masks.FrameMasker whose dropped pixels the clouds leave out, or None
+        self.masker = masker  # an app.outputs.masks.FrameMasker whose dropped pixels the clouds leave out, or None
         self.settings = settings
         self._on_scale_known = on_scale_known
         self.max_points_per_keyframe = max_points_per_keyframe

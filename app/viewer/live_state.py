@@ -25,8 +25,8 @@ import numpy as np
 import viser
 
 from stream_recon.app.viewer.geometry import ChainCentre
+from stream_recon.models import FramePrediction
 from stream_recon.models.loops.corrections import ChunkCorrections
-from stream_recon.models.stream.prediction import FramePrediction
 from stream_recon.models.supervision import Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
 
 logger = logging.getLogger(__name__)

@@ -32,8 +32,8 @@ import viser
 from stream_recon.app.viewer import geometry as geo
 from stream_recon.app.viewer.control_panel import DisplaySettings
 from stream_recon.app.viewer.keyframes import KeyframeMap
+from stream_recon.models import FramePrediction
 from stream_recon.models.loops.corrections import ChunkCorrections
-from stream_recon.models.stream.prediction import FramePrediction
 
 if TYPE_CHECKING:
     from stream_recon.app.viewer.live_state import Pending

@@ -108,6 +108,7 @@ def environment_key(device: torch.device) -> str:
     """What an artefact is only valid under, as one folder name."""
     parts = [torch.__version__, platform.python_version(), source_digest()]
     with contextlib.suppress(ImportError):
+        # Triton: absent on some machines
         import triton
 
         parts.append(triton.__version__)

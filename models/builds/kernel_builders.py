@@ -168,6 +168,7 @@ def _make_launcher(kernel: Any) -> None:
     compiler, 0.2-0.4 s a kernel on a fresh machine, cached on disk by its source): the parent's first launch
     then loads it. Where Triton launches through one module for every kernel, making it costs nothing; where it
     cannot be made here, the parent makes it at its first launch, as without children."""
+    # Triton: in a build child only, where the parent found it
     from triton.runtime import driver
 
     with contextlib.suppress(Exception):

@@ -126,7 +126,7 @@ def _hook(**call):
 def available() -> bool:
     """Whether this Triton lists builds through a cache hook and builds a listed one (`preload`)."""
     try:
-        import triton
+        import triton  # Triton: absent on some machines
         from triton.runtime.jit import JITFunction
     except ImportError:
         return False
@@ -144,6 +144,7 @@ def dry_pass_pays(device: str | torch.device, compiled: bool) -> bool:
 def _install() -> None:
     """Our hook, once per process, in front of whichever hook was there (it still gets every call
     ours does not take)."""
+    # Triton: absent on some machines; asked for only where kernels are built
     import triton
 
     with _install_lock:
@@ -216,6 +217,7 @@ def start_builders(device: str | torch.device) -> None:
     device = torch.device(device)
     if device.type != "cuda" or not available() or not helper.is_up or not kernel_builders.helper.is_up:
         return
+    # the kernels' module imports Triton: only where kernels are built
     from stream_recon.cache.triton_attention import range_kernel_name
 
     if triton_cache_holds(range_kernel_name()):
@@ -228,6 +230,7 @@ def start_builders(device: str | torch.device) -> None:
 def triton_cache_holds(kernel_name: str) -> bool:
     """Whether Triton's on-disk cache holds a build of a kernel of this name (any specialization or source:
     Triton files each build as <key>/<name>.json)."""
+    # Triton: absent on some machines; asked for only where kernels are built
     import triton
 
     folder = getattr(getattr(getattr(triton, "knobs", None), "cache", None), "dir", None)
@@ -268,6 +271,7 @@ def start_early_builds(device: str | torch.device, dtype: torch.dtype, num_heads
     device = device_with_index(device)
 
     def build() -> None:
+        # the kernels' module imports Triton: only where kernels are built
         from stream_recon.cache.triton_attention import measure_resident_programs
 
         torch.cuda.set_device(device)

@@ -35,6 +35,7 @@ from stream_recon.cache.packages import importable
 from ..network.config import ModelConfig
 from ..network.fused_gelu import fuse_mlp_gelu
 from ..network.gct import GCTStream
+from ..network.layers import Attention, Block
 from .compilation import CompiledMethods, compiled_where_called
 
 
@@ -83,6 +84,7 @@ def prepare_for_inference(model: GCTStream, device: str | torch.device | None = 
     if half:
         fuse_mlp_gelu(prepared.aggregator)
         if half_camera_weights and importable("triton"):
+            # its module imports Triton, which the check above found
             from ..network.few_token_linear import store_weights_in_half
 
             half_camera = store_weights_in_half(prepared.camera_head) > 0
@@ -197,9 +199,9 @@ def use_range_kernel_for_frames(module: torch.nn.Module) -> int:
     cuDNN's kernel, SDPA's choice, runs a frame's 64-query tiles 264 at a time on 132 SMs: from
     1,042 tokens on (518x392) a second wave takes each call from 16 to 30 us, where the range kernel
     at three programs per SM takes 23. Returns the number of modules changed."""
+    # the range kernel's module imports Triton: only on CUDA, where it is
     from stream_recon.cache.triton_attention import attend_frame
 
-    from ..network.layers import Attention
 
     modules = [m for m in module.modules() if isinstance(m, Attention)]
     for attention in modules:
@@ -216,7 +218,6 @@ def compile_blocks(model: torch.nn.Module, methods: CompiledMethods | None = Non
     `methods`: compiled ahead of time and kept there (None: torch.compile where first called).
     Returns the number of blocks compiled.
     """
-    from ..network.layers import Block
 
     dynamo = torch._dynamo.config
     # Block kinds x input shapes (scale frames, streaming frame) exceed the default of 8.

@@ -17,6 +17,7 @@ import triton.language as tl
 from torch import nn
 
 from .custom_ops import operator_for_compiled_code
+from .layers import Mlp
 
 # Largest magnitude float16 holds; a weight beyond it keeps its layer in float32.
 FLOAT16_MAX = 65504.0
@@ -124,7 +125,6 @@ def _storable_in_half(linear: nn.Module, min_weights: int) -> bool:
 def store_weights_in_half(module: nn.Module, min_weights: int = MIN_HALF_WEIGHTS) -> int:
     """Replace the float32 linear layers under `module` with at least `min_weights` weights by
     HalfWeightLinear; an MLP's first layer takes over its GELU. Returns the number replaced."""
-    from .layers import Mlp
 
     replaced = 0
     for parent in list(module.modules()):

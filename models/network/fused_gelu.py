@@ -20,6 +20,7 @@ from torch import nn
 from stream_recon.cache.backends import HALF_DTYPES
 
 from .custom_ops import operator_for_compiled_code
+from .layers import Mlp
 
 
 def _output_like(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -48,7 +49,6 @@ class GeluLinear(nn.Linear):
 def fuse_mlp_gelu(module: nn.Module) -> int:
     """Give every MLP under `module` whose first layer is a plain nn.Linear followed by the exact GELU
     a GeluLinear first layer (same weights) and no separate activation. Returns the number fused."""
-    from .layers import Mlp
 
     fused = 0
     for mlp in module.modules():

@@ -12,7 +12,7 @@ are uncached, and the slot count is no argument the kernels specialise on. A fre
 run then has its 100th prediction 2.2-4.4 s sooner.
 
 The zero model holds a second copy of the weights on the GPU until the pass ends, beside the one
-being loaded: a run with a memory budget does not start one (app/builds.py, start_builds_ahead).
+being loaded: a run with a memory budget does not start one (app/run/builds.py, start_builds_ahead).
 """
 
 from __future__ import annotations

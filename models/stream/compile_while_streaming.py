@@ -8,7 +8,7 @@ an uncompiled run's does, and `CompileWhileStreaming` runs the compiled steps on
 engine of its own over the same model (modules are inputs of the compiled code, so what it compiles
 serves the run's engine), its cache with one window slot, no CUDA graphs, the warm-up's steps on copies of
 the stream's first frame, on a CUDA stream of its own. Once it is done the run's engine steps compiled from
-its next frame on, its graph recorded once more (app/builds.py).
+its next frame on, its graph recorded once more (app/run/builds.py).
 
 It is a helper of the run (models/supervision.py, TURN_OFF): one that raises, or is not done
 COMPILE_WHILE_STREAMING_S after it started, leaves the stream stepping as written for the rest of the run, with one

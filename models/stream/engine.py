@@ -484,7 +484,7 @@ class StreamingEngine:
         if height % patch or width % patch:
             raise FrameError(
                 f"frame size {height}x{width} is not a multiple of the {patch}-pixel patch; preprocess it first "
-                "(stream_recon.app.preprocess)"
+                "(stream_recon.app.sources.preprocess)"
             )
         if self._image_size is None:
             self._setup(height, width)

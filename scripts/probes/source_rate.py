@@ -6,7 +6,7 @@ For each size, makes an mp4v video from app/sample's pictures (cut from a slight
 moving 8 pixels a frame, so that consecutive frames differ), then measures on this machine:
 
 - one thread, frame by frame: the decode (grab, retrieve, BGR to RGB) and the crop rule
-  (app.preprocess.preprocess_frame_uint8 at --image-width), medians in ms;
+  (app.sources.preprocess.preprocess_frame_uint8 at --image-width), medians in ms;
 - the source as a run opens it (app.sources.open_source with the image width: the reader thread decodes and
   resizes): frames a second delivered to a consumer that takes them as fast as they come, best of --rounds.
 
@@ -42,7 +42,7 @@ def make_video(path: Path, width: int, height: int, frames: int) -> Path:
 
 def one_thread_ms(video: Path, image_width: int) -> tuple[float, float]:
     """Median ms of one frame's decode and of its crop rule, one after the other on this thread."""
-    from stream_recon.app.preprocess import preprocess_frame_uint8
+    from stream_recon.app.sources.preprocess import preprocess_frame_uint8
 
     capture = cv2.VideoCapture(str(video), cv2.CAP_FFMPEG)
     decode, resize = [], []
@@ -64,7 +64,7 @@ def one_thread_ms(video: Path, image_width: int) -> tuple[float, float]:
 
 def source_fps(video: Path, image_width: int) -> float:
     """Model inputs a second from open_source, after its first frame (the reader's start)."""
-    from stream_recon.app.sources import open_source
+    from stream_recon.app.sources.opening import open_source
 
     with open_source(str(video), image_width=image_width) as source:
         frames = iter(source)

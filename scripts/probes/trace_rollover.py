@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: bench.py, bench_e2e.py
 import bench_e2e  # noqa: E402
 
-from stream_recon.app import pipeline  # noqa: E402
+from stream_recon.app.run import pipeline  # noqa: E402
 from stream_recon.models.stream import chunks, lookahead, rollover, similarity  # noqa: E402
 from stream_recon.models.stream.chunked import ChunkedEngine  # noqa: E402
 from stream_recon.models.stream.engine import StreamingEngine  # noqa: E402

@@ -4,7 +4,7 @@ A CUDA run's steps need code a fresh process does not have: our Triton kernels (
 launch) and, compiled, Dynamo's traces and Inductor's kernels. From what this machine's compile caches hold
 for the run's key (models/builds/compilation.py: `compiled_code_key`, `record`), `RunBuilds` decides:
 - compiled or not (`--compile auto`: compiled where a record says this machine compiled the size; else
-  uncompiled, the size compiled beside the run for the next one, app/background_compile.py);
+  uncompiled, the size compiled beside the run for the next one, app/run/background_compile.py);
 - what runs while the checkpoint loads: uncompiled, the warm-up's dry pass (models/stream/builds_ahead.py:
   our kernels built side by side on a zero model); either way, the range kernel's two early builds
   (models/builds/kernel_builds.py). A compiled run's ~4 s of Dynamo tracing and Inductor loads hold the
@@ -27,21 +27,20 @@ summary.compile_beside, summary.compiled_while_streaming, summary.timings.warm_u
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
 from rich.console import Console
 from rich.markup import escape
 
-from stream_recon.app.background_compile import CompiledSizes
-from stream_recon.app.clock import RunClock
-from stream_recon.app.loading import load_model_for, prepared_for_run
 from stream_recon.app.options import RunOptions
+from stream_recon.app.run.background_compile import CompiledSizes
+from stream_recon.app.run.clock import RunClock
+from stream_recon.app.run.loading import load_model_for, prepared_for_run
+from stream_recon.models.builds import compilation, kernel_builds
+from stream_recon.models.stream.builds_ahead import BuildsAhead
+from stream_recon.models.stream.compile_while_streaming import CompileWhileStreaming
 from stream_recon.models.supervision import Deadline
-
-if TYPE_CHECKING:
-    from stream_recon.models.stream.builds_ahead import BuildsAhead
-    from stream_recon.models.stream.compile_while_streaming import CompileWhileStreaming
-
 
 # A stream known to be this short steps as written to its end rather than compile beside it: a compile from
 # warm caches takes 5-6 s beside the stream, which by then is past frame 110-150 at 518x392-518x518.
@@ -53,9 +52,8 @@ WHILE_STREAMING_END_S = 15.0
 
 def compiled_here(key: str | None) -> bool:
     """Whether this machine's compile caches hold the size of `key` (a record of its compile)."""
-    from stream_recon.models.builds.compilation import recorded
 
-    return key is not None and recorded(key, "compiled")
+    return key is not None and compilation.recorded(key, "compiled")
 
 
 @dataclass(frozen=True)
@@ -73,11 +71,10 @@ def compile_choice(option: str, device: str, key: str | None, warm_up: str = "au
     compile that failed), and where the key is not known (the compile is then paid once, as with on);
     elsewhere the run is uncompiled and compiles its size beside itself. That compile starts after the
     run's warm-up: with `--warm-up off` auto compiles as on does (at the first streaming frame)."""
-    from stream_recon.models.builds.compilation import recorded
 
     if option == "off" or not str(device).startswith("cuda"):
         return CompileChoice(False)
-    if option == "on" or warm_up == "off" or key is None or compiled_here(key) or recorded(key, "compile-first"):
+    if option == "on" or warm_up == "off" or key is None or compiled_here(key) or compilation.recorded(key, "compile-first"):
         return CompileChoice(True)
     return CompileChoice(False, beside=True)
 
@@ -88,11 +85,9 @@ def run_key(device: str, dtype: Any, model_config: Any, stream_config: Any,
     where the input size or the model's architecture is not known before the first frame."""
     if not str(device).startswith("cuda") or input_size is None or model_config is None:
         return None
-    import torch
 
-    from stream_recon.models.builds.compilation import compiled_code_key
 
-    return compiled_code_key(model_config, stream_config, input_size, dtype, torch.device(device))
+    return compilation.compiled_code_key(model_config, stream_config, input_size, dtype, torch.device(device))
 
 
 def start_builds_ahead(options: RunOptions, device: str, dtype: Any, model_config: Any, engine_config: Any,
@@ -101,12 +96,10 @@ def start_builds_ahead(options: RunOptions, device: str, dtype: Any, model_confi
     pays (CUDA, uncompiled) and can: the model input's size known before the first frame, and no memory
     budget (its zero model is a second copy of the weights until the pass ends). None otherwise, and
     where the warm-up is off: the first frame's own steps then build one kernel at a time, as they would."""
-    from stream_recon.models.builds.kernel_builds import dry_pass_pays
-    from stream_recon.models.stream.builds_ahead import BuildsAhead
 
     if model_config is None or engine_config is None or input_size is None or options.gpu_memory is not None:
         return None
-    if options.warm_up == "off" or not dry_pass_pays(device, compile):
+    if options.warm_up == "off" or not kernel_builds.dry_pass_pays(device, compile):
         return None
     return BuildsAhead(model_config, engine_config, input_size, device, dtype)
 
@@ -136,11 +129,10 @@ class RunBuilds:
         """The run's model, prepared (compiled as `choice` says): `given` (a caller's model, prepared here
         unless it was), or the checkpoint's, loaded while the work ahead runs beside the load."""
         if self.model_config is not None:
-            from stream_recon.models.builds.kernel_builds import start_builders, start_early_builds
 
             if self._dry_pass_comes():  # (before the early builds, which fill Triton's cache)
-                start_builders(self.device)
-            start_early_builds(self.device, self.dtype, self.model_config.num_heads, self.model_config.head_dim)
+                kernel_builds.start_builders(self.device)
+            kernel_builds.start_early_builds(self.device, self.dtype, self.model_config.num_heads, self.model_config.head_dim)
         if given is None:
             self.ahead = start_builds_ahead(self.options, self.device, self.dtype, self.model_config,
                                             self.engine_config, self.input_size, compile=self.choice.compile)
@@ -167,7 +159,6 @@ class RunBuilds:
             self.not_compiled = (f"the stream is {stream_length} frames, not more than {WHILE_STREAMING_MIN_FRAMES}: "
                                  "it steps as written")
             return
-        from stream_recon.models.stream.compile_while_streaming import CompileWhileStreaming
 
         self.while_streaming = CompileWhileStreaming(engine.model, engine.steps_config, image)
 
@@ -186,10 +177,9 @@ class RunBuilds:
         uncompiled on CUDA with the warm-up not off (auto warms up where the engine's first streaming step would
         be slow: uncompiled on CUDA, where its kernels are not built, it is), and no memory budget (a child's
         CUDA runtime is not in its plan)."""
-        from stream_recon.models.builds.kernel_builds import dry_pass_pays
 
         return (self.options.warm_up != "off" and self.options.gpu_memory is None
-                and dry_pass_pays(self.device, self.choice.compile))
+                and kernel_builds.dry_pass_pays(self.device, self.choice.compile))
 
     def _warm_up(self, engine: Any, image: Any, stream_length: int | None, ahead: dict[str, float] | None,
                  clock: RunClock, console: Console) -> None:
@@ -254,6 +244,5 @@ class RunBuilds:
         if self.ahead is not None:
             self.ahead.wait()  # unbounded-ok: BuildsAhead.wait ends AHEAD_WAIT_S after its first call
         if self.model_config is not None and str(self.device).startswith("cuda"):
-            from stream_recon.models.builds.kernel_builds import end_builders
 
-            end_builders()
+            kernel_builds.end_builders()

@@ -1,4 +1,4 @@
-"""The run writer: a sink that turns predictions into a run directory (app.rundir), and the run's provenance.
+"""The run writer: a sink that turns predictions into a run directory (app.outputs.rundir), and the run's provenance.
 
 Per frame, `predictions/NNNNNN.npz` is written as the frame completes; at close, trajectory_tum.txt,
 points.ply and the final run.json (settings, versions, memory, summary).
@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stream_recon.app.npz_schema import SKY_MASK_FIELD, PredictionOutputs, prediction_arrays
-from stream_recon.app.pointcloud import (
+from stream_recon.app.outputs.npz_schema import SKY_MASK_FIELD, PredictionOutputs, prediction_arrays
+from stream_recon.app.outputs.pointcloud import (
     DEFAULT_CONF_THRESHOLD,
     DEFAULT_MAX_POINTS,
     PointAccumulator,
     write_ply,
 )
-from stream_recon.app.rundir import (
+from stream_recon.app.outputs.rundir import (
     FINAL_STATUSES,
     POINTS_PLY,
     PREDICTIONS_DIR,
@@ -59,8 +59,8 @@ from stream_recon.app.rundir import (
 from stream_recon.models.loops.corrections import ChunkCorrections
 
 if TYPE_CHECKING:
-    from stream_recon.app.masks import FrameMasker
-from stream_recon.models.stream.prediction import FramePrediction
+    from stream_recon.app.outputs.masks import FrameMasker
+from stream_recon.models import FramePrediction
 from stream_recon.models.stream.similarity import Sim3
 from stream_recon.models.supervision import (
     Deadline,
@@ -165,7 +165,7 @@ class RunWriter:
         masker: FrameMasker | None = None,
     ) -> None:
         self.output_dir = Path(output_dir)
-        self.masker = masker  # a frame's dropped pixels (app.masks), made on the writer thread: off the stream
+        self.masker = masker  # a frame's dropped pixels (app.outputs.masks), made on the writer thread: off the stream
         self.predictions_dir = self.output_dir / PREDICTIONS_DIR
         self.settings = dict(settings)
         self.outputs = outputs

@@ -2,7 +2,7 @@
 
 spec/MODEL.md §1: the width is fixed (`image_width`, 518 by default), the height follows the aspect
 ratio rounded to whole 14-pixel patches, and a portrait picture keeps only its middle `image_width`
-rows. app.preprocess applies the rule to pixels; the options, the memory estimate and the checks
+rows. app.sources.preprocess applies the rule to pixels; the options, the memory estimate and the checks
 before a run only need the sizes, which is why they live here, free of the imaging libraries.
 """
 

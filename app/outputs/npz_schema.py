@@ -1,7 +1,7 @@
 """The npz schema of one frame: the arrays of `predictions/NNNNNN.npz`, their dtypes and shapes, and what a
 run chooses to store (PredictionOutputs: depth precision, images, which frames).
 
-One definition that the writer, the readers (app.rundir) and the tests use; numpy only, so that the
+One definition that the writer, the readers (app.outputs.rundir) and the tests use; numpy only, so that the
 run options built on PredictionOutputs can be read without loading the model's libraries.
 """
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from stream_recon.models.stream.prediction import FramePrediction
+    from stream_recon.models import FramePrediction
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ PREDICTION_FIELDS: dict[str, NpzField] = {
 RENAMED_FIELDS = {"window_index": "chunk_index"}
 # The model input, written only when the prediction carries it; read back as None when absent.
 IMAGE_FIELD = NpzField(np.uint8, ("H", "W", 3))
-# The pixels left out of every point (app.masks: the sky, the user's masks), 1 = dropped; written only by a
+# The pixels left out of every point (app.outputs.masks: the sky, the user's masks), 1 = dropped; written only by a
 # run that masks (--mask-sky, --mask-dir), read back as None when absent.
 SKY_MASK_FIELD = NpzField(np.uint8, ("H", "W"))
 

@@ -16,6 +16,10 @@ from typing import Any
 
 import cv2
 import numpy as np
+from huggingface_hub import hf_hub_download, try_to_load_from_cache
+from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+from stream_recon.models.checkpoint import checkpoint_dir, hub_cache_dir, hub_endpoint, hub_offline
 
 SKYSEG_REPO_ID = "JianyuanWang/skyseg"
 SKYSEG_FILE = "skyseg.onnx"
@@ -36,7 +40,6 @@ class SkyModelError(ValueError):
 
 def skyseg_folder() -> Path:
     """Where `stream-recon download skyseg` puts the network and runs look for it: the checkpoints' folder."""
-    from stream_recon.models.checkpoint import checkpoint_dir
 
     return checkpoint_dir()
 
@@ -46,9 +49,7 @@ def locate_skyseg() -> Path | None:
     own = skyseg_folder() / SKYSEG_FILE
     if own.is_file():
         return own
-    from huggingface_hub import try_to_load_from_cache
 
-    from stream_recon.models.checkpoint import hub_cache_dir
 
     cached = try_to_load_from_cache(SKYSEG_REPO_ID, SKYSEG_FILE, cache_dir=hub_cache_dir())
     return Path(cached) if isinstance(cached, str) else None
@@ -69,10 +70,7 @@ def download_skyseg() -> Path:
 
 def _download_failure() -> Path | str:
     """The downloaded file, or why it could not be downloaded."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
-    from stream_recon.models.checkpoint import hub_cache_dir, hub_endpoint, hub_offline
 
     if hub_offline():
         return "Hugging Face offline mode is on: HF_HUB_OFFLINE"
@@ -103,7 +101,7 @@ class SkySegmenter:
 
     def __init__(self, model_path: Path | str) -> None:
         try:
-            import onnxruntime
+            import onnxruntime  # the optional `sky` extra: only for --mask-sky
         except ImportError:
             raise SkyModelError("--mask-sky runs the sky network with onnxruntime, which is not installed: "
                                 "pip install 'stream-recon[sky]' (onnxruntime-gpu on a GPU machine)") from None

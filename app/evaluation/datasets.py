@@ -28,8 +28,9 @@ from typing import Literal
 import cv2
 import numpy as np
 
-from stream_recon.app.rundir import TumFileError, read_tum_list
-from stream_recon.app.sources import IMAGE_SUFFIXES, SourceError
+from stream_recon.app.outputs.rundir import TumFileError, read_tum_list
+from stream_recon.app.sources.opening import IMAGE_SUFFIXES, VIDEO_SUFFIXES
+from stream_recon.app.sources.reader import SourceError
 
 SequenceKind = Literal["video", "images", "tum"]
 
@@ -37,20 +38,6 @@ MANIFEST_NAME = "sequences.txt"
 TUM_FRAME_LIST = "rgb.txt"
 TUM_GROUND_TRUTH = "groundtruth.txt"
 TUM_DEPTH_LIST = "depth.txt"
-VIDEO_SUFFIXES = (
-    ".mp4",
-    ".mov",
-    ".avi",
-    ".mkv",
-    ".webm",
-    ".m4v",
-    ".mpg",
-    ".mpeg",
-    ".wmv",
-    ".flv",
-    ".ts",
-    ".3gp",
-)
 # Depth maps are images too, but never frames to reconstruct from.
 SKIPPED_FOLDER_NAMES = ("depth",)
 

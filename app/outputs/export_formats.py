@@ -2,9 +2,9 @@
 reads of a run, the function that writes it and what its summary line counts.
 
 Plain values, free of the libraries that write the formats (trimesh, OpenCV), so that the `export`
-command's flags can be read without loading them: a format names its writer as "module:function", imported
-on its first export. A new format is one writer (a function of app.export's `ExportJob`, returning its
-`ExportResult`) and one member of ExportFormat.
+command's flags can be read without loading them: a format names its writer as "module:function" (a module
+of this package), imported on its first export. A new format is one writer (a function of export.py's
+`ExportJob`, returning its `ExportResult`) and one member of ExportFormat.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from stream_recon.app.export import ExportJob, ExportResult
+    from .export import ExportJob, ExportResult
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,7 +26,7 @@ class FormatSpec:
     name: str  # --format's word
     label: str  # how messages and help texts name it
     default_name: str  # the file or folder under RUN_DIR/exports/ when no --output is given
-    writer: str  # "module:function" writing it: function(ExportJob) -> ExportResult
+    writer: str  # "module:function" writing it, the module one of this package: function(ExportJob) -> ExportResult
     # A file format: the suffixes it is written under, the usual one first (a GLB is never named .ply).
     suffixes: tuple[str, ...] = ()
     # A folder format: what it writes in its folder (images/ among them: the frames, which it needs). A
@@ -60,21 +60,21 @@ class ExportFormat(str, Enum):
         return member
 
     PLY = FormatSpec(name="ply", label="PLY", default_name="points.ply", suffixes=(".ply",),
-                     writer="stream_recon.app.export:write_ply_export", frames_are="frame")  # a cloud: no cameras
+                     writer="export:write_ply_export", frames_are="frame")  # a cloud: no cameras
     GLB = FormatSpec(name="glb", label="GLB", default_name="scene.glb", suffixes=(".glb",),
-                     writer="stream_recon.app.export:write_glb_export")
+                     writer="export:write_glb_export")
     COLMAP = FormatSpec(name="colmap", label="COLMAP", default_name="colmap", folder_contents=("images", "sparse"),
-                        writer="stream_recon.app.export:write_colmap_export")
+                        writer="export:write_colmap_export")
     # the run's whole trajectory, also the frames saved without an npz
     TUM = FormatSpec(name="tum", label="TUM", default_name="trajectory_tum.txt", suffixes=(".txt", ".tum"),
-                     writer="stream_recon.app.export:write_tum_export", reads_frames=False, frames_are="pose",
+                     writer="export:write_tum_export", reads_frames=False, frames_are="pose",
                      points_are=None)
     NERFSTUDIO = FormatSpec(name="nerfstudio", label="nerfstudio", default_name="nerfstudio",
                             folder_contents=("images", "masks", "transforms.json", "points.ply"),  # masks/: a masked run's
-                            writer="stream_recon.app.export:write_nerfstudio_export")
+                            writer="export:write_nerfstudio_export")
     # the 3D Gaussian splatting layout is a PLY file too
     SPLATS = FormatSpec(name="splats", label="Gaussian splats", default_name="splats.ply", suffixes=(".ply",),
-                        writer="stream_recon.app.export:write_splats_export", max_points=DEFAULT_MAX_SPLATS,
+                        writer="export:write_splats_export", max_points=DEFAULT_MAX_SPLATS,
                         points_are="splat")
 
     @property
@@ -108,7 +108,7 @@ class ExportFormat(str, Enum):
     def writer(self) -> Callable[[ExportJob], ExportResult]:
         """The function that writes this format (its module imported now, if it was not)."""
         module, _, function = self.spec.writer.partition(":")
-        return getattr(importlib.import_module(module), function)
+        return getattr(importlib.import_module(f".{module}", __package__), function)
 
 
 def format_summary() -> str:

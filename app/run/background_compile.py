@@ -34,6 +34,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from stream_recon.app.options import RunOptions
+from stream_recon.app.run.loading import chunk_engine_config
+from stream_recon.models import GCTStream, ModelConfig, StreamingEngine, prepare_for_inference
+from stream_recon.models.builds.compilation import (
+    compiled_code_key,
+    matmul_settings,
+    record,
+    recorded,
+    records_folder,
+    use_matmul_settings,
+)
+from stream_recon.models.stream.memory import CUDA_CONTEXT_BYTES, estimate_memory, parse_memory_size
+
 CHILD_WINDOW_SLOTS = 1  # the warm-up's streaming steps are uncached: one window slot is all it needs
 STOP_WAIT_S = 5.0  # a child asked to stop gets this long before it is killed
 # After SIGKILL, how long the run waits to reap the child: the kernel ends a killed process at once unless
@@ -68,9 +83,7 @@ class CompiledSizes:
         start compiling an uncompiled one beside the run. `plan`: the run's memory plan (--gpu-memory),
         whose K/V precision and window the child's engine takes as a spare engine does. A line for the
         console, or None."""
-        import torch
 
-        from stream_recon.models.builds.compilation import compiled_code_key, record
 
         self.plan = None if plan is None else {"kv_cache": plan.kv_cache, "window": plan.window}
         self.key = compiled_code_key(self.model.config, self.stream_config, image_size, self.dtype,
@@ -82,9 +95,7 @@ class CompiledSizes:
         return self._start(image_size) if self.beside else None
 
     def _start(self, image_size: tuple[int, int]) -> str:
-        import torch
 
-        from stream_recon.models.builds.compilation import matmul_settings, record, records_folder
 
         height, width = image_size
         needed, room, where = self._bytes_needed(image_size), *self._room(torch.device(self.device))
@@ -109,7 +120,7 @@ class CompiledSizes:
         environment = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(compile_threads())}
         with open(self.log, "w") as output:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "stream_recon.app.background_compile", json.dumps(request)],
+                [sys.executable, "-m", "stream_recon.app.run.background_compile", json.dumps(request)],
                 stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT, env=environment,
                 start_new_session=True,  # its own process group: stopped whole, and no Ctrl-C of the terminal's
             )
@@ -124,12 +135,10 @@ class CompiledSizes:
         """Bytes the child may take, and where they are: the device's free memory, and under --gpu-memory
         no more than the budget leaves beside what this run's allocator has held at its peak and its CUDA
         context (the budget is the whole run's, its compile included)."""
-        import torch
 
         free = _free_bytes(device)
         if self.options.gpu_memory is None:
             return free, "free on the GPU"
-        from stream_recon.models.stream.memory import CUDA_CONTEXT_BYTES, parse_memory_size
 
         held = torch.cuda.max_memory_reserved(device) + CUDA_CONTEXT_BYTES if device.type == "cuda" else 0
         left = max(0, parse_memory_size(self.options.gpu_memory) - held)
@@ -138,7 +147,6 @@ class CompiledSizes:
     def _bytes_needed(self, image_size: tuple[int, int]) -> int:
         """The child's device memory: its engine's tensors with one window slot, the float32 random
         weights it prepares the model from, and a CUDA context of its own."""
-        from stream_recon.models.stream.memory import CUDA_CONTEXT_BYTES, estimate_memory
 
         config = planned(self.stream_config, self.plan)
         engine = estimate_memory(self.model, config, image_size, window_slots=CHILD_WINDOW_SLOTS)
@@ -199,7 +207,6 @@ class CompiledSizes:
     def _compile_first(self, why: str) -> None:
         """Leave the record that makes the next run of this key compile before its stream (unless the child
         left its own, which says more)."""
-        from stream_recon.models.builds.compilation import record, recorded
 
         if not recorded(self.key, "compile-first"):
             record(self.key, "compile-first", why)
@@ -220,7 +227,6 @@ def planned(stream_config: Any, plan: dict[str, Any] | None) -> Any:
 
 def _free_bytes(device: Any) -> int:
     """Free memory where the child would run: the GPU's, or the host's for a CPU child (tests)."""
-    import torch
 
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -249,9 +255,7 @@ def random_model(model_config: Any, device: Any) -> Any:
     """A model of `model_config` on `device` with float32 random weights, as a checkpoint load leaves a
     model (float32): small normal matrices, unit norm weights, layer scales of 0.1, zero biases and
     buffers, so that no step sees NaN."""
-    import torch
 
-    from stream_recon.models import GCTStream
 
     with torch.device("meta"):
         model = GCTStream(model_config)
@@ -270,12 +274,7 @@ def random_model(model_config: Any, device: Any) -> Any:
 
 def compile_size(request: dict) -> None:
     """The child's work: the run's compiled calls made for its input size, then the record left."""
-    import torch
 
-    from stream_recon.app.loading import chunk_engine_config
-    from stream_recon.app.options import RunOptions
-    from stream_recon.models import ModelConfig, StreamingEngine, prepare_for_inference
-    from stream_recon.models.builds.compilation import compiled_code_key, record, use_matmul_settings
 
     use_matmul_settings(request["matmul"])  # before the key: it names them
     options = RunOptions(**request["options"])
@@ -305,7 +304,6 @@ def main(argv: list[str] | None = None) -> int:
         os.nice(10)  # the run's stream comes first
     if hasattr(signal, "alarm"):  # a child left running after its run ends has no one else to stop it
         signal.alarm(int(CHILD_LIMIT_S))
-    from stream_recon.models.builds.compilation import record, records_folder
 
     lock = records_folder() / f"{request['key']}.compiling"
     try:

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from stream_recon.app.options import VIEWER_HOST, VIEWER_PORT
-from stream_recon.app.rundir import (
+from stream_recon.app.outputs.rundir import (
     PREDICTIONS_DIR,
     RunDirError,
     load_prediction,
@@ -49,8 +49,8 @@ from stream_recon.app.rundir import (
     read_run_info,
 )
 from stream_recon.app.viewer import LiveViewer
+from stream_recon.models import FramePrediction
 from stream_recon.models.loops.corrections import ChunkCorrections, LoopRecord
-from stream_recon.models.stream.prediction import FramePrediction
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def load_frame(path: Path) -> FramePrediction:
     """One prediction file (DESIGN.md §5, read by rundir's `load_prediction`) as a FramePrediction."""
     record = load_prediction(path)
     depth = np.asarray(record["depth"], dtype=np.float32)
-    if record["sky_mask"] is not None:  # a masked run's dropped pixels (app.masks) have no depth to draw
+    if record["sky_mask"] is not None:  # a masked run's dropped pixels (app.outputs.masks) have no depth to draw
         depth = np.where(record["sky_mask"], np.float32(np.nan), depth)
     return FramePrediction(
         frame_index=record["frame_index"],

@@ -15,7 +15,7 @@ import numpy as np
 from plyfile import PlyData, PlyElement
 
 from stream_recon.app.options import DEFAULT_CONF_THRESHOLD as DEFAULT_CONF_THRESHOLD
-from stream_recon.app.rundir import atomic_write
+from stream_recon.app.outputs.rundir import atomic_write
 from stream_recon.models.stream.pose import back_project
 
 logger = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class PointAccumulator:
         dropped: np.ndarray | None = None,
     ) -> None:
         """Merge one frame's confident pixels. depth, depth_conf [H, W]; image [H, W, 3] uint8 or None;
-        dropped [H, W] bool or None: pixels left out whatever their confidence (app.masks)."""
+        dropped [H, W] bool or None: pixels left out whatever their confidence (app.outputs.masks)."""
         if image is not None and image.shape[:2] != depth.shape:
             raise ValueError(
                 f"image {image.shape[:2]} and depth {depth.shape} of frame {frame_index} differ in size"

@@ -1,4 +1,4 @@
-"""The pixels a run leaves out of every point it makes: the sky (`--mask-sky`, app.sky) and the user's masks
+"""The pixels a run leaves out of every point it makes: the sky (`--mask-sky`, app.outputs.sky) and the user's masks
 (`--mask-dir DIR`), one boolean map per frame at the model input's size, True where a pixel is dropped.
 
 The writer stores it as `sky_mask` in the frame's npz (uint8, 1 = dropped) and leaves those pixels out of
@@ -19,9 +19,9 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from stream_recon.app.input_size import model_input_size, resized_size
-from stream_recon.app.sky import SkySegmenter
-from stream_recon.app.sources import turned_clockwise
+from stream_recon.app.outputs.sky import SkySegmenter
+from stream_recon.app.sources.input_size import model_input_size, resized_size
+from stream_recon.app.sources.reader import turned_clockwise
 
 MASK_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 

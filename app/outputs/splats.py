@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from plyfile import PlyData, PlyElement
 
-from stream_recon.app.rundir import atomic_write
+from stream_recon.app.outputs.rundir import atomic_write
 from stream_recon.models.stream.pose import back_project, rotation_to_quat_xyzw
 
 # Y_0^0 = 1 / (2 sqrt(pi)): colour = 0.5 + SH_C0 * f_dc, the renderers' degree-0 term.

@@ -48,9 +48,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from stream_recon.app.clock import finite_or_none
-from stream_recon.app.datasets import Sequence, TumFrames
-from stream_recon.app.evaluation import (
+from stream_recon.app.evaluation.datasets import Sequence, TumFrames
+from stream_recon.app.evaluation.metrics import (
     DEFAULT_MAX_DIFF,
     OPEN_CHAIN,
     EvaluationError,
@@ -58,10 +57,8 @@ from stream_recon.app.evaluation import (
     evaluation_path,
     write_evaluation,
 )
-from stream_recon.app.loading import CheckpointDigest, load_model_for
 from stream_recon.app.options import OptionsError, RunOptions, changed_settings
-from stream_recon.app.pipeline import run_sequence
-from stream_recon.app.rundir import (
+from stream_recon.app.outputs.rundir import (
     BATCH_MARKER,
     PREDICTIONS_DIR,
     OutputDirError,
@@ -74,9 +71,11 @@ from stream_recon.app.rundir import (
     run_accepted_loops,
     write_batch_marker,
 )
-from stream_recon.app.sources import SourceError
-from stream_recon.models.checkpoint import DEFAULT_CHECKPOINT
-from stream_recon.models.errors import CheckpointError, FrameError
+from stream_recon.app.run.clock import finite_or_none
+from stream_recon.app.run.loading import CheckpointDigest, load_model_for
+from stream_recon.app.run.pipeline import run_sequence
+from stream_recon.app.sources.reader import SourceError
+from stream_recon.models import DEFAULT_CHECKPOINT, CheckpointError, FrameError
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +132,7 @@ INTERRUPTED_ERROR = "interrupted (Ctrl-C or SIGTERM); run the batch again to red
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """How sequences with ground truth are scored (see app.evaluation)."""
+    """How sequences with ground truth are scored (see app.evaluation.metrics)."""
 
     alignment: str = "sim3"
     max_diff: float = DEFAULT_MAX_DIFF  # evo's; depth frames keep evaluate_run's own DEPTH_MAX_DIFF
@@ -544,7 +543,7 @@ def connect_ray(address: str, log_level: int = logging.WARNING) -> tuple[Any, bo
     initialised in this process (a notebook, a test) is used as it is.
     """
     try:
-        import ray
+        import ray  # an optional extra: only for --ray
     except ImportError:
         raise BatchError("--ray needs Ray: run scripts/setup-env ray in the checkout (or pip install 'stream-recon[ray]' where the wheel is installed)") from None
     if ray.is_initialized():

@@ -35,8 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from stream_recon.app.npz_schema import HALVABLE_FIELDS, PREDICTION_FIELDS, RENAMED_FIELDS
-from stream_recon.app.npz_schema import prediction_arrays as prediction_arrays  # scripts import it from here
+from stream_recon.app.outputs.npz_schema import HALVABLE_FIELDS, PREDICTION_FIELDS, RENAMED_FIELDS
+from stream_recon.app.outputs.npz_schema import (
+    prediction_arrays as prediction_arrays,  # scripts import it from here
+)
 from stream_recon.app.stopping import interrupts_held
 from stream_recon.models.stream.pose import quat_xyzw_to_rotation, rotation_to_quat_xyzw
 

@@ -15,7 +15,7 @@ Conventions of the outputs:
 - nerfstudio's transform_matrix is camera-to-world with OpenGL camera axes (x right, y up, z backward):
   our c2w with its y and z columns negated. Its points.ply (for Gaussian-splatting initialisation)
   is in the same world frame, which `applied_transform` (identity) declares.
-- Gaussian splats (app.splats) keep the run's world frame, in the reference 3D Gaussian splatting PLY layout;
+- Gaussian splats (app.outputs.splats) keep the run's world frame, in the reference 3D Gaussian splatting PLY layout;
   their cap is DEFAULT_MAX_SPLATS unless --max-points says otherwise (a run's own cap is for points).
 
 Each format is one entry of app.export_formats.ExportFormat, which names its writer here: a function of the
@@ -39,17 +39,15 @@ import trimesh
 from trimesh.path import Path3D
 from trimesh.path.entities import Line
 
-from stream_recon.app.export_formats import ExportFormat
-from stream_recon.app.input_size import model_input_size, resized_size
-from stream_recon.app.pointcloud import (
+from stream_recon.app.outputs.export_formats import ExportFormat
+from stream_recon.app.outputs.pointcloud import (
     DEFAULT_CONF_THRESHOLD,
     DEFAULT_MAX_POINTS,
     PointAccumulator,
     PointCloud,
     write_ply,
 )
-from stream_recon.app.preprocess import ImageReadError, preprocess_frame_uint8
-from stream_recon.app.rundir import (
+from stream_recon.app.outputs.rundir import (
     EXPORTS_DIR,
     OutputPathError,
     RunDirError,
@@ -68,9 +66,13 @@ from stream_recon.app.rundir import (
     swap_in_staged,
     write_tum,
 )
-from stream_recon.app.source_settings import FrameSelection
-from stream_recon.app.sources import SourceError, open_source
-from stream_recon.app.splats import GaussianSplats, frame_splats, write_splat_ply
+from stream_recon.app.outputs.sky import SkyModelError, SkySegmenter, skyseg_path
+from stream_recon.app.outputs.splats import GaussianSplats, frame_splats, write_splat_ply
+from stream_recon.app.sources.input_size import model_input_size, resized_size
+from stream_recon.app.sources.opening import open_source
+from stream_recon.app.sources.preprocess import ImageReadError, preprocess_frame_uint8
+from stream_recon.app.sources.reader import SourceError
+from stream_recon.app.sources.settings import FrameSelection
 from stream_recon.app.stopping import interrupts_held
 from stream_recon.models.stream.pose import rotation_to_quat_xyzw
 
@@ -157,7 +159,7 @@ def export_run(
     An existing output is replaced only with `overwrite` (a folder only when it holds an earlier export of
     the same format); `full_resolution` (COLMAP, nerfstudio) writes the source frames at their own size,
     read back from the run's video or folder, with the intrinsics scaled to them; `mask_sky` leaves the sky
-    out of a run that was not masked (app.sky; a masked run's own masks are used either way). Nothing is left
+    out of a run that was not masked (app.outputs.sky; a masked run's own masks are used either way). Nothing is left
     behind when an export fails.
     """
     fmt = ExportFormat(fmt)
@@ -174,7 +176,6 @@ def export_run(
     max_points = _pick(max_points, recorded.get("max_points"), DEFAULT_MAX_POINTS)
     images = _image_supply(run_dir, info.get("settings", {}), fmt, full_resolution)
     if mask_sky:
-        from stream_recon.app.sky import SkyModelError, SkySegmenter, skyseg_path
 
         try:
             images.sky = SkySegmenter(skyseg_path(download=True))
@@ -423,7 +424,7 @@ class _ImageSupply:
     fmt: ExportFormat
     source: SourceImages | None = None
     grey_reason: str | None = None
-    sky: Any = None  # an app.sky.SkySegmenter for frames the run did not mask (export --mask-sky)
+    sky: Any = None  # an app.outputs.sky.SkySegmenter for frames the run did not mask (export --mask-sky)
 
 
 def _image_supply(run_dir: Path, settings: dict, fmt: ExportFormat, full_resolution: bool) -> _ImageSupply:

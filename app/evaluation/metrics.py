@@ -33,9 +33,9 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from stream_recon.app.evaluation_settings import DEFAULT_MAX_DIFF as DEFAULT_MAX_DIFF
-from stream_recon.app.evaluation_settings import DEPTH_MAX_DIFF as DEPTH_MAX_DIFF
-from stream_recon.app.rundir import (
+from stream_recon.app.evaluation.settings import DEFAULT_MAX_DIFF as DEFAULT_MAX_DIFF
+from stream_recon.app.evaluation.settings import DEPTH_MAX_DIFF as DEPTH_MAX_DIFF
+from stream_recon.app.outputs.rundir import (
     EVAL_JSON,
     PREDICTIONS_DIR,
     RunDirError,

@@ -1,7 +1,7 @@
 """One run: a source streamed through the engine into the run directory and any other sinks.
 
-Its parts have their own homes: options (app.options), the output folder (app.rundir), the model and
-engine (app.loading), the clock (app.clock), Ctrl-C and SIGTERM (app.stopping), the files (app.writers).
+Its parts have their own homes: options (app.options), the output folder (app.outputs.rundir), the model and
+engine (app.run.loading), the clock (app.run.clock), Ctrl-C and SIGTERM (app.stopping), the files (app.outputs.writers).
 
     open source ─▶ check options ─▶ check output dir ─▶ load model ─▶ RunWriter ─▶ per frame: push ─▶ sinks
         │               │                 │                  │                                  │
@@ -32,17 +32,6 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
-from stream_recon.app.builds import RunBuilds
-from stream_recon.app.clock import RunClock
-from stream_recon.app.input_size import model_input_size, too_small_warning
-from stream_recon.app.loading import (
-    CheckpointDigest,
-    build_engine,
-    check_gpu_memory,
-    chunk_engine_config,
-    model_config_for,
-)
-from stream_recon.app.loops import LoopClosureSink, loop_closure_cannot_help, loop_closure_wanted
 from stream_recon.app.options import (
     OptionsError,
     RunOptions,
@@ -51,17 +40,32 @@ from stream_recon.app.options import (
     resolve_device,
     resolve_dtype,
 )
-from stream_recon.app.preprocess import preprocess_frame_uint8
-from stream_recon.app.progress import RunProgress
-from stream_recon.app.resources import check_cpu_run
-from stream_recon.app.rundir import (
+from stream_recon.app.outputs.masks import FrameMasker, MaskDirError, UserMasks
+from stream_recon.app.outputs.rundir import (
     OutputDirError,
     prepare_output_dir,
     remove_if_empty,
     remove_run,
     unlock_run_dir,
 )
-from stream_recon.app.sources import FrameSource, SourceError, frames_source, open_source
+from stream_recon.app.outputs.sky import SkyModelError, SkySegmenter, skyseg_path
+from stream_recon.app.outputs.writers import RunWriter
+from stream_recon.app.run.builds import RunBuilds
+from stream_recon.app.run.clock import RunClock
+from stream_recon.app.run.loading import (
+    CheckpointDigest,
+    build_engine,
+    check_gpu_memory,
+    chunk_engine_config,
+    model_config_for,
+)
+from stream_recon.app.run.loops import LoopClosureSink, loop_closure_cannot_help, loop_closure_wanted
+from stream_recon.app.run.progress import RunProgress
+from stream_recon.app.run.resources import check_cpu_run
+from stream_recon.app.sources.input_size import model_input_size, too_small_warning
+from stream_recon.app.sources.opening import open_source
+from stream_recon.app.sources.preprocess import preprocess_frame_uint8
+from stream_recon.app.sources.reader import FrameSource, SourceError, frames_source
 from stream_recon.app.stopping import (
     STOP_CLOSE_S,
     StopOnSignal,
@@ -70,10 +74,7 @@ from stream_recon.app.stopping import (
     signals_noted,
     wait_for_stop_signal,
 )
-from stream_recon.app.writers import RunWriter
-from stream_recon.models.checkpoint import DEFAULT_CHECKPOINT
-from stream_recon.models.errors import FrameError
-from stream_recon.models.stream.stream_config import KeyframePolicy
+from stream_recon.models import DEFAULT_CHECKPOINT, FrameError, KeyframePolicy
 from stream_recon.models.supervision import Deadline, HelperDown
 
 logger = logging.getLogger(__name__)
@@ -182,7 +183,7 @@ class RunPlan:
     input_size: tuple[int, int] | None  # the model input's (height, width), where known before the first frame
     closes_loops: bool
     loop_closure_reason: str | None
-    masker: Any  # app.masks.FrameMasker of --mask-sky / --mask-dir, or None
+    masker: Any  # app.outputs.masks.FrameMasker of --mask-sky / --mask-dir, or None
     warnings: list[str]  # given once every refusal has had its turn: a refused run shows only its error
 
 
@@ -217,12 +218,10 @@ def _plan(frame_source: FrameSource, options: RunOptions, model: Any) -> RunPlan
 
 
 def frame_masker(options: RunOptions) -> Any:
-    """The masks a run leaves out of its points (app.masks), checked before anything is written: a missing sky
+    """The masks a run leaves out of its points (app.outputs.masks), checked before anything is written: a missing sky
     network (fetched when the hub answers) or mask folder is bad input. None when neither is asked for."""
     if not options.mask_sky and options.mask_dir is None:
         return None
-    from stream_recon.app.masks import FrameMasker, MaskDirError, UserMasks
-    from stream_recon.app.sky import SkyModelError, SkySegmenter, skyseg_path
 
     try:
         sky = SkySegmenter(skyseg_path(download=True)) if options.mask_sky else None

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stream_recon.app.options import OptionsError, RunOptions
+from stream_recon.models.supervision import Deadline
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +144,8 @@ class LoopClosureSink:
         solved already."""
         if self.closer is None:
             return None
+        # the loop-closure modules need gtsam, which a run without loop closure may lack
         from stream_recon.models.loops.process import FINISH_S
-        from stream_recon.models.supervision import Deadline
 
         started = time.monotonic()
         if status == "interrupted" or not self.running:

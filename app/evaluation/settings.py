@@ -1,5 +1,5 @@
 """The evaluation's defaults, free of the libraries the evaluation itself imports: `eval -h` and
-`batch -h` show them, and app.evaluation applies them."""
+`batch -h` show them, and app.evaluation.metrics applies them."""
 
 # evo's --t_max_diff: TUM ground truth runs at 100 Hz, so a frame's pose is within 5 ms
 DEFAULT_MAX_DIFF = 0.01

@@ -5,7 +5,7 @@ spec/MODEL.md §1 and the `preprocess` fixture define it. With the default width
     1920x1080 -> 518x294      640x480 -> 518x392      480x640 (portrait) -> 518x690 -> rows 86..603 kept
 
 The width is fixed, the height follows the aspect ratio rounded to whole 14-pixel patches, and a
-portrait picture keeps only its middle `image_width` rows (the sizes alone: app.input_size). Nothing
+portrait picture keeps only its middle `image_width` rows (the sizes alone: app.sources.input_size). Nothing
 is normalised here; the model does that itself.
 
 Every function works on uint8 until the very last step, because that is what PIL resizes in and
@@ -22,8 +22,10 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from stream_recon.app.input_size import DEFAULT_IMAGE_WIDTH, resized_size
-from stream_recon.app.input_size import model_input_size as model_input_size  # its home before input_size
+from stream_recon.app.sources.input_size import DEFAULT_IMAGE_WIDTH, resized_size
+from stream_recon.app.sources.input_size import (
+    model_input_size as model_input_size,  # its home before input_size
+)
 
 _WHITE = 255
 

@@ -28,20 +28,22 @@ for `--gpu-memory`, made from the prepared model before its first frame.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stream_recon.app.input_size import DEFAULT_IMAGE_WIDTH, model_input_size
+from stream_recon.app.options import OptionsError
+from stream_recon.app.sources.input_size import DEFAULT_IMAGE_WIDTH, model_input_size
+from stream_recon.models import SCALE_FRAMES, TRAINED_VIEWS, WINDOW, GCTStream
 from stream_recon.models.stream.memory import (
     cpu_cache_pages,
     format_bytes,
     host_step_bytes,
     paged_cache_bytes,
 )
-from stream_recon.models.stream.stream_config import SCALE_FRAMES, TRAINED_VIEWS, WINDOW
 
 if TYPE_CHECKING:
     from stream_recon.models import ModelConfig
@@ -80,7 +82,7 @@ class RunShape:
 
     @property
     def input_size(self) -> tuple[int, int]:
-        """(H, W) of the model input (app.preprocess's crop rule)."""
+        """(H, W) of the model input (app.sources.preprocess's crop rule)."""
         return model_input_size(*self.source_size, self.image_width)
 
     def patches(self, patch_size: int) -> int:
@@ -248,7 +250,7 @@ QUICKER_CPU_SETTINGS = {"image_width": 392, "window": 16}
 def available_memory_bytes() -> int | None:
     """Memory the run can take without swapping (MemAvailable), or None where it cannot be read."""
     try:
-        import psutil
+        import psutil  # not a dependency: where it is missing, /proc/meminfo is read
     except ImportError:
         pass
     else:
@@ -265,7 +267,6 @@ def available_memory_bytes() -> int | None:
 
 def matmul_flops_per_second(size: int = 1024, repeats: int = 3) -> float:
     """float32 matrix-multiply throughput of this CPU with torch's threads (about 0.1 s)."""
-    import time
 
     a, b = torch.randn(size, size), torch.randn(size, size)
     torch.mm(a, b)  # the first call pays for thread start-up and kernel choice
@@ -277,7 +278,6 @@ def matmul_flops_per_second(size: int = 1024, repeats: int = 3) -> float:
 
 def model_shape(config: ModelConfig) -> ModelShape:
     """The ModelShape of a ModelConfig; its parameters are counted on the meta device (no memory)."""
-    from stream_recon.models import GCTStream
 
     with torch.device("meta"):
         num_params = sum(parameter.numel() for parameter in GCTStream(config).parameters())
@@ -294,7 +294,6 @@ def check_cpu_run(options: Any, config: Any, frame_size: tuple[int, int] | None,
     tight, the run will be slow (once a process). model_loaded: the weights are in memory already (a
     model passed in), so only what the run adds is compared."""
     global _said_slow
-    from stream_recon.app.options import OptionsError
 
     warnings = []
     model = model_shape(config)

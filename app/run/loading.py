@@ -11,8 +11,30 @@ from typing import Any
 
 from rich.console import Console
 
+from stream_recon import models
 from stream_recon.app.options import OptionsError, RunOptions, resolve_device, resolve_dtype
 from stream_recon.app.stopping import swallowed_signal
+from stream_recon.models import (
+    CheckpointError,
+    ChunkedEngine,
+    MemoryBudgetError,
+    ModelConfig,
+    StreamConfig,
+    chunk_stream_config,
+)
+from stream_recon.models.attention_backends import first_use_note
+from stream_recon.models.builds.compilation import artefacts_dir
+from stream_recon.models.checkpoint import (
+    CHECKPOINT_SIZE,
+    DEFAULT_CHECKPOINT,
+    KNOWN_CHECKPOINTS,
+    checkpoint_config,
+    checkpoint_digest,
+    download_checkpoint,
+    hub_offline,
+    locate_checkpoint,
+    resolve_checkpoint,
+)
 
 
 def load_model_for(options: RunOptions, device: str | None = None, console: Console | None = None,
@@ -22,16 +44,6 @@ def load_model_for(options: RunOptions, device: str | None = None, console: Cons
 
     Load the checkpoint; a known name not on this machine is downloaded first when the hub is reachable
     (the first run), else CheckpointError says which command fetches it and where to put it."""
-    from stream_recon.models import CheckpointError, load_model
-    from stream_recon.models.checkpoint import (
-        CHECKPOINT_SIZE,
-        DEFAULT_CHECKPOINT,
-        KNOWN_CHECKPOINTS,
-        download_checkpoint,
-        hub_offline,
-        locate_checkpoint,
-    )
-
     device = device or resolve_device(options.device)
     console = console or Console(stderr=True)
     checkpoint = options.checkpoint or DEFAULT_CHECKPOINT
@@ -44,7 +56,7 @@ def load_model_for(options: RunOptions, device: str | None = None, console: Cons
     # uses, so a bf16 run never holds a float32 copy of the transformer there.
     with console.status(f"loading {checkpoint} on {device}"):
         try:
-            loaded = load_model(checkpoint, device="cpu")
+            loaded = models.load_model(checkpoint, device="cpu")
         except (CheckpointError, OSError) as error:
             if swallowed_signal() is not None:
                 # Ctrl-C or SIGTERM landed inside torch's reading, which turned its KeyboardInterrupt into a
@@ -77,8 +89,6 @@ def model_config_for(options: RunOptions, model: Any = None) -> Any:
     """The ModelConfig a run will use, known before any weight is read: the given model's (None if it
     has none), the one a .safetensors file carries, else the official architecture (every .pt and
     known name has it)."""
-    from stream_recon.models import ModelConfig
-    from stream_recon.models.checkpoint import checkpoint_config
 
     if model is not None:
         return getattr(model, "config", None)
@@ -92,7 +102,6 @@ def model_config_for(options: RunOptions, model: Any = None) -> Any:
 
 def check_readable(checkpoint: Path) -> None:
     """A checkpoint file this process may not read is said so (the loader would call it damaged)."""
-    from stream_recon.models import CheckpointError
 
     try:
         with open(checkpoint, "rb"):
@@ -107,15 +116,13 @@ def check_readable(checkpoint: Path) -> None:
 def prepared_for_run(model: Any, options: RunOptions, device: str, compile: bool | None = None) -> Any:
     """`model` made ready for this run's device and precision: a new model (`model` is left as it is),
     or a model prepared already, as it is. compile: whether to compile it (None: unless --compile off;
-    a run that knows its input size decides with app.builds.compile_choice)."""
-    from stream_recon.models import prepare_for_inference
-    from stream_recon.models.builds.compilation import artefacts_dir
+    a run that knows its input size decides with app.run.builds.compile_choice)."""
 
     if getattr(model, "inference_spec", None) is not None:
         return model
     compile = options.compile != "off" if compile is None else compile
     try:
-        return prepare_for_inference(model, device, resolve_dtype(options.dtype, device), compile=compile,
+        return models.prepare_for_inference(model, device, resolve_dtype(options.dtype, device), compile=compile,
                                      artefacts=artefacts_dir())
     except ValueError as error:
         raise OptionsError(str(error)) from None
@@ -133,8 +140,6 @@ class CheckpointDigest:
             self._thread.start()
 
     def _compute(self, checkpoint: str) -> None:
-        from stream_recon.models.checkpoint import checkpoint_digest, resolve_checkpoint
-        from stream_recon.models.errors import CheckpointError
 
         try:
             self._digest = checkpoint_digest(resolve_checkpoint(checkpoint))
@@ -149,8 +154,6 @@ class CheckpointDigest:
 
 def chunk_engine_config(options: RunOptions, model_config: Any) -> Any:
     """The settings each chunk's engine of a run streams with (what its compiled code depends on)."""
-    from stream_recon.models import StreamConfig
-    from stream_recon.models.stream.chunked import chunk_stream_config
 
     return chunk_stream_config(StreamConfig(**options.stream_config_kwargs()), options.chunk_frames,
                                model_config.max_frames)
@@ -160,8 +163,6 @@ def build_engine(model: Any, options: RunOptions, device: str, dtype: Any, conso
                  lookahead: bool | None = None) -> Any:
     """The streaming engine of a run around `model`, prepared already (load_model_for, prepared_for_run):
     a chunked one, for streams of any length. `lookahead`: ChunkedEngine's (None: where it helps and fits)."""
-    from stream_recon.models import StreamConfig
-    from stream_recon.models.stream.chunked import ChunkedEngine
 
     config = StreamConfig(**options.stream_config_kwargs())
     # a stream shorter than one chunk runs exactly as a plain StreamingEngine would
@@ -180,7 +181,6 @@ def check_gpu_memory(engine: Any, options: RunOptions, input_size: tuple[int, in
     refused before anything is written; a first frame of that size then uses it (the engine plans, and
     refuses, at its first frame for sources that only know their size once read, or whose frames come
     out another size)."""
-    from stream_recon.models import MemoryBudgetError
 
     if options.gpu_memory is None or input_size is None:
         return
@@ -199,7 +199,6 @@ def announce_memory_plan(plan: Any, console: Console) -> None:
 def announce_backend(name: str, console: Console) -> None:
     """The backend a run streams with, and what its first use costs where the backend table says (FlashInfer's
     kernels compile then), rather than stall silently."""
-    from stream_recon.models.attention_backends import first_use_note
 
     note = first_use_note(name)
     console.print(f"attention: {name}{'; ' + note if note else ''}")

@@ -1,0 +1,46 @@
+"""Small helpers the test files share: waiting on a condition with a deadline, the warnings a test logged, and
+random similarity transforms."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from stream_recon.models.stream.similarity import Sim3
+
+POLL_S = 0.01
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0, *, process: subprocess.Popen | None = None,
+               what: str = "the condition") -> None:
+    """Poll `condition()` until it holds. Fails when `timeout_s` passes (a generous deadline only turns a hang
+    into a failure) or when `process` ends first, with what it printed."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if process is not None and process.poll() is not None:
+            printed = process.stdout.read() if process.stdout else ""
+            raise AssertionError(f"the process ended (exit {process.returncode}) before {what}:\n{printed}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} after {timeout_s} s")
+        time.sleep(POLL_S)
+
+
+def warnings_of(caplog) -> list[str]:
+    """The messages logged at WARNING during the test (pytest's caplog)."""
+    return [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+
+
+def random_rotation(rng: np.random.Generator) -> np.ndarray:
+    """[3, 3] a rotation drawn uniformly (QR of a Gaussian matrix, its sign fixed)."""
+    q, r = np.linalg.qr(rng.normal(size=(3, 3)))
+    q *= np.sign(np.diag(r))
+    return q * np.sign(np.linalg.det(q))
+
+
+def random_sim3(rng: np.random.Generator, *, log_scale_sigma: float = 0.5, translation_sigma: float = 5.0) -> Sim3:
+    """A similarity with a uniform rotation, a log-normal scale and a Gaussian translation."""
+    return Sim3(float(np.exp(rng.normal(0, log_scale_sigma))), random_rotation(rng), rng.normal(0, translation_sigma, 3))
