@@ -23,7 +23,14 @@ from stream_recon.app.sources.settings import (
     ROTATIONS,
     FrameSelection,
 )
-from stream_recon.models import EVEN_ODDS_CONFIDENCE, SCALE_FRAMES, TRAINED_VIEWS, WINDOW, KeyframePolicy
+from stream_recon.models import (
+    EVEN_ODDS_CONFIDENCE,
+    SCALE_FRAMES,
+    TRAINED_VIEWS,
+    WINDOW,
+    KeyframePolicy,
+    keyframe_spellings,
+)
 
 KV_CACHE_CHOICES = ("auto", "fp8")  # auto: the model's precision (models.attention_backends.resolve_backend)
 # auto: on when the pose graph's library is installed and the stream can reach a third chunk (a loop joins
@@ -100,7 +107,7 @@ class RunOptions:
     # before the cache holds more than `chunk_frames` frames, the range the model was trained on
     chunk_frames: int = TRAINED_VIEWS
     overlap: int = 16
-    keyframes: str = "all"  # all | interval:N | flow
+    keyframes: str = "all"  # a spelling of models/stream/stream_config.py's KEYFRAME_POLICIES
     flow_threshold: float | None = None  # None: the engine's default
     max_gap: int | None = None  # flow policy: longest run of non-keyframes; None: engine default
     loop_closure: str = "auto"  # auto | on | off: the pose graph over chunks corrects drift at revisits
@@ -308,7 +315,7 @@ def _is_of(value: Any, kind: type) -> bool:
 
 def _engine_problems(options: RunOptions) -> Iterator[str]:
     """What the engine's own tables refuse: the attention backend's name, the keyframe policy, the memory
-    budget's spelling. Those tables live with the model and import torch, so they are read when options
+    budget's spelling. The backends' table and the memory plan import torch, so they are read when options
     are checked (a command that runs), never when the flags are only listed (`-h`)."""
     # torch loads with these: checked when a command runs, never when -h reads the flags
     from stream_recon.models.attention_backends import backend_names
@@ -319,7 +326,7 @@ def _engine_problems(options: RunOptions) -> Iterator[str]:
     try:
         KeyframePolicy.parse(options.keyframes)
     except ValueError:
-        yield f"--keyframes must be all, flow or interval:N (N >= 1), got {options.keyframes!r}"
+        yield f"--keyframes must be {keyframe_spellings()}, got {options.keyframes!r}"
     if options.gpu_memory is not None:
         try:
             parse_memory_size(options.gpu_memory)

@@ -30,6 +30,7 @@ _HOMES = {
     "InferenceSpec": "builds.prepare",
     "prepare_for_inference": "builds.prepare",
     "KeyframePolicy": "stream.stream_config",
+    "keyframe_spellings": "stream.stream_config",
     "StreamConfig": "stream.stream_config",
     "DEFAULT_CHECKPOINT": "checkpoint_names",
     "KNOWN_CHECKPOINTS": "checkpoint_names",

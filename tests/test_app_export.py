@@ -351,6 +351,18 @@ def test_export_errors_are_specific(run, tmp_path):
         export_run(run_dir, "obj")
 
 
+@pytest.mark.parametrize("fmt", list(ExportFormat), ids=str)
+def test_every_format_is_one_whole_entry(fmt):
+    """Its member carries everything the export reads of it: a name that finds it, a writer that imports, a
+    file's suffixes (its default name one of them) or a folder's contents, never both."""
+    spec = fmt.spec
+    assert ExportFormat(spec.name) is fmt and fmt.value == spec.name
+    assert callable(fmt.writer()) and fmt.writer().__name__ == spec.writer.partition(":")[2]
+    assert bool(spec.suffixes) != fmt.is_folder
+    assert fmt.is_folder or fmt.accepts_suffix(Path(spec.default_name).suffix)
+    assert not fmt.needs_images or fmt.is_folder
+
+
 def test_export_reads_an_interrupted_run_with_a_truncated_last_frame(tmp_path):
     writer = RunWriter(tmp_path / "run", {})
     for i in range(4):

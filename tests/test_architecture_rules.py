@@ -279,6 +279,64 @@ def test_the_app_names_no_attention_backend() -> None:
     assert backends_named_in_the_app(python_files("app")) == []
 
 
+# -- a keyframe policy and an export format are named by their entry alone --------------------------------
+KEYFRAME_POLICY_HOME = "models/stream/stream_config.py"
+EXPORT_FORMAT_HOME = "app/outputs/export_formats.py"
+
+
+def keyframe_policies(root: Path | None = None) -> tuple[set[str], set[str]]:
+    """(the policy classes, the words they are spelled with) of stream_config.py, read from its syntax tree:
+    a class is a policy where its body gives `word` a value."""
+    tree = ast.parse(((root or ROOT) / KEYFRAME_POLICY_HOME).read_text())
+    classes, spelled = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for statement in node.body:
+                if (isinstance(statement, ast.AnnAssign) and getattr(statement.target, "id", None) == "word"
+                        and isinstance(statement.value, ast.Constant)):
+                    classes.add(node.name)
+                    spelled.add(statement.value.value)
+    return classes, spelled
+
+
+def export_format_members(root: Path | None = None) -> set[str]:
+    """The members of export_formats.py's ExportFormat, read from its syntax tree."""
+    tree = ast.parse(((root or ROOT) / EXPORT_FORMAT_HOME).read_text())
+    enum = next(node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name == "ExportFormat")
+    return {target.id for statement in enum.body if isinstance(statement, ast.Assign)
+            for target in statement.targets if isinstance(target, ast.Name) and target.id.isupper()}
+
+
+def entries_named_outside_their_table(paths: list[Path], root: Path | None = None) -> list[str]:
+    """A policy's class, a comparison of a keyframe spelling or a policy with a policy's word, or a member of
+    ExportFormat, anywhere but in their tables' modules: a branch that adding a policy or a format would have
+    to find."""
+    classes, spelled = keyframe_policies(root)
+    members = export_format_members(root)
+    found = []
+    for path in paths:
+        where = relative(path, root)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if where != KEYFRAME_POLICY_HOME and isinstance(node, (ast.Name, ast.Attribute)) \
+                    and (node.id if isinstance(node, ast.Name) else node.attr) in classes:
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node)} (ask the policy, not its class)")
+            elif where != KEYFRAME_POLICY_HOME and isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                words = {side.value for side in sides if isinstance(side, ast.Constant)} & spelled
+                if words and any(re.search(r"keyframes|policy|kind", ast.unparse(side)) for side in sides):
+                    found.append(f"{where}:{node.lineno}: {ast.unparse(node)} (ask the policy, not its name)")
+            elif where != EXPORT_FORMAT_HOME and isinstance(node, ast.Attribute) and node.attr in members \
+                    and getattr(node.value, "id", None) == "ExportFormat":
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node)} (read the format's entry)")
+    return found
+
+
+def test_a_keyframe_policy_and_an_export_format_are_named_by_their_entry_alone() -> None:
+    classes, spelled = keyframe_policies()
+    assert len(classes) >= 3 and {"flow", "interval"} <= spelled and len(export_format_members()) >= 6
+    assert entries_named_outside_their_table(python_files("app", "models")) == []
+
+
 # -- what single modules of models/ never do, as their rows in the map say --------------------------------
 # module: (what it never imports: a prefix of the dotted module, the rule)
 NEVER_IMPORTS = {
@@ -346,6 +404,10 @@ def over(folder: str, check: Callable[[list[Path], Path], list[str]]) -> Check:
     return lambda root: check(python_files(folder, root=root), root)
 
 
+def over_app_and_models(root: Path) -> list[str]:
+    return entries_named_outside_their_table(python_files("app", "models", root=root), root)
+
+
 BROKEN_RULES: list[tuple[str, str, Check]] = [
     ("cache/dense.py", "keyframe_policy = None", over("cache", stream_ideas_in_the_cache)),
     ("cache/layout.py", "return engine.pose", over("cache", stream_ideas_in_the_cache)),
@@ -364,6 +426,10 @@ BROKEN_RULES: list[tuple[str, str, Check]] = [
     ("models/loops/closer.py", "import threading", modules_importing_what_they_never_do),
     ("models/loops/corrections.py", "import torch", modules_importing_what_they_never_do),
     ("models/stream/chunks.py", "from .engine import StreamingEngine", modules_importing_what_they_never_do),
+    ("models/stream/chunked.py", "return engine.policy.kind == 'flow'", over_app_and_models),
+    ("app/run/pipeline.py", "return data.keyframes != 'flow'", over_app_and_models),
+    ("models/stream/engine.py", "return isinstance(engine.policy, IntervalKeyframes)", over_app_and_models),
+    ("app/commands/export.py", "return data is ExportFormat.TUM", over_app_and_models),
 ]
 
 

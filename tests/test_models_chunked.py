@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 from stream_recon.models import (
     ChunkedEngine,
     FrameError,
-    KeyframePolicy,
     StreamConfig,
     StreamingEngine,
 )
@@ -37,6 +36,7 @@ from stream_recon.models.stream.similarity import (
     estimate_chunk_alignment,
     median_ratio_scale,
 )
+from stream_recon.models.stream.stream_config import IntervalKeyframes
 
 HEIGHT, WIDTH = 28, 42  # 2 x 3 patches
 
@@ -268,7 +268,7 @@ def offline_windowed(model, config: StreamConfig, frames: torch.Tensor, chunk_fr
     """Returns {frame_index: (c2w [4, 4], quat, depth, frame_type)} stitched, and the chunk scales."""
     scale, total = config.scale_frames, len(frames)
     windows = []  # (start, raw predictions)
-    if config.policy.kind == "flow":
+    if config.keyframes == "flow":  # (the reference reads the spelling itself, not the policy under test)
         cursor = 0
         while cursor < total:
             raw = run_window(model, config, frames[cursor:], stop_after_keyframes=chunk_frames)
@@ -278,7 +278,7 @@ def offline_windowed(model, config: StreamConfig, frames: torch.Tensor, chunk_fr
                 end = max(end - overlap, cursor + scale)
             cursor = end
     else:
-        interval = config.policy.interval if config.policy.kind == "interval" else 1
+        interval = int(config.keyframes.partition(":")[2]) if config.keyframes.startswith("interval:") else 1
         for start, end in fixed_windows(total, scale, chunk_frames, interval, overlap):
             windows.append((start, run_window(model, config, frames[start:end])))
 
@@ -824,7 +824,7 @@ def test_a_keyframe_spelling_is_parsed_once_for_every_config_of_a_stream(model, 
     run_live(engine, frames[:20])
     engine.close()
     assert engine.rollovers_ahead >= 1 and engine.memory_plan is not None
-    assert engine.engine.policy == config.policy == KeyframePolicy("interval", 2)
+    assert engine.engine.policy == config.policy == IntervalKeyframes(2)
     parses = stream_config._parse_spelling.cache_info()
     assert parses.misses == 1 and parses.hits >= 3
     assert vars(config) == {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 from conftest import build_tiny_model
 from engine_helpers import assert_streams_like_the_visible_set_model, frames
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stream_recon.models import (
     FRAME_KEY,
@@ -20,6 +24,13 @@ from stream_recon.models import (
     prepare_for_inference,
 )
 from stream_recon.models.stream.steps import EagerRunner
+from stream_recon.models.stream.stream_config import (
+    FLOW_THRESHOLD,
+    MAX_GAP,
+    AllKeyframes,
+    FlowKeyframes,
+    IntervalKeyframes,
+)
 
 
 def run(model, config: StreamConfig, images) -> tuple[list, StreamingEngine]:
@@ -130,16 +141,100 @@ def test_flow_policy_decides_and_reports_flow(prepared_tiny_model, attention):
     assert engine.stats()["cached_frames"] == 6
 
 
-@pytest.mark.parametrize("text, expected", [("all", ("all", 1)), ("interval:3", ("interval", 3)), ("FLOW", ("flow", 1))])
+@pytest.mark.parametrize("text, expected", [("all", AllKeyframes()), (" interval:3", IntervalKeyframes(3)),
+                                           ("FLOW", FlowKeyframes(FLOW_THRESHOLD, MAX_GAP))])
 def test_policy_parsing(text, expected):
-    policy = KeyframePolicy.parse(text)
-    assert (policy.kind, policy.interval) == expected
+    assert KeyframePolicy.parse(text) == expected
 
 
-@pytest.mark.parametrize("text", ["interval:0", "interval:x", "sometimes", ""])
+@pytest.mark.parametrize("text", ["interval:0", "interval:x", "interval", "all:2", "flow:", "sometimes", ""])
 def test_policy_parsing_rejects(text):
-    with pytest.raises(ValueError, match="keyframe policy"):
+    with pytest.raises(ValueError, match=r"unknown keyframe policy .*: use all, flow or interval:N \(N >= 1\)"):
         KeyframePolicy.parse(text)
+
+
+def test_flow_settings_out_of_range_are_refused_for_the_flow_policy_only():
+    with pytest.raises(ValueError, match=r"flow keyframes need flow_threshold > 0 and max_gap >= 1, got 0.0, 3"):
+        KeyframePolicy.parse("flow", 0.0, 3)
+    assert KeyframePolicy.parse("interval:2", 0.0, 0) == IntervalKeyframes(2)
+
+
+# -- the policies against the string-kind formulas they replaced, written out here as the reference ----------
+def reference_parse(text: str) -> tuple[str, int] | None:
+    """(kind, interval) of a spelling, None for one that is refused."""
+    text = text.strip().lower()
+    if text in ("all", "flow"):
+        return text, 1
+    if text.startswith("interval:"):
+        try:
+            interval = int(text.split(":", 1)[1])
+        except ValueError:
+            interval = 0
+        if interval >= 1:
+            return "interval", interval
+    return None
+
+
+def reference_decided_before(kind: str, interval: int, index: int, scale_frames: int) -> bool | None:
+    if kind == "flow":
+        return None
+    return kind == "all" or (index - scale_frames) % interval == 0
+
+
+def reference_decided_after(flow_threshold: float, max_gap: int, flow: float, index: int, last_key_index: int,
+                            scale_frames: int) -> bool:
+    return index == scale_frames or flow > flow_threshold or index - last_key_index >= max_gap
+
+
+spellings = st.one_of(
+    st.sampled_from(["all", "flow", "ALL", " Flow ", "interval:1", "interval:07", "interval: 5", "interval:+3",
+                     "interval:1_0", "interval:-2", "interval:", "interval", "all:", "flow:1"]),
+    st.builds(lambda word, number: f"{word}:{number}", st.sampled_from(["interval", "INTERVAL", "all", "flow"]),
+              st.integers(-3, 10**6)),
+    st.text(alphabet="alfowintervAFI:0123456789 -+_", max_size=14),
+)
+flow_thresholds = st.floats(min_value=1e-3, max_value=1e6, allow_nan=False)
+max_gaps = st.integers(1, 1000)
+policies = st.one_of(st.just(AllKeyframes()), st.builds(IntervalKeyframes, st.integers(1, 10**6)),
+                     st.builds(FlowKeyframes, flow_thresholds, max_gaps))
+
+
+@settings(max_examples=150, deadline=None)
+@given(policy=policies, flow_threshold=flow_thresholds, max_gap=max_gaps)
+def test_a_policy_parses_back_from_its_spelling(policy, flow_threshold, max_gap):
+    if isinstance(policy, FlowKeyframes):  # the flow settings are flags of their own, not in the spelling
+        flow_threshold, max_gap = policy.flow_threshold, policy.max_gap
+    assert KeyframePolicy.parse(policy.spelling, flow_threshold, max_gap) == policy
+    assert KeyframePolicy.parse(policy.spelling.upper(), flow_threshold, max_gap) == policy
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=spellings, flow_threshold=flow_thresholds, max_gap=max_gaps,
+       steps=st.lists(st.tuples(st.integers(0, 400), st.integers(1, 16), st.integers(0, 400),
+                                st.floats(allow_nan=True, allow_infinity=True)), min_size=1, max_size=8))
+def test_policies_decide_as_the_string_kinds_did(text, flow_threshold, max_gap, steps):
+    expected = reference_parse(text)
+    if expected is None:
+        with pytest.raises(ValueError, match="unknown keyframe policy"):
+            KeyframePolicy.parse(text, flow_threshold, max_gap)
+        return
+    kind, interval = expected
+    policy = KeyframePolicy.parse(text, flow_threshold, max_gap)
+    # the chunked engine's questions: whether a chunk closes on its keyframes, its input frames per cached one
+    assert policy.closes_on_keyframes == (kind == "flow")
+    assert (policy.input_frames_per_cached_frame or 1) == (interval if kind == "interval" else 1)
+    assert policy.reads_flow_threshold == (kind == "flow")
+    for index, scale_frames, last_key_index, flow in steps:
+        assert policy.decided_before(index, scale_frames) == reference_decided_before(kind, interval, index,
+                                                                                      scale_frames)
+        if kind == "flow":
+            assert policy.decided_after(flow, index, last_key_index, scale_frames) == reference_decided_after(
+                flow_threshold, max_gap, flow, index, last_key_index, scale_frames)
+
+
+def test_every_engine_shares_one_parse_of_a_spelling():
+    config = StreamConfig(keyframes="Flow", flow_threshold=2.5, max_gap=4)
+    assert config.policy is dataclasses.replace(config, window=3).policy is KeyframePolicy.parse("Flow", 2.5, 4)
 
 
 def test_bad_frames_are_named(prepared_tiny_model):

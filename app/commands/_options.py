@@ -37,6 +37,7 @@ from stream_recon.models import (
     MAX_GAP,
     CheckpointError,
     FrameError,
+    keyframe_spellings,
 )
 
 _MODEL = "Model"
@@ -136,7 +137,7 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         "the drift between them (a pose graph over chunks; the uncorrected trajectory is kept as "
         "trajectory_open_tum.txt): auto (on when gtsam imports and the stream can reach a third chunk, past "
         "2 x (chunk frames - overlap) frames: a loop joins chunks two or more apart), on, or off.",
-        "keyframes": "Keyframe policy: all, interval:N or flow.",
+        "keyframes": f"Keyframe policy: {keyframe_spellings()}.",
         "flow_threshold": "flow policy: mean flow in pixels that makes a keyframe.",
         "max_gap": "flow policy: most frames in a row without a keyframe.",
         "image_width": f"Model input width in pixels, a multiple of {PATCH_SIZE}.",

@@ -101,14 +101,13 @@ def export(
             full_resolution=full_resolution,
             mask_sky=mask_sky,
         )
-    if format is ExportFormat.TUM:
-        console.print(f"wrote {_count(result.num_frames, 'pose')} to {result.path}")
+    frames = _count(result.num_frames, format.spec.frames_are)
+    if format.spec.points_are is None:  # a trajectory: no points, nor a voxel
+        console.print(f"wrote {frames} to {result.path}")
         return
     voxel = "none" if result.voxel_size is None else f"{result.voxel_size:.4g}"
-    # a PLY cloud holds no cameras: it is made of the frames' points
-    seen = _count(result.num_frames, "frame" if format is ExportFormat.PLY else "camera")
     console.print(
-        f"wrote {format.value} export ({seen}, {_count(result.num_points, 'splat' if format is ExportFormat.SPLATS else 'point')}, "
+        f"wrote {format.value} export ({frames}, {_count(result.num_points, format.spec.points_are)}, "
         f"voxel {voxel}) to {result.path}"
     )
     if result.grey_points is not None:

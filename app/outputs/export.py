@@ -17,6 +17,9 @@ Conventions of the outputs:
   is in the same world frame, which `applied_transform` (identity) declares.
 - Gaussian splats (app.outputs.splats) keep the run's world frame, in the reference 3D Gaussian splatting PLY layout;
   their cap is DEFAULT_MAX_SPLATS unless --max-points says otherwise (a run's own cap is for points).
+
+Each format is one entry of app.export_formats.ExportFormat, which names its writer here: a function of the
+`ExportJob` (the run, the target, the point settings, the images) that returns the `ExportResult`.
 """
 
 from __future__ import annotations
@@ -36,12 +39,7 @@ import trimesh
 from trimesh.path import Path3D
 from trimesh.path.entities import Line
 
-from stream_recon.app.outputs.export_formats import (
-    DEFAULT_MAX_SPLATS,
-    DEFAULT_OUTPUT_NAMES,
-    FOLDER_CONTENTS,
-    ExportFormat,
-)
+from stream_recon.app.outputs.export_formats import ExportFormat
 from stream_recon.app.outputs.pointcloud import (
     DEFAULT_CONF_THRESHOLD,
     DEFAULT_MAX_POINTS,
@@ -140,7 +138,8 @@ class ExportResult:
 @dataclass(frozen=True)
 class _RunContents:
     cameras: list[CameraRecord]
-    cloud: PointCloud | None
+    cloud: PointCloud
+    accumulator: PointAccumulator  # what made the cloud (its voxel as it ended)
 
 
 def export_run(
@@ -169,8 +168,8 @@ def export_run(
     info = read_run_info(run_dir)
     recorded = info.get("summary", {}).get("points", {})
     conf_threshold = _pick(conf_threshold, recorded.get("conf_threshold"), DEFAULT_CONF_THRESHOLD)
-    if fmt is ExportFormat.SPLATS:  # its own cap, from the run's voxel before the run's cap coarsened it
-        max_points = _pick(max_points, None, DEFAULT_MAX_SPLATS)
+    if fmt.spec.max_points is not None:  # its own cap, from the run's voxel before the run's cap coarsened it
+        max_points = _pick(max_points, None, fmt.spec.max_points)
         if voxel_size is None and recorded.get("voxel_size") is not None:
             voxel_size = recorded["voxel_size"] / 2.0 ** recorded.get("coarsenings", 0)
     voxel_size = _pick(voxel_size, recorded.get("voxel_size"), None)
@@ -184,7 +183,7 @@ def export_run(
             raise ExportError(str(error)) from None
     target = ExportTarget(run_dir, fmt, output, overwrite=overwrite)
     try:
-        result = _export(run_dir, fmt, target.writes_to, images, conf_threshold, voxel_size, max_points)
+        result = fmt.writer()(ExportJob(run_dir, target.writes_to, images, conf_threshold, voxel_size, max_points))
         target.commit()
     except BaseException as error:
         with interrupts_held():  # a repeated Ctrl-C must not cut the clean-up short
@@ -240,32 +239,69 @@ def write_png(path: Path, rgb: np.ndarray) -> None:
     atomic_write(path, lambda f: f.write(png.tobytes()), binary=True)
 
 
-def _export(run_dir: Path, fmt: ExportFormat, target: Path, images: _ImageSupply, conf_threshold: float,
-            voxel_size: float | None, max_points: int) -> ExportResult:
-    if fmt is ExportFormat.TUM:  # the run's whole trajectory, also the frames saved without an npz
-        timestamps, c2w = run_trajectory(run_dir)
-        write_tum(target, timestamps, c2w)
-        return ExportResult(target, len(timestamps), 0, conf_threshold, voxel_size)
-    accumulator = PointAccumulator(conf_threshold=conf_threshold, voxel_size=voxel_size, max_points=max_points)
-    contents = _read_contents(run_dir, accumulator, target / "images" if fmt.is_folder else None, images)
-    if fmt is ExportFormat.SPLATS:
-        write_splat_ply(target, gaussian_splats(run_dir, contents.cloud, accumulator))
-    else:
-        _write_export(fmt, target, contents)
-    return ExportResult(target, len(contents.cameras), len(contents.cloud), conf_threshold,
-                        accumulator.voxel_size, images.grey_reason)
+@dataclass(frozen=True)
+class ExportJob:
+    """One export being written, as its format's writer sees it: the run, where to write (a file, or the
+    folder of a folder format), the point settings and where the frames' images come from."""
+
+    run_dir: Path
+    target: Path
+    images: _ImageSupply
+    conf_threshold: float
+    voxel_size: float | None
+    max_points: int
+
+    def read_frames(self) -> _RunContents:
+        """One pass over the run's predictions: the cameras and the cloud (a folder format's images written
+        under its images/ as they come)."""
+        accumulator = PointAccumulator(conf_threshold=self.conf_threshold, voxel_size=self.voxel_size,
+                                       max_points=self.max_points)
+        images_dir = self.target / "images" if self.images.fmt.needs_images else None
+        return _read_contents(self.run_dir, accumulator, images_dir, self.images)
+
+    def result(self, contents: _RunContents) -> ExportResult:
+        """What an export of the frames wrote: their cameras and points, the voxel the cloud ended with."""
+        return ExportResult(self.target, len(contents.cameras), len(contents.cloud), self.conf_threshold,
+                            contents.accumulator.voxel_size, self.images.grey_reason)
 
 
-def _write_export(fmt: ExportFormat, target: Path, contents: _RunContents) -> None:
-    if fmt is ExportFormat.PLY:
-        write_ply(target, contents.cloud.xyz, contents.cloud.rgb)
-    elif fmt is ExportFormat.GLB:
-        glb = build_glb_scene(contents.cameras, contents.cloud).export(file_type="glb")
-        atomic_write(target, lambda f: f.write(glb), binary=True)
-    elif fmt is ExportFormat.COLMAP:
-        write_colmap_text(target / "sparse" / "0", contents.cameras, contents.cloud)
-    else:
-        write_nerfstudio(target, contents.cameras, contents.cloud)
+# -- the writers, one a format (named by its entry in app.export_formats) -------------------------------------
+def write_ply_export(job: ExportJob) -> ExportResult:
+    contents = job.read_frames()
+    write_ply(job.target, contents.cloud.xyz, contents.cloud.rgb)
+    return job.result(contents)
+
+
+def write_glb_export(job: ExportJob) -> ExportResult:
+    contents = job.read_frames()
+    glb = build_glb_scene(contents.cameras, contents.cloud).export(file_type="glb")
+    atomic_write(job.target, lambda f: f.write(glb), binary=True)
+    return job.result(contents)
+
+
+def write_colmap_export(job: ExportJob) -> ExportResult:
+    contents = job.read_frames()
+    write_colmap_text(job.target / "sparse" / "0", contents.cameras, contents.cloud)
+    return job.result(contents)
+
+
+def write_tum_export(job: ExportJob) -> ExportResult:
+    """The run's whole trajectory, also the frames saved without an npz; no points."""
+    timestamps, c2w = run_trajectory(job.run_dir)
+    write_tum(job.target, timestamps, c2w)
+    return ExportResult(job.target, len(timestamps), 0, job.conf_threshold, job.voxel_size)
+
+
+def write_nerfstudio_export(job: ExportJob) -> ExportResult:
+    contents = job.read_frames()
+    write_nerfstudio(job.target, contents.cameras, contents.cloud)
+    return job.result(contents)
+
+
+def write_splats_export(job: ExportJob) -> ExportResult:
+    contents = job.read_frames()
+    write_splat_ply(job.target, gaussian_splats(job.run_dir, contents.cloud, contents.accumulator))
+    return job.result(contents)
 
 
 def _pick(explicit, recorded, default):
@@ -291,7 +327,7 @@ class ExportTarget:
 
     def __init__(self, run_dir: Path, fmt: ExportFormat, output: Path | None, *, overwrite: bool) -> None:
         self.fmt = fmt
-        name = DEFAULT_OUTPUT_NAMES[fmt]
+        name = fmt.spec.default_name
         path = Path(run_dir) / EXPORTS_DIR / name if output is None else Path(output)
         self._earlier: list[Path] = []  # a folder format's entries of the export it replaces
         self.path = self._folder(path, overwrite) if fmt.is_folder else self._file(path, name, overwrite)
@@ -351,11 +387,11 @@ class ExportTarget:
             raise ExportError(f"{fmt.label} export goes to a directory, but {path} is a file; choose another --output")
         # (the hidden folders of an export in progress, or killed part-way, are ours, not the user's)
         entries = sorted(entry for entry in path.iterdir() if not is_staging(entry)) if path.is_dir() else []
-        others = [entry for entry in entries if entry.name not in FOLDER_CONTENTS[fmt]]
+        others = [entry for entry in entries if entry.name not in fmt.spec.folder_contents]
         if others:
             raise ExportError(
                 f"{path} is not empty ({len(entries)} entries such as {others[0].name}): a {fmt.label} export "
-                f"writes {' and '.join(FOLDER_CONTENTS[fmt])} into its folder and would mix them with other "
+                f"writes {' and '.join(fmt.spec.folder_contents)} into its folder and would mix them with other "
                 "files; choose a new or empty --output"
             )
         if entries and not overwrite:
@@ -372,7 +408,7 @@ class ExportTarget:
             if self.writes_to != self.path:
                 remove_tree(self.writes_to)
             elif self.fmt.is_folder:
-                for name in FOLDER_CONTENTS[self.fmt]:
+                for name in self.fmt.spec.folder_contents:
                     remove_tree(self.path / name)
             elif not self._replaced_file_existed:
                 self.path.unlink(missing_ok=True)
@@ -399,7 +435,7 @@ def _image_supply(run_dir: Path, settings: dict, fmt: ExportFormat, full_resolut
             f"--full-resolution writes the source frames beside a COLMAP model or a nerfstudio dataset; a {fmt.label} "
             "export has no images"
         )
-    if fmt is ExportFormat.TUM:
+    if not fmt.spec.reads_frames:
         return _ImageSupply(fmt)
     supply = _ImageSupply(fmt)
     if full_resolution or settings.get("save_images") is False:
@@ -455,7 +491,7 @@ def _read_contents(run_dir: Path, accumulator: PointAccumulator, images_dir: Pat
         if images_dir is not None:
             image_name = f"{record['frame_index']:06d}.png"
             write_png(images_dir / image_name, written)
-            if images.fmt is ExportFormat.NERFSTUDIO and record["sky_mask"] is not None:
+            if images.fmt.writes_masks and record["sky_mask"] is not None:
                 mask_name = image_name
                 write_mask_png(images_dir.parent / "masks" / mask_name,
                                written_mask(record["sky_mask"], scale, written.shape[:2]))
@@ -477,7 +513,7 @@ def _read_contents(run_dir: Path, accumulator: PointAccumulator, images_dir: Pat
                               record["sky_mask"])
     if not cameras:
         raise RunDirError(f"{run_dir} has no readable predictions to export")
-    return _RunContents(cameras, accumulator.cloud())
+    return _RunContents(cameras, accumulator.cloud(), accumulator)
 
 
 def gaussian_splats(run_dir: Path, cloud: PointCloud, accumulator: PointAccumulator) -> GaussianSplats:

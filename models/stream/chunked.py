@@ -80,9 +80,10 @@ def chunk_stream_config(config: StreamConfig, chunk_frames: int, model_max_frame
 class ChunkedEngine:
     """A StreamingEngine that rolls over to a new chunk before the cache outgrows the model.
 
-    A chunk holds up to `chunk_frames` cached frames (scale frames + keyframes): with
-    `keyframes="interval:K"` it spans scale + (chunk_frames - scale) * K input frames; with
-    `"flow"` it closes after its (chunk_frames - scale)-th keyframe. The next chunk starts
+    A chunk holds up to `chunk_frames` cached frames (scale frames + keyframes): with a policy whose
+    cached frame stands for K input frames (`keyframes="interval:K"`) it spans scale + (chunk_frames -
+    scale) * K input frames; with one that closes on keyframes (`"flow"`) it closes after its
+    (chunk_frames - scale)-th keyframe. The next chunk starts
     `overlap` input frames back, which are kept in a ring (never the stream).
     Same interface as StreamingEngine; predictions carry `chunk_index`, and a frame predicted by
     two chunks is emitted twice (the later emission is final).
@@ -101,10 +102,10 @@ class ChunkedEngine:
         self.chunk_frames = chunk_frames
         self.overlap = overlap
         policy = self.config.policy
-        self.closes_on_keyframes = policy.kind == "flow"  # a chunk's end is known only when it comes
-        interval = policy.interval if policy.kind == "interval" else 1
-        # Input frames per chunk when keyframes follow a fixed rule (unused for flow).
-        self.chunk_length = self.config.scale_frames + (chunk_frames - self.config.scale_frames) * interval
+        self.closes_on_keyframes = policy.closes_on_keyframes  # a chunk's end is known only when it comes
+        # Input frames per chunk when keyframes follow a fixed rule (unused where chunks close on keyframes).
+        per_cached = policy.input_frames_per_cached_frame or 1
+        self.chunk_length = self.config.scale_frames + (chunk_frames - self.config.scale_frames) * per_cached
         self._chunk_config = chunk_stream_config(self.config, chunk_frames, model.config.max_frames)
         self.engine = StreamingEngine(model, self._chunk_config, device=device, dtype=dtype)
         self.model, self.device = self.engine.model, self.engine.device
