@@ -404,13 +404,27 @@ MAX_MODELS_MODULES_THE_APP_IMPORTS = 15
 MAX_IMPORTS_INSIDE_FUNCTIONS = 60  # across app/, models/ and cache/; each with its reason
 
 
+def typing_only_lines(path: Path) -> set[int]:
+    """The lines of `path` under `if TYPE_CHECKING:`: imports for annotations, never run."""
+    lines: set[int] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            lines |= {inner.lineno for statement in node.body for inner in ast.walk(statement)
+                      if hasattr(inner, "lineno")}
+    return lines
+
+
 def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports when it runs (at its top or inside a function; an import
+    for annotations only, under `if TYPE_CHECKING:`, is no edge)."""
     graph: dict[str, set[str]] = {}
     for path in [*modules("app"), *modules("models"), *modules("cache")]:
         relative = path.relative_to(REPO).with_suffix("")
         name = ".".join(relative.parts[:-1] if relative.name == "__init__" else relative.parts)
-        graph[name] = {target for _, target, _ in imported_names(path)
-                       if target.split(".")[0] in ("app", "models", "cache") and target != name}
+        typing_only = typing_only_lines(path)
+        graph[name] = {target for line, target, _ in imported_names(path)
+                       if target.split(".")[0] in ("app", "models", "cache") and target != name
+                       and line not in typing_only}
     graph["models"] |= {f"models.{home}" for home in lazy_homes().values()}
     return graph
 
