@@ -205,3 +205,36 @@ def test_an_error_raised_after_a_stop_signal_ends_as_the_stop_without_a_tracebac
                           timeout=60)
     assert done.returncode == code, done.stdout + done.stderr
     assert "Traceback" not in done.stdout + done.stderr
+
+
+LINGERING_COMMAND = """
+import threading, time
+from stream_recon.app import cli
+
+@cli.app.command(name="lingering")
+def lingering() -> None:
+    threading.Thread(target=time.sleep, args=(5.0,)).start()  # joined by the interpreter at exit
+    print("done: the work", flush=True)
+
+cli.main()
+"""
+
+
+def test_a_signal_after_the_work_is_done_ends_the_process_by_that_signal_without_a_traceback() -> None:
+    """A Ctrl-C while the interpreter joined a thread at exit printed `KeyboardInterrupt` after `done:`, and the
+    process exited 0."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", LINGERING_COMMAND, "lingering"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        assert child.stdout.readline().startswith("done: ")
+        time.sleep(0.5)  # main() has returned; the interpreter waits for the thread
+        child.send_signal(signal.SIGINT)
+        printed, _ = child.communicate(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == -signal.SIGINT, printed
+    assert "KeyboardInterrupt" not in printed and "Traceback" not in printed, printed
