@@ -39,6 +39,7 @@ from safetensors.torch import save_file
 from .checkpoint_names import CHECKPOINT_SIZE, DEFAULT_CHECKPOINT, KNOWN_CHECKPOINTS
 from .daemon_pool import DaemonPool
 from .errors import CheckpointError
+from .hub_paths import CHECKPOINT_DIR_ENV, checkpoint_dir, hub_cache_dir, hub_endpoint, hub_offline
 from .network.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -47,8 +48,6 @@ if TYPE_CHECKING:
 HF_REPO_ID = "robbyant/lingbot-map"
 HF_REPO_URL = f"https://huggingface.co/{HF_REPO_ID}"
 
-CHECKPOINT_DIR_ENV = "STREAM_RECON_CHECKPOINTS"
-DEFAULT_CHECKPOINT_DIR = "~/.cache/stream-recon/checkpoints"
 
 # safetensors metadata keys (values must be strings)
 CONFIG_METADATA_KEY = "stream_recon.model_config"
@@ -603,28 +602,7 @@ def _file_sha256(path: str, size: int, mtime_ns: int, chunk_bytes: int) -> str:
 
 # -- locating --------------------------------------------------------------------------------------
 
-def checkpoint_dir() -> Path:
-    """Our own checkpoint folder: $STREAM_RECON_CHECKPOINTS, else ~/.cache/stream-recon/checkpoints."""
-    return Path(os.environ.get(CHECKPOINT_DIR_ENV) or DEFAULT_CHECKPOINT_DIR).expanduser()
 
-
-def hub_cache_dir() -> Path:
-    """The Hugging Face hub cache. huggingface_hub reads its environment once, at import; reading it
-    here on every call lets a caller (or a test) that sets HF_HUB_CACHE / HF_HOME later be obeyed."""
-    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if os.environ.get(variable):
-            return Path(os.path.expandvars(os.environ[variable])).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.path.expandvars(os.environ["HF_HOME"])).expanduser() / "hub"
-    return Path(hf_constants.HF_HUB_CACHE)
-
-
-def hub_offline() -> bool:
-    """HF_HUB_OFFLINE, read now (see hub_cache_dir for why not huggingface_hub's import-time value)."""
-    value = os.environ.get("HF_HUB_OFFLINE")
-    if value is None:
-        return bool(hf_constants.HF_HUB_OFFLINE)
-    return value.strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
 def locate_checkpoint(name: str) -> Path | None:
@@ -688,10 +666,6 @@ def download_checkpoint(name: str = DEFAULT_CHECKPOINT, on_start: Callable[[], N
             "free disk space and permissions, or set HF_HOME to another folder."
         ) from None
 
-
-def hub_endpoint() -> str:
-    """HF_ENDPOINT, read now (see hub_cache_dir), else huggingface_hub's default (https://huggingface.co)."""
-    return (os.environ.get("HF_ENDPOINT") or hf_constants.ENDPOINT).rstrip("/")
 
 
 def _check_hub_answers(name: str, endpoint: str) -> None:

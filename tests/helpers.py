@@ -4,6 +4,7 @@ random similarity transforms."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -13,6 +14,9 @@ import numpy as np
 from stream_recon.models.stream.similarity import Sim3
 
 POLL_S = 0.01
+# Instants a stop-at-any-instant sweep tries: each is a stream-recon process (~7 s on a 2-core machine), so the
+# suite tries 8 a sweep; STREAM_RECON_TEST_INSTANTS=20 runs the full sweeps.
+FAULT_INSTANTS = int(os.environ.get("STREAM_RECON_TEST_INSTANTS", "8"))
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0, *, process: subprocess.Popen | None = None,

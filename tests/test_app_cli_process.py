@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import wait_until
+from helpers import FAULT_INSTANTS, wait_until
 from media_helpers import free_port, mjpeg_server, write_image_folder, write_noise_video, write_video
 from plyfile import PlyData
 
@@ -894,7 +894,7 @@ def test_a_run_left_running_by_a_killed_process_is_closed_by_the_next_export(tmp
 
 # ------------------------------------------------------------------ stopped at random instants
 
-INSTANTS = 20
+INSTANTS = FAULT_INSTANTS
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
 
 

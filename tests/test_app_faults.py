@@ -21,6 +21,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
+from helpers import FAULT_INSTANTS
 
 pytest.importorskip("gtsam")
 pytestmark = pytest.mark.slow  # each case is a CLI process with a loop-closure child: ~5-15 s
@@ -207,11 +208,11 @@ def test_a_signal_in_the_end_of_run_wait_ends_it_at_once_keeping_every_file(
 
 def test_a_signal_at_any_instant_of_a_runs_end_leaves_its_record_last_line_and_exit_code_agreeing(
         tmp_path: Path, short_video: Path, tiny_checkpoint: Path) -> None:
-    # 20 instants from the stream's last frame on: during the end-of-run wait for the loop-closure child (held
+    # FAULT_INSTANTS instants from the stream's last frame on: during the end-of-run wait for the loop-closure child (held
     # up by the fault: stopped), while the files are written, or once the run is over
     deadlines = "stream_recon.models.loops.process:STALL_S=60,stream_recon.models.loops.process:FINISH_S=2"
     random = np.random.default_rng(5)
-    for instant in range(20):
+    for instant in range(FAULT_INSTANTS):
         run_dir = tmp_path / f"run{instant}"
         signum = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)[instant % 3]
         started = time.monotonic()

@@ -19,7 +19,7 @@ import numpy as np
 from huggingface_hub import hf_hub_download, try_to_load_from_cache
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
-from stream_recon.models.checkpoint import checkpoint_dir, hub_cache_dir, hub_endpoint, hub_offline
+from stream_recon.models.hub_paths import checkpoint_dir, hub_cache_dir, hub_endpoint, hub_offline
 
 SKYSEG_REPO_ID = "JianyuanWang/skyseg"
 SKYSEG_FILE = "skyseg.onnx"
