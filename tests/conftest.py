@@ -61,11 +61,23 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return convert_to_safetensors(folder / "tiny.pt", folder / "tiny.safetensors", config=ModelConfig.tiny())
 
 
+# The files that take over 100 s of a worker (docs/performance-log.md, "the whole suite's time by file"), longest
+# first: handed out right after the golden ones, so that the suite ends on short files on both workers.
+LONGEST_FILES = ("test_app_cli_process.py", "test_app_faults.py", "test_app_cli.py", "test_scripts_smoke.py",
+                 "test_models_chunked.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The golden tests (the full-size model on the CPU: minutes a file) first. On two workers (scripts/test) each
-    file goes whole to one worker in this order (`--dist loadfile --no-loadscope-reorder`); by xdist's default order,
-    the most tests a file first, they came last, and one worker spent the suite's last ~25 minutes on them alone."""
-    items.sort(key=lambda item: item.get_closest_marker("golden") is None)  # (stable: the rest keep their order)
+    """The golden tests (the full-size model on the CPU: minutes a file) first, then LONGEST_FILES. On two workers
+    (scripts/test) each file goes whole to one worker in this order (`--dist loadfile --no-loadscope-reorder`); by
+    xdist's default order, the most tests a file first, the golden files came last, and one worker spent the suite's
+    last ~25 minutes on them alone."""
+    def rank(item: pytest.Item) -> tuple[bool, int]:
+        name = item.path.name
+        return item.get_closest_marker("golden") is None, (LONGEST_FILES.index(name) if name in LONGEST_FILES
+                                                             else len(LONGEST_FILES))
+
+    items.sort(key=rank)  # (stable: the rest keep their order)
 
 
 @pytest.fixture(scope="module", autouse=True)
