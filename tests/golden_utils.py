@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -52,6 +53,14 @@ def prepared_full_size_model():
     from stream_recon.models import prepare_for_inference
 
     return prepare_for_inference(full_size_model(), "cpu", torch.float32)
+
+
+def scenarios_to_check(every: list[str], each_run: tuple[str, ...]) -> list[str]:
+    """The golden scenarios a suite run checks on the CPU: `each_run`, or `every` one with STREAM_RECON_GOLDEN=all.
+    Each is 3-4 minutes of the full-size model on one core, and the whole suite must fit CI's half hour; a scenario
+    left out of `each_run` differs from a kept one in a way the tiny model checks against the fixtures (which
+    frames are cached) and the GPU suite checks in float32."""
+    return sorted(every) if os.environ.get("STREAM_RECON_GOLDEN") == "all" else sorted(each_run)
 
 
 # -- the CLI on the golden frames (tests/test_golden_cli.py, and the GPU suite) --------------------

@@ -10,11 +10,18 @@ in float32 and bf16 (tests/test_gpu_fast_path.py).
 from __future__ import annotations
 
 import pytest
-from golden_utils import SCENARIO_OPTIONS, compare_run_with_golden, run_cli_on_golden_frames
+from golden_utils import (
+    SCENARIO_OPTIONS,
+    compare_run_with_golden,
+    run_cli_on_golden_frames,
+    scenarios_to_check,
+)
 
 pytestmark = [pytest.mark.golden, pytest.mark.slow]
 
-@pytest.mark.parametrize("scenario", sorted(SCENARIO_OPTIONS))
+# interval_2 caches every other frame of all_keyframes' stream: test_golden_streaming.py checks that schedule
+# against the fixtures' cache states
+@pytest.mark.parametrize("scenario", scenarios_to_check(list(SCENARIO_OPTIONS), ("all_keyframes", "flow")))
 def test_cli_run_directory_equals_the_official_outputs_on_the_cpu(golden_checkpoint, golden_frame_folder, tmp_path,
                                                                   scenario):
     run_dir = run_cli_on_golden_frames(golden_checkpoint, golden_frame_folder, tmp_path / scenario, scenario,
