@@ -115,7 +115,8 @@ def print_run(run: dict) -> None:
           f"(spacing {loops.get('index_spacing')}, {loops.get('indexed_per_100_frames', '-')} per 100 frames, "
           f"longest stretch without one {loops.get('longest_unindexed_stretch', '-')} frames, "
           f"{loops.get('keyframes_deferred', '-')} due keyframes deferred); costs {loops.get('costs_ms')}; "
-          f"{run['after_last_frame_s']:.1f} s from the last frame to the run's end")
+          f"{run['after_last_frame_s']:.1f} s from the last frame to the run's end "
+          f"({loops.get('end_wait_s', '-')} s of it waiting for loop closure)")
 
 
 if __name__ == "__main__":

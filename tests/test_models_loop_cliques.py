@@ -21,6 +21,7 @@ from loop_scenarios import TRAJECTORIES, make_scenario
 from stream_recon.models.loops.cliques import (
     EXACT_BUDGET,
     CliqueResult,
+    clique_through,
     exact_maximum_clique,
     heuristic_maximum_clique,
     maximum_clique,
@@ -200,3 +201,20 @@ def test_a_bad_adjacency_or_warm_start_is_refused_in_one_sentence() -> None:
         maximum_clique(np.ones((3, 4), dtype=bool))
     with pytest.raises(ValueError, match="warm start node 12 is not a node of this 12-node graph"):
         heuristic_maximum_clique(two_equal_cliques(), warm_start=[3, 12])
+
+
+def test_a_clique_through_new_nodes_is_found_when_it_beats_the_old_one() -> None:
+    """Nodes 0-5 a clique; nodes 6-9 added, 6 adjacent to 0-3 and to 7-9, which are adjacent to each other and
+    to 0-3: the clique 0-3 + 6-9 (8 nodes) holds node 6; growing from 6 finds it. From a node that cannot
+    beat six, nothing."""
+    adjacent = np.zeros((11, 11), bool)
+    adjacent[:6, :6] = True
+    members = [0, 1, 2, 3, 6, 7, 8, 9]
+    adjacent[np.ix_(members, members)] = True
+    adjacent[10, 0] = adjacent[0, 10] = True  # degree 1
+    np.fill_diagonal(adjacent, False)
+    assert clique_through(adjacent, [6], beat=6) == members
+    assert clique_through(adjacent, [10], beat=6) is None
+    assert clique_through(adjacent, [10, 6], beat=6) == members
+    assert clique_through(adjacent, [6], beat=8) is None  # not larger than eight
+    assert exact_maximum_clique(adjacent) == members

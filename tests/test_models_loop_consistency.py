@@ -21,6 +21,7 @@ from stream_recon.models.loops.consistency import (
     odometry_between,
     odometry_cycle_chi2,
     pair_cycle_chi2,
+    pairs_cycle_chi2,
 )
 from stream_recon.models.loops.pose_graph import PoseGraphSettings, from_gtsam, optimize, to_gtsam
 from stream_recon.models.stream.similarity import Sim3
@@ -195,3 +196,26 @@ def test_the_consistent_set_turns_away_subtle_false_loops_and_keeps_the_true_one
         true_total += len(scenario.true_loops)
     assert false_dropped >= 0.6 * false_total, (false_dropped, false_total)
     assert true_dropped <= 0.03 * true_total, (true_dropped, true_total)
+
+
+def test_pairs_of_different_loops_in_one_batch_equal_each_loops_own_batch() -> None:
+    """A solve's new loops judged in one call (each pair anchored at its own loop's chunks) give what one
+    call per loop gives, to the last bits' rounding."""
+    rng = np.random.default_rng(4)
+    chain = drifting_chain(rng, 50, path=5.0)
+    ends = np.array([(3, 30), (10, 2), (25, 26), (40, 7), (0, 49), (12, 44)])
+    measured = np.stack([chain.between(a, b) @ lie.expmap(rng.normal(0, 0.05, 7)) for a, b in ends])
+    covariances = np.stack([random_covariance(rng, 1e-2) for _ in ends])
+    pairs = np.array([(i, j) for i in range(len(ends)) for j in range(len(ends)) if i != j])
+    loop, other = pairs[:, 0], pairs[:, 1]
+    batch = pairs_cycle_chi2(chain, (measured[loop], covariances[loop]), (ends[loop, 0], ends[loop, 1]),
+                             (measured[other], covariances[other]), (ends[other, 0], ends[other, 1]))
+    for n, (i, j) in enumerate(pairs):
+        alone = pair_cycle_chi2(chain, (measured[i], covariances[i]), tuple(ends[i]), (measured[[j]], covariances[[j]]),
+                                (ends[[j], 0], ends[[j], 1]))
+        assert batch[n] == pytest.approx(alone[0], rel=1e-10)
+
+
+def test_the_written_out_determinant_equals_lapacks() -> None:
+    matrices = np.random.default_rng(5).normal(size=(200, 3, 3)) + 2 * np.eye(3)
+    np.testing.assert_allclose(lie.determinant3(matrices), np.linalg.det(matrices), rtol=1e-12, atol=1e-12)

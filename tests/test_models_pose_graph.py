@@ -328,6 +328,23 @@ def test_a_streams_solves_judge_each_pair_once_and_end_where_one_solve_would(tum
         assert_same_sim3(streamed, once, atol=1e-3 * max(1.0, np.abs(once.translation).max()))
 
 
+@pytest.mark.parametrize("trajectory", ["tum", "kitti"])
+def test_a_stream_growing_its_clique_through_new_loops_ends_with_the_exact_searchs_verdicts(
+        trajectory: str, request: pytest.FixtureRequest) -> None:
+    """Above `exact_clique_up_to` candidates a solve grows the last clique through its new loops instead of
+    searching again; forced on from the first loop (0), a stream's solves still end with the verdicts of
+    the exact search's solver on the real trajectories."""
+    truth = request.getfixturevalue(trajectory)
+    revisit, false_distance, depth = ((TUM_REVISIT_M, TUM_FALSE_M, TUM_DEPTH_M) if trajectory == "tum"
+                                      else (KITTI_REVISIT_M, KITTI_FALSE_M, KITTI_DEPTH_M))
+    scenario = make_scenario(truth, 2, revisit_radius=revisit, false_min_distance=false_distance, scene_depth=depth)
+    incremental, exact = PoseGraphSolver(PoseGraphSettings(exact_clique_up_to=0)), PoseGraphSolver()
+    for snapshot in stream_of(scenario.graph, seed=2):
+        grown, searched = incremental.solve(snapshot), exact.solve(snapshot)
+    assert grown.accepted_ids == searched.accepted_ids
+    assert set(scenario.false_loops).isdisjoint(grown.accepted_ids)
+
+
 def test_a_solve_out_of_time_hands_back_what_it_has_and_the_next_goes_on(tum: np.ndarray) -> None:
     scenario = make_scenario(tum, 1, revisit_radius=TUM_REVISIT_M, false_min_distance=TUM_FALSE_M,
                              scene_depth=TUM_DEPTH_M)

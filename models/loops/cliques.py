@@ -159,6 +159,22 @@ def _heuristic(graph: _Graph, warm_start: Sequence[int]) -> list[int]:
     return sorted(best)
 
 
+def clique_through(adjacent: np.ndarray, nodes: Sequence[int], beat: int) -> list[int] | None:
+    """The heuristic's step from `nodes` alone: from each (highest degree first), a clique grown greedily by
+    its candidate of highest degree; the largest of more than `beat` nodes, ascending, or None. When a graph
+    whose largest clique had `beat` nodes gains a few nodes, a larger clique must hold one of them: growing
+    from those costs O(k d) big-int steps where the whole heuristic costs O(n d) (n nodes, d the degree)."""
+    graph = _Graph(adjacent)
+    best: list[int] | None = None
+    for node in sorted((int(node) for node in nodes), key=lambda node: -graph.degree[node]):
+        if graph.degree[node] < beat:  # its clique has at most degree + 1 nodes
+            continue
+        grown = _grow(graph, [node], graph.bits[node], beat)
+        if grown is not None:
+            best, beat = grown, len(grown)
+    return None if best is None else sorted(best)
+
+
 def heuristic_maximum_clique(adjacent: np.ndarray, *, warm_start: Sequence[int] = ()) -> list[int]:
     """A large clique of `adjacent` ([n, n] bool, symmetric; the diagonal is ignored), ascending, by
     Pattabiraman et al.'s heuristic (the module's docstring). `warm_start`: node indices (a previous
@@ -276,4 +292,4 @@ def maximum_clique(adjacent: np.ndarray, *, warm_start: Sequence[int] = (),
     return CliqueResult(tuple(exact), exact=True, expansions=expansions)
 
 
-__all__ = ["EXACT_BUDGET", "CliqueResult", "exact_maximum_clique", "heuristic_maximum_clique", "maximum_clique"]
+__all__ = ["EXACT_BUDGET", "CliqueResult", "clique_through", "exact_maximum_clique", "heuristic_maximum_clique", "maximum_clique"]

@@ -182,21 +182,40 @@ def odometry_cycle_chi2(chain: ChainCovariances, first: np.ndarray, second: np.n
 
 def pair_cycle_chi2(chain: ChainCovariances, loop: Uncertain, chunks: tuple[int, int], others: Uncertain,
                     other_chunks: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    """[N] one loop a_from_b against N others c_from_d: the cycle a_from_b @ b_from_d @ (c_from_d)^-1 @
-    c_from_a, the chain's parts through `chain`. With the other loop first it is the same cycle conjugated
-    and inverted, equal to first order (the covariance is linearised at other products: a few % apart)."""
+    """[N] one loop a_from_b against N others c_from_d (`pairs_cycle_chi2` with the one loop repeated)."""
     (measured, covariance), (a, b) = loop, chunks
+    count = len(other_chunks[0])
+    repeat = np.zeros(count, np.int64)
+    return pairs_cycle_chi2(chain, (measured[None][repeat], covariance[None][repeat]),
+                            (np.full(count, a), np.full(count, b)), others, other_chunks)
+
+
+def _anchored_rows(chain: ChainCovariances, anchors: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """[P, 7, 7] row rows[p] of chain.anchored(anchors[p]): one anchored sum per distinct anchor."""
+    out = np.empty((len(anchors), TANGENT_DIM, TANGENT_DIM))
+    for anchor in np.unique(anchors):
+        chosen = anchors == anchor
+        out[chosen] = chain.anchored(int(anchor))[rows[chosen]]
+    return out
+
+
+def pairs_cycle_chi2(chain: ChainCovariances, loops: Uncertain, chunks: tuple[np.ndarray, np.ndarray],
+                     others: Uncertain, other_chunks: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """[P] P pairs of loops, a_from_b [P] against c_from_d [P]: the cycle a_from_b @ b_from_d @ (c_from_d)^-1
+    @ c_from_a, the chain's parts through `chain`. With the other loop first it is the same cycle conjugated
+    and inverted, equal to first order (the covariance is linearised at other products: a few % apart). The
+    chain's covariances come from the anchored sums of the loops' own chunks (a and b): a few loops' pairs
+    with all others cost a few O(chunks) sums and O(P) batched products."""
+    (measured, covariance), (a, b) = loops, chunks
     (other_measured, other_covariance), (c, d) = others, other_chunks
-    from_b, from_a = chain.anchored(b), chain.anchored(a)
-    b_from_d = chain.between(b, d)
-    through_b = measured @ b_from_d  # a_from_d
+    through_b = measured @ chain.between(b, d)  # a_from_d
     through_d = through_b @ inverse(other_measured)  # a_from_c
     cycle = through_d @ chain.between(c, a)
     # a_from_b's right error and b_from_d's left one (chunk b's sum) both sit after the prefix a_from_b;
     # (c_from_d)^-1's left error is the other loop's right one, after a_from_d; c_from_a's right end is the
     # cycle's (chunk a's sum)
-    terms = [(measured, covariance + from_b[d]), (through_b, other_covariance)]
-    return _right_chi2(cycle, terms, from_a[c])
+    terms = [(measured, covariance + _anchored_rows(chain, b, d)), (through_b, other_covariance)]
+    return _right_chi2(cycle, terms, _anchored_rows(chain, a, c))
 
 
 # -- loops of one chunk pair, combined --------------------------------------------------------------
@@ -219,4 +238,4 @@ def combine(measured: np.ndarray, covariance: np.ndarray, max_iterations: int = 
 
 
 __all__ = ["ChainCovariances", "chi_square_quantile", "combine", "compose", "invert", "odometry_between",
-           "odometry_cycle_chi2", "pair_cycle_chi2"]
+           "odometry_cycle_chi2", "pair_cycle_chi2", "pairs_cycle_chi2"]

@@ -40,9 +40,17 @@ def to_sim3s(stack: np.ndarray) -> tuple[Sim3, ...]:
     return tuple(Sim3(float(scale[n]), rotation[n], translation[n].copy()) for n in range(len(stack)))
 
 
+def determinant3(m: np.ndarray) -> np.ndarray:
+    """[..., 3, 3] -> [...] determinants, written out: NumPy's det factors each 3 x 3 matrix by LAPACK at
+    ~0.4 us a matrix, which for a few hundred matrices costs 5x these nine products."""
+    return (m[..., 0, 0] * (m[..., 1, 1] * m[..., 2, 2] - m[..., 1, 2] * m[..., 2, 1])
+            - m[..., 0, 1] * (m[..., 1, 0] * m[..., 2, 2] - m[..., 1, 2] * m[..., 2, 0])
+            + m[..., 0, 2] * (m[..., 1, 0] * m[..., 2, 1] - m[..., 1, 1] * m[..., 2, 0]))
+
+
 def parts(stack: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[..., 4, 4] -> scale [...], rotation [..., 3, 3], translation [..., 3]."""
-    scale = np.cbrt(np.linalg.det(stack[..., :3, :3]))
+    scale = np.cbrt(determinant3(stack[..., :3, :3]))
     return scale, stack[..., :3, :3] / scale[..., None, None], stack[..., :3, 3]
 
 
@@ -70,9 +78,11 @@ def inverse(stack: np.ndarray) -> np.ndarray:
 
 def skew(vectors: np.ndarray) -> np.ndarray:
     """[..., 3] -> [..., 3, 3] cross-product matrices."""
+    out = np.zeros(vectors.shape + (3,))
     x, y, z = vectors[..., 0], vectors[..., 1], vectors[..., 2]
-    zero = np.zeros_like(x)
-    return np.stack([np.stack([zero, -z, y], -1), np.stack([z, zero, -x], -1), np.stack([-y, x, zero], -1)], -2)
+    out[..., 0, 1], out[..., 0, 2], out[..., 1, 2] = -z, y, -x
+    out[..., 1, 0], out[..., 2, 0], out[..., 2, 1] = z, -y, x
+    return out
 
 
 def adjoint(stack: np.ndarray) -> np.ndarray:

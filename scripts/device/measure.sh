@@ -47,8 +47,8 @@
 #   long        one never-hang cell of 10,000 frames, flow keyframes, loop closure on
 #   revisits    loop closure on revisit-heavy videos of the `loop` fixture (tests/data/loop), PARTS in order
 #               (default walk tour): walk (a seeded random walk, 2,000 frames at 518x392: flow off and on,
-#               all on, or ALL_MODES), tour (two laps, 1,500 frames at 518x518: flow off and on), long (bench_e2e's video,
-#               10,000 frames at 518x392, flow, on), graph (scripts/bench_pose_graph.py --stream GRAPH_SIZES
+#               all on, or ALL_MODES), tour (two laps, 1,500 frames at 518x518: flow off and on), long (the walk,
+#               10,000 frames at 518x392, LONG_KEYFRAMES all, LONG_MODES on; one cell takes ~6 min), graph (scripts/bench_pose_graph.py --stream GRAPH_SIZES
 #               on this host's CPU): $OUT/revisits.log, revisits_NAME.json, pose_graph.log
 # Carry: .whl (FlashInfer, viser and their needs) for every suite but the loop-closure ones, which carry
 # .carry-gtsam/ (plyfile's and FlashInfer's wheels, gtsam-py312.tar.xz) and, for the scene cells,
@@ -631,7 +631,7 @@ suite_revisits() { local part
     case "$part" in
       walk) revisit walk_flow walk:0 640x480 2000 flow off,on; revisit walk_all walk:0 640x480 2000 all "${ALL_MODES:-on}" ;;
       tour) revisit tour_flow tour:2 640x640 1500 flow off,on ;;
-      long) revisit long_flow - 640x480 10000 flow on ;;
+      long) revisit "long_${LONG_KEYFRAMES:-all}" walk:0 640x480 10000 "${LONG_KEYFRAMES:-all}" "${LONG_MODES:-on}" ;;
       graph) timeout "${GRAPH_LIMIT_S:-400}" python3 scripts/bench_pose_graph.py --stream ${GRAPH_SIZES:-100 300 1000} \
                2>&1 | grep --line-buffered -v Warn | tee "$OUT/pose_graph.log" ;;
       *) echo "revisits: no part $part (walk tour long graph)" >&2; exit 2 ;;
