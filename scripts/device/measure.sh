@@ -27,8 +27,8 @@
 #               Triton builds; list it first), cold (probe_cold_start rows), compile (auto against on),
 #               builds (the warm-up's dry pass on and off; ORDER), warm-up (WARM_UP_RUNS name:auto|on|off),
 #               kept (compiled code kept between runs; KEPT_RUNS mode:name), warm (each SIZES video, of this
-#               tree and TREES: a first run on empty compile caches, then the next on the caches its compile
-#               child filled; FRAMES 400); TESTS/TEST_K after
+#               tree and TREES, each tree's own bench_e2e.py from its root: a first run on empty compile caches,
+#               then the next on the caches its compile child filled; FRAMES 400); TESTS/TEST_K after
 #   spare       the spare engine and rollovers, PARTS (default rows): rows (flow on keyframe-dense and
 #               sparse videos, keyframes all), traces (rollover traces of all and flow; arguments: trace
 #               options), fit16 (a 16 GB card's memory held; FRAMES, BUDGET), budget (--gpu-memory 16GiB on
@@ -274,15 +274,17 @@ start_warm() {
   python3 -c "import torch; torch.load('/tmp/ckpt/full-size.pt', mmap=True, weights_only=True)" 2>&1 | grep -v Warn
   for tree in ${TREES:-}; do link_package "sr_${tree%%:*}" "${tree#*:}"; done
   for size in ${SIZES:-640x480 480x480}; do
-    for tree in "this:" ${TREES:-}; do
+    for tree in "this:$PWD" ${TREES:-}; do
       name=${tree%%:*}; path=/tmp/sr_$name; [ "$name" = this ] && path=/tmp/sr
       rm -rf /tmp/machine_w; mkdir -p /tmp/machine_w
       for run in empty warm; do
         echo "== $name $size $run ($(( $(date +%s) - began )) s)" | tee -a "$OUT/e2e.log"
-        TORCHINDUCTOR_CACHE_DIR=/tmp/machine_w TRITON_CACHE_DIR=/tmp/machine_w/triton PYTHONPATH=$path:/tmp/site \
-          timeout 200 python3 scripts/bench_e2e.py --video-dir /tmp --checkpoint /tmp/ckpt/full-size.pt \
+        # each tree's own bench from its own root: a tree from before the app's rooms imports its own modules
+        (cd "${tree#*:}" && TORCHINDUCTOR_CACHE_DIR=/tmp/machine_w TRITON_CACHE_DIR=/tmp/machine_w/triton \
+          PYTHONPATH=$path:/tmp/site timeout 200 python3 scripts/bench_e2e.py --video-dir /tmp \
+          --checkpoint /tmp/ckpt/full-size.pt \
           --frames "${FRAMES:-400}" --video-size "$size" --no-engine-run --compile auto ${E2E_ARGS:-} \
-          --json "$OUT/e2e_${name}_${size}_$run.json" 2>&1 | grep -v Warn | tail -3 >> "$OUT/e2e.log"
+          --json "$OUT/e2e_${name}_${size}_$run.json" 2>&1 | grep -v Warn | tail -3 >> "$OUT/e2e.log")
         [ "$run" = empty ] || continue
         for _ in $(seq 240); do ls /tmp/machine_w/stream-recon-compiled/*.compiled >/dev/null 2>&1 && break; sleep 0.5; done
         wait_for_idle_gpu 60  # the compile child has left the GPU
