@@ -26,6 +26,7 @@ from stream_recon.app.evaluation.batch import (
     plan_actors,
     read_summary,
     run_batch,
+    write_summary,
 )
 from stream_recon.app.evaluation.datasets import discover_sequences
 from stream_recon.app.options import RunOptions, changed_settings
@@ -119,6 +120,20 @@ def test_summary_csv_has_the_same_rows_and_every_column(serial_run):
     assert float(table[1]["ate_rmse"]) == rows[1]["ate_rmse"]
     assert table[0]["ate_rmse"] == "" and table[3]["frames"] == ""
     assert table[3]["status"] == "failed" and table[3]["error"] == rows[3]["error"]
+
+
+def test_a_sequence_name_that_is_not_utf8_leaves_both_summaries_strict_utf8(tmp_path):
+    """A folder named on another system reaches Python with lone surrogates: summary.json and summary.csv still
+    decode as strict UTF-8 (the name readable, its byte as \\xff), and read_summary gives the exact name back."""
+    name = os.fsdecode(b"walk_\xff")
+    rows = [{"name": name, "source": f"/data/{name}", "kind": "images", "status": "ok", "error": None}]
+    write_summary(tmp_path, rows)
+    text = (tmp_path / "summary.json").read_bytes().decode("utf-8")  # strict: raises on a lone surrogate
+    assert "walk_\\\\xff" in text
+    table = (tmp_path / "summary.csv").read_bytes().decode("utf-8")
+    assert "walk_\\xff" in table
+    [row] = read_summary(tmp_path)
+    assert row["name"] == name and row["source"] == f"/data/{name}"
 
 
 def test_second_invocation_skips_finished_sequences(serial_run, dataset):

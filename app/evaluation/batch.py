@@ -65,10 +65,12 @@ from stream_recon.app.outputs.rundir import (
     RunDirError,
     TumFileError,
     atomic_write,
+    exact_strings,
     holds_run,
     read_batch_marker,
     read_run_info,
     run_accepted_loops,
+    utf8_record,
     write_batch_marker,
 )
 from stream_recon.app.run.clock import finite_or_none
@@ -330,8 +332,10 @@ def write_summary(output_dir: Path, rows: Iterable[dict]) -> None:
     """summary.json (rows as given, eval keys only where evaluated) and summary.csv (every column)."""
     rows = list(rows)
     output_dir = Path(output_dir)
+    # a sequence folder's name need not be UTF-8: each row strict UTF-8, the exact name kept beside it
     json_rows = [
-        {key: row.get(key) for key in SUMMARY_COLUMNS if key in BASE_COLUMNS or key in row} for row in rows
+        utf8_record({key: row.get(key) for key in SUMMARY_COLUMNS if key in BASE_COLUMNS or key in row})
+        for row in rows
     ]
     text = json.dumps(json_rows, indent=2) + "\n"
     atomic_write(output_dir / SUMMARY_JSON, lambda file: file.write(text), binary=False)
@@ -340,13 +344,14 @@ def write_summary(output_dir: Path, rows: Iterable[dict]) -> None:
         writer = csv.DictWriter(file, fieldnames=SUMMARY_COLUMNS, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
-            writer.writerow({key: "" if row.get(key) is None else row[key] for key in SUMMARY_COLUMNS})
+            readable = utf8_record({key: row.get(key) for key in SUMMARY_COLUMNS})
+            writer.writerow({key: "" if readable[key] is None else readable[key] for key in SUMMARY_COLUMNS})
 
     atomic_write(output_dir / SUMMARY_CSV, write_csv, binary=False)
 
 
 def read_summary(output_dir: Path) -> list[dict]:
-    return json.loads((Path(output_dir) / SUMMARY_JSON).read_text())
+    return [exact_strings(row) for row in json.loads((Path(output_dir) / SUMMARY_JSON).read_text(encoding="utf-8"))]
 
 
 @dataclass(frozen=True)

@@ -205,12 +205,18 @@ NOT_UTF8_KEY = "not_utf8"
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
+    text = json.dumps(utf8_record(data), indent=2) + "\n"
+    atomic_write(path, lambda f: f.write(text), binary=False)
+
+
+def utf8_record(data: dict) -> dict:
+    """data as JSON types, every string strict UTF-8: one that is not written readable (\\xNN for each such
+    byte) and exactly, in hex under NOT_UTF8_KEY (absent when there is none); exact_strings reads it back."""
     exact: dict[str, str] = {}
     readable = _utf8_only(json.loads(json.dumps(data, default=_json_default)), "", exact)
     if exact:
         readable[NOT_UTF8_KEY] = exact
-    text = json.dumps(readable, indent=2) + "\n"
-    atomic_write(path, lambda f: f.write(text), binary=False)
+    return readable
 
 
 def _utf8_only(value: Any, where: str, exact: dict[str, str]) -> Any:
@@ -236,8 +242,8 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
-def _exact_strings(data: dict) -> dict:
-    """data with each string NOT_UTF8_KEY holds put back (write_json_atomic)."""
+def exact_strings(data: dict) -> dict:
+    """data with each string NOT_UTF8_KEY holds put back (utf8_record)."""
     for where, hex_bytes in (data.pop(NOT_UTF8_KEY, None) or {}).items():
         *parents, last = where.split("/")
         holder: Any = data
@@ -657,7 +663,7 @@ def read_run_info(run_dir: Path) -> dict[str, Any]:
     path = Path(run_dir) / RUN_JSON
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        return _exact_strings(data) if isinstance(data, dict) else data
+        return exact_strings(data) if isinstance(data, dict) else data
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
