@@ -16,6 +16,7 @@ from stream_recon.models.loops.consistency import (
     ChainCovariances,
     chi_square_quantile,
     combine,
+    combine_groups,
     compose,
     invert,
     odometry_between,
@@ -168,6 +169,20 @@ def test_loops_of_one_chunk_pair_combine_into_their_information_weighted_mean() 
     one, one_covariance = combine(measured[:1], covariances[:1])
     np.testing.assert_allclose(one, measured[0], atol=1e-12)
     np.testing.assert_allclose(one_covariance, covariances[0], rtol=1e-9)
+
+
+def test_several_chunk_pairs_combined_in_one_batch_equal_each_pair_combined_alone() -> None:
+    rng = np.random.default_rng(6)
+    sizes = [3, 1, 5, 2]
+    group = np.repeat(np.arange(len(sizes)), sizes)
+    centres = [random_matrix(rng) for _ in sizes]
+    covariances = np.stack([random_covariance(rng, 1e-2) for _ in group])
+    measured = np.stack([centres[g] @ lie.expmap(rng.normal(0, 0.05, 7)) for g in group])
+    means, mean_covariances = combine_groups(measured, covariances, group)
+    for g in range(len(sizes)):
+        alone, alone_covariance = combine(measured[group == g], covariances[group == g])
+        np.testing.assert_allclose(means[g], alone, rtol=1e-12, atol=1e-12 * np.abs(alone).max())
+        np.testing.assert_allclose(mean_covariances[g], alone_covariance, rtol=1e-12)
 
 
 # -- pairwise consistency on real trajectories -------------------------------------------------------

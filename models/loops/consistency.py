@@ -224,18 +224,35 @@ def combine(measured: np.ndarray, covariance: np.ndarray, max_iterations: int = 
     the right: the information-weighted mean on the manifold (Gauss-Newton from the first, each
     measurement's error taken in the mean's tangent, until a step moves it by less than 1e-12) and the
     covariance of that mean."""
+    means, covariances = combine_groups(measured, covariance, np.zeros(len(measured), np.int64), max_iterations)
+    return means[0], covariances[0]
+
+
+def combine_groups(measured: np.ndarray, covariance: np.ndarray, group: np.ndarray,
+                   max_iterations: int = 20) -> tuple[np.ndarray, np.ndarray]:
+    """`combine` for G groups at once: measurement n [N, 4, 4] (covariance [N, 7, 7]) belongs to group
+    group[n] (0..G-1, each non-empty) -> the means [G, 4, 4] and their covariances [G, 7, 7]. A solve's few
+    changed chunk pairs cost one batched Gauss-Newton instead of ~1 ms of NumPy calls a step and pair."""
+    count = int(group.max()) + 1
     information = np.linalg.inv(covariance)
-    total = information.sum(axis=0)
-    mean = measured[0]
+    total = np.zeros((count, TANGENT_DIM, TANGENT_DIM))
+    np.add.at(total, group, information)
+    first = np.unique(group, return_index=True)[1]  # each group's first measurement
+    means = measured[first].copy()
+    moving = np.ones(count, bool)
     for _ in range(max_iterations):
-        errors = logmap(inverse(mean)[None] @ measured)  # Z_i = mean Exp(e_i)
-        step = np.linalg.solve(total, np.einsum("nij,nj->i", information, errors))
-        mean = mean @ lie.expmap(step)
-        if np.abs(step).max() < 1e-12:
+        errors = logmap(inverse(means)[group] @ measured)  # Z_n = mean Exp(e_n)
+        pulled = np.zeros((count, TANGENT_DIM))
+        np.add.at(pulled, group, np.einsum("nij,nj->ni", information, errors))
+        steps = np.linalg.solve(total, pulled[..., None])[..., 0]
+        steps[~moving] = 0.0
+        means = means @ lie.expmap(steps)
+        moving &= np.abs(steps).max(axis=1) >= 1e-12
+        if not moving.any():
             break
     combined = np.linalg.inv(total)
-    return mean, 0.5 * (combined + combined.T)
+    return means, 0.5 * (combined + np.swapaxes(combined, -1, -2))
 
 
-__all__ = ["ChainCovariances", "chi_square_quantile", "combine", "compose", "invert", "odometry_between",
+__all__ = ["ChainCovariances", "chi_square_quantile", "combine", "combine_groups", "compose", "invert", "odometry_between",
            "odometry_cycle_chi2", "pair_cycle_chi2", "pairs_cycle_chi2"]

@@ -45,7 +45,13 @@ import numpy as np
 from ..stream.similarity import Sim3
 from . import sim3_batch as lie
 from .cliques import clique_through, maximum_clique
-from .consistency import ChainCovariances, chi_square_quantile, combine, odometry_cycle_chi2, pairs_cycle_chi2
+from .consistency import (
+    ChainCovariances,
+    chi_square_quantile,
+    combine_groups,
+    odometry_cycle_chi2,
+    pairs_cycle_chi2,
+)
 
 TANGENT_DIM = lie.TANGENT_DIM  # rotation (3), translation (3), log scale (1): GTSAM's Similarity3 tangent order
 # Node 0's prior: a standard deviation of 1e-6 (odometry's are ~1e-3 and up) holds chunk 0 in place; the
@@ -442,25 +448,35 @@ class PoseGraphSolver:
             a, b = self._ends[i]
             key = (min(a, b), max(a, b)) if self.settings.combine_chunk_pairs else (min(a, b), max(a, b), i)
             by_pair.setdefault(key, []).append(int(i))
-        return [self._group_of(key[0], key[1], tuple(loops)) for key, loops in by_pair.items()]
+        keys = [(key[0], key[1], tuple(loops)) for key, loops in by_pair.items()]
+        self._make_groups([key for key in keys if key not in self._groups])
+        return [self._groups[key] for key in keys]
 
-    def _group_of(self, first: int, second: int, members: tuple[int, ...]) -> _Group:
-        key = (first, second, members)
-        if key not in self._groups:
-            measured, covariance = self._measured[list(members)], self._covariance[list(members)]
-            flipped = self._ends[list(members), 0] > first
-            if flipped.any():  # (Z Exp(e))^-1 = Z^-1 Exp(-Ad_Z e)
-                covariance = covariance.copy()
-                covariance[flipped] = lie.sandwich(lie.adjoint(measured[flipped]), covariance[flipped])
-                measured = measured.copy()
-                measured[flipped] = lie.inverse(measured[flipped])
-            if len(members) > 1:
-                measured, covariance = combine(measured, covariance)
-            else:
-                measured, covariance = measured[0], covariance[0]
-            self._groups[key] = _Group(first, second, measured, covariance, members)
-            self._group_factors[key] = _between_factor(first, second, measured, covariance)
-        return self._groups[key]
+    def _make_groups(self, keys: Sequence[tuple[int, int, tuple[int, ...]]]) -> None:
+        """The edges of new (first, second, members) keys, their loops turned to first_from_second and each
+        pair's combined in one batch (consistency.combine_groups)."""
+        if not keys:
+            return
+        loops = np.array([i for _, _, members in keys for i in members], np.int64)
+        group = np.repeat(np.arange(len(keys)), [len(members) for _, _, members in keys])
+        measured, covariance = self._measured[loops].copy(), self._covariance[loops].copy()
+        flipped = self._ends[loops, 0] > np.array([first for first, _, _ in keys])[group]
+        if flipped.any():  # (Z Exp(e))^-1 = Z^-1 Exp(-Ad_Z e)
+            covariance[flipped] = lie.sandwich(lie.adjoint(measured[flipped]), covariance[flipped])
+            measured[flipped] = lie.inverse(measured[flipped])
+        single = np.bincount(group) == 1
+        firsts = np.unique(group, return_index=True)[1]  # a single loop's edge is the loop itself
+        means, covariances = measured[firsts], covariance[firsts]
+        if not single.all():
+            several = ~single[group]
+            renumbered = np.cumsum(~single) - 1
+            combined, combined_covariances = combine_groups(measured[several], covariance[several],
+                                                            renumbered[group[several]])
+            means[~single], covariances[~single] = combined, combined_covariances
+        for (first, second, members), mean, mean_covariance in zip(keys, means, covariances, strict=True):
+            key = (first, second, members)
+            self._groups[key] = _Group(first, second, mean, mean_covariance, members)
+            self._group_factors[key] = _between_factor(first, second, mean, mean_covariance)
 
     def _misfits(self, groups: Sequence[_Group], estimate: np.ndarray) -> np.ndarray:
         """[G] how far each edge is past its bounds at `estimate` (> 1: past): its own residual against the
