@@ -34,7 +34,9 @@ from stream_recon.app.outputs.rundir import (
     write_json_atomic,
 )
 from stream_recon.app.outputs.writers import RunWriter
+from stream_recon.models.loops.corrections import ChunkCorrections
 from stream_recon.models.stream.prediction import FRAME_NON_KEY
+from stream_recon.models.stream.similarity import Sim3
 
 NPZ_KEYS = set(PREDICTION_FIELDS)
 
@@ -668,3 +670,38 @@ def test_the_run_writer_ends_its_thread_at_once_not_at_its_next_poll(tmp_path):
     started = time.monotonic()
     writer.close("complete")
     assert not thread.is_alive() and time.monotonic() - started < writers._WORKER_POLL_S / 2
+
+
+def corrections_moving_chunk_0() -> ChunkCorrections:
+    return ChunkCorrections({0: Sim3(1.5, np.eye(3), np.array([0.5, 0.0, 0.0]))})
+
+
+def test_the_files_a_loop_closure_moved_are_rewritten_on_several_threads(tmp_path, monkeypatch):
+    frames = [plane_frame(i) for i in range(24)]
+    writer = RunWriter(tmp_path / "run", {"source": "synthetic"})
+    for i, frame in enumerate(frames):
+        writer.on_frame(frame, {"frames": i + 1})
+    threads, move_file = set(), writers._move_prediction_file
+
+    def recorded(path, move):
+        threads.add(threading.current_thread().name)
+        time.sleep(0.02)  # a file's read and write, long enough for the workers to overlap
+        move_file(path, move)
+
+    monkeypatch.setattr(writers, "_move_prediction_file", recorded)
+    writer.close("complete", {}, corrections_moving_chunk_0())
+    assert len(threads) > 1 and all(name.startswith("correct-predictions_") for name in threads)
+    with np.load(prediction_path(tmp_path / "run", 5)) as data:
+        np.testing.assert_allclose(data["c2w"][:, 3], 1.5 * frames[5].c2w[:, 3] + [0.5, 0.0, 0.0], rtol=1e-5)
+
+
+def test_moving_the_files_past_its_deadline_ends_the_run_with_one_line_naming_it(tmp_path, monkeypatch):
+    writer = RunWriter(tmp_path / "run", {"source": "synthetic"})
+    for i in range(4):
+        writer.on_frame(plane_frame(i), {"frames": i + 1})
+    monkeypatch.setattr(writers, "CORRECTION_S_PER_FILE", 0.01)
+    monkeypatch.setattr(writers, "_move_prediction_file", lambda path, move: time.sleep(0.5))
+    with pytest.raises(OutputDirError, match="took over 0 s: the files not yet written keep their uncorrected"):
+        writer.close("complete", {}, corrections_moving_chunk_0())
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["status"] == "complete" and "took over" in record["output_errors"][0]
