@@ -5,6 +5,7 @@ and the warm start."""
 from __future__ import annotations
 
 import functools
+import time
 
 import numpy as np
 import pytest
@@ -137,6 +138,9 @@ def test_a_spent_budget_leaves_the_heuristics_clique() -> None:
     bounded = maximum_clique(adjacent)
     assert bounded == CliqueResult(tuple(heuristic), exact=False, expansions=EXACT_BUDGET)
     assert is_clique(adjacent, bounded.members)
+    # a solve's deadline passed: the exact search stops at its first expansion, the heuristic's clique stands
+    late = maximum_clique(adjacent, deadline=time.perf_counter())
+    assert late == CliqueResult(tuple(heuristic), exact=False, expansions=1)
 
 
 def test_many_overlapping_cliques_finish_within_the_budget() -> None:

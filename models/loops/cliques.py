@@ -35,6 +35,7 @@ but ~3 ms at 3,000 nodes in a clique of 2,400, whose candidates lose one node an
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -192,8 +193,8 @@ class _ExactSearch:
     than Python's recursion limit). A frame: [clique, candidates, excluded, candidate set, excluded set,
     branches left]; the sets are a set-based search's, kept only for the pivot's order among ties."""
 
-    def __init__(self, graph: _Graph, at_least: int, budget: int | None) -> None:
-        self.graph, self.at_least, self.budget = graph, at_least, budget
+    def __init__(self, graph: _Graph, at_least: int, budget: int | None, deadline: float | None = None) -> None:
+        self.graph, self.at_least, self.budget, self.deadline = graph, at_least, budget, deadline
         self.best: list[int] = []
         self.expansions = 0
 
@@ -241,6 +242,8 @@ class _ExactSearch:
         if self.budget is not None and self.expansions > self.budget:
             self.expansions = self.budget
             raise _BudgetSpent
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise _BudgetSpent
         bits, count = self.graph.bits, candidates.bit_count()
         if all((bits[node] & candidates).bit_count() == count - 1 for node in candidate_set):
             if not any((bits[node] & candidates).bit_count() == count for node in excluded_set):
@@ -267,8 +270,9 @@ class _ExactSearch:
         return pivot
 
 
-def _exact(graph: _Graph, at_least: int, budget: int | None) -> tuple[list[int] | None, int]:
-    search = _ExactSearch(graph, at_least, budget)
+def _exact(graph: _Graph, at_least: int, budget: int | None, deadline: float | None = None
+           ) -> tuple[list[int] | None, int]:
+    search = _ExactSearch(graph, at_least, budget, deadline)
     return search.run(), search.expansions
 
 
@@ -281,12 +285,13 @@ def exact_maximum_clique(adjacent: np.ndarray, *, at_least: int = 0, budget: int
 
 
 def maximum_clique(adjacent: np.ndarray, *, warm_start: Sequence[int] = (),
-                   exact_budget: int = EXACT_BUDGET) -> CliqueResult:
+                   exact_budget: int = EXACT_BUDGET, deadline: float | None = None) -> CliqueResult:
     """The bounded step: the heuristic (seeded by `warm_start`), then the exact search for a clique at least
-    as large within `exact_budget` expansions; its clique when it finishes, else the heuristic's."""
+    as large within `exact_budget` expansions and before `deadline` (time.perf_counter's clock; None: no
+    limit); its clique when it finishes, else the heuristic's."""
     graph = _Graph(adjacent)
     found = _heuristic(graph, warm_start)
-    exact, expansions = _exact(graph, len(found), exact_budget)
+    exact, expansions = _exact(graph, len(found), exact_budget, deadline)
     if exact is None:
         return CliqueResult(tuple(found), exact=False, expansions=expansions)
     return CliqueResult(tuple(exact), exact=True, expansions=expansions)

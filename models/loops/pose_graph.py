@@ -44,7 +44,7 @@ import numpy as np
 
 from ..stream.similarity import Sim3
 from . import sim3_batch as lie
-from .cliques import clique_through, maximum_clique
+from .cliques import EXACT_BUDGET, clique_through, maximum_clique
 from .consistency import (
     ChainCovariances,
     chi_square_quantile,
@@ -189,8 +189,9 @@ class PoseGraphSettings:
     combine_chunk_pairs: bool = True
     # Above this many candidate loops, a solve whose new loops do not simply join the last clique grows a
     # clique through each of them (cliques.clique_through, O(new loops x candidates)) instead of searching
-    # the whole consistency graph again: the whole search's heuristic alone took 9 s at 2,450 candidates on
-    # the 2-core machine, the exact search 0.7 s more for its 1,000 expansions.
+    # the whole consistency graph again, and a whole search (the first, or after a link changed) keeps the
+    # heuristic's clique without the exact search: the heuristic alone took 9 s at 2,450 candidates on the
+    # 2-core machine, the exact search 0.7 s more for its 1,000 expansions.
     exact_clique_up_to: int = 500
     # Seconds a solve may take before it hands back what it has (None: no limit); see PoseGraphResult.complete.
     budget_s: float | None = None
@@ -302,6 +303,7 @@ class PoseGraphSolver:
         self._clique: list[int] = []  # the last solve's consistent set (loop indices)
         self._clique_over: set[int] = set()  # the candidates it was chosen from
         self._misfit_loops: set[int] = set()  # loops of the edges the last solve dropped as misfits
+        self._joined: set[tuple[int, ...]] = set()  # edges (their loops) that joined since a solve last completed
         self._estimate: np.ndarray | None = None  # [K, 4, 4] the last solution; None: the open chain
         # the same solution as GTSAM handed it back (not re-anchored), the next solve's start: converting
         # [K, 4, 4] into GTSAM's values costs ~25 us a chunk, a copy of these far less
@@ -384,7 +386,7 @@ class PoseGraphSolver:
         return self._consistent_pairs[np.ix_(loops, loops)]
 
     # -- the verdicts ------------------------------------------------------------------------------
-    def _consistent(self, active: np.ndarray) -> np.ndarray:
+    def _consistent(self, active: np.ndarray, deadline: float = float("inf")) -> np.ndarray:
         """The loops (indices) the solve may accept: those that agree with the chain, then a largest
         pairwise-consistent set of them."""
         candidates = active
@@ -406,7 +408,11 @@ class PoseGraphSolver:
         adjacent = self._consistent_pairs[np.ix_(candidates, candidates)]
         position = {loop: n for n, loop in enumerate(candidates.tolist())}
         warm = [position[loop] for loop in self._clique if loop in position]
-        found = maximum_clique(adjacent, warm_start=warm)
+        # above exact_clique_up_to the heuristic's clique stands: the exact search's sets of neighbours
+        # alone took GBs at 7,000 candidates
+        exact_budget = EXACT_BUDGET if len(candidates) <= self.settings.exact_clique_up_to else 0
+        found = maximum_clique(adjacent, warm_start=warm, exact_budget=exact_budget,
+                               deadline=None if deadline == float("inf") else deadline)
         self._clique_over = set(candidates.tolist())
         return candidates[np.array(found.members, np.int64)]
 
@@ -536,33 +542,40 @@ class PoseGraphSolver:
                       ) -> tuple[list[_Group], np.ndarray, gtsam.Values, int, bool]:
         """Solve, and while the worst edge is past its bounds, drop it and solve again. Edges with a loop the
         last solve dropped start out held back (a stream's next solve would drop them again, one solve each)
-        and join when they fit the solution; an edge joins at most once a solve."""
+        and join when they fit the solution; an edge joins at most once until a solve completes. A solve the
+        budget cuts short keeps what it dropped and what joined, so the next goes on from there: starting
+        over, a graph needing more drops than one budget holds would never complete."""
         kept = [group for group in groups if not self._misfit_loops.intersection(group.members)]
         held_back = [group for group in groups if self._misfit_loops.intersection(group.members)]
-        (estimate, values), iterations, joined = self._initial(), 0, set()
+        (estimate, values), iterations = self._initial(), 0
+
+        def handed_back(complete: bool) -> tuple[list[_Group], np.ndarray, gtsam.Values, int, bool]:
+            self._misfit_loops = {loop for group in held_back for loop in group.members}
+            if complete:
+                self._joined.clear()
+            return kept, estimate, values, iterations, complete
+
         while True:
             if kept:
                 estimate, values, steps, converged = self._levenberg_marquardt(kept, values, deadline)
                 iterations += steps
                 if not converged:
-                    return kept, estimate, values, iterations, False
+                    return handed_back(False)
                 misfits = self._misfits(kept, estimate)
                 worst = int(np.argmax(misfits))
                 if misfits[worst] > 1.0:
                     held_back.append(kept.pop(worst))
                     if time.perf_counter() > deadline:
-                        return kept, estimate, values, iterations, False
+                        return handed_back(False)
                     continue
             fitting = self._misfits(held_back, estimate) <= 1.0 if held_back else np.zeros(0, bool)
             joining = [group for group, fits in zip(held_back, fitting, strict=True)
-                       if fits and group.members not in joined]
+                       if fits and group.members not in self._joined]
             if not joining:
-                break
-            joined.update(group.members for group in joining)
+                return handed_back(True)
+            self._joined.update(group.members for group in joining)
             kept += joining
             held_back = [group for group in held_back if group not in joining]
-        self._misfit_loops = {loop for group in held_back for loop in group.members}
-        return kept, estimate, values, iterations, True
 
     def solve(self, graph: PoseGraph) -> PoseGraphResult:
         """The corrected world-from-chunk of every chunk of `graph` and a verdict on each of its loops."""
@@ -571,7 +584,7 @@ class PoseGraphSolver:
         deadline = start + budget if budget is not None else float("inf")
         self._take_odometry(graph.odometry)
         active = self._take_loops(graph.loops)
-        consistent = self._consistent(active)
+        consistent = self._consistent(active, deadline)
         self._clique = consistent.tolist()
         accepted, estimate, values, iterations, complete = self._solve_groups(self._group(consistent), deadline)
         self._estimate, self._estimate_values = (estimate, values) if accepted else (None, None)
