@@ -32,6 +32,9 @@ IMAGENET_STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
 NON_SKY_THRESHOLD = 0.1
 # onnxruntime's providers, fastest first: the GPU build's CUDA provider where it is installed
 PREFERRED_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
+# The CUDA provider's convolutions in the channels-last layout its tensor-core kernels take: the sky network
+# shares the GPU with the stream, and every millisecond it holds the GPU comes off the stream's frames.
+PROVIDER_OPTIONS = {"CUDAExecutionProvider": {"prefer_nhwc": "1"}}
 
 
 class SkyModelError(ValueError):
@@ -108,7 +111,8 @@ class SkySegmenter:
         available = set(onnxruntime.get_available_providers())
         providers = [name for name in PREFERRED_PROVIDERS if name in available]
         try:
-            self.session: Any = onnxruntime.InferenceSession(str(model_path), providers=providers)
+            self.session: Any = onnxruntime.InferenceSession(
+                str(model_path), providers=providers, provider_options=[PROVIDER_OPTIONS.get(name, {}) for name in providers])
         except Exception as error:  # onnxruntime raises its own types for a damaged or foreign file
             raise SkyModelError(f"cannot load the sky network {model_path}: {str(error).splitlines()[0]}; "
                                 f"{_fetch_by_hand()} again") from None
