@@ -62,7 +62,9 @@ def main() -> None:
     for count, (poses, c2w, seconds) in sorted(runs.items()):
         centre = np.linalg.norm(c2w[:, :3, 3] - reference_c2w[:, :3, 3], axis=1).max()
         turned = np.einsum("nij,nik->njk", reference_c2w[:, :3, :3], c2w[:, :3, :3])
-        angle = np.degrees(np.arccos(np.clip((np.trace(turned, axis1=1, axis2=2) - 1) / 2, -1, 1))).max()
+        sine = 0.5 * np.linalg.norm(turned - np.swapaxes(turned, 1, 2), axis=(1, 2)) / np.sqrt(2)
+        cosine = 0.5 * (np.trace(turned, axis1=1, axis2=2) - 1)  # atan2 of both: arccos alone is coarse near 0
+        angle = np.degrees(np.arctan2(sine, cosine)).max()
         print(f"--camera-iterations {count}: {1e3 * seconds:.1f} ms a frame; pose_enc max |difference| / std "
               f"{relative_error(poses, reference):.3g}; camera centres {centre:.3g} apart at most, rotations "
               f"{angle:.3g} deg")
