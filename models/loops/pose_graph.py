@@ -411,8 +411,7 @@ class PoseGraphSolver:
         # above exact_clique_up_to the heuristic's clique stands: the exact search's sets of neighbours
         # alone took GBs at 7,000 candidates
         exact_budget = EXACT_BUDGET if len(candidates) <= self.settings.exact_clique_up_to else 0
-        found = maximum_clique(adjacent, warm_start=warm, exact_budget=exact_budget,
-                               deadline=None if deadline == float("inf") else deadline)
+        found = maximum_clique(adjacent, warm_start=warm, exact_budget=exact_budget, deadline=deadline)
         self._clique_over = set(candidates.tolist())
         return candidates[np.array(found.members, np.int64)]
 
