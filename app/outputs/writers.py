@@ -83,7 +83,7 @@ WRITER_STALL_S = 60.0
 _WORKER_POLL_S = 5.0  # the writer thread's longest wait in one take; the run's end wakes it at once
 _WORKER_JOIN_S = 0.5  # the end waits this long for a thread that is mid-frame past the deadline
 # The frames a loop closure moved are rewritten at the run's end, each npz read, moved and written whole:
-# ~6.5 ms a 1.4 MB file on one thread (2,000 files took 13 s of the H200 host's end of a run). NumPy's and
+# ~6.5 ms a 1.4 MB file on one thread (2,000 files took 13 s of a GPU host's end of a run). NumPy's and
 # the file system's work release the GIL, so this many threads share them; each file gets at most
 # CORRECTION_S_PER_FILE, after which the run's end goes on and run.json names the files left as they were.
 CORRECTION_THREADS = 8
