@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 from evo_data import EVO_DATA_ENV, evo_data_dir
+from helpers import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
@@ -642,3 +643,39 @@ def test_ctrl_c_in_scripts_test_stops_the_whole_suite_at_once() -> None:
     assert took_s < 5.0, printed
     assert processes_of_session(suite.pid) == {}  # nothing of the suite left running
     assert "passed" not in printed.splitlines()[-1], printed
+
+
+def test_ctrl_c_in_scripts_test_also_stops_what_a_test_started_in_a_session_of_its_own(tmp_path) -> None:
+    """A test's process in a session of its own (a terminal's stand-in) is outside pytest's group: it is still
+    stopped with the suite, and no longer holds the suite's output open (the Ctrl-C test above waited for one)."""
+    (tmp_path / "test_holds_a_process.py").write_text(
+        "import subprocess, sys, time\n"
+        "def test_holds_a_process():\n"
+        "    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True)\n"
+        "    time.sleep(300)\n")
+    suite = subprocess.Popen([str(SCRIPTS / "test"), str(tmp_path / "test_holds_a_process.py"), "-p", "no:cacheprovider"],
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    try:
+        wait_until(lambda: any("time.sleep(300)" in line and "-c" in line for line in all_command_lines()), 120,
+                   what="the test's own process")
+        os.killpg(suite.pid, signal.SIGINT)
+        stopped = time.monotonic()
+        printed, _ = suite.communicate(timeout=30)
+        took_s = time.monotonic() - stopped
+    finally:
+        if suite.poll() is None:
+            os.killpg(suite.pid, signal.SIGKILL)
+    assert suite.returncode == 130 and took_s < 5.0, printed
+    wait_until(lambda: not any("time.sleep(300)" in line for line in all_command_lines()), 5, what="its end")
+
+
+def all_command_lines() -> list[str]:
+    lines = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                lines.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+            except OSError:
+                continue
+    return lines

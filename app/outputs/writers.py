@@ -433,7 +433,7 @@ class RunWriter:
             raise OSError(f"moving the frames' files a loop closure corrected took over {deadline.seconds:.0f} s: "
                           "the files not yet written keep their uncorrected poses") from None
         finally:
-            pool.shutdown()
+            pool.shutdown()  # unbounded-ok: a DaemonPool's shutdown returns at once
 
     def _write_run_json(self, status: str, summary: dict, errors: list[str] | None = None) -> None:
         elapsed = time.monotonic() - self._start_time
