@@ -615,6 +615,12 @@ def processes_of_session(session: int) -> dict[int, str]:
     return found
 
 
+def as_in_a_terminal() -> None:
+    """Ctrl-C's signal as a terminal's shell leaves it to a command: a suite started in the background of a
+    script (`nohup ... &`) hands its processes SIGINT ignored, and bash cannot trap a signal ignored at its start."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow  # a pytest session of its own, with a stream-recon run in it: 20-40 s on a busy machine
 def test_ctrl_c_in_scripts_test_stops_the_whole_suite_at_once() -> None:
     # each Ctrl-C in a terminal running scripts/test failed one test (its stream-recon process got the signal
@@ -624,7 +630,8 @@ def test_ctrl_c_in_scripts_test_stops_the_whole_suite_at_once() -> None:
     suite = subprocess.Popen([str(SCRIPTS / "test"), "tests/test_app_cli_process.py", "-k",
                               "closed_terminal or a_second_run_into or sigterm or stopped", "-p", "no:cacheprovider"],
                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)  # a terminal of its own: its Ctrl-C reaches its group only
+                             start_new_session=True,  # a terminal of its own: its Ctrl-C reaches its group only
+                             preexec_fn=as_in_a_terminal)
     try:
         deadline = time.monotonic() + 300
         while not any("stream-recon" in line and "--checkpoint" in line
@@ -655,7 +662,7 @@ def test_ctrl_c_in_scripts_test_also_stops_what_a_test_started_in_a_session_of_i
         "    time.sleep(300)\n")
     suite = subprocess.Popen([str(SCRIPTS / "test"), str(tmp_path / "test_holds_a_process.py"), "-p", "no:cacheprovider"],
                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=as_in_a_terminal)
     try:
         wait_until(lambda: any("time.sleep(300)" in line and "-c" in line for line in all_command_lines()), 120,
                    what="the test's own process")
