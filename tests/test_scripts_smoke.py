@@ -601,14 +601,14 @@ def test_the_viewer_comparison_of_bench_refuses_too_few_frames_in_one_line():
 
 
 # -- scripts/test stops at Ctrl-C ------------------------------------------------------------------------
-def processes_of_session(session: int) -> dict[int, str]:
-    """pid -> command line of every live process of `session` (Linux's /proc)."""
+def processes_of_session(session: int | None = None) -> dict[int, str]:
+    """pid -> command line of every live process of `session` (None: of any session) (Linux's /proc)."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if os.getsid(int(entry.name)) == session:
+            if session is None or os.getsid(int(entry.name)) == session:
                 found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:  # ended meanwhile
             continue
@@ -621,31 +621,34 @@ def as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def ctrl_c_in_scripts_test(arguments: list[str], ready: Callable[[int], bool]) -> tuple[subprocess.Popen, str, float]:
+    """scripts/test ARGUMENTS in a terminal of its own, Ctrl-C once `ready(its session)` holds: the process, what it
+    printed, and the seconds from the Ctrl-C to its end."""
+    suite = subprocess.Popen([str(SCRIPTS / "test"), *arguments, "-p", "no:cacheprovider"], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True,  # a terminal of its own: its Ctrl-C reaches its group only
+                             preexec_fn=as_in_a_terminal)
+    try:
+        wait_until(lambda: ready(suite.pid), 300, process=suite, what="the moment to press Ctrl-C")
+        os.killpg(suite.pid, signal.SIGINT)  # what the terminal does at Ctrl-C: its foreground group
+        stopped = time.monotonic()
+        printed, _ = suite.communicate(timeout=30)
+        return suite, printed, time.monotonic() - stopped
+    finally:
+        if suite.poll() is None:
+            os.killpg(suite.pid, signal.SIGKILL)
+
+
 @pytest.mark.slow  # a pytest session of its own, with a stream-recon run in it: 20-40 s on a busy machine
 def test_ctrl_c_in_scripts_test_stops_the_whole_suite_at_once() -> None:
     # each Ctrl-C in a terminal running scripts/test failed one test (its stream-recon process got the signal
     # too and exited 130) and the suite went on
     # several tests that run stream-recon, so that the Ctrl-C finds the suite mid-way even when a loaded machine
     # sees the first run late
-    suite = subprocess.Popen([str(SCRIPTS / "test"), "tests/test_app_cli_process.py", "-k",
-                              "closed_terminal or a_second_run_into or sigterm or stopped", "-p", "no:cacheprovider"],
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True,  # a terminal of its own: its Ctrl-C reaches its group only
-                             preexec_fn=as_in_a_terminal)
-    try:
-        deadline = time.monotonic() + 300
-        while not any("stream-recon" in line and "--checkpoint" in line
-                      for line in processes_of_session(suite.pid).values()):
-            assert suite.poll() is None and time.monotonic() < deadline, "no stream-recon run in the suite"
-            time.sleep(0.05)
-        os.killpg(suite.pid, signal.SIGINT)  # what the terminal does at Ctrl-C: its foreground group
-        stopped = time.monotonic()
-        printed, _ = suite.communicate(timeout=30)
-        took_s = time.monotonic() - stopped
-    finally:
-        if suite.poll() is None:
-            os.killpg(suite.pid, signal.SIGKILL)
-
+    suite, printed, took_s = ctrl_c_in_scripts_test(
+        ["tests/test_app_cli_process.py", "-k", "closed_terminal or a_second_run_into or sigterm or stopped"],
+        lambda session: any("stream-recon" in line and "--checkpoint" in line
+                            for line in processes_of_session(session).values()))
     assert suite.returncode == 130, printed
     assert took_s < 5.0, printed
     assert processes_of_session(suite.pid) == {}  # nothing of the suite left running
@@ -660,29 +663,10 @@ def test_ctrl_c_in_scripts_test_also_stops_what_a_test_started_in_a_session_of_i
         "def test_holds_a_process():\n"
         "    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True)\n"
         "    time.sleep(300)\n")
-    suite = subprocess.Popen([str(SCRIPTS / "test"), str(tmp_path / "test_holds_a_process.py"), "-p", "no:cacheprovider"],
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True, preexec_fn=as_in_a_terminal)
-    try:
-        wait_until(lambda: any("time.sleep(300)" in line and "-c" in line for line in all_command_lines()), 120,
-                   what="the test's own process")
-        os.killpg(suite.pid, signal.SIGINT)
-        stopped = time.monotonic()
-        printed, _ = suite.communicate(timeout=30)
-        took_s = time.monotonic() - stopped
-    finally:
-        if suite.poll() is None:
-            os.killpg(suite.pid, signal.SIGKILL)
+
+    def holding() -> bool:
+        return any("time.sleep(300)" in line and "-c" in line for line in processes_of_session().values())
+
+    suite, printed, took_s = ctrl_c_in_scripts_test([str(tmp_path / "test_holds_a_process.py")], lambda _: holding())
     assert suite.returncode == 130 and took_s < 5.0, printed
-    wait_until(lambda: not any("time.sleep(300)" in line for line in all_command_lines()), 5, what="its end")
-
-
-def all_command_lines() -> list[str]:
-    lines = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                lines.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
-            except OSError:
-                continue
-    return lines
+    wait_until(lambda: not holding(), 5, what="its end")
