@@ -641,7 +641,7 @@ def _pair_blocks(indices: np.ndarray, count: int, against_all: bool) -> Iterable
 def _gtsam_poses(world_from_chunk: np.ndarray) -> list[gtsam.Similarity3]:
     # GTSAM's Similarity3 matrix is [R | t / s] over [0 | 1 / s]: ours, [sR | t] over [0 | 1], divided by s
     # (one constructor call a chunk; building it from parts costs 3x as much)
-    scale = np.cbrt(lie.determinant3(world_from_chunk[:, :3, :3]))
+    scale = lie.parts(world_from_chunk)[0]
     return [gtsam.Similarity3(theirs) for theirs in world_from_chunk / scale[:, None, None]]
 
 
