@@ -705,3 +705,39 @@ def test_moving_the_files_past_its_deadline_ends_the_run_with_one_line_naming_it
         writer.close("complete", {}, corrections_moving_chunk_0())
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["status"] == "complete" and "took over" in record["output_errors"][0]
+
+
+def test_a_file_whose_rewrite_fails_is_named_and_the_rest_of_the_run_is_still_written(tmp_path, monkeypatch):
+    # Any exception (here a SystemError, as CPython raises from concurrent AST conversions) in one file's
+    # rewrite: the other files are moved, the trajectory and cloud written, run.json names the file.
+    frames = [plane_frame(i) for i in range(6)]
+    writer = RunWriter(tmp_path / "run", {"source": "synthetic"})
+    for i, frame in enumerate(frames):
+        writer.on_frame(frame, {"frames": i + 1})
+    move_file = writers._move_prediction_file
+
+    def failing_on_frame_2(path, move):
+        if path == prediction_path(tmp_path / "run", 2):
+            raise SystemError("AST constructor recursion depth mismatch (before=42, after=41)")
+        move_file(path, move)
+
+    monkeypatch.setattr(writers, "_move_prediction_file", failing_on_frame_2)
+    with pytest.raises(OutputDirError, match="1 of the 6 files a loop closure moved keep their uncorrected poses"):
+        writer.close("complete", {}, corrections_moving_chunk_0())
+    run = tmp_path / "run"
+    record = json.loads((run / "run.json").read_text())
+    assert record["status"] == "complete" and "000002.npz: SystemError" in record["output_errors"][0]
+    assert (run / "trajectory_tum.txt").is_file() and (run / "points.ply").is_file()
+    with np.load(prediction_path(run, 5)) as moved, np.load(prediction_path(run, 2)) as kept:
+        np.testing.assert_allclose(moved["c2w"][:, 3], 1.5 * frames[5].c2w[:, 3] + [0.5, 0.0, 0.0], rtol=1e-5)
+        np.testing.assert_allclose(kept["c2w"], frames[2].c2w, rtol=1e-6)
+
+
+def test_a_writer_that_raises_anything_leaves_the_other_outputs_written(tmp_path, monkeypatch):
+    writer = RunWriter(tmp_path / "run", {"source": "synthetic"})
+    writer.on_frame(plane_frame(0), {"frames": 1})
+    monkeypatch.setattr(writer, "_write_points", lambda moves: (_ for _ in ()).throw(ValueError("bad cloud")))
+    with pytest.raises(OutputDirError, match="points.ply: ValueError: bad cloud"):
+        writer.close("complete")
+    assert (tmp_path / "run" / "trajectory_tum.txt").is_file()
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "complete"

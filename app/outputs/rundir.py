@@ -551,9 +551,16 @@ def prediction_fields(path: Path, *names: str) -> dict[str, Any]:
     return record
 
 
+# numpy parses each array's header with ast.literal_eval, and CPython 3.11 counts the depth of an AST's
+# conversion per interpreter, not per thread: two threads converting at once can fail with
+# SystemError("AST constructor recursion depth mismatch"). Threads reading npz files take turns.
+_NPZ_READ_LOCK = threading.Lock()
+
+
 def stored_prediction(path: Path) -> dict[str, np.ndarray]:
-    """Every array of one npz as stored (its keys and dtypes unchanged), for rewriting the file."""
-    with opened_npz(path) as data:
+    """Every array of one npz as stored (its keys and dtypes unchanged), for rewriting the file; safe to call
+    from several threads (they read one at a time, the reads being short beside the writes)."""
+    with _NPZ_READ_LOCK, opened_npz(path) as data:
         return {key: data[key] for key in data.files}
 
 

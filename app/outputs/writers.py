@@ -17,6 +17,7 @@ import resource
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from importlib import metadata
@@ -114,6 +115,17 @@ def _move_prediction_file(path: Path, move: Sim3) -> None:
     if path.exists():
         corrected = corrected_prediction_file(path, move)
         atomic_write(path, lambda f: np.savez(f, **corrected), binary=True)
+
+
+def _failure(future: Future, deadline: Deadline) -> str | None:
+    """What a file's rewrite raised (None when it succeeded); TimeoutError once the deadline has passed."""
+    try:
+        future.result(timeout=deadline.remaining())
+    except TimeoutError:
+        raise
+    except Exception as exc:  # one file's failure leaves the others to be rewritten
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def software_versions() -> dict[str, str]:
@@ -354,9 +366,10 @@ class RunWriter:
         for name, write in writes:
             try:
                 write()
-            except OSError as exc:
-                # Keep going: run.json must still say how the run ended, and the npz files are intact.
-                errors.append(f"{name}: {exc}")
+            except Exception as exc:
+                # Keep going, whatever failed: run.json must still say how the run ended, the other files must
+                # still be written, and the npz files are intact.
+                errors.append(f"{name}: {exc}" if isinstance(exc, OSError) else f"{name}: {type(exc).__name__}: {exc}")
         self._write_run_json(status, summary or {}, errors)
         self._let_go()
         if errors:
@@ -426,14 +439,20 @@ class RunWriter:
                 files.append((prediction_path(self.output_dir, frame), move))
         pool = DaemonPool(CORRECTION_THREADS, "correct-predictions")
         deadline = Deadline(CORRECTION_S_PER_FILE * max(1, len(files)))
+        failures = []
         try:
-            for future in [pool.submit(_move_prediction_file, path, move) for path, move in files]:
-                future.result(timeout=deadline.remaining())
+            for path, future in [(path, pool.submit(_move_prediction_file, path, move)) for path, move in files]:
+                failure = _failure(future, deadline)
+                if failure:
+                    failures.append(f"{path.name}: {failure}")
         except TimeoutError:
             raise OSError(f"moving the frames' files a loop closure corrected took over {deadline.seconds:.0f} s: "
                           "the files not yet written keep their uncorrected poses") from None
         finally:
             pool.shutdown()  # unbounded-ok: a DaemonPool's shutdown returns at once
+        if failures:
+            raise OSError(f"{len(failures)} of the {len(files)} files a loop closure moved keep their uncorrected "
+                          f"poses, the first {failures[0]}")
 
     def _write_run_json(self, status: str, summary: dict, errors: list[str] | None = None) -> None:
         elapsed = time.monotonic() - self._start_time
