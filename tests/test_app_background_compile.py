@@ -65,6 +65,7 @@ def test_records_live_in_inductors_cache_folder_and_name_one_key_each(inductor_c
     assert (inductor_cache / "stream-recon-compiled" / f"{'a' * 32}.compiled").read_text() == "note\n"
 
 
+@pytest.mark.slow
 def test_the_key_names_the_size_precision_settings_and_architecture_and_is_the_same_in_another_process():
     base = key_for(options())
     assert len(base) == 32 and base == key_for(options())
@@ -121,6 +122,7 @@ def wait_for(sizes: CompiledSizes, timeout_s: float = 240.0) -> str:
     return sizes.poll()
 
 
+@pytest.mark.slow
 def test_a_new_size_is_compiled_by_a_child_process_that_leaves_its_record(prepared_tiny_model):
     run_options = options()
     sizes = compiled_sizes(prepared_tiny_model, run_options)
@@ -144,6 +146,7 @@ def test_a_new_size_is_compiled_by_a_child_process_that_leaves_its_record(prepar
     assert compile_choice("auto", "cuda", key).compile  # the next run of this size compiles
 
 
+@pytest.mark.slow
 def test_a_run_stopped_by_a_signal_stops_its_compile_and_one_that_ends_lets_it_finish(prepared_tiny_model):
     stopped = compiled_sizes(prepared_tiny_model, options())
     stopped.warmed_up(SIZE)
@@ -161,6 +164,7 @@ def test_a_run_stopped_by_a_signal_stops_its_compile_and_one_that_ends_lets_it_f
     assert recorded(ended.key, "compiled")
 
 
+@pytest.mark.slow
 def test_a_size_being_compiled_by_another_process_is_not_compiled_twice(prepared_tiny_model):
     run_options = options()
     key = key_for(run_options)
@@ -206,6 +210,7 @@ def test_a_memory_budget_counts_the_background_compile(prepared_tiny_model):
     assert recorded(sizes.key, "compile-first")
 
 
+@pytest.mark.slow
 def test_the_child_streams_with_the_runs_memory_plan_under_the_runs_key(prepared_tiny_model):
     """Under --gpu-memory the run's engine takes its plan's K/V precision and window; the child's does too
     (as a spare engine does: no budget of its own), and its record is the run's key."""
@@ -224,6 +229,7 @@ def test_the_child_streams_with_the_runs_memory_plan_under_the_runs_key(prepared
     assert sizes.key == key_for(run_options) and recorded(sizes.key, "compiled")
 
 
+@pytest.mark.slow
 def test_a_child_that_fails_says_so_and_the_next_run_compiles_first(prepared_tiny_model):
     """A child whose work fails (here: the key it is handed is not the one the run's settings name) exits
     non-zero with a record that makes the next run of that key compile before its stream; the run says

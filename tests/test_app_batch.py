@@ -278,6 +278,7 @@ def test_batch_killed_mid_sequence_completes_when_rerun(tmp_path):
     assert json.loads((output / "b_long" / "run.json").read_text())["status"] == "complete"
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_batch_after_saving_the_current_sequence(tmp_path):
     root = tmp_path / "data"
     write_image_folder(root / "a_long", 120)

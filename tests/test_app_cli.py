@@ -147,6 +147,7 @@ def test_version_and_help() -> None:
         assert "Examples:" in shown and f"stream-recon {command if command != 'run' else ''}" in shown
 
 
+@pytest.mark.slow
 def test_installed_entry_point_takes_a_bare_source(tmp_path: Path) -> None:
     # the real console script, as a user types it: no `run`
     result = subprocess.run(
@@ -195,6 +196,7 @@ def test_folder_of_mixed_sizes(tmp_path: Path) -> None:
     assert_user_error(invoke(str(folder), "--no-viewer"), "different sizes: a.png is 64x48 but b.png is 32x32")
 
 
+@pytest.mark.slow
 def test_unreachable_stream_times_out(tmp_path: Path) -> None:
     with silent_server() as port:
         result = invoke(f"rtsp://127.0.0.1:{port}/cam", "--open-timeout", "1", "--no-viewer",
@@ -1033,6 +1035,7 @@ def write_trajectory_pair(run_dir: Path, gt_file: Path, frames: int = 12) -> Non
     write_tum(gt_file, timestamps, c2w)
 
 
+@pytest.mark.slow
 def test_eval_of_a_run_that_cannot_be_written_prints_the_metrics_first(unprivileged) -> None:
     # a run on a read-only mount: a 51-line traceback (EROFS on .eval.json.*.tmp), the metrics never shown
     prefix, folder = unprivileged
@@ -1053,6 +1056,7 @@ def test_eval_of_a_run_that_cannot_be_written_prints_the_metrics_first(unprivile
     assert json.loads((folder / "eval.json").read_text())["matched_poses"] == 12
 
 
+@pytest.mark.slow
 def test_unreadable_inputs_are_one_line_and_exit_2(unprivileged, tiny_checkpoint: Path) -> None:
     # an unreadable video, folder or --checkpoint: PermissionError tracebacks, exit 1
     prefix, folder = unprivileged

@@ -28,6 +28,10 @@ from stream_recon.app.commands._options import EXIT_BAD_INPUT, EXIT_TERMINATED
 from stream_recon.models import GCTStream, ModelConfig
 from stream_recon.models.checkpoint import CONFIG_METADATA_KEY
 
+# Every test here starts stream-recon processes (2-5 s each to import torch on a busy 2-core machine): none is in
+# the quick run
+pytestmark = pytest.mark.slow
+
 # the run flags that make the tiny model's runs take a moment (tests/test_app_cli.py uses the same)
 FAST_FLAGS = ("--no-viewer", "--image-width", "56", "--scale-frames", "3", "--window", "4")
 # what earlier tests may have left in this process's environment: the library log levels an in-process CLI

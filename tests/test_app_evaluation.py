@@ -497,6 +497,7 @@ def evo_on_files(gt_file, est_file, alignment, max_diff=0.01):
 
 
 @pytest.mark.parametrize(("gt_name", "est_name", "alignment"), REAL_PAIRS)
+@pytest.mark.slow
 def test_real_trajectories_equal_evo(evo_data, gt_name, est_name, alignment):
     gt_file, est_file = evo_data / gt_name, evo_data / est_name
     ours = evaluate_trajectories(read_tum_trajectory(est_file), read_tum_trajectory(gt_file), alignment=alignment)
@@ -515,6 +516,7 @@ def test_rgbdslam_against_orb_keyframes_gives_evos_published_numbers(evo_data):
 
 
 @pytest.mark.parametrize("max_diff", [0.003, 0.005, 0.02, 0.1])
+@pytest.mark.slow
 def test_max_diff_changes_the_pairing_as_in_evo(evo_data, max_diff):
     gt_file, est_file = evo_data / "fr2_desk_groundtruth.txt", evo_data / "fr2_desk_ORB_kf_mono.txt"
     ours = evaluate_trajectories(
@@ -548,6 +550,7 @@ def write_run_of_trajectory(run_dir, trajectory):
     ("gt_name", "est_name", "alignment"),
     [REAL_PAIRS[0], ("freiburg1_xyz-groundtruth.txt", "freiburg1_xyz-rgbdslam.txt", "se3")],
 )
+@pytest.mark.slow
 def test_eval_command_on_a_run_of_a_real_trajectory_equals_evo(tmp_path, evo_data, gt_name, est_name, alignment):
     from typer.testing import CliRunner
 

@@ -607,6 +607,7 @@ def test_an_export_replaces_only_with_overwrite_and_never_mixes_into_a_folder(ru
     assert not (tmp_path / "model" / "images" / "stale.png").exists()  # replaced, not mixed
 
 
+@pytest.mark.slow
 def test_full_resolution_exports_carry_the_source_frames_with_scaled_intrinsics(tmp_path, tiny_model):
     # COLMAP and nerfstudio carried the model inputs (518x294 by default), too small for splatting
     run_dir, video = run_video(tmp_path, tiny_model, "run")  # 160x96 frames, 56x28 model inputs

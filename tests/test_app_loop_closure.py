@@ -67,6 +67,7 @@ def closed_run(tmp_path_factory) -> tuple[Path, LoopSceneEngine]:
         return run_loop_scene(tmp_path_factory.mktemp("loop"), monkeypatch, loop_closure="on")
 
 
+@pytest.mark.slow
 def test_the_run_directory_holds_the_corrected_trajectory_and_keeps_the_open_one(closed_run) -> None:
     run_dir, engine = closed_run
     reference = load_loop_scene().c2w
@@ -111,6 +112,7 @@ def reference_covisible_pairs() -> set[tuple[int, int]]:
     return {(a, b) for a, b, shared in table["shared_points"] if shared >= 10}
 
 
+@pytest.mark.slow
 def test_every_npz_agrees_with_the_corrected_trajectory(closed_run) -> None:
     run_dir, engine = closed_run
     _, corrected = read_tum(run_dir / TRAJECTORY_TUM)
@@ -157,6 +159,7 @@ def test_points_ply_is_the_cloud_of_the_corrected_predictions(closed_run) -> Non
     assert np.quantile(distance, 0.99) <= 2 * np.sqrt(3) * rebuilt.voxel_size
 
 
+@pytest.mark.slow
 def test_a_stream_without_a_loop_writes_exactly_what_loop_closure_off_writes(tmp_path: Path, monkeypatch) -> None:
     # 50 frames reach a third chunk (frame 32 on) but the walk has not come back yet
     closing, _ = run_loop_scene(tmp_path, monkeypatch, loop_closure="on", frames=50, name="on")
@@ -171,6 +174,7 @@ def test_a_stream_without_a_loop_writes_exactly_what_loop_closure_off_writes(tmp
         assert (plain / name).read_bytes() == (closing / name).read_bytes(), name
 
 
+@pytest.mark.slow
 def test_run_json_records_which_keyframes_were_indexed(tmp_path: Path, monkeypatch) -> None:
     # every frame is a keyframe; one in 8 is indexed: frames 0, 8, ..., 48 of 50
     run_dir, _ = run_loop_scene(tmp_path, monkeypatch, loop_closure="on", frames=50, index_spacing=8)

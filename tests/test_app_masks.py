@@ -88,6 +88,7 @@ def masked_run(tmp_path, tiny_model, **extra):
     return tmp_path / "run"
 
 
+@pytest.mark.slow
 def test_a_masked_run_leaves_the_sky_out_of_every_output(tmp_path, tiny_model, checkpoints_with_skyseg):
     run = masked_run(tmp_path, tiny_model, mask_sky=True)
     assert json.loads((run / "run.json").read_text())["settings"]["mask_sky"] is True

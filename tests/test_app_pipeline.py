@@ -215,6 +215,7 @@ def test_live_mjpeg_camera_run(tmp_path: Path, tiny_model: GCTStream) -> None:
     check_run_dir(tmp_path / "run", 6, "complete")
 
 
+@pytest.mark.slow
 def test_generator_source_keeps_its_timestamps(tmp_path: Path, tiny_model: GCTStream) -> None:
     def camera():
         for index in range(5):
@@ -235,6 +236,7 @@ def test_stream_shorter_than_the_scale_frames_is_flushed(tmp_path: Path, tiny_mo
     assert summary.status == "complete" and summary.frames == 2
 
 
+@pytest.mark.slow
 def test_long_stream_rolls_over_to_new_windows_and_keeps_one_file_per_frame(
     tmp_path: Path, tiny_model: GCTStream
 ) -> None:
@@ -254,6 +256,7 @@ def test_long_stream_rolls_over_to_new_windows_and_keeps_one_file_per_frame(
     assert windows == sorted(windows) and windows[-1] >= 2
 
 
+@pytest.mark.slow
 def test_a_warm_up_before_the_first_frame_leaves_the_run_directory_as_it_is(
     tmp_path: Path, tiny_model: GCTStream
 ) -> None:
@@ -296,6 +299,7 @@ def test_auto_warms_up_where_the_first_streaming_step_is_slow_and_the_stream_has
     assert warm_ups[3] is None and warm_ups[5] > 0
 
 
+@pytest.mark.slow
 def test_a_run_builds_its_kernels_while_its_checkpoint_loads_and_writes_what_it_writes_without(
     tmp_path: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -364,6 +368,7 @@ def test_truncated_video_keeps_the_frames_before_the_damage(tmp_path: Path, tiny
     assert "truncated" in record["summary"]["error"]
 
 
+@pytest.mark.slow
 def test_frame_of_another_size_mid_stream_fails_and_keeps_earlier_frames(
     tmp_path: Path, tiny_model: GCTStream
 ) -> None:
@@ -599,6 +604,7 @@ def test_start_past_the_end_is_refused_before_the_model_loads(tmp_path: Path) ->
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_source_that_delivers_no_frame_is_a_failed_run(tmp_path: Path, tiny_model: GCTStream) -> None:
     # a source whose length is not known up front (a generator, a camera) can still deliver nothing
     summary = run_sequence(iter([]), tmp_path / "run", RunOptions(**FAST), model=tiny_model)
@@ -627,6 +633,7 @@ def test_options_are_validated_with_every_problem_named(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_host_memory_stays_flat_over_a_long_video(tmp_path: Path, tiny_model: GCTStream) -> None:
     # 60 decoded 1280x720 frames are 166 MB; the run must hold a bounded number of them
     video = write_video(tmp_path / "long.mp4", 60, width=1280, height=720)

@@ -56,6 +56,7 @@ def test_the_cpu_cache_grows_with_the_frames_of_a_stream() -> None:
 
 @pytest.mark.parametrize(("frames", "source_size", "window"),
                          [(2, (160, 96), 4), (7, (160, 96), 4), (40, (160, 96), 4), (12, (90, 160), 6), (60, (160, 96), 40)])
+@pytest.mark.slow
 def test_the_cache_estimate_is_the_cache_the_engine_allocates(prepared_tiny_model, frames, source_size, window) -> None:
     # on the CPU the paged cache starts with the scale frames' pages and grows as frames come
     run = RunShape(source_size=source_size, image_width=56, scale_frames=3, window=window, frames=frames)

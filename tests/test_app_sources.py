@@ -176,6 +176,7 @@ def test_single_image_is_refused_with_the_folder_to_use(tmp_path: Path) -> None:
         open_source(tmp_path / "seq" / "a.png")
 
 
+@pytest.mark.slow
 def test_host_memory_stays_flat_over_a_long_video(tmp_path: Path) -> None:
     # 100 frames of 640x480 RGB are 92 MB decoded; a bounded queue holds 8 (7 MB)
     video = write_noise_video(tmp_path / "long.avi", 100, 640, 480)
@@ -402,6 +403,7 @@ def test_live_source_stops_at_max_frames() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_unreachable_stream_fails_after_its_open_timeout() -> None:
     with silent_server() as port:
         with pytest.raises(SourceError, match=r"could not (open stream|connect to) http://127.0.0.1.* 1 s"):
@@ -416,6 +418,7 @@ def test_refused_stream_fails_without_waiting_for_the_open_timeout() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_stalled_stream_becomes_an_error_not_a_hang() -> None:
     with mjpeg_server(stall_after=3) as url:
         source = open_source(url, open_timeout_s=5.0, frame_timeout_s=0.5)

@@ -85,6 +85,7 @@ def test_signals_while_the_run_closes_raise_nothing(stop: StopOnSignal) -> None:
     assert stop.requested and stop.count == 2 and stop.signum == signal.SIGINT
 
 
+@pytest.mark.slow
 def test_a_signal_held_by_nested_blocks_is_raised_when_the_outermost_ends() -> None:
     """A clean-up held inside another held block (the output folder made, then removed on a failure) must
     finish: the signal that came meanwhile is raised once, at the outermost block's end, even though the

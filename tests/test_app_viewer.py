@@ -742,6 +742,7 @@ def test_replay_of_a_run_without_loops_draws_none(tmp_path):
         replay.viewer.close()
 
 
+@pytest.mark.slow
 def test_replay_shows_the_run_and_follows_the_timeline(tmp_path):
     write_run(tmp_path / "run", 30, every_other_keyframe=True)
     replay = start_replay(tmp_path / "run", port=free_port(), max_points_per_keyframe=300)
@@ -852,6 +853,7 @@ def test_a_live_viewer_draws_at_most_its_cloud_rate_and_always_the_newest_keyfra
         live.stop()
 
 
+@pytest.mark.slow
 def test_a_newest_keyframe_the_cloud_rate_left_without_a_cloud_gets_one_once_a_token_comes():
     """The bucket holds one cloud and refills every two seconds. The first keyframes spend it (and the newest of
     them is drawn, at once or at the next token); the next keyframe arrives with no token left: it waits, and is
@@ -927,6 +929,7 @@ def test_replay_timeline_counts_frame_indices_and_shows_no_missing_image(tmp_pat
 
 
 
+@pytest.mark.slow
 def test_a_run_that_closes_a_loop_moves_the_chunk_nodes_a_client_sees(tmp_path, monkeypatch):
     """The real run loop on the `loop` fixture (tests/loop_standin.py stands in for the model): the final
     correction reaches a connected client before the viewer closes, as the run directory has it."""

@@ -145,6 +145,7 @@ class TwoStores:
 
 @settings(max_examples=100, deadline=None)
 @given(layout=layouts(), seed=st.integers(0, 1000), scale_batch=st.integers(1, 3), ops=st.lists(OPS, max_size=20))
+@pytest.mark.slow
 def test_fp8_store_follows_appends_moves_and_rollbacks(layout, seed, scale_batch, ops):
     stores = TwoStores(layout, seed)
     for _ in range(min(scale_batch, layout.scale_frames)):
@@ -226,6 +227,7 @@ WRITE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_fp8_write_kernel_stores_the_bytes_of_the_torch_rule():
     pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[dev]')")
     assert interpret(WRITE_SCRIPT, [(0, 2, 11), (1, 3, 9), (2, 16, 7)]).strip() == "ok"
@@ -261,6 +263,7 @@ ATTENTION_SCRIPT = textwrap.dedent("""
 ATTENTION_CASES = [(5, 9, 3), (40, 40 + 256, 64), (7, 7 + 300, 70), (0, 129, 130)]
 
 
+@pytest.mark.slow
 def test_fp8_range_kernel_matches_sdpa_over_the_dequantised_keys():
     pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[dev]')")
     errors = [float(x) for x in interpret(ATTENTION_SCRIPT, ATTENTION_CASES).split()]

@@ -45,6 +45,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_range_kernel_matches_sdpa_over_the_same_keys():
     errors = [float(x) for x in interpret(SCRIPT, CASES).split()]
     assert len(errors) == len(CASES)
@@ -114,6 +115,7 @@ SCHEDULE_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("tma", [True, False], ids=["tma-loads", "pointer-loads"])
+@pytest.mark.slow
 def test_scheduled_pieces_merge_to_sdpa_over_the_same_keys(tma):
     """Both loads: TMA descriptors (Hopper on) and pointers (Ampere, Ada), each path's partial last
     block included (a store whose last block ends past its rows: the range ends 5 rows before it)."""
@@ -151,6 +153,7 @@ FRAME_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_frame_attention_matches_sdpa_on_strided_views():
     errors = [float(x) for x in interpret(FRAME_SCRIPT, FRAME_CASES).split()]
     assert len(errors) == len(FRAME_CASES)
@@ -298,6 +301,7 @@ def test_key_stages_keep_two_programs_per_sm_where_they_can(per_sm, expected, as
 HOPPER_SHARED_PER_BLOCK = 232448
 
 
+@pytest.mark.slow
 def test_the_gluon_kernel_builds_for_hopper_with_the_installed_triton():
     """The Hopper kernel (cache/gluon_attention.py) built for sm_90a without a GPU, as the engine
     launches it, by this Triton: Gluon renames its functions between releases (3.9 did twice), and a

@@ -32,6 +32,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_plain_write_kernel_stores_what_index_copy_stores():
     cases = [(0, 2, 11, "float32", "float32"), (1, 3, 9, "float16", "float32"), (2, 16, 7, "bfloat16", "bfloat16"),
              (3, 4, 6, "float32", "bfloat16")]

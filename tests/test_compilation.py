@@ -52,6 +52,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_a_later_run_loads_what_an_earlier_one_compiled(tmp_path):
     torch.manual_seed(0)
     first_block, second_block = Half(), Half()
@@ -233,6 +234,7 @@ def test_the_artefact_folder_follows_the_environment(monkeypatch, tmp_path):
     assert artefacts_dir() is None
 
 
+@pytest.mark.slow
 def test_a_tiny_model_streams_the_same_from_loaded_artefacts(tiny_model, tmp_path):
     """Every compiled part of a prepared model (block halves, both heads) kept under a folder: a second
     preparation loads each call and compiles none, and both stream what the uncompiled model does."""
@@ -299,6 +301,7 @@ print(sorted(name for name in ("torch._dynamo", "torch._inductor") if name in sy
 """
 
 
+@pytest.mark.slow
 def test_an_uncompiled_stream_never_imports_the_compiler():
     """Dynamo and Inductor cost 1.0-1.5 s to import on a fresh machine: a process that compiles nothing
     does not import them, neither for the records' folder nor to keep its scale steps eager."""

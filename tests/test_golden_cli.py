@@ -19,9 +19,11 @@ from golden_utils import (
 
 pytestmark = [pytest.mark.golden, pytest.mark.slow]
 
-# interval_2 caches every other frame of all_keyframes' stream: test_golden_streaming.py checks that schedule
-# against the fixtures' cache states
-@pytest.mark.parametrize("scenario", scenarios_to_check(list(SCENARIO_OPTIONS), ("all_keyframes", "flow")))
+# flow on each run: its stream appends, rolls back and evicts, so it goes through every cache path the other two
+# scenarios do. They differ from it in which frames are cached, which the tiny model checks against the
+# fixtures' cache states for both (test_golden_streaming.py); the GPU suite runs the CLI on all_keyframes in
+# float32 and every scenario through the engine (tests/test_gpu_fast_path.py).
+@pytest.mark.parametrize("scenario", scenarios_to_check(list(SCENARIO_OPTIONS), ("flow",)))
 def test_cli_run_directory_equals_the_official_outputs_on_the_cpu(golden_checkpoint, golden_frame_folder, tmp_path,
                                                                   scenario):
     run_dir = run_cli_on_golden_frames(golden_checkpoint, golden_frame_folder, tmp_path / scenario, scenario,

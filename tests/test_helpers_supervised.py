@@ -239,6 +239,7 @@ def assert_same_final_emissions(final: dict, reference: dict) -> None:
 
 
 @pytest.mark.parametrize("kind", ["stalls", "raises"])
+@pytest.mark.slow
 def test_a_spare_that_fails_at_a_rollover_is_turned_off_and_the_chunk_rolls_over_in_place(
         prepared_tiny_model, tiny_frames, monkeypatch, faults, caplog, kind):
     """Chunk 0 closes at frame 10; the spare, which took frames 7-9 ahead, stalls or raises from frame 7 on:
@@ -653,6 +654,7 @@ def stalled_websocket_client(port: int) -> socket.socket:
     return client
 
 
+@pytest.mark.slow
 def test_a_browser_that_stops_reading_stalls_neither_the_viewer_nor_the_run():
     """viser queues every message in a buffer of its own and sends it from its event loop, a task per client:
     a client that stops reading holds that task's send, never the viewer thread's scene calls (which only
@@ -700,6 +702,7 @@ def test_a_browser_that_stops_reading_stalls_neither_the_viewer_nor_the_run():
         client.close()
 
 
+@pytest.mark.slow
 def test_a_run_whose_viewer_fails_writes_every_file_and_completes(tmp_path, tiny_model, monkeypatch, caplog):
     from stream_recon.app.options import RunOptions
     from stream_recon.app.run.pipeline import run_sequence
@@ -742,6 +745,7 @@ def test_a_reader_that_raises_ends_the_iteration_with_one_source_error_after_its
     assert len(frames) == 4 and isinstance(raised.value.__cause__, RuntimeError)
 
 
+@pytest.mark.slow
 def test_a_reader_that_stalls_ends_the_iteration_at_the_frame_timeout(faults):
     from stream_recon.app.sources import reader
     from stream_recon.app.sources.reader import SourceError, frames_source
@@ -762,6 +766,7 @@ def test_a_reader_that_stalls_ends_the_iteration_at_the_frame_timeout(faults):
 
 @pytest.mark.parametrize("where", ["pool", "reader"])  # a frame over pool_from_pixels, and one made by the reader
 @pytest.mark.parametrize("kind", ["raises", "stalls"])
+@pytest.mark.slow
 def test_a_preprocessing_worker_that_fails_ends_the_iteration_with_one_source_error(faults, monkeypatch, kind,
                                                                                    where):
     from stream_recon.app.sources import reader
@@ -811,6 +816,7 @@ def test_a_reader_whose_release_raises_still_ends_its_stream(monkeypatch, caplog
     assert warnings_of(caplog) == ["releasing frame sequence cam failed: OSError: device busy"]
 
 
+@pytest.mark.slow
 def test_a_run_whose_reader_raises_ends_failed_with_one_error_line_and_keeps_its_frames(tmp_path, tiny_model,
                                                                                        faults):
     from stream_recon.app.options import RunOptions
@@ -825,6 +831,7 @@ def test_a_run_whose_reader_raises_ends_failed_with_one_error_line_and_keeps_its
     assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "failed"
 
 
+@pytest.mark.slow
 def test_a_run_whose_preprocessing_raises_ends_failed_with_one_error_line(tmp_path, tiny_model, monkeypatch):
     from stream_recon.app.options import RunOptions
     from stream_recon.app.run.pipeline import run_sequence

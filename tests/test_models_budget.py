@@ -130,6 +130,7 @@ def preference(plan) -> tuple[int, bool]:
 
 @settings(max_examples=150, deadline=None)
 @given(config=CONFIGS, fractions=st.lists(st.floats(0.5, 1.2), min_size=2, max_size=2))
+@pytest.mark.slow
 def test_budget_plans_fit_and_more_budget_never_plans_worse(prepared_tiny_model, config, fractions):
     if config.kv_cache == "fp8" and config.attention == "sdpa":
         return  # refused at construction (the paged layout has no fp8)
@@ -156,6 +157,7 @@ def test_budget_plans_fit_and_more_budget_never_plans_worse(prepared_tiny_model,
 
 # -- the estimate against what the engine allocates ----------------------------------------------------
 @pytest.mark.parametrize(("attention", "kv_cache"), [("dense", "fp8"), ("dense", "auto"), ("sdpa", "auto")])
+@pytest.mark.slow
 def test_budget_estimate_counts_the_cache_the_engine_allocates(prepared_tiny_model, attention, kv_cache):
     config = StreamConfig(scale_frames=2, window=3, attention=attention, kv_cache=kv_cache, max_cached_frames=40)
     estimate = estimate_memory(prepared_tiny_model, config, SIZE)

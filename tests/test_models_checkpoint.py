@@ -168,6 +168,7 @@ def resident_bytes_of(path: Path) -> int:
     return total
 
 
+@pytest.mark.slow
 def test_safetensors_load_holds_a_bounded_piece_of_the_file_beside_the_parameters(tmp_path, tiny_pt, monkeypatch,
                                                                                    reference_outputs):
     # Keeping the whole file mapped, its pages resident, beside aligned copies of its tensors would peak

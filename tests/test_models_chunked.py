@@ -334,6 +334,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.slow
 def test_last_emissions_equal_the_offline_stitched_reference(model, frames, case):
     config, chunk_frames, overlap, count = CASES[case]
     engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap)
@@ -474,6 +475,7 @@ def test_bad_chunk_settings_are_refused(model, kwargs, message):
 
 
 @pytest.mark.parametrize("case", ["flow_mixed", "interval"])
+@pytest.mark.slow
 def test_contiguous_layout_gives_the_paged_results_across_windows(model, frames, case):
     """Window rollovers reset the dense cache (specials, slots, spare) as they do the paged one."""
     import dataclasses
@@ -550,6 +552,7 @@ def check_beside_the_stream(with_spare, in_place) -> None:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.slow
 def test_a_spare_engine_beside_the_stream_ends_with_what_rollovers_in_place_emit(model, frames, case):
     """The next window predicted on a spare (on a worker thread; ahead of the rollover when windows
     close at a known frame, from the rollover for flow windows): the same final emissions in the same
@@ -585,6 +588,7 @@ SMALL_SPARE_CASES = {  # chunks that fill their window, a spare whose cache hold
 
 
 @pytest.mark.parametrize("case", sorted(SMALL_SPARE_CASES))
+@pytest.mark.slow
 def test_a_spare_with_fewer_window_slots_hands_over_what_rollovers_in_place_emit(model, frames, monkeypatch, case):
     """The current engine takes the next chunk over from the spare (a copy of its caches) at the
     switch, so the spare's dense cache allocates slots only for what it takes before then: the same
@@ -763,6 +767,7 @@ DENSE_FLOW_CASES = {  # (config, chunk_frames, overlap, frames, DENSE_KEYFRAMES)
 
 
 @pytest.mark.parametrize("case", sorted(DENSE_FLOW_CASES))
+@pytest.mark.slow
 def test_a_flow_chunk_of_dense_keyframes_is_taken_ahead_where_it_likely_closes(model, frames, monkeypatch, case):
     """Where most frames are keyframes, the spare takes a flow chunk's likely shared frames before its
     rollover (as for chunks that close at a known frame), and takes them again from a new start when a
@@ -787,6 +792,7 @@ def test_a_flow_chunk_of_dense_keyframes_is_taken_ahead_where_it_likely_closes(m
 
 
 @pytest.mark.parametrize("lookahead", [False, True])
+@pytest.mark.slow
 def test_each_frame_is_checked_once(model, frames, monkeypatch, lookahead):
     """ChunkedEngine checks a frame once, before anything changes; the engines it goes to take it as
     checked: a rollover in place replays it, a spare takes it, a closed chunk predicts it provisionally.
@@ -842,6 +848,7 @@ def test_a_stream_that_ends_during_the_lookahead_leaves_the_next_stream_clean(mo
 
 
 @pytest.mark.parametrize("case", ["all", "flow_mixed"])
+@pytest.mark.slow
 def test_the_spare_delivers_its_last_frame_on_its_worker_before_every_switch(model, frames, monkeypatch, case):
     """The frame the spare takes alone before a switch is followed by a flush on its worker, so the
     switch finds nothing of the spare's in flight (a pipelined spare's last step held a switch 37 ms).
@@ -931,6 +938,7 @@ PHASE_CASES = {  # chunks long enough that the spare, warmed on the first frames
 
 
 @pytest.mark.parametrize("case", list(PHASE_CASES))
+@pytest.mark.slow
 def test_every_push_leaves_the_rollover_in_a_phase_whose_invariants_hold(model, frames, case):
     from stream_recon.models.stream.rollover import Phase
 
@@ -1076,6 +1084,7 @@ WARM_UP_CASES = ("all", "interval", "flow_mixed", "flow_gap")
 
 @pytest.mark.parametrize("lookahead", [False, True])
 @pytest.mark.parametrize("case", WARM_UP_CASES)
+@pytest.mark.slow
 def test_a_warm_up_on_copies_of_the_first_frame_changes_no_emission(model, frames, case, lookahead):
     """A warm-up before the first frame (the streaming step run on copies of it, then forgotten; with a
     spare, the spare started and warmed too) leaves every emission of the stream as it is without one,

@@ -134,6 +134,7 @@ LOOP_CASES = {  # name: (config, point noise as a multiple of the per-point mode
 
 
 @pytest.mark.parametrize("case", LOOP_CASES)
+@pytest.mark.slow
 def test_a_loop_edge_declares_the_error_it_has(case: str) -> None:
     config, point_noise = LOOP_CASES[case]
     rng = np.random.default_rng(2)
@@ -225,6 +226,7 @@ def odometry_trial(rng: np.random.Generator, start: np.ndarray) -> tuple[np.ndar
 
 
 @pytest.mark.parametrize("start", ["at the origin", "far from the origin"])
+@pytest.mark.slow
 def test_an_odometry_edge_declares_the_error_it_has(start: str) -> None:
     """A chunk's shared frames are its first, near its origin; far from it, the lever arm of the anchor's
     rotation and scale errors dominates the translation."""

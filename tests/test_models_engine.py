@@ -69,6 +69,7 @@ def test_short_stream_is_flushed_by_finish(prepared_tiny_model):
 
 
 @pytest.mark.parametrize(("attention", "kv_cache"), [("sdpa", "auto"), ("dense", "auto"), ("dense", "fp8")])
+@pytest.mark.slow
 def test_an_engine_goes_on_with_a_stream_it_takes_over(prepared_tiny_model, attention, kv_cache):
     """`take_over`: an engine continues another's stream (a spare's chunk, here one whose dense cache
     has 2 of the window's 4 slots) as that engine would have; while a frame is still to be predicted
@@ -312,6 +313,7 @@ class LaggedEagerRunner(EagerRunner):
 
 
 @pytest.mark.parametrize("keyframes", ["all", "interval:2", "flow"])
+@pytest.mark.slow
 def test_a_runner_that_holds_a_frame_gives_the_same_stream_one_push_late(prepared_tiny_model, monkeypatch,
                                                                          keyframes):
     from stream_recon.models.stream import engine as engine_module

@@ -40,6 +40,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_kernel_matches_a_float64_product_of_the_stored_weights():
     errors = [float(x) for x in interpret(SCRIPT, CASES).split()]
     assert len(errors) == len(CASES)

@@ -43,6 +43,7 @@ def order(do: str, path: Path | None = None) -> str:
     return json.dumps({"do": do, "path": str(path)})
 
 
+@pytest.mark.slow
 def test_a_child_builds_the_kernel_it_is_asked_for_and_ends_with_close(builders, builders_helper, tmp_path):
     assert builders.build(kernel, order("build", tmp_path / "a"))
     assert builders.build(kernel, order("build", tmp_path / "b"))
@@ -55,6 +56,7 @@ def test_a_child_builds_the_kernel_it_is_asked_for_and_ends_with_close(builders,
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.slow
 def test_a_build_a_child_reports_failed_is_left_to_the_caller_and_the_children_stay_on(builders, builders_helper,
                                                                                         tmp_path):
     assert not builders.build(kernel, order("fail"))
@@ -71,6 +73,7 @@ def test_a_kernel_defined_inside_a_function_is_never_sent_to_a_child(builders, t
     assert not builders.build(local, order("build", tmp_path / "a")) and not (tmp_path / "a").exists()
 
 
+@pytest.mark.slow
 def test_a_child_that_dies_turns_the_children_off_with_one_warning(builders, builders_helper, tmp_path, caplog):
     caplog.set_level(logging.WARNING)
     assert not builders.build(kernel, order("die"))
@@ -81,6 +84,7 @@ def test_a_child_that_dies_turns_the_children_off_with_one_warning(builders, bui
                                    f"{builders_helper.down_reason}"]
 
 
+@pytest.mark.slow
 def test_a_child_that_stalls_is_given_up_at_its_deadline_and_ended(builders, builders_helper, monkeypatch, tmp_path):
     assert builders.build(kernel, order("build", tmp_path / "started"))  # both children's imports are not timed
     assert builders.build(kernel, order("build", tmp_path / "started"))
@@ -100,6 +104,7 @@ def test_children_see_only_the_parents_gpu():
 
 
 @pytest.mark.skipif(not kernel_builds.available(), reason="this Triton cannot list builds")
+@pytest.mark.slow
 def test_the_dry_pass_has_its_listed_builds_made_in_the_children_first_then_loads_them(builders, monkeypatch,
                                                                                        tmp_path):
     """A listed build goes to a child, then the pass's own thread builds it (on a GPU: a hit in Triton's cache)

@@ -119,6 +119,7 @@ MORE_SCENARIOS = [(name, seed) for name in SCENARIO_NAMES for seed in range(4) i
 
 
 @pytest.mark.parametrize(("name", "seed"), QUICK_SCENARIOS)
+@pytest.mark.slow
 def test_the_heuristic_finds_the_exact_clique_on_a_real_trajectorys_consistency_graph(name: str, seed: int) -> None:
     check_the_heuristic_finds_the_exact_clique(name, seed)
 

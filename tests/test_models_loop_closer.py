@@ -69,6 +69,7 @@ def core_run(seed: int) -> tuple[LoopCloser, dict]:
 
 
 @pytest.mark.parametrize("seed", [0, 3])
+@pytest.mark.slow
 def test_the_walk_back_to_its_start_is_closed_and_the_drift_corrected(seed: int) -> None:
     closer, final = core_run(seed)
     corrections = closer.corrections
@@ -81,6 +82,7 @@ def test_the_walk_back_to_its_start_is_closed_and_the_drift_corrected(seed: int)
     assert all(loop.candidate_frame <= 10 and loop.query_frame >= 60 for loop in accepted)
 
 
+@pytest.mark.slow
 def test_the_child_process_closes_the_same_loops_as_the_core() -> None:
     """The child closes the core's loops; and before its last word (`finish`), which an interrupted run (or
     a child lost mid-run) never gets, the pairs it has checked are known: it sends its summary whenever a

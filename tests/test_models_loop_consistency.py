@@ -61,6 +61,7 @@ def test_the_batched_algebra_is_gtsams() -> None:
     np.testing.assert_allclose(lie.inverse(stack) @ stack, np.broadcast_to(np.eye(4), stack.shape), atol=1e-10)
 
 
+@pytest.mark.slow
 def test_a_products_covariance_is_the_spread_of_perturbed_products() -> None:
     rng = np.random.default_rng(0)
     factors = [(random_matrix(rng), np.diag(rng.uniform(1e-4, 4e-4, 7))) for _ in range(3)]
@@ -197,6 +198,7 @@ def subtle_scenario(name: str, seed: int):
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.slow
 def test_the_consistent_set_turns_away_subtle_false_loops_and_keeps_the_true_ones(name: str) -> None:
     """PCM alone (no check against the odometry), at its default bound: over 5 seeds it drops most subtle
     false loops and hardly any true loop."""

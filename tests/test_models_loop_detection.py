@@ -186,6 +186,7 @@ def indexed_streams(draw):
 
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(indexed_streams())
+@pytest.mark.slow
 def test_candidates_obey_exclusion_threshold_order_and_suppression(stream):
     frames, chunks, descriptors, query, query_chunk, config = stream
     index = KeyframeIndex(4, initial_capacity=1)

@@ -30,6 +30,7 @@ def rates(name: str, seeds: range, settings: PoseGraphSettings = PoseGraphSettin
 
 
 @pytest.mark.parametrize("name", TRAJECTORIES)
+@pytest.mark.slow
 def test_subtle_false_loops_are_rejected_at_the_stated_rates(name: str) -> None:
     figures = rates(name, SEEDS)
     assert figures["false_rejected"] >= 0.99, figures
@@ -38,6 +39,7 @@ def test_subtle_false_loops_are_rejected_at_the_stated_rates(name: str) -> None:
     assert figures["median_ratio"] <= 0.2, figures
 
 
+@pytest.mark.slow
 def test_a_wrong_place_seen_from_two_keyframes_is_rejected_too() -> None:
     """Two keyframe pairs of one revisit agree on one wrong shift: the pair's true loops still outvote it."""
     figures = rates("KITTI 00", range(2), repeats=2)

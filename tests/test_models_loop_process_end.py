@@ -12,6 +12,7 @@ from stream_recon.models.loops.process import LoopClosureProcess  # noqa: E402
 from stream_recon.models.supervision import Deadline  # noqa: E402
 
 
+@pytest.mark.slow
 def test_a_child_read_only_after_its_last_word_and_its_exit_has_finished_and_not_failed(monkeypatch) -> None:
     """On a loaded machine the stream's thread can be descheduled while the child answers `finish` and
     exits: one read then returns the last word and the end of the pipe. That is the run's normal end."""

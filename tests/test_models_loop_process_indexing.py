@@ -24,6 +24,7 @@ def keyframe(frame: int) -> FramePrediction:
                            image=np.zeros((8, 8, 3), np.uint8))
 
 
+@pytest.mark.slow
 def test_a_closer_that_does_not_answer_lowers_the_density_once_with_one_warning(caplog) -> None:
     closer = LoopClosureProcess(LoopClosureConfig(keyframes_in_flight=2, keyframes_waiting=0, index_spacing=4,
                                                   max_index_spacing=16))
@@ -58,6 +59,7 @@ def started_closer(config: LoopClosureConfig) -> LoopClosureProcess:
     return closer
 
 
+@pytest.mark.slow
 def test_due_keyframes_wait_for_room_before_the_density_is_lowered() -> None:
     """A child that answers nothing: 2 keyframes in flight and 3 waiting are chosen, and only the next due
     one, finding both full, lowers the density."""
@@ -72,6 +74,7 @@ def test_due_keyframes_wait_for_room_before_the_density_is_lowered() -> None:
     assert closer.summary()["index_spacing"] == {"start": 4, "end": 8}
 
 
+@pytest.mark.slow
 def test_a_burst_of_due_keyframes_keeps_the_density_when_detection_keeps_up() -> None:
     """A closed chunk's final keyframes come at once: 20 due keyframes in one burst against 2 places in
     flight wait their turn and are all answered; the spacing stays."""

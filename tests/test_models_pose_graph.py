@@ -224,6 +224,7 @@ def run_scenarios(truth: np.ndarray, seeds: range, revisit: float, false_distanc
             "true_accepted": true_accepted / true_total}
 
 
+@pytest.mark.slow
 def test_kitti_00_drift_is_corrected_and_false_loops_rejected(kitti: np.ndarray) -> None:
     """15 chunks, 12 revisited chunk pairs (22 true loops, fits of their keyframe pairs), 6 false loops a
     seed. Chunks without a loop of their own keep their odometry error (~1 degree, 1 %), which bounds what
@@ -236,6 +237,7 @@ def test_kitti_00_drift_is_corrected_and_false_loops_rejected(kitti: np.ndarray)
     assert figures["true_accepted"] >= 0.95, figures
 
 
+@pytest.mark.slow
 def test_tum_fr1_xyz_drift_is_corrected_and_false_loops_rejected(tum: np.ndarray) -> None:
     figures = run_scenarios(tum, range(3), TUM_REVISIT_M, TUM_FALSE_M, TUM_DEPTH_M)
     assert figures["ratios"].max() <= 0.25, figures
@@ -329,6 +331,7 @@ def test_a_streams_solves_judge_each_pair_once_and_end_where_one_solve_would(tum
 
 
 @pytest.mark.parametrize("trajectory", ["tum", "kitti"])
+@pytest.mark.slow
 def test_a_stream_growing_its_clique_through_new_loops_ends_with_the_exact_searchs_verdicts(
         trajectory: str, request: pytest.FixtureRequest) -> None:
     """Above `exact_clique_up_to` candidates a solve grows the last clique through its new loops instead of

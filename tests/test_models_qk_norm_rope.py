@@ -69,6 +69,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_kernel_matches_layer_norm_then_rope():
     cases = [(*case, swap) for case in CASES for swap in (False, True)]  # partners reloaded or swapped
     lines = interpret(SCRIPT, cases).strip().splitlines()  # (the script imports this file)

@@ -592,6 +592,7 @@ def test_shell_script_runs_existing_scripts_with_flags_they_take(script: str, he
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.slow
 def test_the_viewer_comparison_of_bench_refuses_too_few_frames_in_one_line():
     done = subprocess.run([sys.executable, "scripts/bench.py", "--model", "tiny", "--viewer", "--frames", "5"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -655,6 +656,7 @@ def test_ctrl_c_in_scripts_test_stops_the_whole_suite_at_once() -> None:
     assert "passed" not in printed.splitlines()[-1], printed
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_scripts_test_also_stops_what_a_test_started_in_a_session_of_its_own(tmp_path) -> None:
     """A test's process in a session of its own (a terminal's stand-in) is outside pytest's group: it is still
     stopped with the suite, and no longer holds the suite's output open (the Ctrl-C test above waited for one)."""
