@@ -1,11 +1,11 @@
 """The official model's outputs on deterministic weights (fixtures a-d), reproduced on CPU in float32.
 
 Full-size model (1.16 B parameters): slow on a 2-core machine, about a minute and a half per scenario. Each
-official computation runs once in the suite: the predictions of every scenario at the boundary, through
-`stream-recon` (tests/test_golden_cli.py); here what only the engine shows: the phase-1 intermediates
-(three frames), the flow policy on the dense layout (its rollbacks, its flow magnitudes), and each scenario's
-cache states frame by frame, which follow from the policy's decisions alone (all, interval: a frame's index;
-flow: its magnitudes, checked on the full-size model).
+official computation runs once in the suite: the predictions at the boundary, through `stream-recon`
+(tests/test_golden_cli.py); here what only the engine shows, from one stream of the flow policy on the dense
+layout: the phase-1 intermediates (its first step, the three scale frames, as in every scenario), its rollbacks
+and flow magnitudes, and its cache states frame by frame; the other scenarios' cache states follow from the
+policy's decisions alone (all, interval: a frame's index), checked on the tiny model.
 """
 
 from __future__ import annotations
@@ -71,10 +71,9 @@ def run_scenario(config: StreamConfig, capture: bool = False, model=None, frames
 
 
 @pytest.fixture(scope="module")
-def phase1_run():
-    """The scale frames only: their one step is phase 1."""
-    config = SCENARIOS["all_keyframes"]
-    return run_scenario(config, capture=True, frames=config.scale_frames)
+def flow_dense_run():
+    """The flow policy's stream on the dense layout, the first step's (phase 1's) intermediates captured."""
+    return run_scenario(dataclasses.replace(SCENARIOS["flow"], attention="dense"), capture=True)
 
 
 def check_outputs(predictions, golden):
@@ -110,8 +109,8 @@ def test_cache_states_follow_the_official_schedule(scenario):
     check_cache_states(states, golden)
 
 
-def test_phase1_intermediates(phase1_run):
-    _, _, captured = phase1_run
+def test_phase1_intermediates(flow_dense_run):
+    _, _, captured = flow_dense_run
     golden = np.load(GOLDEN / "phase1_intermediates" / "intermediates.npz")
     checks = {
         "dino_patch_tokens_f0": captured["dino"][0],
@@ -123,18 +122,15 @@ def test_phase1_intermediates(phase1_run):
         assert err <= TOLERANCE, f"{key}: error {err:.2e}"
 
 
-@pytest.mark.parametrize(("scenario", "attention"), [("flow", "dense")])
-def test_keyframe_policies(scenario, attention):
+def test_the_flow_policy_on_the_dense_layout(flow_dense_run):
     """The dense cache layout (moves, spare slot, rollback) against the fixture (the paged layout, the CLI's
     on the CPU, in tests/test_golden_cli.py)."""
-    config = dataclasses.replace(SCENARIOS[scenario], attention=attention)
-    predictions, states, _ = run_scenario(config)
-    golden = np.load(GOLDEN / scenario / "outputs.npz")
+    predictions, states, _ = flow_dense_run
+    golden = np.load(GOLDEN / "flow" / "outputs.npz")
     check_outputs(predictions, golden)
     check_cache_states(states, golden)
-    if scenario == "flow":
-        flows = np.array([p.flow_magnitude for p in predictions])
-        decided = ~np.isnan(golden["flow_magnitude"])
-        assert np.isnan(flows[~decided]).all()
-        err = relative_error(flows[decided], golden["flow_magnitude"][decided])
-        assert err <= TOLERANCE, f"flow magnitude error {err:.2e}"
+    flows = np.array([p.flow_magnitude for p in predictions])
+    decided = ~np.isnan(golden["flow_magnitude"])
+    assert np.isnan(flows[~decided]).all()
+    err = relative_error(flows[decided], golden["flow_magnitude"][decided])
+    assert err <= TOLERANCE, f"flow magnitude error {err:.2e}"
