@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -476,3 +477,18 @@ def test_every_test_the_map_names_exists() -> None:
     assert missing_tests(doc) == []
     renamed = doc.replace("test_the_app_packages_hold_no_code", "test_the_app_packages_are_small")
     assert missing_tests(renamed) == ["tests/test_architecture_rules.py: no test_the_app_packages_are_small"]
+
+
+# -- what reading a finished run loads ------------------------------------------------------------------------------
+# export, view and eval read npz files and write or show what is in them: importing torch would add 2-5 s to each
+# (on a busy 2-core machine) for nothing
+TORCH_FREE_MODULES = ("stream_recon.app.cli", "stream_recon.app.outputs.export", "stream_recon.app.outputs.writers",
+                      "stream_recon.app.viewer.replay", "stream_recon.app.evaluation.metrics",
+                      "stream_recon.app.sources.opening")
+
+
+def test_reading_a_finished_run_never_imports_torch() -> None:
+    probe = (f"import sys\nfor name in {TORCH_FREE_MODULES!r}:\n    __import__(name)\n"
+             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "[]", result.stdout[:300]

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from stream_recon.app.sources.input_size import DEFAULT_IMAGE_WIDTH, resized_size
@@ -59,7 +58,7 @@ def preprocess_image_uint8(image: Image.Image, image_width: int = DEFAULT_IMAGE_
     return np.ascontiguousarray(pixels.transpose(2, 0, 1))  # [3, H, W]
 
 
-def preprocess_image(image: Image.Image, image_width: int = DEFAULT_IMAGE_WIDTH) -> torch.Tensor:
+def preprocess_image(image: Image.Image, image_width: int = DEFAULT_IMAGE_WIDTH) -> np.ndarray:
     """PIL picture -> model input `[3, H, W]` float32 in [0, 1], exactly `uint8 / 255`."""
     return to_float(preprocess_image_uint8(image, image_width))
 
@@ -79,7 +78,7 @@ def load_image(path: str | Path) -> Image.Image:
         raise ImageReadError(f"{path} is not a readable image ({error})") from None
 
 
-def preprocess_path(path: str | Path, image_width: int = DEFAULT_IMAGE_WIDTH) -> torch.Tensor:
+def preprocess_path(path: str | Path, image_width: int = DEFAULT_IMAGE_WIDTH) -> np.ndarray:
     """Picture file -> model input `[3, H, W]` float32."""
     return preprocess_image(load_image(path), image_width)
 
@@ -104,15 +103,15 @@ def preprocess_frame_uint8(rgb: np.ndarray, image_width: int = DEFAULT_IMAGE_WID
     return np.ascontiguousarray(pixels.transpose(2, 0, 1))  # [3, H, W]
 
 
-def preprocess_frame(rgb: np.ndarray, image_width: int = DEFAULT_IMAGE_WIDTH) -> torch.Tensor:
+def preprocess_frame(rgb: np.ndarray, image_width: int = DEFAULT_IMAGE_WIDTH) -> np.ndarray:
     """Decoded RGB frame [H, W, 3] uint8 -> `[3, H, W]` float32 in [0, 1], exactly `uint8 / 255`."""
     return to_float(preprocess_frame_uint8(rgb, image_width))
 
 
-def pad_batch(images: Sequence[torch.Tensor]) -> torch.Tensor:
+def pad_batch(images: Sequence[np.ndarray]) -> np.ndarray:
     """Stack model inputs of possibly different sizes, as the reference batches them.
 
-    images: S tensors [3, H_i, W_i] -> [S, 3, max H, max W]. A smaller image is centred and the
+    images: S arrays [3, H_i, W_i] -> [S, 3, max H, max W]. A smaller image is centred and the
     border filled with white (1.0); when the rows to add are odd, the extra one goes to the bottom.
     """
     if not images:
@@ -123,19 +122,20 @@ def pad_batch(images: Sequence[torch.Tensor]) -> torch.Tensor:
     for image in images:
         rows, cols = max_height - image.shape[1], max_width - image.shape[2]
         top, left = rows // 2, cols // 2
-        padding = (left, cols - left, top, rows - top)
-        padded.append(torch.nn.functional.pad(image, padding, mode="constant", value=1.0))
-    return torch.stack(padded)  # [S, 3, H, W]
+        padding = ((0, 0), (top, rows - top), (left, cols - left))
+        padded.append(np.pad(image, padding, mode="constant", constant_values=1.0))
+    return np.stack(padded)  # [S, 3, H, W]
 
 
-def preprocess_paths(paths: Sequence[str | Path], image_width: int = DEFAULT_IMAGE_WIDTH) -> torch.Tensor:
+def preprocess_paths(paths: Sequence[str | Path], image_width: int = DEFAULT_IMAGE_WIDTH) -> np.ndarray:
     """Picture files -> one batch `[S, 3, H, W]` (white-padded when sizes differ)."""
     return pad_batch([preprocess_path(path, image_width) for path in paths])
 
 
-def to_float(pixels: np.ndarray) -> torch.Tensor:
-    """uint8 array -> float32 tensor in [0, 1], the same single division torchvision's ToTensor does."""
-    return torch.from_numpy(pixels).to(torch.float32).div(255)
+def to_float(pixels: np.ndarray) -> np.ndarray:
+    """uint8 array -> float32 array in [0, 1], the same single (correctly rounded) division torchvision's
+    ToTensor does."""
+    return pixels.astype(np.float32) / np.float32(255)
 
 
 def _crop_portrait_rows(pixels: np.ndarray, image_width: int) -> np.ndarray:

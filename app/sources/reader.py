@@ -52,7 +52,6 @@ from typing import Literal, Protocol
 
 import cv2
 import numpy as np
-import torch
 
 from stream_recon.app.sources.preprocess import (
     ImageReadError,
@@ -113,7 +112,7 @@ class Frame:
     # [H, W, 3] uint8, RGB, upright; None when the source preprocesses (a 4K frame is 25 MB, and the
     # queue would hold eight of them for nothing)
     rgb: np.ndarray | None
-    image: torch.Tensor | None = None  # [3, H', W'] uint8 model input, when the source preprocesses
+    image: np.ndarray | None = None  # [3, H', W'] uint8 model input, when the source preprocesses
 
 
 @dataclass(frozen=True)
@@ -135,7 +134,7 @@ class _Preprocessing:
             raise SourceError(f"{what} took more than {timeout_s:g} s: the preprocessing stalled") from None
         except Exception as error:
             raise _preparing_failed(self.index, description, error) from error
-        return Frame(self.index, self.source_index, self.timestamp, None, torch.from_numpy(image))
+        return Frame(self.index, self.source_index, self.timestamp, None, image)
 
 
 @contextlib.contextmanager
@@ -393,7 +392,7 @@ class FrameSource:
                 frame = _Preprocessing(delivered, source_index, timestamp, image)
             else:  # made here, in line: one hop fewer on the frame's path (tests/test_frame_path.py)
                 with _preparing(delivered, self.description):
-                    image = torch.from_numpy(preprocess_frame_uint8(rgb, self.image_width))
+                    image = preprocess_frame_uint8(rgb, self.image_width)
                 frame = Frame(delivered, source_index, timestamp, None, image)
             if not self._put(frame):
                 if isinstance(frame, _Preprocessing):
