@@ -274,4 +274,8 @@ def test_run_over_a_camera_that_drops(tmp_path: Path, clip: Path, tiny_model: GC
         assert summary.status == "failed" and summary.end_reason == "error"
         assert "dropped and did not come back within 2 s" in summary.error
         assert 8 <= summary.frames < 30 and record["status"] == "failed"
-        assert record["summary"]["reconnects"] == 0 and record["summary"]["reconnect_attempts"] == 3
+        # the back-off tries at 0.25, 0.75 and 1.75 s after the drop, at most three within 2 s; on a loaded machine
+        # each refused attempt's own time can push the last past the deadline
+        attempts = record["summary"]["reconnect_attempts"]
+        assert record["summary"]["reconnects"] == 0 and 1 <= attempts <= 3
+        assert f"({attempts} reconnection attempts)" in summary.error
