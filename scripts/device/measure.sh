@@ -47,8 +47,9 @@
 #   long        one never-hang cell of 10,000 frames, flow keyframes, loop closure on
 #   revisits    loop closure on revisit-heavy videos of the `loop` fixture (tests/data/loop), PARTS in order
 #               (default walk tour): walk (a seeded random walk, 2,000 frames at 518x392: flow off and on,
-#               all on, or ALL_MODES), tour (two laps, 1,500 frames at 518x518: flow off and on), long (the walk,
-#               10,000 frames at 518x392, LONG_KEYFRAMES all, LONG_MODES on; one cell takes ~6 min), graph (scripts/bench_pose_graph.py --stream GRAPH_SIZES
+#               all on, or ALL_MODES), tour (two laps, 1,500 frames at 518x518: TOUR_KEYFRAMES, flow off and on, all as walk),
+#               long (the walk, 10,000 frames at 518x392, LONG_KEYFRAMES all, LONG_MODES on; one cell takes
+#               ~6 min; SPLIT_MODES=1: each mode on a GPU of its own), graph (scripts/bench_pose_graph.py --stream GRAPH_SIZES
 #               on this host's CPU): $OUT/revisits.log, revisits_NAME.json, pose_graph.log
 # Carry: .whl (FlashInfer, viser and their needs) for every suite but the loop-closure ones, which carry
 # .carry-gtsam/ (plyfile's and FlashInfer's wheels, gtsam-py312.tar.xz) and, for the scene cells,
@@ -618,21 +619,32 @@ suite_never_hang() {
   esac
 }
 
-# revisit NAME ORDER SIZE FRAMES KEYFRAMES MODES [SCENE]: one bench_loop_closure.py process on the scene's video.
-revisit() { local name=$1 order=$2 size=$3 frames=$4 keyframes=$5 modes=$6 scene=${7:-tests/data/loop} source=()
+# revisit NAME ORDER SIZE FRAMES KEYFRAMES MODES [SCENE]: one bench_loop_closure.py process on the scene's video;
+# with SPLIT_MODES=1 on a machine of several GPUs, one process a mode, each on a GPU of its own, all at once
+# (a mode's FPS then shares the host's CPU with the others: compare it with the same run's other mode).
+revisit() { local name=$1 modes=$6 index=0 mode
+  if [ "${SPLIT_MODES:-0}" = 1 ] && [ "$(nvidia-smi -L | wc -l)" -gt 1 ]; then
+    for mode in ${modes//,/ }; do
+      CUDA_VISIBLE_DEVICES=$index revisit_process "${name}_$mode" "$2" "$3" "$4" "$5" "$mode" "${7:-tests/data/loop}" \
+        "/tmp/videos_$index" & index=$((index + 1))
+    done; wait
+  else revisit_process "$@"; fi; }
+revisit_process() { local name=$1 order=$2 size=$3 frames=$4 keyframes=$5 modes=$6 scene=${7:-tests/data/loop} source=()
+  local videos=${8:-/tmp}; mkdir -p "$videos"
   [ "$order" = - ] && source=() || source=(--scene "$scene" --order "$order")
-  echo "== $name: $order, $size, $frames frames, --keyframes $keyframes, modes $modes ($(( $(date +%s) - began )) s)" \
+  echo "== $name: $order, $size, $frames frames, --keyframes $keyframes, modes $modes, GPU ${CUDA_VISIBLE_DEVICES:-0} ($(( $(date +%s) - began )) s)" \
     | tee -a "$OUT/revisits.log"
   timeout "${CELL_LIMIT_S:-560}" python3 scripts/bench_loop_closure.py --frames "$frames" --warmup-frames 40 \
     --video-size "$size" --keyframes "$keyframes" --compile "${COMPILE:-off}" --modes "$modes" "${source[@]}" \
-    --video-dir /tmp --json "$OUT/revisits_$name.json" 2>&1 | grep --line-buffered -v Warn \
-    | grep --line-buffered -E "FPS|loop closure|Error|error|Traceback" | tee -a "$OUT/revisits.log"; }
+    --video-dir "$videos" --json "$OUT/revisits_$name.json" 2>&1 | grep --line-buffered -v Warn \
+    | grep --line-buffered -E "FPS|loop closure|Error|error|Traceback" | sed -u "s/^/[$name] /" | tee -a "$OUT/revisits.log"; }
 
 suite_revisits() { local part
   for part in ${PARTS:-walk tour}; do
     case "$part" in
       walk) revisit walk_flow walk:0 640x480 2000 flow off,on; revisit walk_all walk:0 640x480 2000 all "${ALL_MODES:-on}" ;;
-      tour) revisit tour_flow tour:2 640x640 1500 flow off,on ;;
+      tour) wanted "${TOUR_KEYFRAMES:-flow all}" flow && revisit tour_flow tour:2 640x640 1500 flow off,on
+            wanted "${TOUR_KEYFRAMES:-flow all}" all && revisit tour_all tour:2 640x640 1500 all "${ALL_MODES:-on}" ;;
       long) revisit "long_${LONG_KEYFRAMES:-all}" walk:0 640x480 10000 "${LONG_KEYFRAMES:-all}" "${LONG_MODES:-on}" ;;
       graph) timeout "${GRAPH_LIMIT_S:-400}" python3 scripts/bench_pose_graph.py --stream ${GRAPH_SIZES:-100 300 1000} \
                2>&1 | grep --line-buffered -v Warn | tee "$OUT/pose_graph.log" ;;
