@@ -35,6 +35,7 @@ _HOMES = {
     "DEFAULT_CHECKPOINT": "checkpoint_names",
     "KNOWN_CHECKPOINTS": "checkpoint_names",
     "DaemonPool": "daemon_pool",
+    "partitioned_stream": "stream.sm_partition",
     "chunk_stream_config": "stream.chunked",
     "EVEN_ODDS_CONFIDENCE": "stream.prediction",
     "FLOW_THRESHOLD": "stream.stream_config",

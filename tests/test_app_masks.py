@@ -5,6 +5,7 @@ GLB, COLMAP points, splats, nerfstudio's masks/, the viewer's cloud), and the ba
 from __future__ import annotations
 
 import json
+import sys
 
 import cv2
 import numpy as np
@@ -15,11 +16,12 @@ from typer.testing import CliRunner
 
 from stream_recon.app.cli import app, with_default_command
 from stream_recon.app.options import RunOptions
+from stream_recon.app.outputs import sky as sky_module
 from stream_recon.app.outputs.export import export_run
 from stream_recon.app.outputs.masks import UserMasks
 from stream_recon.app.outputs.rundir import read_run
-from stream_recon.app.outputs.sky import SKYSEG_URL, SkySegmenter
-from stream_recon.app.run.pipeline import run_sequence
+from stream_recon.app.outputs.sky import SKYSEG_URL, SkyModelError, SkySegmenter
+from stream_recon.app.run.pipeline import run_sequence, sky_stream
 from stream_recon.app.viewer.geometry import sample_keyframe_points
 
 pytest.importorskip("onnxruntime")
@@ -70,6 +72,43 @@ def test_masks_equal_the_reference_demos_pixel_for_pixel(skyseg, size, seed):
     sky = segmenter.sky_pixels(image)
     np.testing.assert_array_equal(sky, ~kept)
     assert 0.2 < sky.mean() < 0.8  # both kinds of pixel are there to compare
+
+
+def test_the_float16_network_masks_as_the_float32_one_behind_float32_input_and_output(skyseg):
+    import onnx
+
+    half = SkySegmenter(skyseg, half_precision=True)
+    full = SkySegmenter(skyseg, half_precision=False)
+    for seed, size in enumerate([(378, 518), (518, 518), (33, 56)]):
+        image = sky_and_ground(*size, horizon=0.3 + 0.1 * seed, seed=seed)
+        np.testing.assert_array_equal(half.sky_pixels(image), full.sky_pixels(image))
+    assert [io.type for io in (*half.session.get_inputs(), *half.session.get_outputs())] == ["tensor(float)"] * 2
+    weights = onnx.load_from_string(sky_module._half_precision_model(skyseg)).graph.initializer
+    assert {w.data_type for w in weights} == {onnx.TensorProto.FLOAT16}
+
+
+def test_the_network_is_float16_on_the_gpu_alone(skyseg, monkeypatch):
+    import onnxruntime
+
+    assert sky_stream("cpu") is None
+    assert not SkySegmenter(skyseg).half_precision  # this machine's provider is the CPU's
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    models = []
+
+    def session_without_a_gpu(model, **_):
+        models.append(model)
+        raise RuntimeError("no CUDA device here")
+
+    monkeypatch.setattr(onnxruntime, "InferenceSession", session_without_a_gpu)
+    with pytest.raises(SkyModelError, match="no CUDA device here"):
+        SkySegmenter(skyseg)
+    assert len(models) == 1 and isinstance(models[0], bytes)  # the float16 model, serialised
+
+
+def test_a_float16_network_without_onnx_is_one_sentence_naming_the_install(skyseg, monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnx", None)  # import onnx raises ImportError
+    with pytest.raises(SkyModelError, match=r"float16, which needs onnx: pip install 'stream-recon\[sky\]'"):
+        SkySegmenter(skyseg, half_precision=True)
 
 
 def write_frames(folder, count: int, size=(96, 160)):

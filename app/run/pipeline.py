@@ -48,7 +48,7 @@ from stream_recon.app.outputs.rundir import (
     remove_run,
     unlock_run_dir,
 )
-from stream_recon.app.outputs.sky import SkyModelError, SkySegmenter, skyseg_path
+from stream_recon.app.outputs.sky import SKY_NETWORK_SMS, SkyModelError, SkySegmenter, skyseg_path
 from stream_recon.app.outputs.writers import RunWriter
 from stream_recon.app.run.builds import RunBuilds
 from stream_recon.app.run.clock import RunClock
@@ -74,7 +74,7 @@ from stream_recon.app.stopping import (
     signals_noted,
     wait_for_stop_signal,
 )
-from stream_recon.models import DEFAULT_CHECKPOINT, FrameError, KeyframePolicy
+from stream_recon.models import DEFAULT_CHECKPOINT, FrameError, KeyframePolicy, partitioned_stream
 from stream_recon.models.supervision import Deadline, HelperDown
 
 logger = logging.getLogger(__name__)
@@ -214,21 +214,30 @@ def _plan(frame_source: FrameSource, options: RunOptions, model: Any) -> RunPlan
     warnings += _source_warnings(frame_source, options)
     engine_config = None if config is None else chunk_engine_config(options, config)
     return RunPlan(device, dtype, attention, config, engine_config, _input_size(frame_source, options),
-                   closes_loops, loop_closure_reason, frame_masker(options), warnings)
+                   closes_loops, loop_closure_reason, frame_masker(options, device), warnings)
 
 
-def frame_masker(options: RunOptions) -> Any:
+def frame_masker(options: RunOptions, device: str) -> Any:
     """The masks a run leaves out of its points (app.outputs.masks), checked before anything is written: a missing sky
     network (fetched when the hub answers) or mask folder is bad input. None when neither is asked for."""
     if not options.mask_sky and options.mask_dir is None:
         return None
 
     try:
-        sky = SkySegmenter(skyseg_path(download=True)) if options.mask_sky else None
+        sky = SkySegmenter(skyseg_path(download=True), sky_stream(device)) if options.mask_sky else None
         user = UserMasks(options.mask_dir) if options.mask_dir is not None else None
     except (SkyModelError, MaskDirError) as error:
         raise OptionsError(str(error)) from None
     return FrameMasker(sky, user, options.image_width, options.rotate)
+
+
+def sky_stream(device: str) -> int | None:
+    """The handle of the stream the sky network runs on: on SKY_NETWORK_SMS of the GPU's SMs where the driver
+    can confine one (None on the CPU, or where it cannot: the CUDA provider's own stream)."""
+    if SKY_NETWORK_SMS is None or not device.startswith("cuda"):
+        return None
+    stream = partitioned_stream(torch.device(device), SKY_NETWORK_SMS)
+    return None if stream is None else stream.cuda_stream
 
 
 def _set_up(plan: RunPlan, frame_source: FrameSource, output_dir: Path, options: RunOptions, model: Any,

@@ -51,9 +51,16 @@
 #               long (the walk, 10,000 frames at 518x392, LONG_KEYFRAMES all, LONG_MODES on; one cell takes
 #               ~6 min; SPLIT_MODES=1: each mode on a GPU of its own), graph (scripts/bench_pose_graph.py --stream GRAPH_SIZES
 #               on this host's CPU): $OUT/revisits.log, revisits_NAME.json, pose_graph.log
+#   sky         --mask-sky's cost: bench_e2e.py runs without it, then with the network placed as each of
+#               SKY_VARIANTS (product whole sms16 fp16: scripts/probes/sky_placement.py), on the stand-in
+#               network (SKY_GFLOPS 120), ROUNDS (2) times in turn; FRAMES 600, SIZE 640x480: $OUT/sky.log,
+#               sky_NAME_N.json
 # Carry: .whl (FlashInfer, viser and their needs) for every suite but the loop-closure ones, which carry
 # .carry-gtsam/ (plyfile's and FlashInfer's wheels, gtsam-py312.tar.xz) and, for the scene cells,
-# .carry-soak/SCENE.mp4 (an example scene of the official repository as a video); reference also
+# .carry-soak/SCENE.mp4 (an example scene of the official repository as a video); sky .carry-ort/ (the
+# onnxruntime-gpu wheel in parts of a call's size, part-*, and its SHA-256 in wheel.sha256: carried one
+# part a call to a machine kept warm, all of them there by the sky call, and plyfile's wheel);
+# reference also
 # .reference/lingbot-map (the official gct_profile.py and lingbot_map/); against the other tree (OTHER) or
 # BASE_TAR; shapes' `previous` variant cache/triton_attention_previous.py (`git show
 # COMMIT:cache/triton_attention.py`, not committed).
@@ -653,9 +660,43 @@ suite_revisits() { local part
   done
 }
 
+# -- the sky network beside the stream ---------------------------------------------------------------------
+# onnxruntime-gpu from the parts in ORT_PARTS (.carry-ort/; the parts carried call by call gathered in a
+# folder outside the checkout), checked against the SHA-256 in its wheel.sha256.
+install_ort_gpu() { local parts=${ORT_PARTS:-.carry-ort} wheel
+  wheel=/tmp/$(cut -d' ' -f3 "$parts/wheel.sha256")
+  cat "$parts"/part-* > "$wheel" || exit 1
+  (cd /tmp && sha256sum -c - <<< "$(cut -d' ' -f1 "$parts/wheel.sha256")  $(basename "$wheel")") || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheel" || exit 1
+  python3 -c "import torch, onnxruntime as o; print('onnxruntime', o.__version__, o.get_available_providers())" \
+    | tee -a "$OUT/gpu.txt"; }
+
+suite_sky() { local round variant common
+  install_ort_gpu
+  mkdir -p /tmp/skyseg
+  python3 scripts/probes/skyseg_standin.py -o /tmp/skyseg/skyseg.onnx --gflops "${SKY_GFLOPS:-120}" | tee -a "$OUT/sky.log"
+  common=(--video-dir /tmp --frames "${FRAMES:-600}" --video-size "${SIZE:-640x480}" --no-engine-run --compile off)
+  for round in $(seq "${ROUNDS:-2}"); do
+    echo "== plain $round" | tee -a "$OUT/sky.log"
+    python3 scripts/bench_e2e.py "${common[@]}" --json "$OUT/sky_plain_$round.json" 2>&1 | grep -v Warn | tail -2 >> "$OUT/sky.log"
+    for variant in ${SKY_VARIANTS:-product whole sms16 fp16}; do
+      echo "== $variant $round" | tee -a "$OUT/sky.log"
+      STREAM_RECON_CHECKPOINTS=/tmp/skyseg python3 scripts/probes/sky_placement.py "$variant" -- "${common[@]}" \
+        --mask-sky --json "$OUT/sky_${variant/+/_}_$round.json" 2>&1 | grep -v Warn | tail -3 >> "$OUT/sky.log"
+    done
+  done
+  python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+for path in sorted(pathlib.Path(sys.argv[1]).glob("sky_*.json")):
+    row = json.loads(path.read_text())
+    print(f"{path.stem:28s} steady FPS {row.get('steady_fps')}")
+PY
+}
+
 # -- the suite asked for -------------------------------------------------------------------------------------
 case "$SUITE" in
   loops|repro|soak-a|soak-b|soak-c|long|revisits) use_gtsam ;;
+  sky) install_wheels .carry-ort ;;
   *) install_wheels .whl ;;
 esac
 case "$SUITE" in
@@ -674,5 +715,6 @@ case "$SUITE" in
   loops) suite_loops "$@" ;;
   repro|soak-a|soak-b|soak-c|long) suite_never_hang "$SUITE" ;;
   revisits) suite_revisits ;;
+  sky) suite_sky ;;
   *) usage ;;
 esac
