@@ -624,7 +624,7 @@ def frustum_lines(intrinsics: np.ndarray, image_size: tuple[int, int], depth: fl
     Eight segments: four from the apex to the image corners, four around the image; plus a short tick
     above the top edge's centre that shows which way is up.
     """
-    # trimesh takes 1.1 s to import and only GLB needs it: every other format exports without it
+    # trimesh takes about 1 s to import and only GLB needs it: every other format exports without it
     import trimesh
 
     h, w = image_size
