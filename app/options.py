@@ -30,7 +30,9 @@ from stream_recon.models import (
     WINDOW,
     KeyframePolicy,
     keyframe_spellings,
+    parse_memory_size,
 )
+from stream_recon.models.attention_backends import backend_names, resolve_backend
 
 KV_CACHE_CHOICES = ("auto", "fp8")  # auto: the model's precision (models.attention_backends.resolve_backend)
 # auto: on when the pose graph's library is installed and the stream can reach a third chunk (a loop joins
@@ -237,8 +239,6 @@ class RunOptions:
         if self.camera_iterations is not None:
             kwargs["camera_iterations"] = self.camera_iterations
         if self.gpu_memory is not None:
-            from stream_recon.models.stream.memory import parse_memory_size  # torch: see _engine_problems
-
             kwargs["gpu_memory"] = parse_memory_size(self.gpu_memory)
         return kwargs
 
@@ -315,12 +315,8 @@ def _is_of(value: Any, kind: type) -> bool:
 
 def _engine_problems(options: RunOptions) -> Iterator[str]:
     """What the engine's own tables refuse: the attention backend's name, the keyframe policy, the memory
-    budget's spelling. The backends' table and the memory plan import torch, so they are read when options
-    are checked (a command that runs), never when the flags are only listed (`-h`)."""
-    # torch loads with these: checked when a command runs, never when -h reads the flags
-    from stream_recon.models.attention_backends import backend_names
-    from stream_recon.models.stream.memory import parse_memory_size
-
+    budget's spelling. Each is read from a torch-free module of the engine's (the backends' names, the
+    policies' spellings, the size parser), so that a bad value is answered before torch is imported."""
     if options.attention not in backend_names():
         yield f"--attention must be one of {', '.join(backend_names())}, got {options.attention!r}"
     try:
@@ -377,9 +373,6 @@ def check_attention(attention: str, device: str, dtype: Any, kv_cache: str = "au
     """The attention backend must be able to run on this device in this precision, over a cache
     stored as `kv_cache` asks (`auto` always can); the backend table (models.attention_backends)
     says why not and what to use instead. Returns the name of the backend the run will use."""
-    # torch loads with the backend table: when a command runs, never for -h
-    from stream_recon.models.attention_backends import resolve_backend
-
     try:
         return resolve_backend(attention, device, dtype, kv_cache)
     except ValueError as error:

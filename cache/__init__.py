@@ -1,44 +1,57 @@
 """The two-stream KV cache: bookkeeping of two layouts (paged, dense), their storage, the attention
-backends that read them (one table: backends.py), and the camera head's token cache."""
+backends that read them (one table: backends.py), and the camera head's token cache.
 
-from . import backends, fp8
-from .backends import BackendSpec
-from .dense import DenseTwoStreamCache, SlotMove, VisibleRange
-from .dense_attention import DenseAttention, DenseKV, SplitCudnnAttention, merge_partial_attention
-from .kv_cache import AttentionBackend, CacheStep, DenseKVCache, KVCache, PagedKVCache
-from .layout import CacheCapacityError, CacheLayout
-from .paged import SPECIAL_PAGES_AT_START, PagedTwoStreamCache
-from .paged_attention import PagedKV, SDPAPagedAttention
-from .pages import POOL_GROWTH_PAGES, PagePool, VisiblePages
-from .streams import DeviceValues, run_beside
-from .token_cache import TokenCache
+The names below are imported on first use, as models/ does its own: a light module of this package
+(backend_names) can then be read without loading torch, as the CLI's option checks do.
+"""
 
-__all__ = [
-    "POOL_GROWTH_PAGES",
-    "SPECIAL_PAGES_AT_START",
-    "AttentionBackend",
-    "BackendSpec",
-    "CacheCapacityError",
-    "CacheLayout",
-    "CacheStep",
-    "DenseAttention",
-    "DenseKV",
-    "DenseKVCache",
-    "DenseTwoStreamCache",
-    "DeviceValues",
-    "KVCache",
-    "PagePool",
-    "PagedKV",
-    "PagedKVCache",
-    "PagedTwoStreamCache",
-    "SDPAPagedAttention",
-    "SlotMove",
-    "SplitCudnnAttention",
-    "TokenCache",
-    "VisiblePages",
-    "VisibleRange",
-    "backends",
-    "fp8",
-    "merge_partial_attention",
-    "run_beside",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> the module of this package that defines it (a module of its own maps to itself)
+_HOMES = {
+    "backends": "backends",
+    "fp8": "fp8",
+    "BackendSpec": "backends",
+    "DenseTwoStreamCache": "dense",
+    "SlotMove": "dense",
+    "VisibleRange": "dense",
+    "DenseAttention": "dense_attention",
+    "DenseKV": "dense_attention",
+    "SplitCudnnAttention": "dense_attention",
+    "merge_partial_attention": "dense_attention",
+    "AttentionBackend": "kv_cache",
+    "CacheStep": "kv_cache",
+    "DenseKVCache": "kv_cache",
+    "KVCache": "kv_cache",
+    "PagedKVCache": "kv_cache",
+    "CacheCapacityError": "layout",
+    "CacheLayout": "layout",
+    "SPECIAL_PAGES_AT_START": "paged",
+    "PagedTwoStreamCache": "paged",
+    "PagedKV": "paged_attention",
+    "SDPAPagedAttention": "paged_attention",
+    "POOL_GROWTH_PAGES": "pages",
+    "PagePool": "pages",
+    "VisiblePages": "pages",
+    "DeviceValues": "streams",
+    "run_beside": "streams",
+    "TokenCache": "token_cache",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f".{_HOMES[name]}", __name__)
+    value = module if _HOMES[name] == name else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

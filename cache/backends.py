@@ -2,7 +2,8 @@
 
 The engine reads this table, and the CLI's option checks and `stream-recon info` through
 models/attention_backends.py (the app never imports the cache).
-Adding a backend is one row here (plus its module and tests): see docs/ARCHITECTURE.md.
+Adding a backend is one row here and its name in backend_names.py (plus its module and tests): see
+docs/ARCHITECTURE.md.
 
 Layouts (kv_cache.py): `paged` (any page holds any frame; a kernel follows the page table) and
 `dense` (each step's keys are one contiguous token range, read in place; CUDA graphs can record it).
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import fp8
+from .backend_names import AUTO, ROW_NAMES, names
 from .compiling import Compile
 from .dense import DenseTwoStreamCache
 from .dense_attention import DenseAttention, DenseKV, SplitCudnnAttention
@@ -27,7 +29,6 @@ from .paged import SPECIAL_PAGES_AT_START, PagedTwoStreamCache
 from .paged_attention import PagedKV, SDPAPagedAttention
 from .pages import PagePool
 
-AUTO = "auto"
 FP8 = "fp8"
 # The half precisions: backends that run only in them (below), and in models/ the fused GELU and
 # prepare_for_inference, which import this one definition (models import the cache, never the reverse).
@@ -143,16 +144,14 @@ BACKENDS: tuple[BackendSpec, ...] = (
                 summary="FlashInfer ragged prefill over the visible range (fa3 on Hopper, fa2 elsewhere)"),
 )
 _BY_NAME = {spec.name: spec for spec in BACKENDS}
+if tuple(_BY_NAME) != ROW_NAMES:  # the torch-free index of the rows (backend_names.py) must name each row
+    raise ImportError(f"cache/backend_names.py's ROW_NAMES {ROW_NAMES} must list the rows of BACKENDS in order: "
+                      f"{tuple(_BY_NAME)}")
 # `auto` on CUDA in bf16/fp16, the first available in this order: the fastest measured first
 # (docs/PERFORMANCE.md, *The engine*). On the CPU or in float32: sdpa, the golden-parity path.
 AUTO_ORDER = ("dense-triton", "dense-cudnn", "dense-flashinfer", "dense")
 AUTO_SUMMARY = ("CUDA bf16/fp16: the first available of " + ", ".join(AUTO_ORDER) + " (dense-cudnn on Hopper "
                 "or newer); CPU or float32: sdpa")
-
-
-def names() -> tuple[str, ...]:
-    """Every name --attention accepts, `auto` first."""
-    return (AUTO, *_BY_NAME)
 
 
 def spec(name: str) -> BackendSpec:

@@ -23,6 +23,7 @@ _HOMES = {
     "MemoryPlan": "stream.memory",
     "estimate_memory": "stream.memory",
     "plan_memory": "stream.memory",
+    "parse_memory_size": "stream.memory_size",
     "FRAME_KEY": "stream.prediction",
     "FRAME_NON_KEY": "stream.prediction",
     "FRAME_SCALE": "stream.prediction",

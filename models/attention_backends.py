@@ -1,17 +1,33 @@
 """The attention backends as the app sees them: the names --attention takes, whether each runs here, and
 the one a run will use. The app reads the backend table (stream_recon.cache.backends) only through
 these, so that the cache stays behind the model (app -> models -> cache).
+
+The names come from the table's torch-free index (cache/backend_names.py) and the rest from the table
+itself, which loads torch when first asked: the CLI checks a run's --attention before anything is loaded.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-import torch
+from stream_recon.cache import backend_names as table_index
 
-from stream_recon.cache import backends
+if TYPE_CHECKING:
+    import torch
 
-AUTO_SUMMARY = backends.AUTO_SUMMARY  # what `auto` chooses, in one line
+
+def _table() -> ModuleType:
+    # the table loads torch and the cache's kernels: when a backend is resolved or listed, never for the names
+    from stream_recon.cache import backends
+
+    return backends
+
+
+def auto_summary() -> str:
+    """What `auto` chooses, in one line."""
+    return _table().AUTO_SUMMARY
 
 
 @dataclass(frozen=True)
@@ -26,18 +42,20 @@ class BackendStatus:
 
 def backend_names() -> tuple[str, ...]:
     """Every name --attention accepts, `auto` first."""
-    return backends.names()
+    return table_index.names()
 
 
 def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, kv_cache: str = "auto") -> str:
     """The name of the backend that `name` stands for on `device` in `dtype`, over a K/V cache stored as
     `kv_cache` asks (auto: in `dtype`; fp8). Raises ValueError saying what to use instead when `name`, or
     `kv_cache`, cannot be used there."""
+    backends = _table()
     return backends.resolve(name, device, dtype, backends.store_dtype(kv_cache, dtype)).name
 
 
 def backend_statuses(device: torch.device | str, dtype: torch.dtype) -> tuple[BackendStatus, ...]:
     """Every backend of the table (`auto` aside), and whether it runs on `device` in `dtype`."""
+    backends = _table()
     return tuple(
         BackendStatus(name=spec.name, layout=spec.layout, summary=spec.summary,
                       unavailable_reason=backends.unavailable_reason(spec.name, device, dtype))
@@ -49,4 +67,4 @@ def first_use_note(name: str) -> str:
     """What the first use of the backend named `name` on a machine costs, for the run to say when it picks
     it; "": nothing worth saying, or a built backend's name of the variant it chose (dense-flashinfer-fa3),
     which is no row of the table."""
-    return next((spec.first_use for spec in backends.BACKENDS if spec.name == name), "")
+    return next((spec.first_use for spec in _table().BACKENDS if spec.name == name), "")

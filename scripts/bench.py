@@ -26,7 +26,8 @@ from collections import defaultdict
 import torch
 
 from stream_recon.models import GCTStream, ModelConfig, StreamConfig, StreamingEngine, prepare_for_inference
-from stream_recon.models.stream.memory import estimate_memory, hold_to_card, parse_memory_size
+from stream_recon.models.stream.memory import estimate_memory, hold_to_card
+from stream_recon.models.stream.memory_size import parse_memory_size
 from stream_recon.models.synthetic import load_synthetic_weights
 
 

@@ -954,7 +954,8 @@ def main() -> None:
     options = run_options(args, port)
     device = resolve_device(options.device)
     if args.gpu_memory and device.startswith("cuda"):
-        from stream_recon.models.stream.memory import hold_to_card, parse_memory_size
+        from stream_recon.models.stream.memory import hold_to_card
+        from stream_recon.models.stream.memory_size import parse_memory_size
 
         hold_to_card(parse_memory_size(args.gpu_memory), device)  # as on a GPU of that size
     dtype = resolve_dtype(options.dtype, device)

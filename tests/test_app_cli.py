@@ -759,6 +759,42 @@ def test_help_loads_none_of_the_heavy_libraries() -> None:
     assert loaded == {" ".join(argv): [] for argv in HELP_REQUESTS}
 
 
+
+def test_a_bad_source_or_option_is_answered_before_torch_is_imported(tmp_path: Path) -> None:
+    # a mistyped path was said only after the pipeline's 2-5 s import of torch
+    not_a_video = tmp_path / "notes.mp4"
+    not_a_video.write_text("shopping list\n")
+    out = str(tmp_path / "out")
+    cases = {
+        ("run", "/no/such/file.mp4", "-o", out): "error: no such file or folder: /no/such/file.mp4",
+        ("run", str(not_a_video), "-o", out): f"error: {not_a_video} is not a video file",
+        ("run", "/no/such/file.mp4", "-o", out, "--gpu-memory", "banana"):
+            "error: --gpu-memory: cannot read 'banana' as a memory size",
+        ("run", "/no/such/file.mp4", "-o", out, "--attention", "bogus"):
+            "error: --attention must be one of auto, sdpa,",
+    }
+    script = textwrap.dedent(f"""
+        import contextlib, io, json, sys
+        from stream_recon.app.cli import main
+        answers = []
+        for argv in {[list(argv) for argv in cases]!r}:
+            said = io.StringIO()
+            with contextlib.redirect_stderr(said):
+                try:
+                    main(argv)
+                except SystemExit as exit:
+                    code = exit.code
+            answers.append([said.getvalue(), code, sorted(m for m in ("torch", "trimesh") if m in sys.modules)])
+        print(json.dumps(answers))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    answers = json.loads(result.stdout.strip().splitlines()[-1])
+    for (said, code, loaded), expected in zip(answers, cases.values(), strict=True):
+        assert said.startswith(expected) and said.count("\n") == 1, said
+        assert (code, loaded) == (EXIT_BAD_INPUT, []), (expected, code, loaded)
+
+
 def test_the_app_reaches_the_cache_only_through_the_models() -> None:
     # app -> models -> cache: what the app needs of the backend table is models.attention_backends
     app_dir = Path(__file__).resolve().parents[1] / "app"

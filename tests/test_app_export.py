@@ -1,6 +1,9 @@
 import json
 import re
 import stat
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import cv2
@@ -392,6 +395,29 @@ def test_cli_export_writes_and_reports(run, cli, tmp_path):
     assert outcome.exit_code == 0, outcome.output
     assert re.search(r"wrote glb export \(7 cameras, \d+ points, voxel 0.04\) to", outcome.output)
     assert isinstance(trimesh.load(tmp_path / "s.glb"), trimesh.Scene)
+
+
+
+def test_only_a_glb_export_imports_trimesh(run, tmp_path):
+    # trimesh took 1.1 s of every export's start, whatever the format
+    run_dir, _ = run
+    formats = [fmt.value for fmt in ExportFormat if fmt.value != "glb"] + ["glb"]  # GLB last: it loads trimesh
+    script = textwrap.dedent(f"""
+        import json, sys
+        from stream_recon.app.cli import main
+        loaded = {{}}
+        for fmt in {formats!r}:
+            try:
+                main(["export", {str(run_dir)!r}, "-f", fmt, "-o", {str(tmp_path)!r} + "/" + fmt])
+            except SystemExit as exit:
+                assert exit.code == 0, (fmt, exit.code)
+            loaded[fmt] = [name for name in ("trimesh", "torch") if name in sys.modules]
+        print(json.dumps(loaded))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    assert loaded == {**{fmt: [] for fmt in formats[:-1]}, "glb": ["trimesh"]}
 
 
 def test_cli_export_errors_exit_2_without_traceback(cli, tmp_path):

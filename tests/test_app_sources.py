@@ -25,7 +25,7 @@ from media_helpers import (
 )
 from PIL import Image
 
-from stream_recon.app.sources.opening import classify_source, natural_sort_key, open_source
+from stream_recon.app.sources.opening import check_source, classify_source, natural_sort_key, open_source
 from stream_recon.app.sources.preprocess import preprocess_path, to_float
 from stream_recon.app.sources.reader import (
     FrameSelection,
@@ -143,6 +143,29 @@ def test_empty_file(tmp_path: Path) -> None:
     (tmp_path / "empty.mp4").touch()
     with pytest.raises(SourceError, match="empty.mp4 is empty"):
         open_source(tmp_path / "empty.mp4")
+
+
+
+def test_the_check_before_opening_refuses_in_the_words_of_the_opening(tmp_path: Path) -> None:
+    # the CLI checks a source before it imports torch; what it says must be what opening it would say
+    (tmp_path / "empty.mp4").touch()
+    (tmp_path / "notes.mp4").write_text("shopping list\n")
+    Image.new("RGB", (8, 8)).save(tmp_path / "one.png")
+    (tmp_path / "nothing").mkdir()
+    write_image_folder(tmp_path / "nested" / "rgb", ["000000.png", "000001.png"])
+    refused = [tmp_path / "nothere.mp4", tmp_path / "empty.mp4", tmp_path / "notes.mp4", tmp_path / "one.png",
+               tmp_path / "nothing", tmp_path / "nested", "ftp://camera.local/live", "  "]
+    for spec in refused:
+        with pytest.raises(SourceError) as opening:
+            open_source(spec)
+        with pytest.raises(SourceError) as checking:
+            check_source(spec)
+        assert str(checking.value) == str(opening.value)
+    # what only opening tells (a camera, a stream) is left to it: nothing is connected to here
+    started = time.monotonic()
+    for spec in (write_video(tmp_path / "clip.mp4", 3), tmp_path / "nested" / "rgb", "7", "rtsp://192.0.2.1:554/live"):
+        check_source(spec)
+    assert time.monotonic() - started < 1.0
 
 
 def test_truncated_mp4_without_its_index_is_named_truncated(tmp_path: Path) -> None:

@@ -83,10 +83,10 @@ def _attention_backends() -> dict[str, str]:
     import torch
 
     # the backend table loads torch too: for `info` itself, never for -h
-    from stream_recon.models.attention_backends import AUTO_SUMMARY, backend_statuses, resolve_backend
+    from stream_recon.models.attention_backends import auto_summary, backend_statuses, resolve_backend
 
     device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
-    report = {"auto": f"{resolve_backend('auto', device, dtype)} here ({AUTO_SUMMARY})"}
+    report = {"auto": f"{resolve_backend('auto', device, dtype)} here ({auto_summary()})"}
     for backend in backend_statuses(device, dtype):
         reason = backend.unavailable_reason
         report[backend.name] = (f"available ({backend.layout} layout: {backend.summary})" if reason is None

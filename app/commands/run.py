@@ -72,9 +72,8 @@ def run(
     """Reconstruct SOURCE frame by frame: poses and depth on disk as they come, live in the browser."""
     # yaml and OpenCV load with these: when the command runs, never for -h
     from stream_recon.app.run.presets import build_options
-    from stream_recon.app.sources.opening import source_name
+    from stream_recon.app.sources.opening import check_source, source_name
 
-    run_sequence = import_held("stream_recon.app.run.pipeline").run_sequence
     console = error_console()
     show_engine_log(console)
     with user_errors(console):
@@ -86,6 +85,10 @@ def run(
         if is_sample:
             defaults["overwrite"] = output is None and holds_sample_run(output_dir)
         options = build_options(config, overrides, defaults)
+        # a mistyped path or a file that is no video is said before torch's 2-5 s import (the pipeline's); the
+        # source is opened there, once
+        check_source(source)
+        run_sequence = import_held("stream_recon.app.run.pipeline").run_sequence
         if is_sample:
             announce_sample(output_dir, options, console)
         try:

@@ -31,13 +31,10 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cv2
 import numpy as np
-import trimesh
-from trimesh.path import Path3D
-from trimesh.path.entities import Line
 
 from stream_recon.app.outputs.export_formats import ExportFormat
 from stream_recon.app.outputs.pointcloud import (
@@ -75,6 +72,10 @@ from stream_recon.app.sources.reader import SourceError
 from stream_recon.app.sources.settings import FrameSelection
 from stream_recon.app.stopping import interrupts_held
 from stream_recon.models.stream.pose import rotation_to_quat_xyzw
+
+if TYPE_CHECKING:
+    import trimesh
+    from trimesh.path import Path3D
 
 # OpenCV camera axes (y down, z forward) to glTF's and OpenGL's (y up, z backward): a half turn about x.
 OPENCV_TO_GLTF = np.diag([1.0, -1.0, -1.0, 1.0])
@@ -623,6 +624,9 @@ def frustum_lines(intrinsics: np.ndarray, image_size: tuple[int, int], depth: fl
     Eight segments: four from the apex to the image corners, four around the image; plus a short tick
     above the top edge's centre that shows which way is up.
     """
+    # trimesh takes about 1 s to import and only GLB needs it: every other format exports without it
+    import trimesh
+
     h, w = image_size
     fx, fy, cx, cy = intrinsics[0, 0], intrinsics[1, 1], intrinsics[0, 2], intrinsics[1, 2]
     # Pixel centres are integers, so the image edges are half a pixel outside them.
@@ -633,12 +637,16 @@ def frustum_lines(intrinsics: np.ndarray, image_size: tuple[int, int], depth: fl
     top_mid = (corners[0] + corners[1]) / 2
     up_tick = top_mid - np.array([0.0, 0.15 * (corners[3, 1] - corners[0, 1]), 0.0])
     vertices = np.vstack([np.zeros(3), corners, top_mid, up_tick])
-    entities = [Line([0, k]) for k in range(1, 5)] + [Line([1, 2, 3, 4, 1]), Line([5, 6])]
-    return Path3D(entities=entities, vertices=vertices)
+    line = trimesh.path.entities.Line
+    entities = [line([0, k]) for k in range(1, 5)] + [line([1, 2, 3, 4, 1]), line([5, 6])]
+    return trimesh.path.Path3D(entities=entities, vertices=vertices)
 
 
 def build_glb_scene(cameras: list[CameraRecord], cloud: PointCloud) -> trimesh.Scene:
     """Point cloud ("points"), one frustum node per camera ("camera_NNNNNN") and the trajectory line."""
+    # trimesh: for GLB only (frustum_lines says why)
+    import trimesh
+
     scene = trimesh.Scene()
     flip = OPENCV_TO_GLTF[:3, :3]
     if len(cloud):
@@ -661,7 +669,8 @@ def build_glb_scene(cameras: list[CameraRecord], cloud: PointCloud) -> trimesh.S
         )
     if len(cameras) > 1:
         centres = np.array([c.c2w[:, 3] for c in cameras]) @ flip
-        trajectory = Path3D(entities=[Line(np.arange(len(centres)))], vertices=centres)
+        trajectory = trimesh.path.Path3D(entities=[trimesh.path.entities.Line(np.arange(len(centres)))],
+                                         vertices=centres)
         scene.add_geometry(trajectory, node_name="trajectory", geom_name="trajectory")
     return scene
 

@@ -38,7 +38,13 @@ import torch
 
 from stream_recon.app.options import RunOptions
 from stream_recon.app.run.loading import chunk_engine_config
-from stream_recon.models import GCTStream, ModelConfig, StreamingEngine, prepare_for_inference
+from stream_recon.models import (
+    GCTStream,
+    ModelConfig,
+    StreamingEngine,
+    parse_memory_size,
+    prepare_for_inference,
+)
 from stream_recon.models.builds.compilation import (
     compiled_code_key,
     matmul_settings,
@@ -47,7 +53,7 @@ from stream_recon.models.builds.compilation import (
     records_folder,
     use_matmul_settings,
 )
-from stream_recon.models.stream.memory import CUDA_CONTEXT_BYTES, estimate_memory, parse_memory_size
+from stream_recon.models.stream.memory import CUDA_CONTEXT_BYTES, estimate_memory
 
 CHILD_WINDOW_SLOTS = 1  # the warm-up's streaming steps are uncached: one window slot is all it needs
 STOP_WAIT_S = 5.0  # a child asked to stop gets this long before it is killed

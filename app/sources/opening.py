@@ -8,11 +8,12 @@ size, the camera or URL answers within the timeout); why a stream gave no frame 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,7 +83,7 @@ def open_source(
     selection = selection or FrameSelection()
     kind, location = classify_source(spec)
     options = _SourceOptions(image_width, queue_size, frame_timeout_s, reconnect_s)
-    try:
+    with _read_errors(kind, location):
         if kind == "folder":
             source = _open_folder(Path(location), selection, options)
         elif kind == "video":
@@ -91,12 +92,6 @@ def open_source(
             source = _open_webcam(int(location), selection, options)
         else:
             source = _open_stream(location, open_timeout_s, selection, options)
-    except OSError as error:  # no permission to read it, a file gone meanwhile, an I/O error
-        what = "folder" if kind == "folder" else "file"
-        raise SourceError(
-            f"cannot read the {what} {error.filename or location}: {error.strerror or error}; "
-            "check its permissions or choose another source"
-        ) from None
     source.location = str(Path(location).resolve()) if kind in ("folder", "video") else location
     try:
         source.turn_clockwise(rotate)
@@ -109,6 +104,34 @@ def open_source(
             source.close()
             raise SourceError(f"{source.description}: {problem}")
     return source
+
+
+def check_source(spec: str | Path) -> None:
+    """Refuse what `open_source` would refuse before it opens anything, in its words: a path that does not
+    exist, a single image, a URL of another scheme, a folder without images, a file that is empty or no
+    video by its first bytes. Cheap (no decoding; a camera or a stream is not connected to, only told by
+    its spelling), so that the CLI says a mistyped source before it loads torch; `open_source` checks the
+    rest (the frames decode, one size, the camera answers) when it opens the source, once."""
+    kind, location = classify_source(spec)
+    with _read_errors(kind, location):
+        if kind == "folder":
+            _folder_images(Path(location))
+        elif kind == "video":
+            _check_video_file(Path(location))
+
+
+@contextlib.contextmanager
+def _read_errors(kind: SourceKind, location: str) -> Iterator[None]:
+    """An OSError while a source is checked or opened (no permission to read it, a file gone meanwhile, an I/O
+    error) as the SourceError that says which file or folder and what to do."""
+    try:
+        yield
+    except OSError as error:
+        what = "folder" if kind == "folder" else "file"
+        raise SourceError(
+            f"cannot read the {what} {error.filename or location}: {error.strerror or error}; "
+            "check its permissions or choose another source"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -210,13 +233,20 @@ def _opened_source(
     )
 
 
-def _open_folder(folder: Path, selection: FrameSelection, options: _SourceOptions) -> FrameSource:
+def _folder_images(folder: Path) -> list[Path]:
+    """The pictures of an image folder (list_images); SourceError, naming where the frames may be, when it
+    holds none."""
     paths = list_images(folder)
     if not paths:
         raise SourceError(
             f"folder {folder} contains no images (looked for {', '.join(IMAGE_SUFFIXES)}); "
             f"{_where_the_frames_may_be(folder)}"
         )
+    return paths
+
+
+def _open_folder(folder: Path, selection: FrameSelection, options: _SourceOptions) -> FrameSource:
+    paths = _folder_images(folder)
     frame_size = _check_one_size(paths)
     fps = selection.fps
     reader = FolderReader(paths, frame_size, seconds_per_frame=1.0 / fps if fps else 1.0)
@@ -266,12 +296,17 @@ def _check_one_size(paths: list[Path], max_checked: int = _MAX_SIZE_CHECKS) -> t
     return first_size
 
 
-def _open_video(path: Path, selection: FrameSelection, options: _SourceOptions) -> FrameSource:
+def _check_video_file(path: Path) -> None:
+    """SourceError when the file is empty or, by its first bytes, no video (signatures.py)."""
     if path.stat().st_size == 0:
         raise SourceError(f"{path} is empty (0 bytes); it is not a video")
     not_a_video = not_a_video_message(path)
     if not_a_video:
         raise SourceError(not_a_video)
+
+
+def _open_video(path: Path, selection: FrameSelection, options: _SourceOptions) -> FrameSource:
+    _check_video_file(path)
     capture = cv2.VideoCapture(str(path), cv2.CAP_FFMPEG)
     if not capture.isOpened():
         capture.release()

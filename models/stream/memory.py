@@ -32,7 +32,6 @@ torch's measured peak, which is how they are checked on a GPU.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -169,10 +168,6 @@ def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes:.0f} B"
 
 
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
-          "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
-
-
 def hold_to_card(budget: int, device: torch.device | str = "cuda") -> None:
     """Hold this process's allocator to what a card of `budget` bytes leaves beside the CUDA context
     (torch.cuda.set_per_process_memory_fraction), as the benchmarks and the budget test do: an estimate
@@ -182,17 +177,6 @@ def hold_to_card(budget: int, device: torch.device | str = "cuda") -> None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, (budget - CUDA_CONTEXT_BYTES) / total)), index)
-
-
-def parse_memory_size(text: str) -> int:
-    """Bytes from a size as people write it: `8GiB`, `7.5G` (binary), `8GB` (decimal), `8192MiB`,
-    or a plain number of bytes. Raises ValueError naming the accepted forms."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", text)
-    unit = match and match.group(2).lower()
-    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
-        raise ValueError(f"cannot read {text!r} as a memory size: use a positive number with GiB, MiB, GB, MB (or G, "
-                         "M: binary), e.g. 8GiB")
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def paged_cache_bytes(config: ModelConfig, page_size: int, num_pages: int, dtype: torch.dtype) -> int:
