@@ -124,8 +124,14 @@ def _failure(future: Future, deadline: Deadline) -> str | None:
     except TimeoutError:
         raise
     except Exception as exc:  # one file's failure leaves the others to be rewritten
-        return f"{type(exc).__name__}: {exc}"
+        return _said(exc)
     return None
+
+
+def _said(error: Exception) -> str:
+    """An output's failure in run.json and the error line: an OSError's own sentence names the file and the
+    cause; any other error is a fault of ours, named by its type too."""
+    return str(error) if isinstance(error, OSError) else f"{type(error).__name__}: {error}"
 
 
 def software_versions() -> dict[str, str]:
@@ -369,7 +375,7 @@ class RunWriter:
             except Exception as exc:
                 # Keep going, whatever failed: run.json must still say how the run ended, the other files must
                 # still be written, and the npz files are intact.
-                errors.append(f"{name}: {exc}" if isinstance(exc, OSError) else f"{name}: {type(exc).__name__}: {exc}")
+                errors.append(f"{name}: {_said(exc)}")
         self._write_run_json(status, summary or {}, errors)
         self._let_go()
         if errors:
