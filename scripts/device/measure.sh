@@ -681,7 +681,7 @@ suite_sky() { local round variant common
     python3 scripts/bench_e2e.py "${common[@]}" --json "$OUT/sky_plain_$round.json" 2>&1 | grep -v Warn | tail -2 >> "$OUT/sky.log"
     for variant in ${SKY_VARIANTS:-product whole sms16 fp16}; do
       echo "== $variant $round" | tee -a "$OUT/sky.log"
-      STREAM_RECON_CHECKPOINTS=/tmp/skyseg python3 scripts/probes/sky_placement.py "$variant" -- "${common[@]}" \
+      STREAM_RECON_CHECKPOINTS=/tmp/skyseg python3 scripts/probes/sky_placement.py "$variant" "${common[@]}" \
         --mask-sky --json "$OUT/sky_${variant/+/_}_$round.json" 2>&1 | grep -v Warn | tail -3 >> "$OUT/sky.log"
     done
   done

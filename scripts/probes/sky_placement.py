@@ -1,7 +1,7 @@
 """Where the sky network of `--mask-sky` costs the stream least: one product-path run of bench_e2e.py with the
 network run as the product runs it, or changed in one way, to compare steady FPS across variants in one call.
 
-    python3 scripts/probes/sky_placement.py VARIANT -- [bench_e2e.py options, --mask-sky among them]
+    python3 scripts/probes/sky_placement.py VARIANT [bench_e2e.py options, --mask-sky among them]
 
 VARIANT:
     product   the product's session (the CUDA provider, channels-last convolutions, its kernels on a stream
@@ -18,8 +18,9 @@ probe's temporary folder and points STREAM_RECON_CHECKPOINTS there for this proc
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import os
-import runpy
 import sys
 import tempfile
 from pathlib import Path
@@ -48,11 +49,21 @@ def place(num_sms: int | None) -> None:
     print(f"sky network on {num_sms or 'all the'} SMs", flush=True)
 
 
+def bench_e2e():
+    """scripts/bench_e2e.py as a module (its parser and its main)."""
+    spec = importlib.util.spec_from_file_location("bench_e2e", BENCH)
+    module = sys.modules["bench_e2e"] = importlib.util.module_from_spec(spec)  # (its dataclasses look it up)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
-        raise SystemExit(__doc__)
-    variant, bench_args = sys.argv[1], [a for a in sys.argv[2:] if a != "--"]
-    for part in variant.split("+"):
+    bench = bench_e2e()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     parents=[bench.argument_parser()], conflict_handler="resolve")
+    parser.add_argument("variant", help="product, whole, smsN, fp16, or fp16+ one of the others")
+    args = parser.parse_args()
+    for part in args.variant.split("+"):
         if part == "fp16":
             folder = Path(os.environ.get("STREAM_RECON_CHECKPOINTS", "."))
             os.environ["STREAM_RECON_CHECKPOINTS"] = str(half_precision_copy(folder))
@@ -61,9 +72,9 @@ def main() -> None:
         elif part == "whole":
             place(None)
         elif part != "product":
-            raise SystemExit(f"no variant {part!r}: product, whole, smsN, fp16 or fp16+ one of the others")
-    sys.argv = [str(BENCH), *bench_args]
-    runpy.run_path(str(BENCH), run_name="__main__")
+            parser.error(f"no variant {part!r}: product, whole, smsN, fp16 or fp16+ one of the others")
+    sys.argv = [str(BENCH), *(a for a in sys.argv[1:] if a != args.variant)]
+    bench.main()
 
 
 if __name__ == "__main__":
