@@ -134,6 +134,9 @@ def assert_complete_with_the_open_chain(outcome: Outcome, reason: str) -> None:
     assert record["status"] == "complete", record["summary"]
     loops = record["summary"]["loop_closure"]
     assert reason in (loops["error"] or ""), loops
+    helpers = record["summary"]["helpers"]  # each helper that ran, the child among them, down with its reason
+    assert helpers["loop_closure"]["up"] is False and reason in helpers["loop_closure"]["reason"], helpers
+    assert helpers["writer"]["up"] and helpers["loop_closure"]["when_down"] == "turn off", helpers
     assert outcome.npz_frames == list(range(record["summary"]["frames"])) and outcome.npz_frames
     lines = (outcome.run_dir / "trajectory_tum.txt").read_text().splitlines()
     assert len(lines) == len(outcome.npz_frames) + 1  # + the header

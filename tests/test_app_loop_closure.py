@@ -105,6 +105,10 @@ def test_run_json_lists_the_loop_and_its_correction(closed_run) -> None:
         assert loop["correction"]["rotation_deg"] > 0
     for stage in ("features", "retrieval_and_check", "verification", "pose_graph"):
         assert loops["costs_ms"][stage]["calls"] >= 1
+    # every helper that ran beside the stream, up to the end (a run on the CPU builds nothing ahead, and
+    # this one shows no viewer)
+    helpers = json.loads((run_dir / RUN_JSON).read_text())["summary"]["helpers"]
+    assert sorted(helpers) == ["loop_closure", "writer"] and all(h["up"] for h in helpers.values()), helpers
 
 
 def reference_covisible_pairs() -> set[tuple[int, int]]:

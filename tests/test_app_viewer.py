@@ -984,6 +984,9 @@ def test_a_run_that_closes_a_loop_moves_the_chunk_nodes_a_client_sees(tmp_path, 
         np.testing.assert_allclose(pose.rotation, rotation, atol=1e-4)
         np.testing.assert_allclose(pose.translation, translation, atol=1e-3)
         assert is_posed(mirrors[0], "/chunks/0", Sim3.identity())
+        helpers = json.loads((tmp_path / "run" / "run.json").read_text())["summary"]["helpers"]
+        assert sorted(helpers) == ["loop_closure", "viewer", "writer"], helpers  # each that ran, up to the end
+        assert all(h["up"] for h in helpers.values()) and helpers["viewer"]["when_down"] == "turn off", helpers
     finally:
         for mirror in mirrors:
             mirror.close()

@@ -269,6 +269,9 @@ def test_a_spare_that_fails_at_a_rollover_is_turned_off_and_the_chunk_rolls_over
     assert stats["lookahead"] is False and stats["rollovers"] >= 2 and stats["rollovers_ahead"] == 0
     reason = "it made no progress for 0.5 s" if kind == "stalls" else "RuntimeError: the spare's step broke"
     assert stats["spare_off"] == reason
+    # run.json's helpers keep the spare that went (the engine dropped the spare itself)
+    assert engine.helpers()["spare_engine"].record() == {"up": False, "reason": reason, "dropped": 0,
+                                                         "when_down": "turn off"}
     assert warnings_of(caplog) == [f"the next chunk's lookahead is off for the rest of the run: {reason}"]
     assert max(seconds) < 0.5 + 5.0  # the switch's wait, and the in-place replay of the shared frames
     if kind == "stalls":
@@ -289,6 +292,7 @@ def test_a_spare_whose_warm_up_stalls_is_turned_off_before_the_stream(prepared_t
     seconds = engine.warm_up(frames[0])
     assert 0.3 <= seconds["spare_s"] < 3.0 and engine._rollover is None and engine.lookahead is False
     assert engine.stats()["spare_off"] == "it made no progress for 0.3 s"
+    assert engine.helpers()["spare_engine"].down_reason == "it made no progress for 0.3 s"
     final, _ = stream(engine, frames)
     engine.close()
     assert_same_final_emissions(final, reference)
@@ -568,7 +572,7 @@ def test_a_viewer_whose_thread_raises_is_off_and_lets_the_run_go_on(faults, monk
         live.on_frame(keyframe(0), {})
         live.state._thread.join(timeout=10)
         assert not live.state._thread.is_alive() and not live.is_up
-        assert live.record() == {"up": False, "reason": "RuntimeError: a scene node refused", "dropped": 0,
+        assert live.helper.record() == {"up": False, "reason": "RuntimeError: a scene node refused", "dropped": 0,
                                  "when_down": "turn off"}
         started = time.monotonic()
         for index in range(1, 200):

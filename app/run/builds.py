@@ -124,6 +124,7 @@ class RunBuilds:
         self.while_streaming: CompileWhileStreaming | None = None
         self.compiled_from_frame: int | None = None  # the first frame stepped compiled, once it is
         self.not_compiled: str | None = None  # why a run that steps as written compiles nothing beside
+        self._early_builds = False  # kernels building on a thread before the checkpoint loads
 
     def model(self, given: Any, console: Console) -> Any:
         """The run's model, prepared (compiled as `choice` says): `given` (a caller's model, prepared here
@@ -132,7 +133,8 @@ class RunBuilds:
 
             if self._dry_pass_comes():  # (before the early builds, which fill Triton's cache)
                 kernel_builds.start_builders(self.device)
-            kernel_builds.start_early_builds(self.device, self.dtype, self.model_config.num_heads, self.model_config.head_dim)
+            self._early_builds = kernel_builds.start_early_builds(self.device, self.dtype, self.model_config.num_heads,
+                                                                  self.model_config.head_dim)
         if given is None:
             self.ahead = start_builds_ahead(self.options, self.device, self.dtype, self.model_config,
                                             self.engine_config, self.input_size, compile=self.choice.compile)
@@ -215,6 +217,16 @@ class RunBuilds:
             return choice == "on"
         # a stream of scale frames only has no streaming step to wait for
         return engine.slow_first_step and (stream_length is None or stream_length > self.options.scale_frames)
+
+    def helpers(self) -> dict[str, Any]:
+        """The builds' helpers that ran, by run.json's name (models.supervision.Helper): the kernels built ahead
+        of the stream (the warm-up's dry pass and the early builds, on CUDA) and the compile beside the stream."""
+        ran = {}
+        if self.ahead is not None or self._early_builds:
+            ran["kernel_builds"] = kernel_builds.helper
+        if self.while_streaming is not None:
+            ran["compile_while_streaming"] = self.while_streaming.helper
+        return ran
 
     def summary(self) -> dict[str, Any]:
         """run.json's summary parts of the builds: compile_beside (CUDA runs), compiled_while_streaming (where

@@ -124,6 +124,10 @@ class LoopClosureSink:
     def running(self) -> bool:
         return self.closer is not None and self.closer.helper.is_up
 
+    def helpers(self) -> dict[str, Any]:
+        """Loop closure's child, where it started (models.supervision.Helper, by run.json's name)."""
+        return {} if self.closer is None else {"loop_closure": self.closer.helper}
+
     def on_frame(self, pred: Any, stats: dict) -> None:
         if not self.running:
             return

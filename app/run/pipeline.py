@@ -503,10 +503,7 @@ class Run:
             summary["loop_closure"] = loops.summary()
         if self.builds is not None:
             summary.update(self.builds.summary())
-        # each helper's state (models/supervision.py): up, or why it went down; loop closure's is its own
-        summary["helpers"] = {"writer": self.writer.helper.record()}
-        if self.viewer is not None and hasattr(self.viewer, "record"):
-            summary["helpers"]["viewer"] = self.viewer.record()
+        summary["helpers"] = self._helper_records(loops)
         writes_by = Deadline(STOP_CLOSE_S) if status == "interrupted" else None
         writer_error = None
         for sink in self.sinks:
@@ -520,6 +517,16 @@ class Run:
             except Exception as failure:  # noqa: BLE001 - one sink failing must not stop the others closing
                 logger.warning("closing %s failed: %s", type(sink).__name__, failure)
         return status, writer_error
+
+    def _helper_records(self, loops: Any) -> dict[str, Any]:
+        """Each helper that ran beside the stream (models/supervision.py) by name: up, or why it went down,
+        what it dropped, and what its going down does."""
+        helpers: dict[str, Any] = {"writer": self.writer.helper}
+        if getattr(self.viewer, "helper", None) is not None:  # (a caller's viewer may have none)
+            helpers["viewer"] = self.viewer.helper
+        for owner in (loops, self.engine, self.builds):
+            helpers.update(owner.helpers() if hasattr(owner, "helpers") else {})
+        return {name: helper.record() for name, helper in helpers.items()}
 
     def _run_json_summary(self, error: str | None, stop_signal: int | None, digest_wait_s: float) -> dict[str, Any]:
         """The summary holds each value once: status, settings (device, source) and versions are the

@@ -145,10 +145,6 @@ class LiveViewer:
         """The viewer thread's supervision (models/supervision.py)."""
         return self.state.helper
 
-    def record(self) -> dict:
-        """What run.json says of the viewer (models/supervision.py's record: up, and why not)."""
-        return self.state.helper.record()
-
     def close(self, status: str = "complete") -> None:
         """Show the last state (VIEWER_CLOSE_S at most), stop the viewer thread and, unless `keep_serving`,
         the server."""

@@ -258,16 +258,17 @@ def listing() -> bool:
     return getattr(_listing, "builds", None) is not None
 
 
-def start_early_builds(device: str | torch.device, dtype: torch.dtype, num_heads: int, head_dim: int) -> None:
+def start_early_builds(device: str | torch.device, dtype: torch.dtype, num_heads: int, head_dim: int) -> bool:
     """On CUDA, on a thread of its own, from now: the builds a warm-up's steps wait for where they are
     asked, which a dry pass cannot hand to its pool. The range kernel's scheduler reads the compiled
     kernel's registers and shared memory before it can launch anything (cache/triton_attention.py:
     `resident_programs`): two builds of 1.1-2.0 s each on a fresh machine, on the dry steps' path
     made side by side. Started before a checkpoint loads, they are done by
-    the warm-up; a step that asks sooner waits for the build under way rather than making another."""
+    the warm-up; a step that asks sooner waits for the build under way rather than making another. True
+    when the thread started."""
     device = torch.device(device)
     if device.type != "cuda" or not available() or not helper.is_up:
-        return
+        return False
     device = device_with_index(device)
 
     def build() -> None:
@@ -281,3 +282,4 @@ def start_early_builds(device: str | torch.device, dtype: torch.dtype, num_heads
         measure_resident_programs(device, dtype, num_heads, head_dim)
 
     start_supervised_thread(helper, build, "kernel-build-early")
+    return True

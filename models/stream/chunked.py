@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..network.gct import GCTStream
-from ..supervision import Deadline
+from ..supervision import Deadline, Helper
 from . import lookahead as lookahead_module
 from .chunks import ChunkAlignment, ChunkLink
 from .engine import StreamingEngine
@@ -115,6 +115,7 @@ class ChunkedEngine:
         self._main_stream = MainStream(self.device) if self.device.type == "cuda" and lookahead is not False else None
         self._rollover: Rollover | None = None  # the spare engine and the rollover's phases, once started
         self.spare_off: str | None = None  # why a spare started for the stream went, for good
+        self._spare_helper: Helper | None = None  # the last spare's, kept after the spare went (run.json)
         self._first_frame: torch.Tensor | None = None  # the stream's, to warm a spare on
         # Frames a closed chunk may predict while the next catches up. Its cache has room for one
         # uncached frame unless the chunk spans the model's whole temporal range; and the new chunk
@@ -271,6 +272,10 @@ class ChunkedEngine:
         """Stop the spare engine's worker thread (when there is one)."""
         if self._rollover is not None:
             self._rollover.close()
+
+    def helpers(self) -> dict[str, Helper]:
+        """The engine's helpers that ran, by run.json's name: the spare engine, where one started."""
+        return {} if self._spare_helper is None else {"spare_engine": self._spare_helper}
 
     def stats(self) -> dict:
         stats = self.engine.stats()
@@ -509,6 +514,7 @@ class ChunkedEngine:
         spare.engine.memory_plan = self.engine.memory_plan
         spare.engine.steps_eagerly(self.eager_steps)
         spare.warm(first_frame)
+        self._spare_helper = spare.helper
         self._spare_image = first_frame
         self._rollover = Rollover(spare, self.alignment, self._provisional_room)
         self._replay = deque(self._replay, maxlen=self.overlap + 1 + self._provisional_room)
