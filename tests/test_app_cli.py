@@ -411,6 +411,28 @@ def test_video_to_run_directory_through_the_cli(tmp_path: Path, tiny_checkpoint:
     assert record["settings"]["checkpoint"] == str(tiny_checkpoint)
     assert record["settings"]["compile"] is False and "compile_beside" not in record["summary"]  # a CPU run
     assert len(list((run_dir / "predictions").glob("*.npz"))) == 6
+    helpers = record["summary"]["helpers"]  # a CPU run without a viewer: the writer and the digest's thread
+    assert sorted(helpers) == ["checkpoint_digest", "writer"] and all(h["up"] for h in helpers.values()), helpers
+
+
+def test_a_digest_that_fails_leaves_the_run_complete_and_says_why(tmp_path: Path, tiny_checkpoint: Path,
+                                                                   monkeypatch) -> None:
+    from stream_recon.app.run import loading
+
+    def unreadable(path):
+        raise OSError(f"[Errno 5] Input/output error: '{path}'")
+
+    monkeypatch.setattr(loading, "checkpoint_digest", unreadable)
+    run_dir = tmp_path / "out"
+    result = invoke(str(write_video(tmp_path / "clip.mp4", 4, fps=25)), "--checkpoint", str(tiny_checkpoint),
+                    "-o", str(run_dir), *FAST_FLAGS)
+    assert result.exit_code == 0, result.output
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "complete" and record["summary"]["checkpoint_digest"] is None
+    digest = record["summary"]["helpers"]["checkpoint_digest"]
+    assert digest["up"] is False and digest["reason"].startswith("OSError: [Errno 5] Input/output error"), digest
+    assert len(list((run_dir / "predictions").glob("*.npz"))) == 4
+    assert result.output.count("the checkpoint's digest is off for the rest of the run: OSError") == 1, result.output
 
 
 def test_a_gpu_memory_budget_is_planned_said_and_recorded(tmp_path: Path, tiny_checkpoint: Path) -> None:

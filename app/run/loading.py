@@ -35,6 +35,7 @@ from stream_recon.models.checkpoint import (
     locate_checkpoint,
     resolve_checkpoint,
 )
+from stream_recon.models.supervision import Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
 
 
 def load_model_for(options: RunOptions, device: str | None = None, console: Console | None = None,
@@ -128,28 +129,35 @@ def prepared_for_run(model: Any, options: RunOptions, device: str, compile: bool
         raise OptionsError(str(error)) from None
 
 
+# The checkpoint's sha256 for run.json is a helper of the run: hashed on a thread (4.6 GB takes seconds the
+# stream should not wait for); one that raises leaves run.json's digest empty, with one warning line and
+# summary.helpers saying why.
+DIGEST_POLICY = HelperPolicy("the checkpoint's digest", WhenFull.DROP, WhenDown.TURN_OFF, stall_s=60.0)
+
+
 class CheckpointDigest:
-    """sha256 of the checkpoint file for run.json, hashed on a thread: 4.6 GB takes seconds, which
-    the run should not wait for. A checkpoint that cannot be resolved has no digest."""
+    """sha256 of the checkpoint file for run.json, hashed on a supervised thread. A run without a checkpoint
+    file (a caller's model) has none."""
 
     def __init__(self, checkpoint: str | None) -> None:
         self._digest: str | None = None
         self._thread: threading.Thread | None = None
+        self.helper = Helper(DIGEST_POLICY)
         if checkpoint is not None:
-            self._thread = threading.Thread(target=self._compute, args=(checkpoint,), name="digest", daemon=True)
-            self._thread.start()
+            self._thread = start_supervised_thread(self.helper, lambda: self._compute(checkpoint), "digest")
 
     def _compute(self, checkpoint: str) -> None:
-
-        try:
-            self._digest = checkpoint_digest(resolve_checkpoint(checkpoint))
-        except (CheckpointError, OSError):
-            self._digest = None
+        self._digest = checkpoint_digest(resolve_checkpoint(checkpoint))
 
     def result(self, timeout_s: float = 60.0) -> str | None:
+        """The digest; None when it failed or was not done within `timeout_s` (an interrupted run waits 1 s)."""
         if self._thread is not None:
             self._thread.join(timeout_s)
         return self._digest
+
+    def helpers(self) -> dict[str, Helper]:
+        """The hashing thread, where one ran, by run.json's name."""
+        return {} if self._thread is None else {"checkpoint_digest": self.helper}
 
 
 def chunk_engine_config(options: RunOptions, model_config: Any) -> Any:

@@ -524,7 +524,7 @@ class Run:
         helpers: dict[str, Any] = {"writer": self.writer.helper}
         if getattr(self.viewer, "helper", None) is not None:  # (a caller's viewer may have none)
             helpers["viewer"] = self.viewer.helper
-        for owner in (loops, self.engine, self.builds):
+        for owner in (loops, self.engine, self.builds, self.digest):
             helpers.update(owner.helpers() if hasattr(owner, "helpers") else {})
         return {name: helper.record() for name, helper in helpers.items()}
 
