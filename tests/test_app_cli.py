@@ -888,8 +888,10 @@ def test_ctrl_c_from_the_start_to_the_first_frame_exits_130_at_once(tmp_path: Pa
     calibration.kill()
     calibration.communicate()
     # A Ctrl-C inside the native libraries' imports is held until they are done (their set-up aborts the
-    # process if interrupted), which on a busy machine can take most of the time to the first frame.
-    stop_limit_s = max(5.0, first_frame_s)
+    # process if interrupted), which on a busy machine can take most of the time to the first frame; the
+    # other worker's load changes between the calibration and a moment (5.43 s seen against a 5.26 s
+    # calibration), so the bound is half as long again. A lost Ctrl-C runs to exit 0, which the code catches.
+    stop_limit_s = 1.5 * max(5.0, first_frame_s)
     # Python's own start-up (before any code of ours runs) takes the first ~0.1 s
     for moment in sorted({max(0.15, fraction * first_frame_s) for fraction in (0.1, 0.25, 0.4, 0.55, 0.7, 0.85)}):
         run_dir = tmp_path / f"at_{moment:.2f}"
