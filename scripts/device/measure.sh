@@ -52,7 +52,7 @@
 #               ~6 min; SPLIT_MODES=1: each mode on a GPU of its own), graph (scripts/bench_pose_graph.py --stream GRAPH_SIZES
 #               on this host's CPU): $OUT/revisits.log, revisits_NAME.json, pose_graph.log
 #   sky         --mask-sky's cost: bench_e2e.py runs without it, then with the network placed as each of
-#               SKY_VARIANTS (product whole sms16 fp16: scripts/probes/sky_placement.py), on the stand-in
+#               SKY_VARIANTS (product fp32 fp32+whole fp32+sms16: scripts/probes/sky_placement.py), on the stand-in
 #               network (SKY_GFLOPS 120), ROUNDS (2) times in turn; FRAMES 600, SIZE 640x480: $OUT/sky.log,
 #               sky_NAME_N.json
 # Carry: .whl (FlashInfer, viser and their needs) for every suite but the loop-closure ones, which carry
@@ -679,7 +679,7 @@ suite_sky() { local round variant common
   for round in $(seq "${ROUNDS:-2}"); do
     echo "== plain $round" | tee -a "$OUT/sky.log"
     python3 scripts/bench_e2e.py "${common[@]}" --json "$OUT/sky_plain_$round.json" 2>&1 | grep -v Warn | tail -2 >> "$OUT/sky.log"
-    for variant in ${SKY_VARIANTS:-product whole sms16 fp16}; do
+    for variant in ${SKY_VARIANTS:-product fp32 fp32+whole fp32+sms16}; do
       echo "== $variant $round" | tee -a "$OUT/sky.log"
       STREAM_RECON_CHECKPOINTS=/tmp/skyseg python3 scripts/probes/sky_placement.py "$variant" "${common[@]}" \
         --mask-sky --json "$OUT/sky_${variant/+/_}_$round.json" 2>&1 | grep -v Warn | tail -3 >> "$OUT/sky.log"
