@@ -128,11 +128,13 @@ class SkySegmenter:
         if compute_stream is not None and on_gpu:
             options["CUDAExecutionProvider"].update(user_compute_stream=str(compute_stream), has_user_compute_stream="1")
         self.half_precision = HALF_PRECISION_ON_GPU and on_gpu if half_precision is None else half_precision
-        model = _half_precision_model(model_path) if self.half_precision else str(model_path)
         try:
+            model = _half_precision_model(model_path) if self.half_precision else str(model_path)
             self.session: Any = onnxruntime.InferenceSession(
                 model, providers=providers, provider_options=[options[name] for name in providers])
-        except Exception as error:  # onnxruntime raises its own types for a damaged or foreign file
+        except SkyModelError:
+            raise
+        except Exception as error:  # onnx and onnxruntime raise their own types for a damaged or foreign file
             raise SkyModelError(f"cannot load the sky network {model_path}: {str(error).splitlines()[0]}; "
                                 f"{_fetch_by_hand()} again") from None
         self.input_name = self.session.get_inputs()[0].name
@@ -166,8 +168,4 @@ def _half_precision_model(model_path: Path | str) -> bytes:
     except ImportError as error:
         raise SkyModelError(f"--mask-sky on the GPU runs the sky network in float16, which needs {error.name}: "
                             "pip install 'stream-recon[sky]'") from None
-    try:
-        return convert_float_to_float16(onnx.load(str(model_path)), keep_io_types=True).SerializeToString()
-    except Exception as error:  # onnx raises its own types for a damaged or foreign file
-        raise SkyModelError(f"cannot load the sky network {model_path}: {str(error).splitlines()[0]}; "
-                            f"{_fetch_by_hand()} again") from None
+    return convert_float_to_float16(onnx.load(str(model_path)), keep_io_types=True).SerializeToString()
