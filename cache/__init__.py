@@ -7,8 +7,7 @@ The names below are imported on first use, as models/ does its own: a light modu
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .lazy_names import lazy_names
 
 # name -> the module of this package that defines it (a module of its own maps to itself)
 _HOMES = {
@@ -43,15 +42,4 @@ _HOMES = {
 
 __all__ = sorted(_HOMES)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module = importlib.import_module(f".{_HOMES[name]}", __name__)
-    value = module if _HOMES[name] == name else getattr(module, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)

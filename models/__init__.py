@@ -6,8 +6,7 @@ checkpoint names) can then be read without loading torch, as `stream-recon -h` d
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from stream_recon.cache.lazy_names import lazy_names
 
 # name -> the module of this package that defines it
 _HOMES = {
@@ -48,15 +47,4 @@ _HOMES = {
 
 __all__ = sorted(_HOMES)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
-
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)
