@@ -758,6 +758,20 @@ def test_dropping_what_the_spare_took_does_not_wait_for_it(model, frames, monkey
     engine.close()
 
 
+def test_a_provisional_prediction_of_a_frame_emitted_final_is_never_returned(model, frames):
+    """The spare can predict a frame while (or before) the closed chunk predicts it provisionally; what a
+    push returns then holds the final emission alone, and no later push returns the frame provisional."""
+    engine = ChunkedEngine(model, StreamConfig(scale_frames=2, window=3), chunk_frames=6, overlap=2, lookahead=False)
+    predictions = {p.frame_index: p for frame in frames[:5] for p in engine.push(frame)}
+    engine.close()
+    provisional = {index: dataclasses.replace(p, provisional=True) for index, p in predictions.items()}
+    engine.reset()  # a new stream: nothing emitted final yet
+    engine._outbox = [provisional[2], predictions[2], provisional[3]]
+    assert [(p.frame_index, p.provisional) for p in engine._take_outbox()] == [(2, False), (3, True)]
+    engine._outbox = [provisional[1], provisional[2], provisional[4]]
+    assert [(p.frame_index, p.provisional) for p in engine._take_outbox()] == [(4, True)]
+
+
 DENSE_FLOW_CASES = {  # (config, chunk_frames, overlap, frames, DENSE_KEYFRAMES)
     "every_frame_a_keyframe": (StreamConfig(scale_frames=2, window=3, keyframes="flow", flow_threshold=1e9, max_gap=1),
                                8, 3, 26, 0.8),

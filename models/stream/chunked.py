@@ -146,6 +146,7 @@ class ChunkedEngine:
         self.rollovers_ahead = 0  # of them, those whose next chunk the spare predicted
         self.provisional_frames = 0  # frames predicted by a closed chunk while the next caught up
         self._outbox: list[FramePrediction] = []  # computed but not yet returned (a push that raised)
+        self._final_through = -1  # the latest frame emitted final
         self._replay.clear()
         self._keyframe_counts.clear()
 
@@ -184,8 +185,7 @@ class ChunkedEngine:
         # instead of adding to it (a join can wait 8 ms there for the driver).
         if self._rollover is not None:
             self._rollover.pace(started)
-        emitted, self._outbox = self._outbox, []
-        return emitted
+        return self._take_outbox()
 
     def finish(self) -> list[FramePrediction]:
         """End of stream: predict what the current chunk still buffers (every part of `finish_in_parts`,
@@ -201,16 +201,26 @@ class ChunkedEngine:
         with self._on_main_stream():
             if self._phase is Phase.CATCHING_UP:
                 self._outbox += self._rollover.stop_provisional(self.engine)
-        emitted, self._outbox = self._outbox, []
-        yield emitted
+        yield self._take_outbox()
         with self._on_main_stream():
             if self._phase is Phase.SWITCH_PENDING:
                 self._switch_to_spare()
             self._outbox += self.alignment.receive(self.engine.finish())
             if self._phase is Phase.AHEAD:  # the stream ended before the chunk it was for
                 self._rollover.drop_ahead()
-        emitted, self._outbox = self._outbox, []
-        yield emitted
+        yield self._take_outbox()
+
+    def _take_outbox(self) -> list[FramePrediction]:
+        """What is computed and not yet returned, less the provisional predictions of frames emitted
+        final by now or in the same list: the spare can predict a frame while the closed chunk does
+        (or before, where the closed chunk emits a push late), and a provisional emission then is stale
+        on arrival. A consumer never sees a frame go from final back to provisional."""
+        finals = [prediction.frame_index for prediction in self._outbox if not prediction.provisional]
+        self._final_through = max([self._final_through, *finals])
+        emitted = [prediction for prediction in self._outbox
+                   if not (prediction.provisional and prediction.frame_index <= self._final_through)]
+        self._outbox = []
+        return emitted
 
     def warm_up(self, image: torch.Tensor | np.ndarray, *, dry_pass: bool = True) -> dict[str, float]:
         """Before the stream's first frame: warm the engine on copies of `image`, that first frame
