@@ -42,7 +42,7 @@ LOOP_CLOSURE_CHOICES = ("auto", "on", "off")
 # by default), that step runs on copies of the first frame before the stream; on: everywhere; off: never.
 WARM_UP_CHOICES = ("auto", "on", "off")
 # auto: on CUDA, compiled where this machine's compile caches hold the run's input size; where they do not, the run streams uncompiled and a child process compiles that size
-# beside it for the next run (app.run.builds); on: compiled before the stream, whatever it costs; off: never.
+# beside it for the next run (models/builds/plan.py); on: compiled before the stream, whatever it costs; off: never.
 COMPILE_CHOICES = ("auto", "on", "off")
 # What the viewer draws for a keyframe: its points, or a Gaussian splat per point (app.outputs.splats' opacity rule)
 SHOW_CHOICES = ("points", "splats")

@@ -27,7 +27,7 @@ _HOMES = {
     "FRAME_NON_KEY": "stream.prediction",
     "FRAME_SCALE": "stream.prediction",
     "FramePrediction": "stream.prediction",
-    "InferenceSpec": "builds.prepare",
+    "InferenceSpec": "network.prepared",
     "prepare_for_inference": "builds.prepare",
     "KeyframePolicy": "stream.stream_config",
     "keyframe_spellings": "stream.stream_config",

@@ -77,18 +77,23 @@ class ChildProcess:
                     pipe.close()
 
 
-def start_child(module: str, function: str, *arguments: object, env: Mapping[str, str] | None = None) -> ChildProcess:
+def start_child(module: str, function: str, *arguments: object, env: Mapping[str, str] | None = None,
+                output: BinaryIO | None = None, outlives_parent: bool = False) -> ChildProcess:
     """Run `module.function(requests_fd, replies_fd, *arguments)` in a fresh interpreter (arguments as
-    Python literals; env: its environment, default this process's). Call it on a thread that outlives the
-    child: Linux sends the parent-death signal when the thread that started a child ends."""
+    Python literals; env: its environment, default this process's; output: where its stdout and stderr
+    go, default this process's). Call it on a thread that outlives the child: Linux sends the
+    parent-death signal when the thread that started a child ends. `outlives_parent`: a child that
+    finishes its work after its parent has gone (a compile for the next run), neither killed with the
+    parent nor ended at its exit; it ends itself."""
     child_reads, parent_writes = os.pipe()
     parent_reads, child_writes = os.pipe()
     call = ", ".join(repr(value) for value in (child_reads, child_writes, *arguments))
-    code = (f"from {__name__} import die_with_parent; die_with_parent({os.getpid()}); "
-            f"from {module} import {function}; {function}({call})")
+    tied = "" if outlives_parent else f"from {__name__} import die_with_parent; die_with_parent({os.getpid()}); "
+    code = f"{tied}from {module} import {function}; {function}({call})"
     try:
         process = subprocess.Popen([sys.executable, "-c", code],
                                    pass_fds=(child_reads, child_writes), stdin=subprocess.DEVNULL,
+                                   stdout=output, stderr=None if output is None else subprocess.STDOUT,
                                    start_new_session=CHILD_OWN_SESSION,
                                    env=None if env is None else dict(env))
     except BaseException:
@@ -102,7 +107,8 @@ def start_child(module: str, function: str, *arguments: object, env: Mapping[str
         with contextlib.suppress(OSError):  # a smaller pipe only costs more writes
             fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
     child = ChildProcess(process, os.fdopen(parent_writes, "wb", buffering=0), os.fdopen(parent_reads, "rb", buffering=0))
-    _LIVE_CHILDREN.add(child)
+    if not outlives_parent:
+        _LIVE_CHILDREN.add(child)
     return child
 
 

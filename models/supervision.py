@@ -88,13 +88,14 @@ class Helper:
     def seconds_since_beat(self) -> float:
         return time.monotonic() - self._last_beat
 
-    def fail(self, reason: str) -> None:
-        """Mark the helper down (the first reason stands); a TURN_OFF helper says so once."""
+    def fail(self, reason: str, *, quiet: bool = False) -> None:
+        """Mark the helper down (the first reason stands); a TURN_OFF helper says so once, unless `quiet`
+        (its owner says it in words of its own)."""
         with self._lock:
             if self.down_reason is not None:
                 return
             self.down_reason = reason
-        if self.policy.when_down is WhenDown.TURN_OFF:
+        if self.policy.when_down is WhenDown.TURN_OFF and not quiet:
             logger.warning("%s is off for the rest of the run: %s", self.policy.name, reason)
 
     def check(self, has_work: bool) -> bool:

@@ -304,26 +304,31 @@ def test_a_run_builds_its_kernels_while_its_checkpoint_loads_and_writes_what_it_
     tmp_path: Path, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # On CUDA, uncompiled, the warm-up's dry pass runs on a zero model while the checkpoint loads
-    # (models/stream/builds_ahead.py) and the warm-up makes none of its own. Forced here (a CPU run builds no
+    # (models/builds/ahead.py) and the warm-up makes none of its own. Forced here (a CPU run builds no
     # Triton kernel): the pass ran on its thread for the run's model input, run.json says so, and every
     # file the run writes is the one a run with the warm-up's own dry pass writes.
+    import dataclasses
+
     from stream_recon.models import StreamingEngine
-    from stream_recon.models.builds import kernel_builds
+    from stream_recon.models.builds import kernel_builds, plan
 
     passes = []
-    build_kernels = StreamingEngine.build_kernels
+    run_dry = StreamingEngine.run_dry
 
-    def recorded(engine, image):
-        seconds = build_kernels(engine, image)
+    def recorded(engine, image, dry_pass):
+        seconds = run_dry(engine, image, dry_pass)
         passes.append((threading.current_thread().name, engine.image_size))
         return seconds
 
-    monkeypatch.setattr(StreamingEngine, "_lists_kernel_builds", lambda self: True)
-    monkeypatch.setattr(StreamingEngine, "build_kernels", recorded)
+    monkeypatch.setattr(StreamingEngine, "run_dry", recorded)
+    monkeypatch.setattr(kernel_builds, "dry_pass_pays", lambda device, compiled: not compiled)
+    monkeypatch.setattr(kernel_builds, "start_builders", lambda device: None)  # (no CUDA runtime for a child)
     video = write_video(tmp_path / "clip.mp4", 9, fps=20)
     parts = {}
-    for name, pays in (("ahead", True), ("in_the_warm_up", False)):
-        monkeypatch.setattr(kernel_builds, "dry_pass_pays", lambda device, compiled, pays=pays: pays)
+    for name in ("ahead", "in_the_warm_up"):
+        if name == "in_the_warm_up":  # the table's row for the pass ahead says no
+            row = plan.STAGE["dry_pass_ahead"]
+            monkeypatch.setitem(plan.STAGE, "dry_pass_ahead", dataclasses.replace(row, runs=lambda facts: False))
         options = RunOptions(**{**FAST, "checkpoint": str(tiny_checkpoint), "warm_up": "on", "keyframes": "flow"})
         assert run_sequence(str(video), tmp_path / name, options).status == "complete"
         parts[name] = check_run_dir(tmp_path / name, 9, "complete")["summary"]["timings"]["warm_up_parts_s"]
@@ -334,17 +339,27 @@ def test_a_run_builds_its_kernels_while_its_checkpoint_loads_and_writes_what_it_
         assert (tmp_path / "ahead" / name).read_bytes() == (tmp_path / "in_the_warm_up" / name).read_bytes(), name
 
 
-def test_a_run_builds_nothing_ahead_where_it_has_no_load_to_hide_it_or_a_memory_budget() -> None:
-    from stream_recon.app.run.builds import start_builds_ahead
+def test_a_run_builds_nothing_ahead_where_it_has_no_load_to_hide_it_or_a_memory_budget(monkeypatch) -> None:
     from stream_recon.models import ModelConfig, StreamConfig
+    from stream_recon.models.builds import kernel_builds, plan
 
-    config, engine_config = ModelConfig.tiny(), StreamConfig(scale_frames=3, window=4)
-    ahead = functools.partial(start_builds_ahead, device="cuda", dtype=torch.bfloat16, model_config=config,
-                              engine_config=engine_config, input_size=(28, 56))
-    assert ahead(RunOptions(**FAST), compile=True) is None  # compiled steps build through Inductor
-    assert ahead(RunOptions(**FAST, gpu_memory="8G"), compile=False) is None  # one copy of the weights at a time
-    assert ahead(RunOptions(**FAST, warm_up="off"), compile=False) is None
-    assert ahead(RunOptions(**FAST), compile=False, input_size=None) is None  # a camera's size comes with its frames
+    monkeypatch.setattr(kernel_builds, "dry_pass_pays", lambda device, compiled: not compiled)  # as on a GPU
+    monkeypatch.setattr(plan, "run_key", lambda settings: "a size not compiled here")
+
+    def ahead(loading_checkpoint: bool = True, **changes) -> bool:
+        settings = {"compile": "off", "warm_up": "auto", "gpu_memory": None, "scale_frames": 3, "device": "cuda",
+                    "dtype": torch.bfloat16, "model_config": ModelConfig.tiny(),
+                    "engine_config": StreamConfig(scale_frames=3, window=4), "input_size": (28, 56), **changes}
+        builder = plan.Builder(plan.BuildSettings(**settings), say=lambda line: None)
+        builder.facts.loading_checkpoint = loading_checkpoint
+        return builder.runs("dry_pass_ahead")
+
+    assert ahead()  # uncompiled on CUDA, the input size known, a checkpoint to load
+    assert not ahead(compile="on")  # compiled steps build through Inductor
+    assert not ahead(gpu_memory="8G")  # one copy of the weights at a time
+    assert not ahead(warm_up="off")
+    assert not ahead(input_size=None)  # a camera's size comes with its frames
+    assert not ahead(loading_checkpoint=False)  # a caller's model: no load to hide the pass behind
 
 
 def test_window_options_are_checked_before_anything_runs() -> None:

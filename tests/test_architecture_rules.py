@@ -207,9 +207,9 @@ WRITING_METHODS = {"write_text", "write_bytes", "savez", "savez_compressed", "sa
                    "mkstemp", "NamedTemporaryFile"}
 # (module, what it calls): why that file is no output of a run and needs no atomic write
 NOT_AN_OUTPUT = {
-    ("app/run/background_compile.py", "open"): "the compile child's log, which the child itself writes as it goes; "
+    ("models/builds/compile_child.py", "open"): "the compile child's log, which the child itself writes as it goes; "
                                            "the machine's, beside Inductor's cache, not a run's",
-    ("app/run/background_compile.py", "write_text"): "the lock naming the compiling child, the machine's, not a run's",
+    ("models/builds/compile_child.py", "write_text"): "the lock naming the compiling child, the machine's, not a run's",
 }
 
 

@@ -15,8 +15,8 @@ from stream_recon.models.builds.compilation import (
     CompiledMethods,
     artefacts_dir,
     call_signature,
-    running_eagerly,
 )
+from stream_recon.models.network.step_mode import StepMode, stepping
 from stream_recon.models.network.custom_ops import operator_for_compiled_code
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
@@ -85,10 +85,10 @@ def test_each_call_signature_is_compiled_once(tmp_path):
     assert len(list(tmp_path.rglob("*.pt"))) == 2
 
 
-def test_running_eagerly_compiles_nothing(tmp_path):
+def test_stepping_as_written_compiles_nothing(tmp_path):
     block = Half()
     x = torch.randn(1, 3, 16)
-    with torch.inference_mode(), running_eagerly():
+    with torch.inference_mode(), stepping(StepMode.AS_WRITTEN):
         methods = prepared(tmp_path, block)
         out = block.inputs(x)
     assert methods.counts() == {"loaded": 0, "compiled": 0}
@@ -99,7 +99,7 @@ def test_running_eagerly_compiles_nothing(tmp_path):
 @pytest.mark.parametrize("kind", ["kept artefacts", "compiled where called"])
 def test_a_thread_running_eagerly_leaves_another_one_compiling(tmp_path, kind):
     """The stream steps as written on its thread while the compiled code is made on another
-    (models/stream/compile_while_streaming.py): the eager thread's calls are the function's own, and the
+    (models/builds/while_streaming.py): the eager thread's calls are the function's own, and the
     other thread's compile, made while the first is inside its eager block, serves it afterwards."""
     from torch._dynamo.utils import counters
 
@@ -119,7 +119,7 @@ def test_a_thread_running_eagerly_leaves_another_one_compiling(tmp_path, kind):
     inside, done = threading.Event(), threading.Event()
 
     def stream():
-        with torch.inference_mode(), running_eagerly():
+        with torch.inference_mode(), stepping(StepMode.AS_WRITTEN):
             results["stream before"] = compiled(x)
             inside.set()
             done.wait(timeout=300)

@@ -717,7 +717,7 @@ def test_a_stream_that_steps_eagerly_while_its_code_compiles_beside_it_then_comp
     from torch._dynamo.utils import counters
 
     from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
-    from stream_recon.models.stream.compile_while_streaming import CompileWhileStreaming
+    from stream_recon.models.builds.while_streaming import CompileWhileStreaming
 
     golden = np.load(GOLDEN / scenario / "outputs.npz")
     frames = [frame.cuda() for frame in golden_frames()]
@@ -795,7 +795,7 @@ def test_a_chunked_stream_switched_to_compiled_steps_records_its_spare_again_bef
     engine and its idle spare record their steps again (the spare on its worker, before the rollover), and the
     final emissions are those of a compiled stream warmed up the usual way."""
     from stream_recon.models.stream.chunked import ChunkedEngine
-    from stream_recon.models.stream.compile_while_streaming import CompileWhileStreaming
+    from stream_recon.models.builds.while_streaming import CompileWhileStreaming
 
     torch._dynamo.reset()
     model, frames, config = chunked_rollover_stream(compile=True)

@@ -300,7 +300,7 @@ def test_a_spare_whose_warm_up_stalls_is_turned_off_before_the_stream(prepared_t
                                    "for 0.3 s"]
 
 
-# -- the warm-up's kernel builds (models/builds/kernel_builds.py, models/stream/builds_ahead.py,
+# -- the warm-up's kernel builds (models/builds/kernel_builds.py, models/builds/ahead.py,
 # cache/triton_attention.py) --
 @pytest.fixture
 def builds_helper(monkeypatch):
@@ -308,7 +308,7 @@ def builds_helper(monkeypatch):
     from stream_recon.models.builds import kernel_builds
 
     helper = Helper(kernel_builds.BUILDS_AHEAD)
-    monkeypatch.setattr(kernel_builds, "helper", helper)
+    monkeypatch.setattr(kernel_builds.PROCESS, "ahead", helper)
     return helper
 
 
@@ -354,8 +354,6 @@ def test_a_kernel_build_that_stalls_ends_the_dry_step_at_its_deadline_and_turns_
     assert not kernel_builds.dry_pass_pays("cuda", compiled=False)
     assert warnings_of(caplog) == ["building kernels ahead is off for the rest of the run: 1 of 2 builds "
                                    "(stuck_kernel) did not finish within 0.3 s"]
-    stats = StreamingEngine(prepared_tiny_model, StreamConfig(scale_frames=3, window=4)).stats()
-    assert stats["kernel_builds_ahead_off"] == builds_helper.down_reason  # (run.json's summary.engine)
 
 
 def test_a_dry_pass_beside_the_load_that_stalls_is_given_up_at_its_deadline(builds_helper, monkeypatch, faults,
@@ -363,7 +361,7 @@ def test_a_dry_pass_beside_the_load_that_stalls_is_given_up_at_its_deadline(buil
     """The run's first frame waits AHEAD_WAIT_S at most (every later wait returns at once); the warm-up then
     makes no dry pass of its own: the builds ahead are off."""
     from stream_recon.models.builds import kernel_builds
-    from stream_recon.models.stream import builds_ahead
+    from stream_recon.models.builds import ahead as builds_ahead
 
     monkeypatch.setattr(builds_ahead, "AHEAD_WAIT_S", 0.3)
     stuck = fault(faults)
@@ -455,7 +453,7 @@ def test_measuring_both_uses_waits_for_the_frame_attentions_stalled_build_at_mos
     assert 0.3 <= time.monotonic() - started < 2.0 and stuck.stalled.is_set()
 
 
-# -- the background compile's child process (app/run/background_compile.py) ------------------------------------
+# -- the background compile's child process (models/builds/compile_child.py) -----------------------------------
 SIZE = (56, 70)
 
 
@@ -463,12 +461,12 @@ SIZE = (56, 70)
 def compiled_sizes(prepared_tiny_model, tmp_path, monkeypatch):
     """A CompiledSizes whose child (a real process) is started and not yet far: each test's own records."""
     from stream_recon.app.options import RunOptions
-    from stream_recon.app.run.background_compile import CompiledSizes
     from stream_recon.app.run.loading import chunk_engine_config
+    from stream_recon.models.builds.compile_child import CompiledSizes
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     options = RunOptions(scale_frames=2, window=4, chunk_frames=16, overlap=4, viewer=False, image_width=SIZE[1])
-    sizes = CompiledSizes(options, prepared_tiny_model, "cpu", torch.float32,
+    sizes = CompiledSizes(None, prepared_tiny_model, "cpu", torch.float32,
                           chunk_engine_config(options, prepared_tiny_model.config), beside=True)
     yield sizes
     if sizes.process is not None and sizes.process.poll() is None:
@@ -484,7 +482,7 @@ CHILD_THAT_IGNORES_SIGTERM = ("import signal, threading; signal.signal(signal.SI
 
 
 def test_a_stopped_child_that_ignores_its_stop_is_killed_within_the_runs_bound(compiled_sizes, monkeypatch):
-    from stream_recon.app.run import background_compile
+    from stream_recon.models.builds import compile_child as background_compile
 
     monkeypatch.setattr(background_compile, "STOP_WAIT_S", 0.3)
     popen = subprocess.Popen
@@ -500,10 +498,11 @@ def test_a_stopped_child_that_ignores_its_stop_is_killed_within_the_runs_bound(c
     assert 0.3 <= time.monotonic() - started < 0.3 + background_compile.KILL_WAIT_S + 1.0
     assert compiled_sizes.process.returncode == -signal.SIGKILL
     assert compiled_sizes.summary()["status"] == "stopped with the run"
+    assert compiled_sizes.helper.record()["reason"] == "stopped with the run"  # (run.json's helpers.compile_child)
 
 
 def test_a_stopped_child_does_not_hold_the_runs_end(compiled_sizes, monkeypatch):
-    from stream_recon.app.run import background_compile
+    from stream_recon.models.builds import compile_child as background_compile
 
     monkeypatch.setattr(background_compile, "STOP_WAIT_S", 0.3)
     compiled_sizes.warmed_up(SIZE)
@@ -516,7 +515,7 @@ def test_a_stopped_child_does_not_hold_the_runs_end(compiled_sizes, monkeypatch)
 
 
 def test_a_child_killed_mid_run_is_recorded_and_the_next_run_compiles_first(compiled_sizes):
-    from stream_recon.app.run.builds import compile_choice
+    from stream_recon.models.builds.plan import compile_choice
     from stream_recon.models.builds.compilation import recorded
 
     compiled_sizes.warmed_up(SIZE)
@@ -526,10 +525,11 @@ def test_a_child_killed_mid_run_is_recorded_and_the_next_run_compiles_first(comp
     assert summary["status"].startswith("failed (exit -9; its log: ") and summary["key"] == compiled_sizes.key
     assert recorded(compiled_sizes.key, "compile-first") and compile_choice("auto", "cuda", compiled_sizes.key).compile
     assert "the next run of this size compiles first" in compiled_sizes.finish(stop=False)
+    assert compiled_sizes.helper.down_reason == summary["status"]
 
 
 def test_a_child_that_stalls_past_its_limit_is_killed_and_recorded(compiled_sizes, monkeypatch):
-    from stream_recon.app.run import background_compile
+    from stream_recon.models.builds import compile_child as background_compile
     from stream_recon.models.builds.compilation import recorded
 
     compiled_sizes.warmed_up(SIZE)
@@ -543,6 +543,7 @@ def test_a_child_that_stalls_past_its_limit_is_killed_and_recorded(compiled_size
     assert recorded(compiled_sizes.key, "compile-first")
     note = compiled_sizes.finish(stop=False)  # the run's end: nothing left to wait for
     assert note.startswith("the background compile for the next run stalled")
+    assert compiled_sizes.helper.down_reason == summary["status"]
 
 
 # -- the live viewer (app/viewer/)---------------------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""The warm-up's dry pass run while a checkpoint loads (models/stream/builds_ahead.py): on its own thread, on a
+"""The warm-up's dry pass run while a checkpoint loads (models/builds/ahead.py): on its own thread, on a
 zero model of the run's architecture, for one frame size; a failure leaves the warm-up its own dry pass.
 
 Triton builds CUDA kernels only where a GPU is (tests/test_gpu_fast_path.py checks the real builds); here
-the dry pass is forced, as in tests/test_models_kernel_builds.py: its steps run and list nothing."""
+the dry pass runs on the CPU, as in tests/test_models_kernel_builds.py: its steps run and list nothing."""
 
 from __future__ import annotations
 
@@ -13,24 +13,23 @@ import torch
 
 from stream_recon.models import ModelConfig, StreamConfig, StreamingEngine
 from stream_recon.models.builds import kernel_builds
-from stream_recon.models.stream import builds_ahead
+from stream_recon.models.builds import ahead as builds_ahead
 
 pytestmark = pytest.mark.skipif(not kernel_builds.available(), reason="this Triton cannot list builds")
 
 
 @pytest.fixture
 def dry_passes(monkeypatch) -> list[tuple[str, tuple[int, int], int]]:
-    """Every dry pass made, forced on the CPU: (its thread, the engine's frame size, its window slots)."""
+    """Every dry pass made: (its thread, the engine's frame size, its window slots)."""
     passes = []
-    build_kernels = StreamingEngine.build_kernels
+    run_dry = StreamingEngine.run_dry
 
-    def recorded(engine, image):
-        seconds = build_kernels(engine, image)
+    def recorded(engine, image, dry_pass):
+        seconds = run_dry(engine, image, dry_pass)
         passes.append((threading.current_thread().name, engine.image_size, engine.window_slots))
         return seconds
 
-    monkeypatch.setattr(StreamingEngine, "_lists_kernel_builds", lambda self: True)
-    monkeypatch.setattr(StreamingEngine, "build_kernels", recorded)
+    monkeypatch.setattr(StreamingEngine, "run_dry", recorded)
     return passes
 
 

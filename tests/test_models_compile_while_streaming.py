@@ -1,5 +1,5 @@
-"""A compiled model's code made beside its stream (models/stream/compile_while_streaming.py), the stream stepping
-as written meanwhile (`steps_eagerly`), and the run's switch between frames (app/run/builds.py).
+"""A compiled model's code made beside its stream (models/builds/while_streaming.py), the stream stepping
+as written meanwhile (`steps_eagerly`), and the run's switch between frames (models/builds/plan.py).
 
 Here on the CPU the model is uncompiled (compiled models are CUDA's): what is checked is the thread, the
 supervision contract and the switch; tests/test_gpu_fast_path.py checks a compiled model's switch and its
@@ -15,15 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from stream_recon.app.options import RunOptions
-from stream_recon.app.run import builds as builds_module
-from stream_recon.app.run.builds import RunBuilds
-from stream_recon.app.run.clock import RunClock
 from stream_recon.models import ChunkedEngine, StreamConfig, StreamingEngine
 from stream_recon.models.builds import compilation
+from stream_recon.models.builds import plan as builds_module
+from stream_recon.models.builds import while_streaming as compile_while_streaming
+from stream_recon.models.builds.plan import Builder, BuildSettings, CompileChoice
+from stream_recon.models.builds.while_streaming import CompileWhileStreaming
+from stream_recon.models.network import step_mode
 from stream_recon.models.network.gct import GCTStream
-from stream_recon.models.stream import compile_while_streaming
-from stream_recon.models.stream.compile_while_streaming import CompileWhileStreaming
 from stream_recon.models.supervision import Deadline
 
 CONFIG = StreamConfig(scale_frames=3, window=4)
@@ -38,7 +37,7 @@ def test_its_steps_run_on_a_thread_of_their_own_and_it_is_ready_when_they_end(pr
     step = GCTStream.step
 
     def watched(model, *args, **kwargs):
-        steps.append((threading.current_thread().name, getattr(compilation._eager, "on", False)))
+        steps.append((threading.current_thread().name, step_mode.as_written()))
         return step(model, *args, **kwargs)
 
     monkeypatch.setattr(GCTStream, "step", watched)
@@ -91,7 +90,7 @@ def test_an_engine_stepping_eagerly_predicts_what_it_predicts_as_prepared(prepar
     step = GCTStream.step
 
     def watched(model, *args, **kwargs):
-        seen.append(getattr(compilation._eager, "on", False))
+        seen.append(step_mode.as_written())
         return step(model, *args, **kwargs)
 
     def make():
@@ -116,18 +115,24 @@ def test_an_engine_stepping_eagerly_predicts_what_it_predicts_as_prepared(prepar
         np.testing.assert_allclose(a.depth, b.depth, rtol=1e-5, atol=1e-6)
 
 
+def cpu_builder_of_a_compiled_size() -> Builder:
+    """A CPU run's builder as a CUDA run's of a size compiled here would be (the model stays uncompiled)."""
+    builds = Builder(BuildSettings("auto", "off", None, 3, "cpu", torch.float32, engine_config=CONFIG),
+                     say=lambda line: None)
+    builds.facts.choice, builds.facts.compiled_here = CompileChoice(True), True
+    return builds
+
+
 def test_a_run_of_a_size_compiled_here_streams_as_written_until_its_code_is_made_then_compiled(
         prepared_tiny_model, monkeypatch):
-    """RunBuilds's part of it: the engine steps as written from the first frame, CompileWhileStreaming starts
+    """The builder's part of it: the engine steps as written from the first frame, CompileWhileStreaming starts
     after the warm-up, and between frames the engine is switched once it is ready; run.json says from which
     frame. (On the CPU the model is not compiled; whether a run compiles while it streams is the choice's,
     checked below.)"""
-    options = RunOptions(device="cpu", scale_frames=3, window=4, warm_up="off")
-    builds = RunBuilds(options, "cpu", torch.float32, None, CONFIG, None)
-    builds.compiles_while_streaming = True
+    builds = cpu_builder_of_a_compiled_size()
     engine = ChunkedEngine(prepared_tiny_model, CONFIG, chunk_frames=8, overlap=2, lookahead=False)
     frames = [frame(i) for i in range(40)]
-    builds.before_stream(engine, frames[0], None, RunClock(), console=None)
+    assert builds.before_stream(engine, frames[0], None) is None  # (--warm-up off)
     assert engine.eager_steps and builds.while_streaming is not None
     assert builds.summary()["compiled_while_streaming"]["from_frame"] is None
     builds.while_streaming.end(Deadline(60.0))  # (so that the switch comes after the first frame)
@@ -151,18 +156,16 @@ def test_a_run_compiles_while_it_streams_where_a_size_compiled_here_is_compiled(
                                                                                  recorded, expected):
     monkeypatch.setattr(builds_module, "run_key", lambda *args: "the key")
     monkeypatch.setattr(compilation, "recorded", lambda key, what: recorded and what == "compiled")
-    options = RunOptions(device="cuda", compile=compiled, gpu_memory=budget)
-    builds = RunBuilds(options, "cuda", torch.bfloat16, None, CONFIG, (392, 518))
-    assert builds.compiles_while_streaming is expected
+    builds = Builder(BuildSettings(compiled, "auto", budget, 8, "cuda", torch.bfloat16, engine_config=CONFIG,
+                                   input_size=(392, 518)), say=lambda line: None)
+    assert builds.runs("compile_while_streaming") is expected
 
 
 def test_a_stream_known_to_be_short_steps_as_written_to_its_end_and_compiles_nothing(prepared_tiny_model):
-    options = RunOptions(device="cpu", scale_frames=3, window=4, warm_up="off")
-    builds = RunBuilds(options, "cpu", torch.float32, None, CONFIG, None)
-    builds.compiles_while_streaming = True
+    builds = cpu_builder_of_a_compiled_size()
     engine = ChunkedEngine(prepared_tiny_model, CONFIG, chunk_frames=8, overlap=2, lookahead=False)
     short = builds_module.WHILE_STREAMING_MIN_FRAMES
-    builds.before_stream(engine, frame(0), short, RunClock(), console=None)
+    builds.before_stream(engine, frame(0), short)
     for index in range(1, 6):
         engine.push(frame(index))
         builds.after_frame(engine, index)

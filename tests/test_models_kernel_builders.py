@@ -26,7 +26,7 @@ TESTS = Path(__file__).parent
 def builders_helper(monkeypatch):
     """A fresh process-wide helper of the child builders, for this test."""
     helper = Helper(kernel_builders.KERNEL_BUILDERS)
-    monkeypatch.setattr(kernel_builders, "helper", helper)
+    monkeypatch.setattr(kernel_builds.PROCESS, "children", helper)
     return helper
 
 
@@ -34,7 +34,7 @@ def builders_helper(monkeypatch):
 def builders(builders_helper):
     """Two children that can import the stand-in kernel; closed at the test's end."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    made = kernel_builders.KernelBuilders(2, None, env=env)
+    made = kernel_builders.KernelBuilders(2, None, builders_helper, env=env)
     yield made
     made.close()
 
@@ -111,8 +111,8 @@ def test_the_dry_pass_has_its_listed_builds_made_in_the_children_first_then_load
     and loads it; the pass ends the children and counts their builds."""
     from triton.runtime.jit import JitFunctionInfo
 
-    monkeypatch.setattr(kernel_builds, "helper", Helper(kernel_builds.BUILDS_AHEAD))
-    monkeypatch.setattr(kernel_builds, "_builders", [builders])
+    monkeypatch.setattr(kernel_builds.PROCESS, "ahead", Helper(kernel_builds.BUILDS_AHEAD))
+    monkeypatch.setattr(kernel_builds.PROCESS, "builders", builders)
     path = tmp_path / "built"
     with kernel_builds.dry_launches(torch.device("cpu")) as report:
         skipped = kernel_builds._hook(key="k", repr="k", fn=JitFunctionInfo("kernel_stand_ins", "kernel", kernel),
@@ -121,15 +121,15 @@ def test_the_dry_pass_has_its_listed_builds_made_in_the_children_first_then_load
     pids = [int(line) for line in path.read_text().split()]
     assert skipped is True and report.builds == 1 and report.in_children == 1
     assert pids[0] != os.getpid() and pids[1:] == [os.getpid()]  # the child's build, then this process's
-    assert kernel_builds._builders == [] and builders._closed
+    assert kernel_builds.PROCESS.builders is None and builders._closed
 
 
 def test_builders_start_only_on_cuda_and_where_tritons_cache_holds_none_of_ours(monkeypatch, tmp_path):
     from stream_recon.cache.triton_attention import range_kernel_name
 
-    monkeypatch.setattr(kernel_builds, "_builders", [])
+    monkeypatch.setattr(kernel_builds.PROCESS, "builders", None)
     kernel_builds.start_builders("cpu")
-    assert kernel_builds._builders == []
+    assert kernel_builds.PROCESS.builders is None
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     import triton
 

@@ -16,6 +16,8 @@ import torch
 
 from stream_recon.models import StreamConfig, StreamingEngine
 from stream_recon.models.builds import kernel_builds
+from stream_recon.models.network import step_mode
+from stream_recon.models.network.step_mode import StepMode
 from stream_recon.models.supervision import Helper
 
 pytestmark = pytest.mark.skipif(not kernel_builds.available(), reason="this Triton cannot list builds")
@@ -62,9 +64,9 @@ def launch(kernel: KernelBuiltOnPreload, key: str) -> bool | None:
 def test_a_dry_step_skips_each_launch_and_builds_each_specialization_once_on_the_pool():
     attention, store = KernelBuiltOnPreload("attention"), KernelBuiltOnPreload("store")
     with kernel_builds.dry_launches(torch.device("cpu")) as report:
-        assert kernel_builds.listing()
+        assert step_mode.current() is StepMode.DRY
         skipped = [launch(attention, "a"), launch(store, "s"), launch(attention, "a"), launch(attention, "b")]
-    assert skipped == [True] * 4 and not kernel_builds.listing()
+    assert skipped == [True] * 4 and step_mode.current() is not StepMode.DRY
     assert report.builds == 3 and report.kernels == ["attention", "store", "attention"]
     assert sorted(spec for spec, _ in attention.built) == ["data of a", "data of b"]
     assert store.built[0][0] == "data of s"
@@ -84,7 +86,7 @@ def test_launches_on_other_threads_run_and_reach_the_hook_that_was_there_before(
     kernel = KernelBuiltOnPreload("attention")
     seen = []
     kernel_builds._install()
-    kernel_builds._installed[0], previous = (lambda **call: seen.append(call["key"])), kernel_builds._installed[0]
+    kernel_builds.PROCESS.hook_before[0], previous = (lambda **call: seen.append(call["key"])), kernel_builds.PROCESS.hook_before[0]
     try:
         with kernel_builds.dry_launches(torch.device("cpu")) as report:
             elsewhere = []
@@ -94,18 +96,18 @@ def test_launches_on_other_threads_run_and_reach_the_hook_that_was_there_before(
         assert elsewhere == [None] and seen == ["other thread"] and report.builds == 0 and kernel.built == []
         assert launch(kernel, "after") is None and seen == ["other thread", "after"]
     finally:
-        kernel_builds._installed[0] = previous
+        kernel_builds.PROCESS.hook_before[0] = previous
 
 
 def test_a_build_that_fails_turns_the_builds_ahead_off_once_the_others_are_done(monkeypatch, caplog):
     """Its kernel builds at its first launch instead, where an error of its own belongs; the dry step goes on."""
-    monkeypatch.setattr(kernel_builds, "helper", Helper(kernel_builds.BUILDS_AHEAD))
+    monkeypatch.setattr(kernel_builds.PROCESS, "ahead", Helper(kernel_builds.BUILDS_AHEAD))
     good, bad = KernelBuiltOnPreload("good"), KernelBuiltOnPreload("bad", fails=True)
     with kernel_builds.dry_launches(torch.device("cpu")) as report:
         launch(bad, "x")
         launch(good, "y")
-    assert [spec for spec, _ in good.built] == ["data of y"] and not kernel_builds.listing() and report.builds == 2
-    assert kernel_builds.helper.down_reason == "building bad failed: RuntimeError: bad does not build"
+    assert [spec for spec, _ in good.built] == ["data of y"] and step_mode.current() is not StepMode.DRY and report.builds == 2
+    assert kernel_builds.PROCESS.ahead.down_reason == "building bad failed: RuntimeError: bad does not build"
     assert not kernel_builds.dry_pass_pays("cuda", compiled=False)  # no dry pass for the rest of the process
     warnings = [record for record in caplog.records if record.levelname == "WARNING"]
     assert [record.getMessage() for record in warnings] == [
@@ -125,15 +127,14 @@ def test_build_threads_are_the_cores_at_most_eight():
 
 @pytest.mark.parametrize("keyframes", ["all", "flow"])
 def test_a_warm_up_with_its_dry_pass_streams_what_a_fresh_engine_streams(prepared_tiny_model, keyframes, monkeypatch):
-    """The dry pass (forced here: on the CPU no Triton kernel is launched, so nothing is skipped) runs the
-    warm-up's steps once more and forgets them: the stream after it is the stream without a warm-up."""
+    """The dry pass (on the CPU no Triton kernel is launched, so nothing is skipped) runs the warm-up's
+    steps once more and forgets them: the stream after it is the stream without a warm-up."""
     from engine_helpers import frames
 
-    monkeypatch.setattr(StreamingEngine, "_lists_kernel_builds", lambda self: True)
     config = StreamConfig(scale_frames=3, window=4, keyframes=keyframes, flow_threshold=2.0)
     images = frames(9)
     warm, cold = StreamingEngine(prepared_tiny_model, config), StreamingEngine(prepared_tiny_model, config)
-    seconds = warm.warm_up(images[0])
+    seconds = warm.warm_up(images[0], dry_pass=kernel_builds.dry_pass)
     assert seconds["kernel_builds"] == 0 and seconds["kernel_builds_s"] > 0 and warm.num_frames == 0
     streams = [[p for image in images for p in engine.push(image)] + engine.finish() for engine in (warm, cold)]
     assert [p.frame_type for p in streams[0]] == [p.frame_type for p in streams[1]]
@@ -157,22 +158,21 @@ def test_a_dry_pass_whose_launches_leave_garbage_leaves_none_in_the_stream(prepa
 
     def garbage_while_listing(function, *, outputs: bool):
         def wrapped(*args):
-            if kernel_builds.listing() and not outputs:
+            if step_mode.current() is StepMode.DRY and not outputs:
                 *rest, k, v = args
                 return function(*rest, torch.full_like(k, float("nan")), torch.full_like(v, float("nan")))
             result = function(*args)
-            return torch.full_like(result, float("nan")) if kernel_builds.listing() else result
+            return torch.full_like(result, float("nan")) if step_mode.current() is StepMode.DRY else result
         return wrapped
 
     monkeypatch.setattr(few_token_linear, "_few_token_linear_op",
                         garbage_while_listing(few_token_linear._few_token_linear_op, outputs=True))
     for storage in (dense_attention.DenseKV, paged_attention.PagedKV):
         monkeypatch.setattr(storage, "write", garbage_while_listing(storage.write, outputs=False))
-    monkeypatch.setattr(StreamingEngine, "_lists_kernel_builds", lambda self: True)
     config = StreamConfig(scale_frames=3, window=4, attention=attention)
     images = frames(7)
     warm, cold = StreamingEngine(prepared_tiny_model, config), StreamingEngine(prepared_tiny_model, config)
-    warm.warm_up(images[0])
+    warm.warm_up(images[0], dry_pass=kernel_builds.dry_pass)
     streams = [[p for image in images for p in engine.push(image)] + engine.finish() for engine in (warm, cold)]
     for ours, theirs in zip(*streams, strict=True):
         assert np.isfinite(ours.pose_enc).all() and np.isfinite(ours.depth).all()

@@ -73,7 +73,7 @@ def test_half_precision_is_refused_on_the_cpu(loaded):
 
 def test_a_model_prepared_without_weights_is_the_loaded_one_prepared_but_zero(loaded):
     """The same modules, parameter names, shapes, dtypes and strides as the loaded checkpoint prepared for
-    the same device and precision, with zero weights; its steps run (models/stream/builds_ahead.py runs them)."""
+    the same device and precision, with zero weights; its steps run (models/builds/ahead.py runs them)."""
     from stream_recon.models.builds.prepare import prepare_without_weights
 
     real = prepare_for_inference(loaded, "cpu", torch.float32)

@@ -22,9 +22,9 @@ STREAM_PATH = [
     "app/sources/opening.py", "app/sources/probing.py",
     *sorted(path.relative_to(ROOT).as_posix() for path in (ROOT / "app" / "viewer").glob("*.py")
             if path.name != "replay.py"),  # a replay is no stream
-    "app/run/background_compile.py", "app/run/progress.py", "app/run/loading.py",
+    "models/builds/compile_child.py", "models/builds/plan.py", "app/run/progress.py", "app/run/loading.py",
     "models/stream/chunked.py", "models/stream/rollover.py", "models/stream/lookahead.py", "models/stream/engine.py",
-    "models/stream/builds_ahead.py", "models/builds/kernel_builds.py", "models/loops/process.py",
+    "models/builds/ahead.py", "models/builds/while_streaming.py", "models/builds/kernel_builds.py", "models/loops/process.py",
     "models/child_process.py", "models/daemon_pool.py", "app/stopping.py",
     "cache/triton_attention.py",
 ]

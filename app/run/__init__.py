@@ -1,8 +1,8 @@
 """The run: one stream from source to sinks, and everything it holds while it streams.
 
 Owns the pipeline (pipeline: the plan, the set-up, the loop and how a run ends), loading the checkpoint and
-building the engine (loading), the compiled code and kernels a run asks about (builds) and the compile beside
-it (background_compile), the loop-closure sink (loops), the frame clock and rates (clock), the progress line
+building the engine (loading; what is built for it, when and where, is models/builds/plan.py's), the
+loop-closure sink (loops), the frame clock and rates (clock), the progress line
 (progress), the machine's resources before a CPU run (resources) and the presets from configs/ (presets).
 
 May import: sources, outputs, viewer, the shared modules at app/'s top (options, stopping) and

@@ -117,7 +117,7 @@ def check_readable(checkpoint: Path) -> None:
 def prepared_for_run(model: Any, options: RunOptions, device: str, compile: bool | None = None) -> Any:
     """`model` made ready for this run's device and precision: a new model (`model` is left as it is),
     or a model prepared already, as it is. compile: whether to compile it (None: unless --compile off;
-    a run that knows its input size decides with app.run.builds.compile_choice)."""
+    a run that knows its input size decides with models.builds.plan.compile_choice)."""
 
     if getattr(model, "inference_spec", None) is not None:
         return model

@@ -50,14 +50,15 @@ from stream_recon.app.outputs.rundir import (
 )
 from stream_recon.app.outputs.sky import SKY_NETWORK_SMS, SkyModelError, SkySegmenter, skyseg_path
 from stream_recon.app.outputs.writers import RunWriter
-from stream_recon.app.run.builds import RunBuilds
 from stream_recon.app.run.clock import RunClock
 from stream_recon.app.run.loading import (
     CheckpointDigest,
     build_engine,
     check_gpu_memory,
     chunk_engine_config,
+    load_model_for,
     model_config_for,
+    prepared_for_run,
 )
 from stream_recon.app.run.loops import LoopClosureSink, loop_closure_cannot_help, loop_closure_wanted
 from stream_recon.app.run.progress import RunProgress
@@ -75,6 +76,7 @@ from stream_recon.app.stopping import (
     wait_for_stop_signal,
 )
 from stream_recon.models import DEFAULT_CHECKPOINT, FrameError, KeyframePolicy, partitioned_stream
+from stream_recon.models.builds.plan import Builder, BuildSettings
 from stream_recon.models.supervision import Deadline, HelperDown
 
 logger = logging.getLogger(__name__)
@@ -242,7 +244,7 @@ def sky_stream(device: str) -> int | None:
 
 def _set_up(plan: RunPlan, frame_source: FrameSource, output_dir: Path, options: RunOptions, model: Any,
             extra_sinks: Sequence[Sink], console: Console, clock: RunClock) -> Run:
-    """The output folder, the model (loaded or received, prepared once: compiled or not as RunBuilds says
+    """The output folder, the model (loaded or received, prepared once: compiled or not as the Builder says
     for the source's input size), the engine, the viewer and the sinks. A failure or a signal here removes
     the folders made for the run."""
     viewer = writer = builds = created_dir = None
@@ -253,8 +255,10 @@ def _set_up(plan: RunPlan, frame_source: FrameSource, output_dir: Path, options:
             frame_source.start()  # keep a camera's connection drained while the model loads
         # a caller's own model is described by options.checkpoint only when that is set
         checkpoint = options.checkpoint or (DEFAULT_CHECKPOINT if model is None else None)
-        builds = RunBuilds(options, plan.device, plan.dtype, plan.model_config, plan.engine_config, plan.input_size)
-        model = builds.model(model, console)
+        builds = Builder(BuildSettings(options.compile, options.warm_up, options.gpu_memory, options.scale_frames,
+                                       plan.device, plan.dtype, plan.model_config, plan.engine_config, plan.input_size),
+                         say=lambda line: console.print(f"[dim]{escape(line)}[/dim]", highlight=False))
+        model = builds.model(_model_loader(model, options, plan.device, console), loading_checkpoint=model is None)
         digest = CheckpointDigest(checkpoint)
         engine = build_engine(model, options, plan.device, plan.dtype, console)
         check_gpu_memory(engine, options, plan.input_size)
@@ -293,6 +297,14 @@ def _set_up(plan: RunPlan, frame_source: FrameSource, output_dir: Path, options:
     return Run(frame_source, engine, writer, sinks, viewer, options, console, digest, clock, builds, created_dir)
 
 
+def _model_loader(given: Any, options: RunOptions, device: str, console: Console) -> Any:
+    """How the builder gets the run's model, compiled or not: the checkpoint's, loaded, or the caller's `given`,
+    prepared here unless it was."""
+    if given is None:
+        return lambda compile: load_model_for(options, device, console, compile=compile)
+    return lambda compile: prepared_for_run(given, options, device, compile=compile)
+
+
 def _after(run: Run, summary: RunSummary) -> RunSummary:
     """A run that streamed: nothing kept where it was stopped before its first frame; the report; the viewer
     kept serving where asked."""
@@ -325,7 +337,7 @@ class Run:
     console: Console
     digest: CheckpointDigest
     clock: RunClock
-    builds: RunBuilds | None = None  # compiled code and kernels: the work ahead, the warm-up, the compile beside
+    builds: Builder | None = None  # compiled code and kernels: the work ahead, the warm-up, the compile beside
     created_dir: Path | None = None  # the output folder this run made (removed where nothing is kept)
     stopped_by_signal: bool = True  # until the stream ends without a signal (a failure stops the child too)
     recorded_signal: int | None = None  # the stop signal run.json names
@@ -395,8 +407,9 @@ class Run:
                 if image is None:  # a FrameSource opened without preprocessing
                     image = preprocess_frame_uint8(frame.rgb, self.options.image_width)
                 if self.clock.frames_read == 0 and self.builds is not None:
-                    self.builds.before_stream(self.engine, image, self.source.estimated_length, self.clock,
-                                              self.console)
+                    warmed = self.builds.before_stream(self.engine, image, self.source.estimated_length)
+                    if warmed is not None:
+                        self.clock.warm_up_s, self.clock.warm_up_parts = warmed
                 with self.clock.in_engine():
                     preds = self.engine.push(image, timestamp=frame.timestamp)
                 self.clock.frames_read += 1

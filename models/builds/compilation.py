@@ -31,12 +31,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..network import step_mode
 
 logger = logging.getLogger("stream_recon.models.builds.compilation")
 
@@ -48,31 +50,14 @@ logger = logging.getLogger("stream_recon.models.builds.compilation")
 ARTEFACTS_ENV = "STREAM_RECON_COMPILED"
 _SOURCE_PACKAGES = ("models", "cache")  # the package folders whose code compiled artefacts inline
 
-_eager = threading.local()
-
-
 def artefacts_dir() -> Path | None:
     """$STREAM_RECON_COMPILED (a folder); None when it is unset or empty."""
     value = os.environ.get(ARTEFACTS_ENV, "").strip()
     return Path(value).expanduser() if value else None
 
 
-@contextlib.contextmanager
-def running_eagerly() -> Iterator[None]:
-    """Calls in this block, on this thread only, run as written: every compiled callable this package
-    makes (`CompiledFunction`, `compiled_where_called`) asks. Another thread compiles meanwhile, which is
-    how a run streams eagerly while its compiled code is made beside it (models/stream/compile_while_streaming.py);
-    Dynamo's own stance is process-wide, so it is not set."""
-    previous = getattr(_eager, "on", False)
-    _eager.on = True
-    try:
-        yield
-    finally:
-        _eager.on = previous
-
-
 class _CompiledWhereCalled:
-    """torch.compile of `function`, except on a thread that runs eagerly (`running_eagerly`)."""
+    """torch.compile of `function`, except on a thread stepping as written (models/network/step_mode.py)."""
 
     __slots__ = ("compiled", "function")
 
@@ -81,14 +66,14 @@ class _CompiledWhereCalled:
         self.compiled = torch.compile(function, dynamic=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if getattr(_eager, "on", False):
+        if step_mode.as_written():
             return self.function(*args, **kwargs)
         return self.compiled(*args, **kwargs)
 
 
 def compiled_where_called(function: Callable) -> Callable:
     """torch.compile(function, dynamic=False), compiled at its first call on a thread that is not
-    running eagerly; on one that is, `function` as written."""
+    stepping as written; on one that is, `function` as written."""
     return _CompiledWhereCalled(function)
 
 
@@ -163,7 +148,7 @@ class CompiledFunction:
         self.seconds = 0.0  # spent reading and compiling them
 
     def __call__(self, *args: Any) -> Any:
-        if getattr(_eager, "on", False):
+        if step_mode.as_written():
             return self.function(*args)
         if self._usual is not None:
             return self._usual(*args)

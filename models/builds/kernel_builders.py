@@ -10,7 +10,8 @@ build of it is then a cache hit, without the front end. The children start befor
 loads (`KernelBuilders`), so their imports overlap the load as well, and end with the dry pass they serve.
 
 Supervised (models/supervision.py): a child that dies or does not answer within CHILD_BUILD_S turns the
-children off for the process (`helper`, TURN_OFF, one warning line), and the build it had, like every later
+children off for the process (the `Helper` they are given, kernel_builds.PROCESS.children: TURN_OFF, one
+warning line), and the build it had, like every later
 one, is made on the parent's thread as before. A build a child reports failed, and a kernel it cannot import
 by name (one defined inside a function), are made on the parent's thread too, where an error belongs.
 """
@@ -36,8 +37,6 @@ from ..supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
 CHILD_BUILD_S = 20.0
 KERNEL_BUILDERS = HelperPolicy("building kernels in child processes", WhenFull.DROP, WhenDown.TURN_OFF,
                                stall_s=CHILD_BUILD_S)
-# One for the process, as kernel_builds.helper is: children that died or stalled are not started again.
-helper = Helper(KERNEL_BUILDERS)
 
 
 def importable_name(jit_function: Any) -> tuple[str, str] | None:
@@ -67,7 +66,9 @@ class KernelBuilders:
     (models/child_process.py, die_with_parent) when the thread that started it ends, not the process. The
     run's thread starts them, and the dry pass it waits for ends them."""
 
-    def __init__(self, count: int, device_index: int | None, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, count: int, device_index: int | None, helper: Helper,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.helper = helper  # the process's: down, no builders start again
         self._idle: queue.Queue[ChildProcess | None] = queue.Queue()  # None: closed (wakes a waiting build)
         self._children: list[ChildProcess] = []
         self._lock = threading.Lock()
@@ -86,7 +87,7 @@ class KernelBuilders:
         """Build `specialization` of `jit_function` (Triton's specialization data) in a child, into Triton's on-disk
         cache. True when a child built it; False where none did (the caller builds it itself)."""
         name = importable_name(jit_function)
-        if name is None or not helper.is_up or self._closed:
+        if name is None or not self.helper.is_up or self._closed:
             return False
         deadline = Deadline(CHILD_BUILD_S)
         try:
@@ -106,7 +107,7 @@ class KernelBuilders:
         if reply is None:
             self._down(child, f"a child building {name[1]} did not answer within {CHILD_BUILD_S:g} s")
             return False
-        helper.beat()
+        self.helper.beat()
         self._idle.put(child)
         built = reply[0] == "built"
         self.built += built
@@ -116,7 +117,7 @@ class KernelBuilders:
         if child is not None:
             child.close()
         if not self._closed:  # (a child ended by `close` is not one that failed)
-            helper.fail(reason)
+            self.helper.fail(reason)
             self.close()
 
     def close(self) -> None:

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 
 from ..daemon_pool import DaemonPool
+from ..network import step_mode
+from ..network.step_mode import StepMode
 from ..supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
 from . import kernel_builders
 
@@ -43,15 +45,26 @@ MAX_BUILD_THREADS = 8
 # its first launch, as without them.
 BUILDS_WAIT_S = 60.0
 BUILDS_AHEAD = HelperPolicy("building kernels ahead", WhenFull.DROP, WhenDown.TURN_OFF, stall_s=BUILDS_WAIT_S)
-# One for the process: a build that failed or stalled (its thread cannot be stopped, and may hold what a
-# build needs) turns off the dry passes, this module's and models/builds_ahead.py's, and the early builds.
-helper = Helper(BUILDS_AHEAD)
 
 logger = logging.getLogger("stream_recon.models.builds.kernel_builds")
 
-_listing = threading.local()  # .builds: the DryLaunches of this thread's dry step, if any
-_install_lock = threading.Lock()
-_installed: list = []  # [the hook that was there before ours] once ours is installed
+
+@dataclass
+class ProcessBuilds:
+    """What the builds keep for the whole process, in one place: Triton's cache hook is the process's,
+    and so is whether building ahead still works. A build that failed or stalled (its thread cannot be
+    stopped, and may hold what a build needs) turns off the dry passes and the early builds (`ahead`);
+    child builders that died or stalled are not started again (`children`)."""
+
+    ahead: Helper = field(default_factory=lambda: Helper(BUILDS_AHEAD))
+    children: Helper = field(default_factory=lambda: Helper(kernel_builders.KERNEL_BUILDERS))
+    listing: threading.local = field(default_factory=threading.local)  # .builds: this thread's DryLaunches
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    hook_before: list = field(default_factory=list)  # [the hook that was there before ours] once ours is in
+    builders: kernel_builders.KernelBuilders | None = None  # the child builders, while they run
+
+
+PROCESS = ProcessBuilds()  # the builds' one piece of process-wide state
 
 
 @dataclass
@@ -72,24 +85,24 @@ class DryLaunches:
 
     def wait(self, deadline: Deadline) -> None:
         """Until every listed build is done or `deadline` passes. A build that failed or is not done by
-        then turns the builds ahead off (`helper`, one warning line); nothing raises here: a kernel that
+        then turns the builds ahead off (`PROCESS.ahead`, one warning line); nothing raises here: a kernel that
         was not built builds at its first launch, where an error of its own belongs."""
         done, pending = wait(self.futures.values(), timeout=deadline.remaining())
         named = dict(zip(self.futures.values(), self.names, strict=True))
         if pending:
-            helper.fail(f"{len(pending)} of {len(self.futures)} builds ({', '.join(named[f] for f in pending)}) did "
+            PROCESS.ahead.fail(f"{len(pending)} of {len(self.futures)} builds ({', '.join(named[f] for f in pending)}) did "
                         f"not finish within {deadline.seconds:g} s")
         failed = next((future for future in self.futures.values() if future in done and future.exception()), None)
         if failed is not None:
             error = failed.exception()
-            helper.fail(f"building {named[failed]} failed: {type(error).__name__}: {error}")
+            PROCESS.ahead.fail(f"building {named[failed]} failed: {type(error).__name__}: {error}")
 
 
 def _build_in_a_child_first(jit_function, specialization: str, device: torch.device) -> bool:
     """`_build`, after a child process of the run's builders (`start_builders`), where there are some, built the
     specialization into Triton's on-disk cache: this process's build is then a cache hit. True where a child
     built it."""
-    builders = _builders[0] if _builders else None
+    builders = PROCESS.builders
     in_a_child = builders is not None and builders.build(jit_function, specialization)
     _build(jit_function, specialization, device)
     return in_a_child
@@ -115,11 +128,11 @@ def _hook(**call):
     """Triton's jit_cache_hook (called with key, repr, fn, compile, is_manual_warmup, already_compiled)
     before a launch builds a specialization. True skips the build and the launch; on a thread whose
     dry step lists builds, that is the point."""
-    builds: DryLaunches | None = getattr(_listing, "builds", None)
+    builds: DryLaunches | None = getattr(PROCESS.listing, "builds", None)
     if builds is not None and not call.get("is_manual_warmup"):
         builds.add(call["fn"].jit_function, call["key"], call["compile"]["specialization_data"])
         return True
-    previous = _installed[0] if _installed else None
+    previous = PROCESS.hook_before[0] if PROCESS.hook_before else None
     return previous(**call) if previous is not None else None
 
 
@@ -137,8 +150,8 @@ def available() -> bool:
 def dry_pass_pays(device: str | torch.device, compiled: bool) -> bool:
     """Whether a dry pass builds anything: on CUDA, uncompiled (compiled steps build their kernels through
     Inductor, which compiles on its own workers), where this Triton lists builds (`available`), while builds
-    ahead are on (`helper`)."""
-    return torch.device(device).type == "cuda" and not compiled and available() and helper.is_up
+    ahead are on (`PROCESS.ahead`)."""
+    return torch.device(device).type == "cuda" and not compiled and available() and PROCESS.ahead.is_up
 
 
 def _install() -> None:
@@ -147,9 +160,9 @@ def _install() -> None:
     # Triton: absent on some machines; asked for only where kernels are built
     import triton
 
-    with _install_lock:
-        if not _installed:
-            _installed.append(triton.knobs.runtime.jit_cache_hook)
+    with PROCESS.lock:
+        if not PROCESS.hook_before:
+            PROCESS.hook_before.append(triton.knobs.runtime.jit_cache_hook)
             triton.knobs.runtime.jit_cache_hook = _hook
 
 
@@ -174,18 +187,19 @@ def dry_launches(device: torch.device) -> Iterator[BuildReport]:
     """On this thread, for the block: launches of kernels not built are listed and built on threads
     instead of run. On leaving, waits for the builds (the report's `wait_s`), BUILDS_WAIT_S at most:
     afterwards every listed kernel launches without building, unless a build failed or stalled (the builds
-    ahead are off then, `helper`, and that kernel builds at its first launch)."""
-    if getattr(_listing, "builds", None) is not None:
+    ahead are off then, `PROCESS.ahead`, and that kernel builds at its first launch)."""
+    if getattr(PROCESS.listing, "builds", None) is not None:
         raise RuntimeError("dry launches do not nest")
     _install()
     report = BuildReport()
     pool = DaemonPool(build_threads(), "kernel-build")  # (daemons: a stalled build holds no exit)
-    _listing.builds = builds = DryLaunches(pool, device_with_index(torch.device(device)))
+    PROCESS.listing.builds = builds = DryLaunches(pool, device_with_index(torch.device(device)))
     try:
         try:
-            yield report
+            with step_mode.stepping(StepMode.DRY):
+                yield report
         finally:  # (a block that raised: the builds under way end on their own; its error is the one raised)
-            _listing.builds = None
+            PROCESS.listing.builds = None
         started = time.perf_counter()
         try:
             builds.wait(Deadline(BUILDS_WAIT_S))
@@ -198,13 +212,24 @@ def dry_launches(device: torch.device) -> Iterator[BuildReport]:
         end_builders()  # their work was this pass's: a later one's kernels are built by then
 
 
+@contextlib.contextmanager
+def dry_pass(device: torch.device) -> Iterator[dict[str, float]]:
+    """The context an engine runs its warm-up's steps dry in (StreamingEngine.run_dry): `dry_launches`, its
+    report as seconds by part once the block ends: "kernel_builds_s" (the pass and the builds it listed),
+    "kernel_builds" (how many), "kernel_builds_in_children" (of those, how many child processes built) and
+    "kernel_builds_wait_s" (of the first, the wait for the builds after the dry steps)."""
+    seconds: dict[str, float] = {}
+    started = time.perf_counter()
+    with dry_launches(device) as report:
+        yield seconds
+    seconds.update(kernel_builds_s=round(time.perf_counter() - started, 3), kernel_builds=report.builds,
+                   kernel_builds_in_children=report.in_children, kernel_builds_wait_s=report.wait_s)
+
+
 def _built_in_a_child(build: Future) -> bool:
     """Whether a listed build is done and a child process made it (done: nothing here waits)."""
     return (build.done() and not build.cancelled() and build.exception(timeout=0) is None
             and bool(build.result(timeout=0)))
-
-
-_builders: list[kernel_builders.KernelBuilders] = []  # the process's child builders, while they run
 
 
 def start_builders(device: str | torch.device) -> None:
@@ -215,16 +240,17 @@ def start_builders(device: str | torch.device) -> None:
     whose builds fill the cache. Where the cache holds ours, a build is a cache hit on the pass's own threads
     in tens of milliseconds, where it would wait seconds for a child's start."""
     device = torch.device(device)
-    if device.type != "cuda" or not available() or not helper.is_up or not kernel_builders.helper.is_up:
+    if device.type != "cuda" or not available() or not PROCESS.ahead.is_up or not PROCESS.children.is_up:
         return
     # the kernels' module imports Triton: only where kernels are built
     from stream_recon.cache.triton_attention import range_kernel_name
 
     if triton_cache_holds(range_kernel_name()):
         return
-    with _install_lock:
-        if not _builders:
-            _builders.append(kernel_builders.KernelBuilders(build_threads(), device_with_index(device).index))
+    with PROCESS.lock:
+        if PROCESS.builders is None:
+            PROCESS.builders = kernel_builders.KernelBuilders(build_threads(), device_with_index(device).index,
+                                                              PROCESS.children)
 
 
 def triton_cache_holds(kernel_name: str) -> bool:
@@ -240,8 +266,8 @@ def triton_cache_holds(kernel_name: str) -> bool:
 
 def end_builders() -> None:
     """The child builders ended, if any run (a run whose dry pass never came ends them so)."""
-    with _install_lock:
-        builders = _builders.pop() if _builders else None
+    with PROCESS.lock:
+        builders, PROCESS.builders = PROCESS.builders, None
     if builders is not None:
         builders.close()
 
@@ -253,11 +279,6 @@ def device_with_index(device: torch.device) -> torch.device:
     return device
 
 
-def listing() -> bool:
-    """Whether this thread's launches are dry (a step recorded now would miss its kernels)."""
-    return getattr(_listing, "builds", None) is not None
-
-
 def start_early_builds(device: str | torch.device, dtype: torch.dtype, num_heads: int, head_dim: int) -> bool:
     """On CUDA, on a thread of its own, from now: the builds a warm-up's steps wait for where they are
     asked, which a dry pass cannot hand to its pool. The range kernel's scheduler reads the compiled
@@ -267,7 +288,7 @@ def start_early_builds(device: str | torch.device, dtype: torch.dtype, num_heads
     the warm-up; a step that asks sooner waits for the build under way rather than making another. True
     when the thread started."""
     device = torch.device(device)
-    if device.type != "cuda" or not available() or not helper.is_up:
+    if device.type != "cuda" or not available() or not PROCESS.ahead.is_up:
         return False
     device = device_with_index(device)
 
@@ -276,10 +297,10 @@ def start_early_builds(device: str | torch.device, dtype: torch.dtype, num_heads
         from stream_recon.cache.triton_attention import measure_resident_programs
 
         torch.cuda.set_device(device)
-        # Whatever it raises turns the builds ahead off (`helper`); the first step then measures the kernel
+        # Whatever it raises turns the builds ahead off (`PROCESS.ahead`); the first step then measures the kernel
         # where it is asked, and raises there where it cannot. One that stalls holds the step no longer than
         # triton_attention.RESIDENT_PROGRAMS_WAIT_S: the step then builds its own.
         measure_resident_programs(device, dtype, num_heads, head_dim)
 
-    start_supervised_thread(helper, build, "kernel-build-early")
+    start_supervised_thread(PROCESS.ahead, build, "kernel-build-early")
     return True

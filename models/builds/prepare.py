@@ -23,8 +23,6 @@ device or precision, so nothing downstream ever converts a model it was handed.
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,21 +34,8 @@ from ..network.config import ModelConfig
 from ..network.fused_gelu import fuse_mlp_gelu
 from ..network.gct import GCTStream
 from ..network.layers import Attention, Block
+from ..network.prepared import InferenceSpec, dtype_name
 from .compilation import CompiledMethods, compiled_where_called
-
-
-@dataclass(frozen=True)
-class InferenceSpec:
-    """How a model was prepared (`model.inference_spec`)."""
-
-    device: torch.device
-    dtype: torch.dtype  # the transformer's (and DPT head's) precision; the camera head is float32
-    compiled: bool  # blocks and heads fused by torch.compile
-    half_camera_weights: bool  # the camera head's large layers read float16 weights
-
-    @property
-    def half_precision(self) -> bool:
-        return self.dtype in HALF_DTYPES
 
 
 def prepare_for_inference(model: GCTStream, device: str | torch.device | None = None,
@@ -77,7 +62,7 @@ def prepare_for_inference(model: GCTStream, device: str | torch.device | None = 
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     on_cuda = device.type == "cuda"
     if dtype in HALF_DTYPES and not on_cuda:
-        raise ValueError(f"{_name(dtype)} runs need a CUDA device (got {device}); use float32 on the CPU")
+        raise ValueError(f"{dtype_name(dtype)} runs need a CUDA device (got {device}); use float32 on the CPU")
     half = dtype in HALF_DTYPES
     prepared = _placed_copy(model, device, dtype if half else torch.float32)
     half_camera = False
@@ -95,13 +80,16 @@ def prepare_for_inference(model: GCTStream, device: str | torch.device | None = 
         prepared.depth_head.to(memory_format=torch.channels_last)
     compiled = on_cuda if compile is None else (compile and on_cuda)
     prepared.compiled_methods = None
+    compile_function = None
     if compiled:
         methods = CompiledMethods(artefacts, device) if artefacts is not None else None
         compile_blocks(prepared, methods)
         compile_depth_head(prepared, methods)
         compile_camera_head(prepared, methods)
         prepared.compiled_methods = methods
-    prepared.inference_spec = InferenceSpec(device, dtype, compiled, half_camera)
+        # the caches' helpers compile with the model's kept artefacts where it has them
+        compile_function = compiled_where_called if methods is None else methods.compile
+    prepared.inference_spec = InferenceSpec(device, dtype, compiled, half_camera, compile_function)
     return prepared
 
 
@@ -110,27 +98,11 @@ def prepare_without_weights(config: ModelConfig, device: str | torch.device,
     """A model of `config` prepared as `prepare_for_inference` prepares a loaded one for `device` and
     `dtype` (uncompiled), but with zero weights, before any checkpoint is read: the same modules and
     the same shapes, strides and kernels in its steps. Its predictions mean nothing; it runs a step's
-    code ahead of the real model (models/stream/builds_ahead.py). Zero rather than uninitialised memory, so
+    code ahead of the real model (models/builds/ahead.py). Zero rather than uninitialised memory, so
     that nothing it computes depends on what the allocator last held."""
     with torch.device("meta"):
         skeleton = GCTStream(config)
     return prepare_for_inference(skeleton, device, dtype, compile=False)
-
-
-def require_prepared(model: GCTStream, device: torch.device | None = None,
-                     dtype: torch.dtype | None = None) -> InferenceSpec:
-    """The model's InferenceSpec; a clear error for an unprepared model or one prepared for another
-    device or precision than the caller asks for."""
-    spec = getattr(model, "inference_spec", None)
-    if spec is None:
-        raise ValueError("the engine takes a prepared model: call stream_recon.models.prepare_for_inference("
-                         "model, device, dtype) once after loading it")
-    if dtype is not None and dtype != spec.dtype:
-        raise ValueError(f"the model was prepared for {_name(spec.dtype)}, not {_name(dtype)}; prepare the loaded "
-                         f"model again with dtype={_name(dtype)}")
-    if device is not None and torch.device(device) != spec.device and not _same_device(torch.device(device), spec.device):
-        raise ValueError(f"the model was prepared for {spec.device}, not {device}; prepare the loaded model for it")
-    return spec
 
 
 def _placed_copy(model: GCTStream, device: torch.device, half_dtype: torch.dtype) -> GCTStream:
@@ -152,45 +124,6 @@ def _placed(value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> to
     if value.is_meta:
         return torch.zeros(value.shape, device=device, dtype=dtype)
     return value.to(device=device, dtype=dtype)
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    """cuda and cuda:0 name the same device when the current device is 0."""
-    if a.type != b.type:
-        return False
-    if a.type != "cuda":
-        return True
-    current = torch.cuda.current_device()
-    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-@contextlib.contextmanager
-def float32_exact():
-    """A float32 CUDA step in float32: no autocast, and no TF32 in matrix products or cuDNN's
-    convolutions (PyTorch lets cuDNN use TF32 by default, which put the patch embedding 7.8e-3 sigma
-    off the reference's float32 depth). Scoped to the step, so that bf16 runs in the same process
-    keep their settings."""
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        with torch.autocast("cuda", enabled=False):
-            yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
-
-
-def step_precision(device_type: str, autocast_dtype: torch.dtype | None):
-    """The precision context of one step, eager or recorded: exact float32 (autocast_dtype None;
-    float32_exact on CUDA), or autocast to bf16/fp16 without its weight-cast cache: the
-    transformer's weights are in that dtype already, compiled blocks then see one autocast state
-    and compile once, and a cast cached during a graph capture would be freed after it."""
-    if autocast_dtype is None:
-        return float32_exact() if device_type == "cuda" else torch.autocast(device_type, enabled=False)
-    return torch.autocast(device_type, dtype=autocast_dtype, cache_enabled=False)
 
 
 def use_range_kernel_for_frames(module: torch.nn.Module) -> int:

@@ -4,9 +4,10 @@ Owns the streaming engine (engine) and its settings (stream_config), how one ste
 (steps, graphs, staging), what it hands downstream (prediction) and the pose encoding those predictions
 carry (pose), the memory plan of a run (memory), chunked streaming (chunked, chunks, similarity: Sim(3)
 and chunk alignment), the rollover beside the stream (rollover, lookahead, sm_partition: the spare's
-share of the SMs), and the warm-up's dry pass run while a checkpoint loads (builds_ahead).
+share of the SMs). What is built for it (compiled code, kernels, graphs) is decided above it, in
+builds/: the engine is handed a dry-pass context for its warm-up and told how to step.
 
-May import: network, builds, the shared modules at models/'s top (errors, supervision, daemon_pool)
+May import: network, the shared modules at models/'s top (errors, supervision, daemon_pool)
 and stream_recon.cache.
-Imports nothing of: loops, app.
+Imports nothing of: builds, loops, app.
 """

@@ -32,6 +32,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import replace
 
 import numpy as np
@@ -222,11 +223,12 @@ class ChunkedEngine:
         self._outbox = []
         return emitted
 
-    def warm_up(self, image: torch.Tensor | np.ndarray, *, dry_pass: bool = True) -> dict[str, float]:
+    def warm_up(self, image: torch.Tensor | np.ndarray, *,
+                dry_pass: Callable[[torch.device], AbstractContextManager[dict]] | None = None) -> dict[str, float]:
         """Before the stream's first frame: warm the engine on copies of `image`, that first frame
-        (StreamingEngine.warm_up, with its dry pass as `dry_pass` says), then start the spare engine
-        where one is wanted and wait while it warms on its worker, so that neither compiles nor records
-        once the stream runs. Returns the seconds by part ("spare_s" for the spare's)."""
+        (StreamingEngine.warm_up, its steps first run dry where the builder gives a `dry_pass`), then start
+        the spare engine where one is wanted and wait while it warms on its worker, so that neither compiles
+        nor records once the stream runs. Returns the seconds by part ("spare_s" for the spare's)."""
         if self.num_frames:
             raise ValueError("an engine warms up before its stream's first frame, not during a stream")
         with self._on_main_stream():

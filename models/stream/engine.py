@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,11 +19,9 @@ import torch
 
 from stream_recon.cache import CacheLayout, KVCache, TokenCache, backends
 
-from ..builds import kernel_builds
-from ..builds.compilation import compiled_where_called
-from ..builds.prepare import require_prepared
 from ..errors import FrameError, MemoryBudgetError
 from ..network.gct import GCTStream
+from ..network.prepared import require_prepared
 from .memory import MemoryPlan, plan_memory
 from .pose import camera_motion_flow
 from .prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
@@ -133,7 +132,7 @@ class StreamingEngine:
     def steps_eagerly(self, eager: bool) -> None:
         """Streaming steps as written (True) or as the model was prepared (False, the default), from the
         next frame on: a compiled model's stream runs eagerly while its compiled code is made beside it
-        (models/stream/compile_while_streaming.py). A graph recorded the other way is recorded again."""
+        (models/builds/while_streaming.py). A graph recorded the other way is recorded again."""
         self._eager_steps = eager
         if self.runner is not None:
             self.runner.steps_eagerly(eager)
@@ -227,48 +226,39 @@ class StreamingEngine:
         on_cuda = self.device.type == "cuda"
         return bool(self.model.inference_spec.compiled) or (on_cuda and self.config.cuda_graphs)
 
-    def warm_up(self, image: torch.Tensor | np.ndarray, *, dry_pass: bool = True) -> dict[str, float]:
+    def warm_up(self, image: torch.Tensor | np.ndarray, *,
+                dry_pass: Callable[[torch.device], AbstractContextManager[dict]] | None = None) -> dict[str, float]:
         """Before the stream's first frame: predict `scale_frames` + WARM_UP_STEPS copies of `image`
         (that first frame) and forget them, so that the first streaming step's compile, its kernels'
         first launches and its graph's recording happen now and the stream never waits for them. The
         streaming steps are uncached (`push(cached=False)`): they need no window slot of their own, so
-        a spare's cache with a single one (`window_slots`) warms up too. First, where it pays and
-        `dry_pass` is True, the same steps run dry to build their Triton kernels side by side
-        (`build_kernels`); False where they are built already (a spare of a model another engine
-        warmed up, or a run whose kernels were built while its checkpoint loaded: builds_ahead.py).
+        a spare's cache with a single one (`window_slots`) warms up too. First, where the builder gives
+        a `dry_pass`, the same steps run dry (`run_dry`).
 
         Afterwards the engine is as a fresh one but for its caches' storage and recorded graph
         (kept, as after `reset`): the stream's predictions are the ones it makes without a warm-up.
-        Returns seconds by part: "scale_step_s", "streaming_steps_s", and with a dry pass those of
-        `build_kernels`."""
+        Returns seconds by part: "scale_step_s", "streaming_steps_s", and those of the dry pass."""
         self._check_before_stream("warms up")
         image = self.check_frame(image)  # the stream's first frame: it sets the size and the caches up
-        seconds: dict[str, float] = self.build_kernels(image) if dry_pass else {}
+        seconds: dict[str, float] = self.run_dry(image, dry_pass) if dry_pass is not None else {}
         started = time.perf_counter()
         scaled = self._predict_and_forget(image)
         done = time.perf_counter()
         return {"scale_step_s": round(scaled - started, 3), "streaming_steps_s": round(done - scaled, 3), **seconds}
 
-    def build_kernels(self, image: torch.Tensor | np.ndarray) -> dict[str, float]:
-        """The warm-up's dry pass, before the stream's first frame: uncompiled on CUDA, its steps on copies
-        of `image` run with `kernel_builds.dry_launches`, which lists the Triton kernels they would build
-        on their first launches and builds them side by side on a pool rather than one at a time
-        (models/builds/kernel_builds.py); then the caches are zeroed. Nothing where it does not pay (returns {}).
-        Returns "kernel_builds_s" (the pass and the builds it listed), "kernel_builds" (how many),
-        "kernel_builds_in_children" (of those, how many child processes built: kernel_builders) and
-        "kernel_builds_wait_s" (of the first, the wait for the builds after the dry steps)."""
-        self._check_before_stream("builds its kernels")
-        if not self._lists_kernel_builds():
-            return {}
+    def run_dry(self, image: torch.Tensor | np.ndarray,
+                dry_pass: Callable[[torch.device], AbstractContextManager[dict]]) -> dict[str, float]:
+        """The warm-up's steps on copies of `image` inside `dry_pass(device)`, the builder's context
+        (models/builds/kernel_builds.py: launches of kernels not built are listed and built side by
+        side instead of run), then the caches zeroed: what dry steps compute is garbage, and none may
+        stay, even where only masked reads go. Returns the seconds by part the context reports."""
+        self._check_before_stream("runs dry")
         image = self.check_frame(image)
-        started = time.perf_counter()
-        with kernel_builds.dry_launches(self.device) as builds:
+        with dry_pass(self.device) as seconds:
             self._predict_and_forget(image)
-        # Its values are garbage (launches skipped): none may stay, even where only masked reads go.
         self.cache.clear()
         self.camera_cache.clear()
-        return {"kernel_builds_s": round(time.perf_counter() - started, 3), "kernel_builds": builds.builds,
-                "kernel_builds_in_children": builds.in_children, "kernel_builds_wait_s": builds.wait_s}
+        return seconds
 
     @property
     def at_stream_start(self) -> bool:
@@ -278,10 +268,6 @@ class StreamingEngine:
     def _check_before_stream(self, what: str) -> None:
         if not self.at_stream_start:
             raise ValueError(f"an engine {what} before its stream's first frame, not during a stream")
-
-    def _lists_kernel_builds(self) -> bool:
-        """Whether a warm-up's dry pass pays for this engine's model (kernel_builds.dry_pass_pays)."""
-        return kernel_builds.dry_pass_pays(self.device, bool(self.model.inference_spec.compiled))
 
     def _predict_and_forget(self, image: torch.Tensor) -> float:
         """The warm-up's steps on copies of `image`, then a reset; returns when the scale step ended."""
@@ -351,7 +337,7 @@ class StreamingEngine:
             return {"frames": 0, "keyframes": 0, "cached_frames": 0, "patch_frames": 0, "patch_pages_in_use": 0,
                     "special_pages_in_use": 0, "camera_tokens": 0, "cache_bytes": 0, "attention": None,
                     "kv_cache": None, "cuda_graphs": False, "memory_plan": None, "compiled_code": self._compiled_code(),
-                    "warm_up": None, "kernel_builds_ahead_off": kernel_builds.helper.down_reason}
+                    "warm_up": None}
         return {
             "frames": self.num_frames,
             "keyframes": self.num_keyframes,
@@ -367,16 +353,11 @@ class StreamingEngine:
             "warm_up": getattr(self.runner, "warm_up_seconds", None) or None,
             "memory_plan": self.memory_plan.to_dict() if self.memory_plan is not None else None,
             "compiled_code": self._compiled_code(),
-            "kernel_builds_ahead_off": kernel_builds.helper.down_reason,  # why they went, for the process
         }
 
     def _cache_compiler(self):
-        """How the caches compile their helpers: with the model's kept artefacts where it has them,
-        else as the model was prepared (torch.compile where called, or not at all)."""
-        methods = getattr(self.model, "compiled_methods", None)
-        if methods is not None:
-            return methods.compile
-        return compiled_where_called if self.model.inference_spec.compiled else False
+        """How the caches compile their helpers: as the model's parts were compiled (InferenceSpec), or not."""
+        return self.model.inference_spec.compile_function or False
 
     def _compiled_code(self) -> dict[str, float] | None:
         """Compiled calls loaded from kept artefacts and compiled by this process (models/builds/compilation.py);

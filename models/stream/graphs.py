@@ -28,8 +28,8 @@ import torch
 
 from stream_recon.cache import DenseKVCache, DeviceValues
 
-from ..builds.prepare import step_precision
 from ..network.gct import GCTStream
+from .precision import step_precision
 
 # Only the capturing thread is barred from calls that are illegal during a capture: a window's
 # spare engine (models/lookahead.py) records its graph on a worker thread while the stream goes on.

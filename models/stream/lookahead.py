@@ -213,7 +213,7 @@ class SpareEngine:
         started = time.perf_counter()
         # Its model's kernels were built by the current engine's warm-up, before this one starts: a dry
         # pass here would only run the steps once more (0.3-0.8 s).
-        self.engine.warm_up(image, dry_pass=False)
+        self.engine.warm_up(image)
         self.warm_seconds = time.perf_counter() - started
 
 

@@ -21,11 +21,11 @@ import torch
 
 from stream_recon.cache import KVCache, TokenCache
 
-from ..builds import kernel_builds
-from ..builds.compilation import running_eagerly
-from ..builds.prepare import step_precision
+from ..network import step_mode
 from ..network.gct import GCTStream
+from ..network.step_mode import StepMode
 from .graphs import RecordedStep
+from .precision import step_precision
 from .staging import FrameUpload, HostStaging, Staged, pack_outputs
 
 
@@ -47,7 +47,7 @@ class EagerRunner:
         self.upload = FrameUpload(self.device)
         self._frame: tuple[torch.Tensor, torch.Tensor, int] | None = None  # images, rgb, stream index
         # Streaming steps as written although the model is compiled: while its compiled code is made
-        # beside the stream (models/stream/compile_while_streaming.py). Scale steps always are.
+        # beside the stream (models/builds/while_streaming.py). Scale steps always are.
         self.eager = False
 
     @property
@@ -66,13 +66,13 @@ class EagerRunner:
 
     def _as_chosen(self):
         """The context of a streaming step: as written where `eager`, else as the model was prepared."""
-        return running_eagerly() if self.eager else contextlib.nullcontext()
+        return step_mode.stepping(StepMode.AS_WRITTEN) if self.eager else contextlib.nullcontext()
 
     def run_scale_frames(self, images: torch.Tensor, time_index: int) -> Staged:
         """The scale frames [S, 3, H, W] together (stream indices from 0), eagerly and uncompiled: they
         run once per chunk, so compiling their shapes would only delay the first prediction (by tens
         of seconds on a fresh process) for little gain; the streaming shapes are the ones compiled."""
-        with running_eagerly():
+        with step_mode.stepping(StepMode.AS_WRITTEN):
             self.begin(images, 0)
             return self.finish(time_index)
 
@@ -144,7 +144,7 @@ class GraphRunner(EagerRunner):
             started = time.perf_counter()
             staged = super().finish(time_index)
             # A dry step (a warm-up listing its kernels' builds) skipped launches: not one to record.
-            if len(images) == 1 and not kernel_builds.listing():
+            if len(images) == 1 and step_mode.current() is not StepMode.DRY:
                 recording = time.perf_counter()
                 self._record(images, stream_index, time_index)
                 self.warm_up_seconds = {"first_streaming_step_s": round(recording - started, 3),

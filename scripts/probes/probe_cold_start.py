@@ -113,7 +113,7 @@ def main() -> None:
     result = {"height": args.height, "compile": not args.no_compile,
               "compile_threads": inductor_config.compile_threads, "import_s": time.perf_counter() - PROCESS_STARTED}
     started = time.perf_counter()
-    from stream_recon.app.run.background_compile import random_model
+    from stream_recon.models.builds.compile_child import random_model
 
     model = random_model(ModelConfig.from_name(args.model), "cpu")
     result["build_s"] = time.perf_counter() - started

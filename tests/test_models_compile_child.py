@@ -1,5 +1,5 @@
 """`--compile auto`: the records of compiled sizes, the choice a run makes from them, and the child
-process that compiles a size beside a run (app/run/background_compile.py, models/builds/compilation.py).
+process that compiles a size beside a run (models/builds/compile_child.py, models/builds/compilation.py).
 
 On this machine the child runs for real on the CPU with the tiny model (prepare_for_inference does not
 compile off CUDA, so it exercises the process, its key, its warm-up and its record, not Inductor);
@@ -16,8 +16,6 @@ import pytest
 import torch
 
 from stream_recon.app.options import OptionsError, RunOptions
-from stream_recon.app.run.background_compile import CompiledSizes
-from stream_recon.app.run.builds import compile_choice, run_key
 from stream_recon.app.run.loading import chunk_engine_config
 from stream_recon.models import ModelConfig
 from stream_recon.models.builds.compilation import (
@@ -27,6 +25,8 @@ from stream_recon.models.builds.compilation import (
     recorded,
     records_folder,
 )
+from stream_recon.models.builds.compile_child import CompiledSizes
+from stream_recon.models.builds.plan import BuildSettings, compile_choice, run_key
 
 SIZE = (56, 70)  # (height, width) of the tiny model's frames here: 4 x 5 patches
 
@@ -106,13 +106,13 @@ def test_auto_compiles_what_was_compiled_or_must_compile_first_and_compiles_a_ne
     other = key_for(options(window=3))
     record(other, "compiled")
     assert compile_choice("auto", "cuda", other) == compile_choice("on", "cuda", other)
-    assert run_key("cpu", torch.float32, ModelConfig.tiny(), None, SIZE) is None
-    assert run_key("cuda", torch.float32, ModelConfig.tiny(), None, None) is None
+    assert run_key(BuildSettings("auto", "auto", None, 2, "cpu", torch.float32, ModelConfig.tiny(), None, SIZE)) is None
+    assert run_key(BuildSettings("auto", "auto", None, 2, "cuda", torch.float32, ModelConfig.tiny(), None, None)) is None
 
 
 def compiled_sizes(prepared_tiny_model, run_options: RunOptions, beside: bool = True) -> CompiledSizes:
     config = chunk_engine_config(run_options, prepared_tiny_model.config)
-    return CompiledSizes(run_options, prepared_tiny_model, "cpu", torch.float32, config, beside=beside)
+    return CompiledSizes(run_options.gpu_memory, prepared_tiny_model, "cpu", torch.float32, config, beside=beside)
 
 
 def wait_for(sizes: CompiledSizes, timeout_s: float = 240.0) -> str:
@@ -180,10 +180,10 @@ def test_a_size_being_compiled_by_another_process_is_not_compiled_twice(prepared
 
 
 def test_no_room_beside_the_run_is_recorded_so_the_next_run_compiles_first(prepared_tiny_model, monkeypatch):
-    import stream_recon.app.run.background_compile as background_compile
+    import stream_recon.models.builds.compile_child as compile_child
 
     # the device's free memory cannot be made small for real here: the query is the one stand-in
-    monkeypatch.setattr(background_compile, "_free_bytes", lambda device: 1 << 20)
+    monkeypatch.setattr(compile_child, "_free_bytes", lambda device: 1 << 20)
     sizes = compiled_sizes(prepared_tiny_model, options())
     note = sizes.warmed_up(SIZE)
     assert "needs" in note and "the next run of this size compiles before its first frame" in note
@@ -216,7 +216,7 @@ def test_the_child_streams_with_the_runs_memory_plan_under_the_runs_key(prepared
     (as a spare engine does: no budget of its own), and its record is the run's key."""
     from types import SimpleNamespace
 
-    from stream_recon.app.run.background_compile import planned
+    from stream_recon.models.builds.compile_child import planned
 
     run_options = options(gpu_memory="64GiB")
     config = chunk_engine_config(run_options, prepared_tiny_model.config)

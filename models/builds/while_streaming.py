@@ -8,7 +8,7 @@ an uncompiled run's does, and `CompileWhileStreaming` runs the compiled steps on
 engine of its own over the same model (modules are inputs of the compiled code, so what it compiles
 serves the run's engine), its cache with one window slot, no CUDA graphs, the warm-up's steps on copies of
 the stream's first frame, on a CUDA stream of its own. Once it is done the run's engine steps compiled from
-its next frame on, its graph recorded once more (app/run/builds.py).
+its next frame on, its graph recorded once more (plan.py, `Builder.after_frame`).
 
 It is a helper of the run (models/supervision.py, TURN_OFF): one that raises, or is not done
 COMPILE_WHILE_STREAMING_S after it started, leaves the stream stepping as written for the rest of the run, with one
@@ -23,10 +23,10 @@ from dataclasses import replace
 
 import torch
 
-from ..builds import kernel_builds
+from ..stream.engine import StreamingEngine
+from ..stream.stream_config import StreamConfig
 from ..supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
-from .engine import StreamingEngine
-from .stream_config import StreamConfig
+from . import kernel_builds
 
 # Tracing from warm caches takes 3.5-3.9 s alone and a few more beside a stream that holds the interpreter
 # too; a compile that misses the caches takes 20-30 s. Ten times that, it has stalled.
@@ -53,7 +53,7 @@ class CompileWhileStreaming:
                  device: torch.device) -> None:
         with self._own_stream(device):
             engine = StreamingEngine(model, config, device=device, dtype=model.inference_spec.dtype, window_slots=1)
-            engine.warm_up(image, dry_pass=False)
+            engine.warm_up(image)
             del engine
         self.seconds = round(time.perf_counter() - self._started, 3)
 

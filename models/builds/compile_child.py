@@ -29,23 +29,21 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from stream_recon.app.options import RunOptions
-from stream_recon.app.run.loading import chunk_engine_config
-from stream_recon.models import (
-    GCTStream,
-    ModelConfig,
-    StreamingEngine,
-    parse_memory_size,
-    prepare_for_inference,
-)
-from stream_recon.models.builds.compilation import (
+from ..child_process import start_child
+from ..network.config import ModelConfig
+from ..network.gct import GCTStream
+from ..stream.engine import StreamingEngine
+from ..stream.memory import CUDA_CONTEXT_BYTES, estimate_memory
+from ..stream.memory_size import parse_memory_size
+from ..stream.stream_config import StreamConfig
+from ..supervision import Helper, HelperPolicy, WhenDown, WhenFull
+from .compilation import (
     compiled_code_key,
     matmul_settings,
     record,
@@ -53,7 +51,7 @@ from stream_recon.models.builds.compilation import (
     records_folder,
     use_matmul_settings,
 )
-from stream_recon.models.stream.memory import CUDA_CONTEXT_BYTES, estimate_memory
+from .prepare import prepare_for_inference
 
 CHILD_WINDOW_SLOTS = 1  # the warm-up's streaming steps are uncached: one window slot is all it needs
 STOP_WAIT_S = 5.0  # a child asked to stop gets this long before it is killed
@@ -65,6 +63,8 @@ KILL_WAIT_S = 2.0
 # run's end), it is killed and the next run of its size compiles first; one left to finish after its run
 # ended ends itself then (SIGALRM, whose default action ends a process without running any of its code).
 CHILD_LIMIT_S = 1200
+COMPILE_CHILD = HelperPolicy("compiling the next run's size in a child process", WhenFull.DROP, WhenDown.TURN_OFF,
+                             stall_s=CHILD_LIMIT_S)
 
 
 class CompiledSizes:
@@ -72,10 +72,12 @@ class CompiledSizes:
     input size; after an uncompiled one that `compile_choice` chose (`beside`), the child process that
     compiles the size for the next run, seen from the run."""
 
-    def __init__(self, options: Any, model: Any, device: str, dtype: Any, stream_config: Any, beside: bool) -> None:
-        self.options, self.model, self.device, self.dtype = options, model, device, dtype
+    def __init__(self, gpu_memory: str | None, model: Any, device: str, dtype: Any, stream_config: Any,
+                 beside: bool) -> None:
+        self.gpu_memory, self.model, self.device, self.dtype = gpu_memory, model, device, dtype
         self.stream_config = stream_config
         self.beside = beside and not model.inference_spec.compiled
+        self.helper = Helper(COMPILE_CHILD)  # down: the child failed, stalled or was stopped with the run
         self.process: subprocess.Popen | None = None
         self.key: str | None = None
         self.status = "not started"
@@ -117,19 +119,21 @@ class CompiledSizes:
             self.status = "already compiling"
             return (f"compiled code for {width}x{height} frames is being made by another process: this run streams "
                     "uncompiled (about 10% slower a frame)")
-        request = {"options": self.options.as_settings(), "model_config": self.model.config.to_dict(),
+        request = {"stream_config": dataclasses.asdict(self.stream_config), "model_config": self.model.config.to_dict(),
                    "image_size": list(image_size), "device": str(self.device),
                    "dtype": str(self.dtype).removeprefix("torch."), "matmul": matmul_settings(), "plan": self.plan,
                    "key": self.key}
         self.log = records_folder() / f"{self.key}.log"
         self.log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         environment = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(compile_threads())}
-        with open(self.log, "w") as output:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "stream_recon.app.run.background_compile", json.dumps(request)],
-                stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT, env=environment,
-                start_new_session=True,  # its own process group: stopped whole, and no Ctrl-C of the terminal's
-            )
+        with open(self.log, "wb") as output:
+            # its own session (start_child's): stopped whole, and no Ctrl-C of the terminal's
+            child = start_child(__name__, "serve", json.dumps(request), env=environment, output=output,
+                                outlives_parent=True)
+        for pipe in (child.requests, child.replies):  # (it is told everything at its start)
+            pipe.close()
+        self.process = child.process
+        self.helper.beat()
         lock.write_text(f"{self.process.pid}\n")
         self.started_at = time.perf_counter()
         self.status = "compiling"
@@ -143,11 +147,11 @@ class CompiledSizes:
         context (the budget is the whole run's, its compile included)."""
 
         free = _free_bytes(device)
-        if self.options.gpu_memory is None:
+        if self.gpu_memory is None:
             return free, "free on the GPU"
 
         held = torch.cuda.max_memory_reserved(device) + CUDA_CONTEXT_BYTES if device.type == "cuda" else 0
-        left = max(0, parse_memory_size(self.options.gpu_memory) - held)
+        left = max(0, parse_memory_size(self.gpu_memory) - held)
         return (left, "left of --gpu-memory beside the run") if left < free else (free, "free on the GPU")
 
     def _bytes_needed(self, image_size: tuple[int, int]) -> int:
@@ -169,11 +173,13 @@ class CompiledSizes:
                 self._stop_child(signal.SIGKILL)
                 self.status = f"stalled (still compiling after {CHILD_LIMIT_S:g} s: killed; its log: {self.log})"
                 self._compile_first(f"the background compile was still running after {CHILD_LIMIT_S:g} s")
+                self.helper.fail(self.status, quiet=True)  # (`finish` says it)
             elif code is not None:
                 self.seconds = round(time.perf_counter() - self.started_at, 1)
                 self.status = "done" if code == 0 else f"failed (exit {code}; its log: {self.log})"
                 if code != 0:
                     self._compile_first(f"the background compile exited {code}")
+                    self.helper.fail(self.status, quiet=True)  # (`finish` says it)
         return self.status
 
     def finish(self, stop: bool) -> str | None:
@@ -189,6 +195,7 @@ class CompiledSizes:
             self.status = "finishing after the run"
             return (f"the compile for the next run goes on in the background (process {self.process.pid}, a "
                     "minute at most)")
+        self.helper.fail("stopped with the run", quiet=True)
         if self._stop_child(signal.SIGTERM):
             self.status = "stopped with the run"
         else:
@@ -283,12 +290,11 @@ def compile_size(request: dict) -> None:
 
 
     use_matmul_settings(request["matmul"])  # before the key: it names them
-    options = RunOptions(**request["options"])
     model_config = ModelConfig(**{name: tuple(value) if isinstance(value, list) else value
                                   for name, value in request["model_config"].items()})
     device, dtype = torch.device(request["device"]), getattr(torch, request["dtype"])
     height, width = request["image_size"]
-    stream_config = chunk_engine_config(options, model_config)
+    stream_config = StreamConfig(**request["stream_config"])
     key = compiled_code_key(model_config, stream_config, (height, width), dtype, device)
     if key != request["key"]:  # the two processes would not agree on what was compiled
         raise RuntimeError(f"this process's key {key} differs from the run's {request['key']}")
@@ -304,13 +310,16 @@ def compile_size(request: dict) -> None:
     print(json.dumps({"key": key, "seconds": seconds, "warm_up": parts}), flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    request = json.loads((sys.argv[1:] if argv is None else argv)[0])
+def serve(requests_fd: int, replies_fd: int, request_json: str) -> None:
+    """In the child (started by `CompiledSizes` through start_child): compile the size asked for. Its exit
+    code says how it went: 0 compiled, else failed (the traceback in its log)."""
+    for fd in (requests_fd, replies_fd):  # (everything it needs came with its start)
+        os.close(fd)
+    request = json.loads(request_json)
     with contextlib.suppress(OSError):
         os.nice(10)  # the run's stream comes first
     if hasattr(signal, "alarm"):  # a child left running after its run ends has no one else to stop it
         signal.alarm(int(CHILD_LIMIT_S))
-
     lock = records_folder() / f"{request['key']}.compiling"
     try:
         compile_size(request)
@@ -321,8 +330,3 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             if _live_pid(lock) == os.getpid():
                 lock.unlink()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,18 +1,18 @@
 """A run's Triton kernels built while its checkpoint loads.
 
 On a fresh machine an uncompiled warm-up spends most of its time in its dry pass (StreamingEngine.
-build_kernels: 3.6-4.2 s of 4.6-5.7 s at 518x392), after the checkpoint's load, its
+run_dry: 3.6-4.2 s of 4.6-5.7 s at 518x392), after the checkpoint's load, its
 preparation and the viewer's start (3.4-4.5 s), which mostly wait for the disk, the copies to the GPU
 and imports. `BuildsAhead` runs the dry pass during them instead: on a thread,
 on a model of the run's architecture prepared as the loaded one will be but with zero weights
 (prepare_without_weights), in an engine of the run's settings, on a zero frame of the model input's
 size. A process builds a kernel once for every model, so the run's warm-up then skips its own dry
-pass (`warm_up(dry_pass=False)`). The engine's cache has one window slot: the warm-up's streaming steps
+pass. The engine's cache has one window slot: the warm-up's streaming steps
 are uncached, and the slot count is no argument the kernels specialise on. A fresh machine's first
 run then has its 100th prediction 2.2-4.4 s sooner.
 
 The zero model holds a second copy of the weights on the GPU until the pass ends, beside the one
-being loaded: a run with a memory budget does not start one (app/run/builds.py, start_builds_ahead).
+being loaded: a run with a memory budget does not start one (the plan's "dry_pass_ahead" row, plan.py).
 """
 
 from __future__ import annotations
@@ -25,19 +25,19 @@ from collections.abc import Iterator
 
 import torch
 
-from ..builds import kernel_builds
-from ..builds.prepare import prepare_without_weights
 from ..network.config import ModelConfig
+from ..stream.engine import StreamingEngine
+from ..stream.stream_config import StreamConfig
 from ..supervision import Deadline
-from .engine import StreamingEngine
-from .stream_config import StreamConfig
+from . import kernel_builds
+from .prepare import prepare_without_weights
 
-logger = logging.getLogger("stream_recon.models.stream.builds_ahead")
+logger = logging.getLogger("stream_recon.models.builds.ahead")
 
 # The longest the run's first frame waits for the pass: it takes 3.6-4.2 s of a fresh machine's start,
 # most of it while the checkpoint loads, and its builds have BUILDS_WAIT_S of their
 # own. A pass still running a minute after the first frame asked has stalled: builds ahead are turned off
-# (kernel_builds.helper) and the run's kernels build at their first launches, a few seconds in all.
+# (kernel_builds.PROCESS.ahead) and the run's kernels build at their first launches, a few seconds in all.
 AHEAD_WAIT_S = 60.0
 
 
@@ -64,7 +64,7 @@ class BuildsAhead:
             with self._own_memory():
                 model = prepare_without_weights(model_config, self.device, dtype)
                 engine = StreamingEngine(model, stream_config, device=self.device, dtype=dtype, window_slots=1)
-                seconds = engine.build_kernels(torch.zeros((3, *self.image_size), dtype=torch.uint8))
+                seconds = engine.run_dry(torch.zeros((3, *self.image_size), dtype=torch.uint8), kernel_builds.dry_pass)
                 del engine, model
             self._seconds = {**seconds, "kernel_builds_ahead_s": round(time.perf_counter() - self._started, 3)}
         except Exception as error:  # the warm-up then makes its own dry pass
@@ -89,7 +89,7 @@ class BuildsAhead:
 
     def wait(self) -> dict[str, float] | None:
         """Until the pass is done, AHEAD_WAIT_S from the first call at most. Its seconds by part
-        (build_kernels's "kernel_builds_s", "kernel_builds", "kernel_builds_wait_s"; "kernel_builds_ahead_s"
+        (kernel_builds.dry_pass's "kernel_builds_s", "kernel_builds", "kernel_builds_wait_s"; "kernel_builds_ahead_s"
         from the start to its end, the model and engine made; "kernel_builds_ahead_wait_s", how long this
         call waited for it), or None where it failed or stalled (a stall turns the builds ahead off, with one
         warning line: its thread is a daemon, left behind)."""
@@ -99,7 +99,7 @@ class BuildsAhead:
         self._thread.join(timeout=self._deadline.remaining())
         if self._thread.is_alive():
             self._given_up = True  # (what the thread does after this is no warm-up's)
-            kernel_builds.helper.fail(f"the dry pass beside the checkpoint's load did not finish within "
+            kernel_builds.PROCESS.ahead.fail(f"the dry pass beside the checkpoint's load did not finish within "
                                       f"{self._deadline.seconds:g} s")
             return None
         if self._seconds is None or self._given_up:
