@@ -6,7 +6,6 @@ Interruption by SIGINT and SIGTERM is tested through the real CLI, in test_app_c
 from __future__ import annotations
 
 import errno
-import functools
 import gc
 import json
 import os

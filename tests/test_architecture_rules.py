@@ -491,3 +491,64 @@ def test_reading_a_finished_run_never_imports_torch() -> None:
              "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "[]", result.stdout[:300]
+
+
+# -- the builds: one room, small, with one piece of process-wide state ----------------------------------------
+MAX_BUILD_FILES, MAX_BUILD_LINES = 9, 2_000
+
+
+def test_the_build_code_is_one_room_of_at_most_nine_files_and_two_thousand_lines() -> None:
+    files = sorted((ROOT / "models" / "builds").glob("*.py"))
+    lines = sum(len(path.read_text().splitlines()) for path in files)
+    assert len(files) <= MAX_BUILD_FILES and lines <= MAX_BUILD_LINES, (len(files), lines)
+
+
+def unchanging(value: object) -> bool:
+    """Whether a value at a module's top cannot change while the process runs: a number, string, dtype or
+    None, a tuple, frozenset or read-only mapping of such, a frozen dataclass, an enum member, a function,
+    a class, a logger (logging's own)."""
+    import dataclasses
+    import enum
+    import logging
+    import types
+
+    import torch
+
+    if isinstance(value, (int, float, str, bytes, type(None), enum.Enum, type, logging.Logger, torch.dtype,
+                          types.FunctionType)):
+        return True
+    if isinstance(value, (tuple, frozenset)):
+        return all(unchanging(item) for item in value)
+    if isinstance(value, types.MappingProxyType):
+        return all(unchanging(item) for item in value.values())
+    return dataclasses.is_dataclass(value) and type(value).__dataclass_params__.frozen
+
+
+def process_wide_state(module_name: str, path: Path) -> list[str]:
+    """The names a module binds at its top (assignments, not imports or definitions) to something that can
+    change: state the whole process shares."""
+    import importlib
+
+    module = importlib.import_module(module_name)
+    assigned = [target.id for node in ast.parse(path.read_text()).body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                if isinstance(target, ast.Name)]
+    assigned += [name for name in vars(module) if name not in assigned and not name.startswith("__")
+                 and type(vars(module)[name]) in (dict, list, set)]  # (one set from a function, say)
+    return [name for name in assigned if name != "__all__" and not unchanging(getattr(module, name))]
+
+
+def test_the_builds_keep_one_piece_of_process_wide_state() -> None:
+    """Triton's cache hook and whether building ahead still works are the process's; all of it lives in one
+    object (kernel_builds.PROCESS), so a test or a reader finds it in one place."""
+    state = [f"{path.stem}.{name}" for path in sorted((ROOT / "models" / "builds").glob("*.py"))
+             for name in process_wide_state(f"stream_recon.models.builds.{path.stem}", path)]
+    assert state == ["kernel_builds.PROCESS"]
+
+
+def test_a_second_piece_of_build_state_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stream_recon.models.builds import compilation
+
+    monkeypatch.setattr(compilation, "_compiled_keys", set(), raising=False)
+    path = ROOT / "models" / "builds" / "compilation.py"
+    assert process_wide_state("stream_recon.models.builds.compilation", path) == ["_compiled_keys"]

@@ -16,8 +16,8 @@ from stream_recon.models.builds.compilation import (
     artefacts_dir,
     call_signature,
 )
-from stream_recon.models.network.step_mode import StepMode, stepping
 from stream_recon.models.network.custom_ops import operator_for_compiled_code
+from stream_recon.models.network.step_mode import StepMode, stepping
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                 reason="TorchInductor's CPU backend needs a C++ compiler")

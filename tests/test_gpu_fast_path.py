@@ -794,8 +794,8 @@ def test_a_chunked_stream_switched_to_compiled_steps_records_its_spare_again_bef
     """ChunkedEngine stepping as written, its spare warmed so: switched once the compiled code is made, its
     engine and its idle spare record their steps again (the spare on its worker, before the rollover), and the
     final emissions are those of a compiled stream warmed up the usual way."""
-    from stream_recon.models.stream.chunked import ChunkedEngine
     from stream_recon.models.builds.while_streaming import CompileWhileStreaming
+    from stream_recon.models.stream.chunked import ChunkedEngine
 
     torch._dynamo.reset()
     model, frames, config = chunked_rollover_stream(compile=True)

@@ -360,8 +360,8 @@ def test_a_dry_pass_beside_the_load_that_stalls_is_given_up_at_its_deadline(buil
                                                                              caplog):
     """The run's first frame waits AHEAD_WAIT_S at most (every later wait returns at once); the warm-up then
     makes no dry pass of its own: the builds ahead are off."""
-    from stream_recon.models.builds import kernel_builds
     from stream_recon.models.builds import ahead as builds_ahead
+    from stream_recon.models.builds import kernel_builds
 
     monkeypatch.setattr(builds_ahead, "AHEAD_WAIT_S", 0.3)
     stuck = fault(faults)
@@ -515,8 +515,8 @@ def test_a_stopped_child_does_not_hold_the_runs_end(compiled_sizes, monkeypatch)
 
 
 def test_a_child_killed_mid_run_is_recorded_and_the_next_run_compiles_first(compiled_sizes):
-    from stream_recon.models.builds.plan import compile_choice
     from stream_recon.models.builds.compilation import recorded
+    from stream_recon.models.builds.plan import compile_choice
 
     compiled_sizes.warmed_up(SIZE)
     os.kill(compiled_sizes.process.pid, signal.SIGKILL)

@@ -531,3 +531,30 @@ def test_an_import_inside_a_function_without_a_reason_is_caught(tmp_path: Path) 
                       "def not_why():\n    x = 1  # a comment about something else, two lines up\n\n"
                       "    import json\n")
     assert imports_inside_functions(module) == [(3, True), (4, True), (10, False)]
+
+
+# -- the frame's path knows nothing of what is built for it -------------------------------------------------
+FRAME_PATH = ("models.stream.engine", "models.stream.steps", "models.stream.graphs")
+
+
+def reached_from(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for target in graph.get(todo.pop(), set()) - seen:
+            seen.add(target)
+            todo.append(target)
+    return seen
+
+
+@pytest.mark.parametrize("module", FRAME_PATH)
+def test_the_frame_path_reaches_no_build_module(module: str) -> None:
+    """The engine and its step runners are handed a dry-pass context and a step mode by the builder
+    (models/builds/plan.py); nothing they import, directly or through another module, is a build module."""
+    assert sorted(m for m in reached_from(import_graph(), module) if m.startswith("models.builds")) == []
+
+
+def test_the_frame_path_check_sees_a_build_module_reached_through_another_module() -> None:
+    graph = import_graph()
+    graph["models.stream.staging"].add("models.builds.kernel_builds")
+    assert "models.builds.kernel_builds" in reached_from(graph, "models.stream.engine")

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from stream_recon.models import ModelConfig, StreamConfig, StreamingEngine
-from stream_recon.models.builds import kernel_builds
 from stream_recon.models.builds import ahead as builds_ahead
+from stream_recon.models.builds import kernel_builds
 
 pytestmark = pytest.mark.skipif(not kernel_builds.available(), reason="this Triton cannot list builds")
 

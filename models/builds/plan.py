@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -151,7 +152,7 @@ STAGES = (
                "a child process, niced, in a session of its own", WhenDown.TURN_OFF, "summary.compile_beside",
                lambda facts: facts.settings.on_cuda and facts.choice.beside and facts.settings.engine_config is not None),
 )
-STAGE = {stage.name: stage for stage in STAGES}
+STAGE = MappingProxyType({stage.name: stage for stage in STAGES})  # (read only: the table is no state)
 
 
 def compiled_here(key: str | None) -> bool:
