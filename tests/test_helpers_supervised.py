@@ -12,6 +12,7 @@ constants; no test sleeps to let something happen (waits are on events, or polls
 from __future__ import annotations
 
 import base64
+import dataclasses
 import fcntl
 import json
 import os
@@ -37,7 +38,7 @@ from media_helpers import free_port
 from stream_recon.models import ChunkedEngine, ModelConfig, StreamConfig, StreamingEngine
 from stream_recon.models.daemon_pool import DaemonPool
 from stream_recon.models.stream.prediction import FRAME_KEY, FramePrediction
-from stream_recon.models.supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
+from stream_recon.models.supervision import Deadline, Helper
 
 HEIGHT, WIDTH = 28, 42  # the tiny model's frames: 2 x 3 patches
 
@@ -588,13 +589,11 @@ def test_a_viewer_whose_thread_raises_is_off_and_lets_the_run_go_on(faults, monk
 
 def test_a_viewer_update_that_stalls_turns_the_viewer_off_and_its_close_does_not_wait(faults, monkeypatch, caplog):
     from stream_recon.app import viewer
-    from stream_recon.app.viewer import live_state
 
-    monkeypatch.setattr(live_state, "VIEWER_POLICY", HelperPolicy("the live viewer", WhenFull.LATEST,
-                                                              WhenDown.TURN_OFF, stall_s=0.3))
     stuck = fault(faults)
     stuck.active.set()
-    live = viewer.LiveViewer(port=free_port(), update_hz=50.0)
+    live = viewer.LiveViewer(port=free_port(), update_hz=50.0,
+                             policy=dataclasses.replace(viewer.VIEWER_POLICY, stall_s=0.3))
     try:
         monkeypatch.setattr(live.scene.keyframes, "apply_prediction", lambda pred, **options: stuck.strike())
         live.on_frame(keyframe(0), {})
@@ -613,11 +612,9 @@ def test_a_viewer_update_that_stalls_turns_the_viewer_off_and_its_close_does_not
 
 def test_closing_a_viewer_whose_last_update_hangs_waits_viewer_close_s_at_most(faults, monkeypatch, caplog):
     from stream_recon.app import viewer
-    from stream_recon.app.viewer import live_state
 
-    monkeypatch.setattr(live_state, "VIEWER_CLOSE_S", 0.3)
     stuck = fault(faults)
-    live = viewer.LiveViewer(port=free_port(), update_hz=50.0)
+    live = viewer.LiveViewer(port=free_port(), update_hz=50.0, close_s=0.3)
     monkeypatch.setattr(live.scene.keyframes, "apply_prediction", lambda pred, **options: stuck.strike())
     live.on_frame(keyframe(0), {})
     assert live.flush(timeout=10)

@@ -31,7 +31,7 @@ from typing import Any
 from ..child_process import MessageInbox, MessageOutbox, read_message, start_child, write_message
 from ..stream.chunks import ChunkLink
 from ..stream.prediction import FramePrediction
-from ..supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
+from ..supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull, supervise_child
 from .closer import FirstFinalKeyframes, LoopCloser, LoopClosureConfig, keyframe_of
 from .corrections import ChunkCorrections
 from .coverage import IndexingRule, IndexingSchedule
@@ -113,6 +113,7 @@ class LoopClosureProcess:
         self._said_lowered = False
         threads = {name: str(CHILD_THREADS) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
         self._child = start_child(__name__, "serve", env={**os.environ, **threads})
+        supervise_child(self.helper, self._child.process.pid)
         self._outbox = MessageOutbox(self._child.requests)
         self._inbox = MessageInbox(self._child.replies)
         self._unanswered = 0  # messages sent (or waiting in the outbox) and not answered

@@ -61,12 +61,12 @@ class SpareEngine:
     def __init__(self, engine: StreamingEngine):
         self.engine = engine
         self._stream = spare_stream(engine.device)
-        # A daemon worker: one stalled in a step holds neither `close` nor the process's exit.
-        self._worker = DaemonPool(1, "stream-recon-next-chunk")
-        self._jobs: list[Future] = []
-        self.warm_seconds: float | None = None  # how long `warm` took on the worker, once it has
         # Down once it stalled here (SpareStalled), or where its owner turns it off for what it raised.
         self.helper = Helper(SPARE_POLICY)
+        # A daemon worker: one stalled in a step holds neither `close` nor the process's exit.
+        self._worker = DaemonPool(1, "stream-recon-next-chunk", self.helper)
+        self._jobs: list[Future] = []
+        self.warm_seconds: float | None = None  # how long `warm` took on the worker, once it has
 
     def warm(self, image: torch.Tensor) -> None:
         """Warm the spare on copies of a stream's first frame (StreamingEngine.warm_up) on its worker:
