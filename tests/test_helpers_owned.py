@@ -199,5 +199,4 @@ def test_every_thread_and_child_a_run_starts_belongs_to_a_helper_run_json_lists(
     assert not unowned, f"threads no listed helper owns: {unowned}"
     assert sampled.children and not [pid for pid, helper in sampled.children.items() if id(helper) not in names]
     owners = {names[id(helper)] for helper in [*sampled.threads.values(), *sampled.children.values()]}
-    print({t.name: names[id(h)] for t, h in sampled.threads.items()}, sampled.children)
     assert {"reader", "preprocessing", "writer", "viewer", "loop_closure"} <= owners, owners
