@@ -167,10 +167,9 @@ def test_a_spare_that_stalls_ends_take_next_collect_and_discard_at_their_deadlin
 def test_closing_a_spare_waits_for_the_step_under_way_at_most_spare_wait_s(faults, monkeypatch):
     from stream_recon.models.stream import lookahead
 
-    monkeypatch.setattr(lookahead, "SPARE_WAIT_S", 0.3)
     stuck = fault(faults)
     stuck.active.set()
-    spare = lookahead.SpareEngine(StandInEngine(stuck))
+    spare = lookahead.SpareEngine(StandInEngine(stuck), lookahead.SpareLimits(wait_s=0.3))
     spare.push(None, 0.0)
     queued = spare._jobs[-1]
     spare.push(None, 1.0)
@@ -249,12 +248,12 @@ def test_a_spare_that_fails_at_a_rollover_is_turned_off_and_the_chunk_rolls_over
     summary.engine) say why the spare went."""
     from stream_recon.models.stream import lookahead
 
-    monkeypatch.setattr(lookahead, "SPARE_WAIT_S", 0.5)
     frames = tiny_frames[:20]
     reference, _ = stream(ChunkedEngine(prepared_tiny_model, lookahead=False, **SPARE_CASE), frames)
     spare_fault = fault(faults, RuntimeError("the spare's step broke") if kind == "raises" else None)
     fault_the_spare_steps(monkeypatch, spare_fault)
-    engine = ChunkedEngine(prepared_tiny_model, lookahead=True, **SPARE_CASE)
+    engine = ChunkedEngine(prepared_tiny_model, lookahead=True, spare_limits=lookahead.SpareLimits(wait_s=0.5),
+                           **SPARE_CASE)
 
     def strike_from_frame_7(index: int) -> None:
         if index == 7:
@@ -283,13 +282,13 @@ def test_a_spare_whose_warm_up_stalls_is_turned_off_before_the_stream(prepared_t
                                                                          faults, caplog):
     from stream_recon.models.stream import lookahead
 
-    monkeypatch.setattr(lookahead, "SPARE_WARM_UP_S", 0.3)
     stuck = fault(faults)
     stuck.active.set()
     monkeypatch.setattr(lookahead.SpareEngine, "_warm", lambda spare, image: stuck.strike())
     frames = tiny_frames[:14]
     reference, _ = stream(ChunkedEngine(prepared_tiny_model, lookahead=False, **SPARE_CASE), frames)
-    engine = ChunkedEngine(prepared_tiny_model, lookahead=True, **SPARE_CASE)
+    engine = ChunkedEngine(prepared_tiny_model, lookahead=True, spare_limits=lookahead.SpareLimits(warm_up_s=0.3),
+                           **SPARE_CASE)
     seconds = engine.warm_up(frames[0])
     assert 0.3 <= seconds["spare_s"] < 3.0 and engine._rollover is None and engine.lookahead is False
     assert engine.stats()["spare_off"] == "it made no progress for 0.3 s"
