@@ -200,3 +200,35 @@ def test_every_thread_and_child_a_run_starts_belongs_to_a_helper_run_json_lists(
     assert sampled.children and not [pid for pid, helper in sampled.children.items() if id(helper) not in names]
     owners = {names[id(helper)] for helper in [*sampled.threads.values(), *sampled.children.values()]}
     assert {"reader", "preprocessing", "writer", "viewer", "loop_closure"} <= owners, owners
+
+
+# -- the source's reader and preprocessing pool as helpers ----------------------------------------------------
+def raising_camera(count: int, fails_at: int):
+    for index in range(count):
+        if index == fails_at:
+            raise RuntimeError("camera unplugged")
+        yield np.full((48, 64, 3), 10 * index, dtype=np.uint8), 0.1 * index
+
+
+def test_a_reader_that_raises_is_down_with_the_run_s_error_line_and_its_pool_is_listed():
+    from stream_recon.app.sources.reader import SourceError, frames_source
+
+    with frames_source(raising_camera(6, fails_at=4), name="cam", image_width=56, pool_from_pixels=0) as source:
+        with pytest.raises(SourceError) as raised:
+            for _ in source:
+                pass
+        helpers = source.helpers()
+    assert set(helpers) == {"reader", "preprocessing"}
+    assert helpers["reader"].record() == {"up": False, "reason": str(raised.value), "dropped": 0,
+                                          "when_down": "fail the run"}
+    assert str(raised.value) == "reading frame sequence cam failed: RuntimeError: camera unplugged"
+    assert helpers["preprocessing"].is_up
+
+
+def test_a_source_made_without_the_pool_lists_its_reader_alone():
+    from stream_recon.app.sources.reader import frames_source
+
+    frames = [(np.zeros((48, 64, 3), dtype=np.uint8), 0.0)]
+    with frames_source(frames, name="cam", image_width=56) as source:  # small frames: made on the reader
+        assert len(list(source)) == 1
+        assert list(source.helpers()) == ["reader"] and source.helpers()["reader"].is_up

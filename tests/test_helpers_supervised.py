@@ -180,6 +180,30 @@ def test_closing_a_spare_waits_for_the_step_under_way_at_most_spare_wait_s(fault
     assert spare._jobs[-1].cancelled() and not queued.done()  # the queued frame never runs
 
 
+def test_a_spare_that_takes_no_frame_pushes_back_its_wait_at_most_then_is_off(faults, caplog):
+    """Its frames go through a bounded hand-off that pushes back: a push with no room waits `wait_s` at most,
+    then the spare is off (one warning line, the frame counted dropped) and the frame's job fails where the
+    stream waits for it."""
+    from stream_recon.models.stream.lookahead import SpareEngine, SpareLimits, SpareStalled
+
+    stuck = fault(faults)
+    stuck.active.set()
+    spare = SpareEngine(StandInEngine(stuck), SpareLimits(wait_s=1.0), capacity=1)
+    spare.push(None, 0.0)  # taken: its step stalls
+    assert stuck.stalled.wait(timeout=10)
+    spare.push(None, 1.0)  # waits in the hand-off's one place
+    started = time.monotonic()
+    spare.push(None, 2.0)  # no room
+    assert 1.0 <= time.monotonic() - started < 3.0
+    assert spare.helper.down_reason == "it took nothing for 1 s" and spare.helper.dropped == 1
+    with pytest.raises(SpareStalled):
+        spare.collect(Deadline(0.1))
+    started = time.monotonic()
+    spare.close()  # down: no wait for the stalled worker
+    assert time.monotonic() - started < 0.5
+    assert warnings_of(caplog) == ["the next chunk's lookahead is off for the rest of the run: it took nothing for 1 s"]
+
+
 def test_a_spare_step_that_raises_surfaces_in_collect_and_take_next_passes_it_by(faults):
     from stream_recon.models.stream.lookahead import SpareEngine
 
