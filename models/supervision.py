@@ -229,10 +229,12 @@ class HandOff:
         helper = self.helper
         with self._changed:
             while self._unfinished and helper.is_up and not deadline.expired:
-                if helper.seconds_since_beat() > helper.policy.stall_s:
+                stall_in = helper.policy.stall_s - helper.seconds_since_beat()
+                if stall_in < 0:
                     helper.fail(f"it made no progress for {helper.policy.stall_s:g} s")
                     break
-                self._changed.wait(timeout=min(deadline.remaining(), 0.1))
+                # woken by `done`, or when a stall would be declared (a beat meanwhile moves that later)
+                self._changed.wait(timeout=min(deadline.remaining(), stall_in))
             return self._unfinished == 0
 
 

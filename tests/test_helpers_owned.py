@@ -232,3 +232,20 @@ def test_a_source_made_without_the_pool_lists_its_reader_alone():
     with frames_source(frames, name="cam", image_width=56) as source:  # small frames: made on the reader
         assert len(list(source)) == 1
         assert list(source.helpers()) == ["reader"] and source.helpers()["reader"].is_up
+
+
+def test_a_stream_opener_a_reconnecting_reader_starts_is_the_reader_s():
+    from stream_recon.app.sources.opening import _call_with_deadline
+
+    helper = Helper(POLICY)
+    seen: list = []
+
+    def open_capture() -> str:  # runs on the opener's thread
+        seen.append(helper_of_thread(threading.current_thread()))
+        return "a capture"
+
+    reader = start_supervised_thread(helper, lambda: seen.append(_call_with_deadline(open_capture, 10.0, "x")),
+                                     "test-reader")
+    reader.join(timeout=10)
+    assert seen == [helper, "a capture"]
+    assert _call_with_deadline(lambda: helper_of_thread(threading.current_thread()), 10.0, "x") is None  # (the run loop's)
