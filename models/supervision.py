@@ -304,6 +304,9 @@ class LatestState(Generic[State]):
 
     def __init__(self, helper: Helper, fresh: Callable[[State | None], State],
                  is_empty: Callable[[State], bool]) -> None:
+        if helper.policy.when_full is not WhenFull.LATEST:
+            raise ValueError(f"{helper.policy.name}: a LatestState is for a latest-wins helper, not "
+                             f"{helper.policy.when_full.value}")
         self.helper = helper
         self._fresh, self._is_empty = fresh, is_empty  # fresh(taken): the pending state left after a take
         self._pending = fresh(None)

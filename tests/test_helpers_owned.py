@@ -249,3 +249,8 @@ def test_a_stream_opener_a_reconnecting_reader_starts_is_the_reader_s():
     reader.join(timeout=10)
     assert seen == [helper, "a capture"]
     assert _call_with_deadline(lambda: helper_of_thread(threading.current_thread()), 10.0, "x") is None  # (the run loop's)
+
+
+def test_a_latest_state_refuses_a_helper_whose_policy_is_not_latest_wins():
+    with pytest.raises(ValueError, match="a LatestState is for a latest-wins helper, not push back"):
+        latest_of_lists(Helper(HelperPolicy("a test's helper", WhenFull.PUSH_BACK, WhenDown.TURN_OFF, stall_s=1.0)))
