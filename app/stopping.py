@@ -151,10 +151,10 @@ class StopOnSignal:
     _SIGNALS = STOP_SIGNALS
 
     def __init__(self, on_first: Any, console: Console, noted: list[int] | None = None,
-                 stop_stream_s: float = STOP_STREAM_S) -> None:
+                 stop_stream_s: float | None = None) -> None:
         """noted: the signals_noted list this takes over from: one noted before this began is its first.
-        stop_stream_s: how long the stream may go on after the first signal (STOP_STREAM_S)."""
-        self.stop_stream_s = stop_stream_s
+        stop_stream_s: how long the stream may go on after the first signal (None: STOP_STREAM_S)."""
+        self.stop_stream_s = STOP_STREAM_S if stop_stream_s is None else stop_stream_s
         self._on_first = on_first
         self._console = console
         self._noted = noted

@@ -193,14 +193,17 @@ class RunWriter:
         queue_size: int = 32,
         outputs: PredictionOutputs = PredictionOutputs(),
         masker: FrameMasker | None = None,
-        stall_s: float = WRITER_STALL_S,
-        progress_interval_s: float = PROGRESS_INTERVAL_S,
-        correction_s_per_file: float = CORRECTION_S_PER_FILE,
+        stall_s: float | None = None,
+        progress_interval_s: float | None = None,
+        correction_s_per_file: float | None = None,
     ) -> None:
+        # (None: the module's constant as it is when the writer is made, which the fault harness may have set)
         self.output_dir = Path(output_dir)
-        self.stall_s = stall_s  # how long the disk may take no frame (WRITER_STALL_S)
-        self.progress_interval_s = progress_interval_s  # run.json rewritten with progress this often
-        self.correction_s_per_file = correction_s_per_file  # a moved frame's npz rewritten within this
+        self.stall_s = WRITER_STALL_S if stall_s is None else stall_s  # how long the disk may take no frame
+        # run.json rewritten with progress this often
+        self.progress_interval_s = PROGRESS_INTERVAL_S if progress_interval_s is None else progress_interval_s
+        # a moved frame's npz rewritten within this
+        self.correction_s_per_file = CORRECTION_S_PER_FILE if correction_s_per_file is None else correction_s_per_file
         self.masker = masker  # a frame's dropped pixels (app.outputs.masks), made on the writer thread: off the stream
         self.predictions_dir = self.output_dir / PREDICTIONS_DIR
         self.settings = dict(settings)
@@ -219,7 +222,7 @@ class RunWriter:
         self._prepare_output_dir(overwrite)
         self._worker_error: BaseException | None = None
         self.helper = Helper(HelperPolicy("the run writer", WhenFull.PUSH_BACK, WhenDown.FAIL_RUN,
-                                          stall_s=stall_s, push_back_s=stall_s))
+                                          stall_s=self.stall_s, push_back_s=self.stall_s))
         self._handoff: HandOff | None = None
         self._worker: threading.Thread | None = None
         if background:

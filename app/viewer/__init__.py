@@ -15,8 +15,8 @@ Cost, measured on a 2-core CPU shared with other jobs (load average 8-11), frame
 size (378 x 518), every frame a keyframe, default caps: 1000 `on_frame` calls take about 4 ms in all,
 with no browser or with one that never reads; scene.py's docstring gives the viewer thread's cost.
 
-The names re-exported here are read where they are defined: a test that changes VIEWER_CLOSE_S, say,
-sets live_state's.
+The names re-exported here are read where they are defined, when a viewer is made: a test passes its own
+limits (`LiveViewer(policy=..., close_s=...)`); one that changes VIEWER_CLOSE_S, say, sets live_state's.
 
 May import: outputs (the run directory a replay reads, splats), the shared modules at app/'s top (options,
 stopping) and stream_recon.models.
@@ -87,8 +87,8 @@ class LiveViewer:
         label: str = "stream-recon",
         show: str = "points",  # points | splats (app.options.SHOW_CHOICES); the browser's panel can change it
         masker: Any = None,  # app.outputs.masks.FrameMasker: pixels the live clouds leave out (a replay's npz carry them)
-        policy: HelperPolicy = VIEWER_POLICY,  # the viewer thread's: its stall limit
-        close_s: float = VIEWER_CLOSE_S,  # how long closing waits for the viewer thread's last update
+        policy: HelperPolicy | None = None,  # the viewer thread's: its stall limit (None: VIEWER_POLICY)
+        close_s: float | None = None,  # how long closing waits for its last update (None: VIEWER_CLOSE_S)
     ) -> None:
         if max_points_per_keyframe < 1 or max_total_points < max_points_per_keyframe:
             raise ValueError(

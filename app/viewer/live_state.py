@@ -84,16 +84,16 @@ class LiveState:
     """The pending updates, the pause and the viewer thread that calls `draw(pending, arrival_fps)` with
     each batch it takes, from `start` on (call it once whatever `draw` touches is built). `draw` returns the
     seconds after which it is to be called again though nothing new is pending (a keyframe's cloud waiting
-    for the rate's token), or None. `policy`: the viewer thread's (VIEWER_POLICY); `close_s`: how long `close`
-    waits for its last update (VIEWER_CLOSE_S). `library_threads`: the threads of the web server the viewer
+    for the rate's token), or None. `policy`: the viewer thread's (None: VIEWER_POLICY); `close_s`: how long
+    `close` waits for its last update (None: VIEWER_CLOSE_S). `library_threads`: the threads of the web server the viewer
     runs (its helper owns them)."""
 
     def __init__(self, draw: Callable[[Pending, float], float | None], *, update_hz: float,
-                 max_pending: int, policy: HelperPolicy = VIEWER_POLICY, close_s: float = VIEWER_CLOSE_S,
+                 max_pending: int, policy: HelperPolicy | None = None, close_s: float | None = None,
                  library_threads: Callable[[], list[threading.Thread]] | None = None) -> None:
         self.update_hz = update_hz
         self.max_pending = max_pending
-        self.close_s = close_s
+        self.close_s = VIEWER_CLOSE_S if close_s is None else close_s
         self._draw = draw
         self._stopping = threading.Event()
         self._resume = threading.Event()
@@ -103,7 +103,7 @@ class LiveState:
         self.busy_seconds = 0.0  # wall time the viewer thread spent drawing: its share of the run
         # Whatever the viewer thread raises turns the viewer off for the rest of the run (one warning line);
         # the run goes on without it.
-        self.helper = Helper(policy, library_threads)
+        self.helper = Helper(VIEWER_POLICY if policy is None else policy, library_threads)
         self._latest: LatestState[Pending] = LatestState(self.helper, _after_take, lambda pending: pending.is_empty)
         self._thread: threading.Thread | None = None
 

@@ -95,9 +95,9 @@ class ChunkedEngine:
 
     def __init__(self, model: GCTStream, config: StreamConfig | None = None, *, chunk_frames: int = TRAINED_VIEWS,
                  overlap: int = 16, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 lookahead: bool | None = None, spare_limits: SpareLimits = SpareLimits()):
+                 lookahead: bool | None = None, spare_limits: SpareLimits | None = None):
         """`spare_limits`: how long the stream waits for a spare engine and for its warm-up
-        (models/stream/lookahead.py)."""
+        (models/stream/lookahead.py; None: SpareLimits())."""
         self.config = config or StreamConfig()
         check_chunking(chunk_frames, overlap, self.config.scale_frames, model.config.max_frames)
         self.chunk_frames = chunk_frames
@@ -111,7 +111,7 @@ class ChunkedEngine:
         self.engine = StreamingEngine(model, self._chunk_config, device=device, dtype=dtype)
         self.model, self.device = self.engine.model, self.engine.device
         self.lookahead = lookahead
-        self.spare_limits = spare_limits
+        self.spare_limits = spare_limits or SpareLimits()
         self._spare_image: torch.Tensor | None = None  # the frame its spare warmed up on
         # Where a spare may run, the current engine runs on a stream of its own from the warm-up on.
         self._main_stream = MainStream(self.device) if self.device.type == "cuda" and lookahead is not False else None

@@ -26,7 +26,7 @@ import threading
 import time
 from concurrent.futures import Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -59,10 +59,10 @@ _WORKER_TAKE_S = 5.0
 @dataclass(frozen=True)
 class SpareLimits:
     """How long the stream waits for the spare (`wait_s`: a job's result, or room for a frame) and for its
-    warm-up (`warm_up_s`)."""
+    warm-up (`warm_up_s`); by default the module's constants as they are when the limits are made."""
 
-    wait_s: float = SPARE_WAIT_S
-    warm_up_s: float = SPARE_WARM_UP_S
+    wait_s: float = field(default_factory=lambda: SPARE_WAIT_S)
+    warm_up_s: float = field(default_factory=lambda: SPARE_WARM_UP_S)
 
     @property
     def policy(self) -> HelperPolicy:
@@ -77,10 +77,11 @@ class SpareStalled(RuntimeError):
 class SpareEngine:
     """A StreamingEngine driven from a worker thread, on its own CUDA stream, until it is handed over."""
 
-    def __init__(self, engine: StreamingEngine, limits: SpareLimits = SpareLimits(), capacity: int = SPARE_QUEUE):
-        """`capacity`: the jobs handed over and not started beyond which a push waits for room (push back)."""
+    def __init__(self, engine: StreamingEngine, limits: SpareLimits | None = None, capacity: int = SPARE_QUEUE):
+        """`limits`: its waits (None: SpareLimits()); `capacity`: the jobs handed over and not started beyond
+        which a push waits for room (push back)."""
         self.engine = engine
-        self.limits = limits
+        self.limits = limits = limits or SpareLimits()
         self._stream = spare_stream(engine.device)
         # Down once it stalled here (SpareStalled), or where its owner turns it off for what it raised.
         self.helper = Helper(limits.policy)
