@@ -150,8 +150,11 @@ class StopOnSignal:
 
     _SIGNALS = STOP_SIGNALS
 
-    def __init__(self, on_first: Any, console: Console, noted: list[int] | None = None) -> None:
-        """noted: the signals_noted list this takes over from: one noted before this began is its first."""
+    def __init__(self, on_first: Any, console: Console, noted: list[int] | None = None,
+                 stop_stream_s: float | None = None) -> None:
+        """noted: the signals_noted list this takes over from: one noted before this began is its first.
+        stop_stream_s: how long the stream may go on after the first signal (None: STOP_STREAM_S)."""
+        self.stop_stream_s = STOP_STREAM_S if stop_stream_s is None else stop_stream_s
         self._on_first = on_first
         self._console = console
         self._noted = noted
@@ -186,7 +189,7 @@ class StopOnSignal:
 
     @contextlib.contextmanager
     def streaming(self) -> Iterator[None]:
-        """The block where a second signal, or a stream that overran STOP_STREAM_S, raises KeyboardInterrupt."""
+        """The block where a second signal, or a stream that overran `stop_stream_s`, raises KeyboardInterrupt."""
         self._streaming = True
         try:
             yield
@@ -201,7 +204,7 @@ class StopOnSignal:
         if self.count == 1:
             self._on_first()
             if self._streaming:
-                signal.setitimer(signal.ITIMER_REAL, STOP_STREAM_S)
+                signal.setitimer(signal.ITIMER_REAL, self.stop_stream_s)
             self._say(f"[yellow]{name}: stopping after this frame and saving (again: stop now)[/yellow]")
         elif self.count == 2:
             self._say(f"[yellow]{name}: stopping now; writing the files of the frames done[/yellow]")
@@ -217,7 +220,7 @@ class StopOnSignal:
         if not self._streaming or self.count != 1:
             return
         self.count = 2
-        self._say(f"[yellow]still streaming {STOP_STREAM_S:g} s after {signal_name(self.signum)}: "
+        self._say(f"[yellow]still streaming {self.stop_stream_s:g} s after {signal_name(self.signum)}: "
                             "stopping now; writing the files of the frames done[/yellow]")
         raise KeyboardInterrupt
 

@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from .supervision import Helper, supervise_child
+
 # A child of its own session: the terminal's Ctrl-C goes to the stream's process, which ends the child
 # itself (close); a child in the same process group would die of it too, with a traceback of its own.
 # A parent that dies closes the pipe: the child reads the end of it and returns; and since a child that
@@ -77,10 +79,11 @@ class ChildProcess:
                     pipe.close()
 
 
-def start_child(module: str, function: str, *arguments: object, env: Mapping[str, str] | None = None,
+def start_child(module: str, function: str, *arguments: object, helper: Helper, env: Mapping[str, str] | None = None,
                 output: BinaryIO | None = None, outlives_parent: bool = False) -> ChildProcess:
     """Run `module.function(requests_fd, replies_fd, *arguments)` in a fresh interpreter (arguments as
-    Python literals; env: its environment, default this process's; output: where its stdout and stderr
+    Python literals), a child of `helper`'s (models/supervision.py: every child is some helper's; env: its
+    environment, default this process's; output: where its stdout and stderr
     go, default this process's). Call it on a thread that outlives the child: Linux sends the
     parent-death signal when the thread that started a child ends. `outlives_parent`: a child that
     finishes its work after its parent has gone (a compile for the next run), neither killed with the
@@ -109,6 +112,7 @@ def start_child(module: str, function: str, *arguments: object, env: Mapping[str
     child = ChildProcess(process, os.fdopen(parent_writes, "wb", buffering=0), os.fdopen(parent_reads, "rb", buffering=0))
     if not outlives_parent:
         _LIVE_CHILDREN.add(child)
+    supervise_child(helper, process.pid)
     return child
 
 

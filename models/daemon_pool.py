@@ -16,15 +16,16 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from .supervision import Deadline
+from .supervision import Deadline, Helper, supervise_thread
 
 
 class DaemonPool:
     """Up to `workers` daemon threads named `{name}_{i}` (as ThreadPoolExecutor names its own), started as
-    jobs come, taking them in order."""
+    jobs come, taking them in order; each is `helper`'s (models/supervision.py), where one is given. A job's
+    error goes to its future: the pool's owner says what it does to the helper."""
 
-    def __init__(self, workers: int, name: str) -> None:
-        self.workers, self.name = workers, name
+    def __init__(self, workers: int, name: str, helper: Helper | None = None) -> None:
+        self.workers, self.name, self.helper = workers, name, helper
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # (future, function, args); None: a worker ends
         self._threads: list[threading.Thread] = []
         self._closed = False
@@ -44,6 +45,8 @@ class DaemonPool:
                 thread = threading.Thread(target=_work, args=(self._jobs,), name=f"{self.name}_{len(self._threads)}",
                                           daemon=True)
                 self._threads.append(thread)
+                if self.helper is not None:
+                    supervise_thread(self.helper, thread)
                 thread.start()
         return future
 
@@ -59,6 +62,11 @@ class DaemonPool:
                 if job is not None:
                     job[0].cancel()
             self._end_workers()
+
+    @property
+    def started(self) -> bool:
+        """Whether a worker has been started (a job came)."""
+        return bool(self._threads)
 
     def join(self, deadline: Deadline) -> bool:
         """After `shutdown`: wait for the workers until `deadline` at most; True when every one has ended."""

@@ -8,7 +8,11 @@
    work. What follows is its policy's `WhenDown`: TURN_OFF (its feature is off for the rest of the run,
    with one warning line and a record in run.json) or FAIL_RUN (the run loop gets `HelperDown` and the
    run ends "failed" with one error line, keeping what was written).
-3. Only the run loop waits, and always with a deadline (`Deadline`, `HandOff.drain`).
+3. Only the run loop waits, and always with a deadline (`Deadline`, `HandOff.drain`, `LatestState.wait_idle`).
+4. The mechanism knows every helper's threads and child processes: `start_supervised_thread`, a `DaemonPool`
+   given its helper, and `supervise_child` record which `Helper` each belongs to (`helper_of_thread`,
+   `helper_of_child`). A library's threads (viser's, asyncio's) belong to the helper that started the
+   library: `LIBRARY_THREADS` names them in one place, by the helper and the reason.
 
 PyTorch's DataLoader and vLLM's engine client are the models: liveness checked on a clock, a worker's
 error re-raised where the caller is, never a wait on a helper that may never answer.
@@ -21,9 +25,10 @@ import enum
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 logger = logging.getLogger("stream_recon")
 
@@ -68,14 +73,20 @@ class Deadline:
 
 
 class Helper:
-    """One helper's state as its supervisor sees it: up or down (and why), its last progress, its drops."""
+    """One helper's state as its supervisor sees it: up or down (and why), its last progress, its drops.
 
-    def __init__(self, policy: HelperPolicy) -> None:
+    `library_threads`: where the helper runs a library that starts threads of its own (viser's server), a
+    function that lists them as they are now; the helper owns them (`helper_of_thread`)."""
+
+    def __init__(self, policy: HelperPolicy, library_threads: Callable[[], list[threading.Thread]] | None = None,
+                 ) -> None:
         self.policy = policy
         self.dropped = 0
         self.down_reason: str | None = None
+        self.library_threads = library_threads
         self._last_beat = time.monotonic()
         self._lock = threading.Lock()
+        _HELPERS.add(self)
 
     @property
     def is_up(self) -> bool:
@@ -219,15 +230,17 @@ class HandOff:
         helper = self.helper
         with self._changed:
             while self._unfinished and helper.is_up and not deadline.expired:
-                if helper.seconds_since_beat() > helper.policy.stall_s:
+                stall_in = helper.policy.stall_s - helper.seconds_since_beat()
+                if stall_in < 0:
                     helper.fail(f"it made no progress for {helper.policy.stall_s:g} s")
                     break
-                self._changed.wait(timeout=min(deadline.remaining(), 0.1))
+                # woken by `done`, or when a stall would be declared (a beat meanwhile moves that later)
+                self._changed.wait(timeout=min(deadline.remaining(), stall_in))
             return self._unfinished == 0
 
 
 def start_supervised_thread(helper: Helper, target: Callable[[], None], name: str) -> threading.Thread:
-    """A daemon thread running `target`; whatever it raises marks the helper down with its reason."""
+    """A daemon thread of `helper`'s running `target`; whatever it raises marks the helper down with its reason."""
 
     def run() -> None:
         try:
@@ -236,5 +249,153 @@ def start_supervised_thread(helper: Helper, target: Callable[[], None], name: st
             helper.fail(f"{type(error).__name__}: {error}")
 
     thread = threading.Thread(target=run, name=name, daemon=True)
+    supervise_thread(helper, thread)
     thread.start()
     return thread
+
+
+# Which helper each thread and child process of a run belongs to: weak, so that a finished run's helpers and
+# threads go with it (a pid's entry goes with its helper).
+_HELPERS: weakref.WeakSet[Helper] = weakref.WeakSet()
+_THREAD_HELPERS: weakref.WeakKeyDictionary[threading.Thread, Helper] = weakref.WeakKeyDictionary()
+_CHILD_HELPERS: weakref.WeakValueDictionary[int, Helper] = weakref.WeakValueDictionary()
+
+
+def supervise_thread(helper: Helper, thread: threading.Thread) -> None:
+    """Record `thread` (not started yet, or running) as one of `helper`'s."""
+    _THREAD_HELPERS[thread] = helper
+
+
+def supervise_child(helper: Helper, pid: int) -> None:
+    """Record the child process `pid` as `helper`'s."""
+    _CHILD_HELPERS[pid] = helper
+
+
+def helper_of_thread(thread: threading.Thread) -> Helper | None:
+    """The helper `thread` belongs to: the one that started it, or the one whose library started it; None for
+    a thread no helper owns."""
+    helper = _THREAD_HELPERS.get(thread)
+    if helper is not None:
+        return helper
+    for owner in list(_HELPERS):
+        if owner.library_threads is not None and any(found is thread for found in owner.library_threads()):
+            return owner
+    return None
+
+
+def helper_of_child(pid: int) -> Helper | None:
+    """The helper the child process `pid` belongs to, or None."""
+    return _CHILD_HELPERS.get(pid)
+
+
+State = TypeVar("State")
+
+
+class LatestState(Generic[State]):
+    """Latest wins for a helper whose work is a state rather than a queue of items (the live viewer's scene).
+
+    The run loop merges each update into the one pending state (`update`: a newer update replaces what it
+    supersedes while it waits, so memory stays bounded and nothing ever waits for room); the worker takes the
+    whole of it at once (`take`), a fresh one left in its place, and says when it has finished (`done`).
+    `wait_idle` waits, to a deadline, until the worker has taken and finished everything handed over. Nothing
+    polls: the worker and `wait_idle` wait on one Condition that every change notifies.
+
+        run loop: update ─▶ pending ◀─ take ─ worker ─ done ─▶ (updates += 1) ─▶ wait_idle returns
+    """
+
+    def __init__(self, helper: Helper, fresh: Callable[[State | None], State],
+                 is_empty: Callable[[State], bool]) -> None:
+        if helper.policy.when_full is not WhenFull.LATEST:
+            raise ValueError(f"{helper.policy.name}: a LatestState is for a latest-wins helper, not "
+                             f"{helper.policy.when_full.value}")
+        self.helper = helper
+        self._fresh, self._is_empty = fresh, is_empty  # fresh(taken): the pending state left after a take
+        self._pending = fresh(None)
+        self._nudged = False  # the worker is to run once though nothing is pending
+        self._working = False  # it holds a state it took
+        self._more_due = False  # its last run left work for a later one without anything new (`done`)
+        self._closed = False
+        self.updates = 0  # states the worker has finished
+        self._changed = threading.Condition()
+
+    def update(self, merge: Callable[[State], None]) -> None:
+        """Merge into the pending state (`merge(pending)`, under the lock) and wake the worker."""
+        with self._changed:
+            merge(self._pending)
+            self._changed.notify_all()
+
+    def read(self, look: Callable[[State], Any]) -> Any:
+        """`look(pending)` under the lock."""
+        with self._changed:
+            return look(self._pending)
+
+    def nudge(self) -> None:
+        """Wake the worker for one run although nothing is pending."""
+        with self._changed:
+            self._nudged = True
+            self._changed.notify_all()
+
+    def take(self, timeout: float | None) -> State:
+        """(The worker) the pending state once something is pending, a nudge came, the state is closed, or
+        `timeout` s passed (None: the worker's own wait for work, which holds no other thread)."""
+        deadline = None if timeout is None else Deadline(timeout)
+        with self._changed:
+            while (self._is_empty(self._pending) and not self._nudged and not self._closed
+                   and not (deadline is not None and deadline.expired)):
+                self._changed.wait(None if deadline is None else deadline.remaining())  # unbounded-ok: the worker's
+            taken, self._pending = self._pending, self._fresh(self._pending)
+            self._nudged, self._working = False, True
+        self.helper.beat()
+        return taken
+
+    def done(self, more_due: bool) -> None:
+        """(The worker) the state it took is finished; `more_due`: it left work for a later run of its own."""
+        self.helper.beat()
+        with self._changed:
+            self._working, self._more_due = False, more_due
+            self.updates += 1
+            self._changed.notify_all()
+
+    @property
+    def working(self) -> bool:
+        with self._changed:
+            return self._working
+
+    @property
+    def idle(self) -> bool:
+        """Nothing pending, nothing in the worker's hands, nothing due."""
+        with self._changed:
+            return self._idle()
+
+    def _idle(self) -> bool:
+        return self._is_empty(self._pending) and not self._working and not self._more_due and not self._nudged
+
+    def wait_idle(self, deadline: Deadline) -> bool:
+        """Wake the worker and wait until it has run once more and is idle, until `deadline` at most, or until
+        the helper is down (one that works past stall_s meanwhile is marked so); True when idle."""
+        helper = self.helper
+        with self._changed:
+            target = self.updates + 1
+            self._nudged = True
+            self._changed.notify_all()
+            while not (self._idle() and self.updates >= target) and helper.is_up and not deadline.expired:
+                wait_s = deadline.remaining()
+                if self._working:  # wake when a stall would be declared
+                    stall_in = helper.policy.stall_s - helper.seconds_since_beat()
+                    if stall_in <= 0:
+                        helper.fail(f"it made no progress for {helper.policy.stall_s:g} s")
+                        break
+                    wait_s = min(wait_s, stall_in)
+                self._changed.wait(wait_s)
+            return self._idle() and self.updates >= target and helper.is_up
+
+    def close(self) -> None:
+        """The worker's `take` returns at once from now on (what is pending with it)."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        with self._changed:
+            return self._closed

@@ -411,8 +411,9 @@ def test_video_to_run_directory_through_the_cli(tmp_path: Path, tiny_checkpoint:
     assert record["settings"]["checkpoint"] == str(tiny_checkpoint)
     assert record["settings"]["compile"] is False and "compile_beside" not in record["summary"]  # a CPU run
     assert len(list((run_dir / "predictions").glob("*.npz"))) == 6
-    helpers = record["summary"]["helpers"]  # a CPU run without a viewer: the writer and the digest's thread
-    assert sorted(helpers) == ["checkpoint_digest", "writer"] and all(h["up"] for h in helpers.values()), helpers
+    helpers = record["summary"]["helpers"]  # a CPU run without a viewer: the reader, progress, writer and digest
+    assert sorted(helpers) == ["checkpoint_digest", "progress", "reader", "writer"], helpers
+    assert all(h["up"] for h in helpers.values()), helpers
 
 
 def test_a_digest_that_fails_leaves_the_run_complete_and_says_why(tmp_path: Path, tiny_checkpoint: Path,

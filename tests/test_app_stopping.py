@@ -40,10 +40,10 @@ def raising_nothing() -> Iterator[None]:
 
 
 @pytest.fixture
-def stop(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(stopping, "STOP_STREAM_S", SHORT_STOP_S)
+def stop():
     firsts: list[int] = []
-    with StopOnSignal(on_first=lambda: firsts.append(1), console=Console(file=io.StringIO())) as handler:
+    with StopOnSignal(on_first=lambda: firsts.append(1), console=Console(file=io.StringIO()),
+                      stop_stream_s=SHORT_STOP_S) as handler:
         handler.firsts = firsts
         yield handler
 

@@ -237,8 +237,7 @@ def test_run_json_says_running_until_closed_and_frames_stay_readable(tmp_path):
 
 
 def test_progress_is_recorded_in_run_json_while_running(tmp_path, monkeypatch):
-    monkeypatch.setattr(writers, "PROGRESS_INTERVAL_S", 0.0)
-    writer = RunWriter(tmp_path / "run", {})
+    writer = RunWriter(tmp_path / "run", {}, progress_interval_s=0.0)
     writer.on_frame(plane_frame(0), {})
     writer.on_frame(plane_frame(1), {})
     writer.flush()
@@ -574,8 +573,7 @@ def test_a_slow_disk_blocks_on_frame_instead_of_queueing_without_bound(tmp_path,
 
 
 def test_a_disk_that_stalls_fails_the_run_at_its_deadline_keeping_what_was_written(tmp_path, monkeypatch):
-    monkeypatch.setattr(writers, "WRITER_STALL_S", 0.5)
-    writer = RunWriter(tmp_path / "run", {}, queue_size=2)
+    writer = RunWriter(tmp_path / "run", {}, queue_size=2, stall_s=0.5)
     never = threading.Event()
     real_savez = np.savez
     calls = []
@@ -696,10 +694,9 @@ def test_the_files_a_loop_closure_moved_are_rewritten_on_several_threads(tmp_pat
 
 
 def test_moving_the_files_past_its_deadline_ends_the_run_with_one_line_naming_it(tmp_path, monkeypatch):
-    writer = RunWriter(tmp_path / "run", {"source": "synthetic"})
+    writer = RunWriter(tmp_path / "run", {"source": "synthetic"}, correction_s_per_file=0.01)
     for i in range(4):
         writer.on_frame(plane_frame(i), {"frames": i + 1})
-    monkeypatch.setattr(writers, "CORRECTION_S_PER_FILE", 0.01)
     monkeypatch.setattr(writers, "_move_prediction_file", lambda path, move: time.sleep(0.5))
     with pytest.raises(OutputDirError, match="took over 0 s: the files not yet written keep their uncorrected"):
         writer.close("complete", {}, corrections_moving_chunk_0())

@@ -12,6 +12,7 @@ constants; no test sleeps to let something happen (waits are on events, or polls
 from __future__ import annotations
 
 import base64
+import dataclasses
 import fcntl
 import json
 import os
@@ -37,7 +38,7 @@ from media_helpers import free_port
 from stream_recon.models import ChunkedEngine, ModelConfig, StreamConfig, StreamingEngine
 from stream_recon.models.daemon_pool import DaemonPool
 from stream_recon.models.stream.prediction import FRAME_KEY, FramePrediction
-from stream_recon.models.supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
+from stream_recon.models.supervision import Deadline, Helper
 
 HEIGHT, WIDTH = 28, 42  # the tiny model's frames: 2 x 3 patches
 
@@ -166,10 +167,9 @@ def test_a_spare_that_stalls_ends_take_next_collect_and_discard_at_their_deadlin
 def test_closing_a_spare_waits_for_the_step_under_way_at_most_spare_wait_s(faults, monkeypatch):
     from stream_recon.models.stream import lookahead
 
-    monkeypatch.setattr(lookahead, "SPARE_WAIT_S", 0.3)
     stuck = fault(faults)
     stuck.active.set()
-    spare = lookahead.SpareEngine(StandInEngine(stuck))
+    spare = lookahead.SpareEngine(StandInEngine(stuck), lookahead.SpareLimits(wait_s=0.3))
     spare.push(None, 0.0)
     queued = spare._jobs[-1]
     spare.push(None, 1.0)
@@ -178,6 +178,30 @@ def test_closing_a_spare_waits_for_the_step_under_way_at_most_spare_wait_s(fault
     spare.close()
     assert 0.3 <= time.monotonic() - started < 2.0
     assert spare._jobs[-1].cancelled() and not queued.done()  # the queued frame never runs
+
+
+def test_a_spare_that_takes_no_frame_pushes_back_its_wait_at_most_then_is_off(faults, caplog):
+    """Its frames go through a bounded hand-off that pushes back: a push with no room waits `wait_s` at most,
+    then the spare is off (one warning line, the frame counted dropped) and the frame's job fails where the
+    stream waits for it."""
+    from stream_recon.models.stream.lookahead import SpareEngine, SpareLimits, SpareStalled
+
+    stuck = fault(faults)
+    stuck.active.set()
+    spare = SpareEngine(StandInEngine(stuck), SpareLimits(wait_s=1.0), capacity=1)
+    spare.push(None, 0.0)  # taken: its step stalls
+    assert stuck.stalled.wait(timeout=10)
+    spare.push(None, 1.0)  # waits in the hand-off's one place
+    started = time.monotonic()
+    spare.push(None, 2.0)  # no room
+    assert 1.0 <= time.monotonic() - started < 3.0
+    assert spare.helper.down_reason == "it took nothing for 1 s" and spare.helper.dropped == 1
+    with pytest.raises(SpareStalled):
+        spare.collect(Deadline(0.1))
+    started = time.monotonic()
+    spare.close()  # down: no wait for the stalled worker
+    assert time.monotonic() - started < 0.5
+    assert warnings_of(caplog) == ["the next chunk's lookahead is off for the rest of the run: it took nothing for 1 s"]
 
 
 def test_a_spare_step_that_raises_surfaces_in_collect_and_take_next_passes_it_by(faults):
@@ -248,12 +272,12 @@ def test_a_spare_that_fails_at_a_rollover_is_turned_off_and_the_chunk_rolls_over
     summary.engine) say why the spare went."""
     from stream_recon.models.stream import lookahead
 
-    monkeypatch.setattr(lookahead, "SPARE_WAIT_S", 0.5)
     frames = tiny_frames[:20]
     reference, _ = stream(ChunkedEngine(prepared_tiny_model, lookahead=False, **SPARE_CASE), frames)
     spare_fault = fault(faults, RuntimeError("the spare's step broke") if kind == "raises" else None)
     fault_the_spare_steps(monkeypatch, spare_fault)
-    engine = ChunkedEngine(prepared_tiny_model, lookahead=True, **SPARE_CASE)
+    engine = ChunkedEngine(prepared_tiny_model, lookahead=True, spare_limits=lookahead.SpareLimits(wait_s=0.5),
+                           **SPARE_CASE)
 
     def strike_from_frame_7(index: int) -> None:
         if index == 7:
@@ -282,13 +306,13 @@ def test_a_spare_whose_warm_up_stalls_is_turned_off_before_the_stream(prepared_t
                                                                          faults, caplog):
     from stream_recon.models.stream import lookahead
 
-    monkeypatch.setattr(lookahead, "SPARE_WARM_UP_S", 0.3)
     stuck = fault(faults)
     stuck.active.set()
     monkeypatch.setattr(lookahead.SpareEngine, "_warm", lambda spare, image: stuck.strike())
     frames = tiny_frames[:14]
     reference, _ = stream(ChunkedEngine(prepared_tiny_model, lookahead=False, **SPARE_CASE), frames)
-    engine = ChunkedEngine(prepared_tiny_model, lookahead=True, **SPARE_CASE)
+    engine = ChunkedEngine(prepared_tiny_model, lookahead=True, spare_limits=lookahead.SpareLimits(warm_up_s=0.3),
+                           **SPARE_CASE)
     seconds = engine.warm_up(frames[0])
     assert 0.3 <= seconds["spare_s"] < 3.0 and engine._rollover is None and engine.lookahead is False
     assert engine.stats()["spare_off"] == "it made no progress for 0.3 s"
@@ -589,13 +613,11 @@ def test_a_viewer_whose_thread_raises_is_off_and_lets_the_run_go_on(faults, monk
 
 def test_a_viewer_update_that_stalls_turns_the_viewer_off_and_its_close_does_not_wait(faults, monkeypatch, caplog):
     from stream_recon.app import viewer
-    from stream_recon.app.viewer import live_state
 
-    monkeypatch.setattr(live_state, "VIEWER_POLICY", HelperPolicy("the live viewer", WhenFull.LATEST,
-                                                              WhenDown.TURN_OFF, stall_s=0.3))
     stuck = fault(faults)
     stuck.active.set()
-    live = viewer.LiveViewer(port=free_port(), update_hz=50.0)
+    live = viewer.LiveViewer(port=free_port(), update_hz=50.0,
+                             policy=dataclasses.replace(viewer.VIEWER_POLICY, stall_s=0.3))
     try:
         monkeypatch.setattr(live.scene.keyframes, "apply_prediction", lambda pred, **options: stuck.strike())
         live.on_frame(keyframe(0), {})
@@ -614,11 +636,9 @@ def test_a_viewer_update_that_stalls_turns_the_viewer_off_and_its_close_does_not
 
 def test_closing_a_viewer_whose_last_update_hangs_waits_viewer_close_s_at_most(faults, monkeypatch, caplog):
     from stream_recon.app import viewer
-    from stream_recon.app.viewer import live_state
 
-    monkeypatch.setattr(live_state, "VIEWER_CLOSE_S", 0.3)
     stuck = fault(faults)
-    live = viewer.LiveViewer(port=free_port(), update_hz=50.0)
+    live = viewer.LiveViewer(port=free_port(), update_hz=50.0, close_s=0.3)
     monkeypatch.setattr(live.scene.keyframes, "apply_prediction", lambda pred, **options: stuck.strike())
     live.on_frame(keyframe(0), {})
     assert live.flush(timeout=10)

@@ -193,8 +193,17 @@ class RunWriter:
         queue_size: int = 32,
         outputs: PredictionOutputs = PredictionOutputs(),
         masker: FrameMasker | None = None,
+        stall_s: float | None = None,
+        progress_interval_s: float | None = None,
+        correction_s_per_file: float | None = None,
     ) -> None:
+        # (None: the module's constant as it is when the writer is made, which the fault harness may have set)
         self.output_dir = Path(output_dir)
+        self.stall_s = WRITER_STALL_S if stall_s is None else stall_s  # how long the disk may take no frame
+        # run.json rewritten with progress this often
+        self.progress_interval_s = PROGRESS_INTERVAL_S if progress_interval_s is None else progress_interval_s
+        # a moved frame's npz rewritten within this
+        self.correction_s_per_file = CORRECTION_S_PER_FILE if correction_s_per_file is None else correction_s_per_file
         self.masker = masker  # a frame's dropped pixels (app.outputs.masks), made on the writer thread: off the stream
         self.predictions_dir = self.output_dir / PREDICTIONS_DIR
         self.settings = dict(settings)
@@ -213,7 +222,7 @@ class RunWriter:
         self._prepare_output_dir(overwrite)
         self._worker_error: BaseException | None = None
         self.helper = Helper(HelperPolicy("the run writer", WhenFull.PUSH_BACK, WhenDown.FAIL_RUN,
-                                          stall_s=WRITER_STALL_S, push_back_s=WRITER_STALL_S))
+                                          stall_s=self.stall_s, push_back_s=self.stall_s))
         self._handoff: HandOff | None = None
         self._worker: threading.Thread | None = None
         if background:
@@ -249,7 +258,7 @@ class RunWriter:
     def flush(self, deadline: Deadline | None = None) -> None:
         """Wait until every frame passed to on_frame is written (no-op without a writer thread), until
         `deadline` at most (default WRITER_STALL_S from now); a disk that has not taken them by then fails."""
-        if self._handoff is not None and not self._handoff.drain(deadline or Deadline(WRITER_STALL_S)):
+        if self._handoff is not None and not self._handoff.drain(deadline or Deadline(self.stall_s)):
             raise OutputDirError(self._stalled_message())
         self._raise_worker_error()
 
@@ -270,7 +279,7 @@ class RunWriter:
 
     def _stalled_message(self) -> str:
         written = f"{len(self.poses)} frames" + (f", the last frame {max(self.poses)}" if self.poses else "")
-        return (f"the disk took no frame for {WRITER_STALL_S:g} s (writing to {self.predictions_dir}); every "
+        return (f"the disk took no frame for {self.stall_s:g} s (writing to {self.predictions_dir}); every "
                 f"frame written before it ({written}) is kept; check the disk, or choose another --output")
 
     def _raise_worker_error(self) -> None:
@@ -339,7 +348,7 @@ class RunWriter:
             )
         self.last_stats = stats
         now = time.monotonic()
-        if now - self._last_progress >= PROGRESS_INTERVAL_S:
+        if now - self._last_progress >= self.progress_interval_s:
             self._last_progress = now
             self._write_run_json("running", {})
 
@@ -357,7 +366,7 @@ class RunWriter:
         if self.status != "running":
             return  # already closed: the first final status stands
         self.status = status
-        worker_error = self._stop_worker(deadline or Deadline(WRITER_STALL_S))  # every frame handed over is on disk
+        worker_error = self._stop_worker(deadline or Deadline(self.stall_s))  # every frame handed over is on disk
         self._worker_error = None
         if not self.replaced and status == "interrupted" and worker_error is None:
             self._let_go()  # stopped before its first frame: the earlier run stays as it was
@@ -443,8 +452,8 @@ class RunWriter:
                 record = self.poses[frame]
                 self.poses[frame] = replace(record, c2w=move.apply_to_poses(record.c2w))
                 files.append((prediction_path(self.output_dir, frame), move))
-        pool = DaemonPool(CORRECTION_THREADS, "correct-predictions")
-        deadline = Deadline(CORRECTION_S_PER_FILE * max(1, len(files)))
+        pool = DaemonPool(CORRECTION_THREADS, "correct-predictions", self.helper)  # (its failures are listed here)
+        deadline = Deadline(self.correction_s_per_file * max(1, len(files)))
         failures = []
         try:
             for path, future in [(path, pool.submit(_move_prediction_file, path, move)) for path, move in files]:

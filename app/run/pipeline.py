@@ -343,6 +343,7 @@ class Run:
     recorded_signal: int | None = None  # the stop signal run.json names
     noted_signals: list[int] | None = None  # signals_noted's list, which the stream's StopOnSignal takes over from
     signal_after_record: int | None = None  # one that came while the run closed, once run.json was written
+    progress: RunProgress | None = None  # while the frames stream: its drawing thread is a helper of the run
 
     def stream(self) -> RunSummary:
         """Every frame through the engine into the sinks, then the sinks closed; how the run ended."""
@@ -350,6 +351,7 @@ class Run:
         with _long_lived_objects_frozen(), _gil_handed_back_sooner(), \
                 StopOnSignal(source.request_stop, self.console, self.noted_signals) as stop:
             with RunProgress(self.console, source.description, source.estimated_length) as progress:
+                self.progress = progress
                 try:
                     with stop.streaming():
                         status, error = self._push_frames(progress, stop)
@@ -516,7 +518,7 @@ class Run:
             summary["loop_closure"] = loops.summary()
         if self.builds is not None:
             summary.update(self.builds.summary())
-        summary["helpers"] = self._helper_records(loops)
+        summary["helpers"] = {name: helper.record() for name, helper in self.helpers().items()}
         writes_by = Deadline(STOP_CLOSE_S) if status == "interrupted" else None
         writer_error = None
         for sink in self.sinks:
@@ -531,15 +533,18 @@ class Run:
                 logger.warning("closing %s failed: %s", type(sink).__name__, failure)
         return status, writer_error
 
-    def _helper_records(self, loops: Any) -> dict[str, Any]:
-        """Each helper that ran beside the stream (models/supervision.py) by name: up, or why it went down,
-        what it dropped, and what its going down does."""
-        helpers: dict[str, Any] = {"writer": self.writer.helper}
+    def helpers(self) -> dict[str, Any]:
+        """Each helper that ran beside the stream (models/supervision.py) by run.json's name; its record says
+        whether it is up, or why it went down, what it dropped, and what its going down does."""
+        loops = next((sink for sink in self.sinks if isinstance(sink, LoopClosureSink)), None)
+        helpers: dict[str, Any] = {}
+        helpers.update(self.source.helpers() if hasattr(self.source, "helpers") else {})
+        helpers["writer"] = self.writer.helper
         if getattr(self.viewer, "helper", None) is not None:  # (a caller's viewer may have none)
             helpers["viewer"] = self.viewer.helper
-        for owner in (loops, self.engine, self.builds, self.digest):
+        for owner in (self.progress, loops, self.engine, self.builds, self.digest):
             helpers.update(owner.helpers() if hasattr(owner, "helpers") else {})
-        return {name: helper.record() for name, helper in helpers.items()}
+        return helpers
 
     def _run_json_summary(self, error: str | None, stop_signal: int | None, digest_wait_s: float) -> dict[str, Any]:
         """The summary holds each value once: status, settings (device, source) and versions are the

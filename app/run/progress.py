@@ -39,6 +39,7 @@ from rich.progress import (
 from rich.table import Column
 
 from stream_recon.models.stream.memory import format_bytes
+from stream_recon.models.supervision import Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
 
 PROGRESS_INTERVAL_S = 10.0
 PROGRESS_INTERVAL_ENV = "STREAM_RECON_PROGRESS_INTERVAL"
@@ -46,6 +47,11 @@ PROGRESS_INTERVAL_ENV = "STREAM_RECON_PROGRESS_INTERVAL"
 
 # The progress thread wakes at once when stopped; a line it is printing (a blocked terminal) is not waited out.
 PRINT_JOIN_S = 1.0
+# The thread that draws the progress (rich's refresh thread on a terminal, the plain lines' timer elsewhere) is a
+# helper of the run: it shows the latest stats (latest wins), and one that raises turns the progress display off
+# with one warning line while the run goes on. Nothing waits for it but its stop (PRINT_JOIN_S), so it has no stall
+# limit of its own: the limit is that join's.
+PROGRESS_POLICY = HelperPolicy("the progress display", WhenFull.LATEST, WhenDown.TURN_OFF, stall_s=PRINT_JOIN_S)
 
 
 class RunProgress:
@@ -61,9 +67,10 @@ class RunProgress:
             self._display: _Bar | _PlainLines = _Bar(console, description, total)
         else:
             self._display = _PlainLines(console, description, total, interval_s or progress_interval_s())
+        self.helper = Helper(PROGRESS_POLICY, self._display.threads)
 
     def __enter__(self) -> RunProgress:
-        self._display.start()
+        self._display.start(self.helper)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -71,6 +78,10 @@ class RunProgress:
 
     def update(self, stats: dict) -> None:
         self._display.update(stats)
+
+    def helpers(self) -> dict[str, Helper]:
+        """The thread that draws the progress, by run.json's name."""
+        return {"progress": self.helper}
 
 
 def progress_interval_s() -> float:
@@ -100,8 +111,13 @@ class _Bar:
         # transient=False: the last line stays on screen as a record of the run
         self._progress = Progress(*columns, console=console, transient=False, expand=True)
         self._task = self._progress.add_task(escape(description), total=total, rates="", cache="")
-    def start(self) -> None:
+    def start(self, helper: Helper) -> None:
         self._progress.start()
+
+    def threads(self) -> list[threading.Thread]:
+        """rich's refresh thread, while it runs (rich names none of its threads: read from its Live)."""
+        thread = getattr(self._progress.live, "_refresh_thread", None)
+        return [] if thread is None else [thread]
 
     def stop(self) -> None:
         self._progress.stop()
@@ -126,15 +142,19 @@ class _PlainLines:
         self._stats: dict = {}  # replaced whole by update(): the timer thread reads one consistent dict
         self._started = time.monotonic()
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._print_every_interval, name="progress-log", daemon=True)
+        self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
+    def start(self, helper: Helper) -> None:
         self._started = time.monotonic()
-        self._thread.start()
+        self._thread = start_supervised_thread(helper, self._print_every_interval, "progress-log")
+
+    def threads(self) -> list[threading.Thread]:
+        """None but the timer thread, which `start` records as the helper's."""
+        return []
 
     def stop(self) -> None:
         self._stopping.set()
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout=PRINT_JOIN_S)
 
     def update(self, stats: dict) -> None:

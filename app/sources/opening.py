@@ -39,6 +39,7 @@ from stream_recon.app.sources.settings import (
     FrameSelection,
 )
 from stream_recon.app.sources.signatures import not_a_video_message, undecodable_file_message
+from stream_recon.models.supervision import helper_of_thread, supervise_thread
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 STREAM_SCHEMES = ("rtsp", "rtsps", "rtmp", "http", "https", "udp", "tcp", "srt")
@@ -403,6 +404,9 @@ def _stream_name(url: str) -> str:
 def _call_with_deadline(open_fn: Callable[[], cv2.VideoCapture], deadline_s: float, on_timeout: str):
     result: list[cv2.VideoCapture] = []
     opener = threading.Thread(target=lambda: result.append(open_fn()), name="stream-open", daemon=True)
+    caller = helper_of_thread(threading.current_thread())
+    if caller is not None:  # a reconnection, on the reader's thread: the opener is the reader's too
+        supervise_thread(caller, opener)
     opener.start()
     opener.join(timeout=deadline_s)
     if not result:

@@ -64,6 +64,7 @@ from stream_recon.app.sources.settings import (
     FrameSelection,
 )
 from stream_recon.models import DaemonPool
+from stream_recon.models.supervision import Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
 
 SourceKind = Literal["video", "folder", "webcam", "stream", "frames"]
 
@@ -87,6 +88,22 @@ _POLL_S = 0.5  # how often a waiting consumer checks that the reader still advan
 _TRUNCATION_SLACK_FRAMES = 2
 
 logger = logging.getLogger(__name__)
+
+
+def reader_policy(live: bool, frame_timeout_s: float) -> HelperPolicy:
+    """The reader thread's: when the queue is full a file's reader waits for the run loop (push back: the
+    source is read at the stream's pace) and a live one drops its oldest frame (counted); one that raises,
+    or grabs nothing for the frame timeout, fails the run with its one SourceError line, the frames before
+    it kept."""
+    return HelperPolicy("the source's reader", WhenFull.DROP if live else WhenFull.PUSH_BACK, WhenDown.FAIL_RUN,
+                        stall_s=frame_timeout_s)
+
+
+def preprocessing_policy(frame_timeout_s: float) -> HelperPolicy:
+    """The preprocessing pool's: it takes what the reader hands it in the reader's bounded queue (push back);
+    a frame it cannot make, or does not make within the frame timeout, fails the run with one SourceError line."""
+    return HelperPolicy("the source's preprocessing", WhenFull.PUSH_BACK, WhenDown.FAIL_RUN,
+                        stall_s=frame_timeout_s)
 
 
 class SourceError(ValueError):
@@ -124,16 +141,22 @@ class _Preprocessing:
     timestamp: float
     image: Future  # -> [3, H', W'] uint8 array
 
-    def result(self, timeout_s: float, description: str) -> Frame:
-        """The frame once its model input is made; SourceError where that raised or took over `timeout_s`
-        (the stream's frame timeout: a resize takes milliseconds), so that the run ends "failed" on it."""
+    def result(self, helper: Helper, description: str) -> Frame:
+        """The frame once its model input is made; SourceError, `helper` (the pool's) marked down, where that
+        raised or took over the helper's stall_s (the stream's frame timeout: a resize takes milliseconds), so
+        that the run ends "failed" on it."""
         what = f"preparing frame {self.index} of {description}"
+        timeout_s = helper.policy.stall_s
         try:
             image = self.image.result(timeout=timeout_s)
         except FutureTimeout:
+            helper.fail(f"it made no progress for {timeout_s:g} s")
             raise SourceError(f"{what} took more than {timeout_s:g} s: the preprocessing stalled") from None
         except Exception as error:
-            raise _preparing_failed(self.index, description, error) from error
+            failure = _preparing_failed(self.index, description, error)
+            helper.fail(str(failure))
+            raise failure from error
+        helper.beat()
         return Frame(self.index, self.source_index, self.timestamp, None, image)
 
 
@@ -253,16 +276,18 @@ class FrameSource:
         self.disconnected_s = 0.0  # total time between a drop and the next frame (or giving up)
         self._reader = reader
         self._queue: queue.Queue[Frame | _Preprocessing | _EndOfStream] = queue.Queue(maxsize=queue_size)
+        # Both fail the run (their one SourceError line); the consumer, the run loop, watches them.
+        self.reader_helper = Helper(reader_policy(live, frame_timeout_s))
+        self.preprocessing_helper = Helper(preprocessing_policy(frame_timeout_s))
         self._preprocessing: DaemonPool | None = None  # (daemons: a stalled resize holds no exit)
         if image_width:
-            self._preprocessing = DaemonPool(preprocess_workers, f"preprocess:{name}")
+            self._preprocessing = DaemonPool(preprocess_workers, f"preprocess:{name}", self.preprocessing_helper)
         self._pool_from_pixels = pool_from_pixels  # frames with more pixels are made model inputs on the pool
         self._frame_timeout_s = frame_timeout_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._iterated = False
         self._closed = False
-        self._reader_progress_at = time.monotonic()  # last time the reader grabbed a frame
         self._reconnecting = False  # the reader's back-off has its own bound: not a stall
 
     def __enter__(self) -> FrameSource:
@@ -288,9 +313,9 @@ class FrameSource:
         A live source started early keeps only the newest frames while the consumer gets ready.
         """
         if self._thread is None:
-            self._reader_progress_at = time.monotonic()
-            self._thread = threading.Thread(target=self._read_all, name=f"reader:{self.name}", daemon=True)
-            self._thread.start()
+            self.reader_helper.beat()
+            # (_read_all hands whatever it raises to the consumer itself)
+            self._thread = start_supervised_thread(self.reader_helper, self._read_all, f"reader:{self.name}")
 
     def __iter__(self) -> Iterator[Frame]:
         if self._iterated:
@@ -322,33 +347,43 @@ class FrameSource:
         if self._preprocessing is not None:
             self._preprocessing.shutdown()  # unbounded-ok: a DaemonPool's shutdown returns at once
 
+    def helpers(self) -> dict[str, Helper]:
+        """The reader thread and, where one of its workers ran, the preprocessing pool, by run.json's names."""
+        started = self._preprocessing is not None and self._preprocessing.started
+        return {"reader": self.reader_helper, **({"preprocessing": self.preprocessing_helper} if started else {})}
+
     def _frames(self) -> Iterator[Frame]:
+        reader = self.reader_helper
         while True:
             try:
                 item = self._queue.get(timeout=min(self._frame_timeout_s, _POLL_S))
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():  # gone without its end marker
                     self.close()
-                    raise SourceError(f"the reader of {self.description} ended without a last frame") from None
+                    raise self._reader_down(f"the reader of {self.description} ended without a last frame") from None
                 # Skipping (--start, --stride, --fps) can keep the queue empty for long while the
                 # reader works; only a reader that stopped advancing has stalled.
-                stalled_s = time.monotonic() - self._reader_progress_at
-                if stalled_s > self._frame_timeout_s and not self._reconnecting:
+                if reader.seconds_since_beat() > self._frame_timeout_s and not self._reconnecting:
                     self.close()
-                    raise SourceError(
-                        f"no frame from {self.description} for {self._frame_timeout_s:g} s: the source stalled"
-                    ) from None
+                    raise self._reader_down(
+                        f"no frame from {self.description} for {self._frame_timeout_s:g} s: the source stalled") from None
                 continue
             if isinstance(item, _EndOfStream):
                 self.end_reason = item.reason
                 if isinstance(item.error, Exception) and not isinstance(item.error, SourceError):
                     # (a bug or a library's failure on the reader thread: still the run's one error line)
-                    raise SourceError(f"reading {self.description} failed: {type(item.error).__name__}: "
-                                      f"{item.error}") from item.error
+                    raise self._reader_down(f"reading {self.description} failed: {type(item.error).__name__}: "
+                                            f"{item.error}") from item.error
                 if item.error is not None:
+                    reader.fail(str(item.error))
                     raise item.error
                 return
-            yield item.result(self._frame_timeout_s, self.description) if isinstance(item, _Preprocessing) else item
+            yield item.result(self.preprocessing_helper, self.description) if isinstance(item, _Preprocessing) else item
+
+    def _reader_down(self, message: str) -> SourceError:
+        """The reader's helper marked down; the run's one error line."""
+        self.reader_helper.fail(message)
+        return SourceError(message)
 
     def _read_all(self) -> None:
         """Reader thread: every exit path leaves exactly one end marker in the queue."""
@@ -376,7 +411,7 @@ class FrameSource:
                     break  # stopped while reconnecting
                 self._reader.check_complete(frames_grabbed)
                 return _EndOfStream("end")
-            self._reader_progress_at = time.monotonic()
+            self.reader_helper.beat()
             source_index = frames_grabbed
             frames_grabbed += 1
             timestamp = self._reader.timestamp()
@@ -437,7 +472,7 @@ class FrameSource:
                 delay = min(2 * delay, _MAX_RETRY_DELAY_S)
         finally:
             self.disconnected_s += (back_at or time.monotonic()) - dropped_at
-            self._reader_progress_at = time.monotonic()
+            self.reader_helper.beat()
             self._reconnecting = False
 
     def _put(self, item: Frame | _Preprocessing | _EndOfStream, *, is_end: bool = False) -> bool:
@@ -449,7 +484,7 @@ class FrameSource:
                 self._drain()  # nobody will read the frames any more, but the marker must get in
             try:
                 self._queue.put(item, timeout=0.1)
-                self._reader_progress_at = time.monotonic()
+                self.reader_helper.beat()
                 return True
             except queue.Full:
                 if self.live and not is_end:
@@ -459,6 +494,7 @@ class FrameSource:
         # A live camera does not wait: keeping the newest frames bounds the latency instead.
         if isinstance(self._take_oldest(), (Frame, _Preprocessing)):
             self.frames_dropped += 1
+            self.reader_helper.dropped += 1
 
     def _drain(self) -> None:
         while self._take_oldest() is not _NOTHING:

@@ -15,8 +15,8 @@ Cost, measured on a 2-core CPU shared with other jobs (load average 8-11), frame
 size (378 x 518), every frame a keyframe, default caps: 1000 `on_frame` calls take about 4 ms in all,
 with no browser or with one that never reads; scene.py's docstring gives the viewer thread's cost.
 
-The names re-exported here are read where they are defined: a test that changes VIEWER_CLOSE_S, say,
-sets live_state's.
+The names re-exported here are read where they are defined, when a viewer is made: a test passes its own
+limits (`LiveViewer(policy=..., close_s=...)`); one that changes VIEWER_CLOSE_S, say, sets live_state's.
 
 May import: outputs (the run directory a replay reads, splats), the shared modules at app/'s top (options,
 stopping) and stream_recon.models.
@@ -41,11 +41,12 @@ from stream_recon.app.viewer.live_state import (
     LiveState,
     Pending,
     stop_server,
+    web_server_threads,
 )
 from stream_recon.app.viewer.scene import SceneGraph
 from stream_recon.models import FramePrediction
 from stream_recon.models.loops.corrections import ChunkCorrections
-from stream_recon.models.supervision import Helper
+from stream_recon.models.supervision import Helper, HelperPolicy
 
 __all__ = [
     "VIEWER_CLOSE_S", "VIEWER_POLICY", "VIEWER_STALL_S", "VIEWER_STOP_S", "KeyframeSample", "LiveViewer",
@@ -86,6 +87,8 @@ class LiveViewer:
         label: str = "stream-recon",
         show: str = "points",  # points | splats (app.options.SHOW_CHOICES); the browser's panel can change it
         masker: Any = None,  # app.outputs.masks.FrameMasker: pixels the live clouds leave out (a replay's npz carry them)
+        policy: HelperPolicy | None = None,  # the viewer thread's: its stall limit (None: VIEWER_POLICY)
+        close_s: float | None = None,  # how long closing waits for its last update (None: VIEWER_CLOSE_S)
     ) -> None:
         if max_points_per_keyframe < 1 or max_total_points < max_points_per_keyframe:
             raise ValueError(
@@ -115,7 +118,8 @@ class LiveViewer:
         # interpreter. Frames 25 ms apart show nearly the same points; the skipped ones still extend
         # the trajectory, and points.ply keeps every frame. The newest keyframe a burst left without a cloud
         # gets one when the next token comes, unless a newer one is drawn first.
-        self.state = LiveState(self._draw, update_hz=update_hz, max_pending=max_pending)
+        self.state = LiveState(self._draw, update_hz=update_hz, max_pending=max_pending, policy=policy,
+                               close_s=close_s, library_threads=lambda: web_server_threads(self.server))
         self.scene = SceneGraph(
             self.server, self.settings, max_points_per_keyframe=max_points_per_keyframe,
             max_total_points=max_total_points, max_keyframes=max_keyframes,
@@ -164,7 +168,7 @@ class LiveViewer:
 
     def stop(self) -> None:
         """Stop the web server (after `close`, when the viewer was kept serving); VIEWER_STOP_S at most."""
-        stop_server(self.server)
+        stop_server(self.server, self.helper)
 
     def __enter__(self) -> LiveViewer:
         return self

@@ -2,10 +2,10 @@
 viewer thread under supervision (models/supervision.py), as nerfstudio's render state machine keeps its
 training thread apart from its renderer.
 
-Two threads meet here. The inference thread calls `on_frame`, which only drops the prediction into a
-pending map keyed by frame index (a re-emitted frame overwrites its earlier emission) and returns. The
-viewer thread wakes at most `update_hz` times a second, takes everything pending and hands it to the
-viewer's draw, which turns it into scene changes inside one `server.atomic()` block (scene.py). viser
+Two threads meet here, through a latest-wins state (models/supervision.py's `LatestState`). The inference
+thread calls `on_frame`, which only merges the prediction into the pending map keyed by frame index (a
+re-emitted frame overwrites its earlier emission) and returns. The viewer thread wakes at most `update_hz`
+times a second, takes everything pending and hands it to the viewer's draw, which turns it into scene changes inside one `server.atomic()` block (scene.py). viser
 sends from its own event loop, a task per browser, so a browser that stops reading holds neither thread.
 The viewer thread is a helper of the run: if it raises, or an update runs past VIEWER_STALL_S, the viewer
 is off for the rest of the run (one warning line) and the run goes on without it. The pause is an Event
@@ -27,7 +27,15 @@ import viser
 from stream_recon.app.viewer.geometry import ChainCentre
 from stream_recon.models import FramePrediction
 from stream_recon.models.loops.corrections import ChunkCorrections
-from stream_recon.models.supervision import Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
+from stream_recon.models.supervision import (
+    Deadline,
+    Helper,
+    HelperPolicy,
+    LatestState,
+    WhenDown,
+    WhenFull,
+    start_supervised_thread,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,32 +75,36 @@ class Pending:
         )
 
 
+def _after_take(taken: Pending | None) -> Pending:
+    """The pending state left when the viewer thread takes one: empty, the latest stats kept."""
+    return Pending() if taken is None else Pending(stats=taken.stats)
+
+
 class LiveState:
     """The pending updates, the pause and the viewer thread that calls `draw(pending, arrival_fps)` with
     each batch it takes, from `start` on (call it once whatever `draw` touches is built). `draw` returns the
     seconds after which it is to be called again though nothing new is pending (a keyframe's cloud waiting
-    for the rate's token), or None."""
+    for the rate's token), or None. `policy`: the viewer thread's (None: VIEWER_POLICY); `close_s`: how long
+    `close` waits for its last update (None: VIEWER_CLOSE_S). `library_threads`: the threads of the web server the viewer
+    runs (its helper owns them)."""
 
     def __init__(self, draw: Callable[[Pending, float], float | None], *, update_hz: float,
-                 max_pending: int) -> None:
+                 max_pending: int, policy: HelperPolicy | None = None, close_s: float | None = None,
+                 library_threads: Callable[[], list[threading.Thread]] | None = None) -> None:
         self.update_hz = update_hz
         self.max_pending = max_pending
+        self.close_s = VIEWER_CLOSE_S if close_s is None else close_s
         self._draw = draw
-        self._lock = threading.Lock()
-        self._pending = Pending()
-        self._wake = threading.Event()
         self._stopping = threading.Event()
         self._resume = threading.Event()
         self._resume.set()
         self.closed = False
-        self._drawing = False  # the viewer thread is applying a batch it took from `_pending`
-        self._draw_due: float | None = None  # what the last draw returned: something is still to be drawn
         self._arrivals: collections.deque[float] = collections.deque(maxlen=512)
-        self.num_updates = 0
         self.busy_seconds = 0.0  # wall time the viewer thread spent drawing: its share of the run
         # Whatever the viewer thread raises turns the viewer off for the rest of the run (one warning line);
         # the run goes on without it.
-        self.helper = Helper(VIEWER_POLICY)
+        self.helper = Helper(VIEWER_POLICY if policy is None else policy, library_threads)
+        self._latest: LatestState[Pending] = LatestState(self.helper, _after_take, lambda pending: pending.is_empty)
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -103,8 +115,8 @@ class LiveState:
     def on_frame(self, pred: FramePrediction, stats: dict) -> None:
         if self.closed or not self.is_up:
             return
-        with self._lock:
-            pending = self._pending
+
+        def merge(pending: Pending) -> None:
             pending.predictions[pred.frame_index] = pred  # a re-emission replaces the earlier one
             if len(pending.predictions) > self.max_pending:
                 # The viewer fell far behind: keep only the pose of the oldest pending frame, so the
@@ -113,67 +125,60 @@ class LiveState:
                 pending.poses[oldest.frame_index] = ChainCentre.of(oldest.c2w, oldest.chunk_index)
             pending.stats = dict(stats)
             self._arrivals.append(time.perf_counter())
-        self._wake.set()
+
+        self._latest.update(merge)
 
     def push_poses(self, c2w_by_frame: dict[int, np.ndarray], chunk_index: int) -> None:
         centres = {index: ChainCentre.of(c2w, chunk_index) for index, c2w in c2w_by_frame.items()}
-        with self._lock:
-            self._pending.poses.update(centres)
-        self._wake.set()
+        self._latest.update(lambda pending: pending.poses.update(centres))
 
     def queue_corrections(self, corrections: ChunkCorrections) -> None:
         if self.closed or not self.is_up:
             return
-        with self._lock:
-            queued = self._pending.corrections
-            if queued is None or corrections.version > queued.version:
-                self._pending.corrections = corrections
-        self._wake.set()
+
+        def merge(pending: Pending) -> None:
+            if pending.corrections is None or corrections.version > pending.corrections.version:
+                pending.corrections = corrections
+
+        self._latest.update(merge)
 
     def truncate_after(self, frame_index: int) -> None:
-        with self._lock:
-            pending = self._pending
+        def merge(pending: Pending) -> None:
             for index in [i for i in pending.predictions if i > frame_index]:
                 del pending.predictions[index]
             for index in [i for i in pending.poses if i > frame_index]:
                 del pending.poses[index]
             previous = pending.truncate_after
             pending.truncate_after = frame_index if previous is None else min(previous, frame_index)
-        self._wake.set()
+
+        self._latest.update(merge)
 
     def request_rebuild(self) -> None:
         """Re-send every cloud in the next update (a setting they are built from changed)."""
-        with self._lock:
-            self._pending.rebuild_clouds = True
-        self._wake.set()
+        self._latest.update(lambda pending: setattr(pending, "rebuild_clouds", True))
 
     def wake(self) -> None:
         """Draw an update soon although nothing is pending (a display setting changed)."""
-        self._wake.set()
+        self._latest.nudge()
 
     @property
     def num_pending(self) -> int:
-        with self._lock:
-            return len(self._pending.predictions) + len(self._pending.poses)
+        return self._latest.read(lambda pending: len(pending.predictions) + len(pending.poses))
+
+    @property
+    def num_updates(self) -> int:
+        return self._latest.updates
 
     def flush(self, timeout: float) -> bool:
-        target = self.num_updates + 1
-        self._wake.set()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.is_up:
-            with self._lock:
-                idle = self._pending.is_empty and not self._drawing and self._draw_due is None
-            if idle and self.num_updates >= target:
-                return True
-            self._wake.set()
-            time.sleep(0.01)
-        return False
+        """Wait until the viewer thread has drawn everything handed over, `timeout` s at most; False when it
+        did not (or the viewer is off)."""
+        return self.is_up and self._latest.wait_idle(Deadline(timeout))
 
     # ---------------------------------------------------------------------------- pause and health
 
     @property
     def is_up(self) -> bool:
-        if self.helper.is_up and not self.helper.check(has_work=self._drawing):
+        if self.helper.is_up and not self.helper.check(has_work=self._latest.working):
             self._resume.set()  # (off: nothing can resume a paused run any more)
         return self.helper.is_up
 
@@ -191,16 +196,16 @@ class LiveState:
         return not self.is_up or self._resume.wait(timeout)
 
     def close(self) -> None:
-        """Let the viewer thread draw what is pending and end: VIEWER_CLOSE_S at most, then the viewer is off.
+        """Let the viewer thread draw what is pending and end: `close_s` at most, then the viewer is off.
         Never leaves a run paused."""
         self.closed = True
         self._resume.set()  # a paused run must not hang at exit
         self._stopping.set()
-        self._wake.set()
+        self._latest.close()
         if self.is_up:
-            self._thread.join(timeout=VIEWER_CLOSE_S)
+            self._thread.join(timeout=self.close_s)
             if self._thread.is_alive():
-                self.helper.fail(f"its last update did not finish within {VIEWER_CLOSE_S:g} s")
+                self.helper.fail(f"its last update did not finish within {self.close_s:g} s")
 
     # ----------------------------------------------------------------------------- the viewer thread
 
@@ -217,24 +222,14 @@ class LiveState:
         period = 1.0 / self.update_hz
         due = None
         while True:
-            self._wake.wait(due)  # unbounded-ok: the viewer's own thread waits for its next update
-            self._wake.clear()
+            # (None: the viewer's own thread waits for its next update, holding no other thread)
+            pending = self._latest.take(due)  # (an update's time counts toward a stall from here)
             started = time.perf_counter()
-            self.helper.beat()  # (an update's time counts toward a stall from here)
-            with self._lock:
-                pending, self._pending = self._pending, Pending(stats=self._pending.stats)
-                pending.last = self._stopping.is_set()
-                self._drawing = True
-                fps = self._arrival_fps()
-            due = self._draw(pending, fps)
-            self.helper.beat()
-            with self._lock:
-                self._drawing, self._draw_due = False, due
-            self.num_updates += 1
+            pending.last = self._stopping.is_set()
+            due = self._draw(pending, self._latest.read(lambda _: self._arrival_fps()))  # (on_frame appends)
+            self._latest.done(more_due=due is not None)
             self.busy_seconds += time.perf_counter() - started
-            with self._lock:
-                done = self._stopping.is_set() and self._pending.is_empty and due is None
-            if done:
+            if self._stopping.is_set() and self._latest.idle and due is None:
                 return
             # Coalesce: whatever arrives during the rest of the period goes out in the next update.
             self._stopping.wait(max(0.0, period - (time.perf_counter() - started)))
@@ -251,8 +246,20 @@ class LiveState:
         return len(recent) / max(1.0, min(ARRIVAL_WINDOW_S, now - self._arrivals[0]))
 
 
-def stop_server(server: viser.ViserServer) -> None:
-    """Stop the web server, holding the caller VIEWER_STOP_S at most."""
-    stopping = threading.Thread(target=server.stop, name="viewer-stop", daemon=True)
-    stopping.start()
+def stop_server(server: viser.ViserServer, helper: Helper) -> None:
+    """Stop the web server, holding the caller VIEWER_STOP_S at most (the stop goes on as `helper`'s thread)."""
+    stopping = start_supervised_thread(helper, server.stop, "viewer-stop")
     stopping.join(timeout=VIEWER_STOP_S)
+
+
+def web_server_threads(server: viser.ViserServer) -> list[threading.Thread]:
+    """The threads viser runs for `server` now (they are the viewer's): its event loop's, its callbacks'
+    pool's, and the loop's default executor's (name lookups). Read from viser's own attributes, since the
+    library names none of them; one it no longer has is simply not listed."""
+    websocket = getattr(server, "_websock_server", None)
+    loop = getattr(server, "_event_loop", None)
+    pools = (getattr(server, "_thread_executor", None), getattr(loop, "_default_executor", None))
+    threads = [getattr(websocket, "_server_thread", None)]
+    for pool in pools:
+        threads += list(getattr(pool, "_threads", ()))
+    return [thread for thread in threads if thread is not None]

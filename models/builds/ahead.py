@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Iterator
 
@@ -28,7 +27,7 @@ import torch
 from ..network.config import ModelConfig
 from ..stream.engine import StreamingEngine
 from ..stream.stream_config import StreamConfig
-from ..supervision import Deadline
+from ..supervision import Deadline, start_supervised_thread
 from . import kernel_builds
 from .prepare import prepare_without_weights
 
@@ -55,9 +54,10 @@ class BuildsAhead:
         self._started = time.perf_counter()
         self._deadline: Deadline | None = None  # from the first `wait` on: every later one ends there too
         self._given_up = False  # the pass stalled past the deadline
-        self._thread = threading.Thread(target=self._build, args=(model_config, stream_config, dtype),
-                                        name="kernel-build-ahead", daemon=True)
-        self._thread.start()
+        # (what `_build` raises it says itself: the warm-up then makes its own pass; a stall turns builds ahead off)
+        self._thread = start_supervised_thread(kernel_builds.PROCESS.ahead,
+                                               lambda: self._build(model_config, stream_config, dtype),
+                                               "kernel-build-ahead")
 
     def _build(self, model_config: ModelConfig, stream_config: StreamConfig, dtype: torch.dtype) -> None:
         try:

@@ -128,8 +128,8 @@ class CompiledSizes:
         environment = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(compile_threads())}
         with open(self.log, "wb") as output:
             # its own session (start_child's): stopped whole, and no Ctrl-C of the terminal's
-            child = start_child(__name__, "serve", json.dumps(request), env=environment, output=output,
-                                outlives_parent=True)
+            child = start_child(__name__, "serve", json.dumps(request), helper=self.helper, env=environment,
+                                output=output, outlives_parent=True)
         for pipe in (child.requests, child.replies):  # (it is told everything at its start)
             pipe.close()
         self.process = child.process

@@ -77,7 +77,7 @@ class KernelBuilders:
         environment = child_environment(device_index, env)
         try:
             for _ in range(count):  # (a Popen each, a few milliseconds: the imports happen in the children)
-                child = start_child(__name__, "serve", env=environment)
+                child = start_child(__name__, "serve", helper=self.helper, env=environment)
                 self._children.append(child)
                 self._idle.put(child)
         except OSError as error:  # (no process to spare, say): the builds are made on the pass's threads

@@ -192,7 +192,7 @@ def dry_launches(device: torch.device) -> Iterator[BuildReport]:
         raise RuntimeError("dry launches do not nest")
     _install()
     report = BuildReport()
-    pool = DaemonPool(build_threads(), "kernel-build")  # (daemons: a stalled build holds no exit)
+    pool = DaemonPool(build_threads(), "kernel-build", PROCESS.ahead)  # (daemons: a stalled build holds no exit)
     PROCESS.listing.builds = builds = DryLaunches(pool, device_with_index(torch.device(device)))
     try:
         try:

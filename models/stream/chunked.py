@@ -40,10 +40,9 @@ import torch
 
 from ..network.gct import GCTStream
 from ..supervision import Deadline, Helper
-from . import lookahead as lookahead_module
 from .chunks import ChunkAlignment, ChunkLink
 from .engine import StreamingEngine
-from .lookahead import SpareEngine
+from .lookahead import SpareEngine, SpareLimits
 from .memory import CUDA_CONTEXT_BYTES, WORKSPACE_BYTES, estimate_memory, format_bytes
 from .prediction import FramePrediction
 from .rollover import (
@@ -97,7 +96,9 @@ class ChunkedEngine:
 
     def __init__(self, model: GCTStream, config: StreamConfig | None = None, *, chunk_frames: int = TRAINED_VIEWS,
                  overlap: int = 16, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 lookahead: bool | None = None):
+                 lookahead: bool | None = None, spare_limits: SpareLimits | None = None):
+        """`spare_limits`: how long the stream waits for a spare engine and for its warm-up
+        (models/stream/lookahead.py; None: SpareLimits())."""
         self.config = config or StreamConfig()
         check_chunking(chunk_frames, overlap, self.config.scale_frames, model.config.max_frames)
         self.chunk_frames = chunk_frames
@@ -111,6 +112,7 @@ class ChunkedEngine:
         self.engine = StreamingEngine(model, self._chunk_config, device=device, dtype=dtype)
         self.model, self.device = self.engine.model, self.engine.device
         self.lookahead = lookahead
+        self.spare_limits = spare_limits or SpareLimits()
         self._spare_image: torch.Tensor | None = None  # the frame its spare warmed up on
         # Where a spare may run, the current engine runs on a stream of its own from the warm-up on.
         self._main_stream = MainStream(self.device) if self.device.type == "cuda" and lookahead is not False else None
@@ -521,8 +523,11 @@ class ChunkedEngine:
 
     def _start_spare(self, first_frame: torch.Tensor) -> None:
         """A spare engine, warmed on copies of the stream's first frame on its worker."""
+        # Push back past the frames it may hold with a reason: the replay's (shared, provisional, the last one
+        # alone), a flush and a fresh start.
         spare = SpareEngine(StreamingEngine(self.model, self._spare_config(), device=self.device,
-                                            dtype=self.engine.dtype, window_slots=self.spare_window_slots))
+                                            dtype=self.engine.dtype, window_slots=self.spare_window_slots),
+                            self.spare_limits, capacity=self.overlap + 1 + self._provisional_room + 2)
         spare.engine.memory_plan = self.engine.memory_plan
         spare.engine.steps_eagerly(self.eager_steps)
         spare.warm(first_frame)
@@ -537,7 +542,7 @@ class ChunkedEngine:
         spare's own warm-up can run out of memory beside the engine."""
         spare = self._rollover.spare
         try:  # its warm-up done: the stream's first frames share nothing with it
-            spare.collect(Deadline(lookahead_module.SPARE_WARM_UP_S))
+            spare.collect(Deadline(self.spare_limits.warm_up_s))
         except torch.OutOfMemoryError as error:
             logger.warning("out of device memory warming up the next chunk's spare (%s): the spare goes, rollovers "
                            "now pause the stream", str(error).partition(".")[0])

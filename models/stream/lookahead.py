@@ -12,22 +12,25 @@ higher one, so the spare gets what the stream leaves. Its own kernels may use on
 SMs (models/stream/sm_partition.py), so that the stream's next kernel finds SMs free; its steps' CUDA graphs,
 recorded on a plain stream, run on every SM wherever they are replayed.
 
-The spare is a helper of the run (models/supervision.py): the stream waits for it SPARE_WAIT_S at most
-(its warm-up SPARE_WARM_UP_S); one that stalls past that, or raises, is turned off for the rest of the run
-(ChunkedEngine drops it, and its rollovers happen in place), and its worker, a daemon, holds no exit.
+The spare is a helper of the run (models/supervision.py): its frames go to its worker through a bounded
+HandOff that pushes back (a push waits for room SPARE_WAIT_S at most: the spare is stalled past it), and the
+stream waits for it SPARE_WAIT_S at most (its warm-up SPARE_WARM_UP_S); one that stalls past that, or raises,
+is turned off for the rest of the run (ChunkedEngine drops it, and its rollovers happen in place), and its
+worker, a daemon, holds no exit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from concurrent.futures import Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 
 import torch
 
-from ..daemon_pool import DaemonPool
-from ..supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
+from ..supervision import Deadline, HandOff, Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
 from .engine import StreamingEngine
 from .prediction import FramePrediction
 from .sm_partition import device_sm_count, partitioned_stream
@@ -47,8 +50,24 @@ SPARE_WAIT_S = 5.0
 # The spare's warm-up, waited for before the stream's first frame: 1.25-1.44 s (its graph
 # recorded, its model's kernels built by then); twenty times that, it has stalled.
 SPARE_WARM_UP_S = 30.0
-SPARE_POLICY = HelperPolicy("the next chunk's lookahead", WhenFull.PUSH_BACK, WhenDown.TURN_OFF,
-                            stall_s=SPARE_WAIT_S)
+# Jobs (frames, a flush, a fresh start) handed to the spare and not started, when its owner gives no bound.
+SPARE_QUEUE = 64
+# The worker's longest wait in one take: closing wakes it at once.
+_WORKER_TAKE_S = 5.0
+
+
+@dataclass(frozen=True)
+class SpareLimits:
+    """How long the stream waits for the spare (`wait_s`: a job's result, or room for a frame) and for its
+    warm-up (`warm_up_s`); by default the module's constants as they are when the limits are made."""
+
+    wait_s: float = field(default_factory=lambda: SPARE_WAIT_S)
+    warm_up_s: float = field(default_factory=lambda: SPARE_WARM_UP_S)
+
+    @property
+    def policy(self) -> HelperPolicy:
+        return HelperPolicy("the next chunk's lookahead", WhenFull.PUSH_BACK, WhenDown.TURN_OFF,
+                            stall_s=self.wait_s, push_back_s=self.wait_s)
 
 
 class SpareStalled(RuntimeError):
@@ -58,15 +77,20 @@ class SpareStalled(RuntimeError):
 class SpareEngine:
     """A StreamingEngine driven from a worker thread, on its own CUDA stream, until it is handed over."""
 
-    def __init__(self, engine: StreamingEngine):
+    def __init__(self, engine: StreamingEngine, limits: SpareLimits | None = None, capacity: int = SPARE_QUEUE):
+        """`limits`: its waits (None: SpareLimits()); `capacity`: the jobs handed over and not started beyond
+        which a push waits for room (push back)."""
         self.engine = engine
+        self.limits = limits = limits or SpareLimits()
         self._stream = spare_stream(engine.device)
-        # A daemon worker: one stalled in a step holds neither `close` nor the process's exit.
-        self._worker = DaemonPool(1, "stream-recon-next-chunk")
-        self._jobs: list[Future] = []
-        self.warm_seconds: float | None = None  # how long `warm` took on the worker, once it has
         # Down once it stalled here (SpareStalled), or where its owner turns it off for what it raised.
-        self.helper = Helper(SPARE_POLICY)
+        self.helper = Helper(limits.policy)
+        self._handoff = HandOff(self.helper, capacity)
+        # A daemon worker (started with the first job): one stalled in a step holds neither `close` nor the
+        # process's exit.
+        self._worker: threading.Thread | None = None
+        self._jobs: list[Future] = []  # each job's result, oldest first, until it is taken
+        self.warm_seconds: float | None = None  # how long `warm` took on the worker, once it has
 
     def warm(self, image: torch.Tensor) -> None:
         """Warm the spare on copies of a stream's first frame (StreamingEngine.warm_up) on its worker:
@@ -118,21 +142,21 @@ class SpareEngine:
         return results
 
     def take_next(self, deadline: Deadline | None = None) -> list[FramePrediction] | None:
-        """Wait for the oldest queued frame's job until `deadline` (default SPARE_WAIT_S from now) and take
+        """Wait for the oldest queued frame's job until `deadline` (default `limits.wait_s` from now) and take
         its predictions; None when nothing is queued or when that job failed (its error surfaces in
         `collect`). SpareStalled when the deadline passes first."""
         if not self._jobs:
             return None
-        if self._outcome(self._jobs[0], deadline or Deadline(SPARE_WAIT_S)) is not None:
+        if self._outcome(self._jobs[0], deadline or Deadline(self.limits.wait_s)) is not None:
             return None
         return self._jobs.pop(0).result() or []  # unbounded-ok: _outcome waited for it with the deadline
 
     def collect(self, deadline: Deadline | None = None) -> list[FramePrediction]:
-        """Wait for every queued frame until `deadline` (default SPARE_WAIT_S from now); the predictions
+        """Wait for every queued frame until `deadline` (default `limits.wait_s` from now); the predictions
         their pushes returned, oldest first. The current stream then waits for the spare's device work.
         Raises the first error of a job once every job is done, or SpareStalled when the deadline passes
         first (the jobs are forgotten: the spare is dropped then)."""
-        deadline = deadline or Deadline(SPARE_WAIT_S)
+        deadline = deadline or Deadline(self.limits.wait_s)
         jobs, self._jobs = self._jobs, []
         results, errors = [], []
         for job in jobs:
@@ -162,7 +186,8 @@ class SpareEngine:
         after this call."""
         for job in self._jobs:
             job.cancel()
-        self._jobs = [self._worker.submit(self._on_stream, self._start_afresh)]
+        self._jobs = []
+        self._submit(self._start_afresh)
 
     def _start_afresh(self) -> None:
         self.engine.finish()
@@ -197,13 +222,41 @@ class SpareEngine:
         return last
 
     def close(self) -> None:
-        """Stop the worker: queued jobs are cancelled, and the one it runs gets until SPARE_WAIT_S to end
+        """Stop the worker: queued jobs are cancelled, and the one it runs gets until `limits.wait_s` to end
         (none where the spare has stalled already); a worker still running then is left behind."""
-        self._worker.shutdown()  # unbounded-ok: a DaemonPool's shutdown returns at once
-        self._worker.join(Deadline(SPARE_WAIT_S if self.helper.is_up else 0.0))
+        for job in self._jobs:
+            job.cancel()
+        self._handoff.close()
+        if self._worker is not None:
+            self._worker.join(timeout=self.limits.wait_s if self.helper.is_up else 0.0)
 
     def _submit(self, function, *args) -> None:
-        self._jobs.append(self._worker.submit(self._on_stream, function, *args))
+        """Hand a job to the worker (push back: waiting for room `limits.wait_s` at most); a job the spare
+        could not take (it is down, or stalled now) fails with SpareStalled where the stream waits for it."""
+        job: Future = Future()
+        self._jobs.append(job)
+        if self._worker is None:
+            self._worker = start_supervised_thread(self.helper, self._work, "stream-recon-next-chunk")
+        if not self._handoff.offer((job, function, args)):
+            job.set_exception(SpareStalled(f"the next chunk's spare is off: {self.helper.down_reason}"))
+
+    def _work(self) -> None:
+        """The worker thread: each job handed over, in order, until the spare is closed; a cancelled one is
+        skipped, and what a job raises goes to its future."""
+        while not self._handoff.closed:
+            taken, item = self._handoff.take(timeout=_WORKER_TAKE_S)
+            if not taken:
+                continue
+            job, function, args = item
+            try:
+                if job.set_running_or_notify_cancel():
+                    try:
+                        job.set_result(self._on_stream(function, *args))
+                    except BaseException as error:  # noqa: BLE001 - the stream raises it where it waits
+                        job.set_exception(error)
+            finally:
+                del job, item  # (what it returned is its future's alone while the worker waits for the next)
+                self._handoff.done()
 
     def _on_stream(self, function, *args):
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():

@@ -33,7 +33,6 @@ import numpy as np
 import torch
 
 from ..supervision import Deadline
-from . import lookahead
 from .chunks import AlignedFrame, ChunkAlignment, ClosedChunk
 from .engine import StreamingEngine
 from .lookahead import SpareEngine
@@ -111,9 +110,9 @@ class Rollover:
 
     def reset(self) -> None:
         """STEADY, the spare empty (what it was given is dropped), nothing closed or taken ahead. Raises
-        what the spare raised, or SpareStalled where it does not answer within SPARE_WAIT_S: the caller
+        what the spare raised, or SpareStalled where it does not answer within its wait (SPARE_WAIT_S): the caller
         then goes on without it."""
-        self.spare.discard(Deadline(lookahead.SPARE_WAIT_S))
+        self.spare.discard(Deadline(self.spare.limits.wait_s))
         self._clear()
 
     def _clear(self) -> None:
@@ -223,11 +222,11 @@ class Rollover:
     def switch(self, engine: StreamingEngine) -> list[FramePrediction]:
         """SWITCH_PENDING -> STEADY: the current engine (`engine`) takes the next chunk over from the
         spare, and the spare's predictions of it so far are received. Raises what the spare raised, or
-        SpareStalled where it has not delivered within SPARE_WAIT_S (a frame behind, it needs tens of ms),
-        in STEADY with the spare emptied: the caller then rolls over in place."""
+        SpareStalled where it has not delivered within its wait (SPARE_WAIT_S; a frame behind, it needs tens
+        of ms), in STEADY with the spare emptied: the caller then rolls over in place."""
         self.closed = None
         self._enter(Phase.STEADY)
-        deadline = Deadline(lookahead.SPARE_WAIT_S)
+        deadline = Deadline(self.spare.limits.wait_s)
         try:
             # The spare's last frames are still on the GPU: make the ratios left while waiting for the next.
             while (taken := self.spare.take_next(deadline)) is not None:
