@@ -412,7 +412,7 @@ def test_an_early_build_that_raises_turns_builds_ahead_off(builds_helper, monkey
     from stream_recon.cache import triton_attention
     from stream_recon.models.builds import kernel_builds
 
-    def no_build(*args):
+    def no_build(*args, **kwargs):
         raise RuntimeError("ptxas died")
 
     monkeypatch.setattr(kernel_builds, "available", lambda: True)
@@ -475,6 +475,26 @@ def test_measuring_both_uses_waits_for_the_frame_attentions_stalled_build_at_mos
     with pytest.raises(TimeoutError, match="frame attention's build did not finish within 0.3 s"):
         triton_attention.measure_resident_programs(torch.device("cpu"), torch.float32, 2, 8)
     assert 0.3 <= time.monotonic() - started < 2.0 and stuck.stalled.is_set()
+
+
+def test_the_early_builds_second_thread_is_the_builds_helpers(builds_helper, monkeypatch):
+    """measure_resident_programs builds the frame attention's kernel on a thread of its own; started by the
+    early builds, it is started their way (kernel_builds.build_thread) and so is the builds' helper's."""
+    from stream_recon.cache import triton_attention
+    from stream_recon.models.builds import kernel_builds
+    from stream_recon.models.supervision import helper_of_thread
+
+    started = []
+
+    def starter(target, name):
+        started.append(thread := kernel_builds.build_thread(target, name))
+        return thread
+
+    monkeypatch.setattr(triton_attention, "key_stages", lambda q, keys, values: 3)
+    monkeypatch.setattr(triton_attention, "_frame_resident_programs", lambda q, keys, failed: None)
+    triton_attention.measure_resident_programs(torch.device("cpu"), torch.float32, 2, 8, start_thread=starter)
+    assert len(started) == 1 and helper_of_thread(started[0]) is builds_helper
+    assert started[0].name == threading.current_thread().name
 
 
 # -- the background compile's child process (models/builds/compile_child.py) -----------------------------------

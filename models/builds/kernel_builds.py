@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -279,6 +279,12 @@ def device_with_index(device: torch.device) -> torch.device:
     return device
 
 
+def build_thread(target: Callable[[], None], name: str) -> threading.Thread:
+    """A daemon thread of the builds ahead's helper (`PROCESS.ahead`) running `target`: how the cache's kernel
+    measurements start a thread of their own beside the early builds."""
+    return start_supervised_thread(PROCESS.ahead, target, name)
+
+
 def start_early_builds(device: str | torch.device, dtype: torch.dtype, num_heads: int, head_dim: int) -> bool:
     """On CUDA, on a thread of its own, from now: the builds a warm-up's steps wait for where they are
     asked, which a dry pass cannot hand to its pool. The range kernel's scheduler reads the compiled
@@ -300,7 +306,7 @@ def start_early_builds(device: str | torch.device, dtype: torch.dtype, num_heads
         # Whatever it raises turns the builds ahead off (`PROCESS.ahead`); the first step then measures the kernel
         # where it is asked, and raises there where it cannot. One that stalls holds the step no longer than
         # triton_attention.RESIDENT_PROGRAMS_WAIT_S: the step then builds its own.
-        measure_resident_programs(device, dtype, num_heads, head_dim)
+        measure_resident_programs(device, dtype, num_heads, head_dim, start_thread=build_thread)
 
     start_supervised_thread(PROCESS.ahead, build, "kernel-build-early")
     return True
