@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import enum
 import logging
+import os
 import threading
 import time
 import weakref
@@ -267,8 +268,21 @@ def supervise_thread(helper: Helper, thread: threading.Thread) -> None:
 
 
 def supervise_child(helper: Helper, pid: int) -> None:
-    """Record the child process `pid` as `helper`'s."""
+    """Record the child process `pid` as `helper`'s; the records of children that have gone are dropped
+    first, so that a long batch, a few children a video, keeps no more records than live children."""
+    for gone in [known for known in list(_CHILD_HELPERS) if not _alive(known)]:
+        _CHILD_HELPERS.pop(gone, None)
     _CHILD_HELPERS[pid] = helper
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (another user's process: alive)
+        return True
+    return True
 
 
 def helper_of_thread(thread: threading.Thread) -> Helper | None:

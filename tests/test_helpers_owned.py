@@ -96,6 +96,8 @@ def test_a_supervised_thread_a_pool_worker_and_a_child_are_known_by_their_helper
         assert helper_of_thread(threading.current_thread()) is None
         supervise_child(other, 999_999_999)
         assert helper_of_child(999_999_999) is other and helper_of_child(999_999_998) is None
+        supervise_child(helper, os.getpid())  # the record of a child that has gone is dropped
+        assert helper_of_child(999_999_999) is None and helper_of_child(os.getpid()) is helper
     finally:
         release.set()
         pool.shutdown()
