@@ -307,6 +307,7 @@ def test_a_run_builds_its_kernels_while_its_checkpoint_loads_and_writes_what_it_
     # Triton kernel): the pass ran on its thread for the run's model input, run.json says so, and every
     # file the run writes is the one a run with the warm-up's own dry pass writes.
     import dataclasses
+    import types
 
     from stream_recon.models import StreamingEngine
     from stream_recon.models.builds import kernel_builds, plan
@@ -326,8 +327,8 @@ def test_a_run_builds_its_kernels_while_its_checkpoint_loads_and_writes_what_it_
     parts = {}
     for name in ("ahead", "in_the_warm_up"):
         if name == "in_the_warm_up":  # the table's row for the pass ahead says no
-            row = plan.STAGE["dry_pass_ahead"]
-            monkeypatch.setitem(plan.STAGE, "dry_pass_ahead", dataclasses.replace(row, runs=lambda facts: False))
+            row = dataclasses.replace(plan.STAGE["dry_pass_ahead"], runs=lambda facts: False)
+            monkeypatch.setattr(plan, "STAGE", types.MappingProxyType({**plan.STAGE, "dry_pass_ahead": row}))
         options = RunOptions(**{**FAST, "checkpoint": str(tiny_checkpoint), "warm_up": "on", "keyframes": "flow"})
         assert run_sequence(str(video), tmp_path / name, options).status == "complete"
         parts[name] = check_run_dir(tmp_path / name, 9, "complete")["summary"]["timings"]["warm_up_parts_s"]
