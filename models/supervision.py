@@ -100,6 +100,13 @@ class Helper:
     def seconds_since_beat(self) -> float:
         return time.monotonic() - self._last_beat
 
+    def stall_left(self) -> float:
+        """Seconds until no progress counts as a stall; a helper with none left is marked down (stalled)."""
+        left = self.policy.stall_s - self.seconds_since_beat()
+        if left <= 0:
+            self.fail(f"it made no progress for {self.policy.stall_s:g} s")
+        return max(left, 0.0)
+
     def fail(self, reason: str, *, quiet: bool = False) -> None:
         """Mark the helper down (the first reason stands); a TURN_OFF helper says so once, unless `quiet`
         (its owner says it in words of its own)."""
@@ -231,9 +238,8 @@ class HandOff:
         helper = self.helper
         with self._changed:
             while self._unfinished and helper.is_up and not deadline.expired:
-                stall_in = helper.policy.stall_s - helper.seconds_since_beat()
-                if stall_in < 0:
-                    helper.fail(f"it made no progress for {helper.policy.stall_s:g} s")
+                stall_in = helper.stall_left()
+                if not helper.is_up:
                     break
                 # woken by `done`, or when a stall would be declared (a beat meanwhile moves that later)
                 self._changed.wait(timeout=min(deadline.remaining(), stall_in))
@@ -395,9 +401,8 @@ class LatestState(Generic[State]):
             while not (self._idle() and self.updates >= target) and helper.is_up and not deadline.expired:
                 wait_s = deadline.remaining()
                 if self._working:  # wake when a stall would be declared
-                    stall_in = helper.policy.stall_s - helper.seconds_since_beat()
-                    if stall_in <= 0:
-                        helper.fail(f"it made no progress for {helper.policy.stall_s:g} s")
+                    stall_in = helper.stall_left()
+                    if not helper.is_up:
                         break
                     wait_s = min(wait_s, stall_in)
                 self._changed.wait(wait_s)
