@@ -275,14 +275,20 @@ PY
 # (the next run, compiled from what that child left), at each video size of SIZES (640x480 makes 518x392 model
 # input, 480x480 518x518), of this tree and of each of TREES ("name:folder"), one process a run, every output
 # written. A tree's runs share caches of their own that start empty: $OUT/e2e_TREE_SIZE_{empty,warm}.json.
+# ROUNDS (1) above 1: TREES alternate that many times a size, this tree only in the first round (the call's first
+# run pays ~1 s more), $OUT/e2e_TREE_SIZE_RUN_rN.json, and each tree's median first prediction is printed: one
+# run's first prediction spreads ±20 %, more than a ±5 % comparison can rest on.
 start_warm() {
-  local size tree name path run
+  local size tree name path run round trees suffix
   bytecode_once
   checkpoint_once
   python3 -c "import torch; torch.load('/tmp/ckpt/full-size.pt', mmap=True, weights_only=True)" 2>&1 | grep -v Warn
   for tree in ${TREES:-}; do link_package "sr_${tree%%:*}" "${tree#*:}"; done
   for size in ${SIZES:-640x480 480x480}; do
-    for tree in "this:$PWD" ${TREES:-}; do
+   for round in $(seq "${ROUNDS:-1}"); do
+    trees="${TREES:-}"; [ "$round" = 1 ] && trees="this:$PWD $trees"
+    suffix=""; [ "${ROUNDS:-1}" = 1 ] || suffix="_r$round"
+    for tree in $trees; do
       name=${tree%%:*}; path=/tmp/sr_$name; [ "$name" = this ] && path=/tmp/sr
       rm -rf /tmp/machine_w; mkdir -p /tmp/machine_w
       for run in empty warm; do
@@ -292,15 +298,16 @@ start_warm() {
           PYTHONPATH=$path:/tmp/site timeout 200 python3 scripts/bench_e2e.py --video-dir /tmp \
           --checkpoint /tmp/ckpt/full-size.pt \
           --frames "${FRAMES:-400}" --video-size "$size" --no-engine-run --compile auto ${E2E_ARGS:-} \
-          --json "$OUT/e2e_${name}_${size}_$run.json" 2>&1 | grep -v Warn | tail -3 >> "$OUT/e2e.log")
+          --json "$OUT/e2e_${name}_${size}_$run$suffix.json" 2>&1 | grep -v Warn | tail -3 >> "$OUT/e2e.log")
         [ "$run" = empty ] || continue
         for _ in $(seq 240); do ls /tmp/machine_w/stream-recon-compiled/*.compiled >/dev/null 2>&1 && break; sleep 0.5; done
         wait_for_idle_gpu 60  # the compile child has left the GPU
       done
     done
+   done
   done
   python3 - "$OUT" <<'PY'
-import json, pathlib, sys
+import json, pathlib, statistics, sys
 keys = ("first_prediction_s", "run_model_load_s", "prediction_100_s", "run_warm_up_s", "steady_fps", "run_json_fps",
         "compiled_while_streaming", "steady_fps_compiled",
         "longest_interval_after_first_prediction_ms", "first_prediction_from_process_start_s")
@@ -308,6 +315,12 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("e2e_*_*_*.json")):
     row = json.loads(path.read_text())
     print(path.stem, {k: (round(row[k], 2) if isinstance(row.get(k), float) else row.get(k)) for k in keys},
           "warm-up parts", row.get("run_warm_up_parts_s"))
+firsts = {}
+for path in pathlib.Path(sys.argv[1]).glob("e2e_*_*_*_r*.json"):
+    tree_size_run = path.stem.rsplit("_r", 1)[0]
+    firsts.setdefault(tree_size_run, []).append(json.loads(path.read_text())["first_prediction_s"])
+for key, values in sorted(firsts.items()):
+    print("median first prediction", key, round(statistics.median(values), 2), "of", sorted(round(v, 2) for v in values))
 PY
 }
 
