@@ -44,7 +44,7 @@ from stream_recon.app.commands._options import (
     set_verbosity,
 )
 from stream_recon.app.outputs.export_formats import format_summary
-from stream_recon.app.stopping import STOP_SIGNALS, PromptInterrupt, interrupted_exit_code
+from stream_recon.app.stopping import STOP_SIGNALS, PromptInterrupt, end_process, interrupted_exit_code
 
 if _handler_before_import is not None:
     signal.signal(signal.SIGINT, _handler_before_import)
@@ -196,15 +196,23 @@ def _print_undecodable_bytes_as_bytes() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    whole_process = argv is None and threading.current_thread() is threading.main_thread()
+    code: object = 0
     try:
         _run_command(sys.argv[1:] if argv is None else list(argv))
+    except SystemExit as exiting:
+        if not whole_process:
+            raise
+        code = exiting.code
     finally:
-        if argv is None and threading.current_thread() is threading.main_thread():
+        if whole_process:
             # The program's work is done (its record and last line written): a stop signal now ends the process
             # by that signal at once, as a shell expects, instead of a KeyboardInterrupt printed while the
             # interpreter joins threads at exit, after "done:" and with exit code 0.
             for signum in STOP_SIGNALS:
                 signal.signal(signum, signal.SIG_DFL)
+    if whole_process:
+        end_process(code)
 
 
 def _run_command(args: list[str]) -> None:

@@ -21,11 +21,14 @@ Three phases, one handler each:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -280,3 +283,31 @@ def wait_for_stop_signal(on_ready: Callable[[], None] | None = None) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     return received[0]
+
+
+def end_process(code: object) -> NoReturn:
+    """End the process with `code` as SystemExit reads it (None: 0, an int: itself, else printed, then 1).
+
+    A daemon thread may still be inside a library's native call when a command ends: the reader of a stalled
+    camera waits in FFmpeg's read until its timeout. Python 3.11 ends a daemon thread that asks for the GIL back
+    while the interpreter finalizes with pthread_exit, whose unwinding through OpenCV's C++ frames aborts the
+    process ("terminate called without an active exception": exit -6 where 143 was due, and the last lines
+    still buffered for a pipe lost). So while such a thread is alive the interpreter is not finalized: the exit
+    handlers run here, the output is flushed and the process ends. With none, or with a non-daemon thread to
+    wait for, the usual exit.
+    """
+    others = [thread for thread in threading.enumerate() if thread is not threading.main_thread()]
+    if not others or any(not thread.daemon for thread in others):
+        sys.exit(code)
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:
+        print(code, file=sys.stderr)
+        status = 1
+    atexit._run_exitfuncs()  # what a finalizing interpreter runs: logging's flush, temporary folders' removal
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # (a closed pipe: nothing left to flush to)
+            stream.flush()
+    os._exit(status)

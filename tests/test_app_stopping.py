@@ -239,3 +239,42 @@ def test_a_signal_after_the_work_is_done_ends_the_process_by_that_signal_without
             child.kill()
     assert child.returncode == -signal.SIGINT, printed
     assert "KeyboardInterrupt" not in printed and "Traceback" not in printed, printed
+
+
+BUSY_IN_OPENCV_COMMAND = """
+import atexit, sys, threading
+import cv2, numpy as np, torch  # (torch: a finalization as long as a run's)
+from stream_recon.app import cli
+
+IMAGE = np.zeros((2000, 2000), np.float32)
+
+def blur_forever() -> None:  # each call leaves the GIL for tens of ms inside OpenCV's C++
+    while True:
+        cv2.GaussianBlur(IMAGE, (31, 31), 0)
+
+@cli.app.command(name="busy")
+def busy(code: int) -> None:
+    threading.Thread(target=blur_forever, daemon=True).start()
+    atexit.register(lambda: print("exit handlers ran", flush=True))
+    print("done: the work", end="\\n" if code else "")  # (the last line left in the buffer)
+    if code:
+        sys.exit(code)
+
+cli.main()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("code", [0, 2])
+def test_a_daemon_thread_inside_a_native_library_at_exit_does_not_abort_the_process(code: int) -> None:
+    """The reader of a stalled camera was inside OpenCV's read when a stopped run ended: the read came back while
+    the interpreter finalized, Python 3.11 ended the thread by unwinding its C++ frames, and the process aborted
+    ("terminate called without an active exception", exit -6 instead of 143, the buffered last lines lost)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", BUSY_IN_OPENCV_COMMAND, "busy", str(code)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == code, done.stdout + done.stderr
+    assert "terminate called" not in done.stderr and "Fatal Python error" not in done.stderr, done.stderr
+    assert done.stdout.startswith("done: the work") and done.stdout.rstrip().endswith("exit handlers ran")
