@@ -484,3 +484,31 @@ def test_source_classification() -> None:
     assert classify_source("rtsp://cam.local/stream") == ("stream", "rtsp://cam.local/stream")
     with pytest.raises(SourceError, match="unsupported URL scheme 'ftp'"):
         classify_source("ftp://example.com/video.mp4")
+
+
+def test_a_stop_signal_while_the_reader_starts_never_leaves_its_capture_to_the_main_thread(tmp_path, monkeypatch):
+    """A Ctrl-C or SIGTERM raised between the reader thread's start and its record left the source believing no
+    thread read it: close() released the capture from the main thread under the reader's read, and FFmpeg
+    deadlocked both (a stopped run that never ended). The signal lands right after the thread starts here."""
+    import signal
+
+    from stream_recon.app.sources import reader as reader_module
+    from stream_recon.app.stopping import PromptInterrupt
+
+    video = write_noise_video(tmp_path / "noise.avi", num_frames=30, width=320, height=240)
+    start_thread = reader_module.start_supervised_thread
+
+    def start_then_signal(*args, **kwargs):
+        thread = start_thread(*args, **kwargs)
+        signal.raise_signal(signal.SIGINT)  # (its handler runs before this function returns)
+        return thread
+
+    monkeypatch.setattr(reader_module, "start_supervised_thread", start_then_signal)
+    released_on = []
+    with open_source(video) as source:
+        release = source._reader.release
+        monkeypatch.setattr(source._reader, "release", lambda: released_on.append(threading.current_thread()) or release())
+        with PromptInterrupt(), pytest.raises(KeyboardInterrupt):
+            source.start()
+        source.close()
+    assert threading.main_thread() not in released_on

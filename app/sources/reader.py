@@ -63,6 +63,7 @@ from stream_recon.app.sources.settings import (
     ROTATIONS,
     FrameSelection,
 )
+from stream_recon.app.stopping import interrupts_held
 from stream_recon.models import DaemonPool
 from stream_recon.models.supervision import Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
 
@@ -314,8 +315,12 @@ class FrameSource:
         """
         if self._thread is None:
             self.reader_helper.beat()
+            # A stop signal raised between the thread's start and this assignment left _thread None with the
+            # reader running: close() then released the capture under its read and FFmpeg deadlocked both
+            # threads (a run that never ended). The signal is raised once the thread is recorded.
             # (_read_all hands whatever it raises to the consumer itself)
-            self._thread = start_supervised_thread(self.reader_helper, self._read_all, f"reader:{self.name}")
+            with interrupts_held():
+                self._thread = start_supervised_thread(self.reader_helper, self._read_all, f"reader:{self.name}")
 
     def __iter__(self) -> Iterator[Frame]:
         if self._iterated:
