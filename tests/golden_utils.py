@@ -55,12 +55,74 @@ def prepared_full_size_model():
     return prepare_for_inference(full_size_model(), "cpu", torch.float32)
 
 
+def every_golden_check() -> bool:
+    """STREAM_RECON_GOLDEN=all: every golden computation, also those a suite run leaves out."""
+    return os.environ.get("STREAM_RECON_GOLDEN") == "all"
+
+
 def scenarios_to_check(every: list[str], each_run: tuple[str, ...]) -> list[str]:
     """The golden scenarios a suite run checks on the CPU: `each_run`, or `every` one with STREAM_RECON_GOLDEN=all.
     Each is 3-4 minutes of the full-size model on one core, and the whole suite must fit CI's half hour; a scenario
     left out of `each_run` differs from a kept one in a way the tiny model checks against the fixtures (which
     frames are cached) and the GPU suite checks in float32."""
-    return sorted(every) if os.environ.get("STREAM_RECON_GOLDEN") == "all" else sorted(each_run)
+    return sorted(every) if every_golden_check() else sorted(each_run)
+
+
+def assert_cache_states(states: list[tuple[int, int, int, int, int]], golden) -> None:
+    """An engine's cache state after each frame it was handed, (time index before, after, patch frames, cached
+    frames, camera tokens), against a fixture's `after_*` lists (from frame 2, the end of phase 1: scale frames 0 and
+    1 are buffered, not yet run)."""
+    streaming = states[2:]
+    assert [s[1] for s in streaming] == golden["after_rope_counter"][2:].tolist()
+    assert [s[2] for s in streaming] == golden["after_patch_frames"][2:].tolist()
+    assert [s[3] for s in streaming] == golden["after_special_frames"][2:].tolist()
+    assert [s[4] for s in streaming] == golden["after_camera_tokens"][2:].tolist()
+    assert [s[0] for s in states[3:]] == golden["rope_time_index"][3:].tolist()
+
+
+def assert_flow_magnitudes(predictions, golden) -> None:
+    """Each frame's flow to its keyframe where the fixture's policy decided one, none where it did not."""
+    flows = np.array([p.flow_magnitude for p in sorted(predictions, key=lambda p: p.frame_index)])
+    decided = ~np.isnan(golden["flow_magnitude"])
+    assert np.isnan(flows[~decided]).all()
+    error = relative_error(flows[decided], golden["flow_magnitude"][decided]) if decided.any() else 0.0
+    assert error <= TOLERANCE, f"flow magnitude error {error:.2e}"
+
+
+class EngineSteps:
+    """What every StreamingEngine of a run showed after each frame it was handed: its cache state (as
+    assert_cache_states reads it) and the predictions it returned. It wraps the engine's `push_checked` and `finish`
+    for the test (monkeypatch), calling each as it is: the run computes and writes exactly what it would."""
+
+    def __init__(self, monkeypatch):
+        from stream_recon.models import StreamingEngine
+
+        self.engines: dict[object, tuple[list, list]] = {}  # engine -> (states, predictions)
+        push, finish = StreamingEngine.push_checked, StreamingEngine.finish
+
+        def recording_push(engine, image, timestamp=None, **options):
+            before = engine.time_counter
+            ready = push(engine, image, timestamp, **options)
+            stats = engine.stats()
+            states, predictions = self.engines.setdefault(engine, ([], []))
+            states.append((before, engine.time_counter, stats["patch_frames"], stats["cached_frames"],
+                           stats["camera_tokens"]))
+            predictions += ready
+            return ready
+
+        def recording_finish(engine):
+            ready = finish(engine)
+            self.engines.setdefault(engine, ([], []))[1].extend(ready)
+            return ready
+
+        monkeypatch.setattr(StreamingEngine, "push_checked", recording_push)
+        monkeypatch.setattr(StreamingEngine, "finish", recording_finish)
+
+    def stream(self, frames: int) -> tuple[list, list]:
+        """(states, predictions) of the one engine that was handed `frames` frames: the stream's."""
+        handed = [record for record in self.engines.values() if len(record[0]) == frames]
+        assert len(handed) == 1, f"engines handed {[len(states) for states, _ in self.engines.values()]} frames"
+        return handed[0]
 
 
 # -- the CLI on the golden frames (tests/test_golden_cli.py, and the GPU suite) --------------------

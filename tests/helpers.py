@@ -1,13 +1,16 @@
-"""Small helpers the test files share: waiting on a condition with a deadline, the warnings a test logged, and
-random similarity transforms."""
+"""Small helpers the test files share: waiting on a condition with a deadline, the warnings a test logged,
+random similarity transforms, and a source file's syntax tree."""
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
 import subprocess
 import time
 from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 
@@ -48,3 +51,14 @@ def random_rotation(rng: np.random.Generator) -> np.ndarray:
 def random_sim3(rng: np.random.Generator, *, log_scale_sigma: float = 0.5, translation_sigma: float = 5.0) -> Sim3:
     """A similarity with a uniform rotation, a log-normal scale and a Gaussian translation."""
     return Sim3(float(np.exp(rng.normal(0, log_scale_sigma))), random_rotation(rng), rng.normal(0, translation_sigma, 3))
+
+
+def parsed_source(path: Path) -> ast.Module:
+    """`path`'s syntax tree, parsed once a process for each text it had (the rule checks read every module of the
+    tree, each check on its own, and also read copies of it with one line changed). Read it, never change it."""
+    return _parsed_text(path.read_text())
+
+
+@lru_cache(maxsize=4096)
+def _parsed_text(text: str) -> ast.Module:
+    return ast.parse(text)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from helpers import parsed_source
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,7 +77,7 @@ STREAM_WORDS = {"pose", "poses", "keyframe", "keyframes", "policy", "policies", 
 def stream_ideas_in_the_cache(paths: list[Path], root: Path | None = None) -> list[str]:
     found = []
     for path in paths:
-        for line, name in identifiers(ast.parse(path.read_text())):
+        for line, name in identifiers(parsed_source(path)):
             named = STREAM_WORDS.intersection(words(name))
             if named:
                 found.append(f"{relative(path, root)}:{line}: {name} (the cache knows nothing of {', '.join(named)})")
@@ -94,7 +95,7 @@ def private_names_of_the_rooms(root: Path | None = None) -> set[str]:
     def defined(folders: tuple[str, ...]) -> set[str]:
         names = set()
         for path in python_files(*folders, root=root):
-            for node in ast.walk(ast.parse(path.read_text())):
+            for node in ast.walk(parsed_source(path)):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                     names.add(node.name)
                 elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
@@ -110,7 +111,7 @@ def app_reaching_into_internals(paths: list[Path], root: Path | None = None) -> 
     private = private_names_of_the_rooms(root)
     found = []
     for path in paths:
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parsed_source(path)):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(("stream_recon.models",
                                                                                     "stream_recon.cache")):
                 found += [f"{relative(path, root)}:{node.lineno}: imports {alias.name} from {node.module}"
@@ -148,7 +149,7 @@ def imported_at_top(path: Path, root: Path) -> Iterator[tuple[int, str]]:
     """(line, dotted module) for what `path` imports when it is imported, relative imports resolved."""
     parts = path.relative_to(root).with_suffix("").parts
     package = ["stream_recon", *(parts[:-1])]
-    for node in top_level_imports(ast.parse(path.read_text())):
+    for node in top_level_imports(parsed_source(path)):
         if isinstance(node, ast.Import):
             yield from ((node.lineno, alias.name) for alias in node.names)
             continue
@@ -198,7 +199,7 @@ def test_the_app_packages_hold_no_code() -> None:
                                                 for room in ("commands", "sources", "run", "outputs", "evaluation"))]
     holding_code = [relative(path) for path in packages
                     if any(not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
-                           for node in ast.parse(path.read_text()).body)]
+                           for node in parsed_source(path).body)]
     assert holding_code == []
 
 
@@ -242,7 +243,7 @@ def files_written_past_atomic_write(paths: list[Path], root: Path | None = None)
         where = relative(path, root)
         if where == "app/outputs/rundir.py":
             continue
-        tree = ast.parse(path.read_text())
+        tree = parsed_source(path)
         # what atomic_write is handed writes into its temporary file (np.savez(f, ...) in a lambda)
         handed = {id(inner) for node in ast.walk(tree) if isinstance(node, ast.Call)
                   and getattr(node.func, "id", getattr(node.func, "attr", None)) == "atomic_write"
@@ -263,7 +264,7 @@ def test_every_output_file_is_written_through_atomic_write() -> None:
 # -- the backend table is read, never written again: the app names no backend -----------------------------
 def backend_names(root: Path | None = None) -> set[str]:
     """The names of cache/backends.py's BACKENDS rows, read from its syntax tree."""
-    tree = ast.parse(((root or ROOT) / "cache" / "backends.py").read_text())
+    tree = parsed_source((root or ROOT) / "cache" / "backends.py")
     return {keyword.value.value for node in ast.walk(tree) if isinstance(node, ast.Call)
             and getattr(node.func, "id", None) == "BackendSpec" for keyword in node.keywords if keyword.arg == "name"}
 
@@ -271,7 +272,7 @@ def backend_names(root: Path | None = None) -> set[str]:
 def backends_named_in_the_app(paths: list[Path], root: Path | None = None) -> list[str]:
     names = backend_names(root)
     return [f"{relative(path, root)}:{node.lineno}: {node.value!r} (ask models/attention_backends.py)"
-            for path in paths for node in ast.walk(ast.parse(path.read_text()))
+            for path in paths for node in ast.walk(parsed_source(path))
             if isinstance(node, ast.Constant) and node.value in names]
 
 
@@ -288,7 +289,7 @@ EXPORT_FORMAT_HOME = "app/outputs/export_formats.py"
 def keyframe_policies(root: Path | None = None) -> tuple[set[str], set[str]]:
     """(the policy classes, the words they are spelled with) of stream_config.py, read from its syntax tree:
     a class is a policy where its body gives `word` a value."""
-    tree = ast.parse(((root or ROOT) / KEYFRAME_POLICY_HOME).read_text())
+    tree = parsed_source((root or ROOT) / KEYFRAME_POLICY_HOME)
     classes, spelled = set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef):
@@ -302,7 +303,7 @@ def keyframe_policies(root: Path | None = None) -> tuple[set[str], set[str]]:
 
 def export_format_members(root: Path | None = None) -> set[str]:
     """The members of export_formats.py's ExportFormat, read from its syntax tree."""
-    tree = ast.parse(((root or ROOT) / EXPORT_FORMAT_HOME).read_text())
+    tree = parsed_source((root or ROOT) / EXPORT_FORMAT_HOME)
     enum = next(node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name == "ExportFormat")
     return {target.id for statement in enum.body if isinstance(statement, ast.Assign)
             for target in statement.targets if isinstance(target, ast.Name) and target.id.isupper()}
@@ -317,7 +318,7 @@ def entries_named_outside_their_table(paths: list[Path], root: Path | None = Non
     found = []
     for path in paths:
         where = relative(path, root)
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parsed_source(path)):
             if where != KEYFRAME_POLICY_HOME and isinstance(node, (ast.Name, ast.Attribute)) \
                     and (node.id if isinstance(node, ast.Name) else node.attr) in classes:
                 found.append(f"{where}:{node.lineno}: {ast.unparse(node)} (ask the policy, not its class)")
@@ -357,7 +358,7 @@ def imported_anywhere(path: Path, root: Path) -> Iterator[tuple[int, str]]:
     """(line, dotted module) for every import in `path`, in functions too, relative imports resolved."""
     parts = path.relative_to(root).with_suffix("").parts
     package = ["stream_recon", *(parts[:-1])]
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parsed_source(path)):
         if isinstance(node, ast.Import):
             yield from ((node.lineno, alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -530,7 +531,7 @@ def process_wide_state(module_name: str, path: Path) -> list[str]:
     import importlib
 
     module = importlib.import_module(module_name)
-    assigned = [target.id for node in ast.parse(path.read_text()).body if isinstance(node, (ast.Assign, ast.AnnAssign))
+    assigned = [target.id for node in parsed_source(path).body if isinstance(node, (ast.Assign, ast.AnnAssign))
                 for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
                 if isinstance(target, ast.Name)]
     assigned += [name for name in vars(module) if name not in assigned and not name.startswith("__")

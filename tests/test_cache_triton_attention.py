@@ -4,6 +4,7 @@ The GPU runs it in tests/test_gpu_fast_path.py against the golden fixtures."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -82,10 +83,20 @@ SCHEDULE_CASES = [
     (70, 3, 4, 4 + 1300, 8, (0, 6, 4, 700), False, "float32"),  # a prefix of 7 of 11 blocks, 3 pieces of the rest
     (64, 2, 0, 300, 4, (0, 2, 4, 875), False, "float16"),  # 3 blocks: a prefix of 2, pieces of 0-1 blocks
 ]
-# 7 tiles on 8 slots, 289 blocks: the rule's own prefix cut (it cuts one only from 288 key blocks), ~20 s in
-# the interpreter, most of a run's time. It runs on the pointer loads only: the forced prefix cuts above take
-# both loads.
-RULE_PREFIX_CASE = (64, 7, 5, 5 + 36900, 8, None, False, "float32")
+# The rule's own prefix cut: it cuts one only from 288 key blocks (7 tiles on 8 slots over 289 blocks,
+# RULE_PREFIX_SHAPE), ~30 s in the interpreter. The rule is asked at that size and the kernel runs the very
+# schedule it gave over 21 blocks (a prefix of 18, then pieces of one): the programs take the same paths whatever
+# the range's length. On the pointer loads only: the forced prefix cuts above take both loads.
+RULE_PREFIX_SHAPE = (64, 7, 5, 5 + 36900, 8)  # queries, heads, start, end, slots
+
+
+def rule_prefix_case() -> tuple:
+    from stream_recon.cache.triton_attention import schedule_tiles
+
+    queries, heads, start, end, slots = RULE_PREFIX_SHAPE
+    schedule = schedule_tiles(-(-queries // 64) * heads, slots, -(-(end + 5) // 128))
+    assert schedule.whole_tiles == 0 and schedule.prefix_share > 0, schedule  # (the rule cuts a prefix there)
+    return (queries, heads, start, start + 2600, slots, dataclasses.astuple(schedule), False, "float32")
 
 SCHEDULE_SCRIPT = textwrap.dedent("""
     import sys, torch
@@ -101,8 +112,6 @@ SCHEDULE_SCRIPT = textwrap.dedent("""
         if forced is None:
             tiles = -(-queries // 64) * heads
             assert schedule_tiles(tiles, slots, -(-(end + 5) // 128)).splits > 1  # (the case cuts tiles)
-            if end > 30000:
-                assert schedule_tiles(tiles, slots, -(-(end + 5) // 128)).prefix_share > 0
         schedule = TileSchedule(*forced) if forced else None
         out = attend_range_scheduled(q, store[0], store[1], torch.tensor([start, end], dtype=torch.int32), slots,
                                      schedule=schedule, tails_last=tails_last, tma=tma)
@@ -119,7 +128,7 @@ SCHEDULE_SCRIPT = textwrap.dedent("""
 def test_scheduled_pieces_merge_to_sdpa_over_the_same_keys(tma):
     """Both loads: TMA descriptors (Hopper on) and pointers (Ampere, Ada), each path's partial last
     block included (a store whose last block ends past its rows: the range ends 5 rows before it)."""
-    schedule_cases = SCHEDULE_CASES if tma else [*SCHEDULE_CASES, RULE_PREFIX_CASE]
+    schedule_cases = SCHEDULE_CASES if tma else [*SCHEDULE_CASES, rule_prefix_case()]
     cases = [(*case, tma) for case in schedule_cases]
     errors = [float(x) for x in interpret(SCHEDULE_SCRIPT, cases).split()]
     assert len(errors) == len(schedule_cases)

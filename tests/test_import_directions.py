@@ -37,6 +37,7 @@ import tokenize
 from pathlib import Path
 
 import pytest
+from helpers import parsed_source
 
 REPO = Path(__file__).resolve().parents[1]
 ROOMS = ("network", "builds", "stream", "loops")
@@ -55,7 +56,7 @@ MAX_TOP_MODULES = 10  # `ls models/*.py | wc -l`, __init__.py included
 
 def lazy_homes() -> dict[str, str]:
     """models/__init__.py's _HOMES (name -> its module under models/), read without importing it."""
-    tree = ast.parse((REPO / "models" / "__init__.py").read_text())
+    tree = parsed_source(REPO / "models" / "__init__.py")
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_HOMES" for t in node.targets):
             return ast.literal_eval(node.value)
@@ -80,7 +81,7 @@ def imported_areas(path: Path) -> list[tuple[int, str, str]]:
     package = module if relative.name == "__init__" else module.rpartition(".")[0]
     homes = lazy_homes()
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parsed_source(path)):
         if isinstance(node, ast.Import):
             targets = [alias.name.removeprefix("stream_recon.") for alias in node.names
                        if alias.name.startswith("stream_recon.")]
@@ -194,7 +195,7 @@ def imported_names(path: Path) -> list[tuple[int, str, str | None]]:
     module = ".".join(relative.parts[:-1] if relative.name == "__init__" else relative.parts)
     package = module if relative.name == "__init__" else module.rpartition(".")[0]
     found: list[tuple[int, str, str | None]] = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parsed_source(path)):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name.removeprefix("stream_recon."), None) for alias in node.names
                       if alias.name.startswith("stream_recon.")]
@@ -264,7 +265,7 @@ def test_models_top_keeps_at_most_ten_modules() -> None:
 
 @pytest.mark.parametrize("room", ROOMS)
 def test_each_room_says_what_it_owns_and_what_it_may_import(room: str) -> None:
-    docstring = ast.get_docstring(ast.parse((REPO / "models" / room / "__init__.py").read_text())) or ""
+    docstring = ast.get_docstring(parsed_source(REPO / "models" / room / "__init__.py")) or ""
     assert re.search(r"\bimport", docstring, re.IGNORECASE), f"models/{room}/__init__.py: what may it import?"
     if room == "loops":  # its docstring names what it imports from the rest of models/ in its own words
         return
@@ -380,7 +381,7 @@ def test_a_forbidden_app_import_is_caught(tmp_path: Path, monkeypatch: pytest.Mo
 
 @pytest.mark.parametrize("room", [room for room in APP_ROOMS])
 def test_each_app_room_says_what_it_holds_and_what_it_may_import(room: str) -> None:
-    docstring = ast.get_docstring(ast.parse((REPO / "app" / room / "__init__.py").read_text())) or ""
+    docstring = ast.get_docstring(parsed_source(REPO / "app" / room / "__init__.py")) or ""
     may = re.search(r"^May import: (.+?)$", docstring, re.MULTILINE | re.DOTALL)
     nothing = re.search(r"^Imports nothing of: (.+?)\.$", docstring, re.MULTILINE)
     assert may and nothing, f"app/{room}/__init__.py: a 'May import:' and an 'Imports nothing of:' line"
@@ -407,7 +408,7 @@ MAX_IMPORTS_INSIDE_FUNCTIONS = 60  # across app/, models/ and cache/; each with 
 def typing_only_lines(path: Path) -> set[int]:
     """The lines of `path` under `if TYPE_CHECKING:`: imports for annotations, never run."""
     lines: set[int] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parsed_source(path)):
         if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
             lines |= {inner.lineno for statement in node.body for inner in ast.walk(statement)
                       if hasattr(inner, "lineno")}

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -451,17 +452,19 @@ def python_calls(script: str, sourced: str = "") -> list[tuple[str, set[str], in
             if depth == 0:
                 break
         bodies.append((match.group(1), cleaned[match.end():end]))
+    passing_on = [(name, [words for _, line in shell_lines(body) for words in simple_commands(expand(line, variables))])
+                  for name, body in bodies if "$@" in body]  # each body read once: shlex is most of the time
     functions: dict[str, str] = {}  # a function that runs a script with its own arguments -> that script
-    for _ in bodies:  # as often as there are functions: one that calls another needs the other's first
-        for name, body in bodies:
-            if "$@" not in body:
-                continue
-            for _, line in shell_lines(body):
-                for words in simple_commands(expand(line, variables)):
-                    called = [SCRIPT_PATH.search(word) for word in words]
-                    script_path = next((m.group(1) for m in called if m), functions.get(command_name(words) or ""))
-                    if script_path:
-                        functions.setdefault(name, script_path)
+    found = True
+    while found:  # until nothing new: one that calls another needs the other's first
+        found = False
+        for name, commands in passing_on:
+            for words in commands if name not in functions else ():
+                called = [SCRIPT_PATH.search(word) for word in words]
+                script_path = next((m.group(1) for m in called if m), functions.get(command_name(words) or ""))
+                if script_path:
+                    functions[name], found = script_path, True
+                    break
     calls = []
     for number, line in shell_lines(script):
         line = FUNCTION_START.sub("", line)  # a function's definition is not a call of it
@@ -480,10 +483,12 @@ def python_calls(script: str, sourced: str = "") -> list[tuple[str, set[str], in
     return calls
 
 
-def device_script_calls(path: str) -> list[tuple[str, set[str], int]]:
+@cache  # each of measure.sh's ~20 suites asks for its calls
+def device_script_calls(path: str) -> tuple[tuple[str, frozenset[str], int], ...]:
     text = (REPO / path).read_text()
     sources_env = path != ENV_SCRIPT and SOURCES_ENV_SCRIPT.search(text)
-    return python_calls(text, (REPO / ENV_SCRIPT).read_text() if sources_env else "")
+    return tuple((called, frozenset(flags), line)
+                 for called, flags, line in python_calls(text, (REPO / ENV_SCRIPT).read_text() if sources_env else ""))
 
 
 def test_shell_scripts_are_read_as_the_shell_runs_them() -> None:
