@@ -40,4 +40,5 @@ def test_cli_run_directory_equals_the_official_outputs_on_the_cpu(golden_checkpo
     golden = np.load(GOLDEN / scenario / "outputs.npz")
     states, predictions = steps.stream(frames=14)
     assert_cache_states(states, golden)
-    assert_flow_magnitudes(predictions, golden)
+    if "flow_magnitude" in golden.files:  # the flow scenario's fixture lists them, the others none
+        assert_flow_magnitudes(predictions, golden)
