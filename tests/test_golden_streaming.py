@@ -6,7 +6,7 @@ magnitudes of the same run (tests/test_golden_cli.py); here the phase-1 intermed
 scale frames, as in every scenario). The other scenarios' cache states follow from the policy's decisions alone
 (all, interval: a frame's index), checked on the tiny model. The flow stream on the dense layout at full size runs
 with STREAM_RECON_GOLDEN=all: a layout's bookkeeping does not depend on the weights, and both layouts are checked
-against one reference on every sequence of appends, rollbacks and evictions (tests/test_cache_dense.py,
+against one reference on generated sequences of appends, rollbacks and evictions (tests/test_cache_dense.py,
 tests/test_models_engine.py), the contiguous one at full size on the GPU (tests/test_gpu_fast_path.py).
 """
 
