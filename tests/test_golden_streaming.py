@@ -23,6 +23,7 @@ from golden_utils import (
     TOLERANCE,
     assert_cache_states,
     assert_flow_magnitudes,
+    cache_state,
     every_golden_check,
     golden_frames,
     prepared_full_size_model,
@@ -69,12 +70,8 @@ def run_scenario(config: StreamConfig, capture: bool = False, model=None, frames
     try:
         for frame in golden_frames()[:frames]:
             time_before = engine.time_counter
-            new = engine.push(frame)
-            predictions += new
-            stats = engine.stats()
-            states.append(
-                (time_before, engine.time_counter, stats["patch_frames"], stats["cached_frames"], stats["camera_tokens"])
-            )
+            predictions += engine.push(frame)
+            states.append(cache_state(engine, time_before))
     finally:
         for c in captures.values():
             c.handle.remove()

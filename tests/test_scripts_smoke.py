@@ -459,7 +459,9 @@ def python_calls(script: str, sourced: str = "") -> list[tuple[str, set[str], in
     while found:  # until nothing new: one that calls another needs the other's first
         found = False
         for name, commands in passing_on:
-            for words in commands if name not in functions else ():
+            if name in functions:
+                continue
+            for words in commands:
                 called = [SCRIPT_PATH.search(word) for word in words]
                 script_path = next((m.group(1) for m in called if m), functions.get(command_name(words) or ""))
                 if script_path:
