@@ -711,6 +711,22 @@ def test_an_export_stopped_while_it_replaces_another_keeps_the_earlier_one(tmp_p
     assert tree_of(export) != earlier  # the new export, without points
 
 
+def test_an_export_stopped_while_it_swaps_in_keeps_the_new_one_complete(tmp_path: Path, finished_run: Path) -> None:
+    # a SIGTERM held across the swap's renames was raised as the hold ended, and the clean-up of a stopped
+    # export then removed the new export just swapped in: neither the earlier nor the new one was left
+    export, new = tmp_path / "colmap", tmp_path / "reference"
+    assert stream_recon("export", str(finished_run), "-f", "colmap", "-o", str(export), "--conf-threshold",
+                        "1").returncode == 0
+    assert stream_recon("export", str(finished_run), "-f", "colmap", "-o", str(new)).returncode == 0
+
+    stopped = subprocess.run(command("export", str(finished_run), "-f", "colmap", "-o", str(export), "--overwrite"),
+                             env=fault_environment("stream_recon.app.outputs.export:swap_in_staged:term:1"),
+                             capture_output=True, text=True, timeout=120)
+    assert stopped.returncode == 143, stopped.stderr
+    assert "Traceback" not in stopped.stdout + stopped.stderr
+    assert tree_of(export) == tree_of(new)  # nothing hidden left either
+
+
 def earlier_names(tree: dict[str, bytes]) -> set[str]:
     return {name.split("/")[0] for name in tree}
 

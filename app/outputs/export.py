@@ -343,6 +343,7 @@ class ExportTarget:
         except OSError as exc:
             raise ExportError(f"cannot create {folder}: {exc.strerror or exc}; choose a writable --output") from None
         self._replaced_file_existed = not fmt.is_folder and self.path.exists()
+        self._committed = False
 
     @property
     def replaces(self) -> bool:
@@ -351,12 +352,13 @@ class ExportTarget:
 
     def commit(self) -> None:
         """A folder format's new export in place of the earlier one, in a few renames with signals held
-        (a SIGKILL between two of them is the one way to a mix); a new export is in place already."""
-        if self.writes_to == self.path:
-            return
+        (a SIGKILL between two of them is the one way to a mix); a new export is in place already. A signal
+        held across the renames is raised as the hold ends, when the export is complete: discard() keeps it."""
         with interrupts_held():
-            swap_in_staged(self.writes_to, self._earlier)
-            self.writes_to = self.path
+            if self.writes_to != self.path:
+                swap_in_staged(self.writes_to, self._earlier)
+                self.writes_to = self.path
+            self._committed = True
 
     def _file(self, path: Path, name: str, overwrite: bool) -> Path:
         fmt = self.fmt
@@ -404,7 +406,9 @@ class ExportTarget:
 
     def discard(self) -> None:
         """Remove what this export wrote (its hidden folder, or a new export's contents and file, the folders
-        it made); an earlier export stays as it was."""
+        it made); an earlier export stays as it was. A committed export is complete and stays."""
+        if self._committed:
+            return
         with contextlib.suppress(OSError):
             if self.writes_to != self.path:
                 remove_tree(self.writes_to)

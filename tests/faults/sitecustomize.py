@@ -5,7 +5,8 @@ folder on PYTHONPATH (the CLI's and its helper children) reads two variables:
 
 - STREAM_RECON_TEST_FAULT="module:Class.method:kind:call" makes the `call`-th call (1 = the first) of
   that function, in whichever process makes it, raise (`raise`), kill its process (`kill`: SIGKILL),
-  stop it (`stop`: SIGSTOP) or block its thread for good (`block`);
+  stop it (`stop`: SIGSTOP), block its thread for good (`block`) or send its process SIGTERM and go on
+  (`term`: the signal lands inside the call, as a user's can);
 - STREAM_RECON_TEST_DEADLINES="module:NAME=seconds,..." shortens a module's deadline constants.
 
 Both take effect when the module is first imported, so nothing is imported here that the process
@@ -44,6 +45,8 @@ def _faulty(function, kind: str, call: int):
                 os.kill(os.getpid(), signal.SIGSTOP)
             if kind == "block":
                 threading.Event().wait()
+            if kind == "term":
+                os.kill(os.getpid(), signal.SIGTERM)
         return function(*args, **kwargs)
 
     return wrapper
