@@ -32,7 +32,7 @@ from stream_recon.models import (
     keyframe_spellings,
     parse_memory_size,
 )
-from stream_recon.models.attention_backends import backend_names, resolve_backend
+from stream_recon.models.attention_backends import backend_names, resolve_backend, unknown_backend_advice
 
 KV_CACHE_CHOICES = ("auto", "fp8")  # auto: the model's precision (models.attention_backends.resolve_backend)
 # auto: on when the pose graph's library is installed and the stream can reach a third chunk (a loop joins
@@ -100,7 +100,7 @@ class RunOptions:
     compile: str = "auto"  # auto | on | off: torch.compile the blocks and heads (CUDA only)
     warm_up: str = "auto"  # auto | on | off: compile and record the streaming step before the first frame
     memory_check: bool = True  # refuse a CPU run whose memory estimate exceeds what is available (app.run.resources)
-    kv_cache: str = "auto"  # K/V cache precision: auto (the model's) | fp8 (e4m3, dense attention backends)
+    kv_cache: str = "auto"  # K/V cache precision: auto (the model's) | fp8 (e4m3, a scale per token and head)
     gpu_memory: str | None = None  # a device-memory budget such as "8GiB": the engine plans to fit it (models.stream.memory)
     # engine
     scale_frames: int = SCALE_FRAMES
@@ -318,7 +318,7 @@ def _engine_problems(options: RunOptions) -> Iterator[str]:
     budget's spelling. Each is read from a torch-free module of the engine's (the backends' names, the
     policies' spellings, the size parser), so that a bad value is answered before torch is imported."""
     if options.attention not in backend_names():
-        yield f"--attention must be one of {', '.join(backend_names())}, got {options.attention!r}"
+        yield unknown_backend_advice(options.attention)
     try:
         KeyframePolicy.parse(options.keyframes)
     except ValueError:

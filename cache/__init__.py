@@ -1,5 +1,5 @@
-"""The two-stream KV cache: bookkeeping of two layouts (paged, dense), their storage, the attention
-backends that read them (one table: backends.py), and the camera head's token cache.
+"""The two-stream KV cache: page tables, the pages' storage, the attention backends that read them (one file
+each: backends/), and the camera head's token cache.
 
 The names below are imported on first use, as models/ does its own: a light module of this package
 (backend_names) can then be read without loading torch, as the CLI's option checks do.
@@ -13,28 +13,18 @@ from .lazy_names import lazy_names
 _HOMES = {
     "backends": "backends",
     "fp8": "fp8",
-    "BackendSpec": "backends",
-    "DenseTwoStreamCache": "dense",
-    "SlotMove": "dense",
-    "VisibleRange": "dense",
-    "DenseAttention": "dense_attention",
-    "DenseKV": "dense_attention",
-    "SplitCudnnAttention": "dense_attention",
-    "merge_partial_attention": "dense_attention",
+    "BackendSpec": "backend_names",
     "AttentionBackend": "kv_cache",
     "CacheStep": "kv_cache",
-    "DenseKVCache": "kv_cache",
     "KVCache": "kv_cache",
-    "PagedKVCache": "kv_cache",
-    "CacheCapacityError": "layout",
-    "CacheLayout": "layout",
-    "SPECIAL_PAGES_AT_START": "paged",
-    "PagedTwoStreamCache": "paged",
-    "PagedKV": "paged_attention",
-    "SDPAPagedAttention": "paged_attention",
+    "CacheCapacityError": "pages",
+    "CacheLayout": "pages",
     "POOL_GROWTH_PAGES": "pages",
     "PagePool": "pages",
     "VisiblePages": "pages",
+    "SPECIAL_PAGES_AT_START": "paged",
+    "PagedTwoStreamCache": "paged",
+    "PagedKV": "store",
     "DeviceValues": "streams",
     "run_beside": "streams",
     "TokenCache": "token_cache",

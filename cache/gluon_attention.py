@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .tile_pieces import program_keys
+from .tile_pieces import program_keys, run_after, run_of_block
 
 try:  # Gluon's interface moves between Triton releases; without it the Triton kernel serves alone
     from triton.experimental import gluon
@@ -73,9 +73,8 @@ if gluon is not None:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, columns, 16])
 
     @gluon.jit
-    def _masked_scores(s, block, num_keys, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-        """Scores of the range's last block with the keys past its end at -inf."""
-        limit = num_keys - block * BLOCK_N
+    def _masked_scores(s, limit, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+        """Scores of a run's last block, whose keys end `limit` rows in, with the rows past them at -inf."""
         if limit < BLOCK_N:
             keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s = gl.where(keys[None, :] < limit, s, gl.full(s.shape, -float("inf"), gl.float32, s_layout))
@@ -109,16 +108,18 @@ if gluon is not None:
         """Both halves' queries, then key blocks [first, stop) each into its buffer once both halves
         have released the block STAGES before it."""
         (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tail_smem, q_bar, k_bars, v_bars, empty_bars,
-         turn_bars, start, num_keys, first, stop, row0, column, Out, stride_o, num_queries, qk_scale,
+         turn_bars, runs, first, stop, row0, column, Out, stride_o, num_queries, qk_scale,
          partial_out, partial_stats, piece, num_pieces) = p
         present = first < stop
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes, pred=present)
         tma_load(q_desc, [row0, column], q_bar, q_smem.index(0), pred=present)
         tma_load(q_desc, [row0 + BLOCK_M, column], q_bar, q_smem.index(1), pred=present)
+        run, run_row, run_keys, run_first = run_of_block(runs, first)
         for i in range(stop - first):
             buffer = i % STAGES
             mbarrier.wait(empty_bars.index(buffer), ((i // STAGES) & 1) ^ 1)  # fresh: passes at parity 1
-            row = start + (first + i) * BLOCK_N
+            run, run_row, run_keys, run_first = run_after(runs, first + i, run, run_row, run_keys, run_first, BLOCK_N)
+            row = run_row + (first + i - run_first) * BLOCK_N
             mbarrier.expect(k_bars.index(buffer), k_desc.block_type.nbytes)
             tma_load(k_desc, [row, column], k_bars.index(buffer), k_smem.index(buffer))
             mbarrier.expect(v_bars.index(buffer), v_desc.block_type.nbytes)
@@ -142,7 +143,7 @@ if gluon is not None:
         """A whole tile's normalised rows into Out; a piece's unnormalised rows, maxima and sums into
         partial_out [pieces, 2 * BLOCK_M, D] and partial_stats [2, pieces, 2 * BLOCK_M]."""
         (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tail_smem, q_bar, k_bars, v_bars, empty_bars,
-         turn_bars, start, num_keys, first, stop, row0, column, Out, stride_o, num_queries, qk_scale,
+         turn_bars, runs, first, stop, row0, column, Out, stride_o, num_queries, qk_scale,
          partial_out, partial_stats, piece, num_pieces) = p
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -163,7 +164,7 @@ if gluon is not None:
                   TURNS: gl.constexpr):
         """One warpgroup: queries [row0 + HALF * BLOCK_M, + BLOCK_M) against key blocks [first, stop)."""
         (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tail_smem, q_bar, k_bars, v_bars, empty_bars,
-         turn_bars, start, num_keys, first, stop, row0, column, Out, stride_o, num_queries, qk_scale,
+         turn_bars, runs, first, stop, row0, column, Out, stride_o, num_queries, qk_scale,
          partial_out, partial_stats, piece, num_pieces) = p
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
         s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
@@ -183,7 +184,8 @@ if gluon is not None:
             s_token = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             _pass_turn(turn_bars, HALF, TURNS)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_token, ))
-            s = _masked_scores(s, first, num_keys, BLOCK_N, s_layout)
+            run, run_row, run_keys, run_first = run_of_block(runs, first)
+            s = _masked_scores(s, run_keys - (first - run_first) * BLOCK_N, BLOCK_N, s_layout)
             p_f32, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, qk_scale)
             p_tile = gl.convert_layout(p_f32.to(gl.bfloat16), p_layout)
             for i in range(1, stop - first):
@@ -198,7 +200,9 @@ if gluon is not None:
                 _pass_turn(turn_bars, HALF, TURNS)
                 s = warpgroup_mma_wait(num_outstanding=1, deps=(s_token, ))  # (products finish in order)
                 # this block's softmax while the previous block's p.v runs
-                s = _masked_scores(s, first + i, num_keys, BLOCK_N, s_layout)
+                run, run_row, run_keys, run_first = run_after(runs, first + i, run, run_row, run_keys, run_first,
+                                                              BLOCK_N)
+                s = _masked_scores(s, run_keys - (first + i - run_first) * BLOCK_N, BLOCK_N, s_layout)
                 p_f32, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, qk_scale)
                 acc, p_tile = warpgroup_mma_wait(num_outstanding=0, deps=(acc_token, p_tile))
                 mbarrier.arrive(empty_bars.index(previous), count=1)  # block i - 1's keys and values read
@@ -208,7 +212,7 @@ if gluon is not None:
             buffer = last % STAGES
             mbarrier.wait(v_bars.index(buffer), (last // STAGES) & 1)
             values = v_smem.index(buffer)
-            limit = num_keys - (first + last) * BLOCK_N
+            limit = run_keys - (first + last - run_first) * BLOCK_N  # (the last block's run: the loop ended in it)
             if limit < BLOCK_N:  # (a copy per half: the other half still reads the shared block)
                 values = zeroed_past(values, limit, tail_smem.index(HALF), BLOCK_N)
             _take_turn(turn_bars, HALF, stop - first, TURNS)
@@ -219,17 +223,16 @@ if gluon is not None:
 
     # (the schedule's numbers change with the frame size: one compiled kernel serves them all)
     @gluon.jit(do_not_specialize=["whole_tiles", "split_tiles", "splits", "prefix_share"])
-    def _pingpong_range_kernel(q_desc, k_desc, v_desc, Out, partial_out, partial_stats, key_range, stride_o,
+    def _pingpong_range_kernel(q_desc, k_desc, v_desc, Out, partial_out, partial_stats, runs, stride_o,
                                num_queries, qk_scale, whole_tiles, split_tiles, splits, prefix_share,
                                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                TURNS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
         """One program: a whole tile of 2 * BLOCK_M queries of one head (program < whole_tiles) or one
-        piece of a split tile, as triton_attention's range kernel numbers them (head-major tiles)."""
+        piece of a split tile, as triton_attention's range kernel numbers them (head-major tiles), over the
+        key blocks of the run table `runs` (triton_attention.run_table)."""
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
         program = gl.program_id(0)
-        start = gl.load(key_range)
-        num_keys = gl.load(key_range + 1) - start
-        num_key_blocks = gl.cdiv(num_keys, BLOCK_N)
+        num_key_blocks = gl.load(runs + 1)
         tile, first, stop, piece = program_keys(program, whole_tiles, split_tiles, splits, prefix_share,
                                                 num_key_blocks)
         num_query_blocks = gl.cdiv(num_queries, 2 * BLOCK_M)
@@ -255,7 +258,7 @@ if gluon is not None:
         fence_async_shared()
 
         p = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, tail_smem, q_bar, k_bars, v_bars, empty_bars,
-             turn_bars, start, num_keys, first, stop, row0, column, Out, stride_o, num_queries, qk_scale,
+             turn_bars, runs, first, stop, row0, column, Out, stride_o, num_queries, qk_scale,
              partial_out, partial_stats, piece, split_tiles * splits)
         gl.warp_specialize([
             (_consumer, (p, 0, BLOCK_M, BLOCK_N, STAGES, TURNS)),
@@ -272,18 +275,18 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, head_dim], layout)
 
 
-def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_range: torch.Tensor, out: torch.Tensor,
+def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, runs: torch.Tensor, out: torch.Tensor,
            partial_out: torch.Tensor, partial_stats: torch.Tensor, schedule, qk_scale: float, *,
            stages: int = KEY_STAGES, turns: bool = True) -> None:
     """Run the programs of `schedule` (a triton_attention.TileSchedule on TILE_QUERIES-query tiles):
-    q [T, H, D] contiguous, keys/values [capacity, H, D] with each token's heads side by side, the
-    range [key_range[0], key_range[1]) read on the device; out [T, H, D]; pieces into partial_out
+    q [T, H, D] contiguous, keys/values [capacity, H, D] with each token's heads side by side, the rows
+    of the run table `runs` (triton_attention.run_table) read on the device; out [T, H, D]; pieces into partial_out
     [pieces, TILE_QUERIES, D] and partial_stats [2, pieces, TILE_QUERIES] (float32). `stages` (key
     blocks in flight) and `turns` (off: the halves issue their products freely; no faster) are there
     for measurements."""
     _pingpong_range_kernel[(schedule.num_programs,)](
         _descriptor(q, HALF_QUERIES), _descriptor(keys, BLOCK_KEYS), _descriptor(values, BLOCK_KEYS), out,
-        partial_out, partial_stats, key_range, out.stride(0), q.shape[0], qk_scale, schedule.whole_tiles,
+        partial_out, partial_stats, runs, out.stride(0), q.shape[0], qk_scale, schedule.whole_tiles,
         schedule.split_tiles, schedule.splits, schedule.prefix_share, BLOCK_M=HALF_QUERIES, BLOCK_N=BLOCK_KEYS,
         STAGES=stages, TURNS=turns, CONSUMER_REGS=CONSUMER_REGISTERS, LOADER_REGS=LOADER_REGISTERS, num_warps=4,
         maxnreg=LAUNCH_REGISTERS)

@@ -1,4 +1,4 @@
-"""Bookkeeping of the paged layout of the two-stream KV cache (spec MODEL.md §5, §9.2).
+"""Bookkeeping of the paged two-stream KV cache (spec MODEL.md §5, §9.2).
 
 Stream 1, patch tokens: one page per frame. The first `scale_frames` pages are pinned (anchor
 frames); later pages form a sliding window of `window_frames` pages recycled oldest-first.
@@ -7,7 +7,8 @@ committed, packed back to back into append-only pages: the trajectory memory.
 
 A frame is appended as *pending* (a draft): it is visible to the step that appended it, and then
 either committed or rolled back. Rollback restores the cache exactly as it was before the append,
-including any window page the append evicted, so a rejected frame leaves no trace.
+including any window page the append evicted, so a rejected frame leaves no trace. Eviction and
+rollback edit the page tables only: no key is ever copied or moved.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .layout import CacheLayout
-from .pages import PagePool, VisiblePages
+from .pages import CacheCapacityError, CacheLayout, PagePool, VisiblePages
 
 # Pages a new pool holds for the special stream beside its patch pages: a page takes the special tokens of
 # page_size / 6 frames, and the pool grows when these fill.
@@ -62,9 +62,10 @@ class PagedTwoStreamCache:
         """Frames whose patch tokens are visible: scale + window (pending included)."""
         return len(self.scale_pages) + len(self.window_pages)
 
-    def token_slots(self, frame: int = -1) -> list[int]:
-        """Flat slot ids (page_id * page_size + offset) of a pending frame's tokens, in token order:
-        its specials first, then its patches (the model's per-frame token order)."""
+    def frame_slots(self, frame: int = -1) -> tuple[list[int], int]:
+        """Where a pending frame's tokens go: the flat slots (page_id * page_size + offset) of its special
+        tokens, which may straddle two special pages, and the first slot of its patch page (the patches
+        follow it in order)."""
         pending = self._pending[frame]
         size = self.layout.page_size
         first = pending.specials_before
@@ -72,8 +73,13 @@ class PagedTwoStreamCache:
             self.special_pages[i // size] * size + i % size
             for i in range(first, first + self.layout.specials_per_frame)
         ]
-        patch_base = pending.patch_page * size
-        return specials + list(range(patch_base, patch_base + size))
+        return specials, pending.patch_page * size
+
+    def token_slots(self, frame: int = -1) -> list[int]:
+        """Flat slots of a pending frame's tokens, in token order: its specials first, then its patches
+        (the model's per-frame token order)."""
+        specials, patch_start = self.frame_slots(frame)
+        return specials + list(range(patch_start, patch_start + self.layout.page_size))
 
     def visible_pages(self) -> VisiblePages:
         """The key set of the current step, pending frames included.
@@ -109,10 +115,15 @@ class PagedTwoStreamCache:
         A pool at its limit raises CacheCapacityError before anything changes.
         """
         size = self.layout.page_size
+        pinned = len(self.scale_pages) < self.layout.scale_frames
+        layout = self.layout
+        if not pinned and len(self.window_pages) == layout.allocated_window_slots < layout.window_frames:
+            raise CacheCapacityError(
+                f"the cache holds pages for {layout.allocated_window_slots} of the window's {layout.window_frames} "
+                "frames, and they are all in use; a stream that fills its window needs them all")
         new_special_pages = -(-(self.num_special_tokens + self.layout.specials_per_frame) // size) - len(self.special_pages)
         self.pool.require(1 + new_special_pages)
-        page = self.pool.allocate()
-        pinned = len(self.scale_pages) < self.layout.scale_frames
+        page = self.pool.allocate(after=self._newest_patch_page())
         pending = _PendingFrame(
             patch_page=page,
             pinned=pinned,
@@ -146,25 +157,63 @@ class PagedTwoStreamCache:
             assert popped == pending.patch_page, "pending frames must be undone in reverse order"
             self.pool.free(pending.patch_page)
             while len(self.special_pages) > pending.special_pages_before:
-                self.pool.free(self.special_pages.pop())
+                self.pool.free(self.special_pages.pop(), last=True)
             self.num_special_tokens = pending.specials_before
 
     def reset(self) -> None:
-        """Forget every frame; pages go back to the pool (the pool keeps its size)."""
+        """Forget every frame; pages go back to the pool (the pool keeps its size), in id order."""
         self.rollback()
         for page in [*self.scale_pages, *self.window_pages, *self.special_pages]:
             self.pool.free(page)
+        self.pool.sort_free()
         self.scale_pages.clear()
         self.window_pages.clear()
         self.special_pages.clear()
         self.num_special_tokens = 0
         self.num_committed_frames = 0
 
+    def take_over(self, other: PagedTwoStreamCache) -> list[tuple[int, int]]:
+        """Hold what `other` (a cache of this geometry over a pool of its own, nothing pending) holds, page for
+        page: this cache's frames are dropped and a page of this pool taken for each of `other`'s. Returns the
+        copies its storage must make, (page of `other`'s pool, page of this one), in order."""
+        mine, theirs = self.layout, other.layout
+        if (mine.patches_per_frame, mine.specials_per_frame, mine.scale_frames) != (
+                theirs.patches_per_frame, theirs.specials_per_frame, theirs.scale_frames):
+            raise ValueError("a cache takes over only from one of its own geometry (tokens per frame, scale frames)")
+        if other.num_pending_frames:
+            raise ValueError("a cache takes over committed frames only: commit or roll back first")
+        if len(other.window_pages) > mine.allocated_window_slots:
+            raise ValueError(f"{len(other.window_pages)} window frames do not fit this cache's "
+                             f"{mine.allocated_window_slots} window pages")
+        self.reset()
+        self.pool.require(len(other.scale_pages) + len(other.window_pages) + len(other.special_pages))
+        copies = []
+        for source, target in ((other.scale_pages, self.scale_pages), (other.window_pages, self.window_pages)):
+            for page in source:
+                target.append(self.pool.allocate(after=self._newest_patch_page()))
+                copies.append((page, target[-1]))
+        for page in other.special_pages:
+            self._add_special_page()
+            copies.append((page, self.special_pages[-1]))
+        self.num_special_tokens = other.num_special_tokens
+        self.num_committed_frames = other.num_committed_frames
+        return copies
+
+    def _newest_patch_page(self) -> int | None:
+        if self.window_pages:
+            return self.window_pages[-1]
+        return self.scale_pages[-1] if self.scale_pages else None
+
     def _append_specials(self) -> None:
         size = self.layout.page_size
         self.num_special_tokens += self.layout.specials_per_frame
         while len(self.special_pages) * size < self.num_special_tokens:
-            self.special_pages.append(self.pool.allocate())
+            self._add_special_page()
+
+    def _add_special_page(self) -> None:
+        # From the back of the free list: the patch pages, taken from the front, stay side by side.
+        after = self.special_pages[-1] if self.special_pages else None
+        self.special_pages.append(self.pool.allocate(after=after, last=True))
 
     def _trim_window(self) -> list[int]:
         evicted = []

@@ -1,11 +1,61 @@
-"""Page-id bookkeeping for the two-stream KV cache. Pure Python: no tensors live here."""
+"""The two-stream KV cache's shape (CacheLayout), its page ids (PagePool) and what one step reads (VisiblePages).
+Pure Python: no tensors live here."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
-from .layout import CacheCapacityError
+
+class CacheCapacityError(ValueError):
+    """A request the cache cannot serve with the limits it was given."""
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    # Every count is the caller's (the model's tokens, the stream's frame counts): the cache keeps no
+    # defaults of its own for them.
+    patches_per_frame: int  # one patch page holds exactly one frame's patches
+    specials_per_frame: int
+    scale_frames: int
+    window_frames: int
+    # Window frames the cache holds pages for: None, as many as the window holds. Fewer only for a stream
+    # known to hand its frames over before it fills them (a chunk's spare engine): its pool then holds no
+    # more pages, and an append past them is refused instead of evicting early (the window is not full).
+    window_slots: int | None = None
+
+    def __post_init__(self):
+        if self.patches_per_frame < 1 or self.specials_per_frame < 0:
+            raise ValueError(f"bad token counts per frame: {self.patches_per_frame} patches, {self.specials_per_frame} specials")
+        if self.scale_frames < 1 or self.window_frames < 1:
+            raise ValueError(
+                f"scale_frames and window_frames must be >= 1, got {self.scale_frames} and {self.window_frames}"
+            )
+        if self.window_slots is not None and not 1 <= self.window_slots <= self.window_frames:
+            raise ValueError(f"window_slots must be between 1 and window_frames={self.window_frames}, "
+                             f"got {self.window_slots}")
+
+    @property
+    def allocated_window_slots(self) -> int:
+        """Window frames the cache holds pages for."""
+        return self.window_frames if self.window_slots is None else self.window_slots
+
+    @property
+    def page_size(self) -> int:
+        return self.patches_per_frame
+
+    @property
+    def tokens_per_frame(self) -> int:
+        return self.specials_per_frame + self.patches_per_frame
+
+    @property
+    def max_patch_pages(self) -> int:
+        """Patch pages that can be in use at once: scale + window + one appended before eviction; a window held
+        in fewer pages (window_slots) never fills, so never evicts: scale + those pages."""
+        if self.allocated_window_slots < self.window_frames:
+            return self.scale_frames + self.allocated_window_slots
+        return self.scale_frames + self.window_frames + 1
+
 
 # Pages a pool adds when it runs out: in steps, so that the storage behind the ids is re-allocated rarely
 # (`pages_to_hold` says where the steps end; the host estimate of a CPU run asks it).
@@ -15,9 +65,14 @@ POOL_GROWTH_PAGES = 16
 class PagePool:
     """Page ids and a free list, like vLLM's block pool without hashing or ref counts.
 
-    Ids are dense integers [0, num_pages). The pool grows instead of failing: the backend that owns
-    the physical pages reads `num_pages` before writing and enlarges its storage to match. With
-    `max_pages` it grows up to that many pages and no further (a memory budget's limit).
+    Ids are dense integers [0, num_pages). The pool grows instead of failing: the storage that owns the
+    physical pages reads `num_pages` before writing and enlarges itself to match. With `max_pages` it grows
+    up to that many pages and no further (a memory budget's limit, or a GPU pool allocated whole).
+
+    A page freed goes to the front of the free list and is handed out first (a rolled-back frame's page
+    comes straight back). `allocate(after=p)` hands out page p + 1 where it is free: a stream's pages then
+    lie side by side, so that the range kernel reads them as a few long runs of keys (VisiblePages.runs);
+    `allocate(last=True)` takes from the back of the free list instead, away from the pages taken from the front.
     """
 
     def __init__(self, num_pages: int, grow_by: int = POOL_GROWTH_PAGES, max_pages: int | None = None):
@@ -28,7 +83,8 @@ class PagePool:
         self.num_pages = num_pages
         self.grow_by = grow_by
         self.max_pages = max_pages
-        self._free: deque[int] = deque(range(num_pages))
+        # (an ordered dict: pop from the front, free to the front, and take one page by id, each O(1))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
 
     @property
     def num_free(self) -> int:
@@ -37,6 +93,9 @@ class PagePool:
     @property
     def num_used(self) -> int:
         return self.num_pages - len(self._free)
+
+    def is_free(self, page_id: int) -> bool:
+        return page_id in self._free
 
     def require(self, count: int) -> None:
         """Raise CacheCapacityError unless `count` more pages can be handed out (growing if need
@@ -53,21 +112,29 @@ class PagePool:
         grown = self.num_pages + self.grow_by * -(-(count - self.num_pages) // self.grow_by)
         return grown if self.max_pages is None else min(grown, self.max_pages)
 
-    def allocate(self) -> int:
+    def allocate(self, after: int | None = None, last: bool = False) -> int:
+        """A free page: `after + 1` where that one is free, else the front (`last`: the back) of the free list."""
         if not self._free:
             self.require(1)
             grow = self.grow_by if self.max_pages is None else min(self.grow_by, self.max_pages - self.num_pages)
-            self._free.extend(range(self.num_pages, self.num_pages + grow))
+            self._free.update(OrderedDict.fromkeys(range(self.num_pages, self.num_pages + grow)))
             self.num_pages += grow
-        return self._free.popleft()
+        if after is not None and after + 1 in self._free:
+            del self._free[after + 1]
+            return after + 1
+        return self._free.popitem(last=last)[0]
 
-    def free(self, page_id: int) -> None:
-        # Freed pages go to the front: the most recently used page is reused first, which keeps the
-        # set of touched pages small (and lets a rolled-back page come straight back).
-        self._free.appendleft(page_id)
+    def free(self, page_id: int, last: bool = False) -> None:
+        """Page `page_id` back to the front of the free list (`last`: to its back, where `allocate(last=True)`
+        takes it again)."""
+        if page_id in self._free or not 0 <= page_id < self.num_pages:
+            raise ValueError(f"page {page_id} is not in use in this pool of {self.num_pages}")
+        self._free[page_id] = None
+        self._free.move_to_end(page_id, last=last)
 
-    def free_ids(self) -> list[int]:
-        return list(self._free)
+    def sort_free(self) -> None:
+        """The free list in id order: an emptied cache starts again from its lowest pages, side by side."""
+        self._free = OrderedDict.fromkeys(sorted(self._free))
 
 
 @dataclass(frozen=True)
@@ -92,3 +159,30 @@ class VisiblePages:
         if not self.page_ids:
             return 0
         return (len(self.page_ids) - 1) * self.page_size + self.last_page_len
+
+    def runs(self) -> tuple[tuple[int, int], ...]:
+        """The visible tokens as runs (first token row, tokens) of the pages' storage, token row = page *
+        page_size + offset: each page's tokens, pages next to each other in the storage merged into one run.
+
+        Softmax attention over a set of keys does not depend on their order, so the pages are taken in id
+        order: a window recycled oldest first (a ring over its pages) and the scale pages beside it then
+        read as one or two runs instead of one run per frame. A partial page (the last special page) ends
+        its run: the rows past its tokens belong to no key.
+
+        ```
+        page_ids (7, 8, 2, 3, 4, 9), page_size 4, last_page_len 2  ->  rows [8, 20) and [28, 38)
+        sorted: 2 3 4 | 7 8 9 (partial: 2 tokens)                   ->  runs (8, 12), (28, 10)
+        ```
+        """
+        if not self.page_ids:
+            return ()
+        size = self.page_size
+        last = self.page_ids[-1]
+        runs: list[list[int]] = []
+        for page in sorted(self.page_ids):
+            length = self.last_page_len if page == last else size
+            if runs and runs[-1][0] + runs[-1][1] == page * size and runs[-1][1] % size == 0:
+                runs[-1][1] += length
+            else:
+                runs.append([page * size, length])
+        return tuple((start, length) for start, length in runs)

@@ -1,18 +1,18 @@
-"""Attention over the dense layout's visible range with one Triton kernel (dense-triton).
+"""Attention over the pages with one Triton kernel, the range kernel (the `triton` backend, backends/triton.py).
 
-The split backend (dense_attention.SplitCudnnAttention) sends the patch keys to cuDNN, whose plan is built per
-key count, and the growing special keys to a second kernel, then merges the two; it must also run eagerly
-between CUDA-graph segments, because the key count lives on the host. This kernel reads the range [start, end)
-of the store from device memory instead: one kernel for specials and patches, no merge, no plan per shape, and
-the whole aggregator step fits in one graph. On a 132-SM Hopper GPU at the streaming shape (1,005 queries,
-72,840 keys, 16 heads of 64) it takes 645 us (462 TFLOP/s), against cuDNN's 713 us for the 71,928 patch keys
-alone. What made the difference: keys and values loaded by the tensor memory accelerator (pointer loads: 717
-us) and 64-row query blocks (128 rows: 745 us). Exponentials stay float32: the probe's half-precision
-`ex2.f16x2` variants were slower, their conversions costing more than the exponentials they save at head dim
-64. What bounds it (Nsight Compute at 1,005 tokens): latency, not a unit's throughput: shared memory holds two
-programs of 4 warps per SM, so each scheduler has two warps, and on 57 % of cycles neither is ready (issue
-slots 42 % busy, the tensor pipe 48 %); fewer key blocks in flight for a third program per SM exposed the
-loads' latency instead (911 us).
+A step's keys are the visible pages' token rows. The plan coalesces the page table into a few runs of rows
+(VisiblePages.runs: pages side by side in the storage make one run; a frame is one page) and uploads their
+run table (run_table) into a fixed device buffer between steps; the kernel reads it, so that one kernel takes
+specials and patches, needs no plan per shape, and the whole aggregator step fits in one CUDA graph. Within a
+run the key blocks are read as from one range: a run costs one partial key block at its end. On a 132-SM
+Hopper GPU at the streaming shape (1,005 queries, 72,840 keys, 16 heads of 64) one range takes 645 us (462
+TFLOP/s), against cuDNN's 713 us for the 71,928 patch keys alone. What made the difference: keys and values
+loaded by the tensor memory accelerator (pointer loads: 717 us) and 64-row query blocks (128 rows: 745 us).
+Exponentials stay float32: the probe's half-precision `ex2.f16x2` variants were slower, their conversions
+costing more than the exponentials they save at head dim 64. What bounds it (Nsight Compute at 1,005
+tokens): latency, not a unit's throughput: shared memory holds two programs of 4 warps per SM, so each
+scheduler has two warps, and on 57 % of cycles neither is ready (issue slots 42 % busy, the tensor pipe 48
+%); fewer key blocks in flight for a third program per SM exposed the loads' latency instead (911 us).
 
 Loads. Hopper and newer load keys and values through TMA descriptors; Ampere and Ada (compute capability 8),
 which have no TMA, through pointer loads that Triton pipelines with cp.async. On Hopper the pointer loads cost
@@ -47,7 +47,7 @@ import logging
 import math
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,10 +56,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import gluon_attention
-from .dense import VisibleRange
-from .streams import DeviceValues
-from .tile_pieces import program_keys
-from .triton_store import dequantize_range
+from .tile_pieces import RUN_ENTRY, RUN_TABLE_HEAD, TABLE_ENTRY, TABLE_HEAD, program_keys
 
 # The fastest configuration of a probe over 36 (64 query rows per program: 256 programs for the
 # 16 heads of a 1,005-token frame, two per SM; keys and values through TMA descriptors).
@@ -329,23 +326,19 @@ def _key_block(store, offset, column, stride, capacity, HEAD_DIM: tl.constexpr, 
 
 
 @triton.jit
-def _attend_key_blocks(q, keys, values, column, start, num_keys, first, stop, qk_scale, stride_k, stride_v,
-                       capacity, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       TMA: tl.constexpr):
-    """q [BLOCK_M, HEAD_DIM] against key blocks [first, stop) of the range (block b: keys
-    start + b * BLOCK_N onwards, column `column` of the store). Returns the running max (scaled,
-    base 2), the sum and the unnormalised output; -inf, 0 and 0 for an empty interval."""
-    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    last = num_keys // BLOCK_N  # the partial last block's index, if the range has one
+def _attend_key_blocks(q, keys, values, column, start, num_keys, first, stop, m_i, l_i, acc, qk_scale, stride_k,
+                       stride_v, capacity, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    """q [BLOCK_M, HEAD_DIM] against key blocks [first, stop) of one run of keys (block b: rows start + b *
+    BLOCK_N onwards, column `column` of the store), folded into the running max (scaled, base 2) m_i, sum l_i
+    and unnormalised output acc, which it returns; an empty interval returns them as they were."""
+    last = num_keys // BLOCK_N  # the partial last block's index, if the run has one
     for block in range(first, tl.minimum(stop, last)):
         offset = start + block * BLOCK_N
         k = _key_block(keys, offset, column, stride_k, capacity, HEAD_DIM, BLOCK_N, TMA, False)
         s = tl.dot(q, tl.trans(k))
         v = _key_block(values, offset, column, stride_v, capacity, HEAD_DIM, BLOCK_N, TMA, False)
         m_i, l_i, acc = _fold_block(s, v, m_i, l_i, acc, qk_scale)
-    if (first <= last) & (last < stop):  # (last < stop only when the range ends in a partial block)
+    if (first <= last) & (last < stop):  # (last < stop only when the run ends in a partial block)
         inside = last * BLOCK_N + tl.arange(0, BLOCK_N) < num_keys  # its rows past the end belong to other tokens
         offset = start + last * BLOCK_N
         k = _key_block(keys, offset, column, stride_k, capacity, HEAD_DIM, BLOCK_N, TMA, True)
@@ -353,6 +346,31 @@ def _attend_key_blocks(q, keys, values, column, start, num_keys, first, stop, qk
         v = _key_block(values, offset, column, stride_v, capacity, HEAD_DIM, BLOCK_N, TMA, True)
         v = tl.where(inside[:, None], v, 0.0)
         m_i, l_i, acc = _fold_block(s, v, m_i, l_i, acc, qk_scale)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_runs(q, keys, values, column, runs, first_key, end_key, first, stop, qk_scale, stride_k, stride_v,
+                 capacity, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 RUNS_IN_MEMORY: tl.constexpr, TMA: tl.constexpr):
+    """q [BLOCK_M, HEAD_DIM] against key blocks [first, stop) of the step's keys: the blocks of its runs one
+    after another (the run table `runs` with RUNS_IN_MEMORY, else the one run [first_key, end_key)). Returns
+    the running max (scaled, base 2), the sum and the unnormalised output; -inf, 0 and 0 for no block."""
+    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if RUNS_IN_MEMORY:
+        for run in range(tl.load(runs)):
+            entry = runs + TABLE_HEAD + run * TABLE_ENTRY
+            start, num_keys, run_first = tl.load(entry), tl.load(entry + 1), tl.load(entry + 2)
+            low = tl.maximum(first - run_first, 0)
+            high = tl.minimum(stop - run_first, tl.cdiv(num_keys, BLOCK_N))
+            if low < high:
+                m_i, l_i, acc = _attend_key_blocks(q, keys, values, column, start, num_keys, low, high, m_i, l_i,
+                                                   acc, qk_scale, stride_k, stride_v, capacity, HEAD_DIM, BLOCK_N, TMA)
+    else:
+        m_i, l_i, acc = _attend_key_blocks(q, keys, values, column, first_key, end_key - first_key, first, stop, m_i,
+                                           l_i, acc, qk_scale, stride_k, stride_v, capacity, HEAD_DIM, BLOCK_N, TMA)
     return m_i, l_i, acc
 
 
@@ -366,29 +384,27 @@ def _tile_rows(tile, num_query_blocks, num_heads, TAILS_LAST: tl.constexpr):
 
 
 # (the schedule's numbers change with the frame size: one compiled kernel serves them all)
-# (a spare engine's store has another capacity than the engine's: it must not compile another kernel)
+# (a spare engine's storage has another capacity than the engine's: it must not compile another kernel)
 @triton.jit(do_not_specialize=["capacity", "whole_tiles", "split_tiles", "splits", "prefix_share"])
-def _range_attention_kernel(Q, keys, values, Out, partial_out, partial_stats, key_range, first_key, end_key,
+def _range_attention_kernel(Q, keys, values, Out, partial_out, partial_stats, runs, first_key, end_key,
                             stride_q, stride_o, stride_k, stride_v, capacity, num_queries, num_heads, qk_scale,
                             whole_tiles, split_tiles, splits, prefix_share, HEAD_DIM: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RANGE_IN_MEMORY: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RUNS_IN_MEMORY: tl.constexpr,
                             TAILS_LAST: tl.constexpr, TMA: tl.constexpr):
-    """One program: a whole tile (program < whole_tiles) or one piece of a split tile. A tile is
-    BLOCK_M queries of one head against keys [start, end) of that head (read from key_range with
-    RANGE_IN_MEMORY, else [first_key, end_key)); a piece, against one of `splits` chunks of those
-    keys' blocks (equal, or with prefix_share > 0 the first that share per mille of them and the
-    others equal parts of the rest). `keys` and `values`: the [capacity, heads * HEAD_DIM] store,
-    as TMA descriptors of BLOCK_N rows by HEAD_DIM (TMA) or as pointers (token strides stride_k and
-    stride_v). Pieces write partial_out [pieces, BLOCK_M, HEAD_DIM]
-    (unnormalised) and partial_stats [2, pieces, BLOCK_M] (row maxima, scaled base 2, and row
-    sums), piece = chunk * split_tiles + (tile - whole_tiles)."""
+    """One program: a whole tile (program < whole_tiles) or one piece of a split tile. A tile is BLOCK_M
+    queries of one head against that head's keys: the runs of rows the run table `runs` lists (with
+    RUNS_IN_MEMORY; else the one run [first_key, end_key)), their key blocks numbered one run after another;
+    a piece, against one of `splits` chunks of those blocks (equal, or with prefix_share > 0 the first that
+    share per mille of them and the others equal parts of the rest). `keys` and `values`: the [capacity,
+    heads * HEAD_DIM] rows, as TMA descriptors of BLOCK_N rows by HEAD_DIM (TMA) or as pointers (token strides
+    stride_k and stride_v). Pieces write partial_out [pieces, BLOCK_M, HEAD_DIM] (unnormalised) and
+    partial_stats [2, pieces, BLOCK_M] (row maxima, scaled base 2, and row sums), piece = chunk * split_tiles
+    + (tile - whole_tiles)."""
     program = tl.program_id(0)
-    if RANGE_IN_MEMORY:
-        start, end = tl.load(key_range), tl.load(key_range + 1)
+    if RUNS_IN_MEMORY:
+        num_key_blocks = tl.load(runs + 1)
     else:
-        start, end = first_key, end_key
-    num_keys = end - start
-    num_key_blocks = tl.cdiv(num_keys, BLOCK_N)
+        num_key_blocks = tl.cdiv(end_key - first_key, BLOCK_N)
     tile, first, stop, piece = program_keys(program, whole_tiles, split_tiles, splits, prefix_share, num_key_blocks)
     num_query_blocks = tl.cdiv(num_queries, BLOCK_M)
     head, query_block = _tile_rows(tile, num_query_blocks, num_heads, TAILS_LAST)
@@ -396,8 +412,8 @@ def _range_attention_kernel(Q, keys, values, Out, partial_out, partial_stats, ke
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + rows[:, None] * stride_q + head * HEAD_DIM + dims[None, :], mask=rows[:, None] < num_queries,
                 other=0.0)
-    m_i, l_i, acc = _attend_key_blocks(q, keys, values, head * HEAD_DIM, start, num_keys, first, stop, qk_scale,
-                                       stride_k, stride_v, capacity, HEAD_DIM, BLOCK_M, BLOCK_N, TMA)
+    m_i, l_i, acc = _attend_runs(q, keys, values, head * HEAD_DIM, runs, first_key, end_key, first, stop, qk_scale,
+                                 stride_k, stride_v, capacity, HEAD_DIM, BLOCK_M, BLOCK_N, RUNS_IN_MEMORY, TMA)
     if program < whole_tiles:
         out = acc / l_i[:, None]
         tl.store(Out + rows[:, None] * stride_o + head * HEAD_DIM + dims[None, :], out.to(Out.dtype.element_ty),
@@ -436,30 +452,46 @@ def _merge_pieces_kernel(partial_out, partial_stats, Out, stride_o, num_queries,
              mask=rows[:, None] < num_queries)
 
 
-KeyRange = torch.Tensor | tuple[int, int]
+def run_table(runs: Sequence[tuple[int, int]], max_runs: int) -> list[int]:
+    """The run table of `runs` (first token row, rows; each at least one row), room for `max_runs`
+    (RUN_TABLE_HEAD + RUN_ENTRY * max_runs values, zeros past the runs)."""
+    if not 0 < len(runs) <= max_runs:
+        raise ValueError(f"a run table holds 1 to {max_runs} runs, got {len(runs)}")
+    table, blocks, keys = [len(runs), 0], 0, 0
+    for start, rows in runs:
+        table += [start, rows, blocks, keys]
+        blocks += -(-rows // BLOCK_KEYS)
+        keys += rows
+    table[1] = blocks
+    return table + [0] * RUN_ENTRY * (max_runs - len(runs))
 
 
-def attend_range(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_range: KeyRange, *,
+# The keys a call reads: a run table on q's device (read by the kernels, so that a CUDA graph may record the
+# call while the runs change; run_table), or one range of rows (start, end) as two ints.
+KeyRuns = torch.Tensor | tuple[int, int]
+
+
+def attend_range(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_runs: KeyRuns, *,
                  slots: int | None = None, num_stages: int | None = None, schedule_keys: int | None = None,
                  tma: bool | None = None) -> torch.Tensor:
-    """Softmax attention of q [T, H, D] over keys/values [capacity, H, D] at positions
-    [key_range[0], key_range[1]): an int32 [2] tensor on q's device (read by the kernel, so a CUDA
-    graph may record the call while the range changes) or two ints. Returns [T, H, D] in q's
+    """Softmax attention of q [T, H, D] over the rows of keys/values [capacity, H, D] that `key_runs` names
+    (KeyRuns: a run table, or a range (start, end)). Returns [T, H, D] in q's
     dtype, contiguous. q, keys and values: each token's heads side by side ([*, H, D] with strides
-    (any, D, 1)); the range must hold at least one key. slots: the programs the device runs at
+    (any, D, 1)); the runs must hold at least one key. slots: the programs the device runs at
     once, which the schedule fills (None: measured from the compiled kernel on CUDA; one per tile
     elsewhere, where nothing runs side by side). num_stages: key blocks in flight per program (None:
     `key_stages` on CUDA). schedule_keys: the key count the schedule is made for (None: the store's
-    capacity); a smaller store that must compute exactly as a larger one does (a spare engine's)
-    names the larger's. tma: load keys and values through TMA descriptors (None: `tensor_memory_loads`).
+    capacity): the most a step of the stream reads, so that its schedule stays one for the whole stream (a
+    spare engine's, whose storage is smaller, names the full window's). tma: load keys and values through
+    TMA descriptors (None: `tensor_memory_loads`).
 
-    With every choice left to it, a range on the device and bf16 heads of 64 on Hopper, the attention
+    With every choice left to it, a run table on the device and bf16 heads of 64 on Hopper, the attention
     runs gluon_attention's kernel (two warpgroups per program taking turns: 7 % faster a layer at
     1,005 queries) on the same schedule."""
     num_queries, num_heads, head_dim = q.shape
-    if (slots is None and num_stages is None and tma is None and isinstance(key_range, torch.Tensor)
+    if (slots is None and num_stages is None and tma is None and isinstance(key_runs, torch.Tensor)
             and tensor_memory_loads(q.device) and _pingpong_serves(q, keys) and _pingpong_fills(q)):
-        return _attend_range_pingpong(q, keys, values, key_range, schedule_keys)
+        return _attend_range_pingpong(q, keys, values, key_runs, schedule_keys)
     num_tiles = triton.cdiv(num_queries, BLOCK_QUERIES) * num_heads
     tma = tensor_memory_loads(q.device) if tma is None else tma
     if num_stages is None:
@@ -467,11 +499,11 @@ def attend_range(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_
     if slots is None:
         slots = resident_programs(q, keys, values, num_stages, tma) if q.is_cuda else num_tiles
     schedule = schedule_tiles(num_tiles, slots, triton.cdiv(schedule_keys or keys.shape[0], BLOCK_KEYS))
-    return attend_range_scheduled(q, keys, values, key_range, slots, schedule=schedule, num_stages=num_stages,
+    return attend_range_scheduled(q, keys, values, key_runs, slots, schedule=schedule, num_stages=num_stages,
                                   tma=tma)
 
 
-def attend_range_scheduled(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_range: KeyRange,
+def attend_range_scheduled(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_runs: KeyRuns,
                            slots: int, *, schedule: TileSchedule | None = None, block_queries: int = BLOCK_QUERIES,
                            num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
                            tails_last: bool = False, tma: bool | None = None) -> torch.Tensor:
@@ -486,14 +518,14 @@ def attend_range_scheduled(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     if schedule.whole_tiles + schedule.split_tiles != num_tiles:
         raise ValueError(f"the schedule covers {schedule.whole_tiles + schedule.split_tiles} tiles, not {num_tiles}")
     out, partial_out, partial_stats = _outputs(q, schedule, block_queries)
-    in_memory = isinstance(key_range, torch.Tensor)
-    bounds = (key_range, 0, 0) if in_memory else (out, *key_range)  # (the pointer unused without RANGE_IN_MEMORY)
+    in_memory = isinstance(key_runs, torch.Tensor)
+    bounds = (key_runs, 0, 0) if in_memory else (out, *key_runs)  # (the pointer unused without RUNS_IN_MEMORY)
     tma = tensor_memory_loads(q.device) if tma is None else tma
     _range_attention_kernel[(schedule.num_programs,)](
         q, *_key_value_operands(keys, values, tma), out, partial_out, partial_stats, *bounds, q.stride(0),
         out.stride(0), keys.stride(0), values.stride(0), keys.shape[0], num_queries, num_heads,
         head_dim**-0.5 * LOG2_E, schedule.whole_tiles, schedule.split_tiles, schedule.splits, schedule.prefix_share,
-        HEAD_DIM=head_dim, BLOCK_M=block_queries, BLOCK_N=BLOCK_KEYS, RANGE_IN_MEMORY=in_memory,
+        HEAD_DIM=head_dim, BLOCK_M=block_queries, BLOCK_N=BLOCK_KEYS, RUNS_IN_MEMORY=in_memory,
         TAILS_LAST=tails_last, TMA=tma, num_warps=num_warps, num_stages=num_stages)
     _merge_pieces(partial_out, partial_stats, out, schedule, block_queries, tails_last)
     return out
@@ -560,7 +592,7 @@ def _pingpong_fills(q: torch.Tensor) -> bool:
     return _pingpong_tiles(q) > PREFIX_FILL * _pingpong_slots(q.device)
 
 
-def _attend_range_pingpong(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_range: torch.Tensor,
+def _attend_range_pingpong(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_runs: torch.Tensor,
                            schedule_keys: int | None) -> torch.Tensor:
     """attend_range through gluon_attention's kernel: schedule_tiles on its 128-query tiles, one
     program per SM, the pieces merged by _merge_pieces. Should its first build fail, the Triton
@@ -571,7 +603,7 @@ def _attend_range_pingpong(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
                               triton.cdiv(schedule_keys or keys.shape[0], BLOCK_KEYS))
     out, partial_out, partial_stats = _outputs(q, schedule, tile_queries)
     try:
-        gluon_attention.launch(q, keys, values, key_range, out, partial_out, partial_stats, schedule,
+        gluon_attention.launch(q, keys, values, key_runs, out, partial_out, partial_stats, schedule,
                                q.shape[-1]**-0.5 * LOG2_E)
     except Exception as error:  # only a first build: later launches reuse the built kernel
         if q.device.index in _pingpong_built:
@@ -579,7 +611,7 @@ def _attend_range_pingpong(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
         _pingpong_failed.add(q.device.index)
         warnings.warn(f"the Gluon attention kernel did not build ({type(error).__name__}: {error}); "
                       "the Triton kernel serves instead", RuntimeWarning, stacklevel=2)
-        return attend_range(q, keys, values, key_range, schedule_keys=schedule_keys)
+        return attend_range(q, keys, values, key_runs, schedule_keys=schedule_keys)
     _pingpong_built.add(q.device.index)
     _merge_pieces(partial_out, partial_stats, out, schedule, tile_queries)
     return out
@@ -636,49 +668,9 @@ def _compiled_range_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     num_queries, num_heads, head_dim = q.shape
     num_tiles = triton.cdiv(num_queries, BLOCK_QUERIES) * num_heads
     unused = torch.empty(1, dtype=torch.float32, device=q.device)
-    key_range = torch.empty(2, dtype=torch.int32, device=q.device)
+    table = torch.zeros(RUN_TABLE_HEAD + RUN_ENTRY, dtype=torch.int32, device=q.device)
     return _range_attention_kernel.warmup(
-        q, *_key_value_operands(keys, values, tma), q, unused, unused, key_range, 0, 0, q.stride(0), q.stride(0),
+        q, *_key_value_operands(keys, values, tma), q, unused, unused, table, 0, 0, q.stride(0), q.stride(0),
         keys.stride(0), values.stride(0), keys.shape[0], num_queries, num_heads, 1.0, num_tiles, 0, 1, 0,
-        HEAD_DIM=head_dim, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS, RANGE_IN_MEMORY=True, TAILS_LAST=False, TMA=tma,
+        HEAD_DIM=head_dim, BLOCK_M=BLOCK_QUERIES, BLOCK_N=BLOCK_KEYS, RUNS_IN_MEMORY=True, TAILS_LAST=False, TMA=tma,
         num_warps=NUM_WARPS, num_stages=num_stages, grid=(1,))
-
-
-class TritonRangeAttention:
-    """Unmasked attention over the visible range of a DenseKV, its bounds kept on the device.
-
-    `plan` copies the range to the device on the current stream (through a pinned buffer on CUDA),
-    so a step enqueued after it, replayed or not, reads this frame's range. An fp8 store is read through one
-    reused bf16 buffer: each layer's range dequantised into it first (one memory-bound Triton pass, exact),
-    then the same bf16 kernel. Converting the e4m3 blocks inside the kernel instead takes it from 25.2 to 43.1
-    ms per frame, the buffer to 28.3: the kernel is bound by latency (two warps per scheduler, neither ready
-    on 57 % of cycles), and the conversions lengthen each block's dependent chain and send the converted
-    blocks back through shared memory before the tensor-core products.
-    """
-
-    name = "dense-triton"
-    reads_plan_on_device = True  # a recorded step may include the attention itself
-
-    def __init__(self, kv, schedule_keys: int | None = None):
-        self.kv = kv
-        self.schedule_keys = schedule_keys  # see attend_range
-        self._key_range = DeviceValues(2, torch.int32, kv.device)
-        self._scratch: torch.Tensor | None = None  # [2, capacity, H, D] in the compute dtype (fp8 stores)
-        self._scratch_range = DeviceValues(2, torch.int32, kv.device)
-
-    def plan(self, visible: VisibleRange, num_queries: int) -> None:
-        self._key_range.set(visible.start, visible.end)
-        if self.kv.quantized:
-            self._scratch_range.set(0, visible.end - visible.start)
-
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D] -> [T, H, D], in the store's compute dtype."""
-        query = q.to(self.kv.dtype).contiguous()
-        store = self.kv.store[layer]  # [2, capacity, H, D]
-        if not self.kv.quantized:
-            return attend_range(query, store[0], store[1], self._key_range.values, schedule_keys=self.schedule_keys)
-        if self._scratch is None:
-            self._scratch = torch.empty(store.shape, dtype=self.kv.dtype, device=store.device)
-        dequantize_range(store, self.kv.exponents[layer], self._key_range.values, self._scratch)
-        return attend_range(query, self._scratch[0], self._scratch[1], self._scratch_range.values,
-                            schedule_keys=self.schedule_keys)

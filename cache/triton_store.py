@@ -1,6 +1,6 @@
-"""The dense store's writes as one Triton kernel per layer: a step's K and V straight into their
-store positions, as they are (bf16/fp16/fp32 stores) or quantised (fp8 stores, fp8.py's rule); and
-the fp8 range's dequantisation into a compute-dtype buffer for the range kernel.
+"""The pages' writes as one Triton kernel per layer: a step's K and V straight into their
+token rows, as they are (bf16/fp16/fp32 pages) or quantised (fp8 pages, fp8.py's rule); and
+the fp8 runs' dequantisation into a compute-dtype buffer for the range kernel.
 
 A plain write in PyTorch is two scattered copies per layer (`index_copy_` of K, then of V): 4.0 us
 each at 1,042 tokens on a 132-SM Hopper GPU, 48 per frame, for 4 MB a layer. Here each
@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from . import fp8
+from .tile_pieces import TABLE_ENTRY, TABLE_HEAD
 
 # (a kernel reads module constants only as constexpr)
 E4M3_MAX, MIN_EXPONENT, MAX_EXPONENT = (tl.constexpr(x) for x in (fp8.E4M3_MAX, fp8.MIN_EXPONENT, fp8.MAX_EXPONENT))
@@ -124,39 +125,49 @@ def write_quantized(codes: torch.Tensor, exponents: torch.Tensor, slots: torch.T
 
 
 @triton.jit
-def _dequantize_range_kernel(codes, exponents, key_range, out, capacity, out_capacity, num_heads,
-                             HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Program (b, which): store positions [start + b * BLOCK_T, ...) of K (0) or V (1), all heads,
-    as values code * 2^e in out [2, out_capacity, num_heads, HEAD_DIM] from position b * BLOCK_T.
-    The range [start, end) is read from key_range on the device; programs past it do nothing."""
+def _dequantize_runs_kernel(codes, exponents, runs, out, capacity, out_capacity, num_heads, HEADS: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Program (b, which): the keys [b * BLOCK_T, (b + 1) * BLOCK_T) of the run table `runs` (tile_pieces: the
+    runs' rows one after another), K (which 0) or V (1), as values code * 2^e from the codes [2, capacity,
+    num_heads, HEAD_DIM] and exponents [2, num_heads, capacity] into the same rows of out [2, out_capacity,
+    num_heads, HEAD_DIM]; keys past the last run's end are not written."""
     block, which = tl.program_id(0), tl.program_id(1)
-    start, end = tl.load(key_range), tl.load(key_range + 1)
-    first = block * BLOCK_T
-    if first < end - start:
-        tokens = first + tl.arange(0, BLOCK_T)
-        heads = tl.arange(0, HEADS)
-        dims = tl.arange(0, HEAD_DIM)
-        live = (tokens < end - start)[:, None] & (heads < num_heads)[None, :]  # [T, H]
-        row = num_heads * HEAD_DIM
-        source = (which * capacity + start + tokens).to(tl.int64)
-        x = tl.load(codes + source[:, None, None] * row + heads[None, :, None] * HEAD_DIM + dims[None, None, :],
-                    mask=live[:, :, None], other=0.0)
-        e = tl.load(exponents + (which * num_heads + heads[None, :]) * capacity + start + tokens[:, None], mask=live,
-                    other=0)
-        scale = ((e.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)  # 2^e, exact
-        y = x.to(tl.float32) * scale[:, :, None]
-        target = (which * out_capacity + tokens).to(tl.int64)
-        tl.store(out + target[:, None, None] * row + heads[None, :, None] * HEAD_DIM + dims[None, None, :],
-                 y.to(out.dtype.element_ty), mask=live[:, :, None])
+    keys = block * BLOCK_T + tl.arange(0, BLOCK_T)  # [T]
+    # each key's run (a block of keys may span several short runs): its first row and first key
+    start = tl.zeros([BLOCK_T], tl.int32)
+    run_key = tl.zeros([BLOCK_T], tl.int32)
+    end = block * 0
+    for run in range(tl.load(runs)):
+        entry = runs + TABLE_HEAD + run * TABLE_ENTRY
+        first = tl.load(entry + 3)
+        here = keys >= first
+        start = tl.where(here, tl.load(entry), start)
+        run_key = tl.where(here, first, run_key)
+        end = first + tl.load(entry + 1)
+    lines = start + keys - run_key  # [T] source rows
+    present = keys < end
+    heads = tl.arange(0, HEADS)
+    dims = tl.arange(0, HEAD_DIM)
+    live = present[:, None] & (heads < num_heads)[None, :]  # [T, H]
+    row = num_heads * HEAD_DIM
+    source = (which * capacity + lines).to(tl.int64)
+    x = tl.load(codes + source[:, None, None] * row + heads[None, :, None] * HEAD_DIM + dims[None, None, :],
+                mask=live[:, :, None], other=0.0)
+    e = tl.load(exponents + (which * num_heads + heads[None, :]) * capacity + lines[:, None], mask=live, other=0)
+    scale = ((e.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)  # 2^e, exact
+    y = x.to(tl.float32) * scale[:, :, None]
+    target = (which * out_capacity + keys).to(tl.int64)
+    tl.store(out + target[:, None, None] * row + heads[None, :, None] * HEAD_DIM + dims[None, None, :],
+             y.to(out.dtype.element_ty), mask=live[:, :, None] & (keys < out_capacity)[:, None, None])
 
 
-def dequantize_range(codes: torch.Tensor, exponents: torch.Tensor, key_range: torch.Tensor, out: torch.Tensor) -> None:
-    """One layer's store positions [key_range[0], key_range[1]) (int32 [2] on the device) of codes
-    [2, capacity, H, D] e4m3 and exponents [2, H, capacity] int8 as values in out [2, N, H, D]
-    (bf16 or fp16) from position 0; N must hold the range. Exact: code * 2^e needs 4 significant
-    bits. The grid covers all of `out`, so a CUDA graph may record the call for any range."""
+def dequantize_runs(codes: torch.Tensor, exponents: torch.Tensor, runs: torch.Tensor, out: torch.Tensor) -> None:
+    """One layer's keys of the run table `runs` (int32 on the device) from codes [2, capacity, H, D] e4m3 and
+    exponents [2, H, capacity] int8, as values in out [2, N, H, D] (bf16 or fp16): the runs' rows one after
+    another from row 0, so that out holds the keys as one range. N must hold them all. Exact: code * 2^e needs
+    4 significant bits. The grid covers all of `out`, so a CUDA graph may record the call for any runs."""
     _, capacity, num_heads, head_dim = codes.shape
     block = 16
     grid = (triton.cdiv(out.shape[1], block), 2)
-    _dequantize_range_kernel[grid](codes, exponents, key_range, out, capacity, out.shape[1], num_heads,
-                                   HEADS=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim, BLOCK_T=block)
+    _dequantize_runs_kernel[grid](codes, exponents, runs, out, capacity, out.shape[1], num_heads,
+                                  HEADS=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim, BLOCK_T=block)

@@ -35,7 +35,6 @@ class BackendStatus:
     """One row of the backend table on a device and precision."""
 
     name: str
-    layout: str  # paged | dense
     summary: str
     unavailable_reason: str | None  # why it cannot run there, in one sentence; None: it can
 
@@ -43,6 +42,11 @@ class BackendStatus:
 def backend_names() -> tuple[str, ...]:
     """Every name --attention accepts, `auto` first."""
     return table_index.names()
+
+
+def unknown_backend_advice(name: str) -> str:
+    """One sentence for an --attention name that is no backend's (a retired one is told its successor)."""
+    return table_index.unknown_name_advice(name)
 
 
 def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype, kv_cache: str = "auto") -> str:
@@ -57,14 +61,32 @@ def backend_statuses(device: torch.device | str, dtype: torch.dtype) -> tuple[Ba
     """Every backend of the table (`auto` aside), and whether it runs on `device` in `dtype`."""
     backends = _table()
     return tuple(
-        BackendStatus(name=spec.name, layout=spec.layout, summary=spec.summary,
+        BackendStatus(name=spec.name, summary=spec.summary,
                       unavailable_reason=backends.unavailable_reason(spec.name, device, dtype))
         for spec in backends.BACKENDS
     )
 
 
+def _row_of(name: str):
+    """The row of a built backend's name: the row's own, or its variant's (flashinfer-fa3: flashinfer)."""
+    return next((spec for spec in _table().BACKENDS if name == spec.name or name.startswith(spec.name + "-")), None)
+
+
+def backend_summary(name: str) -> str:
+    """The one line the backend table says of the backend a built cache names (`name`); "" for none."""
+    row = _row_of(name)
+    return row.summary if row is not None else ""
+
+
 def first_use_note(name: str) -> str:
-    """What the first use of the backend named `name` on a machine costs, for the run to say when it picks
-    it; "": nothing worth saying, or a built backend's name of the variant it chose (dense-flashinfer-fa3),
-    which is no row of the table."""
-    return next((spec.first_use for spec in _table().BACKENDS if spec.name == name), "")
+    """What the first use of the backend a built cache names (`name`) costs on a machine, for the run to say when
+    it picks it; "": nothing worth saying."""
+    row = _row_of(name)
+    return row.first_use if row is not None else ""
+
+
+def auto_fallback_reason(device: torch.device | str, dtype: torch.dtype, kv_cache: str = "auto") -> str | None:
+    """Where `auto` takes a backend after the first of its order on this device, why the first cannot run here
+    (one sentence, for the run to say); None where it takes the first, or runs the CPU's reference."""
+    backends = _table()
+    return backends.auto_passed_over(device, dtype, backends.store_dtype(kv_cache, dtype))

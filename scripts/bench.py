@@ -83,7 +83,7 @@ def graph_parts(events, frames: int) -> dict[str, float]:
     attentions, the 23 middle graphs and the last blocks graph (global block i's projection and
     MLP, frame block i+1, global block i+1 up to attention), the hand-over copy, and the heads
     graph (camera and DPT heads, output packing). With an attention recorded in the graph
-    (dense-triton) the first blocks graph is all the blocks. With pipelining the heads run on their
+    (triton, flashinfer) the first blocks graph is all the blocks. With pipelining the heads run on their
     own stream beside the next frame's blocks, so the parts overlap."""
     torch.cuda.synchronize()
     parts = {"embed": 0.0, "first_graph": 0.0, "global_attention": 0.0, "middle_graphs": 0.0, "handoff": 0.0,

@@ -1,18 +1,16 @@
 """Engine time per frame across input sizes, in one measuring process (GPU machine).
 
     python3 scripts/bench_shapes.py --heights 280:518:14 --compile-workers 4 --json $OUT/shapes.json
-    python3 scripts/bench_shapes.py --heights 378,392 --variants previous,frames --profile 378,392
+    python3 scripts/bench_shapes.py --heights 378,392 --variants balanced,frames --profile 378,392
 
 Each size is measured as scripts/bench.py measures it (scale 8, window 64, bf16, keyframes all,
 pipelined, CUDA graphs, compiled blocks and heads, every output copied to the host): the median
 time of a push over the steady-state frames after the window is full, one engine per size and
 variant on one model, so that neighbouring sizes compare on the same minutes of one machine.
 
-Variants, measured back to back per size: `previous` (the range kernel before the balanced
-schedule, cache/triton_attention_previous.py where the device script puts the previous commit's
-module, and SDPA (cuDNN) for the frame attention: the engine before this change), `balanced` (the
-balanced schedule, SDPA for the frame attention) and `frames` (the balanced schedule, and the
-frame attention through the range kernel: the defaults). The others take the defaults and change
+Variants, measured back to back per size: `balanced` (the balanced schedule, SDPA for the frame
+attention) and `frames` (the balanced schedule, and the frame attention through the range kernel:
+the defaults). The others take the defaults and change
 one thing: `index_copy` writes each layer's K and V with two index_copy_ calls (the write before the
 store's Triton write kernel), `heads_low` runs the steps on a high-priority stream and the heads
 beside them on a low-priority one (the defaults give the heads the steps' priority), `synchronous`
@@ -23,14 +21,10 @@ cut 224 and 240, `prefix_two` does so with one piece after a prefix of 850/1000,
 only waves of at most 7/8 of the slots (224 tiles on 132 SMs: the rule before 240 tiles were cut);
 `triton_kernel` runs the global attention through the Triton range kernel where the defaults run
 gluon_attention's on Hopper, `pdl` compiles the blocks and heads with Inductor's programmatic dependent launch (in the measuring
-process, whose compile helpers compiled the defaults only). `dense`, `cudnn` and `flashinfer` stream
-with --attention dense, dense-cudnn or dense-flashinfer, and `dense_uncut`, `cudnn_uncut` and
-`flashinfer_uncut` the same without the cut of the rows past a library kernel's last whole wave
-(cache/leftover_rows.py), `dense_waves` --attention dense with that cut but without flash's rows
-in pieces of its split path (the rule before the pieces), `flashinfer_fa2` dense-flashinfer on
-FlashInfer's fa2 kernels (what it runs before Hopper) on any GPU, and `pointers` the defaults with the
-range kernel (the global and the frame attention) loading keys and values through pointers, as it
-does before Hopper, on any GPU.
+process, whose compile helpers compiled the defaults only). `flashinfer` streams with --attention
+flashinfer (fa3 on Hopper), `flashinfer_fa2` with FlashInfer's fa2 kernels (what it runs before Hopper)
+on any GPU, and `pointers` the defaults with the range kernel (the global and the frame attention)
+loading keys and values through pointers, as it does before Hopper, on any GPU.
 
 torch.compile compiles the blocks and heads once per input size (~40 s a size on a fresh
 machine). --compile-workers N starts N helper processes that stream a few frames at each size
@@ -76,32 +70,20 @@ PREFIX = triton_attention.PREFIX_FILL, triton_attention.PREFIX_SHARE, triton_att
 PREFIX_VARIANTS = {"whole_wave": (0.0, PREFIX[1], PREFIX[2]), "prefix_all": (1.0, PREFIX[1], PREFIX[2]),
                    "prefix_two": (1.0, 850, 2), "prefix_224": (0.875, PREFIX[1], PREFIX[2])}
 # variant -> the --attention it streams with (the others: auto)
-BACKEND_VARIANTS = {"dense": "dense", "cudnn": "dense-cudnn", "flashinfer": "dense-flashinfer"}
-BACKEND_VARIANTS.update({f"{variant}_uncut": name for variant, name in list(BACKEND_VARIANTS.items())})
-BACKEND_VARIANTS.update(dense_waves="dense", flashinfer_fa2="dense-flashinfer")
-LIBRARY_WAVES = backends.library_waves
-DENSE_FLASHINFER = backends.spec("dense-flashinfer")
+BACKEND_VARIANTS = {"flashinfer": "flashinfer", "flashinfer_fa2": "flashinfer"}
+FLASHINFER = backends.spec("flashinfer")
 
 
-def dense_flashinfer_fa2(storage, layout, compile, device):
-    from stream_recon.cache.flashinfer_backend import FlashInferRangeAttention
+def flashinfer_fa2(storage, layout, compile, device):
+    from stream_recon.cache.backends.flashinfer import FlashInferPagedAttention
 
-    return FlashInferRangeAttention(storage, variant="fa2", waves=backends.library_waves("flashinfer-fa2", device))
-
-
-def waves_without_split_path(kernel, device):
-    waves = LIBRARY_WAVES(kernel, device)
-    return None if waves is None else dataclasses.replace(waves, split_path_blocks=0.0)
+    return FlashInferPagedAttention(storage, layout.tokens_per_frame, "fa2")
 
 
 def use_variant(model, variant: str) -> None:
     """Point the global attention's kernel and schedule, the blocks' frame attention and the
     store's write at `variant`'s (the next engine built records them)."""
-    if variant == "previous":
-        from stream_recon.cache import triton_attention_previous
-
-        triton_attention.attend_range = triton_attention_previous.attend_range
-    elif variant == "triton_kernel":  # the Triton range kernel where the Gluon one would serve
+    if variant == "triton_kernel":  # the Triton range kernel where the Gluon one would serve
         triton_attention.attend_range = functools.partial(ATTEND_RANGE, tma=True)
     else:
         triton_attention.attend_range = ATTEND_RANGE
@@ -110,16 +92,14 @@ def use_variant(model, variant: str) -> None:
     triton_attention.schedule_tiles.cache_clear()
     triton_attention.TENSOR_MEMORY_CAPABILITY = 99 if variant == "pointers" else TENSOR_MEMORY_CAPABILITY
     triton_store.write = index_copy_write if variant == "index_copy" else STORE_WRITE
-    sdpa_frames = variant in ("previous", "balanced")  # every other variant keeps the defaults' frame attention
+    sdpa_frames = variant == "balanced"  # every other variant keeps the defaults' frame attention
     frame_attention = F.scaled_dot_product_attention if sdpa_frames else triton_attention.attend_frame
     for module in model.modules():
         if isinstance(module, Attention):
             module.self_attention = frame_attention
     use_launch_order(variant == "pdl")
-    backends.library_waves = ((lambda kernel, device: None) if variant.endswith("_uncut") else
-                              waves_without_split_path if variant.endswith("_waves") else LIBRARY_WAVES)
-    backends._BY_NAME["dense-flashinfer"] = (dataclasses.replace(DENSE_FLASHINFER, factory=dense_flashinfer_fa2)
-                                             if variant == "flashinfer_fa2" else DENSE_FLASHINFER)
+    backends._BY_NAME["flashinfer"] = (dataclasses.replace(FLASHINFER, factory=flashinfer_fa2)
+                                       if variant == "flashinfer_fa2" else FLASHINFER)
 
 
 def use_launch_order(programmatic: bool) -> None:
@@ -156,7 +136,7 @@ def new_engine(model, variant: str = "frames") -> StreamingEngine:
 
 
 def index_copy_write(store, slots, k, v) -> None:
-    """A layer's K/V write as DenseKV wrote it before its Triton kernel: two scattered copies."""
+    """A layer's K/V write as the store wrote it before its Triton kernel: two scattered copies."""
     store[0].index_copy_(0, slots, k.to(store.dtype))
     store[1].index_copy_(0, slots, v.to(store.dtype))
 
@@ -257,7 +237,7 @@ def main():
     parser.add_argument("--heights", default="280:518:14", help="first:last:step, or a comma list")
     parser.add_argument("--width", type=int, default=518)
     parser.add_argument("--frames", type=int, default=40, help="steady-state frames timed per size and variant")
-    parser.add_argument("--variants", default="previous,balanced,frames")
+    parser.add_argument("--variants", default="balanced,frames")
     parser.add_argument("--profile", default="", help="heights whose kernels are profiled too (comma list)")
     parser.add_argument("--compile-workers", type=int, default=0)
     parser.add_argument("--compile-only", action="store_true", help="(a helper process: compile these sizes, exit)")

@@ -1,7 +1,6 @@
-"""The cache layouts' shared property-test harness: a dense reference of the visible key set, a
-harness that drives a real cache beside it, the layouts and op sequences hypothesis draws, and the
-driver. tests/test_cache_paged.py, test_cache_dense.py and test_cache_fp8.py use it. Also a stream
-through a split dense backend beside the plain one (test_cache_dense.py, test_cache_leftover_rows.py)."""
+"""The cache's shared property-test harness: a reference of the visible key set computed from the live
+frames alone, a harness that drives the real page tables beside it, the layouts and op sequences
+hypothesis draws, and the driver. tests/test_cache_paged.py and test_cache_fp8.py use it."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from hypothesis import strategies as st
 from stream_recon.cache import CacheLayout
 
 
-class DenseReference:
+class VisibleReference:
     """What the visible key set must be, computed from the list of live frames alone."""
 
     def __init__(self, layout: CacheLayout):
@@ -42,24 +41,20 @@ class DenseReference:
 
 
 class LabelHarness:
-    """Drives a real cache beside the dense reference and writes (frame, token) labels into a fake
-    store through the cache's token slots. Layouts whose data moves override `apply_moves`."""
+    """Drives real page tables beside the reference and writes (frame, token) labels into a fake store
+    through the cache's token slots."""
 
     def __init__(self, layout: CacheLayout, cache):
         self.layout = layout
         self.cache = cache
-        self.reference = DenseReference(layout)
+        self.reference = VisibleReference(layout)
         self.store: dict[int, tuple[int, int]] = {}
         self.next_frame = 0
-
-    def apply_moves(self):
-        pass
 
     def append(self, defer: bool):
         frame = self.next_frame
         self.next_frame += 1
         self.cache.append(defer_eviction=defer)
-        self.apply_moves()  # before the step writes (a backup must not see the new frame)
         for token, slot in enumerate(self.cache.token_slots(-1)):
             self.store[slot] = (frame, token)
         self.reference.pending.append(frame)
@@ -67,12 +62,10 @@ class LabelHarness:
 
     def commit(self):
         self.cache.commit()
-        self.apply_moves()
         self.reference.commit()
 
     def rollback(self):
         self.cache.rollback()
-        self.apply_moves()
         self.reference.pending, self.reference.pending_deferred = [], False
 
 
@@ -105,42 +98,3 @@ def drive(h, scale_batch: int, ops: list[str]) -> None:
         h.check()
         (h.commit if op in ("key", "defer_commit") else h.rollback)()
         h.check()
-
-
-def exact_attention(q, k, v):
-    """q, k, v [1, H, *, D] -> (out, logsumexp): what the CUDA kernels of the split backend compute."""
-    import torch
-
-    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-    return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
-
-
-def stream_split_beside_dense(split_for, seed: int, rows: int | None = None) -> tuple[int, int]:
-    """Stream 14 steps of a small dense layout (deferred evictions, rollbacks, commits) through the split
-    backend `split_for(kv, full_patch_tokens)` makes and DenseAttention side by side, in float64 on the
-    CPU, asserting each step's outputs equal. rows: a step's query rows (None: the frame's tokens).
-    Returns the full-window patch-token counts (without and with the deferred frame)."""
-    import torch
-
-    from stream_recon.cache import DenseAttention, DenseKV
-    from stream_recon.cache.dense import DenseTwoStreamCache
-
-    layout = CacheLayout(patches_per_frame=3, specials_per_frame=2, scale_frames=2, window_frames=3)
-    cache = DenseTwoStreamCache(layout, max_frames=40)
-    kv = DenseKV(1, 2, 4, cache.capacity_tokens, torch.float64, "cpu")
-    full = (layout.scale_frames + layout.window_frames) * layout.patches_per_frame
-    full_patch_tokens = (full, full + layout.patches_per_frame)
-    split, dense = split_for(kv, full_patch_tokens), DenseAttention(kv)
-    generator = torch.Generator().manual_seed(seed)
-    for step in range(14):
-        cache.append(defer_eviction=step % 3 == 1)
-        kv.apply_moves(cache.take_moves(), cache)
-        slots = torch.tensor(cache.token_slots(-1))
-        kv.write(0, slots, *(torch.randn(len(slots), 2, 4, generator=generator, dtype=torch.float64) for _ in range(2)))
-        q = torch.randn(rows or len(slots), 2, 4, generator=generator, dtype=torch.float64)
-        split.plan(cache.visible(), len(q))
-        dense.plan(cache.visible(), len(q))
-        torch.testing.assert_close(split.attend(0, q), dense.attend(0, q), rtol=0, atol=1e-12)
-        (cache.rollback if step % 3 == 1 and step % 2 else cache.commit)()
-        kv.apply_moves(cache.take_moves(), cache)
-    return full_patch_tokens

@@ -521,7 +521,7 @@ def test_info_says_when_the_checkpoint_folder_named_by_the_environment_does_not_
     lines = [line.strip() for line in result.stdout.splitlines()]
     assert f"{missing} ($STREAM_RECON_CHECKPOINTS, which does not exist)" in lines
     # a table's row stays one line too
-    rows = [line for line in lines if line.startswith("│ dense-triton")]
+    rows = [line for line in lines if line.startswith("│ triton")]
     assert len(rows) == 1 and "on a CUDA device (got float32 on cpu)" in rows[0], lines
 
 

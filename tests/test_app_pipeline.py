@@ -693,17 +693,21 @@ def test_progress_bar_keeps_the_count_the_eta_and_the_rate_on_a_narrow_terminal(
     assert re.match(r"7 frames 0:00:0\d . -  2 kf  4 dropped", line) and "━" not in line, line
 
 
-def test_flashinfer_compile_is_announced():
+def test_the_backend_is_announced_with_its_cache_what_it_is_and_its_first_use():
     from rich.console import Console
 
     from stream_recon.app.run.loading import announce_backend
 
-    console = Console(record=True, width=200)
-    announce_backend("flashinfer-fa2", console)
-    announce_backend("sdpa", console)
-    text = console.export_text()
-    assert "kernels compile on first use" in text and "about 30 s" in text
-    assert "attention: sdpa" in text
+    console = Console(record=True, width=400)
+    announce_backend("flashinfer-fa2", None, console)
+    announce_backend("sdpa", None, console)
+    announce_backend("flashinfer-fa3", "--attention triton needs the triton package (it comes with CUDA builds of "
+                                       "torch)", console)
+    lines = console.export_text().splitlines()
+    assert lines[0].startswith("attention: flashinfer-fa2 over the paged K/V cache; FlashInfer's paged prefill")
+    assert "kernels compile on first use" in lines[0] and "about 30 s" in lines[0]
+    assert lines[1].startswith("attention: sdpa over the paged K/V cache; PyTorch SDPA over the gathered pages")
+    assert "auto did not take its first choice: --attention triton needs the triton package" in lines[2]
 
 
 class SignalAtFrame:

@@ -1,5 +1,5 @@
 """The fp8 (e4m3) K/V store on the CPU: the quantisation rule against float64, the store following
-the dense bookkeeping (moves and rollbacks carry the scales), the backend table's fp8 column, the
+the page tables (rollbacks and growth keep the scales), the backend table's fp8 column, the
 write kernel and the fp8 range kernel under Triton's interpreter, and the tiny model streaming over
 an fp8 cache. `pytest -k fp8` selects them. The GPU runs the kernels in tests/test_gpu_fp8.py."""
 
@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from triton_interpreter import interpret
 
-from stream_recon.cache import CacheLayout, DenseKV, DenseTwoStreamCache, backends, fp8
+from stream_recon.cache import CacheLayout, PagedKV, PagedTwoStreamCache, PagePool, backends, fp8
 
 E4M3 = torch.float8_e4m3fn
 CPU = torch.device("cpu")
@@ -92,39 +92,36 @@ def test_fp8_exponents_match_the_smallest_power_of_two():
     assert exponents.tolist() == expected
 
 
-# -- the store -------------------------------------------------------------------------------------
-def test_fp8_store_takes_half_the_bytes_plus_one_per_head_vector():
-    bf16 = DenseKV(3, 4, 64, 100, torch.bfloat16, CPU)
-    quantized = DenseKV(3, 4, 64, 100, torch.bfloat16, CPU, store_dtype=E4M3)
+# -- the pages --------------------------------------------------------------------------------------
+def test_fp8_pages_take_half_the_bytes_plus_one_per_head_vector():
+    bf16 = PagedKV(3, 4, 64, 10, torch.bfloat16, CPU, num_pages=10)
+    quantized = PagedKV(3, 4, 64, 10, torch.bfloat16, CPU, num_pages=10, store_dtype=E4M3)
     assert quantized.quantized and not bf16.quantized
     assert quantized.dtype == torch.bfloat16 and quantized.store_dtype == E4M3  # attention stays bf16
     assert bf16.bytes_allocated == 3 * 2 * 100 * 4 * 64 * 2
     assert quantized.bytes_allocated == 3 * 2 * 100 * 4 * 64 + 3 * 2 * 4 * 100
     for kv in (bf16, quantized):
-        assert kv.bytes_allocated == DenseKV.bytes_needed(3, 4, 64, 100, kv.store_dtype)
+        assert kv.bytes_allocated == PagedKV.bytes_needed(3, 4, 64, 10, 10, kv.store_dtype)
     with pytest.raises(ValueError, match="float8_e4m3fn, not torch.float16"):
-        DenseKV(1, 1, 8, 4, torch.bfloat16, CPU, store_dtype=torch.float16)
+        PagedKV(1, 1, 8, 4, torch.bfloat16, CPU, num_pages=1, store_dtype=torch.float16)
 
 
 class TwoStores:
-    """One bookkeeping driving a float64 store and an fp8 store with the same K/V: the fp8 store
-    must equal the quantised float64 store at every visible position, after every operation."""
+    """One set of page tables driving float64 pages and fp8 pages with the same K/V: the fp8 pages must hold
+    the quantised float64 values at every visible key, after every operation, and keep them as the pool
+    grows (each layer re-allocated with its exponents)."""
 
     def __init__(self, layout: CacheLayout, seed: int):
-        self.cache = DenseTwoStreamCache(layout, max_frames=64)
-        capacity = self.cache.capacity_tokens
-        self.exact = DenseKV(2, 2, 8, capacity, torch.float64, CPU)
-        self.quantized = DenseKV(2, 2, 8, capacity, torch.float32, CPU, store_dtype=E4M3)
+        self.cache = PagedTwoStreamCache(layout, PagePool(2, grow_by=2))
+        pages = self.cache.pool.num_pages
+        self.exact = PagedKV(2, 2, 8, layout.page_size, torch.float64, CPU, pages)
+        self.quantized = PagedKV(2, 2, 8, layout.page_size, torch.float32, CPU, pages, store_dtype=E4M3)
         self.generator = torch.Generator().manual_seed(seed)
-
-    def follow(self):
-        moves = self.cache.take_moves()
-        self.exact.apply_moves(moves, self.cache)
-        self.quantized.apply_moves(moves, self.cache)
 
     def append(self, defer: bool):
         self.cache.append(defer_eviction=defer)
-        self.follow()
+        for kv in (self.exact, self.quantized):
+            kv.ensure_pages(self.cache.pool.num_pages)
         slots = torch.tensor(self.cache.token_slots(-1))
         for layer in range(2):
             scale = 2.0 ** torch.randint(-8, 9, (len(slots), 2, 1), generator=self.generator)
@@ -134,10 +131,9 @@ class TwoStores:
             self.quantized.write(layer, slots, k, v)
 
     def check(self):
-        visible = self.cache.visible()
+        rows = self.exact.visible_rows(self.cache.visible_pages())
         for layer in range(2):
-            exact = self.exact.keys_values(layer, visible.start, visible.end)
-            ours = self.quantized.keys_values(layer, visible.start, visible.end)
+            exact, ours = self.exact.gather(layer, rows), self.quantized.gather(layer, rows)
             for reference, got in zip(exact, ours, strict=True):
                 assert got.dtype == torch.float32
                 assert torch.equal(got.double(), fp8.dequantize(*fp8.quantize(reference), torch.float64))
@@ -146,12 +142,11 @@ class TwoStores:
 @settings(max_examples=100, deadline=None)
 @given(layout=layouts(), seed=st.integers(0, 1000), scale_batch=st.integers(1, 3), ops=st.lists(OPS, max_size=20))
 @pytest.mark.slow
-def test_fp8_store_follows_appends_moves_and_rollbacks(layout, seed, scale_batch, ops):
+def test_fp8_pages_follow_appends_rollbacks_and_growth(layout, seed, scale_batch, ops):
     stores = TwoStores(layout, seed)
-    for _ in range(min(scale_batch, layout.scale_frames)):
+    for _ in range(scale_batch):
         stores.append(defer=False)
     stores.cache.commit()
-    stores.follow()
     stores.check()
     for op in ops:
         stores.append(defer=op.startswith("defer"))
@@ -160,7 +155,6 @@ def test_fp8_store_follows_appends_moves_and_rollbacks(layout, seed, scale_batch
             stores.cache.commit()
         else:
             stores.cache.rollback()
-        stores.follow()
         stores.check()
 
 
@@ -175,26 +169,10 @@ def test_fp8_precision_names():
         backends.store_dtype("bf16", torch.float32)
 
 
-def test_fp8_is_read_by_the_dense_backends_only():
-    assert {name for name in backends.names()[1:] if backends.spec(name).reads_fp8} == {
-        "dense", "dense-triton", "dense-cudnn", "dense-flashinfer"}
-    # auto on the CPU: the dense layout's SDPA, which reads fp8 (the paged parity path cannot)
-    assert backends.resolve("auto", CPU, torch.float32, E4M3).name == "dense"
+def test_fp8_is_read_by_the_range_kernel_and_the_sdpa_reference():
+    assert {name for name in backends.names()[1:] if backends.spec(name).reads_fp8} == {"sdpa", "triton"}
+    assert backends.resolve("auto", CPU, torch.float32, E4M3).name == "sdpa"
     assert backends.resolve("auto", CPU, torch.float32).name == "sdpa"
-    with pytest.raises(ValueError, match=r"--attention sdpa cannot read an fp8 K/V cache \(the paged layout stores "
-                                         r"the model's dtype\); use --attention auto or dense"):
-        backends.resolve("sdpa", CPU, torch.float32, E4M3)
-
-
-def test_fp8_build_gives_a_quantized_dense_cache():
-    layout = CacheLayout(patches_per_frame=4, specials_per_frame=2, scale_frames=2, window_frames=3)
-    arguments = dict(num_layers=2, num_heads=2, head_dim=8, max_frames=16, dtype=torch.float32, device=CPU)
-    cache = backends.build(backends.spec("dense"), layout, stored=E4M3, **arguments)
-    assert cache.store_dtype == E4M3 and cache.dtype == torch.float32
-    assert cache.bytes_allocated == backends.cache_bytes(backends.spec("dense"), layout, stored=E4M3,
-                                                         **{k: v for k, v in arguments.items() if k != "device"})
-    with pytest.raises(ValueError, match="cannot read an fp8 K/V cache"):
-        backends.build(backends.spec("sdpa"), layout, stored=E4M3, **arguments)
 
 
 # -- kernels under Triton's interpreter ------------------------------------------------------------
@@ -236,37 +214,40 @@ def test_fp8_write_kernel_stores_the_bytes_of_the_torch_rule():
 ATTENTION_SCRIPT = textwrap.dedent("""
     import sys, torch
     import torch.nn.functional as F
-    from stream_recon.cache import DenseKV, VisibleRange
-    from stream_recon.cache.triton_attention import TritonRangeAttention
+    from stream_recon.cache import PagedKV, VisiblePages
+    from stream_recon.cache.backends.triton import TritonPagedAttention
 
     torch.manual_seed(0)
     worst = []
-    for start, end, queries in eval(sys.argv[1]):
-        kv = DenseKV(num_layers=2, num_heads=2, head_dim=32, capacity=320, dtype=torch.float32, device="cpu",
-                     store_dtype=torch.float8_e4m3fn)
+    for page_ids, last, queries in eval(sys.argv[1]):
+        kv = PagedKV(num_layers=2, num_heads=2, head_dim=32, page_size=40, dtype=torch.float32, device="cpu",
+                     num_pages=8, store_dtype=torch.float8_e4m3fn)
         for layer in range(2):  # K/V whose magnitudes differ per token, as the model's do
             k, v = (torch.randn(320, 2, 32) * 2.0 ** torch.randint(-6, 4, (320, 2, 1)) for _ in range(2))
             kv.write(layer, torch.arange(320), k, v)
-        backend = TritonRangeAttention(kv)
-        backend.plan(VisibleRange(start, end, start), queries)
+        visible = VisiblePages(page_ids=tuple(page_ids), last_page_len=last, page_size=40, num_scale_pages=1,
+                               num_window_pages=len(page_ids) - 1, num_special_pages=0, num_special_tokens=0)
+        backend = TritonPagedAttention(kv, schedule_keys=kv.num_rows)
+        backend.plan(visible, queries)
         q = torch.randn(queries, 2, 32) * 2
         out = backend.attend(1, q)
-        keys, values = kv.keys_values(1, start, end)  # dequantised: the values the kernel stands for
-        # the kernel reads the dequantised buffer, in the store's compute dtype (float32 here)
+        keys, values = kv.gather(1, kv.visible_rows(visible))  # dequantised: the values the kernel stands for
+        # the kernel reads the dequantised buffer, in the pages' compute dtype (float32 here)
         expected = F.scaled_dot_product_attention(q.transpose(0, 1)[None],
             keys.float().transpose(0, 1)[None], values.float().transpose(0, 1)[None])[0].transpose(0, 1)
         assert out.shape == q.shape and out.dtype == torch.float32
         worst.append(((out - expected).abs().max() / expected.abs().max()).item())
     print(" ".join(f"{w:.3e}" for w in worst))
 """)
-# Key ranges around the kernel's 128-key blocks and query counts around its 64-row blocks.
-ATTENTION_CASES = [(5, 9, 3), (40, 40 + 256, 64), (7, 7 + 300, 70), (0, 129, 130)]
+# Page tables (pages of 40 rows) whose runs end inside the kernel's 128-key blocks, a partial last page, and
+# query counts around its 64-row blocks: (page ids in key order, the last page's tokens, queries).
+ATTENTION_CASES = [((3,), 4, 3), ((0, 1, 2, 5, 6, 7), 40, 64), ((7, 2, 3, 0), 11, 70), ((1, 2, 3, 4), 9, 130)]
 
 
 @pytest.mark.slow
-def test_fp8_range_kernel_matches_sdpa_over_the_dequantised_keys():
+def test_fp8_range_kernel_over_pages_matches_sdpa_over_the_dequantised_keys():
     pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[dev]')")
     errors = [float(x) for x in interpret(ATTENTION_SCRIPT, ATTENTION_CASES).split()]
     assert len(errors) == len(ATTENTION_CASES)
     for case, error in zip(ATTENTION_CASES, errors, strict=True):
-        assert error <= 1e-5, f"keys [{case[0]}, {case[1]}), {case[2]} queries: relative error {error:.2e}"
+        assert error <= 1e-5, f"pages {case[0]}, {case[2]} queries: relative error {error:.2e}"

@@ -1,22 +1,29 @@
-"""The two-stream cache bookkeeping against a dense reference (hypothesis), plus worked examples."""
+"""The two-stream cache's page tables against a reference of the visible key set (hypothesis), the runs of
+rows the range kernel reads, a spare's cache handing its frames over, plus worked examples."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import random
 
 import pytest
 from cache_reference import OPS, LabelHarness, drive, layouts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream_recon.cache import CacheLayout, PagedTwoStreamCache, PagePool
+from stream_recon.cache import CacheCapacityError, CacheLayout, PagedTwoStreamCache, PagePool
+
+
+def free_ids(pool: PagePool) -> list[int]:
+    return list(pool._free)
 
 
 class Harness(LabelHarness):
-    """The paged layout: pages never move; the check also audits the page pool."""
+    """Pages never move; the check also audits the page pool."""
 
-    def __init__(self, layout: CacheLayout, initial_pages: int):
-        super().__init__(layout, PagedTwoStreamCache(layout, PagePool(initial_pages, grow_by=2)))
+    def __init__(self, layout: CacheLayout, initial_pages: int, max_pages: int | None = None):
+        super().__init__(layout, PagedTwoStreamCache(layout, PagePool(initial_pages, grow_by=2, max_pages=max_pages)))
 
     def read_visible(self) -> list[tuple[int, int]]:
         visible = self.cache.visible_pages()
@@ -24,9 +31,14 @@ class Harness(LabelHarness):
         slots = [page * size + offset for page in visible.page_ids for offset in range(size)][: visible.num_tokens]
         return [self.store[slot] for slot in slots]
 
+    def read_runs(self) -> list[tuple[int, int]]:
+        """What the range kernel reads: every row of every run (their order does not matter to attention)."""
+        return [self.store[row] for start, rows in self.cache.visible_pages().runs() for row in range(start, start + rows)]
+
     def check(self):
         cache, reference = self.cache, self.reference
         assert self.read_visible() == reference.visible_tokens()
+        assert sorted(self.read_runs()) == sorted(reference.visible_tokens())
         specials = len(reference.live) * self.layout.specials_per_frame
         special_pages = math.ceil(specials / self.layout.page_size)
         assert len(cache.special_pages) == special_pages
@@ -37,7 +49,7 @@ class Harness(LabelHarness):
         pending_evicted = sum(len(p.evicted) for p in cache._pending)
         assert held == len(cache.scale_pages) + len(cache.window_pages) + len(cache.special_pages)
         assert cache.pool.num_used == held + pending_evicted, "leaked or double-used pages"
-        free = cache.pool.free_ids()
+        free = free_ids(cache.pool)
         assert len(set(free)) == len(free)
         assert not set(free) & (set(cache.scale_pages) | set(cache.window_pages) | set(cache.special_pages))
 
@@ -56,11 +68,11 @@ def test_rollback_restores_everything(layout, ops):
     h.commit()
     for op in ops:
         before = (list(h.cache.scale_pages), list(h.cache.window_pages), list(h.cache.special_pages),
-                  h.cache.num_special_tokens, sorted(h.cache.pool.free_ids()), h.cache.pool.num_pages)
+                  h.cache.num_special_tokens, sorted(free_ids(h.cache.pool)), h.cache.pool.num_pages)
         h.append(defer=op.startswith("defer"))
         h.rollback()
         after = (list(h.cache.scale_pages), list(h.cache.window_pages), list(h.cache.special_pages),
-                 h.cache.num_special_tokens, sorted(h.cache.pool.free_ids()), h.cache.pool.num_pages)
+                 h.cache.num_special_tokens, sorted(free_ids(h.cache.pool)), h.cache.pool.num_pages)
         # The pool may have grown, but every page the append took is free again.
         assert after[:4] == before[:4]
         assert set(before[4]) <= set(after[4])
@@ -107,8 +119,6 @@ def test_layout_rejects_nonsense():
 
 
 def test_budget_page_pool_grows_up_to_its_limit_and_no_further():
-    from stream_recon.cache import CacheCapacityError
-
     pool = PagePool(2, grow_by=3, max_pages=4)
     assert [pool.allocate() for _ in range(4)] == [0, 1, 2, 3]
     assert pool.num_pages == 4  # the second growth step was cut to the limit
@@ -121,8 +131,6 @@ def test_budget_page_pool_grows_up_to_its_limit_and_no_further():
 
 
 def test_budget_paged_append_at_the_limit_changes_nothing():
-    from stream_recon.cache import CacheCapacityError
-
     # page_size 3, 2 specials per frame, 1 scale frame, window 1: at most 3 patch pages in use
     layout = CacheLayout(patches_per_frame=3, specials_per_frame=2, scale_frames=1, window_frames=1)
     limit = PagedTwoStreamCache.pages_needed(layout, max_frames=3)
@@ -134,10 +142,116 @@ def test_budget_paged_append_at_the_limit_changes_nothing():
     # f2 pending kept f1's page until its commit: the pool reached its limit and f1's page is free
     assert cache.pool.num_pages == limit and cache.pool.num_free == 1
     before = (list(cache.scale_pages), list(cache.window_pages), list(cache.special_pages), cache.num_special_tokens,
-              sorted(cache.pool.free_ids()), cache.pool.num_pages)
+              sorted(free_ids(cache.pool)), cache.pool.num_pages)
     # f3 needs a patch page and a third special page: 6 pages, one over the limit
     with pytest.raises(CacheCapacityError, match="needs 2 more pages but is at its limit of 5"):
         cache.append(defer_eviction=True)
     after = (list(cache.scale_pages), list(cache.window_pages), list(cache.special_pages), cache.num_special_tokens,
-             sorted(cache.pool.free_ids()), cache.pool.num_pages)
+             sorted(free_ids(cache.pool)), cache.pool.num_pages)
     assert after == before and cache.num_pending_frames == 0 and cache.num_committed_frames == 3
+
+
+# -- the runs of rows the range kernel reads ---------------------------------------------------------
+def test_runs_worked_example():
+    from stream_recon.cache import VisiblePages
+
+    visible = VisiblePages(page_ids=(7, 8, 2, 3, 4, 9), last_page_len=2, page_size=4, num_scale_pages=2,
+                           num_window_pages=3, num_special_pages=1, num_special_tokens=2)
+    assert visible.runs() == ((8, 12), (28, 10))
+    # the last page in key order is the partial one, wherever it lies in the storage; it ends its run
+    assert dataclasses.replace(visible, page_ids=(3, 2)).runs() == ((8, 2), (12, 4))
+    assert dataclasses.replace(visible, page_ids=(2, 1)).runs() == ((4, 2), (8, 4))
+    assert dataclasses.replace(visible, page_ids=()).runs() == ()
+
+
+@pytest.mark.parametrize(("height", "keyframe_share"), [(378, 1.0), (392, 0.5), (294, 0.15)])
+def test_a_long_stream_reads_its_keys_as_a_few_runs(height, keyframe_share):
+    """The product's layout (8 scale frames, a window of 64, 1 special page per 172 frames) over 3 chunks of a
+    stream whose frames are each appended deferred and kept or rolled back at random: the window is a ring
+    over its pages and the pool hands out the page after the newest, so the 75-odd visible pages read as a
+    handful of runs (each run costs the kernel one partial key block)."""
+    patches = (height // 14) * 37
+    layout = CacheLayout(patches_per_frame=patches, specials_per_frame=6, scale_frames=8, window_frames=64)
+    limit = PagedTwoStreamCache.pages_needed(layout, 321)
+    cache = PagedTwoStreamCache(layout, PagePool(limit, max_pages=limit))
+    generator = random.Random(height)
+    most = 0
+    for _chunk in range(3):
+        for _ in range(8):
+            cache.append()
+        cache.commit()
+        while cache.num_committed_frames < 320:
+            cache.append(defer_eviction=True)
+            most = max(most, len(cache.visible_pages().runs()))
+            (cache.commit if generator.random() < keyframe_share else cache.rollback)()
+        cache.reset()
+        assert cache.pool.num_used == 0
+    assert most <= 4
+
+
+# -- a spare's cache: fewer window pages, its frames handed over ------------------------------------
+def drive_one(h, op: str) -> None:
+    h.append(defer=op.startswith("defer"))
+    h.check()
+    (h.commit if op in ("key", "defer_commit") else h.rollback)()
+    h.check()
+
+
+@settings(max_examples=200, deadline=None)
+@given(layout=layouts(), data=st.data(), ops=st.lists(OPS, max_size=25))
+def test_a_cache_with_fewer_window_pages_hands_its_frames_over_to_a_full_one(layout, data, ops):
+    """A spare engine's cache: its pool holds pages for fewer window frames than its window, it computes as
+    the full one until they are all in use (the next window frame is refused, nothing changed), and a full
+    cache that takes its frames over (page for page, into its own pool) goes on as if it had held them all
+    along."""
+    slots = data.draw(st.integers(1, layout.window_frames))
+    small_layout = dataclasses.replace(layout, window_slots=slots)
+    small_limit = PagedTwoStreamCache.pages_needed(small_layout, 40)
+    small = Harness(small_layout, small_limit, max_pages=small_limit)
+    drive(small, data.draw(st.integers(1, layout.scale_frames)), [])
+    handed_over_at = data.draw(st.integers(0, len(ops)))
+    for op in ops[:handed_over_at]:
+        if len(small.cache.window_pages) == slots < layout.window_frames:
+            with pytest.raises(CacheCapacityError, match="pages for"):
+                small.cache.append()
+            small.check()
+            break
+        drive_one(small, op)
+    full = Harness(layout, 2)
+    copies = full.cache.take_over(small.cache)
+    full.store = {target * layout.page_size + offset: small.store[source * layout.page_size + offset]
+                  for source, target in copies for offset in range(layout.page_size)
+                  if source * layout.page_size + offset in small.store}
+    full.reference, full.next_frame = small.reference, small.next_frame
+    full.check()
+    for op in ops[handed_over_at:]:
+        drive_one(full, op)
+
+
+def test_a_cache_takes_over_only_committed_frames_of_its_geometry():
+    layout = CacheLayout(patches_per_frame=2, specials_per_frame=1, scale_frames=1, window_frames=3)
+    small = PagedTwoStreamCache(dataclasses.replace(layout, window_slots=1), PagePool(4))
+    small.append()
+    with pytest.raises(ValueError, match="committed frames only"):
+        PagedTwoStreamCache(layout).take_over(small)
+    with pytest.raises(ValueError, match="geometry"):
+        PagedTwoStreamCache(dataclasses.replace(layout, patches_per_frame=3)).take_over(small)
+    with pytest.raises(ValueError, match="window_slots"):
+        CacheLayout(patches_per_frame=2, specials_per_frame=6, scale_frames=8, window_frames=3, window_slots=4)
+
+
+# -- the pool's order ----------------------------------------------------------------------------------
+def test_the_pool_hands_out_the_page_after_and_takes_freed_pages_back_first():
+    pool = PagePool(6)
+    assert [pool.allocate(), pool.allocate(last=True), pool.allocate(after=0)] == [0, 5, 1]
+    assert pool.allocate(after=5) == 2  # (no page 6: the front of the free list)
+    pool.free(1)
+    assert pool.allocate(after=4) == 1  # a freed page comes back first
+    pool.free(5, last=True)
+    assert pool.allocate(last=True) == 5
+    with pytest.raises(ValueError, match="not in use"):
+        pool.free(3)
+    for page in (0, 2):
+        pool.free(page)
+    pool.sort_free()
+    assert free_ids(pool) == [0, 2, 3, 4]

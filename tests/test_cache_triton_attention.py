@@ -1,6 +1,7 @@
-"""The Triton range kernel (dense-triton) on the CPU, through Triton's interpreter: the same kernel
-source the GPU compiles, run block by block in NumPy, against float32 SDPA over the same keys.
-The GPU runs it in tests/test_gpu_fast_path.py against the golden fixtures."""
+"""The Triton range kernel (the `triton` backend) on the CPU, through Triton's interpreter: the same kernel
+source the GPU compiles, run block by block in NumPy, against SDPA over the same keys: over the pages of a
+stream (the run tables its page tables make), and over runs cut anywhere with every schedule. The GPU runs
+it in tests/test_gpu_fast_path.py against the golden fixtures."""
 
 from __future__ import annotations
 
@@ -17,43 +18,62 @@ from triton_interpreter import interpret
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[dev]')")
 
-# Key ranges around the kernel's 128-key blocks: shorter than one, whole blocks, a partial last
-# block; query counts around its 64-row blocks. (start, end, queries, dtype)
-CASES = [(5, 9, 3, "float16"), (40, 40 + 256, 64, "float16"), (7, 7 + 300, 70, "float32"), (0, 129, 130, "float16")]
+# Streams over pages around the kernel's 128-key blocks: pages shorter than one, pages of a block and a bit,
+# a frame's specials straddling two pages; queries a frame's tokens, around the 64-row blocks.
+# (patches a frame, specials a frame, scale frames, window frames, dtype, K/V cache)
+CASES = [(5, 2, 2, 3, "float32", "auto"), (37, 6, 2, 3, "float16", "auto"), (130, 6, 1, 2, "float32", "auto"),
+         (61, 6, 2, 2, "float16", "fp8")]
 
 SCRIPT = textwrap.dedent("""
-    import sys, torch
-    import torch.nn.functional as F
-    from stream_recon.cache import DenseKV, VisibleRange
-    from stream_recon.cache.triton_attention import TritonRangeAttention
+    import random, sys, torch
+    from stream_recon.cache import CacheLayout, backends
 
+    random.seed(0)
     torch.manual_seed(0)
-    worst = []
-    for start, end, queries, dtype in eval(sys.argv[1]):
+    worst, most_runs = [], 0
+    for patches, specials, scale, window, dtype, kv_cache in eval(sys.argv[1]):
         dtype = getattr(torch, dtype)
-        kv = DenseKV(num_layers=2, num_heads=2, head_dim=32, capacity=320, dtype=dtype, device="cpu")
-        kv.store.copy_(torch.randn_like(kv.store, dtype=torch.float32) * 2)
-        backend = TritonRangeAttention(kv)
-        backend.plan(VisibleRange(start, end, start), queries)
-        q = torch.randn(queries, 2, 32) * 2
-        out = backend.attend(1, q)
-        keys, values = kv.keys_values(1, start, end)
-        expected = F.scaled_dot_product_attention(q.to(dtype).float().transpose(0, 1)[None],
-            keys.float().transpose(0, 1)[None], values.float().transpose(0, 1)[None])[0].transpose(0, 1)
-        assert out.shape == q.shape and out.dtype == dtype
-        worst.append((out.float() - expected).abs().max().item())
+        layout = CacheLayout(patches_per_frame=patches, specials_per_frame=specials, scale_frames=scale,
+                             window_frames=window)
+        stored = backends.store_dtype(kv_cache, dtype)
+        caches = [backends.build(backends.spec(name), layout, num_layers=2, num_heads=2, head_dim=32, max_frames=30,
+                                 dtype=dtype, device="cpu", stored=stored) for name in ("triton", "sdpa")]
+        error = 0.0
+        for step in range(10):
+            defer = step > 0 and random.random() < 0.6
+            for cache in caches:
+                for _ in range(scale if step == 0 else 1):
+                    cache.append(defer_eviction=defer)
+            slots = caches[0].pending_slots()
+            assert torch.equal(slots, caches[1].pending_slots())
+            for layer in range(2):
+                k, v = torch.randn(len(slots), 2, 32) * 2, torch.randn(len(slots), 2, 32)
+                for cache in caches:
+                    cache.write(layer, slots, k, v)
+            for cache in caches:
+                cache.plan(len(slots))
+            most_runs = max(most_runs, len(caches[0].bookkeeping.visible_pages().runs()))
+            q = torch.randn(len(slots), 2, 32) * 2
+            out, expected = (cache.attend(1, q) for cache in caches)
+            assert out.shape == q.shape and out.dtype == dtype
+            error = max(error, (out.float() - expected.float()).abs().max().item())
+            settle = "rollback" if defer and random.random() < 0.5 else "commit"
+            for cache in caches:
+                getattr(cache, settle)()
+        worst.append(error)
+    assert most_runs > 1  # (the cases read several runs)
     print(" ".join(f"{w:.3e}" for w in worst))
 """)
 
 
 @pytest.mark.slow
-def test_range_kernel_matches_sdpa_over_the_same_keys():
+def test_range_kernel_over_a_streams_pages_matches_the_sdpa_reference():
     errors = [float(x) for x in interpret(SCRIPT, CASES).split()]
     assert len(errors) == len(CASES)
-    for (start, end, queries, dtype), error in zip(CASES, errors, strict=True):
-        # P is rounded to the store's dtype before the second product, as in any fused kernel
-        limit = 5e-3 if dtype == "float16" else 1e-5
-        assert error <= limit, f"keys [{start}, {end}), {queries} queries, {dtype}: max error {error:.2e}"
+    for case, error in zip(CASES, errors, strict=True):
+        # P is rounded to the pages' dtype before the second product, as in any fused kernel
+        limit = 5e-3 if case[4] == "float16" else 1e-5
+        assert error <= limit, f"{case}: max error {error:.2e}"
 
 
 def test_mismatched_layouts_are_refused():
@@ -63,10 +83,10 @@ def test_mismatched_layouts_are_refused():
 
     q = torch.zeros(4, 2, 32)
     with pytest.raises(ValueError, match="do not match"):
-        attend_range(q, torch.zeros(10, 3, 32), torch.zeros(10, 3, 32), torch.tensor([0, 10], dtype=torch.int32))
+        attend_range(q, torch.zeros(10, 3, 32), torch.zeros(10, 3, 32), (0, 10))
     with pytest.raises(ValueError, match="head-contiguous"):
         store = torch.zeros(10, 32, 2).transpose(1, 2)  # [10, 2, 32] with the heads innermost
-        attend_range(q, store, store, torch.tensor([0, 10], dtype=torch.int32))
+        attend_range(q, store, store, (0, 10))
 
 
 # The schedule on few slots, so that small cases take every path: whole waves, a leftover cut into
@@ -101,9 +121,10 @@ def rule_prefix_case() -> tuple:
 SCHEDULE_SCRIPT = textwrap.dedent("""
     import sys, torch
     import torch.nn.functional as F
-    from stream_recon.cache.triton_attention import TileSchedule, attend_range_scheduled, schedule_tiles
+    from stream_recon.cache.triton_attention import TileSchedule, attend_range_scheduled, run_table, schedule_tiles
 
     torch.manual_seed(1)
+    generator = __import__("random").Random(1)
     worst = []
     for queries, heads, start, end, slots, forced, tails_last, dtype, tma in eval(sys.argv[1]):
         dtype = getattr(torch, dtype)
@@ -113,8 +134,13 @@ SCHEDULE_SCRIPT = textwrap.dedent("""
             tiles = -(-queries // 64) * heads
             assert schedule_tiles(tiles, slots, -(-(end + 5) // 128)).splits > 1  # (the case cuts tiles)
         schedule = TileSchedule(*forced) if forced else None
-        out = attend_range_scheduled(q, store[0], store[1], torch.tensor([start, end], dtype=torch.int32), slots,
-                                     schedule=schedule, tails_last=tails_last, tma=tma)
+        # the range cut at up to two places anywhere, its runs in shuffled order: the keys are the same set
+        cuts = sorted(generator.sample(range(start + 1, end), min(2, end - start - 1)))
+        runs = [(a, b - a) for a, b in zip([start, *cuts], [*cuts, end])]
+        generator.shuffle(runs)
+        table = torch.tensor(run_table(runs, 4), dtype=torch.int32)
+        out = attend_range_scheduled(q, store[0], store[1], table, slots, schedule=schedule, tails_last=tails_last,
+                                     tma=tma)
         keys, values = (store[i, start:end].float().transpose(0, 1)[None] for i in (0, 1))
         expected = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys, values)[0].transpose(0, 1)
         assert out.shape == q.shape and out.dtype == dtype
@@ -127,7 +153,8 @@ SCHEDULE_SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 def test_scheduled_pieces_merge_to_sdpa_over_the_same_keys(tma):
     """Both loads: TMA descriptors (Hopper on) and pointers (Ampere, Ada), each path's partial last
-    block included (a store whose last block ends past its rows: the range ends 5 rows before it)."""
+    block included (a store whose last block ends past its rows: the range ends 5 rows before it), over
+    the range cut into runs anywhere (each run's own partial block)."""
     schedule_cases = SCHEDULE_CASES if tma else [*SCHEDULE_CASES, rule_prefix_case()]
     cases = [(*case, tma) for case in schedule_cases]
     errors = [float(x) for x in interpret(SCHEDULE_SCRIPT, cases).split()]
@@ -328,3 +355,13 @@ def test_the_gluon_kernel_builds_for_hopper_with_the_installed_triton():
     built = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
     assert 0 < built["shared"] <= HOPPER_SHARED_PER_BLOCK
     assert built["registers"] <= gluon_attention.LAUNCH_REGISTERS and built["spill_stores"] == 0
+
+
+def test_a_run_table_numbers_the_key_blocks_one_run_after_another():
+    from stream_recon.cache.triton_attention import run_table
+
+    # runs of 130, 5 and 256 rows: 2 + 1 + 2 key blocks of 128
+    assert run_table([(1000, 130), (7, 5), (300, 256)], 4) == [3, 5, 1000, 130, 0, 0, 7, 5, 2, 130, 300, 256, 3, 135,
+                                                                0, 0, 0, 0]
+    with pytest.raises(ValueError, match="1 to 2 runs"):
+        run_table([(0, 1)] * 3, 2)

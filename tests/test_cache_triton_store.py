@@ -1,6 +1,6 @@
-"""The dense store's plain write kernel (cache/triton_store.py) on the CPU, through Triton's
-interpreter: the bytes two index_copy_ calls would store, for every store dtype the dense layout
-keeps besides fp8 (tests/test_cache_fp8.py covers that one). The GPU runs it in every dense-triton
+"""The pages' plain write kernel (cache/triton_store.py) on the CPU, through Triton's
+interpreter: the bytes two index_copy_ calls would store, for every dtype the pages
+keep besides fp8 (tests/test_cache_fp8.py covers that one). The GPU runs it in every CUDA
 test of tests/test_gpu_fast_path.py."""
 
 from __future__ import annotations

@@ -4,15 +4,13 @@ Full-size model (1.16 B parameters): slow on a 2-core machine, about 10 s a fram
 once in the suite: the predictions at the boundary, through `stream-recon`, with the cache states and flow
 magnitudes of the same run (tests/test_golden_cli.py); here the phase-1 intermediates (the first step, the three
 scale frames, as in every scenario). The other scenarios' cache states follow from the policy's decisions alone
-(all, interval: a frame's index), checked on the tiny model. The flow stream on the dense layout at full size runs
-with STREAM_RECON_GOLDEN=all: a layout's bookkeeping does not depend on the weights, and both layouts are checked
-against one reference on generated sequences of appends, rollbacks and evictions (tests/test_cache_dense.py,
-tests/test_models_engine.py), the contiguous one at full size on the GPU (tests/test_gpu_fast_path.py).
+(all, interval: a frame's index), checked on the tiny model. The flow stream through the engine at full size runs
+with STREAM_RECON_GOLDEN=all: the page tables do not depend on the weights, and they are checked against one
+reference on generated sequences of appends, rollbacks and evictions (tests/test_cache_paged.py,
+tests/test_models_engine.py), the GPU's kernels over them at full size on the GPU (tests/test_gpu_fast_path.py).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import numpy as np
 import pytest
@@ -78,10 +76,10 @@ def run_scenario(config: StreamConfig, capture: bool = False, model=None, frames
     return predictions, states, {k: c.value for k, c in captures.items()}
 
 
-def flow_dense_run(frames: int | None = None):
-    """The flow policy's stream (its first `frames` frames) on the dense layout, the first step's (phase 1's)
+def flow_engine_run(frames: int | None = None):
+    """The flow policy's stream (its first `frames` frames) through the engine, the first step's (phase 1's)
     intermediates captured."""
-    return run_scenario(dataclasses.replace(SCENARIOS["flow"], attention="dense"), capture=True, frames=frames)
+    return run_scenario(SCENARIOS["flow"], capture=True, frames=frames)
 
 
 def check_outputs(predictions, golden):
@@ -108,7 +106,7 @@ def test_cache_states_follow_the_official_schedule(scenario):
 
 
 def test_phase1_intermediates():
-    _, _, captured = flow_dense_run(frames=3)  # the scale frames: phase 1 alone
+    _, _, captured = flow_engine_run(frames=3)  # the scale frames: phase 1 alone
     golden = np.load(GOLDEN / "phase1_intermediates" / "intermediates.npz")
     checks = {
         "dino_patch_tokens_f0": captured["dino"][0],
@@ -120,11 +118,11 @@ def test_phase1_intermediates():
         assert err <= TOLERANCE, f"{key}: error {err:.2e}"
 
 
-@pytest.mark.skipif(not every_golden_check(), reason="the dense layout at full size: STREAM_RECON_GOLDEN=all")
-def test_the_flow_policy_on_the_dense_layout():
-    """The dense cache layout (moves, spare slot, rollback) against the fixture (the paged layout, the CLI's
-    on the CPU, in tests/test_golden_cli.py)."""
-    predictions, states, _ = flow_dense_run()
+@pytest.mark.skipif(not every_golden_check(), reason="the engine's flow stream at full size: STREAM_RECON_GOLDEN=all")
+def test_the_flow_policy_through_the_engine():
+    """The engine's flow stream (rollbacks, deferred evictions) against the fixture, with its intermediates
+    captured (the CLI's run of it, on the CPU, in tests/test_golden_cli.py)."""
+    predictions, states, _ = flow_engine_run()
     golden = np.load(GOLDEN / "flow" / "outputs.npz")
     check_outputs(predictions, golden)
     assert_cache_states(states, golden)

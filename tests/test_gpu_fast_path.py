@@ -1,11 +1,12 @@
-"""The fast streaming path on the GPU: the dense cache layout with its attention backends and the
-CUDA-graph replay of streaming steps, against the golden fixtures and against the eager paged
-path. Skipped on machines without CUDA."""
+"""The fast streaming path on the GPU: the paged cache with its attention backends and the CUDA-graph replay
+of streaming steps, against the golden fixtures and against the eager SDPA reference over the same pages.
+Skipped on machines without CUDA."""
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import random
 import time
 
 import numpy as np
@@ -21,44 +22,47 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-# dense-triton as it runs before Hopper: keys and values through pointer loads, not TMA
-POINTER_LOADS = "dense-triton-pointers"
+# our range kernel as it runs before Hopper: keys and values through pointer loads, not TMA
+POINTER_LOADS = "triton-pointers"
+GRAPHED = ["triton", POINTER_LOADS, "flashinfer"]
 
 
 def backend_named(attention: str, monkeypatch) -> str:
-    """The --attention a test parameter stands for; POINTER_LOADS makes this GPU load as Ampere does."""
+    """The --attention a test parameter stands for; POINTER_LOADS makes this GPU load as Ampere does; a
+    FlashInfer test skips where FlashInfer is not installed."""
+    if attention == "flashinfer":
+        pytest.importorskip("flashinfer", reason="flashinfer is not installed")
     if attention != POINTER_LOADS:
         return attention
     from stream_recon.cache import triton_attention
 
     monkeypatch.setattr(triton_attention, "TENSOR_MEMORY_CAPABILITY", 99)
-    return "dense-triton"
+    return "triton"
 
 
-@pytest.mark.parametrize("attention", ["dense", "dense-triton", POINTER_LOADS, "dense-flashinfer", "dense-cudnn"])
+@pytest.mark.parametrize("attention", GRAPHED)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_contiguous_graphed_path_agrees_with_golden_and_the_paged_path(gpu_model, scenario, attention, monkeypatch):
-    if attention == "dense-flashinfer":
-        pytest.importorskip("flashinfer", reason="flashinfer is not installed")
+def test_the_graphed_path_over_pages_agrees_with_golden_and_the_eager_reference(gpu_model, scenario, attention,
+                                                                                monkeypatch):
     attention = backend_named(attention, monkeypatch)
     golden = np.load(GOLDEN / scenario / "outputs.npz")
     fast, engine = stream(gpu_model, torch.bfloat16, attention, **SCENARIOS[scenario])
     assert engine.stats()["attention"].startswith(attention) and engine.stats()["cuda_graphs"]
-    paged, paged_engine = stream(gpu_model, torch.bfloat16, "sdpa", **SCENARIOS[scenario])
-    assert not paged_engine.stats()["cuda_graphs"]  # the paged layout always steps eagerly
-    fast_errors, between = errors(fast, golden), errors(fast, as_golden(paged))
-    print(f"{scenario} {engine.stats()['attention']}: graphs vs golden {fast_errors}; vs paged sdpa eager {between}")
-    assert [p.frame_type for p in fast] == [p.frame_type for p in paged]
+    assert engine.cache.records_attention  # the attention inside the recorded step
+    reference, reference_engine = stream(gpu_model, torch.bfloat16, "sdpa", cuda_graphs=False, **SCENARIOS[scenario])
+    assert not reference_engine.stats()["cuda_graphs"]
+    fast_errors, between = errors(fast, golden), errors(fast, as_golden(reference))
+    print(f"{scenario} {engine.stats()['attention']}: graphs vs golden {fast_errors}; vs sdpa eager {between}")
+    assert [p.frame_type for p in fast] == [p.frame_type for p in reference]
     for key, limit in BF16_TOLERANCE.items():
         assert fast_errors[key] <= limit, f"{key}: {fast_errors[key]:.3f} sigma"
         assert between[key] <= limit, f"{key}: {between[key]:.3f} sigma"
 
 
-@pytest.mark.parametrize("attention", ["dense", "dense-triton", POINTER_LOADS, "dense-flashinfer", "dense-cudnn"])
+@pytest.mark.parametrize("attention", [*GRAPHED, "sdpa"])
 def test_graph_replay_equals_the_eager_step(gpu_model, attention, monkeypatch):
-    """Same kernels, same order: replaying the recorded step changes nothing but the launch cost."""
-    if attention == "dense-flashinfer":
-        pytest.importorskip("flashinfer", reason="flashinfer is not installed")
+    """Same kernels, same order: replaying the recorded step changes nothing but the launch cost (the SDPA
+    reference's attention runs between the recorded segments)."""
     attention = backend_named(attention, monkeypatch)
     policy = SCENARIOS["flow"]  # deferred frames, rollbacks and commits all go through replays
     graphed, engine = stream(gpu_model, torch.bfloat16, attention, **policy)
@@ -71,7 +75,75 @@ def test_graph_replay_equals_the_eager_step(gpu_model, attention, monkeypatch):
     assert max(difference.values()) <= 1e-2
 
 
-def test_contiguous_store_stays_put_over_2000_frames():
+@pytest.mark.parametrize("attention", GRAPHED)
+def test_a_rollback_inside_captured_steps_leaves_no_trace(gpu_model, attention, monkeypatch):
+    """interval:2, every step replayed: each keyframe's outputs equal those of a stream that never saw the
+    non-keyframes (their pages and special tokens rolled back by page-table edits alone)."""
+    from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
+
+    attention = backend_named(attention, monkeypatch)
+    model = prepare_for_inference(gpu_model, "cuda", torch.bfloat16)
+    images = [frame.cuda() for frame in golden_frames()]
+    kept = [image for i, image in enumerate(images) if i < 3 or (i - 3) % 2 == 0]
+    runs = []
+    for frames, keyframes in ((images, "interval:2"), (kept, "all")):
+        engine = StreamingEngine(model, StreamConfig(scale_frames=3, window=4, attention=attention,
+                                                     keyframes=keyframes))
+        runs.append([p for frame in frames for p in engine.push(frame)] + engine.finish())
+        assert engine.stats()["cuda_graphs"] and engine.stats()["cached_frames"] == len(kept)
+    with_drops, only_keyframes = runs
+    keyframes = [p for p in with_drops if p.is_keyframe]
+    assert len(keyframes) == len(only_keyframes) == len(kept)
+    for ours, theirs in zip(keyframes, only_keyframes, strict=True):
+        np.testing.assert_array_equal(ours.pose_enc, theirs.pose_enc)
+        np.testing.assert_array_equal(ours.depth, theirs.depth)
+
+
+@pytest.mark.parametrize("attention", ["triton", "flashinfer"])
+def test_the_plan_of_the_next_step_changes_none_of_the_outputs_of_the_step_in_flight(attention, monkeypatch):
+    """A recorded attention replayed behind a busy stream, the next step planned (another page table, other
+    runs) while it has not run yet: its output is the one planned for it, not the next plan's."""
+    from stream_recon.cache import CacheLayout, backends
+
+    backend_named(attention, monkeypatch)
+    layout = CacheLayout(patches_per_frame=1036, specials_per_frame=6, scale_frames=2, window_frames=6)
+    caches = {name: backends.build(backends.spec(name), layout, num_layers=1, num_heads=16, head_dim=64,
+                                   max_frames=40, dtype=torch.bfloat16, device="cuda") for name in (attention, "sdpa")}
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for _frame in range(12):  # a full window, pages recycled (their order no longer the frames')
+        for cache in caches.values():
+            cache.append()
+        slots = caches["sdpa"].pending_slots()
+        k, v = (torch.randn(len(slots), 16, 64, device="cuda", generator=generator).bfloat16() for _ in range(2))
+        for cache in caches.values():
+            cache.write(0, slots, k, v)
+            cache.commit()
+    fast, reference = caches[attention], caches["sdpa"]
+    q = torch.randn(layout.tokens_per_frame, 16, 64, device="cuda", generator=generator).bfloat16()
+    fast.append(defer_eviction=True)
+    fast.plan(layout.tokens_per_frame)
+    fast.attend(0, q)  # (its first launches outside the capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fast.attend(0, q)
+    reference.append(defer_eviction=True)
+    reference.plan(layout.tokens_per_frame)
+    expected = reference.attend(0, q).float()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # (about 0.1 s of the GPU busy before the replay)
+    graph.replay()
+    fast.commit()
+    for _ in range(3):  # the next step's pages: the oldest window page gone, a new one
+        fast.append()
+        fast.commit()
+    fast.append(defer_eviction=True)
+    fast.plan(layout.tokens_per_frame)  # written while the replay above waits behind the sleep
+    torch.cuda.synchronize()
+    error = ((out.float() - expected).norm() / expected.norm()).item()
+    assert error <= 1e-2, f"the step in flight read the next plan: {error:.2e}"
+
+
+def test_the_pages_stay_put_and_each_page_taken_is_freed_over_2000_frames():
     from stream_recon.models import StreamConfig, StreamingEngine
 
     engine = StreamingEngine(long_stream_tiny_model(),
@@ -84,7 +156,11 @@ def test_contiguous_store_stays_put_over_2000_frames():
             memory[i + 1] = torch.cuda.memory_allocated()
     engine.settle()  # pipelined flow keeps the last frame's decision pending: make it
     stats = engine.stats()
-    assert stats["cuda_graphs"] and stats["patch_frames"] <= 72
+    pool = engine.cache.bookkeeping.pool
+    assert stats["cuda_graphs"] and stats["patch_frames"] <= 72 and pool.num_pages == pool.max_pages
+    bookkeeping = engine.cache.bookkeeping
+    held = len(bookkeeping.scale_pages) + len(bookkeeping.window_pages) + len(bookkeeping.special_pages)
+    assert pool.num_used == held  # every page a rolled-back or evicted frame took is free again
     assert memory[2000] - memory[500] <= 8 * 1024 * 1024  # all storage is allocated up front
 
 
@@ -95,19 +171,20 @@ def test_fastest_configuration_stays_within_the_bf16_tolerance(gpu_model, scenar
     fast, engine = stream(gpu_model, torch.bfloat16, "auto", compile=True, **SCENARIOS[scenario])
     measured = errors(fast, golden)
     print(f"{scenario} {engine.stats()['attention']} compiled: vs golden {measured}")
-    assert engine.stats()["cuda_graphs"]
+    assert engine.stats()["cuda_graphs"] and engine.stats()["attention"] == "triton"
     if scenario != "flow":  # bf16 flows may cross the threshold elsewhere than float32 ones
         assert [p.frame_type for p in fast] == golden["frame_type"].tolist()
     for key, limit in BF16_TOLERANCE.items():
         assert measured[key] <= limit, f"{key}: {measured[key]:.3f} sigma"
 
 
-@pytest.mark.parametrize(("scenario", "attention"), [("all_keyframes", "dense-cudnn"), ("interval_2", "dense-cudnn"),
-                                                     ("all_keyframes", "dense-triton"), ("interval_2", "dense-triton"),
-                                                     ("flow", "dense-triton"), ("flow", "dense-cudnn")])
-def test_pipelined_streaming_equals_the_synchronous_one(gpu_model, scenario, attention):
+@pytest.mark.parametrize(("scenario", "attention"), [("all_keyframes", "triton"), ("interval_2", "triton"),
+                                                     ("flow", "triton"), ("flow", "flashinfer")])
+def test_pipelined_streaming_equals_the_synchronous_one(gpu_model, scenario, attention, monkeypatch):
     """A frame's heads beside the next frame's blocks (and, with flow keyframes, the next frame's
-    embedding before the decision): same predictions and decisions, one push later."""
+    embedding before the decision, the next plan written while a step's graph runs): same predictions and
+    decisions, one push later."""
+    attention = backend_named(attention, monkeypatch)
     piped, engine = stream(gpu_model, torch.bfloat16, attention, pipeline=True, **SCENARIOS[scenario])
     assert engine.stats()["cuda_graphs"]
     synchronous, _ = stream(gpu_model, torch.bfloat16, attention, pipeline=False, **SCENARIOS[scenario])
@@ -182,19 +259,31 @@ def test_descriptors_from_recorded_pipelined_steps_equal_the_eager_ones_and_chan
     assert len({p.descriptor.tobytes() for p in described}) == len(frames)  # each frame its own
 
 
+def split_into_runs(start: int, count: int, pieces: int, seed: int) -> torch.Tensor:
+    """The keys [start, start + count) as a run table on the GPU: cut at `pieces - 1` places anywhere, the runs
+    in shuffled order (attention does not depend on the keys' order)."""
+    from stream_recon.cache.triton_attention import run_table
+
+    generator = random.Random(seed)
+    cuts = sorted(generator.sample(range(start + 1, start + count), pieces - 1))
+    runs = [(a, b - a) for a, b in zip([start, *cuts], [*cuts, start + count], strict=True)]
+    generator.shuffle(runs)
+    return torch.tensor(run_table(runs, pieces), dtype=torch.int32, device="cuda")
+
+
 # 518x322, x350, x378, x392, x518: 224, 240, 256, 272 and 352 tiles of 64
 @pytest.mark.parametrize("tokens", [857, 931, 1005, 1042, 1375])
-@pytest.mark.parametrize("attention", ["dense-triton", POINTER_LOADS])
+@pytest.mark.parametrize("attention", ["triton", POINTER_LOADS])
 def test_range_kernel_past_one_wave_matches_sdpa(tokens, attention, monkeypatch):
-    """The global attention at the streaming shape (72 frames of keys) with the H100's schedule
-    (prefixes and pieces of a wave with idle slots; one wave of whole tiles; whole tiles and pieces
-    merged after them), and a frame's attention
-    over itself (cuDNN within one wave, the range kernel on strided views past it), against SDPA
-    in float32 over the same bf16 inputs; with TMA loads and with pointer loads."""
+    """The global attention at the streaming shape (72 frames of keys, read as five runs) with the H100's
+    schedule (prefixes and pieces of a wave with idle slots; one wave of whole tiles; whole tiles and pieces
+    merged after them), and a frame's attention over itself (cuDNN within one wave, the range kernel on
+    strided views past it), against SDPA in float32 over the same bf16 inputs; with TMA loads and with
+    pointer loads."""
     from stream_recon.cache import triton_attention
     from stream_recon.cache.triton_attention import attend_frame, attend_range
 
-    if attention == "dense-triton" and not triton_attention.tensor_memory_loads(torch.device("cuda")):
+    if attention == "triton" and not triton_attention.tensor_memory_loads(torch.device("cuda")):
         pytest.skip("the range kernel's tensor-memory loads need Hopper or newer")
     backend_named(attention, monkeypatch)
 
@@ -203,7 +292,7 @@ def test_range_kernel_past_one_wave_matches_sdpa(tokens, attention, monkeypatch)
     store = torch.randn(2, num_keys + 200, 16, 64, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(tokens, 16, 64, device="cuda", dtype=torch.bfloat16)
     start = 100
-    out = attend_range(q, store[0], store[1], torch.tensor([start, start + num_keys], dtype=torch.int32, device="cuda"))
+    out = attend_range(q, store[0], store[1], split_into_runs(start, num_keys, 5, tokens))
     keys, values = (store[i, start : start + num_keys].float().transpose(0, 1)[None] for i in (0, 1))
     expected = torch.nn.functional.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys, values)
     global_error = ((out.float().transpose(0, 1)[None] - expected).norm() / expected.norm()).item()
@@ -220,9 +309,9 @@ def test_range_kernel_past_one_wave_matches_sdpa(tokens, attention, monkeypatch)
 @pytest.mark.parametrize("tokens", [931, 1005, 1042, 1375])
 def test_gluon_range_kernel_matches_sdpa_and_the_triton_kernel(tokens):
     """On Hopper the global attention runs the Gluon kernel (two warpgroups taking turns) on its own
-    schedule where its tiles fill a wave: whole tiles, and pieces merged after whole waves; it
-    matches SDPA in float32 as the Triton kernel does, ignores NaN past the range's end, and a range
-    far shorter than the store (empty pieces) comes out right."""
+    schedule where its tiles fill a wave: whole tiles, and pieces merged after whole waves; over one run
+    and over several, it matches SDPA in float32 as the Triton kernel does, ignores NaN past the last run's
+    end, and a range far shorter than the store (empty pieces) comes out right."""
     from stream_recon.cache import gluon_attention, triton_attention
     from stream_recon.cache.triton_attention import attend_range
 
@@ -232,72 +321,35 @@ def test_gluon_range_kernel_matches_sdpa_and_the_triton_kernel(tokens):
     torch.manual_seed(tokens)
     num_keys = 72 * (tokens - 6) + 912
     store = torch.randn(2, num_keys + 300, 16, 64, device="cuda", dtype=torch.bfloat16)
-    store[:, 100 + num_keys :] = float("nan")  # past the range's end (inside its last key block)
+    store[:, 100 + num_keys :] = float("nan")  # past the keys' end (inside the last run's last key block)
     q = torch.randn(tokens, 16, 64, device="cuda", dtype=torch.bfloat16)
 
-    def check(start: int, count: int) -> None:
-        key_range = torch.tensor([start, start + count], dtype=torch.int32, device="cuda")
-        out = attend_range(q, store[0], store[1], key_range)
+    def check(start: int, count: int, runs: int) -> None:
+        table = split_into_runs(start, count, runs, tokens + runs)
+        if runs > 1:  # the run ending at the NaN rows comes last, whose partial block the kernel zeroes
+            host = table.tolist()
+            entries = [host[2 + 4 * r: 6 + 4 * r] for r in range(runs)]
+            last = max(range(runs), key=lambda r: entries[r][0])
+            order = [r for r in range(runs) if r != last] + [last]
+            from stream_recon.cache.triton_attention import run_table
+
+            table = torch.tensor(run_table([tuple(entries[r][:2]) for r in order], runs), dtype=torch.int32,
+                                 device="cuda")
+        out = attend_range(q, store[0], store[1], table)
         assert torch.cuda.current_device() in triton_attention._pingpong_built
-        triton_out = attend_range(q, store[0], store[1], key_range, num_stages=triton_attention.NUM_STAGES)
+        triton_out = attend_range(q, store[0], store[1], table, num_stages=triton_attention.NUM_STAGES)
         keys, values = (store[i, start : start + count].float().transpose(0, 1)[None] for i in (0, 1))
         expected = torch.nn.functional.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys, values)
         ours = out.float().transpose(0, 1)[None]
         error = ((ours - expected).norm() / expected.norm()).item()
         against_triton = ((out.float() - triton_out.float()).norm() / triton_out.float().norm()).item()
-        print(f"{tokens} tokens, keys [{start}, {start + count}): {error:.2e} against SDPA, "
+        print(f"{tokens} tokens, keys [{start}, {start + count}) in {runs} runs: {error:.2e} against SDPA, "
               f"{against_triton:.2e} against the Triton kernel")
         assert not torch.isnan(out).any() and error <= 1e-2 and against_triton <= 1e-2
 
-    check(100, num_keys)
-    check(100 + num_keys - tokens - 5, tokens + 5)  # one frame's keys: the store's schedule cuts it to empty pieces
-
-
-# 518x322 (past the 832 rows of flash's split path on an H100), 518x378 (one wave of 128-row blocks),
-# x392 and x518 (rows left over past it), and a leftover of nearly a wave (876 rows: the most a
-# leftover wrapper's workspace holds partials for)
-@pytest.mark.parametrize("tokens", [857, 1005, 1042, 1375, 1900])
-@pytest.mark.parametrize("attention", ["dense", "dense-cudnn", "dense-flashinfer-fa2", "dense-flashinfer-fa3"])
-def test_library_backends_past_one_wave_match_sdpa(tokens, attention):
-    """The dense backends over library kernels at the streaming shape (72 frames of keys, the
-    window full so that dense-cudnn takes cuDNN), with the rows past the kernel's last whole wave
-    in a launch of their own, against SDPA in float32 over the same bf16 inputs."""
-    from stream_recon.cache import DenseKV, VisibleRange, backends
-    from stream_recon.cache.dense_attention import DenseAttention, SplitCudnnAttention
-    from stream_recon.cache.leftover_rows import library_waves, split_path_rows
-
-    torch.manual_seed(tokens)
-    num_keys, specials = 72 * (tokens - 6) + 912, 912
-    kv = DenseKV(1, 16, 64, num_keys + 200, torch.bfloat16, "cuda")
-    kv.store.normal_()
-    if attention == "dense":
-        backend = DenseAttention(kv, library_waves("flash", "cuda"))
-    elif attention == "dense-cudnn":
-        backend = SplitCudnnAttention(kv, (num_keys - specials,), fixed_shape_waves=library_waves("cudnn", "cuda"),
-                                      any_shape_waves=library_waves("flash", "cuda"))
-    else:
-        if backends.unavailable_reason("dense-flashinfer", "cuda", torch.bfloat16) is not None:
-            pytest.skip("needs flashinfer")
-        if attention.endswith("fa3") and torch.cuda.get_device_capability()[0] != 9:
-            pytest.skip("fa3 kernels need Hopper")
-        from stream_recon.cache.flashinfer_backend import FlashInferRangeAttention
-
-        variant = attention.rsplit("-", 1)[1]
-        backend = FlashInferRangeAttention(kv, variant, library_waves(f"flashinfer-{variant}", "cuda"))
-    start = 100
-    backend.plan(VisibleRange(start, start + num_keys, start + specials), tokens)
-    q = torch.randn(tokens, 16, 64, device="cuda", dtype=torch.bfloat16)
-    out = backend.attend(0, q)
-    keys, values = (kv.store[0, i, start : start + num_keys].float().transpose(0, 1)[None] for i in (0, 1))
-    expected = torch.nn.functional.scaled_dot_product_attention(q.float().transpose(0, 1)[None], keys, values)
-    error = ((out.float().transpose(0, 1)[None] - expected).norm() / expected.norm()).item()
-    waves = getattr(backend, "waves", None) or getattr(backend, "fixed_shape_waves", None)
-    # flash in pieces of its split path (832 rows at 16 heads on an H100); the others past one wave
-    split = split_path_rows(16, waves)
-    cut = waves is not None and tokens > (split or waves.slots // 16 * waves.block_rows)
-    print(f"{attention} {tokens} tokens: launches end at {backend.launch_ends}, error {error:.2e} (relative)")
-    assert out.shape == q.shape and error <= 1e-2  # bf16 operands: P and the output rounded to bf16 (2^-8)
-    assert (len(backend.launch_ends) > 1) == cut and backend.launch_ends[-1] == tokens
+    check(100, num_keys, 1)
+    check(100, num_keys, 5)
+    check(100 + num_keys - tokens - 5, tokens + 5, 1)  # one frame's keys: the store's schedule cuts it to empty pieces
 
 
 @pytest.mark.parametrize("store_dtype", ["bfloat16", "float32"])

@@ -16,7 +16,7 @@ import torch
 from golden_utils import GOLDEN
 from gpu_golden import SCENARIOS, as_golden, errors, stream
 
-from stream_recon.cache import DenseKV, VisibleRange, fp8
+from stream_recon.cache import PagedKV, VisiblePages, fp8
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,7 +48,7 @@ def test_fp8_write_kernel_stores_each_value_within_one_e4m3_rounding():
     ties or subnormals, is printed and must stay a tiny fraction)."""
     triton_with_e4m3()
     generator = torch.Generator().manual_seed(0)
-    kv = DenseKV(2, 16, 64, 3000, torch.bfloat16, "cuda", store_dtype=E4M3)
+    kv = PagedKV(2, 16, 64, 1000, torch.bfloat16, "cuda", num_pages=3, store_dtype=E4M3)
     assert kv._write_kernel is not None  # the Triton write, not the PyTorch one
     slots = torch.randperm(3000, generator=generator)[:1005].cuda()
     qkv = random_kv(1005 * 3, 16, 64, generator).view(1005, 3, 16, 64)  # k, v: strided views of a qkv tensor
@@ -57,8 +57,8 @@ def test_fp8_write_kernel_stores_each_value_within_one_e4m3_rounding():
     for which in range(2):
         source = qkv[:, 1 + which].float().cpu()
         codes, exponents = fp8.quantize(source)
-        stored = kv.store[1, which, slots].cpu()
-        stored_exponents = kv.exponents[1, which][:, slots].cpu().transpose(0, 1)
+        stored = kv.layers[1][which, slots].cpu()
+        stored_exponents = kv.exponents[1][which][:, slots].cpu().transpose(0, 1)
         assert torch.equal(stored_exponents, exponents)
         differing = stored.view(torch.uint8) != codes.view(torch.uint8)
         error = (fp8.dequantize(stored, stored_exponents, torch.float32) - source).abs()
@@ -70,46 +70,55 @@ def test_fp8_write_kernel_stores_each_value_within_one_e4m3_rounding():
         assert differing.float().mean() <= 1e-3
 
 
-@pytest.mark.parametrize(("start", "end", "queries"), [(5, 9, 3), (40, 40 + 256, 64), (7, 7 + 300, 70),
-                                                       (912, 912 + 72_840, 1005)])  # the last: the streaming shape
-def test_fp8_range_kernel_matches_sdpa_over_the_dequantised_keys(start, end, queries):
-    triton_with_e4m3()
-    from stream_recon.cache.triton_attention import TritonRangeAttention
+# (pages of `page_size` rows, the visible pages in key order, the last one's tokens, queries): one short page, a
+# few pages out of order, and the streaming shape (72 frames' pages of 999 patches and one special page)
+FP8_CASES = [(16, (3,), 4, 3), (40, (0, 1, 2, 5, 6, 7), 40, 64), (40, (7, 2, 3, 0), 11, 70),
+             (999, (*range(1, 73), 0), 432, 1005)]
 
-    generator = torch.Generator().manual_seed(end)
-    capacity = end + 64
-    quantized = DenseKV(1, 16, 64, capacity, torch.bfloat16, "cuda", store_dtype=E4M3)
-    slots = torch.arange(capacity, device="cuda")
-    quantized.write(0, slots, random_kv(capacity, 16, 64, generator), random_kv(capacity, 16, 64, generator))
-    keys, values = quantized.keys_values(0, start, end)  # dequantised bf16: exact
-    plain = DenseKV(1, 16, 64, capacity, torch.bfloat16, "cuda")
-    plain.store[0, 0, start:end], plain.store[0, 1, start:end] = keys, values
+
+@pytest.mark.parametrize(("page_size", "page_ids", "last", "queries"), FP8_CASES)
+def test_fp8_range_kernel_over_pages_matches_sdpa_over_the_dequantised_keys(page_size, page_ids, last, queries):
+    triton_with_e4m3()
+    from stream_recon.cache.backends.triton import TritonPagedAttention
+
+    generator = torch.Generator().manual_seed(page_size * len(page_ids))
+    pages = max(page_ids) + 2
+    quantized = PagedKV(1, 16, 64, page_size, torch.bfloat16, "cuda", pages, store_dtype=E4M3)
+    rows = torch.arange(pages * page_size, device="cuda")
+    quantized.write(0, rows, random_kv(len(rows), 16, 64, generator), random_kv(len(rows), 16, 64, generator))
+    plain = PagedKV(1, 16, 64, page_size, torch.bfloat16, "cuda", pages)
+    everything = quantized.gather(0, rows)  # dequantised bf16: exact
+    plain.write(0, rows, *everything)
+    visible = VisiblePages(page_ids=page_ids, last_page_len=last, page_size=page_size, num_scale_pages=1,
+                           num_window_pages=len(page_ids) - 1, num_special_pages=0, num_special_tokens=0)
+    keys, values = quantized.gather(0, quantized.visible_rows(visible))
     q = (torch.randn(queries, 16, 64, generator=generator) * 2).cuda().bfloat16()
     outputs = {}
     for name, kv in (("fp8", quantized), ("bf16", plain)):
-        backend = TritonRangeAttention(kv)
-        backend.plan(VisibleRange(start, end, start), queries)
+        backend = TritonPagedAttention(kv, schedule_keys=kv.num_rows)
+        backend.plan(visible, queries)
         outputs[name] = backend.attend(0, q).float()
     expected = torch.nn.functional.scaled_dot_product_attention(
         q.float().transpose(0, 1)[None], keys.float().transpose(0, 1)[None], values.float().transpose(0, 1)[None]
     )[0].transpose(0, 1)
     worst = (outputs["fp8"] - expected).abs().max().item()
     between = (outputs["fp8"] - outputs["bf16"]).abs().max().item()
-    print(f"keys [{start}, {end}), {queries} queries: fp8 store vs fp32 SDPA {worst:.2e}, vs the bf16 store of the "
-          f"same values {between:.2e}")
+    print(f"{len(page_ids)} pages of {page_size}, {queries} queries: fp8 pages vs fp32 SDPA {worst:.2e}, vs the bf16 "
+          f"pages of the same values {between:.2e}")
     scale = expected.abs().max().item()
     # P and the output are rounded to bf16 (2^-8 relative); bf16 kernels land within 1% of the largest output.
-    # The fp8 store is read through its exact bf16 dequantisation by the same kernel: the same bits.
-    assert worst <= 1e-2 * scale and between == 0
+    # The fp8 pages are read through their exact bf16 dequantisation (one range) by the same kernel, the bf16
+    # pages through their runs: the same keys, summed in another order.
+    assert worst <= 1e-2 * scale and between <= 1e-2 * scale
 
 
-@pytest.mark.parametrize("attention", ["dense-triton", "dense"])
+@pytest.mark.parametrize("attention", ["triton", "sdpa"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_fp8_cache_meets_the_issue_limits_against_golden(gpu_model, scenario, attention):
     """The full model over an fp8 cache (the kernel's reading, and SDPA over dequantised copies):
     depth and confidence within 0.25 sigma, pose within 0.5 sigma of float32, keyframe decisions
     those of the bf16 cache."""
-    if attention == "dense-triton":
+    if attention == "triton":
         triton_with_e4m3()
     golden = np.load(GOLDEN / scenario / "outputs.npz")
     quantized, engine = stream(gpu_model, torch.bfloat16, attention, kv_cache="fp8", **SCENARIOS[scenario])

@@ -160,8 +160,8 @@ def test_every_module_imports_only_in_the_allowed_directions() -> None:
     ("from ..network import gct", "models/loops/closer.py", "loops imports nothing of network"),
     ("from stream_recon.cache import backends", "app/options.py", "app imports nothing of cache"),
     ("import stream_recon.cache.backends", "app/options.py", "app imports nothing of cache"),
-    ("from stream_recon.models.errors import FrameError", "cache/backends.py", "cache imports nothing of models"),
-    ("from ..models import StreamConfig", "cache/backends.py", "cache imports nothing of models"),
+    ("from stream_recon.models.errors import FrameError", "cache/backends/__init__.py", "cache imports nothing of models"),
+    ("from ...models import StreamConfig", "cache/backends/triton.py", "cache imports nothing of models"),
     ("from .stream.engine import StreamingEngine", "models/supervision.py", "models/'s top imports no room"),
 ])
 def test_a_forbidden_import_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, placed: str,
@@ -238,7 +238,7 @@ def test_the_network_takes_nothing_of_the_cache_that_names_a_layout_or_a_backend
     ("from ..stream.engine import StreamingEngine", "models/loops/closer.py", loops_reaching_past_their_list),
     ("from ..stream import chunked", "models/loops/process.py", loops_reaching_past_their_list),
     ("from ..daemon_pool import DaemonPool", "models/loops/process.py", loops_reaching_past_their_list),
-    ("from stream_recon.cache import DenseKV", "models/network/layers.py", network_taking_cache_internals),
+    ("from stream_recon.cache import PagedKV", "models/network/layers.py", network_taking_cache_internals),
     ("from stream_recon.cache.backends import resolve", "models/network/gct.py", network_taking_cache_internals),
     ("from stream_recon.cache import triton_attention", "models/network/gct.py", network_taking_cache_internals),
 ])

@@ -14,7 +14,7 @@ from engine_helpers import assert_streams_like_the_visible_set_model, frames
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stream_recon.cache import TokenCache, fp8
+from stream_recon.cache import PagedTwoStreamCache, TokenCache, fp8
 from stream_recon.models import (
     ChunkedEngine,
     MemoryBudgetError,
@@ -36,7 +36,7 @@ def test_the_cuda_context_counts_in_the_budget_and_is_not_a_spares_or_the_alloca
     a spare engine shares and torch's peak counters do not see. A CPU run has none."""
     from stream_recon.models.stream.memory import CUDA_CONTEXT_BYTES
 
-    config = StreamConfig(scale_frames=3, window=40, attention="dense")
+    config = StreamConfig(scale_frames=3, window=40, attention="sdpa")
     on_cpu = estimate_memory(prepared_tiny_model, config, SIZE)
     assert on_cpu.cuda_context == 0 and on_cpu.tensors == on_cpu.total
     on_cuda = dataclasses.replace(on_cpu, cuda_context=CUDA_CONTEXT_BYTES)
@@ -67,14 +67,14 @@ def test_a_process_held_to_a_card_gets_the_budget_less_the_context(monkeypatch):
 
 # -- which choice for which budget -------------------------------------------------------------------
 def test_budget_that_holds_the_asked_settings_changes_nothing(prepared_tiny_model):
-    config = StreamConfig(scale_frames=3, window=40, attention="dense")
+    config = StreamConfig(scale_frames=3, window=40, attention="sdpa")
     plan = plan_memory(prepared_tiny_model, config, SIZE, total(prepared_tiny_model, config))
     assert (plan.kv_cache, plan.window, plan.reasons, plan.changes_results) == ("fp32", 40, (), False)
     assert plan.apply(config) == dataclasses.replace(config, kv_cache="fp32")
 
 
 def test_budget_below_the_asked_precision_gets_the_fp8_cache(prepared_tiny_model):
-    config = StreamConfig(scale_frames=3, window=40, attention="dense")
+    config = StreamConfig(scale_frames=3, window=40, attention="sdpa")
     needed_fp32, needed_fp8 = total(prepared_tiny_model, config), total(prepared_tiny_model, config, kv_cache="fp8")
     assert needed_fp8 < needed_fp32
     plan = plan_memory(prepared_tiny_model, config, SIZE, needed_fp32 - 1)
@@ -86,7 +86,7 @@ def test_budget_below_the_asked_precision_gets_the_fp8_cache(prepared_tiny_model
 
 
 def test_budget_below_the_fp8_cache_shortens_the_window_and_says_results_change(prepared_tiny_model):
-    config = StreamConfig(scale_frames=3, window=40, attention="dense")
+    config = StreamConfig(scale_frames=3, window=40, attention="sdpa")
     budget = total(prepared_tiny_model, config, kv_cache="fp8", window=25)
     plan = plan_memory(prepared_tiny_model, config, SIZE, budget + 1)
     assert (plan.kv_cache, plan.window, plan.changes_results) == ("fp8", 25, True)
@@ -96,7 +96,7 @@ def test_budget_below_the_fp8_cache_shortens_the_window_and_says_results_change(
 
 
 def test_budget_nothing_fits_names_the_smallest_budget(prepared_tiny_model):
-    config = StreamConfig(scale_frames=3, window=40, attention="dense")
+    config = StreamConfig(scale_frames=3, window=40, attention="sdpa")
     smallest = total(prepared_tiny_model, config, kv_cache="fp8", window=MIN_WINDOW)
     with pytest.raises(MemoryBudgetError, match=rf"cannot hold this run at 56x42: the smallest setting allowed \(fp8 "
                                                 rf"K/V cache, window {MIN_WINDOW}\) needs .*; give it at least "
@@ -105,11 +105,10 @@ def test_budget_nothing_fits_names_the_smallest_budget(prepared_tiny_model):
     assert plan_memory(prepared_tiny_model, config, SIZE, smallest).window == MIN_WINDOW
 
 
-def test_budget_keeps_an_explicit_precision_and_a_backend_without_fp8(prepared_tiny_model):
-    for config in (StreamConfig(scale_frames=3, window=40, attention="dense", kv_cache="fp32"),
-                   StreamConfig(scale_frames=3, window=40, attention="sdpa")):  # paged: no fp8
-        plan = plan_memory(prepared_tiny_model, config, SIZE, total(prepared_tiny_model, config) - 1)
-        assert plan.kv_cache == "fp32" and plan.window == 39
+def test_budget_keeps_an_explicit_precision(prepared_tiny_model):
+    config = StreamConfig(scale_frames=3, window=40, attention="sdpa", kv_cache="fp32")
+    plan = plan_memory(prepared_tiny_model, config, SIZE, total(prepared_tiny_model, config) - 1)
+    assert plan.kv_cache == "fp32" and plan.window == 39
 
 
 def test_budget_must_be_positive(prepared_tiny_model):
@@ -120,7 +119,7 @@ def test_budget_must_be_positive(prepared_tiny_model):
 
 
 CONFIGS = st.builds(StreamConfig, scale_frames=st.integers(1, 4), window=st.integers(1, 48),
-                    kv_cache=st.sampled_from(["auto", "fp8", "fp32"]), attention=st.sampled_from(["auto", "dense", "sdpa"]))
+                    kv_cache=st.sampled_from(["auto", "fp8", "fp32"]), attention=st.sampled_from(["auto", "sdpa"]))
 
 
 def preference(plan) -> tuple[int, bool]:
@@ -132,11 +131,9 @@ def preference(plan) -> tuple[int, bool]:
 @given(config=CONFIGS, fractions=st.lists(st.floats(0.5, 1.2), min_size=2, max_size=2))
 @pytest.mark.slow
 def test_budget_plans_fit_and_more_budget_never_plans_worse(prepared_tiny_model, config, fractions):
-    if config.kv_cache == "fp8" and config.attention == "sdpa":
-        return  # refused at construction (the paged layout has no fp8)
     asked = total(prepared_tiny_model, config)
-    smallest = total(prepared_tiny_model, config, kv_cache="fp8" if config.attention != "sdpa" and config.kv_cache != "fp32"
-                     else config.kv_cache, window=min(config.window, MIN_WINDOW))
+    smallest = total(prepared_tiny_model, config, kv_cache="fp8" if config.kv_cache != "fp32" else config.kv_cache,
+                     window=min(config.window, MIN_WINDOW))
     plans = []
     for budget in sorted(int(asked * f) for f in fractions):
         if budget < smallest:
@@ -156,7 +153,7 @@ def test_budget_plans_fit_and_more_budget_never_plans_worse(prepared_tiny_model,
 
 
 # -- the estimate against what the engine allocates ----------------------------------------------------
-@pytest.mark.parametrize(("attention", "kv_cache"), [("dense", "fp8"), ("dense", "auto"), ("sdpa", "auto")])
+@pytest.mark.parametrize(("attention", "kv_cache"), [("sdpa", "fp8"), ("sdpa", "auto")])
 @pytest.mark.slow
 def test_budget_estimate_counts_the_cache_the_engine_allocates(prepared_tiny_model, attention, kv_cache):
     config = StreamConfig(scale_frames=2, window=3, attention=attention, kv_cache=kv_cache, max_cached_frames=40)
@@ -165,10 +162,8 @@ def test_budget_estimate_counts_the_cache_the_engine_allocates(prepared_tiny_mod
     for image in frames(39):  # the paged pool grows to its limit: every frame the cache can hold
         engine.push(image)
     allocated = engine.cache.bytes_allocated
-    if attention == "dense":
-        assert allocated == estimate.kv_cache  # allocated once, up front
-    else:  # pages up to the limit, plus one layer's copy while the pool grows
-        assert allocated <= estimate.kv_cache and allocated * (1 + 1 / 4) >= estimate.kv_cache
+    # pages up to the limit, plus one layer's copy while the CPU's pool grows (the tiny model's 4 global layers)
+    assert allocated * (1 + 1 / 4) == estimate.kv_cache
     c = prepared_tiny_model.config
     assert estimate.camera_cache == TokenCache.bytes_needed(prepared_tiny_model.camera_head.num_cache_layers, c.camera_heads,
                                                             c.head_in_dim // c.camera_heads, 40, torch.float32)
@@ -178,12 +173,12 @@ def test_budget_estimate_counts_the_cache_the_engine_allocates(prepared_tiny_mod
     kept = [t for key, t in prepared_tiny_model.depth_head._uv_tables.items() if key[:2] in {(rows, cols), SIZE}]
     assert estimate.head_tables == sum(t.numel() * t.element_size() for t in kept) > 0  # the DPT head keeps them
     assert estimate.another_engine == estimate.total - estimate.weights - estimate.head_tables - estimate.workspace
-    # the dense SDPA reads a dequantised copy of an fp8 store; the paged one gathers its pages
-    assert (estimate.attention_copies > 0) == (kv_cache == "fp8" or attention == "sdpa")
+    # the SDPA reference gathers its pages (dequantised, from an fp8 cache)
+    assert estimate.attention_copies > 0
 
 
 def test_budget_paged_pool_stops_at_its_limit_with_a_clear_error(prepared_tiny_model):
-    from stream_recon.cache import CacheCapacityError, PagedTwoStreamCache
+    from stream_recon.cache import CacheCapacityError
 
     engine = StreamingEngine(prepared_tiny_model, StreamConfig(scale_frames=2, window=3, attention="sdpa", max_cached_frames=5))
     images = frames(12)
@@ -201,7 +196,7 @@ def test_budget_paged_pool_stops_at_its_limit_with_a_clear_error(prepared_tiny_m
 
 
 def test_budget_engine_plans_before_the_first_frame_and_streams_the_plan(prepared_tiny_model):
-    asked = StreamConfig(scale_frames=2, window=3, attention="auto")  # auto: sdpa for fp32, dense for fp8
+    asked = StreamConfig(scale_frames=2, window=3, attention="auto")  # auto: sdpa on the CPU, over fp8 too
     budget = total(prepared_tiny_model, asked) - 1
     engine = StreamingEngine(prepared_tiny_model, dataclasses.replace(asked, gpu_memory=budget))
     told = []
@@ -210,7 +205,8 @@ def test_budget_engine_plans_before_the_first_frame_and_streams_the_plan(prepare
     predictions = [p for image in frames(6) for p in engine.push(image)] + engine.finish()
     assert len(predictions) == 6 and len(told) == 1 and told[0] is engine.memory_plan
     assert engine.memory_plan.kv_cache == "fp8" and engine.stats()["kv_cache"] == "fp8"
-    assert engine.stats()["attention"] == "dense" and engine.cache.bytes_allocated == engine.memory_plan.estimate.kv_cache
+    # (a CPU pool grows as frames come: 6 frames hold fewer pages than the plan's limit)
+    assert engine.stats()["attention"] == "sdpa" and engine.cache.bytes_allocated <= engine.memory_plan.estimate.kv_cache
     too_small = StreamingEngine(prepared_tiny_model, dataclasses.replace(asked, gpu_memory=2**20))
     with pytest.raises(MemoryBudgetError, match="cannot hold this run"):
         too_small.push(frames(1)[0])
@@ -258,15 +254,19 @@ def test_budget_plan_made_ahead_is_the_first_frames_and_is_made_again_for_anothe
 
 
 def test_budget_windowed_cache_holds_one_window_and_plans_for_it(prepared_tiny_model):
-    config = StreamConfig(scale_frames=2, window=3, keyframes="interval:2", attention="dense", gpu_memory=2**40)
+    config = StreamConfig(scale_frames=2, window=3, keyframes="interval:2", attention="sdpa", gpu_memory=2**40)
     engine = ChunkedEngine(prepared_tiny_model, config, chunk_frames=6, overlap=2)
     told = []
     engine.on_memory_plan = told.append
     predictions = [p for image in frames(30) for p in engine.push(image)] + engine.finish()
     assert engine.rollovers >= 2 and len(predictions) >= 30
-    assert engine.engine.cache.bookkeeping.max_frames == 7  # a window's frames and one pending frame
+    cache = engine.engine.cache
+    # its pool holds the special tokens of a chunk's frames and one pending frame, and has grown to it
+    assert cache.bookkeeping.pool.max_pages == cache.bookkeeping.pool.num_pages == PagedTwoStreamCache.pages_needed(
+        cache.layout, 7)
     assert len(told) == 1 and engine.memory_plan is told[0]
-    assert engine.memory_plan.estimate.kv_cache == engine.engine.cache.bytes_allocated
+    # (and one layer's copy while the CPU's pool grows: the tiny model's 4 global layers)
+    assert engine.memory_plan.estimate.kv_cache == cache.bytes_allocated * (1 + 1 / 4)
 
 
 def test_budget_max_cached_frames_is_checked(prepared_tiny_model):
@@ -281,7 +281,7 @@ def test_fp8_cache_streams_as_attention_over_the_dequantised_keys(prepared_tiny_
     images = frames(10, seed=2)
     engine = StreamingEngine(prepared_tiny_model, StreamConfig(scale_frames=2, window=3, kv_cache="fp8"))
     streamed = [p for image in images for p in engine.push(image)] + engine.finish()
-    assert engine.stats()["kv_cache"] == "fp8" and engine.stats()["attention"] == "dense"
+    assert engine.stats()["kv_cache"] == "fp8" and engine.stats()["attention"] == "sdpa"
     assert_streams_like_the_visible_set_model(prepared_tiny_model, streamed, images, scale_frames=2, window=3,
                                               transform_kv=lambda x: fp8.dequantize(*fp8.quantize(x), x.dtype))
 
@@ -290,7 +290,7 @@ def test_fp8_cache_stays_close_to_the_float32_cache_and_keeps_flow_decisions(pre
     images = frames(14, seed=3)
     runs = {}
     for kv_cache in ("auto", "fp8"):
-        config = StreamConfig(scale_frames=3, window=4, attention="dense", kv_cache=kv_cache, keyframes="flow",
+        config = StreamConfig(scale_frames=3, window=4, attention="sdpa", kv_cache=kv_cache, keyframes="flow",
                               flow_threshold=1.0, max_gap=3)
         engine = StreamingEngine(prepared_tiny_model, config)
         runs[kv_cache] = [p for image in images for p in engine.push(image)] + engine.finish()
@@ -302,8 +302,6 @@ def test_fp8_cache_stays_close_to_the_float32_cache_and_keeps_flow_decisions(pre
         assert 0 < np.abs(ours - theirs).max() <= 1e-2 * theirs.std(), key  # changed, but only a little
 
 
-def test_fp8_cache_is_refused_by_a_paged_backend(prepared_tiny_model):
-    with pytest.raises(ValueError, match="--attention sdpa cannot read an fp8 K/V cache"):
-        StreamingEngine(prepared_tiny_model, StreamConfig(attention="sdpa", kv_cache="fp8"))
+def test_an_unknown_cache_precision_is_refused(prepared_tiny_model):
     with pytest.raises(ValueError, match="unknown K/V cache precision 'int4'"):
         StreamingEngine(prepared_tiny_model, StreamConfig(kv_cache="int4"))

@@ -474,26 +474,6 @@ def test_bad_chunk_settings_are_refused(model, kwargs, message):
         ChunkedEngine(model, StreamConfig(scale_frames=3, window=4), **kwargs)
 
 
-@pytest.mark.parametrize("case", ["flow_mixed", "interval"])
-@pytest.mark.slow
-def test_contiguous_layout_gives_the_paged_results_across_windows(model, frames, case):
-    """Window rollovers reset the dense cache (specials, slots, spare) as they do the paged one."""
-    import dataclasses
-
-    config, chunk_frames, overlap, count = CASES[case]
-    runs = {}
-    for attention in ("sdpa", "dense"):
-        engine = ChunkedEngine(model, dataclasses.replace(config, attention=attention), chunk_frames=chunk_frames,
-                                overlap=overlap)
-        runs[attention] = (run_live(engine, frames[:count])[0], engine.stats()["rollovers"])
-    (paged, paged_rollovers), (dense, dense_rollovers) = runs["sdpa"], runs["dense"]
-    assert dense_rollovers == paged_rollovers >= 1
-    for index, ours in dense.items():
-        assert ours.frame_type == paged[index].frame_type
-        np.testing.assert_allclose(ours.c2w, paged[index].c2w, atol=2e-5)
-        np.testing.assert_allclose(ours.depth, paged[index].depth, rtol=2e-5)
-
-
 def test_the_first_window_emits_the_models_own_outputs_and_later_ones_keep_its_quaternion_norm(model, frames):
     """pose_enc in a run is the model's where no alignment applies; an aligned window's quaternion
     keeps the norm the model gave it."""
@@ -581,8 +561,8 @@ def test_a_spare_engine_beside_the_stream_ends_with_what_rollovers_in_place_emit
 
 
 SMALL_SPARE_CASES = {  # chunks that fill their window, a spare whose cache holds fewer window frames
-    "all": (StreamConfig(scale_frames=3, window=6, attention="dense"), 14, 3, 30),
-    "flow": (StreamConfig(scale_frames=3, window=6, attention="dense", keyframes="flow", flow_threshold=0.8,
+    "all": (StreamConfig(scale_frames=3, window=6, attention="sdpa"), 14, 3, 30),
+    "flow": (StreamConfig(scale_frames=3, window=6, attention="sdpa", keyframes="flow", flow_threshold=0.8,
                           max_gap=3), 14, 3, 30),
 }
 
@@ -591,7 +571,7 @@ SMALL_SPARE_CASES = {  # chunks that fill their window, a spare whose cache hold
 @pytest.mark.slow
 def test_a_spare_with_fewer_window_slots_hands_over_what_rollovers_in_place_emit(model, frames, monkeypatch, case):
     """The current engine takes the next chunk over from the spare (a copy of its caches) at the
-    switch, so the spare's dense cache allocates slots only for what it takes before then: the same
+    switch, so the spare's pool holds pages only for what it takes before then: the same
     emissions as rollovers in place, with a spare cache smaller than the current one."""
     from stream_recon.models.stream import chunked
 
@@ -1135,7 +1115,7 @@ def test_a_warm_up_on_copies_of_the_first_frame_changes_no_emission(model, frame
 def test_an_engine_with_one_window_slot_warms_up_and_streams_as_a_fresh_one(model, frames):
     """A spare's cache may hold a single window slot (its provisional room shrunk to fit): the warm-up's
     streaming steps take none, so it warms up, and then streams what an engine without a warm-up does."""
-    config = StreamConfig(scale_frames=3, window=4, attention="dense")
+    config = StreamConfig(scale_frames=3, window=4, attention="sdpa")
     warm, cold = (StreamingEngine(model, config, window_slots=1) for _ in range(2))
     warm.warm_up(frames[0])
     for frame in frames[:4]:

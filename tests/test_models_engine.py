@@ -68,11 +68,11 @@ def test_short_stream_is_flushed_by_finish(prepared_tiny_model):
     assert [p.frame_type for p in predictions] == [FRAME_SCALE, FRAME_SCALE]
 
 
-@pytest.mark.parametrize(("attention", "kv_cache"), [("sdpa", "auto"), ("dense", "auto"), ("dense", "fp8")])
+@pytest.mark.parametrize(("attention", "kv_cache"), [("sdpa", "auto"), ("sdpa", "fp8")])
 @pytest.mark.slow
 def test_an_engine_goes_on_with_a_stream_it_takes_over(prepared_tiny_model, attention, kv_cache):
-    """`take_over`: an engine continues another's stream (a spare's chunk, here one whose dense cache
-    has 2 of the window's 4 slots) as that engine would have; while a frame is still to be predicted
+    """`take_over`: an engine continues another's stream (a spare's chunk, here one whose pool holds
+    pages for 2 of the window's 4 frames) as that engine would have; while a frame is still to be predicted
     and delivered (a scale frame buffered), or from a stream of another size, it is refused."""
     config = StreamConfig(scale_frames=2, window=4, attention=attention, kv_cache=kv_cache)
     images = frames(12)
@@ -106,7 +106,7 @@ def test_an_engine_goes_on_with_a_stream_it_takes_over(prepared_tiny_model, atte
         other_size.take_over(spare)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "dense"])
+@pytest.mark.parametrize("attention", ["sdpa"])
 def test_rolled_back_frames_leave_no_trace(prepared_tiny_model, attention):
     """With interval:2, every keyframe's output equals a stream that never saw the non-keyframes."""
     images = frames(11, seed=1)
@@ -123,15 +123,15 @@ def test_rolled_back_frames_leave_no_trace(prepared_tiny_model, attention):
     assert engine.stats()["camera_tokens"] == len(kept)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "dense"])
-def test_cache_layouts_equal_dense_visible_set(prepared_tiny_model, attention):
-    """Both cache layouts attend over exactly the spec's key set (scale + window + all specials)."""
+@pytest.mark.parametrize("attention", ["sdpa"])
+def test_the_cache_attends_over_the_specs_visible_set(prepared_tiny_model, attention):
+    """The cache attends over exactly the spec's key set (scale + window + all specials)."""
     images = frames(10, seed=2)
     streamed, _ = run(prepared_tiny_model, StreamConfig(scale_frames=2, window=3, attention=attention), images)
     assert_streams_like_the_visible_set_model(prepared_tiny_model, streamed, images, scale_frames=2, window=3)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "dense"])
+@pytest.mark.parametrize("attention", ["sdpa"])
 def test_flow_policy_decides_and_reports_flow(prepared_tiny_model, attention):
     predictions, engine = run(prepared_tiny_model, StreamConfig(scale_frames=3, window=2, keyframes="flow", flow_threshold=1e9,
                                                        max_gap=3, attention=attention), frames(12, seed=3))

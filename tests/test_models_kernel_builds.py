@@ -143,8 +143,8 @@ def test_a_warm_up_with_its_dry_pass_streams_what_a_fresh_engine_streams(prepare
         np.testing.assert_array_equal(ours.pose_enc, theirs.pose_enc)
 
 
-@pytest.mark.parametrize("attention", ["dense", "sdpa"])  # the contiguous store, the paged one
-def test_a_dry_pass_whose_launches_leave_garbage_leaves_none_in_the_stream(prepared_tiny_model, attention,
+@pytest.mark.parametrize("kv_cache", ["auto", "fp8"])
+def test_a_dry_pass_whose_launches_leave_garbage_leaves_none_in_the_stream(prepared_tiny_model, kv_cache,
                                                                            monkeypatch):
     """On the GPU a dry pass's skipped launches leave their outputs unwritten: whatever the memory held,
     NaN included. Emulated here: while listing, the few-token linears (the camera head's) return NaN and
@@ -153,7 +153,7 @@ def test_a_dry_pass_whose_launches_leave_garbage_leaves_none_in_the_stream(prepa
     zero times NaN is NaN)."""
     from engine_helpers import frames
 
-    from stream_recon.cache import dense_attention, paged_attention
+    from stream_recon.cache import store
     from stream_recon.models.network import few_token_linear
 
     def garbage_while_listing(function, *, outputs: bool):
@@ -167,9 +167,8 @@ def test_a_dry_pass_whose_launches_leave_garbage_leaves_none_in_the_stream(prepa
 
     monkeypatch.setattr(few_token_linear, "_few_token_linear_op",
                         garbage_while_listing(few_token_linear._few_token_linear_op, outputs=True))
-    for storage in (dense_attention.DenseKV, paged_attention.PagedKV):
-        monkeypatch.setattr(storage, "write", garbage_while_listing(storage.write, outputs=False))
-    config = StreamConfig(scale_frames=3, window=4, attention=attention)
+    monkeypatch.setattr(store.PagedKV, "write", garbage_while_listing(store.PagedKV.write, outputs=False))
+    config = StreamConfig(scale_frames=3, window=4, kv_cache=kv_cache)
     images = frames(7)
     warm, cold = StreamingEngine(prepared_tiny_model, config), StreamingEngine(prepared_tiny_model, config)
     warm.warm_up(images[0], dry_pass=kernel_builds.dry_pass)

@@ -60,13 +60,15 @@ REMOVED_SCRIPTS_THE_LOG_CITES = frozenset({
     "scripts/gpu/run_gpu_suite.sh",
     "scripts/gpu/run_speed_round.sh",
     "scripts/probe_gemm.py",  # TunableOp and Triton tiles for the blocks' products: tried, not kept
+    # the library kernels over the dense layout's ranges, retired with the dense layout
+    "scripts/probe_attention_schedule.py", "scripts/probe_library_waves.py",
     "scripts/time_scale_step.py",  # the scale step compiled: tried, not kept
 })
 # A script the log cites that moved -> where it is now.
 MOVED_SCRIPTS_THE_LOG_CITES = {
     **{f"scripts/{name}.py": f"scripts/probes/{name}.py" for name in (
-        "long_run", "probe_attention_schedule", "probe_cold_start", "probe_compile_artifacts", "probe_gluon_attention",
-        "probe_library_waves", "probe_prepare", "probe_range_variants", "probe_sm_partition", "probe_triton_builds",
+        "long_run", "probe_cold_start", "probe_compile_artifacts", "probe_gluon_attention",
+        "probe_prepare", "probe_range_variants", "probe_sm_partition", "probe_triton_builds",
         "profile_step", "scale_step_memory", "trace_rollover")},
     # the GPU machine's scripts, merged into suites of scripts/device/measure.sh
     **{f"scripts/device/{name}.sh": f"scripts/device/measure.sh {suite}" for name, suite in {
@@ -513,7 +515,7 @@ PY
 twice all --frames 10 $FLOW \\
   --viewer
 MODE=x timeout 5 run one ${rows[$row]} --client | grep -v Warn --line-buffered
-python3 scripts/bench.py --frames 5 > "$OUT/log" 2>&1 && python3 scripts/probes/probe_library_waves.py --rows=all
+python3 scripts/bench.py --frames 5 > "$OUT/log" 2>&1 && python3 scripts/probes/probe_range_variants.py --rows=all
 e2e cold --frames 3
 """
     assert python_calls(script, sourced) == [
@@ -523,7 +525,7 @@ e2e cold --frames 3
         ("scripts/bench_e2e.py", {"--frames", "--keyframes", "--max-gap", "--viewer"}, 13),
         ("scripts/bench_e2e.py", {"--flow-threshold", "--compile", "--client"}, 15),
         ("scripts/bench.py", {"--frames"}, 16),
-        ("scripts/probes/probe_library_waves.py", {"--rows"}, 16),
+        ("scripts/probes/probe_range_variants.py", {"--rows"}, 16),
         ("scripts/bench_e2e.py", {"--frames"}, 17),
     ]
     called = {path for script in SHELL_SCRIPTS for path, _, _ in device_script_calls(script)}

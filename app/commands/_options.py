@@ -122,7 +122,7 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         "memory_check": "CPU runs: refuse settings whose memory estimate exceeds the available memory, naming smaller "
         "ones that fit.",
         "kv_cache": "K/V cache precision: auto (the model's: bf16 on a GPU) or fp8 (e4m3 with a scale per token "
-        "and head: half the bytes; dense attention backends).",
+        "and head: half the bytes; read by our kernel and the SDPA reference).",
         "gpu_memory": "Device-memory budget, e.g. 8GiB: before the first frame the run is planned to fit it (the fp8 "
         "cache, then a shorter window, said and recorded in run.json), or refused with the smallest budget that "
         "fits.",

@@ -89,7 +89,7 @@ def _attention_backends() -> dict[str, str]:
     report = {"auto": f"{resolve_backend('auto', device, dtype)} here ({auto_summary()})"}
     for backend in backend_statuses(device, dtype):
         reason = backend.unavailable_reason
-        report[backend.name] = (f"available ({backend.layout} layout: {backend.summary})" if reason is None
+        report[backend.name] = (f"available ({backend.summary})" if reason is None
                                 else f"not here: {reason}")
     return report
 

@@ -22,7 +22,7 @@ from stream_recon.models import (
     StreamConfig,
     chunk_stream_config,
 )
-from stream_recon.models.attention_backends import first_use_note
+from stream_recon.models.attention_backends import auto_fallback_reason, backend_summary, first_use_note
 from stream_recon.models.builds.compilation import artefacts_dir
 from stream_recon.models.checkpoint import (
     CHECKPOINT_SIZE,
@@ -178,7 +178,8 @@ def build_engine(model: Any, options: RunOptions, device: str, dtype: Any, conso
         model, config, chunk_frames=options.chunk_frames,
         overlap=options.overlap, device=device, dtype=dtype, lookahead=lookahead,
     )
-    engine.on_backend_ready = lambda name: announce_backend(name, console)
+    fallback = auto_fallback_reason(device, dtype, options.kv_cache) if options.attention == "auto" else None
+    engine.on_backend_ready = lambda name: announce_backend(name, fallback, console)
     engine.on_memory_plan = lambda plan: announce_memory_plan(plan, console)
     return engine
 
@@ -204,9 +205,11 @@ def announce_memory_plan(plan: Any, console: Console) -> None:
     console.print(f"[{style}]{plan.describe()}[/{style}]", highlight=False)
 
 
-def announce_backend(name: str, console: Console) -> None:
-    """The backend a run streams with, and what its first use costs where the backend table says (FlashInfer's
-    kernels compile then), rather than stall silently."""
-
-    note = first_use_note(name)
-    console.print(f"attention: {name}{'; ' + note if note else ''}")
+def announce_backend(name: str, fallback: str | None, console: Console) -> None:
+    """The backend a run streams with over the paged K/V cache, what it is, why `auto` passed over the first of
+    its order (`fallback`), and what its first use costs where the backend table says (FlashInfer's kernels
+    compile then), rather than stall silently."""
+    notes = [backend_summary(name), f"auto did not take its first choice: {fallback}" if fallback else "",
+             first_use_note(name)]
+    console.print(f"attention: {name} over the paged K/V cache" + "".join(f"; {note}" for note in notes if note),
+                  highlight=False)

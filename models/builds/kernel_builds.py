@@ -285,6 +285,32 @@ def build_thread(target: Callable[[], None], name: str) -> threading.Thread:
     return start_supervised_thread(PROCESS.ahead, target, name)
 
 
+def start_backend_builds(device: str | torch.device, dtype: torch.dtype, num_heads: int, head_dim: int,
+                         attention: str, kv_cache: str) -> bool:
+    """On CUDA, on a thread of its own, from now: the kernels the attention backend `attention` stands for here
+    builds on its first use (its row's `build_ahead`: FlashInfer compiles its kernels on a machine's first
+    ask), so that they are built beside the checkpoint's load rather than at the warm-up. True when the
+    thread started (a backend that builds nothing ahead starts none)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not PROCESS.ahead.is_up:
+        return False
+    # the backend table imports the cache's kernels: on CUDA only
+    from stream_recon.cache import backends
+
+    backend = backends.resolve(attention, device, dtype, backends.store_dtype(kv_cache, dtype))
+    if backend.build_ahead is None:
+        return False
+    device = device_with_index(device)
+
+    def build() -> None:
+        torch.cuda.set_device(device)
+        # Whatever it raises turns the builds ahead off (`PROCESS.ahead`); the first step builds them then.
+        backend.build_ahead(device, dtype, num_heads, head_dim, build_thread)
+
+    start_supervised_thread(PROCESS.ahead, build, "kernel-build-backend")
+    return True
+
+
 def start_early_builds(device: str | torch.device, dtype: torch.dtype, num_heads: int, head_dim: int) -> bool:
     """On CUDA, on a thread of its own, from now: the builds a warm-up's steps wait for where they are
     asked, which a dry pass cannot hand to its pool. The range kernel's scheduler reads the compiled

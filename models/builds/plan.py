@@ -128,6 +128,11 @@ STAGES = (
                "before the checkpoint loads", "a thread, kernel-build-early", WhenDown.TURN_OFF,
                "summary.helpers.kernel_builds",
                lambda facts: facts.settings.on_cuda and facts.settings.model_config is not None),
+    BuildStage("backend_builds", "the attention backend's kernels it builds on first use (FlashInfer's)",
+               "before the checkpoint loads", "a thread, kernel-build-backend", WhenDown.TURN_OFF,
+               "summary.helpers.kernel_builds",
+               lambda facts: facts.settings.on_cuda and None not in (facts.settings.model_config,
+                                                                     facts.settings.engine_config)),
     BuildStage("kernel_builders", "our Triton kernels a dry pass lists, into Triton's on-disk cache",
                "from before the checkpoint loads to the dry pass's end", "child processes, one per build thread",
                WhenDown.TURN_OFF, "summary.timings.warm_up_parts_s.kernel_builds_in_children",
@@ -217,6 +222,11 @@ class Builder:
             config = settings.model_config
             if not kernel_builds.start_early_builds(settings.device, settings.dtype, config.num_heads, config.head_dim):
                 self._ran.discard("early_kernel_builds")
+        if self.runs("backend_builds"):
+            config, engine = settings.model_config, settings.engine_config
+            if not kernel_builds.start_backend_builds(settings.device, settings.dtype, config.num_heads,
+                                                      config.head_dim, engine.attention, engine.kv_cache):
+                self._ran.discard("backend_builds")
         if self.runs("dry_pass_ahead"):
             self.ahead = BuildsAhead(settings.model_config, settings.engine_config, settings.input_size,
                                      settings.device, settings.dtype)
@@ -286,7 +296,7 @@ class Builder:
         """The builds' helpers that ran, by run.json's name: the kernels built ahead of the stream (the dry
         pass, the early builds), the child builders, the compile beside the stream and the compile child."""
         ran: dict[str, Helper] = {}
-        if self._ran & {"early_kernel_builds", "dry_pass_ahead", "dry_pass"}:
+        if self._ran & {"early_kernel_builds", "backend_builds", "dry_pass_ahead", "dry_pass"}:
             ran["kernel_builds"] = kernel_builds.PROCESS.ahead
         if "kernel_builders" in self._ran:
             ran["kernel_builders"] = kernel_builds.PROCESS.children

@@ -72,7 +72,7 @@ KEYFRAME_RATE_FRAMES = 32
 
 def chunk_stream_config(config: StreamConfig, chunk_frames: int, model_max_frames: int) -> StreamConfig:
     """The settings of each chunk's engine. A chunk's cache holds its cached frames and one pending
-    frame: the dense cache allocates for that many (not the model's whole temporal range), which the
+    frame: its page pool holds their special tokens (not the model's whole temporal range), which the
     memory plan counts."""
     return replace(config, max_cached_frames=min(chunk_frames + 1, model_max_frames))
 

@@ -69,7 +69,7 @@ class StreamingEngine:
 
     def __init__(self, model: GCTStream, config: StreamConfig | None = None, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, *, window_slots: int | None = None):
-        """window_slots: the window frames the dense cache allocates slots for (None: the window). Fewer
+        """window_slots: the window frames the cache's pool holds pages for (None: the window). Fewer
         only for a stream that hands its frames over (`take_over`) before its window fills: a frame
         past them is refused (CacheCapacityError) rather than evicting early, which would change results."""
         inference = require_prepared(model, device, dtype)
@@ -343,7 +343,7 @@ class StreamingEngine:
             "keyframes": self.num_keyframes,
             "cached_frames": self.cache.num_committed_frames,
             "patch_frames": self.cache.num_patch_frames,
-            "patch_pages_in_use": self.cache.num_patch_frames,  # one page (slot) per frame
+            "patch_pages_in_use": self.cache.num_patch_frames,  # one page per frame
             "special_pages_in_use": -(-self.cache.num_special_tokens // self.cache.layout.page_size),
             "camera_tokens": self.camera_cache.num_committed,
             "cache_bytes": self.cache_bytes,

@@ -4,7 +4,7 @@ A frame step launches a few thousand small kernels whose launch cost, not their 
 the frame time. Recording them once and replaying removes that cost. The key set of the global
 attention changes size from frame to frame (special tokens accumulate). A cache whose backend
 reads its plan from device memory (`records_attention`: the Triton range kernel) is recorded with
-the rest; any other backend's attention runs eagerly between graph segments, on the same stream,
+the rest; any other backend's attention (the SDPA reference's) runs eagerly between graph segments, on the same stream,
 with everything else (DINO, frame blocks, the projections, K/V writes, RoPE, both heads) inside
 the graphs:
 
@@ -13,8 +13,8 @@ the graphs:
 
 The embed graph (DINO and the special tokens) reads no cache, so the engine may replay it for the
 next frame before it has decided whether the current frame stays (flow keyframes). Inputs are
-copied into static tensors before a replay; where this step writes its K/V (token slots) and its
-camera token (TokenCache's device-side start) are static tensors too. The heads are a graph of
+copied into static tensors before a replay; where this step writes its K/V (its special tokens' rows and
+its patch page's first row) and its camera token (TokenCache's device-side start) are static tensors too. The heads are a graph of
 their own, so that the engine can run a frame's heads (and its copy to the host) on a second
 stream while the next frame's aggregator runs.
 """
@@ -26,7 +26,7 @@ import gc
 
 import torch
 
-from stream_recon.cache import DenseKVCache, DeviceValues
+from stream_recon.cache import DeviceValues, KVCache
 
 from ..network.gct import GCTStream
 from .precision import step_precision
@@ -63,12 +63,12 @@ class RecordedStep:
     output layers are handed over in buffers of their own.
 
     The cache must be planned for the frame before the blocks are replayed, as for an eager step.
-    A frame's K/V go to two store ranges (its special tokens, its patch tokens), `token_counts`
-    long each. `pack` maps the heads' outputs to the tensor the caller copies to the host; it is
-    recorded too.
+    A frame's K/V go to its special tokens' rows (which may lie on two special pages) and to its patch
+    page, row after row. `pack` maps the heads' outputs to the tensor the caller copies to the host;
+    it is recorded too.
     """
 
-    def __init__(self, model: GCTStream, cache: DenseKVCache, camera_cache, image_shape: tuple[int, int, int],
+    def __init__(self, model: GCTStream, cache: KVCache, camera_cache, image_shape: tuple[int, int, int],
                  num_scale_frames: int, autocast_dtype: torch.dtype | None, pack, descriptors: bool = False):
         device = cache.device
         self.model, self.cache, self.camera_cache = model, cache, camera_cache
@@ -78,15 +78,14 @@ class RecordedStep:
         self.descriptors = descriptors  # the frame's retrieval descriptor, computed in the hand-over
         self.images = torch.zeros(1, *image_shape, device=device)
         self.grid = model.config.grid(*image_shape[1:])
-        # One host-to-device copy per part: the stream index for the embedding; the temporal index
-        # and the first special-token and patch-token positions for the blocks. The token positions
-        # are expanded on the device.
-        self._embed_upload = DeviceValues(1, torch.long, device)
-        self._blocks_upload = DeviceValues(3, torch.long, device)
+        # One host-to-device copy per part: the stream index for the embedding; the temporal index, the
+        # special tokens' rows and the patch page's first row for the blocks. The patch rows are expanded
+        # on the device.
         layout = cache.layout
-        specials, patches = layout.specials_per_frame, layout.patches_per_frame
-        self._token_offsets = torch.cat([torch.arange(specials), torch.arange(patches)]).to(device)
-        self._is_special = (torch.arange(specials + patches) < specials).to(device)
+        self._specials = layout.specials_per_frame
+        self._embed_upload = DeviceValues(1, torch.long, device)
+        self._blocks_upload = DeviceValues(2 + self._specials, torch.long, device)
+        self._patch_offsets = torch.arange(layout.patches_per_frame, device=device)
         self.slots: torch.Tensor | None = None  # [T] store positions, computed inside the graph
         self.tokens: torch.Tensor | None = None  # [1, P, C] the embed graph's output
         self.pool, self.heads_pool = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
@@ -113,11 +112,11 @@ class RecordedStep:
         self._embed_upload.set(stream_index)
         self.images.copy_(images, non_blocking=True)
 
-    def load_position(self, time_index: int, token_ranges: tuple[range, range]) -> None:
-        """The blocks' inputs: the temporal index and the store positions of the frame's special and
-        patch tokens."""
-        specials, patches = token_ranges
-        self._blocks_upload.set(time_index, specials.start, patches.start)
+    def load_position(self, time_index: int, frame_slots: tuple[list[int], int]) -> None:
+        """The blocks' inputs: the temporal index and where the frame's tokens go (KVCache.frame_slots: its
+        special tokens' rows, its patch page's first row)."""
+        specials, patch_start = frame_slots
+        self._blocks_upload.set(time_index, *specials, patch_start)
 
     def record(self) -> None:
         """Capture the step (nothing executes for good). The engine runs the frame eagerly first,
@@ -179,9 +178,9 @@ class RecordedStep:
         return outputs
 
     def _slots(self) -> torch.Tensor:
-        """[T] store positions of this step's tokens, from the two first positions uploaded."""
+        """[T] token rows of this step's tokens: the special rows uploaded, then the patch page's rows."""
         scalars = self._blocks_upload.values
-        return torch.where(self._is_special, scalars[1], scalars[2]) + self._token_offsets
+        return torch.cat([scalars[1:1 + self._specials], scalars[1 + self._specials] + self._patch_offsets])
 
     def _embed(self) -> torch.Tensor:
         return self.model.aggregator.embed(self.images, self._embed_upload.values, self.num_scale_frames)

@@ -6,7 +6,7 @@ What a run holds, and where each number comes from (MemoryEstimate's fields):
 |---|---|---|
 | weights | every parameter and buffer of the prepared model on its device | measured |
 | head_tables | the DPT head's UV tables for the frame size, built on the first step and kept (shared by every engine over the model) | exact (DPTHead.uv_table_bytes) |
-| kv_cache | the global layers' K/V store: allocated once, up front (dense), or grown to its page limit (paged) | exact (cache.backends.cache_bytes) |
+| kv_cache | the global layers' K/V pages: the pool whole, allocated up front (GPU), or grown to its limit (CPU) | exact (cache.backends.cache_bytes) |
 | camera_cache | the camera head's float32 K/V, one token per cached frame | exact |
 | activations | the largest step: the scale frames together, or one streaming frame | shapes x constants below |
 | graph_pools | what the recorded CUDA graphs' private pools reserve for their replays | a multiple of one streaming step, measured |
@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from stream_recon.cache import CacheLayout, PagedKV, TokenCache, backends, fp8
+from stream_recon.cache import CacheLayout, PagedKV, PagedTwoStreamCache, TokenCache, backends, fp8
 
 from ..errors import MemoryBudgetError
 from ..network.config import ModelConfig
@@ -58,7 +58,7 @@ DPT_ELEMENTS_PER_PIXEL = 455
 UV_TABLE_BYTES_PER_PIXEL = 665
 # The recorded CUDA graphs' private pools (the step's and the heads') reserve about two streaming steps,
 # idle between replays, which no eager step can use: 332 / 410 / 540 MiB at 518x294 / 392 / 518 (Hopper,
-# dense-triton over fp8, windows 64 / 61 / 41) against steps of 144.4 / 192.5 / 254.3 MiB: 2.12-2.30.
+# the range kernel over fp8, windows 64 / 61 / 41) against steps of 144.4 / 192.5 / 254.3 MiB: 2.12-2.30.
 GRAPH_POOL_STEPS = 2.3
 WORKSPACE_BYTES = 384 * 2**20
 # A process's device memory outside PyTorch's allocator: the CUDA context with the kernels its libraries
@@ -303,15 +303,17 @@ class _Estimator:
         backend = self._backend(kv_cache)
         layout = CacheLayout(self.patches, c.num_special_tokens, self.config.scale_frames, window,
                              window_slots=window_slots)
-        kv_bytes = backends.cache_bytes(backend, layout, num_layers=c.depth, num_heads=c.num_heads,
-                                        head_dim=c.head_dim, max_frames=self.cached_frames, dtype=self.dtype,
+        kv_bytes = backends.cache_bytes(layout, num_layers=c.depth, num_heads=c.num_heads, head_dim=c.head_dim,
+                                        max_frames=self.cached_frames, dtype=self.dtype, device_type=self.device.type,
                                         stored=stored)
         streaming = self._step_bytes(1, first=False)
-        records = self.device.type == "cuda" and self.config.cuda_graphs and backend.layout == "dense"
+        records = self.device.type == "cuda" and self.config.cuda_graphs
         copies = 0
         if backend.gathers or (stored == fp8.E4M3 and backend.reads_fp8):
-            visible = c.num_special_tokens * self.cached_frames + layout.max_patch_pages * self.patches
-            copies = 2 * visible * c.embed_dim * self._element_size
+            # a layer's visible keys and values, at most the full window's pages' rows (a spare's too)
+            full = CacheLayout(self.patches, c.num_special_tokens, self.config.scale_frames, window)
+            rows = PagedTwoStreamCache.pages_needed(full, self.cached_frames) * self.patches
+            copies = 2 * rows * c.embed_dim * self._element_size
         return MemoryEstimate(
             weights=self.weights,
             head_tables=self.head_tables,

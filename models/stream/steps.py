@@ -30,7 +30,7 @@ from .staging import FrameUpload, HostStaging, Staged, pack_outputs
 
 
 class EagerRunner:
-    """Every step op by op on the current stream (the CPU, paged caches, or graphs turned off)."""
+    """Every step op by op on the current stream (the CPU, or graphs turned off)."""
 
     lag = 0
 
@@ -105,7 +105,7 @@ class EagerRunner:
 
 
 class GraphRunner(EagerRunner):
-    """Streaming steps replayed as CUDA graphs (a dense cache on CUDA): the first streaming frame
+    """Streaming steps replayed as CUDA graphs (a cache whose storage stays put, on CUDA): the first streaming frame
     runs eagerly and is recorded, the next ones replay it. Scale frames stay eager."""
 
     def __init__(self, *args, **kwargs):
@@ -153,7 +153,7 @@ class GraphRunner(EagerRunner):
         self._frame = None
         heads_stream = self._heads_stream()
         self._prepare(1, camera_stream=heads_stream)
-        self.recorded.load_position(time_index, self.cache.token_ranges())
+        self.recorded.load_position(time_index, self.cache.frame_slots())
         self.recorded.replay_blocks()
         with torch.cuda.stream(heads_stream):
             packed = self.recorded.replay_heads()["packed"]
@@ -172,7 +172,7 @@ class GraphRunner(EagerRunner):
                                 self.scale_frames, self.autocast_dtype,
                                 pack=lambda outputs: pack_outputs(outputs, height, width), descriptors=self.descriptors)
         recorded.load_frame(images, stream_index)
-        recorded.load_position(time_index, self.cache.token_ranges())
+        recorded.load_position(time_index, self.cache.frame_slots())
         try:
             with self._as_chosen():
                 recorded.record()

@@ -197,14 +197,14 @@ class StreamConfig:
     flow_threshold: float = FLOW_THRESHOLD
     max_gap: int = MAX_GAP
     attention: str = "auto"  # a name of stream_recon.cache.backends (`auto`: the fastest available)
-    cuda_graphs: bool = True  # replay streaming steps as CUDA graphs (CUDA, dense layout; outputs identical)
+    cuda_graphs: bool = True  # replay streaming steps as CUDA graphs (CUDA; outputs identical)
     # With CUDA graphs: a frame's heads and its copy to the host run beside the next frame's
     # blocks, and a push returns the frame before (finish() returns the last one); with flow
     # keyframes the next frame's embedding also runs before the decision. Outputs identical;
     # 1.5-2.2 ms a frame faster at 518x378. Off: every push returns its own frame.
     pipeline: bool = True
     # K/V cache precision: `auto` (the model's: bf16 on a GPU, fp32 on the CPU) or `fp8` (e4m3 with
-    # a scale per token and head, half of bf16's bytes; dense attention backends only).
+    # a scale per token and head, half of bf16's bytes; the backends that read it: backends.BACKENDS' reads_fp8).
     kv_cache: str = "auto"
     # Bytes of device memory the stream may take (weights, caches, activations). Before the first
     # frame the engine plans the K/V precision (with `auto`) and, only if it must, a shorter window

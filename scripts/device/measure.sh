@@ -10,7 +10,7 @@
 #   shapes-e2e  the product path at 1280x720, 640x468, 640x480, 720x1280 in one process (WITH_ENGINE=1: each
 #               beside the engine alone); arguments: bench_e2e options: $OUT/shapes_e2e.json
 #   shapes      the engine at every input size and variant (scripts/bench_shapes.py; HEIGHTS, VARIANTS,
-#               FRAMES, PROFILE, DEADLINE, LIMIT_S), beside TESTS or the attention probe (PROBE_HEIGHTS)
+#               FRAMES, PROFILE, DEADLINE, LIMIT_S), beside TESTS
 #   reference   the engine beside the official code at HEIGHTS (378 392), then the kernels' GPU tests
 #               (TEST_K) in what LIMIT_S (585) leaves: $OUT/reference_H.json
 #   engine      one run of scripts/bench.py with the arguments (e.g. --viewer, --no-graphs, --no-compile,
@@ -62,8 +62,7 @@
 # part a call to a machine kept warm, all of them there by the sky call, and plyfile's wheel);
 # reference also
 # .reference/lingbot-map (the official gct_profile.py and lingbot_map/); against the other tree (OTHER) or
-# BASE_TAR; shapes' `previous` variant cache/triton_attention_previous.py (`git show
-# COMMIT:cache/triton_attention.py`, not committed).
+# BASE_TAR.
 # $OUT (default /tmp/out) gets gpu.txt and each suite's files above; the never-hang cells write every cell's
 # JSON as a line of $OUT/soak.jsonl and its table lines to $OUT/soak.log; acceptance and spare's sms part pack
 # all of $OUT into $OUT/out.tar.gz at the end.
@@ -127,17 +126,13 @@ suite_shapes_e2e() {
 
 # -- the engine --------------------------------------------------------------------------------------------
 # Helper processes compile every size's blocks and heads while the sweep's process builds its model and the
-# GPU tests (TESTS, TEST_K) or, without tests, the attention probe run; then the sweep (for DEADLINE
-# seconds); then, in the time left before LIMIT_S, the attention probe at PROBE_HEIGHTS (after tests).
+# GPU tests (TESTS, TEST_K) run; then the sweep (for DEADLINE seconds).
 # AFTER=FILE: the sweep waits for FILE too (a caller's own GPU work, run beside the compile helpers).
 suite_shapes() {
   local limit=${LIMIT_S:-580} heights=${HEIGHTS:-280:518:14} workers=${WORKERS:-4} sweep i
-  attention_probe() {
-    timeout "$1" python3 scripts/probes/probe_attention_schedule.py --heights "${PROBE_HEIGHTS-280:518:14}" \
-      --others "${OTHERS-392,434,518}" --json "$OUT/probe.json" 2>&1 | grep -v Warn | tee "$OUT/probe.log"; }
   rm -f /tmp/gpu_free
   python3 scripts/bench_shapes.py --heights "$heights" --profile "${PROFILE:-}" --frames "${FRAMES:-40}" \
-    --deadline-s "${DEADLINE:-400}" --variants "${VARIANTS:-previous,frames}" --more "${MORE:-}" \
+    --deadline-s "${DEADLINE:-400}" --variants "${VARIANTS:-balanced,frames}" --more "${MORE:-}" \
     --json "$OUT/shapes.json" --wait-for /tmp/gpu_free > "$OUT/shapes.log" 2>&1 &
   sweep=$!
   for i in $(seq 0 $((workers - 1))); do
@@ -148,8 +143,6 @@ suite_shapes() {
     echo "== GPU tests: $TESTS -k '${TEST_K:-}'"
     timeout "${TEST_TIMEOUT:-260}" python3 -m pytest -q -s -p no:cacheprovider --durations=30 $TESTS -k "${TEST_K:-}" 2>&1 \
       | tee "$OUT/tests.log" | grep -E "vs golden|vs eager|sigma|passed|failed|Error|error|FAILED|PASSED|^E |s call" | tail -60
-  elif [ -n "${PROBE_HEIGHTS-280:518:14}" ]; then
-    attention_probe "${PROBE_TIMEOUT:-240}"
   fi
   while [ "$(jobs -rp | grep -vc "^$sweep$")" -gt 0 ]; do sleep 1; done  # the compile helpers
   while [ -n "${AFTER:-}" ] && [ ! -e "$AFTER" ]; do sleep 1; done  # whatever else the caller runs on the GPU
@@ -158,9 +151,6 @@ suite_shapes() {
   touch /tmp/gpu_free  # the sweep (its model built meanwhile) measures from now, until DEADLINE
   wait "$sweep"
   grep -v -E "Warn|warn" "$OUT/shapes.log" | tail -40
-  if [ -n "${TESTS:-}" ] && [ -n "${PROBE_HEIGHTS:-}" ] && [ "$(left "$limit")" -gt 30 ]; then
-    attention_probe "$(left "$limit")"
-  fi
 }
 
 suite_reference() {

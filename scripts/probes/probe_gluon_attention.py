@@ -276,7 +276,7 @@ def compile_only(stages: int, variant: str) -> dict:
         constexprs["HEAD_DIM"] = HEAD_DIM
     else:  # gluon_attention's kernel, as `launch` calls it
         kernel = gluon_attention._pingpong_range_kernel
-        signature.update({"partial_out": "*fp32", "partial_stats": "*fp32", "key_range": "*i32", "stride_o": "i32",
+        signature.update({"partial_out": "*fp32", "partial_stats": "*fp32", "runs": "*i32", "stride_o": "i32",
                           "num_queries": "i32", "qk_scale": "fp32", "whole_tiles": "i32", "split_tiles": "i32",
                           "splits": "i32", "prefix_share": "i32"})
         constexprs.update(TURNS=variant == "pingpong", CONSUMER_REGS=gluon_attention.CONSUMER_REGISTERS,

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from stream_recon.cache.triton_attention import attend_range_scheduled
+from stream_recon.cache.triton_attention import attend_range_scheduled, run_table
 
 TOKENS, HEADS, KEYS = 1042, 16, 4096
 
@@ -29,8 +29,8 @@ def build(head_dim: int, in_memory: bool, tails_last: bool) -> float:
     started = time.perf_counter()
     q = torch.randn(TOKENS, HEADS, head_dim, device="cuda", dtype=torch.bfloat16)
     keys = torch.randn(KEYS, HEADS, head_dim, device="cuda", dtype=torch.bfloat16)
-    key_range = torch.tensor([0, KEYS], dtype=torch.int32, device="cuda") if in_memory else (0, KEYS)
-    attend_range_scheduled(q, keys, keys, key_range, slots=264, tails_last=tails_last)
+    runs = torch.tensor(run_table([(0, KEYS)], 1), dtype=torch.int32, device="cuda") if in_memory else (0, KEYS)
+    attend_range_scheduled(q, keys, keys, runs, slots=264, tails_last=tails_last)
     torch.cuda.current_stream().synchronize()
     return time.perf_counter() - started
 

@@ -47,8 +47,6 @@ def profile_size(model, args, height: int, out: Path) -> None:
     frames = [torch.rand(3, height, args.width, device="cuda") for _ in range(4)]
     for i in range(72 + args.warmup):
         engine.push(frames[i % 4])
-        if i == 72 and args.no_overlap_specials:
-            engine.cache.backend.side_stream = None
     torch.cuda.synchronize()
     host = host_timers(engine)
     times = []
@@ -153,8 +151,6 @@ def main():
     parser.add_argument("--no-graphs", action="store_true",
                         help="launch the steps' kernels one by one (torch.profiler sees no kernels inside replayed graphs)")
     parser.add_argument("--timed", type=int, default=40, help="frames timed (no profiler) before the profile")
-    parser.add_argument("--no-overlap-specials", action="store_true",
-                        help="dense-cudnn: the special keys' kernel on the main stream")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/out") + "/profile")
     args = parser.parse_args()
     profile_stream(args)

@@ -65,7 +65,7 @@ def trace(model: GCTStream, height: int, width: int, num_frames: int, kv_cache: 
     c = model.config
     rows, cols = c.grid(height, width)
     layout = CacheLayout(rows * cols, c.num_special_tokens, 8, 64)
-    cache = backends.build(backends.spec("dense"), layout, num_layers=c.depth, num_heads=c.num_heads,
+    cache = backends.build(backends.spec("sdpa"), layout, num_layers=c.depth, num_heads=c.num_heads,
                            head_dim=c.head_dim, max_frames=c.max_frames, dtype=torch.bfloat16, device="meta",
                            stored=backends.store_dtype(kv_cache, torch.bfloat16))
     camera = TokenCache(model.camera_head.num_cache_layers, c.camera_heads, c.head_in_dim // c.camera_heads,
