@@ -10,7 +10,7 @@ order. What preparing does, and why each step belongs here rather than in the en
 - fusions that replace modules: the MLPs' GELU inside the first layer's cuBLASLt epilogue
   (fused_gelu.py), the camera head's large layers reading float16-stored weights with float32
   arithmetic (few_token_linear.py; needs triton);
-- the DINO and frame blocks' attention through `attend_frame` where dense-triton runs (Ampere or
+- the DINO and frame blocks' attention through `attend_frame` where our range kernel runs (Ampere or
   newer, bf16/fp16; cache/triton_attention.py): SDPA while a frame's tiles fit one wave of the range
   kernel, the range kernel past it (at three programs per SM on 132 SMs, frames over 1,024 tokens);
 - channels-last DPT convolutions (cuDNN's NHWC kernels);
@@ -73,7 +73,7 @@ def prepare_for_inference(model: GCTStream, device: str | torch.device | None = 
             from ..network.few_token_linear import store_weights_in_half
 
             half_camera = store_weights_in_half(prepared.camera_head) > 0
-    if half and on_cuda and unavailable_reason("dense-triton", device, dtype) is None:
+    if half and on_cuda and unavailable_reason("triton", device, dtype) is None:
         use_range_kernel_for_frames(prepared.aggregator)
     if on_cuda:
         # cuDNN's NHWC convolutions: the DPT head's inputs are channels-last views already.
