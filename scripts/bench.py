@@ -3,6 +3,7 @@
     python scripts/bench.py --height 378 --width 518 --frames 100 --attention flashinfer
     python scripts/bench.py --breakdown          # per-stage times (CUDA events around each part)
     python scripts/bench.py --reference .reference/lingbot-map   # and the official code, same process
+    python scripts/bench.py --attention auto,flashinfer --reference .reference/lingbot-map   # two backends beside it
     python scripts/bench.py --kv-cache fp8        # the fp8 K/V cache
     python scripts/bench.py --gpu-memory 8GiB     # plan for a budget, cap the process at it, print both peaks
     python scripts/bench.py --model tiny --height 84 --width 112 --scale 2 --window 4 --frames 4 --dtype fp32 \
@@ -112,6 +113,10 @@ def attention_flops(engine: StreamingEngine) -> float:
 def run(args) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    gc.collect()  # (an earlier run's engine and model in this process)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     loaded, build_s = build_model(args.model)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     start = time.perf_counter()
@@ -281,7 +286,8 @@ def main():
     parser.add_argument("--scale", type=int, default=8)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--keyframes", default="all")
-    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--attention", default="auto",
+                        help="a backend, or several separated by commas: each measured in turn in this process")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--breakdown", action="store_true", help="per-stage times (runs eagerly: hooks do not fire in graphs)")
     parser.add_argument("--camera-iterations", type=int, default=None,
@@ -306,15 +312,23 @@ def main():
     if args.viewer and args.frames < 20:  # (one block of 10 frames with the viewer, one without, at least)
         parser.error(f"--viewer compares blocks of 10 frames with and without the viewer: --frames must be at least "
                      f"20, got {args.frames}")
-    result = run(args)
+    attentions = args.attention.split(",")
+    result = run(argparse.Namespace(**{**vars(args), "attention": attentions[0]}))
+    # more backends in the same process, each on the same model and frames (their figures under "others")
+    others = [run(argparse.Namespace(**{**vars(args), "attention": name})) for name in attentions[1:]]
+    if others:
+        result["others"] = others
     if args.reference:  # ours first, in case the reference does not get to the end
-        print(json.dumps({k: v for k, v in result.items() if k.startswith(("ms_per", "fps", "peak", "cold"))}), flush=True)
-        result["reference"] = run_reference(args)
-        ours, theirs = result, result["reference"]
-        print(f"{'':>22}  {'ours':>10}  {'reference':>10}")
+        for ours in [result, *others]:
+            print(json.dumps({k: v for k, v in ours.items() if k.startswith(("attention", "ms_per", "fps", "peak", "cold"))}),
+                  flush=True)
+        result["reference"] = theirs = run_reference(args)
+        print(f"{'':>22}  {'reference':>10}" + "".join(f"  {ours['attention']:>14}" for ours in [result, *others]))
         for key in ("ms_per_frame_median", "fps", "peak_gpu_gib"):
-            print(f"{key:>22}  {ours[key]:10.2f}  {theirs[key]:10.2f}")
-        result["speedup_vs_reference"] = theirs["ms_per_frame_median"] / ours["ms_per_frame_median"]
+            print(f"{key:>22}  {theirs[key]:10.2f}" + "".join(f"  {ours[key]:14.2f}" for ours in [result, *others]))
+        for ours in [result, *others]:
+            ours["speedup_vs_reference"] = theirs["ms_per_frame_median"] / ours["ms_per_frame_median"]
+            print(f"{ours['attention']:>22}: {ours['speedup_vs_reference']:.2f}x the reference", flush=True)
     for key, value in result.items():
         print(f"{key:>22}: {value:.3f}" if isinstance(value, float) else f"{key:>22}: {value}")
     if args.json:
