@@ -70,7 +70,8 @@ def run(
     overrides: dict[str, Any],
 ) -> None:
     """Reconstruct SOURCE frame by frame: poses and depth on disk as they come, live in the browser."""
-    # yaml and OpenCV load with these: when the command runs, never for -h
+    # yaml, OpenCV and onnxruntime load with these: when the command runs, never for -h
+    from stream_recon.app.outputs.masks import check_frame_masks
     from stream_recon.app.run.presets import build_options
     from stream_recon.app.sources.opening import check_source, source_name
 
@@ -86,8 +87,9 @@ def run(
             defaults["overwrite"] = output is None and holds_sample_run(output_dir)
         options = build_options(config, overrides, defaults)
         # a mistyped path or a file that is no video is said before torch's 2-5 s import (the pipeline's); the
-        # source is opened there, once
+        # source is opened there, once (a file source twice with --mask-dir: its length and size for the masks)
         check_source(source)
+        check_frame_masks(source, options)
         run_sequence = import_held("stream_recon.app.run.pipeline").run_sequence
         if is_sample:
             announce_sample(output_dir, options, console)

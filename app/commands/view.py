@@ -18,7 +18,7 @@ from typing import Annotated
 import typer
 
 from stream_recon.app.commands._options import RUN_OPTION_FLAGS, bad_input, error_console, user_errors
-from stream_recon.app.options import SHOW_CHOICES, OptionsError, RunOptions, check_viewer_address
+from stream_recon.app.options import SHOW_CHOICES, RunOptions, check_viewer_address
 from stream_recon.app.stopping import interrupted_exit_code, wait_for_stop_signal
 
 # run's --host and --port: the same help, defaults and checks
@@ -72,10 +72,6 @@ def sky_masker(mask_sky: bool):
     if not mask_sky:
         return None
     # OpenCV (onnxruntime for the sky): only when a replay masks its frames
-    from stream_recon.app.outputs.masks import FrameMasker
-    from stream_recon.app.outputs.sky import SkyModelError, SkySegmenter, skyseg_path
+    from stream_recon.app.outputs.masks import sky_masker as masker_of_the_sky
 
-    try:
-        return FrameMasker(SkySegmenter(skyseg_path(download=True)), None, RunOptions.image_width)
-    except SkyModelError as error:
-        raise OptionsError(str(error)) from None
+    return masker_of_the_sky(RunOptions.image_width)

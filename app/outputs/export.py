@@ -63,7 +63,7 @@ from stream_recon.app.outputs.rundir import (
     swap_in_staged,
     write_tum,
 )
-from stream_recon.app.outputs.sky import SkyModelError, SkySegmenter, skyseg_path
+from stream_recon.app.outputs.sky import SkyModelError, SkySegmenter, sky_network_path
 from stream_recon.app.outputs.splats import GaussianSplats, frame_splats, write_splat_ply
 from stream_recon.app.sources.input_size import model_input_size, resized_size
 from stream_recon.app.sources.opening import open_source
@@ -179,7 +179,7 @@ def export_run(
     if mask_sky:
 
         try:
-            images.sky = SkySegmenter(skyseg_path(download=True))
+            images.sky = SkySegmenter(sky_network_path(download=True))
         except SkyModelError as error:
             raise ExportError(str(error)) from None
     target = ExportTarget(run_dir, fmt, output, overwrite=overwrite)

@@ -22,10 +22,11 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from stream_recon.app.outputs.masks import FrameMasker, MaskDirError
 from stream_recon.app.outputs.npz_schema import SKY_MASK_FIELD, PredictionOutputs, prediction_arrays
 from stream_recon.app.outputs.pointcloud import (
     DEFAULT_CONF_THRESHOLD,
@@ -57,11 +58,8 @@ from stream_recon.app.outputs.rundir import (
     write_json_atomic,
     write_tum,
 )
-from stream_recon.models.loops.corrections import ChunkCorrections
-
-if TYPE_CHECKING:
-    from stream_recon.app.outputs.masks import FrameMasker
 from stream_recon.models import DaemonPool, FramePrediction
+from stream_recon.models.loops.corrections import ChunkCorrections
 from stream_recon.models.stream.similarity import Sim3
 from stream_recon.models.supervision import (
     Deadline,
@@ -288,6 +286,8 @@ class RunWriter:
             self._worker_error = None
             if isinstance(error, OSError):
                 raise OutputDirError(self._write_error_message(error)) from error
+            if isinstance(error, MaskDirError):  # the user's masks, said in their own sentence
+                raise HelperDown(str(error)) from error
             # a FAIL_RUN helper: the run ends "failed" with this one line
             raise HelperDown(f"the run writer failed on a frame: {type(error).__name__}: {error}") from error
 

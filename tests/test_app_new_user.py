@@ -1,0 +1,225 @@
+"""What a new user meets through `stream-recon` in processes of its own, on real files: the camera head's count,
+mask folders and the sky network checked before torch is imported, the sky network offline in one line, a run
+or an export that ends with no point said so, damaged prediction files named, exports beside other exports."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+from media_helpers import free_port, write_image_folder, write_video
+from test_app_cli_process import FAST_FLAGS, command, environment, lines_of, stream_recon
+
+from stream_recon.app.commands._options import EXIT_BAD_INPUT
+from stream_recon.app.outputs.rundir import read_run
+from stream_recon.app.outputs.sky import SKYSEG_URL
+
+FAULTS = Path(__file__).parent / "faults"  # its sitecustomize records what a process imported
+FRAMES = 20
+
+
+def refused_before_loading(tmp_path: Path, *args: str, python_path: tuple[Path, ...] = (),
+                           **env: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """`stream-recon ARGS` run to its end, and the top-level modules it imported (tests/faults/sitecustomize.py)."""
+    record = tmp_path / "imported.json"
+    record.unlink(missing_ok=True)
+    paths = os.pathsep.join(str(path) for path in (*python_path, FAULTS))
+    result = subprocess.run(command(*args), capture_output=True, text=True, timeout=120,
+                            env=environment(PYTHONPATH=paths, STREAM_RECON_TEST_IMPORTED=str(record), **env))
+    return result, set(json.loads(record.read_text()))
+
+
+def help_text(command_name: str) -> str:
+    """`stream-recon COMMAND -h` as words, whatever its box wrapped."""
+    shown = subprocess.run(command(command_name, "-h"), capture_output=True, text=True, timeout=120,
+                           env=environment())
+    assert shown.returncode == 0, shown.stderr
+    return " ".join(shown.stdout.replace("│", " ").split())
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess, *parts: str) -> str:
+    lines = lines_of(result)
+    assert result.returncode == EXIT_BAD_INPUT and len(lines) == 1, lines
+    assert lines[0].startswith("error: ") and all(part in lines[0] for part in parts), lines
+    return lines[0]
+
+
+@pytest.fixture
+def frames(tmp_path: Path) -> Path:
+    """An image folder of FRAMES frames, 160x96 (the tiny model's input: 56x28 at --image-width 56)."""
+    return write_image_folder(tmp_path / "frames", [f"{index}.png" for index in range(FRAMES)], width=160, height=96)
+
+
+def write_masks(folder: Path, names: list[str], draw) -> Path:
+    """One mask per name, `draw(k)` the k-th one's pixels (uint8 [H, W])."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for index, name in enumerate(names):
+        assert cv2.imwrite(str(folder / name), draw(index))
+    return folder
+
+
+# ------------------------------------------------------------------ the camera head
+
+
+@pytest.mark.slow
+def test_camera_iterations_beyond_the_checkpoints_are_one_line_naming_its_count(tmp_path: Path,
+                                                                                 tiny_checkpoint: Path) -> None:
+    # with a checkpoint whose camera head refines twice: `--camera-iterations 4` (the documented default, "all")
+    # or 3 ended in a ValueError's traceback, exit 1
+    video = write_video(tmp_path / "clip.mp4", 4)
+    for asked in ("4", "3"):
+        result = stream_recon(str(video), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "--camera-iterations",
+                              asked, "-o", str(tmp_path / "run"))
+        assert_one_error_line(result, f"--camera-iterations {asked} is more than this checkpoint's camera head has: "
+                                      "it refines its poses 2 times; give 1 to 2")
+        assert not (tmp_path / "run").exists()
+    assert "[default: all, the checkpoint's count]" in help_text("run")
+
+
+# ------------------------------------------------------------------ mask folders
+
+
+@pytest.mark.slow
+def test_masks_named_as_numbers_go_to_frames_in_natural_order(tmp_path: Path, frames: Path,
+                                                             tiny_checkpoint: Path) -> None:
+    # mask_0 ... mask_19 were matched in string order: frame 2 got mask_10, frame 11 got mask_19
+    def band(index: int) -> np.ndarray:  # the k-th mask leaves out a band 8 (k + 1) columns wide
+        mask = np.full((96, 160), 255, np.uint8)
+        mask[:, : 8 * (index + 1)] = 0
+        return mask
+
+    masks = write_masks(tmp_path / "masks", [f"mask_{index}.png" for index in range(FRAMES)], band)
+    result = stream_recon(str(frames), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "--mask-dir", str(masks),
+                          "-o", str(tmp_path / "run"))
+
+    assert result.returncode == 0, result.stderr
+    dropped = {record["frame_index"]: int(record["sky_mask"][0].sum()) for record in read_run(tmp_path / "run")}
+    assert sorted(dropped) == list(range(FRAMES))
+    widths = [dropped[index] for index in range(FRAMES)]
+    assert widths == sorted(widths) and widths[0] < widths[9] < widths[FRAMES - 1] == 56, widths
+
+
+@pytest.mark.slow
+def test_masks_of_another_size_are_refused_before_torch_and_leave_nothing(tmp_path: Path, frames: Path) -> None:
+    # 300x40 masks for 160x96 frames were stretched to fit without a word
+    masks = write_masks(tmp_path / "masks", [f"{index:06d}.png" for index in range(FRAMES)],
+                        lambda index: np.zeros((40, 300), np.uint8))
+    result, imported = refused_before_loading(tmp_path, str(frames), "--no-viewer", "--mask-dir", str(masks),
+                                              "-o", str(tmp_path / "run"))
+
+    assert_one_error_line(result, "000000.png is 300x40, neither the frames' 160x96 nor the model input's 518x308")
+    assert "torch" not in imported and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_masks_drawn_on_the_turned_frames_are_turned_no_more(tmp_path: Path, frames: Path,
+                                                           tiny_checkpoint: Path) -> None:
+    # --rotate 90 with masks drawn on the upright frame (96 wide, 160 high) turned each a second time: the right
+    # columns were left out instead of the top rows
+    def top_half(index: int) -> np.ndarray:
+        mask = np.full((160, 96), 255, np.uint8)
+        mask[:80] = 0
+        return mask
+
+    masks = write_masks(tmp_path / "masks", [f"m{index}.png" for index in range(FRAMES)], top_half)
+    result = stream_recon(str(frames), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "--rotate", "90",
+                          "--mask-dir", str(masks), "-o", str(tmp_path / "run"))
+
+    assert result.returncode == 0, result.stderr
+    for record in read_run(tmp_path / "run"):
+        dropped = record["sky_mask"]  # 56x56: the turned frame's middle rows
+        assert dropped.shape == (56, 56) and dropped[:25].all() and not dropped[-25:].any()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["too few", "not images", "a frame's name missing"])
+def test_a_mask_folder_that_cannot_serve_the_run_is_refused_before_torch(tmp_path: Path, frames: Path,
+                                                                         fault: str) -> None:
+    # found mid-run: failed after 10 frames (exit 1, a run folder left), or "kept 0 frames", in words of the
+    # internals ("the run writer failed on a frame: MaskDirError: ... nor a 11-th image")
+    keep_all = lambda index: np.full((96, 160), 255, np.uint8)  # noqa: E731
+    if fault == "too few":
+        masks = write_masks(tmp_path / "masks", [f"mask_{index}.png" for index in range(10)], keep_all)
+        expected = f"--mask-dir {masks} holds 10 masks for the 20 frames this run takes"
+    elif fault == "not images":
+        masks = tmp_path / "masks"
+        masks.mkdir()
+        for index in range(FRAMES):
+            (masks / f"mask_{index}.png").write_text("a mask, they said\n")
+        expected = f"--mask-dir: {masks / 'mask_0.png'} is not a readable image"
+    else:
+        masks = write_masks(tmp_path / "masks", [f"{index:06d}.png" for index in range(FRAMES) if index != 7],
+                            keep_all)
+        expected = f"--mask-dir {masks} has no mask for 1 frame of the 20 this run takes (000007)"
+    result, imported = refused_before_loading(tmp_path, str(frames), "--no-viewer", "--mask-dir", str(masks),
+                                              "-o", str(tmp_path / "run"))
+
+    line = assert_one_error_line(result, expected)
+    assert "Error" not in line and "run writer" not in line
+    assert "torch" not in imported and not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------ the sky network
+
+
+def offline_environment(tmp_path: Path) -> dict[str, str]:
+    """A machine whose caches hold no skyseg.onnx, with a hub address where nothing listens (what no network
+    does to a download: the connection fails)."""
+    return {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}", "HF_HOME": str(tmp_path / "hf"),
+            "STREAM_RECON_CHECKPOINTS": str(tmp_path / "checkpoints")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["download skyseg", "run --mask-sky"])
+def test_the_sky_network_without_the_hub_is_one_line_at_once(tmp_path: Path, frames: Path, how: str) -> None:
+    # 26-28 s of Hugging Face's retries, 11 lines "... thrown while requesting HEAD ... Retrying in 8s [Retry 5/5]",
+    # then its generic sentence
+    args = ["download", "skyseg"] if how == "download skyseg" else [str(frames), "--no-viewer", "--mask-sky",
+                                                                    "-o", str(tmp_path / "run")]
+    start = time.monotonic()
+    result, imported = refused_before_loading(tmp_path, *args, **offline_environment(tmp_path))
+
+    assert time.monotonic() - start < 10
+    assert_one_error_line(result, "skyseg.onnx", "cannot be reached", SKYSEG_URL,
+                          f"put it in {tmp_path / 'checkpoints'}")
+    assert "torch" not in imported
+    assert not (tmp_path / "run").exists() and not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_onnxruntime_and_the_sky_network_missing_are_said_at_once_before_torch(tmp_path: Path, frames: Path) -> None:
+    # only the network was said (after the hub's retries); onnxruntime only once the file was there, with the
+    # advice `pip install 'stream-recon[sky]'`, no package on PyPI
+    missing = tmp_path / "without" / "onnxruntime"
+    missing.mkdir(parents=True)
+    (missing / "__init__.py").write_text('raise ModuleNotFoundError("No module named \'onnxruntime\'", '
+                                         'name="onnxruntime")\n')
+    result, imported = refused_before_loading(tmp_path, str(frames), "--no-viewer", "--mask-sky", "-o",
+                                              str(tmp_path / "run"), python_path=(missing.parent,),
+                                              **offline_environment(tmp_path))
+
+    line = assert_one_error_line(result, "onnxruntime, which is not installed here", "scripts/setup-env sky`",
+                                 "skyseg.onnx, which is not on this machine either", SKYSEG_URL)
+    assert "stream-recon[sky]" not in line
+    assert "torch" not in imported and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command_name", ["run", "batch"])
+def test_help_shows_the_sky_extra(command_name: str) -> None:
+    # rich took `[sky]` for markup: the help said `pip install 'stream-recon'`
+    assert "the [sky] extra of a wheel" in help_text(command_name)
+
+
+def test_no_run_options_help_holds_a_bracket_rich_would_take_for_markup() -> None:
+    from stream_recon.app.commands._options import _RUN_OPTION_HELP
+
+    unescaped = [field for helps in _RUN_OPTION_HELP.values() for field, text in helps.items()
+                 if any(text[index - 1: index] != "\\" for index, char in enumerate(text) if char == "[")]
+    assert unescaped == []
