@@ -575,7 +575,7 @@ def test_a_log_file_gets_one_line_per_record(tmp_path: Path, tiny_checkpoint: Pa
     log = tmp_path / "run.log"
     with log.open("w") as stderr:
         run = subprocess.run(command(str(video), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "--chunk-frames",
-                                     "6", "--overlap", "2", "-o", str(tmp_path / "run")),
+                                     "6", "--overlap", "2", "-o", str(tmp_path / "run"), "--verbose"),
                              stdout=subprocess.DEVNULL, stderr=stderr, timeout=120, env=environment())
 
     lines = log.read_text().splitlines()

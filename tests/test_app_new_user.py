@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -13,7 +14,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
-from media_helpers import free_port, write_image_folder, write_video
+from helpers import wait_until
+from media_helpers import free_port, mjpeg_server, write_image_folder, write_video
 from test_app_cli_process import FAST_FLAGS, command, environment, lines_of, stream_recon
 
 from stream_recon.app.commands._options import EXIT_BAD_INPUT
@@ -223,3 +225,137 @@ def test_no_run_options_help_holds_a_bracket_rich_would_take_for_markup() -> Non
     unescaped = [field for helps in _RUN_OPTION_HELP.values() for field, text in helps.items()
                  if any(text[index - 1: index] != "\\" for index, char in enumerate(text) if char == "[")]
     assert unescaped == []
+
+
+# ------------------------------------------------------------------ an empty cloud
+
+
+def warnings_of(result: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in lines_of(result) if line.startswith("warning: ")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("emptied_by", ["--conf-threshold", "--mask-dir", "the sample's confidence"])
+def test_a_run_whose_cloud_ends_empty_says_what_emptied_it(tmp_path: Path, frames: Path, tiny_checkpoint: Path,
+                                                         emptied_by: str) -> None:
+    # points.ply with 0 vertices, `done:`, exit 0 and no word (`export` of the same run warned)
+    run_dir = tmp_path / "run"
+    if emptied_by == "--conf-threshold":
+        args, expected = [str(frames), "--conf-threshold", "100"], (
+            "warning: points.ply holds no point: no pixel has depth confidence >= 100: pass a lower --conf-threshold")
+    elif emptied_by == "--mask-dir":
+        masks = write_masks(tmp_path / "masks", [f"{index:06d}.png" for index in range(FRAMES)],
+                            lambda index: np.zeros((96, 160), np.uint8))
+        args, expected = [str(frames), "--conf-threshold", "1", "--mask-dir", str(masks)], (
+            f"warning: points.ply holds no point: --mask-dir {masks} left out every pixel with depth confidence >= 1")
+    else:  # the bundled sample's confidence, under the tiny model, never reaches the default threshold
+        args, expected = [], "warning: points.ply holds no point: no pixel has depth confidence >= 2"
+    result = stream_recon(*args, "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(run_dir))
+
+    assert result.returncode == 0, result.stderr
+    assert [line.startswith(expected) for line in warnings_of(result)] == [True], lines_of(result)
+    assert any(line.startswith("done: ") for line in lines_of(result))
+    assert json.loads((run_dir / "run.json").read_text())["summary"]["points"]["count"] == 0
+    if emptied_by == "--mask-dir":  # the export of it names the masks too, not the confidence
+        exported = stream_recon("export", str(run_dir), "-f", "ply", "-o", str(tmp_path / "points.ply"),
+                                "--conf-threshold", "1")
+        assert exported.returncode == 0, exported.stderr
+        assert warnings_of(exported) == ["warning: the export holds no point: the run's masks (sky_mask in its npz "
+                                         "files) left out every pixel with depth confidence >= 1: check the masks (0 "
+                                         "leaves a pixel out)"], lines_of(exported)
+
+
+# ------------------------------------------------------------------ damaged prediction files
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
+    """A complete run of 8 frames of the tiny model, with its images (copy it to change it)."""
+    folder = tmp_path_factory.mktemp("finished")
+    video = write_video(folder / "clip.mp4", 8)
+    result = stream_recon(str(video), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(folder / "run"))
+    assert result.returncode == 0, result.stderr
+    return folder / "run"
+
+
+def damage(run_dir: Path, how: str) -> Path:
+    """Frame 3's npz replaced by one with a depth of the wrong shape, or one holding an array of Python objects."""
+    path = run_dir / "predictions" / "000003.npz"
+    with np.load(path) as data:
+        arrays = {key: data[key] for key in data.files}
+    arrays["depth"] = arrays["depth"][:10] if how == "depth of another shape" else np.array([None, 1], dtype=object)
+    np.savez(path, **arrays)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["depth of another shape", "an object array"])
+def test_a_damaged_prediction_file_is_named_and_skipped_by_every_export(tmp_path: Path, finished_run: Path,
+                                                                       how: str) -> None:
+    # `error: operands could not be broadcast together with shapes (112,140) (10,140)`, exit 2, no file named;
+    # numpy's "Object arrays cannot be loaded when allow_pickle=False"
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    damaged = damage(run_dir, how)
+    (run_dir / "trajectory_tum.txt").unlink()  # as a killed run's: `tum` reads the poses from the npz files
+    said = ("its depth has the shape 10x56, not 28x56 (its image_size is 28x56)" if how == "depth of another shape"
+            else "holds an array of Python objects, which is never loaded")
+    for fmt, name in [("ply", "p.ply"), ("glb", "s.glb"), ("colmap", "colmap"), ("nerfstudio", "ns"),
+                      ("splats", "g.ply")]:
+        result = stream_recon("export", str(run_dir), "-f", fmt, "-o", str(tmp_path / name))
+
+        assert result.returncode == 0, (fmt, result.stderr)
+        skipped = [line for line in warnings_of(result) if "skipping" in line]
+        assert len(skipped) == 1 and f"skipping frame 3: cannot read {damaged}: 000003.npz " in skipped[0], skipped
+        assert said in skipped[0] and "broadcast" not in result.stderr and "allow_pickle" not in result.stderr
+        assert (tmp_path / name).exists()
+    # the poses alone are whole: a trajectory read from the npz files keeps frame 3's
+    result = stream_recon("export", str(run_dir), "-f", "tum", "-o", str(tmp_path / "t.txt"))
+    assert lines_of(result) == [f"wrote 8 poses to {tmp_path / 't.txt'}"], lines_of(result)
+
+
+# ------------------------------------------------------------------ exports beside exports
+
+
+@pytest.mark.slow
+def test_a_file_export_is_never_written_into_another_exports_folder(tmp_path: Path, finished_run: Path) -> None:
+    # `export -f ply -o exp/col` wrote points.ply into the COLMAP export there, which `-f colmap --overwrite`
+    # then refused ("not empty ... choose a new or empty --output")
+    folder = tmp_path / "exp" / "col"
+    assert stream_recon("export", str(finished_run), "-f", "colmap", "-o", str(folder)).returncode == 0
+    before = sorted(path.relative_to(folder) for path in folder.rglob("*"))
+
+    result = stream_recon("export", str(finished_run), "-f", "ply", "-o", str(folder))
+
+    assert_one_error_line(result, f"{folder} holds a COLMAP export, which a PLY file is not written into; name the "
+                                  f"file (-o {folder}.ply)")
+    assert sorted(path.relative_to(folder) for path in folder.rglob("*")) == before
+    replaced = stream_recon("export", str(finished_run), "-f", "colmap", "-o", str(folder), "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+
+
+# ------------------------------------------------------------------ a run killed before its first frame
+
+
+@pytest.mark.slow
+def test_an_export_of_a_run_killed_before_its_first_frame_says_it_has_no_frames(tmp_path: Path,
+                                                                               tiny_checkpoint: Path) -> None:
+    # after kill -9 before any frame, `export` said "trajectory_tum.txt holds no poses"
+    run_dir = tmp_path / "run"
+    with mjpeg_server(num_frames=21, stall_after=20) as camera:  # fewer frames than the scale frames: no prediction
+        child = subprocess.Popen(command(camera, "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "--scale-frames",
+                                         "40", "-o", str(run_dir)), env=environment(), stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)
+        try:
+            wait_until(lambda: (run_dir / "run.json").exists(), 90, process=child, what="run.json")
+            child.kill()
+            child.wait(timeout=60)
+        finally:
+            if child.poll() is None:
+                child.kill()
+    for fmt in ("tum", "ply"):
+        result = stream_recon("export", str(run_dir), "-f", fmt, "-o", str(tmp_path / f"out.{fmt}"))
+
+        assert result.returncode == EXIT_BAD_INPUT, result.stderr
+        assert lines_of(result)[-1] == (f"error: {run_dir} has no frames: its run (interrupted) ended before its first "
+                                        "frame was written, so there is nothing to export"), lines_of(result)

@@ -286,9 +286,11 @@ def takes_run_options(*fields: str) -> Callable[[Callable[..., None]], Callable[
 
 
 class EngineLog(logging.Handler):
-    """The library's log on a command's console. On a terminal, rich's layout (level, then the message
-    wrapped beside it); elsewhere (a log file, a pipe) one line per record as long as the record, because
-    rich lays a record out at the console's width, 80 columns when it is no terminal, wrapped and padded."""
+    """The library's log on a command's console. A warning is one line `warning: ...`, as the commands' own
+    warnings are printed; the INFO records `--verbose` shows (chunk rollovers, the next chunk ahead) are laid out
+    by rich on a terminal (level, then the message wrapped beside it), elsewhere (a log file, a pipe) one line
+    per record as long as the record, because rich lays a record out at the console's width, 80 columns when it
+    is no terminal, wrapped and padded."""
 
     def __init__(self, console: Console) -> None:
 
@@ -297,21 +299,24 @@ class EngineLog(logging.Handler):
         self.on_terminal = RichHandler(console=console, show_time=False, show_path=False, markup=False)
 
     def emit(self, record: logging.LogRecord) -> None:
-        if self.console.is_terminal:
-            self.on_terminal.emit(record)
-            return
         try:
-            self.console.out(f"{record.levelname:<8} {self.format(record)}", highlight=False)
+            if record.levelno >= logging.WARNING:
+                self.console.print(f"[yellow]warning:[/yellow] {escape(self.format(record))}", highlight=False)
+            elif self.console.is_terminal:
+                self.on_terminal.emit(record)
+            else:
+                self.console.out(f"{record.levelname:<8} {self.format(record)}", highlight=False)
         except Exception:  # noqa: BLE001 - logging's rule: a handler that fails reports it and the program goes on
             self.handleError(record)
 
 
 def show_engine_log(console: Console) -> None:
-    """Print the library's INFO messages (chunk rollovers, backend choice) above the progress line."""
+    """Print the library's warnings above the progress line, and its INFO messages (chunk rollovers, backend
+    choice) with --verbose: a run's own lines say what a user needs."""
     logger = logging.getLogger("stream_recon")
     if not any(isinstance(handler, EngineLog) for handler in logger.handlers):
         logger.addHandler(EngineLog(console))
-    logger.setLevel(logging.INFO)
+    logger.setLevel(logging.INFO if _verbose else logging.WARNING)
 
 
 _verbose = False

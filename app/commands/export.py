@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
-from stream_recon.app.commands._options import bad_input, error_console, user_errors
+from stream_recon.app.commands._options import bad_input, error_console, show_engine_log, user_errors
 from stream_recon.app.options import point_cloud_problems
 from stream_recon.app.outputs.export_formats import DEFAULT_MAX_SPLATS, ExportFormat
 
@@ -82,6 +83,7 @@ def export(
     from stream_recon.app.outputs.writers import close_abandoned_run
 
     console = error_console()
+    show_engine_log(console)  # a damaged file skipped, a voxel raised: `warning:` lines
     for problem in point_cloud_problems(conf_threshold, voxel_size):
         bad_input(console, problem)
     # a ValueError here is a damaged run directory read back, said in one sentence
@@ -112,11 +114,8 @@ def export(
     )
     if result.grey_points is not None:
         console.print(f"[yellow]warning:[/yellow] {result.grey_points}")
-    if result.num_points == 0:
-        console.print(
-            f"[yellow]warning:[/yellow] no pixel has depth confidence >= {result.conf_threshold:g}; "
-            "pass a lower --conf-threshold to get points"
-        )
+    if result.empty_reason is not None:  # as a run warns of an empty points.ply
+        console.print(f"[yellow]warning:[/yellow] the export holds no point: {escape(result.empty_reason)}")
 
 
 def _count(number: int, noun: str) -> str:

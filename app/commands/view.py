@@ -17,7 +17,13 @@ from typing import Annotated
 
 import typer
 
-from stream_recon.app.commands._options import RUN_OPTION_FLAGS, bad_input, error_console, user_errors
+from stream_recon.app.commands._options import (
+    RUN_OPTION_FLAGS,
+    bad_input,
+    error_console,
+    show_engine_log,
+    user_errors,
+)
 from stream_recon.app.options import SHOW_CHOICES, RunOptions, check_viewer_address
 from stream_recon.app.stopping import interrupted_exit_code, wait_for_stop_signal
 
@@ -46,6 +52,7 @@ def view(
     port = RunOptions.port if port is None else port
     show = RunOptions.show if show is None else show
     console = error_console()
+    show_engine_log(console)  # a damaged file skipped, a voxel raised: `warning:` lines
     with user_errors(console):
         if show not in SHOW_CHOICES:
             bad_input(console, f"--show must be one of {', '.join(SHOW_CHOICES)}, got {show!r}")

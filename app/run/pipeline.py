@@ -101,6 +101,7 @@ class RunSummary:
     viewer_closed_by: int | None = None  # the signal that closed a viewer kept serving after the run
     late_signal: int | None = None  # one that came once run.json was written: it stopped nothing (a batch stops)
     loop_closure_off: str | None = None  # why loop closure went off during the run, if it did
+    empty_cloud: str | None = None  # why points.ply holds no point, where it holds none
 
     @property
     def ended_by_signal(self) -> int | None:
@@ -500,6 +501,7 @@ class Run:
             end_reason=self.source.end_reason or ("stopped" if stop.requested else None),
             stop_signal=self.recorded_signal,
             loop_closure_off=next((sink.failure for sink in self.sinks if isinstance(sink, LoopClosureSink)), None),
+            empty_cloud=self.writer.empty_cloud(),
         )
 
     def close_sinks(self, status: RunStatus, error: str | None,
@@ -652,6 +654,8 @@ def _report(summary: RunSummary, console: Console) -> None:
     else:  # the reason on one line, as every error is given; what was kept below it
         console.print(f"[red]error:[/red] {escape(summary.error or 'the run failed')}")
         console.print(f"[red]failed[/red], kept {escape(line)}")
+    if summary.empty_cloud is not None:  # as `export` warns of an empty export
+        console.print(f"[yellow]warning:[/yellow] points.ply holds no point: {escape(summary.empty_cloud)}")
 
 
 def _rate(fps: float) -> str:
