@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -359,3 +361,110 @@ def test_an_export_of_a_run_killed_before_its_first_frame_says_it_has_no_frames(
         assert result.returncode == EXIT_BAD_INPUT, result.stderr
         assert lines_of(result)[-1] == (f"error: {run_dir} has no frames: its run (interrupted) ended before its first "
                                         "frame was written, so there is nothing to export"), lines_of(result)
+
+
+# ------------------------------------------------------------------ a stop, said
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loaded", ["cv2", "libtorch_cpu"])
+def test_a_run_stopped_in_its_first_seconds_says_so(tmp_path: Path, tiny_checkpoint: Path, loaded: str) -> None:
+    # Ctrl-C in a run's first ~2 s (OpenCV's or torch's import) ended it silently, exit 130; at 3 s it said
+    # "interrupted before the first frame"
+    video = write_video(tmp_path / "clip.mp4", 4)
+    child = subprocess.Popen(command(str(video), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o",
+                                     str(tmp_path / "run")), env=environment(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        maps = Path(f"/proc/{child.pid}/maps")
+        wait_until(lambda: loaded in maps.read_text(), 90, process=child, what=f"{loaded} loaded")
+        child.send_signal(signal.SIGINT)
+        printed, _ = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+    assert child.returncode == 130, printed
+    said = [line for line in printed.splitlines() if line.startswith("interrupted")]
+    # (the folder is named once the command knows it: after OpenCV's import)
+    assert said in (["interrupted before the first frame: nothing was written"],
+                    [f"interrupted before the first frame: nothing was written to {tmp_path / 'run'}"]), printed
+    assert "Traceback" not in printed and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_an_export_or_a_conversion_stopped_says_what_it_left(tmp_path: Path, finished_run: Path,
+                                                            tiny_checkpoint: Path) -> None:
+    # an interrupted `export` or `convert` printed nothing: the exit code alone
+    def stopped(fault: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(command(*args), capture_output=True, text=True, timeout=120,
+                              env=environment(PYTHONPATH=str(FAULTS), STREAM_RECON_TEST_FAULT=fault))
+
+    export = stopped("stream_recon.app.outputs.export:write_png:term:2", "export", str(finished_run), "-f", "colmap",
+                     "-o", str(tmp_path / "colmap"))
+    assert export.returncode == 143 and lines_of(export)[-1] == (
+        f"interrupted: nothing of the export was kept at {tmp_path / 'colmap'}"), lines_of(export)
+    assert not (tmp_path / "colmap").exists()
+
+    converted = stopped("stream_recon.models.checkpoint:convert_to_safetensors:term:1", "convert",
+                        str(tiny_checkpoint.with_name("tiny.pt")), str(tmp_path / "tiny.safetensors"))
+    assert converted.returncode == 143 and lines_of(converted)[-1] == (
+        f"interrupted: nothing was written to {tmp_path / 'tiny.safetensors'}"), lines_of(converted)
+    assert "Traceback" not in export.stderr + converted.stderr
+
+
+# ------------------------------------------------------------------ what the lines say
+
+
+@pytest.mark.slow
+def test_the_progress_counts_the_runs_keyframes_across_chunks(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    # the keyframes began again from 0 at each chunk ("20/20 frames ... 0 keyframes"), and a `chunk rollover`
+    # INFO line came without --verbose
+    video = write_video(tmp_path / "clip.mp4", 20)
+    result = subprocess.run(command(str(video), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "--chunk-frames",
+                                    "6", "--overlap", "2", "-o", str(tmp_path / "run")), capture_output=True,
+                            text=True, timeout=120, env=environment(STREAM_RECON_PROGRESS_INTERVAL="0.02"))
+
+    assert result.returncode == 0, result.stderr
+    counts = [int(count) for count in re.findall(r"progress: .*?, (\d+) keyframes, ", result.stderr)]
+    assert len(counts) >= 3 and counts == sorted(counts) and counts[-1] > 6, result.stderr
+    assert "chunk 3" in result.stderr and "INFO" not in result.stderr and "rollover" not in result.stderr
+
+
+def test_a_chunk_too_short_for_the_default_overlap_says_it_is_the_default(tmp_path: Path) -> None:
+    # `--chunk-frames 9`: "--overlap must be ... (8), got 16", which the user never typed
+    video = write_video(tmp_path / "clip.mp4", 2)
+    result = subprocess.run(command(str(video), "--chunk-frames", "9", "--no-viewer", "-o", str(tmp_path / "run")),
+                            capture_output=True, text=True, timeout=120, env=environment())
+    assert_one_error_line(result, "--overlap must be between 1 and --chunk-frames - 1 (8), got 16, its default: "
+                                  "with --chunk-frames 9 give a smaller --overlap too")
+
+
+@pytest.mark.slow
+def test_info_says_whether_the_sky_network_runs_here(tmp_path: Path) -> None:
+    # `info` said nothing of onnxruntime or skyseg.onnx
+    missing = tmp_path / "without" / "onnxruntime"
+    missing.mkdir(parents=True)
+    (missing / "__init__.py").write_text('raise ModuleNotFoundError("No module named \'onnxruntime\'", '
+                                         'name="onnxruntime")\n')
+    shown = subprocess.run(command("info"), capture_output=True, text=True, timeout=120,
+                           env=environment(PYTHONPATH=str(missing.parent),
+                                           STREAM_RECON_CHECKPOINTS=str(tmp_path / "checkpoints")))
+    report = json.loads(subprocess.run(command("info", "--json"), capture_output=True, text=True, timeout=120,
+                                       env=environment(STREAM_RECON_CHECKPOINTS=str(tmp_path))).stdout)
+
+    assert shown.returncode == 0, shown.stderr
+    said = " ".join(shown.stdout.split())
+    assert "Sky masking (--mask-sky): not ready: onnxruntime is not installed here: run `" in said
+    assert f"skyseg.onnx is not on this machine (`stream-recon download skyseg`, or put it in {tmp_path}" in said
+    assert report["sky_masking"] == {"available": False, "onnxruntime": None, "skyseg": None, "folder": str(tmp_path)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command_name", ["run", "export", "batch"])
+def test_help_shows_no_type_beside_a_flag_and_the_formats_whole(command_name: str) -> None:
+    # `<bool>` beside every flag; `<ply|glb|colmap|tum|ne rfstudio|splats>` broken mid-word in its column
+    shown = help_text(command_name)
+    assert "<bool>" not in shown and "--help -h Show this message" in shown
+    if command_name == "export":
+        assert "FORMAT What to write: ply, glb, colmap, tum, nerfstudio, splats." in shown

@@ -416,3 +416,15 @@ def user_errors(console: Console | None = None, *more: type[Exception]) -> Itera
     except (SourceError, OutputDirError, OutputPathError, RunDirError, TumFileError, CheckpointError, FrameError,
             PresetError, OptionsError, *more) as error:
         bad_input(console, str(error))
+
+
+@contextlib.contextmanager
+def stop_said(console: Console, outcome: str) -> Iterator[None]:
+    """A stop signal (Ctrl-C, SIGTERM) that ends a command's work said in one line, with what it left: the
+    stop's own `outcome` where it carries one (an export's), else `outcome`; the process then exits by it."""
+    try:
+        yield
+    except KeyboardInterrupt as stop:
+        with interrupts_held():
+            console.print(f"[yellow]interrupted[/yellow]: {escape(getattr(stop, 'outcome', outcome))}")
+        raise

@@ -162,7 +162,7 @@ def summary_table(rows: list[dict], title: str) -> Table:
         table.add_column(column, justify=justify)
     if any(len(row.get("error") or "") > ERROR_CELL_CHARS for row in rows):
         table.caption = "errors in full: printed as each sequence ended, and in summary.json"
-    colours = {"ok": "green", "skipped": "cyan", "failed": "red"}
+    colours = {"ok": "green", "skipped": "cyan", "failed": "red", "interrupted": "yellow"}
     for row in rows:
         evaluated = row.get("ate_rmse") is not None
         table.add_row(

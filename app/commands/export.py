@@ -24,7 +24,13 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from stream_recon.app.commands._options import bad_input, error_console, show_engine_log, user_errors
+from stream_recon.app.commands._options import (
+    bad_input,
+    error_console,
+    show_engine_log,
+    stop_said,
+    user_errors,
+)
 from stream_recon.app.options import point_cloud_problems
 from stream_recon.app.outputs.export_formats import DEFAULT_MAX_SPLATS, ExportFormat
 
@@ -32,7 +38,8 @@ from stream_recon.app.outputs.export_formats import DEFAULT_MAX_SPLATS, ExportFo
 def export(
     run_dir: Annotated[Path, typer.Argument(help="Run directory written by `stream-recon run`.")],
     format: Annotated[
-        ExportFormat, typer.Option("--format", "-f", case_sensitive=False, help="What to write.")
+        ExportFormat, typer.Option("--format", "-f", case_sensitive=False, metavar="FORMAT",
+                                   help=f"What to write: {', '.join(fmt.value for fmt in ExportFormat)}.")
     ],
     output: Annotated[
         Optional[Path],
@@ -87,7 +94,7 @@ def export(
     for problem in point_cloud_problems(conf_threshold, voxel_size):
         bad_input(console, problem)
     # a ValueError here is a damaged run directory read back, said in one sentence
-    with user_errors(console, ExportError, ValueError):
+    with user_errors(console, ExportError, ValueError), stop_said(console, "nothing was exported"):
         check_run_dir(run_dir)
         closed = close_abandoned_run(run_dir)
         if closed is not None:

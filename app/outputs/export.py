@@ -89,6 +89,14 @@ class ExportError(ValueError):
     """An export cannot be written where it was asked to go, or not from what the run kept."""
 
 
+class ExportStopped(KeyboardInterrupt):
+    """A stop signal ended an export; `outcome`: what is left at its target (the command prints it)."""
+
+    def __init__(self, outcome: str) -> None:
+        super().__init__(outcome)
+        self.outcome = outcome
+
+
 @dataclass(frozen=True)
 class PixelScale:
     """How a model-input pixel maps into the image written beside a camera (the source frame at full
@@ -198,6 +206,8 @@ def export_run(
             target.discard()
         if isinstance(error, OSError):  # the folder could be made but not written (read-only, full, no permission)
             raise ExportError(_write_failure(target.path, error, target.replaces)) from None
+        if isinstance(error, KeyboardInterrupt):
+            raise ExportStopped(target.outcome_when_stopped()) from None
         raise
     finally:
         if images.source is not None:
@@ -418,6 +428,15 @@ class ExportTarget:
             )
         self._earlier = entries  # an earlier export of this format, replaced once the new one is complete
         return path
+
+    def outcome_when_stopped(self) -> str:
+        """What a stop left at the target, once discard() has run: the new export (complete, when the stop came
+        as it was swapped in), the earlier one, or nothing."""
+        if self._committed:
+            return f"the new export at {self.path} is complete (the stop came as it was put in place)"
+        if self.replaces:
+            return f"nothing of the new export was kept; the earlier export at {self.path} is as it was"
+        return f"nothing of the export was kept at {self.path}"
 
     def discard(self) -> None:
         """Remove what this export wrote (its hidden folder, or a new export's contents and file, the folders

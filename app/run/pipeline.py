@@ -480,7 +480,7 @@ class Run:
         stats = dict(self.engine.stats())
         stats.update(
             clock.rates(), frames_read=clock.frames_read, frames_done=clock.frames_done,
-            frames_dropped=source.frames_dropped,
+            frames_dropped=source.frames_dropped, keyframes=len(clock.keyframe_indices),
         )
         for pred in preds:
             for sink in self.sinks:
