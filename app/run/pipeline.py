@@ -635,6 +635,8 @@ def _serve_until_stopped(viewer: Any, console: Console) -> int:
 
 
 def _report(summary: RunSummary, console: Console) -> None:
+    if summary.empty_cloud is not None:  # as `export` warns of an empty export; the run's own line comes last
+        console.print(f"[yellow]warning:[/yellow] points.ply holds no point: {escape(summary.empty_cloud)}")
     line = (
         f"{plural(summary.frames, 'frame')} ({plural(summary.keyframes, 'keyframe')}) at "
         f"{_rate(summary.fps)} end to end, {_rate(summary.model_fps)} in the model -> {summary.output_dir}"
@@ -654,8 +656,6 @@ def _report(summary: RunSummary, console: Console) -> None:
     else:  # the reason on one line, as every error is given; what was kept below it
         console.print(f"[red]error:[/red] {escape(summary.error or 'the run failed')}")
         console.print(f"[red]failed[/red], kept {escape(line)}")
-    if summary.empty_cloud is not None:  # as `export` warns of an empty export
-        console.print(f"[yellow]warning:[/yellow] points.ply holds no point: {escape(summary.empty_cloud)}")
 
 
 def _rate(fps: float) -> str:
