@@ -10,17 +10,19 @@ a command name, so `main` inserts `run` when the first argument is not a command
 from __future__ import annotations
 
 import codecs
+import os
 import signal
 import sys
 import threading
 
 
 def _exit_interrupted(signum: int, frame: object) -> None:
+    os.write(2, b"interrupted while stream-recon started: nothing was done\n")  # (a handler: no buffered print)
     sys.exit(130)  # 128 + SIGINT, as app.stopping's PromptInterrupt exits later on
 
 
-# Ctrl-C while the CLI itself loads (typer, rich, numpy: a few hundred ms on a busy machine) exits 130
-# quietly, as a shell reports it, instead of printing a KeyboardInterrupt traceback; main() then hands
+# Ctrl-C while the CLI itself loads (typer, rich, numpy: a few hundred ms on a busy machine) exits 130, as a
+# shell reports it, with one line instead of a KeyboardInterrupt traceback; main() then hands
 # Ctrl-C to PromptInterrupt. Importing this module from elsewhere (tests) leaves the handler as it was.
 _handler_before_import = None
 if threading.current_thread() is threading.main_thread():
@@ -32,7 +34,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from stream_recon.app.commands import batch, convert, download, export, info, run, view
 from stream_recon.app.commands import eval as evaluation
@@ -50,9 +52,29 @@ if _handler_before_import is not None:
     signal.signal(signal.SIGINT, _handler_before_import)
 
 
+def _flags_shown_without_a_type(command: Any, context: Any) -> None:
+    """A flag (--viewer/--no-viewer, -h) takes no value: typer's help would show `<bool>` beside each."""
+    for parameter in command.get_params(context):
+        if getattr(parameter, "is_flag", False):
+            parameter.metavar = ""
+
+
+class HelpOfFlags(TyperCommand):
+    """A command whose help shows its flags without a value's type (_flags_shown_without_a_type)."""
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        _flags_shown_without_a_type(self, ctx)
+        super().format_help(ctx, formatter)
+
+
 class OneLineUsageErrors(TyperGroup):
     """Usage errors (an unknown option, a value of the wrong type, a missing argument) as every other
-    bad input is reported: one line `error: ...` and exit code 2, instead of typer's boxed panel."""
+    bad input is reported: one line `error: ...` and exit code 2, instead of typer's boxed panel. Its help
+    shows the root's flags without a type, as each command's (HelpOfFlags)."""
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        _flags_shown_without_a_type(self, ctx)
+        super().format_help(ctx, formatter)
 
     def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
@@ -111,7 +133,7 @@ def examples(module: ModuleType) -> str:
 
 def register(module: ModuleType, name: str, summary: str) -> None:
     """Add the command `name`, the function of that name in `module`, with its examples."""
-    app.command(name=name, help=summary, epilog=examples(module))(getattr(module, name))
+    app.command(name=name, help=summary, epilog=examples(module), cls=HelpOfFlags)(getattr(module, name))
 
 
 register(run, "run", "Reconstruct a video, image folder, webcam or stream (the default command).")
@@ -126,6 +148,7 @@ app.command(
     help="Score a run against ground truth: ATE and RPE as evo_ape / evo_rpe -as print them "
     "(-a with --alignment se3), pose AUC, depth.",
     epilog=examples(evaluation),
+    cls=HelpOfFlags,
 )(evaluation.eval_command)
 
 ROOT_OPTIONS = ("-h", "--help", "--version", "--verbose")

@@ -174,7 +174,7 @@ class RunOptions:
                 f"got {self.chunk_frames}"
             )
         elif not 1 <= self.overlap < self.chunk_frames:
-            yield f"--overlap must be between 1 and --chunk-frames - 1 ({self.chunk_frames - 1}), got {self.overlap}"
+            yield self._overlap_beyond_a_chunk()
         if self.image_width <= 0 or self.image_width % PATCH_SIZE:
             yield f"--image-width must be a positive multiple of {PATCH_SIZE}, got {self.image_width}"
         if self.flow_threshold is not None and not _positive(self.flow_threshold):
@@ -215,6 +215,15 @@ class RunOptions:
                     f"{why}; raise --chunk-frames (at most {MAX_CHUNK_FRAMES}) or lower --scale-frames")
         return (f"--scale-frames ({self.scale_frames}) must be less than --chunk-frames ({self.chunk_frames}): "
                 f"{why}; lower --scale-frames or raise --chunk-frames (at most {MAX_CHUNK_FRAMES})")
+
+    def _overlap_beyond_a_chunk(self) -> str:
+        """--overlap out of a chunk's range, said as the default it is when only --chunk-frames was typed
+        (`--chunk-frames 9` beside the default overlap of 16)."""
+        said = f"--overlap must be between 1 and --chunk-frames - 1 ({self.chunk_frames - 1}), got {self.overlap}"
+        if self.overlap == RunOptions.overlap and 1 < self.chunk_frames:
+            said += (f", its default: with --chunk-frames {self.chunk_frames} give a smaller --overlap too (say "
+                     f"--overlap {max(1, self.chunk_frames // 4)})")
+        return said
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ _HOMES = {
     "ModelConfig": "network.config",
     "StreamingEngine": "stream.engine",
     "CheckpointError": "errors",
+    "CheckpointUnavailable": "errors",
     "FrameError": "errors",
     "MemoryBudgetError": "errors",
     "GCTStream": "network.gct",

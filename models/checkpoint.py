@@ -30,16 +30,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from huggingface_hub import constants as hf_constants
-from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
+from huggingface_hub import hf_hub_download, hf_hub_url, try_to_load_from_cache
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .checkpoint_names import CHECKPOINT_SIZE, DEFAULT_CHECKPOINT, KNOWN_CHECKPOINTS
 from .daemon_pool import DaemonPool
-from .errors import CheckpointError
-from .hub_paths import CHECKPOINT_DIR_ENV, checkpoint_dir, hub_cache_dir, hub_endpoint, hub_offline
+from .errors import CheckpointError, CheckpointUnavailable
+from .hub_paths import (
+    CHECKPOINT_DIR_ENV,
+    checkpoint_dir,
+    hub_cache_dir,
+    hub_endpoint,
+    hub_offline,
+    hub_unreachable,
+)
 from .network.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -644,7 +650,7 @@ def download_checkpoint(name: str = DEFAULT_CHECKPOINT, on_start: Callable[[], N
     before an error that downloads nothing)."""
     filename = _known_filename(name)
     if hub_offline():
-        raise CheckpointError(
+        raise CheckpointUnavailable(
             f"cannot download {name!r}: Hugging Face offline mode is on (HF_HUB_OFFLINE); unset it if this "
             f"machine has network access. {_fetch_by_hand(name)}"
         )
@@ -655,7 +661,7 @@ def download_checkpoint(name: str = DEFAULT_CHECKPOINT, on_start: Callable[[], N
     try:
         return Path(hf_hub_download(HF_REPO_ID, filename, cache_dir=hub_cache_dir(), endpoint=endpoint))
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as error:
-        raise CheckpointError(_unreachable_message(name, endpoint, error)) from None
+        raise CheckpointUnavailable(_unreachable_message(name, endpoint, error)) from None
     except HfHubHTTPError as error:
         raise CheckpointError(
             f"downloading {name!r} from {HF_REPO_URL} failed: {error}. Try again later. {_fetch_by_hand(name)}"
@@ -669,18 +675,10 @@ def download_checkpoint(name: str = DEFAULT_CHECKPOINT, on_start: Callable[[], N
 
 
 def _check_hub_answers(name: str, endpoint: str) -> None:
-    """Ask the hub for the file's metadata once, without retries.
-
-    When a file is not cached, hf_hub_download retries a refused or timed-out connection with back-off
-    for about 25 s before it gives up; one request tells an unreachable hub apart at once.
-    """
-    url = hf_hub_url(HF_REPO_ID, KNOWN_CHECKPOINTS[name], endpoint=endpoint)
-    try:
-        get_hf_file_metadata(url, timeout=hf_constants.HF_HUB_ETAG_TIMEOUT)
-    except HfHubHTTPError:
-        return  # the hub answered: hf_hub_download reports what it said (not found, gated, busy)
-    except Exception as error:  # transport errors are requests' or httpx's, by huggingface_hub version
-        raise CheckpointError(_unreachable_message(name, endpoint, error)) from None
+    """One request to the hub before the download (hub_paths.hub_unreachable says why)."""
+    error = hub_unreachable(hf_hub_url(HF_REPO_ID, KNOWN_CHECKPOINTS[name], endpoint=endpoint))
+    if error is not None:
+        raise CheckpointUnavailable(_unreachable_message(name, endpoint, error))
 
 
 def _unreachable_message(name: str, endpoint: str, error: Exception) -> str:

@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 
 from huggingface_hub import constants as hf_constants
+from huggingface_hub import get_hf_file_metadata
+from huggingface_hub.errors import HfHubHTTPError
 
 CHECKPOINT_DIR_ENV = "STREAM_RECON_CHECKPOINTS"
 DEFAULT_CHECKPOINT_DIR = "~/.cache/stream-recon/checkpoints"
@@ -40,3 +42,19 @@ def hub_offline() -> bool:
 def hub_endpoint() -> str:
     """HF_ENDPOINT, read now (see hub_cache_dir), else huggingface_hub's default (https://huggingface.co)."""
     return (os.environ.get("HF_ENDPOINT") or hf_constants.ENDPOINT).rstrip("/")
+
+
+def hub_unreachable(url: str) -> Exception | None:
+    """Ask the hub for one file's metadata, once and without retries: the error when the hub cannot be reached,
+    None when it answered, whatever it said (not found, gated, busy: the download that follows reports that).
+
+    When a file is not cached, hf_hub_download retries a refused or timed-out connection with back-off for
+    about 25 s before it gives up, logging each retry; one request tells an unreachable hub apart at once.
+    """
+    try:
+        get_hf_file_metadata(url, timeout=hf_constants.HF_HUB_ETAG_TIMEOUT)
+    except HfHubHTTPError:
+        return None
+    except Exception as error:  # noqa: BLE001 - transport errors are requests' or httpx's, by huggingface_hub version
+        return error
+    return None

@@ -14,6 +14,7 @@ and `build_tiny_model()` where a plain function is needed (a Ray worker's loader
 
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 import cv2
@@ -78,6 +79,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                                              else len(LONGEST_FILES))
 
     items.sort(key=rank)  # (stable: the rest keep their order)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The skipped tests counted by reason, a line a reason: pytest's own list (`-rs`) has a line a test, ~45 of them
+    "needs a CUDA GPU" on a CPU machine, where the failures' lines matter (pyproject.toml's -r leaves skips out)."""
+    reasons = Counter(str(report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr)
+                      .removeprefix("Skipped: ") for report in terminalreporter.stats.get("skipped", []))
+    if reasons:
+        terminalreporter.write_sep("-", f"{sum(reasons.values())} skipped")
+        for reason, count in reasons.most_common():
+            terminalreporter.write_line(f"{count:4d}  {reason}")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -656,8 +656,8 @@ def test_download_command_without_the_hub_says_where_to_put_the_file(no_hub: str
 
     assert time.monotonic() - start < 10
     expected = "offline mode is on (HF_HUB_OFFLINE)" if no_hub == "offline mode" else "cannot be reached"
-    # the network, not what was typed: exit 1 (a run that failed), not 2 (bad input)
-    assert_user_error(result, "cannot download 'lingbot-map-long'", expected, code=EXIT_FAILED)
+    # nothing ran and nothing is left: exit 2, as a run that needs the checkpoint exits for the same cause
+    assert_user_error(result, "cannot download 'lingbot-map-long'", expected)
     assert "downloading" not in result.output  # nothing is, offline or unreachable
     assert_says_where_to_put_the_checkpoint(result.output, offline_hub)
 

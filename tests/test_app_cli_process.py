@@ -407,6 +407,11 @@ def test_an_output_that_is_a_dangling_link_is_said_to_be_one(tmp_path: Path) -> 
 # ------------------------------------------------------------------ warnings before a run
 
 
+# the tiny model's confidence stays under the default threshold: a run that keeps every pixel has points, and no
+# warning of an empty points.ply among the ones a test expects
+EVERY_PIXEL = ("--conf-threshold", "1")
+
+
 def warning_lines(result: subprocess.CompletedProcess) -> list[str]:
     return [line for line in lines_of(result) if line.startswith("warning: ")]
 
@@ -415,7 +420,8 @@ def test_frames_too_small_to_reconstruct_are_warned_of(tmp_path: Path, tiny_chec
     # a folder of 1x1 pictures was blown up to the model's input size without a word
     folder = write_image_folder(tmp_path / "dots", ["0.png", "1.png", "2.png"], width=1, height=1)
 
-    result = stream_recon(str(folder), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "-o", str(tmp_path / "run"))
+    result = stream_recon(str(folder), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, *EVERY_PIXEL,
+                          "-o", str(tmp_path / "run"))
 
     assert result.returncode == 0, result.stderr
     assert warning_lines(result) == [
@@ -431,7 +437,7 @@ def test_loop_closure_on_for_a_stream_too_short_for_a_third_chunk_is_warned_of(t
     folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png", "2.png"], width=160, height=96)
 
     result = stream_recon(str(folder), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "--loop-closure", "on",
-                          "--chunk-frames", "8", "--overlap", "2", "-o", str(tmp_path / "run"))
+                          "--chunk-frames", "8", "--overlap", "2", *EVERY_PIXEL, "-o", str(tmp_path / "run"))
 
     assert result.returncode == 0, result.stderr
     assert warning_lines(result) == [
@@ -447,7 +453,8 @@ def test_options_that_serve_a_gpu_say_once_on_the_cpu_that_they_do_nothing_there
     folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png", "2.png", "3.png"], width=160, height=96)
 
     result = stream_recon(str(folder), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "--device", "cpu",
-                          "--gpu-memory", "8GiB", "--compile", "on", "--warm-up", "on", "-o", str(tmp_path / "run"))
+                          "--gpu-memory", "8GiB", "--compile", "on", "--warm-up", "on", *EVERY_PIXEL,
+                          "-o", str(tmp_path / "run"))
 
     assert result.returncode == 0, result.stderr
     printed = lines_of(result)
@@ -465,7 +472,7 @@ def test_a_flow_threshold_without_flow_keyframes_is_warned_of(tmp_path: Path, ti
     folder = write_image_folder(tmp_path / "frames", ["0.png", "1.png", "2.png"], width=160, height=96)
 
     result = stream_recon(str(folder), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "--flow-threshold", "5",
-                          "-o", str(tmp_path / "run"))
+                          *EVERY_PIXEL, "-o", str(tmp_path / "run"))
 
     assert result.returncode == 0, result.stderr
     assert warning_lines(result) == ["warning: --flow-threshold 5 sets the flow keyframe policy's threshold and does "
@@ -575,7 +582,7 @@ def test_a_log_file_gets_one_line_per_record(tmp_path: Path, tiny_checkpoint: Pa
     log = tmp_path / "run.log"
     with log.open("w") as stderr:
         run = subprocess.run(command(str(video), "--checkpoint", str(tiny_checkpoint), *FAST_FLAGS, "--chunk-frames",
-                                     "6", "--overlap", "2", "-o", str(tmp_path / "run")),
+                                     "6", "--overlap", "2", "-o", str(tmp_path / "run"), "--verbose"),
                              stdout=subprocess.DEVNULL, stderr=stderr, timeout=120, env=environment())
 
     lines = log.read_text().splitlines()

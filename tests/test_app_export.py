@@ -340,7 +340,7 @@ def test_export_errors_are_specific(run, tmp_path):
     with pytest.raises(RunDirError, match="does not exist"):
         export_run(tmp_path / "missing", "ply")
     (tmp_path / "empty" / "predictions").mkdir(parents=True)
-    with pytest.raises(RunDirError, match="has no readable predictions"):
+    with pytest.raises(RunDirError, match="has no frames: its predictions/ holds no prediction file"):
         export_run(tmp_path / "empty", "ply")
     blocker = tmp_path / "file"
     blocker.write_text("x")

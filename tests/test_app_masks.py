@@ -18,7 +18,7 @@ from stream_recon.app.cli import app, with_default_command
 from stream_recon.app.options import RunOptions
 from stream_recon.app.outputs import sky as sky_module
 from stream_recon.app.outputs.export import export_run
-from stream_recon.app.outputs.masks import UserMasks
+from stream_recon.app.outputs.masks import MaskDirError, UserMasks
 from stream_recon.app.outputs.rundir import read_run
 from stream_recon.app.outputs.sky import SKYSEG_URL, SkyModelError, SkySegmenter
 from stream_recon.app.run.pipeline import run_sequence, sky_stream
@@ -107,7 +107,7 @@ def test_the_network_is_float16_on_the_gpu_alone(skyseg, monkeypatch):
 
 def test_a_float16_network_without_onnx_is_one_sentence_naming_the_install(skyseg, monkeypatch):
     monkeypatch.setitem(sys.modules, "onnx", None)  # import onnx raises ImportError
-    with pytest.raises(SkyModelError, match=r"float16, which needs onnx: pip install 'stream-recon\[sky\]'"):
+    with pytest.raises(SkyModelError, match=r"float16, which needs onnx: run `\S+/scripts/setup-env sky`"):
         SkySegmenter(skyseg, half_precision=True)
 
 
@@ -199,9 +199,14 @@ def test_user_masks_drop_their_zero_pixels(tmp_path, tiny_model):
     for record in read_run(run):
         dropped = record["sky_mask"]
         assert dropped[:, : dropped.shape[1] // 2 - 1].all() and not dropped[:, dropped.shape[1] // 2 + 1:].any()
-    named = UserMasks(masks)
-    (masks / "000004.png").write_bytes((masks / "m00.png").read_bytes())
-    assert UserMasks(masks).file_for(4).name == "000004.png" and named.file_for(4).name == "m04.png"
+    # masks named as frame indices are matched by name; any other name puts the folder in natural order
+    assert UserMasks(masks).file_for(4).name == "m04.png"
+    for index in range(6):
+        (masks / f"m{index:02d}.png").rename(masks / f"{5 - index:06d}.png")
+    assert UserMasks(masks).file_for(4).name == "000004.png"
+    (masks / "000004.png").unlink()
+    with pytest.raises(MaskDirError, match="has no mask for frame 4: its masks are named by frame index"):
+        UserMasks(masks).file_for(4)
 
 
 @pytest.mark.parametrize(
@@ -232,7 +237,7 @@ def test_download_skyseg_offline_names_the_url_and_the_folder(tmp_path, monkeypa
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     result = CliRunner().invoke(app, ["download", "skyseg"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # as a run with --mask-sky exits for the same cause
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: cannot download skyseg.onnx")
     assert SKYSEG_URL in lines[0] and str(tmp_path / "checkpoints") in lines[0]

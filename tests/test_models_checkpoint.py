@@ -24,6 +24,7 @@ from stream_recon.models import (
     ModelConfig,
     StreamConfig,
     StreamingEngine,
+    hub_paths,
     load_model,
     prepare_for_inference,
 )
@@ -582,7 +583,7 @@ def test_download_fills_the_hub_cache_where_resolve_finds_it(tmp_path, monkeypat
         return str(make_hub_cache(Path(cache_dir), filename, tiny_pt))
 
     probed = []
-    monkeypatch.setattr(ckpt, "get_hf_file_metadata", lambda url, timeout: probed.append(url))
+    monkeypatch.setattr(hub_paths, "get_hf_file_metadata", lambda url, timeout: probed.append(url))
     monkeypatch.setattr(ckpt, "hf_hub_download", fake_hf_hub_download)
     path = download_checkpoint("lingbot-map")
     assert calls == [(HF_REPO_ID, KNOWN_CHECKPOINTS["lingbot-map"], tmp_path / "hf-hub", "https://huggingface.co")]
@@ -610,7 +611,7 @@ def test_download_offline_touches_no_network_and_says_where_to_put_the_file(tmp_
         raise AssertionError("offline mode must not try the network")
 
     monkeypatch.setattr(ckpt, "hf_hub_download", must_not_run)
-    monkeypatch.setattr(ckpt, "get_hf_file_metadata", must_not_run)
+    monkeypatch.setattr(hub_paths, "get_hf_file_metadata", must_not_run)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(CheckpointError, match="offline mode is on") as error:
         download_checkpoint("lingbot-map")
@@ -621,7 +622,7 @@ def test_download_failing_after_the_hub_answered_says_where_to_put_the_file(tmp_
     def lost_connection(repo_id, filename, *, cache_dir, endpoint):
         raise LocalEntryNotFoundError("connection lost and no cached copy")
 
-    monkeypatch.setattr(ckpt, "get_hf_file_metadata", lambda url, timeout: None)
+    monkeypatch.setattr(hub_paths, "get_hf_file_metadata", lambda url, timeout: None)
     monkeypatch.setattr(ckpt, "hf_hub_download", lost_connection)
     with pytest.raises(CheckpointError, match="cannot be reached") as error:
         download_checkpoint("lingbot-map-long")

@@ -141,8 +141,9 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         "flow_threshold": "flow policy: mean flow in pixels that makes a keyframe.",
         "max_gap": "flow policy: most frames in a row without a keyframe.",
         "image_width": f"Model input width in pixels, a multiple of {PATCH_SIZE}.",
-        "camera_iterations": f"Refinement iterations of the camera head, 1 to {MAX_CAMERA_ITERATIONS}: fewer run faster "
-        "for a small pose error (the reference demo's --camera_num_iterations).",
+        "camera_iterations": "Refinement iterations of the camera head, 1 to the checkpoint's count (the released "
+        f"models': {MAX_CAMERA_ITERATIONS}): fewer run faster for a small pose error (the reference demo's "
+        "--camera_num_iterations).",
     },
     _SOURCE: {
         "fps": "Use at most this many frames per second of video (by timestamp). For an image folder: the rate "
@@ -161,11 +162,14 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         "conf_threshold": "Keep points with depth confidence at least this in points.ply.",
         "voxel_size": "Voxel size for points.ply, in model units (one too fine for the scene's grid, under about "
         "1/16000 of the first frame's median depth, is raised to it with a warning).",
+        # (a bracket is rich markup in help: the extra's is escaped)
         "mask_sky": "Leave the sky out of points.ply, the viewer and every export: the reference demo's sky network "
-        "(skyseg.onnx, fetched once with `stream-recon download skyseg`; needs onnxruntime: pip install "
-        "'stream-recon[sky]'), run beside the stream; each npz keeps its frame's mask (sky_mask).",
-        "mask_dir": "A folder of one mask image per frame (named as the frame's exported image, NNNNNN.png, or in "
-        "name order), 0 where a pixel is left out of every point: dynamic objects, say (nerfstudio's convention).",
+        "(skyseg.onnx, fetched once with `stream-recon download skyseg`), run with onnxruntime beside the stream "
+        "(its install: `scripts/setup-env sky` in a checkout, the \\[sky] extra of a wheel); each npz keeps its "
+        "frame's mask (sky_mask).",
+        "mask_dir": "A folder of one mask image per frame, 0 where a pixel is left out of every point (nerfstudio's "
+        "convention): dynamic objects, say. Named as the frames' exported images (NNNNNN.png, the frame index), "
+        "or in natural order; drawn on the frames as turned by --rotate, at their size or the model input's.",
         "overwrite": "Replace a run already in the output folder.",
         "save_depth": "Precision of depth and confidence in predictions/*.npz: float16 (half the bytes, relative "
         "error at most 0.05%) or float32 (the model's output exactly).",
@@ -200,7 +204,7 @@ _DEFAULT_WORDING: dict[str, str] = {
     "flow_threshold": _as_typed(FLOW_THRESHOLD),
     "max_gap": _as_typed(MAX_GAP),
     "voxel_size": "automatic",
-    "camera_iterations": f"{MAX_CAMERA_ITERATIONS}, all",
+    "camera_iterations": "all, the checkpoint's count",
     "overwrite": "no-overwrite; a run of the bundled sample replaces its earlier run in outputs/sample/",
     "keep_viewer": "keep-viewer on a terminal, else no-keep-viewer",
 }
@@ -282,9 +286,11 @@ def takes_run_options(*fields: str) -> Callable[[Callable[..., None]], Callable[
 
 
 class EngineLog(logging.Handler):
-    """The library's log on a command's console. On a terminal, rich's layout (level, then the message
-    wrapped beside it); elsewhere (a log file, a pipe) one line per record as long as the record, because
-    rich lays a record out at the console's width, 80 columns when it is no terminal, wrapped and padded."""
+    """The library's log on a command's console. A warning is one line `warning: ...`, as the commands' own
+    warnings are printed; the INFO records `--verbose` shows (chunk rollovers, the next chunk ahead) are laid out
+    by rich on a terminal (level, then the message wrapped beside it), elsewhere (a log file, a pipe) one line
+    per record as long as the record, because rich lays a record out at the console's width, 80 columns when it
+    is no terminal, wrapped and padded."""
 
     def __init__(self, console: Console) -> None:
 
@@ -293,21 +299,24 @@ class EngineLog(logging.Handler):
         self.on_terminal = RichHandler(console=console, show_time=False, show_path=False, markup=False)
 
     def emit(self, record: logging.LogRecord) -> None:
-        if self.console.is_terminal:
-            self.on_terminal.emit(record)
-            return
         try:
-            self.console.out(f"{record.levelname:<8} {self.format(record)}", highlight=False)
+            if record.levelno >= logging.WARNING:
+                self.console.print(f"[yellow]warning:[/yellow] {escape(self.format(record))}", highlight=False)
+            elif self.console.is_terminal:
+                self.on_terminal.emit(record)
+            else:
+                self.console.out(f"{record.levelname:<8} {self.format(record)}", highlight=False)
         except Exception:  # noqa: BLE001 - logging's rule: a handler that fails reports it and the program goes on
             self.handleError(record)
 
 
 def show_engine_log(console: Console) -> None:
-    """Print the library's INFO messages (chunk rollovers, backend choice) above the progress line."""
+    """Print the library's warnings above the progress line, and its INFO messages (chunk rollovers, backend
+    choice) with --verbose: a run's own lines say what a user needs."""
     logger = logging.getLogger("stream_recon")
     if not any(isinstance(handler, EngineLog) for handler in logger.handlers):
         logger.addHandler(EngineLog(console))
-    logger.setLevel(logging.INFO)
+    logger.setLevel(logging.INFO if _verbose else logging.WARNING)
 
 
 _verbose = False
@@ -317,8 +326,8 @@ def set_verbosity(verbose: bool) -> None:
     """--verbose (any command): the libraries' own messages on stderr and every line of an error's details.
 
     Without it, viser's banner, OpenCV's log (`[ WARN:0@0.1] global cap.cpp:212 ...`), FFmpeg's (`[mpeg4 @ 0x...] header
-    damaged`, `[tcp @ 0x...] Connection refused`), Ray's warnings (library_log_level) and Python warnings stay
-    quiet, so that a bad input is the one `error:` line. OpenCV reads its level when it loads and FFmpeg's at its first capture, both after
+    damaged`, `[tcp @ 0x...] Connection refused`), Ray's warnings (library_log_level), Hugging Face's retries and
+    Python warnings stay quiet, so that a bad input is the one `error:` line. OpenCV reads its level when it loads and FFmpeg's at its first capture, both after
     this (commands import them when they run); a level the user set in the environment is kept.
     """
     global _verbose
@@ -330,6 +339,9 @@ def set_verbosity(verbose: bool) -> None:
         # rich's shared console is what libraries print through (viser's banner box and its "Server stopped"
         # on stdout); stream-recon's own lines go through consoles of their own
         rich.reconfigure(quiet=True)
+        # huggingface_hub logs each retry of a request ("... thrown while requesting HEAD ... Retrying in 8s"): a
+        # download that fails ends in one error line of ours
+        logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
 
 
 def library_log_level() -> int:
@@ -404,3 +416,15 @@ def user_errors(console: Console | None = None, *more: type[Exception]) -> Itera
     except (SourceError, OutputDirError, OutputPathError, RunDirError, TumFileError, CheckpointError, FrameError,
             PresetError, OptionsError, *more) as error:
         bad_input(console, str(error))
+
+
+@contextlib.contextmanager
+def stop_said(console: Console, outcome: str) -> Iterator[None]:
+    """A stop signal (Ctrl-C, SIGTERM) that ends a command's work said in one line, with what it left: the
+    stop's own `outcome` where it carries one (an export's), else `outcome`; the process then exits by it."""
+    try:
+        yield
+    except KeyboardInterrupt as stop:
+        with interrupts_held():
+            console.print(f"[yellow]interrupted[/yellow]: {escape(getattr(stop, 'outcome', outcome))}")
+        raise

@@ -39,6 +39,7 @@ from stream_recon.app.commands._options import (
     given,
     import_held,
     library_log_level,
+    show_engine_log,
     takes_run_options,
     user_errors,
 )
@@ -110,6 +111,7 @@ def batch(
     from stream_recon.app.run.presets import build_options
 
     console = error_console()
+    show_engine_log(console)  # a damaged file skipped, a voxel raised: `warning:` lines
     check_alignment(console, alignment)
     if gpus_per_task < 0:
         bad_input(console, f"--gpus-per-task must be >= 0, not {gpus_per_task}")
@@ -160,7 +162,7 @@ def summary_table(rows: list[dict], title: str) -> Table:
         table.add_column(column, justify=justify)
     if any(len(row.get("error") or "") > ERROR_CELL_CHARS for row in rows):
         table.caption = "errors in full: printed as each sequence ended, and in summary.json"
-    colours = {"ok": "green", "skipped": "cyan", "failed": "red"}
+    colours = {"ok": "green", "skipped": "cyan", "failed": "red", "interrupted": "yellow"}
     for row in rows:
         evaluated = row.get("ate_rmse") is not None
         table.add_row(

@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from stream_recon.app.commands._options import bad_input, error_console, user_errors
+from stream_recon.app.commands._options import bad_input, error_console, stop_said, user_errors
 from stream_recon.models import CheckpointError
 
 
@@ -34,7 +34,9 @@ def convert(
     from stream_recon.app.run.loading import checkpoint_advice
     from stream_recon.models.checkpoint import convert_to_safetensors  # torch: only once there is work
 
-    with user_errors(console), console.status(f"converting {source}"):
+    kept = f"; the earlier {destination} is as it was" if destination.exists() else ""
+    with user_errors(console), stop_said(console, f"nothing was written to {destination}{kept}"), \
+            console.status(f"converting {source}"):
         try:
             written = convert_to_safetensors(source, destination)
         except CheckpointError as error:

@@ -22,8 +22,15 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
-from stream_recon.app.commands._options import bad_input, error_console, user_errors
+from stream_recon.app.commands._options import (
+    bad_input,
+    error_console,
+    show_engine_log,
+    stop_said,
+    user_errors,
+)
 from stream_recon.app.options import point_cloud_problems
 from stream_recon.app.outputs.export_formats import DEFAULT_MAX_SPLATS, ExportFormat
 
@@ -31,7 +38,8 @@ from stream_recon.app.outputs.export_formats import DEFAULT_MAX_SPLATS, ExportFo
 def export(
     run_dir: Annotated[Path, typer.Argument(help="Run directory written by `stream-recon run`.")],
     format: Annotated[
-        ExportFormat, typer.Option("--format", "-f", case_sensitive=False, help="What to write.")
+        ExportFormat, typer.Option("--format", "-f", case_sensitive=False, metavar="FORMAT",
+                                   help=f"What to write: {', '.join(fmt.value for fmt in ExportFormat)}.")
     ],
     output: Annotated[
         Optional[Path],
@@ -82,10 +90,11 @@ def export(
     from stream_recon.app.outputs.writers import close_abandoned_run
 
     console = error_console()
+    show_engine_log(console)  # a damaged file skipped, a voxel raised: `warning:` lines
     for problem in point_cloud_problems(conf_threshold, voxel_size):
         bad_input(console, problem)
     # a ValueError here is a damaged run directory read back, said in one sentence
-    with user_errors(console, ExportError, ValueError):
+    with user_errors(console, ExportError, ValueError), stop_said(console, "nothing was exported"):
         check_run_dir(run_dir)
         closed = close_abandoned_run(run_dir)
         if closed is not None:
@@ -112,11 +121,8 @@ def export(
     )
     if result.grey_points is not None:
         console.print(f"[yellow]warning:[/yellow] {result.grey_points}")
-    if result.num_points == 0:
-        console.print(
-            f"[yellow]warning:[/yellow] no pixel has depth confidence >= {result.conf_threshold:g}; "
-            "pass a lower --conf-threshold to get points"
-        )
+    if result.empty_reason is not None:  # as a run warns of an empty points.ply
+        console.print(f"[yellow]warning:[/yellow] the export holds no point: {escape(result.empty_reason)}")
 
 
 def _count(number: int, noun: str) -> str:

@@ -1,5 +1,5 @@
-"""Show what this installation can do: versions, CUDA and GPUs, attention backends, loop closure, checkpoint
-locations.
+"""Show what this installation can do: versions, CUDA and GPUs, attention backends, loop closure, the sky
+network of --mask-sky, checkpoint locations.
 
 Examples:
 
@@ -25,13 +25,14 @@ from stream_recon.app.commands._options import output_console
 from stream_recon.app.run.loops import pose_graph_library_problem
 
 _PACKAGES = ("stream-recon", "torch", "numpy", "opencv-python-headless", "pillow", "typer", "rich", "viser",
-             "safetensors", "huggingface_hub", "gtsam", "flashinfer-python")
+             "safetensors", "huggingface_hub", "gtsam", "flashinfer-python", "onnxruntime", "onnxruntime-gpu")
 
 
 def info(
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")] = False,
 ) -> None:
-    """Versions, CUDA/GPU, attention backends, whether loop closure runs, and where checkpoints are looked up."""
+    """Versions, CUDA/GPU, attention backends, whether loop closure and sky masking run, where checkpoints are
+    looked up."""
     report = collect_info()
     if as_json:
         typer.echo(json.dumps(report, indent=2))
@@ -40,13 +41,17 @@ def info(
 
 
 def collect_info() -> dict[str, Any]:
+    # torch: for `info` itself, never for -h
+    import torch
+
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
         "packages": {name: _version(name) for name in _PACKAGES},
-        "cuda": _cuda_info(),
-        "attention_backends": _attention_backends(),
+        "cuda": _cuda_info(torch),
+        "attention_backends": _attention_backends(torch),
         "loop_closure": _loop_closure_info(),
+        "sky_masking": _sky_info(),
         "checkpoints": _checkpoint_info(),
     }
 
@@ -58,10 +63,7 @@ def _version(distribution: str) -> str | None:
         return None
 
 
-def _cuda_info() -> dict[str, Any]:
-    # torch: for `info` itself, never for -h
-    import torch
-
+def _cuda_info(torch: Any) -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"available": False, "torch_cuda": torch.version.cuda, "devices": []}
     devices = []
@@ -76,12 +78,9 @@ def _cuda_info() -> dict[str, Any]:
     return {"available": True, "torch_cuda": torch.version.cuda, "devices": devices}
 
 
-def _attention_backends() -> dict[str, str]:
+def _attention_backends(torch: Any) -> dict[str, str]:
     """Every row of the backend table, available here or why not: on this machine's GPU in bf16
     when it has one (the default run), else on the CPU in float32."""
-    # torch: for `info` itself, never for -h
-    import torch
-
     # the backend table loads torch too: for `info` itself, never for -h
     from stream_recon.models.attention_backends import auto_summary, backend_statuses, resolve_backend
 
@@ -99,6 +98,22 @@ def _loop_closure_info() -> dict[str, Any]:
 
     problem = pose_graph_library_problem()
     return {"available": problem is None, "problem": None if problem is None else str(problem)}
+
+
+def _sky_info() -> dict[str, Any]:
+    """Whether --mask-sky runs here: onnxruntime imports, and skyseg.onnx is on this machine (app.outputs.sky)."""
+    # OpenCV and onnxruntime: for `info` itself, never for -h
+    from stream_recon.app.outputs.sky import (
+        locate_skyseg,
+        onnxruntime_problem,
+        sky_extra_advice,
+        skyseg_folder,
+    )
+
+    problem, found = onnxruntime_problem(), locate_skyseg()
+    return {"available": problem is None and found is not None,
+            "onnxruntime": None if problem is None else f"onnxruntime {problem}: {sky_extra_advice()}",
+            "skyseg": None if found is None else str(found), "folder": str(skyseg_folder())}
 
 
 def _checkpoint_info() -> dict[str, Any]:
@@ -156,6 +171,13 @@ def _print_report(report: dict[str, Any], console: Console) -> None:
     else:
         console.print(f"Loop closure: [yellow]not available[/yellow] ({escape(loops['problem'])}), runs go on without "
                       "it: pip install gtsam (one that does not import: pip install --force-reinstall gtsam)")
+
+    sky = report["sky_masking"]
+    runtime = "onnxruntime imports" if sky["onnxruntime"] is None else sky["onnxruntime"]
+    network = (f"skyseg.onnx at {sky['skyseg']}" if sky["skyseg"] else "skyseg.onnx is not on this machine (`stream-"
+               f"recon download skyseg`, or put it in {sky['folder']}; a run fetches it where the hub answers)")
+    state = "[green]available[/green]" if sky["available"] else "[yellow]not ready[/yellow]"
+    console.print(f"Sky masking (--mask-sky): {state}: {escape(runtime)}; {escape(network)}")
 
     checkpoints = report["checkpoints"]
     offline = ", offline mode" if checkpoints["offline"] else ""

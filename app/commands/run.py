@@ -70,38 +70,48 @@ def run(
     overrides: dict[str, Any],
 ) -> None:
     """Reconstruct SOURCE frame by frame: poses and depth on disk as they come, live in the browser."""
-    # yaml and OpenCV load with these: when the command runs, never for -h
-    from stream_recon.app.run.presets import build_options
-    from stream_recon.app.sources.opening import check_source, source_name
-
     console = error_console()
     show_engine_log(console)
-    with user_errors(console):
-        is_sample = source is None
-        if is_sample:
-            source = str(SAMPLE_DIR)
-        output_dir = output if output is not None else DEFAULT_OUTPUT_ROOT / source_name(source)
-        defaults = {"keep_viewer": on_a_terminal()}
-        if is_sample:
-            defaults["overwrite"] = output is None and holds_sample_run(output_dir)
-        options = build_options(config, overrides, defaults)
-        # a mistyped path or a file that is no video is said before torch's 2-5 s import (the pipeline's); the
-        # source is opened there, once
-        check_source(source)
-        run_sequence = import_held("stream_recon.app.run.pipeline").run_sequence
-        if is_sample:
-            announce_sample(output_dir, options, console)
-        try:
-            summary = run_sequence(source, output_dir, options, console=console)
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM before the stream began (PromptInterrupt): said, not silent
-            with interrupts_held():
-                console.print(f"[yellow]interrupted[/yellow] before the first frame: nothing was written to "
-                              f"{output_dir}")
-            raise
+    output_dir: list[Path] = []  # where the run goes, once known
+    try:
+        summary = _reconstruct(source, output, config, overrides, console, output_dir)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM before the stream began, from the command's first import on
+        with interrupts_held():
+            where = f" to {output_dir[0]}" if output_dir else ""
+            console.print(f"[yellow]interrupted[/yellow] before the first frame: nothing was written{where}")
+        raise
     if summary.status == "failed":
         raise typer.Exit(code=EXIT_FAILED)
     if summary.ended_by_signal is not None:  # stopped, or its viewer closed, by Ctrl-C or SIGTERM
         raise typer.Exit(code=interrupted_exit_code(summary.ended_by_signal))
+
+
+def _reconstruct(source: str | None, output: Path | None, config: str | None, overrides: dict[str, Any],
+                 console: Console, output_dir: list[Path]) -> Any:
+    """The run's checks, before torch is imported, then the run; its RunSummary. `output_dir` gets the run's
+    folder as soon as it is known."""
+    # yaml, OpenCV and onnxruntime load with these: when the command runs, never for -h
+    from stream_recon.app.outputs.masks import check_frame_masks
+    from stream_recon.app.run.presets import build_options
+    from stream_recon.app.sources.opening import check_source, source_name
+
+    with user_errors(console):
+        is_sample = source is None
+        if is_sample:
+            source = str(SAMPLE_DIR)
+        output_dir.append(output if output is not None else DEFAULT_OUTPUT_ROOT / source_name(source))
+        defaults = {"keep_viewer": on_a_terminal()}
+        if is_sample:
+            defaults["overwrite"] = output is None and holds_sample_run(output_dir[0])
+        options = build_options(config, overrides, defaults)
+        # a mistyped path or a file that is no video is said before torch's 2-5 s import (the pipeline's); the
+        # source is opened there, once (a file source twice with --mask-dir: its length and size for the masks)
+        check_source(source)
+        check_frame_masks(source, options)
+        run_sequence = import_held("stream_recon.app.run.pipeline").run_sequence
+        if is_sample:
+            announce_sample(output_dir[0], options, console)
+        return run_sequence(source, output_dir[0], options, console=console)
 
 
 def on_a_terminal() -> bool:

@@ -17,8 +17,14 @@ from typing import Annotated
 
 import typer
 
-from stream_recon.app.commands._options import RUN_OPTION_FLAGS, bad_input, error_console, user_errors
-from stream_recon.app.options import SHOW_CHOICES, OptionsError, RunOptions, check_viewer_address
+from stream_recon.app.commands._options import (
+    RUN_OPTION_FLAGS,
+    bad_input,
+    error_console,
+    show_engine_log,
+    user_errors,
+)
+from stream_recon.app.options import SHOW_CHOICES, RunOptions, check_viewer_address
 from stream_recon.app.stopping import interrupted_exit_code, wait_for_stop_signal
 
 # run's --host and --port: the same help, defaults and checks
@@ -46,6 +52,7 @@ def view(
     port = RunOptions.port if port is None else port
     show = RunOptions.show if show is None else show
     console = error_console()
+    show_engine_log(console)  # a damaged file skipped, a voxel raised: `warning:` lines
     with user_errors(console):
         if show not in SHOW_CHOICES:
             bad_input(console, f"--show must be one of {', '.join(SHOW_CHOICES)}, got {show!r}")
@@ -72,10 +79,6 @@ def sky_masker(mask_sky: bool):
     if not mask_sky:
         return None
     # OpenCV (onnxruntime for the sky): only when a replay masks its frames
-    from stream_recon.app.outputs.masks import FrameMasker
-    from stream_recon.app.outputs.sky import SkyModelError, SkySegmenter, skyseg_path
+    from stream_recon.app.outputs.masks import sky_masker as masker_of_the_sky
 
-    try:
-        return FrameMasker(SkySegmenter(skyseg_path(download=True)), None, RunOptions.image_width)
-    except SkyModelError as error:
-        raise OptionsError(str(error)) from None
+    return masker_of_the_sky(RunOptions.image_width)

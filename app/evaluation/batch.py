@@ -129,7 +129,7 @@ class SequenceStopped(KeyboardInterrupt):
         self.signum = signum
 
 
-INTERRUPTED_ERROR = "interrupted (Ctrl-C or SIGTERM); run the batch again to redo this sequence"
+INTERRUPTED_ERROR = "stopped by a signal (Ctrl-C, SIGTERM); run the batch again to redo this sequence"
 
 
 @dataclass(frozen=True)
@@ -245,8 +245,8 @@ class SequenceWorker:
         row.update(frames=summary.frames, keyframes=summary.keyframes, fps=finite_or_none(summary.fps))
         # a signal that came after the last frame leaves a complete run: recorded as done, then the batch stops
         self.stop_signal = summary.stop_signal or summary.late_signal
-        if summary.status == "interrupted":
-            row.update(status="failed", error=INTERRUPTED_ERROR, seconds=time.monotonic() - started)
+        if summary.status == "interrupted":  # not failed: stopped, and redone by the next batch as a failed one is
+            row.update(status="interrupted", error=INTERRUPTED_ERROR, seconds=time.monotonic() - started)
             return row
         if summary.status != "complete":
             row.update(status="failed", error=summary.error or f"run ended {summary.status}")

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import cv2
 import numpy as np
 
-from stream_recon.app.outputs.export_formats import ExportFormat
+from stream_recon.app.outputs.export_formats import ExportFormat, folder_export_in
 from stream_recon.app.outputs.pointcloud import (
     DEFAULT_CONF_THRESHOLD,
     DEFAULT_MAX_POINTS,
@@ -46,6 +46,7 @@ from stream_recon.app.outputs.pointcloud import (
 )
 from stream_recon.app.outputs.rundir import (
     EXPORTS_DIR,
+    PREDICTIONS_DIR,
     OutputPathError,
     RunDirError,
     atomic_write,
@@ -54,6 +55,7 @@ from stream_recon.app.outputs.rundir import (
     is_staging,
     iter_run,
     outermost_missing,
+    prediction_files,
     read_run_info,
     remove_if_empty,
     remove_stale_staging,
@@ -63,7 +65,7 @@ from stream_recon.app.outputs.rundir import (
     swap_in_staged,
     write_tum,
 )
-from stream_recon.app.outputs.sky import SkyModelError, SkySegmenter, skyseg_path
+from stream_recon.app.outputs.sky import SkyModelError, SkySegmenter, sky_network_path
 from stream_recon.app.outputs.splats import GaussianSplats, frame_splats, write_splat_ply
 from stream_recon.app.sources.input_size import model_input_size, resized_size
 from stream_recon.app.sources.opening import open_source
@@ -85,6 +87,14 @@ FRUSTUM_DEPTH_FRACTION = 0.1
 
 class ExportError(ValueError):
     """An export cannot be written where it was asked to go, or not from what the run kept."""
+
+
+class ExportStopped(KeyboardInterrupt):
+    """A stop signal ended an export; `outcome`: what is left at its target (the command prints it)."""
+
+    def __init__(self, outcome: str) -> None:
+        super().__init__(outcome)
+        self.outcome = outcome
 
 
 @dataclass(frozen=True)
@@ -134,6 +144,7 @@ class ExportResult:
     conf_threshold: float
     voxel_size: float | None  # what the cloud ended with (it doubles when max_points is reached)
     grey_points: str | None = None  # why the points have no colours (no image was saved or can be read back)
+    empty_reason: str | None = None  # why a points format's export holds no point (PointAccumulator.empty_reason)
 
 
 @dataclass(frozen=True)
@@ -167,6 +178,10 @@ def export_run(
     run_dir = Path(run_dir)
     check_run_dir(run_dir)  # before anything is created under it
     info = read_run_info(run_dir)
+    if not prediction_files(run_dir):  # a run stopped (or killed) before its first frame: nothing to export
+        how = (f"its run ({info['status']}) ended before its first frame was written" if info.get("status")
+               else f"its {PREDICTIONS_DIR}/ holds no prediction file")
+        raise RunDirError(f"{run_dir} has no frames: {how}, so there is nothing to export")
     recorded = info.get("summary", {}).get("points", {})
     conf_threshold = _pick(conf_threshold, recorded.get("conf_threshold"), DEFAULT_CONF_THRESHOLD)
     if fmt.spec.max_points is not None:  # its own cap, from the run's voxel before the run's cap coarsened it
@@ -179,7 +194,7 @@ def export_run(
     if mask_sky:
 
         try:
-            images.sky = SkySegmenter(skyseg_path(download=True))
+            images.sky = SkySegmenter(sky_network_path(download=True))
         except SkyModelError as error:
             raise ExportError(str(error)) from None
     target = ExportTarget(run_dir, fmt, output, overwrite=overwrite)
@@ -191,6 +206,8 @@ def export_run(
             target.discard()
         if isinstance(error, OSError):  # the folder could be made but not written (read-only, full, no permission)
             raise ExportError(_write_failure(target.path, error, target.replaces)) from None
+        if isinstance(error, KeyboardInterrupt):
+            raise ExportStopped(target.outcome_when_stopped()) from None
         raise
     finally:
         if images.source is not None:
@@ -262,8 +279,10 @@ class ExportJob:
 
     def result(self, contents: _RunContents) -> ExportResult:
         """What an export of the frames wrote: their cameras and points, the voxel the cloud ended with."""
+        masks = "the run's masks (sky_mask in its npz files)" + (" and --mask-sky" if self.images.sky else "")
         return ExportResult(self.target, len(contents.cameras), len(contents.cloud), self.conf_threshold,
-                            contents.accumulator.voxel_size, self.images.grey_reason)
+                            contents.accumulator.voxel_size, self.images.grey_reason,
+                            contents.accumulator.empty_reason(masks))
 
 
 # -- the writers, one a format (named by its entry in app.export_formats) -------------------------------------
@@ -315,8 +334,9 @@ class ExportTarget:
     """Where an export goes, checked before anything is read, and what it created there (discard()
     removes it again when the export fails).
 
-    A file format: RUN_DIR/exports/<name> by default; an existing folder gets <name> inside it; a name
-    without a suffix gets the format's (scene -> scene.glb); a name with another suffix is refused, so a
+    A file format: RUN_DIR/exports/<name> by default; an existing folder gets <name> inside it (never a folder
+    that holds a folder format's export: mixed with it, the file would keep --overwrite from replacing it); a
+    name without a suffix gets the format's (scene -> scene.glb); a name with another suffix is refused, so a
     GLB is never named .ply; a symlink is written through to its target; a FIFO, a device or a socket is
     refused, never replaced. A folder format: a new or empty folder, or (with overwrite) one that holds an
     earlier export of the same format and nothing else. An existing export is replaced only with
@@ -363,6 +383,11 @@ class ExportTarget:
     def _file(self, path: Path, name: str, overwrite: bool) -> Path:
         fmt = self.fmt
         if path.is_dir():
+            holder = folder_export_in({entry.name for entry in path.iterdir() if not is_staging(entry)})
+            if holder is not None:  # written into it, the file would keep --overwrite from replacing that export
+                raise ExportError(f"{path} holds a {holder.label} export, which a {fmt.label} file is not written "
+                                  f"into; name the file (-o {path.with_name(path.name + fmt.suffix)}) or choose "
+                                  "another folder")
             path = path / name
         try:
             path = file_to_write(path)  # a symlink's target, which is what gets written
@@ -403,6 +428,15 @@ class ExportTarget:
             )
         self._earlier = entries  # an earlier export of this format, replaced once the new one is complete
         return path
+
+    def outcome_when_stopped(self) -> str:
+        """What a stop left at the target, once discard() has run: the new export (complete, when the stop came
+        as it was swapped in), the earlier one, or nothing."""
+        if self._committed:
+            return f"the new export at {self.path} is complete (the stop came as it was put in place)"
+        if self.replaces:
+            return f"nothing of the new export was kept; the earlier export at {self.path} is as it was"
+        return f"nothing of the export was kept at {self.path}"
 
     def discard(self) -> None:
         """Remove what this export wrote (its hidden folder, or a new export's contents and file, the folders
@@ -527,7 +561,7 @@ def gaussian_splats(run_dir: Path, cloud: PointCloud, accumulator: PointAccumula
     order = np.argsort(cloud.frame_index, kind="stable")
     frames = cloud.frame_index[order]
     parts, rows = [], []
-    for record in iter_run(run_dir):
+    for record in iter_run(run_dir, frames=set(np.unique(frames).tolist())):  # (the frames the cloud came from)
         these = order[np.searchsorted(frames, record["frame_index"]):
                       np.searchsorted(frames, record["frame_index"], side="right")]
         if not len(these):

@@ -33,6 +33,10 @@ class FormatSpec:
     # folder holding these and nothing else is an earlier export of the format (replaced with --overwrite);
     # one holding anything else is someone's folder.
     folder_contents: tuple[str, ...] = ()
+    # A folder format: the entry of its contents no other export writes (COLMAP's sparse/, nerfstudio's
+    # transforms.json): a folder holding it and nothing but the format's contents holds one of its exports, into
+    # which no file export writes.
+    folder_marker: str = ""
     # Reads the frames' predictions (points, cameras, images); False: the run's trajectory alone.
     reads_frames: bool = True
     # Its own cap on points in place of the run's (None: the run's).
@@ -64,14 +68,14 @@ class ExportFormat(str, Enum):
     GLB = FormatSpec(name="glb", label="GLB", default_name="scene.glb", suffixes=(".glb",),
                      writer="export:write_glb_export")
     COLMAP = FormatSpec(name="colmap", label="COLMAP", default_name="colmap", folder_contents=("images", "sparse"),
-                        writer="export:write_colmap_export")
+                        folder_marker="sparse", writer="export:write_colmap_export")
     # the run's whole trajectory, also the frames saved without an npz
     TUM = FormatSpec(name="tum", label="TUM", default_name="trajectory_tum.txt", suffixes=(".txt", ".tum"),
                      writer="export:write_tum_export", reads_frames=False, frames_are="pose",
                      points_are=None)
     NERFSTUDIO = FormatSpec(name="nerfstudio", label="nerfstudio", default_name="nerfstudio",
                             folder_contents=("images", "masks", "transforms.json", "points.ply"),  # masks/: a masked run's
-                            writer="export:write_nerfstudio_export")
+                            folder_marker="transforms.json", writer="export:write_nerfstudio_export")
     # the 3D Gaussian splatting layout is a PLY file too
     SPLATS = FormatSpec(name="splats", label="Gaussian splats", default_name="splats.ply", suffixes=(".ply",),
                         writer="export:write_splats_export", max_points=DEFAULT_MAX_SPLATS,
@@ -109,6 +113,12 @@ class ExportFormat(str, Enum):
         """The function that writes this format (its module imported now, if it was not)."""
         module, _, function = self.spec.writer.partition(":")
         return getattr(importlib.import_module(f".{module}", __package__), function)
+
+
+def folder_export_in(entries: set[str]) -> ExportFormat | None:
+    """The folder format whose export a folder of these entries (names, hidden ones left out) holds, or None."""
+    return next((fmt for fmt in ExportFormat if fmt.is_folder and fmt.spec.folder_marker in entries
+                 and entries <= set(fmt.spec.folder_contents)), None)
 
 
 def format_summary() -> str:

@@ -131,6 +131,9 @@ class PointAccumulator:
         self.num_coarsenings = 0
         self.num_out_of_range = 0
         self.voxel_raised_from: float | None = None  # a voxel asked for too fine for the scene (then raised)
+        # what the frames held, for a cloud that ends empty (empty_reason): frames, confident pixels, kept ones
+        self.frames_added = 0
+        self._saw_confident = self._saw_kept = False
         self._count = 0
         self._keys = np.empty(0, dtype=np.int64)  # per row
         self._xyz = np.empty((0, 3), dtype=np.float32)
@@ -180,8 +183,11 @@ class PointAccumulator:
         valid = depth_conf >= self.conf_threshold
         valid &= depth > 0
         valid &= depth < np.inf  # NaN fails both comparisons
+        self.frames_added += 1
+        self._saw_confident = self._saw_confident or bool(valid.any())
         if dropped is not None:
             valid &= ~dropped
+        self._saw_kept = self._saw_kept or bool(valid.any())
         if self.reference_depth is None:
             confident = depth[valid]
             if len(confident) == 0:
@@ -224,10 +230,26 @@ class PointAccumulator:
         if self.voxel_size >= least:
             return
         self.voxel_raised_from = self.voxel_size
-        logger.warning("--voxel-size %.3g is too fine for this scene: the cloud's grid holds 2^20 voxels on each side "
-                       "of the origin, %.3g here, and its first frame's median depth is %.3g; the cloud uses voxels "
-                       "of %.3g instead", self.voxel_size, self.voxel_size * _KEY_OFFSET, self.reference_depth, least)
+        logger.warning("--voxel-size %.3g is too fine for this scene: the cloud's grid, %d voxels on each side of the "
+                       "origin, would reach %.3g from it where the first frame's median depth is %.3g, and leave the "
+                       "points beyond out; the cloud uses voxels of %.3g instead, whose grid reaches 64 such depths",
+                       self.voxel_size, _KEY_OFFSET, self.voxel_size * _KEY_OFFSET, self.reference_depth, least)
         self.voxel_size = least
+
+    def empty_reason(self, masks: str) -> str | None:
+        """Why the cloud holds no point, in a sentence that says what to change; None when it holds some.
+        `masks`: what left pixels out (`--mask-dir DIR`, the run's masks), named where they emptied it."""
+        if len(self):
+            return None
+        if not self.frames_added:
+            return "no frame was saved"
+        if not self._saw_confident:
+            return (f"no pixel has depth confidence >= {self.conf_threshold:g}: pass a lower --conf-threshold "
+                    "(1 keeps every pixel)")
+        if not self._saw_kept:
+            return (f"{masks} left out every pixel with depth confidence >= {self.conf_threshold:g}: check the masks "
+                    "(0 leaves a pixel out)")
+        return f"every point lies outside the cloud's grid (voxels of {self.voxel_size:.3g}): pass a larger --voxel-size"
 
     def pixel_step(self, intrinsics: np.ndarray) -> int:
         """A frame is sampled every `step` rows and columns: about one voxel apart at the first frame's

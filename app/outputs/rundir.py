@@ -28,14 +28,20 @@ import stat
 import tempfile
 import threading
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from itertools import count
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from stream_recon.app.outputs.npz_schema import HALVABLE_FIELDS, PREDICTION_FIELDS, RENAMED_FIELDS
+from stream_recon.app.outputs.npz_schema import (
+    HALVABLE_FIELDS,
+    IMAGE_FIELD,
+    PREDICTION_FIELDS,
+    RENAMED_FIELDS,
+    SKY_MASK_FIELD,
+)
 from stream_recon.app.outputs.npz_schema import (
     prediction_arrays as prediction_arrays,  # scripts import it from here
 )
@@ -521,6 +527,7 @@ def load_prediction(path: Path) -> dict[str, Any]:
         missing = [key for key in PREDICTION_FIELDS if key not in record]
         if missing:
             raise ValueError(f"{path.name} lacks {', '.join(missing)}")
+    check_fields(path, record)
     for key, field in PREDICTION_FIELDS.items():
         if field.is_scalar:
             record[key] = record[key].item()
@@ -542,6 +549,7 @@ def prediction_fields(path: Path, *names: str) -> dict[str, Any]:
         if missing:
             raise ValueError(f"{path.name} lacks {', '.join(missing)}")
         record: dict[str, Any] = {name: data[present[name]] for name in names}
+    check_fields(path, record)
     for name in names:
         field = PREDICTION_FIELDS.get(name)
         if field is not None and field.is_scalar:
@@ -549,6 +557,43 @@ def prediction_fields(path: Path, *names: str) -> dict[str, Any]:
         elif name in HALVABLE_FIELDS:
             record[name] = record[name].astype(field.dtype, copy=False)
     return record
+
+
+# Every array a prediction file may hold, by name
+_FIELDS = {**PREDICTION_FIELDS, "image": IMAGE_FIELD, "sky_mask": SKY_MASK_FIELD}
+
+
+def check_fields(path: Path, record: dict[str, Any]) -> None:
+    """The arrays of a prediction file (`record`, as read: some or all of its fields) of the schema's kinds and
+    shapes, those of the model input's size ("H", "W") of the file's own image_size where it was read:
+    ValueError naming the file and what is wrong, so that a damaged or foreign file is skipped by its name
+    rather than failing an export in numpy's words."""
+    size = record.get("image_size")
+    if size is not None and (np.shape(size) != (2,) or size.dtype.kind not in "iu" or min(size) < 1):
+        raise ValueError(f"{path.name} is damaged: its image_size is {_shown(size)}, not a height and a width")
+    sizes = {} if size is None else {"H": int(size[0]), "W": int(size[1])}
+    for name, value in record.items():
+        field = _FIELDS.get(name)
+        if field is None:
+            continue
+        if value.dtype.kind not in "biuf":
+            raise ValueError(f"{path.name} is damaged: its {name} holds {value.dtype} values, not numbers")
+        if any(axis in ("H", "W") for axis in field.shape) and not sizes:
+            continue  # (a few fields read alone, without image_size)
+        expected = tuple(sizes.get(axis, axis) for axis in field.shape)
+        if value.shape != expected:
+            said = f" (its image_size is {sizes['H']}x{sizes['W']})" if expected != field.shape else ""
+            raise ValueError(f"{path.name} is damaged: its {name} has the shape {_shown_shape(value.shape)}, not "
+                             f"{_shown_shape(expected)}{said}")
+
+
+def _shown_shape(shape: tuple[int, ...]) -> str:
+    return "x".join(str(size) for size in shape) if shape else "of a single value"
+
+
+def _shown(value: Any) -> str:
+    text = np.array2string(np.asarray(value), threshold=6)
+    return text if len(text) < 60 else text[:57] + "..."
 
 
 # numpy parses each array's header with ast.literal_eval, and CPython 3.11 counts the depth of an AST's
@@ -588,16 +633,24 @@ def opened_npz(path: Path) -> Iterator[Any]:
             yield data
     except (zipfile.BadZipFile, EOFError) as exc:
         raise ValueError(f"{path.name} is truncated or not an npz file ({exc})") from None
+    except ValueError as exc:
+        if "allow_pickle" not in str(exc):  # numpy's refusal of a member that holds Python objects (a pickle)
+            raise
+        raise ValueError(f"{path.name} holds an array of Python objects, which is never loaded (loading one runs "
+                         "the code it holds): it is no prediction file of a run") from None
 
 
-def iter_run(run_dir: Path) -> Iterator[dict[str, Any]]:
-    """Yield the predictions of a run in frame order, one npz in memory at a time.
+def iter_run(run_dir: Path, frames: Collection[int] | None = None) -> Iterator[dict[str, Any]]:
+    """Yield the predictions of a run in frame order, one npz in memory at a time; `frames`: only these frame
+    indices (a second pass over frames read before: a file skipped then is not read, nor warned of, again).
 
     A file that cannot be read (typically the last one of a run killed by the OS mid-write on a filesystem
-    without atomic rename, or one damaged afterwards) is skipped with a warning instead of failing the
-    whole run.
+    without atomic rename, or one damaged afterwards: arrays of another shape, of Python objects) is skipped
+    with a warning naming it instead of failing the whole run.
     """
     for frame_index, path in prediction_files(run_dir):
+        if frames is not None and frame_index not in frames:
+            continue
         try:
             record = load_prediction(path)
         except FileNotFoundError:
@@ -627,13 +680,13 @@ def run_trajectory(run_dir: Path) -> tuple[np.ndarray, np.ndarray]:
     stamps, poses = [], []
     for frame_index, path in prediction_files(run_dir):
         try:
-            with opened_npz(path) as data:  # members are read lazily: depth stays on disk
-                stamps.append(float(data["timestamp"]))
-                pose = np.eye(4)
-                pose[:3] = np.asarray(data["c2w"], dtype=np.float64).reshape(3, 4)
-        except (OSError, KeyError, ValueError) as exc:
+            fields = prediction_fields(path, "timestamp", "c2w")  # depth stays on disk
+        except (OSError, ValueError) as exc:
             logger.warning("skipping frame %d: cannot read %s: %s", frame_index, path, exc)
             continue
+        stamps.append(fields["timestamp"])
+        pose = np.eye(4)
+        pose[:3] = np.asarray(fields["c2w"], dtype=np.float64)
         poses.append(pose)
     if not poses:
         raise RunDirError(f"{run_dir} has neither {TRAJECTORY_TUM} nor a readable prediction file: no pose to read")

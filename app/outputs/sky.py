@@ -19,7 +19,13 @@ import numpy as np
 from huggingface_hub import hf_hub_download, try_to_load_from_cache
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
-from stream_recon.models.hub_paths import checkpoint_dir, hub_cache_dir, hub_endpoint, hub_offline
+from stream_recon.models.hub_paths import (
+    checkpoint_dir,
+    hub_cache_dir,
+    hub_endpoint,
+    hub_offline,
+    hub_unreachable,
+)
 
 SKYSEG_REPO_ID = "JianyuanWang/skyseg"
 SKYSEG_FILE = "skyseg.onnx"
@@ -51,6 +57,40 @@ class SkyModelError(ValueError):
     """The sky network is missing, cannot be fetched, or cannot be run here (one sentence: what to do)."""
 
 
+class SkyNetworkUnavailable(SkyModelError):
+    """skyseg.onnx is not on this machine and cannot be fetched: Hugging Face offline mode, or the hub unreachable
+    (`download` exits as a run does for the same cause: bad input, exit 2)."""
+
+
+# A checkout (an editable install) has scripts/setup-env beside the package's folders: the sky extra is installed
+# with it there; `stream-recon[sky]` is no package name on PyPI.
+_SETUP_ENV = Path(__file__).resolve().parents[2] / "scripts" / "setup-env"
+
+
+def sky_extra_advice() -> str:
+    """How to install what the sky network runs on (onnxruntime, and onnx for float16 on the GPU)."""
+    if _SETUP_ENV.is_file():
+        return (f"run `{_SETUP_ENV} sky` (onnxruntime and onnx; on a GPU machine pip install onnxruntime-gpu into "
+                "its .venv for the CUDA provider)")
+    return "pip install onnxruntime onnx (onnxruntime-gpu instead on a GPU machine)"
+
+
+def onnxruntime_problem() -> str | None:
+    """Why onnxruntime does not import here ("is not installed here", or its own error), None when it does."""
+    return _onnxruntime()[1]
+
+
+def _onnxruntime() -> tuple[Any, str | None]:
+    """onnxruntime, imported; or None and why it does not import here."""
+    try:
+        import onnxruntime  # the optional `sky` extra: imported only for --mask-sky and by `info`
+    except ImportError as error:
+        if error.name == "onnxruntime":
+            return None, "is not installed here"
+        return None, f"does not import here ({type(error).__name__}: {error})"
+    return onnxruntime, None
+
+
 def skyseg_folder() -> Path:
     """Where `stream-recon download skyseg` puts the network and runs look for it: the checkpoints' folder."""
 
@@ -62,8 +102,6 @@ def locate_skyseg() -> Path | None:
     own = skyseg_folder() / SKYSEG_FILE
     if own.is_file():
         return own
-
-
     cached = try_to_load_from_cache(SKYSEG_REPO_ID, SKYSEG_FILE, cache_dir=hub_cache_dir())
     return Path(cached) if isinstance(cached, str) else None
 
@@ -73,35 +111,61 @@ def _fetch_by_hand() -> str:
 
 
 def download_skyseg() -> Path:
-    """The network fetched into the Hugging Face cache (a no-op when it is there); SkyModelError when the
-    hub is off or cannot be reached, naming the URL and the folder to put the file in."""
-    reason = _download_failure()
+    """The network fetched into the Hugging Face cache (a no-op when it is there); SkyNetworkUnavailable at once
+    when the hub is off or cannot be reached, SkyModelError when the download fails after the hub answered,
+    each naming the URL and the folder to put the file in."""
+    unavailable = _hub_unavailable()
+    if unavailable is not None:
+        raise SkyNetworkUnavailable(f"cannot download {SKYSEG_FILE} ({unavailable}); {_fetch_by_hand()}")
+    reason = _download()
     if isinstance(reason, Path):
         return reason
     raise SkyModelError(f"cannot download {SKYSEG_FILE} ({reason}); {_fetch_by_hand()}")
 
 
-def _download_failure() -> Path | str:
-    """The downloaded file, or why it could not be downloaded."""
-
-
+def _hub_unavailable() -> str | None:
+    """Why the hub cannot give the file now (offline mode, or no answer to one request), None when it answers.
+    One request without retries: huggingface_hub's download retries an unreachable hub for about 25 s."""
     if hub_offline():
         return "Hugging Face offline mode is on: HF_HUB_OFFLINE"
+    endpoint = hub_endpoint()
+    error = hub_unreachable(f"{endpoint}/{SKYSEG_REPO_ID}/resolve/main/{SKYSEG_FILE}")
+    if error is None:
+        return None
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else "no detail"
+    return f"the Hugging Face hub at {endpoint} cannot be reached: {type(error).__name__}: {detail}"
+
+
+def _download() -> Path | str:
+    """The downloaded file, or why it could not be downloaded (the hub answered)."""
     try:
         return Path(hf_hub_download(SKYSEG_REPO_ID, SKYSEG_FILE, cache_dir=hub_cache_dir(), endpoint=hub_endpoint()))
     except (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled, OSError) as error:
         return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
-def skyseg_path(download: bool) -> Path:
-    """The network on this machine, fetched first when `download` and it is missing; SkyModelError else."""
+def sky_network_path(download: bool) -> Path:
+    """The sky network on this machine, ready to run: skyseg.onnx (fetched first when `download`, it is missing
+    and onnxruntime imports) and onnxruntime. SkyModelError names every part that is missing at once, and
+    what to do for each: SkyNetworkUnavailable where the file alone is missing and cannot be fetched."""
+    runtime = onnxruntime_problem()
     found = locate_skyseg()
+    if runtime is not None:
+        missing = "" if found is not None else (
+            f", and {SKYSEG_FILE}, which is not on this machine either: run `stream-recon download skyseg`, or "
+            f"{_fetch_by_hand()}")
+        raise SkyModelError(f"--mask-sky runs the sky network with onnxruntime, which {runtime}: "
+                            f"{sky_extra_advice()}{missing}")
     if found is not None:
         return found
     if not download:
         raise SkyModelError(f"--mask-sky needs {SKYSEG_FILE}, which is not on this machine: run `stream-recon "
                             f"download skyseg`, or {_fetch_by_hand()}")
-    reason = _download_failure()
+    unavailable = _hub_unavailable()
+    if unavailable is not None:
+        raise SkyNetworkUnavailable(f"--mask-sky needs {SKYSEG_FILE}, which is not on this machine and cannot be "
+                                    f"downloaded ({unavailable}); {_fetch_by_hand()}")
+    reason = _download()
     if isinstance(reason, Path):
         return reason
     raise SkyModelError(f"--mask-sky needs {SKYSEG_FILE}, which is not on this machine and cannot be downloaded "
@@ -116,11 +180,10 @@ class SkySegmenter:
 
     def __init__(self, model_path: Path | str, compute_stream: int | None = None,
                  half_precision: bool | None = None) -> None:
-        try:
-            import onnxruntime  # the optional `sky` extra: only for --mask-sky
-        except ImportError:
-            raise SkyModelError("--mask-sky runs the sky network with onnxruntime, which is not installed: "
-                                "pip install 'stream-recon[sky]' (onnxruntime-gpu on a GPU machine)") from None
+        onnxruntime, problem = _onnxruntime()
+        if problem is not None:
+            raise SkyModelError(f"--mask-sky runs the sky network with onnxruntime, which {problem}: "
+                                f"{sky_extra_advice()}")
         available = set(onnxruntime.get_available_providers())
         providers = [name for name in PREFERRED_PROVIDERS if name in available]
         options = {name: dict(PROVIDER_OPTIONS.get(name, {})) for name in providers}
@@ -167,5 +230,5 @@ def _half_precision_model(model_path: Path | str) -> bytes:
         from onnxruntime.transformers.float16 import convert_float_to_float16
     except ImportError as error:
         raise SkyModelError(f"--mask-sky on the GPU runs the sky network in float16, which needs {error.name}: "
-                            "pip install 'stream-recon[sky]'") from None
+                            f"{sky_extra_advice()}") from None
     return convert_float_to_float16(onnx.load(str(model_path)), keep_io_types=True).SerializeToString()

@@ -22,10 +22,11 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from stream_recon.app.outputs.masks import FrameMasker, MaskDirError
 from stream_recon.app.outputs.npz_schema import SKY_MASK_FIELD, PredictionOutputs, prediction_arrays
 from stream_recon.app.outputs.pointcloud import (
     DEFAULT_CONF_THRESHOLD,
@@ -57,11 +58,8 @@ from stream_recon.app.outputs.rundir import (
     write_json_atomic,
     write_tum,
 )
-from stream_recon.models.loops.corrections import ChunkCorrections
-
-if TYPE_CHECKING:
-    from stream_recon.app.outputs.masks import FrameMasker
 from stream_recon.models import DaemonPool, FramePrediction
+from stream_recon.models.loops.corrections import ChunkCorrections
 from stream_recon.models.stream.similarity import Sim3
 from stream_recon.models.supervision import (
     Deadline,
@@ -288,6 +286,8 @@ class RunWriter:
             self._worker_error = None
             if isinstance(error, OSError):
                 raise OutputDirError(self._write_error_message(error)) from error
+            if isinstance(error, MaskDirError):  # the user's masks, said in their own sentence
+                raise HelperDown(str(error)) from error
             # a FAIL_RUN helper: the run ends "failed" with this one line
             raise HelperDown(f"the run writer failed on a frame: {type(error).__name__}: {error}") from error
 
@@ -434,6 +434,13 @@ class RunWriter:
         write_ply(self.output_dir / POINTS_PLY, cloud.xyz, cloud.rgb)
         self.points_written = len(cloud)  # fewer than accumulated where a correction brought points together
 
+    def empty_cloud(self) -> str | None:
+        """Why points.ply holds no point, once written (PointAccumulator.empty_reason, naming the run's masks where
+        they emptied it); None when it holds some, or was not written."""
+        if self.points_written != 0:
+            return None
+        return self.points.empty_reason(self.masker.describe() if self.masker is not None else "the masks")
+
     def _chunk_moves(self, corrections: ChunkCorrections) -> list[tuple[np.ndarray, Sim3]]:
         """(frames [F], Sim3) for each chunk that the corrections move, by the chunk of each frame's final
         emission."""
@@ -554,7 +561,7 @@ def _close_from_predictions(run_dir: Path, info: dict) -> int:
         keyframes += bool(record["is_keyframe"])
         last = record["frame_index"]
         points.add_frame(record["frame_index"], record["depth"], record["depth_conf"], record["intrinsics"],
-                         record["c2w"], record["image"])
+                         record["c2w"], record["image"], record["sky_mask"])
     write_tum(run_dir / TRAJECTORY_TUM, timestamps, np.array(c2w, dtype=np.float64).reshape(-1, 3, 4))
     cloud = points.cloud()
     write_ply(run_dir / POINTS_PLY, cloud.xyz, cloud.rgb)

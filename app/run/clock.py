@@ -34,6 +34,9 @@ class RunClock:
         self.warm_up_parts: dict[str, float] | None = None  # the engine's warm_up: seconds by part
         self.frames_read = 0
         self.frames_done = 0  # distinct frames predicted: a chunked stream re-emits some frames
+        # the run's keyframes so far, by frame index: a re-emitted frame's latest emission decides (the engine's own
+        # count is its chunk's, from 0 at each rollover)
+        self.keyframe_indices: set[int] = set()
         self._highest_index = -1
 
     def model_loaded(self) -> None:
@@ -50,6 +53,10 @@ class RunClock:
             if pred.frame_index > self._highest_index:  # emissions of new frames come in index order
                 self._highest_index = pred.frame_index
                 self.frames_done += 1
+            if pred.is_keyframe:
+                self.keyframe_indices.add(pred.frame_index)
+            else:
+                self.keyframe_indices.discard(pred.frame_index)
 
     def time_warm_up(self, warm_up: Any, *args: Any, **kwargs: Any) -> None:
         """Run the engine's warm-up (before the first push); its seconds, by part, go in the timings."""

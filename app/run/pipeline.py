@@ -40,7 +40,7 @@ from stream_recon.app.options import (
     resolve_device,
     resolve_dtype,
 )
-from stream_recon.app.outputs.masks import FrameMasker, MaskDirError, UserMasks
+from stream_recon.app.outputs.masks import FrameMasker, MaskDirError, user_masks_for
 from stream_recon.app.outputs.rundir import (
     OutputDirError,
     prepare_output_dir,
@@ -48,7 +48,7 @@ from stream_recon.app.outputs.rundir import (
     remove_run,
     unlock_run_dir,
 )
-from stream_recon.app.outputs.sky import SKY_NETWORK_SMS, SkyModelError, SkySegmenter, skyseg_path
+from stream_recon.app.outputs.sky import SKY_NETWORK_SMS, SkyModelError, SkySegmenter, sky_network_path
 from stream_recon.app.outputs.writers import RunWriter
 from stream_recon.app.run.clock import RunClock
 from stream_recon.app.run.loading import (
@@ -101,6 +101,7 @@ class RunSummary:
     viewer_closed_by: int | None = None  # the signal that closed a viewer kept serving after the run
     late_signal: int | None = None  # one that came once run.json was written: it stopped nothing (a batch stops)
     loop_closure_off: str | None = None  # why loop closure went off during the run, if it did
+    empty_cloud: str | None = None  # why points.ply holds no point, where it holds none
 
     @property
     def ended_by_signal(self) -> int | None:
@@ -201,6 +202,7 @@ def _plan(frame_source: FrameSource, options: RunOptions, model: Any) -> RunPlan
             raise OptionsError("--keep-viewer serves until Ctrl-C or SIGTERM, which reach the main thread only: "
                                "run it there, or without --keep-viewer")
     config = model_config_for(options, model)
+    _check_camera_iterations(options, config)
     warnings = []
     if device == "cpu" and config is not None:  # a GPU's memory is the engine's to budget (models/)
         warnings += check_cpu_run(options, config, frame_source.frame_size, frame_source.estimated_length,
@@ -216,21 +218,31 @@ def _plan(frame_source: FrameSource, options: RunOptions, model: Any) -> RunPlan
     warnings += _source_warnings(frame_source, options)
     engine_config = None if config is None else chunk_engine_config(options, config)
     return RunPlan(device, dtype, attention, config, engine_config, _input_size(frame_source, options),
-                   closes_loops, loop_closure_reason, frame_masker(options, device), warnings)
+                   closes_loops, loop_closure_reason, frame_masker(options, device, frame_source), warnings)
 
 
-def frame_masker(options: RunOptions, device: str) -> Any:
-    """The masks a run leaves out of its points (app.outputs.masks), checked before anything is written: a missing sky
-    network (fetched when the hub answers) or mask folder is bad input. None when neither is asked for."""
+def _check_camera_iterations(options: RunOptions, config: Any) -> None:
+    """--camera-iterations at most the checkpoint's camera head refines (the tiny test model's 2; the released
+    models' 4), refused before anything is loaded; without the flag a run takes all of them."""
+    asked, most = options.camera_iterations, getattr(config, "camera_iterations", None)
+    if asked is not None and most is not None and asked > most:
+        raise OptionsError(f"--camera-iterations {asked} is more than this checkpoint's camera head has: it refines "
+                           f"its poses {most} times; give 1 to {most}, or leave the flag out for all of them")
+
+
+def frame_masker(options: RunOptions, device: str, source: FrameSource) -> Any:
+    """The masks a run leaves out of its points (app.outputs.masks), checked before anything is written: a sky
+    network that cannot run here (onnxruntime, skyseg.onnx: fetched when the hub answers), a mask folder that
+    cannot serve the source's frames are bad input. None when neither is asked for."""
     if not options.mask_sky and options.mask_dir is None:
         return None
 
     try:
-        sky = SkySegmenter(skyseg_path(download=True), sky_stream(device)) if options.mask_sky else None
-        user = UserMasks(options.mask_dir) if options.mask_dir is not None else None
+        user = user_masks_for(options.mask_dir, source, options.image_width) if options.mask_dir is not None else None
+        sky = SkySegmenter(sky_network_path(download=True), sky_stream(device)) if options.mask_sky else None
     except (SkyModelError, MaskDirError) as error:
         raise OptionsError(str(error)) from None
-    return FrameMasker(sky, user, options.image_width, options.rotate)
+    return FrameMasker(sky, user, options.image_width, options.rotate, source.frame_size)
 
 
 def sky_stream(device: str) -> int | None:
@@ -468,7 +480,7 @@ class Run:
         stats = dict(self.engine.stats())
         stats.update(
             clock.rates(), frames_read=clock.frames_read, frames_done=clock.frames_done,
-            frames_dropped=source.frames_dropped,
+            frames_dropped=source.frames_dropped, keyframes=len(clock.keyframe_indices),
         )
         for pred in preds:
             for sink in self.sinks:
@@ -489,6 +501,7 @@ class Run:
             end_reason=self.source.end_reason or ("stopped" if stop.requested else None),
             stop_signal=self.recorded_signal,
             loop_closure_off=next((sink.failure for sink in self.sinks if isinstance(sink, LoopClosureSink)), None),
+            empty_cloud=self.writer.empty_cloud(),
         )
 
     def close_sinks(self, status: RunStatus, error: str | None,
@@ -622,6 +635,8 @@ def _serve_until_stopped(viewer: Any, console: Console) -> int:
 
 
 def _report(summary: RunSummary, console: Console) -> None:
+    if summary.empty_cloud is not None:  # as `export` warns of an empty export; the run's own line comes last
+        console.print(f"[yellow]warning:[/yellow] points.ply holds no point: {escape(summary.empty_cloud)}")
     line = (
         f"{plural(summary.frames, 'frame')} ({plural(summary.keyframes, 'keyframe')}) at "
         f"{_rate(summary.fps)} end to end, {_rate(summary.model_fps)} in the model -> {summary.output_dir}"

@@ -11,8 +11,10 @@ from a timer thread: a frame that takes longer than the interval (a CPU run) sti
 
     progress: 412/1200 frames (34%), ETA 0:00:22, 35.9 FPS (model 38.2), 412 keyframes, attention cache 72 frames 1.90 GiB, elapsed 0:00:12: video clip.mp4
 
-The cache is what attention reads: the frames whose patch tokens it keeps (the scale frames and the
-window) and its size in memory. The frames whose few camera tokens it also keeps are in run.json.
+The keyframes are the run's so far. The cache is what attention reads: the frames whose patch tokens it keeps
+(the scale frames and the window) and its size in memory; a long stream's next chunk starts with a fresh cache,
+so its count starts again there (the line names the chunk from the second on). The frames whose few camera
+tokens it also keeps are in run.json.
 
 The bar needs a length; live sources (webcam, RTSP) have none, so they get a spinner and counts only.
 """
@@ -184,8 +186,9 @@ def progress_line(description: str, total: int | None, stats: dict, elapsed_s: f
         parts.append(f"{stats['keyframes']} keyframes")
     if stats.get("frames_dropped"):
         parts.append(f"{stats['frames_dropped']} dropped")
-    if stats.get("patch_frames") is not None:
-        parts.append(f"attention cache {stats['patch_frames']} frames {_bytes(stats.get('cache_bytes'))}")
+    if stats.get("patch_frames") is not None:  # the chunk's own: a new chunk starts with a fresh cache
+        chunk = f" in chunk {stats['chunk_index']}" if stats.get("chunk_index") else ""
+        parts.append(f"attention cache {stats['patch_frames']} frames{chunk} {_bytes(stats.get('cache_bytes'))}")
     if not read:
         parts.append("waiting for the first frame")
     parts.append(f"elapsed {_clock(elapsed_s)}")

@@ -271,7 +271,7 @@ def _where_the_frames_may_be(folder: Path) -> str:
     return "pass a folder of frames, or a video file"
 
 
-def _upright_size(path: Path) -> tuple[int, int]:
+def upright_size(path: Path) -> tuple[int, int]:
     """(width, height) as displayed, read from the header only (no pixel decoding)."""
     try:
         with Image.open(path) as image:
@@ -291,9 +291,9 @@ def _check_one_size(paths: list[Path], max_checked: int = _MAX_SIZE_CHECKS) -> t
     """
     step = max(1, math.ceil((len(paths) - 1) / max(1, max_checked - 1)))
     sample = sorted({*range(0, len(paths), step), len(paths) - 1})
-    first_size = _upright_size(paths[0])
+    first_size = upright_size(paths[0])
     for index in sample[1:]:
-        check_same_size(paths[0], first_size, paths[index], _upright_size(paths[index]))
+        check_same_size(paths[0], first_size, paths[index], upright_size(paths[index]))
     return first_size
 
 

@@ -1,13 +1,15 @@
 """Faults for the fault-injection tests (tests/test_app_faults.py), in real processes.
 
 Python imports `sitecustomize` at start-up from the path, so every process of a run started with this
-folder on PYTHONPATH (the CLI's and its helper children) reads two variables:
+folder on PYTHONPATH (the CLI's and its helper children) reads three variables:
 
 - STREAM_RECON_TEST_FAULT="module:Class.method:kind:call" makes the `call`-th call (1 = the first) of
   that function, in whichever process makes it, raise (`raise`), kill its process (`kill`: SIGKILL),
   stop it (`stop`: SIGSTOP), block its thread for good (`block`) or send its process SIGTERM and go on
   (`term`: the signal lands inside the call, as a user's can);
-- STREAM_RECON_TEST_DEADLINES="module:NAME=seconds,..." shortens a module's deadline constants.
+- STREAM_RECON_TEST_DEADLINES="module:NAME=seconds,..." shortens a module's deadline constants;
+- STREAM_RECON_TEST_IMPORTED=FILE writes, as the process exits, the top-level names of the modules it imported
+  (a JSON list) to FILE: what a command refused before torch was imported never imported it.
 
 Both take effect when the module is first imported, so nothing is imported here that the process
 would not import anyway.
@@ -24,6 +26,7 @@ import threading
 
 FAULT = os.environ.get("STREAM_RECON_TEST_FAULT", "")
 DEADLINES = os.environ.get("STREAM_RECON_TEST_DEADLINES", "")
+IMPORTED = os.environ.get("STREAM_RECON_TEST_IMPORTED", "")
 
 
 class InjectedFault(RuntimeError):
@@ -98,3 +101,15 @@ if FAULT or DEADLINES:
     import importlib.util
 
     sys.meta_path.insert(0, _PatchOnImport(_patches()))
+
+
+def _record_imported() -> None:
+    with open(IMPORTED, "w") as record:
+        record.write(json.dumps(sorted({name.partition(".")[0] for name in list(sys.modules)})))
+
+
+if IMPORTED:
+    import atexit
+    import json
+
+    atexit.register(_record_imported)
