@@ -255,3 +255,55 @@ def test_the_pool_hands_out_the_page_after_and_takes_freed_pages_back_first():
         pool.free(page)
     pool.sort_free()
     assert free_ids(pool) == [0, 2, 3, 4]
+
+
+class CountingPool(PagePool):
+    """A pool that counts every page it hands out and takes back."""
+
+    taken = freed = 0
+
+    def allocate(self, after=None, last=False):
+        self.taken += 1
+        return super().allocate(after, last)
+
+    def free(self, page_id, last=False):
+        self.freed += 1
+        super().free(page_id, last)
+
+
+def test_every_page_taken_is_freed_over_10000_frames_of_flow_keyframes_and_rollovers():
+    """The page tables as a chunked stream drives them at the product's sizes: 10,000 frames, each appended
+    deferred and kept (a keyframe) or rolled back, a chunk of 320 keyframes then a rollover, where a spare's
+    cache (pages for 16 + 6 window frames) took the next chunk's first frames and the stream's cache takes
+    them over and the spare starts afresh. Every page taken is freed, by either cache, and no pool grows."""
+    layout = CacheLayout(patches_per_frame=1036, specials_per_frame=6, scale_frames=8, window_frames=64)
+    spare_layout = dataclasses.replace(layout, window_slots=22)
+    pools = {}
+    for name, shape in (("stream", layout), ("spare", spare_layout)):
+        limit = PagedTwoStreamCache.pages_needed(shape, 321)
+        pools[name] = CountingPool(limit, max_pages=limit)
+    stream = PagedTwoStreamCache(layout, pools["stream"])
+    spare = PagedTwoStreamCache(spare_layout, pools["spare"])
+    generator = random.Random(10_000)
+    frames = 0
+    while frames < 10_000:
+        for cache in (stream, spare):  # the spare takes the overlap's frames, as the stream's cache does
+            for _ in range(8):
+                cache.append()
+            cache.commit()
+        for _ in range(16 - 8):
+            for cache in (stream, spare):
+                cache.append(defer_eviction=True)
+                cache.commit()
+        stream.take_over(spare)
+        spare.reset()
+        while stream.num_committed_frames < 320 and frames < 10_000:
+            stream.append(defer_eviction=True)
+            (stream.commit if generator.random() < 0.4 else stream.rollback)()
+            frames += 1
+        stream.reset()  # the rollover: the chunk's pages back to the pool
+        for pool in pools.values():
+            assert pool.num_used == 0 and pool.taken == pool.freed
+    for pool in pools.values():
+        assert pool.num_pages == pool.max_pages
+    assert pools["stream"].taken > 10_000
