@@ -206,14 +206,6 @@ def rollover_figures(tmp_path: Path) -> dict[str, float]:
     return finite(figures)
 
 
-def pages_figures(tmp_path: Path) -> dict[str, float]:
-    out = tmp_path / "pages.json"
-    run_script("scripts/bench_pages.py", "--steps", "60", "--json", str(out))
-    rows = json.loads(out.read_text())
-    assert [row["window"] for row in rows] == [64, 640, 6400] and all(row["runs_max"] >= 1 for row in rows)
-    return finite({f"window {row['window']} median us": row["median_us"] for row in rows})
-
-
 BENCH_RUNS: dict[str, Callable[[Path], dict[str, float]]] = {
     "bench.py": engine_figures,
     "bench_checkpoint_load.py": checkpoint_load_figures,
@@ -222,7 +214,6 @@ BENCH_RUNS: dict[str, Callable[[Path], dict[str, float]]] = {
     "bench_pose_graph.py": pose_graph_figures,
     "bench_loop_consistency.py": loop_consistency_figures,
     "bench_rollover.py": rollover_figures,
-    "bench_pages.py": pages_figures,
 }
 BENCH_RUN_ELSEWHERE = {"bench_e2e.py": "tests/test_bench_e2e.py"}  # its smoke tests, more than one run
 # needs a CUDA GPU to run: imported and its helpers called instead, by the test named

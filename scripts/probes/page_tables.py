@@ -1,7 +1,7 @@
 """The paged cache's host work per streaming step, and how it grows with the window and the chunk.
 
-    python3 scripts/bench_pages.py                     # the product's window and chunk, 10x and 100x
-    python3 scripts/bench_pages.py --json pages.json
+    python3 scripts/probes/page_tables.py                     # the product's window and chunk, 10x and 100x
+    python3 scripts/probes/page_tables.py --json pages.json
 
 A step's bookkeeping is pure Python between two replays of the step's CUDA graph: the pending frame's append
 (deferred eviction), the plan's input (the visible pages, their runs, the run table the range kernel reads)
@@ -16,14 +16,11 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from stream_recon.cache import CacheLayout, PagedTwoStreamCache, PagePool  # noqa: E402
-from stream_recon.cache.triton_attention import run_table  # noqa: E402
+from stream_recon.cache import CacheLayout, PagedTwoStreamCache, PagePool
+from stream_recon.cache.triton_attention import run_table
 
 
 def measure(window: int, chunk: int, steps: int, seed: int) -> dict:
