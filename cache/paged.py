@@ -175,7 +175,14 @@ class PagedTwoStreamCache:
     def take_over(self, other: PagedTwoStreamCache) -> list[tuple[int, int]]:
         """Hold what `other` (a cache of this geometry over a pool of its own, nothing pending) holds, page for
         page: this cache's frames are dropped and a page of this pool taken for each of `other`'s. Returns the
-        copies its storage must make, (page of `other`'s pool, page of this one), in order."""
+        copies its storage must make, (page of `other`'s pool, page of this one), in order.
+
+        The pages keep their places: a patch page the same id, a special page the same distance from the pool's
+        end (special pages come from the back of the free list), and the free list the same order. A stream
+        that rolls over ahead (a spare's cache taking the next chunk's first frames, this one taking them over)
+        then holds its keys as one that rolled over in place would, in the same runs of rows, and the range
+        kernel sums them in the same order: the same results, bit for bit. Where the places do not fit this
+        pool, the pages are taken anew, side by side (the same keys, summed in another order)."""
         mine, theirs = self.layout, other.layout
         if (mine.patches_per_frame, mine.specials_per_frame, mine.scale_frames) != (
                 theirs.patches_per_frame, theirs.specials_per_frame, theirs.scale_frames):
@@ -187,6 +194,32 @@ class PagedTwoStreamCache:
                              f"{mine.allocated_window_slots} window pages")
         self.reset()
         self.pool.require(len(other.scale_pages) + len(other.window_pages) + len(other.special_pages))
+        places = self._places_of(other)
+        if places is None:
+            return self._take_anew(other)
+        patches = [*other.scale_pages, *other.window_pages]
+        self.pool.take([places[page] for page in patches + other.special_pages],
+                       free_first=[places[page] for page in other.pool._free if page in places])
+        self.scale_pages = [places[page] for page in other.scale_pages]
+        self.window_pages = deque(places[page] for page in other.window_pages)
+        self.special_pages = [places[page] for page in other.special_pages]
+        self._adopt_counts(other)
+        return [(page, places[page]) for page in patches + other.special_pages]
+
+    def _places_of(self, other: PagedTwoStreamCache) -> dict[int, int] | None:
+        """Where each of `other`'s pages goes in this pool (its free ones too: a patch page's id, a special
+        page's distance from the end kept), or None where two would land on one page or past this pool's limit."""
+        limit = self.pool.max_pages if self.pool.max_pages is not None else max(self.pool.num_pages,
+                                                                                 other.pool.num_pages)
+        shift = max(self.pool.num_pages, other.pool.num_pages) - other.pool.num_pages
+        special = set(other.special_pages)
+        places = {page: page + shift if page in special else page for page in range(other.pool.num_pages)}
+        used = [places[page] for page in [*other.scale_pages, *other.window_pages, *other.special_pages]]
+        if len(set(used)) != len(used) or max(used, default=-1) >= limit:
+            return None
+        return places
+
+    def _take_anew(self, other: PagedTwoStreamCache) -> list[tuple[int, int]]:
         copies = []
         for source, target in ((other.scale_pages, self.scale_pages), (other.window_pages, self.window_pages)):
             for page in source:
@@ -195,9 +228,12 @@ class PagedTwoStreamCache:
         for page in other.special_pages:
             self._add_special_page()
             copies.append((page, self.special_pages[-1]))
+        self._adopt_counts(other)
+        return copies
+
+    def _adopt_counts(self, other: PagedTwoStreamCache) -> None:
         self.num_special_tokens = other.num_special_tokens
         self.num_committed_frames = other.num_committed_frames
-        return copies
 
     def _newest_patch_page(self) -> int | None:
         if self.window_pages:

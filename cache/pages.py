@@ -136,6 +136,23 @@ class PagePool:
         """The free list in id order: an emptied cache starts again from its lowest pages, side by side."""
         self._free = OrderedDict.fromkeys(sorted(self._free))
 
+    def take(self, page_ids: list[int], free_first: list[int]) -> None:
+        """Hand out exactly `page_ids` (free ones; the pool grows to hold them, up to its limit), then order the
+        free list: `free_first`'s free ids first, in that order, the rest as they were. A cache taking over
+        another's pages keeps them where they were, and the free list that cache's next frames would find."""
+        needed = max(page_ids, default=-1) + 1
+        if needed > self.num_pages:
+            if self.max_pages is not None and needed > self.max_pages:
+                raise CacheCapacityError(f"page {needed - 1} is past this pool's limit of {self.max_pages}")
+            self._free.update(OrderedDict.fromkeys(range(self.num_pages, needed)))
+            self.num_pages = needed
+        if any(page not in self._free for page in page_ids):
+            raise ValueError("pages handed out already cannot be taken")
+        for page in page_ids:
+            del self._free[page]
+        for page in reversed([page for page in free_first if page in self._free]):
+            self._free.move_to_end(page, last=False)
+
 
 @dataclass(frozen=True)
 class VisiblePages:

@@ -270,6 +270,10 @@ class CountingPool(PagePool):
         self.freed += 1
         super().free(page_id, last)
 
+    def take(self, page_ids, free_first):
+        self.taken += len(page_ids)
+        super().take(page_ids, free_first)
+
 
 def test_every_page_taken_is_freed_over_10000_frames_of_flow_keyframes_and_rollovers():
     """The page tables as a chunked stream drives them at the product's sizes: 10,000 frames, each appended
@@ -307,3 +311,44 @@ def test_every_page_taken_is_freed_over_10000_frames_of_flow_keyframes_and_rollo
     for pool in pools.values():
         assert pool.num_pages == pool.max_pages
     assert pools["stream"].taken > 10_000
+
+
+@settings(max_examples=300, deadline=None)
+@given(layout=layouts(), data=st.data(), before=st.lists(OPS, max_size=12), ops=st.lists(OPS, max_size=30))
+def test_a_cache_taking_over_reads_its_keys_as_a_rollover_in_place_would(layout, data, before, ops):
+    """In place: one cache (a pool of the whole window), emptied at the rollover, then the new chunk's frames.
+    Ahead: a spare's cache (a pool of its own, maybe of fewer window pages) takes the chunk's first frames, and a
+    cache of the whole window, emptied, takes them over. For every later frame the two read the same keys in the
+    same runs of rows, in the same order: what the range kernel sums the same way, bit for bit."""
+    slots = data.draw(st.integers(1, layout.window_frames))
+    spare_layout = dataclasses.replace(layout, window_slots=slots)
+    limit, spare_limit = (PagedTwoStreamCache.pages_needed(shape, 40) for shape in (layout, spare_layout))
+    in_place, current = (Harness(layout, limit, max_pages=limit) for _ in range(2))
+    for h in (in_place, current):  # the chunk before: pools used in another order, then emptied
+        drive(h, 1, before)
+        h.cache.reset()
+        h.reference, h.next_frame = type(h.reference)(layout), 0
+    spare = Harness(spare_layout, spare_limit, max_pages=spare_limit)
+    scale_batch = data.draw(st.integers(1, layout.scale_frames))
+    for h in (in_place, spare):
+        drive(h, scale_batch, [])
+    handed_over_at = 0
+    for op in ops:
+        if len(spare.cache.window_pages) == slots < layout.window_frames:
+            break  # the spare has no page left for another window frame: the stream takes over here
+        for h in (in_place, spare):
+            drive_one(h, op)
+        handed_over_at += 1
+    copies = current.cache.take_over(spare.cache)
+    size = layout.page_size
+    current.store = {target * size + offset: spare.store[source * size + offset]
+                     for source, target in copies for offset in range(size) if source * size + offset in spare.store}
+    current.reference, current.next_frame = spare.reference, spare.next_frame
+    in_place.next_frame = spare.next_frame
+    for op in ops[handed_over_at:]:
+        assert current.read_runs() == in_place.read_runs()
+        assert [rows for _, rows in current.cache.visible_pages().runs()] == [
+            rows for _, rows in in_place.cache.visible_pages().runs()]
+        for h in (in_place, current):
+            drive_one(h, op)
+    assert current.read_runs() == in_place.read_runs()
