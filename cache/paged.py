@@ -199,7 +199,7 @@ class PagedTwoStreamCache:
             return self._take_anew(other)
         patches = [*other.scale_pages, *other.window_pages]
         self.pool.take([places[page] for page in patches + other.special_pages],
-                       free_first=[places[page] for page in other.pool._free if page in places])
+                       free_first=[places[page] for page in other.pool.free_in_order() if page in places])
         self.scale_pages = [places[page] for page in other.scale_pages]
         self.window_pages = deque(places[page] for page in other.window_pages)
         self.special_pages = [places[page] for page in other.special_pages]

@@ -132,6 +132,10 @@ class PagePool:
         self._free[page_id] = None
         self._free.move_to_end(page_id, last=last)
 
+    def free_in_order(self) -> list[int]:
+        """The free ids in the order `allocate` hands them out (a cache taking over another's pages keeps it)."""
+        return list(self._free)
+
     def sort_free(self) -> None:
         """The free list in id order: an emptied cache starts again from its lowest pages, side by side."""
         self._free = OrderedDict.fromkeys(sorted(self._free))

@@ -16,7 +16,7 @@ from stream_recon.cache import CacheCapacityError, CacheLayout, PagedTwoStreamCa
 
 
 def free_ids(pool: PagePool) -> list[int]:
-    return list(pool._free)
+    return pool.free_in_order()
 
 
 class Harness(LabelHarness):
