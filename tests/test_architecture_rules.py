@@ -129,8 +129,9 @@ def test_the_app_uses_no_private_name_of_the_models_or_the_cache() -> None:
 # -- a command module imports at its top only what its flags need -----------------------------------------
 # What the modules that `-h` loads may import at their top besides the standard library and the package's
 # own light modules: typer and rich draw the help; numpy is the type of the npz schema's and the prediction's
-# arrays (light: the help check, tests/test_app_cli.py, allows it).
-COMMAND_TOP_LIBRARIES = {"typer", "rich", "click", "numpy"}
+# arrays (light: the help check, tests/test_app_cli.py, allows it); plyfile is one pure-Python module (under
+# 1 ms to import), which the export formats' files (the table `export -h` reads) import for their PLY files.
+COMMAND_TOP_LIBRARIES = {"typer", "rich", "click", "numpy", "plyfile"}
 
 
 def module_path(dotted: str, root: Path) -> Path | None:
@@ -287,7 +288,7 @@ def test_the_app_names_no_attention_backend() -> None:
 
 # -- a keyframe policy and an export format are named by their entry alone --------------------------------
 KEYFRAME_POLICY_HOME = "models/stream/stream_config.py"
-EXPORT_FORMAT_HOME = "app/outputs/export_formats.py"
+EXPORT_FORMATS = "app/outputs/formats"
 
 
 def keyframe_policies(root: Path | None = None) -> tuple[set[str], set[str]]:
@@ -306,17 +307,16 @@ def keyframe_policies(root: Path | None = None) -> tuple[set[str], set[str]]:
 
 
 def export_format_members(root: Path | None = None) -> set[str]:
-    """The members of export_formats.py's ExportFormat, read from its syntax tree."""
-    tree = parsed_source((root or ROOT) / EXPORT_FORMAT_HOME)
-    enum = next(node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name == "ExportFormat")
-    return {target.id for statement in enum.body if isinstance(statement, ast.Assign)
-            for target in statement.targets if isinstance(target, ast.Name) and target.id.isupper()}
+    """The members of ExportFormat: a format's file in app/outputs/formats/ makes one, named as the file in
+    upper case."""
+    return {path.stem.upper() for path in ((root or ROOT) / EXPORT_FORMATS).glob("*.py")
+            if not path.stem.startswith("_")}
 
 
 def entries_named_outside_their_table(paths: list[Path], root: Path | None = None) -> list[str]:
-    """A policy's class, a comparison of a keyframe spelling or a policy with a policy's word, or a member of
-    ExportFormat, anywhere but in their tables' modules: a branch that adding a policy or a format would have
-    to find."""
+    """A policy's class, a comparison of a keyframe spelling or a policy with a policy's word, anywhere but in
+    the policies' table, or a member of ExportFormat anywhere (the table makes them from the folder): a branch
+    that adding a policy or a format would have to find."""
     classes, spelled = keyframe_policies(root)
     members = export_format_members(root)
     found = []
@@ -331,7 +331,7 @@ def entries_named_outside_their_table(paths: list[Path], root: Path | None = Non
                 words = {side.value for side in sides if isinstance(side, ast.Constant)} & spelled
                 if words and any(re.search(r"keyframes|policy|kind", ast.unparse(side)) for side in sides):
                     found.append(f"{where}:{node.lineno}: {ast.unparse(node)} (ask the policy, not its name)")
-            elif where != EXPORT_FORMAT_HOME and isinstance(node, ast.Attribute) and node.attr in members \
+            elif isinstance(node, ast.Attribute) and node.attr in members \
                     and getattr(node.value, "id", None) == "ExportFormat":
                 found.append(f"{where}:{node.lineno}: {ast.unparse(node)} (read the format's entry)")
     return found
