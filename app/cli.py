@@ -45,7 +45,7 @@ from stream_recon.app.commands._options import (
     error_console,
     set_verbosity,
 )
-from stream_recon.app.outputs.export_formats import format_summary
+from stream_recon.app.outputs.formats import format_summary
 from stream_recon.app.stopping import STOP_SIGNALS, PromptInterrupt, end_process, interrupted_exit_code
 
 if _handler_before_import is not None:

@@ -28,8 +28,8 @@ from stream_recon.models import (
     SCALE_FRAMES,
     TRAINED_VIEWS,
     WINDOW,
-    KeyframePolicy,
     keyframe_spellings,
+    parse_keyframes,
     parse_memory_size,
 )
 from stream_recon.models.attention_backends import backend_names, resolve_backend, unknown_backend_advice
@@ -109,7 +109,7 @@ class RunOptions:
     # before the cache holds more than `chunk_frames` frames, the range the model was trained on
     chunk_frames: int = TRAINED_VIEWS
     overlap: int = 16
-    keyframes: str = "all"  # a spelling of models/stream/stream_config.py's KEYFRAME_POLICIES
+    keyframes: str = "all"  # a spelling of a policy of models/stream/keyframes/ (a file each)
     flow_threshold: float | None = None  # None: the engine's default
     max_gap: int | None = None  # flow policy: longest run of non-keyframes; None: engine default
     loop_closure: str = "auto"  # auto | on | off: the pose graph over chunks corrects drift at revisits
@@ -329,7 +329,7 @@ def _engine_problems(options: RunOptions) -> Iterator[str]:
     if options.attention not in backend_names():
         yield unknown_backend_advice(options.attention)
     try:
-        KeyframePolicy.parse(options.keyframes)
+        parse_keyframes(options.keyframes)
     except ValueError:
         yield f"--keyframes must be {keyframe_spellings()}, got {options.keyframes!r}"
     if options.gpu_memory is not None:

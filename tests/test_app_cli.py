@@ -104,7 +104,7 @@ def shown_defaults() -> dict[str, str | None]:
 
 def test_every_run_option_shows_its_default() -> None:
     from stream_recon.models.checkpoint_names import DEFAULT_CHECKPOINT
-    from stream_recon.models.stream.stream_config import FLOW_THRESHOLD, MAX_GAP
+    from stream_recon.models.stream.keyframes.flow import FLOW_THRESHOLD, MAX_GAP
 
     shown = shown_defaults()
     chosen_by_run = {"overwrite", "keep_viewer"}  # app.commands.run decides them when the flag is not given

@@ -697,7 +697,7 @@ def test_an_export_stopped_while_it_replaces_another_keeps_the_earlier_one(tmp_p
 
     # the third image's write never returns: the export is stopped with two new images written
     child = subprocess.Popen(command("export", str(finished_run), "-f", fmt, "-o", str(export), "--overwrite"),
-                             env=fault_environment("stream_recon.app.outputs.export:write_png:block:3"),
+                             env=fault_environment("stream_recon.app.outputs.export_images:write_png:block:3"),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_until(lambda: len([path for path in export.rglob("*.png") if path.stat().st_mtime > written_before])
@@ -745,7 +745,7 @@ def test_an_export_killed_part_way_leaves_the_earlier_one_and_the_next_export_cl
     earlier = tree_of(export)
 
     killed = subprocess.run(command("export", str(finished_run), "-f", "colmap", "-o", str(export), "--overwrite"),
-                            env=fault_environment("stream_recon.app.outputs.export:write_png:kill:4"), capture_output=True,
+                            env=fault_environment("stream_recon.app.outputs.export_images:write_png:kill:4"), capture_output=True,
                             text=True, timeout=120)
     assert killed.returncode == -signal.SIGKILL
     visible = {name: data for name, data in tree_of(export).items() if not name.startswith(".")}

@@ -18,8 +18,10 @@ from synthetic_run import CONF_HIGH, PLANE_Z, plane_frame, quat_xyzw_to_matrix
 from typer.testing import CliRunner
 
 from stream_recon.app.commands.export import export as export_command
-from stream_recon.app.outputs.export import ExportError, export_run
-from stream_recon.app.outputs.export_formats import ExportFormat
+from stream_recon.app.outputs import formats
+from stream_recon.app.outputs.export import export_run
+from stream_recon.app.outputs.export_job import ExportError
+from stream_recon.app.outputs.formats import ExportFormat
 from stream_recon.app.outputs.npz_schema import PredictionOutputs
 from stream_recon.app.outputs.rundir import RunDirError, read_run
 from stream_recon.app.outputs.writers import RunWriter
@@ -354,13 +356,33 @@ def test_export_errors_are_specific(run, tmp_path):
         export_run(run_dir, "obj")
 
 
+def test_the_folder_of_formats_is_the_table():
+    """Adding a format is one file in app/outputs/formats/: its name is the file's, its spec the member's, and
+    the help lists the formats in the order their specs give."""
+    files = sorted(path.stem for path in formats.FOLDER.glob("*.py") if path.stem != "__init__")
+    assert len(files) >= 6 and formats.names() == tuple(files) == tuple(sorted(fmt.value for fmt in ExportFormat))
+    for fmt in ExportFormat:
+        assert sys.modules[f"stream_recon.app.outputs.formats.{fmt.value}"].SPEC is fmt.spec
+    assert [fmt.value for fmt in ExportFormat] == ["ply", "glb", "colmap", "tum", "nerfstudio", "splats"]
+    assert formats.format_summary() == "PLY, GLB, COLMAP, TUM, nerfstudio or Gaussian splats"
+
+
+def test_the_table_of_formats_loads_no_writers_library():
+    """A format's heavy library (trimesh, OpenCV) is imported by its writer when it runs: the table, which
+    `export -h` reads, loads none of them."""
+    probe = ("import sys; import stream_recon.app.outputs.formats; "
+             "print(sorted({'cv2', 'trimesh', 'torch', 'scipy'} & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "[]", result.stderr
+
+
 @pytest.mark.parametrize("fmt", list(ExportFormat), ids=str)
 def test_every_format_is_one_whole_entry(fmt):
-    """Its member carries everything the export reads of it: a name that finds it, a writer that imports, a
-    file's suffixes (its default name one of them) or a folder's contents, never both."""
+    """Its member carries everything the export reads of it: a name that finds it, its file's writer, a file's
+    suffixes (its default name one of them) or a folder's contents, never both."""
     spec = fmt.spec
     assert ExportFormat(spec.name) is fmt and fmt.value == spec.name
-    assert callable(fmt.writer()) and fmt.writer().__name__ == spec.writer.partition(":")[2]
+    assert callable(spec.write) and spec.write.__module__ == f"stream_recon.app.outputs.formats.{fmt.value}"
     assert bool(spec.suffixes) != fmt.is_folder
     assert fmt.is_folder or fmt.accepts_suffix(Path(spec.default_name).suffix)
     assert not fmt.needs_images or fmt.is_folder

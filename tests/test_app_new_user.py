@@ -400,7 +400,7 @@ def test_an_export_or_a_conversion_stopped_says_what_it_left(tmp_path: Path, fin
         return subprocess.run(command(*args), capture_output=True, text=True, timeout=120,
                               env=environment(PYTHONPATH=str(FAULTS), STREAM_RECON_TEST_FAULT=fault))
 
-    export = stopped("stream_recon.app.outputs.export:write_png:term:2", "export", str(finished_run), "-f", "colmap",
+    export = stopped("stream_recon.app.outputs.export_images:write_png:term:2", "export", str(finished_run), "-f", "colmap",
                      "-o", str(tmp_path / "colmap"))
     assert export.returncode == 143 and lines_of(export)[-1] == (
         f"interrupted: nothing of the export was kept at {tmp_path / 'colmap'}"), lines_of(export)

@@ -132,7 +132,7 @@ def test_a_run_parses_its_keyframe_policy_and_plans_its_memory_once(tmp_path: Pa
     """The options check parses the keyframe spelling the engines then use; the budget's plan made
     for the source's frame size before the run is the one its first frame uses."""
     import stream_recon.models.stream.engine as engine_module
-    from stream_recon.models.stream import stream_config
+    from stream_recon.models.stream import keyframes
 
     planned: list[str] = []  # by whom: before the run (plan_memory_for), or at the first frame (_plan_memory)
     plan_memory = engine_module.plan_memory
@@ -142,7 +142,7 @@ def test_a_run_parses_its_keyframe_policy_and_plans_its_memory_once(tmp_path: Pa
         return plan_memory(model, config, image_size, budget)
 
     monkeypatch.setattr(engine_module, "plan_memory", plan_counted)
-    stream_config._parse_spelling.cache_clear()
+    keyframes._parse_spelling.cache_clear()
     options = RunOptions(**FAST, keyframes="interval:2", gpu_memory="64GiB")
     video = write_video(tmp_path / "clip.mp4", 6, fps=20)
 
@@ -150,7 +150,7 @@ def test_a_run_parses_its_keyframe_policy_and_plans_its_memory_once(tmp_path: Pa
 
     assert summary.ok, summary.error
     assert planned == ["plan_memory_for"]
-    assert stream_config._parse_spelling.cache_info().misses == 1
+    assert keyframes._parse_spelling.cache_info().misses == 1
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["summary"]["engine"]["memory_plan"]["budget"] == 64 * 2**30
 

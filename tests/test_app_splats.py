@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from stream_recon.app.commands.export import export as export_command
 from stream_recon.app.outputs.export import export_run
-from stream_recon.app.outputs.export_formats import DEFAULT_MAX_SPLATS
+from stream_recon.app.outputs.formats.splats import DEFAULT_MAX_SPLATS
 from stream_recon.app.outputs.npz_schema import PredictionOutputs
 from stream_recon.app.outputs.splats import (
     SH_C0,

@@ -129,8 +129,9 @@ def test_the_app_uses_no_private_name_of_the_models_or_the_cache() -> None:
 # -- a command module imports at its top only what its flags need -----------------------------------------
 # What the modules that `-h` loads may import at their top besides the standard library and the package's
 # own light modules: typer and rich draw the help; numpy is the type of the npz schema's and the prediction's
-# arrays (light: the help check, tests/test_app_cli.py, allows it).
-COMMAND_TOP_LIBRARIES = {"typer", "rich", "click", "numpy"}
+# arrays (light: the help check, tests/test_app_cli.py, allows it); plyfile is one pure-Python module (under
+# 1 ms to import), which the export formats' files (the table `export -h` reads) import for their PLY files.
+COMMAND_TOP_LIBRARIES = {"typer", "rich", "click", "numpy", "plyfile"}
 
 
 def module_path(dotted: str, root: Path) -> Path | None:
@@ -286,52 +287,52 @@ def test_the_app_names_no_attention_backend() -> None:
 
 
 # -- a keyframe policy and an export format are named by their entry alone --------------------------------
-KEYFRAME_POLICY_HOME = "models/stream/stream_config.py"
-EXPORT_FORMAT_HOME = "app/outputs/export_formats.py"
+KEYFRAME_POLICIES = "models/stream/keyframes"
+EXPORT_FORMATS = "app/outputs/formats"
 
 
-def keyframe_policies(root: Path | None = None) -> tuple[set[str], set[str]]:
-    """(the policy classes, the words they are spelled with) of stream_config.py, read from its syntax tree:
-    a class is a policy where its body gives `word` a value."""
-    tree = parsed_source((root or ROOT) / KEYFRAME_POLICY_HOME)
-    classes, spelled = set(), set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef):
-            for statement in node.body:
-                if (isinstance(statement, ast.AnnAssign) and getattr(statement.target, "id", None) == "word"
-                        and isinstance(statement.value, ast.Constant)):
-                    classes.add(node.name)
-                    spelled.add(statement.value.value)
+def keyframe_policies(root: Path | None = None) -> tuple[dict[str, str], set[str]]:
+    """(each policy class -> its file, the words they are spelled with) of the files of models/stream/keyframes/,
+    read from their syntax trees: a class is a policy where its body gives `word` a value."""
+    classes, spelled = {}, set()
+    for path in sorted(((root or ROOT) / KEYFRAME_POLICIES).glob("*.py")):
+        for node in ast.walk(parsed_source(path)):
+            if isinstance(node, ast.ClassDef):
+                for statement in node.body:
+                    if (isinstance(statement, ast.AnnAssign) and getattr(statement.target, "id", None) == "word"
+                            and isinstance(statement.value, ast.Constant)):
+                        classes[node.name] = relative(path, root)
+                        spelled.add(statement.value.value)
     return classes, spelled
 
 
 def export_format_members(root: Path | None = None) -> set[str]:
-    """The members of export_formats.py's ExportFormat, read from its syntax tree."""
-    tree = parsed_source((root or ROOT) / EXPORT_FORMAT_HOME)
-    enum = next(node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name == "ExportFormat")
-    return {target.id for statement in enum.body if isinstance(statement, ast.Assign)
-            for target in statement.targets if isinstance(target, ast.Name) and target.id.isupper()}
+    """The members of ExportFormat: a format's file in app/outputs/formats/ makes one, named as the file in
+    upper case."""
+    return {path.stem.upper() for path in ((root or ROOT) / EXPORT_FORMATS).glob("*.py")
+            if not path.stem.startswith("_")}
 
 
 def entries_named_outside_their_table(paths: list[Path], root: Path | None = None) -> list[str]:
-    """A policy's class, a comparison of a keyframe spelling or a policy with a policy's word, or a member of
-    ExportFormat, anywhere but in their tables' modules: a branch that adding a policy or a format would have
-    to find."""
+    """A policy's class anywhere but its own file, a comparison of a keyframe spelling or a policy with a
+    policy's word outside the policies' folder, or a member of ExportFormat anywhere (the table makes them from
+    the folder): a branch that adding a policy or a format would have to find."""
     classes, spelled = keyframe_policies(root)
     members = export_format_members(root)
     found = []
     for path in paths:
         where = relative(path, root)
         for node in ast.walk(parsed_source(path)):
-            if where != KEYFRAME_POLICY_HOME and isinstance(node, (ast.Name, ast.Attribute)) \
-                    and (node.id if isinstance(node, ast.Name) else node.attr) in classes:
+            named = isinstance(node, (ast.Name, ast.Attribute)) and (node.id if isinstance(node, ast.Name)
+                                                                         else node.attr)
+            if named in classes and where != classes[named]:
                 found.append(f"{where}:{node.lineno}: {ast.unparse(node)} (ask the policy, not its class)")
-            elif where != KEYFRAME_POLICY_HOME and isinstance(node, ast.Compare):
+            elif not where.startswith(KEYFRAME_POLICIES) and isinstance(node, ast.Compare):
                 sides = [node.left, *node.comparators]
                 words = {side.value for side in sides if isinstance(side, ast.Constant)} & spelled
                 if words and any(re.search(r"keyframes|policy|kind", ast.unparse(side)) for side in sides):
                     found.append(f"{where}:{node.lineno}: {ast.unparse(node)} (ask the policy, not its name)")
-            elif where != EXPORT_FORMAT_HOME and isinstance(node, ast.Attribute) and node.attr in members \
+            elif isinstance(node, ast.Attribute) and node.attr in members \
                     and getattr(node.value, "id", None) == "ExportFormat":
                 found.append(f"{where}:{node.lineno}: {ast.unparse(node)} (read the format's entry)")
     return found

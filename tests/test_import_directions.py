@@ -33,6 +33,7 @@ import ast
 import importlib
 import io
 import re
+import shutil
 import tokenize
 from pathlib import Path
 
@@ -306,7 +307,7 @@ APP_FORBIDDEN = {
     "evaluation": {"viewer", "commands"},
 }
 APP_TOP_MAY_IMPORT = {
-    "cli": {"commands", "app.outputs.export_formats"},
+    "cli": {"commands", "app.outputs.formats"},
     "options": {"app.sources.input_size", "app.sources.settings", "app.outputs.npz_schema"},
     "stopping": set(),
 }
@@ -397,36 +398,60 @@ def test_app_top_keeps_at_most_ten_modules() -> None:
 
 # -- the module graph: no circle, few doors from the app into models/, few imports inside functions -----------
 # How it is counted: a node is a module of app/, models/ or cache/ (a package is its __init__.py); an edge is
-# every import of one of ours in it, at its top or inside a function or an `if TYPE_CHECKING:` block alike,
+# every import of one of ours in it, at its top, inside a function or in an `if TYPE_CHECKING:` block alike,
 # to the module it names (`from stream_recon.models.stream import pose` -> models.stream.pose; a name taken
-# from a package -> the package). models/__init__.py imports its lazy names' homes on first use: those are
-# edges of it too.
+# from a package -> the package), and every import by a string (STRING_IMPORTS_SAY): a string naming one of our
+# modules ("stream_recon.app.run.pipeline", "module:function" for either), `importlib.import_module` of a
+# constant relative name, a package's lazy names (its `_HOMES`), and a package that imports its folder's
+# files by name (`import_module(f".{name}", __name__)` in its __init__.py: a table made of files, such as the
+# attention backends' and the export formats').
 MAX_MODELS_MODULES_THE_APP_IMPORTS = 15
 MAX_IMPORTS_INSIDE_FUNCTIONS = 60  # across app/, models/ and cache/; each with its reason
+MODULE_STRING = re.compile(r"stream_recon((?:\.\w+)+)(?::[\w.]+)?")
 
 
-def typing_only_lines(path: Path) -> set[int]:
-    """The lines of `path` under `if TYPE_CHECKING:`: imports for annotations, never run."""
-    lines: set[int] = set()
+def module_of(path: Path) -> str:
+    """'app.outputs.formats' for app/outputs/formats/__init__.py, 'app.run.pipeline' for app/run/pipeline.py."""
+    relative = path.relative_to(REPO).with_suffix("")
+    return ".".join(relative.parts[:-1] if relative.name == "__init__" else relative.parts)
+
+
+def is_our_module(dotted: str) -> bool:
+    folder = REPO.joinpath(*dotted.split("."))
+    return folder.with_suffix(".py").exists() or (folder / "__init__.py").exists()
+
+
+def imported_by_string(path: Path) -> set[str]:
+    """The modules of ours `path` imports by a string (the kinds the graph's comment lists)."""
+    module = module_of(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
     for node in ast.walk(parsed_source(path)):
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
-            lines |= {inner.lineno for statement in node.body for inner in ast.walk(statement)
-                      if hasattr(inner, "lineno")}
-    return lines
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            named = MODULE_STRING.fullmatch(node.value)
+            if named and is_our_module(named.group(1)[1:]):
+                found.add(named.group(1)[1:])
+        elif isinstance(node, ast.Assign) and path.name == "__init__.py" \
+                and any(getattr(target, "id", None) == "_HOMES" for target in node.targets):
+            found |= {f"{package}.{home}" for home in ast.literal_eval(node.value).values()}
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == \
+                "import_module" and node.args:
+            name = node.args[0]
+            if isinstance(name, ast.Constant) and str(name.value).startswith("."):
+                found.add(f"{package}.{name.value.lstrip('.').partition(':')[0]}")
+            elif isinstance(name, ast.JoinedStr) and path.name == "__init__.py":  # the folder's files, by name
+                found |= {f"{package}.{file.stem}" for file in path.parent.glob("*.py") if file.stem != "__init__"}
+    return {target for target in found if target != module and is_our_module(target)}
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the modules of ours it imports when it runs (at its top or inside a function; an import
-    for annotations only, under `if TYPE_CHECKING:`, is no edge)."""
+    """Module -> the modules of ours it imports, by a statement anywhere in it or by a string."""
     graph: dict[str, set[str]] = {}
     for path in [*modules("app"), *modules("models"), *modules("cache")]:
-        relative = path.relative_to(REPO).with_suffix("")
-        name = ".".join(relative.parts[:-1] if relative.name == "__init__" else relative.parts)
-        typing_only = typing_only_lines(path)
-        graph[name] = {target for line, target, _ in imported_names(path)
-                       if target.split(".")[0] in ("app", "models", "cache") and target != name
-                       and line not in typing_only}
-    graph["models"] |= {f"models.{home}" for home in lazy_homes().values()}
+        name = module_of(path)
+        graph[name] = {target for _, target, _ in imported_names(path)
+                       if target.split(".")[0] in ("app", "models", "cache") and target != name}
+        graph[name] |= imported_by_string(path)
     return graph
 
 
@@ -482,6 +507,32 @@ def test_the_circle_check_finds_a_circle_through_an_import_inside_a_function() -
     graph = import_graph()
     graph["models.loops.consistency"].add("models.loops.pose_graph")  # pose_graph imports consistency
     assert ["models.loops.consistency", "models.loops.pose_graph"] in circles(graph)
+
+
+@pytest.mark.parametrize("added", [
+    "if TYPE_CHECKING:\n    from stream_recon.models.loops.pose_graph import PoseGraphSolver",
+    "SOLVER = 'stream_recon.models.loops.pose_graph'",
+    "SOLVE = 'stream_recon.models.loops.pose_graph:optimize'",
+    "def solver():\n    return importlib.import_module('.pose_graph', __package__)",
+])
+def test_the_circle_check_finds_a_circle_through_a_typing_import_or_an_import_by_string(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, added: str) -> None:
+    """pose_graph imports consistency: a line of consistency.py reaching pose_graph back closes a circle."""
+    for folder in ("app", "models", "cache"):
+        shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    consistency = tmp_path / "models" / "loops" / "consistency.py"
+    consistency.write_text(f"{consistency.read_text()}\n\n{added}\n")
+    monkeypatch.setitem(globals(), "REPO", tmp_path)
+    assert ["models.loops.consistency", "models.loops.pose_graph"] in circles(import_graph())
+
+
+def test_a_table_made_of_a_folders_files_imports_each_of_them() -> None:
+    """The export formats' table imports its files by name: each is an edge of the graph, as an import is."""
+    graph = import_graph()
+    files = {f"app.outputs.formats.{path.stem}" for path in (REPO / "app" / "outputs" / "formats").glob("*.py")
+             if path.stem != "__init__"}
+    assert len(files) >= 6 and files <= graph["app.outputs.formats"]
+    assert {"cache.backends.sdpa", "cache.backends.triton"} <= graph["cache.backends"]
 
 
 def models_modules_the_app_imports() -> list[str]:

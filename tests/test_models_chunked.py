@@ -26,6 +26,8 @@ from stream_recon.models import (
     StreamConfig,
     StreamingEngine,
 )
+from stream_recon.models.stream import keyframes
+from stream_recon.models.stream.keyframes.interval import IntervalKeyframes
 from stream_recon.models.stream.pose import rotation_to_quat_xyzw
 from stream_recon.models.stream.prediction import FRAME_NON_KEY
 from stream_recon.models.stream.similarity import (
@@ -36,7 +38,6 @@ from stream_recon.models.stream.similarity import (
     estimate_chunk_alignment,
     median_ratio_scale,
 )
-from stream_recon.models.stream.stream_config import IntervalKeyframes
 
 HEIGHT, WIDTH = 28, 42  # 2 x 3 patches
 
@@ -816,16 +817,14 @@ def test_a_keyframe_spelling_is_parsed_once_for_every_config_of_a_stream(model, 
     """The StreamConfig a ChunkedEngine is given and the copies it makes for its chunks and its spare
     (with their cache size, without the budget): one parse of the spelling between them. The config's
     attributes stay its fields."""
-    from stream_recon.models.stream import stream_config
-
-    stream_config._parse_spelling.cache_clear()
+    keyframes._parse_spelling.cache_clear()
     config = StreamConfig(scale_frames=3, window=4, keyframes="Interval:2", gpu_memory=2**40)
     engine = ChunkedEngine(model, config, chunk_frames=6, overlap=2, lookahead=True)
     run_live(engine, frames[:20])
     engine.close()
     assert engine.rollovers_ahead >= 1 and engine.memory_plan is not None
     assert engine.engine.policy == config.policy == IntervalKeyframes(2)
-    parses = stream_config._parse_spelling.cache_info()
+    parses = keyframes._parse_spelling.cache_info()
     assert parses.misses == 1 and parses.hits >= 3
     assert vars(config) == {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
 

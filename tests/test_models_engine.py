@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,20 +19,18 @@ from stream_recon.models import (
     FRAME_NON_KEY,
     FRAME_SCALE,
     FrameError,
-    KeyframePolicy,
     ModelConfig,
     StreamConfig,
     StreamingEngine,
     prepare_for_inference,
 )
+from stream_recon.models.stream import keyframes
+from stream_recon.models.stream.keyframe_policy import PREDICTION, SIGNALS, TOKENS, FrameFacts
+from stream_recon.models.stream.keyframes import parse_keyframes
+from stream_recon.models.stream.keyframes.all import AllKeyframes
+from stream_recon.models.stream.keyframes.flow import FLOW_THRESHOLD, MAX_GAP, FlowKeyframes
+from stream_recon.models.stream.keyframes.interval import IntervalKeyframes
 from stream_recon.models.stream.steps import EagerRunner
-from stream_recon.models.stream.stream_config import (
-    FLOW_THRESHOLD,
-    MAX_GAP,
-    AllKeyframes,
-    FlowKeyframes,
-    IntervalKeyframes,
-)
 
 
 def run(model, config: StreamConfig, images) -> tuple[list, StreamingEngine]:
@@ -145,19 +145,19 @@ def test_flow_policy_decides_and_reports_flow(prepared_tiny_model, attention):
 @pytest.mark.parametrize("text, expected", [("all", AllKeyframes()), (" interval:3", IntervalKeyframes(3)),
                                            ("FLOW", FlowKeyframes(FLOW_THRESHOLD, MAX_GAP))])
 def test_policy_parsing(text, expected):
-    assert KeyframePolicy.parse(text) == expected
+    assert parse_keyframes(text) == expected
 
 
 @pytest.mark.parametrize("text", ["interval:0", "interval:x", "interval", "all:2", "flow:", "sometimes", ""])
 def test_policy_parsing_rejects(text):
     with pytest.raises(ValueError, match=r"unknown keyframe policy .*: use all, flow or interval:N \(N >= 1\)"):
-        KeyframePolicy.parse(text)
+        parse_keyframes(text)
 
 
 def test_flow_settings_out_of_range_are_refused_for_the_flow_policy_only():
     with pytest.raises(ValueError, match=r"flow keyframes need flow_threshold > 0 and max_gap >= 1, got 0.0, 3"):
-        KeyframePolicy.parse("flow", 0.0, 3)
-    assert KeyframePolicy.parse("interval:2", 0.0, 0) == IntervalKeyframes(2)
+        parse_keyframes("flow", 0.0, 3)
+    assert parse_keyframes("interval:2", 0.0, 0) == IntervalKeyframes(2)
 
 
 # -- the policies against the string-kind formulas they replaced, written out here as the reference ----------
@@ -205,8 +205,8 @@ policies = st.one_of(st.just(AllKeyframes()), st.builds(IntervalKeyframes, st.in
 def test_a_policy_parses_back_from_its_spelling(policy, flow_threshold, max_gap):
     if isinstance(policy, FlowKeyframes):  # the flow settings are flags of their own, not in the spelling
         flow_threshold, max_gap = policy.flow_threshold, policy.max_gap
-    assert KeyframePolicy.parse(policy.spelling, flow_threshold, max_gap) == policy
-    assert KeyframePolicy.parse(policy.spelling.upper(), flow_threshold, max_gap) == policy
+    assert parse_keyframes(policy.spelling, flow_threshold, max_gap) == policy
+    assert parse_keyframes(policy.spelling.upper(), flow_threshold, max_gap) == policy
 
 
 @settings(max_examples=200, deadline=None)
@@ -217,25 +217,118 @@ def test_policies_decide_as_the_string_kinds_did(text, flow_threshold, max_gap, 
     expected = reference_parse(text)
     if expected is None:
         with pytest.raises(ValueError, match="unknown keyframe policy"):
-            KeyframePolicy.parse(text, flow_threshold, max_gap)
+            parse_keyframes(text, flow_threshold, max_gap)
         return
     kind, interval = expected
-    policy = KeyframePolicy.parse(text, flow_threshold, max_gap)
+    policy = parse_keyframes(text, flow_threshold, max_gap)
     # the chunked engine's questions: whether a chunk closes on its keyframes, its input frames per cached one
     assert policy.closes_on_keyframes == (kind == "flow")
     assert (policy.input_frames_per_cached_frame or 1) == (interval if kind == "interval" else 1)
     assert policy.reads_flow_threshold == (kind == "flow")
     for index, scale_frames, last_key_index, flow in steps:
-        assert policy.decided_before(index, scale_frames) == reference_decided_before(kind, interval, index,
-                                                                                      scale_frames)
+        before = FrameFacts(index, scale_frames, 0.0, last_key_index, 0.0)
+        assert policy.decided_before(before) == reference_decided_before(kind, interval, index, scale_frames)
         if kind == "flow":
-            assert policy.decided_after(flow, index, last_key_index, scale_frames) == reference_decided_after(
+            assert policy.decided_after(dataclasses.replace(before, flow=flow)) == reference_decided_after(
                 flow_threshold, max_gap, flow, index, last_key_index, scale_frames)
+
+
+def test_the_folder_of_policies_is_the_table():
+    """Adding a keyframe policy is one file in models/stream/keyframes/: its word is the file's name."""
+    folder = Path(keyframes.__file__).parent
+    files = sorted(path.stem for path in folder.glob("*.py") if path.stem != "__init__")
+    assert len(files) >= 3 and keyframes.names() == tuple(files) == tuple(keyframes.keyframe_policies())
+    for word, policy in keyframes.keyframe_policies().items():
+        assert policy.word == word and policy.__module__ == f"stream_recon.models.stream.keyframes.{word}"
+        assert policy.reads <= set(SIGNALS)
+    assert keyframes.keyframe_spellings() == "all, flow or interval:N (N >= 1)"
+
+
+# A policy that decides from the frame's prediction, as a user would add it: one file beside the others.
+CONFIDENT_POLICY = '''"""`confident:T`: a keyframe when the frame's mean depth confidence (or its tokens' mean) is at least T."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from stream_recon.models.stream.keyframe_policy import PREDICTION, TOKENS, FrameFacts, KeyframePolicy
+
+TOLD: list[FrameFacts] = []  # what the engine told it, for the test to read
+
+
+@dataclass(frozen=True)
+class ConfidentKeyframes(KeyframePolicy):
+    threshold: float
+    word: ClassVar[str] = "confident"
+    usage: ClassVar[str] = "confident:T"
+    reads: ClassVar[frozenset[str]] = frozenset({PREDICTION})
+
+    def decided_before(self, frame: FrameFacts) -> bool | None:
+        return None
+
+    def decided_after(self, frame: FrameFacts) -> bool:
+        TOLD.append(frame)
+        read = frame.prediction["depth_conf"] if frame.prediction is not None else frame.tokens
+        return float(read.mean()) >= self.threshold
+
+    @classmethod
+    def from_argument(cls, argument, flow_threshold, max_gap):
+        return cls(float(argument)) if argument else None
+'''
+
+
+@pytest.fixture(params=[PREDICTION])
+def policy_beside_the_others(request, tmp_path, monkeypatch):
+    """CONFIDENT_POLICY, reading the signal the test asks for, written as a file in a folder of the keyframes
+    package's path: the table then holds it."""
+    (tmp_path / "confident.py").write_text(CONFIDENT_POLICY.replace("frozenset({PREDICTION})",
+                                                                    f"frozenset({{{request.param.upper()}}})"))
+    monkeypatch.setattr(keyframes, "__path__", [*keyframes.__path__, str(tmp_path)])
+    keyframes.keyframe_policies.cache_clear()
+    keyframes._parse_spelling.cache_clear()
+    yield
+    monkeypatch.undo()
+    keyframes.keyframe_policies.cache_clear()
+    keyframes._parse_spelling.cache_clear()
+    sys.modules.pop("stream_recon.models.stream.keyframes.confident", None)
+
+
+def test_a_policy_that_reads_the_frames_prediction_is_one_file(prepared_tiny_model, policy_beside_the_others):
+    """The engine tells a policy what it reads (here the prediction, so no flow and no tokens), and the policy
+    alone decides: each streaming frame is a keyframe exactly when its own prediction says so."""
+    assert "confident:T" in keyframes.keyframe_spellings()
+    images = frames(12, seed=5)
+    everything, _ = run(prepared_tiny_model, StreamConfig(scale_frames=3, window=3), images)
+    threshold = float(np.median([p.depth_conf.mean() for p in everything[3:]]))
+    predictions, engine = run(prepared_tiny_model, StreamConfig(scale_frames=3, window=3,
+                                                                keyframes=f"confident:{threshold!r}"), images)
+    told = sys.modules["stream_recon.models.stream.keyframes.confident"].TOLD
+    assert [facts.index for facts in told] == list(range(3, 12))
+    assert all(facts.flow is None and facts.tokens is None and facts.timestamp == 0.5 * facts.index
+               for facts in told)
+    streamed = predictions[3:]
+    keys = [p.frame_type == FRAME_KEY for p in streamed]
+    assert keys == [bool(p.depth_conf.mean() >= threshold) for p in streamed] and 0 < sum(keys) < len(keys)
+    assert all(np.isnan(p.flow_magnitude) for p in streamed)  # the flow, which it does not read, is not computed
+    assert engine.stats()["keyframes"] == 3 + sum(keys)
+
+
+@pytest.mark.parametrize("policy_beside_the_others", [TOKENS], indirect=True)
+def test_a_policy_that_reads_the_frames_tokens_is_told_its_descriptor(prepared_tiny_model, policy_beside_the_others):
+    """Reading the tokens makes the engine's steps make each frame's descriptor, and tells the policy that alone."""
+    predictions, _ = run(prepared_tiny_model, StreamConfig(scale_frames=3, window=3, keyframes="confident:0"),
+                         frames(6, seed=5))
+    told = sys.modules["stream_recon.models.stream.keyframes.confident"].TOLD
+    assert [facts.index for facts in told] == [3, 4, 5]
+    for facts, prediction in zip(told, predictions[3:], strict=True):
+        assert facts.prediction is None and facts.flow is None
+        np.testing.assert_array_equal(facts.tokens, prediction.descriptor)
 
 
 def test_every_engine_shares_one_parse_of_a_spelling():
     config = StreamConfig(keyframes="Flow", flow_threshold=2.5, max_gap=4)
-    assert config.policy is dataclasses.replace(config, window=3).policy is KeyframePolicy.parse("Flow", 2.5, 4)
+    assert config.policy is dataclasses.replace(config, window=3).policy is parse_keyframes("Flow", 2.5, 4)
 
 
 def test_bad_frames_are_named(prepared_tiny_model):

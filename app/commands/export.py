@@ -32,7 +32,9 @@ from stream_recon.app.commands._options import (
     user_errors,
 )
 from stream_recon.app.options import point_cloud_problems
-from stream_recon.app.outputs.export_formats import DEFAULT_MAX_SPLATS, ExportFormat
+from stream_recon.app.outputs.export_job import ExportError
+from stream_recon.app.outputs.formats import ExportFormat, own_caps
+from stream_recon.app.outputs.rundir import check_run_dir
 
 
 def export(
@@ -61,7 +63,7 @@ def export(
     max_points: Annotated[
         Optional[int],
         typer.Option(min=1, help="Cap on exported points; the voxel grows to respect it. Default: the run's value; "
-                     f"{DEFAULT_MAX_SPLATS} for splats (what a browser renders smoothly)."),
+                     f"{own_caps()} (what a browser renders smoothly)."),
     ] = None,
     full_resolution: Annotated[
         bool,
@@ -85,8 +87,7 @@ def export(
     a nerfstudio dataset (transforms.json, images, points.ply) or Gaussian splats (the 3D Gaussian splatting PLY
     that splat viewers open)."""
     # trimesh, OpenCV and torch load with these: when the command runs, never for -h
-    from stream_recon.app.outputs.export import ExportError, export_run
-    from stream_recon.app.outputs.rundir import check_run_dir
+    from stream_recon.app.outputs.export import export_run
     from stream_recon.app.outputs.writers import close_abandoned_run
 
     console = error_console()

@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 from plyfile import PlyData, PlyElement
 
-from stream_recon.app.outputs.rundir import atomic_write
+from stream_recon.app.outputs.pointcloud import PointAccumulator, PointCloud
+from stream_recon.app.outputs.rundir import RunDirError, atomic_write, iter_run
 from stream_recon.models.stream.pose import back_project, rotation_to_quat_xyzw
 
 # Y_0^0 = 1 / (2 sqrt(pi)): colour = 0.5 + SH_C0 * f_dc, the renderers' degree-0 term.
@@ -205,3 +206,28 @@ def opacity_logit(opacity: np.ndarray) -> np.ndarray:
     """Opacity in (0, 1) [...] -> its logit, within +-LOGIT_LIMIT."""
     p = np.clip(np.asarray(opacity, dtype=np.float64), 1e-12, 1 - 1e-12)
     return np.clip(np.log(p / (1 - p)), -LOGIT_LIMIT, LOGIT_LIMIT).astype(np.float32)
+
+
+def gaussian_splats(run_dir: Path, cloud: PointCloud, accumulator: PointAccumulator) -> GaussianSplats:
+    """The cloud's points as Gaussians, in the cloud's order: a second pass over the npz files reads each
+    point's confidence and depth neighbourhood from the frame it was back-projected from."""
+    order = np.argsort(cloud.frame_index, kind="stable")
+    frames = cloud.frame_index[order]
+    parts, rows = [], []
+    for record in iter_run(run_dir, frames=set(np.unique(frames).tolist())):  # (the frames the cloud came from)
+        these = order[np.searchsorted(frames, record["frame_index"]):
+                      np.searchsorted(frames, record["frame_index"], side="right")]
+        if not len(these):
+            continue
+        intrinsics = record["intrinsics"]
+        parts.append(frame_splats(cloud.xyz[these], cloud.rgb[these], cloud.pixel[these], record["depth"],
+                                  record["depth_conf"], intrinsics, record["c2w"],
+                                  pixel_step=accumulator.pixel_step(intrinsics), voxel_size=accumulator.voxel_size))
+        rows.append(these)
+    found = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
+    if len(found) != len(cloud):
+        raise RunDirError(f"{run_dir} changed while it was exported (a prediction file went missing); export it again")
+    position = np.empty(len(cloud), dtype=np.int64)
+    position[found] = np.arange(len(found))  # back in the cloud's order
+    splats = GaussianSplats.concatenate(parts)
+    return GaussianSplats(*(getattr(splats, name)[position] for name in GaussianSplats.FIELDS))

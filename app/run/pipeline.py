@@ -75,7 +75,7 @@ from stream_recon.app.stopping import (
     signals_noted,
     wait_for_stop_signal,
 )
-from stream_recon.models import DEFAULT_CHECKPOINT, FrameError, KeyframePolicy, partitioned_stream
+from stream_recon.models import DEFAULT_CHECKPOINT, FrameError, parse_keyframes, partitioned_stream
 from stream_recon.models.builds.plan import Builder, BuildSettings
 from stream_recon.models.supervision import Deadline, HelperDown
 
@@ -767,7 +767,7 @@ def _source_warnings(source: FrameSource, options: RunOptions) -> list[str]:
     """What a run of `source` with `options` is warned of before it starts: a loop closure asked for that
     cannot help it, frames too small to reconstruct."""
     warnings = [loop_closure_cannot_help(options, source.estimated_length)]
-    if options.flow_threshold is not None and not KeyframePolicy.parse(options.keyframes).reads_flow_threshold:
+    if options.flow_threshold is not None and not parse_keyframes(options.keyframes).reads_flow_threshold:
         warnings.append(f"--flow-threshold {options.flow_threshold:g} sets the flow keyframe policy's threshold and "
                         f"does nothing with --keyframes {options.keyframes}: pass --keyframes flow to use it")
     if source.frame_size is not None:

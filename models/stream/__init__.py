@@ -1,6 +1,7 @@
 """The stream: frames in, final per-frame predictions out, chunk after chunk.
 
-Owns the streaming engine (engine) and its settings (stream_config), how one step runs on the device
+Owns the streaming engine (engine) and its settings (stream_config), the keyframe policies
+(keyframe_policy, and keyframes/: a file each, the folder their table), how one step runs on the device
 (steps, graphs, staging), what it hands downstream (prediction) and the pose encoding those predictions
 carry (pose), the memory plan of a run (memory), chunked streaming (chunked, chunks, similarity: Sim(3)
 and chunk alignment), the rollover beside the stream (rollover, lookahead, sm_partition: the spare's

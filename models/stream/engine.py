@@ -9,6 +9,7 @@ no pages, no special tokens, no temporal index, no camera-head token).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -22,12 +23,13 @@ from stream_recon.cache import CacheLayout, KVCache, TokenCache, backends
 from ..errors import FrameError, MemoryBudgetError
 from ..network.gct import GCTStream
 from ..network.prepared import require_prepared
+from .keyframe_policy import FLOW, PREDICTION, TOKENS, FrameFacts, KeyframePolicy
 from .memory import MemoryPlan, plan_memory
 from .pose import camera_motion_flow
 from .prediction import FRAME_KEY, FRAME_NON_KEY, FRAME_SCALE, FramePrediction
 from .staging import Staged
 from .steps import EagerRunner, choose_runner
-from .stream_config import KeyframePolicy, StreamConfig
+from .stream_config import StreamConfig
 
 # Streaming steps a warm-up predicts after its scale step: the first compiles and records the step's
 # graph, the second replays it (the replay's own first launches, a pipelined runner's side stream).
@@ -54,6 +56,7 @@ def _host_row(host: dict[str, np.ndarray], row: int) -> dict[str, np.ndarray | N
 @dataclass
 class _LastKeyframe:
     index: int
+    timestamp: float
     c2w: np.ndarray  # [3, 4]
     intrinsics: np.ndarray  # [3, 3]
 
@@ -171,7 +174,7 @@ class StreamingEngine:
             self.runner.begin(image[None], index)
             ready = self._deliver(keep=0, settle_only=True)  # a pending flow decision, made now
             self._check_temporal_range(1)
-            keyframe = self.policy.decided_before(index, self.config.scale_frames) if cached else False
+            keyframe = self.policy.decided_before(self._facts(index, timestamp)) if cached else False
             # A frame that may be rolled back keeps the oldest window frame until the decision, so it
             # sees window_frames older frames (the reference's deferred eviction).
             self.cache.append(defer_eviction=keyframe is not True)
@@ -259,6 +262,12 @@ class StreamingEngine:
         self.cache.clear()
         self.camera_cache.clear()
         return seconds
+
+    @property
+    def makes_descriptors(self) -> bool:
+        """Whether its steps make each frame's descriptor: asked for (StreamConfig.descriptors), or the tokens
+        its keyframe policy reads."""
+        return self.config.descriptors or TOKENS in self.policy.reads
 
     @property
     def at_stream_start(self) -> bool:
@@ -390,7 +399,7 @@ class StreamingEngine:
         self.num_frames += count
         host = self.runner.staging.receive(staged)
         predictions = [FramePrediction(first_index + i, stamps[i], FRAME_SCALE, **_host_row(host, i)) for i in range(count)]
-        self._last_keyframe = _LastKeyframe(first_index + count - 1, host["c2w"][-1], host["intrinsics"][-1])
+        self._last_keyframe = _LastKeyframe(first_index + count - 1, stamps[-1], host["c2w"][-1], host["intrinsics"][-1])
         return predictions
 
     # -- decisions and delivery ------------------------------------------------------------
@@ -405,22 +414,32 @@ class StreamingEngine:
                 break
             self._in_flight.pop(0)
             host = self.runner.staging.receive(flight.staged)
-            flow = float("nan")
+            facts = None
             if flight.keyframe is None:
-                flow = self._flow(host)
-                flight.keyframe = self.policy.decided_after(flow, flight.index, self._last_keyframe.index,
-                                                            self.config.scale_frames)
+                facts = self._facts(flight.index, flight.timestamp, host)
+                flight.keyframe = self.policy.decided_after(facts)
                 self._settle(flight, flight.keyframe)
             if flight.keyframe:
-                self._last_keyframe = _LastKeyframe(flight.index, host["c2w"][0], host["intrinsics"][0])
+                self._last_keyframe = _LastKeyframe(flight.index, flight.timestamp, host["c2w"][0],
+                                                    host["intrinsics"][0])
             frame_type = FRAME_KEY if flight.keyframe else FRAME_NON_KEY
+            flow = facts.flow if facts is not None and facts.flow is not None else float("nan")
             delivered.append(FramePrediction(flight.index, flight.timestamp, frame_type, flow_magnitude=flow,
                                              **_host_row(host, 0)))
         return delivered
 
-    def _flow(self, host: dict[str, np.ndarray]) -> float:
-        key = self._last_keyframe
-        return camera_motion_flow(host["c2w"][0], host["intrinsics"][0], host["depth"][0], key.c2w, key.intrinsics)
+    def _facts(self, index: int, timestamp: float, host: dict[str, np.ndarray] | None = None) -> FrameFacts:
+        """What the policy is told of streaming frame `index`: its place and time, and once its step's outputs
+        are on the host (`host`), what the policy reads of them."""
+        key, reads = self._last_keyframe, self.policy.reads
+        facts = FrameFacts(index, self.config.scale_frames, timestamp, key.index, key.timestamp)
+        if host is None:
+            return facts
+        row = _host_row(host, 0)
+        flow = camera_motion_flow(row["c2w"], row["intrinsics"], row["depth"], key.c2w, key.intrinsics) \
+            if FLOW in reads else None
+        return dataclasses.replace(facts, flow=flow, prediction=row if PREDICTION in reads else None,
+                                   tokens=row["descriptor"] if TOKENS in reads else None)
 
     def _settle(self, flight: _InFlight, keyframe: bool) -> None:
         """Commit a keyframe or roll a non-keyframe back."""
@@ -532,7 +551,7 @@ class StreamingEngine:
         self.cache = cache
         self.runner = choose_runner(self.model, self.cache, self.camera_cache, (height, width),
                                     self.config.scale_frames, cuda_graphs=self.config.cuda_graphs,
-                                    pipeline=self.config.pipeline, descriptors=self.config.descriptors)
+                                    pipeline=self.config.pipeline, descriptors=self.makes_descriptors)
         self.runner.steps_eagerly(self._eager_steps)
         if self.on_backend_ready is not None:
             self.on_backend_ready(self.cache.backend_name)
