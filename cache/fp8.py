@@ -1,4 +1,4 @@
-"""FP8 (E4M3) keys and values: the quantisation rule of a dense store in 8 bits (PyTorch reference).
+"""FP8 (E4M3) keys and values: the quantisation rule of the pages in 8 bits (PyTorch reference).
 
 Each token's K (and V) of one head, 64 values, is stored as 64 e4m3 codes and one power-of-two
 scale 2^e, e an int8 exponent: the scales of OCP's MX formats (E8M0, one per 32 values), here one

@@ -1,5 +1,5 @@
 """Whether an optional package imports here: asked once per process, in this one place (the backend
-table, the dense store's fp8 write and the models' fused kernels all ask it)."""
+table, the pages' fp8 write and the models' fused kernels all ask it)."""
 
 from __future__ import annotations
 

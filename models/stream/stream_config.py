@@ -44,7 +44,7 @@ class StreamConfig:
     # frame the engine plans the K/V precision (with `auto`) and, only if it must, a shorter window
     # to fit (models/memory.py; `memory_plan`), or raises MemoryBudgetError. None: no budget.
     gpu_memory: int | None = None
-    # The most frames whose special tokens the cache holds at once; the dense cache allocates for
+    # The most frames whose special tokens the cache holds at once; a GPU's page pool holds pages for
     # all of them. None: the model's temporal range (max_frames). ChunkedEngine sets its chunk's.
     max_cached_frames: int | None = None
     # Each prediction also carries a global descriptor of its frame (GeM of its DINO patch tokens,
