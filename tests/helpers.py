@@ -62,3 +62,8 @@ def parsed_source(path: Path) -> ast.Module:
 @lru_cache(maxsize=4096)
 def _parsed_text(text: str) -> ast.Module:
     return ast.parse(text)
+
+
+def idle_child(requests_fd: int, replies_fd: int) -> None:
+    """A child process (models/child_process.py's start_child) that waits until its parent closes its pipe."""
+    os.read(requests_fd, 1)

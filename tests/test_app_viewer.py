@@ -985,7 +985,7 @@ def test_a_run_that_closes_a_loop_moves_the_chunk_nodes_a_client_sees(tmp_path, 
         assert is_posed(mirrors[0], "/chunks/0", Sim3.identity())
         helpers = json.loads((tmp_path / "run" / "run.json").read_text())["summary"]["helpers"]
         # each that ran, up to the end (frames this small are made model inputs on the reader: no preprocessing pool)
-        assert sorted(helpers) == ["loop_closure", "progress", "reader", "viewer", "writer"], helpers
+        assert sorted(helpers) == ["child_monitor", "loop_closure", "progress", "reader", "viewer", "writer"], helpers
         assert all(h["up"] for h in helpers.values()) and helpers["viewer"]["when_down"] == "turn off", helpers
     finally:
         for mirror in mirrors:
