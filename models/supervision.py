@@ -334,7 +334,7 @@ def supervise_child(helper: Helper, pid: int, died: Callable[[int], str] | None 
     for gone in [known for known in list(_CHILD_HELPERS) if not _alive(known)]:
         _CHILD_HELPERS.pop(gone, None)
     _CHILD_HELPERS[pid] = helper
-    CHILDREN.watch(pid, helper, died or (lambda code: f"its process {pid} died (exit status {code})"), quiet)
+    CHILDREN.watch(pid, died or (lambda code: f"its process {pid} died (exit status {code})"), quiet)
 
 
 def ending_child(pid: int) -> None:
@@ -376,7 +376,6 @@ CHILD_MONITOR = HelperPolicy("watching the child processes", WhenFull.DROP, When
 @dataclass
 class _Watched:
     pid: int
-    helper: Helper
     died: Callable[[int], str]
     quiet: bool
     fd: int  # its pidfd: readable once the process has exited
@@ -385,7 +384,8 @@ class _Watched:
 class ChildMonitor:
     """One thread waiting on every supervised child's sentinel (its pidfd, which Linux makes readable when the
     process exits), as vLLM's executor waits on its workers' sentinels: a child that dies marks its helper down
-    when it dies, not at its owner's next check. The thread starts with the first child and waits on nothing
+    when it dies, not at its owner's next check (the helper the registry names, `helper_of_child`). The thread
+    starts with the first child and waits on nothing
     else (a pipe wakes it for a new child), so it never polls; the exit is read without reaping the child
     (WNOWAIT), which stays its owner's to wait for."""
 
@@ -398,7 +398,8 @@ class ChildMonitor:
         self._selector: Any = None
         self._wake_write = -1
 
-    def watch(self, pid: int, helper: Helper, died: Callable[[int], str], quiet: bool) -> None:
+    def watch(self, pid: int, died: Callable[[int], str], quiet: bool) -> None:
+        """Watch the child `pid` (its helper: `helper_of_child`) from now until it exits or its parent ends it."""
         try:
             fd = os.pidfd_open(pid)
         except (OSError, AttributeError):  # (gone and reaped already, or no pidfd here: its owner sees its end)
@@ -406,7 +407,7 @@ class ChildMonitor:
         with self._lock:
             if self._thread is None:
                 self._start()
-            record = _Watched(pid, helper, died, quiet, fd)
+            record = _Watched(pid, died, quiet, fd)
             self._watched[pid] = record
             self._new.append(record)
         os.write(self._wake_write, b"+")
@@ -450,8 +451,9 @@ class ChildMonitor:
         if info is None or not mine:
             return
         code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-        if code != 0:
-            record.helper.fail(record.died(code), quiet=record.quiet)
+        helper = helper_of_child(record.pid)
+        if code != 0 and helper is not None:
+            helper.fail(record.died(code), quiet=record.quiet)
 
 
 CHILDREN = ChildMonitor()

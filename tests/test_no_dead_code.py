@@ -3,7 +3,8 @@ cache/ is used by the product itself or by the tools in scripts/.
 
 Read with `ast`, by name, without importing anything: a definition is used where its name appears in
 another module's or its own code (a name, an attribute, an import, a keyword argument) or in a string
-(an import by a string: a child's "serve", a "module:function"), or in a script's text (the shell scripts
+(an import by a string: a child's "serve", a "module:function"; a docstring's mention is none), or in a
+script's text (the shell scripts
 among them). Names are not resolved, so a method is used where any object's attribute of that name is:
 the check errs towards "used", never towards "dead". A definition only tests use belongs in tests/.
 What the language or a library calls by its own rule (dunder methods, a torch module's `extra_repr`, a
@@ -50,10 +51,15 @@ def definitions(path: Path) -> Iterable[tuple[str, int]]:
 
 
 def names_used(paths: Iterable[Path]) -> set[str]:
-    """Every name the code of `paths` reads, imports or passes, and every word of its strings."""
+    """Every name the code of `paths` reads, imports or passes, and every word of its strings (but its
+    docstrings: a name a docstring mentions is not used by it)."""
     used: set[str] = set()
     for path in paths:
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        prose = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}  # docstrings: no use
+        for node in ast.walk(tree):
+            if id(node) in prose:
+                continue
             if isinstance(node, ast.Name):
                 used.add(node.id)
             elif isinstance(node, ast.Attribute):

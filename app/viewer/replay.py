@@ -200,10 +200,6 @@ class Replay:
         """The position of the newest saved frame at or before `frame_index` (a timeline value)."""
         return max(0, int(np.searchsorted(self.index.frame_indices, frame_index, side="right")) - 1)
 
-    def wait_until_loaded(self, timeout: float = 60.0) -> bool:
-        """Wait until the keyframes of the last seek are loaded and drawn (tests, measurements)."""
-        return self._loader_idle.wait(timeout) and self.viewer.flush(timeout)
-
     def _keyframes_to_load(self, first: int, last: int) -> list[int]:
         """Positions in [first, last] of the newest keyframes that can be on screen, newest first."""
         positions = np.flatnonzero(self.index.is_keyframe[first : last + 1]) + first

@@ -205,11 +205,6 @@ class LoopClosureProcess:
         """Whether the child has said it started (as of the last call)."""
         return self._ready
 
-    def wait_for_answers(self, timeout: float) -> None:
-        """Wait until the child's pipe has something to read, `timeout` s at most, and take it."""
-        self._wait_for_pipes(timeout)
-        self._exchange()
-
     def summary(self) -> dict[str, Any]:
         summary = {**self._summary, **self._schedule.summary()}
         summary["keyframes_indexed"] = max(summary.get("keyframes_indexed", 0), self._keyframes_answered)
