@@ -30,6 +30,8 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from stream_recon.models.supervision import Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -46,6 +48,9 @@ REDELIVERY_INTERVAL_S = 0.5
 # last frames written, trajectory, cloud and run.json) has the rest: STOP_CLOSE_S.
 STOP_STREAM_S = 5.0
 STOP_CLOSE_S = 4.0
+# The thread that delivers a swallowed signal again: one that raises leaves the signal delivered once.
+REDELIVERY_POLICY = HelperPolicy("the stop signal's redelivery", WhenFull.DROP, WhenDown.TURN_OFF,
+                                 stall_s=REDELIVERY_INTERVAL_S)
 
 
 class PromptInterrupt:
@@ -65,6 +70,7 @@ class PromptInterrupt:
         self._deferring = False
         self._deferred: int | None = None
         self.signum: int | None = None  # the first signal received
+        self.helper = Helper(REDELIVERY_POLICY)
 
     def __enter__(self) -> PromptInterrupt:
         global _active
@@ -111,7 +117,7 @@ class PromptInterrupt:
         if not self._requested.is_set():
             self.signum = signum
             self._requested.set()
-            threading.Thread(target=self._redeliver, name="interrupt-redelivery", daemon=True).start()
+            start_supervised_thread(self.helper, self._redeliver, "interrupt-redelivery")
         raise KeyboardInterrupt
 
     def _redeliver(self) -> None:

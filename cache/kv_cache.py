@@ -104,10 +104,6 @@ class KVCache:
     def num_visible_tokens(self) -> int:
         return self.bookkeeping.visible_pages().num_tokens
 
-    @property
-    def pages_in_use(self) -> int:
-        return self.bookkeeping.pool.num_used
-
     # -- updates ---------------------------------------------------------------------------
     def append(self, defer_eviction: bool = False) -> None:
         """Add one pending frame (eviction semantics: PagedTwoStreamCache.append)."""

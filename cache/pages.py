@@ -90,13 +90,6 @@ class PagePool:
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def num_used(self) -> int:
-        return self.num_pages - len(self._free)
-
-    def is_free(self, page_id: int) -> bool:
-        return page_id in self._free
-
     def require(self, count: int) -> None:
         """Raise CacheCapacityError unless `count` more pages can be handed out (growing if need
         be), so that a caller can check before it changes anything."""

@@ -234,13 +234,12 @@ def range_kernel_name() -> str:
 
 
 def measure_resident_programs(device: torch.device, dtype: torch.dtype, num_heads: int, head_dim: int,
-                              start_thread: Callable[[Callable[[], None], str], threading.Thread] | None = None,
-                              ) -> None:
+                              start_thread: Callable[[Callable[[], None], str], threading.Thread]) -> None:
     """`resident_programs` of both the range kernel's uses (a cache's attention at `key_stages`, a
     frame's own at FRAME_NUM_STAGES) for `dtype` queries and keys on `device`, found now, the two builds
     side by side: on a fresh machine each takes 1-2 s, which a stream's first steps would otherwise wait
     for. Any shapes do: the schedule's numbers are not specialised on. `start_thread(target, name)`
-    starts the second build's daemon thread: the caller's way (its helper's), else a plain one."""
+    starts the second build's daemon thread the caller's way (a helper's: the cache knows no helpers)."""
     q = torch.empty(BLOCK_QUERIES, num_heads, head_dim, dtype=dtype, device=device)  # [N, H, D]
     keys = torch.empty(BLOCK_KEYS, num_heads, head_dim, dtype=dtype, device=device)  # [capacity, H, D]
     failed: list[Exception] = []
@@ -249,12 +248,7 @@ def measure_resident_programs(device: torch.device, dtype: torch.dtype, num_head
         _frame_resident_programs(q, keys, failed)
 
     # A daemon: one stalled in its build holds neither this call (RESIDENT_PROGRAMS_WAIT_S) nor the exit.
-    name = threading.current_thread().name
-    if start_thread is not None:
-        frames = start_thread(frame_build, name)
-    else:
-        frames = threading.Thread(target=frame_build, name=name, daemon=True)
-        frames.start()
+    frames = start_thread(frame_build, threading.current_thread().name)
     try:
         key_stages(q, keys, keys)
     finally:

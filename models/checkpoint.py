@@ -47,11 +47,14 @@ from .hub_paths import (
     hub_unreachable,
 )
 from .network.config import ModelConfig
+from .supervision import Helper, HelperPolicy, WhenDown, WhenFull
 
 if TYPE_CHECKING:
     from .network.gct import GCTStream
 
 HF_REPO_ID = "robbyant/lingbot-map"
+# The thread a conversion writes its checkpoint on (`_save_stoppably`): what it raises is the conversion's error.
+CHECKPOINT_WRITER = HelperPolicy("the checkpoint's writer", WhenFull.PUSH_BACK, WhenDown.FAIL_RUN, stall_s=600.0)
 HF_REPO_URL = f"https://huggingface.co/{HF_REPO_ID}"
 
 
@@ -530,7 +533,7 @@ def _save_stoppably(tensors: dict[str, torch.Tensor], path: Path, metadata: dict
     written (13 s for the official 4.6 GB checkpoint; a stop is promised within 10 s). A lock's wait is
     interrupted by a signal's handler. Stopped, the caller removes the file; the worker, a daemon thread,
     ends with the process, its job holding the tensors it reads until then."""
-    writer = DaemonPool(1, "checkpoint-writer")
+    writer = DaemonPool(1, "checkpoint-writer", Helper(CHECKPOINT_WRITER))
     try:
         writer.submit(save_file, tensors, path, metadata).result()  # unbounded-ok: a disk's write; a signal ends it
     finally:

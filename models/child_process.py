@@ -25,11 +25,11 @@ import struct
 import subprocess
 import sys
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from .supervision import Helper, supervise_child
+from .supervision import Helper, ending_child, supervise_child
 
 # A child of its own session: the terminal's Ctrl-C goes to the stream's process, which ends the child
 # itself (close); a child in the same process group would die of it too, with a traceback of its own.
@@ -60,6 +60,7 @@ class ChildProcess:
     def end(self, timeout: float = END_WAIT_S) -> bool:
         """End the child now, whatever it is doing (stopped by SIGSTOP too: SIGKILL ends a stopped process);
         waits at most `timeout` s for it to go. True when it has gone."""
+        ending_child(self.process.pid)
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.process.send_signal(signal.SIGKILL)
@@ -80,9 +81,11 @@ class ChildProcess:
 
 
 def start_child(module: str, function: str, *arguments: object, helper: Helper, env: Mapping[str, str] | None = None,
-                output: BinaryIO | None = None, outlives_parent: bool = False) -> ChildProcess:
+                output: BinaryIO | None = None, outlives_parent: bool = False,
+                died: Callable[[int], str] | None = None, quiet: bool = False) -> ChildProcess:
     """Run `module.function(requests_fd, replies_fd, *arguments)` in a fresh interpreter (arguments as
-    Python literals), a child of `helper`'s (models/supervision.py: every child is some helper's; env: its
+    Python literals), a child of `helper`'s (models/supervision.py: every child is some helper's, and its
+    death marks that helper down when it happens, `died(returncode)` the reason; env: its
     environment, default this process's; output: where its stdout and stderr
     go, default this process's). Call it on a thread that outlives the child: Linux sends the
     parent-death signal when the thread that started a child ends. `outlives_parent`: a child that
@@ -112,7 +115,7 @@ def start_child(module: str, function: str, *arguments: object, helper: Helper, 
     child = ChildProcess(process, os.fdopen(parent_writes, "wb", buffering=0), os.fdopen(parent_reads, "rb", buffering=0))
     if not outlives_parent:
         _LIVE_CHILDREN.add(child)
-    supervise_child(helper, process.pid)
+    supervise_child(helper, process.pid, died, quiet=quiet)
     return child
 
 

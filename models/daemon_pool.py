@@ -21,10 +21,10 @@ from .supervision import Deadline, Helper, supervise_thread
 
 class DaemonPool:
     """Up to `workers` daemon threads named `{name}_{i}` (as ThreadPoolExecutor names its own), started as
-    jobs come, taking them in order; each is `helper`'s (models/supervision.py), where one is given. A job's
-    error goes to its future: the pool's owner says what it does to the helper."""
+    jobs come, taking them in order; each is `helper`'s (models/supervision.py). A job's error goes to its
+    future: the pool's owner says what it does to the helper."""
 
-    def __init__(self, workers: int, name: str, helper: Helper | None = None) -> None:
+    def __init__(self, workers: int, name: str, helper: Helper) -> None:
         self.workers, self.name, self.helper = workers, name, helper
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # (future, function, args); None: a worker ends
         self._threads: list[threading.Thread] = []
@@ -45,8 +45,7 @@ class DaemonPool:
                 thread = threading.Thread(target=_work, args=(self._jobs,), name=f"{self.name}_{len(self._threads)}",
                                           daemon=True)
                 self._threads.append(thread)
-                if self.helper is not None:
-                    supervise_thread(self.helper, thread)
+                supervise_thread(self.helper, thread)
                 thread.start()
         return future
 

@@ -24,12 +24,13 @@ import collections
 import enum
 import logging
 import os
+import selectors
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 logger = logging.getLogger("stream_recon")
 
@@ -133,16 +134,25 @@ class Helper:
 
 
 class HandOff:
-    """A bounded hand-off from the run loop to one worker thread, by the helper's WhenFull policy.
+    """A bounded hand-off between the run loop and one helper's thread, by the helper's WhenFull policy,
+    either way round.
 
-    `offer` never waits past the policy's push_back_s; the worker takes with `take` and calls `done`
-    when an item is finished (its beat); `drain` waits for the backlog with a deadline; `close` ends
-    the hand-off: nothing more is accepted, and a worker waiting in `take` wakes at once.
+    To a worker (the writer, the spare engine): the run loop's `offer` never waits past the policy's
+    push_back_s; the worker takes with `take` and calls `done` when an item is finished (its beat); `drain`
+    waits for the backlog with a deadline. From a helper (`gives`: the source's reader): the helper's thread
+    hands over what it makes with `give` (its beat), by the policy: PUSH_BACK waits for the run loop to take
+    (the run loop's pace), LATEST drops the oldest item waiting, DROP the new one (both counted); the run loop
+    takes with `take`. `close` ends the hand-off either way: nothing more is accepted, and a thread waiting in
+    `take` or `give` wakes at once; `discard` empties it. Nothing polls: every wait is on one Condition that
+    each change notifies. `on_discard(item)`: called for an item that leaves it untaken (dropped, discarded).
     """
 
-    def __init__(self, helper: Helper, capacity: int) -> None:
+    def __init__(self, helper: Helper, capacity: int, *, gives: bool = False,
+                 on_discard: Callable[[Any], None] | None = None) -> None:
         self.helper = helper
         self.capacity = capacity
+        self.gives = gives
+        self._on_discard = on_discard
         self._items: collections.deque = collections.deque()
         self._unfinished = 0  # handed over and not yet done: waiting, or taken and in the worker's hands
         self._closed = False
@@ -191,10 +201,42 @@ class HandOff:
             helper.check(has_work=True)
         return False
 
+    def give(self, item: Any) -> bool:
+        """(The helper's thread, `gives`) hand `item` to the run loop by the policy; False when it was dropped
+        or the hand-off is closed. PUSH_BACK waits for room as long as the run loop takes to make it: the
+        helper's own wait, which `close` and `discard` end."""
+        when_full = self.helper.policy.when_full
+        with self._changed:
+            while len(self._items) >= self.capacity and not self._closed:
+                if when_full is WhenFull.PUSH_BACK:
+                    self._changed.wait()  # unbounded-ok: the helper waits for the run loop, which closes it
+                    continue
+                self.helper.dropped += 1
+                self._left_untaken(self._items.popleft() if when_full is WhenFull.LATEST else item)
+                if when_full is WhenFull.DROP:
+                    return False
+            if self._closed:
+                return False
+            self._items.append(item)
+            self._changed.notify_all()
+        self.helper.beat()
+        return True
+
+    def discard(self) -> None:
+        """Empty the hand-off (each item's `on_discard`); a `give` waiting for room goes on."""
+        with self._changed:
+            while self._items:
+                self._left_untaken(self._items.popleft())
+            self._changed.notify_all()
+
+    def _left_untaken(self, item: Any) -> None:
+        if self._on_discard is not None:
+            self._on_discard(item)
+
     def _room_made(self, when_full: WhenFull) -> bool:
         """(Holding the lock, the hand-off full) make room by the policy; False when the item is dropped."""
         if when_full is WhenFull.LATEST:
-            self._items.popleft()
+            self._left_untaken(self._items.popleft())
             self._unfinished -= 1
             self.helper.dropped += 1
             return True
@@ -206,8 +248,9 @@ class HandOff:
         return False
 
     def take(self, timeout: float) -> tuple[bool, Any]:
-        """(True, item) for the worker, or (False, None) when none came within `timeout` or the hand-off
-        is closed with nothing left (then at once; `closed` tells the two apart)."""
+        """(True, item) for the worker (or, where the helper gives, the run loop), or (False, None) when none
+        came within `timeout` or the hand-off is closed with nothing left (then at once; `closed` tells the
+        two apart)."""
         deadline = Deadline(timeout)
         with self._changed:
             while not self._items and not self._closed and not deadline.expired:
@@ -215,8 +258,9 @@ class HandOff:
             if not self._items:
                 return False, None
             item = self._items.popleft()
-            self._changed.notify_all()  # room for an offer that waits
-        self.helper.beat()
+            self._changed.notify_all()  # room for an offer or a give that waits
+        if not self.gives:  # a worker's take is its progress; the run loop's is not the giver's
+            self.helper.beat()
         return True, item
 
     def done(self) -> None:
@@ -246,6 +290,13 @@ class HandOff:
             return self._unfinished == 0
 
 
+class HelperOwner(Protocol):
+    """What starts helpers of a run (a source, a sink, the engine, the builds, the monitor of children): each
+    that ran, by run.json's name. A run asks its owners this, and only this."""
+
+    def helpers(self) -> dict[str, Helper]: ...
+
+
 def start_supervised_thread(helper: Helper, target: Callable[[], None], name: str) -> threading.Thread:
     """A daemon thread of `helper`'s running `target`; whatever it raises marks the helper down with its reason."""
 
@@ -273,12 +324,22 @@ def supervise_thread(helper: Helper, thread: threading.Thread) -> None:
     _THREAD_HELPERS[thread] = helper
 
 
-def supervise_child(helper: Helper, pid: int) -> None:
-    """Record the child process `pid` as `helper`'s; the records of children that have gone are dropped
-    first, so that a long batch, a few children a video, keeps no more records than live children."""
+def supervise_child(helper: Helper, pid: int, died: Callable[[int], str] | None = None, *,
+                    quiet: bool = False) -> None:
+    """Record the child process `pid` as `helper`'s, and watch it (CHILDREN): a child that dies, exiting
+    non-zero or killed by a signal, before its parent ends it (`ending_child`) marks `helper` down at once,
+    with `died(returncode)` as the reason (a returncode as subprocess's: -N for signal N), `quiet` as
+    Helper.fail's. The records of children that have gone are dropped first, so that a long batch, a few
+    children a video, keeps no more records than live children."""
     for gone in [known for known in list(_CHILD_HELPERS) if not _alive(known)]:
         _CHILD_HELPERS.pop(gone, None)
     _CHILD_HELPERS[pid] = helper
+    CHILDREN.watch(pid, died or (lambda code: f"its process {pid} died (exit status {code})"), quiet)
+
+
+def ending_child(pid: int) -> None:
+    """The parent ends the child `pid` now (a kill, a stop): its exit is no death of its helper's."""
+    CHILDREN.forget(pid)
 
 
 def _alive(pid: int) -> bool:
@@ -306,6 +367,96 @@ def helper_of_thread(thread: threading.Thread) -> Helper | None:
 def helper_of_child(pid: int) -> Helper | None:
     """The helper the child process `pid` belongs to, or None."""
     return _CHILD_HELPERS.get(pid)
+
+
+# The monitor of the children: one that raises leaves each child's death to its owner's next check.
+CHILD_MONITOR = HelperPolicy("watching the child processes", WhenFull.DROP, WhenDown.TURN_OFF, stall_s=60.0)
+
+
+@dataclass
+class _Watched:
+    pid: int
+    died: Callable[[int], str]
+    quiet: bool
+    fd: int  # its pidfd: readable once the process has exited
+
+
+class ChildMonitor:
+    """One thread waiting on every supervised child's sentinel (its pidfd, which Linux makes readable when the
+    process exits), as vLLM's executor waits on its workers' sentinels: a child that dies marks its helper down
+    when it dies, not at its owner's next check (the helper the registry names, `helper_of_child`). The thread
+    starts with the first child and waits on nothing
+    else (a pipe wakes it for a new child), so it never polls; the exit is read without reaping the child
+    (WNOWAIT), which stays its owner's to wait for."""
+
+    def __init__(self) -> None:
+        self.helper = Helper(CHILD_MONITOR)
+        self._lock = threading.Lock()
+        self._watched: dict[int, _Watched] = {}  # pid -> its record, while it lives and its parent has not ended it
+        self._new: list[_Watched] = []  # watched, not yet registered by the thread
+        self._thread: threading.Thread | None = None
+        self._selector: Any = None
+        self._wake_write = -1
+
+    def watch(self, pid: int, died: Callable[[int], str], quiet: bool) -> None:
+        """Watch the child `pid` (its helper: `helper_of_child`) from now until it exits or its parent ends it."""
+        try:
+            fd = os.pidfd_open(pid)
+        except (OSError, AttributeError):  # (gone and reaped already, or no pidfd here: its owner sees its end)
+            return
+        with self._lock:
+            if self._thread is None:
+                self._start()
+            record = _Watched(pid, died, quiet, fd)
+            self._watched[pid] = record
+            self._new.append(record)
+        os.write(self._wake_write, b"+")
+
+    def forget(self, pid: int) -> None:
+        with self._lock:
+            self._watched.pop(pid, None)
+
+    def helpers(self) -> dict[str, Helper]:
+        """The monitor's thread, where it started, by run.json's name."""
+        return {} if self._thread is None else {"child_monitor": self.helper}
+
+    def _start(self) -> None:
+        self._selector = selectors.DefaultSelector()
+        wake_read, self._wake_write = os.pipe()
+        self._selector.register(wake_read, selectors.EVENT_READ, None)
+        self._thread = start_supervised_thread(self.helper, self._run, "child-monitor")
+
+    def _run(self) -> None:
+        while True:
+            for key, _ in self._selector.select():  # (no timeout: a child's exit or a new child wakes it)
+                if key.data is None:
+                    os.read(key.fd, 4096)
+                    with self._lock:
+                        new, self._new = self._new, []
+                    for record in new:
+                        self._selector.register(record.fd, selectors.EVENT_READ, record)
+                else:
+                    self._exited(key.data)
+
+    def _exited(self, record: _Watched) -> None:
+        self._selector.unregister(record.fd)
+        try:
+            info = os.waitid(os.P_PIDFD, record.fd, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:  # reaped by its owner meanwhile: the owner has seen its end
+            info = None
+        finally:
+            os.close(record.fd)
+        with self._lock:
+            mine = self._watched.pop(record.pid, None) is record
+        if info is None or not mine:
+            return
+        code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        helper = helper_of_child(record.pid)
+        if code != 0 and helper is not None:
+            helper.fail(record.died(code), quiet=record.quiet)
+
+
+CHILDREN = ChildMonitor()
 
 
 State = TypeVar("State")

@@ -419,6 +419,10 @@ class StandInEngine:
     def close(self) -> None:
         """Nothing runs beside it."""
 
+    def helpers(self) -> dict:
+        """It starts no helper (models/supervision.py's HelperOwner)."""
+        return {}
+
     @staticmethod
     def _wait(until: float) -> None:
         remaining = until - time.perf_counter()

@@ -113,7 +113,8 @@ def synthetic_graph(num_chunks: int, seed: int, loops_per_chunk: float = 0.125) 
     graph = PoseGraph()
     for k in range(num_chunks - 1):
         sigmas = ODOMETRY_NOISE.sigmas(250.0 / truth[k + 1].scale)
-        graph = graph.with_odometry(OdometryEdge(perturbed(truth[k].inverse() @ truth[k + 1], sigmas, rng), sigmas))
+        edge = OdometryEdge(perturbed(truth[k].inverse() @ truth[k + 1], sigmas, rng), sigmas)
+        graph = PoseGraph((*graph.odometry, edge), graph.loops)
     true_loops = max(1, round(0.8 * loops_per_chunk * num_chunks))
     for n in range(true_loops + max(1, true_loops // 4)):
         if n < true_loops:  # a place passed up to 50 chunks before (an open chain of 10,000 chunks drifts
@@ -127,8 +128,9 @@ def synthetic_graph(num_chunks: int, seed: int, loops_per_chunk: float = 0.125) 
         if n >= true_loops:  # false: a wrong place, ~hundreds of units off
             measured = measured @ pose_graph.from_gtsam(gtsam.Similarity3.Expmap(
                 np.concatenate([rng.normal(0, 0.5, 3), rng.normal(0, 300, 3), [0.0]])))
-        graph = graph.with_loop(LoopEdge(f"{'true' if n < true_loops else 'false'}-{n}", first, second,
-                                         perturbed(measured, sigmas, rng), sigmas))
+        edge = LoopEdge(f"{'true' if n < true_loops else 'false'}-{n}", first, second,
+                        perturbed(measured, sigmas, rng), sigmas)
+        graph = PoseGraph(graph.odometry, (*graph.loops, edge))
     return graph, tuple(truth)
 
 

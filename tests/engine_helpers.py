@@ -1,11 +1,16 @@
 """The engine tests' shared helpers: random frames, the streamed predictions checked against
 the model stepped over a list-based model of the spec's visible key set (tests/test_models_engine.py,
 tests/test_models_budget.py), and a gate that holds a chunked engine's spare back
-(tests/test_models_chunked.py, tests/test_gpu_fast_path.py)."""
+(tests/test_models_chunked.py, tests/test_gpu_fast_path.py), and a keyframe policy added as one file beside the
+shipped ones (`policy_beside`)."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -85,3 +90,59 @@ class SpareGate:
             return push(engine, *args, **kwargs)
 
         monkeypatch.setattr(StreamingEngine, "push_checked", gated_push)
+
+
+# A policy that decides as another does and also reads the frame's tokens: the engine then makes each frame's
+# descriptor (models/stream/keyframe_policy.py, TOKENS), and its steps otherwise are those of the other policy.
+DESCRIBED_POLICY = '''"""`described:SPELLING`: as SPELLING's policy decides, reading the frame's tokens too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from stream_recon.models.stream.keyframe_policy import FLOW, TOKENS, FrameFacts, KeyframePolicy
+from stream_recon.models.stream.keyframes import parse_keyframes
+
+
+@dataclass(frozen=True)
+class DescribedKeyframes(KeyframePolicy):
+    inner: KeyframePolicy
+    word: ClassVar[str] = "described"
+    usage: ClassVar[str] = "described:SPELLING"
+    reads: ClassVar[frozenset[str]] = frozenset({FLOW, TOKENS})
+
+    def decided_before(self, frame: FrameFacts) -> bool | None:
+        return self.inner.decided_before(frame)
+
+    def decided_after(self, frame: FrameFacts) -> bool:
+        return self.inner.decided_after(frame)
+
+    @property
+    def input_frames_per_cached_frame(self) -> int | None:
+        return self.inner.input_frames_per_cached_frame
+
+    @classmethod
+    def from_argument(cls, argument, flow_threshold, max_gap):
+        return cls(parse_keyframes(argument, flow_threshold, max_gap)) if argument else None
+'''
+
+
+@contextlib.contextmanager
+def policy_beside(folder: Path, word: str, source: str) -> Iterator[None]:
+    """The keyframe policy `source` written as `word`.py in `folder`, a folder of the keyframes package's path
+    meanwhile: the table holds it as it holds the shipped ones (one file each)."""
+    from stream_recon.models.stream import keyframes
+
+    (folder / f"{word}.py").write_text(source)
+    path = keyframes.__path__
+    keyframes.__path__ = [*path, str(folder)]
+    keyframes.keyframe_policies.cache_clear()
+    keyframes._parse_spelling.cache_clear()
+    try:
+        yield
+    finally:
+        keyframes.__path__ = path
+        keyframes.keyframe_policies.cache_clear()
+        keyframes._parse_spelling.cache_clear()
+        sys.modules.pop(f"stream_recon.models.stream.keyframes.{word}", None)

@@ -62,3 +62,78 @@ def parsed_source(path: Path) -> ast.Module:
 @lru_cache(maxsize=4096)
 def _parsed_text(text: str) -> ast.Module:
     return ast.parse(text)
+
+
+def idle_child(requests_fd: int, replies_fd: int) -> None:
+    """A child process (models/child_process.py's start_child) that waits until its parent closes its pipe."""
+    os.read(requests_fd, 1)
+
+
+def read_run(run_dir: Path) -> list[dict]:
+    """Every prediction of a run, in frame order (rundir.iter_run's records), all in memory."""
+    from stream_recon.app.outputs.rundir import iter_run
+
+    return list(iter_run(run_dir))
+
+
+def sim3_from_matrix(matrix: np.ndarray) -> Sim3:
+    """A Sim(3) from a [4, 4] [sR | t] (Sim3.scaled_matrix): the scale is the cube root of the block's determinant."""
+    matrix = np.asarray(matrix, np.float64)
+    scale = float(np.cbrt(np.linalg.det(matrix[:3, :3])))
+    return Sim3(scale, matrix[:3, :3] / scale, matrix[:3, 3].copy())
+
+
+def preprocess_frame(rgb: np.ndarray, image_width: int | None = None) -> np.ndarray:
+    """A decoded frame [H, W, 3] uint8 as the reference's float model input [3, H, W] in [0, 1], exactly uint8 / 255."""
+    from stream_recon.app.sources.input_size import DEFAULT_IMAGE_WIDTH
+    from stream_recon.app.sources.preprocess import preprocess_frame_uint8
+
+    return to_float(preprocess_frame_uint8(rgb, image_width or DEFAULT_IMAGE_WIDTH))
+
+
+def preprocess_path(path: Path, image_width: int | None = None) -> np.ndarray:
+    """A picture file as the reference's float model input [3, H, W]."""
+    from stream_recon.app.sources.preprocess import load_image
+
+    return preprocess_image(load_image(path), image_width)
+
+
+def preprocess_image(image, image_width: int | None = None) -> np.ndarray:
+    """A PIL picture as the reference's float model input [3, H, W] in [0, 1], exactly uint8 / 255."""
+    from stream_recon.app.sources.input_size import DEFAULT_IMAGE_WIDTH
+    from stream_recon.app.sources.preprocess import preprocess_frame_uint8, upright_rgb
+
+    rgb = np.asarray(upright_rgb(image), dtype=np.uint8)  # as a folder's reader makes it
+    return to_float(preprocess_frame_uint8(rgb, image_width or DEFAULT_IMAGE_WIDTH))
+
+
+def to_float(pixels: np.ndarray) -> np.ndarray:
+    """uint8 -> float32 in [0, 1]: the one correctly rounded division torchvision's ToTensor does."""
+    return pixels.astype(np.float32) / np.float32(255)
+
+
+def pad_batch(images: list[np.ndarray]) -> np.ndarray:
+    """Model inputs of possibly different sizes stacked as the reference batches them: S arrays [3, H_i, W_i] ->
+    [S, 3, max H, max W], a smaller image centred and its border white (1.0), an odd extra row at the bottom."""
+    if not images:
+        raise ValueError("at least one image is needed to make a batch")
+    max_height = max(image.shape[1] for image in images)
+    max_width = max(image.shape[2] for image in images)
+    padded = []
+    for image in images:
+        rows, cols = max_height - image.shape[1], max_width - image.shape[2]
+        top, left = rows // 2, cols // 2
+        padding = ((0, 0), (top, rows - top), (left, cols - left))
+        padded.append(np.pad(image, padding, mode="constant", constant_values=1.0))
+    return np.stack(padded)  # [S, 3, H, W]
+
+
+def chunk_scales(engine) -> np.ndarray:
+    """[n_chunks] the scale of each chunk's transform into chunk 0 (the reference's `chunk_scales`)."""
+    return np.array([transform.scale for transform in engine.alignment.transforms])
+
+
+def chunk_transforms(engine) -> np.ndarray:
+    """[n_chunks, 4, 4] [R | t] of each chunk's transform into chunk 0; with `chunk_scales` it maps x -> s R x + t
+    (the reference's `chunk_transforms`)."""
+    return np.stack([transform.matrix for transform in engine.alignment.transforms])

@@ -32,6 +32,7 @@ from stream_recon.models.loops.pose_graph import (
     OdometryEdge,
     PoseGraph,
     PoseGraphSettings,
+    PoseGraphSolver,
     from_gtsam,
     open_chain,
     optimize,
@@ -40,6 +41,23 @@ from stream_recon.models.stream.similarity import Sim3, umeyama
 
 CHUNK_FRAMES = 320  # the engine's window
 OVERLAP_FRAMES = 16  # frames a chunk shares with the previous one
+
+
+def with_odometry(graph: PoseGraph, edge: OdometryEdge) -> PoseGraph:
+    """The graph with one more chunk, hung on its last one."""
+    return PoseGraph((*graph.odometry, edge), graph.loops)
+
+
+def with_loop(graph: PoseGraph, edge: LoopEdge) -> PoseGraph:
+    return PoseGraph(graph.odometry, (*graph.loops, edge))
+
+
+def pair_consistency(graph: PoseGraph) -> np.ndarray:
+    """[L, L] bool: which of `graph`'s loops a solver finds pairwise consistent (the diagonal True)."""
+    solver = PoseGraphSolver()
+    solver._take_odometry(graph.odometry)
+    loops = solver._take_loops(graph.loops)
+    return solver._consistent_pairs[np.ix_(loops, loops)]
 
 
 def read_kitti_poses(path: Path) -> np.ndarray:
@@ -287,7 +305,7 @@ def make_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, false_
     for k in range(len(ranges) - 1):
         sigmas = ODOMETRY_NOISE.sigmas(scenario.path_length(k + 1))
         exact = world_from_chunk[k].inverse() @ world_from_chunk[k + 1]
-        graph = graph.with_odometry(OdometryEdge(perturbed(exact, sigmas, rng), sigmas))
+        graph = with_odometry(graph, OdometryEdge(perturbed(exact, sigmas, rng), sigmas))
     chain = open_chain(graph.odometry)
 
     def fit(loop_id: str, pair: tuple[int, int], frames: tuple[int, int], seen_instead: Sim3 = Sim3.identity()):
@@ -299,7 +317,7 @@ def make_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, false_
     for pair in revisited:
         for frames in keyframe_pairs(truth, ranges, pair, revisit_radius, keyframe_pairs_per_revisit):
             true_ids.append(f"true-{pair[0]}-{pair[1]}-{frames[1]}")
-            graph = graph.with_loop(fit(true_ids[-1], pair, frames))
+            graph = with_loop(graph, fit(true_ids[-1], pair, frames))
     candidates = [(a, b) for a in range(len(ranges)) for b in range(a + 2, len(ranges))]
     candidates = [pair for pair in candidates if pair not in revisited] or candidates
     if subtle_false is not None:
@@ -319,7 +337,7 @@ def make_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, false_
             group = [(frames, shift) for frames in keyframe_pairs(truth, ranges, pair, revisit_radius, repeats)]
         for frames, seen_instead in group:
             false_ids.append(f"false-{pair[0]}-{pair[1]}-{len(false_ids)}")
-            graph = graph.with_loop(fit(false_ids[-1], pair, frames, seen_instead))
+            graph = with_loop(graph, fit(false_ids[-1], pair, frames, seen_instead))
     return Scenario(truth, tuple(ranges), world_from_chunk, graph, frozenset(true_ids), frozenset(false_ids))
 
 

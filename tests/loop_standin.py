@@ -135,6 +135,10 @@ class LoopSceneEngine:
     def finish(self) -> list[FramePrediction]:
         return []
 
+    def helpers(self) -> dict:
+        """It starts no helper (models/supervision.py's HelperOwner, as every owner a run asks)."""
+        return {}
+
     def stats(self) -> dict:
         return {"frames": self.num_frames, "keyframes": self.num_frames, "chunk_index": self.chunk_index,
                 "chunk_start": self.chunk_start, "cached_frames": 0, "cache_bytes": 0, "attention": "stand-in"}

@@ -20,11 +20,11 @@ from dataset_tree import write_dataset_tree, write_image_folder, write_tum_seque
 from stream_recon.app.evaluation.batch import (
     COMPLETE_MARKER,
     SUMMARY_COLUMNS,
+    SUMMARY_JSON,
     BatchError,
     finished_row,
     finished_settings,
     plan_actors,
-    read_summary,
     run_batch,
     write_summary,
 )
@@ -33,6 +33,7 @@ from stream_recon.app.options import RunOptions, changed_settings
 from stream_recon.app.outputs.rundir import (
     TRAJECTORY_OPEN_TUM,
     TRAJECTORY_TUM,
+    exact_strings,
     read_tum,
     write_json_atomic,
     write_tum,
@@ -43,6 +44,12 @@ FRAMES = 6
 # 64 x 48 frames -> 56 x 42 model input: the tiny model runs each frame in milliseconds on CPU.
 OPTIONS = RunOptions(device="cpu", image_width=56, scale_frames=4, viewer=False)
 TESTS_DIR = Path(__file__).parent
+
+
+def read_summary(output_dir: Path) -> list[dict]:
+    """The batch's summary.json rows, each string as the batch read it (exact_strings: a name that is not
+    UTF-8 comes back exactly)."""
+    return [exact_strings(row) for row in json.loads((Path(output_dir) / SUMMARY_JSON).read_text(encoding="utf-8"))]
 
 
 def load_missing_model():

@@ -13,6 +13,7 @@ import torch
 import trimesh
 import typer
 from conftest import symlink_and_fifo
+from helpers import read_run
 from plyfile import PlyData
 from synthetic_run import CONF_HIGH, PLANE_Z, plane_frame, quat_xyzw_to_matrix
 from typer.testing import CliRunner
@@ -23,7 +24,7 @@ from stream_recon.app.outputs.export import export_run
 from stream_recon.app.outputs.export_job import ExportError
 from stream_recon.app.outputs.formats import ExportFormat
 from stream_recon.app.outputs.npz_schema import PredictionOutputs
-from stream_recon.app.outputs.rundir import RunDirError, read_run
+from stream_recon.app.outputs.rundir import RunDirError
 from stream_recon.app.outputs.writers import RunWriter
 from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
 

@@ -108,7 +108,7 @@ def test_run_json_lists_the_loop_and_its_correction(closed_run) -> None:
     # every helper that ran beside the stream, up to the end (a run on the CPU builds nothing ahead, and
     # this one shows no viewer)
     helpers = json.loads((run_dir / RUN_JSON).read_text())["summary"]["helpers"]
-    assert sorted(helpers) == ["loop_closure", "progress", "reader", "writer"], helpers
+    assert sorted(helpers) == ["child_monitor", "loop_closure", "progress", "reader", "writer"], helpers
     assert all(h["up"] for h in helpers.values()), helpers
 
 

@@ -10,6 +10,7 @@ import sys
 import cv2
 import numpy as np
 import pytest
+from helpers import read_run
 from plyfile import PlyData
 from sky_standin import sky_and_ground, write_tiny_skyseg
 from typer.testing import CliRunner
@@ -19,7 +20,6 @@ from stream_recon.app.options import RunOptions
 from stream_recon.app.outputs import sky as sky_module
 from stream_recon.app.outputs.export import export_run
 from stream_recon.app.outputs.masks import MaskDirError, UserMasks
-from stream_recon.app.outputs.rundir import read_run
 from stream_recon.app.outputs.sky import SKYSEG_URL, SkyModelError, SkySegmenter
 from stream_recon.app.run.pipeline import run_sequence, sky_stream
 from stream_recon.app.viewer.geometry import sample_keyframe_points

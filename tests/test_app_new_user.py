@@ -16,12 +16,11 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
-from helpers import wait_until
+from helpers import read_run, wait_until
 from media_helpers import free_port, mjpeg_server, write_image_folder, write_video
 from test_app_cli_process import FAST_FLAGS, command, environment, lines_of, stream_recon
 
 from stream_recon.app.commands._options import EXIT_BAD_INPUT
-from stream_recon.app.outputs.rundir import read_run
 from stream_recon.app.outputs.sky import SKYSEG_URL
 
 FAULTS = Path(__file__).parent / "faults"  # its sitecustomize records what a process imported

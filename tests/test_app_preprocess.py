@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import pad_batch, preprocess_frame, preprocess_image, preprocess_path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -19,11 +20,6 @@ from PIL import Image
 from stream_recon.app.sources.input_size import input_size_problem, model_input_size, resized_size
 from stream_recon.app.sources.preprocess import (
     ImageReadError,
-    pad_batch,
-    preprocess_frame,
-    preprocess_image,
-    preprocess_path,
-    preprocess_paths,
 )
 
 GOLDEN = Path(__file__).parent / "golden" / "preprocess"
@@ -36,6 +32,11 @@ ALL_STEMS = [*BATCH_STEMS, "f_exif_orientation6"]
 def expected() -> dict[str, np.ndarray]:
     with np.load(GOLDEN / "expected.npz") as archive:
         return {key: archive[key] for key in archive.files}
+
+
+def preprocess_paths(paths, image_width: int = 518) -> np.ndarray:
+    """Picture files -> one batch [S, 3, H, W] (white-padded when sizes differ), as the reference batches them."""
+    return pad_batch([preprocess_path(path, image_width) for path in paths])
 
 
 def as_uint8(images: np.ndarray) -> np.ndarray:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import preprocess_path, to_float
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from media_helpers import (
@@ -26,7 +27,6 @@ from media_helpers import (
 from PIL import Image
 
 from stream_recon.app.sources.opening import check_source, classify_source, natural_sort_key, open_source
-from stream_recon.app.sources.preprocess import preprocess_path, to_float
 from stream_recon.app.sources.reader import (
     FrameSelection,
     SourceError,

@@ -255,6 +255,11 @@ def viewer():
 # ----------------------------------------------------------------------------------------- tests
 
 
+def loaded(replay, timeout: float = 60.0) -> bool:
+    """Whether the keyframes of the replay's last seek were loaded and drawn within `timeout` s."""
+    return replay._loader_idle.wait(timeout) and replay.viewer.flush(timeout)
+
+
 def test_scene_arrives_and_updates_over_websocket(viewer):
     for index in range(8):
         viewer.on_frame(orbit_frame(index), {"frames": index + 1, "cached_frames": index + 1})
@@ -731,7 +736,7 @@ def test_replay_of_a_run_without_loops_draws_none(tmp_path):
     replay = start_replay(tmp_path / "run", port=free_port(), max_points_per_keyframe=300)
     mirror = SceneMirror(replay.viewer.url)
     try:
-        assert replay.wait_until_loaded()
+        assert loaded(replay)
         mirror.wait_for(lambda m: len(keyframe_names(m)) == 12 and len(m.nodes["/trajectory"]["props"]["points"])
                         == 11 * 6)
         assert "/loops" not in mirror.nodes and "loops:" not in readout(mirror)
@@ -748,7 +753,7 @@ def test_replay_shows_the_run_and_follows_the_timeline(tmp_path):
     mirror = SceneMirror(replay.viewer.url)
     try:
         assert replay.position == 29
-        assert replay.wait_until_loaded()
+        assert loaded(replay)
         mirror.wait_for(lambda m: len(keyframe_names(m)) == 15 and "/current" in m.nodes)
         mirror.wait_for(lambda m: len(m.nodes["/trajectory"]["props"]["points"]) == 29 * 6)
         np.testing.assert_allclose(mirror.world_points("/chunks/0/f000028")[:, 2], PLANE_Z, atol=0.02)
@@ -771,12 +776,12 @@ def test_replay_of_3000_frames_stays_under_the_caps(tmp_path):
     replay = start_replay(tmp_path / "run", port=free_port(), **caps)
     try:
         timings = [time.perf_counter() - started]  # printed, not asserted: a loaded machine may be slow
-        assert replay.wait_until_loaded()
+        assert loaded(replay)
         for position in (1500, 2999):
             started = time.perf_counter()
             replay.seek(position)
             timings.append(time.perf_counter() - started)  # what the timeline slider waits for
-            assert replay.wait_until_loaded()
+            assert loaded(replay)
             summary = replay.viewer.scene_summary()
             # 3 nodes per keyframe, the chunk's node, the trajectory and the current camera
             assert summary["keyframes"] <= 120 and summary["nodes"] <= 3 * 120 + 3
@@ -985,7 +990,7 @@ def test_a_run_that_closes_a_loop_moves_the_chunk_nodes_a_client_sees(tmp_path, 
         assert is_posed(mirrors[0], "/chunks/0", Sim3.identity())
         helpers = json.loads((tmp_path / "run" / "run.json").read_text())["summary"]["helpers"]
         # each that ran, up to the end (frames this small are made model inputs on the reader: no preprocessing pool)
-        assert sorted(helpers) == ["loop_closure", "progress", "reader", "viewer", "writer"], helpers
+        assert sorted(helpers) == ["child_monitor", "loop_closure", "progress", "reader", "viewer", "writer"], helpers
         assert all(h["up"] for h in helpers.values()) and helpers["viewer"]["when_down"] == "turn off", helpers
     finally:
         for mirror in mirrors:
@@ -1076,7 +1081,7 @@ def test_a_replay_shows_splats_on_the_surface(tmp_path):
     replay = start_replay(tmp_path / "run", port=free_port(), max_points_per_keyframe=300, show="splats")
     mirror = SceneMirror(replay.viewer.url)
     try:
-        assert replay.wait_until_loaded()
+        assert loaded(replay)
         name = "/chunks/0/f000006"
         mirror.wait_for(lambda m: m.nodes.get(f"{name}/points", {}).get("type") == "GaussianSplatsMessage")
         np.testing.assert_allclose(splats_in_world(mirror, name)[:, 2], PLANE_Z, atol=0.02)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import trimesh
 from conftest import symlink_and_fifo
-from helpers import wait_until
+from helpers import read_run, wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from plyfile import PlyData
@@ -30,7 +30,6 @@ from stream_recon.app.outputs.rundir import (
     iter_run,
     load_prediction,
     prediction_path,
-    read_run,
     write_json_atomic,
 )
 from stream_recon.app.outputs.writers import RunWriter

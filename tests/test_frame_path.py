@@ -1,4 +1,4 @@
-"""One frame's path from the source to the writer: at most 12 hops on at most 2 threads, and the writer's own
+"""One frame's path from the source to the writer: at most 13 hops on at most 2 threads, and the writer's own
 part (on_frame to its npz) at most 6 hops on a thread of its own.
 
 The rule. A hop is one of our functions (app/, models/, cache/) on the call stack at a point where the frame
@@ -45,7 +45,9 @@ REPO = Path(stream_recon.app.__file__).resolve().parents[1]
 OURS = tuple(f"{REPO / room}/" for room in ("app", "models", "cache"))
 THE_MODEL = tuple(f"{REPO / room}/" for room in ("models/network", "cache"))  # the step's inside
 HAND_OFF = f"{REPO}/models/supervision.py"  # HandOff: the bounded hand-off to a helper thread
-MOST_HOPS_TO_THE_WRITER = 12
+# 12 along the way, and the run loop's take from the reader's hand-off (models/supervision.py's HandOff, which
+# runs the reader's policy, where the standard library's queue took it)
+MOST_HOPS_TO_THE_WRITER = 13
 MOST_HOPS_IN_THE_WRITER = 6
 # the reader, which makes the model input of a frame up to app/sources/reader.py's POOL_FROM_PIXELS (a larger one's
 # is made on the preprocessing pool, a third thread), and the run loop
@@ -159,7 +161,7 @@ class FramePathWalk:
         if code.co_name == "put" and code.co_filename.endswith("queue.py"):
             if shows_frame(frame.f_locals.get("item"), self.index):
                 self._record("queued", frame.f_back)
-        elif code.co_name == "offer" and code.co_filename.endswith(HAND_OFF):
+        elif code.co_name in ("offer", "give") and code.co_filename.endswith(HAND_OFF):
             if shows_frame(frame.f_locals.get("item"), self.index):
                 self._record("queued", frame)
         elif code.co_name in ("savez", "savez_compressed") and "numpy" in code.co_filename:

@@ -160,7 +160,7 @@ def test_the_pages_stay_put_and_each_page_taken_is_freed_over_2000_frames():
     assert stats["cuda_graphs"] and stats["patch_frames"] <= 72 and pool.num_pages == pool.max_pages
     bookkeeping = engine.cache.bookkeeping
     held = len(bookkeeping.scale_pages) + len(bookkeeping.window_pages) + len(bookkeeping.special_pages)
-    assert pool.num_used == held  # every page a rolled-back or evicted frame took is free again
+    assert pool.num_pages - pool.num_free == held  # every page a rolled-back or evicted frame took is free again
     assert memory[2000] - memory[500] <= 8 * 1024 * 1024  # all storage is allocated up front
 
 
@@ -234,22 +234,27 @@ def test_chunk_rollovers_with_pipelining_emit_what_they_emit_without():
 
 
 @pytest.mark.parametrize("keyframes", ["all", "flow"])
-def test_descriptors_from_recorded_pipelined_steps_equal_the_eager_ones_and_change_nothing_else(keyframes):
-    """The descriptor is made in the hand-over graph from the embedding's output, which the next frame's
-    embedding overwrites before the heads run (pipelined, flow): it must still be the frame's own."""
+def test_descriptors_from_recorded_pipelined_steps_equal_the_eager_ones_and_change_nothing_else(keyframes, tmp_path):
+    """The descriptor (made where the policy reads the frame's tokens) is made in the hand-over graph from the
+    embedding's output, which the next frame's embedding overwrites before the heads run (pipelined, flow): it
+    must still be the frame's own."""
+    from engine_helpers import DESCRIBED_POLICY, policy_beside
+
     from stream_recon.models import StreamConfig, StreamingEngine, prepare_for_inference
 
     model = prepare_for_inference(build_tiny_model(), "cuda", torch.bfloat16)
     generator = torch.Generator().manual_seed(1)
     frames = [torch.rand(3, 126, 224, generator=generator).cuda() for _ in range(12)]
 
-    def stream(**settings):
-        engine = StreamingEngine(model, StreamConfig(scale_frames=2, window=4, keyframes=keyframes,
+    def stream(spelling: str = keyframes, **settings):
+        engine = StreamingEngine(model, StreamConfig(scale_frames=2, window=4, keyframes=spelling,
                                                      flow_threshold=0.5, **settings))
         return [p for frame in frames for p in engine.push(frame)] + engine.finish()
 
-    plain, described = stream(), stream(descriptors=True)
-    eager = stream(descriptors=True, cuda_graphs=False, pipeline=False)
+    plain = stream()
+    with policy_beside(tmp_path, "described", DESCRIBED_POLICY):
+        described = stream(f"described:{keyframes}")
+        eager = stream(f"described:{keyframes}", cuda_graphs=False, pipeline=False)
     for ours, theirs, reference in zip(described, plain, eager, strict=True):
         assert ours.frame_index == theirs.frame_index == reference.frame_index and theirs.descriptor is None
         np.testing.assert_array_equal(ours.c2w, theirs.c2w)
@@ -480,7 +485,8 @@ def test_a_spare_engine_on_its_own_stream_ends_with_what_rollovers_in_place_emit
             assert engine.engine.runner.records and spare.runner.records  # both recorded, once
             assert (spare.cache.layout.allocated_window_slots < window) == small_spare
             assert engine._main_stream.stream.priority < torch.cuda.current_stream().priority
-            assert engine._rollover.spare.sm_partitioned  # its eager kernels on part of the SMs
+            # its eager kernels on part of the SMs: the green context's stream, handed in as an external one
+            assert isinstance(engine._rollover.spare._stream, torch.cuda.ExternalStream)
         engine.close()
     (beside, beside_stats), (in_place, in_place_stats) = runs[True], runs[False]
     assert beside_stats["lookahead"] and beside_stats["rollovers"] == in_place_stats["rollovers"] >= 2

@@ -4,15 +4,20 @@ hands its updates through waits on its Condition, never by polling.
 
 The run is real: the tiny model on the CPU through `run_sequence`, a frame source whose every frame goes
 through the preprocessing pool, the live viewer (a real viser server) and loop closure on (its real child
-process), the checkpoint's digest hashed beside it. A thread of the test samples the process every few ms
-from before the first frame to after run.json is written.
+process), the checkpoint's digest hashed beside it. Every thread started and child process made meanwhile is
+recorded as it starts, with its helper then; and a thread of the test samples the process every few ms from
+before the first frame to after run.json is written (a library's thread is listed by its helper once the
+library has it).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +26,7 @@ from media_helpers import free_port
 
 from stream_recon.models.daemon_pool import DaemonPool
 from stream_recon.models.supervision import (
+    CHILDREN,
     Deadline,
     Helper,
     HelperPolicy,
@@ -83,6 +89,28 @@ class Sampler:
                 self.children[pid] = helper_of_child(pid)
 
 
+class Starts:
+    """Every thread started and child process made while it is entered, each with the helper it belonged to as
+    it started (a thread: once started; a library's may be listed by its helper a moment later, and `Sampler`
+    sees it then)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.threads: dict[threading.Thread, Helper | None] = {}
+        self.children: list[subprocess.Popen] = []
+        start, popen_init = threading.Thread.start, subprocess.Popen.__init__
+
+        def started(thread: threading.Thread) -> None:
+            start(thread)
+            self.threads[thread] = helper_of_thread(thread)
+
+        def made(process: subprocess.Popen, *args, **kwargs) -> None:
+            popen_init(process, *args, **kwargs)
+            self.children.append(process)
+
+        monkeypatch.setattr(threading.Thread, "start", started)
+        monkeypatch.setattr(subprocess.Popen, "__init__", made)
+
+
 # -- the registry --------------------------------------------------------------------------------------------
 def test_a_supervised_thread_a_pool_worker_and_a_child_are_known_by_their_helper():
     helper, other = Helper(POLICY), Helper(POLICY)
@@ -115,6 +143,36 @@ def test_a_library_s_threads_belong_to_the_helper_that_lists_them():
     finally:
         release.set()
         library.join(timeout=10)
+
+
+# -- a child's death, noticed when it happens ----------------------------------------------------------------
+def idle_child(helper: Helper, died=None):
+    from stream_recon.models.child_process import start_child
+
+    return start_child("helpers", "idle_child", helper=helper, died=died,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
+
+
+def test_a_killed_child_is_noticed_within_a_second_without_any_check_calling_it():
+    """The monitor of children waits on every child's sentinel: its helper is down when it dies, though
+    nothing of its owner's (a pump, a check) runs meanwhile; a child its parent ends is no death."""
+    helper, ended_helper = Helper(POLICY), Helper(POLICY)
+    child = idle_child(helper, died=lambda code: f"it died (exit status {code})")
+    ended = idle_child(ended_helper)
+    try:
+        os.kill(child.process.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while helper.is_up and time.monotonic() - killed < 10:
+            time.sleep(0.005)
+        assert time.monotonic() - killed < 1.0 and helper.down_reason == "it died (exit status -9)"
+        assert CHILDREN.helpers() == {"child_monitor": CHILDREN.helper} and CHILDREN.helper.is_up
+        assert helper_of_thread(next(t for t in threading.enumerate() if t.name == "child-monitor")) is CHILDREN.helper
+        ended.close()
+        time.sleep(0.5)
+        assert ended_helper.is_up
+    finally:
+        child.close()
+        ended.close()
 
 
 # -- the latest-wins state -----------------------------------------------------------------------------------
@@ -188,8 +246,10 @@ def test_every_thread_and_child_a_run_starts_belongs_to_a_helper_run_json_lists(
     options = RunOptions(image_width=56, scale_frames=3, window=4, chunk_frames=6, overlap=2, conf_threshold=1.0,
                          viewer=True, host="127.0.0.1", port=free_port(), loop_closure="on",
                          checkpoint=str(tiny_checkpoint))
+    starts = Starts(monkeypatch)
     with Sampler() as sampled:
         summary = pipeline.run_sequence(source, tmp_path / "run", options, model=tiny_model)
+    monkeypatch.undo()
     assert summary.status == "complete", summary.error
     helpers = listed[-1]
     in_run_json = json.loads((tmp_path / "run" / "run.json").read_text())["summary"]["helpers"]
@@ -200,6 +260,14 @@ def test_every_thread_and_child_a_run_starts_belongs_to_a_helper_run_json_lists(
     unowned = [thread.name for thread, helper in sampled.threads.items() if id(helper) not in names]
     assert not unowned, f"threads no listed helper owns: {unowned}"
     assert sampled.children and not [pid for pid, helper in sampled.children.items() if id(helper) not in names]
+    # every thread and child the run started, each seen as it started (or, a library's, by the sampler later)
+    started = [thread for thread in starts.threads if thread is not sampled._thread]
+    assert {"reader:cam", "run-writer", "viewer"} <= {thread.name for thread in started}
+    unowned = [thread.name for thread in started if id(starts.threads[thread]) not in names
+               and id(sampled.threads.get(thread)) not in names]
+    assert not unowned, f"threads started that no listed helper owns: {unowned}"
+    assert starts.children and [id(helper_of_child(child.pid)) in names for child in starts.children] == \
+        [True] * len(starts.children)
     owners = {names[id(helper)] for helper in [*sampled.threads.values(), *sampled.children.values()]}
     assert {"reader", "preprocessing", "writer", "viewer", "loop_closure"} <= owners, owners
 
@@ -227,6 +295,28 @@ def test_a_reader_that_raises_is_down_with_the_run_s_error_line_and_its_pool_is_
     assert helpers["preprocessing"].is_up
 
 
+@pytest.mark.parametrize("live", [True, False])
+def test_the_reader_does_what_its_policy_says(live):
+    """The reader's hand-off runs its helper's policy: a live source's reader is latest-wins (the run loop behind,
+    its oldest frames are dropped and counted, the newest delivered), a file's pushes back (it waits for the run
+    loop: every frame delivered in order, none dropped)."""
+    from stream_recon.app.sources.reader import frames_source
+
+    frames = [(np.full((48, 64, 3), index, dtype=np.uint8), 0.1 * index) for index in range(20)]
+    with frames_source(frames, name="cam", live=live, queue_size=2) as source:
+        source.start()
+        source._thread.join(timeout=10 if live else 0.5)  # the run loop behind: the reader has read them all, or waits
+        assert source._thread.is_alive() != live
+        delivered = [frame.index for frame in source]
+        helper = source.helpers()["reader"]
+    if live:
+        assert helper.policy.when_full is WhenFull.LATEST
+        assert delivered == [18, 19] and helper.dropped == source.frames_dropped == 18
+    else:
+        assert helper.policy.when_full is WhenFull.PUSH_BACK
+        assert delivered == list(range(20)) and helper.dropped == source.frames_dropped == 0
+
+
 def test_a_source_made_without_the_pool_lists_its_reader_alone():
     from stream_recon.app.sources.reader import frames_source
 
@@ -237,7 +327,7 @@ def test_a_source_made_without_the_pool_lists_its_reader_alone():
 
 
 def test_a_stream_opener_a_reconnecting_reader_starts_is_the_reader_s():
-    from stream_recon.app.sources.opening import _call_with_deadline
+    from stream_recon.app.sources.opening import OPENER_POLICY, _call_with_deadline
 
     helper = Helper(POLICY)
     seen: list = []
@@ -250,7 +340,9 @@ def test_a_stream_opener_a_reconnecting_reader_starts_is_the_reader_s():
                                      "test-reader")
     reader.join(timeout=10)
     assert seen == [helper, "a capture"]
-    assert _call_with_deadline(lambda: helper_of_thread(threading.current_thread()), 10.0, "x") is None  # (the run loop's)
+    # before the run (the run loop's call): the opener's own helper
+    opener = _call_with_deadline(lambda: helper_of_thread(threading.current_thread()), 10.0, "x")
+    assert opener is not None and opener.policy is OPENER_POLICY
 
 
 def test_a_latest_state_refuses_a_helper_whose_policy_is_not_latest_wins():

@@ -38,7 +38,7 @@ from media_helpers import free_port
 from stream_recon.models import ChunkedEngine, ModelConfig, StreamConfig, StreamingEngine
 from stream_recon.models.daemon_pool import DaemonPool
 from stream_recon.models.stream.prediction import FRAME_KEY, FramePrediction
-from stream_recon.models.supervision import Deadline, Helper
+from stream_recon.models.supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
 
 HEIGHT, WIDTH = 28, 42  # the tiny model's frames: 2 x 3 patches
 
@@ -81,7 +81,7 @@ def fault(faults: list[Fault], error: BaseException | None = None) -> Fault:
 def test_a_daemon_pool_cancels_what_has_not_started_and_its_join_ends_at_the_deadline(faults):
     stuck = fault(faults)
     stuck.active.set()
-    pool = DaemonPool(1, "test-pool")
+    pool = DaemonPool(1, "test-pool", Helper(HelperPolicy("a test's pool", WhenFull.DROP, WhenDown.TURN_OFF, 5.0)))
     running, queued = pool.submit(stuck.strike), pool.submit(lambda: "never")
     assert stuck.stalled.wait(timeout=10)
     pool.shutdown()
@@ -101,7 +101,8 @@ def test_a_worker_stalled_in_a_daemon_pool_holds_no_process_exit():
     script = textwrap.dedent("""
         import threading
         from stream_recon.models.daemon_pool import DaemonPool
-        pool = DaemonPool(2, "stalled")
+        from stream_recon.models.supervision import Helper, HelperPolicy, WhenDown, WhenFull
+        pool = DaemonPool(2, "stalled", Helper(HelperPolicy("a test's pool", WhenFull.DROP, WhenDown.TURN_OFF, 5.0)))
         pool.submit(threading.Event().wait)
         pool.shutdown()
         print("exiting", flush=True)
@@ -463,6 +464,12 @@ def test_a_step_waits_for_another_threads_stalled_build_of_its_kernel_at_most_it
     assert len(warnings_of(caplog)) == 1 and "did not finish within 0.3 s" in warnings_of(caplog)[0]
 
 
+def plain_thread(target, name: str) -> threading.Thread:
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
 def test_measuring_both_uses_waits_for_the_frame_attentions_stalled_build_at_most_its_limit(monkeypatch, faults):
     from stream_recon.cache import triton_attention
 
@@ -473,7 +480,7 @@ def test_measuring_both_uses_waits_for_the_frame_attentions_stalled_build_at_mos
     monkeypatch.setattr(triton_attention, "_frame_resident_programs", lambda q, keys, failed: stuck.strike())
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="frame attention's build did not finish within 0.3 s"):
-        triton_attention.measure_resident_programs(torch.device("cpu"), torch.float32, 2, 8)
+        triton_attention.measure_resident_programs(torch.device("cpu"), torch.float32, 2, 8, start_thread=plain_thread)
     assert 0.3 <= time.monotonic() - started < 2.0 and stuck.stalled.is_set()
 
 
@@ -805,8 +812,8 @@ def test_a_reader_that_stalls_ends_the_iteration_at_the_frame_timeout(faults):
                 if len(frames) == 3:
                     assert stuck.stalled.wait(timeout=10)
                     started = time.monotonic()
-    # the stall seen within a poll of it; the stalled reader then gets its close's bounded join
-    assert len(frames) == 3 and time.monotonic() - started < 0.3 + reader._POLL_S + reader._JOIN_TIMEOUT_S + 1.0
+    # the stall seen when it comes (the wait ends then); the stalled reader then gets its close's bounded join
+    assert len(frames) == 3 and time.monotonic() - started < 0.3 + reader._JOIN_TIMEOUT_S + 1.0
 
 
 @pytest.mark.parametrize("where", ["pool", "reader"])  # a frame over pool_from_pixels, and one made by the reader

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from engine_helpers import SpareGate
-from helpers import random_sim3
+from helpers import chunk_scales, chunk_transforms, random_sim3
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,7 +33,6 @@ from stream_recon.models.stream.prediction import FRAME_NON_KEY
 from stream_recon.models.stream.similarity import (
     FrameRatios,
     Sim3,
-    depth_ratio_scale,
     depth_ratios,
     estimate_chunk_alignment,
     median_ratio_scale,
@@ -62,6 +61,11 @@ def quat_to_matrix_reference(quat_xyzw: np.ndarray) -> np.ndarray:
     axis = np.array([x, y, z]) / max(np.linalg.norm([x, y, z]), 1e-300)
     cross = np.array([[0, -axis[2], axis[1]], [axis[2], 0, -axis[0]], [-axis[1], axis[0], 0]])
     return np.eye(3) + np.sin(angle) * cross + (1 - np.cos(angle)) * cross @ cross
+
+
+def median_scale_of(target_depth: np.ndarray, source_depth: np.ndarray) -> float:
+    """The median of target / source over every pixel where both are finite and the source is not ~0."""
+    return median_ratio_scale([depth_ratios(target_depth, source_depth)])
 
 
 def matrix_to_quat_reference(rotation: np.ndarray) -> np.ndarray:
@@ -232,11 +236,11 @@ def test_the_bisected_median_is_the_lower_median_of_all_frames(seed, num_frames,
 def test_depth_ratio_scale_takes_the_lower_median_of_valid_pixels():
     target = np.array([[2.0, 3.0, 8.0, 1.0, np.nan, 5.0]])
     source = np.array([[1.0, 1.0, 2.0, 1.0, 1.0, 0.0]])  # ratios 2, 3, 4, 1; NaN and /0 skipped
-    assert depth_ratio_scale(target, source) == 2.0  # lower middle of 1 2 3 4, as torch.median
-    assert depth_ratio_scale(np.array([np.inf, 1.0]), np.array([1.0, np.nan])) == 1.0
+    assert median_scale_of(target, source) == 2.0  # lower middle of 1 2 3 4, as torch.median
+    assert median_scale_of(np.array([np.inf, 1.0]), np.array([1.0, np.nan])) == 1.0
     # clamped as the reference clamps its float32 median
-    assert depth_ratio_scale(np.array([5e4]), np.array([1.0])) == 1e3
-    assert depth_ratio_scale(np.array([1e-5]), np.array([1.0])) == float(np.float32(1e-3))
+    assert median_scale_of(np.array([5e4]), np.array([1.0])) == 1e3
+    assert median_scale_of(np.array([1e-5]), np.array([1.0])) == float(np.float32(1e-3))
 
 
 # -- the reference algorithm, offline ----------------------------------------------------------
@@ -351,9 +355,9 @@ def test_last_emissions_equal_the_offline_stitched_reference(model, frames, case
         unit = ours.pose_enc[3:7] / np.linalg.norm(ours.pose_enc[3:7])
         np.testing.assert_allclose(unit if unit[3] >= 0 else -unit, quat, atol=2e-5)
         np.testing.assert_allclose(ours.depth, depth, rtol=2e-6)
-    np.testing.assert_allclose(engine.chunk_scales, scales, rtol=1e-5)
-    assert engine.stats()["rollovers"] == len(scales) - 1 == engine.chunk_transforms.shape[0] - 1
-    np.testing.assert_array_equal(engine.chunk_transforms[0], np.eye(4))
+    np.testing.assert_allclose(chunk_scales(engine), scales, rtol=1e-5)
+    assert engine.stats()["rollovers"] == len(scales) - 1 == chunk_transforms(engine).shape[0] - 1
+    np.testing.assert_array_equal(chunk_transforms(engine)[0], np.eye(4))
 
 
 def test_interval_windows_and_frame_types_follow_the_reference_schedule(model, frames):
@@ -445,7 +449,7 @@ def test_reset_starts_an_identical_stream(model, frames):
     first, _ = run_live(engine, frames[:10])
     assert backends == ["sdpa"] and engine.device == torch.device("cpu")
     engine.reset()
-    assert engine.stats()["rollovers"] == 0 and engine.chunk_scales.tolist() == [1.0]
+    assert engine.stats()["rollovers"] == 0 and chunk_scales(engine).tolist() == [1.0]
     second, _ = run_live(engine, frames[:10])
     for index in first:
         np.testing.assert_array_equal(first[index].pose_enc, second[index].pose_enc)
@@ -877,7 +881,7 @@ def test_off_cuda_a_spare_has_no_stream_and_no_partition_is_made(model):
     assert spare_stream(torch.device("cpu")) is None
     assert partitioned_stream(torch.device("cpu"), 8) is None
     spare = SpareEngine(StreamingEngine(model, StreamConfig(scale_frames=3, window=4)))
-    assert not spare.sm_partitioned
+    assert not isinstance(spare._stream, torch.cuda.ExternalStream)  # a plain stream where none partitions
     spare.close()
 
 
@@ -1023,7 +1027,7 @@ def test_chunk_links_compose_to_the_chunk_transforms_and_say_how_well_the_overla
     links = engine.chunk_links
     assert [link.index for link in links] == list(range(1, engine.stats()["rollovers"] + 1))
     world_from_chunk = Sim3.identity()
-    for link, matrix, scale in zip(links, engine.chunk_transforms[1:], engine.chunk_scales[1:], strict=True):
+    for link, matrix, scale in zip(links, chunk_transforms(engine)[1:], chunk_scales(engine)[1:], strict=True):
         world_from_chunk = world_from_chunk @ link.previous_from_next
         np.testing.assert_allclose(world_from_chunk.rotation, matrix[:3, :3], atol=1e-9)
         np.testing.assert_allclose(world_from_chunk.translation, matrix[:3, 3], atol=1e-9)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import build_tiny_model
-from engine_helpers import assert_streams_like_the_visible_set_model, frames
+from engine_helpers import DESCRIBED_POLICY, assert_streams_like_the_visible_set_model, frames, policy_beside
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -205,8 +205,9 @@ policies = st.one_of(st.just(AllKeyframes()), st.builds(IntervalKeyframes, st.in
 def test_a_policy_parses_back_from_its_spelling(policy, flow_threshold, max_gap):
     if isinstance(policy, FlowKeyframes):  # the flow settings are flags of their own, not in the spelling
         flow_threshold, max_gap = policy.flow_threshold, policy.max_gap
-    assert parse_keyframes(policy.spelling, flow_threshold, max_gap) == policy
-    assert parse_keyframes(policy.spelling.upper(), flow_threshold, max_gap) == policy
+    spelling = f"interval:{policy.interval}" if isinstance(policy, IntervalKeyframes) else policy.word
+    assert parse_keyframes(spelling, flow_threshold, max_gap) == policy
+    assert parse_keyframes(spelling.upper(), flow_threshold, max_gap) == policy
 
 
 @settings(max_examples=200, deadline=None)
@@ -279,19 +280,12 @@ class ConfidentKeyframes(KeyframePolicy):
 
 
 @pytest.fixture(params=[PREDICTION])
-def policy_beside_the_others(request, tmp_path, monkeypatch):
+def policy_beside_the_others(request, tmp_path):
     """CONFIDENT_POLICY, reading the signal the test asks for, written as a file in a folder of the keyframes
     package's path: the table then holds it."""
-    (tmp_path / "confident.py").write_text(CONFIDENT_POLICY.replace("frozenset({PREDICTION})",
-                                                                    f"frozenset({{{request.param.upper()}}})"))
-    monkeypatch.setattr(keyframes, "__path__", [*keyframes.__path__, str(tmp_path)])
-    keyframes.keyframe_policies.cache_clear()
-    keyframes._parse_spelling.cache_clear()
-    yield
-    monkeypatch.undo()
-    keyframes.keyframe_policies.cache_clear()
-    keyframes._parse_spelling.cache_clear()
-    sys.modules.pop("stream_recon.models.stream.keyframes.confident", None)
+    with policy_beside(tmp_path, "confident", CONFIDENT_POLICY.replace("frozenset({PREDICTION})",
+                                                                      f"frozenset({{{request.param.upper()}}})")):
+        yield
 
 
 def test_a_policy_that_reads_the_frames_prediction_is_one_file(prepared_tiny_model, policy_beside_the_others):
@@ -433,16 +427,18 @@ def test_a_runner_that_holds_a_frame_gives_the_same_stream_one_push_late(prepare
     assert engine.stats()["cached_frames"] == sum(p.is_keyframe for p in synchronous)
 
 
-@pytest.mark.parametrize("keyframes", ["all", "flow"])
-def test_descriptors_come_with_each_prediction_and_change_nothing_else(prepared_tiny_model, keyframes):
-    """StreamConfig(descriptors=True): every prediction carries GeM of its frame's DINO patch tokens (unit
-    length), and every other output is what the stream gives without them, bit for bit."""
+@pytest.mark.parametrize("spelling", ["all", "flow"])
+def test_descriptors_come_with_each_prediction_and_change_nothing_else(prepared_tiny_model, spelling, tmp_path):
+    """A policy that reads the frame's tokens: every prediction carries GeM of its frame's DINO patch tokens
+    (unit length), and every other output is what the stream gives without them, bit for bit."""
     from stream_recon.models.network.descriptor import gem_descriptor
 
-    config = StreamConfig(scale_frames=3, window=2, keyframes=keyframes, flow_threshold=0.5)
+    config = StreamConfig(scale_frames=3, window=2, keyframes=spelling, flow_threshold=0.5)
     images = frames(8)
     plain, _ = run(prepared_tiny_model, config, images)
-    described, _ = run(prepared_tiny_model, StreamConfig(**{**config.__dict__, "descriptors": True}), images)
+    with policy_beside(tmp_path, "described", DESCRIBED_POLICY):
+        described, _ = run(prepared_tiny_model, dataclasses.replace(config, keyframes=f"described:{spelling}"),
+                           images)
     assert [p.frame_index for p in described] == [p.frame_index for p in plain]
     for ours, theirs in zip(described, plain, strict=True):
         assert theirs.descriptor is None

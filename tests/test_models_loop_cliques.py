@@ -17,7 +17,7 @@ from clique_graphs import (
     symmetric,
 )
 from evo_data import evo_data_dir
-from loop_scenarios import TRAJECTORIES, make_scenario
+from loop_scenarios import TRAJECTORIES, make_scenario, pair_consistency
 
 from stream_recon.models.loops.cliques import (
     EXACT_BUDGET,
@@ -27,7 +27,6 @@ from stream_recon.models.loops.cliques import (
     heuristic_maximum_clique,
     maximum_clique,
 )
-from stream_recon.models.loops.pose_graph import PoseGraphSolver
 
 
 def is_clique(adjacent: np.ndarray, nodes: list[int] | tuple[int, ...]) -> bool:
@@ -101,7 +100,7 @@ def scenario_consistency(name: str, seed: int) -> np.ndarray:
     scenario = make_scenario(trajectory.poses(evo_data_dir()), seed, revisit_radius=trajectory.revisit_radius,
                              false_min_distance=0.0, scene_depth=trajectory.scene_depth,
                              subtle_false=trajectory.subtle_shift)
-    return PoseGraphSolver().pair_consistency(scenario.graph)
+    return pair_consistency(scenario.graph)
 
 
 def check_the_heuristic_finds_the_exact_clique(name: str, seed: int) -> None:

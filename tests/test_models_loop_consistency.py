@@ -9,6 +9,7 @@ import gtsam
 import numpy as np
 import pytest
 from evo_data import evo_data_dir
+from helpers import sim3_from_matrix
 from loop_scenarios import TRAJECTORIES, make_scenario
 
 from stream_recon.models.loops import sim3_batch as lie
@@ -39,7 +40,7 @@ def random_covariance(rng: np.random.Generator, size: float = 1e-2) -> np.ndarra
 
 
 def gtsam_of(matrix: np.ndarray) -> gtsam.Similarity3:
-    return to_gtsam(Sim3.from_matrix(matrix))
+    return to_gtsam(sim3_from_matrix(matrix))
 
 
 def test_the_chi_square_quantile_is_the_tables() -> None:

@@ -24,6 +24,13 @@ def keyframe(frame: int) -> FramePrediction:
                            image=np.zeros((8, 8, 3), np.uint8))
 
 
+def wait_for_answers(closer: LoopClosureProcess, timeout: float) -> None:
+    """Until the child's pipe has something to read, `timeout` s at most, then take it (a test's wait: the
+    stream never waits on the child but in `finish`)."""
+    closer._wait_for_pipes(timeout)
+    closer._exchange()
+
+
 @pytest.mark.slow
 def test_a_closer_that_does_not_answer_lowers_the_density_once_with_one_warning(caplog) -> None:
     closer = LoopClosureProcess(LoopClosureConfig(keyframes_in_flight=2, keyframes_waiting=0, index_spacing=4,
@@ -31,7 +38,7 @@ def test_a_closer_that_does_not_answer_lowers_the_density_once_with_one_warning(
     try:
         started = Deadline(60.0)
         while not closer.started and not started.expired:
-            closer.wait_for_answers(started.remaining())
+            wait_for_answers(closer, started.remaining())
         assert closer.started, "the loop-closure child did not start within 60 s"
         os.kill(closer._child.process.pid, signal.SIGSTOP)  # from now on nothing is answered
         with caplog.at_level(logging.WARNING):
@@ -54,7 +61,7 @@ def started_closer(config: LoopClosureConfig) -> LoopClosureProcess:
     closer = LoopClosureProcess(config)
     started = Deadline(60.0)
     while not closer.started and not started.expired:
-        closer.wait_for_answers(started.remaining())
+        wait_for_answers(closer, started.remaining())
     assert closer.started, "the loop-closure child did not start within 60 s"
     return closer
 

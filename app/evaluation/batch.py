@@ -65,7 +65,6 @@ from stream_recon.app.outputs.rundir import (
     RunDirError,
     TumFileError,
     atomic_write,
-    exact_strings,
     holds_run,
     read_batch_marker,
     read_run_info,
@@ -348,10 +347,6 @@ def write_summary(output_dir: Path, rows: Iterable[dict]) -> None:
             writer.writerow({key: "" if readable[key] is None else readable[key] for key in SUMMARY_COLUMNS})
 
     atomic_write(output_dir / SUMMARY_CSV, write_csv, binary=False)
-
-
-def read_summary(output_dir: Path) -> list[dict]:
-    return [exact_strings(row) for row in json.loads((Path(output_dir) / SUMMARY_JSON).read_text(encoding="utf-8"))]
 
 
 @dataclass(frozen=True)

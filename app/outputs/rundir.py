@@ -662,11 +662,6 @@ def iter_run(run_dir: Path, frames: Collection[int] | None = None) -> Iterator[d
         yield record
 
 
-def read_run(run_dir: Path) -> list[dict[str, Any]]:
-    """All predictions of a run (see iter_run); holds every depth map in memory, so prefer iter_run."""
-    return list(iter_run(run_dir))
-
-
 def run_trajectory(run_dir: Path) -> tuple[np.ndarray, np.ndarray]:
     """Every pose of a run: timestamps [N] and c2w [N, 4, 4], float64, in frame order.
 

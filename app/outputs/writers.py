@@ -227,6 +227,10 @@ class RunWriter:
             self._handoff = HandOff(self.helper, queue_size)
             self._worker = start_supervised_thread(self.helper, self._write_handed_frames, "run-writer")
 
+    def helpers(self) -> dict[str, Helper]:
+        """The writer's helper, by run.json's name (models/supervision.py's HelperOwner)."""
+        return {"writer": self.helper}
+
     # ---- sink interface
 
     def on_frame(self, pred: FramePrediction, stats: dict) -> None:

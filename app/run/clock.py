@@ -18,7 +18,6 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator
-from typing import Any
 
 
 class RunClock:
@@ -57,12 +56,6 @@ class RunClock:
                 self.keyframe_indices.add(pred.frame_index)
             else:
                 self.keyframe_indices.discard(pred.frame_index)
-
-    def time_warm_up(self, warm_up: Any, *args: Any, **kwargs: Any) -> None:
-        """Run the engine's warm-up (before the first push); its seconds, by part, go in the timings."""
-        started = time.perf_counter()
-        self.warm_up_parts = warm_up(*args, **kwargs)
-        self.warm_up_s = time.perf_counter() - started
 
     @contextlib.contextmanager
     def in_engine(self) -> Iterator[None]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stream_recon.app.options import OptionsError, RunOptions
-from stream_recon.models.supervision import Deadline
+from stream_recon.models.supervision import CHILDREN, Deadline
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +125,9 @@ class LoopClosureSink:
         return self.closer is not None and self.closer.helper.is_up
 
     def helpers(self) -> dict[str, Any]:
-        """Loop closure's child, where it started (models.supervision.Helper, by run.json's name)."""
-        return {} if self.closer is None else {"loop_closure": self.closer.helper}
+        """Loop closure's child, where it started, and the monitor of children watching it
+        (models.supervision.Helper, by run.json's name)."""
+        return {} if self.closer is None else {"loop_closure": self.closer.helper, **CHILDREN.helpers()}
 
     def on_frame(self, pred: Any, stats: dict) -> None:
         if not self.running:

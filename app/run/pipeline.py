@@ -77,7 +77,7 @@ from stream_recon.app.stopping import (
 )
 from stream_recon.models import DEFAULT_CHECKPOINT, FrameError, parse_keyframes, partitioned_stream
 from stream_recon.models.builds.plan import Builder, BuildSettings
-from stream_recon.models.supervision import Deadline, HelperDown
+from stream_recon.models.supervision import Deadline, Helper, HelperDown, HelperOwner
 
 logger = logging.getLogger(__name__)
 
@@ -546,18 +546,14 @@ class Run:
                 logger.warning("closing %s failed: %s", type(sink).__name__, failure)
         return status, writer_error
 
-    def helpers(self) -> dict[str, Any]:
-        """Each helper that ran beside the stream (models/supervision.py) by run.json's name; its record says
-        whether it is up, or why it went down, what it dropped, and what its going down does."""
+    def helpers(self) -> dict[str, Helper]:
+        """Each helper that ran beside the stream (models/supervision.py) by run.json's name, as its owner says
+        (HelperOwner); its record says whether it is up, or why it went down, what it dropped, and what its
+        going down does."""
         loops = next((sink for sink in self.sinks if isinstance(sink, LoopClosureSink)), None)
-        helpers: dict[str, Any] = {}
-        helpers.update(self.source.helpers() if hasattr(self.source, "helpers") else {})
-        helpers["writer"] = self.writer.helper
-        if getattr(self.viewer, "helper", None) is not None:  # (a caller's viewer may have none)
-            helpers["viewer"] = self.viewer.helper
-        for owner in (self.progress, loops, self.engine, self.builds, self.digest):
-            helpers.update(owner.helpers() if hasattr(owner, "helpers") else {})
-        return helpers
+        owners: list[HelperOwner | None] = [self.source, self.writer, self.viewer, self.progress, loops, self.engine,
+                                            self.builds, self.digest]
+        return {name: helper for owner in owners if owner is not None for name, helper in owner.helpers().items()}
 
     def _run_json_summary(self, error: str | None, stop_signal: int | None, digest_wait_s: float) -> dict[str, Any]:
         """The summary holds each value once: status, settings (device, source) and versions are the

@@ -208,10 +208,6 @@ def format_cache(stats: dict) -> str:
     return "" if size is None else f"cache {_bytes(size)}"
 
 
-def _or_dash(value: Any) -> str:
-    return "-" if value is None else str(value)
-
-
 def _fps(value: float | None, unit: str = " FPS") -> str:
     return "-" if value is None else f"{value:.1f}{unit}"
 

@@ -39,12 +39,22 @@ from stream_recon.app.sources.settings import (
     FrameSelection,
 )
 from stream_recon.app.sources.signatures import not_a_video_message, undecodable_file_message
-from stream_recon.models.supervision import helper_of_thread, supervise_thread
+from stream_recon.models.supervision import (
+    Helper,
+    HelperPolicy,
+    WhenDown,
+    WhenFull,
+    helper_of_thread,
+    start_supervised_thread,
+)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 STREAM_SCHEMES = ("rtsp", "rtsps", "rtmp", "http", "https", "udp", "tcp", "srt")
 _MAX_SIZE_CHECKS = 200  # picture headers read when a folder is opened
 _EXIF_ORIENTATION = 0x0112
+# The thread that opens a stream within its deadline, before the run (a reconnection's is the reader's): its
+# caller raises what it meets.
+OPENER_POLICY = HelperPolicy("the stream's opener", WhenFull.DROP, WhenDown.TURN_OFF, stall_s=60.0)
 _ORIENTATIONS_THAT_SWAP_AXES = {5, 6, 7, 8}
 # what a video file is called: a folder's videos, a dataset's sequences
 VIDEO_SUFFIXES = (
@@ -402,13 +412,22 @@ def _stream_name(url: str) -> str:
 
 
 def _call_with_deadline(open_fn: Callable[[], cv2.VideoCapture], deadline_s: float, on_timeout: str):
+    """`open_fn()` on a thread of its own, waited for `deadline_s` at most. The thread is the caller's helper's
+    (a reconnection, on the reader's thread: the reader's), or an opener's of its own before the run."""
     result: list[cv2.VideoCapture] = []
-    opener = threading.Thread(target=lambda: result.append(open_fn()), name="stream-open", daemon=True)
-    caller = helper_of_thread(threading.current_thread())
-    if caller is not None:  # a reconnection, on the reader's thread: the opener is the reader's too
-        supervise_thread(caller, opener)
-    opener.start()
+    failed: list[Exception] = []
+
+    def open_capture() -> None:
+        try:
+            result.append(open_fn())
+        except Exception as error:  # (raised on the caller's thread, not marking the caller's helper down)
+            failed.append(error)
+
+    helper = helper_of_thread(threading.current_thread()) or Helper(OPENER_POLICY)
+    opener = start_supervised_thread(helper, open_capture, "stream-open")
     opener.join(timeout=deadline_s)
+    if failed:
+        raise SourceError(f"opening the stream failed: {type(failed[0]).__name__}: {failed[0]}")
     if not result:
         # the stuck opener is a daemon thread: it cannot keep the process alive
         raise SourceError(f"{on_timeout}; the stream did not answer")

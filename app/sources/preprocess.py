@@ -1,4 +1,5 @@
-"""The reference crop rule: any picture in, a model input `[3, H, W]` float in [0, 1] out.
+"""The reference crop rule: any picture in, a model input `[3, H, W]` uint8 out (the engine divides by 255 on
+the device).
 
 spec/MODEL.md §1 and the `preprocess` fixture define it. With the default width 518:
 
@@ -8,14 +9,13 @@ The width is fixed, the height follows the aspect ratio rounded to whole 14-pixe
 portrait picture keeps only its middle `image_width` rows (the sizes alone: app.sources.input_size). Nothing
 is normalised here; the model does that itself.
 
-Every function works on uint8 until the very last step, because that is what PIL resizes in and
-the reference divides by 255 only once, after the crop. The float input is therefore always
-exactly `uint8 / 255`, which is what makes the fixture check an exact one.
+Every function works on uint8, because that is what PIL resizes in and the reference divides by 255 only
+once, after the crop: the float input is therefore always exactly `uint8 / 255`, which is what makes the
+fixture check an exact one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -47,22 +47,6 @@ def upright_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def preprocess_image_uint8(image: Image.Image, image_width: int = DEFAULT_IMAGE_WIDTH) -> np.ndarray:
-    """PIL picture (any mode, EXIF tag honoured) -> model input as uint8 `[3, H, W]`."""
-    rgb = upright_rgb(image)
-    target = resized_size(rgb.width, rgb.height, image_width)
-    if rgb.size != target:
-        rgb = rgb.resize(target, Image.Resampling.BICUBIC)
-    pixels = np.asarray(rgb, dtype=np.uint8)  # [H, W, 3]
-    pixels = _crop_portrait_rows(pixels, image_width)
-    return np.ascontiguousarray(pixels.transpose(2, 0, 1))  # [3, H, W]
-
-
-def preprocess_image(image: Image.Image, image_width: int = DEFAULT_IMAGE_WIDTH) -> np.ndarray:
-    """PIL picture -> model input `[3, H, W]` float32 in [0, 1], exactly `uint8 / 255`."""
-    return to_float(preprocess_image_uint8(image, image_width))
-
-
 def load_image(path: str | Path) -> Image.Image:
     """Open a picture file, with an error that names it when it is not one."""
     path = Path(path)
@@ -78,17 +62,11 @@ def load_image(path: str | Path) -> Image.Image:
         raise ImageReadError(f"{path} is not a readable image ({error})") from None
 
 
-def preprocess_path(path: str | Path, image_width: int = DEFAULT_IMAGE_WIDTH) -> np.ndarray:
-    """Picture file -> model input `[3, H, W]` float32."""
-    return preprocess_image(load_image(path), image_width)
-
-
 def preprocess_frame_uint8(rgb: np.ndarray, image_width: int = DEFAULT_IMAGE_WIDTH) -> np.ndarray:
     """Decoded RGB frame (a video frame, or a picture already made upright) -> model input uint8 `[3, H, W]`.
 
-    rgb: [H, W, 3] uint8, RGB order (OpenCV decodes BGR: convert before calling). The same pixels as
-    `preprocess_image_uint8` (a frame has no EXIF tag and is RGB already, so it skips that function's
-    conversions: three copies of a full-size frame). PIL resizes without holding the GIL, so frames can be
+    rgb: [H, W, 3] uint8, RGB order (OpenCV decodes BGR: convert before calling); a picture file's pixels
+    once made upright (`upright_rgb`: its EXIF turn, RGB, transparency on white), as a folder's reader does. PIL resizes without holding the GIL, so frames can be
     preprocessed on several threads at once (app.sources does).
     Video frames skip the reference demo's JPEG round trip on purpose: it only adds compression
     noise, and streaming never writes frames to disk.
@@ -101,41 +79,6 @@ def preprocess_frame_uint8(rgb: np.ndarray, image_width: int = DEFAULT_IMAGE_WID
         rgb = np.asarray(Image.fromarray(rgb, mode="RGB").resize(target, Image.Resampling.BICUBIC))
     pixels = _crop_portrait_rows(rgb, image_width)
     return np.ascontiguousarray(pixels.transpose(2, 0, 1))  # [3, H, W]
-
-
-def preprocess_frame(rgb: np.ndarray, image_width: int = DEFAULT_IMAGE_WIDTH) -> np.ndarray:
-    """Decoded RGB frame [H, W, 3] uint8 -> `[3, H, W]` float32 in [0, 1], exactly `uint8 / 255`."""
-    return to_float(preprocess_frame_uint8(rgb, image_width))
-
-
-def pad_batch(images: Sequence[np.ndarray]) -> np.ndarray:
-    """Stack model inputs of possibly different sizes, as the reference batches them.
-
-    images: S arrays [3, H_i, W_i] -> [S, 3, max H, max W]. A smaller image is centred and the
-    border filled with white (1.0); when the rows to add are odd, the extra one goes to the bottom.
-    """
-    if not images:
-        raise ValueError("at least one image is needed to make a batch")
-    max_height = max(image.shape[1] for image in images)
-    max_width = max(image.shape[2] for image in images)
-    padded = []
-    for image in images:
-        rows, cols = max_height - image.shape[1], max_width - image.shape[2]
-        top, left = rows // 2, cols // 2
-        padding = ((0, 0), (top, rows - top), (left, cols - left))
-        padded.append(np.pad(image, padding, mode="constant", constant_values=1.0))
-    return np.stack(padded)  # [S, 3, H, W]
-
-
-def preprocess_paths(paths: Sequence[str | Path], image_width: int = DEFAULT_IMAGE_WIDTH) -> np.ndarray:
-    """Picture files -> one batch `[S, 3, H, W]` (white-padded when sizes differ)."""
-    return pad_batch([preprocess_path(path, image_width) for path in paths])
-
-
-def to_float(pixels: np.ndarray) -> np.ndarray:
-    """uint8 array -> float32 array in [0, 1], the same single (correctly rounded) division torchvision's
-    ToTensor does."""
-    return pixels.astype(np.float32) / np.float32(255)
 
 
 def _crop_portrait_rows(pixels: np.ndarray, image_width: int) -> np.ndarray:

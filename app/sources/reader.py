@@ -1,14 +1,14 @@
 """Streaming frame sources: a video file, an image folder, a webcam or a stream URL, one frame at a time.
 
-The shape is DPVO's stream loop, hardened: a reader thread decodes into a bounded queue and the
-consumer takes frames until an end marker. OpenCV and PIL release the GIL while decoding and resizing,
+The shape is DPVO's stream loop, hardened: a reader thread decodes into a bounded hand-off (models/supervision.py's
+HandOff, by the reader's policy) and the consumer takes frames until the reader closes it. OpenCV and PIL release the GIL while decoding and resizing,
 so the reader overlaps decoding with inference. Asked for model inputs, the reader makes them too, and
 for frames larger than POOL_FROM_PIXELS a few preprocessing threads resize frames side by side instead (a
-4K frame takes ~50 ms to resize: one thread would cap the stream at 20 FPS). The queue holds each frame, or
+4K frame takes ~50 ms to resize: one thread would cap the stream at 20 FPS). The hand-off holds each frame, or
 its pending result, in reading order, so frames come out in order.
 
-    reader thread:   grab ─▶ select (start, stride, fps, max) ─▶ decode ─▶ resize, crop (uint8) ─▶ queue (8)
-    preprocessing:   a frame over POOL_FROM_PIXELS resized and cropped here; the queue holds its pending result
+    reader thread:   grab ─▶ select (start, stride, fps, max) ─▶ decode ─▶ resize, crop (uint8) ─▶ hand-off (8)
+    preprocessing:   a frame over POOL_FROM_PIXELS resized and cropped here; the hand-off holds its pending result
     consumer:        for frame in source: ...   (raises the reader's error at the point it happened)
 
 A frame's path then crosses two threads, the reader and the consumer, up to 1280x720; a larger one a third,
@@ -40,7 +40,6 @@ import contextlib
 import logging
 import math
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -65,7 +64,14 @@ from stream_recon.app.sources.settings import (
 )
 from stream_recon.app.stopping import interrupts_held
 from stream_recon.models import DaemonPool
-from stream_recon.models.supervision import Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
+from stream_recon.models.supervision import (
+    HandOff,
+    Helper,
+    HelperPolicy,
+    WhenDown,
+    WhenFull,
+    start_supervised_thread,
+)
 
 SourceKind = Literal["video", "folder", "webcam", "stream", "frames"]
 
@@ -83,8 +89,6 @@ DEFAULT_FRAME_TIMEOUT_S = 30.0
 _FIRST_RETRY_DELAY_S = 0.25
 _MAX_RETRY_DELAY_S = 4.0
 _JOIN_TIMEOUT_S = 2.0
-_NOTHING = object()  # what _take_oldest returns from an empty queue
-_POLL_S = 0.5  # how often a waiting consumer checks that the reader still advances
 # A container's frame count can be an estimate (duration x rate); only a clear shortfall means damage.
 _TRUNCATION_SLACK_FRAMES = 2
 
@@ -92,11 +96,11 @@ logger = logging.getLogger(__name__)
 
 
 def reader_policy(live: bool, frame_timeout_s: float) -> HelperPolicy:
-    """The reader thread's: when the queue is full a file's reader waits for the run loop (push back: the
-    source is read at the stream's pace) and a live one drops its oldest frame (counted); one that raises,
-    or grabs nothing for the frame timeout, fails the run with its one SourceError line, the frames before
-    it kept."""
-    return HelperPolicy("the source's reader", WhenFull.DROP if live else WhenFull.PUSH_BACK, WhenDown.FAIL_RUN,
+    """The reader thread's, which its hand-off runs: when it is full a file's reader waits for the run loop
+    (push back: the source is read at the stream's pace) and a live one's newest frame wins, its oldest
+    dropped (counted); one that raises, or grabs nothing for the frame timeout, fails the run with its one
+    SourceError line, the frames before it kept."""
+    return HelperPolicy("the source's reader", WhenFull.LATEST if live else WhenFull.PUSH_BACK, WhenDown.FAIL_RUN,
                         stall_s=frame_timeout_s)
 
 
@@ -233,6 +237,12 @@ class _EndOfStream:
     error: BaseException | None = None
 
 
+def _cancel_preprocessing(item: Frame | _Preprocessing) -> None:
+    """A frame that leaves the hand-off untaken: its model input, if still being made, is not made."""
+    if isinstance(item, _Preprocessing):
+        item.image.cancel()
+
+
 class FrameSource:
     """An opened source; iterate it once to receive `Frame`s. Use as a context manager.
 
@@ -266,9 +276,8 @@ class FrameSource:
         self.estimated_length = estimated_length  # delivered frames, when the source's length is known
         self.frame_size = frame_size  # (width, height) of the source's frames when known before reading
         self.rotate = 0  # degrees each frame is turned clockwise after decoding (turn_clockwise)
-        self.live = live  # live sources drop the oldest queued frame instead of falling behind
+        self.live = live  # live sources drop the oldest frame waiting instead of falling behind
         self.image_width = image_width
-        self.frames_dropped = 0
         self.end_reason: str | None = None
         # a live source that stops is reopened for up to this many seconds (0: its stop is its end)
         self.reconnect_s = reconnect_s if live else 0.0
@@ -276,9 +285,10 @@ class FrameSource:
         self.reconnect_attempts = 0  # opens tried after drops, successful or not
         self.disconnected_s = 0.0  # total time between a drop and the next frame (or giving up)
         self._reader = reader
-        self._queue: queue.Queue[Frame | _Preprocessing | _EndOfStream] = queue.Queue(maxsize=queue_size)
         # Both fail the run (their one SourceError line); the consumer, the run loop, watches them.
         self.reader_helper = Helper(reader_policy(live, frame_timeout_s))
+        self._handoff = HandOff(self.reader_helper, queue_size, gives=True, on_discard=_cancel_preprocessing)
+        self._end: _EndOfStream | None = None  # how the reader ended, set before it closes the hand-off
         self.preprocessing_helper = Helper(preprocessing_policy(frame_timeout_s))
         self._preprocessing: DaemonPool | None = None  # (daemons: a stalled resize holds no exit)
         if image_width:
@@ -293,6 +303,11 @@ class FrameSource:
 
     def __enter__(self) -> FrameSource:
         return self
+
+    @property
+    def frames_dropped(self) -> int:
+        """Frames a live source dropped, the oldest waiting, to keep up."""
+        return self.reader_helper.dropped
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
@@ -337,12 +352,13 @@ class FrameSource:
         self._stop.set()
 
     def close(self) -> None:
-        """Stop the reader and release the device or file; frames still queued are discarded."""
+        """Stop the reader and release the device or file; frames still waiting are discarded."""
         if self._closed:
             return
         self._closed = True
         self._stop.set()
-        self._drain()
+        self._handoff.close()
+        self._handoff.discard()
         if self._thread is not None and self._thread is not threading.current_thread():
             # A reader stuck in a network read returns only at FFmpeg's read timeout; it is a daemon
             # that releases its capture when it does, so the caller need not wait that long.
@@ -358,32 +374,42 @@ class FrameSource:
         return {"reader": self.reader_helper, **({"preprocessing": self.preprocessing_helper} if started else {})}
 
     def _frames(self) -> Iterator[Frame]:
-        reader = self.reader_helper
+        """The frames the reader hands over, until it closes the hand-off. A wait ends when a frame comes, the
+        reader ends, or (nothing from it meanwhile) it would have stalled: no polling."""
         while True:
-            try:
-                item = self._queue.get(timeout=min(self._frame_timeout_s, _POLL_S))
-            except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():  # gone without its end marker
-                    self.close()
-                    raise self._reader_down(f"the reader of {self.description} ended without a last frame") from None
-                # Skipping (--start, --stride, --fps) can keep the queue empty for long while the
-                # reader works; only a reader that stopped advancing has stalled.
-                if reader.seconds_since_beat() > self._frame_timeout_s and not self._reconnecting:
-                    self.close()
-                    raise self._reader_down(
-                        f"no frame from {self.description} for {self._frame_timeout_s:g} s: the source stalled") from None
+            if self._stop.is_set():  # the frames waiting are not delivered after a stop; the reader ends at once
+                self._handoff.discard()
+            taken, item = self._handoff.take(timeout=self._stall_wait_s())
+            if taken:
+                yield item.result(self.preprocessing_helper, self.description) if isinstance(item, _Preprocessing) \
+                    else item
                 continue
-            if isinstance(item, _EndOfStream):
-                self.end_reason = item.reason
-                if isinstance(item.error, Exception) and not isinstance(item.error, SourceError):
+            if self._handoff.closed:
+                end = self._end
+                if end is None:  # (closed by close(), or the reader gone without saying how it ended)
+                    raise self._reader_down(f"the reader of {self.description} ended without a last frame")
+                self.end_reason = end.reason
+                if isinstance(end.error, Exception) and not isinstance(end.error, SourceError):
                     # (a bug or a library's failure on the reader thread: still the run's one error line)
-                    raise self._reader_down(f"reading {self.description} failed: {type(item.error).__name__}: "
-                                            f"{item.error}") from item.error
-                if item.error is not None:
-                    reader.fail(str(item.error))
-                    raise item.error
+                    raise self._reader_down(f"reading {self.description} failed: {type(end.error).__name__}: "
+                                            f"{end.error}") from end.error
+                if end.error is not None:
+                    self.reader_helper.fail(str(end.error))
+                    raise end.error
                 return
-            yield item.result(self.preprocessing_helper, self.description) if isinstance(item, _Preprocessing) else item
+            # Skipping (--start, --stride, --fps) can leave the hand-off empty for long while the reader
+            # works; only a reader that stopped advancing has stalled.
+            if self._stall_wait_s() == 0:
+                self.close()
+                raise self._reader_down(
+                    f"no frame from {self.description} for {self._frame_timeout_s:g} s: the source stalled")
+
+    def _stall_wait_s(self) -> float:
+        """Seconds until the reader counts as stalled (no grab for the frame timeout); while it reconnects
+        (bounded on its own), a frame timeout from now."""
+        if self._reconnecting:
+            return self._frame_timeout_s
+        return max(0.0, self._frame_timeout_s - self.reader_helper.seconds_since_beat())
 
     def _reader_down(self, message: str) -> SourceError:
         """The reader's helper marked down; the run's one error line."""
@@ -391,16 +417,21 @@ class FrameSource:
         return SourceError(message)
 
     def _read_all(self) -> None:
-        """Reader thread: every exit path leaves exactly one end marker in the queue."""
+        """Reader thread: every exit path says how it ended and closes the hand-off (after a stop, its frames
+        discarded)."""
         try:
             end = self._read_until_end()
         except BaseException as error:  # handed to the consumer, which re-raises it in its own thread
             end = _EndOfStream("error", error)
         try:
             self._reader.release()
-        except Exception as error:  # (the frames were read: the end marker still goes in)
+        except Exception as error:  # (the frames were read: the end still reaches the consumer)
             logger.warning("releasing %s failed: %s: %s", self.description, type(error).__name__, error)
-        self._put(end, is_end=True)
+        finally:
+            if self._stop.is_set():
+                self._handoff.discard()
+            self._end = end
+            self._handoff.close()
 
     def _read_until_end(self) -> _EndOfStream:
         sampler = _Sampler(self.selection)
@@ -434,9 +465,9 @@ class FrameSource:
                 with _preparing(delivered, self.description):
                     image = preprocess_frame_uint8(rgb, self.image_width)
                 frame = Frame(delivered, source_index, timestamp, None, image)
-            if not self._put(frame):
-                if isinstance(frame, _Preprocessing):
-                    frame.image.cancel()
+            # (False: closed by the consumer; a stop while it waited for room: the frame is not delivered)
+            if not self._handoff.give(frame) or self._stop.is_set():
+                _cancel_preprocessing(frame)
                 break
             delivered += 1
         return _EndOfStream("stopped")
@@ -479,42 +510,6 @@ class FrameSource:
             self.disconnected_s += (back_at or time.monotonic()) - dropped_at
             self.reader_helper.beat()
             self._reconnecting = False
-
-    def _put(self, item: Frame | _Preprocessing | _EndOfStream, *, is_end: bool = False) -> bool:
-        """Queue an item, waiting while the consumer is behind; False when asked to stop meanwhile."""
-        while True:
-            if self._stop.is_set():
-                if not is_end:
-                    return False
-                self._drain()  # nobody will read the frames any more, but the marker must get in
-            try:
-                self._queue.put(item, timeout=0.1)
-                self.reader_helper.beat()
-                return True
-            except queue.Full:
-                if self.live and not is_end:
-                    self._drop_oldest()
-
-    def _drop_oldest(self) -> None:
-        # A live camera does not wait: keeping the newest frames bounds the latency instead.
-        if isinstance(self._take_oldest(), (Frame, _Preprocessing)):
-            self.frames_dropped += 1
-            self.reader_helper.dropped += 1
-
-    def _drain(self) -> None:
-        while self._take_oldest() is not _NOTHING:
-            pass
-
-    def _take_oldest(self) -> object:
-        """The oldest item, its preprocessing cancelled, or _NOTHING when the queue is empty."""
-        try:
-            item = self._queue.get_nowait()
-        except queue.Empty:
-            return _NOTHING
-        if isinstance(item, _Preprocessing):
-            item.image.cancel()
-        return item
-
 
 # cv2.rotate's code for each clockwise turn: a copy in the turned layout, as contiguous as the decoder's.
 _CV2_TURNS = {90: cv2.ROTATE_90_CLOCKWISE, 180: cv2.ROTATE_180, 270: cv2.ROTATE_90_COUNTERCLOCKWISE}

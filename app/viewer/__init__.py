@@ -149,6 +149,10 @@ class LiveViewer:
         """The viewer thread's supervision (models/supervision.py)."""
         return self.state.helper
 
+    def helpers(self) -> dict[str, Helper]:
+        """The viewer thread's helper, by run.json's name (models/supervision.py's HelperOwner)."""
+        return {"viewer": self.helper}
+
     def close(self, status: str = "complete") -> None:
         """Show the last state (VIEWER_CLOSE_S at most), stop the viewer thread and, unless `keep_serving`,
         the server."""

@@ -16,14 +16,10 @@ draws the frame at the timeline position and returns; a loader thread then bring
 can be on screen (at most `max_keyframes`), newest first, and a newer seek supersedes it. The viewer's caps
 bound what the browser holds whatever the length of the run.
 
-How this was measured (2-core CPU shared with other jobs, load average about 8): 3,000 frames at the
-model's input size (378 x 518, depth + confidence + image, 2.2 MB per file), every frame a keyframe,
-default caps (300 keyframes, 20,000 points per keyframe, 2,000,000 points in all). Opening took 1.6 s
-(indexing 3,000 files); each seek returned in at most 0.3 s; loading all 300 keyframes behind it took
-9-10 s, about 30 ms per keyframe (disk read + sampling). On screen after every seek: 300 keyframes,
-902 scene nodes of our own (3 per keyframe, the trajectory, the current camera) and 1,795,500 points; a
-websocket client joining late received the whole scene (904 nodes with viser's own) in 0.15 s. The test
-`test_replay_of_3000_frames_stays_under_the_caps` repeats this with small frames and tighter caps.
+Of 3,000 frames at the model's input size, every one a keyframe, under the default caps: opening takes about
+1.6 s, a seek at most 0.3 s, the 300 keyframes behind it about 30 ms each (docs/performance-log.md, "replay";
+`test_replay_of_3000_frames_stays_under_the_caps` repeats it with small frames and tighter caps). Its two
+threads are one helper's (REPLAY_POLICY): one that raises stops the playback, the viewer still serving.
 """
 
 from __future__ import annotations
@@ -51,8 +47,11 @@ from stream_recon.app.outputs.rundir import (
 from stream_recon.app.viewer import LiveViewer
 from stream_recon.models import FramePrediction
 from stream_recon.models.loops.corrections import ChunkCorrections, LoopRecord
+from stream_recon.models.supervision import Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
 
 logger = logging.getLogger(__name__)
+# a newer seek supersedes what the loader was bringing in (latest wins)
+REPLAY_POLICY = HelperPolicy("the replay's playback", WhenFull.LATEST, WhenDown.TURN_OFF, stall_s=60.0)
 
 
 @dataclass(frozen=True)
@@ -164,12 +163,9 @@ class Replay:
         )
         saved = "" if last - first + 1 == index.num_frames else f" (frames {first}-{last}; the others have no file)"
         viewer.set_status(f"**replay** of {index.num_frames} frames{saved}")
-        self._threads = [
-            threading.Thread(target=self._play_loop, name="replay-player", daemon=True),
-            threading.Thread(target=self._load_loop, name="replay-loader", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
+        self.helper = Helper(REPLAY_POLICY)
+        self._threads = [start_supervised_thread(self.helper, loop, name)
+                         for loop, name in ((self._play_loop, "replay-player"), (self._load_loop, "replay-loader"))]
 
     def seek(self, position: int) -> None:
         """Show the run up to frame `position` (0-based, in frame order); keyframes arrive shortly after."""
@@ -203,10 +199,6 @@ class Replay:
     def position_of(self, frame_index: int) -> int:
         """The position of the newest saved frame at or before `frame_index` (a timeline value)."""
         return max(0, int(np.searchsorted(self.index.frame_indices, frame_index, side="right")) - 1)
-
-    def wait_until_loaded(self, timeout: float = 60.0) -> bool:
-        """Wait until the keyframes of the last seek are loaded and drawn (tests, measurements)."""
-        return self._loader_idle.wait(timeout) and self.viewer.flush(timeout)
 
     def _keyframes_to_load(self, first: int, last: int) -> list[int]:
         """Positions in [first, last] of the newest keyframes that can be on screen, newest first."""

@@ -42,7 +42,7 @@ from ..stream.engine import StreamingEngine
 from ..stream.memory import CUDA_CONTEXT_BYTES, estimate_memory
 from ..stream.memory_size import parse_memory_size
 from ..stream.stream_config import StreamConfig
-from ..supervision import Helper, HelperPolicy, WhenDown, WhenFull
+from ..supervision import Helper, HelperPolicy, WhenDown, WhenFull, ending_child
 from .compilation import (
     compiled_code_key,
     matmul_settings,
@@ -129,7 +129,8 @@ class CompiledSizes:
         with open(self.log, "wb") as output:
             # its own session (start_child's): stopped whole, and no Ctrl-C of the terminal's
             child = start_child(__name__, "serve", json.dumps(request), helper=self.helper, env=environment,
-                                output=output, outlives_parent=True)
+                                output=output, outlives_parent=True, quiet=True,  # (`finish` says it)
+                                died=lambda code: f"failed (exit {code}; its log: {self.log})")
         for pipe in (child.requests, child.replies):  # (it is told everything at its start)
             pipe.close()
         self.process = child.process
@@ -207,6 +208,7 @@ class CompiledSizes:
         """`first` to the child's process group, then SIGKILL after STOP_WAIT_S where it was not SIGKILL
         already; True once the child has ended (reaped), KILL_WAIT_S after the kill at the latest."""
         waits = [(first, STOP_WAIT_S)] if first != signal.SIGKILL else []
+        ending_child(self.process.pid)
         for sent, wait_s in [*waits, (signal.SIGKILL, KILL_WAIT_S)]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, sent)

@@ -71,13 +71,18 @@ class KernelBuilders:
         self.helper = helper  # the process's: down, no builders start again
         self._idle: queue.Queue[ChildProcess | None] = queue.Queue()  # None: closed (wakes a waiting build)
         self._children: list[ChildProcess] = []
+        self._slots: dict[ChildProcess, int] = {}  # each child's place, by which `building` names its build
+        self.building: dict[int, str] = {}  # what each child builds now, by its place
         self._lock = threading.Lock()
         self._closed = False
         self.built = 0  # builds the children made
         environment = child_environment(device_index, env)
         try:
             for _ in range(count):  # (a Popen each, a few milliseconds: the imports happen in the children)
-                child = start_child(__name__, "serve", helper=self.helper, env=environment)
+                slot = len(self._children)
+                child = start_child(__name__, "serve", helper=self.helper, env=environment,
+                                    died=lambda code, slot=slot: self._died(slot, code))
+                self._slots[child] = slot
                 self._children.append(child)
                 self._idle.put(child)
         except OSError as error:  # (no process to spare, say): the builds are made on the pass's threads
@@ -98,6 +103,7 @@ class KernelBuilders:
         if child is None or self._closed:  # closed: the sign passed on to the next build waiting
             self._idle.put(None)
             return False
+        self.building[self._slots[child]] = name[1]
         try:
             write_message(child.requests, (*name, specialization))
             reply = _reply(child, deadline)
@@ -112,6 +118,10 @@ class KernelBuilders:
         built = reply[0] == "built"
         self.built += built
         return built
+
+    def _died(self, slot: int, code: int) -> str:
+        """A child's death, said as its build's is (the monitor of children notices it when it happens)."""
+        return f"a child building {self.building.get(slot, 'kernels')} died (exit code {code})"
 
     def _down(self, child: ChildProcess | None, reason: str) -> None:
         if child is not None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..supervision import Deadline, Helper, WhenDown
+from ..supervision import CHILDREN, Deadline, Helper, WhenDown
 from . import compilation, kernel_builds
 from .ahead import BuildsAhead
 from .compile_child import CHILD_LIMIT_S, CompiledSizes
@@ -304,6 +304,8 @@ class Builder:
             ran["compile_while_streaming"] = self.while_streaming.helper
         if self.compiled_sizes is not None and self.compiled_sizes.process is not None:
             ran["compile_child"] = self.compiled_sizes.helper
+        if {"kernel_builders", "compile_child"} & ran.keys():  # children: the monitor watching them
+            ran.update(CHILDREN.helpers())
         return ran
 
     def summary(self) -> dict[str, Any]:

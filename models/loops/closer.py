@@ -109,12 +109,11 @@ class Keyframe:
     depth_conf: np.ndarray  # [H, W]
     intrinsics: np.ndarray  # [3, 3]
     c2w: np.ndarray  # [3, 4] as emitted (the open chain's world)
-    descriptor: np.ndarray | None  # the model's, when the stream computed it
 
 
 def keyframe_of(pred: FramePrediction) -> Keyframe:
     return Keyframe(pred.frame_index, pred.chunk_index, pred.image, pred.depth, pred.depth_conf,
-                     pred.intrinsics, pred.c2w, pred.descriptor)
+                     pred.intrinsics, pred.c2w)
 
 
 class FirstFinalKeyframes:
@@ -330,11 +329,9 @@ class LoopCloser:
     keyframes of chunks a and b is the edge chain[a]^-1 S chain[b].
     """
 
-    def __init__(self, config: LoopClosureConfig = LoopClosureConfig(), *, use_model_descriptor: bool = False):
+    def __init__(self, config: LoopClosureConfig = LoopClosureConfig()):
         self.config = config
-        self.use_model_descriptor = use_model_descriptor
-        dim = None if use_model_descriptor else GRADIENT_GRID_DIM
-        self._detector: LoopDetector | None = None if dim is None else LoopDetector(dim, config.detection)
+        self._detector = LoopDetector(GRADIENT_GRID_DIM, config.detection)
         self._links: list[ChunkLink] = []  # links[c - 1] hangs chunk c on chunk c - 1
         self._chain: list[Sim3] = [Sim3.identity()]
         self._points: dict[int, _KeyframePoints] = {}
@@ -361,7 +358,7 @@ class LoopCloser:
                              "chunk's link")
         with self.timings.time("features"):
             features = extract_features(keyframe.image, self.config.detection.features)
-            descriptor = self._descriptor(keyframe)
+            descriptor = gradient_grid_descriptor(keyframe.image)
             points, median_depth = keypoint_points(features.keypoints, keyframe.depth, keyframe.depth_conf,
                                                    keyframe.intrinsics, keyframe.c2w, self.config.min_confidence)
         self._points[keyframe.frame_index] = _KeyframePoints(points, median_depth,
@@ -400,16 +397,6 @@ class LoopCloser:
             "corrected_chunks": len(corrections.by_chunk),
             "costs_ms": self.timings.summary(),
         }
-
-    def _descriptor(self, keyframe: Keyframe) -> np.ndarray:
-        if not self.use_model_descriptor:
-            return gradient_grid_descriptor(keyframe.image)
-        if keyframe.descriptor is None:
-            raise ValueError("the model's descriptor was asked for, but the stream computes none "
-                             "(StreamConfig(descriptors=True))")
-        if self._detector is None:
-            self._detector = LoopDetector(len(keyframe.descriptor), self.config.detection)
-        return keyframe.descriptor
 
     def _verify(self, checked: CheckedCandidate) -> bool:
         """Record the candidate; when its check passed, align it in 3D and add a loop edge if it agrees."""

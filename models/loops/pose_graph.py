@@ -126,7 +126,7 @@ class LoopEdge:
 class PoseGraph:
     """An immutable snapshot: chunk k+1 hangs on chunk k by odometry[k]; loops join any two chunks.
 
-    Adding an edge returns a new graph, so a snapshot handed to a worker never changes under it.
+    A graph with another edge is a new graph, so a snapshot handed to a worker never changes under it.
     """
 
     odometry: tuple[OdometryEdge, ...] = ()
@@ -148,13 +148,6 @@ class PoseGraph:
     @property
     def num_chunks(self) -> int:
         return len(self.odometry) + 1
-
-    def with_odometry(self, edge: OdometryEdge) -> PoseGraph:
-        """The graph with one more chunk, hung on the last one."""
-        return PoseGraph(self.odometry + (edge,), self.loops)
-
-    def with_loop(self, edge: LoopEdge) -> PoseGraph:
-        return PoseGraph(self.odometry, self.loops + (edge,))
 
 
 def open_chain(odometry: Sequence[OdometryEdge]) -> tuple[Sim3, ...]:
@@ -221,10 +214,6 @@ class PoseGraphResult:
     @property
     def accepted_ids(self) -> tuple[Hashable, ...]:
         return tuple(verdict.loop_id for verdict in self.loops if verdict.accepted)
-
-    @property
-    def rejected_ids(self) -> tuple[Hashable, ...]:
-        return tuple(verdict.loop_id for verdict in self.loops if not verdict.accepted)
 
     @property
     def is_open_chain(self) -> bool:
@@ -378,12 +367,6 @@ class PoseGraphSolver:
                                     (self._ends[other, 0], self._ends[other, 1]))
             self._consistent_pairs[loop, other] = self._consistent_pairs[other, loop] = chi2 <= bound
             self.pairs_computed += len(block)
-
-    def pair_consistency(self, graph: PoseGraph) -> np.ndarray:
-        """[L, L] bool: which of `graph`'s loops are pairwise consistent (the diagonal True)."""
-        self._take_odometry(graph.odometry)
-        loops = self._take_loops(graph.loops)
-        return self._consistent_pairs[np.ix_(loops, loops)]
 
     # -- the verdicts ------------------------------------------------------------------------------
     def _consistent(self, active: np.ndarray, deadline: float = float("inf")) -> np.ndarray:

@@ -112,7 +112,8 @@ class LoopClosureProcess:
         self._schedule = IndexingSchedule(IndexingRule(config.index_spacing, config.max_index_spacing))
         self._said_lowered = False
         threads = {name: str(CHILD_THREADS) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
-        self._child = start_child(__name__, "serve", helper=self.helper, env={**os.environ, **threads})
+        self._child = start_child(__name__, "serve", helper=self.helper, env={**os.environ, **threads},
+                                  died=lambda code: f"its process ended (exit status {code})")
         self._outbox = MessageOutbox(self._child.requests)
         self._inbox = MessageInbox(self._child.replies)
         self._unanswered = 0  # messages sent (or waiting in the outbox) and not answered
@@ -203,11 +204,6 @@ class LoopClosureProcess:
     def started(self) -> bool:
         """Whether the child has said it started (as of the last call)."""
         return self._ready
-
-    def wait_for_answers(self, timeout: float) -> None:
-        """Wait until the child's pipe has something to read, `timeout` s at most, and take it."""
-        self._wait_for_pipes(timeout)
-        self._exchange()
 
     def summary(self) -> dict[str, Any]:
         summary = {**self._summary, **self._schedule.summary()}

@@ -348,17 +348,6 @@ class ChunkedEngine:
         return self.engine.memory_plan
 
     @property
-    def chunk_scales(self) -> np.ndarray:
-        """[n_chunks] scale of each chunk's transform into chunk 0 (the reference's name)."""
-        return np.array([transform.scale for transform in self.alignment.transforms])
-
-    @property
-    def chunk_transforms(self) -> np.ndarray:
-        """[n_chunks, 4, 4] [R | t] of each chunk's transform into chunk 0; with `chunk_scales` it maps
-        x -> s R x + t (the reference's name and layout)."""
-        return np.stack([transform.matrix for transform in self.alignment.transforms])
-
-    @property
     def chunk_links(self) -> list[ChunkLink]:
         """How each chunk after the first was hung on the one before (the odometry of a pose graph)."""
         return list(self.alignment.links)

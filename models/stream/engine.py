@@ -265,9 +265,9 @@ class StreamingEngine:
 
     @property
     def makes_descriptors(self) -> bool:
-        """Whether its steps make each frame's descriptor: asked for (StreamConfig.descriptors), or the tokens
-        its keyframe policy reads."""
-        return self.config.descriptors or TOKENS in self.policy.reads
+        """Whether its steps make each frame's descriptor (GeM of its DINO patch tokens, [1024] for the released
+        models): where its keyframe policy reads the frame's tokens. Off, the steps are exactly as without."""
+        return TOKENS in self.policy.reads
 
     @property
     def at_stream_start(self) -> bool:

@@ -55,11 +55,6 @@ class KeyframePolicy(ABC):
     # What `decided_after` reads of the frame beyond its place and time (of SIGNALS).
     reads: ClassVar[frozenset[str]] = frozenset()
 
-    @property
-    def spelling(self) -> str:
-        """The policy as `--keyframes` writes it; parsing it (with the same flow settings) gives it back."""
-        return self.word
-
     @abstractmethod
     def decided_before(self, frame: FrameFacts) -> bool | None:
         """Whether streaming frame `frame` is a keyframe, when that is known before its step (None: it is

@@ -102,11 +102,6 @@ class SpareEngine:
         comes back from `take_ready`, `take_next` or `collect`."""
         self._submit(self.engine.push_checked, image, timestamp)
 
-    @property
-    def sm_partitioned(self) -> bool:
-        """Whether its stream runs its kernels on part of the SMs (`spare_stream` hands an external one)."""
-        return isinstance(self._stream, torch.cuda.ExternalStream)
-
     def flush(self) -> None:
         """After the frames queued so far, deliver on the worker what the spare still has in flight
         (StreamingEngine.finish: a pipelined step's last frame); its predictions come back as a frame's

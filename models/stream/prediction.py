@@ -43,7 +43,7 @@ class FramePrediction:
     chunk_index: int = 0  # which chunk of a chunked stream produced this emission
     flow_magnitude: float = float("nan")  # flow keyframe policy: mean flow (px) to the last keyframe
     provisional: bool = False  # a closed chunk's prediction, emitted again (final) by the next chunk
-    descriptor: np.ndarray | None = None  # [C] unit-length retrieval descriptor (StreamConfig.descriptors)
+    descriptor: np.ndarray | None = None  # [C] unit-length descriptor of its tokens, where the policy reads them
 
     @property
     def is_keyframe(self) -> bool:

@@ -48,13 +48,6 @@ class Sim3:
     def identity(cls) -> Sim3:
         return cls(1.0, np.eye(3), np.zeros(3))
 
-    @classmethod
-    def from_matrix(cls, matrix: np.ndarray) -> Sim3:
-        """From a [4, 4] [sR | t] (`scaled_matrix`): the scale is the cube root of the block's determinant."""
-        matrix = np.asarray(matrix, np.float64)
-        scale = float(np.cbrt(np.linalg.det(matrix[:3, :3])))
-        return cls(scale, matrix[:3, :3] / scale, matrix[:3, 3].copy())
-
     @property
     def matrix(self) -> np.ndarray:
         """[4, 4] [R | t] without the scale, as the reference's `chunk_transforms`."""
@@ -259,14 +252,6 @@ def median_ratio_scale(frames: Sequence[FrameRatios | np.ndarray]) -> float:
         candidates = np.concatenate([frame.values if isinstance(frame, FrameRatios) else frame for frame in frames])
         median = np.partition(candidates, rank)[rank]
     return float(np.clip(median, np.float32(_SCALE_RANGE[0]), np.float32(_SCALE_RANGE[1])))
-
-
-def depth_ratio_scale(target_depth: np.ndarray, source_depth: np.ndarray) -> float:
-    """Median of target / source over all pixels where both are finite and the source is not ~0.
-
-    target_depth, source_depth [K, H, W] for the same K frames (spec §14's scale).
-    """
-    return median_ratio_scale([depth_ratios(target_depth, source_depth)])
 
 
 def alignment_frames(target_keyframe: np.ndarray, source_keyframe: np.ndarray) -> tuple[int, np.ndarray]:

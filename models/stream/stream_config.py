@@ -47,9 +47,6 @@ class StreamConfig:
     # The most frames whose special tokens the cache holds at once; a GPU's page pool holds pages for
     # all of them. None: the model's temporal range (max_frames). ChunkedEngine sets its chunk's.
     max_cached_frames: int | None = None
-    # Each prediction also carries a global descriptor of its frame (GeM of its DINO patch tokens,
-    # [1024] for the released models) for loop retrieval; off, the steps are exactly as without.
-    descriptors: bool = False
     # The camera head's refinement iterations, 1 up to the model's (4 for the released models): fewer
     # run faster for a small pose error. None: all of the model's (the reference's default).
     camera_iterations: int | None = None

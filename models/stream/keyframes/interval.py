@@ -18,10 +18,6 @@ class IntervalKeyframes(KeyframePolicy):
         if self.interval < 1:
             raise ValueError(f"interval keyframes need an interval >= 1, got {self.interval}")
 
-    @property
-    def spelling(self) -> str:
-        return f"{self.word}:{self.interval}"
-
     def decided_before(self, frame: FrameFacts) -> bool | None:
         return (frame.index - frame.scale_frames) % self.interval == 0
 
