@@ -29,6 +29,7 @@ from rich.markup import escape
 from stream_recon.app.evaluation.settings import DEFAULT_MAX_DIFF
 from stream_recon.app.options import FLAG_NAMES, MAX_CAMERA_ITERATIONS, OptionsError, PresetError, RunOptions
 from stream_recon.app.outputs.rundir import OutputDirError, OutputPathError, RunDirError, TumFileError
+from stream_recon.app.sources.frames import SourceError
 from stream_recon.app.sources.input_size import PATCH_SIZE
 from stream_recon.app.stopping import interrupts_held
 from stream_recon.models import (
@@ -406,8 +407,6 @@ def user_errors(console: Console | None = None, *more: type[Exception]) -> Itera
     more: a command's own kinds of bad input (ExportError, EvaluationError, ...), besides the ones
     every command can meet. Anything else is a bug and keeps its traceback.
     """
-    # the source's errors' module loads OpenCV: imported once an error is reported, never for -h
-    from stream_recon.app.sources.reader import SourceError
 
     console = console or error_console()
     try:
