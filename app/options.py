@@ -80,6 +80,10 @@ def flag(field: str) -> str:
     return FLAG_NAMES.get(field, (f"--{field.replace('_', '-')}",))[0]
 
 
+class PresetError(ValueError):
+    """A preset (app/run/presets.py) that cannot be found, parsed, or names options that do not exist."""
+
+
 class OptionsError(ValueError):
     """Run options that are out of range or do not fit this machine (e.g. CUDA asked for, none here)."""
 

@@ -40,8 +40,8 @@ from typer.testing import CliRunner
 
 from stream_recon.app.cli import app, main, with_default_command
 from stream_recon.app.commands._options import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED
-from stream_recon.app.options import OptionsError, RunOptions, flag
-from stream_recon.app.run.presets import PRESET_DIR, PresetError, available_presets, build_options
+from stream_recon.app.options import OptionsError, PresetError, RunOptions, flag
+from stream_recon.app.run.presets import PRESET_DIR, available_presets, build_options
 from stream_recon.models import ModelConfig
 from stream_recon.models.checkpoint import convert_to_safetensors
 

@@ -13,7 +13,7 @@ from dataset_tree import (
 )
 
 from stream_recon.app.evaluation.datasets import DatasetError, TumFrames, discover_sequences
-from stream_recon.app.sources.reader import SourceError
+from stream_recon.app.sources.frames import SourceError
 
 
 def test_tree_is_discovered_in_order_with_ground_truth(tmp_path):

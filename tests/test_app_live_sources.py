@@ -26,8 +26,9 @@ from helpers import wait_until
 from media_helpers import ServerProcess, decoded_index, free_port, write_video
 
 from stream_recon.app.run.pipeline import RunOptions, run_sequence
+from stream_recon.app.sources.frames import Frame, SourceError, TruncatedSourceError
 from stream_recon.app.sources.opening import open_source
-from stream_recon.app.sources.reader import Frame, FrameSource, SourceError, TruncatedSourceError
+from stream_recon.app.sources.reader import FrameSource
 from stream_recon.models import GCTStream
 
 pytestmark = pytest.mark.slow  # real server processes, reconnect back-offs: ~30 s for the module

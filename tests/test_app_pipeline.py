@@ -40,7 +40,7 @@ from stream_recon.app.run import pipeline
 from stream_recon.app.run.loading import build_engine
 from stream_recon.app.run.pipeline import GIL_SWITCH_INTERVAL_S, run_sequence
 from stream_recon.app.run.progress import RunProgress
-from stream_recon.app.sources.reader import SourceError
+from stream_recon.app.sources.frames import SourceError
 from stream_recon.models import GCTStream, prepare_for_inference
 
 # Small inputs keep the tiny model at a few ms per frame: 160x96 frames -> 56x42 model input.

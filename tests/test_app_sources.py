@@ -26,14 +26,10 @@ from media_helpers import (
 )
 from PIL import Image
 
+from stream_recon.app.sources.frames import SourceError, TruncatedSourceError
 from stream_recon.app.sources.opening import check_source, classify_source, natural_sort_key, open_source
-from stream_recon.app.sources.reader import (
-    FrameSelection,
-    SourceError,
-    TruncatedSourceError,
-    _Sampler,
-    frames_source,
-)
+from stream_recon.app.sources.readers import frames_source
+from stream_recon.app.sources.settings import FrameSelection, Sampler
 
 # ------------------------------------------------------------------ video files
 
@@ -97,7 +93,7 @@ def test_fps_subsamples_by_timestamp(tmp_path: Path) -> None:
 def test_fps_keeps_at_most_one_frame_per_tick_and_one_in_every_tick(
     source_fps: float, target_fps: float, num_frames: int
 ) -> None:
-    sampler = _Sampler(FrameSelection(fps=target_fps))
+    sampler = Sampler(FrameSelection(fps=target_fps))
     timestamps = np.arange(num_frames) / source_fps
     kept = [t for index, t in enumerate(timestamps) if sampler.accept(index, t)]
 

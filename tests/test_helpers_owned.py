@@ -229,7 +229,7 @@ def test_every_thread_and_child_a_run_starts_belongs_to_a_helper_run_json_lists(
     pytest.importorskip("gtsam")
     from stream_recon.app.options import RunOptions
     from stream_recon.app.run import pipeline
-    from stream_recon.app.sources.reader import frames_source
+    from stream_recon.app.sources.readers import frames_source
 
     listed: list[dict[str, Helper]] = []
     helpers_of_run = pipeline.Run.helpers
@@ -281,7 +281,8 @@ def raising_camera(count: int, fails_at: int):
 
 
 def test_a_reader_that_raises_is_down_with_the_run_s_error_line_and_its_pool_is_listed():
-    from stream_recon.app.sources.reader import SourceError, frames_source
+    from stream_recon.app.sources.frames import SourceError
+    from stream_recon.app.sources.readers import frames_source
 
     with frames_source(raising_camera(6, fails_at=4), name="cam", image_width=56, pool_from_pixels=0) as source:
         with pytest.raises(SourceError) as raised:
@@ -300,7 +301,7 @@ def test_the_reader_does_what_its_policy_says(live):
     """The reader's hand-off runs its helper's policy: a live source's reader is latest-wins (the run loop behind,
     its oldest frames are dropped and counted, the newest delivered), a file's pushes back (it waits for the run
     loop: every frame delivered in order, none dropped)."""
-    from stream_recon.app.sources.reader import frames_source
+    from stream_recon.app.sources.readers import frames_source
 
     frames = [(np.full((48, 64, 3), index, dtype=np.uint8), 0.1 * index) for index in range(20)]
     with frames_source(frames, name="cam", live=live, queue_size=2) as source:
@@ -318,7 +319,7 @@ def test_the_reader_does_what_its_policy_says(live):
 
 
 def test_a_source_made_without_the_pool_lists_its_reader_alone():
-    from stream_recon.app.sources.reader import frames_source
+    from stream_recon.app.sources.readers import frames_source
 
     frames = [(np.zeros((48, 64, 3), dtype=np.uint8), 0.0)]
     with frames_source(frames, name="cam", image_width=56) as source:  # small frames: made on the reader

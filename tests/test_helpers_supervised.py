@@ -785,7 +785,8 @@ def camera(count: int, fault_at: int | None = None, fault_: Fault | None = None)
 
 
 def test_a_reader_that_raises_ends_the_iteration_with_one_source_error_after_its_frames(faults):
-    from stream_recon.app.sources.reader import SourceError, frames_source
+    from stream_recon.app.sources.frames import SourceError
+    from stream_recon.app.sources.readers import frames_source
 
     broken = fault(faults, RuntimeError("camera unplugged"))
     frames = []
@@ -800,7 +801,8 @@ def test_a_reader_that_raises_ends_the_iteration_with_one_source_error_after_its
 @pytest.mark.slow
 def test_a_reader_that_stalls_ends_the_iteration_at_the_frame_timeout(faults):
     from stream_recon.app.sources import reader
-    from stream_recon.app.sources.reader import SourceError, frames_source
+    from stream_recon.app.sources.frames import SourceError
+    from stream_recon.app.sources.readers import frames_source
 
     stuck = fault(faults)
     frames = []
@@ -821,7 +823,8 @@ def test_a_reader_that_stalls_ends_the_iteration_at_the_frame_timeout(faults):
 @pytest.mark.slow
 def test_a_preprocessing_worker_that_fails_ends_the_iteration_with_one_source_error(faults, monkeypatch, kind,
                                                                                    where):
-    from stream_recon.app.sources import reader
+    from stream_recon.app.sources import reader, readers
+    from stream_recon.app.sources.frames import SourceError
 
     failing = fault(faults, ValueError("resize refused") if kind == "raises" else None)
     preprocess = reader.preprocess_frame_uint8
@@ -837,9 +840,9 @@ def test_a_preprocessing_worker_that_fails_ends_the_iteration_with_one_source_er
     monkeypatch.setattr(reader, "preprocess_frame_uint8", preprocess_frame)
     frames = []
     started = time.monotonic()
-    with reader.frames_source(camera(6), name="cam", image_width=56, frame_timeout_s=0.3, preprocess_workers=1,
+    with readers.frames_source(camera(6), name="cam", image_width=56, frame_timeout_s=0.3, preprocess_workers=1,
                                pool_from_pixels=0 if where == "pool" else reader.POOL_FROM_PIXELS) as source:
-        with pytest.raises(reader.SourceError) as raised:
+        with pytest.raises(SourceError) as raised:
             for frame in source:
                 frames.append(frame)
     assert len(frames) == 2 and time.monotonic() - started < 0.3 + 5.0
@@ -855,13 +858,13 @@ def test_a_preprocessing_worker_that_fails_ends_the_iteration_with_one_source_er
 
 
 def test_a_reader_whose_release_raises_still_ends_its_stream(monkeypatch, caplog):
-    from stream_recon.app.sources import reader
+    from stream_recon.app.sources import readers
 
     def release(reader):
         raise OSError("device busy")
 
-    monkeypatch.setattr(reader.IterableReader, "release", release, raising=False)
-    with reader.frames_source(camera(3), name="cam") as source:
+    monkeypatch.setattr(readers.IterableReader, "release", release, raising=False)
+    with readers.frames_source(camera(3), name="cam") as source:
         started = time.monotonic()
         frames = list(source)
     assert len(frames) == 3 and source.end_reason == "end" and time.monotonic() - started < 2.0

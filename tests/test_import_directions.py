@@ -24,7 +24,7 @@ app/ stands in rooms the same way (APP_FORBIDDEN below; each room's __init__.py 
     evaluation  metrics, datasets, batch                 imports nothing of viewer
 
 and the module graph of app/, models/ and cache/ together has no circle, the app reaches models/ through at
-most 15 modules, and at most 60 imports sit inside functions, each with its reason.
+most 15 modules, and at most 45 imports sit inside functions, each with its reason.
 """
 
 from __future__ import annotations
@@ -406,7 +406,7 @@ def test_app_top_keeps_at_most_ten_modules() -> None:
 # files by name (`import_module(f".{name}", __name__)` in its __init__.py: a table made of files, such as the
 # attention backends' and the export formats').
 MAX_MODELS_MODULES_THE_APP_IMPORTS = 15
-MAX_IMPORTS_INSIDE_FUNCTIONS = 60  # across app/, models/ and cache/; each with its reason
+MAX_IMPORTS_INSIDE_FUNCTIONS = 45  # across app/, models/ and cache/; each with its reason
 MODULE_STRING = re.compile(r"stream_recon((?:\.\w+)+)(?::[\w.]+)?")
 
 

@@ -27,7 +27,9 @@ from rich.logging import RichHandler
 from rich.markup import escape
 
 from stream_recon.app.evaluation.settings import DEFAULT_MAX_DIFF
-from stream_recon.app.options import FLAG_NAMES, MAX_CAMERA_ITERATIONS, OptionsError, RunOptions
+from stream_recon.app.options import FLAG_NAMES, MAX_CAMERA_ITERATIONS, OptionsError, PresetError, RunOptions
+from stream_recon.app.outputs.rundir import OutputDirError, OutputPathError, RunDirError, TumFileError
+from stream_recon.app.sources.frames import SourceError
 from stream_recon.app.sources.input_size import PATCH_SIZE
 from stream_recon.app.stopping import interrupts_held
 from stream_recon.models import (
@@ -405,10 +407,6 @@ def user_errors(console: Console | None = None, *more: type[Exception]) -> Itera
     more: a command's own kinds of bad input (ExportError, EvaluationError, ...), besides the ones
     every command can meet. Anything else is a bug and keeps its traceback.
     """
-    # the errors' modules load torch, OpenCV and yaml: imported once an error is reported, never for -h
-    from stream_recon.app.outputs.rundir import OutputDirError, OutputPathError, RunDirError, TumFileError
-    from stream_recon.app.run.presets import PresetError
-    from stream_recon.app.sources.reader import SourceError
 
     console = console or error_console()
     try:

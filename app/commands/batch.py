@@ -23,6 +23,7 @@ corrected one ("-": no open chain), with their means over the sequences that hav
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 from typing import Annotated, Any, Optional
 
 import typer
@@ -104,9 +105,8 @@ def batch(
     overrides: dict[str, Any],
 ) -> None:
     """Run every sequence under ROOT into OUTPUT/<name>/, evaluate those with ground truth, write a summary."""
-    import_held("stream_recon.app.evaluation.batch")  # the names below are then read from the module loaded
-    # torch, OpenCV and yaml load with these: when the command runs, never for -h
-    from stream_recon.app.evaluation.batch import BatchError, BatchInterrupted, EvalSettings, run_batch
+    batch = import_held("stream_recon.app.evaluation.batch")  # torch, OpenCV and yaml: never for -h
+    # OpenCV and yaml load with these: when the command runs, never for -h
     from stream_recon.app.evaluation.datasets import DatasetError, discover_sequences
     from stream_recon.app.run.presets import build_options
 
@@ -115,26 +115,26 @@ def batch(
     check_alignment(console, alignment)
     if gpus_per_task < 0:
         bad_input(console, f"--gpus-per-task must be >= 0, not {gpus_per_task}")
-    with user_errors(console, DatasetError, BatchError):
+    with user_errors(console, DatasetError, batch.BatchError):
         try:
             options = build_options(config, {**overrides, "viewer": False})
             sequences = discover_sequences(root, exclude=(output,))
-            rows = run_batch(
+            rows = batch.run_batch(
                 sequences,
                 output,
                 options,
-                evaluation=EvalSettings(alignment=alignment, **given(max_diff=max_diff)),
+                evaluation=batch.EvalSettings(alignment=alignment, **given(max_diff=max_diff)),
                 ray_address=ray,
                 gpus_per_task=gpus_per_task,
                 overwrite=overwrite,
                 console=console,
                 ray_log_level=library_log_level(),
             )
-        except BatchInterrupted as interrupted:
-            console.print(summary_table(interrupted.rows, title=f"{output}/summary.json (interrupted)"))
+        except batch.BatchInterrupted as interrupted:
+            console.print(summary_table(interrupted.rows, f"{output}/summary.json (interrupted)", batch))
             console.print("[yellow]batch interrupted[/yellow]: run the same command again to resume")
             raise typer.Exit(code=interrupted_exit_code(interrupted.signum)) from None
-    console.print(summary_table(rows, title=f"{output}/summary.json"))
+    console.print(summary_table(rows, f"{output}/summary.json", batch))
     if any(row["status"] == "failed" for row in rows):
         raise typer.Exit(code=EXIT_FAILED)
 
@@ -144,10 +144,8 @@ def batch(
 ERROR_CELL_CHARS = 40
 
 
-def summary_table(rows: list[dict], title: str) -> Table:
-    # the batch module loads torch: never for -h (the command has it by now)
-    from stream_recon.app.evaluation.batch import OPEN_CHAIN_ATE_RMSE, open_chain_means
-
+def summary_table(rows: list[dict], title: str, batch: ModuleType) -> Table:
+    """The batch's rows as a table; `batch`: app/evaluation/batch.py, which the command loaded."""
     table = Table(title=title)
     for column, justify in (
         ("sequence", "left"),
@@ -172,10 +170,10 @@ def summary_table(rows: list[dict], title: str) -> Table:
             _cell(row.get("fps"), "{:.1f}"),
             _cell(row.get("loops_accepted")),
             _cell(row.get("ate_rmse"), "{:.4f}"),
-            _cell(row.get(OPEN_CHAIN_ATE_RMSE), "{:.4f}", missing="-" if evaluated else ""),
+            _cell(row.get(batch.OPEN_CHAIN_ATE_RMSE), "{:.4f}", missing="-" if evaluated else ""),
             _shortened(row.get("error") or ""),
         )
-    means = open_chain_means(rows)
+    means = batch.open_chain_means(rows)
     if means is not None:
         table.add_section()
         table.add_row(f"mean of {means.sequences} with an open chain", "", "", "", "",

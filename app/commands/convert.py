@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 
 from stream_recon.app.commands._options import bad_input, error_console, stop_said, user_errors
-from stream_recon.models import CheckpointError
+from stream_recon.models.errors import CheckpointError, checkpoint_advice
 
 
 def convert(
@@ -31,7 +31,6 @@ def convert(
     if problem:
         bad_input(console, problem)
     # the checkpoint's modules load torch: only once there is work, never for -h
-    from stream_recon.app.run.loading import checkpoint_advice
     from stream_recon.models.checkpoint import convert_to_safetensors  # torch: only once there is work
 
     kept = f"; the earlier {destination} is as it was" if destination.exists() else ""

@@ -55,6 +55,7 @@ from stream_recon.app.evaluation.settings import (
     STATISTICS,
     statistic_key,
 )
+from stream_recon.app.outputs.rundir import file_to_write
 
 RunDirArg = Annotated[
     Path, typer.Argument(help="Run directory written by `stream-recon run` (trajectory_tum.txt, or the npz files "
@@ -153,14 +154,13 @@ def eval_command(
     output: EvalOutputOpt = None,
 ) -> None:
     """Evaluate a run against a ground-truth trajectory (and depth), as evo does; writes RUN_DIR/eval.json."""
-    # OpenCV and torch load with these: when the command runs, never for -h
+    # OpenCV loads with it: when the command runs, never for -h
     from stream_recon.app.evaluation.metrics import (
         EvaluationError,
         evaluate_run,
         evaluation_path,
         write_evaluation,
     )
-    from stream_recon.app.outputs.rundir import file_to_write
 
     errors = error_console()
     check_alignment(errors, alignment)

@@ -32,6 +32,7 @@ from stream_recon.app.commands._options import (
     user_errors,
 )
 from stream_recon.app.options import point_cloud_problems
+from stream_recon.app.outputs.abandoned import close_abandoned_run
 from stream_recon.app.outputs.export_job import ExportError
 from stream_recon.app.outputs.formats import ExportFormat, own_caps
 from stream_recon.app.outputs.rundir import check_run_dir
@@ -86,9 +87,8 @@ def export(
     """Export a run as a point cloud (ply), a scene with cameras (glb), a COLMAP text model, a TUM trajectory,
     a nerfstudio dataset (transforms.json, images, points.ply) or Gaussian splats (the 3D Gaussian splatting PLY
     that splat viewers open)."""
-    # trimesh, OpenCV and torch load with these: when the command runs, never for -h
+    # OpenCV loads with it (and trimesh with a GLB's writer): when the command runs, never for -h
     from stream_recon.app.outputs.export import export_run
-    from stream_recon.app.outputs.writers import close_abandoned_run
 
     console = error_console()
     show_engine_log(console)  # a damaged file skipped, a voxel raised: `warning:` lines

@@ -23,6 +23,7 @@ from rich.table import Table
 
 from stream_recon.app.commands._options import output_console
 from stream_recon.app.run.loops import pose_graph_library_problem
+from stream_recon.models.attention_backends import auto_summary, backend_statuses, resolve_backend
 
 _PACKAGES = ("stream-recon", "torch", "numpy", "opencv-python-headless", "pillow", "typer", "rich", "viser",
              "safetensors", "huggingface_hub", "gtsam", "flashinfer-python", "onnxruntime", "onnxruntime-gpu")
@@ -81,9 +82,6 @@ def _cuda_info(torch: Any) -> dict[str, Any]:
 def _attention_backends(torch: Any) -> dict[str, str]:
     """Every row of the backend table, available here or why not: on this machine's GPU in bf16
     when it has one (the default run), else on the CPU in float32."""
-    # the backend table loads torch too: for `info` itself, never for -h
-    from stream_recon.models.attention_backends import auto_summary, backend_statuses, resolve_backend
-
     device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
     report = {"auto": f"{resolve_backend('auto', device, dtype)} here ({auto_summary()})"}
     for backend in backend_statuses(device, dtype):

@@ -48,6 +48,7 @@ from stream_recon.app.commands._options import (
     takes_run_options,
     user_errors,
 )
+from stream_recon.app.outputs.rundir import read_run_info
 from stream_recon.app.stopping import interrupted_exit_code, interrupts_held
 
 if TYPE_CHECKING:
@@ -123,9 +124,6 @@ def on_a_terminal() -> bool:
 def holds_sample_run(output_dir: Path) -> bool:
     """Whether `output_dir` holds a run of the bundled sample, which a new sample run replaces; a run of
     anything else there (the user's own folder named `sample`) is refused as any existing run is."""
-    # the run directory's readers load torch: when the command runs, never for -h
-    from stream_recon.app.outputs.rundir import read_run_info
-
     location = read_run_info(output_dir).get("settings", {}).get("source_location")
     return location is not None and Path(location) == Path(str(SAMPLE_DIR)).resolve()
 

@@ -25,6 +25,8 @@ from stream_recon.app.commands._options import (
     user_errors,
 )
 from stream_recon.app.options import SHOW_CHOICES, RunOptions, check_viewer_address
+from stream_recon.app.outputs.abandoned import close_abandoned_run
+from stream_recon.app.outputs.rundir import check_run_dir
 from stream_recon.app.stopping import interrupted_exit_code, wait_for_stop_signal
 
 # run's --host and --port: the same help, defaults and checks
@@ -43,9 +45,7 @@ def view(
     ] = False,
 ) -> None:
     """Replay a finished run in the browser, with a timeline. Ctrl-C (exit code 130) or SIGTERM (143) stops it."""
-    # viser, OpenCV and torch load with these: when the command runs, never for -h
-    from stream_recon.app.outputs.rundir import check_run_dir
-    from stream_recon.app.outputs.writers import close_abandoned_run
+    # viser and OpenCV load with it: when the command runs, never for -h
     from stream_recon.app.viewer.replay import start_replay
 
     host = RunOptions.host if host is None else host

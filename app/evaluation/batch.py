@@ -75,7 +75,7 @@ from stream_recon.app.outputs.rundir import (
 from stream_recon.app.run.clock import finite_or_none
 from stream_recon.app.run.loading import CheckpointDigest, load_model_for
 from stream_recon.app.run.pipeline import run_sequence
-from stream_recon.app.sources.reader import SourceError
+from stream_recon.app.sources.frames import SourceError
 from stream_recon.models import DEFAULT_CHECKPOINT, CheckpointError, FrameError
 
 logger = logging.getLogger(__name__)

@@ -17,10 +17,10 @@ from stream_recon.app.outputs.export_job import ExportError, PixelScale
 from stream_recon.app.outputs.formats import ExportFormat
 from stream_recon.app.outputs.rundir import atomic_write
 from stream_recon.app.outputs.sky import SkyModelError, SkySegmenter, sky_network_path
+from stream_recon.app.sources.frames import SourceError
 from stream_recon.app.sources.input_size import model_input_size, resized_size
 from stream_recon.app.sources.opening import open_source
 from stream_recon.app.sources.preprocess import ImageReadError, preprocess_frame_uint8
-from stream_recon.app.sources.reader import SourceError
 from stream_recon.app.sources.settings import FrameSelection
 
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from stream_recon.app.options import OptionsError, RunOptions
 from stream_recon.app.outputs.sky import SkyModelError, SkySegmenter, sky_network_path
+from stream_recon.app.sources.frames import SourceError
 from stream_recon.app.sources.input_size import model_input_size, resized_size
 from stream_recon.app.sources.opening import (
     IMAGE_SUFFIXES,
@@ -38,7 +39,7 @@ from stream_recon.app.sources.opening import (
     open_source,
     upright_size,
 )
-from stream_recon.app.sources.reader import SourceError, turned_clockwise
+from stream_recon.app.sources.reader import turned_clockwise
 
 MASK_SUFFIXES = IMAGE_SUFFIXES
 # A mask named as a frame index: six digits, as `export` names a frame's image

@@ -35,6 +35,7 @@ from stream_recon.models.checkpoint import (
     locate_checkpoint,
     resolve_checkpoint,
 )
+from stream_recon.models.errors import checkpoint_advice
 from stream_recon.models.supervision import Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
 
 
@@ -70,20 +71,6 @@ def load_model_for(options: RunOptions, device: str | None = None, console: Cons
                 "check its permissions, or pass another --checkpoint"
             ) from None
         return prepared_for_run(loaded, options, device, compile=compile)
-
-
-def checkpoint_advice(message: str) -> str:
-    """A checkpoint error as the CLI gives it. The model's loader advises its Python arguments
-    (`allow_partial=True`), which the CLI does not offer: that advice is replaced by what a user of the CLI
-    can do. The first line stays the headline; the rest (the tensors by name) are details for --verbose."""
-    lines = message.strip().splitlines()
-    if not any("allow_partial" in line for line in lines):
-        return message
-    headline = lines[0].rstrip(".")
-    details = [line for line in lines[1:] if "allow_partial" not in line]
-    advice = ("; pass the checkpoint made for this model: a .pt file is read with the official configuration, "
-              "a .safetensors file with the one it carries (`stream-recon convert` writes one)")
-    return "\n".join([headline + advice, *details])
 
 
 def model_config_for(options: RunOptions, model: Any = None) -> Any:

@@ -112,10 +112,10 @@ class LoopClosureSink:
 
     def _start(self, config: Any) -> None:
         try:  # (imported here: the closer needs gtsam, which a run without loop closure may lack)
-            from stream_recon.models.loops.closer import LoopClosureConfig
-            from stream_recon.models.loops.process import LoopClosureProcess
+            from stream_recon.models.loops.process import FINISH_S, LoopClosureProcess
 
-            self.closer = LoopClosureProcess(config or LoopClosureConfig())
+            self.closer = LoopClosureProcess(config) if config is not None else LoopClosureProcess()
+            self.finish_s = FINISH_S  # how long the end of the run waits for the child's last word
         except Exception as failure:  # noqa: BLE001 - loop closure is an improvement, never a reason to stop
             self.error = f"it could not start: {type(failure).__name__}: {failure}"
             logger.warning("loop closure is off for the rest of the run: %s", self.error)
@@ -149,16 +149,13 @@ class LoopClosureSink:
         solved already."""
         if self.closer is None:
             return None
-        # the loop-closure modules need gtsam, which a run without loop closure may lack
-        from stream_recon.models.loops.process import FINISH_S
-
         started = time.monotonic()
         if status == "interrupted" or not self.running:
             self.closer.take_corrections()
             self.closer.close()
             corrections = self.closer.corrections
         else:
-            corrections = self.closer.finish(Deadline(FINISH_S), self._stop_waiting(stop_now))
+            corrections = self.closer.finish(Deadline(self.finish_s), self._stop_waiting(stop_now))
         self.end_wait_s = round(time.monotonic() - started, 3)
         self._show(corrections, force=True)
         return corrections

@@ -63,10 +63,12 @@ from stream_recon.app.run.loading import (
 from stream_recon.app.run.loops import LoopClosureSink, loop_closure_cannot_help, loop_closure_wanted
 from stream_recon.app.run.progress import RunProgress
 from stream_recon.app.run.resources import check_cpu_run
+from stream_recon.app.sources.frames import SourceError
 from stream_recon.app.sources.input_size import model_input_size, too_small_warning
 from stream_recon.app.sources.opening import open_source
 from stream_recon.app.sources.preprocess import preprocess_frame_uint8
-from stream_recon.app.sources.reader import FrameSource, SourceError, frames_source
+from stream_recon.app.sources.reader import FrameSource
+from stream_recon.app.sources.readers import frames_source
 from stream_recon.app.stopping import (
     STOP_CLOSE_S,
     StopOnSignal,

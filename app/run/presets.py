@@ -18,16 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from stream_recon.app.options import OptionsError, RunOptions, current_names
+from stream_recon.app.options import OptionsError, PresetError, RunOptions, current_names
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
 PRESET_DIR = resources.files("stream_recon.configs")
-
-
-class PresetError(ValueError):
-    """A preset that cannot be found, parsed, or names options that do not exist."""
 
 
 def available_presets() -> list[str]:

@@ -20,19 +20,17 @@ from pathlib import Path
 import cv2
 from PIL import Image
 
+from stream_recon.app.sources.frames import SourceError
 from stream_recon.app.sources.input_size import input_size_problem
 from stream_recon.app.sources.probing import stream_failure
 from stream_recon.app.sources.reader import (
     DEFAULT_FRAME_TIMEOUT_S,
     DEFAULT_QUEUE_SIZE,
-    CaptureReader,
-    FolderReader,
     FrameSource,
     Reader,
-    SourceError,
     SourceKind,
-    check_same_size,
 )
+from stream_recon.app.sources.readers import CaptureReader, FolderReader, check_same_size
 from stream_recon.app.sources.settings import (
     DEFAULT_OPEN_TIMEOUT_S,
     DEFAULT_RECONNECT_S,

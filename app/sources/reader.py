@@ -12,10 +12,8 @@ its pending result, in reading order, so frames come out in order.
     consumer:        for frame in source: ...   (raises the reader's error at the point it happened)
 
 A frame's path then crosses two threads, the reader and the consumer, up to 1280x720; a larger one a third,
-for the crop rule's pixels (PIL's resize, exact, which leaves no cheaper resize): on the GPU host the reader
-alone kept the product path at the pool's rate at 1280x720 (47.0 FPS against 46.6) but held it to 42.3 FPS at
-1920x1080 and 12.6 at 3840x2160, where the pool gives 53.6 and 45.8 (docs/performance-log.md, "a frame's
-path").
+for the crop rule's pixels (PIL's resize, exact, which leaves no cheaper resize; POOL_FROM_PIXELS says why).
+The decoders of each kind of source are readers.py's; a Frame and SourceError, frames.py's.
 
 Host memory stays constant: at most `queue_size` frames exist at once, whatever the length. Model
 inputs stay uint8 ([3, H, W], a quarter of the float bytes): the engine converts them on the device.
@@ -38,30 +36,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, Protocol
 
 import cv2
 import numpy as np
 
+from stream_recon.app.sources.frames import Frame, SourceError
 from stream_recon.app.sources.preprocess import (
-    ImageReadError,
-    load_image,
     preprocess_frame_uint8,
-    upright_rgb,
 )
-from stream_recon.app.sources.settings import (
-    ROTATIONS,
-    FrameSelection,
-)
+from stream_recon.app.sources.settings import ROTATIONS, FrameSelection, Sampler
 from stream_recon.app.stopping import interrupts_held
 from stream_recon.models import DaemonPool
 from stream_recon.models.supervision import (
@@ -89,8 +80,6 @@ DEFAULT_FRAME_TIMEOUT_S = 30.0
 _FIRST_RETRY_DELAY_S = 0.25
 _MAX_RETRY_DELAY_S = 4.0
 _JOIN_TIMEOUT_S = 2.0
-# A container's frame count can be an estimate (duration x rate); only a clear shortfall means damage.
-_TRUNCATION_SLACK_FRAMES = 2
 
 logger = logging.getLogger(__name__)
 
@@ -109,32 +98,6 @@ def preprocessing_policy(frame_timeout_s: float) -> HelperPolicy:
     a frame it cannot make, or does not make within the frame timeout, fails the run with one SourceError line."""
     return HelperPolicy("the source's preprocessing", WhenFull.PUSH_BACK, WhenDown.FAIL_RUN,
                         stall_s=frame_timeout_s)
-
-
-class SourceError(ValueError):
-    """The source cannot be read: what is wrong with it and what to do instead."""
-
-
-class TruncatedSourceError(SourceError):
-    """A file ended before its header said it would; the frames before the damage were delivered."""
-
-    def __init__(self, message: str, frames_decoded: int, frames_expected: int) -> None:
-        super().__init__(message)
-        self.frames_decoded = frames_decoded
-        self.frames_expected = frames_expected
-
-
-@dataclass(frozen=True)
-class Frame:
-    """One delivered frame."""
-
-    index: int  # position among the delivered frames, from 0
-    source_index: int  # position in the source (decoded frame number, file number)
-    timestamp: float  # seconds: video PTS, file order / fps, or time since a live source opened
-    # [H, W, 3] uint8, RGB, upright; None when the source preprocesses (a 4K frame is 25 MB, and the
-    # queue would hold eight of them for nothing)
-    rgb: np.ndarray | None
-    image: np.ndarray | None = None  # [3, H', W'] uint8 model input, when the source preprocesses
 
 
 @dataclass(frozen=True)
@@ -178,39 +141,6 @@ def _preparing(index: int, description: str) -> Iterator[None]:
 def _preparing_failed(index: int, description: str, error: Exception) -> SourceError:
     """The one line of a frame whose model input could not be made, on the reader or the pool."""
     return SourceError(f"preparing frame {index} of {description} failed: {type(error).__name__}: {error}")
-
-
-class _Sampler:
-    """Applies a FrameSelection to a sequence of (source index, timestamp), frame by frame."""
-
-    # Timestamps in milliseconds carry float noise (0.12 s may read 0.11999999); a frame that sits
-    # on a tick must not slip into the previous one.
-    _TICK_EPS = 1e-6
-
-    def __init__(self, selection: FrameSelection) -> None:
-        self._selection = selection
-        self._delivered = 0
-        self._grid_origin: float | None = None
-        self._last_tick = -1
-
-    @property
-    def done(self) -> bool:
-        limit = self._selection.max_frames
-        return limit is not None and self._delivered >= limit
-
-    def accept(self, source_index: int, timestamp: float) -> bool:
-        selection = self._selection
-        if source_index < selection.start or (source_index - selection.start) % selection.stride:
-            return False
-        if selection.fps is not None:
-            if self._grid_origin is None:
-                self._grid_origin = timestamp
-            tick = math.floor((timestamp - self._grid_origin) * selection.fps + self._TICK_EPS)
-            if tick <= self._last_tick:
-                return False
-            self._last_tick = tick
-        self._delivered += 1
-        return True
 
 
 class Reader(Protocol):
@@ -434,7 +364,7 @@ class FrameSource:
             self._handoff.close()
 
     def _read_until_end(self) -> _EndOfStream:
-        sampler = _Sampler(self.selection)
+        sampler = Sampler(self.selection)
         frames_grabbed = 0
         delivered = 0
         while not self._stop.is_set():
@@ -518,215 +448,3 @@ _CV2_TURNS = {90: cv2.ROTATE_90_CLOCKWISE, 180: cv2.ROTATE_180, 270: cv2.ROTATE_
 def turned_clockwise(rgb: np.ndarray, degrees: int) -> np.ndarray:
     """[H, W, 3] turned `degrees` (0, 90, 180 or 270) clockwise: [W, H, 3] for a quarter turn."""
     return rgb if degrees == 0 else cv2.rotate(rgb, _CV2_TURNS[degrees])
-
-
-def frames_source(
-    frames: Iterable[tuple[np.ndarray, float]],
-    selection: FrameSelection | None = None,
-    *,
-    name: str = "frames",
-    live: bool = False,
-    length: int | None = None,
-    image_width: int | None = None,
-    frame_timeout_s: float = DEFAULT_FRAME_TIMEOUT_S,
-    queue_size: int = DEFAULT_QUEUE_SIZE,
-    preprocess_workers: int = PREPROCESS_WORKERS,
-    pool_from_pixels: int = POOL_FROM_PIXELS,
-) -> FrameSource:
-    """A source over any iterable of (rgb [H, W, 3] uint8, timestamp in seconds), e.g. a generator.
-
-    The iterable is consumed in the reader thread, one item at a time, like any other source. A
-    length is taken from `len(frames)` when the iterable has one.
-    """
-    selection = selection or FrameSelection()
-    if length is None and hasattr(frames, "__len__"):
-        length = len(frames)  # type: ignore[arg-type]
-    return FrameSource(
-        IterableReader(frames, name),
-        kind="frames",
-        description=f"frame sequence {name}",
-        name=name,
-        selection=selection,
-        estimated_length=selection.estimate_count(length, None),
-        live=live,
-        image_width=image_width,
-        queue_size=queue_size,
-        frame_timeout_s=frame_timeout_s,
-        preprocess_workers=preprocess_workers,
-        pool_from_pixels=pool_from_pixels,
-    )
-
-def check_same_size(first: Path, first_size: tuple[int, int], path: Path, size: tuple[int, int]) -> None:
-    if size != first_size:
-        raise SourceError(
-            f"images in {path.parent} have different sizes: {first.name} is "
-            f"{first_size[0]}x{first_size[1]} but {path.name} is {size[0]}x{size[1]}; "
-            "a sequence must come from one camera at one resolution"
-        )
-
-
-# ----------------------------------------------------------------------------------------------
-# Readers (used by the reader thread only, after open_source returns)
-
-
-class CaptureReader:
-    """OpenCV capture: a video file, a webcam or a network stream."""
-
-    def __init__(
-        self,
-        capture: cv2.VideoCapture,
-        *,
-        label: str,
-        clock: Literal["pts", "wall"],
-        expected_frames: float | None,
-        reopen: Callable[[float], cv2.VideoCapture] | None = None,  # timeout_s -> a new capture
-        shortfall_cause: str = "the file is truncated or damaged",
-    ) -> None:
-        self._capture = capture
-        self._reopen = reopen
-        self._shortfall_cause = shortfall_cause
-        self._label = label
-        self._clock = clock
-        self._expected_frames = int(expected_frames) if expected_frames else None
-        self._peeked = False
-        self._opened_at = time.monotonic()
-        self._wall_timestamp = 0.0
-
-    def peek(self, failure_message: str | Callable[[], str]) -> None:
-        """Decode the first frame now, so a source that opens but never yields fails at open time.
-        failure_message: the error, or a function that finds out what it is (only called on failure)."""
-        if not self._capture.grab():
-            self.release()
-            raise SourceError(failure_message if isinstance(failure_message, str) else failure_message())
-        self._opened_at = time.monotonic()
-        self._wall_timestamp = 0.0
-        self._peeked = True
-
-    def grab(self) -> bool:
-        if self._peeked:
-            self._peeked = False
-            return True
-        grabbed = self._capture.grab()
-        self._wall_timestamp = time.monotonic() - self._opened_at
-        return grabbed
-
-    def timestamp(self) -> float:
-        if self._clock == "wall":
-            return self._wall_timestamp
-        return self._capture.get(cv2.CAP_PROP_POS_MSEC) / 1000.0
-
-    def retrieve(self) -> np.ndarray:
-        ok, bgr = self._capture.retrieve()
-        if not ok or bgr is None:
-            raise SourceError(f"{self._label}: a frame was read but could not be decoded")
-        if bgr.ndim == 2:
-            return cv2.cvtColor(bgr, cv2.COLOR_GRAY2RGB)
-        return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
-
-    def check_complete(self, frames_grabbed: int) -> None:
-        expected = self._expected_frames
-        if expected is not None and frames_grabbed + _TRUNCATION_SLACK_FRAMES < expected:
-            raise TruncatedSourceError(
-                f"{self._label} stopped decoding after {frames_grabbed} of {expected} frames: "
-                f"{self._shortfall_cause}; the {frames_grabbed} frames before the damage were used",
-                frames_decoded=frames_grabbed,
-                frames_expected=expected,
-            )
-
-    def reconnect(self, timeout_s: float) -> bool:
-        if self._reopen is None:
-            return False
-        self._capture.release()
-        try:
-            capture = self._reopen(timeout_s)
-        except SourceError:  # the opener hung past its deadline: as good as no answer
-            return False
-        if not capture.isOpened() or not capture.grab():
-            capture.release()
-            return False
-        self._capture = capture
-        # the clock keeps running from the first connection, so timestamps stay increasing
-        self._wall_timestamp = time.monotonic() - self._opened_at
-        self._peeked = True
-        return True
-
-    def release(self) -> None:
-        self._capture.release()
-
-
-class FolderReader:
-    """A sorted list of picture files; the timestamp of file i is i x seconds_per_frame."""
-
-    def __init__(self, paths: list[Path], frame_size: tuple[int, int], seconds_per_frame: float) -> None:
-        self._paths = paths
-        self._frame_size = frame_size
-        self._seconds_per_frame = seconds_per_frame
-        self._position = -1
-
-    def grab(self) -> bool:
-        self._position += 1
-        return self._position < len(self._paths)
-
-    def timestamp(self) -> float:
-        return self._position * self._seconds_per_frame
-
-    def retrieve(self) -> np.ndarray:
-        path = self._paths[self._position]
-        try:
-            rgb = np.asarray(upright_rgb(load_image(path)), dtype=np.uint8)
-        except ImageReadError as error:
-            raise SourceError(str(error)) from None
-        check_same_size(self._paths[0], self._frame_size, path, (rgb.shape[1], rgb.shape[0]))
-        return rgb
-
-    def check_complete(self, frames_grabbed: int) -> None:
-        """A folder cannot be truncated: missing files are simply not listed."""
-
-    def reconnect(self, timeout_s: float) -> bool:
-        """A folder is not live."""
-        return False
-
-    def release(self) -> None:
-        """Nothing is held open between frames."""
-
-
-class IterableReader:
-    """(rgb, timestamp) pairs from any iterable, checked as they arrive."""
-
-    def __init__(self, frames: Iterable[tuple[np.ndarray, float]], label: str) -> None:
-        self._frames = iter(frames)
-        self._label = label
-        self._current: tuple[np.ndarray, float] | None = None
-        self._position = -1
-
-    def grab(self) -> bool:
-        try:
-            self._current = next(self._frames)
-        except StopIteration:
-            return False
-        self._position += 1
-        return True
-
-    def timestamp(self) -> float:
-        return float(self._current[1])
-
-    def retrieve(self) -> np.ndarray:
-        rgb = np.asarray(self._current[0])
-        if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
-            raise SourceError(
-                f"{self._label}: item {self._position} is not an RGB frame [H, W, 3] uint8 "
-                f"(got shape {rgb.shape}, dtype {rgb.dtype})"
-            )
-        return rgb
-
-    def check_complete(self, frames_grabbed: int) -> None:
-        """An iterable ends when it ends."""
-
-    def reconnect(self, timeout_s: float) -> bool:
-        """An iterator that ended cannot be restarted."""
-        return False
-
-    def release(self) -> None:
-        close = getattr(self._frames, "close", None)  # generators: run their cleanup now
-        if close is not None:
-            close()

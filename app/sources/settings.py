@@ -50,3 +50,37 @@ class FrameSelection:
         if self.fps is not None and source_fps:
             count = math.ceil(count * min(1.0, self.fps * self.stride / source_fps))
         return count if self.max_frames is None else min(count, self.max_frames)
+
+
+class Sampler:
+    """Applies a FrameSelection to a sequence of (source index, timestamp), frame by frame (the reader
+    thread's)."""
+
+    # Timestamps in milliseconds carry float noise (0.12 s may read 0.11999999); a frame that sits
+    # on a tick must not slip into the previous one.
+    _TICK_EPS = 1e-6
+
+    def __init__(self, selection: FrameSelection) -> None:
+        self._selection = selection
+        self._delivered = 0
+        self._grid_origin: float | None = None
+        self._last_tick = -1
+
+    @property
+    def done(self) -> bool:
+        limit = self._selection.max_frames
+        return limit is not None and self._delivered >= limit
+
+    def accept(self, source_index: int, timestamp: float) -> bool:
+        selection = self._selection
+        if source_index < selection.start or (source_index - selection.start) % selection.stride:
+            return False
+        if selection.fps is not None:
+            if self._grid_origin is None:
+                self._grid_origin = timestamp
+            tick = math.floor((timestamp - self._grid_origin) * selection.fps + self._TICK_EPS)
+            if tick <= self._last_tick:
+                return False
+            self._last_tick = tick
+        self._delivered += 1
+        return True

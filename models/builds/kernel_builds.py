@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -136,15 +137,23 @@ def _hook(**call):
     return previous(**call) if previous is not None else None
 
 
+def imported_triton() -> ModuleType:
+    """Triton, imported (ImportError where it is absent)."""
+    # Triton: absent on some machines; asked for only where kernels are built
+    import triton
+
+    return triton
+
+
 def available() -> bool:
     """Whether this Triton lists builds through a cache hook and builds a listed one (`preload`)."""
     try:
-        import triton  # Triton: absent on some machines
-        from triton.runtime.jit import JITFunction
+        module = imported_triton()
     except ImportError:
         return False
-    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    return runtime is not None and hasattr(runtime, "jit_cache_hook") and hasattr(JITFunction, "preload")
+    runtime = getattr(getattr(module, "knobs", None), "runtime", None)
+    return (runtime is not None and hasattr(runtime, "jit_cache_hook")
+            and hasattr(module.runtime.jit.JITFunction, "preload"))
 
 
 def dry_pass_pays(device: str | torch.device, compiled: bool) -> bool:
@@ -157,13 +166,11 @@ def dry_pass_pays(device: str | torch.device, compiled: bool) -> bool:
 def _install() -> None:
     """Our hook, once per process, in front of whichever hook was there (it still gets every call
     ours does not take)."""
-    # Triton: absent on some machines; asked for only where kernels are built
-    import triton
-
+    knobs = imported_triton().knobs
     with PROCESS.lock:
         if not PROCESS.hook_before:
-            PROCESS.hook_before.append(triton.knobs.runtime.jit_cache_hook)
-            triton.knobs.runtime.jit_cache_hook = _hook
+            PROCESS.hook_before.append(knobs.runtime.jit_cache_hook)
+            knobs.runtime.jit_cache_hook = _hook
 
 
 def build_threads() -> int:
@@ -256,10 +263,7 @@ def start_builders(device: str | torch.device) -> None:
 def triton_cache_holds(kernel_name: str) -> bool:
     """Whether Triton's on-disk cache holds a build of a kernel of this name (any specialization or source:
     Triton files each build as <key>/<name>.json)."""
-    # Triton: absent on some machines; asked for only where kernels are built
-    import triton
-
-    folder = getattr(getattr(getattr(triton, "knobs", None), "cache", None), "dir", None)
+    folder = getattr(getattr(getattr(imported_triton(), "knobs", None), "cache", None), "dir", None)
     folder = folder or os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
     return next(Path(folder).glob(f"*/{kernel_name}.json"), None) is not None
 
