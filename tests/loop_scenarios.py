@@ -54,6 +54,20 @@ def read_tum_poses(path: Path) -> np.ndarray:
     return read_tum(path)[1]
 
 
+def read_euroc_poses(path: Path) -> np.ndarray:
+    """EuRoC's ground-truth CSV (time ns, position, quaternion w x y z, then velocities and biases) -> c2w
+    [N, 4, 4] (the body's pose: a camera rigidly on it moves the same way)."""
+    rows = np.loadtxt(path, delimiter=",", comments="#", dtype=np.float64)
+    c2w = np.tile(np.eye(4), (len(rows), 1, 1))
+    w, x, y, z = (rows[:, 4:8] / np.linalg.norm(rows[:, 4:8], axis=1, keepdims=True)).T
+    c2w[:, :3, :3] = np.stack([
+        np.stack([1 - 2 * (y * y + z * z), 2 * (x * y - w * z), 2 * (x * z + w * y)], axis=-1),
+        np.stack([2 * (x * y + w * z), 1 - 2 * (x * x + z * z), 2 * (y * z - w * x)], axis=-1),
+        np.stack([2 * (x * z - w * y), 2 * (y * z + w * x), 1 - 2 * (x * x + y * y)], axis=-1)], axis=1)
+    c2w[:, :3, 3] = rows[:, 1:4]
+    return c2w
+
+
 @dataclass(frozen=True)
 class Trajectory:
     """A real trajectory of evo's test data and how its scenarios are set up, in its units."""
@@ -71,7 +85,9 @@ class Trajectory:
 
     def poses(self, data_dir: Path) -> np.ndarray:
         path = data_dir / self.file
-        poses = read_kitti_poses(path) if self.file.startswith("KITTI") else read_tum_poses(path)
+        readers = {"KITTI": read_kitti_poses, "V1": read_euroc_poses}
+        reader = next((read for prefix, read in readers.items() if self.file.startswith(prefix)), read_tum_poses)
+        poses = reader(path)
         return poses[:: self.step]
 
 
@@ -85,6 +101,10 @@ TRAJECTORIES = {
     # a camera circling a desk ~1.5 m away (its ground truth at ~70 Hz: 23 chunks, 22 revisited pairs)
     "TUM fr2_desk": Trajectory("fr2_desk_groundtruth.txt", 3, revisit_radius=0.5, scene_depth=1.5,
                                false_min_distance=1.0),
+    # a drone flying about a room ~3 m deep (its 200 Hz ground truth at the cameras' 20 Hz: 6 chunks, 10
+    # revisited pairs)
+    "EuRoC V1_02": Trajectory("V102_groundtruth.csv", 10, revisit_radius=0.5, scene_depth=3.0,
+                              false_min_distance=1.0),
 }
 
 
@@ -266,7 +286,7 @@ def make_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, false_
                   scene_depth: float, false_fraction: float = 0.2, false_loops: int | None = None,
                   with_true_loops: bool = True, subtle_false: tuple[float, float] | None = None,
                   repeats: int = 1, keyframe_pairs_per_revisit: int = 2,
-                  keyframe_rotation_error: float | None = None) -> Scenario:
+                  keyframe_rotation_error: float | None = None, false_alone: bool = False) -> Scenario:
     """The chunked stream over `truth`: odometry with ODOMETRY_NOISE; at every revisit (chunk pairs within
     `revisit_radius`) up to `keyframe_pairs_per_revisit` true loops, each a fit of its own keyframe pair
     (`fitted_loop`, points at ~`scene_depth`); and false loops: `false_fraction` of all loops (or
@@ -275,8 +295,10 @@ def make_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, false_
     `subtle_false` (a shift range in ground-truth units) the false loops are on revisited pairs instead:
     the query saw the place shifted by that much, in groups of `repeats` keyframe pairs of one revisit with
     one shift: one wrong place recognised on consecutive keyframes, so that the group agrees with itself.
-    `keyframe_rotation_error`: each keyframe's orientation error within its chunk (rad per axis; default:
-    what the loop covariance declares)."""
+    `false_alone`: a revisit that got a false loop keeps none of its true ones (the place recognised only
+    through a look-alike of it nearby: the false loop is its chunk pair's only loop, which its own solution
+    bends to fit). `keyframe_rotation_error`: each keyframe's orientation error within its chunk (rad per
+    axis; default: what the loop covariance declares)."""
     rng = np.random.default_rng(seed)
     ranges = chunk_ranges(len(truth))
     # Each chunk's coordinates: its first camera, at a scale of its own (a model's depth normalisation).
@@ -320,6 +342,11 @@ def make_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, false_
         for frames, seen_instead in group:
             false_ids.append(f"false-{pair[0]}-{pair[1]}-{len(false_ids)}")
             graph = graph.with_loop(fit(false_ids[-1], pair, frames, seen_instead))
+    if false_alone:
+        looked_alike = {(loop.first, loop.second) for loop in graph.loops if loop.loop_id in false_ids}
+        graph = PoseGraph(graph.odometry, [loop for loop in graph.loops if loop.loop_id in false_ids
+                                           or (loop.first, loop.second) not in looked_alike])
+        true_ids = [loop.loop_id for loop in graph.loops if loop.loop_id in true_ids]
     return Scenario(truth, tuple(ranges), world_from_chunk, graph, frozenset(true_ids), frozenset(false_ids))
 
 
@@ -341,16 +368,19 @@ def without_false_loops(scenario: Scenario) -> PoseGraph:
 
 
 def rejection_rates(trajectory: Trajectory, truth: np.ndarray, seeds: range, settings: PoseGraphSettings,
-                    subtle: bool = True, repeats: int = 1, keyframe_rotation_error: float | None = None
-                    ) -> RejectionRates:
+                    subtle: bool = True, repeats: int = 1, keyframe_rotation_error: float | None = None,
+                    shift: tuple[float, float] | None = None, false_alone: bool = False) -> RejectionRates:
     """Each seed's scenario of `truth` solved with `settings`: the false loops rejected, the true ones
-    accepted, and the corrected ATE against the open chain's and against a solve without the false loops."""
+    accepted, and the corrected ATE against the open chain's and against a solve without the false loops.
+    `shift`: the subtle false loops' error (ground-truth units; default the trajectory's subtle_shift);
+    `false_alone`: as make_scenario's."""
     rates = RejectionRates()
     for seed in seeds:
         scenario = make_scenario(truth, seed, revisit_radius=trajectory.revisit_radius,
                                  false_min_distance=trajectory.false_min_distance, scene_depth=trajectory.scene_depth,
-                                 subtle_false=trajectory.subtle_shift if subtle else None, repeats=repeats,
-                                 keyframe_rotation_error=keyframe_rotation_error)
+                                 subtle_false=(shift or trajectory.subtle_shift) if subtle else None,
+                                 repeats=repeats, keyframe_rotation_error=keyframe_rotation_error,
+                                 false_alone=false_alone)
         result = optimize(scenario.graph, settings)
         accepted = set(result.accepted_ids)
         rates.false_rejected += len(scenario.false_loops - accepted)

@@ -369,9 +369,14 @@ class _SomeLoopsNeverFit(PoseGraphSolver):
         self.misfit_ids = misfit_ids
 
     def _misfits(self, groups, estimate):
-        misfits = super()._misfits(groups, estimate)
+        return np.where(self._holding_misfits(groups), 2.0, super()._misfits(groups, estimate))
+
+    def _fitting(self, groups, estimate, posterior):
+        return super()._fitting(groups, estimate, posterior) & ~self._holding_misfits(groups)
+
+    def _holding_misfits(self, groups) -> np.ndarray:
         ids = [{self._loops[i].loop_id for i in group.members} for group in groups]
-        return np.where([bool(members & self.misfit_ids) for members in ids], 2.0, misfits)
+        return np.array([bool(members & self.misfit_ids) for members in ids], bool)
 
 
 def test_solves_cut_short_while_dropping_misfits_go_on_where_the_last_stopped(tum: np.ndarray) -> None:

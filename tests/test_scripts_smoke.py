@@ -187,7 +187,7 @@ def loop_consistency_figures(tmp_path: Path) -> dict[str, float]:
                                                                              line)
             figures[f"{case}, {label}: with / without false loops"] = number_after(
                 r"with/without false loops max ([\d.e+-]+)", line)
-    assert len(figures) == 12, printed  # three cases, with and without PCM, two figures each
+    assert len(figures) == 30, printed  # five cases, three settings, two figures each
     return finite(figures)
 
 

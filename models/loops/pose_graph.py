@@ -4,12 +4,15 @@ A long stream is cut into chunks; each new chunk is mapped onto the previous one
 their shared frames (an odometry edge), so errors add up along the chain. A loop edge says how two
 chunks far apart in the stream relate (the same place seen again). A solve finds the world-from-chunk
 Sim(3) of every chunk that agrees best with the edges it believes, and decides which loop edges to
-believe: one false loop would bend the whole map. A loop is accepted when it passes four checks:
+believe: one false loop would bend the whole map. A loop is accepted when it passes five checks:
 
 1. against the odometry it closes: its cycle with the chain between its chunks (consistency.py);
 2. against the other loops: it is in a largest pairwise-consistent set (PCM, consistency.py, cliques.py);
 3. at the solution, its own residual stays under the inlier bound;
-4. at the solution, the chain between its chunks is bent no more than the chain's own uncertainty allows.
+4. at the solution, the chain between its chunks is bent no more than the chain's own uncertainty allows;
+5. at the solution, it agrees with what all the other edges together predict for its two chunks
+   (leave_one_out.py): a false loop that alone holds its chunk pair fits the solution it bends, and each
+   pairwise test, through the chain's slack, let it through.
 
 Loops between the same two chunks are solved as one edge (their information-weighted mean), so the graph
 grows with revisited chunk pairs, not with keyframe pairs. `PoseGraphSolver` keeps what a stream's solves
@@ -52,6 +55,8 @@ from .consistency import (
     odometry_cycle_chi2,
     pairs_cycle_chi2,
 )
+from .leave_one_out import MAX_CHUNKS as LEAVE_ONE_OUT_MAX_CHUNKS
+from .leave_one_out import Posterior
 
 TANGENT_DIM = lie.TANGENT_DIM  # rotation (3), translation (3), log scale (1): GTSAM's Similarity3 tangent order
 # Node 0's prior: a standard deviation of 1e-6 (odometry's are ~1e-3 and up) holds chunk 0 in place; the
@@ -185,6 +190,11 @@ class PoseGraphSettings:
     # loops there are ~200 pairs, and at 0.99 two or three of them fail by chance, each costing a true loop
     # (KITTI 00: 107 of 110 kept at 0.99, 110 at 0.999); a false loop's cycles miss by far more.
     consistency_probability: float = 0.999
+    # Judge each kept edge at the solution against what all the other edges predict (leave_one_out.py)
+    # rather than by its own residual, which the solution bends towards it: a look-alike place that is
+    # its chunk pair's only loop fits its own solution. Graphs of more than leave_one_out.MAX_CHUNKS chunks
+    # keep the own-residual test.
+    leave_one_out: bool = True
     # Loops between the same two chunks solved as one edge, their information-weighted mean.
     combine_chunk_pairs: bool = True
     # Above this many candidate loops, a solve whose new loops do not simply join the last clique grows a
@@ -275,6 +285,10 @@ class _Group:
     members: tuple[int, ...]  # loop indices (the solver's)
 
 
+def _key(group: _Group) -> tuple[int, int, tuple[int, ...]]:
+    return group.first, group.second, group.members
+
+
 # -- the solver ------------------------------------------------------------------------------------
 class PoseGraphSolver:
     """Solves a stream's pose graph again and again as it grows, keeping what the solves share.
@@ -309,6 +323,8 @@ class PoseGraphSolver:
         # [K, 4, 4] into GTSAM's values costs ~25 us a chunk, a copy of these far less
         self._estimate_values: gtsam.Values | None = None
         self._group_factors: dict[tuple, gtsam.NonlinearFactor] = {}
+        # the odometry's and the last solve's kept groups' posterior (leave_one_out.py), changed solve by solve
+        self._posterior: Posterior | None = None
         self._groups: dict[tuple, _Group] = {}
         self.pairs_computed = 0  # cycle tests of two loops so far (each pair once unless a link changed)
 
@@ -327,6 +343,8 @@ class PoseGraphSolver:
             edge = odometry[k]
             self._odometry_factors.append(_between_factor(k, k + 1, edge.previous_from_next.scaled_matrix,
                                                           covariance_of(edge)))
+        if unchanged < len(odometry) and self._posterior is not None and unchanged < self._posterior.num_chunks - 1:
+            self._posterior = None  # a link it holds changed: formed again at its next use
         if self._estimate is not None:
             for k in range(unchanged + 1, len(self._estimate)):
                 self._estimate_values.erase(k)
@@ -495,6 +513,59 @@ class PoseGraphSolver:
         return np.maximum(own / chi_square_quantile(self.settings.inlier_probability),
                           bent / chi_square_quantile(self.settings.consistency_probability))
 
+    def _posterior_of(self, groups: Sequence[_Group]) -> Posterior | None:
+        """The posterior of the odometry and `groups` (leave_one_out.py), kept between solves and changed by
+        the groups that joined or left since; None when the leave-one-out test is off or the graph too
+        large for it."""
+        if not self.settings.leave_one_out or self._chain.num_chunks > LEAVE_ONE_OUT_MAX_CHUNKS:
+            self._posterior = None
+            return None
+        wanted = {_key(group): group for group in groups}
+        posterior = self._posterior
+        if posterior is not None and posterior.num_chunks < self._chain.num_chunks:
+            known = posterior.num_chunks - 1
+            posterior.with_links(self._chain.links[known:], self._chain.link_covariances[known:])
+        added = [(key, group.first, group.second, group.measured, group.covariance)
+                 for key, group in wanted.items() if posterior is None or key not in posterior.edges]
+        removed = [] if posterior is None else [key for key in posterior.edges if key not in wanted]
+        if posterior is None or not posterior.change(added, removed):
+            posterior = Posterior(self._chain.links, self._chain.link_covariances,
+                                  {key: (group.first, group.second, group.measured, group.covariance)
+                                   for key, group in wanted.items()})
+        self._posterior = posterior
+        return posterior
+
+    def _posterior_at(self, groups: Sequence[_Group], solution: np.ndarray) -> Posterior:
+        """The posterior of the odometry and `groups` with every edge linearised at their `solution`: where
+        edges are several sigmas off (a false loop bending the graph), their Jacobians at their measurements
+        sway the statistic by 20 % and the order of the drops with it (EuRoC V1_02's look-alikes got
+        through)."""
+        return Posterior(self._chain.links, self._chain.link_covariances,
+                         {_key(group): (group.first, group.second, group.measured, group.covariance)
+                          for group in groups}, at=solution)
+
+    def _left_out_misfits(self, groups: Sequence[_Group], posterior: Posterior, solution: np.ndarray) -> np.ndarray:
+        """[G] each of the posterior's `groups` against what the odometry and the other groups predict at their
+        `solution`, over the cycle bound (> 1: a misfit)."""
+        chi2 = posterior.left_out(solution, [_key(group) for group in groups])
+        return chi2 / chi_square_quantile(self.settings.consistency_probability)
+
+    def _fitting(self, groups: Sequence[_Group], estimate: np.ndarray, posterior: Posterior | None) -> np.ndarray:
+        """[G] bool: edges outside the solution `estimate` that fit it: the chain between their chunks bent
+        within its bound, and each edge against the solution's prediction of it (with `posterior`: its
+        uncertainty and the prediction's, under the cycle bound; else its own alone, under the inlier
+        bound)."""
+        misfits = self._misfits(groups, estimate)
+        if posterior is None:
+            return misfits <= 1.0
+        ends = np.array([(group.first, group.second) for group in groups])
+        first, second = ends[:, 0], ends[:, 1]
+        bound = chi_square_quantile(self.settings.consistency_probability)
+        bent = self._chain.bending_chi2(first, second, _between(estimate, ends))
+        predicted = posterior.predicting(estimate, ends, np.stack([group.measured for group in groups]),
+                                         np.stack([group.covariance for group in groups]))
+        return np.maximum(bent, predicted) <= bound
+
     # -- solving -----------------------------------------------------------------------------------
     def _initial(self) -> tuple[np.ndarray, gtsam.Values]:
         """The last solution, its chain extended by the odometry to chunks it did not have ([K, 4, 4], and
@@ -560,21 +631,31 @@ class PoseGraphSolver:
                 iterations += steps
                 if not converged:
                     return handed_back(False)
+            posterior = self._posterior_of(kept)
+            if kept:
                 misfits = self._misfits(kept, estimate)
+                if posterior is not None:  # the worst by all the tests: a true loop bent by a false one that
+                    # alone holds its chunk pair has the larger own residual, the false one the larger left out
+                    cheap = misfits
+                    misfits = np.maximum(cheap, self._left_out_misfits(kept, posterior, estimate))
+                    if misfits.max() > 1.0:  # which to drop, decided on the posterior linearised at the solution
+                        posterior = self._posterior_at(kept, estimate)
+                        misfits = np.maximum(cheap, self._left_out_misfits(kept, posterior, estimate))
                 worst = int(np.argmax(misfits))
                 if misfits[worst] > 1.0:
                     held_back.append(kept.pop(worst))
                     if time.perf_counter() > deadline:
                         return handed_back(False)
                     continue
-            fitting = self._misfits(held_back, estimate) <= 1.0 if held_back else np.zeros(0, bool)
+            fitting = self._fitting(held_back, estimate, posterior) if held_back else np.zeros(0, bool)
             joining = [group for group, fits in zip(held_back, fitting, strict=True)
                        if fits and group.members not in self._joined]
             if not joining:
                 return handed_back(True)
             self._joined.update(group.members for group in joining)
             kept += joining
-            held_back = [group for group in held_back if group not in joining]
+            joined = {group.members for group in joining}
+            held_back = [group for group in held_back if group.members not in joined]
 
     def solve(self, graph: PoseGraph) -> PoseGraphResult:
         """The corrected world-from-chunk of every chunk of `graph` and a verdict on each of its loops."""
