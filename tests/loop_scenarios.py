@@ -350,6 +350,39 @@ def make_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, false_
     return Scenario(truth, tuple(ranges), world_from_chunk, graph, frozenset(true_ids), frozenset(false_ids))
 
 
+def synthetic_graph(num_chunks: int, seed: int, loops_per_chunk: float = 0.125) -> tuple[PoseGraph, tuple[Sim3, ...]]:
+    """A random walk of chunks (250 units of path each, turning ~20 degrees, each at a scale of its own in
+    [0.5, 2]), odometry and loops with the real-trajectory noise, `loops_per_chunk` loops a chunk of which
+    20 % are false: true ones to a chunk 2 to 50 before, false ones between any two chunks."""
+    rng = np.random.default_rng(seed)
+    rotation, position, truth = np.eye(3), np.zeros(3), []
+    for _ in range(num_chunks):
+        truth.append(Sim3(float(np.exp(rng.uniform(np.log(0.5), np.log(2.0)))), rotation, position))
+        turn = from_gtsam(gtsam.Similarity3.Expmap(np.concatenate([rng.normal(0, 0.2, 3), np.zeros(4)])))
+        position = position + rotation @ np.array([250.0, 0, 0])
+        rotation = rotation @ turn.rotation
+    graph = PoseGraph()
+    for k in range(num_chunks - 1):
+        sigmas = ODOMETRY_NOISE.sigmas(250.0 / truth[k + 1].scale)
+        graph = graph.with_odometry(OdometryEdge(perturbed(truth[k].inverse() @ truth[k + 1], sigmas, rng), sigmas))
+    true_loops = max(1, round(0.8 * loops_per_chunk * num_chunks))
+    for n in range(true_loops + max(1, true_loops // 4)):
+        if n < true_loops:  # a place passed up to 50 chunks before (an open chain of 10,000 chunks drifts
+            # by ~100 degrees end to end: a loop across all of it is beyond any local optimiser's reach)
+            first = int(rng.integers(0, num_chunks - 2))
+            second = int(min(num_chunks - 1, first + rng.integers(2, 51)))
+        else:
+            first, second = (int(k) for k in rng.choice(num_chunks, 2, replace=False))
+        sigmas = LOOP_NOISE.sigmas(250.0 / truth[second].scale)
+        measured = truth[first].inverse() @ truth[second]
+        if n >= true_loops:  # false: a wrong place, ~hundreds of units off
+            measured = measured @ from_gtsam(gtsam.Similarity3.Expmap(
+                np.concatenate([rng.normal(0, 0.5, 3), rng.normal(0, 300, 3), [0.0]])))
+        graph = graph.with_loop(LoopEdge(f"{'true' if n < true_loops else 'false'}-{n}", first, second,
+                                         perturbed(measured, sigmas, rng), sigmas))
+    return graph, tuple(truth)
+
+
 @dataclass
 class RejectionRates:
     """What the pose graph made of a trajectory's scenarios over several seeds."""

@@ -115,6 +115,19 @@ def test_the_odometry_between_any_two_chunks_is_the_links_composed() -> None:
             assert chain.bending_chi2(np.array([x]), np.array([z]), solved[None])[0] == pytest.approx(expected, rel=1e-6)
 
 
+def test_block_anchored_sums_equal_the_loops_own_anchored_sums() -> None:
+    """A whole run's checks take chain covariances from one anchored sum every 32 chunks: the same rows as
+    each chunk's own sum, to 1e-9, on either side of the anchor and across blocks."""
+    rng = np.random.default_rng(2)
+    chain = drifting_chain(rng, 120)
+    x = np.array([0, 5, 31, 32, 33, 63, 64, 100, 119, 119, 40, 40, 70])
+    z = np.array([119, 6, 33, 31, 0, 64, 63, 110, 0, 118, 40, 39, 71])
+    got = chain.between_covariance(x, z)
+    for n, (a, b) in enumerate(zip(x, z, strict=True)):
+        expected = chain.anchored(int(a))[int(b)]
+        np.testing.assert_allclose(got[n], expected, rtol=0, atol=1e-9 * max(np.abs(expected).max(), 1e-300))
+
+
 def reference_pair_chi2(chain: ChainCovariances, first: tuple, second: tuple) -> float:
     """The cycle a_from_b @ b_from_d @ (c_from_d)^-1 @ c_from_a composed factor by factor."""
     (measured, covariance, a, b), (other, other_covariance, c, d) = first, second

@@ -219,7 +219,9 @@ def _updated(covariance: np.ndarray, ends: np.ndarray, measured: np.ndarray, edg
         whitening = np.linalg.inv(lower)
         if np.linalg.eigvalsh(whitening @ innovation @ whitening.T)[0] <= _UNPREDICTED:
             return None
-    return covariance - gain @ np.linalg.solve(sign * innovation, gain.T)
+    out = np.dot(gain, np.linalg.solve(sign * innovation, gain.T))  # (one n x n temporary, subtracted in place)
+    np.subtract(covariance, out, out=out)
+    return out
 
 
 def _block_diagonal(blocks: np.ndarray) -> np.ndarray:

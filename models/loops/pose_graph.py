@@ -190,6 +190,11 @@ class PoseGraphSettings:
     # loops there are ~200 pairs, and at 0.99 two or three of them fail by chance, each costing a true loop
     # (KITTI 00: 107 of 110 kept at 0.99, 110 at 0.999); a false loop's cycles miss by far more.
     consistency_probability: float = 0.999
+    # Pairs of loops tested for consistency only when their cycle runs through at most this many links of
+    # the chain (None: every pair). Through more, the chain's drift swamps the pair's disagreement: the test
+    # cannot refute a subtle false loop there, and a gross one the odometry check has refuted already. A
+    # whole run's 3,000 loops are 4.5 million pairs; within 32 links, tens of thousands.
+    pairwise_max_links: int | None = 32
     # Judge each kept edge at the solution against what all the other edges predict (leave_one_out.py)
     # rather than by its own residual, which the solution bends towards it: a look-alike place that is
     # its chunk pair's only loop fits its own solution. Graphs of more than leave_one_out.MAX_CHUNKS chunks
@@ -283,6 +288,13 @@ class _Group:
     measured: np.ndarray  # [4, 4] first_from_second
     covariance: np.ndarray  # [7, 7] on the right
     members: tuple[int, ...]  # loop indices (the solver's)
+
+
+# A whole run's solve (past check 5.'s bound) looks at the misfits after this many Levenberg-Marquardt
+# iterations: an edge more than this many times past its bounds there is a gross false loop that the chain's
+# slack let through (its own residual in the millions of its sigmas), dropped without converging with it.
+_GROSS_CHECK_ITERATIONS = 3
+_GROSS_MISFIT = 100.0
 
 
 def _key(group: _Group) -> tuple[int, int, tuple[int, ...]]:
@@ -388,7 +400,12 @@ class PoseGraphSolver:
         self._odometry_chi2[indices] = odometry_cycle_chi2(self._chain, first, second, self._measured[indices],
                                                            self._covariance[indices])
         bound = chi_square_quantile(self.settings.consistency_probability)
-        for block in _pair_blocks(indices, len(self._loops), against_all):
+        # a loop the chain refutes is never a candidate: its pairs are not worth testing (a link aligned again
+        # judges it again, pairs and all)
+        eligible = (self._odometry_chi2[:len(self._loops)] <= bound if self.settings.odometry_check
+                    else np.ones(len(self._loops), bool))
+        for block in _pair_blocks(indices, len(self._loops), against_all, self._ends, eligible,
+                                  self.settings.pairwise_max_links, self._consistent_pairs):
             loop, other = block[:, 0], block[:, 1]
             chi2 = pairs_cycle_chi2(self._chain, (self._measured[loop], self._covariance[loop]),
                                     (self._ends[loop, 0], self._ends[loop, 1]),
@@ -580,10 +597,10 @@ class PoseGraphSolver:
             values.insert(k, pose)
         return np.concatenate([self._estimate, extended]), values
 
-    def _levenberg_marquardt(self, groups: Sequence[_Group], initial: gtsam.Values,
-                             deadline: float) -> tuple[np.ndarray, gtsam.Values, int, bool]:
+    def _levenberg_marquardt(self, groups: Sequence[_Group], initial: gtsam.Values, deadline: float,
+                             pause_after: int | None = None) -> tuple[np.ndarray, gtsam.Values, int, bool]:
         """(estimate [K, 4, 4] anchored at chunk 0, GTSAM's, iterations, converged) over the odometry and
-        `groups`."""
+        `groups`; `pause_after`: hand back after that many iterations, converged or not."""
         factors = gtsam.NonlinearFactorGraph()
         factors.add(gtsam.PriorFactorSimilarity3(0, gtsam.Similarity3(), gtsam.noiseModel.Isotropic.Sigma(
             TANGENT_DIM, _ANCHOR_SIGMA)))
@@ -602,7 +619,7 @@ class PoseGraphSolver:
                 converged = True
                 break
             error = new_error
-            if time.perf_counter() > deadline:
+            if time.perf_counter() > deadline or iterations == pause_after:
                 break
         values = optimizer.values()
         estimate = _matrices_of(values, initial.size())
@@ -615,6 +632,18 @@ class PoseGraphSolver:
         and join when they fit the solution; an edge joins at most once until a solve completes. A solve the
         budget cuts short keeps what it dropped and what joined, so the next goes on from there: starting
         over, a graph needing more drops than one budget holds would never complete."""
+        large = self._chain.num_chunks > LEAVE_ONE_OUT_MAX_CHUNKS
+        max_links = self.settings.pairwise_max_links
+        # A whole run solved from its open chain: loops longer than the pairs were tested over wait until the
+        # loops the pairs checked are solved, then join all at once, judged as the others are (waves of spans
+        # doubling cost more solves than they saved: 12 s against 6 at 1,000 chunks). Through thousands of links the chain's
+        # covariance is a linearisation far past its validity, so the odometry check passes loops off by tens
+        # of radians, and with them in, Levenberg-Marquardt stalls at its first steps (3,000 chunks: every
+        # loop past its bound, none accepted).
+        unchecked = large and self._estimate is None and max_links is not None
+        long = [unchecked and group.second - group.first > max_links for group in groups]
+        later = [group for group, wait in zip(groups, long, strict=True) if wait]
+        groups = [group for group, wait in zip(groups, long, strict=True) if not wait]
         kept = [group for group in groups if not self._misfit_loops.intersection(group.members)]
         held_back = [group for group in groups if self._misfit_loops.intersection(group.members)]
         (estimate, values), iterations = self._initial(), 0
@@ -627,8 +656,20 @@ class PoseGraphSolver:
 
         while True:
             if kept:
-                estimate, values, steps, converged = self._levenberg_marquardt(kept, values, deadline)
+                # a whole run's first solves: a look after a few iterations for gross false loops, each of which
+                # would cost ~20 iterations (~0.1 s each at 1,000 chunks) to converge with
+                pause = _GROSS_CHECK_ITERATIONS if large else None
+                estimate, values, steps, converged = self._levenberg_marquardt(kept, values, deadline, pause)
                 iterations += steps
+                if not converged and steps == pause and time.perf_counter() <= deadline:
+                    misfits = self._misfits(kept, estimate)
+                    if misfits.max() > _GROSS_MISFIT:
+                        gross = set(np.flatnonzero(misfits >= max(_GROSS_MISFIT, 0.5 * misfits.max())).tolist())
+                        held_back += [kept[n] for n in sorted(gross)]
+                        kept = [group for n, group in enumerate(kept) if n not in gross]
+                        continue
+                    estimate, values, steps, converged = self._levenberg_marquardt(kept, values, deadline)
+                    iterations += steps
                 if not converged:
                     return handed_back(False)
             posterior = self._posterior_of(kept)
@@ -643,10 +684,19 @@ class PoseGraphSolver:
                         misfits = np.maximum(cheap, self._left_out_misfits(kept, posterior, estimate))
                 worst = int(np.argmax(misfits))
                 if misfits[worst] > 1.0:
-                    held_back.append(kept.pop(worst))
+                    dropped = {worst}
+                    if posterior is None:  # a graph past check 5.'s bound (each LM solve of a whole run ~0.1 s):
+                        # every edge at least half as far past its bounds as the worst, those gross false loops
+                        # that slipped through the chain's slack; one that a false one bent joins again
+                        dropped = set(np.flatnonzero(misfits >= max(1.0, 0.5 * misfits[worst])).tolist())
+                    held_back += [kept[n] for n in sorted(dropped)]
+                    kept = [group for n, group in enumerate(kept) if n not in dropped]
                     if time.perf_counter() > deadline:
                         return handed_back(False)
                     continue
+            if later:
+                kept, later = kept + later, []
+                continue
             fitting = self._fitting(held_back, estimate, posterior) if held_back else np.zeros(0, bool)
             joining = [group for group, fits in zip(held_back, fitting, strict=True)
                        if fits and group.members not in self._joined]
@@ -700,14 +750,24 @@ class PoseGraphSolver:
 _PAIRS_A_BATCH = 4096
 
 
-def _pair_blocks(indices: np.ndarray, count: int, against_all: bool) -> Iterable[np.ndarray]:
-    """[P, 2] (loop, other) index pairs, in blocks of about _PAIRS_A_BATCH: each loop of `indices` with every
-    other of the `count` loops, or only with the loops before it."""
+def _pair_blocks(indices: np.ndarray, count: int, against_all: bool, ends: np.ndarray, eligible: np.ndarray,
+                 max_links: int | None, consistent: np.ndarray) -> Iterable[np.ndarray]:
+    """[P, 2] (loop, other) index pairs to test, in blocks of about _PAIRS_A_BATCH: each loop of `indices`
+    with every other of the `count` loops, or only with the loops before it; both eligible, and (with
+    `max_links`) their cycle through no more than that many links of the chain. The pairs left untested are
+    marked consistent in `consistent` here."""
     pending: list[np.ndarray] = []
     size = 0
     for i in indices.tolist():
         others = np.arange(count if against_all else i)
         others = others[others != i]
+        consistent[i, others] = consistent[others, i] = True
+        if not eligible[i]:
+            continue
+        others = others[eligible[others]]
+        if max_links is not None:  # the cycle runs through the chain between b and d and between c and a
+            links = np.abs(ends[others, 1] - ends[i, 1]) + np.abs(ends[others, 0] - ends[i, 0])
+            others = others[links <= max_links]
         if not len(others):
             continue
         pending.append(np.stack([np.full(len(others), i), others], axis=1))

@@ -39,11 +39,15 @@ from .coverage import IndexingRule, IndexingSchedule
 logger = logging.getLogger(__name__)
 
 # The child is background work: the kernel schedules the stream's threads (the main loop, CUDA's, the
-# writer's) first, and its libraries (OpenCV, OpenBLAS) use two threads instead of every core. With
+# writer's) first, and its libraries use two threads (OpenCV) or one (BLAS) instead of every core. With
 # neither, the stream has 13 frame intervals over twice the median in 3,000 frames where it has none
 # without loop closure.
 CHILD_NICENESS = 10
 CHILD_THREADS = 2
+# Its BLAS on one thread: the pose graph's products are thin (rank-7 updates of a posterior of a few hundred
+# rows, 7 x 7 blocks), where a second thread only contends with the stream for the other core: a stream's
+# solve at 100 chunks took a median 67 ms with two threads on the 2-core machine, 19 ms with one.
+CHILD_BLAS_THREADS = 1
 # A child with messages unanswered for this long is stalled: one keyframe's detection takes 30-100 ms
 # and a pose-graph solve of 1,000 chunks under a second, so 30 s is no slow answer but a stopped child.
 STALL_S = 30.0
@@ -111,7 +115,7 @@ class LoopClosureProcess:
         self._keyframes = FirstFinalKeyframes()
         self._schedule = IndexingSchedule(IndexingRule(config.index_spacing, config.max_index_spacing))
         self._said_lowered = False
-        threads = {name: str(CHILD_THREADS) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+        threads = {name: str(CHILD_BLAS_THREADS) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
         self._child = start_child(__name__, "serve", helper=self.helper, env={**os.environ, **threads})
         self._outbox = MessageOutbox(self._child.requests)
         self._inbox = MessageInbox(self._child.replies)
