@@ -35,6 +35,7 @@ from ..supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
 from .closer import FirstFinalKeyframes, LoopCloser, LoopClosureConfig, keyframe_of
 from .corrections import ChunkCorrections
 from .coverage import IndexingRule, IndexingSchedule
+from .saved_map import MapRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ _EXIT_WAIT_S = 1.0  # a child whose pipe has closed has exited or will within th
 
 
 def serve(requests_fd: int, replies_fd: int) -> None:
-    """The child: ("ready",) once imported; then it takes ("config", LoopClosureConfig), ("link",
+    """The child: ("ready",) once imported; then it takes ("config", LoopClosureConfig), ("map", folder), ("link",
     ChunkLink), ("keyframe", Keyframe), ("finish", None). Each message but the config is answered: ("ack",
     kind, corrections or None, summary or None), ("finished", corrections, summary), or ("error", text,
     summary) after which the child exits."""
@@ -80,6 +81,9 @@ def serve(requests_fd: int, replies_fd: int) -> None:
             try:
                 if kind == "config":
                     closer = LoopCloser(payload)
+                    continue
+                if kind == "map":  # the saved map's folder (saved_map.py)
+                    closer.record_map(MapRecorder(payload))
                     continue
                 if kind == "finish":
                     write_message(replies, ("finished", closer.settle(), closer.summary()))
@@ -109,7 +113,8 @@ def _answer(closer: LoopCloser, kind: str, payload: Any) -> tuple:
 class LoopClosureProcess:
     """The stream's side of the loop-closure child; no call of it waits but `finish`, which has a deadline."""
 
-    def __init__(self, config: LoopClosureConfig = LoopClosureConfig()) -> None:
+    def __init__(self, config: LoopClosureConfig = LoopClosureConfig(), map_dir: str | None = None) -> None:
+        """map_dir: where the child writes the saved map (saved_map.py) as it goes; None: no map."""
         self.config = config
         self.helper = Helper(HelperPolicy("loop closure", WhenFull.DROP, WhenDown.TURN_OFF, stall_s=STALL_S))
         self._keyframes = FirstFinalKeyframes()
@@ -132,6 +137,8 @@ class LoopClosureProcess:
         self._ready = False
         self._started = Deadline(START_S)
         self._send(("config", config), answered=False)
+        if map_dir is not None:
+            self._send(("map", str(map_dir)), answered=False)
 
     # -- the stream's side -------------------------------------------------------------------------
     def add_link(self, link: ChunkLink) -> None:
