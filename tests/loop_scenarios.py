@@ -21,12 +21,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import gtsam
 import numpy as np
 
 from stream_recon.app.outputs.rundir import read_tum
-from stream_recon.models.loops.closer import LoopClosureConfig, _KeyframePoints, align_loop, loop_edge
+from stream_recon.models.loops.closer import (
+    LoopClosureConfig,
+    _KeyframePoints,
+    _rotation_about,
+    align_loop,
+    loop_edge,
+)
 from stream_recon.models.loops.pose_graph import (
     LoopEdge,
     OdometryEdge,
@@ -36,7 +43,16 @@ from stream_recon.models.loops.pose_graph import (
     open_chain,
     optimize,
 )
-from stream_recon.models.stream.similarity import Sim3, umeyama
+from stream_recon.models.loops.refine import (
+    FrameLoop,
+    RefineConfig,
+    RunFrame,
+    fine_graph,
+    frame_moves,
+    segments_of,
+    solve_fine,
+)
+from stream_recon.models.stream.similarity import Sim3, scaling_direction, umeyama
 
 CHUNK_FRAMES = 320  # the engine's window
 OVERLAP_FRAMES = 16  # frames a chunk shares with the previous one
@@ -425,3 +441,128 @@ def rejection_rates(trajectory: Trajectory, truth: np.ndarray, seeds: range, set
         without = optimize(without_false_loops(scenario), settings).world_from_chunk
         rates.with_over_without.append(corrected / scenario.ate(without))
     return rates
+
+
+# -- a run refined offline: chunks that drift inside themselves --------------------------------------------
+@dataclass(frozen=True)
+class RefineOutcome:
+    open_ate: float  # the open chain's Sim(3) ATE
+    stream_ate: float  # the stream's chunk graph, solved with the loops of its indexed keyframes
+    refined_ate: float  # models/loops/refine.py's segment graph over every keyframe's loops
+    stream_accepted: int
+    refined_accepted: int
+
+
+def refine_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, refine_config: Any = None,
+                    stream_spacing: int = INDEX_SPACING, keyframe_spacing: int = 4) -> RefineOutcome:
+    """A chunked stream over `truth` whose chunks also drift inside themselves, as refine.py's segments declare:
+    within a chunk, each segment of `segment_frames` frames is placed by the one before with an error drawn from
+    RefineConfig's segment sigmas (the chunk's prediction of a later frame is off by the errors of the
+    segments before it); the links have ODOMETRY_NOISE as in make_scenario. Loops between revisiting
+    keyframes measure the true relation of the two keyframes' segments, with LOOP_NOISE: the stream's at its
+    indexed keyframes (`stream_spacing`) solved on its chunk graph, refine's at every keyframe
+    (`keyframe_spacing`) on the segment graph, starting from the run's files as the stream corrected them."""
+    config = refine_config or RefineConfig()
+    rng = np.random.default_rng(seed)
+    ranges = chunk_ranges(len(truth))
+    true_chunk = [Sim3(float(np.exp(rng.uniform(np.log(0.5), np.log(2.0)))), truth[start, :3, :3], truth[start, :3, 3])
+                  for start, _ in ranges]
+    chunk_of = np.zeros(len(truth), np.int64)
+    for k, (start, end) in enumerate(ranges):
+        chunk_of[start:end] = k  # the later chunk's, where two share a frame
+    frames = [RunFrame(f, int(chunk_of[f]), truth[f, :3], True) for f in range(len(truth))]
+    parts = segments_of(frames, config.segment_frames)
+    # each segment's true placement: the chunk's, then each segment's drift composed (in chunk coordinates)
+    true_node, drift = [], None
+    for node, (chunk, segment) in enumerate(parts.nodes):
+        if segment == 0:
+            drift = Sim3.identity()
+        else:
+            from_world = true_chunk[chunk].inverse()
+            centre = from_world.apply_to_points(truth[parts.first_frame[node], :3, 3][None])[0]
+            held = truth[parts.first_frame[node - 1]:parts.first_frame[node] + 1, :3, 3]
+            covariance = _segment_covariance_of(from_world.apply_to_points(held), centre, config)
+            drift = drift @ from_gtsam(gtsam.Similarity3.Expmap(rng.multivariate_normal(np.zeros(7), covariance)))
+        true_node.append(true_chunk[chunk] @ drift)
+    predicted = np.stack([true_node[parts.node_of[f]].inverse().apply_to_poses(truth[f]) for f in range(len(truth))])
+    links = []
+    for k in range(1, len(ranges)):
+        last = max(n for n, (chunk, _) in enumerate(parts.nodes) if chunk == k - 1)
+        first = parts.nodes.index((k, 0))
+        sigmas = ODOMETRY_NOISE.sigmas(float(np.linalg.norm(np.diff(predicted[ranges[k][0]:ranges[k][1], :3, 3], axis=0),
+                                                            axis=1).sum()))
+        exact = true_node[last].inverse() @ true_node[first]
+        links.append((perturbed(exact, sigmas, rng).scaled_matrix, np.diag(sigmas**2)))
+    revisited = revisits(truth, ranges, revisit_radius)
+
+    def loops_at(spacing: int, count: int) -> list[tuple[int, int, LoopEdge]]:
+        found = []
+        for pair in revisited:
+            for frame_a, frame_b in _spaced_pairs(truth, ranges, pair, revisit_radius, count, spacing):
+                node_a, node_b = parts.node_of[frame_a], parts.node_of[frame_b]
+                sigmas = LOOP_NOISE.sigmas(float(np.linalg.norm(np.diff(predicted[ranges[pair[1]][0]:ranges[pair[1]][1],
+                                                                                   :3, 3], axis=0), axis=1).sum()))
+                measured = perturbed(true_node[node_a].inverse() @ true_node[node_b], sigmas, rng)
+                found.append((frame_a, frame_b, LoopEdge(len(found), pair[0], pair[1], measured, sigmas)))
+        return found
+
+    chain_graph = PoseGraph([OdometryEdge(lie_to_sim3(z), np.sqrt(np.diag(c)), c) for z, c in links])
+    stream_loops = loops_at(stream_spacing, 2)
+    stream = optimize(PoseGraph(chain_graph.odometry, [edge for _, _, edge in stream_loops]))
+    placement = stream.world_from_chunk
+    stored = [RunFrame(f, int(chunk_of[f]), placement[chunk_of[f]].apply_to_poses(predicted[f])[:3], True)
+              for f in range(len(truth))]
+    refine_loops = [FrameLoop(edge.loop_id, a, b, edge) for a, b, edge in loops_at(keyframe_spacing, 10_000)]
+    graph, fine_parts = fine_graph(stored, placement, links, refine_loops, config)
+    refined = solve_fine(graph, config)
+    moves = frame_moves(stored, fine_parts, refined.world_from_chunk, placement)
+    open_placement = open_chain(chain_graph.odometry)
+
+    def ate(positions: np.ndarray) -> float:
+        aligned = umeyama(positions, truth[:, :3, 3], with_scale=True).apply_to_points(positions)
+        return float(np.sqrt(np.mean(np.sum((aligned - truth[:, :3, 3]) ** 2, axis=1))))
+
+    open_positions = np.stack([open_placement[chunk_of[f]].apply_to_points(predicted[f, :3, 3][None])[0]
+                               for f in range(len(truth))])
+    stream_positions = np.stack([frame.c2w[:3, 3] for frame in stored])
+    refined_positions = np.stack([moves[frame.frame_index].apply_to_points(frame.c2w[:3, 3][None])[0]
+                                  for frame in stored])
+    return RefineOutcome(ate(open_positions), ate(stream_positions), ate(refined_positions),
+                         len(stream.accepted_ids), len(refined.accepted_ids))
+
+
+def lie_to_sim3(matrix: np.ndarray) -> Sim3:
+    return Sim3.from_matrix(matrix)
+
+
+def _segment_covariance_of(path: np.ndarray, centre: np.ndarray, config: Any) -> np.ndarray:
+    """refine.py's segment covariance for a segment's path [n, 3] and later camera (chunk coordinates)."""
+    turning, scaling = _rotation_about(centre), scaling_direction(centre)
+    covariance = config.segment_rotation_sigma**2 * turning @ turning.T
+    covariance += config.segment_log_scale_sigma**2 * np.outer(scaling, scaling)
+    length = float(np.linalg.norm(np.diff(path, axis=0), axis=1).sum()) if len(path) > 1 else 0.0
+    shift = max(config.segment_translation_fraction * length, 1e-3 * max(float(np.linalg.norm(centre)), 1e-3))
+    covariance[3:6, 3:6] += shift**2 / 3 * np.eye(3)
+    return covariance
+
+
+def _spaced_pairs(truth: np.ndarray, ranges: list[tuple[int, int]], pair: tuple[int, int], radius: float,
+                  count: int, spacing: int) -> list[tuple[int, int]]:
+    """keyframe_pairs with query frames `spacing` apart (keyframes every `spacing` frames) instead of the
+    stream's index spacing."""
+    a, b = pair
+    positions = truth[:, :3, 3]
+    frames_a = np.arange(*ranges[a])
+    frames_b = np.arange(*ranges[b])
+    frames_b = frames_b[frames_b % spacing == 0]
+    frames_a = frames_a[frames_a % min(spacing, INDEX_SPACING) == 0]
+    if not len(frames_a) or not len(frames_b):
+        return []
+    distances = np.linalg.norm(positions[frames_b][:, None] - positions[frames_a][None], axis=2)
+    nearest = np.argmin(distances, axis=1)
+    chosen: list[tuple[int, int]] = []
+    for i in np.argsort(distances[np.arange(len(frames_b)), nearest], kind="stable"):
+        if len(chosen) == count or distances[i, nearest[i]] > radius:
+            break
+        chosen.append((int(frames_a[nearest[i]]), int(frames_b[i])))
+    return chosen

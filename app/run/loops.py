@@ -141,17 +141,16 @@ class LoopClosureSink:
 
     def _start(self, config: Any) -> None:
         try:  # (imported here: the closer needs gtsam, which a run without loop closure may lack)
-            from stream_recon.models.loops.closer import LoopClosureConfig, map_manifest
-            from stream_recon.models.loops.process import LoopClosureProcess
+            from stream_recon.models.loops import closer, process
 
-            config = config or LoopClosureConfig()
+            config = config or closer.LoopClosureConfig()
             map_dir = None
             if self.saved_map is not None:
                 plan = self.saved_map
-                self._manifest = map_manifest(config, plan.checkpoint(), plan.chunk_frames, plan.overlap)
+                self._manifest = closer.map_manifest(config, plan.checkpoint(), plan.chunk_frames, plan.overlap)
                 write_manifest(plan.folder, self._manifest)
                 map_dir = str(plan.folder)
-            self.closer = LoopClosureProcess(config, map_dir=map_dir)
+            self.closer = process.LoopClosureProcess(config, map_dir=map_dir)
         except Exception as failure:  # noqa: BLE001 - loop closure is an improvement, never a reason to stop
             self.error = f"it could not start: {type(failure).__name__}: {failure}"
             logger.warning("loop closure is off for the rest of the run: %s", self.error)

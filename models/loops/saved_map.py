@@ -212,6 +212,8 @@ def read_map(run_dir: Path) -> SavedMap:
     """The map of `run_dir` up to its last complete chunk; MapError when it has none or it cannot be read."""
     map_dir = Path(run_dir) / MAP_DIR
     manifest = read_manifest(run_dir)
+    if manifest.format != MAP_FORMAT:
+        raise MapError(refusal(manifest, manifest, map_dir))
     try:
         links = _numbered(map_dir / "links")
         solved_path = map_dir / SOLVED
