@@ -39,6 +39,7 @@ from stream_recon.app.outputs.rundir import (
     prediction_fields,
     prediction_files,
     read_run_info,
+    read_tum,
     remove_tree,
     run_dir_in_use,
     staging_folder,
@@ -229,8 +230,7 @@ def _write_refined(run_dir: Path, staging: Path, files: dict[int, Path], moves: 
     cloud = points.cloud()
     write_ply(staging / POINTS_PLY, cloud.xyz, cloud.rgb)
     if (run_dir / TRAJECTORY_TUM).is_file() and not (run_dir / TRAJECTORY_STREAM_TUM).exists():
-        stream = (run_dir / TRAJECTORY_TUM).read_bytes()
-        atomic_write(staging / TRAJECTORY_STREAM_TUM, lambda f: f.write(stream), binary=True)
+        write_tum(staging / TRAJECTORY_STREAM_TUM, *read_tum(run_dir / TRAJECTORY_TUM))
     figures.seconds["write"] = time.perf_counter() - writing
     summary["refine"] = {**figures.as_json(), "frames": len(files), "points": len(cloud),
                          "segment_frames": config.segment_frames,
