@@ -2,6 +2,7 @@
 video with --loop-closure off and on, in one process.
 
     python scripts/bench_loop_closure.py --frames 3000                 # GPU: the acceptance measurement
+    python scripts/bench_loop_closure.py --frames 10000 --modes on --refine   # GPU: refine of a 10,000-frame run
     python scripts/bench_loop_closure.py --model tiny --device cpu --frames 48 --chunk-frames 12 --overlap 4 \
         --warmup-frames 12 --image-width 112 --video-size 160x120   # a smoke test of the script (seconds)
 
@@ -23,6 +24,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +35,26 @@ import bench_e2e  # noqa: E402
 
 
 def measured_run(args: argparse.Namespace, video: Path, mode: str, frames: int, model: Any, device: str) -> dict:
-    run_args = argparse.Namespace(**{**vars(args), "loop_closure": mode, "frames": frames})
+    output = tempfile.mkdtemp(prefix="bench_loop_closure_", dir=args.video_dir) if args.refine else args.output
+    run_args = argparse.Namespace(**{**vars(args), "loop_closure": mode, "frames": frames, "output": output})
     options = bench_e2e.run_options(run_args, bench_e2e.free_port())
     result = bench_e2e.product_run(run_args, video, options, model, device)
+    if args.refine and mode == "on":
+        result["refine"] = refined_run(Path(output))
     keep = ("steady_fps", "p50_ms", "p99_ms", "longest_stall_ms", "longest_stall_frame", "longest_stall_at_rollover",
             "over_2x_median", "rollovers", "frames", "keyframes", "run_json_fps", "loop_closure", "after_last_frame_s",
-            "run_s")
+            "run_s", "refine")
     return {"mode": mode, **{key: result.get(key) for key in keep}}
+
+
+def refined_run(run_dir: Path) -> dict:
+    """`stream-recon refine` of a run just made, timed: its summary.refine and the whole command's seconds."""
+    from stream_recon.app.outputs.refined import refine_run
+
+    started = time.perf_counter()
+    result = refine_run(run_dir)
+    refine = json.loads((run_dir / "run.json").read_text())["summary"]["refine"]
+    return {**refine, "command_s": round(time.perf_counter() - started, 3), "frames": result.frames}
 
 
 def main() -> None:
@@ -63,6 +78,8 @@ def main() -> None:
                         help="with --scene: pingpong, walk:SEED (a seeded random walk over 40 frames) or tour:LAPS")
     parser.add_argument("--video-dir", default=tempfile.gettempdir())
     parser.add_argument("--json")
+    parser.add_argument("--refine", action="store_true",
+                        help="after each `on` run, refine its run directory (stream-recon refine) and time it")
     args = parser.parse_args()
     # every other setting as scripts/bench_e2e.py's defaults
     args = argparse.Namespace(**{**vars(bench_e2e.argument_parser().parse_args([])), **vars(args)})
@@ -117,6 +134,12 @@ def print_run(run: dict) -> None:
           f"{loops.get('keyframes_deferred', '-')} due keyframes deferred); costs {loops.get('costs_ms')}; "
           f"{run['after_last_frame_s']:.1f} s from the last frame to the run's end "
           f"({loops.get('end_wait_s', '-')} s of it waiting for loop closure)")
+    refine = run.get("refine")
+    if refine:
+        print(f"     refine: {refine['command_s']:.1f} s for {refine['frames']} frames ({refine['keyframes_indexed']} "
+              f"keyframes indexed, {refine['pairs_checked']} pairs checked, {refine['loops_accepted']} of "
+              f"{refine['loops_verified'] + refine['stream_loops']} loops accepted, {refine['nodes']} segments; "
+              f"seconds by stage {refine['seconds']})")
 
 
 if __name__ == "__main__":

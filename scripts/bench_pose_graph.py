@@ -3,6 +3,8 @@
     .venv/bin/python scripts/bench_pose_graph.py                  # everything (the 10,000-chunk solves: minutes)
     .venv/bin/python scripts/bench_pose_graph.py --sizes 100      # real trajectories and 100 chunks only
     .venv/bin/python scripts/bench_pose_graph.py --pypose         # also pypose's Levenberg-Marquardt, to compare
+    .venv/bin/python scripts/bench_pose_graph.py --scratch 100 300 1000 3000   # a whole run's solve, how it grows
+    .venv/bin/python scripts/bench_pose_graph.py --stream 100 --budget 0.1       # a stream's incremental solves
 
 Real trajectories (tests/loop_scenarios.py, the same set-up as tests/test_models_pose_graph.py): KITTI 00
 and TUM fr1_xyz from evo's sdist (tests/evo_data.py fetches it, or STREAM_RECON_EVO_DATA names it), cut into
@@ -27,19 +29,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 from evo_data import evo_data_dir  # noqa: E402
 from loop_scenarios import (  # noqa: E402
-    LOOP_NOISE,
-    ODOMETRY_NOISE,
     chunk_ranges,
     make_scenario,
-    perturbed,
     read_kitti_poses,
     read_tum_poses,
     revisits,
+    synthetic_graph,
 )
 
 from stream_recon.models.loops import pose_graph  # noqa: E402
 from stream_recon.models.loops.pose_graph import (  # noqa: E402
-    LoopEdge,
     OdometryEdge,
     PoseGraph,
     PoseGraphSettings,
@@ -99,41 +98,6 @@ def no_revisit_stretch(kitti: np.ndarray, seeds: int) -> None:
 
 
 # -- timings on synthetic chains -------------------------------------------------------------------
-def synthetic_graph(num_chunks: int, seed: int, loops_per_chunk: float = 0.125) -> tuple[PoseGraph, tuple[Sim3, ...]]:
-    """A random walk of chunks (250 units of path each, turning ~20 degrees, each at a scale of its own in
-    [0.5, 2]), odometry and loops with the real-trajectory noise, `loops_per_chunk` loops a chunk of which
-    20 % are false: true ones to a chunk 2 to 50 before, false ones between any two chunks."""
-    rng = np.random.default_rng(seed)
-    rotation, position, truth = np.eye(3), np.zeros(3), []
-    for _ in range(num_chunks):
-        truth.append(Sim3(float(np.exp(rng.uniform(np.log(0.5), np.log(2.0)))), rotation, position))
-        turn = pose_graph.from_gtsam(gtsam.Similarity3.Expmap(np.concatenate([rng.normal(0, 0.2, 3), np.zeros(4)])))
-        position = position + rotation @ np.array([250.0, 0, 0])
-        rotation = rotation @ turn.rotation
-    graph = PoseGraph()
-    for k in range(num_chunks - 1):
-        sigmas = ODOMETRY_NOISE.sigmas(250.0 / truth[k + 1].scale)
-        edge = OdometryEdge(perturbed(truth[k].inverse() @ truth[k + 1], sigmas, rng), sigmas)
-        graph = PoseGraph((*graph.odometry, edge), graph.loops)
-    true_loops = max(1, round(0.8 * loops_per_chunk * num_chunks))
-    for n in range(true_loops + max(1, true_loops // 4)):
-        if n < true_loops:  # a place passed up to 50 chunks before (an open chain of 10,000 chunks drifts
-            # by ~100 degrees end to end: a loop across all of it is beyond any local optimiser's reach)
-            first = int(rng.integers(0, num_chunks - 2))
-            second = int(min(num_chunks - 1, first + rng.integers(2, 51)))
-        else:
-            first, second = (int(k) for k in rng.choice(num_chunks, 2, replace=False))
-        sigmas = LOOP_NOISE.sigmas(250.0 / truth[second].scale)
-        measured = truth[first].inverse() @ truth[second]
-        if n >= true_loops:  # false: a wrong place, ~hundreds of units off
-            measured = measured @ pose_graph.from_gtsam(gtsam.Similarity3.Expmap(
-                np.concatenate([rng.normal(0, 0.5, 3), rng.normal(0, 300, 3), [0.0]])))
-        edge = LoopEdge(f"{'true' if n < true_loops else 'false'}-{n}", first, second,
-                        perturbed(measured, sigmas, rng), sigmas)
-        graph = PoseGraph(graph.odometry, (*graph.loops, edge))
-    return graph, tuple(truth)
-
-
 def plain_lm_seconds(graph: PoseGraph) -> tuple[float, int]:
     """GTSAM's Levenberg-Marquardt over the odometry and the true loops, no robustness: the floor of what a
     solve costs (with the false loops too it stalls at once on a long chain)."""
@@ -257,6 +221,37 @@ def stream_solves(sizes: list[int], loops_per_chunk: float, budget_s: float | No
                                             f"{set(scratch.accepted_ids) == accepted})"), flush=True)
 
 
+def scratch_solves(sizes: list[int], seeds: int, loops_per_chunk: float) -> None:
+    """A whole run's solve from scratch (one `optimize`, the default settings) on the synthetic chains: per
+    size the seconds (median and max over the seeds), the loop pairs tested, LM iterations and the verdicts,
+    and how the time grows from the size before (the exponent of size)."""
+    previous: tuple[int, float] | None = None
+    for size in sizes:
+        seconds, pairs, iterations, false_rejected, true_accepted, false_total, true_total = [], [], [], 0, 0, 0, 0
+        for seed in range(seeds):
+            graph, _ = synthetic_graph(size, seed, loops_per_chunk)
+            solver = PoseGraphSolver()
+            started = time.perf_counter()
+            result = solver.solve(graph)
+            seconds.append(time.perf_counter() - started)
+            pairs.append(solver.pairs_computed)
+            iterations.append(result.iterations)
+            false = {loop.loop_id for loop in graph.loops if str(loop.loop_id).startswith("false")}
+            accepted = set(result.accepted_ids)
+            false_rejected += len(false - accepted)
+            false_total += len(false)
+            true_accepted += len(accepted - false)
+            true_total += len(graph.loops) - len(false)
+        median = statistics.median(seconds)
+        growth = "" if previous is None else \
+            f", grows as size^{np.log(median / previous[1]) / np.log(size / previous[0]):.2f} from {previous[0]}"
+        print(f"{size} chunks, {len(graph.loops)} loops: from scratch median {median:.2f} s, max {max(seconds):.2f} s "
+              f"({seeds} seeds){growth}; {statistics.median(pairs):.0f} pairs tested, "
+              f"{statistics.median(iterations):.0f} LM iterations; false rejected {false_rejected}/{false_total}, "
+              f"true accepted {true_accepted}/{true_total}", flush=True)
+        previous = (size, median)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=40, help="seeds a real trajectory (default 40; 0: timings only)")
@@ -264,11 +259,18 @@ def main() -> None:
     parser.add_argument("--pypose", action="store_true", help="also time pypose's LM (needs pypose installed)")
     parser.add_argument("--stream", type=int, nargs="*", metavar="CHUNKS",
                         help="only a stream's incremental solves on synthetic graphs of these sizes (e.g. 100 300 1000 3000)")
-    parser.add_argument("--loops-per-chunk", type=float, default=3.0, help="with --stream (default 3, 20 %% false)")
+    parser.add_argument("--loops-per-chunk", type=float, default=3.0,
+                        help="with --stream or --scratch (default 3, 20 %% false)")
     parser.add_argument("--budget", type=float, default=None, help="with --stream: each solve's budget in s")
     parser.add_argument("--timed-solves", type=int, default=None,
                         help="with --stream: time only the last N arrivals (the rest taken in one solve first)")
+    parser.add_argument("--scratch", type=int, nargs="*", metavar="CHUNKS",
+                        help="only solves from scratch of synthetic graphs of these sizes (e.g. 100 300 1000 3000), "
+                             "--loops-per-chunk loops a chunk, 20 %% false")
+    parser.add_argument("--scratch-seeds", type=int, default=3, help="with --scratch: graphs a size (default 3)")
     args = parser.parse_args()
+    if args.scratch:
+        return scratch_solves(args.scratch, args.scratch_seeds, args.loops_per_chunk)
     if args.stream:
         return stream_solves(args.stream, args.loops_per_chunk, args.budget, timed_solves=args.timed_solves)
     import pytest  # evo_data_dir skips through pytest when the data cannot be had

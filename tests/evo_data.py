@@ -2,7 +2,8 @@
 
 evo's sdist ships real trajectories in `evo-<version>/test/data/`: TUM RGB-D sequences (ground truth,
 ORB-SLAM keyframes, RGB-D SLAM) for the evo-equivalence tests, and KITTI odometry sequence 00's ground
-truth (4,541 poses, a car that drives past the same places several times) for the pose graph's tests. They are not ours to commit, so the tests read them from the folder
+truth (4,541 poses, a car that drives past the same places several times) and EuRoC MAV V1_02's (a drone
+flying about one room) for the pose graph's tests. They are not ours to commit, so the tests read them from the folder
 named by STREAM_RECON_EVO_DATA (.ci/run downloads the sdist and sets it). Without that variable the files
 are fetched once with `pip download` into a user cache; when neither works the tests skip and say why.
 """
@@ -30,6 +31,7 @@ REAL_TRAJECTORIES = (
     "fr2_desk_ORB.txt",
     "fr2_desk_ORB_kf_mono.txt",
     "KITTI_00_gt.txt",  # KITTI's pose format: a row-major [3, 4] camera-to-world a line
+    "V102_groundtruth.csv",  # EuRoC MAV V1_02's ground truth (200 Hz CSV: time ns, position, quaternion w x y z)
 )
 
 

@@ -76,13 +76,6 @@ def read_run(run_dir: Path) -> list[dict]:
     return list(iter_run(run_dir))
 
 
-def sim3_from_matrix(matrix: np.ndarray) -> Sim3:
-    """A Sim(3) from a [4, 4] [sR | t] (Sim3.scaled_matrix): the scale is the cube root of the block's determinant."""
-    matrix = np.asarray(matrix, np.float64)
-    scale = float(np.cbrt(np.linalg.det(matrix[:3, :3])))
-    return Sim3(scale, matrix[:3, :3] / scale, matrix[:3, 3].copy())
-
-
 def preprocess_frame(rgb: np.ndarray, image_width: int | None = None) -> np.ndarray:
     """A decoded frame [H, W, 3] uint8 as the reference's float model input [3, H, W] in [0, 1], exactly uint8 / 255."""
     from stream_recon.app.sources.input_size import DEFAULT_IMAGE_WIDTH

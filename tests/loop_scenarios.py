@@ -21,12 +21,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import gtsam
 import numpy as np
 
 from stream_recon.app.outputs.rundir import read_tum
-from stream_recon.models.loops.closer import LoopClosureConfig, _KeyframePoints, align_loop, loop_edge
+from stream_recon.models.loops.closer import (
+    LoopClosureConfig,
+    _KeyframePoints,
+    _rotation_about,
+    align_loop,
+    loop_edge,
+)
 from stream_recon.models.loops.pose_graph import (
     LoopEdge,
     OdometryEdge,
@@ -37,7 +44,16 @@ from stream_recon.models.loops.pose_graph import (
     open_chain,
     optimize,
 )
-from stream_recon.models.stream.similarity import Sim3, umeyama
+from stream_recon.models.loops.refine import (
+    FrameLoop,
+    RefineConfig,
+    RunFrame,
+    fine_graph,
+    frame_moves,
+    segments_of,
+    solve_fine,
+)
+from stream_recon.models.stream.similarity import Sim3, scaling_direction, umeyama
 
 CHUNK_FRAMES = 320  # the engine's window
 OVERLAP_FRAMES = 16  # frames a chunk shares with the previous one
@@ -72,6 +88,20 @@ def read_tum_poses(path: Path) -> np.ndarray:
     return read_tum(path)[1]
 
 
+def read_euroc_poses(path: Path) -> np.ndarray:
+    """EuRoC's ground-truth CSV (time ns, position, quaternion w x y z, then velocities and biases) -> c2w
+    [N, 4, 4] (the body's pose: a camera rigidly on it moves the same way)."""
+    rows = np.loadtxt(path, delimiter=",", comments="#", dtype=np.float64)
+    c2w = np.tile(np.eye(4), (len(rows), 1, 1))
+    w, x, y, z = (rows[:, 4:8] / np.linalg.norm(rows[:, 4:8], axis=1, keepdims=True)).T
+    c2w[:, :3, :3] = np.stack([
+        np.stack([1 - 2 * (y * y + z * z), 2 * (x * y - w * z), 2 * (x * z + w * y)], axis=-1),
+        np.stack([2 * (x * y + w * z), 1 - 2 * (x * x + z * z), 2 * (y * z - w * x)], axis=-1),
+        np.stack([2 * (x * z - w * y), 2 * (y * z + w * x), 1 - 2 * (x * x + y * y)], axis=-1)], axis=1)
+    c2w[:, :3, 3] = rows[:, 1:4]
+    return c2w
+
+
 @dataclass(frozen=True)
 class Trajectory:
     """A real trajectory of evo's test data and how its scenarios are set up, in its units."""
@@ -89,7 +119,9 @@ class Trajectory:
 
     def poses(self, data_dir: Path) -> np.ndarray:
         path = data_dir / self.file
-        poses = read_kitti_poses(path) if self.file.startswith("KITTI") else read_tum_poses(path)
+        readers = {"KITTI": read_kitti_poses, "V1": read_euroc_poses}
+        reader = next((read for prefix, read in readers.items() if self.file.startswith(prefix)), read_tum_poses)
+        poses = reader(path)
         return poses[:: self.step]
 
 
@@ -103,6 +135,10 @@ TRAJECTORIES = {
     # a camera circling a desk ~1.5 m away (its ground truth at ~70 Hz: 23 chunks, 22 revisited pairs)
     "TUM fr2_desk": Trajectory("fr2_desk_groundtruth.txt", 3, revisit_radius=0.5, scene_depth=1.5,
                                false_min_distance=1.0),
+    # a drone flying about a room ~3 m deep (its 200 Hz ground truth at the cameras' 20 Hz: 6 chunks, 10
+    # revisited pairs)
+    "EuRoC V1_02": Trajectory("V102_groundtruth.csv", 10, revisit_radius=0.5, scene_depth=3.0,
+                              false_min_distance=1.0),
 }
 
 
@@ -284,7 +320,7 @@ def make_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, false_
                   scene_depth: float, false_fraction: float = 0.2, false_loops: int | None = None,
                   with_true_loops: bool = True, subtle_false: tuple[float, float] | None = None,
                   repeats: int = 1, keyframe_pairs_per_revisit: int = 2,
-                  keyframe_rotation_error: float | None = None) -> Scenario:
+                  keyframe_rotation_error: float | None = None, false_alone: bool = False) -> Scenario:
     """The chunked stream over `truth`: odometry with ODOMETRY_NOISE; at every revisit (chunk pairs within
     `revisit_radius`) up to `keyframe_pairs_per_revisit` true loops, each a fit of its own keyframe pair
     (`fitted_loop`, points at ~`scene_depth`); and false loops: `false_fraction` of all loops (or
@@ -293,8 +329,10 @@ def make_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, false_
     `subtle_false` (a shift range in ground-truth units) the false loops are on revisited pairs instead:
     the query saw the place shifted by that much, in groups of `repeats` keyframe pairs of one revisit with
     one shift: one wrong place recognised on consecutive keyframes, so that the group agrees with itself.
-    `keyframe_rotation_error`: each keyframe's orientation error within its chunk (rad per axis; default:
-    what the loop covariance declares)."""
+    `false_alone`: a revisit that got a false loop keeps none of its true ones (the place recognised only
+    through a look-alike of it nearby: the false loop is its chunk pair's only loop, which its own solution
+    bends to fit). `keyframe_rotation_error`: each keyframe's orientation error within its chunk (rad per
+    axis; default: what the loop covariance declares)."""
     rng = np.random.default_rng(seed)
     ranges = chunk_ranges(len(truth))
     # Each chunk's coordinates: its first camera, at a scale of its own (a model's depth normalisation).
@@ -338,7 +376,45 @@ def make_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, false_
         for frames, seen_instead in group:
             false_ids.append(f"false-{pair[0]}-{pair[1]}-{len(false_ids)}")
             graph = with_loop(graph, fit(false_ids[-1], pair, frames, seen_instead))
+    if false_alone:
+        looked_alike = {(loop.first, loop.second) for loop in graph.loops if loop.loop_id in false_ids}
+        graph = PoseGraph(graph.odometry, [loop for loop in graph.loops if loop.loop_id in false_ids
+                                           or (loop.first, loop.second) not in looked_alike])
+        true_ids = [loop.loop_id for loop in graph.loops if loop.loop_id in true_ids]
     return Scenario(truth, tuple(ranges), world_from_chunk, graph, frozenset(true_ids), frozenset(false_ids))
+
+
+def synthetic_graph(num_chunks: int, seed: int, loops_per_chunk: float = 0.125) -> tuple[PoseGraph, tuple[Sim3, ...]]:
+    """A random walk of chunks (250 units of path each, turning ~20 degrees, each at a scale of its own in
+    [0.5, 2]), odometry and loops with the real-trajectory noise, `loops_per_chunk` loops a chunk of which
+    20 % are false: true ones to a chunk 2 to 50 before, false ones between any two chunks."""
+    rng = np.random.default_rng(seed)
+    rotation, position, truth = np.eye(3), np.zeros(3), []
+    for _ in range(num_chunks):
+        truth.append(Sim3(float(np.exp(rng.uniform(np.log(0.5), np.log(2.0)))), rotation, position))
+        turn = from_gtsam(gtsam.Similarity3.Expmap(np.concatenate([rng.normal(0, 0.2, 3), np.zeros(4)])))
+        position = position + rotation @ np.array([250.0, 0, 0])
+        rotation = rotation @ turn.rotation
+    graph = PoseGraph()
+    for k in range(num_chunks - 1):
+        sigmas = ODOMETRY_NOISE.sigmas(250.0 / truth[k + 1].scale)
+        graph = with_odometry(graph, OdometryEdge(perturbed(truth[k].inverse() @ truth[k + 1], sigmas, rng), sigmas))
+    true_loops = max(1, round(0.8 * loops_per_chunk * num_chunks))
+    for n in range(true_loops + max(1, true_loops // 4)):
+        if n < true_loops:  # a place passed up to 50 chunks before (an open chain of 10,000 chunks drifts
+            # by ~100 degrees end to end: a loop across all of it is beyond any local optimiser's reach)
+            first = int(rng.integers(0, num_chunks - 2))
+            second = int(min(num_chunks - 1, first + rng.integers(2, 51)))
+        else:
+            first, second = (int(k) for k in rng.choice(num_chunks, 2, replace=False))
+        sigmas = LOOP_NOISE.sigmas(250.0 / truth[second].scale)
+        measured = truth[first].inverse() @ truth[second]
+        if n >= true_loops:  # false: a wrong place, ~hundreds of units off
+            measured = measured @ from_gtsam(gtsam.Similarity3.Expmap(
+                np.concatenate([rng.normal(0, 0.5, 3), rng.normal(0, 300, 3), [0.0]])))
+        graph = with_loop(graph, LoopEdge(f"{'true' if n < true_loops else 'false'}-{n}", first, second,
+                                         perturbed(measured, sigmas, rng), sigmas))
+    return graph, tuple(truth)
 
 
 @dataclass
@@ -359,16 +435,19 @@ def without_false_loops(scenario: Scenario) -> PoseGraph:
 
 
 def rejection_rates(trajectory: Trajectory, truth: np.ndarray, seeds: range, settings: PoseGraphSettings,
-                    subtle: bool = True, repeats: int = 1, keyframe_rotation_error: float | None = None
-                    ) -> RejectionRates:
+                    subtle: bool = True, repeats: int = 1, keyframe_rotation_error: float | None = None,
+                    shift: tuple[float, float] | None = None, false_alone: bool = False) -> RejectionRates:
     """Each seed's scenario of `truth` solved with `settings`: the false loops rejected, the true ones
-    accepted, and the corrected ATE against the open chain's and against a solve without the false loops."""
+    accepted, and the corrected ATE against the open chain's and against a solve without the false loops.
+    `shift`: the subtle false loops' error (ground-truth units; default the trajectory's subtle_shift);
+    `false_alone`: as make_scenario's."""
     rates = RejectionRates()
     for seed in seeds:
         scenario = make_scenario(truth, seed, revisit_radius=trajectory.revisit_radius,
                                  false_min_distance=trajectory.false_min_distance, scene_depth=trajectory.scene_depth,
-                                 subtle_false=trajectory.subtle_shift if subtle else None, repeats=repeats,
-                                 keyframe_rotation_error=keyframe_rotation_error)
+                                 subtle_false=(shift or trajectory.subtle_shift) if subtle else None,
+                                 repeats=repeats, keyframe_rotation_error=keyframe_rotation_error,
+                                 false_alone=false_alone)
         result = optimize(scenario.graph, settings)
         accepted = set(result.accepted_ids)
         rates.false_rejected += len(scenario.false_loops - accepted)
@@ -380,3 +459,128 @@ def rejection_rates(trajectory: Trajectory, truth: np.ndarray, seeds: range, set
         without = optimize(without_false_loops(scenario), settings).world_from_chunk
         rates.with_over_without.append(corrected / scenario.ate(without))
     return rates
+
+
+# -- a run refined offline: chunks that drift inside themselves --------------------------------------------
+@dataclass(frozen=True)
+class RefineOutcome:
+    open_ate: float  # the open chain's Sim(3) ATE
+    stream_ate: float  # the stream's chunk graph, solved with the loops of its indexed keyframes
+    refined_ate: float  # models/loops/refine.py's segment graph over every keyframe's loops
+    stream_accepted: int
+    refined_accepted: int
+
+
+def refine_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, refine_config: Any = None,
+                    stream_spacing: int = INDEX_SPACING, keyframe_spacing: int = 4) -> RefineOutcome:
+    """A chunked stream over `truth` whose chunks also drift inside themselves, as refine.py's segments declare:
+    within a chunk, each segment of `segment_frames` frames is placed by the one before with an error drawn from
+    RefineConfig's segment sigmas (the chunk's prediction of a later frame is off by the errors of the
+    segments before it); the links have ODOMETRY_NOISE as in make_scenario. Loops between revisiting
+    keyframes measure the true relation of the two keyframes' segments, with LOOP_NOISE: the stream's at its
+    indexed keyframes (`stream_spacing`) solved on its chunk graph, refine's at every keyframe
+    (`keyframe_spacing`) on the segment graph, starting from the run's files as the stream corrected them."""
+    config = refine_config or RefineConfig()
+    rng = np.random.default_rng(seed)
+    ranges = chunk_ranges(len(truth))
+    true_chunk = [Sim3(float(np.exp(rng.uniform(np.log(0.5), np.log(2.0)))), truth[start, :3, :3], truth[start, :3, 3])
+                  for start, _ in ranges]
+    chunk_of = np.zeros(len(truth), np.int64)
+    for k, (start, end) in enumerate(ranges):
+        chunk_of[start:end] = k  # the later chunk's, where two share a frame
+    frames = [RunFrame(f, int(chunk_of[f]), truth[f, :3], True) for f in range(len(truth))]
+    parts = segments_of(frames, config.segment_frames)
+    # each segment's true placement: the chunk's, then each segment's drift composed (in chunk coordinates)
+    true_node, drift = [], None
+    for node, (chunk, segment) in enumerate(parts.nodes):
+        if segment == 0:
+            drift = Sim3.identity()
+        else:
+            from_world = true_chunk[chunk].inverse()
+            centre = from_world.apply_to_points(truth[parts.first_frame[node], :3, 3][None])[0]
+            held = truth[parts.first_frame[node - 1]:parts.first_frame[node] + 1, :3, 3]
+            covariance = _segment_covariance_of(from_world.apply_to_points(held), centre, config)
+            drift = drift @ from_gtsam(gtsam.Similarity3.Expmap(rng.multivariate_normal(np.zeros(7), covariance)))
+        true_node.append(true_chunk[chunk] @ drift)
+    predicted = np.stack([true_node[parts.node_of[f]].inverse().apply_to_poses(truth[f]) for f in range(len(truth))])
+    links = []
+    for k in range(1, len(ranges)):
+        last = max(n for n, (chunk, _) in enumerate(parts.nodes) if chunk == k - 1)
+        first = parts.nodes.index((k, 0))
+        sigmas = ODOMETRY_NOISE.sigmas(float(np.linalg.norm(np.diff(predicted[ranges[k][0]:ranges[k][1], :3, 3], axis=0),
+                                                            axis=1).sum()))
+        exact = true_node[last].inverse() @ true_node[first]
+        links.append((perturbed(exact, sigmas, rng).scaled_matrix, np.diag(sigmas**2)))
+    revisited = revisits(truth, ranges, revisit_radius)
+
+    def loops_at(spacing: int, count: int) -> list[tuple[int, int, LoopEdge]]:
+        found = []
+        for pair in revisited:
+            for frame_a, frame_b in _spaced_pairs(truth, ranges, pair, revisit_radius, count, spacing):
+                node_a, node_b = parts.node_of[frame_a], parts.node_of[frame_b]
+                sigmas = LOOP_NOISE.sigmas(float(np.linalg.norm(np.diff(predicted[ranges[pair[1]][0]:ranges[pair[1]][1],
+                                                                                   :3, 3], axis=0), axis=1).sum()))
+                measured = perturbed(true_node[node_a].inverse() @ true_node[node_b], sigmas, rng)
+                found.append((frame_a, frame_b, LoopEdge(len(found), pair[0], pair[1], measured, sigmas)))
+        return found
+
+    chain_graph = PoseGraph([OdometryEdge(lie_to_sim3(z), np.sqrt(np.diag(c)), c) for z, c in links])
+    stream_loops = loops_at(stream_spacing, 2)
+    stream = optimize(PoseGraph(chain_graph.odometry, [edge for _, _, edge in stream_loops]))
+    placement = stream.world_from_chunk
+    stored = [RunFrame(f, int(chunk_of[f]), placement[chunk_of[f]].apply_to_poses(predicted[f])[:3], True)
+              for f in range(len(truth))]
+    refine_loops = [FrameLoop(edge.loop_id, a, b, edge) for a, b, edge in loops_at(keyframe_spacing, 10_000)]
+    graph, fine_parts = fine_graph(stored, placement, links, refine_loops, config)
+    refined = solve_fine(graph, config)
+    moves = frame_moves(stored, fine_parts, refined.world_from_chunk, placement)
+    open_placement = open_chain(chain_graph.odometry)
+
+    def ate(positions: np.ndarray) -> float:
+        aligned = umeyama(positions, truth[:, :3, 3], with_scale=True).apply_to_points(positions)
+        return float(np.sqrt(np.mean(np.sum((aligned - truth[:, :3, 3]) ** 2, axis=1))))
+
+    open_positions = np.stack([open_placement[chunk_of[f]].apply_to_points(predicted[f, :3, 3][None])[0]
+                               for f in range(len(truth))])
+    stream_positions = np.stack([frame.c2w[:3, 3] for frame in stored])
+    refined_positions = np.stack([moves[frame.frame_index].apply_to_points(frame.c2w[:3, 3][None])[0]
+                                  for frame in stored])
+    return RefineOutcome(ate(open_positions), ate(stream_positions), ate(refined_positions),
+                         len(stream.accepted_ids), len(refined.accepted_ids))
+
+
+def lie_to_sim3(matrix: np.ndarray) -> Sim3:
+    return Sim3.from_matrix(matrix)
+
+
+def _segment_covariance_of(path: np.ndarray, centre: np.ndarray, config: Any) -> np.ndarray:
+    """refine.py's segment covariance for a segment's path [n, 3] and later camera (chunk coordinates)."""
+    turning, scaling = _rotation_about(centre), scaling_direction(centre)
+    covariance = config.segment_rotation_sigma**2 * turning @ turning.T
+    covariance += config.segment_log_scale_sigma**2 * np.outer(scaling, scaling)
+    length = float(np.linalg.norm(np.diff(path, axis=0), axis=1).sum()) if len(path) > 1 else 0.0
+    shift = max(config.segment_translation_fraction * length, 1e-3 * max(float(np.linalg.norm(centre)), 1e-3))
+    covariance[3:6, 3:6] += shift**2 / 3 * np.eye(3)
+    return covariance
+
+
+def _spaced_pairs(truth: np.ndarray, ranges: list[tuple[int, int]], pair: tuple[int, int], radius: float,
+                  count: int, spacing: int) -> list[tuple[int, int]]:
+    """keyframe_pairs with query frames `spacing` apart (keyframes every `spacing` frames) instead of the
+    stream's index spacing."""
+    a, b = pair
+    positions = truth[:, :3, 3]
+    frames_a = np.arange(*ranges[a])
+    frames_b = np.arange(*ranges[b])
+    frames_b = frames_b[frames_b % spacing == 0]
+    frames_a = frames_a[frames_a % min(spacing, INDEX_SPACING) == 0]
+    if not len(frames_a) or not len(frames_b):
+        return []
+    distances = np.linalg.norm(positions[frames_b][:, None] - positions[frames_a][None], axis=2)
+    nearest = np.argmin(distances, axis=1)
+    chosen: list[tuple[int, int]] = []
+    for i in np.argsort(distances[np.arange(len(frames_b)), nearest], kind="stable"):
+        if len(chosen) == count or distances[i, nearest[i]] > radius:
+            break
+        chosen.append((int(frames_a[nearest[i]]), int(frames_b[i])))
+    return chosen

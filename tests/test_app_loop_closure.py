@@ -165,7 +165,7 @@ def test_points_ply_is_the_cloud_of_the_corrected_predictions(closed_run) -> Non
 
 
 @pytest.mark.slow
-def test_a_stream_without_a_loop_writes_exactly_what_loop_closure_off_writes(tmp_path: Path, monkeypatch) -> None:
+def test_a_stream_without_a_loop_writes_exactly_what_loop_closure_off_writes_and_its_map(tmp_path: Path, monkeypatch) -> None:
     # 50 frames reach a third chunk (frame 32 on) but the walk has not come back yet
     closing, _ = run_loop_scene(tmp_path, monkeypatch, loop_closure="on", frames=50, name="on")
     plain, _ = run_loop_scene(tmp_path, monkeypatch, loop_closure="off", frames=50, name="off")
@@ -174,7 +174,10 @@ def test_a_stream_without_a_loop_writes_exactly_what_loop_closure_off_writes(tmp
     assert json.loads((plain / RUN_JSON).read_text())["summary"]["loop_closure"]["mode"] == "off (--loop-closure off)"
     assert not (closing / TRAJECTORY_OPEN_TUM).exists()
     names = sorted(p.relative_to(plain) for p in plain.rglob("*") if p.is_file() and p.name != RUN_JSON)
-    assert names == sorted(p.relative_to(closing) for p in closing.rglob("*") if p.is_file() and p.name != RUN_JSON)
+    # the same files, and the saved map beside them (models/loops/saved_map.py)
+    assert (closing / "map" / "map.json").is_file() and not (plain / "map").exists()
+    assert names == sorted(p.relative_to(closing) for p in closing.rglob("*")
+                           if p.is_file() and p.name != RUN_JSON and p.relative_to(closing).parts[0] != "map")
     for name in names:
         assert (plain / name).read_bytes() == (closing / name).read_bytes(), name
 

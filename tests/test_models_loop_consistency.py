@@ -9,7 +9,6 @@ import gtsam
 import numpy as np
 import pytest
 from evo_data import evo_data_dir
-from helpers import sim3_from_matrix
 from loop_scenarios import TRAJECTORIES, make_scenario
 
 from stream_recon.models.loops import sim3_batch as lie
@@ -40,7 +39,7 @@ def random_covariance(rng: np.random.Generator, size: float = 1e-2) -> np.ndarra
 
 
 def gtsam_of(matrix: np.ndarray) -> gtsam.Similarity3:
-    return to_gtsam(sim3_from_matrix(matrix))
+    return to_gtsam(Sim3.from_matrix(matrix))
 
 
 def test_the_chi_square_quantile_is_the_tables() -> None:
@@ -114,6 +113,19 @@ def test_the_odometry_between_any_two_chunks_is_the_links_composed() -> None:
             error = lie.logmap(lie.inverse(transform) @ solved)
             expected = error @ np.linalg.solve(reference_covariance, error)
             assert chain.bending_chi2(np.array([x]), np.array([z]), solved[None])[0] == pytest.approx(expected, rel=1e-6)
+
+
+def test_block_anchored_sums_equal_the_loops_own_anchored_sums() -> None:
+    """A whole run's checks take chain covariances from one anchored sum every 32 chunks: the same rows as
+    each chunk's own sum, to 1e-9, on either side of the anchor and across blocks."""
+    rng = np.random.default_rng(2)
+    chain = drifting_chain(rng, 120)
+    x = np.array([0, 5, 31, 32, 33, 63, 64, 100, 119, 119, 40, 40, 70])
+    z = np.array([119, 6, 33, 31, 0, 64, 63, 110, 0, 118, 40, 39, 71])
+    got = chain.between_covariance(x, z)
+    for n, (a, b) in enumerate(zip(x, z, strict=True)):
+        expected = chain.anchored(int(a))[int(b)]
+        np.testing.assert_allclose(got[n], expected, rtol=0, atol=1e-9 * max(np.abs(expected).max(), 1e-300))
 
 
 def reference_pair_chi2(chain: ChainCovariances, first: tuple, second: tuple) -> float:

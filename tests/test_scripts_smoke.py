@@ -154,15 +154,16 @@ def loop_closure_figures(tmp_path: Path) -> dict[str, float]:
     result_file = tmp_path / "loop_closure.json"
     run_script("scripts/bench_loop_closure.py", "--model", "tiny", "--device", "cpu", "--frames", "48",
                "--chunk-frames", "12", "--overlap", "4", "--warmup-frames", "12", "--image-width", "112",
-               "--video-size", "160x120", "--video-dir", str(tmp_path), "--json", str(result_file))
+               "--video-size", "160x120", "--video-dir", str(tmp_path), "--json", str(result_file), "--refine")
     result = json.loads(result_file.read_text())
     assert [run["mode"] for run in result["runs"]] == ["off", "on"]
     off, on = result["runs"]
     loops = on["loop_closure"]
     assert loops["mode"] == "on" and loops["keyframes_indexed"] > 0, loops
     assert off["rollovers"] >= 2 and on["rollovers"] >= 2  # chunks of 12 frames, 8 apart, over 48 frames
+    assert on["refine"]["frames"] == on["frames"] and off["refine"] is None, on["refine"]
     return finite({"on_over_off": result["on_over_off"], "off steady_fps": off["steady_fps"],
-                   "on steady_fps": on["steady_fps"]})
+                   "on steady_fps": on["steady_fps"], "refine s": on["refine"]["command_s"]})
 
 
 def pose_graph_figures(tmp_path: Path) -> dict[str, float]:
@@ -189,7 +190,7 @@ def loop_consistency_figures(tmp_path: Path) -> dict[str, float]:
                                                                              line)
             figures[f"{case}, {label}: with / without false loops"] = number_after(
                 r"with/without false loops max ([\d.e+-]+)", line)
-    assert len(figures) == 12, printed  # three cases, with and without PCM, two figures each
+    assert len(figures) == 30, printed  # five cases, three settings, two figures each
     return finite(figures)
 
 

@@ -8,6 +8,7 @@ Layout (DESIGN.md §5)::
       trajectory_tum.txt        timestamp tx ty tz qx qy qz qw (camera-to-world), written at close
       trajectory_open_tum.txt   the same before loop closure corrected it, when a correction moved anything
       points.ply                confidence-filtered, voxel-downsampled cloud, written at close
+      map/                      the saved map, written as the run goes by its loop closer (models/loops/saved_map.py)
       eval.json                 `stream-recon eval` (and batch) scores, when evaluated
 
 The TUM text formats live here too: the run's trajectory, a ground-truth trajectory and the `rgb.txt` /
@@ -46,6 +47,7 @@ from stream_recon.app.outputs.npz_schema import (
     prediction_arrays as prediction_arrays,  # scripts import it from here
 )
 from stream_recon.app.stopping import interrupts_held
+from stream_recon.models.loops.saved_map import MAP_DIR
 from stream_recon.models.stream.pose import quat_xyzw_to_rotation, rotation_to_quat_xyzw
 
 logger = logging.getLogger(__name__)
@@ -297,9 +299,10 @@ def remove_run(output_dir: Path) -> None:
         path.unlink()
     for name in (EVAL_JSON, BATCH_MARKER):
         (output_dir / name).unlink(missing_ok=True)
-    exports = output_dir / EXPORTS_DIR
-    if exports.is_dir() and not exports.is_symlink():
-        shutil.rmtree(exports)
+    for folder in (EXPORTS_DIR, MAP_DIR):  # what was derived from the run, and its saved map
+        path = output_dir / folder
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
 
 
 def replace_run(output_dir: Path) -> None:
@@ -325,7 +328,7 @@ def holds_run(output_dir: Path) -> bool:
 # What a run directory holds besides the run's own files (run_files): a folder holding only these (or
 # hidden files) is not someone else's folder.
 _RUN_DIR_NAMES = {PREDICTIONS_DIR, RUN_JSON, TRAJECTORY_TUM, TRAJECTORY_OPEN_TUM, POINTS_PLY, EVAL_JSON, EXPORTS_DIR,
-                  BATCH_MARKER}
+                  BATCH_MARKER, MAP_DIR}
 
 
 def foreign_entries(output_dir: Path) -> list[Path]:

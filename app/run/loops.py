@@ -9,15 +9,19 @@ fails the run: it is logged, recorded in run.json, and the open chain stands.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from stream_recon.app.options import OptionsError, RunOptions
+from stream_recon.models.loops.saved_map import write_manifest
 from stream_recon.models.supervision import CHILDREN, Deadline
 
 logger = logging.getLogger(__name__)
@@ -88,6 +92,27 @@ def pose_graph_library_problem() -> LibraryProblem | None:
     return None
 
 
+@dataclass(frozen=True)
+class MapPlan:
+    """Where a run's saved map goes (models/loops/saved_map.py) and what its manifest says: the checkpoint
+    (`name`, `path` or None for a caller's model) and the chunk settings; `digest`: the checkpoint's sha256 once
+    hashed (None while not), asked as the stream goes so that the manifest gets it as soon as it is known."""
+
+    folder: Path
+    checkpoint_name: str | None
+    checkpoint_path: Path | None
+    chunk_frames: int
+    overlap: int
+    digest: Callable[[], str | None] = lambda: None
+
+    def checkpoint(self) -> dict[str, Any]:
+        size = None
+        if self.checkpoint_path is not None:
+            with contextlib.suppress(OSError):
+                size = self.checkpoint_path.stat().st_size
+        return {"name": self.checkpoint_name, "bytes": size, "sha256": self.digest()}
+
+
 class LoopClosureSink:
     """Feeds the loop-closure process from the stream: a chunk's odometry before its first emission, then
     every emission; new corrections go to the viewer (if any) as they come. Nothing here waits but
@@ -95,8 +120,10 @@ class LoopClosureSink:
     goes down (models/loops/process.py) turns loop closure off for the rest of the run, and the open
     chain with every correction accepted so far stands."""
 
-    def __init__(self, engine: Any, viewer: Any = None, *, enabled: bool, reason: str, config: Any = None) -> None:
-        """config: a models.loops.closer.LoopClosureConfig (None: its defaults)."""
+    def __init__(self, engine: Any, viewer: Any = None, *, enabled: bool, reason: str, config: Any = None,
+                 saved_map: MapPlan | None = None) -> None:
+        """config: a models.loops.closer.LoopClosureConfig (None: its defaults); saved_map: where the loop
+        closer writes the run's map as it goes (None: no map)."""
         if enabled and not hasattr(engine, "chunk_links"):
             enabled, reason = False, "off (the engine streams no chunks)"
         self.closer = None
@@ -107,18 +134,38 @@ class LoopClosureSink:
         self._links = 0
         self.end_wait_s: float | None = None  # how long the end of the run waited for the child's last word
         self.wait_cut_short = False  # a signal ended that wait before the child's last word
+        self.saved_map = saved_map
+        self._manifest: Any = None  # the map's manifest as written, rewritten once the checkpoint is hashed
         if enabled:
             self._start(config)
 
     def _start(self, config: Any) -> None:
         try:  # (imported here: the closer needs gtsam, which a run without loop closure may lack)
-            from stream_recon.models.loops.process import FINISH_S, LoopClosureProcess
+            from stream_recon.models.loops import closer, process
 
-            self.closer = LoopClosureProcess(config) if config is not None else LoopClosureProcess()
-            self.finish_s = FINISH_S  # how long the end of the run waits for the child's last word
+            config = config or closer.LoopClosureConfig()
+            map_dir = None
+            if self.saved_map is not None:
+                plan = self.saved_map
+                self._manifest = closer.map_manifest(config, plan.checkpoint(), plan.chunk_frames, plan.overlap)
+                write_manifest(plan.folder, self._manifest)
+                map_dir = str(plan.folder)
+            self.closer = process.LoopClosureProcess(config, map_dir=map_dir)
+            self.finish_s = process.FINISH_S  # how long the end of the run waits for the child's last word
         except Exception as failure:  # noqa: BLE001 - loop closure is an improvement, never a reason to stop
             self.error = f"it could not start: {type(failure).__name__}: {failure}"
             logger.warning("loop closure is off for the rest of the run: %s", self.error)
+
+    def _hashed(self) -> None:
+        """The map's manifest with the checkpoint's sha256, once known (written once)."""
+        if self._manifest is None or self._manifest.checkpoint.get("sha256") or self.saved_map.checkpoint_path is None:
+            return
+        digest = self.saved_map.digest()
+        if digest is None:
+            return
+        self._manifest = dataclasses.replace(self._manifest, checkpoint={**self._manifest.checkpoint, "sha256": digest})
+        with contextlib.suppress(OSError):
+            write_manifest(self.saved_map.folder, self._manifest)
 
     @property
     def running(self) -> bool:
@@ -138,6 +185,7 @@ class LoopClosureSink:
         self._links = len(links)
         self.closer.add_prediction(pred)
         self._show(self.closer.take_corrections())
+        self._hashed()
 
     def close(self, status: str) -> None:
         if self.closer is not None:
@@ -157,6 +205,7 @@ class LoopClosureSink:
         else:
             corrections = self.closer.finish(Deadline(self.finish_s), self._stop_waiting(stop_now))
         self.end_wait_s = round(time.monotonic() - started, 3)
+        self._hashed()
         self._show(corrections, force=True)
         return corrections
 

@@ -60,7 +60,12 @@ from stream_recon.app.run.loading import (
     model_config_for,
     prepared_for_run,
 )
-from stream_recon.app.run.loops import LoopClosureSink, loop_closure_cannot_help, loop_closure_wanted
+from stream_recon.app.run.loops import (
+    LoopClosureSink,
+    MapPlan,
+    loop_closure_cannot_help,
+    loop_closure_wanted,
+)
 from stream_recon.app.run.progress import RunProgress
 from stream_recon.app.run.resources import check_cpu_run
 from stream_recon.app.sources.frames import SourceError
@@ -79,6 +84,8 @@ from stream_recon.app.stopping import (
 )
 from stream_recon.models import DEFAULT_CHECKPOINT, FrameError, parse_keyframes, partitioned_stream
 from stream_recon.models.builds.plan import Builder, BuildSettings
+from stream_recon.models.checkpoint import resolve_checkpoint
+from stream_recon.models.loops.saved_map import MAP_DIR
 from stream_recon.models.supervision import Deadline, Helper, HelperDown, HelperOwner
 
 logger = logging.getLogger(__name__)
@@ -291,7 +298,8 @@ def _set_up(plan: RunPlan, frame_source: FrameSource, output_dir: Path, options:
             outputs=options.prediction_outputs(),
             masker=plan.masker,
         )
-        loops = LoopClosureSink(engine, viewer, enabled=plan.closes_loops, reason=plan.loop_closure_reason)
+        loops = LoopClosureSink(engine, viewer, enabled=plan.closes_loops, reason=plan.loop_closure_reason,
+                                saved_map=map_plan(output_dir, options, checkpoint, digest))
     except BaseException:
         # held: the CLI redelivers an unanswered signal every 0.5 s (PromptInterrupt), and one landing in here
         # on a busy machine would leave the folders behind
@@ -309,6 +317,16 @@ def _set_up(plan: RunPlan, frame_source: FrameSource, output_dir: Path, options:
     if viewer is not None:
         sinks.append(viewer)
     return Run(frame_source, engine, writer, sinks, viewer, options, console, digest, clock, builds, created_dir)
+
+
+def map_plan(output_dir: Path, options: RunOptions, checkpoint: str | None, digest: Any) -> MapPlan:
+    """The saved map of a run into `output_dir` (digest: app.run.loading.CheckpointDigest)."""
+    path = None
+    if checkpoint is not None:
+        with contextlib.suppress(Exception):  # a caller's model named by a checkpoint that is not a file: no size
+            path = resolve_checkpoint(checkpoint)
+    return MapPlan(Path(output_dir) / MAP_DIR, None if checkpoint is None else Path(str(checkpoint)).name, path,
+                   options.chunk_frames, options.overlap, lambda: digest.result(timeout_s=0.0))
 
 
 def _model_loader(given: Any, options: RunOptions, device: str, console: Console) -> Any:

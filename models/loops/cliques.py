@@ -284,11 +284,49 @@ def exact_maximum_clique(adjacent: np.ndarray, *, at_least: int = 0, budget: int
     return _exact(_Graph(adjacent), at_least, budget)[0]
 
 
+def complement_clique(adjacent: np.ndarray) -> list[int]:
+    """A large clique of a dense graph, ascending: its complement's edges (the inconsistent pairs, few) are
+    covered greedily, each time by the node on most of them (ties: the later node), and the nodes left are
+    a clique; then each removed node adjacent to all of them joins back, in node order. O(removed x n),
+    where the heuristic's growth from node after node costs O(n d^2): 1.3 s at 720 nodes of a whole run's
+    consistency graph (density 0.98 once pairs beyond the chain's reach count as consistent), 20 s at 2,400."""
+    adjacent = np.asarray(adjacent, dtype=bool)
+    conflicts = ~adjacent
+    np.fill_diagonal(conflicts, False)
+    degree = conflicts.sum(axis=1)
+    alive = np.ones(len(adjacent), bool)
+    while degree.max(initial=0) > 0:
+        worst = len(degree) - 1 - int(np.argmax(degree[::-1]))
+        alive[worst] = False
+        degree -= conflicts[:, worst]
+        degree[worst] = 0
+    for node in np.flatnonzero(~alive).tolist():
+        if not conflicts[node, alive].any():
+            alive[node] = True
+    return np.flatnonzero(alive).tolist()
+
+
+# the heuristic's growth is O(n d^2): above this many nodes at this density the complement's cover is used
+_DENSE_NODES, _DENSE_FRACTION = 300, 0.9
+
+
 def maximum_clique(adjacent: np.ndarray, *, warm_start: Sequence[int] = (),
                    exact_budget: int = EXACT_BUDGET, deadline: float | None = None) -> CliqueResult:
-    """The bounded step: the heuristic (seeded by `warm_start`), then the exact search for a clique at least
-    as large within `exact_budget` expansions and before `deadline` (time.perf_counter's clock; None: no
-    limit); its clique when it finishes, else the heuristic's."""
+    """The bounded step: the heuristic (seeded by `warm_start`; a dense graph of more than 300 nodes: the
+    complement's greedy cover, `complement_clique`, or the warm start when larger), then the exact search for
+    a clique at least as large within `exact_budget` expansions and before `deadline` (time.perf_counter's
+    clock; None: no limit); its clique when it finishes, else the heuristic's."""
+    size = len(adjacent)
+    if size > _DENSE_NODES and np.count_nonzero(adjacent) >= _DENSE_FRACTION * size * size:
+        found = complement_clique(adjacent)
+        warm = sorted(warm_start)
+        if len(warm) > len(found) and np.asarray(adjacent)[np.ix_(warm, warm)].all():
+            found = warm
+        if exact_budget == 0:
+            return CliqueResult(tuple(found), exact=False, expansions=0)
+        graph = _Graph(adjacent)
+        exact, expansions = _exact(graph, len(found), exact_budget, deadline)
+        return CliqueResult(tuple(found if exact is None else exact), exact=exact is not None, expansions=expansions)
     graph = _Graph(adjacent)
     found = _heuristic(graph, warm_start)
     exact, expansions = _exact(graph, len(found), exact_budget, deadline)
@@ -297,4 +335,5 @@ def maximum_clique(adjacent: np.ndarray, *, warm_start: Sequence[int] = (),
     return CliqueResult(tuple(exact), exact=True, expansions=expansions)
 
 
-__all__ = ["EXACT_BUDGET", "CliqueResult", "clique_through", "exact_maximum_clique", "heuristic_maximum_clique", "maximum_clique"]
+__all__ = ["EXACT_BUDGET", "CliqueResult", "clique_through", "complement_clique", "exact_maximum_clique",
+           "heuristic_maximum_clique", "maximum_clique"]

@@ -43,6 +43,7 @@ from .pose_graph import (
     open_chain,
 )
 from .retrieval import gradient_grid_descriptor
+from .saved_map import MapManifest, MapRecorder
 
 GRADIENT_GRID_DIM = 128  # gradient_grid_descriptor's length
 
@@ -109,6 +110,16 @@ class Keyframe:
     depth_conf: np.ndarray  # [H, W]
     intrinsics: np.ndarray  # [3, 3]
     c2w: np.ndarray  # [3, 4] as emitted (the open chain's world)
+
+
+def map_manifest(config: LoopClosureConfig, checkpoint: dict[str, Any], chunk_frames: int, overlap: int,
+                 use_model_descriptor: bool = False) -> MapManifest:
+    """The manifest of the map a loop closer with `config` writes (saved_map.py); `checkpoint`: name, bytes,
+    sha256 (None until hashed)."""
+    features = config.detection.features
+    descriptor = "model" if use_model_descriptor else f"gradient-grid/{GRADIENT_GRID_DIM}"
+    return MapManifest(checkpoint, descriptor, f"sift/{features.max_features}/{features.contrast_threshold:g}",
+                       chunk_frames, overlap)
 
 
 def keyframe_of(pred: FramePrediction) -> Keyframe:
@@ -341,6 +352,12 @@ class LoopCloser:
         self._unfinished = False  # the last solve ran out of its time budget: the next one goes on
         self.corrections = ChunkCorrections({})
         self.timings = _Timings()
+        self._recorder: MapRecorder | None = None  # the saved map's files, written as they are made
+        self._last_result: PoseGraphResult | None = None
+
+    def record_map(self, recorder: MapRecorder) -> None:
+        """Write the map's links, keyframes, loop edges and final solve through `recorder` from now on."""
+        self._recorder = recorder
 
     def add_link(self, link: ChunkLink) -> None:
         """Chunk link.index's odometry (in chunk order; a chunk aligned again replaces its link)."""
@@ -350,6 +367,9 @@ class LoopCloser:
             raise ValueError(f"chunk {link.index}'s link came before chunk {len(self._links) + 1}'s")
         self._links.append(link)
         self._chain.append(self._chain[-1] @ link.previous_from_next)
+        if self._recorder is not None:
+            covariance = link.covariance if link.covariance is not None else np.diag(np.square(link.sigmas))
+            self._recorder.link(link.index, link.previous_from_next.scaled_matrix, covariance)
 
     def add_keyframe(self, keyframe: Keyframe) -> ChunkCorrections | None:
         """Detect loops from `keyframe` and solve when one is new; the new corrections, else None."""
@@ -363,6 +383,10 @@ class LoopCloser:
                                                    keyframe.intrinsics, keyframe.c2w, self.config.min_confidence)
         self._points[keyframe.frame_index] = _KeyframePoints(points, median_depth,
                                                              np.asarray(keyframe.c2w, np.float64)[:3, 3])
+        if self._recorder is not None:
+            self._recorder.keyframe(keyframe.frame_index, keyframe.chunk_index, keyframe.c2w, keyframe.intrinsics,
+                                    keyframe.image.shape[:2], descriptor, features.keypoints, features.descriptors,
+                                    points, median_depth)
         with self.timings.time("retrieval_and_check"):
             checked = self._detector.add_keyframe(keyframe.frame_index, keyframe.chunk_index, descriptor, features,
                                                   keyframe.intrinsics)
@@ -374,6 +398,12 @@ class LoopCloser:
         (the parent's end-of-run deadline bounds the whole)."""
         while self._unfinished:
             self._solve()
+        if self._recorder is not None:
+            result = self._last_result
+            chain = np.stack([placed.scaled_matrix for placed in self._chain])
+            solved = chain if result is None or result.is_open_chain or len(result.world_from_chunk) != len(chain) \
+                else np.stack([placed.scaled_matrix for placed in result.world_from_chunk])
+            self._recorder.solved(solved, [] if result is None else list(result.accepted_ids))
         return self.corrections
 
     @property
@@ -413,12 +443,18 @@ class LoopCloser:
         status = "pending" if alignment.passed else "rejected_by_verification"
         self._loops.append(replace(record, status=status, verification=alignment.figures()))
         if alignment.passed:
-            self._edges.append(loop_edge(record.loop_id, earlier.chunk_index, checked.query_chunk, alignment,
-                                         self._chain, self.config))
+            edge = loop_edge(record.loop_id, earlier.chunk_index, checked.query_chunk, alignment, self._chain,
+                             self.config)
+            self._edges.append(edge)
+            if self._recorder is not None:
+                self._recorder.loop(record.loop_id, record.loop_id, edge.first, edge.second,
+                                    edge.first_from_second.scaled_matrix, edge.covariance,
+                                    (earlier.frame_index, checked.query_frame))
         return alignment.passed
 
     def _solve(self) -> ChunkCorrections:
         graph, result = solve(self._links, self._edges, solver=self._solver)
+        self._last_result = result
         self._unfinished = not result.complete
         self.timings.add("pose_graph", result.seconds * 1000.0)
         self.corrections = corrections_from_solve(graph, result, self._loops, self.corrections.version + 1)

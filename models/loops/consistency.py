@@ -32,6 +32,10 @@ from . import sim3_batch as lie
 from .sim3_batch import TANGENT_DIM, adjoint, inverse, logmap, mahalanobis2, residual_chi2, sandwich
 
 _ANCHORS_KEPT = 8  # anchored sums kept: a few new loops' chunks (~0.4 MB each at 1,000 chunks)
+# Chunks a block anchor serves (between_covariance): a whole run's 1,000 chunks need 32 anchored sums where
+# one a chunk cost 1,000; a pair's sums are then differences over at most 31 links more than the pair spans.
+_BLOCK = 32
+_BLOCKS_KEPT = 128  # ~50 MB at 1,000 chunks: every block of a 4,096-chunk graph
 Uncertain = tuple[np.ndarray, np.ndarray]  # a transform [4, 4] and the covariance [7, 7] of e in T @ Exp(e)
 
 
@@ -94,6 +98,7 @@ class ChainCovariances:
         # the last anchors' sums: a new loop's chunks are the anchors of its check against the chain and of
         # all its pairs, asked for one after the other (each O(chunks) to make)
         self._anchored: dict[int, np.ndarray] = {}
+        self._blocks: dict[int, np.ndarray] = {}  # block anchors' sums (between_covariance)
 
     @property
     def num_chunks(self) -> int:
@@ -120,6 +125,37 @@ class ChainCovariances:
         self._anchored[x] = out
         return out
 
+
+    def between_covariance(self, x: np.ndarray, z: np.ndarray) -> np.ndarray:
+        """[N, 7, 7] row z[n] of anchored(x[n]) (the covariance of x_from_z through the chain, on its left),
+        from sums anchored at every _BLOCK-th chunk: O(chunks) a block anchor, then O(1) a pair, where
+        anchored(x) costs O(chunks) for each distinct x (1,000 distinct chunks of a whole run: 1,000 sums).
+        Chunk x's anchor A is the block's first chunk at or before it; the links between x and z are summed
+        outward from A (never a difference of sums reaching past A's block by more than its 31 links), then
+        carried from A's frame into x's."""
+        x, z = np.atleast_1d(x).astype(np.int64), np.atleast_1d(z).astype(np.int64)
+        out = np.empty((len(x), TANGENT_DIM, TANGENT_DIM))
+        anchors = (x // _BLOCK) * _BLOCK
+        for anchor in np.unique(anchors).tolist():
+            chosen = np.flatnonzero(anchors == anchor)
+            sums = self._block_sums(anchor)
+            near, far = x[chosen], z[chosen]
+            between = sums[near] + sums[far]  # far before the anchor: anchor..near and far..anchor
+            after, before = (far >= near), (far >= anchor) & (far < near)
+            between[after] = sums[far[after]] - sums[near[after]]
+            between[before] = sums[near[before]] - sums[far[before]]
+            carry = adjoint(inverse(self.world_from_chunk[near]) @ self.world_from_chunk[anchor])
+            out[chosen] = sandwich(carry, between)
+        return out
+
+    def _block_sums(self, anchor: int) -> np.ndarray:
+        """[K, 7, 7] row k: the links between chunk `anchor` and chunk k carried into the anchor's frame and
+        summed outward from it (row `anchor` zero)."""
+        if anchor not in self._blocks:
+            if len(self._blocks) >= _BLOCKS_KEPT:
+                del self._blocks[next(iter(self._blocks))]
+            self._blocks[anchor] = self.anchored(anchor)
+        return self._blocks[anchor]
 
     def world_sums(self) -> np.ndarray:
         """[K, 7, 7] S_k: links 0..k-1 carried into the world's frame and summed, so that the covariance of
@@ -175,9 +211,8 @@ def odometry_cycle_chi2(chain: ChainCovariances, first: np.ndarray, second: np.n
     on the right) composed with second_from_first through the odometry."""
     first, second = np.atleast_1d(first), np.atleast_1d(second)
     cycle = measured @ chain.between(second, first)
-    anchored = np.stack([chain.anchored(int(a))[int(b)] for a, b in zip(first, second, strict=True)])
     # the measurement's left perturbation is Ad(Z) C Ad(Z)^T at prefix I; the chain's is at `first`, the right end
-    return _right_chi2(cycle, [(measured, covariance)], anchored)
+    return _right_chi2(cycle, [(measured, covariance)], chain.between_covariance(first, second))
 
 
 def pair_cycle_chi2(chain: ChainCovariances, loop: Uncertain, chunks: tuple[int, int], others: Uncertain,
@@ -191,12 +226,8 @@ def pair_cycle_chi2(chain: ChainCovariances, loop: Uncertain, chunks: tuple[int,
 
 
 def _anchored_rows(chain: ChainCovariances, anchors: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """[P, 7, 7] row rows[p] of chain.anchored(anchors[p]): one anchored sum per distinct anchor."""
-    out = np.empty((len(anchors), TANGENT_DIM, TANGENT_DIM))
-    for anchor in np.unique(anchors):
-        chosen = anchors == anchor
-        out[chosen] = chain.anchored(int(anchor))[rows[chosen]]
-    return out
+    """[P, 7, 7] row rows[p] of chain.anchored(anchors[p])."""
+    return chain.between_covariance(anchors, rows)
 
 
 def pairs_cycle_chi2(chain: ChainCovariances, loops: Uncertain, chunks: tuple[np.ndarray, np.ndarray],

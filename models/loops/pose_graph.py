@@ -4,12 +4,15 @@ A long stream is cut into chunks; each new chunk is mapped onto the previous one
 their shared frames (an odometry edge), so errors add up along the chain. A loop edge says how two
 chunks far apart in the stream relate (the same place seen again). A solve finds the world-from-chunk
 Sim(3) of every chunk that agrees best with the edges it believes, and decides which loop edges to
-believe: one false loop would bend the whole map. A loop is accepted when it passes four checks:
+believe: one false loop would bend the whole map. A loop is accepted when it passes five checks:
 
 1. against the odometry it closes: its cycle with the chain between its chunks (consistency.py);
 2. against the other loops: it is in a largest pairwise-consistent set (PCM, consistency.py, cliques.py);
 3. at the solution, its own residual stays under the inlier bound;
-4. at the solution, the chain between its chunks is bent no more than the chain's own uncertainty allows.
+4. at the solution, the chain between its chunks is bent no more than the chain's own uncertainty allows;
+5. at the solution, it agrees with what all the other edges together predict for its two chunks
+   (leave_one_out.py): a false loop that alone holds its chunk pair fits the solution it bends, and each
+   pairwise test, through the chain's slack, let it through.
 
 Loops between the same two chunks are solved as one edge (their information-weighted mean), so the graph
 grows with revisited chunk pairs, not with keyframe pairs. `PoseGraphSolver` keeps what a stream's solves
@@ -52,6 +55,8 @@ from .consistency import (
     odometry_cycle_chi2,
     pairs_cycle_chi2,
 )
+from .leave_one_out import MAX_CHUNKS as LEAVE_ONE_OUT_MAX_CHUNKS
+from .leave_one_out import Posterior
 
 TANGENT_DIM = lie.TANGENT_DIM  # rotation (3), translation (3), log scale (1): GTSAM's Similarity3 tangent order
 # Node 0's prior: a standard deviation of 1e-6 (odometry's are ~1e-3 and up) holds chunk 0 in place; the
@@ -178,6 +183,16 @@ class PoseGraphSettings:
     # loops there are ~200 pairs, and at 0.99 two or three of them fail by chance, each costing a true loop
     # (KITTI 00: 107 of 110 kept at 0.99, 110 at 0.999); a false loop's cycles miss by far more.
     consistency_probability: float = 0.999
+    # Pairs of loops tested for consistency only when their cycle runs through at most this many links of
+    # the chain (None: every pair). Through more, the chain's drift swamps the pair's disagreement: the test
+    # cannot refute a subtle false loop there, and a gross one the odometry check has refuted already. A
+    # whole run's 3,000 loops are 4.5 million pairs; within 32 links, tens of thousands.
+    pairwise_max_links: int | None = 32
+    # Judge each kept edge at the solution against what all the other edges predict (leave_one_out.py)
+    # rather than by its own residual, which the solution bends towards it: a look-alike place that is
+    # its chunk pair's only loop fits its own solution. Graphs of more than leave_one_out.MAX_CHUNKS chunks
+    # keep the own-residual test.
+    leave_one_out: bool = True
     # Loops between the same two chunks solved as one edge, their information-weighted mean.
     combine_chunk_pairs: bool = True
     # Above this many candidate loops, a solve whose new loops do not simply join the last clique grows a
@@ -264,6 +279,17 @@ class _Group:
     members: tuple[int, ...]  # loop indices (the solver's)
 
 
+# A whole run's solve (past check 5.'s bound) looks at the misfits after this many Levenberg-Marquardt
+# iterations: an edge more than this many times past its bounds there is a gross false loop that the chain's
+# slack let through (its own residual in the millions of its sigmas), dropped without converging with it.
+_GROSS_CHECK_ITERATIONS = 3
+_GROSS_MISFIT = 100.0
+
+
+def _key(group: _Group) -> tuple[int, int, tuple[int, ...]]:
+    return group.first, group.second, group.members
+
+
 # -- the solver ------------------------------------------------------------------------------------
 class PoseGraphSolver:
     """Solves a stream's pose graph again and again as it grows, keeping what the solves share.
@@ -298,6 +324,8 @@ class PoseGraphSolver:
         # [K, 4, 4] into GTSAM's values costs ~25 us a chunk, a copy of these far less
         self._estimate_values: gtsam.Values | None = None
         self._group_factors: dict[tuple, gtsam.NonlinearFactor] = {}
+        # the odometry's and the last solve's kept groups' posterior (leave_one_out.py), changed solve by solve
+        self._posterior: Posterior | None = None
         self._groups: dict[tuple, _Group] = {}
         self.pairs_computed = 0  # cycle tests of two loops so far (each pair once unless a link changed)
 
@@ -316,6 +344,8 @@ class PoseGraphSolver:
             edge = odometry[k]
             self._odometry_factors.append(_between_factor(k, k + 1, edge.previous_from_next.scaled_matrix,
                                                           covariance_of(edge)))
+        if unchanged < len(odometry) and self._posterior is not None and unchanged < self._posterior.num_chunks - 1:
+            self._posterior = None  # a link it holds changed: formed again at its next use
         if self._estimate is not None:
             for k in range(unchanged + 1, len(self._estimate)):
                 self._estimate_values.erase(k)
@@ -359,7 +389,12 @@ class PoseGraphSolver:
         self._odometry_chi2[indices] = odometry_cycle_chi2(self._chain, first, second, self._measured[indices],
                                                            self._covariance[indices])
         bound = chi_square_quantile(self.settings.consistency_probability)
-        for block in _pair_blocks(indices, len(self._loops), against_all):
+        # a loop the chain refutes is never a candidate: its pairs are not worth testing (a link aligned again
+        # judges it again, pairs and all)
+        eligible = (self._odometry_chi2[:len(self._loops)] <= bound if self.settings.odometry_check
+                    else np.ones(len(self._loops), bool))
+        for block in _pair_blocks(indices, len(self._loops), against_all, self._ends, eligible,
+                                  self.settings.pairwise_max_links, self._consistent_pairs):
             loop, other = block[:, 0], block[:, 1]
             chi2 = pairs_cycle_chi2(self._chain, (self._measured[loop], self._covariance[loop]),
                                     (self._ends[loop, 0], self._ends[loop, 1]),
@@ -478,6 +513,59 @@ class PoseGraphSolver:
         return np.maximum(own / chi_square_quantile(self.settings.inlier_probability),
                           bent / chi_square_quantile(self.settings.consistency_probability))
 
+    def _posterior_of(self, groups: Sequence[_Group]) -> Posterior | None:
+        """The posterior of the odometry and `groups` (leave_one_out.py), kept between solves and changed by
+        the groups that joined or left since; None when the leave-one-out test is off or the graph too
+        large for it."""
+        if not self.settings.leave_one_out or self._chain.num_chunks > LEAVE_ONE_OUT_MAX_CHUNKS:
+            self._posterior = None
+            return None
+        wanted = {_key(group): group for group in groups}
+        posterior = self._posterior
+        if posterior is not None and posterior.num_chunks < self._chain.num_chunks:
+            known = posterior.num_chunks - 1
+            posterior.with_links(self._chain.links[known:], self._chain.link_covariances[known:])
+        added = [(key, group.first, group.second, group.measured, group.covariance)
+                 for key, group in wanted.items() if posterior is None or key not in posterior.edges]
+        removed = [] if posterior is None else [key for key in posterior.edges if key not in wanted]
+        if posterior is None or not posterior.change(added, removed):
+            posterior = Posterior(self._chain.links, self._chain.link_covariances,
+                                  {key: (group.first, group.second, group.measured, group.covariance)
+                                   for key, group in wanted.items()})
+        self._posterior = posterior
+        return posterior
+
+    def _posterior_at(self, groups: Sequence[_Group], solution: np.ndarray) -> Posterior:
+        """The posterior of the odometry and `groups` with every edge linearised at their `solution`: where
+        edges are several sigmas off (a false loop bending the graph), their Jacobians at their measurements
+        sway the statistic by 20 % and the order of the drops with it (EuRoC V1_02's look-alikes got
+        through)."""
+        return Posterior(self._chain.links, self._chain.link_covariances,
+                         {_key(group): (group.first, group.second, group.measured, group.covariance)
+                          for group in groups}, at=solution)
+
+    def _left_out_misfits(self, groups: Sequence[_Group], posterior: Posterior, solution: np.ndarray) -> np.ndarray:
+        """[G] each of the posterior's `groups` against what the odometry and the other groups predict at their
+        `solution`, over the cycle bound (> 1: a misfit)."""
+        chi2 = posterior.left_out(solution, [_key(group) for group in groups])
+        return chi2 / chi_square_quantile(self.settings.consistency_probability)
+
+    def _fitting(self, groups: Sequence[_Group], estimate: np.ndarray, posterior: Posterior | None) -> np.ndarray:
+        """[G] bool: edges outside the solution `estimate` that fit it: the chain between their chunks bent
+        within its bound, and each edge against the solution's prediction of it (with `posterior`: its
+        uncertainty and the prediction's, under the cycle bound; else its own alone, under the inlier
+        bound)."""
+        misfits = self._misfits(groups, estimate)
+        if posterior is None:
+            return misfits <= 1.0
+        ends = np.array([(group.first, group.second) for group in groups])
+        first, second = ends[:, 0], ends[:, 1]
+        bound = chi_square_quantile(self.settings.consistency_probability)
+        bent = self._chain.bending_chi2(first, second, _between(estimate, ends))
+        predicted = posterior.predicting(estimate, ends, np.stack([group.measured for group in groups]),
+                                         np.stack([group.covariance for group in groups]))
+        return np.maximum(bent, predicted) <= bound
+
     # -- solving -----------------------------------------------------------------------------------
     def _initial(self) -> tuple[np.ndarray, gtsam.Values]:
         """The last solution, its chain extended by the odometry to chunks it did not have ([K, 4, 4], and
@@ -492,10 +580,10 @@ class PoseGraphSolver:
             values.insert(k, pose)
         return np.concatenate([self._estimate, extended]), values
 
-    def _levenberg_marquardt(self, groups: Sequence[_Group], initial: gtsam.Values,
-                             deadline: float) -> tuple[np.ndarray, gtsam.Values, int, bool]:
+    def _levenberg_marquardt(self, groups: Sequence[_Group], initial: gtsam.Values, deadline: float,
+                             pause_after: int | None = None) -> tuple[np.ndarray, gtsam.Values, int, bool]:
         """(estimate [K, 4, 4] anchored at chunk 0, GTSAM's, iterations, converged) over the odometry and
-        `groups`."""
+        `groups`; `pause_after`: hand back after that many iterations, converged or not."""
         factors = gtsam.NonlinearFactorGraph()
         factors.add(gtsam.PriorFactorSimilarity3(0, gtsam.Similarity3(), gtsam.noiseModel.Isotropic.Sigma(
             TANGENT_DIM, _ANCHOR_SIGMA)))
@@ -514,7 +602,7 @@ class PoseGraphSolver:
                 converged = True
                 break
             error = new_error
-            if time.perf_counter() > deadline:
+            if time.perf_counter() > deadline or iterations == pause_after:
                 break
         values = optimizer.values()
         estimate = _matrices_of(values, initial.size())
@@ -527,6 +615,18 @@ class PoseGraphSolver:
         and join when they fit the solution; an edge joins at most once until a solve completes. A solve the
         budget cuts short keeps what it dropped and what joined, so the next goes on from there: starting
         over, a graph needing more drops than one budget holds would never complete."""
+        large = self._chain.num_chunks > LEAVE_ONE_OUT_MAX_CHUNKS
+        max_links = self.settings.pairwise_max_links
+        # A whole run solved from its open chain: loops longer than the pairs were tested over wait until the
+        # loops the pairs checked are solved, then join all at once, judged as the others are (waves of spans
+        # doubling cost more solves than they saved: 12 s against 6 at 1,000 chunks). Through thousands of links the chain's
+        # covariance is a linearisation far past its validity, so the odometry check passes loops off by tens
+        # of radians, and with them in, Levenberg-Marquardt stalls at its first steps (3,000 chunks: every
+        # loop past its bound, none accepted).
+        unchecked = large and self._estimate is None and max_links is not None
+        long = [unchecked and group.second - group.first > max_links for group in groups]
+        later = [group for group, wait in zip(groups, long, strict=True) if wait]
+        groups = [group for group, wait in zip(groups, long, strict=True) if not wait]
         kept = [group for group in groups if not self._misfit_loops.intersection(group.members)]
         held_back = [group for group in groups if self._misfit_loops.intersection(group.members)]
         (estimate, values), iterations = self._initial(), 0
@@ -539,25 +639,56 @@ class PoseGraphSolver:
 
         while True:
             if kept:
-                estimate, values, steps, converged = self._levenberg_marquardt(kept, values, deadline)
+                # a whole run's first solves: a look after a few iterations for gross false loops, each of which
+                # would cost ~20 iterations (~0.1 s each at 1,000 chunks) to converge with
+                pause = _GROSS_CHECK_ITERATIONS if large else None
+                estimate, values, steps, converged = self._levenberg_marquardt(kept, values, deadline, pause)
                 iterations += steps
+                if not converged and steps == pause and time.perf_counter() <= deadline:
+                    misfits = self._misfits(kept, estimate)
+                    if misfits.max() > _GROSS_MISFIT:
+                        gross = set(np.flatnonzero(misfits >= max(_GROSS_MISFIT, 0.5 * misfits.max())).tolist())
+                        held_back += [kept[n] for n in sorted(gross)]
+                        kept = [group for n, group in enumerate(kept) if n not in gross]
+                        continue
+                    estimate, values, steps, converged = self._levenberg_marquardt(kept, values, deadline)
+                    iterations += steps
                 if not converged:
                     return handed_back(False)
+            posterior = self._posterior_of(kept)
+            if kept:
                 misfits = self._misfits(kept, estimate)
+                if posterior is not None:  # the worst by all the tests: a true loop bent by a false one that
+                    # alone holds its chunk pair has the larger own residual, the false one the larger left out
+                    cheap = misfits
+                    misfits = np.maximum(cheap, self._left_out_misfits(kept, posterior, estimate))
+                    if misfits.max() > 1.0:  # which to drop, decided on the posterior linearised at the solution
+                        posterior = self._posterior_at(kept, estimate)
+                        misfits = np.maximum(cheap, self._left_out_misfits(kept, posterior, estimate))
                 worst = int(np.argmax(misfits))
                 if misfits[worst] > 1.0:
-                    held_back.append(kept.pop(worst))
+                    dropped = {worst}
+                    if posterior is None:  # a graph past check 5.'s bound (each LM solve of a whole run ~0.1 s):
+                        # every edge at least half as far past its bounds as the worst, those gross false loops
+                        # that slipped through the chain's slack; one that a false one bent joins again
+                        dropped = set(np.flatnonzero(misfits >= max(1.0, 0.5 * misfits[worst])).tolist())
+                    held_back += [kept[n] for n in sorted(dropped)]
+                    kept = [group for n, group in enumerate(kept) if n not in dropped]
                     if time.perf_counter() > deadline:
                         return handed_back(False)
                     continue
-            fitting = self._misfits(held_back, estimate) <= 1.0 if held_back else np.zeros(0, bool)
+            if later:
+                kept, later = kept + later, []
+                continue
+            fitting = self._fitting(held_back, estimate, posterior) if held_back else np.zeros(0, bool)
             joining = [group for group, fits in zip(held_back, fitting, strict=True)
                        if fits and group.members not in self._joined]
             if not joining:
                 return handed_back(True)
             self._joined.update(group.members for group in joining)
             kept += joining
-            held_back = [group for group in held_back if group not in joining]
+            joined = {group.members for group in joining}
+            held_back = [group for group in held_back if group.members not in joined]
 
     def solve(self, graph: PoseGraph) -> PoseGraphResult:
         """The corrected world-from-chunk of every chunk of `graph` and a verdict on each of its loops."""
@@ -602,14 +733,24 @@ class PoseGraphSolver:
 _PAIRS_A_BATCH = 4096
 
 
-def _pair_blocks(indices: np.ndarray, count: int, against_all: bool) -> Iterable[np.ndarray]:
-    """[P, 2] (loop, other) index pairs, in blocks of about _PAIRS_A_BATCH: each loop of `indices` with every
-    other of the `count` loops, or only with the loops before it."""
+def _pair_blocks(indices: np.ndarray, count: int, against_all: bool, ends: np.ndarray, eligible: np.ndarray,
+                 max_links: int | None, consistent: np.ndarray) -> Iterable[np.ndarray]:
+    """[P, 2] (loop, other) index pairs to test, in blocks of about _PAIRS_A_BATCH: each loop of `indices`
+    with every other of the `count` loops, or only with the loops before it; both eligible, and (with
+    `max_links`) their cycle through no more than that many links of the chain. The pairs left untested are
+    marked consistent in `consistent` here."""
     pending: list[np.ndarray] = []
     size = 0
     for i in indices.tolist():
         others = np.arange(count if against_all else i)
         others = others[others != i]
+        consistent[i, others] = consistent[others, i] = True
+        if not eligible[i]:
+            continue
+        others = others[eligible[others]]
+        if max_links is not None:  # the cycle runs through the chain between b and d and between c and a
+            links = np.abs(ends[others, 1] - ends[i, 1]) + np.abs(ends[others, 0] - ends[i, 0])
+            others = others[links <= max_links]
         if not len(others):
             continue
         pending.append(np.stack([np.full(len(others), i), others], axis=1))

@@ -35,15 +35,20 @@ from ..supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
 from .closer import FirstFinalKeyframes, LoopCloser, LoopClosureConfig, keyframe_of
 from .corrections import ChunkCorrections
 from .coverage import IndexingRule, IndexingSchedule
+from .saved_map import MapRecorder
 
 logger = logging.getLogger(__name__)
 
 # The child is background work: the kernel schedules the stream's threads (the main loop, CUDA's, the
-# writer's) first, and its libraries (OpenCV, OpenBLAS) use two threads instead of every core. With
+# writer's) first, and its libraries use two threads (OpenCV) or one (BLAS) instead of every core. With
 # neither, the stream has 13 frame intervals over twice the median in 3,000 frames where it has none
 # without loop closure.
 CHILD_NICENESS = 10
 CHILD_THREADS = 2
+# Its BLAS on one thread: the pose graph's products are thin (rank-7 updates of a posterior of a few hundred
+# rows, 7 x 7 blocks), where a second thread only contends with the stream for the other core: a stream's
+# solve at 100 chunks took a median 67 ms with two threads on the 2-core machine, 19 ms with one.
+CHILD_BLAS_THREADS = 1
 # A child with messages unanswered for this long is stalled: one keyframe's detection takes 30-100 ms
 # and a pose-graph solve of 1,000 chunks under a second, so 30 s is no slow answer but a stopped child.
 STALL_S = 30.0
@@ -57,7 +62,7 @@ _EXIT_WAIT_S = 1.0  # a child whose pipe has closed has exited or will within th
 
 
 def serve(requests_fd: int, replies_fd: int) -> None:
-    """The child: ("ready",) once imported; then it takes ("config", LoopClosureConfig), ("link",
+    """The child: ("ready",) once imported; then it takes ("config", LoopClosureConfig), ("map", folder), ("link",
     ChunkLink), ("keyframe", Keyframe), ("finish", None). Each message but the config is answered: ("ack",
     kind, corrections or None, summary or None), ("finished", corrections, summary), or ("error", text,
     summary) after which the child exits."""
@@ -76,6 +81,9 @@ def serve(requests_fd: int, replies_fd: int) -> None:
             try:
                 if kind == "config":
                     closer = LoopCloser(payload)
+                    continue
+                if kind == "map":  # the saved map's folder (saved_map.py)
+                    closer.record_map(MapRecorder(payload))
                     continue
                 if kind == "finish":
                     write_message(replies, ("finished", closer.settle(), closer.summary()))
@@ -105,13 +113,14 @@ def _answer(closer: LoopCloser, kind: str, payload: Any) -> tuple:
 class LoopClosureProcess:
     """The stream's side of the loop-closure child; no call of it waits but `finish`, which has a deadline."""
 
-    def __init__(self, config: LoopClosureConfig = LoopClosureConfig()) -> None:
+    def __init__(self, config: LoopClosureConfig = LoopClosureConfig(), map_dir: str | None = None) -> None:
+        """map_dir: where the child writes the saved map (saved_map.py) as it goes; None: no map."""
         self.config = config
         self.helper = Helper(HelperPolicy("loop closure", WhenFull.DROP, WhenDown.TURN_OFF, stall_s=STALL_S))
         self._keyframes = FirstFinalKeyframes()
         self._schedule = IndexingSchedule(IndexingRule(config.index_spacing, config.max_index_spacing))
         self._said_lowered = False
-        threads = {name: str(CHILD_THREADS) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+        threads = {name: str(CHILD_BLAS_THREADS) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
         self._child = start_child(__name__, "serve", helper=self.helper, env={**os.environ, **threads},
                                   died=lambda code: f"its process ended (exit status {code})")
         self._outbox = MessageOutbox(self._child.requests)
@@ -129,6 +138,8 @@ class LoopClosureProcess:
         self._ready = False
         self._started = Deadline(START_S)
         self._send(("config", config), answered=False)
+        if map_dir is not None:
+            self._send(("map", str(map_dir)), answered=False)
 
     # -- the stream's side -------------------------------------------------------------------------
     def add_link(self, link: ChunkLink) -> None:

@@ -48,6 +48,13 @@ class Sim3:
     def identity(cls) -> Sim3:
         return cls(1.0, np.eye(3), np.zeros(3))
 
+    @classmethod
+    def from_matrix(cls, matrix: np.ndarray) -> Sim3:
+        """The Sim(3) of a [4, 4] [sR | t] (`scaled_matrix`): the scale is the cube root of the block's determinant."""
+        matrix = np.asarray(matrix, np.float64)
+        scale = float(np.cbrt(np.linalg.det(matrix[:3, :3])))
+        return cls(scale, matrix[:3, :3] / scale, matrix[:3, 3].copy())
+
     @property
     def matrix(self) -> np.ndarray:
         """[4, 4] [R | t] without the scale, as the reference's `chunk_transforms`."""

@@ -1,0 +1,239 @@
+"""A finished run refined in place (`stream-recon refine`): what it reads, what it writes, and how it swaps.
+
+From the run's files and its saved map (models/loops/saved_map.py), models/loops/refine.py indexes every
+keyframe, verifies its loops and solves a graph of chunk segments from scratch; each frame then moves by its
+segment's correction. The refined files are written beside the run's into a hidden staging folder
+(rundir.staging_folder): every prediction moved (c2w, pose_enc, depth scaled), trajectory_tum.txt and
+points.ply rebuilt from them, run.json with `summary.refine`, and, the first time, the stream's own
+trajectory kept as trajectory_stream_tum.txt. Only once all of it is written are they swapped in, the
+earlier files moved out in a few renames while signals are held (rundir.swap_in_staged). A refine stopped
+before that (Ctrl-C, SIGTERM, an error) removes its staging folder: the run stays exactly as it was.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stream_recon.app.outputs.pointcloud import (
+    DEFAULT_CONF_THRESHOLD,
+    DEFAULT_MAX_POINTS,
+    PointAccumulator,
+    write_ply,
+)
+from stream_recon.app.outputs.rundir import (
+    POINTS_PLY,
+    PREDICTIONS_DIR,
+    RUN_JSON,
+    TRAJECTORY_OPEN_TUM,
+    TRAJECTORY_TUM,
+    atomic_write,
+    check_run_dir,
+    load_prediction,
+    lock_run_dir,
+    prediction_fields,
+    prediction_files,
+    read_run_info,
+    read_tum,
+    remove_tree,
+    run_dir_in_use,
+    staging_folder,
+    swap_in_staged,
+    unlock_run_dir,
+    write_json_atomic,
+    write_tum,
+)
+from stream_recon.app.outputs.writers import corrected_prediction_file
+from stream_recon.app.stopping import interrupts_held
+from stream_recon.models import DaemonPool
+from stream_recon.models.loops.refine import (
+    Keyframe,
+    LoopEdge,
+    RefineConfig,
+    RefineFigures,
+    RunFrame,
+    detect_loops,
+    fine_graph,
+    frame_moves,
+    solve_fine,
+    with_stream_loops,
+)
+from stream_recon.models.loops.saved_map import MapError, SavedMap, read_map
+from stream_recon.models.stream.similarity import Sim3
+from stream_recon.models.supervision import Helper, HelperPolicy, WhenDown, WhenFull
+
+TRAJECTORY_STREAM_TUM = "trajectory_stream_tum.txt"  # the stream's trajectory, kept by the first refine
+# Refine's threads (features, loop checks: OpenCV frees the GIL) are its helpers; one job takes tens of
+# milliseconds, so one that has not ended in two minutes is a hung library: the refine fails, the run stays.
+_WORKER_POLICY = HelperPolicy("refine's workers", WhenFull.DROP, WhenDown.FAIL_RUN, stall_s=120.0)
+
+
+class RefineError(ValueError):
+    """A run that cannot be refined, in one sentence that says what to do."""
+
+
+@dataclass(frozen=True)
+class RefineResult:
+    frames: int
+    figures: RefineFigures
+    seconds: float
+
+
+Progress = Callable[[str, int, int], None]
+
+
+def refine_run(run_dir: Path, config: RefineConfig = RefineConfig(), progress: Progress | None = None) -> RefineResult:
+    """Refine `run_dir` in place (see the module docstring); RefineError for a run that cannot be."""
+    run_dir = Path(run_dir)
+    progress = progress or (lambda stage, done, total: None)
+    started = time.perf_counter()
+    try:
+        check_run_dir(run_dir)
+    except ValueError as error:
+        raise RefineError(str(error)) from None
+    if run_dir_in_use(run_dir):
+        raise RefineError(f"{run_dir} is in use by a running stream-recon command: wait for it to end")
+    info = read_run_info(run_dir)
+    if info.get("status") == "running":
+        raise RefineError(f"{run_dir} was left running: `stream-recon export` or `view` of it closes it first")
+    if "refine" in info.get("summary", {}):
+        raise RefineError(f"{run_dir} is refined already (run.json's summary.refine): its files no longer hold the "
+                          "stream's chunks; refine a copy of the stream's run instead")
+    try:
+        saved = read_map(run_dir)
+    except MapError as error:
+        raise RefineError(str(error)) from None
+    lock_run_dir(run_dir)
+    try:
+        return _refine_held(run_dir, info, saved, config, progress, started)
+    finally:
+        unlock_run_dir(run_dir)
+
+
+def _refine_held(run_dir: Path, info: dict, saved: SavedMap, config: RefineConfig, progress: Progress,
+                 started: float) -> RefineResult:
+    files = dict(prediction_files(run_dir))
+    frames = [_run_frame(index, path) for index, path in files.items()]
+    if saved.num_chunks == 0:
+        raise RefineError(f"{run_dir}'s map holds no complete chunk yet (the run was stopped in its second "
+                          "chunk): nothing to refine")
+    covered = [frame for frame in frames if frame.chunk_index < saved.num_chunks]
+    placement = _placement(run_dir, saved)
+    keyframes = [frame.frame_index for frame in covered if frame.is_keyframe]
+    if keyframes:
+        _require_images(files[keyframes[0]], run_dir)
+    figures = RefineFigures(chunks=saved.num_chunks)
+    pool = DaemonPool(config.workers, "refine", Helper(_WORKER_POLICY))
+    try:
+        loops = detect_loops(keyframes, lambda frame: _keyframe(files[frame]), placement, config, progress, figures,
+                             lambda jobs, done: _in_pool(pool, jobs, done))
+    finally:
+        pool.shutdown()  # unbounded-ok: a DaemonPool's shutdown returns at once
+    merged = with_stream_loops(loops, _stream_loops(saved))
+    figures.stream_loops = len(merged) - len(loops)
+    loops = merged
+    solve_started = time.perf_counter()
+    graph, parts = fine_graph(covered, placement, saved.links, loops, config)
+    result = solve_fine(graph, config)
+    figures.seconds["solve"] = time.perf_counter() - solve_started
+    figures.nodes, figures.loops_accepted = len(parts.nodes), len(result.accepted_ids)
+    moves = frame_moves(covered, parts, result.world_from_chunk, placement)
+    last = moves[max(moves)] if moves else Sim3.identity()  # frames of a chunk not closed: moved with the last
+    moves.update({frame.frame_index: last for frame in frames if frame.frame_index not in moves})
+    staging = staging_folder(run_dir)
+    try:
+        _write_refined(run_dir, staging, files, moves, info, figures, progress, started, config)
+        with interrupts_held():
+            earlier = [run_dir / name for name in (PREDICTIONS_DIR, TRAJECTORY_TUM, POINTS_PLY, RUN_JSON)]
+            swap_in_staged(staging, [path for path in earlier if path.exists()])
+    except BaseException:
+        with interrupts_held():  # a second Ctrl-C must not cut the clean-up short
+            remove_tree(staging)
+        raise
+    return RefineResult(len(frames), figures, time.perf_counter() - started)
+
+
+def _in_pool(pool: DaemonPool, jobs: Sequence[Callable[[], Any]], done: Callable[[int], None]) -> list[Any]:
+    """Every job's result in order; the first that raises (or stalls past the policy's limit) raises here, the
+    rest cancelled by the caller's shutdown."""
+    futures = [pool.submit(job) for job in jobs]
+    results = []
+    for future in futures:
+        results.append(future.result(timeout=_WORKER_POLICY.stall_s))
+        done(len(results))
+    return results
+
+
+def _run_frame(index: int, path: Path) -> RunFrame:
+    fields = prediction_fields(path, "chunk_index", "c2w", "is_keyframe")
+    return RunFrame(index, int(fields["chunk_index"]), np.asarray(fields["c2w"], np.float64), bool(fields["is_keyframe"]))
+
+
+def _require_images(path: Path, run_dir: Path) -> None:
+    if load_prediction(path)["image"] is None:
+        raise RefineError(f"{run_dir} was run with --no-save-images: refine finds loops in the pictures; run the "
+                          "video again without it")
+
+
+def _keyframe(path: Path) -> Keyframe:
+    record = load_prediction(path)
+    return Keyframe(record["frame_index"], record["chunk_index"], record["image"], record["depth"],
+                    record["depth_conf"], record["intrinsics"], record["c2w"], None)
+
+
+def _stream_loops(saved: SavedMap) -> list[tuple[int, int, LoopEdge]]:
+    """The stream's verified loops (the map's), as (earlier frame, query frame, edge in chunk coordinates)."""
+    return [(loop.frames[0], loop.frames[1],
+             LoopEdge(loop.loop_id, loop.first, loop.second, Sim3.from_matrix(loop.first_from_second),
+                      np.sqrt(np.diag(loop.covariance)), covariance=loop.covariance))
+            for loop in saved.loops]
+
+
+def _placement(run_dir: Path, saved: SavedMap) -> list[Sim3]:
+    """Each chunk's placement in the run's files: the stream's last solve where it corrected them
+    (trajectory_open_tum.txt beside them), else the links composed (the open chain)."""
+    if saved.solved is not None and (run_dir / TRAJECTORY_OPEN_TUM).is_file():
+        return [Sim3.from_matrix(matrix) for matrix in saved.solved[:saved.num_chunks]]
+    chain = [Sim3.identity()]
+    for previous_from_next, _ in saved.links:
+        chain.append(chain[-1] @ Sim3.from_matrix(previous_from_next))
+    return chain[:saved.num_chunks]
+
+
+def _write_refined(run_dir: Path, staging: Path, files: dict[int, Path], moves: dict[int, Sim3], info: dict,
+                   figures: RefineFigures, progress: Progress, started: float, config: RefineConfig) -> None:
+    """Every refined file into `staging`: the moved predictions, the trajectory and points rebuilt from them,
+    the stream's trajectory kept, run.json with summary.refine."""
+    (staging / PREDICTIONS_DIR).mkdir()
+    summary = info.setdefault("summary", {})
+    recorded = summary.get("points", {})
+    points = PointAccumulator(conf_threshold=recorded.get("conf_threshold", DEFAULT_CONF_THRESHOLD),
+                              voxel_size=recorded.get("voxel_size"),
+                              max_points=recorded.get("max_points", DEFAULT_MAX_POINTS))
+    timestamps, poses = [], []
+    writing = time.perf_counter()
+    for done, (index, path) in enumerate(sorted(files.items()), start=1):
+        arrays = corrected_prediction_file(path, moves[index])
+        atomic_write(staging / PREDICTIONS_DIR / path.name, lambda f, arrays=arrays: np.savez(f, **arrays), binary=True)
+        record = load_prediction(staging / PREDICTIONS_DIR / path.name)
+        timestamps.append(record["timestamp"])
+        poses.append(record["c2w"])
+        points.add_frame(index, record["depth"], record["depth_conf"], record["intrinsics"], record["c2w"],
+                         record["image"], record["sky_mask"])
+        progress("frames", done, len(files))
+    write_tum(staging / TRAJECTORY_TUM, timestamps, np.array(poses, np.float64).reshape(-1, 3, 4))
+    cloud = points.cloud()
+    write_ply(staging / POINTS_PLY, cloud.xyz, cloud.rgb)
+    if (run_dir / TRAJECTORY_TUM).is_file() and not (run_dir / TRAJECTORY_STREAM_TUM).exists():
+        write_tum(staging / TRAJECTORY_STREAM_TUM, *read_tum(run_dir / TRAJECTORY_TUM))
+    figures.seconds["write"] = time.perf_counter() - writing
+    summary["refine"] = {**figures.as_json(), "frames": len(files), "points": len(cloud),
+                         "segment_frames": config.segment_frames,
+                         "seconds_total": round(time.perf_counter() - started, 3)}
+    summary["points"] = {**recorded, "count": len(cloud)}
+    write_json_atomic(staging / RUN_JSON, info)

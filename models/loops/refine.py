@@ -1,0 +1,321 @@
+"""A finished run refined offline: every keyframe indexed, its loops verified as the stream verifies them, and
+a pose graph finer than the stream's chunks solved from scratch.
+
+The stream's graph has a node per chunk: a chunk is rigid, so the model's own drift inside a chunk (tenths
+of a degree over its 320 frames) stays, and a loop at one end of a chunk moves the other end alike. Here a
+chunk is cut into segments of `segment_frames` frames, each a node in its chunk's coordinates:
+
+- odometry between two segments of one chunk: the identity (the chunk placed both), uncertain by the model's
+  drift over a segment (`segment_*_sigma`, a rotation and a scaling about the later segment's first camera);
+- odometry from a chunk's last segment to the next chunk's first: the stream's link (the map's), unchanged;
+- loops: every keyframe of the run (not one in 16) queried against the earlier ones (retrieval, the geometric
+  check, the 3D agreement: closer.py's), each verified pair an edge between the two keyframes' segments,
+  weighed as the stream weighs its loop edges (`loop_edge`), beside the stream's own verified loops (the
+  map's) where they join other keyframe pairs; all checked and solved by `PoseGraphSolver`.
+
+A frame's move is its segment's solved pose over its chunk's placement in the run's files, blended between
+the two nearest segments of its chunk (in the tangent) so that the corrected trajectory has no step at a
+segment's edge. No model runs: everything comes from what the run kept (its predictions and its map).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..stream.similarity import Sim3, scaling_direction
+from . import sim3_batch as lie
+from .closer import (
+    Keyframe,
+    LoopClosureConfig,
+    _KeyframePoints,
+    _rotation_about,
+    align_loop,
+    keypoint_points,
+    loop_edge,
+)
+from .geometric_check import ImageFeatures, check_pair, extract_features
+from .pose_graph import LoopEdge, OdometryEdge, PoseGraph, PoseGraphResult, PoseGraphSettings, PoseGraphSolver
+from .retrieval import KeyframeIndex, gradient_grid_descriptor
+
+
+@dataclass(frozen=True)
+class RefineConfig:
+    # Frames a node of the fine graph spans: 5 to a 320-frame chunk, each holding ~4 keyframes indexed at the
+    # stream's spacing and every keyframe of its stretch here.
+    segment_frames: int = 64
+    # The model's drift from one segment of a chunk to the next, per axis: 2e-3 rad is 0.45 degrees over the
+    # five segments of a chunk, the keyframe orientation error a loop edge already declares
+    # (LoopClosureConfig.keyframe_rotation_sigma, 5e-3 rad a chunk apart); the camera's shift over a segment
+    # 0.5 % of the segment's path, its depth scale 0.5 %.
+    segment_rotation_sigma: float = 2e-3
+    segment_translation_fraction: float = 5e-3
+    segment_log_scale_sigma: float = 5e-3
+    closure: LoopClosureConfig = LoopClosureConfig()
+    pose_graph: PoseGraphSettings = PoseGraphSettings()
+    workers: int = max(1, min(16, os.cpu_count() or 1))  # the caller's threads for features and checks
+
+
+@dataclass(frozen=True)
+class RunFrame:
+    """One frame of a finished run as its files hold it."""
+
+    frame_index: int
+    chunk_index: int  # the chunk of its final emission
+    c2w: np.ndarray  # [3, 4] in the run's world (its files': the stream's correction applied, if any)
+    is_keyframe: bool
+
+
+@dataclass(frozen=True)
+class FrameLoop:
+    """A verified loop between two keyframes, as an edge between their chunks (chunk coordinates)."""
+
+    loop_id: int
+    earlier_frame: int
+    query_frame: int
+    edge: LoopEdge  # first = the earlier keyframe's chunk, second = the query's
+
+
+@dataclass
+class RefineFigures:
+    keyframes_indexed: int = 0
+    pairs_checked: int = 0
+    loops_verified: int = 0  # found here
+    stream_loops: int = 0  # the stream's own verified loops (the map's), on other keyframe pairs
+    loops_accepted: int = 0
+    nodes: int = 0
+    chunks: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"keyframes_indexed": self.keyframes_indexed, "pairs_checked": self.pairs_checked,
+                "loops_verified": self.loops_verified, "stream_loops": self.stream_loops,
+                "loops_accepted": self.loops_accepted, "nodes": self.nodes,
+                "chunks": self.chunks, "seconds": {k: round(v, 3) for k, v in self.seconds.items()}}
+
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+# Runs jobs (each a function of no argument) and returns their results in order, calling back with how many are
+# done; the caller's: a pool of its threads (OpenCV's SIFT and matching free the GIL), or one after the other.
+RunJobs = Callable[[Sequence[Callable[[], Any]], Callable[[int], None]], list]
+
+
+def one_after_another(jobs: Sequence[Callable[[], Any]], done: Callable[[int], None]) -> list:
+    results = []
+    for job in jobs:
+        results.append(job())
+        done(len(results))
+    return results
+
+
+# -- segments ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Segments:
+    """The fine graph's nodes: (chunk, segment) in chunk order, and each frame's node."""
+
+    nodes: tuple[tuple[int, int], ...]
+    node_of: dict[int, int]  # frame index -> node
+    first_frame: tuple[int, ...]  # [N] each node's first frame
+    centre: tuple[float, ...]  # [N] each node's middle frame (for blending moves)
+    segment_frames: int = 64
+    chunk_start: tuple[int, ...] = ()  # [K] each chunk's first frame
+
+    def node_at(self, chunk: int, frame: int) -> int:
+        """The node of `frame` as chunk `chunk` placed it (a frame two chunks share is the later one's in
+        node_of; a loop the stream found at its first emission is the earlier chunk's): its segment, or the
+        chunk's last when the chunk holds no final frame there."""
+        wanted = (frame - self.chunk_start[chunk]) // self.segment_frames
+        held = [n for n, (c, _) in enumerate(self.nodes) if c == chunk]
+        return next((n for n in held if self.nodes[n][1] == wanted), held[-1] if wanted > 0 else held[0])
+
+
+def segments_of(frames: Sequence[RunFrame], segment_frames: int) -> Segments:
+    """Each chunk's frames (by their final emission's chunk) cut into runs of `segment_frames` from the chunk's
+    first frame."""
+    by_chunk: dict[int, list[int]] = {}
+    for frame in frames:
+        by_chunk.setdefault(frame.chunk_index, []).append(frame.frame_index)
+    chunks = sorted(by_chunk)
+    if chunks != list(range(len(chunks))):
+        raise ValueError(f"the run's frames come from chunks {chunks}: every chunk from 0 on must hold frames")
+    nodes, node_of, first, centre = [], {}, [], []
+    for chunk in chunks:
+        members = sorted(by_chunk[chunk])
+        start = members[0]
+        by_segment: dict[int, list[int]] = {}
+        for frame in members:
+            by_segment.setdefault((frame - start) // segment_frames, []).append(frame)
+        for segment in sorted(by_segment):
+            held = by_segment[segment]
+            for frame in held:
+                node_of[frame] = len(nodes)
+            nodes.append((chunk, segment))
+            first.append(held[0])
+            centre.append(0.5 * (held[0] + held[-1]))
+    starts = tuple(min(by_chunk[chunk]) for chunk in chunks)
+    return Segments(tuple(nodes), node_of, tuple(first), tuple(centre), segment_frames, starts)
+
+
+# -- the fine graph -----------------------------------------------------------------------------------------
+def fine_graph(frames: Sequence[RunFrame], placement: Sequence[Sim3], links: Sequence[tuple[np.ndarray, np.ndarray]],
+               loops: Iterable[FrameLoop], config: RefineConfig = RefineConfig()) -> tuple[PoseGraph, Segments]:
+    """The segment graph of a run: its frames (the run's world), each chunk's placement in that world
+    (`placement[c]`: chunk c's coordinates -> the run's world), the map's links (links[c - 1]: chunk c on c - 1,
+    previous_from_next [4, 4] and covariance [7, 7]) and the loops between keyframes."""
+    parts = segments_of(frames, config.segment_frames)
+    by_frame = {frame.frame_index: frame for frame in frames}
+    odometry = []
+    for node in range(1, len(parts.nodes)):
+        (chunk, _), (previous_chunk, _) = parts.nodes[node], parts.nodes[node - 1]
+        if chunk != previous_chunk:
+            measured, covariance = links[chunk - 1]
+            odometry.append(OdometryEdge(lie.to_sim3(measured), np.sqrt(np.diag(covariance)), covariance))
+            continue
+        covariance = _segment_covariance(parts, node, by_frame, placement[chunk], config)
+        odometry.append(OdometryEdge(Sim3.identity(), np.sqrt(np.diag(covariance)), covariance))
+    edges = []
+    for loop in loops:
+        first = parts.node_at(loop.edge.first, loop.earlier_frame)
+        second = parts.node_at(loop.edge.second, loop.query_frame)
+        if first != second:
+            edges.append(LoopEdge(loop.loop_id, first, second, loop.edge.first_from_second, loop.edge.sigmas,
+                                  {"frames": (loop.earlier_frame, loop.query_frame)}, loop.edge.covariance))
+    return PoseGraph(odometry, edges), parts
+
+
+def _segment_covariance(parts: Segments, node: int, by_frame: dict[int, RunFrame], placed: Sim3,
+                        config: RefineConfig) -> np.ndarray:
+    """[7, 7] the model's drift from segment node - 1 to segment node of one chunk, at the chunk's origin: a
+    rotation and a scaling about the later segment's first camera, and a shift of a fraction of the earlier
+    segment's path."""
+    from_world = placed.inverse()
+    centre = from_world.apply_to_points(by_frame[parts.first_frame[node]].c2w[:3, 3][None])[0]
+    held = [f for f in range(parts.first_frame[node - 1], parts.first_frame[node] + 1) if f in by_frame]
+    path = from_world.apply_to_points(np.stack([by_frame[f].c2w[:3, 3] for f in held]))
+    length = float(np.linalg.norm(np.diff(path, axis=0), axis=1).sum()) if len(path) > 1 else 0.0
+    turning = _rotation_about(centre)
+    scaling = scaling_direction(centre)
+    covariance = config.segment_rotation_sigma**2 * turning @ turning.T
+    covariance += config.segment_log_scale_sigma**2 * np.outer(scaling, scaling)
+    # a floor of 1e-3 of the segment's distance from the origin: a still camera has drift too
+    shift = max(config.segment_translation_fraction * length, 1e-3 * max(float(np.linalg.norm(centre)), 1e-3))
+    covariance[3:6, 3:6] += shift**2 / 3 * np.eye(3)
+    return covariance
+
+
+def with_stream_loops(found: Sequence[FrameLoop], stream: Iterable[tuple[int, int, LoopEdge]]) -> list[FrameLoop]:
+    """The stream's loops ((earlier frame, query frame, edge): the map's) and those of `found` whose keyframe
+    pairs are not among them (a pair measured twice would count twice), renumbered. The stream's are kept: a
+    keyframe two chunks share is the earlier chunk's there (its first emission) and the later one's in the
+    run's files, and an edge to each tells of a different chunk."""
+    stream = [FrameLoop(0, earlier, query, edge) for earlier, query, edge in stream]
+    pairs = {(loop.earlier_frame, loop.query_frame) for loop in stream}
+    merged = stream + [loop for loop in found if (loop.earlier_frame, loop.query_frame) not in pairs]
+    return [FrameLoop(n, loop.earlier_frame, loop.query_frame,
+                      LoopEdge(n, loop.edge.first, loop.edge.second, loop.edge.first_from_second, loop.edge.sigmas,
+                               loop.edge.metadata, loop.edge.covariance))
+            for n, loop in enumerate(merged)]
+
+
+def solve_fine(graph: PoseGraph, config: RefineConfig = RefineConfig()) -> PoseGraphResult:
+    """The segment graph solved from scratch."""
+    return PoseGraphSolver(config.pose_graph).solve(graph)
+
+
+def frame_moves(frames: Sequence[RunFrame], parts: Segments, world_from_node: Sequence[Sim3],
+                placement: Sequence[Sim3]) -> dict[int, Sim3]:
+    """Each frame's move from the run's world to the refined one: its segment's solved pose over its chunk's
+    placement, blended in the tangent between the two segments of its chunk whose middles it lies between."""
+    moves = [solved @ placement[chunk].inverse() for solved, (chunk, _) in zip(world_from_node, parts.nodes,
+                                                                                  strict=True)]
+    matrices = lie.matrices(moves)
+    out = {}
+    for frame in frames:
+        node = parts.node_of[frame.frame_index]
+        chunk = parts.nodes[node][0]
+        other = node + 1 if frame.frame_index >= parts.centre[node] else node - 1
+        if not (0 <= other < len(parts.nodes)) or parts.nodes[other][0] != chunk:
+            out[frame.frame_index] = moves[node]
+            continue
+        low, high = (node, other) if other > node else (other, node)
+        weight = (frame.frame_index - parts.centre[low]) / max(parts.centre[high] - parts.centre[low], 1e-9)
+        step = lie.logmap(lie.inverse(matrices[low]) @ matrices[high])
+        out[frame.frame_index] = lie.to_sim3(matrices[low] @ lie.expmap(float(np.clip(weight, 0, 1)) * step))
+    return out
+
+
+# -- every keyframe indexed and checked -------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Indexed:
+    frame_index: int
+    chunk_index: int
+    features: ImageFeatures
+    descriptor: np.ndarray
+    points: _KeyframePoints
+    intrinsics: np.ndarray
+
+
+def detect_loops(keyframes: Sequence[int], load: Callable[[int], Keyframe], placement: Sequence[Sim3],
+                 config: RefineConfig = RefineConfig(), progress: Progress | None = None,
+                 figures: RefineFigures | None = None, run_jobs: RunJobs = one_after_another) -> list[FrameLoop]:
+    """Every keyframe (frame indices; `load` gives each as closer.Keyframe, in the run's world) indexed:
+    features and descriptors through `run_jobs`, then each keyframe's retrieval among the earlier ones
+    (chunks two or more back, as on the stream), every candidate's geometric check and 3D agreement through
+    `run_jobs`, each verified pair a loop edge in chunk coordinates (`placement[c]`: chunk c in the run's
+    world)."""
+    progress = progress or (lambda stage, done, total: None)
+    figures = figures or RefineFigures()
+    closure = config.closure
+    started = time.perf_counter()
+    indexed = run_jobs([lambda f=frame: _index(load(f), closure) for frame in keyframes],
+                       lambda done: progress("keyframes", done, len(keyframes)))
+    figures.keyframes_indexed = len(indexed)
+    figures.seconds["features"] = time.perf_counter() - started
+    started = time.perf_counter()
+    by_frame = {item.frame_index: item for item in indexed}
+    index = KeyframeIndex(len(indexed[0].descriptor) if indexed else 128)
+    pairs = []
+    for item in sorted(indexed, key=lambda item: item.frame_index):
+        for candidate in index.candidates(item.descriptor, item.chunk_index, closure.detection.retrieval):
+            pairs.append((item.frame_index, candidate.frame_index))
+        index.add(item.descriptor, item.frame_index, item.chunk_index)
+    figures.pairs_checked = len(pairs)
+    checked = run_jobs([lambda pair=pair: _verified(by_frame[pair[0]], by_frame[pair[1]], closure) for pair in pairs],
+                       lambda done: progress("loops", done, len(pairs)))
+    loops = []
+    for (query, earlier), alignment in zip(pairs, checked, strict=True):
+        if alignment is None:
+            continue
+        edge = loop_edge(len(loops), by_frame[earlier].chunk_index, by_frame[query].chunk_index, alignment,
+                         placement, closure)
+        loops.append(FrameLoop(len(loops), earlier, query, edge))
+    figures.loops_verified = len(loops)
+    figures.seconds["loops"] = time.perf_counter() - started
+    return loops
+
+
+def _index(keyframe: Keyframe, config: LoopClosureConfig) -> _Indexed:
+    features = extract_features(keyframe.image, config.detection.features)
+    points, median_depth = keypoint_points(features.keypoints, keyframe.depth, keyframe.depth_conf,
+                                           keyframe.intrinsics, keyframe.c2w, config.min_confidence)
+    centre = np.asarray(keyframe.c2w, np.float64)[:3, 3]
+    return _Indexed(keyframe.frame_index, keyframe.chunk_index, features, gradient_grid_descriptor(keyframe.image),
+                    _KeyframePoints(points, median_depth, centre), np.asarray(keyframe.intrinsics, np.float64))
+
+
+def _verified(query: _Indexed, earlier: _Indexed, config: LoopClosureConfig) -> Any:
+    """The pair's 3D alignment when it passes the geometric check and agrees in 3D, else None."""
+    check = check_pair(query.features, earlier.features, query.intrinsics, earlier.intrinsics, config.detection.check)
+    if not check.passed:
+        return None
+    alignment = align_loop(query.points, earlier.points, check.inlier_matches, config)
+    return alignment if alignment.passed else None
+
+
+__all__ = ["FrameLoop", "RefineConfig", "RunJobs", "one_after_another", "RefineFigures", "RunFrame", "Segments", "detect_loops", "fine_graph",
+           "frame_moves", "segments_of", "solve_fine", "with_stream_loops"]
