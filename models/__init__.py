@@ -45,6 +45,11 @@ _HOMES = {
     "SCALE_FRAMES": "stream.stream_config",
     "TRAINED_VIEWS": "stream.stream_config",
     "WINDOW": "stream.stream_config",
+    "MAP_DIR": "loops.saved_map",
+    "MapError": "loops.saved_map",
+    "SavedMap": "loops.saved_map",
+    "read_map": "loops.saved_map",
+    "write_manifest": "loops.saved_map",
 }
 
 __all__ = sorted(_HOMES)

@@ -50,7 +50,7 @@ from stream_recon.app.outputs.rundir import (
 )
 from stream_recon.app.outputs.writers import corrected_prediction_file
 from stream_recon.app.stopping import interrupts_held
-from stream_recon.models import DaemonPool
+from stream_recon.models import DaemonPool, MapError, SavedMap, read_map
 from stream_recon.models.loops.refine import (
     Keyframe,
     LoopEdge,
@@ -63,7 +63,6 @@ from stream_recon.models.loops.refine import (
     solve_fine,
     with_stream_loops,
 )
-from stream_recon.models.loops.saved_map import MapError, SavedMap, read_map
 from stream_recon.models.stream.similarity import Sim3
 from stream_recon.models.supervision import Helper, HelperPolicy, WhenDown, WhenFull
 
@@ -183,7 +182,7 @@ def _require_images(path: Path, run_dir: Path) -> None:
 def _keyframe(path: Path) -> Keyframe:
     record = load_prediction(path)
     return Keyframe(record["frame_index"], record["chunk_index"], record["image"], record["depth"],
-                    record["depth_conf"], record["intrinsics"], record["c2w"], None)
+                    record["depth_conf"], record["intrinsics"], record["c2w"])
 
 
 def _stream_loops(saved: SavedMap) -> list[tuple[int, int, LoopEdge]]:

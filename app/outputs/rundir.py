@@ -47,7 +47,7 @@ from stream_recon.app.outputs.npz_schema import (
     prediction_arrays as prediction_arrays,  # scripts import it from here
 )
 from stream_recon.app.stopping import interrupts_held
-from stream_recon.models.loops.saved_map import MAP_DIR
+from stream_recon.models import MAP_DIR
 from stream_recon.models.stream.pose import quat_xyzw_to_rotation, rotation_to_quat_xyzw
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from stream_recon.app.options import OptionsError, RunOptions
-from stream_recon.models.loops.saved_map import write_manifest
+from stream_recon.models import write_manifest
 from stream_recon.models.supervision import CHILDREN, Deadline
 
 logger = logging.getLogger(__name__)

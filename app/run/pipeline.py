@@ -82,10 +82,9 @@ from stream_recon.app.stopping import (
     signals_noted,
     wait_for_stop_signal,
 )
-from stream_recon.models import DEFAULT_CHECKPOINT, FrameError, parse_keyframes, partitioned_stream
+from stream_recon.models import DEFAULT_CHECKPOINT, MAP_DIR, FrameError, parse_keyframes, partitioned_stream
 from stream_recon.models.builds.plan import Builder, BuildSettings
 from stream_recon.models.checkpoint import resolve_checkpoint
-from stream_recon.models.loops.saved_map import MAP_DIR
 from stream_recon.models.supervision import Deadline, Helper, HelperDown, HelperOwner
 
 logger = logging.getLogger(__name__)

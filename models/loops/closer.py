@@ -112,13 +112,12 @@ class Keyframe:
     c2w: np.ndarray  # [3, 4] as emitted (the open chain's world)
 
 
-def map_manifest(config: LoopClosureConfig, checkpoint: dict[str, Any], chunk_frames: int, overlap: int,
-                 use_model_descriptor: bool = False) -> MapManifest:
+def map_manifest(config: LoopClosureConfig, checkpoint: dict[str, Any], chunk_frames: int,
+                 overlap: int) -> MapManifest:
     """The manifest of the map a loop closer with `config` writes (saved_map.py); `checkpoint`: name, bytes,
     sha256 (None until hashed)."""
     features = config.detection.features
-    descriptor = "model" if use_model_descriptor else f"gradient-grid/{GRADIENT_GRID_DIM}"
-    return MapManifest(checkpoint, descriptor, f"sift/{features.max_features}/{features.contrast_threshold:g}",
+    return MapManifest(checkpoint, f"gradient-grid/{GRADIENT_GRID_DIM}", f"sift/{features.max_features}/{features.contrast_threshold:g}",
                        chunk_frames, overlap)
 
 
