@@ -52,7 +52,9 @@ class HelperPolicy:
     when_full: WhenFull
     when_down: WhenDown
     stall_s: float  # no progress for this long while it has work: stalled
-    push_back_s: float = 0.0  # PUSH_BACK: the longest a hand-off waits for room
+    # PUSH_BACK: the longest a hand-off waits for room; LATEST: how long the newest item waits for room
+    # before the oldest is dropped for it (a taker busy for a moment loses nothing)
+    push_back_s: float = 0.0
 
 
 class HelperDown(RuntimeError):
@@ -206,10 +208,14 @@ class HandOff:
         or the hand-off is closed. PUSH_BACK waits for room as long as the run loop takes to make it: the
         helper's own wait, which `close` and `discard` end."""
         when_full = self.helper.policy.when_full
+        grace = Deadline(self.helper.policy.push_back_s)  # (LATEST: the wait before the oldest is dropped)
         with self._changed:
             while len(self._items) >= self.capacity and not self._closed:
                 if when_full is WhenFull.PUSH_BACK:
                     self._changed.wait()  # unbounded-ok: the helper waits for the run loop, which closes it
+                    continue
+                if when_full is WhenFull.LATEST and not grace.expired:
+                    self._changed.wait(timeout=grace.remaining())
                     continue
                 self.helper.dropped += 1
                 self._left_untaken(self._items.popleft() if when_full is WhenFull.LATEST else item)
@@ -236,6 +242,11 @@ class HandOff:
     def _room_made(self, when_full: WhenFull) -> bool:
         """(Holding the lock, the hand-off full) make room by the policy; False when the item is dropped."""
         if when_full is WhenFull.LATEST:
+            grace = Deadline(self.helper.policy.push_back_s)
+            while len(self._items) >= self.capacity and not self._closed and not grace.expired:
+                self._changed.wait(timeout=grace.remaining())
+            if len(self._items) < self.capacity or self._closed:
+                return not self._closed
             self._left_untaken(self._items.popleft())
             self._unfinished -= 1
             self.helper.dropped += 1

@@ -243,3 +243,14 @@ def test_a_child_that_fails_says_so_and_the_next_run_compiles_first(prepared_tin
     assert recorded("f" * 32, "compile-first") and compile_choice("auto", "cuda", "f" * 32).compile
     assert "differs from the run's" in (records_folder() / f"{'f' * 32}.compile-first").read_text()
     assert "the next run of this size compiles first" in sizes.finish(stop=False)
+
+
+def test_the_hosts_room_for_a_cpu_child_counts_its_reclaimable_page_cache():
+    """A CPU child's room is the host's MemAvailable, never the smaller MemFree (near zero once the page
+    cache has filled, as on a busy CI machine)."""
+    from stream_recon.models.builds.compile_child import _free_bytes
+
+    meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+    available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    assert abs(_free_bytes(torch.device("cpu")) - available) < 2**28  # (the page cache moves in between)
+    assert _free_bytes(torch.device("cpu")) >= os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") - 2**28

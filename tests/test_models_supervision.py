@@ -70,6 +70,25 @@ def test_latest_replaces_the_item_still_waiting():
     assert handoff.backlog == 0
 
 
+@pytest.mark.parametrize("gives", [False, True], ids=["offer", "give"])
+def test_latest_with_a_grace_drops_the_oldest_only_once_the_taker_has_not_made_room_within_it(gives):
+    """A live source's reader: a taker busy for less than the grace loses nothing; one that stays away, the
+    oldest is dropped for the newest after the grace, never before."""
+    handoff = HandOff(Helper(policy(WhenFull.LATEST, push_back_s=0.3)), capacity=1, gives=gives)
+    hand = handoff.give if gives else handoff.offer
+    assert hand("first")
+    taker = threading.Timer(0.05, lambda: handoff.take(timeout=0))  # busy for a moment, then takes
+    taker.start()
+    started = time.monotonic()
+    assert hand("second") and time.monotonic() - started < 0.3
+    taker.join()
+    assert handoff.helper.dropped == 0
+    started = time.monotonic()
+    assert hand("third")  # nobody takes: "second" is dropped after the grace
+    assert 0.29 <= time.monotonic() - started < 2.0
+    assert handoff.helper.dropped == 1 and handoff.take(timeout=0) == (True, "third")
+
+
 @pytest.mark.parametrize("when_down", [WhenDown.TURN_OFF, WhenDown.FAIL_RUN])
 def test_push_back_waits_at_most_push_back_s_then_the_helper_is_down(when_down, caplog):
     handoff = HandOff(Helper(policy(WhenFull.PUSH_BACK, when_down, push_back_s=0.2)), capacity=1)

@@ -136,6 +136,7 @@ class LoopClosureSink:
         self.wait_cut_short = False  # a signal ended that wait before the child's last word
         self.saved_map = saved_map
         self._manifest: Any = None  # the map's manifest as written, rewritten once the checkpoint is hashed
+        self._map_started = False  # the map's folder is begun at the first frame (_start_map)
         if enabled:
             self._start(config)
 
@@ -144,21 +145,32 @@ class LoopClosureSink:
             from stream_recon.models.loops import closer, process
 
             config = config or closer.LoopClosureConfig()
-            map_dir = None
             if self.saved_map is not None:
                 plan = self.saved_map
                 self._manifest = closer.map_manifest(config, plan.checkpoint(), plan.chunk_frames, plan.overlap)
-                write_manifest(plan.folder, self._manifest)
-                map_dir = str(plan.folder)
-            self.closer = process.LoopClosureProcess(config, map_dir=map_dir)
+            self.closer = process.LoopClosureProcess(config)
             self.finish_s = process.FINISH_S  # how long the end of the run waits for the child's last word
         except Exception as failure:  # noqa: BLE001 - loop closure is an improvement, never a reason to stop
             self.error = f"it could not start: {type(failure).__name__}: {failure}"
             logger.warning("loop closure is off for the rest of the run: %s", self.error)
 
+    def _start_map(self) -> None:
+        """The map's folder begun at the first frame, never sooner: until the run writer has taken the folder
+        (its sink comes first) an earlier run's files there, its map among them, are left as they were, so
+        that a run stopped before its first frame leaves the earlier one whole."""
+        self._map_started = True
+        try:
+            write_manifest(self.saved_map.folder, self._manifest)
+        except OSError as error:
+            logger.warning("the run's map is not saved: %s", error)
+            self._manifest = None
+            return
+        self.closer.record_map(str(self.saved_map.folder))
+
     def _hashed(self) -> None:
         """The map's manifest with the checkpoint's sha256, once known (written once)."""
-        if self._manifest is None or self._manifest.checkpoint.get("sha256") or self.saved_map.checkpoint_path is None:
+        if (self._manifest is None or not self._map_started or self._manifest.checkpoint.get("sha256")
+                or self.saved_map.checkpoint_path is None):
             return
         digest = self.saved_map.digest()
         if digest is None:
@@ -179,6 +191,8 @@ class LoopClosureSink:
     def on_frame(self, pred: Any, stats: dict) -> None:
         if not self.running:
             return
+        if self._manifest is not None and not self._map_started:
+            self._start_map()
         links = self.engine.chunk_links
         for link in links[self._links:]:
             self.closer.add_link(link)

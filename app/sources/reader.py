@@ -67,6 +67,10 @@ from stream_recon.models.supervision import (
 SourceKind = Literal["video", "folder", "webcam", "stream", "frames"]
 
 DEFAULT_QUEUE_SIZE = 8
+# A live source's frame waits this long for the run loop to take one before the oldest waiting is dropped:
+# a burst of frames buffered in the socket (after a stall of the network or the camera) meets a run loop
+# busy for a moment, and a frame or two of 0.1 s is no latency a user sees.
+LIVE_GRACE_S = 0.1
 # Threads that resize frames into model inputs. One keeps up with 640x480 at ~200 FPS; four keep a
 # 4K video above 40 FPS where the cores exist.
 PREPROCESS_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
@@ -86,11 +90,13 @@ logger = logging.getLogger(__name__)
 
 def reader_policy(live: bool, frame_timeout_s: float) -> HelperPolicy:
     """The reader thread's, which its hand-off runs: when it is full a file's reader waits for the run loop
-    (push back: the source is read at the stream's pace) and a live one's newest frame wins, its oldest
-    dropped (counted); one that raises, or grabs nothing for the frame timeout, fails the run with its one
-    SourceError line, the frames before it kept."""
-    return HelperPolicy("the source's reader", WhenFull.LATEST if live else WhenFull.PUSH_BACK, WhenDown.FAIL_RUN,
-                        stall_s=frame_timeout_s)
+    (push back: the source is read at the stream's pace) and a live one's newest frame wins once the run
+    loop has not made room for LIVE_GRACE_S, its oldest dropped (counted); one that raises, or grabs nothing
+    for the frame timeout, fails the run with its one SourceError line, the frames before it kept."""
+    if live:
+        return HelperPolicy("the source's reader", WhenFull.LATEST, WhenDown.FAIL_RUN, stall_s=frame_timeout_s,
+                            push_back_s=LIVE_GRACE_S)
+    return HelperPolicy("the source's reader", WhenFull.PUSH_BACK, WhenDown.FAIL_RUN, stall_s=frame_timeout_s)
 
 
 def preprocessing_policy(frame_timeout_s: float) -> HelperPolicy:

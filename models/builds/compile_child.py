@@ -148,12 +148,13 @@ class CompiledSizes:
         context (the budget is the whole run's, its compile included)."""
 
         free = _free_bytes(device)
+        free_where = "free on the GPU" if device.type == "cuda" else "available on the host"
         if self.gpu_memory is None:
-            return free, "free on the GPU"
+            return free, free_where
 
         held = torch.cuda.max_memory_reserved(device) + CUDA_CONTEXT_BYTES if device.type == "cuda" else 0
         left = max(0, parse_memory_size(self.gpu_memory) - held)
-        return (left, "left of --gpu-memory beside the run") if left < free else (free, "free on the GPU")
+        return (left, "left of --gpu-memory beside the run") if left < free else (free, free_where)
 
     def _bytes_needed(self, image_size: tuple[int, int]) -> int:
         """The child's device memory: its engine's tensors with one window slot, the float32 random
@@ -241,10 +242,19 @@ def planned(stream_config: Any, plan: dict[str, Any] | None) -> Any:
 
 
 def _free_bytes(device: Any) -> int:
-    """Free memory where the child would run: the GPU's, or the host's for a CPU child (tests)."""
+    """Free memory where the child would run: the GPU's, or the host's for a CPU child (tests). The host's
+    is the kernel's MemAvailable (reclaimable page cache included): MemFree alone is near zero on a
+    machine whose page cache has filled, though that memory is the child's for the asking."""
 
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 

@@ -139,7 +139,12 @@ class LoopClosureProcess:
         self._started = Deadline(START_S)
         self._send(("config", config), answered=False)
         if map_dir is not None:
-            self._send(("map", str(map_dir)), answered=False)
+            self.record_map(map_dir)
+
+    def record_map(self, map_dir: str) -> None:
+        """From now on the child writes the saved map (saved_map.py) into `map_dir` as it goes; before the
+        first link or keyframe, which the map's files number from."""
+        self._send(("map", str(map_dir)), answered=False)
 
     # -- the stream's side -------------------------------------------------------------------------
     def add_link(self, link: ChunkLink) -> None:
