@@ -200,7 +200,7 @@ def with_default_command(args: list[str]) -> list[str]:
 
 
 # A path whose bytes are not UTF-8 holds lone surrogates in Python (os.fsdecode): printed, each showed as
-# "\udcff"; it shows as the byte it stands for, "\xff", as run.json writes it (rundir.write_json_atomic).
+# "\udcff"; it shows as the byte it stands for, "\xff", as run.json writes it (json_records.write_json_atomic).
 UNDECODABLE_BYTES = "stream-recon-bytes"
 
 

@@ -808,8 +808,9 @@ def engine_run(args: argparse.Namespace, video: Path, options: Any, model: Any, 
 def sink_costs(video: Path, options: Any, frames: int = 120) -> dict[str, float]:
     """Median ms per frame of each thing done per frame besides the engine, one at a time on one thread, at
     the video's model input size: what each thread's share of one core is at a given frame rate."""
+    from stream_recon.app.outputs.atomic_writes import atomic_write
+    from stream_recon.app.outputs.npz_schema import prediction_arrays
     from stream_recon.app.outputs.pointcloud import PointAccumulator
-    from stream_recon.app.outputs.rundir import atomic_write, prediction_arrays
     from stream_recon.app.sources.preprocess import model_input_size, preprocess_frame_uint8
     from stream_recon.app.viewer import LiveViewer
 

@@ -26,7 +26,7 @@ from typing import Any
 import gtsam
 import numpy as np
 
-from stream_recon.app.outputs.rundir import read_tum
+from stream_recon.app.outputs.trajectories import read_tum
 from stream_recon.models.loops.closer import (
     LoopClosureConfig,
     _KeyframePoints,

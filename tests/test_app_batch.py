@@ -30,14 +30,9 @@ from stream_recon.app.evaluation.batch import (
 )
 from stream_recon.app.evaluation.datasets import discover_sequences
 from stream_recon.app.options import RunOptions, changed_settings
-from stream_recon.app.outputs.rundir import (
-    TRAJECTORY_OPEN_TUM,
-    TRAJECTORY_TUM,
-    exact_strings,
-    read_tum,
-    write_json_atomic,
-    write_tum,
-)
+from stream_recon.app.outputs.json_records import exact_strings, write_json_atomic
+from stream_recon.app.outputs.rundir import TRAJECTORY_OPEN_TUM, TRAJECTORY_TUM
+from stream_recon.app.outputs.trajectories import read_tum, write_tum
 from stream_recon.models import ModelConfig
 
 FRAMES = 6

@@ -1091,7 +1091,7 @@ def unprivileged(tmp_path: Path) -> Iterator[tuple[tuple[str, ...], Path]]:
 
 def write_trajectory_pair(run_dir: Path, gt_file: Path, frames: int = 12) -> None:
     """A run directory's trajectory_tum.txt and a ground truth it matches up to a similarity and noise."""
-    from stream_recon.app.outputs.rundir import write_tum
+    from stream_recon.app.outputs.trajectories import write_tum
 
     rng = np.random.default_rng(3)
     timestamps = np.arange(frames) * 0.1

@@ -33,7 +33,8 @@ from stream_recon.app.evaluation.metrics import (
     umeyama_alignment,
     write_evaluation,
 )
-from stream_recon.app.outputs.rundir import TRAJECTORY_OPEN_TUM, TRAJECTORY_TUM, read_tum, write_tum
+from stream_recon.app.outputs.rundir import TRAJECTORY_OPEN_TUM, TRAJECTORY_TUM
+from stream_recon.app.outputs.trajectories import read_tum, write_tum
 from stream_recon.app.outputs.writers import RunWriter
 from stream_recon.models.stream.pose import rotation_to_quat_xyzw
 from stream_recon.models.stream.prediction import FRAME_KEY, FramePrediction

@@ -34,8 +34,8 @@ from stream_recon.app.outputs.rundir import (
     TRAJECTORY_OPEN_TUM,
     TRAJECTORY_TUM,
     iter_run,
-    read_tum,
 )
+from stream_recon.app.outputs.trajectories import read_tum
 from stream_recon.app.run import pipeline
 from stream_recon.app.run.loops import loop_closure_wanted
 from stream_recon.models.stream.pose import decode_pose

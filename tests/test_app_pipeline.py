@@ -35,7 +35,7 @@ from rich.console import Console
 import stream_recon.models
 from stream_recon.app.options import OptionsError, RunOptions
 from stream_recon.app.outputs.npz_schema import PREDICTION_FIELDS
-from stream_recon.app.outputs.rundir import OutputDirError
+from stream_recon.app.outputs.output_folder import OutputDirError
 from stream_recon.app.run import pipeline
 from stream_recon.app.run.loading import build_engine
 from stream_recon.app.run.pipeline import GIL_SWITCH_INTERVAL_S, run_sequence

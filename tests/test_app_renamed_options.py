@@ -9,8 +9,8 @@ import numpy as np
 from synthetic_run import plane_frame
 
 from stream_recon.app.options import RunOptions, changed_settings
+from stream_recon.app.outputs.npz_reading import load_prediction
 from stream_recon.app.outputs.npz_schema import PREDICTION_FIELDS, prediction_arrays
-from stream_recon.app.outputs.rundir import load_prediction
 from stream_recon.app.run.presets import build_options
 
 

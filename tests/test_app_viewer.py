@@ -946,7 +946,8 @@ def test_a_run_that_closes_a_loop_moves_the_chunk_nodes_a_client_sees(tmp_path, 
     )
 
     from stream_recon.app.options import RunOptions
-    from stream_recon.app.outputs.rundir import TRAJECTORY_OPEN_TUM, TRAJECTORY_TUM, read_tum
+    from stream_recon.app.outputs.rundir import TRAJECTORY_OPEN_TUM, TRAJECTORY_TUM
+    from stream_recon.app.outputs.trajectories import read_tum
     from stream_recon.app.run import pipeline
 
     scene = load_loop_scene()

@@ -21,17 +21,13 @@ from synthetic_run import CONF_HIGH, LOW_CONF_COLUMNS, PLANE_Z, STEP_X, plane_fr
 
 from stream_recon.app.options import OptionsError, RunOptions
 from stream_recon.app.outputs import writers
+from stream_recon.app.outputs.atomic_writes import OutputPathError
+from stream_recon.app.outputs.json_records import write_json_atomic
+from stream_recon.app.outputs.npz_reading import load_prediction
 from stream_recon.app.outputs.npz_schema import PREDICTION_FIELDS, PredictionOutputs
+from stream_recon.app.outputs.output_folder import OutputDirError
 from stream_recon.app.outputs.pointcloud import PointAccumulator, _back_project_pixels
-from stream_recon.app.outputs.rundir import (
-    OutputDirError,
-    OutputPathError,
-    RunDirError,
-    iter_run,
-    load_prediction,
-    prediction_path,
-    write_json_atomic,
-)
+from stream_recon.app.outputs.rundir import RunDirError, iter_run, prediction_path
 from stream_recon.app.outputs.writers import RunWriter
 from stream_recon.models.loops.corrections import ChunkCorrections
 from stream_recon.models.stream.prediction import FRAME_NON_KEY

@@ -204,7 +204,7 @@ def test_the_app_packages_hold_no_code() -> None:
     assert holding_code == []
 
 
-# -- every file a run, an export, an evaluation or a batch writes goes through rundir.atomic_write -----------
+# -- every file a run, an export, an evaluation or a batch writes goes through atomic_writes.atomic_write ----
 WRITING_METHODS = {"write_text", "write_bytes", "savez", "savez_compressed", "savetxt", "imwrite", "to_csv",
                    "mkstemp", "NamedTemporaryFile"}
 # (module, what it calls): why that file is no output of a run and needs no atomic write
@@ -212,6 +212,8 @@ NOT_AN_OUTPUT = {
     ("models/builds/compile_child.py", "open"): "the compile child's log, which the child itself writes as it goes; "
                                            "the machine's, beside Inductor's cache, not a run's",
     ("models/builds/compile_child.py", "write_text"): "the lock naming the compiling child, the machine's, not a run's",
+    ("app/outputs/output_folder.py", "open"): "the output folder opened read-only for its lock; nothing is written",
+    ("app/outputs/rundir.py", "replace"): "an earlier run's predictions folder moved aside in one rename, not written",
 }
 
 
@@ -242,7 +244,7 @@ def files_written_past_atomic_write(paths: list[Path], root: Path | None = None)
     found = []
     for path in paths:
         where = relative(path, root)
-        if where == "app/outputs/rundir.py":
+        if where == "app/outputs/atomic_writes.py":  # the atomic write itself
             continue
         tree = parsed_source(path)
         # what atomic_write is handed writes into its temporary file (np.savez(f, ...) in a lambda)
@@ -254,7 +256,7 @@ def files_written_past_atomic_write(paths: list[Path], root: Path | None = None)
                 how = writes_a_file(node)
                 if how is not None and (where, how) not in NOT_AN_OUTPUT:
                     found.append(f"{where}:{node.lineno}: {ast.unparse(node)[:90]} "
-                                 "(write it through rundir.atomic_write)")
+                                 "(write it through atomic_writes.atomic_write)")
     return found
 
 

@@ -28,7 +28,10 @@ from rich.markup import escape
 
 from stream_recon.app.evaluation.settings import DEFAULT_MAX_DIFF
 from stream_recon.app.options import FLAG_NAMES, MAX_CAMERA_ITERATIONS, OptionsError, PresetError, RunOptions
-from stream_recon.app.outputs.rundir import OutputDirError, OutputPathError, RunDirError, TumFileError
+from stream_recon.app.outputs.atomic_writes import OutputPathError
+from stream_recon.app.outputs.output_folder import OutputDirError
+from stream_recon.app.outputs.rundir import RunDirError
+from stream_recon.app.outputs.trajectories import TumFileError
 from stream_recon.app.sources.frames import SourceError
 from stream_recon.app.sources.input_size import PATCH_SIZE
 from stream_recon.app.stopping import interrupts_held

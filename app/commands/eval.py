@@ -55,7 +55,7 @@ from stream_recon.app.evaluation.settings import (
     STATISTICS,
     statistic_key,
 )
-from stream_recon.app.outputs.rundir import file_to_write
+from stream_recon.app.outputs.atomic_writes import file_to_write
 
 RunDirArg = Annotated[
     Path, typer.Argument(help="Run directory written by `stream-recon run` (trajectory_tum.txt, or the npz files "

@@ -58,20 +58,20 @@ from stream_recon.app.evaluation.metrics import (
     write_evaluation,
 )
 from stream_recon.app.options import OptionsError, RunOptions, changed_settings
+from stream_recon.app.outputs.atomic_writes import atomic_write
+from stream_recon.app.outputs.json_records import utf8_record
+from stream_recon.app.outputs.output_folder import OutputDirError
 from stream_recon.app.outputs.rundir import (
     BATCH_MARKER,
     PREDICTIONS_DIR,
-    OutputDirError,
     RunDirError,
-    TumFileError,
-    atomic_write,
     holds_run,
     read_batch_marker,
     read_run_info,
     run_accepted_loops,
-    utf8_record,
     write_batch_marker,
 )
+from stream_recon.app.outputs.trajectories import TumFileError
 from stream_recon.app.run.clock import finite_or_none
 from stream_recon.app.run.loading import CheckpointDigest, load_model_for
 from stream_recon.app.run.pipeline import run_sequence

@@ -28,7 +28,7 @@ from typing import Literal
 import cv2
 import numpy as np
 
-from stream_recon.app.outputs.rundir import TumFileError, read_tum_list
+from stream_recon.app.outputs.trajectories import TumFileError, read_tum_list
 from stream_recon.app.sources.frames import SourceError
 from stream_recon.app.sources.opening import IMAGE_SUFFIXES, VIDEO_SUFFIXES
 

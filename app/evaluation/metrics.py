@@ -39,18 +39,15 @@ from stream_recon.app.evaluation.settings import ERROR_METRICS as ERROR_METRICS
 from stream_recon.app.evaluation.settings import OPEN_CHAIN as OPEN_CHAIN
 from stream_recon.app.evaluation.settings import STATISTICS as STATISTICS
 from stream_recon.app.evaluation.settings import statistic_key as statistic_key
-from stream_recon.app.outputs.rundir import (
-    EVAL_JSON,
-    PREDICTIONS_DIR,
-    RunDirError,
+from stream_recon.app.outputs.json_records import write_json_atomic
+from stream_recon.app.outputs.npz_reading import prediction_fields
+from stream_recon.app.outputs.rundir import EVAL_JSON, PREDICTIONS_DIR, RunDirError, prediction_files
+from stream_recon.app.outputs.trajectories import (
     TumFileError,
-    prediction_fields,
-    prediction_files,
     read_tum,
     read_tum_list,
     run_open_trajectory,
     run_trajectory,
-    write_json_atomic,
 )
 from stream_recon.models.stream.similarity import AlignmentError, Sim3, rotation_angles, umeyama
 
@@ -466,7 +463,7 @@ def evaluate_run(
     """Evaluate a run's trajectory (and predictions/*.npz depth); write_evaluation stores the result.
 
     The trajectory is trajectory_tum.txt, or, for a run killed before writing it, the poses in its npz
-    files (rundir.run_trajectory). `max_diff` pairs estimated with ground-truth poses, `depth_max_diff`
+    files (trajectories.run_trajectory). `max_diff` pairs estimated with ground-truth poses, `depth_max_diff`
     predictions with depth frames. When loop closure corrected the run, its open chain
     (trajectory_open_tum.txt) is scored the same way, aligned on its own, under OPEN_CHAIN: the
     trajectory metrics' keys, values equal to evaluating that file alone.

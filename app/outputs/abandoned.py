@@ -10,24 +10,16 @@ from pathlib import Path
 
 import numpy as np
 
+from stream_recon.app.outputs.json_records import write_json_atomic
+from stream_recon.app.outputs.output_folder import lock_run_dir, run_dir_in_use, unlock_run_dir
 from stream_recon.app.outputs.pointcloud import (
     DEFAULT_CONF_THRESHOLD,
     DEFAULT_MAX_POINTS,
     PointAccumulator,
     write_ply,
 )
-from stream_recon.app.outputs.rundir import (
-    POINTS_PLY,
-    RUN_JSON,
-    TRAJECTORY_TUM,
-    iter_run,
-    lock_run_dir,
-    read_run_info,
-    run_dir_in_use,
-    unlock_run_dir,
-    write_json_atomic,
-    write_tum,
-)
+from stream_recon.app.outputs.rundir import POINTS_PLY, RUN_JSON, TRAJECTORY_TUM, iter_run, read_run_info
+from stream_recon.app.outputs.trajectories import write_tum
 
 
 def utc_now() -> str:

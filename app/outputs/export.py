@@ -16,6 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
+from stream_recon.app.outputs.atomic_writes import (
+    remove_stale_staging,
+    remove_tree,
+    staging_folder,
+    swap_in_staged,
+)
 from stream_recon.app.outputs.export_images import ImageSupply, image_supply
 from stream_recon.app.outputs.export_job import (
     CameraRecord,
@@ -25,6 +31,7 @@ from stream_recon.app.outputs.export_job import (
     RunContents,
 )
 from stream_recon.app.outputs.formats import ExportFormat
+from stream_recon.app.outputs.output_folder import outermost_missing, remove_if_empty
 from stream_recon.app.outputs.pointcloud import DEFAULT_CONF_THRESHOLD, DEFAULT_MAX_POINTS, PointAccumulator
 from stream_recon.app.outputs.rundir import (
     EXPORTS_DIR,
@@ -32,14 +39,8 @@ from stream_recon.app.outputs.rundir import (
     RunDirError,
     check_run_dir,
     iter_run,
-    outermost_missing,
     prediction_files,
     read_run_info,
-    remove_if_empty,
-    remove_stale_staging,
-    remove_tree,
-    staging_folder,
-    swap_in_staged,
 )
 from stream_recon.app.stopping import interrupts_held
 

@@ -13,9 +13,9 @@ from typing import Any
 import cv2
 import numpy as np
 
+from stream_recon.app.outputs.atomic_writes import atomic_write
 from stream_recon.app.outputs.export_job import ExportError, PixelScale
 from stream_recon.app.outputs.formats import ExportFormat
-from stream_recon.app.outputs.rundir import atomic_write
 from stream_recon.app.outputs.sky import SkyModelError, SkySegmenter, sky_network_path
 from stream_recon.app.sources.frames import SourceError
 from stream_recon.app.sources.input_size import model_input_size, resized_size

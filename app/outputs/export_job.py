@@ -3,7 +3,7 @@
 A format's file holds its `SPEC` (a FormatSpec: its name, label, where it goes, what it reads, its writer)
 and its writer, a function of an `ExportJob` returning an `ExportResult`. The job reads the run for it
 (`read_frames`: one pass over the predictions, made by export.py, which stages and swaps the export in);
-the writer writes through `rundir.atomic_write` and says a user's problem with one `ExportError` line.
+the writer writes through `atomic_writes.atomic_write` and says a user's problem with one `ExportError` line.
 
 Plain values and NumPy, free of the libraries that write the formats (trimesh, OpenCV): the `export`
 command's flags read the specs without loading them.

@@ -1,7 +1,7 @@
 """The npz schema of one frame: the arrays of `predictions/NNNNNN.npz`, their dtypes and shapes, and what a
 run chooses to store (PredictionOutputs: depth precision, images, which frames).
 
-One definition that the writer, the readers (app.outputs.rundir) and the tests use; numpy only, so that the
+One definition that the writer, the readers (app.outputs.npz_reading) and the tests use; numpy only, so that the
 run options built on PredictionOutputs can be read without loading the model's libraries.
 """
 

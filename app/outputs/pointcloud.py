@@ -15,7 +15,7 @@ import numpy as np
 from plyfile import PlyData, PlyElement
 
 from stream_recon.app.options import DEFAULT_CONF_THRESHOLD as DEFAULT_CONF_THRESHOLD
-from stream_recon.app.outputs.rundir import atomic_write
+from stream_recon.app.outputs.atomic_writes import atomic_write
 from stream_recon.models.stream.pose import back_project
 
 logger = logging.getLogger(__name__)

@@ -3,10 +3,10 @@
 From the run's files and its saved map (models/loops/saved_map.py), models/loops/refine.py indexes every
 keyframe, verifies its loops and solves a graph of chunk segments from scratch; each frame then moves by its
 segment's correction. The refined files are written beside the run's into a hidden staging folder
-(rundir.staging_folder): every prediction moved (c2w, pose_enc, depth scaled), trajectory_tum.txt and
+(atomic_writes.staging_folder): every prediction moved (c2w, pose_enc, depth scaled), trajectory_tum.txt and
 points.ply rebuilt from them, run.json with `summary.refine`, and, the first time, the stream's own
 trajectory kept as trajectory_stream_tum.txt. Only once all of it is written are they swapped in, the
-earlier files moved out in a few renames while signals are held (rundir.swap_in_staged). A refine stopped
+earlier files moved out in a few renames while signals are held (atomic_writes.swap_in_staged). A refine stopped
 before that (Ctrl-C, SIGTERM, an error) removes its staging folder: the run stays exactly as it was.
 """
 
@@ -20,6 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from stream_recon.app.outputs.atomic_writes import atomic_write, remove_tree, staging_folder, swap_in_staged
+from stream_recon.app.outputs.json_records import write_json_atomic
+from stream_recon.app.outputs.npz_reading import load_prediction, prediction_fields
+from stream_recon.app.outputs.output_folder import lock_run_dir, run_dir_in_use, unlock_run_dir
 from stream_recon.app.outputs.pointcloud import (
     DEFAULT_CONF_THRESHOLD,
     DEFAULT_MAX_POINTS,
@@ -32,22 +36,11 @@ from stream_recon.app.outputs.rundir import (
     RUN_JSON,
     TRAJECTORY_OPEN_TUM,
     TRAJECTORY_TUM,
-    atomic_write,
     check_run_dir,
-    load_prediction,
-    lock_run_dir,
-    prediction_fields,
     prediction_files,
     read_run_info,
-    read_tum,
-    remove_tree,
-    run_dir_in_use,
-    staging_folder,
-    swap_in_staged,
-    unlock_run_dir,
-    write_json_atomic,
-    write_tum,
 )
+from stream_recon.app.outputs.trajectories import read_tum, write_tum
 from stream_recon.app.outputs.writers import corrected_prediction_file
 from stream_recon.app.stopping import interrupts_held
 from stream_recon.models import DaemonPool, MapError, SavedMap, read_map

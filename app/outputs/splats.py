@@ -23,8 +23,9 @@ from pathlib import Path
 import numpy as np
 from plyfile import PlyData, PlyElement
 
+from stream_recon.app.outputs.atomic_writes import atomic_write
 from stream_recon.app.outputs.pointcloud import PointAccumulator, PointCloud
-from stream_recon.app.outputs.rundir import RunDirError, atomic_write, iter_run
+from stream_recon.app.outputs.rundir import RunDirError, iter_run
 from stream_recon.models.stream.pose import back_project, rotation_to_quat_xyzw
 
 # Y_0^0 = 1 / (2 sqrt(pi)): colour = 0.5 + SH_C0 * f_dc, the renderers' degree-0 term.

@@ -26,8 +26,17 @@ from typing import Any
 import numpy as np
 
 from stream_recon.app.outputs.abandoned import utc_now
+from stream_recon.app.outputs.atomic_writes import atomic_write
+from stream_recon.app.outputs.json_records import write_json_atomic
 from stream_recon.app.outputs.masks import FrameMasker, MaskDirError
+from stream_recon.app.outputs.npz_reading import stored_prediction
 from stream_recon.app.outputs.npz_schema import SKY_MASK_FIELD, PredictionOutputs, prediction_arrays
+from stream_recon.app.outputs.output_folder import (
+    OutputDirError,
+    prepare_output_dir,
+    run_dir_locked_here,
+    unlock_run_dir,
+)
 from stream_recon.app.outputs.pointcloud import (
     DEFAULT_CONF_THRESHOLD,
     DEFAULT_MAX_POINTS,
@@ -42,18 +51,11 @@ from stream_recon.app.outputs.rundir import (
     RUN_JSON,
     TRAJECTORY_OPEN_TUM,
     TRAJECTORY_TUM,
-    OutputDirError,
-    atomic_write,
     holds_run,
     prediction_path,
-    prepare_output_dir,
     replace_run,
-    run_dir_locked_here,
-    stored_prediction,
-    unlock_run_dir,
-    write_json_atomic,
-    write_tum,
 )
+from stream_recon.app.outputs.trajectories import write_tum
 from stream_recon.models import DaemonPool, FramePrediction
 from stream_recon.models.loops.corrections import ChunkCorrections
 from stream_recon.models.stream.similarity import Sim3

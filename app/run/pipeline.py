@@ -1,6 +1,6 @@
 """One run: a source streamed through the engine into the run directory and any other sinks.
 
-Its parts have their own homes: options (app.options), the output folder (app.outputs.rundir), the model and
+Its parts have their own homes: options (app.options), the output folder (app.outputs.output_folder), the model and
 engine (app.run.loading), the clock (app.run.clock), Ctrl-C and SIGTERM (app.stopping), the files (app.outputs.writers).
 
     open source ─▶ check options ─▶ check output dir ─▶ load model ─▶ RunWriter ─▶ per frame: push ─▶ sinks
@@ -41,13 +41,13 @@ from stream_recon.app.options import (
     resolve_dtype,
 )
 from stream_recon.app.outputs.masks import FrameMasker, MaskDirError, user_masks_for
-from stream_recon.app.outputs.rundir import (
+from stream_recon.app.outputs.output_folder import (
     OutputDirError,
     prepare_output_dir,
     remove_if_empty,
-    remove_run,
     unlock_run_dir,
 )
+from stream_recon.app.outputs.rundir import remove_run
 from stream_recon.app.outputs.sky import SKY_NETWORK_SMS, SkyModelError, SkySegmenter, sky_network_path
 from stream_recon.app.outputs.writers import RunWriter
 from stream_recon.app.run.clock import RunClock

@@ -35,12 +35,11 @@ from typing import Any
 import numpy as np
 
 from stream_recon.app.options import VIEWER_HOST, VIEWER_PORT
+from stream_recon.app.outputs.npz_reading import load_prediction, prediction_fields
 from stream_recon.app.outputs.rundir import (
     PREDICTIONS_DIR,
     RunDirError,
-    load_prediction,
     loop_closure_summary,
-    prediction_fields,
     prediction_files,
     read_run_info,
 )

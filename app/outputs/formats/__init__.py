@@ -17,8 +17,8 @@ import importlib
 from enum import Enum
 from pathlib import Path
 
+from stream_recon.app.outputs.atomic_writes import OutputPathError, file_to_write, is_staging
 from stream_recon.app.outputs.export_job import ExportError, FormatSpec
-from stream_recon.app.outputs.rundir import OutputPathError, file_to_write, is_staging
 
 FOLDER = Path(__file__).parent
 

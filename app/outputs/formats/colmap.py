@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+from stream_recon.app.outputs.atomic_writes import atomic_write
 from stream_recon.app.outputs.export_job import CameraRecord, ExportJob, ExportResult, FormatSpec
 from stream_recon.app.outputs.pointcloud import PointCloud
-from stream_recon.app.outputs.rundir import atomic_write
 from stream_recon.models.stream.pose import rotation_to_quat_xyzw
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from stream_recon.app.outputs.atomic_writes import atomic_write
 from stream_recon.app.outputs.export_job import (
     OPENCV_TO_GLTF,
     CameraRecord,
@@ -17,7 +18,6 @@ from stream_recon.app.outputs.export_job import (
     FormatSpec,
 )
 from stream_recon.app.outputs.pointcloud import PointCloud
-from stream_recon.app.outputs.rundir import atomic_write
 
 # Frustum depth as a fraction of the median scene depth: visible, but not covering the cloud.
 FRUSTUM_DEPTH_FRACTION = 0.1

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from stream_recon.app.outputs.atomic_writes import atomic_write
 from stream_recon.app.outputs.export_job import (
     OPENCV_TO_GLTF,
     CameraRecord,
@@ -21,7 +22,6 @@ from stream_recon.app.outputs.export_job import (
 )
 from stream_recon.app.outputs.formats.colmap import colmap_pinhole
 from stream_recon.app.outputs.pointcloud import PointCloud, write_ply
-from stream_recon.app.outputs.rundir import atomic_write
 
 
 def write_nerfstudio_export(job: ExportJob) -> ExportResult:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from stream_recon.app.outputs.export_job import ExportJob, ExportResult, FormatSpec
-from stream_recon.app.outputs.rundir import run_trajectory, write_tum
+from stream_recon.app.outputs.trajectories import run_trajectory, write_tum
 
 
 def write_tum_export(job: ExportJob) -> ExportResult:

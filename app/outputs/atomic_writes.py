@@ -1,0 +1,133 @@
+"""How every file a run, an export, an evaluation or a batch writes reaches the disk: `atomic_write` (a temp
+file beside it, then a rename over it), and a folder's entries replaced as one (`staging_folder`, then
+`swap_in_staged`).
+
+Its own module because it knows nothing of what a run directory holds: every writer of app/ calls it, and
+it is the one place that renames over a user's file (tests/test_architecture_rules.py holds the rest to it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import threading
+from collections.abc import Callable
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+_temp_counter = count()
+
+
+class OutputPathError(OSError):
+    """A file to write whose path is taken by something that is not a regular file (a FIFO, a device, a
+    socket, a folder): writing would replace it, so nothing is written."""
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def file_to_write(path: Path) -> Path:
+    """The file that writing `path` replaces: `path` itself, or the file a symlink there points to (written
+    through, the link kept). Raises OutputPathError when that is not a regular file (or nothing yet)."""
+    path = Path(path)
+    if path.is_symlink():
+        path = path.resolve()
+    try:
+        mode = path.stat().st_mode
+    except OSError:  # nothing there yet (or nothing that can be looked at: the write itself will say)
+        return path
+    if stat.S_ISREG(mode):
+        return path
+    kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+    raise OutputPathError(f"{path} is {kind}, not a regular file; nothing was written to it: choose a file path")
+
+
+def atomic_write(path: Path, write: Callable[[Any], None], *, binary: bool) -> None:
+    """Write through a temp file in the same folder, then rename over `path`.
+
+    os.replace within one filesystem is atomic, so a reader (or a process killed mid-write) sees the old
+    file or the new one, never half of one. No fsync: this guards against a killed process, not power loss,
+    and an fsync per frame would stall the stream on slow disks.
+
+    The rename replaces whatever is at `path`, so what is there is looked at first (file_to_write): a
+    symlink is written through (the temp file goes beside its target), and a FIFO or a device is refused
+    rather than replaced by a regular file.
+    """
+    path = file_to_write(path)
+    # Not tempfile.mkstemp: its 0600 mode would survive the rename. O_EXCL with 0666 lets the umask decide,
+    # as for any other file the user creates; pid, thread and a counter keep concurrent writers apart.
+    tmp_name = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_temp_counter)}.tmp"
+    fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
+            write(f)
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+
+
+# A folder of files replaced as one (an export's folder; a run's predictions): the new files are written into a hidden folder
+# beside the old ones (staging), and swapped in once complete, the old ones moved out (retired) and
+# removed. Each hidden folder is named by the process that made it, so that the next writer there can
+# tell a dead one's remains from a live one's work.
+STAGING_PREFIX = ".stream-recon-new."
+
+
+RETIRED_PREFIX = ".stream-recon-old."
+
+
+def staging_folder(folder: Path) -> Path:
+    """A new hidden folder inside `folder` for files that will replace some of its entries."""
+    staging = Path(folder) / f"{STAGING_PREFIX}{os.getpid()}"
+    staging.mkdir()
+    return staging
+
+
+def is_staging(entry: Path) -> bool:
+    return entry.name.startswith((STAGING_PREFIX, RETIRED_PREFIX))
+
+
+def swap_in_staged(staging: Path, earlier: list[Path]) -> None:
+    """Move the `earlier` entries of staging's folder out and staging's entries in, then remove both
+    hidden folders. A few renames on one filesystem: the caller holds signals across them, which leaves
+    only a SIGKILL between two renames to mix the old entries with the new."""
+    folder = staging.parent
+    retired = folder / f"{RETIRED_PREFIX}{os.getpid()}"
+    retired.mkdir()
+    for entry in earlier:
+        os.replace(entry, retired / entry.name)
+    for entry in staging.iterdir():
+        os.replace(entry, folder / entry.name)
+    staging.rmdir()
+    remove_tree(retired)
+
+
+def remove_stale_staging(folder: Path) -> None:
+    """Remove the hidden folders that a writer killed part-way (SIGKILL, a power cut) left in `folder`: those
+    of a process that no longer runs. A live writer's are left to it."""
+    for entry in Path(folder).iterdir():
+        owner = entry.name.removeprefix(STAGING_PREFIX).removeprefix(RETIRED_PREFIX)
+        if is_staging(entry) and owner.isdigit() and not _process_alive(int(owner)):
+            remove_tree(entry)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def remove_tree(entry: Path) -> None:
+    """A folder with everything in it, or a file or a link (never what a link points to)."""
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry)
+    else:
+        entry.unlink(missing_ok=True)
