@@ -38,8 +38,9 @@ from stream_recon.app.outputs.npz_schema import PREDICTION_FIELDS
 from stream_recon.app.outputs.output_folder import OutputDirError
 from stream_recon.app.run import pipeline
 from stream_recon.app.run.loading import build_engine
-from stream_recon.app.run.pipeline import GIL_SWITCH_INTERVAL_S, run_sequence
+from stream_recon.app.run.pipeline import run_sequence
 from stream_recon.app.run.progress import RunProgress
+from stream_recon.app.run.streaming import GIL_SWITCH_INTERVAL_S
 from stream_recon.app.sources.frames import SourceError
 from stream_recon.models import GCTStream, prepare_for_inference
 

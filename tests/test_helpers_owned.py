@@ -228,18 +228,18 @@ def test_every_thread_and_child_a_run_starts_belongs_to_a_helper_run_json_lists(
                                                                              tiny_checkpoint, monkeypatch):
     pytest.importorskip("gtsam")
     from stream_recon.app.options import RunOptions
-    from stream_recon.app.run import pipeline
+    from stream_recon.app.run import pipeline, streaming
     from stream_recon.app.sources.readers import frames_source
 
     listed: list[dict[str, Helper]] = []
-    helpers_of_run = pipeline.Run.helpers
+    helpers_of_run = streaming.Run.helpers
 
     def recorded(run):  # what the run asks its owners for, kept for the test
         found = helpers_of_run(run)
         listed.append(found)
         return found
 
-    monkeypatch.setattr(pipeline.Run, "helpers", recorded)
+    monkeypatch.setattr(streaming.Run, "helpers", recorded)
     frames = [(np.full((48, 64, 3), 10 * index, dtype=np.uint8), 0.1 * index) for index in range(12)]
     # every frame through the preprocessing pool (pool_from_pixels=0)
     source = frames_source(frames, name="cam", image_width=56, pool_from_pixels=0, preprocess_workers=2)

@@ -1,6 +1,7 @@
 """The run: one stream from source to sinks, and everything it holds while it streams.
 
-Owns the pipeline (pipeline: the plan, the set-up, the loop and how a run ends), loading the checkpoint and
+Owns the pipeline (pipeline: the plan, the set-up and what follows the end; streaming: the loop over the
+frames and how a run ends; finite_check: the first sink), loading the checkpoint and
 building the engine (loading; what is built for it, when and where, is models/builds/plan.py's), the
 loop-closure sink (loops), the frame clock and rates (clock), the progress line
 (progress), the machine's resources before a CPU run (resources) and the presets from configs/ (presets).

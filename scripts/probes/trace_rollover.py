@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: bench.py, bench_e2e.py
 import bench_e2e  # noqa: E402
 
-from stream_recon.app.run import pipeline  # noqa: E402
+from stream_recon.app.run import pipeline, streaming  # noqa: E402
 from stream_recon.models.stream import chunks, lookahead, rollover, similarity  # noqa: E402
 from stream_recon.models.stream.chunked import ChunkedEngine  # noqa: E402
 from stream_recon.models.stream.engine import StreamingEngine  # noqa: E402
@@ -177,7 +177,7 @@ def install() -> None:
     timed(rollover.Rollover, "pace", "pace")
     timed(StreamingEngine, "push", "step", device=True)
     timed(StreamingEngine, "finish", "finish", device=True)
-    timed(pipeline.Run, "_emit", "sinks")
+    timed(streaming.Run, "_emit", "sinks")
     real_run = pipeline.run_sequence
 
     def product(*args, **kwargs):
