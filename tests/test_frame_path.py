@@ -49,7 +49,7 @@ HAND_OFF = f"{REPO}/models/supervision.py"  # HandOff: the bounded hand-off to a
 # runs the reader's policy, where the standard library's queue took it)
 MOST_HOPS_TO_THE_WRITER = 13
 MOST_HOPS_IN_THE_WRITER = 6
-# the reader, which makes the model input of a frame up to app/sources/reader.py's POOL_FROM_PIXELS (a larger one's
+# the reader, which makes the model input of a frame up to app/sources/preprocessing_pool.py's POOL_FROM_PIXELS (a larger one's
 # is made on the preprocessing pool, a third thread), and the run loop
 MOST_CRITICAL_THREADS = 2
 

@@ -823,7 +823,7 @@ def test_a_reader_that_stalls_ends_the_iteration_at_the_frame_timeout(faults):
 @pytest.mark.slow
 def test_a_preprocessing_worker_that_fails_ends_the_iteration_with_one_source_error(faults, monkeypatch, kind,
                                                                                    where):
-    from stream_recon.app.sources import reader, readers
+    from stream_recon.app.sources import preprocessing_pool, reader, readers
     from stream_recon.app.sources.frames import SourceError
 
     failing = fault(faults, ValueError("resize refused") if kind == "raises" else None)
@@ -841,7 +841,7 @@ def test_a_preprocessing_worker_that_fails_ends_the_iteration_with_one_source_er
     frames = []
     started = time.monotonic()
     with readers.frames_source(camera(6), name="cam", image_width=56, frame_timeout_s=0.3, preprocess_workers=1,
-                               pool_from_pixels=0 if where == "pool" else reader.POOL_FROM_PIXELS) as source:
+                               pool_from_pixels=0 if where == "pool" else preprocessing_pool.POOL_FROM_PIXELS) as source:
         with pytest.raises(SourceError) as raised:
             for frame in source:
                 frames.append(frame)

@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 STREAM_PATH = [
     "app/run/pipeline.py", "app/run/streaming.py", "app/run/loops.py", "app/outputs/writers.py", "app/sources/reader.py",
-    "app/sources/readers.py", "app/sources/opening.py", "app/sources/probing.py",
+    "app/sources/preprocessing_pool.py", "app/sources/readers.py", "app/sources/opening.py", "app/sources/probing.py",
     *sorted(path.relative_to(ROOT).as_posix() for path in (ROOT / "app" / "viewer").glob("*.py")
             if path.name != "replay.py"),  # a replay is no stream
     "models/builds/compile_child.py", "models/builds/plan.py", "app/run/progress.py", "app/run/loading.py",

@@ -13,7 +13,8 @@ its pending result, in reading order, so frames come out in order.
 
 A frame's path then crosses two threads, the reader and the consumer, up to 1280x720; a larger one a third,
 for the crop rule's pixels (PIL's resize, exact, which leaves no cheaper resize; POOL_FROM_PIXELS says why).
-The decoders of each kind of source are readers.py's; a Frame and SourceError, frames.py's.
+The decoders of each kind of source are readers.py's; a Frame and SourceError, frames.py's; the preprocessing
+pool's sizes, its policy and a frame pending on it, preprocessing_pool.py's.
 
 Host memory stays constant: at most `queue_size` frames exist at once, whatever the length. Model
 inputs stay uint8 ([3, H, W], a quarter of the float bytes): the engine converts them on the device.
@@ -34,14 +35,10 @@ stops, that is its end, and a shortfall against its length is a TruncatedSourceE
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -51,6 +48,14 @@ import numpy as np
 from stream_recon.app.sources.frames import Frame, SourceError
 from stream_recon.app.sources.preprocess import (
     preprocess_frame_uint8,
+)
+from stream_recon.app.sources.preprocessing_pool import (
+    POOL_FROM_PIXELS,
+    PREPROCESS_WORKERS,
+    Preprocessing,
+    cancel_preprocessing,
+    preparing,
+    preprocessing_policy,
 )
 from stream_recon.app.sources.settings import ROTATIONS, FrameSelection, Sampler
 from stream_recon.app.stopping import interrupts_held
@@ -71,13 +76,6 @@ DEFAULT_QUEUE_SIZE = 8
 # a burst of frames buffered in the socket (after a stall of the network or the camera) meets a run loop
 # busy for a moment, and a frame or two of 0.1 s is no latency a user sees.
 LIVE_GRACE_S = 0.1
-# Threads that resize frames into model inputs. One keeps up with 640x480 at ~200 FPS; four keep a
-# 4K video above 40 FPS where the cores exist.
-PREPROCESS_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
-# Frames up to this many pixels are made model inputs on the reader thread, larger ones on the pool: on the GPU
-# host the reader alone kept the product path at 47.0 FPS at 1280x720 (the pool 46.6), but at 1920x1080 held it
-# to 42.3 (the pool 53.6) and at 3840x2160 to 12.6 (the pool 45.8).
-POOL_FROM_PIXELS = 1280 * 720
 # A file decodes in milliseconds; a network stream may pause for its read timeout. Past these,
 # the reader is stuck and waiting longer would only turn an error into a hang.
 DEFAULT_FRAME_TIMEOUT_S = 30.0
@@ -97,56 +95,6 @@ def reader_policy(live: bool, frame_timeout_s: float) -> HelperPolicy:
         return HelperPolicy("the source's reader", WhenFull.LATEST, WhenDown.FAIL_RUN, stall_s=frame_timeout_s,
                             push_back_s=LIVE_GRACE_S)
     return HelperPolicy("the source's reader", WhenFull.PUSH_BACK, WhenDown.FAIL_RUN, stall_s=frame_timeout_s)
-
-
-def preprocessing_policy(frame_timeout_s: float) -> HelperPolicy:
-    """The preprocessing pool's: it takes what the reader hands it in the reader's bounded queue (push back);
-    a frame it cannot make, or does not make within the frame timeout, fails the run with one SourceError line."""
-    return HelperPolicy("the source's preprocessing", WhenFull.PUSH_BACK, WhenDown.FAIL_RUN,
-                        stall_s=frame_timeout_s)
-
-
-@dataclass(frozen=True)
-class _Preprocessing:
-    """A frame in the queue whose model input is still being made on a preprocessing thread."""
-
-    index: int
-    source_index: int
-    timestamp: float
-    image: Future  # -> [3, H', W'] uint8 array
-
-    def result(self, helper: Helper, description: str) -> Frame:
-        """The frame once its model input is made; SourceError, `helper` (the pool's) marked down, where that
-        raised or took over the helper's stall_s (the stream's frame timeout: a resize takes milliseconds), so
-        that the run ends "failed" on it."""
-        what = f"preparing frame {self.index} of {description}"
-        timeout_s = helper.policy.stall_s
-        try:
-            image = self.image.result(timeout=timeout_s)
-        except FutureTimeout:
-            helper.fail(f"it made no progress for {timeout_s:g} s")
-            raise SourceError(f"{what} took more than {timeout_s:g} s: the preprocessing stalled") from None
-        except Exception as error:
-            failure = _preparing_failed(self.index, description, error)
-            helper.fail(str(failure))
-            raise failure from error
-        helper.beat()
-        return Frame(self.index, self.source_index, self.timestamp, None, image)
-
-
-@contextlib.contextmanager
-def _preparing(index: int, description: str) -> Iterator[None]:
-    """Around frame `index`'s model input made on the reader: what that raises becomes the SourceError that the
-    pool's failure would be."""
-    try:
-        yield
-    except Exception as error:
-        raise _preparing_failed(index, description, error) from error
-
-
-def _preparing_failed(index: int, description: str, error: Exception) -> SourceError:
-    """The one line of a frame whose model input could not be made, on the reader or the pool."""
-    return SourceError(f"preparing frame {index} of {description} failed: {type(error).__name__}: {error}")
 
 
 class Reader(Protocol):
@@ -171,12 +119,6 @@ class Reader(Protocol):
 class _EndOfStream:
     reason: str
     error: BaseException | None = None
-
-
-def _cancel_preprocessing(item: Frame | _Preprocessing) -> None:
-    """A frame that leaves the hand-off untaken: its model input, if still being made, is not made."""
-    if isinstance(item, _Preprocessing):
-        item.image.cancel()
 
 
 class FrameSource:
@@ -223,7 +165,7 @@ class FrameSource:
         self._reader = reader
         # Both fail the run (their one SourceError line); the consumer, the run loop, watches them.
         self.reader_helper = Helper(reader_policy(live, frame_timeout_s))
-        self._handoff = HandOff(self.reader_helper, queue_size, gives=True, on_discard=_cancel_preprocessing)
+        self._handoff = HandOff(self.reader_helper, queue_size, gives=True, on_discard=cancel_preprocessing)
         self._end: _EndOfStream | None = None  # how the reader ended, set before it closes the hand-off
         self.preprocessing_helper = Helper(preprocessing_policy(frame_timeout_s))
         self._preprocessing: DaemonPool | None = None  # (daemons: a stalled resize holds no exit)
@@ -317,7 +259,7 @@ class FrameSource:
                 self._handoff.discard()
             taken, item = self._handoff.take(timeout=self._stall_wait_s())
             if taken:
-                yield item.result(self.preprocessing_helper, self.description) if isinstance(item, _Preprocessing) \
+                yield item.result(self.preprocessing_helper, self.description) if isinstance(item, Preprocessing) \
                     else item
                 continue
             if self._handoff.closed:
@@ -396,14 +338,14 @@ class FrameSource:
                 frame = Frame(delivered, source_index, timestamp, rgb)
             elif rgb.shape[0] * rgb.shape[1] > self._pool_from_pixels:
                 image = self._preprocessing.submit(preprocess_frame_uint8, rgb, self.image_width)
-                frame = _Preprocessing(delivered, source_index, timestamp, image)
+                frame = Preprocessing(delivered, source_index, timestamp, image)
             else:  # made here, in line: one hop fewer on the frame's path (tests/test_frame_path.py)
-                with _preparing(delivered, self.description):
+                with preparing(delivered, self.description):
                     image = preprocess_frame_uint8(rgb, self.image_width)
                 frame = Frame(delivered, source_index, timestamp, None, image)
             # (False: closed by the consumer; a stop while it waited for room: the frame is not delivered)
             if not self._handoff.give(frame) or self._stop.is_set():
-                _cancel_preprocessing(frame)
+                cancel_preprocessing(frame)
                 break
             delivered += 1
         return _EndOfStream("stopped")

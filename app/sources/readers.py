@@ -16,11 +16,10 @@ import numpy as np
 
 from stream_recon.app.sources.frames import SourceError, TruncatedSourceError
 from stream_recon.app.sources.preprocess import ImageReadError, load_image, upright_rgb
+from stream_recon.app.sources.preprocessing_pool import POOL_FROM_PIXELS, PREPROCESS_WORKERS
 from stream_recon.app.sources.reader import (
     DEFAULT_FRAME_TIMEOUT_S,
     DEFAULT_QUEUE_SIZE,
-    POOL_FROM_PIXELS,
-    PREPROCESS_WORKERS,
     FrameSource,
 )
 from stream_recon.app.sources.settings import FrameSelection
