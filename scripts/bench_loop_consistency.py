@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from evo_data import evo_data_dir  # noqa: E402
 from loop_scenarios import TRAJECTORIES, Trajectory, rejection_rates  # noqa: E402
 
-from stream_recon.models.loops.pose_graph import PoseGraphSettings  # noqa: E402
+from stream_recon.models.loops.pose_graph_data import PoseGraphSettings  # noqa: E402
 
 LOOK_ALIKE_M = (0.3, 0.5)
 CASES = {  # name: rejection_rates' arguments

@@ -37,14 +37,14 @@ from loop_scenarios import (  # noqa: E402
     synthetic_graph,
 )
 
-from stream_recon.models.loops import pose_graph  # noqa: E402
-from stream_recon.models.loops.pose_graph import (  # noqa: E402
+from stream_recon.models.loops.gtsam_sim3 import to_gtsam  # noqa: E402
+from stream_recon.models.loops.pose_graph import PoseGraphSolver, optimize  # noqa: E402
+from stream_recon.models.loops.pose_graph_data import (  # noqa: E402
     OdometryEdge,
     PoseGraph,
     PoseGraphSettings,
-    PoseGraphSolver,
+    covariance_of,
     open_chain,
-    optimize,
 )
 from stream_recon.models.stream.similarity import Sim3  # noqa: E402
 
@@ -107,11 +107,11 @@ def plain_lm_seconds(graph: PoseGraph) -> tuple[float, int]:
     edges += [(loop.first, loop.second, loop) for loop in graph.loops if loop.loop_id.startswith("true")]
     for first, second, edge in edges:
         measured = edge.previous_from_next if isinstance(edge, OdometryEdge) else edge.first_from_second
-        factors.add(gtsam.BetweenFactorSimilarity3(first, second, pose_graph.to_gtsam(measured),
-                                                   gtsam.noiseModel.Gaussian.Covariance(pose_graph.covariance_of(edge))))
+        factors.add(gtsam.BetweenFactorSimilarity3(first, second, to_gtsam(measured),
+                                                   gtsam.noiseModel.Gaussian.Covariance(covariance_of(edge))))
     values = gtsam.Values()
     for k, transform in enumerate(open_chain(graph.odometry)):
-        values.insert(k, pose_graph.to_gtsam(transform))
+        values.insert(k, to_gtsam(transform))
     start = time.perf_counter()
     optimizer = gtsam.LevenbergMarquardtOptimizer(factors, values, gtsam.LevenbergMarquardtParams())
     optimizer.optimize()

@@ -34,15 +34,14 @@ from stream_recon.models.loops.closer import (
     align_loop,
     loop_edge,
 )
-from stream_recon.models.loops.pose_graph import (
+from stream_recon.models.loops.gtsam_sim3 import from_gtsam
+from stream_recon.models.loops.pose_graph import PoseGraphSolver, optimize
+from stream_recon.models.loops.pose_graph_data import (
     LoopEdge,
     OdometryEdge,
     PoseGraph,
     PoseGraphSettings,
-    PoseGraphSolver,
-    from_gtsam,
     open_chain,
-    optimize,
 )
 from stream_recon.models.loops.refine import (
     FrameLoop,

@@ -17,7 +17,7 @@ import pytest
 from helpers import random_sim3
 
 from stream_recon.models.loops.closer import LoopClosureConfig, _KeyframePoints, align_loop, loop_edge
-from stream_recon.models.loops.pose_graph import to_gtsam
+from stream_recon.models.loops.gtsam_sim3 import to_gtsam
 from stream_recon.models.stream.similarity import Sim3, fit_covariance, scaling_direction, tangent_jacobian
 
 SEEDS = 300
@@ -162,7 +162,8 @@ def test_a_loop_edge_is_expressed_at_the_second_chunks_origin() -> None:
 def test_an_edge_with_a_covariance_costs_its_mahalanobis_distance() -> None:
     """measured = a_from_b @ Exp(e) with a full covariance C costs e^T C^-1 e, not the diagonal's |e / sigmas|^2."""
     from stream_recon.models.loops import pose_graph
-    from stream_recon.models.loops.pose_graph import LoopEdge, from_gtsam
+    from stream_recon.models.loops.gtsam_sim3 import from_gtsam
+    from stream_recon.models.loops.pose_graph_data import LoopEdge
 
     rng = np.random.default_rng(4)
     world_from_chunk = (Sim3.identity(), random_sim3(rng))

@@ -18,7 +18,8 @@ from stream_recon.models.loops.closer import (
     solve,
 )
 from stream_recon.models.loops.corrections import LoopRecord
-from stream_recon.models.loops.pose_graph import from_gtsam, open_chain
+from stream_recon.models.loops.gtsam_sim3 import from_gtsam
+from stream_recon.models.loops.pose_graph_data import open_chain
 from stream_recon.models.stream.chunks import ChunkLink
 from stream_recon.models.stream.similarity import Sim3
 
@@ -89,7 +90,7 @@ def test_a_solve_without_an_accepted_loop_moves_nothing_and_says_so() -> None:
 
 
 def loop_edge_from(first_from_second: Sim3, links: list[ChunkLink]):
-    from stream_recon.models.loops.pose_graph import LoopEdge
+    from stream_recon.models.loops.pose_graph_data import LoopEdge
 
     return LoopEdge(9, 0, 3, first_from_second, 0.01)
 

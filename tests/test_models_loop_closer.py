@@ -181,7 +181,8 @@ def test_a_solve_cut_short_by_its_budget_goes_on_until_it_settles() -> None:
     from loop_scenarios import TRAJECTORIES, make_scenario
 
     from stream_recon.models.loops.closer import LoopCloser
-    from stream_recon.models.loops.pose_graph import PoseGraphSettings, optimize
+    from stream_recon.models.loops.pose_graph import optimize
+    from stream_recon.models.loops.pose_graph_data import PoseGraphSettings
     from stream_recon.models.stream.chunks import ChunkLink
 
     trajectory = TRAJECTORIES["TUM fr1_xyz"]

@@ -24,7 +24,9 @@ from stream_recon.models.loops.consistency import (
     pair_cycle_chi2,
     pairs_cycle_chi2,
 )
-from stream_recon.models.loops.pose_graph import PoseGraphSettings, from_gtsam, optimize, to_gtsam
+from stream_recon.models.loops.gtsam_sim3 import from_gtsam, to_gtsam
+from stream_recon.models.loops.pose_graph import optimize
+from stream_recon.models.loops.pose_graph_data import PoseGraphSettings
 from stream_recon.models.stream.similarity import Sim3
 
 

@@ -14,7 +14,7 @@ import pytest
 from evo_data import evo_data_dir
 from loop_scenarios import TRAJECTORIES, make_scenario, rejection_rates
 
-from stream_recon.models.loops.pose_graph import PoseGraphSettings
+from stream_recon.models.loops.pose_graph_data import PoseGraphSettings
 
 SEEDS = range(3)
 

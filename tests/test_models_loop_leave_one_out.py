@@ -11,8 +11,9 @@ from loop_scenarios import TRAJECTORIES, make_scenario
 
 from stream_recon.models.loops import sim3_batch as lie
 from stream_recon.models.loops.consistency import chi_square_quantile
+from stream_recon.models.loops.gtsam_sim3 import to_gtsam
 from stream_recon.models.loops.leave_one_out import MAX_CHUNKS, Posterior
-from stream_recon.models.loops.pose_graph import LoopEdge, PoseGraph, covariance_of, open_chain, to_gtsam
+from stream_recon.models.loops.pose_graph_data import LoopEdge, PoseGraph, covariance_of, open_chain
 
 
 def _posterior(graph, loops) -> Posterior:

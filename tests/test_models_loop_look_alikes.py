@@ -17,7 +17,7 @@ import pytest
 from evo_data import evo_data_dir
 from loop_scenarios import TRAJECTORIES, rejection_rates
 
-from stream_recon.models.loops.pose_graph import PoseGraphSettings
+from stream_recon.models.loops.pose_graph_data import PoseGraphSettings
 
 LOOK_ALIKE_M = (0.3, 0.5)  # the false loops' error: a place 30-50 cm from the one the query saw
 SEEDS = {"EuRoC V1_02": range(10), "TUM fr1_xyz": range(4), "TUM fr2_desk": range(4), "KITTI 00": range(4)}

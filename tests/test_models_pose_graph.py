@@ -25,17 +25,16 @@ from loop_scenarios import (
 
 from stream_recon.models.loops import pose_graph
 from stream_recon.models.loops.consistency import compose
-from stream_recon.models.loops.pose_graph import (
+from stream_recon.models.loops.gtsam_sim3 import from_gtsam, to_gtsam
+from stream_recon.models.loops.pose_graph import PoseGraphSolver, optimize
+from stream_recon.models.loops.pose_graph_data import (
     LoopEdge,
     OdometryEdge,
     PoseGraph,
     PoseGraphSettings,
-    PoseGraphSolver,
     as_sigmas,
-    from_gtsam,
+    covariance_of,
     open_chain,
-    optimize,
-    to_gtsam,
 )
 from stream_recon.models.stream.similarity import Sim3
 
@@ -279,7 +278,7 @@ def test_kitti_00_without_revisits_offered_only_false_loops_stays_the_open_chain
 # -- false loops that agree with each other, and a stream's solves ----------------------------------
 def chain_between(graph: PoseGraph, first: int, second: int) -> tuple[Sim3, np.ndarray]:
     """first_from_second through the odometry and its covariance (the links composed one by one)."""
-    links = [(edge.previous_from_next.scaled_matrix, pose_graph.covariance_of(edge))
+    links = [(edge.previous_from_next.scaled_matrix, covariance_of(edge))
              for edge in graph.odometry[first:second]]
     transform, covariance = compose(links)
     return Sim3.from_matrix(transform), covariance

@@ -33,15 +33,8 @@ from ..stream.similarity import (
 from .corrections import ChunkCorrections, LoopRecord
 from .detection import CheckedCandidate, LoopDetectionConfig, LoopDetector
 from .geometric_check import extract_features
-from .pose_graph import (
-    LoopEdge,
-    OdometryEdge,
-    PoseGraph,
-    PoseGraphResult,
-    PoseGraphSettings,
-    PoseGraphSolver,
-    open_chain,
-)
+from .pose_graph import PoseGraphSolver
+from .pose_graph_data import LoopEdge, OdometryEdge, PoseGraph, PoseGraphResult, PoseGraphSettings, open_chain
 from .retrieval import gradient_grid_descriptor
 from .saved_map import MapManifest, MapRecorder
 

@@ -17,14 +17,15 @@ product over the chain) and sums them outward from x, so the covariance of x_fro
 lookup. The new loop's two chunks are the anchors of all its pairs (a pair's cycle leaves and re-enters
 the chain at them), so a new loop costs two anchored sums, O(chunks), and its pairs one batched NumPy
 computation, O(loops). Summing outward from the anchor adds positive terms only: no difference of large
-prefix sums, whose rounding grows with the square of the distance from the world's origin.
+prefix sums, whose rounding grows with the square of the distance from the world's origin. `pair_blocks`
+picks a solve's pairs to test (within `pairwise_max_links` of the chain) in batches of bounded memory.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -285,5 +286,39 @@ def combine_groups(measured: np.ndarray, covariance: np.ndarray, group: np.ndarr
     return means, 0.5 * (combined + np.swapaxes(combined, -1, -2))
 
 
+# -- which pairs a solve tests, in blocks ------------------------------------------------------------
+# Pairs judged in one batched computation: ~1.5 KB of temporaries a pair, so 4,096 pairs keep them near 6 MB
+# while a solve's few new loops against a few hundred others still go in one call.
+_PAIRS_A_BATCH = 4096
+
+
+def pair_blocks(indices: np.ndarray, count: int, against_all: bool, ends: np.ndarray, eligible: np.ndarray,
+                 max_links: int | None, consistent: np.ndarray) -> Iterable[np.ndarray]:
+    """[P, 2] (loop, other) index pairs to test, in blocks of about _PAIRS_A_BATCH: each loop of `indices`
+    with every other of the `count` loops, or only with the loops before it; both eligible, and (with
+    `max_links`) their cycle through no more than that many links of the chain. The pairs left untested are
+    marked consistent in `consistent` here."""
+    pending: list[np.ndarray] = []
+    size = 0
+    for i in indices.tolist():
+        others = np.arange(count if against_all else i)
+        others = others[others != i]
+        consistent[i, others] = consistent[others, i] = True
+        if not eligible[i]:
+            continue
+        others = others[eligible[others]]
+        if max_links is not None:  # the cycle runs through the chain between b and d and between c and a
+            links = np.abs(ends[others, 1] - ends[i, 1]) + np.abs(ends[others, 0] - ends[i, 0])
+            others = others[links <= max_links]
+        if not len(others):
+            continue
+        pending.append(np.stack([np.full(len(others), i), others], axis=1))
+        size += len(others)
+        if size >= _PAIRS_A_BATCH:
+            yield np.concatenate(pending)
+            pending, size = [], 0
+    if pending:
+        yield np.concatenate(pending)
+
 __all__ = ["ChainCovariances", "chi_square_quantile", "combine", "combine_groups", "compose", "invert", "odometry_between",
-           "odometry_cycle_chi2", "pair_cycle_chi2", "pairs_cycle_chi2"]
+           "odometry_cycle_chi2", "pair_blocks", "pair_cycle_chi2", "pairs_cycle_chi2"]

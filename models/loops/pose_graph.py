@@ -30,17 +30,16 @@ Conventions (docs/loop_closure.md says more):
   odometry measurements composed as given, not the optimiser's estimate of it.
 
 The optimiser is GTSAM's (Similarity3, Levenberg-Marquardt). GTSAM's Similarity3(R, t, s) maps
-x -> s (R x + t), where our Sim3 maps x -> s R x + t: the conversions below divide or multiply the
-translation by the scale. GTSAM holds the GIL through each iteration: the stream's loop closer solves in
+x -> s (R x + t), where our Sim3 maps x -> s R x + t: the conversions (gtsam_sim3.py) divide or multiply
+the translation by the scale. GTSAM holds the GIL through each iteration: the stream's loop closer solves in
 its own child process (models/loops/process.py), never in the stream's.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
 
 import gtsam
 import numpy as np
@@ -53,210 +52,27 @@ from .consistency import (
     chi_square_quantile,
     combine_groups,
     odometry_cycle_chi2,
+    pair_blocks,
     pairs_cycle_chi2,
 )
+from .gtsam_sim3 import between_factor, gtsam_poses, gtsam_values, matrices_of
 from .leave_one_out import MAX_CHUNKS as LEAVE_ONE_OUT_MAX_CHUNKS
 from .leave_one_out import Posterior
+from .pose_graph_data import (
+    TANGENT_DIM,
+    LoopEdge,
+    LoopVerdict,
+    OdometryEdge,
+    PoseGraph,
+    PoseGraphResult,
+    PoseGraphSettings,
+    covariance_of,
+    open_chain,
+)
 
-TANGENT_DIM = lie.TANGENT_DIM  # rotation (3), translation (3), log scale (1): GTSAM's Similarity3 tangent order
 # Node 0's prior: a standard deviation of 1e-6 (odometry's are ~1e-3 and up) holds chunk 0 in place; the
 # information ratio, ~1e6 squared, is far from float64's limits. The result is re-anchored exactly anyway.
 _ANCHOR_SIGMA = 1e-6
-
-
-# -- edges and the graph ---------------------------------------------------------------------------
-def as_sigmas(sigmas: float | Sequence[float] | np.ndarray) -> np.ndarray:
-    """A scalar (the same for all seven components) or seven standard deviations -> [7] float64, read-only."""
-    values = np.broadcast_to(np.asarray(sigmas, np.float64), (TANGENT_DIM,)).copy()
-    if not np.all(np.isfinite(values) & (values > 0)):
-        raise ValueError(f"sigmas must be finite and positive, got {values.tolist()}")
-    values.setflags(write=False)
-    return values
-
-
-def as_covariance(covariance: np.ndarray | None, sigmas: np.ndarray) -> np.ndarray | None:
-    """None, or a [7, 7] symmetric positive-definite covariance whose diagonal is `sigmas` squared, read-only."""
-    if covariance is None:
-        return None
-    values = np.array(covariance, np.float64)
-    if values.shape != (TANGENT_DIM, TANGENT_DIM):
-        raise ValueError(f"a covariance must be [7, 7], got shape {values.shape}")
-    if not np.allclose(values, values.T, rtol=0, atol=1e-9 * np.abs(values).max()):
-        raise ValueError("a covariance must be symmetric")
-    if not np.allclose(np.sqrt(np.diag(values)), sigmas, rtol=1e-9, atol=0):
-        raise ValueError("sigmas must be the square roots of the covariance's diagonal")
-    if np.linalg.eigvalsh(values)[0] <= 0:
-        raise ValueError("a covariance must be positive definite")
-    values = 0.5 * (values + values.T)
-    values.setflags(write=False)
-    return values
-
-
-@dataclass(frozen=True)
-class OdometryEdge:
-    """Chunk k+1 onto chunk k (the k-th odometry edge of a graph, counted from 0 as chunks are): the rollover's
-    overlap alignment, which the stream records as ChunkLink index k+1 (links count the chunk they hang)."""
-
-    previous_from_next: Sim3  # chunk k+1 coordinates -> chunk k coordinates
-    sigmas: np.ndarray  # [7] (a scalar is accepted and broadcast), see the module docstring
-    # [7, 7] the error's full covariance when known (then `sigmas` is its diagonal's square root); None: the
-    # seven components are independent with `sigmas`.
-    covariance: np.ndarray | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "sigmas", as_sigmas(self.sigmas))
-        object.__setattr__(self, "covariance", as_covariance(self.covariance, self.sigmas))
-
-
-@dataclass(frozen=True)
-class LoopEdge:
-    """A loop closure between chunks `first` and `second` (any two different chunks)."""
-
-    loop_id: Hashable
-    first: int
-    second: int
-    first_from_second: Sim3  # chunk `second` coordinates -> chunk `first` coordinates
-    sigmas: np.ndarray  # [7] (a scalar is accepted and broadcast)
-    metadata: Mapping[str, Any] = field(default_factory=dict)  # the detector's, carried through untouched
-    covariance: np.ndarray | None = None  # [7, 7] as OdometryEdge's
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "sigmas", as_sigmas(self.sigmas))
-        object.__setattr__(self, "covariance", as_covariance(self.covariance, self.sigmas))
-        if self.first == self.second:
-            raise ValueError(f"loop {self.loop_id!r} joins chunk {self.first} to itself")
-
-
-@dataclass(frozen=True)
-class PoseGraph:
-    """An immutable snapshot: chunk k+1 hangs on chunk k by odometry[k]; loops join any two chunks.
-
-    A graph with another edge is a new graph, so a snapshot handed to a worker never changes under it.
-    """
-
-    odometry: tuple[OdometryEdge, ...] = ()
-    loops: tuple[LoopEdge, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "odometry", tuple(self.odometry))
-        object.__setattr__(self, "loops", tuple(self.loops))
-        ids = [loop.loop_id for loop in self.loops]
-        if len(set(ids)) != len(ids):
-            raise ValueError("loop ids must be unique")
-        for loop in self.loops:
-            if not (0 <= loop.first < self.num_chunks and 0 <= loop.second < self.num_chunks):
-                raise ValueError(
-                    f"loop {loop.loop_id!r} joins chunks {loop.first} and {loop.second}, "
-                    f"but the graph has chunks 0..{self.num_chunks - 1}"
-                )
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self.odometry) + 1
-
-
-def open_chain(odometry: Sequence[OdometryEdge]) -> tuple[Sim3, ...]:
-    """world_from_chunk of every chunk from the odometry alone: chunk 0 is the world, then each edge composed."""
-    chain = [Sim3.identity()]
-    for edge in odometry:
-        chain.append(chain[-1] @ edge.previous_from_next)
-    return tuple(chain)
-
-
-# -- results ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PoseGraphSettings:
-    # The chi-square quantile that bounds an accepted loop's squared, sigma-weighted residual at the
-    # solution: 0.99 with 7 degrees of freedom is 18.48.
-    inlier_probability: float = 0.99
-    max_iterations: int = 100  # Levenberg-Marquardt iterations per solve (a chunk graph needs < 10)
-    # Levenberg-Marquardt stops at this relative decrease of the cost (GTSAM's default 1e-5).
-    relative_error_tol: float = 1e-5
-    # Judge each loop against the odometry it closes (consistency.odometry_cycle_chi2) before anything else:
-    # two false loops can agree with each other by chance, but each must also agree with the chain.
-    odometry_check: bool = True
-    # Keep only a largest set of loops that are pairwise consistent through the odometry (consistency.py,
-    # PCM): a false loop must then agree with every kept one.
-    pairwise_consistency: bool = True
-    # The bound of both cycle tests (a loop against the chain, two loops against each other) and of the
-    # chain's bending at the solution: 7 dof at 0.999 is 24.32. Looser than the inlier bound: with ~20 true
-    # loops there are ~200 pairs, and at 0.99 two or three of them fail by chance, each costing a true loop
-    # (KITTI 00: 107 of 110 kept at 0.99, 110 at 0.999); a false loop's cycles miss by far more.
-    consistency_probability: float = 0.999
-    # Pairs of loops tested for consistency only when their cycle runs through at most this many links of
-    # the chain (None: every pair). Through more, the chain's drift swamps the pair's disagreement: the test
-    # cannot refute a subtle false loop there, and a gross one the odometry check has refuted already. A
-    # whole run's 3,000 loops are 4.5 million pairs; within 32 links, tens of thousands.
-    pairwise_max_links: int | None = 32
-    # Judge each kept edge at the solution against what all the other edges predict (leave_one_out.py)
-    # rather than by its own residual, which the solution bends towards it: a look-alike place that is
-    # its chunk pair's only loop fits its own solution. Graphs of more than leave_one_out.MAX_CHUNKS chunks
-    # keep the own-residual test.
-    leave_one_out: bool = True
-    # Loops between the same two chunks solved as one edge, their information-weighted mean.
-    combine_chunk_pairs: bool = True
-    # Above this many candidate loops, a solve whose new loops do not simply join the last clique grows a
-    # clique through each of them (cliques.clique_through, O(new loops x candidates)) instead of searching
-    # the whole consistency graph again, and a whole search (the first, or after a link changed) keeps the
-    # heuristic's clique without the exact search: the heuristic alone took 9 s at 2,450 candidates on the
-    # 2-core machine, the exact search 0.7 s more for its 1,000 expansions.
-    exact_clique_up_to: int = 500
-    # Seconds a solve may take before it hands back what it has (None: no limit); see PoseGraphResult.complete.
-    budget_s: float | None = None
-
-
-@dataclass(frozen=True)
-class LoopVerdict:
-    loop_id: Hashable
-    accepted: bool
-    chi2: float  # the loop's squared residual in sigmas at the returned poses (chi-square with 7 dof if right)
-    consistent: bool = True  # in the largest pairwise-consistent set (False: rejected before the solve)
-    odometry_chi2: float = 0.0  # its cycle with the chain between its chunks, before any solve
-
-
-@dataclass(frozen=True)
-class PoseGraphResult:
-    world_from_chunk: tuple[Sim3, ...]  # one per chunk; [0] is the identity
-    loops: tuple[LoopVerdict, ...]  # one per loop edge, in the graph's order
-    iterations: int  # Levenberg-Marquardt iterations in all
-    initial_error: float  # 0.5 * sum of chi2 over all edges at the open chain
-    final_error: float  # 0.5 * sum of chi2 over the odometry and the accepted loops at the result
-    seconds: float  # wall time of the solve
-    # False when the time budget ran out first: the poses are the solver's best so far and the verdicts
-    # provisional; the next solve goes on from there.
-    complete: bool = True
-
-    @property
-    def accepted_ids(self) -> tuple[Hashable, ...]:
-        return tuple(verdict.loop_id for verdict in self.loops if verdict.accepted)
-
-    @property
-    def is_open_chain(self) -> bool:
-        """True when no loop was accepted: the poses are then the odometry composed, exactly."""
-        return not self.accepted_ids
-
-
-# -- GTSAM conversions -----------------------------------------------------------------------------
-def to_gtsam(transform: Sim3) -> gtsam.Similarity3:
-    """Our x -> s R x + t as GTSAM's x -> s (R x + t'), so t' = t / s."""
-    return gtsam.Similarity3(gtsam.Rot3(transform.rotation), transform.translation / transform.scale,
-                             transform.scale)
-
-
-def from_gtsam(transform: gtsam.Similarity3) -> Sim3:
-    scale = float(transform.scale())
-    return Sim3(scale, np.asarray(transform.rotation().matrix(), np.float64),
-                scale * np.asarray(transform.translation(), np.float64))
-
-
-
-def covariance_of(edge: OdometryEdge | LoopEdge) -> np.ndarray:
-    return np.array(edge.covariance) if edge.covariance is not None else np.diag(np.square(edge.sigmas))
-
-
-def _between_factor(first: int, second: int, measured: np.ndarray, covariance: np.ndarray) -> gtsam.NonlinearFactor:
-    return gtsam.BetweenFactorSimilarity3(first, second, to_gtsam(lie.to_sim3(measured)),
-                                          gtsam.noiseModel.Gaussian.Covariance(np.array(covariance)))
 
 
 def _same_edge(a: OdometryEdge, b: OdometryEdge) -> bool:
@@ -342,7 +158,7 @@ class PoseGraphSolver:
         del self._odometry_factors[unchanged:]
         for k in range(unchanged, len(odometry)):
             edge = odometry[k]
-            self._odometry_factors.append(_between_factor(k, k + 1, edge.previous_from_next.scaled_matrix,
+            self._odometry_factors.append(between_factor(k, k + 1, edge.previous_from_next.scaled_matrix,
                                                           covariance_of(edge)))
         if unchanged < len(odometry) and self._posterior is not None and unchanged < self._posterior.num_chunks - 1:
             self._posterior = None  # a link it holds changed: formed again at its next use
@@ -393,7 +209,7 @@ class PoseGraphSolver:
         # judges it again, pairs and all)
         eligible = (self._odometry_chi2[:len(self._loops)] <= bound if self.settings.odometry_check
                     else np.ones(len(self._loops), bool))
-        for block in _pair_blocks(indices, len(self._loops), against_all, self._ends, eligible,
+        for block in pair_blocks(indices, len(self._loops), against_all, self._ends, eligible,
                                   self.settings.pairwise_max_links, self._consistent_pairs):
             loop, other = block[:, 0], block[:, 1]
             chi2 = pairs_cycle_chi2(self._chain, (self._measured[loop], self._covariance[loop]),
@@ -499,7 +315,7 @@ class PoseGraphSolver:
         for (first, second, members), mean, mean_covariance in zip(keys, means, covariances, strict=True):
             key = (first, second, members)
             self._groups[key] = _Group(first, second, mean, mean_covariance, members)
-            self._group_factors[key] = _between_factor(first, second, mean, mean_covariance)
+            self._group_factors[key] = between_factor(first, second, mean, mean_covariance)
 
     def _misfits(self, groups: Sequence[_Group], estimate: np.ndarray) -> np.ndarray:
         """[G] how far each edge is past its bounds at `estimate` (> 1: past): its own residual against the
@@ -572,11 +388,11 @@ class PoseGraphSolver:
         as GTSAM's values)."""
         chain = self._chain.world_from_chunk
         if self._estimate is None:
-            return chain.copy(), _gtsam_values(chain)
+            return chain.copy(), gtsam_values(chain)
         known = len(self._estimate)
         extended = self._estimate[known - 1] @ lie.inverse(chain[known - 1]) @ chain[known:]
         values = gtsam.Values(self._estimate_values)
-        for k, pose in enumerate(_gtsam_poses(extended), start=known):
+        for k, pose in enumerate(gtsam_poses(extended), start=known):
             values.insert(k, pose)
         return np.concatenate([self._estimate, extended]), values
 
@@ -605,7 +421,7 @@ class PoseGraphSolver:
             if time.perf_counter() > deadline or iterations == pause_after:
                 break
         values = optimizer.values()
-        estimate = _matrices_of(values, initial.size())
+        estimate = matrices_of(values, initial.size())
         return lie.normalised(lie.inverse(estimate[0])[None] @ estimate), values, iterations, converged
 
     def _solve_groups(self, groups: list[_Group], deadline: float
@@ -728,62 +544,6 @@ class PoseGraphSolver:
                                  self._covariance[loops])
 
 
-# Pairs judged in one batched computation: ~1.5 KB of temporaries a pair, so 4,096 pairs keep them near 6 MB
-# while a solve's few new loops against a few hundred others still go in one call.
-_PAIRS_A_BATCH = 4096
-
-
-def _pair_blocks(indices: np.ndarray, count: int, against_all: bool, ends: np.ndarray, eligible: np.ndarray,
-                 max_links: int | None, consistent: np.ndarray) -> Iterable[np.ndarray]:
-    """[P, 2] (loop, other) index pairs to test, in blocks of about _PAIRS_A_BATCH: each loop of `indices`
-    with every other of the `count` loops, or only with the loops before it; both eligible, and (with
-    `max_links`) their cycle through no more than that many links of the chain. The pairs left untested are
-    marked consistent in `consistent` here."""
-    pending: list[np.ndarray] = []
-    size = 0
-    for i in indices.tolist():
-        others = np.arange(count if against_all else i)
-        others = others[others != i]
-        consistent[i, others] = consistent[others, i] = True
-        if not eligible[i]:
-            continue
-        others = others[eligible[others]]
-        if max_links is not None:  # the cycle runs through the chain between b and d and between c and a
-            links = np.abs(ends[others, 1] - ends[i, 1]) + np.abs(ends[others, 0] - ends[i, 0])
-            others = others[links <= max_links]
-        if not len(others):
-            continue
-        pending.append(np.stack([np.full(len(others), i), others], axis=1))
-        size += len(others)
-        if size >= _PAIRS_A_BATCH:
-            yield np.concatenate(pending)
-            pending, size = [], 0
-    if pending:
-        yield np.concatenate(pending)
-
-
-def _gtsam_poses(world_from_chunk: np.ndarray) -> list[gtsam.Similarity3]:
-    # GTSAM's Similarity3 matrix is [R | t / s] over [0 | 1 / s]: ours, [sR | t] over [0 | 1], divided by s
-    # (one constructor call a chunk; building it from parts costs 3x as much)
-    scale = lie.parts(world_from_chunk)[0]
-    return [gtsam.Similarity3(theirs) for theirs in world_from_chunk / scale[:, None, None]]
-
-
-def _gtsam_values(world_from_chunk: np.ndarray) -> gtsam.Values:
-    values = gtsam.Values()
-    for k, pose in enumerate(_gtsam_poses(world_from_chunk)):
-        values.insert(k, pose)
-    return values
-
-
-def _matrices_of(values: gtsam.Values, count: int) -> np.ndarray:
-    theirs = np.stack([values.atSimilarity3(k).matrix() for k in range(count)])  # [R | t/s] over [0 | 1/s]
-    out = theirs / theirs[:, 3:, 3:]
-    out[:, 3, :3] = 0.0
-    out[:, 3, 3] = 1.0
-    return out
-
-
 def loop_chi2(loops: Sequence[LoopEdge], world_from_chunk: Sequence[Sim3]) -> np.ndarray:
     """[L] each loop's squared residual in its sigmas at the poses: |Log(measured^-1 @ a_from_b)|^2 in its
     covariance's metric."""
@@ -810,8 +570,4 @@ def optimize(graph: PoseGraph, settings: PoseGraphSettings = PoseGraphSettings()
     return PoseGraphSolver(settings).solve(graph)
 
 
-__all__ = [
-    "LoopEdge", "LoopVerdict", "OdometryEdge", "PoseGraph", "PoseGraphResult", "PoseGraphSettings",
-    "PoseGraphSolver", "as_covariance", "as_sigmas", "covariance_of", "from_gtsam", "loop_chi2", "open_chain", "optimize",
-    "to_gtsam",
-]
+__all__ = ["PoseGraphSolver", "loop_chi2", "optimize"]

@@ -40,7 +40,8 @@ from .closer import (
     loop_edge,
 )
 from .geometric_check import ImageFeatures, check_pair, extract_features
-from .pose_graph import LoopEdge, OdometryEdge, PoseGraph, PoseGraphResult, PoseGraphSettings, PoseGraphSolver
+from .pose_graph import PoseGraphSolver
+from .pose_graph_data import LoopEdge, OdometryEdge, PoseGraph, PoseGraphResult, PoseGraphSettings
 from .retrieval import KeyframeIndex, gradient_grid_descriptor
 
 
