@@ -1,4 +1,4 @@
-"""Checkpoint IO: read, check, load, convert and locate LingBot-Map checkpoints.
+"""Checkpoint IO: read, check, load and convert LingBot-Map checkpoints.
 
 Two file formats are read:
 
@@ -8,9 +8,8 @@ Two file formats are read:
   checkpoint needs no preset to rebuild its architecture.
 
 Checkpoint keys stay the official ones (spec/checkpoint_keys.tsv); the model's parameter names are
-those names, so no key conversion is needed. The names `lingbot-map-long` and `lingbot-map` resolve
-through our checkpoint folder and the Hugging Face cache (repo `robbyant/lingbot-map`); nothing is
-downloaded unless `download_checkpoint` is called.
+those names, so no key conversion is needed. Where a checkpoint is (a path, or the names `lingbot-map-long`
+and `lingbot-map` in our checkpoint folder and the Hugging Face cache) and its download are hub_paths.py's.
 """
 
 from __future__ import annotations
@@ -23,28 +22,25 @@ import pickle
 import stat
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from huggingface_hub import hf_hub_download, hf_hub_url, try_to_load_from_cache
-from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .checkpoint_names import CHECKPOINT_SIZE, DEFAULT_CHECKPOINT, KNOWN_CHECKPOINTS
+from .checkpoint_names import CHECKPOINT_SIZE, DEFAULT_CHECKPOINT
 from .daemon_pool import DaemonPool
-from .errors import CheckpointError, CheckpointUnavailable
+from .errors import CheckpointError
 from .hub_paths import (
-    CHECKPOINT_DIR_ENV,
-    checkpoint_dir,
-    hub_cache_dir,
-    hub_endpoint,
-    hub_offline,
-    hub_unreachable,
+    HF_REPO_URL,
+    SAFETENSORS_SUFFIX,
+    TORCH_SUFFIXES,
+    existing_checkpoint_file,
+    resolve_checkpoint,
 )
 from .network.config import ModelConfig
 from .supervision import Helper, HelperPolicy, WhenDown, WhenFull
@@ -52,10 +48,8 @@ from .supervision import Helper, HelperPolicy, WhenDown, WhenFull
 if TYPE_CHECKING:
     from .network.gct import GCTStream
 
-HF_REPO_ID = "robbyant/lingbot-map"
 # The thread a conversion writes its checkpoint on (`_save_stoppably`): what it raises is the conversion's error.
 CHECKPOINT_WRITER = HelperPolicy("the checkpoint's writer", WhenFull.PUSH_BACK, WhenDown.FAIL_RUN, stall_s=600.0)
-HF_REPO_URL = f"https://huggingface.co/{HF_REPO_ID}"
 
 
 # safetensors metadata keys (values must be strings)
@@ -63,8 +57,6 @@ CONFIG_METADATA_KEY = "stream_recon.model_config"
 SOURCE_DIGEST_METADATA_KEY = "stream_recon.source_sha256"
 SOURCE_NAME_METADATA_KEY = "stream_recon.source_name"
 
-TORCH_SUFFIXES = (".pt", ".pth")
-SAFETENSORS_SUFFIX = ".safetensors"
 NAMES_SHOWN = 20  # longer name lists in error messages end with "... and N more"
 # A checkpoint's problems of one kind (missing, wrong shape, ...) are named in the error's one line up to this
 # many; more are counted there and listed by --verbose, where a few hundred names would not fit a line
@@ -95,7 +87,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     tensors are touched. Raises CheckpointError for a missing, truncated or unsafe file, or one that
     does not hold a state dict of tensors.
     """
-    path = _existing_file(path)
+    path = existing_checkpoint_file(path)
     if path.suffix == SAFETENSORS_SUFFIX:
         contents = _read_safetensors(path)
     elif path.suffix in TORCH_SUFFIXES:
@@ -111,7 +103,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 def checkpoint_config(path: str | Path) -> ModelConfig | None:
     """The ModelConfig stored in a `.safetensors` file's metadata; None for `.pt` files and for
     safetensors files written by other tools (they carry no config)."""
-    path = _existing_file(path)
+    path = existing_checkpoint_file(path)
     if path.suffix != SAFETENSORS_SUFFIX:
         return None
     metadata = _safetensors_metadata(path)
@@ -124,18 +116,6 @@ def checkpoint_config(path: str | Path) -> ModelConfig | None:
             f"{path}: the model config in its metadata ({CONFIG_METADATA_KEY}) is invalid: {error}. "
             "Pass the model config explicitly, or convert the .pt file again with this version."
         ) from None
-
-
-def _existing_file(path: str | Path) -> Path:
-    path = Path(path).expanduser()
-    if path.is_dir():
-        raise CheckpointError(f"{path} is a folder; pass the checkpoint file inside it (.pt or .safetensors)")
-    if not path.is_file():
-        raise CheckpointError(
-            f"checkpoint file not found: {path}. Check the path, or pass a known name "
-            f"({', '.join(KNOWN_CHECKPOINTS)}) to use a downloaded official checkpoint."
-        )
-    return path
 
 
 def _read_torch_file(path: Path):
@@ -494,7 +474,7 @@ def convert_to_safetensors(src_pt: str | Path, dst: str | Path, config: ModelCon
     The tensors are checked strictly against the config's model first, so only a loadable file is
     written. The file appears under `dst` only when complete. Returns `dst`.
     """
-    src, dst = _existing_file(src_pt), Path(dst).expanduser()
+    src, dst = existing_checkpoint_file(src_pt), Path(dst).expanduser()
     if dst.suffix != SAFETENSORS_SUFFIX:
         raise CheckpointError(f"the converted file must end in {SAFETENSORS_SUFFIX}, got {dst.name}")
     if dst.exists() and dst.resolve() == src.resolve():
@@ -595,7 +575,7 @@ def checkpoint_digest(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
     Hashing 4.6 GB takes seconds, so the result is remembered per process for an unchanged file
     (same path, size and modification time): a batch of runs on one checkpoint hashes it once.
     """
-    path = _existing_file(path).resolve()
+    path = existing_checkpoint_file(path).resolve()
     stat = path.stat()
     return _file_sha256(str(path), stat.st_size, stat.st_mtime_ns, chunk_bytes)
 
@@ -608,119 +588,3 @@ def _file_sha256(path: str, size: int, mtime_ns: int, chunk_bytes: int) -> str:
             digest.update(chunk)
     return digest.hexdigest()
 
-
-# -- locating --------------------------------------------------------------------------------------
-
-
-
-
-def locate_checkpoint(name: str) -> Path | None:
-    """Where the known checkpoint `name` is on this machine, or None. Looks in checkpoint_dir() for
-    `<name>.safetensors` (a converted copy) then the official file name, then in the hub cache."""
-    filename = _known_filename(name)
-    own = checkpoint_dir()
-    for candidate in (own / f"{name}{SAFETENSORS_SUFFIX}", own / filename):
-        if candidate.is_file():
-            return candidate
-    cached = try_to_load_from_cache(HF_REPO_ID, filename, cache_dir=hub_cache_dir())
-    return Path(cached) if isinstance(cached, str) else None
-
-
-def resolve_checkpoint(name_or_path: str | Path) -> Path:
-    """The checkpoint file for a path or a known name. Downloads nothing: a known name that is not on
-    this machine raises CheckpointError saying how to fetch it and where to put it."""
-    path = Path(name_or_path).expanduser()
-    if path.is_file():
-        return path
-    name = str(name_or_path)
-    if name in KNOWN_CHECKPOINTS:
-        found = locate_checkpoint(name)
-        if found is None:
-            raise CheckpointError(_not_on_this_machine_message(name))
-        return found
-    if path.is_dir() or path.suffix in (*TORCH_SUFFIXES, SAFETENSORS_SUFFIX) or os.sep in name:
-        return _existing_file(path)  # raises, naming the path
-    raise CheckpointError(
-        f"unknown checkpoint {name!r}: it is neither a file nor a known name. "
-        f"Known names: {', '.join(KNOWN_CHECKPOINTS)}; or pass the path of a .pt or .safetensors file."
-    )
-
-
-def download_checkpoint(name: str = DEFAULT_CHECKPOINT, on_start: Callable[[], None] | None = None) -> Path:
-    """Fetch a known checkpoint from the Hugging Face hub into its cache (a no-op when it is already
-    there) and return its path. Fails at once when offline mode is on or the hub cannot be reached;
-    `on_start` runs once the hub has answered, before the download (a line announcing it, never printed
-    before an error that downloads nothing)."""
-    filename = _known_filename(name)
-    if hub_offline():
-        raise CheckpointUnavailable(
-            f"cannot download {name!r}: Hugging Face offline mode is on (HF_HUB_OFFLINE); unset it if this "
-            f"machine has network access. {_fetch_by_hand(name)}"
-        )
-    endpoint = hub_endpoint()
-    _check_hub_answers(name, endpoint)
-    if on_start is not None:
-        on_start()
-    try:
-        return Path(hf_hub_download(HF_REPO_ID, filename, cache_dir=hub_cache_dir(), endpoint=endpoint))
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as error:
-        raise CheckpointUnavailable(_unreachable_message(name, endpoint, error)) from None
-    except HfHubHTTPError as error:
-        raise CheckpointError(
-            f"downloading {name!r} from {HF_REPO_URL} failed: {error}. Try again later. {_fetch_by_hand(name)}"
-        ) from None
-    except OSError as error:
-        raise CheckpointError(
-            f"downloading {name!r} into {hub_cache_dir()} failed: {error}. The file is about 4.6 GB: check "
-            "free disk space and permissions, or set HF_HOME to another folder."
-        ) from None
-
-
-
-def _check_hub_answers(name: str, endpoint: str) -> None:
-    """One request to the hub before the download (hub_paths.hub_unreachable says why)."""
-    error = hub_unreachable(hf_hub_url(HF_REPO_ID, KNOWN_CHECKPOINTS[name], endpoint=endpoint))
-    if error is not None:
-        raise CheckpointUnavailable(_unreachable_message(name, endpoint, error))
-
-
-def _unreachable_message(name: str, endpoint: str, error: Exception) -> str:
-    return (
-        f"cannot download {name!r}: the Hugging Face hub at {endpoint} cannot be reached "
-        f"({type(error).__name__}: {str(error).strip() or 'no detail'}). {_fetch_by_hand(name)} If this machine "
-        "should reach the hub, check its network and proxy settings (HTTPS_PROXY, HF_ENDPOINT)."
-    )
-
-
-def _known_filename(name: str) -> str:
-    try:
-        return KNOWN_CHECKPOINTS[name]
-    except KeyError:
-        raise CheckpointError(
-            f"unknown checkpoint name {name!r}; known: {', '.join(KNOWN_CHECKPOINTS)}"
-        ) from None
-
-
-def _not_on_this_machine_message(name: str) -> str:
-    looked = (f"checkpoint {name!r} is not on this machine (looked in {checkpoint_dir()} and in the Hugging Face "
-              f"cache {hub_cache_dir()})")
-    if hub_offline():
-        return (f"{looked}, and Hugging Face offline mode is on (HF_HUB_OFFLINE), so it is not downloaded. "
-                f"{_fetch_by_hand(name)} If this machine has network access, unset HF_HUB_OFFLINE.")
-    return (f"{looked}. Fetch it with `stream-recon download {name}` (or `hf download {HF_REPO_ID} "
-            f"{KNOWN_CHECKPOINTS[name]}`). {_fetch_by_hand(name)}")
-
-
-def _fetch_by_hand(name: str) -> str:
-    """How to get the file without this machine downloading it (so never the download command, which
-    fails where the hub cannot be reached)."""
-    return (
-        f"To fetch it by hand, download {_file_url(KNOWN_CHECKPOINTS[name])} (about {CHECKPOINT_SIZE}) on a machine with "
-        f"network access and put it in {checkpoint_dir()}/ here (or set {CHECKPOINT_DIR_ENV} to the folder "
-        "that holds it), or pass the file's path as the checkpoint."
-    )
-
-
-def _file_url(filename: str) -> str:
-    """The file's direct download address on huggingface.co (a browser or curl fetches it)."""
-    return f"{HF_REPO_URL}/resolve/main/{filename}"

@@ -31,16 +31,18 @@ from stream_recon.models import (
 from stream_recon.models import checkpoint as ckpt
 from stream_recon.models.checkpoint import (
     CONFIG_METADATA_KEY,
-    HF_REPO_ID,
-    HF_REPO_URL,
-    KNOWN_CHECKPOINTS,
     SOURCE_DIGEST_METADATA_KEY,
     check_state_dict,
     checkpoint_config,
     checkpoint_digest,
     convert_to_safetensors,
-    download_checkpoint,
     read_state_dict,
+)
+from stream_recon.models.hub_paths import (
+    HF_REPO_ID,
+    HF_REPO_URL,
+    KNOWN_CHECKPOINTS,
+    download_checkpoint,
     resolve_checkpoint,
 )
 
@@ -584,7 +586,7 @@ def test_download_fills_the_hub_cache_where_resolve_finds_it(tmp_path, monkeypat
 
     probed = []
     monkeypatch.setattr(hub_paths, "get_hf_file_metadata", lambda url, timeout: probed.append(url))
-    monkeypatch.setattr(ckpt, "hf_hub_download", fake_hf_hub_download)
+    monkeypatch.setattr(hub_paths, "hf_hub_download", fake_hf_hub_download)
     path = download_checkpoint("lingbot-map")
     assert calls == [(HF_REPO_ID, KNOWN_CHECKPOINTS["lingbot-map"], tmp_path / "hf-hub", "https://huggingface.co")]
     assert probed == [f"{HF_REPO_URL}/resolve/main/lingbot-map.pt"]
@@ -610,7 +612,7 @@ def test_download_offline_touches_no_network_and_says_where_to_put_the_file(tmp_
     def must_not_run(*args, **kwargs):
         raise AssertionError("offline mode must not try the network")
 
-    monkeypatch.setattr(ckpt, "hf_hub_download", must_not_run)
+    monkeypatch.setattr(hub_paths, "hf_hub_download", must_not_run)
     monkeypatch.setattr(hub_paths, "get_hf_file_metadata", must_not_run)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(CheckpointError, match="offline mode is on") as error:
@@ -623,7 +625,7 @@ def test_download_failing_after_the_hub_answered_says_where_to_put_the_file(tmp_
         raise LocalEntryNotFoundError("connection lost and no cached copy")
 
     monkeypatch.setattr(hub_paths, "get_hf_file_metadata", lambda url, timeout: None)
-    monkeypatch.setattr(ckpt, "hf_hub_download", lost_connection)
+    monkeypatch.setattr(hub_paths, "hf_hub_download", lost_connection)
     with pytest.raises(CheckpointError, match="cannot be reached") as error:
         download_checkpoint("lingbot-map-long")
     assert_says_how_to_fetch_by_hand(str(error.value), tmp_path)

@@ -41,12 +41,8 @@ def download(
     if name == SKYSEG_NAME:
         _download_skyseg(console)
         return
-    # the checkpoint module loads torch: when the command downloads a checkpoint, never for -h or the sky network
-    from stream_recon.models.checkpoint import (
-        CHECKPOINT_SIZE,
-        KNOWN_CHECKPOINTS,
-        download_checkpoint,
-    )
+    # huggingface_hub: when the command downloads a checkpoint, never for -h or the sky network
+    from stream_recon.models.hub_paths import CHECKPOINT_SIZE, KNOWN_CHECKPOINTS, download_checkpoint
 
     if name not in KNOWN_CHECKPOINTS:
         bad_input(console, f"unknown checkpoint {name!r}; known: {', '.join(KNOWN_CHECKPOINTS)}, or {SKYSEG_NAME}")

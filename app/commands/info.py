@@ -115,8 +115,8 @@ def _sky_info() -> dict[str, Any]:
 
 
 def _checkpoint_info() -> dict[str, Any]:
-    # the checkpoint module loads torch: for `info` itself, never for -h
-    from stream_recon.models.checkpoint import (
+    # huggingface_hub: for `info` itself, never for -h
+    from stream_recon.models.hub_paths import (
         CHECKPOINT_DIR_ENV,
         HF_REPO_URL,
         KNOWN_CHECKPOINTS,

@@ -27,15 +27,17 @@ from stream_recon.models.builds.compilation import artefacts_dir
 from stream_recon.models.checkpoint import (
     CHECKPOINT_SIZE,
     DEFAULT_CHECKPOINT,
-    KNOWN_CHECKPOINTS,
     checkpoint_config,
     checkpoint_digest,
+)
+from stream_recon.models.errors import checkpoint_advice
+from stream_recon.models.hub_paths import (
+    KNOWN_CHECKPOINTS,
     download_checkpoint,
     hub_offline,
     locate_checkpoint,
     resolve_checkpoint,
 )
-from stream_recon.models.errors import checkpoint_advice
 from stream_recon.models.supervision import Helper, HelperPolicy, WhenDown, WhenFull, start_supervised_thread
 
 

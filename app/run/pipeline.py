@@ -81,7 +81,7 @@ from stream_recon.app.stopping import (
 )
 from stream_recon.models import DEFAULT_CHECKPOINT, MAP_DIR, parse_keyframes, partitioned_stream
 from stream_recon.models.builds.plan import Builder, BuildSettings
-from stream_recon.models.checkpoint import resolve_checkpoint
+from stream_recon.models.hub_paths import resolve_checkpoint
 
 
 def _input_size(source: FrameSource, options: RunOptions) -> tuple[int, int] | None:
