@@ -17,17 +17,9 @@ import torch
 from conftest import build_tiny_model
 from dataset_tree import write_dataset_tree, write_image_folder, write_tum_sequence
 
-from stream_recon.app.evaluation.batch import (
-    COMPLETE_MARKER,
-    SUMMARY_COLUMNS,
-    SUMMARY_JSON,
-    BatchError,
-    finished_row,
-    finished_settings,
-    plan_actors,
-    run_batch,
-    write_summary,
-)
+from stream_recon.app.evaluation.batch import COMPLETE_MARKER, BatchError, plan_actors, run_batch
+from stream_recon.app.evaluation.batch_resume import finished_row, finished_settings
+from stream_recon.app.evaluation.batch_summary import SUMMARY_COLUMNS, SUMMARY_JSON, write_summary
 from stream_recon.app.evaluation.datasets import discover_sequences
 from stream_recon.app.options import RunOptions, changed_settings
 from stream_recon.app.outputs.json_records import exact_strings, write_json_atomic

@@ -23,7 +23,6 @@ corrected one ("-": no open chain), with their means over the sequences that hav
 from __future__ import annotations
 
 from pathlib import Path
-from types import ModuleType
 from typing import Annotated, Any, Optional
 
 import typer
@@ -44,6 +43,7 @@ from stream_recon.app.commands._options import (
     takes_run_options,
     user_errors,
 )
+from stream_recon.app.evaluation.batch_summary import OPEN_CHAIN_ATE_RMSE, open_chain_means
 from stream_recon.app.stopping import interrupted_exit_code
 
 _BATCH = "Batch"
@@ -131,10 +131,10 @@ def batch(
                 ray_log_level=library_log_level(),
             )
         except batch.BatchInterrupted as interrupted:
-            console.print(summary_table(interrupted.rows, f"{output}/summary.json (interrupted)", batch))
+            console.print(summary_table(interrupted.rows, f"{output}/summary.json (interrupted)"))
             console.print("[yellow]batch interrupted[/yellow]: run the same command again to resume")
             raise typer.Exit(code=interrupted_exit_code(interrupted.signum)) from None
-    console.print(summary_table(rows, f"{output}/summary.json", batch))
+    console.print(summary_table(rows, f"{output}/summary.json"))
     if any(row["status"] == "failed" for row in rows):
         raise typer.Exit(code=EXIT_FAILED)
 
@@ -144,8 +144,8 @@ def batch(
 ERROR_CELL_CHARS = 40
 
 
-def summary_table(rows: list[dict], title: str, batch: ModuleType) -> Table:
-    """The batch's rows as a table; `batch`: app/evaluation/batch.py, which the command loaded."""
+def summary_table(rows: list[dict], title: str) -> Table:
+    """The batch's rows as a table."""
     table = Table(title=title)
     for column, justify in (
         ("sequence", "left"),
@@ -170,10 +170,10 @@ def summary_table(rows: list[dict], title: str, batch: ModuleType) -> Table:
             _cell(row.get("fps"), "{:.1f}"),
             _cell(row.get("loops_accepted")),
             _cell(row.get("ate_rmse"), "{:.4f}"),
-            _cell(row.get(batch.OPEN_CHAIN_ATE_RMSE), "{:.4f}", missing="-" if evaluated else ""),
+            _cell(row.get(OPEN_CHAIN_ATE_RMSE), "{:.4f}", missing="-" if evaluated else ""),
             _shortened(row.get("error") or ""),
         )
-    means = batch.open_chain_means(rows)
+    means = open_chain_means(rows)
     if means is not None:
         table.add_section()
         table.add_row(f"mean of {means.sequences} with an open chain", "", "", "", "",

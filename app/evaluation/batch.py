@@ -27,20 +27,20 @@ finished with these settings are still skipped), so an interrupted `--overwrite`
 Workers hold the model once and take sequences one at a time, the shape of Ray's
 `ActorPool.map_unordered`: in-process (one worker) or one Ray actor per GPU (`--ray`). Results come
 back as rows, never as exceptions, so one bad sequence cannot stop the others.
+
+The summary's columns and files are batch_summary.py's; which finished sequences are skipped, batch_resume.py's.
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import functools
-import json
 import logging
 import re
 import shutil
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,18 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from stream_recon.app.evaluation.batch_resume import (
+    SameCheckpoint,
+    finished_row,
+    outdated_message,
+    result_changes,
+)
+from stream_recon.app.evaluation.batch_summary import (
+    BASE_COLUMNS,
+    EVAL_COLUMNS,
+    OPEN_CHAIN_ATE_RMSE,
+    write_summary,
+)
 from stream_recon.app.evaluation.datasets import Sequence, TumFrames
 from stream_recon.app.evaluation.metrics import (
     DEFAULT_MAX_DIFF,
@@ -57,52 +69,26 @@ from stream_recon.app.evaluation.metrics import (
     evaluation_path,
     write_evaluation,
 )
-from stream_recon.app.options import OptionsError, RunOptions, changed_settings
-from stream_recon.app.outputs.atomic_writes import atomic_write
-from stream_recon.app.outputs.json_records import utf8_record
+from stream_recon.app.options import OptionsError, RunOptions
 from stream_recon.app.outputs.output_folder import OutputDirError
 from stream_recon.app.outputs.rundir import (
     BATCH_MARKER,
     PREDICTIONS_DIR,
     RunDirError,
     holds_run,
-    read_batch_marker,
-    read_run_info,
     run_accepted_loops,
     write_batch_marker,
 )
 from stream_recon.app.outputs.trajectories import TumFileError
 from stream_recon.app.run.clock import finite_or_none
-from stream_recon.app.run.loading import CheckpointDigest, load_model_for
+from stream_recon.app.run.loading import load_model_for
 from stream_recon.app.run.pipeline import run_sequence
 from stream_recon.app.sources.frames import SourceError
-from stream_recon.models import DEFAULT_CHECKPOINT, CheckpointError, FrameError
+from stream_recon.models import CheckpointError, FrameError
 
 logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = BATCH_MARKER
-SUMMARY_JSON = "summary.json"
-SUMMARY_CSV = "summary.csv"
-BASE_COLUMNS = ("name", "source", "kind", "status", "error", "frames", "keyframes", "fps", "seconds")
-LOOP_COLUMNS = ("loops_accepted",)  # run.json's summary.loop_closure.accepted, when the run reports it
-OPEN_CHAIN_ATE_RMSE = f"{OPEN_CHAIN}_ate_rmse"  # eval.json's open_chain.ate_rmse: ATE before loop closure
-EVAL_COLUMNS = (
-    "alignment",
-    "scale",
-    "matched_poses",
-    "ate_rmse",
-    OPEN_CHAIN_ATE_RMSE,
-    "ate_mean",
-    "ate_median",
-    "rpe_trans_rmse",
-    "rpe_rot_rmse_deg",
-    "auc_5",
-    "auc_15",
-    "auc_30",
-    "depth_abs_rel",
-    "depth_delta1",
-)
-SUMMARY_COLUMNS = BASE_COLUMNS + LOOP_COLUMNS + EVAL_COLUMNS
 
 ModelLoader = Callable[[], Any]
 
@@ -145,55 +131,6 @@ class EvalSettings:
 
 def run_dir_of(output_dir: Path, sequence: Sequence) -> Path:
     return Path(output_dir) / sequence.name
-
-
-def finished_row(run_dir: Path) -> dict | None:
-    """The row a finished sequence left in its marker, or None when it has not finished."""
-    marker = read_batch_marker(run_dir)
-    return None if marker is None else {key: value for key, value in marker.items() if key != "settings"}
-
-
-def finished_settings(run_dir: Path) -> dict:
-    """The result settings a finished sequence ran with: its marker's, or (markers written before they
-    held them) the options recorded in its run.json."""
-    marker = read_batch_marker(run_dir) or {}
-    if isinstance(marker.get("settings"), dict):
-        return marker["settings"]
-    run_info = read_run_info(run_dir)
-    settings = run_info.get("settings") if isinstance(run_info, dict) else None
-    return settings if isinstance(settings, dict) else {}
-
-
-class _SameCheckpoint:
-    """Whether a finished run used the checkpoint file this batch names, however the path is spelled
-    (absolute here, relative there): the sha256 its run.json recorded against this file's (hashed once)."""
-
-    def __init__(self, checkpoint: str | None) -> None:
-        self._checkpoint = checkpoint
-        self._digest: str | None = None
-        self._hashed = False
-
-    def __call__(self, run_dir: Path) -> bool:
-        run_info = read_run_info(run_dir)
-        summary = run_info.get("summary") if isinstance(run_info, dict) else None
-        recorded = summary.get("checkpoint_digest") if isinstance(summary, dict) else None
-        return recorded is not None and recorded == self._digest_now()
-
-    def _digest_now(self) -> str | None:
-        if not self._hashed:
-            self._hashed = True
-            self._digest = CheckpointDigest(self._checkpoint or DEFAULT_CHECKPOINT).result()
-        return self._digest
-
-
-def result_changes(run_dir: Path, run_options: RunOptions, same_checkpoint: Callable[[Path], bool]) -> list[str]:
-    """What a finished sequence ran with otherwise than these options, in the settings that change results
-    (`name old -> new`); a checkpoint named by another path to the same file is no change."""
-    before = finished_settings(run_dir)
-    changes = changed_settings(before, run_options.result_settings())
-    if any(change.startswith("checkpoint ") for change in changes) and same_checkpoint(run_dir):
-        changes = [change for change in changes if not change.startswith("checkpoint ")]
-    return changes
 
 
 def sequence_source(sequence: Sequence) -> Any:
@@ -324,52 +261,6 @@ def write_marker(run_dir: Path, row: dict, settings: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Summary
-
-
-def write_summary(output_dir: Path, rows: Iterable[dict]) -> None:
-    """summary.json (rows as given, eval keys only where evaluated) and summary.csv (every column)."""
-    rows = list(rows)
-    output_dir = Path(output_dir)
-    # a sequence folder's name need not be UTF-8: each row strict UTF-8, the exact name kept beside it
-    json_rows = [
-        utf8_record({key: row.get(key) for key in SUMMARY_COLUMNS if key in BASE_COLUMNS or key in row})
-        for row in rows
-    ]
-    text = json.dumps(json_rows, indent=2) + "\n"
-    atomic_write(output_dir / SUMMARY_JSON, lambda file: file.write(text), binary=False)
-
-    def write_csv(file) -> None:
-        writer = csv.DictWriter(file, fieldnames=SUMMARY_COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            readable = utf8_record({key: row.get(key) for key in SUMMARY_COLUMNS})
-            writer.writerow({key: "" if readable[key] is None else readable[key] for key in SUMMARY_COLUMNS})
-
-    atomic_write(output_dir / SUMMARY_CSV, write_csv, binary=False)
-
-
-@dataclass(frozen=True)
-class OpenChainMeans:
-    """Mean ATE RMSE with and without loop closure's correction, over the sequences that have both."""
-
-    sequences: int
-    ate_rmse: float
-    open_chain_ate_rmse: float
-
-
-def open_chain_means(rows: Iterable[dict]) -> OpenChainMeans | None:
-    """The means over the rows with both ATEs (the same sequences on both sides, so they compare);
-    None when no row has an open chain."""
-    pairs = [(row["ate_rmse"], row[OPEN_CHAIN_ATE_RMSE]) for row in rows
-             if row.get("ate_rmse") is not None and row.get(OPEN_CHAIN_ATE_RMSE) is not None]
-    if not pairs:
-        return None
-    corrected, open_chain = zip(*pairs, strict=True)
-    return OpenChainMeans(len(pairs), sum(corrected) / len(pairs), sum(open_chain) / len(pairs))
-
-
-# --------------------------------------------------------------------------------------------------
 # The batch
 
 
@@ -419,7 +310,7 @@ def run_batch(
     rows: dict[str, dict] = {}
     pending = []
     outdated: dict[str, list[str]] = {}  # sequence name -> what changed
-    same_checkpoint = _SameCheckpoint(run_options.checkpoint)
+    same_checkpoint = SameCheckpoint(run_options.checkpoint)
     for sequence in sequences:
         run_dir = run_dir_of(output_dir, sequence)
         previous = finished_row(run_dir)
@@ -431,7 +322,7 @@ def run_batch(
         else:
             rows[sequence.name] = {**previous, "status": "skipped"}
     if outdated and not overwrite:
-        raise BatchError(_outdated_message(output_dir, outdated, len(sequences)))
+        raise BatchError(outdated_message(output_dir, outdated, len(sequences)))
     # Ray is joined and asked for its resources, or the model loaded, before anything is written: a
     # refusal (no GPU in the cluster, a missing checkpoint) leaves nothing behind
     ray_session = (_RaySession.join(ray_address, gpus_per_task, len(pending), ray_log_level)
@@ -469,16 +360,6 @@ def run_batch(
         raise BatchInterrupted(ordered_rows(), getattr(interrupt, "signum", None)) from None
     write_summary(output_dir, ordered_rows())
     return ordered_rows()
-
-
-def _outdated_message(output_dir: Path, outdated: dict[str, list[str]], total: int) -> str:
-    names = list(outdated)
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return (
-        f"{len(names)} of {total} sequences in {output_dir} were finished with other settings "
-        f"({shown}: {', '.join(outdated[names[0]])}); pass --overwrite to redo them with these settings, "
-        "or choose another --output"
-    )
 
 
 def _check_no_overlap(output_dir: Path, sequences: list[Sequence]) -> None:
