@@ -602,7 +602,7 @@ def test_a_spare_with_fewer_window_slots_hands_over_what_rollovers_in_place_emit
 
 
 def test_the_provisional_room_shrinks_until_the_spare_fits():
-    from stream_recon.models.stream.chunked import provisional_room_that_fits
+    from stream_recon.models.stream.spare_room import provisional_room_that_fits
 
     def spare_bytes(room):  # a spare whose cache grows with its room
         return 1000 + 10 * room
@@ -619,8 +619,8 @@ def test_a_spare_sized_beside_an_engine_takes_what_is_free_less_the_margin():
     """The free-memory room (no --gpu-memory): what is free on the device less the margin. The engine's
     own eager step takes no room of its own: the spare's estimate holds one step's activations, and the
     two engines' eager steps never hold theirs at once (the allocator's cache is emptied between them)."""
-    from stream_recon.models.stream.chunked import provisional_room_that_fits, room_beside_engine
     from stream_recon.models.stream.memory import WORKSPACE_BYTES
+    from stream_recon.models.stream.spare_room import provisional_room_that_fits, room_beside_engine
 
     mib = 2**20
     free = 6390 * mib  # at the scale of a 518x392 engine and spare
@@ -637,8 +637,8 @@ def test_a_spare_sized_beside_an_engine_takes_what_is_free_less_the_margin():
 def test_under_a_budget_the_spares_room_is_what_the_budget_leaves_beside_the_allocator_or_the_free_memory():
     """--gpu-memory: what is free on the device is capped at what the budget leaves beside the CUDA context
     and the allocator's reserved bytes (budget_left); the margin comes off either."""
-    from stream_recon.models.stream.chunked import room_beside_engine
     from stream_recon.models.stream.memory import WORKSPACE_BYTES
+    from stream_recon.models.stream.spare_room import room_beside_engine
 
     mib = 2**20
     free = 5180 * mib

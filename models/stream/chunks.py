@@ -7,7 +7,7 @@ frames before the end of chunk n and predicts those frames again (they are its s
 shared frames give a similarity (Sim(3), models/stream/similarity.py) that maps chunk n+1 onto the already
 aligned chunk n, hence into chunk 0's world frame (spec MODEL.md §14).
 
-`ChunkAlignment` is that bookkeeping and nothing else: it takes one chunk's predictions in stream
+`check_chunking` refuses a cut the model cannot stream. `ChunkAlignment` is that bookkeeping and nothing else: it takes one chunk's predictions in stream
 order, holds the first `shared` of them until the chunk's transform can be estimated, and emits
 them mapped into the world frame. It keeps the last `overlap` emitted frames (the tail the next
 chunk is aligned on) and each chunk's transform. It never runs the model.
@@ -25,6 +25,7 @@ import numpy as np
 from .pose import decode_pose
 from .prediction import FramePrediction
 from .similarity import FrameRatios, Sim3, alignment_frames, estimate_chunk_alignment, overlap_covariance
+from .stream_config import TRAINED_VIEWS
 
 logger = logging.getLogger("stream_recon.models.stream.chunks")
 
@@ -192,3 +193,25 @@ def aligned(raws: list[FramePrediction], transform: Sim3) -> list[FramePredictio
     scale = np.float32(transform.scale)
     return [replace(raw, pose_enc=pose_enc[k], c2w=c2w[k], intrinsics=intrinsics[k], depth=raw.depth * scale)
             for k, raw in enumerate(raws)]
+
+
+def check_chunking(chunk_frames: int, overlap: int, scale_frames: int, max_frames: int) -> None:
+    """Refuse chunk settings the model cannot stream (ValueError, naming the settings)."""
+    if chunk_frames <= scale_frames:
+        raise ValueError(
+            f"chunk_frames={chunk_frames} must be larger than scale_frames={scale_frames}: a chunk needs "
+            "room for at least one streaming keyframe"
+        )
+    if chunk_frames > max_frames:
+        raise ValueError(
+            f"chunk_frames={chunk_frames} exceeds the model's temporal RoPE table "
+            f"({max_frames} positions); use at most {TRAINED_VIEWS}, the trained range"
+        )
+    if not 1 <= overlap < chunk_frames:
+        raise ValueError(
+            f"overlap={overlap} must be between 1 and chunk_frames - 1 = {chunk_frames - 1}: chunks are "
+            "aligned on the frames they share"
+        )
+    if chunk_frames > TRAINED_VIEWS:
+        logger.warning("chunk_frames=%d is beyond the %d views the model was trained with; quality may degrade",
+                       chunk_frames, TRAINED_VIEWS)
