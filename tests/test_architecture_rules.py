@@ -501,6 +501,57 @@ def test_reading_a_finished_run_never_imports_torch() -> None:
     assert result.stdout.strip() == "[]", result.stdout[:300]
 
 
+# -- a file holds one concern: its length says when it holds more ------------------------------------------
+# The files a maintainer opens first (the run directory, the run's pipeline, the source's reader) hold at most
+# 450 lines, every other file of app/, models/ and cache/ at most 600: past that a file holds more than one
+# concern and is split by concern (docs/ARCHITECTURE.md maps the pieces). A kernel file (one that defines a
+# Triton or Gluon kernel: the kernel, its launch and its schedule share one compiled program's constants) is
+# exempt.
+FIRST_READ_FILES = ("app/outputs/rundir.py", "app/run/pipeline.py", "app/sources/reader.py")
+MAX_FIRST_READ_LINES, MAX_PRODUCT_FILE_LINES = 450, 600
+
+
+def defines_a_kernel(path: Path) -> bool:
+    """Whether a function of the file is a Triton or Gluon kernel (`@triton.jit`, `@gluon.jit(...)`)."""
+    for node in ast.walk(parsed_source(path)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for decorator in node.decorator_list:
+                name = ast.unparse(decorator.func if isinstance(decorator, ast.Call) else decorator)
+                if name in ("triton.jit", "gluon.jit"):
+                    return True
+    return False
+
+
+def files_too_long(paths: list[Path], root: Path | None = None) -> list[str]:
+    """'file: N lines (at most M)' for each file over its limit; kernel files are not counted."""
+    found = []
+    for path in paths:
+        where = relative(path, root)
+        limit = MAX_FIRST_READ_LINES if where in FIRST_READ_FILES else MAX_PRODUCT_FILE_LINES
+        lines = len(path.read_text().splitlines())
+        if lines > limit and not defines_a_kernel(path):
+            found.append(f"{where}: {lines} lines (at most {limit}: split it by concern)")
+    return found
+
+
+def test_no_product_file_is_longer_than_its_limit() -> None:
+    kernels = {relative(path) for path in python_files("cache", "models") if defines_a_kernel(path)}
+    assert {"cache/triton_attention.py", "cache/gluon_attention.py", "cache/tile_pieces.py",
+            "cache/triton_store.py"} <= kernels  # the scan tells a kernel file
+    assert all((ROOT / path).exists() for path in FIRST_READ_FILES)
+    assert files_too_long(python_files("app", "models", "cache")) == []
+
+
+@pytest.mark.parametrize(("placed", "lines", "limit"), [("app/run/pipeline.py", 451, 450),
+                                                        ("app/outputs/writers.py", 601, 600)])
+def test_a_file_over_its_limit_is_named_with_its_length(tmp_path: Path, placed: str, lines: int, limit: int) -> None:
+    copy = tmp_path / placed
+    copy.parent.mkdir(parents=True)
+    text = (ROOT / placed).read_text()
+    copy.write_text(text + "\n" * (lines - len(text.splitlines())))
+    assert files_too_long([copy], tmp_path) == [f"{placed}: {lines} lines (at most {limit}: split it by concern)"]
+
+
 # -- the builds: one room, small, with one piece of process-wide state ----------------------------------------
 MAX_BUILD_FILES, MAX_BUILD_LINES = 9, 2_000
 
