@@ -116,7 +116,7 @@ def recorded_loops(run_info: dict[str, Any]) -> tuple[LoopRecord, ...]:
 
 
 def load_frame(path: Path) -> FramePrediction:
-    """One prediction file (DESIGN.md §5, read by rundir's `load_prediction`) as a FramePrediction."""
+    """One prediction file (DESIGN.md §5, read by npz_reading's `load_prediction`) as a FramePrediction."""
     record = load_prediction(path)
     depth = np.asarray(record["depth"], dtype=np.float32)
     if record["sky_mask"] is not None:  # a masked run's dropped pixels (app.outputs.masks) have no depth to draw

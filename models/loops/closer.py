@@ -296,7 +296,7 @@ def solve(links: Sequence[ChunkLink], loops: Sequence[LoopEdge], settings: PoseG
 def corrections_from_solve(graph: PoseGraph, result: PoseGraphResult, records: Sequence[LoopRecord] = (),
                            version: int = 1) -> ChunkCorrections:
     """A solve as moves of the emitted predictions: chunk c's emissions were placed by the open chain
-    (the odometry composed, pose_graph.open_chain), so they move by result[c] @ open_chain[c]^-1; nothing
+    (the odometry composed, pose_graph_data.open_chain), so they move by result[c] @ open_chain[c]^-1; nothing
     moves when no loop was accepted. `records` (LoopRecord, keyed by loop_id as the loop edges are) get the
     graph's verdicts; records of loops the graph did not hold are kept as they are."""
     chain = open_chain(graph.odometry)
