@@ -43,7 +43,7 @@ def localise(
 ) -> None:
     """Place query frames in a finished run's map: a pose in the run's world for each, or why not."""
     # torch, OpenCV and the run's readers load with it: when the command runs, never for -h
-    from stream_recon.app.outputs import localised
+    from stream_recon.app.run import localise as localised
 
     console = error_console()
     columns = (SpinnerColumn(), TextColumn("placing frames: {task.completed} done"), TimeElapsedColumn())

@@ -20,17 +20,19 @@ another, the run's files' where a solve or a refine moved them); the pose comes 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
+from ..stream.prediction import FramePrediction
 from ..stream.similarity import Sim3
-from .closer import LoopAlignment, LoopClosureConfig, _KeyframePoints, align_loop
+from .closer import LoopAlignment, LoopClosureConfig, _KeyframePoints, align_loop, keyframe_of, map_manifest
 from .geometric_check import ImageFeatures, check_pair
-from .retrieval import KeyframeIndex, LoopCandidate
-from .saved_map import MapKeyframe
+from .refine import indexed_keyframe
+from .retrieval import KeyframeIndex, LoopCandidate, gradient_grid_descriptor
+from .saved_map import MapKeyframe, SavedMap, refusal
 
 PLACED = "placed"
 NOT_RETRIEVED = "no keyframe of the map looks alike"
@@ -129,6 +131,11 @@ class MapLocaliser:
         """The map's keyframes that look like `descriptor`, best first (retrieval's rules, every chunk)."""
         return self._index.candidates(descriptor, self._after_last_chunk, self._retrieval)
 
+    def nearest_to_picture(self, image: np.ndarray) -> list[LoopCandidate]:
+        """`nearest` for a picture [H, W, 3] uint8 (the weight-free descriptor: a map that `map_refusal`
+        passed is indexed with it), before any model has seen it."""
+        return self.nearest(gradient_grid_descriptor(image))
+
     def place(self, query: QueryFrame) -> Verdict:
         candidates = self.nearest(query.descriptor)
         if not candidates:
@@ -204,6 +211,33 @@ class MapLocaliser:
                        best.matches, best.inliers, agreeing, rms)
 
 
+def query_of(prediction: FramePrediction, config: LocaliseConfig = LocaliseConfig()) -> QueryFrame:
+    """A query frame from the model's prediction of it (its picture, depth and pose in the prediction's world),
+    made as refine indexes a keyframe."""
+    indexed = indexed_keyframe(keyframe_of(prediction), config.closure)
+    return QueryFrame(indexed.descriptor, indexed.features, indexed.intrinsics, indexed.points.points,
+                      indexed.points.median_depth, np.asarray(prediction.c2w, np.float64))
+
+
+def map_refusal(saved: SavedMap, checkpoint: Mapping[str, Any], config: LocaliseConfig = LocaliseConfig()) -> str | None:
+    """Why `saved` cannot place frames of the model `checkpoint` (name, bytes, sha256) with this version's
+    descriptor and features, in one line; None when it can."""
+    wanted = map_manifest(config.closure, checkpoint, saved.manifest.chunk_frames, saved.manifest.overlap)
+    return refusal(saved.manifest, wanted, saved.path)
+
+
+def keyframe_in_world(keyframe: MapKeyframe, c2w: np.ndarray, median_depth: float) -> MapKeyframe | None:
+    """The keyframe carried into a world where its camera is `c2w` and its median confident depth `median_depth`
+    (a run's files, which a solve or a refine moved by a Sim(3), depth scaled); None where either depth is not
+    a positive number (nothing of it could be matched in 3D)."""
+    scale = median_depth / keyframe.median_depth
+    if not (np.isfinite(scale) and scale > 0):
+        return None
+    c2w = np.asarray(c2w, np.float64)
+    rotation = c2w[:3, :3] @ keyframe.c2w[:3, :3].T
+    return keyframe_moved(keyframe, Sim3(scale, rotation, c2w[:3, 3] - scale * rotation @ keyframe.c2w[:3, 3]))
+
+
 def keyframe_moved(keyframe: MapKeyframe, move: Sim3) -> MapKeyframe:
     """The keyframe in another world, `move` taking its world there: its camera and points moved, its depth
     scaled."""
@@ -212,4 +246,5 @@ def keyframe_moved(keyframe: MapKeyframe, move: Sim3) -> MapKeyframe:
 
 
 __all__ = ["FEW_MATCHES", "GEOMETRY_FAILED", "LOOK_ALIKE", "LocaliseConfig", "MapLocaliser", "NOT_RETRIEVED",
-           "PLACED", "POINTS_DISAGREE", "QueryFrame", "Verdict", "keyframe_moved"]
+           "PLACED", "POINTS_DISAGREE", "QueryFrame", "Verdict", "keyframe_in_world", "keyframe_moved",
+           "map_refusal", "query_of"]

@@ -46,21 +46,19 @@ from stream_recon.app.sources.preprocess import (
     preprocess_frame_uint8,
     upright_rgb,
 )
-from stream_recon.models import MapError, SavedMap, read_map
-from stream_recon.models.checkpoint import checkpoint_digest, resolve_checkpoint
-from stream_recon.models.loops.closer import LoopClosureConfig, keypoint_points, map_manifest
-from stream_recon.models.loops.geometric_check import extract_features
-from stream_recon.models.loops.localise import (
+from stream_recon.models import (
     NOT_RETRIEVED,
     LocaliseConfig,
+    MapError,
     MapLocaliser,
-    QueryFrame,
+    SavedMap,
     Verdict,
-    keyframe_moved,
+    keyframe_in_world,
+    map_refusal,
+    query_of,
+    read_map,
 )
-from stream_recon.models.loops.retrieval import gradient_grid_descriptor
-from stream_recon.models.loops.saved_map import MapKeyframe, refusal
-from stream_recon.models.stream.similarity import Sim3
+from stream_recon.models.checkpoint import checkpoint_digest, resolve_checkpoint
 
 LOCALISED_DIR = "localised"  # the default output folder, inside the run
 POSES_TUM = "poses_tum.txt"
@@ -123,13 +121,18 @@ def localise_run(run_dir: Path, frames: Sequence[str], output_dir: Path | None =
         raise LocaliseError(f"{run_dir}'s map holds no complete chunk yet (the run was stopped in its second "
                             "chunk): nothing to place frames in")
     options = _options(read_run_info(run_dir).get("settings", {}), checkpoint, device, run_dir)
-    _check_checkpoint(saved, options.checkpoint)
+    path = resolve_checkpoint(options.checkpoint)
+    refused = map_refusal(saved, {"name": Path(options.checkpoint).name, "bytes": path.stat().st_size,
+                                  "sha256": checkpoint_digest(path)})
+    if refused is not None:
+        raise LocaliseError(refused)
     sources = [_opened(spec) for spec in frames]  # each readable, before the model loads
-    files = dict(prediction_files(run_dir))
-    keyframes, images = _in_run_world(saved.keyframes, files, LoopClosureConfig().min_confidence)
+    config = LocaliseConfig()
+    keyframes, images = _in_run_world(saved, dict(prediction_files(run_dir)), config.closure.min_confidence)
     if not keyframes:
-        raise LocaliseError(f"{run_dir} holds no prediction file of its map's keyframes: run the video again")
-    localiser = MapLocaliser(keyframes, LocaliseConfig())
+        raise LocaliseError(f"{run_dir} holds no prediction file of its map's keyframes with confident depth: "
+                            "run the video again")
+    localiser = MapLocaliser(keyframes, config)
     context_note = None if images else (f"{run_dir} kept no pictures (--no-save-images): each query ran alone, "
                                         "its depth's scale fitted with its placement")
     runner = _QueryRunner(options, console or Console(stderr=True, quiet=True))
@@ -159,17 +162,6 @@ def _options(settings: dict[str, Any], checkpoint: str | None, device: str | Non
                   warm_up="off", viewer=False, keep_viewer=False, loop_closure="off", mask_sky=False, mask_dir=None,
                   gpu_memory=None, max_frames=None, start=0, stride=1, fps=None, rotate=0)
     return RunOptions(**values)
-
-
-def _check_checkpoint(saved: SavedMap, checkpoint: str) -> None:
-    """The map's checkpoint is this one (its sha256), and its features the loop closer's of this version."""
-    path = resolve_checkpoint(checkpoint)
-    wanted = map_manifest(LoopClosureConfig(), {"name": Path(checkpoint).name, "bytes": path.stat().st_size,
-                                                "sha256": checkpoint_digest(path)},
-                          saved.manifest.chunk_frames, saved.manifest.overlap)
-    refused = refusal(saved.manifest, wanted, saved.path)
-    if refused is not None:
-        raise LocaliseError(refused)
 
 
 def _opened(spec: str) -> Callable[[], Iterator[QueryImage]]:
@@ -206,27 +198,23 @@ def _video_frames(spec: str) -> Iterator[QueryImage]:
         source.close()
 
 
-def _in_run_world(keyframes: Sequence[MapKeyframe], files: dict[int, Path],
-                  min_confidence: float) -> tuple[list[MapKeyframe], dict[int, np.ndarray]]:
-    """The map's keyframes carried into the run's world, each by the move its prediction file shows (its pose
-    there over the map's, its confident depth's median over the map's: a solve or a refine moved the file by
-    a Sim(3), depth scaled), and their pictures where the run kept them. Keyframes without a file are left
+def _in_run_world(saved: SavedMap, files: dict[int, Path], min_confidence: float) -> tuple[list, dict[int, np.ndarray]]:
+    """The map's keyframes carried into the run's world, each by what its prediction file shows (its pose
+    there, its confident depth's median: a solve or a refine moved the file by a Sim(3), depth scaled), and
+    their pictures where the run kept them. Keyframes without a file, or without confident depth, are left
     out."""
     moved, images = [], {}
-    for keyframe in keyframes:
+    for keyframe in saved.keyframes:
         path = files.get(keyframe.frame_index)
         if path is None:
             continue
         record = load_prediction(path)
         depth, confidence = record["depth"], record["depth_conf"]
         sure = depth[(confidence >= min_confidence) & (depth > 0) & np.isfinite(depth)]
-        scale = float(np.median(sure)) / keyframe.median_depth if sure.size else float("nan")
-        if not (np.isfinite(scale) and scale > 0):
-            continue  # no confident depth: nothing of it could be matched in 3D either
-        c2w = np.asarray(record["c2w"], np.float64)
-        rotation = c2w[:3, :3] @ keyframe.c2w[:3, :3].T
-        move = Sim3(scale, rotation, c2w[:3, 3] - scale * rotation @ keyframe.c2w[:3, 3])
-        moved.append(keyframe_moved(keyframe, move))
+        placed = keyframe_in_world(keyframe, record["c2w"], float(np.median(sure)) if sure.size else float("nan"))
+        if placed is None:
+            continue
+        moved.append(placed)
         if record["image"] is not None:
             images[keyframe.frame_index] = record["image"]
     return moved, images
@@ -257,19 +245,13 @@ class _QueryRunner:
 def _placed(query: QueryImage, localiser: MapLocaliser, runner: _QueryRunner, images: dict[int, np.ndarray],
             image_width: int) -> Verdict:
     image = preprocess_frame_uint8(query.rgb, image_width)  # [3, H, W], as the run's frames
-    nearest = localiser.nearest(gradient_grid_descriptor(image.transpose(1, 2, 0)))
+    nearest = localiser.nearest_to_picture(image.transpose(1, 2, 0))
     if not nearest:
         return Verdict(False, NOT_RETRIEVED)
     context = [images[candidate.frame_index] for candidate in nearest[:CONTEXT_FRAMES]
                if candidate.frame_index in images]
     context = [picture for picture in context if picture.shape[:2] == image.shape[1:]]  # another size runs alone
-    prediction = runner.predict(context, image)
-    closure = localiser.config.closure
-    features = extract_features(prediction.image, closure.detection.features)
-    points, median_depth = keypoint_points(features.keypoints, prediction.depth, prediction.depth_conf,
-                                           prediction.intrinsics, prediction.c2w, closure.min_confidence)
-    return localiser.place(QueryFrame(gradient_grid_descriptor(prediction.image), features, prediction.intrinsics,
-                                      points, median_depth, prediction.c2w))
+    return localiser.place(query_of(runner.predict(context, image), localiser.config))
 
 
 def _write(result: LocaliseResult, run_dir: Path) -> None:
