@@ -17,12 +17,15 @@ from evo_data import evo_data_dir
 from localise_scenarios import landmarks_along, mapped_run, placement_error, query_at
 from loop_scenarios import LOOP_CONFIG, TRAJECTORIES
 
+from stream_recon.models.loops.geometric_check import ImageFeatures
 from stream_recon.models.loops.localise import (
     LOOK_ALIKE,
     NOT_RETRIEVED,
     PLACED,
+    POINTS_DISAGREE,
     LocaliseConfig,
     MapLocaliser,
+    QueryFrame,
     keyframe_moved,
 )
 from stream_recon.models.stream.similarity import Sim3
@@ -86,6 +89,28 @@ def test_frames_of_another_trajectory_are_not_placed(name: str) -> None:
             reasons.add(verdict.reason)
             assert verdict.placed or (verdict.c2w is None and verdict.retrieved > 0)
     assert refused >= 0.99 * len(SEEDS) * QUERIES, (refused, reasons)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["KITTI 00", "TUM fr2_desk", "EuRoC V1_02"])
+def test_a_picture_of_a_place_is_not_the_place(name: str) -> None:
+    """A query that sees every feature as a keyframe of the map does, pixel for pixel, but on a plane at the
+    keyframe's median depth (a poster of the place): retrieval and the geometric check pass it, the 3D
+    agreement does not."""
+    trajectory = TRAJECTORIES[name]
+    run = mapped_run(trajectory, trajectory.poses(evo_data_dir()), 0)
+    localiser = MapLocaliser(run.keyframes)
+    rng = np.random.default_rng(4000)
+    reasons = []
+    for keyframe in run.keyframes:
+        keypoints = keyframe.keypoints + rng.normal(0, 0.5, keyframe.keypoints.shape).astype(np.float32)
+        rays = np.linalg.solve(keyframe.intrinsics, np.concatenate([keypoints, np.ones((len(keypoints), 1))], 1).T).T
+        poster = rays / rays[:, 2:] * keyframe.median_depth
+        poster[~np.isfinite(keyframe.points).all(axis=1)] = np.nan
+        query = QueryFrame(keyframe.descriptor, ImageFeatures(keypoints, keyframe.descriptors), keyframe.intrinsics,
+                           poster, keyframe.median_depth, np.eye(4)[:3])
+        reasons.append(localiser.place(query).reason)
+    assert reasons.count(POINTS_DISAGREE) >= 0.99 * len(reasons), sorted(set(reasons))
 
 
 def test_a_place_the_map_holds_twice_is_a_look_alike_and_an_unknown_one_is_not_retrieved() -> None:
