@@ -130,6 +130,22 @@ def test_frames_of_an_unrelated_scene_are_not_placed(mapped_run: Path, tmp_path:
     assert written and all(line.startswith("#") for line in written)  # the header alone
 
 
+def test_a_run_without_its_pictures_runs_each_query_alone_and_says_so(video: Path, sure_checkpoint: Path,
+                                                                       tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    made = stream_recon(str(video), "--checkpoint", str(sure_checkpoint), "-o", str(run_dir), *FLAGS,
+                        "--no-save-images")
+    assert made.returncode == EXIT_OK, made.stdout + made.stderr
+    queries = pictures_of(video, tmp_path / "queries", [5, 13])
+    result = stream_recon("localise", str(run_dir), str(queries))
+    assert result.returncode == EXIT_OK, result.stdout + result.stderr
+    said = lines(result)
+    assert len(said) == 2 and "kept no pictures (--no-save-images): each query ran alone" in said[0], said
+    assert said[1].startswith("placed ") and " of 2 frames" in said[1]
+    record = json.loads((run_dir / "localised" / "verdicts.json").read_text())
+    assert "ran alone" in record["context"] and len(record["queries"]) == 2
+
+
 def test_a_run_that_cannot_serve_is_refused_in_one_line(mapped_run: Path, video: Path, tmp_path: Path,
                                                        sure_checkpoint: Path) -> None:
     queries = pictures_of(video, tmp_path / "queries", [3])
@@ -137,7 +153,8 @@ def test_a_run_that_cannot_serve_is_refused_in_one_line(mapped_run: Path, video:
     other = tmp_path / "other.safetensors"
     other.write_bytes(sure_checkpoint.read_bytes()[:-8] + b"        ")
     for args, said in (([str(run_dir), str(tmp_path / "missing.mp4")], "no such file"),
-                       ([str(run_dir), str(queries), "--checkpoint", str(other)], "give the same --checkpoint")):
+                       ([str(run_dir), str(queries), "--checkpoint", str(other)], "give the same --checkpoint"),
+                       ([str(run_dir), str(queries), "-o", str(other)], "give -o a folder")):
         refused = stream_recon("localise", *args)
         assert refused.returncode == EXIT_BAD_INPUT and len(lines(refused)) == 1, refused.stdout + refused.stderr
         assert lines(refused)[0].startswith("error: ") and said in lines(refused)[0], lines(refused)

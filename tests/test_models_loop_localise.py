@@ -26,8 +26,10 @@ from stream_recon.models.loops.localise import (
     LocaliseConfig,
     MapLocaliser,
     QueryFrame,
+    keyframe_in_world,
     keyframe_moved,
 )
+from stream_recon.models.loops.saved_map import MapKeyframe
 from stream_recon.models.stream.similarity import Sim3
 
 SEEDS = range(3)
@@ -130,3 +132,22 @@ def test_a_place_the_map_holds_twice_is_a_look_alike_and_an_unknown_one_is_not_r
     assert not verdict.placed and verdict.reason.startswith(LOOK_ALIKE) and verdict.c2w is None
     unrelated = replace(query, descriptor=-np.asarray(query.descriptor))
     assert MapLocaliser(run.keyframes).place(unrelated).reason == NOT_RETRIEVED
+
+
+def test_a_keyframe_is_carried_into_the_world_its_run_files_show() -> None:
+    """A run's files moved by a Sim(3) (a solve, a refine: the pose moved, the depth scaled): the keyframe's
+    pose there and its depth's median give back that Sim(3), points and all; no confident depth, no keyframe."""
+    rng = np.random.default_rng(1)
+    c2w = np.eye(4)[:3]
+    c2w[:, 3] = rng.normal(size=3)
+    keyframe = MapKeyframe(16, 1, c2w, np.eye(3), (48, 64), rng.normal(size=128).astype(np.float32),
+                           np.zeros((30, 2), np.float32), np.zeros((30, 128), np.uint8), rng.normal(size=(30, 3)), 2.5)
+    move = Sim3(1.7, np.linalg.qr(rng.normal(size=(3, 3)))[0], rng.normal(size=3))
+    if np.linalg.det(move.rotation) < 0:
+        move = Sim3(move.scale, -move.rotation, move.translation)
+    carried = keyframe_in_world(keyframe, move.apply_to_poses(keyframe.c2w), keyframe.median_depth * move.scale)
+    expected = keyframe_moved(keyframe, move)
+    np.testing.assert_allclose(carried.points, expected.points, atol=1e-9)
+    np.testing.assert_allclose(carried.c2w, expected.c2w, atol=1e-9)
+    assert carried.median_depth == pytest.approx(expected.median_depth)
+    assert keyframe_in_world(keyframe, keyframe.c2w, float("nan")) is None

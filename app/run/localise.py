@@ -112,20 +112,12 @@ def localise_run(run_dir: Path, frames: Sequence[str], output_dir: Path | None =
     started = time.perf_counter()
     run_dir = Path(run_dir)
     progress = progress or (lambda done, total: None)
-    try:
-        check_run_dir(run_dir)
-        saved = read_map(run_dir)
-    except (ValueError, MapError) as error:
-        raise LocaliseError(str(error)) from None
-    if not saved.keyframes:
-        raise LocaliseError(f"{run_dir}'s map holds no complete chunk yet (the run was stopped in its second "
-                            "chunk): nothing to place frames in")
+    saved = _map_of(run_dir)
     options = _options(read_run_info(run_dir).get("settings", {}), checkpoint, device, run_dir)
-    path = resolve_checkpoint(options.checkpoint)
-    refused = map_refusal(saved, {"name": Path(options.checkpoint).name, "bytes": path.stat().st_size,
-                                  "sha256": checkpoint_digest(path)})
-    if refused is not None:
-        raise LocaliseError(refused)
+    _check_checkpoint(saved, options.checkpoint)
+    output_dir = Path(output_dir) if output_dir is not None else run_dir / LOCALISED_DIR
+    if output_dir.exists() and not output_dir.is_dir():
+        raise LocaliseError(f"{output_dir} is a file: give -o a folder (poses_tum.txt and verdicts.json go in it)")
     sources = [_opened(spec) for spec in frames]  # each readable, before the model loads
     config = LocaliseConfig()
     keyframes, images = _in_run_world(saved, dict(prediction_files(run_dir)), config.closure.min_confidence)
@@ -143,10 +135,31 @@ def localise_run(run_dir: Path, frames: Sequence[str], output_dir: Path | None =
             progress(len(verdicts), None)
     finally:
         runner.close()
-    output_dir = Path(output_dir) if output_dir is not None else run_dir / LOCALISED_DIR
     result = LocaliseResult(output_dir, verdicts, context_note, time.perf_counter() - started)
     _write(result, run_dir)
     return result
+
+
+def _map_of(run_dir: Path) -> SavedMap:
+    """The run's map, with a keyframe at least."""
+    try:
+        check_run_dir(run_dir)
+        saved = read_map(run_dir)
+    except (ValueError, MapError) as error:
+        raise LocaliseError(str(error)) from None
+    if not saved.keyframes:
+        raise LocaliseError(f"{run_dir}'s map holds no complete chunk yet (the run was stopped in its second "
+                            "chunk): nothing to place frames in")
+    return saved
+
+
+def _check_checkpoint(saved: SavedMap, checkpoint: str) -> None:
+    """The map was made with `checkpoint` (its sha256) and indexed as this version indexes."""
+    path = resolve_checkpoint(checkpoint)
+    refused = map_refusal(saved, {"name": Path(checkpoint).name, "bytes": path.stat().st_size,
+                                  "sha256": checkpoint_digest(path)})
+    if refused is not None:
+        raise LocaliseError(refused)
 
 
 def _options(settings: dict[str, Any], checkpoint: str | None, device: str | None, run_dir: Path) -> RunOptions:
