@@ -33,6 +33,7 @@ from stream_recon.app.options import RunOptions, current_names, resolve_device, 
 from stream_recon.app.outputs.rundir import (
     check_run_dir,
     load_prediction,
+    prediction_fields,
     prediction_files,
     read_run_info,
     write_json_atomic,
@@ -120,18 +121,22 @@ def localise_run(run_dir: Path, frames: Sequence[str], output_dir: Path | None =
         raise LocaliseError(f"{output_dir} is a file: give -o a folder (poses_tum.txt and verdicts.json go in it)")
     sources = [_opened(spec) for spec in frames]  # each readable, before the model loads
     config = LocaliseConfig()
-    keyframes, images = _in_run_world(saved, dict(prediction_files(run_dir)), config.closure.min_confidence)
+    files = dict(prediction_files(run_dir))
+    keyframes = _in_run_world(saved, files, config.closure.min_confidence)
     if not keyframes:
         raise LocaliseError(f"{run_dir} holds no prediction file of its map's keyframes with confident depth: "
                             "run the video again")
     localiser = MapLocaliser(keyframes, config)
-    context_note = None if images else (f"{run_dir} kept no pictures (--no-save-images): each query ran alone, "
+    pictures = {keyframe.frame_index: files[keyframe.frame_index] for keyframe in keyframes}
+    if load_prediction(files[keyframes[0].frame_index])["image"] is None:
+        pictures = {}
+    context_note = None if pictures else (f"{run_dir} kept no pictures (--no-save-images): each query ran alone, "
                                         "its depth's scale fitted with its placement")
     runner = _QueryRunner(options, console or Console(stderr=True, quiet=True))
     verdicts = []
     try:
         for query in (image for source in sources for image in source()):
-            verdicts.append((query, _placed(query, localiser, runner, images, options.image_width)))
+            verdicts.append((query, _placed(query, localiser, runner, pictures, options.image_width)))
             progress(len(verdicts), None)
     finally:
         runner.close()
@@ -211,26 +216,22 @@ def _video_frames(spec: str) -> Iterator[QueryImage]:
         source.close()
 
 
-def _in_run_world(saved: SavedMap, files: dict[int, Path], min_confidence: float) -> tuple[list, dict[int, np.ndarray]]:
+def _in_run_world(saved: SavedMap, files: dict[int, Path], min_confidence: float) -> list:
     """The map's keyframes carried into the run's world, each by what its prediction file shows (its pose
-    there, its confident depth's median: a solve or a refine moved the file by a Sim(3), depth scaled), and
-    their pictures where the run kept them. Keyframes without a file, or without confident depth, are left
-    out."""
-    moved, images = [], {}
+    there, its confident depth's median: a solve or a refine moved the file by a Sim(3), depth scaled).
+    Keyframes without a file, or without confident depth, are left out."""
+    moved = []
     for keyframe in saved.keyframes:
         path = files.get(keyframe.frame_index)
         if path is None:
             continue
-        record = load_prediction(path)
+        record = prediction_fields(path, "c2w", "depth", "depth_conf")  # (not the picture: read when a query needs it)
         depth, confidence = record["depth"], record["depth_conf"]
         sure = depth[(confidence >= min_confidence) & (depth > 0) & np.isfinite(depth)]
         placed = keyframe_in_world(keyframe, record["c2w"], float(np.median(sure)) if sure.size else float("nan"))
-        if placed is None:
-            continue
-        moved.append(placed)
-        if record["image"] is not None:
-            images[keyframe.frame_index] = record["image"]
-    return moved, images
+        if placed is not None:
+            moved.append(placed)
+    return moved
 
 
 class _QueryRunner:
@@ -255,15 +256,17 @@ class _QueryRunner:
         self.engine.close()
 
 
-def _placed(query: QueryImage, localiser: MapLocaliser, runner: _QueryRunner, images: dict[int, np.ndarray],
+def _placed(query: QueryImage, localiser: MapLocaliser, runner: _QueryRunner, pictures: dict[int, Path],
             image_width: int) -> Verdict:
+    """The query's verdict; `pictures`: the prediction file of each keyframe whose picture the run kept."""
     image = preprocess_frame_uint8(query.rgb, image_width)  # [3, H, W], as the run's frames
     nearest = localiser.nearest_to_picture(image.transpose(1, 2, 0))
     if not nearest:
         return Verdict(False, NOT_RETRIEVED)
-    context = [images[candidate.frame_index] for candidate in nearest[:CONTEXT_FRAMES]
-               if candidate.frame_index in images]
-    context = [picture for picture in context if picture.shape[:2] == image.shape[1:]]  # another size runs alone
+    context = [load_prediction(pictures[candidate.frame_index])["image"] for candidate in nearest[:CONTEXT_FRAMES]
+               if candidate.frame_index in pictures]
+    # a picture of another size than the query's: the query runs without it
+    context = [picture for picture in context if picture is not None and picture.shape[:2] == image.shape[1:]]
     return localiser.place(query_of(runner.predict(context, image), localiser.config))
 
 
