@@ -29,7 +29,7 @@ import numpy as np
 from ..stream.prediction import FramePrediction
 from ..stream.similarity import Sim3
 from .closer import LoopAlignment, LoopClosureConfig, _KeyframePoints, align_loop, keyframe_of, map_manifest
-from .geometric_check import ImageFeatures, check_pair
+from .geometric_check import NOT_FITTED, ImageFeatures, check_pair
 from .refine import indexed_keyframe
 from .retrieval import KeyframeIndex, LoopCandidate, gradient_grid_descriptor
 from .saved_map import MapKeyframe, SavedMap, refusal
@@ -107,7 +107,7 @@ class _Tried:
     candidate: LoopCandidate
     matches: int
     inliers: int
-    fitted: bool  # the check had matches enough to fit its geometry
+    fitted: bool  # the check had matches enough to fit its geometry (not geometric_check's NOT_FITTED)
     alignment: LoopAlignment | None  # when the check passed
 
 
@@ -137,6 +137,7 @@ class MapLocaliser:
         return self.nearest(gradient_grid_descriptor(image))
 
     def place(self, query: QueryFrame) -> Verdict:
+        """The query's verdict (the module docstring's stages); its pose in the keyframes' world when placed."""
         candidates = self.nearest(query.descriptor)
         if not candidates:
             return Verdict(False, NOT_RETRIEVED)
@@ -159,7 +160,7 @@ class MapLocaliser:
         closure = self.config.closure
         check = check_pair(query.features, ImageFeatures(keyframe.keypoints, keyframe.descriptors), query.intrinsics,
                            keyframe.intrinsics, closure.detection.check)
-        fitted = check.inliers > 0 or check.matches >= max(closure.detection.check.min_inliers, 8)
+        fitted = check.geometry != NOT_FITTED
         if not check.passed:
             return _Tried(candidate, check.matches, check.inliers, fitted, None)
         # The query's world has a scale of its own (the model's depth normalisation of a run of a few frames):
