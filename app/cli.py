@@ -36,7 +36,7 @@ import typer
 from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
-from stream_recon.app.commands import batch, convert, download, export, info, refine, run, view
+from stream_recon.app.commands import batch, convert, download, export, info, localise, refine, run, view
 from stream_recon.app.commands import eval as evaluation
 from stream_recon.app.commands._options import (
     EXIT_BAD_INPUT,
@@ -142,6 +142,7 @@ register(download, "download", "Download an official checkpoint into the Hugging
 register(export, "export", f"Export a run directory as {format_summary()}.")
 register(view, "view", "Replay a finished run in the browser, with a timeline.")
 register(refine, "refine", "Refine a finished run offline: every keyframe indexed, a finer pose graph solved.")
+register(localise, "localise", "Place query frames in a finished run's map: a pose in its world for each, or why not.")
 register(convert, "convert", "Convert a .pt checkpoint to .safetensors.")
 register(batch, "batch", "Run every sequence under a dataset folder, resumably; Ray spreads it over GPUs.")
 app.command(

@@ -50,6 +50,13 @@ _HOMES = {
     "SavedMap": "loops.saved_map",
     "read_map": "loops.saved_map",
     "write_manifest": "loops.saved_map",
+    "LocaliseConfig": "loops.localise",
+    "MapLocaliser": "loops.localise",
+    "NOT_RETRIEVED": "loops.localise",
+    "Verdict": "loops.localise",
+    "keyframe_in_world": "loops.localise",
+    "map_refusal": "loops.localise",
+    "query_of": "loops.localise",
 }
 
 __all__ = sorted(_HOMES)

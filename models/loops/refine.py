@@ -252,7 +252,9 @@ def frame_moves(frames: Sequence[RunFrame], parts: Segments, world_from_node: Se
 
 # -- every keyframe indexed and checked -------------------------------------------------------------------
 @dataclass(frozen=True)
-class _Indexed:
+class IndexedKeyframe:
+    """A keyframe as retrieval and the checks take it: its features, descriptor and points."""
+
     frame_index: int
     chunk_index: int
     features: ImageFeatures
@@ -273,7 +275,7 @@ def detect_loops(keyframes: Sequence[int], load: Callable[[int], Keyframe], plac
     figures = figures or RefineFigures()
     closure = config.closure
     started = time.perf_counter()
-    indexed = run_jobs([lambda f=frame: _index(load(f), closure) for frame in keyframes],
+    indexed = run_jobs([lambda f=frame: indexed_keyframe(load(f), closure) for frame in keyframes],
                        lambda done: progress("keyframes", done, len(keyframes)))
     figures.keyframes_indexed = len(indexed)
     figures.seconds["features"] = time.perf_counter() - started
@@ -300,16 +302,17 @@ def detect_loops(keyframes: Sequence[int], load: Callable[[int], Keyframe], plac
     return loops
 
 
-def _index(keyframe: Keyframe, config: LoopClosureConfig) -> _Indexed:
+def indexed_keyframe(keyframe: Keyframe, config: LoopClosureConfig) -> IndexedKeyframe:
+    """Its SIFT features, the weight-free descriptor of its picture and the points behind its keypoints."""
     features = extract_features(keyframe.image, config.detection.features)
     points, median_depth = keypoint_points(features.keypoints, keyframe.depth, keyframe.depth_conf,
                                            keyframe.intrinsics, keyframe.c2w, config.min_confidence)
     centre = np.asarray(keyframe.c2w, np.float64)[:3, 3]
-    return _Indexed(keyframe.frame_index, keyframe.chunk_index, features, gradient_grid_descriptor(keyframe.image),
+    return IndexedKeyframe(keyframe.frame_index, keyframe.chunk_index, features, gradient_grid_descriptor(keyframe.image),
                     _KeyframePoints(points, median_depth, centre), np.asarray(keyframe.intrinsics, np.float64))
 
 
-def _verified(query: _Indexed, earlier: _Indexed, config: LoopClosureConfig) -> Any:
+def _verified(query: IndexedKeyframe, earlier: IndexedKeyframe, config: LoopClosureConfig) -> Any:
     """The pair's 3D alignment when it passes the geometric check and agrees in 3D, else None."""
     check = check_pair(query.features, earlier.features, query.intrinsics, earlier.intrinsics, config.detection.check)
     if not check.passed:
@@ -318,5 +321,5 @@ def _verified(query: _Indexed, earlier: _Indexed, config: LoopClosureConfig) -> 
     return alignment if alignment.passed else None
 
 
-__all__ = ["FrameLoop", "RefineConfig", "RunJobs", "one_after_another", "RefineFigures", "RunFrame", "Segments", "detect_loops", "fine_graph",
+__all__ = ["FrameLoop", "IndexedKeyframe", "indexed_keyframe", "RefineConfig", "RunJobs", "one_after_another", "RefineFigures", "RunFrame", "Segments", "detect_loops", "fine_graph",
            "frame_moves", "segments_of", "solve_fine", "with_stream_loops"]

@@ -1,0 +1,170 @@
+"""`stream-recon localise` in real processes: frames of a run's own video placed in its map, frames of an
+unrelated scene not placed, and a run that cannot serve refused in one line with exit code 2; the run itself
+never changed but for the output folder.
+
+The tiny model with its test weights on the `loop` fixture's pictures (test_app_faults' revisiting_video, at
+a width SIFT finds features in): what it predicts is not a good map, but the retrieval, the checks and the
+files are the real ones.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from conftest import build_tiny_model
+from test_app_faults import RUN_FLAGS, revisiting_video
+from test_app_maps_process import EXIT_BAD_INPUT, EXIT_OK, contents, copy_of, lines, stream_recon
+
+from stream_recon.app.outputs.trajectories import read_tum
+from stream_recon.models import ModelConfig
+from stream_recon.models.checkpoint import convert_to_safetensors
+from stream_recon.models.loops.saved_map import MAP_DIR, read_map
+
+pytest.importorskip("gtsam")
+pytestmark = pytest.mark.slow  # stream-recon processes, each importing torch: seconds each
+
+WIDTH = 224  # the model input's width: SIFT finds a few hundred keypoints in the fixture's pictures there
+FLAGS = [flag if flag != "56" else str(WIDTH) for flag in RUN_FLAGS]
+# The tiny test weights are unsure of every pixel (confidence ~1.99, below the even odds loop closure takes
+# depth at): their confidence logit raised by this much (confidence ~21) lets the checks use their depth.
+SURE_LOGIT = 3.0
+
+
+@pytest.fixture(scope="module")
+def sure_checkpoint(tmp_path_factory) -> Path:
+    """The tiny model's weights with its depth head sure of itself (SURE_LOGIT), as a .safetensors checkpoint."""
+    folder = tmp_path_factory.mktemp("checkpoint")
+    weights = build_tiny_model().state_dict()
+    weights["depth_head.scratch.output_conv2.2.bias"][1] += SURE_LOGIT
+    torch.save(weights, folder / "sure.pt")
+    return convert_to_safetensors(folder / "sure.pt", folder / "sure.safetensors", config=ModelConfig.tiny())
+
+
+@pytest.fixture(scope="module")
+def video(tmp_path_factory) -> Path:
+    return revisiting_video(tmp_path_factory.mktemp("video") / "revisits.mp4", 40)
+
+
+@pytest.fixture(scope="module")
+def mapped_run(video: Path, sure_checkpoint: Path, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("mapped") / "run"
+    result = stream_recon(str(video), "--checkpoint", str(sure_checkpoint), "-o", str(run_dir), *FLAGS)
+    assert result.returncode == EXIT_OK, result.stdout + result.stderr
+    return run_dir
+
+
+def pictures_of(video: Path, folder: Path, frames: list[int]) -> Path:
+    folder.mkdir()
+    capture = cv2.VideoCapture(str(video))
+    index = 0
+    while True:
+        ok, picture = capture.read()
+        if not ok:
+            break
+        if index in frames:
+            cv2.imwrite(str(folder / f"query_{index:03d}.png"), picture)
+        index += 1
+    capture.release()
+    return folder
+
+
+def unrelated_scene(folder: Path, count: int) -> Path:
+    """Pictures of a scene the run never saw: random rectangles on a gradient, a new layout each."""
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for n in range(count):
+        picture = np.tile(np.linspace(40, 200, 160, dtype=np.uint8), (96, 1))[..., None].repeat(3, axis=2)
+        for _ in range(25):
+            x, y = rng.integers(0, 150), rng.integers(0, 86)
+            cv2.rectangle(picture, (int(x), int(y)), (int(x + rng.integers(4, 30)), int(y + rng.integers(4, 30))),
+                          tuple(int(v) for v in rng.integers(0, 255, 3)), -1)
+        cv2.imwrite(str(folder / f"other_{n:02d}.png"), picture)
+    return folder
+
+
+def verdicts(folder: Path) -> list[dict]:
+    return json.loads((folder / "verdicts.json").read_text())["queries"]
+
+
+def test_frames_of_the_runs_video_are_placed_in_its_world(mapped_run: Path, video: Path, tmp_path: Path) -> None:
+    run_dir = copy_of(mapped_run, tmp_path / "run")
+    before = contents(run_dir)
+    queries = pictures_of(video, tmp_path / "queries", [2, 5, 13, 22, 31])
+    result = stream_recon("localise", str(run_dir), str(queries))
+    assert result.returncode == EXIT_OK, result.stdout + result.stderr
+    said = lines(result)
+    assert said[-1].startswith("placed ") and " of 5 frames" in said[-1], said
+    out = run_dir / "localised"
+    found = verdicts(out)
+    assert [entry["name"] for entry in found] == sorted(path.name for path in queries.iterdir())
+    placed = [entry for entry in found if entry["placed"]]
+    assert len(placed) >= 3, found
+    timestamps, poses = read_tum(out / "poses_tum.txt")
+    assert len(poses) == len(placed) and np.isfinite(poses).all()
+    # each placed frame sits by the run's own camera of that frame (the query is a frame of the run): the tiny
+    # model's depth hardly depends on the picture, so "by" is within half the scene's depth
+    run_poses = read_tum(run_dir / "trajectory_tum.txt")[1]
+    scene_depth = np.median([keyframe.median_depth for keyframe in read_map(run_dir).keyframes])
+    for entry, pose in zip(placed, poses, strict=True):
+        frame = int(entry["name"][6:9])
+        assert np.linalg.norm(pose[:3, 3] - run_poses[frame, :3, 3]) <= 0.5 * scene_depth, entry
+        assert entry["inliers"] >= 20 and entry["agreeing"] >= 12 and entry["keyframe"] is not None
+    assert {key: value for key, value in contents(run_dir).items() if not key.startswith("localised/")} == before
+
+
+def test_frames_of_an_unrelated_scene_are_not_placed(mapped_run: Path, tmp_path: Path) -> None:
+    queries = unrelated_scene(tmp_path / "elsewhere", 6)
+    out = tmp_path / "out"
+    result = stream_recon("localise", str(mapped_run), str(queries), "-o", str(out))
+    assert result.returncode == EXIT_OK, result.stdout + result.stderr
+    found = verdicts(out)
+    assert len(found) == 6 and not any(entry["placed"] for entry in found), found
+    assert all(entry["reason"] != "placed" for entry in found)
+    assert lines(result)[-1].startswith("placed 0 of 6 frames; 6 not placed: "), lines(result)
+    written = (out / "poses_tum.txt").read_text().splitlines()
+    assert written and all(line.startswith("#") for line in written)  # the header alone
+
+
+def test_a_run_without_its_pictures_runs_each_query_alone_and_says_so(video: Path, sure_checkpoint: Path,
+                                                                       tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    made = stream_recon(str(video), "--checkpoint", str(sure_checkpoint), "-o", str(run_dir), *FLAGS,
+                        "--no-save-images")
+    assert made.returncode == EXIT_OK, made.stdout + made.stderr
+    queries = pictures_of(video, tmp_path / "queries", [5, 13])
+    result = stream_recon("localise", str(run_dir), str(queries))
+    assert result.returncode == EXIT_OK, result.stdout + result.stderr
+    said = lines(result)
+    assert len(said) == 2 and "kept no pictures (--no-save-images): each query ran alone" in said[0], said
+    assert said[1].startswith("placed ") and " of 2 frames" in said[1]
+    record = json.loads((run_dir / "localised" / "verdicts.json").read_text())
+    assert "ran alone" in record["context"] and len(record["queries"]) == 2
+
+
+def test_a_run_that_cannot_serve_is_refused_in_one_line(mapped_run: Path, video: Path, tmp_path: Path,
+                                                       sure_checkpoint: Path) -> None:
+    queries = pictures_of(video, tmp_path / "queries", [3])
+    run_dir = copy_of(mapped_run, tmp_path / "run")
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(sure_checkpoint.read_bytes()[:-8] + b"        ")
+    for args, said in (([str(run_dir), str(tmp_path / "missing.mp4")], "no such file"),
+                       ([str(run_dir), str(queries), "--checkpoint", str(other)], "give the same --checkpoint"),
+                       ([str(run_dir), str(queries), "-o", str(other)], "give -o a folder")):
+        refused = stream_recon("localise", *args)
+        assert refused.returncode == EXIT_BAD_INPUT and len(lines(refused)) == 1, refused.stdout + refused.stderr
+        assert lines(refused)[0].startswith("error: ") and said in lines(refused)[0], lines(refused)
+    assert not (run_dir / "localised").exists()
+    (run_dir / MAP_DIR / "map.json").unlink()
+    missing = stream_recon("localise", str(run_dir), str(queries))
+    assert missing.returncode == EXIT_BAD_INPUT and len(lines(missing)) == 1 and "holds no map" in lines(missing)[0]
+    assert not (run_dir / "localised").exists()
+
+
+def test_localise_is_a_command_with_its_examples() -> None:
+    shown = stream_recon("localise", "-h")
+    assert shown.returncode == EXIT_OK and "stream-recon localise outputs/kitchen photos/" in shown.stdout
