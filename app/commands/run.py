@@ -93,6 +93,7 @@ def _reconstruct(source: str | None, output: Path | None, config: str | None, ov
     folder as soon as it is known."""
     # yaml, OpenCV and onnxruntime load with these: when the command runs, never for -h
     from stream_recon.app.outputs.masks import check_frame_masks
+    from stream_recon.app.run.loops import check_extended_map
     from stream_recon.app.run.presets import build_options
     from stream_recon.app.sources.opening import check_source, source_name
 
@@ -109,6 +110,7 @@ def _reconstruct(source: str | None, output: Path | None, config: str | None, ov
         # source is opened there, once (a file source twice with --mask-dir: its length and size for the masks)
         check_source(source)
         check_frame_masks(source, options)
+        check_extended_map(options, output_dir[0])
         run_sequence = import_held("stream_recon.app.run.pipeline").run_sequence
         if is_sample:
             announce_sample(output_dir[0], options, console)

@@ -66,15 +66,19 @@ class MapManifest:
     chunk_frames: int
     overlap: int
     format: str = MAP_FORMAT
+    # the earlier run whose map this one extends (`run --map`): solved.npz's chunks are then in that map's
+    # frame once the stream was placed in it (run.json's summary.loop_closure.map says whether)
+    extends: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {"format": self.format, "checkpoint": dict(self.checkpoint), "descriptor": self.descriptor,
-                "features": self.features, "chunk_frames": self.chunk_frames, "overlap": self.overlap}
+                "features": self.features, "chunk_frames": self.chunk_frames, "overlap": self.overlap,
+                **({"extends": self.extends} if self.extends is not None else {})}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> MapManifest:
         return cls(dict(data["checkpoint"]), str(data["descriptor"]), str(data["features"]), int(data["chunk_frames"]),
-                   int(data["overlap"]), str(data["format"]))
+                   int(data["overlap"]), str(data["format"]), data.get("extends"))
 
 
 def write_manifest(map_dir: Path, manifest: MapManifest) -> None:
