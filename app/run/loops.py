@@ -21,11 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from stream_recon.app.options import OptionsError, RunOptions
-from stream_recon.app.outputs.rundir import TRAJECTORY_OPEN_TUM
+from stream_recon.app.outputs.pointcloud import read_ply
+from stream_recon.app.outputs.rundir import POINTS_PLY, TRAJECTORY_OPEN_TUM
 from stream_recon.models import MapError, read_manifest, write_manifest
 from stream_recon.models.supervision import CHILDREN, Deadline
 
 logger = logging.getLogger(__name__)
+
+# The extended map's points the viewer draws: a quarter of its live cap (LiveViewer's max_total_points)
+EARLIER_CLOUD_POINTS = 500_000
 
 
 def third_chunk_start(options: RunOptions) -> int:
@@ -177,6 +181,15 @@ class LoopClosureSink:
         self._map_started = False  # the map's folder is begun at the first frame (_start_map)
         if enabled:
             self._start(config)
+        if self.closer is not None and viewer is not None and saved_map is not None and saved_map.extends is not None:
+            self._show_earlier_cloud(saved_map.extends / POINTS_PLY)
+
+    def _show_earlier_cloud(self, path: Path) -> None:
+        """The earlier run's points.ply in the viewer, before the stream (a missing or damaged one: a warning)."""
+        try:
+            self.viewer.show_earlier_map(*read_ply(path, EARLIER_CLOUD_POINTS))
+        except Exception as error:  # noqa: BLE001 - the picture of the map is a help, never a reason to stop
+            logger.warning("the viewer does not show the extended map's points: %s: %s", path, error)
 
     def _start(self, config: Any) -> None:
         try:  # (imported here: the closer needs gtsam, which a run without loop closure may lack)
