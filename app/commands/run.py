@@ -8,6 +8,7 @@ Examples:
     stream-recon 0 --config indoor                         # webcam 0, indoor preset; Ctrl-C to stop
     stream-recon rtsp://192.168.1.20:554/stream --max-frames 2000
     stream-recon clip.mp4 --checkpoint lingbot-map.pt --keyframes flow --flow-threshold 20
+    stream-recon walk2.mp4 --map outputs/walk -o outputs/walk2   # placed in the map of an earlier run
 
 Outputs (in --output, default outputs/<source name>/, a new or empty folder or one holding a run to
 replace with --overwrite; a folder another run is writing is refused): predictions/NNNNNN.npz per frame as it completes, then trajectory_tum.txt,

@@ -15,7 +15,7 @@ import functools
 import time
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -45,9 +45,6 @@ from .pose_graph import (
 )
 from .retrieval import gradient_grid_descriptor
 from .saved_map import MapManifest, MapRecorder
-
-if TYPE_CHECKING:
-    from .earlier_map import MapExtension
 
 GRADIENT_GRID_DIM = 128  # gradient_grid_descriptor's length
 
@@ -343,8 +340,9 @@ class LoopCloser:
     keyframes of chunks a and b is the edge chain[a]^-1 S chain[b].
     """
 
-    def __init__(self, config: LoopClosureConfig = LoopClosureConfig(), extends: MapExtension | None = None):
-        """extends: an earlier run's map the stream's keyframes are looked up in too (earlier_map.py)."""
+    def __init__(self, config: LoopClosureConfig = LoopClosureConfig(), extends: Any = None):
+        """extends: an earlier run's map the stream's keyframes are looked up in too (an earlier_map.MapExtension,
+        which builds on this module)."""
         self.config = config
         self._extends = extends
         self._detector = LoopDetector(GRADIENT_GRID_DIM, config.detection)
