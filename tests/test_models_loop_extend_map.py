@@ -7,6 +7,7 @@ second's in its emitted world, the map's moved into the map's frame as earlier_m
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -14,17 +15,21 @@ from evo_data import evo_data_dir
 from loop_scenarios import (
     FIT_POINTS,
     LOOP_CONFIG,
+    ODOMETRY_NOISE,
     TRAJECTORIES,
     Scenario,
+    keyframe_pairs,
     make_scenario,
     observed,
+    perturbed,
+    revisits,
     rigid,
     without_false_loops,
 )
 
-from stream_recon.models.loops.closer import _KeyframePoints, align_loop
+from stream_recon.models.loops.closer import LoopAlignment, _KeyframePoints
 from stream_recon.models.loops.earlier_map import EarlierMap, MapExtension
-from stream_recon.models.loops.pose_graph import PoseGraph, open_chain, optimize
+from stream_recon.models.loops.pose_graph import OdometryEdge, PoseGraph, open_chain, optimize
 from stream_recon.models.stream.chunks import ChunkLink
 from stream_recon.models.stream.similarity import Sim3, umeyama
 
@@ -53,12 +58,13 @@ def links_of(graph: PoseGraph) -> list[ChunkLink]:
 
 
 def map_alignment(rng: np.random.Generator, first: Scenario, map_from_emitted: Sim3, first_chain: tuple[Sim3, ...],
-                  frame_a: int, second: Scenario, second_chain: tuple[Sim3, ...], frame_b: int, depth: float,
-                  same_place: bool = True):
+                  keyframe_a: tuple[int, int], second: Scenario, second_chain: tuple[Sim3, ...],
+                  keyframe_b: tuple[int, int], depth: float, extension: MapExtension,
+                  same_place: bool = True) -> LoopAlignment:
     """The 3D agreement of a keyframe of the second recording (its frame_b) with the map's keyframe frame_a:
     FIT_POINTS points before the map keyframe's camera, seen by both (or, not `same_place`, the query's points
     of a place of its own), each through the depth model of loop_scenarios.observed."""
-    a, b = chunk_of(first, frame_a), chunk_of(second, frame_b)
+    (a, frame_a), (b, frame_b) = keyframe_a, keyframe_b
     camera = rigid(first.truth[frame_a])
     rays = np.stack([rng.uniform(-0.6, 0.6, FIT_POINTS), rng.uniform(-0.4, 0.4, FIT_POINTS), np.ones(FIT_POINTS)], 1)
     points = camera.apply_to_points(rays * rng.uniform(0.5, 1.5, (FIT_POINTS, 1)) * depth)
@@ -72,8 +78,8 @@ def map_alignment(rng: np.random.Generator, first: Scenario, map_from_emitted: S
     query = observed(rng, emitted_b.apply_to_points(seen), centre_b)
     median_depth = float(np.median(np.linalg.norm(earlier - centre_a, axis=1)))
     matches = np.stack([np.arange(FIT_POINTS)] * 2, axis=1)
-    return b, align_loop(_KeyframePoints(query, median_depth * emitted_b.scale / emitted_a.scale, centre_b),
-                         _KeyframePoints(earlier, median_depth, centre_a), matches, LOOP_CONFIG)
+    return extension.align(_KeyframePoints(query, median_depth * emitted_b.scale / emitted_a.scale, centre_b),
+                           _KeyframePoints(earlier, median_depth, centre_a), matches)
 
 
 def chunk_of(scenario: Scenario, frame: int) -> int:
@@ -81,56 +87,101 @@ def chunk_of(scenario: Scenario, frame: int) -> int:
     return max(k for k, (start, end) in enumerate(scenario.ranges) if start <= frame < end)
 
 
+@dataclass(frozen=True)
+class Joined:
+    """What extending a map did, in ground-truth units (RMSE of camera centres)."""
+
+    in_map: float  # the second recording in the map's frame, taken to the truth as the map's outputs are
+    alone: float  # the same second recording solved alone, aligned on its own
+    whole: float  # both recordings as the joint solve places them, aligned together
+    single: float  # the whole trajectory recorded as one, solved
+    summary: dict
+
+
+def revisiting_pairs(first: Scenario, second: Scenario, radius: float) -> list[tuple[int, int, int, int]]:
+    """(map chunk, stream chunk, map frame, stream frame) of the loops the second recording makes to the
+    first, as make_scenario picks a recording's own: up to two keyframe pairs per revisited chunk pair."""
+    shift = len(first.truth)
+    truth = np.concatenate([first.truth, second.truth])
+    ranges = [*first.ranges, *((start + shift, end + shift) for start, end in second.ranges)]
+    found = []
+    for a, b in revisits(truth, ranges, radius):
+        if a < len(first.ranges) <= b:
+            found += [(a, b - len(first.ranges), frame_a, frame_b - shift)
+                      for frame_a, frame_b in keyframe_pairs(truth, ranges, (a, b), radius, 2)]
+    return found
+
+
 @functools.cache
-def extended(name: str, seed: int, other: str | None = None, exact_map: bool = False) -> tuple[float, float, dict]:
-    """The first half of `name`'s trajectory recorded and solved (the map; `exact_map`: its chunks where they
-    truly are, a map without error), the second half (or, with `other`, the second half of another
-    trajectory) extending it: the second recording's ATE in the map's frame (its positions taken to the ground
-    truth by the Sim(3) that takes the map's there), its ATE recorded and solved alone (its own Sim(3)), and
-    the extension's summary."""
+def joined(name: str, seed: int, other: str | None = None) -> Joined:
+    """The first half of `name`'s trajectory recorded and solved alone (the map, its outputs where that
+    solve put them), the second half (or, with `other`, the second half of another trajectory) recorded and
+    extending it (its loops to the map as the loop closer makes them), solved jointly with the map."""
     trajectory = TRAJECTORIES[name]
     truth = truth_of(name)
     half = len(truth) // 2
     first, first_graph = recording(truth[:half], name, 2 * seed)
-    map_placement = optimize(first_graph).world_from_chunk
-    if exact_map:
-        map_placement = tuple(first.true_world_from_chunk[0].inverse() @ placed for placed in first.true_world_from_chunk)
+    solved_alone = optimize(first_graph)
+    map_placement = solved_alone.world_from_chunk
+    accepted = set(solved_alone.accepted_ids)
+    earlier = EarlierMap("the first recording", (), map_placement, first_graph.odometry,
+                         tuple(replace(loop, loop_id=("map", loop.loop_id)) for loop in first_graph.loops
+                               if loop.loop_id in accepted))
     first_chain = open_chain(first_graph.odometry)
     second_truth = truth[half:] if other is None else truth_of(other)[len(truth_of(other)) // 2:]
     second, second_graph = recording(second_truth, other or name, 2 * seed + 1)
     second_chain = open_chain(second_graph.odometry)
-    extension = MapExtension(EarlierMap("the first recording", ()), LOOP_CONFIG)
+    extension = MapExtension(earlier, LOOP_CONFIG)
     rng = np.random.default_rng(1000 + seed)
-    map_keyframes = list(range(0, half, LOOP_CONFIG.index_spacing))
-    links = links_of(second_graph)
-    for frame_b in range(0, len(second_truth), LOOP_CONFIG.index_spacing):  # the stream's keyframes, in order
-        distances = np.linalg.norm(truth[map_keyframes, :3, 3] - second_truth[frame_b, :3, 3], axis=1)
-        nearest = map_keyframes[int(np.argmin(distances))]
-        revisit = other is None and distances.min() <= trajectory.revisit_radius
-        if not revisit and rng.uniform() > 0.1:  # a look-alike checked now and then: a place of its own
-            continue
-        # the map keyframe's points in the map's frame, as earlier_map_of moves them
-        move = map_placement[chunk_of(first, nearest)] @ first_chain[chunk_of(first, nearest)].inverse()
-        chunk, alignment = map_alignment(rng, first, move, first_chain, nearest, second, second_chain, frame_b,
-                                         trajectory.scene_depth, same_place=revisit)
+    pairs = [] if other is not None else revisiting_pairs(first, second, trajectory.revisit_radius)
+    if other is not None:  # look-alikes checked now and then: each query's points of a place of its own
+        map_keyframes = np.arange(0, half, LOOP_CONFIG.index_spacing)
+        pairs = [(chunk_of(first, int(frame_a)), chunk_of(second, frame_b), int(frame_a), frame_b)
+                 for frame_b in range(0, len(second_truth), LOOP_CONFIG.index_spacing) if rng.uniform() < 0.1
+                 for frame_a in [rng.choice(map_keyframes)]]
+    for a, b, frame_a, frame_b in pairs:
+        move = map_placement[a] @ first_chain[a].inverse()  # the map keyframe's points, as earlier_map_of moves them
+        alignment = map_alignment(rng, first, move, first_chain, (a, frame_a), second, second_chain, (b, frame_b),
+                                  trajectory.scene_depth, extension, same_place=other is None)
         if alignment.passed:
-            extension.add_loop(f"map-{frame_b}", frame_b, chunk, alignment, second_chain, links)
-    moves = {}
+            extension.add_loop(f"map-{a}-{b}-{frame_a}-{frame_b}", frame_b, a, b, alignment, second_chain)
+    links = links_of(second_graph)
+    second_placed, first_placed = second_chain, map_placement
     if extension.has_loops:
         graph, result = extension.solve(links, second_graph.loops)
         while not result.complete:  # as the loop closer settles at the stream's end
             graph, result = extension.solve(links, second_graph.loops)
-        moves = extension.corrections(graph, result, (), 1).by_chunk
-    second_placed = tuple(moves.get(k, Sim3.identity()) @ placed for k, placed in enumerate(second_chain))
+        second_placed = tuple(extension.stream_world_from_chunk(result))
+        first_placed = tuple(map_placement[0] @ placed for placed in result.world_from_chunk[:len(map_placement)])
     map_to_truth = umeyama(first.positions(map_placement), truth[:half, :3, 3], with_scale=True)
-    in_map = map_to_truth.apply_to_points(second.positions(second_placed)) - second_truth[:, :3, 3]
-    alone = second.ate(optimize(second_graph).world_from_chunk)
-    return float(np.sqrt(np.mean(np.sum(in_map**2, axis=1)))), alone, extension.summary()
+    in_map = rmse(map_to_truth.apply_to_points(second.positions(second_placed)), second_truth[:, :3, 3])
+    both = np.concatenate([first.positions(first_placed), second.positions(second_placed)])
+    whole_truth = np.concatenate([truth[:half, :3, 3], second_truth[:, :3, 3]])
+    single, single_graph = recording(truth, name, 2 * seed)
+    extra = {}
+    if extension.has_loops:
+        M = len(map_placement)
+        exact = first.true_world_from_chunk[-1].inverse() @ second.true_world_from_chunk[0]
+        sigmas = ODOMETRY_NOISE.sigmas(second.path_length(0))
+        link = OdometryEdge(perturbed(exact, sigmas, rng), sigmas)
+        as_one_graph = PoseGraph((*graph.odometry[:M - 1], link, *graph.odometry[M:]), graph.loops)
+        as_one = optimize(as_one_graph).world_from_chunk
+        extra["as_one"] = ate(np.concatenate([first.positions(as_one[:M]), second.positions(as_one[M:])]), whole_truth)
+        joint_to_truth = umeyama(first.positions(first_placed), truth[:half, :3, 3], with_scale=True)
+        extra["in_joint"] = rmse(joint_to_truth.apply_to_points(second.positions(second_placed)), second_truth[:, :3, 3])
+        extra["first_alone"] = first.ate(map_placement)
+        extra["first_joint"] = first.ate(first_placed)
+    return Joined(in_map, second.ate(optimize(second_graph).world_from_chunk), ate(both, whole_truth),
+                  single.ate(optimize(single_graph).world_from_chunk), {**extension.summary(), **extra})
+
+
+def rmse(positions: np.ndarray, truth: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.sum((positions - truth) ** 2, axis=1))))
 
 
 def ate(positions: np.ndarray, truth: np.ndarray) -> float:
-    aligned = umeyama(positions, truth, with_scale=True).apply_to_points(positions)
-    return float(np.sqrt(np.mean(np.sum((aligned - truth) ** 2, axis=1))))
+    """Sim(3) ATE as Scenario.ate takes it: the positions aligned onto the truth by Umeyama, then the RMSE."""
+    return rmse(umeyama(positions, truth, with_scale=True).apply_to_points(positions), truth)
 
 
 @pytest.mark.slow

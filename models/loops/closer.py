@@ -410,7 +410,7 @@ class LoopCloser:
             result = self._last_result
             chain = np.stack([placed.scaled_matrix for placed in self._chain])
             if result is not None and self._extends is not None and self._extends.has_loops:
-                result = replace(result, world_from_chunk=tuple(self._extends.world_from_chunk(result)))
+                result = self._extends.stream_result(result)
             solved = chain if result is None or result.is_open_chain or len(result.world_from_chunk) != len(chain) \
                 else np.stack([placed.scaled_matrix for placed in result.world_from_chunk])
             self._recorder.solved(solved, [] if result is None else list(result.accepted_ids))
@@ -450,14 +450,14 @@ class LoopCloser:
             self._loops.append(record)
             return False
         with self.timings.time("verification"):
-            earlier_points = self._extends.points(earlier) if in_map else self._points[earlier.frame_index]
-            alignment = align_loop(self._points[checked.query_frame], earlier_points, checked.check.inlier_matches,
-                                   self.config)
+            query, matches = self._points[checked.query_frame], checked.check.inlier_matches
+            alignment = self._extends.align(query, self._extends.points(earlier), matches) if in_map else \
+                align_loop(query, self._points[earlier.frame_index], matches, self.config)
         status = "pending" if alignment.passed else "rejected_by_verification"
         self._loops.append(replace(record, status=status, verification=alignment.figures()))
         if alignment.passed and in_map:
-            self._extends.add_loop(record.loop_id, checked.query_frame, checked.query_chunk, alignment, self._chain,
-                                  self._links)
+            self._extends.add_loop(record.loop_id, checked.query_frame, earlier.chunk_index, checked.query_chunk,
+                                   alignment, self._chain)
         elif alignment.passed:
             edge = loop_edge(record.loop_id, earlier.chunk_index, checked.query_chunk, alignment, self._chain,
                              self.config)
