@@ -36,7 +36,15 @@ import numpy as np
 
 from ..stream.chunks import ChunkLink
 from ..stream.similarity import Sim3
-from .closer import LoopAlignment, LoopClosureConfig, _judged, _KeyframePoints, align_loop, graph_of, loop_edge
+from .closer import (
+    LoopAlignment,
+    LoopClosureConfig,
+    _judged,
+    _KeyframePoints,
+    align_loop,
+    graph_of,
+    loop_edge,
+)
 from .corrections import ChunkCorrections, LoopRecord
 from .detection import CheckedCandidate
 from .geometric_check import ImageFeatures, check_pair
