@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -47,7 +48,7 @@ from loop_scenarios import (
 )
 
 from stream_recon.models.loops.closer import LoopAlignment, _KeyframePoints
-from stream_recon.models.loops.earlier_map import EarlierMap, MapExtension
+from stream_recon.models.loops.earlier_map import EarlierMap, MapExtension, earlier_map_of
 from stream_recon.models.loops.pose_graph import (
     OdometryEdge,
     PoseGraph,
@@ -55,6 +56,7 @@ from stream_recon.models.loops.pose_graph import (
     open_chain,
     optimize,
 )
+from stream_recon.models.loops.saved_map import MAP_DIR, MapManifest, MapRecorder, read_map, write_manifest
 from stream_recon.models.stream.chunks import ChunkLink
 from stream_recon.models.stream.similarity import Sim3, umeyama
 
@@ -252,3 +254,53 @@ def test_a_recording_of_another_place_is_never_placed_and_says_so() -> None:
         summary = extension.summary()
         assert solved is None and not summary["placed"] and summary["loops_verified"] == 0, summary
         assert summary["note"].startswith("the stream was never placed in the map the first recording")
+
+
+def test_a_saved_map_gives_its_links_and_the_loops_its_last_solve_accepted(tmp_path: Path) -> None:
+    """earlier_map_of: the map's links and loops as the joint graph's first nodes' edges; a finished map's
+    loops are those its solve accepted, an unfinished one's every loop it verified."""
+    recorder = MapRecorder(tmp_path / MAP_DIR)
+    write_manifest(tmp_path / MAP_DIR, MapManifest({"name": "tiny.pt"}, "gradient-grid/128", "sift/2000/0.02", 20, 4))
+    step = Sim3(1.1, np.eye(3), np.array([1.0, 0.0, 0.0]))
+    for chunk in range(1, 4):
+        recorder.link(chunk, step.scaled_matrix, np.eye(7) * 1e-4)
+    for chunk in (2, 3):
+        recorder.loop(chunk, chunk, 0, chunk, np.eye(4), np.eye(7) * 1e-4, (0, 10 * chunk))
+    unfinished = earlier_map_of(read_map(tmp_path), [Sim3.identity()] * 4)
+    recorder.solved(np.tile(np.eye(4), (4, 1, 1)), [3])
+    finished = earlier_map_of(read_map(tmp_path), [Sim3.identity()] * 4)
+    assert len(finished.links) == 3 and np.allclose(finished.links[0].previous_from_next.scaled_matrix,
+                                                    step.scaled_matrix)
+    assert [loop.loop_id for loop in finished.loops] == [("map", "3")]
+    assert len(unfinished.placement) == 2 and [loop.loop_id for loop in unfinished.loops] == []
+    extension = MapExtension(finished, LOOP_CONFIG)
+    chain = (Sim3.identity(), step)
+    rng = np.random.default_rng(0)
+    points = rng.uniform([-1, -1, 2], [1, 1, 4], (FIT_POINTS, 3))
+    query = _KeyframePoints(points + rng.normal(0, 0.002, points.shape), 3.0, np.zeros(3))
+    matches = np.stack([np.arange(FIT_POINTS)] * 2, axis=1)
+    extension.add_loop("first", 5, 2, 1, extension.align(query, _KeyframePoints(points, 3.0, np.zeros(3)), matches),
+                       chain)
+    graph = extension.graph(links_of(PoseGraph((OdometryEdge(step, 0.01),))), [])
+    assert graph.num_chunks == 6 and [(loop.first, loop.second) for loop in graph.loops] == [(0, 3), (2, 5)]
+
+
+def test_loops_to_the_map_are_judged_in_scale_against_the_first_one() -> None:
+    """Two recordings' worlds differ in scale by their first chunks' depth normalisations: the first loop to
+    the map is taken at any scale (4x here, twice the stream's own bound), a later one within the bound of
+    it."""
+    extension = MapExtension(EarlierMap("a map", (), (Sim3.identity(),), (), ()), LOOP_CONFIG)
+    rng = np.random.default_rng(0)
+    points = rng.uniform([-1, -1, 2], [1, 1, 4], (FIT_POINTS, 3))
+    matches = np.stack([np.arange(FIT_POINTS)] * 2, axis=1)
+
+    def aligned(scale: float) -> LoopAlignment:
+        noisy = points + rng.normal(0, 0.002, points.shape)
+        return extension.align(_KeyframePoints(noisy / scale, 3.0 / scale, np.zeros(3)),
+                               _KeyframePoints(points, 3.0, np.zeros(3)), matches)
+
+    first = aligned(4.0)
+    assert first.passed and first.earlier_from_query.scale == pytest.approx(4.0, rel=0.01)
+    extension.add_loop("first", 0, 0, 0, first, (Sim3.identity(),))
+    assert aligned(4.4).passed
+    assert not aligned(4.0 * 2.5).passed and not aligned(4.0 / 2.5).passed
