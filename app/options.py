@@ -66,13 +66,13 @@ DTYPE_NAMES = {"auto": None, "float32": "float32", "fp32": "float32", "bfloat16"
 # or how visibly it runs: a batch compares them to decide whether a finished sequence still stands.
 RESULT_FIELDS = (
     "checkpoint", "dtype", "kv_cache", "gpu_memory", "scale_frames", "window", "chunk_frames", "overlap",
-    "keyframes", "flow_threshold", "max_gap", "loop_closure", "camera_iterations", "rotate", "image_width", "mask_sky", "mask_dir", "fps", "max_frames", "start", "stride", "conf_threshold", "voxel_size",
+    "keyframes", "flow_threshold", "max_gap", "loop_closure", "extend_map", "camera_iterations", "rotate", "image_width", "mask_sky", "mask_dir", "fps", "max_frames", "start", "stride", "conf_threshold", "voxel_size",
 )
 
 
 # Flags spelled otherwise than their field's name with dashes (`scale_frames` is --scale-frames).
 FLAG_NAMES = {"checkpoint": ("--checkpoint", "-c"), "open_timeout_s": ("--open-timeout",),
-              "reconnect_s": ("--reconnect",), "chunk_frames": ("--chunk-frames", "--window-frames")}
+              "reconnect_s": ("--reconnect",), "extend_map": ("--map",), "chunk_frames": ("--chunk-frames", "--window-frames")}
 
 
 def flag(field: str) -> str:
@@ -117,6 +117,7 @@ class RunOptions:
     flow_threshold: float | None = None  # None: the engine's default
     max_gap: int | None = None  # flow policy: longest run of non-keyframes; None: engine default
     loop_closure: str = "auto"  # auto | on | off: the pose graph over chunks corrects drift at revisits
+    extend_map: str | None = None  # an earlier run whose map this stream is placed in (read, never written)
     camera_iterations: int | None = None  # the camera head's refinement iterations; None: all (4)
     image_width: int = DEFAULT_IMAGE_WIDTH
     # source

@@ -49,6 +49,7 @@ _HOMES = {
     "MapError": "loops.saved_map",
     "SavedMap": "loops.saved_map",
     "read_map": "loops.saved_map",
+    "read_manifest": "loops.saved_map",
     "write_manifest": "loops.saved_map",
     "LocaliseConfig": "loops.localise",
     "MapLocaliser": "loops.localise",

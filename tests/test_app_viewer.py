@@ -35,6 +35,7 @@ from typer.testing import CliRunner
 
 from stream_recon.app.commands.view import view
 from stream_recon.app.outputs.npz_schema import prediction_arrays
+from stream_recon.app.outputs.pointcloud import read_ply, write_ply
 from stream_recon.app.outputs.rundir import RunDirError
 from stream_recon.app.viewer import LiveViewer, allocate_point_budget, sample_keyframe_points
 from stream_recon.app.viewer.geometry import splat_arrays
@@ -1090,3 +1091,19 @@ def test_a_replay_shows_splats_on_the_surface(tmp_path):
         mirror.close()
         replay.stop()
         replay.viewer.close()
+
+
+def test_the_extended_maps_cloud_is_drawn_once_as_its_points_ply_holds_it(viewer, tmp_path):
+    rng = np.random.default_rng(0)
+    xyz, rgb = rng.uniform(-5, 5, (3000, 3)).astype(np.float32), rng.integers(0, 256, (3000, 3)).astype(np.uint8)
+    write_ply(tmp_path / "points.ply", xyz, rgb)
+    viewer.show_earlier_map(*read_ply(tmp_path / "points.ply", max_points=1000))
+    mirror = SceneMirror(viewer.url)
+    try:
+        mirror.wait_for(lambda m: "/earlier_map" in m.nodes)
+        cloud = mirror.nodes["/earlier_map"]["props"]
+        shown = np.asarray(cloud["points"], np.float32).reshape(-1, 3)
+        np.testing.assert_allclose(shown, xyz[::3], atol=0.01)  # every third point: 1000 of 3000
+        np.testing.assert_array_equal(np.asarray(cloud["colors"]).reshape(-1, 3), rgb[::3])
+    finally:
+        mirror.close()

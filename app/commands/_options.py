@@ -142,6 +142,10 @@ _RUN_OPTION_HELP: dict[str, dict[str, str]] = {
         "the drift between them (a pose graph over chunks; the uncorrected trajectory is kept as "
         "trajectory_open_tum.txt): auto (on when gtsam imports and the stream can reach a third chunk, past "
         "2 x (chunk frames - overlap) frames: a loop joins chunks two or more apart), on, or off.",
+        "extend_map": "Extend the map of an earlier run (a folder a run with loop closure wrote): this stream's "
+        "keyframes are looked up in it too, and once a loop to it is verified the outputs are in that run's frame "
+        "(the viewer shows its points beside); the earlier run is only read. Needs loop closure and the same "
+        "checkpoint.",
         "keyframes": f"Keyframe policy: {keyframe_spellings()}.",
         "flow_threshold": "flow policy: mean flow in pixels that makes a keyframe.",
         "max_gap": "flow policy: most frames in a row without a keyframe.",

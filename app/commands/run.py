@@ -8,6 +8,7 @@ Examples:
     stream-recon 0 --config indoor                         # webcam 0, indoor preset; Ctrl-C to stop
     stream-recon rtsp://192.168.1.20:554/stream --max-frames 2000
     stream-recon clip.mp4 --checkpoint lingbot-map.pt --keyframes flow --flow-threshold 20
+    stream-recon walk2.mp4 --map outputs/walk -o outputs/walk2   # placed in the map of an earlier run
 
 Outputs (in --output, default outputs/<source name>/, a new or empty folder or one holding a run to
 replace with --overwrite; a folder another run is writing is refused): predictions/NNNNNN.npz per frame as it completes, then trajectory_tum.txt,
@@ -93,6 +94,7 @@ def _reconstruct(source: str | None, output: Path | None, config: str | None, ov
     folder as soon as it is known."""
     # yaml, OpenCV and onnxruntime load with these: when the command runs, never for -h
     from stream_recon.app.outputs.masks import check_frame_masks
+    from stream_recon.app.run.loops import check_extended_map
     from stream_recon.app.run.presets import build_options
     from stream_recon.app.sources.opening import check_source, source_name
 
@@ -109,6 +111,7 @@ def _reconstruct(source: str | None, output: Path | None, config: str | None, ov
         # source is opened there, once (a file source twice with --mask-dir: its length and size for the masks)
         check_source(source)
         check_frame_masks(source, options)
+        check_extended_map(options, output_dir[0])
         run_sequence = import_held("stream_recon.app.run.pipeline").run_sequence
         if is_sample:
             announce_sample(output_dir[0], options, console)

@@ -441,3 +441,13 @@ def write_ply(path: Path, xyz: np.ndarray, rgb: np.ndarray) -> None:
         vertex[name] = rgb[:, channel]
     ply = PlyData([PlyElement.describe(vertex, "vertex")], text=False, byte_order="<")
     atomic_write(Path(path), ply.write, binary=True)
+
+
+def read_ply(path: Path, max_points: int) -> tuple[np.ndarray, np.ndarray]:
+    """A cloud `write_ply` wrote: xyz [N, 3] float32 and rgb [N, 3] uint8, every k-th point so that at most
+    `max_points` are kept."""
+    vertex = PlyData.read(str(path))["vertex"].data
+    step = max(1, -(-len(vertex) // max(max_points, 1)))
+    vertex = vertex[::step]
+    xyz = np.stack([vertex[name] for name in "xyz"], axis=1).astype(np.float32)
+    return xyz, np.stack([vertex[name] for name in ("red", "green", "blue")], axis=1).astype(np.uint8)

@@ -187,14 +187,8 @@ def _stream_loops(saved: SavedMap) -> list[tuple[int, int, LoopEdge]]:
 
 
 def _placement(run_dir: Path, saved: SavedMap) -> list[Sim3]:
-    """Each chunk's placement in the run's files: the stream's last solve where it corrected them
-    (trajectory_open_tum.txt beside them), else the links composed (the open chain)."""
-    if saved.solved is not None and (run_dir / TRAJECTORY_OPEN_TUM).is_file():
-        return [Sim3.from_matrix(matrix) for matrix in saved.solved[:saved.num_chunks]]
-    chain = [Sim3.identity()]
-    for previous_from_next, _ in saved.links:
-        chain.append(chain[-1] @ Sim3.from_matrix(previous_from_next))
-    return chain[:saved.num_chunks]
+    """Each chunk's placement in the run's files (SavedMap.placement)."""
+    return saved.placement(corrected=(run_dir / TRAJECTORY_OPEN_TUM).is_file())
 
 
 def _write_refined(run_dir: Path, staging: Path, files: dict[int, Path], moves: dict[int, Sim3], info: dict,

@@ -21,10 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from stream_recon.app.options import OptionsError, RunOptions
-from stream_recon.models import write_manifest
+from stream_recon.app.outputs.pointcloud import read_ply
+from stream_recon.app.outputs.rundir import POINTS_PLY, TRAJECTORY_OPEN_TUM
+from stream_recon.models import MapError, read_manifest, write_manifest
 from stream_recon.models.supervision import CHILDREN, Deadline
 
 logger = logging.getLogger(__name__)
+
+# The extended map's points the viewer draws: a quarter of its live cap (LiveViewer's max_total_points)
+EARLIER_CLOUD_POINTS = 500_000
 
 
 def third_chunk_start(options: RunOptions) -> int:
@@ -58,6 +63,8 @@ def loop_closure_wanted(options: RunOptions, estimated_length: int | None) -> tu
         if missing.broken:  # installed but broken: worth a line, unlike a choice not to install it
             logger.warning("loop closure is off: %s; %s", missing, missing.remedy)
         return False, f"off ({missing})"
+    if options.extend_map is not None:  # a loop to the map joins any chunk, the first one too
+        return True, "on (--map)"
     third_chunk = third_chunk_start(options)
     if options.loop_closure == "auto" and estimated_length is not None and estimated_length <= third_chunk:
         return False, f"off (auto: {estimated_length} frames never reach a third chunk, at frame {third_chunk})"
@@ -92,6 +99,33 @@ def pose_graph_library_problem() -> LibraryProblem | None:
     return None
 
 
+def check_extended_map(options: RunOptions, output_dir: Path) -> None:
+    """--map RUN's checks before the model loads (OptionsError, one line): RUN holds a map this version reads,
+    made with the run's checkpoint (by name and size: its digest is not known before the stream), and the new run goes elsewhere (RUN is never written)."""
+    if options.extend_map is None:
+        return
+    if options.loop_closure == "off":
+        raise OptionsError("--map extends an earlier map through loop closure: leave out --loop-closure off")
+    earlier = Path(options.extend_map)
+    if not earlier.is_dir():
+        raise OptionsError(f"--map {earlier}: no such run folder; give the output folder of an earlier run")
+    if earlier.resolve() == Path(output_dir).resolve():
+        raise OptionsError(f"--map {earlier} is the output folder too: the new run would replace the map it extends; "
+                           "give another --output")
+    try:
+        manifest = read_manifest(earlier)
+    except MapError as error:
+        raise OptionsError(f"--map: {error}") from None
+    made_with = manifest.checkpoint
+    wanted = Path(options.checkpoint) if options.checkpoint is not None else None
+    if wanted is not None and made_with.get("name") not in (None, wanted.name):
+        raise OptionsError(f"--map {earlier} was made with checkpoint {made_with.get('name')}, this run uses "
+                           f"{wanted.name}: give the same --checkpoint")
+    if wanted is not None and wanted.is_file() and made_with.get("bytes") not in (None, wanted.stat().st_size):
+        raise OptionsError(f"--map {earlier} was made with another {wanted.name} ({made_with.get('bytes')} bytes, "
+                           f"this one {wanted.stat().st_size}): give the checkpoint it was made with")
+
+
 @dataclass(frozen=True)
 class MapPlan:
     """Where a run's saved map goes (models/loops/saved_map.py) and what its manifest says: the checkpoint
@@ -104,6 +138,14 @@ class MapPlan:
     chunk_frames: int
     overlap: int
     digest: Callable[[], str | None] = lambda: None
+    extends: Path | None = None  # the earlier run whose map the stream extends (--map), only read
+
+    def extended(self) -> tuple[str, bool] | None:
+        """The map the stream extends, for the loop-closure child: its run's folder and whether that run's
+        outputs are corrected by its last solve (they are its map's frame: SavedMap.placement)."""
+        if self.extends is None:
+            return None
+        return str(self.extends), (self.extends / TRAJECTORY_OPEN_TUM).is_file()
 
     def checkpoint(self) -> dict[str, Any]:
         size = None
@@ -139,6 +181,15 @@ class LoopClosureSink:
         self._map_started = False  # the map's folder is begun at the first frame (_start_map)
         if enabled:
             self._start(config)
+        if self.closer is not None and viewer is not None and saved_map is not None and saved_map.extends is not None:
+            self._show_earlier_cloud(saved_map.extends / POINTS_PLY)
+
+    def _show_earlier_cloud(self, path: Path) -> None:
+        """The earlier run's points.ply in the viewer, before the stream (a missing or damaged one: a warning)."""
+        try:
+            self.viewer.show_earlier_map(*read_ply(path, EARLIER_CLOUD_POINTS))
+        except Exception as error:  # noqa: BLE001 - the picture of the map is a help, never a reason to stop
+            logger.warning("the viewer does not show the extended map's points: %s: %s", path, error)
 
     def _start(self, config: Any) -> None:
         try:  # (imported here: the closer needs gtsam, which a run without loop closure may lack)
@@ -148,7 +199,10 @@ class LoopClosureSink:
             if self.saved_map is not None:
                 plan = self.saved_map
                 self._manifest = closer.map_manifest(config, plan.checkpoint(), plan.chunk_frames, plan.overlap)
-            self.closer = process.LoopClosureProcess(config)
+                if plan.extends is not None:
+                    self._manifest = dataclasses.replace(self._manifest, extends=str(plan.extends.resolve()))
+            self.closer = process.LoopClosureProcess(config, extends=None if self.saved_map is None
+                                                     else self.saved_map.extended())
             self.finish_s = process.FINISH_S  # how long the end of the run waits for the child's last word
         except Exception as failure:  # noqa: BLE001 - loop closure is an improvement, never a reason to stop
             self.error = f"it could not start: {type(failure).__name__}: {failure}"
@@ -219,6 +273,9 @@ class LoopClosureSink:
         else:
             corrections = self.closer.finish(Deadline(self.finish_s), self._stop_waiting(stop_now))
         self.end_wait_s = round(time.monotonic() - started, 3)
+        extension = self.closer.summary().get("map")
+        if extension is not None and not extension["placed"]:
+            logger.warning("%s", extension["note"])
         self._hashed()
         self._show(corrections, force=True)
         return corrections

@@ -279,7 +279,8 @@ def map_plan(output_dir: Path, options: RunOptions, checkpoint: str | None, dige
         with contextlib.suppress(Exception):  # a caller's model named by a checkpoint that is not a file: no size
             path = resolve_checkpoint(checkpoint)
     return MapPlan(Path(output_dir) / MAP_DIR, None if checkpoint is None else Path(str(checkpoint)).name, path,
-                   options.chunk_frames, options.overlap, lambda: digest.result(timeout_s=0.0))
+                   options.chunk_frames, options.overlap, lambda: digest.result(timeout_s=0.0),
+                   None if options.extend_map is None else Path(options.extend_map))
 
 
 def _model_loader(given: Any, options: RunOptions, device: str, console: Console) -> Any:

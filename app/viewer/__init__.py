@@ -204,6 +204,16 @@ class LiveViewer:
         a correction moves them as chunk `chunk_index`'s emissions."""
         self.state.push_poses(c2w_by_frame, chunk_index)
 
+    def show_earlier_map(self, xyz: np.ndarray, rgb: np.ndarray) -> None:
+        """The cloud of the map the stream extends (`run --map`: the earlier run's points.ply), drawn once and
+        never moved: the stream's own points come into its frame once the stream is placed in it."""
+        self.server.scene.add_point_cloud("/earlier_map", points=xyz, colors=rgb, point_size=self._earlier_point_size(xyz),
+                                          point_shape="square", precision="float16", point_shading="flat")
+
+    def _earlier_point_size(self, xyz: np.ndarray) -> float:
+        # a thousandth of the cloud's extent: visible from afar without hiding the live points
+        return float(max(np.ptp(xyz, axis=0).max(), 1e-6) * 1e-3) if len(xyz) else 1e-3
+
     def apply_corrections(self, corrections: ChunkCorrections) -> None:
         """Queue a solved pose graph: each chunk's node moves by its correction, and the accepted loops
         are drawn. One whose version is not newer than the last applied or queued one is ignored."""

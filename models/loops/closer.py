@@ -11,6 +11,7 @@ ChunkCorrections. No threads and no queues: the stream's process runs this core 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -332,8 +333,11 @@ class LoopCloser:
     keyframes of chunks a and b is the edge chain[a]^-1 S chain[b].
     """
 
-    def __init__(self, config: LoopClosureConfig = LoopClosureConfig()):
+    def __init__(self, config: LoopClosureConfig = LoopClosureConfig(), extends: Any = None):
+        """extends: an earlier run's map the stream's keyframes are looked up in too (an earlier_map.MapExtension,
+        which builds on this module)."""
         self.config = config
+        self._extends = extends
         self._detector = LoopDetector(GRADIENT_GRID_DIM, config.detection)
         self._links: list[ChunkLink] = []  # links[c - 1] hangs chunk c on chunk c - 1
         self._chain: list[Sim3] = [Sim3.identity()]
@@ -383,6 +387,11 @@ class LoopCloser:
             checked = self._detector.add_keyframe(keyframe.frame_index, keyframe.chunk_index, descriptor, features,
                                                   keyframe.intrinsics)
         new_edges = [self._verify(candidate) for candidate in checked]
+        if self._extends is not None:
+            with self.timings.time("map_retrieval_and_check"):
+                to_map = self._extends.checked(keyframe.frame_index, keyframe.chunk_index, descriptor, features,
+                                               keyframe.intrinsics)
+            new_edges += [self._verify(candidate, in_map=True) for candidate in to_map]
         return self._solve() if any(new_edges) or self._unfinished else None
 
     def settle(self) -> ChunkCorrections:
@@ -393,6 +402,8 @@ class LoopCloser:
         if self._recorder is not None:
             result = self._last_result
             chain = np.stack([placed.scaled_matrix for placed in self._chain])
+            if result is not None and self._extends is not None and self._extends.has_loops:
+                result = self._extends.stream_result(result)
             solved = chain if result is None or result.is_open_chain or len(result.world_from_chunk) != len(chain) \
                 else np.stack([placed.scaled_matrix for placed in result.world_from_chunk])
             self._recorder.solved(solved, [] if result is None else list(result.accepted_ids))
@@ -418,23 +429,29 @@ class LoopCloser:
             "loops": [loop.as_json() for loop in checked],
             "corrected_chunks": len(corrections.by_chunk),
             "costs_ms": self.timings.summary(),
+            **({} if self._extends is None else {"map": self._extends.summary()}),
         }
 
-    def _verify(self, checked: CheckedCandidate) -> bool:
-        """Record the candidate; when its check passed, align it in 3D and add a loop edge if it agrees."""
+    def _verify(self, checked: CheckedCandidate, in_map: bool = False) -> bool:
+        """Record the candidate; when its check passed, align it in 3D and add a loop edge if it agrees
+        (`in_map`: the earlier keyframe is the extended map's, in its frame)."""
         earlier = checked.candidate
         record = LoopRecord(len(self._loops), checked.query_frame, checked.query_chunk, earlier.frame_index,
                             earlier.chunk_index, earlier.similarity, checked.check.matches, checked.check.inliers,
-                            "rejected_by_check")
+                            "rejected_by_check", in_map=in_map)
         if not checked.accepted:
             self._loops.append(record)
             return False
         with self.timings.time("verification"):
-            alignment = align_loop(self._points[checked.query_frame], self._points[earlier.frame_index],
-                                   checked.check.inlier_matches, self.config)
+            query, matches = self._points[checked.query_frame], checked.check.inlier_matches
+            alignment = self._extends.align(query, self._extends.points(earlier), matches) if in_map else \
+                align_loop(query, self._points[earlier.frame_index], matches, self.config)
         status = "pending" if alignment.passed else "rejected_by_verification"
         self._loops.append(replace(record, status=status, verification=alignment.figures()))
-        if alignment.passed:
+        if alignment.passed and in_map:
+            self._extends.add_loop(record.loop_id, checked.query_frame, earlier.chunk_index, checked.query_chunk,
+                                   alignment, self._chain)
+        elif alignment.passed:
             edge = loop_edge(record.loop_id, earlier.chunk_index, checked.query_chunk, alignment, self._chain,
                              self.config)
             self._edges.append(edge)
@@ -445,11 +462,15 @@ class LoopCloser:
         return alignment.passed
 
     def _solve(self) -> ChunkCorrections:
-        graph, result = solve(self._links, self._edges, solver=self._solver)
+        extended = self._extends is not None and self._extends.has_loops
+        graph, result = (self._extends.solve if extended else functools.partial(solve, solver=self._solver))(
+            self._links, self._edges)
         self._last_result = result
         self._unfinished = not result.complete
         self.timings.add("pose_graph", result.seconds * 1000.0)
-        self.corrections = corrections_from_solve(graph, result, self._loops, self.corrections.version + 1)
+        version = self.corrections.version + 1
+        self.corrections = self._extends.corrections(graph, result, self._loops, version) if extended else \
+            corrections_from_solve(graph, result, self._loops, version)
         return self.corrections
 
 

@@ -35,6 +35,9 @@ class LoopRecord:
     status: str  # one of LOOP_STATUSES
     verification: dict[str, Any] = field(default_factory=dict)  # the 3D agreement's figures, when it ran
     correction: dict[str, float] = field(default_factory=dict)  # the graph's move of the query's chunk
+    # the earlier keyframe is an earlier run's, in the map the stream extends (earlier_map.py): candidate_frame
+    # and candidate_chunk are that run's
+    in_map: bool = False
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -42,6 +45,7 @@ class LoopRecord:
             "candidate_frame": self.candidate_frame, "candidate_chunk": self.candidate_chunk,
             "similarity": round(float(self.similarity), 4), "matches": self.matches, "inliers": self.inliers,
             "status": self.status, "verification": self.verification, "correction": self.correction,
+            **({"in_map": True} if self.in_map else {}),
         }
 
 

@@ -35,7 +35,8 @@ from ..supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
 from .closer import FirstFinalKeyframes, LoopCloser, LoopClosureConfig, keyframe_of
 from .corrections import ChunkCorrections
 from .coverage import IndexingRule, IndexingSchedule
-from .saved_map import MapRecorder
+from .earlier_map import MapExtension, earlier_map_of
+from .saved_map import MapRecorder, read_map
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ _EXIT_WAIT_S = 1.0  # a child whose pipe has closed has exited or will within th
 
 
 def serve(requests_fd: int, replies_fd: int) -> None:
-    """The child: ("ready",) once imported; then it takes ("config", LoopClosureConfig), ("map", folder), ("link",
+    """The child: ("ready",) once imported; then it takes ("config", LoopClosureConfig), ("extends", (run folder,
+    corrected)) for a stream extending an earlier run's map (earlier_map.py), ("map", folder), ("link",
     ChunkLink), ("keyframe", Keyframe), ("finish", None). Each message but the config is answered: ("ack",
     kind, corrections or None, summary or None), ("finished", corrections, summary), or ("error", text,
     summary) after which the child exits."""
@@ -82,6 +84,9 @@ def serve(requests_fd: int, replies_fd: int) -> None:
                 if kind == "config":
                     closer = LoopCloser(payload)
                     continue
+                if kind == "extends":  # read here, off the stream's path
+                    closer = LoopCloser(closer.config, extension_of(*payload, closer.config))
+                    continue
                 if kind == "map":  # the saved map's folder (saved_map.py)
                     closer.record_map(MapRecorder(payload))
                     continue
@@ -93,6 +98,12 @@ def serve(requests_fd: int, replies_fd: int) -> None:
                 summary = closer.summary() if closer is not None else {}
                 write_message(replies, ("error", f"{type(error).__name__}: {error}", summary))
                 return
+
+
+def extension_of(run_dir: str, corrected: bool, config: LoopClosureConfig) -> MapExtension:
+    """The earlier run's map as the new stream's loop closer extends it."""
+    saved = read_map(run_dir)
+    return MapExtension(earlier_map_of(saved, saved.placement(corrected)), config)
 
 
 def _answer(closer: LoopCloser, kind: str, payload: Any) -> tuple:
@@ -113,8 +124,11 @@ def _answer(closer: LoopCloser, kind: str, payload: Any) -> tuple:
 class LoopClosureProcess:
     """The stream's side of the loop-closure child; no call of it waits but `finish`, which has a deadline."""
 
-    def __init__(self, config: LoopClosureConfig = LoopClosureConfig(), map_dir: str | None = None) -> None:
-        """map_dir: where the child writes the saved map (saved_map.py) as it goes; None: no map."""
+    def __init__(self, config: LoopClosureConfig = LoopClosureConfig(), map_dir: str | None = None,
+                 extends: tuple[str, bool] | None = None) -> None:
+        """map_dir: where the child writes the saved map (saved_map.py) as it goes; None: no map. extends: an
+        earlier run's folder whose map the stream extends, and whether its outputs are corrected by its last
+        solve (SavedMap.placement)."""
         self.config = config
         self.helper = Helper(HelperPolicy("loop closure", WhenFull.DROP, WhenDown.TURN_OFF, stall_s=STALL_S))
         self._keyframes = FirstFinalKeyframes()
@@ -138,6 +152,8 @@ class LoopClosureProcess:
         self._ready = False
         self._started = Deadline(START_S)
         self._send(("config", config), answered=False)
+        if extends is not None:
+            self._send(("extends", extends), answered=False)
         if map_dir is not None:
             self.record_map(map_dir)
 

@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from ..stream.similarity import Sim3
+
 MAP_DIR = "map"
 MAP_FORMAT = "stream-recon-map/1"
 MANIFEST = "map.json"
@@ -64,15 +66,19 @@ class MapManifest:
     chunk_frames: int
     overlap: int
     format: str = MAP_FORMAT
+    # the earlier run whose map this one extends (`run --map`): solved.npz's chunks are then in that map's
+    # frame once the stream was placed in it (run.json's summary.loop_closure.map says whether)
+    extends: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {"format": self.format, "checkpoint": dict(self.checkpoint), "descriptor": self.descriptor,
-                "features": self.features, "chunk_frames": self.chunk_frames, "overlap": self.overlap}
+                "features": self.features, "chunk_frames": self.chunk_frames, "overlap": self.overlap,
+                **({"extends": self.extends} if self.extends is not None else {})}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> MapManifest:
         return cls(dict(data["checkpoint"]), str(data["descriptor"]), str(data["features"]), int(data["chunk_frames"]),
-                   int(data["overlap"]), str(data["format"]))
+                   int(data["overlap"]), str(data["format"]), data.get("extends"))
 
 
 def write_manifest(map_dir: Path, manifest: MapManifest) -> None:
@@ -191,6 +197,20 @@ class SavedMap:
     complete: bool  # the run's loop closer finished (solved.npz)
     solved: np.ndarray | None = None  # [K, 4, 4] its last solve, when complete
     accepted: tuple[str, ...] = field(default_factory=tuple)
+
+    def open_chain(self) -> list[Sim3]:
+        """Each complete chunk's open-chain placement: the links composed from chunk 0."""
+        chain = [Sim3.identity()]
+        for previous_from_next, _ in self.links:
+            chain.append(chain[-1] @ Sim3.from_matrix(previous_from_next))
+        return chain[:self.num_chunks]
+
+    def placement(self, corrected: bool) -> list[Sim3]:
+        """Each complete chunk in the run's outputs: the run's last solve where it `corrected` its files (the
+        run left trajectory_open_tum.txt beside them), else the open chain."""
+        if corrected and self.solved is not None:
+            return [Sim3.from_matrix(matrix) for matrix in self.solved[:self.num_chunks]]
+        return self.open_chain()
 
 
 def has_map(run_dir: Path) -> bool:
