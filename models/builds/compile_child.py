@@ -241,6 +241,9 @@ def planned(stream_config: Any, plan: dict[str, Any] | None) -> Any:
     return dataclasses.replace(stream_config, kv_cache=plan["kv_cache"], window=plan["window"], gpu_memory=None)
 
 
+MEMINFO = "/proc/meminfo"  # the kernel's memory figures (Linux)
+
+
 def _free_bytes(device: Any) -> int:
     """Free memory where the child would run: the GPU's, or the host's for a CPU child (tests). The host's
     is the kernel's MemAvailable (reclaimable page cache included): MemFree alone is near zero on a
@@ -249,7 +252,7 @@ def _free_bytes(device: Any) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:
-        with open("/proc/meminfo") as meminfo:
+        with open(MEMINFO) as meminfo:
             for line in meminfo:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
