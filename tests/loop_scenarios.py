@@ -19,6 +19,7 @@ of points that the query saw elsewhere.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -236,8 +237,16 @@ def keyframe_pairs(truth: np.ndarray, ranges: list[tuple[int, int]], pair: tuple
     """Up to `count` (a's frame, b's frame) pairs of a revisit, closest first, within `radius` of each other:
     b's frames at least INDEX_SPACING apart (keyframes the stream indexes), a's frames all different."""
     a, b = pair
+    return _nearest_pairs(truth, np.arange(*ranges[a]), np.arange(*ranges[b]), radius, count,
+                          lambda frame_a, frame_b, chosen: all(abs(frame_b - other_b) >= INDEX_SPACING and
+                                                               frame_a != other_a for other_a, other_b in chosen))
+
+
+def _nearest_pairs(truth: np.ndarray, frames_a: np.ndarray, frames_b: np.ndarray, radius: float, count: int,
+                   keep: Callable[[int, int, list[tuple[int, int]]], bool]) -> list[tuple[int, int]]:
+    """Each of `frames_b` with its nearest of `frames_a`, closest pairs first, within `radius`: up to `count` of
+    them that `keep(frame_a, frame_b, chosen so far)` admits."""
     positions = truth[:, :3, 3]
-    frames_a, frames_b = np.arange(*ranges[a]), np.arange(*ranges[b])
     distances = np.linalg.norm(positions[frames_b][:, None] - positions[frames_a][None], axis=2)
     nearest = np.argmin(distances, axis=1)
     chosen: list[tuple[int, int]] = []
@@ -245,7 +254,7 @@ def keyframe_pairs(truth: np.ndarray, ranges: list[tuple[int, int]], pair: tuple
         if len(chosen) == count or distances[i, nearest[i]] > radius:
             break
         frame_a, frame_b = int(frames_a[nearest[i]]), int(frames_b[i])
-        if all(abs(frame_b - other_b) >= INDEX_SPACING and frame_a != other_a for other_a, other_b in chosen):
+        if keep(frame_a, frame_b, chosen):
             chosen.append((frame_a, frame_b))
     return chosen
 
@@ -568,18 +577,10 @@ def _spaced_pairs(truth: np.ndarray, ranges: list[tuple[int, int]], pair: tuple[
     """keyframe_pairs with query frames `spacing` apart (keyframes every `spacing` frames) instead of the
     stream's index spacing."""
     a, b = pair
-    positions = truth[:, :3, 3]
     frames_a = np.arange(*ranges[a])
     frames_b = np.arange(*ranges[b])
     frames_b = frames_b[frames_b % spacing == 0]
     frames_a = frames_a[frames_a % min(spacing, INDEX_SPACING) == 0]
     if not len(frames_a) or not len(frames_b):
         return []
-    distances = np.linalg.norm(positions[frames_b][:, None] - positions[frames_a][None], axis=2)
-    nearest = np.argmin(distances, axis=1)
-    chosen: list[tuple[int, int]] = []
-    for i in np.argsort(distances[np.arange(len(frames_b)), nearest], kind="stable"):
-        if len(chosen) == count or distances[i, nearest[i]] > radius:
-            break
-        chosen.append((int(frames_a[nearest[i]]), int(frames_b[i])))
-    return chosen
+    return _nearest_pairs(truth, frames_a, frames_b, radius, count, lambda frame_a, frame_b, chosen: True)
