@@ -3,6 +3,7 @@ video with --loop-closure off and on, in one process.
 
     python scripts/bench_loop_closure.py --frames 3000                 # GPU: the acceptance measurement
     python scripts/bench_loop_closure.py --frames 10000 --modes on --refine   # GPU: refine of a 10,000-frame run
+    python scripts/bench_loop_closure.py --frames 10000 --modes on --refine --extend 1000   # and --map after it
     python scripts/bench_loop_closure.py --model tiny --device cpu --frames 48 --chunk-frames 12 --overlap 4 \
         --warmup-frames 12 --image-width 112 --video-size 160x120   # a smoke test of the script (seconds)
 
@@ -21,6 +22,7 @@ call of each stage). Prints a table; --json writes everything.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -34,17 +36,63 @@ sys.path.insert(0, str(REPO / "scripts"))
 import bench_e2e  # noqa: E402
 
 
-def measured_run(args: argparse.Namespace, video: Path, mode: str, frames: int, model: Any, device: str) -> dict:
-    output = tempfile.mkdtemp(prefix="bench_loop_closure_", dir=args.video_dir) if args.refine else args.output
+def measured_run(args: argparse.Namespace, video: Path, mode: str, frames: int, model: Any, device: str,
+                 extend_map: str | None = None) -> dict:
+    kept = args.refine or args.extend
+    output = tempfile.mkdtemp(prefix="bench_loop_closure_", dir=args.video_dir) if kept else args.output
     run_args = argparse.Namespace(**{**vars(args), "loop_closure": mode, "frames": frames, "output": output})
     options = bench_e2e.run_options(run_args, bench_e2e.free_port())
+    if extend_map is not None:
+        options = dataclasses.replace(options, extend_map=extend_map)
     result = bench_e2e.product_run(run_args, video, options, model, device)
     if args.refine and mode == "on":
         result["refine"] = refined_run(Path(output))
     keep = ("steady_fps", "p50_ms", "p99_ms", "longest_stall_ms", "longest_stall_frame", "longest_stall_at_rollover",
             "over_2x_median", "rollovers", "frames", "keyframes", "run_json_fps", "loop_closure", "after_last_frame_s",
             "run_s", "refine")
-    return {"mode": mode, **{key: result.get(key) for key in keep}}
+    return {"mode": mode, "output": output, **{key: result.get(key) for key in keep}}
+
+
+def second_recording(video: Path, frames: int) -> Path:
+    """Another video of the same place: the last `frames` frames of `video`, played backwards (the camera
+    walks the path the other way, so its keyframes are new pictures of places the first run mapped)."""
+    import cv2
+
+    path = video.with_name(f"{video.stem}_last{frames}_backwards.mp4")
+    if path.exists():
+        return path
+    capture = cv2.VideoCapture(str(video))
+    last: list = []
+    while True:
+        ok, frame = capture.read()
+        if not ok:
+            break
+        last = (last + [frame])[-frames:]
+    capture.release()
+    height, width = last[0].shape[:2]
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 30.0, (width, height))
+    for frame in reversed(last):
+        writer.write(frame)
+    writer.release()
+    return path
+
+
+def extended_runs(args: argparse.Namespace, video: Path, earlier_run: str, model: Any, device: str) -> dict:
+    """The second recording streamed with loop closure on, without then with `--map` the earlier run, then without
+    again (the machine drifts; the ratio is against the mean of the two runs around it)."""
+    second = second_recording(video, args.extend)
+    runs = []
+    for earlier in (None, earlier_run, None):
+        run_args = argparse.Namespace(**{**vars(args), "frames": args.extend, "refine": False})
+        run = measured_run(run_args, second, "on", args.extend, model, device, extend_map=earlier)
+        runs.append({**run, "map": earlier})
+        print_run(run)
+    alone = [run["steady_fps"] for run in runs if run["map"] is None]
+    ratio = runs[1]["steady_fps"] / (sum(alone) / len(alone))
+    placed = (runs[1]["loop_closure"] or {}).get("map")
+    print(f"--map: {runs[1]['steady_fps']:.1f} FPS steady against {sum(alone) / len(alone):.1f} without it "
+          f"({ratio:.3f}); the map: {placed}")
+    return {"video": str(second), "runs": runs, "map_over_alone": ratio}
 
 
 def refined_run(run_dir: Path) -> dict:
@@ -80,6 +128,9 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--refine", action="store_true",
                         help="after each `on` run, refine its run directory (stream-recon refine) and time it")
+    parser.add_argument("--extend", type=int, default=0, metavar="FRAMES",
+                        help="after the last `on` run: a second recording of FRAMES frames (that run's last ones, "
+                        "backwards) streamed without, with `--map` that run, and without again")
     args = parser.parse_args()
     # every other setting as scripts/bench_e2e.py's defaults
     args = argparse.Namespace(**{**vars(bench_e2e.argument_parser().parse_args([])), **vars(args)})
@@ -112,6 +163,9 @@ def main() -> None:
         for mode in args.modes.split(","):
             result["runs"].append(measured_run(args, video, mode, args.frames, model, device))
             print_run(result["runs"][-1])
+    mapped = [run["output"] for run in result["runs"] if run["mode"] == "on"]
+    if args.extend and mapped:
+        result["extend"] = extended_runs(args, video, mapped[-1], model, device)
     off = [run["steady_fps"] for run in result["runs"] if run["mode"] == "off"]
     on = [run["steady_fps"] for run in result["runs"] if run["mode"] == "on"]
     if on and off:
