@@ -126,6 +126,7 @@ def main() -> None:
                         help="with --scene: pingpong, walk:SEED (a seeded random walk over 40 frames) or tour:LAPS")
     parser.add_argument("--video-dir", default=tempfile.gettempdir())
     parser.add_argument("--json")
+    parser.add_argument("--log", help="stream-recon's log (INFO and up) into this file, as the runs go")
     parser.add_argument("--refine", action="store_true",
                         help="after each `on` run, refine its run directory (stream-recon refine) and time it")
     parser.add_argument("--extend", type=int, default=0, metavar="FRAMES",
@@ -134,6 +135,8 @@ def main() -> None:
     args = parser.parse_args()
     # every other setting as scripts/bench_e2e.py's defaults
     args = argparse.Namespace(**{**vars(bench_e2e.argument_parser().parse_args([])), **vars(args)})
+    if args.log:
+        bench_e2e.log_to_file(args.log)
 
     import torch
 
@@ -151,6 +154,7 @@ def main() -> None:
         video = Path(args.video_dir) / f"bench_e2e_{args.frames}_{width}x{height}.mp4"
         if not video.exists():
             bench_e2e.make_video(video, args.frames, width, height)
+    print(f"video ready: {video}", flush=True)
     options = bench_e2e.run_options(args, bench_e2e.free_port())
     device = resolve_device(options.device)
     model, load_s = bench_e2e.build_model(args)
