@@ -10,6 +10,9 @@ files are the real ones.
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import cv2
@@ -18,7 +21,17 @@ import pytest
 import torch
 from conftest import build_tiny_model
 from test_app_faults import RUN_FLAGS, revisiting_video
-from test_app_maps_process import EXIT_BAD_INPUT, EXIT_OK, contents, copy_of, lines, stream_recon
+from test_app_maps_process import (
+    EXIT_BAD_INPUT,
+    EXIT_OK,
+    EXIT_TERMINATED,
+    cli,
+    contents,
+    copy_of,
+    environment,
+    lines,
+    stream_recon,
+)
 
 from stream_recon.app.outputs.trajectories import read_tum
 from stream_recon.models import ModelConfig
@@ -115,6 +128,65 @@ def test_frames_of_the_runs_video_are_placed_in_its_world(mapped_run: Path, vide
         assert np.linalg.norm(pose[:3, 3] - run_poses[frame, :3, 3]) <= 0.5 * scene_depth, entry
         assert entry["inliers"] >= 20 and entry["agreeing"] >= 12 and entry["keyframe"] is not None
     assert {key: value for key, value in contents(run_dir).items() if not key.startswith("localised/")} == before
+
+
+def test_frames_are_placed_in_a_refined_run(mapped_run: Path, video: Path, tmp_path: Path) -> None:
+    """Localise reads a refined run as it reads a streamed one: the map's keyframes carried to the refined
+    poses (the run's files), each placed frame by the refined camera of its frame."""
+    run_dir = copy_of(mapped_run, tmp_path / "run")
+    refined = stream_recon("refine", str(run_dir))
+    assert refined.returncode == EXIT_OK, refined.stdout + refined.stderr
+    queries = pictures_of(video, tmp_path / "queries", [2, 13, 31])
+    result = stream_recon("localise", str(run_dir), str(queries))
+    assert result.returncode == EXIT_OK, result.stdout + result.stderr
+    placed = [entry for entry in verdicts(run_dir / "localised") if entry["placed"]]
+    assert len(placed) >= 2, verdicts(run_dir / "localised")
+    poses = read_tum(run_dir / "localised" / "poses_tum.txt")[1]
+    run_poses = read_tum(run_dir / "trajectory_tum.txt")[1]
+    scene_depth = np.median([keyframe.median_depth for keyframe in read_map(run_dir).keyframes])
+    for entry, pose in zip(placed, poses, strict=True):
+        assert np.linalg.norm(pose[:3, 3] - run_poses[int(entry["name"][6:9]), :3, 3]) <= 0.5 * scene_depth, entry
+
+
+def test_a_second_recording_of_the_place_is_placed_in_the_map(mapped_run: Path, video: Path, sure_checkpoint: Path,
+                                                              tmp_path: Path) -> None:
+    """`--map` with a model sure of its depth: the second recording's keyframes verified against the map's, the
+    stream placed (its first placing frame recorded) and the earlier run never written."""
+    earlier = copy_of(mapped_run, tmp_path / "earlier")
+    before = contents(earlier)
+    extended = tmp_path / "extended"
+    result = stream_recon(str(video), "--checkpoint", str(sure_checkpoint), "-o", str(extended), *FLAGS,
+                          "--start", "3", "--map", str(earlier))
+    assert result.returncode == EXIT_OK, result.stdout + result.stderr
+    account = json.loads((extended / "run.json").read_text())["summary"]["loop_closure"]["map"]
+    assert account["placed"] and account["loops_accepted"] >= 1, account
+    assert 0 <= account["placed_at_frame"] < 37 and "never placed" not in result.stdout + result.stderr
+    assert np.isfinite(read_tum(extended / "trajectory_tum.txt")[1]).all()
+    assert contents(earlier) == before
+
+
+@pytest.mark.parametrize("instant", range(2))
+def test_a_stopped_localise_ends_within_seconds_and_leaves_the_run_as_it_was(mapped_run: Path, video: Path,
+                                                                             tmp_path: Path, instant: int) -> None:
+    """SIGTERM at a seeded instant of a localise of the whole video: the command ends within 10 s of the
+    signal, exit 143 with nothing written (or 0 where it had finished), the run's own files untouched."""
+    run_dir = copy_of(mapped_run, tmp_path / "run")
+    before = contents(run_dir)
+    started = time.monotonic()
+    reference = stream_recon("localise", str(mapped_run), str(video), "-o", str(tmp_path / "timed"))
+    assert reference.returncode == EXIT_OK, reference.stderr
+    delay = np.random.default_rng(instant).uniform(0.3, 0.9) * (time.monotonic() - started)
+    child = subprocess.Popen(cli("localise", str(run_dir), str(video)), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=environment())
+    time.sleep(delay)
+    child.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    output, _ = child.communicate(timeout=60)
+    assert time.monotonic() - signalled <= 10.0, output
+    assert "Traceback" not in output and child.returncode in (EXIT_OK, EXIT_TERMINATED), output
+    left = {key: value for key, value in contents(run_dir).items() if not key.startswith("localised/")}
+    assert left == before
+    assert (run_dir / "localised").exists() == (child.returncode == EXIT_OK)
 
 
 def test_frames_of_an_unrelated_scene_are_not_placed(mapped_run: Path, tmp_path: Path) -> None:
