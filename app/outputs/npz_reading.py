@@ -32,10 +32,17 @@ def load_prediction(path: Path) -> dict[str, Any]:
     Raises ValueError (or OSError) when the file is truncated, not an npz, or lacks a key.
     """
     with opened_npz(path) as data:
-        record: dict[str, Any] = {RENAMED_FIELDS.get(key, key): data[key] for key in data.files}
-        missing = [key for key in PREDICTION_FIELDS if key not in record]
-        if missing:
-            raise ValueError(f"{path.name} lacks {', '.join(missing)}")
+        stored = {key: data[key] for key in data.files}
+    return prediction_record(path, stored)
+
+
+def prediction_record(path: Path, stored: dict[str, np.ndarray]) -> dict[str, Any]:
+    """load_prediction's dict from the arrays of one npz as stored (`path` names the file in errors): for a
+    writer that has them in hand and need not read its file back."""
+    record: dict[str, Any] = {RENAMED_FIELDS.get(key, key): value for key, value in stored.items()}
+    missing = [key for key in PREDICTION_FIELDS if key not in record]
+    if missing:
+        raise ValueError(f"{path.name} lacks {', '.join(missing)}")
     check_fields(path, record)
     for key, field in PREDICTION_FIELDS.items():
         if field.is_scalar:

@@ -12,8 +12,12 @@ before that (Ctrl-C, SIGTERM, an error) removes its staging folder: the run stay
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import functools
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +26,7 @@ import numpy as np
 
 from stream_recon.app.outputs.atomic_writes import atomic_write, remove_tree, staging_folder, swap_in_staged
 from stream_recon.app.outputs.json_records import write_json_atomic
-from stream_recon.app.outputs.npz_reading import load_prediction, prediction_fields
+from stream_recon.app.outputs.npz_reading import load_prediction, prediction_fields, prediction_record
 from stream_recon.app.outputs.output_folder import lock_run_dir, run_dir_in_use, unlock_run_dir
 from stream_recon.app.outputs.pointcloud import (
     DEFAULT_CONF_THRESHOLD,
@@ -63,6 +67,12 @@ TRAJECTORY_STREAM_TUM = "trajectory_stream_tum.txt"  # the stream's trajectory, 
 # Refine's threads (features, loop checks: OpenCV frees the GIL) are its helpers; one job takes tens of
 # milliseconds, so one that has not ended in two minutes is a hung library: the refine fails, the run stays.
 _WORKER_POLICY = HelperPolicy("refine's workers", WhenFull.DROP, WhenDown.FAIL_RUN, stall_s=120.0)
+# Frames moved on the workers ahead of the one the points take next, per worker: each holds a frame's arrays
+# (1.4 MB at 518x392), so a 10,000-frame refine holds a few dozen frames, never its 14 GB.
+FRAMES_AHEAD_PER_WORKER = 2
+# A stopped refine waits this long for the frames its workers are writing, before the staging folder goes
+# (a frame takes ~10-30 ms; a worker stalled on the disk past it is left behind, its write failing then).
+STOP_WAIT_S = 5.0
 
 
 class RefineError(ValueError):
@@ -161,6 +171,33 @@ def _in_pool(pool: DaemonPool, jobs: Sequence[Callable[[], Any]], done: Callable
     return results
 
 
+def _in_order(pool: DaemonPool, jobs: Sequence[Callable[[], Any]], workers: int) -> Iterator[Any]:
+    """Each job's result in order, at most FRAMES_AHEAD_PER_WORKER * workers submitted ahead of the one taken;
+    the first that raises (or stalls past the policy's limit) raises here. Left early (an error, a stop), the jobs
+    not begun are cancelled and those running get STOP_WAIT_S to end: their files land before the caller may
+    remove the folder they write into."""
+    ahead: deque[concurrent.futures.Future] = deque()
+    pending = iter(jobs)
+    try:
+        for job in pending:
+            ahead.append(pool.submit(job))
+            if len(ahead) >= FRAMES_AHEAD_PER_WORKER * workers:
+                yield ahead.popleft().result(timeout=_WORKER_POLICY.stall_s)
+        while ahead:
+            yield ahead.popleft().result(timeout=_WORKER_POLICY.stall_s)
+    finally:
+        pool.shutdown()  # unbounded-ok: a DaemonPool's shutdown returns at once
+        concurrent.futures.wait([future for future in ahead if not future.cancel()], timeout=STOP_WAIT_S)
+
+
+def _moved_frame(path: Path, staged: Path, move: Sim3) -> dict[str, Any]:
+    """One frame's npz moved into the staging folder (`staged`), and its record as load_prediction gives it,
+    from the arrays written (the file is not read back)."""
+    arrays = corrected_prediction_file(path, move)
+    atomic_write(staged, lambda f: np.savez(f, **arrays), binary=True)
+    return prediction_record(staged, arrays)
+
+
 def _run_frame(index: int, path: Path) -> RunFrame:
     fields = prediction_fields(path, "chunk_index", "c2w", "is_keyframe")
     return RunFrame(index, int(fields["chunk_index"]), np.asarray(fields["c2w"], np.float64), bool(fields["is_keyframe"]))
@@ -203,15 +240,17 @@ def _write_refined(run_dir: Path, staging: Path, files: dict[int, Path], moves: 
                               max_points=recorded.get("max_points", DEFAULT_MAX_POINTS))
     timestamps, poses = [], []
     writing = time.perf_counter()
-    for done, (index, path) in enumerate(sorted(files.items()), start=1):
-        arrays = corrected_prediction_file(path, moves[index])
-        atomic_write(staging / PREDICTIONS_DIR / path.name, lambda f, arrays=arrays: np.savez(f, **arrays), binary=True)
-        record = load_prediction(staging / PREDICTIONS_DIR / path.name)
-        timestamps.append(record["timestamp"])
-        poses.append(record["c2w"])
-        points.add_frame(index, record["depth"], record["depth_conf"], record["intrinsics"], record["c2w"],
-                         record["image"], record["sky_mask"])
-        progress("frames", done, len(files))
+    jobs = [functools.partial(_moved_frame, path, staging / PREDICTIONS_DIR / path.name, moves[index])
+            for index, path in sorted(files.items())]
+    # (closed here, not when the traceback lets it go: its writes end before the caller removes the staging folder)
+    with contextlib.closing(_in_order(DaemonPool(config.workers, "refine-write", Helper(_WORKER_POLICY)), jobs,
+                                      config.workers)) as records:
+        for done, (index, record) in enumerate(zip(sorted(files), records, strict=True), start=1):
+            timestamps.append(record["timestamp"])
+            poses.append(record["c2w"])
+            points.add_frame(index, record["depth"], record["depth_conf"], record["intrinsics"], record["c2w"],
+                             record["image"], record["sky_mask"])
+            progress("frames", done, len(files))
     write_tum(staging / TRAJECTORY_TUM, timestamps, np.array(poses, np.float64).reshape(-1, 3, 4))
     cloud = points.cloud()
     write_ply(staging / POINTS_PLY, cloud.xyz, cloud.rgb)
