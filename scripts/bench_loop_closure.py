@@ -45,11 +45,9 @@ def measured_run(args: argparse.Namespace, video: Path, mode: str, frames: int, 
     if extend_map is not None:
         options = dataclasses.replace(options, extend_map=extend_map)
     result = bench_e2e.product_run(run_args, video, options, model, device)
-    if args.refine and mode == "on":
-        result["refine"] = refined_run(Path(output))
     keep = ("steady_fps", "p50_ms", "p99_ms", "longest_stall_ms", "longest_stall_frame", "longest_stall_at_rollover",
             "over_2x_median", "rollovers", "frames", "keyframes", "run_json_fps", "loop_closure", "after_last_frame_s",
-            "run_s", "refine")
+            "run_s")
     return {"mode": mode, "output": output, **{key: result.get(key) for key in keep}}
 
 
@@ -165,8 +163,14 @@ def main() -> None:
     }
     for _ in range(args.pairs):
         for mode in args.modes.split(","):
-            result["runs"].append(measured_run(args, video, mode, args.frames, model, device))
-            print_run(result["runs"][-1])
+            run = measured_run(args, video, mode, args.frames, model, device)
+            result["runs"].append(run)
+            print_run(run)  # (each figure printed and written as it comes: a call cut short keeps them)
+            write_json(args.json, result)
+            if args.refine and mode == "on":
+                run["refine"] = refined_run(Path(run["output"]))
+                print_refine(run["refine"])
+                write_json(args.json, result)
     mapped = [run["output"] for run in result["runs"] if run["mode"] == "on"]
     if args.extend and mapped:
         result["extend"] = extended_runs(args, video, mapped[-1], model, device)
@@ -175,8 +179,12 @@ def main() -> None:
     if on and off:
         result["on_over_off"] = sum(on) / sum(off)
         print(f"steady FPS with loop closure / without: {result['on_over_off']:.3f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(bench_e2e.without_nan(result), indent=1) + "\n")
+    write_json(args.json, result)
+
+
+def write_json(path: str | None, result: dict) -> None:
+    if path:
+        Path(path).write_text(json.dumps(bench_e2e.without_nan(result), indent=1) + "\n")
 
 
 def print_run(run: dict) -> None:
@@ -192,12 +200,13 @@ def print_run(run: dict) -> None:
           f"{loops.get('keyframes_deferred', '-')} due keyframes deferred); costs {loops.get('costs_ms')}; "
           f"{run['after_last_frame_s']:.1f} s from the last frame to the run's end "
           f"({loops.get('end_wait_s', '-')} s of it waiting for loop closure)")
-    refine = run.get("refine")
-    if refine:
-        print(f"     refine: {refine['command_s']:.1f} s for {refine['frames']} frames ({refine['keyframes_indexed']} "
-              f"keyframes indexed, {refine['pairs_checked']} pairs checked, {refine['loops_accepted']} of "
-              f"{refine['loops_verified'] + refine['stream_loops']} loops accepted, {refine['nodes']} segments; "
-              f"seconds by stage {refine['seconds']})")
+
+
+def print_refine(refine: dict) -> None:
+    print(f"     refine: {refine['command_s']:.1f} s for {refine['frames']} frames ({refine['keyframes_indexed']} "
+          f"keyframes indexed, {refine['pairs_checked']} pairs checked, {refine['loops_accepted']} of "
+          f"{refine['loops_verified'] + refine['stream_loops']} loops accepted, {refine['nodes']} segments; "
+          f"seconds by stage {refine['seconds']})", flush=True)
 
 
 if __name__ == "__main__":
