@@ -59,7 +59,8 @@ class RefineConfig:
     segment_log_scale_sigma: float = 5e-3
     closure: LoopClosureConfig = LoopClosureConfig()
     pose_graph: PoseGraphSettings = PoseGraphSettings()
-    workers: int = max(1, min(16, os.cpu_count() or 1))  # the caller's threads for features and checks
+    # the caller's threads for features, checks and the frames' files
+    workers: int = max(1, min(16, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
