@@ -5,6 +5,7 @@
     .venv/bin/python scripts/bench_pose_graph.py --pypose         # also pypose's Levenberg-Marquardt, to compare
     .venv/bin/python scripts/bench_pose_graph.py --scratch 100 300 1000 3000   # a whole run's solve, how it grows
     .venv/bin/python scripts/bench_pose_graph.py --stream 100 --budget 0.1       # a stream's incremental solves
+    .venv/bin/python scripts/bench_pose_graph.py --map 30 300 3000 --stream 30   # a --map stream's, by the map's size
 
 Real trajectories (tests/loop_scenarios.py, the same set-up as tests/test_models_pose_graph.py): KITTI 00
 and TUM fr1_xyz from evo's sdist (tests/evo_data.py fetches it, or STREAM_RECON_EVO_DATA names it), cut into
@@ -221,6 +222,39 @@ def stream_solves(sizes: list[int], loops_per_chunk: float, budget_s: float | No
                                             f"{set(scratch.accepted_ids) == accepted})"), flush=True)
 
 
+def map_solves(map_sizes: list[int], stream_chunks: int, loops_per_chunk: float, seed: int = 0) -> None:
+    """A `--map` stream's solves (models/loops/earlier_map.py): the earlier run's chunks and loops lead every
+    solve of the joint graph. One synthetic chain of map + stream chunks; the map's part (its chunks' odometry
+    and the loops among them) solved first, untimed, as the earlier run left it; then the stream's loops
+    (among its chunks or back into the map) arrive one to three at a time, each arrival a solve of the whole
+    graph so far. Per map size: the solve times and how the median grows with the map's size."""
+    rng = np.random.default_rng(seed)
+    previous: tuple[int, float] | None = None
+    for size in map_sizes:
+        graph, _ = synthetic_graph(size + stream_chunks, seed, loops_per_chunk)
+        in_map = [loop for loop in graph.loops if max(loop.first, loop.second) < size]
+        streamed = sorted((loop for loop in graph.loops if max(loop.first, loop.second) >= size),
+                          key=lambda loop: max(loop.first, loop.second))
+        solver = PoseGraphSolver()
+        head = time.perf_counter()
+        solver.solve(PoseGraph(graph.odometry[:size - 1], in_map))
+        head = time.perf_counter() - head
+        seconds, arrived = [], 0
+        while arrived < len(streamed):
+            arrived += int(rng.integers(1, 4))
+            so_far = streamed[:arrived]
+            linked = max(max(loop.first, loop.second) for loop in so_far)
+            seconds.append(solver.solve(PoseGraph(graph.odometry[:linked], [*in_map, *so_far])).seconds)
+        times = np.array(seconds) * 1e3
+        median = float(np.median(times))
+        growth = "" if previous is None else \
+            f", median grows as map size^{np.log(median / previous[1]) / np.log(size / previous[0]):.2f}"
+        print(f"map of {size} chunks ({len(in_map)} loops, solved in {head:.1f} s), stream of {stream_chunks} "
+              f"({len(streamed)} loops): {len(times)} solves, median {median:.0f} ms, p99 "
+              f"{np.percentile(times, 99):.0f} ms, max {times.max():.0f} ms{growth}", flush=True)
+        previous = (size, median)
+
+
 def scratch_solves(sizes: list[int], seeds: int, loops_per_chunk: float) -> None:
     """A whole run's solve from scratch (one `optimize`, the default settings) on the synthetic chains: per
     size the seconds (median and max over the seeds), the loop pairs tested, LM iterations and the verdicts,
@@ -268,7 +302,12 @@ def main() -> None:
                         help="only solves from scratch of synthetic graphs of these sizes (e.g. 100 300 1000 3000), "
                              "--loops-per-chunk loops a chunk, 20 %% false")
     parser.add_argument("--scratch-seeds", type=int, default=3, help="with --scratch: graphs a size (default 3)")
+    parser.add_argument("--map", type=int, nargs="*", metavar="CHUNKS",
+                        help="a --map stream's solves beside an earlier map of these sizes (e.g. 30 300 3000); the "
+                             "stream's chunks: the first --stream size (default 30)")
     args = parser.parse_args()
+    if args.map:
+        return map_solves(args.map, (args.stream or [30])[0], args.loops_per_chunk)
     if args.scratch:
         return scratch_solves(args.scratch, args.scratch_seeds, args.loops_per_chunk)
     if args.stream:
