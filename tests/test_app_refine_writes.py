@@ -14,6 +14,7 @@ import pytest
 from stream_recon.app.outputs import refined
 from stream_recon.app.outputs.npz_reading import load_prediction, prediction_record, stored_prediction
 from stream_recon.app.outputs.npz_schema import PredictionOutputs, prediction_arrays
+from stream_recon.app.outputs.pointcloud import PointAccumulator
 from stream_recon.app.outputs.writers import corrected_prediction_file
 from stream_recon.models import DaemonPool
 from stream_recon.models.stream.prediction import FRAME_KEY, FramePrediction
@@ -81,8 +82,10 @@ def test_a_moved_frames_record_is_what_reading_its_file_gives(tmp_path: Path) ->
     source, staged = tmp_path / "frame.npz", tmp_path / "staged.npz"
     np.savez(source, **PredictionOutputs().stored(prediction_arrays(frame)))
     move = Sim3(1.5, np.eye(3), np.array([0.0, 1.0, 0.0]))
-    record = refined._moved_frame(source, staged, move)
+    accumulator = PointAccumulator()
+    record, points = refined._moved_frame(source, staged, move, accumulator)
     read = load_prediction(staged)
+    assert points.median_depth == pytest.approx(float(np.median(read["depth"])))  # the grid is not set yet
     assert record.keys() == read.keys()
     for key, value in read.items():
         np.testing.assert_array_equal(record[key], value, err_msg=key)

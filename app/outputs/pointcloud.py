@@ -94,6 +94,62 @@ def _first_of_each(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ordered[starts], np.minimum.reduceat(order, starts)
 
 
+def _pixel_step(intrinsics: np.ndarray, voxel_size: float | None, reference_depth: float | None) -> int:
+    """PointAccumulator.pixel_step on the grid (voxel_size, reference_depth)."""
+    focal = float(min(intrinsics[0, 0], intrinsics[1, 1]))
+    if reference_depth is None or not (np.isfinite(focal) and focal > 0):
+        return 1
+    return max(1, int(voxel_size * focal / reference_depth))
+
+
+def _voxel_keys(xyz: np.ndarray, voxel_size: float) -> tuple[np.ndarray, np.ndarray]:
+    """xyz [M, 3] -> keys [M] int64 and in_range [M] bool (keys of out-of-range points are 0).
+
+    One axis at a time, in place: floor(x / voxel) + offset in float64, 21 bits of the key each.
+    """
+    keys = np.zeros(len(xyz), dtype=np.int64)
+    in_range = np.ones(len(xyz), dtype=bool)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for axis in range(3):
+            cells = xyz[:, axis].astype(np.float64)
+            cells /= voxel_size
+            np.floor(cells, out=cells)
+            cells += _KEY_OFFSET
+            # the usual case, every cell in range, costs two reductions instead of two masks
+            if len(cells) and not (cells.min() >= 0 and cells.max() < _KEY_LIMIT):
+                in_range &= (cells >= 0) & (cells < _KEY_LIMIT)
+                cells[~in_range] = 0
+            keys <<= _KEY_BITS
+            keys |= cells.astype(np.int64)
+    if not in_range.all():
+        keys[~in_range] = 0
+    return keys, in_range
+
+
+@dataclass(frozen=True)
+class FramePoints:
+    """One frame's candidate points (PointAccumulator.frame_points): the first sampled pixel of each voxel it
+    reaches, keys [K] sorted, xyz [K, 3], rgb [K, 3], pixel [K, 2] (u, v), on the grid (voxel size, the first
+    frame's median depth) they were computed on; before the grid exists, only the frame's median confident
+    depth, which sets it."""
+
+    grid: tuple[float | None, float | None]
+    saw_confident: bool
+    saw_kept: bool
+    median_depth: float | None
+    out_of_range: int
+    keys: np.ndarray
+    xyz: np.ndarray
+    rgb: np.ndarray
+    pixel: np.ndarray
+
+    @staticmethod
+    def empty(grid: tuple[float | None, float | None], saw_confident: bool, saw_kept: bool,
+              median_depth: float | None = None) -> FramePoints:
+        return FramePoints(grid, saw_confident, saw_kept, median_depth, 0, np.empty(0, np.int64),
+                           np.empty((0, 3), np.float32), np.empty((0, 3), np.uint8), np.empty((0, 2), np.int32))
+
+
 class PointAccumulator:
     """Voxel-downsampled world points from a stream of depth maps, capped at `max_points`.
 
@@ -173,57 +229,77 @@ class PointAccumulator:
         c2w: np.ndarray,
         image: np.ndarray | None = None,
         dropped: np.ndarray | None = None,
+        *,
+        points: FramePoints | None = None,
     ) -> None:
         """Merge one frame's confident pixels. depth, depth_conf [H, W]; image [H, W, 3] uint8 or None;
-        dropped [H, W] bool or None: pixels left out whatever their confidence (app.outputs.masks)."""
+        dropped [H, W] bool or None: pixels left out whatever their confidence (app.outputs.masks).
+        `points`: this frame's `frame_points`, computed ahead (on another thread); taken where the grid is still
+        the one they were computed on, else computed again."""
         if image is not None and image.shape[:2] != depth.shape:
             raise ValueError(
                 f"image {image.shape[:2]} and depth {depth.shape} of frame {frame_index} differ in size"
             )
-        valid = depth_conf >= self.conf_threshold
-        valid &= depth > 0
-        valid &= depth < np.inf  # NaN fails both comparisons
+        if points is None or points.grid != (self.voxel_size, self.reference_depth):
+            points = self.frame_points(depth, depth_conf, intrinsics, c2w, image, dropped)
         self.frames_added += 1
-        self._saw_confident = self._saw_confident or bool(valid.any())
-        if dropped is not None:
-            valid &= ~dropped
-        self._saw_kept = self._saw_kept or bool(valid.any())
-        if self.reference_depth is None:
-            confident = depth[valid]
-            if len(confident) == 0:
+        self._saw_confident = self._saw_confident or points.saw_confident
+        self._saw_kept = self._saw_kept or points.saw_kept
+        if self.reference_depth is None:  # the first frame with confident depth sets the grid
+            if points.median_depth is None:
                 return
-            self.reference_depth = float(np.median(confident))
+            self.reference_depth = points.median_depth
             if self.voxel_size is None:
                 self.voxel_size = self.reference_depth * AUTO_VOXEL_FRACTION
             self._fit_the_grid_to_the_scene()
-        step = self.pixel_step(intrinsics)
+            points = self.frame_points(depth, depth_conf, intrinsics, c2w, image, dropped)
+        self.num_out_of_range += points.out_of_range
+        fresh = ~self._occupied(points.keys)
+        self._append(points.keys[fresh], points.xyz[fresh], points.rgb[fresh],
+                     np.full(int(fresh.sum()), frame_index, dtype=np.int64), points.pixel[fresh])
+        while len(self) > self.max_points:
+            self._coarsen()
+
+    def frame_points(
+        self,
+        depth: np.ndarray,
+        depth_conf: np.ndarray,
+        intrinsics: np.ndarray,
+        c2w: np.ndarray,
+        image: np.ndarray | None = None,
+        dropped: np.ndarray | None = None,
+    ) -> FramePoints:
+        """One frame's candidate points on the grid as it is now, not merged: each voxel's first sampled pixel
+        back-projected. Changes nothing, so that a thread may compute a later frame's while the accumulator
+        merges an earlier one (`add_frame(points=...)`)."""
+        voxel_size, reference = self.voxel_size, self.reference_depth  # (read once: the grid it is computed on)
+        valid = depth_conf >= self.conf_threshold
+        valid &= depth > 0
+        valid &= depth < np.inf  # NaN fails both comparisons
+        saw_confident = bool(valid.any())
+        if dropped is not None:
+            valid &= ~dropped
+        saw_kept = bool(valid.any())
+        if reference is None:
+            median = float(np.median(depth[valid])) if saw_kept else None
+            return FramePoints.empty((voxel_size, reference), saw_confident, saw_kept, median)
+        step = _pixel_step(intrinsics, voxel_size, reference)
         grid = valid[::step, ::step]
         pixels = np.flatnonzero(grid)  # raster order, so "first in the frame" is deterministic
         if len(pixels) == 0:
-            return
+            return FramePoints.empty((voxel_size, reference), saw_confident, saw_kept)
         v, u = np.divmod(pixels, grid.shape[1])
         v *= step
         u *= step
-        z = depth[v, u]
-        xyz = _back_project_pixels(u, v, z, intrinsics, c2w)
-        keys, in_range = self._voxel_keys(xyz)
-        if not in_range.all():
-            outside = xyz[~in_range]
-            self.num_out_of_range += int(np.isfinite(outside).all(axis=1).sum())
+        xyz = _back_project_pixels(u, v, depth[v, u], intrinsics, c2w)
+        keys, in_range = _voxel_keys(xyz, voxel_size)
+        out_of_range = 0 if in_range.all() else int(np.isfinite(xyz[~in_range]).all(axis=1).sum())
         candidates = np.flatnonzero(in_range)
         frame_keys, first = _first_of_each(keys[candidates])
-        fresh = ~self._occupied(frame_keys)
-        new_keys, sel = frame_keys[fresh], candidates[first[fresh]]
+        sel = candidates[first]
         rgb = image[v[sel], u[sel]] if image is not None else np.full((len(sel), 3), 200, dtype=np.uint8)
-        self._append(
-            new_keys,
-            xyz[sel],
-            rgb,
-            np.full(len(sel), frame_index, dtype=np.int64),
-            np.stack([u[sel], v[sel]], axis=1).astype(np.int32),
-        )
-        while len(self) > self.max_points:
-            self._coarsen()
+        return FramePoints((voxel_size, reference), saw_confident, saw_kept, None, out_of_range, frame_keys,
+                           xyz[sel], rgb, np.stack([u[sel], v[sel]], axis=1).astype(np.int32))
 
     def _fit_the_grid_to_the_scene(self) -> None:
         least = self.reference_depth * MIN_VOXEL_FRACTION
@@ -260,10 +336,7 @@ class PointAccumulator:
         coarsening doubles the step. Nearer surfaces lose nothing (several pixels per voxel); farther ones
         are filled in by the frames that follow.
         """
-        focal = float(min(intrinsics[0, 0], intrinsics[1, 1]))
-        if self.reference_depth is None or not (np.isfinite(focal) and focal > 0):
-            return 1
-        return max(1, int(self.voxel_size * focal / self.reference_depth))
+        return _pixel_step(intrinsics, self.voxel_size, self.reference_depth)
 
     def remove_frame(self, frame_index: int) -> None:
         """Drop the points a frame contributed (before its re-emission is added).
@@ -337,27 +410,7 @@ class PointAccumulator:
         return PointCloud(xyz[rows], cloud.rgb[rows], cloud.frame_index[rows], cloud.pixel[rows])
 
     def _voxel_keys(self, xyz: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """xyz [M, 3] -> keys [M] int64 and in_range [M] bool (keys of out-of-range points are 0).
-
-        One axis at a time, in place: floor(x / voxel) + offset in float64, 21 bits of the key each.
-        """
-        keys = np.zeros(len(xyz), dtype=np.int64)
-        in_range = np.ones(len(xyz), dtype=bool)
-        with np.errstate(invalid="ignore", over="ignore"):
-            for axis in range(3):
-                cells = xyz[:, axis].astype(np.float64)
-                cells /= self.voxel_size
-                np.floor(cells, out=cells)
-                cells += _KEY_OFFSET
-                # the usual case, every cell in range, costs two reductions instead of two masks
-                if len(cells) and not (cells.min() >= 0 and cells.max() < _KEY_LIMIT):
-                    in_range &= (cells >= 0) & (cells < _KEY_LIMIT)
-                    cells[~in_range] = 0
-                keys <<= _KEY_BITS
-                keys |= cells.astype(np.int64)
-        if not in_range.all():
-            keys[~in_range] = 0
-        return keys, in_range
+        return _voxel_keys(xyz, self.voxel_size)
 
     def _occupied(self, keys: np.ndarray) -> np.ndarray:
         occupied = np.zeros(len(keys), dtype=bool)

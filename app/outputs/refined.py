@@ -31,6 +31,7 @@ from stream_recon.app.outputs.output_folder import lock_run_dir, run_dir_in_use,
 from stream_recon.app.outputs.pointcloud import (
     DEFAULT_CONF_THRESHOLD,
     DEFAULT_MAX_POINTS,
+    FramePoints,
     PointAccumulator,
     write_ply,
 )
@@ -190,12 +191,21 @@ def _in_order(pool: DaemonPool, jobs: Sequence[Callable[[], Any]], workers: int)
         concurrent.futures.wait([future for future in ahead if not future.cancel()], timeout=STOP_WAIT_S)
 
 
-def _moved_frame(path: Path, staged: Path, move: Sim3) -> dict[str, Any]:
-    """One frame's npz moved into the staging folder (`staged`), and its record as load_prediction gives it,
-    from the arrays written (the file is not read back)."""
+def _moved_frame(path: Path, staged: Path, move: Sim3, points: PointAccumulator) -> tuple[dict[str, Any], FramePoints]:
+    """One frame's npz moved into the staging folder (`staged`): its record as load_prediction gives it, from the
+    arrays written (the file is not read back), and its points on the cloud's grid as it is now (the sort of
+    its voxels done here, on a worker; `add_frame` computes them again where the grid has changed since)."""
     arrays = corrected_prediction_file(path, move)
     atomic_write(staged, lambda f: np.savez(f, **arrays), binary=True)
-    return prediction_record(staged, arrays)
+    record = prediction_record(staged, arrays)
+    return record, points.frame_points(*_point_inputs(record))
+
+
+def _point_inputs(record: dict[str, Any]) -> tuple:
+    """What a frame's record gives PointAccumulator.frame_points: depth, confidence, intrinsics, c2w, the picture
+    and the pixels the run's masks left out."""
+    return (record["depth"], record["depth_conf"], record["intrinsics"], record["c2w"], record["image"],
+            record["sky_mask"])
 
 
 def _run_frame(index: int, path: Path) -> RunFrame:
@@ -240,16 +250,15 @@ def _write_refined(run_dir: Path, staging: Path, files: dict[int, Path], moves: 
                               max_points=recorded.get("max_points", DEFAULT_MAX_POINTS))
     timestamps, poses = [], []
     writing = time.perf_counter()
-    jobs = [functools.partial(_moved_frame, path, staging / PREDICTIONS_DIR / path.name, moves[index])
+    jobs = [functools.partial(_moved_frame, path, staging / PREDICTIONS_DIR / path.name, moves[index], points)
             for index, path in sorted(files.items())]
     # (closed here, not when the traceback lets it go: its writes end before the caller removes the staging folder)
     with contextlib.closing(_in_order(DaemonPool(config.workers, "refine-write", Helper(_WORKER_POLICY)), jobs,
                                       config.workers)) as records:
-        for done, (index, record) in enumerate(zip(sorted(files), records, strict=True), start=1):
+        for done, (index, (record, ahead)) in enumerate(zip(sorted(files), records, strict=True), start=1):
             timestamps.append(record["timestamp"])
             poses.append(record["c2w"])
-            points.add_frame(index, record["depth"], record["depth_conf"], record["intrinsics"], record["c2w"],
-                             record["image"], record["sky_mask"])
+            points.add_frame(index, *_point_inputs(record), points=ahead)
             progress("frames", done, len(files))
     write_tum(staging / TRAJECTORY_TUM, timestamps, np.array(poses, np.float64).reshape(-1, 3, 4))
     cloud = points.cloud()
