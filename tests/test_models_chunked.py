@@ -1223,3 +1223,24 @@ def test_a_scale_step_that_fails_takes_no_frame(model, frames, monkeypatch):
     assert [p.frame_index for p in emitted] == [p.frame_index for p in expected] == [0, 1, 2, 3]
     for ours, theirs in zip(emitted, expected, strict=True):
         np.testing.assert_array_equal(ours.depth, theirs.depth)
+
+
+def test_the_spare_steps_as_its_owner_chose_once_idle(model, frames):
+    """`steps_eagerly` on a chunked stream: its engine at once, the spare told when it is next idle (its owner
+    remembers what each was told instead of asking the engines at every push), and told again after a switch."""
+    engine = ChunkedEngine(model, StreamConfig(scale_frames=2, window=4), chunk_frames=8, overlap=3, lookahead=True)
+    try:
+        engine.steps_eagerly(True)
+        engine.warm_up(frames[0])
+        spare = engine._rollover.spare
+        assert engine.eager_steps and engine.engine.eager_steps and spare.eager_steps and spare.engine.eager_steps
+        engine.steps_eagerly(False)
+        assert not engine.engine.eager_steps
+        for frame in frames[:12]:
+            engine.push(frame)
+            spare.wait_until(time.perf_counter() + 30)
+        assert engine.stats()["rollovers"] >= 1
+        assert not engine.eager_steps and not spare.eager_steps and not spare.engine.eager_steps
+        assert not engine.engine.eager_steps
+    finally:
+        engine.close()

@@ -109,6 +109,7 @@ class ChunkedEngine:
         self.chunk_length = self.config.scale_frames + (chunk_frames - self.config.scale_frames) * per_cached
         self._chunk_config = chunk_stream_config(self.config, chunk_frames, model.config.max_frames)
         self.engine = StreamingEngine(model, self._chunk_config, device=device, dtype=dtype)
+        self._eager_steps = self.engine.eager_steps  # `steps_eagerly`'s choice for its engines
         self.model, self.device = self.engine.model, self.engine.device
         self.lookahead = lookahead
         self.spare_limits = spare_limits or SpareLimits()
@@ -253,12 +254,13 @@ class ChunkedEngine:
 
     @property
     def eager_steps(self) -> bool:
-        """StreamingEngine.eager_steps, as `steps_eagerly` chose for its engines."""
-        return self.engine.eager_steps
+        """StreamingEngine.eager_steps, as `steps_eagerly` chose for its engines (remembered: read every push)."""
+        return self._eager_steps
 
     def steps_eagerly(self, eager: bool) -> None:
         """StreamingEngine.steps_eagerly for the current engine now, and for the spare on its worker after
         the frames queued there (one started later starts so)."""
+        self._eager_steps = eager
         self.engine.steps_eagerly(eager)
         self._spare_steps_as_chosen()
 
@@ -267,11 +269,11 @@ class ChunkedEngine:
         only this thread queues them) and the current engine has recorded its own step again (two graphs are
         never captured at once); until then it goes on as it was."""
         spare = None if self._rollover is None else self._rollover.spare
-        if spare is None or spare.engine.eager_steps == self.eager_steps or spare.backlog:
+        if spare is None or spare.eager_steps == self._eager_steps or spare.backlog:
             return
         if self.engine.runner is not None and self.engine.runner.records_next:
             return
-        spare.engine.steps_eagerly(self.eager_steps)
+        spare.steps_eagerly(self._eager_steps)
         if spare.engine.at_stream_start and self._spare_image is not None:
             # its graph recorded again now, on its worker beside the stream, not at the next rollover
             spare.warm(self._spare_image)
@@ -517,7 +519,7 @@ class ChunkedEngine:
                                             dtype=self.engine.dtype, window_slots=self.spare_window_slots),
                             self.spare_limits, capacity=self.overlap + 1 + self._provisional_room + 2)
         spare.engine.memory_plan = self.engine.memory_plan
-        spare.engine.steps_eagerly(self.eager_steps)
+        spare.steps_eagerly(self._eager_steps)
         spare.warm(first_frame)
         self._spare_helper = spare.helper
         self._spare_image = first_frame
