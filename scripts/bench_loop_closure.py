@@ -48,7 +48,7 @@ def measured_run(args: argparse.Namespace, video: Path, mode: str, frames: int, 
     keep = ("steady_fps", "p50_ms", "p99_ms", "longest_stall_ms", "longest_stall_frame", "longest_stall_at_rollover",
             "over_2x_median", "rollovers", "frames", "keyframes", "run_json_fps", "loop_closure", "after_last_frame_s",
             "run_s")
-    return {"mode": mode, "output": output, **{key: result.get(key) for key in keep}}
+    return {"mode": mode, "output": output, **{key: result.get(key) for key in keep}, "refine": None}
 
 
 def second_recording(video: Path, frames: int) -> Path:

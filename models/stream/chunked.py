@@ -165,20 +165,8 @@ class ChunkedEngine:
                 self._spare_steps_as_chosen()
             if self._phase is Phase.SWITCH_PENDING:
                 self._switch_to_spare()
-            if self._chunk_is_full():
-                self._roll_over()
-            # The frame to whichever engine takes it in this phase; a streaming frame of the current chunk,
-            # the common case, straight to its engine (docs/ARCHITECTURE.md, "One frame's path").
-            phase = self._phase
-            if phase is Phase.CATCHING_UP:
-                self._outbox += self._rollover.push_beside(self.engine, frame)
-                self.provisional_frames += self._phase is Phase.CATCHING_UP  # (else it went to the spare alone)
-            elif phase is Phase.SWITCH_PENDING:  # the spare is a frame behind at most: it takes this one alone
-                self._rollover.push_last(frame)
-            elif self.engine.num_frames == 0:  # a scale frame: the scale step runs once its frames are in
-                self._outbox += self.alignment.receive(self._push_scale_frame(frame))
-            else:
-                self._outbox += self.alignment.receive(self.engine.push_checked(*frame))
+            if not (self._chunk_is_full() and self._roll_over(frame)):  # (in place, the rollover takes it)
+                self._take(frame)
             self._replay.append(frame)
             self._look_ahead(frame)
             if self._rollover is not None:
@@ -189,6 +177,20 @@ class ChunkedEngine:
         if self._rollover is not None:
             self._rollover.pace(started)
         return self._take_outbox()
+
+    def _take(self, frame: tuple[torch.Tensor, float]) -> None:
+        """The frame to whichever engine takes it in this phase; a streaming frame of the current chunk, the
+        common case, straight to its engine (docs/ARCHITECTURE.md, "One frame's path")."""
+        phase = self._phase
+        if phase is Phase.CATCHING_UP:
+            self._outbox += self._rollover.push_beside(self.engine, frame)
+            self.provisional_frames += self._phase is Phase.CATCHING_UP  # (else it went to the spare alone)
+        elif phase is Phase.SWITCH_PENDING:  # the spare is a frame behind at most: it takes this one alone
+            self._rollover.push_last(frame)
+        elif self.engine.num_frames == 0:  # a scale frame: the scale step runs once its frames are in
+            self._outbox += self.alignment.receive(self._push_scale_frame(frame))
+        else:
+            self._outbox += self.alignment.receive(self.engine.push_checked(*frame))
 
     def finish(self) -> list[FramePrediction]:
         """End of stream: predict what the current chunk still buffers (every part of `finish_in_parts`,
@@ -416,39 +418,39 @@ class ChunkedEngine:
             return self.engine.num_keyframes >= self.chunk_frames
         return self.num_frames - self.alignment.start >= self.chunk_length
 
-    def _roll_over(self) -> None:
-        """Close the current chunk and open the next one on its last frames.
+    def _roll_over(self, frame: tuple[torch.Tensor, float]) -> bool:
+        """Close the current chunk and open the next one on its last frames; True where `frame` went with them.
 
-        In place, the new chunk predicts the shared frames now. With a spare, the spare holds them
-        (taken ahead, or handed over now), the closed chunk predicts this frame provisionally, and
-        the spare takes over once it has caught up (models/stream/rollover.py).
+        In place, the new chunk predicts the shared frames now, and this frame after them, in one call of
+        its engine (`start_over`). With a spare, the spare holds them (taken ahead, or handed over now), the
+        closed chunk predicts this frame provisionally, and the spare takes over once it has caught up
+        (models/stream/rollover.py).
         """
         closed_cached = self.engine.num_keyframes
         self._keyframe_counts.clear()  # the next chunk counts its own
-        # The closing chunk's last frame may still be in flight (pipelined streaming): it belongs
-        # to this chunk's emissions and to the tail the next chunk is aligned on.
-        self._outbox += self.alignment.receive(self.engine.finish())
-        closed = self.alignment.closed()
         shared = self.overlap
         if self.closes_on_keyframes:
             # The reference never restarts inside the closing chunk's scale frames.
-            shared = min(shared, self.num_frames - closed.start - self.config.scale_frames)
-        first_shared = self.num_frames - shared
+            shared = min(shared, self.num_frames - self.alignment.start - self.config.scale_frames)
+        first_shared, shared_frames = self.num_frames - shared, list(self._replay)[len(self._replay) - shared:]
+        beside = self._rollover is not None
+        # The closing chunk's last frame may still be in flight (pipelined streaming): it belongs to this
+        # chunk's emissions and to the tail the next chunk is aligned on.
+        ended, begun = (self.engine.finish(), []) if beside else self.engine.start_over([*shared_frames, frame])
+        self._outbox += self.alignment.receive(ended)
+        closed = self.alignment.closed()
         self.alignment.open_next(first_shared, shared)
         self.rollovers += 1
-        beside = self._rollover is not None
         if beside:
-            self._rollover.begin(closed, first_shared, list(self._replay)[len(self._replay) - shared:])
-        else:
-            self.engine.reset()
+            self._rollover.begin(closed, first_shared, shared_frames)
+        self._outbox += self.alignment.receive(begun)
         logger.info(
             "chunk rollover: chunk %d closed after frames %d-%d (%d cached); chunk %d starts at frame %d "
             "and re-predicts %d frames%s",
             closed.index, closed.start, self.num_frames - 1, closed_cached, self.alignment.index,
             first_shared, shared, " (on the spare engine)" if beside else "",
         )
-        if not beside:
-            self._replay_in_place()
+        return not beside
 
     def _replay_in_place(self) -> None:
         """The current chunk's frames so far, through its engine (freshly reset)."""

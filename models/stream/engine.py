@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -208,6 +208,14 @@ class StreamingEngine:
             if self._buffer:  # the step took none of the frames
                 self._buffer.pop()
             raise
+
+    def start_over(self, frames: Sequence[tuple[torch.Tensor, float]]
+                   ) -> tuple[list[FramePrediction], list[FramePrediction]]:
+        """A chunk's rollover in place, in one call: this stream finished (what it still held, returned
+        first), then a new one begun on `frames` (checked, with their timestamps), what that predicted second."""
+        ended = self.finish()
+        self.reset()
+        return ended, [prediction for image, timestamp in frames for prediction in self.push_checked(image, timestamp)]
 
     def finish(self) -> list[FramePrediction]:
         """End of stream: the predictions still in flight, then the frames still buffered (a stream

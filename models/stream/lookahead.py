@@ -91,7 +91,7 @@ class SpareEngine:
         self._worker: threading.Thread | None = None
         self._jobs: list[Future] = []  # each job's result, oldest first, until it is taken
         self.warm_seconds: float | None = None  # how long `warm` took on the worker, once it has
-        self.eager_steps = engine.eager_steps  # what `steps_eagerly` last told it (its owner reads it every push)
+        self.eager_steps = False  # what `steps_eagerly` last told it (an engine starts as prepared); read every push
 
     def steps_eagerly(self, eager: bool) -> None:
         """StreamingEngine.steps_eagerly for its engine, called where its worker is idle."""
