@@ -165,8 +165,21 @@ class ChunkedEngine:
                 self._spare_steps_as_chosen()
             if self._phase is Phase.SWITCH_PENDING:
                 self._switch_to_spare()
-            if not (self._chunk_is_full() and self._roll_over(frame)):  # (in place, the rollover takes it)
-                self._take(frame)
+            in_place = self._chunk_is_full() and self._roll_over(frame)
+            # The frame to whichever engine takes it in this phase; a streaming frame of the current chunk,
+            # the common case, straight to its engine (docs/ARCHITECTURE.md, "One frame's path").
+            phase = self._phase
+            if in_place:  # the new chunk's engine took it after the shared frames (_roll_over)
+                pass
+            elif phase is Phase.CATCHING_UP:
+                self._outbox += self._rollover.push_beside(self.engine, frame)
+                self.provisional_frames += self._phase is Phase.CATCHING_UP  # (else it went to the spare alone)
+            elif phase is Phase.SWITCH_PENDING:  # the spare is a frame behind at most: it takes this one alone
+                self._rollover.push_last(frame)
+            elif self.engine.num_frames == 0:  # a scale frame: the scale step runs once its frames are in
+                self._outbox += self.alignment.receive(self._push_scale_frame(frame))
+            else:
+                self._outbox += self.alignment.receive(self.engine.push_checked(*frame))
             self._replay.append(frame)
             self._look_ahead(frame)
             if self._rollover is not None:
@@ -177,20 +190,6 @@ class ChunkedEngine:
         if self._rollover is not None:
             self._rollover.pace(started)
         return self._take_outbox()
-
-    def _take(self, frame: tuple[torch.Tensor, float]) -> None:
-        """The frame to whichever engine takes it in this phase; a streaming frame of the current chunk, the
-        common case, straight to its engine (docs/ARCHITECTURE.md, "One frame's path")."""
-        phase = self._phase
-        if phase is Phase.CATCHING_UP:
-            self._outbox += self._rollover.push_beside(self.engine, frame)
-            self.provisional_frames += self._phase is Phase.CATCHING_UP  # (else it went to the spare alone)
-        elif phase is Phase.SWITCH_PENDING:  # the spare is a frame behind at most: it takes this one alone
-            self._rollover.push_last(frame)
-        elif self.engine.num_frames == 0:  # a scale frame: the scale step runs once its frames are in
-            self._outbox += self.alignment.receive(self._push_scale_frame(frame))
-        else:
-            self._outbox += self.alignment.receive(self.engine.push_checked(*frame))
 
     def finish(self) -> list[FramePrediction]:
         """End of stream: predict what the current chunk still buffers (every part of `finish_in_parts`,
