@@ -26,7 +26,7 @@ from stream_recon.models import (
     StreamConfig,
     StreamingEngine,
 )
-from stream_recon.models.stream import keyframes
+from stream_recon.models.stream import chunked, keyframes
 from stream_recon.models.stream.keyframes.interval import IntervalKeyframes
 from stream_recon.models.stream.pose import rotation_to_quat_xyzw
 from stream_recon.models.stream.prediction import FRAME_NON_KEY
@@ -578,8 +578,6 @@ def test_a_spare_with_fewer_window_slots_hands_over_what_rollovers_in_place_emit
     """The current engine takes the next chunk over from the spare (a copy of its caches) at the
     switch, so the spare's pool holds pages only for what it takes before then: the same
     emissions as rollovers in place, with a spare cache smaller than the current one."""
-    from stream_recon.models.stream import chunked
-
     monkeypatch.setattr(chunked, "MAX_PROVISIONAL_AHEAD", 2)
     monkeypatch.setattr(chunked, "MAX_PROVISIONAL", 2)
     config, chunk_frames, overlap, count = SMALL_SPARE_CASES[case]
@@ -771,8 +769,6 @@ def test_a_flow_chunk_of_dense_keyframes_is_taken_ahead_where_it_likely_closes(m
     """Where most frames are keyframes, the spare takes a flow chunk's likely shared frames before its
     rollover (as for chunks that close at a known frame), and takes them again from a new start when a
     frame that is not a keyframe moves the close: every final emission as rollovers in place make it."""
-    from stream_recon.models.stream import chunked
-
     config, chunk_frames, overlap, count, dense = DENSE_FLOW_CASES[case]
     monkeypatch.setattr(chunked, "KEYFRAME_RATE_FRAMES", 2)
     monkeypatch.setattr(chunked, "DENSE_KEYFRAMES", dense)
@@ -795,25 +791,33 @@ def test_a_flow_chunk_of_dense_keyframes_is_taken_ahead_where_it_likely_closes(m
 def test_each_frame_is_checked_once(model, frames, monkeypatch, lookahead):
     """ChunkedEngine checks a frame once, before anything changes; the engines it goes to take it as
     checked: a rollover in place replays it, a spare takes it, a closed chunk predicts it provisionally.
-    A spare checks only its own first frame, whose check sets its caches up."""
+    An engine checks only its own first frame, whose check sets its caches up."""
     config, chunk_frames, overlap, count = CASES["all"]
     reference = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=False)
     expected = run_live_marked(reference, frames[:count])
     checked: list[StreamingEngine] = []
     check_frame = StreamingEngine.check_frame
+    checked_here = []
+    checked_frame = chunked.checked_frame
 
     def counted_check(engine, image):
         checked.append(engine)
         return check_frame(engine, image)
 
+    def counted_here(*args):
+        checked_here.append(args[-1])
+        return checked_frame(*args)
+
     monkeypatch.setattr(StreamingEngine, "check_frame", counted_check)
+    monkeypatch.setattr(chunked, "checked_frame", counted_here)
     engine = ChunkedEngine(model, config, chunk_frames=chunk_frames, overlap=overlap, lookahead=lookahead)
     marked = run_live_marked(engine, frames[:count])
     stats = engine.stats()
     engine.close()
     assert stats["rollovers"] >= 2 and (stats["provisional_frames"] >= 1) == lookahead
-    assert len(checked) == count + lookahead  # and the spare's first frame
-    assert len({id(checker) for checker in checked}) == 1 + lookahead  # a spare that took over checks the next ones
+    assert checked_here == list(range(count))  # each frame once, by its index in the stream
+    assert len(checked) == 1 + lookahead  # the engine's first frame, and the spare's
+    assert len({id(checker) for checker in checked}) == 1 + lookahead
     check_beside_the_stream(marked, expected)
 
 

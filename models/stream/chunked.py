@@ -42,6 +42,7 @@ from ..network.gct import GCTStream
 from ..supervision import Deadline, Helper
 from .chunks import ChunkAlignment, ChunkLink, check_chunking
 from .engine import StreamingEngine
+from .frames import checked_frame
 from .lookahead import SpareEngine, SpareLimits
 from .memory import CUDA_CONTEXT_BYTES, estimate_memory, format_bytes
 from .prediction import FramePrediction
@@ -110,6 +111,7 @@ class ChunkedEngine:
         self._chunk_config = chunk_stream_config(self.config, chunk_frames, model.config.max_frames)
         self.engine = StreamingEngine(model, self._chunk_config, device=device, dtype=dtype)
         self._eager_steps = self.engine.eager_steps  # `steps_eagerly`'s choice for its engines
+        self._frame_size: tuple[int, int] | None = None  # the stream's (height, width), from its first frame
         self.model, self.device = self.engine.model, self.engine.device
         self.lookahead = lookahead
         self.spare_limits = spare_limits or SpareLimits()
@@ -158,8 +160,10 @@ class ChunkedEngine:
         started = time.perf_counter()
         timestamp = float(self.num_frames) if timestamp is None else float(timestamp)
         # Checked once, here: a bad frame is refused before it changes anything, and every engine it
-        # goes to takes it as checked (StreamingEngine.push_checked).
-        frame = (self.engine.check_frame(image).detach().clone(), timestamp)
+        # goes to takes it as checked (StreamingEngine.push_checked; an engine's first frame sets it up).
+        checked = checked_frame(image, self.model.config.patch_size, self._frame_size, self.num_frames)
+        self._frame_size = tuple(checked.shape[1:])
+        frame = (checked.detach().clone(), timestamp)
         with self._on_main_stream():
             if self._rollover is not None:
                 self._spare_steps_as_chosen()
@@ -236,6 +240,7 @@ class ChunkedEngine:
             raise ValueError("an engine warms up before its stream's first frame, not during a stream")
         with self._on_main_stream():
             seconds = self.engine.warm_up(image, dry_pass=dry_pass)
+        self._frame_size = self.engine.image_size
         if self.lookahead is False or self._rollover is not None:
             return seconds
         if not self._wants_spare():
@@ -451,12 +456,6 @@ class ChunkedEngine:
         )
         return not beside
 
-    def _replay_in_place(self) -> None:
-        """The current chunk's frames so far, through its engine (freshly reset)."""
-        frames = list(self._replay)[len(self._replay) - (self.num_frames - self.alignment.start):]
-        for image, timestamp in frames:
-            self._outbox += self.alignment.receive(self.engine.push_checked(image, timestamp))
-
     # -- the next chunk, on the spare --------------------------------------------------------
     def _look_ahead(self, frame: tuple[torch.Tensor, float]) -> None:
         """After frame `num_frames` went to the current chunk: start a spare warmed on the stream's first
@@ -554,8 +553,9 @@ class ChunkedEngine:
         except Exception as error:  # raised on the worker (e.g. out of memory) or stalled: go on without a spare
             self._turn_spare_off(error)
             self.alignment.forget()
-            self.engine.reset()
-            self._replay_in_place()
+            self.engine.reset()  # the chunk's frames so far, through its engine
+            frames = list(self._replay)[len(self._replay) - (self.num_frames - self.alignment.start):]
+            self._outbox += self.alignment.receive([p for frame in frames for p in self.engine.push_checked(*frame)])
             return
         self.rollovers_ahead += 1
         self._outbox += received

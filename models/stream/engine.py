@@ -20,9 +20,10 @@ import torch
 
 from stream_recon.cache import CacheLayout, KVCache, TokenCache, backends
 
-from ..errors import FrameError, MemoryBudgetError
+from ..errors import MemoryBudgetError
 from ..network.gct import GCTStream
 from ..network.prepared import require_prepared
+from .frames import checked_frame
 from .keyframe_policy import FLOW, PREDICTION, TOKENS, FrameFacts, KeyframePolicy
 from .memory import MemoryPlan, plan_memory
 from .pose import camera_motion_flow
@@ -477,31 +478,13 @@ class StreamingEngine:
 
     # -- input and setup -------------------------------------------------------------------
     def check_frame(self, image) -> torch.Tensor:
-        """The frame as a [3, H, W] tensor, uint8 or float (converted on the device); FrameError if it
-        cannot be one of this stream's frames. The stream's first frame sets its size (and caches)."""
-        if isinstance(image, np.ndarray):
-            image = torch.from_numpy(image)
-        if not isinstance(image, torch.Tensor):
-            raise FrameError(f"a frame must be a torch.Tensor or numpy array [3, H, W], got {type(image).__name__}")
-        if image.ndim != 3 or image.shape[0] != 3:
-            raise FrameError(f"a frame must have shape [3, H, W] (RGB, channels first), got {list(image.shape)}")
-        if image.dtype != torch.uint8 and not image.is_floating_point():
-            raise FrameError(f"a frame must be uint8 or float in [0, 1], got {image.dtype}")
-        height, width = image.shape[1:]
-        patch = self.model.config.patch_size
-        if height % patch or width % patch:
-            raise FrameError(
-                f"frame size {height}x{width} is not a multiple of the {patch}-pixel patch; preprocess it first "
-                "(stream_recon.app.sources.preprocess)"
-            )
+        """The frame as a [3, H, W] tensor, uint8 or float (`frames.checked_frame`); FrameError if it cannot
+        be one of this stream's frames. The stream's first frame sets its size (and caches) up."""
+        image = checked_frame(image, self.model.config.patch_size, self._image_size,
+                              self.num_frames + len(self._buffer))
         if self._image_size is None:
-            self._setup(height, width)
-        elif (height, width) != self._image_size:
-            raise FrameError(
-                f"frame {self.num_frames + len(self._buffer)} is {height}x{width} but the stream started at "
-                f"{self._image_size[0]}x{self._image_size[1]}; every frame of a stream must have one size"
-            )
-        return image if image.dtype == torch.uint8 else image.float()
+            self._setup(*image.shape[1:])
+        return image
 
     @property
     def _kv_dtype(self) -> torch.dtype:
