@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import threading
 import time
 
@@ -1248,3 +1249,40 @@ def test_the_spare_steps_as_its_owner_chose_once_idle(model, frames):
         assert not engine.engine.eager_steps
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+@pytest.mark.parametrize("keyframes", ["all", "flow"])
+def test_a_frames_walk_through_a_rollover_enters_the_engine_at_most_twice(model, frames, lookahead, keyframes):
+    """The frame that closes a chunk, followed on the stream's thread: calls into models/stream/engine.py from
+    outside it. In place: the rollover's one call (`start_over`); beside a spare: the closed chunk's `finish`
+    and its provisional step. A flow chunk also settles its pending keyframe decision before it can be judged
+    full (`settle`), its one more."""
+    config = StreamConfig(scale_frames=2, window=4, keyframes=keyframes, flow_threshold=1e9, max_gap=2)
+    engine = ChunkedEngine(model, config, chunk_frames=8, overlap=3, lookahead=lookahead)
+    walks = []
+    try:
+        for frame in frames:
+            entries = []
+
+            def note(call, event, arg, entries=entries):
+                caller = call.f_back
+                if (event == "call" and call.f_code.co_filename.endswith("models/stream/engine.py")
+                        and caller is not None and not caller.f_code.co_filename.endswith("models/stream/engine.py")):
+                    entries.append(call.f_code.co_name)
+
+            rollovers = engine.rollovers
+            sys.setprofile(note)
+            try:
+                engine.push(frame)
+            finally:
+                sys.setprofile(None)
+            if engine.rollovers > rollovers:
+                walks.append(entries)
+    finally:
+        engine.close()
+    assert len(walks) >= 2, walks
+    expected = (["finish", "push_checked"] if lookahead else ["start_over"])
+    for walk in walks:
+        assert [name for name in walk if name != "settle"] == expected, walks
+        assert walk.count("settle") == (keyframes == "flow"), walks
