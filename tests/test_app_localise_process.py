@@ -165,6 +165,30 @@ def test_a_second_recording_of_the_place_is_placed_in_the_map(mapped_run: Path, 
     assert contents(earlier) == before
 
 
+def test_a_run_that_extended_a_map_places_frames_of_either_recording(mapped_run: Path, video: Path,
+                                                                     sure_checkpoint: Path, tmp_path: Path) -> None:
+    """A `--map` run of the video's second half, placed in the first run's map, localises frames whose place only
+    the first run's map holds (the walk's 8th picture, a keyframe of the first run and none of the second's): the
+    earlier run's keyframes serve (verdicts.json names that run), in the world both now share."""
+    earlier = copy_of(mapped_run, tmp_path / "earlier")
+    extended = tmp_path / "extended"
+    made = stream_recon(str(video), "--checkpoint", str(sure_checkpoint), "-o", str(extended), *FLAGS,
+                        "--start", "20", "--map", str(earlier))
+    assert made.returncode == EXIT_OK, made.stdout + made.stderr
+    assert json.loads((extended / "run.json").read_text())["summary"]["loop_closure"]["map"]["placed"]
+    queries = pictures_of(video, tmp_path / "queries", [7, 12])
+    result = stream_recon("localise", str(extended), str(queries))
+    assert result.returncode == EXIT_OK, result.stdout + result.stderr
+    found = verdicts(extended / "localised")
+    placed = [entry for entry in found if entry["placed"]]
+    assert placed and all(entry.get("keyframe_run") == str(earlier) for entry in placed), found
+    earlier_poses = read_tum(earlier / "trajectory_tum.txt")[1]
+    scene_depth = np.median([keyframe.median_depth for keyframe in read_map(earlier).keyframes])
+    for entry, pose in zip(placed, read_tum(extended / "localised" / "poses_tum.txt")[1], strict=True):
+        # at the camera of the earlier keyframe it was placed against (the same picture)
+        assert np.linalg.norm(pose[:3, 3] - earlier_poses[entry["keyframe"], :3, 3]) <= 0.5 * scene_depth, entry
+
+
 @pytest.mark.parametrize("instant", range(2))
 def test_a_stopped_localise_ends_within_seconds_and_leaves_the_run_as_it_was(mapped_run: Path, video: Path,
                                                                              tmp_path: Path, instant: int) -> None:

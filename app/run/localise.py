@@ -12,6 +12,9 @@ without pictures (--no-save-images) runs each query alone; its depth scale, the 
 is then fitted by the Sim(3) like the rest of its placement. The query's features, points and verdict
 follow; the model does not run for a query nothing of the map looks like.
 
+A run that extended an earlier run's map and was placed in it (`run --map`: its files are in that run's
+world) serves that run's keyframes too, so that a query of either recording is placed.
+
 Written into the output folder (RUN/localised/ unless another is given), and nowhere else in the run:
 poses_tum.txt (the placed frames, in the run's world, TUM format) and verdicts.json (every query frame:
 placed or not, why, and the figures behind it).
@@ -22,7 +25,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +69,9 @@ CONTEXT_FRAMES = 2
 CALLER_MODEL = "model passed in by the caller"  # run.json's checkpoint for a run of a caller's model
 
 Progress = Callable[[int, int | None], None]  # (frames done, frames in all where known)
+# The keyframes of an earlier run that a placed `--map` run extended are numbered from here, apart from the
+# run's own frames (verdicts.json gives them back their own number, with the earlier run's folder).
+EARLIER_FRAMES_FROM = 1 << 40
 
 
 class LocaliseError(ValueError):
@@ -85,6 +91,7 @@ class LocaliseResult:
     verdicts: list[tuple[QueryImage, Verdict]]
     context_note: str | None  # why queries ran without the run's pictures, where they did
     seconds: float
+    earlier_run: Path | None = None  # the earlier run whose keyframes served too (a placed `--map` run's)
 
     @property
     def placed(self) -> int:
@@ -122,10 +129,19 @@ def localise_run(run_dir: Path, frames: Sequence[str], output_dir: Path | None =
     if not keyframes:
         raise LocaliseError(f"{run_dir} holds no prediction file of its map's keyframes with confident depth: "
                             "run the video again")
-    localiser = MapLocaliser(keyframes, config)
     pictures = {keyframe.frame_index: files[keyframe.frame_index] for keyframe in keyframes}
     if load_prediction(files[keyframes[0].frame_index])["image"] is None:
         pictures = {}
+    earlier = _extended_map(run_dir, saved)
+    if earlier is not None:  # its keyframes numbered apart, each with its prediction file
+        files = {EARLIER_FRAMES_FROM + index: path for index, path in prediction_files(earlier.path.parent)}
+        numbered = [replace(keyframe, frame_index=EARLIER_FRAMES_FROM + keyframe.frame_index)
+                    for keyframe in earlier.keyframes]
+        shown = _in_run_world(replace(earlier, keyframes=numbered), files, config.closure.min_confidence)
+        keyframes += shown
+        if pictures:
+            pictures.update({keyframe.frame_index: files[keyframe.frame_index] for keyframe in shown})
+    localiser = MapLocaliser(keyframes, config)
     context_note = None if pictures else (f"{run_dir} kept no pictures (--no-save-images): each query ran alone, "
                                         "its depth's scale fitted with its placement")
     runner = _QueryRunner(options, console or Console(stderr=True, quiet=True))
@@ -136,9 +152,24 @@ def localise_run(run_dir: Path, frames: Sequence[str], output_dir: Path | None =
             progress(len(verdicts), None)
     finally:
         runner.close()
-    result = LocaliseResult(output_dir, verdicts, context_note, time.perf_counter() - started)
+    result = LocaliseResult(output_dir, verdicts, context_note, time.perf_counter() - started,
+                            None if earlier is None else earlier.path.parent)
     _write(result, run_dir)
     return result
+
+
+def _extended_map(run_dir: Path, saved: SavedMap) -> SavedMap | None:
+    """The map of the earlier run `run_dir`'s extended, where the stream was placed in it (run.json's
+    summary.loop_closure.map: its files are then in that run's world) and that run still holds it; else None."""
+    if saved.manifest.extends is None:
+        return None
+    account = read_run_info(run_dir).get("summary", {}).get("loop_closure", {}).get("map") or {}
+    if not account.get("placed"):
+        return None
+    try:
+        return read_map(Path(saved.manifest.extends))
+    except (MapError, OSError):
+        return None
 
 
 def _map_of(run_dir: Path) -> SavedMap:
@@ -274,6 +305,14 @@ def _write(result: LocaliseResult, run_dir: Path) -> None:
               np.array([verdict.c2w for _, verdict in placed]).reshape(-1, 3, 4))
     write_json_atomic(output_dir / VERDICTS_JSON, {
         "run": str(run_dir), "placed": result.placed, "frames": len(result.verdicts), "context": result.context_note,
-        "queries": [{"name": query.name, "timestamp": query.timestamp, **verdict.as_json(),
+        "queries": [{"name": query.name, "timestamp": query.timestamp, **_keyframe_named(verdict, result.earlier_run),
                      "c2w": None if verdict.c2w is None else np.round(verdict.c2w, 9).tolist()}
                     for query, verdict in result.verdicts]})
+
+
+def _keyframe_named(verdict: Verdict, earlier_run: Path | None) -> dict[str, Any]:
+    """A verdict's JSON; a keyframe of the earlier run by its own number there, with that run's folder."""
+    out = verdict.as_json()
+    if verdict.keyframe is not None and verdict.keyframe >= EARLIER_FRAMES_FROM:
+        out.update(keyframe=verdict.keyframe - EARLIER_FRAMES_FROM, keyframe_run=str(earlier_run))
+    return out
