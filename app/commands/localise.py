@@ -7,6 +7,7 @@ into the output folder (RUN/localised/ by default; nothing else of the run chang
 placed frames in the run's world (TUM format, as trajectory_tum.txt), and verdicts.json, every frame placed
 or not and why (no keyframe looks alike, too few matches, the geometric check, 3D disagreement, a look-alike).
 Needs the run's map (a run with loop closure); the run's checkpoint, read from its run.json unless given.
+A run placed in an earlier run's map (`run --map`) serves that run's keyframes too.
 
 Examples:
     stream-recon localise outputs/kitchen photos/          # every picture in photos/
