@@ -37,9 +37,9 @@ def test_results_come_in_order_with_few_jobs_ahead() -> None:
 
     workers = 2
     taken = []
-    for result in refined._in_order(pool(workers), [lambda n=n: job(n) for n in range(40)], workers):
+    for result in refined._in_order(pool(workers), [lambda n=n: job(n) for n in range(40)]):
         with lock:
-            assert len(begun) <= len(taken) + 1 + refined.FRAMES_AHEAD_PER_WORKER * workers
+            assert len(begun) <= len(taken) + 1 + refined.JOBS_AHEAD_PER_WORKER * workers
         taken.append(result)
     assert taken == list(range(40))
 
@@ -52,7 +52,7 @@ def test_the_first_failure_is_raised_where_its_result_is_taken() -> None:
 
     taken = []
     with pytest.raises(OSError, match="disk full"):
-        for result in refined._in_order(pool(), [lambda n=n: job(n) for n in range(20)], 2):
+        for result in refined._in_order(pool(), [lambda n=n: job(n) for n in range(20)]):
             taken.append(result)
     assert taken == [0, 1, 2, 3, 4]
 
@@ -66,7 +66,7 @@ def test_a_stage_left_early_waits_for_the_writes_it_began() -> None:
         ended.append(n)
         return n
 
-    records = refined._in_order(pool(1), [lambda n=n: slow(n) for n in range(10)], 1)
+    records = refined._in_order(pool(1), [lambda n=n: slow(n) for n in range(10)])
     assert next(records) == 0
     running.wait(5)
     records.close()  # as a stop in the points' loop closes it

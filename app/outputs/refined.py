@@ -68,11 +68,11 @@ TRAJECTORY_STREAM_TUM = "trajectory_stream_tum.txt"  # the stream's trajectory, 
 # Refine's threads (features, loop checks: OpenCV frees the GIL) are its helpers; one job takes tens of
 # milliseconds, so one that has not ended in two minutes is a hung library: the refine fails, the run stays.
 _WORKER_POLICY = HelperPolicy("refine's workers", WhenFull.DROP, WhenDown.FAIL_RUN, stall_s=120.0)
-# Frames moved on the workers ahead of the one the points take next, per worker: each holds a frame's arrays
-# (1.4 MB at 518x392), so a 10,000-frame refine holds a few dozen frames, never its 14 GB.
-FRAMES_AHEAD_PER_WORKER = 2
-# A stopped refine waits this long for the frames its workers are writing, before the staging folder goes
-# (a frame takes ~10-30 ms; a worker stalled on the disk past it is left behind, its write failing then).
+# Jobs handed to the workers ahead of the one whose result is taken next, per worker: a moved frame holds its
+# arrays (1.4 MB at 518x392), so a 10,000-frame refine holds a few dozen frames, never its 14 GB.
+JOBS_AHEAD_PER_WORKER = 2
+# A stopped refine waits this long for the jobs its workers are running (a frame written, ~10-30 ms), before
+# the staging folder goes; a worker stalled on the disk past it is left behind, its write failing then.
 STOP_WAIT_S = 5.0
 
 
@@ -112,14 +112,17 @@ def refine_run(run_dir: Path, config: RefineConfig = RefineConfig(), progress: P
     except MapError as error:
         raise RefineError(str(error)) from None
     lock_run_dir(run_dir)
+    pool = DaemonPool(config.workers, "refine", Helper(_WORKER_POLICY))  # (its threads start with its first job)
     try:
-        return _refine_held(run_dir, info, saved, config, progress, started)
+        return _refine_held(pool, run_dir, info, saved, config, progress, started)
     finally:
+        pool.shutdown()  # unbounded-ok: a DaemonPool's shutdown returns at once
         unlock_run_dir(run_dir)
 
 
-def _refine_held(run_dir: Path, info: dict, saved: SavedMap, config: RefineConfig, progress: Progress,
-                 started: float) -> RefineResult:
+def _refine_held(pool: DaemonPool, run_dir: Path, info: dict, saved: SavedMap, config: RefineConfig,
+                 progress: Progress, started: float) -> RefineResult:
+    """The refine of a run it holds, its features, loop checks and frames' files on the workers of `pool`."""
     files = dict(prediction_files(run_dir))
     frames = [_run_frame(index, path) for index, path in files.items()]
     if saved.num_chunks == 0:
@@ -131,12 +134,8 @@ def _refine_held(run_dir: Path, info: dict, saved: SavedMap, config: RefineConfi
     if keyframes:
         _require_images(files[keyframes[0]], run_dir)
     figures = RefineFigures(chunks=saved.num_chunks)
-    pool = DaemonPool(config.workers, "refine", Helper(_WORKER_POLICY))
-    try:
-        loops = detect_loops(keyframes, lambda frame: _keyframe(files[frame]), placement, config, progress, figures,
-                             lambda jobs, done: _in_pool(pool, jobs, done))
-    finally:
-        pool.shutdown()  # unbounded-ok: a DaemonPool's shutdown returns at once
+    loops = detect_loops(keyframes, lambda frame: _keyframe(files[frame]), placement, config, progress, figures,
+                         lambda jobs, done: _in_pool(pool, jobs, done))
     merged = with_stream_loops(loops, _stream_loops(saved))
     figures.stream_loops = len(merged) - len(loops)
     loops = merged
@@ -150,7 +149,7 @@ def _refine_held(run_dir: Path, info: dict, saved: SavedMap, config: RefineConfi
     moves.update({frame.frame_index: last for frame in frames if frame.frame_index not in moves})
     staging = staging_folder(run_dir)
     try:
-        _write_refined(run_dir, staging, files, moves, info, figures, progress, started, config)
+        _write_refined(pool, run_dir, staging, files, moves, info, figures, progress, started, config)
         with interrupts_held():
             earlier = [run_dir / name for name in (PREDICTIONS_DIR, TRAJECTORY_TUM, POINTS_PLY, RUN_JSON)]
             swap_in_staged(staging, [path for path in earlier if path.exists()])
@@ -162,32 +161,29 @@ def _refine_held(run_dir: Path, info: dict, saved: SavedMap, config: RefineConfi
 
 
 def _in_pool(pool: DaemonPool, jobs: Sequence[Callable[[], Any]], done: Callable[[int], None]) -> list[Any]:
-    """Every job's result in order; the first that raises (or stalls past the policy's limit) raises here, the
-    rest cancelled by the caller's shutdown."""
-    futures = [pool.submit(job) for job in jobs]
+    """Every job's result in order (`_in_order`), `done` told the count after each."""
     results = []
-    for future in futures:
-        results.append(future.result(timeout=_WORKER_POLICY.stall_s))
-        done(len(results))
+    with contextlib.closing(_in_order(pool, jobs)) as ordered:
+        for result in ordered:
+            results.append(result)
+            done(len(results))
     return results
 
 
-def _in_order(pool: DaemonPool, jobs: Sequence[Callable[[], Any]], workers: int) -> Iterator[Any]:
-    """Each job's result in order, at most FRAMES_AHEAD_PER_WORKER * workers submitted ahead of the one taken;
-    the first that raises (or stalls past the policy's limit) raises here. Left early (an error, a stop), the jobs
-    not begun are cancelled and those running get STOP_WAIT_S to end: their files land before the caller may
-    remove the folder they write into."""
+def _in_order(pool: DaemonPool, jobs: Sequence[Callable[[], Any]]) -> Iterator[Any]:
+    """Each job's result in order, at most JOBS_AHEAD_PER_WORKER a worker handed over ahead of the one taken;
+    the first that raises (or stalls past the policy's limit) raises here. Closed early (an error, a stop: close
+    it where it is left, not when a traceback lets it go), the jobs not begun are cancelled and those running get
+    STOP_WAIT_S to end: their files land before the caller may remove the folder they write into."""
     ahead: deque[concurrent.futures.Future] = deque()
-    pending = iter(jobs)
     try:
-        for job in pending:
+        for job in jobs:
             ahead.append(pool.submit(job))
-            if len(ahead) >= FRAMES_AHEAD_PER_WORKER * workers:
+            if len(ahead) >= JOBS_AHEAD_PER_WORKER * pool.workers:
                 yield ahead.popleft().result(timeout=_WORKER_POLICY.stall_s)
         while ahead:
             yield ahead.popleft().result(timeout=_WORKER_POLICY.stall_s)
     finally:
-        pool.shutdown()  # unbounded-ok: a DaemonPool's shutdown returns at once
         concurrent.futures.wait([future for future in ahead if not future.cancel()], timeout=STOP_WAIT_S)
 
 
@@ -238,10 +234,10 @@ def _placement(run_dir: Path, saved: SavedMap) -> list[Sim3]:
     return saved.placement(corrected=(run_dir / TRAJECTORY_OPEN_TUM).is_file())
 
 
-def _write_refined(run_dir: Path, staging: Path, files: dict[int, Path], moves: dict[int, Sim3], info: dict,
-                   figures: RefineFigures, progress: Progress, started: float, config: RefineConfig) -> None:
-    """Every refined file into `staging`: the moved predictions, the trajectory and points rebuilt from them,
-    the stream's trajectory kept, run.json with summary.refine."""
+def _write_refined(pool: DaemonPool, run_dir: Path, staging: Path, files: dict[int, Path], moves: dict[int, Sim3],
+                   info: dict, figures: RefineFigures, progress: Progress, started: float, config: RefineConfig) -> None:
+    """Every refined file into `staging`, the frames moved on the workers of `pool`: the moved predictions, the
+    trajectory and points rebuilt from them, the stream's trajectory kept, run.json with summary.refine."""
     (staging / PREDICTIONS_DIR).mkdir()
     summary = info.setdefault("summary", {})
     recorded = summary.get("points", {})
@@ -252,9 +248,7 @@ def _write_refined(run_dir: Path, staging: Path, files: dict[int, Path], moves: 
     writing = time.perf_counter()
     jobs = [functools.partial(_moved_frame, path, staging / PREDICTIONS_DIR / path.name, moves[index], points)
             for index, path in sorted(files.items())]
-    # (closed here, not when the traceback lets it go: its writes end before the caller removes the staging folder)
-    with contextlib.closing(_in_order(DaemonPool(config.workers, "refine-write", Helper(_WORKER_POLICY)), jobs,
-                                      config.workers)) as records:
+    with contextlib.closing(_in_order(pool, jobs)) as records:
         for done, (index, (record, ahead)) in enumerate(zip(sorted(files), records, strict=True), start=1):
             timestamps.append(record["timestamp"])
             poses.append(record["c2w"])

@@ -22,11 +22,13 @@ import numpy as np
 
 from stream_recon.app.outputs.atomic_writes import atomic_write
 from stream_recon.app.outputs.npz_schema import PredictionOutputs, prediction_arrays
-from stream_recon.app.outputs.refined import _write_refined
+from stream_recon.app.outputs.refined import _WORKER_POLICY, _write_refined
 from stream_recon.app.outputs.rundir import PREDICTIONS_DIR, prediction_path
+from stream_recon.models import DaemonPool
 from stream_recon.models.loops.refine import RefineConfig, RefineFigures
 from stream_recon.models.stream.prediction import FRAME_KEY, FramePrediction
 from stream_recon.models.stream.similarity import Sim3
+from stream_recon.models.supervision import Helper
 
 
 def synthetic_frame(index: int, height: int, width: int, rng: np.random.Generator) -> FramePrediction:
@@ -57,8 +59,12 @@ def timed_stage(folder: Path, files: dict[int, Path], workers: int) -> float:
     staging = folder / ".staging"
     staging.mkdir()
     started = time.perf_counter()
-    _write_refined(folder, staging, files, moves, {"summary": {}}, RefineFigures(),
-                   lambda stage, done, total: None, started, replace(RefineConfig(), workers=workers))
+    pool = DaemonPool(workers, "refine", Helper(_WORKER_POLICY))
+    try:
+        _write_refined(pool, folder, staging, files, moves, {"summary": {}}, RefineFigures(),
+                       lambda stage, done, total: None, started, replace(RefineConfig(), workers=workers))
+    finally:
+        pool.shutdown()
     seconds = time.perf_counter() - started
     shutil.rmtree(staging)
     return seconds
