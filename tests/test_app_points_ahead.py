@@ -40,7 +40,7 @@ def test_points_computed_ahead_merge_as_points_computed_in_place(seed: int, ahea
     early = {}
     for index, *arrays in stream:
         for later in range(index, min(len(stream), index + ahead)):
-            early.setdefault(later, computed_ahead.frame_points(*stream[later][1:]))
+            early.setdefault(later, computed_ahead.frame_points(*stream[later][1:5], stream[later][6]))
         computed_ahead.add_frame(index, *arrays, points=early.pop(index))
     a, b = in_place.cloud(), computed_ahead.cloud()
     for field in ("xyz", "rgb", "frame_index", "pixel"):
@@ -56,7 +56,7 @@ def test_frame_points_change_nothing() -> None:
     accumulator = PointAccumulator()
     accumulator.add_frame(*stream[0])
     before = (accumulator.cloud().xyz.copy(), accumulator.voxel_size, accumulator.frames_added)
-    points = accumulator.frame_points(*stream[1][1:])
+    points = accumulator.frame_points(*stream[1][1:5], stream[1][6])
     assert len(points.keys) > 0 and points.grid == (accumulator.voxel_size, accumulator.reference_depth)
     after = (accumulator.cloud().xyz, accumulator.voxel_size, accumulator.frames_added)
     np.testing.assert_array_equal(before[0], after[0])

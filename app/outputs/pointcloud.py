@@ -129,9 +129,9 @@ def _voxel_keys(xyz: np.ndarray, voxel_size: float) -> tuple[np.ndarray, np.ndar
 @dataclass(frozen=True)
 class FramePoints:
     """One frame's candidate points (PointAccumulator.frame_points): the first sampled pixel of each voxel it
-    reaches, keys [K] sorted, xyz [K, 3], rgb [K, 3], pixel [K, 2] (u, v), on the grid (voxel size, the first
-    frame's median depth) they were computed on; before the grid exists, only the frame's median confident
-    depth, which sets it."""
+    reaches, keys [K] sorted, xyz [K, 3], pixel [K, 2] (u, v), on the grid (voxel size, the first frame's median
+    depth) they were computed on; before the grid exists, only the frame's median confident depth, which sets
+    it. Their colours are read from the picture at the merge, for the points it keeps only."""
 
     grid: tuple[float | None, float | None]
     saw_confident: bool
@@ -140,14 +140,13 @@ class FramePoints:
     out_of_range: int
     keys: np.ndarray
     xyz: np.ndarray
-    rgb: np.ndarray
     pixel: np.ndarray
 
     @staticmethod
     def empty(grid: tuple[float | None, float | None], saw_confident: bool, saw_kept: bool,
               median_depth: float | None = None) -> FramePoints:
         return FramePoints(grid, saw_confident, saw_kept, median_depth, 0, np.empty(0, np.int64),
-                           np.empty((0, 3), np.float32), np.empty((0, 3), np.uint8), np.empty((0, 2), np.int32))
+                           np.empty((0, 3), np.float32), np.empty((0, 2), np.int32))
 
 
 class PointAccumulator:
@@ -241,7 +240,7 @@ class PointAccumulator:
                 f"image {image.shape[:2]} and depth {depth.shape} of frame {frame_index} differ in size"
             )
         if points is None or points.grid != (self.voxel_size, self.reference_depth):
-            points = self.frame_points(depth, depth_conf, intrinsics, c2w, image, dropped)
+            points = self.frame_points(depth, depth_conf, intrinsics, c2w, dropped)
         self.frames_added += 1
         self._saw_confident = self._saw_confident or points.saw_confident
         self._saw_kept = self._saw_kept or points.saw_kept
@@ -252,11 +251,13 @@ class PointAccumulator:
             if self.voxel_size is None:
                 self.voxel_size = self.reference_depth * AUTO_VOXEL_FRACTION
             self._fit_the_grid_to_the_scene()
-            points = self.frame_points(depth, depth_conf, intrinsics, c2w, image, dropped)
+            points = self.frame_points(depth, depth_conf, intrinsics, c2w, dropped)
         self.num_out_of_range += points.out_of_range
         fresh = ~self._occupied(points.keys)
-        self._append(points.keys[fresh], points.xyz[fresh], points.rgb[fresh],
-                     np.full(int(fresh.sum()), frame_index, dtype=np.int64), points.pixel[fresh])
+        pixel = points.pixel[fresh]
+        rgb = image[pixel[:, 1], pixel[:, 0]] if image is not None else np.full((len(pixel), 3), 200, dtype=np.uint8)
+        self._append(points.keys[fresh], points.xyz[fresh], rgb, np.full(len(pixel), frame_index, dtype=np.int64),
+                     pixel)
         while len(self) > self.max_points:
             self._coarsen()
 
@@ -266,7 +267,6 @@ class PointAccumulator:
         depth_conf: np.ndarray,
         intrinsics: np.ndarray,
         c2w: np.ndarray,
-        image: np.ndarray | None = None,
         dropped: np.ndarray | None = None,
     ) -> FramePoints:
         """One frame's candidate points on the grid as it is now, not merged: each voxel's first sampled pixel
@@ -297,9 +297,8 @@ class PointAccumulator:
         candidates = np.flatnonzero(in_range)
         frame_keys, first = _first_of_each(keys[candidates])
         sel = candidates[first]
-        rgb = image[v[sel], u[sel]] if image is not None else np.full((len(sel), 3), 200, dtype=np.uint8)
         return FramePoints((voxel_size, reference), saw_confident, saw_kept, None, out_of_range, frame_keys,
-                           xyz[sel], rgb, np.stack([u[sel], v[sel]], axis=1).astype(np.int32))
+                           xyz[sel], np.stack([u[sel], v[sel]], axis=1).astype(np.int32))
 
     def _fit_the_grid_to_the_scene(self) -> None:
         least = self.reference_depth * MIN_VOXEL_FRACTION

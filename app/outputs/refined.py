@@ -194,14 +194,8 @@ def _moved_frame(path: Path, staged: Path, move: Sim3, points: PointAccumulator)
     arrays = corrected_prediction_file(path, move)
     atomic_write(staged, lambda f: np.savez(f, **arrays), binary=True)
     record = prediction_record(staged, arrays)
-    return record, points.frame_points(*_point_inputs(record))
-
-
-def _point_inputs(record: dict[str, Any]) -> tuple:
-    """What a frame's record gives PointAccumulator.frame_points: depth, confidence, intrinsics, c2w, the picture
-    and the pixels the run's masks left out."""
-    return (record["depth"], record["depth_conf"], record["intrinsics"], record["c2w"], record["image"],
-            record["sky_mask"])
+    return record, points.frame_points(record["depth"], record["depth_conf"], record["intrinsics"], record["c2w"],
+                                       record["sky_mask"])
 
 
 def _run_frame(index: int, path: Path) -> RunFrame:
@@ -252,7 +246,8 @@ def _write_refined(pool: DaemonPool, run_dir: Path, staging: Path, files: dict[i
         for done, (index, (record, ahead)) in enumerate(zip(sorted(files), records, strict=True), start=1):
             timestamps.append(record["timestamp"])
             poses.append(record["c2w"])
-            points.add_frame(index, *_point_inputs(record), points=ahead)
+            points.add_frame(index, record["depth"], record["depth_conf"], record["intrinsics"], record["c2w"],
+                             record["image"], record["sky_mask"], points=ahead)
             progress("frames", done, len(files))
     write_tum(staging / TRAJECTORY_TUM, timestamps, np.array(poses, np.float64).reshape(-1, 3, 4))
     cloud = points.cloud()
