@@ -18,6 +18,7 @@ from test_app_maps_process import (  # noqa: F401 - the module's fixtures
     EXIT_OK,
     contents,
     copy_of,
+    extended_run,
     lines,
     mapped_run,
     stream_recon,
@@ -32,12 +33,8 @@ pytestmark = pytest.mark.slow  # stream-recon processes, each importing torch: s
 
 def test_a_second_run_extends_the_first_runs_map_and_leaves_it_as_it_was(
         mapped_run: Path, video: Path, tiny_checkpoint: Path, tmp_path: Path) -> None:  # noqa: F811
-    earlier = copy_of(mapped_run, tmp_path / "earlier")
-    before = contents(earlier)
-    extended = tmp_path / "extended"
-    result = stream_recon(str(video), "--checkpoint", str(tiny_checkpoint), "-o", str(extended), *RUN_FLAGS,
-                          "--start", "3", "--map", str(earlier))
-    assert result.returncode == EXIT_OK, result.stdout + result.stderr
+    earlier, before, extended, result = extended_run(mapped_run, video, tmp_path, "--checkpoint", str(tiny_checkpoint),
+                                                     *RUN_FLAGS, "--start", "3")
     assert contents(earlier) == before
     record = json.loads((extended / "run.json").read_text())
     assert record["settings"]["extend_map"] == str(earlier)

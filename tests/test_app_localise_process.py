@@ -29,6 +29,7 @@ from test_app_maps_process import (
     contents,
     copy_of,
     environment,
+    extended_run,
     lines,
     stream_recon,
 )
@@ -152,12 +153,8 @@ def test_a_second_recording_of_the_place_is_placed_in_the_map(mapped_run: Path, 
                                                               tmp_path: Path) -> None:
     """`--map` with a model sure of its depth: the second recording's keyframes verified against the map's, the
     stream placed (its first placing frame recorded) and the earlier run never written."""
-    earlier = copy_of(mapped_run, tmp_path / "earlier")
-    before = contents(earlier)
-    extended = tmp_path / "extended"
-    result = stream_recon(str(video), "--checkpoint", str(sure_checkpoint), "-o", str(extended), *FLAGS,
-                          "--start", "3", "--map", str(earlier))
-    assert result.returncode == EXIT_OK, result.stdout + result.stderr
+    earlier, before, extended, result = extended_run(mapped_run, video, tmp_path, "--checkpoint", str(sure_checkpoint),
+                                                     *FLAGS, "--start", "3")
     account = json.loads((extended / "run.json").read_text())["summary"]["loop_closure"]["map"]
     assert account["placed"] and account["loops_accepted"] >= 1, account
     assert 0 <= account["placed_at_frame"] < 37 and "never placed" not in result.stdout + result.stderr
@@ -170,11 +167,8 @@ def test_a_run_that_extended_a_map_places_frames_of_either_recording(mapped_run:
     """A `--map` run of the video's second half, placed in the first run's map, localises frames whose place only
     the first run's map holds (the walk's 8th picture, a keyframe of the first run and none of the second's): the
     earlier run's keyframes serve (verdicts.json names that run), in the world both now share."""
-    earlier = copy_of(mapped_run, tmp_path / "earlier")
-    extended = tmp_path / "extended"
-    made = stream_recon(str(video), "--checkpoint", str(sure_checkpoint), "-o", str(extended), *FLAGS,
-                        "--start", "20", "--map", str(earlier))
-    assert made.returncode == EXIT_OK, made.stdout + made.stderr
+    earlier, _, extended, _ = extended_run(mapped_run, video, tmp_path, "--checkpoint", str(sure_checkpoint), *FLAGS,
+                                           "--start", "20")
     assert json.loads((extended / "run.json").read_text())["summary"]["loop_closure"]["map"]["placed"]
     queries = pictures_of(video, tmp_path / "queries", [7, 12])
     result = stream_recon("localise", str(extended), str(queries))

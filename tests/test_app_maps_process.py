@@ -71,6 +71,18 @@ def copy_of(run_dir: Path, where: Path) -> Path:
     return where
 
 
+def extended_run(run_dir: Path, video: Path, where: Path, *flags: str) -> tuple[Path, dict[str, str], Path,
+                                                                                  subprocess.CompletedProcess]:
+    """A copy of `run_dir` (where/earlier: its files' digests as copied) and a run of `video` with `flags` that
+    extends its map (`--map`) into where/extended, which must succeed: (earlier, its digests, extended, result)."""
+    earlier = copy_of(run_dir, where / "earlier")
+    before = contents(earlier)
+    extended = where / "extended"
+    result = stream_recon(str(video), "-o", str(extended), *flags, "--map", str(earlier))
+    assert result.returncode == EXIT_OK, result.stdout + result.stderr
+    return earlier, before, extended, result
+
+
 def test_a_run_with_loop_closure_leaves_its_map(mapped_run: Path, tiny_checkpoint: Path) -> None:
     saved = read_map(mapped_run)
     record = json.loads((mapped_run / "run.json").read_text())
