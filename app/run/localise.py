@@ -117,7 +117,8 @@ def localise_run(run_dir: Path, frames: Sequence[str], output_dir: Path | None =
     run_dir = Path(run_dir)
     progress = progress or (lambda done, total: None)
     saved = _map_of(run_dir)
-    options = _options(read_run_info(run_dir).get("settings", {}), checkpoint, device, run_dir)
+    info = read_run_info(run_dir)
+    options = _options(info.get("settings", {}), checkpoint, device, run_dir)
     _check_checkpoint(saved, options.checkpoint)
     output_dir = Path(output_dir) if output_dir is not None else run_dir / LOCALISED_DIR
     if output_dir.exists() and not output_dir.is_dir():
@@ -132,7 +133,7 @@ def localise_run(run_dir: Path, frames: Sequence[str], output_dir: Path | None =
     pictures = {keyframe.frame_index: files[keyframe.frame_index] for keyframe in keyframes}
     if load_prediction(files[keyframes[0].frame_index])["image"] is None:
         pictures = {}
-    earlier = _extended_map(run_dir, saved)
+    earlier = _extended_map(info, saved)
     if earlier is not None:  # its keyframes numbered apart, each with its prediction file
         files = {EARLIER_FRAMES_FROM + index: path for index, path in prediction_files(earlier.path.parent)}
         numbered = [replace(keyframe, frame_index=EARLIER_FRAMES_FROM + keyframe.frame_index)
@@ -158,12 +159,13 @@ def localise_run(run_dir: Path, frames: Sequence[str], output_dir: Path | None =
     return result
 
 
-def _extended_map(run_dir: Path, saved: SavedMap) -> SavedMap | None:
-    """The map of the earlier run `run_dir`'s extended, where the stream was placed in it (run.json's
-    summary.loop_closure.map: its files are then in that run's world) and that run still holds it; else None."""
+def _extended_map(info: dict[str, Any], saved: SavedMap) -> SavedMap | None:
+    """The map of the earlier run the run's map (`saved`, `info` its run.json) extended, where the stream was
+    placed in it (summary.loop_closure.map: its files are then in that run's world) and that run still holds
+    it; else None."""
     if saved.manifest.extends is None:
         return None
-    account = read_run_info(run_dir).get("summary", {}).get("loop_closure", {}).get("map") or {}
+    account = info.get("summary", {}).get("loop_closure", {}).get("map") or {}
     if not account.get("placed"):
         return None
     try:
