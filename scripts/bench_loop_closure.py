@@ -204,7 +204,8 @@ def print_run(run: dict) -> None:
 
 def print_refine(refine: dict) -> None:
     print(f"     refine: {refine['command_s']:.1f} s for {refine['frames']} frames ({refine['keyframes_indexed']} "
-          f"keyframes indexed, {refine['pairs_checked']} pairs checked, {refine['loops_accepted']} of "
+          f"keyframes indexed, {refine.get('keyframes_matched', '-')} matched, {refine.get('pairs_retrieved', '-')} "
+          f"pairs retrieved, {refine['pairs_checked']} checked, {refine['loops_accepted']} of "
           f"{refine['loops_verified'] + refine['stream_loops']} loops accepted, {refine['nodes']} segments; "
           f"seconds by stage {refine['seconds']})", flush=True)
 

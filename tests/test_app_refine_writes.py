@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from stream_recon.app.outputs import refined
-from stream_recon.app.outputs.npz_reading import load_prediction, prediction_record, stored_prediction
+from stream_recon.app.outputs.npz_reading import load_prediction, stored_prediction
 from stream_recon.app.outputs.npz_schema import PredictionOutputs, prediction_arrays
 from stream_recon.app.outputs.pointcloud import PointAccumulator
 from stream_recon.app.outputs.writers import corrected_prediction_file
@@ -74,20 +74,32 @@ def test_a_stage_left_early_waits_for_the_writes_it_began() -> None:
     assert ended in ([0, 1], [0, 1, 2]) and len(ended) < 10
 
 
-def test_a_moved_frames_record_is_what_reading_its_file_gives(tmp_path: Path) -> None:
+def test_moved_frames_give_what_reading_their_files_gives(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
-    frame = FramePrediction(3, 0.1, FRAME_KEY, rng.standard_normal(9).astype(np.float32), np.eye(4, dtype=np.float32)[:3],
-                            np.eye(3, dtype=np.float32), rng.uniform(1, 3, (6, 8)).astype(np.float32),
-                            np.full((6, 8), 4.0, np.float32), rng.integers(0, 255, (6, 8, 3), dtype=np.uint8))
-    source, staged = tmp_path / "frame.npz", tmp_path / "staged.npz"
-    np.savez(source, **PredictionOutputs().stored(prediction_arrays(frame)))
+    sources = {}
+    for index in (3, 4):
+        frame = FramePrediction(index, 0.1 * index, FRAME_KEY, rng.standard_normal(9).astype(np.float32),
+                                np.eye(4, dtype=np.float32)[:3], np.eye(3, dtype=np.float32),
+                                rng.uniform(1, 3, (6, 8)).astype(np.float32), np.full((6, 8), 4.0, np.float32),
+                                rng.integers(0, 255, (6, 8, 3), dtype=np.uint8))
+        sources[index] = tmp_path / f"frame_{index}.npz"
+        np.savez(sources[index], **PredictionOutputs().stored(prediction_arrays(frame)))
     move = Sim3(1.5, np.eye(3), np.array([0.0, 1.0, 0.0]))
     accumulator = PointAccumulator()
-    record, points = refined._moved_frame(source, staged, move, accumulator)
-    read = load_prediction(staged)
-    assert points.median_depth == pytest.approx(float(np.median(read["depth"])))  # the grid is not set yet
-    assert record.keys() == read.keys()
-    for key, value in read.items():
-        np.testing.assert_array_equal(record[key], value, err_msg=key)
-    assert prediction_record(staged, stored_prediction(staged)).keys() == read.keys()
-    np.testing.assert_array_equal(corrected_prediction_file(source, move)["depth"], stored_prediction(staged)["depth"])
+    batch = [(index, sources[index], tmp_path / f"staged_{index}.npz", move) for index in (3, 4)]
+    taken, merged = refined._moved_frames(batch, accumulator)
+    assert merged is None  # the grid is not set yet: the frames are added one by one
+    for (timestamp, c2w), (_, _, staged, _) in zip(taken, batch, strict=True):
+        read = load_prediction(staged)
+        assert timestamp == read["timestamp"]
+        np.testing.assert_array_equal(c2w, read["c2w"])
+    np.testing.assert_array_equal(corrected_prediction_file(sources[3], move)["depth"],
+                                  stored_prediction(batch[0][2])["depth"])
+    first = refined._frame_depth(3, load_prediction(batch[0][2]))
+    accumulator.add_frame(3, first.depth, first.depth_conf, first.intrinsics, first.c2w, first.image, first.dropped)
+    again = (4, sources[4], tmp_path / "staged_4_again.npz", move)
+    _, merged = refined._moved_frames([again], accumulator)
+    expected = accumulator.batch_points([refined._frame_depth(4, load_prediction(again[2]))])
+    assert merged is not None and accumulator.fits(merged) and merged.frames == 1
+    for field in ("keys", "xyz", "rgb", "frame", "pixel"):
+        np.testing.assert_array_equal(getattr(merged, field), getattr(expected, field), err_msg=field)

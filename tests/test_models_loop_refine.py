@@ -9,12 +9,23 @@ chunks keep the odometry's error whatever the graph, and it bounds both: there r
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import cv2
 import numpy as np
 import pytest
 from evo_data import evo_data_dir
 from loop_scenarios import TRAJECTORIES, refine_scenario
 
-from stream_recon.models.loops.refine import RefineConfig, RunFrame, frame_moves, segments_of
+from stream_recon.models.loops.closer import Keyframe
+from stream_recon.models.loops.refine import (
+    RefineConfig,
+    RefineFigures,
+    RunFrame,
+    detect_loops,
+    frame_moves,
+    segments_of,
+)
 from stream_recon.models.stream.similarity import Sim3
 
 
@@ -60,3 +71,48 @@ def test_moves_blend_between_segments_of_one_chunk_and_never_across_chunks() -> 
     assert np.all(np.diff(middle) >= -1e-12) and middle[0] == 0.0 and middle[-1] == 1.0  # no step inside chunk 0
     assert moves[80].translation[0] == 2.0  # chunk 1 starts from its own first segment
     assert RefineConfig().segment_frames == 64
+
+
+# -- the loops of every keyframe, checked segment pair by segment pair -------------------------------------
+SAMPLE = Path(__file__).parents[1] / "app" / "sample"
+
+
+def two_laps(pictures: int = 12) -> tuple[list[RunFrame], dict[int, np.ndarray], dict[int, Keyframe]]:
+    """Keyframes 0 ... 2 * pictures - 1: the sample's first `pictures` frames twice over (the camera back where it
+    began), four to a chunk, on a wall 2 m ahead of a camera that stays put (a metre off the world's origin),
+    each frame's depth with noise of its own."""
+    rng = np.random.default_rng(0)
+    images = [cv2.cvtColor(cv2.imread(str(SAMPLE / f"{n:06d}.png")), cv2.COLOR_BGR2RGB) for n in range(pictures)]
+    height, width = images[0].shape[:2]
+    intrinsics = np.array([[0.8 * width, 0, width / 2], [0, 0.8 * width, height / 2], [0, 0, 1]])
+    c2w = np.eye(4)[:3]
+    c2w[:, 3] = (1.0, 0.5, 0.0)
+    frames, shown, loaded = [], {}, {}
+    for frame in range(2 * pictures):
+        frames.append(RunFrame(frame, frame // 4, c2w, True))
+        shown[frame] = images[frame % pictures]
+        loaded[frame] = Keyframe(frame, frame // 4, shown[frame], (2.0 + 0.01 * rng.standard_normal((height, width))).astype(np.float32),
+                                 np.full((height, width), 10.0, np.float32), intrinsics, c2w)
+    return frames, shown, loaded
+
+
+def test_every_segment_pair_with_a_loop_keeps_one_when_fewer_pairs_are_checked() -> None:
+    frames, shown, loaded = two_laps()
+    segment_of = {frame.frame_index: frame.frame_index // 2 for frame in frames}
+    placement = [Sim3.identity()] * (1 + frames[-1].chunk_index)
+
+    def loops(per_pair: int) -> tuple[list, RefineFigures]:
+        figures = RefineFigures()
+        found = detect_loops(frames, shown.__getitem__, loaded.__getitem__, segment_of, placement,
+                             RefineConfig(loops_per_segment_pair=per_pair), figures=figures)
+        return found, figures
+
+    every, every_figures = loops(1000)
+    one, one_figures = loops(1)
+    joined = [(segment_of[loop.query_frame], segment_of[loop.earlier_frame]) for loop in one]
+    assert len(joined) == len(set(joined)) and len(one) > 0
+    assert set(joined) == {(segment_of[loop.query_frame], segment_of[loop.earlier_frame]) for loop in every}
+    assert every_figures.pairs_checked == every_figures.pairs_retrieved == one_figures.pairs_retrieved
+    assert one_figures.pairs_checked < every_figures.pairs_checked, (one_figures, every_figures)
+    assert one_figures.keyframes_indexed == len(frames) and one_figures.keyframes_matched <= len(frames)
+    assert all(loop.query_frame - loop.earlier_frame >= 8 for loop in every)  # two chunks back at least

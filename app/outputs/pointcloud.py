@@ -7,6 +7,7 @@ other thresholds; both write the result with `write_ply`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,13 @@ from plyfile import PlyData, PlyElement
 
 from stream_recon.app.options import DEFAULT_CONF_THRESHOLD as DEFAULT_CONF_THRESHOLD
 from stream_recon.app.outputs.atomic_writes import atomic_write
+from stream_recon.app.outputs.voxel_keys import (
+    KEY_OFFSET,
+    first_in_runs,
+    first_of_each,
+    in_sorted,
+    voxel_keys,
+)
 from stream_recon.models.stream.pose import back_project
 
 logger = logging.getLogger(__name__)
@@ -26,15 +34,10 @@ DEFAULT_MAX_POINTS = 1_000_000
 # depth is about two pixels' footprint at that depth for a 518-pixel-wide input with a 60 degree FOV.
 AUTO_VOXEL_FRACTION = 1.0 / 200.0
 
-# Voxel coordinates are packed into one int64 key, 21 bits per axis (signed, offset by 2**20), so that
-# membership is a sorted-array search instead of a Python set of tuples.
-_KEY_BITS = 21
-_KEY_OFFSET = 1 << (_KEY_BITS - 1)
-_KEY_LIMIT = 1 << _KEY_BITS
 # The grid holds 2**20 voxels on each side of the origin per axis, so a voxel under this fraction of the first
 # frame's median depth leaves points 64 median depths away outside it (dropped), and a fine enough one every
 # point: a voxel asked for below it is raised to it, with a warning.
-MIN_VOXEL_FRACTION = 64.0 / _KEY_OFFSET
+MIN_VOXEL_FRACTION = 64.0 / KEY_OFFSET
 
 
 @dataclass(frozen=True)
@@ -78,52 +81,12 @@ def _back_project_pixels(
     return world.T  # [M, 3]
 
 
-def _first_of_each(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """keys [M] -> (the distinct keys, sorted [K]; the position of each one's first occurrence [K]).
-
-    np.unique(return_index=True) does this with a stable sort; an unstable sort (SIMD quicksort) and
-    the smallest position in each run of equal keys give the same answer in about half the time.
-
-        keys [7, 3, 7, 3, 5] -> order [1, 3, 4, 0, 2] -> ([3, 5, 7], [1, 4, 0])
-    """
-    if len(keys) == 0:
-        return keys, np.empty(0, dtype=np.int64)
-    order = np.argsort(keys)
-    ordered = keys[order]
-    starts = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
-    return ordered[starts], np.minimum.reduceat(order, starts)
-
-
 def _pixel_step(intrinsics: np.ndarray, voxel_size: float | None, reference_depth: float | None) -> int:
     """PointAccumulator.pixel_step on the grid (voxel_size, reference_depth)."""
     focal = float(min(intrinsics[0, 0], intrinsics[1, 1]))
     if reference_depth is None or not (np.isfinite(focal) and focal > 0):
         return 1
     return max(1, int(voxel_size * focal / reference_depth))
-
-
-def _voxel_keys(xyz: np.ndarray, voxel_size: float) -> tuple[np.ndarray, np.ndarray]:
-    """xyz [M, 3] -> keys [M] int64 and in_range [M] bool (keys of out-of-range points are 0).
-
-    One axis at a time, in place: floor(x / voxel) + offset in float64, 21 bits of the key each.
-    """
-    keys = np.zeros(len(xyz), dtype=np.int64)
-    in_range = np.ones(len(xyz), dtype=bool)
-    with np.errstate(invalid="ignore", over="ignore"):
-        for axis in range(3):
-            cells = xyz[:, axis].astype(np.float64)
-            cells /= voxel_size
-            np.floor(cells, out=cells)
-            cells += _KEY_OFFSET
-            # the usual case, every cell in range, costs two reductions instead of two masks
-            if len(cells) and not (cells.min() >= 0 and cells.max() < _KEY_LIMIT):
-                in_range &= (cells >= 0) & (cells < _KEY_LIMIT)
-                cells[~in_range] = 0
-            keys <<= _KEY_BITS
-            keys |= cells.astype(np.int64)
-    if not in_range.all():
-        keys[~in_range] = 0
-    return keys, in_range
 
 
 @dataclass(frozen=True)
@@ -147,6 +110,39 @@ class FramePoints:
               median_depth: float | None = None) -> FramePoints:
         return FramePoints(grid, saw_confident, saw_kept, median_depth, 0, np.empty(0, np.int64),
                            np.empty((0, 3), np.float32), np.empty((0, 2), np.int32))
+
+
+@dataclass(frozen=True)
+class FrameDepth:
+    """What the cloud takes of one frame: depth, depth_conf [H, W]; image [H, W, 3] uint8 or None; dropped
+    [H, W] bool or None (pixels left out whatever their confidence)."""
+
+    frame_index: int
+    depth: np.ndarray
+    depth_conf: np.ndarray
+    intrinsics: np.ndarray
+    c2w: np.ndarray
+    image: np.ndarray | None = None
+    dropped: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class BatchPoints:
+    """Consecutive frames' candidate points as add_frame would take them one after the other, merged ahead
+    (PointAccumulator.batch_points): each voxel's point from the earliest frame reaching it, rows in (frame,
+    key) order; keys [K], xyz [K, 3], rgb [K, 3] uint8, frame [K], pixel [K, 2]; on the grid they were
+    computed on; the frames' flags and counts."""
+
+    grid: tuple[float | None, float | None]
+    frames: int
+    saw_confident: bool
+    saw_kept: bool
+    out_of_range: int
+    keys: np.ndarray
+    xyz: np.ndarray
+    rgb: np.ndarray
+    frame: np.ndarray
+    pixel: np.ndarray
 
 
 class PointAccumulator:
@@ -200,6 +196,7 @@ class PointAccumulator:
         self._recent_keys = np.empty(0, dtype=np.int64)
         self._recent_rows = np.empty(0, dtype=np.int64)
         self._merged_rows_below = 0  # every row the merged level indexes is below this
+        self._publish()
 
     def __len__(self) -> int:
         return self._count
@@ -251,6 +248,7 @@ class PointAccumulator:
             if self.voxel_size is None:
                 self.voxel_size = self.reference_depth * AUTO_VOXEL_FRACTION
             self._fit_the_grid_to_the_scene()
+            self._publish()
             points = self.frame_points(depth, depth_conf, intrinsics, c2w, dropped)
         self.num_out_of_range += points.out_of_range
         fresh = ~self._occupied(points.keys)
@@ -261,6 +259,49 @@ class PointAccumulator:
         while len(self) > self.max_points:
             self._coarsen()
 
+    def batch_points(self, frames: Sequence[FrameDepth]) -> BatchPoints | None:
+        """Consecutive frames' points merged ahead (on another thread, while the accumulator takes an earlier
+        batch): one lookup and one append for the batch at `add_batch` instead of one a frame, where
+        consecutive frames reach mostly the same voxels. None where the grid is not set yet or changed while
+        they were computed: the frames are then added one by one. The voxels the merged level held when they
+        were computed are left out here (its keys and grid are published together, and within one grid the
+        cloud only grows), so that the merge looks up the others only."""
+        grid, held = self._published
+        if None in grid:
+            return None
+        found = [(frame, self.frame_points(frame.depth, frame.depth_conf, frame.intrinsics, frame.c2w,
+                                           frame.dropped, grid)) for frame in frames]
+        keys = np.concatenate([points.keys for _, points in found])  # each frame's sorted, frames in order
+        rows = first_in_runs(keys)  # the earliest frame's point of each voxel, in (frame, key) order
+        rows = rows[~in_sorted(held, keys[rows])]
+        rgb = [frame.image[points.pixel[:, 1], points.pixel[:, 0]] if frame.image is not None
+               else np.full((len(points.keys), 3), 200, np.uint8) for frame, points in found]
+        index = [np.full(len(points.keys), frame.frame_index, np.int64) for frame, points in found]
+        return BatchPoints(grid, len(found), any(points.saw_confident for _, points in found),
+                           any(points.saw_kept for _, points in found), sum(points.out_of_range for _, points in found),
+                           keys[rows], np.concatenate([points.xyz for _, points in found])[rows],
+                           np.concatenate(rgb)[rows], np.concatenate(index)[rows],
+                           np.concatenate([points.pixel for _, points in found])[rows])
+
+    def fits(self, batch: BatchPoints) -> bool:
+        """Whether `batch` was computed on the grid as it is now (add_batch takes it)."""
+        return batch.grid == (self.voxel_size, self.reference_depth)
+
+    def add_batch(self, batch: BatchPoints) -> None:
+        """Merge a batch of frames (batch_points) that `fits`: the points of voxels the cloud does not hold yet.
+        The cap is kept after the batch's last frame rather than after each (a batch over max_points coarsens
+        once more at most)."""
+        if not self.fits(batch):
+            raise ValueError(f"a batch computed on grid {batch.grid} merged on {(self.voxel_size, self.reference_depth)}")
+        self.frames_added += batch.frames
+        self._saw_confident = self._saw_confident or batch.saw_confident
+        self._saw_kept = self._saw_kept or batch.saw_kept
+        self.num_out_of_range += batch.out_of_range
+        fresh = ~self._occupied(batch.keys)
+        self._append(batch.keys[fresh], batch.xyz[fresh], batch.rgb[fresh], batch.frame[fresh], batch.pixel[fresh])
+        while len(self) > self.max_points:
+            self._coarsen()
+
     def frame_points(
         self,
         depth: np.ndarray,
@@ -268,11 +309,13 @@ class PointAccumulator:
         intrinsics: np.ndarray,
         c2w: np.ndarray,
         dropped: np.ndarray | None = None,
+        grid: tuple[float | None, float | None] | None = None,
     ) -> FramePoints:
-        """One frame's candidate points on the grid as it is now, not merged: each voxel's first sampled pixel
-        back-projected. Changes nothing, so that a thread may compute a later frame's while the accumulator
-        merges an earlier one (`add_frame(points=...)`)."""
-        voxel_size, reference = self.voxel_size, self.reference_depth  # (read once: the grid it is computed on)
+        """One frame's candidate points on the grid as it is now (or on `grid`, (voxel size, reference depth)),
+        not merged: each voxel's first sampled pixel back-projected. Changes nothing, so that a thread may
+        compute a later frame's while the accumulator merges an earlier one (`add_frame(points=...)`)."""
+        # (read once: the grid it is computed on)
+        voxel_size, reference = grid if grid is not None else (self.voxel_size, self.reference_depth)
         valid = depth_conf >= self.conf_threshold
         valid &= depth > 0
         valid &= depth < np.inf  # NaN fails both comparisons
@@ -292,10 +335,10 @@ class PointAccumulator:
         v *= step
         u *= step
         xyz = _back_project_pixels(u, v, depth[v, u], intrinsics, c2w)
-        keys, in_range = _voxel_keys(xyz, voxel_size)
+        keys, in_range = voxel_keys(xyz, voxel_size)
         out_of_range = 0 if in_range.all() else int(np.isfinite(xyz[~in_range]).all(axis=1).sum())
         candidates = np.flatnonzero(in_range)
-        frame_keys, first = _first_of_each(keys[candidates])
+        frame_keys, first = first_of_each(keys[candidates])
         sel = candidates[first]
         return FramePoints((voxel_size, reference), saw_confident, saw_kept, None, out_of_range, frame_keys,
                            xyz[sel], np.stack([u[sel], v[sel]], axis=1).astype(np.int32))
@@ -308,8 +351,9 @@ class PointAccumulator:
         logger.warning("--voxel-size %.3g is too fine for this scene: the cloud's grid, %d voxels on each side of the "
                        "origin, would reach %.3g from it where the first frame's median depth is %.3g, and leave the "
                        "points beyond out; the cloud uses voxels of %.3g instead, whose grid reaches 64 such depths",
-                       self.voxel_size, _KEY_OFFSET, self.voxel_size * _KEY_OFFSET, self.reference_depth, least)
+                       self.voxel_size, KEY_OFFSET, self.voxel_size * KEY_OFFSET, self.reference_depth, least)
         self.voxel_size = least
+        self._publish()
 
     def empty_reason(self, masks: str) -> str | None:
         """Why the cloud holds no point, in a sentence that says what to change; None when it holds some.
@@ -404,20 +448,19 @@ class PointAccumulator:
             return PointCloud(xyz, cloud.rgb, cloud.frame_index, cloud.pixel)
         keys, in_range = self._voxel_keys(xyz)
         order = np.argsort(cloud.frame_index, kind="stable")
-        _, first = _first_of_each(keys[order][in_range[order]])
+        _, first = first_of_each(keys[order][in_range[order]])
         rows = np.sort(order[in_range[order]][first])
         return PointCloud(xyz[rows], cloud.rgb[rows], cloud.frame_index[rows], cloud.pixel[rows])
 
     def _voxel_keys(self, xyz: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return _voxel_keys(xyz, self.voxel_size)
+        return voxel_keys(xyz, self.voxel_size)
 
     def _occupied(self, keys: np.ndarray) -> np.ndarray:
-        occupied = np.zeros(len(keys), dtype=bool)
-        for level in (self._merged_keys, self._recent_keys):
-            if len(level):
-                pos = np.minimum(np.searchsorted(level, keys), len(level) - 1)
-                occupied |= level[pos] == keys
-        return occupied
+        return in_sorted(self._merged_keys, keys) | in_sorted(self._recent_keys, keys)
+
+    def _publish(self) -> None:
+        """The grid and the merged level's keys, as one value a thread computing a batch reads at once."""
+        self._published = ((self.voxel_size, self.reference_depth), self._merged_keys)
 
     def _append(self, keys, xyz, rgb, frame, pixel) -> None:
         start, end = self._count, self._count + len(keys)
@@ -429,7 +472,7 @@ class PointAccumulator:
         self._frame[start:end] = frame
         self._pixel[start:end] = pixel
         self._count = end
-        # keys come sorted from np.unique, so the recent level stays sorted with one merge-sort pass.
+        # a frame's keys come sorted (a batch's in a few sorted runs), so the stable sort is a merge of runs.
         recent_keys = np.concatenate([self._recent_keys, keys])
         recent_rows = np.concatenate([self._recent_rows, np.arange(start, end, dtype=np.int64)])
         order = np.argsort(recent_keys, kind="stable")
@@ -450,6 +493,7 @@ class PointAccumulator:
         rows = np.concatenate([self._merged_rows, self._recent_rows])
         order = np.argsort(keys, kind="stable")
         self._merged_keys, self._merged_rows = keys[order], rows[order]
+        self._publish()
         self._merged_rows_below = self._count
         self._recent_keys = np.empty(0, dtype=np.int64)
         self._recent_rows = np.empty(0, dtype=np.int64)
@@ -476,6 +520,7 @@ class PointAccumulator:
         self._count = len(rows)
         order = np.argsort(self._keys, kind="stable")
         self._merged_keys, self._merged_rows = self._keys[order], order.astype(np.int64)
+        self._publish()
         self._merged_rows_below = self._count
         self._recent_keys = np.empty(0, dtype=np.int64)
         self._recent_rows = np.empty(0, dtype=np.int64)

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import cv2
 import numpy as np
+import threadpoolctl
 
 from stream_recon.app.outputs.atomic_writes import atomic_write, remove_tree, staging_folder, swap_in_staged
 from stream_recon.app.outputs.json_records import write_json_atomic
@@ -31,7 +33,8 @@ from stream_recon.app.outputs.output_folder import lock_run_dir, run_dir_in_use,
 from stream_recon.app.outputs.pointcloud import (
     DEFAULT_CONF_THRESHOLD,
     DEFAULT_MAX_POINTS,
-    FramePoints,
+    BatchPoints,
+    FrameDepth,
     PointAccumulator,
     write_ply,
 )
@@ -58,6 +61,7 @@ from stream_recon.models.loops.refine import (
     detect_loops,
     fine_graph,
     frame_moves,
+    segments_of,
     solve_fine,
     with_stream_loops,
 )
@@ -68,9 +72,12 @@ TRAJECTORY_STREAM_TUM = "trajectory_stream_tum.txt"  # the stream's trajectory, 
 # Refine's threads (features, loop checks: OpenCV frees the GIL) are its helpers; one job takes tens of
 # milliseconds, so one that has not ended in two minutes is a hung library: the refine fails, the run stays.
 _WORKER_POLICY = HelperPolicy("refine's workers", WhenFull.DROP, WhenDown.FAIL_RUN, stall_s=120.0)
-# Jobs handed to the workers ahead of the one whose result is taken next, per worker: a moved frame holds its
-# arrays (1.4 MB at 518x392), so a 10,000-frame refine holds a few dozen frames, never its 14 GB.
+# Jobs handed to the workers ahead of the one whose result is taken next, per worker: a job's result is small
+# (a batch's points, not its frames' 1.4 MB arrays at 518x392), and a worker holds one batch's arrays at a time.
 JOBS_AHEAD_PER_WORKER = 2
+# Frames moved in one job, their points merged there: the cloud's merge is the stage's one thread, and a lookup
+# and append a batch instead of a frame costs it ~1/4 (consecutive frames reach mostly the same voxels).
+BATCH_FRAMES = 8
 # A stopped refine waits this long for the jobs its workers are running (a frame written, ~10-30 ms), before
 # the staging folder goes; a worker stalled on the disk past it is left behind, its write failing then.
 STOP_WAIT_S = 5.0
@@ -114,10 +121,25 @@ def refine_run(run_dir: Path, config: RefineConfig = RefineConfig(), progress: P
     lock_run_dir(run_dir)
     pool = DaemonPool(config.workers, "refine", Helper(_WORKER_POLICY))  # (its threads start with its first job)
     try:
-        return _refine_held(pool, run_dir, info, saved, config, progress, started)
+        with _one_thread_a_call():
+            return _refine_held(pool, run_dir, info, saved, config, progress, started)
     finally:
         pool.shutdown()  # unbounded-ok: a DaemonPool's shutdown returns at once
         unlock_run_dir(run_dir)
+
+
+@contextlib.contextmanager
+def _one_thread_a_call() -> Iterator[None]:
+    """OpenCV and BLAS on one thread a call while refine runs: its workers are the parallelism. Their own threads
+    on top (16 workers, each SIFT, RootSIFT product and RANSAC spreading over 16 threads of its own) made a check
+    take ~240 ms of the 16-core host's time where one core takes 13 ms (15,543 checks: 237 s)."""
+    threads = cv2.getNumThreads()
+    cv2.setNumThreads(1)
+    try:
+        with threadpoolctl.threadpool_limits(limits=1):
+            yield
+    finally:
+        cv2.setNumThreads(threads)
 
 
 def _refine_held(pool: DaemonPool, run_dir: Path, info: dict, saved: SavedMap, config: RefineConfig,
@@ -130,11 +152,13 @@ def _refine_held(pool: DaemonPool, run_dir: Path, info: dict, saved: SavedMap, c
                           "chunk): nothing to refine")
     covered = [frame for frame in frames if frame.chunk_index < saved.num_chunks]
     placement = _placement(run_dir, saved)
-    keyframes = [frame.frame_index for frame in covered if frame.is_keyframe]
+    keyframes = [frame for frame in covered if frame.is_keyframe]
     if keyframes:
-        _require_images(files[keyframes[0]], run_dir)
+        _require_images(files[keyframes[0].frame_index], run_dir)
     figures = RefineFigures(chunks=saved.num_chunks)
-    loops = detect_loops(keyframes, lambda frame: _keyframe(files[frame]), placement, config, progress, figures,
+    segment_of = segments_of(covered, config.segment_frames).node_of
+    loops = detect_loops(keyframes, lambda frame: prediction_fields(files[frame], "image")["image"],
+                         lambda frame: _keyframe(files[frame]), segment_of, placement, config, progress, figures,
                          lambda jobs, done: _in_pool(pool, jobs, done))
     merged = with_stream_loops(loops, _stream_loops(saved))
     figures.stream_loops = len(merged) - len(loops)
@@ -187,15 +211,36 @@ def _in_order(pool: DaemonPool, jobs: Sequence[Callable[[], Any]]) -> Iterator[A
         concurrent.futures.wait([future for future in ahead if not future.cancel()], timeout=STOP_WAIT_S)
 
 
-def _moved_frame(path: Path, staged: Path, move: Sim3, points: PointAccumulator) -> tuple[dict[str, Any], FramePoints]:
-    """One frame's npz moved into the staging folder (`staged`): its record as load_prediction gives it, from the
-    arrays written (the file is not read back), and its points on the cloud's grid as it is now (the sort of
-    its voxels done here, on a worker; `add_frame` computes them again where the grid has changed since)."""
-    arrays = corrected_prediction_file(path, move)
-    atomic_write(staged, lambda f: np.savez(f, **arrays), binary=True)
-    record = prediction_record(staged, arrays)
-    return record, points.frame_points(record["depth"], record["depth_conf"], record["intrinsics"], record["c2w"],
-                                       record["sky_mask"])
+def _moved_frames(frames: Sequence[tuple[int, Path, Path, Sim3]], points: PointAccumulator
+                  ) -> tuple[list[tuple[float, np.ndarray]], BatchPoints | None]:
+    """A batch of consecutive frames' npz files moved into the staging folder ((index, path, staged, move)):
+    each frame's timestamp and moved c2w, from the arrays written (the files are not read back), and the
+    batch's points merged on the cloud's grid as it is now (`batch_points`: None where it cannot be, the frames
+    then read back and added one by one)."""
+    taken, depths = [], []
+    for index, path, staged, move in frames:
+        arrays = corrected_prediction_file(path, move)
+        atomic_write(staged, lambda f, arrays=arrays: np.savez(f, **arrays), binary=True)
+        record = prediction_record(staged, arrays)
+        taken.append((record["timestamp"], record["c2w"]))
+        depths.append(_frame_depth(index, record))
+    return taken, points.batch_points(depths)
+
+
+def _merge(points: PointAccumulator, batch: Sequence[tuple[int, Path, Path, Sim3]], merged: BatchPoints | None) -> None:
+    """A batch's points into the cloud: merged ahead where they fit its grid, else (no grid yet, or a grid
+    coarsened since) frame by frame, read back, as the stream adds them."""
+    if merged is not None and points.fits(merged):
+        points.add_batch(merged)
+        return
+    for index, _, staged, _ in batch:
+        depth = _frame_depth(index, load_prediction(staged))
+        points.add_frame(index, depth.depth, depth.depth_conf, depth.intrinsics, depth.c2w, depth.image, depth.dropped)
+
+
+def _frame_depth(index: int, record: dict[str, Any]) -> FrameDepth:
+    return FrameDepth(index, record["depth"], record["depth_conf"], record["intrinsics"], record["c2w"],
+                      record["image"], record["sky_mask"])
 
 
 def _run_frame(index: int, path: Path) -> RunFrame:
@@ -240,15 +285,18 @@ def _write_refined(pool: DaemonPool, run_dir: Path, staging: Path, files: dict[i
                               max_points=recorded.get("max_points", DEFAULT_MAX_POINTS))
     timestamps, poses = [], []
     writing = time.perf_counter()
-    jobs = [functools.partial(_moved_frame, path, staging / PREDICTIONS_DIR / path.name, moves[index], points)
-            for index, path in sorted(files.items())]
-    with contextlib.closing(_in_order(pool, jobs)) as records:
-        for done, (index, (record, ahead)) in enumerate(zip(sorted(files), records, strict=True), start=1):
-            timestamps.append(record["timestamp"])
-            poses.append(record["c2w"])
-            points.add_frame(index, record["depth"], record["depth_conf"], record["intrinsics"], record["c2w"],
-                             record["image"], record["sky_mask"], points=ahead)
-            progress("frames", done, len(files))
+    ordered = [(index, path, staging / PREDICTIONS_DIR / path.name, moves[index]) for index, path in sorted(files.items())]
+    batches = [ordered[start:start + BATCH_FRAMES] for start in range(0, len(ordered), BATCH_FRAMES)]
+    done = 0
+    for group in (batches[:1], batches[1:]):  # the first alone: it sets the cloud's grid, which the others use
+        with contextlib.closing(_in_order(pool, [functools.partial(_moved_frames, batch, points) for batch in group])) \
+                as moved:
+            for batch, (taken, merged) in zip(group, moved, strict=True):
+                timestamps.extend(timestamp for timestamp, _ in taken)
+                poses.extend(c2w for _, c2w in taken)
+                _merge(points, batch, merged)
+                done += len(batch)
+                progress("frames", done, len(files))
     write_tum(staging / TRAJECTORY_TUM, timestamps, np.array(poses, np.float64).reshape(-1, 3, 4))
     cloud = points.cloud()
     write_ply(staging / POINTS_PLY, cloud.xyz, cloud.rgb)
