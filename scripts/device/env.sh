@@ -14,7 +14,7 @@ install_wheels() { local folder=${1:-.whl}
   ls "$folder"/*.whl >/dev/null 2>&1 || { echo "no wheels in $folder/: carry it" >&2; exit 1; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     "$folder"/*.whl || exit 1; }
-# Loop closure's set-up: the wheels of .carry-gtsam/ (plyfile; FlashInfer and apache-tvm-ffi where carried)
+# Loop closure's set-up: the wheels of .carry-gtsam/ (plyfile, threadpoolctl; FlashInfer and apache-tvm-ffi where carried)
 # and gtsam-py312.tar.xz (GTSAM's py3.12 wheel without its example data, tests and gtsam_unstable, which fits
 # the transfer where the 34 MB wheel does not) into /tmp/site; stops the script if gtsam does not import.
 use_gtsam() { install_wheels .carry-gtsam

@@ -56,7 +56,7 @@
 #               network (SKY_GFLOPS 120), ROUNDS (2) times in turn; FRAMES 600, SIZE 640x480: $OUT/sky.log,
 #               sky_NAME_N.json
 # Carry: .whl (FlashInfer, viser and their needs) for every suite but the loop-closure ones, which carry
-# .carry-gtsam/ (plyfile's and FlashInfer's wheels, gtsam-py312.tar.xz) and, for the scene cells,
+# .carry-gtsam/ (the wheels of plyfile, threadpoolctl and FlashInfer, gtsam-py312.tar.xz) and, for the scene cells,
 # .carry-soak/SCENE.mp4 (an example scene of the official repository as a video); sky .carry-ort/ (the
 # onnxruntime-gpu wheel in parts of a call's size, part-*, and its SHA-256 in wheel.sha256: carried one
 # part a call to a machine kept warm, all of them there by the sky call, and plyfile's wheel);
