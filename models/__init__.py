@@ -50,6 +50,7 @@ _HOMES = {
     "SavedMap": "loops.saved_map",
     "read_map": "loops.saved_map",
     "read_manifest": "loops.saved_map",
+    "checkpoint_refusal": "loops.saved_map",
     "write_manifest": "loops.saved_map",
     "LocaliseConfig": "loops.localise",
     "MapLocaliser": "loops.localise",

@@ -16,6 +16,7 @@ from stream_recon.models.loops.saved_map import (
     MapError,
     MapManifest,
     MapRecorder,
+    checkpoint_refusal,
     read_map,
     refusal,
     write_manifest,
@@ -122,3 +123,15 @@ def test_a_runs_loop_closer_writes_its_map_as_it_goes(tmp_path: Path, monkeypatc
     assert len(keyframe.keypoints) == len(keyframe.descriptors) == len(keyframe.points) > 50
     # the stand-in is sure of its depth near the reference's triangulated points only (a quarter of keypoints)
     assert np.isfinite(keyframe.points).all(axis=1).mean() > 0.1 and keyframe.descriptor.shape == (128,)
+
+
+def test_a_checkpoint_is_refused_by_its_digest_else_by_what_both_sides_know_of_its_name_and_size(tmp_path: Path) -> None:
+    made = {"name": "lingbot-map.pt", "bytes": 4_600_000_000, "sha256": "ab" * 32}
+    assert checkpoint_refusal(made, dict(made), tmp_path) is None
+    assert "sha256 cdcd" in checkpoint_refusal(made, {**made, "sha256": "cd" * 32}, tmp_path)
+    assert checkpoint_refusal(made, {**made, "name": "renamed.pt"}, tmp_path) is None  # the digests agree
+    unhashed = {**made, "sha256": None}
+    assert checkpoint_refusal(unhashed, {"name": "lingbot-map.pt", "bytes": None}, tmp_path) is None
+    smaller = checkpoint_refusal(unhashed, {"name": "lingbot-map.pt", "bytes": 1_000}, tmp_path)
+    assert "bytes 1000" in smaller and smaller.endswith("give the same --checkpoint") and "\n" not in smaller
+    assert "not other.pt" in checkpoint_refusal(unhashed, {"name": "other.pt", "bytes": None}, tmp_path)

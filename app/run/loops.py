@@ -23,7 +23,7 @@ from typing import Any
 from stream_recon.app.options import OptionsError, RunOptions
 from stream_recon.app.outputs.pointcloud import read_ply
 from stream_recon.app.outputs.rundir import POINTS_PLY, TRAJECTORY_OPEN_TUM
-from stream_recon.models import MapError, read_manifest, write_manifest
+from stream_recon.models import MapError, checkpoint_refusal, read_manifest, write_manifest
 from stream_recon.models.supervision import CHILDREN, Deadline
 
 logger = logging.getLogger(__name__)
@@ -116,14 +116,14 @@ def check_extended_map(options: RunOptions, output_dir: Path) -> None:
         manifest = read_manifest(earlier)
     except MapError as error:
         raise OptionsError(f"--map: {error}") from None
-    made_with = manifest.checkpoint
-    wanted = Path(options.checkpoint) if options.checkpoint is not None else None
-    if wanted is not None and made_with.get("name") not in (None, wanted.name):
-        raise OptionsError(f"--map {earlier} was made with checkpoint {made_with.get('name')}, this run uses "
-                           f"{wanted.name}: give the same --checkpoint")
-    if wanted is not None and wanted.is_file() and made_with.get("bytes") not in (None, wanted.stat().st_size):
-        raise OptionsError(f"--map {earlier} was made with another {wanted.name} ({made_with.get('bytes')} bytes, "
-                           f"this one {wanted.stat().st_size}): give the checkpoint it was made with")
+    if options.checkpoint is None:
+        return
+    wanted = Path(options.checkpoint)
+    refused = checkpoint_refusal(manifest.checkpoint, {"name": wanted.name,
+                                                       "bytes": wanted.stat().st_size if wanted.is_file() else None},
+                                 earlier)
+    if refused is not None:
+        raise OptionsError(f"--map: {refused}")
 
 
 @dataclass(frozen=True)

@@ -89,19 +89,31 @@ def refusal(manifest: MapManifest, wanted: MapManifest, where: Path) -> str | No
     """Why the map at `where` cannot serve a run that would write `wanted`, in one line; None when it can."""
     if manifest.format != MAP_FORMAT:
         return f"{where} is a map of format {manifest.format!r}; this version reads {MAP_FORMAT!r}: run the video again"
-    mine, theirs = manifest.checkpoint, wanted.checkpoint
-    if mine.get("sha256") and theirs.get("sha256"):
-        same = mine["sha256"] == theirs["sha256"]
-    else:  # a run killed before its checkpoint was hashed: its name and size
-        same = (mine.get("name"), mine.get("bytes")) == (theirs.get("name"), theirs.get("bytes"))
-    if not same:
-        return (f"{where} was made with checkpoint {mine.get('name')} (sha256 {str(mine.get('sha256'))[:12]}), not "
-                f"{theirs.get('name')} (sha256 {str(theirs.get('sha256'))[:12]}): give the same --checkpoint")
+    refused = checkpoint_refusal(manifest.checkpoint, wanted.checkpoint, where)
+    if refused is not None:
+        return refused
     for what in ("descriptor", "features"):
         if getattr(manifest, what) != getattr(wanted, what):
             return (f"{where} was indexed with {what} {getattr(manifest, what)}, this run uses "
                     f"{getattr(wanted, what)}: run with the map's settings")
     return None
+
+
+def checkpoint_refusal(made_with: Mapping[str, Any], wanted: Mapping[str, Any], where: Path) -> str | None:
+    """Why the map at `where`, made with checkpoint `made_with`, cannot serve a run of checkpoint `wanted` (each
+    its name, bytes and sha256, as far as known), in one line; None when they may be the same. The digests
+    decide where both are known; else the name and the size, each where both know it (a run killed before its
+    checkpoint was hashed; a run checked before it loads its own)."""
+    if made_with.get("sha256") and wanted.get("sha256"):
+        same = made_with["sha256"] == wanted["sha256"]
+    else:
+        same = all(None in (made_with.get(key), wanted.get(key)) or made_with[key] == wanted[key]
+                   for key in ("name", "bytes"))
+    if same:
+        return None
+    known = "sha256" if made_with.get("sha256") and wanted.get("sha256") else "bytes"
+    return (f"{where} was made with checkpoint {made_with.get('name')} ({known} {str(made_with.get(known))[:12]}), "
+            f"not {wanted.get('name')} ({known} {str(wanted.get(known))[:12]}): give the same --checkpoint")
 
 
 # -- the child's side: written as the stream goes ------------------------------------------------------
@@ -288,4 +300,4 @@ def _loop(path: Path) -> MapLoop:
 
 
 __all__ = ["MAP_DIR", "MAP_FORMAT", "MapError", "MapKeyframe", "MapLoop", "MapManifest", "MapRecorder", "SavedMap",
-           "has_map", "read_manifest", "read_map", "refusal", "write_manifest"]
+           "checkpoint_refusal", "has_map", "read_manifest", "read_map", "refusal", "write_manifest"]
