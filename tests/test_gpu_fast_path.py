@@ -154,7 +154,7 @@ def test_the_pages_stay_put_and_each_page_taken_is_freed_over_2000_frames():
         engine.push(image if i % 3 else torch.rand(3, 126, 224, device="cuda"))
         if i + 1 in (500, 2000):
             memory[i + 1] = torch.cuda.memory_allocated()
-    engine.settle()  # pipelined flow keeps the last frame's decision pending: make it
+    engine.finish()  # pipelined flow keeps the last frame's decision pending: make it
     stats = engine.stats()
     pool = engine.cache.bookkeeping.pool
     assert stats["cuda_graphs"] and stats["patch_frames"] <= 72 and pool.num_pages == pool.max_pages

@@ -74,7 +74,8 @@ def chunk_stream_config(config: StreamConfig, chunk_frames: int, model_max_frame
     """The settings of each chunk's engine. A chunk's cache holds its cached frames and one pending
     frame: its page pool holds their special tokens (not the model's whole temporal range), which the
     memory plan counts."""
-    return replace(config, max_cached_frames=min(chunk_frames + 1, model_max_frames))
+    closes_at = chunk_frames if config.policy.closes_on_keyframes else None
+    return replace(config, max_cached_frames=min(chunk_frames + 1, model_max_frames), closes_at_cached_frames=closes_at)
 
 
 class ChunkedEngine:
@@ -415,10 +416,8 @@ class ChunkedEngine:
         if self._phase is Phase.CATCHING_UP:  # the closed chunk is; the next (on the spare) cannot be yet
             return False
         if self.closes_on_keyframes:
-            if self.engine.num_keyframes + 1 >= self.chunk_frames:
-                # A pipelined engine may still hold the last frame's decision: the chunk closes
-                # where the reference closes it, so make that decision now (once per chunk).
-                self.engine.settle()
+            # (a frame that could fill the chunk was decided at the end of its push, pipelined or not: the
+            # chunk closes where the reference closes it; StreamConfig.closes_at_cached_frames)
             return self.engine.num_keyframes >= self.chunk_frames
         return self.num_frames - self.alignment.start >= self.chunk_length
 

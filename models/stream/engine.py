@@ -189,7 +189,11 @@ class StreamingEngine:
             self.num_frames += 1
             if keyframe is not None:
                 self._settle(flight, keyframe)
-            return finished + ready + self._deliver(keep=self.runner.lag)
+            ready += self._deliver(keep=self.runner.lag)
+            closing = self.config.closes_at_cached_frames
+            if closing is not None and self.num_keyframes + 1 >= closing:  # decided now, delivered next
+                self._ready += self._deliver(keep=0, settle_only=True)
+            return finished + ready
         except BaseException:
             self._ready = finished + self._ready  # nothing computed is lost
             raise
@@ -327,11 +331,6 @@ class StreamingEngine:
         plan = plan_memory(self.model, self.config, size, self.config.gpu_memory)
         self._plan_ahead = (size, plan)
         return plan
-
-    def settle(self) -> None:
-        """Make the keyframe decision of a frame still in flight now (flow keyframes, pipelined):
-        afterwards `num_keyframes` counts it. Its prediction stays for the next push or finish."""
-        self._ready += self._deliver(keep=0, settle_only=True)
 
     @property
     def undecided_frames(self) -> int:

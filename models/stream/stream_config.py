@@ -47,6 +47,10 @@ class StreamConfig:
     # The most frames whose special tokens the cache holds at once; a GPU's page pool holds pages for
     # all of them. None: the model's temporal range (max_frames). ChunkedEngine sets its chunk's.
     max_cached_frames: int | None = None
+    # A chunk that closes once its cache holds this many frames (ChunkedEngine's, with a policy that closes on
+    # keyframes) is judged full before its next frame: a pipelined engine decides a frame in flight at the end
+    # of its push once it could be the one that fills it. None: decisions wait for the next push.
+    closes_at_cached_frames: int | None = None
     # The camera head's refinement iterations, 1 up to the model's (4 for the released models): fewer
     # run faster for a small pose error. None: all of the model's (the reference's default).
     camera_iterations: int | None = None
