@@ -60,10 +60,11 @@ class RefineConfig:
     segment_log_scale_sigma: float = 5e-3
     # Verified loops wanted between two segments: each measures the same relation from the same two stretches
     # of depth (their errors mostly shared), so more add little to the solve but cost a check each (13 ms of a
-    # core) and the solve's pairwise test grows with their square. Two: one look-alike among a pair's
-    # candidates still leaves a true loop to outvote it. A keyframe-dense revisit (10,000 frames, flow
-    # keyframes: 15,543 candidate pairs over ~3,000 segment pairs, 11,057 verified) checks ~45 % of them.
-    loops_per_segment_pair: int = 2
+    # core), and the solve from scratch grows faster than their count (167 segments, 2-core machine: 3,006
+    # loops 17 s, 5,010 loops 34 s). One: the pair's most alike candidate that verifies; a look-alike among
+    # them is judged against the loops of the neighbouring segment pairs. A keyframe-dense revisit (10,000
+    # frames, flow keyframes: 15,543 candidate pairs over ~3,000 segment pairs, 11,057 verified) checks ~26 %.
+    loops_per_segment_pair: int = 1
     closure: LoopClosureConfig = LoopClosureConfig()
     pose_graph: PoseGraphSettings = PoseGraphSettings()
     # the caller's threads for features, checks and the frames' files
