@@ -38,7 +38,7 @@ import bench_e2e  # noqa: E402
 
 def measured_run(args: argparse.Namespace, video: Path, mode: str, frames: int, model: Any, device: str,
                  extend_map: str | None = None) -> dict:
-    kept = args.refine or args.extend
+    kept = args.refine or args.extend or args.keep
     output = tempfile.mkdtemp(prefix="bench_loop_closure_", dir=args.video_dir) if kept else args.output
     run_args = argparse.Namespace(**{**vars(args), "loop_closure": mode, "frames": frames, "output": output})
     options = bench_e2e.run_options(run_args, bench_e2e.free_port())
@@ -127,6 +127,9 @@ def main() -> None:
     parser.add_argument("--log", help="stream-recon's log (INFO and up) into this file, as the runs go")
     parser.add_argument("--refine", action="store_true",
                         help="after each `on` run, refine its run directory (stream-recon refine) and time it")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep each run's directory in --video-dir (its path in the JSON's `output`), for a later "
+                        "refine or --map")
     parser.add_argument("--extend", type=int, default=0, metavar="FRAMES",
                         help="after the last `on` run: a second recording of FRAMES frames (that run's last ones, "
                         "backwards) streamed without, with `--map` that run, and without again")

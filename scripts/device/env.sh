@@ -30,14 +30,15 @@ e2e() { local name=$1; shift; echo "== $name: $*" | tee -a "$OUT/e2e.log"
 write_bytecode() {
   local site; site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
   timeout 300 python3 -m compileall -q -j 16 "$site" >/dev/null 2>&1; }
-# A checkpoint file of the official architecture (synthetic weights, 4.6 GB) at /tmp/ckpt/full-size.pt.
+# A checkpoint file of the official architecture (synthetic weights, 4.6 GB; MODEL_PRESET another preset's) at
+# /tmp/ckpt/full-size.pt.
 write_full_size_checkpoint() { mkdir -p /tmp/ckpt
   python3 - <<'PY' 2>&1 | grep -v Warn
-import sys, time, torch
+import os, sys, time, torch
 sys.path.insert(0, "scripts")
 from bench import build_model
 started = time.perf_counter()
-model, _ = build_model("lingbot-map")
+model, _ = build_model(os.environ.get("MODEL_PRESET", "lingbot-map"))
 torch.save(model.state_dict(), "/tmp/ckpt/full-size.pt")
 print(f"checkpoint written in {time.perf_counter() - started:.1f} s")
 PY

@@ -40,6 +40,13 @@
 #   probe       one probe: `probe NAME [options]` runs scripts/probes/NAME.py: $OUT/NAME.log
 #   loops       loop closure off then on, one process (bench_loop_closure.py, FRAMES 3000); arguments: its
 #               options: $OUT/loop_closure.json
+#   maps        maps that outlive a run, PARTS in order (default run refine), each a call of its own on a machine
+#               kept warm: run (FRAMES (10000) frames of the revisiting 640x480 video, flow keyframes, loop
+#               closure on, MODEL (lingbot-map); the run kept in .carry-runs/, which the machine keeps between
+#               calls), refine (a copy of the kept run refined, timed: $OUT/refine.json), stop (one SIGTERM at
+#               STOP_AT (30) s into each of a refine of a copy and `stream-recon run VIDEO --map` the kept run,
+#               with a checkpoint of MODEL written first: seconds to exit, and whether the refined copy stayed
+#               whole: $OUT/stop.log)
 #   repro       loop closure's never-hang cell: the revisiting 640x480 video, flow keyframes, 1,000 frames
 #   soak-a      never-hang cells: oxford, university; bench_e2e's at 518x518 (flow, all); 10,000 frames on
 #   soak-b      never-hang cells: loop, courthouse; bench_e2e's at 518x392; 10,000 frames off
@@ -55,7 +62,7 @@
 #               SKY_VARIANTS (product fp32 fp32+whole fp32+sms16: scripts/probes/sky_placement.py), on the stand-in
 #               network (SKY_GFLOPS 120), ROUNDS (2) times in turn; FRAMES 600, SIZE 640x480: $OUT/sky.log,
 #               sky_NAME_N.json
-# Carry: .whl (FlashInfer, viser and their needs) for every suite but the loop-closure ones, which carry
+# Carry: .whl (FlashInfer, viser and their needs) for every suite but the loop-closure ones (and maps), which carry
 # .carry-gtsam/ (the wheels of plyfile, threadpoolctl and FlashInfer, gtsam-py312.tar.xz) and, for the scene cells,
 # .carry-soak/SCENE.mp4 (an example scene of the official repository as a video); sky .carry-ort/ (the
 # onnxruntime-gpu wheel in parts of a call's size, part-*, and its SHA-256 in wheel.sha256: carried one
@@ -573,6 +580,53 @@ suite_loops() {
   python3 scripts/bench_loop_closure.py --frames "${FRAMES:-3000}" --json "$OUT/loop_closure.json" "$@"
 }
 
+# -- maps that outlive a run ------------------------------------------------------------------------------
+kept_run() { du -s .carry-runs/bench_loop_closure_* 2>/dev/null | sort -n | tail -1 | cut -f2; }
+stream_recon() { python3 -c 'import sys; from stream_recon.app.cli import main; main(sys.argv[1:])' "$@"; }
+# stopped NAME COMMAND...: COMMAND started, one SIGTERM STOP_AT seconds later, the seconds to its exit in stop.log
+stopped() { local name=$1 sent code; shift
+  "$@" > "$OUT/stop_$name.log" 2>&1 & local pid=$!
+  sleep "${STOP_AT:-30}"; sent=$(date +%s.%N); kill -TERM "$pid"; wait "$pid"; code=$?
+  echo "$name: SIGTERM at ${STOP_AT:-30} s, exit $code $(python3 -c 'import sys, time; print(f"{time.time() - float(sys.argv[1]):.2f} s")' "$sent") after it" \
+    | tee -a "$OUT/stop.log"; }
+suite_maps() { local part run copy
+  for part in ${PARTS:-run refine}; do
+    run=$(kept_run); copy=.carry-runs/copy
+    case "$part" in
+      run) mkdir -p .carry-runs; rm -rf .carry-runs/bench_loop_closure_* .carry-runs/copy .carry-runs/extended
+           timeout "${LIMIT_S:-570}" python3 scripts/bench_loop_closure.py --frames "${FRAMES:-10000}" --modes on --keep \
+             --keyframes flow --video-size 640x480 --warmup-frames 40 --compile off --model "${MODEL:-lingbot-map}" \
+             --video-dir .carry-runs --log "$OUT/run.log" --json "$OUT/run.json" 2>&1 | grep --line-buffered -v Warn \
+             | tee "$OUT/bench.log" ;;
+      refine) rm -rf "$copy"; cp -r "$run" "$copy"
+              timeout "${LIMIT_S:-570}" python3 - "$copy" "$OUT/refine.json" <<'PY' 2>&1 | grep -v Warn | tee "$OUT/refine.log"
+import json, sys
+from pathlib import Path
+sys.path.insert(0, "scripts")
+from bench_loop_closure import print_refine, refined_run
+refine = refined_run(Path(sys.argv[1]))
+print_refine(refine)
+Path(sys.argv[2]).write_text(json.dumps(refine, indent=2))
+PY
+              ;;
+      stop) rm -rf "$copy" .carry-runs/extended; cp -r "$run" "$copy"
+            stopped refine stream_recon refine "$copy"
+            python3 - "$copy" <<'PY' | tee -a "$OUT/stop.log"
+import json, sys
+from pathlib import Path
+run = Path(sys.argv[1])
+left = [path.name for path in run.iterdir() if path.name.startswith(".")]
+refined = "refine" in json.loads((run / "run.json").read_text()).get("summary", {})
+print(f"refine stopped: run.json refined {refined}, hidden folders left {left}")
+PY
+            MODEL_PRESET=${MODEL:-lingbot-map} checkpoint_once
+            stopped map stream_recon "$(ls .carry-runs/bench_e2e_*.mp4 | head -1)" --map "$run" -o .carry-runs/extended \
+              --checkpoint /tmp/ckpt/full-size.pt --keyframes flow --no-viewer --compile off --no-memory-check ;;
+      *) echo "maps: no part $part (run refine stop)" >&2; exit 2 ;;
+    esac
+  done
+}
+
 # cell NAME KEYFRAMES VIDEO_SIZE FRAMES [SCENE] [MODES]: one process of scripts/bench_loop_closure.py (the
 # product path with every output written, --loop-closure off then on), at most CELL_LIMIT_S seconds (a hang
 # shows as a timeout, and its line says so). The soak's videos: bench_e2e's (the sample frames forwards and
@@ -698,7 +752,7 @@ PY
 
 # -- the suite asked for -------------------------------------------------------------------------------------
 case "$SUITE" in
-  loops|repro|soak-a|soak-b|soak-c|long|revisits) use_gtsam ;;
+  loops|maps|repro|soak-a|soak-b|soak-c|long|revisits) use_gtsam ;;
   sky) install_wheels .carry-ort ;;
   *) install_wheels .whl ;;
 esac
@@ -716,6 +770,7 @@ case "$SUITE" in
   kernel) suite_kernel ;;
   probe) suite_probe "$@" ;;
   loops) suite_loops "$@" ;;
+  maps) suite_maps ;;
   repro|soak-a|soak-b|soak-c|long) suite_never_hang "$SUITE" ;;
   revisits) suite_revisits ;;
   sky) suite_sky ;;
