@@ -78,7 +78,7 @@ JOBS_AHEAD_PER_WORKER = 2
 # Frames moved in one job, their points merged there: the cloud's merge is the stage's one thread, and a lookup
 # and append a batch instead of a frame costs it ~1/4 (consecutive frames reach mostly the same voxels).
 BATCH_FRAMES = 8
-# A stopped refine waits this long for the jobs its workers are running (a frame written, ~10-30 ms), before
+# A stopped refine waits this long for the jobs its workers are running (a batch written, ~0.1-0.3 s), before
 # the staging folder goes; a worker stalled on the disk past it is left behind, its write failing then.
 STOP_WAIT_S = 5.0
 
