@@ -56,16 +56,9 @@ def prepared_full_size_model():
 
 
 def every_golden_check() -> bool:
-    """STREAM_RECON_GOLDEN=all: every golden computation, also those a suite run leaves out."""
+    """STREAM_RECON_GOLDEN=all: every golden computation, also the engine's own flow stream, which the CLI's
+    flow scenario computes once already."""
     return os.environ.get("STREAM_RECON_GOLDEN") == "all"
-
-
-def scenarios_to_check(every: list[str], each_run: tuple[str, ...]) -> list[str]:
-    """The golden scenarios a suite run checks on the CPU: `each_run`, or `every` one with STREAM_RECON_GOLDEN=all.
-    Each is 3-4 minutes of the full-size model on one core, and the whole suite must fit CI's half hour; a scenario
-    left out of `each_run` differs from a kept one in a way the tiny model checks against the fixtures (which
-    frames are cached) and the GPU suite checks in float32."""
-    return sorted(every) if every_golden_check() else sorted(each_run)
 
 
 def cache_state(engine, time_before: int) -> tuple[int, int, int, int, int]:

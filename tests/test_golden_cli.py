@@ -20,17 +20,15 @@ from golden_utils import (
     assert_flow_magnitudes,
     compare_run_with_golden,
     run_cli_on_golden_frames,
-    scenarios_to_check,
 )
 
 pytestmark = [pytest.mark.golden, pytest.mark.slow]
 
 
-# flow on each run: its stream appends, rolls back and evicts, so it goes through every cache path the other two
-# scenarios do. They differ from it in which frames are cached, which the tiny model checks against the
-# fixtures' cache states for both (test_golden_streaming.py); the GPU suite runs the CLI on all_keyframes in
-# float32 and every scenario through the engine (tests/test_gpu_fast_path.py).
-@pytest.mark.parametrize("scenario", scenarios_to_check(list(SCENARIO_OPTIONS), ("flow",)))
+# Every scenario on each run: 40-50 s of the full-size model on one core each (14 frames at 224 pixels wide); the
+# GPU suite runs the CLI on all_keyframes in float32 and every scenario through the engine
+# (tests/test_gpu_fast_path.py).
+@pytest.mark.parametrize("scenario", sorted(SCENARIO_OPTIONS))
 def test_cli_run_directory_equals_the_official_outputs_on_the_cpu(golden_checkpoint, golden_frame_folder, tmp_path,
                                                                   scenario, monkeypatch):
     steps = EngineSteps(monkeypatch)

@@ -1,10 +1,10 @@
 """The official model's outputs on deterministic weights (fixtures a-d), reproduced on CPU in float32.
 
-Full-size model (1.16 B parameters): slow on a 2-core machine, about 10 s a frame. Each official computation runs
-once in the suite: the predictions at the boundary, through `stream-recon`, with the cache states and flow
-magnitudes of the same run (tests/test_golden_cli.py); here the phase-1 intermediates (the first step, the three
-scale frames, as in every scenario). The other scenarios' cache states follow from the policy's decisions alone
-(all, interval: a frame's index), checked on the tiny model. The flow stream through the engine at full size runs
+Full-size model (1.16 B parameters): a few seconds a frame on one core of a 2-core machine. Each official
+computation runs once in the suite: every scenario's predictions at the boundary, through `stream-recon`, with the
+cache states and flow magnitudes of the same run (tests/test_golden_cli.py); here the phase-1 intermediates (the
+first step, the three scale frames, as in every scenario), and the cache states of the policies that decide by a
+frame's index (all, interval) on the tiny model, whatever the weights. The flow stream through the engine at full size runs
 with STREAM_RECON_GOLDEN=all: the page tables do not depend on the weights, and they are checked against one
 reference on generated sequences of appends, rollbacks and evictions (tests/test_cache_paged.py,
 tests/test_models_engine.py), the GPU's kernels over them at full size on the GPU (tests/test_gpu_fast_path.py).
