@@ -145,6 +145,13 @@ class BatchPoints:
     pixel: np.ndarray
 
 
+def _colours(image: np.ndarray | None, pixel: np.ndarray) -> np.ndarray:
+    """[K, 3] uint8: the picture's colour at each pixel [K, 2] (u, v); a light grey for a frame without one."""
+    if image is None:
+        return np.full((len(pixel), 3), 200, dtype=np.uint8)
+    return image[pixel[:, 1], pixel[:, 0]]
+
+
 class PointAccumulator:
     """Voxel-downsampled world points from a stream of depth maps, capped at `max_points`.
 
@@ -253,7 +260,7 @@ class PointAccumulator:
         self.num_out_of_range += points.out_of_range
         fresh = ~self._occupied(points.keys)
         pixel = points.pixel[fresh]
-        rgb = image[pixel[:, 1], pixel[:, 0]] if image is not None else np.full((len(pixel), 3), 200, dtype=np.uint8)
+        rgb = _colours(image, pixel)
         self._append(points.keys[fresh], points.xyz[fresh], rgb, np.full(len(pixel), frame_index, dtype=np.int64),
                      pixel)
         while len(self) > self.max_points:
@@ -274,8 +281,7 @@ class PointAccumulator:
         keys = np.concatenate([points.keys for _, points in found])  # each frame's sorted, frames in order
         rows = first_in_runs(keys)  # the earliest frame's point of each voxel, in (frame, key) order
         rows = rows[~in_sorted(held, keys[rows])]
-        rgb = [frame.image[points.pixel[:, 1], points.pixel[:, 0]] if frame.image is not None
-               else np.full((len(points.keys), 3), 200, np.uint8) for frame, points in found]
+        rgb = [_colours(frame.image, points.pixel) for frame, points in found]
         index = [np.full(len(points.keys), frame.frame_index, np.int64) for frame, points in found]
         return BatchPoints(grid, len(found), any(points.saw_confident for _, points in found),
                            any(points.saw_kept for _, points in found), sum(points.out_of_range for _, points in found),
