@@ -17,8 +17,9 @@
 #               --gpu-memory 8GiB): $OUT/engine.json, engine.log
 #   against     the engine (and WHAT="engine product": the product path) of another tree (OTHER=folder
 #               holding its app/ models/ cache/ configs/ scripts/, or BASE_TAR=a `git archive` tar of them)
-#               and of this one, alternating ROUNDS (2) times; arguments: bench.py options; E2E_ARGS:
-#               bench_e2e options: $OUT/{engine,product}_{other,this}_N.json, against.log
+#               and of this one, alternating ROUNDS (2) times (ORDER "this other": this tree first in a round);
+#               arguments: bench.py options; E2E_ARGS: bench_e2e options: $OUT/{engine,product}_{other,this}_N.json,
+#               against.log
 #   gpu-tests   the GPU tests (TESTS: tests/test_gpu_fast_path.py tests/test_gpu_flashinfer.py); arguments:
 #               pytest's (-k EXPR): $OUT/gpu_tests.log
 #   start       a fresh machine's start, PARTS (default first) in order: first (command start to the 100th
@@ -189,7 +190,7 @@ suite_against() {
   fi
   link_package sr_other "$other"
   for round in $(seq 1 "${ROUNDS:-2}"); do
-    for side in other this; do
+    for side in ${ORDER:-other this}; do
       if [ "$side" = this ]; then root=$PWD package=/tmp/sr; else root=$other package=/tmp/sr_other; fi
       if wanted "${WHAT:-engine}" engine; then
         echo "== engine, round $round, $side: $*" | tee -a "$OUT/against.log"
