@@ -49,9 +49,10 @@ def unknown_name_advice(name: str) -> str:
     return f"--attention must be one of {', '.join(names())}, got {name!r}"
 
 
-# factory(storage, layout, compile, device) -> backend; the layout's window may hold more frames than the
-# storage's pool has pages for (a spare's): the backend plans for the whole window.
-BackendFactory = Callable[["PagedKV", "CacheLayout", "Compile", "torch.device"], "AttentionBackend"]
+# factory(storage, layout, compile, device, most_keys) -> backend; most_keys: the most keys a step reads, a
+# whole window's pool's rows, also where the cache's pool holds fewer window pages (a spare's) or its storage
+# holds more pages than its pool (a block lent beside it): a backend plans for the whole window.
+BackendFactory = Callable[["PagedKV", "CacheLayout", "Compile", "torch.device", int], "AttentionBackend"]
 # build_ahead(device, dtype, num_heads, head_dim, start_thread): the kernels a backend's first step would
 # wait for, built now (start_thread(target, name) starts a supervised daemon thread for work beside it).
 BuildAhead = Callable[["torch.device", "torch.dtype", int, int, Callable], None]

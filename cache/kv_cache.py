@@ -38,12 +38,20 @@ class AttentionBackend(Protocol):
 
 
 class KVCache:
-    """Page tables + storage + backend, behind the engine's interface."""
+    """Page tables + storage + backend, behind the engine's interface.
 
-    def __init__(self, bookkeeping: PagedTwoStreamCache, storage: PagedKV, backend: AttentionBackend):
+    A storage may hold a block of pages past the cache's own pool, for one cache built beside it later
+    (`backends.build(beside=...)`: a chunk's spare engine), whose pool is that block and whose `lender` this
+    cache is: the two caches' pages lie in one allocation, and one takes the other's over by copying pages
+    inside it (`take_over`).
+    """
+
+    def __init__(self, bookkeeping: PagedTwoStreamCache, storage: PagedKV, backend: AttentionBackend,
+                 lender: KVCache | None = None):
         self.bookkeeping = bookkeeping
         self.storage = storage
         self.backend = backend
+        self.lender = lender
 
     # -- what the engine reads -------------------------------------------------------------
     @property
@@ -58,7 +66,13 @@ class KVCache:
     def records_steps(self) -> bool:
         """A CUDA graph may write and read the storage for the whole stream: it never moves (a GPU pool is
         allocated whole)."""
-        return self.storage.device.type == "cuda" and self.bookkeeping.pool.max_pages == self.storage.num_pages
+        pool = self.bookkeeping.pool
+        return self.storage.device.type == "cuda" and pool.whole and pool.end_id <= self.storage.num_pages
+
+    @property
+    def pages_beside(self) -> int:
+        """The pages its storage holds past its pool, for a cache built beside it (none in a lender's block)."""
+        return 0 if self.lender is not None else self.storage.num_pages - self.bookkeeping.pool.end_id
 
     @property
     def records_attention(self) -> bool:
@@ -81,7 +95,8 @@ class KVCache:
 
     @property
     def bytes_allocated(self) -> int:
-        return self.storage.bytes_allocated
+        """Its storage's bytes, the block lent beside its pool included; none for a cache in a lender's block."""
+        return 0 if self.lender is not None else self.storage.bytes_allocated
 
     @property
     def num_pending_frames(self) -> int:
@@ -108,7 +123,7 @@ class KVCache:
     def append(self, defer_eviction: bool = False) -> None:
         """Add one pending frame (eviction semantics: PagedTwoStreamCache.append)."""
         self.bookkeeping.append(defer_eviction)
-        self.storage.ensure_pages(self.bookkeeping.pool.num_pages)
+        self.storage.ensure_pages(self.bookkeeping.pool.end_id)
 
     def commit(self) -> None:
         self.bookkeeping.commit()
@@ -121,16 +136,18 @@ class KVCache:
         self.bookkeeping.reset()
 
     def clear(self) -> None:
-        """Forget every frame and zero the storage, as allocated: for values that must not stay even
+        """Forget every frame and zero its pool's pages, as allocated: for values that must not stay even
         where nothing reads them unmasked (a product with a zero weight is NaN where the value is)."""
         self.reset()
-        self.storage.zero()
+        pool = self.bookkeeping.pool
+        self.storage.zero(pool.first_id, pool.end_id)
 
     def take_over(self, other: KVCache) -> None:
         """Hold what `other` (a cache of this geometry over a pool of its own, nothing pending) holds: its
-        page tables, its pages' data copied on the current stream into pages of this cache's pool."""
+        page tables, its pages' data copied on the current stream into pages of this cache's pool (inside
+        one storage where `other` is this cache's, or its lender's, block)."""
         copies = self.bookkeeping.take_over(other.bookkeeping)
-        self.storage.ensure_pages(self.bookkeeping.pool.num_pages)
+        self.storage.ensure_pages(self.bookkeeping.pool.end_id)
         self.storage.copy_pages(other.storage, copies)
 
     # -- one step --------------------------------------------------------------------------

@@ -175,10 +175,12 @@ class PagedTwoStreamCache:
     def take_over(self, other: PagedTwoStreamCache) -> list[tuple[int, int]]:
         """Hold what `other` (a cache of this geometry over a pool of its own, nothing pending) holds, page for
         page: this cache's frames are dropped and a page of this pool taken for each of `other`'s. Returns the
-        copies its storage must make, (page of `other`'s pool, page of this one), in order.
+        copies its storage must make, (page of `other`'s pool, page of this one), in order. The two pools may
+        index one storage (a spare's pool over the block past this one's): their ids never meet.
 
-        The pages keep their places: a patch page the same id, a special page the same distance from the pool's
-        end (special pages come from the back of the free list), and the free list the same order. A stream
+        The pages keep their places: a patch page the same distance from its pool's first id, a special page the
+        same distance from the pool's end (special pages come from the back of the free list), and the free list
+        the same order. A stream
         that rolls over ahead (a spare's cache taking the next chunk's first frames, this one taking them over)
         then holds its keys as one that rolled over in place would, in the same runs of rows, and the range
         kernel sums them in the same order: the same results, bit for bit. Where the places do not fit this
@@ -207,15 +209,18 @@ class PagedTwoStreamCache:
         return [(page, places[page]) for page in patches + other.special_pages]
 
     def _places_of(self, other: PagedTwoStreamCache) -> dict[int, int] | None:
-        """Where each of `other`'s pages goes in this pool (its free ones too: a patch page's id, a special
-        page's distance from the end kept), or None where two would land on one page or past this pool's limit."""
-        limit = self.pool.max_pages if self.pool.max_pages is not None else max(self.pool.num_pages,
-                                                                                 other.pool.num_pages)
-        shift = max(self.pool.num_pages, other.pool.num_pages) - other.pool.num_pages
+        """Where each of `other`'s pages goes in this pool (its free ones too: a patch page's place from the
+        pool's first id, a special page's distance from the end kept), or None where two would land on one page
+        or past this pool's limit."""
+        mine, theirs = self.pool, other.pool
+        limit = mine.max_pages if mine.max_pages is not None else max(mine.num_pages, theirs.num_pages)
+        shift = max(mine.num_pages, theirs.num_pages) - theirs.num_pages
         special = set(other.special_pages)
-        places = {page: page + shift if page in special else page for page in range(other.pool.num_pages)}
+        # (by place in each pool: the pools' ids may start elsewhere)
+        places = {page: mine.first_id + page - theirs.first_id + (shift if page in special else 0)
+                  for page in range(theirs.first_id, theirs.end_id)}
         used = [places[page] for page in [*other.scale_pages, *other.window_pages, *other.special_pages]]
-        if len(set(used)) != len(used) or max(used, default=-1) >= limit:
+        if len(set(used)) != len(used) or max(used, default=mine.first_id - 1) >= mine.first_id + limit:
             return None
         return places
 

@@ -65,9 +65,11 @@ POOL_GROWTH_PAGES = 16
 class PagePool:
     """Page ids and a free list, like vLLM's block pool without hashing or ref counts.
 
-    Ids are dense integers [0, num_pages). The pool grows instead of failing: the storage that owns the
-    physical pages reads `num_pages` before writing and enlarges itself to match. With `max_pages` it grows
-    up to that many pages and no further (a memory budget's limit, or a GPU pool allocated whole).
+    Ids are dense integers [first_id, first_id + num_pages): first_id is 0 but for a pool over the block of
+    pages that another pool's storage holds past its own (a chunk's spare engine takes its pages so). The
+    pool grows instead of failing: the storage that owns the physical pages reads `num_pages` before
+    writing and enlarges itself to match. With `max_pages` it grows up to that many pages and no further (a
+    memory budget's limit, or a GPU pool allocated whole).
 
     A page freed goes to the front of the free list and is handed out first (a rolled-back frame's page
     comes straight back). `allocate(after=p)` hands out page p + 1 where it is free: a stream's pages then
@@ -75,16 +77,29 @@ class PagePool:
     `allocate(last=True)` takes from the back of the free list instead, away from the pages taken from the front.
     """
 
-    def __init__(self, num_pages: int, grow_by: int = POOL_GROWTH_PAGES, max_pages: int | None = None):
-        if num_pages < 1 or grow_by < 1:
-            raise ValueError(f"a page pool needs at least one page and a positive growth step, got {num_pages}, {grow_by}")
+    def __init__(self, num_pages: int, grow_by: int = POOL_GROWTH_PAGES, max_pages: int | None = None,
+                 first_id: int = 0):
+        if num_pages < 1 or grow_by < 1 or first_id < 0:
+            raise ValueError(f"a page pool needs at least one page, a positive growth step and ids from 0 up, got "
+                             f"{num_pages}, {grow_by}, {first_id}")
         if max_pages is not None:
             num_pages = min(num_pages, max_pages)
+        self.first_id = first_id
         self.num_pages = num_pages
         self.grow_by = grow_by
         self.max_pages = max_pages
         # (an ordered dict: pop from the front, free to the front, and take one page by id, each O(1))
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(first_id, first_id + num_pages))
+
+    @property
+    def end_id(self) -> int:
+        """One past the pool's last id."""
+        return self.first_id + self.num_pages
+
+    @property
+    def whole(self) -> bool:
+        """Holds every page it may ever hand out: it never grows, so the storage behind it never moves."""
+        return self.num_pages == self.max_pages
 
     @property
     def num_free(self) -> int:
@@ -110,7 +125,7 @@ class PagePool:
         if not self._free:
             self.require(1)
             grow = self.grow_by if self.max_pages is None else min(self.grow_by, self.max_pages - self.num_pages)
-            self._free.update(OrderedDict.fromkeys(range(self.num_pages, self.num_pages + grow)))
+            self._free.update(OrderedDict.fromkeys(range(self.end_id, self.end_id + grow)))
             self.num_pages += grow
         if after is not None and after + 1 in self._free:
             del self._free[after + 1]
@@ -120,7 +135,7 @@ class PagePool:
     def free(self, page_id: int, last: bool = False) -> None:
         """Page `page_id` back to the front of the free list (`last`: to its back, where `allocate(last=True)`
         takes it again)."""
-        if page_id in self._free or not 0 <= page_id < self.num_pages:
+        if page_id in self._free or not self.first_id <= page_id < self.end_id:
             raise ValueError(f"page {page_id} is not in use in this pool of {self.num_pages}")
         self._free[page_id] = None
         self._free.move_to_end(page_id, last=last)
@@ -137,11 +152,12 @@ class PagePool:
         """Hand out exactly `page_ids` (free ones; the pool grows to hold them, up to its limit), then order the
         free list: `free_first`'s free ids first, in that order, the rest as they were. A cache taking over
         another's pages keeps them where they were, and the free list that cache's next frames would find."""
-        needed = max(page_ids, default=-1) + 1
+        needed = max(page_ids, default=self.first_id - 1) + 1 - self.first_id
         if needed > self.num_pages:
             if self.max_pages is not None and needed > self.max_pages:
-                raise CacheCapacityError(f"page {needed - 1} is past this pool's limit of {self.max_pages}")
-            self._free.update(OrderedDict.fromkeys(range(self.num_pages, needed)))
+                raise CacheCapacityError(f"page {self.first_id + needed - 1} is past this pool's limit of "
+                                         f"{self.max_pages}")
+            self._free.update(OrderedDict.fromkeys(range(self.end_id, self.first_id + needed)))
             self.num_pages = needed
         if any(page not in self._free for page in page_ids):
             raise ValueError("pages handed out already cannot be taken")

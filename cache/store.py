@@ -114,10 +114,13 @@ class PagedKV:
                 self.exponents[layer] = grown
         return True
 
-    def zero(self) -> None:
-        """Every value back to zero, as allocated."""
-        for tensor in self.layers + (self.exponents or []):
-            tensor.zero_()
+    def zero(self, first_page: int = 0, end_page: int | None = None) -> None:
+        """The values of pages [first_page, end_page) (None: to the last) back to zero, as allocated."""
+        rows = slice(first_page * self.page_size, None if end_page is None else end_page * self.page_size)
+        for layer in self.layers:
+            layer[:, rows].zero_()
+        for exponents in self.exponents or []:
+            exponents[..., rows].zero_()
 
     def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s K and V caches as FlashInfer reads them: [N, P, H, D] each (NHD), views."""

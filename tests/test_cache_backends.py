@@ -9,7 +9,15 @@ import sys
 import pytest
 import torch
 
-from stream_recon.cache import CacheLayout, KVCache, backend_names, backends, fp8
+from stream_recon.cache import (
+    CacheCapacityError,
+    CacheLayout,
+    KVCache,
+    PagedTwoStreamCache,
+    backend_names,
+    backends,
+    fp8,
+)
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
@@ -177,3 +185,43 @@ def test_clear_forgets_every_frame_and_zeroes_the_storage():
     cache.clear()
     assert cache.num_committed_frames == 0 and cache.num_visible_tokens == 0
     assert all((tensor == 0).all() for tensor in cache.storage.layers)
+
+
+def test_a_cache_beside_another_holds_its_pages_in_that_ones_storage_and_is_taken_over_inside_it():
+    """A storage lending the block past its pool: the cache built beside it indexes that block (its pool's ids
+    start past the lender's), zeroes only it, counts no bytes of its own, and the lender takes its frames over
+    by copies inside the one storage; a block too small for the layout is refused."""
+    layout = CacheLayout(patches_per_frame=4, specials_per_frame=2, scale_frames=2, window_frames=3)
+    spare_layout = CacheLayout(patches_per_frame=4, specials_per_frame=2, scale_frames=2, window_frames=3,
+                               window_slots=1)
+    arguments = dict(num_layers=2, num_heads=2, head_dim=8, max_frames=16, dtype=torch.float32, device=CPU)
+    spare_pages = PagedTwoStreamCache.pages_needed(spare_layout, 16)
+    lender = backends.build(backends.spec("sdpa"), layout, pages_beside=spare_pages, **arguments)
+    pool = lender.bookkeeping.pool
+    assert pool.whole and lender.storage.num_pages == pool.num_pages + spare_pages == lender.pages_beside + pool.end_id
+    spare = backends.build(backends.spec("sdpa"), spare_layout, beside=lender, **arguments)
+    assert spare.storage is lender.storage and spare.bookkeeping.pool.first_id == pool.end_id
+    assert (spare.pages_beside, spare.bytes_allocated) == (0, 0)
+    generator = torch.Generator().manual_seed(0)
+    for cache in (lender, spare):  # each a different stream of 3 frames
+        for _ in range(3):
+            cache.append()
+            slots = cache.pending_slots()
+            for layer in range(2):
+                cache.write(layer, slots, *torch.randn(2, len(slots), 2, 8, generator=generator))
+            cache.commit()
+    rows = spare.storage.visible_rows(spare.bookkeeping.visible_pages())
+    assert rows.min() >= pool.end_id * layout.page_size  # in the block past the lender's pages
+    theirs = [spare.storage.gather(layer, rows) for layer in range(2)]
+    lender.take_over(spare)
+    mine = lender.storage.visible_rows(lender.bookkeeping.visible_pages())
+    assert mine.max() < pool.end_id * layout.page_size
+    for layer in range(2):
+        for ours, expected in zip(lender.storage.gather(layer, mine), theirs[layer], strict=True):
+            assert torch.equal(ours, expected)
+    spare.clear()
+    block = slice(pool.end_id * layout.page_size, None)
+    assert all((tensor[:, block] == 0).all() and tensor[:, mine].abs().sum() > 0 for tensor in lender.storage.layers)
+    with pytest.raises(CacheCapacityError, match="holds 2 past"):
+        small = backends.build(backends.spec("sdpa"), layout, pages_beside=2, **arguments)
+        backends.build(backends.spec("sdpa"), spare_layout, beside=small, **arguments)

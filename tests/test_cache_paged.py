@@ -22,8 +22,9 @@ def free_ids(pool: PagePool) -> list[int]:
 class Harness(LabelHarness):
     """Pages never move; the check also audits the page pool."""
 
-    def __init__(self, layout: CacheLayout, initial_pages: int, max_pages: int | None = None):
-        super().__init__(layout, PagedTwoStreamCache(layout, PagePool(initial_pages, grow_by=2, max_pages=max_pages)))
+    def __init__(self, layout: CacheLayout, initial_pages: int, max_pages: int | None = None, first_id: int = 0):
+        pool = PagePool(initial_pages, grow_by=2, max_pages=max_pages, first_id=first_id)
+        super().__init__(layout, PagedTwoStreamCache(layout, pool))
 
     def read_visible(self) -> list[tuple[int, int]]:
         visible = self.cache.visible_pages()
@@ -278,14 +279,16 @@ class CountingPool(PagePool):
 def test_every_page_taken_is_freed_over_10000_frames_of_flow_keyframes_and_rollovers():
     """The page tables as a chunked stream drives them at the product's sizes: 10,000 frames, each appended
     deferred and kept (a keyframe) or rolled back, a chunk of 320 keyframes then a rollover, where a spare's
-    cache (pages for 16 + 6 window frames) took the next chunk's first frames and the stream's cache takes
-    them over and the spare starts afresh. Every page taken is freed, by either cache, and no pool grows."""
+    cache (pages for 16 + 6 window frames, past the stream's in one storage) took the next chunk's first frames
+    and the stream's cache takes them over and the spare starts afresh. Every page taken is freed, by either
+    cache, no pool grows, and the two never hold one page."""
     layout = CacheLayout(patches_per_frame=1036, specials_per_frame=6, scale_frames=8, window_frames=64)
     spare_layout = dataclasses.replace(layout, window_slots=22)
-    pools = {}
+    pools, first_id = {}, 0
     for name, shape in (("stream", layout), ("spare", spare_layout)):
         limit = PagedTwoStreamCache.pages_needed(shape, 321)
-        pools[name] = CountingPool(limit, max_pages=limit)
+        pools[name] = CountingPool(limit, max_pages=limit, first_id=first_id)
+        first_id += limit
     stream = PagedTwoStreamCache(layout, pools["stream"])
     spare = PagedTwoStreamCache(spare_layout, pools["spare"])
     generator = random.Random(10_000)
@@ -299,7 +302,8 @@ def test_every_page_taken_is_freed_over_10000_frames_of_flow_keyframes_and_rollo
             for cache in (stream, spare):
                 cache.append(defer_eviction=True)
                 cache.commit()
-        stream.take_over(spare)
+        copies = stream.take_over(spare)
+        assert all(source >= pools["spare"].first_id > target for source, target in copies)
         spare.reset()
         while stream.num_committed_frames < 320 and frames < 10_000:
             stream.append(defer_eviction=True)
@@ -317,9 +321,10 @@ def test_every_page_taken_is_freed_over_10000_frames_of_flow_keyframes_and_rollo
 @given(layout=layouts(), data=st.data(), before=st.lists(OPS, max_size=12), ops=st.lists(OPS, max_size=30))
 def test_a_cache_taking_over_reads_its_keys_as_a_rollover_in_place_would(layout, data, before, ops):
     """In place: one cache (a pool of the whole window), emptied at the rollover, then the new chunk's frames.
-    Ahead: a spare's cache (a pool of its own, maybe of fewer window pages) takes the chunk's first frames, and a
-    cache of the whole window, emptied, takes them over. For every later frame the two read the same keys in the
-    same runs of rows, in the same order: what the range kernel sums the same way, bit for bit."""
+    Ahead: a spare's cache (a pool of its own over the pages past the stream's in one storage, maybe of fewer
+    window pages) takes the chunk's first frames, and a cache of the whole window, emptied, takes them over. For
+    every later frame the two read the same keys in the same runs of rows, in the same order: what the range
+    kernel sums the same way, bit for bit."""
     slots = data.draw(st.integers(1, layout.window_frames))
     spare_layout = dataclasses.replace(layout, window_slots=slots)
     limit, spare_limit = (PagedTwoStreamCache.pages_needed(shape, 40) for shape in (layout, spare_layout))
@@ -328,7 +333,7 @@ def test_a_cache_taking_over_reads_its_keys_as_a_rollover_in_place_would(layout,
         drive(h, 1, before)
         h.cache.reset()
         h.reference, h.next_frame = type(h.reference)(layout), 0
-    spare = Harness(spare_layout, spare_limit, max_pages=spare_limit)
+    spare = Harness(spare_layout, spare_limit, max_pages=spare_limit, first_id=limit)
     scale_batch = data.draw(st.integers(1, layout.scale_frames))
     for h in (in_place, spare):
         drive(h, scale_batch, [])
@@ -352,3 +357,24 @@ def test_a_cache_taking_over_reads_its_keys_as_a_rollover_in_place_would(layout,
         for h in (in_place, current):
             drive_one(h, op)
     assert current.read_runs() == in_place.read_runs()
+
+
+def test_a_pool_over_a_block_past_another_hands_out_frees_and_takes_its_own_ids_only():
+    pool = PagePool(4, max_pages=4, first_id=10)
+    assert (pool.first_id, pool.end_id, pool.whole) == (10, 14, True)
+    assert [pool.allocate() for _ in range(2)] == [10, 11]
+    assert pool.allocate(after=11) == 12 and pool.allocate(last=True) == 13
+    with pytest.raises(CacheCapacityError):
+        pool.allocate()
+    for page in (12, 10):
+        pool.free(page)
+    assert pool.free_in_order() == [10, 12]
+    with pytest.raises(ValueError, match="not in use"):
+        pool.free(3)  # another pool's id
+    pool.free(11)
+    pool.free(13)
+    pool.sort_free()
+    pool.take([12, 13], free_first=[11])
+    assert pool.free_in_order() == [11, 10]
+    with pytest.raises(CacheCapacityError, match="page 14"):
+        pool.take([14], free_first=[])

@@ -586,44 +586,26 @@ def test_a_pipelined_stream_that_ends_while_the_spare_catches_up_gets_its_last_f
     engine.close()
 
 
-def reserved_where_the_spare_is_decided(model, config, frames, monkeypatch, **chunking) -> int:
-    """What the process reserves on the device when a ChunkedEngine of `config` decides on its spare
-    (the budget's room is the budget less the CUDA context, this and a margin: models/stream/chunked.py,
-    room_beside_engine): read from the room an engine with no room for a spare is
-    given, that engine then closed and its memory returned, as a second one of the same settings will
-    hold it again."""
-    from stream_recon.models.stream import chunked
-    from stream_recon.models.stream.memory import CUDA_CONTEXT_BYTES, estimate_memory
+def budget_leaving(room: int, model, config, size: tuple[int, int], chunk_frames: int) -> int:
+    """The budget under which a ChunkedEngine of `config` made now gives its spare `room` bytes: the budget
+    less the CUDA context, what the allocator holds now, what the engine will take by its estimate and the
+    margin (models/stream/spare_room.py, room_beside_engine; decided before the engine is set up)."""
+    from stream_recon.models.stream.chunked import chunk_stream_config
+    from stream_recon.models.stream.memory import CUDA_CONTEXT_BYTES, WORKSPACE_BYTES, estimate_memory
+    from stream_recon.models.stream.spare_room import engine_takes
 
-    given = []
-    original = chunked.room_beside_engine
-    monkeypatch.setattr(chunked, "room_beside_engine",
-                        lambda free, left=None: given.append(left) or original(free, left))
-    budget = estimate_memory(model, config, tuple(frames[0].shape[-2:])).total  # the engine alone
-    engine = chunked.ChunkedEngine(model, dataclasses.replace(config, gpu_memory=budget), **chunking)
-    for frame in frames:
-        engine.push(frame)
-    assert engine.stats()["lookahead"] is False and len(given) == 1
-    engine.close()
-    del engine
     gc.collect()
-    torch.cuda.empty_cache()
-    monkeypatch.setattr(chunked, "room_beside_engine", original)
-    return budget - CUDA_CONTEXT_BYTES - given[0]
-
-
-def budget_leaving(room: int, reserved: int, estimate) -> int:
-    """The budget that leaves a spare `room` bytes beside an engine whose process reserves `reserved`."""
-    from stream_recon.models.stream.memory import CUDA_CONTEXT_BYTES, WORKSPACE_BYTES
-
-    budget = CUDA_CONTEXT_BYTES + reserved + WORKSPACE_BYTES + room
-    assert budget >= estimate.total, "the engine alone would be planned differently under this budget"
+    torch.cuda.empty_cache()  # (what the case before held)
+    engine = estimate_memory(model, chunk_stream_config(config, chunk_frames, model.config.max_frames), size)
+    budget = CUDA_CONTEXT_BYTES + torch.cuda.memory_reserved() + engine_takes(engine) + WORKSPACE_BYTES + room
+    assert budget >= engine.total, "the engine alone would be planned differently under this budget"
     return budget
 
 
-def test_lookahead_is_on_by_default_on_cuda_when_a_second_cache_fits(gpu_model, monkeypatch):
+def test_lookahead_is_on_by_default_on_cuda_when_a_second_cache_fits(gpu_model):
     """The full-size model at 518x392 (a second engine's bytes far above the allocator's rounding): a spare
-    runs with no budget, not where the budget's room holds half of one, and where it holds one."""
+    runs with no budget, not where the budget's room holds half of one, and where it holds one; where it runs,
+    its pages lie in the engine's storage."""
     from stream_recon.models import StreamConfig, prepare_for_inference
     from stream_recon.models.stream.chunked import ChunkedEngine
     from stream_recon.models.stream.memory import estimate_memory
@@ -631,24 +613,25 @@ def test_lookahead_is_on_by_default_on_cuda_when_a_second_cache_fits(gpu_model, 
     model = prepare_for_inference(gpu_model, "cuda", torch.bfloat16)
     frames = [torch.zeros(3, 392, 518, dtype=torch.uint8) for _ in range(5)]
     config = StreamConfig(scale_frames=2, window=4, max_cached_frames=15)
-    one = estimate_memory(model, config, (392, 518))
-    second = one.another_engine
-    reserved = reserved_where_the_spare_is_decided(model, config, frames, monkeypatch, chunk_frames=14, overlap=5)
-    # (no budget last: a spare's worker and stream leave memory in the process that a budget would count)
-    cases = ((budget_leaving(second // 2, reserved, one), False),
-             (budget_leaving(second + 256 * 2**20, reserved, one), True), (None, True))
-    for budget, expected in cases:
+    second = estimate_memory(model, config, (392, 518)).another_engine
+    for room, expected in ((second // 2, False), (second + 256 * 2**20, True), (None, True)):
+        budget = None if room is None else budget_leaving(room, model, config, (392, 518), chunk_frames=14)
         engine = ChunkedEngine(model, dataclasses.replace(config, gpu_memory=budget), chunk_frames=14, overlap=5)
         for frame in frames:
             engine.push(frame)
         assert engine.stats()["lookahead"] is expected, budget
+        lent = engine.engine.cache.pages_beside
+        assert (lent > 0) == expected
+        if expected:
+            engine._rollover.spare.wait_until(time.perf_counter() + 60)  # its warm-up sets its cache up
+            assert engine._rollover.spare.engine.cache.storage is engine.engine.cache.storage
         engine.close()
         del engine
         gc.collect()
         torch.cuda.empty_cache()  # the next case's process holds what the measured one did
 
 
-def test_a_spare_that_does_not_fit_with_its_whole_provisional_room_gets_a_smaller_one(gpu_model, monkeypatch):
+def test_a_spare_that_does_not_fit_with_its_whole_provisional_room_gets_a_smaller_one(gpu_model):
     """The spare's cache holds the frames it takes before the switch: a budget with room for a spare
     of 8 provisional frames (13 window slots of 16), not of 12 or 20 (16 slots), runs one with 8."""
     from stream_recon.models import StreamConfig, prepare_for_inference
@@ -662,16 +645,17 @@ def test_a_spare_that_does_not_fit_with_its_whole_provisional_room_gets_a_smalle
     spare = {room: estimate_memory(model, config, (392, 518), window_slots=min(16, 5 + room + 2 - 2)).another_engine
              for room in (8, 12)}
     assert spare[8] < spare[12] <= one.another_engine
-    reserved = reserved_where_the_spare_is_decided(model, config, frames, monkeypatch, chunk_frames=40, overlap=5)
-    engine = ChunkedEngine(model, dataclasses.replace(config, gpu_memory=budget_leaving(
-        (spare[8] + spare[12]) // 2, reserved, one)), chunk_frames=40, overlap=5)
+    budget = budget_leaving((spare[8] + spare[12]) // 2, model, config, (392, 518), chunk_frames=40)
+    engine = ChunkedEngine(model, dataclasses.replace(config, gpu_memory=budget), chunk_frames=40, overlap=5)
     try:
         for frame in frames:
             engine.push(frame)
         assert engine.stats()["lookahead"]
         assert engine._rollover.provisional_room == 8
         engine._rollover.spare.wait_until(time.perf_counter() + 60)  # its warm-up sets its cache up
-        assert engine._rollover.spare.engine.cache.layout.allocated_window_slots == 13
+        spare_cache = engine._rollover.spare.engine.cache
+        assert spare_cache.layout.allocated_window_slots == 13
+        assert spare_cache.bookkeeping.pool.num_pages == engine.engine.cache.pages_beside
     finally:
         engine.close()
 

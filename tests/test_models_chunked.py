@@ -577,8 +577,9 @@ SMALL_SPARE_CASES = {  # chunks that fill their window, a spare whose cache hold
 @pytest.mark.slow
 def test_a_spare_with_fewer_window_slots_hands_over_what_rollovers_in_place_emit(model, frames, monkeypatch, case):
     """The current engine takes the next chunk over from the spare (a copy of its caches) at the
-    switch, so the spare's pool holds pages only for what it takes before then: the same
-    emissions as rollovers in place, with a spare cache smaller than the current one."""
+    switch, so the spare's pool holds pages only for what it takes before then, lent by the current
+    engine's storage past its own: the same emissions as rollovers in place, one storage for both
+    engines' pages, and the run's cache bytes that storage's once."""
     monkeypatch.setattr(chunked, "MAX_PROVISIONAL_AHEAD", 2)
     monkeypatch.setattr(chunked, "MAX_PROVISIONAL", 2)
     config, chunk_frames, overlap, count = SMALL_SPARE_CASES[case]
@@ -592,7 +593,12 @@ def test_a_spare_with_fewer_window_slots_hands_over_what_rollovers_in_place_emit
         current, spare = engine.engine, engine._rollover.spare.engine
         assert current.cache.layout.window_slots is None
         assert spare.cache.layout.allocated_window_slots == engine.spare_window_slots
-        assert spare.cache.bytes_allocated < current.cache.bytes_allocated
+        assert spare.cache.storage is current.cache.storage and spare.cache.lender is current.cache
+        pages, spare_pages = current.cache.bookkeeping.pool, spare.cache.bookkeeping.pool
+        assert spare_pages.first_id == pages.end_id and spare_pages.end_id == current.cache.storage.num_pages
+        assert spare.cache.bytes_allocated == 0
+        assert stats["cache_bytes"] == (current.cache.bytes_allocated + current.camera_cache.bytes_allocated
+                                        + spare.camera_cache.bytes_allocated)
     finally:
         engine.close()
     # (chunk 1 then fills the window past the spare's slots on the engine that took it over)
@@ -614,37 +620,47 @@ def test_the_provisional_room_shrinks_until_the_spare_fits():
     assert provisional_room_that_fits(spare_bytes, 999, 0) is None
 
 
-def test_a_spare_sized_beside_an_engine_takes_what_is_free_less_the_margin():
-    """The free-memory room (no --gpu-memory): what is free on the device less the margin. The engine's
-    own eager step takes no room of its own: the spare's estimate holds one step's activations, and the
-    two engines' eager steps never hold theirs at once (the allocator's cache is emptied between them)."""
+def test_a_spare_sized_beside_an_engine_takes_what_is_free_less_the_engine_and_the_margin():
+    """The free-memory room (no --gpu-memory), read before the engine is set up: what is free on the device
+    less what the engine will take and the margin. The engine's own eager step is in its estimate once: the
+    spare's estimate holds one step's activations, and the two engines' eager steps never hold theirs at once
+    (the allocator's cache is emptied between them)."""
     from stream_recon.models.stream.memory import WORKSPACE_BYTES
     from stream_recon.models.stream.spare_room import provisional_room_that_fits, room_beside_engine
 
     mib = 2**20
-    free = 6390 * mib  # at the scale of a 518x392 engine and spare
+    free, engine = 14390 * mib, 8000 * mib  # at the scale of a 518x392 engine and spare
 
     def spare_bytes(room):  # a 518x392 spare: graphs, activations and 38 + room frame slots of 102 MiB
         return 1300 * mib + (38 + room) * 102 * mib
 
-    room = provisional_room_that_fits(spare_bytes, room_beside_engine(free), 20)
+    room = provisional_room_that_fits(spare_bytes, room_beside_engine(free, engine), 20)
     assert room is not None and room < 20
-    assert spare_bytes(room) + WORKSPACE_BYTES <= free
-    assert spare_bytes(room + 4) + WORKSPACE_BYTES > free  # the next larger room would not fit
+    assert engine + spare_bytes(room) + WORKSPACE_BYTES <= free
+    assert engine + spare_bytes(room + 4) + WORKSPACE_BYTES > free  # the next larger room would not fit
+
+
+def test_an_engine_takes_its_estimate_beside_another_and_the_depth_heads_tables():
+    from stream_recon.models.stream.memory import MemoryEstimate
+    from stream_recon.models.stream.spare_room import engine_takes
+
+    estimate = MemoryEstimate(weights=1000, head_tables=70, kv_cache=500, camera_cache=3, activations=200,
+                              graph_pools=400, attention_copies=0, workspace=90, cuda_context=800)
+    assert engine_takes(estimate) == 70 + 500 + 3 + 200 + 400  # the weights are on the device already
 
 
 def test_under_a_budget_the_spares_room_is_what_the_budget_leaves_beside_the_allocator_or_the_free_memory():
     """--gpu-memory: what is free on the device is capped at what the budget leaves beside the CUDA context
-    and the allocator's reserved bytes (budget_left); the margin comes off either."""
+    and the allocator's reserved bytes (budget_left); the engine's bytes and the margin come off either."""
     from stream_recon.models.stream.memory import WORKSPACE_BYTES
     from stream_recon.models.stream.spare_room import room_beside_engine
 
     mib = 2**20
-    free = 5180 * mib
-    assert room_beside_engine(free, None) == free - WORKSPACE_BYTES
-    assert room_beside_engine(free, 4950 * mib) == 4950 * mib - WORKSPACE_BYTES
-    assert room_beside_engine(free, 9000 * mib) == room_beside_engine(free)  # the card decides
-    assert room_beside_engine(free, -mib) < 0  # an allocator already past the budget: no spare
+    free, engine = 15180 * mib, 10000 * mib
+    assert room_beside_engine(free, engine, None) == free - engine - WORKSPACE_BYTES
+    assert room_beside_engine(free, engine, 14950 * mib) == 4950 * mib - WORKSPACE_BYTES
+    assert room_beside_engine(free, engine, 19000 * mib) == room_beside_engine(free, engine)  # the card decides
+    assert room_beside_engine(free, engine, 9000 * mib) < 0  # the engine alone fills the budget: no spare
 
 
 def spare_held_after(model, frames, monkeypatch, chunk_frames: int, taken: int, total: int):

@@ -68,21 +68,30 @@ def test_short_stream_is_flushed_by_finish(prepared_tiny_model):
     assert [p.frame_type for p in predictions] == [FRAME_SCALE, FRAME_SCALE]
 
 
-@pytest.mark.parametrize(("attention", "kv_cache"), [("sdpa", "auto"), ("sdpa", "fp8")])
+@pytest.mark.parametrize(("attention", "kv_cache", "lent"), [("sdpa", "auto", True), ("sdpa", "fp8", True),
+                                                           ("sdpa", "auto", False)])
 @pytest.mark.slow
-def test_an_engine_goes_on_with_a_stream_it_takes_over(prepared_tiny_model, attention, kv_cache):
+def test_an_engine_goes_on_with_a_stream_it_takes_over(prepared_tiny_model, attention, kv_cache, lent):
     """`take_over`: an engine continues another's stream (a spare's chunk, here one whose pool holds
-    pages for 2 of the window's 4 frames) as that engine would have; while a frame is still to be predicted
-    and delivered (a scale frame buffered), or from a stream of another size, it is refused."""
+    pages for 2 of the window's 4 frames, lent by the current engine's storage as a chunk's spare's are, or
+    in a storage of its own) as that engine would have; while a frame is still to be predicted and delivered
+    (a scale frame buffered), or from a stream of another size, it is refused."""
+    from stream_recon.models.stream.memory import cache_pages
+
     config = StreamConfig(scale_frames=2, window=4, attention=attention, kv_cache=kv_cache)
     images = frames(12)
     expected, _ = run(prepared_tiny_model, config, images)
-    spare = StreamingEngine(prepared_tiny_model, config, window_slots=2)
     current = StreamingEngine(prepared_tiny_model, config)
+    if lent:
+        current.lend_pages(cache_pages(prepared_tiny_model, config, tuple(images[0].shape[1:]), window_slots=2))
+    current.push(images[11])  # a stream of its own, dropped by the take-over (its first frame sets it up)
+    spare = StreamingEngine(prepared_tiny_model, config, window_slots=2, pages_of=current.cache if lent else None)
     predictions = []
     for i, image in enumerate(images[:4]):  # 2 scale frames, 2 window frames: the spare's slots are full
         predictions += spare.push(image, timestamp=0.5 * i)
-        current.push(images[11 - i])  # a stream of its own, dropped by the take-over
+        current.push(images[10 - i])
+    assert (spare.cache.storage is current.cache.storage) == lent
+    assert spare.cache.bytes_allocated == (0 if lent else spare.cache.storage.bytes_allocated)
     assert (spare.cache.store_dtype == torch.float8_e4m3fn) == (kv_cache == "fp8")
     buffering = StreamingEngine(prepared_tiny_model, config)
     buffering.push(images[0])

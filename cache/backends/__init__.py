@@ -13,6 +13,7 @@ models/attention_backends.py (the app never imports the cache).
 from __future__ import annotations
 
 import importlib
+from dataclasses import replace
 
 import torch
 
@@ -22,7 +23,7 @@ from ..compiling import Compile
 from ..kv_cache import KVCache
 from ..packages import importable
 from ..paged import SPECIAL_PAGES_AT_START, PagedTwoStreamCache
-from ..pages import CacheLayout, PagePool
+from ..pages import CacheCapacityError, CacheLayout, PagePool
 from ..store import PagedKV
 
 FP8 = "fp8"
@@ -129,36 +130,63 @@ def auto_passed_over(device: torch.device | str, dtype: torch.dtype, stored: tor
     return None if chosen == AUTO_ORDER[0] else unavailable_reason(AUTO_ORDER[0], device, dtype, stored)
 
 
-def paged_pool(layout: CacheLayout, max_frames: int, device_type: str) -> PagePool:
+def paged_pool(layout: CacheLayout, max_frames: int, device_type: str, whole: bool = False) -> PagePool:
     """The page pool `build` gives a cache on a device of `device_type` (the memory model asks it too).
 
     On the CPU the pool starts with the scale frames' pages (and the pending frame's, and SPECIAL_PAGES_AT_START
     for the special tokens) and grows as frames come, one layer's copy at a time: a short stream never holds a
-    whole window's pages (15 GiB at the defaults). On a GPU it starts whole, its storage never moves (CUDA
-    graphs write and read it) and a growth mid-stream is no stall.
+    whole window's pages (15 GiB at the defaults). On a GPU, or `whole`, it starts whole, its storage never
+    moves (CUDA graphs write and read it; a cache beside it writes its block from another thread) and a growth
+    mid-stream is no stall.
     """
     limit = PagedTwoStreamCache.pages_needed(layout, max_frames)
-    first_pages = layout.scale_frames + 1 + SPECIAL_PAGES_AT_START if device_type == "cpu" else limit
+    first_pages = layout.scale_frames + 1 + SPECIAL_PAGES_AT_START if device_type == "cpu" and not whole else limit
     return PagePool(first_pages, max_pages=limit)
 
 
 def build(backend: BackendSpec, layout: CacheLayout, *, num_layers: int, num_heads: int, head_dim: int,
           max_frames: int, dtype: torch.dtype, device: torch.device | str, compile: Compile = False,
-          stored: torch.dtype | None = None) -> KVCache:
+          stored: torch.dtype | None = None, pages_beside: int = 0, beside: KVCache | None = None) -> KVCache:
     """A cache over pages, its storage allocated, served by `backend`.
 
     max_frames: the most frames whose special tokens can be live at once (the model's temporal RoPE range,
     or a chunk's); the pool grows up to them and no further (on a GPU it holds them from the start). dtype:
     the precision attention computes in; stored: the one K/V are stored in (None: dtype; float8_e4m3fn:
     fp8). compile: how the backend's small fixed-shape helpers are compiled (cache/compiling.py).
+    pages_beside: pages the storage holds past the pool (which is then whole on every device), for one cache
+    built `beside` this one later: a cache whose pool is that block, in that storage (no storage of its own).
     """
     device = torch.device(device)
     if stored not in (None, dtype) and not backend.reads_fp8:
         raise ValueError(unavailable_reason(backend.name, device, dtype, stored))
-    bookkeeping = PagedTwoStreamCache(layout, paged_pool(layout, max_frames, device.type))
-    storage = PagedKV(num_layers, num_heads, head_dim, layout.page_size, dtype, device, bookkeeping.pool.num_pages,
-                      stored)
-    return KVCache(bookkeeping, storage, backend.factory(storage, layout, compile, device))
+    if beside is not None:
+        return _build_beside(backend, layout, beside, max_frames, compile)
+    bookkeeping = PagedTwoStreamCache(layout, paged_pool(layout, max_frames, device.type, whole=pages_beside > 0))
+    storage = PagedKV(num_layers, num_heads, head_dim, layout.page_size, dtype, device,
+                      bookkeeping.pool.num_pages + pages_beside, stored)
+    return KVCache(bookkeeping, storage, backend.factory(storage, layout, compile, device,
+                                                         _most_keys(layout, max_frames)))
+
+
+def _most_keys(layout: CacheLayout, max_frames: int) -> int:
+    """The rows of a whole window's pool: the most keys a step of the stream reads (BackendFactory)."""
+    return PagedTwoStreamCache.pages_needed(replace(layout, window_slots=None), max_frames) * layout.page_size
+
+
+def _build_beside(backend: BackendSpec, layout: CacheLayout, lender: KVCache, max_frames: int,
+                  compile: Compile) -> KVCache:
+    """A cache whose pool is the block of pages `lender`'s storage holds past its own pool: no storage of its
+    own. CacheCapacityError where the block holds fewer pages than this layout may need."""
+    storage, needed = lender.storage, PagedTwoStreamCache.pages_needed(layout, max_frames)
+    if layout.page_size != storage.page_size:
+        raise ValueError(f"a cache of pages of {layout.page_size} tokens cannot lie in a storage of pages of "
+                         f"{storage.page_size}")
+    if needed > lender.pages_beside:
+        raise CacheCapacityError(f"a cache beside another needs {needed} pages; its storage holds "
+                                 f"{lender.pages_beside} past that cache's own")
+    pool = PagePool(needed, max_pages=needed, first_id=lender.bookkeeping.pool.end_id)
+    backend = backend.factory(storage, layout, compile, storage.device, _most_keys(layout, max_frames))
+    return KVCache(PagedTwoStreamCache(layout, pool), storage, backend, lender=lender)
 
 
 def cache_bytes(layout: CacheLayout, *, num_layers: int, num_heads: int, head_dim: int, max_frames: int,

@@ -86,7 +86,8 @@ class FlashInferPagedAttention:
         return self._planned.run(q.to(self.kv.dtype).contiguous(), self.kv.pages(layer))
 
 
-def _build(storage: PagedKV, layout: CacheLayout, compile, device: torch.device) -> FlashInferPagedAttention:
+def _build(storage: PagedKV, layout: CacheLayout, compile, device: torch.device,
+           most_keys: int) -> FlashInferPagedAttention:
     return FlashInferPagedAttention(storage, layout.tokens_per_frame, variant_for(device))
 
 
@@ -103,7 +104,7 @@ def _build_ahead(device: torch.device, dtype: torch.dtype, num_heads: int, head_
     of two pages asked for here, beside the checkpoint's load, so that the stream's first step finds it built."""
     storage = PagedKV(1, num_heads, head_dim, 16, dtype, device, num_pages=2)
     layout = CacheLayout(patches_per_frame=16, specials_per_frame=0, scale_frames=1, window_frames=1)
-    backend = _build(storage, layout, False, device)
+    backend = _build(storage, layout, False, device, storage.num_rows)
     visible = VisiblePages(page_ids=(0, 1), last_page_len=16, page_size=16, num_scale_pages=1, num_window_pages=1,
                            num_special_pages=0, num_special_tokens=0)
     for queries in (16, 32):  # both wrappers: a frame's step and a step of several frames

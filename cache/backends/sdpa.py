@@ -37,7 +37,7 @@ class SDPAPagedAttention:
         return out[0].transpose(0, 1)  # [T, H, D]
 
 
-def _build(storage: PagedKV, layout: CacheLayout, compile, device: torch.device) -> SDPAPagedAttention:
+def _build(storage: PagedKV, layout: CacheLayout, compile, device: torch.device, most_keys: int) -> SDPAPagedAttention:
     return SDPAPagedAttention(storage)
 
 

@@ -68,11 +68,11 @@ class TritonPagedAttention:
                                          schedule_keys=self.schedule_keys)
 
 
-def _build(storage: PagedKV, layout: CacheLayout, compile, device: torch.device) -> TritonPagedAttention:
-    # The schedule is the full window's even where the pool holds fewer window pages (a spare's), so that a
-    # spare computes bit for bit as the engine it hands its frames over to.
-    unallocated = layout.scale_frames + layout.window_frames + 1 - layout.max_patch_pages
-    return TritonPagedAttention(storage, schedule_keys=storage.num_rows + unallocated * layout.page_size)
+def _build(storage: PagedKV, layout: CacheLayout, compile, device: torch.device, most_keys: int) -> TritonPagedAttention:
+    # The schedule is the whole window's pool's, whatever this cache's pool and storage hold (a spare's fewer
+    # window pages, a storage holding a spare's block besides), so that a spare computes bit for bit as the
+    # engine it hands its frames over to, and an engine with a block beside it as one without.
+    return TritonPagedAttention(storage, schedule_keys=most_keys)
 
 
 # (Ampere on: bf16 tensor-core products; TMA loads from Hopper on, pointer loads before. Its kernel's first

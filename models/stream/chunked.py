@@ -26,7 +26,6 @@ come from the later chunk.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import logging
 import time
@@ -44,7 +43,7 @@ from .chunks import ChunkAlignment, ChunkLink, check_chunking
 from .engine import StreamingEngine
 from .frames import checked_frame
 from .lookahead import SpareEngine, SpareLimits
-from .memory import CUDA_CONTEXT_BYTES, estimate_memory, format_bytes
+from .memory import cache_pages
 from .prediction import FramePrediction
 from .rollover import (
     MAX_PROVISIONAL,
@@ -53,7 +52,7 @@ from .rollover import (
     Phase,
     Rollover,
 )
-from .spare_room import provisional_room_that_fits, room_beside_engine, smallest_provisional_room
+from .spare_room import provisional_room_beside
 from .stream_config import TRAINED_VIEWS, StreamConfig
 
 logger = logging.getLogger("stream_recon.models.stream.chunked")
@@ -123,6 +122,7 @@ class ChunkedEngine:
         self.spare_off: str | None = None  # why a spare started for the stream went, for good
         self._spare_helper: Helper | None = None  # the last spare's, kept after the spare went (run.json)
         self._first_frame: torch.Tensor | None = None  # the stream's, to warm a spare on
+        self._spare_wanted: bool | None = None  # decided before the first frame (`_decide_spare`)
         # Frames a closed chunk may predict while the next catches up. Its cache has room for one
         # uncached frame unless the chunk spans the model's whole temporal range; and the new chunk
         # must not be able to fill up before it takes over (overlap + these + 1 frames < chunk_frames).
@@ -164,6 +164,7 @@ class ChunkedEngine:
         # goes to takes it as checked (StreamingEngine.push_checked; an engine's first frame sets it up).
         checked = checked_frame(image, self.model.config.patch_size, self._frame_size, self.num_frames)
         self._frame_size = tuple(checked.shape[1:])
+        self._decide_spare(self._frame_size)
         frame = (checked.detach().clone(), timestamp)
         with self._on_main_stream():
             if self._rollover is not None:
@@ -239,13 +240,12 @@ class ChunkedEngine:
         nor records once the stream runs. Returns the seconds by part ("spare_s" for the spare's)."""
         if self.num_frames:
             raise ValueError("an engine warms up before its stream's first frame, not during a stream")
+        image = checked_frame(image, self.model.config.patch_size, self._frame_size, 0)
+        self._decide_spare(tuple(image.shape[1:]))
         with self._on_main_stream():
             seconds = self.engine.warm_up(image, dry_pass=dry_pass)
         self._frame_size = self.engine.image_size
-        if self.lookahead is False or self._rollover is not None:
-            return seconds
-        if not self._wants_spare():
-            self.lookahead = False  # decided: the stream's first frames do not ask again
+        if not self._spare_wanted or self._rollover is not None:
             return seconds
         started = time.perf_counter()
         self._start_spare(image)
@@ -407,7 +407,7 @@ class ChunkedEngine:
         returned."""
         self._rollover.close()
         self._rollover = None
-        self.lookahead = False
+        self.lookahead = self._spare_wanted = False  # (its pages stay lent: a worker left behind may write them)
         if self.device.type == "cuda":
             gc.collect()  # (the spare's engine and graphs, before the allocator returns their memory)
             torch.cuda.empty_cache()
@@ -467,7 +467,7 @@ class ChunkedEngine:
             if index == 0:
                 self._first_frame = frame[0]
             if index == self.config.scale_frames:  # once the engine's own first streaming step is recorded
-                if self._wants_spare():
+                if self._spare_wanted:
                     self._start_spare(self._first_frame)
                 self._first_frame = None
             return
@@ -498,24 +498,26 @@ class ChunkedEngine:
     @property
     def spare_window_slots(self) -> int:
         """Window frames a spare's cache needs slots for (`_spare_slots` at the provisional room)."""
-        return self._spare_slots(self._provisional_room)
+        return self._spare_slots(self._provisional_room, self.engine.config.window)
 
-    def _spare_slots(self, provisional_room: int) -> int:
+    def _spare_slots(self, provisional_room: int, window: int) -> int:
         """A spare takes a chunk's shared frames, the frames the closed chunk predicts provisionally and
         the one it then takes alone, and one more is pending while it steps; the current engine takes
         them over at the switch (SpareEngine.hand_over), so its cache needs slots for no more."""
         taken = self.overlap + provisional_room + 2
-        return max(1, min(self.engine.config.window, taken - self.config.scale_frames))
+        return max(1, min(window, taken - self.config.scale_frames))
 
-    def _spare_config(self) -> StreamConfig:
-        return replace(self.engine.config, gpu_memory=None)
+    def _spare_config(self, engine_config: StreamConfig | None = None) -> StreamConfig:
+        """The spare's settings: the current engine's (`engine_config`: as its memory plan will make them)."""
+        return replace(engine_config or self.engine.config, gpu_memory=None)
 
     def _start_spare(self, first_frame: torch.Tensor) -> None:
         """A spare engine, warmed on copies of the stream's first frame on its worker."""
         # Push back past the frames it may hold with a reason: the replay's (shared, provisional, the last one
         # alone), a flush and a fresh start.
         spare = SpareEngine(StreamingEngine(self.model, self._spare_config(), device=self.device,
-                                            dtype=self.engine.dtype, window_slots=self.spare_window_slots),
+                                            dtype=self.engine.dtype, window_slots=self.spare_window_slots,
+                                            pages_of=self.engine.cache),
                             self.spare_limits, capacity=self.overlap + 1 + self._provisional_room + 2)
         spare.engine.memory_plan = self.engine.memory_plan
         spare.steps_eagerly(self._eager_steps)
@@ -563,33 +565,31 @@ class ChunkedEngine:
         """The current engine's device work, where a spare may run, on a CUDA stream of higher priority."""
         return contextlib.nullcontext() if self._main_stream is None else self._main_stream.entered()
 
-    def _wants_spare(self) -> bool:
-        """Whether to run a spare engine: as asked, or (auto) on CUDA, with steps replayed as graphs,
-        when a second engine fits beside the first (in the budget, or in the free device memory); its
-        provisional room (and so its cache) shrinks to fit where the whole room does not."""
+    def _decide_spare(self, image_size: tuple[int, int]) -> None:
+        """Before the current engine's first frame sets its cache up (once a stream's engine): whether a spare
+        engine runs beside it, with how many provisional frames, and its pages lent by the current engine's
+        storage (StreamingEngine.lend_pages): the spare's pages lie past the current chunk's in one allocation."""
+        if self._spare_wanted is not None:
+            return
+        plan = self.engine.plan_memory_for(image_size)  # (the engine's settings once set up: its plan's)
+        config = self.engine.config if plan is None else plan.apply(self.engine.config)
+        self._spare_wanted = self._spare_fits(config, image_size)
+        if self._spare_wanted:
+            self.engine.lend_pages(cache_pages(self.model, self._spare_config(config), image_size,
+                                               window_slots=self._spare_slots(self._provisional_room, config.window)))
+
+    def _spare_fits(self, config: StreamConfig, image_size: tuple[int, int]) -> bool:
+        """Whether to run a spare engine beside one of `config`: as asked, or (auto) on CUDA, with steps replayed
+        as graphs, when a second engine fits beside the first by their estimates (in the budget, or in the free
+        device memory less what the first will take); its provisional room (and so its cache) shrinks to fit
+        where the whole room does not (spare_room.py)."""
         if self.lookahead is not None or self.device.type != "cuda":
             return bool(self.lookahead)
-        engine = self.engine
-        if not engine.runner.records:  # steps launched op by op: a spare would contend for the interpreter
+        if not config.cuda_graphs:  # steps launched op by op: a spare would contend for the interpreter
             logger.info("next chunk ahead of rollovers: off (steps are not replayed as CUDA graphs)")
             return False
-        spare_config = self._spare_config()
-
-        @functools.cache  # (the log line asks again for the room chosen)
-        def spare_bytes(provisional_room: int) -> int:
-            return estimate_memory(self.model, spare_config, engine.image_size,
-                                   window_slots=self._spare_slots(provisional_room)).another_engine
-
-        free, _ = torch.cuda.mem_get_info(self.device)
-        budget_left = None
-        if engine.config.gpu_memory is not None:
-            budget_left = engine.config.gpu_memory - CUDA_CONTEXT_BYTES - torch.cuda.memory_reserved(self.device)
-        room = room_beside_engine(free, budget_left)
-        fitting = provisional_room_that_fits(spare_bytes, room, self._provisional_room)
-        shown = smallest_provisional_room(self._provisional_room) if fitting is None else fitting
-        logger.info("next chunk ahead of rollovers: %s (a second engine's cache, graphs and activations: %s; "
-                    "room %s)", "off, rollovers pause the stream" if fitting is None else
-                    f"on, {fitting} provisional frames", format_bytes(spare_bytes(shown)), format_bytes(max(room, 0)))
+        fitting = provisional_room_beside(self.model, config, image_size, self._provisional_room,
+                                          lambda room: self._spare_slots(room, config.window), self.device)
         if fitting is None:
             return False
         self._provisional_room = fitting

@@ -72,14 +72,19 @@ class StreamingEngine:
     """
 
     def __init__(self, model: GCTStream, config: StreamConfig | None = None, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None, *, window_slots: int | None = None):
+                 dtype: torch.dtype | None = None, *, window_slots: int | None = None,
+                 pages_of: KVCache | None = None):
         """window_slots: the window frames the cache's pool holds pages for (None: the window). Fewer
         only for a stream that hands its frames over (`take_over`) before its window fills: a frame
-        past them is refused (CacheCapacityError) rather than evicting early, which would change results."""
+        past them is refused (CacheCapacityError) rather than evicting early, which would change results.
+        pages_of: the cache (another engine's, set up with `lend_pages`) whose storage holds this engine's
+        pages, in the block past its own: a chunk's spare engine's, in the current engine's storage."""
         inference = require_prepared(model, device, dtype)
         self.model = model
         self.config = config or StreamConfig()
         self.window_slots = window_slots
+        self.pages_of = pages_of
+        self._pages_lent = 0  # `lend_pages`
         self.policy: KeyframePolicy = self.config.policy
         self.device, self.dtype = inference.device, inference.dtype
         # The attention and the cache precision are checked now, before the first frame: a backend
@@ -304,6 +309,14 @@ class StreamingEngine:
             torch.cuda.current_stream(self.device).synchronize()
         return scaled
 
+    def lend_pages(self, num_pages: int) -> None:
+        """Before its first frame: its cache's storage is to hold `num_pages` pages past its own pool, for an
+        engine built with `pages_of` this engine's cache (a chunk's spare engine: one allocation for both
+        engines' pages, and the spare's taken over by copies inside it)."""
+        if self.cache is not None:
+            raise ValueError("an engine lends pages before its first frame sets its cache up")
+        self._pages_lent = num_pages
+
     def take_over(self, other: StreamingEngine) -> None:
         """Go on with `other`'s stream: its caches' contents (copied on the current stream), its frame
         and keyframe counts and its last keyframe; this engine's own stream is dropped. Both must have
@@ -527,7 +540,8 @@ class StreamingEngine:
         compiled = self._cache_compiler()
         cache = backends.build(self.backend_spec, layout, num_layers=c.depth, num_heads=c.num_heads,
                                head_dim=c.head_dim, max_frames=self._cached_frames, dtype=self._kv_dtype,
-                               device=self.device, compile=compiled, stored=self._kv_store_dtype)
+                               device=self.device, compile=compiled, stored=self._kv_store_dtype,
+                               pages_beside=self._pages_lent, beside=self.pages_of)
         camera = self.model.camera_head
         # On CUDA, room for every camera token the cache can hold: the storage never moves, so a
         # recorded CUDA graph stays valid for the whole stream. Elsewhere it grows.

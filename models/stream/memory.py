@@ -224,6 +224,16 @@ def estimate_memory(model: GCTStream, config: StreamConfig, image_size: tuple[in
     return _Estimator(model, config, image_size).estimate(config.kv_cache, config.window, window_slots)
 
 
+def cache_pages(model: GCTStream, config: StreamConfig, image_size: tuple[int, int], *,
+                window_slots: int | None = None) -> int:
+    """The pages the K/V cache of a StreamingEngine over `model` with `config` (and `window_slots`) may ever
+    hold for frames of image_size (height, width): what an engine lends past its own for such a one beside it."""
+    rows, cols = model.config.grid(*image_size)
+    layout = CacheLayout(rows * cols, model.config.num_special_tokens, config.scale_frames, config.window,
+                         window_slots=window_slots)
+    return PagedTwoStreamCache.pages_needed(layout, config.cached_frames(model.config.max_frames))
+
+
 def plan_memory(model: GCTStream, config: StreamConfig, image_size: tuple[int, int], budget: int) -> MemoryPlan:
     """The settings (K/V precision, window) under which a StreamingEngine over `model` with
     `config` fits `budget` bytes of device memory, for frames of image_size (height, width).
