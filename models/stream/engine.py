@@ -337,10 +337,12 @@ class StreamingEngine:
         """The memory plan the first frame will use if it is image_size (height, width), made now:
         MemoryBudgetError, before any frame, when nothing fits. A first frame of another size is
         planned for then. None without a budget (StreamConfig.gpu_memory) or once the first frame
-        has been set up (its plan is `memory_plan`)."""
+        has been set up (its plan is `memory_plan`). Asked again for the same size, the same plan."""
         if self.config.gpu_memory is None or self.memory_plan is not None:
             return None
         size = (int(image_size[0]), int(image_size[1]))
+        if self._plan_ahead is not None and self._plan_ahead[0] == size:
+            return self._plan_ahead[1]
         plan = plan_memory(self.model, self.config, size, self.config.gpu_memory)
         self._plan_ahead = (size, plan)
         return plan

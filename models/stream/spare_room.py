@@ -21,7 +21,7 @@ from .memory import CUDA_CONTEXT_BYTES, WORKSPACE_BYTES, MemoryEstimate, estimat
 from .rollover import MIN_PROVISIONAL, PROVISIONAL_ROOM_STEP
 from .stream_config import StreamConfig
 
-logger = logging.getLogger("stream_recon.models.stream.chunked")
+logger = logging.getLogger("stream_recon.models.stream.spare_room")
 
 
 def provisional_room_beside(model: GCTStream, config: StreamConfig, image_size: tuple[int, int], asked: int,
