@@ -285,6 +285,32 @@ def test_a_saved_map_gives_its_links_and_the_loops_its_last_solve_accepted(tmp_p
     assert graph.num_chunks == 6 and [(loop.first, loop.second) for loop in graph.loops] == [(0, 3), (2, 5)]
 
 
+def nearly_still_link_covariance() -> np.ndarray:
+    """A link's covariance as overlap_covariance made it before still cameras' floors were absolute: shared frames
+    whose centres spread 1e-8, so a centre floor of 1e-11 beside rotations' 1e-3, about an anchor 2 units out
+    (its smallest eigenvalues come out at -9e-22: their sign is rounding's)."""
+    from stream_recon.models.stream.similarity import _anchor_to_origin
+
+    to_origin = _anchor_to_origin(np.array([2.0, 1.0, 0.5]))
+    return to_origin @ np.diag([1e-6] * 3 + [1e-22] * 3 + [1e-6]) @ to_origin.T
+
+
+def test_a_saved_map_whose_link_is_positive_definite_but_for_rounding_is_read(tmp_path: Path) -> None:
+    """A map saved with such a link (the GPU's 10,000-frame run's map turned loop closure off in `run --map`:
+    "a covariance must be positive definite") gives the link, its eigenvalues lifted to a positive-definite
+    matrix within rounding of the saved one."""
+    covariance = nearly_still_link_covariance()
+    recorder = MapRecorder(tmp_path / MAP_DIR)
+    write_manifest(tmp_path / MAP_DIR, MapManifest({"name": "tiny.pt"}, "gradient-grid/128", "sift/2000/0.02", 20, 4))
+    for chunk in range(1, 3):
+        recorder.link(chunk, np.eye(4), covariance)
+    recorder.solved(np.tile(np.eye(4), (3, 1, 1)), [])
+    earlier = earlier_map_of(read_map(tmp_path), [Sim3.identity()] * 3)
+    kept = earlier.links[0].covariance
+    assert np.linalg.eigvalsh(kept)[0] > 0 and np.allclose(kept, covariance, rtol=0, atol=1e-15)
+    assert np.allclose(earlier.links[0].sigmas ** 2, np.diag(kept), rtol=1e-9, atol=0)
+
+
 def test_loops_to_the_map_are_judged_in_scale_against_the_first_one() -> None:
     """Two recordings' worlds differ in scale by their first chunks' depth normalisations: the first loop to
     the map is taken at any scale (4x here, twice the stream's own bound), a later one within the bound of

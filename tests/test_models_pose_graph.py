@@ -444,3 +444,45 @@ def test_a_whole_runs_graph_is_solved_from_scratch_in_seconds() -> None:
     false = {loop.loop_id for loop in graph.loops if loop.loop_id.startswith("false")}
     assert not accepted & false and len(accepted) >= 0.97 * (len(graph.loops) - len(false))
     assert seconds <= 6.0, seconds
+
+
+def test_a_covariance_positive_definite_but_for_rounding_is_lifted_and_an_indefinite_one_refused():
+    """as_covariance: eigenvalues within MIN_EIGENVALUE_RATIO of the largest (rounding's, either sign) lifted to it,
+    the same matrix then in every process; a clearly indefinite matrix refused; a well-conditioned one untouched."""
+    from stream_recon.models.loops.pose_graph_data import MIN_EIGENVALUE_RATIO, as_covariance
+    from stream_recon.models.stream.similarity import _anchor_to_origin
+
+    to_origin = _anchor_to_origin(np.array([2.0, 1.0, 0.5]))
+    for tiny in (1e-20, 0.0):
+        singular = to_origin @ np.diag([1e-6] * 3 + [tiny] * 3 + [1e-6]) @ to_origin.T
+        lifted = as_covariance(singular, np.sqrt(np.diag(singular)))
+        eigenvalues = np.linalg.eigvalsh(lifted)
+        assert eigenvalues[0] >= 0.99 * MIN_EIGENVALUE_RATIO * eigenvalues[-1]
+        assert np.allclose(lifted, singular, rtol=0, atol=1e-15) and np.array_equal(lifted, lifted.T)
+        edge = OdometryEdge(Sim3.identity(), np.sqrt(np.diag(singular)), singular)
+        assert np.allclose(edge.sigmas ** 2, np.diag(edge.covariance), rtol=1e-9, atol=0)
+    indefinite = np.diag([1.0] * 6 + [1.0])
+    indefinite[0, 1] = indefinite[1, 0] = 1.01  # eigenvalue -0.01
+    with pytest.raises(ValueError, match="positive definite"):
+        as_covariance(indefinite, np.ones(7))
+    healthy = to_origin @ np.diag([1e-6] * 7) @ to_origin.T
+    healthy = 0.5 * (healthy + healthy.T)
+    assert np.array_equal(as_covariance(healthy, np.sqrt(np.diag(healthy))), healthy)
+
+
+def test_a_nearly_still_overlap_is_a_still_one_and_its_covariance_well_conditioned():
+    """overlap_covariance over shared frames whose centres spread less than STILL_EXTENT: the centre's floor in
+    absolute units, as for a camera that did not move at all, not 1e-3 of a spread of 1e-7."""
+    from stream_recon.models.stream.similarity import MIN_OVERLAP_SIGMA, overlap_covariance
+
+    rng = np.random.default_rng(0)
+    source = np.zeros((16, 9))
+    source[:, :3] = np.array([2.0, 1.0, 0.5]) + rng.normal(0, 1e-7, (16, 3))
+    source[:, 6] = 1.0  # identity quaternions (xyzw)
+    for spread in (1e-7, 0.0):
+        frames = source.copy()
+        if spread == 0.0:
+            frames[:, :3] = frames[0, :3]
+        covariance = overlap_covariance(frames, frames, Sim3.identity(), anchor=0)
+        assert np.linalg.cond(covariance) < 1e9
+        assert np.all(np.sqrt(np.diag(covariance))[3:6] >= MIN_OVERLAP_SIGMA)

@@ -30,8 +30,17 @@ def as_sigmas(sigmas: float | Sequence[float] | np.ndarray) -> np.ndarray:
     return values
 
 
+# A covariance's eigenvalues are kept at least this fraction of its largest. One positive definite but for
+# rounding (condition numbers past 1e15: a chunk alignment over frames that hardly moved) has eigenvalues
+# whose sign rounding decides, and could pass in the process that made it and fail in the one that reads
+# it from a saved map; lifted to 1e-12 of the largest, every process reads the same positive-definite
+# matrix. An eigenvalue below minus this fraction (far past rounding's 1e-16) is a matrix that is not one.
+MIN_EIGENVALUE_RATIO = 1e-12
+
+
 def as_covariance(covariance: np.ndarray | None, sigmas: np.ndarray) -> np.ndarray | None:
-    """None, or a [7, 7] symmetric positive-definite covariance whose diagonal is `sigmas` squared, read-only."""
+    """None, or a [7, 7] symmetric positive-definite covariance whose diagonal is `sigmas` squared (but for
+    eigenvalues lifted to MIN_EIGENVALUE_RATIO of the largest), read-only."""
     if covariance is None:
         return None
     values = np.array(covariance, np.float64)
@@ -41,11 +50,26 @@ def as_covariance(covariance: np.ndarray | None, sigmas: np.ndarray) -> np.ndarr
         raise ValueError("a covariance must be symmetric")
     if not np.allclose(np.sqrt(np.diag(values)), sigmas, rtol=1e-9, atol=0):
         raise ValueError("sigmas must be the square roots of the covariance's diagonal")
-    if np.linalg.eigvalsh(values)[0] <= 0:
-        raise ValueError("a covariance must be positive definite")
     values = 0.5 * (values + values.T)
+    eigenvalues, vectors = np.linalg.eigh(values)
+    floor = MIN_EIGENVALUE_RATIO * eigenvalues[-1]
+    if eigenvalues[-1] <= 0 or eigenvalues[0] < -floor:
+        raise ValueError("a covariance must be positive definite")
+    if eigenvalues[0] < floor:
+        values = (vectors * np.maximum(eigenvalues, floor)) @ vectors.T
+        values = 0.5 * (values + values.T)
     values.setflags(write=False)
     return values
+
+
+def _sigmas_and_covariance(edge: OdometryEdge | LoopEdge) -> None:
+    """An edge's sigmas checked and its covariance with them (`as_covariance`); the sigmas then the square roots
+    of the covariance's diagonal as kept (an eigenvalue lifted moves it past rounding)."""
+    object.__setattr__(edge, "sigmas", as_sigmas(edge.sigmas))
+    covariance = as_covariance(edge.covariance, edge.sigmas)
+    object.__setattr__(edge, "covariance", covariance)
+    if covariance is not None and not np.allclose(np.sqrt(np.diag(covariance)), edge.sigmas, rtol=1e-9, atol=0):
+        object.__setattr__(edge, "sigmas", as_sigmas(np.sqrt(np.diag(covariance))))
 
 
 @dataclass(frozen=True)
@@ -60,8 +84,7 @@ class OdometryEdge:
     covariance: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sigmas", as_sigmas(self.sigmas))
-        object.__setattr__(self, "covariance", as_covariance(self.covariance, self.sigmas))
+        _sigmas_and_covariance(self)
 
 
 @dataclass(frozen=True)
@@ -77,8 +100,7 @@ class LoopEdge:
     covariance: np.ndarray | None = None  # [7, 7] as OdometryEdge's
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sigmas", as_sigmas(self.sigmas))
-        object.__setattr__(self, "covariance", as_covariance(self.covariance, self.sigmas))
+        _sigmas_and_covariance(self)
         if self.first == self.second:
             raise ValueError(f"loop {self.loop_id!r} joins chunk {self.first} to itself")
 

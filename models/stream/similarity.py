@@ -30,6 +30,11 @@ _SCALE_RANGE = (1e-3, 1e3)  # the reference clamps a chunk's depth-ratio scale t
 # rotation, 1e-3 of the overlap's extent in translation and 1e-3 in log scale, about the model's own
 # frame-to-frame noise on a still camera; without a floor a 1-frame overlap would be an infinitely sure edge.
 MIN_OVERLAP_SIGMA = 1e-3
+# Shared frames whose centres spread less than this (chunk units, where depths are ~1) are a still camera's:
+# their floors are absolute. Taken relative to a spread of 1e-7 (a model predicting the same centre for every
+# frame), the centre's floor fell to 1e-10 beside rotations' 1e-3 and the covariance's condition number
+# passed 1e15: its smallest eigenvalues' sign was rounding's, and a saved map's link was refused on load.
+STILL_EXTENT = 1e-2
 
 
 class AlignmentError(ValueError):
@@ -385,7 +390,7 @@ def overlap_covariance(target_pose_enc: np.ndarray, source_pose_enc: np.ndarray,
     (`frame_ratios`: those sorted beforehand, whose medians are free), or, with fewer than two of them, the
     centres' disagreement relative to the overlap's extent. To the origin: an error (w, c, l) at the anchor
     centre a is e = [w, c + a x w - l a, l] (a rotation and a scaling about a). Each component of the
-    anchor's error has the floor MIN_OVERLAP_SIGMA (of the extent, for the centre).
+    anchor's error has the floor MIN_OVERLAP_SIGMA (of the extent, for the centre; absolute for a still camera).
     pose_enc [K, 9] camera-to-world, the same K frames in both.
     """
     target = np.asarray(target_pose_enc, np.float64)
@@ -401,7 +406,8 @@ def overlap_covariance(target_pose_enc: np.ndarray, source_pose_enc: np.ndarray,
     centre_variance = _half_mean_square(centre_residuals[others])
     centres = source[:, :3]
     extent = float(np.sqrt(np.mean(np.sum((centres - centres.mean(axis=0)) ** 2, axis=1))))
-    extent = extent if extent > 0 else 1.0  # a still camera: translation in absolute units
+    # a still camera (centres within STILL_EXTENT): translation in absolute units
+    extent = extent if extent >= STILL_EXTENT else 1.0
     log_scale_variance = _log_scale_variance(frame_ratios, float(np.sum(centre_variance)) / extent**2)
     floor = MIN_OVERLAP_SIGMA**2
     anchor_variance = np.concatenate([np.maximum(rotation_variance, floor),
