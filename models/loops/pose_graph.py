@@ -484,6 +484,9 @@ class PoseGraphSolver:
                 worst = int(np.argmax(misfits))
                 if misfits[worst] > 1.0:
                     dropped = {worst}
+                    if posterior is not None and self.settings.drops_per_round > 1:
+                        over = np.flatnonzero(misfits >= max(1.0, 0.5 * misfits[worst]))
+                        dropped = set(over[np.argsort(-misfits[over])][:self.settings.drops_per_round].tolist())
                     if posterior is None:  # a graph past check 5.'s bound (each LM solve of a whole run ~0.1 s):
                         # every edge at least half as far past its bounds as the worst, those gross false loops
                         # that slipped through the chain's slack; one that a false one bent joins again
