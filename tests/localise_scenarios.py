@@ -81,7 +81,9 @@ def view_of(c2w: np.ndarray, landmarks: Landmarks, scene_depth: float, rng: np.r
     v = np.where(seen, FOCAL * camera[:, 1] / np.where(seen, z, 1) + HEIGHT / 2, -1)
     seen &= (u >= 0) & (u < WIDTH) & (v >= 0) & (v < HEIGHT)
     visible = np.flatnonzero(seen)
-    kept = visible[np.argsort(-landmarks.salience[visible])[:FEATURES]]
+    if len(visible) > FEATURES:  # the FEATURES most salient (a partition, then those sorted: what a whole sort gives)
+        visible = visible[np.argpartition(-landmarks.salience[visible], FEATURES - 1)[:FEATURES]]
+    kept = visible[np.argsort(-landmarks.salience[visible])]
     pixels = np.stack([u[kept], v[kept]], axis=1) + rng.normal(0, KEYPOINT_NOISE_PX, (len(kept), 2))
     descriptors = np.clip(landmarks.descriptors[kept] + rng.normal(0, DESCRIPTOR_NOISE, (len(kept), 128)), 0, 255)
     clutter_pixels = np.stack([rng.uniform(0, WIDTH, CLUTTER), rng.uniform(0, HEIGHT, CLUTTER)], axis=1)
