@@ -525,3 +525,5 @@ def test_several_drops_a_round_accept_what_one_a_round_accepts_in_fewer_solves()
     assert set(several.accepted_ids) == set(one.accepted_ids)
     assert sum(str(loop).startswith("true") for loop in one.accepted_ids) >= 0.95 * 300
     assert several.iterations * 5 < one.iterations
+    with pytest.raises(ValueError, match="drops_per_round"):
+        PoseGraphSettings(drops_per_round=0)

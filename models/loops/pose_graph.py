@@ -483,14 +483,15 @@ class PoseGraphSolver:
                         misfits = np.maximum(cheap, self._left_out_misfits(kept, posterior, estimate))
                 worst = int(np.argmax(misfits))
                 if misfits[worst] > 1.0:
-                    dropped = {worst}
-                    if posterior is not None and self.settings.drops_per_round > 1:
-                        over = np.flatnonzero(misfits >= max(1.0, 0.5 * misfits[worst]))
-                        dropped = set(over[np.argsort(-misfits[over])][:self.settings.drops_per_round].tolist())
+                    # every edge at least half as far past its bounds as the worst, in index order
+                    over = np.flatnonzero(misfits >= max(1.0, 0.5 * misfits[worst]))
                     if posterior is None:  # a graph past check 5.'s bound (each LM solve of a whole run ~0.1 s):
-                        # every edge at least half as far past its bounds as the worst, those gross false loops
-                        # that slipped through the chain's slack; one that a false one bent joins again
-                        dropped = set(np.flatnonzero(misfits >= max(1.0, 0.5 * misfits[worst])).tolist())
+                        # all of them, those gross false loops that slipped through the chain's slack; one that
+                        # a false one bent joins again
+                        dropped = set(over.tolist())
+                    else:  # the worst `drops_per_round` of them, the worst first (1: `worst` alone)
+                        worst_first = over[np.argsort(-misfits[over], kind="stable")]
+                        dropped = set(worst_first[:self.settings.drops_per_round].tolist())
                     held_back += [kept[n] for n in sorted(dropped)]
                     kept = [group for n, group in enumerate(kept) if n not in dropped]
                     if time.perf_counter() > deadline:

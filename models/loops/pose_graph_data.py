@@ -189,6 +189,10 @@ class PoseGraphSettings:
     # Seconds a solve may take before it hands back what it has (None: no limit); see PoseGraphResult.complete.
     budget_s: float | None = None
 
+    def __post_init__(self):
+        if self.drops_per_round < 1:  # (none dropped a round: a solve that never ends)
+            raise ValueError(f"drops_per_round must be at least 1, got {self.drops_per_round}")
+
 
 @dataclass(frozen=True)
 class LoopVerdict:
