@@ -37,6 +37,8 @@ _HOMES = {
     "DEFAULT_CHECKPOINT": "checkpoint_names",
     "KNOWN_CHECKPOINTS": "checkpoint_names",
     "DaemonPool": "daemon_pool",
+    "ChildCalls": "child_process",
+    "ChildDied": "child_process",
     "partitioned_stream": "stream.sm_partition",
     "chunk_stream_config": "stream.chunked",
     "EVEN_ODDS_CONFIDENCE": "stream.prediction",

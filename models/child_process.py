@@ -18,12 +18,14 @@ import collections
 import contextlib
 import ctypes
 import fcntl
+import importlib
 import os
 import pickle
 import signal
 import struct
 import subprocess
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -146,14 +148,21 @@ def write_message(stream: BinaryIO, message: object) -> None:
 def read_message(stream: BinaryIO) -> Any:
     """The next message, or raises EOFError when the other end has closed. (File reads wait without
     the GIL.)"""
-    header = stream.read(_HEADER.size)
-    if len(header) < _HEADER.size:
-        raise EOFError
-    (size,) = _HEADER.unpack(header)
-    data = stream.read(size)
-    if len(data) < size:
-        raise EOFError
-    return pickle.loads(data)
+    (size,) = _HEADER.unpack(_read_exactly(stream, _HEADER.size))
+    return pickle.loads(_read_exactly(stream, size))
+
+
+def _read_exactly(stream: BinaryIO, size: int) -> bytearray:
+    """`size` bytes of `stream`, read as they come (an unbuffered pipe's read returns what it holds, which may
+    be less); EOFError where it ends first."""
+    data = bytearray(size)
+    view, got = memoryview(data), 0
+    while got < size:
+        count = stream.readinto(view[got:])
+        if not count:
+            raise EOFError
+        got += count
+    return data
 
 
 class MessageOutbox:
@@ -225,3 +234,91 @@ class MessageInbox:
         if not messages and self._closed:
             raise EOFError
         return messages
+
+
+class ChildDied(RuntimeError):
+    """A child running a call (ChildCalls) died before it replied: its exit in one sentence."""
+
+
+class ChildCalls:
+    """Module-level functions called in children of ours (start_child), one child a calling thread, started at
+    that thread's first call: a pool's threads (DaemonPool) get as many processes, so that the numpy and Python
+    work that holds the interpreter's lock (an npz read, a file's points) runs on as many cores. A call sends
+    its function's name and arguments and waits for the reply; the caller's future holds its deadline. A child
+    that dies fails its call at once (its pipe ends) with ChildDied, and marks `helper` down (start_child).
+    `setup`: "module.function" each child calls once before its first call (its libraries' threads, say)."""
+
+    def __init__(self, helper: Helper, setup: str | None = None) -> None:
+        self.helper, self.setup = helper, setup
+        self._local = threading.local()
+        self._children: list[ChildProcess] = []
+        self._lock = threading.Lock()
+
+    def call(self, function: Callable[..., Any], *args: Any) -> Any:
+        """`function(*args)` in this thread's child: what it returns, or raises what it raised."""
+        child = self._child()
+        try:
+            write_message(child.requests, (function.__module__, function.__qualname__, args))
+            returned, value = read_message(child.replies)
+        except (EOFError, OSError):
+            reason = self._death(child)
+            self.helper.fail(reason)  # (reaped here: the monitor no longer sees its exit)
+            raise ChildDied(reason) from None
+        if not returned:
+            raise value
+        return value
+
+    def close(self) -> None:
+        """End every child now (a call waiting on one gets ChildDied)."""
+        with self._lock:
+            children, self._children = self._children, []
+        for child in children:
+            child.close()
+
+    def _child(self) -> ChildProcess:
+        child = getattr(self._local, "child", None)
+        if child is None:
+            child = start_child(__name__, "serve_calls", self.setup, helper=self.helper,
+                                died=lambda code: f"a child process of {self.helper.policy.name} died (exit status {code})")
+            with self._lock:
+                self._children.append(child)
+            self._local.child = child
+        return child
+
+    def _death(self, child: ChildProcess) -> str:
+        try:
+            code = child.process.wait(timeout=END_WAIT_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        return f"a child process of {self.helper.policy.name} (pid {child.process.pid}) ended mid-call (exit status {code})"
+
+
+def serve_calls(requests_fd: int, replies_fd: int, setup: str | None) -> None:
+    """The child of ChildCalls: `setup` called once, then each request (module, function, args) answered with
+    (True, what it returned) or (False, what it raised), until the parent closes the pipe."""
+    if setup:
+        _named(*setup.rsplit(".", 1))()
+    with os.fdopen(requests_fd, "rb") as requests, os.fdopen(replies_fd, "wb") as replies:
+        while True:
+            try:
+                module, name, args = read_message(requests)
+            except EOFError:  # the parent has gone, or closed us
+                return
+            try:
+                reply = (True, _named(module, name)(*args))
+            except Exception as error:  # noqa: BLE001 - the parent's caller raises it
+                reply = (False, _portable(error))
+            write_message(replies, reply)
+
+
+def _named(module: str, name: str) -> Callable[..., Any]:
+    return getattr(importlib.import_module(module), name)
+
+
+def _portable(error: Exception) -> Exception:
+    """`error` as the parent can unpickle it: itself, else a RuntimeError saying what it was."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:  # noqa: BLE001 - any error that does not survive the pipe
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error

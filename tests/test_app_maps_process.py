@@ -163,6 +163,39 @@ def test_a_refine_stopped_at_any_instant_leaves_the_run_whole(mapped_run: Path, 
         assert contents(run_dir) == before
 
 
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid`, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):  # (gone meanwhile)
+            continue
+    return found
+
+
+def test_a_refine_whose_worker_process_is_killed_fails_in_one_line_and_leaves_the_run(mapped_run: Path,
+                                                                                    tmp_path: Path) -> None:
+    """Refine's workers run the frames' files and keyframes' loading in child processes: one killed as soon as
+    it starts fails the refine at that child's next call, exit 2 with one line, the run exactly as it was."""
+    run_dir = copy_of(mapped_run, tmp_path / "run")
+    before = contents(run_dir)
+    refine = subprocess.Popen(cli("refine", str(run_dir), "--workers", "2"), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=environment())
+    deadline = time.monotonic() + 60
+    while not (workers := children_of(refine.pid)) and refine.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert workers, "refine started no child process"
+    os.kill(workers[0], signal.SIGKILL)
+    output, _ = refine.communicate(timeout=60)
+    said = [line for line in output.splitlines() if line.strip()]
+    assert refine.returncode == EXIT_BAD_INPUT, output
+    assert len(said) == 1 and said[0].startswith("error: refine failed, the run is as it was: a child process of "
+                                                 "refine's workers"), said
+    assert contents(run_dir) == before
+
+
 def test_a_run_without_a_map_or_with_an_unknown_one_is_refused_in_one_line(mapped_run: Path, tmp_path: Path) -> None:
     run_dir = copy_of(mapped_run, tmp_path / "run")
     manifest = run_dir / MAP_DIR / "map.json"

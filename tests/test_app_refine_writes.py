@@ -87,7 +87,8 @@ def test_moved_frames_give_what_reading_their_files_gives(tmp_path: Path) -> Non
     move = Sim3(1.5, np.eye(3), np.array([0.0, 1.0, 0.0]))
     accumulator = PointAccumulator()
     batch = [(index, sources[index], tmp_path / f"staged_{index}.npz", move) for index in (3, 4)]
-    taken, merged = refined._moved_frames(batch, accumulator)
+    voxels = refined.PublishedVoxels(tmp_path)
+    taken, merged = refined._moved_frames(batch, *voxels.current(accumulator), accumulator.conf_threshold)
     assert merged is None  # the grid is not set yet: the frames are added one by one
     for (timestamp, c2w), (_, _, staged, _) in zip(taken, batch, strict=True):
         read = load_prediction(staged)
@@ -98,7 +99,7 @@ def test_moved_frames_give_what_reading_their_files_gives(tmp_path: Path) -> Non
     first = refined._frame_depth(3, load_prediction(batch[0][2]))
     accumulator.add_frame(3, first.depth, first.depth_conf, first.intrinsics, first.c2w, first.image, first.dropped)
     again = (4, sources[4], tmp_path / "staged_4_again.npz", move)
-    _, merged = refined._moved_frames([again], accumulator)
+    _, merged = refined._moved_frames([again], *voxels.current(accumulator), accumulator.conf_threshold)
     expected = accumulator.batch_points([refined._frame_depth(4, load_prediction(again[2]))])
     assert merged is not None and accumulator.fits(merged) and merged.frames == 1
     for field in ("keys", "xyz", "rgb", "frame", "pixel"):

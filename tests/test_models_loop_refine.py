@@ -24,8 +24,10 @@ from stream_recon.models.loops.refine import (
     RunFrame,
     detect_loops,
     frame_moves,
+    indexed_keyframe,
     segments_of,
 )
+from stream_recon.models.loops.retrieval import gradient_grid_descriptor
 from stream_recon.models.stream.similarity import Sim3
 
 
@@ -103,8 +105,10 @@ def test_every_segment_pair_with_a_loop_keeps_one_when_fewer_pairs_are_checked()
 
     def loops(per_pair: int) -> tuple[list, RefineFigures]:
         figures = RefineFigures()
-        found = detect_loops(frames, shown.__getitem__, loaded.__getitem__, segment_of, placement,
-                             RefineConfig(loops_per_segment_pair=per_pair), figures=figures)
+        config = RefineConfig(loops_per_segment_pair=per_pair)
+        found = detect_loops(frames, lambda frame: gradient_grid_descriptor(shown[frame]),
+                             lambda frame: indexed_keyframe(loaded[frame], config.closure), segment_of, placement,
+                             config, figures=figures)
         return found, figures
 
     every, every_figures = loops(1000)

@@ -12,7 +12,8 @@ Examples:
     stream-recon refine outputs/kitchen
     stream-recon refine outputs/kitchen --workers 4   # threads for features, checks and the frames' files
 
-Exit codes: 0 refined; 2 bad input (the run is left as it was); 130 Ctrl-C; 143 SIGTERM.
+Exit codes: 0 refined; 2 bad input, or a worker that died or hung (the run is left as it was); 130 Ctrl-C;
+143 SIGTERM.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def refine(
     run_dir: Annotated[Path, typer.Argument(help="Run directory written by `stream-recon run` with loop closure.")],
     workers: Annotated[
         Optional[int],
-        typer.Option(min=1, help="Threads for keyframe features, loop checks and moving the frames' files. Default: the CPU cores, at most 16."),
+        typer.Option(min=1, help="Worker threads (each with a child process) for keyframe features, loop checks and moving the frames' files. Default: the CPU cores, at most 16."),
     ] = None,
 ) -> None:
     """Refine a finished run offline: every keyframe indexed, loops verified, a finer pose graph solved, the

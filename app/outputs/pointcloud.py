@@ -266,14 +266,17 @@ class PointAccumulator:
         while len(self) > self.max_points:
             self._coarsen()
 
-    def batch_points(self, frames: Sequence[FrameDepth]) -> BatchPoints | None:
+    def batch_points(self, frames: Sequence[FrameDepth],
+                     published: tuple[tuple[float | None, float | None], np.ndarray] | None = None
+                     ) -> BatchPoints | None:
         """Consecutive frames' points merged ahead (on another thread, while the accumulator takes an earlier
         batch): one lookup and one append for the batch at `add_batch` instead of one a frame, where
         consecutive frames reach mostly the same voxels. None where the grid is not set yet or changed while
         they were computed: the frames are then added one by one. The voxels the merged level held when they
         were computed are left out here (its keys and grid are published together, and within one grid the
-        cloud only grows), so that the merge looks up the others only."""
-        grid, held = self._published
+        cloud only grows), so that the merge looks up the others only. `published`: another accumulator's
+        `published`, for a batch computed where that one does not live (another process)."""
+        grid, held = self._published if published is None else published
         if None in grid:
             return None
         found = [(frame, self.frame_points(frame.depth, frame.depth_conf, frame.intrinsics, frame.c2w,
@@ -289,9 +292,20 @@ class PointAccumulator:
                            np.concatenate(rgb)[rows], np.concatenate(index)[rows],
                            np.concatenate([points.pixel for _, points in found])[rows])
 
+    @property
+    def grid(self) -> tuple[float | None, float | None]:
+        """(voxel size, reference depth): the grid the cloud is on now (None where no frame has set it yet)."""
+        return self.voxel_size, self.reference_depth
+
+    @property
+    def published(self) -> tuple[tuple[float | None, float | None], np.ndarray]:
+        """(grid, keys [K] sorted): a grid and voxels the cloud held together, read at once (one value), for
+        batches computed elsewhere (`batch_points(published=)`); within one grid the cloud only grows."""
+        return self._published
+
     def fits(self, batch: BatchPoints) -> bool:
         """Whether `batch` was computed on the grid as it is now (add_batch takes it)."""
-        return batch.grid == (self.voxel_size, self.reference_depth)
+        return batch.grid == self.grid
 
     def add_batch(self, batch: BatchPoints) -> None:
         """Merge a batch of frames (batch_points) that `fits`: the points of voxels the cloud does not hold yet.

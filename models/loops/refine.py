@@ -292,20 +292,21 @@ class CandidatePair:
     segments: tuple[int, int]  # (the query's, the earlier keyframe's)
 
 
-def detect_loops(keyframes: Sequence[RunFrame], picture: Callable[[int], np.ndarray], load: Callable[[int], Keyframe],
-                 segment_of: Mapping[int, int], placement: Sequence[Sim3], config: RefineConfig = RefineConfig(),
-                 progress: Progress | None = None, figures: RefineFigures | None = None,
-                 run_jobs: RunJobs = one_after_another) -> list[FrameLoop]:
-    """Every keyframe indexed (its picture's descriptor, `picture(frame)`), each one's retrieval among the earlier
-    ones (chunks two or more back, as on the stream), and the candidates checked (geometric check, 3D
-    agreement: closer.py's) segment pair by segment pair (`segment_of[frame]`), the most alike first, until
-    `config.loops_per_segment_pair` are verified: each verified pair a loop edge in chunk coordinates
-    (`placement[c]`: chunk c in the run's world). Features and points (`load(frame)`: closer.Keyframe in the
-    run's world) are computed for the keyframes a check needs, through `run_jobs` as the checks."""
+def detect_loops(keyframes: Sequence[RunFrame], describe: Callable[[int], np.ndarray],
+                 prepare: Callable[[int], IndexedKeyframe], segment_of: Mapping[int, int], placement: Sequence[Sim3],
+                 config: RefineConfig = RefineConfig(), progress: Progress | None = None,
+                 figures: RefineFigures | None = None, run_jobs: RunJobs = one_after_another) -> list[FrameLoop]:
+    """Every keyframe indexed (its picture's retrieval descriptor, `describe(frame)`: gradient_grid_descriptor),
+    each one's retrieval among the earlier ones (chunks two or more back, as on the stream), and the candidates
+    checked (geometric check, 3D agreement: closer.py's) segment pair by segment pair (`segment_of[frame]`), the
+    most alike first, until `config.loops_per_segment_pair` are verified: each verified pair a loop edge in
+    chunk coordinates (`placement[c]`: chunk c in the run's world). Features and points (`prepare(frame)`:
+    indexed_keyframe of the keyframe in the run's world) are made for the keyframes a check needs; the
+    descriptors, those and the checks run through `run_jobs`."""
     progress = progress or (lambda stage, done, total: None)
     figures = figures or RefineFigures()
     started = time.perf_counter()
-    descriptors = run_jobs([lambda f=frame.frame_index: gradient_grid_descriptor(picture(f)) for frame in keyframes],
+    descriptors = run_jobs([lambda f=frame.frame_index: describe(f) for frame in keyframes],
                            lambda done: progress("keyframes", done, len(keyframes)))
     figures.keyframes_indexed = len(keyframes)
     figures.seconds["index"] = time.perf_counter() - started
@@ -317,7 +318,7 @@ def detect_loops(keyframes: Sequence[RunFrame], picture: Callable[[int], np.ndar
     checked = 0
     while wave := _next_wave(queues, verified, config.loops_per_segment_pair):
         needed = sorted({frame for pair in wave for frame in (pair.query, pair.earlier)} - indexed.keys())
-        for item in run_jobs([lambda f=frame: indexed_keyframe(load(f), config.closure) for frame in needed],
+        for item in run_jobs([lambda f=frame: prepare(f) for frame in needed],
                              lambda done: None):
             indexed[item.frame_index] = item
         results = run_jobs([lambda p=pair: _verified(indexed[p.query], indexed[p.earlier], config.closure)
@@ -367,13 +368,18 @@ def _next_wave(queues: Mapping[tuple[int, int], deque[CandidatePair]],
     return wave
 
 
+def keyframe_descriptor(image: np.ndarray) -> np.ndarray:
+    """[128] the retrieval descriptor of a keyframe's picture [H, W, 3] (the stream's weight-free one)."""
+    return gradient_grid_descriptor(image)
+
+
 def indexed_keyframe(keyframe: Keyframe, config: LoopClosureConfig) -> IndexedKeyframe:
     """Its SIFT features, the weight-free descriptor of its picture and the points behind its keypoints."""
     features = extract_features(keyframe.image, config.detection.features)
     points, median_depth = keypoint_points(features.keypoints, keyframe.depth, keyframe.depth_conf,
                                            keyframe.intrinsics, keyframe.c2w, config.min_confidence)
     centre = np.asarray(keyframe.c2w, np.float64)[:3, 3]
-    return IndexedKeyframe(keyframe.frame_index, keyframe.chunk_index, features, gradient_grid_descriptor(keyframe.image),
+    return IndexedKeyframe(keyframe.frame_index, keyframe.chunk_index, features, keyframe_descriptor(keyframe.image),
                            _KeyframePoints(points, median_depth, centre), np.asarray(keyframe.intrinsics, np.float64))
 
 
@@ -386,5 +392,5 @@ def _verified(query: IndexedKeyframe, earlier: IndexedKeyframe, config: LoopClos
     return alignment if alignment.passed else None
 
 
-__all__ = ["CandidatePair", "FrameLoop", "IndexedKeyframe", "candidate_pairs", "indexed_keyframe", "RefineConfig", "RunJobs", "one_after_another", "RefineFigures", "RunFrame", "Segments", "detect_loops", "fine_graph",
+__all__ = ["CandidatePair", "FrameLoop", "IndexedKeyframe", "candidate_pairs", "indexed_keyframe", "keyframe_descriptor", "RefineConfig", "RunJobs", "one_after_another", "RefineFigures", "RunFrame", "Segments", "detect_loops", "fine_graph",
            "frame_moves", "segments_of", "solve_fine", "with_stream_loops"]

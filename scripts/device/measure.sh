@@ -18,8 +18,9 @@
 #   against     the engine (and WHAT="engine product": the product path) of another tree (OTHER=folder
 #               holding its app/ models/ cache/ configs/ scripts/, or BASE_TAR=a `git archive` tar of them)
 #               and of this one, alternating ROUNDS (2) times (ORDER "this other": this tree first in a round);
-#               arguments: bench.py options; E2E_ARGS: bench_e2e options: $OUT/{engine,product}_{other,this}_N.json,
-#               against.log
+#               arguments: bench.py options; E2E_ARGS: bench_e2e options; CHECKPOINT=1: the product runs load
+#               the full-size checkpoint file (written once, its page cache warm) instead of building synthetic
+#               weights in the process: $OUT/{engine,product}_{other,this}_N.json, against.log
 #   gpu-tests   the GPU tests (TESTS: tests/test_gpu_fast_path.py tests/test_gpu_flashinfer.py); arguments:
 #               pytest's (-k EXPR): $OUT/gpu_tests.log
 #   start       a fresh machine's start, PARTS (default first) in order: first (command start to the 100th
@@ -189,6 +190,11 @@ suite_against() {
     other=$(cd "${OTHER:?name the other tree in OTHER (a folder) or BASE_TAR (a tar)}" && pwd)
   fi
   link_package sr_other "$other"
+  if [ -n "${CHECKPOINT:-}" ]; then  # both trees load one checkpoint file, read once first (page cache warm)
+    checkpoint_once
+    python3 -c "import torch; torch.load('/tmp/ckpt/full-size.pt', mmap=True, weights_only=True)" 2>&1 | grep -v Warn
+    e2e_args="$e2e_args --checkpoint /tmp/ckpt/full-size.pt"
+  fi
   for round in $(seq 1 "${ROUNDS:-2}"); do
     for side in ${ORDER:-other this}; do
       if [ "$side" = this ]; then root=$PWD package=/tmp/sr; else root=$other package=/tmp/sr_other; fi

@@ -22,9 +22,9 @@ import numpy as np
 
 from stream_recon.app.outputs.atomic_writes import atomic_write
 from stream_recon.app.outputs.npz_schema import PredictionOutputs, prediction_arrays
-from stream_recon.app.outputs.refined import _WORKER_POLICY, _write_refined
+from stream_recon.app.outputs.refined import _WORKER_POLICY, Workers, _write_refined
 from stream_recon.app.outputs.rundir import PREDICTIONS_DIR, prediction_path
-from stream_recon.models import DaemonPool
+from stream_recon.models import ChildCalls, DaemonPool
 from stream_recon.models.loops.refine import RefineConfig, RefineFigures
 from stream_recon.models.stream.prediction import FRAME_KEY, FramePrediction
 from stream_recon.models.stream.similarity import Sim3
@@ -59,12 +59,15 @@ def timed_stage(folder: Path, files: dict[int, Path], workers: int) -> float:
     staging = folder / ".staging"
     staging.mkdir()
     started = time.perf_counter()
-    pool = DaemonPool(workers, "refine", Helper(_WORKER_POLICY))
+    helper = Helper(_WORKER_POLICY)
+    pool = DaemonPool(workers, "refine", helper)
+    children = ChildCalls(helper, setup="stream_recon.app.outputs.refined.one_library_thread")
     try:
-        _write_refined(pool, folder, staging, files, moves, {"summary": {}}, RefineFigures(),
+        _write_refined(Workers(pool, children), folder, staging, files, moves, {"summary": {}}, RefineFigures(),
                        lambda stage, done, total: None, started, replace(RefineConfig(), workers=workers))
     finally:
         pool.shutdown()
+        children.close()
     seconds = time.perf_counter() - started
     shutil.rmtree(staging)
     return seconds
