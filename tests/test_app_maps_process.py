@@ -23,6 +23,11 @@ import pytest
 from helpers import FAULT_INSTANTS
 from test_app_faults import RUN_FLAGS, revisiting_video
 
+from stream_recon.app.outputs.npz_reading import load_prediction
+from stream_recon.app.outputs.rundir import prediction_path
+from stream_recon.models.loops.closer import LoopClosureConfig
+from stream_recon.models.loops.geometric_check import extract_features
+from stream_recon.models.loops.refine import saved_features
 from stream_recon.models.loops.saved_map import MAP_DIR, read_map
 
 pytest.importorskip("gtsam")
@@ -161,6 +166,18 @@ def test_a_refine_stopped_at_any_instant_leaves_the_run_whole(mapped_run: Path, 
         assert len(list((run_dir / "predictions").glob("*.npz"))) == record["summary"]["refine"]["frames"]
     else:
         assert contents(run_dir) == before
+
+
+def test_the_maps_keyframe_features_are_those_of_the_runs_pictures(mapped_run: Path) -> None:
+    """Refine takes the SIFT features of the keyframes the stream indexed from the map (saved_features) instead
+    of computing them again: they must be what the run's saved pictures give."""
+    saved = read_map(mapped_run)
+    known = saved_features(saved, LoopClosureConfig())
+    assert known and set(known) == {keyframe.frame_index for keyframe in saved.keyframes}
+    for frame, features in known.items():
+        again = extract_features(load_prediction(prediction_path(mapped_run, frame))["image"])
+        np.testing.assert_array_equal(features.keypoints, again.keypoints)
+        np.testing.assert_array_equal(features.descriptors, again.descriptors)
 
 
 def children_of(pid: int) -> list[int]:

@@ -9,6 +9,8 @@ chunks keep the odometry's error whatever the graph, and it bounds both: there r
 
 from __future__ import annotations
 
+import concurrent.futures
+import time
 from pathlib import Path
 
 import cv2
@@ -22,6 +24,7 @@ from stream_recon.models.loops.refine import (
     RefineConfig,
     RefineFigures,
     RunFrame,
+    at_once,
     detect_loops,
     frame_moves,
     indexed_keyframe,
@@ -120,3 +123,29 @@ def test_every_segment_pair_with_a_loop_keeps_one_when_fewer_pairs_are_checked()
     assert one_figures.pairs_checked < every_figures.pairs_checked, (one_figures, every_figures)
     assert one_figures.keyframes_indexed == len(frames) and one_figures.keyframes_matched <= len(frames)
     assert all(loop.query_frame - loop.earlier_frame >= 8 for loop in every)  # two chunks back at least
+
+
+@pytest.mark.parametrize("per_pair", [1, 2])
+def test_checks_on_threads_ending_in_any_order_find_what_one_at_a_time_finds(per_pair: int) -> None:
+    """The pairs' checks run side by side (a pair's next candidate once one of its checks fails): jobs that end
+    in a shuffled order check the same candidates and find the same loops as jobs run one after another."""
+    frames, shown, loaded = two_laps()
+    segment_of = {frame.frame_index: frame.frame_index // 2 for frame in frames}
+    placement = [Sim3.identity()] * (1 + frames[-1].chunk_index)
+    config = RefineConfig(loops_per_segment_pair=per_pair)
+    rng = np.random.default_rng(per_pair)
+
+    def found(submit) -> tuple[list[tuple[int, int]], RefineFigures]:
+        figures = RefineFigures()
+        loops = detect_loops(frames, lambda frame: gradient_grid_descriptor(shown[frame]),
+                             lambda frame: indexed_keyframe(loaded[frame], config.closure), segment_of, placement,
+                             config, figures=figures, submit=submit)
+        return [(loop.earlier_frame, loop.query_frame) for loop in loops], figures
+
+    alone, alone_figures = found(at_once)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        delays = iter(rng.uniform(0, 0.02, 10_000))
+        shuffled, shuffled_figures = found(lambda job: pool.submit(lambda: (time.sleep(next(delays)), job())[1]))
+    assert shuffled == alone and len(alone) > 0
+    assert (shuffled_figures.pairs_checked, shuffled_figures.keyframes_matched) == \
+        (alone_figures.pairs_checked, alone_figures.keyframes_matched)

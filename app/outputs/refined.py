@@ -55,6 +55,7 @@ from stream_recon.app.outputs.writers import corrected_prediction_file
 from stream_recon.app.stopping import interrupts_held
 from stream_recon.models import ChildCalls, ChildDied, DaemonPool, MapError, SavedMap, read_map
 from stream_recon.models.loops.refine import (
+    ImageFeatures,
     IndexedKeyframe,
     Keyframe,
     LoopEdge,
@@ -66,6 +67,7 @@ from stream_recon.models.loops.refine import (
     frame_moves,
     indexed_keyframe,
     keyframe_descriptor,
+    saved_features,
     segments_of,
     solve_fine,
     with_stream_loops,
@@ -189,10 +191,10 @@ def _refine_held(workers: Workers, run_dir: Path, info: dict, saved: SavedMap, c
         _require_images(files[keyframes[0].frame_index], run_dir)
     figures = RefineFigures(chunks=saved.num_chunks)
     segment_of = segments_of(covered, config.segment_frames).node_of
-    call = workers.children.call
+    call, known = workers.children.call, saved_features(saved, config.closure)
     loops = detect_loops(keyframes, lambda frame: call(_descriptor, files[frame]),
-                         lambda frame: call(_prepared_keyframe, files[frame], config), segment_of, placement,
-                         config, progress, figures, lambda jobs, done: _in_pool(workers.pool, jobs, done))
+                         lambda frame: call(_prepared_keyframe, files[frame], config, known.get(frame)), segment_of, placement,
+                         config, progress, figures, workers.pool.submit)
     merged = with_stream_loops(loops, _stream_loops(saved))
     figures.stream_loops = len(merged) - len(loops)
     loops = merged
@@ -215,16 +217,6 @@ def _refine_held(workers: Workers, run_dir: Path, info: dict, saved: SavedMap, c
             remove_tree(staging)
         raise
     return RefineResult(len(frames), figures, time.perf_counter() - started)
-
-
-def _in_pool(pool: DaemonPool, jobs: Sequence[Callable[[], Any]], done: Callable[[int], None]) -> list[Any]:
-    """Every job's result in order (`_in_order`), `done` told the count after each."""
-    results = []
-    with contextlib.closing(_in_order(pool, jobs)) as ordered:
-        for result in ordered:
-            results.append(result)
-            done(len(results))
-    return results
 
 
 def _in_order(pool: DaemonPool, jobs: Sequence[Callable[[], Any]]) -> Iterator[Any]:
@@ -333,11 +325,13 @@ def _descriptor(path: Path) -> np.ndarray:
     return keyframe_descriptor(prediction_fields(path, "image")["image"])
 
 
-def _prepared_keyframe(path: Path, config: RefineConfig) -> IndexedKeyframe:
-    """A keyframe's features and points, from its file, in a child of refine's."""
+def _prepared_keyframe(path: Path, config: RefineConfig, features: ImageFeatures | None) -> IndexedKeyframe:
+    """A keyframe's features (`features` where the map keeps them) and points, from its file, in a child of
+    refine's."""
     record = load_prediction(path)
     return indexed_keyframe(Keyframe(record["frame_index"], record["chunk_index"], record["image"], record["depth"],
-                                     record["depth_conf"], record["intrinsics"], record["c2w"]), config.closure)
+                                     record["depth_conf"], record["intrinsics"], record["c2w"]), config.closure,
+                            features)
 
 
 def _stream_loops(saved: SavedMap) -> list[tuple[int, int, LoopEdge]]:

@@ -33,7 +33,7 @@ from ..stream.similarity import (
 )
 from .corrections import ChunkCorrections, LoopRecord
 from .detection import CheckedCandidate, LoopDetectionConfig, LoopDetector
-from .geometric_check import extract_features
+from .geometric_check import FeatureConfig, extract_features
 from .pose_graph import PoseGraphSolver
 from .pose_graph_data import LoopEdge, OdometryEdge, PoseGraph, PoseGraphResult, PoseGraphSettings, open_chain
 from .retrieval import gradient_grid_descriptor
@@ -110,9 +110,13 @@ def map_manifest(config: LoopClosureConfig, checkpoint: dict[str, Any], chunk_fr
                  overlap: int) -> MapManifest:
     """The manifest of the map a loop closer with `config` writes (saved_map.py); `checkpoint`: name, bytes,
     sha256 (None until hashed)."""
-    features = config.detection.features
-    return MapManifest(checkpoint, f"gradient-grid/{GRADIENT_GRID_DIM}", f"sift/{features.max_features}/{features.contrast_threshold:g}",
+    return MapManifest(checkpoint, f"gradient-grid/{GRADIENT_GRID_DIM}", features_name(config.detection.features),
                        chunk_frames, overlap)
+
+
+def features_name(features: FeatureConfig) -> str:
+    """The features a map's keyframes hold, as its manifest names them: "sift/<max features>/<contrast>"."""
+    return f"sift/{features.max_features}/{features.contrast_threshold:g}"
 
 
 def keyframe_of(pred: FramePrediction) -> Keyframe:

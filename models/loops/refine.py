@@ -20,10 +20,13 @@ segment's edge. No model runs: everything comes from what the run kept (its pred
 
 from __future__ import annotations
 
+import functools
 import os
+import queue
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +40,7 @@ from .closer import (
     _KeyframePoints,
     _rotation_about,
     align_loop,
+    features_name,
     keypoint_points,
     loop_edge,
 )
@@ -44,6 +48,7 @@ from .geometric_check import ImageFeatures, check_pair, extract_features
 from .pose_graph import PoseGraphSolver
 from .pose_graph_data import LoopEdge, OdometryEdge, PoseGraph, PoseGraphResult, PoseGraphSettings
 from .retrieval import KeyframeIndex, RetrievalConfig, gradient_grid_descriptor
+from .saved_map import SavedMap
 
 
 @dataclass(frozen=True)
@@ -120,17 +125,21 @@ class RefineFigures:
 
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
-# Runs jobs (each a function of no argument) and returns their results in order, calling back with how many are
-# done; the caller's: a pool of its threads (OpenCV's SIFT and matching free the GIL), or one after the other.
-RunJobs = Callable[[Sequence[Callable[[], Any]], Callable[[int], None]], list]
+# Starts a job (a function of no argument) and returns its future; the caller's: a pool of its threads (OpenCV's
+# SIFT and matching free the GIL), or `at_once`.
+Submit = Callable[[Callable[[], Any]], Future]
+# A job not done this long after the last one (a job takes tens of milliseconds) is a hung library.
+JOB_STALL_S = 120.0
 
 
-def one_after_another(jobs: Sequence[Callable[[], Any]], done: Callable[[int], None]) -> list:
-    results = []
-    for job in jobs:
-        results.append(job())
-        done(len(results))
-    return results
+def at_once(job: Callable[[], Any]) -> Future:
+    """`job` run now, on the caller's thread: its future, done."""
+    future: Future = Future()
+    try:
+        future.set_result(job())
+    except Exception as error:  # noqa: BLE001 - raised where its result is taken
+        future.set_exception(error)
+    return future
 
 
 # -- segments ----------------------------------------------------------------------------------------------
@@ -295,42 +304,35 @@ class CandidatePair:
 def detect_loops(keyframes: Sequence[RunFrame], describe: Callable[[int], np.ndarray],
                  prepare: Callable[[int], IndexedKeyframe], segment_of: Mapping[int, int], placement: Sequence[Sim3],
                  config: RefineConfig = RefineConfig(), progress: Progress | None = None,
-                 figures: RefineFigures | None = None, run_jobs: RunJobs = one_after_another) -> list[FrameLoop]:
-    """Every keyframe indexed (its picture's retrieval descriptor, `describe(frame)`: gradient_grid_descriptor),
-    each one's retrieval among the earlier ones (chunks two or more back, as on the stream), and the candidates
+                 figures: RefineFigures | None = None, submit: Submit = at_once) -> list[FrameLoop]:
+    """Every keyframe indexed (its picture's retrieval descriptor, `describe(frame)`: keyframe_descriptor), each
+    one's retrieval among the earlier ones (chunks two or more back, as on the stream), and the candidates
     checked (geometric check, 3D agreement: closer.py's) segment pair by segment pair (`segment_of[frame]`), the
     most alike first, until `config.loops_per_segment_pair` are verified: each verified pair a loop edge in
     chunk coordinates (`placement[c]`: chunk c in the run's world). Features and points (`prepare(frame)`:
-    indexed_keyframe of the keyframe in the run's world) are made for the keyframes a check needs; the
-    descriptors, those and the checks run through `run_jobs`."""
+    indexed_keyframe of the keyframe in the run's world) are made once for each keyframe a check needs; the
+    descriptors, those and the checks are started through `submit`. Raises TimeoutError when no job has ended
+    for JOB_STALL_S."""
     progress = progress or (lambda stage, done, total: None)
     figures = figures or RefineFigures()
     started = time.perf_counter()
-    descriptors = run_jobs([lambda f=frame.frame_index: describe(f) for frame in keyframes],
-                           lambda done: progress("keyframes", done, len(keyframes)))
+    described = [submit(functools.partial(describe, frame.frame_index)) for frame in keyframes]
+    descriptors = []
+    for future in described:
+        descriptors.append(future.result(timeout=JOB_STALL_S))
+        progress("keyframes", len(descriptors), len(keyframes))
     figures.keyframes_indexed = len(keyframes)
     figures.seconds["index"] = time.perf_counter() - started
     started = time.perf_counter()
     queues = candidate_pairs(keyframes, descriptors, segment_of, config.closure.detection.retrieval)
     total = sum(len(queue) for queue in queues.values())
-    indexed: dict[int, IndexedKeyframe] = {}
-    verified: dict[tuple[int, int], list[tuple[CandidatePair, Any]]] = {group: [] for group in queues}
-    checked = 0
-    while wave := _next_wave(queues, verified, config.loops_per_segment_pair):
-        needed = sorted({frame for pair in wave for frame in (pair.query, pair.earlier)} - indexed.keys())
-        for item in run_jobs([lambda f=frame: prepare(f) for frame in needed],
-                             lambda done: None):
-            indexed[item.frame_index] = item
-        results = run_jobs([lambda p=pair: _verified(indexed[p.query], indexed[p.earlier], config.closure)
-                            for pair in wave], lambda done, before=checked: progress("loops", before + done, total))
-        checked += len(wave)
-        for pair, alignment in zip(wave, results, strict=True):
-            if alignment is not None:
-                verified[pair.segments].append((pair, alignment))
+    checks = _LoopChecks(queues, prepare, submit, config, lambda done: progress("loops", done, total))
+    verified = checks.run()
     progress("loops", total, total)
-    figures.pairs_retrieved, figures.pairs_checked, figures.keyframes_matched = total, checked, len(indexed)
+    figures.pairs_retrieved, figures.pairs_checked, figures.keyframes_matched = total, checks.checked, len(checks.indexed)
     found = sorted((item for items in verified.values() for item in items),
                    key=lambda item: (item[0].query, item[0].earlier))
+    indexed = checks.indexed
     loops = [FrameLoop(n, pair.earlier, pair.query,
                        loop_edge(n, indexed[pair.earlier].chunk_index, indexed[pair.query].chunk_index, alignment,
                                  placement, config.closure))
@@ -338,6 +340,77 @@ def detect_loops(keyframes: Sequence[RunFrame], describe: Callable[[int], np.nda
     figures.loops_verified = len(loops)
     figures.seconds["loops"] = time.perf_counter() - started
     return loops
+
+
+class _LoopChecks:
+    """The checks of every segment pair's candidates, each pair's in order of likeness and as many at a time as
+    it lacks verified loops, the pairs side by side: a check starts once its two keyframes are prepared, and a
+    pair's next candidate once one of its checks fails, so the workers never wait for the slowest job of a
+    round (a round of every pair's next candidates took 47 s of a 10,000-frame refine, mostly its tail). Each
+    pair checks the same candidates as it would alone, whatever the order jobs end in. The bookkeeping is the
+    caller's thread's alone; the workers only say what has ended (`_ended`)."""
+
+    def __init__(self, queues: Mapping[tuple[int, int], deque[CandidatePair]], prepare: Callable[[int], IndexedKeyframe],
+                 submit: Submit, config: RefineConfig, checked_so_far: Callable[[int], None]) -> None:
+        self.queues, self.prepare, self.submit, self.config = queues, prepare, submit, config
+        self.checked_so_far = checked_so_far
+        self.indexed: dict[int, IndexedKeyframe] = {}
+        self.verified: dict[tuple[int, int], list[tuple[CandidatePair, Any]]] = {group: [] for group in queues}
+        self.checked = 0
+        self._preparing: dict[int, Future] = {}
+        self._waiting: dict[int, list[CandidatePair]] = {}  # keyframe being prepared -> the pairs that need it
+        self._running = {group: 0 for group in queues}  # candidates of a pair started, not yet checked
+        self._ended: queue.SimpleQueue = queue.SimpleQueue()  # (kind, key, future) as jobs end, in any thread
+
+    def run(self) -> dict[tuple[int, int], list[tuple[CandidatePair, Any]]]:
+        for group in self.queues:
+            self._start_next(group)
+        while any(self._running.values()):
+            try:
+                kind, key, future = self._ended.get(timeout=JOB_STALL_S)
+            except queue.Empty:
+                raise TimeoutError(f"no loop check of refine's ended in {JOB_STALL_S:.0f} s") from None
+            if kind == "prepared":
+                self._prepared(key, future.result())
+            else:
+                self._checked(key, future.result())
+        return self.verified
+
+    def _start_next(self, group: tuple[int, int]) -> None:
+        wanted = self.config.loops_per_segment_pair
+        while self.queues[group] and len(self.verified[group]) + self._running[group] < wanted:
+            pair = self.queues[group].popleft()
+            self._running[group] += 1
+            missing = [frame for frame in (pair.query, pair.earlier) if frame not in self.indexed]
+            for frame in missing:
+                self._waiting.setdefault(frame, []).append(pair)
+                if frame not in self._preparing:
+                    self._preparing[frame] = self._watched("prepared", frame, functools.partial(self.prepare, frame))
+            if not missing:
+                self._check(pair)
+
+    def _prepared(self, frame: int, keyframe: IndexedKeyframe) -> None:
+        self.indexed[frame] = keyframe
+        for pair in self._waiting.pop(frame, []):
+            if pair.query in self.indexed and pair.earlier in self.indexed:
+                self._check(pair)
+
+    def _check(self, pair: CandidatePair) -> None:
+        self._watched("checked", pair, functools.partial(_verified, self.indexed[pair.query],
+                                                         self.indexed[pair.earlier], self.config.closure))
+
+    def _checked(self, pair: CandidatePair, alignment: Any) -> None:
+        self.checked += 1
+        self._running[pair.segments] -= 1
+        if alignment is not None:
+            self.verified[pair.segments].append((pair, alignment))
+        self.checked_so_far(self.checked)
+        self._start_next(pair.segments)
+
+    def _watched(self, kind: str, key: Any, job: Callable[[], Any]) -> Future:
+        future = self.submit(job)
+        future.add_done_callback(lambda done: self._ended.put((kind, key, done)))  # unbounded-ok: never waits
+        return future
 
 
 def candidate_pairs(keyframes: Sequence[RunFrame], descriptors: Sequence[np.ndarray], segment_of: Mapping[int, int],
@@ -357,15 +430,13 @@ def candidate_pairs(keyframes: Sequence[RunFrame], descriptors: Sequence[np.ndar
     return queues
 
 
-def _next_wave(queues: Mapping[tuple[int, int], deque[CandidatePair]],
-               verified: Mapping[tuple[int, int], list], wanted: int) -> list[CandidatePair]:
-    """The next candidates of every segment pair with fewer than `wanted` loops verified: as many as it lacks."""
-    wave = []
-    for group, queue in queues.items():
-        for _ in range(max(0, wanted - len(verified[group]))):
-            if queue:
-                wave.append(queue.popleft())
-    return wave
+def saved_features(saved: SavedMap, config: LoopClosureConfig) -> dict[int, ImageFeatures]:
+    """The SIFT features of the keyframes the stream indexed, by frame, as its map keeps them, where the map's
+    features are `config`'s: the same picture's, so the same (a SIFT of a 518 x 392 picture: ~120 ms of a
+    core); none from a map of other features."""
+    if saved.manifest.features != features_name(config.detection.features):
+        return {}
+    return {keyframe.frame_index: ImageFeatures(keyframe.keypoints, keyframe.descriptors) for keyframe in saved.keyframes}
 
 
 def keyframe_descriptor(image: np.ndarray) -> np.ndarray:
@@ -373,9 +444,11 @@ def keyframe_descriptor(image: np.ndarray) -> np.ndarray:
     return gradient_grid_descriptor(image)
 
 
-def indexed_keyframe(keyframe: Keyframe, config: LoopClosureConfig) -> IndexedKeyframe:
-    """Its SIFT features, the weight-free descriptor of its picture and the points behind its keypoints."""
-    features = extract_features(keyframe.image, config.detection.features)
+def indexed_keyframe(keyframe: Keyframe, config: LoopClosureConfig,
+                     features: ImageFeatures | None = None) -> IndexedKeyframe:
+    """Its SIFT features (`features` where they are known already: `saved_features`), the weight-free
+    descriptor of its picture and the points behind its keypoints."""
+    features = features if features is not None else extract_features(keyframe.image, config.detection.features)
     points, median_depth = keypoint_points(features.keypoints, keyframe.depth, keyframe.depth_conf,
                                            keyframe.intrinsics, keyframe.c2w, config.min_confidence)
     centre = np.asarray(keyframe.c2w, np.float64)[:3, 3]
@@ -392,5 +465,5 @@ def _verified(query: IndexedKeyframe, earlier: IndexedKeyframe, config: LoopClos
     return alignment if alignment.passed else None
 
 
-__all__ = ["CandidatePair", "FrameLoop", "IndexedKeyframe", "candidate_pairs", "indexed_keyframe", "keyframe_descriptor", "RefineConfig", "RunJobs", "one_after_another", "RefineFigures", "RunFrame", "Segments", "detect_loops", "fine_graph",
+__all__ = ["CandidatePair", "FrameLoop", "ImageFeatures", "IndexedKeyframe", "candidate_pairs", "indexed_keyframe", "keyframe_descriptor", "saved_features", "RefineConfig", "Submit", "at_once", "RefineFigures", "RunFrame", "Segments", "detect_loops", "fine_graph",
            "frame_moves", "segments_of", "solve_fine", "with_stream_loops"]
