@@ -70,6 +70,7 @@ from stream_recon.models.loops.refine import (
     saved_features,
     segments_of,
     solve_fine,
+    verified_alignment,
     with_stream_loops,
 )
 from stream_recon.models.stream.similarity import Sim3
@@ -82,8 +83,9 @@ _WORKER_POLICY = HelperPolicy("refine's workers", WhenFull.DROP, WhenDown.FAIL_R
 # The work that holds the interpreter's lock (an npz read and write, a frame's points, a keyframe's loading) runs
 # in a child process a worker thread: on a 16-core host, 16 threads wrote the frames at 9.2 ms a frame
 # where one thread took 12.5 and 4 threads 7.0 (the lock, not the cores, was the limit), while OpenCV's SIFT
-# and the checks, which free it, ran 18 and 8 times faster on 16 threads than on one. The checks stay on the
-# threads: each takes two keyframes' features, which would cross a pipe for every pair.
+# and the checks, which free it, ran 18 and 8 times faster on 16 threads than on one (on micro-benchmarks; in a
+# 10,000-frame refine the checks on threads left its loops at 47-50 s, with or without the map's features). So
+# the checks run there too: a check's two keyframes (~0.6 MB) cross the pipe in a fraction of a millisecond.
 # Jobs handed to the workers ahead of the one whose result is taken next, per worker: a job's result is small
 # (a batch's points, not its frames' 1.4 MB arrays at 518x392), and a worker holds one batch's arrays at a time.
 JOBS_AHEAD_PER_WORKER = 2
@@ -194,7 +196,8 @@ def _refine_held(workers: Workers, run_dir: Path, info: dict, saved: SavedMap, c
     call, known = workers.children.call, saved_features(saved, config.closure)
     loops = detect_loops(keyframes, lambda frame: call(_descriptor, files[frame]),
                          lambda frame: call(_prepared_keyframe, files[frame], config, known.get(frame)), segment_of, placement,
-                         config, progress, figures, workers.pool.submit)
+                         config, progress, figures, workers.pool.submit,
+                         lambda query, earlier: call(verified_alignment, query, earlier, config.closure))
     merged = with_stream_loops(loops, _stream_loops(saved))
     figures.stream_loops = len(merged) - len(loops)
     loops = merged

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import os
 import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -304,15 +305,18 @@ class CandidatePair:
 def detect_loops(keyframes: Sequence[RunFrame], describe: Callable[[int], np.ndarray],
                  prepare: Callable[[int], IndexedKeyframe], segment_of: Mapping[int, int], placement: Sequence[Sim3],
                  config: RefineConfig = RefineConfig(), progress: Progress | None = None,
-                 figures: RefineFigures | None = None, submit: Submit = at_once) -> list[FrameLoop]:
+                 figures: RefineFigures | None = None, submit: Submit = at_once,
+                 check: Callable[[IndexedKeyframe, IndexedKeyframe], Any] | None = None) -> list[FrameLoop]:
     """Every keyframe indexed (its picture's retrieval descriptor, `describe(frame)`: keyframe_descriptor), each
     one's retrieval among the earlier ones (chunks two or more back, as on the stream), and the candidates
     checked (geometric check, 3D agreement: closer.py's) segment pair by segment pair (`segment_of[frame]`), the
     most alike first, until `config.loops_per_segment_pair` are verified: each verified pair a loop edge in
     chunk coordinates (`placement[c]`: chunk c in the run's world). Features and points (`prepare(frame)`:
     indexed_keyframe of the keyframe in the run's world) are made once for each keyframe a check needs; the
-    descriptors, those and the checks are started through `submit`. Raises TimeoutError when no job has ended
-    for JOB_STALL_S."""
+    descriptors, those and the checks (`check(query, earlier)`, default verified_alignment here) are started
+    through `submit`. Raises TimeoutError when no job has ended for JOB_STALL_S. figures.seconds gets, beside
+    each stage's, the seconds the workers spent on preparing keyframes and on checks ("prepare_jobs",
+    "check_jobs"): their sum over the stage's seconds is how many workers were busy on the average."""
     progress = progress or (lambda stage, done, total: None)
     figures = figures or RefineFigures()
     started = time.perf_counter()
@@ -326,8 +330,10 @@ def detect_loops(keyframes: Sequence[RunFrame], describe: Callable[[int], np.nda
     started = time.perf_counter()
     queues = candidate_pairs(keyframes, descriptors, segment_of, config.closure.detection.retrieval)
     total = sum(len(queue) for queue in queues.values())
-    checks = _LoopChecks(queues, prepare, submit, config, lambda done: progress("loops", done, total))
+    check = check or functools.partial(verified_alignment, config=config.closure)
+    checks = _LoopChecks(queues, prepare, check, submit, config, lambda done: progress("loops", done, total))
     verified = checks.run()
+    figures.seconds.update(prepare_jobs=checks.busy["prepared"], check_jobs=checks.busy["checked"])
     progress("loops", total, total)
     figures.pairs_retrieved, figures.pairs_checked, figures.keyframes_matched = total, checks.checked, len(checks.indexed)
     found = sorted((item for items in verified.values() for item in items),
@@ -351,8 +357,9 @@ class _LoopChecks:
     caller's thread's alone; the workers only say what has ended (`_ended`)."""
 
     def __init__(self, queues: Mapping[tuple[int, int], deque[CandidatePair]], prepare: Callable[[int], IndexedKeyframe],
-                 submit: Submit, config: RefineConfig, checked_so_far: Callable[[int], None]) -> None:
-        self.queues, self.prepare, self.submit, self.config = queues, prepare, submit, config
+                 check: Callable[[IndexedKeyframe, IndexedKeyframe], Any], submit: Submit, config: RefineConfig,
+                 checked_so_far: Callable[[int], None]) -> None:
+        self.queues, self.prepare, self.check, self.submit, self.config = queues, prepare, check, submit, config
         self.checked_so_far = checked_so_far
         self.indexed: dict[int, IndexedKeyframe] = {}
         self.verified: dict[tuple[int, int], list[tuple[CandidatePair, Any]]] = {group: [] for group in queues}
@@ -361,6 +368,8 @@ class _LoopChecks:
         self._waiting: dict[int, list[CandidatePair]] = {}  # keyframe being prepared -> the pairs that need it
         self._running = {group: 0 for group in queues}  # candidates of a pair started, not yet checked
         self._ended: queue.SimpleQueue = queue.SimpleQueue()  # (kind, key, future) as jobs end, in any thread
+        self.busy = {"prepared": 0.0, "checked": 0.0}  # seconds of the workers' on each kind of job
+        self._busy_lock = threading.Lock()
 
     def run(self) -> dict[tuple[int, int], list[tuple[CandidatePair, Any]]]:
         for group in self.queues:
@@ -396,8 +405,8 @@ class _LoopChecks:
                 self._check(pair)
 
     def _check(self, pair: CandidatePair) -> None:
-        self._watched("checked", pair, functools.partial(_verified, self.indexed[pair.query],
-                                                         self.indexed[pair.earlier], self.config.closure))
+        self._watched("checked", pair, functools.partial(self.check, self.indexed[pair.query],
+                                                         self.indexed[pair.earlier]))
 
     def _checked(self, pair: CandidatePair, alignment: Any) -> None:
         self.checked += 1
@@ -408,9 +417,17 @@ class _LoopChecks:
         self._start_next(pair.segments)
 
     def _watched(self, kind: str, key: Any, job: Callable[[], Any]) -> Future:
-        future = self.submit(job)
+        future = self.submit(functools.partial(self._timed, kind, job))
         future.add_done_callback(lambda done: self._ended.put((kind, key, done)))  # unbounded-ok: never waits
         return future
+
+    def _timed(self, kind: str, job: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        try:
+            return job()
+        finally:
+            with self._busy_lock:
+                self.busy[kind] += time.perf_counter() - started
 
 
 def candidate_pairs(keyframes: Sequence[RunFrame], descriptors: Sequence[np.ndarray], segment_of: Mapping[int, int],
@@ -456,7 +473,7 @@ def indexed_keyframe(keyframe: Keyframe, config: LoopClosureConfig,
                            _KeyframePoints(points, median_depth, centre), np.asarray(keyframe.intrinsics, np.float64))
 
 
-def _verified(query: IndexedKeyframe, earlier: IndexedKeyframe, config: LoopClosureConfig) -> Any:
+def verified_alignment(query: IndexedKeyframe, earlier: IndexedKeyframe, config: LoopClosureConfig) -> Any:
     """The pair's 3D alignment when it passes the geometric check and agrees in 3D, else None."""
     check = check_pair(query.features, earlier.features, query.intrinsics, earlier.intrinsics, config.detection.check)
     if not check.passed:
@@ -465,5 +482,5 @@ def _verified(query: IndexedKeyframe, earlier: IndexedKeyframe, config: LoopClos
     return alignment if alignment.passed else None
 
 
-__all__ = ["CandidatePair", "FrameLoop", "ImageFeatures", "IndexedKeyframe", "candidate_pairs", "indexed_keyframe", "keyframe_descriptor", "saved_features", "RefineConfig", "Submit", "at_once", "RefineFigures", "RunFrame", "Segments", "detect_loops", "fine_graph",
+__all__ = ["CandidatePair", "FrameLoop", "ImageFeatures", "IndexedKeyframe", "candidate_pairs", "indexed_keyframe", "keyframe_descriptor", "saved_features", "verified_alignment", "RefineConfig", "Submit", "at_once", "RefineFigures", "RunFrame", "Segments", "detect_loops", "fine_graph",
            "frame_moves", "segments_of", "solve_fine", "with_stream_loops"]
