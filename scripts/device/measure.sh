@@ -45,7 +45,8 @@
 #   maps        maps that outlive a run, PARTS in order (default run refine), each a call of its own on a machine
 #               kept warm: run (FRAMES (10000) frames of the revisiting 640x480 video, flow keyframes, loop
 #               closure on, MODEL (lingbot-map); the run kept in .carry-runs/, which the machine keeps between
-#               calls), refine (a copy of the kept run refined, timed: $OUT/refine.json), stop (one SIGTERM at
+#               calls), refine (a copy of the kept run refined, timed: $OUT/refine.json; BASE_TAR: another
+#               tree's refine alternating with this one's ROUNDS times, refine_{other,this}_N.json), stop (one SIGTERM at
 #               STOP_AT (30) s into each of a refine of a copy and `stream-recon run VIDEO --map` the kept run,
 #               with a checkpoint of MODEL written first: seconds to exit, and whether the refined copy stayed
 #               whole: $OUT/stop.log)
@@ -596,6 +597,31 @@ stopped() { local name=$1 sent code; shift
   sleep "${STOP_AT:-30}"; sent=$(date +%s.%N); kill -TERM "$pid"; wait "$pid"; code=$?
   echo "$name: SIGTERM at ${STOP_AT:-30} s, exit $code $(python3 -c 'import sys, time; print(f"{time.time() - float(sys.argv[1]):.2f} s")' "$sent") after it" \
     | tee -a "$OUT/stop.log"; }
+# refine_rounds RUN COPY: a copy of RUN refined by this tree, timed ($OUT/refine.json); with BASE_TAR (another
+# tree's `git archive`), that tree's refine and this one's alternate ROUNDS (1) times on fresh copies, each from
+# its own package ($OUT/refine_{other,this}_N.json), so that two trees compare on one machine.
+refine_rounds() { local run=$1 copy=$2 round side package sides=this
+  if [ -n "${BASE_TAR:-}" ]; then
+    mkdir -p /tmp/base; tar -xf "$BASE_TAR" -C /tmp/base; link_package sr_other /tmp/base; sides="other this"
+  fi
+  for round in $(seq "${ROUNDS:-1}"); do
+    for side in $sides; do
+      package=/tmp/sr; [ "$side" = other ] && package=/tmp/sr_other
+      rm -rf "$copy"; cp -r "$run" "$copy"; sync
+      echo "== refine, round $round, $side" | tee -a "$OUT/refine.log"
+      PYTHONPATH=$package:/tmp/site timeout "${LIMIT_S:-570}" python3 - "$copy" "$OUT/refine_${side}_$round.json" \
+        <<'PY' 2>&1 | grep -v Warn | tee -a "$OUT/refine.log"
+import json, sys
+from pathlib import Path
+sys.path.insert(0, "scripts")
+from bench_loop_closure import print_refine, refined_run
+refine = refined_run(Path(sys.argv[1]))
+print_refine(refine)
+Path(sys.argv[2]).write_text(json.dumps(refine, indent=2))
+PY
+    done
+  done
+  [ "$sides" = this ] && cp "$OUT/refine_this_1.json" "$OUT/refine.json"; return 0; }
 suite_maps() { local part run copy
   for part in ${PARTS:-run refine}; do
     run=$(kept_run); copy=.carry-runs/copy
@@ -605,17 +631,7 @@ suite_maps() { local part run copy
              --keyframes flow --video-size 640x480 --warmup-frames 40 --compile off --model "${MODEL:-lingbot-map}" \
              --video-dir .carry-runs --log "$OUT/run.log" --json "$OUT/run.json" 2>&1 | grep --line-buffered -v Warn \
              | tee "$OUT/bench.log" ;;
-      refine) rm -rf "$copy"; cp -r "$run" "$copy"
-              timeout "${LIMIT_S:-570}" python3 - "$copy" "$OUT/refine.json" <<'PY' 2>&1 | grep -v Warn | tee "$OUT/refine.log"
-import json, sys
-from pathlib import Path
-sys.path.insert(0, "scripts")
-from bench_loop_closure import print_refine, refined_run
-refine = refined_run(Path(sys.argv[1]))
-print_refine(refine)
-Path(sys.argv[2]).write_text(json.dumps(refine, indent=2))
-PY
-              ;;
+      refine) refine_rounds "$run" "$copy" ;;
       stop) rm -rf "$copy" .carry-runs/extended; cp -r "$run" "$copy"
             stopped refine stream_recon refine "$copy"
             python3 - "$copy" <<'PY' | tee -a "$OUT/stop.log"
