@@ -1,7 +1,8 @@
 """Shared test fixtures.
 
 Every module's torch runs on one intra-op thread (one_torch_thread, autouse) but the golden modules',
-whose full-size model's products are large enough to share between the cores this worker has.
+whose full-size model's products are large enough to share between the cores this worker has; NumPy's and
+OpenCV's BLAS run on one thread in every test process (one_blas_thread, autouse).
 
 For a test that runs the tiny model:
 
@@ -20,6 +21,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
+import threadpoolctl
 import torch
 
 from stream_recon.models import GCTStream, ModelConfig, prepare_for_inference
@@ -108,6 +110,16 @@ def one_torch_thread(request: pytest.FixtureRequest):
     torch.set_num_threads(cores_per_worker() if golden else 1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_blas_thread():
+    """The BLAS libraries loaded here (NumPy's and OpenCV's OpenBLAS) on one thread for the session, as the loop
+    closure child runs them (models/loops/process.py). The tests' matrices are small: a second OpenBLAS thread
+    spins between calls on the core the other pytest-xdist worker needs. TUM fr2_desk's localise tests beside a
+    busy loop took 43 s with two BLAS threads, 31 s with one (52 s of CPU against 32 s)."""
+    with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
+        yield
 
 
 def cores_per_worker() -> int:
