@@ -64,10 +64,12 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return convert_to_safetensors(folder / "tiny.pt", folder / "tiny.safetensors", config=ModelConfig.tiny())
 
 
-# The files that take over 100 s of a worker (docs/performance-log.md, "the whole suite's time by file"), longest
-# first: handed out right after the golden ones, so that the suite ends on short files on both workers.
-LONGEST_FILES = ("test_app_cli_process.py", "test_app_faults.py", "test_app_cli.py", "test_scripts_smoke.py",
-                 "test_models_chunked.py")
+# The files that take over a minute of a worker (a whole pass's --durations beside a busy golden worker: the
+# process tests' 60-150 s each, the two localise files ~100 s each), longest first: handed out right after the
+# golden ones, so that the suite ends on short files on both workers.
+LONGEST_FILES = ("test_app_cli_process.py", "test_app_localise_process.py", "test_models_loop_localise.py",
+                 "test_scripts_smoke.py", "test_app_faults.py", "test_app_new_user.py", "test_models_chunked.py",
+                 "test_app_cli.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
