@@ -1,7 +1,8 @@
 """Shared test fixtures.
 
 Every module's torch runs on one intra-op thread (one_torch_thread, autouse) but the golden modules',
-whose full-size model's products are large enough to share between the cores this worker has.
+whose full-size model's products are large enough to share between the cores this worker has; NumPy's and
+OpenCV's BLAS run on one thread in every test process (one_blas_thread, autouse).
 
 For a test that runs the tiny model:
 
@@ -20,6 +21,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
+import threadpoolctl
 import torch
 
 from stream_recon.models import GCTStream, ModelConfig, prepare_for_inference
@@ -62,10 +64,12 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return convert_to_safetensors(folder / "tiny.pt", folder / "tiny.safetensors", config=ModelConfig.tiny())
 
 
-# The files that take over 100 s of a worker (docs/performance-log.md, "the whole suite's time by file"), longest
-# first: handed out right after the golden ones, so that the suite ends on short files on both workers.
-LONGEST_FILES = ("test_app_cli_process.py", "test_app_faults.py", "test_app_cli.py", "test_scripts_smoke.py",
-                 "test_models_chunked.py")
+# The files that take over a minute of a worker (a whole pass's --durations beside a busy golden worker: the
+# process tests' 60-150 s each, the two localise files ~100 s each), longest first: handed out right after the
+# golden ones, so that the suite ends on short files on both workers.
+LONGEST_FILES = ("test_app_cli_process.py", "test_app_localise_process.py", "test_models_loop_localise.py",
+                 "test_scripts_smoke.py", "test_app_faults.py", "test_app_new_user.py", "test_models_chunked.py",
+                 "test_app_cli.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -108,6 +112,16 @@ def one_torch_thread(request: pytest.FixtureRequest):
     torch.set_num_threads(cores_per_worker() if golden else 1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_blas_thread():
+    """The BLAS libraries loaded here (NumPy's and OpenCV's OpenBLAS) on one thread for the session, as the loop
+    closure child runs them (models/loops/process.py). The tests' matrices are small: a second OpenBLAS thread
+    spins between calls on the core the other pytest-xdist worker needs. TUM fr2_desk's localise tests beside a
+    busy loop took 43 s with two BLAS threads, 31 s with one (52 s of CPU against 32 s)."""
+    with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
+        yield
 
 
 def cores_per_worker() -> int:

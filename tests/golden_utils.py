@@ -55,6 +55,38 @@ def prepared_full_size_model():
     return prepare_for_inference(full_size_model(), "cpu", torch.float32)
 
 
+class Capture:
+    """Keeps the first output of a module (the phase-1 step) without changing it."""
+
+    def __init__(self, module):
+        self.value = None
+        self.handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, module, inputs, output):
+        if self.value is None:
+            self.value = [o.detach().clone() for o in output] if isinstance(output, (list, tuple)) else output.detach().clone()
+
+
+def phase1_captures(model) -> dict[str, Capture]:
+    """Captures of the phase-1 step's intermediates that tests/golden/phase1_intermediates holds: the DINO patch
+    tokens, the aggregator's layers and the camera head's iterations (remove each handle when done)."""
+    return {"dino": Capture(model.aggregator.patch_embed), "aggregator": Capture(model.aggregator),
+            "camera": Capture(model.camera_head)}
+
+
+def assert_phase1_intermediates(captured: dict[str, object]) -> None:
+    """The first step's intermediates (phase1_captures' values) against the fixture, frame 0's where per frame."""
+    golden = np.load(GOLDEN / "phase1_intermediates" / "intermediates.npz")
+    checks = {
+        "dino_patch_tokens_f0": captured["dino"][0],
+        "agg_layers_f0": torch.stack([layer[0] for layer in captured["aggregator"]]),
+        "pose_enc_list": torch.stack(captured["camera"]),
+    }
+    for key, ours in checks.items():
+        err = relative_error(ours.numpy(), golden[key])
+        assert err <= TOLERANCE, f"{key}: error {err:.2e}"
+
+
 def every_golden_check() -> bool:
     """STREAM_RECON_GOLDEN=all: every golden computation, also the engine's own flow stream, which the CLI's
     flow scenario computes once already."""

@@ -46,6 +46,8 @@ UNSURE_SHARE = 0.2
 
 @dataclass(frozen=True)
 class Landmarks:
+    """The scene's landmarks, the most salient first (a view keeps the first it sees: most_salient_seen)."""
+
     points: np.ndarray  # [L, 3] in the true world
     descriptors: np.ndarray  # [L, 128] uint8
     salience: np.ndarray  # [L]
@@ -59,8 +61,10 @@ def landmarks_along(truth: np.ndarray, scene_depth: float, rng: np.random.Genera
     camera = rays * rng.uniform(0.5, 1.5, (count, 1)) * scene_depth
     owner = np.repeat(np.arange(len(spawns)), LANDMARKS_PER_SPAWN)
     points = np.einsum("nij,nj->ni", spawns[owner, :3, :3], camera) + spawns[owner, :3, 3]
-    return Landmarks(points, rng.integers(0, 256, (count, 128)).astype(np.uint8), rng.uniform(size=count),
-                     rng.normal(size=(count, WORD_DIM)))
+    descriptors, salience = rng.integers(0, 256, (count, 128)).astype(np.uint8), rng.uniform(size=count)
+    words = rng.normal(size=(count, WORD_DIM))
+    order = np.argsort(-salience)
+    return Landmarks(points[order], descriptors[order], salience[order], words[order])
 
 
 @dataclass(frozen=True)
@@ -72,19 +76,29 @@ class View:
     descriptor: np.ndarray  # [WORD_DIM]
 
 
-def view_of(c2w: np.ndarray, landmarks: Landmarks, scene_depth: float, rng: np.random.Generator) -> View:
+def most_salient_seen(c2w: np.ndarray, landmarks: Landmarks, scene_depth: float) -> tuple[np.ndarray, np.ndarray]:
+    """The FEATURES most salient landmarks that project into the camera's picture, most salient first, and their
+    pixels [N, 2]: the landmarks (most salient first) projected a block at a time until FEATURES are seen. A view of
+    TUM fr2_desk sees 70 % of its 105,000 landmarks: projecting them all, then partitioning those seen by salience,
+    took 3 ms a view, the first block takes a tenth of that."""
     w2c_rotation = c2w[:3, :3].T
-    camera = (landmarks.points - c2w[:3, 3]) @ w2c_rotation.T
-    z = camera[:, 2]
-    seen = (z > 0.2 * scene_depth) & (z < 2.5 * scene_depth)
-    u = np.where(seen, FOCAL * camera[:, 0] / np.where(seen, z, 1) + WIDTH / 2, -1)
-    v = np.where(seen, FOCAL * camera[:, 1] / np.where(seen, z, 1) + HEIGHT / 2, -1)
-    seen &= (u >= 0) & (u < WIDTH) & (v >= 0) & (v < HEIGHT)
-    visible = np.flatnonzero(seen)
-    if len(visible) > FEATURES:  # the FEATURES most salient (a partition, then those sorted: what a whole sort gives)
-        visible = visible[np.argpartition(-landmarks.salience[visible], FEATURES - 1)[:FEATURES]]
-    kept = visible[np.argsort(-landmarks.salience[visible])]
-    pixels = np.stack([u[kept], v[kept]], axis=1) + rng.normal(0, KEYPOINT_NOISE_PX, (len(kept), 2))
+    kept, pixels, found, start, block = [], [], 0, 0, 4096
+    while found < FEATURES and start < len(landmarks.points):
+        camera = (landmarks.points[start:start + block] - c2w[:3, 3]) @ w2c_rotation.T
+        z = camera[:, 2]
+        seen = (z > 0.2 * scene_depth) & (z < 2.5 * scene_depth)
+        u = np.where(seen, FOCAL * camera[:, 0] / np.where(seen, z, 1) + WIDTH / 2, -1)
+        v = np.where(seen, FOCAL * camera[:, 1] / np.where(seen, z, 1) + HEIGHT / 2, -1)
+        seen &= (u >= 0) & (u < WIDTH) & (v >= 0) & (v < HEIGHT)
+        kept.append(start + np.flatnonzero(seen))
+        pixels.append(np.stack([u[seen], v[seen]], axis=1))
+        found, start, block = found + len(kept[-1]), start + block, 4 * block
+    return np.concatenate(kept)[:FEATURES], np.concatenate(pixels)[:FEATURES]
+
+
+def view_of(c2w: np.ndarray, landmarks: Landmarks, scene_depth: float, rng: np.random.Generator) -> View:
+    kept, seen_at = most_salient_seen(c2w, landmarks, scene_depth)
+    pixels = seen_at + rng.normal(0, KEYPOINT_NOISE_PX, (len(kept), 2))
     descriptors = np.clip(landmarks.descriptors[kept] + rng.normal(0, DESCRIPTOR_NOISE, (len(kept), 128)), 0, 255)
     clutter_pixels = np.stack([rng.uniform(0, WIDTH, CLUTTER), rng.uniform(0, HEIGHT, CLUTTER)], axis=1)
     keypoints = np.concatenate([pixels, clutter_pixels]).astype(np.float32)

@@ -217,15 +217,29 @@ class Scenario:
         return float(np.sqrt(np.mean(np.sum((aligned - truth) ** 2, axis=1))))
 
 
+def pairwise_distances(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """[len(p), len(q)] distances between positions p [n, 3] and q [m, 3]: np.linalg.norm(p[:, None] - q[None],
+    axis=2) bit for bit (the same differences, squared and summed in the same order), five times faster (numpy's sum
+    over an axis of three elements is slow)."""
+    return np.sqrt(sum((p[:, None, axis] - q[None, :, axis]) ** 2 for axis in range(3)))
+
+
 def revisits(truth: np.ndarray, ranges: list[tuple[int, int]], radius: float) -> dict[tuple[int, int], tuple[int, int]]:
     """Non-adjacent chunk pairs (a < b - 1) with a frame of each within `radius` of each other -> the
-    closest such frame pair (a's frame, b's frame)."""
+    closest such frame pair (a's frame, b's frame). A pair whose chunks' bounding spheres are further apart than
+    `radius` (with a margin for rounding) has no such frames: its distances are not computed."""
     positions = truth[:, :3, 3]
+    centres = np.array([positions[start:end].mean(axis=0) for start, end in ranges])
+    spans = np.array([np.linalg.norm(positions[start:end] - centre, axis=1).max()
+                      for (start, end), centre in zip(ranges, centres, strict=True)])
     found = {}
     for a, (start_a, end_a) in enumerate(ranges):
         for b in range(a + 2, len(ranges)):
             start_b, end_b = ranges[b]
-            distances = np.linalg.norm(positions[start_a:end_a, None] - positions[None, start_b:end_b], axis=2)
+            gap = np.linalg.norm(centres[a] - centres[b]) - spans[a] - spans[b]
+            if gap > radius + 1e-9 * (radius + spans[a] + spans[b] + abs(gap)):
+                continue
+            distances = pairwise_distances(positions[start_a:end_a], positions[start_b:end_b])
             i, j = np.unravel_index(np.argmin(distances), distances.shape)
             if distances[i, j] <= radius:
                 found[(a, b)] = (start_a + int(i), start_b + int(j))
@@ -247,7 +261,7 @@ def _nearest_pairs(truth: np.ndarray, frames_a: np.ndarray, frames_b: np.ndarray
     """Each of `frames_b` with its nearest of `frames_a`, closest pairs first, within `radius`: up to `count` of
     them that `keep(frame_a, frame_b, chosen so far)` admits."""
     positions = truth[:, :3, 3]
-    distances = np.linalg.norm(positions[frames_b][:, None] - positions[frames_a][None], axis=2)
+    distances = pairwise_distances(positions[frames_b], positions[frames_a])
     nearest = np.argmin(distances, axis=1)
     chosen: list[tuple[int, int]] = []
     for i in np.argsort(distances[np.arange(len(frames_b)), nearest], kind="stable"):

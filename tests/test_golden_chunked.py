@@ -1,8 +1,11 @@
-"""Windowed streaming against the official `inference_windowed` (fixtures README §3.7, scenario f).
+"""Windowed streaming against the official `inference_windowed` (fixtures README §3.7, scenario f), and the
+phase-1 intermediates (fixture d) of its first window's first step.
 
 Full-size model with the synthetic weights, CPU, float32. The engine emits every frame when first
 predicted and again when a later window re-predicts it; the last emission per frame must equal the
-reference's aligned and stitched output.
+reference's aligned and stitched output. The first window is a stream of its own, whose first step runs the three
+scale frames on an empty cache as every scenario's does: the intermediates the fixture holds are read from that
+step of interval_1's run (a stream of its own for them took 11 s more).
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import pytest
 from golden_utils import (
     GOLDEN,
     TOLERANCE,
+    assert_phase1_intermediates,
     golden_frames,
+    phase1_captures,
     prepared_full_size_model,
     relative_error,
 )
@@ -36,18 +41,37 @@ def model():
     return prepared_full_size_model()
 
 
-def run_windowed(model, config: StreamConfig) -> tuple[ChunkedEngine, dict[int, object], list[tuple[int, int]]]:
+def run_windowed(model, config: StreamConfig) -> tuple[ChunkedEngine, dict[int, object], list[tuple[int, int]], dict]:
+    """The golden frames through a windowed engine: the engine, each frame's last emission, every emission's
+    (frame, window) in order, and the first step's intermediates (phase1_captures' values)."""
     engine = ChunkedEngine(model, config, chunk_frames=6, overlap=3)
     final, order = {}, []
-    frames = golden_frames()
-    for index, frame in enumerate(frames):
-        for prediction in engine.push(frame, timestamp=index / 10):
+    captures = phase1_captures(model)
+    try:
+        for index, frame in enumerate(golden_frames()):
+            for prediction in engine.push(frame, timestamp=index / 10):
+                final[prediction.frame_index] = prediction
+                order.append((prediction.frame_index, prediction.chunk_index))
+        for prediction in engine.finish():
             final[prediction.frame_index] = prediction
             order.append((prediction.frame_index, prediction.chunk_index))
-    for prediction in engine.finish():
-        final[prediction.frame_index] = prediction
-        order.append((prediction.frame_index, prediction.chunk_index))
-    return engine, final, order
+    finally:
+        for capture in captures.values():
+            capture.handle.remove()
+    return engine, final, order, {name: capture.value for name, capture in captures.items()}
+
+
+@pytest.fixture(scope="module")
+def windowed_run(model):
+    """run_windowed of a scenario, run once for the module's tests."""
+    runs = {}
+
+    def run(scenario: str):
+        if scenario not in runs:
+            runs[scenario] = run_windowed(model, SCENARIOS[scenario])
+        return runs[scenario]
+
+    return run
 
 
 def unit_quaternions(pose_enc: np.ndarray) -> np.ndarray:
@@ -60,9 +84,9 @@ def unit_quaternions(pose_enc: np.ndarray) -> np.ndarray:
 
 # flow's windows roll over, align and stitch as interval_1's do, with keyframes decided and rolled back too
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_last_emissions_match_the_stitched_reference(model, scenario):
+def test_last_emissions_match_the_stitched_reference(windowed_run, scenario):
     golden = np.load(GOLDEN / "windowed" / f"{scenario}.npz")
-    engine, final, order = run_windowed(model, SCENARIOS[scenario])
+    engine, final, order, _ = windowed_run(scenario)
 
     assert sorted(final) == list(range(14))
     ours = {key: np.stack([getattr(final[i], key) for i in range(14)])
@@ -86,3 +110,9 @@ def test_last_emissions_match_the_stitched_reference(model, scenario):
         windows_per_frame.setdefault(frame_index, []).append(chunk_index)
     assert all(ws == sorted(set(ws)) for ws in windows_per_frame.values())
     assert engine.stats()["rollovers"] == len(golden["chunk_scales"]) - 1
+
+
+def test_phase1_intermediates(windowed_run):
+    """The first step (the scale frames 0-2 on an empty cache): DINO's patch tokens, the aggregator's layers and
+    the camera head's iterations against the official ones."""
+    assert_phase1_intermediates(windowed_run("interval_1")[3])

@@ -2,9 +2,10 @@
 
 Full-size model (1.16 B parameters): a few seconds a frame on one core of a 2-core machine. Each official
 computation runs once in the suite: every scenario's predictions at the boundary, through `stream-recon`, with the
-cache states and flow magnitudes of the same run (tests/test_golden_cli.py); here the phase-1 intermediates (the
-first step, the three scale frames, as in every scenario), and the cache states of the policies that decide by a
-frame's index (all, interval) on the tiny model, whatever the weights. The flow stream through the engine at full size runs
+cache states and flow magnitudes of the same run (tests/test_golden_cli.py); the phase-1 intermediates (the first
+step, the three scale frames, as in every scenario) from the windowed stream's first step
+(tests/test_golden_chunked.py); here the cache states of the policies that decide by a frame's index (all,
+interval) on the tiny model, whatever the weights. The flow stream through the engine at full size runs
 with STREAM_RECON_GOLDEN=all: the page tables do not depend on the weights, and they are checked against one
 reference on generated sequences of appends, rollbacks and evictions (tests/test_cache_paged.py,
 tests/test_models_engine.py), the GPU's kernels over them at full size on the GPU (tests/test_gpu_fast_path.py).
@@ -39,47 +40,18 @@ SCENARIOS = {
 }
 
 
-class Capture:
-    """Keeps the first output of a module (the phase-1 step) without changing it."""
-
-    def __init__(self, module):
-        self.value = None
-        self.handle = module.register_forward_hook(self._hook)
-
-    def _hook(self, module, inputs, output):
-        if self.value is None:
-            self.value = [o.detach().clone() for o in output] if isinstance(output, (list, tuple)) else output.detach().clone()
-
-
-def run_scenario(config: StreamConfig, capture: bool = False, model=None, frames: int | None = None):
-    """The golden frames (the first `frames` of them) through an engine of `config` on `model` (the full-size
-    one by default): the predictions, each push's cache state, the phase-1 captures."""
+def run_scenario(config: StreamConfig, model=None):
+    """The golden frames through an engine of `config` on `model` (the full-size one by default): the
+    predictions and each push's cache state."""
     torch.use_deterministic_algorithms(True)
     model = prepared_full_size_model() if model is None else model
-    captures = {}
-    if capture:
-        captures = {
-            "dino": Capture(model.aggregator.patch_embed),
-            "aggregator": Capture(model.aggregator),
-            "camera": Capture(model.camera_head),
-        }
     engine = StreamingEngine(model, config)
     predictions, states = [], []
-    try:
-        for frame in golden_frames()[:frames]:
-            time_before = engine.time_counter
-            predictions += engine.push(frame)
-            states.append(cache_state(engine, time_before))
-    finally:
-        for c in captures.values():
-            c.handle.remove()
-    return predictions, states, {k: c.value for k, c in captures.items()}
-
-
-def flow_engine_run(frames: int | None = None):
-    """The flow policy's stream (its first `frames` frames) through the engine, the first step's (phase 1's)
-    intermediates captured."""
-    return run_scenario(SCENARIOS["flow"], capture=True, frames=frames)
+    for frame in golden_frames():
+        time_before = engine.time_counter
+        predictions += engine.push(frame)
+        states.append(cache_state(engine, time_before))
+    return predictions, states
 
 
 def check_outputs(predictions, golden):
@@ -98,31 +70,18 @@ def test_cache_states_follow_the_official_schedule(scenario):
     """A policy that decides by a frame's index caches the same frames whatever the weights: the tiny model's
     engine on the golden frames goes through the official cache states push by push."""
     tiny = prepare_for_inference(build_tiny_model(), "cpu", torch.float32)
-    predictions, states, _ = run_scenario(SCENARIOS[scenario], model=tiny)
+    predictions, states = run_scenario(SCENARIOS[scenario], model=tiny)
     golden = np.load(GOLDEN / scenario / "outputs.npz")
     assert [p.frame_index for p in predictions] == list(range(14))
     assert [p.is_keyframe for p in predictions] == golden["is_keyframe"].tolist()
     assert_cache_states(states, golden)
 
 
-def test_phase1_intermediates():
-    _, _, captured = flow_engine_run(frames=3)  # the scale frames: phase 1 alone
-    golden = np.load(GOLDEN / "phase1_intermediates" / "intermediates.npz")
-    checks = {
-        "dino_patch_tokens_f0": captured["dino"][0],
-        "agg_layers_f0": torch.stack([layer[0] for layer in captured["aggregator"]]),
-        "pose_enc_list": torch.stack(captured["camera"]),
-    }
-    for key, ours in checks.items():
-        err = relative_error(ours.numpy(), golden[key])
-        assert err <= TOLERANCE, f"{key}: error {err:.2e}"
-
-
 @pytest.mark.skipif(not every_golden_check(), reason="the engine's flow stream at full size: STREAM_RECON_GOLDEN=all")
 def test_the_flow_policy_through_the_engine():
-    """The engine's flow stream (rollbacks, deferred evictions) against the fixture, with its intermediates
-    captured (the CLI's run of it, on the CPU, in tests/test_golden_cli.py)."""
-    predictions, states, _ = flow_engine_run()
+    """The engine's flow stream (rollbacks, deferred evictions) against the fixture (the CLI's run of it, on the
+    CPU, in tests/test_golden_cli.py)."""
+    predictions, states = run_scenario(SCENARIOS["flow"])
     golden = np.load(GOLDEN / "flow" / "outputs.npz")
     check_outputs(predictions, golden)
     assert_cache_states(states, golden)

@@ -9,12 +9,13 @@ keyframes (its threshold off): the geometric check and the 3D agreement refuse t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
 import pytest
 from evo_data import evo_data_dir
-from localise_scenarios import landmarks_along, mapped_run, placement_error, query_at
+from localise_scenarios import MappedRun, landmarks_along, mapped_run, placement_error, query_at
 from loop_scenarios import LOOP_CONFIG, TRAJECTORIES
 
 from stream_recon.models.loops.geometric_check import ImageFeatures
@@ -43,6 +44,21 @@ OTHER = {"KITTI 00": "TUM fr2_desk", "TUM fr2_desk": "EuRoC V1_02", "EuRoC V1_02
          "TUM fr1_xyz": "KITTI 00"}
 
 
+@pytest.fixture(scope="module")
+def run_of() -> Callable[[str, int], MappedRun]:
+    """A trajectory's mapped run for a seed, made once for the module's tests: mapped_run draws from its seed
+    alone, and three tests read each seed's (TUM fr2_desk's takes 2.5 s)."""
+    made: dict[tuple[str, int], MappedRun] = {}
+
+    def run(name: str, seed: int) -> MappedRun:
+        if (name, seed) not in made:
+            trajectory = TRAJECTORIES[name]
+            made[name, seed] = mapped_run(trajectory, trajectory.poses(evo_data_dir()), seed)
+        return made[name, seed]
+
+    return run
+
+
 def any_retrieved() -> LocaliseConfig:
     config = LocaliseConfig()
     retrieval = replace(config.closure.detection.retrieval, min_similarity=-1.0)
@@ -52,12 +68,12 @@ def any_retrieved() -> LocaliseConfig:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["KITTI 00", "TUM fr2_desk", "EuRoC V1_02"])
-def test_frames_of_the_trajectory_are_placed_within_the_loop_noise(name: str) -> None:
+def test_frames_of_the_trajectory_are_placed_within_the_loop_noise(name: str, run_of) -> None:
     trajectory = TRAJECTORIES[name]
     truth = trajectory.poses(evo_data_dir())
     placed, errors = 0, []
     for seed in SEEDS:
-        run = mapped_run(trajectory, truth, seed)
+        run = run_of(name, seed)
         localiser = MapLocaliser(run.keyframes)
         rng = np.random.default_rng(seed + 2000)
         for frame in rng.choice(len(truth), QUERIES, replace=False):
@@ -76,12 +92,12 @@ def test_frames_of_the_trajectory_are_placed_within_the_loop_noise(name: str) ->
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["KITTI 00", "TUM fr2_desk", "EuRoC V1_02"])
-def test_frames_of_another_trajectory_are_not_placed(name: str) -> None:
-    trajectory, other = TRAJECTORIES[name], TRAJECTORIES[OTHER[name]]
-    truth, elsewhere = trajectory.poses(evo_data_dir()), other.poses(evo_data_dir())
+def test_frames_of_another_trajectory_are_not_placed(name: str, run_of) -> None:
+    other = TRAJECTORIES[OTHER[name]]
+    elsewhere = other.poses(evo_data_dir())
     refused, reasons = 0, set()
     for seed in SEEDS:
-        run = mapped_run(trajectory, truth, seed)
+        run = run_of(name, seed)
         localiser = MapLocaliser(run.keyframes, any_retrieved())
         rng = np.random.default_rng(seed + 3000)
         landmarks = landmarks_along(elsewhere, other.scene_depth, rng)
@@ -95,12 +111,11 @@ def test_frames_of_another_trajectory_are_not_placed(name: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["KITTI 00", "TUM fr2_desk", "EuRoC V1_02"])
-def test_a_picture_of_a_place_is_not_the_place(name: str) -> None:
+def test_a_picture_of_a_place_is_not_the_place(name: str, run_of) -> None:
     """A query that sees every feature as a keyframe of the map does, pixel for pixel, but on a plane at the
     keyframe's median depth (a poster of the place): retrieval and the geometric check pass it, the 3D
     agreement does not."""
-    trajectory = TRAJECTORIES[name]
-    run = mapped_run(trajectory, trajectory.poses(evo_data_dir()), 0)
+    run = run_of(name, 0)
     localiser = MapLocaliser(run.keyframes)
     rng = np.random.default_rng(4000)
     reasons = []
@@ -115,13 +130,13 @@ def test_a_picture_of_a_place_is_not_the_place(name: str) -> None:
     assert reasons.count(POINTS_DISAGREE) >= 0.99 * len(reasons), sorted(set(reasons))
 
 
-def test_a_place_the_map_holds_twice_is_a_look_alike_and_an_unknown_one_is_not_retrieved() -> None:
+def test_a_place_the_map_holds_twice_is_a_look_alike_and_an_unknown_one_is_not_retrieved(run_of) -> None:
     """The map's keyframes around one place copied a hundred scene depths away (a second building of the
     same make): a query there verifies against both copies and is not placed; a query whose retrieval
     descriptor matches nothing of the map gets no candidate."""
     trajectory = TRAJECTORIES["EuRoC V1_02"]
-    truth = trajectory.poses(evo_data_dir())
-    run = mapped_run(trajectory, truth, 0)
+    run = run_of("EuRoC V1_02", 0)
+    truth = run.truth
     rng = np.random.default_rng(7)
     query = query_at(truth[400], run.landmarks, trajectory.scene_depth, rng)
     assert MapLocaliser(run.keyframes).place(query).placed

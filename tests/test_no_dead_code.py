@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Iterable
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -40,37 +41,51 @@ def python_files(root: Path, folders: Iterable[str]) -> list[Path]:
 
 def definitions(path: Path) -> Iterable[tuple[str, int]]:
     """(name, line) of every function, method and class `path` defines, but what is called by its own rule."""
-    for node in ast.walk(ast.parse(path.read_text())):
+    return definitions_in(path.read_text())
+
+
+@cache
+def definitions_in(source: str) -> tuple[tuple[str, int], ...]:
+    """definitions of a module's source (by its text: the copies the check's own test reads parse once)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             continue
         if node.name.startswith("__") or node.name in CALLED_BY_THEIR_RULE:
             continue
         if any(ast.unparse(decorator) in REGISTERING_DECORATORS for decorator in node.decorator_list):
             continue
-        yield node.name, node.lineno
+        found.append((node.name, node.lineno))
+    return tuple(found)
 
 
 def names_used(paths: Iterable[Path]) -> set[str]:
     """Every name the code of `paths` reads, imports or passes, and every word of its strings (but its
     docstrings: a name a docstring mentions is not used by it)."""
+    return set().union(*(names_used_in(path.read_text()) for path in paths))
+
+
+@cache
+def names_used_in(source: str) -> frozenset[str]:
+    """names_used of one module's source (by its text: each module parses once in the session; the check's own
+    test reads copies of all of them, one changed)."""
     used: set[str] = set()
-    for path in paths:
-        tree = ast.parse(path.read_text())
-        prose = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}  # docstrings: no use
-        for node in ast.walk(tree):
-            if id(node) in prose:
-                continue
-            if isinstance(node, ast.Name):
-                used.add(node.id)
-            elif isinstance(node, ast.Attribute):
-                used.add(node.attr)
-            elif isinstance(node, ast.alias):
-                used.add(node.name.rpartition(".")[2])
-            elif isinstance(node, ast.keyword) and node.arg:
-                used.add(node.arg)
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                used.update(WORD.findall(node.value))
-    return used
+    tree = ast.parse(source)
+    prose = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}  # docstrings: no use
+    for node in ast.walk(tree):
+        if id(node) in prose:
+            continue
+        if isinstance(node, ast.Name):
+            used.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            used.add(node.attr)
+        elif isinstance(node, ast.alias):
+            used.add(node.name.rpartition(".")[2])
+        elif isinstance(node, ast.keyword) and node.arg:
+            used.add(node.arg)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            used.update(WORD.findall(node.value))
+    return frozenset(used)
 
 
 def tools_text(root: Path) -> set[str]:
