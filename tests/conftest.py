@@ -64,9 +64,10 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return convert_to_safetensors(folder / "tiny.pt", folder / "tiny.safetensors", config=ModelConfig.tiny())
 
 
-# The files that take over a minute of a worker (a whole pass's --durations beside a busy golden worker: the
-# process tests' 60-150 s each, the two localise files ~100 s each), longest first: handed out right after the
-# golden ones, so that the suite ends on short files on both workers.
+# The files that take over a minute of a worker (a whole pass's --durations, the golden files on the other worker:
+# the process files 60-150 s each, test_app_localise_process.py 109 s, test_models_loop_localise.py 199 s before its
+# helpers got faster), longest first: handed out right after the golden ones, so that the suite ends on short files
+# on both workers.
 LONGEST_FILES = ("test_app_cli_process.py", "test_app_localise_process.py", "test_models_loop_localise.py",
                  "test_scripts_smoke.py", "test_app_faults.py", "test_app_new_user.py", "test_models_chunked.py",
                  "test_app_cli.py")
