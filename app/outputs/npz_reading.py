@@ -112,6 +112,11 @@ def _shown(value: Any) -> str:
     return text if len(text) < 60 else text[:57] + "..."
 
 
+def mapped_array(path: Path) -> np.ndarray:
+    """The array of one .npy file, mapped read-only: processes that map one file share its pages."""
+    return np.load(path, mmap_mode="r", allow_pickle=False)
+
+
 # numpy parses each array's header with ast.literal_eval, and CPython 3.11 counts the depth of an AST's
 # conversion per interpreter, not per thread: two threads converting at once can fail with
 # SystemError("AST constructor recursion depth mismatch"). Threads reading npz files take turns.

@@ -30,7 +30,12 @@ import threadpoolctl
 
 from stream_recon.app.outputs.atomic_writes import atomic_write, remove_tree, staging_folder, swap_in_staged
 from stream_recon.app.outputs.json_records import write_json_atomic
-from stream_recon.app.outputs.npz_reading import load_prediction, prediction_fields, prediction_record
+from stream_recon.app.outputs.npz_reading import (
+    load_prediction,
+    mapped_array,
+    prediction_fields,
+    prediction_record,
+)
 from stream_recon.app.outputs.output_folder import lock_run_dir, run_dir_in_use, unlock_run_dir
 from stream_recon.app.outputs.pointcloud import (
     DEFAULT_CONF_THRESHOLD,
@@ -275,7 +280,7 @@ _MAPPED_VOXELS: dict[Path, np.ndarray] = {}
 def _mapped_voxels(path: Path) -> np.ndarray:
     if path not in _MAPPED_VOXELS:
         _MAPPED_VOXELS.clear()
-        _MAPPED_VOXELS[path] = np.load(path, mmap_mode="r")
+        _MAPPED_VOXELS[path] = mapped_array(path)
     return _MAPPED_VOXELS[path]
 
 
