@@ -60,6 +60,7 @@ from stream_recon.app.outputs.writers import corrected_prediction_file
 from stream_recon.app.stopping import interrupts_held
 from stream_recon.models import ChildCalls, ChildDied, DaemonPool, MapError, SavedMap, read_map
 from stream_recon.models.loops.refine import (
+    JOB_STALL_S,
     ImageFeatures,
     IndexedKeyframe,
     Keyframe,
@@ -84,7 +85,7 @@ from stream_recon.models.supervision import Helper, HelperPolicy, WhenDown, When
 TRAJECTORY_STREAM_TUM = "trajectory_stream_tum.txt"  # the stream's trajectory, kept by the first refine
 # Refine's threads and their child processes are its helpers; one job takes tens of milliseconds, so one that
 # has not ended in two minutes is a hung library: the refine fails, the run stays.
-_WORKER_POLICY = HelperPolicy("refine's workers", WhenFull.DROP, WhenDown.FAIL_RUN, stall_s=120.0)
+_WORKER_POLICY = HelperPolicy("refine's workers", WhenFull.DROP, WhenDown.FAIL_RUN, stall_s=JOB_STALL_S)
 # The work that holds the interpreter's lock (an npz read and write, a frame's points, a keyframe's loading) runs
 # in a child process a worker thread: on a 16-core host, 16 threads wrote the frames at 9.2 ms a frame
 # where one thread took 12.5 and 4 threads 7.0 (the lock, not the cores, was the limit), while OpenCV's SIFT
@@ -256,13 +257,15 @@ class PublishedVoxels:
         self._lock = threading.Lock()
         self._keys: np.ndarray | None = None
         self._path: Path | None = None
+        self._written = 0
 
     def current(self, points: PointAccumulator) -> tuple[tuple[float | None, float | None], Path]:
         """The grid `points` is on and the file of the voxels it holds there."""
         grid, keys = points.published
         with self._lock:  # (workers ask at once)
             if keys is not self._keys:
-                path = self.folder / f"voxels_{len(list(self.folder.iterdir()))}.npy"
+                path = self.folder / f"voxels_{self._written}.npy"
+                self._written += 1
                 atomic_write(path, lambda file, keys=keys: np.save(file, keys), binary=True)
                 self._keys, self._path = keys, path
             return grid, self._path

@@ -482,5 +482,5 @@ def verified_alignment(query: IndexedKeyframe, earlier: IndexedKeyframe, config:
     return alignment if alignment.passed else None
 
 
-__all__ = ["CandidatePair", "FrameLoop", "ImageFeatures", "IndexedKeyframe", "candidate_pairs", "indexed_keyframe", "keyframe_descriptor", "saved_features", "verified_alignment", "RefineConfig", "Submit", "at_once", "RefineFigures", "RunFrame", "Segments", "detect_loops", "fine_graph",
+__all__ = ["CandidatePair", "FrameLoop", "ImageFeatures", "IndexedKeyframe", "candidate_pairs", "indexed_keyframe", "keyframe_descriptor", "saved_features", "verified_alignment", "RefineConfig", "JOB_STALL_S", "Submit", "at_once", "RefineFigures", "RunFrame", "Segments", "detect_loops", "fine_graph",
            "frame_moves", "segments_of", "solve_fine", "with_stream_loops"]
