@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from collections import deque
 from pathlib import Path
 
 import cv2
 import numpy as np
 import pytest
 from evo_data import evo_data_dir
+from hypothesis import given
+from hypothesis import strategies as st
 from loop_scenarios import TRAJECTORIES, refine_scenario
 
 from stream_recon.models.loops.closer import Keyframe
 from stream_recon.models.loops.refine import (
+    CandidatePair,
     RefineConfig,
     RefineFigures,
     RunFrame,
@@ -29,6 +33,7 @@ from stream_recon.models.loops.refine import (
     frame_moves,
     indexed_keyframe,
     segments_of,
+    shared_keyframes_first,
 )
 from stream_recon.models.loops.retrieval import gradient_grid_descriptor
 from stream_recon.models.stream.similarity import Sim3
@@ -109,7 +114,7 @@ def test_every_segment_pair_with_a_loop_keeps_one_when_fewer_pairs_are_checked()
     def loops(per_pair: int) -> tuple[list, RefineFigures]:
         figures = RefineFigures()
         config = RefineConfig(loops_per_segment_pair=per_pair)
-        found = detect_loops(frames, lambda frame: gradient_grid_descriptor(shown[frame]),
+        found = detect_loops(frames, lambda frames: [gradient_grid_descriptor(shown[f]) for f in frames],
                              lambda frame: indexed_keyframe(loaded[frame], config.closure), segment_of, placement,
                              config, figures=figures)
         return found, figures
@@ -137,7 +142,7 @@ def test_checks_on_threads_ending_in_any_order_find_what_one_at_a_time_finds(per
 
     def found(submit) -> tuple[list[tuple[int, int]], RefineFigures]:
         figures = RefineFigures()
-        loops = detect_loops(frames, lambda frame: gradient_grid_descriptor(shown[frame]),
+        loops = detect_loops(frames, lambda frames: [gradient_grid_descriptor(shown[f]) for f in frames],
                              lambda frame: indexed_keyframe(loaded[frame], config.closure), segment_of, placement,
                              config, figures=figures, submit=submit)
         return [(loop.earlier_frame, loop.query_frame) for loop in loops], figures
@@ -149,3 +154,46 @@ def test_checks_on_threads_ending_in_any_order_find_what_one_at_a_time_finds(per
     assert shuffled == alone and len(alone) > 0
     assert (shuffled_figures.pairs_checked, shuffled_figures.keyframes_matched) == \
         (alone_figures.pairs_checked, alone_figures.keyframes_matched)
+
+
+# -- which candidate a segment pair checks first ---------------------------------------------------------
+def queues_of(pairs: list[CandidatePair]) -> dict[tuple[int, int], deque[CandidatePair]]:
+    queues: dict[tuple[int, int], deque[CandidatePair]] = {}
+    for pair in sorted(pairs, key=lambda pair: (-pair.similarity, pair.query, pair.earlier)):
+        queues.setdefault(pair.segments, deque()).append(pair)
+    return queues
+
+
+candidate_lists = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5), st.integers(0, 30), st.integers(0, 30),
+                                     st.floats(0.3, 0.9)), max_size=60)
+
+
+@given(candidate_lists, st.sets(st.integers(0, 30), max_size=5), st.sampled_from([0.0, 0.05, 0.1, 1.0]))
+def test_shared_first_only_reorders_the_alike_head_of_each_pair(drawn, known, margin) -> None:
+    pairs = {(q, e): CandidatePair(q, e, similarity, (sq, se)) for sq, se, q, e, similarity in drawn}
+    queues = queues_of(list(pairs.values()))
+    ordered = shared_keyframes_first(queues, known, margin)
+    assert ordered.keys() == queues.keys()
+    for group, before in queues.items():
+        after = list(ordered[group])
+        assert sorted(after, key=id) == sorted(before, key=id)
+        head = sum(pair.similarity >= before[0].similarity - margin for pair in before)
+        assert after[head:] == list(before)[head:]  # the rest as they were
+        assert min(pair.similarity for pair in after[:head]) >= before[0].similarity - margin
+    assert shared_keyframes_first(queues, known, margin) == ordered  # the same whatever the call
+
+
+def test_shared_first_checks_fewer_keyframes_than_most_alike_first() -> None:
+    """Three segment pairs, each with an alike candidate through keyframe 100: taking those first, the pairs
+    check four keyframes instead of six; a pair whose other candidates are far less alike keeps its most alike."""
+    pairs = [CandidatePair(10, 1, 0.80, (1, 0)), CandidatePair(100, 1, 0.75, (1, 0)),
+             CandidatePair(20, 2, 0.70, (2, 0)), CandidatePair(100, 2, 0.69, (2, 0)),
+             CandidatePair(30, 3, 0.60, (3, 0)), CandidatePair(100, 3, 0.58, (3, 0)),
+             CandidatePair(40, 4, 0.90, (4, 0)), CandidatePair(100, 4, 0.50, (4, 0))]
+    ordered = shared_keyframes_first(queues_of(pairs), margin=0.1)
+    firsts = [ordered[group][0] for group in sorted(ordered)]
+    assert [(pair.query, pair.earlier) for pair in firsts] == [(100, 1), (100, 2), (100, 3), (40, 4)]
+    checked = {frame for pair in firsts[:3] for frame in (pair.query, pair.earlier)}
+    assert len(checked) == 4
+    known = shared_keyframes_first(queues_of(pairs), known={10, 1}, margin=0.1)
+    assert (known[(1, 0)][0].query, known[(1, 0)][0].earlier) == (10, 1)  # both known: no SIFT at all

@@ -98,6 +98,9 @@ JOBS_AHEAD_PER_WORKER = 2
 # Frames moved in one job, their points merged there: the cloud's merge is the stage's one thread, and a lookup
 # and append a batch instead of a frame costs it ~1/4 (consecutive frames reach mostly the same voxels).
 BATCH_FRAMES = 8
+# Frames whose three fields a job reads before the refine starts: 10,000 frames in 40 jobs, two or three a worker,
+# so that every worker's child has started before the keyframes' descriptors.
+READ_BATCH_FRAMES = 250
 # A stopped refine waits this long for the jobs its workers are running (a batch written, ~0.1-0.3 s), before
 # the staging folder goes; a worker stalled on the disk past it is left behind, its write failing then.
 STOP_WAIT_S = 5.0
@@ -172,9 +175,10 @@ def one_library_thread() -> None:
 
 @contextlib.contextmanager
 def _one_thread_a_call() -> Iterator[None]:
-    """OpenCV and BLAS on one thread a call while refine runs: its workers are the parallelism. Their own threads
-    on top (16 workers, each SIFT, RootSIFT product and RANSAC spreading over 16 threads of its own) made a check
-    take ~240 ms of the 16-core host's time where one core takes 13 ms (15,543 checks: 237 s)."""
+    """OpenCV and BLAS on one thread a call while refine runs (but in its solve, while the workers idle): its
+    workers are the parallelism. Their own threads on top (16 workers, each SIFT, RootSIFT product and RANSAC
+    spreading over 16 threads of its own) made a check take ~240 ms of the 16-core host's time where one core
+    takes 13 ms (15,543 checks: 237 s)."""
     threads = cv2.getNumThreads()
     cv2.setNumThreads(1)
     try:
@@ -188,7 +192,7 @@ def _refine_held(workers: Workers, run_dir: Path, info: dict, saved: SavedMap, c
                  progress: Progress, started: float) -> RefineResult:
     """The refine of a run it holds, its features, loop checks and frames' files on `workers`."""
     files = dict(prediction_files(run_dir))
-    frames = [_run_frame(index, path) for index, path in files.items()]
+    frames = _run_frames(workers, files)
     if saved.num_chunks == 0:
         raise RefineError(f"{run_dir}'s map holds no complete chunk yet (the run was stopped in its second "
                           "chunk): nothing to refine")
@@ -197,24 +201,27 @@ def _refine_held(workers: Workers, run_dir: Path, info: dict, saved: SavedMap, c
     keyframes = [frame for frame in covered if frame.is_keyframe]
     if keyframes:
         _require_images(files[keyframes[0].frame_index], run_dir)
-    figures = RefineFigures(chunks=saved.num_chunks)
+    figures = RefineFigures(chunks=saved.num_chunks, seconds={"read": time.perf_counter() - started})
     segment_of = segments_of(covered, config.segment_frames).node_of
     call, known = workers.children.call, saved_features(saved, config.closure)
-    loops = detect_loops(keyframes, lambda frame: call(_descriptor, files[frame]),
+    loops = detect_loops(keyframes, lambda frames: call(_descriptors, [files[frame] for frame in frames]),
                          lambda frame: call(_prepared_keyframe, files[frame], config, known.get(frame)), segment_of, placement,
                          config, progress, figures, workers.pool.submit,
-                         lambda query, earlier: call(verified_alignment, query, earlier, config.closure))
+                         lambda query, earlier: call(verified_alignment, query, earlier, config.closure), known)
     merged = with_stream_loops(loops, _stream_loops(saved))
     figures.stream_loops = len(merged) - len(loops)
     loops = merged
     solve_started = time.perf_counter()
     graph, parts = fine_graph(covered, placement, saved.links, loops, config)
-    result = solve_fine(graph, config)
+    with threadpoolctl.threadpool_limits(limits=config.workers):  # the workers idle meanwhile
+        result = solve_fine(graph, config)
     figures.seconds["solve"] = time.perf_counter() - solve_started
     figures.nodes, figures.loops_accepted = len(parts.nodes), len(result.accepted_ids)
+    moves_started = time.perf_counter()
     moves = frame_moves(covered, parts, result.world_from_chunk, placement)
     last = moves[max(moves)] if moves else Sim3.identity()  # frames of a chunk not closed: moved with the last
     moves.update({frame.frame_index: last for frame in frames if frame.frame_index not in moves})
+    figures.seconds["moves"] = time.perf_counter() - moves_started
     staging = staging_folder(run_dir)
     try:
         _write_refined(workers, run_dir, staging, files, moves, info, figures, progress, started, config)
@@ -320,6 +327,21 @@ def _frame_depth(index: int, record: dict[str, Any]) -> FrameDepth:
                       record["image"], record["sky_mask"])
 
 
+def _run_frames(workers: Workers, files: dict[int, Path]) -> list[RunFrame]:
+    """Every frame of the run as its file holds it, read in batches by `workers`' children (a file's three
+    fields: ~0.3 ms, 3 s of a 10,000-frame run on one thread), which start meanwhile."""
+    listed = list(files.items())
+    jobs = [functools.partial(workers.children.call, _read_frames, listed[start:start + READ_BATCH_FRAMES])
+            for start in range(0, len(listed), READ_BATCH_FRAMES)]
+    with contextlib.closing(_in_order(workers.pool, jobs)) as batches:
+        return [frame for batch in batches for frame in batch]
+
+
+def _read_frames(listed: Sequence[tuple[int, Path]]) -> list[RunFrame]:
+    """(frame index, path) -> the frame as its file holds it, in a child of refine's."""
+    return [_run_frame(index, path) for index, path in listed]
+
+
 def _run_frame(index: int, path: Path) -> RunFrame:
     fields = prediction_fields(path, "chunk_index", "c2w", "is_keyframe")
     return RunFrame(index, int(fields["chunk_index"]), np.asarray(fields["c2w"], np.float64), bool(fields["is_keyframe"]))
@@ -331,9 +353,9 @@ def _require_images(path: Path, run_dir: Path) -> None:
                           "video again without it")
 
 
-def _descriptor(path: Path) -> np.ndarray:
-    """[128] a frame's retrieval descriptor, in a child of refine's."""
-    return keyframe_descriptor(prediction_fields(path, "image")["image"])
+def _descriptors(paths: Sequence[Path]) -> list[np.ndarray]:
+    """[128] each frame's retrieval descriptor, in a child of refine's."""
+    return [keyframe_descriptor(prediction_fields(path, "image")["image"]) for path in paths]
 
 
 def _prepared_keyframe(path: Path, config: RefineConfig, features: ImageFeatures | None) -> IndexedKeyframe:
