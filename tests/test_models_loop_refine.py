@@ -10,6 +10,8 @@ chunks keep the odometry's error whatever the graph, and it bounds both: there r
 from __future__ import annotations
 
 import concurrent.futures
+import subprocess
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -197,3 +199,34 @@ def test_shared_first_checks_fewer_keyframes_than_most_alike_first() -> None:
     assert len(checked) == 4
     known = shared_keyframes_first(queues_of(pairs), known={10, 1}, margin=0.1)
     assert (known[(1, 0)][0].query, known[(1, 0)][0].earlier) == (10, 1)  # both known: no SIFT at all
+
+
+def test_a_segment_pair_the_stream_joined_already_is_not_checked_again() -> None:
+    """The map's verified loops count towards loops_per_segment_pair: their segment pairs check nothing, the
+    others find what they found before."""
+    frames, shown, loaded = two_laps()
+    segment_of = {frame.frame_index: frame.frame_index // 2 for frame in frames}
+    placement = [Sim3.identity()] * (1 + frames[-1].chunk_index)
+    config = RefineConfig()
+
+    def found(streamed) -> tuple[list[tuple[int, int]], RefineFigures]:
+        figures = RefineFigures()
+        loops = detect_loops(frames, lambda frames: [gradient_grid_descriptor(shown[f]) for f in frames],
+                             lambda frame: indexed_keyframe(loaded[frame], config.closure), segment_of, placement,
+                             config, figures=figures, streamed=streamed)
+        return [(loop.earlier_frame, loop.query_frame) for loop in loops], figures
+
+    alone, alone_figures = found([])
+    streamed = alone[:2]
+    joined = {(segment_of[query], segment_of[earlier]) for earlier, query in streamed}
+    again, again_figures = found(streamed)
+    assert again == [(e, q) for e, q in alone if (segment_of[q], segment_of[e]) not in joined]
+    assert again_figures.pairs_checked < alone_figures.pairs_checked
+
+
+def test_refines_workers_start_without_torch() -> None:
+    """Refine's children import the module of their calls (app/outputs/refined.py) and what it imports: none
+    of it loads torch, so sixteen of them start in a fraction of a second each, not ~2 s."""
+    code = "import sys, stream_recon.app.outputs.refined; print('torch' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert loaded.stdout.strip() == "False", loaded.stdout + loaded.stderr

@@ -14,9 +14,12 @@ can be checked against it without the old picture.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from .geometric_check import (
     FeatureConfig,

@@ -313,13 +313,14 @@ def detect_loops(keyframes: Sequence[RunFrame], describe: Callable[[Sequence[int
                  config: RefineConfig = RefineConfig(), progress: Progress | None = None,
                  figures: RefineFigures | None = None, submit: Submit = at_once,
                  check: Callable[[IndexedKeyframe, IndexedKeyframe], Any] | None = None,
-                 known: Collection[int] = ()) -> list[FrameLoop]:
+                 known: Collection[int] = (), streamed: Iterable[tuple[int, int]] = ()) -> list[FrameLoop]:
     """Every keyframe indexed (its picture's retrieval descriptor, keyframe_descriptor: `describe(frames)`, the
     descriptors of up to DESCRIBED_TOGETHER frames in a job), each
     one's retrieval among the earlier ones (chunks two or more back, as on the stream), and the candidates
     checked (geometric check, 3D agreement: closer.py's) segment pair by segment pair (`segment_of[frame]`), in
     shared_keyframes_first's order (`known`: the keyframes whose features the map keeps), until
-    `config.loops_per_segment_pair` are verified: each verified pair a loop edge in
+    `config.loops_per_segment_pair` are verified, counting the stream's (`streamed`: the (earlier, query)
+    keyframes of the map's verified loops, checked as these are): each verified pair a loop edge in
     chunk coordinates (`placement[c]`: chunk c in the run's world). Features and points (`prepare(frame)`:
     indexed_keyframe of the keyframe in the run's world) are made once for each keyframe a check needs; the
     descriptors, those and the checks (`check(query, earlier)`, default verified_alignment here) are started
@@ -343,7 +344,9 @@ def detect_loops(keyframes: Sequence[RunFrame], describe: Callable[[Sequence[int
                                                     config.closure.detection.retrieval), known)
     total = sum(len(queue) for queue in queues.values())
     check = check or functools.partial(verified_alignment, config=config.closure)
-    checks = _LoopChecks(queues, prepare, check, submit, config, lambda done: progress("loops", done, total))
+    before = Counter((segment_of[query], segment_of[earlier]) for earlier, query in streamed
+                     if earlier in segment_of and query in segment_of)
+    checks = _LoopChecks(queues, prepare, check, submit, config, lambda done: progress("loops", done, total), before)
     verified = checks.run()
     figures.seconds.update(prepare_jobs=checks.busy["prepared"], check_jobs=checks.busy["checked"])
     progress("loops", total, total)
@@ -370,8 +373,9 @@ class _LoopChecks:
 
     def __init__(self, queues: Mapping[tuple[int, int], deque[CandidatePair]], prepare: Callable[[int], IndexedKeyframe],
                  check: Callable[[IndexedKeyframe, IndexedKeyframe], Any], submit: Submit, config: RefineConfig,
-                 checked_so_far: Callable[[int], None]) -> None:
+                 checked_so_far: Callable[[int], None], verified_before: Mapping[tuple[int, int], int]) -> None:
         self.queues, self.prepare, self.check, self.submit, self.config = queues, prepare, check, submit, config
+        self.verified_before = verified_before  # segment pair -> the stream's verified loops there
         self.checked_so_far = checked_so_far
         self.indexed: dict[int, IndexedKeyframe] = {}
         self.verified: dict[tuple[int, int], list[tuple[CandidatePair, Any]]] = {group: [] for group in queues}
@@ -398,7 +402,7 @@ class _LoopChecks:
         return self.verified
 
     def _start_next(self, group: tuple[int, int]) -> None:
-        wanted = self.config.loops_per_segment_pair
+        wanted = self.config.loops_per_segment_pair - self.verified_before.get(group, 0)
         while self.queues[group] and len(self.verified[group]) + self._running[group] < wanted:
             pair = self.queues[group].popleft()
             self._running[group] += 1

@@ -17,11 +17,15 @@ threshold, non-maximum suppression over frame indices, top-k.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import cv2
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 # -- descriptors -------------------------------------------------------------------------------------
 GRID_ROWS, GRID_COLS = 4, 4  # 16 cells: coarse enough to survive a few frames of walking, fine enough to keep layout
@@ -164,7 +168,8 @@ class KeyframeIndex:
         return [LoopCandidate(int(self._frames[i]), int(self._chunks[i]), float(similarities[i])) for i in kept]
 
     def _as_unit_vector(self, descriptor: np.ndarray | torch.Tensor) -> np.ndarray:
-        if isinstance(descriptor, torch.Tensor):
+        torch = sys.modules.get("torch")  # a tensor comes from a process that imported torch: refine's children do not
+        if torch is not None and isinstance(descriptor, torch.Tensor):
             descriptor = descriptor.detach().float().cpu().numpy()
         vector = np.asarray(descriptor, np.float32)
         if vector.shape != (self.dim,) or not np.all(np.isfinite(vector)):
