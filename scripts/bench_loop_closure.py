@@ -100,7 +100,8 @@ def refined_run(run_dir: Path) -> dict:
     started = time.perf_counter()
     result = refine_run(run_dir)
     refine = json.loads((run_dir / "run.json").read_text())["summary"]["refine"]
-    return {**refine, "command_s": round(time.perf_counter() - started, 3), "frames": result.frames}
+    return {**refine, "command_s": round(time.perf_counter() - started, 3), "frames": result.frames,
+            "swap_s": round(result.swap_seconds, 3), "end_s": round(result.end_seconds, 3)}
 
 
 def main() -> None:
@@ -210,7 +211,8 @@ def print_refine(refine: dict) -> None:
           f"keyframes indexed, {refine.get('keyframes_matched', '-')} matched, {refine.get('pairs_retrieved', '-')} "
           f"pairs retrieved, {refine['pairs_checked']} checked, {refine['loops_accepted']} of "
           f"{refine['loops_verified'] + refine['stream_loops']} loops accepted, {refine['nodes']} segments; "
-          f"seconds by stage {refine['seconds']})", flush=True)
+          f"seconds by stage {refine['seconds']}; then the swap {refine.get('swap_s', '-')} s and the workers' end "
+          f"{refine.get('end_s', '-')} s)", flush=True)
 
 
 if __name__ == "__main__":

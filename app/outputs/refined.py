@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +117,9 @@ class RefineError(ValueError):
 class RefineResult:
     frames: int
     figures: RefineFigures
-    seconds: float
+    seconds: float  # the whole refine, its workers ended
+    swap_seconds: float = 0.0  # the refined files swapped in and the earlier ones removed, after summary.refine
+    end_seconds: float = 0.0  # the workers and their children ended
 
 
 Progress = Callable[[str, int, int], None]
@@ -150,16 +152,19 @@ def refine_run(run_dir: Path, config: RefineConfig = RefineConfig(), progress: P
     children = ChildCalls(helper, setup=f"{__name__}.one_library_thread")  # (a child a thread, at its first call)
     try:
         with _one_thread_a_call():
-            return _refine_held(Workers(pool, children), run_dir, info, saved, config, progress, started)
+            result = _refine_held(Workers(pool, children), run_dir, info, saved, config, progress, started)
     except ChildDied as died:
         raise RefineError(f"refine failed, the run is as it was: {died}") from None
     except TimeoutError:  # (_in_order's wait for a job, past the policy's stall)
         raise RefineError(f"refine failed, the run is as it was: one of its workers ran a job past "
                           f"{_WORKER_POLICY.stall_s:.0f} s (a hung library)") from None
     finally:
+        ending = time.perf_counter()
         pool.shutdown()  # unbounded-ok: a DaemonPool's shutdown returns at once
         children.close()
         unlock_run_dir(run_dir)
+    ended = time.perf_counter()
+    return replace(result, seconds=ended - started, end_seconds=ended - ending)
 
 
 @dataclass(frozen=True)
@@ -229,6 +234,7 @@ def _refine_held(workers: Workers, run_dir: Path, info: dict, saved: SavedMap, c
     staging = staging_folder(run_dir)
     try:
         _write_refined(workers, run_dir, staging, files, moves, info, figures, progress, started, config)
+        swapping = time.perf_counter()
         with interrupts_held():
             earlier = [run_dir / name for name in (PREDICTIONS_DIR, TRAJECTORY_TUM, POINTS_PLY, RUN_JSON)]
             swap_in_staged(staging, [path for path in earlier if path.exists()],
@@ -237,7 +243,7 @@ def _refine_held(workers: Workers, run_dir: Path, info: dict, saved: SavedMap, c
         with interrupts_held():  # a second Ctrl-C must not cut the clean-up short
             remove_tree(staging)
         raise
-    return RefineResult(len(frames), figures, time.perf_counter() - started)
+    return RefineResult(len(frames), figures, time.perf_counter() - started, time.perf_counter() - swapping)
 
 
 def _in_order(pool: DaemonPool, jobs: Sequence[Callable[[], Any]]) -> Iterator[Any]:
