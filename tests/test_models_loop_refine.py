@@ -89,10 +89,10 @@ def test_moves_blend_between_segments_of_one_chunk_and_never_across_chunks() -> 
 SAMPLE = Path(__file__).parents[1] / "app" / "sample"
 
 
-def two_laps(pictures: int = 12) -> tuple[list[RunFrame], dict[int, np.ndarray], dict[int, Keyframe]]:
-    """Keyframes 0 ... 2 * pictures - 1: the sample's first `pictures` frames twice over (the camera back where it
-    began), four to a chunk, on a wall 2 m ahead of a camera that stays put (a metre off the world's origin),
-    each frame's depth with noise of its own."""
+def sample_laps(pictures: int = 12, laps: int = 2) -> tuple[list[RunFrame], dict[int, np.ndarray], dict[int, Keyframe]]:
+    """Keyframes 0 ... laps * pictures - 1: the sample's first `pictures` frames `laps` times over (the camera back
+    where it began), four to a chunk, on a wall 2 m ahead of a camera that stays put (a metre off the world's
+    origin), each frame's depth with noise of its own."""
     rng = np.random.default_rng(0)
     images = [cv2.cvtColor(cv2.imread(str(SAMPLE / f"{n:06d}.png")), cv2.COLOR_BGR2RGB) for n in range(pictures)]
     height, width = images[0].shape[:2]
@@ -100,7 +100,7 @@ def two_laps(pictures: int = 12) -> tuple[list[RunFrame], dict[int, np.ndarray],
     c2w = np.eye(4)[:3]
     c2w[:, 3] = (1.0, 0.5, 0.0)
     frames, shown, loaded = [], {}, {}
-    for frame in range(2 * pictures):
+    for frame in range(laps * pictures):
         frames.append(RunFrame(frame, frame // 4, c2w, True))
         shown[frame] = images[frame % pictures]
         loaded[frame] = Keyframe(frame, frame // 4, shown[frame], (2.0 + 0.01 * rng.standard_normal((height, width))).astype(np.float32),
@@ -109,7 +109,7 @@ def two_laps(pictures: int = 12) -> tuple[list[RunFrame], dict[int, np.ndarray],
 
 
 def test_every_segment_pair_with_a_loop_keeps_one_when_fewer_pairs_are_checked() -> None:
-    frames, shown, loaded = two_laps()
+    frames, shown, loaded = sample_laps()
     segment_of = {frame.frame_index: frame.frame_index // 2 for frame in frames}
     placement = [Sim3.identity()] * (1 + frames[-1].chunk_index)
 
@@ -132,15 +132,15 @@ def test_every_segment_pair_with_a_loop_keeps_one_when_fewer_pairs_are_checked()
     assert all(loop.query_frame - loop.earlier_frame >= 8 for loop in every)  # two chunks back at least
 
 
-@pytest.mark.parametrize("per_pair", [1, 2])
-def test_checks_on_threads_ending_in_any_order_find_what_one_at_a_time_finds(per_pair: int) -> None:
+@pytest.mark.parametrize(("per_pair", "partners"), [(1, 8), (2, 8), (1, 1)])
+def test_checks_on_threads_ending_in_any_order_find_what_one_at_a_time_finds(per_pair: int, partners: int) -> None:
     """The pairs' checks run side by side (a pair's next candidate once one of its checks fails): jobs that end
     in a shuffled order check the same candidates and find the same loops as jobs run one after another."""
-    frames, shown, loaded = two_laps()
+    frames, shown, loaded = sample_laps()
     segment_of = {frame.frame_index: frame.frame_index // 2 for frame in frames}
     placement = [Sim3.identity()] * (1 + frames[-1].chunk_index)
-    config = RefineConfig(loops_per_segment_pair=per_pair)
-    rng = np.random.default_rng(per_pair)
+    config = RefineConfig(loops_per_segment_pair=per_pair, partners_per_segment=partners)
+    rng = np.random.default_rng(per_pair + partners)
 
     def found(submit) -> tuple[list[tuple[int, int]], RefineFigures]:
         figures = RefineFigures()
@@ -204,7 +204,7 @@ def test_shared_first_checks_fewer_keyframes_than_most_alike_first() -> None:
 def test_a_segment_pair_the_stream_joined_already_is_not_checked_again() -> None:
     """The map's verified loops count towards loops_per_segment_pair: their segment pairs check nothing, the
     others find what they found before."""
-    frames, shown, loaded = two_laps()
+    frames, shown, loaded = sample_laps()
     segment_of = {frame.frame_index: frame.frame_index // 2 for frame in frames}
     placement = [Sim3.identity()] * (1 + frames[-1].chunk_index)
     config = RefineConfig()
@@ -230,3 +230,28 @@ def test_refines_workers_start_without_torch() -> None:
     code = "import sys, stream_recon.app.outputs.refined; print('torch' in sys.modules)"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert loaded.stdout.strip() == "False", loaded.stdout + loaded.stderr
+
+
+def test_a_segment_joins_at_most_its_partners_most_alike_first() -> None:
+    """partners_per_segment: a segment's pairs with earlier segments stop once that many hold a loop; those
+    loops are among the ones every pair finds, one partner a segment here, with fewer checks."""
+    frames, shown, loaded = sample_laps(laps=3)  # the third lap's segments: a partner in each earlier lap
+    segment_of = {frame.frame_index: frame.frame_index // 2 for frame in frames}
+    placement = [Sim3.identity()] * (1 + frames[-1].chunk_index)
+
+    def found(partners: int) -> tuple[set[tuple[int, int]], RefineFigures]:
+        figures, config = RefineFigures(), RefineConfig(partners_per_segment=partners)
+        loops = detect_loops(frames, lambda frames: [gradient_grid_descriptor(shown[f]) for f in frames],
+                             lambda frame: indexed_keyframe(loaded[frame], config.closure), segment_of, placement,
+                             config, figures=figures)
+        return {(loop.earlier_frame, loop.query_frame) for loop in loops}, figures
+
+    every, every_figures = found(1000)
+    one, one_figures = found(1)
+    partners = {}
+    for earlier, query in every:
+        partners.setdefault(segment_of[query], set()).add(segment_of[earlier])
+    assert max(len(held) for held in partners.values()) > 1  # the scene: segments with several partners
+    assert one <= every
+    assert sorted(segment_of[query] for _, query in one) == sorted(partners)  # one partner each, none lost
+    assert one_figures.pairs_checked < every_figures.pairs_checked

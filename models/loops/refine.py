@@ -71,6 +71,12 @@ class RefineConfig:
     # them is judged against the loops of the neighbouring segment pairs. A keyframe-dense revisit (10,000
     # frames, flow keyframes: 15,543 candidate pairs over ~3,000 segment pairs, 11,057 verified) checks ~26 %.
     loops_per_segment_pair: int = 1
+    # Earlier segments a segment is joined to at most, its most alike first (by their pairs' most alike
+    # candidates), a pair that verifies nothing replaced by the next: a revisit-heavy run joins each segment to
+    # many (10,000 frames, flow keyframes: 2,950 loops over 167 segments, ~18 earlier partners a segment), each
+    # costing a keyframe's SIFT or two (~170 ms of a busy worker) and the solve edges of the same relation from
+    # other stretches; eight still hold a segment from both sides of its chunk and judge a look-alike among them.
+    partners_per_segment: int = 8
     closure: LoopClosureConfig = LoopClosureConfig()
     # Up to 32 edges dropped a round of the solve from scratch: 167 segments and 3,113 loops (half of them off by
     # 0.02 rad and 5 units, synthetic, 2-core machine) solved in 7.2 s instead of 111 (1,044 LM iterations
@@ -80,7 +86,7 @@ class RefineConfig:
     workers: int = max(1, min(16, os.cpu_count() or 1))
 
     def __post_init__(self):
-        if self.segment_frames < 1 or self.loops_per_segment_pair < 1 or self.workers < 1:
+        if min(self.segment_frames, self.loops_per_segment_pair, self.partners_per_segment, self.workers) < 1:
             raise ValueError(f"invalid refine config {self}")
 
 
@@ -320,7 +326,8 @@ def detect_loops(keyframes: Sequence[RunFrame], describe: Callable[[Sequence[int
     checked (geometric check, 3D agreement: closer.py's) segment pair by segment pair (`segment_of[frame]`), in
     shared_keyframes_first's order (`known`: the keyframes whose features the map keeps), until
     `config.loops_per_segment_pair` are verified, counting the stream's (`streamed`: the (earlier, query)
-    keyframes of the map's verified loops, checked as these are): each verified pair a loop edge in
+    keyframes of the map's verified loops, checked as these are), each segment joined to
+    `config.partners_per_segment` earlier ones at most (_LoopChecks): each verified pair a loop edge in
     chunk coordinates (`placement[c]`: chunk c in the run's world). Features and points (`prepare(frame)`:
     indexed_keyframe of the keyframe in the run's world) are made once for each keyframe a check needs; the
     descriptors, those and the checks (`check(query, earlier)`, default verified_alignment here) are started
@@ -368,8 +375,11 @@ class _LoopChecks:
     it lacks verified loops, the pairs side by side: a check starts once its two keyframes are prepared, and a
     pair's next candidate once one of its checks fails, so the workers never wait for the slowest job of a
     round (a round of every pair's next candidates took 47 s of a 10,000-frame refine, mostly its tail). Each
-    pair checks the same candidates as it would alone, whatever the order jobs end in. The bookkeeping is the
-    caller's thread's alone; the workers only say what has ended (`_ended`)."""
+    pair checks the same candidates as it would alone, whatever the order jobs end in. A segment's pairs with
+    earlier segments start most alike first, `partners_per_segment` at a time at most, the next once one ends
+    without a loop: the pairs started are the shortest run of its partners holding that many verified ones,
+    whatever the order jobs end in too. The bookkeeping is the caller's thread's alone; the workers only say
+    what has ended (`_ended`)."""
 
     def __init__(self, queues: Mapping[tuple[int, int], deque[CandidatePair]], prepare: Callable[[int], IndexedKeyframe],
                  check: Callable[[IndexedKeyframe, IndexedKeyframe], Any], submit: Submit, config: RefineConfig,
@@ -386,10 +396,14 @@ class _LoopChecks:
         self._ended: queue.SimpleQueue = queue.SimpleQueue()  # (kind, key, future) as jobs end, in any thread
         self.busy = {"prepared": 0.0, "checked": 0.0}  # seconds of the workers' on each kind of job
         self._busy_lock = threading.Lock()
+        self.partners = _partners_in_order(queues)  # query segment -> its pairs, most alike first
+        self._partners_started = Counter()  # query segment -> its pairs started
+        self._joined = Counter()  # query segment -> its pairs ended with a loop (the stream's too)
+        self._open = Counter()  # query segment -> its pairs started, not ended
 
     def run(self) -> dict[tuple[int, int], list[tuple[CandidatePair, Any]]]:
-        for group in self.queues:
-            self._start_next(group)
+        for segment in self.partners:
+            self._start_partners(segment)
         while any(self._running.values()):
             try:
                 kind, key, future = self._ended.get(timeout=JOB_STALL_S)
@@ -401,8 +415,23 @@ class _LoopChecks:
                 self._checked(key, future.result())
         return self.verified
 
+    def _start_partners(self, segment: int) -> None:
+        groups = self.partners[segment]
+        while (self._partners_started[segment] < len(groups)
+               and self._joined[segment] + self._open[segment] < self.config.partners_per_segment):
+            group = groups[self._partners_started[segment]]
+            self._partners_started[segment] += 1
+            if self._wanted(group) <= 0:  # the stream's loops join it already
+                self._joined[segment] += 1
+                continue
+            self._open[segment] += 1
+            self._start_next(group)
+
+    def _wanted(self, group: tuple[int, int]) -> int:
+        return self.config.loops_per_segment_pair - self.verified_before.get(group, 0)
+
     def _start_next(self, group: tuple[int, int]) -> None:
-        wanted = self.config.loops_per_segment_pair - self.verified_before.get(group, 0)
+        wanted = self._wanted(group)
         while self.queues[group] and len(self.verified[group]) + self._running[group] < wanted:
             pair = self.queues[group].popleft()
             self._running[group] += 1
@@ -430,7 +459,13 @@ class _LoopChecks:
         if alignment is not None:
             self.verified[pair.segments].append((pair, alignment))
         self.checked_so_far(self.checked)
-        self._start_next(pair.segments)
+        group = pair.segments
+        self._start_next(group)
+        verified = len(self.verified[group])
+        if self._running[group] == 0 and (verified >= self._wanted(group) or not self.queues[group]):
+            self._open[group[0]] -= 1  # (once: nothing of the pair runs or is left to start)
+            self._joined[group[0]] += int(verified > 0)
+            self._start_partners(group[0])
 
     def _watched(self, kind: str, key: Any, job: Callable[[], Any]) -> Future:
         future = self.submit(functools.partial(self._timed, kind, job))
@@ -444,6 +479,15 @@ class _LoopChecks:
         finally:
             with self._busy_lock:
                 self.busy[kind] += time.perf_counter() - started
+
+
+def _partners_in_order(queues: Mapping[tuple[int, int], deque[CandidatePair]]) -> dict[int, list[tuple[int, int]]]:
+    """Each query segment's pairs with earlier segments, by their most alike candidate, the most alike first."""
+    partners: dict[int, list[tuple[int, int]]] = {}
+    best = {group: max((pair.similarity for pair in pairs), default=-1.0) for group, pairs in queues.items()}
+    for group in sorted(queues, key=lambda group: (-best[group], group)):
+        partners.setdefault(group[0], []).append(group)
+    return partners
 
 
 def candidate_pairs(keyframes: Sequence[RunFrame], descriptors: Sequence[np.ndarray], segment_of: Mapping[int, int],
