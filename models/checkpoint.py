@@ -14,7 +14,6 @@ and `lingbot-map` in our checkpoint folder and the Hugging Face cache) and its d
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -24,7 +23,6 @@ import warnings
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,6 +37,7 @@ from .hub_paths import (
     HF_REPO_URL,
     SAFETENSORS_SUFFIX,
     TORCH_SUFFIXES,
+    checkpoint_digest,
     existing_checkpoint_file,
     resolve_checkpoint,
 )
@@ -567,24 +566,4 @@ def _mode_of_a_new_file(path: Path) -> int:
         return stat.S_IMODE(os.fstat(descriptor).st_mode)
     finally:
         os.close(descriptor)
-
-
-def checkpoint_digest(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
-    """sha256 of a file as hex, read in chunks (a 4.6 GB checkpoint never sits in memory).
-
-    Hashing 4.6 GB takes seconds, so the result is remembered per process for an unchanged file
-    (same path, size and modification time): a batch of runs on one checkpoint hashes it once.
-    """
-    path = existing_checkpoint_file(path).resolve()
-    stat = path.stat()
-    return _file_sha256(str(path), stat.st_size, stat.st_mtime_ns, chunk_bytes)
-
-
-@lru_cache(maxsize=16)
-def _file_sha256(path: str, size: int, mtime_ns: int, chunk_bytes: int) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
 

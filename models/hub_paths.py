@@ -1,13 +1,16 @@
 """Where checkpoints live on this machine and how the Hugging Face hub is reached, read from the environment
 when asked, and where a checkpoint is: a path, or a known name found here (`locate_checkpoint`,
-`resolve_checkpoint`) or fetched from the hub (`download_checkpoint`). Free of torch, so that a command that
+`resolve_checkpoint`) or fetched from the hub (`download_checkpoint`), and a checkpoint file's identity (its
+sha256, `checkpoint_digest`: what a saved map is checked against). Free of torch, so that a command that
 only reads a run directory (`export`, its sky masks) starts without torch's import (2.5 s of CPU on a 2-core
 machine), and `info` lists the checkpoints without it. checkpoint.py reads, checks, loads and converts."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 
 from huggingface_hub import constants as hf_constants
@@ -194,3 +197,23 @@ def _fetch_by_hand(name: str) -> str:
 def _file_url(filename: str) -> str:
     """The file's direct download address on huggingface.co (a browser or curl fetches it)."""
     return f"{HF_REPO_URL}/resolve/main/{filename}"
+
+
+def checkpoint_digest(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
+    """sha256 of a file as hex, read in chunks (a 4.6 GB checkpoint never sits in memory).
+
+    Hashing 4.6 GB takes seconds, so the result is remembered per process for an unchanged file
+    (same path, size and modification time): a batch of runs on one checkpoint hashes it once.
+    """
+    path = existing_checkpoint_file(path).resolve()
+    stat = path.stat()
+    return _file_sha256(str(path), stat.st_size, stat.st_mtime_ns, chunk_bytes)
+
+
+@lru_cache(maxsize=16)
+def _file_sha256(path: str, size: int, mtime_ns: int, chunk_bytes: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -267,3 +268,14 @@ def test_a_run_that_cannot_serve_is_refused_in_one_line(mapped_run: Path, video:
 def test_localise_is_a_command_with_its_examples() -> None:
     shown = stream_recon("localise", "-h")
     assert shown.returncode == EXIT_OK and "stream-recon localise outputs/kitchen photos/" in shown.stdout
+
+
+def test_bad_input_is_refused_before_torch_loads(mapped_run: Path, tmp_path: Path) -> None:
+    """The run, its map, the checkpoint and the frames are checked with what loads in a fraction of a second;
+    torch loads with the model, after them."""
+    code = ("import sys\nfrom stream_recon.app.run.localise import localise_run\n"
+            "try:\n    localise_run(sys.argv[1], [sys.argv[2]])\n"
+            "except Exception as error:\n    print('torch' in sys.modules, error)\n")
+    refused = subprocess.run([sys.executable, "-c", code, str(mapped_run), str(tmp_path / "missing.mp4")],
+                             capture_output=True, text=True, timeout=120, env=environment())
+    assert refused.stdout.startswith("False ") and "no such file" in refused.stdout, refused.stdout + refused.stderr

@@ -34,7 +34,6 @@ from stream_recon.models.checkpoint import (
     SOURCE_DIGEST_METADATA_KEY,
     check_state_dict,
     checkpoint_config,
-    checkpoint_digest,
     convert_to_safetensors,
     read_state_dict,
 )
@@ -42,6 +41,7 @@ from stream_recon.models.hub_paths import (
     HF_REPO_ID,
     HF_REPO_URL,
     KNOWN_CHECKPOINTS,
+    checkpoint_digest,
     download_checkpoint,
     resolve_checkpoint,
 )

@@ -43,7 +43,8 @@ def localise(
     device: Annotated[Optional[str], typer.Option(help="auto | cpu | cuda | cuda:N. Default: auto.")] = None,
 ) -> None:
     """Place query frames in a finished run's map: a pose in the run's world for each, or why not."""
-    # torch, OpenCV and the run's readers load with it: when the command runs, never for -h
+    # OpenCV and the run's readers load with it (torch with the model, once the input is checked): when the
+    # command runs, never for -h
     from stream_recon.app.run import localise as localised
 
     console = error_console()

@@ -28,11 +28,11 @@ from stream_recon.models.checkpoint import (
     CHECKPOINT_SIZE,
     DEFAULT_CHECKPOINT,
     checkpoint_config,
-    checkpoint_digest,
 )
 from stream_recon.models.errors import checkpoint_advice
 from stream_recon.models.hub_paths import (
     KNOWN_CHECKPOINTS,
+    checkpoint_digest,
     download_checkpoint,
     hub_offline,
     locate_checkpoint,

@@ -37,7 +37,6 @@ from stream_recon.app.outputs.json_records import write_json_atomic
 from stream_recon.app.outputs.npz_reading import load_prediction, prediction_fields
 from stream_recon.app.outputs.rundir import check_run_dir, prediction_files, read_run_info
 from stream_recon.app.outputs.trajectories import write_tum
-from stream_recon.app.run.loading import build_engine, load_model_for
 from stream_recon.app.sources.opening import IMAGE_SUFFIXES, list_images, open_source
 from stream_recon.app.sources.preprocess import (
     ImageReadError,
@@ -57,8 +56,7 @@ from stream_recon.models import (
     query_of,
     read_map,
 )
-from stream_recon.models.checkpoint import checkpoint_digest
-from stream_recon.models.hub_paths import resolve_checkpoint
+from stream_recon.models.hub_paths import checkpoint_digest, resolve_checkpoint
 
 LOCALISED_DIR = "localised"  # the default output folder, inside the run
 POSES_TUM = "poses_tum.txt"
@@ -267,6 +265,10 @@ class _QueryRunner:
     """The run's model over a query's short stream: the context pictures, then the query."""
 
     def __init__(self, options: RunOptions, console: Console):
+        # torch loads with the model, once every input has been checked: a bad one is refused in a fraction of
+        # a second, not after torch's import (~1 s of CPU, 2.5 s on a 2-core machine)
+        from stream_recon.app.run.loading import build_engine, load_model_for
+
         device = resolve_device(options.device)
         model = load_model_for(options, device, console, compile=False)
         self.engine = build_engine(model, options, device, resolve_dtype(options.dtype, device), console)
