@@ -269,9 +269,12 @@ class ChildCalls:
         return value
 
     def close(self) -> None:
-        """End every child now (a call waiting on one gets ChildDied)."""
+        """End every child now (a call waiting on one gets ChildDied): all of them killed first, then each waited
+        for, so that the kernel frees their memory side by side."""
         with self._lock:
             children, self._children = self._children, []
+        for child in children:
+            child.end(timeout=0)
         for child in children:
             child.close()
 
