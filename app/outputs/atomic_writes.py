@@ -91,11 +91,10 @@ def is_staging(entry: Path) -> bool:
     return entry.name.startswith((STAGING_PREFIX, RETIRED_PREFIX))
 
 
-def swap_in_staged(staging: Path, earlier: list[Path], remove: Callable[[Path], None] | None = None) -> None:
+def swap_in_staged(staging: Path, earlier: list[Path]) -> None:
     """Move the `earlier` entries of staging's folder out and staging's entries in, then remove both
-    hidden folders (the one holding the earlier entries by `remove`, default remove_tree). A few renames on
-    one filesystem: the caller holds signals across them, which leaves only a SIGKILL between two renames to
-    mix the old entries with the new."""
+    hidden folders. A few renames on one filesystem: the caller holds signals across them, which leaves
+    only a SIGKILL between two renames to mix the old entries with the new."""
     folder = staging.parent
     retired = folder / f"{RETIRED_PREFIX}{os.getpid()}"
     retired.mkdir()
@@ -104,7 +103,7 @@ def swap_in_staged(staging: Path, earlier: list[Path], remove: Callable[[Path], 
     for entry in staging.iterdir():
         os.replace(entry, folder / entry.name)
     staging.rmdir()
-    (remove or remove_tree)(retired)
+    remove_tree(retired)
 
 
 def remove_stale_staging(folder: Path) -> None:

@@ -101,9 +101,6 @@ BATCH_FRAMES = 8
 # Frames whose three fields a job reads before the refine starts: 10,000 frames in 40 jobs, two or three a worker,
 # so that every worker's child has started before the keyframes' descriptors.
 READ_BATCH_FRAMES = 250
-# The earlier predictions' files a worker unlinks in a job, once the refined ones are in place: the 10,000-frame
-# refine spent 13.7 s from its last write to its end, where that removal (14 GB) ran on one thread.
-REMOVED_TOGETHER = 64
 # A stopped refine waits this long for the jobs its workers are running (a batch written, ~0.1-0.3 s), before
 # the staging folder goes; a worker stalled on the disk past it is left behind, its write failing then.
 STOP_WAIT_S = 5.0
@@ -237,8 +234,7 @@ def _refine_held(workers: Workers, run_dir: Path, info: dict, saved: SavedMap, c
         swapping = time.perf_counter()
         with interrupts_held():
             earlier = [run_dir / name for name in (PREDICTIONS_DIR, TRAJECTORY_TUM, POINTS_PLY, RUN_JSON)]
-            swap_in_staged(staging, [path for path in earlier if path.exists()],
-                           functools.partial(_removed_side_by_side, workers.pool))
+            swap_in_staged(staging, [path for path in earlier if path.exists()])
     except BaseException:
         with interrupts_held():  # a second Ctrl-C must not cut the clean-up short
             remove_tree(staging)
@@ -261,24 +257,6 @@ def _in_order(pool: DaemonPool, jobs: Sequence[Callable[[], Any]]) -> Iterator[A
             yield ahead.popleft().result(timeout=_WORKER_POLICY.stall_s)
     finally:
         concurrent.futures.wait([future for future in ahead if not future.cancel()], timeout=STOP_WAIT_S)
-
-
-def _removed_side_by_side(pool: DaemonPool, folder: Path) -> None:
-    """`folder` and everything in it removed, its files unlinked by the pool's workers side by side (REMOVED_TOGETHER
-    a job): an unlink frees a file's blocks outside its folder's lock, so the run's earlier predictions go on
-    as many cores as the workers."""
-    files = [path for path in folder.rglob("*") if not path.is_dir() or path.is_symlink()]
-    jobs = [functools.partial(_unlinked, files[start:start + REMOVED_TOGETHER])
-            for start in range(0, len(files), REMOVED_TOGETHER)]
-    with contextlib.closing(_in_order(pool, jobs)) as removed:
-        for _ in removed:
-            pass
-    remove_tree(folder)
-
-
-def _unlinked(paths: Sequence[Path]) -> None:
-    for path in paths:
-        path.unlink(missing_ok=True)
 
 
 class PublishedVoxels:
