@@ -39,6 +39,7 @@ _HOMES = {
     "DaemonPool": "daemon_pool",
     "ChildCalls": "child_process",
     "ChildDied": "child_process",
+    "keep_freed_memory": "child_process",
     "partitioned_stream": "stream.sm_partition",
     "chunk_stream_config": "stream.chunked",
     "EVEN_ODDS_CONFIDENCE": "stream.prediction",

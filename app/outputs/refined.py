@@ -58,7 +58,15 @@ from stream_recon.app.outputs.rundir import (
 from stream_recon.app.outputs.trajectories import read_tum, write_tum
 from stream_recon.app.outputs.writers import corrected_prediction_file
 from stream_recon.app.stopping import interrupts_held
-from stream_recon.models import ChildCalls, ChildDied, DaemonPool, MapError, SavedMap, read_map
+from stream_recon.models import (
+    ChildCalls,
+    ChildDied,
+    DaemonPool,
+    MapError,
+    SavedMap,
+    keep_freed_memory,
+    read_map,
+)
 from stream_recon.models.loops.refine import (
     JOB_STALL_S,
     ImageFeatures,
@@ -146,7 +154,7 @@ def refine_run(run_dir: Path, config: RefineConfig = RefineConfig(), progress: P
     lock_run_dir(run_dir)
     helper = Helper(_WORKER_POLICY)
     pool = DaemonPool(config.workers, "refine", helper)  # (its threads start with its first job)
-    children = ChildCalls(helper, setup=f"{__name__}.one_library_thread")  # (a child a thread, at its first call)
+    children = ChildCalls(helper, setup=f"{__name__}.set_up_worker_child")  # (a child a thread, at its first call)
     try:
         with _one_thread_a_call():
             result = _refine_held(Workers(pool, children), run_dir, info, saved, config, progress, started)
@@ -172,10 +180,12 @@ class Workers:
     children: ChildCalls
 
 
-def one_library_thread() -> None:
-    """In a child of refine's: OpenCV and BLAS on one thread, as in the refining process (_one_thread_a_call)."""
+def set_up_worker_child() -> None:
+    """In a child of refine's: OpenCV and BLAS on one thread, as in the refining process (_one_thread_a_call),
+    and the memory its jobs free kept for the next (keep_freed_memory)."""
     cv2.setNumThreads(1)
     threadpoolctl.threadpool_limits(limits=1)
+    keep_freed_memory()
 
 
 @contextlib.contextmanager

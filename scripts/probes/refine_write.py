@@ -61,7 +61,7 @@ def timed_stage(folder: Path, files: dict[int, Path], workers: int) -> float:
     started = time.perf_counter()
     helper = Helper(_WORKER_POLICY)
     pool = DaemonPool(workers, "refine", helper)
-    children = ChildCalls(helper, setup="stream_recon.app.outputs.refined.one_library_thread")
+    children = ChildCalls(helper, setup="stream_recon.app.outputs.refined.set_up_worker_child")
     try:
         _write_refined(Workers(pool, children), folder, staging, files, moves, {"summary": {}}, RefineFigures(),
                        lambda stage, done, total: None, started, replace(RefineConfig(), workers=workers))
