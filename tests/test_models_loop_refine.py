@@ -108,21 +108,28 @@ def sample_laps(pictures: int = 12, laps: int = 2) -> tuple[list[RunFrame], dict
     return frames, shown, loaded
 
 
+def two_to_a_segment(frames: list[RunFrame]) -> dict[int, int]:
+    return {frame.frame_index: frame.frame_index // 2 for frame in frames}
+
+
+def loops_over(laps: tuple[list[RunFrame], dict[int, np.ndarray], dict[int, Keyframe]], config: RefineConfig,
+               **options) -> tuple[list, RefineFigures]:
+    """detect_loops over sample_laps' keyframes, two to a segment, every chunk placed at the origin: its loops and
+    figures (`options`: detect_loops' own)."""
+    frames, shown, loaded = laps
+    figures = RefineFigures()
+    loops = detect_loops(frames, lambda frames: [gradient_grid_descriptor(shown[f]) for f in frames],
+                         lambda frame: indexed_keyframe(loaded[frame], config.closure), two_to_a_segment(frames),
+                         [Sim3.identity()] * (1 + frames[-1].chunk_index), config, figures=figures, **options)
+    return loops, figures
+
+
 def test_every_segment_pair_with_a_loop_keeps_one_when_fewer_pairs_are_checked() -> None:
-    frames, shown, loaded = sample_laps()
-    segment_of = {frame.frame_index: frame.frame_index // 2 for frame in frames}
-    placement = [Sim3.identity()] * (1 + frames[-1].chunk_index)
-
-    def loops(per_pair: int) -> tuple[list, RefineFigures]:
-        figures = RefineFigures()
-        config = RefineConfig(loops_per_segment_pair=per_pair)
-        found = detect_loops(frames, lambda frames: [gradient_grid_descriptor(shown[f]) for f in frames],
-                             lambda frame: indexed_keyframe(loaded[frame], config.closure), segment_of, placement,
-                             config, figures=figures)
-        return found, figures
-
-    every, every_figures = loops(1000)
-    one, one_figures = loops(1)
+    laps = sample_laps()
+    frames = laps[0]
+    segment_of = two_to_a_segment(frames)
+    every, every_figures = loops_over(laps, RefineConfig(loops_per_segment_pair=1000))
+    one, one_figures = loops_over(laps, RefineConfig(loops_per_segment_pair=1))
     joined = [(segment_of[loop.query_frame], segment_of[loop.earlier_frame]) for loop in one]
     assert len(joined) == len(set(joined)) and len(one) > 0
     assert set(joined) == {(segment_of[loop.query_frame], segment_of[loop.earlier_frame]) for loop in every}
@@ -136,17 +143,12 @@ def test_every_segment_pair_with_a_loop_keeps_one_when_fewer_pairs_are_checked()
 def test_checks_on_threads_ending_in_any_order_find_what_one_at_a_time_finds(per_pair: int, partners: int) -> None:
     """The pairs' checks run side by side (a pair's next candidate once one of its checks fails): jobs that end
     in a shuffled order check the same candidates and find the same loops as jobs run one after another."""
-    frames, shown, loaded = sample_laps()
-    segment_of = {frame.frame_index: frame.frame_index // 2 for frame in frames}
-    placement = [Sim3.identity()] * (1 + frames[-1].chunk_index)
+    laps = sample_laps()
     config = RefineConfig(loops_per_segment_pair=per_pair, partners_per_segment=partners)
     rng = np.random.default_rng(per_pair + partners)
 
     def found(submit) -> tuple[list[tuple[int, int]], RefineFigures]:
-        figures = RefineFigures()
-        loops = detect_loops(frames, lambda frames: [gradient_grid_descriptor(shown[f]) for f in frames],
-                             lambda frame: indexed_keyframe(loaded[frame], config.closure), segment_of, placement,
-                             config, figures=figures, submit=submit)
+        loops, figures = loops_over(laps, config, submit=submit)
         return [(loop.earlier_frame, loop.query_frame) for loop in loops], figures
 
     alone, alone_figures = found(at_once)
@@ -204,16 +206,11 @@ def test_shared_first_checks_fewer_keyframes_than_most_alike_first() -> None:
 def test_a_segment_pair_the_stream_joined_already_is_not_checked_again() -> None:
     """The map's verified loops count towards loops_per_segment_pair: their segment pairs check nothing, the
     others find what they found before."""
-    frames, shown, loaded = sample_laps()
-    segment_of = {frame.frame_index: frame.frame_index // 2 for frame in frames}
-    placement = [Sim3.identity()] * (1 + frames[-1].chunk_index)
-    config = RefineConfig()
+    laps = sample_laps()
+    segment_of = two_to_a_segment(laps[0])
 
     def found(streamed) -> tuple[list[tuple[int, int]], RefineFigures]:
-        figures = RefineFigures()
-        loops = detect_loops(frames, lambda frames: [gradient_grid_descriptor(shown[f]) for f in frames],
-                             lambda frame: indexed_keyframe(loaded[frame], config.closure), segment_of, placement,
-                             config, figures=figures, streamed=streamed)
+        loops, figures = loops_over(laps, RefineConfig(), streamed=streamed)
         return [(loop.earlier_frame, loop.query_frame) for loop in loops], figures
 
     alone, alone_figures = found([])
@@ -235,15 +232,11 @@ def test_refines_workers_start_without_torch() -> None:
 def test_a_segment_joins_at_most_its_partners_most_alike_first() -> None:
     """partners_per_segment: a segment's pairs with earlier segments stop once that many hold a loop; those
     loops are among the ones every pair finds, one partner a segment here, with fewer checks."""
-    frames, shown, loaded = sample_laps(laps=3)  # the third lap's segments: a partner in each earlier lap
-    segment_of = {frame.frame_index: frame.frame_index // 2 for frame in frames}
-    placement = [Sim3.identity()] * (1 + frames[-1].chunk_index)
+    laps = sample_laps(laps=3)  # the third lap's segments: a partner in each earlier lap
+    segment_of = two_to_a_segment(laps[0])
 
     def found(partners: int) -> tuple[set[tuple[int, int]], RefineFigures]:
-        figures, config = RefineFigures(), RefineConfig(partners_per_segment=partners)
-        loops = detect_loops(frames, lambda frames: [gradient_grid_descriptor(shown[f]) for f in frames],
-                             lambda frame: indexed_keyframe(loaded[frame], config.closure), segment_of, placement,
-                             config, figures=figures)
+        loops, figures = loops_over(laps, RefineConfig(partners_per_segment=partners))
         return {(loop.earlier_frame, loop.query_frame) for loop in loops}, figures
 
     every, every_figures = found(1000)
