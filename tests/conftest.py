@@ -65,8 +65,8 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # The files that take over a minute of a worker (a whole pass's --durations, the golden files on the other worker:
-# the process files 60-150 s each, test_app_localise_process.py 109 s), longest first: handed out right after the golden ones, so that the suite ends on short files
-# on both workers.
+# the process files 60-150 s each, test_app_localise_process.py 109 s), longest first: handed out right after
+# the golden ones, so that the suite ends on short files on both workers.
 LONGEST_FILES = ("test_app_cli_process.py", "test_app_localise_process.py", "test_models_loop_localise.py",
                  "test_scripts_smoke.py", "test_app_faults.py", "test_app_new_user.py", "test_models_chunked.py",
                  "test_app_cli.py")
