@@ -4,6 +4,9 @@ so that none lands in a staging folder the caller is removing."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -104,3 +107,35 @@ def test_moved_frames_give_what_reading_their_files_gives(tmp_path: Path) -> Non
     assert merged is not None and accumulator.fits(merged) and merged.frames == 1
     for field in ("keys", "xyz", "rgb", "frame", "pixel"):
         np.testing.assert_array_equal(getattr(merged, field), getattr(expected, field), err_msg=field)
+
+
+REMOVING = """
+import signal, sys
+from pathlib import Path
+from stream_recon.app.outputs.atomic_writes import remove_retired
+signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop, as the CLI's handlers raise it
+print("removing", flush=True)
+remove_retired(Path(sys.argv[1]))
+print("removed", flush=True)
+"""
+
+
+def test_a_stop_while_the_earlier_files_are_removed_exits_at_once_and_they_go_all_the_same(tmp_path: Path) -> None:
+    """A refined run's earlier predictions (14 GB at 10,000 frames) take seconds to remove after the swap: a
+    SIGTERM meanwhile ends the command at once and a remover of its own finishes them."""
+    retired = tmp_path / ".stream-recon-old.1"
+    for group in range(40):
+        (retired / str(group)).mkdir(parents=True)
+        for n in range(500):
+            (retired / str(group) / f"{n}.npz").write_bytes(b"x")
+    child = subprocess.Popen([sys.executable, "-c", REMOVING, str(retired)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "removing\n"
+    child.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    output, _ = child.communicate(timeout=30)
+    assert "removed" not in output  # (the stop came while it removed)
+    assert child.returncode != 0 and time.monotonic() - signalled < 2.0
+    deadline = time.monotonic() + 30
+    while retired.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not retired.exists()

@@ -6,8 +6,10 @@ segment's correction. The refined files are written beside the run's into a hidd
 (atomic_writes.staging_folder): every prediction moved (c2w, pose_enc, depth scaled), trajectory_tum.txt and
 points.ply rebuilt from them, run.json with `summary.refine`, and, the first time, the stream's own
 trajectory kept as trajectory_stream_tum.txt. Only once all of it is written are they swapped in, the
-earlier files moved out in a few renames while signals are held (atomic_writes.swap_in_staged). A refine stopped
-before that (Ctrl-C, SIGTERM, an error) removes its staging folder: the run stays exactly as it was.
+earlier files moved out in a few renames while signals are held (atomic_writes.move_in_staged), then removed
+(remove_retired: a stop meanwhile hands them to a process of their own and the command exits at once). A refine
+stopped before the renames (Ctrl-C, SIGTERM, an error) removes its staging folder: the run stays exactly as it
+was.
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ import cv2
 import numpy as np
 import threadpoolctl
 
-from stream_recon.app.outputs.atomic_writes import atomic_write, remove_tree, staging_folder, swap_in_staged
+from stream_recon.app.outputs.atomic_writes import (
+    atomic_write,
+    move_in_staged,
+    remove_retired,
+    remove_tree,
+    staging_folder,
+)
 from stream_recon.app.outputs.json_records import write_json_atomic
 from stream_recon.app.outputs.npz_reading import (
     load_prediction,
@@ -244,11 +252,12 @@ def _refine_held(workers: Workers, run_dir: Path, info: dict, saved: SavedMap, c
         swapping = time.perf_counter()
         with interrupts_held():
             earlier = [run_dir / name for name in (PREDICTIONS_DIR, TRAJECTORY_TUM, POINTS_PLY, RUN_JSON)]
-            swap_in_staged(staging, [path for path in earlier if path.exists()])
+            retired = move_in_staged(staging, [path for path in earlier if path.exists()])
     except BaseException:
         with interrupts_held():  # a second Ctrl-C must not cut the clean-up short
             remove_tree(staging)
         raise
+    remove_retired(retired)  # the refined run in place: a stop meanwhile leaves the rest to a remover
     return RefineResult(len(frames), figures, time.perf_counter() - started, time.perf_counter() - swapping)
 
 
