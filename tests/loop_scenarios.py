@@ -19,6 +19,7 @@ of points that the query saw elsewhere.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -488,7 +489,7 @@ def rejection_rates(trajectory: Trajectory, truth: np.ndarray, seeds: range, set
 class RefineOutcome:
     open_ate: float  # the open chain's Sim(3) ATE
     stream_ate: float  # the stream's chunk graph, solved with the loops of its indexed keyframes
-    refined_ate: float  # models/loops/refine.py's segment graph over every keyframe's loops
+    refined_ate: float  # models/loops/refine.py's segment graph over the keyframe loops it keeps
     stream_accepted: int
     refined_accepted: int
 
@@ -500,8 +501,9 @@ def refine_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, refi
     RefineConfig's segment sigmas (the chunk's prediction of a later frame is off by the errors of the
     segments before it); the links have ODOMETRY_NOISE as in make_scenario. Loops between revisiting
     keyframes measure the true relation of the two keyframes' segments, with LOOP_NOISE: the stream's at its
-    indexed keyframes (`stream_spacing`) solved on its chunk graph, refine's at every keyframe
-    (`keyframe_spacing`) on the segment graph, starting from the run's files as the stream corrected them."""
+    indexed keyframes (`stream_spacing`) solved on its chunk graph, refine's among every keyframe's
+    (`keyframe_spacing`) those its checks keep (loops_refine_keeps) on the segment graph, starting from the
+    run's files as the stream corrected them."""
     config = refine_config or RefineConfig()
     rng = np.random.default_rng(seed)
     ranges = chunk_ranges(len(truth))
@@ -539,7 +541,9 @@ def refine_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, refi
         found = []
         for pair in revisited:
             for frame_a, frame_b in _spaced_pairs(truth, ranges, pair, revisit_radius, count, spacing):
-                node_a, node_b = parts.node_of[frame_a], parts.node_of[frame_b]
+                # the segments as the edge's chunks placed the frames (fine_graph's node_at): a frame two chunks
+                # share is the later one's in node_of, which would measure another chunk's segment
+                node_a, node_b = parts.node_at(pair[0], frame_a), parts.node_at(pair[1], frame_b)
                 sigmas = LOOP_NOISE.sigmas(float(np.linalg.norm(np.diff(predicted[ranges[pair[1]][0]:ranges[pair[1]][1],
                                                                                    :3, 3], axis=0), axis=1).sum()))
                 measured = perturbed(true_node[node_a].inverse() @ true_node[node_b], sigmas, rng)
@@ -552,7 +556,8 @@ def refine_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, refi
     placement = stream.world_from_chunk
     stored = [RunFrame(f, int(chunk_of[f]), placement[chunk_of[f]].apply_to_poses(predicted[f])[:3], True)
               for f in range(len(truth))]
-    refine_loops = [FrameLoop(edge.loop_id, a, b, edge) for a, b, edge in loops_at(keyframe_spacing, 10_000)]
+    kept = loops_refine_keeps(loops_at(keyframe_spacing, 10_000), parts, truth, config)
+    refine_loops = [FrameLoop(edge.loop_id, a, b, edge) for a, b, edge in kept]
     graph, fine_parts = fine_graph(stored, placement, links, refine_loops, config)
     refined = solve_fine(graph, config)
     moves = frame_moves(stored, fine_parts, refined.world_from_chunk, placement)
@@ -569,6 +574,28 @@ def refine_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, refi
                                   for frame in stored])
     return RefineOutcome(ate(open_positions), ate(stream_positions), ate(refined_positions),
                          len(stream.accepted_ids), len(refined.accepted_ids))
+
+
+def loops_refine_keeps(loops: list[tuple[int, int, LoopEdge]], parts: Any, truth: np.ndarray,
+                       config: Any) -> list[tuple[int, int, LoopEdge]]:
+    """The loops at which refine.py's checks stop (_LoopChecks), every candidate here verifying: a query
+    segment's pairs with earlier segments in order of their most alike candidate, `partners_per_segment` of
+    them, each with its `loops_per_segment_pair` most alike; the keyframes nearest in truth stand for the most
+    alike. A pair is that of the keyframes' segments (refine's segment_of: a frame two chunks share is the later
+    one's), not of the segments the loop's measurement joins."""
+    def apart(loop: tuple[int, int, LoopEdge]) -> float:
+        return float(np.linalg.norm(truth[loop[0], :3, 3] - truth[loop[1], :3, 3]))
+
+    by_pair: dict[tuple[int, int], list[tuple[int, int, LoopEdge]]] = {}
+    for loop in sorted(loops, key=lambda loop: (apart(loop), loop[1], loop[0])):
+        by_pair.setdefault((parts.node_of[loop[1]], parts.node_of[loop[0]]), []).append(loop)  # (query's, earlier's)
+    partners: Counter = Counter()
+    kept = []
+    for (query, _), found in sorted(by_pair.items(), key=lambda item: (apart(item[1][0]), item[0])):
+        if partners[query] < config.partners_per_segment:
+            partners[query] += 1
+            kept += found[:config.loops_per_segment_pair]
+    return sorted(kept, key=lambda loop: loop[2].loop_id)
 
 
 def lie_to_sim3(matrix: np.ndarray) -> Sim3:

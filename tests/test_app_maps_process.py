@@ -118,6 +118,15 @@ def test_a_killed_runs_map_reads_back_to_a_complete_chunk(tiny_checkpoint: Path,
     assert len(saved.links) == saved.num_chunks - 1
 
 
+def hidden_entries_after_their_remover(run_dir: Path, wait_s: float = 10.0) -> list[Path]:
+    """The hidden entries of `run_dir` once the process removing a refine's earlier files (its own, detached)
+    has had `wait_s` to end."""
+    deadline = time.monotonic() + wait_s
+    while (hidden := [path for path in run_dir.iterdir() if path.name.startswith(".")]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return hidden
+
+
 def test_refine_rebuilds_the_run_and_records_it(mapped_run: Path, tmp_path: Path) -> None:
     run_dir = copy_of(mapped_run, tmp_path / "run")
     frames_before = sorted(path.name for path in (run_dir / "predictions").glob("*.npz"))
@@ -132,7 +141,7 @@ def test_refine_rebuilds_the_run_and_records_it(mapped_run: Path, tmp_path: Path
     assert refine["chunks"] == read_map(run_dir).num_chunks and refine["nodes"] >= refine["chunks"]
     assert sorted(path.name for path in (run_dir / "predictions").glob("*.npz")) == frames_before
     assert (run_dir / "trajectory_stream_tum.txt").read_bytes() == stream_trajectory
-    assert not [path for path in run_dir.iterdir() if path.name.startswith(".")]  # no staging left
+    assert not hidden_entries_after_their_remover(run_dir)  # no staging left, the earlier files removed
     again = stream_recon("refine", str(run_dir))  # a run is refined once
     assert again.returncode == EXIT_BAD_INPUT and len(lines(again)) == 1 and "refined already" in lines(again)[0]
     exported = stream_recon("export", str(run_dir), "--format", "tum", "-o", str(tmp_path / "refined.txt"))
@@ -160,10 +169,7 @@ def test_a_refine_stopped_at_any_instant_leaves_the_run_whole(mapped_run: Path, 
     output, _ = child.communicate(timeout=60)
     assert "Traceback" not in output, output
     assert child.returncode in (EXIT_OK, EXIT_TERMINATED), output
-    deadline = time.monotonic() + 10  # (a stop while the earlier files were removed leaves them to a remover)
-    while [path for path in run_dir.iterdir() if path.name.startswith(".")] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [path for path in run_dir.iterdir() if path.name.startswith(".")]
+    assert not hidden_entries_after_their_remover(run_dir)
     record = json.loads((run_dir / "run.json").read_text())
     if "refine" in record["summary"]:
         assert len(list((run_dir / "predictions").glob("*.npz"))) == record["summary"]["refine"]["frames"]

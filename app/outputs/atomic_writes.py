@@ -114,22 +114,28 @@ def move_in_staged(staging: Path, earlier: list[Path]) -> Path:
     return retired
 
 
-# What removes a retired folder once its writer was stopped part-way through removing it: a process of its own
-# session, so that the stop's signal and the writer's exit leave it running. (The earlier predictions of a
-# 10,000-frame run, 14 GB, took 11.3 s to remove on the H200 host, past the 10 s a stopped command has.) Where
-# it dies too, the folder is its dead writer's and the next writer there removes it (remove_stale_staging).
+# A retired folder's removal can take seconds (the earlier predictions of a 10,000-frame run, 14 GB: 11.3 s on
+# a 16-core GPU host), past the 10 s a stopped command has: a writer stopped part-way through it, or one that does not
+# wait for it (a refine), leaves it to a process of its own session, which the stop's signal and the writer's
+# exit leave running. Where that process dies too, the folder is a dead writer's and the next writer there
+# removes it (remove_stale_staging).
 _REMOVER = "import shutil, sys; shutil.rmtree(sys.argv[1], ignore_errors=True)"
+
+
+def remove_detached(folder: Path) -> None:
+    """Start removing `folder` in a detached process (above) and return at once."""
+    subprocess.Popen([sys.executable, "-I", "-S", "-c", _REMOVER, str(folder)], start_new_session=True,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def remove_retired(retired: Path) -> None:
     """Remove a folder of replaced entries. Interruptible: a stop (KeyboardInterrupt, SystemExit) or an error
-    part-way hands what is left to a detached process and is raised again, so that the stopped command exits
-    at once; the entries that replaced them are in place already."""
+    part-way hands what is left to remove_detached and is raised again, so that the stopped command exits at
+    once; the entries that replaced them are in place already."""
     try:
         remove_tree(retired)
     except BaseException:
-        subprocess.Popen([sys.executable, "-I", "-S", "-c", _REMOVER, str(retired)], start_new_session=True,
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        remove_detached(retired)
         raise
 
 

@@ -64,19 +64,17 @@ class RefineConfig:
     segment_rotation_sigma: float = 2e-3
     segment_translation_fraction: float = 5e-3
     segment_log_scale_sigma: float = 5e-3
-    # Verified loops wanted between two segments: each measures the same relation from the same two stretches
-    # of depth (their errors mostly shared), so more add little to the solve but cost a check each (13 ms of a
-    # core), and the solve from scratch grows faster than their count (167 segments, 2-core machine: 3,006
-    # loops 17 s, 5,010 loops 34 s). One: the pair's most alike candidate that verifies; a look-alike among
-    # them is judged against the loops of the neighbouring segment pairs. A keyframe-dense revisit (10,000
-    # frames, flow keyframes: 15,543 candidate pairs over ~3,000 segment pairs, 11,057 verified) checks ~26 %.
-    loops_per_segment_pair: int = 1
-    # Earlier segments a segment is joined to at most, its most alike first (by their pairs' most alike
-    # candidates), a pair that verifies nothing replaced by the next: a revisit-heavy run joins each segment to
-    # many (10,000 frames, flow keyframes: 2,950 loops over 167 segments, ~18 earlier partners a segment), each
-    # costing a keyframe's SIFT or two (~170 ms of a busy worker) and the solve edges of the same relation from
-    # other stretches. Eight left the refine scenario's ATE (tests/loop_scenarios.py, EuRoC V1_02 and TUM
-    # fr1_xyz, one loop a pair) within 0.05 of every partner's.
+    # Verified loops wanted between two segments, and earlier segments a segment is joined to at most (its most
+    # alike first, by their pairs' most alike candidates; a pair that verifies nothing replaced by the next).
+    # More loops average their noise, each at a check (~24 ms of a busy worker) and often a keyframe's SIFT
+    # (~116 ms). In the refine scenario (tests/loop_scenarios.py, which draws each loop's error on its own),
+    # refined / stream ATE over 20 seeds, mean (seeds over 0.5), EuRoC V1_02 and TUM fr1_xyz: one loop and 8
+    # partners 0.53 (11) and 0.64 (18); four and 8 0.39 (2) and 0.49 (8); four and 16 0.39 and 0.48; every loop
+    # 0.35 and 0.44. Where a pair's loops share their segments' depth error, the second to fourth add less than
+    # drawn there. A revisit-heavy 10,000-frame run (flow keyframes, 167 segments, a 16-core GPU host):
+    # one and 8 37.6 s, 1,649 checks and 1,730 keyframes' features; four and 8 57.3-58.1 s, 5,456 and 3,864;
+    # two and 16 60.3 s; four and 16 72.2 s, 8,267 and 4,866.
+    loops_per_segment_pair: int = 4
     partners_per_segment: int = 8
     closure: LoopClosureConfig = LoopClosureConfig()
     # Up to 32 edges dropped a round of the solve from scratch: 167 segments and 3,113 loops (half of them off by
