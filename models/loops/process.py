@@ -28,7 +28,14 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from ..child_process import MessageInbox, MessageOutbox, read_message, start_child, write_message
+from ..child_process import (
+    MessageInbox,
+    MessageOutbox,
+    keep_freed_memory,
+    read_message,
+    start_child,
+    write_message,
+)
 from ..stream.chunks import ChunkLink
 from ..stream.prediction import FramePrediction
 from ..supervision import Deadline, Helper, HelperPolicy, WhenDown, WhenFull
@@ -72,6 +79,7 @@ def serve(requests_fd: int, replies_fd: int) -> None:
     import cv2  # (here: the parent's side never needs OpenCV)
 
     cv2.setNumThreads(CHILD_THREADS)
+    keep_freed_memory()  # (a SIFT and a check a keyframe: their temporaries kept for the next)
     closer: LoopCloser | None = None
     with os.fdopen(requests_fd, "rb") as requests, os.fdopen(replies_fd, "wb") as replies:
         write_message(replies, ("ready",))
