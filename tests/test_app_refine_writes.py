@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from stream_recon.app.outputs import refined
+from stream_recon.app.outputs.atomic_writes import remove_detached
 from stream_recon.app.outputs.npz_reading import load_prediction, stored_prediction
 from stream_recon.app.outputs.npz_schema import PredictionOutputs, prediction_arrays
 from stream_recon.app.outputs.pointcloud import PointAccumulator
@@ -138,4 +139,13 @@ def test_a_stop_while_the_earlier_files_are_removed_exits_at_once_and_they_go_al
     deadline = time.monotonic() + 120  # (20,000 files: seconds on a busy machine)
     while retired.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert not retired.exists()
+
+
+def test_a_folder_no_remover_can_be_started_for_is_removed_here(tmp_path: Path, monkeypatch) -> None:
+    retired = tmp_path / ".stream-recon-old.1"
+    (retired / "predictions").mkdir(parents=True)
+    (retired / "predictions" / "000000.npz").write_bytes(b"x")
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python-here"))
+    remove_detached(retired)
     assert not retired.exists()

@@ -123,9 +123,13 @@ _REMOVER = "import shutil, sys; shutil.rmtree(sys.argv[1], ignore_errors=True)"
 
 
 def remove_detached(folder: Path) -> None:
-    """Start removing `folder` in a detached process (above) and return at once."""
-    subprocess.Popen([sys.executable, "-I", "-S", "-c", _REMOVER, str(folder)], start_new_session=True,
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """Start removing `folder` in a detached process (above) and return at once; where no process can be
+    started (OSError: no interpreter there, no room for a process), remove it here."""
+    try:
+        subprocess.Popen([sys.executable, "-I", "-S", "-c", _REMOVER, str(folder)], start_new_session=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except OSError:
+        remove_tree(folder)
 
 
 def remove_retired(retired: Path) -> None:
