@@ -53,6 +53,7 @@ from stream_recon.models.loops.refine import (
     frame_moves,
     segments_of,
     solve_fine,
+    with_stream_loops,
 )
 from stream_recon.models.stream.similarity import Sim3, scaling_direction, umeyama
 
@@ -556,8 +557,8 @@ def refine_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, refi
     placement = stream.world_from_chunk
     stored = [RunFrame(f, int(chunk_of[f]), placement[chunk_of[f]].apply_to_poses(predicted[f])[:3], True)
               for f in range(len(truth))]
-    kept = loops_refine_keeps(loops_at(keyframe_spacing, 10_000), parts, truth, config)
-    refine_loops = [FrameLoop(edge.loop_id, a, b, edge) for a, b, edge in kept]
+    kept = loops_refine_keeps(loops_at(keyframe_spacing, 10_000), parts, truth, config, stream_loops)
+    refine_loops = with_stream_loops([FrameLoop(edge.loop_id, a, b, edge) for a, b, edge in kept], stream_loops)
     graph, fine_parts = fine_graph(stored, placement, links, refine_loops, config)
     refined = solve_fine(graph, config)
     moves = frame_moves(stored, fine_parts, refined.world_from_chunk, placement)
@@ -576,25 +577,27 @@ def refine_scenario(truth: np.ndarray, seed: int, *, revisit_radius: float, refi
                          len(stream.accepted_ids), len(refined.accepted_ids))
 
 
-def loops_refine_keeps(loops: list[tuple[int, int, LoopEdge]], parts: Any, truth: np.ndarray,
-                       config: Any) -> list[tuple[int, int, LoopEdge]]:
+def loops_refine_keeps(loops: list[tuple[int, int, LoopEdge]], parts: Any, truth: np.ndarray, config: Any,
+                       streamed: list[tuple[int, int, LoopEdge]] = ()) -> list[tuple[int, int, LoopEdge]]:
     """The loops at which refine.py's checks stop (_LoopChecks), every candidate here verifying: a query
     segment's pairs with earlier segments in order of their most alike candidate, `partners_per_segment` of
     them, each with its `loops_per_segment_pair` most alike; the keyframes nearest in truth stand for the most
     alike. A pair is that of the keyframes' segments (refine's segment_of: a frame two chunks share is the later
-    one's), not of the segments the loop's measurement joins."""
+    one's), not of the segments the loop's measurement joins. The stream's loops (`streamed`) count towards a
+    pair's, as refine's checks count them."""
     def apart(loop: tuple[int, int, LoopEdge]) -> float:
         return float(np.linalg.norm(truth[loop[0], :3, 3] - truth[loop[1], :3, 3]))
 
     by_pair: dict[tuple[int, int], list[tuple[int, int, LoopEdge]]] = {}
     for loop in sorted(loops, key=lambda loop: (apart(loop), loop[1], loop[0])):
         by_pair.setdefault((parts.node_of[loop[1]], parts.node_of[loop[0]]), []).append(loop)  # (query's, earlier's)
+    before = Counter((parts.node_of[query], parts.node_of[earlier]) for earlier, query, _ in streamed)
     partners: Counter = Counter()
     kept = []
-    for (query, _), found in sorted(by_pair.items(), key=lambda item: (apart(item[1][0]), item[0])):
-        if partners[query] < config.partners_per_segment:
-            partners[query] += 1
-            kept += found[:config.loops_per_segment_pair]
+    for pair, found in sorted(by_pair.items(), key=lambda item: (apart(item[1][0]), item[0])):
+        if partners[pair[0]] < config.partners_per_segment:
+            partners[pair[0]] += 1
+            kept += found[:max(0, config.loops_per_segment_pair - before[pair])]
     return sorted(kept, key=lambda loop: loop[2].loop_id)
 
 

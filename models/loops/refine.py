@@ -69,8 +69,8 @@ class RefineConfig:
     # More loops average their noise, each at a check (~24 ms of a busy worker) and often a keyframe's SIFT
     # (~116 ms). In the refine scenario (tests/loop_scenarios.py, which draws each loop's error on its own),
     # refined / stream ATE over 20 seeds, mean (seeds over 0.5), EuRoC V1_02 and TUM fr1_xyz: one loop and 8
-    # partners 0.53 (11) and 0.64 (18); four and 8 0.39 (2) and 0.49 (8); four and 16 0.39 and 0.48; every loop
-    # 0.35 and 0.44. Where a pair's loops share their segments' depth error, the second to fourth add less than
+    # partners 0.51 (11) and 0.61 (17); four and 8 0.39 (1) and 0.49 (8); four and 16 0.39 and 0.48; every loop
+    # 0.35 and 0.43. Where a pair's loops share their segments' depth error, the second to fourth add less than
     # drawn there. A revisit-heavy 10,000-frame run (flow keyframes, 167 segments, a 16-core GPU host):
     # one and 8 37.6 s, 1,649 checks and 1,730 keyframes' features; four and 8 57.3-58.1 s, 5,456 and 3,864;
     # two and 16 60.3 s; four and 16 72.2 s, 8,267 and 4,866.
