@@ -219,6 +219,7 @@ def test_a_refine_whose_worker_process_is_killed_fails_in_one_line_and_leaves_th
     assert refine.returncode == EXIT_BAD_INPUT, output
     assert len(said) == 1 and said[0].startswith("error: refine failed, the run is as it was: a child process of "
                                                  "refine's workers"), said
+    assert not hidden_entries_after_their_remover(run_dir)
     assert contents(run_dir) == before
 
 

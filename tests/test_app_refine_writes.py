@@ -4,6 +4,7 @@ so that none lands in a staging folder the caller is removing."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -149,3 +150,31 @@ def test_a_folder_no_remover_can_be_started_for_is_removed_here(tmp_path: Path, 
     monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python-here"))
     remove_detached(retired)
     assert not retired.exists()
+
+
+def test_the_remover_takes_what_a_late_writer_adds_too(tmp_path: Path) -> None:
+    """A stopped refine's workers may write into its staging folder for a moment after the folder is handed to
+    the remover: what they add is removed as well."""
+    staging = tmp_path / ".stream-recon-new.1"
+    staging.mkdir()
+    for n in range(5000):  # (a pass takes long enough for the writer to add files behind it)
+        (staging / f"{n}.npz").write_bytes(b"x")
+    writing = threading.Event()
+
+    def late_writer() -> None:
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):  # (the folder gone under it)
+                (staging / f"{time.monotonic_ns()}.npz").write_bytes(b"x")
+                writing.set()
+            time.sleep(0.002)
+
+    writer = threading.Thread(target=late_writer)
+    writer.start()
+    writing.wait(5)
+    remove_detached(staging)
+    writer.join()
+    deadline = time.monotonic() + 30
+    while staging.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not staging.exists()

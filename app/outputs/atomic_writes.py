@@ -114,12 +114,20 @@ def move_in_staged(staging: Path, earlier: list[Path]) -> Path:
     return retired
 
 
-# A retired folder's removal can take seconds (the earlier predictions of a 10,000-frame run, 14 GB: 11.3 s on
-# a 16-core GPU host), past the 10 s a stopped command has: a writer stopped part-way through it, or one that does not
-# wait for it (a refine), leaves it to a process of its own session, which the stop's signal and the writer's
-# exit leave running. Where that process dies too, the folder is a dead writer's and the next writer there
-# removes it (remove_stale_staging).
-_REMOVER = "import shutil, sys; shutil.rmtree(sys.argv[1], ignore_errors=True)"
+# A retired folder's removal can take seconds (the earlier predictions of a 10,000-frame run, 14 GB: 11.3 s on a
+# 16-core GPU host), past the 10 s a stopped command has: a writer stopped part-way through it, or one that does
+# not wait for it (a refine), leaves it to a process of its own session, which the stop's signal and the
+# writer's exit leave running. It tries again for up to 5 s while the folder is still there: a stopped writer's
+# workers, killed as it ends, may add a file after a pass. Where it dies too, the folder is a dead writer's and
+# the next writer there removes it (remove_stale_staging).
+_REMOVER = """
+import os, shutil, sys, time
+for _ in range(50):
+    shutil.rmtree(sys.argv[1], ignore_errors=True)
+    if not os.path.lexists(sys.argv[1]):
+        break
+    time.sleep(0.1)
+"""
 
 
 def remove_detached(folder: Path) -> None:

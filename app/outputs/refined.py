@@ -8,8 +8,8 @@ points.ply rebuilt from them, run.json with `summary.refine`, and, the first tim
 trajectory kept as trajectory_stream_tum.txt. Only once all of it is written are they swapped in, the
 earlier files moved out in a few renames while signals are held (atomic_writes.move_in_staged) and removed by
 a process of their own (remove_detached: 14 GB at 10,000 frames took 11 s), the command ending meanwhile. A
-refine stopped before the renames (Ctrl-C, SIGTERM, an error) removes its staging folder: the run stays exactly
-as it was.
+refine stopped before the renames (Ctrl-C, SIGTERM, an error) hands its staging folder to the same: the run stays
+exactly as it was.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from stream_recon.app.outputs.atomic_writes import (
     atomic_write,
     move_in_staged,
     remove_detached,
-    remove_tree,
     staging_folder,
 )
 from stream_recon.app.outputs.json_records import write_json_atomic
@@ -254,8 +253,8 @@ def _refine_held(workers: Workers, run_dir: Path, info: dict, saved: SavedMap, c
             earlier = [run_dir / name for name in (PREDICTIONS_DIR, TRAJECTORY_TUM, POINTS_PLY, RUN_JSON)]
             retired = move_in_staged(staging, [path for path in earlier if path.exists()])
     except BaseException:
-        with interrupts_held():  # a second Ctrl-C must not cut the clean-up short
-            remove_tree(staging)
+        with interrupts_held():  # a second Ctrl-C must not cut the hand-off short
+            remove_detached(staging)  # (a stop in the write stage: up to the run's size written there)
         raise
     remove_detached(retired)  # the refined run in place: the earlier files need not hold the prompt
     return RefineResult(len(frames), figures, time.perf_counter() - started, time.perf_counter() - swapping)
