@@ -153,7 +153,7 @@ def remove_retired(retired: Path) -> None:
 
 def remove_stale_staging(folder: Path) -> None:
     """Remove the hidden folders that a writer killed part-way (SIGKILL, a power cut) left in `folder`: those
-    of a process that no longer runs. A live writer's are left to it; a stopped writer's remover (remove_retired)
+    of a process that no longer runs. A live writer's are left to it; a stopped writer's remover (remove_detached)
     may be removing the same folder meanwhile."""
     for entry in Path(folder).iterdir():
         owner = entry.name.removeprefix(STAGING_PREFIX).removeprefix(RETIRED_PREFIX)
