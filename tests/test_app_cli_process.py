@@ -727,7 +727,7 @@ def test_an_export_stopped_while_it_swaps_in_keeps_the_new_one_complete(tmp_path
     assert stream_recon("export", str(finished_run), "-f", "colmap", "-o", str(new)).returncode == 0
 
     stopped = subprocess.run(command("export", str(finished_run), "-f", "colmap", "-o", str(export), "--overwrite"),
-                             env=fault_environment("stream_recon.app.outputs.export:swap_in_staged:term:1"),
+                             env=fault_environment("stream_recon.app.outputs.export:move_in_staged:term:1"),
                              capture_output=True, text=True, timeout=120)
     assert stopped.returncode == 143, stopped.stderr
     assert "Traceback" not in stopped.stdout + stopped.stderr

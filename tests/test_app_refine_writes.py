@@ -123,8 +123,9 @@ print("removed", flush=True)
 
 
 def test_a_stop_while_the_earlier_files_are_removed_exits_at_once_and_they_go_all_the_same(tmp_path: Path) -> None:
-    """A refined run's earlier predictions (14 GB at 10,000 frames) take seconds to remove after the swap: a
-    SIGTERM meanwhile ends the command at once and a remover of its own finishes them."""
+    """An earlier export's entries, like a refined run's earlier predictions (14 GB at 10,000 frames), can take
+    seconds to remove after the swap: a SIGTERM meanwhile ends the command at once and a remover of its own
+    finishes them."""
     retired = tmp_path / ".stream-recon-old.1"
     for group in range(40):
         (retired / str(group)).mkdir(parents=True)
@@ -132,6 +133,9 @@ def test_a_stop_while_the_earlier_files_are_removed_exits_at_once_and_they_go_al
             (retired / str(group) / f"{n}.npz").write_bytes(b"x")
     child = subprocess.Popen([sys.executable, "-c", REMOVING, str(retired)], stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline() == "removing\n"
+    underway = time.monotonic() + 30
+    while len(list(retired.iterdir())) == 40 and time.monotonic() < underway:  # (until its first group is gone)
+        time.sleep(0.001)
     child.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
     output, _ = child.communicate(timeout=30)

@@ -1,6 +1,6 @@
 """How every file a run, an export, an evaluation or a batch writes reaches the disk: `atomic_write` (a temp
 file beside it, then a rename over it), and a folder's entries replaced as one (`staging_folder`, then
-`swap_in_staged`).
+`move_in_staged` and the earlier entries removed: `remove_retired`, `remove_detached`).
 
 Its own module because it knows nothing of what a run directory holds: every writer of app/ calls it, and
 it is the one place that renames over a user's file (tests/test_architecture_rules.py holds the rest to it).
@@ -91,11 +91,6 @@ def staging_folder(folder: Path) -> Path:
 
 def is_staging(entry: Path) -> bool:
     return entry.name.startswith((STAGING_PREFIX, RETIRED_PREFIX))
-
-
-def swap_in_staged(staging: Path, earlier: list[Path]) -> None:
-    """move_in_staged, then the earlier entries removed (remove_retired)."""
-    remove_retired(move_in_staged(staging, earlier))
 
 
 def move_in_staged(staging: Path, earlier: list[Path]) -> Path:

@@ -17,10 +17,11 @@ from pathlib import Path
 import numpy as np
 
 from stream_recon.app.outputs.atomic_writes import (
+    move_in_staged,
+    remove_retired,
     remove_stale_staging,
     remove_tree,
     staging_folder,
-    swap_in_staged,
 )
 from stream_recon.app.outputs.export_images import ImageSupply, image_supply
 from stream_recon.app.outputs.export_job import (
@@ -189,12 +190,18 @@ class ExportTarget:
     def commit(self) -> None:
         """A folder format's new export in place of the earlier one, in a few renames with signals held
         (a SIGKILL between two of them is the one way to a mix); a new export is in place already. A signal
-        held across the renames is raised as the hold ends, when the export is complete: discard() keeps it."""
-        with interrupts_held():
-            if self.writes_to != self.path:
-                swap_in_staged(self.writes_to, self._earlier)
-                self.writes_to = self.path
-            self._committed = True
+        held across the renames is raised as the hold ends, when the export is complete: discard() keeps it. The
+        earlier entries are removed after the hold (remove_retired: a stop meanwhile hands them on)."""
+        retired = None
+        try:
+            with interrupts_held():
+                if self.writes_to != self.path:
+                    retired = move_in_staged(self.writes_to, self._earlier)
+                    self.writes_to = self.path
+                self._committed = True
+        finally:  # (also when the held signal is raised as the hold ends)
+            if retired is not None:
+                remove_retired(retired)
 
     def outcome_when_stopped(self) -> str:
         """What a stop left at the target, once discard() has run: the new export (complete, when the stop came

@@ -251,12 +251,12 @@ def _refine_held(workers: Workers, run_dir: Path, info: dict, saved: SavedMap, c
         swapping = time.perf_counter()
         with interrupts_held():
             earlier = [run_dir / name for name in (PREDICTIONS_DIR, TRAJECTORY_TUM, POINTS_PLY, RUN_JSON)]
-            retired = move_in_staged(staging, [path for path in earlier if path.exists()])
+            # handed to the remover inside the hold: a stop held across the renames is raised after both
+            remove_detached(move_in_staged(staging, [path for path in earlier if path.exists()]))
     except BaseException:
         with interrupts_held():  # a second Ctrl-C must not cut the hand-off short
             remove_detached(staging)  # (a stop in the write stage: up to the run's size written there)
         raise
-    remove_detached(retired)  # the refined run in place: the earlier files need not hold the prompt
     return RefineResult(len(frames), figures, time.perf_counter() - started, time.perf_counter() - swapping)
 
 
