@@ -129,9 +129,9 @@ class RefineError(ValueError):
 class RefineResult:
     frames: int
     figures: RefineFigures
-    seconds: float  # the whole refine, its workers ended
-    swap_seconds: float = 0.0  # the refined files swapped in (their renames), after summary.refine
-    end_seconds: float = 0.0  # the workers and their children ended
+    swap_seconds: float  # the refined files swapped in (their renames), after summary.refine
+    seconds: float = 0.0  # the whole refine, its workers ended (refine_run's)
+    end_seconds: float = 0.0  # the workers and their children ended (refine_run's)
 
 
 Progress = Callable[[str, int, int], None]
@@ -257,7 +257,7 @@ def _refine_held(workers: Workers, run_dir: Path, info: dict, saved: SavedMap, c
         with interrupts_held():  # a second Ctrl-C must not cut the hand-off short
             remove_detached(staging)  # (a stop in the write stage: up to the run's size written there)
         raise
-    return RefineResult(len(frames), figures, time.perf_counter() - started, time.perf_counter() - swapping)
+    return RefineResult(len(frames), figures, time.perf_counter() - swapping)
 
 
 def _in_order(pool: DaemonPool, jobs: Sequence[Callable[[], Any]]) -> Iterator[Any]:
