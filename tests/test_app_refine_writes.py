@@ -111,6 +111,14 @@ def test_moved_frames_give_what_reading_their_files_gives(tmp_path: Path) -> Non
         np.testing.assert_array_equal(getattr(merged, field), getattr(expected, field), err_msg=field)
 
 
+def gone_within(path: Path, seconds: float) -> bool:
+    """Whether `path` is gone within `seconds` (a detached remover's work)."""
+    deadline = time.monotonic() + seconds
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not path.exists()
+
+
 REMOVING = """
 import signal, sys
 from pathlib import Path
@@ -141,10 +149,7 @@ def test_a_stop_while_the_earlier_files_are_removed_exits_at_once_and_they_go_al
     output, _ = child.communicate(timeout=30)
     assert "removed" not in output  # (the stop came while it removed)
     assert child.returncode != 0 and time.monotonic() - signalled < 2.0
-    deadline = time.monotonic() + 120  # (20,000 files: seconds on a busy machine)
-    while retired.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not retired.exists()
+    assert gone_within(retired, 120)  # (20,000 files: seconds on a busy machine)
 
 
 def test_a_folder_no_remover_can_be_started_for_is_removed_here(tmp_path: Path, monkeypatch) -> None:
@@ -178,7 +183,4 @@ def test_the_remover_takes_what_a_late_writer_adds_too(tmp_path: Path) -> None:
     writing.wait(5)
     remove_detached(staging)
     writer.join()
-    deadline = time.monotonic() + 30
-    while staging.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not staging.exists()
+    assert gone_within(staging, 30)
